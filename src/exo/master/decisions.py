@@ -1,0 +1,128 @@
+"""Pure decisions of the master: which events a command produces."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from exo.master.placement import PlacementError, place_instance
+from exo.shared.models.cards import UnknownModelError, resolve_card
+from exo.shared.types.commands import (
+    CancelGeneration,
+    Command,
+    DeleteInstance,
+    GenerateText,
+    PlaceInstance,
+)
+from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, TaskId
+from exo.shared.types.events import (
+    CommandRejected,
+    Event,
+    InstanceCreated,
+    InstanceDeleted,
+    RunnerDeleted,
+    TaskCreated,
+    TaskStatusUpdated,
+)
+from exo.shared.types.instances import Instance
+from exo.shared.types.models import ModelCard
+from exo.shared.types.runners import RunnerReady, RunnerRunning
+from exo.shared.types.state import State
+from exo.shared.types.tasks import TaskCancelled, TaskFailed, TextGeneration
+
+
+def no_instance_message(model_id: str) -> str:
+    return (
+        f"no instance of model '{model_id}' is running. Place one with "
+        f'POST /place_instance {{"model_id": "{model_id}"}} and wait until it is ready.'
+    )
+
+
+def choose_instance(state: State, model_id: ModelId) -> Instance | None:
+    """The instance of `model_id` to send a new generation to: ready ones first, then the
+    one with the fewest unfinished tasks (ties broken by id, so every node agrees)."""
+    candidates = state.instances_of_model(model_id)
+    if not candidates:
+        return None
+
+    def load(instance: Instance) -> tuple[int, int, str]:
+        rank_zero = instance.shard_assignments.rank_zero_runner()
+        ready = isinstance(state.runners.get(rank_zero), RunnerReady | RunnerRunning)
+        active = sum(1 for t in state.tasks.values() if t.instance_id == instance.instance_id)
+        return (0 if ready else 1, active, instance.instance_id)
+
+    return min(candidates, key=load)
+
+
+def events_for_command(
+    state: State,
+    origin: NodeId,
+    command: Command,
+    cards: Mapping[ModelId, ModelCard],
+    new_instance_id: Callable[[], InstanceId] = InstanceId.new,
+    new_task_id: Callable[[], TaskId] = TaskId.new,
+) -> list[Event]:
+    """The events that carry out `command`, or a `CommandRejected` saying why not."""
+    match command:
+        case PlaceInstance():
+            try:
+                card = resolve_card(command.model_id, cards)
+            except UnknownModelError as error:
+                return [_reject(command.command_id, origin, str(error), 404)]
+            try:
+                instance = place_instance(
+                    card,
+                    state,
+                    new_instance_id(),
+                    sharding=command.sharding,
+                    min_nodes=command.min_nodes,
+                    node_ids=command.node_ids,
+                )
+            except PlacementError as error:
+                return [_reject(command.command_id, origin, str(error), 400)]
+            return [InstanceCreated(instance=instance, command_id=command.command_id)]
+        case DeleteInstance(instance_id=instance_id):
+            if instance_id not in state.instances:
+                return [_reject(command.command_id, origin, f"no instance '{instance_id}'", 404)]
+            return [InstanceDeleted(instance_id=instance_id, command_id=command.command_id)]
+        case GenerateText(params=params):
+            chosen = choose_instance(state, params.model)
+            if chosen is None:
+                return [_reject(command.command_id, origin, no_instance_message(params.model), 404)]
+            task = TextGeneration(
+                task_id=new_task_id(),
+                command_id=command.command_id,
+                instance_id=chosen.instance_id,
+                origin_node_id=origin,
+                params=params,
+            )
+            return [TaskCreated(task=task)]
+        case CancelGeneration(target_command_id=target):
+            return [
+                TaskStatusUpdated(task_id=task.task_id, status=TaskCancelled())
+                for task in state.tasks.values()
+                if task.command_id == target
+            ]
+
+
+def events_after_restart(state: State, node_id: NodeId) -> list[Event]:
+    """Clean-up when `node_id` starts again from its log: its runners are gone, and the
+    requests it was serving have no client any more."""
+    events: list[Event] = [
+        RunnerDeleted(runner_id=runner_id)
+        for runner_id, runner_node in state.runner_nodes.items()
+        if runner_node == node_id
+    ]
+    events.extend(
+        TaskStatusUpdated(task_id=task.task_id, status=TaskFailed(error_message="node restarted"))
+        for task in state.tasks.values()
+        if task.origin_node_id == node_id
+    )
+    return events
+
+
+def _reject(
+    command_id: CommandId, origin: NodeId, reason: str, status_code: int
+) -> CommandRejected:
+    return CommandRejected(
+        command_id=command_id, origin=origin, reason=reason, status_code=status_code
+    )

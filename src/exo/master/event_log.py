@@ -1,0 +1,89 @@
+"""The master's append-only, persisted event log (one JSON `IndexedEvent` per line)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO
+
+from loguru import logger
+from pydantic import ValidationError
+
+from exo.shared.types.events import IndexedEvent
+
+
+class EventLogCorruptError(RuntimeError):
+    """A line other than the last one is unreadable, or indexes are not 0, 1, 2, ..."""
+
+
+class EventLog:
+    """Append-only JSON-lines log of indexed events.
+
+    Every append is flushed and fsynced before it returns, so an event that was
+    published survives a crash. A torn last line (power loss mid-write) is dropped on
+    open, with a warning; corruption anywhere else is an error, never silently skipped.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: IO[str] | None = None
+
+    def read_all(self) -> list[IndexedEvent]:
+        """Every event in the log, in index order.
+
+        Raises:
+            EventLogCorruptError: a line before the last is invalid or indexes skip.
+        """
+        if not self.path.exists():
+            return []
+        raw = self.path.read_bytes()
+        lines = raw.split(b"\n")
+        events: list[IndexedEvent] = []
+        valid_bytes = 0
+        for line_number, line in enumerate(lines):
+            is_last = line_number == len(lines) - 1
+            if not line.strip():
+                if not is_last:
+                    valid_bytes += len(line) + 1
+                continue
+            try:
+                event = IndexedEvent.model_validate_json(line)
+            except ValidationError as error:
+                if is_last:
+                    logger.warning(f"dropping torn last line of {self.path}")
+                    break
+                raise EventLogCorruptError(
+                    f"{self.path}:{line_number + 1} is not a valid event: {error}"
+                ) from error
+            if event.idx != len(events):
+                raise EventLogCorruptError(
+                    f"{self.path}:{line_number + 1} has index {event.idx}, expected {len(events)}"
+                )
+            events.append(event)
+            valid_bytes += len(line) + (0 if is_last else 1)
+        if valid_bytes < len(raw):
+            # Cut the torn tail so the next append starts on a clean line.
+            with self.path.open("r+b") as file:
+                file.truncate(valid_bytes)
+                if valid_bytes and not raw[:valid_bytes].endswith(b"\n"):
+                    file.seek(valid_bytes)
+                    file.write(b"\n")
+        elif raw and not raw.endswith(b"\n"):
+            with self.path.open("ab") as file:
+                file.write(b"\n")
+        return events
+
+    def append(self, events: Iterable[IndexedEvent]) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
+        for event in events:
+            self._file.write(event.model_dump_json() + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

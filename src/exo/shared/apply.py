@@ -1,0 +1,98 @@
+"""The pure state transition: `apply(state, indexed_event) -> state`.
+
+Total over every event type; never mutates its input. Events for things the state no
+longer holds (a status for a deleted task, a runner of a deleted instance) are no-ops,
+because they can legitimately arrive after the deletion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from exo.shared.types.events import (
+    CommandRejected,
+    Event,
+    IndexedEvent,
+    InstanceCreated,
+    InstanceDeleted,
+    NodeDownloadProgress,
+    NodeGatheredInfo,
+    RunnerDeleted,
+    RunnerStatusUpdated,
+    TaskCreated,
+    TaskStatusUpdated,
+)
+from exo.shared.types.state import State
+from exo.shared.types.tasks import TERMINAL_TASK_STATUSES
+
+
+class EventOutOfOrderError(ValueError):
+    """An indexed event was not the next one after the state's last applied index."""
+
+
+def apply(state: State, indexed_event: IndexedEvent) -> State:
+    """Return the state after `indexed_event`.
+
+    Raises:
+        EventOutOfOrderError: `indexed_event.idx != state.last_event_applied_idx + 1`.
+    """
+    expected = state.last_event_applied_idx + 1
+    if indexed_event.idx != expected:
+        raise EventOutOfOrderError(f"expected event {expected}, got {indexed_event.idx}")
+    new_state = apply_event(state, indexed_event.event)
+    return new_state.model_copy(update={"last_event_applied_idx": indexed_event.idx})
+
+
+def apply_all(state: State, indexed_events: Iterable[IndexedEvent]) -> State:
+    for indexed_event in indexed_events:
+        state = apply(state, indexed_event)
+    return state
+
+
+def apply_event(state: State, event: Event) -> State:
+    match event:
+        case InstanceCreated(instance=instance):
+            return state.model_copy(
+                update={"instances": {**state.instances, instance.instance_id: instance}}
+            )
+        case InstanceDeleted(instance_id=instance_id):
+            if instance_id not in state.instances:
+                return state
+            instances = {k: v for k, v in state.instances.items() if k != instance_id}
+            # Tasks of a deleted instance can never finish; runners report their own end.
+            tasks = {k: t for k, t in state.tasks.items() if t.instance_id != instance_id}
+            return state.model_copy(update={"instances": instances, "tasks": tasks})
+        case TaskCreated(task=task):
+            return state.model_copy(update={"tasks": {**state.tasks, task.task_id: task}})
+        case TaskStatusUpdated(task_id=task_id, status=status):
+            if task_id not in state.tasks:
+                return state
+            if isinstance(status, TERMINAL_TASK_STATUSES):
+                tasks = {k: t for k, t in state.tasks.items() if k != task_id}
+            else:
+                updated = state.tasks[task_id].model_copy(update={"status": status})
+                tasks = {**state.tasks, task_id: updated}
+            return state.model_copy(update={"tasks": tasks})
+        case RunnerStatusUpdated(runner_id=runner_id, node_id=node_id, status=status):
+            return state.model_copy(
+                update={
+                    "runners": {**state.runners, runner_id: status},
+                    "runner_nodes": {**state.runner_nodes, runner_id: node_id},
+                }
+            )
+        case RunnerDeleted(runner_id=runner_id):
+            return state.model_copy(
+                update={
+                    "runners": {k: v for k, v in state.runners.items() if k != runner_id},
+                    "runner_nodes": {k: v for k, v in state.runner_nodes.items() if k != runner_id},
+                }
+            )
+        case NodeGatheredInfo(node_id=node_id, info=info):
+            return state.model_copy(update={"node_info": {**state.node_info, node_id: info}})
+        case NodeDownloadProgress(node_id=node_id, model_id=model_id, status=status):
+            node_downloads = {**state.downloads.get(node_id, {}), model_id: status}
+            return state.model_copy(
+                update={"downloads": {**state.downloads, node_id: node_downloads}}
+            )
+        case CommandRejected():
+            return state

@@ -1,0 +1,41 @@
+"""Filesystem locations and protocol constants.
+
+The data directory follows the XDG base-directory spec: `$XDG_DATA_HOME/exo`
+(default `~/.local/share/exo`). `EXO_HOME` overrides it entirely, which is how tests
+and several nodes on one machine keep their state apart.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULT_API_PORT = 52415
+PROTOCOL_VERSION = "0.1"
+
+
+def exo_home() -> Path:
+    """The node's data directory (created on first use)."""
+    override = os.environ.get("EXO_HOME")
+    if override:
+        path = Path(override).expanduser()
+    else:
+        xdg_data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+        path = Path(xdg_data) / "exo"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def models_dir() -> Path:
+    """Where converted and downloaded models live: `<exo_home>/models`."""
+    path = exo_home() / "models"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def event_log_path() -> Path:
+    return exo_home() / "event_log.jsonl"
+
+
+def node_id_path() -> Path:
+    return exo_home() / "node_id"

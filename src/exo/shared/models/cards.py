@@ -1,0 +1,194 @@
+"""Model cards: the built-in TOML cards and cards built from a local HF-format directory."""
+
+from __future__ import annotations
+
+import json
+import struct
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from exo.shared.types.common import ModelId
+from exo.shared.types.models import LocalDirectorySource, ModelCard
+
+CARDS_PACKAGE = "exo.resources"
+CARDS_SUBDIRECTORY = "model_cards"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+FP32_BYTES = 4
+# Bytes per element of each safetensors dtype (safetensors format spec).
+SAFETENSORS_DTYPE_BYTES = {
+    "F64": 8, "I64": 8, "U64": 8,
+    "F32": 4, "I32": 4, "U32": 4,
+    "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+    "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+# A safetensors header longer than this is corrupt, not a model (the format caps it at 100 MB).
+_MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
+
+
+class UnknownModelError(ValueError):
+    """A model id that is neither a built-in card nor an existing local model directory."""
+
+
+def _card_from_toml(data: dict[str, Any], origin: str) -> ModelCard:
+    # TOML arrays arrive as lists; the JSON path of the strict model accepts them as tuples.
+    try:
+        return ModelCard.model_validate_json(json.dumps(data))
+    except ValidationError as error:
+        raise ValueError(f"invalid model card {origin}: {error}") from error
+
+
+def load_builtin_cards() -> dict[ModelId, ModelCard]:
+    """Read every `*.toml` card shipped in `exo/resources/model_cards/`.
+
+    Returns:
+        The cards keyed by model id.
+
+    Raises:
+        ValueError: a card is malformed or two cards share an id.
+    """
+    cards: dict[ModelId, ModelCard] = {}
+    directory = resources.files(CARDS_PACKAGE).joinpath(CARDS_SUBDIRECTORY)
+    for entry in sorted(directory.iterdir(), key=lambda item: item.name):
+        if not entry.name.endswith(".toml"):
+            continue
+        try:
+            data = tomllib.loads(entry.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as error:
+            raise ValueError(f"invalid model card {entry.name}: {error}") from error
+        card = _card_from_toml(data, entry.name)
+        if card.model_id in cards:
+            raise ValueError(f"duplicate model card id {card.model_id} in {entry.name}")
+        cards[card.model_id] = card
+    return cards
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """Read the JSON header of a safetensors file without touching the tensor data.
+
+    The format is: 8-byte little-endian header length, then that many bytes of JSON mapping
+    tensor names to `{"dtype", "shape", "data_offsets"}` (plus an optional `__metadata__`).
+    """
+    with path.open("rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) != 8:
+            raise ValueError(f"{path} is not a safetensors file (too short)")
+        (header_length,) = struct.unpack("<Q", prefix)
+        if header_length > _MAX_SAFETENSORS_HEADER_BYTES:
+            raise ValueError(f"{path} is not a safetensors file (header of {header_length} B)")
+        header: dict[str, Any] = json.loads(handle.read(header_length))
+    return header
+
+
+def _parameter_count(safetensors_files: list[Path]) -> int:
+    """Number of weight elements over all files; a tensor name seen twice counts once."""
+    seen: set[str] = set()
+    total = 0
+    for path in safetensors_files:
+        for name, entry in read_safetensors_header(path).items():
+            if name == "__metadata__" or name in seen:
+                continue
+            if entry["dtype"] not in SAFETENSORS_DTYPE_BYTES:
+                raise ValueError(f"{path}: tensor {name} has unknown dtype {entry['dtype']}")
+            seen.add(name)
+            count = 1
+            for dimension in entry["shape"]:
+                count *= int(dimension)
+            total += count
+    return total
+
+
+def _required(config: dict[str, Any], path: Path, *names: str) -> int:
+    for name in names:
+        value = config.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    raise ValueError(f"{path / 'config.json'} has no {' / '.join(names)} field")
+
+
+def card_from_local_directory(path: Path) -> ModelCard:
+    """Build a card for an HF-format directory from its config.json and safetensors headers
+    (no tensor is loaded).
+
+    `storage_size_bytes` is the fp32 size the engine will hold: parameter count x 4 bytes,
+    whatever dtype the files store. A tied LM head is stored once, so counted once.
+
+    Args:
+        path: the model directory.
+
+    Returns:
+        A card whose model id is the absolute path and whose source is that directory.
+
+    Raises:
+        ValueError: the directory, config.json, safetensors weights, tokenizer or a required
+            config field (architectures, layer count, sizes) is missing.
+    """
+    directory = path.expanduser().resolve()
+    if not directory.is_dir():
+        raise ValueError(f"{directory} is not a directory")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{directory} has no config.json")
+    safetensors_files = sorted(directory.glob("*.safetensors"))
+    if not safetensors_files:
+        raise ValueError(f"{directory} has no *.safetensors weights")
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{directory} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
+    config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8"))
+    # Multimodal configs nest the language model's fields under text_config.
+    text_config: dict[str, Any] = {**config, **config.get("text_config", {})}
+    architectures = config.get("architectures")
+    if not architectures or not isinstance(architectures, list):
+        raise ValueError(f"{config_path} has no architectures field")
+    n_layers = _required(text_config, directory, "num_hidden_layers", "n_layer")
+    hidden_size = _required(text_config, directory, "hidden_size", "n_embd")
+    num_attention_heads = _required(text_config, directory, "num_attention_heads", "n_head")
+    num_key_value_heads = text_config.get("num_key_value_heads") or num_attention_heads
+    intermediate_size = text_config.get("intermediate_size") or 4 * hidden_size
+    vocab_size = _required(text_config, directory, "vocab_size")
+    context_length = _required(
+        text_config, directory, "max_position_embeddings", "n_positions", "max_seq_len"
+    )
+    return ModelCard(
+        model_id=ModelId(str(directory)),
+        source=LocalDirectorySource(path=str(directory)),
+        architecture=str(architectures[0]),
+        n_layers=n_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=int(num_key_value_heads),
+        intermediate_size=int(intermediate_size),
+        vocab_size=vocab_size,
+        storage_size_bytes=_parameter_count(safetensors_files) * FP32_BYTES,
+        context_length=context_length,
+        # Tensor parallel splits heads, KV heads and the MLP evenly over 2 ranks at least.
+        supports_tensor=(
+            num_attention_heads % 2 == 0
+            and int(num_key_value_heads) % 2 == 0
+            and int(intermediate_size) % 2 == 0
+        ),
+    )
+
+
+def resolve_card(model_id: str, builtin: dict[ModelId, ModelCard]) -> ModelCard:
+    """The card for a requested model: a built-in card, else a local model directory.
+
+    Raises:
+        UnknownModelError: neither a built-in id nor an existing directory.
+        ValueError: the directory exists but is not a loadable model (see
+            `card_from_local_directory`).
+    """
+    card = builtin.get(ModelId(model_id)) if model_id else None
+    if card is not None:
+        return card
+    candidate = Path(model_id).expanduser() if model_id else None
+    if candidate is not None and candidate.is_dir():
+        return card_from_local_directory(candidate)
+    known = ", ".join(sorted(builtin)) or "none"
+    raise UnknownModelError(
+        f"unknown model {model_id!r}: not a built-in model (known: {known}) "
+        "and not an existing local model directory"
+    )

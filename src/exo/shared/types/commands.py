@@ -1,0 +1,53 @@
+"""Commands: requests to change the cluster, sent by an API to the master."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from exo.shared.types.common import CommandId, FrozenModel, InstanceId, ModelId, NodeId
+from exo.shared.types.instances import Sharding
+from exo.shared.types.text_generation import TextGenerationTaskParams
+
+
+class PlaceInstance(FrozenModel):
+    kind: Literal["PlaceInstance"] = "PlaceInstance"
+    command_id: CommandId
+    model_id: ModelId
+    sharding: Sharding = "pipeline"
+    min_nodes: int = Field(default=1, ge=1)
+    node_ids: tuple[NodeId, ...] | None = None
+
+
+class DeleteInstance(FrozenModel):
+    kind: Literal["DeleteInstance"] = "DeleteInstance"
+    command_id: CommandId
+    instance_id: InstanceId
+
+
+class GenerateText(FrozenModel):
+    kind: Literal["GenerateText"] = "GenerateText"
+    command_id: CommandId
+    params: TextGenerationTaskParams
+
+
+class CancelGeneration(FrozenModel):
+    """Stop the generation started by `target_command_id` (client gone or asked)."""
+
+    kind: Literal["CancelGeneration"] = "CancelGeneration"
+    command_id: CommandId
+    target_command_id: CommandId
+
+
+Command = Annotated[
+    PlaceInstance | DeleteInstance | GenerateText | CancelGeneration,
+    Field(discriminator="kind"),
+]
+
+
+class ForwarderCommand(FrozenModel):
+    """A command with the node it came from, as sent on the commands topic."""
+
+    origin: NodeId
+    command: Command

@@ -1,0 +1,71 @@
+"""Instances: one placed copy of a model, split into shards held by runners."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from exo.shared.types.common import FrozenModel, InstanceId, ModelId, NodeId, RunnerId
+from exo.shared.types.shards import ShardMetadata
+
+Sharding = Literal["pipeline", "tensor"]
+
+
+class ShardAssignments(FrozenModel):
+    """Which runner holds which shard, and which node runs which runner."""
+
+    model_id: ModelId
+    runner_to_shard: dict[RunnerId, ShardMetadata]
+    node_to_runner: dict[NodeId, RunnerId]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ShardAssignments:
+        if set(self.node_to_runner.values()) != set(self.runner_to_shard):
+            raise ValueError("every runner needs exactly one node and one shard")
+        if len(set(self.node_to_runner.values())) != len(self.node_to_runner):
+            raise ValueError("a runner cannot run on two nodes")
+        return self
+
+    def runner_for_node(self, node_id: NodeId) -> RunnerId | None:
+        return self.node_to_runner.get(node_id)
+
+    def node_for_runner(self, runner_id: RunnerId) -> NodeId:
+        for node_id, candidate in self.node_to_runner.items():
+            if candidate == runner_id:
+                return node_id
+        raise KeyError(runner_id)
+
+    def rank_zero_runner(self) -> RunnerId:
+        for runner_id, shard in self.runner_to_shard.items():
+            if shard.device_rank == 0:
+                return runner_id
+        raise KeyError("no rank 0 runner")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.runner_to_shard)
+
+
+class _InstanceBase(FrozenModel):
+    instance_id: InstanceId
+    shard_assignments: ShardAssignments
+
+    @property
+    def model_id(self) -> ModelId:
+        return self.shard_assignments.model_id
+
+
+class PipelineInstance(_InstanceBase):
+    """Layers split across ranks; hidden states pass rank to rank."""
+
+    kind: Literal["PipelineInstance"] = "PipelineInstance"
+
+
+class TensorInstance(_InstanceBase):
+    """Every layer split across ranks; an all-reduce per block."""
+
+    kind: Literal["TensorInstance"] = "TensorInstance"
+
+
+Instance = Annotated[PipelineInstance | TensorInstance, Field(discriminator="kind")]

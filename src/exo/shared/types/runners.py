@@ -1,0 +1,63 @@
+"""Runner statuses, as reported by a runner's supervisor."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from exo.shared.types.common import FrozenModel
+
+
+class RunnerIdle(FrozenModel):
+    """Process started, nothing loaded."""
+
+    kind: Literal["RunnerIdle"] = "RunnerIdle"
+
+
+class RunnerLoading(FrozenModel):
+    kind: Literal["RunnerLoading"] = "RunnerLoading"
+    layers_loaded: int = Field(ge=0)
+    total_layers: int = Field(ge=0)
+
+
+class RunnerLoaded(FrozenModel):
+    kind: Literal["RunnerLoaded"] = "RunnerLoaded"
+
+
+class RunnerWarmingUp(FrozenModel):
+    kind: Literal["RunnerWarmingUp"] = "RunnerWarmingUp"
+
+
+class RunnerReady(FrozenModel):
+    """Loaded and warmed up, waiting for a generation task."""
+
+    kind: Literal["RunnerReady"] = "RunnerReady"
+
+
+class RunnerRunning(FrozenModel):
+    """Generating for at least one task."""
+
+    kind: Literal["RunnerRunning"] = "RunnerRunning"
+
+
+class RunnerFailed(FrozenModel):
+    kind: Literal["RunnerFailed"] = "RunnerFailed"
+    error_message: str
+
+
+class RunnerShutdown(FrozenModel):
+    kind: Literal["RunnerShutdown"] = "RunnerShutdown"
+
+
+RunnerStatus = Annotated[
+    RunnerIdle
+    | RunnerLoading
+    | RunnerLoaded
+    | RunnerWarmingUp
+    | RunnerReady
+    | RunnerRunning
+    | RunnerFailed
+    | RunnerShutdown,
+    Field(discriminator="kind"),
+]

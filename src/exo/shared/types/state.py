@@ -1,0 +1,25 @@
+"""The cluster state: everything every node agrees on."""
+
+from __future__ import annotations
+
+from exo.shared.types.common import FrozenModel, InstanceId, ModelId, NodeId, RunnerId, TaskId
+from exo.shared.types.instances import Instance
+from exo.shared.types.nodes import DownloadStatus, NodeInfo
+from exo.shared.types.runners import RunnerStatus
+from exo.shared.types.tasks import TextGeneration
+
+
+class State(FrozenModel):
+    """Built only by `apply()` over indexed events; `last_event_applied_idx` is -1 when
+    no event has been applied."""
+
+    instances: dict[InstanceId, Instance] = {}
+    runners: dict[RunnerId, RunnerStatus] = {}
+    runner_nodes: dict[RunnerId, NodeId] = {}
+    tasks: dict[TaskId, TextGeneration] = {}
+    node_info: dict[NodeId, NodeInfo] = {}
+    downloads: dict[NodeId, dict[ModelId, DownloadStatus]] = {}
+    last_event_applied_idx: int = -1
+
+    def instances_of_model(self, model_id: ModelId) -> list[Instance]:
+        return [i for i in self.instances.values() if i.model_id == model_id]

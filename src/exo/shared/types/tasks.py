@@ -1,0 +1,105 @@
+"""Tasks: what a worker's `plan()` decides to do next, and generation tasks the master
+creates from API commands. Only `TextGeneration` tasks live in the cluster state."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from exo.shared.types.common import CommandId, FrozenModel, InstanceId, NodeId, RunnerId, TaskId
+from exo.shared.types.shards import ShardMetadata
+from exo.shared.types.text_generation import TextGenerationTaskParams
+
+
+class TaskPending(FrozenModel):
+    kind: Literal["TaskPending"] = "TaskPending"
+
+
+class TaskRunning(FrozenModel):
+    kind: Literal["TaskRunning"] = "TaskRunning"
+
+
+class TaskComplete(FrozenModel):
+    kind: Literal["TaskComplete"] = "TaskComplete"
+
+
+class TaskFailed(FrozenModel):
+    kind: Literal["TaskFailed"] = "TaskFailed"
+    error_message: str
+
+
+class TaskCancelled(FrozenModel):
+    kind: Literal["TaskCancelled"] = "TaskCancelled"
+
+
+TaskStatus = Annotated[
+    TaskPending | TaskRunning | TaskComplete | TaskFailed | TaskCancelled,
+    Field(discriminator="kind"),
+]
+
+TERMINAL_TASK_STATUSES = (TaskComplete, TaskFailed, TaskCancelled)
+
+
+class CreateRunner(FrozenModel):
+    """Spawn the runner subprocess for this node's shard of an instance."""
+
+    kind: Literal["CreateRunner"] = "CreateRunner"
+    instance_id: InstanceId
+    runner_id: RunnerId
+
+
+class DownloadModel(FrozenModel):
+    """Fetch (and convert if needed) the files of a shard onto this node."""
+
+    kind: Literal["DownloadModel"] = "DownloadModel"
+    instance_id: InstanceId
+    shard: ShardMetadata
+
+
+class LoadModel(FrozenModel):
+    """Load the shard from `model_dir` (an HF-format directory on this node)."""
+
+    kind: Literal["LoadModel"] = "LoadModel"
+    instance_id: InstanceId
+    runner_id: RunnerId
+    model_dir: str
+
+
+class StartWarmup(FrozenModel):
+    kind: Literal["StartWarmup"] = "StartWarmup"
+    instance_id: InstanceId
+    runner_id: RunnerId
+
+
+class TextGeneration(FrozenModel):
+    """Generate for one API command. Created by the master, forwarded by workers."""
+
+    kind: Literal["TextGeneration"] = "TextGeneration"
+    task_id: TaskId
+    command_id: CommandId
+    instance_id: InstanceId
+    origin_node_id: NodeId
+    params: TextGenerationTaskParams
+    status: TaskStatus = TaskPending()
+
+
+class CancelTask(FrozenModel):
+    """Stop a generation that the runner is running or holds queued."""
+
+    kind: Literal["CancelTask"] = "CancelTask"
+    runner_id: RunnerId
+    task_id: TaskId
+
+
+class Shutdown(FrozenModel):
+    """Stop and remove a runner (its instance is gone, or it failed)."""
+
+    kind: Literal["Shutdown"] = "Shutdown"
+    runner_id: RunnerId
+
+
+Task = Annotated[
+    CreateRunner | DownloadModel | LoadModel | StartWarmup | TextGeneration | CancelTask | Shutdown,
+    Field(discriminator="kind"),
+]

@@ -1,0 +1,70 @@
+"""Streaming detokenization: one text piece per generated token where possible.
+
+Decoding tokens one at a time is wrong in two ways: a multi-byte UTF-8 character split over
+byte-level tokens decodes to U+FFFD halves, and SentencePiece/BPE decoders drop or add spaces
+at the start of a sequence. The prefix-offset technique (as in Hugging Face TGI and vLLM)
+fixes both: decode a short window of already-emitted tokens with and without the new ones,
+and emit the difference only once it no longer ends in an incomplete character.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+REPLACEMENT_CHARACTER = "\ufffd"
+# Prompt tokens kept as left context so the first generated token gets its leading space
+# right (TGI and vLLM use the same small window).
+CONTEXT_TOKENS = 5
+
+DecodeFunction = Callable[[Sequence[int]], str]
+
+
+class StreamingDetokenizer:
+    """Turns generated token ids into text pieces, UTF-8 safe.
+
+    Args:
+        decode: decodes a list of token ids to text (special tokens skipped).
+        context_token_ids: the prompt's token ids; the last few give the decoder the left
+            context it needs for spacing. They are never emitted.
+    """
+
+    __slots__ = ("_decode", "_prefix_offset", "_read_offset", "_token_ids")
+
+    def __init__(self, decode: DecodeFunction, context_token_ids: Sequence[int] = ()) -> None:
+        self._decode = decode
+        self._token_ids: list[int] = list(context_token_ids[-CONTEXT_TOKENS:])
+        # [prefix_offset, read_offset) was decoded already; tokens from read_offset are new.
+        self._prefix_offset = 0
+        self._read_offset = len(self._token_ids)
+
+    def add_token(self, token_id: int) -> str:
+        """Add one generated token.
+
+        Returns:
+            The new text it completes; "" while it ends in an incomplete character.
+        """
+        self._token_ids.append(token_id)
+        window = self._token_ids[self._prefix_offset :]
+        prefix_text = self._decode(window[: self._read_offset - self._prefix_offset])
+        new_text = self._decode(window)
+        if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHARACTER):
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._token_ids)
+            # Drop the window's leading tokens so decoding stays O(window), not O(sequence).
+            if self._prefix_offset > 0:
+                del self._token_ids[: self._prefix_offset]
+                self._read_offset -= self._prefix_offset
+                self._prefix_offset = 0
+            return new_text[len(prefix_text) :]
+        return ""
+
+    def flush(self) -> str:
+        """Text of tokens still held back (an incomplete character at the end of the stream),
+        decoded as it is; call once when generation ends."""
+        window = self._token_ids[self._prefix_offset :]
+        prefix_text = self._decode(window[: self._read_offset - self._prefix_offset])
+        new_text = self._decode(window)
+        self._prefix_offset = self._read_offset = len(self._token_ids)
+        if len(new_text) > len(prefix_text):
+            return new_text[len(prefix_text) :]
+        return ""

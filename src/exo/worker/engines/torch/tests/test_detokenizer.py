@@ -1,0 +1,75 @@
+from collections.abc import Sequence
+
+from exo.worker.engines.torch.detokenizer import StreamingDetokenizer
+
+
+def stream(detokenizer: StreamingDetokenizer, token_ids: Sequence[int]) -> list[str]:
+    pieces = [detokenizer.add_token(token_id) for token_id in token_ids]
+    pieces.append(detokenizer.flush())
+    return pieces
+
+
+def byte_level_decode(vocabulary: dict[int, bytes]):  # type: ignore[no-untyped-def]
+    def decode(token_ids: Sequence[int]) -> str:
+        return b"".join(vocabulary[token_id] for token_id in token_ids).decode(
+            "utf-8", errors="replace"
+        )
+
+    return decode
+
+
+def test_multibyte_character_split_across_tokens_is_emitted_whole() -> None:
+    emoji = "👋".encode()  # 4 bytes
+    vocabulary = {1: b"Hi ", 2: emoji[:1], 3: emoji[1:3], 4: emoji[3:], 5: b"!"}
+    pieces = stream(StreamingDetokenizer(byte_level_decode(vocabulary)), [1, 2, 3, 4, 5])
+    assert pieces == ["Hi ", "", "", "👋", "!", ""]
+
+
+def test_incomplete_character_at_end_is_flushed() -> None:
+    vocabulary = {1: b"a", 2: "é".encode()[:1]}
+    pieces = stream(StreamingDetokenizer(byte_level_decode(vocabulary)), [1, 2])
+    assert pieces[:2] == ["a", ""]
+    assert pieces[2] == "\ufffd"
+
+
+def sentencepiece_like_decode(vocabulary: dict[int, str]):  # type: ignore[no-untyped-def]
+    """Like SentencePiece: '▁' is a space and the sequence's leading space is dropped."""
+
+    def decode(token_ids: Sequence[int]) -> str:
+        text = "".join(vocabulary[token_id] for token_id in token_ids).replace("▁", " ")
+        return text.removeprefix(" ")
+
+    return decode
+
+
+def test_spaces_between_words_survive_one_token_at_a_time() -> None:
+    vocabulary = {1: "▁Hello", 2: "▁world", 3: ",", 4: "▁again"}
+    pieces = stream(StreamingDetokenizer(sentencepiece_like_decode(vocabulary)), [1, 2, 3, 4])
+    assert pieces == ["Hello", " world", ",", " again", ""]
+
+
+def test_prompt_context_gives_first_token_its_space() -> None:
+    vocabulary = {1: "▁Question", 2: ":", 3: "▁Answer"}
+    detokenizer = StreamingDetokenizer(sentencepiece_like_decode(vocabulary), [1, 2])
+    assert stream(detokenizer, [3]) == [" Answer", ""]
+
+
+def test_long_stream_matches_full_decode() -> None:
+    vocabulary = {index: f"▁w{index}" for index in range(50)}
+    decode = sentencepiece_like_decode(vocabulary)
+    token_ids = [index % 50 for index in range(300)]
+    pieces = stream(StreamingDetokenizer(decode), token_ids)
+    assert "".join(pieces) == decode(token_ids)
+
+
+def test_real_tokenizer_emoji_and_accents(real_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    text = "Bonjour 👋 la France 🇫🇷 — café, naïve, 日本語."
+    token_ids = real_tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(ids: Sequence[int]) -> str:
+        return str(real_tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    pieces = stream(StreamingDetokenizer(decode), token_ids)
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert sum(1 for piece in pieces if piece) > 10

@@ -1,0 +1,105 @@
+import pytest
+import torch
+
+from exo.shared.types.common import ModelId
+from exo.shared.types.models import SamplingDefaults
+from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+from exo.worker.engines.torch.sampling import (
+    Sampler,
+    SamplingParams,
+    filter_logits,
+    resolve_sampling_params,
+)
+
+
+def random_logits(seed: int = 0, vocab: int = 1000) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(vocab, generator=generator) * 3
+
+
+def test_temperature_zero_is_argmax() -> None:
+    logits = random_logits()
+    sampler = Sampler(SamplingParams(temperature=0.0, seed=1))
+    assert sampler.sample(logits) == int(logits.argmax())
+
+
+def test_top_k_one_equals_greedy() -> None:
+    for seed in range(5):
+        logits = random_logits(seed)
+        sampler = Sampler(SamplingParams(temperature=1.5, top_k=1, seed=seed))
+        assert sampler.sample(logits) == int(logits.argmax())
+
+
+def test_same_seed_reproduces_tokens() -> None:
+    logits = random_logits()
+    params = SamplingParams(temperature=1.0, seed=1234)
+    first = [Sampler(params).sample(logits) for _ in range(1)]
+    sampler_a, sampler_b = Sampler(params), Sampler(params)
+    run_a = [sampler_a.sample(logits) for _ in range(50)]
+    run_b = [sampler_b.sample(logits) for _ in range(50)]
+    assert run_a == run_b
+    assert run_a[0] == first[0]
+    assert len(set(run_a)) > 1  # temperature 1 over 1000 tokens really samples
+
+
+def test_different_seeds_differ() -> None:
+    logits = random_logits()
+    runs = {
+        tuple(Sampler(SamplingParams(temperature=1.0, seed=seed)).sample(logits) for _ in range(1))
+        for seed in range(20)
+    }
+    assert len(runs) > 1
+
+
+def test_top_k_keeps_exactly_k_tokens() -> None:
+    logits = random_logits()
+    filtered = filter_logits(logits, SamplingParams(temperature=1.0, top_k=7))
+    kept = torch.isfinite(filtered)
+    assert int(kept.sum()) == 7
+    assert set(kept.nonzero().flatten().tolist()) == set(logits.topk(7).indices.tolist())
+
+
+def test_top_p_keeps_smallest_set_reaching_mass() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    filtered = filter_logits(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    assert torch.isfinite(filtered).tolist() == [True, True, False, False]
+    filtered = filter_logits(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert torch.isfinite(filtered).tolist() == [True, False, False, False]
+
+
+def test_min_p_drops_tokens_below_fraction_of_top() -> None:
+    logits = torch.log(torch.tensor([0.6, 0.25, 0.1, 0.05]))
+    filtered = filter_logits(logits, SamplingParams(temperature=1.0, min_p=0.2))
+    # threshold 0.2 * 0.6 = 0.12: keeps 0.6 and 0.25
+    assert torch.isfinite(filtered).tolist() == [True, True, False, False]
+
+
+def test_filtered_tokens_are_never_sampled() -> None:
+    logits = random_logits(3)
+    params = SamplingParams(temperature=2.0, top_k=5, seed=9)
+    allowed = set(logits.topk(5).indices.tolist())
+    sampler = Sampler(params)
+    assert {sampler.sample(logits) for _ in range(200)} <= allowed
+
+
+def test_none_fields_take_card_defaults() -> None:
+    defaults = SamplingDefaults(temperature=0.3, top_p=0.8, top_k=40, min_p=0.05)
+    params = TextGenerationTaskParams(
+        model=ModelId("m"), messages=(ChatMessage(role="user", content="x"),), top_k=3, seed=5
+    )
+    resolved = resolve_sampling_params(params, defaults)
+    assert resolved == SamplingParams(temperature=0.3, top_k=3, top_p=0.8, min_p=0.05, seed=5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.5])
+def test_explicit_zero_values_override_defaults(temperature: float) -> None:
+    defaults = SamplingDefaults(temperature=0.9, top_k=50)
+    params = TextGenerationTaskParams(
+        model=ModelId("m"),
+        messages=(ChatMessage(role="user", content="x"),),
+        temperature=temperature,
+        top_k=0,
+    )
+    resolved = resolve_sampling_params(params, defaults)
+    assert resolved.temperature == temperature
+    assert resolved.top_k == 0

@@ -1,0 +1,223 @@
+"""The worker: carries out `plan()`'s tasks on this node."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+from anyio.abc import TaskGroup
+from loguru import logger
+
+from exo.download.pypi_gguf import prepare_model
+from exo.shared.apply import apply
+from exo.shared.local_events import LocalEventSender
+from exo.shared.types.chunks import Chunk
+from exo.shared.types.common import ModelId, NodeId, RunnerId
+from exo.shared.types.events import (
+    Event,
+    IndexedEvent,
+    NodeDownloadProgress,
+    RunnerDeleted,
+    RunnerStatusUpdated,
+)
+from exo.shared.types.nodes import (
+    DownloadCompleted,
+    DownloadFailed,
+    DownloadOngoing,
+    DownloadStatus,
+)
+from exo.shared.types.runners import RunnerFailed, RunnerReady
+from exo.shared.types.state import State
+from exo.shared.types.tasks import (
+    CancelTask,
+    CreateRunner,
+    DownloadModel,
+    LoadModel,
+    Shutdown,
+    StartWarmup,
+    Task,
+    TextGeneration,
+)
+from exo.utils.channels import Subscription
+from exo.worker.plan import LocalRunner, plan
+from exo.worker.runner.supervisor import RunnerSupervisor
+
+PLAN_IDLE_WAKE_SECONDS = 0.5
+# Retry delays after consecutive failures: 1 s, 2 s, 4 s, ... capped at 30 s.
+BACKOFF_BASE_SECONDS = 1.0
+BACKOFF_MAX_SECONDS = 30.0
+
+
+def backoff_seconds(consecutive_failures: int) -> float:
+    exponent = max(0, consecutive_failures - 1)
+    return float(min(BACKOFF_MAX_SECONDS, BACKOFF_BASE_SECONDS * 2**exponent))
+
+
+class Worker:
+    """Applies the cluster's indexed events, plans, and executes one task at a time."""
+
+    def __init__(
+        self,
+        node_id: NodeId,
+        state: State,
+        global_event_subscription: Subscription[IndexedEvent],
+        local_events: LocalEventSender,
+        publish_chunk: Callable[[Chunk], None],
+        models_dir: Path,
+        offline: bool = False,
+        log_level: str = "INFO",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node_id = node_id
+        self.state = state
+        self._global_events = global_event_subscription
+        self._local_events = local_events
+        self._publish_chunk = publish_chunk
+        self._models_dir = models_dir
+        self._offline = offline
+        self._log_level = log_level
+        self._clock = clock
+        self.runners: dict[RunnerId, RunnerSupervisor] = {}
+        self.downloads: dict[ModelId, DownloadStatus] = {}
+        self._downloading: set[ModelId] = set()
+        self._failures: dict[str, int] = {}
+        self._retry_after: dict[str, float] = {}
+        self._changed = anyio.Event()
+        self._task_group: TaskGroup | None = None
+
+    def _notify(self) -> None:
+        self._changed.set()
+
+    async def run(self) -> None:
+        try:
+            async with anyio.create_task_group() as task_group:
+                self._task_group = task_group
+                task_group.start_soon(self._event_loop)
+                task_group.start_soon(self._plan_loop)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.shutdown_runners()
+
+    async def shutdown_runners(self) -> None:
+        for runner_id, supervisor in list(self.runners.items()):
+            await supervisor.shutdown()
+            self.runners.pop(runner_id, None)
+
+    async def _event_loop(self) -> None:
+        async for indexed_event in self._global_events:
+            if indexed_event.idx <= self.state.last_event_applied_idx:
+                continue
+            self.state = apply(self.state, indexed_event)
+            self._notify()
+
+    def _local_view(self) -> dict[RunnerId, LocalRunner]:
+        return {
+            runner_id: LocalRunner(
+                instance_id=supervisor.instance_id,
+                status=supervisor.status,
+                in_flight=frozenset(supervisor.in_flight),
+                loading=supervisor.busy_loading,
+            )
+            for runner_id, supervisor in self.runners.items()
+        }
+
+    async def _plan_loop(self) -> None:
+        while True:
+            self._changed = anyio.Event()
+            task = plan(
+                self.node_id,
+                self.state,
+                self._local_view(),
+                self.downloads,
+                self._retry_after,
+                self._clock(),
+            )
+            if task is None:
+                with anyio.move_on_after(PLAN_IDLE_WAKE_SECONDS):
+                    await self._changed.wait()
+                continue
+            logger.debug(f"worker: {task!r}")
+            await self._execute(task)
+
+    async def _execute(self, task: Task) -> None:
+        assert self._task_group is not None
+        match task:
+            case CreateRunner(instance_id=instance_id, runner_id=runner_id):
+                instance = self.state.instances[instance_id]
+                supervisor = RunnerSupervisor(
+                    node_id=self.node_id,
+                    runner_id=runner_id,
+                    instance_id=instance_id,
+                    shard=instance.shard_assignments.runner_to_shard[runner_id],
+                    emit_event=self._on_runner_event,
+                    publish_chunk=self._publish_chunk,
+                    on_change=self._notify,
+                    log_level=self._log_level,
+                )
+                supervisor.start()
+                self.runners[runner_id] = supervisor
+                self._task_group.start_soon(supervisor.run)
+            case DownloadModel(shard=shard):
+                model_id = shard.model_card.model_id
+                self.downloads[model_id] = DownloadOngoing(message="preparing")
+                self._task_group.start_soon(self._download, shard.model_card.model_id, task)
+            case LoadModel(runner_id=runner_id) | StartWarmup(runner_id=runner_id):
+                self.runners[runner_id].send(task)
+            case TextGeneration(instance_id=instance_id):
+                instance = self.state.instances[instance_id]
+                runner_id = instance.shard_assignments.rank_zero_runner()
+                self.runners[runner_id].send(task)
+            case CancelTask(runner_id=runner_id, task_id=task_id):
+                supervisor = self.runners[runner_id]
+                supervisor.send(task)
+                # The runner reports the cancellation; stop planning it again meanwhile.
+                supervisor.in_flight.pop(task_id, None)
+            case Shutdown(runner_id=runner_id):
+                supervisor = self.runners.pop(runner_id)
+                failed = isinstance(supervisor.status, RunnerFailed)
+                await supervisor.shutdown()
+                self._local_events.emit(RunnerDeleted(runner_id=runner_id))
+                if failed:
+                    self._record_failure(runner_id)
+
+    def _on_runner_event(self, event: Event) -> None:
+        if isinstance(event, RunnerStatusUpdated) and isinstance(event.status, RunnerReady):
+            self._failures.pop(event.runner_id, None)
+        self._local_events.emit(event)
+
+    def _record_failure(self, key: str) -> None:
+        failures = self._failures.get(key, 0) + 1
+        self._failures[key] = failures
+        delay = backoff_seconds(failures)
+        self._retry_after[key] = self._clock() + delay
+        logger.warning(f"worker: {key} failed {failures} time(s); retrying in {delay:.0f}s")
+
+    async def _download(self, model_id: ModelId, task: DownloadModel) -> None:
+        card = task.shard.model_card
+        self._local_events.emit(
+            NodeDownloadProgress(
+                node_id=self.node_id, model_id=model_id, status=DownloadOngoing(message="preparing")
+            )
+        )
+
+        def on_progress(message: str) -> None:
+            logger.info(f"{model_id}: {message}")
+
+        try:
+            path = await anyio.to_thread.run_sync(
+                lambda: prepare_model(card, self._models_dir, self._offline, on_progress)
+            )
+        except Exception as error:
+            logger.opt(exception=error).error(f"preparing {model_id} failed")
+            status: DownloadStatus = DownloadFailed(error_message=str(error))
+            self._record_failure(model_id)
+        else:
+            status = DownloadCompleted(path=str(path))
+            self._failures.pop(model_id, None)
+        self.downloads[model_id] = status
+        self._local_events.emit(
+            NodeDownloadProgress(node_id=self.node_id, model_id=model_id, status=status)
+        )
+        self._notify()

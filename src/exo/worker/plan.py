@@ -1,0 +1,176 @@
+"""The worker's pure decision: given the cluster state and what this node's runners are
+doing, which single task comes next. The worker loop carries the task out and calls
+`plan` again; `None` means there is nothing to do until something changes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId, TaskId
+from exo.shared.types.nodes import DownloadCompleted, DownloadFailed, DownloadStatus
+from exo.shared.types.runners import (
+    RunnerFailed,
+    RunnerIdle,
+    RunnerLoaded,
+    RunnerReady,
+    RunnerRunning,
+    RunnerShutdown,
+    RunnerStatus,
+)
+from exo.shared.types.state import State
+from exo.shared.types.tasks import (
+    CancelTask,
+    CreateRunner,
+    DownloadModel,
+    LoadModel,
+    Shutdown,
+    StartWarmup,
+    Task,
+    TaskPending,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalRunner:
+    """What the worker knows first-hand about one of its runners."""
+
+    instance_id: InstanceId
+    status: RunnerStatus
+    in_flight: frozenset[TaskId]
+    loading: bool = False
+    """A LoadModel or StartWarmup was sent and its status has not come back yet."""
+
+
+def plan(
+    node_id: NodeId,
+    state: State,
+    runners: Mapping[RunnerId, LocalRunner],
+    downloads: Mapping[ModelId, DownloadStatus],
+    retry_after: Mapping[str, float],
+    now: float,
+) -> Task | None:
+    """Decide this node's next task.
+
+    Args:
+        node_id: this node.
+        state: the cluster state as of the last applied event.
+        runners: this node's live runner supervisors.
+        downloads: this node's model download statuses (first-hand, not via the log).
+        retry_after: monotonic time (s) before which a runner id or model id must not be
+            retried after a failure.
+        now: monotonic time (s).
+    """
+    for task in (
+        _shut_down_orphans(node_id, state, runners),
+        _cancel_abandoned(state, runners),
+        _create_runners(node_id, state, runners, retry_after, now),
+        _download(node_id, state, runners, downloads, retry_after, now),
+        _load_and_warm_up(state, runners, downloads),
+        _forward_generation(state, runners),
+    ):
+        if task is not None:
+            return task
+    return None
+
+
+def _shut_down_orphans(
+    node_id: NodeId, state: State, runners: Mapping[RunnerId, LocalRunner]
+) -> Task | None:
+    for runner_id, runner in runners.items():
+        instance = state.instances.get(runner.instance_id)
+        assigned = (
+            instance is not None
+            and instance.shard_assignments.runner_for_node(node_id) == runner_id
+        )
+        if not assigned or isinstance(runner.status, RunnerFailed | RunnerShutdown):
+            return Shutdown(runner_id=runner_id)
+    return None
+
+
+def _cancel_abandoned(state: State, runners: Mapping[RunnerId, LocalRunner]) -> Task | None:
+    # A task the runner holds that the state no longer has was cancelled or failed.
+    for runner_id, runner in runners.items():
+        for task_id in sorted(runner.in_flight):
+            if task_id not in state.tasks:
+                return CancelTask(runner_id=runner_id, task_id=task_id)
+    return None
+
+
+def _create_runners(
+    node_id: NodeId,
+    state: State,
+    runners: Mapping[RunnerId, LocalRunner],
+    retry_after: Mapping[str, float],
+    now: float,
+) -> Task | None:
+    for instance_id, instance in sorted(state.instances.items()):
+        runner_id = instance.shard_assignments.runner_for_node(node_id)
+        if runner_id is None or runner_id in runners:
+            continue
+        if retry_after.get(runner_id, 0.0) > now:
+            continue
+        return CreateRunner(instance_id=instance_id, runner_id=runner_id)
+    return None
+
+
+def _download(
+    node_id: NodeId,
+    state: State,
+    runners: Mapping[RunnerId, LocalRunner],
+    downloads: Mapping[ModelId, DownloadStatus],
+    retry_after: Mapping[str, float],
+    now: float,
+) -> Task | None:
+    for runner_id, runner in sorted(runners.items()):
+        instance = state.instances.get(runner.instance_id)
+        if instance is None:
+            continue
+        model_id = instance.model_id
+        status = downloads.get(model_id)
+        if status is None or (
+            isinstance(status, DownloadFailed) and retry_after.get(model_id, 0.0) <= now
+        ):
+            shard = instance.shard_assignments.runner_to_shard[runner_id]
+            return DownloadModel(instance_id=instance.instance_id, shard=shard)
+    return None
+
+
+def _load_and_warm_up(
+    state: State,
+    runners: Mapping[RunnerId, LocalRunner],
+    downloads: Mapping[ModelId, DownloadStatus],
+) -> Task | None:
+    for runner_id, runner in sorted(runners.items()):
+        instance = state.instances.get(runner.instance_id)
+        if instance is None or runner.loading:
+            continue
+        download = downloads.get(instance.model_id)
+        match runner.status:
+            case RunnerIdle() if isinstance(download, DownloadCompleted):
+                return LoadModel(
+                    instance_id=instance.instance_id, runner_id=runner_id, model_dir=download.path
+                )
+            case RunnerLoaded():
+                return StartWarmup(instance_id=instance.instance_id, runner_id=runner_id)
+            case _:
+                continue
+    return None
+
+
+def _forward_generation(state: State, runners: Mapping[RunnerId, LocalRunner]) -> Task | None:
+    for runner_id, runner in sorted(runners.items()):
+        if not isinstance(runner.status, RunnerReady | RunnerRunning):
+            continue
+        instance = state.instances.get(runner.instance_id)
+        if instance is None or instance.shard_assignments.rank_zero_runner() != runner_id:
+            continue
+        # state.tasks keeps creation order, so this is first come, first served.
+        for task in state.tasks.values():
+            if (
+                task.instance_id == runner.instance_id
+                and isinstance(task.status, TaskPending)
+                and task.task_id not in runner.in_flight
+            ):
+                return task
+    return None

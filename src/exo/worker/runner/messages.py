@@ -1,0 +1,47 @@
+"""Messages between a runner subprocess and its supervisor (JSON over a pipe)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, TypeAdapter
+
+from exo.shared.types.chunks import Chunk
+from exo.shared.types.common import FrozenModel, TaskId
+from exo.shared.types.runners import RunnerStatus
+from exo.shared.types.tasks import (
+    CancelTask,
+    LoadModel,
+    Shutdown,
+    StartWarmup,
+    TaskStatus,
+    TextGeneration,
+)
+
+
+class RunnerStatusReport(FrozenModel):
+    kind: Literal["RunnerStatusReport"] = "RunnerStatusReport"
+    status: RunnerStatus
+
+
+class TaskStatusReport(FrozenModel):
+    kind: Literal["TaskStatusReport"] = "TaskStatusReport"
+    task_id: TaskId
+    status: TaskStatus
+
+
+class ChunkReport(FrozenModel):
+    kind: Literal["ChunkReport"] = "ChunkReport"
+    chunk: Chunk
+
+
+RunnerOutbound = Annotated[
+    RunnerStatusReport | TaskStatusReport | ChunkReport, Field(discriminator="kind")
+]
+RunnerInbound = Annotated[
+    LoadModel | StartWarmup | TextGeneration | CancelTask | Shutdown,
+    Field(discriminator="kind"),
+]
+
+runner_outbound_adapter: TypeAdapter[RunnerOutbound] = TypeAdapter(RunnerOutbound)
+runner_inbound_adapter: TypeAdapter[RunnerInbound] = TypeAdapter(RunnerInbound)

@@ -1,0 +1,245 @@
+"""The runner: the subprocess that owns an engine and runs one shard of one instance.
+
+It runs one generation at a time (first come, first served) and checks its inbound
+pipe between decoded pieces, so a cancel or shutdown takes effect within one token.
+A crash here never takes the node down: the supervisor sees the pipe close.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections import deque
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from loguru import logger
+
+from exo.shared.types.chunks import ErrorChunk, TokenChunk
+from exo.shared.types.common import RunnerId
+from exo.shared.types.runners import (
+    RunnerFailed,
+    RunnerIdle,
+    RunnerLoaded,
+    RunnerLoading,
+    RunnerReady,
+    RunnerRunning,
+    RunnerShutdown,
+    RunnerStatus,
+    RunnerWarmingUp,
+)
+from exo.shared.types.shards import ShardMetadata
+from exo.shared.types.tasks import (
+    CancelTask,
+    LoadModel,
+    Shutdown,
+    StartWarmup,
+    TaskCancelled,
+    TaskComplete,
+    TaskFailed,
+    TaskRunning,
+    TaskStatus,
+    TextGeneration,
+)
+from exo.worker.runner.messages import (
+    ChunkReport,
+    RunnerInbound,
+    RunnerOutbound,
+    RunnerStatusReport,
+    TaskStatusReport,
+    runner_inbound_adapter,
+)
+
+if TYPE_CHECKING:
+    from exo.worker.engines.torch.engine import TorchEngine
+
+
+class _ShutdownRequested(Exception):
+    pass
+
+
+class Runner:
+    def __init__(
+        self,
+        runner_id: RunnerId,
+        shard: ShardMetadata,
+        inbound: Connection,
+        outbound: Connection,
+    ) -> None:
+        self.runner_id = runner_id
+        self.shard = shard
+        self._inbound = inbound
+        self._outbound = outbound
+        self._engine: TorchEngine | None = None
+        self._queue: deque[TextGeneration] = deque()
+        self._status: RunnerStatus = RunnerIdle()
+
+    def run(self) -> None:
+        self._set_status(RunnerIdle())
+        try:
+            while True:
+                if self._queue and isinstance(self._status, RunnerReady | RunnerRunning):
+                    self._generate(self._queue.popleft())
+                    continue
+                self._handle(self._receive())
+        except _ShutdownRequested:
+            for task in self._queue:
+                self._end_task(task, TaskCancelled())
+            self._set_status(RunnerShutdown())
+
+    # -- messages --------------------------------------------------------------------
+
+    def _send(self, message: RunnerOutbound) -> None:
+        self._outbound.send_bytes(message.model_dump_json().encode())
+
+    def _receive(self) -> RunnerInbound:
+        try:
+            raw = self._inbound.recv_bytes()
+        except EOFError:
+            # The supervisor is gone; nobody can use our output any more.
+            raise _ShutdownRequested() from None
+        return runner_inbound_adapter.validate_json(raw)
+
+    def _set_status(self, status: RunnerStatus) -> None:
+        self._status = status
+        self._send(RunnerStatusReport(status=status))
+
+    def _handle(self, message: RunnerInbound) -> None:
+        match message:
+            case LoadModel(model_dir=model_dir):
+                self._load(Path(model_dir))
+            case StartWarmup():
+                self._warm_up()
+            case TextGeneration():
+                self._queue.append(message)
+            case CancelTask(task_id=task_id):
+                for task in list(self._queue):
+                    if task.task_id == task_id:
+                        self._queue.remove(task)
+                        self._end_task(task, TaskCancelled())
+            case Shutdown():
+                raise _ShutdownRequested()
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def _load(self, model_dir: Path) -> None:
+        from exo.worker.engines.torch.engine import TorchEngine
+
+        total_layers = self.shard.model_card.n_layers
+        self._set_status(RunnerLoading(layers_loaded=0, total_layers=total_layers))
+
+        def on_layer_loaded(loaded: int, total: int) -> None:
+            self._set_status(RunnerLoading(layers_loaded=loaded, total_layers=total))
+
+        try:
+            self._engine = TorchEngine.load(model_dir, self.shard, on_layer_loaded=on_layer_loaded)
+        except Exception as error:
+            logger.opt(exception=error).error(f"runner {self.runner_id}: loading failed")
+            self._set_status(RunnerFailed(error_message=f"loading failed: {error}"))
+            return
+        self._set_status(RunnerLoaded())
+
+    def _warm_up(self) -> None:
+        if self._engine is None:
+            self._set_status(RunnerFailed(error_message="warm-up requested before loading"))
+            return
+        self._set_status(RunnerWarmingUp())
+        started = time.perf_counter()
+        try:
+            self._engine.warmup()
+        except Exception as error:
+            logger.opt(exception=error).error(f"runner {self.runner_id}: warm-up failed")
+            self._set_status(RunnerFailed(error_message=f"warm-up failed: {error}"))
+            return
+        logger.info(f"runner {self.runner_id}: warmed up in {time.perf_counter() - started:.1f}s")
+        self._set_status(RunnerReady())
+
+    # -- generation ------------------------------------------------------------------
+
+    def _generate(self, task: TextGeneration) -> None:
+        assert self._engine is not None, "generation is only started when ready"
+        self._set_status(RunnerRunning())
+        self._send(TaskStatusReport(task_id=task.task_id, status=TaskRunning()))
+        model = task.params.model
+        pieces = self._engine.generate(task.params)
+        try:
+            for piece in pieces:
+                self._send(
+                    ChunkReport(
+                        chunk=TokenChunk(
+                            command_id=task.command_id,
+                            model=model,
+                            text=piece.text,
+                            token_ids=piece.token_ids,
+                            finish_reason=piece.finish_reason,
+                            usage=piece.usage,
+                        )
+                    )
+                )
+                if piece.finish_reason is not None:
+                    break
+                if self._cancelled_while_running(task):
+                    pieces.close()
+                    self._end_task(task, TaskCancelled())
+                    return
+        except _ShutdownRequested:
+            pieces.close()
+            self._end_task(task, TaskCancelled())
+            raise
+        except Exception as error:
+            logger.opt(exception=error).warning(f"runner {self.runner_id}: generation failed")
+            self._send(
+                ChunkReport(
+                    chunk=ErrorChunk(
+                        command_id=task.command_id, model=model, error_message=str(error)
+                    )
+                )
+            )
+            self._send(
+                TaskStatusReport(task_id=task.task_id, status=TaskFailed(error_message=str(error)))
+            )
+        else:
+            self._send(TaskStatusReport(task_id=task.task_id, status=TaskComplete()))
+        finally:
+            self._set_status(RunnerReady())
+
+    def _cancelled_while_running(self, running: TextGeneration) -> bool:
+        """Handle every message that arrived meanwhile; True if `running` was cancelled."""
+        cancelled = False
+        while self._inbound.poll(0):
+            message = self._receive()
+            if isinstance(message, CancelTask) and message.task_id == running.task_id:
+                cancelled = True
+            else:
+                self._handle(message)
+        return cancelled
+
+    def _end_task(self, task: TextGeneration, status: TaskStatus) -> None:
+        """End a task that did not run to completion; its stream gets a final chunk."""
+        self._send(
+            ChunkReport(
+                chunk=TokenChunk(
+                    command_id=task.command_id,
+                    model=task.params.model,
+                    text="",
+                    finish_reason="cancelled",
+                )
+            )
+        )
+        self._send(TaskStatusReport(task_id=task.task_id, status=status))
+
+
+def runner_main(
+    runner_id: str, shard_json: str, inbound: Connection, outbound: Connection, log_level: str
+) -> None:
+    """Entry point of the spawned runner process."""
+    from pydantic import TypeAdapter
+
+    # Ctrl-C reaches the whole process group; the node shuts runners down in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logger.remove()
+    logger.add(sys.stderr, level=log_level, format="{time:HH:mm:ss} runner | {level} | {message}")
+    shard: ShardMetadata = TypeAdapter(ShardMetadata).validate_json(shard_json)
+    Runner(RunnerId(runner_id), shard, inbound, outbound).run()

@@ -1,0 +1,222 @@
+"""The runner supervisor: owns one runner subprocess and turns what happens to it into
+events and chunks. A runner that dies becomes a value (`RunnerFailed`), and every
+request it was serving gets an error chunk instead of hanging."""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+import anyio
+from loguru import logger
+
+from exo.shared.types.chunks import Chunk, ErrorChunk
+from exo.shared.types.common import InstanceId, NodeId, RunnerId, TaskId
+from exo.shared.types.events import Event, RunnerStatusUpdated, TaskStatusUpdated
+from exo.shared.types.runners import (
+    RunnerFailed,
+    RunnerIdle,
+    RunnerLoaded,
+    RunnerLoading,
+    RunnerReady,
+    RunnerShutdown,
+    RunnerStatus,
+)
+from exo.shared.types.shards import ShardMetadata
+from exo.shared.types.tasks import (
+    TERMINAL_TASK_STATUSES,
+    CancelTask,
+    LoadModel,
+    Shutdown,
+    StartWarmup,
+    TaskFailed,
+    TextGeneration,
+)
+from exo.worker.runner.messages import (
+    ChunkReport,
+    RunnerInbound,
+    RunnerStatusReport,
+    TaskStatusReport,
+    runner_outbound_adapter,
+)
+from exo.worker.runner.runner import runner_main
+
+SHUTDOWN_GRACE_SECONDS = 5.0
+
+
+class RunnerSupervisor:
+    """Spawns the runner process, relays its messages, and reports its death."""
+
+    def __init__(
+        self,
+        node_id: NodeId,
+        runner_id: RunnerId,
+        instance_id: InstanceId,
+        shard: ShardMetadata,
+        emit_event: Callable[[Event], None],
+        publish_chunk: Callable[[Chunk], None],
+        on_change: Callable[[], None],
+        log_level: str = "INFO",
+    ) -> None:
+        self.node_id = node_id
+        self.runner_id = runner_id
+        self.instance_id = instance_id
+        self.shard = shard
+        self.status: RunnerStatus = RunnerIdle()
+        self.in_flight: dict[TaskId, TextGeneration] = {}
+        self.busy_loading = False
+        self._emit_event = emit_event
+        self._publish_chunk = publish_chunk
+        self._on_change = on_change
+        self._log_level = log_level
+        self._process: BaseProcess | None = None
+        self._to_runner: Connection | None = None
+        self._from_runner: Connection | None = None
+        self._stopping = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def start(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        runner_inbound_read, runner_inbound_write = context.Pipe(duplex=False)
+        runner_outbound_read, runner_outbound_write = context.Pipe(duplex=False)
+        process = context.Process(
+            target=runner_main,
+            args=(
+                str(self.runner_id),
+                self.shard.model_dump_json(),
+                runner_inbound_read,
+                runner_outbound_write,
+                self._log_level,
+            ),
+            name=f"exo-runner-{self.runner_id}",
+            daemon=True,
+        )
+        process.start()
+        # Close our copies of the child's ends so its death reads as EOF here.
+        runner_inbound_read.close()
+        runner_outbound_write.close()
+        self._process = process
+        self._to_runner = runner_inbound_write
+        self._from_runner = runner_outbound_read
+        logger.info(f"runner {self.runner_id} started (pid {process.pid})")
+
+    def send(self, task: RunnerInbound) -> None:
+        """Hand a task to the runner. A dead runner's failure is reported by `run()`."""
+        assert self._to_runner is not None, "send() before start()"
+        match task:
+            case TextGeneration():
+                self.in_flight[task.task_id] = task
+            case LoadModel() | StartWarmup():
+                self.busy_loading = True
+            case CancelTask() | Shutdown():
+                pass
+        try:
+            self._to_runner.send_bytes(task.model_dump_json().encode())
+        except (BrokenPipeError, OSError) as error:
+            logger.warning(f"runner {self.runner_id}: could not send {task.kind}: {error}")
+
+    async def run(self) -> None:
+        """Relay the runner's messages until its pipe closes, then report how it ended."""
+        assert self._from_runner is not None, "run() before start()"
+        connection = self._from_runner
+        while True:
+            try:
+                raw = await anyio.to_thread.run_sync(connection.recv_bytes, abandon_on_cancel=True)
+            except (EOFError, OSError):
+                break
+            self._handle(runner_outbound_adapter.validate_json(raw))
+        await self._on_exit()
+
+    def _handle(self, message: object) -> None:
+        match message:
+            case RunnerStatusReport(status=status):
+                self.status = status
+                if isinstance(status, RunnerLoaded | RunnerReady | RunnerFailed):
+                    self.busy_loading = False
+                if not isinstance(status, RunnerLoading) or _worth_reporting(status):
+                    self._emit_event(
+                        RunnerStatusUpdated(
+                            runner_id=self.runner_id, node_id=self.node_id, status=status
+                        )
+                    )
+            case TaskStatusReport(task_id=task_id, status=status):
+                if isinstance(status, TERMINAL_TASK_STATUSES):
+                    self.in_flight.pop(task_id, None)
+                self._emit_event(TaskStatusUpdated(task_id=task_id, status=status))
+            case ChunkReport(chunk=chunk):
+                self._publish_chunk(chunk)
+        self._on_change()
+
+    async def _on_exit(self) -> None:
+        process = self._process
+        exit_code: int | None = None
+        if process is not None:
+            await anyio.to_thread.run_sync(process.join, 2.0)
+            exit_code = process.exitcode
+        if self._stopping or isinstance(self.status, RunnerShutdown):
+            message = "runner shut down"
+        else:
+            message = f"runner process exited unexpectedly (exit code {exit_code})"
+            logger.error(f"runner {self.runner_id}: {message}")
+        self._fail_in_flight(message)
+        if not isinstance(self.status, RunnerShutdown):
+            status: RunnerStatus = (
+                RunnerShutdown() if self._stopping else RunnerFailed(error_message=message)
+            )
+            self.status = status
+            self._emit_event(
+                RunnerStatusUpdated(runner_id=self.runner_id, node_id=self.node_id, status=status)
+            )
+        self.busy_loading = False
+        self._on_change()
+
+    def _fail_in_flight(self, message: str) -> None:
+        for task in list(self.in_flight.values()):
+            self._publish_chunk(
+                ErrorChunk(
+                    command_id=task.command_id, model=task.params.model, error_message=message
+                )
+            )
+            self._emit_event(
+                TaskStatusUpdated(task_id=task.task_id, status=TaskFailed(error_message=message))
+            )
+        self.in_flight.clear()
+
+    async def shutdown(self) -> None:
+        """Ask the runner to stop; terminate, then kill it if it does not within the grace
+        period. Safe to call on a runner that already died."""
+        self._stopping = True
+        process = self._process
+        if process is None:
+            return
+        if process.is_alive():
+            self.send(Shutdown(runner_id=self.runner_id))
+            with anyio.move_on_after(SHUTDOWN_GRACE_SECONDS, shield=True):
+                while process.is_alive():
+                    await anyio.sleep(0.05)
+        if process.is_alive():
+            process.terminate()
+            with anyio.move_on_after(2.0, shield=True):
+                while process.is_alive():
+                    await anyio.sleep(0.05)
+        if process.is_alive():
+            process.kill()
+        process.join(1.0)
+        if self._to_runner is not None:
+            self._to_runner.close()
+
+    def kill_now(self) -> None:
+        """Last-resort cleanup for interpreter exit: no waiting, no messages."""
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
+
+
+def _worth_reporting(status: RunnerLoading) -> bool:
+    # Loading progress goes into the replicated log: report roughly every tenth.
+    step = max(1, status.total_layers // 10)
+    return status.layers_loaded % step == 0 or status.layers_loaded == status.total_layers
