@@ -27,8 +27,10 @@ def exo_home() -> Path:
 
 
 def models_dir() -> Path:
-    """Where converted and downloaded models live: `<exo_home>/models`."""
-    path = exo_home() / "models"
+    """Where converted and downloaded models live: `<exo_home>/models`, or
+    `EXO_MODELS_DIR` (several nodes on one machine can share one copy)."""
+    override = os.environ.get("EXO_MODELS_DIR")
+    path = Path(override).expanduser() if override else exo_home() / "models"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

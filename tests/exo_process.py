@@ -1,0 +1,169 @@
+"""Start and stop real `exo` node processes for multi-process tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+READY_TIMEOUT_SECONDS = 600.0
+
+
+def exo_command() -> str:
+    """The installed `exo` console script (the one next to this Python first)."""
+    beside = Path(sys.executable).parent / "exo"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("exo")
+    if found is None:
+        raise RuntimeError("the `exo` command is not installed: run `pip install -e .`")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def wait_until(
+    condition: Callable[[], Any], timeout: float, interval: float = 0.2, what: str = "condition"
+) -> Any:
+    """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            result = condition()
+        except (httpx.HTTPError, OSError, ValueError, KeyError) as error:
+            last_error = error
+            result = None
+        if result:
+            return result
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what} (last error: {last_error})")
+
+
+class ExoNode:
+    """One `exo` subprocess with its own port and data directory."""
+
+    def __init__(
+        self,
+        home: Path,
+        models_dir: Path | None = None,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.home = home
+        self.models_dir = models_dir
+        self.port = free_port()
+        self.extra_args = extra_args
+        self.extra_env = env or {}
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path = home / "exo.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ExoNode:
+        self.home.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "EXO_HOME": str(self.home), **self.extra_env}
+        if self.models_dir is not None:
+            env["EXO_MODELS_DIR"] = str(self.models_dir)
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            [exo_command(), "--api-host", "127.0.0.1", "--api-port", str(self.port),
+             *self.extra_args],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        wait_until(self._api_up, timeout=60, what=f"exo API on port {self.port}")
+        return self
+
+    def _api_up(self) -> bool:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise RuntimeError(f"exo exited with {self.process.returncode}:\n{self.log()}")
+        return httpx.get(f"{self.url}/node_id", timeout=2).status_code == 200
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def state(self) -> dict[str, Any]:
+        response = httpx.get(f"{self.url}/state", timeout=10)
+        response.raise_for_status()
+        state: dict[str, Any] = response.json()
+        return state
+
+    def ready_runner_ids(self, model_id: str = DEFAULT_MODEL_ID) -> list[str]:
+        state = self.state()
+        ready = []
+        for instance in state["instances"].values():
+            assignments = instance["shard_assignments"]
+            if assignments["model_id"] != model_id:
+                continue
+            for runner_id in assignments["runner_to_shard"]:
+                status = state["runners"].get(runner_id, {})
+                if status.get("kind") in ("RunnerReady", "RunnerRunning"):
+                    ready.append(runner_id)
+        return ready
+
+    def wait_ready(self, model_id: str = DEFAULT_MODEL_ID, timeout: float = READY_TIMEOUT_SECONDS) -> str:
+        runner_ids: list[str] = wait_until(
+            lambda: self.ready_runner_ids(model_id), timeout=timeout, interval=0.5,
+            what=f"{model_id} ready",
+        )
+        return runner_ids[0]
+
+    def events(self) -> list[dict[str, Any]]:
+        lines = (self.home / "event_log.jsonl").read_text().splitlines()
+        return [json.loads(line)["event"] for line in lines if line.strip()]
+
+    def runner_processes(self) -> list[psutil.Process]:
+        """The spawned runner subprocesses of this node."""
+        assert self.process is not None
+        try:
+            children = psutil.Process(self.process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        runners = []
+        for child in children:
+            try:
+                cmdline = " ".join(child.cmdline())
+            except psutil.Error:
+                continue
+            if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+                runners.append(child)
+        return runners
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 30.0) -> int:
+        """Stop the node with `sig` and return its exit code; kill it if it hangs."""
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else 0
+        descendants = psutil.Process(self.process.pid).children(recursive=True)
+        self.process.send_signal(sig)
+        try:
+            code = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            code = self.process.wait(timeout=10)
+        _, alive = psutil.wait_procs(descendants, timeout=10)
+        for leftover in alive:
+            leftover.kill()
+        return code
