@@ -23,6 +23,7 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from exo.shared.types.models import (
     HuggingFaceSource,
@@ -240,7 +241,9 @@ def convert_gguf_to_safetensors(gguf_path: Path, output_dir: Path) -> None:
 
     gguf_dir, gguf_name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        gguf_dir, gguf_file=gguf_name, dtype=torch.float32
+    )
     model.hf_quantizer = None
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):

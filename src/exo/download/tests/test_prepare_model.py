@@ -3,7 +3,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -55,7 +54,7 @@ def test_local_directory_missing_weights_is_an_error(tmp_path: Path) -> None:
     directory = save_tiny_model(tmp_path / "model")
     (directory / "model.safetensors").unlink()
     card = make_card(LocalDirectorySource(path=str(directory)), str(directory))
-    with pytest.raises(ModelPreparationError, match="no \\*.safetensors"):
+    with pytest.raises(ModelPreparationError, match=r"no \*\.safetensors"):
         prepare_model(card, tmp_path / "models", offline=True)
 
 
@@ -77,7 +76,7 @@ def test_incomplete_conversion_is_not_used_offline(tmp_path: Path) -> None:
     card = pypi_card()
     models_dir = tmp_path / "models"
     save_tiny_model(models_dir / model_directory_name(card.model_id))  # no marker
-    with pytest.raises(ModelPreparationError, match="offline mode.*not cached"):
+    with pytest.raises(ModelPreparationError, match=r"offline mode.*not cached"):
         prepare_model(card, models_dir, offline=True)
 
 

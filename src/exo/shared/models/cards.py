@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 import tomllib
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -173,7 +174,7 @@ def card_from_local_directory(path: Path) -> ModelCard:
     )
 
 
-def resolve_card(model_id: str, builtin: dict[ModelId, ModelCard]) -> ModelCard:
+def resolve_card(model_id: str, builtin: Mapping[ModelId, ModelCard]) -> ModelCard:
     """The card for a requested model: a built-in card, else a local model directory.
 
     Raises:
@@ -189,6 +190,6 @@ def resolve_card(model_id: str, builtin: dict[ModelId, ModelCard]) -> ModelCard:
         return card_from_local_directory(candidate)
     known = ", ".join(sorted(builtin)) or "none"
     raise UnknownModelError(
-        f"unknown model {model_id!r}: not a built-in model (known: {known}) "
+        f"unknown model {str(model_id)!r}: not a built-in model (known: {known}) "
         "and not an existing local model directory"
     )

@@ -89,10 +89,10 @@ def test_safetensors_header_read_without_tensors(tmp_path: Path) -> None:
 def test_local_directory_missing_pieces(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a directory"):
         card_from_local_directory(tmp_path / "absent")
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match=r"no config\.json"):
         card_from_local_directory(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    with pytest.raises(ValueError, match="no \\*.safetensors"):
+    with pytest.raises(ValueError, match=r"no \*\.safetensors"):
         card_from_local_directory(tmp_path)
 
 

@@ -7,15 +7,16 @@ request's KV cache.
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from loguru import logger
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from exo.shared.types.chunks import FinishReason, Usage
@@ -28,8 +29,6 @@ from exo.worker.engines.torch.kv_cache import DecodeSession, KVCachePool
 from exo.worker.engines.torch.loading import LayerProgressCallback, load_model
 from exo.worker.engines.torch.sampling import Sampler, resolve_sampling_params
 from exo.worker.engines.torch.stop_sequences import StopSequenceMatcher
-
-logger = logging.getLogger(__name__)
 
 WARMUP_PROMPT = "Say hello."
 WARMUP_TOKENS = 8
@@ -65,10 +64,8 @@ def _default_thread_count() -> int:
 def _eos_token_ids(model_dir: Path, tokenizer: Any, model: PreTrainedModel) -> frozenset[int]:
     ids: set[int] = set()
     candidates: list[Any] = [tokenizer.eos_token_id, model.config.get_text_config().eos_token_id]
-    try:
+    with contextlib.suppress(OSError):  # no generation_config.json
         candidates.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
-    except OSError:
-        pass  # no generation_config.json
     for candidate in candidates:
         if isinstance(candidate, int):
             ids.add(candidate)
@@ -135,7 +132,8 @@ class TorchEngine:
             model, tokenizer, shard.model_card, torch_device,
             _eos_token_ids(model_dir, tokenizer, model),
         )  # fmt: skip
-        logger.info("loaded %s in %.1f s", shard.model_card.model_id, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        logger.info("loaded {} in {:.1f} s", shard.model_card.model_id, elapsed)
         return engine
 
     def warmup(self) -> None:
@@ -172,7 +170,7 @@ class TorchEngine:
         )
         return text
 
-    def generate(self, params: TextGenerationTaskParams) -> Iterator[GeneratedPiece]:
+    def generate(self, params: TextGenerationTaskParams) -> Generator[GeneratedPiece, None, None]:
         """Stream the completion of a chat request.
 
         Yields one piece per token where possible. The last piece carries `finish_reason`

@@ -3,19 +3,17 @@ assigned straight from safetensors (no random init, no second copy of the weight
 
 from __future__ import annotations
 
-import logging
 import re
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from loguru import logger
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
-
-logger = logging.getLogger(__name__)
 
 LayerProgressCallback = Callable[[int, int], None]
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -144,7 +142,7 @@ def load_model(
         handles.clear()
     if unexpected:
         logger.warning(
-            "ignored %d tensors the model does not have: %s",
+            "ignored {} tensors the model does not have: {}",
             len(unexpected),
             ", ".join(unexpected[:8]),
         )
@@ -154,7 +152,9 @@ def load_model(
         raise ValueError(
             f"{model_dir} lacks {len(missing)} tensors the model needs, e.g. {missing[:5]}"
         )
-    model.to(device)  # non-persistent buffers (rotary frequencies) follow the weights
+    torch.nn.Module.to(
+        model, device
+    )  # non-persistent buffers (rotary frequencies) follow the weights
     model.eval()
     model.requires_grad_(False)
     return model

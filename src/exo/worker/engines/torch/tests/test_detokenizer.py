@@ -1,6 +1,7 @@
 from collections.abc import Sequence
+from typing import Any
 
-from exo.worker.engines.torch.detokenizer import StreamingDetokenizer
+from exo.worker.engines.torch.detokenizer import DecodeFunction, StreamingDetokenizer
 
 
 def stream(detokenizer: StreamingDetokenizer, token_ids: Sequence[int]) -> list[str]:
@@ -9,7 +10,7 @@ def stream(detokenizer: StreamingDetokenizer, token_ids: Sequence[int]) -> list[
     return pieces
 
 
-def byte_level_decode(vocabulary: dict[int, bytes]):  # type: ignore[no-untyped-def]
+def byte_level_decode(vocabulary: dict[int, bytes]) -> DecodeFunction:
     def decode(token_ids: Sequence[int]) -> str:
         return b"".join(vocabulary[token_id] for token_id in token_ids).decode(
             "utf-8", errors="replace"
@@ -32,7 +33,7 @@ def test_incomplete_character_at_end_is_flushed() -> None:
     assert pieces[2] == "\ufffd"
 
 
-def sentencepiece_like_decode(vocabulary: dict[int, str]):  # type: ignore[no-untyped-def]
+def sentencepiece_like_decode(vocabulary: dict[int, str]) -> DecodeFunction:
     """Like SentencePiece: '▁' is a space and the sequence's leading space is dropped."""
 
     def decode(token_ids: Sequence[int]) -> str:
@@ -62,7 +63,7 @@ def test_long_stream_matches_full_decode() -> None:
     assert "".join(pieces) == decode(token_ids)
 
 
-def test_real_tokenizer_emoji_and_accents(real_tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_real_tokenizer_emoji_and_accents(real_tokenizer: Any) -> None:
     text = "Bonjour 👋 la France 🇫🇷 — café, naïve, 日本語."
     token_ids = real_tokenizer.encode(text, add_special_tokens=False)
 

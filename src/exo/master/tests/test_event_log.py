@@ -1,0 +1,123 @@
+from pathlib import Path
+
+import pytest
+
+from exo.master.event_log import EventLog, EventLogCorruptError
+from exo.shared.types.common import NodeId, RunnerId
+from exo.shared.types.events import IndexedEvent, NodeGatheredInfo, RunnerDeleted, TaskCreated
+from exo.testing.builders import indexed, make_node_info, make_params, make_text_generation_task
+
+EVENTS = indexed(
+    [
+        NodeGatheredInfo(node_id=NodeId("node-a"), info=make_node_info(1024, name="café 日本")),
+        RunnerDeleted(runner_id=RunnerId("runner-1")),
+        RunnerDeleted(runner_id=RunnerId("runner-2")),
+    ]
+)
+
+
+def line(event: IndexedEvent) -> bytes:
+    return event.model_dump_json().encode() + b"\n"
+
+
+def test_missing_file_reads_as_empty(tmp_path: Path) -> None:
+    assert EventLog(tmp_path / "events.jsonl").read_all() == []
+
+
+def test_append_then_read_back(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "nested" / "events.jsonl")
+    log.append(EVENTS[:2])
+    log.append(EVENTS[2:])
+    assert log.read_all() == EVENTS
+    log.close()
+    assert (tmp_path / "nested" / "events.jsonl").read_bytes() == b"".join(map(line, EVENTS))
+
+
+def test_reopen_reads_the_same_events_and_appends_after_them(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    first = EventLog(path)
+    first.append(EVENTS[:2])
+    first.close()
+    second = EventLog(path)
+    assert second.read_all() == EVENTS[:2]
+    second.append(EVENTS[2:])
+    second.close()
+    assert EventLog(path).read_all() == EVENTS
+
+
+@pytest.mark.parametrize(
+    "torn",
+    [
+        b'{"idx": 3, "event": {"kind": "Runner',
+        b"{",
+        # Power loss in the middle of a two-byte UTF-8 character.
+        '{"idx": 3, "event": {"kind": "NodeGatheredInfo", "node_id": "caf\u00e9'.encode()[:-1],
+    ],
+    ids=["cut-json", "one-brace", "cut-utf8"],
+)
+def test_torn_last_line_is_dropped_and_the_file_repaired(tmp_path: Path, torn: bytes) -> None:
+    path = tmp_path / "events.jsonl"
+    valid = b"".join(map(line, EVENTS))
+    path.write_bytes(valid + torn)
+    log = EventLog(path)
+    assert log.read_all() == EVENTS
+    assert path.read_bytes() == valid
+    next_event = IndexedEvent(idx=3, event=RunnerDeleted(runner_id=RunnerId("runner-3")))
+    log.append([next_event])
+    log.close()
+    assert EventLog(path).read_all() == [*EVENTS, next_event]
+
+
+def test_complete_last_line_without_newline_is_kept(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(b"".join(map(line, EVENTS)).rstrip(b"\n"))
+    log = EventLog(path)
+    assert log.read_all() == EVENTS
+    assert path.read_bytes().endswith(b"}\n")
+    next_event = IndexedEvent(idx=3, event=RunnerDeleted(runner_id=RunnerId("runner-3")))
+    log.append([next_event])
+    log.close()
+    assert EventLog(path).read_all() == [*EVENTS, next_event]
+
+
+def test_torn_only_line_leaves_an_empty_log(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(b'{"idx": 0, "ev')
+    log = EventLog(path)
+    assert log.read_all() == []
+    assert path.read_bytes() == b""
+    log.append(EVENTS[:1])
+    log.close()
+    assert EventLog(path).read_all() == EVENTS[:1]
+
+
+def test_corrupt_middle_line_raises_and_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(line(EVENTS[0]) + b'{"idx": 1, "ev\n' + line(EVENTS[2]))
+    with pytest.raises(EventLogCorruptError, match=r"events\.jsonl:2 is not a valid event"):
+        EventLog(path).read_all()
+    # Nothing is cut from a corrupt log.
+    assert path.read_bytes().endswith(line(EVENTS[2]))
+
+
+def test_index_gap_raises(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(line(EVENTS[0]) + line(EVENTS[2]))
+    with pytest.raises(EventLogCorruptError, match=r"events\.jsonl:2 has index 2, expected 1"):
+        EventLog(path).read_all()
+
+
+def test_log_not_starting_at_zero_raises(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(line(EVENTS[1]))
+    with pytest.raises(EventLogCorruptError, match="has index 1, expected 0"):
+        EventLog(path).read_all()
+
+
+def test_long_prompt_survives_the_log(tmp_path: Path) -> None:
+    task = make_text_generation_task(params=make_params("word " * 20_000 + "\n\u2028end"))
+    event = IndexedEvent(idx=0, event=TaskCreated(task=task))
+    log = EventLog(tmp_path / "events.jsonl")
+    log.append([event])
+    log.close()
+    assert EventLog(tmp_path / "events.jsonl").read_all() == [event]

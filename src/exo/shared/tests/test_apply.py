@@ -1,0 +1,237 @@
+from typing import get_args
+
+import pytest
+
+from exo.shared.apply import EventOutOfOrderError, apply, apply_all
+from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
+from exo.shared.types.events import (
+    CommandRejected,
+    Event,
+    IndexedEvent,
+    InstanceCreated,
+    InstanceDeleted,
+    NodeDownloadProgress,
+    NodeGatheredInfo,
+    RunnerDeleted,
+    RunnerStatusUpdated,
+    TaskCreated,
+    TaskStatusUpdated,
+)
+from exo.shared.types.nodes import DownloadCompleted, DownloadOngoing
+from exo.shared.types.runners import RunnerIdle, RunnerReady
+from exo.shared.types.state import State
+from exo.shared.types.tasks import (
+    TaskCancelled,
+    TaskComplete,
+    TaskFailed,
+    TaskPending,
+    TaskRunning,
+    TaskStatus,
+)
+from exo.testing.builders import (
+    SMOLLM2,
+    indexed,
+    make_instance,
+    make_node_info,
+    make_state,
+    make_text_generation_task,
+)
+
+NODE_A = NodeId("node-a")
+NODE_B = NodeId("node-b")
+RUNNER = RunnerId("instance-1-rank0")
+INSTANCE = make_instance(NODE_A, instance_id="instance-1")
+OTHER_INSTANCE = make_instance(NODE_B, instance_id="instance-2")
+
+# One event of every type, applied to `populated_state()`; a new event type without a
+# sample fails `test_every_event_type_has_a_sample`.
+SAMPLE_EVENTS: dict[type, Event] = {
+    InstanceCreated: InstanceCreated(instance=OTHER_INSTANCE, command_id=CommandId("c-1")),
+    InstanceDeleted: InstanceDeleted(instance_id=INSTANCE.instance_id),
+    TaskCreated: TaskCreated(task=make_text_generation_task(task_id="task-new")),
+    TaskStatusUpdated: TaskStatusUpdated(task_id=TaskId("task-1"), status=TaskRunning()),
+    RunnerStatusUpdated: RunnerStatusUpdated(
+        runner_id=RUNNER, node_id=NODE_A, status=RunnerReady()
+    ),
+    RunnerDeleted: RunnerDeleted(runner_id=RUNNER),
+    NodeGatheredInfo: NodeGatheredInfo(node_id=NODE_B, info=make_node_info(2048)),
+    NodeDownloadProgress: NodeDownloadProgress(
+        node_id=NODE_A, model_id=SMOLLM2, status=DownloadOngoing(message="3/10 files")
+    ),
+    CommandRejected: CommandRejected(
+        command_id=CommandId("c-2"), origin=NODE_A, reason="no", status_code=404
+    ),
+}
+
+
+def populated_state(last_event_applied_idx: int = 4) -> State:
+    return make_state(
+        nodes={NODE_A: make_node_info(1024)},
+        instances=[INSTANCE],
+        tasks=[
+            make_text_generation_task(task_id="task-1"),
+            make_text_generation_task(task_id="task-2"),
+        ],
+        runners={RUNNER: (NODE_A, RunnerIdle())},
+        downloads={NODE_A: {SMOLLM2: DownloadOngoing()}},
+        last_event_applied_idx=last_event_applied_idx,
+    )
+
+
+def apply_one(state: State, event: Event) -> State:
+    return apply(state, IndexedEvent(idx=state.last_event_applied_idx + 1, event=event))
+
+
+def test_every_event_type_has_a_sample() -> None:
+    members = set(get_args(get_args(Event)[0]))
+    assert members == set(SAMPLE_EVENTS)
+
+
+@pytest.mark.parametrize("event", SAMPLE_EVENTS.values(), ids=lambda e: type(e).__name__)
+def test_apply_never_mutates_its_input(event: Event) -> None:
+    state = populated_state()
+    before = state.model_dump()
+    new_state = apply_one(state, event)
+    assert state.model_dump() == before
+    assert new_state.last_event_applied_idx == 5
+
+
+def test_instance_created_adds_the_instance() -> None:
+    event = SAMPLE_EVENTS[InstanceCreated]
+    state = apply_one(populated_state(), event)
+    assert state.instances == {
+        INSTANCE.instance_id: INSTANCE,
+        OTHER_INSTANCE.instance_id: OTHER_INSTANCE,
+    }
+
+
+def test_instance_deleted_removes_the_instance_and_only_its_tasks() -> None:
+    other_task = make_text_generation_task(instance_id="instance-2", task_id="task-3")
+    state = populated_state().model_copy(
+        update={
+            "instances": {**populated_state().instances, OTHER_INSTANCE.instance_id: OTHER_INSTANCE}
+        }
+    )
+    state = apply_one(state, TaskCreated(task=other_task))
+    state = apply_one(state, InstanceDeleted(instance_id=INSTANCE.instance_id))
+    assert list(state.instances) == [InstanceId("instance-2")]
+    assert list(state.tasks) == [TaskId("task-3")]
+    # Runners report their own end; deleting the instance leaves their statuses.
+    assert state.runners == {RUNNER: RunnerIdle()}
+
+
+def test_deleting_an_unknown_instance_changes_nothing_but_the_index() -> None:
+    state = populated_state()
+    new_state = apply_one(state, InstanceDeleted(instance_id=InstanceId("nope")))
+    assert new_state == state.model_copy(update={"last_event_applied_idx": 5})
+
+
+def test_task_created_keeps_creation_order() -> None:
+    state = apply_one(populated_state(), SAMPLE_EVENTS[TaskCreated])
+    assert list(state.tasks) == [TaskId("task-1"), TaskId("task-2"), TaskId("task-new")]
+    assert state.tasks[TaskId("task-new")].status == TaskPending()
+
+
+@pytest.mark.parametrize("status", [TaskRunning(), TaskPending()], ids=lambda s: s.kind)
+def test_non_terminal_task_status_updates_the_task(status: TaskStatus) -> None:
+    state = apply_one(populated_state(), TaskStatusUpdated(task_id=TaskId("task-1"), status=status))
+    assert state.tasks[TaskId("task-1")].status == status
+    assert state.tasks[TaskId("task-2")].status == TaskPending()
+    assert list(state.tasks) == [TaskId("task-1"), TaskId("task-2")]
+
+
+@pytest.mark.parametrize(
+    "status",
+    [TaskComplete(), TaskFailed(error_message="out of memory"), TaskCancelled()],
+    ids=lambda s: s.kind,
+)
+def test_terminal_task_status_removes_the_task(status: TaskStatus) -> None:
+    state = apply_one(populated_state(), TaskStatusUpdated(task_id=TaskId("task-1"), status=status))
+    assert list(state.tasks) == [TaskId("task-2")]
+
+
+def test_status_of_an_unknown_task_is_a_no_op() -> None:
+    state = populated_state()
+    event = TaskStatusUpdated(task_id=TaskId("gone"), status=TaskRunning())
+    assert apply_one(state, event) == state.model_copy(update={"last_event_applied_idx": 5})
+
+
+def test_runner_status_updated_records_status_and_node() -> None:
+    new_runner = RunnerId("instance-2-rank0")
+    state = apply_one(
+        populated_state(),
+        RunnerStatusUpdated(runner_id=new_runner, node_id=NODE_B, status=RunnerReady()),
+    )
+    assert state.runners == {RUNNER: RunnerIdle(), new_runner: RunnerReady()}
+    assert state.runner_nodes == {RUNNER: NODE_A, new_runner: NODE_B}
+    state = apply_one(
+        state, RunnerStatusUpdated(runner_id=RUNNER, node_id=NODE_A, status=RunnerReady())
+    )
+    assert state.runners[RUNNER] == RunnerReady()
+
+
+def test_runner_deleted_removes_status_and_node() -> None:
+    state = apply_one(populated_state(), RunnerDeleted(runner_id=RUNNER))
+    assert state.runners == {}
+    assert state.runner_nodes == {}
+    unchanged = apply_one(state, RunnerDeleted(runner_id=RunnerId("unknown")))
+    assert unchanged == state.model_copy(update={"last_event_applied_idx": 6})
+
+
+def test_node_gathered_info_adds_or_replaces_the_node() -> None:
+    state = apply_one(populated_state(), NodeGatheredInfo(node_id=NODE_B, info=make_node_info(7)))
+    assert state.node_info == {NODE_A: make_node_info(1024), NODE_B: make_node_info(7)}
+    state = apply_one(state, NodeGatheredInfo(node_id=NODE_A, info=make_node_info(3)))
+    assert state.node_info[NODE_A].memory.available_bytes == 3 * 2**20
+
+
+def test_node_download_progress_is_per_node_and_model() -> None:
+    other_model = ModelId("other/model")
+    state = populated_state()
+    state = apply_one(
+        state,
+        NodeDownloadProgress(node_id=NODE_A, model_id=SMOLLM2, status=DownloadCompleted(path="/m")),
+    )
+    state = apply_one(
+        state, NodeDownloadProgress(node_id=NODE_A, model_id=other_model, status=DownloadOngoing())
+    )
+    state = apply_one(
+        state, NodeDownloadProgress(node_id=NODE_B, model_id=SMOLLM2, status=DownloadOngoing())
+    )
+    assert state.downloads == {
+        NODE_A: {SMOLLM2: DownloadCompleted(path="/m"), other_model: DownloadOngoing()},
+        NODE_B: {SMOLLM2: DownloadOngoing()},
+    }
+
+
+def test_command_rejected_changes_nothing_but_the_index() -> None:
+    state = populated_state()
+    new_state = apply_one(state, SAMPLE_EVENTS[CommandRejected])
+    assert new_state == state.model_copy(update={"last_event_applied_idx": 5})
+
+
+def test_apply_all_from_empty_sets_last_index() -> None:
+    events: list[Event] = [
+        NodeGatheredInfo(node_id=NODE_A, info=make_node_info(1024)),
+        InstanceCreated(instance=INSTANCE),
+        TaskCreated(task=make_text_generation_task()),
+    ]
+    state = apply_all(State(), indexed(events))
+    assert state.last_event_applied_idx == 2
+    assert list(state.instances) == [INSTANCE.instance_id]
+    assert list(state.tasks) == [TaskId("task-1")]
+
+
+@pytest.mark.parametrize("idx", [0, 4, 6, 100])
+def test_out_of_order_index_raises(idx: int) -> None:
+    state = populated_state(last_event_applied_idx=4)
+    with pytest.raises(EventOutOfOrderError, match=f"expected event 5, got {idx}"):
+        apply(state, IndexedEvent(idx=idx, event=SAMPLE_EVENTS[CommandRejected]))
+
+
+def test_first_event_must_have_index_zero() -> None:
+    with pytest.raises(EventOutOfOrderError):
+        apply(State(), IndexedEvent(idx=1, event=SAMPLE_EVENTS[CommandRejected]))
+    assert apply(State(), IndexedEvent(idx=0, event=SAMPLE_EVENTS[CommandRejected])) == State(
+        last_event_applied_idx=0
+    )

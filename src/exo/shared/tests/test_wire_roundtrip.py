@@ -1,0 +1,466 @@
+"""Every wire type survives JSON: same class, same values, same id types."""
+
+import json
+from typing import Any, get_args
+
+import pytest
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from exo.shared.types import (
+    chunks,
+    commands,
+    common,
+    events,
+    instances,
+    models,
+    nodes,
+    runners,
+    shards,
+    state,
+    tasks,
+    text_generation,
+)
+from exo.shared.types.chunks import Chunk, ErrorChunk, TokenChunk, ToolCall, ToolCallChunk, Usage
+from exo.shared.types.commands import (
+    CancelGeneration,
+    Command,
+    DeleteInstance,
+    ForwarderCommand,
+    GenerateText,
+    PlaceInstance,
+)
+from exo.shared.types.common import (
+    CommandId,
+    FrozenModel,
+    InstanceId,
+    ModelId,
+    NodeId,
+    RunnerId,
+    TaskId,
+    truncate_for_repr,
+)
+from exo.shared.types.events import (
+    CommandRejected,
+    Event,
+    ForwarderEvent,
+    IndexedEvent,
+    InstanceCreated,
+    InstanceDeleted,
+    NodeDownloadProgress,
+    NodeGatheredInfo,
+    RunnerDeleted,
+    RunnerStatusUpdated,
+    TaskCreated,
+    TaskStatusUpdated,
+)
+from exo.shared.types.instances import Instance, PipelineInstance, ShardAssignments, TensorInstance
+from exo.shared.types.models import (
+    HuggingFaceSource,
+    LocalDirectorySource,
+    ModelCard,
+    ModelSource,
+    PypiGgufSource,
+    SamplingDefaults,
+)
+from exo.shared.types.nodes import (
+    DownloadCompleted,
+    DownloadFailed,
+    DownloadOngoing,
+    DownloadPending,
+    DownloadStatus,
+    MemoryInfo,
+    NodeInfo,
+)
+from exo.shared.types.runners import (
+    RunnerFailed,
+    RunnerIdle,
+    RunnerLoaded,
+    RunnerLoading,
+    RunnerReady,
+    RunnerRunning,
+    RunnerShutdown,
+    RunnerStatus,
+    RunnerWarmingUp,
+)
+from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
+from exo.shared.types.state import State
+from exo.shared.types.tasks import (
+    CancelTask,
+    CreateRunner,
+    DownloadModel,
+    LoadModel,
+    Shutdown,
+    StartWarmup,
+    Task,
+    TaskCancelled,
+    TaskComplete,
+    TaskFailed,
+    TaskPending,
+    TaskRunning,
+    TaskStatus,
+    TextGeneration,
+)
+from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+from exo.testing.builders import (
+    SMOLLM2,
+    make_card,
+    make_instance,
+    make_node_info,
+    make_params,
+    make_shard,
+    make_state,
+    make_text_generation_task,
+)
+from exo.worker.runner import messages
+from exo.worker.runner.messages import (
+    ChunkReport,
+    RunnerInbound,
+    RunnerOutbound,
+    RunnerStatusReport,
+    TaskStatusReport,
+    runner_inbound_adapter,
+    runner_outbound_adapter,
+)
+
+WIRE_MODULES = (
+    chunks, commands, common, events, instances, models, nodes, runners, shards, state, tasks,
+    text_generation, messages,
+)  # fmt: skip
+
+NODE = NodeId("node-a")
+COMMAND = CommandId("command-1")
+INSTANCE_ID = InstanceId("instance-1")
+RUNNER = RunnerId("instance-1-rank0")
+TASK = TaskId("task-1")
+CARD = make_card()
+PARAMS = TextGenerationTaskParams(
+    model=SMOLLM2,
+    messages=(
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content="Hi é 日本"),
+        ChatMessage(role="tool", content="42", name="calc", tool_call_id="call-1"),
+    ),
+    max_tokens=16,
+    temperature=0.0,
+    top_p=0.9,
+    top_k=40,
+    min_p=0.05,
+    seed=7,
+    stop=("\n\n", "END"),
+    stream=True,
+)
+PIPELINE = make_instance(NODE, CARD, "pipeline", "instance-1")
+TENSOR = make_instance(
+    [NODE, NodeId("node-b")], make_card(supports_tensor=True), "tensor", "instance-2"
+)
+GENERATION = make_text_generation_task(status=TaskRunning(), params=PARAMS)
+USAGE = Usage(prompt_tokens=10, completion_tokens=3)
+TOKEN_CHUNK = TokenChunk(
+    command_id=COMMAND,
+    model=SMOLLM2,
+    text="Hel",
+    token_ids=(1, 2),
+    finish_reason="stop",
+    usage=USAGE,
+)
+FULL_STATE = make_state(
+    nodes={NODE: make_node_info(1024, 2048, "laptop")},
+    instances=[PIPELINE, TENSOR],
+    tasks=[GENERATION],
+    runners={RUNNER: (NODE, RunnerReady())},
+    downloads={NODE: {SMOLLM2: DownloadCompleted(path="/models/smollm2")}},
+    last_event_applied_idx=12,
+)
+
+# Samples of every concrete wire type, keyed by class. Members with no fields next to
+# members with the same fields (TaskComplete/TaskRunning, PipelineInstance/TensorInstance)
+# check that the union tag, not the field set, picks the class.
+SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
+    # common / text generation
+    ChatMessage: [ChatMessage(role="assistant", content="")],
+    TextGenerationTaskParams: [PARAMS, make_params()],
+    # chunks
+    Usage: [USAGE],
+    TokenChunk: [TOKEN_CHUNK, TokenChunk(command_id=COMMAND, model=SMOLLM2, text="")],
+    ToolCall: [ToolCall(id="call-1", name="f", arguments='{"x": 1}')],
+    ToolCallChunk: [
+        ToolCallChunk(
+            command_id=COMMAND,
+            model=SMOLLM2,
+            tool_calls=(ToolCall(id="call-1", name="f", arguments="{}"),),
+            finish_reason="stop",
+            usage=USAGE,
+        )
+    ],
+    ErrorChunk: [ErrorChunk(command_id=COMMAND, model=SMOLLM2, error_message="boom")],
+    # models
+    HuggingFaceSource: [HuggingFaceSource(repo_id="org/model", revision="abc123")],
+    PypiGgufSource: [
+        PypiGgufSource(
+            package="llm-x", version="1.0", wheel_sha256="0" * 64, gguf_path_in_wheel="x/m.gguf"
+        )
+    ],
+    LocalDirectorySource: [LocalDirectorySource(path="/models/x")],
+    SamplingDefaults: [SamplingDefaults(temperature=0.2, top_p=0.9, top_k=5, min_p=0.1)],
+    ModelCard: [CARD],
+    # nodes
+    MemoryInfo: [MemoryInfo(total_bytes=2, available_bytes=1)],
+    NodeInfo: [
+        NodeInfo(
+            friendly_name="n",
+            memory=MemoryInfo(total_bytes=10, available_bytes=5),
+            cpu_model="x86",
+            cpu_cores=8,
+        )
+    ],
+    DownloadPending: [DownloadPending()],
+    DownloadOngoing: [DownloadOngoing(message="1/3 files")],
+    DownloadCompleted: [DownloadCompleted(path="/models/x")],
+    DownloadFailed: [DownloadFailed(error_message="disk full")],
+    # runners
+    RunnerIdle: [RunnerIdle()],
+    RunnerLoading: [RunnerLoading(layers_loaded=3, total_layers=30)],
+    RunnerLoaded: [RunnerLoaded()],
+    RunnerWarmingUp: [RunnerWarmingUp()],
+    RunnerReady: [RunnerReady()],
+    RunnerRunning: [RunnerRunning()],
+    RunnerFailed: [RunnerFailed(error_message="segfault")],
+    RunnerShutdown: [RunnerShutdown()],
+    # shards and instances
+    PipelineShardMetadata: [make_shard(CARD, "pipeline", 1, 2)],
+    TensorShardMetadata: [make_shard(CARD, "tensor", 1, 2)],
+    ShardAssignments: [PIPELINE.shard_assignments, TENSOR.shard_assignments],
+    PipelineInstance: [PIPELINE],
+    TensorInstance: [TENSOR],
+    # tasks
+    TaskPending: [TaskPending()],
+    TaskRunning: [TaskRunning()],
+    TaskComplete: [TaskComplete()],
+    TaskFailed: [TaskFailed(error_message="oom")],
+    TaskCancelled: [TaskCancelled()],
+    CreateRunner: [CreateRunner(instance_id=INSTANCE_ID, runner_id=RUNNER)],
+    DownloadModel: [DownloadModel(instance_id=INSTANCE_ID, shard=make_shard(CARD))],
+    LoadModel: [LoadModel(instance_id=INSTANCE_ID, runner_id=RUNNER, model_dir="/models/x")],
+    StartWarmup: [StartWarmup(instance_id=INSTANCE_ID, runner_id=RUNNER)],
+    TextGeneration: [GENERATION],
+    CancelTask: [CancelTask(runner_id=RUNNER, task_id=TASK)],
+    Shutdown: [Shutdown(runner_id=RUNNER)],
+    # commands
+    PlaceInstance: [
+        PlaceInstance(command_id=COMMAND, model_id=SMOLLM2),
+        PlaceInstance(
+            command_id=COMMAND,
+            model_id=SMOLLM2,
+            sharding="tensor",
+            min_nodes=2,
+            node_ids=(NODE, NodeId("node-b")),
+        ),
+    ],
+    DeleteInstance: [DeleteInstance(command_id=COMMAND, instance_id=INSTANCE_ID)],
+    GenerateText: [GenerateText(command_id=COMMAND, params=PARAMS)],
+    CancelGeneration: [CancelGeneration(command_id=COMMAND, target_command_id=CommandId("c-0"))],
+    ForwarderCommand: [
+        ForwarderCommand(
+            origin=NODE, command=CancelGeneration(command_id=COMMAND, target_command_id=COMMAND)
+        )
+    ],
+    # events
+    InstanceCreated: [InstanceCreated(instance=TENSOR, command_id=COMMAND)],
+    InstanceDeleted: [InstanceDeleted(instance_id=INSTANCE_ID)],
+    TaskCreated: [TaskCreated(task=GENERATION)],
+    TaskStatusUpdated: [
+        TaskStatusUpdated(task_id=TASK, status=TaskComplete()),
+        TaskStatusUpdated(task_id=TASK, status=TaskRunning()),
+    ],
+    RunnerStatusUpdated: [
+        RunnerStatusUpdated(runner_id=RUNNER, node_id=NODE, status=RunnerLoaded()),
+        RunnerStatusUpdated(runner_id=RUNNER, node_id=NODE, status=RunnerWarmingUp()),
+    ],
+    RunnerDeleted: [RunnerDeleted(runner_id=RUNNER)],
+    NodeGatheredInfo: [NodeGatheredInfo(node_id=NODE, info=make_node_info(5))],
+    NodeDownloadProgress: [
+        NodeDownloadProgress(node_id=NODE, model_id=SMOLLM2, status=DownloadPending())
+    ],
+    CommandRejected: [
+        CommandRejected(command_id=COMMAND, origin=NODE, reason="unknown", status_code=404)
+    ],
+    ForwarderEvent: [
+        ForwarderEvent(origin=NODE, origin_idx=3, event=RunnerDeleted(runner_id=RUNNER))
+    ],
+    IndexedEvent: [IndexedEvent(idx=0, event=TaskCreated(task=GENERATION))],
+    State: [State(), FULL_STATE],
+    # runner IPC
+    RunnerStatusReport: [RunnerStatusReport(status=RunnerLoading(layers_loaded=0, total_layers=1))],
+    TaskStatusReport: [TaskStatusReport(task_id=TASK, status=TaskCancelled())],
+    ChunkReport: [ChunkReport(chunk=TOKEN_CHUNK)],
+}
+
+UNIONS: dict[str, Any] = {
+    "Event": Event,
+    "Command": Command,
+    "Task": Task,
+    "TaskStatus": TaskStatus,
+    "RunnerStatus": RunnerStatus,
+    "Chunk": Chunk,
+    "ShardMetadata": ShardMetadata,
+    "Instance": Instance,
+    "DownloadStatus": DownloadStatus,
+    "ModelSource": ModelSource,
+    "RunnerInbound": RunnerInbound,
+    "RunnerOutbound": RunnerOutbound,
+}
+
+ALL_SAMPLES = [sample for samples in SAMPLES.values() for sample in samples]
+
+
+def union_members(union: Any) -> tuple[type[BaseModel], ...]:
+    """The classes of an `Annotated[A | B | ..., Field(discriminator=...)]` union."""
+    members: tuple[type[BaseModel], ...] = get_args(get_args(union)[0])
+    return members
+
+
+def wire_classes() -> set[type[BaseModel]]:
+    """Every public FrozenModel subclass defined in the wire-type modules."""
+    found: set[type[BaseModel]] = set()
+    pending: list[type[BaseModel]] = [FrozenModel]
+    while pending:
+        cls = pending.pop()
+        for sub in cls.__subclasses__():
+            pending.append(sub)
+            defined_in_wire_module = any(sub.__module__ == m.__name__ for m in WIRE_MODULES)
+            if defined_in_wire_module and not sub.__name__.startswith("_"):
+                found.add(sub)
+    return found
+
+
+def sample_id(sample: BaseModel) -> str:
+    return type(sample).__name__
+
+
+def test_every_wire_class_has_a_sample() -> None:
+    missing = {cls.__name__ for cls in wire_classes()} - {cls.__name__ for cls in SAMPLES}
+    assert missing == set()
+    for cls, samples in SAMPLES.items():
+        assert samples, cls
+        assert all(type(sample) is cls for sample in samples), cls
+
+
+@pytest.mark.parametrize("name", UNIONS)
+def test_every_union_member_has_a_sample(name: str) -> None:
+    members = union_members(UNIONS[name])
+    assert len(members) >= 2
+    assert [m.__name__ for m in members if m not in SAMPLES] == []
+
+
+@pytest.mark.parametrize("sample", ALL_SAMPLES, ids=sample_id)
+def test_model_round_trips_through_json(sample: BaseModel) -> None:
+    restored = type(sample).model_validate_json(sample.model_dump_json())
+    assert type(restored) is type(sample)
+    assert restored == sample
+    assert restored.model_dump_json() == sample.model_dump_json()
+
+
+@pytest.mark.parametrize("name", UNIONS)
+def test_union_round_trips_every_member_as_its_own_class(name: str) -> None:
+    adapter: TypeAdapter[Any] = TypeAdapter(UNIONS[name])
+    for member in union_members(UNIONS[name]):
+        for sample in SAMPLES[member]:
+            restored = adapter.validate_json(adapter.dump_json(sample))
+            assert type(restored) is member
+            assert restored == sample
+
+
+def test_runner_adapters_keep_the_member_class() -> None:
+    adapters: list[tuple[TypeAdapter[Any], Any]] = [
+        (runner_inbound_adapter, RunnerInbound),
+        (runner_outbound_adapter, RunnerOutbound),
+    ]
+    for adapter, union in adapters:
+        for member in union_members(union):
+            for sample in SAMPLES[member]:
+                assert type(adapter.validate_json(adapter.dump_json(sample))) is member
+
+
+def test_fieldless_members_keep_their_tag_inside_events() -> None:
+    # TaskComplete is terminal and TaskRunning is not: confusing them loses or keeps a task.
+    event = TaskStatusUpdated(task_id=TASK, status=TaskComplete())
+    restored = IndexedEvent.model_validate_json(IndexedEvent(idx=4, event=event).model_dump_json())
+    assert isinstance(restored.event, TaskStatusUpdated)
+    assert type(restored.event.status) is TaskComplete
+    tensor = InstanceCreated.model_validate_json(InstanceCreated(instance=TENSOR).model_dump_json())
+    assert type(tensor.instance) is TensorInstance
+
+
+def test_ids_come_back_as_their_own_class() -> None:
+    restored = State.model_validate_json(FULL_STATE.model_dump_json())
+    assert {type(key) for key in restored.instances} == {InstanceId}
+    assert {type(key) for key in restored.tasks} == {TaskId}
+    assert {type(key) for key in restored.runners} == {RunnerId}
+    assert {type(value) for value in restored.runner_nodes.values()} == {NodeId}
+    assert {type(key) for key in restored.node_info} == {NodeId}
+    assert {type(key) for key in restored.downloads[NODE]} == {ModelId}
+    assignments = restored.instances[INSTANCE_ID].shard_assignments
+    assert type(assignments.model_id) is ModelId
+    assert {type(key) for key in assignments.runner_to_shard} == {RunnerId}
+    assert {type(key) for key in assignments.node_to_runner} == {NodeId}
+    task = restored.tasks[TASK]
+    assert (type(task.command_id), type(task.origin_node_id)) == (CommandId, NodeId)
+    assert type(task.params.model) is ModelId
+    forwarded = ForwarderCommand.model_validate_json(SAMPLES[ForwarderCommand][0].model_dump_json())
+    assert type(forwarded.origin) is NodeId
+
+
+def test_ids_serialize_as_plain_strings() -> None:
+    assert json.loads(Shutdown(runner_id=RUNNER).model_dump_json()) == {
+        "kind": "Shutdown",
+        "runner_id": "instance-1-rank0",
+    }
+    assert repr(NodeId("node-a")) == "NodeId('node-a')"
+    assert NodeId.new() != NodeId.new()
+
+
+def test_empty_id_is_rejected() -> None:
+    with pytest.raises(ValidationError):
+        Shutdown.model_validate_json('{"kind": "Shutdown", "runner_id": ""}')
+
+
+@pytest.mark.parametrize("sample", ALL_SAMPLES, ids=sample_id)
+def test_unknown_fields_are_rejected(sample: BaseModel) -> None:
+    data = json.loads(sample.model_dump_json())
+    data["unexpected_field"] = 1
+    with pytest.raises(ValidationError, match="unexpected_field"):
+        type(sample).model_validate_json(json.dumps(data))
+
+
+def test_unknown_fields_are_rejected_inside_unions() -> None:
+    adapter: TypeAdapter[Any] = TypeAdapter(Event)
+    with pytest.raises(ValidationError, match="extra"):
+        adapter.validate_json('{"kind": "RunnerDeleted", "runner_id": "r", "extra": true}')
+    with pytest.raises(ValidationError):
+        adapter.validate_json('{"kind": "RunnerExploded", "runner_id": "r"}')
+
+
+def test_models_are_frozen_and_strict() -> None:
+    with pytest.raises(ValidationError):
+        USAGE.prompt_tokens = 5  # type: ignore[misc]
+    with pytest.raises(ValidationError):
+        Usage.model_validate({"prompt_tokens": "10", "completion_tokens": 1})
+
+
+def test_repr_truncates_a_long_prompt() -> None:
+    prompt = "Tell me a story about a lighthouse keeper. " * 500
+    message = ChatMessage(role="user", content=prompt)
+    text = repr(message)
+    assert len(text) < len(prompt)
+    assert prompt[:80] in text
+    assert f"…(+{len(prompt) - 80} chars)" in text
+    nested = repr(GenerateText(command_id=COMMAND, params=make_params(prompt)))
+    assert len(nested) < len(prompt)
+    assert prompt[:80] in nested
+
+
+def test_repr_keeps_short_strings_whole() -> None:
+    assert truncate_for_repr("short") == "short"
+    assert truncate_for_repr("x" * 80) == "x" * 80
+    assert truncate_for_repr("x" * 81) == "x" * 80 + "…(+1 chars)"
+    assert "content='hi'" in repr(ChatMessage(role="user", content="hi"))

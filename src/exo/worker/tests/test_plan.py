@@ -1,0 +1,226 @@
+"""The worker's `plan`, stepped through a runner's whole life."""
+
+from collections.abc import Mapping
+
+import pytest
+
+from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId, TaskId
+from exo.shared.types.nodes import (
+    DownloadCompleted,
+    DownloadFailed,
+    DownloadOngoing,
+    DownloadPending,
+    DownloadStatus,
+)
+from exo.shared.types.runners import (
+    RunnerFailed,
+    RunnerIdle,
+    RunnerLoaded,
+    RunnerLoading,
+    RunnerReady,
+    RunnerRunning,
+    RunnerShutdown,
+    RunnerStatus,
+    RunnerWarmingUp,
+)
+from exo.shared.types.state import State
+from exo.shared.types.tasks import (
+    CancelTask,
+    CreateRunner,
+    DownloadModel,
+    LoadModel,
+    Shutdown,
+    StartWarmup,
+    Task,
+    TaskRunning,
+    TextGeneration,
+)
+from exo.testing.builders import (
+    SMOLLM2,
+    make_instance,
+    make_state,
+    make_text_generation_task,
+)
+from exo.worker.plan import LocalRunner, plan
+
+NODE = NodeId("node-a")
+OTHER_NODE = NodeId("node-b")
+INSTANCE = make_instance(NODE, instance_id="instance-1")
+INSTANCE_ID = INSTANCE.instance_id
+RUNNER = RunnerId("instance-1-rank0")
+NOW = 1000.0
+MODEL_DIR = "/models/smollm2"
+
+
+def run_plan(
+    state: State,
+    runners: Mapping[RunnerId, LocalRunner] | None = None,
+    downloads: Mapping[ModelId, DownloadStatus] | None = None,
+    retry_after: Mapping[str, float] | None = None,
+    node_id: NodeId = NODE,
+) -> Task | None:
+    return plan(node_id, state, runners or {}, downloads or {}, retry_after or {}, NOW)
+
+
+def local(
+    status: RunnerStatus,
+    in_flight: tuple[str, ...] = (),
+    loading: bool = False,
+    instance_id: InstanceId = INSTANCE_ID,
+) -> LocalRunner:
+    return LocalRunner(
+        instance_id=instance_id,
+        status=status,
+        in_flight=frozenset(TaskId(task_id) for task_id in in_flight),
+        loading=loading,
+    )
+
+
+def task(task_id: str, instance_id: str = "instance-1") -> TextGeneration:
+    return make_text_generation_task(instance_id=instance_id, task_id=task_id)
+
+
+COMPLETED = {SMOLLM2: DownloadCompleted(path=MODEL_DIR)}
+
+
+def test_full_lifecycle_step_by_step() -> None:
+    state = make_state(instances=[INSTANCE])
+    shard = INSTANCE.shard_assignments.runner_to_shard[RUNNER]
+
+    assert run_plan(state) == CreateRunner(instance_id=INSTANCE_ID, runner_id=RUNNER)
+    idle = {RUNNER: local(RunnerIdle())}
+    assert run_plan(state, idle) == DownloadModel(instance_id=INSTANCE_ID, shard=shard)
+    assert run_plan(state, idle, {SMOLLM2: DownloadPending()}) is None
+    assert run_plan(state, idle, {SMOLLM2: DownloadOngoing(message="2/5")}) is None
+    assert run_plan(state, idle, COMPLETED) == LoadModel(
+        instance_id=INSTANCE_ID, runner_id=RUNNER, model_dir=MODEL_DIR
+    )
+    # LoadModel sent, the runner has not reported yet.
+    assert run_plan(state, {RUNNER: local(RunnerIdle(), loading=True)}, COMPLETED) is None
+    loading = {RUNNER: local(RunnerLoading(layers_loaded=3, total_layers=30))}
+    assert run_plan(state, loading, COMPLETED) is None
+    assert run_plan(state, {RUNNER: local(RunnerLoaded())}, COMPLETED) == StartWarmup(
+        instance_id=INSTANCE_ID, runner_id=RUNNER
+    )
+    assert run_plan(state, {RUNNER: local(RunnerLoaded(), loading=True)}, COMPLETED) is None
+    assert run_plan(state, {RUNNER: local(RunnerWarmingUp())}, COMPLETED) is None
+    assert run_plan(state, {RUNNER: local(RunnerReady())}, COMPLETED) is None
+
+    # Tasks are forwarded first created, first served (not by id).
+    state = make_state(instances=[INSTANCE], tasks=[task("task-b"), task("task-a")])
+    assert run_plan(state, {RUNNER: local(RunnerReady())}, COMPLETED) == task("task-b")
+    running = {RUNNER: local(RunnerRunning(), in_flight=("task-b",))}
+    assert run_plan(state, running, COMPLETED) == task("task-a")
+    both = {RUNNER: local(RunnerRunning(), in_flight=("task-a", "task-b"))}
+    assert run_plan(state, both, COMPLETED) is None
+
+    # task-b finished (removed from state) but the runner still holds it.
+    state = make_state(instances=[INSTANCE], tasks=[task("task-a")])
+    assert run_plan(state, both, COMPLETED) == CancelTask(
+        runner_id=RUNNER, task_id=TaskId("task-b")
+    )
+
+    # The instance is deleted: the runner goes.
+    assert run_plan(make_state(), both, COMPLETED) == Shutdown(runner_id=RUNNER)
+
+
+def test_task_that_is_no_longer_pending_is_not_forwarded() -> None:
+    started = make_text_generation_task(task_id="task-1", status=TaskRunning())
+    state = make_state(instances=[INSTANCE], tasks=[started])
+    assert run_plan(state, {RUNNER: local(RunnerRunning())}, COMPLETED) is None
+
+
+def test_tasks_of_other_instances_are_not_forwarded() -> None:
+    other = make_instance(OTHER_NODE, instance_id="instance-2")
+    state = make_state(instances=[INSTANCE, other], tasks=[task("task-x", "instance-2")])
+    assert run_plan(state, {RUNNER: local(RunnerReady())}, COMPLETED) is None
+
+
+@pytest.mark.parametrize("status", [RunnerIdle(), RunnerLoaded(), RunnerWarmingUp()])
+def test_tasks_wait_until_the_runner_is_ready(status: RunnerStatus) -> None:
+    state = make_state(instances=[INSTANCE], tasks=[task("task-1")])
+    result = run_plan(state, {RUNNER: local(status, loading=True)}, COMPLETED)
+    assert result is None
+
+
+@pytest.mark.parametrize(
+    "status", [RunnerFailed(error_message="crashed"), RunnerShutdown()], ids=lambda s: s.kind
+)
+def test_failed_or_stopped_runner_is_shut_down(status: RunnerStatus) -> None:
+    state = make_state(instances=[INSTANCE], tasks=[task("task-1")])
+    assert run_plan(state, {RUNNER: local(status)}, COMPLETED) == Shutdown(runner_id=RUNNER)
+
+
+def test_shutdown_comes_before_cancelling() -> None:
+    runners = {RUNNER: local(RunnerRunning(), in_flight=("gone",))}
+    assert run_plan(make_state(), runners) == Shutdown(runner_id=RUNNER)
+
+
+def test_runner_not_assigned_to_this_node_is_shut_down() -> None:
+    # Same instance id, but the instance now puts this runner on another node.
+    moved = make_instance(OTHER_NODE, instance_id="instance-1")
+    state = make_state(instances=[moved])
+    assert run_plan(state, {RUNNER: local(RunnerReady())}) == Shutdown(runner_id=RUNNER)
+
+
+def test_create_runner_waits_for_retry_after() -> None:
+    state = make_state(instances=[INSTANCE])
+    assert run_plan(state, retry_after={RUNNER: NOW + 5}) is None
+    assert run_plan(state, retry_after={RUNNER: NOW}) == CreateRunner(
+        instance_id=INSTANCE_ID, runner_id=RUNNER
+    )
+    assert run_plan(state, retry_after={RUNNER: NOW - 5}) == CreateRunner(
+        instance_id=INSTANCE_ID, runner_id=RUNNER
+    )
+
+
+def test_failed_download_is_retried_only_after_retry_after() -> None:
+    state = make_state(instances=[INSTANCE])
+    runners = {RUNNER: local(RunnerIdle())}
+    failed = {SMOLLM2: DownloadFailed(error_message="connection reset")}
+    assert run_plan(state, runners, failed, {SMOLLM2: NOW + 30}) is None
+    expected = DownloadModel(
+        instance_id=INSTANCE_ID, shard=INSTANCE.shard_assignments.runner_to_shard[RUNNER]
+    )
+    assert run_plan(state, runners, failed, {SMOLLM2: NOW - 1}) == expected
+    assert run_plan(state, runners, failed) == expected
+
+
+def test_runners_of_other_nodes_are_ignored() -> None:
+    other = make_instance(OTHER_NODE, instance_id="instance-2")
+    other_runner = RunnerId("instance-2-rank0")
+    state = make_state(
+        instances=[other],
+        tasks=[task("task-1", "instance-2")],
+        runners={other_runner: (OTHER_NODE, RunnerReady())},
+    )
+    assert run_plan(state) is None
+    # The other node plans its own runner.
+    assert run_plan(state, node_id=OTHER_NODE) == CreateRunner(
+        instance_id=InstanceId("instance-2"), runner_id=other_runner
+    )
+
+
+def test_two_rank_instance_creates_only_this_nodes_runner_and_forwards_on_rank_zero() -> None:
+    instance = make_instance([OTHER_NODE, NODE], instance_id="instance-1")
+    rank_zero, rank_one = RunnerId("instance-1-rank0"), RunnerId("instance-1-rank1")
+    state = make_state(instances=[instance], tasks=[task("task-1")])
+    assert run_plan(state) == CreateRunner(instance_id=INSTANCE_ID, runner_id=rank_one)
+    # The rank 1 runner is ready, but only rank 0 receives generation tasks.
+    assert run_plan(state, {rank_one: local(RunnerReady())}, COMPLETED) is None
+    assert run_plan(state, node_id=OTHER_NODE) == CreateRunner(
+        instance_id=INSTANCE_ID, runner_id=rank_zero
+    )
+    assert run_plan(
+        state, {rank_zero: local(RunnerReady())}, COMPLETED, node_id=OTHER_NODE
+    ) == task("task-1")
+
+
+def test_several_instances_are_created_in_id_order() -> None:
+    second = make_instance(NODE, instance_id="instance-2")
+    state = make_state(instances=[second, INSTANCE])
+    assert run_plan(state) == CreateRunner(instance_id=INSTANCE_ID, runner_id=RUNNER)
+    runners = {RUNNER: local(RunnerIdle())}
+    assert run_plan(state, runners) == CreateRunner(
+        instance_id=InstanceId("instance-2"), runner_id=RunnerId("instance-2-rank0")
+    )
