@@ -120,7 +120,9 @@ def main() -> None:
         process, url, _ = start_node()
     try:
         wait_ready(url)
-        print(f"{'prompt':>7} {'decoded':>8} {'TTFT s':>8} {'prefill tok/s':>14} {'decode tok/s':>13}")
+        print(
+            f"{'prompt':>7} {'decoded':>8} {'TTFT s':>8} {'prefill tok/s':>14} {'decode tok/s':>13}"
+        )
         with httpx.Client(timeout=300) as client:
             one_run(client, url, prompt_of(32), 8)  # first request after warm-up
             for size in (int(s) for s in args.sizes.split(",")):

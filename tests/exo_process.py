@@ -54,7 +54,9 @@ def wait_until(
         if result:
             return result
         time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what} (last error: {last_error})")
+    raise TimeoutError(
+        f"timed out after {timeout:.0f}s waiting for {what} (last error: {last_error})"
+    )
 
 
 class ExoNode:
@@ -86,8 +88,14 @@ class ExoNode:
             env["EXO_MODELS_DIR"] = str(self.models_dir)
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
-            [exo_command(), "--api-host", "127.0.0.1", "--api-port", str(self.port),
-             *self.extra_args],
+            [
+                exo_command(),
+                "--api-host",
+                "127.0.0.1",
+                "--api-port",
+                str(self.port),
+                *self.extra_args,
+            ],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -124,9 +132,13 @@ class ExoNode:
                     ready.append(runner_id)
         return ready
 
-    def wait_ready(self, model_id: str = DEFAULT_MODEL_ID, timeout: float = READY_TIMEOUT_SECONDS) -> str:
+    def wait_ready(
+        self, model_id: str = DEFAULT_MODEL_ID, timeout: float = READY_TIMEOUT_SECONDS
+    ) -> str:
         runner_ids: list[str] = wait_until(
-            lambda: self.ready_runner_ids(model_id), timeout=timeout, interval=0.5,
+            lambda: self.ready_runner_ids(model_id),
+            timeout=timeout,
+            interval=0.5,
             what=f"{model_id} ready",
         )
         return runner_ids[0]

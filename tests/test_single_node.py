@@ -17,7 +17,9 @@ LONG_ANSWER = [{"role": "user", "content": "Write a very long story about a drag
 
 
 def client_for(node: ExoNode, timeout: float = 120.0) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", timeout=timeout, max_retries=0)
+    return openai.OpenAI(
+        base_url=f"{node.url}/v1", api_key="unused", timeout=timeout, max_retries=0
+    )
 
 
 def loading_events(node: ExoNode) -> list[dict]:
@@ -122,9 +124,10 @@ def test_client_disconnect_cancels_generation(default_node: ExoNode) -> None:
         "temperature": 0,
         "stream": True,
     }
-    with httpx.Client(timeout=60) as http, http.stream(
-        "POST", f"{default_node.url}/v1/chat/completions", json=body
-    ) as response:
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{default_node.url}/v1/chat/completions", json=body) as response,
+    ):
         assert response.status_code == 200
         lines = response.iter_lines()
         content_lines = 0
@@ -173,12 +176,15 @@ def test_runner_killed_mid_request_fails_request_then_recovers(default_node: Exo
 
 
 def test_placement_routes_and_restart_replay(tmp_path: Path, shared_models_dir: Path) -> None:
-    node = ExoNode(tmp_path / "home", models_dir=shared_models_dir, extra_args=("--no-default-model",))
+    node = ExoNode(
+        tmp_path / "home", models_dir=shared_models_dir, extra_args=("--no-default-model",)
+    )
     node.start()
     try:
         # Known model, nothing placed: 404 that says how to place it.
         response = httpx.post(
-            f"{node.url}/v1/chat/completions", json={"model": DEFAULT_MODEL_ID, "messages": QUESTION}
+            f"{node.url}/v1/chat/completions",
+            json={"model": DEFAULT_MODEL_ID, "messages": QUESTION},
         )
         assert response.status_code == 404
         assert "/place_instance" in response.json()["error"]["message"]

@@ -172,9 +172,12 @@ class Node:
                 return
 
     async def _announce(self) -> None:
-        with anyio.fail_after(30):
+        with anyio.move_on_after(30) as waiting:
             while not self.api.started:
                 await anyio.sleep(0.05)
+        if waiting.cancelled_caught:
+            logger.error("the API server did not start within 30 s")
+            return
         console = Console(stderr=True)
         port = self.options.api_port
         host = self.options.api_host
@@ -191,10 +194,13 @@ class Node:
     async def _place_default_model(self) -> None:
         """On a node with no instance, place the default model so a fresh install answers."""
         state = self.cluster.state
-        with anyio.fail_after(60):
+        with anyio.move_on_after(60):
             while self.node_id not in state.node_info:
                 await self.cluster.state_changed.wait()
                 state = self.cluster.state
+        if self.node_id not in state.node_info:
+            logger.error("this node's resources never reached the cluster state; not placing")
+            return
         if state.instances:
             return
         logger.info(f"placing the default model {DEFAULT_MODEL_ID}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import ExitStack
 from typing import Annotated
 
 import anyio
@@ -56,12 +57,14 @@ async def chat_completions(
         raise ModelNotFoundError(no_instance_message(params.model), code="no_instance")
     command = GenerateText(command_id=CommandId.new(), params=params)
     completion_id, created = new_completion_id(), int(time.time())
-    stream_context = cluster.chunk_stream(command.command_id)
-    chunks = stream_context.__enter__()
+    # Registered before submitting, so no chunk can arrive unheard; released by whoever
+    # finishes last (this handler, or the streaming body after the response started).
+    resources = ExitStack()
+    chunks = resources.enter_context(cluster.chunk_stream(command.command_id))
     try:
         await _submit(cluster, command)
     except BaseException:
-        stream_context.__exit__(None, None, None)
+        resources.close()
         raise
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -79,17 +82,15 @@ async def chat_completions(
                     yield event
                 finished = True
             finally:
-                if not finished:
+                if not finished:  # the client went away mid-stream
                     _cancel(cluster, command.command_id)
-                stream_context.__exit__(None, None, None)
+                resources.close()
 
         return StreamingResponse(sse(), media_type="text/event-stream")
-    try:
+    with resources:
         return await _collect_unless_disconnected(
             request, cluster, command.command_id, chunks, completion_id, params.model, created
         )
-    finally:
-        stream_context.__exit__(None, None, None)
 
 
 async def _submit(cluster: ClusterClient, command: GenerateText) -> None:

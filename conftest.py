@@ -1,0 +1,7 @@
+import pytest
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    # exo runs on asyncio only.
+    return "asyncio"
