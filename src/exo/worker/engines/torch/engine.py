@@ -53,12 +53,15 @@ class GeneratedPiece:
     usage: Usage | None
 
 
-def _default_thread_count() -> int:
-    """One intra-op thread per CPU this process may run on (more only adds contention)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)
+def _configure_cpu_threads() -> None:
+    """Keep torch's default (one intra-op thread per physical core, or OMP_NUM_THREADS) but
+    never more threads than CPUs this process may run on: oversubscribed OpenMP threads
+    spin-wait on each other and decode several times slower."""
+    if "OMP_NUM_THREADS" in os.environ or not hasattr(os, "sched_getaffinity"):
+        return
+    allowed = max(1, len(os.sched_getaffinity(0)))
+    if torch.get_num_threads() > allowed:
+        torch.set_num_threads(allowed)
 
 
 def _eos_token_ids(model_dir: Path, tokenizer: Any, model: PreTrainedModel) -> frozenset[int]:
@@ -122,7 +125,7 @@ class TorchEngine:
         """
         torch_device = torch.device(device)
         if torch_device.type == "cpu":
-            torch.set_num_threads(_default_thread_count())
+            _configure_cpu_threads()
         started = time.perf_counter()
         model = load_model(model_dir, shard, torch_device, on_layer_loaded)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -1,16 +1,106 @@
 """Prefill and decode over one request's KV cache.
 
 The model's own forward is called directly with a transformers cache object (no `generate()`
-machinery per token). The cache grows with the sequence (`DynamicCache`): on CPU a static
-cache sized to the whole context makes every decode step attend over, and read, all of it
-(measured on the 2-core reference machine with SmolLM2-135M: 28.5 tok/s dynamic vs 23 tok/s
-static + torch.compile, which also took ~57 s to compile).
+machinery per token). Full-attention layers keep keys/values in buffers preallocated for the
+request (`PreallocatedLayer`): appending a token writes one position, where transformers'
+`DynamicLayer` re-concatenates the whole cache every step (O(length) copy per token), and
+attention sees only the filled prefix, where `StaticCache` attends over (and reads) the whole
+capacity. `torch.empty` only reserves the buffers; the OS backs pages as they are written.
+(Measured on the 2-core reference machine, SmolLM2-135M: StaticCache + torch.compile decoded
+slower than eager and took ~57 s to compile, so the engine runs eager.)
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A full-attention cache layer backed by `[batch, kv_heads, capacity, head_dim]` buffers.
+
+    `keys` / `values` are views of the filled prefix `[batch, kv_heads, length, head_dim]`, so
+    the model's attention and mask code treat it exactly like a `DynamicLayer`.
+
+    Args:
+        capacity_tokens: positions to reserve; exceeding them grows the buffers (doubling).
+    """
+
+    def __init__(self, capacity_tokens: int) -> None:
+        super().__init__()
+        self._capacity = max(1, capacity_tokens)
+        self._length = 0
+        self._key_buffer = torch.empty(0)
+        self._value_buffer = torch.empty(0)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        batch, heads = key_states.shape[:2]
+        self._key_buffer = key_states.new_empty(
+            (batch, heads, self._capacity, key_states.shape[-1])
+        )
+        self._value_buffer = value_states.new_empty(
+            (batch, heads, self._capacity, value_states.shape[-1])
+        )
+        self._length = 0
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, 2 * self._capacity)
+        for name in ("_key_buffer", "_value_buffer"):
+            old: torch.Tensor = getattr(self, name)
+            new = old.new_empty((*old.shape[:2], capacity, old.shape[-1]))
+            new[:, :, : self._length].copy_(old[:, :, : self._length])
+            setattr(self, name, new)
+        self._capacity = capacity
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `[batch, kv_heads, new, head_dim]` states; returns all cached keys, values."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self._length, self._length + key_states.shape[-2]
+        if end > self._capacity:
+            self._grow(end)
+        self._key_buffer[:, :, start:end].copy_(key_states)
+        self._value_buffer[:, :, start:end].copy_(value_states)
+        self._length = end
+        self.keys = self._key_buffer[:, :, :end]
+        self.values = self._value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last `-tokens_to_remove` positions (transformers' negative convention)."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self._length = max(0, self._length + tokens_to_remove)
+        self.keys = self._key_buffer[:, :, : self._length]
+        self.values = self._value_buffer[:, :, : self._length]
+
+    def reset(self) -> None:
+        super().reset()
+        self._length = 0
+        self._key_buffer = self._value_buffer = torch.empty(0)
+
+
+def new_request_cache(model: PreTrainedModel, capacity_tokens: int) -> DynamicCache:
+    """A cache for one request: the model's usual layer types, with every plain full-attention
+    layer replaced by a `PreallocatedLayer` of `capacity_tokens` positions."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [
+        PreallocatedLayer(capacity_tokens) if type(layer) is DynamicLayer else layer
+        for layer in cache.layers
+    ]
+    return cache
+
 
 # Prompts are prefilled in chunks so activation memory stays bounded for long contexts
 # ([chunk, intermediate] MLP activations, [heads, chunk, keys] attention scores).
@@ -31,7 +121,7 @@ class DecodeSession:
     def __init__(self, model: PreTrainedModel, device: torch.device, capacity_tokens: int):
         self._model = model
         self._device = device
-        self._cache: DynamicCache | None = DynamicCache(config=model.config)
+        self._cache: DynamicCache | None = new_request_cache(model, capacity_tokens)
         self.capacity_tokens = capacity_tokens
         self.position = 0  # tokens already in the cache
 

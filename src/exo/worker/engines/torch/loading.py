@@ -7,6 +7,7 @@ import re
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from loguru import logger
@@ -124,7 +125,7 @@ def load_model(
     total_layers = shard.model_card.n_layers
     if on_layer_loaded is not None:
         on_layer_loaded(0, total_layers)
-    handles: dict[Path, object] = {}
+    handles: dict[Path, Any] = {}
     unexpected: list[str] = []
     try:
         for done, index in enumerate([None, *layer_indices]):
@@ -132,7 +133,7 @@ def load_model(
                 handle = handles.get(path)
                 if handle is None:
                     handle = handles[path] = safe_open(str(path), framework="pt")
-                tensor = handle.get_tensor(name)  # type: ignore[attr-defined]
+                tensor = handle.get_tensor(name)
                 tensor = tensor.to(device=device, dtype=torch.float32)
                 if not _assign_tensor(model, name, tensor):
                     unexpected.append(name)
@@ -152,9 +153,8 @@ def load_model(
         raise ValueError(
             f"{model_dir} lacks {len(missing)} tensors the model needs, e.g. {missing[:5]}"
         )
-    torch.nn.Module.to(
-        model, device
-    )  # non-persistent buffers (rotary frequencies) follow the weights
+    # Non-persistent buffers (rotary frequencies) follow the weights.
+    torch.nn.Module.to(model, device)
     model.eval()
     model.requires_grad_(False)
     return model
