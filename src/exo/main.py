@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import sys
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 import anyio
 from loguru import logger
+from pydantic import TypeAdapter
 from rich.console import Console
 
 from exo.api.cluster import ClusterClient, CommandRejectedError, CommandTimeoutError
@@ -17,22 +19,27 @@ from exo.api.main import Api, bind_api_socket
 from exo.master.decisions import events_after_restart
 from exo.master.event_log import EventLog
 from exo.master.main import Master
-from exo.routing.router import Router
+from exo.routing.zenoh_router import DEFAULT_ZENOH_PORT, NetworkRouter
 from exo.shared.apply import apply_all
 from exo.shared.constants import (
     DEFAULT_API_PORT,
+    PROTOCOL_VERSION,
     event_log_path,
     exo_home,
     models_dir,
     node_id_path,
 )
+from exo.shared.election import Election, ElectionMessage
 from exo.shared.local_events import LocalEventSender
 from exo.shared.models.cards import load_builtin_cards
-from exo.shared.types.commands import PlaceInstance
+from exo.shared.replica import Replica
+from exo.shared.types.commands import Command, ForwarderCommand, PlaceInstance
 from exo.shared.types.common import CommandId, ModelId, NodeId
+from exo.shared.types.events import RunnerDeleted
 from exo.shared.types.runners import RunnerReady
 from exo.shared.types.state import State
 from exo.utils.info_gatherer import InfoGatherer
+from exo.utils.topology import TopologyProber
 from exo.worker.main import Worker
 
 DEFAULT_MODEL_ID = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -40,8 +47,13 @@ DEFAULT_MODEL_ID = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
 
 @dataclass(frozen=True)
 class Options:
-    api_host: str
+    host: str
     api_port: int
+    zenoh_port: int
+    namespace: str
+    bootstrap_peers: tuple[str, ...]
+    multicast: bool
+    force_master: bool
     log_level: str
     offline: bool
     default_model: bool
@@ -51,16 +63,44 @@ def parse_args(argv: list[str] | None = None) -> Options:
     parser = argparse.ArgumentParser(
         prog="exo",
         description=(
-            "Run an exo node: serve AI models from the machines you own through the "
-            f"OpenAI-compatible API on port {DEFAULT_API_PORT}."
+            "Run an exo node. Nodes on the same network find each other, form one cluster "
+            "and serve its models through the OpenAI-compatible API on port "
+            f"{DEFAULT_API_PORT} of every node."
         ),
     )
     parser.add_argument(
         "--api-port", type=int, default=DEFAULT_API_PORT, help="HTTP API port (default %(default)s)"
     )
     parser.add_argument(
-        "--api-host", default="0.0.0.0", help="address the API listens on (default %(default)s)"
+        "--host",
+        "--api-host",
+        dest="host",
+        default="0.0.0.0",
+        help="address the API and the cluster links listen on (default %(default)s: all)",
     )
+    parser.add_argument(
+        "--zenoh-port",
+        type=int,
+        default=DEFAULT_ZENOH_PORT,
+        help="TCP port for links between nodes (default %(default)s)",
+    )
+    parser.add_argument(
+        "--namespace",
+        default=os.environ.get("EXO_NAMESPACE") or PROTOCOL_VERSION,
+        help="cluster name: nodes only join nodes with the same one (env EXO_NAMESPACE)",
+    )
+    parser.add_argument(
+        "--bootstrap-peers",
+        default="",
+        help="comma-separated peers to connect to, e.g. tcp/192.168.1.7:52414 "
+        "(for networks without multicast)",
+    )
+    parser.add_argument(
+        "--no-multicast",
+        action="store_true",
+        help="do not look for peers by multicast (use --bootstrap-peers)",
+    )
+    parser.add_argument("--force-master", action="store_true", help="win every master election")
     verbosity = parser.add_mutually_exclusive_group()
     verbosity.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
     verbosity.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
@@ -75,12 +115,24 @@ def parse_args(argv: list[str] | None = None) -> Options:
         help=f"do not place {DEFAULT_MODEL_ID} when the cluster has no instance",
     )
     args = parser.parse_args(argv)
-    if not 0 < args.api_port < 65536:
-        parser.error(f"--api-port must be between 1 and 65535, not {args.api_port}")
+    for flag, port in (("--api-port", args.api_port), ("--zenoh-port", args.zenoh_port)):
+        if not 0 < port < 65536:
+            parser.error(f"{flag} must be between 1 and 65535, not {port}")
+    if args.api_port == args.zenoh_port:
+        parser.error("--api-port and --zenoh-port must differ")
+    peers = tuple(p.strip() for p in args.bootstrap_peers.split(",") if p.strip())
+    for peer in peers:
+        if not peer.startswith(("tcp/", "udp/", "tls/", "quic/")) or ":" not in peer:
+            parser.error(f"bootstrap peer {peer!r} must look like tcp/HOST:PORT")
     log_level = "WARNING" if args.quiet else ("DEBUG" if args.verbose else "INFO")
     return Options(
-        api_host=args.api_host,
+        host=args.host,
         api_port=args.api_port,
+        zenoh_port=args.zenoh_port,
+        namespace=args.namespace,
+        bootstrap_peers=peers,
+        multicast=not args.no_multicast,
+        force_master=args.force_master,
         log_level=log_level,
         offline=args.offline,
         default_model=not args.no_default_model,
@@ -102,19 +154,46 @@ def load_node_id() -> NodeId:
 
 
 class Node:
-    """One exo process: master, worker, API and info gatherer on one router."""
+    """One exo process: router, election, replica, master, worker, API, info and topology,
+    wired only through topics and state accessors."""
 
     def __init__(self, options: Options) -> None:
         self.options = options
         self.node_id = load_node_id()
-        self.router = Router()
         self.cards = load_builtin_cards()
+        self.router = NetworkRouter(
+            self.node_id,
+            options.namespace,
+            zenoh_port=options.zenoh_port,
+            listen_host=options.host,
+            bootstrap_peers=options.bootstrap_peers,
+            multicast=options.multicast,
+        )
+        election_topic = self.router.election(TypeAdapter(ElectionMessage))
         self.event_log = EventLog(event_log_path())
         replayed = self.event_log.read_all()
         state = apply_all(State(), replayed)
         if replayed:
             logger.info(f"replayed {len(replayed)} events from {self.event_log.path}")
-        local_events = LocalEventSender(self.node_id, self.router.local_events.sender())
+        self.local_events = LocalEventSender(self.node_id, self.router.local_events.sender())
+        self.election = Election(
+            node_id=self.node_id,
+            election_publisher=election_topic.sender(),
+            election_subscription=election_topic.subscribe(),
+            connections=self.router.connections.subscribe(),
+            current_peers=lambda: self.router.peers,
+            current_state=lambda: self.replica.state,
+            force_master=options.force_master,
+        )
+        self.replica = Replica(
+            node_id=self.node_id,
+            state=state,
+            event_log=self.event_log,
+            global_events=self.router.global_events.subscribe(),
+            send_command=self._send_command,
+            election=self.election,
+            local_events=self.local_events,
+        )
         self.master = Master(
             node_id=self.node_id,
             state=state,
@@ -123,43 +202,68 @@ class Node:
             local_event_subscription=self.router.local_events.subscribe(),
             global_event_publisher=self.router.global_events.sender(),
             cards=self.cards,
+            is_active=lambda: self.election.master == self.node_id,
+            current_state=lambda: self.replica.state,
+            last_heard=self.election.last_heard,
         )
         self.worker = Worker(
             node_id=self.node_id,
-            state=state,
-            global_event_subscription=self.router.global_events.subscribe(),
-            local_events=local_events,
-            publish_chunk=self.router.chunks.publish,
+            current_state=lambda: self.replica.state,
+            applied_events=self.replica.applied.subscribe(),
+            local_events=self.local_events,
+            publish_chunk=self.router.chunks.publish_to,
             models_dir=models_dir(),
             offline=options.offline,
             log_level=options.log_level,
         )
         self.cluster = ClusterClient(
             node_id=self.node_id,
-            state=state,
-            global_event_subscription=self.router.global_events.subscribe(),
+            current_state=lambda: self.replica.state,
+            applied_events=self.replica.applied.subscribe(),
             chunk_subscription=self.router.chunks.subscribe(),
             command_publisher=self.router.commands.sender(),
             cards=self.cards,
+            election=self.election,
         )
-        self.info_gatherer = InfoGatherer(local_events)
-        self._listen_socket = bind_api_socket(options.api_host, options.api_port)
+        self.info_gatherer = InfoGatherer(
+            self.local_events, api_host=options.host, api_port=options.api_port, models=models_dir()
+        )
+        self.topology = TopologyProber(self.node_id, lambda: self.replica.state, self.local_events)
+        self._listen_socket = bind_api_socket(options.host, options.api_port)
         self.api = Api(self.cluster, self._listen_socket, options.log_level)
 
+    def _send_command(self, command: Command) -> None:
+        self.router.commands.publish(ForwarderCommand(origin=self.node_id, command=command))
+
     async def run(self) -> None:
-        # Whatever this node was running before it stopped is gone now.
-        self.master.emit(events_after_restart(self.master.state, self.node_id))
+        try:
+            await self.router.start()
+        except Exception as error:
+            self._listen_socket.close()
+            raise NodeStartError(
+                f"cannot open cluster links on {self.router.listen_endpoint}: {error}"
+            ) from error
         try:
             async with anyio.create_task_group() as task_group:
                 task_group.start_soon(self._stop_on_signal, task_group.cancel_scope)
-                task_group.start_soon(self.master.run)
-                task_group.start_soon(self.worker.run)
-                task_group.start_soon(self.api.run)
-                task_group.start_soon(self.info_gatherer.run)
-                task_group.start_soon(self._announce)
+                for component in (
+                    self.election.run,
+                    self.replica.run,
+                    self.master.run,
+                    self.local_events.run,
+                    self.worker.run,
+                    self.api.run,
+                    self.info_gatherer.run,
+                    self.topology.run,
+                    self._announce,
+                    self._clean_up_after_restart,
+                ):
+                    task_group.start_soon(component)
                 if self.options.default_model:
                     task_group.start_soon(self._place_default_model)
         finally:
+            with anyio.CancelScope(shield=True):
+                await self.router.close()
             self.event_log.close()
             self._listen_socket.close()
             logger.info("exo stopped")
@@ -171,6 +275,24 @@ class Node:
                 scope.cancel()
                 return
 
+    async def _caught_up(self, timeout: float) -> bool:
+        """Wait until a master is elected and this node holds the history it has."""
+        with anyio.move_on_after(timeout):
+            while self.election.master is None or self.replica.behind_master():
+                await anyio.sleep(0.1)
+            return True
+        return False
+
+    async def _clean_up_after_restart(self) -> None:
+        """Runners this node ran before it stopped are gone, and so are the clients of the
+        requests it was serving: say so, once the node holds the cluster's history."""
+        if not await self._caught_up(timeout=60):
+            return
+        for event in events_after_restart(self.replica.state, self.node_id):
+            if isinstance(event, RunnerDeleted) and event.runner_id in self.worker.runners:
+                continue
+            self.local_events.emit(event)
+
     async def _announce(self) -> None:
         with anyio.move_on_after(30) as waiting:
             while not self.api.started:
@@ -180,7 +302,7 @@ class Node:
             return
         console = Console(stderr=True)
         port = self.options.api_port
-        host = self.options.api_host
+        host = self.options.host
         urls = [f"http://{'localhost' if host == '0.0.0.0' else host}:{port}"]
         if host == "0.0.0.0":
             urls.append(f"http://{_lan_address()}:{port}")
@@ -188,27 +310,42 @@ class Node:
         console.print(f"  node      {self.node_id}")
         console.print(f"  API       {'  '.join(urls)}")
         console.print(f"  chat      POST {urls[0]}/v1/chat/completions")
+        console.print(
+            f"  cluster   namespace {self.options.namespace!r}, links on "
+            f"{self.router.listen_endpoint}"
+        )
         console.print(f"  data      {exo_home()}")
         console.rule()
 
     async def _place_default_model(self) -> None:
-        """On a node with no instance, place the default model so a fresh install answers."""
-        state = self.cluster.state
+        """On a cluster with no instance, place the default model so a fresh install
+        answers. The master refuses if another node placed something first."""
+        if not await self._caught_up(timeout=60):
+            logger.error("no master elected within 60 s; not placing the default model")
+            return
         with anyio.move_on_after(60):
-            while self.node_id not in state.node_info:
+            while self.node_id not in self.cluster.state.node_info:
                 await self.cluster.state_changed.wait()
-                state = self.cluster.state
-        if self.node_id not in state.node_info:
+        if self.node_id not in self.cluster.state.node_info:
             logger.error("this node's resources never reached the cluster state; not placing")
             return
-        if state.instances:
+        if self.cluster.state.instances:
             return
         logger.info(f"placing the default model {DEFAULT_MODEL_ID}")
         try:
             await self.cluster.submit(
-                PlaceInstance(command_id=CommandId.new(), model_id=DEFAULT_MODEL_ID)
+                PlaceInstance(
+                    command_id=CommandId.new(),
+                    model_id=DEFAULT_MODEL_ID,
+                    node_ids=(self.node_id,),
+                    only_if_cluster_empty=True,
+                )
             )
-        except (CommandRejectedError, CommandTimeoutError) as error:
+        except CommandRejectedError as error:
+            if error.status_code != 409:
+                logger.error(f"could not place the default model: {error}")
+            return
+        except CommandTimeoutError as error:
             logger.error(f"could not place the default model: {error}")
             return
         while True:
@@ -221,6 +358,10 @@ class Node:
             ):
                 logger.info(f"{DEFAULT_MODEL_ID} is ready")
                 return
+
+
+class NodeStartError(RuntimeError):
+    pass
 
 
 def _lan_address() -> str:
@@ -251,9 +392,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         node = Node(options)
     except OSError as error:
-        logger.error(f"cannot listen on {options.api_host}:{options.api_port}: {error}")
+        logger.error(f"cannot listen on {options.host}:{options.api_port}: {error}")
         raise SystemExit(1) from None
-    anyio.run(node.run)
+    try:
+        anyio.run(node.run)
+    except NodeStartError as error:
+        logger.error(str(error))
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -4,14 +4,14 @@ chunk streams and command results it waits on."""
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from loguru import logger
 
-from exo.shared.apply import apply
+from exo.shared.election import Election
 from exo.shared.types.chunks import Chunk, ErrorChunk
 from exo.shared.types.commands import Command, ForwarderCommand
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
@@ -47,16 +47,20 @@ class ClusterClient:
     def __init__(
         self,
         node_id: NodeId,
-        state: State,
-        global_event_subscription: Subscription[IndexedEvent],
+        current_state: Callable[[], State],
+        applied_events: Subscription[IndexedEvent],
         chunk_subscription: Subscription[Chunk],
         command_publisher: Publisher[ForwarderCommand],
         cards: Mapping[ModelId, ModelCard],
+        election: Election | None = None,
     ) -> None:
         self.node_id = node_id
-        self.state = state
+        self._current_state = current_state
         self.cards = cards
-        self._global_events = global_event_subscription
+        self._applied_events = applied_events
+        self._election = election
+        # Commands not yet carried out: held while there is no master, resent to a new one.
+        self._unanswered: dict[CommandId, Command] = {}
         self._chunks = chunk_subscription
         self._commands = command_publisher
         self._result_waiters: dict[CommandId, MemoryObjectSendStream[Event]] = {}
@@ -64,23 +68,46 @@ class ClusterClient:
         self._command_instance: dict[CommandId, InstanceId] = {}
         self.state_changed = anyio.Event()
 
+    @property
+    def state(self) -> State:
+        return self._current_state()
+
+    @property
+    def master(self) -> NodeId | None:
+        return self.node_id if self._election is None else self._election.master
+
     async def run(self) -> None:
         async with anyio.create_task_group() as task_group:
             task_group.start_soon(self._event_loop)
             task_group.start_soon(self._chunk_loop)
+            if self._election is not None:
+                task_group.start_soon(self._resend_on_new_master, self._election)
 
     async def _event_loop(self) -> None:
-        async for indexed_event in self._global_events:
-            if indexed_event.idx <= self.state.last_event_applied_idx:
-                continue
-            self.state = apply(self.state, indexed_event)
+        async for indexed_event in self._applied_events:
             self._on_event(indexed_event.event)
             self.state_changed.set()
             self.state_changed = anyio.Event()
 
+    async def _resend_on_new_master(self, election: Election) -> None:
+        while True:
+            await election.master_changed.wait()
+            if election.master is None:
+                continue
+            for command in list(self._unanswered.values()):
+                logger.info(f"api: resending {command.kind} to the new master {election.master}")
+                self._publish(command)
+
+    def _publish(self, command: Command) -> None:
+        if self.master is None:
+            return  # held: sent when a master is elected
+        self._commands.publish(ForwarderCommand(origin=self.node_id, command=command))
+
     def _on_event(self, event: Event) -> None:
         command_id: CommandId | None = None
         match event:
+            case CommandRejected() if event.origin != self.node_id:
+                return
             case InstanceCreated() | InstanceDeleted() | CommandRejected():
                 command_id = event.command_id
             case TaskCreated(task=task):
@@ -91,7 +118,10 @@ class ClusterClient:
                 pass
         if isinstance(event, InstanceDeleted):
             self._fail_streams_of_instance(event.instance_id)
-        if command_id is not None and command_id in self._result_waiters:
+        if command_id is None:
+            return
+        self._unanswered.pop(command_id, None)
+        if command_id in self._result_waiters:
             self._result_waiters.pop(command_id).send_nowait(event)
 
     def _fail_streams_of_instance(self, instance_id: InstanceId) -> None:
@@ -122,7 +152,8 @@ class ClusterClient:
         """
         send, receive = anyio.create_memory_object_stream[Event](1)
         self._result_waiters[command.command_id] = send
-        self._commands.publish(ForwarderCommand(origin=self.node_id, command=command))
+        self._unanswered[command.command_id] = command
+        self._publish(command)
         try:
             with anyio.fail_after(timeout):
                 result = await receive.receive()
@@ -132,13 +163,14 @@ class ClusterClient:
             ) from None
         finally:
             self._result_waiters.pop(command.command_id, None)
+            self._unanswered.pop(command.command_id, None)
             receive.close()
         if isinstance(result, CommandRejected):
             raise CommandRejectedError(result.reason, result.status_code)
         return result
 
     def send_and_forget(self, command: Command) -> None:
-        self._commands.publish(ForwarderCommand(origin=self.node_id, command=command))
+        self._publish(command)
 
     @contextmanager
     def chunk_stream(self, command_id: CommandId) -> Iterator[AsyncIterator[Chunk]]:
@@ -155,10 +187,6 @@ class ClusterClient:
             self._command_instance.pop(command_id, None)
             send.close()
             receive.close()
-
-    def forget_stream(self, command_id: CommandId) -> None:
-        logger.debug(f"api: dropping stream {command_id}")
-        self._chunk_streams.pop(command_id, None)
 
 
 async def _until_finished(receive: MemoryObjectReceiveStream[Chunk]) -> AsyncIterator[Chunk]:

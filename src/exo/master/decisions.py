@@ -12,6 +12,7 @@ from exo.shared.types.commands import (
     DeleteInstance,
     GenerateText,
     PlaceInstance,
+    RequestEventReplay,
 )
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, TaskId
 from exo.shared.types.events import (
@@ -64,6 +65,10 @@ def events_for_command(
     """The events that carry out `command`, or a `CommandRejected` saying why not."""
     match command:
         case PlaceInstance():
+            if command.only_if_cluster_empty and state.instances:
+                return [
+                    _reject(command.command_id, origin, "the cluster already runs a model", 409)
+                ]
             try:
                 card = resolve_card(command.model_id, cards)
             except UnknownModelError as error:
@@ -96,6 +101,8 @@ def events_for_command(
                 params=params,
             )
             return [TaskCreated(task=task)]
+        case RequestEventReplay():
+            return []  # served from the log by the master, nothing new happens
         case CancelGeneration(target_command_id=target):
             return [
                 TaskStatusUpdated(task_id=task.task_id, status=TaskCancelled())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
@@ -28,6 +29,8 @@ class EventLog:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._file: IO[str] | None = None
+        self.events: list[IndexedEvent] = []
+        """Every event of the log, in index order (after `read_all`)."""
 
     def read_all(self) -> list[IndexedEvent]:
         """Every event in the log, in index order.
@@ -72,16 +75,46 @@ class EventLog:
         elif raw and not raw.endswith(b"\n"):
             with self.path.open("ab") as file:
                 file.write(b"\n")
+        self.events = list(events)
         return events
 
+    @property
+    def last_idx(self) -> int:
+        return len(self.events) - 1
+
     def append(self, events: Iterable[IndexedEvent]) -> None:
+        """Persist `events`; those already in the log (index <= `last_idx`) are skipped,
+        so the master and the node's replica can both hand it the same event.
+
+        Raises:
+            EventLogCorruptError: an event would leave a gap in the indexes.
+        """
+        new = [event for event in events if event.idx > self.last_idx]
+        if not new:
+            return
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a", encoding="utf-8")
-        for event in events:
+        for event in new:
+            if event.idx != len(self.events):
+                raise EventLogCorruptError(
+                    f"appending event {event.idx} after {self.last_idx} would leave a gap"
+                )
             self._file.write(event.model_dump_json() + "\n")
+            self.events.append(event)
         self._file.flush()
         os.fsync(self._file.fileno())
+
+    def reset(self) -> Path | None:
+        """Start an empty log, keeping the old one beside it (for a node that joins a
+        cluster with another history). Returns where the old log went."""
+        self.close()
+        self.events = []
+        if not self.path.exists():
+            return None
+        archive = self.path.with_name(f"{self.path.name}.{int(time.time())}.old")
+        self.path.replace(archive)
+        return archive
 
     def close(self) -> None:
         if self._file is not None:

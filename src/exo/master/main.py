@@ -1,21 +1,47 @@
-"""The master: the only writer of cluster history."""
+"""The master: the only writer of cluster history, active on the elected node only."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 
 import anyio
 from loguru import logger
 
 from exo.master.decisions import events_for_command
 from exo.master.event_log import EventLog
-from exo.shared.apply import apply
-from exo.shared.types.commands import ForwarderCommand
-from exo.shared.types.common import ModelId, NodeId
-from exo.shared.types.events import Event, ForwarderEvent, IndexedEvent
+from exo.shared.apply import apply, origin_key
+from exo.shared.types.commands import ForwarderCommand, RequestEventReplay
+from exo.shared.types.common import CommandId, ModelId, NodeId
+from exo.shared.types.events import (
+    ClusterHistoryStarted,
+    CommandRejected,
+    Event,
+    ForwarderEvent,
+    IndexedEvent,
+    InstanceCreated,
+    InstanceDeleted,
+    NodeTimedOut,
+    TaskCreated,
+)
 from exo.shared.types.models import ModelCard
 from exo.shared.types.state import State
 from exo.utils.channels import Publisher, Subscription
+
+NODE_TIMEOUT_SECONDS = 30.0
+REPLAY_BATCH = 500
+
+
+def command_id_of(event: Event) -> CommandId | None:
+    """The command an event carried out, for events that carry one out."""
+    match event:
+        case InstanceCreated() | InstanceDeleted() | CommandRejected():
+            return event.command_id
+        case TaskCreated(task=task):
+            return task.command_id
+        case _:
+            return None
 
 
 class Master:
@@ -23,7 +49,9 @@ class Master:
 
     Every event gets the next index, is appended (fsynced) to the event log, applied to
     the master's state, then published on the global events topic — in that order, so
-    nothing is published that a restart would forget.
+    nothing is published that a restart would forget. Only acts while `is_active()`
+    (this node won the election); on activation it continues from the highest index
+    this node holds.
     """
 
     def __init__(
@@ -35,6 +63,10 @@ class Master:
         local_event_subscription: Subscription[ForwarderEvent],
         global_event_publisher: Publisher[IndexedEvent],
         cards: Mapping[ModelId, ModelCard],
+        is_active: Callable[[], bool] = lambda: True,
+        current_state: Callable[[], State] | None = None,
+        last_heard: Mapping[NodeId, float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.node_id = node_id
         self.state = state
@@ -43,37 +75,103 @@ class Master:
         self._local_events = local_event_subscription
         self._global_events = global_event_publisher
         self._cards = cards
-        self._last_origin_idx: dict[NodeId, int] = {}
+        self._is_active = is_active
+        self._current_state = current_state
+        self._last_heard = last_heard if last_heard is not None else {}
+        self._now = clock
+        self._active = False
+        self._activated_at = 0.0
+        self._done_commands: set[CommandId] = set()
 
-    def emit(self, events: Sequence[Event]) -> list[IndexedEvent]:
+    def emit(self, events: Sequence[Event], origin: ForwarderEvent | None = None) -> None:
         """Index, persist, apply and publish `events` (in that order)."""
         if not events:
-            return []
+            return
         first = self.state.last_event_applied_idx + 1
-        indexed = [IndexedEvent(idx=first + i, event=e) for i, e in enumerate(events)]
+        indexed = [
+            IndexedEvent(
+                idx=first + i,
+                event=event,
+                origin=origin.origin if origin else None,
+                origin_session=origin.origin_session if origin else None,
+                origin_idx=origin.origin_idx if origin else None,
+            )
+            for i, event in enumerate(events)
+        ]
         self._event_log.append(indexed)
         for indexed_event in indexed:
             self.state = apply(self.state, indexed_event)
+            command_id = command_id_of(indexed_event.event)
+            if command_id is not None:
+                self._done_commands.add(command_id)
             self._global_events.publish(indexed_event)
-        return indexed
+
+    def _check_active(self) -> bool:
+        active = self._is_active()
+        if active and not self._active:
+            self._activate()
+        self._active = active
+        return active
+
+    def _activate(self) -> None:
+        if self._current_state is not None:
+            self.state = self._current_state()
+        self._activated_at = self._now()
+        self._done_commands = {
+            command_id
+            for indexed_event in self._event_log.events
+            if (command_id := command_id_of(indexed_event.event)) is not None
+        }
+        logger.info(f"master: active from event {self.state.last_event_applied_idx + 1}")
+        if self.state.last_event_applied_idx < 0:
+            self.emit([ClusterHistoryStarted(history_id=uuid.uuid4().hex, master=self.node_id)])
 
     async def run(self) -> None:
         async with anyio.create_task_group() as task_group:
             task_group.start_soon(self._command_loop)
             task_group.start_soon(self._local_event_loop)
+            while True:
+                if self._check_active():
+                    self.emit(self.timed_out_nodes())
+                await anyio.sleep(1.0)
+
+    def timed_out_nodes(self) -> list[Event]:
+        now = self._now()
+        return [
+            NodeTimedOut(node_id=node_id)
+            for node_id in self.state.node_info
+            if node_id != self.node_id
+            and now - max(self._last_heard.get(node_id, 0.0), self._activated_at)
+            > NODE_TIMEOUT_SECONDS
+        ]
+
+    def handle_command(self, forwarded: ForwarderCommand) -> None:
+        command = forwarded.command
+        if isinstance(command, RequestEventReplay):
+            for indexed_event in self._event_log.events[
+                command.from_idx : command.from_idx + REPLAY_BATCH
+            ]:
+                self._global_events.publish(indexed_event)
+            return
+        if command.command_id in self._done_commands:
+            return  # resent after a master change; already carried out
+        logger.debug(f"master: command {command!r} from {forwarded.origin}")
+        self.emit(events_for_command(self.state, forwarded.origin, command, self._cards))
+
+    def handle_local_event(self, forwarded: ForwarderEvent) -> None:
+        key = origin_key(forwarded.origin, forwarded.origin_session)
+        expected = self.state.local_event_progress.get(key, -1) + 1
+        # Strictly in order: a later event waits for its resent predecessors.
+        if forwarded.origin_idx != expected:
+            return
+        self.emit([forwarded.event], origin=forwarded)
 
     async def _command_loop(self) -> None:
         async for forwarded in self._commands:
-            logger.debug(f"master: command {forwarded.command!r} from {forwarded.origin}")
-            events = events_for_command(
-                self.state, forwarded.origin, forwarded.command, self._cards
-            )
-            self.emit(events)
+            if self._check_active():
+                self.handle_command(forwarded)
 
     async def _local_event_loop(self) -> None:
         async for forwarded in self._local_events:
-            last = self._last_origin_idx.get(forwarded.origin, -1)
-            if forwarded.origin_idx <= last:
-                continue  # a resend of an event already indexed
-            self._last_origin_idx[forwarded.origin] = forwarded.origin_idx
-            self.emit([forwarded.event])
+            if self._check_active():
+                self.handle_local_event(forwarded)

@@ -188,7 +188,7 @@ class ChunkTopic:
 
 
 class NetworkRouter:
-    """The node's router over zenoh: the same topics as `exo.routing.router.Router`, shared
+    """The node's router over zenoh: the topics every component talks through, shared
     by every node of the namespace, plus `connections` (peer joins and leaves).
 
     Create every topic (`topic()`, `election()`) before `start()`: a peer that reports

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from exo.shared.types.common import NodeId
 from exo.shared.types.events import (
+    ClusterHistoryStarted,
     CommandRejected,
     Event,
     IndexedEvent,
@@ -17,10 +19,13 @@ from exo.shared.types.events import (
     InstanceDeleted,
     NodeDownloadProgress,
     NodeGatheredInfo,
+    NodeTimedOut,
     RunnerDeleted,
     RunnerStatusUpdated,
     TaskCreated,
     TaskStatusUpdated,
+    TopologyEdgeMeasured,
+    TopologyEdgeRemoved,
 )
 from exo.shared.types.state import State
 from exo.shared.types.tasks import TERMINAL_TASK_STATUSES
@@ -40,7 +45,19 @@ def apply(state: State, indexed_event: IndexedEvent) -> State:
     if indexed_event.idx != expected:
         raise EventOutOfOrderError(f"expected event {expected}, got {indexed_event.idx}")
     new_state = apply_event(state, indexed_event.event)
-    return new_state.model_copy(update={"last_event_applied_idx": indexed_event.idx})
+    update: dict[str, object] = {"last_event_applied_idx": indexed_event.idx}
+    if indexed_event.origin is not None and indexed_event.origin_idx is not None:
+        key = origin_key(indexed_event.origin, indexed_event.origin_session or "")
+        update["local_event_progress"] = {
+            **new_state.local_event_progress,
+            key: indexed_event.origin_idx,
+        }
+    return new_state.model_copy(update=update)
+
+
+def origin_key(origin: str, session: str) -> str:
+    """The `State.local_event_progress` key of one process of one node."""
+    return f"{origin}/{session}"
 
 
 def apply_all(state: State, indexed_events: Iterable[IndexedEvent]) -> State:
@@ -96,3 +113,39 @@ def apply_event(state: State, event: Event) -> State:
             )
         case CommandRejected():
             return state
+        case ClusterHistoryStarted(history_id=history_id):
+            return state.model_copy(update={"history_id": history_id})
+        case NodeTimedOut(node_id=node_id):
+            return _remove_node(state, node_id)
+        case TopologyEdgeMeasured(edge=edge):
+            edges = {**state.topology.get(edge.source, {}), edge.sink: edge}
+            return state.model_copy(update={"topology": {**state.topology, edge.source: edges}})
+        case TopologyEdgeRemoved(source=source, sink=sink):
+            if sink not in state.topology.get(source, {}):
+                return state
+            remaining = {k: v for k, v in state.topology[source].items() if k != sink}
+            topology = {**state.topology, source: remaining}
+            if not remaining:
+                del topology[source]
+            return state.model_copy(update={"topology": topology})
+
+
+def _remove_node(state: State, node_id: NodeId) -> State:
+    gone_instances = {i.instance_id for i in state.instances_on_node(node_id)}
+    gone_runners = {r for r, n in state.runner_nodes.items() if n == node_id}
+    topology = {
+        source: {sink: edge for sink, edge in edges.items() if sink != node_id}
+        for source, edges in state.topology.items()
+        if source != node_id
+    }
+    return state.model_copy(
+        update={
+            "node_info": {k: v for k, v in state.node_info.items() if k != node_id},
+            "downloads": {k: v for k, v in state.downloads.items() if k != node_id},
+            "topology": {source: edges for source, edges in topology.items() if edges},
+            "instances": {k: v for k, v in state.instances.items() if k not in gone_instances},
+            "tasks": {k: t for k, t in state.tasks.items() if t.instance_id not in gone_instances},
+            "runners": {k: v for k, v in state.runners.items() if k not in gone_runners},
+            "runner_nodes": {k: v for k, v in state.runner_nodes.items() if k not in gone_runners},
+        }
+    )

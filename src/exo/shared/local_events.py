@@ -1,23 +1,71 @@
-"""A node's outgoing local events, numbered so the master can drop duplicates."""
+"""A node's outgoing local events, numbered so the master indexes each exactly once."""
 
 from __future__ import annotations
 
-import itertools
+import time
+import uuid
+from collections.abc import Callable
+
+import anyio
 
 from exo.shared.types.common import NodeId
-from exo.shared.types.events import Event, ForwarderEvent
+from exo.shared.types.events import Event, ForwarderEvent, IndexedEvent
 from exo.utils.channels import Publisher
+
+RESEND_AFTER_SECONDS = 1.0
 
 
 class LocalEventSender:
-    """Shared by every component of one node: one counter, one order."""
+    """Shared by every component of one node: one counter, one order.
 
-    def __init__(self, node_id: NodeId, publisher: Publisher[ForwarderEvent]) -> None:
+    Each event is resent (in order, with everything after it) until it comes back in the
+    indexed stream, so events sent while there is no master are not lost.
+    """
+
+    def __init__(
+        self,
+        node_id: NodeId,
+        publisher: Publisher[ForwarderEvent],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.node_id = node_id
+        self.session = uuid.uuid4().hex
         self._publisher = publisher
-        self._counter = itertools.count()
+        self._now = clock
+        self._next_idx = 0
+        self._unacknowledged: dict[int, tuple[ForwarderEvent, float]] = {}
 
     def emit(self, event: Event) -> None:
-        self._publisher.publish(
-            ForwarderEvent(origin=self.node_id, origin_idx=next(self._counter), event=event)
+        forwarded = ForwarderEvent(
+            origin=self.node_id, origin_session=self.session, origin_idx=self._next_idx, event=event
         )
+        self._next_idx += 1
+        self._unacknowledged[forwarded.origin_idx] = (forwarded, self._now())
+        self._publisher.publish(forwarded)
+
+    def acknowledge(self, indexed_event: IndexedEvent) -> None:
+        if indexed_event.origin != self.node_id or indexed_event.origin_session != self.session:
+            return
+        assert indexed_event.origin_idx is not None
+        for origin_idx in [i for i in self._unacknowledged if i <= indexed_event.origin_idx]:
+            del self._unacknowledged[origin_idx]
+
+    @property
+    def unacknowledged(self) -> int:
+        return len(self._unacknowledged)
+
+    def resend_overdue(self) -> int:
+        """Resend, in order, every event not indexed within `RESEND_AFTER_SECONDS`."""
+        now = self._now()
+        if not any(now - sent >= RESEND_AFTER_SECONDS for _, sent in self._unacknowledged.values()):
+            return 0
+        for origin_idx in sorted(self._unacknowledged):
+            forwarded, _ = self._unacknowledged[origin_idx]
+            self._unacknowledged[origin_idx] = (forwarded, now)
+            self._publisher.publish(forwarded)
+        return len(self._unacknowledged)
+
+    async def run(self) -> None:
+        while True:
+            await anyio.sleep(RESEND_AFTER_SECONDS / 2)
+            self.resend_overdue()

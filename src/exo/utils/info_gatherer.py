@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import socket
+from pathlib import Path
 
 import anyio
 import psutil
 
 from exo.shared.local_events import LocalEventSender
 from exo.shared.types.events import NodeGatheredInfo
-from exo.shared.types.nodes import MemoryInfo, NodeInfo
+from exo.shared.types.nodes import GpuInfo, MemoryInfo, NetworkInterface, NodeInfo
 
 GATHER_INTERVAL_SECONDS = 2.0
 # Memory moves all the time; only a change this large (or the heartbeat) is worth an event.
 MEMORY_CHANGE_REPORT_BYTES = 256 * 2**20
-HEARTBEAT_SECONDS = 60.0
+DISK_CHANGE_REPORT_BYTES = 1024 * 2**20
+# Liveness is the election heartbeat's job; this only refreshes figures now and then.
+HEARTBEAT_SECONDS = 300.0
 
 
 def memory_info() -> MemoryInfo:
@@ -42,29 +46,101 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def gather_node_info() -> NodeInfo:
+def gpus() -> tuple[GpuInfo, ...]:
+    """CUDA devices visible to torch (none on a CPU-only build)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ()
+    found = []
+    for index in range(torch.cuda.device_count()):
+        properties = torch.cuda.get_device_properties(index)
+        found.append(GpuInfo(name=properties.name, total_memory_bytes=properties.total_memory))
+    return tuple(found)
+
+
+def network_interfaces() -> tuple[NetworkInterface, ...]:
+    """IPv4 addresses of the interfaces that are up."""
+    stats = psutil.net_if_stats()
+    interfaces = []
+    for name, addresses in sorted(psutil.net_if_addrs().items()):
+        if name in stats and not stats[name].isup:
+            continue
+        ipv4 = tuple(a.address for a in addresses if a.family == socket.AF_INET)
+        if ipv4:
+            interfaces.append(NetworkInterface(name=name, addresses=ipv4))
+    return tuple(interfaces)
+
+
+def api_addresses(api_host: str, interfaces: tuple[NetworkInterface, ...]) -> tuple[str, ...]:
+    """Where peers can reach this node's API: every interface address when it listens on
+    all of them, else only the address it is bound to."""
+    if api_host not in ("0.0.0.0", ""):
+        return (api_host,)
+    return tuple(address for interface in interfaces for address in interface.addresses)
+
+
+def disk_free_bytes(path: Path) -> int:
+    try:
+        return int(shutil.disk_usage(path).free)
+    except OSError:
+        return 0
+
+
+def gather_node_info(
+    api_host: str = "0.0.0.0", api_port: int = 0, models: Path | None = None
+) -> NodeInfo:
+    interfaces = network_interfaces()
     return NodeInfo(
         friendly_name=socket.gethostname(),
         memory=memory_info(),
         cpu_model=cpu_model(),
         cpu_cores=psutil.cpu_count(logical=True) or 1,
+        gpus=gpus(),
+        models_disk_free_bytes=disk_free_bytes(models) if models is not None else 0,
+        network_interfaces=interfaces,
+        api_port=api_port,
+        api_addresses=api_addresses(api_host, interfaces),
     )
 
 
+def _significant_change(old: NodeInfo, new: NodeInfo) -> bool:
+    if (
+        old.model_copy(
+            update={"memory": new.memory, "models_disk_free_bytes": new.models_disk_free_bytes}
+        )
+        != new
+    ):
+        return True
+    memory_moved = abs(new.memory.available_bytes - old.memory.available_bytes)
+    disk_moved = abs(new.models_disk_free_bytes - old.models_disk_free_bytes)
+    return memory_moved >= MEMORY_CHANGE_REPORT_BYTES or disk_moved >= DISK_CHANGE_REPORT_BYTES
+
+
 class InfoGatherer:
-    def __init__(self, local_events: LocalEventSender) -> None:
+    def __init__(
+        self,
+        local_events: LocalEventSender,
+        api_host: str = "0.0.0.0",
+        api_port: int = 0,
+        models: Path | None = None,
+    ) -> None:
         self._local_events = local_events
+        self._api_host = api_host
+        self._api_port = api_port
+        self._models = models
 
     async def run(self) -> None:
         last: NodeInfo | None = None
         last_sent = 0.0
         while True:
-            info = await anyio.to_thread.run_sync(gather_node_info)
+            info = await anyio.to_thread.run_sync(
+                gather_node_info, self._api_host, self._api_port, self._models
+            )
             now = anyio.current_time()
             if (
                 last is None
-                or abs(info.memory.available_bytes - last.memory.available_bytes)
-                >= MEMORY_CHANGE_REPORT_BYTES
+                or _significant_change(last, info)
                 or now - last_sent >= HEARTBEAT_SECONDS
             ):
                 self._local_events.emit(

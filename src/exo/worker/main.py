@@ -11,7 +11,6 @@ from anyio.abc import TaskGroup
 from loguru import logger
 
 from exo.download.pypi_gguf import prepare_model
-from exo.shared.apply import apply
 from exo.shared.local_events import LocalEventSender
 from exo.shared.types.chunks import Chunk
 from exo.shared.types.common import ModelId, NodeId, RunnerId
@@ -56,23 +55,23 @@ def backoff_seconds(consecutive_failures: int) -> float:
 
 
 class Worker:
-    """Applies the cluster's indexed events, plans, and executes one task at a time."""
+    """Plans from the node's replica of the state and executes one task at a time."""
 
     def __init__(
         self,
         node_id: NodeId,
-        state: State,
-        global_event_subscription: Subscription[IndexedEvent],
+        current_state: Callable[[], State],
+        applied_events: Subscription[IndexedEvent],
         local_events: LocalEventSender,
-        publish_chunk: Callable[[Chunk], None],
+        publish_chunk: Callable[[NodeId, Chunk], None],
         models_dir: Path,
         offline: bool = False,
         log_level: str = "INFO",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.node_id = node_id
-        self.state = state
-        self._global_events = global_event_subscription
+        self._current_state = current_state
+        self._applied_events = applied_events
         self._local_events = local_events
         self._publish_chunk = publish_chunk
         self._models_dir = models_dir
@@ -105,11 +104,12 @@ class Worker:
             await supervisor.shutdown()
             self.runners.pop(runner_id, None)
 
+    @property
+    def state(self) -> State:
+        return self._current_state()
+
     async def _event_loop(self) -> None:
-        async for indexed_event in self._global_events:
-            if indexed_event.idx <= self.state.last_event_applied_idx:
-                continue
-            self.state = apply(self.state, indexed_event)
+        async for _ in self._applied_events:
             self._notify()
 
     def _local_view(self) -> dict[RunnerId, LocalRunner]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from exo.api.cluster import ClusterClient, CommandRejectedError
@@ -55,6 +55,17 @@ async def get_state(cluster: Cluster) -> dict[str, Any]:
 @router.get("/node_id")
 async def get_node_id(cluster: Cluster) -> str:
     return cluster.node_id
+
+
+MAX_BANDWIDTH_PROBE_BYTES = 16 << 20
+
+
+@router.get("/bandwidth_probe")
+async def bandwidth_probe(
+    size_bytes: Annotated[int, Query(ge=1, le=MAX_BANDWIDTH_PROBE_BYTES)] = 1 << 20,
+) -> Response:
+    """`size_bytes` of zeros, for peers estimating the bandwidth of their link to us."""
+    return Response(bytes(size_bytes), media_type="application/octet-stream")
 
 
 def _card(cluster: ClusterClient, model_id: str) -> ModelCard:

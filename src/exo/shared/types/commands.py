@@ -18,6 +18,8 @@ class PlaceInstance(FrozenModel):
     sharding: Sharding = "pipeline"
     min_nodes: int = Field(default=1, ge=1)
     node_ids: tuple[NodeId, ...] | None = None
+    only_if_cluster_empty: bool = False
+    """Place only when the cluster has no instance at all (a node's default model)."""
 
 
 class DeleteInstance(FrozenModel):
@@ -40,8 +42,17 @@ class CancelGeneration(FrozenModel):
     target_command_id: CommandId
 
 
+class RequestEventReplay(FrozenModel):
+    """A node missed indexed events: the master publishes `[from_idx, from_idx + limit)`
+    again."""
+
+    kind: Literal["RequestEventReplay"] = "RequestEventReplay"
+    command_id: CommandId
+    from_idx: int = Field(ge=0)
+
+
 Command = Annotated[
-    PlaceInstance | DeleteInstance | GenerateText | CancelGeneration,
+    PlaceInstance | DeleteInstance | GenerateText | CancelGeneration | RequestEventReplay,
     Field(discriminator="kind"),
 ]
 

@@ -17,7 +17,7 @@ from exo.shared.types.common import (
     TaskId,
 )
 from exo.shared.types.instances import Instance
-from exo.shared.types.nodes import DownloadStatus, NodeInfo
+from exo.shared.types.nodes import DownloadStatus, NodeInfo, TopologyEdge
 from exo.shared.types.runners import RunnerStatus
 from exo.shared.types.tasks import TaskStatus, TextGeneration
 
@@ -72,6 +72,34 @@ class NodeDownloadProgress(FrozenModel):
     status: DownloadStatus
 
 
+class ClusterHistoryStarted(FrozenModel):
+    """Always event 0: names this history, so a node holding another cluster's log can
+    tell that it must start over when it joins this one."""
+
+    kind: Literal["ClusterHistoryStarted"] = "ClusterHistoryStarted"
+    history_id: str
+    master: NodeId
+
+
+class NodeTimedOut(FrozenModel):
+    """The master heard nothing from `node_id` for the timeout: its info, edges, runners
+    and the instances using it are removed."""
+
+    kind: Literal["NodeTimedOut"] = "NodeTimedOut"
+    node_id: NodeId
+
+
+class TopologyEdgeMeasured(FrozenModel):
+    kind: Literal["TopologyEdgeMeasured"] = "TopologyEdgeMeasured"
+    edge: TopologyEdge
+
+
+class TopologyEdgeRemoved(FrozenModel):
+    kind: Literal["TopologyEdgeRemoved"] = "TopologyEdgeRemoved"
+    source: NodeId
+    sink: NodeId
+
+
 class CommandRejected(FrozenModel):
     """The master could not carry out a command; the API that sent it reports `reason`."""
 
@@ -91,22 +119,32 @@ Event = Annotated[
     | RunnerDeleted
     | NodeGatheredInfo
     | NodeDownloadProgress
-    | CommandRejected,
+    | CommandRejected
+    | ClusterHistoryStarted
+    | NodeTimedOut
+    | TopologyEdgeMeasured
+    | TopologyEdgeRemoved,
     Field(discriminator="kind"),
 ]
 
 
 class ForwarderEvent(FrozenModel):
-    """A node's own (local) event on its way to the master. `origin_idx` counts that
-    node's events so the master can drop resent duplicates."""
+    """A node's own (local) event on its way to the master. `origin_idx` counts the
+    events of one process (`origin_session`) from 0, so the master indexes each exactly
+    once and in order, however often it is resent."""
 
     origin: NodeId
+    origin_session: str
     origin_idx: int = Field(ge=0)
     event: Event
 
 
 class IndexedEvent(FrozenModel):
-    """An event with its place in the cluster's history (0, 1, 2, ... with no gaps)."""
+    """An event with its place in the cluster's history (0, 1, 2, ... with no gaps).
+    Local events keep their origin, so the sender knows it arrived."""
 
     idx: int = Field(ge=0)
     event: Event
+    origin: NodeId | None = None
+    origin_session: str | None = None
+    origin_idx: int | None = None

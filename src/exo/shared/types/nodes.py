@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from exo.shared.types.common import FrozenModel
+from exo.shared.types.common import FrozenModel, NodeId
 
 
 class MemoryInfo(FrozenModel):
@@ -16,11 +16,39 @@ class MemoryInfo(FrozenModel):
     available_bytes: int = Field(ge=0)
 
 
+class GpuInfo(FrozenModel):
+    name: str
+    total_memory_bytes: int = Field(ge=0)
+
+
+class NetworkInterface(FrozenModel):
+    name: str
+    addresses: tuple[str, ...]
+
+
 class NodeInfo(FrozenModel):
+    """A node's resources. `api_addresses` are the addresses its API listens on (what
+    peers probe); `models_disk_free_bytes` is free space where models are stored."""
+
     friendly_name: str
     memory: MemoryInfo
     cpu_model: str = ""
     cpu_cores: int = Field(default=1, ge=1)
+    gpus: tuple[GpuInfo, ...] = ()
+    models_disk_free_bytes: int = Field(default=0, ge=0)
+    network_interfaces: tuple[NetworkInterface, ...] = ()
+    api_port: int = Field(default=0, ge=0, lt=65536)
+    api_addresses: tuple[str, ...] = ()
+
+
+class TopologyEdge(FrozenModel):
+    """A measured link from `source` to `sink`: `sink`'s API answered on `address`."""
+
+    source: NodeId
+    sink: NodeId
+    address: str
+    latency_ms: float = Field(ge=0)
+    bandwidth_mbps: float = Field(ge=0)
 
 
 class DownloadPending(FrozenModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from exo.shared.types.common import FrozenModel, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.instances import Instance
-from exo.shared.types.nodes import DownloadStatus, NodeInfo
+from exo.shared.types.nodes import DownloadStatus, NodeInfo, TopologyEdge
 from exo.shared.types.runners import RunnerStatus
 from exo.shared.types.tasks import TextGeneration
 
@@ -19,7 +19,15 @@ class State(FrozenModel):
     tasks: dict[TaskId, TextGeneration] = {}
     node_info: dict[NodeId, NodeInfo] = {}
     downloads: dict[NodeId, dict[ModelId, DownloadStatus]] = {}
+    topology: dict[NodeId, dict[NodeId, TopologyEdge]] = {}
+    """Edges by source, then sink."""
+    history_id: str | None = None
+    local_event_progress: dict[str, int] = {}
+    """Highest `origin_idx` indexed per "node/session", so any master drops resends."""
     last_event_applied_idx: int = -1
+
+    def instances_on_node(self, node_id: NodeId) -> list[Instance]:
+        return [i for i in self.instances.values() if node_id in i.shard_assignments.node_to_runner]
 
     def instances_of_model(self, model_id: ModelId) -> list[Instance]:
         return [i for i in self.instances.values() if i.model_id == model_id]

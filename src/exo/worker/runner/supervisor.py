@@ -13,7 +13,7 @@ import anyio
 from loguru import logger
 
 from exo.shared.types.chunks import Chunk, ErrorChunk
-from exo.shared.types.common import InstanceId, NodeId, RunnerId, TaskId
+from exo.shared.types.common import CommandId, InstanceId, NodeId, RunnerId, TaskId
 from exo.shared.types.events import Event, RunnerStatusUpdated, TaskStatusUpdated
 from exo.shared.types.runners import (
     RunnerFailed,
@@ -56,7 +56,7 @@ class RunnerSupervisor:
         instance_id: InstanceId,
         shard: ShardMetadata,
         emit_event: Callable[[Event], None],
-        publish_chunk: Callable[[Chunk], None],
+        publish_chunk: Callable[[NodeId, Chunk], None],
         on_change: Callable[[], None],
         log_level: str = "INFO",
     ) -> None:
@@ -75,6 +75,10 @@ class RunnerSupervisor:
         self._to_runner: Connection | None = None
         self._from_runner: Connection | None = None
         self._stopping = False
+        # Where each running command's chunks go (the node whose API owns it), kept until
+        # the runner reports the task's end even if the worker cancelled it earlier.
+        self._chunk_owners: dict[CommandId, NodeId] = {}
+        self._task_commands: dict[TaskId, CommandId] = {}
 
     @property
     def pid(self) -> int | None:
@@ -111,6 +115,8 @@ class RunnerSupervisor:
         match task:
             case TextGeneration():
                 self.in_flight[task.task_id] = task
+                self._task_commands[task.task_id] = task.command_id
+                self._chunk_owners[task.command_id] = task.origin_node_id
             case LoadModel() | StartWarmup():
                 self.busy_loading = True
             case CancelTask() | Shutdown():
@@ -147,9 +153,14 @@ class RunnerSupervisor:
             case TaskStatusReport(task_id=task_id, status=status):
                 if isinstance(status, TERMINAL_TASK_STATUSES):
                     self.in_flight.pop(task_id, None)
+                    command_id = self._task_commands.pop(task_id, None)
+                    if command_id is not None:
+                        self._chunk_owners.pop(command_id, None)
                 self._emit_event(TaskStatusUpdated(task_id=task_id, status=status))
             case ChunkReport(chunk=chunk):
-                self._publish_chunk(chunk)
+                owner = self._chunk_owners.get(chunk.command_id)
+                if owner is not None:
+                    self._publish_chunk(owner, chunk)
         self._on_change()
 
     async def _on_exit(self) -> None:
@@ -178,9 +189,10 @@ class RunnerSupervisor:
     def _fail_in_flight(self, message: str) -> None:
         for task in list(self.in_flight.values()):
             self._publish_chunk(
+                task.origin_node_id,
                 ErrorChunk(
                     command_id=task.command_id, model=task.params.model, error_message=message
-                )
+                ),
             )
             self._emit_event(
                 TaskStatusUpdated(task_id=task.task_id, status=TaskFailed(error_message=message))

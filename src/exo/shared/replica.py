@@ -1,0 +1,131 @@
+"""The node's replica of the cluster history: indexed events applied in order.
+
+Events from the master can arrive out of order, twice, or not at all (a node that joins
+late, a message lost during a master change). The replica buffers what is ahead, asks
+the master to replay a gap, persists each event to the node's own log (so any node can
+become master and continue from the highest index it holds), and tells the node's
+components after each applied event.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import anyio
+from loguru import logger
+
+from exo.master.event_log import EventLog
+from exo.shared.apply import apply
+from exo.shared.election import Election
+from exo.shared.local_events import LocalEventSender
+from exo.shared.types.commands import Command, RequestEventReplay
+from exo.shared.types.common import CommandId, NodeId
+from exo.shared.types.events import IndexedEvent
+from exo.shared.types.state import State
+from exo.utils.channels import Subscription, Topic
+
+REPLAY_RETRY_SECONDS = 1.0
+CHECK_INTERVAL_SECONDS = 0.5
+
+
+class Replica:
+    def __init__(
+        self,
+        node_id: NodeId,
+        state: State,
+        event_log: EventLog,
+        global_events: Subscription[IndexedEvent],
+        send_command: Callable[[Command], None],
+        election: Election,
+        local_events: LocalEventSender,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node_id = node_id
+        self.state = state
+        self.applied: Topic[IndexedEvent] = Topic("applied_events")
+        """Every event this node applied, in index order (in-process)."""
+        self.changed = anyio.Event()
+        self._event_log = event_log
+        self._global_events = global_events
+        self._send_command = send_command
+        self._election = election
+        self._local_events = local_events
+        self._now = clock
+        self._ahead: dict[int, IndexedEvent] = {}
+        self._replay_requested_at = -1.0e9
+        self._replay_requested_from = -1
+
+    def receive(self, indexed_event: IndexedEvent) -> None:
+        if indexed_event.idx <= self.state.last_event_applied_idx:
+            return
+        self._ahead[indexed_event.idx] = indexed_event
+        applied_any = False
+        while (next_idx := self.state.last_event_applied_idx + 1) in self._ahead:
+            event = self._ahead.pop(next_idx)
+            self.state = apply(self.state, event)
+            self._event_log.append([event])
+            self._local_events.acknowledge(event)
+            self.applied.publish(event)
+            applied_any = True
+        if applied_any:
+            self.changed.set()
+            self.changed = anyio.Event()
+        if self._ahead:
+            self._request_replay()
+
+    def behind_master(self) -> bool:
+        master = self._election.master_message
+        return master is not None and master.last_event_idx > self.state.last_event_applied_idx
+
+    def check(self) -> None:
+        """Start over on another history; ask for what the master has and we lack."""
+        master = self._election.master_message
+        if master is None or master.node_id == self.node_id:
+            return
+        if (
+            master.history_id is not None
+            and self.state.history_id is not None
+            and master.history_id != self.state.history_id
+        ):
+            self._reset(master.history_id)
+        if self._ahead or self.behind_master():
+            self._request_replay()
+
+    def _reset(self, new_history: str) -> None:
+        archive = self._event_log.reset()
+        logger.warning(
+            f"this node's history {self.state.history_id} is not the cluster's ({new_history}); "
+            f"starting over from the master's (old log kept at {archive})"
+        )
+        self.state = State()
+        self._ahead.clear()
+        self._replay_requested_at = -1.0e9
+        self.changed.set()
+        self.changed = anyio.Event()
+
+    def _request_replay(self) -> None:
+        from_idx = self.state.last_event_applied_idx + 1
+        now = self._now()
+        if (
+            from_idx == self._replay_requested_from
+            and now - self._replay_requested_at < REPLAY_RETRY_SECONDS
+        ):
+            return
+        if self._election.master is None:
+            return
+        self._replay_requested_at = now
+        self._replay_requested_from = from_idx
+        logger.debug(f"replica: asking the master to replay events from {from_idx}")
+        self._send_command(RequestEventReplay(command_id=CommandId.new(), from_idx=from_idx))
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(self._receive_loop)
+            while True:
+                self.check()
+                await anyio.sleep(CHECK_INTERVAL_SECONDS)
+
+    async def _receive_loop(self) -> None:
+        async for indexed_event in self._global_events:
+            self.receive(indexed_event)

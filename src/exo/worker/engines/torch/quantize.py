@@ -1,0 +1,218 @@
+"""Weight-only quantization of a loaded model's linear layers (CPU).
+
+`quantize_linears` swaps every `nn.Linear` of the decoder layers and the LM head for a module
+holding int8 (per output channel) or int4 (group-wise, asymmetric, as gpt-fast) weights. The
+model's own code is untouched: the new modules have `nn.Linear`'s call signature.
+
+Decode (a few rows per call) runs the fused kernels `aten._weight_int8pack_mm` and
+`aten._weight_int4pack_mm_for_cpu` on bfloat16 activations: they read 1 or 1/2 byte per
+weight instead of 4, and decode is memory-bandwidth bound. (The same kernels with float32
+activations are several times slower than a float32 matmul, so activations are cast to
+bfloat16 around each call.) Prefill (many rows) instead dequantizes the weight to bfloat16
+for one oneDNN matmul, which is much faster than the row-by-row kernels there.
+
+Measured on the 2-core reference machine (AVX512-BF16/AMX), SmolLM2-135M: see
+bench/bench_engine.py and the engine's `weight_dtype` option.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+WeightDtype = Literal["float32", "int8", "int4"]
+WEIGHT_DTYPES: tuple[WeightDtype, ...] = ("float32", "int8", "int4")
+
+INT4_GROUP_SIZE = 32
+_INT4_BLOCK_N = 64  # output channels per block of the AVX512 int4 packed layout
+
+
+class QuantizedLinear(nn.Module):
+    """Base: bias handling, reshaping to 2-D and the choice between fused kernel and
+    dequantize-then-matmul. Subclasses provide `_fused` and `dequantize`."""
+
+    in_features: int
+    out_features: int
+    # Rows (tokens) up to which a call uses the fused kernel; with more rows, dequantizing
+    # the weight to bfloat16 for one oneDNN matmul is faster (measured crossovers).
+    fused_max_rows = 32
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bias: torch.Tensor | None
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor:
+        """`[rows, in]` bfloat16 → `[rows, out]` bfloat16 with the quantized kernel."""
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as `[out, in]` bfloat16."""
+        raise NotImplementedError
+
+    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.dequantize())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if rows.shape[0] <= self.fused_max_rows:
+            out = self._fused(rows)
+        else:
+            out = self._dequantized_matmul(rows)
+        result = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        if self.bias is not None:
+            result = result + self.bias
+        return result
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int8Linear(QuantizedLinear):
+    """Symmetric int8 weights with one scale per output channel."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear.in_features, linear.out_features, linear.bias)
+        weight = linear.weight.detach().float()  # [out, in]
+        scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-10)  # [out]
+        scales = scales.to(torch.bfloat16)
+        quantized = torch.round(weight / scales.float()[:, None]).clamp(-127, 127)
+        self.weight: torch.Tensor
+        self.scales: torch.Tensor
+        self.register_buffer("weight", quantized.to(torch.int8).contiguous())  # [out, in]
+        self.register_buffer("scales", scales.contiguous())  # [out] bf16
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.to(torch.bfloat16) * self.scales[:, None]
+
+
+class Int4Linear(QuantizedLinear):
+    """Asymmetric int4 weights, one (scale, zero) per `group_size` inputs of each output
+    channel: `w = (q - 8) * scale + zero`, q in [0, 15]."""
+
+    fused_max_rows = 64
+
+    def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> None:
+        super().__init__(linear.in_features, linear.out_features, linear.bias)
+        if not int4_supported(linear, group_size):
+            raise ValueError(
+                f"int4 needs out_features % {_INT4_BLOCK_N} == 0 and in_features % "
+                f"{group_size} == 0; got {linear.out_features}x{linear.in_features}"
+            )
+        self.group_size = group_size
+        out_features, in_features = linear.out_features, linear.in_features
+        groups = in_features // group_size
+        weight = linear.weight.detach().float().reshape(out_features, groups, group_size)
+        low = weight.amin(dim=-1, keepdim=True)
+        high = weight.amax(dim=-1, keepdim=True)
+        scales = ((high - low) / 15.0).clamp(min=1e-10)  # [out, groups, 1]
+        quantized = torch.round((weight - low) / scales).clamp(0, 15).to(torch.int32)
+        quantized = quantized.reshape(out_features, in_features)
+        zeros = low + 8.0 * scales
+        self.packed: torch.Tensor
+        self.scales_and_zeros: torch.Tensor
+        self.register_buffer(
+            "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(quantized, 1)
+        )
+        scales_and_zeros = torch.cat([scales, zeros], dim=-1)  # [out, groups, 2]
+        self.register_buffer(
+            "scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
+        )  # [groups, out, 2]
+        # The packed layout depends on the CPU capability torch dispatches to; prefill's
+        # dequantization reads the AVX512 layout, so check it here and otherwise fall back
+        # to the fused kernel for every call.
+        self._unpack_ok = torch.equal(self._unpack(), quantized)
+
+    def _unpack_blocks(self) -> torch.Tensor:
+        """The int4 values (0..15) as `[out / 64, in, 64]` uint8, from the AVX512 packed
+        layout: per block of 64 output channels `[in, 32]` bytes, byte d < 16 holding
+        channels d (low nibble) and d + 32 (high), byte 16 + d channels 16 + d and 48 + d."""
+        blocks = self.out_features // _INT4_BLOCK_N
+        if self.packed.numel() * 2 != self.out_features * self.in_features:
+            return torch.empty(0, dtype=torch.uint8)
+        packed = self.packed.reshape(blocks, self.in_features, 2, 16)
+        nibbles = torch.stack([packed & 15, packed >> 4], dim=2)  # [blocks, in, 2, 2, 16]
+        return nibbles.reshape(blocks, self.in_features, _INT4_BLOCK_N)
+
+    def _unpack(self) -> torch.Tensor:
+        """The int4 values `[out, in]` (0..15) as int32."""
+        values = self._unpack_blocks()
+        if values.numel() == 0:
+            return values
+        values = values.transpose(1, 2).reshape(self.out_features, self.in_features)
+        return values.to(torch.int32)
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, self.group_size, self.scales_and_zeros
+        )
+        return out
+
+    def dequantize_transposed(self) -> torch.Tensor:
+        """The weight as `[in, out]` bfloat16 (the layout the packed blocks unpack to)."""
+        blocks = self.out_features // _INT4_BLOCK_N
+        groups = self.in_features // self.group_size
+        # Broadcasting (scale, zero) over a middle dimension with 64 contiguous channels
+        # inside is several times faster than over a trailing group dimension.
+        scale_zero = self.scales_and_zeros.float().reshape(groups, blocks, _INT4_BLOCK_N, 2)
+        scale_zero = scale_zero.permute(1, 0, 3, 2).unsqueeze(3)  # [blocks, groups, 2, 1, 64]
+        scales = scale_zero[:, :, 0].to(torch.bfloat16)
+        offsets = (scale_zero[:, :, 1] - 8.0 * scale_zero[:, :, 0]).to(torch.bfloat16)
+        values = self._unpack_blocks().reshape(blocks, groups, self.group_size, _INT4_BLOCK_N)
+        weight = torch.addcmul(offsets, values.to(torch.bfloat16), scales)
+        weight = weight.reshape(blocks, self.in_features, _INT4_BLOCK_N).transpose(0, 1)
+        return weight.reshape(self.in_features, self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.dequantize_transposed().t()
+
+    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.dequantize_transposed()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._unpack_ok:
+            return super().forward(x)
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        result = self._fused(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return result if self.bias is None else result + self.bias
+
+
+def int4_supported(linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> bool:
+    """Whether `linear`'s shape fits the int4 kernel's packed layout."""
+    return linear.out_features % _INT4_BLOCK_N == 0 and linear.in_features % group_size == 0
+
+
+def quantize_linears(model: nn.Module, weight_dtype: WeightDtype) -> int:
+    """Replace the model's `nn.Linear` modules (decoder layers and LM head) in place.
+
+    A layer whose shape int4 cannot pack gets int8. The input embedding stays float32 (only
+    one row per token is read). A tied LM head is quantized separately from the embedding.
+
+    Returns:
+        the number of replaced modules.
+    """
+    if weight_dtype == "float32":
+        return 0
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"unknown weight dtype {weight_dtype!r}; expected one of {WEIGHT_DTYPES}")
+    targets = [
+        (name, module) for name, module in model.named_modules() if type(module) is nn.Linear
+    ]
+    for name, linear in targets:
+        replacement: QuantizedLinear
+        if weight_dtype == "int4" and int4_supported(linear):
+            replacement = Int4Linear(linear)
+        else:
+            replacement = Int8Linear(linear)
+        parent_name, _, attribute = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attribute, replacement)
+    return len(targets)
