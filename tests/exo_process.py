@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -68,10 +69,17 @@ class ExoNode:
         models_dir: Path | None = None,
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        namespace: str | None = None,
+        bootstrap: tuple[ExoNode, ...] = (),
     ) -> None:
         self.home = home
         self.models_dir = models_dir
         self.port = free_port()
+        self.zenoh_port = free_port()
+        # Each test cluster gets its own namespace; peers are found through bootstrap
+        # endpoints on loopback (multicast discovery is tested inside a network namespace).
+        self.namespace = namespace or f"test-{home.name}-{self.port}"
+        self.bootstrap = bootstrap
         self.extra_args = extra_args
         self.extra_env = env or {}
         self.process: subprocess.Popen[bytes] | None = None
@@ -81,7 +89,12 @@ class ExoNode:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> ExoNode:
+    @property
+    def zenoh_endpoint(self) -> str:
+        return f"tcp/127.0.0.1:{self.zenoh_port}"
+
+    def launch(self) -> ExoNode:
+        """Start the process without waiting for it (see `wait_api`)."""
         self.home.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "EXO_HOME": str(self.home), **self.extra_env}
         if self.models_dir is not None:
@@ -90,10 +103,12 @@ class ExoNode:
         self.process = subprocess.Popen(
             [
                 exo_command(),
-                "--api-host",
-                "127.0.0.1",
-                "--api-port",
-                str(self.port),
+                *("--host", "127.0.0.1"),
+                *("--api-port", str(self.port)),
+                *("--zenoh-port", str(self.zenoh_port)),
+                *("--namespace", self.namespace),
+                "--no-multicast",
+                *("--bootstrap-peers", ",".join(p.zenoh_endpoint for p in self.bootstrap)),
                 *self.extra_args,
             ],
             env=env,
@@ -101,8 +116,29 @@ class ExoNode:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        return self
+
+    def wait_api(self) -> ExoNode:
         wait_until(self._api_up, timeout=60, what=f"exo API on port {self.port}")
         return self
+
+    def start(self) -> ExoNode:
+        return self.launch().wait_api()
+
+    def node_id(self) -> str:
+        node_id: str = httpx.get(f"{self.url}/node_id", timeout=5).json()
+        return node_id
+
+    def cluster(self) -> dict[str, Any]:
+        view: dict[str, Any] = httpx.get(f"{self.url}/cluster", timeout=5).json()
+        return view
+
+    def kill(self) -> None:
+        """SIGKILL the node and its runners at once (a crashed machine)."""
+        assert self.process is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
 
     def _api_up(self) -> bool:
         assert self.process is not None

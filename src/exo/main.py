@@ -224,6 +224,7 @@ class Node:
             command_publisher=self.router.commands.sender(),
             cards=self.cards,
             election=self.election,
+            current_peers=lambda: self.router.peers,
         )
         self.info_gatherer = InfoGatherer(
             self.local_events, api_host=options.host, api_port=options.api_port, models=models_dir()

@@ -53,12 +53,14 @@ class ClusterClient:
         command_publisher: Publisher[ForwarderCommand],
         cards: Mapping[ModelId, ModelCard],
         election: Election | None = None,
+        current_peers: Callable[[], frozenset[NodeId]] = frozenset,
     ) -> None:
         self.node_id = node_id
         self._current_state = current_state
         self.cards = cards
         self._applied_events = applied_events
         self._election = election
+        self.current_peers = current_peers
         # Commands not yet carried out: held while there is no master, resent to a new one.
         self._unanswered: dict[CommandId, Command] = {}
         self._chunks = chunk_subscription

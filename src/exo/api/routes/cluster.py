@@ -52,6 +52,23 @@ async def get_state(cluster: Cluster) -> dict[str, Any]:
     return cluster.state.model_dump(mode="json")
 
 
+class ClusterView(BaseModel):
+    node_id: str
+    master: str | None
+    peers: list[str]
+
+
+@router.get("/cluster")
+async def get_cluster(cluster: Cluster) -> ClusterView:
+    """This node's view of the cluster: itself, the elected master (None during an
+    election) and the peers it is connected to."""
+    return ClusterView(
+        node_id=cluster.node_id,
+        master=cluster.master,
+        peers=sorted(cluster.current_peers()),
+    )
+
+
 @router.get("/node_id")
 async def get_node_id(cluster: Cluster) -> str:
     return cluster.node_id

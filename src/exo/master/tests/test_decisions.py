@@ -3,9 +3,11 @@ import pytest
 from exo.master.decisions import choose_instance, events_after_restart, events_for_command
 from exo.shared.types.commands import (
     CancelGeneration,
+    Command,
     DeleteInstance,
     GenerateText,
     PlaceInstance,
+    RequestEventReplay,
 )
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.events import (
@@ -47,7 +49,7 @@ def fixed_task_id() -> TaskId:
     return TaskId("new-task")
 
 
-def decide(state: State, command: PlaceInstance | DeleteInstance | GenerateText | CancelGeneration):
+def decide(state: State, command: Command):
     return events_for_command(
         state, API_NODE, command, CARDS, new_instance_id=fixed_instance_id,
         new_task_id=fixed_task_id,
@@ -109,6 +111,37 @@ def test_place_with_min_nodes_above_one_is_rejected_with_400() -> None:
     assert isinstance(event, CommandRejected)
     assert event.status_code == 400
     assert "min_nodes=2" in event.reason
+
+
+def test_place_only_if_cluster_empty_places_on_an_empty_cluster() -> None:
+    state = make_state(nodes={NODE_A: BIG_NODE})
+    command = PlaceInstance(command_id=COMMAND, model_id=SMOLLM2, only_if_cluster_empty=True)
+    [event] = decide(state, command)
+    assert isinstance(event, InstanceCreated)
+    assert event.command_id == COMMAND
+
+
+def test_place_only_if_cluster_empty_is_rejected_with_409_when_any_instance_runs() -> None:
+    # Any instance counts, even of another model: a node's default model must not add one.
+    other_model = make_instance(NODE_B, make_card(model_id="other/model"))
+    state = make_state(nodes={NODE_A: BIG_NODE, NODE_B: BIG_NODE}, instances=[other_model])
+    command = PlaceInstance(command_id=COMMAND, model_id=SMOLLM2, only_if_cluster_empty=True)
+    assert decide(state, command) == [
+        CommandRejected(
+            command_id=COMMAND,
+            origin=API_NODE,
+            reason="the cluster already runs a model",
+            status_code=409,
+        )
+    ]
+    # Without the flag the same placement goes ahead.
+    [event] = decide(state, command.model_copy(update={"only_if_cluster_empty": False}))
+    assert isinstance(event, InstanceCreated)
+
+
+def test_event_replay_request_produces_no_event() -> None:
+    state = make_state(nodes={NODE_A: BIG_NODE}, last_event_applied_idx=9)
+    assert decide(state, RequestEventReplay(command_id=COMMAND, from_idx=3)) == []
 
 
 def test_delete_known_instance() -> None:

@@ -121,3 +121,65 @@ def test_long_prompt_survives_the_log(tmp_path: Path) -> None:
     log.append([event])
     log.close()
     assert EventLog(tmp_path / "events.jsonl").read_all() == [event]
+
+
+def test_append_skips_events_already_written(tmp_path: Path) -> None:
+    # The master and the node's replica both hand the log the same events.
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    log.append(EVENTS[:2])
+    log.append(EVENTS[:2])
+    log.append(EVENTS[1:])
+    assert log.last_idx == 2
+    assert log.events == EVENTS
+    log.close()
+    assert path.read_bytes() == b"".join(map(line, EVENTS))
+
+
+def test_append_after_reading_continues_and_skips_what_the_file_holds(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    first = EventLog(path)
+    first.append(EVENTS[:2])
+    first.close()
+    second = EventLog(path)
+    second.read_all()
+    assert second.last_idx == 1
+    second.append(EVENTS)
+    second.close()
+    assert path.read_bytes() == b"".join(map(line, EVENTS))
+
+
+@pytest.mark.parametrize("gap", [[EVENTS[1]], [EVENTS[0], EVENTS[2]]], ids=["first", "middle"])
+def test_append_that_would_leave_a_gap_raises(tmp_path: Path, gap: list[IndexedEvent]) -> None:
+    log = EventLog(tmp_path / "events.jsonl")
+    with pytest.raises(EventLogCorruptError, match="would leave a gap"):
+        log.append(gap)
+    log.close()
+    # Whatever came before the gap is kept; nothing from the gap on is written.
+    kept = [event for event in gap if event.idx == 0]
+    assert log.events == kept
+    assert EventLog(tmp_path / "events.jsonl").read_all() == kept
+
+
+def test_reset_archives_the_old_log_and_starts_empty(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path)
+    log.append(EVENTS)
+    archive = log.reset()
+    assert archive is not None
+    assert archive.parent == tmp_path
+    assert archive != path
+    assert archive.read_bytes() == b"".join(map(line, EVENTS))
+    assert not path.exists()
+    assert log.events == []
+    assert log.last_idx == -1
+    log.append(EVENTS[:1])
+    log.close()
+    assert EventLog(path).read_all() == EVENTS[:1]
+    assert EventLog(archive).read_all() == EVENTS
+
+
+def test_reset_without_a_file_archives_nothing(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "events.jsonl")
+    assert log.reset() is None
+    assert log.events == []

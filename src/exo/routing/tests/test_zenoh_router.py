@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import pytest
@@ -20,23 +20,16 @@ from pydantic import TypeAdapter
 
 from exo.routing.connections import PeerConnected, PeerDisconnected
 from exo.routing.zenoh_router import NetworkRouter, NetworkTopic
+from exo.shared.election import ElectionMessage
 from exo.shared.types.chunks import TokenChunk
 from exo.shared.types.commands import ForwarderCommand, PlaceInstance
-from exo.shared.types.common import CommandId, FrozenModel, ModelId, NodeId, RunnerId
+from exo.shared.types.common import CommandId, ModelId, NodeId, RunnerId
 from exo.shared.types.events import ForwarderEvent, IndexedEvent, RunnerDeleted
 
 pytestmark = pytest.mark.anyio
 
 COUNT = 200
 MODEL = ModelId("test/model")
-
-
-class Ballot(FrozenModel):
-    """Stands in for the election message type (defined elsewhere, later)."""
-
-    kind: Literal["Ballot"] = "Ballot"
-    node_id: NodeId
-    clock: int
 
 
 def _free_udp_port() -> int:
@@ -143,6 +136,7 @@ def _command_number(item: ForwarderCommand) -> tuple[int, int]:
 def _local_event(sender: int, number: int) -> ForwarderEvent:
     return ForwarderEvent(
         origin=NodeId(f"sender-{sender}"),
+        origin_session="session-1",
         origin_idx=number,
         event=RunnerDeleted(runner_id=RunnerId("runner")),
     )
@@ -160,11 +154,13 @@ def _global_event_number(item: IndexedEvent) -> tuple[int, int]:
     return divmod(item.idx, 100_000)
 
 
-def _ballot(sender: int, number: int) -> Ballot:
-    return Ballot(node_id=NodeId(f"sender-{sender}"), clock=number)
+def _ballot(sender: int, number: int) -> ElectionMessage:
+    return ElectionMessage(
+        node_id=NodeId(f"sender-{sender}"), clock=number, seniority=0, last_event_idx=-1
+    )
 
 
-def _ballot_number(item: Ballot) -> tuple[int, int]:
+def _ballot_number(item: ElectionMessage) -> tuple[int, int]:
     return int(item.node_id.removeprefix("sender-")), item.clock
 
 
@@ -194,7 +190,7 @@ async def _check_broadcast(
 
 async def test_every_topic_reaches_every_node_once_in_order() -> None:
     routers = _three_meshed()
-    ballots: TypeAdapter[Ballot] = TypeAdapter(Ballot)
+    ballots: TypeAdapter[ElectionMessage] = TypeAdapter(ElectionMessage)
     elections = [router.election(ballots) for router in routers]
     async with _running(*routers):
         await _wait_for_mesh(routers)

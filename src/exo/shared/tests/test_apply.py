@@ -2,9 +2,10 @@ from typing import get_args
 
 import pytest
 
-from exo.shared.apply import EventOutOfOrderError, apply, apply_all
+from exo.shared.apply import EventOutOfOrderError, apply, apply_all, origin_key
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.events import (
+    ClusterHistoryStarted,
     CommandRejected,
     Event,
     IndexedEvent,
@@ -12,12 +13,15 @@ from exo.shared.types.events import (
     InstanceDeleted,
     NodeDownloadProgress,
     NodeGatheredInfo,
+    NodeTimedOut,
     RunnerDeleted,
     RunnerStatusUpdated,
     TaskCreated,
     TaskStatusUpdated,
+    TopologyEdgeMeasured,
+    TopologyEdgeRemoved,
 )
-from exo.shared.types.nodes import DownloadCompleted, DownloadOngoing
+from exo.shared.types.nodes import DownloadCompleted, DownloadOngoing, TopologyEdge
 from exo.shared.types.runners import RunnerIdle, RunnerReady
 from exo.shared.types.state import State
 from exo.shared.types.tasks import (
@@ -39,9 +43,21 @@ from exo.testing.builders import (
 
 NODE_A = NodeId("node-a")
 NODE_B = NodeId("node-b")
+NODE_C = NodeId("node-c")
 RUNNER = RunnerId("instance-1-rank0")
 INSTANCE = make_instance(NODE_A, instance_id="instance-1")
 OTHER_INSTANCE = make_instance(NODE_B, instance_id="instance-2")
+
+
+def edge(source: NodeId, sink: NodeId, latency_ms: float = 1.0) -> TopologyEdge:
+    return TopologyEdge(
+        source=source,
+        sink=sink,
+        address=f"10.0.0.{sink[-1]}",
+        latency_ms=latency_ms,
+        bandwidth_mbps=1000.0,
+    )
+
 
 # One event of every type, applied to `populated_state()`; a new event type without a
 # sample fails `test_every_event_type_has_a_sample`.
@@ -61,6 +77,10 @@ SAMPLE_EVENTS: dict[type, Event] = {
     CommandRejected: CommandRejected(
         command_id=CommandId("c-2"), origin=NODE_A, reason="no", status_code=404
     ),
+    ClusterHistoryStarted: ClusterHistoryStarted(history_id="history-2", master=NODE_B),
+    NodeTimedOut: NodeTimedOut(node_id=NODE_A),
+    TopologyEdgeMeasured: TopologyEdgeMeasured(edge=edge(NODE_A, NODE_B, latency_ms=9.0)),
+    TopologyEdgeRemoved: TopologyEdgeRemoved(source=NODE_A, sink=NODE_B),
 }
 
 
@@ -75,6 +95,14 @@ def populated_state(last_event_applied_idx: int = 4) -> State:
         runners={RUNNER: (NODE_A, RunnerIdle())},
         downloads={NODE_A: {SMOLLM2: DownloadOngoing()}},
         last_event_applied_idx=last_event_applied_idx,
+    ).model_copy(
+        update={
+            "topology": {
+                NODE_A: {NODE_B: edge(NODE_A, NODE_B)},
+                NODE_B: {NODE_A: edge(NODE_B, NODE_A)},
+            },
+            "history_id": "history-1",
+        }
     )
 
 
@@ -235,3 +263,88 @@ def test_first_event_must_have_index_zero() -> None:
     assert apply(State(), IndexedEvent(idx=0, event=SAMPLE_EVENTS[CommandRejected])) == State(
         last_event_applied_idx=0
     )
+
+
+def test_cluster_history_started_names_the_history() -> None:
+    state = apply(State(), IndexedEvent(idx=0, event=SAMPLE_EVENTS[ClusterHistoryStarted]))
+    assert state == State(history_id="history-2", last_event_applied_idx=0)
+
+
+def test_node_timed_out_removes_everything_of_the_node_only() -> None:
+    instance_b = make_instance(NODE_B, instance_id="instance-b")
+    shared = make_instance([NODE_B, NODE_C], instance_id="instance-bc")
+    instance_c = make_instance(NODE_C, instance_id="instance-c")
+    runner_b = RunnerId("instance-b-rank0")
+    runner_c = RunnerId("instance-c-rank0")
+    state = make_state(
+        nodes={NODE_A: make_node_info(1), NODE_B: make_node_info(2), NODE_C: make_node_info(3)},
+        instances=[instance_b, shared, instance_c],
+        tasks=[
+            make_text_generation_task(instance_id="instance-b", task_id="task-b"),
+            make_text_generation_task(instance_id="instance-bc", task_id="task-bc"),
+            make_text_generation_task(instance_id="instance-c", task_id="task-c"),
+        ],
+        runners={runner_b: (NODE_B, RunnerReady()), runner_c: (NODE_C, RunnerReady())},
+        downloads={NODE_B: {SMOLLM2: DownloadOngoing()}, NODE_C: {SMOLLM2: DownloadOngoing()}},
+    ).model_copy(
+        update={
+            "topology": {
+                NODE_A: {NODE_B: edge(NODE_A, NODE_B), NODE_C: edge(NODE_A, NODE_C)},
+                NODE_B: {NODE_A: edge(NODE_B, NODE_A), NODE_C: edge(NODE_B, NODE_C)},
+                NODE_C: {NODE_B: edge(NODE_C, NODE_B)},
+            }
+        }
+    )
+    after = apply_one(state, NodeTimedOut(node_id=NODE_B))
+    assert list(after.node_info) == [NODE_A, NODE_C]
+    assert list(after.downloads) == [NODE_C]
+    # Edges from and to B go; C's only edge was to B, so C has no entry left.
+    assert after.topology == {NODE_A: {NODE_C: edge(NODE_A, NODE_C)}}
+    assert list(after.instances) == [InstanceId("instance-c")]
+    assert list(after.tasks) == [TaskId("task-c")]
+    assert after.runners == {runner_c: RunnerReady()}
+    assert after.runner_nodes == {runner_c: NODE_C}
+
+
+def test_timing_out_an_unknown_node_changes_nothing_but_the_index() -> None:
+    state = populated_state()
+    new_state = apply_one(state, NodeTimedOut(node_id=NODE_C))
+    assert new_state == state.model_copy(update={"last_event_applied_idx": 5})
+
+
+def test_topology_edge_measured_adds_or_replaces_one_direction() -> None:
+    state = apply_one(populated_state(), TopologyEdgeMeasured(edge=edge(NODE_A, NODE_C)))
+    state = apply_one(state, SAMPLE_EVENTS[TopologyEdgeMeasured])
+    assert state.topology == {
+        NODE_A: {NODE_B: edge(NODE_A, NODE_B, latency_ms=9.0), NODE_C: edge(NODE_A, NODE_C)},
+        NODE_B: {NODE_A: edge(NODE_B, NODE_A)},
+    }
+
+
+def test_topology_edge_removed_drops_one_direction_and_empty_sources() -> None:
+    state = apply_one(populated_state(), SAMPLE_EVENTS[TopologyEdgeRemoved])
+    assert state.topology == {NODE_B: {NODE_A: edge(NODE_B, NODE_A)}}
+    unchanged = apply_one(state, TopologyEdgeRemoved(source=NODE_A, sink=NODE_B))
+    assert unchanged == state.model_copy(update={"last_event_applied_idx": 6})
+
+
+def test_local_event_progress_follows_the_origin_of_each_session() -> None:
+    event = SAMPLE_EVENTS[CommandRejected]
+    state = apply(State(), IndexedEvent(idx=0, event=event))
+    assert state.local_event_progress == {}
+    steps = [("session-1", 0), ("session-1", 1), ("session-2", 0), ("session-1", 2)]
+    for idx, (session, origin_idx) in enumerate(steps, start=1):
+        state = apply(
+            state,
+            IndexedEvent(
+                idx=idx, event=event, origin=NODE_A, origin_session=session, origin_idx=origin_idx
+            ),
+        )
+    state = apply(
+        state, IndexedEvent(idx=5, event=event, origin=NODE_B, origin_session="s", origin_idx=7)
+    )
+    assert state.local_event_progress == {
+        origin_key(NODE_A, "session-1"): 2,
+        origin_key(NODE_A, "session-2"): 0,
+        origin_key(NODE_B, "s"): 7,
+    }

@@ -6,6 +6,8 @@ from typing import Any, get_args
 import pytest
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from exo.shared import election
+from exo.shared.election import ElectionMessage
 from exo.shared.types import (
     chunks,
     commands,
@@ -28,6 +30,7 @@ from exo.shared.types.commands import (
     ForwarderCommand,
     GenerateText,
     PlaceInstance,
+    RequestEventReplay,
 )
 from exo.shared.types.common import (
     CommandId,
@@ -40,6 +43,7 @@ from exo.shared.types.common import (
     truncate_for_repr,
 )
 from exo.shared.types.events import (
+    ClusterHistoryStarted,
     CommandRejected,
     Event,
     ForwarderEvent,
@@ -48,10 +52,13 @@ from exo.shared.types.events import (
     InstanceDeleted,
     NodeDownloadProgress,
     NodeGatheredInfo,
+    NodeTimedOut,
     RunnerDeleted,
     RunnerStatusUpdated,
     TaskCreated,
     TaskStatusUpdated,
+    TopologyEdgeMeasured,
+    TopologyEdgeRemoved,
 )
 from exo.shared.types.instances import Instance, PipelineInstance, ShardAssignments, TensorInstance
 from exo.shared.types.models import (
@@ -68,8 +75,11 @@ from exo.shared.types.nodes import (
     DownloadOngoing,
     DownloadPending,
     DownloadStatus,
+    GpuInfo,
     MemoryInfo,
+    NetworkInterface,
     NodeInfo,
+    TopologyEdge,
 )
 from exo.shared.types.runners import (
     RunnerFailed,
@@ -124,7 +134,7 @@ from exo.worker.runner.messages import (
 
 WIRE_MODULES = (
     chunks, commands, common, events, instances, models, nodes, runners, shards, state, tasks,
-    text_generation, messages,
+    text_generation, messages, election,
 )  # fmt: skip
 
 NODE = NodeId("node-a")
@@ -149,6 +159,9 @@ PARAMS = TextGenerationTaskParams(
     stop=("\n\n", "END"),
     stream=True,
 )
+EDGE = TopologyEdge(
+    source=NODE, sink=NodeId("node-b"), address="10.0.0.2", latency_ms=0.4, bandwidth_mbps=9400.0
+)
 PIPELINE = make_instance(NODE, CARD, "pipeline", "instance-1")
 TENSOR = make_instance(
     [NODE, NodeId("node-b")], make_card(supports_tensor=True), "tensor", "instance-2"
@@ -170,6 +183,12 @@ FULL_STATE = make_state(
     runners={RUNNER: (NODE, RunnerReady())},
     downloads={NODE: {SMOLLM2: DownloadCompleted(path="/models/smollm2")}},
     last_event_applied_idx=12,
+).model_copy(
+    update={
+        "topology": {NODE: {NodeId("node-b"): EDGE}},
+        "history_id": "history-1",
+        "local_event_progress": {"node-a/session-1": 4},
+    }
 )
 
 # Samples of every concrete wire type, keyed by class. Members with no fields next to
@@ -211,8 +230,20 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
             memory=MemoryInfo(total_bytes=10, available_bytes=5),
             cpu_model="x86",
             cpu_cores=8,
-        )
+        ),
+        NodeInfo(
+            friendly_name="gpu-box",
+            memory=MemoryInfo(total_bytes=10, available_bytes=5),
+            gpus=(GpuInfo(name="H200", total_memory_bytes=141 * 2**30),),
+            models_disk_free_bytes=7,
+            network_interfaces=(NetworkInterface(name="eth0", addresses=("10.0.0.1",)),),
+            api_port=52415,
+            api_addresses=("10.0.0.1",),
+        ),
     ],
+    GpuInfo: [GpuInfo(name="H200", total_memory_bytes=1)],
+    NetworkInterface: [NetworkInterface(name="lo", addresses=("127.0.0.1", "127.0.0.2"))],
+    TopologyEdge: [EDGE],
     DownloadPending: [DownloadPending()],
     DownloadOngoing: [DownloadOngoing(message="1/3 files")],
     DownloadCompleted: [DownloadCompleted(path="/models/x")],
@@ -254,11 +285,13 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
             sharding="tensor",
             min_nodes=2,
             node_ids=(NODE, NodeId("node-b")),
+            only_if_cluster_empty=True,
         ),
     ],
     DeleteInstance: [DeleteInstance(command_id=COMMAND, instance_id=INSTANCE_ID)],
     GenerateText: [GenerateText(command_id=COMMAND, params=PARAMS)],
     CancelGeneration: [CancelGeneration(command_id=COMMAND, target_command_id=CommandId("c-0"))],
+    RequestEventReplay: [RequestEventReplay(command_id=COMMAND, from_idx=17)],
     ForwarderCommand: [
         ForwarderCommand(
             origin=NODE, command=CancelGeneration(command_id=COMMAND, target_command_id=COMMAND)
@@ -284,10 +317,41 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     CommandRejected: [
         CommandRejected(command_id=COMMAND, origin=NODE, reason="unknown", status_code=404)
     ],
+    ClusterHistoryStarted: [ClusterHistoryStarted(history_id="history-1", master=NODE)],
+    NodeTimedOut: [NodeTimedOut(node_id=NODE)],
+    TopologyEdgeMeasured: [TopologyEdgeMeasured(edge=EDGE)],
+    TopologyEdgeRemoved: [TopologyEdgeRemoved(source=NODE, sink=NodeId("node-b"))],
     ForwarderEvent: [
-        ForwarderEvent(origin=NODE, origin_idx=3, event=RunnerDeleted(runner_id=RUNNER))
+        ForwarderEvent(
+            origin=NODE,
+            origin_session="session-1",
+            origin_idx=3,
+            event=RunnerDeleted(runner_id=RUNNER),
+        )
     ],
-    IndexedEvent: [IndexedEvent(idx=0, event=TaskCreated(task=GENERATION))],
+    IndexedEvent: [
+        IndexedEvent(idx=0, event=TaskCreated(task=GENERATION)),
+        IndexedEvent(
+            idx=5,
+            event=NodeTimedOut(node_id=NODE),
+            origin=NODE,
+            origin_session="session-1",
+            origin_idx=2,
+        ),
+    ],
+    # election
+    ElectionMessage: [
+        ElectionMessage(node_id=NODE, clock=0, seniority=0, last_event_idx=-1),
+        ElectionMessage(
+            node_id=NODE,
+            clock=7,
+            seniority=3,
+            force_master=True,
+            last_event_idx=41,
+            history_id="history-1",
+            master=NodeId("node-b"),
+        ),
+    ],
     State: [State(), FULL_STATE],
     # runner IPC
     RunnerStatusReport: [RunnerStatusReport(status=RunnerLoading(layers_loaded=0, total_layers=1))],
@@ -399,6 +463,7 @@ def test_ids_come_back_as_their_own_class() -> None:
     assert {type(value) for value in restored.runner_nodes.values()} == {NodeId}
     assert {type(key) for key in restored.node_info} == {NodeId}
     assert {type(key) for key in restored.downloads[NODE]} == {ModelId}
+    assert {type(key) for key in restored.topology[NODE]} == {NodeId}
     assignments = restored.instances[INSTANCE_ID].shard_assignments
     assert type(assignments.model_id) is ModelId
     assert {type(key) for key in assignments.runner_to_shard} == {RunnerId}
