@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.exo_process import ExoNode
+from exo.testing.processes import ExoNode
 
 
 @pytest.fixture(scope="session")

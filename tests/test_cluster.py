@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import openai
 
-from tests.exo_process import DEFAULT_MODEL_ID, ExoNode, wait_until
+from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode, wait_until
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 FORM_TIMEOUT_SECONDS = 15.0

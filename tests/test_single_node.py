@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.exo_process import DEFAULT_MODEL_ID, ExoNode, wait_until
+from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode, wait_until
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 LONG_ANSWER = [{"role": "user", "content": "Write a very long story about a dragon and a knight."}]

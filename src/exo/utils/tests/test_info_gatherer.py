@@ -1,0 +1,126 @@
+"""What a node reports about itself, and which changes are worth an event."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import psutil
+import pytest
+
+from exo.shared.types.nodes import MemoryInfo, NetworkInterface, NodeInfo
+from exo.utils.info_gatherer import (
+    DISK_CHANGE_REPORT_BYTES,
+    MEMORY_CHANGE_REPORT_BYTES,
+    _significant_change,
+    api_addresses,
+    gather_node_info,
+    memory_info,
+)
+
+MIB = 2**20
+INTERFACES = (
+    NetworkInterface(name="eth0", addresses=("10.0.0.5", "10.0.0.6")),
+    NetworkInterface(name="lo", addresses=("127.0.0.1",)),
+)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", ""])
+def test_api_on_all_interfaces_is_reachable_on_every_address(host: str) -> None:
+    assert api_addresses(host, INTERFACES) == ("10.0.0.5", "10.0.0.6", "127.0.0.1")
+    assert api_addresses(host, ()) == ()
+
+
+@pytest.mark.parametrize("host", ["10.0.0.6", "127.0.0.1", "192.168.7.7"])
+def test_api_bound_to_one_host_is_reachable_there_only(host: str) -> None:
+    assert api_addresses(host, INTERFACES) == (host,)
+
+
+def test_override_memory_replaces_the_available_figure(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OVERRIDE_MEMORY_MB", raising=False)
+    real = memory_info()
+    assert 0 < real.available_bytes <= real.total_bytes
+    monkeypatch.setenv("OVERRIDE_MEMORY_MB", "512")
+    small = memory_info()
+    assert small.available_bytes == 512 * MIB
+    assert small.total_bytes >= real.total_bytes - 64 * MIB
+    # More than the machine has: the total grows with it, so available <= total holds.
+    huge_mb = psutil.virtual_memory().total // MIB * 4
+    monkeypatch.setenv("OVERRIDE_MEMORY_MB", str(huge_mb))
+    huge = memory_info()
+    assert huge.available_bytes == huge_mb * MIB
+    assert huge.total_bytes == huge.available_bytes
+
+
+def test_gather_node_info_reports_this_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OVERRIDE_MEMORY_MB", "1024")
+    info = gather_node_info("127.0.0.1", 52415, tmp_path)
+    assert info.friendly_name == socket.gethostname()
+    assert info.memory.available_bytes == 1024 * MIB
+    assert info.cpu_cores == psutil.cpu_count(logical=True)
+    assert info.cpu_model
+    assert info.models_disk_free_bytes > 0
+    assert info.api_port == 52415
+    assert info.api_addresses == ("127.0.0.1",)
+    assert all(interface.addresses for interface in info.network_interfaces)
+    assert all(gpu.total_memory_bytes > 0 for gpu in info.gpus)
+    # It crosses the wire as is.
+    assert NodeInfo.model_validate_json(info.model_dump_json()) == info
+
+
+def test_gather_on_all_interfaces_lists_every_interface_address() -> None:
+    info = gather_node_info("0.0.0.0", 52415, None)
+    assert info.models_disk_free_bytes == 0
+    assert info.api_addresses == tuple(
+        address for interface in info.network_interfaces for address in interface.addresses
+    )
+    assert "127.0.0.1" in info.api_addresses
+
+
+def test_missing_models_directory_reports_no_free_space(tmp_path: Path) -> None:
+    info = gather_node_info("127.0.0.1", 1, tmp_path / "does" / "not" / "exist")
+    assert info.models_disk_free_bytes == 0
+
+
+BASE = NodeInfo(
+    friendly_name="n",
+    memory=MemoryInfo(total_bytes=64 * 2**30, available_bytes=32 * 2**30),
+    models_disk_free_bytes=100 * 2**30,
+    api_port=52415,
+    api_addresses=("10.0.0.5",),
+)
+
+
+def memory_moved(by: int) -> NodeInfo:
+    available = BASE.memory.available_bytes + by
+    return BASE.model_copy(
+        update={"memory": BASE.memory.model_copy(update={"available_bytes": available})}
+    )
+
+
+def disk_moved(by: int) -> NodeInfo:
+    return BASE.model_copy(update={"models_disk_free_bytes": BASE.models_disk_free_bytes + by})
+
+
+@pytest.mark.parametrize(
+    ("new", "expected"),
+    [
+        (BASE, False),
+        (memory_moved(MEMORY_CHANGE_REPORT_BYTES - 1), False),
+        (memory_moved(-MEMORY_CHANGE_REPORT_BYTES + 1), False),
+        (memory_moved(MEMORY_CHANGE_REPORT_BYTES), True),
+        (memory_moved(-MEMORY_CHANGE_REPORT_BYTES), True),
+        (disk_moved(-DISK_CHANGE_REPORT_BYTES + 1), False),
+        (disk_moved(DISK_CHANGE_REPORT_BYTES - 1), False),
+        (disk_moved(-DISK_CHANGE_REPORT_BYTES), True),
+        # Anything but the moving figures is always news.
+        (BASE.model_copy(update={"api_addresses": ("10.0.0.6",)}), True),
+        (BASE.model_copy(update={"api_port": 1}), True),
+        (BASE.model_copy(update={"cpu_cores": 2}), True),
+        (BASE.model_copy(update={"friendly_name": "m"}), True),
+    ],
+)
+def test_only_significant_changes_are_reported(new: NodeInfo, expected: bool) -> None:
+    assert _significant_change(BASE, new) is expected
