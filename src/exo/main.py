@@ -184,6 +184,7 @@ class Node:
             current_peers=lambda: self.router.peers,
             current_state=lambda: self.replica.state,
             force_master=options.force_master,
+            last_event_digest=lambda: self.replica.last_event_digest(),
         )
         self.replica = Replica(
             node_id=self.node_id,
@@ -227,7 +228,11 @@ class Node:
             current_peers=lambda: self.router.peers,
         )
         self.info_gatherer = InfoGatherer(
-            self.local_events, api_host=options.host, api_port=options.api_port, models=models_dir()
+            self.local_events,
+            api_host=options.host,
+            api_port=options.api_port,
+            models=models_dir(),
+            current_state=lambda: self.replica.state,
         )
         self.topology = TopologyProber(self.node_id, lambda: self.replica.state, self.local_events)
         self._listen_socket = bind_api_socket(options.host, options.api_port)

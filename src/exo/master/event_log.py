@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Iterable
@@ -12,6 +13,12 @@ from loguru import logger
 from pydantic import ValidationError
 
 from exo.shared.types.events import IndexedEvent
+
+
+def event_digest(indexed_event: IndexedEvent) -> str:
+    """A short fingerprint of one indexed event; two nodes whose events at the same index
+    differ hold different histories."""
+    return hashlib.sha256(indexed_event.model_dump_json().encode()).hexdigest()[:16]
 
 
 class EventLogCorruptError(RuntimeError):
@@ -30,7 +37,8 @@ class EventLog:
         self.path = path
         self._file: IO[str] | None = None
         self.events: list[IndexedEvent] = []
-        """Every event of the log, in index order (after `read_all`)."""
+        """Every event of the log, in index order."""
+        self._loaded = False
 
     def read_all(self) -> list[IndexedEvent]:
         """Every event in the log, in index order.
@@ -38,7 +46,9 @@ class EventLog:
         Raises:
             EventLogCorruptError: a line before the last is invalid or indexes skip.
         """
+        self._loaded = True
         if not self.path.exists():
+            self.events = []
             return []
         raw = self.path.read_bytes()
         lines = raw.split(b"\n")
@@ -80,7 +90,17 @@ class EventLog:
 
     @property
     def last_idx(self) -> int:
+        if not self._loaded:
+            self.read_all()
         return len(self.events) - 1
+
+    def digest_at(self, idx: int) -> str | None:
+        """`event_digest` of the event at `idx`, None when the log does not reach it."""
+        if not self._loaded:
+            self.read_all()
+        if not 0 <= idx < len(self.events):
+            return None
+        return event_digest(self.events[idx])
 
     def append(self, events: Iterable[IndexedEvent]) -> None:
         """Persist `events`; those already in the log (index <= `last_idx`) are skipped,
@@ -89,6 +109,8 @@ class EventLog:
         Raises:
             EventLogCorruptError: an event would leave a gap in the indexes.
         """
+        if not self._loaded:
+            self.read_all()
         new = [event for event in events if event.idx > self.last_idx]
         if not new:
             return
@@ -110,9 +132,10 @@ class EventLog:
         cluster with another history). Returns where the old log went."""
         self.close()
         self.events = []
+        self._loaded = True
         if not self.path.exists():
             return None
-        archive = self.path.with_name(f"{self.path.name}.{int(time.time())}.old")
+        archive = self.path.with_name(f"{self.path.name}.{time.time_ns()}.old")
         self.path.replace(archive)
         return archive
 

@@ -40,6 +40,8 @@ class ElectionMessage(FrozenModel):
     seniority: int = Field(ge=0)
     force_master: bool = False
     last_event_idx: int = Field(ge=-1)
+    last_event_digest: str | None = None
+    """Fingerprint of this node's event at `last_event_idx` (see `event_digest`)."""
     history_id: str | None = None
     master: NodeId | None = None
     """Who this node follows now; None while a round is open."""
@@ -72,6 +74,7 @@ class Election:
         current_state: Callable[[], State],
         force_master: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        last_event_digest: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.node_id = node_id
         self.force_master = force_master
@@ -80,6 +83,7 @@ class Election:
         self._connections = connections
         self._current_peers = current_peers
         self._current_state = current_state
+        self._last_event_digest = last_event_digest
         self._now = clock
         self.election_clock = 0
         self.seniority = 0
@@ -102,6 +106,7 @@ class Election:
             seniority=self.seniority,
             force_master=self.force_master,
             last_event_idx=state.last_event_applied_idx,
+            last_event_digest=self._last_event_digest(),
             history_id=state.history_id,
             master=self.master,
         )
@@ -141,6 +146,8 @@ class Election:
         now = self._now()
         self.last_heard[message.node_id] = now
         previous = self.latest.get(message.node_id)
+        if previous is not None and message.clock < previous.clock:
+            return  # a late message from an earlier round
         self.latest[message.node_id] = message
         if message.clock > self.election_clock:
             self.start_round(message.clock, f"{message.node_id} is in round {message.clock}")

@@ -17,7 +17,7 @@ from loguru import logger
 
 from exo.master.event_log import EventLog
 from exo.shared.apply import apply
-from exo.shared.election import Election
+from exo.shared.election import Election, ElectionMessage
 from exo.shared.local_events import LocalEventSender
 from exo.shared.types.commands import Command, RequestEventReplay
 from exo.shared.types.common import CommandId, NodeId
@@ -88,15 +88,28 @@ class Replica:
             and self.state.history_id is not None
             and master.history_id != self.state.history_id
         ):
-            self._reset(master.history_id)
+            self._reset(f"this node's history {self.state.history_id} is not the cluster's")
+        elif self._diverged_from(master):
+            self._reset(
+                f"this node's event {master.last_event_idx} differs from the master's "
+                "(the cluster was split and this side's events were not kept)"
+            )
         if self._ahead or self.behind_master():
             self._request_replay()
 
-    def _reset(self, new_history: str) -> None:
+    def _diverged_from(self, master: ElectionMessage) -> bool:
+        if master.last_event_digest is None or master.last_event_idx < 0:
+            return False
+        mine = self._event_log.digest_at(master.last_event_idx)
+        return mine is not None and mine != master.last_event_digest
+
+    def last_event_digest(self) -> str | None:
+        return self._event_log.digest_at(self.state.last_event_applied_idx)
+
+    def _reset(self, reason: str) -> None:
         archive = self._event_log.reset()
         logger.warning(
-            f"this node's history {self.state.history_id} is not the cluster's ({new_history}); "
-            f"starting over from the master's (old log kept at {archive})"
+            f"{reason}; starting over from the master's history (old log kept at {archive})"
         )
         self.state = State()
         self._ahead.clear()

@@ -6,6 +6,7 @@ import os
 import platform
 import shutil
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -14,6 +15,7 @@ import psutil
 from exo.shared.local_events import LocalEventSender
 from exo.shared.types.events import NodeGatheredInfo
 from exo.shared.types.nodes import GpuInfo, MemoryInfo, NetworkInterface, NodeInfo
+from exo.shared.types.state import State
 
 GATHER_INTERVAL_SECONDS = 2.0
 # Memory moves all the time; only a change this large (or the heartbeat) is worth an event.
@@ -21,6 +23,7 @@ MEMORY_CHANGE_REPORT_BYTES = 256 * 2**20
 DISK_CHANGE_REPORT_BYTES = 1024 * 2**20
 # Liveness is the election heartbeat's job; this only refreshes figures now and then.
 HEARTBEAT_SECONDS = 300.0
+MISSING_RESEND_SECONDS = 5.0
 
 
 def memory_info() -> MemoryInfo:
@@ -118,17 +121,29 @@ def _significant_change(old: NodeInfo, new: NodeInfo) -> bool:
 
 
 class InfoGatherer:
+    """Reports this node's `NodeInfo` when it changes, when the cluster state lacks it (a
+    node timed out after a network blip, a node that joined another history), and every
+    `HEARTBEAT_SECONDS`."""
+
     def __init__(
         self,
         local_events: LocalEventSender,
         api_host: str = "0.0.0.0",
         api_port: int = 0,
         models: Path | None = None,
+        current_state: Callable[[], State] | None = None,
     ) -> None:
         self._local_events = local_events
+        self._current_state = current_state
         self._api_host = api_host
         self._api_port = api_port
         self._models = models
+
+    def _missing_from_state(self) -> bool:
+        if self._current_state is None:
+            return False
+        state = self._current_state()
+        return state.history_id is not None and self._local_events.node_id not in state.node_info
 
     async def run(self) -> None:
         last: NodeInfo | None = None
@@ -142,6 +157,7 @@ class InfoGatherer:
                 last is None
                 or _significant_change(last, info)
                 or now - last_sent >= HEARTBEAT_SECONDS
+                or (self._missing_from_state() and now - last_sent >= MISSING_RESEND_SECONDS)
             ):
                 self._local_events.emit(
                     NodeGatheredInfo(node_id=self._local_events.node_id, info=info)

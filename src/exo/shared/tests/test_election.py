@@ -317,3 +317,16 @@ async def test_messages_are_heartbeats() -> None:
     # Each node heard the other's periodic broadcast at the current time; never itself.
     assert network.nodes[NODE_A].election.last_heard == {NODE_B: network.clock.now}
     assert network.nodes[NODE_B].election.last_heard == {NODE_A: network.clock.now}
+
+
+async def test_a_late_message_from_an_earlier_round_does_not_hide_the_peer() -> None:
+    network = Network()
+    node = network.add(NODE_A)
+    node.peers.add(NODE_B)
+    node.election.on_message(message(NODE_B, clock=7, last_event_idx=3))
+    # B's round-6 message arrives after its round-7 one (another path, a resend).
+    node.election.on_message(message(NODE_B, clock=6, last_event_idx=3))
+    assert node.election.latest[NODE_B].clock == 7
+    elapsed = network.run_until_decided()
+    assert elapsed < ROUND_MAX_SECONDS
+    assert node.election.master == NODE_B

@@ -8,7 +8,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from exo.master.event_log import EventLog
+from exo.master.event_log import EventLog, event_digest
 from exo.routing.connections import ConnectionMessage
 from exo.shared.apply import apply_all
 from exo.shared.election import Election, ElectionMessage
@@ -58,7 +58,12 @@ class Harness:
     commands: list[Command]
     clock: FakeClock
 
-    def follow(self, last_event_idx: int = -1, history_id: str | None = "history-1") -> None:
+    def follow(
+        self,
+        last_event_idx: int = -1,
+        history_id: str | None = "history-1",
+        last_event_digest: str | None = None,
+    ) -> None:
         """What the election reports once `MASTER` won."""
         self.election.master = MASTER
         self.election.master_message = ElectionMessage(
@@ -66,6 +71,7 @@ class Harness:
             clock=3,
             seniority=1,
             last_event_idx=last_event_idx,
+            last_event_digest=last_event_digest,
             history_id=history_id,
             master=MASTER,
         )
@@ -250,6 +256,30 @@ async def test_same_or_unknown_history_is_kept(tmp_path: Path) -> None:
     harness.replica.check()
     assert harness.replica.state == apply_all(State(), held)
     assert [path.name for path in tmp_path.iterdir()] == [harness.log.path.name]
+
+
+async def test_a_diverged_event_at_the_masters_index_starts_over(tmp_path: Path) -> None:
+    # Same history, but after a split this node holds other events than the master.
+    held = history(4)
+    harness = make_harness(tmp_path, held=held)
+    masters_event = IndexedEvent(idx=2, event=RunnerDeleted(runner_id=RunnerId("other-side")))
+    harness.follow(
+        last_event_idx=2, history_id="history-1", last_event_digest=event_digest(masters_event)
+    )
+    harness.replica.check()
+    assert harness.replica.state == State()
+    assert harness.replays() == [0]
+
+
+async def test_a_matching_event_at_the_masters_index_is_kept(tmp_path: Path) -> None:
+    held = history(4)
+    harness = make_harness(tmp_path, held=held)
+    harness.follow(
+        last_event_idx=2, history_id="history-1", last_event_digest=event_digest(held[2])
+    )
+    harness.replica.check()
+    assert harness.replica.state == apply_all(State(), held)
+    assert harness.replica.last_event_digest() == event_digest(held[3])
 
 
 async def test_own_local_events_are_acknowledged_when_applied(tmp_path: Path) -> None:
