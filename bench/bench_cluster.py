@@ -15,6 +15,7 @@ Usage: python bench/bench_cluster.py [--requests 5] [--max-tokens 64]
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import tempfile
 import time
@@ -45,7 +46,7 @@ def stream_timings(node: ExoNode, max_tokens: int) -> tuple[float, list[float]]:
         for line in response.iter_lines():
             if '"content":"' in line and '"content":""' not in line:
                 arrivals.append(time.perf_counter())
-    gaps = [later - earlier for earlier, later in zip(arrivals, arrivals[1:], strict=False)]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
     return arrivals[0] - sent, gaps
 
 
