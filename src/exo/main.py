@@ -175,6 +175,8 @@ class Node:
         state = apply_all(State(), replayed)
         if replayed:
             logger.info(f"replayed {len(replayed)} events from {self.event_log.path}")
+        # What this node ran before it stopped, decided now: later events are this run's.
+        self._stale_on_restart = events_after_restart(state, self.node_id)
         self.local_events = LocalEventSender(self.node_id, self.router.local_events.sender())
         self.election = Election(
             node_id=self.node_id,
@@ -294,9 +296,9 @@ class Node:
         requests it was serving: say so, once the node holds the cluster's history."""
         if not await self._caught_up(timeout=60):
             return
-        for event in events_after_restart(self.replica.state, self.node_id):
+        for event in self._stale_on_restart:
             if isinstance(event, RunnerDeleted) and event.runner_id in self.worker.runners:
-                continue
+                continue  # already recreated under the same id; its status replaces the old
             self.local_events.emit(event)
 
     async def _announce(self) -> None:

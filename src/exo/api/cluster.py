@@ -14,7 +14,7 @@ from loguru import logger
 from exo.shared.election import Election
 from exo.shared.types.chunks import Chunk, ErrorChunk
 from exo.shared.types.commands import Command, ForwarderCommand
-from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
+from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, TaskId
 from exo.shared.types.events import (
     CommandRejected,
     Event,
@@ -22,9 +22,11 @@ from exo.shared.types.events import (
     InstanceCreated,
     InstanceDeleted,
     TaskCreated,
+    TaskStatusUpdated,
 )
 from exo.shared.types.models import ModelCard
 from exo.shared.types.state import State
+from exo.shared.types.tasks import TaskCancelled, TaskComplete, TaskFailed
 from exo.utils.channels import Publisher, Subscription
 
 COMMAND_RESULT_TIMEOUT_SECONDS = 30.0
@@ -68,6 +70,7 @@ class ClusterClient:
         self._result_waiters: dict[CommandId, MemoryObjectSendStream[Event]] = {}
         self._chunk_streams: dict[CommandId, MemoryObjectSendStream[Chunk]] = {}
         self._command_instance: dict[CommandId, InstanceId] = {}
+        self._task_commands: dict[TaskId, CommandId] = {}
         self.state_changed = anyio.Event()
 
     @property
@@ -116,6 +119,15 @@ class ClusterClient:
                 command_id = task.command_id
                 if task.command_id in self._chunk_streams:
                     self._command_instance[task.command_id] = task.instance_id
+                    self._task_commands[task.task_id] = task.command_id
+            case TaskStatusUpdated(task_id=task_id, status=TaskFailed(error_message=message)):
+                # Normally the runner's error chunk came first; this ends streams whose
+                # runner could not say so (the node restarted, the task was dropped).
+                self._end_stream(self._task_commands.pop(task_id, None), message)
+                return
+            case TaskStatusUpdated(task_id=task_id, status=TaskComplete() | TaskCancelled()):
+                self._task_commands.pop(task_id, None)
+                return
             case _:
                 pass
         if isinstance(event, InstanceDeleted):
@@ -128,14 +140,16 @@ class ClusterClient:
 
     def _fail_streams_of_instance(self, instance_id: InstanceId) -> None:
         for command_id, stream_instance in list(self._command_instance.items()):
-            if stream_instance == instance_id and command_id in self._chunk_streams:
-                self._chunk_streams[command_id].send_nowait(
-                    ErrorChunk(
-                        command_id=command_id,
-                        model=ModelId("unknown"),
-                        error_message="the instance serving this request was deleted",
-                    )
-                )
+            if stream_instance == instance_id:
+                self._end_stream(command_id, "the instance serving this request was deleted")
+
+    def _end_stream(self, command_id: CommandId | None, message: str) -> None:
+        stream = self._chunk_streams.get(command_id) if command_id is not None else None
+        if stream is None or command_id is None:
+            return
+        stream.send_nowait(
+            ErrorChunk(command_id=command_id, model=ModelId("unknown"), error_message=message)
+        )
 
     async def _chunk_loop(self) -> None:
         async for chunk in self._chunks:

@@ -31,6 +31,7 @@ from exo.utils.channels import Publisher, Subscription
 
 NODE_TIMEOUT_SECONDS = 30.0
 REPLAY_BATCH = 500
+MAX_INSTANCE_FAILURES = 3
 
 
 def command_id_of(event: Event) -> CommandId | None:
@@ -42,6 +43,16 @@ def command_id_of(event: Event) -> CommandId | None:
             return task.command_id
         case _:
             return None
+
+
+def failed_instances(state: State) -> list[Event]:
+    """Instances whose runners failed `MAX_INSTANCE_FAILURES` times without becoming
+    ready in between are deleted: retrying further would only keep failing."""
+    return [
+        InstanceDeleted(instance_id=instance_id)
+        for instance_id, failures in state.instance_failures.items()
+        if failures >= MAX_INSTANCE_FAILURES and instance_id in state.instances
+    ]
 
 
 class Master:
@@ -165,6 +176,7 @@ class Master:
         if forwarded.origin_idx != expected:
             return
         self.emit([forwarded.event], origin=forwarded)
+        self.emit(failed_instances(self.state))
 
     async def _command_loop(self) -> None:
         async for forwarded in self._commands:

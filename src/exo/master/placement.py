@@ -1,27 +1,45 @@
 """Placement: which node(s) run which shard of a model. Pure functions of the state.
 
-This version places on a single node (world size 1); multi-node pipeline and tensor
-placement extend `placement_candidates`.
+Rules (exo's, with its gaps filled):
+- candidates are single nodes and groups of nodes that measured links to each other
+  (topology edges); every rank must reach rank 0, where the process group meets;
+- a group must hold the model in its total available memory, and each node its share;
+- pipeline sharding splits layers in proportion to each node's available memory
+  (largest-remainder rounding, at least one layer per node);
+- tensor sharding needs the card's tensor support and attention heads, KV heads and MLP
+  size divisible by the node count;
+- prefer the fewest nodes that fit, then nodes that already hold the model's files, then
+  the most available memory (ties by node id, so every master decides the same).
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from exo.shared.types.common import FrozenModel, InstanceId, NodeId, RunnerId
 from exo.shared.types.instances import (
     Instance,
     PipelineInstance,
+    Rendezvous,
     ShardAssignments,
     Sharding,
     TensorInstance,
 )
 from exo.shared.types.models import ModelCard
+from exo.shared.types.nodes import DownloadCompleted
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 from exo.shared.types.state import State
 
 # Activations, KV cache of typical requests and allocator slack on top of the weights.
 MEMORY_OVERHEAD_FRACTION = 0.10
+# Rank 0 of a multi-node instance listens on a port derived from the instance id.
+RENDEZVOUS_PORT_BASE = 40000
+RENDEZVOUS_PORT_SPAN = 10000
+# Groups larger than this are not enumerated (the number of groups grows combinatorially).
+MAX_GROUP_SIZE = 8
 
 
 class PlacementError(ValueError):
@@ -40,9 +58,26 @@ class PlacementPreview(FrozenModel):
     error: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A valid placement before ids are given: nodes in rank order and their shares."""
+
+    nodes: tuple[NodeId, ...]
+    layer_ranges: tuple[tuple[int, int], ...]
+    bytes_per_node: tuple[int, ...]
+    rendezvous_addresses: dict[NodeId, str]
+
+
 def required_memory_bytes(card: ModelCard, world_size: int = 1) -> int:
-    """Bytes one rank needs to hold its share of the model (weights plus overhead)."""
+    """Bytes one tensor-parallel rank (or a whole single node) needs for its share."""
     share = card.storage_size_bytes / world_size
+    return int(share * (1 + MEMORY_OVERHEAD_FRACTION))
+
+
+def pipeline_share_bytes(card: ModelCard, n_layers: int) -> int:
+    """Bytes a pipeline rank holding `n_layers` layers needs (weights spread evenly over
+    layers; the embedding and LM head are a small part for the catalog's models)."""
+    share = card.storage_size_bytes * n_layers / card.n_layers
     return int(share * (1 + MEMORY_OVERHEAD_FRACTION))
 
 
@@ -50,12 +85,164 @@ def runner_id_for(instance_id: InstanceId, rank: int) -> RunnerId:
     return RunnerId(f"{instance_id}-rank{rank}")
 
 
-def _shard(card: ModelCard, sharding: Sharding) -> ShardMetadata:
-    if sharding == "pipeline":
-        return PipelineShardMetadata(
-            model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
+def rendezvous_port(instance_id: InstanceId) -> int:
+    digest = hashlib.sha256(instance_id.encode()).digest()
+    return RENDEZVOUS_PORT_BASE + int.from_bytes(digest[:4], "big") % RENDEZVOUS_PORT_SPAN
+
+
+def layer_split(n_layers: int, weights: Sequence[int]) -> list[int]:
+    """Split `n_layers` in proportion to `weights`, each part at least 1.
+
+    Largest-remainder (Hamilton) apportionment of the layers left after giving each part
+    one. Raises:
+        PlacementError: fewer layers than parts, or no weights.
+    """
+    parts = len(weights)
+    if parts == 0:
+        raise PlacementError("no nodes to split the layers over")
+    if n_layers < parts:
+        raise PlacementError(f"{n_layers} layers cannot give each of {parts} nodes one")
+    spare = n_layers - parts
+    total = sum(weights)
+    quotas = [spare * w / total if total > 0 else spare / parts for w in weights]
+    counts = [int(q) for q in quotas]
+    by_remainder = sorted(range(parts), key=lambda i: (-(quotas[i] - counts[i]), i))
+    for i in by_remainder[: spare - sum(counts)]:
+        counts[i] += 1
+    return [1 + c for c in counts]
+
+
+def tensor_split_error(card: ModelCard, world_size: int) -> str | None:
+    if world_size == 1:
+        return None
+    if not card.supports_tensor:
+        return f"{card.model_id} does not support tensor parallelism"
+    for name, value in (
+        ("attention heads", card.num_attention_heads),
+        ("KV heads", card.num_key_value_heads),
+        ("MLP size", card.intermediate_size),
+    ):
+        if value % world_size:
+            return f"{name} ({value}) are not divisible by {world_size} nodes"
+    return None
+
+
+def _available(state: State, node_id: NodeId) -> int:
+    return state.node_info[node_id].memory.available_bytes
+
+
+def _edge_address(state: State, source: NodeId, sink: NodeId) -> str | None:
+    edge = state.topology.get(source, {}).get(sink)
+    return edge.address if edge is not None else None
+
+
+def _connected(state: State, a: NodeId, b: NodeId) -> bool:
+    return _edge_address(state, a, b) is not None or _edge_address(state, b, a) is not None
+
+
+def _rank_order(state: State, group: Sequence[NodeId]) -> tuple[NodeId, ...] | str:
+    """The group in rank order: most memory first, rank 0 a node every other can reach."""
+    ordered = sorted(group, key=lambda n: (-_available(state, n), n))
+    if len(ordered) == 1:
+        return tuple(ordered)
+    for a, b in itertools.combinations(ordered, 2):
+        if not _connected(state, a, b):
+            return f"nodes {a} and {b} have no measured link"
+    for rank_zero in ordered:
+        if all(_edge_address(state, n, rank_zero) is not None for n in ordered if n != rank_zero):
+            return (rank_zero, *[n for n in ordered if n != rank_zero])
+    return "no node of the group is reachable by all the others"
+
+
+def _own_address(state: State, node_id: NodeId, peer_view: dict[NodeId, str]) -> str:
+    # Rank 0 binds on every interface; for itself any address others use to reach it.
+    if peer_view:
+        return next(iter(peer_view.values()))
+    addresses = state.node_info[node_id].api_addresses
+    return addresses[0] if addresses else "127.0.0.1"
+
+
+def layout(card: ModelCard, state: State, sharding: Sharding, group: Sequence[NodeId]) -> Layout:
+    """Shares of `group` for `card`, or why that group cannot run it.
+
+    Raises:
+        PlacementError: not connected, not divisible, or some node lacks memory.
+    """
+    order = _rank_order(state, group)
+    if isinstance(order, str):
+        raise PlacementError(order)
+    world_size = len(order)
+    total_available = sum(_available(state, n) for n in order)
+    needed_total = required_memory_bytes(card)
+    if total_available < needed_total:
+        raise PlacementError(
+            f"model {card.model_id} needs {needed_total / 2**20:.0f} MiB but "
+            f"{'the node' if world_size == 1 else f'these {world_size} nodes'} "
+            f"{'has' if world_size == 1 else 'have'} {total_available / 2**20:.0f} MiB available"
         )
-    return TensorShardMetadata(model_card=card, device_rank=0, world_size=1)
+    if sharding == "tensor":
+        error = tensor_split_error(card, world_size)
+        if error is not None:
+            raise PlacementError(error)
+        ranges = tuple((0, card.n_layers) for _ in order)
+        shares = tuple(required_memory_bytes(card, world_size) for _ in order)
+    else:
+        counts = layer_split(card.n_layers, [_available(state, n) for n in order])
+        starts = list(itertools.accumulate([0, *counts[:-1]]))
+        ranges = tuple((s, s + c) for s, c in zip(starts, counts, strict=True))
+        shares = tuple(pipeline_share_bytes(card, c) for c in counts)
+    for node_id, share in zip(order, shares, strict=True):
+        if share > _available(state, node_id):
+            raise PlacementError(
+                f"node {node_id} would need {share / 2**20:.0f} MiB for its share but has "
+                f"{_available(state, node_id) / 2**20:.0f} MiB available"
+            )
+    rank_zero = order[0]
+    peer_view = {n: a for n in order[1:] if (a := _edge_address(state, n, rank_zero)) is not None}
+    addresses = {rank_zero: _own_address(state, rank_zero, peer_view), **peer_view}
+    return Layout(order, ranges, shares, addresses)
+
+
+def _holds_files(state: State, card: ModelCard, node_id: NodeId) -> bool:
+    status = state.downloads.get(node_id, {}).get(card.model_id)
+    return isinstance(status, DownloadCompleted)
+
+
+def _preference(
+    state: State, card: ModelCard, candidate: Layout
+) -> tuple[int, int, tuple[str, ...]]:
+    holding = sum(_holds_files(state, card, n) for n in candidate.nodes)
+    memory = sum(_available(state, n) for n in candidate.nodes)
+    return (-holding, -memory, tuple(sorted(candidate.nodes)))
+
+
+def best_layout(
+    card: ModelCard,
+    state: State,
+    sharding: Sharding,
+    node_count: int,
+    nodes: Sequence[NodeId],
+) -> Layout:
+    """The preferred valid layout on exactly `node_count` of `nodes`.
+
+    Raises:
+        PlacementError: none is valid (the reason of the most promising group).
+    """
+    if node_count > len(nodes):
+        raise PlacementError(f"needs {node_count} nodes but the cluster has {len(nodes)}")
+    if node_count > MAX_GROUP_SIZE:
+        raise PlacementError(f"groups of more than {MAX_GROUP_SIZE} nodes are not placed")
+    valid: list[Layout] = []
+    errors: list[tuple[int, str]] = []
+    for group in itertools.combinations(sorted(nodes), node_count):
+        try:
+            valid.append(layout(card, state, sharding, group))
+        except PlacementError as error:
+            errors.append((sum(_available(state, n) for n in group), str(error)))
+    if valid:
+        return min(valid, key=lambda candidate: _preference(state, card, candidate))
+    # The group with the most memory explains best why nothing fits.
+    raise PlacementError(max(errors)[1])
 
 
 def _candidate_nodes(state: State, node_ids: Sequence[NodeId] | None) -> list[NodeId]:
@@ -64,7 +251,22 @@ def _candidate_nodes(state: State, node_ids: Sequence[NodeId] | None) -> list[No
     unknown = [node_id for node_id in node_ids if node_id not in state.node_info]
     if unknown:
         raise PlacementError(f"unknown node id(s): {', '.join(unknown)}")
-    return list(node_ids)
+    return list(dict.fromkeys(node_ids))
+
+
+def _shards(card: ModelCard, sharding: Sharding, chosen: Layout) -> list[ShardMetadata]:
+    world_size = len(chosen.nodes)
+    if sharding == "tensor":
+        return [
+            TensorShardMetadata(model_card=card, device_rank=rank, world_size=world_size)
+            for rank in range(world_size)
+        ]
+    return [
+        PipelineShardMetadata(
+            model_card=card, device_rank=rank, world_size=world_size, start_layer=s, end_layer=e
+        )
+        for rank, (s, e) in enumerate(chosen.layer_ranges)
+    ]
 
 
 def place_instance(
@@ -77,56 +279,64 @@ def place_instance(
 ) -> Instance:
     """Choose where to run `card` and return the instance to create.
 
-    Picks the node with the most available memory among those that can hold the whole
-    model (fewest nodes first: one node is always preferred when it fits).
+    Args:
+        node_ids: restrict the placement to these nodes (all of them need not be used).
+        min_nodes: use at least this many nodes.
 
     Raises:
-        PlacementError: no node is known, `min_nodes` exceeds what this placement can
-            use, or no node has enough available memory.
+        PlacementError: no nodes are known, too few, or no group can hold the model.
     """
     candidates = _candidate_nodes(state, node_ids)
     if not candidates:
         raise PlacementError("no nodes are known yet; wait for the node to report its memory")
-    if min_nodes > 1:
+    if min_nodes > len(candidates):
         raise PlacementError(
-            f"min_nodes={min_nodes} but multi-node placement is not available in this "
-            "version; use min_nodes=1"
+            f"min_nodes={min_nodes} but only {len(candidates)} node(s) are available"
         )
-    needed = required_memory_bytes(card)
-    fitting = [
-        node_id
-        for node_id in candidates
-        if state.node_info[node_id].memory.available_bytes >= needed
-    ]
-    if not fitting:
-        best = max(candidates, key=lambda n: state.node_info[n].memory.available_bytes)
-        available = state.node_info[best].memory.available_bytes
-        raise PlacementError(
-            f"model {card.model_id} needs {needed / 2**20:.0f} MiB but the node with the "
-            f"most available memory ({best}) has {available / 2**20:.0f} MiB"
-        )
-    node_id = max(fitting, key=lambda n: (state.node_info[n].memory.available_bytes, n))
-    runner_id = runner_id_for(instance_id, 0)
+    chosen: Layout | None = None
+    last_error: str | None = None
+    for node_count in range(min_nodes, min(len(candidates), MAX_GROUP_SIZE) + 1):
+        try:
+            chosen = best_layout(card, state, sharding, node_count, candidates)
+            break
+        except PlacementError as error:
+            last_error = str(error)  # the largest groups explain best what is missing
+    if chosen is None:
+        raise PlacementError(last_error or "no placement found")
+    shards = _shards(card, sharding, chosen)
+    runner_to_shard = {runner_id_for(instance_id, s.device_rank): s for s in shards}
+    node_to_runner = {
+        node_id: runner_id_for(instance_id, rank) for rank, node_id in enumerate(chosen.nodes)
+    }
     assignments = ShardAssignments(
-        model_id=card.model_id,
-        runner_to_shard={runner_id: _shard(card, sharding)},
-        node_to_runner={node_id: runner_id},
+        model_id=card.model_id, runner_to_shard=runner_to_shard, node_to_runner=node_to_runner
     )
+    rendezvous = None
+    if len(chosen.nodes) > 1:
+        all_cuda = all(state.node_info[n].gpus for n in chosen.nodes)
+        rendezvous = Rendezvous(
+            backend="nccl" if all_cuda else "gloo",
+            port=rendezvous_port(instance_id),
+            addresses=chosen.rendezvous_addresses,
+        )
     if sharding == "pipeline":
-        return PipelineInstance(instance_id=instance_id, shard_assignments=assignments)
-    return TensorInstance(instance_id=instance_id, shard_assignments=assignments)
+        return PipelineInstance(
+            instance_id=instance_id, shard_assignments=assignments, rendezvous=rendezvous
+        )
+    return TensorInstance(
+        instance_id=instance_id, shard_assignments=assignments, rendezvous=rendezvous
+    )
 
 
 def placement_previews(card: ModelCard, state: State) -> list[PlacementPreview]:
     """Every (sharding, node count) combination with its layout, or why it is invalid."""
     previews: list[PlacementPreview] = []
-    node_count = len(state.node_info)
+    nodes = sorted(state.node_info)
+    sharding: Sharding
     for sharding in ("pipeline", "tensor"):
-        for count in range(1, max(node_count, 1) + 1):
+        for count in range(1, max(len(nodes), 1) + 1):
             try:
-                instance = place_instance(
-                    card, state, InstanceId("preview"), sharding=sharding, min_nodes=count
-                )
+                chosen = best_layout(card, state, sharding, count, nodes)
             except PlacementError as error:
                 previews.append(
                     PlacementPreview(
@@ -140,17 +350,14 @@ def placement_previews(card: ModelCard, state: State) -> list[PlacementPreview]:
                     )
                 )
                 continue
-            assignments = instance.shard_assignments
-            nodes = tuple(assignments.node_to_runner)
-            ranges = tuple((0, card.n_layers) for _ in nodes)
             previews.append(
                 PlacementPreview(
                     model_id=card.model_id,
                     sharding=sharding,
-                    node_count=len(nodes),
-                    node_ids=nodes,
-                    layer_ranges=ranges,
-                    bytes_per_node=tuple(card.storage_size_bytes for _ in nodes),
+                    node_count=count,
+                    node_ids=chosen.nodes,
+                    layer_ranges=chosen.layer_ranges,
+                    bytes_per_node=chosen.bytes_per_node,
                 )
             )
     return previews

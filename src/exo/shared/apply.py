@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from exo.shared.types.common import NodeId
+from exo.shared.types.common import InstanceId, NodeId, RunnerId
 from exo.shared.types.events import (
     ClusterHistoryStarted,
     CommandRejected,
@@ -27,6 +27,7 @@ from exo.shared.types.events import (
     TopologyEdgeMeasured,
     TopologyEdgeRemoved,
 )
+from exo.shared.types.runners import RunnerFailed, RunnerReady, RunnerRunning, RunnerStatus
 from exo.shared.types.state import State
 from exo.shared.types.tasks import TERMINAL_TASK_STATUSES
 
@@ -78,7 +79,10 @@ def apply_event(state: State, event: Event) -> State:
             instances = {k: v for k, v in state.instances.items() if k != instance_id}
             # Tasks of a deleted instance can never finish; runners report their own end.
             tasks = {k: t for k, t in state.tasks.items() if t.instance_id != instance_id}
-            return state.model_copy(update={"instances": instances, "tasks": tasks})
+            failures = {k: v for k, v in state.instance_failures.items() if k != instance_id}
+            return state.model_copy(
+                update={"instances": instances, "tasks": tasks, "instance_failures": failures}
+            )
         case TaskCreated(task=task):
             return state.model_copy(update={"tasks": {**state.tasks, task.task_id: task}})
         case TaskStatusUpdated(task_id=task_id, status=status):
@@ -91,10 +95,12 @@ def apply_event(state: State, event: Event) -> State:
                 tasks = {**state.tasks, task_id: updated}
             return state.model_copy(update={"tasks": tasks})
         case RunnerStatusUpdated(runner_id=runner_id, node_id=node_id, status=status):
+            runners = {**state.runners, runner_id: status}
             return state.model_copy(
                 update={
-                    "runners": {**state.runners, runner_id: status},
+                    "runners": runners,
                     "runner_nodes": {**state.runner_nodes, runner_id: node_id},
+                    "instance_failures": _instance_failures(state, runners, runner_id, status),
                 }
             )
         case RunnerDeleted(runner_id=runner_id):
@@ -128,6 +134,31 @@ def apply_event(state: State, event: Event) -> State:
             if not remaining:
                 del topology[source]
             return state.model_copy(update={"topology": topology})
+
+
+def _instance_failures(
+    state: State, runners: dict[RunnerId, RunnerStatus], runner_id: RunnerId, status: RunnerStatus
+) -> dict[InstanceId, int]:
+    """Count a failed runner against its instance; forget the count once every runner of
+    the instance is ready."""
+    instance = next(
+        (i for i in state.instances.values() if runner_id in i.shard_assignments.runner_to_shard),
+        None,
+    )
+    if instance is None:
+        return state.instance_failures
+    instance_id = instance.instance_id
+    if isinstance(status, RunnerFailed):
+        return {
+            **state.instance_failures,
+            instance_id: state.instance_failures.get(instance_id, 0) + 1,
+        }
+    if isinstance(status, RunnerReady) and all(
+        isinstance(runners.get(r), RunnerReady | RunnerRunning)
+        for r in instance.shard_assignments.runner_to_shard
+    ):
+        return {k: v for k, v in state.instance_failures.items() if k != instance_id}
+    return state.instance_failures
 
 
 def _remove_node(state: State, node_id: NodeId) -> State:

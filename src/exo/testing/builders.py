@@ -16,6 +16,7 @@ from exo.shared.types.events import Event, IndexedEvent
 from exo.shared.types.instances import (
     Instance,
     PipelineInstance,
+    Rendezvous,
     ShardAssignments,
     Sharding,
     TensorInstance,
@@ -106,9 +107,23 @@ def make_instance(
         },
         node_to_runner=dict(zip(nodes, runners, strict=True)),
     )
+    rendezvous = None
+    if len(nodes) > 1:
+        # Every node reaches rank 0 at a distinct made-up address, to tell them apart.
+        rendezvous = Rendezvous(
+            backend="gloo",
+            port=41000,
+            addresses={node: f"10.0.0.{i + 1}" for i, node in enumerate(nodes)},
+        )
     if sharding == "pipeline":
-        return PipelineInstance(instance_id=InstanceId(instance_id), shard_assignments=assignments)
-    return TensorInstance(instance_id=InstanceId(instance_id), shard_assignments=assignments)
+        return PipelineInstance(
+            instance_id=InstanceId(instance_id),
+            shard_assignments=assignments,
+            rendezvous=rendezvous,
+        )
+    return TensorInstance(
+        instance_id=InstanceId(instance_id), shard_assignments=assignments, rendezvous=rendezvous
+    )
 
 
 def make_params(

@@ -31,6 +31,7 @@ from exo.shared.types.runners import RunnerFailed, RunnerReady
 from exo.shared.types.state import State
 from exo.shared.types.tasks import (
     CancelTask,
+    ConnectToGroup,
     CreateRunner,
     DownloadModel,
     LoadModel,
@@ -163,7 +164,11 @@ class Worker:
                 model_id = shard.model_card.model_id
                 self.downloads[model_id] = DownloadOngoing(message="preparing")
                 self._task_group.start_soon(self._download, shard.model_card.model_id, task)
-            case LoadModel(runner_id=runner_id) | StartWarmup(runner_id=runner_id):
+            case (
+                ConnectToGroup(runner_id=runner_id)
+                | LoadModel(runner_id=runner_id)
+                | StartWarmup(runner_id=runner_id)
+            ):
                 self.runners[runner_id].send(task)
             case TextGeneration(instance_id=instance_id):
                 instance = self.state.instances[instance_id]

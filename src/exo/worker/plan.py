@@ -8,19 +8,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId, TaskId
+from exo.shared.types.instances import Instance
 from exo.shared.types.nodes import DownloadCompleted, DownloadFailed, DownloadStatus
 from exo.shared.types.runners import (
+    RunnerConnected,
+    RunnerConnecting,
     RunnerFailed,
     RunnerIdle,
     RunnerLoaded,
+    RunnerLoading,
     RunnerReady,
     RunnerRunning,
     RunnerShutdown,
     RunnerStatus,
+    RunnerWarmingUp,
 )
 from exo.shared.types.state import State
 from exo.shared.types.tasks import (
     CancelTask,
+    ConnectToGroup,
     CreateRunner,
     DownloadModel,
     LoadModel,
@@ -66,7 +72,7 @@ def plan(
         _cancel_abandoned(state, runners),
         _create_runners(node_id, state, runners, retry_after, now),
         _download(node_id, state, runners, downloads, retry_after, now),
-        _load_and_warm_up(state, runners, downloads),
+        _load_and_warm_up(node_id, state, runners, downloads),
         _forward_generation(state, runners),
     ):
         if task is not None:
@@ -79,13 +85,36 @@ def _shut_down_orphans(
 ) -> Task | None:
     for runner_id, runner in runners.items():
         instance = state.instances.get(runner.instance_id)
-        assigned = (
-            instance is not None
-            and instance.shard_assignments.runner_for_node(node_id) == runner_id
-        )
-        if not assigned or isinstance(runner.status, RunnerFailed | RunnerShutdown):
+        if (
+            instance is None
+            or instance.shard_assignments.runner_for_node(node_id) != runner_id
+            or isinstance(runner.status, RunnerFailed | RunnerShutdown)
+        ):
+            return Shutdown(runner_id=runner_id)
+        if not isinstance(runner.status, RunnerIdle) and _group_broken(state, instance, runner_id):
+            # Our process group lost a member: every rank starts over together.
             return Shutdown(runner_id=runner_id)
     return None
+
+
+def _group_broken(state: State, instance: Instance, own_runner: RunnerId) -> bool:
+    for runner_id in instance.shard_assignments.runner_to_shard:
+        if runner_id == own_runner:
+            continue
+        status = state.runners.get(runner_id)
+        if status is None or isinstance(status, RunnerFailed | RunnerShutdown):
+            return True
+    return False
+
+
+def _other_ranks(
+    state: State, instance: Instance, own_runner: RunnerId
+) -> list[RunnerStatus | None]:
+    return [
+        state.runners.get(runner_id)
+        for runner_id in instance.shard_assignments.runner_to_shard
+        if runner_id != own_runner
+    ]
 
 
 def _cancel_abandoned(state: State, runners: Mapping[RunnerId, LocalRunner]) -> Task | None:
@@ -136,22 +165,69 @@ def _download(
     return None
 
 
+_CONNECTED_OR_LATER = (
+    RunnerConnected,
+    RunnerLoading,
+    RunnerLoaded,
+    RunnerWarmingUp,
+    RunnerReady,
+    RunnerRunning,
+)
+_LOADED_OR_LATER = (RunnerLoaded, RunnerWarmingUp, RunnerReady, RunnerRunning)
+
+
+def _others_downloaded(state: State, instance: Instance, node_id: NodeId) -> bool:
+    return all(
+        isinstance(state.downloads.get(other, {}).get(instance.model_id), DownloadCompleted)
+        for other in instance.shard_assignments.node_to_runner
+        if other != node_id
+    )
+
+
 def _load_and_warm_up(
+    node_id: NodeId,
     state: State,
     runners: Mapping[RunnerId, LocalRunner],
     downloads: Mapping[ModelId, DownloadStatus],
 ) -> Task | None:
+    """Single rank: load, warm up. Several ranks, in lockstep: once every rank's files are
+    there, all connect; once all are connected, all load; once all loaded, all warm up."""
     for runner_id, runner in sorted(runners.items()):
         instance = state.instances.get(runner.instance_id)
         if instance is None or runner.loading:
             continue
         download = downloads.get(instance.model_id)
+        if not isinstance(download, DownloadCompleted):
+            continue
+        others = _other_ranks(state, instance, runner_id)
+        rendezvous = instance.rendezvous
         match runner.status:
-            case RunnerIdle() if isinstance(download, DownloadCompleted):
+            case RunnerIdle() if rendezvous is None:
                 return LoadModel(
                     instance_id=instance.instance_id, runner_id=runner_id, model_dir=download.path
                 )
-            case RunnerLoaded():
+            case RunnerIdle() if (
+                rendezvous is not None
+                and _others_downloaded(state, instance, node_id)
+                and all(
+                    isinstance(status, RunnerIdle | RunnerConnecting | RunnerConnected)
+                    for status in others
+                )
+            ):
+                return ConnectToGroup(
+                    instance_id=instance.instance_id,
+                    runner_id=runner_id,
+                    backend=rendezvous.backend,
+                    master_addr=rendezvous.addresses.get(node_id, "127.0.0.1"),
+                    master_port=rendezvous.port,
+                )
+            case RunnerConnected() if all(
+                isinstance(status, _CONNECTED_OR_LATER) for status in others
+            ):
+                return LoadModel(
+                    instance_id=instance.instance_id, runner_id=runner_id, model_dir=download.path
+                )
+            case RunnerLoaded() if all(isinstance(status, _LOADED_OR_LATER) for status in others):
                 return StartWarmup(instance_id=instance.instance_id, runner_id=runner_id)
             case _:
                 continue
@@ -164,6 +240,11 @@ def _forward_generation(state: State, runners: Mapping[RunnerId, LocalRunner]) -
             continue
         instance = state.instances.get(runner.instance_id)
         if instance is None or instance.shard_assignments.rank_zero_runner() != runner_id:
+            continue
+        if not all(
+            isinstance(status, RunnerReady | RunnerRunning)
+            for status in _other_ranks(state, instance, runner_id)
+        ):
             continue
         # state.tasks keeps creation order, so this is first come, first served.
         for task in state.tasks.values():

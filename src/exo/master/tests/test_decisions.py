@@ -105,12 +105,20 @@ def test_place_without_enough_memory_is_rejected_with_400() -> None:
     assert "has 100 MiB" in event.reason
 
 
-def test_place_with_min_nodes_above_one_is_rejected_with_400() -> None:
+def test_place_on_unlinked_nodes_is_rejected_with_400() -> None:
     state = make_state(nodes={NODE_A: BIG_NODE, NODE_B: BIG_NODE})
     [event] = decide(state, PlaceInstance(command_id=COMMAND, model_id=SMOLLM2, min_nodes=2))
     assert isinstance(event, CommandRejected)
     assert event.status_code == 400
-    assert "min_nodes=2" in event.reason
+    assert "no measured link" in event.reason
+
+
+def test_place_with_more_nodes_than_the_cluster_is_rejected_with_400() -> None:
+    state = make_state(nodes={NODE_A: BIG_NODE})
+    [event] = decide(state, PlaceInstance(command_id=COMMAND, model_id=SMOLLM2, min_nodes=2))
+    assert isinstance(event, CommandRejected)
+    assert event.status_code == 400
+    assert "min_nodes=2 but only 1" in event.reason
 
 
 def test_place_only_if_cluster_empty_places_on_an_empty_cluster() -> None:

@@ -2,6 +2,7 @@ from typing import get_args
 
 import pytest
 
+from exo.master.main import MAX_INSTANCE_FAILURES, failed_instances
 from exo.shared.apply import EventOutOfOrderError, apply, apply_all, origin_key
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.events import (
@@ -22,7 +23,7 @@ from exo.shared.types.events import (
     TopologyEdgeRemoved,
 )
 from exo.shared.types.nodes import DownloadCompleted, DownloadOngoing, TopologyEdge
-from exo.shared.types.runners import RunnerIdle, RunnerReady
+from exo.shared.types.runners import RunnerFailed, RunnerIdle, RunnerReady, RunnerStatus
 from exo.shared.types.state import State
 from exo.shared.types.tasks import (
     TaskCancelled,
@@ -348,3 +349,28 @@ def test_local_event_progress_follows_the_origin_of_each_session() -> None:
         origin_key(NODE_A, "session-2"): 0,
         origin_key(NODE_B, "s"): 7,
     }
+
+
+def test_runner_failures_count_against_their_instance_until_it_is_ready() -> None:
+    two_ranks = make_instance([NodeId("n0"), NodeId("n1")], instance_id="pair")
+    rank0, rank1 = RunnerId("pair-rank0"), RunnerId("pair-rank1")
+    state = apply_all(State(), indexed([InstanceCreated(instance=two_ranks)]))
+
+    def report(state: State, runner: RunnerId, status: RunnerStatus) -> State:
+        event = RunnerStatusUpdated(runner_id=runner, node_id=NodeId("n0"), status=status)
+        return apply(state, IndexedEvent(idx=state.last_event_applied_idx + 1, event=event))
+
+    state = report(state, rank0, RunnerFailed(error_message="x"))
+    state = report(state, rank1, RunnerFailed(error_message="x"))
+    assert state.instance_failures == {two_ranks.instance_id: 2}
+    assert failed_instances(state) == []
+    state = report(state, rank0, RunnerReady())  # one rank ready is not the instance ready
+    assert state.instance_failures == {two_ranks.instance_id: 2}
+    state = report(state, rank1, RunnerReady())
+    assert state.instance_failures == {}
+    for _ in range(MAX_INSTANCE_FAILURES):
+        state = report(state, rank1, RunnerFailed(error_message="x"))
+    [deleted] = failed_instances(state)
+    assert isinstance(deleted, InstanceDeleted) and deleted.instance_id == two_ranks.instance_id
+    state = apply(state, IndexedEvent(idx=state.last_event_applied_idx + 1, event=deleted))
+    assert state.instance_failures == {}

@@ -60,7 +60,13 @@ from exo.shared.types.events import (
     TopologyEdgeMeasured,
     TopologyEdgeRemoved,
 )
-from exo.shared.types.instances import Instance, PipelineInstance, ShardAssignments, TensorInstance
+from exo.shared.types.instances import (
+    Instance,
+    PipelineInstance,
+    Rendezvous,
+    ShardAssignments,
+    TensorInstance,
+)
 from exo.shared.types.models import (
     HuggingFaceSource,
     LocalDirectorySource,
@@ -82,6 +88,8 @@ from exo.shared.types.nodes import (
     TopologyEdge,
 )
 from exo.shared.types.runners import (
+    RunnerConnected,
+    RunnerConnecting,
     RunnerFailed,
     RunnerIdle,
     RunnerLoaded,
@@ -96,6 +104,7 @@ from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, Tensor
 from exo.shared.types.state import State
 from exo.shared.types.tasks import (
     CancelTask,
+    ConnectToGroup,
     CreateRunner,
     DownloadModel,
     LoadModel,
@@ -251,6 +260,11 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     # runners
     RunnerIdle: [RunnerIdle()],
     RunnerLoading: [RunnerLoading(layers_loaded=3, total_layers=30)],
+    RunnerConnecting: [RunnerConnecting()],
+    RunnerConnected: [RunnerConnected()],
+    Rendezvous: [
+        Rendezvous(backend="gloo", port=41000, addresses={NODE: "10.0.0.1", NodeId("b"): "x"})
+    ],
     RunnerLoaded: [RunnerLoaded()],
     RunnerWarmingUp: [RunnerWarmingUp()],
     RunnerReady: [RunnerReady()],
@@ -272,6 +286,15 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     CreateRunner: [CreateRunner(instance_id=INSTANCE_ID, runner_id=RUNNER)],
     DownloadModel: [DownloadModel(instance_id=INSTANCE_ID, shard=make_shard(CARD))],
     LoadModel: [LoadModel(instance_id=INSTANCE_ID, runner_id=RUNNER, model_dir="/models/x")],
+    ConnectToGroup: [
+        ConnectToGroup(
+            instance_id=INSTANCE_ID,
+            runner_id=RUNNER,
+            backend="nccl",
+            master_addr="10.0.0.1",
+            master_port=41000,
+        )
+    ],
     StartWarmup: [StartWarmup(instance_id=INSTANCE_ID, runner_id=RUNNER)],
     TextGeneration: [GENERATION],
     CancelTask: [CancelTask(runner_id=RUNNER, task_id=TASK)],

@@ -47,9 +47,22 @@ class ShardAssignments(FrozenModel):
         return len(self.runner_to_shard)
 
 
+class Rendezvous(FrozenModel):
+    """Where the ranks of one instance meet to form their torch.distributed group.
+
+    Rank 0 listens on `port`; `addresses[node]` is the address that node uses to reach
+    rank 0 (measured topology: nodes may reach it on different networks)."""
+
+    backend: Literal["gloo", "nccl"]
+    port: int = Field(gt=0, lt=65536)
+    addresses: dict[NodeId, str]
+
+
 class _InstanceBase(FrozenModel):
     instance_id: InstanceId
     shard_assignments: ShardAssignments
+    rendezvous: Rendezvous | None = None
+    """None for a single-rank instance."""
 
     @property
     def model_id(self) -> ModelId:

@@ -15,6 +15,16 @@ class RunnerIdle(FrozenModel):
     kind: Literal["RunnerIdle"] = "RunnerIdle"
 
 
+class RunnerConnecting(FrozenModel):
+    """Joining the instance's process group (waits for every rank)."""
+
+    kind: Literal["RunnerConnecting"] = "RunnerConnecting"
+
+
+class RunnerConnected(FrozenModel):
+    kind: Literal["RunnerConnected"] = "RunnerConnected"
+
+
 class RunnerLoading(FrozenModel):
     kind: Literal["RunnerLoading"] = "RunnerLoading"
     layers_loaded: int = Field(ge=0)
@@ -52,6 +62,8 @@ class RunnerShutdown(FrozenModel):
 
 RunnerStatus = Annotated[
     RunnerIdle
+    | RunnerConnecting
+    | RunnerConnected
     | RunnerLoading
     | RunnerLoaded
     | RunnerWarmingUp

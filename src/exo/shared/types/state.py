@@ -21,6 +21,8 @@ class State(FrozenModel):
     downloads: dict[NodeId, dict[ModelId, DownloadStatus]] = {}
     topology: dict[NodeId, dict[NodeId, TopologyEdge]] = {}
     """Edges by source, then sink."""
+    instance_failures: dict[InstanceId, int] = {}
+    """Runner failures of each instance since it was last fully ready."""
     history_id: str | None = None
     local_event_progress: dict[str, int] = {}
     """Highest `origin_idx` indexed per "node/session", so any master drops resends."""

@@ -57,6 +57,18 @@ class DownloadModel(FrozenModel):
     shard: ShardMetadata
 
 
+class ConnectToGroup(FrozenModel):
+    """Join the instance's torch.distributed group (every rank at once): rank 0 listens
+    on `master_port`, the others reach it at `master_addr`."""
+
+    kind: Literal["ConnectToGroup"] = "ConnectToGroup"
+    instance_id: InstanceId
+    runner_id: RunnerId
+    backend: Literal["gloo", "nccl"]
+    master_addr: str
+    master_port: int = Field(gt=0, lt=65536)
+
+
 class LoadModel(FrozenModel):
     """Load the shard from `model_dir` (an HF-format directory on this node)."""
 
@@ -100,6 +112,13 @@ class Shutdown(FrozenModel):
 
 
 Task = Annotated[
-    CreateRunner | DownloadModel | LoadModel | StartWarmup | TextGeneration | CancelTask | Shutdown,
+    CreateRunner
+    | DownloadModel
+    | ConnectToGroup
+    | LoadModel
+    | StartWarmup
+    | TextGeneration
+    | CancelTask
+    | Shutdown,
     Field(discriminator="kind"),
 ]

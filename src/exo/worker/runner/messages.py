@@ -11,6 +11,7 @@ from exo.shared.types.common import FrozenModel, TaskId
 from exo.shared.types.runners import RunnerStatus
 from exo.shared.types.tasks import (
     CancelTask,
+    ConnectToGroup,
     LoadModel,
     Shutdown,
     StartWarmup,
@@ -39,7 +40,7 @@ RunnerOutbound = Annotated[
     RunnerStatusReport | TaskStatusReport | ChunkReport, Field(discriminator="kind")
 ]
 RunnerInbound = Annotated[
-    LoadModel | StartWarmup | TextGeneration | CancelTask | Shutdown,
+    ConnectToGroup | LoadModel | StartWarmup | TextGeneration | CancelTask | Shutdown,
     Field(discriminator="kind"),
 ]
 

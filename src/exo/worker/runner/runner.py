@@ -7,6 +7,7 @@ A crash here never takes the node down: the supervisor sees the pipe close.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import time
@@ -20,6 +21,8 @@ from loguru import logger
 from exo.shared.types.chunks import ErrorChunk, TokenChunk
 from exo.shared.types.common import RunnerId
 from exo.shared.types.runners import (
+    RunnerConnected,
+    RunnerConnecting,
     RunnerFailed,
     RunnerIdle,
     RunnerLoaded,
@@ -33,6 +36,7 @@ from exo.shared.types.runners import (
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.tasks import (
     CancelTask,
+    ConnectToGroup,
     LoadModel,
     Shutdown,
     StartWarmup,
@@ -56,6 +60,11 @@ if TYPE_CHECKING:
     from exo.worker.engines.torch.engine import TorchEngine
 
 
+# Bounds every collective: a rank that vanished without closing its sockets (a machine
+# that lost power) fails the others after this long instead of hanging them.
+GROUP_TIMEOUT_SECONDS = 60.0
+
+
 class _ShutdownRequested(Exception):
     pass
 
@@ -76,10 +85,20 @@ class Runner:
         self._queue: deque[TextGeneration] = deque()
         self._status: RunnerStatus = RunnerIdle()
 
+    @property
+    def _is_follower(self) -> bool:
+        """A rank other than 0 of a multi-rank instance: rank 0 drives its forward passes."""
+        return self.shard.world_size > 1 and self.shard.device_rank != 0
+
     def run(self) -> None:
         self._set_status(RunnerIdle())
         try:
             while True:
+                if isinstance(self._status, RunnerFailed):
+                    return  # the supervisor reports it; a broken group is not reused
+                if self._is_follower and isinstance(self._status, RunnerReady):
+                    self._follow()
+                    continue
                 if self._queue and isinstance(self._status, RunnerReady | RunnerRunning):
                     self._generate(self._queue.popleft())
                     continue
@@ -87,6 +106,9 @@ class Runner:
         except _ShutdownRequested:
             for task in self._queue:
                 self._end_task(task, TaskCancelled())
+            if self._engine is not None and self.shard.world_size > 1 and not self._is_follower:
+                with contextlib.suppress(Exception):
+                    self._engine.shutdown()  # releases the other ranks
             self._set_status(RunnerShutdown())
 
     # -- messages --------------------------------------------------------------------
@@ -108,6 +130,8 @@ class Runner:
 
     def _handle(self, message: RunnerInbound) -> None:
         match message:
+            case ConnectToGroup():
+                self._connect(message)
             case LoadModel(model_dir=model_dir):
                 self._load(Path(model_dir))
             case StartWarmup():
@@ -123,6 +147,39 @@ class Runner:
                 raise _ShutdownRequested()
 
     # -- lifecycle -------------------------------------------------------------------
+
+    def _connect(self, task: ConnectToGroup) -> None:
+        from exo.worker.engines.torch.distributed import init_group
+
+        self._set_status(RunnerConnecting())
+        try:
+            init_group(
+                task.backend,
+                self.shard.device_rank,
+                self.shard.world_size,
+                task.master_addr,
+                task.master_port,
+                timeout_s=GROUP_TIMEOUT_SECONDS,
+            )
+        except Exception as error:
+            logger.opt(exception=error).error(f"runner {self.runner_id}: joining the group failed")
+            self._set_status(
+                RunnerFailed(error_message=f"joining the process group failed: {error}")
+            )
+            return
+        self._set_status(RunnerConnected())
+
+    def _follow(self) -> None:
+        """Serve rank 0's forward passes until it shuts the group down (or the group
+        breaks: then this rank has failed and the instance starts over)."""
+        assert self._engine is not None
+        try:
+            self._engine.serve_forever()
+        except Exception as error:
+            logger.opt(exception=error).error(f"runner {self.runner_id}: the group broke")
+            self._set_status(RunnerFailed(error_message=f"process group failed: {error}"))
+            return
+        raise _ShutdownRequested()
 
     def _load(self, model_dir: Path) -> None:
         from exo.worker.engines.torch.engine import TorchEngine
@@ -183,6 +240,7 @@ class Runner:
                 if self._cancelled_while_running(task):
                     pieces.close()
                     self._end_task(task, TaskCancelled())
+                    self._set_status(RunnerReady())
                     return
         except _ShutdownRequested:
             pieces.close()
@@ -190,6 +248,7 @@ class Runner:
             raise
         except Exception as error:
             logger.opt(exception=error).warning(f"runner {self.runner_id}: generation failed")
+            group_failed = self.shard.world_size > 1 and not isinstance(error, ValueError)
             self._send(
                 ChunkReport(
                     chunk=ErrorChunk(
@@ -200,10 +259,12 @@ class Runner:
             self._send(
                 TaskStatusReport(task_id=task.task_id, status=TaskFailed(error_message=str(error)))
             )
+            if group_failed:
+                self._set_status(RunnerFailed(error_message=f"process group failed: {error}"))
+                return
         else:
             self._send(TaskStatusReport(task_id=task.task_id, status=TaskComplete()))
-        finally:
-            self._set_status(RunnerReady())
+        self._set_status(RunnerReady())
 
     def _cancelled_while_running(self, running: TextGeneration) -> bool:
         """Handle every message that arrived meanwhile; True if `running` was cancelled."""

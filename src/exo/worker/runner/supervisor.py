@@ -16,6 +16,7 @@ from exo.shared.types.chunks import Chunk, ErrorChunk
 from exo.shared.types.common import CommandId, InstanceId, NodeId, RunnerId, TaskId
 from exo.shared.types.events import Event, RunnerStatusUpdated, TaskStatusUpdated
 from exo.shared.types.runners import (
+    RunnerConnected,
     RunnerFailed,
     RunnerIdle,
     RunnerLoaded,
@@ -28,6 +29,7 @@ from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.tasks import (
     TERMINAL_TASK_STATUSES,
     CancelTask,
+    ConnectToGroup,
     LoadModel,
     Shutdown,
     StartWarmup,
@@ -117,7 +119,7 @@ class RunnerSupervisor:
                 self.in_flight[task.task_id] = task
                 self._task_commands[task.task_id] = task.command_id
                 self._chunk_owners[task.command_id] = task.origin_node_id
-            case LoadModel() | StartWarmup():
+            case ConnectToGroup() | LoadModel() | StartWarmup():
                 self.busy_loading = True
             case CancelTask() | Shutdown():
                 pass
@@ -142,7 +144,7 @@ class RunnerSupervisor:
         match message:
             case RunnerStatusReport(status=status):
                 self.status = status
-                if isinstance(status, RunnerLoaded | RunnerReady | RunnerFailed):
+                if isinstance(status, RunnerConnected | RunnerLoaded | RunnerReady | RunnerFailed):
                     self.busy_loading = False
                 if not isinstance(status, RunnerLoading) or _worth_reporting(status):
                     self._emit_event(

@@ -13,6 +13,8 @@ from exo.shared.types.nodes import (
     DownloadStatus,
 )
 from exo.shared.types.runners import (
+    RunnerConnected,
+    RunnerConnecting,
     RunnerFailed,
     RunnerIdle,
     RunnerLoaded,
@@ -26,6 +28,7 @@ from exo.shared.types.runners import (
 from exo.shared.types.state import State
 from exo.shared.types.tasks import (
     CancelTask,
+    ConnectToGroup,
     CreateRunner,
     DownloadModel,
     LoadModel,
@@ -204,7 +207,11 @@ def test_runners_of_other_nodes_are_ignored() -> None:
 def test_two_rank_instance_creates_only_this_nodes_runner_and_forwards_on_rank_zero() -> None:
     instance = make_instance([OTHER_NODE, NODE], instance_id="instance-1")
     rank_zero, rank_one = RunnerId("instance-1-rank0"), RunnerId("instance-1-rank1")
-    state = make_state(instances=[instance], tasks=[task("task-1")])
+    state = make_state(
+        instances=[instance],
+        tasks=[task("task-1")],
+        runners={rank_zero: (OTHER_NODE, RunnerReady()), rank_one: (NODE, RunnerReady())},
+    )
     assert run_plan(state) == CreateRunner(instance_id=INSTANCE_ID, runner_id=rank_one)
     # The rank 1 runner is ready, but only rank 0 receives generation tasks.
     assert run_plan(state, {rank_one: local(RunnerReady())}, COMPLETED) is None
@@ -214,6 +221,71 @@ def test_two_rank_instance_creates_only_this_nodes_runner_and_forwards_on_rank_z
     assert run_plan(
         state, {rank_zero: local(RunnerReady())}, COMPLETED, node_id=OTHER_NODE
     ) == task("task-1")
+    # Not before every rank is ready.
+    warming = make_state(
+        instances=[instance],
+        tasks=[task("task-1")],
+        runners={rank_zero: (OTHER_NODE, RunnerReady()), rank_one: (NODE, RunnerWarmingUp())},
+    )
+    assert (
+        run_plan(warming, {rank_zero: local(RunnerReady())}, COMPLETED, node_id=OTHER_NODE) is None
+    )
+
+
+def test_ranks_connect_load_and_warm_up_in_lockstep() -> None:
+    instance = make_instance([OTHER_NODE, NODE], instance_id="instance-1")
+    rank_zero, rank_one = RunnerId("instance-1-rank0"), RunnerId("instance-1-rank1")
+
+    def with_other(status: RunnerStatus, downloaded: bool = True) -> State:
+        downloads = {OTHER_NODE: dict(COMPLETED)} if downloaded else {}
+        return make_state(
+            instances=[instance],
+            runners={rank_zero: (OTHER_NODE, status), rank_one: (NODE, RunnerIdle())},
+            downloads=downloads,
+        )
+
+    idle = {rank_one: local(RunnerIdle())}
+    # The other rank's files are not there yet: wait.
+    assert run_plan(with_other(RunnerIdle(), downloaded=False), idle, COMPLETED) is None
+    connect = run_plan(with_other(RunnerIdle()), idle, COMPLETED)
+    assert connect == ConnectToGroup(
+        instance_id=INSTANCE_ID,
+        runner_id=rank_one,
+        backend="gloo",
+        master_addr="10.0.0.2",  # how this node reaches rank 0
+        master_port=41000,
+    )
+    connected = {rank_one: local(RunnerConnected())}
+    assert run_plan(with_other(RunnerConnecting()), connected, COMPLETED) is None
+    assert run_plan(with_other(RunnerConnected()), connected, COMPLETED) == LoadModel(
+        instance_id=INSTANCE_ID, runner_id=rank_one, model_dir=MODEL_DIR
+    )
+    loaded = {rank_one: local(RunnerLoaded())}
+    assert (
+        run_plan(with_other(RunnerLoading(layers_loaded=3, total_layers=15)), loaded, COMPLETED)
+        is None
+    )
+    assert run_plan(with_other(RunnerLoaded()), loaded, COMPLETED) == StartWarmup(
+        instance_id=INSTANCE_ID, runner_id=rank_one
+    )
+
+
+def test_a_broken_group_shuts_every_rank_down_but_idle_ranks_wait() -> None:
+    instance = make_instance([OTHER_NODE, NODE], instance_id="instance-1")
+    rank_zero, rank_one = RunnerId("instance-1-rank0"), RunnerId("instance-1-rank1")
+    failed = make_state(
+        instances=[instance],
+        runners={rank_zero: (OTHER_NODE, RunnerFailed(error_message="gone"))},
+    )
+    assert run_plan(failed, {rank_one: local(RunnerReady())}, COMPLETED) == Shutdown(
+        runner_id=rank_one
+    )
+    # A freshly started rank waits for the others to come back instead.
+    assert run_plan(failed, {rank_one: local(RunnerIdle())}, COMPLETED) is None
+    missing = make_state(instances=[instance])
+    assert run_plan(missing, {rank_one: local(RunnerLoaded())}, COMPLETED) == Shutdown(
+        runner_id=rank_one
+    )
 
 
 def test_several_instances_are_created_in_id_order() -> None:
