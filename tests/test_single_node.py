@@ -203,7 +203,7 @@ def test_placement_routes_and_restart_replay(tmp_path: Path, shared_models_dir: 
 
         assert httpx.delete(f"{node.url}/instance/nope").status_code == 404
         bad = httpx.post(f"{node.url}/place_instance", json={"model_id": "no/such"})
-        assert bad.status_code == 404
+        assert bad.status_code == 400
         too_many = httpx.post(
             f"{node.url}/place_instance", json={"model_id": DEFAULT_MODEL_ID, "min_nodes": 2}
         )

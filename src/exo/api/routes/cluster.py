@@ -103,7 +103,12 @@ async def instance_previews(
 
 @router.post("/place_instance")
 async def place_instance(body: PlaceInstanceRequest, cluster: Cluster) -> PlaceInstanceResponse:
-    _card(cluster, body.model_id)  # unknown model → 404 before bothering the master
+    """Place a model; every reason it cannot be placed (unknown model included) is a 400
+    with that reason, since the request as a whole is what cannot be carried out."""
+    try:
+        resolve_card(body.model_id, cluster.cards)
+    except ValueError as error:  # UnknownModelError included
+        raise InvalidRequestError(str(error), param="model_id") from None
     command = PlaceInstance(
         command_id=CommandId.new(),
         model_id=ModelId(body.model_id),
@@ -114,9 +119,7 @@ async def place_instance(body: PlaceInstanceRequest, cluster: Cluster) -> PlaceI
     try:
         event = await cluster.submit(command)
     except CommandRejectedError as error:
-        if error.status_code == 404:
-            raise ModelNotFoundError(error.reason, param="model_id") from None
-        raise InvalidRequestError(error.reason) from None
+        raise InvalidRequestError(error.reason, param="model_id") from None
     assert isinstance(event, InstanceCreated)
     instance = event.instance
     return PlaceInstanceResponse(

@@ -40,9 +40,11 @@ class RunnerWarmingUp(FrozenModel):
 
 
 class RunnerReady(FrozenModel):
-    """Loaded and warmed up, waiting for a generation task."""
+    """Loaded and warmed up, waiting for a generation task. `weight_bytes` is what this
+    rank's loaded parameters take (its share of the model)."""
 
     kind: Literal["RunnerReady"] = "RunnerReady"
+    weight_bytes: int = Field(default=0, ge=0)
 
 
 class RunnerRunning(FrozenModel):

@@ -8,6 +8,7 @@ A crash here never takes the node down: the supervisor sees the pipe close.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import signal
 import sys
 import time
@@ -57,6 +58,8 @@ from exo.worker.runner.messages import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from exo.worker.engines.torch.engine import TorchEngine
 
 
@@ -84,6 +87,7 @@ class Runner:
         self._engine: TorchEngine | None = None
         self._queue: deque[TextGeneration] = deque()
         self._status: RunnerStatus = RunnerIdle()
+        self._ready = RunnerReady()
 
     @property
     def _is_follower(self) -> bool:
@@ -211,7 +215,8 @@ class Runner:
             self._set_status(RunnerFailed(error_message=f"warm-up failed: {error}"))
             return
         logger.info(f"runner {self.runner_id}: warmed up in {time.perf_counter() - started:.1f}s")
-        self._set_status(RunnerReady())
+        self._ready = RunnerReady(weight_bytes=parameter_bytes(self._engine.model))
+        self._set_status(self._ready)
 
     # -- generation ------------------------------------------------------------------
 
@@ -240,7 +245,7 @@ class Runner:
                 if self._cancelled_while_running(task):
                     pieces.close()
                     self._end_task(task, TaskCancelled())
-                    self._set_status(RunnerReady())
+                    self._set_status(self._ready)
                     return
         except _ShutdownRequested:
             pieces.close()
@@ -264,7 +269,7 @@ class Runner:
                 return
         else:
             self._send(TaskStatusReport(task_id=task.task_id, status=TaskComplete()))
-        self._set_status(RunnerReady())
+        self._set_status(self._ready)
 
     def _cancelled_while_running(self, running: TextGeneration) -> bool:
         """Handle every message that arrived meanwhile; True if `running` was cancelled."""
@@ -290,6 +295,12 @@ class Runner:
             )
         )
         self._send(TaskStatusReport(task_id=task.task_id, status=status))
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers actually held (meta tensors are placeholders)."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
 
 
 def runner_main(

@@ -1,0 +1,211 @@
+"""One model split across real nodes: pipeline (2 and 3 ranks) and tensor (2 ranks) give
+the same greedy output as one node."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode, wait_until
+from exo.testing.tiny_models import save_tiny_model
+
+PROMPT = [{"role": "user", "content": "Name three colours and say why the sky is blue."}]
+FORM_TIMEOUT_SECONDS = 30.0
+READY_TIMEOUT_SECONDS = 180.0
+
+
+@pytest.fixture(scope="module")
+def nodes(
+    tmp_path_factory: pytest.TempPathFactory, shared_models_dir: Path
+) -> Iterator[list[ExoNode]]:
+    root = tmp_path_factory.mktemp("sharding")
+    first = ExoNode(root / "a", shared_models_dir, extra_args=("--no-default-model",))
+    others = [
+        ExoNode(
+            root / name,
+            shared_models_dir,
+            extra_args=("--no-default-model",),
+            namespace=first.namespace,
+            bootstrap=(first,),
+        )
+        for name in ("b", "c")
+    ]
+    cluster = [first, *others]
+    try:
+        for node in cluster:
+            node.launch()
+        for node in cluster:
+            node.wait_api()
+        ids = [node.node_id() for node in cluster]
+        # Placement across nodes needs their measured links.
+        wait_until(
+            lambda: all(
+                len(cluster[0].state()["topology"].get(node_id, {})) == 2 for node_id in ids
+            ),
+            FORM_TIMEOUT_SECONDS,
+            what="links between all nodes",
+        )
+        yield cluster
+    finally:
+        for node in cluster:
+            node.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_models(
+    tmp_path_factory: pytest.TempPathFactory, shared_models_dir: Path
+) -> dict[str, str]:
+    tokenizer_source = shared_models_dir / "HuggingFaceTB--SmolLM2-135M-Instruct"
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {
+        name: str(save_tiny_model(root / name, name, tokenizer_source))
+        for name in ("qwen3", "gemma3")
+    }
+
+
+def place(node: ExoNode, model_id: str, sharding: str, node_ids: list[str]) -> httpx.Response:
+    return httpx.post(
+        f"{node.url}/place_instance",
+        json={
+            "model_id": model_id,
+            "sharding": sharding,
+            "min_nodes": len(node_ids),
+            "node_ids": node_ids,
+        },
+        timeout=60,
+    )
+
+
+def ready_statuses(node: ExoNode, instance_id: str) -> list[dict[str, Any]] | None:
+    state = node.state()
+    instance = state["instances"].get(instance_id)
+    if instance is None:
+        return None
+    statuses = [
+        state["runners"].get(r, {}) for r in instance["shard_assignments"]["runner_to_shard"]
+    ]
+    if all(status.get("kind") in ("RunnerReady", "RunnerRunning") for status in statuses):
+        return statuses
+    return None
+
+
+def greedy_answer(node: ExoNode, model_id: str) -> tuple[str, int]:
+    client = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", timeout=120, max_retries=0)
+    completion = client.chat.completions.create(
+        model=model_id, messages=PROMPT, temperature=0, max_tokens=16
+    )
+    assert completion.usage is not None
+    return completion.choices[0].message.content or "", completion.usage.completion_tokens
+
+
+def run_placement(
+    nodes: list[ExoNode], model_id: str, sharding: str, ranks: int
+) -> tuple[str, int, list[dict[str, Any]]]:
+    """Place `model_id` on the first `ranks` nodes, ask through the last node, delete."""
+    asker = nodes[-1]
+    node_ids = [node.node_id() for node in nodes[:ranks]]
+    response = place(nodes[0], model_id, sharding, node_ids)
+    assert response.status_code == 200, response.text
+    instance_id = response.json()["instance_id"]
+    assert len(response.json()["instance"]["shard_assignments"]["runner_to_shard"]) == ranks
+    try:
+        statuses = wait_until(
+            lambda: ready_statuses(nodes[0], instance_id),
+            READY_TIMEOUT_SECONDS,
+            interval=0.5,
+            what=f"{sharding} x{ranks} of {model_id} ready",
+        )
+        text, tokens = greedy_answer(asker, model_id)
+    finally:
+        httpx.delete(f"{nodes[0].url}/instance/{instance_id}", timeout=60)
+        wait_until(
+            lambda: not any(node.runner_processes() for node in nodes),
+            60,
+            what="every runner stopped",
+        )
+    return text, tokens, statuses
+
+
+def test_default_model_pipeline_equals_single_node(nodes: list[ExoNode]) -> None:
+    single, single_tokens, [single_status] = run_placement(nodes, DEFAULT_MODEL_ID, "pipeline", 1)
+    assert single and single_tokens > 0
+    two, two_tokens, two_statuses = run_placement(nodes, DEFAULT_MODEL_ID, "pipeline", 2)
+    three, three_tokens, _ = run_placement(nodes, DEFAULT_MODEL_ID, "pipeline", 3)
+    assert (two, two_tokens) == (single, single_tokens)
+    assert (three, three_tokens) == (single, single_tokens)
+    # Each of two pipeline ranks holds about half of the weights.
+    total = single_status["weight_bytes"]
+    for status in two_statuses:
+        assert 0.3 * total < status["weight_bytes"] < 0.7 * total, (status, total)
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "gemma3"])
+def test_tiny_models_split_every_way_equal_single_node(
+    nodes: list[ExoNode], tiny_models: dict[str, str], architecture: str
+) -> None:
+    model_id = tiny_models[architecture]
+    reference = run_placement(nodes, model_id, "pipeline", 1)[:2]
+    assert reference[1] > 0
+    assert run_placement(nodes, model_id, "pipeline", 2)[:2] == reference
+    assert run_placement(nodes, model_id, "pipeline", 3)[:2] == reference
+    assert run_placement(nodes, model_id, "tensor", 2)[:2] == reference
+
+
+def test_bad_placements_are_400_with_the_reason(nodes: list[ExoNode]) -> None:
+    node_ids = [node.node_id() for node in nodes[:2]]
+    unknown = place(nodes[0], "no/such-model", "pipeline", node_ids)
+    assert unknown.status_code == 400
+    assert "no/such-model" in unknown.json()["error"]["message"]
+    # SmolLM2 has 9 attention heads: no even tensor split.
+    heads = place(nodes[0], DEFAULT_MODEL_ID, "tensor", node_ids)
+    assert heads.status_code == 400
+    assert "tensor" in heads.json()["error"]["message"]
+    too_big = httpx.post(
+        f"{nodes[0].url}/place_instance",
+        json={"model_id": DEFAULT_MODEL_ID, "min_nodes": 4},
+        timeout=60,
+    )
+    assert too_big.status_code == 400
+    assert "min_nodes=4" in too_big.json()["error"]["message"]
+
+
+def test_killing_a_rank_fails_the_request_fast_and_placing_again_works(
+    nodes: list[ExoNode],
+) -> None:
+    a, b, c = nodes
+    response = place(a, DEFAULT_MODEL_ID, "pipeline", [b.node_id(), c.node_id()])
+    assert response.status_code == 200, response.text
+    instance_id = response.json()["instance_id"]
+    wait_until(lambda: ready_statuses(a, instance_id), READY_TIMEOUT_SECONDS, interval=0.5)
+    client = openai.OpenAI(base_url=f"{a.url}/v1", api_key="unused", timeout=60, max_retries=0)
+    stream = client.chat.completions.create(
+        model=DEFAULT_MODEL_ID,
+        messages=[{"role": "user", "content": "Write a very long story about a dragon."}],
+        max_tokens=2000,
+        stream=True,
+    )
+    victim = c if c.runner_processes() else b
+    killed_at = 0.0
+    with pytest.raises(openai.APIError):
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content and not killed_at:
+                victim.kill()
+                killed_at = time.monotonic()
+    assert killed_at and time.monotonic() - killed_at < 10
+    survivors = [node for node in nodes if node is not victim]
+    # No runner is left behind: the instance goes (failures, then the node's time-out).
+    wait_until(
+        lambda: instance_id not in a.state()["instances"], 90, what="the broken instance gone"
+    )
+    wait_until(lambda: not any(n.runner_processes() for n in survivors), 30, what="no runner")
+    again = place(a, DEFAULT_MODEL_ID, "pipeline", [n.node_id() for n in survivors])
+    assert again.status_code == 200, again.text
+    new_instance = again.json()["instance_id"]
+    wait_until(lambda: ready_statuses(a, new_instance), READY_TIMEOUT_SECONDS, interval=0.5)
+    assert greedy_answer(a, DEFAULT_MODEL_ID)[1] > 0
