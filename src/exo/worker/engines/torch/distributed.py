@@ -1,0 +1,146 @@
+"""The process group of one model instance's ranks, and the messages rank 0 sends to the
+others (torch.distributed: gloo on CPU).
+
+Every wait that depends on another rank's compute or on the network is bounded by the group's
+timeout (`init_group(timeout_s=...)`), so a dead or stuck rank makes the others raise. Waits
+for rank 0's next command (idle between requests, or while rank 0's consumer reads a piece)
+are unbounded: a closed connection still makes them raise at once.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+# Long enough to mean "forever" for an idle rank, short enough for gloo's millisecond count.
+IDLE_WAIT = timedelta(days=30)
+
+
+def local_interface_for(master_addr: str) -> str | None:
+    """The name of this machine's network interface holding the local address that a
+    connection to `master_addr` leaves from (None if it cannot be found)."""
+    try:
+        infos = socket.getaddrinfo(master_addr, None, type=socket.SOCK_DGRAM)
+    except socket.gaierror:
+        return None
+    family, _type, _proto, _name, address = infos[0]
+    if ipaddress.ip_address(address[0]).is_loopback:
+        local_address = address[0]
+    else:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((address[0], 9))  # UDP connect sends nothing; picks the route
+            local_address = probe.getsockname()[0]
+    for name, addresses in psutil.net_if_addrs().items():
+        for entry in addresses:
+            if entry.address.split("%")[0] == local_address:
+                return name
+    if ipaddress.ip_address(local_address).is_loopback:
+        return "lo" if "lo" in psutil.net_if_addrs() else None
+    return None
+
+
+def configure_gloo_interface(master_addr: str) -> None:
+    """Set GLOO_SOCKET_IFNAME (unless already set) to the interface used to reach
+    `master_addr`: gloo otherwise binds to the interface of the hostname's address, which on
+    loopback tests may not be loopback."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    interface = local_interface_for(master_addr)
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def init_group(
+    backend: str,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    timeout_s: float = 60,
+) -> None:
+    """Join the default process group of one model instance (blocks until every rank joined).
+
+    Args:
+        backend: "gloo" (CPU) or "nccl" (every rank on CUDA).
+        rank: this process's rank, 0 being the one that serves requests.
+        world_size: number of ranks.
+        master_addr: address of rank 0's rendezvous store.
+        master_port: TCP port of that store.
+        timeout_s: bound on every collective and send/receive, seconds.
+    """
+    if backend == "gloo":
+        configure_gloo_interface(master_addr)
+    host = f"[{master_addr}]" if ":" in master_addr else master_addr
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{host}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def destroy_group() -> None:
+    """Leave the default process group (no-op if none)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _default_group() -> Any:
+    return dist.distributed_c10d._get_default_group()
+
+
+def broadcast_waiting(tensor: torch.Tensor, src: int, timeout: timedelta | None) -> None:
+    """`dist.broadcast` with its own timeout (None: the group's)."""
+    if timeout is None:
+        dist.broadcast(tensor, src=src)
+        return
+    options = dist.BroadcastOptions()
+    options.rootRank = src
+    options.rootTensor = 0
+    options.timeout = timeout
+    _default_group().broadcast([tensor], options).wait()
+
+
+def receive_waiting(tensor: torch.Tensor, src: int, timeout: timedelta | None) -> None:
+    """`dist.recv` with its own timeout (None: the group's)."""
+    if timeout is None:
+        dist.recv(tensor, src=src)
+        return
+    work = dist.irecv(tensor, src=src)
+    assert work is not None
+    work.wait(timeout)
+
+
+def broadcast_json(message: dict[str, Any] | None, src: int = 0) -> dict[str, Any]:
+    """Send (on `src`) or receive (elsewhere) one JSON control message over the group.
+
+    The length goes first as one int64, then the UTF-8 bytes. Receivers wait without a
+    bound: rank 0 may be idle between requests for any time.
+    """
+    is_source = dist.get_rank() == src
+    if is_source:
+        assert message is not None
+        payload = json.dumps(message).encode()
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+    else:
+        length = torch.zeros(1, dtype=torch.int64)
+    broadcast_waiting(length, src, None if is_source else IDLE_WAIT)
+    if is_source:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:
+        data = torch.empty(int(length.item()), dtype=torch.uint8)
+    broadcast_waiting(data, src, None)
+    if is_source:
+        assert message is not None
+        return message
+    decoded: dict[str, Any] = json.loads(bytes(data.numpy()).decode())
+    return decoded

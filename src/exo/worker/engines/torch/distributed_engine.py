@@ -1,0 +1,428 @@
+"""One model split across several processes (pipeline or tensor parallel), driven by rank 0.
+
+Rank 0 takes requests through the usual `generate`; it broadcasts a control message (start a
+generation / shut down) that the other ranks wait for in `serve_forever`.
+
+- Pipeline: every forward step goes rank 0 -> 1 -> ... -> last as a header
+  `[command, tokens, sample]` plus hidden states `[1, tokens, hidden]`; the last rank samples
+  (with the request's seed) and sends the token to rank 0. Rank 0 ends a generation by
+  sending an END header down the same path.
+- Tensor: every rank runs the whole forward on the same tokens (the row-parallel linears
+  all-reduce, so logits are identical everywhere); rank 0 samples and broadcasts each token,
+  or END.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+from collections.abc import Generator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+from transformers import AutoTokenizer, PreTrainedModel
+
+from exo.shared.types.models import ModelCard
+from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
+from exo.shared.types.text_generation import TextGenerationTaskParams
+from exo.worker.engines.torch.detokenizer import StreamingDetokenizer
+from exo.worker.engines.torch.distributed import (
+    IDLE_WAIT,
+    broadcast_json,
+    broadcast_waiting,
+    receive_waiting,
+)
+from exo.worker.engines.torch.engine import (
+    DEFAULT_CPU_WEIGHT_DTYPE,
+    GeneratedPiece,
+    PromptTooLongError,
+    TorchEngine,
+    _configure_cpu_threads,
+    _eos_token_ids,
+)
+from exo.worker.engines.torch.fusion import fuse_rms_norms
+from exo.worker.engines.torch.kv_cache import PREFILL_CHUNK_TOKENS, DecodeSession
+from exo.worker.engines.torch.loading import LayerProgressCallback
+from exo.worker.engines.torch.quantize import WEIGHT_DTYPES, WeightDtype, quantize_linears
+from exo.worker.engines.torch.sampling import Sampler, SamplingParams, resolve_sampling_params
+from exo.worker.engines.torch.sharding import load_sharded_model
+from exo.worker.engines.torch.stop_sequences import StopSequenceMatcher
+
+FORWARD = 1
+END = 2
+
+
+class DistributedSession(DecodeSession):
+    """Rank 0's side of one request's forward steps across the group (see subclasses)."""
+
+    __slots__ = ("_in_flight",)
+
+    def __init__(self, model: PreTrainedModel, device: torch.device, capacity_tokens: int):
+        super().__init__(model, device, capacity_tokens)
+        self._in_flight = False  # a step was started and its answer not yet received
+
+    def begin(self, start_message: dict[str, Any]) -> None:
+        """Tell the other ranks to start this generation (`serve_forever` receives it)."""
+        self._in_flight = True
+        broadcast_json(start_message)
+        self._in_flight = False
+
+    def _tell_end(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Drop the KV cache and tell the other ranks the generation ended (unless a step
+        failed half-way: then the group is broken and they raise on their own)."""
+        if self.closed:
+            return
+        super().close()
+        if not self._in_flight:
+            try:
+                self._tell_end()
+            except RuntimeError as error:  # the group is gone; the caller sees the first error
+                logger.warning("could not tell the other ranks the generation ended: {}", error)
+
+
+class PipelineHeadSession(DistributedSession):
+    """Pipeline rank 0: runs its layers, sends hidden states on, receives the sampled token
+    from the last rank. `prefill`/`decode` return that token as a 0-d int64 tensor (consumed
+    by `ForwardedTokenSampler`)."""
+
+    __slots__ = ("_last_rank",)
+
+    def __init__(self, model: PreTrainedModel, device: torch.device, capacity_tokens: int):
+        super().__init__(model, device, capacity_tokens)
+        self._last_rank = dist.get_world_size() - 1
+
+    def _step(self, tokens: torch.Tensor, sample: bool) -> torch.Tensor | None:
+        if self._cache is None:
+            raise RuntimeError("the decode session is closed")
+        length = tokens.shape[1]
+        if self.position + length > self.capacity_tokens:
+            raise RuntimeError(
+                f"KV cache overflow: {self.position} + {length} > {self.capacity_tokens}"
+            )
+        self._in_flight = True
+        hidden = stage_forward(
+            self._model, self._cache, self.position, is_last=False, input_ids=tokens
+        )
+        self.position += length
+        dist.send(torch.tensor([FORWARD, length, int(sample)], dtype=torch.int64), dst=1)
+        dist.send(hidden.contiguous(), dst=1)
+        if not sample:
+            self._in_flight = False
+            return None
+        token = torch.zeros(1, dtype=torch.int64)
+        dist.recv(token, src=self._last_rank)
+        self._in_flight = False
+        return token[0]
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
+        if not prompt_ids:
+            raise ValueError("cannot prefill an empty prompt")
+        tokens = torch.tensor([prompt_ids], dtype=torch.long, device=self._device)  # [1, n]
+        token: torch.Tensor | None = None
+        for start in range(0, tokens.shape[1], PREFILL_CHUNK_TOKENS):
+            chunk = tokens[:, start : start + PREFILL_CHUNK_TOKENS]
+            token = self._step(chunk, sample=start + PREFILL_CHUNK_TOKENS >= tokens.shape[1])
+        assert token is not None
+        return token
+
+    @torch.inference_mode()
+    def decode(self, token_id: int) -> torch.Tensor:
+        token = self._step(torch.tensor([[token_id]], dtype=torch.long, device=self._device), True)
+        assert token is not None
+        return token
+
+    def _tell_end(self) -> None:
+        dist.send(torch.tensor([END, 0, 0], dtype=torch.int64), dst=1)
+
+
+class TensorHeadSession(DistributedSession):
+    """Tensor rank 0: broadcasts each decode token before running the (collective) forward."""
+
+    __slots__ = ()
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
+        self._in_flight = True
+        logits = super().prefill(prompt_ids)
+        self._in_flight = False
+        return logits
+
+    @torch.inference_mode()
+    def decode(self, token_id: int) -> torch.Tensor:
+        self._in_flight = True
+        dist.broadcast(torch.tensor([FORWARD, token_id], dtype=torch.int64), src=0)
+        logits = super().decode(token_id)
+        self._in_flight = False
+        return logits
+
+    def _tell_end(self) -> None:
+        dist.broadcast(torch.tensor([END, 0], dtype=torch.int64), src=0)
+
+
+class ForwardedTokenSampler(Sampler):
+    """Rank 0's sampler in a pipeline: the last rank already sampled; `logits` is the token."""
+
+    __slots__ = ()
+
+    def sample(self, logits: torch.Tensor) -> int:
+        return int(logits.item())
+
+
+def stage_forward(
+    model: PreTrainedModel,
+    cache: Any,
+    position: int,
+    *,
+    is_last: bool,
+    input_ids: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run this pipeline rank's layers on `input_ids` `[1, n]` (first rank) or hidden states
+    `inputs_embeds` `[1, n, hidden]` (later ranks), appending to `cache`.
+
+    Returns:
+        `[1, n, hidden]` hidden states to send on, or `[vocab]` logits of the last position
+        on the last rank.
+    """
+    length = (input_ids if input_ids is not None else inputs_embeds).shape[1]  # type: ignore[union-attr]
+    position_ids = torch.arange(position, position + length).unsqueeze(0)  # [1, n]
+    if is_last:
+        output = model(
+            input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids,
+            cache=cache, use_cache=True, logits_to_keep=1,
+        )  # fmt: skip
+        logits: torch.Tensor = output.logits[0, -1]
+        return logits
+    inner: Any = model.model
+    hidden: torch.Tensor = inner(
+        input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids,
+        cache=cache, use_cache=True,
+    ).last_hidden_state  # fmt: skip
+    return hidden
+
+
+class DistributedTorchEngine(TorchEngine):
+    """A `TorchEngine` for one rank of a multi-rank shard (the process group must exist).
+
+    Rank 0: `generate()` per request, `shutdown()` at the end. Other ranks: `serve_forever()`.
+    Every rank: `warmup()` (collective).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any,
+        card: ModelCard,
+        device: torch.device,
+        eos_token_ids: frozenset[int],
+        shard: ShardMetadata,
+        weight_dtype: WeightDtype = "float32",
+    ) -> None:
+        super().__init__(model, tokenizer, card, device, eos_token_ids, weight_dtype)
+        self.shard = shard
+        self.rank = shard.device_rank
+        self.world_size = shard.world_size
+        self._shut_down = False
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: Path,
+        shard: ShardMetadata,
+        device: str = "cpu",
+        on_layer_loaded: LayerProgressCallback | None = None,
+        weight_dtype: WeightDtype | None = None,
+    ) -> DistributedTorchEngine:
+        """Load this rank's part of the model (see `TorchEngine.load`; the tensor-parallel
+        row-sharded linears stay float32 whatever `weight_dtype`).
+
+        Raises:
+            RuntimeError: no process group, or its rank / world size differ from the shard's.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("init_group() must run before loading a multi-rank shard")
+        if (dist.get_rank(), dist.get_world_size()) != (shard.device_rank, shard.world_size):
+            raise RuntimeError(
+                f"process group rank {dist.get_rank()} of {dist.get_world_size()} does not "
+                f"match the shard's rank {shard.device_rank} of {shard.world_size}"
+            )
+        torch_device = torch.device(device)
+        if weight_dtype is None:
+            weight_dtype = DEFAULT_CPU_WEIGHT_DTYPE if torch_device.type == "cpu" else "float32"
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"unknown weight dtype {weight_dtype!r}; expected one of {WEIGHT_DTYPES}"
+            )
+        if weight_dtype != "float32" and torch_device.type != "cpu":
+            raise ValueError(f"weight dtype {weight_dtype} is only supported on CPU")
+        if torch_device.type == "cpu":
+            _configure_cpu_threads()
+        started = time.perf_counter()
+        model = load_sharded_model(model_dir, shard, torch_device, on_layer_loaded)
+        if torch_device.type == "cpu":
+            fuse_rms_norms(model)
+            quantize_linears(model, weight_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(f"{model_dir}: the tokenizer has no chat template")
+        engine = cls(
+            model, tokenizer, shard.model_card, torch_device,
+            _eos_token_ids(model_dir, tokenizer, model), shard, weight_dtype,
+        )  # fmt: skip
+        logger.info(
+            "rank {}/{} loaded {} in {:.1f} s", shard.device_rank, shard.world_size,
+            shard.model_card.model_id, time.perf_counter() - started,
+        )  # fmt: skip
+        return engine
+
+    @property
+    def is_pipeline(self) -> bool:
+        return isinstance(self.shard, PipelineShardMetadata)
+
+    def warmup(self) -> None:
+        """Collective: rank 0 runs a short generation, the others serve exactly that one."""
+        if self.rank == 0:
+            super().warmup()
+        elif not self._serve_one():
+            raise RuntimeError("rank 0 shut down during warmup")
+
+    def generate(self, params: TextGenerationTaskParams) -> Generator[GeneratedPiece, None, None]:
+        """As `TorchEngine.generate`, on rank 0 only; drives the other ranks."""
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 generates; other ranks call serve_forever()")
+        if self._shut_down:
+            raise RuntimeError("the engine was shut down")
+        prompt_ids = self.encode_prompt(params.messages)
+        room = self.context_length - len(prompt_ids)
+        if room < 1:
+            raise PromptTooLongError(
+                f"the prompt is {len(prompt_ids)} tokens; the model's context is "
+                f"{self.context_length} tokens, leaving no room for a reply"
+            )
+        max_new_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        sampling = resolve_sampling_params(params, self.card.sampling_defaults)
+        if sampling.seed is None:  # drawn here so every rank that samples uses the same one
+            sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
+        capacity = len(prompt_ids) + max_new_tokens
+        session: DistributedSession
+        sampler: Sampler
+        if self.is_pipeline:
+            session = PipelineHeadSession(self.model, self.device, capacity)
+            sampler = ForwardedTokenSampler(sampling, self.device)
+        else:
+            session = TensorHeadSession(self.model, self.device, capacity)
+            sampler = Sampler(sampling, self.device)
+        detokenizer = StreamingDetokenizer(self._decode, prompt_ids)
+        stop_matcher = StopSequenceMatcher(params.stop)
+        start = {
+            "kind": "start",
+            "prompt_ids": prompt_ids,
+            "capacity_tokens": capacity,
+            "sampling": dataclasses.asdict(sampling),
+        }
+        try:
+            session.begin(start)
+            yield from self._generate_tokens(
+                session, prompt_ids, max_new_tokens, sampler, detokenizer, stop_matcher
+            )
+        finally:
+            session.close()
+
+    def shutdown(self) -> None:
+        """On rank 0: make the other ranks return from `serve_forever` (idempotent)."""
+        if self.rank != 0 or self._shut_down:
+            return
+        self._shut_down = True
+        broadcast_json({"kind": "shutdown"})
+
+    def serve_forever(self) -> None:
+        """On ranks > 0: serve generations until rank 0 shuts down.
+
+        Raises:
+            RuntimeError (from torch.distributed): another rank died or timed out.
+        """
+        if self.rank == 0:
+            raise RuntimeError("rank 0 drives generation; it does not serve")
+        while self._serve_one():
+            pass
+
+    def _serve_one(self) -> bool:
+        """Wait for one control message and act on it; False on shutdown."""
+        message = broadcast_json(None)
+        match message.get("kind"):
+            case "start":
+                prompt_ids = [int(token) for token in message["prompt_ids"]]
+                capacity = int(message["capacity_tokens"])
+                sampling = SamplingParams(**message["sampling"])
+                if self.is_pipeline:
+                    self._serve_pipeline_generation(capacity, sampling)
+                else:
+                    self._serve_tensor_generation(prompt_ids, capacity)
+                return True
+            case "shutdown":
+                return False
+            case other:
+                raise RuntimeError(f"unknown control message kind {other!r}")
+
+    @torch.inference_mode()
+    def _serve_pipeline_generation(self, capacity: int, sampling: SamplingParams) -> None:
+        session = DecodeSession(self.model, self.device, capacity)  # owns the KV cache
+        is_last = self.rank == self.world_size - 1
+        sampler = Sampler(sampling, self.device) if is_last else None
+        hidden_size = self.model.config.get_text_config().hidden_size
+        dtype = next(self.model.parameters()).dtype
+        header = torch.zeros(3, dtype=torch.int64)
+        try:
+            while True:
+                # Unbounded: rank 0 may wait on its consumer between steps.
+                receive_waiting(header, self.rank - 1, IDLE_WAIT)
+                command, length, sample = (int(value) for value in header.tolist())
+                if command == END:
+                    if not is_last:
+                        dist.send(header, dst=self.rank + 1)
+                    return
+                hidden = torch.empty((1, length, hidden_size), dtype=dtype)
+                dist.recv(hidden, src=self.rank - 1)
+                output = stage_forward(
+                    self.model, session._cache, session.position, is_last=is_last,
+                    inputs_embeds=hidden,
+                )  # fmt: skip
+                session.position += length
+                if not is_last:
+                    dist.send(header, dst=self.rank + 1)
+                    dist.send(output.contiguous(), dst=self.rank + 1)
+                elif sample:
+                    assert sampler is not None
+                    token = sampler.sample(output)
+                    dist.send(torch.tensor([token], dtype=torch.int64), dst=0)
+        finally:
+            session.close()
+
+    def _serve_tensor_generation(self, prompt_ids: list[int], capacity: int) -> None:
+        session = DecodeSession(self.model, self.device, capacity)
+        header = torch.zeros(2, dtype=torch.int64)
+        try:
+            session.prefill(prompt_ids)
+            while True:
+                broadcast_waiting(header, 0, IDLE_WAIT)
+                command, token = (int(value) for value in header.tolist())
+                if command == END:
+                    return
+                session.decode(token)
+        finally:
+            session.close()
+
+
+def shard_needs_group(shard: ShardMetadata) -> bool:
+    """Whether the shard spans several ranks (and so needs `DistributedTorchEngine`)."""
+    match shard:
+        case PipelineShardMetadata() | TensorShardMetadata():
+            return shard.world_size > 1

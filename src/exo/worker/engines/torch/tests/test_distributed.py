@@ -1,0 +1,425 @@
+"""Sharded == unsharded: greedy tokens of 2- and 3-rank pipeline and 2-rank tensor parallel
+groups (gloo over 127.0.0.1, spawned processes) equal the single-process engine's, for tiny
+random-weight Llama, Qwen3 and Gemma3 models and the real default model."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import shutil
+import socket
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as multiprocessing
+from transformers import (
+    AutoTokenizer,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from exo.shared.models.cards import card_from_local_directory
+from exo.shared.types.common import ModelId
+from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
+from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+from exo.worker.engines.torch.engine import TorchEngine
+from exo.worker.engines.torch.quantize import WeightDtype
+from exo.worker.engines.torch.tests.conftest import TOKENIZER_FILES
+
+GROUP_DEADLINE_S = 240.0
+PROMPT = "Name three colours and say why the sky is blue."
+GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 12}
+SEEDED: dict[str, Any] = {"temperature": 0.9, "top_p": 0.95, "seed": 7, "max_tokens": 12}
+# Closed after 2 pieces; the requests after it must still match (the group went back to idle).
+CANCELLED: dict[str, Any] = {"temperature": 0.0, "max_tokens": 50, "cancel_after": 2}
+
+
+def _tiny_model(architecture: str, vocab_size: int, eos: int, bos: int) -> PreTrainedModel:
+    common: dict[str, Any] = {
+        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "eos_token_id": eos, "bos_token_id": bos,
+        "tie_word_embeddings": True,
+    }  # fmt: skip
+    torch.manual_seed(0)
+    model: PreTrainedModel
+    match architecture:
+        case "llama":
+            model = LlamaForCausalLM(LlamaConfig(**common))
+        case "qwen3":
+            model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16))
+        case "qwen2":  # biases on q/k/v: column-sharded with their weights
+            model = Qwen2ForCausalLM(Qwen2Config(**common))
+        case "mistral":
+            model = MistralForCausalLM(MistralConfig(**common, head_dim=16))
+        case "gemma":  # (Gemma2 has no SDPA attention in transformers, so no engine at all)
+            model = GemmaForCausalLM(GemmaConfig(**common, head_dim=16))
+        case "gemma3":
+            config = Gemma3TextConfig(
+                **common, head_dim=16, sliding_window=4,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+            )  # fmt: skip
+            model = Gemma3ForCausalLM(config)
+        case _:
+            raise ValueError(architecture)
+    # Random init leaves norms at exactly 1 / 0; perturb every parameter so each matters.
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.02)
+    return model.eval()
+
+
+def save_tiny_model(directory: Path, architecture: str, tokenizer_source: Path) -> Path:
+    """A 4-layer random-weight model of `architecture` with the real tokenizer."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    model = _tiny_model(
+        architecture, len(tokenizer), tokenizer.eos_token_id, tokenizer.bos_token_id
+    )
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(directory, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_source / name).is_file():
+            shutil.copy(tokenizer_source / name, directory / name)
+    return directory
+
+
+def request(**fields: Any) -> TextGenerationTaskParams:
+    return TextGenerationTaskParams(
+        model=ModelId("m"), messages=(ChatMessage(role="user", content=PROMPT),), **fields
+    )
+
+
+def split_layers(n_layers: int, world_size: int) -> list[tuple[int, int]]:
+    bounds = [round(rank * n_layers / world_size) for rank in range(world_size + 1)]
+    return list(itertools.pairwise(bounds))
+
+
+def make_shard(model_dir: Path, mode: str, rank: int, world_size: int) -> ShardMetadata:
+    card = card_from_local_directory(model_dir)
+    if mode == "tensor":
+        return TensorShardMetadata(model_card=card, device_rank=rank, world_size=world_size)
+    start, end = split_layers(card.n_layers, world_size)[rank]
+    return PipelineShardMetadata(
+        model_card=card, device_rank=rank, world_size=world_size, start_layer=start,
+        end_layer=end,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Job:
+    """One model loaded by every rank of the group, then generated with on rank 0."""
+
+    name: str
+    model_dir: str
+    mode: str  # "pipeline" | "tensor"
+    requests: tuple[dict[str, Any], ...] = (GREEDY,)
+    expect_load_error: bool = False
+    weight_dtype: str = "float32"
+
+
+@dataclass
+class JobResult:
+    tokens: list[list[int]] = field(default_factory=list)
+    parameter_bytes: dict[int, int] = field(default_factory=dict)
+    load_error: str | None = None
+
+
+def _rank_main(rank: int, world_size: int, port: int, jobs: list[Job], results: Any) -> None:
+    """A spawned rank: join the group, then load/warm up/generate (rank 0) or serve each job."""
+    from exo.worker.engines.torch.distributed import destroy_group, init_group
+    from exo.worker.engines.torch.sharding import loaded_parameter_bytes
+
+    torch.set_num_threads(1)
+    try:
+        init_group("gloo", rank, world_size, "127.0.0.1", port, timeout_s=60)
+        for job in jobs:
+            shard = make_shard(Path(job.model_dir), job.mode, rank, world_size)
+            try:
+                engine = TorchEngine.load(
+                    Path(job.model_dir),
+                    shard,
+                    weight_dtype=job.weight_dtype,  # type: ignore[arg-type]
+                )
+            except ValueError as error:
+                if not job.expect_load_error:
+                    raise
+                results.put(("load_error", job.name, rank, str(error)))
+                continue
+            results.put(("bytes", job.name, rank, loaded_parameter_bytes(engine.model)))
+            engine.warmup()
+            if rank != 0:
+                engine.serve_forever()
+                continue
+            for fields in job.requests:
+                if "cancel_after" in fields:  # the runner closing the stream mid-way
+                    options = dict(fields)
+                    pieces_before_cancel = options.pop("cancel_after")
+                    stream = engine.generate(request(**options))
+                    for _index in range(pieces_before_cancel):
+                        next(stream)
+                    stream.close()
+                    continue
+                pieces = list(engine.generate(request(**fields)))
+                tokens = [token for piece in pieces for token in piece.token_ids]
+                results.put(("tokens", job.name, rank, tokens))
+            engine.shutdown()
+        results.put(("done", "", rank, None))
+        destroy_group()
+    except BaseException:
+        results.put(("error", "", rank, traceback.format_exc()))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def run_group(world_size: int, jobs: list[Job]) -> dict[str, JobResult]:
+    """Spawn `world_size` ranks running `jobs`; every wait bounded, every process ended."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_rank_main, args=(rank, world_size, port, jobs, results))
+        for rank in range(world_size)
+    ]
+    collected = {job.name: JobResult() for job in jobs}
+    try:
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + GROUP_DEADLINE_S
+        done = 0
+        while done < world_size:
+            try:
+                kind, name, rank, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"the {world_size}-rank group did not finish in {GROUP_DEADLINE_S} s")
+            match kind:
+                case "error":
+                    pytest.fail(f"rank {rank} failed:\n{value}")
+                case "done":
+                    done += 1
+                case "tokens":
+                    collected[name].tokens.append(value)
+                case "bytes":
+                    collected[name].parameter_bytes[rank] = value
+                case "load_error":
+                    collected[name].load_error = value
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+    return collected
+
+
+def single_process_tokens(
+    model_dir: Path, requests: tuple[dict[str, Any], ...], weight_dtype: WeightDtype = "float32"
+) -> list[list[int]]:
+    card = card_from_local_directory(model_dir)
+    shard = PipelineShardMetadata(
+        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
+    )
+    engine = TorchEngine.load(model_dir, shard, weight_dtype=weight_dtype)
+    return [
+        [token for piece in engine.generate(request(**fields)) for token in piece.token_ids]
+        for fields in requests
+    ]
+
+
+ARCHITECTURES = ("llama", "qwen3", "gemma3")  # every group size
+MORE_ARCHITECTURES = ("qwen2", "mistral", "gemma")  # 2 ranks only, to keep the run short
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> dict[str, Path]:
+    return {
+        architecture: save_tiny_model(
+            tmp_path_factory.mktemp(f"tiny-{architecture}"), architecture, real_model_dir
+        )
+        for architecture in (*ARCHITECTURES, *MORE_ARCHITECTURES)
+    }
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_dirs: dict[str, Path], real_model_dir: Path) -> dict[str, Any]:
+    references = {
+        architecture: single_process_tokens(directory, (GREEDY, SEEDED))
+        for architecture, directory in tiny_dirs.items()
+    }
+    references["real"] = single_process_tokens(real_model_dir, (GREEDY,))
+    references["real-int4"] = single_process_tokens(real_model_dir, (GREEDY,), "int4")
+    return references
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tiny_dirs: dict[str, Path], real_model_dir: Path) -> dict[str, JobResult]:
+    jobs = [
+        Job(f"pipeline-{architecture}", str(directory), "pipeline", (CANCELLED, GREEDY, SEEDED))
+        for architecture, directory in tiny_dirs.items()
+    ]
+    jobs += [
+        Job(f"tensor-{architecture}", str(directory), "tensor", (CANCELLED, GREEDY, SEEDED))
+        for architecture, directory in tiny_dirs.items()
+    ]
+    jobs.append(Job("pipeline-real", str(real_model_dir), "pipeline"))
+    jobs.append(Job("pipeline-real-int4", str(real_model_dir), "pipeline", weight_dtype="int4"))
+    jobs.append(Job("tensor-real", str(real_model_dir), "tensor", expect_load_error=True))
+    return run_group(2, jobs)
+
+
+@pytest.fixture(scope="module")
+def three_rank_results(tiny_dirs: dict[str, Path]) -> dict[str, JobResult]:
+    jobs = [
+        Job(f"pipeline-{architecture}", str(tiny_dirs[architecture]), "pipeline", (GREEDY, SEEDED))
+        for architecture in ARCHITECTURES
+    ]
+    return run_group(3, jobs)
+
+
+@pytest.mark.parametrize("architecture", (*ARCHITECTURES, *MORE_ARCHITECTURES))
+def test_two_rank_pipeline_equals_single_process(
+    architecture: str, two_rank_results: dict[str, JobResult], reference_tokens: dict[str, Any]
+) -> None:
+    assert two_rank_results[f"pipeline-{architecture}"].tokens == reference_tokens[architecture]
+
+
+@pytest.mark.parametrize("architecture", (*ARCHITECTURES, *MORE_ARCHITECTURES))
+def test_two_rank_tensor_equals_single_process(
+    architecture: str, two_rank_results: dict[str, JobResult], reference_tokens: dict[str, Any]
+) -> None:
+    assert two_rank_results[f"tensor-{architecture}"].tokens == reference_tokens[architecture]
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_three_rank_pipeline_equals_single_process(
+    architecture: str, three_rank_results: dict[str, JobResult], reference_tokens: dict[str, Any]
+) -> None:
+    assert three_rank_results[f"pipeline-{architecture}"].tokens == reference_tokens[architecture]
+
+
+def test_real_model_two_rank_pipeline_equals_single_process(
+    two_rank_results: dict[str, JobResult], reference_tokens: dict[str, Any]
+) -> None:
+    assert two_rank_results["pipeline-real"].tokens == reference_tokens["real"]
+    assert len(reference_tokens["real"][0]) > 3
+
+
+def test_real_model_int4_two_rank_pipeline_equals_single_process(
+    two_rank_results: dict[str, JobResult], reference_tokens: dict[str, Any]
+) -> None:
+    # Weight-only quantization is per layer, so splitting by layers keeps it identical.
+    assert two_rank_results["pipeline-real-int4"].tokens == reference_tokens["real-int4"]
+
+
+def test_real_model_tensor_parallel_names_indivisible_heads(
+    two_rank_results: dict[str, JobResult],
+) -> None:
+    error = two_rank_results["tensor-real"].load_error
+    assert error is not None
+    assert "LlamaForCausalLM" in error and "num_attention_heads=9" in error
+
+
+def test_pipeline_rank_holds_about_half_the_parameters(
+    two_rank_results: dict[str, JobResult], real_model_dir: Path, tiny_dirs: dict[str, Path]
+) -> None:
+    parameter_bytes = two_rank_results["pipeline-real"].parameter_bytes
+    whole = card_from_local_directory(real_model_dir).storage_size_bytes
+    # Rank 0 holds the embedding, rank 1 a copy of it as the tied LM head: each ~half + it.
+    for rank in (0, 1):
+        assert 0.4 * whole < parameter_bytes[rank] < 0.75 * whole, (rank, parameter_bytes, whole)
+    tensor_bytes = two_rank_results["tensor-llama"].parameter_bytes
+    assert tensor_bytes[0] == tensor_bytes[1]
+    # Replicated embedding, half of every layer's projections.
+    tiny_whole = card_from_local_directory(tiny_dirs["llama"]).storage_size_bytes
+    assert tensor_bytes[0] < tiny_whole
+
+
+def _doomed_rank_main(
+    rank: int, port: int, model_dir: str, events: Any, results: Any, killed: Any
+) -> None:
+    from exo.worker.engines.torch.distributed import init_group
+
+    torch.set_num_threads(1)
+    try:
+        init_group("gloo", rank, 2, "127.0.0.1", port, timeout_s=60)
+        engine = TorchEngine.load(
+            Path(model_dir), make_shard(Path(model_dir), "pipeline", rank, 2),
+            weight_dtype="float32",
+        )  # fmt: skip
+        if rank != 0:
+            engine.serve_forever()
+            return
+        stream = engine.generate(request(temperature=0.0, max_tokens=200))
+        next(stream)
+        events.put("first piece")
+        if not killed.wait(timeout=60):
+            results.put(("not killed", 0.0))
+            return
+        started = time.monotonic()
+        try:
+            for _piece in stream:
+                pass
+        except Exception as error:
+            results.put((f"raised {type(error).__name__}", time.monotonic() - started))
+            return
+        results.put(("finished", time.monotonic() - started))
+    except BaseException:
+        events.put(traceback.format_exc())
+
+
+def test_killed_rank_makes_rank_zero_raise(tiny_dirs: dict[str, Path]) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    context = multiprocessing.get_context("spawn")
+    events, results, killed = context.Queue(), context.Queue(), context.Event()
+    port = free_port()
+    model_dir = str(tiny_dirs["llama"])
+    processes = [
+        context.Process(
+            target=_doomed_rank_main, args=(rank, port, model_dir, events, results, killed)
+        )
+        for rank in range(2)
+    ]
+    try:
+        for process in processes:
+            process.start()
+        assert events.get(timeout=120) == "first piece"
+        processes[1].kill()
+        processes[1].join(timeout=10)
+        killed.set()
+        outcome, elapsed = results.get(timeout=30)
+        assert outcome.startswith("raised"), outcome
+        assert elapsed < 10
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=10)
+
+
+@pytest.fixture(autouse=True)
+def _no_group_in_test_process() -> Iterator[None]:
+    yield
+    assert not torch.distributed.is_initialized()
