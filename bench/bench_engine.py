@@ -2,11 +2,13 @@
 
 Usage: PYTHONPATH=src python bench/bench_engine.py [--runs 5] [--decode-tokens 64]
        [--prompt-tokens 32 128 512] [--models-dir DIR] [--device cpu]
+       [--weight-dtype default float32 int8 int4] [--threads N]
 
 Prefill tok/s = prompt tokens / time to the first sampled token (prefill forward only).
 Decode tok/s = generated tokens after the first / time spent generating them (greedy,
 EOS ignored so every run decodes the same number of tokens). Each figure is the median of
-`--runs` runs, after one warm-up generation.
+`--runs` runs, after one warm-up generation. Several `--weight-dtype`s are loaded side by
+side and measured interleaved (run by run), so background load affects them alike.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.common import ModelId
 from exo.shared.types.shards import PipelineShardMetadata
 from exo.worker.engines.torch.engine import TorchEngine
+from exo.worker.engines.torch.quantize import WEIGHT_DTYPES, WeightDtype
 
 DEFAULT_MODEL = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
 
@@ -56,6 +59,14 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[32, 128, 512])
     parser.add_argument("--models-dir", type=Path, default=None)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--weight-dtype",
+        nargs="+",
+        default=["default"],
+        choices=["default", *WEIGHT_DTYPES],
+        help="engine weight formats to compare (default: the engine's default)",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     arguments = parser.parse_args()
 
     card = load_builtin_cards()[DEFAULT_MODEL]
@@ -68,27 +79,39 @@ def main() -> int:
     shard = PipelineShardMetadata(
         model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
     )
-    started = time.perf_counter()
-    engine = TorchEngine.load(model_dir, shard, device=arguments.device)
-    load_seconds = time.perf_counter() - started
-    started = time.perf_counter()
-    engine.warmup()
-    warmup_seconds = time.perf_counter() - started
+    engines: dict[str, TorchEngine] = {}
+    for name in arguments.weight_dtype:
+        weight_dtype: WeightDtype | None = None if name == "default" else name
+        started = time.perf_counter()
+        engine = TorchEngine.load(
+            model_dir, shard, device=arguments.device, weight_dtype=weight_dtype
+        )
+        load_seconds = time.perf_counter() - started
+        if arguments.threads is not None:
+            torch.set_num_threads(arguments.threads)
+        started = time.perf_counter()
+        engine.warmup()
+        warmup_seconds = time.perf_counter() - started
+        label = f"{name} ({engine.weight_dtype})" if name == "default" else name
+        engines[label] = engine
+        print(
+            f"model {card.model_id} on {arguments.device}, weights {label}, "
+            f"{torch.get_num_threads()} threads; load {load_seconds:.2f} s, "
+            f"warmup {warmup_seconds:.2f} s"
+        )
     print(
-        f"model {card.model_id} on {arguments.device}, {torch.get_num_threads()} threads; "
-        f"load {load_seconds:.2f} s, warmup {warmup_seconds:.2f} s"
-    )
-    print(
-        f"{'prompt':>8} {'prefill tok/s':>14} {'decode tok/s':>13}  (median of "
+        f"{'weights':>18} {'prompt':>7} {'prefill tok/s':>14} {'decode tok/s':>13}  (median of "
         f"{arguments.runs}; decode {arguments.decode_tokens} tokens)"
     )
     for prompt_tokens in arguments.prompt_tokens:
-        results = [
-            measure(engine, prompt_tokens, arguments.decode_tokens) for _ in range(arguments.runs)
-        ]
-        prefill = statistics.median(result[0] for result in results)
-        decode = statistics.median(result[1] for result in results)
-        print(f"{prompt_tokens:>8} {prefill:>14.1f} {decode:>13.1f}")
+        results: dict[str, list[tuple[float, float]]] = {label: [] for label in engines}
+        for _ in range(arguments.runs):
+            for label, engine in engines.items():
+                results[label].append(measure(engine, prompt_tokens, arguments.decode_tokens))
+        for label, runs in results.items():
+            prefill = statistics.median(result[0] for result in runs)
+            decode = statistics.median(result[1] for result in runs)
+            print(f"{label:>18} {prompt_tokens:>7} {prefill:>14.1f} {decode:>13.1f}")
     return 0
 
 

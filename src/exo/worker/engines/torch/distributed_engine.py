@@ -47,7 +47,7 @@ from exo.worker.engines.torch.engine import (
 from exo.worker.engines.torch.fusion import fuse_rms_norms
 from exo.worker.engines.torch.kv_cache import PREFILL_CHUNK_TOKENS, DecodeSession
 from exo.worker.engines.torch.loading import LayerProgressCallback
-from exo.worker.engines.torch.quantize import WEIGHT_DTYPES, WeightDtype, quantize_linears
+from exo.worker.engines.torch.quantize import WEIGHT_DTYPES, WeightDtype, quantize_model
 from exo.worker.engines.torch.sampling import Sampler, SamplingParams, resolve_sampling_params
 from exo.worker.engines.torch.sharding import load_sharded_model
 from exo.worker.engines.torch.stop_sequences import StopSequenceMatcher
@@ -269,7 +269,7 @@ class DistributedTorchEngine(TorchEngine):
         model = load_sharded_model(model_dir, shard, torch_device, on_layer_loaded)
         if torch_device.type == "cpu":
             fuse_rms_norms(model)
-            quantize_linears(model, weight_dtype)
+            quantize_model(model, weight_dtype)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(f"{model_dir}: the tokenizer has no chat template")

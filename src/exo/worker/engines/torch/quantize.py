@@ -87,7 +87,7 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scales", scales.contiguous())  # [out] bf16
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+        out: torch.Tensor = torch._weight_int8pack_mm(x, self.weight, self.scales)
         return out
 
     def dequantize(self) -> torch.Tensor:
@@ -151,7 +151,7 @@ class Int4Linear(QuantizedLinear):
         return values.to(torch.int32)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        out: torch.Tensor = torch._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group_size, self.scales_and_zeros
         )
         return out
@@ -190,11 +190,56 @@ def int4_supported(linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> bool
     return linear.out_features % _INT4_BLOCK_N == 0 and linear.in_features % group_size == 0
 
 
+class Int8Embedding(nn.Module):
+    """An input embedding held as int8 rows with one float32 scale per row (symmetric,
+    absmax): a quarter of the float32 bytes. Only the looked-up rows are dequantized, so a
+    lookup costs nothing measurable; the row error is at most scale/2 (~0.4% of the row's
+    largest value)."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        weight = embedding.weight.detach().float()  # [vocab, hidden]
+        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [vocab]
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.padding_idx = embedding.padding_idx
+        self.weight_int8: torch.Tensor
+        self.scale: torch.Tensor
+        self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).to(torch.int8))
+        self.register_buffer("scale", scale)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = nn.functional.embedding(input_ids, self.weight_int8)  # [..., hidden] int8
+        return rows.to(torch.float32) * self.scale[input_ids].unsqueeze(-1)
+
+
+def quantize_model(model: nn.Module, weight_dtype: WeightDtype) -> None:
+    """The engine's quantization after loading: linears as `quantize_linears`, and with any
+    quantized format also the input embedding in int8 (its float32 rows would otherwise be
+    most of a small model's bytes)."""
+    quantize_linears(model, weight_dtype)
+    if weight_dtype != "float32":
+        quantize_embeddings(model)
+
+
+def quantize_embeddings(model: nn.Module) -> int:
+    """Replace plain `nn.Embedding` modules by `Int8Embedding` (subclasses, such as Gemma's
+    scaled embedding, keep their own forward and stay float32). Returns how many."""
+    targets = [(n, m) for n, m in model.named_modules() if type(m) is nn.Embedding]
+    for name, embedding in targets:
+        parent_name, _, attribute = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attribute, Int8Embedding(embedding))
+    return len(targets)
+
+
 def quantize_linears(model: nn.Module, weight_dtype: WeightDtype) -> int:
     """Replace the model's `nn.Linear` modules (decoder layers and LM head) in place.
 
-    A layer whose shape int4 cannot pack gets int8. The input embedding stays float32 (only
-    one row per token is read). A tied LM head is quantized separately from the embedding.
+    "int4" puts the decoder layers' linears in int4 and keeps the LM head in int8: an int4
+    LM head flipped greedy answers of SmolLM2-135M (e.g. it no longer answered "Paris"),
+    an int8 one did not. A layer whose shape int4 cannot pack also gets int8. The input
+    embedding stays float32 (only one row per token is read); a tied LM head is quantized
+    separately from it.
 
     Returns:
         the number of replaced modules.
@@ -203,15 +248,29 @@ def quantize_linears(model: nn.Module, weight_dtype: WeightDtype) -> int:
         return 0
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"unknown weight dtype {weight_dtype!r}; expected one of {WEIGHT_DTYPES}")
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    lm_head = get_output_embeddings() if callable(get_output_embeddings) else None
+    from exo.worker.engines.torch.sharding import AllReducedLinear, RowParallelLinear
+
     targets = [
-        (name, module) for name, module in model.named_modules() if type(module) is nn.Linear
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) in (nn.Linear, RowParallelLinear)
     ]
-    for name, linear in targets:
-        replacement: QuantizedLinear
-        if weight_dtype == "int4" and int4_supported(linear):
+    for name, found in targets:
+        # A tensor-parallel row slice is quantized like any linear, minus its bias, which
+        # goes after the all-reduce; its int4 groups are the full weight's (K/world % 32 == 0).
+        linear = found
+        if type(found) is RowParallelLinear:
+            linear = nn.Linear(found.in_features, found.out_features, bias=False)
+            linear.weight = found.weight
+        replacement: nn.Module
+        if weight_dtype == "int4" and found is not lm_head and int4_supported(linear):
             replacement = Int4Linear(linear)
         else:
             replacement = Int8Linear(linear)
+        if type(found) is RowParallelLinear:
+            replacement = AllReducedLinear(replacement, found.bias)
         parent_name, _, attribute = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attribute, replacement)

@@ -72,6 +72,24 @@ class RowParallelLinear(nn.Linear):
         return output
 
 
+class AllReducedLinear(nn.Module):
+    """A row-parallel linear whose local matmul is some other module (a quantized linear):
+    partial sum, all-reduce over the group, then the bias once."""
+
+    def __init__(self, local: nn.Module, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.local = local
+        self.bias: torch.Tensor | None
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        output: torch.Tensor = self.local(input)  # [batch, seq, out] partial sum
+        dist.all_reduce(output, op=dist.ReduceOp.SUM)
+        if self.bias is not None:
+            output = output + self.bias
+        return output
+
+
 def _architecture(config: PretrainedConfig) -> str:
     names = getattr(config, "architectures", None) or [type(config).__name__]
     return str(names[0])

@@ -93,4 +93,4 @@ def tiny_engine(tiny_card: ModelCard, tiny_model_dir: Path) -> TorchEngine:
         model_card=tiny_card, device_rank=0, world_size=1, start_layer=0,
         end_layer=tiny_card.n_layers,
     )  # fmt: skip
-    return TorchEngine.load(tiny_model_dir, shard)
+    return TorchEngine.load(tiny_model_dir, shard, weight_dtype="float32")

@@ -10,7 +10,6 @@ from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import PipelineShardMetadata, TensorShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.worker.engines.torch.engine import GeneratedPiece, PromptTooLongError, TorchEngine
-from exo.worker.engines.torch.loading import ShardNotSupportedError
 
 
 def request(content: str, model: str = "m", **fields: Any) -> TextGenerationTaskParams:
@@ -106,11 +105,11 @@ def test_tiny_closing_generator_frees_kv_cache(tiny_engine: TorchEngine) -> None
     assert final.usage is not None and final.usage.completion_tokens == 3
 
 
-def test_multi_rank_shard_is_rejected(tiny_card: ModelCard, tiny_model_dir: Path) -> None:
+def test_multi_rank_shard_needs_a_process_group(tiny_card: ModelCard, tiny_model_dir: Path) -> None:
     shard = PipelineShardMetadata(
         model_card=tiny_card, device_rank=0, world_size=2, start_layer=0, end_layer=1
     )
-    with pytest.raises(ShardNotSupportedError, match="world size 2"):
+    with pytest.raises(RuntimeError, match="init_group"):
         TorchEngine.load(tiny_model_dir, shard)
 
 

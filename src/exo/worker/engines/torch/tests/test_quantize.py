@@ -1,0 +1,165 @@
+"""Weight-only quantized linears and the fused RMSNorm against their float32 originals."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from exo.shared.types.models import ModelCard
+from exo.shared.types.shards import PipelineShardMetadata
+from exo.worker.engines.torch.engine import TorchEngine
+from exo.worker.engines.torch.fusion import FusedRMSNorm, fuse_rms_norms
+from exo.worker.engines.torch.quantize import (
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    QuantizedLinear,
+    int4_supported,
+    quantize_linears,
+    quantize_model,
+)
+from exo.worker.engines.torch.tests.test_engine import check_stream_shape, request
+
+
+def random_linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
+    torch.manual_seed(in_features * 1000 + out_features)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    linear.weight.data.normal_(0.0, 0.02)
+    return linear.requires_grad_(False)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm())
+
+
+# One row uses the fused kernel; many rows dequantize then matmul.
+@pytest.mark.parametrize("rows", [1, 3, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_matches_float32(rows: int, bias: bool) -> None:
+    linear = random_linear(576, 1536, bias)
+    quantized = Int8Linear(linear)
+    x = torch.randn(1, rows, 576)
+    with torch.inference_mode():
+        actual, expected = quantized(x), linear(x)
+    assert actual.shape == expected.shape and actual.dtype == torch.float32
+    assert relative_error(actual, expected) < 0.02  # int8 weights + bf16 activations
+
+
+@pytest.mark.parametrize("rows", [1, 3, 100])
+def test_int4_linear_matches_float32(rows: int) -> None:
+    linear = random_linear(1536, 576)
+    quantized = Int4Linear(linear)
+    x = torch.randn(rows, 1536)
+    with torch.inference_mode():
+        actual, expected = quantized(x), linear(x)
+    assert actual.shape == expected.shape
+    # Gaussian weights in 4 bits per group of 32: ~8% error per output.
+    assert relative_error(actual, expected) < 0.12
+
+
+def test_int4_fused_and_dequantized_paths_agree() -> None:
+    quantized = Int4Linear(random_linear(576, 192))
+    assert quantized._unpack_ok  # this CPU packs the layout the dequantization reads
+    x = torch.randn(4, 576).to(torch.bfloat16)
+    with torch.inference_mode():
+        fused = quantized._fused(x).float()
+        dequantized = (x @ quantized.dequantize().t()).float()
+    assert relative_error(fused, dequantized) < 0.01
+
+
+def test_int4_unsupported_shape_falls_back_to_int8() -> None:
+    first, second = random_linear(64, 100), random_linear(100, 64)
+    assert not int4_supported(first) and not int4_supported(second)
+    model = nn.Sequential(first, second)
+    assert quantize_linears(model, "int4") == 2
+    assert all(type(module) is Int8Linear for module in model)
+
+
+def test_quantize_linears_float32_is_a_no_op_and_unknown_dtype_fails() -> None:
+    model = nn.Sequential(random_linear(64, 64))
+    assert quantize_linears(model, "float32") == 0
+    assert type(model[0]) is nn.Linear
+    with pytest.raises(ValueError, match="unknown weight dtype"):
+        quantize_linears(model, "int3")  # type: ignore[arg-type]
+
+
+def test_fused_rms_norm_matches_llama_rms_norm() -> None:
+    norm = LlamaRMSNorm(576, eps=1e-5)
+    norm.weight.data.uniform_(0.5, 1.5)
+    holder = nn.ModuleDict({"norm": norm})
+    assert fuse_rms_norms(holder) == 1
+    assert isinstance(holder["norm"], FusedRMSNorm)
+    x = torch.randn(2, 7, 576)
+    torch.testing.assert_close(holder["norm"](x), norm(x))
+
+
+def test_tiny_int4_engine_keeps_lm_head_int8_and_generates(
+    tiny_card: ModelCard, tiny_model_dir: Path
+) -> None:
+    shard = PipelineShardMetadata(
+        model_card=tiny_card, device_rank=0, world_size=1, start_layer=0,
+        end_layer=tiny_card.n_layers,
+    )  # fmt: skip
+    engine = TorchEngine.load(tiny_model_dir, shard, weight_dtype="int4")
+    assert engine.weight_dtype == "int4"
+    assert type(engine.model.get_output_embeddings()) is Int8Linear
+    linears = [module for module in engine.model.modules() if isinstance(module, nn.Linear)]
+    assert linears == []
+    assert any(isinstance(module, Int4Linear) for module in engine.model.modules())
+    pieces = list(engine.generate(request("Hello there", temperature=0.0, max_tokens=6)))
+    check_stream_shape(pieces)
+
+
+def test_quantized_engine_rejects_non_cpu_device(
+    tiny_card: ModelCard, tiny_model_dir: Path
+) -> None:
+    shard = PipelineShardMetadata(
+        model_card=tiny_card, device_rank=0, world_size=1, start_layer=0,
+        end_layer=tiny_card.n_layers,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="only supported on CPU"):
+        TorchEngine.load(tiny_model_dir, shard, device="meta", weight_dtype="int8")
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", "int8"])
+def test_real_other_weight_dtypes_answer_paris(
+    real_card: ModelCard, real_model_dir: Path, weight_dtype: str
+) -> None:
+    shard = PipelineShardMetadata(
+        model_card=real_card, device_rank=0, world_size=1, start_layer=0,
+        end_layer=real_card.n_layers,
+    )  # fmt: skip
+    engine = TorchEngine.load(real_model_dir, shard, weight_dtype=weight_dtype)  # type: ignore[arg-type]
+    assert engine.weight_dtype == weight_dtype
+    params = request("What is the capital of France?", temperature=0.0, max_tokens=30)
+    assert "Paris" in "".join(piece.text for piece in engine.generate(params))
+
+
+def test_real_default_engine_is_int4(real_engine: TorchEngine) -> None:
+    # The Paris test in test_engine.py runs on this engine: the default format answers it.
+    assert real_engine.weight_dtype == "int4"
+    assert any(isinstance(module, QuantizedLinear) for module in real_engine.model.modules())
+
+
+def test_int8_embedding_rows_are_within_half_a_step_of_float32() -> None:
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(100, 32)
+    quantized = Int8Embedding(embedding)
+    ids = torch.tensor([[0, 5, 99], [42, 42, 7]])
+    expected = embedding(ids)  # [2, 3, 32]
+    got = quantized(ids)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    step = quantized.scale[ids].unsqueeze(-1)
+    assert torch.all((got - expected).abs() <= step / 2 + 1e-6)
+    held = quantized.weight_int8
+    assert held.element_size() * held.numel() == 100 * 32
+
+
+def test_quantize_model_quantizes_plain_embeddings_only_when_quantizing() -> None:
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 64), torch.nn.Linear(64, 64))
+    quantize_model(model, "float32")
+    assert type(model[0]) is torch.nn.Embedding
+    quantize_model(model, "int8")
+    assert isinstance(model[0], Int8Embedding)
