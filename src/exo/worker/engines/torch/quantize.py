@@ -190,46 +190,11 @@ def int4_supported(linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> bool
     return linear.out_features % _INT4_BLOCK_N == 0 and linear.in_features % group_size == 0
 
 
-class Int8Embedding(nn.Module):
-    """An input embedding held as int8 rows with one float32 scale per row (symmetric,
-    absmax): a quarter of the float32 bytes. Only the looked-up rows are dequantized, so a
-    lookup costs nothing measurable; the row error is at most scale/2 (~0.4% of the row's
-    largest value)."""
-
-    def __init__(self, embedding: nn.Embedding) -> None:
-        super().__init__()
-        weight = embedding.weight.detach().float()  # [vocab, hidden]
-        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [vocab]
-        self.num_embeddings, self.embedding_dim = weight.shape
-        self.padding_idx = embedding.padding_idx
-        self.weight_int8: torch.Tensor
-        self.scale: torch.Tensor
-        self.register_buffer("weight_int8", torch.round(weight / scale[:, None]).to(torch.int8))
-        self.register_buffer("scale", scale)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = nn.functional.embedding(input_ids, self.weight_int8)  # [..., hidden] int8
-        return rows.to(torch.float32) * self.scale[input_ids].unsqueeze(-1)
-
-
 def quantize_model(model: nn.Module, weight_dtype: WeightDtype) -> None:
-    """The engine's quantization after loading: linears as `quantize_linears`, and with any
-    quantized format also the input embedding in int8 (its float32 rows would otherwise be
-    most of a small model's bytes)."""
+    """The engine's quantization after loading (the linears, see `quantize_linears`). The
+    input embedding stays float32: an int8 embedding on top of int4 layers flipped
+    SmolLM2-135M's greedy answers (no "Paris" any more)."""
     quantize_linears(model, weight_dtype)
-    if weight_dtype != "float32":
-        quantize_embeddings(model)
-
-
-def quantize_embeddings(model: nn.Module) -> int:
-    """Replace plain `nn.Embedding` modules by `Int8Embedding` (subclasses, such as Gemma's
-    scaled embedding, keep their own forward and stay float32). Returns how many."""
-    targets = [(n, m) for n, m in model.named_modules() if type(m) is nn.Embedding]
-    for name, embedding in targets:
-        parent_name, _, attribute = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attribute, Int8Embedding(embedding))
-    return len(targets)
 
 
 def quantize_linears(model: nn.Module, weight_dtype: WeightDtype) -> int:

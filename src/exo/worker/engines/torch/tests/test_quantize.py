@@ -13,12 +13,10 @@ from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.fusion import FusedRMSNorm, fuse_rms_norms
 from exo.worker.engines.torch.quantize import (
     Int4Linear,
-    Int8Embedding,
     Int8Linear,
     QuantizedLinear,
     int4_supported,
     quantize_linears,
-    quantize_model,
 )
 from exo.worker.engines.torch.tests.test_engine import check_stream_shape, request
 
@@ -141,25 +139,3 @@ def test_real_default_engine_is_int4(real_engine: TorchEngine) -> None:
     # The Paris test in test_engine.py runs on this engine: the default format answers it.
     assert real_engine.weight_dtype == "int4"
     assert any(isinstance(module, QuantizedLinear) for module in real_engine.model.modules())
-
-
-def test_int8_embedding_rows_are_within_half_a_step_of_float32() -> None:
-    torch.manual_seed(0)
-    embedding = torch.nn.Embedding(100, 32)
-    quantized = Int8Embedding(embedding)
-    ids = torch.tensor([[0, 5, 99], [42, 42, 7]])
-    expected = embedding(ids)  # [2, 3, 32]
-    got = quantized(ids)
-    assert got.shape == expected.shape and got.dtype == torch.float32
-    step = quantized.scale[ids].unsqueeze(-1)
-    assert torch.all((got - expected).abs() <= step / 2 + 1e-6)
-    held = quantized.weight_int8
-    assert held.element_size() * held.numel() == 100 * 32
-
-
-def test_quantize_model_quantizes_plain_embeddings_only_when_quantizing() -> None:
-    model = torch.nn.Sequential(torch.nn.Embedding(10, 64), torch.nn.Linear(64, 64))
-    quantize_model(model, "float32")
-    assert type(model[0]) is torch.nn.Embedding
-    quantize_model(model, "int8")
-    assert isinstance(model[0], Int8Embedding)
