@@ -192,7 +192,15 @@ def test_killing_a_rank_fails_the_request_fast_and_placing_again_works(
         max_tokens=2000,
         stream=True,
     )
-    victim = c if c.runner_processes() else b
+    # The hard case: the node of rank 0, which streams the tokens, goes away.
+    rank_zero_node = next(
+        node_id
+        for node_id, runner in response.json()["instance"]["shard_assignments"][
+            "node_to_runner"
+        ].items()
+        if runner.endswith("-rank0")
+    )
+    victim = b if b.node_id() == rank_zero_node else c
     killed_at = 0.0
     with pytest.raises(openai.APIError):
         for chunk in stream:

@@ -112,6 +112,24 @@ def test_errors_in_openai_shape(default_node: ExoNode) -> None:
     with pytest.raises(openai.NotFoundError):
         client_for(default_node).chat.completions.create(model="no/such-model", messages=QUESTION)
 
+    too_long = httpx.post(
+        url,
+        json={"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "word " * 9000}]},
+        timeout=120,
+    )
+    assert too_long.status_code == 400, too_long.text
+    assert too_long.json()["error"]["code"] == "context_length_exceeded"
+    too_long_stream = httpx.post(
+        url,
+        json={
+            "model": DEFAULT_MODEL_ID,
+            "messages": [{"role": "user", "content": "word " * 9000}],
+            "stream": True,
+        },
+        timeout=120,
+    )
+    assert too_long_stream.status_code == 400
+
     # The node still answers after all of that.
     assert httpx.get(f"{default_node.url}/v1/models").status_code == 200
 

@@ -30,6 +30,7 @@ from exo.shared.types.tasks import TaskCancelled, TaskComplete, TaskFailed
 from exo.utils.channels import Publisher, Subscription
 
 COMMAND_RESULT_TIMEOUT_SECONDS = 30.0
+LOST_NODE_CHECK_SECONDS = 0.5
 
 
 class CommandRejectedError(Exception):
@@ -85,6 +86,8 @@ class ClusterClient:
         async with anyio.create_task_group() as task_group:
             task_group.start_soon(self._event_loop)
             task_group.start_soon(self._chunk_loop)
+            if self._election is not None:  # networked: peers are known
+                task_group.start_soon(self._watch_lost_nodes)
             if self._election is not None:
                 task_group.start_soon(self._resend_on_new_master, self._election)
 
@@ -142,6 +145,28 @@ class ClusterClient:
         for command_id, stream_instance in list(self._command_instance.items()):
             if stream_instance == instance_id:
                 self._end_stream(command_id, "the instance serving this request was deleted")
+
+    async def _watch_lost_nodes(self) -> None:
+        """A request whose instance runs on a node that left the cluster will never get
+        its chunks: end it now rather than when the node times out."""
+        while True:
+            await anyio.sleep(LOST_NODE_CHECK_SECONDS)
+            peers = self.current_peers()
+            for command_id, instance_id in list(self._command_instance.items()):
+                instance = self.state.instances.get(instance_id)
+                if instance is None:
+                    continue
+                lost = [
+                    node
+                    for node in instance.shard_assignments.node_to_runner
+                    if node != self.node_id and node not in peers
+                ]
+                if lost:
+                    self._end_stream(
+                        command_id,
+                        f"node {lost[0]} running this request left the cluster",
+                    )
+                    self._command_instance.pop(command_id, None)
 
     def _end_stream(self, command_id: CommandId | None, message: str) -> None:
         stream = self._chunk_streams.get(command_id) if command_id is not None else None

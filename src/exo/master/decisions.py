@@ -26,6 +26,7 @@ from exo.shared.types.events import (
 )
 from exo.shared.types.instances import Instance
 from exo.shared.types.models import ModelCard
+from exo.shared.types.nodes import DownloadFailed
 from exo.shared.types.runners import RunnerReady, RunnerRunning
 from exo.shared.types.state import State
 from exo.shared.types.tasks import TaskCancelled, TaskFailed, TextGeneration
@@ -93,6 +94,9 @@ def events_for_command(
             chosen = choose_instance(state, params.model)
             if chosen is None:
                 return [_reject(command.command_id, origin, no_instance_message(params.model), 404)]
+            failed = _failed_preparation(state, chosen)
+            if failed is not None:
+                return [_reject(command.command_id, origin, failed, 503)]
             task = TextGeneration(
                 task_id=new_task_id(),
                 command_id=command.command_id,
@@ -109,6 +113,19 @@ def events_for_command(
                 for task in state.tasks.values()
                 if task.command_id == target
             ]
+
+
+def _failed_preparation(state: State, instance: Instance) -> str | None:
+    """Why `instance` cannot become ready: a node failed to prepare its model (it retries
+    with backoff, but a request should not wait on that)."""
+    rank_zero = instance.shard_assignments.rank_zero_runner()
+    if isinstance(state.runners.get(rank_zero), RunnerReady | RunnerRunning):
+        return None
+    for node_id in instance.shard_assignments.node_to_runner:
+        status = state.downloads.get(node_id, {}).get(instance.model_id)
+        if isinstance(status, DownloadFailed):
+            return f"model {instance.model_id} cannot be prepared: {status.error_message}"
+    return None
 
 
 def events_after_restart(state: State, node_id: NodeId) -> list[Event]:

@@ -27,6 +27,10 @@ from exo.shared.types.state import State
 from exo.utils.channels import Publisher, Subscription
 
 BROADCAST_INTERVAL_SECONDS = 0.5
+# A node that just started decides nothing before this: peers it has known (bootstrap
+# peers, multicast neighbours) need a moment to connect, and a node that elects itself
+# alone would write a history of its own that the cluster then discards.
+STARTUP_GRACE_SECONDS = 3.0
 TICK_SECONDS = 0.1
 SETTLE_SECONDS = 1.5
 ROUND_MAX_SECONDS = 5.0
@@ -95,6 +99,7 @@ class Election:
         """Monotonic time of the last message from each peer (heartbeats)."""
         self._round_started: float | None = None
         self._last_activity = 0.0
+        self._started_at: float | None = None
 
     # -- messages ----------------------------------------------------------------------
 
@@ -180,6 +185,8 @@ class Election:
         overdue = now - self._round_started >= ROUND_MAX_SECONDS
         if not ((settled and everyone_spoke) or overdue):
             return
+        if self._started_at is not None and now - self._started_at < STARTUP_GRACE_SECONDS:
+            return
         candidates = [self.own_message(), *in_round.values()]
         winner = elect(candidates)
         self._round_started = None
@@ -195,6 +202,7 @@ class Election:
     # -- loops -------------------------------------------------------------------------
 
     async def run(self) -> None:
+        self._started_at = self._now()
         self.start_round(self.election_clock + 1, "node started")
         async with anyio.create_task_group() as task_group:
             task_group.start_soon(self._connection_loop)

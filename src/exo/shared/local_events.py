@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 
 import anyio
@@ -13,6 +14,8 @@ from exo.shared.types.events import Event, ForwarderEvent, IndexedEvent
 from exo.utils.channels import Publisher
 
 RESEND_AFTER_SECONDS = 1.0
+# Events this process sent, kept to send again if the history that indexed them is dropped.
+EMITTED_KEPT = 10_000
 
 
 class LocalEventSender:
@@ -34,14 +37,28 @@ class LocalEventSender:
         self._now = clock
         self._next_idx = 0
         self._unacknowledged: dict[int, tuple[ForwarderEvent, float]] = {}
+        self._emitted: deque[Event] = deque(maxlen=EMITTED_KEPT)
 
     def emit(self, event: Event) -> None:
+        self._emitted.append(event)
         forwarded = ForwarderEvent(
             origin=self.node_id, origin_session=self.session, origin_idx=self._next_idx, event=event
         )
         self._next_idx += 1
         self._unacknowledged[forwarded.origin_idx] = (forwarded, self._now())
         self._publisher.publish(forwarded)
+
+    def restart_session(self) -> None:
+        """Start numbering again under a new session and send this process's events once
+        more, in order: the history that had indexed them was discarded. (Events set
+        state — statuses, node info — so sending them again ends in the same state.)"""
+        emitted = list(self._emitted)
+        self.session = uuid.uuid4().hex
+        self._next_idx = 0
+        self._unacknowledged.clear()
+        self._emitted.clear()
+        for event in emitted:
+            self.emit(event)
 
     def acknowledge(self, indexed_event: IndexedEvent) -> None:
         if indexed_event.origin != self.node_id or indexed_event.origin_session != self.session:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import anyio
 from loguru import logger
 
-from exo.master.event_log import EventLog
+from exo.master.event_log import EventLog, event_digest
 from exo.shared.apply import apply
 from exo.shared.election import Election, ElectionMessage
 from exo.shared.local_events import LocalEventSender
@@ -58,7 +58,12 @@ class Replica:
 
     def receive(self, indexed_event: IndexedEvent) -> None:
         if indexed_event.idx <= self.state.last_event_applied_idx:
-            return
+            # Replays overlap what we hold by one event: a different event there means
+            # this node's history forked (it ran as a lone master) and must start over.
+            mine = self._event_log.digest_at(indexed_event.idx)
+            if mine is None or mine == event_digest(indexed_event):
+                return
+            self._reset(f"this node's event {indexed_event.idx} differs from the master's")
         self._ahead[indexed_event.idx] = indexed_event
         applied_any = False
         while (next_idx := self.state.last_event_applied_idx + 1) in self._ahead:
@@ -113,12 +118,15 @@ class Replica:
         )
         self.state = State()
         self._ahead.clear()
+        # Our events indexed in the discarded history never reached the cluster's.
+        self._local_events.restart_session()
         self._replay_requested_at = -1.0e9
         self.changed.set()
         self.changed = anyio.Event()
 
     def _request_replay(self) -> None:
-        from_idx = self.state.last_event_applied_idx + 1
+        # From the last event we hold (not the next), so the reply proves we agree on it.
+        from_idx = max(0, self.state.last_event_applied_idx)
         now = self._now()
         if (
             from_idx == self._replay_requested_from

@@ -10,7 +10,7 @@ import anyio
 from anyio.abc import TaskGroup
 from loguru import logger
 
-from exo.download.pypi_gguf import prepare_model
+from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.shared.local_events import LocalEventSender
 from exo.shared.types.chunks import Chunk
 from exo.shared.types.common import ModelId, NodeId, RunnerId
@@ -20,6 +20,7 @@ from exo.shared.types.events import (
     NodeDownloadProgress,
     RunnerDeleted,
     RunnerStatusUpdated,
+    TaskStatusUpdated,
 )
 from exo.shared.types.nodes import (
     DownloadCompleted,
@@ -38,6 +39,7 @@ from exo.shared.types.tasks import (
     Shutdown,
     StartWarmup,
     Task,
+    TaskFailed,
     TextGeneration,
 )
 from exo.utils.channels import Subscription
@@ -199,6 +201,21 @@ class Worker:
         self._retry_after[key] = self._clock() + delay
         logger.warning(f"worker: {key} failed {failures} time(s); retrying in {delay:.0f}s")
 
+    def _fail_waiting_tasks(self, model_id: ModelId, message: str) -> None:
+        """Requests for instances of `model_id` that this node must serve (rank 0 here)
+        cannot start until the model is ready: fail them now rather than leave them
+        waiting on a retry that may never succeed."""
+        for task in self.state.tasks.values():
+            instance = self.state.instances.get(task.instance_id)
+            if instance is None or instance.model_id != model_id:
+                continue
+            rank_zero = instance.shard_assignments.rank_zero_runner()
+            if instance.shard_assignments.runner_for_node(self.node_id) != rank_zero:
+                continue
+            self._local_events.emit(
+                TaskStatusUpdated(task_id=task.task_id, status=TaskFailed(error_message=message))
+            )
+
     async def _download(self, model_id: ModelId, task: DownloadModel) -> None:
         card = task.shard.model_card
         self._local_events.emit(
@@ -215,9 +232,13 @@ class Worker:
                 lambda: prepare_model(card, self._models_dir, self._offline, on_progress)
             )
         except Exception as error:
-            logger.opt(exception=error).error(f"preparing {model_id} failed")
+            if isinstance(error, ModelPreparationError):
+                logger.error(f"preparing {model_id} failed: {error}")
+            else:
+                logger.opt(exception=error).error(f"preparing {model_id} failed")
             status: DownloadStatus = DownloadFailed(error_message=str(error))
             self._record_failure(model_id)
+            self._fail_waiting_tasks(model_id, f"model {model_id} cannot be prepared: {error}")
         else:
             status = DownloadCompleted(path=str(path))
             self._failures.pop(model_id, None)

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import assert_never
 
-from exo.api.errors import GenerationError, InvalidRequestError, openai_error_body_for
+from exo.api.errors import ApiError, GenerationError, InvalidRequestError, openai_error_body_for
 from exo.api.types.openai_chat import (
     AssistantContentPart,
     AssistantMessage,
@@ -125,6 +125,9 @@ def _refuse_unsupported_features(request: ChatCompletionRequest) -> None:
         raise InvalidRequestError(f"function_call {_NOT_SUPPORTED_YET}", "function_call")
     if request.logprobs:
         raise InvalidRequestError(f"logprobs {_NOT_SUPPORTED_YET}", "logprobs")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(request, name):  # 0 and absent ask for nothing
+            raise InvalidRequestError(f"{name} {_NOT_SUPPORTED_YET}", name)
     if request.response_format is not None and request.response_format.type != "text":
         raise InvalidRequestError(
             f"response_format of type {request.response_format.type!r} {_NOT_SUPPORTED_YET}; "
@@ -285,8 +288,10 @@ def _ended_without_finish() -> GenerationError:
     return GenerationError("generation stream ended without a finish", code="generation_failed")
 
 
-def _error_chunk_error(chunk: ErrorChunk) -> GenerationError:
-    return GenerationError(chunk.error_message, code="generation_failed")
+def _error_chunk_error(chunk: ErrorChunk) -> ApiError:
+    if chunk.status_code == 400:
+        return InvalidRequestError(chunk.error_message, param="messages", code=chunk.error_code)
+    return GenerationError(chunk.error_message, code=chunk.error_code or "generation_failed")
 
 
 def _sse(data: str) -> str:
@@ -327,7 +332,7 @@ async def stream_chat_completion(
         excluded = {"system_fingerprint"} if include_usage else {"system_fingerprint", "usage"}
         return _sse(chunk.model_dump_json(exclude=excluded))
 
-    def error_event(error: GenerationError) -> str:
+    def error_event(error: ApiError) -> str:
         return _sse(json.dumps(openai_error_body_for(error), ensure_ascii=False))
 
     yield event([ChunkChoice(index=0, delta=ChunkDelta(role="assistant", content=""))])

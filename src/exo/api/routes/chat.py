@@ -19,7 +19,13 @@ from exo.api.adapters.chat_completions import (
 )
 from exo.api.cluster import ClusterClient, CommandRejectedError
 from exo.api.dependencies import cluster_dependency, known_model_ids
-from exo.api.errors import ApiError, GenerationError, ModelNotFoundError, NoCapacityError
+from exo.api.errors import (
+    ApiError,
+    GenerationError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    NoCapacityError,
+)
 from exo.api.types.openai_chat import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -27,7 +33,7 @@ from exo.api.types.openai_chat import (
     ModelObject,
 )
 from exo.master.decisions import no_instance_message
-from exo.shared.types.chunks import Chunk
+from exo.shared.types.chunks import Chunk, ErrorChunk
 from exo.shared.types.commands import CancelGeneration, GenerateText
 from exo.shared.types.common import CommandId, ModelId
 
@@ -68,12 +74,23 @@ async def chat_completions(
         raise
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        # The first chunk decides the status: a request refused by the engine (prompt
+        # longer than the context) is a 400, not an error inside a 200 stream.
+        try:
+            first = await _first_chunk(request, chunks)
+        except BaseException:
+            _cancel(cluster, command.command_id)
+            resources.close()
+            raise
+        if isinstance(first, ErrorChunk) and first.status_code == 400:
+            resources.close()
+            raise InvalidRequestError(first.error_message, param="messages", code=first.error_code)
 
         async def sse() -> AsyncIterator[str]:
             finished = False
             try:
                 async for event in stream_chat_completion(
-                    chunks,
+                    _prepend(first, chunks),
                     completion_id=completion_id,
                     model=params.model,
                     created=created,
@@ -91,6 +108,37 @@ async def chat_completions(
         return await _collect_unless_disconnected(
             request, cluster, command.command_id, chunks, completion_id, params.model, created
         )
+
+
+async def _first_chunk(request: Request, chunks: AsyncIterator[Chunk]) -> Chunk | None:
+    """The first chunk of a stream, or None if the stream ended; raises GenerationError
+    when the client leaves before it comes."""
+    result: list[Chunk | None] = []
+    async with anyio.create_task_group() as task_group:
+
+        async def first() -> None:
+            result.append(await anext(chunks, None))
+            task_group.cancel_scope.cancel()
+
+        async def watch_disconnect() -> None:
+            while not await request.is_disconnected():
+                await anyio.sleep(DISCONNECT_POLL_SECONDS)
+            task_group.cancel_scope.cancel()
+
+        task_group.start_soon(first)
+        task_group.start_soon(watch_disconnect)
+    if not result:
+        raise GenerationError("the client disconnected; generation cancelled")
+    return result[0]
+
+
+async def _prepend(first: Chunk | None, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    if first is None:
+        return
+    yield first
+    if first.finish_reason is None:
+        async for chunk in rest:
+            yield chunk
 
 
 async def _submit(cluster: ClusterClient, command: GenerateText) -> None:

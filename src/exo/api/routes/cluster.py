@@ -119,7 +119,7 @@ async def place_instance(body: PlaceInstanceRequest, cluster: Cluster) -> PlaceI
     try:
         event = await cluster.submit(command)
     except CommandRejectedError as error:
-        raise InvalidRequestError(error.reason, param="model_id") from None
+        raise InvalidRequestError(error.reason, param=_param_of(error.reason)) from None
     assert isinstance(event, InstanceCreated)
     instance = event.instance
     return PlaceInstanceResponse(
@@ -127,6 +127,17 @@ async def place_instance(body: PlaceInstanceRequest, cluster: Cluster) -> PlaceI
         model_id=instance.model_id,
         instance=instance.model_dump(mode="json"),
     )
+
+
+def _param_of(reason: str) -> str | None:
+    """The request field a placement refusal is about, for the error's `param`."""
+    if "min_nodes" in reason:
+        return "min_nodes"
+    if "node id" in reason:
+        return "node_ids"
+    if "tensor" in reason or "divisible" in reason:
+        return "sharding"
+    return None
 
 
 @router.delete("/instance/{instance_id}")

@@ -302,8 +302,8 @@ def test_harmless_feature_values_are_accepted() -> None:
             tool_choice="none",
             logprobs=False,
             response_format={"type": "text"},
-            frequency_penalty=0.5,
-            presence_penalty=0.1,
+            frequency_penalty=0.0,
+            presence_penalty=0.0,
             logit_bias={"50256": -100},
             user="u-1",
             repetition_penalty=1.1,  # unknown to OpenAI: ignored
@@ -684,3 +684,20 @@ def test_openai_client_gets_bad_request_for_unsupported_n(client: openai.OpenAI)
     with pytest.raises(openai.BadRequestError, match="n=3 is not supported") as caught:
         client.chat.completions.create(model=MODEL, messages=user_says("hello"), n=3)
     assert caught.value.param == "n"
+
+
+@pytest.mark.parametrize("name", ["frequency_penalty", "presence_penalty"])
+def test_penalties_that_ask_for_something_are_refused_not_ignored(name: str) -> None:
+    request = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], name: 0.5}
+    )
+    with pytest.raises(InvalidRequestError) as raised:
+        to_task_params(request)
+    assert raised.value.param == name
+
+
+def test_seeds_outside_what_a_generator_takes_are_schema_errors() -> None:
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    ChatCompletionRequest.model_validate({**base, "seed": 2**64 - 1})
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({**base, "seed": 2**64})

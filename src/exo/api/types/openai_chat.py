@@ -153,7 +153,8 @@ class ChatCompletionRequest(_WireRequestModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = None
+    # torch generators take seeds in [-2**63, 2**64).
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

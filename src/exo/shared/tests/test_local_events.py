@@ -130,3 +130,20 @@ async def test_other_sessions_and_nodes_are_not_acknowledgements() -> None:
     assert sender.unacknowledged == 1
     sender.acknowledge(indexed_copy(sent))
     assert sender.unacknowledged == 0
+
+
+async def test_a_new_session_sends_every_event_again_from_zero() -> None:
+    sender, outbox, _ = sender_with_outbox()
+    for name in ("e0", "e1"):
+        sender.emit(event(name))
+    first = drain(outbox)
+    sender.acknowledge(indexed_copy(first[1], idx=7))  # indexed in a history since dropped
+    old_session = sender.session
+    sender.restart_session()
+    again = drain(outbox)
+    assert sender.session != old_session
+    assert [(f.origin_session, f.origin_idx, f.event) for f in again] == [
+        (sender.session, 0, event("e0")),
+        (sender.session, 1, event("e1")),
+    ]
+    assert sender.unacknowledged == 2

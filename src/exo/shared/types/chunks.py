@@ -58,6 +58,9 @@ class ErrorChunk(FrozenModel):
     model: ModelId
     error_message: str
     finish_reason: FinishReason = "error"
+    status_code: int = 500
+    """400 when the request itself was at fault (e.g. a prompt longer than the context)."""
+    error_code: str | None = None
 
 
 Chunk = Annotated[TokenChunk | ToolCallChunk | ErrorChunk, Field(discriminator="kind")]

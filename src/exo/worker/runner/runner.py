@@ -8,7 +8,9 @@ A crash here never takes the node down: the supervisor sees the pipe close.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
+import os
 import signal
 import sys
 import time
@@ -252,12 +254,21 @@ class Runner:
             self._end_task(task, TaskCancelled())
             raise
         except Exception as error:
-            logger.opt(exception=error).warning(f"runner {self.runner_id}: generation failed")
-            group_failed = self.shard.world_size > 1 and not isinstance(error, ValueError)
+            if isinstance(error, ValueError):
+                logger.info(f"runner {self.runner_id}: request refused: {error}")
+            else:
+                logger.opt(exception=error).warning(f"runner {self.runner_id}: generation failed")
+            # ValueError: the request was at fault (prompt longer than the context, ...).
+            bad_request = isinstance(error, ValueError)
+            group_failed = self.shard.world_size > 1 and not bad_request
             self._send(
                 ChunkReport(
                     chunk=ErrorChunk(
-                        command_id=task.command_id, model=model, error_message=str(error)
+                        command_id=task.command_id,
+                        model=model,
+                        error_message=str(error),
+                        status_code=400 if bad_request else 500,
+                        error_code=_error_code(error),
                     )
                 )
             )
@@ -297,10 +308,32 @@ class Runner:
         self._send(TaskStatusReport(task_id=task.task_id, status=status))
 
 
+def _error_code(error: Exception) -> str | None:
+    from exo.worker.engines.torch.engine import PromptTooLongError
+
+    if isinstance(error, PromptTooLongError):
+        return "context_length_exceeded"  # OpenAI's code for the same condition
+    return None
+
+
 def parameter_bytes(model: torch.nn.Module) -> int:
     """Bytes of the parameters and buffers actually held (meta tensors are placeholders)."""
     tensors = itertools.chain(model.parameters(), model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """A runner whose node was killed (SIGKILL, OOM) must not go on serving its shard:
+    ask Linux to kill it when its parent dies, and exit at once if that already happened."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent or parent == 1:
+        os._exit(1)
 
 
 def runner_main(
@@ -311,6 +344,7 @@ def runner_main(
 
     # Ctrl-C reaches the whole process group; the node shuts runners down in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
     logger.remove()
     logger.add(sys.stderr, level=log_level, format="{time:HH:mm:ss} runner | {level} | {message}")
     shard: ShardMetadata = TypeAdapter(ShardMetadata).validate_json(shard_json)
