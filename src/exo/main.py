@@ -34,9 +34,9 @@ from exo.shared.local_events import LocalEventSender
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.replica import Replica
 from exo.shared.types.commands import Command, ForwarderCommand, PlaceInstance
-from exo.shared.types.common import CommandId, ModelId, NodeId
+from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
 from exo.shared.types.events import RunnerDeleted
-from exo.shared.types.runners import RunnerReady
+from exo.shared.types.runners import RunnerReady, RunnerRunning
 from exo.shared.types.state import State
 from exo.utils.info_gatherer import InfoGatherer
 from exo.utils.topology import TopologyProber
@@ -264,6 +264,7 @@ class Node:
                     self.info_gatherer.run,
                     self.topology.run,
                     self._announce,
+                    self._announce_ready_models,
                     self._clean_up_after_restart,
                 ):
                     task_group.start_soon(component)
@@ -355,17 +356,27 @@ class Node:
             return
         except CommandTimeoutError as error:
             logger.error(f"could not place the default model: {error}")
-            return
+
+    async def _announce_ready_models(self) -> None:
+        """Log `<model> is ready` each time an instance this node takes part in becomes
+        ready to answer (every rank ready), after a restart too."""
+        announced: set[InstanceId] = set()
         while True:
             await self.cluster.state_changed.wait()
             state = self.cluster.state
-            if any(
-                isinstance(state.runners.get(runner_id), RunnerReady)
-                for instance in state.instances_of_model(DEFAULT_MODEL_ID)
-                for runner_id in instance.shard_assignments.runner_to_shard
-            ):
-                logger.info(f"{DEFAULT_MODEL_ID} is ready")
-                return
+            ready = {
+                instance.instance_id
+                for instance in state.instances_on_node(self.node_id)
+                if all(
+                    isinstance(state.runners.get(runner_id), RunnerReady | RunnerRunning)
+                    for runner_id in instance.shard_assignments.runner_to_shard
+                )
+                and self.worker.runners.get(instance.shard_assignments.node_to_runner[self.node_id])
+                is not None
+            }
+            for instance_id in ready - announced:
+                logger.info(f"{state.instances[instance_id].model_id} is ready")
+            announced = ready
 
 
 class NodeStartError(RuntimeError):
