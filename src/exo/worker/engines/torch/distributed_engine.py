@@ -14,6 +14,7 @@ generation / shut down) that the other ranks wait for in `serve_forever`.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import secrets
 import time
@@ -56,7 +57,7 @@ FORWARD = 1
 END = 2
 
 
-class DistributedSession(DecodeSession):
+class DistributedSession(DecodeSession, abc.ABC):
     """Rank 0's side of one request's forward steps across the group (see subclasses)."""
 
     __slots__ = ("_in_flight",)
@@ -71,8 +72,9 @@ class DistributedSession(DecodeSession):
         broadcast_json(start_message)
         self._in_flight = False
 
+    @abc.abstractmethod
     def _tell_end(self) -> None:
-        raise NotImplementedError
+        """Tell the other ranks this generation is over (how depends on the sharding)."""
 
     def close(self) -> None:
         """Drop the KV cache and tell the other ranks the generation ended (unless a step

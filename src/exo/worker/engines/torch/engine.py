@@ -124,7 +124,8 @@ class TorchEngine:
 
         Args:
             model_dir: directory from `exo.download.pypi_gguf.prepare_model`.
-            shard: the part of the model to hold (world size 1 only, for now).
+            shard: the part of the model to hold; a multi-rank shard needs the process
+                group initialised first (`distributed.init_group`).
             device: torch device string ("cpu", "cuda", "cuda:1").
             on_layer_loaded: progress as (decoder layers loaded, layers in the shard).
             weight_dtype: how the linear layers' weights (decoder layers and LM head) are
@@ -134,7 +135,7 @@ class TorchEngine:
                 `storage_size_bytes` stays the float32 checkpoint size.
 
         Raises:
-            ShardNotSupportedError (a ValueError): multi-rank shards.
+            ShardNotSupportedError (a ValueError): a shard the loader cannot hold.
             ValueError: the directory lacks tensors, a tokenizer or an EOS token; an unknown
                 `weight_dtype`, or a quantized one on a non-CPU device.
         """

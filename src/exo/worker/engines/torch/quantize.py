@@ -17,6 +17,7 @@ bench/bench_engine.py and the engine's `weight_dtype` option.
 
 from __future__ import annotations
 
+import abc
 from typing import Literal
 
 import torch
@@ -29,7 +30,7 @@ INT4_GROUP_SIZE = 32
 _INT4_BLOCK_N = 64  # output channels per block of the AVX512 int4 packed layout
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(nn.Module, abc.ABC):
     """Base: bias handling, reshaping to 2-D and the choice between fused kernel and
     dequantize-then-matmul. Subclasses provide `_fused` and `dequantize`."""
 
@@ -46,13 +47,13 @@ class QuantizedLinear(nn.Module):
         self.bias: torch.Tensor | None
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
+    @abc.abstractmethod
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
         """`[rows, in]` bfloat16 → `[rows, out]` bfloat16 with the quantized kernel."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def dequantize(self) -> torch.Tensor:
         """The weight as `[out, in]` bfloat16."""
-        raise NotImplementedError
 
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.dequantize())
