@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from loguru import logger
-from transformers import AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedModel
 
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
@@ -38,17 +38,14 @@ from exo.worker.engines.torch.distributed import (
     receive_waiting,
 )
 from exo.worker.engines.torch.engine import (
-    DEFAULT_CPU_WEIGHT_DTYPE,
     GeneratedPiece,
     PromptTooLongError,
     TorchEngine,
-    _configure_cpu_threads,
-    _eos_token_ids,
+    load_parts,
 )
-from exo.worker.engines.torch.fusion import fuse_rms_norms
 from exo.worker.engines.torch.kv_cache import PREFILL_CHUNK_TOKENS, DecodeSession
 from exo.worker.engines.torch.loading import LayerProgressCallback
-from exo.worker.engines.torch.quantize import WEIGHT_DTYPES, WeightDtype, quantize_model
+from exo.worker.engines.torch.quantize import WeightDtype
 from exo.worker.engines.torch.sampling import Sampler, SamplingParams, resolve_sampling_params
 from exo.worker.engines.torch.sharding import load_sharded_model
 from exo.worker.engines.torch.stop_sequences import StopSequenceMatcher
@@ -243,8 +240,7 @@ class DistributedTorchEngine(TorchEngine):
         on_layer_loaded: LayerProgressCallback | None = None,
         weight_dtype: WeightDtype | None = None,
     ) -> DistributedTorchEngine:
-        """Load this rank's part of the model (see `TorchEngine.load`; the tensor-parallel
-        row-sharded linears stay float32 whatever `weight_dtype`).
+        """Load this rank's part of the model (see `TorchEngine.load`).
 
         Raises:
             RuntimeError: no process group, or its rank / world size differ from the shard's.
@@ -256,28 +252,16 @@ class DistributedTorchEngine(TorchEngine):
                 f"process group rank {dist.get_rank()} of {dist.get_world_size()} does not "
                 f"match the shard's rank {shard.device_rank} of {shard.world_size}"
             )
-        torch_device = torch.device(device)
-        if weight_dtype is None:
-            weight_dtype = DEFAULT_CPU_WEIGHT_DTYPE if torch_device.type == "cpu" else "float32"
-        if weight_dtype not in WEIGHT_DTYPES:
-            raise ValueError(
-                f"unknown weight dtype {weight_dtype!r}; expected one of {WEIGHT_DTYPES}"
-            )
-        if weight_dtype != "float32" and torch_device.type != "cpu":
-            raise ValueError(f"weight dtype {weight_dtype} is only supported on CPU")
-        if torch_device.type == "cpu":
-            _configure_cpu_threads()
         started = time.perf_counter()
-        model = load_sharded_model(model_dir, shard, torch_device, on_layer_loaded)
-        if torch_device.type == "cpu":
-            fuse_rms_norms(model)
-            quantize_model(model, weight_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError(f"{model_dir}: the tokenizer has no chat template")
+        parts = load_parts(
+            model_dir, device, weight_dtype,
+            lambda torch_device: load_sharded_model(
+                model_dir, shard, torch_device, on_layer_loaded
+            ),
+        )  # fmt: skip
         engine = cls(
-            model, tokenizer, shard.model_card, torch_device,
-            _eos_token_ids(model_dir, tokenizer, model), shard, weight_dtype,
+            parts.model, parts.tokenizer, shard.model_card, parts.device,
+            parts.eos_token_ids, shard, parts.weight_dtype,
         )  # fmt: skip
         logger.info(
             "rank {}/{} loaded {} in {:.1f} s", shard.device_rank, shard.world_size,

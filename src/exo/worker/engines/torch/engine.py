@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,6 +85,50 @@ def _eos_token_ids(model_dir: Path, tokenizer: Any, model: PreTrainedModel) -> f
     return frozenset(ids)
 
 
+@dataclass(slots=True)
+class LoadedParts:
+    """What every engine needs after loading: the (quantized) model and its tokenizer."""
+
+    model: PreTrainedModel
+    tokenizer: Any
+    device: torch.device
+    weight_dtype: WeightDtype
+    eos_token_ids: frozenset[int]
+
+
+def load_parts(
+    model_dir: Path,
+    device: str,
+    weight_dtype: WeightDtype | None,
+    build_model: Callable[[torch.device], PreTrainedModel],
+) -> LoadedParts:
+    """Check `weight_dtype` for `device`, build the model with `build_model` (whole or
+    one rank's shard), fuse and quantize it on CPU, and load the tokenizer.
+
+    Raises:
+        ValueError: an unknown `weight_dtype`, a quantized one on a non-CPU device, or a
+            tokenizer without a chat template.
+    """
+    torch_device = torch.device(device)
+    if weight_dtype is None:
+        weight_dtype = DEFAULT_CPU_WEIGHT_DTYPE if torch_device.type == "cpu" else "float32"
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"unknown weight dtype {weight_dtype!r}; expected one of {WEIGHT_DTYPES}")
+    if weight_dtype != "float32" and torch_device.type != "cpu":
+        raise ValueError(f"weight dtype {weight_dtype} is only supported on CPU")
+    if torch_device.type == "cpu":
+        _configure_cpu_threads()
+    model = build_model(torch_device)
+    if torch_device.type == "cpu":
+        fuse_rms_norms(model)
+        quantize_model(model, weight_dtype)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"{model_dir}: the tokenizer has no chat template")
+    eos_token_ids = _eos_token_ids(model_dir, tokenizer, model)
+    return LoadedParts(model, tokenizer, torch_device, weight_dtype, eos_token_ids)
+
+
 class TorchEngine:
     """Text generation for one shard of a transformers causal LM.
 
@@ -145,32 +189,21 @@ class TorchEngine:
             return DistributedTorchEngine.load(
                 model_dir, shard, device, on_layer_loaded, weight_dtype
             )
-        torch_device = torch.device(device)
-        if weight_dtype is None:
-            weight_dtype = DEFAULT_CPU_WEIGHT_DTYPE if torch_device.type == "cpu" else "float32"
-        if weight_dtype not in WEIGHT_DTYPES:
-            raise ValueError(
-                f"unknown weight dtype {weight_dtype!r}; expected one of {WEIGHT_DTYPES}"
-            )
-        if weight_dtype != "float32" and torch_device.type != "cpu":
-            raise ValueError(f"weight dtype {weight_dtype} is only supported on CPU")
-        if torch_device.type == "cpu":
-            _configure_cpu_threads()
         started = time.perf_counter()
-        model = load_model(model_dir, shard, torch_device, on_layer_loaded)
-        if torch_device.type == "cpu":
-            fuse_rms_norms(model)
-            quantize_model(model, weight_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError(f"{model_dir}: the tokenizer has no chat template")
+        parts = load_parts(
+            model_dir, device, weight_dtype,
+            lambda torch_device: load_model(model_dir, shard, torch_device, on_layer_loaded),
+        )  # fmt: skip
         engine = cls(
-            model, tokenizer, shard.model_card, torch_device,
-            _eos_token_ids(model_dir, tokenizer, model), weight_dtype,
+            parts.model, parts.tokenizer, shard.model_card, parts.device,
+            parts.eos_token_ids, parts.weight_dtype,
         )  # fmt: skip
         elapsed = time.perf_counter() - started
         logger.info(
-            "loaded {} ({} weights) in {:.1f} s", shard.model_card.model_id, weight_dtype, elapsed
+            "loaded {} ({} weights) in {:.1f} s",
+            shard.model_card.model_id,
+            parts.weight_dtype,
+            elapsed,
         )
         return engine
 
