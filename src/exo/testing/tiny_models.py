@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-ARCHITECTURES = ("llama", "qwen3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3")
 
 
 def save_tiny_model(
@@ -18,6 +18,7 @@ def save_tiny_model(
     tokenizer_source: Path,
     n_layers: int = 6,
     seed: int = 0,
+    sliding_window: int = 8,
 ) -> Path:
     """Write a random `architecture` model with `n_layers` layers and the tokenizer of
     `tokenizer_source` (a model directory) into `directory`.
@@ -32,9 +33,15 @@ def save_tiny_model(
         AutoTokenizer,
         Gemma3ForCausalLM,
         Gemma3TextConfig,
+        GemmaConfig,
+        GemmaForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         PreTrainedModel,
+        Qwen2Config,
+        Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
     )
@@ -56,14 +63,25 @@ def save_tiny_model(
     model: PreTrainedModel
     if architecture == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
+    elif architecture == "qwen2":  # biases on q/k/v
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif architecture == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16))
+    elif architecture == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, head_dim=16))
+    elif architecture == "gemma":  # Gemma2 has no SDPA attention in transformers
+        model = GemmaForCausalLM(GemmaConfig(**common, head_dim=16))
     elif architecture == "gemma3":
         layer_types = ["sliding_attention", "full_attention"] * (n_layers // 2) + [
             "sliding_attention"
         ] * (n_layers % 2)
         model = Gemma3ForCausalLM(
-            Gemma3TextConfig(**common, head_dim=16, sliding_window=8, layer_types=layer_types)
+            Gemma3TextConfig(
+                **common,
+                head_dim=16,
+                sliding_window=sliding_window,
+                layer_types=layer_types,
+            )
         )
     else:
         raise ValueError(f"no tiny model for {architecture!r}; known: {ARCHITECTURES}")

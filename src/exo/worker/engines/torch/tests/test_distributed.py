@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import os
 import queue
-import shutil
 import socket
 import time
 import traceback
@@ -19,30 +18,14 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as multiprocessing
-from transformers import (
-    AutoTokenizer,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    GemmaConfig,
-    GemmaForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 
 from exo.shared.models.cards import card_from_local_directory
 from exo.shared.types.common import ModelId
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.quantize import WeightDtype
-from exo.worker.engines.torch.tests.conftest import TOKENIZER_FILES
 
 GROUP_DEADLINE_S = 240.0
 PROMPT = "Name three colours and say why the sky is blue."
@@ -50,55 +33,6 @@ GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 12}
 SEEDED: dict[str, Any] = {"temperature": 0.9, "top_p": 0.95, "seed": 7, "max_tokens": 12}
 # Closed after 2 pieces; the requests after it must still match (the group went back to idle).
 CANCELLED: dict[str, Any] = {"temperature": 0.0, "max_tokens": 50, "cancel_after": 2}
-
-
-def _tiny_model(architecture: str, vocab_size: int, eos: int, bos: int) -> PreTrainedModel:
-    common: dict[str, Any] = {
-        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 256, "eos_token_id": eos, "bos_token_id": bos,
-        "tie_word_embeddings": True,
-    }  # fmt: skip
-    torch.manual_seed(0)
-    model: PreTrainedModel
-    match architecture:
-        case "llama":
-            model = LlamaForCausalLM(LlamaConfig(**common))
-        case "qwen3":
-            model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16))
-        case "qwen2":  # biases on q/k/v: column-sharded with their weights
-            model = Qwen2ForCausalLM(Qwen2Config(**common))
-        case "mistral":
-            model = MistralForCausalLM(MistralConfig(**common, head_dim=16))
-        case "gemma":  # (Gemma2 has no SDPA attention in transformers, so no engine at all)
-            model = GemmaForCausalLM(GemmaConfig(**common, head_dim=16))
-        case "gemma3":
-            config = Gemma3TextConfig(
-                **common, head_dim=16, sliding_window=4,
-                layer_types=["sliding_attention", "full_attention"] * 2,
-            )  # fmt: skip
-            model = Gemma3ForCausalLM(config)
-        case _:
-            raise ValueError(architecture)
-    # Random init leaves norms at exactly 1 / 0; perturb every parameter so each matters.
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.02)
-    return model.eval()
-
-
-def save_tiny_model(directory: Path, architecture: str, tokenizer_source: Path) -> Path:
-    """A 4-layer random-weight model of `architecture` with the real tokenizer."""
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
-    model = _tiny_model(
-        architecture, len(tokenizer), tokenizer.eos_token_id, tokenizer.bos_token_id
-    )
-    model.config.architectures = [type(model).__name__]
-    model.save_pretrained(directory, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_source / name).is_file():
-            shutil.copy(tokenizer_source / name, directory / name)
-    return directory
 
 
 def request(**fields: Any) -> TextGenerationTaskParams:
@@ -257,7 +191,11 @@ MORE_ARCHITECTURES = ("qwen2", "mistral", "gemma")  # 2 ranks only, to keep the 
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> dict[str, Path]:
     return {
         architecture: save_tiny_model(
-            tmp_path_factory.mktemp(f"tiny-{architecture}"), architecture, real_model_dir
+            tmp_path_factory.mktemp(f"tiny-{architecture}"),
+            architecture,
+            real_model_dir,
+            n_layers=4,
+            sliding_window=4,
         )
         for architecture in (*ARCHITECTURES, *MORE_ARCHITECTURES)
     }
