@@ -1,8 +1,10 @@
-"""The FastAPI application: routers plus error handlers that answer in OpenAI's shape."""
+"""The FastAPI application: routers plus error handlers that answer in each dialect's shape
+(OpenAI's unless a dialect's `ErrorDialect` claims the path)."""
 
 from __future__ import annotations
 
 import json
+from types import ModuleType
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -11,29 +13,60 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from exo.api.cluster import ClusterClient, CommandTimeoutError
 from exo.api.errors import (
+    OPENAI_ERRORS,
     ApiError,
+    ErrorDialect,
     describe_validation_errors,
     error_type_for_status,
-    openai_error_body,
-    openai_error_body_for,
 )
 from exo.api.routes import chat, cluster
+
+# One line per route module: each has a `router`; a dialect whose errors are not shaped like
+# OpenAI's also has an `ERROR_DIALECT`.
+ROUTE_MODULES: tuple[ModuleType, ...] = (
+    chat,
+    cluster,
+)
+
+
+def error_dialect_for(path: str) -> ErrorDialect:
+    """The error shape of the route at `path` (OpenAI's unless a dialect claims it)."""
+    for module in ROUTE_MODULES:
+        dialect: ErrorDialect | None = getattr(module, "ERROR_DIALECT", None)
+        if dialect is not None and dialect.matches(path):
+            return dialect
+    return OPENAI_ERRORS
+
+
+def _error_response(
+    request: Request,
+    status_code: int,
+    error_type: str,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+) -> JSONResponse:
+    dialect = error_dialect_for(request.url.path)
+    body = dialect.render(status_code, error_type, message, param, code)
+    # default=str: pydantic error contexts may hold exceptions or other non-JSON values.
+    return JSONResponse(json.loads(json.dumps(body, default=str)), status_code=status_code)
 
 
 def create_app(cluster_client: ClusterClient) -> FastAPI:
     app = FastAPI(title="exo", version="0.1.0")
     app.state.cluster = cluster_client
-    app.include_router(chat.router)
-    app.include_router(cluster.router)
+    for module in ROUTE_MODULES:
+        app.include_router(module.router)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(openai_error_body_for(error), status_code=error.status_code)
+        return _error_response(
+            request, error.status_code, error.error_type, error.message, error.param, error.code
+        )
 
     @app.exception_handler(CommandTimeoutError)
     async def _timeout(request: Request, error: CommandTimeoutError) -> JSONResponse:
-        body = openai_error_body(str(error), "service_unavailable_error")
-        return JSONResponse(body, status_code=503)
+        return _error_response(request, 503, "service_unavailable_error", str(error))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -41,17 +74,17 @@ def create_app(cluster_client: ClusterClient) -> FastAPI:
         if any(e.get("type") == "json_invalid" for e in errors):
             # A body that is not JSON at all is a 400 (OpenAI's answer); a schema mismatch 422.
             detail = errors[0].get("ctx", {}).get("error", "invalid JSON")
-            body = openai_error_body(
-                f"the request body is not valid JSON: {detail}", "invalid_request_error"
+            return _error_response(
+                request, 400, "invalid_request_error", f"the request body is not valid JSON: {detail}"
             )
-            return JSONResponse(body, status_code=400)
         message, param = describe_validation_errors(errors)
-        body = openai_error_body(message, "invalid_request_error", param, None)
-        return JSONResponse(json.loads(json.dumps(body, default=str)), status_code=422)
+        status = error_dialect_for(request.url.path).validation_status
+        return _error_response(request, status, "invalid_request_error", message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        body = openai_error_body(str(error.detail), error_type_for_status(error.status_code))
-        return JSONResponse(body, status_code=error.status_code)
+        return _error_response(
+            request, error.status_code, error_type_for_status(error.status_code), str(error.detail)
+        )
 
     return app

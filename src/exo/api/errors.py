@@ -7,7 +7,8 @@ the OpenAI-compatible routes use, both as an HTTP body and as an in-stream SSE e
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 
@@ -136,3 +137,35 @@ def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str
     if not descriptions:
         return "invalid request", None
     return "; ".join(descriptions), first_param
+
+
+ErrorBodyRenderer = Callable[[int, str, str, "str | None", "str | None"], dict[str, Any]]
+"""(HTTP status, OpenAI-style error type, message, param, code) -> the dialect's JSON body."""
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorDialect:
+    """How the routes under `path_prefixes` shape error bodies.
+
+    `validation_status` is the status of a body that does not match the schema: OpenAI
+    answers 422 in our API (FastAPI's convention, kept for the OpenAI routes), Anthropic and
+    Ollama answer 400.
+    """
+
+    name: str
+    path_prefixes: tuple[str, ...]
+    render: ErrorBodyRenderer
+    validation_status: int = 422
+
+    def matches(self, path: str) -> bool:
+        return any(path == prefix or path.startswith(prefix + "/") for prefix in self.path_prefixes)
+
+
+def _render_openai(
+    status_code: int, error_type: str, message: str, param: str | None, code: str | None
+) -> dict[str, Any]:
+    return openai_error_body(message, error_type, param, code)
+
+
+OPENAI_ERRORS = ErrorDialect("openai", (), _render_openai)
+"""The default for every route no other dialect claims."""

@@ -1,5 +1,12 @@
 """Chunks: the streamed output of one generation, sent point-to-point to the API node
-that owns the command (never through the event log)."""
+that owns the command (never through the event log).
+
+Stream contract: chunks arrive in order; the first chunk whose `finish_reason` is set is
+the last one (an `ErrorChunk` always has one). Reasoning text (a thinking model's
+`<think>` section) travels in `TokenChunk.reasoning_text`, answer text in `TokenChunk.text`;
+a complete parsed tool call travels as a `ToolCallChunk` (one per call, in order), and a
+generation that ended by calling tools finishes with `finish_reason="tool_calls"`.
+"""
 
 from __future__ import annotations
 
@@ -8,44 +15,89 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from exo.shared.types.common import CommandId, FrozenModel, ModelId
+from exo.shared.types.text_generation import ToolCall
 
-FinishReason = Literal["stop", "length", "error", "cancelled"]
+__all__ = [
+    "Chunk",
+    "ErrorChunk",
+    "FinishReason",
+    "TokenChunk",
+    "TokenLogprob",
+    "ToolCall",
+    "ToolCallChunk",
+    "TopLogprob",
+    "Usage",
+]
+
+FinishReason = Literal["stop", "length", "tool_calls", "error", "cancelled"]
+
+# OpenAI reports impossible tokens' log probability as -9999.0 rather than -inf (which JSON
+# cannot carry); we do the same.
+MIN_LOGPROB = -9999.0
 
 
 class Usage(FrozenModel):
+    """Token counts of one generation. `reasoning_tokens` are the part of
+    `completion_tokens` spent inside the thinking section."""
+
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
+    reasoning_tokens: int = Field(default=0, ge=0)
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
 
+class TopLogprob(FrozenModel):
+    """One candidate token at a position: its text, UTF-8 bytes and natural-log probability
+    (>= MIN_LOGPROB)."""
+
+    token: str
+    token_id: int
+    logprob: float
+    bytes: tuple[int, ...] = ()
+
+
+class TokenLogprob(FrozenModel):
+    """The sampled token at one position, with the `top_logprobs` most likely candidates
+    (most likely first; empty unless asked for). Log probabilities are of the model's
+    distribution before sampling filters and penalties (as OpenAI and vLLM report them)."""
+
+    token: str
+    token_id: int
+    logprob: float
+    bytes: tuple[int, ...] = ()
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+
 class TokenChunk(FrozenModel):
     """One decoded piece of text (possibly several tokens when a UTF-8 character or a
     possible stop string spanned them). The last chunk of a stream has `finish_reason`
-    and `usage` set; its `text` may be empty."""
+    and `usage` set; its texts may be empty.
+
+    `logprobs` has one entry per token in `token_ids` when the request asked for logprobs.
+    """
 
     kind: Literal["TokenChunk"] = "TokenChunk"
     command_id: CommandId
     model: ModelId
     text: str
+    reasoning_text: str = ""
     token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
 
 
-class ToolCall(FrozenModel):
-    id: str
-    name: str
-    arguments: str
-
-
 class ToolCallChunk(FrozenModel):
+    """One or more complete tool calls, parsed from the model's output."""
+
     kind: Literal["ToolCallChunk"] = "ToolCallChunk"
     command_id: CommandId
     model: ModelId
     tool_calls: tuple[ToolCall, ...]
+    token_ids: tuple[int, ...] = ()
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
 

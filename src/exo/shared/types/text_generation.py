@@ -2,20 +2,61 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from exo.shared.types.common import FrozenModel, ModelId
 
 Role = Literal["system", "user", "assistant", "tool"]
 
+# OpenAI caps top_logprobs at 20; so do we (each one costs a sort over the vocabulary).
+MAX_TOP_LOGPROBS = 20
+
+
+class ToolCall(FrozenModel):
+    """A function call the model made: `arguments` is a JSON object as text (OpenAI's wire
+    form), already coerced to the tool's parameter types where the schema says them."""
+
+    id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str = "{}"
+
+
+class ToolDefinition(FrozenModel):
+    """A function the model may call. `parameters` is a JSON Schema (an object schema;
+    `{}` means no parameters)."""
+
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class NamedToolChoice(FrozenModel):
+    """Force a call of this one tool."""
+
+    name: str = Field(min_length=1)
+
+
+ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
+ResponseFormat = Literal["text", "json_object"]
+ReasoningEffort = Literal["minimal", "low", "medium", "high"]
+
 
 class ChatMessage(FrozenModel):
+    """One turn of the conversation.
+
+    `tool_calls` are an assistant turn's calls (replayed history); `tool_call_id` ties a
+    `tool` turn's result to its call; `reasoning_content` is an assistant turn's thinking,
+    passed to templates that render it.
+    """
+
     role: Role
     content: str = ""
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    reasoning_content: str | None = None
 
 
 class TextGenerationTaskParams(FrozenModel):
@@ -24,6 +65,19 @@ class TextGenerationTaskParams(FrozenModel):
     `max_tokens=None` means "until the context is full or a stop condition"; sampling
     fields left as None take the model card's defaults. `temperature == 0` is greedy.
     `top_k == 0` and `top_p == 1` and `min_p == 0` disable those filters.
+
+    Penalties (applied to the logits before sampling, over the tokens generated so far):
+    `presence_penalty` and `frequency_penalty` as OpenAI defines them (subtract once per
+    seen token / per occurrence), `repetition_penalty` as Keskar et al. 2019 (CTRL) and
+    transformers apply it (divide positive logits, multiply negative ones; prompt tokens
+    included). 0, 0 and None/1.0 disable them.
+
+    `tools` reach the chat template; `tool_choice` "none" hides them, "required" or a
+    `NamedToolChoice` constrains decoding to one call. `response_format="json_object"`
+    constrains decoding to one JSON object. `logprobs` asks for the sampled tokens' log
+    probabilities, `top_logprobs` for that many alternatives per position.
+    `enable_thinking` / `reasoning_effort` are passed to chat templates that read them
+    (None: the template's default).
     """
 
     model: ModelId
@@ -36,3 +90,44 @@ class TextGenerationTaskParams(FrozenModel):
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: tuple[str, ...] = ()
     stream: bool = False
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    tools: tuple[ToolDefinition, ...] = ()
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat = "text"
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
+    enable_thinking: bool | None = None
+    reasoning_effort: ReasoningEffort | None = None
+
+    @model_validator(mode="after")
+    def _check_tool_choice(self) -> TextGenerationTaskParams:
+        if self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs at least one tool")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {tool.name for tool in self.tools}
+            if self.tool_choice.name not in names:
+                raise ValueError(
+                    f"tool_choice names {self.tool_choice.name!r}, which is not among the "
+                    f"tools ({', '.join(sorted(names)) or 'none given'})"
+                )
+        if self.response_format == "json_object" and self.forces_tool_call:
+            raise ValueError("response_format json_object cannot be combined with a forced tool call")
+        return self
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """True when decoding must produce a tool call ("required" or a named tool)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    @property
+    def offered_tools(self) -> tuple[ToolDefinition, ...]:
+        """The tools the template sees: none when `tool_choice` is "none"; only the named
+        one when a tool is named."""
+        if self.tool_choice == "none":
+            return ()
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return tuple(tool for tool in self.tools if tool.name == self.tool_choice.name)
+        return self.tools

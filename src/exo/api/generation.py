@@ -1,0 +1,236 @@
+"""What every dialect's generation route does around its adapter: check the model, submit
+the command, wait for the first chunk (streaming), render or collect the chunk stream, and
+cancel the generation when the client goes away.
+
+A dialect route is then three lines: convert the request, `start_generation`, and either
+`streaming_response(...)` or `await collect(...)` with the adapter's renderer/collector.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from exo.api.cluster import ClusterClient, CommandRejectedError
+from exo.api.dependencies import known_model_ids
+from exo.api.errors import (
+    ApiError,
+    GenerationError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    NoCapacityError,
+    describe_validation_errors,
+)
+from exo.master.decisions import no_instance_message
+from exo.shared.types.chunks import Chunk, ErrorChunk
+from exo.shared.types.commands import CancelGeneration, GenerateText
+from exo.shared.types.common import CommandId
+from exo.shared.types.text_generation import TextGenerationTaskParams
+
+DISCONNECT_POLL_SECONDS = 0.25
+T = TypeVar("T")
+
+ChunkRenderer = Callable[[AsyncIterator[Chunk]], AsyncIterator[str]]
+"""Turns one generation's chunks into the dialect's streamed body pieces (SSE events or
+JSON lines)."""
+
+
+def build_task_params(**fields: Any) -> TextGenerationTaskParams:
+    """`TextGenerationTaskParams(**fields)`, with a violated constraint (a negative
+    `max_tokens`, a `tool_choice` naming an unknown tool, ...) turned into a 400.
+
+    Raises:
+        InvalidRequestError: the fields do not make a valid request; `param` names the
+            internal field at fault (adapters that spell it differently catch and re-raise).
+    """
+    try:
+        return TextGenerationTaskParams(**fields)
+    except ValidationError as error:
+        message, param = describe_validation_errors(error.errors())
+        raise InvalidRequestError(message, param) from None
+
+
+def command_id_in_response_id(response_id: str) -> CommandId | None:
+    """The command id inside a dialect's response id (`chatcmpl-<hex>`, `msg_<hex>`,
+    `resp_<hex>`), or the id itself when it is already a command id; None when neither."""
+    try:
+        return CommandId(str(uuid.UUID(response_id)))
+    except ValueError:
+        pass
+    match = re.fullmatch(r"[A-Za-z]+[-_]([0-9a-fA-F]{32})", response_id)
+    if match is None:
+        return None
+    return CommandId(str(uuid.UUID(match.group(1))))
+
+
+def response_id(prefix: str, command_id: CommandId) -> str:
+    """A dialect's response id that names its command, e.g. `chatcmpl-` + 32 hex digits;
+    `POST /v1/cancel/{id}` accepts it."""
+    return f"{prefix}{uuid.UUID(command_id).hex}"
+
+
+@dataclass(slots=True)
+class Generation:
+    """An accepted generation: its command, and its chunks (the first one already read for
+    streaming requests). Release with `close()` unless handed to `streaming_response` or
+    `collect`, which release it themselves."""
+
+    cluster: ClusterClient
+    command_id: CommandId
+    params: TextGenerationTaskParams
+    chunks: AsyncIterator[Chunk]
+    _resources: ExitStack = field(default_factory=ExitStack)
+
+    def cancel(self) -> None:
+        """Ask the cluster to stop this generation on every rank (idempotent)."""
+        self.cluster.send_and_forget(
+            CancelGeneration(command_id=CommandId.new(), target_command_id=self.command_id)
+        )
+
+    def close(self) -> None:
+        self._resources.close()
+
+
+async def start_generation(
+    cluster: ClusterClient,
+    request: Request,
+    params: TextGenerationTaskParams,
+    *,
+    command_id: CommandId | None = None,
+    wait_for_first_chunk: bool | None = None,
+) -> Generation:
+    """Submit `params` as a `GenerateText` command.
+
+    With `wait_for_first_chunk` (default: `params.stream`) the first chunk is awaited before
+    returning, so that a request the engine refuses (prompt longer than the context) is a
+    plain HTTP error and not an error inside an already-started 200 stream.
+
+    Raises:
+        ModelNotFoundError: the model is unknown, or no instance of it is placed (404).
+        NoCapacityError: the master rejected the command (503).
+        InvalidRequestError: the engine refused the request (400).
+        GenerationError: the client disconnected before the first chunk.
+    """
+    if params.model not in known_model_ids(cluster):
+        raise ModelNotFoundError(f"The model '{params.model}' does not exist")
+    if not cluster.state.instances_of_model(params.model):
+        raise ModelNotFoundError(no_instance_message(params.model), code="no_instance")
+    command = GenerateText(command_id=command_id or CommandId.new(), params=params)
+    resources = ExitStack()
+    # Registered before submitting, so no chunk can arrive unheard.
+    chunks = resources.enter_context(cluster.chunk_stream(command.command_id))
+    generation = Generation(cluster, command.command_id, params, chunks, resources)
+    try:
+        await _submit(cluster, command)
+        if wait_for_first_chunk if wait_for_first_chunk is not None else params.stream:
+            first = await _first_chunk(request, chunks)
+            if isinstance(first, ErrorChunk) and first.status_code == 400:
+                raise InvalidRequestError(
+                    first.error_message, param="messages", code=first.error_code
+                )
+            generation.chunks = _prepend(first, chunks)
+    except BaseException:
+        generation.cancel()
+        generation.close()
+        raise
+    return generation
+
+
+def streaming_response(
+    generation: Generation, render: ChunkRenderer, media_type: str = "text/event-stream"
+) -> StreamingResponse:
+    """Stream `render(chunks)`; a client that leaves mid-stream cancels the generation."""
+
+    async def body() -> AsyncIterator[str]:
+        finished = False
+        try:
+            async for piece in render(generation.chunks):
+                yield piece
+            finished = True
+        finally:
+            if not finished:
+                generation.cancel()
+            generation.close()
+
+    return StreamingResponse(body(), media_type=media_type)
+
+
+async def collect(
+    generation: Generation,
+    request: Request,
+    collector: Callable[[AsyncIterator[Chunk]], Awaitable[T]],
+) -> T:
+    """`await collector(chunks)` unless the client disconnects first (then the generation
+    is cancelled and GenerationError raised). ApiErrors from the collector propagate."""
+    result: list[T] = []
+    error: list[ApiError] = []
+    try:
+        async with anyio.create_task_group() as task_group:
+
+            async def run_collector() -> None:
+                try:
+                    result.append(await collector(generation.chunks))
+                except ApiError as api_error:
+                    error.append(api_error)
+                task_group.cancel_scope.cancel()
+
+            task_group.start_soon(run_collector)
+            task_group.start_soon(_cancel_on_disconnect, request, task_group.cancel_scope)
+    finally:
+        generation.close()
+    if error:
+        raise error[0]
+    if not result:
+        generation.cancel()
+        raise GenerationError("the client disconnected; generation cancelled")
+    return result[0]
+
+
+async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
+    while not await request.is_disconnected():
+        await anyio.sleep(DISCONNECT_POLL_SECONDS)
+    scope.cancel()
+
+
+async def _first_chunk(request: Request, chunks: AsyncIterator[Chunk]) -> Chunk | None:
+    """The first chunk, or None if the stream ended; GenerationError when the client leaves
+    before it comes."""
+    result: list[Chunk | None] = []
+    async with anyio.create_task_group() as task_group:
+
+        async def first() -> None:
+            result.append(await anext(chunks, None))
+            task_group.cancel_scope.cancel()
+
+        task_group.start_soon(first)
+        task_group.start_soon(_cancel_on_disconnect, request, task_group.cancel_scope)
+    if not result:
+        raise GenerationError("the client disconnected; generation cancelled")
+    return result[0]
+
+
+async def _prepend(first: Chunk | None, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    if first is None:
+        return
+    yield first
+    if first.finish_reason is None:
+        async for chunk in rest:
+            yield chunk
+
+
+async def _submit(cluster: ClusterClient, command: GenerateText) -> None:
+    try:
+        await cluster.submit(command)
+    except CommandRejectedError as error:
+        if error.status_code == 404:
+            raise ModelNotFoundError(error.reason, code="no_instance") from None
+        raise NoCapacityError(error.reason) from None
