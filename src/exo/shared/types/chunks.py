@@ -4,8 +4,10 @@ that owns the command (never through the event log).
 Stream contract: chunks arrive in order; the first chunk whose `finish_reason` is set is
 the last one (an `ErrorChunk` always has one). Reasoning text (a thinking model's
 `<think>` section) travels in `TokenChunk.reasoning_text`, answer text in `TokenChunk.text`;
-a complete parsed tool call travels as a `ToolCallChunk` (one per call, in order), and a
-generation that ended by calling tools finishes with `finish_reason="tool_calls"`.
+complete parsed tool calls travel as `ToolCallChunk`s (in order), and a generation that
+ended by calling tools finishes with `finish_reason="tool_calls"`. The runner always puts
+the finish on a final `TokenChunk` (or an `ErrorChunk`); consumers may still accept a finish
+on any chunk kind.
 """
 
 from __future__ import annotations

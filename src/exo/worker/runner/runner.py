@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from loguru import logger
 
-from exo.shared.types.chunks import ErrorChunk, TokenChunk
+from exo.shared.types.chunks import ErrorChunk, TokenChunk, ToolCallChunk
 from exo.shared.types.common import RunnerId
 from exo.shared.types.runners import (
     RunnerConnected,
@@ -50,6 +50,8 @@ from exo.shared.types.tasks import (
     TaskStatus,
     TextGeneration,
 )
+from exo.worker.engines.output_parsing import OutputParser
+from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
 from exo.worker.runner.messages import (
     ChunkReport,
     RunnerInbound,
@@ -226,22 +228,21 @@ class Runner:
         assert self._engine is not None, "generation is only started when ready"
         self._set_status(RunnerRunning())
         self._send(TaskStatusReport(task_id=task.task_id, status=TaskRunning()))
-        model = task.params.model
-        pieces = self._engine.generate(task.params)
         try:
-            for piece in pieces:
-                self._send(
-                    ChunkReport(
-                        chunk=TokenChunk(
-                            command_id=task.command_id,
-                            model=model,
-                            text=piece.text,
-                            token_ids=piece.token_ids,
-                            finish_reason=piece.finish_reason,
-                            usage=piece.usage,
-                        )
-                    )
-                )
+            prompt = self._engine.render_prompt(task.params)
+        except Exception as error:
+            self._fail_generation(task, error)
+            return
+        pieces = self._engine.generate(task.params, prompt)
+        parser = OutputParser(
+            tools=task.params.offered_tools,
+            tool_call_format=prompt.tool_call_format,
+            thinking_open=prompt.thinking_open,
+            forced_tool_call=task.params.forces_tool_call,
+        )
+        try:
+            for piece in parse_generation(pieces, parser, task.params):
+                self._send_piece(task, piece)
                 if piece.finish_reason is not None:
                     break
                 if self._cancelled_while_running(task):
@@ -254,32 +255,80 @@ class Runner:
             self._end_task(task, TaskCancelled())
             raise
         except Exception as error:
-            if isinstance(error, ValueError):
-                logger.info(f"runner {self.runner_id}: request refused: {error}")
-            else:
-                logger.opt(exception=error).warning(f"runner {self.runner_id}: generation failed")
-            # ValueError: the request was at fault (prompt longer than the context, ...).
-            bad_request = isinstance(error, ValueError)
-            group_failed = self.shard.world_size > 1 and not bad_request
+            pieces.close()
+            self._fail_generation(task, error)
+            return
+        else:
+            self._send(TaskStatusReport(task_id=task.task_id, status=TaskComplete()))
+        self._set_status(self._ready)
+
+    def _send_piece(self, task: TextGeneration, piece: OutputPiece) -> None:
+        """One parsed piece as chunks: its text (with its tokens), then its tool calls; the
+        finish always rides on a final `TokenChunk`."""
+        model = task.params.model
+        has_text = bool(piece.text or piece.reasoning_text or piece.token_ids)
+        if has_text or (piece.finish_reason is not None and not piece.tool_calls):
             self._send(
                 ChunkReport(
-                    chunk=ErrorChunk(
+                    chunk=TokenChunk(
                         command_id=task.command_id,
                         model=model,
-                        error_message=str(error),
-                        status_code=400 if bad_request else 500,
-                        error_code=_error_code(error),
+                        text=piece.text,
+                        reasoning_text=piece.reasoning_text,
+                        token_ids=piece.token_ids,
+                        logprobs=piece.logprobs,
+                        finish_reason=None if piece.tool_calls else piece.finish_reason,
+                        usage=None if piece.tool_calls else piece.usage,
                     )
                 )
             )
-            self._send(
-                TaskStatusReport(task_id=task.task_id, status=TaskFailed(error_message=str(error)))
+        if not piece.tool_calls:
+            return
+        self._send(
+            ChunkReport(
+                chunk=ToolCallChunk(
+                    command_id=task.command_id, model=model, tool_calls=tuple(piece.tool_calls)
+                )
             )
-            if group_failed:
-                self._set_status(RunnerFailed(error_message=f"process group failed: {error}"))
-                return
+        )
+        if piece.finish_reason is not None:
+            self._send(
+                ChunkReport(
+                    chunk=TokenChunk(
+                        command_id=task.command_id,
+                        model=model,
+                        text="",
+                        finish_reason=piece.finish_reason,
+                        usage=piece.usage,
+                    )
+                )
+            )
+
+    def _fail_generation(self, task: TextGeneration, error: Exception) -> None:
+        """Report a failed generation; a ValueError means the request was at fault (prompt
+        longer than the context, a conversation the template refuses): a 400."""
+        bad_request = isinstance(error, ValueError)
+        if bad_request:
+            logger.info(f"runner {self.runner_id}: request refused: {error}")
         else:
-            self._send(TaskStatusReport(task_id=task.task_id, status=TaskComplete()))
+            logger.opt(exception=error).warning(f"runner {self.runner_id}: generation failed")
+        self._send(
+            ChunkReport(
+                chunk=ErrorChunk(
+                    command_id=task.command_id,
+                    model=task.params.model,
+                    error_message=str(error),
+                    status_code=400 if bad_request else 500,
+                    error_code=_error_code(error),
+                )
+            )
+        )
+        self._send(
+            TaskStatusReport(task_id=task.task_id, status=TaskFailed(error_message=str(error)))
+        )
+        if self.shard.world_size > 1 and not bad_request:
+            self._set_status(RunnerFailed(error_message=f"process group failed: {error}"))
+            return
         self._set_status(self._ready)
 
     def _cancelled_while_running(self, running: TextGeneration) -> bool:

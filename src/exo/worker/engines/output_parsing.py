@@ -1,0 +1,653 @@
+"""Streaming parse of generated text into answer text, reasoning text and tool calls.
+
+Engine-agnostic: it sees decoded text only. Markers the parsers need (`<think>`,
+`<tool_call>`, `[TOOL_CALLS]`, ...) must survive decoding; see
+`exo.worker.engines.prompt.decode_keeping_markers`.
+
+Formats understood (what each model family was trained to emit):
+
+- Reasoning: `<think>...</think>` at the start of the output (DeepSeek-R1, QwQ, Qwen3), or
+  everything before `</think>` when the prompt already opened the section.
+- "hermes": `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, text allowed
+  around them (Hermes function-calling format, NousResearch; also Qwen2.5/Qwen3).
+- "llama3_json": the whole message is `{"name": ..., "parameters": {...}}`, optionally after
+  `<|python_tag|>`, several separated by `;` (Llama 3.1 model card: JSON tool calling).
+- "mistral": `[TOOL_CALLS]` then a JSON list `[{"name": ..., "arguments": {...}}]`
+  (Mistral tokenizer v3) or `name[ARGS]{...}` per call (Mistral tokenizer v11 and later).
+- "generic": the whole output is a JSON object (or list of them) naming a known tool, bare
+  or in a ```json fence; tried at the end for every format.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import secrets
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any, Literal
+
+from exo.shared.types.text_generation import ToolCall, ToolDefinition
+
+ToolCallFormat = Literal["hermes", "llama3_json", "mistral", "generic"]
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+HERMES_OPEN = "<tool_call>"
+HERMES_CLOSE = "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
+MISTRAL_ARGS = "[ARGS]"
+MISTRAL_CALL_ID = "[CALL_ID]"
+
+TOOL_CALL_ID_PREFIX = "call_"
+TOOL_CALL_ID_LENGTH = 24
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+# Markers that, once seen in answer text, start a tool call (per format).
+_TEXT_MARKERS: dict[ToolCallFormat, tuple[str, ...]] = {
+    "hermes": (HERMES_OPEN,),
+    "llama3_json": (PYTHON_TAG,),
+    "mistral": (MISTRAL_TOOL_CALLS,),
+    "generic": (),
+}
+# An answer that may be a whole-output JSON tool call: `{`, `[`, or a ```json fence.
+_FENCE_START = re.compile(r"```[ \t]*(?:json)?[ \t]*\r?\n?\s*")
+_FENCE_WHOLE = re.compile(r"\A```[ \t]*(?:json)?[ \t]*\r?\n(?P<body>.*?)\n?[ \t]*```\s*\Z", re.S)
+
+
+def new_tool_call_id() -> str:
+    """A fresh tool call id: `call_` and 24 random letters/digits (OpenAI's shape)."""
+    suffix = "".join(secrets.choice(_ID_ALPHABET) for _ in range(TOOL_CALL_ID_LENGTH))
+    return TOOL_CALL_ID_PREFIX + suffix
+
+
+@dataclass(slots=True)
+class ParsedOutput:
+    """What one `feed`/`finish` call releases: answer text and reasoning text to stream
+    now, and the tool calls completed by this piece (in order)."""
+
+    text: str = ""
+    reasoning_text: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        """True when this piece releases nothing."""
+        return not (self.text or self.reasoning_text or self.tool_calls)
+
+
+class _State(Enum):
+    REASONING_START = auto()  # may still open with <think>
+    REASONING = auto()  # inside <think> ... </think>
+    ANSWER_START = auto()  # deciding whether the answer is a whole-output tool call
+    TEXT = auto()  # streaming answer text, watching for tool-call markers
+    HERMES_CALL = auto()  # inside <tool_call> ... </tool_call>
+    HOLD = auto()  # keeping everything until finish (whole-output tool calls)
+
+
+def _partial_marker_length(buffer: str, markers: Sequence[str]) -> int:
+    """Length of the longest suffix of `buffer` that is a proper prefix of a marker."""
+    longest = 0
+    for marker in markers:
+        for length in range(min(len(marker) - 1, len(buffer)), longest, -1):
+            if buffer.endswith(marker[:length]):
+                longest = length
+                break
+    return longest
+
+
+def _find_first(buffer: str, markers: Sequence[str], start: int = 0) -> tuple[int, str]:
+    """Index and text of the earliest marker in `buffer[start:]`; (-1, "") if none."""
+    best_index, best_marker = -1, ""
+    for marker in markers:
+        index = buffer.find(marker, start)
+        if index != -1 and (best_index == -1 or index < best_index):
+            best_index, best_marker = index, marker
+    return best_index, best_marker
+
+
+class OutputParser:
+    """Incremental parser of one generation's text.
+
+    Feed decoded text as it arrives; each call returns what can be released without
+    waiting (only a possible partial marker at the end is held back, like a stop-string
+    matcher). Answers that may be a whole-output JSON tool call (they start with `{`, `[`,
+    a ```json fence or `<|python_tag|>`) are held until `finish` when tools were given.
+    Anything that fails to parse as a tool call (unknown tool, malformed JSON, an unclosed
+    `<tool_call>`) is released as text, raw, markers included; the parser never raises.
+
+    Args:
+        tools: The tools offered to the model; calls naming others stay text. No tools: no
+            tool-call parsing at all.
+        tool_call_format: The format the model was prompted or trained to use.
+        thinking_open: The prompt already ends inside `<think>`: output starts as reasoning.
+        forced_tool_call: Decoding was constrained to one bare `{"name", "arguments"}`
+            object: the whole output is held and parsed as that call.
+        parse_reasoning: Split `<think>` sections into reasoning text; False leaves them in
+            the answer text as generated.
+    """
+
+    def __init__(
+        self,
+        tools: Sequence[ToolDefinition],
+        tool_call_format: ToolCallFormat,
+        thinking_open: bool,
+        forced_tool_call: bool,
+        parse_reasoning: bool = True,
+    ) -> None:
+        self._tools = {tool.name: tool for tool in tools}
+        self._format: ToolCallFormat = tool_call_format
+        self._forced = forced_tool_call
+        self._markers = _TEXT_MARKERS[tool_call_format] if self._tools else ()
+        self._buffer = ""
+        self._search_from = 0
+        self._strip_answer_start = False
+        self._after_tool_call = False
+        self._finished = False
+        if parse_reasoning and thinking_open:
+            self._state = _State.REASONING
+        elif parse_reasoning:
+            self._state = _State.REASONING_START
+        else:
+            self._state = _State.ANSWER_START
+
+    def feed(self, text: str) -> ParsedOutput:
+        """Add newly decoded text.
+
+        Args:
+            text: The next piece of generated text (any split, even mid-marker).
+
+        Returns:
+            The text, reasoning text and complete tool calls releasable now.
+
+        Raises:
+            RuntimeError: called after `finish`.
+        """
+        if self._finished:
+            raise RuntimeError("OutputParser.feed called after finish")
+        self._buffer += text
+        output = ParsedOutput()
+        self._advance(output)
+        return output
+
+    def finish(self) -> ParsedOutput:
+        """End of generation: release everything held, parsing held tool calls.
+
+        Returns:
+            The remaining text, reasoning text and tool calls.
+
+        Raises:
+            RuntimeError: called twice.
+        """
+        if self._finished:
+            raise RuntimeError("OutputParser.finish called twice")
+        self._finished = True
+        output = ParsedOutput()
+        self._advance(output)
+        buffer, self._buffer = self._buffer, ""
+        match self._state:
+            case _State.REASONING_START:
+                output.text += buffer
+            case _State.REASONING:
+                output.reasoning_text += buffer
+            case _State.TEXT:
+                if not (self._after_tool_call and not buffer.strip()):
+                    output.text += buffer
+            case _State.HERMES_CALL:
+                output.text += buffer  # unclosed: raw, `<tool_call>` included
+            case _State.ANSWER_START | _State.HOLD:
+                self._finish_held(buffer, output)
+        return output
+
+    # -- state machine -------------------------------------------------------------------
+
+    def _advance(self, output: ParsedOutput) -> None:
+        """Process the buffer until no state can make progress without more text."""
+        while True:
+            match self._state:
+                case _State.REASONING_START:
+                    progressed = self._step_reasoning_start()
+                case _State.REASONING:
+                    progressed = self._step_reasoning(output)
+                case _State.ANSWER_START:
+                    progressed = self._step_answer_start()
+                case _State.TEXT:
+                    progressed = self._step_text(output)
+                case _State.HERMES_CALL:
+                    progressed = self._step_hermes_call(output)
+                case _State.HOLD:
+                    progressed = False
+            if not progressed:
+                return
+
+    def _step_reasoning_start(self) -> bool:
+        stripped = self._buffer.lstrip()
+        if stripped.startswith(THINK_OPEN):
+            self._buffer = stripped[len(THINK_OPEN) :]
+            self._state = _State.REASONING
+            return True
+        if THINK_OPEN.startswith(stripped) and not self._finished:
+            return False  # only whitespace or a partial `<think>` so far
+        self._state = _State.ANSWER_START
+        return True
+
+    def _step_reasoning(self, output: ParsedOutput) -> bool:
+        index = self._buffer.find(THINK_CLOSE)
+        if index != -1:
+            output.reasoning_text += self._buffer[:index]
+            self._buffer = self._buffer[index + len(THINK_CLOSE) :]
+            self._strip_answer_start = True
+            self._state = _State.ANSWER_START
+            return True
+        keep = 0 if self._finished else _partial_marker_length(self._buffer, (THINK_CLOSE,))
+        release = len(self._buffer) - keep
+        output.reasoning_text += self._buffer[:release]
+        self._buffer = self._buffer[release:]
+        return False
+
+    def _step_answer_start(self) -> bool:
+        if self._strip_answer_start:
+            self._buffer = self._buffer.lstrip()
+            if not self._buffer:
+                return False
+            self._strip_answer_start = False
+        if self._forced:
+            self._state = _State.HOLD
+            return True
+        if not self._tools:
+            self._state = _State.TEXT
+            return True
+        stripped = self._buffer.lstrip()
+        if not stripped:
+            return False
+        markers = self._markers
+        if any(stripped.startswith(marker) for marker in markers):
+            self._state = _State.TEXT  # the text state handles its own markers
+            return True
+        if any(marker.startswith(stripped) for marker in markers):
+            return False
+        if stripped[0] in "{[":
+            self._state = _State.HOLD
+            return True
+        if stripped.startswith("```"):
+            match = _FENCE_START.match(stripped)
+            assert match is not None  # the pattern accepts a bare ```
+            rest = stripped[match.end() :]
+            if rest and rest[0] in "{[":
+                self._state = _State.HOLD
+                return True
+            after_ticks = stripped[3:]
+            could_continue = not rest and re.fullmatch(r"[ \t]*(?:j(?:s(?:o(?:n)?)?)?)?[ \t]*\r?\n?\s*", after_ticks)
+            if could_continue:
+                return False
+        elif "```".startswith(stripped):
+            return False
+        self._state = _State.TEXT
+        return True
+
+    def _step_text(self, output: ParsedOutput) -> bool:
+        index, marker = _find_first(self._buffer, self._markers)
+        if index != -1:
+            self._release_text(self._buffer[:index], output)
+            if marker == HERMES_OPEN:
+                self._buffer = self._buffer[index:]
+                self._search_from = len(HERMES_OPEN)
+                self._state = _State.HERMES_CALL
+            else:  # `[TOOL_CALLS]` / `<|python_tag|>`: the calls run to the end
+                self._buffer = self._buffer[index:]
+                self._state = _State.HOLD
+            return True
+        keep = _partial_marker_length(self._buffer, self._markers)
+        release = len(self._buffer) - keep
+        if self._after_tool_call and not self._buffer[:release].strip():
+            return False  # whitespace between or after tool calls is not answer text
+        self._release_text(self._buffer[:release], output)
+        self._buffer = self._buffer[release:]
+        return False
+
+    def _release_text(self, text: str, output: ParsedOutput) -> None:
+        if self._after_tool_call and not text.strip():
+            return
+        output.text += text
+
+    def _step_hermes_call(self, output: ParsedOutput) -> bool:
+        index = self._buffer.find(HERMES_CLOSE, self._search_from)
+        if index == -1:
+            self._search_from = max(len(HERMES_OPEN), len(self._buffer) - len(HERMES_CLOSE) + 1)
+            return False
+        end = index + len(HERMES_CLOSE)
+        raw = self._buffer[:end]
+        call = self._parse_call_object(raw[len(HERMES_OPEN) : index], require_arguments=False)
+        if call is None:
+            output.text += raw
+        else:
+            output.tool_calls.append(call)
+            self._after_tool_call = True
+        self._buffer = self._buffer[end:]
+        self._state = _State.TEXT
+        return True
+
+    # -- whole-output parsing ------------------------------------------------------------
+
+    def _finish_held(self, buffer: str, output: ParsedOutput) -> None:
+        calls = self._parse_whole(buffer)
+        if calls is None:
+            output.text += buffer
+        else:
+            output.tool_calls.extend(calls)
+
+    def _parse_whole(self, text: str) -> list[ToolCall] | None:
+        """Tool calls of a held output, trying the forced, the format's and the generic
+        shapes in turn; None when none of them fits."""
+        if not self._tools:
+            return None
+        stripped = text.strip()
+        if self._forced:
+            call = self._parse_call_object(stripped, require_arguments=False)
+            if call is not None:
+                return [call]
+        if stripped.startswith(MISTRAL_TOOL_CALLS):
+            return self._parse_mistral(stripped)
+        if stripped.startswith(PYTHON_TAG):
+            return self._parse_json_sequence(stripped[len(PYTHON_TAG) :], separator=";")
+        if self._format == "llama3_json":
+            calls = self._parse_json_sequence(stripped, separator=";")
+            if calls is not None:
+                return calls
+        return self._parse_generic(stripped)
+
+    def _parse_generic(self, text: str) -> list[ToolCall] | None:
+        fence = _FENCE_WHOLE.match(text)
+        if fence is not None:
+            text = fence.group("body").strip()
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        objects = value if isinstance(value, list) else [value]
+        return self._calls_from_objects(objects, require_arguments=True)
+
+    def _parse_json_sequence(self, text: str, separator: str) -> list[ToolCall] | None:
+        """Calls from JSON objects separated by `separator` (Llama 3.1's `;`)."""
+        decoder = json.JSONDecoder()
+        objects: list[Any] = []
+        position = 0
+        text = text.strip()
+        while position < len(text):
+            try:
+                value, position = decoder.raw_decode(text, position)
+            except ValueError:
+                return None
+            objects.append(value)
+            position = _skip_whitespace(text, position)
+            if position < len(text):
+                if text[position] != separator:
+                    return None
+                position = _skip_whitespace(text, position + 1)
+        if not objects:
+            return None
+        return self._calls_from_objects(objects, require_arguments=False)
+
+    def _parse_mistral(self, text: str) -> list[ToolCall] | None:
+        """`[TOOL_CALLS]` followed by a JSON list (tokenizer v3) or by `name[ARGS]{json}`
+        calls, each optionally after another `[TOOL_CALLS]` (tokenizer v11+)."""
+        body = text[len(MISTRAL_TOOL_CALLS) :].strip()
+        if body.startswith(("[", "{")):
+            try:
+                value = json.loads(body)
+            except ValueError:
+                return None
+            objects = value if isinstance(value, list) else [value]
+            return self._calls_from_objects(objects, require_arguments=False)
+        decoder = json.JSONDecoder()
+        calls: list[ToolCall] = []
+        position = 0
+        while position < len(body):
+            args_index = body.find(MISTRAL_ARGS, position)
+            if args_index == -1:
+                return None
+            name = body[position:args_index]
+            if MISTRAL_CALL_ID in name:
+                name = name[: name.index(MISTRAL_CALL_ID)]
+            name = name.strip()
+            json_start = _skip_whitespace(body, args_index + len(MISTRAL_ARGS))
+            try:
+                arguments, position = decoder.raw_decode(body, json_start)
+            except ValueError:
+                return None
+            call = self._make_call(name, arguments)
+            if call is None:
+                return None
+            calls.append(call)
+            position = _skip_whitespace(body, position)
+            if body.startswith(MISTRAL_TOOL_CALLS, position):
+                position = _skip_whitespace(body, position + len(MISTRAL_TOOL_CALLS))
+        return calls or None
+
+    def _calls_from_objects(
+        self, objects: Sequence[Any], require_arguments: bool
+    ) -> list[ToolCall] | None:
+        """All of `objects` as calls, or None if any one is not a call of a known tool."""
+        calls: list[ToolCall] = []
+        for value in objects:
+            call = self._call_from_value(value, require_arguments)
+            if call is None:
+                return None
+            calls.append(call)
+        return calls or None
+
+    def _parse_call_object(self, text: str, require_arguments: bool) -> ToolCall | None:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        return self._call_from_value(value, require_arguments)
+
+    def _call_from_value(self, value: Any, require_arguments: bool) -> ToolCall | None:
+        if not isinstance(value, dict):
+            return None
+        name = value.get("name")
+        if not isinstance(name, str):
+            return None
+        if "arguments" in value:
+            arguments = value["arguments"]
+        elif "parameters" in value:
+            arguments = value["parameters"]
+        elif require_arguments:
+            return None
+        else:
+            arguments = {}
+        return self._make_call(name, arguments)
+
+    def _make_call(self, name: str, arguments: Any) -> ToolCall | None:
+        tool = self._tools.get(name)
+        if tool is None:
+            return None
+        if arguments is None:
+            arguments = {}
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                return None
+        if not isinstance(arguments, dict):
+            return None
+        coerced = coerce_to_schema(arguments, tool.parameters)
+        text = json.dumps(coerced, ensure_ascii=False, separators=(",", ":"))
+        return ToolCall(id=new_tool_call_id(), name=name, arguments=text)
+
+
+def _skip_whitespace(text: str, position: int) -> int:
+    while position < len(text) and text[position].isspace():
+        position += 1
+    return position
+
+
+# -- argument coercion -----------------------------------------------------------------------
+
+_NO_VALUE = object()
+
+
+def coerce_to_schema(value: Any, schema: Any) -> Any:
+    """`value` converted where it plainly means the type `schema` asks for.
+
+    Small models often quote numbers or write nested objects as JSON text. Conversions:
+    string to integer/number/boolean/object/array when the text parses as that type, number
+    to string for string types; objects and arrays recursively where the schema describes
+    their properties/items. Values that cannot be converted, and properties the schema
+    does not name, are returned unchanged.
+
+    Args:
+        value: A decoded JSON value (the arguments object, or a part of it).
+        schema: The JSON Schema for it (`{}` or a non-dict means "anything").
+
+    Returns:
+        The coerced value (a new object; `value` is not modified).
+    """
+    if not isinstance(schema, dict):
+        return value
+    for key in ("anyOf", "oneOf"):
+        options = schema.get(key)
+        if isinstance(options, list):
+            return _coerce_to_first_fitting(value, [*options])
+    declared = schema.get("type")
+    if isinstance(declared, list):
+        return _coerce_to_first_fitting(value, [{**schema, "type": kind} for kind in declared])
+    if not isinstance(declared, str):
+        if isinstance(value, dict) and "properties" in schema:
+            declared = "object"
+        elif isinstance(value, list) and "items" in schema:
+            declared = "array"
+        else:
+            return value
+    converted = _convert_scalar(value, declared)
+    if converted is _NO_VALUE:
+        return value
+    if declared == "object" and isinstance(converted, dict):
+        return _coerce_object(converted, schema)
+    if declared == "array" and isinstance(converted, list):
+        items = schema.get("items")
+        return [coerce_to_schema(item, items) for item in converted]
+    return converted
+
+
+def _coerce_to_first_fitting(value: Any, options: Sequence[Any]) -> Any:
+    """Keep a value that already fits an option; else the first option that converts it."""
+    for option in options:
+        if _fits(value, option):
+            return coerce_to_schema(value, option)
+    for option in options:
+        if isinstance(option, dict) and isinstance(option.get("type"), str):
+            converted = _convert_scalar(value, option["type"])
+            if converted is not _NO_VALUE and _fits(converted, option):
+                return coerce_to_schema(converted, option)
+    return value
+
+
+def _fits(value: Any, schema: Any) -> bool:
+    if not isinstance(schema, dict) or not isinstance(schema.get("type"), str):
+        return False
+    match schema["type"]:
+        case "string":
+            return isinstance(value, str)
+        case "integer":
+            return isinstance(value, int) and not isinstance(value, bool)
+        case "number":
+            return isinstance(value, int | float) and not isinstance(value, bool)
+        case "boolean":
+            return isinstance(value, bool)
+        case "object":
+            return isinstance(value, dict)
+        case "array":
+            return isinstance(value, list)
+        case "null":
+            return value is None
+        case _:
+            return False
+
+
+def _coerce_object(value: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+    properties = schema.get("properties")
+    extra = schema.get("additionalProperties")
+    result: dict[str, Any] = {}
+    for key, item in value.items():
+        if isinstance(properties, dict) and key in properties:
+            result[key] = coerce_to_schema(item, properties[key])
+        elif isinstance(extra, dict):
+            result[key] = coerce_to_schema(item, extra)
+        else:
+            result[key] = item
+    return result
+
+
+def _convert_scalar(value: Any, declared: str) -> Any:
+    """`value` as JSON type `declared`, or `_NO_VALUE` when it does not plainly mean one."""
+    match declared:
+        case "string":
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                return json.dumps(value)
+            return value if isinstance(value, str) else _NO_VALUE
+        case "integer":
+            if isinstance(value, bool):
+                return _NO_VALUE
+            if isinstance(value, int):
+                return value
+            if isinstance(value, float):
+                return int(value) if value.is_integer() else _NO_VALUE
+            if isinstance(value, str):
+                number = _parse_number(value)
+                if isinstance(number, int):
+                    return number
+                if isinstance(number, float) and number.is_integer():
+                    return int(number)
+            return _NO_VALUE
+        case "number":
+            if isinstance(value, bool):
+                return _NO_VALUE
+            if isinstance(value, int | float):
+                return value
+            if isinstance(value, str):
+                number = _parse_number(value)
+                return _NO_VALUE if number is None else number
+            return _NO_VALUE
+        case "boolean":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+                return value.strip().lower() == "true"
+            return _NO_VALUE
+        case "object" | "array":
+            expected = dict if declared == "object" else list
+            if isinstance(value, expected):
+                return value
+            if isinstance(value, str):
+                try:
+                    parsed = json.loads(value)
+                except ValueError:
+                    return _NO_VALUE
+                return parsed if isinstance(parsed, expected) else _NO_VALUE
+            return _NO_VALUE
+        case "null":
+            if value is None:
+                return None
+            if isinstance(value, str) and value.strip() == "null":
+                return None
+            return _NO_VALUE
+        case _:
+            return _NO_VALUE
+
+
+def _parse_number(text: str) -> int | float | None:
+    """A finite JSON number written as text ("5", " -2.5 ", "1e3"), else None."""
+    try:
+        value = json.loads(text.strip())
+    except ValueError:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

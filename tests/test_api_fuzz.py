@@ -1,0 +1,185 @@
+"""Hostile and malformed request bodies against every generation endpoint of a live node:
+no 500, no crashed runner, and the node still answers afterwards.
+
+Bodies come from hypothesis: arbitrary JSON values, and valid requests of each dialect with
+one field replaced by arbitrary JSON, removed, or joined by an unknown field. The field that
+bounds the generation length is never removed (a mutated request that is still valid must
+finish quickly), only replaced by values of the wrong kind.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
+
+EXAMPLES = 200
+REQUEST_TIMEOUT_SECONDS = 60.0
+# Small enough that a still-valid mutated request finishes in well under a second.
+MAX_TOKENS = 4
+USER_TURN = {"role": "user", "content": "Say hi."}
+
+# endpoint -> (a valid body, the field that bounds its generation length or None)
+VALID_BODIES: dict[str, tuple[dict[str, Any], str | None]] = {
+    "/v1/chat/completions": (
+        {"model": DEFAULT_MODEL_ID, "messages": [USER_TURN], "max_tokens": MAX_TOKENS},
+        "max_tokens",
+    ),
+    "/v1/messages": (
+        {"model": DEFAULT_MODEL_ID, "messages": [USER_TURN], "max_tokens": MAX_TOKENS},
+        "max_tokens",
+    ),
+    "/v1/messages/count_tokens": ({"model": DEFAULT_MODEL_ID, "messages": [USER_TURN]}, None),
+    "/v1/responses": (
+        {"model": DEFAULT_MODEL_ID, "input": "Say hi.", "max_output_tokens": MAX_TOKENS},
+        "max_output_tokens",
+    ),
+    "/ollama/api/chat": (
+        {
+            "model": DEFAULT_MODEL_ID,
+            "messages": [USER_TURN],
+            "stream": False,
+            "options": {"num_predict": MAX_TOKENS},
+        },
+        "options",
+    ),
+    "/ollama/api/generate": (
+        {
+            "model": DEFAULT_MODEL_ID,
+            "prompt": "Say hi.",
+            "stream": False,
+            "options": {"num_predict": MAX_TOKENS},
+        },
+        "options",
+    ),
+}
+
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=40)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    max_leaves=12,
+)
+
+
+@st.composite
+def mutated_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
+    endpoint = draw(st.sampled_from(sorted(VALID_BODIES)))
+    valid, length_field = VALID_BODIES[endpoint]
+    body = json.loads(json.dumps(valid))
+    mutation = draw(st.sampled_from(["replace", "remove", "add", "nested", "whole"]))
+    field = draw(st.sampled_from(sorted(body)))
+    if mutation == "whole":
+        return endpoint, json.dumps(draw(json_values)).encode()
+    if mutation == "replace" or (mutation == "remove" and field == length_field):
+        replacement = draw(json_values)
+        if field == length_field and isinstance(replacement, int | float):
+            replacement = str(replacement)  # never a longer generation, only a wrong type
+        body[field] = replacement
+    elif mutation == "remove":
+        del body[field]
+    elif mutation == "add":
+        body[draw(st.text(min_size=1, max_size=12))] = draw(json_values)
+    else:  # something hostile inside the conversation
+        turn = draw(
+            st.dictionaries(
+                st.sampled_from(["role", "content", "type", "tool_calls", "name", "images"]),
+                json_values,
+                max_size=4,
+            )
+        )
+        for key in ("messages", "input"):
+            if key in body:
+                body[key] = [turn] if key == "messages" else [turn, *draw(st.lists(json_values, max_size=2))]
+    return endpoint, json.dumps(body).encode()
+
+
+HOSTILE_BODIES: list[tuple[str, bytes, dict[str, str]]] = [
+    ("/v1/chat/completions", b"", {}),
+    ("/v1/chat/completions", b"{", {}),
+    ("/v1/chat/completions", b"\xff\xfe\x00garbage", {}),
+    ("/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, {}),
+    ("/v1/chat/completions", b'{"model": NaN, "messages": []}', {}),
+    ("/v1/chat/completions", b'{"max_tokens": 1e400}', {}),
+    ("/v1/messages", b"null", {}),
+    ("/v1/messages", b'{"model": "x"}', {"content-type": "text/plain"}),
+    ("/v1/responses", b'"just a string"', {}),
+    ("/ollama/api/chat", b"[]", {}),
+    ("/ollama/api/generate", b'{"model": "' + b"a" * 100_000 + b'"}', {}),
+    (
+        "/v1/chat/completions",
+        json.dumps(
+            {
+                "model": DEFAULT_MODEL_ID,
+                "messages": [{"role": "user", "content": "word " * 200_000}],
+                "max_tokens": MAX_TOKENS,
+            }
+        ).encode(),
+        {},
+    ),
+]
+
+
+def _post(client: httpx.Client, endpoint: str, body: bytes, headers: dict[str, str]) -> int:
+    response = client.post(
+        endpoint, content=body, headers={"content-type": "application/json", **headers}
+    )
+    response.read()
+    return response.status_code
+
+
+def _assert_node_serves(client: httpx.Client) -> None:
+    valid, _ = VALID_BODIES["/v1/chat/completions"]
+    response = client.post("/v1/chat/completions", json=valid)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_malformed_and_hostile_bodies_never_break_the_node(default_node: ExoNode) -> None:
+    statuses: list[tuple[str, int]] = []
+    with httpx.Client(base_url=default_node.url, timeout=REQUEST_TIMEOUT_SECONDS) as client:
+        _assert_node_serves(client)
+        for endpoint, body, headers in HOSTILE_BODIES:
+            status = _post(client, endpoint, body, headers)
+            assert status < 500, f"{endpoint} answered {status} to a hostile body"
+            statuses.append((endpoint, status))
+
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(case=mutated_bodies())
+        def check(case: tuple[str, bytes]) -> None:
+            endpoint, body = case
+            status = _post(client, endpoint, body, {})
+            assert status < 500, f"{endpoint} answered {status} to {body[:300]!r}"
+            statuses.append((endpoint, status))
+
+        check()
+        _assert_node_serves(client)
+        runners = client.get("/state").json()["runners"]
+    assert len(statuses) >= EXAMPLES + len(HOSTILE_BODIES)
+    # Every endpoint was reached with both accepted and refused bodies, so neither kind of
+    # answer is vacuous.
+    assert {endpoint for endpoint, _ in statuses} == set(VALID_BODIES)
+    assert any(status == 200 for _, status in statuses)
+    assert all(status["kind"] == "RunnerReady" for status in runners.values()), runners
+
+
+pytestmark = pytest.mark.timeout(900)
