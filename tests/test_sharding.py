@@ -219,3 +219,57 @@ def test_killing_a_rank_fails_the_request_fast_and_placing_again_works(
     new_instance = again.json()["instance_id"]
     wait_until(lambda: ready_statuses(a, new_instance), READY_TIMEOUT_SECONDS, interval=0.5)
     assert greedy_answer(a, DEFAULT_MODEL_ID)[1] > 0
+
+
+def test_cancel_and_disconnect_stop_every_rank_and_free_the_slot(nodes: list[ExoNode]) -> None:
+    a, b, _c = nodes
+    response = place(a, DEFAULT_MODEL_ID, "pipeline", [a.node_id(), b.node_id()])
+    assert response.status_code == 200, response.text
+    instance_id = response.json()["instance_id"]
+    wait_until(lambda: ready_statuses(a, instance_id), READY_TIMEOUT_SECONDS, interval=0.5)
+    client = openai.OpenAI(base_url=f"{b.url}/v1", api_key="unused", timeout=60, max_retries=0)
+    story = [{"role": "user", "content": "Write a very long story about a dragon."}]
+    try:
+        # 1. POST /v1/cancel/{id} with the id the client saw, asked through another node.
+        stream = client.chat.completions.create(
+            model=DEFAULT_MODEL_ID, messages=story, max_tokens=2000, stream=True
+        )
+        cancelled_at = 0.0
+        pieces = 0
+        with pytest.raises(openai.APIError, match="cancelled"):
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    pieces += 1
+                if pieces == 3 and not cancelled_at:
+                    cancel = httpx.post(f"{a.url}/v1/cancel/{chunk.id}", timeout=10)
+                    assert cancel.status_code == 200, cancel.text
+                    cancelled_at = time.monotonic()
+        assert cancelled_at and time.monotonic() - cancelled_at < 5
+        assert httpx.post(f"{a.url}/v1/cancel/{chunk.id}", timeout=10).status_code == 404
+        # 2. A client that goes away mid-stream.
+        with (
+            httpx.Client(timeout=60) as http,
+            http.stream(
+                "POST",
+                f"{b.url}/v1/chat/completions",
+                json={
+                    "model": DEFAULT_MODEL_ID,
+                    "messages": story,
+                    "max_tokens": 2000,
+                    "stream": True,
+                },
+            ) as streamed,
+        ):
+            assert streamed.status_code == 200
+            for index, _line in enumerate(streamed.iter_lines()):
+                if index == 6:
+                    break
+        wait_until(lambda: not a.state()["tasks"], 15, what="no task left after disconnect")
+        # Every rank is free again: the next request is served at once, in full.
+        started = time.monotonic()
+        text, tokens = greedy_answer(a, DEFAULT_MODEL_ID)
+        assert tokens > 0 and text
+        assert time.monotonic() - started < 30
+    finally:
+        httpx.delete(f"{a.url}/instance/{instance_id}", timeout=60)
+        wait_until(lambda: not any(n.runner_processes() for n in nodes), 60, what="no runner")

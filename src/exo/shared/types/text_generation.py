@@ -114,7 +114,9 @@ class TextGenerationTaskParams(FrozenModel):
                     f"tools ({', '.join(sorted(names)) or 'none given'})"
                 )
         if self.response_format == "json_object" and self.forces_tool_call:
-            raise ValueError("response_format json_object cannot be combined with a forced tool call")
+            raise ValueError(
+                "response_format json_object cannot be combined with a forced tool call"
+            )
         return self
 
     @property
