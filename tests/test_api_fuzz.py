@@ -69,8 +69,9 @@ json_scalars = (
 )
 json_values = st.recursive(
     json_scalars,
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4)
+    ),
     max_leaves=12,
 )
 
@@ -103,7 +104,11 @@ def mutated_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
         )
         for key in ("messages", "input"):
             if key in body:
-                body[key] = [turn] if key == "messages" else [turn, *draw(st.lists(json_values, max_size=2))]
+                body[key] = (
+                    [turn]
+                    if key == "messages"
+                    else [turn, *draw(st.lists(json_values, max_size=2))]
+                )
     return endpoint, json.dumps(body).encode()
 
 

@@ -75,7 +75,10 @@ def create_app(cluster_client: ClusterClient) -> FastAPI:
             # A body that is not JSON at all is a 400 (OpenAI's answer); a schema mismatch 422.
             detail = errors[0].get("ctx", {}).get("error", "invalid JSON")
             return _error_response(
-                request, 400, "invalid_request_error", f"the request body is not valid JSON: {detail}"
+                request,
+                400,
+                "invalid_request_error",
+                f"the request body is not valid JSON: {detail}",
             )
         message, param = describe_validation_errors(errors)
         status = error_dialect_for(request.url.path).validation_status

@@ -94,7 +94,8 @@ async def cancel_generation(generation_id: str, cluster: Cluster) -> dict[str, o
         task.command_id == command_id for task in cluster.state.tasks.values()
     ):
         raise GenerationNotFoundError(
-            f"no generation {generation_id!r} is pending or running", param="generation_id",
+            f"no generation {generation_id!r} is pending or running",
+            param="generation_id",
             code="generation_not_found",
         )
     cluster.send_and_forget(

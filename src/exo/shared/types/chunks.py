@@ -90,6 +90,9 @@ class TokenChunk(FrozenModel):
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    stop_sequence: str | None = None
+    """On the last chunk: the request's stop string that ended the generation, if one did
+    (Claude reports it; the string itself is never part of the text)."""
 
 
 class ToolCallChunk(FrozenModel):

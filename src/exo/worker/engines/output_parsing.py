@@ -56,6 +56,7 @@ _TEXT_MARKERS: dict[ToolCallFormat, tuple[str, ...]] = {
 }
 # An answer that may be a whole-output JSON tool call: `{`, `[`, or a ```json fence.
 _FENCE_START = re.compile(r"```[ \t]*(?:json)?[ \t]*\r?\n?\s*")
+_FENCE_OPENING_PREFIX = re.compile(r"[ \t]*(?:j(?:s(?:o(?:n)?)?)?)?[ \t]*\r?\n?\s*")
 _FENCE_WHOLE = re.compile(r"\A```[ \t]*(?:json)?[ \t]*\r?\n(?P<body>.*?)\n?[ \t]*```\s*\Z", re.S)
 
 
@@ -279,10 +280,8 @@ class OutputParser:
             if rest and rest[0] in "{[":
                 self._state = _State.HOLD
                 return True
-            after_ticks = stripped[3:]
-            could_continue = not rest and re.fullmatch(r"[ \t]*(?:j(?:s(?:o(?:n)?)?)?)?[ \t]*\r?\n?\s*", after_ticks)
-            if could_continue:
-                return False
+            if not rest and _FENCE_OPENING_PREFIX.fullmatch(stripped[3:]):
+                return False  # "```", "```js", "```json\n": the fence may still hold JSON
         elif "```".startswith(stripped):
             return False
         self._state = _State.TEXT
@@ -349,6 +348,8 @@ class OutputParser:
             call = self._parse_call_object(stripped, require_arguments=False)
             if call is not None:
                 return [call]
+        if stripped.startswith(HERMES_OPEN):
+            return self._parse_hermes_blocks(stripped)
         if stripped.startswith(MISTRAL_TOOL_CALLS):
             return self._parse_mistral(stripped)
         if stripped.startswith(PYTHON_TAG):
@@ -358,6 +359,25 @@ class OutputParser:
             if calls is not None:
                 return calls
         return self._parse_generic(stripped)
+
+    def _parse_hermes_blocks(self, text: str) -> list[ToolCall] | None:
+        """Calls from an output made only of `<tool_call>...</tool_call>` blocks."""
+        calls: list[ToolCall] = []
+        position = 0
+        while position < len(text):
+            if not text.startswith(HERMES_OPEN, position):
+                return None
+            end = text.find(HERMES_CLOSE, position)
+            if end == -1:
+                return None
+            call = self._parse_call_object(
+                text[position + len(HERMES_OPEN) : end], require_arguments=False
+            )
+            if call is None:
+                return None
+            calls.append(call)
+            position = _skip_whitespace(text, end + len(HERMES_CLOSE))
+        return calls or None
 
     def _parse_generic(self, text: str) -> list[ToolCall] | None:
         fence = _FENCE_WHOLE.match(text)

@@ -82,7 +82,9 @@ def parse_generation(
             output.finish_reason = finish_reason
             if piece.usage is not None:
                 output.usage = piece.usage.model_copy(
-                    update={"reasoning_tokens": min(reasoning_tokens, piece.usage.completion_tokens)}
+                    update={
+                        "reasoning_tokens": min(reasoning_tokens, piece.usage.completion_tokens)
+                    }
                 )
             yield output
             return

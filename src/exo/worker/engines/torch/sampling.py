@@ -1,16 +1,20 @@
-"""Token sampling: temperature, top-k, top-p (nucleus), min-p, per-request seed.
+"""Token sampling: penalties, temperature, top-k, top-p (nucleus), min-p, per-request seed,
+optional constraints on which tokens may be drawn, and log probabilities.
 
-Filters apply in the order Hugging Face transformers' logits processors use: temperature,
-then top-k, then top-p, then min-p (min-p: Nguyen et al. 2024, "Turning Up the Heat").
+Penalties come first (on the model's logits), then the filters in the order Hugging Face
+transformers' logits processors use: temperature, then top-k, then top-p, then min-p
+(min-p: Nguyen et al. 2024, "Turning Up the Heat").
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
+from exo.shared.types.chunks import MIN_LOGPROB
 from exo.shared.types.models import SamplingDefaults
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
@@ -20,7 +24,8 @@ class SamplingParams:
     """Fully resolved sampling settings for one request.
 
     `temperature == 0` is greedy; `top_k == 0`, `top_p == 1`, `min_p == 0` disable a filter;
-    `seed=None` draws a random seed.
+    `seed=None` draws a random seed. `presence_penalty == frequency_penalty == 0` and
+    `repetition_penalty == 1` disable the penalties (see `TokenPenalties`).
     """
 
     temperature: float = 0.0
@@ -28,10 +33,21 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 def resolve_sampling_params(
@@ -44,6 +60,11 @@ def resolve_sampling_params(
         top_p=defaults.top_p if params.top_p is None else params.top_p,
         min_p=defaults.min_p if params.min_p is None else params.min_p,
         seed=params.seed,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=(
+            1.0 if params.repetition_penalty is None else params.repetition_penalty
+        ),
     )
 
 
