@@ -148,12 +148,9 @@ class OutputParser:
         self._strip_answer_start = False
         self._after_tool_call = False
         self._finished = False
-        if parse_reasoning and thinking_open:
-            self._state = _State.REASONING
-        elif parse_reasoning:
-            self._state = _State.REASONING_START
-        else:
-            self._state = _State.ANSWER_START
+        # With the section already open, a re-emitted `<think>` is still dropped.
+        self._thinking_open = thinking_open
+        self._state = _State.REASONING_START if parse_reasoning else _State.ANSWER_START
 
     def feed(self, text: str) -> ParsedOutput:
         """Add newly decoded text.
@@ -232,7 +229,7 @@ class OutputParser:
             return True
         if THINK_OPEN.startswith(stripped) and not self._finished:
             return False  # only whitespace or a partial `<think>` so far
-        self._state = _State.ANSWER_START
+        self._state = _State.REASONING if self._thinking_open else _State.ANSWER_START
         return True
 
     def _step_reasoning(self, output: ParsedOutput) -> bool:
@@ -280,7 +277,7 @@ class OutputParser:
             if rest and rest[0] in "{[":
                 self._state = _State.HOLD
                 return True
-            if not rest and _FENCE_OPENING_PREFIX.fullmatch(stripped[3:]):
+            if _FENCE_OPENING_PREFIX.fullmatch(stripped[3:]):
                 return False  # "```", "```js", "```json\n": the fence may still hold JSON
         elif "```".startswith(stripped):
             return False
