@@ -1,0 +1,611 @@
+"""Claude (Anthropic) Messages <-> internal types. The only module that knows this dialect.
+
+Pure conversions: a wire request becomes `TextGenerationTaskParams`; the internal chunk
+stream of one generation becomes Anthropic's SSE events (`stream_message`) or one `Message`
+(`collect_message`, which accumulates the very same events, so a streamed and a
+non-streamed answer cannot disagree). Routes do the I/O around them.
+
+A chunk stream ends with the first chunk whose `finish_reason` is set (an `ErrorChunk`
+always has one); nothing after it is read.
+
+Known gaps, each said where it matters:
+- `stop_reason` is never "stop_sequence": the engine reports a matched stop string as a
+  plain "stop" and removes it, so we answer "end_turn" with `stop_sequence: null`.
+- `message_start` reports `input_tokens: 0` (the count arrives with the last chunk);
+  `message_delta` carries the real count, which the SDK's accumulator takes over.
+- Thinking blocks carry an empty `signature`: exo does not sign thinking.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, assert_never
+
+from exo.api.errors import ApiError, GenerationError, InvalidRequestError
+from exo.api.generation import build_task_params
+from exo.api.types.claude_messages import (
+    ContentBlock,
+    ContentBlockDeltaEvent,
+    ContentBlockParam,
+    ContentBlockStartEvent,
+    ContentBlockStopEvent,
+    CountTokensRequest,
+    DocumentBlockParam,
+    Effort,
+    ErrorDetail,
+    ErrorResponse,
+    ImageBlockParam,
+    InputJsonDelta,
+    Message,
+    MessageDelta,
+    MessageDeltaEvent,
+    MessagesRequest,
+    MessageStartEvent,
+    MessageStopEvent,
+    MessageUsage,
+    OtherBlockParam,
+    OutputTokensDetails,
+    RedactedThinkingBlockParam,
+    StopReason,
+    StreamEvent,
+    TextBlock,
+    TextBlockParam,
+    TextDelta,
+    ThinkingAdaptive,
+    ThinkingBetweenTools,
+    ThinkingBlock,
+    ThinkingBlockParam,
+    ThinkingDelta,
+    ThinkingDisabled,
+    ThinkingEnabled,
+    ThinkingParam,
+    ToolChoiceAny,
+    ToolChoiceAuto,
+    ToolChoiceNone,
+    ToolChoiceParam,
+    ToolChoiceTool,
+    ToolParam,
+    ToolResultBlockParam,
+    ToolResultContentBlock,
+    ToolUseBlock,
+    ToolUseBlockParam,
+)
+from exo.shared.types.chunks import (
+    Chunk,
+    ErrorChunk,
+    FinishReason,
+    TokenChunk,
+    ToolCallChunk,
+    Usage,
+)
+from exo.shared.types.common import ModelId
+from exo.shared.types.text_generation import (
+    ChatMessage,
+    NamedToolChoice,
+    ReasoningEffort,
+    TextGenerationTaskParams,
+    ToolCall,
+    ToolChoice,
+    ToolDefinition,
+)
+
+# Text blocks of one turn are joined with a newline (as the chat completions adapter joins
+# text parts), so blocks written as paragraphs do not run into each other.
+_TEXT_BLOCK_SEPARATOR = "\n"
+
+# How a failed tool run is marked for the model: templates have no field for Anthropic's
+# `is_error`, so it travels in the text.
+TOOL_ERROR_PREFIX = "Error: "
+
+# Anthropic's error `type` for each HTTP status (API reference, "Errors").
+_ERROR_TYPE_BY_STATUS: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+_EFFORT: dict[Effort, ReasoningEffort] = {
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "xhigh": "high",
+    "max": "high",
+}
+
+
+# ---------------------------------------------------------------- errors
+
+
+def error_type_for_status(status_code: int) -> str:
+    """Anthropic's error `type` for an HTTP status (`not_found_error` for 404, ...)."""
+    if status_code in _ERROR_TYPE_BY_STATUS:
+        return _ERROR_TYPE_BY_STATUS[status_code]
+    return "invalid_request_error" if 400 <= status_code < 500 else "api_error"
+
+
+def error_body(status_code: int, message: str) -> dict[str, Any]:
+    """Anthropic's error JSON: `{"type": "error", "error": {"type", "message"}}`."""
+    return ErrorResponse(
+        error=ErrorDetail(type=error_type_for_status(status_code), message=message)
+    ).model_dump(mode="json")
+
+
+# ---------------------------------------------------------------- request
+
+
+def to_task_params(request: MessagesRequest) -> TextGenerationTaskParams:
+    """Convert a Messages request into the internal generation request.
+
+    Args:
+        request: A schema-valid request.
+
+    Returns:
+        The internal params. `system` becomes a leading system turn; `tool_result` blocks
+        become `tool` turns, `tool_use` blocks the assistant turn's `tool_calls`, thinking
+        blocks its `reasoning_content`. Sampling fields the client left out stay None.
+
+    Raises:
+        InvalidRequestError: image or document input, server tools, block types exo does
+            not model, blocks in the wrong role, `output_config.format`, or fields that
+            contradict each other (a `tool_choice` naming a tool not in `tools`).
+    """
+    return build_task_params(
+        **_prompt_fields(request),
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        # An empty stop string would match before the first token; it is dropped.
+        stop=tuple(sequence for sequence in request.stop_sequences or () if sequence),
+        stream=request.stream,
+    )
+
+
+def count_tokens_params(request: CountTokensRequest) -> TextGenerationTaskParams:
+    """The internal params whose prompt `count_tokens` measures (see `to_task_params`)."""
+    return build_task_params(**_prompt_fields(request))
+
+
+def _prompt_fields(request: CountTokensRequest) -> dict[str, Any]:
+    if request.output_config is not None and request.output_config.format is not None:
+        raise InvalidRequestError(
+            "output_config.format (structured outputs) is not supported yet", "output_config"
+        )
+    tool_choice, parallel_tool_calls = _tool_choice(request.tool_choice)
+    effort = request.output_config.effort if request.output_config is not None else None
+    return {
+        "model": ModelId(request.model),
+        "messages": _conversation(request),
+        "tools": tuple(
+            _tool_definition(tool, index) for index, tool in enumerate(request.tools or ())
+        ),
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": parallel_tool_calls,
+        "enable_thinking": _enable_thinking(request.thinking),
+        "reasoning_effort": _EFFORT[effort] if effort is not None else None,
+    }
+
+
+def _tool_definition(tool: ToolParam, index: int) -> ToolDefinition:
+    if tool.type not in (None, "custom"):
+        raise InvalidRequestError(
+            f"tools.{index}: server tool {tool.name!r} (type {tool.type!r}) is not supported; "
+            "exo offers only client tools (an `input_schema` your code executes)",
+            f"tools.{index}.type",
+        )
+    if tool.input_schema is None:
+        raise InvalidRequestError(
+            f"tools.{index}.input_schema: Field required", f"tools.{index}.input_schema"
+        )
+    return ToolDefinition(
+        name=tool.name, description=tool.description, parameters=tool.input_schema
+    )
+
+
+def _tool_choice(choice: ToolChoiceParam | None) -> tuple[ToolChoice, bool]:
+    """(internal tool choice, parallel tool calls allowed)."""
+    match choice:
+        case None:
+            return "auto", True
+        case ToolChoiceAuto():
+            return "auto", not choice.disable_parallel_tool_use
+        case ToolChoiceAny():
+            return "required", not choice.disable_parallel_tool_use
+        case ToolChoiceTool():
+            return NamedToolChoice(name=choice.name), not choice.disable_parallel_tool_use
+        case ToolChoiceNone():
+            return "none", True
+        case _:
+            assert_never(choice)
+
+
+def _enable_thinking(thinking: ThinkingParam | None) -> bool | None:
+    # `budget_tokens` cannot be honoured (the engine has no thinking budget); `adaptive`
+    # and `between_tools` let the model decide, which for a template means "enabled".
+    match thinking:
+        case None:
+            return None
+        case ThinkingEnabled() | ThinkingAdaptive() | ThinkingBetweenTools():
+            return True
+        case ThinkingDisabled():
+            return False
+        case _:
+            assert_never(thinking)
+
+
+def _conversation(request: CountTokensRequest) -> tuple[ChatMessage, ...]:
+    messages: list[ChatMessage] = []
+    system = _system_text(request.system)
+    if system:
+        messages.append(ChatMessage(role="system", content=system))
+    for index, message in enumerate(request.messages):
+        where = f"messages.{index}"
+        if isinstance(message.content, str):
+            messages.append(ChatMessage(role=message.role, content=message.content))
+        elif message.role == "user":
+            messages.extend(_user_turn(message.content, where))
+        else:
+            messages.append(_assistant_turn(message.content, where))
+    return tuple(messages)
+
+
+def _system_text(system: str | list[TextBlockParam] | None) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    return _TEXT_BLOCK_SEPARATOR.join(block.text for block in system)
+
+
+def _user_turn(blocks: Sequence[ContentBlockParam], where: str) -> list[ChatMessage]:
+    """A user turn's text, and one `tool` turn per `tool_result`, in the blocks' order."""
+    messages: list[ChatMessage] = []
+    texts: list[str] = []
+
+    def flush_texts() -> None:
+        if texts:
+            messages.append(ChatMessage(role="user", content=_TEXT_BLOCK_SEPARATOR.join(texts)))
+            texts.clear()
+
+    for block_index, block in enumerate(blocks):
+        at = f"{where}.content.{block_index}"
+        match block:
+            case TextBlockParam():
+                texts.append(block.text)
+            case ToolResultBlockParam():
+                flush_texts()
+                messages.append(
+                    ChatMessage(
+                        role="tool",
+                        content=_tool_result_text(block, at),
+                        tool_call_id=block.tool_use_id,
+                    )
+                )
+            case ImageBlockParam() | DocumentBlockParam():
+                raise _unsupported_input(block, at)
+            case ThinkingBlockParam() | RedactedThinkingBlockParam() | ToolUseBlockParam():
+                raise InvalidRequestError(
+                    f"{at}: {block.type} blocks belong in assistant turns, not user turns", at
+                )
+            case OtherBlockParam():
+                raise _unsupported_block(block.type, at)
+            case _:
+                assert_never(block)
+    flush_texts()
+    return messages or [ChatMessage(role="user", content="")]
+
+
+def _assistant_turn(blocks: Sequence[ContentBlockParam], where: str) -> ChatMessage:
+    texts: list[str] = []
+    reasoning: list[str] = []
+    tool_calls: list[ToolCall] = []
+    for block_index, block in enumerate(blocks):
+        at = f"{where}.content.{block_index}"
+        match block:
+            case TextBlockParam():
+                texts.append(block.text)
+            case ThinkingBlockParam():
+                reasoning.append(block.thinking)
+            case RedactedThinkingBlockParam():
+                pass  # encrypted by Anthropic; nothing a template could show
+            case ToolUseBlockParam():
+                tool_calls.append(
+                    ToolCall(id=block.id, name=block.name, arguments=json.dumps(block.input))
+                )
+            case ToolResultBlockParam():
+                raise InvalidRequestError(
+                    f"{at}: tool_result blocks belong in user turns, not assistant turns", at
+                )
+            case ImageBlockParam() | DocumentBlockParam():
+                raise _unsupported_input(block, at)
+            case OtherBlockParam():
+                raise _unsupported_block(block.type, at)
+            case _:
+                assert_never(block)
+    return ChatMessage(
+        role="assistant",
+        content=_TEXT_BLOCK_SEPARATOR.join(texts),
+        tool_calls=tuple(tool_calls),
+        reasoning_content=_TEXT_BLOCK_SEPARATOR.join(reasoning) if reasoning else None,
+    )
+
+
+def _tool_result_text(block: ToolResultBlockParam, at: str) -> str:
+    if isinstance(block.content, str):
+        text = block.content
+    else:
+        texts: list[str] = []
+        for part_index, part in enumerate(block.content):
+            part_at = f"{at}.content.{part_index}"
+            match part:
+                case TextBlockParam():
+                    texts.append(part.text)
+                case ImageBlockParam() | DocumentBlockParam():
+                    raise _unsupported_input(part, part_at)
+                case OtherBlockParam():
+                    raise _unsupported_block(part.type, part_at)
+                case _:
+                    assert_never(part)
+        text = _TEXT_BLOCK_SEPARATOR.join(texts)
+    return TOOL_ERROR_PREFIX + text if block.is_error else text
+
+
+def _unsupported_input(
+    block: ImageBlockParam | DocumentBlockParam | ToolResultContentBlock, at: str
+) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"{at}: {block.type} input is not supported: the models exo serves read text only; "
+        "send text blocks",
+        at,
+    )
+
+
+def _unsupported_block(block_type: str, at: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"{at}: content blocks of type {block_type!r} are not supported; exo accepts text, "
+        "tool_use, tool_result, thinking and redacted_thinking blocks",
+        at,
+    )
+
+
+# ---------------------------------------------------------------- response
+
+
+def _stop_reason(reason: FinishReason, called_tools: bool) -> StopReason:
+    """Map an internal finish reason onto Anthropic's.
+
+    Raises:
+        GenerationError: for "error" and "cancelled" (Anthropic has no stop reason for
+            them, and "end_turn" would make a truncated answer look complete).
+    """
+    match reason:
+        case "stop":
+            return "tool_use" if called_tools else "end_turn"
+        case "tool_calls":
+            return "tool_use"
+        case "length":
+            return "max_tokens"
+        case "error":
+            raise GenerationError("generation failed", code="generation_failed")
+        case "cancelled":
+            raise GenerationError(
+                "generation was cancelled before it finished", code="generation_cancelled"
+            )
+        case _:
+            assert_never(reason)
+
+
+def _message_usage(usage: Usage | None, counted_output_tokens: int) -> MessageUsage:
+    # The last chunk carries usage by contract; should a producer omit it, report what the
+    # stream itself shows (input tokens are then unknown, so 0) rather than fail.
+    if usage is None:
+        usage = Usage(prompt_tokens=0, completion_tokens=counted_output_tokens)
+    return MessageUsage(
+        input_tokens=usage.prompt_tokens,
+        output_tokens=usage.completion_tokens,
+        output_tokens_details=OutputTokensDetails(thinking_tokens=usage.reasoning_tokens),
+    )
+
+
+def _tool_input(call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.arguments or "{}")
+    except json.JSONDecodeError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise GenerationError(
+            f"the model's call of {call.name!r} has arguments that are not a JSON object",
+            code="invalid_tool_call",
+        )
+    return arguments
+
+
+def _error_chunk_error(chunk: ErrorChunk) -> ApiError:
+    if chunk.status_code == 400:
+        return InvalidRequestError(chunk.error_message, param="messages", code=chunk.error_code)
+    return GenerationError(chunk.error_message, code=chunk.error_code or "generation_failed")
+
+
+async def message_events(chunks: AsyncIterator[Chunk]) -> AsyncIterator[StreamEvent]:
+    """The content events of one generation, then its `message_delta`.
+
+    Blocks are opened as their content arrives (a thinking block for `reasoning_text`, a
+    text block for `text`, switching whenever the kind changes) and each tool call is one
+    complete `tool_use` block whose input arrives as a single `input_json_delta`.
+
+    Raises:
+        ApiError: an `ErrorChunk`, a failed or cancelled finish, a tool call whose
+            arguments are not a JSON object, or a stream that ended without a finish.
+    """
+    index = -1
+    open_kind: str | None = None  # "text" or "thinking": the block still open
+    called_tools = False
+    counted_output_tokens = 0
+
+    def switch_to(kind: str, block: ContentBlock) -> list[StreamEvent]:
+        nonlocal index, open_kind
+        if open_kind == kind:
+            return []
+        events: list[StreamEvent] = []
+        if open_kind is not None:
+            events.append(ContentBlockStopEvent(index=index))
+        index += 1
+        open_kind = kind
+        events.append(ContentBlockStartEvent(index=index, content_block=block))
+        return events
+
+    async for chunk in chunks:
+        match chunk:
+            case TokenChunk():
+                counted_output_tokens += len(chunk.token_ids)
+                if chunk.reasoning_text:
+                    for event in switch_to("thinking", ThinkingBlock(thinking="")):
+                        yield event
+                    yield ContentBlockDeltaEvent(
+                        index=index, delta=ThinkingDelta(thinking=chunk.reasoning_text)
+                    )
+                if chunk.text:
+                    for event in switch_to("text", TextBlock(text="")):
+                        yield event
+                    yield ContentBlockDeltaEvent(index=index, delta=TextDelta(text=chunk.text))
+            case ToolCallChunk():
+                counted_output_tokens += len(chunk.token_ids)
+                for call in chunk.tool_calls:
+                    arguments = _tool_input(call)
+                    if open_kind is not None:
+                        yield ContentBlockStopEvent(index=index)
+                        open_kind = None
+                    index += 1
+                    called_tools = True
+                    yield ContentBlockStartEvent(
+                        index=index,
+                        content_block=ToolUseBlock(id=call.id, name=call.name, input={}),
+                    )
+                    yield ContentBlockDeltaEvent(
+                        index=index, delta=InputJsonDelta(partial_json=json.dumps(arguments))
+                    )
+                    yield ContentBlockStopEvent(index=index)
+            case ErrorChunk():
+                raise _error_chunk_error(chunk)
+            case _:
+                assert_never(chunk)
+        if chunk.finish_reason is None:
+            continue
+        stop_reason = _stop_reason(chunk.finish_reason, called_tools)
+        if open_kind is not None:
+            yield ContentBlockStopEvent(index=index)
+        yield MessageDeltaEvent(
+            delta=MessageDelta(stop_reason=stop_reason, stop_sequence=None),
+            usage=_message_usage(chunk.usage, counted_output_tokens),
+        )
+        return
+    raise GenerationError("generation stream ended without a finish", code="generation_failed")
+
+
+def _sse(event: StreamEvent) -> str:
+    return f"event: {event.type}\ndata: {event.model_dump_json()}\n\n"
+
+
+def error_event(error: ApiError) -> str:
+    """An `event: error` SSE event in Anthropic's error shape (the SDK raises on it)."""
+    body = ErrorResponse(
+        error=ErrorDetail(type=error_type_for_status(error.status_code), message=error.message)
+    )
+    return _sse(body)
+
+
+async def stream_message(
+    chunks: AsyncIterator[Chunk], *, message_id: str, model: str
+) -> AsyncIterator[str]:
+    """Render one generation as Anthropic's SSE stream.
+
+    Yields, each as `event: <type>\\ndata: <json>\\n\\n`: `message_start` (empty content,
+    `input_tokens: 0`), the content events of `message_events`, `message_delta` (stop
+    reason and final usage), `message_stop`. On failure the rest is replaced by one
+    `error` event and the stream ends.
+
+    Args:
+        chunks: The generation's internal chunks.
+        message_id: `msg_` + the command id (`generation.response_id`).
+        model: The model name to report.
+    """
+    start = Message(
+        id=message_id,
+        model=model,
+        content=[],
+        stop_reason=None,
+        stop_sequence=None,
+        usage=MessageUsage(input_tokens=0, output_tokens=0),
+    )
+    yield _sse(MessageStartEvent(message=start))
+    try:
+        async for event in message_events(chunks):
+            yield _sse(event)
+    except ApiError as error:
+        yield error_event(error)
+        return
+    yield _sse(MessageStopEvent())
+
+
+async def collect_message(chunks: AsyncIterator[Chunk], *, message_id: str, model: str) -> Message:
+    """Gather one generation into a non-streaming `Message`: the accumulation of exactly
+    the events `stream_message` would send.
+
+    Raises:
+        ApiError: as `message_events`.
+    """
+    blocks: list[ContentBlock] = []
+    pieces: list[list[str]] = []
+    async for event in message_events(chunks):
+        match event:
+            case ContentBlockStartEvent():
+                blocks.append(event.content_block)
+                pieces.append([])
+            case ContentBlockDeltaEvent():
+                match event.delta:
+                    case TextDelta():
+                        pieces[event.index].append(event.delta.text)
+                    case ThinkingDelta():
+                        pieces[event.index].append(event.delta.thinking)
+                    case InputJsonDelta():
+                        pieces[event.index].append(event.delta.partial_json)
+                    case _:
+                        assert_never(event.delta)
+            case ContentBlockStopEvent():
+                blocks[event.index] = _completed_block(
+                    blocks[event.index], "".join(pieces[event.index])
+                )
+            case MessageDeltaEvent():
+                return Message(
+                    id=message_id,
+                    model=model,
+                    content=blocks,
+                    stop_reason=event.delta.stop_reason,
+                    stop_sequence=event.delta.stop_sequence,
+                    usage=event.usage,
+                )
+            case MessageStartEvent() | MessageStopEvent() | ErrorResponse():
+                raise AssertionError(f"message_events yielded {event.type}")
+            case _:
+                assert_never(event)
+    raise AssertionError("message_events ended without a message_delta")
+
+
+def _completed_block(block: ContentBlock, content: str) -> ContentBlock:
+    match block:
+        case TextBlock():
+            return TextBlock(text=content)
+        case ThinkingBlock():
+            return ThinkingBlock(thinking=content, signature=block.signature)
+        case ToolUseBlock():
+            return ToolUseBlock(id=block.id, name=block.name, input=json.loads(content))
+        case _:
+            assert_never(block)

@@ -1,0 +1,200 @@
+"""One real `exo` node, driven through the official `anthropic` client (Claude Messages)."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import anthropic
+import httpx
+import pytest
+
+from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
+
+# anthropic 2.x's `create` has no sampling parameters any more (newer Claude models ignore
+# them); exo honours them, so greedy decoding travels as an extra body field.
+GREEDY = {"temperature": 0}
+QUESTION: list[Any] = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def client_for(node: ExoNode) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=node.url, api_key="unused", timeout=120.0, max_retries=0)
+
+
+def text_of(message: anthropic.types.Message) -> str:
+    return "".join(block.text for block in message.content if block.type == "text")
+
+
+def test_create_stream_and_count_tokens_agree(default_node: ExoNode) -> None:
+    client = client_for(default_node)
+    message = client.messages.create(
+        model=DEFAULT_MODEL_ID, max_tokens=30, extra_body=GREEDY, messages=QUESTION
+    )
+    assert message.id.startswith("msg_")
+    assert message.type == "message" and message.role == "assistant"
+    assert message.model == DEFAULT_MODEL_ID
+    assert "Paris" in text_of(message)
+    assert message.stop_reason in ("end_turn", "max_tokens")
+    assert message.stop_sequence is None
+    assert message.usage.output_tokens > 0
+
+    with client.messages.stream(
+        model=DEFAULT_MODEL_ID, max_tokens=30, extra_body=GREEDY, messages=QUESTION
+    ) as stream:
+        pieces = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert "".join(pieces) == text_of(message)
+    assert len(pieces) > 3, "streaming sends the answer piece by piece"
+    assert text_of(final) == text_of(message)
+    assert final.stop_reason == message.stop_reason
+    assert final.usage.input_tokens == message.usage.input_tokens
+    assert final.usage.output_tokens == message.usage.output_tokens
+
+    # count_tokens renders the prompt exactly as the engine did.
+    counted = client.messages.count_tokens(model=DEFAULT_MODEL_ID, messages=QUESTION)
+    assert counted.input_tokens == message.usage.input_tokens > 5
+
+
+def test_system_prompt_and_history_reach_the_prompt(default_node: ExoNode) -> None:
+    client = client_for(default_node)
+    history: list[Any] = [
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": [{"type": "text", "text": "Nice to meet you, Ada."}]},
+        {"role": "user", "content": [{"type": "text", "text": "What is my name?"}]},
+    ]
+    system = "You are a helpful assistant. Answer in one short sentence."
+    message = client.messages.create(
+        model=DEFAULT_MODEL_ID,
+        max_tokens=20,
+        extra_body=GREEDY,
+        system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+        messages=history,
+        metadata={"user_id": "test-user"},
+    )
+    assert message.content and message.usage.output_tokens > 0
+    with_system = client.messages.count_tokens(
+        model=DEFAULT_MODEL_ID, system=system, messages=history
+    ).input_tokens
+    without_system = client.messages.count_tokens(
+        model=DEFAULT_MODEL_ID, messages=history
+    ).input_tokens
+    last_turn_only = client.messages.count_tokens(
+        model=DEFAULT_MODEL_ID, messages=history[-1:]
+    ).input_tokens
+    assert message.usage.input_tokens == with_system
+    assert with_system > without_system > last_turn_only
+
+
+def test_max_tokens_and_stop_sequences(default_node: ExoNode) -> None:
+    client = client_for(default_node)
+    limited = client.messages.create(
+        model=DEFAULT_MODEL_ID, max_tokens=3, extra_body=GREEDY, messages=QUESTION
+    )
+    assert limited.stop_reason == "max_tokens"
+    assert limited.usage.output_tokens == 3
+
+    stopped = client.messages.create(
+        model=DEFAULT_MODEL_ID,
+        max_tokens=30,
+        extra_body=GREEDY,
+        messages=QUESTION,
+        stop_sequences=["Paris"],
+    )
+    assert "Paris" not in text_of(stopped)
+    # The engine does not say which stop string matched, so this is "end_turn" for now
+    # (Anthropic answers "stop_sequence" with the matched string).
+    assert stopped.stop_reason in ("end_turn", "stop_sequence")
+
+
+def test_errors_have_anthropic_statuses_and_shape(default_node: ExoNode) -> None:
+    client = client_for(default_node)
+    with pytest.raises(anthropic.NotFoundError) as not_found:
+        client.messages.create(model="no/such-model", max_tokens=5, messages=QUESTION)
+    body = cast(dict[str, Any], not_found.value.body)
+    assert body["type"] == "error" and body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="no/such-model", messages=QUESTION)
+
+    with pytest.raises(anthropic.BadRequestError) as empty:
+        client.messages.create(model=DEFAULT_MODEL_ID, max_tokens=5, messages=[])
+    assert cast(dict[str, Any], empty.value.body)["error"]["type"] == "invalid_request_error"
+
+    image: Any = {
+        "role": "user",
+        "content": [
+            {
+                "type": "image",
+                "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+            }
+        ],
+    }
+    with pytest.raises(anthropic.BadRequestError, match="image input"):
+        client.messages.create(model=DEFAULT_MODEL_ID, max_tokens=5, messages=[image])
+    with pytest.raises(anthropic.BadRequestError, match="server tool"):
+        client.messages.create(
+            model=DEFAULT_MODEL_ID,
+            max_tokens=5,
+            messages=QUESTION,
+            tools=[{"type": "web_search_20250305", "name": "web_search"}],
+        )
+
+    # The SDK will not send these; raw HTTP does.
+    for broken in (
+        {"model": DEFAULT_MODEL_ID, "messages": QUESTION},  # no max_tokens
+        {"model": DEFAULT_MODEL_ID, "max_tokens": "many", "messages": QUESTION},
+    ):
+        response = httpx.post(f"{default_node.url}/v1/messages", json=broken, timeout=30)
+        assert response.status_code == 400
+        assert response.json()["type"] == "error"
+        assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+WEATHER_TOOL: Any = {
+    "name": "get_weather",
+    "description": "Get the current weather in a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "description": "The city name"}},
+        "required": ["city"],
+    },
+}
+
+
+def test_tool_round_trip(default_node: ExoNode) -> None:
+    """Needs the engine's forced tool calls (tool_choice naming a tool)."""
+    client = client_for(default_node)
+    question: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = client.messages.create(
+        model=DEFAULT_MODEL_ID,
+        max_tokens=60,
+        extra_body=GREEDY,
+        messages=question,
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )
+    assert called.stop_reason == "tool_use"
+    calls = [block for block in called.content if block.type == "tool_use"]
+    assert calls and calls[0].name == "get_weather"
+    assert isinstance(calls[0].input, dict)
+
+    answer = client.messages.create(
+        model=DEFAULT_MODEL_ID,
+        max_tokens=30,
+        extra_body=GREEDY,
+        tools=[WEATHER_TOOL],
+        messages=[
+            *question,
+            {"role": "assistant", "content": cast(Any, called.content)},
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": calls[0].id,
+                        "content": "Sunny, 24 degrees Celsius.",
+                    }
+                ],
+            },
+        ],
+    )
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+    assert text_of(answer).strip()
