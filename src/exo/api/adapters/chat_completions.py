@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from typing import assert_never
 
 from exo.api.errors import ApiError, GenerationError, InvalidRequestError, openai_error_body_for
+from exo.api.generation import build_task_params
 from exo.api.types.openai_chat import (
     AssistantContentPart,
     AssistantMessage,
@@ -31,18 +32,28 @@ from exo.api.types.openai_chat import (
     ChatCompletionResponse,
     ChatFinishReason,
     Choice,
+    ChoiceLogprobs,
     ChunkChoice,
     ChunkDelta,
+    CompletionTokensDetails,
     CompletionUsage,
+    DeltaFunctionCall,
+    DeltaToolCall,
     DeveloperMessage,
     FileContentPart,
+    FunctionMessage,
     ImageContentPart,
+    LogprobEntry,
+    NamedToolChoiceParam,
     RefusalContentPart,
     RequestMessage,
+    ResponseFunctionCall,
     ResponseMessage,
+    ResponseToolCall,
     SystemMessage,
     TextContentPart,
     ToolMessage,
+    TopLogprobEntry,
     UserContentPart,
     UserMessage,
 )
@@ -51,11 +62,20 @@ from exo.shared.types.chunks import (
     ErrorChunk,
     FinishReason,
     TokenChunk,
+    TokenLogprob,
     ToolCallChunk,
     Usage,
 )
 from exo.shared.types.common import ModelId
-from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+from exo.shared.types.text_generation import (
+    ChatMessage,
+    NamedToolChoice,
+    ReasoningEffort,
+    TextGenerationTaskParams,
+    ToolCall,
+    ToolChoice,
+    ToolDefinition,
+)
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -82,19 +102,20 @@ def to_task_params(request: ChatCompletionRequest) -> TextGenerationTaskParams:
 
     Returns:
         The internal params; sampling fields the client left out stay None (model card
-        defaults apply), `stop` becomes a tuple without empty strings.
+        defaults apply), `stop` becomes a tuple without empty strings. `functions` and
+        `function_call` (deprecated) become tools and a tool choice like their successors.
 
     Raises:
-        InvalidRequestError: the request asks for something exo does not do (n > 1, tools,
-            logprobs, JSON response formats, image/audio/file input) or its fields
-            contradict each other (`max_tokens` != `max_completion_tokens`).
+        InvalidRequestError: the request asks for something exo does not do (n > 1, JSON
+            schema response formats, image/audio/file input) or its fields contradict each
+            other (`max_tokens` != `max_completion_tokens`, both `tools` and `functions`,
+            `top_logprobs` without `logprobs`, a tool choice naming no given tool).
     """
     _refuse_unsupported_features(request)
-    return TextGenerationTaskParams(
+    enable_thinking, reasoning_effort = _thinking(request)
+    return build_task_params(
         model=ModelId(request.model),
-        messages=tuple(
-            _to_chat_message(message, index) for index, message in enumerate(request.messages)
-        ),
+        messages=_to_chat_messages(request.messages),
         max_tokens=_max_tokens(request),
         temperature=request.temperature,
         top_p=request.top_p,
@@ -104,6 +125,21 @@ def to_task_params(request: ChatCompletionRequest) -> TextGenerationTaskParams:
         seed=request.seed,
         stop=_stop_sequences(request.stop),
         stream=request.stream,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=request.repetition_penalty,
+        tools=_tools(request),
+        tool_choice=_tool_choice(request),
+        parallel_tool_calls=(
+            True if request.parallel_tool_calls is None else request.parallel_tool_calls
+        ),
+        response_format="json_object"
+        if request.response_format is not None and request.response_format.type == "json_object"
+        else "text",
+        logprobs=bool(request.logprobs),
+        top_logprobs=request.top_logprobs or 0,
+        enable_thinking=enable_thinking,
+        reasoning_effort=reasoning_effort,
     )
 
 
@@ -114,26 +150,73 @@ def _refuse_unsupported_features(request: ChatCompletionRequest) -> None:
             "send several requests (with different seeds) instead",
             "n",
         )
-    if request.tools:
-        raise InvalidRequestError(f"tools {_NOT_SUPPORTED_YET}", "tools")
-    if request.functions:
-        raise InvalidRequestError(f"functions {_NOT_SUPPORTED_YET}", "functions")
-    # "none" and "auto" without tools ask for nothing; anything else demands a tool call.
-    if request.tool_choice not in (None, "none", "auto"):
-        raise InvalidRequestError(f"tool_choice {_NOT_SUPPORTED_YET}", "tool_choice")
-    if request.function_call not in (None, "none", "auto"):
-        raise InvalidRequestError(f"function_call {_NOT_SUPPORTED_YET}", "function_call")
-    if request.logprobs:
-        raise InvalidRequestError(f"logprobs {_NOT_SUPPORTED_YET}", "logprobs")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(request, name):  # 0 and absent ask for nothing
-            raise InvalidRequestError(f"{name} {_NOT_SUPPORTED_YET}", name)
-    if request.response_format is not None and request.response_format.type != "text":
+    if request.response_format is not None and request.response_format.type == "json_schema":
         raise InvalidRequestError(
-            f"response_format of type {request.response_format.type!r} {_NOT_SUPPORTED_YET}; "
-            "only 'text' is",
+            f"response_format of type 'json_schema' {_NOT_SUPPORTED_YET}; use 'json_object' "
+            "for any JSON object",
             "response_format",
         )
+    if request.top_logprobs and not request.logprobs:
+        # OpenAI's own answer to this combination.
+        raise InvalidRequestError(
+            "top_logprobs requires logprobs to be set to true", "top_logprobs"
+        )
+    if request.tools and request.functions:
+        raise InvalidRequestError(
+            "send either tools or the deprecated functions, not both", "functions"
+        )
+
+
+def _tools(request: ChatCompletionRequest) -> tuple[ToolDefinition, ...]:
+    definitions = [tool.function for tool in request.tools or ()] + list(request.functions or ())
+    return tuple(
+        ToolDefinition(
+            name=definition.name,
+            description=definition.description,
+            parameters=definition.parameters or {},
+        )
+        for definition in definitions
+    )
+
+
+def _tool_choice(request: ChatCompletionRequest) -> ToolChoice:
+    choice = request.tool_choice
+    if choice is None and request.function_call is not None:
+        legacy = request.function_call
+        return legacy if isinstance(legacy, str) else NamedToolChoice(name=legacy.name)
+    match choice:
+        case None:
+            return "auto"
+        case NamedToolChoiceParam():
+            return NamedToolChoice(name=choice.function.name)
+        case "none" | "auto" | "required":
+            # "auto" and "none" without tools ask for nothing, as at OpenAI.
+            return choice
+        case _:
+            assert_never(choice)
+
+
+def _thinking(request: ChatCompletionRequest) -> tuple[bool | None, ReasoningEffort | None]:
+    enable_thinking: bool | None = None
+    kwargs = request.chat_template_kwargs or {}
+    if "enable_thinking" in kwargs:
+        value = kwargs["enable_thinking"]
+        if not isinstance(value, bool):
+            raise InvalidRequestError(
+                "chat_template_kwargs.enable_thinking must be a boolean",
+                "chat_template_kwargs.enable_thinking",
+            )
+        enable_thinking = value
+    effort = request.reasoning_effort
+    match effort:
+        case None:
+            return enable_thinking, None
+        case "none":
+            return False, None
+        case "minimal" | "low" | "medium" | "high":
+            return (True if enable_thinking is None else enable_thinking), effort
+        case _:
+            assert_never(effort)
 
 
 def _max_tokens(request: ChatCompletionRequest) -> int | None:
@@ -157,38 +240,92 @@ def _stop_sequences(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(sequence for sequence in sequences if sequence)
 
 
-def _to_chat_message(message: RequestMessage, index: int) -> ChatMessage:
-    param = f"messages[{index}]"
-    match message:
-        case SystemMessage() | DeveloperMessage():
-            return ChatMessage(
-                role="system",
-                content=_text_content(message.content),
-                name=message.name,
-            )
-        case UserMessage():
-            return ChatMessage(
-                role="user", content=_user_content(message.content, param), name=message.name
-            )
-        case AssistantMessage():
-            if message.tool_calls:
-                raise InvalidRequestError(
-                    f"assistant messages with tool_calls are {_NOT_SUPPORTED_YET}",
-                    f"{param}.tool_calls",
+def _to_chat_messages(messages: list[RequestMessage]) -> tuple[ChatMessage, ...]:
+    converted: list[ChatMessage] = []
+    # Ids of legacy `function_call`s, so a `function` message can name its call.
+    legacy_call_ids: dict[str, str] = {}
+    for index, message in enumerate(messages):
+        param = f"messages[{index}]"
+        match message:
+            case SystemMessage() | DeveloperMessage():
+                converted.append(
+                    ChatMessage(
+                        role="system", content=_text_content(message.content), name=message.name
+                    )
                 )
-            return ChatMessage(
-                role="assistant",
-                content=_assistant_content(message.content, message.refusal),
-                name=message.name,
-            )
-        case ToolMessage():
-            return ChatMessage(
-                role="tool",
-                content=_text_content(message.content),
-                tool_call_id=message.tool_call_id,
-            )
-        case _:
-            assert_never(message)
+            case UserMessage():
+                converted.append(
+                    ChatMessage(
+                        role="user",
+                        content=_user_content(message.content, param),
+                        name=message.name,
+                    )
+                )
+            case AssistantMessage():
+                calls = [
+                    ToolCall(
+                        id=call.id,
+                        name=call.function.name,
+                        arguments=_arguments_text(
+                            call.function.arguments, f"{param}.tool_calls[{call_index}]"
+                        ),
+                    )
+                    for call_index, call in enumerate(message.tool_calls or ())
+                ]
+                if message.function_call is not None:
+                    call_id = f"call_{index}"
+                    legacy_call_ids[message.function_call.name] = call_id
+                    calls.append(
+                        ToolCall(
+                            id=call_id,
+                            name=message.function_call.name,
+                            arguments=_arguments_text(
+                                message.function_call.arguments, f"{param}.function_call"
+                            ),
+                        )
+                    )
+                converted.append(
+                    ChatMessage(
+                        role="assistant",
+                        content=_assistant_content(message.content, message.refusal),
+                        name=message.name,
+                        tool_calls=tuple(calls),
+                        reasoning_content=message.reasoning_content or None,
+                    )
+                )
+            case ToolMessage():
+                converted.append(
+                    ChatMessage(
+                        role="tool",
+                        content=_text_content(message.content),
+                        tool_call_id=message.tool_call_id,
+                    )
+                )
+            case FunctionMessage():
+                converted.append(
+                    ChatMessage(
+                        role="tool",
+                        content=message.content or "",
+                        name=message.name,
+                        tool_call_id=legacy_call_ids.get(message.name),
+                    )
+                )
+            case _:
+                assert_never(message)
+    return tuple(converted)
+
+
+def _arguments_text(arguments: str, param: str) -> str:
+    """Replayed call arguments, checked to be a JSON object (templates parse them)."""
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise InvalidRequestError(
+            "tool call arguments must be a JSON object (as text)", f"{param}.function.arguments"
+        )
+    return arguments if arguments.strip() else "{}"
 
 
 def _text_content(content: str | list[TextContentPart] | None) -> str:
@@ -253,7 +390,7 @@ def _chat_finish_reason(reason: FinishReason) -> ChatFinishReason:
             generation, and reporting "stop" would make a truncated answer look complete.
     """
     match reason:
-        case "stop" | "length":
+        case "stop" | "length" | "tool_calls":
             return reason
         case "error":
             raise GenerationError("generation failed", code="generation_failed")
@@ -274,14 +411,23 @@ def _completion_usage(usage: Usage | None, counted_completion_tokens: int) -> Co
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
+        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens),
     )
 
 
-def _tool_calls_unsupported() -> GenerationError:
-    return GenerationError(
-        f"tool calls {_NOT_SUPPORTED_YET} by the chat completions API",
-        code="tool_calls_not_supported",
-    )
+def _logprob_entries(entries: tuple[TokenLogprob, ...]) -> list[LogprobEntry]:
+    return [
+        LogprobEntry(
+            token=entry.token,
+            logprob=entry.logprob,
+            bytes=list(entry.bytes),
+            top_logprobs=[
+                TopLogprobEntry(token=top.token, logprob=top.logprob, bytes=list(top.bytes))
+                for top in entry.top_logprobs
+            ],
+        )
+        for entry in entries
+    ]
 
 
 def _ended_without_finish() -> GenerationError:
@@ -305,12 +451,16 @@ async def stream_chat_completion(
     model: str,
     created: int,
     include_usage: bool,
+    params: TextGenerationTaskParams | None = None,
 ) -> AsyncIterator[str]:
     """Render one generation as Chat Completions SSE events, in OpenAI's order.
 
     Yields, each as `data: <json>\\n\\n`: a chunk with `delta {role: "assistant", content:
-    ""}`; one content chunk per non-empty `TokenChunk` text; a chunk with an empty delta
-    and the finish reason; with `include_usage`, a chunk with `choices: []` and the usage
+    ""}`; one chunk per `TokenChunk` with text (`delta.content`), thinking
+    (`delta.reasoning_content`) or logprobs (`choices[0].logprobs.content`); one chunk per
+    tool call, whole in one `delta.tool_calls` entry (`index`, `id`, `type`, `name`, full
+    `arguments`); a chunk with an empty delta and the finish reason ("tool_calls" when the
+    model called tools); with `include_usage`, a chunk with `choices: []` and the usage
     (every other chunk then has `usage: null`); finally `data: [DONE]`. On failure the
     finish and usage chunks are replaced by one error event in OpenAI's error shape, still
     followed by `[DONE]` (see the module docstring).
@@ -322,7 +472,9 @@ async def stream_chat_completion(
         model: The model name to report.
         created: Unix time in seconds, the same in every chunk.
         include_usage: The request's `stream_options.include_usage`.
+        params: The request; logprobs are reported only when it asked for them.
     """
+    want_logprobs = params is not None and params.logprobs
 
     def event(choices: list[ChunkChoice], usage: CompletionUsage | None = None) -> str:
         chunk = ChatCompletionChunk(
@@ -337,43 +489,72 @@ async def stream_chat_completion(
 
     yield event([ChunkChoice(index=0, delta=ChunkDelta(role="assistant", content=""))])
     counted_completion_tokens = 0
+    tool_call_count = 0
     async for chunk in chunks:
         match chunk:
             case TokenChunk():
                 counted_completion_tokens += len(chunk.token_ids)
-                if chunk.text:
-                    yield event([ChunkChoice(index=0, delta=ChunkDelta(content=chunk.text))])
-                if chunk.finish_reason is None:
-                    continue
-                try:
-                    finish_reason = _chat_finish_reason(chunk.finish_reason)
-                except GenerationError as error:
-                    yield error_event(error)
-                    yield SSE_DONE
-                    return
-                yield event([ChunkChoice(index=0, delta=ChunkDelta(), finish_reason=finish_reason)])
-                if include_usage:
-                    yield event([], _completion_usage(chunk.usage, counted_completion_tokens))
-                yield SSE_DONE
-                return
+                logprobs = (
+                    ChoiceLogprobs(content=_logprob_entries(chunk.logprobs))
+                    if want_logprobs and chunk.logprobs
+                    else None
+                )
+                if chunk.text or chunk.reasoning_text or logprobs is not None:
+                    delta = ChunkDelta(
+                        content=chunk.text or None,
+                        reasoning_content=chunk.reasoning_text or None,
+                    )
+                    if delta.content is None and delta.reasoning_content is None:
+                        delta = ChunkDelta(content="")
+                    yield event([ChunkChoice(index=0, delta=delta, logprobs=logprobs)])
             case ToolCallChunk():
-                yield error_event(_tool_calls_unsupported())
-                yield SSE_DONE
-                return
+                counted_completion_tokens += len(chunk.token_ids)
+                for call in chunk.tool_calls:
+                    delta_call = DeltaToolCall(
+                        index=tool_call_count,
+                        id=call.id,
+                        type="function",
+                        function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
+                    )
+                    tool_call_count += 1
+                    yield event([ChunkChoice(index=0, delta=ChunkDelta(tool_calls=[delta_call]))])
             case ErrorChunk():
                 yield error_event(_error_chunk_error(chunk))
                 yield SSE_DONE
                 return
             case _:
                 assert_never(chunk)
+        if chunk.finish_reason is None:
+            continue
+        try:
+            finish_reason = _chat_finish_reason(chunk.finish_reason)
+        except GenerationError as error:
+            yield error_event(error)
+            yield SSE_DONE
+            return
+        yield event([ChunkChoice(index=0, delta=ChunkDelta(), finish_reason=finish_reason)])
+        if include_usage:
+            yield event([], _completion_usage(chunk.usage, counted_completion_tokens))
+        yield SSE_DONE
+        return
     yield error_event(_ended_without_finish())
     yield SSE_DONE
 
 
 async def collect_chat_completion(
-    chunks: AsyncIterator[Chunk], *, completion_id: str, model: str, created: int
+    chunks: AsyncIterator[Chunk],
+    *,
+    completion_id: str,
+    model: str,
+    created: int,
+    params: TextGenerationTaskParams | None = None,
 ) -> ChatCompletionResponse:
     """Gather one generation into a non-streaming Chat Completions response.
+
+    The message holds the whole text (`content`, null when the model only called tools),
+    the thinking (`reasoning_content`, left out when none) and the calls (`tool_calls`,
+    arguments as JSON text); `logprobs.content` has one entry per sampled token when the
+    request asked for logprobs.
 
     Args:
         chunks: The generation's internal chunks; read up to and including the first one
@@ -381,37 +562,59 @@ async def collect_chat_completion(
         completion_id: The response `id` (`new_completion_id()`).
         model: The model name to report.
         created: Unix time in seconds.
+        params: The request; logprobs are reported only when it asked for them.
 
     Raises:
-        GenerationError: an `ErrorChunk` arrived, the generation was cancelled, a tool call
-            arrived (not supported yet), or the stream ended without a finish.
+        InvalidRequestError: the engine refused the request (an ErrorChunk with status 400).
+        GenerationError: an `ErrorChunk` arrived, the generation was cancelled, or the
+            stream ended without a finish.
     """
+    want_logprobs = params is not None and params.logprobs
     texts: list[str] = []
+    reasoning: list[str] = []
+    tool_calls: list[ResponseToolCall] = []
+    logprobs: list[LogprobEntry] = []
     counted_completion_tokens = 0
     async for chunk in chunks:
         match chunk:
             case TokenChunk():
                 texts.append(chunk.text)
+                reasoning.append(chunk.reasoning_text)
+                logprobs.extend(_logprob_entries(chunk.logprobs))
                 counted_completion_tokens += len(chunk.token_ids)
-                if chunk.finish_reason is None:
-                    continue
-                return ChatCompletionResponse(
-                    id=completion_id,
-                    created=created,
-                    model=model,
-                    choices=[
-                        Choice(
-                            index=0,
-                            message=ResponseMessage(content="".join(texts)),
-                            finish_reason=_chat_finish_reason(chunk.finish_reason),
-                        )
-                    ],
-                    usage=_completion_usage(chunk.usage, counted_completion_tokens),
-                )
             case ToolCallChunk():
-                raise _tool_calls_unsupported()
+                counted_completion_tokens += len(chunk.token_ids)
+                tool_calls.extend(
+                    ResponseToolCall(
+                        id=call.id,
+                        function=ResponseFunctionCall(name=call.name, arguments=call.arguments),
+                    )
+                    for call in chunk.tool_calls
+                )
             case ErrorChunk():
                 raise _error_chunk_error(chunk)
             case _:
                 assert_never(chunk)
+        if chunk.finish_reason is None:
+            continue
+        text = "".join(texts)
+        message = ResponseMessage(
+            content=text if text or not tool_calls else None,
+            tool_calls=tool_calls or None,
+            reasoning_content="".join(reasoning) or None,
+        )
+        return ChatCompletionResponse(
+            id=completion_id,
+            created=created,
+            model=model,
+            choices=[
+                Choice(
+                    index=0,
+                    message=message,
+                    finish_reason=_chat_finish_reason(chunk.finish_reason),
+                    logprobs=ChoiceLogprobs(content=logprobs) if want_logprobs else None,
+                )
+            ],
+            usage=_completion_usage(chunk.usage, counted_completion_tokens),
+        )
     raise _ended_without_finish()

@@ -38,9 +38,24 @@ from exo.api.types.openai_chat import (
     ModelList,
     ModelObject,
 )
-from exo.shared.types.chunks import Chunk, ErrorChunk, FinishReason, TokenChunk, Usage
+from exo.shared.types.chunks import (
+    Chunk,
+    ErrorChunk,
+    FinishReason,
+    TokenChunk,
+    TokenLogprob,
+    ToolCallChunk,
+    TopLogprob,
+    Usage,
+)
 from exo.shared.types.common import CommandId, ModelId
-from exo.shared.types.text_generation import ChatMessage
+from exo.shared.types.text_generation import (
+    ChatMessage,
+    NamedToolChoice,
+    TextGenerationTaskParams,
+    ToolCall,
+    ToolDefinition,
+)
 
 MODEL = "test-model"
 COMMAND_ID = CommandId("command-1")
@@ -108,13 +123,20 @@ class ChunkSource:
 
 
 async def stream_events(
-    chunks: Sequence[Chunk] | ChunkSource, include_usage: bool = False
+    chunks: Sequence[Chunk] | ChunkSource,
+    include_usage: bool = False,
+    params: TextGenerationTaskParams | None = None,
 ) -> list[Any]:
     """Run the stream adapter; each SSE event parsed as JSON, `[DONE]` kept as a string."""
     source = chunks if isinstance(chunks, ChunkSource) else ChunkSource(chunks)
     events: list[Any] = []
     async for line in stream_chat_completion(
-        source, completion_id="chatcmpl-1", model=MODEL, created=1700, include_usage=include_usage
+        source,
+        completion_id="chatcmpl-1",
+        model=MODEL,
+        created=1700,
+        include_usage=include_usage,
+        params=params,
     ):
         assert line.startswith("data: ") and line.endswith("\n\n"), line
         payload = line.removeprefix("data: ").removesuffix("\n\n")
@@ -123,10 +145,60 @@ async def stream_events(
     return events
 
 
-async def collect(chunks: Sequence[Chunk] | ChunkSource) -> ChatCompletionResponse:
+async def collect(
+    chunks: Sequence[Chunk] | ChunkSource, params: TextGenerationTaskParams | None = None
+) -> ChatCompletionResponse:
     source = chunks if isinstance(chunks, ChunkSource) else ChunkSource(chunks)
     return await collect_chat_completion(
-        source, completion_id="chatcmpl-1", model=MODEL, created=1700
+        source, completion_id="chatcmpl-1", model=MODEL, created=1700, params=params
+    )
+
+
+def reasoning(text: str) -> TokenChunk:
+    return TokenChunk(
+        command_id=COMMAND_ID, model=ModelId(MODEL), text="", reasoning_text=text, token_ids=(1,)
+    )
+
+
+def calls(*pairs: tuple[str, str], finish_reason: FinishReason | None = None) -> ToolCallChunk:
+    return ToolCallChunk(
+        command_id=COMMAND_ID,
+        model=ModelId(MODEL),
+        tool_calls=tuple(
+            ToolCall(id=f"call_{name}", name=name, arguments=arguments) for name, arguments in pairs
+        ),
+        token_ids=(1, 2),
+        finish_reason=finish_reason,
+        usage=Usage(prompt_tokens=5, completion_tokens=9, reasoning_tokens=2)
+        if finish_reason
+        else None,
+    )
+
+
+LOGPROB = TokenLogprob(
+    token="Hi",
+    token_id=7,
+    logprob=-0.5,
+    bytes=(72, 105),
+    top_logprobs=(
+        TopLogprob(token="Hi", token_id=7, logprob=-0.5, bytes=(72, 105)),
+        TopLogprob(token="Ho", token_id=8, logprob=-1.5, bytes=(72, 111)),
+    ),
+)
+LOGPROB_JSON = {
+    "token": "Hi",
+    "logprob": -0.5,
+    "bytes": [72, 105],
+    "top_logprobs": [
+        {"token": "Hi", "logprob": -0.5, "bytes": [72, 105]},
+        {"token": "Ho", "logprob": -1.5, "bytes": [72, 111]},
+    ],
+}
+
+
+def with_logprobs(text: str) -> TokenChunk:
+    return TokenChunk(
+        command_id=COMMAND_ID, model=ModelId(MODEL), text=text, token_ids=(7,), logprobs=(LOGPROB,)
     )
 
 
@@ -262,37 +334,169 @@ def test_n_above_one_is_refused() -> None:
     assert caught.value.param == "n"
 
 
+def test_json_schema_response_format_is_refused_not_ignored() -> None:
+    request = make_request(
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}
+    )
+    with pytest.raises(InvalidRequestError, match="not supported yet") as caught:
+        to_task_params(request)
+    assert caught.value.param == "response_format"
+    assert to_task_params(
+        make_request(response_format={"type": "json_object"})
+    ).response_format == ("json_object")
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time"}}
+
+
 @pytest.mark.parametrize(
-    ("fields", "param"),
+    ("tool_choice", "expected"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"functions": [{"name": "f"}]}, "functions"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-        ({"logprobs": True}, "logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        (
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-            "response_format",
-        ),
-        (
-            {
-                "messages": [
-                    {
-                        "role": "assistant",
-                        "content": None,
-                        "tool_calls": [{"id": "c", "type": "function"}],
-                    }
-                ]
-            },
-            "messages[0].tool_calls",
-        ),
+        (None, "auto"),
+        ("auto", "auto"),
+        ("none", "none"),
+        ("required", "required"),
+        ({"type": "function", "function": {"name": "get_time"}}, NamedToolChoice(name="get_time")),
     ],
 )
-def test_unsupported_features_are_refused_not_ignored(fields: dict[str, Any], param: str) -> None:
-    with pytest.raises(InvalidRequestError, match="not supported yet") as caught:
+def test_tools_and_tool_choice_are_converted(tool_choice: Any, expected: Any) -> None:
+    fields: dict[str, Any] = {"tools": [WEATHER_TOOL, TIME_TOOL], "parallel_tool_calls": False}
+    if tool_choice is not None:
+        fields["tool_choice"] = tool_choice
+    params = to_task_params(make_request(**fields))
+    assert params.tools == (
+        ToolDefinition(
+            name="get_weather",
+            description="Weather of a city",
+            parameters={"type": "object", "properties": {"city": {"type": "string"}}},
+        ),
+        ToolDefinition(name="get_time"),
+    )
+    assert params.tool_choice == expected
+    assert params.parallel_tool_calls is False
+
+
+def test_legacy_functions_and_function_call_map_like_tools() -> None:
+    params = to_task_params(
+        make_request(functions=[{"name": "get_time"}], function_call={"name": "get_time"})
+    )
+    assert params.tools == (ToolDefinition(name="get_time"),)
+    assert params.tool_choice == NamedToolChoice(name="get_time")
+    assert params.parallel_tool_calls is True
+    legacy_none = to_task_params(make_request(functions=[{"name": "f"}], function_call="none"))
+    assert legacy_none.tool_choice == "none"
+    with pytest.raises(InvalidRequestError, match="not both"):
+        to_task_params(make_request(tools=[TIME_TOOL], functions=[{"name": "f"}]))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"tool_choice": "required"},
+        {"tools": [TIME_TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+    ],
+)
+def test_impossible_tool_choice_is_a_bad_request(fields: dict[str, Any]) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
         to_task_params(make_request(**fields))
-    assert caught.value.param == param
+    assert caught.value.status_code == 400
+
+
+def test_assistant_tool_calls_and_tool_results_are_history() -> None:
+    request = make_request(
+        tools=[WEATHER_TOOL],
+        messages=[
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "need a tool",
+                "tool_calls": [
+                    {
+                        "id": "call_a",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_a", "content": "sunny"},
+            {
+                "role": "assistant",
+                "content": None,
+                "function_call": {"name": "get_time", "arguments": ""},
+            },
+            {"role": "function", "name": "get_time", "content": "noon"},
+        ],
+    )
+    messages = to_task_params(request).messages
+    assert messages[1] == ChatMessage(
+        role="assistant",
+        content="",
+        reasoning_content="need a tool",
+        tool_calls=(ToolCall(id="call_a", name="get_weather", arguments='{"city": "Paris"}'),),
+    )
+    assert messages[2] == ChatMessage(role="tool", content="sunny", tool_call_id="call_a")
+    assert messages[3].tool_calls == (ToolCall(id="call_3", name="get_time", arguments="{}"),)
+    assert messages[4] == ChatMessage(
+        role="tool", content="noon", name="get_time", tool_call_id="call_3"
+    )
+
+
+def test_replayed_arguments_must_be_a_json_object() -> None:
+    request = make_request(
+        messages=[
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1"}}
+                ],
+            }
+        ]
+    )
+    with pytest.raises(InvalidRequestError) as caught:
+        to_task_params(request)
+    assert caught.value.param == "messages[0].tool_calls[0].function.arguments"
+
+
+def test_logprobs_and_top_logprobs() -> None:
+    params = to_task_params(make_request(logprobs=True, top_logprobs=5))
+    assert (params.logprobs, params.top_logprobs) == (True, 5)
+    assert to_task_params(make_request(logprobs=True)).top_logprobs == 0
+    with pytest.raises(InvalidRequestError, match="requires logprobs") as caught:
+        to_task_params(make_request(top_logprobs=5))
+    assert caught.value.param == "top_logprobs"
+    with pytest.raises(ValidationError):
+        make_request(logprobs=True, top_logprobs=21)
+
+
+def test_penalties_and_thinking_controls() -> None:
+    params = to_task_params(
+        make_request(
+            presence_penalty=0.5,
+            frequency_penalty=-0.25,
+            repetition_penalty=1.2,
+            reasoning_effort="high",
+        )
+    )
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.25)
+    assert params.repetition_penalty == 1.2
+    assert (params.enable_thinking, params.reasoning_effort) == (True, "high")
+    off = to_task_params(make_request(chat_template_kwargs={"enable_thinking": False}))
+    assert (off.enable_thinking, off.reasoning_effort) == (False, None)
+    assert to_task_params(make_request(reasoning_effort="none")).enable_thinking is False
+    with pytest.raises(InvalidRequestError) as caught:
+        to_task_params(make_request(chat_template_kwargs={"enable_thinking": "yes"}))
+    assert caught.value.param == "chat_template_kwargs.enable_thinking"
+    with pytest.raises(ValidationError):
+        make_request(repetition_penalty=0)
 
 
 def test_harmless_feature_values_are_accepted() -> None:
@@ -306,10 +510,11 @@ def test_harmless_feature_values_are_accepted() -> None:
             presence_penalty=0.0,
             logit_bias={"50256": -100},
             user="u-1",
-            repetition_penalty=1.1,  # unknown to OpenAI: ignored
         )
     )
     assert params.messages == (ChatMessage(role="user", content="hi"),)
+    assert (params.tools, params.tool_choice, params.logprobs) == ((), "none", False)
+    assert (params.presence_penalty, params.frequency_penalty) == (0.0, 0.0)
 
 
 def test_stop_string_and_list_become_tuples() -> None:
@@ -375,7 +580,12 @@ async def test_stream_usage_chunk_only_with_include_usage() -> None:
     assert all(event["usage"] is None for event in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert usage_event["choices"] == []
-    assert usage_event["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    assert usage_event["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 2,
+        "total_tokens": 6,
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
 
 
 @pytest.mark.anyio
@@ -437,7 +647,12 @@ async def test_stream_usage_falls_back_to_counted_tokens() -> None:
     events = await stream_events(
         [token("a", token_ids=(1, 2)), token("", token_ids=(3,), finish_reason="stop")], True
     )
-    assert events[-2]["usage"] == {"prompt_tokens": 0, "completion_tokens": 3, "total_tokens": 3}
+    assert events[-2]["usage"] == {
+        "prompt_tokens": 0,
+        "completion_tokens": 3,
+        "total_tokens": 3,
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
 
 
 @pytest.mark.anyio
@@ -447,7 +662,121 @@ async def test_stream_events_parse_as_chunks() -> None:
         ChatCompletionChunk.model_validate(event)
 
 
+@pytest.mark.anyio
+async def test_stream_reasoning_then_tool_calls_then_tool_calls_finish() -> None:
+    events = await stream_events(
+        [
+            reasoning("think"),
+            calls(("get_weather", '{"city": "Paris"}'), ("get_time", "{}")),
+            calls(("f", "{}"), finish_reason="tool_calls"),
+        ],
+        include_usage=True,
+    )
+    deltas = [event["choices"][0]["delta"] for event in events[1:5]]
+    assert deltas == [
+        {"reasoning_content": "think"},
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "call_get_weather",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ]
+        },
+        {
+            "tool_calls": [
+                {
+                    "index": 1,
+                    "id": "call_get_time",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": "{}"},
+                }
+            ]
+        },
+        {
+            "tool_calls": [
+                {
+                    "index": 2,
+                    "id": "call_f",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": "{}"},
+                }
+            ]
+        },
+    ]
+    assert events[5]["choices"] == [
+        {"index": 0, "delta": {}, "finish_reason": "tool_calls", "logprobs": None}
+    ]
+    assert events[6]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2}
+    assert events[7] == "[DONE]" and len(events) == 8
+    for event in events[:-1]:
+        ChatCompletionChunk.model_validate(event)
+
+
+@pytest.mark.anyio
+async def test_stream_logprobs_only_when_asked() -> None:
+    asked = to_task_params(make_request(logprobs=True, top_logprobs=2))
+    events = await stream_events([with_logprobs("Hi"), finish()], params=asked)
+    assert events[1]["choices"][0] == {
+        "index": 0,
+        "delta": {"content": "Hi"},
+        "finish_reason": None,
+        "logprobs": {"content": [LOGPROB_JSON], "refusal": None},
+    }
+    unasked = await stream_events([with_logprobs("Hi"), finish()])
+    assert unasked[1]["choices"][0]["logprobs"] is None
+
+
 # ---------------------------------------------------------------- collect
+
+
+@pytest.mark.anyio
+async def test_collect_tool_calls_reasoning_and_usage_details() -> None:
+    response = await collect(
+        [reasoning("hmm"), calls(("get_weather", '{"city": "Paris"}'), finish_reason="tool_calls")]
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert json.loads(choice.message.model_dump_json()) == {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "reasoning_content": "hmm",
+        "tool_calls": [
+            {
+                "id": "call_get_weather",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    }
+    assert response.usage is not None and response.usage.completion_tokens_details is not None
+    assert response.usage.completion_tokens_details.reasoning_tokens == 2
+
+
+@pytest.mark.anyio
+async def test_collect_plain_answer_has_no_tool_or_reasoning_keys() -> None:
+    response = await collect([token("Hi"), finish()])
+    assert json.loads(response.choices[0].message.model_dump_json()) == {
+        "role": "assistant",
+        "content": "Hi",
+        "refusal": None,
+    }
+    assert response.choices[0].logprobs is None
+
+
+@pytest.mark.anyio
+async def test_collect_logprobs_when_asked() -> None:
+    asked = to_task_params(make_request(logprobs=True, top_logprobs=2))
+    response = await collect([with_logprobs("Hi"), with_logprobs("Hi"), finish()], asked)
+    logprobs = response.choices[0].logprobs
+    assert logprobs is not None
+    assert json.loads(logprobs.model_dump_json()) == {
+        "content": [LOGPROB_JSON, LOGPROB_JSON],
+        "refusal": None,
+    }
 
 
 @pytest.mark.anyio
@@ -466,6 +795,7 @@ async def test_collect_concatenates_text_and_reports_usage() -> None:
         "prompt_tokens": 5,
         "completion_tokens": 3,
         "total_tokens": 8,
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
 
@@ -549,6 +879,10 @@ def test_validation_errors_name_the_parameter() -> None:
 SCRIPTED_CHUNKS: dict[str, list[Chunk]] = {
     "hello": [token("Hel"), token("lo"), token(""), finish(" world", prompt_tokens=7)],
     "crash": [token("partial"), error_chunk("runner crashed")],
+    "tools": [
+        reasoning("hmm"),
+        calls(("get_weather", '{"city": "Paris"}'), finish_reason="tool_calls"),
+    ],
 }
 
 
@@ -576,12 +910,17 @@ def build_app() -> FastAPI:
                     model=request.model,
                     created=created,
                     include_usage=include_usage,
+                    params=params,
                 ),
                 media_type="text/event-stream",
             )
         try:
             response = await collect_chat_completion(
-                chunks, completion_id=completion_id, model=request.model, created=created
+                chunks,
+                completion_id=completion_id,
+                model=request.model,
+                created=created,
+                params=params,
             )
         except GenerationError as error:
             return JSONResponse(openai_error_body_for(error), status_code=error.status_code)
@@ -686,18 +1025,40 @@ def test_openai_client_gets_bad_request_for_unsupported_n(client: openai.OpenAI)
     assert caught.value.param == "n"
 
 
-@pytest.mark.parametrize("name", ["frequency_penalty", "presence_penalty"])
-def test_penalties_that_ask_for_something_are_refused_not_ignored(name: str) -> None:
-    request = ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": [{"role": "user", "content": "hi"}], name: 0.5}
-    )
-    with pytest.raises(InvalidRequestError) as raised:
-        to_task_params(request)
-    assert raised.value.param == name
-
-
 def test_seeds_outside_what_a_generator_takes_are_schema_errors() -> None:
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ChatCompletionRequest.model_validate({**base, "seed": 2**64 - 1})
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate({**base, "seed": 2**64})
+
+
+def test_openai_client_tool_calls(client: openai.OpenAI) -> None:
+    tools: Any = [WEATHER_TOOL]
+    completion = client.chat.completions.create(
+        model=MODEL, messages=user_says("tools"), tools=tools, tool_choice="required"
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert choice.message.tool_calls is not None
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id == "call_get_weather"
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_weather",
+        {"city": "Paris"},
+    )
+    assert completion.usage is not None and completion.usage.completion_tokens_details is not None
+    assert completion.usage.completion_tokens_details.reasoning_tokens == 2
+
+    streamed = list(
+        client.chat.completions.create(
+            model=MODEL, messages=user_says("tools"), tools=tools, stream=True
+        )
+    )
+    deltas = [
+        tool_call for chunk in streamed for tool_call in (chunk.choices[0].delta.tool_calls or [])
+    ]
+    assert [(d.index, d.id, d.function and d.function.name) for d in deltas] == [
+        (0, "call_get_weather", "get_weather")
+    ]
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"

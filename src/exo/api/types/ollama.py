@@ -73,6 +73,15 @@ class OllamaTool(_WireRequestModel):
     function: OllamaFunctionDefinition
 
 
+class OllamaNamedFunction(_WireRequestModel):
+    name: str = Field(min_length=1)
+
+
+class OllamaNamedToolChoice(_WireRequestModel):
+    type: Literal["function"] = "function"
+    function: OllamaNamedFunction
+
+
 class OllamaOptions(_WireRequestModel):
     """The Modelfile parameters a request may set. Ones not named here (`typical_p`,
     `mirostat`, `num_thread`, ...) are accepted and ignored; `num_ctx` is accepted and
@@ -108,6 +117,9 @@ class OllamaChatRequest(_GenerationRequest):
 
     messages: list[OllamaMessage] = Field(default_factory=list)
     tools: list[OllamaTool] | None = None
+    # An exo extension (Ollama has no way to force a call): "auto", "none", "required", or
+    # OpenAI's `{"type": "function", "function": {"name": ...}}`.
+    tool_choice: Literal["auto", "none", "required"] | OllamaNamedToolChoice | None = None
 
 
 class OllamaGenerateRequest(_GenerationRequest):

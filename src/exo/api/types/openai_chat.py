@@ -8,8 +8,10 @@ the request *means* — unsupported features, conflicting fields — is checked 
 Unknown request fields are ignored rather than refused. OpenAI's own server answers 400
 for an unknown parameter, but clients written for other OpenAI-compatible servers send
 extras (`repetition_penalty`, `chat_template_kwargs`, ...) and breaking them over a knob we
-would not honour anyway helps nobody. Known fields whose *value* we cannot honour (`tools`,
-`logprobs: true`, JSON response formats, `n > 1`) are refused, never silently dropped.
+would not honour anyway helps nobody. Known fields whose *value* we cannot honour (JSON
+schema response formats, `n > 1`, image input) are refused, never silently dropped.
+Extensions other OpenAI-compatible servers define and we honour: `top_k`, `min_p`,
+`repetition_penalty` and `chat_template_kwargs.enable_thinking` (vLLM).
 
 Request models are lax (JSON `1` is a valid temperature) because they face arbitrary HTTP
 clients; response models are what we emit and stay exact.
@@ -102,14 +104,30 @@ class UserMessage(_WireRequestModel):
     name: str | None = None
 
 
+class FunctionCallParam(_WireRequestModel):
+    name: str = Field(min_length=1)
+    # JSON text, as the model produced it.
+    arguments: str = "{}"
+
+
+class ToolCallParam(_WireRequestModel):
+    """A call an assistant turn made, replayed in the history."""
+
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class AssistantMessage(_WireRequestModel):
     role: Literal["assistant"]
     content: str | list[AssistantContentPart] | None = None
     name: str | None = None
     refusal: str | None = None
-    # Replayed tool calls only make sense together with `tools`, which is not supported
-    # yet; kept in the schema so the adapter can say so.
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    # Deprecated single-call form of `tool_calls`.
+    function_call: FunctionCallParam | None = None
+    # The turn's thinking, as vLLM and DeepSeek return it (passed to templates that use it).
+    reasoning_content: str | None = None
 
 
 class ToolMessage(_WireRequestModel):
@@ -118,13 +136,47 @@ class ToolMessage(_WireRequestModel):
     tool_call_id: str
 
 
+class FunctionMessage(_WireRequestModel):
+    """Deprecated: a function's result, tied to its call by name."""
+
+    role: Literal["function"]
+    content: str | None = None
+    name: str = Field(min_length=1)
+
+
 RequestMessage = Annotated[
-    SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage,
+    SystemMessage
+    | DeveloperMessage
+    | UserMessage
+    | AssistantMessage
+    | ToolMessage
+    | FunctionMessage,
     Field(discriminator="role"),
 ]
 
 
 # ---------------------------------------------------------------- request
+
+
+class FunctionDefinition(_WireRequestModel):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_WireRequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_WireRequestModel):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoiceParam(_WireRequestModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_WireRequestModel):
@@ -161,24 +213,28 @@ class ChatCompletionRequest(_WireRequestModel):
     n: int | None = Field(default=None, ge=1)
     user: str | None = None
 
-    # Refused by the adapter when they ask for something (not supported yet).
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoiceParam | None = None
+    parallel_tool_calls: bool | None = None
+    # Deprecated forms of `tools` and `tool_choice`.
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
     logprobs: bool | None = None
-    response_format: ResponseFormat | None = None
-
-    # Ignored.
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    # vLLM's extensions: CTRL repetition penalty, and keyword arguments for the template.
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # "none" turns thinking off; the others are passed to the template.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    # Ignored.
     logit_bias: dict[str, float] | None = None
-    parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    reasoning_effort: str | None = None
 
 
 # ---------------------------------------------------------------- responses
@@ -187,23 +243,72 @@ class ChatCompletionRequest(_WireRequestModel):
 ChatFinishReason = Literal["stop", "length", "tool_calls", "content_filter", "function_call"]
 
 
+class CompletionTokensDetails(_WireResponseModel):
+    reasoning_tokens: int = Field(default=0, ge=0)
+
+
 class CompletionUsage(_WireResponseModel):
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
     total_tokens: int = Field(ge=0)
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+
+class TopLogprobEntry(_WireResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class LogprobEntry(_WireResponseModel):
+    """One sampled token with its log probability and the most likely alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprobEntry]
+
+
+class ChoiceLogprobs(_WireResponseModel):
+    content: list[LogprobEntry] | None = None
+    refusal: list[LogprobEntry] | None = None
+
+
+class ResponseFunctionCall(_WireResponseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(_WireResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
 
 
 class ResponseMessage(_WireResponseModel):
+    """The answer. `tool_calls` and `reasoning_content` (vLLM's name for the thinking) are
+    left out of the JSON when there are none."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for key in ("tool_calls", "reasoning_content"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
 
 class Choice(_WireResponseModel):
     index: int = Field(ge=0)
     message: ResponseMessage
     finish_reason: ChatFinishReason
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionResponse(_WireResponseModel):
@@ -218,12 +323,29 @@ class ChatCompletionResponse(_WireResponseModel):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(_WireResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_WireResponseModel):
+    """A streamed tool call: `index` says which call it extends. exo sends each call whole,
+    in one delta with its id, type, name and full arguments."""
+
+    index: int = Field(ge=0)
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChunkDelta(_WireResponseModel):
     """What a streamed chunk adds to the message. Unset fields are left out of the JSON
     (OpenAI sends `{"content": "Hi"}`, and `{}` with the finish), not sent as null."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -234,7 +356,7 @@ class ChunkChoice(_WireResponseModel):
     index: int = Field(ge=0)
     delta: ChunkDelta
     finish_reason: ChatFinishReason | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(_WireResponseModel):

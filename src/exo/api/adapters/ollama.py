@@ -1,0 +1,746 @@
+"""Ollama's native API <-> internal types. The only module that knows this dialect.
+
+Pure conversions: `/api/chat` and `/api/generate` bodies become `TextGenerationTaskParams`;
+one generation's chunk stream becomes newline-delimited JSON lines or one response
+object; model cards become `/api/tags`, `/api/show` and `/api/ps` entries. Routes do the
+I/O (and supply the clocks) around them.
+
+Wire facts (ollama/ollama `docs/api.md`): streaming is the default; every line is a JSON
+object; the last has `done: true`, a `done_reason` and the statistics, durations in
+nanoseconds. A failure after the 200 went out is one `{"error": "..."}` line, which the
+official client raises as `ResponseError` (ollama-python 0.6, `Client._request`).
+
+Deliberate differences, each also said in a docstring below: `options.num_ctx` is accepted
+and ignored (the context is the model card's); `context` is never returned (and a
+non-empty one is refused); `load_duration` is 0 (a generation only runs on a loaded
+instance); `digest` is the SHA-256 of the model id, not of a blob.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from datetime import UTC, datetime
+from typing import Literal, assert_never
+
+from exo.api.errors import ApiError, GenerationError, InvalidRequestError
+from exo.api.generation import build_task_params
+from exo.api.types.ollama import (
+    OllamaChatRequest,
+    OllamaChatResponse,
+    OllamaGenerateRequest,
+    OllamaGenerateResponse,
+    OllamaLogprob,
+    OllamaMessage,
+    OllamaModelDetails,
+    OllamaNamedToolChoice,
+    OllamaOptions,
+    OllamaProcessModel,
+    OllamaResponseMessage,
+    OllamaResponseToolCall,
+    OllamaResponseToolCallFunction,
+    OllamaShowResponse,
+    OllamaTagModel,
+    OllamaTimings,
+    OllamaTopLogprob,
+    ThinkSetting,
+)
+from exo.shared.types.chunks import Chunk, ErrorChunk, TokenChunk, TokenLogprob, ToolCallChunk
+from exo.shared.types.common import ModelId
+from exo.shared.types.models import ModelCard
+from exo.shared.types.text_generation import (
+    ChatMessage,
+    NamedToolChoice,
+    ReasoningEffort,
+    ResponseFormat,
+    TextGenerationTaskParams,
+    ToolCall,
+    ToolChoice,
+    ToolDefinition,
+)
+
+NDJSON_MEDIA_TYPE = "application/x-ndjson"
+# The version `/api/version` reports: the Ollama API release whose wire format this
+# module follows (clients compare it to enable features).
+OLLAMA_COMPATIBLE_VERSION = "0.6.8"
+# Ollama reports a model kept loaded forever (`keep_alive: -1`) with a far-future expiry;
+# exo keeps placed instances until they are deleted.
+NEVER_EXPIRES = "9999-12-31T23:59:59Z"
+LATEST_TAG = ":latest"
+
+NanosecondClock = Callable[[], int]
+Dialect = Literal["chat", "generate"]
+
+# Internal parameter names in validation messages, as an Ollama client spells them.
+_OLLAMA_PARAM_NAMES = {
+    "max_tokens": "options.num_predict",
+    "temperature": "options.temperature",
+    "top_p": "options.top_p",
+    "top_k": "options.top_k",
+    "min_p": "options.min_p",
+    "seed": "options.seed",
+    "presence_penalty": "options.presence_penalty",
+    "frequency_penalty": "options.frequency_penalty",
+    "repetition_penalty": "options.repeat_penalty",
+    "stop": "options.stop",
+    "tool_choice": "tool_choice",
+}
+
+
+# ---------------------------------------------------------------- names and times
+
+
+def resolve_model_name(name: str, known: Sequence[ModelId]) -> ModelId | None:
+    """The known model an Ollama model name means: the id itself, or the id with Ollama's
+    default `:latest` tag appended; None when unknown."""
+    for candidate in (name, name.removesuffix(LATEST_TAG)):
+        if candidate in known:
+            return ModelId(candidate)
+    return None
+
+
+def rfc3339_nano(unix_ns: int) -> str:
+    """UTC time in Go's RFC3339Nano form (`2024-05-01T12:00:00.123456789Z`, trailing zeros
+    of the fraction dropped), which Ollama uses for `created_at`."""
+    seconds, nanoseconds = divmod(unix_ns, 1_000_000_000)
+    stamp = datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    fraction = f"{nanoseconds:09d}".rstrip("0")
+    return f"{stamp}.{fraction}Z" if fraction else f"{stamp}Z"
+
+
+# ---------------------------------------------------------------- requests
+
+
+def chat_to_task_params(
+    request: OllamaChatRequest, model_id: ModelId, capabilities: Sequence[str] = ("text",)
+) -> TextGenerationTaskParams:
+    """Convert an `/api/chat` body (with at least one message) into the internal request.
+
+    Args:
+        request: A schema-valid body.
+        model_id: The known model its `model` names (`resolve_model_name`).
+        capabilities: The model card's capabilities (decides the wording of an image refusal).
+
+    `tool_choice` is an exo extension (Ollama cannot force a tool call); it takes
+    OpenAI's forms.
+
+    Raises:
+        InvalidRequestError: images, a JSON-schema `format`, malformed replayed tool-call
+            arguments, a `tool_choice` naming no offered tool, or option values out of range.
+    """
+    messages = _chat_messages(request.messages, request.model, capabilities)
+    tools = tuple(
+        ToolDefinition(
+            name=tool.function.name,
+            description=tool.function.description,
+            parameters=tool.function.parameters or {},
+        )
+        for tool in request.tools or ()
+    )
+    match request.tool_choice:
+        case None:
+            tool_choice: ToolChoice = "auto"
+        case OllamaNamedToolChoice():
+            tool_choice = NamedToolChoice(name=request.tool_choice.function.name)
+        case _:
+            tool_choice = request.tool_choice
+    return _task_params(request, model_id, messages, tools, tool_choice)
+
+
+def generate_to_task_params(
+    request: OllamaGenerateRequest, model_id: ModelId, capabilities: Sequence[str] = ("text",)
+) -> TextGenerationTaskParams:
+    """Convert an `/api/generate` body with a non-empty prompt into the internal request:
+    `system` (if any) and `prompt` become a system and a user turn of the chat template.
+
+    Raises:
+        InvalidRequestError: `suffix` (fill-in-the-middle), `raw` prompts, a `template`
+            override, a non-empty `context`, images, a JSON-schema `format`, or option
+            values out of range. None of these can be honoured yet.
+    """
+    if request.images:
+        raise InvalidRequestError(_no_vision_message(request.model, capabilities), "images")
+    refusals = (
+        (request.suffix, "suffix", "suffix (fill-in-the-middle) is not supported yet"),
+        (request.raw, "raw", "raw prompts are not supported yet: exo always applies the "
+         "model's chat template; send raw: false"),
+        (request.template, "template", "a template override is not supported yet; the "
+         "model's own chat template is used"),
+        (request.context, "context", "context (token ids of an earlier answer) is not "
+         "supported: exo never returns it; send the conversation to /api/chat instead"),
+    )  # fmt: skip
+    for value, param, message in refusals:
+        if value:
+            raise InvalidRequestError(message, param)
+    messages: list[ChatMessage] = []
+    if request.system:
+        messages.append(ChatMessage(role="system", content=request.system))
+    messages.append(ChatMessage(role="user", content=request.prompt or ""))
+    return _task_params(request, model_id, tuple(messages), (), "auto")
+
+
+def _task_params(
+    request: OllamaChatRequest | OllamaGenerateRequest,
+    model_id: ModelId,
+    messages: tuple[ChatMessage, ...],
+    tools: tuple[ToolDefinition, ...],
+    tool_choice: ToolChoice,
+) -> TextGenerationTaskParams:
+    options = request.options or OllamaOptions()
+    enable_thinking, reasoning_effort = _thinking(request.think)
+    if request.top_logprobs and not request.logprobs:
+        raise InvalidRequestError("top_logprobs requires logprobs: true", "top_logprobs")
+    try:
+        return build_task_params(
+            model=model_id,
+            messages=messages,
+            max_tokens=_max_tokens(options.num_predict),
+            temperature=options.temperature,
+            top_p=options.top_p,
+            # Ollama (like llama.cpp) spells "no top-k filter" as 0 or any negative value.
+            top_k=None if options.top_k is None else max(options.top_k, 0),
+            min_p=options.min_p,
+            # -1 is llama.cpp's and Ollama's "random seed".
+            seed=None if options.seed == -1 else options.seed,
+            stop=_stop_sequences(options.stop),
+            stream=request.stream,
+            presence_penalty=options.presence_penalty or 0.0,
+            frequency_penalty=options.frequency_penalty or 0.0,
+            repetition_penalty=options.repeat_penalty,
+            tools=tools,
+            tool_choice=tool_choice,
+            response_format=_response_format(request.format),
+            logprobs=bool(request.logprobs),
+            top_logprobs=request.top_logprobs or 0,
+            enable_thinking=enable_thinking,
+            reasoning_effort=reasoning_effort,
+        )
+    except InvalidRequestError as error:
+        raise _in_ollama_terms(error) from None
+
+
+def _in_ollama_terms(error: InvalidRequestError) -> InvalidRequestError:
+    if error.param is None or error.param not in _OLLAMA_PARAM_NAMES:
+        return error
+    name = _OLLAMA_PARAM_NAMES[error.param]
+    return InvalidRequestError(error.message.replace(f"{error.param}:", f"{name}:"), name)
+
+
+def _max_tokens(num_predict: int | None) -> int | None:
+    # Ollama's runner stops at num_predict only when it is positive: -1 ("infinite"), -2
+    # ("fill the context") and 0 all mean no limit.
+    if num_predict is None or num_predict <= 0:
+        return None
+    return num_predict
+
+
+def _stop_sequences(stop: list[str] | str | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    sequences = [stop] if isinstance(stop, str) else stop
+    return tuple(sequence for sequence in sequences if sequence)
+
+
+def _thinking(think: ThinkSetting | None) -> tuple[bool | None, ReasoningEffort | None]:
+    match think:
+        case None:
+            return None, None
+        case bool():
+            return think, None
+        case "low" | "medium" | "high":
+            return True, think
+        case _:
+            assert_never(think)
+
+
+def _response_format(format_: str | dict[str, object] | None) -> ResponseFormat:
+    if format_ is None or format_ == "":
+        return "text"
+    if format_ == "json":
+        return "json_object"
+    if isinstance(format_, dict):
+        raise InvalidRequestError(
+            'format as a JSON schema is not supported yet; use format "json" for any JSON object',
+            "format",
+        )
+    raise InvalidRequestError(
+        f'invalid format {format_!r}: expected "json" or a JSON schema', "format"
+    )
+
+
+def _no_vision_message(model: str, capabilities: Sequence[str]) -> str:
+    if "vision" in capabilities:
+        return f"image input is not supported yet (model '{model}')"
+    return (
+        f"model '{model}' does not support images: it has no vision capability "
+        f"(capabilities: {', '.join(capabilities) or 'none'}); send text only"
+    )
+
+
+def _chat_messages(
+    messages: Sequence[OllamaMessage], model: str, capabilities: Sequence[str]
+) -> tuple[ChatMessage, ...]:
+    converted: list[ChatMessage] = []
+    # Calls made by the assistant that no tool message has answered yet: Ollama's tool
+    # messages name the tool (`tool_name`), ours tie to a call id.
+    unanswered: list[ToolCall] = []
+    for index, message in enumerate(messages):
+        if message.images:
+            raise InvalidRequestError(
+                _no_vision_message(model, capabilities), f"messages[{index}].images"
+            )
+        content = message.content or ""
+        match message.role:
+            case "system" | "user":
+                converted.append(ChatMessage(role=message.role, content=content))
+            case "assistant":
+                calls = tuple(
+                    ToolCall(
+                        id=call.id or f"call_{index}_{call_index}",
+                        name=call.function.name,
+                        arguments=_arguments_text(
+                            call.function.arguments,
+                            f"messages[{index}].tool_calls[{call_index}].function.arguments",
+                        ),
+                    )
+                    for call_index, call in enumerate(message.tool_calls or ())
+                )
+                unanswered = list(calls)
+                converted.append(
+                    ChatMessage(
+                        role="assistant",
+                        content=content,
+                        tool_calls=calls,
+                        reasoning_content=message.thinking or None,
+                    )
+                )
+            case "tool":
+                call = _answered_call(unanswered, message)
+                converted.append(
+                    ChatMessage(
+                        role="tool",
+                        content=content,
+                        name=message.tool_name or (call.name if call else None),
+                        tool_call_id=message.tool_call_id or (call.id if call else None),
+                    )
+                )
+            case _:
+                assert_never(message.role)
+    return tuple(converted)
+
+
+def _answered_call(unanswered: list[ToolCall], message: OllamaMessage) -> ToolCall | None:
+    """The pending call a tool message answers (by id, else by tool name, else the oldest);
+    removed from `unanswered`."""
+    for call in unanswered:
+        if message.tool_call_id is not None and call.id == message.tool_call_id:
+            break
+        if message.tool_call_id is None and message.tool_name in (None, call.name):
+            break
+    else:
+        return None
+    unanswered.remove(call)
+    return call
+
+
+def _arguments_text(arguments: dict[str, object] | str, param: str) -> str:
+    if isinstance(arguments, dict):
+        return json.dumps(arguments, ensure_ascii=False)
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise InvalidRequestError("tool call arguments must be a JSON object", param)
+    return json.dumps(parsed, ensure_ascii=False)
+
+
+# ---------------------------------------------------------------- responses
+
+
+class _Timer:
+    """The statistics of the final line: prompt evaluation is timed from the request's
+    start to the first chunk (queueing and the first token included), evaluation from
+    the first chunk to the last."""
+
+    def __init__(self, started_ns: int, clock: NanosecondClock) -> None:
+        self._started_ns = started_ns
+        self._clock = clock
+        self._first_chunk_ns: int | None = None
+
+    def saw_chunk(self) -> None:
+        if self._first_chunk_ns is None:
+            self._first_chunk_ns = self._clock()
+
+    def timings(self, prompt_tokens: int, completion_tokens: int) -> OllamaTimings:
+        now = self._clock()
+        first = self._first_chunk_ns if self._first_chunk_ns is not None else now
+        return OllamaTimings(
+            total_duration=max(now - self._started_ns, 0),
+            load_duration=0,
+            prompt_eval_count=prompt_tokens,
+            prompt_eval_duration=max(first - self._started_ns, 0),
+            eval_count=completion_tokens,
+            eval_duration=max(now - first, 0),
+        )
+
+
+def _done_reason(chunk: TokenChunk | ToolCallChunk) -> str:
+    """Ollama's `done_reason`; a generation that called tools is "stop" there.
+
+    Raises:
+        GenerationError: the generation failed or was cancelled (Ollama has no value for
+            either, and "stop" would make a truncated answer look complete).
+    """
+    assert chunk.finish_reason is not None
+    match chunk.finish_reason:
+        case "stop" | "tool_calls":
+            return "stop"
+        case "length":
+            return "length"
+        case "error":
+            raise GenerationError("generation failed", code="generation_failed")
+        case "cancelled":
+            raise GenerationError(
+                "generation was cancelled before it finished", code="generation_cancelled"
+            )
+        case _:
+            assert_never(chunk.finish_reason)
+
+
+def _error_chunk_error(chunk: ErrorChunk) -> ApiError:
+    if chunk.status_code == 400:
+        return InvalidRequestError(chunk.error_message, code=chunk.error_code)
+    return GenerationError(chunk.error_message, code=chunk.error_code or "generation_failed")
+
+
+def _tool_calls(chunk: ToolCallChunk, first_index: int) -> list[OllamaResponseToolCall]:
+    calls: list[OllamaResponseToolCall] = []
+    for offset, call in enumerate(chunk.tool_calls):
+        arguments = json.loads(call.arguments)
+        if not isinstance(arguments, dict):
+            raise GenerationError(
+                f"tool call {call.name!r} has arguments that are not a JSON object",
+                code="generation_failed",
+            )
+        function = OllamaResponseToolCallFunction(
+            index=first_index + offset, name=call.name, arguments=arguments
+        )
+        calls.append(OllamaResponseToolCall(id=call.id, function=function))
+    return calls
+
+
+def _logprobs(entries: Sequence[TokenLogprob]) -> list[OllamaLogprob]:
+    return [
+        OllamaLogprob(
+            token=entry.token,
+            logprob=entry.logprob,
+            bytes=list(entry.bytes),
+            top_logprobs=[
+                OllamaTopLogprob(token=top.token, logprob=top.logprob, bytes=list(top.bytes))
+                for top in entry.top_logprobs
+            ],
+        )
+        for entry in entries
+    ]
+
+
+def _line(
+    dialect: Dialect,
+    model: str,
+    created_at: str,
+    *,
+    text: str = "",
+    thinking: str = "",
+    tool_calls: list[OllamaResponseToolCall] | None = None,
+    logprobs: list[OllamaLogprob] | None = None,
+    done_reason: str | None = None,
+    timings: OllamaTimings | None = None,
+) -> OllamaChatResponse | OllamaGenerateResponse:
+    statistics = timings.model_dump() if timings is not None else {}
+    if dialect == "chat":
+        message = OllamaResponseMessage(
+            content=text, thinking=thinking or None, tool_calls=tool_calls or None
+        )
+        return OllamaChatResponse(
+            model=model,
+            created_at=created_at,
+            message=message,
+            done=done_reason is not None,
+            done_reason=done_reason,
+            logprobs=logprobs or None,
+            **statistics,
+        )
+    return OllamaGenerateResponse(
+        model=model,
+        created_at=created_at,
+        response=text,
+        thinking=thinking or None,
+        done=done_reason is not None,
+        done_reason=done_reason,
+        logprobs=logprobs or None,
+        **statistics,
+    )
+
+
+def load_response(
+    dialect: Dialect, model: str, now_ns: NanosecondClock = time.time_ns
+) -> OllamaChatResponse | OllamaGenerateResponse:
+    """Ollama's answer to a request without messages / with an empty prompt: the model is
+    (already) loaded, `done_reason: "load"`, no statistics."""
+    return _line(dialect, model, rfc3339_nano(now_ns()), done_reason="load")
+
+
+async def stream_ollama(
+    chunks: AsyncIterator[Chunk],
+    *,
+    dialect: Dialect,
+    model: str,
+    started_ns: int,
+    clock: NanosecondClock = time.monotonic_ns,
+    now_ns: NanosecondClock = time.time_ns,
+) -> AsyncIterator[str]:
+    """Render one generation as Ollama's newline-delimited JSON.
+
+    Yields one line per chunk that carries text, thinking, tool calls or logprobs (`done:
+    false`), then one `done: true` line with an empty message, `done_reason` ("stop" or
+    "length") and the statistics. On failure that last line is `{"error": "..."}` instead.
+
+    Args:
+        chunks: The generation's chunks; read up to the first one with a finish reason.
+        dialect: "chat" (`message` objects) or "generate" (`response` strings).
+        model: The model name to report (as the client spelled it).
+        started_ns: `clock()` when the request arrived.
+        clock: Monotonic nanoseconds, for the durations.
+        now_ns: Unix time in nanoseconds, for `created_at`.
+    """
+    timer = _Timer(started_ns, clock)
+    tool_call_count = 0
+    async for chunk in chunks:
+        timer.saw_chunk()
+        try:
+            match chunk:
+                case TokenChunk():
+                    if chunk.text or chunk.reasoning_text or chunk.logprobs:
+                        line = _line(
+                            dialect, model, rfc3339_nano(now_ns()), text=chunk.text,
+                            thinking=chunk.reasoning_text, logprobs=_logprobs(chunk.logprobs),
+                        )  # fmt: skip
+                        yield _json_line(line)
+                case ToolCallChunk():
+                    if dialect == "generate":
+                        raise GenerationError("a tool call in a generate request")
+                    calls = _tool_calls(chunk, tool_call_count)
+                    tool_call_count += len(calls)
+                    yield _json_line(
+                        _line(dialect, model, rfc3339_nano(now_ns()), tool_calls=calls)
+                    )
+                case ErrorChunk():
+                    raise _error_chunk_error(chunk)
+                case _:
+                    assert_never(chunk)
+            if chunk.finish_reason is None:
+                continue
+            done_reason = _done_reason(chunk)
+        except ApiError as error:
+            yield _error_line(error)
+            return
+        usage = chunk.usage
+        timings = timer.timings(
+            usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0
+        )
+        yield _json_line(
+            _line(dialect, model, rfc3339_nano(now_ns()), done_reason=done_reason, timings=timings)
+        )
+        return
+    yield _error_line(_ended_without_finish())
+
+
+async def collect_ollama(
+    chunks: AsyncIterator[Chunk],
+    *,
+    dialect: Dialect,
+    model: str,
+    started_ns: int,
+    clock: NanosecondClock = time.monotonic_ns,
+    now_ns: NanosecondClock = time.time_ns,
+) -> OllamaChatResponse | OllamaGenerateResponse:
+    """Gather one generation into the single object of a `stream: false` request (the
+    whole text, thinking, tool calls and logprobs, `done: true` with the statistics).
+
+    Arguments as for `stream_ollama`.
+
+    Raises:
+        InvalidRequestError: the engine refused the request (an ErrorChunk with status 400).
+        GenerationError: the generation failed, was cancelled, or ended without a finish.
+    """
+    timer = _Timer(started_ns, clock)
+    texts: list[str] = []
+    thinking: list[str] = []
+    tool_calls: list[OllamaResponseToolCall] = []
+    logprobs: list[OllamaLogprob] = []
+    async for chunk in chunks:
+        timer.saw_chunk()
+        match chunk:
+            case TokenChunk():
+                texts.append(chunk.text)
+                thinking.append(chunk.reasoning_text)
+                logprobs.extend(_logprobs(chunk.logprobs))
+            case ToolCallChunk():
+                if dialect == "generate":
+                    raise GenerationError("a tool call in a generate request")
+                tool_calls.extend(_tool_calls(chunk, len(tool_calls)))
+            case ErrorChunk():
+                raise _error_chunk_error(chunk)
+            case _:
+                assert_never(chunk)
+        if chunk.finish_reason is None:
+            continue
+        done_reason = _done_reason(chunk)
+        usage = chunk.usage
+        timings = timer.timings(
+            usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0
+        )
+        return _line(
+            dialect, model, rfc3339_nano(now_ns()), text="".join(texts),
+            thinking="".join(thinking), tool_calls=tool_calls, logprobs=logprobs,
+            done_reason=done_reason, timings=timings,
+        )  # fmt: skip
+    raise _ended_without_finish()
+
+
+def _ended_without_finish() -> GenerationError:
+    return GenerationError("generation stream ended without a finish", code="generation_failed")
+
+
+def _json_line(response: OllamaChatResponse | OllamaGenerateResponse) -> str:
+    return response.model_dump_json() + "\n"
+
+
+def _error_line(error: ApiError) -> str:
+    return json.dumps({"error": error.message}, ensure_ascii=False) + "\n"
+
+
+# ---------------------------------------------------------------- model listings
+
+
+def model_digest(model_id: str) -> str:
+    """A stable stand-in for Ollama's blob digest: the SHA-256 hex of the model id."""
+    return hashlib.sha256(model_id.encode()).hexdigest()
+
+
+def _parameter_count(card: ModelCard) -> int:
+    # `storage_size_bytes` is the fp32 size (4 bytes per parameter, see ModelCard).
+    return card.storage_size_bytes // 4
+
+
+def _human_parameter_count(count: int) -> str:
+    """`134515008` -> "135M", `8030261248` -> "8.0B" (Ollama's `parameter_size` style)."""
+    for divisor, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= divisor:
+            value = count / divisor
+            return f"{value:.0f}{suffix}" if value >= 100 else f"{value:.1f}{suffix}"
+    return str(count)
+
+
+def model_family(card: ModelCard) -> str:
+    """`LlamaForCausalLM` -> "llama" (Ollama's family names are the architectures')."""
+    name = card.architecture
+    for suffix in ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel", "Model"):
+        name = name.removesuffix(suffix)
+    return name.lower() or card.architecture.lower()
+
+
+def model_details(card: ModelCard) -> OllamaModelDetails:
+    family = model_family(card)
+    return OllamaModelDetails(
+        format="safetensors",
+        family=family,
+        families=[family],
+        parameter_size=_human_parameter_count(_parameter_count(card)),
+        # The engine holds weights as float32 (see ModelCard.storage_size_bytes).
+        quantization_level="F32",
+    )
+
+
+def tag_model(card: ModelCard, modified_at: str) -> OllamaTagModel:
+    """One `/api/tags` entry; `size` is the card's storage size in bytes."""
+    return OllamaTagModel(
+        name=card.model_id,
+        model=card.model_id,
+        modified_at=modified_at,
+        size=card.storage_size_bytes,
+        digest=model_digest(card.model_id),
+        details=model_details(card),
+    )
+
+
+def process_model(card: ModelCard, size_vram: int) -> OllamaProcessModel:
+    """One `/api/ps` entry for a placed model; it stays loaded until deleted."""
+    return OllamaProcessModel(
+        name=card.model_id,
+        model=card.model_id,
+        size=card.storage_size_bytes,
+        digest=model_digest(card.model_id),
+        details=model_details(card),
+        expires_at=NEVER_EXPIRES,
+        size_vram=size_vram,
+        context_length=card.context_length,
+    )
+
+
+def model_capabilities(card: ModelCard, template: str) -> list[str]:
+    """Ollama's capability names: "completion" always; "tools" and "thinking" when the card
+    says so or the chat template reads tools / a thinking switch; "vision" never (image
+    input is not supported yet)."""
+    capabilities = ["completion"]
+    if "tools" in card.capabilities or "tools" in template:
+        capabilities.append("tools")
+    if {"thinking", "reasoning"} & set(card.capabilities) or "enable_thinking" in template:
+        capabilities.append("thinking")
+    return capabilities
+
+
+def show_response(card: ModelCard, template: str, modified_at: str) -> OllamaShowResponse:
+    """The `/api/show` body for a model: a generated Modelfile, the card's sampling
+    defaults as `parameters`, `template` (the chat template, "" when unknown on this node)
+    and GGUF-style `model_info` keys built from the card."""
+    family = model_family(card)
+    defaults = card.sampling_defaults
+    parameter_values = {
+        "temperature": defaults.temperature,
+        "top_p": defaults.top_p,
+        "top_k": defaults.top_k,
+        "min_p": defaults.min_p,
+    }
+    parameters = "\n".join(f"{name:<30} {value}" for name, value in parameter_values.items())
+    modelfile_lines = [
+        "# Modelfile generated by exo",
+        f"FROM {card.model_id}",
+        *(f"PARAMETER {name} {value}" for name, value in parameter_values.items()),
+    ]
+    if template:
+        modelfile_lines.insert(2, f'TEMPLATE """{template}"""')
+    model_info: dict[str, object] = {
+        "general.architecture": family,
+        "general.basename": card.model_id.rsplit("/", 1)[-1],
+        "general.parameter_count": _parameter_count(card),
+        f"{family}.block_count": card.n_layers,
+        f"{family}.context_length": card.context_length,
+        f"{family}.embedding_length": card.hidden_size,
+        f"{family}.feed_forward_length": card.intermediate_size,
+        f"{family}.attention.head_count": card.num_attention_heads,
+        f"{family}.attention.head_count_kv": card.num_key_value_heads,
+        f"{family}.vocab_size": card.vocab_size,
+    }
+    return OllamaShowResponse(
+        modelfile="\n".join(modelfile_lines) + "\n",
+        parameters=parameters,
+        template=template,
+        details=model_details(card),
+        model_info=model_info,
+        capabilities=model_capabilities(card, template),
+        modified_at=modified_at,
+    )

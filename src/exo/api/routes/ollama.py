@@ -1,0 +1,245 @@
+"""Ollama's API under `/ollama`: point an Ollama client at `http://<node>:52415/ollama`.
+
+Native routes (`/ollama/api/...`: chat, generate, tags, show, ps, version) answer errors as
+Ollama does, `{"error": "message"}` with 400 for bad requests and schema errors and 404 for
+unknown models. `/ollama/v1/chat/completions` and `/ollama/v1/models` are the OpenAI routes
+mounted again under this prefix (Ollama serves its OpenAI-compatible API there), with
+OpenAI-shaped errors.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+
+from exo.api.adapters.ollama import (
+    NDJSON_MEDIA_TYPE,
+    OLLAMA_COMPATIBLE_VERSION,
+    Dialect,
+    chat_to_task_params,
+    collect_ollama,
+    generate_to_task_params,
+    load_response,
+    process_model,
+    resolve_model_name,
+    rfc3339_nano,
+    show_response,
+    stream_ollama,
+    tag_model,
+)
+from exo.api.cluster import ClusterClient
+from exo.api.dependencies import cluster_dependency, known_model_ids
+from exo.api.errors import ErrorDialect, InvalidRequestError, ModelNotFoundError
+from exo.api.generation import collect, start_generation, streaming_response
+from exo.api.routes import chat
+from exo.api.types.ollama import (
+    OllamaChatRequest,
+    OllamaChatResponse,
+    OllamaGenerateRequest,
+    OllamaGenerateResponse,
+    OllamaProcessResponse,
+    OllamaShowRequest,
+    OllamaShowResponse,
+    OllamaTagsResponse,
+    OllamaVersionResponse,
+)
+from exo.download.pypi_gguf import model_directory_name
+from exo.shared.constants import models_dir
+from exo.shared.types.common import ModelId
+from exo.shared.types.models import LocalDirectorySource, ModelCard
+from exo.shared.types.nodes import DownloadCompleted
+from exo.shared.types.text_generation import TextGenerationTaskParams
+
+PREFIX = "/ollama"
+UNIX_EPOCH = "1970-01-01T00:00:00Z"
+
+
+def _render_ollama_error(
+    status_code: int, error_type: str, message: str, param: str | None, code: str | None
+) -> dict[str, Any]:
+    return {"error": message}
+
+
+ERROR_DIALECT = ErrorDialect("ollama", (f"{PREFIX}/api",), _render_ollama_error, 400)
+
+router = APIRouter()
+Cluster = Annotated[ClusterClient, Depends(cluster_dependency)]
+
+# Ollama's OpenAI-compatible API, served by the same handlers as `/v1/...`.
+router.add_api_route(
+    f"{PREFIX}/v1/chat/completions", chat.chat_completions, methods=["POST"], response_model=None
+)
+router.add_api_route(f"{PREFIX}/v1/models", chat.list_models, methods=["GET"])
+
+
+@router.api_route(PREFIX, methods=["GET", "HEAD"], response_class=PlainTextResponse)
+async def root() -> str:
+    """Ollama's liveness answer at its root URL."""
+    return "Ollama is running"
+
+
+@router.api_route(f"{PREFIX}/api/version", methods=["GET", "HEAD"])
+async def version() -> OllamaVersionResponse:
+    return OllamaVersionResponse(version=OLLAMA_COMPATIBLE_VERSION)
+
+
+@router.post(f"{PREFIX}/api/chat", response_model=None)
+async def ollama_chat(
+    body: OllamaChatRequest, request: Request, cluster: Cluster
+) -> Response | OllamaChatResponse | OllamaGenerateResponse:
+    started_ns = time.monotonic_ns()
+    card = _card_for_request(cluster, body.model)
+    if not body.messages:
+        return _load_answer("chat", body.model, body.stream)
+    params = chat_to_task_params(body, card.model_id, card.capabilities)
+    return await _generate(cluster, request, params, "chat", body.model, started_ns)
+
+
+@router.post(f"{PREFIX}/api/generate", response_model=None)
+async def ollama_generate(
+    body: OllamaGenerateRequest, request: Request, cluster: Cluster
+) -> Response | OllamaChatResponse | OllamaGenerateResponse:
+    started_ns = time.monotonic_ns()
+    card = _card_for_request(cluster, body.model)
+    if not body.prompt:
+        return _load_answer("generate", body.model, body.stream)
+    params = generate_to_task_params(body, card.model_id, card.capabilities)
+    return await _generate(cluster, request, params, "generate", body.model, started_ns)
+
+
+@router.get(f"{PREFIX}/api/tags")
+async def tags(cluster: Cluster) -> OllamaTagsResponse:
+    cards = [_card(cluster, model_id) for model_id in known_model_ids(cluster)]
+    return OllamaTagsResponse(
+        models=[tag_model(card, _modified_at(cluster, card)) for card in cards if card is not None]
+    )
+
+
+@router.post(f"{PREFIX}/api/show")
+async def show(body: OllamaShowRequest, cluster: Cluster) -> OllamaShowResponse:
+    name = body.model or body.name
+    if not name:
+        raise InvalidRequestError("model is required", "model")
+    card = _card_for_request(cluster, name)
+    return show_response(card, _chat_template(cluster, card), _modified_at(cluster, card))
+
+
+@router.get(f"{PREFIX}/api/ps")
+async def ps(cluster: Cluster) -> OllamaProcessResponse:
+    models = []
+    seen: set[ModelId] = set()
+    for instance in cluster.state.instances.values():
+        card = _card(cluster, instance.model_id)
+        if card is None or card.model_id in seen:
+            continue
+        seen.add(card.model_id)
+        nodes = instance.shard_assignments.node_to_runner
+        on_gpus = all(
+            node in cluster.state.node_info and cluster.state.node_info[node].gpus for node in nodes
+        )
+        models.append(process_model(card, card.storage_size_bytes if on_gpus else 0))
+    return OllamaProcessResponse(models=models)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+async def _generate(
+    cluster: ClusterClient,
+    request: Request,
+    params: TextGenerationTaskParams,
+    dialect: Dialect,
+    model: str,
+    started_ns: int,
+) -> StreamingResponse | OllamaChatResponse | OllamaGenerateResponse:
+    generation = await start_generation(cluster, request, params)
+    if params.stream:
+        return streaming_response(
+            generation,
+            lambda chunks: stream_ollama(
+                chunks, dialect=dialect, model=model, started_ns=started_ns
+            ),
+            media_type=NDJSON_MEDIA_TYPE,
+        )
+    return await collect(
+        generation,
+        request,
+        lambda chunks: collect_ollama(chunks, dialect=dialect, model=model, started_ns=started_ns),
+    )
+
+
+def _load_answer(dialect: Dialect, model: str, stream: bool) -> Response:
+    body = load_response(dialect, model).model_dump_json()
+    if stream:
+        return Response(body + "\n", media_type=NDJSON_MEDIA_TYPE)
+    return Response(body, media_type="application/json")
+
+
+def _card(cluster: ClusterClient, model_id: ModelId) -> ModelCard | None:
+    """The card of a known model: the catalog's, else the one its placed instance carries."""
+    if model_id in cluster.cards:
+        return cluster.cards[model_id]
+    for instance in cluster.state.instances_of_model(model_id):
+        for shard in instance.shard_assignments.runner_to_shard.values():
+            return shard.model_card
+    return None
+
+
+def _card_for_request(cluster: ClusterClient, name: str) -> ModelCard:
+    model_id = resolve_model_name(name, known_model_ids(cluster))
+    card = _card(cluster, model_id) if model_id is not None else None
+    if card is None:
+        raise ModelNotFoundError(f"model '{name}' not found")
+    return card
+
+
+def _model_directories(cluster: ClusterClient, card: ModelCard) -> list[Path]:
+    """Where this node may hold the model's files, most specific first."""
+    directories: list[Path] = []
+    download = cluster.state.downloads.get(cluster.node_id, {}).get(card.model_id)
+    if isinstance(download, DownloadCompleted):
+        directories.append(Path(download.path))
+    if isinstance(card.source, LocalDirectorySource):
+        directories.append(Path(card.source.path))
+    directories.append(models_dir() / model_directory_name(card.model_id))
+    return [directory for directory in directories if directory.is_dir()]
+
+
+def _modified_at(cluster: ClusterClient, card: ModelCard) -> str:
+    """When the model's files on this node last changed; the Unix epoch when this node has
+    no copy."""
+    for directory in _model_directories(cluster, card):
+        return rfc3339_nano(directory.stat().st_mtime_ns)
+    return UNIX_EPOCH
+
+
+def _chat_template(cluster: ClusterClient, card: ModelCard) -> str:
+    """The model's chat template (Jinja) from its files on this node, or "" when this node
+    has no readable copy. transformers stores it in `chat_template.jinja` or in
+    `tokenizer_config.json` (a string, or a list of named templates)."""
+    for directory in _model_directories(cluster, card):
+        jinja = directory / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text(encoding="utf-8", errors="replace")
+        try:
+            config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        template = config.get("chat_template") if isinstance(config, dict) else None
+        if isinstance(template, str):
+            return template
+        if isinstance(template, list):
+            named = {
+                entry.get("name"): entry.get("template")
+                for entry in template
+                if isinstance(entry, dict)
+            }
+            chosen = named.get("default") or next(iter(named.values()), None)
+            if isinstance(chosen, str):
+                return chosen
+    return ""
