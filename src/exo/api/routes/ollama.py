@@ -25,13 +25,11 @@ from exo.api.adapters.ollama import (
     collect_ollama,
     generate_to_task_params,
     load_response,
-    process_model,
     resolve_model_name,
     rfc3339_nano,
-    show_response,
     stream_ollama,
-    tag_model,
 )
+from exo.api.adapters.ollama_models import process_model, show_response, tag_model
 from exo.api.cluster import ClusterClient
 from exo.api.dependencies import cluster_dependency, known_model_ids
 from exo.api.errors import ErrorDialect, InvalidRequestError, ModelNotFoundError

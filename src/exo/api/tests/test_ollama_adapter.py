@@ -22,14 +22,11 @@ from exo.api.adapters.ollama import (
     collect_ollama,
     generate_to_task_params,
     load_response,
-    model_digest,
-    process_model,
     resolve_model_name,
     rfc3339_nano,
-    show_response,
     stream_ollama,
-    tag_model,
 )
+from exo.api.adapters.ollama_models import model_digest, process_model, show_response, tag_model
 from exo.api.app import create_app
 from exo.api.cluster import ClusterClient
 from exo.api.errors import GenerationError, InvalidRequestError
