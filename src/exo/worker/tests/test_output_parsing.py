@@ -15,8 +15,8 @@ from exo.worker.engines.output_parsing import (
     OutputParser,
     ParsedOutput,
     ToolCallFormat,
-    coerce_to_schema,
 )
+from exo.worker.engines.tool_arguments import coerce_to_schema
 
 WEATHER = ToolDefinition(
     name="get_weather",
