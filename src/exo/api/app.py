@@ -20,12 +20,18 @@ from exo.api.errors import (
     error_type_for_status,
 )
 from exo.api.routes import chat, cluster
+from exo.api.routes import claude_messages as claude_messages_routes
+from exo.api.routes import ollama as ollama_routes
+from exo.api.routes import openai_responses as responses_routes
 
 # One line per route module: each has a `router`; a dialect whose errors are not shaped like
 # OpenAI's also has an `ERROR_DIALECT`.
 ROUTE_MODULES: tuple[ModuleType, ...] = (
     chat,
     cluster,
+    claude_messages_routes,
+    responses_routes,
+    ollama_routes,
 )
 
 

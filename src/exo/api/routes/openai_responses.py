@@ -1,0 +1,40 @@
+"""OpenAI Responses: `POST /v1/responses`. Errors use OpenAI's error shape (the default),
+so this module defines no `ERROR_DIALECT`."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from exo.api.adapters.openai_responses import (
+    collect_response,
+    response_context,
+    stream_response,
+    to_task_params,
+)
+from exo.api.cluster import ClusterClient
+from exo.api.dependencies import cluster_dependency
+from exo.api.generation import collect, response_id, start_generation, streaming_response
+from exo.api.types.openai_responses import ResponseObject, ResponsesRequest
+from exo.shared.types.common import CommandId
+
+router = APIRouter()
+Cluster = Annotated[ClusterClient, Depends(cluster_dependency)]
+
+
+@router.post("/v1/responses", response_model=None)
+async def create_response(
+    body: ResponsesRequest, request: Request, cluster: Cluster
+) -> ResponseObject | StreamingResponse:
+    params = to_task_params(body)
+    command_id = CommandId.new()
+    context = response_context(
+        body, params, response_id("resp_", command_id), created_at=int(time.time())
+    )
+    generation = await start_generation(cluster, request, params, command_id=command_id)
+    if body.stream:
+        return streaming_response(generation, lambda chunks: stream_response(chunks, context))
+    return await collect(generation, request, lambda chunks: collect_response(chunks, context))
