@@ -99,6 +99,9 @@ def error_type_for_status(status_code: int) -> str:
     return "invalid_request_error" if 400 <= status_code < 500 else "server_error"
 
 
+_UNION_BRANCH_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "null"})
+
+
 def param_from_location(location: Sequence[str | int]) -> str | None:
     """Turn a pydantic error location into OpenAI's parameter notation.
 
@@ -108,6 +111,13 @@ def param_from_location(location: Sequence[str | int]) -> str | None:
     parts = list(location)
     if parts and parts[0] in ("body", "query", "path", "header"):
         parts = parts[1:]
+    # Pydantic names the union member it tried (`str`, `list[...]`, `function-after[...]`);
+    # those are not request fields.
+    parts = [
+        part
+        for part in parts
+        if isinstance(part, int) or not (part in _UNION_BRANCH_NAMES or part.endswith("]"))
+    ]
     param = ""
     for part in parts:
         if isinstance(part, int):
