@@ -10,10 +10,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from exo.api.adapters.openai_responses import (
+    to_task_params,
+)
+from exo.api.adapters.openai_responses_output import (
     collect_response,
     response_context,
     stream_response,
-    to_task_params,
 )
 from exo.api.cluster import ClusterClient
 from exo.api.dependencies import cluster_dependency

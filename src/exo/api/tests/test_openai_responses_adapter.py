@@ -16,11 +16,13 @@ from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
 from exo.api.adapters.openai_responses import (
+    to_task_params,
+)
+from exo.api.adapters.openai_responses_output import (
     ResponseContext,
     collect_response,
     response_context,
     stream_response,
-    to_task_params,
 )
 from exo.api.app import create_app
 from exo.api.cluster import ClusterClient
