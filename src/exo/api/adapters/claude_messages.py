@@ -9,8 +9,8 @@ A chunk stream ends with the first chunk whose `finish_reason` is set (an `Error
 always has one); nothing after it is read.
 
 Known gaps, each said where it matters:
-- `stop_reason` is never "stop_sequence": the engine reports a matched stop string as a
-  plain "stop" and removes it, so we answer "end_turn" with `stop_sequence: null`.
+- A matched stop string is `stop_reason: "stop_sequence"` with `stop_sequence` set (the
+  engine names it on the final chunk and leaves it out of the text, as Anthropic does).
 - `message_start` reports `input_tokens: 0` (the count arrives with the last chunk);
   `message_delta` carries the real count, which the SDK's accumulator takes over.
 - Thinking blocks carry an empty `signature`: exo does not sign thinking.
@@ -500,10 +500,15 @@ async def message_events(chunks: AsyncIterator[Chunk]) -> AsyncIterator[StreamEv
         if chunk.finish_reason is None:
             continue
         stop_reason = _stop_reason(chunk.finish_reason, called_tools)
+        stop_sequence = chunk.stop_sequence if isinstance(chunk, TokenChunk) else None
+        if stop_sequence is not None and stop_reason == "end_turn":
+            stop_reason = "stop_sequence"
+        else:
+            stop_sequence = None
         if open_kind is not None:
             yield ContentBlockStopEvent(index=index)
         yield MessageDeltaEvent(
-            delta=MessageDelta(stop_reason=stop_reason, stop_sequence=None),
+            delta=MessageDelta(stop_reason=stop_reason, stop_sequence=stop_sequence),
             usage=_message_usage(chunk.usage, counted_output_tokens),
         )
         return

@@ -637,6 +637,15 @@ async def test_stream_stop_reasons(chunks: list[Chunk], stop_reason: str) -> Non
 
 
 @pytest.mark.anyio
+async def test_matched_stop_string_is_reported_as_stop_sequence() -> None:
+    chunks: list[Chunk] = [token("a"), finish("stop").model_copy(update={"stop_sequence": "END"})]
+    events = await stream_events(chunks)
+    assert events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    message = await collect_message(ChunkSource(chunks), message_id=MESSAGE_ID, model=MODEL)
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "END")
+
+
+@pytest.mark.anyio
 async def test_stream_without_content_has_no_blocks() -> None:
     events = await stream_events([finish(completion_tokens=1)])
     assert events == [MESSAGE_START, message_delta("end_turn", usage_json(5, 1)), MESSAGE_STOP]
