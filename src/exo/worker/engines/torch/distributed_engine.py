@@ -5,8 +5,10 @@ generation / shut down) that the other ranks wait for in `serve_forever`.
 
 - Pipeline: every forward step goes rank 0 -> 1 -> ... -> last as a header
   `[command, tokens, sample]` plus hidden states `[1, tokens, hidden]`; the last rank samples
-  (with the request's seed) and sends the token to rank 0. Rank 0 ends a generation by
-  sending an END header down the same path.
+  (with the request's seed) and sends the token to rank 0. A request that needs the logits
+  on rank 0 (penalties, logprobs, a JSON / tool-call constraint) is started with
+  `sample_on_last_rank: false`: the last rank then sends the `[vocab]` float32 logits and
+  rank 0 samples. Rank 0 ends a generation by sending an END header down the same path.
 - Tensor: every rank runs the whole forward on the same tokens (the row-parallel linears
   all-reduce, so logits are identical everywhere); rank 0 samples and broadcasts each token,
   or END.
@@ -46,7 +48,12 @@ from exo.worker.engines.torch.engine import (
 from exo.worker.engines.torch.kv_cache import PREFILL_CHUNK_TOKENS, DecodeSession
 from exo.worker.engines.torch.loading import LayerProgressCallback
 from exo.worker.engines.torch.quantize import WeightDtype
-from exo.worker.engines.torch.sampling import Sampler, SamplingParams, resolve_sampling_params
+from exo.worker.engines.torch.sampling import (
+    Sampler,
+    SamplingParams,
+    TokenFilter,
+    resolve_sampling_params,
+)
 from exo.worker.engines.torch.sharding import load_sharded_model
 from exo.worker.engines.torch.stop_sequences import StopSequenceMatcher
 
@@ -87,15 +94,28 @@ class DistributedSession(DecodeSession, abc.ABC):
 
 
 class PipelineHeadSession(DistributedSession):
-    """Pipeline rank 0: runs its layers, sends hidden states on, receives the sampled token
-    from the last rank. `prefill`/`decode` return that token as a 0-d int64 tensor (consumed
-    by `ForwardedTokenSampler`)."""
+    """Pipeline rank 0: runs its layers, sends hidden states on, receives from the last rank
+    either the sampled token (`sample_on_last_rank`: `prefill`/`decode` return it as a 0-d
+    int64 tensor, consumed by `ForwardedTokenSampler`) or the `[vocab]` float32 logits.
 
-    __slots__ = ("_last_rank",)
+    Args:
+        vocab_size: length of the logits the last rank sends (when it does not sample).
+    """
 
-    def __init__(self, model: PreTrainedModel, device: torch.device, capacity_tokens: int):
+    __slots__ = ("_last_rank", "_sample_on_last_rank", "_vocab_size")
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        device: torch.device,
+        capacity_tokens: int,
+        sample_on_last_rank: bool = True,
+        vocab_size: int = 0,
+    ):
         super().__init__(model, device, capacity_tokens)
         self._last_rank = dist.get_world_size() - 1
+        self._sample_on_last_rank = sample_on_last_rank
+        self._vocab_size = vocab_size
 
     def _step(self, tokens: torch.Tensor, sample: bool) -> torch.Tensor | None:
         if self._cache is None:
@@ -115,6 +135,11 @@ class PipelineHeadSession(DistributedSession):
         if not sample:
             self._in_flight = False
             return None
+        if not self._sample_on_last_rank:
+            logits = torch.empty(self._vocab_size, dtype=torch.float32)  # [vocab]
+            dist.recv(logits, src=self._last_rank)
+            self._in_flight = False
+            return logits.to(self._device)
         token = torch.zeros(1, dtype=torch.int64)
         dist.recv(token, src=self._last_rank)
         self._in_flight = False
@@ -171,7 +196,8 @@ class ForwardedTokenSampler(Sampler):
 
     __slots__ = ()
 
-    def sample(self, logits: torch.Tensor) -> int:
+    def sample(self, logits: torch.Tensor, constraint: TokenFilter | None = None) -> int:
+        assert constraint is None, "a constrained request has rank 0 sample"
         return int(logits.item())
 
 
@@ -298,14 +324,20 @@ class DistributedTorchEngine(TorchEngine):
         if sampling.seed is None:  # drawn here so every rank that samples uses the same one
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
         capacity = len(prompt_ids) + max_new_tokens
+        chooser = self.token_chooser(params, sampling, prompt_ids)
+        top_logprobs = params.top_logprobs if params.logprobs else None
+        # The fast pipeline path sends one token id per step; logits (vocab floats) only
+        # when rank 0 needs them.
+        sample_on_last_rank = not chooser.needs_logits and top_logprobs is None
         session: DistributedSession
-        sampler: Sampler
         if self.is_pipeline:
-            session = PipelineHeadSession(self.model, self.device, capacity)
-            sampler = ForwardedTokenSampler(sampling, self.device)
+            session = PipelineHeadSession(
+                self.model, self.device, capacity, sample_on_last_rank, self.vocab_size
+            )
+            if sample_on_last_rank:
+                chooser.sampler = ForwardedTokenSampler(sampling, self.device)
         else:
             session = TensorHeadSession(self.model, self.device, capacity)
-            sampler = Sampler(sampling, self.device)
         detokenizer = StreamingDetokenizer(self._decode, prompt_ids)
         stop_matcher = StopSequenceMatcher(params.stop)
         start = {
@@ -313,12 +345,14 @@ class DistributedTorchEngine(TorchEngine):
             "prompt_ids": prompt_ids,
             "capacity_tokens": capacity,
             "sampling": dataclasses.asdict(sampling),
+            "sample_on_last_rank": sample_on_last_rank,
         }
         try:
             session.begin(start)
             yield from self._generate_tokens(
-                session, prompt_ids, max_new_tokens, sampler, detokenizer, stop_matcher
-            )
+                session, prompt_ids, max_new_tokens, chooser, top_logprobs, detokenizer,
+                stop_matcher,
+            )  # fmt: skip
         finally:
             session.close()
 
@@ -348,8 +382,9 @@ class DistributedTorchEngine(TorchEngine):
                 prompt_ids = [int(token) for token in message["prompt_ids"]]
                 capacity = int(message["capacity_tokens"])
                 sampling = SamplingParams(**message["sampling"])
+                sample_on_last_rank = bool(message.get("sample_on_last_rank", True))
                 if self.is_pipeline:
-                    self._serve_pipeline_generation(capacity, sampling)
+                    self._serve_pipeline_generation(capacity, sampling, sample_on_last_rank)
                 else:
                     self._serve_tensor_generation(prompt_ids, capacity)
                 return True
@@ -359,10 +394,12 @@ class DistributedTorchEngine(TorchEngine):
                 raise RuntimeError(f"unknown control message kind {other!r}")
 
     @torch.inference_mode()
-    def _serve_pipeline_generation(self, capacity: int, sampling: SamplingParams) -> None:
+    def _serve_pipeline_generation(
+        self, capacity: int, sampling: SamplingParams, sample_on_last_rank: bool
+    ) -> None:
         session = DecodeSession(self.model, self.device, capacity)  # owns the KV cache
         is_last = self.rank == self.world_size - 1
-        sampler = Sampler(sampling, self.device) if is_last else None
+        sampler = Sampler(sampling, self.device) if is_last and sample_on_last_rank else None
         hidden_size = self.model.config.get_text_config().hidden_size
         dtype = next(self.model.parameters()).dtype
         header = torch.zeros(3, dtype=torch.int64)
@@ -385,8 +422,9 @@ class DistributedTorchEngine(TorchEngine):
                 if not is_last:
                     dist.send(header, dst=self.rank + 1)
                     dist.send(output.contiguous(), dst=self.rank + 1)
-                elif sample:
-                    assert sampler is not None
+                elif sample and sampler is None:  # rank 0 samples
+                    dist.send(output.float().cpu().contiguous(), dst=0)
+                elif sample and sampler is not None:
                     token = sampler.sample(output)
                     dist.send(torch.tensor([token], dtype=torch.int64), dst=0)
         finally:

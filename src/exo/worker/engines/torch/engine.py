@@ -19,17 +19,30 @@ import torch
 from loguru import logger
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from exo.shared.types.chunks import FinishReason, Usage
+from exo.shared.types.chunks import FinishReason, TokenLogprob, TopLogprob, Usage
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+from exo.worker.engines.torch.constrained import (
+    TokenConstraint,
+    TokenVocabulary,
+    json_object_constraint,
+    tool_call_constraint,
+)
 from exo.worker.engines.torch.detokenizer import StreamingDetokenizer
 from exo.worker.engines.torch.fusion import fuse_rms_norms
 from exo.worker.engines.torch.kv_cache import DecodeSession, KVCachePool
 from exo.worker.engines.torch.loading import LayerProgressCallback, load_model
 from exo.worker.engines.torch.quantize import WEIGHT_DTYPES, WeightDtype, quantize_model
-from exo.worker.engines.torch.sampling import Sampler, resolve_sampling_params
+from exo.worker.engines.torch.sampling import (
+    Sampler,
+    SamplingParams,
+    TokenChooser,
+    TokenPenalties,
+    resolve_sampling_params,
+    step_logprobs,
+)
 from exo.worker.engines.torch.stop_sequences import StopSequenceMatcher
 
 WARMUP_PROMPT = "Say hello."
@@ -50,13 +63,15 @@ class GeneratedPiece:
 
     `token_ids` are the tokens whose text this piece completes (several when a character or
     a possible stop string spanned tokens; none for a final piece that only carries the
-    finish reason). `finish_reason` and `usage` are set on the last piece only.
+    finish reason). `finish_reason` and `usage` are set on the last piece only. `logprobs`
+    has one entry per token of `token_ids` when the request asked for logprobs, else none.
     """
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None
     usage: Usage | None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 def _configure_cpu_threads() -> None:
@@ -153,7 +168,10 @@ class TorchEngine:
         text_config = model.config.get_text_config()
         configured_context = getattr(text_config, "max_position_embeddings", None)
         self.context_length = min(card.context_length, configured_context or card.context_length)
+        # Length of the logits vectors (the output layer may be padded past the tokenizer).
+        self.vocab_size = int(getattr(text_config, "vocab_size", None) or len(tokenizer))
         self._cache_pool = KVCachePool(model, device)
+        self._vocabulary: TokenVocabulary | None = None
 
     @classmethod
     def load(
@@ -248,12 +266,66 @@ class TorchEngine:
         )
         return text
 
+    @property
+    def vocabulary(self) -> TokenVocabulary:
+        """Per-token texts and bytes (built on first use: logprobs and constraints need it)."""
+        if self._vocabulary is None:
+            self._vocabulary = TokenVocabulary(self.tokenizer, self.vocab_size)
+        return self._vocabulary
+
+    def token_chooser(
+        self, params: TextGenerationTaskParams, sampling: SamplingParams, prompt_ids: list[int]
+    ) -> TokenChooser:
+        """The request's penalties, constraint and sampler.
+
+        Raises:
+            ValueError: a forced tool call without tools to offer.
+        """
+        penalties: TokenPenalties | None = None
+        if sampling.has_penalties:
+            penalties = TokenPenalties(sampling, self.vocab_size, self.device)
+            penalties.observe_prompt(prompt_ids)
+        constraint: TokenConstraint | None = None
+        if params.forces_tool_call:
+            constraint = tool_call_constraint(
+                params.offered_tools, self.vocabulary, self.eos_token_ids
+            )
+        elif params.response_format == "json_object":
+            constraint = json_object_constraint(self.vocabulary, self.eos_token_ids)
+        return TokenChooser(Sampler(sampling, self.device), penalties, constraint)
+
+    def token_logprob(self, logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogprob:
+        """The chosen token's log probability (and the `top_n` likeliest alternatives).
+
+        Args:
+            logits: `[vocab]` raw scores of the position (before penalties and filters).
+            token_id: the chosen token.
+            top_n: alternatives to report (0: none).
+        """
+        step = step_logprobs(logits, token_id, top_n)
+        vocabulary = self.vocabulary
+        top = tuple(
+            TopLogprob(
+                token=vocabulary.text(candidate),
+                token_id=candidate,
+                logprob=logprob,
+                bytes=tuple(vocabulary.token_bytes[candidate]),
+            )
+            for candidate, logprob in zip(step.top_ids, step.top_logprobs, strict=True)
+        )
+        return TokenLogprob(
+            token=vocabulary.text(token_id), token_id=token_id, logprob=step.logprob,
+            bytes=tuple(vocabulary.token_bytes[token_id]), top_logprobs=top,
+        )  # fmt: skip
+
     def generate(self, params: TextGenerationTaskParams) -> Generator[GeneratedPiece, None, None]:
         """Stream the completion of a chat request.
 
         Yields one piece per token where possible. The last piece carries `finish_reason`
-        ("stop" on EOS or a stop string, "length" at `max_tokens` or the context limit) and
-        `usage` (completion tokens count every sampled token, EOS included).
+        ("stop" on EOS, a stop string or a completed constrained document (`response_format`
+        "json_object", a forced tool call), "length" at `max_tokens` or the context limit)
+        and `usage` (completion tokens count every sampled token, EOS included). With
+        `params.logprobs` every piece carries one `TokenLogprob` per token id.
 
         Raises:
             PromptTooLongError: the prompt leaves no room for a generated token (raised on
@@ -267,14 +339,17 @@ class TorchEngine:
                 f"{self.context_length} tokens, leaving no room for a reply"
             )
         max_new_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        sampler = Sampler(resolve_sampling_params(params, self.card.sampling_defaults), self.device)
+        sampling = resolve_sampling_params(params, self.card.sampling_defaults)
+        chooser = self.token_chooser(params, sampling, prompt_ids)
+        top_logprobs = params.top_logprobs if params.logprobs else None
         detokenizer = StreamingDetokenizer(self._decode, prompt_ids)
         stop_matcher = StopSequenceMatcher(params.stop)
         session = self._cache_pool.open(len(prompt_ids) + max_new_tokens)
         try:
             yield from self._generate_tokens(
-                session, prompt_ids, max_new_tokens, sampler, detokenizer, stop_matcher
-            )
+                session, prompt_ids, max_new_tokens, chooser, top_logprobs, detokenizer,
+                stop_matcher,
+            )  # fmt: skip
         finally:
             session.close()
 
@@ -283,23 +358,30 @@ class TorchEngine:
         session: DecodeSession,
         prompt_ids: list[int],
         max_new_tokens: int,
-        sampler: Sampler,
+        chooser: TokenChooser,
+        top_logprobs: int | None,
         detokenizer: StreamingDetokenizer,
         stop_matcher: StopSequenceMatcher,
     ) -> Iterator[GeneratedPiece]:
+        """The decode loop; `top_logprobs` None means no logprobs (else that many
+        alternatives per token)."""
         logits = session.prefill(prompt_ids)  # [vocab]
         completion_tokens = 0
         pending_ids: list[int] = []  # tokens whose text has not been emitted yet
+        pending_logprobs: list[TokenLogprob] = []  # their logprobs, when asked for
         finish_reason: FinishReason = "length"
         final_text = ""
         while True:
-            token = sampler.sample(logits)
+            token = chooser.choose(logits)
             completion_tokens += 1
             if token in self.eos_token_ids:
                 final_text, _stopped = _finish_text(detokenizer, stop_matcher)
                 finish_reason = "stop"
                 break
+            chooser.observe(token)
             pending_ids.append(token)
+            if top_logprobs is not None:
+                pending_logprobs.append(self.token_logprob(logits, token, top_logprobs))
             text = detokenizer.add_token(token)
             if text:
                 check = stop_matcher.feed(text)
@@ -307,15 +389,23 @@ class TorchEngine:
                     finish_reason, final_text = "stop", check.text
                     break
                 if check.text:
-                    yield GeneratedPiece(check.text, tuple(pending_ids), None, None)
-                    pending_ids = []
+                    yield GeneratedPiece(
+                        check.text, tuple(pending_ids), None, None, tuple(pending_logprobs)
+                    )
+                    pending_ids, pending_logprobs = [], []
+            if chooser.is_complete:  # the constrained document is whole: nothing may follow
+                final_text, _stopped = _finish_text(detokenizer, stop_matcher)
+                finish_reason = "stop"
+                break
             if completion_tokens >= max_new_tokens:
                 final_text, stopped = _finish_text(detokenizer, stop_matcher)
                 finish_reason = "stop" if stopped else "length"
                 break
             logits = session.decode(token)
         usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens)
-        yield GeneratedPiece(final_text, tuple(pending_ids), finish_reason, usage)
+        yield GeneratedPiece(
+            final_text, tuple(pending_ids), finish_reason, usage, tuple(pending_logprobs)
+        )
 
 
 def _finish_text(

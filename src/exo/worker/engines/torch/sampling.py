@@ -9,14 +9,16 @@ transformers' logits processors use: temperature, then top-k, then top-p, then m
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from exo.shared.types.chunks import MIN_LOGPROB
 from exo.shared.types.models import SamplingDefaults
 from exo.shared.types.text_generation import TextGenerationTaskParams
+from exo.worker.engines.torch.constrained import TokenConstraint
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +100,108 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return scores
 
 
+class TokenPenalties:
+    """Penalty state of one request: counts of the tokens seen so far, kept incrementally
+    (one element updated per token) so applying them costs O(vocab) per step, not
+    O(tokens).
+
+    - presence / frequency (OpenAI, https://platform.openai.com/docs/advanced-usage, "Frequency
+      and presence penalties"): `logit -= presence * (count > 0) + frequency * count`, with
+      `count` over the *generated* tokens only.
+    - repetition (Keskar et al. 2019, "CTRL", section 4.1, as transformers'
+      `RepetitionPenaltyLogitsProcessor` applies it): every token seen in the prompt or the
+      output has a positive logit divided by the penalty, a negative one multiplied by it.
+
+    Repetition is applied first, then presence/frequency (the order vLLM uses).
+
+    Args:
+        params: the request's resolved settings (its three penalty fields are read).
+        vocab_size: length of the logits vectors (the model's output size).
+        device: where the logits live.
+    """
+
+    __slots__ = (
+        "_additive",
+        "_frequency",
+        "_generated_seen",
+        "_presence",
+        "_repetition",
+        "_seen",
+    )
+
+    def __init__(
+        self, params: SamplingParams, vocab_size: int, device: torch.device | str = "cpu"
+    ) -> None:
+        self._presence = params.presence_penalty
+        self._frequency = params.frequency_penalty
+        self._repetition = params.repetition_penalty
+        # presence * (count > 0) + frequency * count, per token id.
+        self._additive = torch.zeros(vocab_size, dtype=torch.float32, device=device)  # [vocab]
+        # Token ids seen in prompt + output (the repetition penalty's set).
+        self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [vocab]
+        self._generated_seen: set[int] = set()
+
+    def observe_prompt(self, token_ids: Iterable[int]) -> None:
+        """Record the prompt's tokens (they count for the repetition penalty only)."""
+        if self._repetition == 1.0:
+            return
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self._seen.device)
+        ids = ids[(ids >= 0) & (ids < self._seen.shape[0])]
+        self._seen[ids] = True
+
+    def observe(self, token_id: int) -> None:
+        """Record one generated token."""
+        if not 0 <= token_id < self._seen.shape[0]:
+            return
+        if self._repetition != 1.0:
+            self._seen[token_id] = True
+        if self._presence != 0.0 or self._frequency != 0.0:
+            increment = self._frequency
+            if token_id not in self._generated_seen:
+                self._generated_seen.add(token_id)
+                increment += self._presence
+            self._additive[token_id] += increment
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Penalised copy of one step's logits.
+
+        Args:
+            logits: `[vocab]` scores (left unchanged).
+
+        Returns:
+            `[vocab]` float32 penalised scores.
+        """
+        scores = logits.float()
+        if self._repetition != 1.0:
+            penalised = torch.where(
+                scores > 0, scores / self._repetition, scores * self._repetition
+            )
+            scores = torch.where(self._seen, penalised, scores)
+        if self._presence != 0.0 or self._frequency != 0.0:
+            scores = scores - self._additive
+        return scores
+
+
+# Rejection sampling under a constraint: this many draws (each one masking the rejected
+# token) before computing the whole allowed set instead.
+MAX_REJECTIONS = 32
+# Greedy decoding checks this many of the most likely tokens, in order, before computing
+# the whole allowed set.
+SCAN_BLOCK = 256
+
+
+class TokenFilter(Protocol):
+    """Which tokens may be drawn next (`constrained.TokenConstraint`)."""
+
+    def allowed(self, token_id: int) -> bool: ...
+
+    def allowed_tokens(self) -> list[int]: ...
+
+
+class NoAllowedTokenError(RuntimeError):
+    """A constraint rejected every token of the vocabulary."""
+
+
 class Sampler:
     """Draws tokens for one request with its own random generator, so a seed reproduces the
     same tokens regardless of other requests.
@@ -115,16 +219,172 @@ class Sampler:
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(self.seed)
 
-    def sample(self, logits: torch.Tensor) -> int:
+    def sample(self, logits: torch.Tensor, constraint: TokenFilter | None = None) -> int:
         """Pick the next token.
 
+        Under a constraint the token is drawn (or argmax-ed) first and checked; a rejected
+        token is masked out and the draw repeated, which is the same as drawing from the
+        distribution restricted to the allowed tokens while checking only a few tokens per
+        step (constrained draws use an exponential race, so a seed gives other tokens than
+        unconstrained sampling). After `MAX_REJECTIONS` rejections (greedy: after also
+        checking the `SCAN_BLOCK` most likely tokens in order) the whole allowed set is
+        computed and the choice made from the masked distribution. If the filters
+        (top-k/top-p/min-p) left no allowed token, the most likely allowed token of the
+        unfiltered scores is taken.
+
         Args:
-            logits: `[vocab]` scores of the last position.
+            logits: `[vocab]` scores of the last position (penalties already applied).
+            constraint: which tokens may be drawn; None allows every token.
 
         Returns:
             The token id.
+
+        Raises:
+            NoAllowedTokenError: the constraint allows no token.
         """
+        if constraint is None:
+            if self.params.is_greedy:
+                return int(torch.argmax(logits).item())
+            probs = torch.softmax(filter_logits(logits, self.params), dim=-1)
+            return int(torch.multinomial(probs, 1, generator=self._generator).item())
         if self.params.is_greedy:
-            return int(torch.argmax(logits).item())
-        probs = torch.softmax(filter_logits(logits, self.params), dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self._generator).item())
+            return self._constrained_greedy(logits, constraint)
+        return self._constrained_sample(logits, constraint)
+
+    def _constrained_greedy(self, logits: torch.Tensor, constraint: TokenFilter) -> int:
+        scores = logits.float().clone()  # [vocab]
+        for _attempt in range(MAX_REJECTIONS):
+            token = int(torch.argmax(scores).item())
+            if constraint.allowed(token):
+                return token
+            scores[token] = float("-inf")
+        block = min(SCAN_BLOCK, scores.shape[-1])
+        for token in torch.topk(scores, block).indices.tolist():
+            if constraint.allowed(token):
+                return token
+        return _best_allowed(logits, constraint.allowed_tokens())
+
+    def _constrained_sample(self, logits: torch.Tensor, constraint: TokenFilter) -> int:
+        # Exponential race (the Gumbel-max trick): argmax(p / E) with E ~ Exp(1) i.i.d. is a
+        # draw from p, and masking the winner and taking the next argmax continues the same
+        # race, i.e. draws without replacement (Kool et al. 2019, "Stochastic Beams and Where
+        # to Find Them"). One noise draw per step, then each retry costs only an argmax.
+        probs = torch.softmax(filter_logits(logits, self.params), dim=-1)  # [vocab]
+        noise = torch.empty_like(probs).exponential_(1.0, generator=self._generator)
+        race = probs / noise  # [vocab]; filtered-out tokens at 0
+        for _attempt in range(MAX_REJECTIONS):
+            token = int(torch.argmax(race).item())
+            if race[token] <= 0.0:  # every token the filters kept was rejected
+                break
+            if constraint.allowed(token):
+                return token
+            race[token] = 0.0
+        allowed = constraint.allowed_tokens()
+        if allowed:
+            ids = torch.tensor(allowed, dtype=torch.long, device=race.device)
+            allowed_race = race[ids]  # [allowed]
+            best = int(torch.argmax(allowed_race).item())
+            if allowed_race[best] > 0.0:
+                return allowed[best]
+        return _best_allowed(logits, allowed)
+
+
+def _best_allowed(logits: torch.Tensor, allowed: list[int]) -> int:
+    """The highest-scoring token of `allowed` under `[vocab]` `logits`.
+
+    Raises:
+        NoAllowedTokenError: `allowed` is empty.
+    """
+    if not allowed:
+        raise NoAllowedTokenError("the constraint allows no token of the vocabulary")
+    ids = torch.tensor(allowed, dtype=torch.long, device=logits.device)
+    return allowed[int(torch.argmax(logits[ids]).item())]
+
+
+@dataclass(frozen=True, slots=True)
+class StepLogprobs:
+    """Log probabilities at one position (natural log, clamped to >= `MIN_LOGPROB`).
+
+    `top_ids`/`top_logprobs` are the most likely tokens, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+def step_logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> StepLogprobs:
+    """Log probabilities of the model's distribution (raw logits: before penalties, filters
+    and constraints, as OpenAI and vLLM report them).
+
+    Args:
+        logits: `[vocab]` raw scores of the position.
+        token_id: the token that was chosen.
+        top_n: how many of the most likely tokens to report (0: none).
+
+    Returns:
+        The chosen token's log probability and the `top_n` most likely tokens'.
+    """
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # [vocab]
+    logprob = max(float(log_probs[token_id].item()), MIN_LOGPROB)
+    if top_n <= 0:
+        return StepLogprobs(token_id, logprob, (), ())
+    top = torch.topk(log_probs, min(top_n, log_probs.shape[-1]))  # sorted, descending
+    values = tuple(max(value, MIN_LOGPROB) for value in top.values.tolist())
+    return StepLogprobs(token_id, logprob, tuple(top.indices.tolist()), values)
+
+
+class TokenChooser:
+    """Turns one request's logits into tokens: penalties, then the (constrained) sampler.
+
+    Args:
+        sampler: draws the token.
+        penalties: the request's penalty state, or None when it has none.
+        constraint: restricts which tokens may follow (JSON, a tool call), or None.
+    """
+
+    __slots__ = ("constraint", "penalties", "sampler")
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        penalties: TokenPenalties | None = None,
+        constraint: TokenConstraint | None = None,
+    ) -> None:
+        self.sampler = sampler
+        self.penalties = penalties
+        self.constraint = constraint
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether choosing needs this process to see the logits (penalties, constraint);
+        otherwise a pipeline's last rank may sample on its own."""
+        return self.penalties is not None or self.constraint is not None
+
+    @property
+    def is_complete(self) -> bool:
+        """The constraint's document is complete (generation must stop)."""
+        return self.constraint is not None and self.constraint.is_complete
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """Pick the next token.
+
+        Args:
+            logits: `[vocab]` raw scores of the last position.
+
+        Returns:
+            The token id.
+
+        Raises:
+            NoAllowedTokenError: the constraint allows no token.
+        """
+        scores = logits if self.penalties is None else self.penalties.apply(logits)
+        return self.sampler.sample(scores, self.constraint)
+
+    def observe(self, token_id: int) -> None:
+        """Record the chosen token (penalty counts, constraint state)."""
+        if self.penalties is not None:
+            self.penalties.observe(token_id)
+        if self.constraint is not None:
+            self.constraint.advance(token_id)

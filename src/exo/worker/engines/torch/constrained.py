@@ -1,0 +1,733 @@
+"""Constrained decoding: generation that can only produce one JSON object, or one forced
+tool call `{"name": ..., "arguments": {...}}`.
+
+Two layers:
+
+- character level: `JsonRecognizer`, an incremental pushdown automaton over the JSON grammar
+  (RFC 8259: objects, arrays, strings with escapes including `\\uXXXX`, numbers, literals),
+  and `ToolCallRecognizer`, a fixed frame around a JSON object. Feeding a character either
+  advances the state or rejects the character; states copy in O(1) (the container stack is
+  an immutable tuple), so a candidate token is checked on a copy.
+- token level: `TokenConstraint` checks a token by feeding its bytes (UTF-8) to a copy of
+  the recogniser. `TokenVocabulary` holds each token's raw bytes, precomputed once per
+  engine.
+
+Token policy (why some tokens are never allowed):
+- special tokens (chat markers, EOS): their text is skipped when the output is decoded, so
+  the recogniser's view and the visible text would disagree. EOS is allowed only once the
+  value is complete (the engine stops there anyway).
+- tokens with empty text: they make no progress (a model could loop on them).
+- byte tokens that are only part of a UTF-8 character: allowed only inside JSON strings
+  (the only place a multi-byte character may appear), and only while the bytes so far can
+  still form a valid character; the character is checked when its last byte arrives.
+- whitespace outside strings: at most `max_whitespace_run` characters in a row (default 2),
+  so a model cannot spin on spaces or newlines until it runs out of tokens.
+
+If `max_tokens` or the context ends first, the output is an incomplete prefix of a valid
+document (the engine reports finish_reason "length").
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import re
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from exo.shared.types.text_generation import ToolDefinition
+
+# At most this many whitespace characters in a row outside strings.
+DEFAULT_MAX_WHITESPACE_RUN = 2
+
+_WHITESPACE = frozenset(" \t\n\r")
+_DIGITS = frozenset("0123456789")
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+_SIMPLE_ESCAPES = frozenset('"\\/bfnrt')
+_LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
+
+# Modes of `JsonRecognizer`.
+_VALUE = 0  # a value must start here (object value, array element after ',', top level)
+_ARRAY_FIRST = 1  # after '[': a value or ']'
+_OBJECT_FIRST = 2  # after '{': a key or '}'
+_OBJECT_KEY = 3  # after ',' in an object: a key
+_COLON = 4  # after a key
+_AFTER_VALUE = 5  # after a value inside a container: ',' or the closing bracket
+_STRING = 6
+_ESCAPE = 7  # after a backslash in a string
+_UNICODE = 8  # inside \uXXXX; `_count` hex digits still expected
+_LITERAL = 9  # inside true/false/null; `_literal` is what remains
+_MINUS = 10  # number: after '-'
+_ZERO = 11  # number: integer part is '0'
+_INTEGER = 12  # number: in the integer digits
+_POINT = 13  # number: after '.'
+_FRACTION = 14  # number: in the fraction digits
+_EXPONENT_MARK = 15  # number: after 'e'/'E'
+_EXPONENT_SIGN = 16  # number: after the exponent's sign
+_EXPONENT = 17  # number: in the exponent digits
+_DONE = 18  # the top-level value is complete
+
+# Number modes where the number may end (the next character is not part of it).
+_NUMBER_CAN_END = frozenset({_ZERO, _INTEGER, _FRACTION, _EXPONENT})
+_WHITESPACE_MODES = frozenset(
+    {_VALUE, _ARRAY_FIRST, _OBJECT_FIRST, _OBJECT_KEY, _COLON, _AFTER_VALUE, _DONE}
+)
+
+
+class CharRecognizer(Protocol):
+    """An incremental recogniser over characters (what `TokenConstraint` drives)."""
+
+    def copy(self) -> CharRecognizer: ...
+
+    def feed(self, character: str) -> bool:
+        """Advance by one character; False (state then undefined) if it is rejected."""
+        ...
+
+    @property
+    def is_complete(self) -> bool:
+        """The input so far is a complete document."""
+        ...
+
+    @property
+    def in_string(self) -> bool:
+        """Inside a JSON string's contents, where any character above U+001F may follow."""
+        ...
+
+
+class JsonRecognizer:
+    """Accepts exactly the prefixes of one JSON value (RFC 8259), character by character.
+
+    Args:
+        top_level_object: the top-level value must be an object (`response_format`
+            "json_object").
+        max_whitespace_run: most whitespace characters in a row outside strings.
+    """
+
+    __slots__ = (
+        "_count",
+        "_is_key",
+        "_literal",
+        "_max_whitespace_run",
+        "_mode",
+        "_stack",
+        "_top_level_object",
+        "_whitespace_run",
+    )
+
+    def __init__(
+        self,
+        top_level_object: bool = False,
+        max_whitespace_run: int = DEFAULT_MAX_WHITESPACE_RUN,
+    ) -> None:
+        self._top_level_object = top_level_object
+        self._max_whitespace_run = max_whitespace_run
+        self._mode = _VALUE
+        self._stack: tuple[bool, ...] = ()  # open containers, innermost last; True: object
+        self._is_key = False  # the current string is an object key
+        self._count = 0  # hex digits left in a \u escape
+        self._literal = ""  # characters left in true/false/null
+        self._whitespace_run = 0
+
+    def copy(self) -> JsonRecognizer:
+        other = JsonRecognizer.__new__(JsonRecognizer)
+        other._top_level_object = self._top_level_object
+        other._max_whitespace_run = self._max_whitespace_run
+        other._mode = self._mode
+        other._stack = self._stack
+        other._is_key = self._is_key
+        other._count = self._count
+        other._literal = self._literal
+        other._whitespace_run = self._whitespace_run
+        return other
+
+    @property
+    def is_complete(self) -> bool:
+        """A whole value was read (a top-level number counts once it could end here)."""
+        return self._mode == _DONE or (not self._stack and self._mode in _NUMBER_CAN_END)
+
+    @property
+    def in_string(self) -> bool:
+        return self._mode == _STRING
+
+    @property
+    def depth(self) -> int:
+        """Open containers."""
+        return len(self._stack)
+
+    def feed_text(self, text: str) -> bool:
+        """Feed every character of `text`; False at the first rejected one."""
+        return all(self.feed(character) for character in text)
+
+    def feed(self, character: str) -> bool:
+        """Advance by one character; False if it is rejected (the state is then undefined:
+        feed a copy when the answer matters)."""
+        mode = self._mode
+        if mode == _STRING:
+            if character == '"':
+                self._end_string()
+                return True
+            if character == "\\":
+                self._mode = _ESCAPE
+                return True
+            return character >= " "  # control characters must be escaped
+        if character in _WHITESPACE and mode in _WHITESPACE_MODES:
+            self._whitespace_run += 1
+            return self._whitespace_run <= self._max_whitespace_run
+        if _MINUS <= mode <= _EXPONENT:
+            return self._feed_number(character)
+        self._whitespace_run = 0
+        if mode == _ESCAPE:
+            if character == "u":
+                self._mode, self._count = _UNICODE, 4
+                return True
+            self._mode = _STRING
+            return character in _SIMPLE_ESCAPES
+        if mode == _UNICODE:
+            self._count -= 1
+            if self._count == 0:
+                self._mode = _STRING
+            return character in _HEX_DIGITS
+        if mode == _LITERAL:
+            if not self._literal.startswith(character):
+                return False
+            self._literal = self._literal[1:]
+            if not self._literal:
+                self._end_value()
+            return True
+        if mode == _VALUE:
+            return self._start_value(character)
+        if mode == _ARRAY_FIRST:
+            if character == "]":
+                self._close()
+                return True
+            return self._start_value(character)
+        if mode == _OBJECT_FIRST:
+            if character == "}":
+                self._close()
+                return True
+            return self._start_key(character)
+        if mode == _OBJECT_KEY:
+            return self._start_key(character)
+        if mode == _COLON:
+            self._mode = _VALUE
+            return character == ":"
+        if mode == _AFTER_VALUE:
+            in_object = self._stack[-1]
+            if character == ",":
+                self._mode = _OBJECT_KEY if in_object else _VALUE
+                return True
+            if character == ("}" if in_object else "]"):
+                self._close()
+                return True
+            return False
+        return False  # _DONE: only whitespace may follow
+
+    def _end_string(self) -> None:
+        if self._is_key:
+            self._is_key = False
+            self._mode = _COLON
+        else:
+            self._end_value()
+
+    def _start_key(self, character: str) -> bool:
+        if character != '"':
+            return False
+        self._mode, self._is_key = _STRING, True
+        return True
+
+    def _start_value(self, character: str) -> bool:
+        if self._top_level_object and not self._stack and character != "{":
+            return False
+        if character == "{":
+            self._stack += (True,)
+            self._mode = _OBJECT_FIRST
+        elif character == "[":
+            self._stack += (False,)
+            self._mode = _ARRAY_FIRST
+        elif character == '"':
+            self._mode, self._is_key = _STRING, False
+        elif character == "-":
+            self._mode = _MINUS
+        elif character == "0":
+            self._mode = _ZERO
+        elif character in _DIGITS:
+            self._mode = _INTEGER
+        elif character in _LITERALS:
+            self._mode, self._literal = _LITERAL, _LITERALS[character]
+        else:
+            return False
+        return True
+
+    def _feed_number(self, character: str) -> bool:
+        mode = self._mode
+        digit = character in _DIGITS
+        next_mode = -1
+        if mode == _MINUS:
+            next_mode = _ZERO if character == "0" else _INTEGER if digit else -1
+        elif mode in (_ZERO, _INTEGER):
+            if digit and mode == _INTEGER:
+                next_mode = _INTEGER
+            elif character == ".":
+                next_mode = _POINT
+            elif character in "eE":
+                next_mode = _EXPONENT_MARK
+        elif mode in (_POINT, _FRACTION):
+            if digit:
+                next_mode = _FRACTION
+            elif character in "eE" and mode == _FRACTION:
+                next_mode = _EXPONENT_MARK
+        elif mode == _EXPONENT_MARK:
+            next_mode = _EXPONENT_SIGN if character in "+-" else _EXPONENT if digit else -1
+        elif digit:  # _EXPONENT_SIGN, _EXPONENT
+            next_mode = _EXPONENT
+        if next_mode >= 0:
+            self._mode = next_mode
+            return True
+        if mode not in _NUMBER_CAN_END:
+            return False
+        # The number ended; the character belongs to what follows it.
+        self._end_value()
+        return self.feed(character)
+
+    def _end_value(self) -> None:
+        self._mode = _AFTER_VALUE if self._stack else _DONE
+
+    def _close(self) -> None:
+        self._stack = self._stack[:-1]
+        self._end_value()
+
+
+class ToolCallRecognizer:
+    """Accepts exactly `{"name": "<tool>", "arguments": <JSON object>}` with `<tool>` one of
+    `tool_names` (JSON-escaped) and the keys in that order, spaced as written.
+
+    Args:
+        tool_names: the names the call may use (at least one).
+        max_whitespace_run: as `JsonRecognizer`, inside the arguments.
+
+    Raises:
+        ValueError: no tool names.
+    """
+
+    PREFIX = '{"name": "'
+    MIDDLE = ', "arguments": '
+    SUFFIX = "}"
+
+    __slots__ = ("_arguments", "_max_whitespace_run", "_names", "_phase", "_typed")
+
+    def __init__(
+        self, tool_names: Sequence[str], max_whitespace_run: int = DEFAULT_MAX_WHITESPACE_RUN
+    ) -> None:
+        if not tool_names:
+            raise ValueError("a forced tool call needs at least one tool name")
+        # Each name as it appears between the quotes (JSON-escaped, ASCII only), followed by
+        # the closing quote.
+        self._names: tuple[str, ...] = tuple(json.dumps(name)[1:] for name in tool_names)
+        self._max_whitespace_run = max_whitespace_run
+        self._phase = 0  # 0 prefix, 1 name, 2 middle, 3 arguments, 4 suffix, 5 done
+        self._typed = ""  # characters of the current literal / name read so far
+        self._arguments: JsonRecognizer | None = None  # created on entering phase 3
+
+    def copy(self) -> ToolCallRecognizer:
+        other = ToolCallRecognizer.__new__(ToolCallRecognizer)
+        other._names = self._names
+        other._max_whitespace_run = self._max_whitespace_run
+        other._phase = self._phase
+        other._typed = self._typed
+        other._arguments = None if self._arguments is None else self._arguments.copy()
+        return other
+
+    @property
+    def is_complete(self) -> bool:
+        return self._phase == 5
+
+    @property
+    def in_string(self) -> bool:
+        # Names are ASCII (escaped), so partial UTF-8 bytes are not allowed in them.
+        return self._arguments is not None and self._phase == 3 and self._arguments.in_string
+
+    def feed(self, character: str) -> bool:
+        match self._phase:
+            case 0 | 2 | 4:
+                literal = (self.PREFIX, "", self.MIDDLE, "", self.SUFFIX)[self._phase]
+                typed = self._typed + character
+                if not literal.startswith(typed):
+                    return False
+                if typed == literal:
+                    self._phase, self._typed = self._phase + 1, ""
+                    if self._phase == 3:
+                        self._arguments = JsonRecognizer(True, self._max_whitespace_run)
+                else:
+                    self._typed = typed
+                return True
+            case 1:
+                typed = self._typed + character
+                if not any(name.startswith(typed) for name in self._names):
+                    return False
+                if typed in self._names:
+                    self._phase, self._typed = 2, ""
+                else:
+                    self._typed = typed
+                return True
+            case 3:
+                assert self._arguments is not None
+                if not self._arguments.feed(character):
+                    return False
+                if self._arguments.is_complete:
+                    self._phase, self._arguments = 4, None
+                return True
+            case _:
+                return False
+
+
+def parse_forced_tool_call(text: str) -> tuple[str, str]:
+    """Split the text of a completed forced tool call into its name and arguments.
+
+    Returns:
+        (tool name, arguments as compact JSON object text).
+
+    Raises:
+        ValueError: the text is not a complete tool call of the constrained shape.
+    """
+    try:
+        value: Any = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"incomplete or invalid tool call: {error}") from error
+    if (
+        not isinstance(value, dict)
+        or set(value) != {"name", "arguments"}
+        or not isinstance(value["name"], str)
+        or not isinstance(value["arguments"], dict)
+    ):
+        raise ValueError("a tool call is an object with a string name and object arguments")
+    return value["name"], json.dumps(value["arguments"], ensure_ascii=False)
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's byte-to-character map (Radford et al. 2019, the byte-level
+    BPE of `tokenizers`' ByteLevel): printable Latin-1 bytes stand for themselves, the other
+    bytes for the characters from U+0100 up, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    mapping = {chr(byte): byte for byte in printable}
+    shifted = 0
+    for byte in range(256):
+        if byte not in printable:
+            mapping[chr(0x100 + shifted)] = byte
+            shifted += 1
+    return mapping
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _decoder_kind(tokenizer: Any) -> str:
+    """How a fast tokenizer's pieces map to bytes: "byte_level" (GPT-2 style),
+    "sentencepiece" (`▁` for spaces, `<0xNN>` byte tokens) or "other"."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None:
+        return "other"
+    try:
+        description = json.loads(decoder.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return "other"
+    kinds = {str(description.get("type"))}
+    kinds.update(str(member.get("type")) for member in description.get("decoders") or ())
+    if "ByteLevel" in kinds:
+        return "byte_level"
+    if kinds & {"ByteFallback", "Metaspace"} or "▁" in json.dumps(description, ensure_ascii=False):
+        return "sentencepiece"
+    return "other"
+
+
+class TokenVocabulary:
+    """Per-token texts and raw bytes of a tokenizer, computed once per engine.
+
+    `token_bytes[id]` is the token's exact bytes in the output: from the byte-level BPE
+    alphabet (GPT-2 style tokenizers) or SentencePiece pieces (`▁` as a space, `<0xNN>` byte
+    tokens), else the UTF-8 of its text decoded alone. Ids past the tokenizer (a padded
+    output layer) have empty bytes and text.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        size: number of token ids (the model's logits length; at least the tokenizer's).
+    """
+
+    __slots__ = (
+        "_index",
+        "_pieces",
+        "_texts",
+        "_tokenizer",
+        "size",
+        "special_ids",
+        "token_bytes",
+    )
+
+    def __init__(self, tokenizer: Any, size: int) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+        self._pieces: list[str | bytes | None] | None = None
+        self._index: ConstraintIndex | None = None
+        self.size = size
+        known = min(size, len(tokenizer))
+        pieces: list[str | None] = list(tokenizer.convert_ids_to_tokens(list(range(known))))
+        added: dict[int, Any] = dict(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        self.special_ids = frozenset(
+            {int(token_id) for token_id in getattr(tokenizer, "all_special_ids", ())}
+            | {token_id for token_id, token in added.items() if getattr(token, "special", False)}
+        )
+        kind = _decoder_kind(tokenizer)
+        byte_level = _byte_level_decoder() if kind == "byte_level" else None
+        sentencepiece = kind == "sentencepiece"
+        token_bytes: list[bytes] = []
+        for token_id, piece in enumerate(pieces):
+            raw: bytes | None = None
+            if piece is not None and token_id not in added:
+                if byte_level is not None and all(char in byte_level for char in piece):
+                    raw = bytes(byte_level[char] for char in piece)
+                elif sentencepiece:
+                    match = _BYTE_FALLBACK.fullmatch(piece)
+                    raw = (
+                        bytes([int(match.group(1), 16)])
+                        if match
+                        else piece.replace("▁", " ").encode("utf-8")
+                    )
+            if raw is None:
+                raw = self.text(token_id).encode("utf-8")
+            token_bytes.append(raw)
+        token_bytes.extend(b"" for _ in range(size - known))
+        self.token_bytes: tuple[bytes, ...] = tuple(token_bytes)
+
+    def text(self, token_id: int) -> str:
+        """The token decoded alone, special tokens kept as their text (logprobs' `token`)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            if not 0 <= token_id < len(self._tokenizer):
+                return ""
+            text = str(
+                self._tokenizer.decode(
+                    [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False
+                )
+            )
+            self._texts[token_id] = text
+        return text
+
+    def constraint_pieces(self) -> list[str | bytes | None]:
+        """Per id, what a constraint feeds: the text when the bytes are whole UTF-8
+        characters, the bytes when they are not, None for a token never allowed (special,
+        empty)."""
+        if self._pieces is None:
+            pieces: list[str | bytes | None] = []
+            for token_id, raw in enumerate(self.token_bytes):
+                if token_id in self.special_ids or not raw:
+                    pieces.append(None)
+                    continue
+                try:
+                    pieces.append(raw.decode("utf-8"))
+                except UnicodeDecodeError:
+                    pieces.append(raw)
+            self._pieces = pieces
+        return self._pieces
+
+    def constraint_index(self) -> ConstraintIndex:
+        """The pieces sorted for `TokenConstraint.allowed_tokens` (built on first use)."""
+        if self._index is None:
+            self._index = ConstraintIndex(self.constraint_pieces())
+        return self._index
+
+
+class ConstraintIndex:
+    """The constraint pieces arranged for computing a whole allowed set quickly: whole-text
+    pieces sorted by text (tokens sharing a rejected prefix are skipped together) and the
+    ids of the partial-UTF-8 pieces (checked one by one)."""
+
+    __slots__ = ("byte_piece_ids", "ids", "texts")
+
+    def __init__(self, pieces: Sequence[str | bytes | None]) -> None:
+        entries = sorted(
+            (piece, token_id) for token_id, piece in enumerate(pieces) if isinstance(piece, str)
+        )
+        self.texts: list[str] = [text for text, _token_id in entries]
+        self.ids: list[int] = [token_id for _text, token_id in entries]
+        self.byte_piece_ids: list[int] = [
+            token_id for token_id, piece in enumerate(pieces) if isinstance(piece, bytes)
+        ]
+
+
+def _split_incomplete_utf8(data: bytes) -> tuple[bytes, bytes]:
+    """(whole part, trailing bytes of a character still incomplete)."""
+    for back in range(1, min(3, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte: a lead or ASCII byte
+            if byte & 0xE0 == 0xC0:
+                needed = 2
+            elif byte & 0xF0 == 0xE0:
+                needed = 3
+            else:
+                needed = 4 if byte & 0xF8 == 0xF0 else 1
+            if needed > back:
+                return data[:-back], data[-back:]
+            break
+    return data, b""
+
+
+class TokenConstraint:
+    """Which tokens may come next, given what the recogniser accepted so far.
+
+    Args:
+        recognizer: the character-level grammar (a fresh one; this object owns it).
+        vocabulary: the engine's token table.
+        eos_token_ids: ids that end generation; allowed only once the document is complete.
+    """
+
+    __slots__ = (
+        "_checked",
+        "_eos_token_ids",
+        "_pending",
+        "_pieces",
+        "_recognizer",
+        "_vocabulary",
+    )
+
+    def __init__(
+        self,
+        recognizer: CharRecognizer,
+        vocabulary: TokenVocabulary,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self._recognizer = recognizer
+        self._vocabulary = vocabulary
+        self._pieces = vocabulary.constraint_pieces()
+        self._eos_token_ids = eos_token_ids
+        self._pending = b""  # bytes of a character started but not finished
+        # The last checked token and the state it leads to (advance reuses it).
+        self._checked: tuple[int, CharRecognizer, bytes] | None = None
+
+    @property
+    def is_complete(self) -> bool:
+        return not self._pending and self._recognizer.is_complete
+
+    def allowed(self, token_id: int) -> bool:
+        """Whether `token_id` keeps the output a prefix of a valid document."""
+        if token_id in self._eos_token_ids:
+            return self.is_complete
+        result = self._try(token_id)
+        if result is None:
+            return False
+        self._checked = (token_id, *result)
+        return True
+
+    def allowed_tokens(self) -> list[int]:
+        """Every token id allowed next, in no particular order.
+
+        Walks the vocabulary sorted by text, feeding each token only the characters it does
+        not share with the previous one, and skipping every token that starts with a
+        rejected prefix; so it is cheap exactly when few tokens are allowed (when drawing
+        and rejecting is slow), and costs about one pass over the vocabulary's characters
+        at worst.
+        """
+        result = [token_id for token_id in self._eos_token_ids if self.is_complete]
+        result.extend(
+            token_id
+            for token_id in self._vocabulary.constraint_index().byte_piece_ids
+            if self._try(token_id) is not None
+        )
+        if self._pending:  # mid-character: only byte pieces can continue it
+            return result
+        index = self._vocabulary.constraint_index()
+        texts, ids = index.texts, index.ids
+        # states[k]: the recogniser after the first k characters of the previous text.
+        states: list[CharRecognizer] = [self._recognizer]
+        previous = ""
+        position = 0
+        while position < len(texts):
+            text = texts[position]
+            common = 0
+            limit = min(len(previous), len(text), len(states) - 1)
+            while common < limit and previous[common] == text[common]:
+                common += 1
+            del states[common + 1 :]
+            previous = text
+            for offset in range(common, len(text)):
+                state = states[offset].copy()
+                if not state.feed(text[offset]):
+                    rejected = text[: offset + 1]
+                    # Past every text that starts with the rejected prefix.
+                    position = max(
+                        position + 1, bisect.bisect_right(texts, rejected + "\U0010ffff", position)
+                    )
+                    break
+                states.append(state)
+            else:
+                result.append(ids[position])
+                position += 1
+        return result
+
+    def advance(self, token_id: int) -> None:
+        """Accept `token_id` as the next token.
+
+        Raises:
+            ValueError: the token is not allowed.
+        """
+        if token_id in self._eos_token_ids:
+            if not self.is_complete:
+                raise ValueError(f"token {token_id} (EOS) is not allowed before completion")
+            return
+        if self._checked is not None and self._checked[0] == token_id:
+            _token, recognizer, pending = self._checked
+        else:
+            result = self._try(token_id)
+            if result is None:
+                raise ValueError(f"token {token_id} is not allowed here")
+            recognizer, pending = result
+        self._recognizer, self._pending, self._checked = recognizer, pending, None
+
+    def _try(self, token_id: int) -> tuple[CharRecognizer, bytes] | None:
+        if not 0 <= token_id < len(self._pieces):
+            return None
+        piece = self._pieces[token_id]
+        if piece is None:
+            return None
+        recognizer = self._recognizer.copy()
+        if isinstance(piece, str) and not self._pending:
+            for character in piece:
+                if not recognizer.feed(character):
+                    return None
+            return recognizer, b""
+        data = self._pending + (piece.encode("utf-8") if isinstance(piece, str) else piece)
+        whole, tail = _split_incomplete_utf8(data)
+        try:
+            text = whole.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        for character in text:
+            if not recognizer.feed(character):
+                return None
+        if tail:
+            if not recognizer.in_string:
+                return None
+            try:  # a tail that can never become a character (e.g. an overlong lead byte)
+                tail.decode("utf-8")
+            except UnicodeDecodeError as error:
+                if error.reason != "unexpected end of data":
+                    return None
+        return recognizer, tail
+
+
+def json_object_constraint(
+    vocabulary: TokenVocabulary, eos_token_ids: frozenset[int]
+) -> TokenConstraint:
+    """Decoding restricted to one JSON object (`response_format` "json_object")."""
+    return TokenConstraint(JsonRecognizer(top_level_object=True), vocabulary, eos_token_ids)
+
+
+def tool_call_constraint(
+    tools: Sequence[ToolDefinition], vocabulary: TokenVocabulary, eos_token_ids: frozenset[int]
+) -> TokenConstraint:
+    """Decoding restricted to one call of one of `tools` (a forced tool call).
+
+    Raises:
+        ValueError: no tools.
+    """
+    recognizer = ToolCallRecognizer([tool.name for tool in tools])
+    return TokenConstraint(recognizer, vocabulary, eos_token_ids)
