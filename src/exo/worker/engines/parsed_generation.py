@@ -34,6 +34,7 @@ class OutputPiece:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    stop_sequence: str | None = None
 
 
 def parse_generation(
@@ -80,6 +81,7 @@ def parse_generation(
             if calls_so_far and finish_reason == "stop":
                 finish_reason = "tool_calls"
             output.finish_reason = finish_reason
+            output.stop_sequence = piece.stop_sequence
             if piece.usage is not None:
                 output.usage = piece.usage.model_copy(
                     update={

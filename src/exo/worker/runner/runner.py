@@ -234,11 +234,14 @@ class Runner:
             self._fail_generation(task, error)
             return
         pieces = self._engine.generate(task.params, prompt)
+        # A constrained request's output is the JSON document alone: no thinking section.
+        constrained = task.params.forces_tool_call or task.params.response_format != "text"
         parser = OutputParser(
             tools=task.params.offered_tools,
             tool_call_format=prompt.tool_call_format,
-            thinking_open=prompt.thinking_open,
+            thinking_open=prompt.thinking_open and not constrained,
             forced_tool_call=task.params.forces_tool_call,
+            parse_reasoning=not constrained,
         )
         try:
             for piece in parse_generation(pieces, parser, task.params):
@@ -279,6 +282,7 @@ class Runner:
                         logprobs=piece.logprobs,
                         finish_reason=None if piece.tool_calls else piece.finish_reason,
                         usage=None if piece.tool_calls else piece.usage,
+                        stop_sequence=None if piece.tool_calls else piece.stop_sequence,
                     )
                 )
             )

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 from exo.shared.types.chunks import TokenLogprob, Usage
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
@@ -17,7 +19,7 @@ WEATHER = ToolDefinition(
 )
 
 
-def params(**fields: object) -> TextGenerationTaskParams:
+def params(**fields: Any) -> TextGenerationTaskParams:
     return TextGenerationTaskParams(
         model=ModelId("m"), messages=(ChatMessage(role="user", content="hi"),), **fields
     )
@@ -80,6 +82,17 @@ def test_every_token_and_logprob_is_accounted_for_while_text_is_held_back() -> N
     assert [(call.name, call.arguments) for call in calls] == [("get_weather", '{"city":"Paris"}')]
     assert "".join(piece.text for piece in output) == ""
     assert output[-1].finish_reason == "tool_calls"
+
+
+def test_matched_stop_string_reaches_the_last_piece() -> None:
+    generated = pieces(["Paris"])
+    generated[-1].stop_sequence = "."
+    parser = OutputParser(
+        tools=(), tool_call_format="hermes", thinking_open=False, forced_tool_call=False
+    )
+    output = list(parse_generation(generated, parser, params(stop=(".",))))
+    assert output[-1].stop_sequence == "."
+    assert output[0].stop_sequence is None
 
 
 def test_length_finish_is_kept_even_with_tool_calls() -> None:

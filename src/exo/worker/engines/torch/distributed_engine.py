@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 from exo.shared.types.text_generation import TextGenerationTaskParams
+from exo.worker.engines.prompt import RenderedPrompt
 from exo.worker.engines.torch.detokenizer import StreamingDetokenizer
 from exo.worker.engines.torch.distributed import (
     IDLE_WAIT,
@@ -306,13 +307,15 @@ class DistributedTorchEngine(TorchEngine):
         elif not self._serve_one():
             raise RuntimeError("rank 0 shut down during warmup")
 
-    def generate(self, params: TextGenerationTaskParams) -> Generator[GeneratedPiece, None, None]:
+    def generate(
+        self, params: TextGenerationTaskParams, prompt: RenderedPrompt | None = None
+    ) -> Generator[GeneratedPiece, None, None]:
         """As `TorchEngine.generate`, on rank 0 only; drives the other ranks."""
         if self.rank != 0:
             raise RuntimeError("only rank 0 generates; other ranks call serve_forever()")
         if self._shut_down:
             raise RuntimeError("the engine was shut down")
-        prompt_ids = self.encode_prompt(params.messages)
+        prompt_ids = (prompt or self.render_prompt(params)).token_ids
         room = self.context_length - len(prompt_ids)
         if room < 1:
             raise PromptTooLongError(

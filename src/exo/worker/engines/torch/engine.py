@@ -24,6 +24,7 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+from exo.worker.engines.prompt import RenderedPrompt, decode_keeping_markers, render_prompt
 from exo.worker.engines.torch.constrained import (
     TokenConstraint,
     TokenVocabulary,
@@ -72,6 +73,7 @@ class GeneratedPiece:
     finish_reason: FinishReason | None
     usage: Usage | None
     logprobs: tuple[TokenLogprob, ...] = ()
+    stop_sequence: str | None = None
 
 
 def _configure_cpu_threads() -> None:
@@ -172,6 +174,8 @@ class TorchEngine:
         self.vocab_size = int(getattr(text_config, "vocab_size", None) or len(tokenizer))
         self._cache_pool = KVCachePool(model, device)
         self._vocabulary: TokenVocabulary | None = None
+        # Tool-call and thinking markers survive decoding even where they are special tokens.
+        self._decode = decode_keeping_markers(tokenizer)
 
     @classmethod
     def load(
@@ -243,28 +247,27 @@ class TorchEngine:
         for _piece in self.generate(params):
             pass
 
+    def render_prompt(self, params: TextGenerationTaskParams) -> RenderedPrompt:
+        """The request's conversation through the chat template (tools, tool history and
+        thinking flags included), ending with the assistant's turn.
+
+        Raises:
+            ValueError: the template refuses the conversation (e.g. roles that do not
+                alternate).
+        """
+        return render_prompt(self.tokenizer, params)
+
     def encode_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Token ids of the chat-templated conversation, ending with the assistant's turn."""
-        conversation = [
-            {"role": message.role, "content": message.content}
-            | ({"name": message.name} if message.name else {})
-            | ({"tool_call_id": message.tool_call_id} if message.tool_call_id else {})
-            for message in messages
-        ]
-        encoded = self.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True, return_dict=True
+        """Token ids of a plain chat-templated conversation (no tools), ending with the
+        assistant's turn."""
+        params = TextGenerationTaskParams(
+            model=ModelId(self.card.model_id), messages=tuple(messages)
         )
-        return list(encoded["input_ids"])
+        return self.render_prompt(params).token_ids
 
     def count_prompt_tokens(self, params: TextGenerationTaskParams) -> int:
-        """Number of prompt tokens the request's messages become."""
-        return len(self.encode_prompt(params.messages))
-
-    def _decode(self, token_ids: Sequence[int]) -> str:
-        text: str = self.tokenizer.decode(
-            list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
-        return text
+        """Number of prompt tokens the request becomes."""
+        return len(self.render_prompt(params).token_ids)
 
     @property
     def vocabulary(self) -> TokenVocabulary:
@@ -318,8 +321,11 @@ class TorchEngine:
             bytes=tuple(vocabulary.token_bytes[token_id]), top_logprobs=top,
         )  # fmt: skip
 
-    def generate(self, params: TextGenerationTaskParams) -> Generator[GeneratedPiece, None, None]:
-        """Stream the completion of a chat request.
+    def generate(
+        self, params: TextGenerationTaskParams, prompt: RenderedPrompt | None = None
+    ) -> Generator[GeneratedPiece, None, None]:
+        """Stream the completion of a chat request (`prompt`: its `render_prompt`, when the
+        caller already rendered it).
 
         Yields one piece per token where possible. The last piece carries `finish_reason`
         ("stop" on EOS, a stop string or a completed constrained document (`response_format`
@@ -330,8 +336,9 @@ class TorchEngine:
         Raises:
             PromptTooLongError: the prompt leaves no room for a generated token (raised on
                 the first `next()`).
+            ValueError: the chat template refuses the conversation (first `next()`).
         """
-        prompt_ids = self.encode_prompt(params.messages)
+        prompt_ids = (prompt or self.render_prompt(params)).token_ids
         room = self.context_length - len(prompt_ids)
         if room < 1:
             raise PromptTooLongError(
@@ -371,11 +378,12 @@ class TorchEngine:
         pending_logprobs: list[TokenLogprob] = []  # their logprobs, when asked for
         finish_reason: FinishReason = "length"
         final_text = ""
+        stop_sequence: str | None = None
         while True:
             token = chooser.choose(logits)
             completion_tokens += 1
             if token in self.eos_token_ids:
-                final_text, _stopped = _finish_text(detokenizer, stop_matcher)
+                final_text, stop_sequence = _finish_text(detokenizer, stop_matcher)
                 finish_reason = "stop"
                 break
             chooser.observe(token)
@@ -386,7 +394,7 @@ class TorchEngine:
             if text:
                 check = stop_matcher.feed(text)
                 if check.stopped:
-                    finish_reason, final_text = "stop", check.text
+                    finish_reason, final_text, stop_sequence = "stop", check.text, check.stop
                     break
                 if check.text:
                     yield GeneratedPiece(
@@ -394,25 +402,27 @@ class TorchEngine:
                     )
                     pending_ids, pending_logprobs = [], []
             if chooser.is_complete:  # the constrained document is whole: nothing may follow
-                final_text, _stopped = _finish_text(detokenizer, stop_matcher)
+                final_text, stop_sequence = _finish_text(detokenizer, stop_matcher)
                 finish_reason = "stop"
                 break
             if completion_tokens >= max_new_tokens:
-                final_text, stopped = _finish_text(detokenizer, stop_matcher)
-                finish_reason = "stop" if stopped else "length"
+                final_text, stop_sequence = _finish_text(detokenizer, stop_matcher)
+                finish_reason = "stop" if stop_sequence is not None else "length"
                 break
             logits = session.decode(token)
         usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens)
         yield GeneratedPiece(
-            final_text, tuple(pending_ids), finish_reason, usage, tuple(pending_logprobs)
-        )
+            final_text, tuple(pending_ids), finish_reason, usage, tuple(pending_logprobs),
+            stop_sequence,
+        )  # fmt: skip
 
 
 def _finish_text(
     detokenizer: StreamingDetokenizer, stop_matcher: StopSequenceMatcher
-) -> tuple[str, bool]:
-    """The text still held back when generation ends, and whether it completes a stop string."""
+) -> tuple[str, str | None]:
+    """The text still held back when generation ends, and the stop string it completes (None
+    when it completes none)."""
     check = stop_matcher.feed(detokenizer.flush())
     if check.stopped:
-        return check.text, True
-    return check.text + stop_matcher.flush(), False
+        return check.text, check.stop
+    return check.text + stop_matcher.flush(), None

@@ -18,6 +18,8 @@ class StopCheck:
 
     text: str
     stopped: bool
+    stop: str | None = None
+    """The stop string found, when `stopped`."""
 
 
 class StopSequenceMatcher:
@@ -50,11 +52,12 @@ class StopSequenceMatcher:
         if not self._stops:
             return StopCheck(piece, False)
         buffer = self._held + piece
-        stop_index = self._first_stop_index(buffer)
-        if stop_index is not None:
+        found = self._first_stop(buffer)
+        if found is not None:
+            stop_index, stop = found
             self._held = ""
             self._stopped = True
-            return StopCheck(buffer[:stop_index], True)
+            return StopCheck(buffer[:stop_index], True, stop)
         keep = self._longest_partial_suffix(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return StopCheck(buffer[: len(buffer) - keep], False)
@@ -64,12 +67,14 @@ class StopSequenceMatcher:
         held, self._held = self._held, ""
         return held
 
-    def _first_stop_index(self, buffer: str) -> int | None:
-        best: int | None = None
+    def _first_stop(self, buffer: str) -> tuple[int, str] | None:
+        """(index, stop string) of the earliest stop string in `buffer` (at equal indexes the
+        shortest, which is the one that completed first)."""
+        best: tuple[int, str] | None = None
         for stop in self._stops:
             index = buffer.find(stop)
-            if index != -1 and (best is None or index < best):
-                best = index
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
         return best
 
     def _longest_partial_suffix(self, buffer: str) -> int:

@@ -4,6 +4,7 @@ Llama with the real tokenizer)."""
 from __future__ import annotations
 
 import json
+import re
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -229,8 +230,13 @@ def test_named_tool_choice_forces_that_name(nudged_engine: TorchEngine) -> None:
     params = request(
         PROMPT, tools=TOOLS, tool_choice=NamedToolChoice(name="search"), temperature=0.0
     )
-    name, _arguments = parse_forced_tool_call(text_of(list(nudged_engine.generate(params))))
-    assert name == "search"
+    pieces = list(nudged_engine.generate(params))
+    text = text_of(pieces)
+    # The constraint writes the name first, whatever the random model prefers; whether the
+    # arguments close before the token limit is up to the model.
+    assert re.match(r'\{"name": "search", "arguments":\s*\{', text), text
+    if pieces[-1].finish_reason == "stop":
+        assert parse_forced_tool_call(text)[0] == "search"
 
 
 def test_unnudged_random_model_output_is_a_valid_prefix(tiny_engine: TorchEngine) -> None:
