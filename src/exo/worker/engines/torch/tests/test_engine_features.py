@@ -4,8 +4,8 @@ Llama with the real tokenizer)."""
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
