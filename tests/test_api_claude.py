@@ -80,8 +80,13 @@ def test_system_prompt_and_history_reach_the_prompt(default_node: ExoNode) -> No
     last_turn_only = client.messages.count_tokens(
         model=DEFAULT_MODEL_ID, messages=history[-1:]
     ).input_tokens
+    longer_system = client.messages.count_tokens(
+        model=DEFAULT_MODEL_ID, system=system + " Be kind and precise.", messages=history
+    ).input_tokens
     assert message.usage.input_tokens == with_system
-    assert with_system > without_system > last_turn_only
+    # (Without a system prompt, SmolLM2's template inserts a default one of its own.)
+    assert longer_system > with_system != without_system
+    assert without_system > last_turn_only
 
 
 def test_max_tokens_and_stop_sequences(default_node: ExoNode) -> None:
