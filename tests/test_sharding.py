@@ -177,50 +177,6 @@ def test_bad_placements_are_400_with_the_reason(nodes: list[ExoNode]) -> None:
     assert "min_nodes=4" in too_big.json()["error"]["message"]
 
 
-def test_killing_a_rank_fails_the_request_fast_and_placing_again_works(
-    nodes: list[ExoNode],
-) -> None:
-    a, b, c = nodes
-    response = place(a, DEFAULT_MODEL_ID, "pipeline", [b.node_id(), c.node_id()])
-    assert response.status_code == 200, response.text
-    instance_id = response.json()["instance_id"]
-    wait_until(lambda: ready_statuses(a, instance_id), READY_TIMEOUT_SECONDS, interval=0.5)
-    client = openai.OpenAI(base_url=f"{a.url}/v1", api_key="unused", timeout=60, max_retries=0)
-    stream = client.chat.completions.create(
-        model=DEFAULT_MODEL_ID,
-        messages=[{"role": "user", "content": "Write a very long story about a dragon."}],
-        max_tokens=2000,
-        stream=True,
-    )
-    # The hard case: the node of rank 0, which streams the tokens, goes away.
-    rank_zero_node = next(
-        node_id
-        for node_id, runner in response.json()["instance"]["shard_assignments"][
-            "node_to_runner"
-        ].items()
-        if runner.endswith("-rank0")
-    )
-    victim = b if b.node_id() == rank_zero_node else c
-    killed_at = 0.0
-    with pytest.raises(openai.APIError):
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content and not killed_at:
-                victim.kill()
-                killed_at = time.monotonic()
-    assert killed_at and time.monotonic() - killed_at < 10
-    survivors = [node for node in nodes if node is not victim]
-    # No runner is left behind: the instance goes (failures, then the node's time-out).
-    wait_until(
-        lambda: instance_id not in a.state()["instances"], 90, what="the broken instance gone"
-    )
-    wait_until(lambda: not any(n.runner_processes() for n in survivors), 30, what="no runner")
-    again = place(a, DEFAULT_MODEL_ID, "pipeline", [n.node_id() for n in survivors])
-    assert again.status_code == 200, again.text
-    new_instance = again.json()["instance_id"]
-    wait_until(lambda: ready_statuses(a, new_instance), READY_TIMEOUT_SECONDS, interval=0.5)
-    assert greedy_answer(a, DEFAULT_MODEL_ID)[1] > 0
-
-
 def test_cancel_and_disconnect_stop_every_rank_and_free_the_slot(nodes: list[ExoNode]) -> None:
     a, b, _c = nodes
     response = place(a, DEFAULT_MODEL_ID, "pipeline", [a.node_id(), b.node_id()])
@@ -273,3 +229,47 @@ def test_cancel_and_disconnect_stop_every_rank_and_free_the_slot(nodes: list[Exo
     finally:
         httpx.delete(f"{a.url}/instance/{instance_id}", timeout=60)
         wait_until(lambda: not any(n.runner_processes() for n in nodes), 60, what="no runner")
+
+
+def test_killing_a_rank_fails_the_request_fast_and_placing_again_works(
+    nodes: list[ExoNode],
+) -> None:
+    a, b, c = nodes
+    response = place(a, DEFAULT_MODEL_ID, "pipeline", [b.node_id(), c.node_id()])
+    assert response.status_code == 200, response.text
+    instance_id = response.json()["instance_id"]
+    wait_until(lambda: ready_statuses(a, instance_id), READY_TIMEOUT_SECONDS, interval=0.5)
+    client = openai.OpenAI(base_url=f"{a.url}/v1", api_key="unused", timeout=60, max_retries=0)
+    stream = client.chat.completions.create(
+        model=DEFAULT_MODEL_ID,
+        messages=[{"role": "user", "content": "Write a very long story about a dragon."}],
+        max_tokens=2000,
+        stream=True,
+    )
+    # The hard case: the node of rank 0, which streams the tokens, goes away.
+    rank_zero_node = next(
+        node_id
+        for node_id, runner in response.json()["instance"]["shard_assignments"][
+            "node_to_runner"
+        ].items()
+        if runner.endswith("-rank0")
+    )
+    victim = b if b.node_id() == rank_zero_node else c
+    killed_at = 0.0
+    with pytest.raises(openai.APIError):
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content and not killed_at:
+                victim.kill()
+                killed_at = time.monotonic()
+    assert killed_at and time.monotonic() - killed_at < 10
+    survivors = [node for node in nodes if node is not victim]
+    # No runner is left behind: the instance goes (failures, then the node's time-out).
+    wait_until(
+        lambda: instance_id not in a.state()["instances"], 90, what="the broken instance gone"
+    )
+    wait_until(lambda: not any(n.runner_processes() for n in survivors), 30, what="no runner")
+    again = place(a, DEFAULT_MODEL_ID, "pipeline", [n.node_id() for n in survivors])
+    assert again.status_code == 200, again.text
+    new_instance = again.json()["instance_id"]
+    wait_until(lambda: ready_statuses(a, new_instance), READY_TIMEOUT_SECONDS, interval=0.5)
+    assert greedy_answer(a, DEFAULT_MODEL_ID)[1] > 0
