@@ -5,9 +5,10 @@ Two layers:
 
 - character level: `JsonRecognizer`, an incremental pushdown automaton over the JSON grammar
   (RFC 8259: objects, arrays, strings with escapes including `\\uXXXX`, numbers, literals),
-  and `ToolCallRecognizer`, a fixed frame around a JSON object. Feeding a character either
-  advances the state or rejects the character; states copy in O(1) (the container stack is
-  an immutable tuple), so a candidate token is checked on a copy.
+  and `ToolCallRecognizer`, a fixed frame around a JSON object that follows the named
+  tool's parameter schema (`json_schema_grammar.SchemaJsonRecognizer`). Feeding a
+  character either advances the state or rejects the character; states copy in O(1) (the
+  container stack is an immutable tuple), so a candidate token is checked on a copy.
 - token level: `TokenConstraint` checks a token by feeding its bytes (UTF-8) to a copy of
   the recogniser. `TokenVocabulary` holds each token's raw bytes, precomputed once per
   engine.
@@ -36,6 +37,12 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from exo.shared.types.text_generation import ToolDefinition
+from exo.worker.engines.torch.json_schema_grammar import (
+    ANY_OBJECT,
+    SchemaJsonRecognizer,
+    ValueSchema,
+    compile_arguments_schema,
+)
 
 # At most this many whitespace characters in a row outside strings.
 DEFAULT_MAX_WHITESPACE_RUN = 2
@@ -299,41 +306,64 @@ class JsonRecognizer:
 
 class ToolCallRecognizer:
     """Accepts exactly `{"name": "<tool>", "arguments": <JSON object>}` with `<tool>` one of
-    `tool_names` (JSON-escaped) and the keys in that order, spaced as written.
+    the offered names (JSON-escaped) and the keys in that order, spaced as written. The
+    arguments follow the schema of the tool whose name was written (`json_schema_grammar`
+    says which schemas are followed; the others allow any object).
 
     Args:
-        tool_names: the names the call may use (at least one).
+        tools: the tools the call may use (at least one), or bare names (any object).
         max_whitespace_run: as `JsonRecognizer`, inside the arguments.
 
     Raises:
-        ValueError: no tool names.
+        ValueError: no tools.
     """
 
     PREFIX = '{"name": "'
     MIDDLE = ', "arguments": '
     SUFFIX = "}"
 
-    __slots__ = ("_arguments", "_max_whitespace_run", "_names", "_phase", "_typed")
+    __slots__ = (
+        "_arguments",
+        "_max_whitespace_run",
+        "_names",
+        "_phase",
+        "_schema",
+        "_schemas",
+        "_typed",
+    )
 
     def __init__(
-        self, tool_names: Sequence[str], max_whitespace_run: int = DEFAULT_MAX_WHITESPACE_RUN
+        self,
+        tools: Sequence[ToolDefinition | str],
+        max_whitespace_run: int = DEFAULT_MAX_WHITESPACE_RUN,
     ) -> None:
-        if not tool_names:
+        if not tools:
             raise ValueError("a forced tool call needs at least one tool name")
         # Each name as it appears between the quotes (JSON-escaped, ASCII only), followed by
-        # the closing quote.
-        self._names: tuple[str, ...] = tuple(json.dumps(name)[1:] for name in tool_names)
+        # the closing quote, with its arguments schema; a repeated name keeps its first.
+        schemas: dict[str, ValueSchema] = {}
+        for tool in tools:
+            if isinstance(tool, str):
+                name, schema = tool, ANY_OBJECT
+            else:
+                name, schema = tool.name, compile_arguments_schema(tool.parameters)
+            schemas.setdefault(json.dumps(name)[1:], schema)
+        self._names: tuple[str, ...] = tuple(schemas)
+        self._schemas: dict[str, ValueSchema] = schemas
         self._max_whitespace_run = max_whitespace_run
         self._phase = 0  # 0 prefix, 1 name, 2 middle, 3 arguments, 4 suffix, 5 done
         self._typed = ""  # characters of the current literal / name read so far
-        self._arguments: JsonRecognizer | None = None  # created on entering phase 3
+        self._schema = ANY_OBJECT  # the written name's arguments schema (set in phase 1)
+        self._arguments: SchemaJsonRecognizer | None = None  # created on entering phase 3
 
     def copy(self) -> ToolCallRecognizer:
         other = ToolCallRecognizer.__new__(ToolCallRecognizer)
         other._names = self._names
+        other._schemas = self._schemas
         other._max_whitespace_run = self._max_whitespace_run
         other._phase = self._phase
         other._typed = self._typed
+        other._schema = self._schema
         other._arguments = None if self._arguments is None else self._arguments.copy()
         return other
 
@@ -356,7 +386,9 @@ class ToolCallRecognizer:
                 if typed == literal:
                     self._phase, self._typed = self._phase + 1, ""
                     if self._phase == 3:
-                        self._arguments = JsonRecognizer(True, self._max_whitespace_run)
+                        self._arguments = SchemaJsonRecognizer(
+                            self._schema, self._max_whitespace_run
+                        )
                 else:
                     self._typed = typed
                 return True
@@ -364,8 +396,9 @@ class ToolCallRecognizer:
                 typed = self._typed + character
                 if not any(name.startswith(typed) for name in self._names):
                     return False
-                if typed in self._names:
-                    self._phase, self._typed = 2, ""
+                schema = self._schemas.get(typed)
+                if schema is not None:
+                    self._phase, self._typed, self._schema = 2, "", schema
                 else:
                     self._typed = typed
                 return True
@@ -724,10 +757,11 @@ def json_object_constraint(
 def tool_call_constraint(
     tools: Sequence[ToolDefinition], vocabulary: TokenVocabulary, eos_token_ids: frozenset[int]
 ) -> TokenConstraint:
-    """Decoding restricted to one call of one of `tools` (a forced tool call).
+    """Decoding restricted to one call of one of `tools` (a forced tool call), its
+    arguments following that tool's parameter schema where `json_schema_grammar` can.
 
     Raises:
         ValueError: no tools.
     """
-    recognizer = ToolCallRecognizer([tool.name for tool in tools])
+    recognizer = ToolCallRecognizer(tools)
     return TokenConstraint(recognizer, vocabulary, eos_token_ids)
