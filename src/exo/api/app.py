@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from exo.api.cluster import ClusterClient, CommandTimeoutError
 from exo.api.errors import (
@@ -58,8 +59,27 @@ def _error_response(
     return JSONResponse(json.loads(json.dumps(body, default=str)), status_code=status_code)
 
 
+class JsonBodyMiddleware:
+    """Read every request body as JSON, whatever its content type says.
+
+    `curl -d '{...}'` sends `application/x-www-form-urlencoded`, and Ollama's own examples
+    are written that way (Ollama ignores the content type); FastAPI would refuse such a
+    body as "not an object". Bodies that are not JSON still get the usual 400.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") in ("POST", "PUT", "PATCH"):
+            headers = [(name, value) for name, value in scope["headers"] if name != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
+
+
 def create_app(cluster_client: ClusterClient) -> FastAPI:
     app = FastAPI(title="exo", version="0.1.0")
+    app.add_middleware(JsonBodyMiddleware)
     app.state.cluster = cluster_client
     for module in ROUTE_MODULES:
         app.include_router(module.router)

@@ -854,3 +854,24 @@ def test_version_root_and_openai_routes(server: tuple[str, ScriptedCluster], clu
             model="nope", messages=[{"role": "user", "content": "x"}]
         )
     assert raised.value.body is not None and "message" in cast(dict[str, Any], raised.value.body)
+
+
+def test_curl_style_body_without_json_content_type(
+    server: tuple[str, ScriptedCluster], cluster: ScriptedCluster
+) -> None:
+    """`curl -d '{...}'` (Ollama's own examples) sends a form content type."""
+    body = json.dumps(
+        {"model": SMOLLM2, "messages": [{"role": "user", "content": "hi"}], "stream": False}
+    )
+    for content_type in ("application/x-www-form-urlencoded", "text/plain"):
+        response = httpx.post(
+            f"{server[0]}/ollama/api/chat", content=body, headers={"content-type": content_type}
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["message"]["content"] == "Paris"
+    garbage = httpx.post(
+        f"{server[0]}/ollama/api/chat",
+        content=b"model=x",
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
+    assert garbage.status_code == 400 and "error" in garbage.json()
