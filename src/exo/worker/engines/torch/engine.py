@@ -27,7 +27,6 @@ from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskPara
 from exo.worker.engines.prompt import RenderedPrompt, decode_keeping_markers, render_prompt
 from exo.worker.engines.torch.constrained import (
     TokenConstraint,
-    TokenVocabulary,
     json_object_constraint,
     tool_call_constraint,
 )
@@ -45,6 +44,7 @@ from exo.worker.engines.torch.sampling import (
     step_logprobs,
 )
 from exo.worker.engines.torch.stop_sequences import StopSequenceMatcher
+from exo.worker.engines.torch.vocabulary import TokenVocabulary
 
 WARMUP_PROMPT = "Say hello."
 WARMUP_TOKENS = 8

@@ -12,13 +12,13 @@ from exo.shared.types.text_generation import ToolDefinition
 from exo.worker.engines.torch.constrained import (
     JsonRecognizer,
     TokenConstraint,
-    TokenVocabulary,
     ToolCallRecognizer,
     json_object_constraint,
     parse_forced_tool_call,
     tool_call_constraint,
 )
 from exo.worker.engines.torch.sampling import Sampler, SamplingParams
+from exo.worker.engines.torch.vocabulary import TokenVocabulary
 
 
 def feed(text: str, top_level_object: bool = False, max_whitespace_run: int = 2) -> JsonRecognizer:

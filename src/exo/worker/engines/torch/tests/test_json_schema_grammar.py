@@ -17,7 +17,6 @@ from exo.shared.types.shards import PipelineShardMetadata
 from exo.shared.types.text_generation import NamedToolChoice, ToolDefinition
 from exo.worker.engines.torch.constrained import (
     TokenConstraint,
-    TokenVocabulary,
     ToolCallRecognizer,
     parse_forced_tool_call,
     tool_call_constraint,
@@ -34,6 +33,7 @@ from exo.worker.engines.torch.tests.test_engine_features import (
     nudged_engine,  # noqa: F401  (a fixture used below)
     text_of,
 )
+from exo.worker.engines.torch.vocabulary import TokenVocabulary
 
 WEATHER: dict[str, Any] = {
     "type": "object",
