@@ -22,7 +22,16 @@ from exo.shared.types import (
     tasks,
     text_generation,
 )
-from exo.shared.types.chunks import Chunk, ErrorChunk, TokenChunk, ToolCall, ToolCallChunk, Usage
+from exo.shared.types.chunks import (
+    Chunk,
+    ErrorChunk,
+    TokenChunk,
+    TokenLogprob,
+    ToolCall,
+    ToolCallChunk,
+    TopLogprob,
+    Usage,
+)
 from exo.shared.types.commands import (
     CancelGeneration,
     Command,
@@ -119,7 +128,12 @@ from exo.shared.types.tasks import (
     TaskStatus,
     TextGeneration,
 )
-from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+from exo.shared.types.text_generation import (
+    ChatMessage,
+    NamedToolChoice,
+    TextGenerationTaskParams,
+    ToolDefinition,
+)
 from exo.testing.builders import (
     SMOLLM2,
     make_card,
@@ -200,16 +214,64 @@ FULL_STATE = make_state(
     }
 )
 
+WEATHER_TOOL = ToolDefinition(
+    name="get_weather",
+    description="Weather of a city",
+    parameters={"type": "object", "properties": {"city": {"type": "string"}}},
+)
+TOP_LOGPROB = TopLogprob(token="b", token_id=2, logprob=-1.5, bytes=(98,))
+
 # Samples of every concrete wire type, keyed by class. Members with no fields next to
 # members with the same fields (TaskComplete/TaskRunning, PipelineInstance/TensorInstance)
 # check that the union tag, not the field set, picks the class.
 SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     # common / text generation
-    ChatMessage: [ChatMessage(role="assistant", content="")],
-    TextGenerationTaskParams: [PARAMS, make_params()],
+    ChatMessage: [
+        ChatMessage(role="assistant", content=""),
+        ChatMessage(
+            role="assistant",
+            tool_calls=(ToolCall(id="call-1", name="f", arguments='{"x": 1}'),),
+            reasoning_content="thought",
+        ),
+        ChatMessage(role="tool", content='{"ok": true}', tool_call_id="call-1"),
+    ],
+    TextGenerationTaskParams: [
+        PARAMS,
+        make_params(),
+        make_params().model_copy(
+            update={
+                "tools": (WEATHER_TOOL,),
+                "tool_choice": NamedToolChoice(name="get_weather"),
+                "logprobs": True,
+                "top_logprobs": 3,
+                "presence_penalty": 0.5,
+                "repetition_penalty": 1.1,
+                "enable_thinking": True,
+                "reasoning_effort": "low",
+            }
+        ),
+    ],
+    ToolDefinition: [WEATHER_TOOL, ToolDefinition(name="noop")],
+    NamedToolChoice: [NamedToolChoice(name="get_weather")],
     # chunks
-    Usage: [USAGE],
-    TokenChunk: [TOKEN_CHUNK, TokenChunk(command_id=COMMAND, model=SMOLLM2, text="")],
+    Usage: [USAGE, Usage(prompt_tokens=1, completion_tokens=5, reasoning_tokens=3)],
+    TopLogprob: [TOP_LOGPROB],
+    TokenLogprob: [TokenLogprob(token="a", token_id=1, logprob=-0.1, top_logprobs=(TOP_LOGPROB,))],
+    TokenChunk: [
+        TOKEN_CHUNK,
+        TokenChunk(command_id=COMMAND, model=SMOLLM2, text=""),
+        TokenChunk(
+            command_id=COMMAND,
+            model=SMOLLM2,
+            text="",
+            reasoning_text="hmm",
+            token_ids=(1,),
+            logprobs=(TokenLogprob(token="a", token_id=1, logprob=-9999.0),),
+            finish_reason="stop",
+            usage=USAGE,
+            stop_sequence="END",
+        ),
+    ],
     ToolCall: [ToolCall(id="call-1", name="f", arguments='{"x": 1}')],
     ToolCallChunk: [
         ToolCallChunk(

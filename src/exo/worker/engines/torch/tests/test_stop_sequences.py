@@ -27,7 +27,7 @@ def test_stop_split_across_pieces_is_never_emitted() -> None:
 
 def test_text_before_stop_in_same_piece_is_emitted() -> None:
     matcher = StopSequenceMatcher(["STOP"])
-    assert matcher.feed("abc STOP def") == StopCheck("abc ", True)
+    assert matcher.feed("abc STOP def") == StopCheck("abc ", True, "STOP")
 
 
 def test_partial_prefix_is_held_then_released() -> None:
@@ -48,17 +48,17 @@ def test_held_text_is_flushed_at_end() -> None:
 
 def test_earliest_of_several_stop_sequences_wins() -> None:
     matcher = StopSequenceMatcher(["world", "lo w"])
-    assert matcher.feed("hello world") == StopCheck("hel", True)
+    assert matcher.feed("hello world") == StopCheck("hel", True, "lo w")
 
 
 def test_stop_at_start_emits_nothing() -> None:
     matcher = StopSequenceMatcher(["\n\n"])
     assert matcher.feed("\n") == StopCheck("", False)
-    assert matcher.feed("\nrest") == StopCheck("", True)
+    assert matcher.feed("\nrest") == StopCheck("", True, "\n\n")
 
 
 def test_overlapping_prefixes_keep_the_longest_candidate() -> None:
     matcher = StopSequenceMatcher(["aab"])
     assert matcher.feed("aa") == StopCheck("", False)
     assert matcher.feed("a") == StopCheck("a", False)
-    assert matcher.feed("b") == StopCheck("", True)
+    assert matcher.feed("b") == StopCheck("", True, "aab")
