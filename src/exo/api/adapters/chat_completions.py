@@ -21,6 +21,12 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import assert_never
 
+from exo.api.adapters.common import (
+    ended_without_finish,
+    error_chunk_error,
+    final_usage,
+    unfinished_generation_error,
+)
 from exo.api.errors import ApiError, GenerationError, InvalidRequestError, openai_error_body_for
 from exo.api.generation import build_task_params
 from exo.api.types.openai_chat import (
@@ -392,12 +398,8 @@ def _chat_finish_reason(reason: FinishReason) -> ChatFinishReason:
     match reason:
         case "stop" | "length" | "tool_calls":
             return reason
-        case "error":
-            raise GenerationError("generation failed", code="generation_failed")
-        case "cancelled":
-            raise GenerationError(
-                "generation was cancelled before it finished", code="generation_cancelled"
-            )
+        case "error" | "cancelled":
+            raise unfinished_generation_error(reason)
         case _:
             assert_never(reason)
 
@@ -405,8 +407,7 @@ def _chat_finish_reason(reason: FinishReason) -> ChatFinishReason:
 def _completion_usage(usage: Usage | None, counted_completion_tokens: int) -> CompletionUsage:
     # The last chunk carries usage by contract; should a producer omit it, report what the
     # stream itself shows (prompt tokens are then unknown, so 0) rather than fail.
-    if usage is None:
-        usage = Usage(prompt_tokens=0, completion_tokens=counted_completion_tokens)
+    usage = final_usage(usage, counted_completion_tokens)
     return CompletionUsage(
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
@@ -430,14 +431,8 @@ def _logprob_entries(entries: tuple[TokenLogprob, ...]) -> list[LogprobEntry]:
     ]
 
 
-def _ended_without_finish() -> GenerationError:
-    return GenerationError("generation stream ended without a finish", code="generation_failed")
-
-
 def _error_chunk_error(chunk: ErrorChunk) -> ApiError:
-    if chunk.status_code == 400:
-        return InvalidRequestError(chunk.error_message, param="messages", code=chunk.error_code)
-    return GenerationError(chunk.error_message, code=chunk.error_code or "generation_failed")
+    return error_chunk_error(chunk, param="messages")
 
 
 def _sse(data: str) -> str:
@@ -537,7 +532,7 @@ async def stream_chat_completion(
             yield event([], _completion_usage(chunk.usage, counted_completion_tokens))
         yield SSE_DONE
         return
-    yield error_event(_ended_without_finish())
+    yield error_event(ended_without_finish())
     yield SSE_DONE
 
 
@@ -617,4 +612,4 @@ async def collect_chat_completion(
             ],
             usage=_completion_usage(chunk.usage, counted_completion_tokens),
         )
-    raise _ended_without_finish()
+    raise ended_without_finish()

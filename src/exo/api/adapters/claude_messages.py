@@ -22,6 +22,12 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, assert_never
 
+from exo.api.adapters.common import (
+    ended_without_finish,
+    error_chunk_error,
+    final_usage,
+    unfinished_generation_error,
+)
 from exo.api.errors import ApiError, GenerationError, InvalidRequestError
 from exo.api.generation import build_task_params
 from exo.api.types.claude_messages import (
@@ -393,12 +399,8 @@ def _stop_reason(reason: FinishReason, called_tools: bool) -> StopReason:
             return "tool_use"
         case "length":
             return "max_tokens"
-        case "error":
-            raise GenerationError("generation failed", code="generation_failed")
-        case "cancelled":
-            raise GenerationError(
-                "generation was cancelled before it finished", code="generation_cancelled"
-            )
+        case "error" | "cancelled":
+            raise unfinished_generation_error(reason)
         case _:
             assert_never(reason)
 
@@ -406,8 +408,7 @@ def _stop_reason(reason: FinishReason, called_tools: bool) -> StopReason:
 def _message_usage(usage: Usage | None, counted_output_tokens: int) -> MessageUsage:
     # The last chunk carries usage by contract; should a producer omit it, report what the
     # stream itself shows (input tokens are then unknown, so 0) rather than fail.
-    if usage is None:
-        usage = Usage(prompt_tokens=0, completion_tokens=counted_output_tokens)
+    usage = final_usage(usage, counted_output_tokens)
     return MessageUsage(
         input_tokens=usage.prompt_tokens,
         output_tokens=usage.completion_tokens,
@@ -429,9 +430,7 @@ def _tool_input(call: ToolCall) -> dict[str, Any]:
 
 
 def _error_chunk_error(chunk: ErrorChunk) -> ApiError:
-    if chunk.status_code == 400:
-        return InvalidRequestError(chunk.error_message, param="messages", code=chunk.error_code)
-    return GenerationError(chunk.error_message, code=chunk.error_code or "generation_failed")
+    return error_chunk_error(chunk, param="messages")
 
 
 async def message_events(chunks: AsyncIterator[Chunk]) -> AsyncIterator[StreamEvent]:
@@ -512,7 +511,7 @@ async def message_events(chunks: AsyncIterator[Chunk]) -> AsyncIterator[StreamEv
             usage=_message_usage(chunk.usage, counted_output_tokens),
         )
         return
-    raise GenerationError("generation stream ended without a finish", code="generation_failed")
+    raise ended_without_finish()
 
 
 def _sse(event: StreamEvent) -> str:

@@ -24,6 +24,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Literal, assert_never
 
+from exo.api.adapters.common import (
+    ended_without_finish,
+    error_chunk_error,
+    unfinished_generation_error,
+)
 from exo.api.errors import ApiError, GenerationError, InvalidRequestError
 from exo.api.generation import build_task_params
 from exo.api.types.ollama import (
@@ -394,20 +399,14 @@ def _done_reason(chunk: TokenChunk | ToolCallChunk) -> str:
             return "stop"
         case "length":
             return "length"
-        case "error":
-            raise GenerationError("generation failed", code="generation_failed")
-        case "cancelled":
-            raise GenerationError(
-                "generation was cancelled before it finished", code="generation_cancelled"
-            )
+        case "error" | "cancelled":
+            raise unfinished_generation_error(chunk.finish_reason)
         case _:
             assert_never(chunk.finish_reason)
 
 
 def _error_chunk_error(chunk: ErrorChunk) -> ApiError:
-    if chunk.status_code == 400:
-        return InvalidRequestError(chunk.error_message, code=chunk.error_code)
-    return GenerationError(chunk.error_message, code=chunk.error_code or "generation_failed")
+    return error_chunk_error(chunk, param=None)
 
 
 def _tool_calls(chunk: ToolCallChunk, first_index: int) -> list[OllamaResponseToolCall]:
@@ -549,7 +548,7 @@ async def stream_ollama(
             _line(dialect, model, rfc3339_nano(now_ns()), done_reason=done_reason, timings=timings)
         )
         return
-    yield _error_line(_ended_without_finish())
+    yield _error_line(ended_without_finish())
 
 
 async def collect_ollama(
@@ -602,11 +601,7 @@ async def collect_ollama(
             thinking="".join(thinking), tool_calls=tool_calls, logprobs=logprobs,
             done_reason=done_reason, timings=timings,
         )  # fmt: skip
-    raise _ended_without_finish()
-
-
-def _ended_without_finish() -> GenerationError:
-    return GenerationError("generation stream ended without a finish", code="generation_failed")
+    raise ended_without_finish()
 
 
 def _json_line(response: OllamaChatResponse | OllamaGenerateResponse) -> str:

@@ -14,8 +14,13 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Literal, assert_never
 
+from exo.api.adapters.common import (
+    ended_without_finish,
+    error_chunk_error,
+    unfinished_generation_error,
+)
 from exo.api.adapters.openai_responses import function_tools
-from exo.api.errors import ApiError, GenerationError, InvalidRequestError
+from exo.api.errors import ApiError
 from exo.api.types.openai_responses import (
     ContentPartEvent,
     FunctionCallArgumentsDeltaEvent,
@@ -336,7 +341,7 @@ class _ResponseAssembler:
                 yield from self._close("incomplete")
                 yield self._terminal("response.incomplete", self.final(reason, usage))
             case "error":
-                yield from self.fail(GenerationError("generation failed", code="generation_failed"))
+                yield from self.fail(unfinished_generation_error("error"))
             case _:
                 assert_never(reason)
 
@@ -483,13 +488,7 @@ def _logprob_entries(logprobs: tuple[TokenLogprob, ...]) -> list[LogprobEntry]:
 
 
 def _error_chunk_error(chunk: ErrorChunk) -> ApiError:
-    if chunk.status_code == 400:
-        return InvalidRequestError(chunk.error_message, param="input", code=chunk.error_code)
-    return GenerationError(chunk.error_message, code=chunk.error_code or "generation_failed")
-
-
-def _ended_without_finish() -> GenerationError:
-    return GenerationError("generation stream ended without a finish", code="generation_failed")
+    return error_chunk_error(chunk, param="input")
 
 
 async def _events(
@@ -524,7 +523,7 @@ async def _events(
             for event in assembler.finish(chunk.finish_reason, chunk.usage):
                 yield event
             return
-    for event in assembler.fail(_ended_without_finish()):
+    for event in assembler.fail(ended_without_finish()):
         yield event
 
 

@@ -1,0 +1,41 @@
+"""What every dialect's adapter does alike with the end of a chunk stream: failures and
+cancellations as errors, an `ErrorChunk` as the right `ApiError`, usage when a producer left
+it out."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from exo.api.errors import ApiError, GenerationError, InvalidRequestError
+from exo.shared.types.chunks import ErrorChunk, Usage
+
+
+def unfinished_generation_error(reason: Literal["error", "cancelled"]) -> GenerationError:
+    """The error for a generation that did not finish. No dialect has a value for a
+    cancelled generation, and reporting "stop" would make a truncated answer look
+    complete."""
+    if reason == "error":
+        return GenerationError("generation failed", code="generation_failed")
+    return GenerationError(
+        "generation was cancelled before it finished", code="generation_cancelled"
+    )
+
+
+def error_chunk_error(chunk: ErrorChunk, param: str | None) -> ApiError:
+    """The `ApiError` an `ErrorChunk` stands for: a 400 blaming `param` (the dialect's name
+    for the conversation) when the request was at fault, else a generation failure."""
+    if chunk.status_code == 400:
+        return InvalidRequestError(chunk.error_message, param=param, code=chunk.error_code)
+    return GenerationError(chunk.error_message, code=chunk.error_code or "generation_failed")
+
+
+def ended_without_finish() -> GenerationError:
+    return GenerationError("generation stream ended without a finish", code="generation_failed")
+
+
+def final_usage(usage: Usage | None, counted_completion_tokens: int) -> Usage:
+    """The last chunk carries usage by contract; should a producer omit it, report what the
+    stream itself shows (prompt tokens are then unknown, so 0) rather than fail."""
+    if usage is None:
+        return Usage(prompt_tokens=0, completion_tokens=counted_completion_tokens)
+    return usage
