@@ -56,6 +56,7 @@ from exo.shared.types.text_generation import (
     ToolCall,
     ToolDefinition,
 )
+from exo.testing.chunks import ChunkSource
 
 MODEL = "test-model"
 COMMAND_ID = CommandId("command-1")
@@ -102,24 +103,6 @@ def finish(
 
 def error_chunk(message: str = "runner crashed") -> ErrorChunk:
     return ErrorChunk(command_id=COMMAND_ID, model=ModelId(MODEL), error_message=message)
-
-
-class ChunkSource:
-    """An async chunk iterator that records how many chunks were taken from it."""
-
-    def __init__(self, chunks: Sequence[Chunk]) -> None:
-        self._chunks = list(chunks)
-        self.taken = 0
-
-    def __aiter__(self) -> ChunkSource:
-        return self
-
-    async def __anext__(self) -> Chunk:
-        if self.taken >= len(self._chunks):
-            raise StopAsyncIteration
-        chunk = self._chunks[self.taken]
-        self.taken += 1
-        return chunk
 
 
 async def stream_events(

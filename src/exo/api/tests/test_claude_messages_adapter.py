@@ -59,6 +59,7 @@ from exo.shared.types.text_generation import (
     ToolCall,
 )
 from exo.testing.builders import SMOLLM2, make_instance, make_state, smollm2_card
+from exo.testing.chunks import ChunkSource
 
 MODEL = "test-model"
 COMMAND_ID = CommandId("command-1")
@@ -134,24 +135,6 @@ def error_chunk(message: str = "runner crashed", status_code: int = 500) -> Erro
     return ErrorChunk(
         command_id=COMMAND_ID, model=ModelId(MODEL), error_message=message, status_code=status_code
     )
-
-
-class ChunkSource:
-    """An async chunk iterator that records how many chunks were taken from it."""
-
-    def __init__(self, chunks: Sequence[Chunk]) -> None:
-        self._chunks = list(chunks)
-        self.taken = 0
-
-    def __aiter__(self) -> ChunkSource:
-        return self
-
-    async def __anext__(self) -> Chunk:
-        if self.taken >= len(self._chunks):
-            raise StopAsyncIteration
-        chunk = self._chunks[self.taken]
-        self.taken += 1
-        return chunk
 
 
 async def stream_events(chunks: Sequence[Chunk] | ChunkSource) -> list[tuple[str, Any]]:

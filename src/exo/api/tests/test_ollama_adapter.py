@@ -52,6 +52,7 @@ from exo.shared.types.common import CommandId, ModelId, NodeId
 from exo.shared.types.state import State
 from exo.shared.types.text_generation import ChatMessage, NamedToolChoice, ToolCall
 from exo.testing.builders import SMOLLM2, make_instance, smollm2_card
+from exo.testing.chunks import ChunkSource
 
 MODEL = "test-model"
 COMMAND_ID = CommandId("command-1")
@@ -130,21 +131,6 @@ class FakeClock:
     def __call__(self) -> int:
         self.now += 100
         return self.now
-
-
-class ChunkSource:
-    def __init__(self, chunks: Sequence[Chunk]) -> None:
-        self._chunks = list(chunks)
-        self.taken = 0
-
-    def __aiter__(self) -> ChunkSource:
-        return self
-
-    async def __anext__(self) -> Chunk:
-        if self.taken >= len(self._chunks):
-            raise StopAsyncIteration
-        self.taken += 1
-        return self._chunks[self.taken - 1]
 
 
 WALL_NS = 1_700_000_000_123_456_789

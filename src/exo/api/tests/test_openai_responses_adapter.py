@@ -42,6 +42,7 @@ from exo.shared.types.chunks import (
 from exo.shared.types.commands import CancelGeneration, GenerateText
 from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.text_generation import ChatMessage, NamedToolChoice, ToolCall
+from exo.testing.chunks import ChunkSource
 
 MODEL = "test-model"
 COMMAND_ID = CommandId("0b5e0a3c-8d2f-4f61-9c1e-3a7d2b9e4f10")
@@ -123,24 +124,6 @@ def error_chunk(message: str = "runner crashed", status_code: int = 500) -> Erro
         error_message=message,
         status_code=status_code,
     )
-
-
-class ChunkSource:
-    """An async chunk iterator that records how many chunks were taken from it."""
-
-    def __init__(self, chunks: Sequence[Chunk]) -> None:
-        self._chunks = list(chunks)
-        self.taken = 0
-
-    def __aiter__(self) -> ChunkSource:
-        return self
-
-    async def __anext__(self) -> Chunk:
-        if self.taken >= len(self._chunks):
-            raise StopAsyncIteration
-        chunk = self._chunks[self.taken]
-        self.taken += 1
-        return chunk
 
 
 async def stream_events(
