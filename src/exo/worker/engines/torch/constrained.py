@@ -8,7 +8,9 @@ Two layers:
   and `ToolCallRecognizer`, a fixed frame around a JSON object that follows the named
   tool's parameter schema (`json_schema_grammar.SchemaJsonRecognizer`). Feeding a
   character either advances the state or rejects the character; states copy in O(1) (the
-  container stack is an immutable tuple), so a candidate token is checked on a copy.
+  container stack is an immutable tuple), so a candidate token is checked on a copy. Both
+  recognisers read strings, numbers and whitespace with the same lexer
+  (`json_lexing.JsonLexer`), so they agree on what JSON text is.
 - token level: `TokenConstraint` checks a token by feeding its bytes (UTF-8) to a copy of
   the recogniser. `TokenVocabulary` holds each token's raw bytes, precomputed once per
   engine.
@@ -36,6 +38,18 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from exo.shared.types.text_generation import ToolDefinition
+from exo.worker.engines.torch.json_lexing import (
+    ARRAY_FIRST,
+    COLON,
+    LITERAL,
+    OBJECT_FIRST,
+    OBJECT_KEY,
+    REJECT,
+    STRING,
+    VALUE,
+    JsonLexer,
+    number_start_mode,
+)
 from exo.worker.engines.torch.json_schema_grammar import (
     ANY_OBJECT,
     SchemaJsonRecognizer,
@@ -47,38 +61,8 @@ from exo.worker.engines.torch.vocabulary import TokenVocabulary, split_incomplet
 # At most this many whitespace characters in a row outside strings.
 DEFAULT_MAX_WHITESPACE_RUN = 2
 
-_WHITESPACE = frozenset(" \t\n\r")
-_DIGITS = frozenset("0123456789")
-_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
-_SIMPLE_ESCAPES = frozenset('"\\/bfnrt')
+# The rest of a literal after its first character (RFC 8259 section 3).
 _LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
-
-# Modes of `JsonRecognizer`.
-_VALUE = 0  # a value must start here (object value, array element after ',', top level)
-_ARRAY_FIRST = 1  # after '[': a value or ']'
-_OBJECT_FIRST = 2  # after '{': a key or '}'
-_OBJECT_KEY = 3  # after ',' in an object: a key
-_COLON = 4  # after a key
-_AFTER_VALUE = 5  # after a value inside a container: ',' or the closing bracket
-_STRING = 6
-_ESCAPE = 7  # after a backslash in a string
-_UNICODE = 8  # inside \uXXXX; `_count` hex digits still expected
-_LITERAL = 9  # inside true/false/null; `_literal` is what remains
-_MINUS = 10  # number: after '-'
-_ZERO = 11  # number: integer part is '0'
-_INTEGER = 12  # number: in the integer digits
-_POINT = 13  # number: after '.'
-_FRACTION = 14  # number: in the fraction digits
-_EXPONENT_MARK = 15  # number: after 'e'/'E'
-_EXPONENT_SIGN = 16  # number: after the exponent's sign
-_EXPONENT = 17  # number: in the exponent digits
-_DONE = 18  # the top-level value is complete
-
-# Number modes where the number may end (the next character is not part of it).
-_NUMBER_CAN_END = frozenset({_ZERO, _INTEGER, _FRACTION, _EXPONENT})
-_WHITESPACE_MODES = frozenset(
-    {_VALUE, _ARRAY_FIRST, _OBJECT_FIRST, _OBJECT_KEY, _COLON, _AFTER_VALUE, _DONE}
-)
 
 
 class CharRecognizer(Protocol):
@@ -101,8 +85,12 @@ class CharRecognizer(Protocol):
         ...
 
 
-class JsonRecognizer:
+class JsonRecognizer(JsonLexer[bool]):
     """Accepts exactly the prefixes of one JSON value (RFC 8259), character by character.
+
+    The lexical modes (strings, numbers, whitespace) are `json_lexing.JsonLexer`'s, shared
+    with `SchemaJsonRecognizer`; this class adds the grammar of any value. A stack entry is
+    True for an object, False for an array.
 
     Args:
         top_level_object: the top-level value must be an object (`response_format`
@@ -110,16 +98,7 @@ class JsonRecognizer:
         max_whitespace_run: most whitespace characters in a row outside strings.
     """
 
-    __slots__ = (
-        "_count",
-        "_is_key",
-        "_literal",
-        "_max_whitespace_run",
-        "_mode",
-        "_stack",
-        "_top_level_object",
-        "_whitespace_run",
-    )
+    __slots__ = ("_is_key", "_literal", "_top_level_object")
 
     def __init__(
         self,
@@ -128,10 +107,9 @@ class JsonRecognizer:
     ) -> None:
         self._top_level_object = top_level_object
         self._max_whitespace_run = max_whitespace_run
-        self._mode = _VALUE
-        self._stack: tuple[bool, ...] = ()  # open containers, innermost last; True: object
+        self._mode = VALUE
+        self._stack = ()
         self._is_key = False  # the current string is an object key
-        self._count = 0  # hex digits left in a \u escape
         self._literal = ""  # characters left in true/false/null
         self._whitespace_run = 0
 
@@ -142,104 +120,42 @@ class JsonRecognizer:
         other._mode = self._mode
         other._stack = self._stack
         other._is_key = self._is_key
-        other._count = self._count
         other._literal = self._literal
         other._whitespace_run = self._whitespace_run
         return other
 
-    @property
-    def is_complete(self) -> bool:
-        """A whole value was read (a top-level number counts once it could end here)."""
-        return self._mode == _DONE or (not self._stack and self._mode in _NUMBER_CAN_END)
-
-    @property
-    def in_string(self) -> bool:
-        return self._mode == _STRING
-
-    @property
-    def depth(self) -> int:
-        """Open containers."""
-        return len(self._stack)
-
-    def feed_text(self, text: str) -> bool:
-        """Feed every character of `text`; False at the first rejected one."""
-        return all(self.feed(character) for character in text)
-
-    def feed(self, character: str) -> bool:
-        """Advance by one character; False if it is rejected (the state is then undefined:
-        feed a copy when the answer matters)."""
-        mode = self._mode
-        if mode == _STRING:
-            if character == '"':
-                self._end_string()
-                return True
-            if character == "\\":
-                self._mode = _ESCAPE
-                return True
-            return character >= " "  # control characters must be escaped
-        if character in _WHITESPACE and mode in _WHITESPACE_MODES:
-            self._whitespace_run += 1
-            return self._whitespace_run <= self._max_whitespace_run
-        if _MINUS <= mode <= _EXPONENT:
-            return self._feed_number(character)
-        self._whitespace_run = 0
-        if mode == _ESCAPE:
-            if character == "u":
-                self._mode, self._count = _UNICODE, 4
-                return True
-            self._mode = _STRING
-            return character in _SIMPLE_ESCAPES
-        if mode == _UNICODE:
-            self._count -= 1
-            if self._count == 0:
-                self._mode = _STRING
-            return character in _HEX_DIGITS
-        if mode == _LITERAL:
-            if not self._literal.startswith(character):
-                return False
-            self._literal = self._literal[1:]
-            if not self._literal:
-                self._end_value()
-            return True
-        if mode == _VALUE:
-            return self._start_value(character)
-        if mode == _ARRAY_FIRST:
-            if character == "]":
-                self._close()
-                return True
-            return self._start_value(character)
-        if mode == _OBJECT_FIRST:
-            if character == "}":
-                self._close()
-                return True
-            return self._start_key(character)
-        if mode == _OBJECT_KEY:
-            return self._start_key(character)
-        if mode == _COLON:
-            self._mode = _VALUE
-            return character == ":"
-        if mode == _AFTER_VALUE:
-            in_object = self._stack[-1]
-            if character == ",":
-                self._mode = _OBJECT_KEY if in_object else _VALUE
-                return True
-            if character == ("}" if in_object else "]"):
-                self._close()
-                return True
-            return False
-        return False  # _DONE: only whitespace may follow
-
     def _end_string(self) -> None:
         if self._is_key:
             self._is_key = False
-            self._mode = _COLON
+            self._mode = COLON
         else:
             self._end_value()
 
-    def _start_key(self, character: str) -> bool:
+    def _start_key(self, character: str, closing_allowed: bool) -> bool:
+        if character == "}" and closing_allowed:
+            self._close()
+            return True
         if character != '"':
             return False
-        self._mode, self._is_key = _STRING, True
+        self._mode, self._is_key = STRING, True
+        return True
+
+    def _after_value(self, character: str) -> bool:
+        in_object = self._stack[-1]
+        if character == ",":
+            self._mode = OBJECT_KEY if in_object else VALUE
+            return True
+        if character == ("}" if in_object else "]"):
+            self._close()
+            return True
+        return False
+
+    def _feed_literal(self, character: str) -> bool:
+        if not self._literal.startswith(character):
+            return False
+        self._literal = self._literal[1:]
+        if not self._literal:
+            self._end_value()
         return True
 
     def _start_value(self, character: str) -> bool:
@@ -247,61 +163,20 @@ class JsonRecognizer:
             return False
         if character == "{":
             self._stack += (True,)
-            self._mode = _OBJECT_FIRST
+            self._mode = OBJECT_FIRST
         elif character == "[":
             self._stack += (False,)
-            self._mode = _ARRAY_FIRST
+            self._mode = ARRAY_FIRST
         elif character == '"':
-            self._mode, self._is_key = _STRING, False
-        elif character == "-":
-            self._mode = _MINUS
-        elif character == "0":
-            self._mode = _ZERO
-        elif character in _DIGITS:
-            self._mode = _INTEGER
+            self._mode, self._is_key = STRING, False
         elif character in _LITERALS:
-            self._mode, self._literal = _LITERAL, _LITERALS[character]
+            self._mode, self._literal = LITERAL, _LITERALS[character]
         else:
-            return False
+            mode = number_start_mode(character, integer_only=False)
+            if mode == REJECT:
+                return False
+            self._mode = mode
         return True
-
-    def _feed_number(self, character: str) -> bool:
-        mode = self._mode
-        digit = character in _DIGITS
-        next_mode = -1
-        if mode == _MINUS:
-            next_mode = _ZERO if character == "0" else _INTEGER if digit else -1
-        elif mode in (_ZERO, _INTEGER):
-            if digit and mode == _INTEGER:
-                next_mode = _INTEGER
-            elif character == ".":
-                next_mode = _POINT
-            elif character in "eE":
-                next_mode = _EXPONENT_MARK
-        elif mode in (_POINT, _FRACTION):
-            if digit:
-                next_mode = _FRACTION
-            elif character in "eE" and mode == _FRACTION:
-                next_mode = _EXPONENT_MARK
-        elif mode == _EXPONENT_MARK:
-            next_mode = _EXPONENT_SIGN if character in "+-" else _EXPONENT if digit else -1
-        elif digit:  # _EXPONENT_SIGN, _EXPONENT
-            next_mode = _EXPONENT
-        if next_mode >= 0:
-            self._mode = next_mode
-            return True
-        if mode not in _NUMBER_CAN_END:
-            return False
-        # The number ended; the character belongs to what follows it.
-        self._end_value()
-        return self.feed(character)
-
-    def _end_value(self) -> None:
-        self._mode = _AFTER_VALUE if self._stack else _DONE
-
-    def _close(self) -> None:
-        self._stack = self._stack[:-1]
-        self._end_value()
 
 
 class ToolCallRecognizer:

@@ -32,6 +32,22 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from exo.worker.engines.torch.json_lexing import (
+    ARRAY_FIRST,
+    COLON,
+    DIGITS,
+    DONE,
+    KEY,
+    LITERAL,
+    NUMBER_CAN_END,
+    OBJECT_FIRST,
+    OBJECT_KEY,
+    VALUE,
+    JsonLexer,
+    number_start_mode,
+)
+from exo.worker.engines.torch.json_lexing import STRING as STRING_MODE  # STRING: a kind here
+
 # Kinds of value a schema allows (a bit mask).
 STRING = 1
 INTEGER = 2
@@ -229,71 +245,33 @@ def compile_arguments_schema(parameters: Mapping[str, Any]) -> ValueSchema:
     return NO_PARAMETERS if _kinds_of(schema.get("type", "object")) & OBJECT else ANY_OBJECT
 
 
-_WHITESPACE = frozenset(" \t\n\r")
-_DIGITS = frozenset("0123456789")
-_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
-_SIMPLE_ESCAPES = frozenset('"\\/bfnrt')
-
-# Modes of `SchemaJsonRecognizer` (as `JsonRecognizer`'s, plus two literal modes).
-_VALUE = 0  # a value of `_node` must start here
-_ARRAY_FIRST = 1  # after '[': a value or ']'
-_OBJECT_FIRST = 2  # after '{': a key or '}'
-_OBJECT_KEY = 3  # after ',' in an object: a key
-_COLON = 4  # after a key; `_node` is the value's schema
-_AFTER_VALUE = 5  # after a value inside a container: ',' or the closing bracket
-_STRING = 6  # a free string (a value, or a key of an object without declared keys)
-_ESCAPE = 7
-_UNICODE = 8  # `_count` hex digits still expected
-_LITERAL = 9  # one of `_node.literals`; `_typed` read so far
-_KEY = 10  # one of the frame's declared keys; `_typed` read so far
-_MINUS = 11
-_ZERO = 12
-_INTEGER = 13
-_POINT = 14
-_FRACTION = 15
-_EXPONENT_MARK = 16
-_EXPONENT_SIGN = 17
-_EXPONENT = 18
-_DONE = 19
-
-_NUMBER_CAN_END = frozenset({_ZERO, _INTEGER, _FRACTION, _EXPONENT})
-_WHITESPACE_MODES = frozenset(
-    {_VALUE, _ARRAY_FIRST, _OBJECT_FIRST, _OBJECT_KEY, _COLON, _AFTER_VALUE, _DONE}
-)
-
 # A container frame: (is an object, its schema, bit mask of declared keys already written).
 Frame = tuple[bool, ValueSchema, int]
 
 
-class SchemaJsonRecognizer:
+class SchemaJsonRecognizer(JsonLexer[Frame]):
     """Accepts exactly the prefixes of one JSON value that follows a compiled schema,
     character by character (the `CharRecognizer` protocol of `constrained`).
+
+    The lexical modes (strings, numbers, whitespace) are `json_lexing.JsonLexer`'s, shared
+    with `constrained.JsonRecognizer`, so both read JSON (RFC 8259) identically; this class
+    adds which values and keys the schema allows. Declared keys and enum strings are read
+    in KEY and LITERAL mode, not STRING_MODE: they are ASCII (JSON-escaped), so
+    `in_string` (no partial UTF-8 allowed outside it) is right for them too.
 
     Args:
         schema: from `compile_schema` / `compile_arguments_schema`.
         max_whitespace_run: most whitespace characters in a row outside strings.
     """
 
-    __slots__ = (
-        "_count",
-        "_integer",
-        "_is_key",
-        "_max_whitespace_run",
-        "_mode",
-        "_node",
-        "_stack",
-        "_typed",
-        "_whitespace_run",
-    )
+    __slots__ = ("_is_key", "_node", "_typed")
 
     def __init__(self, schema: ValueSchema, max_whitespace_run: int) -> None:
         self._max_whitespace_run = max_whitespace_run
-        self._mode = _VALUE
+        self._mode = VALUE
         self._node = schema  # the schema of the value being read or about to start
-        self._stack: tuple[Frame, ...] = ()  # open containers, innermost last
+        self._stack = ()
         self._is_key = False  # the free string is a key
-        self._integer = False  # the number must be an integer
-        self._count = 0  # hex digits left in a \u escape
         self._typed = ""  # characters of the literal or key read so far
         self._whitespace_run = 0
 
@@ -304,83 +282,26 @@ class SchemaJsonRecognizer:
         other._node = self._node
         other._stack = self._stack
         other._is_key = self._is_key
-        other._integer = self._integer
-        other._count = self._count
         other._typed = self._typed
         other._whitespace_run = self._whitespace_run
         return other
 
     @property
     def is_complete(self) -> bool:
-        if self._mode == _DONE:
+        if self._mode == DONE:
             return True
         if self._stack:
             return False
-        if self._mode == _LITERAL:
+        if self._mode == LITERAL:
             literals = self._node.literals
             return literals is not None and self._typed in literals.texts
-        return self._mode in _NUMBER_CAN_END
+        return self._mode in NUMBER_CAN_END
 
-    @property
-    def in_string(self) -> bool:
-        # Declared keys and enum strings are ASCII (JSON-escaped): no partial UTF-8 there.
-        return self._mode == _STRING
-
-    def feed_text(self, text: str) -> bool:
-        """Feed every character of `text`; False at the first rejected one."""
-        return all(self.feed(character) for character in text)
-
-    def feed(self, character: str) -> bool:
-        """Advance by one character; False if it is rejected (the state is then undefined:
-        feed a copy when the answer matters)."""
-        mode = self._mode
-        if mode == _STRING:
-            if character == '"':
-                if self._is_key:
-                    self._is_key, self._mode, self._node = False, _COLON, ANY_VALUE
-                else:
-                    self._end_value()
-                return True
-            if character == "\\":
-                self._mode = _ESCAPE
-                return True
-            return character >= " "  # control characters must be escaped
-        if character in _WHITESPACE and mode in _WHITESPACE_MODES:
-            self._whitespace_run += 1
-            return self._whitespace_run <= self._max_whitespace_run
-        if _MINUS <= mode <= _EXPONENT:
-            return self._feed_number(character)
-        self._whitespace_run = 0
-        if mode == _KEY:
-            return self._feed_key(character)
-        if mode == _LITERAL:
-            return self._feed_literal(character)
-        if mode == _ESCAPE:
-            if character == "u":
-                self._mode, self._count = _UNICODE, 4
-                return True
-            self._mode = _STRING
-            return character in _SIMPLE_ESCAPES
-        if mode == _UNICODE:
-            self._count -= 1
-            if self._count == 0:
-                self._mode = _STRING
-            return character in _HEX_DIGITS
-        if mode == _VALUE:
-            return self._start_value(character)
-        if mode == _ARRAY_FIRST:
-            if character == "]":
-                self._close()
-                return True
-            return self._start_value(character)
-        if mode in (_OBJECT_FIRST, _OBJECT_KEY):
-            return self._start_key(character, closing_allowed=mode == _OBJECT_FIRST)
-        if mode == _COLON:
-            self._mode = _VALUE
-            return character == ":"
-        if mode == _AFTER_VALUE:
-            return self._after_value(character)
-        return False  # _DONE: only whitespace may follow
+    def _end_string(self) -> None:
+        if self._is_key:
+            self._is_key, self._mode, self._node = False, COLON, ANY_VALUE
+        else:
+            self._end_value()
 
     def _start_value(self, character: str) -> bool:
         node = self._node
@@ -388,27 +309,26 @@ class SchemaJsonRecognizer:
         if literals is not None:
             if character not in literals.prefixes:
                 return False
-            self._mode, self._typed = _LITERAL, ""
+            self._mode, self._typed = LITERAL, ""
             return self._feed_literal(character)
         kinds = node.kinds
         if character == '"' and kinds & STRING:
-            self._mode, self._is_key = _STRING, False
+            self._mode, self._is_key = STRING_MODE, False
         elif character == "{" and kinds & OBJECT:
             self._stack += ((True, node, 0),)
-            self._mode = _OBJECT_FIRST
+            self._mode = OBJECT_FIRST
         elif character == "[" and kinds & ARRAY:
             self._stack += ((False, node, 0),)
-            self._mode = _ARRAY_FIRST
+            self._mode = ARRAY_FIRST
             self._node = node.items or ANY_VALUE
-        elif character in _DIGITS or character == "-":
+        elif character in DIGITS or character == "-":
             if not kinds & (INTEGER | NUMBER):
                 return False
-            self._integer = not kinds & NUMBER
-            self._mode = _MINUS if character == "-" else _ZERO if character == "0" else _INTEGER
+            self._mode = number_start_mode(character, integer_only=not kinds & NUMBER)
         elif character in "tf" and kinds & BOOLEAN:
-            self._node, self._mode, self._typed = _BOOLEAN_LITERALS, _LITERAL, character
+            self._node, self._mode, self._typed = _BOOLEAN_LITERALS, LITERAL, character
         elif character == "n" and kinds & NULL:
-            self._node, self._mode, self._typed = _NULL_LITERAL, _LITERAL, character
+            self._node, self._mode, self._typed = _NULL_LITERAL, LITERAL, character
         else:
             return False
         return True
@@ -439,11 +359,11 @@ class SchemaJsonRecognizer:
         if character != '"':
             return False
         if keys is None:
-            self._mode, self._is_key = _STRING, True
+            self._mode, self._is_key = STRING_MODE, True
             return True
         if not keys.all & ~seen:  # every declared key is written (or there are none)
             return False
-        self._mode, self._typed = _KEY, '"'
+        self._mode, self._typed = KEY, '"'
         return True
 
     def _feed_key(self, character: str) -> bool:
@@ -458,14 +378,14 @@ class SchemaJsonRecognizer:
             self._typed = typed
             return True
         self._stack = (*self._stack[:-1], (is_object, node, seen | 1 << position))
-        self._mode, self._node = _COLON, keys.values[position]
+        self._mode, self._node = COLON, keys.values[position]
         return True
 
     def _after_value(self, character: str) -> bool:
         is_object, node, seen = self._stack[-1]
         if not is_object:
             if character == ",":
-                self._mode, self._node = _VALUE, node.items or ANY_VALUE
+                self._mode, self._node = VALUE, node.items or ANY_VALUE
                 return True
             if character == "]":
                 self._close()
@@ -476,7 +396,7 @@ class SchemaJsonRecognizer:
             # A comma needs a key left to write.
             if keys is not None and not keys.all & ~seen:
                 return False
-            self._mode = _OBJECT_KEY
+            self._mode = OBJECT_KEY
             return True
         if character == "}":
             if keys is not None and keys.required & ~seen:
@@ -484,43 +404,3 @@ class SchemaJsonRecognizer:
             self._close()
             return True
         return False
-
-    def _feed_number(self, character: str) -> bool:
-        mode = self._mode
-        digit = character in _DIGITS
-        next_mode = -1
-        if mode == _MINUS:
-            next_mode = _ZERO if character == "0" else _INTEGER if digit else -1
-        elif mode in (_ZERO, _INTEGER):
-            if digit and mode == _INTEGER:
-                next_mode = _INTEGER
-            elif self._integer:
-                pass
-            elif character == ".":
-                next_mode = _POINT
-            elif character in "eE":
-                next_mode = _EXPONENT_MARK
-        elif mode in (_POINT, _FRACTION):
-            if digit:
-                next_mode = _FRACTION
-            elif character in "eE" and mode == _FRACTION:
-                next_mode = _EXPONENT_MARK
-        elif mode == _EXPONENT_MARK:
-            next_mode = _EXPONENT_SIGN if character in "+-" else _EXPONENT if digit else -1
-        elif digit:  # _EXPONENT_SIGN, _EXPONENT
-            next_mode = _EXPONENT
-        if next_mode >= 0:
-            self._mode = next_mode
-            return True
-        if mode not in _NUMBER_CAN_END:
-            return False
-        # The number ended; the character belongs to what follows it.
-        self._end_value()
-        return self.feed(character)
-
-    def _end_value(self) -> None:
-        self._mode = _AFTER_VALUE if self._stack else _DONE
-
-    def _close(self) -> None:
-        self._stack = self._stack[:-1]
-        self._end_value()
