@@ -112,7 +112,60 @@ def mutated_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
     return endpoint, json.dumps(body).encode()
 
 
+def _nested_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+# A lone surrogate is valid JSON (`"\ud800"`) but not valid Unicode text.
+_SURROGATE = (
+    '{"model": "' + DEFAULT_MODEL_ID + '", "messages": [{"role": "user", "content": "bad \\ud800"}]'
+)
+_DEEP_TOOL = {"type": "function", "function": {"name": "f", "parameters": _nested_schema(300)}}
+
 HOSTILE_BODIES: list[tuple[str, bytes, dict[str, str]]] = [
+    *(
+        (endpoint, (_SURROGATE + ', "max_tokens": 4}').encode(), {})
+        for endpoint in ("/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens")
+    ),
+    (
+        "/v1/responses",
+        b'{"model": "%s", "input": "bad \\ud800", "max_output_tokens": 4}'
+        % DEFAULT_MODEL_ID.encode(),
+        {},
+    ),
+    (
+        "/ollama/api/chat",
+        (_SURROGATE + ', "stream": false, "options": {"num_predict": 4}}').encode(),
+        {},
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps(
+            {
+                "model": DEFAULT_MODEL_ID,
+                "messages": [USER_TURN],
+                "max_tokens": MAX_TOKENS,
+                "stop": ["\udc00"],
+                "tools": [_DEEP_TOOL],
+            }
+        ).encode(),
+        {},
+    ),
+    (
+        "/v1/chat/completions",
+        json.dumps(
+            {
+                "model": DEFAULT_MODEL_ID,
+                "messages": [USER_TURN],
+                "tools": [_DEEP_TOOL],
+                "max_tokens": MAX_TOKENS,
+            }
+        ).encode(),
+        {},
+    ),
     ("/v1/chat/completions", b"", {}),
     ("/v1/chat/completions", b"{", {}),
     ("/v1/chat/completions", b"\xff\xfe\x00garbage", {}),

@@ -19,6 +19,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
+from pydantic_core import PydanticSerializationError
 
 from exo.api.cluster import ClusterClient, CommandRejectedError
 from exo.api.dependencies import known_model_ids
@@ -120,6 +121,7 @@ async def start_generation(
         InvalidRequestError: the engine refused the request (400).
         GenerationError: the client disconnected before the first chunk.
     """
+    check_serializable(params)
     if params.model not in known_model_ids(cluster):
         raise ModelNotFoundError(f"The model '{params.model}' does not exist")
     if not cluster.state.instances_of_model(params.model):
@@ -193,6 +195,29 @@ async def collect(
         generation.cancel()
         raise GenerationError("the client disconnected; generation cancelled")
     return result[0]
+
+
+def check_serializable(params: TextGenerationTaskParams) -> None:
+    """Refuse what cannot travel to the runner: strings with lone UTF-16 surrogates (JSON
+    text from a client may hold `\ud800`, which UTF-8 cannot encode) and tool schemas
+    nested deeper than the serializer allows.
+
+    Raises:
+        InvalidRequestError: with the reason.
+    """
+    try:
+        params.model_dump_json()
+    except PydanticSerializationError as error:
+        if "surrogates not allowed" in str(error):
+            raise InvalidRequestError(
+                "the request contains a lone UTF-16 surrogate (such as \\ud800), which is "
+                "not valid Unicode text; send well-formed strings"
+            ) from None
+        if "depth exceeded" in str(error):
+            raise InvalidRequestError(
+                "a value in the request (such as a tool's parameter schema) is nested too deeply"
+            ) from None
+        raise InvalidRequestError(f"the request cannot be processed: {error}") from None
 
 
 async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:

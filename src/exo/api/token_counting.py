@@ -19,6 +19,7 @@ import anyio.to_thread
 from exo.api.cluster import ClusterClient
 from exo.api.dependencies import known_model_ids
 from exo.api.errors import InvalidRequestError, ModelNotFoundError, NoCapacityError
+from exo.api.generation import check_serializable
 from exo.download.pypi_gguf import TOKENIZER_FILES, model_directory_name
 from exo.shared.constants import models_dir
 from exo.shared.types.common import ModelId
@@ -118,6 +119,7 @@ async def count_prompt_tokens(
         NoCapacityError: the model's tokenizer is not on this node (503).
         InvalidRequestError: the chat template rejects the conversation (400).
     """
+    check_serializable(params)  # the same refusals as a generation
     if params.model not in known_model_ids(cluster):
         raise ModelNotFoundError(f"The model '{params.model}' does not exist")
     directory = model_files_directory(

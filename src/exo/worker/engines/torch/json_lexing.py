@@ -34,6 +34,10 @@ HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 # RFC 8259 section 7: the characters that may follow a backslash (besides `u`).
 SIMPLE_ESCAPES = frozenset('"\\/bfnrt')
 
+# Most characters in one number (sign, digits, point, exponent): more than any int64 (20)
+# or float64 in exponent notation needs.
+MAX_NUMBER_LENGTH = 32
+
 # Modes. Structural modes come first so that "whitespace may appear here" is `mode <= DONE`;
 # the number modes come last so that "inside a number" is `mode >= MINUS`.
 VALUE = 0  # a value must start here (object value, array element after ',', top level)
@@ -156,7 +160,7 @@ class JsonLexer(Generic[FrameT]):
     _max_whitespace_run: int  # most whitespace characters in a row outside strings
     _mode: int
     _stack: tuple[FrameT, ...]  # open containers, innermost last
-    _whitespace_run: int
+    _whitespace_run: int  # also counts a number's characters while one is being read
 
     @property
     def is_complete(self) -> bool:
@@ -196,10 +200,14 @@ class JsonLexer(Generic[FrameT]):
             next_mode = next_number_mode(mode, character)
             if next_mode >= 0:
                 self._mode = next_mode
-                return True
+                # A number's length is bounded too: a small model can otherwise write
+                # digits until the context is full.
+                self._whitespace_run += 1
+                return self._whitespace_run < MAX_NUMBER_LENGTH
             if next_mode == REJECT:
                 return False
             # The number ended; the character belongs to what follows it.
+            self._whitespace_run = 0
             self._end_value()
             return self.feed(character)
         self._whitespace_run = 0

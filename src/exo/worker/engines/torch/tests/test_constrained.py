@@ -17,6 +17,7 @@ from exo.worker.engines.torch.constrained import (
     parse_forced_tool_call,
     tool_call_constraint,
 )
+from exo.worker.engines.torch.json_lexing import MAX_NUMBER_LENGTH
 from exo.worker.engines.torch.sampling import Sampler, SamplingParams
 from exo.worker.engines.torch.vocabulary import TokenVocabulary
 
@@ -341,3 +342,15 @@ def test_sentencepiece_byte_fallback_tokens_have_their_bytes() -> None:
         assert constraint.allowed(token_id), tokenizer.convert_ids_to_tokens([token_id])
         constraint.advance(token_id)
     assert constraint.is_complete
+
+
+def test_numbers_are_bounded_in_length() -> None:
+    """A model that keeps writing digits must be stopped by the grammar, not the context."""
+    longest = "1" * MAX_NUMBER_LENGTH
+    recognizer = JsonRecognizer(top_level_object=True)
+    assert recognizer.feed_text('{"a": ' + longest)
+    assert not recognizer.copy().feed("1")
+    assert recognizer.feed_text(', "b": -0.5e+3}') and recognizer.is_complete
+    # The count starts again for every number.
+    again = JsonRecognizer(top_level_object=True)
+    assert again.feed_text('{"a": [' + ", ".join([longest] * 3) + "]}")
