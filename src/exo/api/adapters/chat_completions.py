@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from typing import assert_never
 
 from exo.api.adapters.common import (
+    check_tool_results_answer_calls,
     ended_without_finish,
     error_chunk_error,
     final_usage,
@@ -318,6 +319,7 @@ def _to_chat_messages(messages: list[RequestMessage]) -> tuple[ChatMessage, ...]
                 )
             case _:
                 assert_never(message)
+    check_tool_results_answer_calls(converted, "messages")
     return tuple(converted)
 
 

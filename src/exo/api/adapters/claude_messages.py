@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, assert_never
 
 from exo.api.adapters.common import (
+    check_tool_results_answer_calls,
     ended_without_finish,
     error_chunk_error,
     final_usage,
@@ -213,6 +214,12 @@ def _tool_definition(tool: ToolParam, index: int) -> ToolDefinition:
         raise InvalidRequestError(
             f"tools.{index}.input_schema: Field required", f"tools.{index}.input_schema"
         )
+    if tool.input_schema.get("type") != "object":
+        # Anthropic's rule too: a tool's input is always an object.
+        raise InvalidRequestError(
+            f"tools.{index}.input_schema.type: Input should be 'object'",
+            f"tools.{index}.input_schema.type",
+        )
     return ToolDefinition(
         name=tool.name, description=tool.description, parameters=tool.input_schema
     )
@@ -262,6 +269,7 @@ def _conversation(request: CountTokensRequest) -> tuple[ChatMessage, ...]:
             messages.extend(_user_turn(message.content, where))
         else:
             messages.append(_assistant_turn(message.content, where))
+    check_tool_results_answer_calls(messages, "messages")
     return tuple(messages)
 
 

@@ -4,10 +4,12 @@ it out."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 from exo.api.errors import ApiError, GenerationError, InvalidRequestError
 from exo.shared.types.chunks import ErrorChunk, Usage
+from exo.shared.types.text_generation import ChatMessage
 
 
 def unfinished_generation_error(reason: Literal["error", "cancelled"]) -> GenerationError:
@@ -39,3 +41,26 @@ def final_usage(usage: Usage | None, counted_completion_tokens: int) -> Usage:
     if usage is None:
         return Usage(prompt_tokens=0, completion_tokens=counted_completion_tokens)
     return usage
+
+
+def check_tool_results_answer_calls(messages: Sequence[ChatMessage], param: str) -> None:
+    """Every tool result must answer a call an earlier assistant turn made (OpenAI and
+    Anthropic refuse an orphan result with a 400 too).
+
+    Raises:
+        InvalidRequestError: naming the unanswered id, blaming `param`.
+    """
+    called: set[str] = set()
+    for message in messages:
+        if message.role == "assistant":
+            called.update(call.id for call in message.tool_calls)
+        elif (
+            message.role == "tool"
+            and message.tool_call_id is not None
+            and message.tool_call_id not in called
+        ):
+            raise InvalidRequestError(
+                f"a tool result answers the call {message.tool_call_id!r}, but no earlier "
+                "assistant turn made a call with that id",
+                param,
+            )

@@ -26,6 +26,7 @@ read. The caller owns the chunk iterator and closes it.
 
 from __future__ import annotations
 
+import json
 from typing import Literal, assert_never
 
 from exo.api.errors import InvalidRequestError
@@ -282,6 +283,7 @@ def _to_chat_messages(items: list[InputItem]) -> list[ChatMessage]:
                 )
                 previous_was_assistant = role == "assistant"
             case FunctionCallItem():
+                _check_arguments_object(item.arguments, f"{param}.arguments")
                 call = ToolCall(id=item.call_id, name=item.name, arguments=item.arguments)
                 call_ids.add(item.call_id)
                 if previous_was_assistant and not pending_reasoning:
@@ -332,6 +334,15 @@ def _to_chat_messages(items: list[InputItem]) -> list[ChatMessage]:
             case _:
                 assert_never(item)
     return messages
+
+
+def _check_arguments_object(arguments: str, param: str) -> None:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise InvalidRequestError("a function call's arguments must be a JSON object", param)
 
 
 def _unsupported_item_message(kind: str) -> str:

@@ -214,6 +214,17 @@ def test_roles_names_and_tool_call_ids_are_mapped() -> None:
             {"role": "user", "content": "q", "name": "alice"},
             {"role": "assistant", "content": None, "refusal": "no"},
             {"role": "assistant", "content": [{"type": "refusal", "refusal": "still no"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": "{}"},
+                    }
+                ],
+            },
             {"role": "tool", "content": "42", "tool_call_id": "call_1"},
         ]
     )
@@ -223,8 +234,20 @@ def test_roles_names_and_tool_call_ids_are_mapped() -> None:
         ChatMessage(role="user", content="q", name="alice"),
         ChatMessage(role="assistant", content="no"),
         ChatMessage(role="assistant", content="still no"),
+        ChatMessage(role="assistant", tool_calls=(ToolCall(id="call_1", name="f"),)),
         ChatMessage(role="tool", content="42", tool_call_id="call_1"),
     )
+
+
+def test_a_tool_result_without_its_call_is_refused() -> None:
+    request = make_request(
+        messages=[
+            {"role": "user", "content": "q"},
+            {"role": "tool", "content": "42", "tool_call_id": "call_9"},
+        ]
+    )
+    with pytest.raises(InvalidRequestError, match="call_9"):
+        to_task_params(request)
 
 
 def test_null_content_becomes_empty_text() -> None:

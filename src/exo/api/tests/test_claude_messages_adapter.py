@@ -299,29 +299,46 @@ def test_assistant_history_keeps_thinking_text_and_tool_calls() -> None:
     )
 
 
+CALL_T = {
+    "role": "assistant",
+    "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}],
+}
+
+
+def test_a_tool_result_without_its_call_is_refused() -> None:
+    error = refusal_of(
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "r"}]}
+    )
+    assert "'t'" in error.message and error.status_code == 400
+
+
 def test_text_before_a_tool_result_keeps_its_place() -> None:
     params = params_of(
+        {"role": "user", "content": "go"},
+        CALL_T,
         {
             "role": "user",
             "content": [
                 {"type": "text", "text": "first"},
                 {"type": "tool_result", "tool_use_id": "t", "content": "r"},
             ],
-        }
+        },
     )
-    assert [(m.role, m.content) for m in params.messages] == [("user", "first"), ("tool", "r")]
+    assert [(m.role, m.content) for m in params.messages][2:] == [("user", "first"), ("tool", "r")]
 
 
 def test_a_failed_tool_result_is_marked_in_its_text() -> None:
     params = params_of(
+        {"role": "user", "content": "go"},
+        CALL_T,
         {
             "role": "user",
             "content": [
                 {"type": "tool_result", "tool_use_id": "t", "content": "boom", "is_error": True}
             ],
-        }
+        },
     )
-    assert params.messages == (
+    assert params.messages[2:] == (
         ChatMessage(role="tool", content=TOOL_ERROR_PREFIX + "boom", tool_call_id="t"),
     )
 
@@ -1049,3 +1066,11 @@ def test_schema_errors_are_400_in_anthropic_shape(http: TestClient, body: dict[s
     assert set(data) == {"type", "error"} and data["type"] == "error"
     assert data["error"]["type"] == "invalid_request_error"
     assert data["error"]["message"]
+
+
+def test_a_tool_whose_input_is_not_an_object_is_refused() -> None:
+    error = refusal_of(
+        {"role": "user", "content": "hi"},
+        tools=[{"name": "f", "input_schema": {"type": "array"}}],
+    )
+    assert error.param == "tools.0.input_schema.type"

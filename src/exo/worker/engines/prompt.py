@@ -239,14 +239,38 @@ def _apply_template(
     tool_schemas: list[dict[str, Any]] | None,
     template_kwargs: dict[str, Any],
 ) -> str:
-    text = tokenizer.apply_chat_template(
-        conversation,
-        tools=tool_schemas,
-        chat_template=source,
-        add_generation_prompt=True,
-        tokenize=False,
-        **template_kwargs,
+    # A conversation that ends with an assistant turn is a prefill (Anthropic's term): the
+    # reply continues that turn instead of starting a new one.
+    last = conversation[-1] if conversation else {}
+    continuing = (
+        last.get("role") == "assistant"
+        and isinstance(last.get("content"), str)
+        and bool(last["content"].strip())
+        and not last.get("tool_calls")
     )
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            tools=tool_schemas,
+            chat_template=source,
+            add_generation_prompt=not continuing,
+            continue_final_message=continuing,
+            tokenize=False,
+            **template_kwargs,
+        )
+    except ValueError:
+        if not continuing:
+            raise
+        # The template rewrote the final turn's text (so it cannot be continued in place):
+        # answer with a new turn instead.
+        text = tokenizer.apply_chat_template(
+            conversation,
+            tools=tool_schemas,
+            chat_template=source,
+            add_generation_prompt=True,
+            tokenize=False,
+            **template_kwargs,
+        )
     assert isinstance(text, str)
     return text
 

@@ -414,3 +414,17 @@ def test_tiny_model_tokenizer_renders_like_its_source(tmp_path: Path, tokenizer:
     tiny.chat_template = QWEN_LIKE
     rendered = render_prompt(tiny, params)
     assert rendered.tools_in_template and rendered.thinking_open
+
+
+def test_a_final_assistant_turn_is_continued_not_answered(tokenizer: Any) -> None:
+    """Prefill: the reply continues the assistant's partial turn (Anthropic semantics)."""
+    prefilled = render_prompt(
+        tokenizer,
+        make_params(
+            ChatMessage(role="user", content="Count from 1 to 10."),
+            ChatMessage(role="assistant", content="1, 2, 3,"),
+        ),
+    )
+    assert prefilled.text.endswith("<|im_start|>assistant\n1, 2, 3,")
+    fresh = render_prompt(tokenizer, make_params(ChatMessage(role="user", content="Count.")))
+    assert fresh.text.endswith("<|im_start|>assistant\n")
