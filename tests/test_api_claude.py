@@ -105,9 +105,8 @@ def test_max_tokens_and_stop_sequences(default_node: ExoNode) -> None:
         stop_sequences=["Paris"],
     )
     assert "Paris" not in text_of(stopped)
-    # The engine does not say which stop string matched, so this is "end_turn" for now
-    # (Anthropic answers "stop_sequence" with the matched string).
-    assert stopped.stop_reason in ("end_turn", "stop_sequence")
+    # Greedy, the answer names Paris: the stop string ends it and is reported.
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "Paris")
 
 
 def test_errors_have_anthropic_statuses_and_shape(default_node: ExoNode) -> None:

@@ -109,6 +109,10 @@ def test_errors_in_openai_shape(default_node: ExoNode) -> None:
     wrong_type = httpx.post(url, json={"model": DEFAULT_MODEL_ID, "messages": "hi"})
     assert wrong_type.status_code == 422
 
+    empty = httpx.post(url, json={"model": DEFAULT_MODEL_ID, "messages": []})
+    assert empty.status_code in (400, 422), empty.text
+    assert empty.json()["error"]["param"] == "messages"
+
     with pytest.raises(openai.NotFoundError):
         client_for(default_node).chat.completions.create(model="no/such-model", messages=QUESTION)
 
