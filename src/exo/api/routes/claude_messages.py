@@ -15,12 +15,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from exo.api.adapters.claude_messages import (
-    collect_message,
     count_tokens_params,
     error_body,
-    stream_message,
     to_task_params,
 )
+from exo.api.adapters.claude_messages_output import collect_message, stream_message
 from exo.api.cluster import ClusterClient
 from exo.api.dependencies import cluster_dependency
 from exo.api.errors import ErrorDialect

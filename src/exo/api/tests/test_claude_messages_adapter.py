@@ -17,13 +17,12 @@ from pydantic import TypeAdapter, ValidationError
 
 from exo.api.adapters.claude_messages import (
     TOOL_ERROR_PREFIX,
-    collect_message,
     count_tokens_params,
     error_body,
     error_type_for_status,
-    stream_message,
     to_task_params,
 )
+from exo.api.adapters.claude_messages_output import collect_message, stream_message
 from exo.api.app import create_app
 from exo.api.cluster import ClusterClient
 from exo.api.errors import ApiError, InvalidRequestError, ModelNotFoundError, NoCapacityError
