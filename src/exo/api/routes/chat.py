@@ -10,10 +10,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from exo.api.adapters.chat_completions import (
-    collect_chat_completion,
-    stream_chat_completion,
     to_task_params,
 )
+from exo.api.adapters.chat_completions_output import collect_chat_completion, stream_chat_completion
 from exo.api.cluster import ClusterClient
 from exo.api.dependencies import cluster_dependency, known_model_ids
 from exo.api.errors import ApiError

@@ -18,11 +18,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from exo.api.adapters.chat_completions import (
-    collect_chat_completion,
     new_completion_id,
-    stream_chat_completion,
     to_task_params,
 )
+from exo.api.adapters.chat_completions_output import collect_chat_completion, stream_chat_completion
 from exo.api.errors import (
     GenerationError,
     InvalidRequestError,
