@@ -22,14 +22,12 @@ from exo.api.adapters.ollama import (
     OLLAMA_COMPATIBLE_VERSION,
     Dialect,
     chat_to_task_params,
-    collect_ollama,
     generate_to_task_params,
-    load_response,
     resolve_model_name,
     rfc3339_nano,
-    stream_ollama,
 )
 from exo.api.adapters.ollama_models import process_model, show_response, tag_model
+from exo.api.adapters.ollama_output import collect_ollama, load_response, stream_ollama
 from exo.api.cluster import ClusterClient
 from exo.api.dependencies import cluster_dependency, known_model_ids
 from exo.api.errors import ErrorDialect, InvalidRequestError, ModelNotFoundError

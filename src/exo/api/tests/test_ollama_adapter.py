@@ -19,14 +19,12 @@ import uvicorn
 
 from exo.api.adapters.ollama import (
     chat_to_task_params,
-    collect_ollama,
     generate_to_task_params,
-    load_response,
     resolve_model_name,
     rfc3339_nano,
-    stream_ollama,
 )
 from exo.api.adapters.ollama_models import model_digest, process_model, show_response, tag_model
+from exo.api.adapters.ollama_output import collect_ollama, load_response, stream_ollama
 from exo.api.app import create_app
 from exo.api.cluster import ClusterClient
 from exo.api.errors import GenerationError, InvalidRequestError
