@@ -118,7 +118,8 @@ async def start_generation(
     Raises:
         ModelNotFoundError: the model is unknown, or no instance of it is placed (404).
         NoCapacityError: the master rejected the command (503).
-        InvalidRequestError: the engine refused the request (400).
+        InvalidRequestError: the request holds text that is not valid Unicode or values
+            nested too deeply, or the engine refused it (400).
         GenerationError: the client disconnected before the first chunk.
     """
     check_serializable(params)
