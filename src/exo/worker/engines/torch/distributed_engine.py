@@ -42,7 +42,6 @@ from exo.worker.engines.torch.distributed import (
 )
 from exo.worker.engines.torch.engine import (
     GeneratedPiece,
-    PromptTooLongError,
     TorchEngine,
     load_parts,
 )
@@ -315,14 +314,7 @@ class DistributedTorchEngine(TorchEngine):
             raise RuntimeError("only rank 0 generates; other ranks call serve_forever()")
         if self._shut_down:
             raise RuntimeError("the engine was shut down")
-        prompt_ids = (prompt or self.render_prompt(params)).token_ids
-        room = self.context_length - len(prompt_ids)
-        if room < 1:
-            raise PromptTooLongError(
-                f"the prompt is {len(prompt_ids)} tokens; the model's context is "
-                f"{self.context_length} tokens, leaving no room for a reply"
-            )
-        max_new_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        prompt_ids, max_new_tokens = self._prompt_and_budget(params, prompt)
         sampling = resolve_sampling_params(params, self.card.sampling_defaults)
         if sampling.seed is None:  # drawn here so every rank that samples uses the same one
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))

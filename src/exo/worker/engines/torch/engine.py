@@ -321,6 +321,25 @@ class TorchEngine:
             bytes=tuple(vocabulary.token_bytes[token_id]), top_logprobs=top,
         )  # fmt: skip
 
+    def _prompt_and_budget(
+        self, params: TextGenerationTaskParams, prompt: RenderedPrompt | None
+    ) -> tuple[list[int], int]:
+        """The prompt's token ids and how many tokens may be generated after them
+        (`max_tokens`, capped by the room left in the context).
+
+        Raises:
+            PromptTooLongError: the prompt leaves no room for a generated token.
+            ValueError: the chat template refuses the conversation.
+        """
+        prompt_ids = (prompt or self.render_prompt(params)).token_ids
+        room = self.context_length - len(prompt_ids)
+        if room < 1:
+            raise PromptTooLongError(
+                f"the prompt is {len(prompt_ids)} tokens; the model's context is "
+                f"{self.context_length} tokens, leaving no room for a reply"
+            )
+        return prompt_ids, room if params.max_tokens is None else min(params.max_tokens, room)
+
     def generate(
         self, params: TextGenerationTaskParams, prompt: RenderedPrompt | None = None
     ) -> Generator[GeneratedPiece, None, None]:
@@ -338,14 +357,7 @@ class TorchEngine:
                 the first `next()`).
             ValueError: the chat template refuses the conversation (first `next()`).
         """
-        prompt_ids = (prompt or self.render_prompt(params)).token_ids
-        room = self.context_length - len(prompt_ids)
-        if room < 1:
-            raise PromptTooLongError(
-                f"the prompt is {len(prompt_ids)} tokens; the model's context is "
-                f"{self.context_length} tokens, leaving no room for a reply"
-            )
-        max_new_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        prompt_ids, max_new_tokens = self._prompt_and_budget(params, prompt)
         sampling = resolve_sampling_params(params, self.card.sampling_defaults)
         chooser = self.token_chooser(params, sampling, prompt_ids)
         top_logprobs = params.top_logprobs if params.logprobs else None
