@@ -5,19 +5,35 @@ Bodies come from hypothesis: arbitrary JSON values, and valid requests of each d
 one field replaced by arbitrary JSON, removed, or joined by an unknown field. The field that
 bounds the generation length is never removed (a mutated request that is still valid must
 finish quickly), only replaced by values of the wrong kind.
+
+Every body a fuzz run ever answered with a 500 is kept in `FOUND_BY_FUZZING` and replayed
+first (as hypothesis `@example`s, and in process against the app without a node). The
+default run is derandomized (hypothesis is pinned in pyproject.toml, so a fresh install
+generates the same examples); `-m slow` runs a longer random fuzz that also sets the
+declared fields of each dialect's request model to arbitrary values, in process and
+against a live node.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 
+from exo.api.app import create_app
+from exo.api.cluster import ClusterClient
+from exo.api.types.claude_messages import CountTokensRequest, MessagesRequest
+from exo.api.types.ollama import OllamaChatRequest, OllamaGenerateRequest
+from exo.api.types.openai_chat import ChatCompletionRequest
+from exo.api.types.openai_responses import ResponsesRequest
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
+from exo.testing.scripted_cluster import ScriptedCluster
 
 EXAMPLES = 200
 REQUEST_TIMEOUT_SECONDS = 60.0
@@ -191,6 +207,112 @@ HOSTILE_BODIES: list[tuple[str, bytes, dict[str, str]]] = [
 ]
 
 
+# Bodies that once reached a 500, with the endpoint they were sent to. Append every new
+# find here (and fix its cause).
+FOUND_BY_FUZZING: list[tuple[str, bytes]] = [
+    # A `type` that is a list reached a discriminator's set lookup (unhashable): 500.
+    (
+        "/v1/responses",
+        json.dumps(
+            {
+                "model": DEFAULT_MODEL_ID,
+                "input": [{"role": None, "content": None, "type": []}],
+                "max_output_tokens": MAX_TOKENS,
+            }
+        ).encode(),
+    ),
+    # Its siblings in the other discriminated unions (content parts, tools, Claude blocks).
+    (
+        "/v1/responses",
+        json.dumps(
+            {
+                "model": DEFAULT_MODEL_ID,
+                "input": [{"role": "user", "content": [{"type": {"a": 1}}]}],
+                "tools": [{"type": []}],
+                "tool_choice": {"type": [None]},
+                "max_output_tokens": MAX_TOKENS,
+            }
+        ).encode(),
+    ),
+    (
+        "/v1/messages",
+        json.dumps(
+            {
+                "model": DEFAULT_MODEL_ID,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": []},
+                            {"type": "tool_result", "tool_use_id": "t", "content": [{"type": {}}]},
+                        ],
+                    }
+                ],
+                "max_tokens": MAX_TOKENS,
+            }
+        ).encode(),
+    ),
+]
+
+# endpoint -> the request model whose declared fields the slow fuzz sets to arbitrary values
+REQUEST_MODELS: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
+    "/v1/responses": ResponsesRequest,
+    "/ollama/api/chat": OllamaChatRequest,
+    "/ollama/api/generate": OllamaGenerateRequest,
+}
+
+# Values of the right shape for some field somewhere, so that mutations get past the first
+# layer of validation and reach the adapters' and the engine's checks.
+PLAUSIBLE_VALUES: list[Any] = [
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+    {"type": "function", "name": "f", "parameters": {"properties": {"a": {"type": "string"}}}},
+    {"name": "f", "input_schema": {"type": "object", "properties": {"a": {"enum": [1, "x"]}}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+    {"type": "json_schema", "name": "x", "schema": {"type": "array", "items": {}}},
+    {"format": {"type": "json_schema", "schema": {"type": "object"}}, "effort": "max"},
+    {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+    {"type": "any"},
+    {"type": "tool", "name": "f"},
+    {"type": "function", "function": {"name": "f"}},
+    {"type": "function", "name": "f"},
+    {"type": "enabled", "budget_tokens": 1024},
+    {"effort": "high", "summary": "auto"},
+    {"7042": -100, "2": 100},
+    {"num_predict": 2, "temperature": 0, "stop": ["x"]},
+    [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+    [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}],
+    "auto",
+    "required",
+    "none",
+    "json",
+]
+
+
+@st.composite
+def declared_field_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
+    """A valid body of one endpoint with one to four of its request model's declared
+    fields set to arbitrary or plausible values (a plausible object may get one key
+    replaced). The length bound keeps its valid value unless it is drawn itself."""
+    endpoint = draw(st.sampled_from(sorted(REQUEST_MODELS)))
+    body = json.loads(json.dumps(VALID_BODIES[endpoint][0]))
+    names = sorted(REQUEST_MODELS[endpoint].model_fields)
+    for _ in range(draw(st.integers(min_value=1, max_value=4))):
+        name = draw(st.sampled_from(names))
+        value = json.loads(json.dumps(draw(json_values | st.sampled_from(PLAUSIBLE_VALUES))))
+        if isinstance(value, dict) and value and draw(st.booleans()):
+            value[draw(st.sampled_from(sorted(value)))] = draw(json_values)
+        if name == VALID_BODIES[endpoint][1]:  # never a longer generation
+            if isinstance(value, int | float):
+                value = str(value)
+            elif isinstance(value, dict):  # Ollama's options
+                value["num_predict"] = MAX_TOKENS
+        body[name] = value
+    return endpoint, json.dumps(body).encode()
+
+
 def _post(client: httpx.Client, endpoint: str, body: bytes, headers: dict[str, str]) -> int:
     response = client.post(
         endpoint, content=body, headers={"content-type": "application/json", **headers}
@@ -229,14 +351,87 @@ def test_malformed_and_hostile_bodies_never_break_the_node(default_node: ExoNode
             assert status < 500, f"{endpoint} answered {status} to {body[:300]!r}"
             statuses.append((endpoint, status))
 
+        for found in FOUND_BY_FUZZING:
+            check = example(case=found)(check)
         check()
         _assert_node_serves(client)
         runners = client.get("/state").json()["runners"]
-    assert len(statuses) >= EXAMPLES + len(HOSTILE_BODIES)
+    assert len(statuses) >= EXAMPLES + len(HOSTILE_BODIES) + len(FOUND_BY_FUZZING)
     # Every endpoint was reached with both accepted and refused bodies, so neither kind of
     # answer is vacuous.
     assert {endpoint for endpoint, _ in statuses} == set(VALID_BODIES)
     assert any(status == 200 for _, status in statuses)
+    assert all(status["kind"] == "RunnerReady" for status in runners.values()), runners
+
+
+def _in_process_client() -> TestClient:
+    """The real app (routes, adapters, error handlers) over a scripted cluster."""
+    return TestClient(
+        create_app(cast(ClusterClient, ScriptedCluster())), raise_server_exceptions=False
+    )
+
+
+def _in_process_status(client: TestClient, endpoint: str, body: bytes) -> int:
+    response = client.post(endpoint, content=body, headers={"content-type": "application/json"})
+    # count_tokens needs the model's tokenizer on this node; the scripted one has none (503).
+    if endpoint == "/v1/messages/count_tokens" and response.status_code == 503:
+        return 400
+    return response.status_code
+
+
+@pytest.mark.parametrize(("endpoint", "body"), FOUND_BY_FUZZING)
+def test_bodies_found_by_fuzzing_are_refused_in_process(endpoint: str, body: bytes) -> None:
+    with _in_process_client() as client:
+        response = client.post(endpoint, content=body)
+    assert 400 <= response.status_code < 500, response.text
+    assert "type" in response.text  # the message names the field at fault
+
+
+@pytest.mark.slow
+def test_long_random_fuzz_in_process() -> None:
+    """Thousands of random bodies (other ones on every run) against the app; run on
+    purpose with `-m slow`. A 500 found here goes into `FOUND_BY_FUZZING`."""
+    failures: list[tuple[str, int, bytes]] = []
+    with _in_process_client() as client:
+
+        @settings(
+            max_examples=5000,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(case=declared_field_bodies() | mutated_bodies())
+        def check(case: tuple[str, bytes]) -> None:
+            endpoint, body = case
+            status = _in_process_status(client, endpoint, body)
+            if status >= 500:
+                failures.append((endpoint, status, body[:500]))
+
+        check()
+    assert not failures, failures[:10]
+
+
+@pytest.mark.slow
+def test_long_random_fuzz_against_a_node(default_node: ExoNode) -> None:
+    """As the default fuzz, with random (not derandomized) bodies that also set declared
+    fields, against a live node; run on purpose with `-m slow`."""
+    with httpx.Client(base_url=default_node.url, timeout=REQUEST_TIMEOUT_SECONDS) as client:
+
+        @settings(
+            max_examples=1500,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(case=declared_field_bodies() | mutated_bodies())
+        def check(case: tuple[str, bytes]) -> None:
+            endpoint, body = case
+            status = _post(client, endpoint, body, {})
+            assert status < 500, f"{endpoint} answered {status} to {body[:500]!r}"
+
+        check()
+        _assert_node_serves(client)
+        runners = client.get("/state").json()["runners"]
     assert all(status["kind"] == "RunnerReady" for status in runners.values()), runners
 
 

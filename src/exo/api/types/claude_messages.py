@@ -83,8 +83,11 @@ _MODELLED_BLOCK_TYPES = frozenset(
 
 
 def _block_tag(value: Any) -> str:
+    # Any JSON value may arrive here (a list is unhashable): only a string is looked up.
     block_type = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return block_type if block_type in _MODELLED_BLOCK_TYPES else "other"
+    if isinstance(block_type, str) and block_type in _MODELLED_BLOCK_TYPES:
+        return block_type
+    return "other"
 
 
 def _text_or_blocks(value: Any) -> str:

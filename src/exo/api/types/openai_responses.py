@@ -37,13 +37,15 @@ class _WireResponseModel(BaseModel):
 
 def _type_or(fallback: str, known: frozenset[str], default: str | None = None) -> Any:
     """A pydantic discriminator: the object's `type` when it is one of `known`, `default`
-    when it has no `type`, else `fallback` (the union's catch-all member)."""
+    when it has no `type`, else `fallback` (the union's catch-all member, whose schema
+    then reports a `type` that is not a string). Any JSON value may arrive here, lists
+    and objects included, so `type` is only looked up when it is a string."""
 
     def discriminate(value: Any) -> str:
         kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
         if kind is None and default is not None:
             return default
-        return kind if kind in known else fallback
+        return kind if isinstance(kind, str) and kind in known else fallback
 
     return Discriminator(discriminate)
 

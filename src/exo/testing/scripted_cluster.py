@@ -1,0 +1,65 @@
+"""A stand-in for `ClusterClient` behind the real FastAPI app: one placed SmolLM2 instance
+whose every generation answers with the same short text, and a record of the
+`TextGenerationTaskParams` each dialect produced.
+
+For in-process tests of the routes, adapters and error handlers (`create_app(cluster)` with
+starlette's `TestClient`), where a real node would cost a model load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+
+from exo.shared.types.chunks import Chunk, TokenChunk, Usage
+from exo.shared.types.commands import Command, GenerateText
+from exo.shared.types.common import CommandId, NodeId
+from exo.shared.types.models import ModelCard
+from exo.shared.types.text_generation import TextGenerationTaskParams
+from exo.testing.builders import SMOLLM2, make_instance, make_state, smollm2_card
+
+SCRIPTED_ANSWER = "Hi there."
+
+
+class ScriptedCluster:
+    """What the routes read from `ClusterClient` (`cards`, `state`, `node_id`, `submit`,
+    `chunk_stream`, `send_and_forget`), with SmolLM2 placed on one node.
+
+    Every generation streams `answer` as one token chunk and finishes with "stop" and a
+    usage of 5 prompt and 2 completion tokens. `submitted` holds every accepted request's
+    params, in order; `sent` every command sent without waiting (cancellations).
+    """
+
+    def __init__(self, answer: str = SCRIPTED_ANSWER) -> None:
+        self.answer = answer
+        self.node_id = NodeId("node-a")
+        self.cards: dict[str, ModelCard] = {SMOLLM2: smollm2_card()}
+        self.state = make_state(instances=[make_instance(self.node_id)])
+        self.submitted: list[GenerateText] = []
+        self.sent: list[Command] = []
+
+    @property
+    def last_params(self) -> TextGenerationTaskParams:
+        """The params of the most recent accepted generation."""
+        return self.submitted[-1].params
+
+    async def submit(self, command: GenerateText, timeout: float = 0.0) -> None:
+        self.submitted.append(command)
+
+    def send_and_forget(self, command: Command) -> None:
+        self.sent.append(command)
+
+    @contextmanager
+    def chunk_stream(self, command_id: CommandId) -> Iterator[AsyncIterator[Chunk]]:
+        yield self._answer(command_id)
+
+    async def _answer(self, command_id: CommandId) -> AsyncIterator[Chunk]:
+        (command,) = [item for item in self.submitted if item.command_id == command_id]
+        yield TokenChunk(
+            command_id=command_id,
+            model=command.params.model,
+            text=self.answer,
+            token_ids=(1, 2),
+            finish_reason="stop",
+            usage=Usage(prompt_tokens=5, completion_tokens=2),
+        )
