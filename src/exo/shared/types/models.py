@@ -39,6 +39,15 @@ ModelSource = Annotated[
 ]
 
 
+Capability = Literal["text", "thinking", "tools", "vision"]
+"""What a model can do: read and write text, reason in a separate thinking block, call
+tools, read images."""
+
+ToolCallFormat = Literal["none", "hermes", "llama3_json", "mistral", "generic"]
+"""How the model writes a tool call (the parser names in `worker/engines/output_parsing.py`;
+"none" when it was not trained to call tools)."""
+
+
 class SamplingDefaults(FrozenModel):
     temperature: float = 0.7
     top_p: float = 1.0
@@ -49,8 +58,14 @@ class SamplingDefaults(FrozenModel):
 class ModelCard(FrozenModel):
     """Facts about a model that placement and the API need without reading weights.
 
-    `storage_size_bytes` is the size of the weights as the engine holds them in memory
-    (fp32 for the CPU engine), which is what placement must fit into available memory.
+    Shapes are the text decoder's (`text_config` of multimodal checkpoints). `head_dim` is
+    None when it is `hidden_size / num_attention_heads`. `parameter_count` is the published
+    (or, for local directories, counted) number of weights of the whole checkpoint, of which
+    `vision_parameter_count` are a multimodal checkpoint's vision tower and projector.
+    `storage_size_bytes` is the bytes of the weights as the model's source stores them on
+    disk (each card says how it was obtained). `sources` names where each card's numbers
+    come from. `short_name` is the Ollama-style name (`qwen3:0.6b`) that also resolves as
+    `qwen3-0.6b`.
     """
 
     model_id: ModelId
@@ -65,5 +80,21 @@ class ModelCard(FrozenModel):
     storage_size_bytes: int = Field(gt=0)
     context_length: int = Field(gt=0)
     supports_tensor: bool = False
-    capabilities: tuple[str, ...] = ("text",)
+    capabilities: tuple[Capability, ...] = ("text",)
     sampling_defaults: SamplingDefaults = SamplingDefaults()
+    head_dim: int | None = Field(default=None, gt=0)
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    parameter_count: int | None = Field(default=None, gt=0)
+    vision_parameter_count: int = Field(default=0, ge=0)
+    short_name: str | None = Field(
+        default=None, pattern=r"^[a-z0-9][a-z0-9.\-]*:[a-z0-9][a-z0-9.\-]*$"
+    )
+    tool_call_format: ToolCallFormat = "none"
+    gated: bool = False
+    sources: tuple[str, ...] = ()
+
+    @property
+    def attention_head_dim(self) -> int:
+        """Width of one attention head: `head_dim`, else `hidden_size / heads`."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads

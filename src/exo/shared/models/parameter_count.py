@@ -1,0 +1,56 @@
+"""The number of weights a decoder's shapes imply, to check a card's stated parameter count.
+
+Counts what the checkpoint of a Llama-style decoder holds (Llama, Mistral, Qwen2, Qwen3,
+Phi-3, Gemma 3): token embedding, per layer the attention projections (grouped-query: K and
+V have `num_key_value_heads` heads of `head_dim`), their biases where the family has them,
+the gated MLP (gate, up, down), the layer's norms, then the final norm and an untied LM
+head. Fused projections (Phi-3's `qkv_proj`, `gate_up_proj`) hold the same weights.
+"""
+
+from __future__ import annotations
+
+from exo.shared.types.models import ModelCard
+
+# Norm vectors per decoder layer and whether each layer has per-head Q/K norms, by
+# architecture (transformers' modeling files): Gemma 3 normalises before and after both
+# attention and MLP and has q_norm/k_norm; Qwen3 has q_norm/k_norm; the rest have two.
+_LAYER_NORMS = {"Gemma3ForCausalLM": 4, "Gemma3ForConditionalGeneration": 4}
+_QK_NORM_ARCHITECTURES = frozenset(
+    {"Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Qwen3ForCausalLM"}
+)
+
+
+def decoder_parameter_count(card: ModelCard) -> int:
+    """Weights of the card's text decoder, computed from its shapes.
+
+    Args:
+        card: A card with the decoder's shapes (a multimodal card's vision tower is not
+            counted: it is `card.vision_parameter_count`).
+
+    Returns:
+        The number of parameters (elements, not bytes).
+    """
+    hidden = card.hidden_size
+    head_dim = card.attention_head_dim
+    query_width = card.num_attention_heads * head_dim
+    key_value_width = card.num_key_value_heads * head_dim
+    attention = hidden * query_width + 2 * hidden * key_value_width + query_width * hidden
+    if card.attention_bias:
+        attention += query_width + 2 * key_value_width
+    if card.architecture in _QK_NORM_ARCHITECTURES:
+        attention += 2 * head_dim
+    mlp = 3 * hidden * card.intermediate_size
+    norms = _LAYER_NORMS.get(card.architecture, 2) * hidden
+    per_layer = attention + mlp + norms
+    embedding = card.vocab_size * hidden
+    lm_head = 0 if card.tie_word_embeddings else card.vocab_size * hidden
+    return embedding + card.n_layers * per_layer + hidden + lm_head
+
+
+def human_parameter_count(count: int) -> str:
+    """`134515008` -> "135M", `8030261248` -> "8.0B" (Ollama's `parameter_size` style)."""
+    for divisor, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= divisor:
+            value = count / divisor
+            return f"{value:.0f}{suffix}" if value >= 100 else f"{value:.1f}{suffix}"
+    return str(count)
