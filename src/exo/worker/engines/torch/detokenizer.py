@@ -19,6 +19,15 @@ CONTEXT_TOKENS = 5
 DecodeFunction = Callable[[Sequence[int]], str]
 
 
+def without_incomplete_end(text: str) -> str:
+    """`text` without the replacement characters a decoder wrote at its end for the bytes of
+    a character the generation did not finish (byte-level BPE writes one, SentencePiece byte
+    fallback one per byte). Used where the generation ends: such bytes are dropped, never
+    shown as U+FFFD. A U+FFFD the model itself wrote last cannot be told apart and goes too.
+    """
+    return text.rstrip(REPLACEMENT_CHARACTER)
+
+
 class StreamingDetokenizer:
     """Turns generated token ids into text pieces, UTF-8 safe.
 
@@ -59,12 +68,16 @@ class StreamingDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """Text of tokens still held back (an incomplete character at the end of the stream),
-        decoded as it is; call once when generation ends."""
+        """Text of tokens still held back; call once when generation ends (whatever ended
+        it: length, EOS, the context's end).
+
+        Held-back tokens end in an incomplete character (that is why they were held): its
+        bytes are dropped (`without_incomplete_end`), so the text never ends with U+FFFD.
+        """
         window = self._token_ids[self._prefix_offset :]
         prefix_text = self._decode(window[: self._read_offset - self._prefix_offset])
         new_text = self._decode(window)
         self._prefix_offset = self._read_offset = len(self._token_ids)
         if len(new_text) > len(prefix_text):
-            return new_text[len(prefix_text) :]
+            return without_incomplete_end(new_text[len(prefix_text) :])
         return ""

@@ -30,7 +30,7 @@ from exo.worker.engines.torch.constrained import (
     json_object_constraint,
     tool_call_constraint,
 )
-from exo.worker.engines.torch.detokenizer import StreamingDetokenizer
+from exo.worker.engines.torch.detokenizer import StreamingDetokenizer, without_incomplete_end
 from exo.worker.engines.torch.fusion import fuse_rms_norms
 from exo.worker.engines.torch.kv_cache import DecodeSession, KVCachePool
 from exo.worker.engines.torch.loading import LayerProgressCallback, load_model
@@ -350,7 +350,10 @@ class TorchEngine:
         ("stop" on EOS, a stop string or a completed constrained document (`response_format`
         "json_object", a forced tool call), "length" at `max_tokens` or the context limit)
         and `usage` (completion tokens count every sampled token, EOS included). With
-        `params.logprobs` every piece carries one `TokenLogprob` per token id.
+        `params.logprobs` every piece carries one `TokenLogprob` per token id. The text
+        never ends inside a character: bytes of one left unfinished when generation ends
+        are dropped from the text (their tokens still count, their logprobs keep the
+        exact bytes).
 
         Raises:
             PromptTooLongError: the prompt leaves no room for a generated token (raised on
@@ -406,7 +409,8 @@ class TorchEngine:
             if text:
                 check = stop_matcher.feed(text)
                 if check.stopped:
-                    finish_reason, final_text, stop_sequence = "stop", check.text, check.stop
+                    final_text = without_incomplete_end(check.text)
+                    finish_reason, stop_sequence = "stop", check.stop
                     break
                 if check.text:
                     yield GeneratedPiece(
@@ -433,8 +437,9 @@ def _finish_text(
     detokenizer: StreamingDetokenizer, stop_matcher: StopSequenceMatcher
 ) -> tuple[str, str | None]:
     """The text still held back when generation ends, and the stop string it completes (None
-    when it completes none)."""
+    when it completes none). The text never ends with the bytes of an unfinished character
+    (`without_incomplete_end`)."""
     check = stop_matcher.feed(detokenizer.flush())
     if check.stopped:
-        return check.text, check.stop
+        return without_incomplete_end(check.text), check.stop
     return check.text + stop_matcher.flush(), None

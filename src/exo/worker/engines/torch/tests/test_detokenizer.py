@@ -26,11 +26,42 @@ def test_multibyte_character_split_across_tokens_is_emitted_whole() -> None:
     assert pieces == ["Hi ", "", "", "👋", "!", ""]
 
 
-def test_incomplete_character_at_end_is_flushed() -> None:
+def test_incomplete_character_at_end_is_dropped_not_replaced() -> None:
     vocabulary = {1: b"a", 2: "é".encode()[:1]}
     pieces = stream(StreamingDetokenizer(byte_level_decode(vocabulary)), [1, 2])
-    assert pieces[:2] == ["a", ""]
-    assert pieces[2] == "\ufffd"
+    assert pieces == ["a", "", ""]
+
+
+def test_flush_keeps_whole_text_before_an_incomplete_character() -> None:
+    emoji = "😀".encode()
+    # A byte-level token may hold a space and the first bytes of the next character.
+    vocabulary = {1: b"a", 2: b" " + emoji[:2], 3: emoji[2:3]}
+    pieces = stream(StreamingDetokenizer(byte_level_decode(vocabulary)), [1, 2, 3])
+    assert pieces == ["a", "", "", " "]
+
+
+def byte_fallback_decode(vocabulary: dict[int, bytes]) -> DecodeFunction:
+    """Like SentencePiece's byte fallback: bytes that do not form a character become one
+    U+FFFD each."""
+
+    def decode(token_ids: Sequence[int]) -> str:
+        data = b"".join(vocabulary[token_id] for token_id in token_ids)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            whole = data[: error.start].decode("utf-8")
+            return whole + "\ufffd" * (len(data) - error.start)
+
+    return decode
+
+
+def test_byte_fallback_replacements_are_all_dropped_at_the_end() -> None:
+    character = "語".encode()  # 3 bytes, one token each
+    vocabulary = {1: b"x", 2: character[:1], 3: character[1:2], 4: character[2:]}
+    complete = stream(StreamingDetokenizer(byte_fallback_decode(vocabulary)), [1, 2, 3, 4])
+    assert "".join(complete) == "x語"
+    cut = stream(StreamingDetokenizer(byte_fallback_decode(vocabulary)), [1, 2, 3])
+    assert cut == ["x", "", "", ""]
 
 
 def sentencepiece_like_decode(vocabulary: dict[int, str]) -> DecodeFunction:
