@@ -12,13 +12,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from exo.shared.models.names import resolve_model_name
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import LocalDirectorySource, ModelCard
 
 CARDS_PACKAGE = "exo.resources"
 CARDS_SUBDIRECTORY = "model_cards"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-FP32_BYTES = 4
 # Bytes per element of each safetensors dtype (safetensors format spec).
 SAFETENSORS_DTYPE_BYTES = {
     "F64": 8, "I64": 8, "U64": 8,
@@ -84,10 +84,12 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def _parameter_count(safetensors_files: list[Path]) -> int:
-    """Number of weight elements over all files; a tensor name seen twice counts once."""
+def _weight_totals(safetensors_files: list[Path]) -> tuple[int, int]:
+    """(number of weight elements, bytes they take on disk) over all files; a tensor name
+    seen twice counts once."""
     seen: set[str] = set()
-    total = 0
+    elements = 0
+    stored_bytes = 0
     for path in safetensors_files:
         for name, entry in read_safetensors_header(path).items():
             if name == "__metadata__" or name in seen:
@@ -98,8 +100,9 @@ def _parameter_count(safetensors_files: list[Path]) -> int:
             count = 1
             for dimension in entry["shape"]:
                 count *= int(dimension)
-            total += count
-    return total
+            elements += count
+            stored_bytes += count * SAFETENSORS_DTYPE_BYTES[entry["dtype"]]
+    return elements, stored_bytes
 
 
 def _required(config: dict[str, Any], path: Path, *names: str) -> int:
@@ -114,8 +117,9 @@ def card_from_local_directory(path: Path) -> ModelCard:
     """Build a card for an HF-format directory from its config.json and safetensors headers
     (no tensor is loaded).
 
-    `storage_size_bytes` is the fp32 size the engine will hold: parameter count x 4 bytes,
-    whatever dtype the files store. A tied LM head is stored once, so counted once.
+    `parameter_count` is the number of weights in the safetensors files (a tied LM head is
+    stored once, so counted once); `storage_size_bytes` the bytes they take in the files'
+    dtypes.
 
     Args:
         path: the model directory.
@@ -153,6 +157,8 @@ def card_from_local_directory(path: Path) -> ModelCard:
     context_length = _required(
         text_config, directory, "max_position_embeddings", "n_positions", "max_seq_len"
     )
+    head_dim = text_config.get("head_dim")
+    parameter_count, stored_bytes = _weight_totals(safetensors_files)
     return ModelCard(
         model_id=ModelId(str(directory)),
         source=LocalDirectorySource(path=str(directory)),
@@ -163,8 +169,13 @@ def card_from_local_directory(path: Path) -> ModelCard:
         num_key_value_heads=int(num_key_value_heads),
         intermediate_size=int(intermediate_size),
         vocab_size=vocab_size,
-        storage_size_bytes=_parameter_count(safetensors_files) * FP32_BYTES,
+        storage_size_bytes=stored_bytes,
         context_length=context_length,
+        head_dim=head_dim if isinstance(head_dim, int) and head_dim > 0 else None,
+        # transformers' PretrainedConfig ties the embeddings unless the config says not to.
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+        attention_bias=bool(text_config.get("attention_bias", False)),
+        parameter_count=parameter_count,
         # Tensor parallel splits heads, KV heads and the MLP evenly over 2 ranks at least.
         supports_tensor=(
             num_attention_heads % 2 == 0
@@ -175,16 +186,17 @@ def card_from_local_directory(path: Path) -> ModelCard:
 
 
 def resolve_card(model_id: str, builtin: Mapping[ModelId, ModelCard]) -> ModelCard:
-    """The card for a requested model: a built-in card, else a local model directory.
+    """The card for a requested model: a built-in card by any of its names (id, short name,
+    see `exo.shared.models.names`), else a local model directory.
 
     Raises:
         UnknownModelError: neither a built-in id nor an existing directory.
         ValueError: the directory exists but is not a loadable model (see
             `card_from_local_directory`).
     """
-    card = builtin.get(ModelId(model_id)) if model_id else None
-    if card is not None:
-        return card
+    resolved = resolve_model_name(model_id, builtin)
+    if resolved is not None:
+        return builtin[resolved]
     candidate = Path(model_id).expanduser() if model_id else None
     if candidate is not None and candidate.is_dir():
         return card_from_local_directory(candidate)

@@ -119,3 +119,14 @@ def test_resolve_card(tmp_path: Path) -> None:
     with pytest.raises(UnknownModelError, match="unknown model 'no/such-model'"):
         resolve_card("no/such-model", builtin)
     assert issubclass(UnknownModelError, ValueError)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_local_card_counts_weights_and_reads_tying(tmp_path: Path, tied: bool) -> None:
+    from exo.shared.models.parameter_count import decoder_parameter_count
+
+    card = card_from_local_directory(save_tiny_model(tmp_path / "model", tied=tied))
+    assert card.tie_word_embeddings is tied
+    assert card.parameter_count == expected_fp32_bytes(tied=tied) // 4
+    # The shapes read from config.json imply exactly the weights the files hold.
+    assert decoder_parameter_count(card) == card.parameter_count
