@@ -1,11 +1,22 @@
 """The API's view of the cluster: its copy of the state, the commands it sends, and the
-chunk streams and command results it waits on."""
+chunk streams and command results it waits on.
+
+A command must be carried out exactly once whatever the timing of start-up and elections:
+it can be published while no master is elected, before the master's node is linked to
+this one, to a node that won the election but has not started acting as master yet, or
+to a master that dies before answering. So the client keeps every unanswered command
+and sends it again — at once to a newly elected master, and with backoff while
+unanswered — until the event that carries it out (or rejects it) comes back; the
+master ignores a command id its history already holds (`master.main.Master`).
+"""
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -13,7 +24,7 @@ from loguru import logger
 
 from exo.shared.election import Election
 from exo.shared.types.chunks import Chunk, ErrorChunk
-from exo.shared.types.commands import Command, ForwarderCommand
+from exo.shared.types.commands import CancelGeneration, Command, ForwarderCommand
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, TaskId
 from exo.shared.types.events import (
     CommandRejected,
@@ -31,6 +42,16 @@ from exo.utils.channels import Publisher, Subscription
 
 COMMAND_RESULT_TIMEOUT_SECONDS = 30.0
 LOST_NODE_CHECK_SECONDS = 0.5
+# First resend of an unanswered command after this long, then twice as long each time up
+# to the maximum. On loopback a master answers within milliseconds; an election takes
+# a few seconds.
+RESEND_FIRST_SECONDS = 1.0
+RESEND_MAX_SECONDS = 4.0
+# A cancel has no event of its own; it is resent until its generation is gone, at most
+# this long.
+CANCEL_RESEND_SECONDS = 30.0
+NODE_REPORTS_TIMEOUT_SECONDS = 30.0
+NODE_REPORTS_CHECK_SECONDS = 0.5
 
 
 class CommandRejectedError(Exception):
@@ -44,8 +65,24 @@ class CommandTimeoutError(Exception):
     pass
 
 
+@dataclass(slots=True)
+class _Unanswered:
+    """A command not carried out yet, and when to send it again (monotonic seconds)."""
+
+    command: Command
+    first_sent: float
+    next_send: float
+    interval: float
+
+
 class ClusterClient:
-    """Everything the HTTP routes need from the rest of the node."""
+    """Everything the HTTP routes need from the rest of the node.
+
+    Args:
+        resend_first_seconds: an unanswered command is sent again after this long, then
+            after twice as long each time, up to `RESEND_MAX_SECONDS`.
+        clock: monotonic seconds.
+    """
 
     def __init__(
         self,
@@ -57,6 +94,8 @@ class ClusterClient:
         cards: Mapping[ModelId, ModelCard],
         election: Election | None = None,
         current_peers: Callable[[], frozenset[NodeId]] = frozenset,
+        resend_first_seconds: float = RESEND_FIRST_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.node_id = node_id
         self._current_state = current_state
@@ -64,8 +103,12 @@ class ClusterClient:
         self._applied_events = applied_events
         self._election = election
         self.current_peers = current_peers
-        # Commands not yet carried out: held while there is no master, resent to a new one.
-        self._unanswered: dict[CommandId, Command] = {}
+        # Commands not yet carried out: held while there is no master, resent until answered.
+        self._unanswered: dict[CommandId, _Unanswered] = {}
+        self._resend_first_seconds = resend_first_seconds
+        self._now = clock
+        self._sent_to_master: NodeId | None = None
+        self._resend_wake = anyio.Event()
         self._chunks = chunk_subscription
         self._commands = command_publisher
         self._result_waiters: dict[CommandId, MemoryObjectSendStream[Event]] = {}
@@ -88,28 +131,99 @@ class ClusterClient:
             task_group.start_soon(self._chunk_loop)
             if self._election is not None:  # networked: peers are known
                 task_group.start_soon(self._watch_lost_nodes)
-            if self._election is not None:
-                task_group.start_soon(self._resend_on_new_master, self._election)
+            task_group.start_soon(self._resend_loop)
 
     async def _event_loop(self) -> None:
         async for indexed_event in self._applied_events:
             self._on_event(indexed_event.event)
+            self._forget_answered_cancels()
             self.state_changed.set()
             self.state_changed = anyio.Event()
 
-    async def _resend_on_new_master(self, election: Election) -> None:
+    async def _resend_loop(self) -> None:
+        """Send unanswered commands again: all of them at once to a newly elected master,
+        each with backoff while it stays unanswered."""
+        async with anyio.create_task_group() as task_group:
+            if self._election is not None:
+                task_group.start_soon(self._wake_on_master_change, self._election)
+            while True:
+                with anyio.move_on_after(self._seconds_until_next_send()):
+                    await self._resend_wake.wait()
+                self._resend_wake = anyio.Event()
+                self.resend_due()
+
+    async def _wake_on_master_change(self, election: Election) -> None:
         while True:
             await election.master_changed.wait()
-            if election.master is None:
-                continue
-            for command in list(self._unanswered.values()):
-                logger.info(f"api: resending {command.kind} to the new master {election.master}")
-                self._publish(command)
+            self._resend_wake.set()
 
-    def _publish(self, command: Command) -> None:
+    def _seconds_until_next_send(self) -> float:
+        if self.master is None or not self._unanswered:
+            return math.inf
+        earliest = min(unanswered.next_send for unanswered in self._unanswered.values())
+        return max(0.0, earliest - self._now())
+
+    def resend_due(self) -> None:
+        """Send every unanswered command whose time has come (all of them when the master
+        changed since the last send); forget cancels whose generation is gone."""
+        master = self.master
+        if master is None:
+            # Held; whoever wins next (the same node too) gets them all at once: a master
+            # that was not active during the round dropped what it was sent then.
+            self._sent_to_master = None
+            return
+        now = self._now()
+        new_master = master != self._sent_to_master
+        self._sent_to_master = master
+        self._forget_answered_cancels()
+        for unanswered in list(self._unanswered.values()):
+            if not new_master and now < unanswered.next_send:
+                continue
+            if new_master:
+                logger.info(f"api: sending {unanswered.command.kind} to the new master {master}")
+            else:
+                logger.debug(f"api: no answer to {unanswered.command.kind} yet; sending again")
+            self._send(unanswered, now, restart_backoff=new_master)
+
+    def _forget_answered_cancels(self) -> None:
+        now = self._now()
+        for command_id, unanswered in list(self._unanswered.items()):
+            if self._answered_without_event(unanswered, now):
+                del self._unanswered[command_id]
+
+    def _answered_without_event(self, unanswered: _Unanswered, now: float) -> bool:
+        """A cancel is done when its generation has no task (and none can come: the
+        generation's own command is answered), or after `CANCEL_RESEND_SECONDS`."""
+        match unanswered.command:
+            case CancelGeneration(target_command_id=target):
+                if now - unanswered.first_sent > CANCEL_RESEND_SECONDS:
+                    return True
+                return target not in self._unanswered and not any(
+                    task.command_id == target for task in self.state.tasks.values()
+                )
+            case _:
+                return False
+
+    def _track(self, command: Command) -> None:
+        now = self._now()
+        unanswered = _Unanswered(
+            command=command, first_sent=now, next_send=now, interval=self._resend_first_seconds
+        )
+        self._unanswered[command.command_id] = unanswered
+        self._resend_wake.set()  # its resend may be due before the one the loop waits for
         if self.master is None:
             return  # held: sent when a master is elected
-        self._commands.publish(ForwarderCommand(origin=self.node_id, command=command))
+        if self.master != self._sent_to_master:
+            self.resend_due()  # a new master the loop has not seen yet: it gets them all
+        else:
+            self._send(unanswered, now, restart_backoff=True)
+
+    def _send(self, unanswered: _Unanswered, now: float, restart_backoff: bool) -> None:
+        if restart_backoff:
+            unanswered.interval = self._resend_first_seconds
+        unanswered.next_send = now + unanswered.interval
+        unanswered.interval = min(unanswered.interval * 2, RESEND_MAX_SECONDS)
+        self._commands.publish(ForwarderCommand(origin=self.node_id, command=unanswered.command))
 
     def _on_event(self, event: Event) -> None:
         command_id: CommandId | None = None
@@ -193,8 +307,7 @@ class ClusterClient:
         """
         send, receive = anyio.create_memory_object_stream[Event](1)
         self._result_waiters[command.command_id] = send
-        self._unanswered[command.command_id] = command
-        self._publish(command)
+        self._track(command)
         try:
             with anyio.fail_after(timeout):
                 result = await receive.receive()
@@ -210,8 +323,40 @@ class ClusterClient:
             raise CommandRejectedError(result.reason, result.status_code)
         return result
 
-    def send_and_forget(self, command: Command) -> None:
-        self._publish(command)
+    @property
+    def unanswered_command_ids(self) -> list[CommandId]:
+        """Commands sent and not carried out yet (sent again until they are)."""
+        return list(self._unanswered)
+
+    def send_and_forget(self, command: CancelGeneration) -> None:
+        """Send `command` without waiting for its outcome; it is still sent again until
+        carried out (see `_answered_without_event`)."""
+        self._track(command)
+
+    async def wait_for_node_reports(
+        self,
+        among: frozenset[NodeId] | None = None,
+        timeout: float | None = None,
+    ) -> bool:
+        """Wait until the cluster state holds the resources (memory, ...) of this node and
+        of the peers it is connected to (only those in `among`, when given): right after
+        start-up a placement would otherwise find no node, or too few, to place on.
+
+        Returns:
+            Whether they all reported within `timeout` seconds (default
+            `NODE_REPORTS_TIMEOUT_SECONDS`).
+        """
+        with anyio.move_on_after(NODE_REPORTS_TIMEOUT_SECONDS if timeout is None else timeout):
+            while True:
+                expected = self.current_peers() | {self.node_id}
+                if among is not None:
+                    expected &= among
+                if expected <= self.state.node_info.keys():
+                    return True
+                # Peers come and go without a state change: look again now and then.
+                with anyio.move_on_after(NODE_REPORTS_CHECK_SECONDS):
+                    await self.state_changed.wait()
+        return False
 
     @contextmanager
     def chunk_stream(self, command_id: CommandId) -> Iterator[AsyncIterator[Chunk]]:

@@ -127,6 +127,10 @@ class Master:
     def _activate(self) -> None:
         if self._current_state is not None:
             self.state = self._current_state()
+        # Events this master emitted before a short election round may not have come back
+        # to the node's replica yet; the log holds them, and the next index follows them.
+        for indexed_event in self._event_log.events[self.state.last_event_applied_idx + 1 :]:
+            self.state = apply(self.state, indexed_event)
         self._activated_at = self._now()
         self._done_commands = {
             command_id

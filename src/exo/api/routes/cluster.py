@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from exo.api.cluster import ClusterClient, CommandRejectedError
 from exo.api.dependencies import cluster_dependency
@@ -32,8 +32,14 @@ class PlaceInstanceRequest(BaseModel):
 
     model_id: str = Field(min_length=1)
     sharding: Sharding = "pipeline"
+    """exo's API and dashboard spell it "Pipeline" / "Tensor"; any letter case is taken."""
     min_nodes: int = Field(default=1, ge=1)
     node_ids: list[str] | None = None
+
+    @field_validator("sharding", mode="before")
+    @classmethod
+    def _lower_case_sharding(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
 
 
 class PlaceInstanceResponse(BaseModel):
@@ -104,11 +110,18 @@ async def instance_previews(
 @router.post("/place_instance")
 async def place_instance(body: PlaceInstanceRequest, cluster: Cluster) -> PlaceInstanceResponse:
     """Place a model; every reason it cannot be placed (unknown model included) is a 400
-    with that reason, since the request as a whole is what cannot be carried out."""
+    with that reason, since the request as a whole is what cannot be carried out.
+
+    Right after start-up the nodes have not reported their memory yet: the placement
+    waits (at most `cluster.NODE_REPORTS_TIMEOUT_SECONDS`) for this node and its connected peers
+    (those of them named in `node_ids`, when given) to report before it is decided."""
     try:
         resolve_card(body.model_id, cluster.cards)
     except ValueError as error:  # UnknownModelError included
         raise InvalidRequestError(str(error), param="model_id") from None
+    await cluster.wait_for_node_reports(
+        frozenset(NodeId(n) for n in body.node_ids) if body.node_ids is not None else None
+    )
     command = PlaceInstance(
         command_id=CommandId.new(),
         model_id=ModelId(body.model_id),
