@@ -301,6 +301,36 @@ async def test_activation_on_a_held_history_continues_from_the_replica(tmp_path:
 
 
 @pytest.mark.anyio
+async def test_master_elected_again_continues_after_events_its_replica_lacks(
+    tmp_path: Path,
+) -> None:
+    """A short election round that the master wins again: what it emitted before may not
+    have come back to its node's replica yet, so it continues from its log."""
+    election = Election()
+    election.won = True
+    lagging_replica = State()  # none of the master's events has come back yet
+    options = Options(is_active=election, current_state=lambda: lagging_replica)
+    async with running_master(tmp_path, options=options) as cluster:
+        cluster.send_command(PlaceInstance(command_id=CommandId("place"), model_id=SMOLLM2))
+        started, rejected = await cluster.receive(2)
+        assert isinstance(rejected.event, CommandRejected)  # no node reported: nothing lost
+        election.won = False
+        asked = election.asked
+        cluster.send_local_event(NODE_A, 0, "during-the-round")
+        await election.wait_asked(asked + 1)
+        election.won = True
+        cluster.send_local_event(NODE_A, 0, "a-0")
+        [event] = await cluster.receive(1)
+        cluster.send_command(PlaceInstance(command_id=CommandId("place"), model_id=SMOLLM2))
+        cluster.send_local_event(NODE_A, 1, "a-1")
+        [marker] = await cluster.receive(1)
+        cluster.assert_nothing_more()
+    assert (event.idx, event.event) == (2, RunnerDeleted(runner_id=RunnerId("a-0")))
+    assert marker.idx == 3  # the resent command was recognised as carried out
+    assert EventLog(cluster.log_path).read_all() == [started, rejected, event, marker]
+
+
+@pytest.mark.anyio
 async def test_resent_command_already_carried_out_is_ignored(tmp_path: Path) -> None:
     place = PlaceInstance(command_id=CommandId("place"), model_id=SMOLLM2)
     info = NodeGatheredInfo(node_id=NODE_A, info=make_node_info(4096))
