@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from exo.shared.types.common import FrozenModel, ModelId
 
@@ -12,6 +12,10 @@ Role = Literal["system", "user", "assistant", "tool"]
 
 # OpenAI caps top_logprobs at 20; so do we (each one costs a sort over the vocabulary).
 MAX_TOP_LOGPROBS = 20
+# OpenAI's range for a logit bias: -100 bans a token in practice, 100 forces it.
+MAX_LOGIT_BIAS = 100.0
+# OpenAI accepts at most 300 biased tokens per request; so do we.
+MAX_LOGIT_BIAS_TOKENS = 300
 
 
 class ToolCall(FrozenModel):
@@ -39,7 +43,7 @@ class NamedToolChoice(FrozenModel):
 
 
 ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
-ResponseFormat = Literal["text", "json_object"]
+ResponseFormat = Literal["text", "json_object", "json_schema"]
 ReasoningEffort = Literal["minimal", "low", "medium", "high"]
 
 
@@ -79,10 +83,17 @@ class TextGenerationTaskParams(FrozenModel):
     transformers apply it (divide positive logits, multiply negative ones; prompt tokens
     included). 0, 0 and None/1.0 disable them.
 
+    `logit_bias` maps token ids to a number added to their logit at every step (after the
+    penalties, before temperature and the filters; OpenAI's semantics): -100 bans a token
+    in practice, 100 all but forces it. Ids must be below the model's vocabulary size
+    (the engine refuses others).
+
     `tools` reach the chat template; `tool_choice` "none" hides them, "required" or a
     `NamedToolChoice` constrains decoding to one call. `response_format="json_object"`
-    constrains decoding to one JSON object. `logprobs` asks for the sampled tokens' log
-    probabilities, `top_logprobs` for that many alternatives per position.
+    constrains decoding to one JSON object; "json_schema" to one JSON value that follows
+    `json_schema` (a JSON Schema, as far as `json_schema_grammar` enforces it), which is
+    set exactly when the format is "json_schema". `logprobs` asks for the sampled tokens'
+    log probabilities, `top_logprobs` for that many alternatives per position.
     `enable_thinking` / `reasoning_effort` are passed to chat templates that read them
     (None: the template's default).
     """
@@ -105,6 +116,8 @@ class TextGenerationTaskParams(FrozenModel):
     tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
     response_format: ResponseFormat = "text"
+    json_schema: dict[str, Any] | None = None
+    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS_TOKENS)
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     enable_thinking: bool | None = None
@@ -143,11 +156,27 @@ class TextGenerationTaskParams(FrozenModel):
                     f"tool_choice names {self.tool_choice.name!r}, which is not among the "
                     f"tools ({', '.join(sorted(names)) or 'none given'})"
                 )
-        if self.response_format == "json_object" and self.forces_tool_call:
+        if self.response_format != "text" and self.forces_tool_call:
             raise ValueError(
-                "response_format json_object cannot be combined with a forced tool call"
+                f"response_format {self.response_format} cannot be combined with a forced "
+                "tool call"
             )
+        if (self.response_format == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is set exactly when response_format is 'json_schema'")
         return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, bias: dict[int, float]) -> dict[int, float]:
+        for token_id, value in bias.items():
+            if token_id < 0:
+                raise ValueError(f"token id {token_id} is negative; token ids start at 0")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"the bias of token {token_id} is {value}; biases lie in "
+                    f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+                )
+        return bias
 
     @property
     def is_raw(self) -> bool:

@@ -1,5 +1,5 @@
-"""Constrained decoding: generation that can only produce one JSON object, or one forced
-tool call `{"name": ..., "arguments": {...}}`.
+"""Constrained decoding: generation that can only produce one JSON object, one JSON value
+that follows a JSON Schema, or one forced tool call `{"name": ..., "arguments": {...}}`.
 
 Two layers:
 
@@ -55,6 +55,7 @@ from exo.worker.engines.torch.json_schema_grammar import (
     SchemaJsonRecognizer,
     ValueSchema,
     compile_arguments_schema,
+    compile_document_schema,
 )
 from exo.worker.engines.torch.vocabulary import TokenVocabulary, split_incomplete_utf8
 
@@ -459,6 +460,15 @@ def json_object_constraint(
 ) -> TokenConstraint:
     """Decoding restricted to one JSON object (`response_format` "json_object")."""
     return TokenConstraint(JsonRecognizer(top_level_object=True), vocabulary, eos_token_ids)
+
+
+def json_schema_constraint(
+    schema: dict[str, Any], vocabulary: TokenVocabulary, eos_token_ids: frozenset[int]
+) -> TokenConstraint:
+    """Decoding restricted to one JSON value that follows `schema` (`response_format`
+    "json_schema"), as far as `json_schema_grammar` enforces JSON Schema."""
+    recognizer = SchemaJsonRecognizer(compile_document_schema(schema), DEFAULT_MAX_WHITESPACE_RUN)
+    return TokenConstraint(recognizer, vocabulary, eos_token_ids)
 
 
 def tool_call_constraint(

@@ -6,9 +6,10 @@ generation / shut down) that the other ranks wait for in `serve_forever`.
 - Pipeline: every forward step goes rank 0 -> 1 -> ... -> last as a header
   `[command, tokens, sample]` plus hidden states `[1, tokens, hidden]`; the last rank samples
   (with the request's seed) and sends the token to rank 0. A request that needs the logits
-  on rank 0 (penalties, logprobs, a JSON / tool-call constraint) is started with
-  `sample_on_last_rank: false`: the last rank then sends the `[vocab]` float32 logits and
-  rank 0 samples. Rank 0 ends a generation by sending an END header down the same path.
+  on rank 0 (penalties, a logit bias, logprobs, a JSON / JSON-schema / tool-call
+  constraint) is started with `sample_on_last_rank: false`: the last rank then sends the
+  `[vocab]` float32 logits and rank 0 samples. Rank 0 ends a generation by sending an END
+  header down the same path.
 - Tensor: every rank runs the whole forward on the same tokens (the row-parallel linears
   all-reduce, so logits are identical everywhere); rank 0 samples and broadcasts each token,
   or END.

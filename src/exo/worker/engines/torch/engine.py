@@ -29,6 +29,7 @@ from exo.worker.engines.torch.constrained import (
     TokenConstraint,
     json_object_constraint,
     tool_call_constraint,
+    json_schema_constraint,
 )
 from exo.worker.engines.torch.detokenizer import StreamingDetokenizer, without_incomplete_end
 from exo.worker.engines.torch.fusion import fuse_rms_norms
@@ -36,6 +37,7 @@ from exo.worker.engines.torch.kv_cache import DecodeSession, KVCachePool
 from exo.worker.engines.torch.loading import LayerProgressCallback, load_model
 from exo.worker.engines.torch.quantize import WEIGHT_DTYPES, WeightDtype, quantize_model
 from exo.worker.engines.torch.sampling import (
+    LogitBias,
     Sampler,
     SamplingParams,
     TokenChooser,
@@ -279,23 +281,34 @@ class TorchEngine:
     def token_chooser(
         self, params: TextGenerationTaskParams, sampling: SamplingParams, prompt_ids: list[int]
     ) -> TokenChooser:
-        """The request's penalties, constraint and sampler.
+        """The request's penalties, logit bias, constraint and sampler.
 
         Raises:
-            ValueError: a forced tool call without tools to offer.
+            ValueError: a forced tool call without tools to offer; a logit bias for a
+                token id outside the vocabulary.
         """
         penalties: TokenPenalties | None = None
         if sampling.has_penalties:
             penalties = TokenPenalties(sampling, self.vocab_size, self.device)
             penalties.observe_prompt(prompt_ids)
         constraint: TokenConstraint | None = None
+        bias = (
+            LogitBias(params.logit_bias, self.vocab_size, self.device)
+            if params.logit_bias
+            else None
+        )
         if params.forces_tool_call:
             constraint = tool_call_constraint(
                 params.offered_tools, self.vocabulary, self.eos_token_ids
             )
         elif params.response_format == "json_object":
             constraint = json_object_constraint(self.vocabulary, self.eos_token_ids)
-        return TokenChooser(Sampler(sampling, self.device), penalties, constraint)
+        elif params.response_format == "json_schema":
+            assert params.json_schema is not None  # TextGenerationTaskParams checks it
+            constraint = json_schema_constraint(
+                params.json_schema, self.vocabulary, self.eos_token_ids
+            )
+        return TokenChooser(Sampler(sampling, self.device), penalties, constraint, bias)
 
     def token_logprob(self, logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogprob:
         """The chosen token's log probability (and the `top_n` likeliest alternatives).
@@ -348,7 +361,8 @@ class TorchEngine:
 
         Yields one piece per token where possible. The last piece carries `finish_reason`
         ("stop" on EOS, a stop string or a completed constrained document (`response_format`
-        "json_object", a forced tool call), "length" at `max_tokens` or the context limit)
+        "json_object" or "json_schema", a forced tool call), "length" at `max_tokens` or the
+        context limit)
         and `usage` (completion tokens count every sampled token, EOS included). With
         `params.logprobs` every piece carries one `TokenLogprob` per token id. The text
         never ends inside a character: bytes of one left unfinished when generation ends

@@ -1,5 +1,5 @@
-"""A JSON recogniser that follows a tool's parameter schema (a subset of JSON Schema), used
-for a forced tool call's `arguments`.
+"""A JSON recogniser that follows a JSON Schema (a subset of it), used for a forced tool
+call's `arguments` and for a JSON-schema response format's whole answer.
 
 Supported (anything else is read as "any JSON value", so an unsupported schema never makes
 a valid call impossible):
@@ -18,8 +18,11 @@ a valid call impossible):
 - No `type`, or `anyOf`/`oneOf`/`allOf`/`$ref`/`not`/`if`: any JSON value. String formats,
   patterns, lengths and numeric bounds are not enforced.
 
-The top level of the arguments is always an object; a parameters schema that declares no
-properties and no other keys (`{}`, `{"type": "object"}`) means "no parameters": `{}`.
+The top level of a tool call's arguments is always an object; a parameters schema that
+declares no properties and no other keys (`{}`, `{"type": "object"}`) means "no
+parameters": `{}`. A response format's schema may describe any value at the top level
+(`compile_document_schema`); a top-level number ends as soon as it may (the constraint
+stops generation once the document is complete).
 
 The state is a few scalars plus an immutable tuple of container frames that point into the
 compiled (shared, immutable) schema, so `copy` is O(1), as `TokenConstraint` needs.
@@ -243,6 +246,21 @@ def compile_arguments_schema(parameters: Mapping[str, Any]) -> ValueSchema:
     if any(keyword in schema for keyword in _OPEN_OBJECT):
         return ANY_OBJECT
     return NO_PARAMETERS if _kinds_of(schema.get("type", "object")) & OBJECT else ANY_OBJECT
+
+
+def compile_document_schema(schema: Mapping[str, Any]) -> ValueSchema:
+    """The schema of a whole structured answer (a JSON-schema response format).
+
+    Args:
+        schema: a JSON Schema of any value; one that declares `properties` or `required`
+            without a `type` is read as an object schema (as tool parameters are).
+
+    Returns:
+        the compiled schema (`ANY_VALUE` for what this subset cannot follow).
+    """
+    if "type" not in schema and ("properties" in schema or "required" in schema):
+        return compile_schema({**schema, "type": "object"})
+    return compile_schema(dict(schema))
 
 
 # A container frame: (is an object, its schema, bit mask of declared keys already written).

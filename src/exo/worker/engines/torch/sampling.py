@@ -1,15 +1,15 @@
-"""Token sampling: penalties, temperature, top-k, top-p (nucleus), min-p, per-request seed,
-optional constraints on which tokens may be drawn, and log probabilities.
+"""Token sampling: penalties, logit bias, temperature, top-k, top-p (nucleus), min-p,
+per-request seed, optional constraints on which tokens may be drawn, and log probabilities.
 
-Penalties come first (on the model's logits), then the filters in the order Hugging Face
-transformers' logits processors use: temperature, then top-k, then top-p, then min-p
-(min-p: Nguyen et al. 2024, "Turning Up the Heat").
+Penalties come first (on the model's logits), then the logit bias, then the filters in the
+order Hugging Face transformers' logits processors use: temperature, then top-k, then
+top-p, then min-p (min-p: Nguyen et al. 2024, "Turning Up the Heat").
 """
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -182,6 +182,47 @@ class TokenPenalties:
         return scores
 
 
+class LogitBias:
+    """A request's `logit_bias`: a fixed number added to chosen tokens' logits at every
+    step (OpenAI's semantics: after the penalties, before temperature and the filters).
+
+    Args:
+        bias: token id -> bias (already range-checked by `TextGenerationTaskParams`).
+        vocab_size: length of the logits vectors.
+        device: where the logits live.
+
+    Raises:
+        ValueError: a token id outside the vocabulary (the request is at fault).
+    """
+
+    __slots__ = ("_ids", "_values")
+
+    def __init__(
+        self, bias: Mapping[int, float], vocab_size: int, device: torch.device | str = "cpu"
+    ) -> None:
+        outside = sorted(token_id for token_id in bias if not 0 <= token_id < vocab_size)
+        if outside:
+            raise ValueError(
+                f"logit_bias names token ids outside the model's vocabulary of {vocab_size} "
+                f"tokens: {', '.join(str(token_id) for token_id in outside[:5])}"
+            )
+        self._ids = torch.tensor(list(bias), dtype=torch.long, device=device)  # [biased]
+        self._values = torch.tensor(
+            list(bias.values()), dtype=torch.float32, device=device
+        )  # [biased]
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Biased copy of one step's logits.
+
+        Args:
+            logits: `[vocab]` scores (left unchanged).
+
+        Returns:
+            `[vocab]` float32 scores with the biases added.
+        """
+        return logits.float().index_add(0, self._ids, self._values)
+
+
 # Rejection sampling under a constraint: this many draws (each one masking the rejected
 # token) before computing the whole allowed set instead.
 MAX_REJECTIONS = 32
@@ -336,31 +377,35 @@ def step_logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> StepLogpro
 
 
 class TokenChooser:
-    """Turns one request's logits into tokens: penalties, then the (constrained) sampler.
+    """Turns one request's logits into tokens: penalties, then the logit bias, then the
+    (constrained) sampler.
 
     Args:
         sampler: draws the token.
         penalties: the request's penalty state, or None when it has none.
         constraint: restricts which tokens may follow (JSON, a tool call), or None.
+        bias: the request's logit bias, or None when it has none.
     """
 
-    __slots__ = ("constraint", "penalties", "sampler")
+    __slots__ = ("bias", "constraint", "penalties", "sampler")
 
     def __init__(
         self,
         sampler: Sampler,
         penalties: TokenPenalties | None = None,
         constraint: TokenConstraint | None = None,
+        bias: LogitBias | None = None,
     ) -> None:
         self.sampler = sampler
         self.penalties = penalties
         self.constraint = constraint
+        self.bias = bias
 
     @property
     def needs_logits(self) -> bool:
-        """Whether choosing needs this process to see the logits (penalties, constraint);
-        otherwise a pipeline's last rank may sample on its own."""
-        return self.penalties is not None or self.constraint is not None
+        """Whether choosing needs this process to see the logits (penalties, bias,
+        constraint); otherwise a pipeline's last rank may sample on its own."""
+        return self.penalties is not None or self.constraint is not None or self.bias is not None
 
     @property
     def is_complete(self) -> bool:
@@ -380,6 +425,8 @@ class TokenChooser:
             NoAllowedTokenError: the constraint allows no token.
         """
         scores = logits if self.penalties is None else self.penalties.apply(logits)
+        if self.bias is not None:
+            scores = self.bias.apply(scores)
         return self.sampler.sample(scores, self.constraint)
 
     def observe(self, token_id: int) -> None:

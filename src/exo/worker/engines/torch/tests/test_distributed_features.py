@@ -1,6 +1,7 @@
 """Sharded == unsharded for requests that need the logits on rank 0 (logprobs, penalties, a
-JSON constraint): a 2-rank pipeline (the last rank then sends logits instead of a token)
-and a 2-rank tensor group give the single process's tokens and logprobs."""
+logit bias, a JSON or JSON-schema constraint): a 2-rank pipeline (the last rank then sends
+logits instead of a token) and a 2-rank tensor group give the single process's tokens and
+logprobs."""
 
 from __future__ import annotations
 
@@ -27,11 +28,26 @@ from exo.worker.engines.torch.tests.test_distributed import (
     request,
 )
 
+# A token the logit bias forces (an ordinary one of the tiny model's SmolLM2 vocabulary).
+BIASED_TOKEN = 314
+BIASED_REQUEST: dict[str, Any] = {
+    "temperature": 0.0,
+    "max_tokens": 6,
+    "logit_bias": {BIASED_TOKEN: 100.0},
+}
+
 REQUESTS: tuple[dict[str, Any], ...] = (
     {"temperature": 0.0, "max_tokens": 10, "logprobs": True, "top_logprobs": 3},
     {"temperature": 0.9, "seed": 5, "max_tokens": 10, "logprobs": True, "presence_penalty": 1.0},
     {"temperature": 0.0, "max_tokens": 10, "repetition_penalty": 1.3},
     {"temperature": 0.0, "max_tokens": 12, "response_format": "json_object"},
+    BIASED_REQUEST,
+    {
+        "temperature": 0.0,
+        "max_tokens": 16,
+        "response_format": "json_schema",
+        "json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}},
+    },
     {"temperature": 0.0, "max_tokens": 10},  # the fast path again after the others
 )
 
@@ -156,6 +172,9 @@ def test_two_ranks_equal_single_process_with_logits_features(
     tiny_dir: Path, single_process: list[Outcome], mode: str
 ) -> None:
     assert any(tokens for tokens, _logprobs in single_process)
+    # The bias is visible: +100 makes its token the greedy choice at every step.
+    biased_tokens, _ = single_process[REQUESTS.index(BIASED_REQUEST)]
+    assert biased_tokens == [BIASED_TOKEN] * BIASED_REQUEST["max_tokens"]
     assert_same(run_group(tiny_dir, mode), single_process)
 
 

@@ -107,6 +107,38 @@ def test_penalised_greedy_matches_a_reference_and_differs_from_plain(
     assert ours != plain  # the random model repeats itself unpenalised
 
 
+# --- logit bias ----------------------------------------------------------------------------
+
+
+def added_bias(bias: dict[int, float]) -> Callable[..., torch.Tensor]:
+    def penalise(logits: torch.Tensor, _prompt: list[int], _generated: list[int]) -> torch.Tensor:
+        scores = logits.clone()
+        for token, value in bias.items():
+            scores[token] += value
+        return scores
+
+    return penalise
+
+
+def test_logit_bias_matches_a_reference_and_bans_the_greedy_token(
+    tiny_engine: TorchEngine, reference_model: PreTrainedModel
+) -> None:
+    tiny_engine.eos_token_ids = frozenset({-1})
+    plain = tokens_of(list(tiny_engine.generate(request(PROMPT, temperature=0.0, max_tokens=8))))
+    bias = {plain[0]: -100.0, 7042: 5.0}
+    params = request(PROMPT, temperature=0.0, max_tokens=8, logit_bias=bias)
+    ours = tokens_of(list(tiny_engine.generate(params)))
+    prompt_ids = tiny_engine.encode_prompt(params.messages)
+    assert ours == reference_greedy(reference_model, prompt_ids, 8, added_bias(bias))
+    assert plain[0] not in ours  # banned at every step
+
+
+def test_logit_bias_outside_the_vocabulary_is_a_value_error(tiny_engine: TorchEngine) -> None:
+    params = request(PROMPT, max_tokens=2, logit_bias={tiny_engine.vocab_size: 1.0})
+    with pytest.raises(ValueError, match="logit_bias"):
+        list(tiny_engine.generate(params))
+
+
 # --- logprobs -------------------------------------------------------------------------------
 
 
@@ -212,6 +244,28 @@ def test_json_object_output_parses(nudged_engine: TorchEngine, fields: dict[str,
         check_stream_shape(pieces)
         assert pieces[-1].finish_reason == "stop", text_of(pieces)
         assert isinstance(json.loads(text_of(pieces)), dict)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"count": {"type": "integer"}, "unit": {"enum": ["cm", "m"]}},
+    "required": ["count", "unit"],
+}
+
+
+@pytest.mark.parametrize(
+    "fields", [{"temperature": 0.0, "frequency_penalty": 2.0}, {"temperature": 1.0, "seed": 1}]
+)
+def test_json_schema_output_follows_the_schema(
+    nudged_engine: TorchEngine, fields: dict[str, Any]
+) -> None:
+    params = request(PROMPT, response_format="json_schema", json_schema=SCHEMA, **fields)
+    pieces = list(nudged_engine.generate(params))
+    check_stream_shape(pieces)
+    assert pieces[-1].finish_reason == "stop", text_of(pieces)
+    value = json.loads(text_of(pieces))
+    assert set(value) == {"count", "unit"}
+    assert isinstance(value["count"], int) and value["unit"] in ("cm", "m")
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

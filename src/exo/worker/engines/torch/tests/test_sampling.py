@@ -5,8 +5,10 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.models import SamplingDefaults
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.worker.engines.torch.sampling import (
+    LogitBias,
     Sampler,
     SamplingParams,
+    TokenChooser,
     filter_logits,
     resolve_sampling_params,
 )
@@ -103,3 +105,33 @@ def test_explicit_zero_values_override_defaults(temperature: float) -> None:
     resolved = resolve_sampling_params(params, defaults)
     assert resolved.temperature == temperature
     assert resolved.top_k == 0
+
+
+def test_logit_bias_adds_to_the_named_tokens_only() -> None:
+    logits = random_logits()
+    biased = LogitBias({3: -100.0, 7: 2.5}, vocab_size=1000).apply(logits)
+    expected = logits.clone()
+    expected[3] -= 100.0
+    expected[7] += 2.5
+    assert torch.equal(biased, expected)
+    assert not torch.equal(logits, expected)  # the input is left unchanged
+
+
+def test_logit_bias_bans_and_forces_under_sampling() -> None:
+    logits = random_logits()
+    best = int(logits.argmax())
+    banned = TokenChooser(
+        Sampler(SamplingParams(temperature=0.0)), bias=LogitBias({best: -100.0}, 1000)
+    )
+    assert banned.needs_logits
+    assert banned.choose(logits) != best
+    forced = TokenChooser(
+        Sampler(SamplingParams(temperature=1.0, seed=3)), bias=LogitBias({11: 100.0}, 1000)
+    )
+    assert [forced.choose(logits) for _ in range(20)] == [11] * 20
+    assert not TokenChooser(Sampler(SamplingParams())).needs_logits
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused() -> None:
+    with pytest.raises(ValueError, match="1000, 5000"):
+        LogitBias({1000: 1.0, 5000: 1.0, 2: 1.0}, vocab_size=1000)
