@@ -172,7 +172,15 @@ def test_errors_in_openai_shape(default_node: ExoNode) -> None:
             },
             "input[0].content[0]",
         ),
-        ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format"),
+        (
+            {
+                "input": "hi",
+                "text": {"format": {"type": "json_schema", "schema": {}}},
+                "tools": [{"type": "function", "name": "f"}],
+                "tool_choice": "required",
+            },
+            "text.format",
+        ),
     ]
     for fields, param in refusals:
         refused = httpx.post(url, json={"model": DEFAULT_MODEL_ID, **fields})

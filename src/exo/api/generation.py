@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -35,6 +35,8 @@ from exo.master.decisions import no_instance_message
 from exo.shared.types.chunks import Chunk, ErrorChunk
 from exo.shared.types.commands import CancelGeneration, GenerateText
 from exo.shared.types.common import CommandId
+from exo.shared.types.instances import Instance
+from exo.shared.types.models import ModelCard
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 DISCONNECT_POLL_SECONDS = 0.25
@@ -118,15 +120,18 @@ async def start_generation(
     Raises:
         ModelNotFoundError: the model is unknown, or no instance of it is placed (404).
         NoCapacityError: the master rejected the command (503).
-        InvalidRequestError: the request holds text that is not valid Unicode or values
-            nested too deeply, or the engine refused it (400).
+        InvalidRequestError: the request holds text that is not valid Unicode, values
+            nested too deeply or a `logit_bias` for a token outside the model's vocabulary,
+            or the engine refused it (400).
         GenerationError: the client disconnected before the first chunk.
     """
     check_serializable(params)
     if params.model not in known_model_ids(cluster):
         raise ModelNotFoundError(f"The model '{params.model}' does not exist")
-    if not cluster.state.instances_of_model(params.model):
+    instances = cluster.state.instances_of_model(params.model)
+    if not instances:
         raise ModelNotFoundError(no_instance_message(params.model), code="no_instance")
+    _check_logit_bias(params, cluster.cards.get(params.model), instances)
     command = GenerateText(command_id=command_id or CommandId.new(), params=params)
     resources = ExitStack()
     # Registered before submitting, so no chunk can arrive unheard.
@@ -219,6 +224,31 @@ def check_serializable(params: TextGenerationTaskParams) -> None:
                 "a value in the request (such as a tool's parameter schema) is nested too deeply"
             ) from None
         raise InvalidRequestError(f"the request cannot be processed: {error}") from None
+
+
+def _check_logit_bias(
+    params: TextGenerationTaskParams, card: ModelCard | None, instances: Sequence[Instance]
+) -> None:
+    """Refuse biased token ids outside the model's vocabulary (`card`, else the card an
+    instance carries); the engine checks again against the loaded model."""
+    if not params.logit_bias:
+        return
+    if card is None:
+        shards = [
+            shard for instance in instances
+            for shard in instance.shard_assignments.runner_to_shard.values()
+        ]  # fmt: skip
+        if not shards:
+            return
+        card = shards[0].model_card
+    outside = sorted(token_id for token_id in params.logit_bias if token_id >= card.vocab_size)
+    if outside:
+        raise InvalidRequestError(
+            f"logit_bias names token ids outside the vocabulary of '{params.model}' "
+            f"({card.vocab_size} tokens, ids 0 to {card.vocab_size - 1}): "
+            f"{', '.join(str(token_id) for token_id in outside[:5])}",
+            "logit_bias",
+        )
 
 
 async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:

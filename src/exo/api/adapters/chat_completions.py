@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import assert_never
+from typing import Any, assert_never
 
-from exo.api.adapters.common import check_tool_results_answer_calls
+from exo.api.adapters.common import check_tool_results_answer_calls, logit_bias_from_wire
 from exo.api.errors import InvalidRequestError
 from exo.api.generation import build_task_params
 from exo.api.types.openai_chat import (
@@ -36,6 +36,7 @@ from exo.shared.types.text_generation import (
     ChatMessage,
     NamedToolChoice,
     ReasoningEffort,
+    ResponseFormat,
     TextGenerationTaskParams,
     ToolCall,
     ToolChoice,
@@ -47,6 +48,8 @@ from exo.shared.types.text_generation import (
 _TEXT_PART_SEPARATOR = "\n"
 
 _NOT_SUPPORTED_YET = "is not supported yet"
+# The chat template keyword arguments a request may set (vLLM's `chat_template_kwargs`).
+_TEMPLATE_KWARGS = ("enable_thinking",)
 
 
 def new_completion_id() -> str:
@@ -69,9 +72,11 @@ def to_task_params(request: ChatCompletionRequest) -> TextGenerationTaskParams:
         `function_call` (deprecated) become tools and a tool choice like their successors.
 
     Raises:
-        InvalidRequestError: the request asks for something exo does not do (n > 1, JSON
-            schema response formats, image/audio/file input) or its fields contradict each
-            other (`max_tokens` != `max_completion_tokens`, both `tools` and `functions`,
+        InvalidRequestError: the request asks for something exo does not do (n > 1,
+            image/audio/file input, template keyword arguments other than
+            `enable_thinking`), holds a malformed value (a `logit_bias` key that is not a
+            token id, a bias outside [-100, 100]) or its fields contradict each other
+            (`max_tokens` != `max_completion_tokens`, both `tools` and `functions`,
             `top_logprobs` without `logprobs`, a tool choice naming no given tool).
     """
     _refuse_unsupported_features(request)
@@ -96,9 +101,9 @@ def to_task_params(request: ChatCompletionRequest) -> TextGenerationTaskParams:
         parallel_tool_calls=(
             True if request.parallel_tool_calls is None else request.parallel_tool_calls
         ),
-        response_format="json_object"
-        if request.response_format is not None and request.response_format.type == "json_object"
-        else "text",
+        response_format=_response_format(request),
+        json_schema=_json_schema(request),
+        logit_bias=logit_bias_from_wire(request.logit_bias, "logit_bias"),
         logprobs=bool(request.logprobs),
         top_logprobs=request.top_logprobs or 0,
         enable_thinking=enable_thinking,
@@ -113,12 +118,6 @@ def _refuse_unsupported_features(request: ChatCompletionRequest) -> None:
             "send several requests (with different seeds) instead",
             "n",
         )
-    if request.response_format is not None and request.response_format.type == "json_schema":
-        raise InvalidRequestError(
-            f"response_format of type 'json_schema' {_NOT_SUPPORTED_YET}; use 'json_object' "
-            "for any JSON object",
-            "response_format",
-        )
     if request.top_logprobs and not request.logprobs:
         # OpenAI's own answer to this combination.
         raise InvalidRequestError(
@@ -128,6 +127,25 @@ def _refuse_unsupported_features(request: ChatCompletionRequest) -> None:
         raise InvalidRequestError(
             "send either tools or the deprecated functions, not both", "functions"
         )
+
+
+def _response_format(request: ChatCompletionRequest) -> ResponseFormat:
+    return "text" if request.response_format is None else request.response_format.type
+
+
+def _json_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The schema of a `json_schema` response format (any object when it gives none)."""
+    response_format = request.response_format
+    if response_format is None or response_format.type != "json_schema":
+        return None
+    if response_format.json_schema is None:
+        raise InvalidRequestError(
+            "response_format of type 'json_schema' needs a `json_schema` object with the "
+            "`schema` the answer must follow",
+            "response_format.json_schema",
+        )
+    schema = response_format.json_schema.schema_
+    return {"type": "object"} if schema is None else schema
 
 
 def _tools(request: ChatCompletionRequest) -> tuple[ToolDefinition, ...]:
@@ -162,6 +180,13 @@ def _tool_choice(request: ChatCompletionRequest) -> ToolChoice:
 def _thinking(request: ChatCompletionRequest) -> tuple[bool | None, ReasoningEffort | None]:
     enable_thinking: bool | None = None
     kwargs = request.chat_template_kwargs or {}
+    for key in kwargs:
+        if key not in _TEMPLATE_KWARGS:
+            raise InvalidRequestError(
+                f"chat_template_kwargs.{key} is not supported; exo passes only "
+                f"{', '.join(_TEMPLATE_KWARGS)} to the chat template",
+                f"chat_template_kwargs.{key}",
+            )
     if "enable_thinking" in kwargs:
         value = kwargs["enable_thinking"]
         if not isinstance(value, bool):

@@ -10,6 +10,10 @@ Choices, each said where it matters:
 - `message_start` reports `input_tokens: 0` (the count arrives with the last chunk);
   `message_delta` carries the real count, which the SDK's accumulator takes over.
 - Thinking blocks carry an empty `signature`: exo does not sign thinking.
+- `output_config.effort` (anthropic 2.x) reaches the chat template as `reasoning_effort`:
+  low, medium and high as they are, xhigh and max as high (the strongest effort templates
+  know); whether thinking is on stays with `thinking`. `output_config.format` constrains
+  the answer to its JSON schema (`response_format` "json_schema").
 """
 
 from __future__ import annotations
@@ -128,11 +132,23 @@ def to_task_params(request: MessagesRequest) -> TextGenerationTaskParams:
 
     Raises:
         InvalidRequestError: image or document input, server tools, block types exo does
-            not model, blocks in the wrong role, `output_config.format`, or fields that
-            contradict each other (a `tool_choice` naming a tool not in `tools`).
+            not model, blocks in the wrong role, or fields that contradict each other (a
+            `tool_choice` naming a tool not in `tools`, `output_config.format` with a
+            forced tool call).
     """
+    output_format = request.output_config.format if request.output_config else None
+    if output_format is not None and isinstance(
+        request.tool_choice, ToolChoiceAny | ToolChoiceTool
+    ):
+        raise InvalidRequestError(
+            "output_config.format cannot be combined with a forced tool call "
+            "(tool_choice 'any' or 'tool')",
+            "output_config.format",
+        )
     return build_task_params(
         **_prompt_fields(request),
+        response_format="text" if output_format is None else "json_schema",
+        json_schema=None if output_format is None else output_format.schema_,
         max_tokens=request.max_tokens,
         temperature=request.temperature,
         top_p=request.top_p,
@@ -149,10 +165,6 @@ def count_tokens_params(request: CountTokensRequest) -> TextGenerationTaskParams
 
 
 def _prompt_fields(request: CountTokensRequest) -> dict[str, Any]:
-    if request.output_config is not None and request.output_config.format is not None:
-        raise InvalidRequestError(
-            "output_config.format (structured outputs) is not supported yet", "output_config"
-        )
     tool_choice, parallel_tool_calls = _tool_choice(request.tool_choice)
     effort = request.output_config.effort if request.output_config is not None else None
     return {

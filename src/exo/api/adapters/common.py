@@ -4,7 +4,8 @@ it out."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from exo.api.errors import ApiError, GenerationError, InvalidRequestError
@@ -64,3 +65,27 @@ def check_tool_results_answer_calls(messages: Sequence[ChatMessage], param: str)
                 "assistant turn made a call with that id",
                 param,
             )
+
+
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+
+
+def logit_bias_from_wire(bias: Mapping[str, float] | None, param: str) -> dict[int, float]:
+    """A wire `logit_bias` (token ids as JSON object keys, OpenAI's form) as the internal
+    token id -> bias map. The range of each bias and whether an id is inside the model's
+    vocabulary are checked later (`TextGenerationTaskParams`, `start_generation`).
+
+    Raises:
+        InvalidRequestError: a key that is not a token id (a non-negative integer in
+            decimal), blaming `param`.
+    """
+    converted: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not _TOKEN_ID.fullmatch(key):
+            raise InvalidRequestError(
+                f"{param} keys must be token ids (non-negative integers written as strings, "
+                f'such as "7042"); got {key[:40]!r}',
+                param,
+            )
+        converted[int(key)] = value
+    return converted

@@ -69,6 +69,7 @@ _OLLAMA_PARAM_NAMES = {
     "repetition_penalty": "options.repeat_penalty",
     "stop": "options.stop",
     "tool_choice": "tool_choice",
+    "response_format": "format",
 }
 
 
@@ -110,8 +111,8 @@ def chat_to_task_params(
     OpenAI's forms.
 
     Raises:
-        InvalidRequestError: images, a JSON-schema `format`, malformed replayed tool-call
-            arguments, a `tool_choice` naming no offered tool, or option values out of range.
+        InvalidRequestError: images, malformed replayed tool-call arguments, a
+            `tool_choice` naming no offered tool, or option values out of range.
     """
     messages = _chat_messages(request.messages, request.model, capabilities)
     tools = tuple(
@@ -140,8 +141,7 @@ def generate_to_task_params(
 
     Raises:
         InvalidRequestError: `suffix` (fill-in-the-middle), `raw` prompts, a `template`
-            override, a non-empty `context`, images, a JSON-schema `format`, or option
-            values out of range. None of these can be honoured yet.
+            override, a non-empty `context`, images, or option values out of range.
     """
     if request.images:
         raise InvalidRequestError(_no_vision_message(request.model, capabilities), "images")
@@ -195,6 +195,7 @@ def _task_params(
             tools=tools,
             tool_choice=tool_choice,
             response_format=_response_format(request.format),
+            json_schema=request.format if isinstance(request.format, dict) else None,
             logprobs=bool(request.logprobs),
             top_logprobs=request.top_logprobs or 0,
             enable_thinking=enable_thinking,
@@ -244,10 +245,7 @@ def _response_format(format_: str | dict[str, object] | None) -> ResponseFormat:
     if format_ == "json":
         return "json_object"
     if isinstance(format_, dict):
-        raise InvalidRequestError(
-            'format as a JSON schema is not supported yet; use format "json" for any JSON object',
-            "format",
-        )
+        return "json_schema"
     raise InvalidRequestError(
         f'invalid format {format_!r}: expected "json" or a JSON schema', "format"
     )

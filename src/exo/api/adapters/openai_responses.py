@@ -27,7 +27,7 @@ read. The caller owns the chunk iterator and closes it.
 from __future__ import annotations
 
 import json
-from typing import Literal, assert_never
+from typing import Any, assert_never
 
 from exo.api.errors import InvalidRequestError
 from exo.api.generation import build_task_params
@@ -58,6 +58,7 @@ from exo.shared.types.text_generation import (
     ChatMessage,
     NamedToolChoice,
     ReasoningEffort,
+    ResponseFormat,
     TextGenerationTaskParams,
     ToolChoice,
     ToolDefinition,
@@ -74,6 +75,7 @@ _PARAM_NAMES = {
     "max_tokens": "max_output_tokens",
     "messages": "input",
     "response_format": "text.format",
+    "json_schema": "text.format.schema",
     "top_logprobs": "top_logprobs",
 }
 
@@ -97,8 +99,8 @@ def to_task_params(request: ResponsesRequest) -> TextGenerationTaskParams:
 
     Raises:
         InvalidRequestError: the request asks for something exo does not do (stored
-            responses or conversations, background mode, hosted tools, image or file input,
-            `json_schema` output) or is inconsistent (a function call output without its
+            responses or conversations, background mode, hosted tools, image or file input)
+            or is inconsistent (a function call output without its
             call, a tool choice naming an unknown tool, an empty input).
     """
     _refuse_unsupported_features(request)
@@ -130,6 +132,7 @@ def to_task_params(request: ResponsesRequest) -> TextGenerationTaskParams:
                 True if request.parallel_tool_calls is None else request.parallel_tool_calls
             ),
             response_format=_response_format(request),
+            json_schema=_json_schema(request),
             logprobs=LOGPROBS_INCLUDE in include or top_logprobs > 0,
             top_logprobs=top_logprobs,
             enable_thinking=enable_thinking,
@@ -168,13 +171,6 @@ def _refuse_unsupported_features(request: ResponsesRequest) -> None:
             "background mode is not supported: exo does not store responses; use stream=true "
             "for long generations",
             "background",
-        )
-    text_format = request.text.format if request.text else None
-    if text_format is not None and text_format.type == "json_schema":
-        raise InvalidRequestError(
-            "text.format of type 'json_schema' is not supported yet; use 'json_object' "
-            "(any JSON object) or 'text'",
-            "text.format",
         )
     for index, tool in enumerate(request.tools or []):
         if isinstance(tool, UnsupportedTool):
@@ -227,20 +223,28 @@ def _tool_choice(request: ResponsesRequest) -> ToolChoice:
         case _:
             converted = choice
     forced = converted == "required" or isinstance(converted, NamedToolChoice)
-    if forced and _response_format(request) == "json_object":
+    response_format = _response_format(request)
+    if forced and response_format != "text":
         raise InvalidRequestError(
-            "text.format 'json_object' cannot be combined with a forced function call "
+            f"text.format {response_format!r} cannot be combined with a forced function call "
             "(tool_choice 'required' or a named function)",
             "text.format",
         )
     return converted
 
 
-def _response_format(request: ResponsesRequest) -> Literal["text", "json_object"]:
+def _response_format(request: ResponsesRequest) -> ResponseFormat:
     if request.text is None or request.text.format is None:
         return "text"
-    kind = request.text.format.type
-    return "json_object" if kind == "json_object" else "text"
+    return request.text.format.type
+
+
+def _json_schema(request: ResponsesRequest) -> dict[str, Any] | None:
+    """The schema of a `json_schema` text format (any object when it gives none)."""
+    text_format = request.text.format if request.text else None
+    if text_format is None or text_format.type != "json_schema":
+        return None
+    return {"type": "object"} if text_format.schema_ is None else text_format.schema_
 
 
 def _thinking(request: ResponsesRequest) -> tuple[bool | None, ReasoningEffort | None]:

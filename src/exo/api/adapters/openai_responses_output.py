@@ -99,6 +99,19 @@ class ResponseContext:
         return self.response_id.split("_", 1)[-1]
 
 
+def _format_echo(request: ResponsesRequest, params: TextGenerationTaskParams) -> TextFormatEcho:
+    text_format = request.text.format if request.text else None
+    if params.response_format != "json_schema" or text_format is None:
+        return TextFormatEcho(type=params.response_format)
+    return TextFormatEcho(
+        type="json_schema",
+        name=text_format.name,
+        schema_=params.json_schema,
+        description=text_format.description,
+        strict=text_format.strict,
+    )
+
+
 def response_context(
     request: ResponsesRequest, params: TextGenerationTaskParams, response_id: str, created_at: int
 ) -> ResponseContext:
@@ -127,7 +140,7 @@ def response_context(
         ),
         temperature=request.temperature,
         text=TextConfigEcho(
-            format=TextFormatEcho(type=params.response_format),
+            format=_format_echo(request, params),
             verbosity=request.text.verbosity if request.text else None,
         ),
         tool_choice=tool_choice,

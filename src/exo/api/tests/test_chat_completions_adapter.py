@@ -339,16 +339,37 @@ def test_n_above_one_is_refused() -> None:
     assert caught.value.param == "n"
 
 
-def test_json_schema_response_format_is_refused_not_ignored() -> None:
-    request = make_request(
-        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}
+def test_json_schema_response_format_carries_its_schema() -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    params = to_task_params(
+        make_request(
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        )
     )
-    with pytest.raises(InvalidRequestError, match="not supported yet") as caught:
-        to_task_params(request)
-    assert caught.value.param == "response_format"
-    assert to_task_params(
-        make_request(response_format={"type": "json_object"})
-    ).response_format == ("json_object")
+    assert (params.response_format, params.json_schema) == ("json_schema", schema)
+    # No schema: any JSON object.
+    params = to_task_params(
+        make_request(response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    )
+    assert params.json_schema == {"type": "object"}
+    with pytest.raises(InvalidRequestError) as caught:
+        to_task_params(make_request(response_format={"type": "json_schema"}))
+    assert caught.value.param == "response_format.json_schema"
+    json_object = to_task_params(make_request(response_format={"type": "json_object"}))
+    assert (json_object.response_format, json_object.json_schema) == ("json_object", None)
+
+
+def test_logit_bias_keys_are_token_ids_and_biases_are_bounded() -> None:
+    params = to_task_params(make_request(logit_bias={"7042": -100, "0": 2.5}))
+    assert params.logit_bias == {7042: -100.0, 0: 2.5}
+    for key in ("Paris", "-1", "1.5", " 12", ""):
+        with pytest.raises(InvalidRequestError) as caught:
+            to_task_params(make_request(logit_bias={key: 1}))
+        assert caught.value.param == "logit_bias", key
+    for bias in (-100.5, 101):
+        with pytest.raises(InvalidRequestError) as caught:
+            to_task_params(make_request(logit_bias={"5": bias}))
+        assert caught.value.param == "logit_bias"
 
 
 WEATHER_TOOL = {
@@ -513,7 +534,6 @@ def test_harmless_feature_values_are_accepted() -> None:
             response_format={"type": "text"},
             frequency_penalty=0.0,
             presence_penalty=0.0,
-            logit_bias={"50256": -100},
             user="u-1",
         )
     )

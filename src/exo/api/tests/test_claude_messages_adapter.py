@@ -471,11 +471,19 @@ def test_thinking_switches_the_template_thinking(
     assert params_of(USER_HI, thinking=thinking).enable_thinking is enabled
 
 
-def test_effort_maps_onto_reasoning_effort_and_structured_output_is_refused() -> None:
+def test_effort_maps_onto_reasoning_effort_and_format_onto_a_json_schema() -> None:
     assert params_of(USER_HI).reasoning_effort is None
     assert params_of(USER_HI, output_config={"effort": "low"}).reasoning_effort == "low"
     assert params_of(USER_HI, output_config={"effort": "max"}).reasoning_effort == "high"
-    error = refusal_of(USER_HI, output_config={"format": {"type": "json_schema", "schema": {}}})
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    params = params_of(USER_HI, output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert (params.response_format, params.json_schema) == ("json_schema", schema)
+    error = refusal_of(
+        USER_HI,
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+        tools=[{"name": "f", "input_schema": {"type": "object"}}],
+        tool_choice={"type": "any"},
+    )
     assert "output_config.format" in error.message
 
 

@@ -299,9 +299,11 @@ def test_format_json_and_refusals() -> None:
         "json_object"
     )
     assert chat_to_task_params(chat_request(format=""), ModelId(MODEL)).response_format == "text"
-    with pytest.raises(InvalidRequestError, match="JSON schema is not supported yet") as raised:
-        chat_to_task_params(chat_request(format={"type": "object"}), ModelId(MODEL))
-    assert raised.value.status_code == 400
+    schema_params = chat_to_task_params(chat_request(format={"type": "object"}), ModelId(MODEL))
+    assert (schema_params.response_format, schema_params.json_schema) == (
+        "json_schema",
+        {"type": "object"},
+    )
     with pytest.raises(InvalidRequestError, match="invalid format 'xml'"):
         chat_to_task_params(chat_request(format="xml"), ModelId(MODEL))
 

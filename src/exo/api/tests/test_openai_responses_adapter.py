@@ -335,7 +335,11 @@ def test_unsupported_input_items_are_refused(item: dict[str, Any], words: str) -
         ),
         ({"tool_choice": "required"}, "tool_choice", "at least one tool"),
         (
-            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+            {
+                "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}},
+                "tools": [{"type": "function", "name": "f"}],
+                "tool_choice": "required",
+            },
             "text.format",
             "json_schema",
         ),

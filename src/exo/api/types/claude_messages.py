@@ -203,9 +203,20 @@ ThinkingParam = Annotated[
 Effort = Literal["low", "medium", "high", "xhigh", "max"]
 
 
+class JsonOutputFormat(_WireRequestModel):
+    """`output_config.format` (structured outputs): the answer is one JSON value that
+    follows `schema`."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
 class OutputConfig(_WireRequestModel):
+    """anthropic 2.x's replacement for the sampling arguments: `effort` reaches the chat
+    template as a reasoning effort, `format` constrains the answer to a JSON schema."""
+
     effort: Effort | None = None
-    format: dict[str, Any] | None = None
+    format: JsonOutputFormat | None = None
 
 
 # ---------------------------------------------------------------- requests

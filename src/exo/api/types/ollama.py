@@ -1,8 +1,8 @@
 """Wire models of Ollama's native API (`/api/chat`, `/api/generate`, `/api/tags`,
 `/api/show`, `/api/ps`, `/api/version`), as documented in ollama/ollama `docs/api.md`.
 
-Request models check types only; what a request *means* (images, JSON-schema formats,
-suffixes) is judged by `exo.api.adapters.ollama`, which answers with a 400. Unknown request
+Request models check types only; what a request *means* (images, suffixes, raw prompts)
+is judged by `exo.api.adapters.ollama`, which answers with a 400. Unknown request
 fields are ignored, as Ollama's own server does. Response models are what we emit: exact,
 with optional fields left out of the JSON rather than sent as null (Ollama's `omitempty`).
 """

@@ -8,8 +8,9 @@ the request *means* — unsupported features, conflicting fields — is checked 
 Unknown request fields are ignored rather than refused. OpenAI's own server answers 400
 for an unknown parameter, but clients written for other OpenAI-compatible servers send
 extras (`repetition_penalty`, `chat_template_kwargs`, ...) and breaking them over a knob we
-would not honour anyway helps nobody. Known fields whose *value* we cannot honour (JSON
-schema response formats, `n > 1`, image input) are refused, never silently dropped.
+would not honour anyway helps nobody. Known fields whose *value* we cannot honour (`n > 1`,
+image input) are refused, never silently dropped; the few accepted and ignored ones are
+listed in the README ("Accepted and ignored").
 Extensions other OpenAI-compatible servers define and we honour: `top_k`, `min_p`,
 `repetition_penalty` and `chat_template_kwargs.enable_thinking` (vLLM).
 
@@ -183,17 +184,28 @@ class StreamOptions(_WireRequestModel):
     include_usage: bool | None = None
 
 
+class JsonSchemaSpec(_WireRequestModel):
+    """`response_format.json_schema`. `schema` absent means any JSON object. `strict` is
+    accepted and changes nothing: decoding always follows the schema as far as exo's
+    JSON-schema constraint goes (README, "Sampling")."""
+
+    name: str | None = Field(default=None, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_WireRequestModel):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaSpec | None = None
 
 
 class ChatCompletionRequest(_WireRequestModel):
     """The body of `POST /v1/chat/completions`.
 
     `top_k` and `min_p` are not OpenAI parameters; vLLM and llama.cpp accept them and so do
-    we (`top_k = -1` is vLLM's "disabled" and is accepted as such). Fields marked "ignored"
-    are accepted for compatibility and have no effect.
+    we (`top_k = -1` is vLLM's "disabled" and is accepted as such). Fields marked
+    "compatibility no-ops" are accepted and have no effect (README, "Accepted and ignored").
     """
 
     model: str = Field(min_length=1)
@@ -229,9 +241,10 @@ class ChatCompletionRequest(_WireRequestModel):
     chat_template_kwargs: dict[str, Any] | None = None
     # "none" turns thinking off; the others are passed to the template.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-
-    # Ignored.
+    # Token id (as a JSON object key) -> bias in [-100, 100], added to the token's logit.
     logit_bias: dict[str, float] | None = None
+
+    # Compatibility no-ops (README, "Accepted and ignored").
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None

@@ -7,9 +7,10 @@ what the request *means* — hosted tools, image input, stored state — is chec
 Item and content-part unions fall back to an `Unsupported…` member for any `type` we do
 not handle (hosted tool calls, `input_file`, `web_search` tools, ...), so that the adapter
 can refuse them with a 400 that names the type instead of a schema error. Unknown request
-fields (`store`, `metadata`, `include` values, `truncation`, `user`, `prompt_cache_key`,
-`service_tier`, `text.verbosity`, ...) are accepted and ignored, as in the Chat Completions
-models: the official SDK and Codex CLI send them on every request.
+fields are ignored, as in the Chat Completions models; the declared fields that change
+nothing (`store`, `metadata`, `truncation`, `user`, `prompt_cache_key`, `service_tier`,
+`text.verbosity`, ...) are the README's compatibility no-ops: the official SDK and Codex
+CLI send them on every request.
 
 Request models are lax (they face arbitrary HTTP clients); response models are what we
 emit and stay exact. The response models follow the `openai` SDK's `Response` and
@@ -21,7 +22,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    SerializerFunctionWrapHandler,
+    Tag,
+    model_serializer,
+)
 
 # OpenAI caps top_logprobs at 20.
 MAX_TOP_LOGPROBS = 20
@@ -228,9 +237,15 @@ class ReasoningConfig(_WireRequestModel):
 
 
 class TextFormatSpec(_WireRequestModel):
-    """`text.format`; `json_schema` carries `name`, `schema`, `strict` (ignored here)."""
+    """`text.format`. A `json_schema` format carries `name`, the `schema` the answer must
+    follow (absent: any JSON object), a `description` and `strict` (accepted and echoed;
+    decoding always follows the schema as far as exo's JSON-schema constraint goes)."""
 
     type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, max_length=64)
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
 
 
 class TextConfig(_WireRequestModel):
@@ -382,7 +397,25 @@ class FunctionToolChoiceEcho(_WireResponseModel):
 
 
 class TextFormatEcho(_WireResponseModel):
-    type: Literal["text", "json_object"]
+    """The echoed `text.format`: `name`, `schema`, `description` and `strict` only for a
+    `json_schema` format (left out of the JSON otherwise, as OpenAI does)."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", serialize_by_alias=True, validate_by_name=True
+    )
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.type != "json_schema":
+            return {"type": data["type"]}
+        return {key: value for key, value in data.items() if value is not None}
 
 
 class TextConfigEcho(_WireResponseModel):
