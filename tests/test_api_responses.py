@@ -147,12 +147,12 @@ def test_errors_in_openai_shape(default_node: ExoNode) -> None:
     assert unknown.value.body["code"] == "model_not_found"
 
     missing = httpx.post(url, json={"model": DEFAULT_MODEL_ID})
-    assert missing.status_code == 422
+    assert missing.status_code == 400
     assert missing.json()["error"]["param"] == "input"
     assert missing.json()["error"]["type"] == "invalid_request_error"
 
     wrong_type = httpx.post(url, json={"model": DEFAULT_MODEL_ID, "input": 42})
-    assert wrong_type.status_code == 422
+    assert wrong_type.status_code == 400
 
     malformed = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
     assert malformed.status_code == 400

@@ -14,6 +14,7 @@ from loguru import logger
 from pydantic import TypeAdapter
 from rich.console import Console
 
+from exo.api.browser_access import BrowserAccess, parse_cors_origins, this_machine_names
 from exo.api.cluster import ClusterClient, CommandRejectedError, CommandTimeoutError
 from exo.api.main import Api, bind_api_socket
 from exo.master.decisions import events_after_restart
@@ -57,6 +58,7 @@ class Options:
     log_level: str
     offline: bool
     default_model: bool
+    cors_origins: tuple[str, ...] = ()
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
@@ -114,6 +116,13 @@ def parse_args(argv: list[str] | None = None) -> Options:
         action="store_true",
         help=f"do not place {DEFAULT_MODEL_ID} when the cluster has no instance",
     )
+    parser.add_argument(
+        "--cors-origins",
+        default=os.environ.get("EXO_CORS_ORIGINS", ""),
+        help="comma-separated origins of web pages allowed to use the API besides "
+        "localhost/127.0.0.1/[::1] pages, e.g. https://chat.example.com; * allows every "
+        "page (env EXO_CORS_ORIGINS)",
+    )
     args = parser.parse_args(argv)
     for flag, port in (("--api-port", args.api_port), ("--zenoh-port", args.zenoh_port)):
         if not 0 < port < 65536:
@@ -124,6 +133,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
     for peer in peers:
         if not peer.startswith(("tcp/", "udp/", "tls/", "quic/")) or ":" not in peer:
             parser.error(f"bootstrap peer {peer!r} must look like tcp/HOST:PORT")
+    try:
+        cors_origins = parse_cors_origins(args.cors_origins)
+    except ValueError as error:
+        parser.error(f"--cors-origins: {error}")
     log_level = "WARNING" if args.quiet else ("DEBUG" if args.verbose else "INFO")
     return Options(
         host=args.host,
@@ -136,6 +149,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         log_level=log_level,
         offline=args.offline,
         default_model=not args.no_default_model,
+        cors_origins=cors_origins,
     )
 
 
@@ -238,7 +252,8 @@ class Node:
         )
         self.topology = TopologyProber(self.node_id, lambda: self.replica.state, self.local_events)
         self._listen_socket = bind_api_socket(options.host, options.api_port)
-        self.api = Api(self.cluster, self._listen_socket, options.log_level)
+        browser_access = BrowserAccess(options.cors_origins, this_machine_names())
+        self.api = Api(self.cluster, self._listen_socket, options.log_level, browser_access)
 
     def _send_command(self, command: Command) -> None:
         self.router.commands.publish(ForwarderCommand(origin=self.node_id, command=command))

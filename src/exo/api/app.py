@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import json
 from types import ModuleType
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from exo.api.browser_access import (
+    LOOPBACK_ORIGIN_PATTERN,
+    BrowserAccess,
+    BrowserAccessMiddleware,
+)
 from exo.api.cluster import ClusterClient, CommandTimeoutError
 from exo.api.errors import (
     OPENAI_ERRORS,
@@ -20,7 +27,8 @@ from exo.api.errors import (
     describe_validation_errors,
     error_type_for_status,
 )
-from exo.api.routes import chat, cluster
+from exo.api.openapi import with_bad_request_responses
+from exo.api.routes import chat, cluster, completions
 from exo.api.routes import claude_messages as claude_messages_routes
 from exo.api.routes import ollama as ollama_routes
 from exo.api.routes import openai_responses as responses_routes
@@ -29,6 +37,7 @@ from exo.api.routes import openai_responses as responses_routes
 # OpenAI's also has an `ERROR_DIALECT`.
 ROUTE_MODULES: tuple[ModuleType, ...] = (
     chat,
+    completions,
     cluster,
     claude_messages_routes,
     responses_routes,
@@ -53,10 +62,25 @@ def _error_response(
     param: str | None = None,
     code: str | None = None,
 ) -> JSONResponse:
-    dialect = error_dialect_for(request.url.path)
-    body = dialect.render(status_code, error_type, message, param, code)
+    return error_response_for_path(request.url.path, status_code, error_type, message, param, code)
+
+
+def error_response_for_path(
+    path: str,
+    status_code: int,
+    error_type: str,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+) -> JSONResponse:
+    """An error response in the shape of the dialect that serves `path`."""
+    body = error_dialect_for(path).render(status_code, error_type, message, param, code)
     # default=str: pydantic error contexts may hold exceptions or other non-JSON values.
     return JSONResponse(json.loads(json.dumps(body, default=str)), status_code=status_code)
+
+
+def _refuse(path: str, message: str) -> JSONResponse:
+    return error_response_for_path(path, 403, "permission_error", message)
 
 
 class JsonBodyMiddleware:
@@ -77,12 +101,41 @@ class JsonBodyMiddleware:
         await self.app(scope, receive, send)
 
 
-def create_app(cluster_client: ClusterClient) -> FastAPI:
+def create_app(
+    cluster_client: ClusterClient, browser_access: BrowserAccess | None = None
+) -> FastAPI:
+    """The API application.
+
+    Args:
+        cluster_client: what the routes ask the cluster through.
+        browser_access: CORS origins and the names requests may address this node by. None:
+            loopback origins and no `Host` check (in-process test clients call the server
+            `testserver`); the node passes `BrowserAccess` with this machine's names.
+    """
     app = FastAPI(title="exo", version="0.1.0")
+    access = browser_access or BrowserAccess(check_host=False)
     app.add_middleware(JsonBodyMiddleware)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(access.extra_origins),
+        allow_origin_regex=LOOPBACK_ORIGIN_PATTERN,
+        allow_methods=["*"],
+        allow_headers=["*"],
+    )
+    # Added last, so it runs first: a refused request never reaches the CORS answer.
+    app.add_middleware(BrowserAccessMiddleware, access=access, refuse=_refuse)
     app.state.cluster = cluster_client
     for module in ROUTE_MODULES:
         app.include_router(module.router)
+
+    generate_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = with_bad_request_responses(generate_openapi(), error_dialect_for)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -96,9 +149,11 @@ def create_app(cluster_client: ClusterClient) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        # A 400, not FastAPI's 422: OpenAI, Anthropic and Ollama all answer a body that is
+        # not JSON, or does not match the schema, with 400 (some clients only read 400 as
+        # "bad request").
         errors = error.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
-            # A body that is not JSON at all is a 400 (OpenAI's answer); a schema mismatch 422.
             detail = errors[0].get("ctx", {}).get("error", "invalid JSON")
             return _error_response(
                 request,
@@ -107,8 +162,7 @@ def create_app(cluster_client: ClusterClient) -> FastAPI:
                 f"the request body is not valid JSON: {detail}",
             )
         message, param = describe_validation_errors(errors)
-        status = error_dialect_for(request.url.path).validation_status
-        return _error_response(request, status, "invalid_request_error", message, param)
+        return _error_response(request, 400, "invalid_request_error", message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:

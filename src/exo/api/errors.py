@@ -155,17 +155,12 @@ ErrorBodyRenderer = Callable[[int, str, str, "str | None", "str | None"], dict[s
 
 @dataclass(frozen=True, slots=True)
 class ErrorDialect:
-    """How the routes under `path_prefixes` shape error bodies.
-
-    `validation_status` is the status of a body that does not match the schema: OpenAI
-    answers 422 in our API (FastAPI's convention, kept for the OpenAI routes), Anthropic and
-    Ollama answer 400.
-    """
+    """How the routes under `path_prefixes` shape error bodies. (A body that does not match
+    the schema is a 400 in every dialect, as OpenAI, Anthropic and Ollama answer it.)"""
 
     name: str
     path_prefixes: tuple[str, ...]
     render: ErrorBodyRenderer
-    validation_status: int = 422
 
     def matches(self, path: str) -> bool:
         return any(path == prefix or path.startswith(prefix + "/") for prefix in self.path_prefixes)

@@ -10,6 +10,7 @@ import anyio
 import uvicorn
 
 from exo.api.app import create_app
+from exo.api.browser_access import BrowserAccess
 from exo.api.cluster import ClusterClient
 
 
@@ -41,10 +42,14 @@ def bind_api_socket(host: str, port: int) -> socket.socket:
 
 class Api:
     def __init__(
-        self, cluster: ClusterClient, listen_socket: socket.socket, log_level: str
+        self,
+        cluster: ClusterClient,
+        listen_socket: socket.socket,
+        log_level: str,
+        browser_access: BrowserAccess,
     ) -> None:
         self.cluster = cluster
-        self.app = create_app(cluster)
+        self.app = create_app(cluster, browser_access)
         config = uvicorn.Config(
             self.app,
             log_level="warning" if log_level not in ("DEBUG", "TRACE") else "info",

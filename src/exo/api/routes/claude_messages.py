@@ -44,7 +44,7 @@ def _render_error(
     return error_body(status_code, message)
 
 
-ERROR_DIALECT = ErrorDialect("anthropic", ("/v1/messages",), _render_error, validation_status=400)
+ERROR_DIALECT = ErrorDialect("anthropic", ("/v1/messages",), _render_error)
 
 
 @router.post("/v1/messages", response_model=None)

@@ -61,7 +61,7 @@ def _render_ollama_error(
     return {"error": message}
 
 
-ERROR_DIALECT = ErrorDialect("ollama", (f"{PREFIX}/api",), _render_ollama_error, 400)
+ERROR_DIALECT = ErrorDialect("ollama", (f"{PREFIX}/api",), _render_ollama_error)
 
 router = APIRouter()
 Cluster = Annotated[ClusterClient, Depends(cluster_dependency)]

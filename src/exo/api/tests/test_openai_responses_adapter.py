@@ -1053,7 +1053,7 @@ def test_route_errors_are_openai_shaped(client: openai.OpenAI) -> None:
         client.responses.create(model="no/such-model", input="hello")
     assert isinstance(unknown.value.body, dict)
     assert unknown.value.body["code"] == "model_not_found"
-    with pytest.raises(openai.UnprocessableEntityError) as schema:
+    with pytest.raises(openai.BadRequestError) as schema:
         client.responses.create(model=MODEL, input=cast(Any, 42))
     assert isinstance(schema.value.body, dict) and schema.value.body["param"].startswith("input")
     with pytest.raises(openai.BadRequestError) as image:

@@ -1,6 +1,6 @@
 """Wire models of the OpenAI Responses API (`POST /v1/responses`).
 
-Request models validate types and ranges only (a failure there is a schema error, 422);
+Request models validate types and ranges only (a failure there is a schema error, 400);
 what the request *means* — hosted tools, image input, stored state — is checked by
 `exo.api.adapters.openai_responses.to_task_params`, which answers with a 400.
 
