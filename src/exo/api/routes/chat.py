@@ -1,5 +1,10 @@
-"""OpenAI Chat Completions: `POST /v1/chat/completions`, `GET /v1/models`, and
-`POST /v1/cancel/{id}` (cancel any dialect's generation by its response or command id)."""
+"""OpenAI Chat Completions: `POST /v1/chat/completions`, `GET /v1/models` (what can be
+served now), `GET /v1/models/{id}` (any known model, by id or short name; ids contain a
+slash, sent plain or as `%2F`), and `POST /v1/cancel/{id}` (cancel any dialect's generation
+by its response or command id).
+
+A short model name (`qwen3:0.6b`) is resolved to the catalog id before the request is
+converted; responses name that id, as OpenAI's name the snapshot an alias resolved to."""
 
 from __future__ import annotations
 
@@ -14,8 +19,13 @@ from exo.api.adapters.chat_completions import (
 )
 from exo.api.adapters.chat_completions_output import collect_chat_completion, stream_chat_completion
 from exo.api.cluster import ClusterClient
-from exo.api.dependencies import cluster_dependency, known_model_ids
-from exo.api.errors import ApiError
+from exo.api.dependencies import (
+    cluster_dependency,
+    resolve_model_id,
+    servable_model_ids,
+    with_resolved_model,
+)
+from exo.api.errors import ApiError, ModelNotFoundError
 from exo.api.generation import (
     collect,
     command_id_in_response_id,
@@ -41,21 +51,33 @@ class GenerationNotFoundError(ApiError):
     error_type = "invalid_request_error"
 
 
+def _model_object(model_id: str) -> ModelObject:
+    # exo does not know when a model was published; 0 is the Unix epoch.
+    return ModelObject(id=model_id, created=0, owned_by="exo")
+
+
 @router.get("/v1/models")
 async def list_models(cluster: Cluster) -> ModelList:
-    return ModelList(
-        data=[
-            ModelObject(id=model_id, created=0, owned_by="exo")
-            for model_id in known_model_ids(cluster)
-        ]
-    )
+    """Models the cluster can serve now: placed ones, then downloaded catalog models (the
+    whole catalog is `GET /models`)."""
+    return ModelList(data=[_model_object(model_id) for model_id in servable_model_ids(cluster)])
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, cluster: Cluster) -> ModelObject:
+    """One known model (catalog or placed) by id or short name; 404 in OpenAI's error shape
+    when the cluster knows no such model."""
+    resolved = resolve_model_id(cluster, model_id)
+    if resolved is None:
+        raise ModelNotFoundError(f"The model '{model_id}' does not exist", code="model_not_found")
+    return _model_object(resolved)
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, cluster: Cluster
 ) -> ChatCompletionResponse | StreamingResponse:
-    params = to_task_params(body)
+    params = to_task_params(with_resolved_model(cluster, body))
     command_id = CommandId.new()
     completion_id, created = response_id("chatcmpl-", command_id), int(time.time())
     generation = await start_generation(cluster, request, params, command_id=command_id)

@@ -21,7 +21,7 @@ from exo.api.adapters.claude_messages import (
 )
 from exo.api.adapters.claude_messages_output import collect_message, stream_message
 from exo.api.cluster import ClusterClient
-from exo.api.dependencies import cluster_dependency
+from exo.api.dependencies import cluster_dependency, with_resolved_model
 from exo.api.errors import ErrorDialect
 from exo.api.generation import collect, response_id, start_generation, streaming_response
 from exo.api.token_counting import count_prompt_tokens
@@ -51,6 +51,9 @@ ERROR_DIALECT = ErrorDialect("anthropic", ("/v1/messages",), _render_error)
 async def create_message(
     body: MessagesRequest, request: Request, cluster: Cluster
 ) -> Message | StreamingResponse:
+    # A short name (`qwen3:0.6b`) answers with the catalog id it resolves to, as Anthropic
+    # answers an alias with the model it points to.
+    body = with_resolved_model(cluster, body)
     params = to_task_params(body)
     command_id = CommandId.new()
     message_id = response_id("msg_", command_id)
@@ -69,5 +72,6 @@ async def create_message(
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, cluster: Cluster) -> CountTokensResponse:
+    body = with_resolved_model(cluster, body)
     count = await count_prompt_tokens(cluster, count_tokens_params(body))
     return CountTokensResponse(input_tokens=count)

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from exo.api.cluster import ClusterClient, CommandRejectedError
-from exo.api.dependencies import cluster_dependency
+from exo.api.dependencies import cluster_dependency, is_downloaded
 from exo.api.errors import ApiError, InvalidRequestError, ModelNotFoundError, NoCapacityError
 from exo.master.placement import PlacementPreview, placement_previews
+from exo.shared.constants import models_dir
 from exo.shared.models.cards import UnknownModelError, resolve_card
 from exo.shared.types.commands import DeleteInstance, PlaceInstance
-from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
+from exo.shared.types.common import CommandId, InstanceId, NodeId
 from exo.shared.types.events import InstanceCreated
 from exo.shared.types.instances import Sharding
 from exo.shared.types.models import ModelCard
@@ -49,8 +50,17 @@ class PlaceInstanceResponse(BaseModel):
 
 
 @router.get("/models")
-async def list_model_cards(cluster: Cluster) -> list[ModelCard]:
-    return list(cluster.cards.values())
+async def list_model_cards(
+    cluster: Cluster, status: Annotated[Literal["downloaded"] | None, Query()] = None
+) -> list[ModelCard]:
+    """The catalog: every built-in card (shapes, sources, short name, capabilities).
+    `?status=downloaded` keeps the models whose files are on some node (a node reported
+    the download complete, or this node's models directory holds them)."""
+    cards = list(cluster.cards.values())
+    if status == "downloaded":
+        directory = models_dir()
+        cards = [card for card in cards if is_downloaded(cluster, card, directory)]
+    return cards
 
 
 @router.get("/state")
@@ -116,7 +126,8 @@ async def place_instance(body: PlaceInstanceRequest, cluster: Cluster) -> PlaceI
     waits (at most `cluster.NODE_REPORTS_TIMEOUT_SECONDS`) for this node and its connected peers
     (those of them named in `node_ids`, when given) to report before it is decided."""
     try:
-        resolve_card(body.model_id, cluster.cards)
+        # A short name (`qwen3:0.6b`) is placed under the catalog id it resolves to.
+        card = resolve_card(body.model_id, cluster.cards)
     except ValueError as error:  # UnknownModelError included
         raise InvalidRequestError(str(error), param="model_id") from None
     await cluster.wait_for_node_reports(
@@ -124,7 +135,7 @@ async def place_instance(body: PlaceInstanceRequest, cluster: Cluster) -> PlaceI
     )
     command = PlaceInstance(
         command_id=CommandId.new(),
-        model_id=ModelId(body.model_id),
+        model_id=card.model_id,
         sharding=body.sharding,
         min_nodes=body.min_nodes,
         node_ids=tuple(NodeId(n) for n in body.node_ids) if body.node_ids is not None else None,

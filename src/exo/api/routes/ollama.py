@@ -23,13 +23,22 @@ from exo.api.adapters.ollama import (
     Dialect,
     chat_to_task_params,
     generate_to_task_params,
-    resolve_model_name,
     rfc3339_nano,
 )
-from exo.api.adapters.ollama_models import process_model, show_response, tag_model
+from exo.api.adapters.ollama_models import (
+    process_model,
+    quantization_level,
+    show_response,
+    tag_model,
+)
 from exo.api.adapters.ollama_output import collect_ollama, load_response, stream_ollama
 from exo.api.cluster import ClusterClient
-from exo.api.dependencies import cluster_dependency, known_model_ids
+from exo.api.dependencies import (
+    card_of,
+    cluster_dependency,
+    resolve_model_id,
+    servable_model_ids,
+)
 from exo.api.errors import ErrorDialect, InvalidRequestError, ModelNotFoundError
 from exo.api.generation import collect, start_generation, streaming_response
 from exo.api.routes import chat
@@ -46,7 +55,7 @@ from exo.api.types.ollama import (
 )
 from exo.download.pypi_gguf import model_directory_name
 from exo.shared.constants import models_dir
-from exo.shared.types.common import ModelId
+from exo.shared.types.common import ModelId, NodeId
 from exo.shared.types.models import LocalDirectorySource, ModelCard
 from exo.shared.types.nodes import DownloadCompleted
 from exo.shared.types.text_generation import TextGenerationTaskParams
@@ -71,6 +80,7 @@ router.add_api_route(
     f"{PREFIX}/v1/chat/completions", chat.chat_completions, methods=["POST"], response_model=None
 )
 router.add_api_route(f"{PREFIX}/v1/models", chat.list_models, methods=["GET"])
+router.add_api_route(f"{PREFIX}/v1/models/{{model_id:path}}", chat.retrieve_model, methods=["GET"])
 
 
 @router.api_route(PREFIX, methods=["GET", "HEAD"], response_class=PlainTextResponse)
@@ -110,9 +120,16 @@ async def ollama_generate(
 
 @router.get(f"{PREFIX}/api/tags")
 async def tags(cluster: Cluster) -> OllamaTagsResponse:
-    cards = [_card(cluster, model_id) for model_id in known_model_ids(cluster)]
+    """The models this cluster can serve now (placed or downloaded), as Ollama lists the
+    models it has pulled."""
+    quantization = quantization_level(_has_gpus(cluster, [cluster.node_id]))
+    cards = [card_of(cluster, model_id) for model_id in servable_model_ids(cluster)]
     return OllamaTagsResponse(
-        models=[tag_model(card, _modified_at(cluster, card)) for card in cards if card is not None]
+        models=[
+            tag_model(card, _modified_at(cluster, card), quantization)
+            for card in cards
+            if card is not None
+        ]
     )
 
 
@@ -122,7 +139,14 @@ async def show(body: OllamaShowRequest, cluster: Cluster) -> OllamaShowResponse:
     if not name:
         raise InvalidRequestError("model is required", "model")
     card = _card_for_request(cluster, name)
-    return show_response(card, _chat_template(cluster, card), _modified_at(cluster, card))
+    placed = cluster.state.instances_of_model(card.model_id)
+    nodes = list(placed[0].shard_assignments.node_to_runner) if placed else [cluster.node_id]
+    return show_response(
+        card,
+        _chat_template(cluster, card),
+        _modified_at(cluster, card),
+        quantization_level(_has_gpus(cluster, nodes)),
+    )
 
 
 @router.get(f"{PREFIX}/api/ps")
@@ -130,15 +154,16 @@ async def ps(cluster: Cluster) -> OllamaProcessResponse:
     models = []
     seen: set[ModelId] = set()
     for instance in cluster.state.instances.values():
-        card = _card(cluster, instance.model_id)
+        card = card_of(cluster, instance.model_id)
         if card is None or card.model_id in seen:
             continue
         seen.add(card.model_id)
-        nodes = instance.shard_assignments.node_to_runner
-        on_gpus = all(
-            node in cluster.state.node_info and cluster.state.node_info[node].gpus for node in nodes
+        on_gpus = _has_gpus(cluster, list(instance.shard_assignments.node_to_runner))
+        models.append(
+            process_model(
+                card, card.storage_size_bytes if on_gpus else 0, quantization_level(on_gpus)
+            )
         )
-        models.append(process_model(card, card.storage_size_bytes if on_gpus else 0))
     return OllamaProcessResponse(models=models)
 
 
@@ -176,19 +201,19 @@ def _load_answer(dialect: Dialect, model: str, stream: bool) -> Response:
     return Response(body, media_type="application/json")
 
 
-def _card(cluster: ClusterClient, model_id: ModelId) -> ModelCard | None:
-    """The card of a known model: the catalog's, else the one its placed instance carries."""
-    if model_id in cluster.cards:
-        return cluster.cards[model_id]
-    for instance in cluster.state.instances_of_model(model_id):
-        for shard in instance.shard_assignments.runner_to_shard.values():
-            return shard.model_card
-    return None
+def _has_gpus(cluster: ClusterClient, nodes: list[NodeId]) -> bool:
+    """Whether every node in `nodes` reported a GPU (the engine then holds float32)."""
+    return all(
+        node in cluster.state.node_info and bool(cluster.state.node_info[node].gpus)
+        for node in nodes
+    )
 
 
 def _card_for_request(cluster: ClusterClient, name: str) -> ModelCard:
-    model_id = resolve_model_name(name, known_model_ids(cluster))
-    card = _card(cluster, model_id) if model_id is not None else None
+    """The card `name` means: a catalog id or short name (`qwen3:0.6b`), either with
+    `:latest`, or a placed model's id."""
+    model_id = resolve_model_id(cluster, name)
+    card = card_of(cluster, model_id) if model_id is not None else None
     if card is None:
         raise ModelNotFoundError(f"model '{name}' not found")
     return card

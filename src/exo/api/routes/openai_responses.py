@@ -18,7 +18,7 @@ from exo.api.adapters.openai_responses_output import (
     stream_response,
 )
 from exo.api.cluster import ClusterClient
-from exo.api.dependencies import cluster_dependency
+from exo.api.dependencies import cluster_dependency, with_resolved_model
 from exo.api.generation import collect, response_id, start_generation, streaming_response
 from exo.api.types.openai_responses import ResponseObject, ResponsesRequest
 from exo.shared.types.common import CommandId
@@ -31,6 +31,8 @@ Cluster = Annotated[ClusterClient, Depends(cluster_dependency)]
 async def create_response(
     body: ResponsesRequest, request: Request, cluster: Cluster
 ) -> ResponseObject | StreamingResponse:
+    # A short name (`qwen3:0.6b`) answers with the catalog id it resolves to.
+    body = with_resolved_model(cluster, body)
     params = to_task_params(body)
     command_id = CommandId.new()
     context = response_context(

@@ -35,6 +35,7 @@ from exo.api.types.ollama import (
     OllamaGenerateResponse,
     OllamaShowResponse,
 )
+from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.chunks import (
     Chunk,
     ErrorChunk,
@@ -611,7 +612,7 @@ def test_load_responses() -> None:
 
 def test_tag_entry_from_card() -> None:
     card = smollm2_card()
-    entry = tag_model(card, "2024-01-01T00:00:00Z").model_dump(mode="json")
+    entry = tag_model(card, "2024-01-01T00:00:00Z", "INT4").model_dump(mode="json")
     assert entry == {
         "name": SMOLLM2,
         "model": SMOLLM2,
@@ -624,7 +625,7 @@ def test_tag_entry_from_card() -> None:
             "family": "llama",
             "families": ["llama"],
             "parameter_size": "135M",
-            "quantization_level": "F32",
+            "quantization_level": "INT4",
         },
     }
     assert len(entry["digest"]) == 64 and entry["digest"] == model_digest(SMOLLM2)
@@ -634,20 +635,40 @@ def test_tag_entry_from_card() -> None:
 def test_show_from_card_and_template() -> None:
     card = smollm2_card()
     template = "{% for message in messages %}{{ message.content }}{% endfor %}{# tools #}"
-    show = show_response(card, template, "2024-01-01T00:00:00Z")
+    show = show_response(card, template, "2024-01-01T00:00:00Z", "F32")
     OllamaShowResponse.model_validate_json(show.model_dump_json())  # round trip
     assert show.template == template
     assert f"FROM {SMOLLM2}" in show.modelfile and template in show.modelfile
     assert "temperature" in show.parameters and "0.2" in show.parameters
     assert show.capabilities == ["completion", "tools"]
+    assert show.details.quantization_level == "F32"
     assert show.model_info["general.architecture"] == "llama"
+    assert show.model_info["general.parameter_count"] == 134_515_008
     assert show.model_info["llama.context_length"] == card.context_length
     assert show.model_info["llama.block_count"] == card.n_layers
-    assert show_response(card, "", "x").capabilities == ["completion"]
+    # Tool calls work without a template that names tools (exo's fallback prompt).
+    assert show_response(card, "", "x", "INT4").capabilities == ["completion", "tools"]
+
+
+def test_show_capabilities_follow_the_card() -> None:
+    cards = load_builtin_cards()
+    qwen3 = show_response(cards[ModelId("Qwen/Qwen3-0.6B")], "", "x", "INT4")
+    assert qwen3.capabilities == ["completion", "tools", "thinking"]
+    distill = cards[ModelId("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B")]
+    assert show_response(distill, "", "x", "INT4").capabilities == [
+        "completion",
+        "tools",
+        "thinking",
+    ]
+    # Gemma 3 4B reads images, but exo refuses image input: not advertised.
+    gemma = show_response(cards[ModelId("google/gemma-3-4b-it")], "", "x", "INT4")
+    assert gemma.capabilities == ["completion", "tools"]
+    assert gemma.details.parameter_size == "4.3B" and gemma.details.family == "gemma3"
+    assert gemma.model_info["gemma3.attention.key_length"] == 256
 
 
 def test_process_entry() -> None:
-    entry = process_model(smollm2_card(), size_vram=0).model_dump(mode="json")
+    entry = process_model(smollm2_card(), size_vram=0, quantization="INT4").model_dump(mode="json")
     assert entry["size_vram"] == 0 and entry["name"] == SMOLLM2
     assert entry["context_length"] == smollm2_card().context_length
     assert entry["expires_at"].startswith("9999-")

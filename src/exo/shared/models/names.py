@@ -64,8 +64,10 @@ def resolve_model_name(
     candidates = [name, name.removesuffix(LATEST_TAG)]
     if name.endswith(LATEST_TAG) and candidates[1] in others:
         return ModelId(candidates[1])
-    by_name = {alias: card.model_id for card in cards.values() for alias in card_names(card)}
-    repositories = _repository_names(cards.values())
+    # Test doubles may map an id to no card; only real cards have other names.
+    present = [card for card in cards.values() if card is not None]
+    by_name = {alias: card.model_id for card in present for alias in card_names(card)}
+    repositories = _repository_names(present)
     for candidate in candidates:
         key = candidate.lower()
         if key in by_name:
