@@ -7,8 +7,9 @@ internal chunk stream of one generation becomes Anthropic's SSE events or one `M
 Choices, each said where it matters:
 - A matched stop string is `stop_reason: "stop_sequence"` with `stop_sequence` set (the
   engine names it on the final chunk and leaves it out of the text, as Anthropic does).
-- `message_start` reports `input_tokens: 0` (the count arrives with the last chunk);
-  `message_delta` carries the real count, which the SDK's accumulator takes over.
+- `message_start` reports the prompt's `input_tokens` (the runner sends the count with
+  the first chunk, which the stream waits for anyway); `message_delta` repeats it with the
+  output count, as Anthropic's cumulative usage does.
 - Thinking blocks carry an empty `signature`: exo does not sign thinking.
 - `output_config.effort` (anthropic 2.x) reaches the chat template as `reasoning_effort`:
   low, medium and high as they are, xhigh and max as high (the strongest effort templates

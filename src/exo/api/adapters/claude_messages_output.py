@@ -204,32 +204,42 @@ async def stream_message(
 ) -> AsyncIterator[str]:
     """Render one generation as Anthropic's SSE stream.
 
-    Yields, each as `event: <type>\\ndata: <json>\\n\\n`: `message_start` (empty content,
-    `input_tokens: 0`), the content events of `message_events`, `message_delta` (stop
-    reason and final usage), `message_stop`. On failure the rest is replaced by one
-    `error` event and the stream ends.
+    Yields, each as `event: <type>\\ndata: <json>\\n\\n`: `message_start` (empty content;
+    `input_tokens` from the first chunk's `prompt_tokens`, which is read first — 0 if it
+    has none), the content events of `message_events`, `message_delta` (stop reason and
+    final usage), `message_stop`. On failure the rest is replaced by one `error` event and
+    the stream ends.
 
     Args:
         chunks: The generation's internal chunks.
         message_id: `msg_` + the command id (`generation.response_id`).
         model: The model name to report.
     """
+    first = await anext(chunks, None)
+    input_tokens = first.prompt_tokens if isinstance(first, TokenChunk) else None
     start = Message(
         id=message_id,
         model=model,
         content=[],
         stop_reason=None,
         stop_sequence=None,
-        usage=MessageUsage(input_tokens=0, output_tokens=0),
+        usage=MessageUsage(input_tokens=input_tokens or 0, output_tokens=0),
     )
     yield _sse(MessageStartEvent(message=start))
     try:
-        async for event in message_events(chunks):
+        async for event in message_events(_prepend(first, chunks)):
             yield _sse(event)
     except ApiError as error:
         yield error_event(error)
         return
     yield _sse(MessageStopEvent())
+
+
+async def _prepend(first: Chunk | None, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    if first is not None:
+        yield first
+    async for chunk in rest:
+        yield chunk
 
 
 async def collect_message(chunks: AsyncIterator[Chunk], *, message_id: str, model: str) -> Message:

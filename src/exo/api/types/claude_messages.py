@@ -360,7 +360,7 @@ class MessageDelta(_WireResponseModel):
 
 class MessageDeltaEvent(_WireResponseModel):
     """`usage` holds cumulative totals; the SDK overwrites its snapshot with them, so the
-    input token count (unknown at `message_start`) is reported here too."""
+    input token count (already in `message_start`) is repeated here."""
 
     type: Literal["message_delta"] = "message_delta"
     delta: MessageDelta

@@ -93,6 +93,10 @@ class TokenChunk(FrozenModel):
     stop_sequence: str | None = None
     """On the last chunk: the request's stop string that ended the generation, if one did
     (Claude reports it; the string itself is never part of the text)."""
+    prompt_tokens: int | None = Field(default=None, ge=0)
+    """On the first chunk: the prompt's token count, known once the prompt is rendered (the
+    final `usage.prompt_tokens` repeats it), for dialects that report usage as a stream
+    opens (Claude's `message_start`). None on the other chunks."""
 
 
 class ToolCallChunk(FrozenModel):

@@ -243,9 +243,12 @@ class Runner:
             forced_tool_call=task.params.forces_tool_call,
             parse_reasoning=not constrained,
         )
+        # The first chunk tells the API the prompt's size (Claude reports it up front).
+        prompt_tokens: int | None = len(prompt.token_ids)
         try:
             for piece in parse_generation(pieces, parser, task.params):
-                self._send_piece(task, piece)
+                self._send_piece(task, piece, prompt_tokens)
+                prompt_tokens = None
                 if piece.finish_reason is not None:
                     break
                 if self._cancelled_while_running(task):
@@ -265,12 +268,16 @@ class Runner:
             self._send(TaskStatusReport(task_id=task.task_id, status=TaskComplete()))
         self._set_status(self._ready)
 
-    def _send_piece(self, task: TextGeneration, piece: OutputPiece) -> None:
+    def _send_piece(
+        self, task: TextGeneration, piece: OutputPiece, prompt_tokens: int | None = None
+    ) -> None:
         """One parsed piece as chunks: its text (with its tokens), then its tool calls; the
-        finish always rides on a final `TokenChunk`."""
+        finish always rides on a final `TokenChunk`. `prompt_tokens` (first piece only)
+        rides on a `TokenChunk` sent first."""
         model = task.params.model
         has_text = bool(piece.text or piece.reasoning_text or piece.token_ids)
-        if has_text or (piece.finish_reason is not None and not piece.tool_calls):
+        finishes_here = piece.finish_reason is not None and not piece.tool_calls
+        if has_text or finishes_here or prompt_tokens is not None:
             self._send(
                 ChunkReport(
                     chunk=TokenChunk(
@@ -283,6 +290,7 @@ class Runner:
                         finish_reason=None if piece.tool_calls else piece.finish_reason,
                         usage=None if piece.tool_calls else piece.usage,
                         stop_sequence=None if piece.tool_calls else piece.stop_sequence,
+                        prompt_tokens=prompt_tokens,
                     )
                 )
             )
