@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
 from exo.api.cluster import ClusterClient, CommandRejectedError
-from exo.api.dependencies import known_model_ids
+from exo.api.dependencies import card_of, known_model_ids
 from exo.api.errors import (
     ApiError,
     GenerationError,
@@ -119,6 +119,7 @@ async def start_generation(
 
     Raises:
         ModelNotFoundError: the model is unknown, or no instance of it is placed (404).
+        InvalidRequestError: a conversation for a base model (no chat template) (400).
         NoCapacityError: the master rejected the command (503).
         InvalidRequestError: the request holds text that is not valid Unicode, values
             nested too deeply or a `logit_bias` for a token outside the model's vocabulary,
@@ -128,6 +129,7 @@ async def start_generation(
     check_serializable(params)
     if params.model not in known_model_ids(cluster):
         raise ModelNotFoundError(f"The model '{params.model}' does not exist")
+    check_chat_template(params, card_of(cluster, params.model))
     instances = cluster.state.instances_of_model(params.model)
     if not instances:
         raise ModelNotFoundError(no_instance_message(params.model), code="no_instance")
@@ -201,6 +203,24 @@ async def collect(
         generation.cancel()
         raise GenerationError("the client disconnected; generation cancelled")
     return result[0]
+
+
+def check_chat_template(params: TextGenerationTaskParams, card: ModelCard | None) -> None:
+    """Refuse a conversation for a base model (its card says it has no chat template): it
+    can only continue a raw prompt.
+
+    Raises:
+        InvalidRequestError: naming the model and where to send a raw prompt instead.
+    """
+    if params.is_raw or card is None or card.has_chat_template:
+        return
+    raise InvalidRequestError(
+        f"'{params.model}' is a base model: it has no chat template, so it cannot answer a "
+        "conversation; send it a raw prompt to continue instead: POST /v1/completions "
+        '(OpenAI) or /ollama/api/generate with "raw": true (Ollama)',
+        param="model",
+        code="base_model",
+    )
 
 
 def check_serializable(params: TextGenerationTaskParams) -> None:

@@ -137,26 +137,34 @@ def generate_to_task_params(
     request: OllamaGenerateRequest, model_id: ModelId, capabilities: Sequence[str] = ("text",)
 ) -> TextGenerationTaskParams:
     """Convert an `/api/generate` body with a non-empty prompt into the internal request:
-    `system` (if any) and `prompt` become a system and a user turn of the chat template.
+    `system` (if any) and `prompt` become a system and a user turn of the chat template;
+    with `raw: true` the prompt reaches the model as it is (no template), which is how a
+    base model (no chat template) is served.
 
     Raises:
-        InvalidRequestError: `suffix` (fill-in-the-middle), `raw` prompts, a `template`
-            override, a non-empty `context`, images, or option values out of range.
+        InvalidRequestError: `suffix` (fill-in-the-middle), a `template` override, a
+            non-empty `context`, images, `system` or `think` with `raw` (a raw prompt has
+            no turns to put them in; Ollama refuses `system` with `raw` too), or option
+            values out of range.
     """
     if request.images:
         raise InvalidRequestError(_no_vision_message(request.model, capabilities), "images")
     refusals = (
         (request.suffix, "suffix", "suffix (fill-in-the-middle) is not supported yet"),
-        (request.raw, "raw", "raw prompts are not supported yet: exo always applies the "
-         "model's chat template; send raw: false"),
         (request.template, "template", "a template override is not supported yet; the "
          "model's own chat template is used"),
         (request.context, "context", "context (token ids of an earlier answer) is not "
          "supported: exo never returns it; send the conversation to /api/chat instead"),
+        (request.raw and request.system, "system", "raw mode does not support system: a "
+         "raw prompt is used as it is; write the system text into the prompt"),
+        (request.raw and request.think is not None, "think", "raw mode does not support "
+         "think: thinking is switched in the chat template, which a raw prompt skips"),
     )  # fmt: skip
     for value, param, message in refusals:
         if value:
             raise InvalidRequestError(message, param)
+    if request.raw:
+        return _task_params(request, model_id, (), (), "auto", prompt=request.prompt or "")
     messages: list[ChatMessage] = []
     if request.system:
         messages.append(ChatMessage(role="system", content=request.system))
@@ -170,6 +178,7 @@ def _task_params(
     messages: tuple[ChatMessage, ...],
     tools: tuple[ToolDefinition, ...],
     tool_choice: ToolChoice,
+    prompt: str | None = None,
 ) -> TextGenerationTaskParams:
     options = request.options or OllamaOptions()
     enable_thinking, reasoning_effort = _thinking(request.think)
@@ -179,6 +188,7 @@ def _task_params(
         return build_task_params(
             model=model_id,
             messages=messages,
+            prompt=prompt,
             max_tokens=_max_tokens(options.num_predict),
             temperature=options.temperature,
             top_p=options.top_p,

@@ -2,9 +2,9 @@
 
 Native routes (`/ollama/api/...`: chat, generate, tags, show, ps, version) answer errors as
 Ollama does, `{"error": "message"}` with 400 for bad requests and schema errors and 404 for
-unknown models. `/ollama/v1/chat/completions` and `/ollama/v1/models` are the OpenAI routes
-mounted again under this prefix (Ollama serves its OpenAI-compatible API there), with
-OpenAI-shaped errors.
+unknown models. `/ollama/v1/chat/completions`, `/ollama/v1/completions` and
+`/ollama/v1/models` are the OpenAI routes mounted again under this prefix (Ollama serves
+its OpenAI-compatible API there), with OpenAI-shaped errors.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from exo.api.dependencies import (
 )
 from exo.api.errors import ErrorDialect, InvalidRequestError, ModelNotFoundError
 from exo.api.generation import collect, start_generation, streaming_response
-from exo.api.routes import chat
+from exo.api.routes import chat, completions
 from exo.api.types.ollama import (
     OllamaChatRequest,
     OllamaChatResponse,
@@ -80,6 +80,9 @@ router.add_api_route(
     f"{PREFIX}/v1/chat/completions", chat.chat_completions, methods=["POST"], response_model=None
 )
 router.add_api_route(f"{PREFIX}/v1/models", chat.list_models, methods=["GET"])
+router.add_api_route(
+    f"{PREFIX}/v1/completions", completions.completions, methods=["POST"], response_model=None
+)
 router.add_api_route(f"{PREFIX}/v1/models/{{model_id:path}}", chat.retrieve_model, methods=["GET"])
 
 

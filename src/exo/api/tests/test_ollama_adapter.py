@@ -432,7 +432,6 @@ def test_generate_prompt_and_system_become_chat_turns() -> None:
     ("field", "value", "message"),
     [
         ("suffix", "}", "suffix"),
-        ("raw", True, "raw prompts"),
         ("template", "{{ .Prompt }}", "template override"),
         ("context", [1, 2, 3], "context"),
     ],
@@ -441,6 +440,14 @@ def test_generate_refuses_what_it_cannot_honour(field: str, value: Any, message:
     with pytest.raises(InvalidRequestError, match=message) as raised:
         generate_to_task_params(generate_request(**{field: value}), ModelId(MODEL))
     assert raised.value.param == field
+
+
+def test_raw_generate_sends_the_prompt_without_a_template() -> None:
+    params = generate_to_task_params(
+        generate_request(prompt="Once upon", raw=True, options={"num_predict": 3}),
+        ModelId(MODEL),
+    )
+    assert (params.prompt, params.messages, params.max_tokens) == ("Once upon", (), 3)
 
 
 # ---------------------------------------------------------------- streaming

@@ -38,6 +38,7 @@ __all__ = [
     "ToolCallFormat",
     "decode_keeping_markers",
     "detect_tool_call_format",
+    "raw_prompt",
     "render_prompt",
 ]
 
@@ -88,10 +89,11 @@ class RenderedPrompt:
 
 
 def render_prompt(tokenizer: Any, params: TextGenerationTaskParams) -> RenderedPrompt:
-    """Render `params`' conversation (with its offered tools) ending in the assistant's turn.
+    """Render `params`' conversation (with its offered tools) ending in the assistant's turn,
+    or tokenize its raw prompt as it is (`raw_prompt`).
 
     Args:
-        tokenizer: A Hugging Face tokenizer with a chat template.
+        tokenizer: A Hugging Face tokenizer (with a chat template, for a conversation).
         params: The request; `offered_tools`, `enable_thinking` and `reasoning_effort`
             reach the template (the latter two only when set).
 
@@ -100,8 +102,11 @@ def render_prompt(tokenizer: Any, params: TextGenerationTaskParams) -> RenderedP
 
     Raises:
         ValueError: the tokenizer has no chat template, or the template rejects the
-            conversation (e.g. roles that do not alternate); the message says why.
+            conversation (e.g. roles that do not alternate); an empty raw prompt for a
+            model without a BOS token. The message says why.
     """
+    if params.prompt is not None:
+        return raw_prompt(tokenizer, params.prompt)
     tools = params.offered_tools
     source = _template_source(tokenizer, with_tools=bool(tools))
     tools_in_template = bool(_TOOLS_VARIABLE.search(source))
@@ -144,6 +149,33 @@ def render_prompt(tokenizer: Any, params: TextGenerationTaskParams) -> RenderedP
             tools_in_template=tools_in_template,
         )
     raise ValueError(f"the model's chat template rejected the conversation: {first_error}")
+
+
+def raw_prompt(tokenizer: Any, prompt: str) -> RenderedPrompt:
+    """A raw prompt (no chat template): its tokens with the special tokens the tokenizer
+    adds by itself (Gemma's and Llama's BOS; none for SmolLM2), which is how transformers
+    tokenizes a prompt for `generate`. An empty prompt starts from the BOS token alone.
+
+    Raises:
+        ValueError: the prompt is empty and the model has no BOS token to start from.
+    """
+    token_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    if not token_ids:
+        bos_token_id = getattr(tokenizer, "bos_token_id", None)
+        if bos_token_id is None:
+            raise ValueError(
+                "the prompt is empty and the model has no beginning-of-sequence token to "
+                "start from; send at least one character"
+            )
+        token_ids = [int(bos_token_id)]
+    # No tools with a raw prompt (the request type refuses them), so the format is unused.
+    return RenderedPrompt(
+        token_ids=token_ids,
+        text=prompt,
+        tool_call_format="generic",
+        thinking_open=False,
+        tools_in_template=False,
+    )
 
 
 def detect_tool_call_format(tokenizer: Any) -> ToolCallFormat:

@@ -235,13 +235,14 @@ class Runner:
             return
         pieces = self._engine.generate(task.params, prompt)
         # A constrained request's output is the JSON document alone: no thinking section.
+        # A raw prompt's output is returned as generated.
         constrained = task.params.forces_tool_call or task.params.response_format != "text"
         parser = OutputParser(
             tools=task.params.offered_tools,
             tool_call_format=prompt.tool_call_format,
             thinking_open=prompt.thinking_open and not constrained,
             forced_tool_call=task.params.forces_tool_call,
-            parse_reasoning=not constrained,
+            parse_reasoning=not constrained and not task.params.is_raw,
         )
         # The first chunk tells the API the prompt's size (Claude reports it up front).
         prompt_tokens: int | None = len(prompt.token_ids)

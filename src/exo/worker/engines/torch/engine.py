@@ -125,8 +125,7 @@ def load_parts(
     one rank's shard), fuse and quantize it on CPU, and load the tokenizer.
 
     Raises:
-        ValueError: an unknown `weight_dtype`, a quantized one on a non-CPU device, or a
-            tokenizer without a chat template.
+        ValueError: an unknown `weight_dtype` or a quantized one on a non-CPU device.
     """
     torch_device = torch.device(device)
     if weight_dtype is None:
@@ -141,9 +140,8 @@ def load_parts(
     if torch_device.type == "cpu":
         fuse_rms_norms(model)
         quantize_model(model, weight_dtype)
+    # A tokenizer without a chat template is a base model's: it serves raw prompts only.
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(f"{model_dir}: the tokenizer has no chat template")
     eos_token_ids = _eos_token_ids(model_dir, tokenizer, model)
     return LoadedParts(model, tokenizer, torch_device, weight_dtype, eos_token_ids)
 
@@ -238,11 +236,20 @@ class TorchEngine:
     def shutdown(self) -> None:
         """Rank 0 of a multi-rank shard releases the other ranks; nothing to do here."""
 
+    @property
+    def has_chat_template(self) -> bool:
+        """False for a base model, whose tokenizer has no chat template (raw prompts only)."""
+        return getattr(self.tokenizer, "chat_template", None) is not None
+
     def warmup(self) -> None:
-        """Run one short greedy generation so kernels, caches and allocator are warm."""
+        """Run one short greedy generation so kernels, caches and allocator are warm
+        (through the chat template when the model has one, else as a raw prompt)."""
         params = TextGenerationTaskParams(
             model=ModelId(self.card.model_id),
-            messages=(ChatMessage(role="user", content=WARMUP_PROMPT),),
+            messages=(
+                (ChatMessage(role="user", content=WARMUP_PROMPT),) if self.has_chat_template else ()
+            ),
+            prompt=None if self.has_chat_template else WARMUP_PROMPT,
             max_tokens=WARMUP_TOKENS,
             temperature=0.0,
         )
@@ -251,11 +258,12 @@ class TorchEngine:
 
     def render_prompt(self, params: TextGenerationTaskParams) -> RenderedPrompt:
         """The request's conversation through the chat template (tools, tool history and
-        thinking flags included), ending with the assistant's turn.
+        thinking flags included), ending with the assistant's turn; a raw prompt as it is.
 
         Raises:
-            ValueError: the template refuses the conversation (e.g. roles that do not
-                alternate).
+            ValueError: the model has no chat template (a conversation sent to a base
+                model), the template refuses the conversation (e.g. roles that do not
+                alternate), or an empty raw prompt for a model without a BOS token.
         """
         return render_prompt(self.tokenizer, params)
 

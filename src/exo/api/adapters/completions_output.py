@@ -1,0 +1,236 @@
+"""Legacy Completions output: one generation's chunks as `text_completion` SSE chunks or one
+`Completion` (see `completions` for the request side).
+
+Failure after the HTTP status has been sent is reported in-band as on Chat Completions: one
+`data: {"error": {...}}` event in OpenAI's error shape, then `data: [DONE]` (the official
+client raises `APIError` on it). A chunk stream ends with the first chunk whose
+`finish_reason` is set; nothing after it is read. The caller owns the chunk iterator.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import assert_never
+
+from exo.api.adapters.common import (
+    ended_without_finish,
+    error_chunk_error,
+    final_usage,
+    unfinished_generation_error,
+)
+from exo.api.errors import ApiError, GenerationError, openai_error_body_for
+from exo.api.types.openai_chat import CompletionUsage
+from exo.api.types.openai_completions import (
+    Completion,
+    CompletionChoice,
+    CompletionFinishReason,
+    CompletionLogprobs,
+)
+from exo.shared.types.chunks import (
+    Chunk,
+    ErrorChunk,
+    FinishReason,
+    TokenChunk,
+    TokenLogprob,
+    ToolCallChunk,
+    Usage,
+)
+from exo.shared.types.text_generation import TextGenerationTaskParams
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def completion_finish_reason(reason: FinishReason) -> CompletionFinishReason:
+    """Map an internal finish reason onto the legacy API's ("tool_calls" cannot happen: a
+    raw prompt has no tools).
+
+    Raises:
+        GenerationError: for "error" and "cancelled" (no legacy value says either).
+    """
+    match reason:
+        case "stop" | "length":
+            return reason
+        case "tool_calls":
+            return "stop"
+        case "error" | "cancelled":
+            raise unfinished_generation_error(reason)
+        case _:
+            assert_never(reason)
+
+
+def legacy_logprobs(entries: Sequence[TokenLogprob], text_offset: int) -> CompletionLogprobs:
+    """Token logprobs in the legacy shape: parallel lists, one entry per token.
+
+    `top_logprobs[i]` maps the text of each reported alternative to its log probability,
+    plus the sampled token (OpenAI: "up to logprobs+1 elements"); alternatives with the
+    same text keep the likelier one. `text_offset[i]` is where token i starts in the
+    choice's text, counting tokens' texts from `text_offset` on.
+    """
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    offsets: list[int] = []
+    offset = text_offset
+    for entry in entries:
+        tokens.append(entry.token)
+        token_logprobs.append(entry.logprob)
+        alternatives: dict[str, float] = {}
+        for candidate in entry.top_logprobs:
+            alternatives.setdefault(candidate.token, candidate.logprob)
+        alternatives.setdefault(entry.token, entry.logprob)
+        top_logprobs.append(alternatives)
+        offsets.append(offset)
+        offset += len(entry.token)
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs,
+        text_offset=offsets,
+    )  # fmt: skip
+
+
+def _usage(usage: Usage | None, counted_completion_tokens: int) -> CompletionUsage:
+    usage = final_usage(usage, counted_completion_tokens)
+    return CompletionUsage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+    )
+
+
+def _error_chunk_error(chunk: ErrorChunk) -> ApiError:
+    return error_chunk_error(chunk, param="prompt")
+
+
+def _sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+async def stream_completion(
+    chunks: AsyncIterator[Chunk],
+    *,
+    completion_id: str,
+    model: str,
+    created: int,
+    include_usage: bool,
+    params: TextGenerationTaskParams,
+    echo: str = "",
+) -> AsyncIterator[str]:
+    """Render one generation as legacy Completions SSE events.
+
+    Yields, each as `data: <json>\\n\\n`: with `echo`, a chunk whose text is the prompt;
+    one chunk per `TokenChunk` with text or logprobs (`choices[0].text` the new piece,
+    `logprobs` its tokens' when asked for); a chunk with empty text and the finish reason;
+    with `include_usage`, a chunk with `choices: []` and the usage; finally `data: [DONE]`.
+    On failure the finish and usage chunks are replaced by one error event in OpenAI's
+    error shape, still followed by `[DONE]`.
+
+    Args:
+        chunks: The generation's internal chunks, read up to the first with a finish.
+        completion_id: Every chunk's `id` (`cmpl-…`).
+        model: The model name to report.
+        created: Unix time in seconds, the same in every chunk.
+        include_usage: The request's `stream_options.include_usage`.
+        params: The request; logprobs are reported only when it asked for them.
+        echo: The prompt to send back before the completion (the request's `echo`), or "".
+    """
+
+    def event(choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> str:
+        chunk = Completion(
+            id=completion_id, created=created, model=model, choices=choices, usage=usage
+        )
+        excluded = {"system_fingerprint"} if include_usage else {"system_fingerprint", "usage"}
+        return _sse(chunk.model_dump_json(exclude=excluded))
+
+    def error_event(error: ApiError) -> str:
+        return _sse(json.dumps(openai_error_body_for(error), ensure_ascii=False))
+
+    if echo:
+        yield event([CompletionChoice(text=echo)])
+    text_offset = len(echo)
+    counted_completion_tokens = 0
+    async for chunk in chunks:
+        match chunk:
+            case TokenChunk():
+                counted_completion_tokens += len(chunk.token_ids)
+                logprobs = (
+                    legacy_logprobs(chunk.logprobs, text_offset)
+                    if params.logprobs and chunk.logprobs
+                    else None
+                )
+                text = chunk.text + chunk.reasoning_text
+                if text or logprobs is not None:
+                    yield event([CompletionChoice(text=text, logprobs=logprobs)])
+                text_offset += sum(len(entry.token) for entry in chunk.logprobs)
+            case ToolCallChunk():  # cannot happen for a raw prompt; its tokens still count
+                counted_completion_tokens += len(chunk.token_ids)
+            case ErrorChunk():
+                yield error_event(_error_chunk_error(chunk))
+                yield SSE_DONE
+                return
+            case _:
+                assert_never(chunk)
+        if chunk.finish_reason is None:
+            continue
+        try:
+            finish_reason = completion_finish_reason(chunk.finish_reason)
+        except GenerationError as error:
+            yield error_event(error)
+            yield SSE_DONE
+            return
+        yield event([CompletionChoice(text="", finish_reason=finish_reason)])
+        if include_usage:
+            yield event([], _usage(chunk.usage, counted_completion_tokens))
+        yield SSE_DONE
+        return
+    yield error_event(ended_without_finish())
+    yield SSE_DONE
+
+
+async def collect_completion(
+    chunks: AsyncIterator[Chunk],
+    *,
+    completion_id: str,
+    model: str,
+    created: int,
+    params: TextGenerationTaskParams,
+    echo: str = "",
+) -> Completion:
+    """Gather one generation into a non-streaming legacy `Completion`: `text` is `echo`
+    followed by everything generated, `logprobs` (when asked for) has one entry per
+    generated token, `usage` counts prompt and generated tokens.
+
+    Raises:
+        InvalidRequestError: the engine refused the request (an ErrorChunk with status 400).
+        GenerationError: an `ErrorChunk` arrived, the generation was cancelled, or the
+            stream ended without a finish.
+    """
+    texts: list[str] = [echo]
+    entries: list[TokenLogprob] = []
+    counted_completion_tokens = 0
+    async for chunk in chunks:
+        match chunk:
+            case TokenChunk():
+                texts.append(chunk.text + chunk.reasoning_text)
+                entries.extend(chunk.logprobs)
+                counted_completion_tokens += len(chunk.token_ids)
+            case ToolCallChunk():  # cannot happen for a raw prompt; its tokens still count
+                counted_completion_tokens += len(chunk.token_ids)
+            case ErrorChunk():
+                raise _error_chunk_error(chunk)
+            case _:
+                assert_never(chunk)
+        if chunk.finish_reason is None:
+            continue
+        choice = CompletionChoice(
+            text="".join(texts),
+            logprobs=legacy_logprobs(entries, len(echo)) if params.logprobs else None,
+            finish_reason=completion_finish_reason(chunk.finish_reason),
+        )
+        return Completion(
+            id=completion_id,
+            created=created,
+            model=model,
+            choices=[choice],
+            usage=_usage(chunk.usage, counted_completion_tokens),
+        )
+    raise ended_without_finish()
