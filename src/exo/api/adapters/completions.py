@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 
+from exo.api.adapters.common import logit_bias_from_wire
 from exo.api.errors import InvalidRequestError
 from exo.api.generation import build_task_params
 from exo.api.types.openai_completions import CompletionRequest
@@ -39,8 +40,8 @@ def to_task_params(request: CompletionRequest) -> TextGenerationTaskParams:
     Raises:
         InvalidRequestError: what exo does not do (`suffix` (fill-in-the-middle), `n` or
             `best_of` > 1, several prompts or token-id prompts, `echo` together with
-            `logprobs`, a non-empty `logit_bias`), or field values the internal request
-            refuses.
+            `logprobs`), a `logit_bias` key that is not a token id, or field values the
+            internal request refuses.
     """
     prompt = _prompt_text(request)
     _refuse_unsupported_features(request)
@@ -59,6 +60,7 @@ def to_task_params(request: CompletionRequest) -> TextGenerationTaskParams:
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
         repetition_penalty=request.repetition_penalty,
+        logit_bias=logit_bias_from_wire(request.logit_bias, "logit_bias"),
         logprobs=request.logprobs is not None,
         top_logprobs=request.logprobs or 0,
     )
@@ -109,8 +111,6 @@ def _refuse_unsupported_features(request: CompletionRequest) -> None:
             "of generated tokens only, not of the prompt; drop one of the two",
             "echo",
         )
-    if request.logit_bias:
-        raise InvalidRequestError("logit_bias is not supported on /v1/completions", "logit_bias")
 
 
 def _stop_sequences(stop: str | list[str] | None) -> tuple[str, ...]:

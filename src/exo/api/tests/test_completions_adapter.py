@@ -141,7 +141,8 @@ def test_sampling_fields_reach_the_request() -> None:
         ({"prompt": [1, 2, 3]}, "prompt", "token ids"),
         ({"prompt": [[1, 2], [3]]}, "prompt", "token ids"),
         ({"echo": True, "logprobs": 1}, "echo", "echo together with logprobs"),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias", "logit_bias"),
+        ({"logit_bias": {"Paris": 1.0}}, "logit_bias", "token ids"),
+        ({"logit_bias": {"5": 100.5}}, "logit_bias", "logit_bias"),
     ],
 )
 def test_what_exo_does_not_do_is_a_400_naming_the_field(
@@ -150,6 +151,10 @@ def test_what_exo_does_not_do_is_a_400_naming_the_field(
     with pytest.raises(InvalidRequestError, match=says) as caught:
         to_task_params(request(**fields))
     assert caught.value.param == param and caught.value.status_code == 400
+
+
+def test_logit_bias_reaches_the_params() -> None:
+    assert to_task_params(request(logit_bias={"7042": -100})).logit_bias == {7042: -100.0}
 
 
 def test_neutral_values_of_refused_fields_are_accepted() -> None:

@@ -20,9 +20,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from exo.api.types.wire import WireRequestModel
 
-class _WireRequestModel(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
+
+class _WireRequestModel(WireRequestModel):
+    """Unknown fields are ignored and logged at debug level (`exo.api.types.wire`)."""
 
 
 class _WireResponseModel(BaseModel):

@@ -19,12 +19,14 @@ from pydantic import (
     model_serializer,
 )
 
+from exo.api.types.wire import WireRequestModel
+
 OllamaRole = Literal["system", "user", "assistant", "tool"]
 ThinkSetting = bool | Literal["low", "medium", "high"]
 
 
-class _WireRequestModel(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
+class _WireRequestModel(WireRequestModel):
+    """Unknown fields are ignored and logged at debug level (`exo.api.types.wire`)."""
 
 
 class _WireResponseModel(BaseModel):

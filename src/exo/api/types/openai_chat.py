@@ -24,13 +24,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from exo.api.types.wire import WireRequestModel
+
 # The OpenAI API allows at most 4 stop sequences; llama.cpp and vLLM accept more, and so
 # do we, up to a bound that keeps stop-string matching cheap.
 MAX_STOP_SEQUENCES = 16
 
 
-class _WireRequestModel(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
+class _WireRequestModel(WireRequestModel):
+    """Unknown fields are ignored and logged at debug level (`exo.api.types.wire`)."""
 
 
 class _WireResponseModel(BaseModel):

@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from exo.api.types.openai_chat import MAX_STOP_SEQUENCES, CompletionUsage, StreamOptions
+from exo.api.types.wire import WireRequestModel
 from exo.shared.types.text_generation import MAX_TOP_LOGPROBS
 
 # OpenAI's documented default for the legacy endpoint (vLLM keeps it too): a request
@@ -24,8 +25,8 @@ from exo.shared.types.text_generation import MAX_TOP_LOGPROBS
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
-class _WireRequestModel(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
+class _WireRequestModel(WireRequestModel):
+    """Unknown fields are ignored and logged at debug level (`exo.api.types.wire`)."""
 
 
 class _WireResponseModel(BaseModel):

@@ -32,12 +32,14 @@ from pydantic import (
     model_serializer,
 )
 
+from exo.api.types.wire import WireRequestModel
+
 # OpenAI caps top_logprobs at 20.
 MAX_TOP_LOGPROBS = 20
 
 
-class _WireRequestModel(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
+class _WireRequestModel(WireRequestModel):
+    """Unknown fields are ignored and logged at debug level (`exo.api.types.wire`)."""
 
 
 class _WireResponseModel(BaseModel):

@@ -1,0 +1,46 @@
+"""The base of every dialect's request models.
+
+Requests face arbitrary HTTP clients, and the official SDKs, Claude Code, Codex CLI and
+Open WebUI send fields a local model has no use for. A field a request model does not
+declare is therefore ignored rather than refused, and logged at debug level (run `exo -v`
+to see which), so that a field that silently changes nothing is at least visible. Declared
+fields each have an effect, a 400, or a place on the README's list of compatibility no-ops.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from loguru import logger
+from pydantic import BaseModel, ConfigDict, model_validator
+
+
+@functools.cache
+def _known_names(model: type[BaseModel]) -> frozenset[str]:
+    names: set[str] = set()
+    for name, model_field in model.model_fields.items():
+        names.add(name)
+        if model_field.alias is not None:
+            names.add(model_field.alias)
+    return frozenset(names)
+
+
+class WireRequestModel(BaseModel):
+    """Frozen; unknown fields are ignored and logged at debug level (see the module
+    docstring). Models that keep unknown fields (`extra="allow"`) log nothing."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.model_config.get("extra") == "ignore":
+            unknown = sorted(str(key) for key in data if key not in _known_names(cls))
+            if unknown:
+                logger.debug(
+                    "ignoring unknown request field(s) of {}: {}",
+                    cls.__name__,
+                    ", ".join(name[:40] for name in unknown[:20]),
+                )
+        return data
