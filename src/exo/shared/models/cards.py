@@ -113,6 +113,21 @@ def _required(config: dict[str, Any], path: Path, *names: str) -> int:
     raise ValueError(f"{path / 'config.json'} has no {' / '.join(names)} field")
 
 
+def has_chat_template(directory: Path) -> bool:
+    """Whether an HF-format directory's tokenizer has a chat template: transformers keeps it
+    in `chat_template.jinja`, `chat_template.json`, or `tokenizer_config.json`'s
+    `chat_template` (a string, or a list of named templates). A base model has none."""
+    if (directory / "chat_template.jinja").is_file() or (
+        directory / "chat_template.json"
+    ).is_file():
+        return True
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))
+
+
 def card_from_local_directory(path: Path) -> ModelCard:
     """Build a card for an HF-format directory from its config.json and safetensors headers
     (no tensor is loaded).
@@ -176,6 +191,7 @@ def card_from_local_directory(path: Path) -> ModelCard:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
         attention_bias=bool(text_config.get("attention_bias", False)),
         parameter_count=parameter_count,
+        has_chat_template=has_chat_template(directory),
         # Tensor parallel splits heads, KV heads and the MLP evenly over 2 ranks at least.
         supports_tensor=(
             num_attention_heads % 2 == 0

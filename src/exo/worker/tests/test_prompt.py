@@ -428,3 +428,39 @@ def test_a_final_assistant_turn_is_continued_not_answered(tokenizer: Any) -> Non
     assert prefilled.text.endswith("<|im_start|>assistant\n1, 2, 3,")
     fresh = render_prompt(tokenizer, make_params(ChatMessage(role="user", content="Count.")))
     assert fresh.text.endswith("<|im_start|>assistant\n")
+
+
+# -- raw prompts ----------------------------------------------------------------------------
+
+
+def test_a_raw_prompt_is_tokenized_as_it_is(tokenizer: Any) -> None:
+    text = "<|im_start|>user\nHi<|im_end|>\nThe capital"
+    raw = TextGenerationTaskParams(model=ModelId("test-model"), prompt=text)
+    rendered = render_prompt(tokenizer, raw)
+    # No template around it; SmolLM2's tokenizer adds no BOS of its own.
+    assert rendered.text == text
+    assert rendered.token_ids == tokenizer(text, add_special_tokens=True)["input_ids"]
+    assert tokenizer.decode(rendered.token_ids) == text
+    assert (rendered.thinking_open, rendered.tools_in_template) == (False, False)
+
+
+def test_an_empty_raw_prompt_starts_from_bos_or_is_refused(tokenizer: Any) -> None:
+    from transformers import AutoTokenizer
+
+    empty = TextGenerationTaskParams(model=ModelId("test-model"), prompt="")
+    assert render_prompt(tokenizer, empty).token_ids == [tokenizer.bos_token_id]
+    without_bos = AutoTokenizer.from_pretrained(MODEL_DIRECTORY)
+    without_bos.bos_token = None
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        render_prompt(without_bos, empty)
+
+
+def test_a_conversation_needs_a_chat_template(tokenizer: Any) -> None:
+    from transformers import AutoTokenizer
+
+    base = AutoTokenizer.from_pretrained(MODEL_DIRECTORY)
+    base.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        render_prompt(base, make_params(ChatMessage(role="user", content="Hi")))
+    raw = TextGenerationTaskParams(model=ModelId("test-model"), prompt="Hi")
+    assert render_prompt(base, raw).token_ids == render_prompt(tokenizer, raw).token_ids

@@ -130,3 +130,19 @@ def test_local_card_counts_weights_and_reads_tying(tmp_path: Path, tied: bool) -
     assert card.parameter_count == expected_fp32_bytes(tied=tied) // 4
     # The shapes read from config.json imply exactly the weights the files hold.
     assert decoder_parameter_count(card) == card.parameter_count
+
+
+def test_local_card_says_whether_the_model_has_a_chat_template(tmp_path: Path) -> None:
+    directory = save_tiny_model(tmp_path / "base", tied=True)
+    assert card_from_local_directory(directory).has_chat_template is False
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}"}))
+    assert card_from_local_directory(directory).has_chat_template is True
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": None}))
+    (directory / "chat_template.jinja").write_text("{{ messages }}")
+    assert card_from_local_directory(directory).has_chat_template is True
+
+
+def test_the_gemma_base_card_has_no_chat_template() -> None:
+    cards = load_builtin_cards()
+    assert cards[ModelId("google/gemma-3-270m")].has_chat_template is False
+    assert cards[SMOLLM2].has_chat_template is True
