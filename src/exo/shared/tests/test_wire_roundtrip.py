@@ -8,6 +8,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from exo.shared import election
 from exo.shared.election import ElectionMessage
+from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types import (
     chunks,
     commands,
@@ -312,7 +313,8 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     ],
     LocalDirectorySource: [LocalDirectorySource(path="/models/x")],
     SamplingDefaults: [SamplingDefaults(temperature=0.2, top_p=0.9, top_k=5, min_p=0.1)],
-    ModelCard: [CARD],
+    # A catalog card sets every optional field (head_dim, vision, sources, short name...).
+    ModelCard: [CARD, load_builtin_cards()[ModelId("google/gemma-3-4b-it")]],
     # nodes
     MemoryInfo: [MemoryInfo(total_bytes=2, available_bytes=1)],
     NodeInfo: [
