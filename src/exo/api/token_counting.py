@@ -17,9 +17,9 @@ import anyio
 import anyio.to_thread
 
 from exo.api.cluster import ClusterClient
-from exo.api.dependencies import known_model_ids
+from exo.api.dependencies import card_of, known_model_ids
 from exo.api.errors import InvalidRequestError, ModelNotFoundError, NoCapacityError
-from exo.api.generation import check_serializable
+from exo.api.generation import check_chat_template, check_serializable
 from exo.download.pypi_gguf import TOKENIZER_FILES, model_directory_name
 from exo.shared.constants import models_dir
 from exo.shared.types.common import ModelId
@@ -117,11 +117,13 @@ async def count_prompt_tokens(
     Raises:
         ModelNotFoundError: the model is unknown to the cluster (404).
         NoCapacityError: the model's tokenizer is not on this node (503).
-        InvalidRequestError: the chat template rejects the conversation (400).
+        InvalidRequestError: the chat template rejects the conversation, or the model is
+            a base model without one (400).
     """
     check_serializable(params)  # the same refusals as a generation
     if params.model not in known_model_ids(cluster):
         raise ModelNotFoundError(f"The model '{params.model}' does not exist")
+    check_chat_template(params, card_of(cluster, params.model))
     directory = model_files_directory(
         params.model, cluster.cards.get(params.model), models_directory or models_dir()
     )

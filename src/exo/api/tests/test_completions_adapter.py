@@ -444,6 +444,15 @@ def test_every_chat_endpoint_refuses_a_base_model(
     assert httpx.post(f"{server[0]}{path}", json=served).status_code == 200
 
 
+def test_counting_a_base_model_conversation_is_refused_too(
+    server: tuple[str, BaseModelCluster],
+) -> None:
+    body = {"model": GEMMA, "messages": [{"role": "user", "content": "hi"}]}
+    response = httpx.post(f"{server[0]}/v1/messages/count_tokens", json=body)
+    assert response.status_code == 400
+    assert f"'{GEMMA}' is a base model" in response.json()["error"]["message"]
+
+
 def test_ollama_raw_generate_serves_a_base_model(
     server: tuple[str, BaseModelCluster], cluster: BaseModelCluster
 ) -> None:
