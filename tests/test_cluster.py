@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -209,3 +210,98 @@ def test_late_joiner_catches_up(tmp_path: Path, shared_models_dir: Path) -> None
             wait_until(lambda: identical_states(everyone), 30, what="late node caught up")
             assert late.state()["last_event_applied_idx"] == first.state()["last_event_applied_idx"]
             assert "Paris" in ask(late)
+
+
+def node_reports_agree(nodes: list[ExoNode]) -> bool:
+    """One master, and every node's state holds every node's report."""
+    if same_master(nodes) is None:
+        return False
+    node_ids = {node.node_id() for node in nodes}
+    return all(set(node.state()["node_info"]) == node_ids for node in nodes)
+
+
+def place_and_delete(node: ExoNode, moment: str) -> str:
+    """Place the default model through `node`, check the instance is in `node`'s state,
+    delete it (so no runner stays loading), and return its id."""
+    sent_at = time.monotonic()
+    placed = httpx.post(
+        f"{node.url}/place_instance", json={"model_id": DEFAULT_MODEL_ID}, timeout=90
+    )
+    print(f"placement at {moment} answered in {time.monotonic() - sent_at:.1f}s")
+    assert placed.status_code == 200, placed.text
+    instance_id: str = placed.json()["instance_id"]
+    assert instance_id in node.state()["instances"]
+    deleted = httpx.delete(f"{node.url}/instance/{instance_id}", timeout=60)
+    assert deleted.status_code == 200, deleted.text
+    return instance_id
+
+
+def delete_missing(node: ExoNode, instance_id: str) -> str:
+    """A command that needs no node report: sent at once, even before a master is known."""
+    deleted = httpx.delete(f"{node.url}/instance/{instance_id}", timeout=60)
+    assert deleted.status_code == 404, deleted.text
+    return instance_id
+
+
+def test_placements_from_the_first_answer_on_are_applied_exactly_once(
+    tmp_path: Path, shared_models_dir: Path
+) -> None:
+    """Commands sent at any moment after the API answers — while the nodes still start,
+    connect and elect — are carried out exactly once (none lost, none twice)."""
+    nodes = make_cluster(tmp_path, shared_models_dir, 3)
+    placements: list[Future[str]] = []
+    refusals: list[Future[str]] = []
+    try:
+        with ThreadPoolExecutor(max_workers=9) as pool:
+            for node in nodes:
+                node.launch()
+            # Each node gets a placement and a deletion of a missing instance the moment
+            # its API first answers (the deletion is sent during the election).
+            waiting = list(nodes)
+            deadline = time.monotonic() + 60
+            while waiting and time.monotonic() < deadline:
+                for node in [n for n in waiting if api_answers(n)]:
+                    placements.append(pool.submit(place_and_delete, node, "first answer"))
+                    probe = f"missing-{len(waiting)}"
+                    refusals.append(pool.submit(delete_missing, node, probe))
+                    waiting.remove(node)
+                time.sleep(0.02)
+            assert not waiting, "a node's API did not answer within 60 s"
+            wait_until(lambda: node_reports_agree(nodes), 30, what="nodes agree")
+            agreed_at = time.monotonic()
+            for node, delay in zip(nodes, (0.0, 1.0, 3.0), strict=True):
+                time.sleep(max(0.0, agreed_at + delay - time.monotonic()))
+                placements.append(pool.submit(place_and_delete, node, f"agreement +{delay:.0f}s"))
+            instance_ids = [placement.result(timeout=120) for placement in placements]
+            probes = [refusal.result(timeout=120) for refusal in refusals]
+
+        assert len(set(instance_ids)) == len(instance_ids) == 6
+        wait_until(
+            lambda: all(
+                sum(e["kind"] == "InstanceDeleted" for e in n.events()) >= len(instance_ids)
+                for n in nodes
+            ),
+            30,
+            what="every node holds the deletions",
+        )
+        for node in nodes:
+            events = node.events()
+            created = [e for e in events if e["kind"] == "InstanceCreated"]
+            assert sorted(e["instance"]["instance_id"] for e in created) == sorted(instance_ids)
+            assert len({e["command_id"] for e in created}) == len(created)
+            deleted = [e["instance_id"] for e in events if e["kind"] == "InstanceDeleted"]
+            assert sorted(deleted) == sorted(instance_ids)
+            rejected = [e for e in events if e["kind"] == "CommandRejected"]
+            assert sorted(e["reason"] for e in rejected) == sorted(
+                f"no instance '{probe}'" for probe in probes
+            )
+    finally:
+        with ThreadPoolExecutor(max_workers=len(nodes)) as stopping:
+            list(stopping.map(ExoNode.stop, nodes))  # all at once: a node waits for its runners
+
+
+def api_answers(node: ExoNode) -> bool:
+    try:
+        return httpx.get(f"{node.url}/node_id", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
