@@ -31,6 +31,7 @@ from exo.api.cluster import ClusterClient
 from exo.api.types.claude_messages import CountTokensRequest, MessagesRequest
 from exo.api.types.ollama import OllamaChatRequest, OllamaGenerateRequest
 from exo.api.types.openai_chat import ChatCompletionRequest
+from exo.api.types.openai_completions import CompletionRequest
 from exo.api.types.openai_responses import ResponsesRequest
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
 from exo.testing.scripted_cluster import ScriptedCluster
@@ -45,6 +46,10 @@ USER_TURN = {"role": "user", "content": "Say hi."}
 VALID_BODIES: dict[str, tuple[dict[str, Any], str | None]] = {
     "/v1/chat/completions": (
         {"model": DEFAULT_MODEL_ID, "messages": [USER_TURN], "max_tokens": MAX_TOKENS},
+        "max_tokens",
+    ),
+    "/v1/completions": (
+        {"model": DEFAULT_MODEL_ID, "prompt": "Say hi.", "max_tokens": MAX_TOKENS},
         "max_tokens",
     ),
     "/v1/messages": (
@@ -257,6 +262,7 @@ FOUND_BY_FUZZING: list[tuple[str, bytes]] = [
 # endpoint -> the request model whose declared fields the slow fuzz sets to arbitrary values
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
     "/v1/messages": MessagesRequest,
     "/v1/messages/count_tokens": CountTokensRequest,
     "/v1/responses": ResponsesRequest,
@@ -412,6 +418,7 @@ def test_long_random_fuzz_in_process() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)
 def test_long_random_fuzz_against_a_node(default_node: ExoNode) -> None:
     """As the default fuzz, with random (not derandomized) bodies that also set declared
     fields, against a live node; run on purpose with `-m slow`."""

@@ -55,7 +55,6 @@ from exo.worker.engines.torch.sampling import (
     TokenFilter,
     resolve_sampling_params,
 )
-from exo.worker.engines.torch.sharding import load_sharded_model
 from exo.worker.engines.torch.stop_sequences import StopSequenceMatcher
 
 FORWARD = 1
@@ -280,12 +279,7 @@ class DistributedTorchEngine(TorchEngine):
                 f"match the shard's rank {shard.device_rank} of {shard.world_size}"
             )
         started = time.perf_counter()
-        parts = load_parts(
-            model_dir, device, weight_dtype,
-            lambda torch_device: load_sharded_model(
-                model_dir, shard, torch_device, on_layer_loaded
-            ),
-        )  # fmt: skip
+        parts = load_parts(model_dir, shard, device, weight_dtype, on_layer_loaded)
         engine = cls(
             parts.model, parts.tokenizer, shard.model_card, parts.device,
             parts.eos_token_ids, shard, parts.weight_dtype,

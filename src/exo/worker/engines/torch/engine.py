@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ import torch
 from loguru import logger
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
+from exo.shared.models.memory import ENGINE_CPU_WEIGHT_FORMAT
 from exo.shared.types.chunks import FinishReason, TokenLogprob, TopLogprob, Usage
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard
@@ -32,10 +33,9 @@ from exo.worker.engines.torch.constrained import (
     json_schema_constraint,
 )
 from exo.worker.engines.torch.detokenizer import StreamingDetokenizer, without_incomplete_end
-from exo.worker.engines.torch.fusion import fuse_rms_norms
 from exo.worker.engines.torch.kv_cache import DecodeSession, KVCachePool
 from exo.worker.engines.torch.loading import LayerProgressCallback, load_model
-from exo.worker.engines.torch.quantize import WEIGHT_DTYPES, WeightDtype, quantize_model
+from exo.worker.engines.torch.quantize import WeightDtype
 from exo.worker.engines.torch.sampling import (
     LogitBias,
     Sampler,
@@ -53,7 +53,7 @@ WARMUP_TOKENS = 8
 # Weight-only int4 (group 32) decodes ~2-3x faster than float32 on CPU with greedy output
 # close to float32's (see bench/bench_engine.py and quantize.py); CUDA keeps float32 (the
 # quantized kernels used here are the CPU ones).
-DEFAULT_CPU_WEIGHT_DTYPE: WeightDtype = "int4"
+DEFAULT_CPU_WEIGHT_DTYPE: WeightDtype = ENGINE_CPU_WEIGHT_FORMAT
 
 
 class PromptTooLongError(ValueError):
@@ -117,29 +117,25 @@ class LoadedParts:
 
 def load_parts(
     model_dir: Path,
+    shard: ShardMetadata,
     device: str,
     weight_dtype: WeightDtype | None,
-    build_model: Callable[[torch.device], PreTrainedModel],
+    on_layer_loaded: LayerProgressCallback | None = None,
 ) -> LoadedParts:
-    """Check `weight_dtype` for `device`, build the model with `build_model` (whole or
-    one rank's shard), fuse and quantize it on CPU, and load the tokenizer.
+    """Load the shard's model (whole or one rank's part; quantized and fused on CPU while
+    loading, see `loading.load_model`) and the tokenizer: what every engine needs.
 
     Raises:
-        ValueError: an unknown `weight_dtype` or a quantized one on a non-CPU device.
+        UnsupportedArchitectureError (a ValueError): no family file for the model.
+        ValueError: an unknown `weight_dtype`, a quantized one on a non-CPU device,
+            or missing tensors.
     """
     torch_device = torch.device(device)
     if weight_dtype is None:
         weight_dtype = DEFAULT_CPU_WEIGHT_DTYPE if torch_device.type == "cpu" else "float32"
-    if weight_dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"unknown weight dtype {weight_dtype!r}; expected one of {WEIGHT_DTYPES}")
-    if weight_dtype != "float32" and torch_device.type != "cpu":
-        raise ValueError(f"weight dtype {weight_dtype} is only supported on CPU")
     if torch_device.type == "cpu":
         _configure_cpu_threads()
-    model = build_model(torch_device)
-    if torch_device.type == "cpu":
-        fuse_rms_norms(model)
-        quantize_model(model, weight_dtype)
+    model = load_model(model_dir, shard, torch_device, weight_dtype, on_layer_loaded)
     # A tokenizer without a chat template is a base model's: it serves raw prompts only.
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos_token_ids = _eos_token_ids(model_dir, tokenizer, model)
@@ -196,12 +192,12 @@ class TorchEngine:
             on_layer_loaded: progress as (decoder layers loaded, layers in the shard).
             weight_dtype: how the linear layers' weights (decoder layers and LM head) are
                 held: "float32" as loaded, or weight-only "int8" (per channel) / "int4"
-                (group-wise) quantized after loading (CPU only). None: "int4" on CPU
-                (`DEFAULT_CPU_WEIGHT_DTYPE`), "float32" elsewhere. The model card's
-                `storage_size_bytes` stays the float32 checkpoint size.
+                (group-wise) quantized layer by layer while loading (CPU only). None:
+                "int4" on CPU (`DEFAULT_CPU_WEIGHT_DTYPE`), "float32" elsewhere.
+                `exo.shared.models.memory` sizes each format from the card.
 
         Raises:
-            ShardNotSupportedError (a ValueError): a shard the loader cannot hold.
+            UnsupportedArchitectureError (a ValueError): no family file for the model.
             ValueError: the directory lacks tensors, a tokenizer or an EOS token; an unknown
                 `weight_dtype`, or a quantized one on a non-CPU device.
         """
@@ -212,10 +208,7 @@ class TorchEngine:
                 model_dir, shard, device, on_layer_loaded, weight_dtype
             )
         started = time.perf_counter()
-        parts = load_parts(
-            model_dir, device, weight_dtype,
-            lambda torch_device: load_model(model_dir, shard, torch_device, on_layer_loaded),
-        )  # fmt: skip
+        parts = load_parts(model_dir, shard, device, weight_dtype, on_layer_loaded)
         engine = cls(
             parts.model, parts.tokenizer, shard.model_card, parts.device,
             parts.eos_token_ids, parts.weight_dtype,
