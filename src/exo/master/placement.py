@@ -3,7 +3,9 @@
 Rules (exo's, with its gaps filled):
 - candidates are single nodes and groups of nodes that measured links to each other
   (topology edges); every rank must reach rank 0, where the process group meets;
-- a group must hold the model in its total available memory, and each node its share;
+- a group must hold the model in its total available memory, and each node its share:
+  the peak of its weights while loading in the engine's format (int4 on CPU, see
+  `exo.shared.models.memory`), not the float32 or on-disk size;
 - pipeline sharding splits layers in proportion to each node's available memory
   (largest-remainder rounding, at least one layer per node);
 - tensor sharding needs the card's tensor support and attention heads, KV heads and MLP
@@ -19,6 +21,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from exo.shared.models.memory import ENGINE_CPU_WEIGHT_FORMAT, WeightShare, loading_peak_bytes
 from exo.shared.types.common import FrozenModel, InstanceId, NodeId, RunnerId
 from exo.shared.types.instances import (
     Instance,
@@ -69,16 +72,22 @@ class Layout:
 
 
 def required_memory_bytes(card: ModelCard, world_size: int = 1) -> int:
-    """Bytes one tensor-parallel rank (or a whole single node) needs for its share."""
-    share = card.storage_size_bytes / world_size
-    return int(share * (1 + MEMORY_OVERHEAD_FRACTION))
+    """Bytes one tensor-parallel rank of `world_size` (or a whole single node) needs: the
+    peak of its weights while loading in the engine's CPU format (int4 layers, int8 LM head,
+    float32 embedding; `exo.shared.models.memory`), plus the overhead fraction."""
+    share = WeightShare(layers=card.n_layers, tensor_parallel_ranks=world_size)
+    peak = loading_peak_bytes(card, ENGINE_CPU_WEIGHT_FORMAT, share)
+    return int(peak * (1 + MEMORY_OVERHEAD_FRACTION))
 
 
-def pipeline_share_bytes(card: ModelCard, n_layers: int) -> int:
-    """Bytes a pipeline rank holding `n_layers` layers needs (weights spread evenly over
-    layers; the embedding and LM head are a small part for the catalog's models)."""
-    share = card.storage_size_bytes * n_layers / card.n_layers
-    return int(share * (1 + MEMORY_OVERHEAD_FRACTION))
+def pipeline_share_bytes(
+    card: ModelCard, n_layers: int, is_first: bool = True, is_last: bool = True
+) -> int:
+    """Bytes a pipeline rank holding `n_layers` layers (and the embedding on the first
+    rank, the LM head on the last) needs while loading, plus the overhead fraction."""
+    share = WeightShare(layers=n_layers, holds_embedding=is_first, holds_output_layer=is_last)
+    peak = loading_peak_bytes(card, ENGINE_CPU_WEIGHT_FORMAT, share)
+    return int(peak * (1 + MEMORY_OVERHEAD_FRACTION))
 
 
 def runner_id_for(instance_id: InstanceId, rank: int) -> RunnerId:
@@ -190,7 +199,11 @@ def layout(card: ModelCard, state: State, sharding: Sharding, group: Sequence[No
         counts = layer_split(card.n_layers, [_available(state, n) for n in order])
         starts = list(itertools.accumulate([0, *counts[:-1]]))
         ranges = tuple((s, s + c) for s, c in zip(starts, counts, strict=True))
-        shares = tuple(pipeline_share_bytes(card, c) for c in counts)
+        last = len(counts) - 1
+        shares = tuple(
+            pipeline_share_bytes(card, count, rank == 0, rank == last)
+            for rank, count in enumerate(counts)
+        )
     for node_id, share in zip(order, shares, strict=True):
         if share > _available(state, node_id):
             raise PlacementError(

@@ -8,27 +8,36 @@ from exo.master.placement import (
     MEMORY_OVERHEAD_FRACTION,
     PlacementError,
     layer_split,
+    pipeline_share_bytes,
     place_instance,
     placement_previews,
     rendezvous_port,
     required_memory_bytes,
 )
+from exo.shared.models.memory import WeightShare, loading_peak_bytes, resident_weight_bytes
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId
 from exo.shared.types.instances import PipelineInstance, TensorInstance
 from exo.shared.types.nodes import DownloadCompleted, GpuInfo, TopologyEdge
 from exo.shared.types.shards import PipelineShardMetadata, TensorShardMetadata
 from exo.shared.types.state import State
-from exo.testing.builders import MIB, make_card, make_node_info, make_state
+from exo.testing.builders import MIB, make_card, make_node_info, make_state, smollm2_card
 
 NODE_A = NodeId("node-a")
 NODE_B = NodeId("node-b")
 NODE_C = NodeId("node-c")
 INSTANCE = InstanceId("instance-1")
-# 1000 MiB of weights need 1100 MiB with the 10% overhead.
-CARD = make_card(n_layers=12, storage_size_bytes=1000 * MIB)
-TENSOR_CARD = make_card(
-    n_layers=12, storage_size_bytes=1000 * MIB, supports_tensor=True
-).model_copy(update={"num_attention_heads": 8, "num_key_value_heads": 4})
+# SmolLM2's layers with a small vocabulary: memory is mostly decoder layers, so pipeline
+# shares grow with the layers they hold.
+CARD = make_card(n_layers=12).model_copy(update={"vocab_size": 512})
+TENSOR_CARD = make_card(n_layers=12, supports_tensor=True).model_copy(
+    update={"num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 512}
+)
+# What one node needs for the whole model (int4 loading peak + 10%), in whole MiB.
+NEED_MIB = -(-required_memory_bytes(CARD) // MIB)
+
+
+def mib(value: int) -> str:
+    return f"{value / MIB:.0f} MiB"
 
 
 def edge(source: NodeId, sink: NodeId, address: str = "127.0.0.1") -> TopologyEdge:
@@ -56,10 +65,16 @@ def state_with(linked: bool = True, **available_mb: int) -> State:
     return state.model_copy(update={"topology": topology})
 
 
-def test_required_memory_adds_overhead_and_splits_by_world_size() -> None:
+def test_required_memory_is_the_int4_loading_peak_plus_overhead() -> None:
     assert MEMORY_OVERHEAD_FRACTION == 0.10
-    assert required_memory_bytes(CARD) == 1100 * MIB
-    assert required_memory_bytes(CARD, world_size=2) == 550 * MIB
+    peak = loading_peak_bytes(CARD, "int4", WeightShare(layers=12))
+    assert required_memory_bytes(CARD) == int(peak * 1.1)
+    # Far below the float32 weights: placement reserves what the engine holds.
+    real = smollm2_card()
+    assert required_memory_bytes(real) < 0.7 * resident_weight_bytes(real, "float32")
+    # Tensor ranks split the layers, not the embedding and LM head.
+    half = required_memory_bytes(CARD, world_size=2)
+    assert required_memory_bytes(CARD) / 2 < half < required_memory_bytes(CARD)
 
 
 @pytest.mark.parametrize(
@@ -86,7 +101,7 @@ def test_layer_split_needs_a_layer_per_node() -> None:
 
 
 def test_a_model_that_fits_goes_on_one_node_with_all_layers() -> None:
-    instance = place_instance(CARD, state_with(node_a=1100, node_b=5000), INSTANCE)
+    instance = place_instance(CARD, state_with(node_a=NEED_MIB, node_b=5 * NEED_MIB), INSTANCE)
     assert isinstance(instance, PipelineInstance)
     assignments = instance.shard_assignments
     # The node with the most memory; one node is preferred over a split.
@@ -98,7 +113,7 @@ def test_a_model_that_fits_goes_on_one_node_with_all_layers() -> None:
 
 
 def test_nodes_holding_the_files_are_preferred_over_more_memory() -> None:
-    state = state_with(node_a=2000, node_b=5000)
+    state = state_with(node_a=2 * NEED_MIB, node_b=5 * NEED_MIB)
     held = {NODE_A: {CARD.model_id: DownloadCompleted(path="/models/x")}}
     state = state.model_copy(update={"downloads": held})
     instance = place_instance(CARD, state, INSTANCE)
@@ -106,17 +121,14 @@ def test_nodes_holding_the_files_are_preferred_over_more_memory() -> None:
 
 
 def test_too_big_for_one_node_splits_layers_by_memory() -> None:
-    state = state_with(node_a=900, node_b=300)
+    state = state_with(node_a=NEED_MIB * 9 // 10, node_b=NEED_MIB * 7 // 10)
     instance = place_instance(CARD, state, INSTANCE)
     assignments = instance.shard_assignments
     assert list(assignments.node_to_runner) == [NODE_A, NODE_B]
     shards = [assignments.runner_to_shard[runner] for runner in assignments.node_to_runner.values()]
     assert [
         (s.start_layer, s.end_layer) for s in shards if isinstance(s, PipelineShardMetadata)
-    ] == [
-        (0, 9),
-        (9, 12),
-    ]
+    ] == [(0, 7), (7, 12)]  # 12 layers split 9:7 (the available memory)
     assert [s.device_rank for s in shards] == [0, 1]
     rendezvous = instance.rendezvous
     assert rendezvous is not None
@@ -127,23 +139,23 @@ def test_too_big_for_one_node_splits_layers_by_memory() -> None:
 
 
 def test_a_split_needs_each_share_to_fit() -> None:
-    # 12 layers over 1150 MiB: B's memory is enough in total but its share is not.
-    state = state_with(node_a=1100, node_b=50)
+    # Enough memory in total, but B's share (a layer, the LM head) does not fit in it.
+    state = state_with(node_a=NEED_MIB, node_b=pipeline_share_bytes(CARD, 1) // MIB // 4)
     with pytest.raises(PlacementError, match="node-b would need"):
         place_instance(CARD, state, INSTANCE, min_nodes=2)
 
 
 def test_nodes_without_a_link_are_not_grouped() -> None:
-    state = state_with(linked=False, node_a=600, node_b=600)
+    state = state_with(linked=False, node_a=NEED_MIB * 6 // 10, node_b=NEED_MIB * 6 // 10)
     with pytest.raises(PlacementError, match="no measured link"):
         place_instance(CARD, state, INSTANCE)
 
 
 def test_not_enough_memory_anywhere_says_how_much_in_mib() -> None:
     with pytest.raises(PlacementError) as error:
-        place_instance(CARD, state_with(node_a=500, node_b=400), INSTANCE)
+        place_instance(CARD, state_with(node_a=NEED_MIB // 2, node_b=NEED_MIB // 3), INSTANCE)
     message = str(error.value)
-    assert "needs 1100 MiB" in message
+    assert f"needs {mib(required_memory_bytes(CARD))}" in message
     assert str(CARD.model_id) in message
 
 
@@ -161,7 +173,7 @@ def test_min_nodes_above_the_cluster_size_is_an_error() -> None:
 
 def test_node_ids_restrict_the_candidates() -> None:
     instance = place_instance(
-        CARD, state_with(node_a=1100, node_b=9000), INSTANCE, node_ids=[NODE_A]
+        CARD, state_with(node_a=NEED_MIB, node_b=9 * NEED_MIB), INSTANCE, node_ids=[NODE_A]
     )
     assert list(instance.shard_assignments.node_to_runner) == [NODE_A]
 
@@ -177,7 +189,7 @@ def test_no_known_nodes_is_an_error() -> None:
 
 
 def test_tensor_sharding_splits_every_layer() -> None:
-    state = state_with(node_a=600, node_b=600)
+    state = state_with(node_a=NEED_MIB * 6 // 10, node_b=NEED_MIB * 6 // 10)
     instance = place_instance(TENSOR_CARD, state, INSTANCE, sharding="tensor")
     assert isinstance(instance, TensorInstance)
     shards = list(instance.shard_assignments.runner_to_shard.values())
@@ -185,7 +197,7 @@ def test_tensor_sharding_splits_every_layer() -> None:
 
 
 def test_tensor_sharding_needs_support_and_divisible_heads() -> None:
-    state = state_with(node_a=600, node_b=600)
+    state = state_with(node_a=NEED_MIB, node_b=NEED_MIB)
     with pytest.raises(PlacementError, match="does not support tensor"):
         place_instance(CARD, state, INSTANCE, sharding="tensor", min_nodes=2)
     # SmolLM2's 9 heads do not divide by 2.
@@ -196,25 +208,37 @@ def test_tensor_sharding_needs_support_and_divisible_heads() -> None:
 
 def test_all_cuda_nodes_use_nccl() -> None:
     gpu = (GpuInfo(name="H200", total_memory_bytes=140 * 2**30),)
-    state = state_with(node_a=600, node_b=600)
+    state = state_with(node_a=NEED_MIB, node_b=NEED_MIB)
     nodes = {n: info.model_copy(update={"gpus": gpu}) for n, info in state.node_info.items()}
-    instance = place_instance(CARD, state.model_copy(update={"node_info": nodes}), INSTANCE)
+    state = state.model_copy(update={"node_info": nodes})
+    instance = place_instance(CARD, state, INSTANCE, min_nodes=2)
     assert instance.rendezvous is not None and instance.rendezvous.backend == "nccl"
 
 
 def test_previews_list_every_sharding_and_node_count_with_reasons() -> None:
-    state = state_with(node_a=900, node_b=300)
+    need = required_memory_bytes(TENSOR_CARD) // MIB
+    state = state_with(node_a=need * 9 // 10, node_b=need * 7 // 10)
     previews = {(p.sharding, p.node_count): p for p in placement_previews(TENSOR_CARD, state)}
     assert set(previews) == {("pipeline", 1), ("pipeline", 2), ("tensor", 1), ("tensor", 2)}
     assert previews[("pipeline", 1)].error is not None
-    assert "needs 1100 MiB" in (previews[("pipeline", 1)].error or "")
+    assert f"needs {mib(required_memory_bytes(TENSOR_CARD))}" in (
+        previews[("pipeline", 1)].error or ""
+    )
     split = previews[("pipeline", 2)]
     assert split.error is None
     assert split.node_ids == (NODE_A, NODE_B)
-    assert split.layer_ranges == ((0, 9), (9, 12))
-    assert split.bytes_per_node == (int(1000 * MIB * 9 / 12 * 1.1), int(1000 * MIB * 3 / 12 * 1.1))
-    # Tensor halves need 550 MiB each; B has 300.
-    assert "node-b would need 550 MiB" in (previews[("tensor", 2)].error or "")
+    assert split.layer_ranges == ((0, 7), (7, 12))
+    assert split.bytes_per_node == (
+        pipeline_share_bytes(TENSOR_CARD, 7, is_first=True, is_last=False),
+        pipeline_share_bytes(TENSOR_CARD, 5, is_first=False, is_last=True),
+    )
+    # A tensor rank holds half of every layer (and the whole embedding and LM head).
+    tensor_share = required_memory_bytes(TENSOR_CARD, world_size=2)
+    assert previews[("tensor", 2)].error is None
+    assert previews[("tensor", 2)].bytes_per_node == (tensor_share, tensor_share)
+    assert "node-b would need" in (
+        placement_previews(TENSOR_CARD, state_with(node_a=need, node_b=need // 3))[3].error or ""
+    )
 
 
 def test_previews_without_nodes_say_so() -> None:

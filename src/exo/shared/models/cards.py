@@ -105,6 +105,15 @@ def _weight_totals(safetensors_files: list[Path]) -> tuple[int, int]:
     return elements, stored_bytes
 
 
+def _stores_attention_bias(safetensors_files: list[Path]) -> bool:
+    """Whether the checkpoint has biases on its query projections."""
+    return any(
+        name.endswith(("q_proj.bias", "qkv_proj.bias"))
+        for path in safetensors_files
+        for name in read_safetensors_header(path)
+    )
+
+
 def _required(config: dict[str, Any], path: Path, *names: str) -> int:
     for name in names:
         value = config.get(name)
@@ -189,7 +198,9 @@ def card_from_local_directory(path: Path) -> ModelCard:
         head_dim=head_dim if isinstance(head_dim, int) and head_dim > 0 else None,
         # transformers' PretrainedConfig ties the embeddings unless the config says not to.
         tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
-        attention_bias=bool(text_config.get("attention_bias", False)),
+        # Qwen2 always has q/k/v biases without an `attention_bias` field: read the weights.
+        attention_bias=bool(text_config.get("attention_bias", False))
+        or _stores_attention_bias(safetensors_files),
         parameter_count=parameter_count,
         has_chat_template=has_chat_template(directory),
         # Tensor parallel splits heads, KV heads and the MLP evenly over 2 ranks at least.

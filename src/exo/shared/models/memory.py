@@ -1,0 +1,155 @@
+"""How many bytes of memory the engine's weights take, computed from a card's shapes.
+
+The engine holds weights in one of three formats (`WeightFormat`); on CPU it uses int4
+(`ENGINE_CPU_WEIGHT_FORMAT`): every decoder-layer linear in int4 with one bfloat16 (scale,
+zero) pair per group of `INT4_GROUP_SIZE` inputs (int8 where the shape does not fit the
+packed layout), the LM head in int8 with one bfloat16 scale per output row, and the input
+embedding, norms and biases in float32. Loading quantizes layer by layer, so the peak while
+loading is the resident size plus the one tensor group being converted (`loading_peak_bytes`);
+that peak, not the float32 size, is what placement reserves.
+
+Pure functions of a `ModelCard`; the engine's `quantize.py` uses the same constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from exo.shared.types.models import ModelCard
+
+WeightFormat = Literal["float32", "int8", "int4"]
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("float32", "int8", "int4")
+ENGINE_CPU_WEIGHT_FORMAT: WeightFormat = "int4"
+
+INT4_GROUP_SIZE = 32  # inputs sharing one (scale, zero) pair
+INT4_BLOCK_OUTPUTS = 64  # output channels per block of the CPU int4 packed layout
+FLOAT32_BYTES = 4
+BFLOAT16_BYTES = 2
+
+
+@dataclass(frozen=True, slots=True)
+class WeightShare:
+    """The part of a model one node holds.
+
+    Attributes:
+        layers: decoder layers held.
+        tensor_parallel_ranks: ranks each decoder-layer linear is split over (1: whole).
+        holds_embedding: the input embedding is here (first pipeline rank, or every
+            tensor-parallel rank).
+        holds_output_layer: the final norm and LM head are here (last pipeline rank, or
+            every tensor-parallel rank).
+    """
+
+    layers: int
+    tensor_parallel_ranks: int = 1
+    holds_embedding: bool = True
+    holds_output_layer: bool = True
+
+
+def whole_model(card: ModelCard) -> WeightShare:
+    """Every layer, the embedding and the LM head on one node."""
+    return WeightShare(layers=card.n_layers)
+
+
+def int4_fits(in_features: int, out_features: int) -> bool:
+    """Whether a `[out, in]` weight fits the CPU int4 packed layout."""
+    return out_features % INT4_BLOCK_OUTPUTS == 0 and in_features % INT4_GROUP_SIZE == 0
+
+
+def linear_weight_bytes(in_features: int, out_features: int, weight_format: WeightFormat) -> int:
+    """Bytes of one linear's weight (bias excluded) held in `weight_format`.
+
+    int8: one byte per weight plus a bfloat16 scale per output row; int4: half a byte per
+    weight plus a bfloat16 (scale, zero) pair per group, int8 where the shape does not fit.
+    """
+    weights = in_features * out_features
+    match weight_format:
+        case "float32":
+            return weights * FLOAT32_BYTES
+        case "int8":
+            return weights + out_features * BFLOAT16_BYTES
+        case "int4":
+            if not int4_fits(in_features, out_features):
+                return linear_weight_bytes(in_features, out_features, "int8")
+            groups = in_features // INT4_GROUP_SIZE
+            return weights // 2 + groups * out_features * 2 * BFLOAT16_BYTES
+
+
+def decoder_layer_bytes(
+    card: ModelCard, weight_format: WeightFormat, tensor_parallel_ranks: int = 1
+) -> int:
+    """Bytes of one decoder layer on one tensor rank: the attention and gated-MLP linears
+    (column-parallel ones split by rows, row-parallel by columns), their biases and the two
+    norms (float32). Fused projections (Phi-3's `qkv_proj`) hold the same weights; they
+    are sized part by part, exact when each part fits int4 (as in every catalog model)."""
+    ranks = tensor_parallel_ranks
+    hidden, intermediate = card.hidden_size, card.intermediate_size
+    query = card.num_attention_heads * card.attention_head_dim
+    key_value = card.num_key_value_heads * card.attention_head_dim
+    column = [(hidden, query // ranks), (hidden, key_value // ranks), (hidden, key_value // ranks)]
+    column += [(hidden, intermediate // ranks)] * 2
+    row = [(query // ranks, hidden), (intermediate // ranks, hidden)]
+    total = sum(linear_weight_bytes(i, o, weight_format) for i, o in (*column, *row))
+    if card.attention_bias:
+        total += (query + 2 * key_value) // ranks * FLOAT32_BYTES
+    return total + 2 * hidden * FLOAT32_BYTES
+
+
+def output_layer_bytes(card: ModelCard, weight_format: WeightFormat, shares_embedding: bool) -> int:
+    """Bytes of the final norm and LM head: float32 (no extra copy when it is tied to an
+    embedding held on the same node), else int8 (the engine keeps the LM head in int8
+    under int4 too: an int4 head changed greedy answers)."""
+    norm = card.hidden_size * FLOAT32_BYTES
+    if weight_format == "float32":
+        if shares_embedding:
+            return norm
+        return norm + card.vocab_size * card.hidden_size * FLOAT32_BYTES
+    return norm + linear_weight_bytes(card.hidden_size, card.vocab_size, "int8")
+
+
+def embedding_bytes(card: ModelCard) -> int:
+    """The input embedding, float32 in every format (one row is read per token)."""
+    return card.vocab_size * card.hidden_size * FLOAT32_BYTES
+
+
+def resident_weight_bytes(
+    card: ModelCard, weight_format: WeightFormat, share: WeightShare | None = None
+) -> int:
+    """Bytes of the weights a node holds after loading `share` (default: the whole model)
+    in `weight_format`. Activations and the KV cache are not included."""
+    share = share or whole_model(card)
+    total = share.layers * decoder_layer_bytes(card, weight_format, share.tensor_parallel_ranks)
+    if share.holds_embedding:
+        total += embedding_bytes(card)
+    if share.holds_output_layer:
+        tied_here = card.tie_word_embeddings and share.holds_embedding
+        total += output_layer_bytes(card, weight_format, tied_here)
+    return total
+
+
+def loading_peak_bytes(
+    card: ModelCard, weight_format: WeightFormat, share: WeightShare | None = None
+) -> int:
+    """Peak bytes of weights while loading `share`: the resident size plus the largest
+    tensor group held in float32 before it is quantized: one decoder layer (and the scratch
+    copies of quantizing its largest linear), or an LM head
+    read from the checkpoint (untied, or tied to an embedding this node does not keep); a
+    tied head quantized from the embedding it shares is converted in small row blocks.
+    Float32 loading has no such transient."""
+    share = share or whole_model(card)
+    resident = resident_weight_bytes(card, weight_format, share)
+    if weight_format == "float32":
+        return resident
+    ranks = share.tensor_parallel_ranks
+    # Quantizing one linear needs a float32 and an int32 scratch copy of its weight.
+    largest_linear = card.hidden_size * max(
+        card.intermediate_size // ranks,
+        card.num_attention_heads * card.attention_head_dim // ranks,
+    )
+    scratch = 2 * largest_linear * FLOAT32_BYTES
+    transient = decoder_layer_bytes(card, "float32", ranks) + scratch
+    head_read_in_float32 = not (card.tie_word_embeddings and share.holds_embedding)
+    if share.holds_output_layer and head_read_in_float32:
+        transient = max(transient, card.vocab_size * card.hidden_size * FLOAT32_BYTES)
+    return resident + transient
