@@ -1,98 +1,111 @@
-"""Tiny random-weight models of several architectures, saved like a Hugging Face
-checkout (config.json + safetensors + tokenizer), for tests that need architectures
-the machine has no real weights for. Their text is gibberish; their shapes are real."""
+"""Tiny random-weight models of every model family, saved like a Hugging Face checkout
+(config.json + safetensors + tokenizer), for tests and benchmarks that need architectures
+the machine has no real weights for. Their text is gibberish; their shapes are real. Each
+family file's `tiny_model` builds the model with the real transformers class."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
+from exo.worker.engines.torch.families import FAMILIES, family_by_name
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma3")
+ARCHITECTURES = tuple(family.name for family in FAMILIES)
+# Families whose file describes a `*ForConditionalGeneration` checkpoint layout.
+WRAPPED_ARCHITECTURES = tuple(
+    family.name for family in FAMILIES if family.tiny_wrapped_config is not None
+)
+# A tensor of the vision tower a wrapped checkpoint carries and the text engine skips.
+VISION_TENSOR = "vision_tower.patch_embedding.weight"
 
 
 def save_tiny_model(
     directory: Path,
     architecture: str,
-    tokenizer_source: Path,
+    tokenizer_source: Path | None,
     n_layers: int = 6,
     seed: int = 0,
     sliding_window: int = 8,
+    wrapped: bool = False,
+    **overrides: Any,
 ) -> Path:
-    """Write a random `architecture` model with `n_layers` layers and the tokenizer of
-    `tokenizer_source` (a model directory) into `directory`.
+    """Write a random model of family `architecture` (a `ModelFamily.name`) with `n_layers`
+    layers and the tokenizer of `tokenizer_source` (a model directory) into `directory`.
 
     Heads (4), KV heads (2) and MLP size (128) divide by 2, so tensor parallel applies.
 
+    Args:
+        tokenizer_source: where the tokenizer comes from; None for a weights-only model
+            (then `vocab_size` must be in `overrides`).
+        wrapped: save the `*ForConditionalGeneration` layout (config around a
+            `text_config`, text tensors under `language_model.`, plus a vision tensor).
+        overrides: config fields replacing the tiny defaults (e.g. `hidden_size`).
+
     Raises:
-        ValueError: an architecture not in `ARCHITECTURES`.
+        KeyError: no family of that name.
+        ValueError: `wrapped` for a family without a wrapped layout.
     """
     import torch
-    from transformers import (
-        AutoTokenizer,
-        Gemma3ForCausalLM,
-        Gemma3TextConfig,
-        GemmaConfig,
-        GemmaForCausalLM,
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        PreTrainedModel,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
+    from safetensors.torch import save_file
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
-    common: dict[str, Any] = {
-        "vocab_size": len(tokenizer),
+    family = family_by_name(architecture)
+    tokenizer: Any = None
+    settings: dict[str, Any] = {
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": n_layers,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "max_position_embeddings": 512,
-        "eos_token_id": tokenizer.eos_token_id,
-        "bos_token_id": tokenizer.bos_token_id,
         "tie_word_embeddings": True,
+        "sliding_window": sliding_window,
     }
+    if tokenizer_source is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+        settings["vocab_size"] = len(tokenizer)
+        settings["eos_token_id"] = tokenizer.eos_token_id
+        settings["bos_token_id"] = tokenizer.bos_token_id
+    settings.update(overrides)
     torch.manual_seed(seed)
-    model: PreTrainedModel
-    if architecture == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif architecture == "qwen2":  # biases on q/k/v
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    elif architecture == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16))
-    elif architecture == "mistral":
-        model = MistralForCausalLM(MistralConfig(**common, head_dim=16))
-    elif architecture == "gemma":  # Gemma2 has no SDPA attention in transformers
-        model = GemmaForCausalLM(GemmaConfig(**common, head_dim=16))
-    elif architecture == "gemma3":
-        layer_types = ["sliding_attention", "full_attention"] * (n_layers // 2) + [
-            "sliding_attention"
-        ] * (n_layers % 2)
-        model = Gemma3ForCausalLM(
-            Gemma3TextConfig(
-                **common,
-                head_dim=16,
-                sliding_window=sliding_window,
-                layer_types=layer_types,
-            )
-        )
-    else:
-        raise ValueError(f"no tiny model for {architecture!r}; known: {ARCHITECTURES}")
+    model = family.tiny_model(settings)
     # Fresh norms are exactly 1 and biases 0; perturb everything so every weight matters.
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.02)
     model.config.architectures = [type(model).__name__]
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_source / name).is_file():
-            shutil.copy(tokenizer_source / name, directory / name)
+    if wrapped:
+        if family.tiny_wrapped_config is None:
+            raise ValueError(f"the {family.name} family has no wrapped checkpoint layout")
+        config = family.tiny_wrapped_config(model.config)
+        config.architectures = [family.wrapped_architectures[0]]
+        _save_wrapped(directory, model, config, save_file)
+    else:
+        model.save_pretrained(directory, safe_serialization=True)
+    if tokenizer_source is not None:
+        for name in TOKENIZER_FILES:
+            if (tokenizer_source / name).is_file():
+                shutil.copy(tokenizer_source / name, directory / name)
     return directory
+
+
+def _save_wrapped(directory: Path, model: Any, config: Any, save_file: Any) -> None:
+    """Save `model`'s tensors under `language_model.` next to a vision tensor, with the
+    multimodal `config` (as Gemma 3 4B+ and Mistral-Small 3.1 checkpoints are laid out)."""
+    import torch
+
+    tensors = {
+        f"language_model.{name}": tensor.detach().contiguous()
+        for name, tensor in model.state_dict().items()
+    }
+    if model.config.tie_word_embeddings:
+        tensors.pop("language_model.lm_head.weight", None)
+    tensors[VISION_TENSOR] = torch.zeros(8, 3, 2, 2)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    model.generation_config.save_pretrained(directory)

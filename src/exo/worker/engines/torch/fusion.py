@@ -9,12 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# RMSNorm classes computing `weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(dtype)`
-# (not Gemma's `1 + weight` variant).
-_PLAIN_RMS_NORMS = frozenset(
-    {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm"}
-)
-
 
 class FusedRMSNorm(nn.Module):
     """`torch.nn.functional.rms_norm` (one kernel) in place of a float32 model's RMSNorm."""
@@ -32,8 +26,10 @@ class FusedRMSNorm(nn.Module):
         return f"{self._shape[0]}, eps={self.eps}"
 
 
-def fuse_rms_norms(model: nn.Module) -> int:
-    """Replace the float32 model's plain RMSNorm modules by `FusedRMSNorm` in place.
+def fuse_rms_norms(model: nn.Module, norm_classes: tuple[type[nn.Module], ...]) -> int:
+    """Replace the float32 model's RMSNorm modules of `norm_classes` (a family file's
+    `rms_norms`: classes computing `weight * (x.float() * rsqrt(mean(x.float()^2) + eps))
+    .to(dtype)`, not Gemma's `1 + weight` variant) by `FusedRMSNorm` in place.
 
     Only float32 weights are swapped: the originals compute in float32 and cast back to
     the input dtype before scaling, which one float32 kernel reproduces exactly only then.
@@ -44,7 +40,7 @@ def fuse_rms_norms(model: nn.Module) -> int:
     targets = [
         (name, module)
         for name, module in model.named_modules()
-        if type(module).__name__ in _PLAIN_RMS_NORMS
+        if type(module) in norm_classes
         and isinstance(getattr(module, "weight", None), torch.Tensor)
         and module.weight.dtype == torch.float32
         and isinstance(getattr(module, "variance_epsilon", None), float)

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from exo.worker.engines.torch.families import family_for_architecture
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -92,12 +94,28 @@ class PreallocatedLayer(DynamicLayer):
 
 
 def new_request_cache(model: PreTrainedModel, capacity_tokens: int) -> DynamicCache:
-    """A cache for one request: the model's usual layer types, with every plain full-attention
-    layer replaced by a `PreallocatedLayer` of `capacity_tokens` positions."""
+    """A cache for one request laid out as the model's family file says
+    (`ModelFamily.attention_windows`): a `PreallocatedLayer` of `capacity_tokens` positions
+    per full-attention layer, a sliding-window layer per windowed one.
+
+    Raises:
+        UnsupportedArchitectureError: no family file for the model's class.
+        ValueError: the layout's length differs from the model's (cut) layer count.
+    """
+    family = family_for_architecture(type(model).__name__)
+    text_config = model.config.get_text_config()
+    windows = family.attention_windows(text_config)
+    if len(windows) != text_config.num_hidden_layers:
+        raise ValueError(
+            f"{family.name}: the cache layout has {len(windows)} layers, the model "
+            f"{text_config.num_hidden_layers}"
+        )
     cache = DynamicCache(config=model.config)
     cache.layers = [
-        PreallocatedLayer(capacity_tokens) if type(layer) is DynamicLayer else layer
-        for layer in cache.layers
+        PreallocatedLayer(capacity_tokens)
+        if window is None
+        else DynamicSlidingWindowLayer(sliding_window=window)
+        for window in windows
     ]
     return cache
 

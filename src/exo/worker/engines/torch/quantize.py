@@ -18,16 +18,19 @@ bench/bench_engine.py and the engine's `weight_dtype` option.
 from __future__ import annotations
 
 import abc
-from typing import Literal
 
 import torch
 from torch import nn
 
-WeightDtype = Literal["float32", "int8", "int4"]
+from exo.shared.models.memory import INT4_BLOCK_OUTPUTS, INT4_GROUP_SIZE, WeightFormat
+from exo.worker.engines.torch.sharding import AllReducedLinear, RowParallelLinear
+
+# The formats the engine holds weights in; `exo.shared.models.memory` sizes each of them.
+WeightDtype = WeightFormat
 WEIGHT_DTYPES: tuple[WeightDtype, ...] = ("float32", "int8", "int4")
 
-INT4_GROUP_SIZE = 32
-_INT4_BLOCK_N = 64  # output channels per block of the AVX512 int4 packed layout
+_INT4_BLOCK_N = INT4_BLOCK_OUTPUTS  # output channels per block of the AVX512 int4 layout
+_INT8_ROWS_PER_STEP = 4096
 
 
 class QuantizedLinear(nn.Module, abc.ABC):
@@ -78,14 +81,21 @@ class Int8Linear(QuantizedLinear):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear.in_features, linear.out_features, linear.bias)
-        weight = linear.weight.detach().float()  # [out, in]
-        scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-10)  # [out]
-        scales = scales.to(torch.bfloat16)
-        quantized = torch.round(weight / scales.float()[:, None]).clamp(-127, 127)
+        weight = linear.weight.detach()  # [out, in]
+        quantized = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+        scales = torch.empty(weight.shape[0], dtype=torch.bfloat16, device=weight.device)
+        # Row blocks bound the float32 temporaries (an LM head is the largest weight).
+        for start in range(0, weight.shape[0], _INT8_ROWS_PER_STEP):
+            rows = weight[start : start + _INT8_ROWS_PER_STEP].float()
+            row_scales = (rows.abs().amax(dim=1) / 127.0).clamp(min=1e-10).to(torch.bfloat16)
+            quantized[start : start + rows.shape[0]] = torch.round(
+                rows / row_scales.float()[:, None]
+            ).clamp(-127, 127)
+            scales[start : start + rows.shape[0]] = row_scales
         self.weight: torch.Tensor
         self.scales: torch.Tensor
-        self.register_buffer("weight", quantized.to(torch.int8).contiguous())  # [out, in]
-        self.register_buffer("scales", scales.contiguous())  # [out] bf16
+        self.register_buffer("weight", quantized)  # [out, in] int8
+        self.register_buffer("scales", scales)  # [out] bf16
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch._weight_int8pack_mm(x, self.weight, self.scales)
@@ -115,8 +125,10 @@ class Int4Linear(QuantizedLinear):
         low = weight.amin(dim=-1, keepdim=True)
         high = weight.amax(dim=-1, keepdim=True)
         scales = ((high - low) / 15.0).clamp(min=1e-10)  # [out, groups, 1]
-        quantized = torch.round((weight - low) / scales).clamp(0, 15).to(torch.int32)
-        quantized = quantized.reshape(out_features, in_features)
+        # In place after the first subtraction: one float32 scratch copy of the weight.
+        levels = weight.sub(low).div_(scales).round_().clamp_(0, 15)
+        quantized = levels.to(torch.int32).reshape(out_features, in_features)
+        del levels
         zeros = low + 8.0 * scales
         self.packed: torch.Tensor
         self.scales_and_zeros: torch.Tensor
@@ -191,21 +203,37 @@ def int4_supported(linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> bool
     return linear.out_features % _INT4_BLOCK_N == 0 and linear.in_features % group_size == 0
 
 
-def quantize_model(model: nn.Module, weight_dtype: WeightDtype) -> None:
-    """The engine's quantization after loading (the linears, see `quantize_linears`). The
-    input embedding stays float32: an int8 embedding on top of int4 layers flipped
-    SmolLM2-135M's greedy answers (no "Paris" any more)."""
-    quantize_linears(model, weight_dtype)
+def quantize_output_layer(model: nn.Module, weight_dtype: WeightDtype) -> bool:
+    """Put the model's LM head (its output embeddings) in int8 for any quantized
+    `weight_dtype`: an int4 LM head flipped greedy answers of SmolLM2-135M (it no longer
+    answered "Paris"), an int8 one did not. A tied head gets its own int8 copy; the input
+    embedding stays float32 (one row is read per token; an int8 embedding on top of int4
+    layers flipped answers too).
+
+    Returns:
+        whether a head was replaced (False for "float32" or a rank without the head).
+    """
+    if weight_dtype == "float32":
+        return False
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    lm_head = get_output_embeddings() if callable(get_output_embeddings) else None
+    if type(lm_head) is not nn.Linear:
+        return False
+    for name, module in model.named_modules():
+        if module is lm_head:
+            parent_name, _, attribute = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attribute, Int8Linear(lm_head))
+            return True
+    return False
 
 
 def quantize_linears(model: nn.Module, weight_dtype: WeightDtype) -> int:
-    """Replace the model's `nn.Linear` modules (decoder layers and LM head) in place.
+    """Replace the `nn.Linear` modules of `model` (a whole model, or one decoder layer as
+    the loader does) in place.
 
-    "int4" puts the decoder layers' linears in int4 and keeps the LM head in int8: an int4
-    LM head flipped greedy answers of SmolLM2-135M (e.g. it no longer answered "Paris"),
-    an int8 one did not. A layer whose shape int4 cannot pack also gets int8. The input
-    embedding stays float32 (only one row per token is read); a tied LM head is quantized
-    separately from it.
+    "int4" puts linears in int4 and a model's LM head in int8 (see
+    `quantize_output_layer`); a linear whose shape int4 cannot pack also gets int8.
 
     Returns:
         the number of replaced modules.
@@ -216,8 +244,6 @@ def quantize_linears(model: nn.Module, weight_dtype: WeightDtype) -> int:
         raise ValueError(f"unknown weight dtype {weight_dtype!r}; expected one of {WEIGHT_DTYPES}")
     get_output_embeddings = getattr(model, "get_output_embeddings", None)
     lm_head = get_output_embeddings() if callable(get_output_embeddings) else None
-    from exo.worker.engines.torch.sharding import AllReducedLinear, RowParallelLinear
-
     targets = [
         (name, module)
         for name, module in model.named_modules()

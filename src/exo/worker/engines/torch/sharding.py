@@ -1,51 +1,31 @@
-"""Shard-only loading for multi-rank shards: a meta-device skeleton of the whole model is cut
-down to this rank's part (pipeline: a range of decoder layers; tensor: a slice of every
-attention and MLP projection), then only the tensors that part needs are read from
-safetensors, so a rank's peak memory is its share of the weights.
+"""The shard transform: a meta-device skeleton of the whole model is cut down to one rank's
+part (pipeline: a range of decoder layers; tensor: a slice of every attention and MLP
+projection), and each checkpoint tensor is mapped to its name and slice on that rank.
 
 Parallelism is a transform on the unchanged transformers modules (the approach of gpt-fast's
 `tp.py`): layers are dropped or their linears swapped for smaller ones; the model code is
-never forked.
+never forked. Which linears split which way comes from the model's family file.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from loguru import logger
-from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
-from exo.worker.engines.torch.loading import (
-    _LAYER_INDEX,
-    LayerProgressCallback,
-    _assign_tensor,
-    _empty_model,
-    _group_tensor_names_by_layer,
-    _tie_output_embeddings,
-)
+from exo.worker.engines.torch.families import ModelFamily, UnsupportedArchitectureError
 
-COLUMN_PARALLEL = (
-    ("self_attn", "q_proj"),
-    ("self_attn", "k_proj"),
-    ("self_attn", "v_proj"),
-    ("mlp", "gate_proj"),
-    ("mlp", "up_proj"),
-)
-ROW_PARALLEL = (("self_attn", "o_proj"), ("mlp", "down_proj"))
+# A decoder layer's tensors in the model: `model.layers.<index>.<rest>`.
+LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
-# How a tensor is read: whole, or the rank's slice of a safetensors slice object.
+# How a tensor is read: the rank's part of a safetensors slice object.
 TensorReader = Callable[[Any], torch.Tensor]
-
-
-class UnsupportedArchitectureError(ValueError):
-    """The model's module structure is not one the sharding transform recognises."""
 
 
 class AbsentModule(nn.Module):
@@ -90,11 +70,6 @@ class AllReducedLinear(nn.Module):
         return output
 
 
-def _architecture(config: PretrainedConfig) -> str:
-    names = getattr(config, "architectures", None) or [type(config).__name__]
-    return str(names[0])
-
-
 def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     """The decoder layers of a transformers causal LM (`model.model.layers`).
 
@@ -104,7 +79,7 @@ def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     """
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
-    architecture = _architecture(model.config)
+    architecture = type(model).__name__
     if not isinstance(layers, nn.ModuleList):
         raise UnsupportedArchitectureError(
             f"{architecture}: no decoder layers at model.model.layers; cannot shard it"
@@ -117,15 +92,21 @@ def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     return layers
 
 
-def _cut_to_pipeline_stage(model: PreTrainedModel, shard: PipelineShardMetadata) -> None:
+def cut_to_pipeline_stage(model: PreTrainedModel, shard: PipelineShardMetadata) -> None:
     """Keep decoder layers [start_layer, end_layer) (renumbered from 0 for the KV cache), the
-    embedding on the first rank only, the final norm and LM head on the last rank only."""
+    embedding on the first rank only, the final norm and LM head on the last rank only.
+
+    Raises:
+        ValueError: the model's layer count differs from the card's.
+    """
     layers = decoder_layers(model)
     inner: Any = model.model
     if len(layers) != shard.model_card.n_layers:
         raise ValueError(
             f"the model has {len(layers)} decoder layers, its card says {shard.model_card.n_layers}"
         )
+    if (shard.start_layer, shard.end_layer) == (0, len(layers)) and shard.world_size == 1:
+        return
     kept = list(layers)[shard.start_layer : shard.end_layer]
     inner.layers = nn.ModuleList(kept)
     for layer in kept:
@@ -147,39 +128,58 @@ def _cut_to_pipeline_stage(model: PreTrainedModel, shard: PipelineShardMetadata)
         model.lm_head = AbsentModule("LM head")
 
 
-def check_tensor_parallel(config: PretrainedConfig, world_size: int) -> None:
-    """Raises ValueError naming the architecture and field when attention heads, KV heads or
-    the MLP width do not divide by `world_size`."""
-    text_config = config.get_text_config()
+def check_tensor_parallel(
+    family: ModelFamily, architecture: str, config: PretrainedConfig, world_size: int
+) -> None:
+    """Raises UnsupportedArchitectureError / ValueError naming the architecture and field
+    when the family refuses tensor parallelism, or attention heads, KV heads, the MLP width
+    or a fused linear's parts do not divide by `world_size`."""
+    if family.tensor_parallel_note is not None:
+        raise UnsupportedArchitectureError(
+            f"{architecture}: no tensor parallelism: {family.tensor_parallel_note}"
+        )
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(text_config, field, None)
+        value = getattr(config, field, None)
         if not isinstance(value, int):
             raise UnsupportedArchitectureError(
-                f"{_architecture(config)}: config has no integer {field}; cannot shard it "
-                "tensor-parallel"
+                f"{architecture}: config has no integer {field}; cannot shard it tensor-parallel"
             )
         if value % world_size:
             raise ValueError(
-                f"{_architecture(config)}: {field}={value} is not divisible by the tensor "
+                f"{architecture}: {field}={value} is not divisible by the tensor "
                 f"parallel world size {world_size}"
+            )
+    for path, parts in family.fused_parts.items():
+        sizes = parts(config)
+        if any(size % world_size for size in sizes):
+            raise ValueError(
+                f"{architecture}: the parts {sizes} of the fused {path} are not divisible by "
+                f"the tensor parallel world size {world_size}"
             )
 
 
-def _split_linears(model: PreTrainedModel, world_size: int) -> None:
-    """Swap every layer's attention/MLP projections (on meta) for their per-rank shapes."""
-    architecture = _architecture(model.config)
+def split_linears(model: PreTrainedModel, family: ModelFamily, world_size: int) -> None:
+    """Swap every layer's column- and row-parallel linears (on meta) for their per-rank
+    shapes, then let the family adjust what reads head counts from its config.
+
+    Raises:
+        UnsupportedArchitectureError: a layer lacks a linear the family file names.
+    """
+    architecture = type(model).__name__
+    text_config = model.config.get_text_config()
     for index, layer in enumerate(decoder_layers(model)):
-        for block_name, linear_name in (*COLUMN_PARALLEL, *ROW_PARALLEL):
-            block = getattr(layer, block_name, None)
+        for path in (*family.column_parallel, *family.row_parallel):
+            block_name, _, linear_name = path.rpartition(".")
+            block = layer.get_submodule(block_name) if block_name else layer
             linear = getattr(block, linear_name, None)
             if type(linear) is not nn.Linear:
                 raise UnsupportedArchitectureError(
-                    f"{architecture}: layer {index} has no plain linear {block_name}."
-                    f"{linear_name}; cannot shard it tensor-parallel"
+                    f"{architecture}: layer {index} has no plain linear {path}; cannot shard "
+                    "it tensor-parallel"
                 )
             has_bias = linear.bias is not None
             replacement: nn.Linear
-            if (block_name, linear_name) in ROW_PARALLEL:
+            if family.split_direction(path) == "row":
                 replacement = RowParallelLinear(
                     linear.in_features // world_size, linear.out_features, has_bias, "meta"
                 )
@@ -188,163 +188,98 @@ def _split_linears(model: PreTrainedModel, world_size: int) -> None:
                     linear.in_features, linear.out_features // world_size, has_bias, "meta"
                 )
             setattr(block, linear_name, replacement)
+        if family.after_tensor_split is not None:
+            family.after_tensor_split(layer, text_config, world_size)
 
 
-def _tensor_reader(name: str, rank: int, world_size: int) -> TensorReader:
-    """How to read tensor `name` for tensor-parallel rank `rank`: rows of column-parallel
-    weights and biases, columns of row-parallel weights, everything else whole."""
-    parts = name.split(".")
-    if len(parts) >= 3 and (parts[-3], parts[-2]) in COLUMN_PARALLEL:
+def apply_shard(model: PreTrainedModel, family: ModelFamily, shard: ShardMetadata) -> None:
+    """Cut the meta skeleton down to `shard` in place (world size 1: the whole model).
+
+    Raises:
+        UnsupportedArchitectureError / ValueError: see `cut_to_pipeline_stage`,
+            `check_tensor_parallel`, `split_linears`.
+    """
+    match shard:
+        case PipelineShardMetadata():
+            cut_to_pipeline_stage(model, shard)
+        case TensorShardMetadata():
+            decoder_layers(model)
+            if shard.world_size > 1:
+                config = model.config.get_text_config()
+                check_tensor_parallel(family, type(model).__name__, config, shard.world_size)
+                split_linears(model, family, shard.world_size)
+
+
+def read_whole(tensor_slice: Any) -> torch.Tensor:
+    tensor: torch.Tensor = tensor_slice[:]
+    return tensor
+
+
+def tensor_reader(
+    family: ModelFamily, config: PretrainedConfig, model_name: str, shard: ShardMetadata
+) -> TensorReader:
+    """How rank `shard.device_rank` reads model tensor `model_name`: the rank's rows of
+    column-parallel weights and biases (part by part for fused linears), its columns of
+    row-parallel weights, everything else whole."""
+    if not isinstance(shard, TensorShardMetadata) or shard.world_size == 1:
+        return read_whole
+    match = LAYER_TENSOR.match(model_name)
+    if match is None:
+        return read_whole
+    path, _, kind = match.group(2).rpartition(".")
+    direction = family.split_direction(path)
+    rank, world_size = shard.device_rank, shard.world_size
+    if direction == "column":
+        parts_of = family.fused_parts.get(path)
+        parts = parts_of(config) if parts_of is not None else None
 
         def rows(tensor_slice: Any) -> torch.Tensor:
-            size = tensor_slice.get_shape()[0] // world_size
-            tensor: torch.Tensor = tensor_slice[rank * size : (rank + 1) * size]
-            return tensor
+            sizes = parts or (tensor_slice.get_shape()[0],)
+            pieces: list[torch.Tensor] = []
+            offset = 0
+            for size in sizes:
+                share = size // world_size
+                start = offset + rank * share
+                pieces.append(tensor_slice[start : start + share])
+                offset += size
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
         return rows
-    if len(parts) >= 3 and (parts[-3], parts[-2]) in ROW_PARALLEL and parts[-1] == "weight":
+    if direction == "row" and kind == "weight":
 
         def columns(tensor_slice: Any) -> torch.Tensor:
-            size = tensor_slice.get_shape()[1] // world_size
-            tensor: torch.Tensor = tensor_slice[:, rank * size : (rank + 1) * size]
+            share = tensor_slice.get_shape()[1] // world_size
+            tensor: torch.Tensor = tensor_slice[:, rank * share : (rank + 1) * share]
             return tensor
 
         return columns
-    return lambda tensor_slice: tensor_slice[:]
+    return read_whole
 
 
-def _target_name(name: str, shard: ShardMetadata) -> str | None:
-    """The model's name for checkpoint tensor `name` on this rank (None: not on it)."""
-    if not isinstance(shard, PipelineShardMetadata):
-        return name
-    match = _LAYER_INDEX.search(name)
-    if match is None:
+def model_tensor_name(name: str, prefix: str, shard: ShardMetadata) -> str | None:
+    """The model's name on this rank for checkpoint tensor `name` (None: not the text model
+    — a vision tower — or a layer another pipeline rank holds)."""
+    if prefix:
+        if not name.startswith(prefix):
+            return None
+        name = name[len(prefix) :]
+    match = LAYER_TENSOR.match(name)
+    if match is None or not isinstance(shard, PipelineShardMetadata):
         return name
     index = int(match.group(1))
     if not shard.start_layer <= index < shard.end_layer:
         return None
-    start, end = match.span(1)
-    return f"{name[:start]}{index - shard.start_layer}{name[end:]}"
-
-
-def _model_entries(model: nn.Module) -> set[str]:
-    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for buffer_name in module._buffers:
-            if buffer_name not in module._non_persistent_buffers_set:
-                names.add(f"{module_name}.{buffer_name}" if module_name else buffer_name)
-    return names
-
-
-def load_sharded_model(
-    model_dir: Path,
-    shard: ShardMetadata,
-    device: torch.device,
-    on_layer_loaded: LayerProgressCallback | None = None,
-) -> PreTrainedModel:
-    """Load this rank's part of the model in `model_dir`, fp32 on `device`.
-
-    Args:
-        model_dir: HF-format directory (config.json + *.safetensors).
-        shard: a pipeline shard (any layer range) or a tensor shard (any world size).
-        device: target device.
-        on_layer_loaded: called as (decoder layers loaded, decoder layers on this rank).
-
-    Returns:
-        The cut-down model in eval mode: for a pipeline rank that is not the last,
-        `model.model(...)` returns the hidden states to send on (its final norm is an
-        identity); a tensor rank's forward all-reduces and needs the process group.
-
-    Raises:
-        UnsupportedArchitectureError / ValueError: unrecognised structure, indivisible
-            heads for tensor parallelism, missing or mis-shaped tensors.
-    """
-    config = AutoConfig.from_pretrained(model_dir)
-    model = _empty_model(config)
-    match shard:
-        case PipelineShardMetadata():
-            _cut_to_pipeline_stage(model, shard)
-        case TensorShardMetadata():
-            check_tensor_parallel(config, shard.world_size)
-            decoder_layers(model)
-            _split_linears(model, shard.world_size)
-    wanted = _model_entries(model)
-    groups = _group_tensor_names_by_layer(model_dir)
-    layer_indices = sorted(
-        index
-        for index in groups
-        if index is not None and _target_name(f"model.layers.{index}.x", shard) is not None
-    )
-    if on_layer_loaded is not None:
-        on_layer_loaded(0, len(layer_indices))
-    handles: dict[Path, Any] = {}
-
-    def read(path: Path, name: str, target: str) -> None:
-        handle = handles.get(path)
-        if handle is None:
-            handle = handles[path] = safe_open(str(path), framework="pt")
-        reader = (
-            _tensor_reader(name, shard.device_rank, shard.world_size)
-            if isinstance(shard, TensorShardMetadata)
-            else (lambda tensor_slice: tensor_slice[:])
-        )
-        tensor = reader(handle.get_slice(name)).to(device=device, dtype=torch.float32)
-        if not _assign_tensor(model, target, tensor):
-            logger.warning("tensor {} has no place in the model", name)
-
-    try:
-        for done, index in enumerate([None, *layer_indices]):
-            for path, name in groups.get(index, []):
-                target = _target_name(name, shard)
-                if target is not None and target in wanted:
-                    read(path, name, target)
-            if index is not None and on_layer_loaded is not None:
-                on_layer_loaded(done, len(layer_indices))
-        _fill_tied_lm_head(model, groups.get(None, []), read)
-    finally:
-        handles.clear()
-    missing = [name for name, parameter in model.named_parameters() if parameter.is_meta]
-    if missing:
-        raise ValueError(
-            f"{model_dir} lacks {len(missing)} tensors rank {shard.device_rank} needs, "
-            f"e.g. {missing[:5]}"
-        )
-    torch.nn.Module.to(model, device)  # non-persistent buffers (rotary frequencies)
-    model.eval()
-    model.requires_grad_(False)
-    return model
-
-
-def _fill_tied_lm_head(
-    model: PreTrainedModel,
-    unlayered: list[tuple[Path, str]],
-    read: Callable[[Path, str, str], None],
-) -> None:
-    """With tied embeddings the checkpoint stores the embedding only: share it with the LM
-    head where both are here, or read it into the LM head (last pipeline rank)."""
-    if not getattr(model.config.get_text_config(), "tie_word_embeddings", False):
-        return
-    lm_head = getattr(model, "lm_head", None)
-    weight = getattr(lm_head, "weight", None)
-    if not isinstance(weight, torch.Tensor) or not weight.is_meta:
-        return
-    embedding = getattr(model.model, "embed_tokens", None)
-    if isinstance(embedding, nn.Embedding) and not embedding.weight.is_meta:
-        _tie_output_embeddings(model)
-        return
-    for path, name in unlayered:
-        if name.endswith("embed_tokens.weight"):
-            read(path, name, "lm_head.weight")
-            return
+    return f"model.layers.{index - shard.start_layer}.{match.group(2)}"
 
 
 def loaded_parameter_bytes(model: nn.Module) -> int:
-    """Bytes of the model's (distinct, non-meta) parameters: what this rank holds."""
+    """Bytes of the model's distinct, non-meta parameters and buffers: what this rank holds
+    (quantized weights are buffers)."""
     seen: set[int] = set()
     total = 0
-    for parameter in model.parameters():
-        if parameter.is_meta or id(parameter) in seen:
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_meta or id(tensor) in seen:
             continue
-        seen.add(id(parameter))
-        total += parameter.numel() * parameter.element_size()
+        seen.add(id(tensor))
+        total += tensor.numel() * tensor.element_size()
     return total

@@ -87,7 +87,7 @@ def test_fused_rms_norm_matches_llama_rms_norm() -> None:
     norm = LlamaRMSNorm(576, eps=1e-5)
     norm.weight.data.uniform_(0.5, 1.5)
     holder = nn.ModuleDict({"norm": norm})
-    assert fuse_rms_norms(holder) == 1
+    assert fuse_rms_norms(holder, (LlamaRMSNorm,)) == 1
     assert isinstance(holder["norm"], FusedRMSNorm)
     x = torch.randn(2, 7, 576)
     torch.testing.assert_close(holder["norm"](x), norm(x))

@@ -1,0 +1,26 @@
+"""Gemma (1) (`GemmaForCausalLM`). Its RMSNorm scales by `1 + weight`, so it is not fused.
+(Gemma 2 is absent: transformers has no SDPA attention for it.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import GemmaConfig, GemmaForCausalLM, PreTrainedModel
+
+from exo.worker.engines.torch.families.spec import ModelFamily, standard_attention_and_mlp
+
+
+def tiny_model(settings: dict[str, Any]) -> PreTrainedModel:
+    settings = {key: value for key, value in settings.items() if key != "sliding_window"}
+    return GemmaForCausalLM(GemmaConfig(**settings, head_dim=16))
+
+
+_COLUMN, _ROW = standard_attention_and_mlp()
+FAMILY = ModelFamily(
+    name="gemma",
+    architectures=("GemmaForCausalLM",),
+    column_parallel=_COLUMN,
+    row_parallel=_ROW,
+    rms_norms=(),
+    tiny_model=tiny_model,
+)

@@ -1,0 +1,204 @@
+"""Every family file against its tiny random-weight model (built with the real transformers
+class): the spec names real modules, its cache layout is transformers' own, the loader reads
+every checkpoint layout it declares, and the memory estimate is what loading holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from exo.shared.models.cards import card_from_local_directory
+from exo.shared.models.memory import WeightShare, resident_weight_bytes
+from exo.shared.types.models import ModelCard
+from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
+from exo.testing.tiny_models import ARCHITECTURES, WRAPPED_ARCHITECTURES, save_tiny_model
+from exo.worker.engines.torch.families import (
+    FAMILIES,
+    UnsupportedArchitectureError,
+    family_by_name,
+    family_for_architecture,
+)
+from exo.worker.engines.torch.fusion import FusedRMSNorm
+from exo.worker.engines.torch.kv_cache import DecodeSession, PreallocatedLayer, new_request_cache
+from exo.worker.engines.torch.loading import load_model
+from exo.worker.engines.torch.quantize import WeightDtype
+from exo.worker.engines.torch.sharding import loaded_parameter_bytes
+
+CPU = torch.device("cpu")
+PROMPT_IDS = list(range(100, 112))
+
+
+def whole(card: ModelCard) -> ShardMetadata:
+    return PipelineShardMetadata(
+        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
+    )
+
+
+def greedy_tokens(model: nn.Module, count: int = 8) -> list[int]:
+    session = DecodeSession(model, CPU, len(PROMPT_IDS) + count)  # type: ignore[arg-type]
+    logits = session.prefill(PROMPT_IDS)
+    tokens: list[int] = []
+    for _ in range(count):
+        tokens.append(int(logits.argmax()))
+        logits = session.decode(tokens[-1])
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> dict[str, Path]:
+    """One 4-layer model per family (sliding window 4, shorter than the prompt)."""
+    directories: dict[str, Path] = {}
+    for name in ARCHITECTURES:
+        directory = tmp_path_factory.mktemp(f"family-{name}")
+        directories[name] = save_tiny_model(
+            directory, name, real_model_dir, n_layers=4, sliding_window=4
+        )
+    return directories
+
+
+def test_registry_names_are_unique_and_cover_every_tiny_model() -> None:
+    names = [family.name for family in FAMILIES]
+    assert len(set(names)) == len(names) and tuple(names) == ARCHITECTURES
+    architectures = [a for f in FAMILIES for a in (*f.architectures, *f.wrapped_architectures)]
+    assert len(set(architectures)) == len(architectures)
+    assert family_for_architecture("Gemma3ForConditionalGeneration").name == "gemma3"
+    assert family_for_architecture("Mistral3ForConditionalGeneration").name == "mistral"
+
+
+def test_an_architecture_without_a_family_file_is_named_in_the_error(
+    tmp_path: Path, tiny_dirs: dict[str, Path]
+) -> None:
+    with pytest.raises(UnsupportedArchitectureError, match=r"'GPT2LMHeadModel'.*no model family"):
+        family_for_architecture("GPT2LMHeadModel")
+    # Through the loader: a checkpoint whose config declares an unknown architecture.
+    directory = save_tiny_model(tmp_path / "renamed", "llama", None, n_layers=1, vocab_size=256)
+    config = json.loads((directory / "config.json").read_text())
+    config["architectures"] = ["FalconForCausalLM"]
+    (directory / "config.json").write_text(json.dumps(config))
+    card = card_from_local_directory(tiny_dirs["llama"])
+    with pytest.raises(UnsupportedArchitectureError, match="'FalconForCausalLM'"):
+        load_model(directory, whole(card.model_copy(update={"n_layers": 1})), CPU)
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_spec_names_real_modules_and_transformers_cache_layout(
+    name: str, tiny_dirs: dict[str, Path]
+) -> None:
+    family = family_by_name(name)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_dirs[name], dtype=torch.float32)
+    assert type(reference).__name__ in family.architectures
+    config = reference.config.get_text_config()
+    for layer in reference.model.layers:
+        for path in (*family.column_parallel, *family.row_parallel):
+            assert type(layer.get_submodule(path)) is nn.Linear, path
+        for path, parts in family.fused_parts.items():
+            assert sum(parts(config)) == layer.get_submodule(path).out_features, path
+    norms = {type(module) for module in reference.modules() if "RMSNorm" in type(module).__name__}
+    assert set(family.rms_norms) <= norms
+    # The cache the engine builds from the spec is laid out as transformers' own.
+    theirs = DynamicCache(config=reference.config).layers
+    ours = new_request_cache(reference, 16).layers
+    assert len(ours) == len(theirs) == config.num_hidden_layers
+    for mine, expected in zip(ours, theirs, strict=True):
+        if isinstance(expected, DynamicSlidingWindowLayer):
+            assert isinstance(mine, DynamicSlidingWindowLayer)
+            assert mine.sliding_window == expected.sliding_window
+        else:
+            assert isinstance(mine, PreallocatedLayer)
+
+
+def test_gemma3_layout_has_sliding_layers() -> None:
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        num_hidden_layers=4, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )  # fmt: skip
+    assert family_by_name("gemma3").attention_windows(config) == (4, None, 4, None)
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_loader_equals_transformers_and_fuses_the_spec_norms(
+    name: str, tiny_dirs: dict[str, Path]
+) -> None:
+    directory = tiny_dirs[name]
+    card = card_from_local_directory(directory)
+    ours = load_model(directory, whole(card), CPU)
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    assert greedy_tokens(ours) == greedy_tokens(reference)
+    fused = sum(isinstance(module, FusedRMSNorm) for module in ours.modules())
+    assert fused == (2 * card.n_layers + 1 if family_by_name(name).rms_norms else 0) or (
+        name == "qwen3" and fused == 4 * card.n_layers + 1  # plus per-head q/k norms
+    )
+
+
+@pytest.mark.parametrize("name", WRAPPED_ARCHITECTURES)
+def test_conditional_generation_checkpoint_loads_its_text_model(
+    name: str, tiny_dirs: dict[str, Path], tmp_path: Path, real_model_dir: Path
+) -> None:
+    """Gemma 3 4B+ and Mistral-Small 3.1 keep the text model under `language_model.` next
+    to a vision tower: the text engine loads the same model as from a text checkpoint."""
+    wrapped = save_tiny_model(
+        tmp_path / "wrapped", name, real_model_dir, n_layers=4, sliding_window=4, wrapped=True
+    )
+    config = json.loads((wrapped / "config.json").read_text())
+    assert config["architectures"][0].endswith("ForConditionalGeneration")
+    card = card_from_local_directory(wrapped)
+    assert card.n_layers == 4
+    expected = greedy_tokens(load_model(tiny_dirs[name], whole(card), CPU))
+    assert greedy_tokens(load_model(wrapped, whole(card), CPU)) == expected
+    # Pipeline ranks of the wrapped checkpoint cut it the same way.
+    first = PipelineShardMetadata(
+        model_card=card, device_rank=0, world_size=2, start_layer=0, end_layer=2
+    )
+    assert len(load_model(wrapped, first, CPU).model.layers) == 2
+
+
+def non_persistent_buffer_bytes(model: nn.Module) -> int:
+    """Bytes of buffers computed at construction (rotary frequencies), not weights."""
+    total = 0
+    for module in model.modules():
+        for name in module._non_persistent_buffers_set:
+            buffer = module._buffers.get(name)
+            if buffer is not None:
+                total += buffer.numel() * buffer.element_size()
+    return total
+
+
+@pytest.mark.parametrize(
+    ("name", "weight_dtype"), [("llama", "int4"), ("qwen2", "int8"), ("phi3", "int4")]
+)
+def test_memory_estimate_is_what_loading_holds(
+    name: str, weight_dtype: WeightDtype, tmp_path: Path, real_model_dir: Path
+) -> None:
+    """The card-based estimate placement uses equals the bytes of weights the loaded model
+    holds, for a whole model, a pipeline rank and a tensor rank. (Every part of Phi-3's
+    fused projections fits int4 here, as in real models; the estimate sizes them by part.)"""
+    directory = save_tiny_model(
+        tmp_path / name, name, real_model_dir, n_layers=2, vocab_size=512, hidden_size=256,
+        intermediate_size=256, tie_word_embeddings=False,
+    )  # fmt: skip
+    card = card_from_local_directory(directory)
+    cases: list[tuple[ShardMetadata, WeightShare]] = [
+        (whole(card), WeightShare(layers=2)),
+        (
+            PipelineShardMetadata(
+                model_card=card, device_rank=1, world_size=2, start_layer=1, end_layer=2
+            ),
+            WeightShare(layers=1, holds_embedding=False),
+        ),
+        (
+            TensorShardMetadata(model_card=card, device_rank=0, world_size=2),
+            WeightShare(layers=2, tensor_parallel_ranks=2),
+        ),
+    ]
+    for shard, share in cases:
+        model = load_model(directory, shard, CPU, weight_dtype)
+        held = loaded_parameter_bytes(model) - non_persistent_buffer_bytes(model)
+        assert held == resident_weight_bytes(card, weight_dtype, share), shard
