@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -35,7 +35,6 @@ from exo.master.decisions import no_instance_message
 from exo.shared.types.chunks import Chunk, ErrorChunk
 from exo.shared.types.commands import CancelGeneration, GenerateText
 from exo.shared.types.common import CommandId
-from exo.shared.types.instances import Instance
 from exo.shared.types.models import ModelCard
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
@@ -130,10 +129,9 @@ async def start_generation(
     if params.model not in known_model_ids(cluster):
         raise ModelNotFoundError(f"The model '{params.model}' does not exist")
     check_chat_template(params, card_of(cluster, params.model))
-    instances = cluster.state.instances_of_model(params.model)
-    if not instances:
+    if not cluster.state.instances_of_model(params.model):
         raise ModelNotFoundError(no_instance_message(params.model), code="no_instance")
-    _check_logit_bias(params, cluster.cards.get(params.model), instances)
+    _check_logit_bias(params, card_of(cluster, params.model))
     command = GenerateText(command_id=command_id or CommandId.new(), params=params)
     resources = ExitStack()
     # Registered before submitting, so no chunk can arrive unheard.
@@ -246,21 +244,11 @@ def check_serializable(params: TextGenerationTaskParams) -> None:
         raise InvalidRequestError(f"the request cannot be processed: {error}") from None
 
 
-def _check_logit_bias(
-    params: TextGenerationTaskParams, card: ModelCard | None, instances: Sequence[Instance]
-) -> None:
-    """Refuse biased token ids outside the model's vocabulary (`card`, else the card an
-    instance carries); the engine checks again against the loaded model."""
-    if not params.logit_bias:
+def _check_logit_bias(params: TextGenerationTaskParams, card: ModelCard | None) -> None:
+    """Refuse biased token ids outside the model's vocabulary (as its card gives it; the
+    engine checks again against the loaded model)."""
+    if not params.logit_bias or card is None:
         return
-    if card is None:
-        shards = [
-            shard for instance in instances
-            for shard in instance.shard_assignments.runner_to_shard.values()
-        ]  # fmt: skip
-        if not shards:
-            return
-        card = shards[0].model_card
     outside = sorted(token_id for token_id in params.logit_bias if token_id >= card.vocab_size)
     if outside:
         raise InvalidRequestError(
