@@ -319,6 +319,12 @@ def responses_effects() -> list[Decision]:
             {"include": ["message.output_text.logprobs"]},
             lambda p: p.logprobs,
         ),
+        NoOp(
+            fields("ResponsesRequest.include"),
+            RESPONSES,
+            {"include": ["reasoning.encrypted_content", "web_search_call.results"]},
+            "`include` values other than `message.output_text.logprobs`",
+        ),
         Effect(
             fields("ResponsesRequest.top_logprobs"),
             RESPONSES,
