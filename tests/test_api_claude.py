@@ -40,8 +40,12 @@ def test_create_stream_and_count_tokens_agree(default_node: ExoNode) -> None:
     with client.messages.stream(
         model=DEFAULT_MODEL_ID, max_tokens=30, extra_body=GREEDY, messages=QUESTION
     ) as stream:
-        pieces = list(stream.text_stream)
+        events = list(stream)
         final = stream.get_final_message()
+    # The prompt's size is known when the stream opens, as Anthropic reports it.
+    [start] = [event for event in events if event.type == "message_start"]
+    assert start.message.usage.input_tokens == message.usage.input_tokens > 5
+    pieces = [event.text for event in events if event.type == "text"]
     assert "".join(pieces) == text_of(message)
     assert len(pieces) > 3, "streaming sends the answer piece by piece"
     assert text_of(final) == text_of(message)
