@@ -420,7 +420,7 @@ def test_instruct_models_complete_raw_prompts_too(
     assert last_params(cluster).prompt == "<|im_start|>user\nHi<|im_end|>\n"
 
 
-CHAT_BODIES = {
+CHAT_BODIES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
     "/v1/responses": {"input": "hi"},
     "/v1/messages": {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
