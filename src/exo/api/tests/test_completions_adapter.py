@@ -420,6 +420,16 @@ def test_instruct_models_complete_raw_prompts_too(
     assert last_params(cluster).prompt == "<|im_start|>user\nHi<|im_end|>\n"
 
 
+def test_ollama_serves_the_openai_completions_route_too(
+    server: tuple[str, BaseModelCluster], cluster: BaseModelCluster
+) -> None:
+    client = openai.OpenAI(
+        base_url=f"{server[0]}/ollama/v1", api_key="x", timeout=10.0, max_retries=0
+    )
+    assert client.completions.create(model=GEMMA, prompt="x").choices[0].text == " Paris is."
+    assert last_params(cluster).prompt == "x"
+
+
 CHAT_BODIES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
     "/v1/responses": {"input": "hi"},
