@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
@@ -109,7 +109,7 @@ class ModelFamily:
         """The prefix of the text model's tensor names in a checkpoint of `architecture`."""
         return LANGUAGE_MODEL_PREFIX if architecture in self.wrapped_architectures else ""
 
-    def split_direction(self, linear_path: str) -> str | None:
+    def split_direction(self, linear_path: str) -> Literal["column", "row"] | None:
         """ "column", "row" or None (replicated) for a layer-relative linear path."""
         if linear_path in self.column_parallel:
             return "column"

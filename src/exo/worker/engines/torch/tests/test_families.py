@@ -4,6 +4,7 @@ every checkpoint layout it declares, and the memory estimate is what loading hol
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from exo.worker.engines.torch.fusion import FusedRMSNorm
 from exo.worker.engines.torch.kv_cache import DecodeSession, PreallocatedLayer, new_request_cache
 from exo.worker.engines.torch.loading import load_model
 from exo.worker.engines.torch.quantize import WeightDtype
-from exo.worker.engines.torch.sharding import loaded_parameter_bytes
+from exo.worker.engines.torch.sharding import check_tensor_parallel, loaded_parameter_bytes
 
 CPU = torch.device("cpu")
 PROMPT_IDS = list(range(100, 112))
@@ -111,6 +112,20 @@ def test_spec_names_real_modules_and_transformers_cache_layout(
             assert mine.sliding_window == expected.sliding_window
         else:
             assert isinstance(mine, PreallocatedLayer)
+
+
+def test_a_family_can_refuse_tensor_parallelism_with_its_reason(
+    tiny_dirs: dict[str, Path],
+) -> None:
+    refusing = dataclasses.replace(family_by_name("llama"), tensor_parallel_note="the test says so")
+    config = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).config
+    check_tensor_parallel(family_by_name("llama"), "LlamaForCausalLM", config, 2)
+    with pytest.raises(UnsupportedArchitectureError, match=r"LlamaForCausalLM.*the test says so"):
+        check_tensor_parallel(refusing, "LlamaForCausalLM", config, 2)
+    with pytest.raises(ValueError, match=r"num_attention_heads=4 is not divisible by .* 3"):
+        check_tensor_parallel(family_by_name("llama"), "LlamaForCausalLM", config, 3)
+    phi3_config = AutoModelForCausalLM.from_pretrained(tiny_dirs["phi3"]).config
+    check_tensor_parallel(family_by_name("phi3"), "Phi3ForCausalLM", phi3_config, 2)
 
 
 def test_gemma3_layout_has_sliding_layers() -> None:
