@@ -121,6 +121,9 @@ def create_app(
         allow_origin_regex=LOOPBACK_ORIGIN_PATTERN,
         allow_methods=["*"],
         allow_headers=["*"],
+        # Chrome asks before a public page (a configured origin) calls a LAN address; only
+        # allowed origins ever get this far.
+        allow_private_network=True,
     )
     # Added last, so it runs first: a refused request never reaches the CORS answer.
     app.add_middleware(BrowserAccessMiddleware, access=access, refuse=_refuse)

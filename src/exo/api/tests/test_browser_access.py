@@ -213,8 +213,16 @@ def test_a_rebound_name_is_refused_in_the_dialects_shape(path: str, shape: set[s
 def test_configured_origin_and_star() -> None:
     origin = "https://chat.example.com"
     with client(BrowserAccess(parse_cors_origins(origin), NODE.host_names)) as widened:
-        response = widened.options("/v1/messages", headers={"Origin": origin, **PREFLIGHT})
+        response = widened.options(
+            "/v1/messages",
+            headers={
+                "Origin": origin,
+                "Access-Control-Request-Private-Network": "true",  # Chrome, page to LAN
+                **PREFLIGHT,
+            },
+        )
         assert response.headers["access-control-allow-origin"] == origin
+        assert response.headers["access-control-allow-private-network"] == "true"
         other = widened.options(
             "/v1/messages", headers={"Origin": "https://other.example.com", **PREFLIGHT}
         )
