@@ -200,11 +200,13 @@ def test_runner_killed_mid_request_fails_request_then_recovers(default_node: Exo
 
 def test_placement_routes_and_restart_replay(tmp_path: Path, shared_models_dir: Path) -> None:
     node = ExoNode(
-        tmp_path / "home", models_dir=shared_models_dir, extra_args=("--no-default-model",)
+        tmp_path / "home",
+        models_dir=shared_models_dir,
+        extra_args=("--no-default-model", "--no-auto-place"),
     )
     node.start()
     try:
-        # Known model, nothing placed: 404 that says how to place it.
+        # Known model, nothing placed, no placing on request: 404 that says how to place it.
         response = httpx.post(
             f"{node.url}/v1/chat/completions",
             json={"model": DEFAULT_MODEL_ID, "messages": QUESTION},

@@ -15,7 +15,12 @@ from pydantic import TypeAdapter
 from rich.console import Console
 
 from exo.api.browser_access import BrowserAccess, parse_cors_origins, this_machine_names
-from exo.api.cluster import ClusterClient, CommandRejectedError, CommandTimeoutError
+from exo.api.cluster import (
+    ClusterClient,
+    CommandRejectedError,
+    CommandTimeoutError,
+    LoadOnRequest,
+)
 from exo.api.main import Api, bind_api_socket
 from exo.master.decisions import events_after_restart
 from exo.master.event_log import EventLog
@@ -34,7 +39,7 @@ from exo.shared.election import Election, ElectionMessage
 from exo.shared.local_events import LocalEventSender
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.replica import Replica
-from exo.shared.types.commands import Command, ForwarderCommand, PlaceInstance
+from exo.shared.types.commands import Command, ForwarderCommand, KeepAlive, PlaceInstance
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
 from exo.shared.types.events import RunnerDeleted
 from exo.shared.types.runners import RunnerReady, RunnerRunning
@@ -59,6 +64,8 @@ class Options:
     offline: bool
     default_model: bool
     cors_origins: tuple[str, ...] = ()
+    auto_place: bool = True
+    idle_unload_seconds: float | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
@@ -117,6 +124,19 @@ def parse_args(argv: list[str] | None = None) -> Options:
         help=f"do not place {DEFAULT_MODEL_ID} when the cluster has no instance",
     )
     parser.add_argument(
+        "--no-auto-place",
+        action="store_true",
+        help="answer a request for a model with no instance with 404 instead of placing it",
+    )
+    parser.add_argument(
+        "--idle-unload",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="delete instances this node places or serves once idle this long "
+        "(default: keep them until deleted; a request's Ollama keep_alive overrides it)",
+    )
+    parser.add_argument(
         "--cors-origins",
         default=os.environ.get("EXO_CORS_ORIGINS", ""),
         help="comma-separated origins of web pages allowed to use the API besides "
@@ -129,6 +149,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
             parser.error(f"{flag} must be between 1 and 65535, not {port}")
     if args.api_port == args.zenoh_port:
         parser.error("--api-port and --zenoh-port must differ")
+    if args.idle_unload is not None and not 0 <= args.idle_unload < float("inf"):
+        parser.error(f"--idle-unload must be a number of seconds >= 0, not {args.idle_unload}")
     peers = tuple(p.strip() for p in args.bootstrap_peers.split(",") if p.strip())
     for peer in peers:
         if not peer.startswith(("tcp/", "udp/", "tls/", "quic/")) or ":" not in peer:
@@ -150,6 +172,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
         offline=args.offline,
         default_model=not args.no_default_model,
         cors_origins=cors_origins,
+        auto_place=not args.no_auto_place,
+        idle_unload_seconds=args.idle_unload,
     )
 
 
@@ -242,6 +266,12 @@ class Node:
             cards=self.cards,
             election=self.election,
             current_peers=lambda: self.router.peers,
+            load_on_request=LoadOnRequest(
+                auto_place=options.auto_place,
+                idle_unload_seconds=options.idle_unload_seconds,
+                offline=options.offline,
+            ),
+            record_download=self.worker.record_download,
         )
         self.info_gatherer = InfoGatherer(
             self.local_events,
@@ -363,6 +393,7 @@ class Node:
                     model_id=DEFAULT_MODEL_ID,
                     node_ids=(self.node_id,),
                     only_if_cluster_empty=True,
+                    keep_alive=self._default_keep_alive(),
                 )
             )
         except CommandRejectedError as error:
@@ -371,6 +402,10 @@ class Node:
             return
         except CommandTimeoutError as error:
             logger.error(f"could not place the default model: {error}")
+
+    def _default_keep_alive(self) -> KeepAlive | None:
+        seconds = self.options.idle_unload_seconds
+        return KeepAlive(seconds=seconds) if seconds is not None else None
 
     async def _announce_ready_models(self) -> None:
         """Log `<model> is ready` each time an instance this node takes part in becomes

@@ -24,7 +24,12 @@ from loguru import logger
 
 from exo.shared.election import Election
 from exo.shared.types.chunks import Chunk, ErrorChunk
-from exo.shared.types.commands import CancelGeneration, Command, ForwarderCommand
+from exo.shared.types.commands import (
+    CancelGeneration,
+    Command,
+    DeleteInstance,
+    ForwarderCommand,
+)
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, TaskId
 from exo.shared.types.events import (
     CommandRejected,
@@ -32,10 +37,12 @@ from exo.shared.types.events import (
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
+    InstanceUsed,
     TaskCreated,
     TaskStatusUpdated,
 )
 from exo.shared.types.models import ModelCard
+from exo.shared.types.nodes import DownloadStatus
 from exo.shared.types.state import State
 from exo.shared.types.tasks import TaskCancelled, TaskComplete, TaskFailed
 from exo.utils.channels import Publisher, Subscription
@@ -52,6 +59,26 @@ RESEND_MAX_SECONDS = 4.0
 CANCEL_RESEND_SECONDS = 30.0
 NODE_REPORTS_TIMEOUT_SECONDS = 30.0
 NODE_REPORTS_CHECK_SECONDS = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOnRequest:
+    """How this node's API loads models that requests name (`exo.api.load_on_request`).
+
+    Args:
+        auto_place: place a model a request names when it has no instance
+            (`--no-auto-place` turns this off).
+        idle_unload_seconds: the keep-alive given to instances this node places and to
+            those its requests use, unless a request says otherwise (`--idle-unload`);
+            None: they stay until deleted.
+        ready_timeout_seconds: how long a request waits for the instance it placed to load.
+        offline: never download (`--offline`): Ollama's pull only finds files already here.
+    """
+
+    auto_place: bool = True
+    idle_unload_seconds: float | None = None
+    ready_timeout_seconds: float = 600.0
+    offline: bool = False
 
 
 class CommandRejectedError(Exception):
@@ -96,8 +123,14 @@ class ClusterClient:
         current_peers: Callable[[], frozenset[NodeId]] = frozenset,
         resend_first_seconds: float = RESEND_FIRST_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        load_on_request: LoadOnRequest | None = None,
+        record_download: Callable[[ModelId, DownloadStatus], None] | None = None,
     ) -> None:
         self.node_id = node_id
+        self.load_on_request = load_on_request or LoadOnRequest()
+        self._record_download = record_download
+        # Placements on request in progress, by model: concurrent requests wait for one.
+        self.placing: dict[ModelId, anyio.Event] = {}
         self._current_state = current_state
         self.cards = cards
         self._applied_events = applied_events
@@ -230,7 +263,7 @@ class ClusterClient:
         match event:
             case CommandRejected() if event.origin != self.node_id:
                 return
-            case InstanceCreated() | InstanceDeleted() | CommandRejected():
+            case InstanceCreated() | InstanceDeleted() | InstanceUsed() | CommandRejected():
                 command_id = event.command_id
             case TaskCreated(task=task):
                 command_id = task.command_id
@@ -323,12 +356,18 @@ class ClusterClient:
             raise CommandRejectedError(result.reason, result.status_code)
         return result
 
+    def record_download(self, model_id: ModelId, status: DownloadStatus) -> None:
+        """Tell this node's worker and the cluster state that the API changed the model's
+        files on this node (Ollama's pull and delete)."""
+        if self._record_download is not None:
+            self._record_download(model_id, status)
+
     @property
     def unanswered_command_ids(self) -> list[CommandId]:
         """Commands sent and not carried out yet (sent again until they are)."""
         return list(self._unanswered)
 
-    def send_and_forget(self, command: CancelGeneration) -> None:
+    def send_and_forget(self, command: CancelGeneration | DeleteInstance) -> None:
         """Send `command` without waiting for its outcome; it is still sent again until
         carried out (see `_answered_without_event`)."""
         self._track(command)

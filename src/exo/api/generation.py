@@ -31,9 +31,9 @@ from exo.api.errors import (
     NoCapacityError,
     describe_validation_errors,
 )
-from exo.master.decisions import no_instance_message
+from exo.api.load_on_request import default_keep_alive, ensure_instance
 from exo.shared.types.chunks import Chunk, ErrorChunk
-from exo.shared.types.commands import CancelGeneration, GenerateText
+from exo.shared.types.commands import CancelGeneration, GenerateText, KeepAlive
 from exo.shared.types.common import CommandId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.text_generation import TextGenerationTaskParams
@@ -109,30 +109,40 @@ async def start_generation(
     *,
     command_id: CommandId | None = None,
     wait_for_first_chunk: bool | None = None,
+    keep_alive: KeepAlive | None = None,
 ) -> Generation:
     """Submit `params` as a `GenerateText` command.
+
+    A model with no instance is first placed and loaded (`exo.api.load_on_request`), and
+    nothing is answered until it is ready. `keep_alive` (Ollama's; default this node's
+    `--idle-unload`) becomes the instance's keep-alive.
 
     With `wait_for_first_chunk` (default: `params.stream`) the first chunk is awaited before
     returning, so that a request the engine refuses (prompt longer than the context) is a
     plain HTTP error and not an error inside an already-started 200 stream.
 
     Raises:
-        ModelNotFoundError: the model is unknown, or no instance of it is placed (404).
+        ModelNotFoundError: the model is unknown, or it has no instance and cannot be
+            placed on request (auto-placement off, files not downloaded) (404).
         InvalidRequestError: a conversation for a base model (no chat template) (400).
-        NoCapacityError: the master rejected the command (503).
+        NoCapacityError: the master rejected the command, or the model could not be
+            loaded on request (no room, preparation failed, too slow) (503).
         InvalidRequestError: the request holds text that is not valid Unicode, values
             nested too deeply or a `logit_bias` for a token outside the model's vocabulary,
             or the engine refused it (400).
-        GenerationError: the client disconnected before the first chunk.
+        GenerationError: the client disconnected before the first chunk (or while the
+            model was loading).
     """
     check_serializable(params)
     if params.model not in known_model_ids(cluster):
         raise ModelNotFoundError(f"The model '{params.model}' does not exist")
     check_chat_template(params, card_of(cluster, params.model))
-    if not cluster.state.instances_of_model(params.model):
-        raise ModelNotFoundError(no_instance_message(params.model), code="no_instance")
     _check_logit_bias(params, card_of(cluster, params.model))
-    command = GenerateText(command_id=command_id or CommandId.new(), params=params)
+    keep_alive = default_keep_alive(cluster, keep_alive)
+    await ensure_instance(cluster, request, params.model, keep_alive)
+    command = GenerateText(
+        command_id=command_id or CommandId.new(), params=params, keep_alive=keep_alive
+    )
     resources = ExitStack()
     # Registered before submitting, so no chunk can arrive unheard.
     chunks = resources.enter_context(cluster.chunk_stream(command.command_id))

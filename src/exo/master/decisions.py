@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from exo.master.placement import PlacementError, place_instance
+from exo.master.keep_alive import set_keep_alive
+from exo.master.placement import PlacementError, place_instance, required_memory_bytes
 from exo.shared.models.cards import UnknownModelError, resolve_card
 from exo.shared.types.commands import (
     CancelGeneration,
@@ -13,6 +14,7 @@ from exo.shared.types.commands import (
     GenerateText,
     PlaceInstance,
     RequestEventReplay,
+    SetKeepAlive,
 )
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, TaskId
 from exo.shared.types.events import (
@@ -39,6 +41,21 @@ def no_instance_message(model_id: str) -> str:
     )
 
 
+def no_room_message(card: ModelCard, state: State, placement_error: str) -> str:
+    """Why a model asked for cannot be loaded, with how much memory the cluster lacks when
+    its nodes together have too little."""
+    needed = required_memory_bytes(card)
+    available = sum(info.memory.available_bytes for info in state.node_info.values())
+    message = f"the cluster has no room to load {card.model_id}: {placement_error}"
+    if needed > available:
+        message += (
+            f" ({(needed - available) / 2**20:.0f} MiB missing: it needs "
+            f"{needed / 2**20:.0f} MiB, all nodes together have {available / 2**20:.0f} MiB "
+            "available)"
+        )
+    return message
+
+
 def choose_instance(state: State, model_id: ModelId) -> Instance | None:
     """The instance of `model_id` to send a new generation to: ready ones first, then the
     one with the fewest unfinished tasks (ties broken by id, so every node agrees)."""
@@ -62,8 +79,13 @@ def events_for_command(
     cards: Mapping[ModelId, ModelCard],
     new_instance_id: Callable[[], InstanceId] = InstanceId.new,
     new_task_id: Callable[[], TaskId] = TaskId.new,
+    now: float = 0.0,
 ) -> list[Event]:
-    """The events that carry out `command`, or a `CommandRejected` saying why not."""
+    """The events that carry out `command`, or a `CommandRejected` saying why not.
+
+    Args:
+        now: the master's wall clock (Unix seconds), stamped on keep-alive records.
+    """
     match command:
         case PlaceInstance():
             if command.only_if_cluster_empty and state.instances:
@@ -74,6 +96,11 @@ def events_for_command(
                 card = resolve_card(command.model_id, cards)
             except UnknownModelError as error:
                 return [_reject(command.command_id, origin, str(error), 404)]
+            if command.on_request and state.instances_of_model(card.model_id):
+                # Another request (on this or another API node) placed it first.
+                return [
+                    _reject(command.command_id, origin, f"{card.model_id} is already placed", 409)
+                ]
             try:
                 instance = place_instance(
                     card,
@@ -84,8 +111,15 @@ def events_for_command(
                     node_ids=command.node_ids,
                 )
             except PlacementError as error:
+                if command.on_request:
+                    reason = no_room_message(card, state, str(error))
+                    return [_reject(command.command_id, origin, reason, 503)]
                 return [_reject(command.command_id, origin, str(error), 400)]
             return [InstanceCreated(instance=instance, command_id=command.command_id)]
+        case SetKeepAlive(model_id=model_id):
+            if not state.instances_of_model(model_id):
+                return [_reject(command.command_id, origin, no_instance_message(model_id), 404)]
+            return list(set_keep_alive(state, command, now))
         case DeleteInstance(instance_id=instance_id):
             if instance_id not in state.instances:
                 return [_reject(command.command_id, origin, f"no instance '{instance_id}'", 404)]

@@ -11,6 +11,7 @@ from loguru import logger
 
 from exo.master.decisions import events_for_command
 from exo.master.event_log import EventLog
+from exo.master.keep_alive import idle_instances, usage_after_command, usage_after_local_event
 from exo.shared.apply import apply, origin_key
 from exo.shared.types.commands import ForwarderCommand, RequestEventReplay
 from exo.shared.types.common import CommandId, ModelId, NodeId
@@ -22,6 +23,7 @@ from exo.shared.types.events import (
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
+    InstanceUsed,
     NodeTimedOut,
     TaskCreated,
 )
@@ -37,7 +39,7 @@ MAX_INSTANCE_FAILURES = 3
 def command_id_of(event: Event) -> CommandId | None:
     """The command an event carried out, for events that carry one out."""
     match event:
-        case InstanceCreated() | InstanceDeleted() | CommandRejected():
+        case InstanceCreated() | InstanceDeleted() | InstanceUsed() | CommandRejected():
             return event.command_id
         case TaskCreated(task=task):
             return task.command_id
@@ -78,6 +80,7 @@ class Master:
         current_state: Callable[[], State] | None = None,
         last_heard: Mapping[NodeId, float] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.node_id = node_id
         self.state = state
@@ -90,6 +93,7 @@ class Master:
         self._current_state = current_state
         self._last_heard = last_heard if last_heard is not None else {}
         self._now = clock
+        self._wall_clock = wall_clock
         self._active = False
         self._activated_at = 0.0
         self._done_commands: set[CommandId] = set()
@@ -148,6 +152,7 @@ class Master:
             while True:
                 if self._check_active():
                     self.emit(self.timed_out_nodes())
+                    self.emit(idle_instances(self.state, self._wall_clock()))
                 await anyio.sleep(1.0)
 
     def timed_out_nodes(self) -> list[Event]:
@@ -171,7 +176,12 @@ class Master:
         if command.command_id in self._done_commands:
             return  # resent after a master change; already carried out
         logger.debug(f"master: command {command!r} from {forwarded.origin}")
-        self.emit(events_for_command(self.state, forwarded.origin, command, self._cards))
+        now = self._wall_clock()
+        events = events_for_command(self.state, forwarded.origin, command, self._cards, now=now)
+        events += usage_after_command(self.state, command, events, now)
+        self.emit(events)
+        # A keep-alive of 0 set on an idle instance unloads it at once.
+        self.emit(idle_instances(self.state, now))
 
     def handle_local_event(self, forwarded: ForwarderEvent) -> None:
         key = origin_key(forwarded.origin, forwarded.origin_session)
@@ -179,7 +189,9 @@ class Master:
         # Strictly in order: a later event waits for its resent predecessors.
         if forwarded.origin_idx != expected:
             return
+        before = self.state
         self.emit([forwarded.event], origin=forwarded)
+        self.emit(usage_after_local_event(before, self.state, forwarded.event, self._wall_clock()))
         self.emit(failed_instances(self.state))
 
     async def _command_loop(self) -> None:

@@ -17,6 +17,7 @@ from exo.shared.types.events import (
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
+    InstanceUsed,
     NodeDownloadProgress,
     NodeGatheredInfo,
     NodeTimedOut,
@@ -28,7 +29,7 @@ from exo.shared.types.events import (
     TopologyEdgeRemoved,
 )
 from exo.shared.types.runners import RunnerFailed, RunnerReady, RunnerRunning, RunnerStatus
-from exo.shared.types.state import State
+from exo.shared.types.state import InstanceUsage, State
 from exo.shared.types.tasks import TERMINAL_TASK_STATUSES
 
 
@@ -80,8 +81,23 @@ def apply_event(state: State, event: Event) -> State:
             # Tasks of a deleted instance can never finish; runners report their own end.
             tasks = {k: t for k, t in state.tasks.items() if t.instance_id != instance_id}
             failures = {k: v for k, v in state.instance_failures.items() if k != instance_id}
+            usage = {k: v for k, v in state.instance_usage.items() if k != instance_id}
             return state.model_copy(
-                update={"instances": instances, "tasks": tasks, "instance_failures": failures}
+                update={
+                    "instances": instances,
+                    "tasks": tasks,
+                    "instance_failures": failures,
+                    "instance_usage": usage,
+                }
+            )
+        case InstanceUsed(instance_id=instance_id):
+            if instance_id not in state.instances:
+                return state
+            used = InstanceUsage(
+                last_used_at=event.used_at, keep_alive_seconds=event.keep_alive_seconds
+            )
+            return state.model_copy(
+                update={"instance_usage": {**state.instance_usage, instance_id: used}}
             )
         case TaskCreated(task=task):
             return state.model_copy(update={"tasks": {**state.tasks, task.task_id: task}})
@@ -175,6 +191,9 @@ def _remove_node(state: State, node_id: NodeId) -> State:
             "downloads": {k: v for k, v in state.downloads.items() if k != node_id},
             "topology": {source: edges for source, edges in topology.items() if edges},
             "instances": {k: v for k, v in state.instances.items() if k not in gone_instances},
+            "instance_usage": {
+                k: v for k, v in state.instance_usage.items() if k not in gone_instances
+            },
             "tasks": {k: t for k, t in state.tasks.items() if t.instance_id not in gone_instances},
             "runners": {k: v for k, v in state.runners.items() if k not in gone_runners},
             "runner_nodes": {k: v for k, v in state.runner_nodes.items() if k not in gone_runners},

@@ -11,10 +11,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 
+import anyio
+
+from exo.api.cluster import LoadOnRequest
 from exo.shared.types.chunks import Chunk, TokenChunk, Usage
 from exo.shared.types.commands import Command, GenerateText
 from exo.shared.types.common import CommandId, NodeId
 from exo.shared.types.models import ModelCard
+from exo.shared.types.nodes import DownloadStatus
 from exo.shared.types.text_generation import TextGenerationTaskParams
 from exo.testing.builders import SMOLLM2, make_instance, make_state, smollm2_card
 
@@ -37,6 +41,12 @@ class ScriptedCluster:
         self.state = make_state(instances=[make_instance(self.node_id)])
         self.submitted: list[GenerateText] = []
         self.sent: list[Command] = []
+        self.load_on_request = LoadOnRequest()
+        self.placing: dict[str, anyio.Event] = {}
+        self.downloads_recorded: list[tuple[str, DownloadStatus]] = []
+
+    def record_download(self, model_id: str, status: DownloadStatus) -> None:
+        self.downloads_recorded.append((model_id, status))
 
     @property
     def last_params(self) -> TextGenerationTaskParams:

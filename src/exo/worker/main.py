@@ -189,6 +189,19 @@ class Worker:
                 if failed:
                     self._record_failure(runner_id)
 
+    def record_download(self, model_id: ModelId, status: DownloadStatus) -> None:
+        """The API changed the model's files on this node (Ollama's pull and delete):
+        remember it first-hand, as after a download of our own, and tell the cluster.
+        A status other than completed makes the next placement prepare the files again."""
+        if isinstance(status, DownloadCompleted):
+            self.downloads[model_id] = status
+        elif not isinstance(self.downloads.get(model_id), DownloadOngoing):
+            self.downloads.pop(model_id, None)
+        self._local_events.emit(
+            NodeDownloadProgress(node_id=self.node_id, model_id=model_id, status=status)
+        )
+        self._notify()
+
     def _on_runner_event(self, event: Event) -> None:
         if isinstance(event, RunnerStatusUpdated) and isinstance(event.status, RunnerReady):
             self._failures.pop(event.runner_id, None)

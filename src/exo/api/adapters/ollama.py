@@ -18,6 +18,8 @@ instance); `digest` is the SHA-256 of the model id, not of a blob.
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Literal, assert_never
@@ -32,6 +34,7 @@ from exo.api.types.ollama import (
     OllamaOptions,
     ThinkSetting,
 )
+from exo.shared.types.commands import KeepAlive
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     ChatMessage,
@@ -49,7 +52,7 @@ NDJSON_MEDIA_TYPE = "application/x-ndjson"
 # module follows (clients compare it to enable features).
 OLLAMA_COMPATIBLE_VERSION = "0.6.8"
 # Ollama reports a model kept loaded forever (`keep_alive: -1`) with a far-future expiry;
-# exo keeps placed instances until they are deleted.
+# so does exo for an instance without a keep-alive (kept until deleted).
 NEVER_EXPIRES = "9999-12-31T23:59:59Z"
 LATEST_TAG = ":latest"
 
@@ -92,6 +95,58 @@ def rfc3339_nano(unix_ns: int) -> str:
     stamp = datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%S")
     fraction = f"{nanoseconds:09d}".rstrip("0")
     return f"{stamp}.{fraction}Z" if fraction else f"{stamp}Z"
+
+
+_DURATION_UNITS_SECONDS = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "\u00b5s": 1e-6,
+    "\u03bcs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
+_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)")
+
+
+def parse_keep_alive(value: str | float | None) -> KeepAlive | None:
+    """Ollama's `keep_alive`: a number of seconds or a Go duration (`"5m"`, `"1h30m"`,
+    `"30s"`, `"0"`); negative means kept until deleted. None (or "") when not given.
+
+    Raises:
+        InvalidRequestError: a string that is not a duration (400 naming `keep_alive`).
+    """
+    if value is None or value == "":
+        return None
+    seconds = float(value) if isinstance(value, int | float) else _go_duration_seconds(value)
+    if math.isnan(seconds) or seconds == math.inf:
+        raise InvalidRequestError(f"keep_alive must be finite, not {value!r}", "keep_alive")
+    return KeepAlive(seconds=None if seconds < 0 else seconds)
+
+
+def _go_duration_seconds(text: str) -> float:
+    """Seconds in a Go `time.ParseDuration` string: an optional sign, then numbers each
+    with a unit (ns, us, ms, s, m, h); "0" needs none."""
+    body = text.strip()
+    sign = -1.0 if body.startswith("-") else 1.0
+    body = body.lstrip("+-")
+    if body == "0":
+        return 0.0
+    position, seconds = 0, 0.0
+    while position < len(body):
+        part = _DURATION_PART.match(body, position)
+        if part is None:
+            raise InvalidRequestError(
+                f"keep_alive {text!r} is not a duration: use seconds (300) or a duration "
+                'such as "5m", "30s" or "1h" (negative: keep the model loaded)',
+                "keep_alive",
+            )
+        seconds += float(part.group(1)) * _DURATION_UNITS_SECONDS[part.group(2)]
+        position = part.end()
+    if position == 0:
+        raise InvalidRequestError(f"keep_alive {text!r} is not a duration", "keep_alive")
+    return sign * seconds
 
 
 # ---------------------------------------------------------------- requests

@@ -74,16 +74,20 @@ def tag_model(card: ModelCard, modified_at: str, quantization: QuantizationLevel
 
 
 def process_model(
-    card: ModelCard, size_vram: int, quantization: QuantizationLevel
+    card: ModelCard,
+    size_vram: int,
+    quantization: QuantizationLevel,
+    expires_at: str = NEVER_EXPIRES,
 ) -> OllamaProcessModel:
-    """One `/api/ps` entry for a placed model; it stays loaded until deleted."""
+    """One `/api/ps` entry for a placed model; `expires_at` (RFC 3339) is when it is
+    unloaded if unused until then (far in the future: kept until deleted)."""
     return OllamaProcessModel(
         name=card.model_id,
         model=card.model_id,
         size=card.storage_size_bytes,
         digest=model_digest(card.model_id),
         details=model_details(card, quantization),
-        expires_at=NEVER_EXPIRES,
+        expires_at=expires_at,
         size_vram=size_vram,
         context_length=card.context_length,
     )

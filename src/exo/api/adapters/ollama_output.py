@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import assert_never
+from typing import Literal, assert_never
 
 from exo.api.adapters.common import (
     ended_without_finish,
@@ -151,11 +151,15 @@ def _line(
 
 
 def load_response(
-    dialect: Dialect, model: str, now_ns: NanosecondClock = time.time_ns
+    dialect: Dialect,
+    model: str,
+    now_ns: NanosecondClock = time.time_ns,
+    done_reason: Literal["load", "unload"] = "load",
 ) -> OllamaChatResponse | OllamaGenerateResponse:
     """Ollama's answer to a request without messages / with an empty prompt: the model is
-    (already) loaded, `done_reason: "load"`, no statistics."""
-    return _line(dialect, model, rfc3339_nano(now_ns()), done_reason="load")
+    loaded (`done_reason: "load"`), or unloaded with `keep_alive: 0` (`"unload"`); no
+    statistics."""
+    return _line(dialect, model, rfc3339_nano(now_ns()), done_reason=done_reason)
 
 
 async def stream_ollama(

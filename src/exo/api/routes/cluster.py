@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from exo.api.cluster import ClusterClient, CommandRejectedError
 from exo.api.dependencies import cluster_dependency, is_downloaded
 from exo.api.errors import ApiError, InvalidRequestError, ModelNotFoundError, NoCapacityError
+from exo.api.load_on_request import default_keep_alive
 from exo.master.placement import PlacementPreview, placement_previews
 from exo.shared.constants import models_dir
 from exo.shared.models.cards import UnknownModelError, resolve_card
@@ -139,6 +140,7 @@ async def place_instance(body: PlaceInstanceRequest, cluster: Cluster) -> PlaceI
         sharding=body.sharding,
         min_nodes=body.min_nodes,
         node_ids=tuple(NodeId(n) for n in body.node_ids) if body.node_ids is not None else None,
+        keep_alive=default_keep_alive(cluster, None),
     )
     try:
         event = await cluster.submit(command)

@@ -19,10 +19,12 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from exo.api.adapters.ollama import (
     NDJSON_MEDIA_TYPE,
+    NEVER_EXPIRES,
     OLLAMA_COMPATIBLE_VERSION,
     Dialect,
     chat_to_task_params,
     generate_to_task_params,
+    parse_keep_alive,
     rfc3339_nano,
 )
 from exo.api.adapters.ollama_models import (
@@ -32,15 +34,16 @@ from exo.api.adapters.ollama_models import (
     tag_model,
 )
 from exo.api.adapters.ollama_output import collect_ollama, load_response, stream_ollama
-from exo.api.cluster import ClusterClient
+from exo.api.cluster import ClusterClient, CommandRejectedError
 from exo.api.dependencies import (
     card_of,
     cluster_dependency,
     resolve_model_id,
     servable_model_ids,
 )
-from exo.api.errors import ErrorDialect, InvalidRequestError, ModelNotFoundError
+from exo.api.errors import ErrorDialect, InvalidRequestError, ModelNotFoundError, NoCapacityError
 from exo.api.generation import collect, start_generation, streaming_response
+from exo.api.load_on_request import default_keep_alive, ensure_instance
 from exo.api.routes import chat, completions
 from exo.api.types.ollama import (
     OllamaChatRequest,
@@ -55,13 +58,16 @@ from exo.api.types.ollama import (
 )
 from exo.download.pypi_gguf import model_directory_name
 from exo.shared.constants import models_dir
-from exo.shared.types.common import ModelId, NodeId
+from exo.shared.types.commands import KeepAlive, SetKeepAlive
+from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
 from exo.shared.types.models import LocalDirectorySource, ModelCard
 from exo.shared.types.nodes import DownloadCompleted
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 PREFIX = "/ollama"
 UNIX_EPOCH = "1970-01-01T00:00:00Z"
+# Expiry times past this (the year 9999) are reported as NEVER_EXPIRES's date.
+MAX_EXPIRY_SECONDS = 253402300799
 
 
 def _render_ollama_error(
@@ -103,10 +109,11 @@ async def ollama_chat(
 ) -> Response | OllamaChatResponse | OllamaGenerateResponse:
     started_ns = time.monotonic_ns()
     card = _card_for_request(cluster, body.model)
+    keep_alive = parse_keep_alive(body.keep_alive)
     if not body.messages:
-        return _load_answer("chat", body.model, body.stream)
+        return await _load_or_unload(cluster, request, card, keep_alive, "chat", body)
     params = chat_to_task_params(body, card.model_id, card.capabilities)
-    return await _generate(cluster, request, params, "chat", body.model, started_ns)
+    return await _generate(cluster, request, params, "chat", body.model, started_ns, keep_alive)
 
 
 @router.post(f"{PREFIX}/api/generate", response_model=None)
@@ -115,10 +122,11 @@ async def ollama_generate(
 ) -> Response | OllamaChatResponse | OllamaGenerateResponse:
     started_ns = time.monotonic_ns()
     card = _card_for_request(cluster, body.model)
+    keep_alive = parse_keep_alive(body.keep_alive)
     if not body.prompt:
-        return _load_answer("generate", body.model, body.stream)
+        return await _load_or_unload(cluster, request, card, keep_alive, "generate", body)
     params = generate_to_task_params(body, card.model_id, card.capabilities)
-    return await _generate(cluster, request, params, "generate", body.model, started_ns)
+    return await _generate(cluster, request, params, "generate", body.model, started_ns, keep_alive)
 
 
 @router.get(f"{PREFIX}/api/tags")
@@ -164,7 +172,10 @@ async def ps(cluster: Cluster) -> OllamaProcessResponse:
         on_gpus = _has_gpus(cluster, list(instance.shard_assignments.node_to_runner))
         models.append(
             process_model(
-                card, card.storage_size_bytes if on_gpus else 0, quantization_level(on_gpus)
+                card,
+                card.storage_size_bytes if on_gpus else 0,
+                quantization_level(on_gpus),
+                _expires_at(cluster, instance.instance_id),
             )
         )
     return OllamaProcessResponse(models=models)
@@ -180,8 +191,9 @@ async def _generate(
     dialect: Dialect,
     model: str,
     started_ns: int,
+    keep_alive: KeepAlive | None,
 ) -> StreamingResponse | OllamaChatResponse | OllamaGenerateResponse:
-    generation = await start_generation(cluster, request, params)
+    generation = await start_generation(cluster, request, params, keep_alive=keep_alive)
     if params.stream:
         return streaming_response(
             generation,
@@ -197,11 +209,47 @@ async def _generate(
     )
 
 
-def _load_answer(dialect: Dialect, model: str, stream: bool) -> Response:
-    body = load_response(dialect, model).model_dump_json()
-    if stream:
-        return Response(body + "\n", media_type=NDJSON_MEDIA_TYPE)
-    return Response(body, media_type="application/json")
+async def _load_or_unload(
+    cluster: ClusterClient,
+    request: Request,
+    card: ModelCard,
+    keep_alive: KeepAlive | None,
+    dialect: Dialect,
+    body: OllamaChatRequest | OllamaGenerateRequest,
+) -> Response:
+    """Ollama's load request (no messages / empty prompt): load the model (placing it on
+    request) and answer `done_reason: "load"`; with `keep_alive: 0`, unload it instead
+    (idle instances at once, busy ones when their generations end) and answer
+    `"unload"`. The keep-alive given applies to the model's instances from now on."""
+    unload = keep_alive is not None and keep_alive.seconds == 0
+    had_instance = bool(cluster.state.instances_of_model(card.model_id))
+    if not unload:
+        keep_alive = default_keep_alive(cluster, keep_alive)
+        await ensure_instance(cluster, request, card.model_id, keep_alive)
+    if keep_alive is not None and had_instance:
+        command = SetKeepAlive(
+            command_id=CommandId.new(), model_id=card.model_id, keep_alive=keep_alive
+        )
+        try:
+            await cluster.submit(command)
+        except CommandRejectedError as error:
+            if error.status_code != 404:  # 404: no instance, nothing to unload
+                raise NoCapacityError(error.reason) from None
+    answer = load_response(dialect, body.model, done_reason="unload" if unload else "load")
+    text = answer.model_dump_json()
+    if body.stream:
+        return Response(text + "\n", media_type=NDJSON_MEDIA_TYPE)
+    return Response(text, media_type="application/json")
+
+
+def _expires_at(cluster: ClusterClient, instance_id: InstanceId) -> str:
+    """When the instance is unloaded if nobody uses it (its last use plus its
+    keep-alive), in Ollama's RFC 3339 form; far in the future when it has no keep-alive."""
+    usage = cluster.state.instance_usage.get(instance_id)
+    if usage is None or usage.keep_alive_seconds is None:
+        return NEVER_EXPIRES
+    expires = usage.last_used_at + usage.keep_alive_seconds
+    return rfc3339_nano(int(min(expires, MAX_EXPIRY_SECONDS) * 1_000_000_000))
 
 
 def _has_gpus(cluster: ClusterClient, nodes: list[NodeId]) -> bool:

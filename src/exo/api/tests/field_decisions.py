@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from exo.shared.types.commands import GenerateText
 from exo.shared.types.text_generation import (
     ChatMessage,
     TextGenerationTaskParams,
@@ -27,6 +28,8 @@ COUNT_TOKENS = "/v1/messages/count_tokens"
 OLLAMA_CHAT = "/ollama/api/chat"
 OLLAMA_GENERATE = "/ollama/api/generate"
 OLLAMA_SHOW = "/ollama/api/show"
+OLLAMA_PULL = "/ollama/api/pull"
+OLLAMA_DELETE = "/ollama/api/delete"
 
 USER_HI = {"role": "user", "content": "hi"}
 BASE_BODIES: dict[str, dict[str, Any]] = {
@@ -48,6 +51,9 @@ BASE_BODIES: dict[str, dict[str, Any]] = {
         "options": {"num_predict": 4},
     },
     OLLAMA_SHOW: {},
+    # The test app's models directory holds a prepared SmolLM2 (and nothing else).
+    OLLAMA_PULL: {"model": SMOLLM2},
+    OLLAMA_DELETE: {"model": "no-such-model"},
 }
 # The README line of each dialect's no-ops starts with its name in bold.
 DIALECT_OF_ENDPOINT = {
@@ -59,6 +65,8 @@ DIALECT_OF_ENDPOINT = {
     OLLAMA_CHAT: "Ollama",
     OLLAMA_GENERATE: "Ollama",
     OLLAMA_SHOW: "Ollama",
+    OLLAMA_PULL: "Ollama",
+    OLLAMA_DELETE: "Ollama",
 }
 
 Params = TextGenerationTaskParams
@@ -89,6 +97,17 @@ class Shows:
 
 
 @dataclass(frozen=True)
+class Sends:
+    """`body` changes the command sent to the cluster beyond the params (such as the
+    instance's keep-alive): `check(command)` is true, and false without it."""
+
+    fields: tuple[str, ...]
+    endpoint: str
+    body: dict[str, Any]
+    check: Callable[[GenerateText], bool]
+
+
+@dataclass(frozen=True)
 class Refused:
     """`body` is answered with a 400 whose message or `param` contains `names`."""
 
@@ -110,7 +129,7 @@ class NoOp:
     without: dict[str, Any] = field(default_factory=dict)
 
 
-Decision = Effect | Shows | Refused | NoOp
+Decision = Effect | Shows | Sends | Refused | NoOp
 
 
 def fields(*names: str) -> tuple[str, ...]:

@@ -7,7 +7,9 @@ from typing import Any
 from exo.api.tests.field_decisions import (
     CALL,
     OLLAMA_CHAT,
+    OLLAMA_DELETE,
     OLLAMA_GENERATE,
+    OLLAMA_PULL,
     OLLAMA_SHOW,
     OLLAMA_TOOL,
     SCHEMA,
@@ -17,10 +19,12 @@ from exo.api.tests.field_decisions import (
     Effect,
     NoOp,
     Refused,
+    Sends,
     Shows,
     fields,
     last,
 )
+from exo.shared.types.commands import KeepAlive
 from exo.shared.types.text_generation import (
     ChatMessage,
     NamedToolChoice,
@@ -230,6 +234,27 @@ def ollama_effects() -> list[Decision]:
             {"model": SMOLLM2},
         ),
     ]
+    # Pulling and deleting a model's files.
+    decisions += [
+        Shows(
+            fields("OllamaPullRequest.model"),
+            OLLAMA_PULL,
+            {"model": "no-such-model"},
+            lambda answer: answer["status"] == 404,
+        ),
+        Shows(
+            fields("OllamaPullRequest.stream"),
+            OLLAMA_PULL,
+            {"stream": False},
+            lambda answer: answer["json"] == {"status": "success"},
+        ),
+        Shows(
+            fields("OllamaDeleteRequest.model"),
+            OLLAMA_DELETE,
+            {"model": SMOLLM2},
+            lambda answer: answer["status"] == 409,  # in use by the placed instance
+        ),
+    ]
     # Fields both /api/chat and /api/generate take.
     for endpoint, model in (
         (OLLAMA_CHAT, "OllamaChatRequest"),
@@ -256,7 +281,12 @@ def ollama_effects() -> list[Decision]:
                 lambda p: (p.max_tokens, p.temperature) == (9, 0.1),
             ),
             Effect(fields(f"{model}.stream"), endpoint, {"stream": True}, lambda p: p.stream),
-            NoOp(fields(f"{model}.keep_alive"), endpoint, {"keep_alive": "5m"}, "`keep_alive`"),
+            Sends(
+                fields(f"{model}.keep_alive"),
+                endpoint,
+                {"keep_alive": "5m"},
+                lambda command: command.keep_alive == KeepAlive(seconds=300.0),
+            ),
             Effect(
                 fields(f"{model}.think"),
                 endpoint,

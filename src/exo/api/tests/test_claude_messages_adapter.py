@@ -24,7 +24,7 @@ from exo.api.adapters.claude_messages import (
 )
 from exo.api.adapters.claude_messages_output import collect_message, stream_message
 from exo.api.app import create_app
-from exo.api.cluster import ClusterClient
+from exo.api.cluster import ClusterClient, LoadOnRequest
 from exo.api.errors import ApiError, InvalidRequestError, ModelNotFoundError, NoCapacityError
 from exo.api.generation import response_id
 from exo.api.routes.claude_messages import ERROR_DIALECT
@@ -834,6 +834,7 @@ class FakeCluster:
     def __init__(self, cards: dict[ModelId, ModelCard]) -> None:
         self.cards = cards
         self.state = State()
+        self.load_on_request = LoadOnRequest()
 
 
 def card(model_id: str, source: Any) -> ModelCard:

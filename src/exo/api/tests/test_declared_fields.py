@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import typing
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -41,6 +40,7 @@ from exo.api.tests.field_decisions import (
     COUNT_TOKENS,
     DIALECT_OF_ENDPOINT,
     NO_OP_SECTION,
+    OLLAMA_DELETE,
     OLLAMA_SHOW,
     README,
     Answer,
@@ -49,6 +49,7 @@ from exo.api.tests.field_decisions import (
     NoOp,
     Params,
     Refused,
+    Sends,
     Shows,
 )
 from exo.api.tests.field_decisions_chat import chat_effects
@@ -57,6 +58,9 @@ from exo.api.tests.field_decisions_completions import completions_effects
 from exo.api.tests.field_decisions_ollama import ollama_effects
 from exo.api.tests.field_decisions_responses import responses_effects
 from exo.api.types.claude_messages import CountTokensRequest
+from exo.download.pypi_gguf import COMPLETION_MARKER, model_directory_name
+from exo.shared.types.commands import GenerateText
+from exo.testing.builders import SMOLLM2
 from exo.testing.scripted_cluster import ScriptedCluster
 
 DECISIONS: list[Decision] = [
@@ -115,11 +119,17 @@ def test_every_declared_field_has_a_decision() -> None:
 
 
 @pytest.fixture(scope="module")
-def app() -> Iterator[tuple[TestClient, ScriptedCluster]]:
+def app(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[TestClient, ScriptedCluster]]:
     cluster = ScriptedCluster()
+    # A prepared SmolLM2 (its completion marker only), so Ollama's pull finds it at once.
+    models = tmp_path_factory.mktemp("models")
+    prepared = models / model_directory_name(SMOLLM2)
+    prepared.mkdir()
+    (prepared / COMPLETION_MARKER).write_text("{}\n")
     with pytest.MonkeyPatch.context() as patch:
-        # /api/show looks for model files; none are on disk here.
-        patch.setenv("EXO_MODELS_DIR", str(Path(__file__).parent / "no-such-models-directory"))
+        patch.setenv("EXO_MODELS_DIR", str(models))
         with TestClient(
             create_app(cast(ClusterClient, cluster)), raise_server_exceptions=False
         ) as client:
@@ -131,7 +141,8 @@ def body_of(endpoint: str, changes: dict[str, Any]) -> dict[str, Any]:
 
 
 def answer(client: TestClient, endpoint: str, body: dict[str, Any]) -> Answer:
-    response = client.post(endpoint, json=body)
+    method = "DELETE" if endpoint == OLLAMA_DELETE else "POST"
+    response = client.request(method, endpoint, json=body)
     result: Answer = {"status": response.status_code, "text": response.text}
     if response.headers.get("content-type", "").startswith("text/event-stream"):
         result["events"] = [
@@ -141,7 +152,7 @@ def answer(client: TestClient, endpoint: str, body: dict[str, Any]) -> Answer:
         ]
     elif response.headers.get("content-type", "").startswith("application/x-ndjson"):
         result["events"] = [json.loads(line) for line in response.text.splitlines() if line]
-    else:
+    elif response.content:
         result["json"] = response.json()
     return result
 
@@ -157,6 +168,13 @@ def params_for(
     assert result["status"] == 200, result["text"]
     assert len(cluster.submitted) == submitted + 1
     return cluster.last_params
+
+
+def command_for(
+    app: tuple[TestClient, ScriptedCluster], endpoint: str, body: dict[str, Any]
+) -> GenerateText:
+    params_for(app, endpoint, body)
+    return app[1].submitted[-1]
 
 
 def no_op_line(dialect: str) -> str:
@@ -200,6 +218,9 @@ def test_decision_holds(decision: Decision, app: tuple[TestClient, ScriptedClust
         case Shows():
             assert decision.check(answer(client, endpoint, body_of(endpoint, decision.body)))
             assert not holds(decision.check, answer(client, endpoint, BASE_BODIES[endpoint]))
+        case Sends():
+            assert decision.check(command_for(app, endpoint, body_of(endpoint, decision.body)))
+            assert not decision.check(command_for(app, endpoint, BASE_BODIES[endpoint]))
         case Refused():
             result = answer(client, endpoint, body_of(endpoint, decision.body))
             assert result["status"] == 400, result["text"]

@@ -26,7 +26,7 @@ from exo.api.adapters.ollama import (
 from exo.api.adapters.ollama_models import model_digest, process_model, show_response, tag_model
 from exo.api.adapters.ollama_output import collect_ollama, load_response, stream_ollama
 from exo.api.app import create_app
-from exo.api.cluster import ClusterClient
+from exo.api.cluster import ClusterClient, LoadOnRequest
 from exo.api.errors import GenerationError, InvalidRequestError
 from exo.api.types.ollama import (
     OllamaChatRequest,
@@ -703,6 +703,7 @@ class ScriptedCluster:
         self.state = State(instances={instance.instance_id: instance})
         self.script: list[Chunk] = []
         self.submitted: list[GenerateText] = []
+        self.load_on_request = LoadOnRequest()
 
     @contextmanager
     def chunk_stream(self, command_id: CommandId) -> Iterator[AsyncIterator[Chunk]]:

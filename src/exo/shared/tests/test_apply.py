@@ -12,6 +12,7 @@ from exo.shared.types.events import (
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
+    InstanceUsed,
     NodeDownloadProgress,
     NodeGatheredInfo,
     NodeTimedOut,
@@ -24,7 +25,7 @@ from exo.shared.types.events import (
 )
 from exo.shared.types.nodes import DownloadCompleted, DownloadOngoing, TopologyEdge
 from exo.shared.types.runners import RunnerFailed, RunnerIdle, RunnerReady, RunnerStatus
-from exo.shared.types.state import State
+from exo.shared.types.state import InstanceUsage, State
 from exo.shared.types.tasks import (
     TaskCancelled,
     TaskComplete,
@@ -65,6 +66,9 @@ def edge(source: NodeId, sink: NodeId, latency_ms: float = 1.0) -> TopologyEdge:
 SAMPLE_EVENTS: dict[type, Event] = {
     InstanceCreated: InstanceCreated(instance=OTHER_INSTANCE, command_id=CommandId("c-1")),
     InstanceDeleted: InstanceDeleted(instance_id=INSTANCE.instance_id),
+    InstanceUsed: InstanceUsed(
+        instance_id=INSTANCE.instance_id, used_at=1_700_000_000.0, keep_alive_seconds=300.0
+    ),
     TaskCreated: TaskCreated(task=make_text_generation_task(task_id="task-new")),
     TaskStatusUpdated: TaskStatusUpdated(task_id=TaskId("task-1"), status=TaskRunning()),
     RunnerStatusUpdated: RunnerStatusUpdated(
@@ -132,6 +136,22 @@ def test_instance_created_adds_the_instance() -> None:
         INSTANCE.instance_id: INSTANCE,
         OTHER_INSTANCE.instance_id: OTHER_INSTANCE,
     }
+
+
+def test_instance_used_records_the_use_and_the_keep_alive_until_the_instance_goes() -> None:
+    used = apply_one(populated_state(), SAMPLE_EVENTS[InstanceUsed])
+    assert used.instance_usage == {
+        INSTANCE.instance_id: InstanceUsage(last_used_at=1_700_000_000.0, keep_alive_seconds=300.0)
+    }
+    forever = InstanceUsed(instance_id=INSTANCE.instance_id, used_at=5.0, keep_alive_seconds=None)
+    assert apply_one(used, forever).instance_usage[INSTANCE.instance_id].keep_alive_seconds is None
+    # A use of an instance the state no longer holds changes nothing.
+    gone = InstanceUsed(instance_id=InstanceId("gone"), used_at=5.0, keep_alive_seconds=1.0)
+    assert apply_one(used, gone).instance_usage == used.instance_usage
+    deleted = apply_one(used, InstanceDeleted(instance_id=INSTANCE.instance_id))
+    assert deleted.instance_usage == {}
+    timed_out = apply_one(used, NodeTimedOut(node_id=NODE_A))
+    assert timed_out.instance_usage == {}
 
 
 def test_instance_deleted_removes_the_instance_and_only_its_tasks() -> None:

@@ -39,8 +39,10 @@ from exo.shared.types.commands import (
     DeleteInstance,
     ForwarderCommand,
     GenerateText,
+    KeepAlive,
     PlaceInstance,
     RequestEventReplay,
+    SetKeepAlive,
 )
 from exo.shared.types.common import (
     CommandId,
@@ -60,6 +62,7 @@ from exo.shared.types.events import (
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
+    InstanceUsed,
     NodeDownloadProgress,
     NodeGatheredInfo,
     NodeTimedOut,
@@ -114,7 +117,7 @@ from exo.shared.types.runners import (
     RunnerWarmingUp,
 )
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
-from exo.shared.types.state import State
+from exo.shared.types.state import InstanceUsage, State
 from exo.shared.types.tasks import (
     CancelTask,
     ConnectToGroup,
@@ -214,6 +217,9 @@ FULL_STATE = make_state(
     update={
         "topology": {NODE: {NodeId("node-b"): EDGE}},
         "history_id": "history-1",
+        "instance_usage": {
+            TENSOR.instance_id: InstanceUsage(last_used_at=3.0, keep_alive_seconds=None)
+        },
         "local_event_progress": {"node-a/session-1": 4},
     }
 )
@@ -393,10 +399,19 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
             min_nodes=2,
             node_ids=(NODE, NodeId("node-b")),
             only_if_cluster_empty=True,
+            on_request=True,
+            keep_alive=KeepAlive(seconds=30.0),
         ),
     ],
     DeleteInstance: [DeleteInstance(command_id=COMMAND, instance_id=INSTANCE_ID)],
-    GenerateText: [GenerateText(command_id=COMMAND, params=PARAMS)],
+    GenerateText: [
+        GenerateText(command_id=COMMAND, params=PARAMS),
+        GenerateText(command_id=COMMAND, params=PARAMS, keep_alive=KeepAlive(seconds=0.0)),
+    ],
+    KeepAlive: [KeepAlive(seconds=300.0), KeepAlive(seconds=None)],
+    SetKeepAlive: [
+        SetKeepAlive(command_id=COMMAND, model_id=SMOLLM2, keep_alive=KeepAlive(seconds=None))
+    ],
     CancelGeneration: [CancelGeneration(command_id=COMMAND, target_command_id=CommandId("c-0"))],
     RequestEventReplay: [RequestEventReplay(command_id=COMMAND, from_idx=17)],
     ForwarderCommand: [
@@ -407,6 +422,13 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     # events
     InstanceCreated: [InstanceCreated(instance=TENSOR, command_id=COMMAND)],
     InstanceDeleted: [InstanceDeleted(instance_id=INSTANCE_ID)],
+    InstanceUsed: [
+        InstanceUsed(instance_id=INSTANCE_ID, used_at=1.5, keep_alive_seconds=None),
+        InstanceUsed(
+            instance_id=INSTANCE_ID, used_at=1.5, keep_alive_seconds=0.0, command_id=COMMAND
+        ),
+    ],
+    InstanceUsage: [InstanceUsage(last_used_at=2.0, keep_alive_seconds=60.0)],
     TaskCreated: [TaskCreated(task=GENERATION)],
     TaskStatusUpdated: [
         TaskStatusUpdated(task_id=TASK, status=TaskComplete()),

@@ -11,6 +11,14 @@ from exo.shared.types.instances import Sharding
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 
+class KeepAlive(FrozenModel):
+    """How long an instance stays after its last use (Ollama's `keep_alive`)."""
+
+    seconds: float | None = Field(ge=0)
+    """Idle seconds before the instance is deleted (0: as soon as it is idle); None: kept
+    until deleted."""
+
+
 class PlaceInstance(FrozenModel):
     kind: Literal["PlaceInstance"] = "PlaceInstance"
     command_id: CommandId
@@ -20,6 +28,12 @@ class PlaceInstance(FrozenModel):
     node_ids: tuple[NodeId, ...] | None = None
     only_if_cluster_empty: bool = False
     """Place only when the cluster has no instance at all (a node's default model)."""
+    on_request: bool = False
+    """Placed because a request named a model with no instance (load on request): refused
+    (409) when the model already has an instance, so racing API nodes place it once, and
+    a lack of memory is a 503."""
+    keep_alive: KeepAlive | None = None
+    """How long the instance stays once idle; None: until deleted."""
 
 
 class DeleteInstance(FrozenModel):
@@ -32,6 +46,18 @@ class GenerateText(FrozenModel):
     kind: Literal["GenerateText"] = "GenerateText"
     command_id: CommandId
     params: TextGenerationTaskParams
+    keep_alive: KeepAlive | None = None
+    """The instance's keep-alive from this request on; None leaves it as it is."""
+
+
+class SetKeepAlive(FrozenModel):
+    """Set the keep-alive of every instance of `model_id` (Ollama's load and unload
+    requests: no prompt, only `keep_alive`); rejected (404) when it has none."""
+
+    kind: Literal["SetKeepAlive"] = "SetKeepAlive"
+    command_id: CommandId
+    model_id: ModelId
+    keep_alive: KeepAlive
 
 
 class CancelGeneration(FrozenModel):
@@ -52,7 +78,12 @@ class RequestEventReplay(FrozenModel):
 
 
 Command = Annotated[
-    PlaceInstance | DeleteInstance | GenerateText | CancelGeneration | RequestEventReplay,
+    PlaceInstance
+    | DeleteInstance
+    | GenerateText
+    | SetKeepAlive
+    | CancelGeneration
+    | RequestEventReplay,
     Field(discriminator="kind"),
 ]
 

@@ -34,6 +34,21 @@ class InstanceDeleted(FrozenModel):
     command_id: CommandId | None = None
 
 
+class InstanceUsed(FrozenModel):
+    """An instance was placed, became ready, started or finished a generation, or had its
+    keep-alive set (`command_id` then names the command): the master's wall clock then,
+    and the keep-alive from then on. What idle unloading decides from
+    (`exo.master.keep_alive`)."""
+
+    kind: Literal["InstanceUsed"] = "InstanceUsed"
+    instance_id: InstanceId
+    used_at: float
+    """Unix seconds."""
+    keep_alive_seconds: float | None = Field(ge=0)
+    """Idle seconds before the instance is deleted; None: kept until deleted."""
+    command_id: CommandId | None = None
+
+
 class TaskCreated(FrozenModel):
     kind: Literal["TaskCreated"] = "TaskCreated"
     task: TextGeneration
@@ -113,6 +128,7 @@ class CommandRejected(FrozenModel):
 Event = Annotated[
     InstanceCreated
     | InstanceDeleted
+    | InstanceUsed
     | TaskCreated
     | TaskStatusUpdated
     | RunnerStatusUpdated

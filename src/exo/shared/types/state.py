@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from exo.shared.types.common import FrozenModel, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.instances import Instance
 from exo.shared.types.nodes import DownloadStatus, NodeInfo, TopologyEdge
 from exo.shared.types.runners import RunnerStatus
 from exo.shared.types.tasks import TextGeneration
+
+
+class InstanceUsage(FrozenModel):
+    """When an instance was last used and how long it may then stay idle."""
+
+    last_used_at: float
+    """Unix seconds (the master's wall clock)."""
+    keep_alive_seconds: float | None = Field(ge=0)
+    """Idle seconds before the instance is deleted; None: kept until deleted."""
 
 
 class State(FrozenModel):
@@ -21,6 +32,8 @@ class State(FrozenModel):
     downloads: dict[NodeId, dict[ModelId, DownloadStatus]] = {}
     topology: dict[NodeId, dict[NodeId, TopologyEdge]] = {}
     """Edges by source, then sink."""
+    instance_usage: dict[InstanceId, InstanceUsage] = {}
+    """Last use and keep-alive of each instance (`InstanceUsed`)."""
     instance_failures: dict[InstanceId, int] = {}
     """Runner failures of each instance since it was last fully ready."""
     history_id: str | None = None
