@@ -23,6 +23,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from loguru import logger
 
 from exo.shared.election import Election
+from exo.shared.models.cards import with_custom_cards
 from exo.shared.types.chunks import Chunk, ErrorChunk
 from exo.shared.types.commands import (
     CancelGeneration,
@@ -33,6 +34,8 @@ from exo.shared.types.commands import (
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, TaskId
 from exo.shared.types.events import (
     CommandRejected,
+    CustomModelAdded,
+    CustomModelDeleted,
     Event,
     IndexedEvent,
     InstanceCreated,
@@ -109,6 +112,8 @@ class ClusterClient:
         resend_first_seconds: an unanswered command is sent again after this long, then
             after twice as long each time, up to `RESEND_MAX_SECONDS`.
         clock: monotonic seconds.
+        trust_remote_code: `POST /models/add` accepts repositories whose config asks for
+            custom code (`--trust-remote-code`); the engine still runs only its families.
     """
 
     def __init__(
@@ -125,6 +130,7 @@ class ClusterClient:
         clock: Callable[[], float] = time.monotonic,
         load_on_request: LoadOnRequest | None = None,
         record_download: Callable[[ModelId, DownloadStatus], None] | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         self.node_id = node_id
         self.load_on_request = load_on_request or LoadOnRequest()
@@ -132,7 +138,8 @@ class ClusterClient:
         # Placements on request in progress, by model: concurrent requests wait for one.
         self.placing: dict[ModelId, anyio.Event] = {}
         self._current_state = current_state
-        self.cards = cards
+        self.catalog = cards
+        self.trust_remote_code = trust_remote_code
         self._applied_events = applied_events
         self._election = election
         self.current_peers = current_peers
@@ -153,6 +160,11 @@ class ClusterClient:
     @property
     def state(self) -> State:
         return self._current_state()
+
+    @property
+    def cards(self) -> Mapping[ModelId, ModelCard]:
+        """Every model the cluster knows: the catalog, then the custom models of the state."""
+        return with_custom_cards(self.catalog, self.state.custom_cards)
 
     @property
     def master(self) -> NodeId | None:
@@ -264,6 +276,8 @@ class ClusterClient:
             case CommandRejected() if event.origin != self.node_id:
                 return
             case InstanceCreated() | InstanceDeleted() | InstanceUsed() | CommandRejected():
+                command_id = event.command_id
+            case CustomModelAdded() | CustomModelDeleted():
                 command_id = event.command_id
             case TaskCreated(task=task):
                 command_id = task.command_id

@@ -6,10 +6,13 @@ from collections.abc import Callable, Mapping
 
 from exo.master.keep_alive import set_keep_alive
 from exo.master.placement import PlacementError, place_instance, required_memory_bytes
-from exo.shared.models.cards import UnknownModelError, resolve_card
+from exo.shared.models.cards import UnknownModelError, resolve_card, with_custom_cards
+from exo.shared.models.names import resolve_model_name
 from exo.shared.types.commands import (
+    AddCustomModel,
     CancelGeneration,
     Command,
+    DeleteCustomModel,
     DeleteInstance,
     GenerateText,
     PlaceInstance,
@@ -19,6 +22,8 @@ from exo.shared.types.commands import (
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, TaskId
 from exo.shared.types.events import (
     CommandRejected,
+    CustomModelAdded,
+    CustomModelDeleted,
     Event,
     InstanceCreated,
     InstanceDeleted,
@@ -93,7 +98,7 @@ def events_for_command(
                     _reject(command.command_id, origin, "the cluster already runs a model", 409)
                 ]
             try:
-                card = resolve_card(command.model_id, cards)
+                card = resolve_card(command.model_id, with_custom_cards(cards, state.custom_cards))
             except UnknownModelError as error:
                 return [_reject(command.command_id, origin, str(error), 404)]
             if command.on_request and state.instances_of_model(card.model_id):
@@ -141,12 +146,41 @@ def events_for_command(
             return [TaskCreated(task=task)]
         case RequestEventReplay():
             return []  # served from the log by the master, nothing new happens
+        case AddCustomModel(card=card):
+            if resolve_model_name(card.model_id, cards) is not None:
+                reason = f"{card.model_id} is a catalog model: it needs no adding"
+                return [_reject(command.command_id, origin, reason, 409)]
+            return [CustomModelAdded(card=card, command_id=command.command_id)]
+        case DeleteCustomModel(model_id=model_id):
+            refusal = _custom_model_refusal(state, model_id, cards)
+            if refusal is not None:
+                return [_reject(command.command_id, origin, *refusal)]
+            return [CustomModelDeleted(model_id=model_id, command_id=command.command_id)]
         case CancelGeneration(target_command_id=target):
             return [
                 TaskStatusUpdated(task_id=task.task_id, status=TaskCancelled())
                 for task in state.tasks.values()
                 if task.command_id == target
             ]
+
+
+def _custom_model_refusal(
+    state: State, model_id: ModelId, catalog: Mapping[ModelId, ModelCard]
+) -> tuple[str, int] | None:
+    """Why the custom model `model_id` cannot be deleted (reason, HTTP status), or None."""
+    if resolve_model_name(model_id, catalog) is not None:
+        return f"{model_id} is a catalog model; only custom models can be deleted", 400
+    if model_id not in state.custom_cards:
+        return f"no custom model {model_id!r} (known: {sorted(state.custom_cards)})", 404
+    placed = state.instances_of_model(model_id)
+    if placed:
+        return (
+            f"{model_id} has {len(placed)} placed instance(s) "
+            f"({', '.join(i.instance_id for i in placed)}); delete them first "
+            "(DELETE /instance/{id})",
+            409,
+        )
+    return None
 
 
 def _failed_preparation(state: State, instance: Instance) -> str | None:

@@ -18,6 +18,8 @@ from exo.shared.types.common import CommandId, ModelId, NodeId
 from exo.shared.types.events import (
     ClusterHistoryStarted,
     CommandRejected,
+    CustomModelAdded,
+    CustomModelDeleted,
     Event,
     ForwarderEvent,
     IndexedEvent,
@@ -40,6 +42,8 @@ def command_id_of(event: Event) -> CommandId | None:
     """The command an event carried out, for events that carry one out."""
     match event:
         case InstanceCreated() | InstanceDeleted() | InstanceUsed() | CommandRejected():
+            return event.command_id
+        case CustomModelAdded() | CustomModelDeleted():
             return event.command_id
         case TaskCreated(task=task):
             return task.command_id
@@ -191,8 +195,11 @@ class Master:
             return
         before = self.state
         self.emit([forwarded.event], origin=forwarded)
-        self.emit(usage_after_local_event(before, self.state, forwarded.event, self._wall_clock()))
+        now = self._wall_clock()
+        self.emit(usage_after_local_event(before, self.state, forwarded.event, now))
         self.emit(failed_instances(self.state))
+        # An instance with a keep-alive of 0 goes as soon as its last generation ends.
+        self.emit(idle_instances(self.state, now))
 
     async def _command_loop(self) -> None:
         async for forwarded in self._commands:

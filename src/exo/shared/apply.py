@@ -13,6 +13,8 @@ from exo.shared.types.common import InstanceId, NodeId, RunnerId
 from exo.shared.types.events import (
     ClusterHistoryStarted,
     CommandRejected,
+    CustomModelAdded,
+    CustomModelDeleted,
     Event,
     IndexedEvent,
     InstanceCreated,
@@ -133,6 +135,13 @@ def apply_event(state: State, event: Event) -> State:
             return state.model_copy(
                 update={"downloads": {**state.downloads, node_id: node_downloads}}
             )
+        case CustomModelAdded(card=card):
+            return state.model_copy(
+                update={"custom_cards": {**state.custom_cards, card.model_id: card}}
+            )
+        case CustomModelDeleted(model_id=model_id):
+            cards = {k: v for k, v in state.custom_cards.items() if k != model_id}
+            return state.model_copy(update={"custom_cards": cards})
         case CommandRejected():
             return state
         case ClusterHistoryStarted(history_id=history_id):

@@ -212,6 +212,18 @@ def card_from_local_directory(path: Path) -> ModelCard:
     )
 
 
+def with_custom_cards(
+    builtin: Mapping[ModelId, ModelCard], custom: Mapping[ModelId, ModelCard]
+) -> dict[ModelId, ModelCard]:
+    """Every card the cluster knows: the catalog's first, then the custom models of the
+    state (`State.custom_cards`). A catalog id always means the catalog's card.
+
+    The one place custom cards join the catalog: the API's `ClusterClient.cards` and the
+    master's decisions both look cards up through it, so a custom model resolves like a
+    catalog model everywhere (names, listings, placement, every dialect)."""
+    return {**builtin, **{k: v for k, v in custom.items() if k not in builtin}}
+
+
 def resolve_card(model_id: str, builtin: Mapping[ModelId, ModelCard]) -> ModelCard:
     """The card for a requested model: a built-in card by any of its names (id, short name,
     see `exo.shared.models.names`), else a local model directory.

@@ -8,6 +8,8 @@ from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, Runn
 from exo.shared.types.events import (
     ClusterHistoryStarted,
     CommandRejected,
+    CustomModelAdded,
+    CustomModelDeleted,
     Event,
     IndexedEvent,
     InstanceCreated,
@@ -37,6 +39,7 @@ from exo.shared.types.tasks import (
 from exo.testing.builders import (
     SMOLLM2,
     indexed,
+    make_card,
     make_instance,
     make_node_info,
     make_state,
@@ -49,6 +52,7 @@ NODE_C = NodeId("node-c")
 RUNNER = RunnerId("instance-1-rank0")
 INSTANCE = make_instance(NODE_A, instance_id="instance-1")
 OTHER_INSTANCE = make_instance(NODE_B, instance_id="instance-2")
+CUSTOM_CARD = make_card(model_id="someone/tiny-llama")
 
 
 def edge(source: NodeId, sink: NodeId, latency_ms: float = 1.0) -> TopologyEdge:
@@ -86,6 +90,8 @@ SAMPLE_EVENTS: dict[type, Event] = {
     NodeTimedOut: NodeTimedOut(node_id=NODE_A),
     TopologyEdgeMeasured: TopologyEdgeMeasured(edge=edge(NODE_A, NODE_B, latency_ms=9.0)),
     TopologyEdgeRemoved: TopologyEdgeRemoved(source=NODE_A, sink=NODE_B),
+    CustomModelAdded: CustomModelAdded(card=CUSTOM_CARD, command_id=CommandId("c-3")),
+    CustomModelDeleted: CustomModelDeleted(model_id=CUSTOM_CARD.model_id),
 }
 
 
@@ -394,3 +400,22 @@ def test_runner_failures_count_against_their_instance_until_it_is_ready() -> Non
     assert isinstance(deleted, InstanceDeleted) and deleted.instance_id == two_ranks.instance_id
     state = apply(state, IndexedEvent(idx=state.last_event_applied_idx + 1, event=deleted))
     assert state.instance_failures == {}
+
+
+def test_custom_model_added_joins_the_state_and_replaces_an_earlier_card() -> None:
+    state = apply_one(populated_state(), SAMPLE_EVENTS[CustomModelAdded])
+    assert state.custom_cards == {CUSTOM_CARD.model_id: CUSTOM_CARD}
+    newer = CUSTOM_CARD.model_copy(update={"context_length": 4096})
+    state = apply_one(state, CustomModelAdded(card=newer))
+    assert state.custom_cards == {CUSTOM_CARD.model_id: newer}
+
+
+def test_custom_model_deleted_leaves_other_custom_models() -> None:
+    other = make_card(model_id="someone/other")
+    state = apply_one(populated_state(), SAMPLE_EVENTS[CustomModelAdded])
+    state = apply_one(state, CustomModelAdded(card=other))
+    state = apply_one(state, SAMPLE_EVENTS[CustomModelDeleted])
+    assert state.custom_cards == {other.model_id: other}
+    # Deleting an unknown custom model changes nothing but the index.
+    again = apply_one(state, SAMPLE_EVENTS[CustomModelDeleted])
+    assert again.custom_cards == state.custom_cards

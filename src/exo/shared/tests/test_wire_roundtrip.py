@@ -34,8 +34,10 @@ from exo.shared.types.chunks import (
     Usage,
 )
 from exo.shared.types.commands import (
+    AddCustomModel,
     CancelGeneration,
     Command,
+    DeleteCustomModel,
     DeleteInstance,
     ForwarderCommand,
     GenerateText,
@@ -57,6 +59,8 @@ from exo.shared.types.common import (
 from exo.shared.types.events import (
     ClusterHistoryStarted,
     CommandRejected,
+    CustomModelAdded,
+    CustomModelDeleted,
     Event,
     ForwarderEvent,
     IndexedEvent,
@@ -414,6 +418,8 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     ],
     CancelGeneration: [CancelGeneration(command_id=COMMAND, target_command_id=CommandId("c-0"))],
     RequestEventReplay: [RequestEventReplay(command_id=COMMAND, from_idx=17)],
+    AddCustomModel: [AddCustomModel(command_id=COMMAND, card=CARD)],
+    DeleteCustomModel: [DeleteCustomModel(command_id=COMMAND, model_id=ModelId("org/tiny"))],
     ForwarderCommand: [
         ForwarderCommand(
             origin=NODE, command=CancelGeneration(command_id=COMMAND, target_command_id=COMMAND)
@@ -450,6 +456,8 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     NodeTimedOut: [NodeTimedOut(node_id=NODE)],
     TopologyEdgeMeasured: [TopologyEdgeMeasured(edge=EDGE)],
     TopologyEdgeRemoved: [TopologyEdgeRemoved(source=NODE, sink=NodeId("node-b"))],
+    CustomModelAdded: [CustomModelAdded(card=CARD, command_id=COMMAND)],
+    CustomModelDeleted: [CustomModelDeleted(model_id=ModelId("org/tiny"))],
     ForwarderEvent: [
         ForwarderEvent(
             origin=NODE,

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from exo.shared.types.common import CommandId, FrozenModel, InstanceId, ModelId, NodeId
 from exo.shared.types.instances import Sharding
+from exo.shared.types.models import ModelCard
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 
@@ -60,6 +61,24 @@ class SetKeepAlive(FrozenModel):
     keep_alive: KeepAlive
 
 
+class AddCustomModel(FrozenModel):
+    """Make a model outside the catalog known to every node; `card` was built by the API
+    node from the repository's small files. Rejected (409) for a catalog model's id."""
+
+    kind: Literal["AddCustomModel"] = "AddCustomModel"
+    command_id: CommandId
+    card: ModelCard
+
+
+class DeleteCustomModel(FrozenModel):
+    """Forget a custom model. Rejected for a catalog model (400), an unknown one (404)
+    and one with a placed instance (409)."""
+
+    kind: Literal["DeleteCustomModel"] = "DeleteCustomModel"
+    command_id: CommandId
+    model_id: ModelId
+
+
 class CancelGeneration(FrozenModel):
     """Stop the generation started by `target_command_id` (client gone or asked)."""
 
@@ -83,7 +102,9 @@ Command = Annotated[
     | GenerateText
     | SetKeepAlive
     | CancelGeneration
-    | RequestEventReplay,
+    | RequestEventReplay
+    | AddCustomModel
+    | DeleteCustomModel,
     Field(discriminator="kind"),
 ]
 

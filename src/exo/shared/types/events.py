@@ -17,6 +17,7 @@ from exo.shared.types.common import (
     TaskId,
 )
 from exo.shared.types.instances import Instance
+from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import DownloadStatus, NodeInfo, TopologyEdge
 from exo.shared.types.runners import RunnerStatus
 from exo.shared.types.tasks import TaskStatus, TextGeneration
@@ -115,6 +116,21 @@ class TopologyEdgeRemoved(FrozenModel):
     sink: NodeId
 
 
+class CustomModelAdded(FrozenModel):
+    """A model outside the catalog became known to the cluster (`POST /models/add`): its
+    card, built once by the API node that was asked, replaces any earlier one of that id."""
+
+    kind: Literal["CustomModelAdded"] = "CustomModelAdded"
+    card: ModelCard
+    command_id: CommandId | None = None
+
+
+class CustomModelDeleted(FrozenModel):
+    kind: Literal["CustomModelDeleted"] = "CustomModelDeleted"
+    model_id: ModelId
+    command_id: CommandId | None = None
+
+
 class CommandRejected(FrozenModel):
     """The master could not carry out a command; the API that sent it reports `reason`."""
 
@@ -135,6 +151,8 @@ Event = Annotated[
     | RunnerDeleted
     | NodeGatheredInfo
     | NodeDownloadProgress
+    | CustomModelAdded
+    | CustomModelDeleted
     | CommandRejected
     | ClusterHistoryStarted
     | NodeTimedOut

@@ -6,6 +6,7 @@ from pydantic import Field
 
 from exo.shared.types.common import FrozenModel, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.instances import Instance
+from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import DownloadStatus, NodeInfo, TopologyEdge
 from exo.shared.types.runners import RunnerStatus
 from exo.shared.types.tasks import TextGeneration
@@ -36,6 +37,8 @@ class State(FrozenModel):
     """Last use and keep-alive of each instance (`InstanceUsed`)."""
     instance_failures: dict[InstanceId, int] = {}
     """Runner failures of each instance since it was last fully ready."""
+    custom_cards: dict[ModelId, ModelCard] = {}
+    """Models added outside the catalog (`CustomModelAdded`), by id."""
     history_id: str | None = None
     local_event_progress: dict[str, int] = {}
     """Highest `origin_idx` indexed per "node/session", so any master drops resends."""
