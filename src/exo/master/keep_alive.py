@@ -100,9 +100,8 @@ def usage_after_local_event(before: State, after: State, event: Event, now: floa
             task = before.tasks.get(task_id)
             if task is None or task.instance_id not in after.instances:
                 return []
-            return [
-                _used(task.instance_id, now, current_keep_alive_seconds(after, task.instance_id))
-            ]
+            keep_alive = current_keep_alive_seconds(after, task.instance_id)
+            return _tracked_use(after, task.instance_id, now, keep_alive)
         case RunnerStatusUpdated(runner_id=runner_id, status=RunnerReady()):
             for instance in after.instances.values():
                 if runner_id not in instance.shard_assignments.runner_to_shard:

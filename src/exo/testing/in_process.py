@@ -14,7 +14,7 @@ from pathlib import Path
 
 import anyio
 
-from exo.api.cluster import RESEND_FIRST_SECONDS, ClusterClient
+from exo.api.cluster import RESEND_FIRST_SECONDS, ClusterClient, LoadOnRequest
 from exo.master.event_log import EventLog
 from exo.master.main import Master
 from exo.shared.apply import apply
@@ -40,6 +40,8 @@ class InProcessCluster:
     event_log: EventLog
     commands: Topic[ForwarderCommand]
     local_events: Topic[ForwarderEvent]
+    chunks: Topic[Chunk]
+    """Where a stand-in runner publishes the chunks of the client's generations."""
     state: State = field(default_factory=State)
     active: bool = True
     _next_local_idx: int = 0
@@ -67,12 +69,14 @@ async def in_process_cluster(
     active: bool = True,
     cards: Mapping[ModelId, ModelCard] | None = None,
     resend_first_seconds: float = RESEND_FIRST_SECONDS,
+    load_on_request: LoadOnRequest | None = None,
 ) -> AsyncIterator[InProcessCluster]:
     """Run a master, a replica loop and a cluster client until the block ends.
 
     Args:
         active: whether the master acts from the start (set `cluster.active` later).
         cards: model cards by model id; default the built-in SmolLM2 card.
+        load_on_request: the API's load-on-request settings (`ClusterClient`'s).
     """
     card = make_card()
     known_cards = {card.model_id: card} if cards is None else cards
@@ -80,6 +84,7 @@ async def in_process_cluster(
     local_events: Topic[ForwarderEvent] = Topic("local_events")
     global_events: Topic[IndexedEvent] = Topic("global_events")
     applied: Topic[IndexedEvent] = Topic("applied_events")
+    chunks: Topic[Chunk] = Topic("chunks")
     event_log = EventLog(tmp_path / "event_log.jsonl")
     event_log.read_all()
     holder: list[InProcessCluster] = []
@@ -98,12 +103,15 @@ async def in_process_cluster(
         node_id=NODE,
         current_state=lambda: holder[0].state,
         applied_events=applied.subscribe(),
-        chunk_subscription=Topic[Chunk]("chunks").subscribe(),
+        chunk_subscription=chunks.subscribe(),
         command_publisher=commands.sender(),
         cards=known_cards,
         resend_first_seconds=resend_first_seconds,
+        load_on_request=load_on_request,
     )
-    cluster = InProcessCluster(client, master, event_log, commands, local_events, active=active)
+    cluster = InProcessCluster(
+        client, master, event_log, commands, local_events, chunks, active=active
+    )
     holder.append(cluster)
 
     async def replicate(received: Subscription[IndexedEvent]) -> None:
