@@ -1,15 +1,21 @@
 """Master election: every node that sees the same peers elects the same master.
 
 Each node broadcasts an `ElectionMessage` on the election topic twice a second (which
-doubles as its heartbeat) and at once when something changes. A change of the peer set
-starts a new round (the election clock goes up; a node that hears a higher clock joins
-that round). A round is decided once it has been quiet for `SETTLE_SECONDS` and every
-connected peer has spoken in it (or `ROUND_MAX_SECONDS` passed): the winner is the
-candidate with the highest `(force_master, seniority, last_event_idx, node_id)`.
+doubles as its heartbeat) and at once when something changes. A round (the election clock
+goes up; a node that hears a higher clock joins that round) starts only when a node
+starts, when the master is lost, or when two nodes follow different masters in the same
+round. A round is decided once it has been quiet for `SETTLE_SECONDS` and every connected
+peer has spoken in it (or `ROUND_MAX_SECONDS` passed): the winner is the candidate with
+the highest `(force_master, seniority, last_event_idx, node_id)`.
 
-Seniority counts the rounds a node has won in a row, so a running master keeps its role
-when nodes join; after it dies the survivors (seniority 0) prefer the one holding the
-most of the history, and the node id breaks ties — the same answer on every node.
+A healthy master is never unseated by other nodes joining or leaving: peers that come
+and go start no round, and a node in a round that hears a connected master announce
+itself adopts it at once, unless it outranks that master (a `--force-master` node), in
+which case its round ends in a new election that it wins.
+
+Seniority counts the rounds a node has won in a row; after the master dies the survivors
+(seniority 0) prefer the one holding the most of the history, and the node id breaks
+ties — the same answer on every node.
 """
 
 from __future__ import annotations
@@ -139,11 +145,25 @@ class Election:
     def on_connection(self, message: ConnectionMessage) -> None:
         match message:
             case PeerConnected(node_id=node_id):
+                # The newcomer learns who leads from this node's next message: say it now.
                 self.last_heard[node_id] = self._now()
-                self.start_round(self.election_clock + 1, f"{node_id} connected")
+                self._broadcast()
             case PeerDisconnected(node_id=node_id):
                 self.latest.pop(node_id, None)
-                self.start_round(self.election_clock + 1, f"{node_id} disconnected")
+                if node_id == self.master:
+                    self.start_round(self.election_clock + 1, f"master {node_id} was lost")
+
+    def _adopts(self, message: ElectionMessage) -> bool:
+        """Whether this node, in a round, follows the master that `message` announces
+        (sent by that master itself) instead of electing: it is connected, speaks in this
+        round or a later one, and this node does not outrank it."""
+        return (
+            self._round_started is not None
+            and message.master == message.node_id
+            and message.node_id in self._current_peers()
+            and message.clock >= self.election_clock
+            and election_rank(message) > election_rank(self.own_message())
+        )
 
     def on_message(self, message: ElectionMessage) -> None:
         if message.node_id == self.node_id:
@@ -154,6 +174,15 @@ class Election:
         if previous is not None and message.clock < previous.clock:
             return  # a late message from an earlier round
         self.latest[message.node_id] = message
+        if self._adopts(message):
+            self.election_clock = message.clock
+            self._round_started = None
+            self.seniority = 0
+            self.master_message = message
+            logger.info(f"election: following master {message.node_id} (round {message.clock})")
+            self._set_master(message.node_id)
+            self._broadcast()
+            return
         if message.clock > self.election_clock:
             self.start_round(message.clock, f"{message.node_id} is in round {message.clock}")
             return

@@ -193,9 +193,10 @@ async def test_master_is_none_during_a_round() -> None:
     network.run_until_decided()
     # Every peer spoke at once, so the round ends when it has been quiet long enough.
     assert SETTLE_SECONDS <= network.clock.now - START < ROUND_MAX_SECONDS
+    # A node joining starts no round: the others keep their master, the newcomer adopts it.
     network.add(NodeId("node-d"))
     network.connect(NodeId("node-d"))
-    assert set(network.masters().values()) == {None}
+    assert set(network.masters().values()) == {NODE_C}
 
 
 async def test_incumbent_keeps_mastership_when_a_node_joins() -> None:
@@ -208,9 +209,46 @@ async def test_incumbent_keeps_mastership_when_a_node_joins() -> None:
     # C holds more history and a higher id, but A has won before.
     network.add(NODE_C, last_event_idx=9)
     network.connect(NODE_C)
-    network.run_until_decided()
+    # A and B never leave A: the newcomer adopts A as soon as A speaks.
     assert network.masters() == {NODE_A: NODE_A, NODE_B: NODE_A, NODE_C: NODE_A}
-    assert network.nodes[NODE_A].election.seniority == 2
+    for _ in range(int(2 * ROUND_MAX_SECONDS / TICK_SECONDS)):
+        network.step()
+        assert network.masters() == {NODE_A: NODE_A, NODE_B: NODE_A, NODE_C: NODE_A}
+    assert network.nodes[NODE_A].election.seniority == 1
+    assert network.nodes[NODE_C].election.election_clock == (
+        network.nodes[NODE_A].election.election_clock
+    )
+
+
+async def test_a_non_master_leaving_or_returning_never_unseats_the_master() -> None:
+    network = three_nodes(idx_a=5, idx_b=3, idx_c=9)
+    network.run_until_decided()
+    clock = network.nodes[NODE_C].election.election_clock
+    network.kill(NODE_A)
+    assert network.masters() == {NODE_B: NODE_C, NODE_C: NODE_C}
+    for _ in range(int(2 * ROUND_MAX_SECONDS / TICK_SECONDS)):
+        network.step()
+        assert network.masters() == {NODE_B: NODE_C, NODE_C: NODE_C}
+    # A restarts holding more history than anyone: it follows C, it does not take over.
+    network.add(NODE_A, last_event_idx=50)
+    network.connect(NODE_A)
+    assert network.masters() == {NODE_A: NODE_C, NODE_B: NODE_C, NODE_C: NODE_C}
+    for _ in range(int(2 * ROUND_MAX_SECONDS / TICK_SECONDS)):
+        network.step()
+        assert network.masters() == {NODE_A: NODE_C, NODE_B: NODE_C, NODE_C: NODE_C}
+    assert {n.election.election_clock for n in network.nodes.values()} == {clock}
+
+
+async def test_only_the_loss_of_the_master_starts_a_round() -> None:
+    network = three_nodes(idx_a=5, idx_b=3, idx_c=9)
+    network.run_until_decided()
+    clock = network.nodes[NODE_A].election.election_clock
+    network.kill(NODE_C)
+    assert network.masters() == {NODE_A: None, NODE_B: None}
+    assert network.nodes[NODE_A].election.election_clock == clock + 1
+    elapsed = network.run_until_decided()
+    assert network.masters() == {NODE_A: NODE_A, NODE_B: NODE_A}
+    assert elapsed < ROUND_MAX_SECONDS
 
 
 async def test_survivors_elect_the_node_with_the_most_history() -> None:
