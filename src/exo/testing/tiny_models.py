@@ -109,3 +109,56 @@ def _save_wrapped(directory: Path, model: Any, config: Any, save_file: Any) -> N
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     model.generation_config.save_pretrained(directory)
+
+
+# A chat template that shows Hermes tool calls and thinking (what `template_traits` reads).
+TOOLS_AND_THINKING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "<|im_end|>\n{% endfor %}{% if tools %}<tool_call>{% endif %}<think>\n"
+)
+
+
+def save_tiny_checkout(
+    directory: Path,
+    architecture: str = "llama",
+    chat_template: str | None = TOOLS_AND_THINKING_TEMPLATE,
+    config_update: dict[str, Any] | None = None,
+    shards: int = 1,
+    n_layers: int = 2,
+) -> Path:
+    """A tiny random model laid out like a Hub repository: config.json, safetensors weights
+    (one file, or `shards` files with `model.safetensors.index.json`), a small word-level
+    `tokenizer.json`, `tokenizer_config.json` and, unless None, `chat_template.jinja`.
+
+    Args:
+        config_update: fields merged into the saved config.json (e.g. `auto_map`, or another
+            `architectures`), as a repository with custom code would have them.
+    """
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocabulary = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(61)}}
+    save_tiny_model(directory, architecture, None, n_layers=n_layers, vocab_size=len(vocabulary))
+    Tokenizer(WordLevel(vocabulary, unk_token="<unk>")).save(str(directory / "tokenizer.json"))
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    if chat_template is not None:
+        (directory / "chat_template.jinja").write_text(chat_template)
+    if config_update:
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, **config_update}, indent=2))
+    if shards > 1:
+        tensors = load_file(str(directory / "model.safetensors"))
+        (directory / "model.safetensors").unlink()
+        names = sorted(tensors)
+        weight_map: dict[str, str] = {}
+        for index in range(shards):
+            file_name = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
+            part = {name: tensors[name] for name in names[index::shards]}
+            save_file(part, str(directory / file_name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(part, file_name))
+        total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        index_content = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index_content))
+    return directory

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import struct
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from exo.shared.models.names import resolve_model_name
 from exo.shared.types.common import ModelId
-from exo.shared.types.models import LocalDirectorySource, ModelCard
+from exo.shared.types.models import LocalDirectorySource, ModelCard, ModelSource
 
 CARDS_PACKAGE = "exo.resources"
 CARDS_SUBDIRECTORY = "model_cards"
@@ -84,18 +84,23 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def _weight_totals(safetensors_files: list[Path]) -> tuple[int, int]:
-    """(number of weight elements, bytes they take on disk) over all files; a tensor name
-    seen twice counts once."""
+SafetensorsHeader = Mapping[str, Any]
+"""A safetensors file's header: tensor name -> `{"dtype", "shape", ...}` (plus an optional
+`__metadata__`)."""
+
+
+def _weight_totals(headers: Sequence[tuple[str, SafetensorsHeader]]) -> tuple[int, int]:
+    """(number of weight elements, bytes they take on disk) over all files (`(file name,
+    header)` pairs); a tensor name seen twice counts once."""
     seen: set[str] = set()
     elements = 0
     stored_bytes = 0
-    for path in safetensors_files:
-        for name, entry in read_safetensors_header(path).items():
+    for file_name, header in headers:
+        for name, entry in header.items():
             if name == "__metadata__" or name in seen:
                 continue
             if entry["dtype"] not in SAFETENSORS_DTYPE_BYTES:
-                raise ValueError(f"{path}: tensor {name} has unknown dtype {entry['dtype']}")
+                raise ValueError(f"{file_name}: tensor {name} has unknown dtype {entry['dtype']}")
             seen.add(name)
             count = 1
             for dimension in entry["shape"]:
@@ -105,21 +110,25 @@ def _weight_totals(safetensors_files: list[Path]) -> tuple[int, int]:
     return elements, stored_bytes
 
 
-def _stores_attention_bias(safetensors_files: list[Path]) -> bool:
+def _stores_attention_bias(headers: Sequence[tuple[str, SafetensorsHeader]]) -> bool:
     """Whether the checkpoint has biases on its query projections."""
     return any(
-        name.endswith(("q_proj.bias", "qkv_proj.bias"))
-        for path in safetensors_files
-        for name in read_safetensors_header(path)
+        name.endswith(("q_proj.bias", "qkv_proj.bias")) for _, header in headers for name in header
     )
 
 
-def _required(config: dict[str, Any], path: Path, *names: str) -> int:
+def _required(config: Mapping[str, Any], origin: str, *names: str) -> int:
     for name in names:
         value = config.get(name)
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-    raise ValueError(f"{path / 'config.json'} has no {' / '.join(names)} field")
+    raise ValueError(f"{origin} has no {' / '.join(names)} field")
+
+
+def chat_template_in_tokenizer_config(tokenizer_config: Mapping[str, Any] | None) -> bool:
+    """Whether `tokenizer_config.json`'s content holds a chat template (a string, or a list
+    of named templates)."""
+    return isinstance(tokenizer_config, Mapping) and bool(tokenizer_config.get("chat_template"))
 
 
 def has_chat_template(directory: Path) -> bool:
@@ -134,16 +143,83 @@ def has_chat_template(directory: Path) -> bool:
         config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and bool(config.get("chat_template"))
+    return chat_template_in_tokenizer_config(config)
 
 
-def card_from_local_directory(path: Path) -> ModelCard:
-    """Build a card for an HF-format directory from its config.json and safetensors headers
-    (no tensor is loaded).
+def card_from_config(
+    model_id: ModelId,
+    source: ModelSource,
+    config: Mapping[str, Any],
+    safetensors_headers: Sequence[tuple[str, SafetensorsHeader]],
+    chat_template: bool,
+    origin: str,
+) -> ModelCard:
+    """Build a card from a checkpoint's `config.json` and its safetensors headers.
 
     `parameter_count` is the number of weights in the safetensors files (a tied LM head is
     stored once, so counted once); `storage_size_bytes` the bytes they take in the files'
     dtypes.
+
+    Args:
+        safetensors_headers: `(file name, header)` of every weights file.
+        chat_template: whether the tokenizer has a chat template (False: a base model).
+        origin: where the config came from, for error messages (a path or a repository).
+
+    Raises:
+        ValueError: no weights, or a required config field (architectures, layer count,
+            sizes) is missing.
+    """
+    if not safetensors_headers:
+        raise ValueError(f"{origin} has no *.safetensors weights")
+    # Multimodal configs nest the language model's fields under text_config.
+    text_config: dict[str, Any] = {**config, **config.get("text_config", {})}
+    architectures = config.get("architectures")
+    if not architectures or not isinstance(architectures, list):
+        raise ValueError(f"{origin}'s config.json has no architectures field")
+    where = f"{origin}'s config.json"
+    n_layers = _required(text_config, where, "num_hidden_layers", "n_layer")
+    hidden_size = _required(text_config, where, "hidden_size", "n_embd")
+    num_attention_heads = _required(text_config, where, "num_attention_heads", "n_head")
+    num_key_value_heads = text_config.get("num_key_value_heads") or num_attention_heads
+    intermediate_size = text_config.get("intermediate_size") or 4 * hidden_size
+    vocab_size = _required(text_config, where, "vocab_size")
+    context_length = _required(
+        text_config, where, "max_position_embeddings", "n_positions", "max_seq_len"
+    )
+    head_dim = text_config.get("head_dim")
+    parameter_count, stored_bytes = _weight_totals(safetensors_headers)
+    return ModelCard(
+        model_id=model_id,
+        source=source,
+        architecture=str(architectures[0]),
+        n_layers=n_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=int(num_key_value_heads),
+        intermediate_size=int(intermediate_size),
+        vocab_size=vocab_size,
+        storage_size_bytes=stored_bytes,
+        context_length=context_length,
+        head_dim=head_dim if isinstance(head_dim, int) and head_dim > 0 else None,
+        # transformers' PretrainedConfig ties the embeddings unless the config says not to.
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+        # Qwen2 always has q/k/v biases without an `attention_bias` field: read the weights.
+        attention_bias=bool(text_config.get("attention_bias", False))
+        or _stores_attention_bias(safetensors_headers),
+        parameter_count=parameter_count,
+        has_chat_template=chat_template,
+        # Tensor parallel splits heads, KV heads and the MLP evenly over 2 ranks at least.
+        supports_tensor=(
+            num_attention_heads % 2 == 0
+            and int(num_key_value_heads) % 2 == 0
+            and int(intermediate_size) % 2 == 0
+        ),
+    )
+
+
+def card_from_local_directory(path: Path) -> ModelCard:
+    """Build a card for an HF-format directory from its config.json and safetensors headers
+    (no tensor is loaded; see `card_from_config`).
 
     Args:
         path: the model directory.
@@ -167,48 +243,13 @@ def card_from_local_directory(path: Path) -> ModelCard:
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(f"{directory} has no tokenizer ({' or '.join(TOKENIZER_FILES)})")
     config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8"))
-    # Multimodal configs nest the language model's fields under text_config.
-    text_config: dict[str, Any] = {**config, **config.get("text_config", {})}
-    architectures = config.get("architectures")
-    if not architectures or not isinstance(architectures, list):
-        raise ValueError(f"{config_path} has no architectures field")
-    n_layers = _required(text_config, directory, "num_hidden_layers", "n_layer")
-    hidden_size = _required(text_config, directory, "hidden_size", "n_embd")
-    num_attention_heads = _required(text_config, directory, "num_attention_heads", "n_head")
-    num_key_value_heads = text_config.get("num_key_value_heads") or num_attention_heads
-    intermediate_size = text_config.get("intermediate_size") or 4 * hidden_size
-    vocab_size = _required(text_config, directory, "vocab_size")
-    context_length = _required(
-        text_config, directory, "max_position_embeddings", "n_positions", "max_seq_len"
-    )
-    head_dim = text_config.get("head_dim")
-    parameter_count, stored_bytes = _weight_totals(safetensors_files)
-    return ModelCard(
-        model_id=ModelId(str(directory)),
-        source=LocalDirectorySource(path=str(directory)),
-        architecture=str(architectures[0]),
-        n_layers=n_layers,
-        hidden_size=hidden_size,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=int(num_key_value_heads),
-        intermediate_size=int(intermediate_size),
-        vocab_size=vocab_size,
-        storage_size_bytes=stored_bytes,
-        context_length=context_length,
-        head_dim=head_dim if isinstance(head_dim, int) and head_dim > 0 else None,
-        # transformers' PretrainedConfig ties the embeddings unless the config says not to.
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
-        # Qwen2 always has q/k/v biases without an `attention_bias` field: read the weights.
-        attention_bias=bool(text_config.get("attention_bias", False))
-        or _stores_attention_bias(safetensors_files),
-        parameter_count=parameter_count,
-        has_chat_template=has_chat_template(directory),
-        # Tensor parallel splits heads, KV heads and the MLP evenly over 2 ranks at least.
-        supports_tensor=(
-            num_attention_heads % 2 == 0
-            and int(num_key_value_heads) % 2 == 0
-            and int(intermediate_size) % 2 == 0
-        ),
+    return card_from_config(
+        ModelId(str(directory)),
+        LocalDirectorySource(path=str(directory)),
+        config,
+        [(path.name, read_safetensors_header(path)) for path in safetensors_files],
+        has_chat_template(directory),
+        str(directory),
     )
 
 
