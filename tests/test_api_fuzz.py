@@ -108,8 +108,11 @@ def mutated_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
         return endpoint, json.dumps(draw(json_values)).encode()
     if mutation == "replace" or (mutation == "remove" and field == length_field):
         replacement = draw(json_values)
-        if field == length_field and isinstance(replacement, int | float):
-            replacement = str(replacement)  # never a longer generation, only a wrong type
+        if field == length_field:  # never a longer generation, only a wrong type
+            if isinstance(replacement, int | float):
+                replacement = str(replacement)
+            elif isinstance(replacement, dict):  # Ollama's options keep their bound
+                replacement["num_predict"] = MAX_TOKENS
         body[field] = replacement
     elif mutation == "remove":
         del body[field]
