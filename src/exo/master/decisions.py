@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 
 from exo.master.keep_alive import set_keep_alive
 from exo.master.placement import PlacementError, place_instance, required_memory_bytes
+from exo.master.recovery import unavailable_message
 from exo.shared.models.cards import UnknownModelError, resolve_card, with_custom_cards
 from exo.shared.models.names import resolve_model_name
 from exo.shared.types.commands import (
@@ -61,18 +63,29 @@ def no_room_message(card: ModelCard, state: State, placement_error: str) -> str:
     return message
 
 
-def choose_instance(state: State, model_id: ModelId) -> Instance | None:
-    """The instance of `model_id` to send a new generation to: ready ones first, then the
-    one with the fewest unfinished tasks (ties broken by id, so every node agrees)."""
-    candidates = state.instances_of_model(model_id)
+def choose_instance(
+    state: State, model_id: ModelId, command_id: CommandId | None = None
+) -> Instance | None:
+    """The instance of `model_id` to send a new generation to, among those that can
+    serve (not unavailable after losing a node): ready ones first, then the least busy
+    (fewest unfinished tasks: queued plus running), then a tie broken by a hash of the
+    command and instance ids, so equally idle instances share sequential requests and
+    every master decides the same. None when no instance can serve.
+    """
+    candidates = [
+        instance
+        for instance in state.instances_of_model(model_id)
+        if instance.instance_id not in state.unavailable_instances
+    ]
     if not candidates:
         return None
 
-    def load(instance: Instance) -> tuple[int, int, str]:
+    def load(instance: Instance) -> tuple[int, int, str, str]:
         rank_zero = instance.shard_assignments.rank_zero_runner()
         ready = isinstance(state.runners.get(rank_zero), RunnerReady | RunnerRunning)
         active = sum(1 for t in state.tasks.values() if t.instance_id == instance.instance_id)
-        return (0 if ready else 1, active, instance.instance_id)
+        spread = hashlib.sha256(f"{command_id}/{instance.instance_id}".encode()).hexdigest()
+        return (0 if ready else 1, active, spread if command_id else "", instance.instance_id)
 
     return min(candidates, key=load)
 
@@ -130,8 +143,12 @@ def events_for_command(
                 return [_reject(command.command_id, origin, f"no instance '{instance_id}'", 404)]
             return [InstanceDeleted(instance_id=instance_id, command_id=command.command_id)]
         case GenerateText(params=params):
-            chosen = choose_instance(state, params.model)
+            chosen = choose_instance(state, params.model, command.command_id)
             if chosen is None:
+                unavailable = state.instances_of_model(params.model)
+                if unavailable:
+                    reason = unavailable_message(state, unavailable[0])
+                    return [_reject(command.command_id, origin, reason, 503)]
                 return [_reject(command.command_id, origin, no_instance_message(params.model), 404)]
             failed = _failed_preparation(state, chosen)
             if failed is not None:

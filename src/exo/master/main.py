@@ -12,6 +12,13 @@ from loguru import logger
 from exo.master.decisions import events_for_command
 from exo.master.event_log import EventLog
 from exo.master.keep_alive import idle_instances, usage_after_command, usage_after_local_event
+from exo.master.recovery import (
+    ACTIVATION_GRACE_SECONDS,
+    connectivity_events,
+    events_after_node_lost,
+    replacements_for_waiting,
+)
+from exo.routing.connections import ConnectionMessage
 from exo.shared.apply import apply, origin_key
 from exo.shared.types.commands import ForwarderCommand, RequestEventReplay
 from exo.shared.types.common import CommandId, ModelId, NodeId
@@ -25,7 +32,11 @@ from exo.shared.types.events import (
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
+    InstanceReplaced,
+    InstanceUnplaced,
     InstanceUsed,
+    NodeLost,
+    NodeRejoined,
     NodeTimedOut,
     TaskCreated,
 )
@@ -85,6 +96,8 @@ class Master:
         last_heard: Mapping[NodeId, float] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        current_peers: Callable[[], frozenset[NodeId]] | None = None,
+        connections: Subscription[ConnectionMessage] | None = None,
     ) -> None:
         self.node_id = node_id
         self.state = state
@@ -101,6 +114,10 @@ class Master:
         self._active = False
         self._activated_at = 0.0
         self._done_commands: set[CommandId] = set()
+        # The nodes this node is linked to, and their joins and leaves: losses are
+        # decided from them (`exo.master.recovery`). None: links are not watched.
+        self._current_peers = current_peers
+        self._connections = connections
 
     def emit(self, events: Sequence[Event], origin: ForwarderEvent | None = None) -> None:
         """Index, persist, apply and publish `events` (in that order)."""
@@ -124,6 +141,7 @@ class Master:
             if command_id is not None:
                 self._done_commands.add(command_id)
             self._global_events.publish(indexed_event)
+            _log_recovery(indexed_event.event)
 
     def _check_active(self) -> bool:
         active = self._is_active()
@@ -153,21 +171,43 @@ class Master:
         async with anyio.create_task_group() as task_group:
             task_group.start_soon(self._command_loop)
             task_group.start_soon(self._local_event_loop)
+            if self._connections is not None:
+                task_group.start_soon(self._connection_loop, self._connections)
             while True:
                 if self._check_active():
+                    self.emit(self.connectivity())
+                    self.emit(replacements_for_waiting(self.state))
                     self.emit(self.timed_out_nodes())
                     self.emit(idle_instances(self.state, self._wall_clock()))
                 await anyio.sleep(1.0)
 
+    def connectivity(self) -> list[Event]:
+        """Losses and returns of nodes that the links show now (none when not watched)."""
+        if self._current_peers is None:
+            return []
+        return connectivity_events(
+            self.state,
+            self.node_id,
+            self._current_peers(),
+            heard_from=self._last_heard.keys(),
+            grace_over=self._now() - self._activated_at >= ACTIVATION_GRACE_SECONDS,
+        )
+
     def timed_out_nodes(self) -> list[Event]:
+        """Nodes silent for the timeout are removed; one not yet lost is first lost, so
+        its instances are placed again rather than dropped."""
         now = self._now()
-        return [
-            NodeTimedOut(node_id=node_id)
-            for node_id in self.state.node_info
-            if node_id != self.node_id
-            and now - max(self._last_heard.get(node_id, 0.0), self._activated_at)
-            > NODE_TIMEOUT_SECONDS
-        ]
+        events: list[Event] = []
+        for node_id in list(self.state.node_info):
+            if node_id == self.node_id:
+                continue
+            silent = now - max(self._last_heard.get(node_id, 0.0), self._activated_at)
+            if silent <= NODE_TIMEOUT_SECONDS:
+                continue
+            if node_id not in self.state.lost_nodes:
+                events += events_after_node_lost(self.state, node_id)
+            events.append(NodeTimedOut(node_id=node_id))
+        return events
 
     def handle_command(self, forwarded: ForwarderCommand) -> None:
         command = forwarded.command
@@ -206,7 +246,33 @@ class Master:
             if self._check_active():
                 self.handle_command(forwarded)
 
+    async def _connection_loop(self, connections: Subscription[ConnectionMessage]) -> None:
+        async for _ in connections:
+            if self._check_active():
+                self.emit(self.connectivity())
+
     async def _local_event_loop(self) -> None:
         async for forwarded in self._local_events:
             if self._check_active():
                 self.handle_local_event(forwarded)
+
+
+def _log_recovery(event: Event) -> None:
+    """One line per node loss, return, removal and re-placement."""
+    match event:
+        case NodeLost(node_id=node_id):
+            logger.warning(f"master: node {node_id} left (link lost)")
+        case NodeRejoined(node_id=node_id):
+            logger.info(f"master: node {node_id} is back")
+        case NodeTimedOut(node_id=node_id):
+            logger.warning(
+                f"master: node {node_id} removed (silent for {NODE_TIMEOUT_SECONDS:.0f} s)"
+            )
+        case InstanceReplaced(instance=instance, reason=reason):
+            logger.warning(
+                f"master: instance {instance.instance_id} ({instance.model_id}): {reason}"
+            )
+        case InstanceUnplaced(instance_id=instance_id, reason=reason):
+            logger.warning(f"master: instance {instance_id}: {reason}")
+        case _:
+            pass

@@ -90,12 +90,19 @@ def pipeline_share_bytes(
     return int(peak * (1 + MEMORY_OVERHEAD_FRACTION))
 
 
-def runner_id_for(instance_id: InstanceId, rank: int) -> RunnerId:
+def runner_id_for(instance_id: InstanceId, rank: int, runner_tag: str = "") -> RunnerId:
+    """`{instance_id}-rank{rank}`; a re-placed instance tags its new runners
+    (`{instance_id}-{tag}-rank{rank}`) so no status of the old ones is taken for theirs."""
+    if runner_tag:
+        return RunnerId(f"{instance_id}-{runner_tag}-rank{rank}")
     return RunnerId(f"{instance_id}-rank{rank}")
 
 
-def rendezvous_port(instance_id: InstanceId) -> int:
-    digest = hashlib.sha256(instance_id.encode()).digest()
+def rendezvous_port(instance_id: InstanceId, runner_tag: str = "") -> int:
+    """Rank 0's port: in [40000, 50000), from the instance id (and the re-placement's
+    tag, so a new group never meets on the port the broken one used)."""
+    key = f"{instance_id}-{runner_tag}" if runner_tag else instance_id
+    digest = hashlib.sha256(key.encode()).digest()
     return RENDEZVOUS_PORT_BASE + int.from_bytes(digest[:4], "big") % RENDEZVOUS_PORT_SPAN
 
 
@@ -259,11 +266,18 @@ def best_layout(
 
 
 def _candidate_nodes(state: State, node_ids: Sequence[NodeId] | None) -> list[NodeId]:
+    """The nodes a placement may use: the ones asked for, or every reachable node.
+
+    Raises:
+        PlacementError: an asked-for node is unknown or lost (its link dropped)."""
     if node_ids is None:
-        return list(state.node_info)
+        return [node_id for node_id in state.node_info if node_id not in state.lost_nodes]
     unknown = [node_id for node_id in node_ids if node_id not in state.node_info]
     if unknown:
         raise PlacementError(f"unknown node id(s): {', '.join(unknown)}")
+    lost = [node_id for node_id in node_ids if node_id in state.lost_nodes]
+    if lost:
+        raise PlacementError(f"node(s) {', '.join(lost)} left the cluster (link lost)")
     return list(dict.fromkeys(node_ids))
 
 
@@ -289,12 +303,15 @@ def place_instance(
     sharding: Sharding = "pipeline",
     min_nodes: int = 1,
     node_ids: Sequence[NodeId] | None = None,
+    runner_tag: str = "",
 ) -> Instance:
     """Choose where to run `card` and return the instance to create.
 
     Args:
         node_ids: restrict the placement to these nodes (all of them need not be used).
         min_nodes: use at least this many nodes.
+        runner_tag: part of the runner ids and rendezvous port of a re-placement
+            (`runner_id_for`); empty for a first placement.
 
     Raises:
         PlacementError: no nodes are known, too few, or no group can hold the model.
@@ -317,9 +334,10 @@ def place_instance(
     if chosen is None:
         raise PlacementError(last_error or "no placement found")
     shards = _shards(card, sharding, chosen)
-    runner_to_shard = {runner_id_for(instance_id, s.device_rank): s for s in shards}
+    runner_to_shard = {runner_id_for(instance_id, s.device_rank, runner_tag): s for s in shards}
     node_to_runner = {
-        node_id: runner_id_for(instance_id, rank) for rank, node_id in enumerate(chosen.nodes)
+        node_id: runner_id_for(instance_id, rank, runner_tag)
+        for rank, node_id in enumerate(chosen.nodes)
     }
     assignments = ShardAssignments(
         model_id=card.model_id, runner_to_shard=runner_to_shard, node_to_runner=node_to_runner
@@ -329,7 +347,7 @@ def place_instance(
         all_cuda = all(state.node_info[n].gpus for n in chosen.nodes)
         rendezvous = Rendezvous(
             backend="nccl" if all_cuda else "gloo",
-            port=rendezvous_port(instance_id),
+            port=rendezvous_port(instance_id, runner_tag),
             addresses=chosen.rendezvous_addresses,
         )
     if sharding == "pipeline":

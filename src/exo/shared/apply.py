@@ -19,9 +19,13 @@ from exo.shared.types.events import (
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
+    InstanceReplaced,
+    InstanceUnplaced,
     InstanceUsed,
     NodeDownloadProgress,
     NodeGatheredInfo,
+    NodeLost,
+    NodeRejoined,
     NodeTimedOut,
     RunnerDeleted,
     RunnerStatusUpdated,
@@ -30,8 +34,9 @@ from exo.shared.types.events import (
     TopologyEdgeMeasured,
     TopologyEdgeRemoved,
 )
+from exo.shared.types.instances import Instance
 from exo.shared.types.runners import RunnerFailed, RunnerReady, RunnerRunning, RunnerStatus
-from exo.shared.types.state import InstanceUsage, State
+from exo.shared.types.state import InstanceUnavailable, InstanceUsage, State
 from exo.shared.types.tasks import TERMINAL_TASK_STATUSES
 
 
@@ -84,14 +89,76 @@ def apply_event(state: State, event: Event) -> State:
             tasks = {k: t for k, t in state.tasks.items() if t.instance_id != instance_id}
             failures = {k: v for k, v in state.instance_failures.items() if k != instance_id}
             usage = {k: v for k, v in state.instance_usage.items() if k != instance_id}
+            unavailable = {k: v for k, v in state.unavailable_instances.items() if k != instance_id}
+            return _without_runners(
+                state.model_copy(
+                    update={
+                        "instances": instances,
+                        "tasks": tasks,
+                        "instance_failures": failures,
+                        "instance_usage": usage,
+                        "unavailable_instances": unavailable,
+                    }
+                ),
+                set(state.instances[instance_id].shard_assignments.runner_to_shard),
+            )
+        case InstanceReplaced(instance=instance, reason=reason):
+            old = state.instances.get(instance.instance_id)
+            if old is None:
+                return state  # deleted meanwhile: the wish ended
+            gone = set(old.shard_assignments.runner_to_shard) - set(
+                instance.shard_assignments.runner_to_shard
+            )
+            return _without_runners(
+                state.model_copy(
+                    update={
+                        "instances": {**state.instances, instance.instance_id: instance},
+                        "unavailable_instances": {
+                            **state.unavailable_instances,
+                            instance.instance_id: InstanceUnavailable(reason=reason),
+                        },
+                        "instance_failures": {
+                            k: v
+                            for k, v in state.instance_failures.items()
+                            if k != instance.instance_id
+                        },
+                    }
+                ),
+                gone,
+            )
+        case InstanceUnplaced(instance_id=instance_id, reason=reason):
+            if instance_id not in state.instances:
+                return state
+            waiting = InstanceUnavailable(reason=reason, waiting_for_room=True)
             return state.model_copy(
                 update={
-                    "instances": instances,
-                    "tasks": tasks,
-                    "instance_failures": failures,
-                    "instance_usage": usage,
+                    "unavailable_instances": {**state.unavailable_instances, instance_id: waiting}
                 }
             )
+        case NodeLost(node_id=node_id):
+            if node_id not in state.node_info or node_id in state.lost_nodes:
+                return state
+            unavailable = {
+                **state.unavailable_instances,
+                **{
+                    instance.instance_id: InstanceUnavailable(reason=f"node {node_id} left")
+                    for instance in state.instances_on_node(node_id)
+                },
+            }
+            # Its runners' last statuses say nothing any more (a lost rank is no rank).
+            on_node = {r for r, n in state.runner_nodes.items() if n == node_id}
+            return _without_runners(
+                state.model_copy(
+                    update={
+                        "lost_nodes": (*state.lost_nodes, node_id),
+                        "unavailable_instances": unavailable,
+                    }
+                ),
+                on_node,
+            )
+        case NodeRejoined(node_id=node_id):
+            lost = tuple(n for n in state.lost_nodes if n != node_id)
+            return state.model_copy(update={"lost_nodes": lost})
         case InstanceUsed(instance_id=instance_id):
             if instance_id not in state.instances:
                 return state
@@ -113,12 +180,21 @@ def apply_event(state: State, event: Event) -> State:
                 tasks = {**state.tasks, task_id: updated}
             return state.model_copy(update={"tasks": tasks})
         case RunnerStatusUpdated(runner_id=runner_id, node_id=node_id, status=status):
+            owner = _instance_of_runner(state, runner_id)
+            if owner is None:
+                # A runner of a deleted (or re-placed) instance reporting its end: the
+                # state keeps no trace of it.
+                return state
             runners = {**state.runners, runner_id: status}
+            unavailable = state.unavailable_instances
+            if owner.instance_id in unavailable and _all_ready(owner, runners):
+                unavailable = {k: v for k, v in unavailable.items() if k != owner.instance_id}
             return state.model_copy(
                 update={
                     "runners": runners,
                     "runner_nodes": {**state.runner_nodes, runner_id: node_id},
                     "instance_failures": _instance_failures(state, runners, runner_id, status),
+                    "unavailable_instances": unavailable,
                 }
             )
         case RunnerDeleted(runner_id=runner_id):
@@ -161,15 +237,37 @@ def apply_event(state: State, event: Event) -> State:
             return state.model_copy(update={"topology": topology})
 
 
+def _instance_of_runner(state: State, runner_id: RunnerId) -> Instance | None:
+    return next(
+        (i for i in state.instances.values() if runner_id in i.shard_assignments.runner_to_shard),
+        None,
+    )
+
+
+def _all_ready(instance: Instance, runners: dict[RunnerId, RunnerStatus]) -> bool:
+    return all(
+        isinstance(runners.get(r), RunnerReady | RunnerRunning)
+        for r in instance.shard_assignments.runner_to_shard
+    )
+
+
+def _without_runners(state: State, runner_ids: set[RunnerId]) -> State:
+    if not runner_ids & state.runners.keys() and not runner_ids & state.runner_nodes.keys():
+        return state
+    return state.model_copy(
+        update={
+            "runners": {k: v for k, v in state.runners.items() if k not in runner_ids},
+            "runner_nodes": {k: v for k, v in state.runner_nodes.items() if k not in runner_ids},
+        }
+    )
+
+
 def _instance_failures(
     state: State, runners: dict[RunnerId, RunnerStatus], runner_id: RunnerId, status: RunnerStatus
 ) -> dict[InstanceId, int]:
     """Count a failed runner against its instance; forget the count once every runner of
     the instance is ready."""
-    instance = next(
-        (i for i in state.instances.values() if runner_id in i.shard_assignments.runner_to_shard),
-        None,
-    )
+    instance = _instance_of_runner(state, runner_id)
     if instance is None:
         return state.instance_failures
     instance_id = instance.instance_id
@@ -178,16 +276,22 @@ def _instance_failures(
             **state.instance_failures,
             instance_id: state.instance_failures.get(instance_id, 0) + 1,
         }
-    if isinstance(status, RunnerReady) and all(
-        isinstance(runners.get(r), RunnerReady | RunnerRunning)
-        for r in instance.shard_assignments.runner_to_shard
-    ):
+    if isinstance(status, RunnerReady) and _all_ready(instance, runners):
         return {k: v for k, v in state.instance_failures.items() if k != instance_id}
     return state.instance_failures
 
 
 def _remove_node(state: State, node_id: NodeId) -> State:
-    gone_instances = {i.instance_id for i in state.instances_on_node(node_id)}
+    # An instance waiting for room keeps its wish (it is placed again when room appears);
+    # any other instance still using the node goes with it.
+    gone_instances = {
+        i.instance_id
+        for i in state.instances_on_node(node_id)
+        if not (
+            (unavailable := state.unavailable_instances.get(i.instance_id)) is not None
+            and unavailable.waiting_for_room
+        )
+    }
     gone_runners = {r for r, n in state.runner_nodes.items() if n == node_id}
     topology = {
         source: {sink: edge for sink, edge in edges.items() if sink != node_id}
@@ -203,6 +307,13 @@ def _remove_node(state: State, node_id: NodeId) -> State:
             "instance_usage": {
                 k: v for k, v in state.instance_usage.items() if k not in gone_instances
             },
+            "instance_failures": {
+                k: v for k, v in state.instance_failures.items() if k not in gone_instances
+            },
+            "unavailable_instances": {
+                k: v for k, v in state.unavailable_instances.items() if k not in gone_instances
+            },
+            "lost_nodes": tuple(n for n in state.lost_nodes if n != node_id),
             "tasks": {k: t for k, t in state.tasks.items() if t.instance_id not in gone_instances},
             "runners": {k: v for k, v in state.runners.items() if k not in gone_runners},
             "runner_nodes": {k: v for k, v in state.runner_nodes.items() if k not in gone_runners},

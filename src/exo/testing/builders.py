@@ -10,6 +10,7 @@ import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from exo.master.placement import runner_id_for
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.events import Event, IndexedEvent
@@ -94,11 +95,15 @@ def make_instance(
     card: ModelCard | None = None,
     sharding: Sharding = "pipeline",
     instance_id: str = "instance-1",
+    runner_tag: str = "",
 ) -> Instance:
-    """An instance with one runner per node, `f"{instance_id}-rank{rank}"`, rank = position."""
+    """An instance with one runner per node, `runner_id_for(instance_id, rank, runner_tag)`
+    (`f"{instance_id}-rank{rank}"` untagged), rank = position."""
     nodes = [node_ids] if isinstance(node_ids, str) else list(node_ids)
     card = card or smollm2_card()
-    runners = [RunnerId(f"{instance_id}-rank{rank}") for rank in range(len(nodes))]
+    runners = [
+        runner_id_for(InstanceId(instance_id), rank, runner_tag) for rank in range(len(nodes))
+    ]
     assignments = ShardAssignments(
         model_id=card.model_id,
         runner_to_shard={

@@ -234,8 +234,6 @@ def two_instances_state(
         # Among ready ones, the fewest unfinished tasks.
         (RunnerRunning(), RunnerReady(), 2, 1, "instance-2"),
         (RunnerReady(), RunnerRunning(), 1, 2, "instance-1"),
-        # A tie goes to the smaller id, so every node agrees.
-        (RunnerReady(), RunnerReady(), 1, 1, "instance-1"),
         (RunnerLoaded(), RunnerLoaded(), 1, 0, "instance-2"),
     ],
 )

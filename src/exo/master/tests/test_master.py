@@ -26,6 +26,7 @@ from exo.shared.types.events import (
     IndexedEvent,
     InstanceCreated,
     NodeGatheredInfo,
+    NodeLost,
     NodeTimedOut,
     RunnerDeleted,
     TaskCreated,
@@ -404,12 +405,21 @@ async def test_nodes_not_heard_from_time_out(tmp_path: Path) -> None:
         last_heard[NODE_B] = 1000.0 + 5
         clock.now = 1000.0 + NODE_TIMEOUT_SECONDS + 1
         # The master never times itself out (it is not in `last_heard`); C was never heard.
-        assert cluster.master.timed_out_nodes() == [NodeTimedOut(node_id=node_c)]
+        # A node not lost before is lost first (its instances are placed again).
+        assert cluster.master.timed_out_nodes() == [
+            NodeLost(node_id=node_c),
+            NodeTimedOut(node_id=node_c),
+        ]
         clock.now = 1000.0 + NODE_TIMEOUT_SECONDS + 6
-        expected = [NodeTimedOut(node_id=NODE_B), NodeTimedOut(node_id=node_c)]
+        expected = [
+            NodeLost(node_id=NODE_B),
+            NodeTimedOut(node_id=NODE_B),
+            NodeLost(node_id=node_c),
+            NodeTimedOut(node_id=node_c),
+        ]
         assert cluster.master.timed_out_nodes() == expected
         # The master's own loop publishes them (within its 1 s period).
-        timed_out = await cluster.receive(2)
+        timed_out = await cluster.receive(4)
         assert [e.event for e in timed_out] == expected
         assert sorted(cluster.master.state.node_info) == [MASTER_NODE, NODE_A]
         assert cluster.master.timed_out_nodes() == []

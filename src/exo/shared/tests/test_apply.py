@@ -14,9 +14,13 @@ from exo.shared.types.events import (
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
+    InstanceReplaced,
+    InstanceUnplaced,
     InstanceUsed,
     NodeDownloadProgress,
     NodeGatheredInfo,
+    NodeLost,
+    NodeRejoined,
     NodeTimedOut,
     RunnerDeleted,
     RunnerStatusUpdated,
@@ -26,7 +30,13 @@ from exo.shared.types.events import (
     TopologyEdgeRemoved,
 )
 from exo.shared.types.nodes import DownloadCompleted, DownloadOngoing, TopologyEdge
-from exo.shared.types.runners import RunnerFailed, RunnerIdle, RunnerReady, RunnerStatus
+from exo.shared.types.runners import (
+    RunnerFailed,
+    RunnerIdle,
+    RunnerReady,
+    RunnerShutdown,
+    RunnerStatus,
+)
 from exo.shared.types.state import InstanceUsage, State
 from exo.shared.types.tasks import (
     TaskCancelled,
@@ -92,6 +102,15 @@ SAMPLE_EVENTS: dict[type, Event] = {
     TopologyEdgeRemoved: TopologyEdgeRemoved(source=NODE_A, sink=NODE_B),
     CustomModelAdded: CustomModelAdded(card=CUSTOM_CARD, command_id=CommandId("c-3")),
     CustomModelDeleted: CustomModelDeleted(model_id=CUSTOM_CARD.model_id),
+    NodeLost: NodeLost(node_id=NODE_A),
+    NodeRejoined: NodeRejoined(node_id=NODE_A),
+    InstanceReplaced: InstanceReplaced(
+        instance=make_instance(NODE_B, instance_id="instance-1", runner_tag="r5"),
+        reason="node node-a left; re-placed on node-b",
+    ),
+    InstanceUnplaced: InstanceUnplaced(
+        instance_id=INSTANCE.instance_id, reason="node node-a left; waiting for room"
+    ),
 }
 
 
@@ -171,8 +190,10 @@ def test_instance_deleted_removes_the_instance_and_only_its_tasks() -> None:
     state = apply_one(state, InstanceDeleted(instance_id=INSTANCE.instance_id))
     assert list(state.instances) == [InstanceId("instance-2")]
     assert list(state.tasks) == [TaskId("task-3")]
-    # Runners report their own end; deleting the instance leaves their statuses.
-    assert state.runners == {RUNNER: RunnerIdle()}
+    # The runners' statuses go with the instance; their later reports are ignored.
+    assert state.runners == {} and state.runner_nodes == {}
+    shutdown = RunnerStatusUpdated(runner_id=RUNNER, node_id=NODE_A, status=RunnerShutdown())
+    assert apply_one(state, shutdown).runners == {}
 
 
 def test_deleting_an_unknown_instance_changes_nothing_but_the_index() -> None:
@@ -213,9 +234,11 @@ def test_status_of_an_unknown_task_is_a_no_op() -> None:
 
 def test_runner_status_updated_records_status_and_node() -> None:
     new_runner = RunnerId("instance-2-rank0")
+    both = populated_state().model_copy(
+        update={"instances": {INSTANCE.instance_id: INSTANCE, "instance-2": OTHER_INSTANCE}}
+    )
     state = apply_one(
-        populated_state(),
-        RunnerStatusUpdated(runner_id=new_runner, node_id=NODE_B, status=RunnerReady()),
+        both, RunnerStatusUpdated(runner_id=new_runner, node_id=NODE_B, status=RunnerReady())
     )
     assert state.runners == {RUNNER: RunnerIdle(), new_runner: RunnerReady()}
     assert state.runner_nodes == {RUNNER: NODE_A, new_runner: NODE_B}
@@ -419,3 +442,68 @@ def test_custom_model_deleted_leaves_other_custom_models() -> None:
     # Deleting an unknown custom model changes nothing but the index.
     again = apply_one(state, SAMPLE_EVENTS[CustomModelDeleted])
     assert again.custom_cards == state.custom_cards
+
+
+def test_a_runner_of_no_instance_leaves_no_status() -> None:
+    stray = RunnerStatusUpdated(
+        runner_id=RunnerId("gone-rank0"), node_id=NODE_A, status=RunnerShutdown()
+    )
+    state = apply_one(populated_state(), stray)
+    assert state.runners == populated_state().runners
+
+
+def test_a_lost_node_makes_its_instances_unavailable_until_their_new_runners_are_ready() -> None:
+    pair = make_instance([NODE_A, NODE_B], instance_id="pair")
+    state = make_state(
+        nodes={NODE_A: make_node_info(1024), NODE_B: make_node_info(1024)},
+        instances=[pair, OTHER_INSTANCE],
+        runners={
+            RunnerId("pair-rank0"): (NODE_A, RunnerReady()),
+            RunnerId("pair-rank1"): (NODE_B, RunnerReady()),
+            RunnerId("instance-2-rank0"): (NODE_B, RunnerReady()),
+        },
+    )
+    state = apply_one(state, NodeLost(node_id=NODE_A))
+    assert state.lost_nodes == (NODE_A,)
+    assert set(state.unavailable_instances) == {"pair"}
+    assert "node-a left" in state.unavailable_instances[InstanceId("pair")].reason
+    assert RunnerId("pair-rank0") not in state.runners  # a lost rank is no rank
+    assert NODE_A in state.node_info  # kept until it returns or times out
+
+    moved = make_instance(NODE_B, instance_id="pair", runner_tag="r9")
+    state = apply_one(state, InstanceReplaced(instance=moved, reason="re-placed on node-b"))
+    assert state.instances[InstanceId("pair")] == moved
+    assert state.unavailable_instances[InstanceId("pair")].reason == "re-placed on node-b"
+    # The old runners' statuses are gone, and so are their later reports.
+    assert set(state.runners) == {"instance-2-rank0"}
+    late = RunnerStatusUpdated(
+        runner_id=RunnerId("pair-rank1"), node_id=NODE_B, status=RunnerShutdown()
+    )
+    assert set(apply_one(state, late).runners) == {"instance-2-rank0"}
+    new_runner = moved.shard_assignments.rank_zero_runner()
+    state = apply_one(
+        state, RunnerStatusUpdated(runner_id=new_runner, node_id=NODE_B, status=RunnerReady())
+    )
+    assert state.unavailable_instances == {}
+
+    state = apply_one(state, NodeRejoined(node_id=NODE_A))
+    assert state.lost_nodes == ()
+
+
+def test_an_unplaced_instance_outlives_its_lost_node_and_a_deleted_one_leaves_no_trace() -> None:
+    state = make_state(
+        nodes={NODE_A: make_node_info(1024), NODE_B: make_node_info(1024)},
+        instances=[INSTANCE, OTHER_INSTANCE],
+        runners={RUNNER: (NODE_A, RunnerReady())},
+    ).model_copy(update={"instance_failures": {INSTANCE.instance_id: 2}})
+    state = apply_one(state, NodeLost(node_id=NODE_A))
+    state = apply_one(
+        state, InstanceUnplaced(instance_id=INSTANCE.instance_id, reason="waiting for room")
+    )
+    assert state.unavailable_instances[INSTANCE.instance_id].waiting_for_room
+    state = apply_one(state, NodeTimedOut(node_id=NODE_A))
+    assert NODE_A not in state.node_info and state.lost_nodes == ()
+    assert INSTANCE.instance_id in state.instances  # the wish stays
+    state = apply_one(state, InstanceDeleted(instance_id=INSTANCE.instance_id))
+    assert state.unavailable_instances == {} and state.instance_failures == {}
+    assert list(state.instances) == [OTHER_INSTANCE.instance_id]

@@ -66,9 +66,13 @@ from exo.shared.types.events import (
     IndexedEvent,
     InstanceCreated,
     InstanceDeleted,
+    InstanceReplaced,
+    InstanceUnplaced,
     InstanceUsed,
     NodeDownloadProgress,
     NodeGatheredInfo,
+    NodeLost,
+    NodeRejoined,
     NodeTimedOut,
     RunnerDeleted,
     RunnerStatusUpdated,
@@ -121,7 +125,7 @@ from exo.shared.types.runners import (
     RunnerWarmingUp,
 )
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
-from exo.shared.types.state import InstanceUsage, State
+from exo.shared.types.state import InstanceUnavailable, InstanceUsage, State
 from exo.shared.types.tasks import (
     CancelTask,
     ConnectToGroup,
@@ -225,6 +229,12 @@ FULL_STATE = make_state(
             TENSOR.instance_id: InstanceUsage(last_used_at=3.0, keep_alive_seconds=None)
         },
         "local_event_progress": {"node-a/session-1": 4},
+        "lost_nodes": (NodeId("node-b"),),
+        "unavailable_instances": {
+            TENSOR.instance_id: InstanceUnavailable(
+                reason="node node-b left; waiting for room", waiting_for_room=True
+            )
+        },
     }
 )
 
@@ -454,6 +464,11 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     ],
     ClusterHistoryStarted: [ClusterHistoryStarted(history_id="history-1", master=NODE)],
     NodeTimedOut: [NodeTimedOut(node_id=NODE)],
+    NodeLost: [NodeLost(node_id=NODE)],
+    NodeRejoined: [NodeRejoined(node_id=NODE)],
+    InstanceReplaced: [InstanceReplaced(instance=PIPELINE, reason="node node-b left")],
+    InstanceUnplaced: [InstanceUnplaced(instance_id=INSTANCE_ID, reason="no room")],
+    InstanceUnavailable: [InstanceUnavailable(reason="node node-b left")],
     TopologyEdgeMeasured: [TopologyEdgeMeasured(edge=EDGE)],
     TopologyEdgeRemoved: [TopologyEdgeRemoved(source=NODE, sink=NodeId("node-b"))],
     CustomModelAdded: [CustomModelAdded(card=CARD, command_id=COMMAND)],

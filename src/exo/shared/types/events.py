@@ -105,6 +105,42 @@ class NodeTimedOut(FrozenModel):
     node_id: NodeId
 
 
+class NodeLost(FrozenModel):
+    """The master's link to `node_id` dropped (zenoh liveliness, about a second after a
+    process dies): its instances stop receiving requests at once. Its info stays until
+    it returns (`NodeRejoined`) or times out (`NodeTimedOut`)."""
+
+    kind: Literal["NodeLost"] = "NodeLost"
+    node_id: NodeId
+
+
+class NodeRejoined(FrozenModel):
+    """A lost node's link came back: it can be placed on again."""
+
+    kind: Literal["NodeRejoined"] = "NodeRejoined"
+    node_id: NodeId
+
+
+class InstanceReplaced(FrozenModel):
+    """An instance that lost a node was placed again on nodes that remain: same id, same
+    model and sharding, new runners (the old ones are gone or shut down). It serves again
+    once every new runner is ready."""
+
+    kind: Literal["InstanceReplaced"] = "InstanceReplaced"
+    instance: Instance
+    reason: str
+    """What happened, for people: "node X left; re-placed on Y"."""
+
+
+class InstanceUnplaced(FrozenModel):
+    """An instance lost a node and the remaining nodes have no room for it: it keeps its
+    id and waits (`State.unavailable_instances` says why) until room appears."""
+
+    kind: Literal["InstanceUnplaced"] = "InstanceUnplaced"
+    instance_id: InstanceId
+    reason: str
+
+
 class TopologyEdgeMeasured(FrozenModel):
     kind: Literal["TopologyEdgeMeasured"] = "TopologyEdgeMeasured"
     edge: TopologyEdge
@@ -156,6 +192,10 @@ Event = Annotated[
     | CommandRejected
     | ClusterHistoryStarted
     | NodeTimedOut
+    | NodeLost
+    | NodeRejoined
+    | InstanceReplaced
+    | InstanceUnplaced
     | TopologyEdgeMeasured
     | TopologyEdgeRemoved,
     Field(discriminator="kind"),

@@ -21,6 +21,15 @@ class InstanceUsage(FrozenModel):
     """Idle seconds before the instance is deleted; None: kept until deleted."""
 
 
+class InstanceUnavailable(FrozenModel):
+    """Why an instance serves no request right now (it lost a node)."""
+
+    reason: str
+    """For people and for the 503 requests get: "node X left; re-placing on Y"."""
+    waiting_for_room: bool = False
+    """No remaining node set has room: the master places it again when room appears."""
+
+
 class State(FrozenModel):
     """Built only by `apply()` over indexed events; `last_event_applied_idx` is -1 when
     no event has been applied."""
@@ -37,6 +46,10 @@ class State(FrozenModel):
     """Last use and keep-alive of each instance (`InstanceUsed`)."""
     instance_failures: dict[InstanceId, int] = {}
     """Runner failures of each instance since it was last fully ready."""
+    lost_nodes: tuple[NodeId, ...] = ()
+    """Nodes whose link to the master dropped (`NodeLost`), until they return or time out."""
+    unavailable_instances: dict[InstanceId, InstanceUnavailable] = {}
+    """Instances that lost a node, until every runner of their new placement is ready."""
     custom_cards: dict[ModelId, ModelCard] = {}
     """Models added outside the catalog (`CustomModelAdded`), by id."""
     history_id: str | None = None
