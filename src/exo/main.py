@@ -246,6 +246,8 @@ class Node:
             is_active=lambda: self.election.master == self.node_id,
             current_state=lambda: self.replica.state,
             last_heard=self.election.last_heard,
+            current_peers=lambda: self.router.peers,
+            connections=self.router.connections.subscribe(),
         )
         self.worker = Worker(
             node_id=self.node_id,
@@ -256,6 +258,7 @@ class Node:
             models_dir=models_dir(),
             offline=options.offline,
             log_level=options.log_level,
+            caught_up=lambda: self.replica.caught_up(),
         )
         self.cluster = ClusterClient(
             node_id=self.node_id,
@@ -411,6 +414,8 @@ class Node:
         """Log `<model> is ready` each time an instance this node takes part in becomes
         ready to answer (every rank ready), after a restart too."""
         announced: set[InstanceId] = set()
+        while not self.replica.caught_up():
+            await anyio.sleep(0.2)
         while True:
             await self.cluster.state_changed.wait()
             state = self.cluster.state

@@ -83,6 +83,23 @@ class Replica:
         master = self._election.master_message
         return master is not None and master.last_event_idx > self.state.last_event_applied_idx
 
+    def caught_up(self) -> bool:
+        """Whether this node holds the elected master's history up to the event the
+        master last announced (same history, same event there). Before that, its state
+        may still hold what the cluster has since undone (a node restarting from its log)."""
+        master = self._election.master_message
+        if self._election.master is None or master is None:
+            return False
+        if master.node_id == self.node_id:
+            return True
+        if master.history_id is not None and master.history_id != self.state.history_id:
+            return False
+        if self.state.last_event_applied_idx < master.last_event_idx:
+            return False
+        if master.last_event_digest is None or master.last_event_idx < 0:
+            return True
+        return self._event_log.digest_at(master.last_event_idx) == master.last_event_digest
+
     def check(self) -> None:
         """Start over on another history; ask for what the master has and we lack."""
         master = self._election.master_message

@@ -71,6 +71,7 @@ class Worker:
         offline: bool = False,
         log_level: str = "INFO",
         clock: Callable[[], float] = time.monotonic,
+        caught_up: Callable[[], bool] = lambda: True,
     ) -> None:
         self.node_id = node_id
         self._current_state = current_state
@@ -88,6 +89,9 @@ class Worker:
         self._retry_after: dict[str, float] = {}
         self._changed = anyio.Event()
         self._task_group: TaskGroup | None = None
+        # A node that restarts from its own log must not act on it (start a runner for
+        # an instance the cluster removed since) before it holds the master's history.
+        self._caught_up = caught_up
 
     def _notify(self) -> None:
         self._changed.set()
@@ -127,6 +131,11 @@ class Worker:
         }
 
     async def _plan_loop(self) -> None:
+        while not self._caught_up():
+            with anyio.move_on_after(PLAN_IDLE_WAKE_SECONDS):
+                await self._changed.wait()
+            self._changed = anyio.Event()
+        logger.debug("worker: holding the cluster's current state; planning")
         while True:
             self._changed = anyio.Event()
             task = plan(

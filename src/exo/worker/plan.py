@@ -67,6 +67,7 @@ def plan(
             retried after a failure.
         now: monotonic time (s).
     """
+    state = _placed_instances_only(state)
     for task in (
         _shut_down_orphans(node_id, state, runners),
         _cancel_abandoned(state, runners),
@@ -78,6 +79,16 @@ def plan(
         if task is not None:
             return task
     return None
+
+
+def _placed_instances_only(state: State) -> State:
+    """The state without instances waiting for room after a node loss: their old
+    assignment names a lost node, so their runners here stop and none start."""
+    waiting = {i for i, u in state.unavailable_instances.items() if u.waiting_for_room}
+    if not waiting:
+        return state
+    placed = {k: v for k, v in state.instances.items() if k not in waiting}
+    return state.model_copy(update={"instances": placed})
 
 
 def _shut_down_orphans(

@@ -310,3 +310,19 @@ async def test_own_local_events_are_acknowledged_when_applied(tmp_path: Path) ->
     assert sender.unacknowledged == 0
     harness.clock.now += 10
     assert sender.resend_overdue() == 0
+
+
+async def test_a_node_is_caught_up_only_once_it_holds_the_masters_history(tmp_path: Path) -> None:
+    held = history(5)
+    harness = make_harness(tmp_path, held=held[:4])
+    # No master yet: a node restarting from its own log knows nothing current.
+    assert not harness.replica.caught_up()
+    harness.follow(last_event_idx=4, last_event_digest=event_digest(held[4]))
+    assert not harness.replica.caught_up()  # behind: event 4 is missing
+    harness.receive(held[4])
+    assert harness.replica.caught_up()
+    # Same index, another event there: a history that forked is not the master's.
+    harness.follow(last_event_idx=4, last_event_digest="another event")
+    assert not harness.replica.caught_up()
+    harness.follow(last_event_idx=4, history_id="history-2")
+    assert not harness.replica.caught_up()

@@ -25,7 +25,7 @@ from exo.shared.types.runners import (
     RunnerStatus,
     RunnerWarmingUp,
 )
-from exo.shared.types.state import State
+from exo.shared.types.state import InstanceUnavailable, State
 from exo.shared.types.tasks import (
     CancelTask,
     ConnectToGroup,
@@ -295,4 +295,28 @@ def test_several_instances_are_created_in_id_order() -> None:
     runners = {RUNNER: local(RunnerIdle())}
     assert run_plan(state, runners) == CreateRunner(
         instance_id=InstanceId("instance-2"), runner_id=RunnerId("instance-2-rank0")
+    )
+
+
+def test_an_instance_waiting_for_room_stops_its_runners_here_and_starts_none() -> None:
+    pair = make_instance([NODE, OTHER_NODE], instance_id="pair")
+    waiting = make_state(instances=[pair]).model_copy(
+        update={
+            "unavailable_instances": {
+                pair.instance_id: InstanceUnavailable(
+                    reason="node node-b left; waiting for room: no room", waiting_for_room=True
+                )
+            }
+        }
+    )
+    own = RunnerId("pair-rank0")
+    runner = {own: local(RunnerReady(), instance_id=pair.instance_id)}
+    assert run_plan(waiting, runner, COMPLETED) == Shutdown(runner_id=own)
+    assert run_plan(waiting, {}, COMPLETED) is None
+    # Re-placing (not waiting) is an ordinary placement: its runners start.
+    loading = waiting.model_copy(
+        update={"unavailable_instances": {pair.instance_id: InstanceUnavailable(reason="x")}}
+    )
+    assert run_plan(loading, {}, COMPLETED) == CreateRunner(
+        instance_id=pair.instance_id, runner_id=own
     )
