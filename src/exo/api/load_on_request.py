@@ -72,9 +72,9 @@ async def ensure_instance(
     ready.
 
     Args:
-        keep_alive: the keep-alive of an instance placed here (a keep-alive of 0 is not
-            given to it: the request's own generation sets it, so the instance is not
-            unloaded before the generation reaches it).
+        keep_alive: the keep-alive of an instance placed here. A keep-alive of 0 is not
+            given to it (it would be unloaded as soon as it is ready, before the
+            generation reaches it): the generation's own command sets it.
 
     Raises:
         ModelNotFoundError: auto-placement is off (`--no-auto-place`), or the model's
@@ -91,7 +91,7 @@ async def ensure_instance(
     if card is None or not is_available(cluster, card):
         raise ModelNotFoundError(not_downloaded_message(model_id), code="model_not_downloaded")
     if keep_alive is not None and keep_alive.seconds == 0:
-        keep_alive = default_keep_alive(cluster, None)
+        keep_alive = None  # the generation's own command sets it once it runs
     timeout = cluster.load_on_request.ready_timeout_seconds
     outcome: list[BaseException | None] = []
     async with anyio.create_task_group() as task_group:

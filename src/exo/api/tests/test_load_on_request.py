@@ -258,6 +258,16 @@ async def test_idle_unload_deletes_instances_idle_that_long(tmp_path: Path) -> N
             await wait_for(lambda: not cluster.state.instances, "the idle unload")
 
 
+async def test_idle_unload_zero_answers_before_it_unloads(tmp_path: Path) -> None:
+    """The placement does not carry a keep-alive of 0 (the instance would go as soon as
+    it is ready, before the request's generation reaches it); the generation does."""
+    async with running(tmp_path, LoadOnRequest(idle_unload_seconds=0)) as (cluster, http, _):
+        with anyio.fail_after(DEADLINE_SECONDS):
+            response = await http.post("/v1/completions", json=DIALECT_REQUESTS["/v1/completions"])
+            assert response.status_code == 200, response.text
+            await wait_for(lambda: not cluster.state.instances, "the unload")
+
+
 async def test_an_instance_without_a_keep_alive_stays(tmp_path: Path) -> None:
     async with running(tmp_path) as (cluster, http, _loaded):
         response = await http.post("/v1/completions", json=DIALECT_REQUESTS["/v1/completions"])
