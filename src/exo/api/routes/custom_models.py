@@ -1,0 +1,212 @@
+"""Models outside the catalog: add one from the Hub or a local directory, delete it, search
+the Hub.
+
+The card is built once, here, by the node that was asked (`exo.download.custom_cards`),
+and sent to the master, whose `CustomModelAdded` puts it into every node's state; from then
+on the model resolves like a catalog model (`with_custom_cards`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar
+
+import anyio
+from fastapi import APIRouter, Depends, Query
+from pydantic import BaseModel, ConfigDict, Field
+
+from exo.api.cluster import ClusterClient, CommandRejectedError
+from exo.api.dependencies import cluster_dependency
+from exo.api.errors import ApiError, InvalidRequestError, ModelNotFoundError, NoCapacityError
+from exo.download.custom_cards import (
+    REPO_ID,
+    CustomModelError,
+    card_for_hub_repository,
+    card_for_local_directory,
+    is_local_path,
+    search_hub,
+)
+from exo.shared.models.names import resolve_model_name
+from exo.shared.types.commands import AddCustomModel, DeleteCustomModel
+from exo.shared.types.common import CommandId, ModelId
+from exo.shared.types.events import CustomModelAdded
+from exo.shared.types.models import ModelCard
+from exo.worker.engines.torch.families import supported_architectures
+
+router = APIRouter()
+Cluster = Annotated[ClusterClient, Depends(cluster_dependency)]
+# Reading a repository's small files takes a few requests; a Hub that hangs longer is down.
+ADD_TIMEOUT_SECONDS = 120.0
+MAX_SEARCH_RESULTS = 100
+
+
+class HubAuthenticationError(ApiError):
+    status_code: ClassVar[int] = 401
+    error_type: ClassVar[str] = "authentication_error"
+
+
+class HubPermissionError(ApiError):
+    status_code: ClassVar[int] = 403
+    error_type: ClassVar[str] = "permission_error"
+
+
+class ModelConflictError(ApiError):
+    status_code: ClassVar[int] = 409
+    error_type: ClassVar[str] = "conflict_error"
+
+
+def api_error(message: str, status_code: int) -> ApiError:
+    """The API error for a refusal's status (400 for any status without its own class)."""
+    match status_code:
+        case 401:
+            return HubAuthenticationError(message, param="model_id")
+        case 403:
+            return HubPermissionError(message, param="model_id")
+        case 404:
+            return ModelNotFoundError(message, param="model_id")
+        case 409:
+            return ModelConflictError(message, param="model_id")
+        case 503:
+            return NoCapacityError(message)
+        case _:
+            return InvalidRequestError(message, param="model_id")
+
+
+class AddModelRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_id: str = Field(min_length=1)
+    """A Hub repository (`org/name`) or a local HF-format directory (`/…`, `~/…`, `./…`)."""
+    revision: str = Field(default="main", min_length=1)
+    """The Hub branch, tag or commit; the card pins the commit it resolves to."""
+
+
+class AddModelResponse(BaseModel):
+    model_id: str
+    card: ModelCard
+
+
+class DeleteModelResponse(BaseModel):
+    model_id: str
+    status: str
+
+
+class SearchResult(BaseModel):
+    model_id: str
+    architecture: str | None
+    """The architecture the Hub says its config names (None when it did not say)."""
+    supported: bool | None
+    """Whether the engine has a family file for it (None: architecture unknown)."""
+    catalog_id: str | None
+    """The catalog model it is (then it needs no adding)."""
+    custom: bool
+    """Already added as a custom model."""
+    gated: bool
+    downloads: int
+    likes: int
+
+
+@router.post("/models/add")
+async def add_model(body: AddModelRequest, cluster: Cluster) -> AddModelResponse:
+    """Build the model's card from its repository's small files and share it with every node.
+
+    Answers 400 for custom code without `--trust-remote-code`, an architecture without a
+    family file, or a repository the engine cannot load; 401 / 403 for a gated model the
+    node has no access to; 404 for an unknown repository or directory; 409 for a catalog
+    model; 503 when the Hub cannot be reached."""
+    model_id = body.model_id.strip()
+    catalog_id = resolve_model_name(model_id, cluster.catalog)
+    if catalog_id is not None:
+        raise ModelConflictError(
+            f"{model_id} is the catalog model {catalog_id}: it needs no adding",
+            param="model_id",
+        )
+    card = await _build_card(cluster, model_id, body.revision)
+    try:
+        event = await cluster.submit(AddCustomModel(command_id=CommandId.new(), card=card))
+    except CommandRejectedError as error:
+        raise api_error(error.reason, error.status_code) from None
+    assert isinstance(event, CustomModelAdded)
+    return AddModelResponse(model_id=event.card.model_id, card=event.card)
+
+
+async def _build_card(cluster: ClusterClient, model_id: str, revision: str) -> ModelCard:
+    supported = supported_architectures()
+    trust_remote_code = cluster.trust_remote_code
+    try:
+        if is_local_path(model_id):
+            return card_for_local_directory(model_id, supported, trust_remote_code)
+        if REPO_ID.match(model_id) is None:
+            raise CustomModelError(
+                f"{model_id!r} is neither a Hub repository id (org/name) nor a local "
+                "directory path (starting with /, ~ or .)",
+                400,
+            )
+        if cluster.load_on_request.offline:
+            raise CustomModelError(
+                f"this node runs --offline: it cannot read {model_id} from the Hub "
+                "(add a local directory instead)",
+                400,
+            )
+        with anyio.fail_after(ADD_TIMEOUT_SECONDS):
+            return await anyio.to_thread.run_sync(
+                card_for_hub_repository,
+                model_id,
+                revision,
+                supported,
+                trust_remote_code,
+                abandon_on_cancel=True,
+            )
+    except CustomModelError as error:
+        raise api_error(error.message, error.status_code) from None
+    except TimeoutError:
+        raise NoCapacityError(
+            f"the Hub did not answer within {ADD_TIMEOUT_SECONDS:.0f}s while reading {model_id}"
+        ) from None
+
+
+@router.delete("/models/custom/{model_id:path}")
+async def delete_custom_model(model_id: str, cluster: Cluster) -> DeleteModelResponse:
+    """Forget a custom model on every node (its files stay where they are). 400 for a
+    catalog model, 404 for an unknown one, 409 while an instance of it is placed."""
+    resolved = resolve_model_name(model_id, cluster.cards) or ModelId(model_id)
+    command = DeleteCustomModel(command_id=CommandId.new(), model_id=resolved)
+    try:
+        await cluster.submit(command)
+    except CommandRejectedError as error:
+        raise api_error(error.reason, error.status_code) from None
+    return DeleteModelResponse(model_id=resolved, status="deleted")
+
+
+@router.get("/models/search")
+async def search_models(
+    cluster: Cluster,
+    query: Annotated[str, Query(max_length=200)] = "",
+    limit: Annotated[int, Query(ge=1, le=MAX_SEARCH_RESULTS)] = 20,
+) -> list[SearchResult]:
+    """The Hub's models matching `query`, each marked with whether the engine supports its
+    architecture and whether it is in the catalog or already added. 503 when the Hub
+    cannot be reached."""
+    try:
+        with anyio.fail_after(ADD_TIMEOUT_SECONDS):
+            found = await anyio.to_thread.run_sync(search_hub, query, limit, abandon_on_cancel=True)
+    except CustomModelError as error:
+        raise api_error(error.message, error.status_code) from None
+    except TimeoutError:
+        raise NoCapacityError(
+            f"the Hub did not answer a search within {ADD_TIMEOUT_SECONDS:.0f}s"
+        ) from None
+    supported = set(supported_architectures())
+    custom = cluster.state.custom_cards
+    return [
+        SearchResult(
+            model_id=result.model_id,
+            architecture=result.architecture,
+            supported=result.architecture in supported if result.architecture else None,
+            catalog_id=resolve_model_name(result.model_id, cluster.catalog),
+            custom=result.model_id in custom,
+            gated=result.gated,
+            downloads=result.downloads,
+            likes=result.likes,
+        )
+        for result in found
+    ]

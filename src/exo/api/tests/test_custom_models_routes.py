@@ -1,0 +1,246 @@
+"""`POST /models/add`, `DELETE /models/custom/{id}` and `GET /models/search` through the
+app, a real cluster client and a real master, with the loopback Hub test server."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from exo.api.app import create_app
+from exo.api.cluster import LoadOnRequest
+from exo.shared.types.common import ModelId
+from exo.shared.types.events import CustomModelAdded, CustomModelDeleted, InstanceCreated
+from exo.testing.builders import SMOLLM2, make_instance
+from exo.testing.hf_server import HubServer
+from exo.testing.in_process import NODE, InProcessCluster, in_process_cluster
+from exo.testing.processes import free_port
+from exo.testing.tiny_models import save_tiny_checkout
+
+pytestmark = pytest.mark.anyio
+
+REPO = "someone/tiny-llama"
+GATED_REPO = "someone/tiny-gated"
+CUSTOM_CODE_REPO = "someone/tiny-custom-code"
+FOREIGN_REPO = "someone/tiny-foreign"
+
+
+@pytest.fixture(scope="module")
+def checkouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkouts")
+    auto_map = {"auto_map": {"AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM"}}
+    return {
+        REPO: save_tiny_checkout(root / "llama"),
+        CUSTOM_CODE_REPO: save_tiny_checkout(root / "custom", config_update=auto_map),
+        FOREIGN_REPO: save_tiny_checkout(
+            root / "foreign", config_update={"architectures": ["FalconForCausalLM"]}
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def hub(checkouts: dict[str, Path]) -> Iterator[HubServer]:
+    with HubServer() as server:
+        for repo_id, directory in checkouts.items():
+            server.add_directory(repo_id, directory)
+        server.add_directory(GATED_REPO, checkouts[REPO], gated="manual", tokens={"hf_good"})
+        # A repository under a catalog model's id: search marks it as that catalog model.
+        server.add_directory(SMOLLM2, checkouts[REPO])
+        yield server
+
+
+@pytest.fixture
+async def cluster(
+    tmp_path: Path, hub: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[InProcessCluster]:
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    async with in_process_cluster(tmp_path) as running:
+        yield running
+
+
+def http_client(cluster: InProcessCluster) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=create_app(cluster.client))
+    return httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:52415")
+
+
+def openai_error(response: httpx.Response, status_code: int, error_type: str) -> str:
+    assert response.status_code == status_code, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert error["type"] == error_type
+    message: str = error["message"]
+    return message
+
+
+async def test_an_added_model_is_in_the_state_and_listed(cluster: InProcessCluster) -> None:
+    async with http_client(cluster) as client:
+        response = await client.post("/models/add", json={"model_id": REPO})
+        assert response.status_code == 200, response.text
+        assert response.json()["model_id"] == REPO
+        assert response.json()["card"]["source"]["repo_id"] == REPO
+        assert REPO in cluster.state.custom_cards
+        listed = [card["model_id"] for card in (await client.get("/models")).json()]
+        assert listed[0] == SMOLLM2
+        assert REPO in listed
+        # It resolves like a catalog model: by id in any case and by its bare name.
+        for name in (REPO, REPO.upper(), "tiny-llama"):
+            retrieved = await client.get(f"/v1/models/{name}")
+            assert retrieved.status_code == 200, retrieved.text
+            assert retrieved.json()["id"] == REPO
+        previews = await client.get("/instance/previews", params={"model_id": "tiny-llama"})
+        assert previews.status_code == 200, previews.text
+    added = [e for e in cluster.logged_events() if isinstance(e, CustomModelAdded)]
+    assert [event.card.model_id for event in added] == [REPO]
+
+
+async def test_adding_it_again_replaces_the_card(cluster: InProcessCluster) -> None:
+    async with http_client(cluster) as client:
+        for _ in range(2):
+            response = await client.post("/models/add", json={"model_id": REPO})
+            assert response.status_code == 200, response.text
+    assert list(cluster.state.custom_cards) == [REPO]
+
+
+async def test_a_local_directory_is_added_under_its_path(
+    cluster: InProcessCluster, checkouts: dict[str, Path]
+) -> None:
+    directory = str(checkouts[REPO])
+    async with http_client(cluster) as client:
+        response = await client.post("/models/add", json={"model_id": directory})
+        assert response.status_code == 200, response.text
+        assert response.json()["card"]["source"] == {
+            "kind": "LocalDirectorySource",
+            "path": directory,
+        }
+        # The id is a path: the route's `{model_id:path}` takes its slashes.
+        deleted = await client.delete(f"/models/custom/{directory}")
+        assert deleted.status_code == 200, deleted.text
+    assert cluster.state.custom_cards == {}
+
+
+async def test_refusals_in_openai_error_shape(cluster: InProcessCluster) -> None:
+    async with http_client(cluster) as client:
+        add = "/models/add"
+        message = openai_error(
+            await client.post(add, json={"model_id": GATED_REPO}), 401, "authentication_error"
+        )
+        assert "HF_TOKEN" in message
+        message = openai_error(
+            await client.post(add, json={"model_id": FOREIGN_REPO}), 400, "invalid_request_error"
+        )
+        assert "FalconForCausalLM" in message
+        message = openai_error(
+            await client.post(add, json={"model_id": CUSTOM_CODE_REPO}),
+            400,
+            "invalid_request_error",
+        )
+        assert "--trust-remote-code" in message
+        message = openai_error(
+            await client.post(add, json={"model_id": "nobody/nothing"}),
+            404,
+            "invalid_request_error",
+        )
+        assert "nobody/nothing" in message
+        message = openai_error(
+            await client.post(add, json={"model_id": "smollm2:135m"}), 409, "conflict_error"
+        )
+        assert SMOLLM2 in message
+        message = openai_error(
+            await client.post(add, json={"model_id": "not a repository"}),
+            400,
+            "invalid_request_error",
+        )
+        assert "org/name" in message
+        openai_error(await client.post(add, json={}), 400, "invalid_request_error")
+    assert cluster.state.custom_cards == {}
+
+
+async def test_custom_code_with_the_flag(cluster: InProcessCluster) -> None:
+    cluster.client.trust_remote_code = True
+    async with http_client(cluster) as client:
+        response = await client.post("/models/add", json={"model_id": CUSTOM_CODE_REPO})
+        assert response.status_code == 200, response.text
+        # The flag lets custom code in, not architectures without a family file.
+        refused = await client.post("/models/add", json={"model_id": FOREIGN_REPO})
+        assert refused.status_code == 400, refused.text
+
+
+async def test_an_offline_node_adds_no_hub_model(tmp_path: Path, hub: HubServer) -> None:
+    offline = LoadOnRequest(offline=True)
+    async with (
+        in_process_cluster(tmp_path, load_on_request=offline) as running,
+        http_client(running) as client,
+    ):
+        response = await client.post("/models/add", json={"model_id": REPO})
+    assert "--offline" in openai_error(response, 400, "invalid_request_error")
+
+
+async def test_delete_refusals(cluster: InProcessCluster) -> None:
+    async with http_client(cluster) as client:
+        assert (await client.post("/models/add", json={"model_id": REPO})).status_code == 200
+        message = openai_error(
+            await client.delete(f"/models/custom/{SMOLLM2}"), 400, "invalid_request_error"
+        )
+        assert "catalog model" in message
+        openai_error(
+            await client.delete("/models/custom/nobody/nothing"), 404, "invalid_request_error"
+        )
+        # A placed instance keeps its model.
+        card = cluster.state.custom_cards[ModelId(REPO)]
+        instance = make_instance(NODE, card, instance_id="custom-instance")
+        cluster.master.emit([InstanceCreated(instance=instance)])
+        await _until_applied(cluster)
+        message = openai_error(
+            await client.delete("/models/custom/tiny-llama"), 409, "conflict_error"
+        )
+        assert "custom-instance" in message
+        deleted_instance = await client.delete("/instance/custom-instance")
+        assert deleted_instance.status_code == 200, deleted_instance.text
+        deleted = await client.delete(f"/models/custom/{REPO}")
+        assert deleted.status_code == 200, deleted.text
+        assert deleted.json() == {"model_id": REPO, "status": "deleted"}
+        listed = [card["model_id"] for card in (await client.get("/models")).json()]
+        assert REPO not in listed
+        assert (await client.get(f"/v1/models/{REPO}")).status_code == 404
+    assert any(isinstance(e, CustomModelDeleted) for e in cluster.logged_events())
+
+
+async def _until_applied(cluster: InProcessCluster) -> None:
+    """Wait (bounded) until the replica holds every event the master logged."""
+    with anyio.fail_after(5):
+        while cluster.state.last_event_applied_idx < len(cluster.event_log.events) - 1:
+            await anyio.sleep(0.01)
+
+
+async def test_search_marks_catalog_custom_and_supported(cluster: InProcessCluster) -> None:
+    async with http_client(cluster) as client:
+        assert (await client.post("/models/add", json={"model_id": REPO})).status_code == 200
+        response = await client.get("/models/search", params={"query": "tiny", "limit": 10})
+        assert response.status_code == 200, response.text
+        results = {result["model_id"]: result for result in response.json()}
+        assert set(results) == {REPO, GATED_REPO, CUSTOM_CODE_REPO, FOREIGN_REPO}
+        assert results[REPO]["custom"] and results[REPO]["supported"]
+        assert results[FOREIGN_REPO]["supported"] is False
+        assert results[FOREIGN_REPO]["architecture"] == "FalconForCausalLM"
+        assert results[GATED_REPO]["gated"]
+        catalog = (await client.get("/models/search", params={"query": "smollm2"})).json()
+        assert [(r["model_id"], r["catalog_id"]) for r in catalog] == [(SMOLLM2, SMOLLM2)]
+        limited = await client.get("/models/search", params={"query": "tiny", "limit": 1})
+        assert len(limited.json()) == 1
+        too_many = await client.get("/models/search", params={"limit": 1000})
+        assert too_many.status_code == 400
+
+
+async def test_search_without_a_hub_is_503(
+    cluster: InProcessCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    async with http_client(cluster) as client:
+        response = await client.get("/models/search", params={"query": "tiny"})
+    assert "cannot reach" in openai_error(response, 503, "service_unavailable_error")
