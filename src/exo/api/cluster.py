@@ -24,7 +24,7 @@ from loguru import logger
 
 from exo.shared.election import Election
 from exo.shared.models.cards import with_custom_cards
-from exo.shared.types.chunks import Chunk, ErrorChunk
+from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
 from exo.shared.types.commands import (
     CancelGeneration,
     Command,
@@ -284,10 +284,18 @@ class ClusterClient:
                 if task.command_id in self._chunk_streams:
                     self._command_instance[task.command_id] = task.instance_id
                     self._task_commands[task.task_id] = task.command_id
+                    # Sent to an instance that lost a node since: no chunk will come.
+                    self._end_streams_of_lost_instances()
             case TaskStatusUpdated(task_id=task_id, status=TaskFailed(error_message=message)):
                 # Normally the runner's error chunk came first; this ends streams whose
-                # runner could not say so (the node restarted, the task was dropped).
-                self._end_stream(self._task_commands.pop(task_id, None), message)
+                # runner could not say so (the node restarted or left, the task was
+                # dropped). A lost instance's requests may be sent again elsewhere.
+                failed_command = self._task_commands.pop(task_id, None)
+                instance_id = self._command_instance.get(failed_command) if failed_command else None
+                if instance_id is not None and instance_id in self.state.unavailable_instances:
+                    self._end_stream(failed_command, message, unavailable=True)
+                else:
+                    self._end_stream(failed_command, message)
                 return
             case TaskStatusUpdated(task_id=task_id, status=TaskComplete() | TaskCancelled()):
                 self._task_commands.pop(task_id, None)
@@ -309,32 +317,51 @@ class ClusterClient:
 
     async def _watch_lost_nodes(self) -> None:
         """A request whose instance runs on a node that left the cluster will never get
-        its chunks: end it now rather than when the node times out."""
+        its chunks: end it now (this node's own links say so as soon as the master's)."""
         while True:
             await anyio.sleep(LOST_NODE_CHECK_SECONDS)
-            peers = self.current_peers()
-            for command_id, instance_id in list(self._command_instance.items()):
-                instance = self.state.instances.get(instance_id)
-                if instance is None:
-                    continue
-                lost = [
-                    node
-                    for node in instance.shard_assignments.node_to_runner
-                    if node != self.node_id and node not in peers
-                ]
-                if lost:
-                    self._end_stream(
-                        command_id,
-                        f"node {lost[0]} running this request left the cluster",
-                    )
-                    self._command_instance.pop(command_id, None)
+            self._end_streams_of_lost_instances()
 
-    def _end_stream(self, command_id: CommandId | None, message: str) -> None:
+    def _end_streams_of_lost_instances(self) -> None:
+        """End, as sendable again elsewhere, every request of this node whose instance
+        uses a node that this node's links or the cluster state say is gone."""
+        peers = self.current_peers() if self._election is not None else None
+        state = self.state
+        for command_id, instance_id in list(self._command_instance.items()):
+            instance = state.instances.get(instance_id)
+            if instance is None:
+                continue
+            lost = [
+                node
+                for node in instance.shard_assignments.node_to_runner
+                if node in state.lost_nodes
+                or (peers is not None and node != self.node_id and node not in peers)
+            ]
+            if lost:
+                self._end_stream(
+                    command_id,
+                    f"instance {instance_id} of {instance.model_id} is unavailable: node "
+                    f"{lost[0]} left; re-placing",
+                    unavailable=True,
+                )
+                self._command_instance.pop(command_id, None)
+
+    def _end_stream(
+        self, command_id: CommandId | None, message: str, unavailable: bool = False
+    ) -> None:
+        """End the stream of `command_id` with an error chunk; `unavailable`: its instance
+        lost a node (a 503 the generation may retry elsewhere)."""
         stream = self._chunk_streams.get(command_id) if command_id is not None else None
         if stream is None or command_id is None:
             return
         stream.send_nowait(
-            ErrorChunk(command_id=command_id, model=ModelId("unknown"), error_message=message)
+            ErrorChunk(
+                command_id=command_id,
+                model=ModelId("unknown"),
+                error_message=message,
+                status_code=503 if unavailable else 500,
+                error_code=INSTANCE_UNAVAILABLE if unavailable else None,
+            )
         )
 
     async def _chunk_loop(self) -> None:

@@ -4,6 +4,12 @@ cancel the generation when the client goes away.
 
 A dialect route is then three lines: convert the request, `start_generation`, and either
 `streaming_response(...)` or `await collect(...)` with the adapter's renderer/collector.
+
+A generation whose instance becomes unavailable (it lost a node or a rank) before the
+client received anything — a stream before its first chunk, any non-streamed answer — is
+sent again under a new command: the master routes it to another healthy instance, or,
+when the model has none, it waits until the lost instance serves again (placed anew on
+the remaining nodes) for at most `RETRY_WAIT_SECONDS`.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any, TypeVar
 import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from loguru import logger
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
@@ -32,13 +39,19 @@ from exo.api.errors import (
     describe_validation_errors,
 )
 from exo.api.load_on_request import default_keep_alive, ensure_instance
-from exo.shared.types.chunks import Chunk, ErrorChunk
+from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
 from exo.shared.types.commands import CancelGeneration, GenerateText, KeepAlive
 from exo.shared.types.common import CommandId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 DISCONNECT_POLL_SECONDS = 0.25
+# A generation is sent again at most this many times after its instance became unavailable.
+MAX_RETRIES = 5
+# How long a retried generation waits for a lost model instance to serve again (placed
+# anew and loaded) when no other instance of its model can take it.
+RETRY_WAIT_SECONDS = 120.0
+RETRY_STATE_CHECK_SECONDS = 0.5
 T = TypeVar("T")
 
 ChunkRenderer = Callable[[AsyncIterator[Chunk]], AsyncIterator[str]]
@@ -91,6 +104,9 @@ class Generation:
     params: TextGenerationTaskParams
     chunks: AsyncIterator[Chunk]
     _resources: ExitStack = field(default_factory=ExitStack)
+    keep_alive: KeepAlive | None = None
+    retries: int = 0
+    """How often it was sent again after its instance became unavailable."""
 
     def cancel(self) -> None:
         """Ask the cluster to stop this generation on every rank (idempotent)."""
@@ -100,6 +116,57 @@ class Generation:
 
     def close(self) -> None:
         self._resources.close()
+
+    def can_retry(self, error: ApiError | Chunk | None) -> bool:
+        """Whether `error` (an error chunk, or the ApiError a collector made of one) says
+        the instance became unavailable, and retries are left."""
+        code = error.error_code if isinstance(error, ErrorChunk) else None
+        if isinstance(error, ApiError):
+            code = error.code
+        return code == INSTANCE_UNAVAILABLE and self.retries < MAX_RETRIES
+
+    async def retry(self, request: Request) -> None:
+        """Send the generation again under a new command (its chunks replace the old
+        ones). When the master has no instance that can serve it (503: its model's
+        instances are unavailable), wait for one, at most `RETRY_WAIT_SECONDS`.
+
+        Raises:
+            NoCapacityError: no instance served again in time, or the master refused.
+            ModelNotFoundError: the model's instances were deleted meanwhile.
+            GenerationError: the client disconnected while waiting.
+        """
+        self.retries += 1
+        self._resources.close()  # the old command's chunk stream
+        self._resources = ExitStack()
+        deadline = anyio.current_time() + RETRY_WAIT_SECONDS
+        while True:
+            command = GenerateText(
+                command_id=CommandId.new(), params=self.params, keep_alive=self.keep_alive
+            )
+            chunks = self._resources.enter_context(self.cluster.chunk_stream(command.command_id))
+            logger.info(
+                f"api: {self.command_id} lost its instance before answering; sent again as "
+                f"{command.command_id} (retry {self.retries})"
+            )
+            self.command_id, self.chunks = command.command_id, chunks
+            try:
+                await _submit(self.cluster, command)
+                return
+            except NoCapacityError:
+                if anyio.current_time() >= deadline or not self._model_recovering():
+                    raise
+            self._resources.close()
+            self._resources = ExitStack()
+            if not await _wait_for_state_change(self.cluster, request, RETRY_STATE_CHECK_SECONDS):
+                raise GenerationError("the client disconnected; generation cancelled")
+
+    def _model_recovering(self) -> bool:
+        """Whether an instance of the model is unavailable now and may serve again."""
+        state = self.cluster.state
+        return any(
+            instance.instance_id in state.unavailable_instances
+            for instance in state.instances_of_model(self.params.model)
+        )
 
 
 async def start_generation(
@@ -146,16 +213,19 @@ async def start_generation(
     resources = ExitStack()
     # Registered before submitting, so no chunk can arrive unheard.
     chunks = resources.enter_context(cluster.chunk_stream(command.command_id))
-    generation = Generation(cluster, command.command_id, params, chunks, resources)
+    generation = Generation(cluster, command.command_id, params, chunks, resources, keep_alive)
     try:
         await _submit(cluster, command)
         if wait_for_first_chunk if wait_for_first_chunk is not None else params.stream:
-            first = await _first_chunk(request, chunks)
+            first = await _first_chunk(request, generation.chunks)
+            while generation.can_retry(first):
+                await generation.retry(request)
+                first = await _first_chunk(request, generation.chunks)
             if isinstance(first, ErrorChunk) and first.status_code == 400:
                 raise InvalidRequestError(
                     first.error_message, param="messages", code=first.error_code
                 )
-            generation.chunks = _prepend(first, chunks)
+            generation.chunks = _prepend(first, generation.chunks)
     except BaseException:
         generation.cancel()
         generation.close()
@@ -188,21 +258,28 @@ async def collect(
     collector: Callable[[AsyncIterator[Chunk]], Awaitable[T]],
 ) -> T:
     """`await collector(chunks)` unless the client disconnects first (then the generation
-    is cancelled and GenerationError raised). ApiErrors from the collector propagate."""
+    is cancelled and GenerationError raised). ApiErrors from the collector propagate,
+    except that a generation whose instance became unavailable is sent again (the client
+    has received nothing yet) and collected anew."""
     result: list[T] = []
     error: list[ApiError] = []
     try:
-        async with anyio.create_task_group() as task_group:
+        while True:
+            async with anyio.create_task_group() as task_group:
 
-            async def run_collector() -> None:
-                try:
-                    result.append(await collector(generation.chunks))
-                except ApiError as api_error:
-                    error.append(api_error)
-                task_group.cancel_scope.cancel()
+                async def run_collector() -> None:
+                    try:
+                        result.append(await collector(generation.chunks))
+                    except ApiError as api_error:
+                        error.append(api_error)
+                    task_group.cancel_scope.cancel()
 
-            task_group.start_soon(run_collector)
-            task_group.start_soon(_cancel_on_disconnect, request, task_group.cancel_scope)
+                task_group.start_soon(run_collector)
+                task_group.start_soon(_cancel_on_disconnect, request, task_group.cancel_scope)
+            if not (error and generation.can_retry(error[0])):
+                break
+            error.clear()
+            await generation.retry(request)
     finally:
         generation.close()
     if error:
@@ -299,6 +376,16 @@ async def _prepend(first: Chunk | None, rest: AsyncIterator[Chunk]) -> AsyncIter
     if first.finish_reason is None:
         async for chunk in rest:
             yield chunk
+
+
+async def _wait_for_state_change(cluster: ClusterClient, request: Request, timeout: float) -> bool:
+    """Wait until the cluster state changes or `timeout` seconds pass; False when the
+    client disconnected meanwhile."""
+    if await request.is_disconnected():
+        return False
+    with anyio.move_on_after(timeout):
+        await cluster.state_changed.wait()
+    return True
 
 
 async def _submit(cluster: ClusterClient, command: GenerateText) -> None:

@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from exo.api.errors import ApiError, GenerationError, InvalidRequestError
+from exo.api.errors import ApiError, GenerationError, InvalidRequestError, NoCapacityError
 from exo.shared.types.chunks import ErrorChunk, Usage
 from exo.shared.types.text_generation import ChatMessage
 
@@ -26,9 +26,12 @@ def unfinished_generation_error(reason: Literal["error", "cancelled"]) -> Genera
 
 def error_chunk_error(chunk: ErrorChunk, param: str | None) -> ApiError:
     """The `ApiError` an `ErrorChunk` stands for: a 400 blaming `param` (the dialect's name
-    for the conversation) when the request was at fault, else a generation failure."""
+    for the conversation) when the request was at fault, a 503 when its instance became
+    unavailable, else a generation failure."""
     if chunk.status_code == 400:
         return InvalidRequestError(chunk.error_message, param=param, code=chunk.error_code)
+    if chunk.status_code == 503:
+        return NoCapacityError(chunk.error_message, code=chunk.error_code)
     return GenerationError(chunk.error_message, code=chunk.error_code or "generation_failed")
 
 

@@ -120,8 +120,14 @@ class ErrorChunk(FrozenModel):
     error_message: str
     finish_reason: FinishReason = "error"
     status_code: int = 500
-    """400 when the request itself was at fault (e.g. a prompt longer than the context)."""
+    """400 when the request itself was at fault (e.g. a prompt longer than the context);
+    503 when the instance serving it became unavailable (`INSTANCE_UNAVAILABLE`)."""
     error_code: str | None = None
+
+
+INSTANCE_UNAVAILABLE = "instance_unavailable"
+"""`ErrorChunk.error_code` of a generation whose instance lost a node or rank: the API
+sends it again elsewhere when the client has received nothing yet."""
 
 
 Chunk = Annotated[TokenChunk | ToolCallChunk | ErrorChunk, Field(discriminator="kind")]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from loguru import logger
 
-from exo.shared.types.chunks import ErrorChunk, TokenChunk, ToolCallChunk
+from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, ErrorChunk, TokenChunk, ToolCallChunk
 from exo.shared.types.common import RunnerId
 from exo.shared.types.runners import (
     RunnerConnected,
@@ -184,7 +184,12 @@ class Runner:
         try:
             self._engine.serve_forever()
         except Exception as error:
-            logger.opt(exception=error).error(f"runner {self.runner_id}: the group broke")
+            if _peer_failure(error):
+                # Expected when a node of the instance dies: one line (traceback at -v).
+                logger.warning(f"runner {self.runner_id}: another rank left the group")
+                logger.opt(exception=error).debug(f"runner {self.runner_id}: the group broke")
+            else:
+                logger.opt(exception=error).error(f"runner {self.runner_id}: the group broke")
             self._set_status(RunnerFailed(error_message=f"process group failed: {error}"))
             return
         raise _ShutdownRequested()
@@ -321,8 +326,24 @@ class Runner:
         """Report a failed generation; a ValueError means the request was at fault (prompt
         longer than the context, a conversation the template refuses): a 400."""
         bad_request = isinstance(error, ValueError)
+        peer_left = self.shard.world_size > 1 and not bad_request and _peer_failure(error)
+        message, status_code, error_code = str(error), 500, _error_code(error)
         if bad_request:
             logger.info(f"runner {self.runner_id}: request refused: {error}")
+            status_code = 400
+        elif peer_left:
+            # A rank's node died: expected, one line (traceback at -v); the client gets a
+            # 503 that the API retries elsewhere, never the library's message.
+            logger.warning(
+                f"runner {self.runner_id}: another rank left the group; "
+                f"generation {task.task_id} stopped"
+            )
+            logger.opt(exception=error).debug(f"runner {self.runner_id}: generation failed")
+            message = (
+                f"instance of {task.params.model} is unavailable: another rank of this split "
+                "instance left (its node stopped or lost its link); re-placing"
+            )
+            status_code, error_code = 503, INSTANCE_UNAVAILABLE
         else:
             logger.opt(exception=error).warning(f"runner {self.runner_id}: generation failed")
         self._send(
@@ -330,9 +351,9 @@ class Runner:
                 chunk=ErrorChunk(
                     command_id=task.command_id,
                     model=task.params.model,
-                    error_message=str(error),
-                    status_code=400 if bad_request else 500,
-                    error_code=_error_code(error),
+                    error_message=message,
+                    status_code=status_code,
+                    error_code=error_code,
                 )
             )
         )
@@ -368,6 +389,27 @@ class Runner:
             )
         )
         self._send(TaskStatusReport(task_id=task.task_id, status=status))
+
+
+# What gloo and torch.distributed say when another rank's process or link goes away.
+_PEER_FAILURE_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Socket Timeout",
+    "Timed out waiting",
+    "timed out",
+)
+
+
+def _peer_failure(error: BaseException) -> bool:
+    """Whether `error` is another rank of the process group going away (its node died or
+    lost its link), as opposed to a failure of this rank's own computation."""
+    import torch.distributed
+
+    if isinstance(error, torch.distributed.DistError):
+        return True
+    return any(marker in str(error) for marker in _PEER_FAILURE_MARKERS)
 
 
 def _error_code(error: Exception) -> str | None:
