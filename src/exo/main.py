@@ -66,6 +66,7 @@ class Options:
     cors_origins: tuple[str, ...] = ()
     auto_place: bool = True
     idle_unload_seconds: float | None = None
+    trust_remote_code: bool = False
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
@@ -137,6 +138,12 @@ def parse_args(argv: list[str] | None = None) -> Options:
         "(default: keep them until deleted; a request's Ollama keep_alive overrides it)",
     )
     parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let POST /models/add accept repositories whose config names custom code "
+        "(auto_map); the engine still runs only the model families it has files for",
+    )
+    parser.add_argument(
         "--cors-origins",
         default=os.environ.get("EXO_CORS_ORIGINS", ""),
         help="comma-separated origins of web pages allowed to use the API besides "
@@ -174,6 +181,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         cors_origins=cors_origins,
         auto_place=not args.no_auto_place,
         idle_unload_seconds=args.idle_unload,
+        trust_remote_code=args.trust_remote_code,
     )
 
 
@@ -275,6 +283,7 @@ class Node:
                 offline=options.offline,
             ),
             record_download=self.worker.record_download,
+            trust_remote_code=options.trust_remote_code,
         )
         self.info_gatherer = InfoGatherer(
             self.local_events,

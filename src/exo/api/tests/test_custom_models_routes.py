@@ -13,6 +13,7 @@ import pytest
 
 from exo.api.app import create_app
 from exo.api.cluster import LoadOnRequest
+from exo.main import parse_args
 from exo.shared.types.common import ModelId
 from exo.shared.types.events import CustomModelAdded, CustomModelDeleted, InstanceCreated
 from exo.testing.builders import SMOLLM2, make_instance
@@ -244,3 +245,8 @@ async def test_search_without_a_hub_is_503(
     async with http_client(cluster) as client:
         response = await client.get("/models/search", params={"query": "tiny"})
     assert "cannot reach" in openai_error(response, 503, "service_unavailable_error")
+
+
+def test_the_trust_remote_code_flag() -> None:
+    assert parse_args(["--trust-remote-code"]).trust_remote_code
+    assert not parse_args([]).trust_remote_code
