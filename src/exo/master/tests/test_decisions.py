@@ -1,6 +1,8 @@
 import pytest
 
 from exo.master.decisions import choose_instance, events_after_restart, events_for_command
+from exo.master.placement import required_memory_bytes
+from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.commands import (
     CancelGeneration,
     Command,
@@ -101,7 +103,10 @@ def test_place_without_enough_memory_is_rejected_with_400() -> None:
     [event] = decide(state, PlaceInstance(command_id=COMMAND, model_id=SMOLLM2))
     assert isinstance(event, CommandRejected)
     assert (event.command_id, event.origin, event.status_code) == (COMMAND, API_NODE, 400)
-    assert "needs 564 MiB" in event.reason
+    # The reservation is the card's int4 loading peak plus overhead (placement's own rule).
+    card = load_builtin_cards()[SMOLLM2]
+    assert f"needs {required_memory_bytes(card) / 2**20:.0f} MiB" in event.reason
+    assert "100 MiB available" in event.reason
     assert "has 100 MiB" in event.reason
 
 
