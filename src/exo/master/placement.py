@@ -129,17 +129,25 @@ def layer_split(n_layers: int, weights: Sequence[int]) -> list[int]:
 
 
 def tensor_split_error(card: ModelCard, world_size: int) -> str | None:
+    """Why `card` cannot be split inside its layers over `world_size` nodes, or None.
+
+    The rule: the card allows tensor parallelism, and its attention heads, KV heads and
+    MLP (intermediate) size each divide by the node count (every rank gets whole heads
+    and an equal slice of the MLP)."""
     if world_size == 1:
         return None
     if not card.supports_tensor:
         return f"{card.model_id} does not support tensor parallelism"
-    for name, value in (
-        ("attention heads", card.num_attention_heads),
-        ("KV heads", card.num_key_value_heads),
-        ("MLP size", card.intermediate_size),
+    for what, value in (
+        (f"{card.num_attention_heads} attention heads do", card.num_attention_heads),
+        (f"{card.num_key_value_heads} KV heads do", card.num_key_value_heads),
+        (f"MLP size ({card.intermediate_size}) does", card.intermediate_size),
     ):
         if value % world_size:
-            return f"{name} ({value}) are not divisible by {world_size} nodes"
+            return (
+                f"{card.model_id} cannot be tensor-split over {world_size} nodes: its "
+                f"{what} not divide by {world_size}"
+            )
     return None
 
 
