@@ -429,28 +429,26 @@ def _prepare_hugging_face(
     on_download_progress: DownloadProgressCallback | None,
     cancelled: threading.Event | None,
 ) -> Path:
-    """The shard's files from the Hub (`exo.download.hub_download`) in
-    `<models_dir>/<org--name>`; offline, the missing ones are named."""
-    from exo.download.hub_download import (
-        HubDownload,
-        HubDownloadError,
-        download_from_hub,
-        missing_files,
+    """A copy already on this machine that holds the shard's files (`locations`: the
+    models directories, read-only ones, the Hugging Face cache), used in place; else the
+    shard's files from the Hub (`hub_download`) into a writable models directory. Offline,
+    the missing files are named."""
+    from exo.download.hub_download import HubDownload, HubDownloadError, download_from_hub
+    from exo.download.locations import (
+        ModelLocations,
+        choose_download_directory,
+        find_local_copy,
+        offline_message,
     )
 
-    target = models_dir / model_directory_name(card.model_id)
-    missing = missing_files(target, shard)
-    if missing == []:
-        return target
+    locations = ModelLocations.from_environment(models_dir)
+    model_id = str(card.model_id)
+    search = find_local_copy(locations, model_id, source.repo_id, source.revision, shard)
+    if search.ready is not None:
+        return search.ready
     if offline:
-        what = (
-            f"these files are missing from {target}: {', '.join(missing)}"
-            if missing
-            else f"{target} holds no verified download of it"
-        )
-        raise ModelPreparationError(
-            f"offline mode: {source.repo_id}@{source.revision} is not on this node; {what}"
-        )
+        raise ModelPreparationError(offline_message(source.repo_id, source.revision, search))
+    target = choose_download_directory(locations, model_id, card.storage_size_bytes)
     report(f"downloading {source.repo_id}@{source.revision} from the Hugging Face Hub")
     download = HubDownload(str(card.model_id), source.repo_id, source.revision, shard, target)
     try:
