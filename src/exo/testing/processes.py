@@ -179,6 +179,19 @@ class ExoNode:
         )
         return runner_ids[0]
 
+    def serving(self, instance_id: str) -> dict[str, Any] | None:
+        """The instance (its JSON in `/state`) when every runner of its current placement
+        is ready and it is not unavailable (after losing a node); else None."""
+        state = self.state()
+        instance: dict[str, Any] | None = state["instances"].get(instance_id)
+        if instance is None or instance_id in state["unavailable_instances"]:
+            return None
+        ready = all(
+            state["runners"].get(runner_id, {}).get("kind") in ("RunnerReady", "RunnerRunning")
+            for runner_id in instance["shard_assignments"]["runner_to_shard"]
+        )
+        return instance if ready else None
+
     def events(self) -> list[dict[str, Any]]:
         lines = (self.home / "event_log.jsonl").read_text().splitlines()
         return [json.loads(line)["event"] for line in lines if line.strip()]

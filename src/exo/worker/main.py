@@ -196,7 +196,14 @@ class Worker:
                 failed = isinstance(supervisor.status, RunnerFailed)
                 await supervisor.shutdown()
                 self._local_events.emit(RunnerDeleted(runner_id=runner_id))
-                if failed:
+                owner = self.state.instances.get(supervisor.instance_id)
+                if (
+                    failed
+                    and owner is not None
+                    and runner_id in owner.shard_assignments.runner_to_shard
+                ):
+                    # Retried later with backoff; a runner of a deleted or re-placed
+                    # instance is not retried, so it is no failure to count.
                     self._record_failure(runner_id)
 
     def record_download(self, model_id: ModelId, status: DownloadStatus) -> None:

@@ -173,11 +173,13 @@ class RunnerSupervisor:
             exit_code = process.exitcode
         if self._stopping or isinstance(self.status, RunnerShutdown):
             message = "runner shut down"
+        elif isinstance(self.status, RunnerFailed):
+            message = self.status.error_message  # the runner said why before it ended
         else:
             message = f"runner process exited unexpectedly (exit code {exit_code})"
             logger.error(f"runner {self.runner_id}: {message}")
         self._fail_in_flight(message)
-        if not isinstance(self.status, RunnerShutdown):
+        if not isinstance(self.status, RunnerShutdown | RunnerFailed):
             status: RunnerStatus = (
                 RunnerShutdown() if self._stopping else RunnerFailed(error_message=message)
             )
