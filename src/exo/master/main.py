@@ -147,6 +147,10 @@ class Master:
         active = self._is_active()
         if active and not self._active:
             self._activate()
+            self._active = True
+            # Nodes lost while there was no master (the old master's own node among them)
+            # stop receiving requests before this master routes any.
+            self.emit(self.connectivity())
         self._active = active
         return active
 
