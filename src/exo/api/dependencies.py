@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -34,10 +35,20 @@ def known_model_ids(cluster: ClusterClient) -> list[ModelId]:
 
 
 def resolve_model_id(cluster: ClusterClient, name: str) -> ModelId | None:
-    """The model `name` means (catalog id, short name, or the id of a placed model), or
-    None when the cluster knows no such model."""
+    """The model `name` means (catalog id, short name, a custom model's name, or the id of
+    a placed model), or None when the cluster knows no such model."""
     placed = (instance.model_id for instance in cluster.state.instances.values())
-    return resolve_model_name(name, cluster.cards, placed)
+    custom = cluster.state.custom_cards
+    return resolve_model_name(name, catalog_of(cluster), placed, custom)
+
+
+def catalog_of(cluster: ClusterClient) -> Mapping[ModelId, ModelCard]:
+    """The catalog's cards: `cluster.cards` without the state's custom models (which
+    answer only to the names the catalog leaves free, see `resolve_model_name`)."""
+    custom = cluster.state.custom_cards
+    if not custom:
+        return cluster.cards
+    return {model_id: card for model_id, card in cluster.cards.items() if model_id not in custom}
 
 
 def with_resolved_model(cluster: ClusterClient, body: RequestBody) -> RequestBody:

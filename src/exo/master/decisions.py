@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from exo.master.keep_alive import set_keep_alive
 from exo.master.placement import PlacementError, place_instance, required_memory_bytes
 from exo.master.recovery import unavailable_message
-from exo.shared.models.cards import UnknownModelError, resolve_card, with_custom_cards
+from exo.shared.models.cards import UnknownModelError, resolve_card
 from exo.shared.models.names import resolve_model_name
 from exo.shared.types.commands import (
     AddCustomModel,
@@ -111,7 +111,7 @@ def events_for_command(
                     _reject(command.command_id, origin, "the cluster already runs a model", 409)
                 ]
             try:
-                card = resolve_card(command.model_id, with_custom_cards(cards, state.custom_cards))
+                card = resolve_card(command.model_id, cards, state.custom_cards)
             except UnknownModelError as error:
                 return [_reject(command.command_id, origin, str(error), 404)]
             if command.on_request and state.instances_of_model(card.model_id):

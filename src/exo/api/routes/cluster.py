@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Query, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from exo.api.cluster import ClusterClient, CommandRejectedError
-from exo.api.dependencies import cluster_dependency, is_downloaded
+from exo.api.dependencies import catalog_of, cluster_dependency, is_downloaded
 from exo.api.errors import ApiError, InvalidRequestError, ModelNotFoundError, NoCapacityError
 from exo.api.load_on_request import default_keep_alive
 from exo.master.placement import PlacementPreview, placement_previews
@@ -104,7 +104,7 @@ async def bandwidth_probe(
 
 def _card(cluster: ClusterClient, model_id: str) -> ModelCard:
     try:
-        return resolve_card(model_id, cluster.cards)
+        return resolve_card(model_id, catalog_of(cluster), cluster.state.custom_cards)
     except UnknownModelError as error:
         raise ModelNotFoundError(str(error), param="model_id") from None
     except ValueError as error:
@@ -128,7 +128,7 @@ async def place_instance(body: PlaceInstanceRequest, cluster: Cluster) -> PlaceI
     (those of them named in `node_ids`, when given) to report before it is decided."""
     try:
         # A short name (`qwen3:0.6b`) is placed under the catalog id it resolves to.
-        card = resolve_card(body.model_id, cluster.cards)
+        card = resolve_card(body.model_id, catalog_of(cluster), cluster.state.custom_cards)
     except ValueError as error:  # UnknownModelError included
         raise InvalidRequestError(str(error), param="model_id") from None
     await cluster.wait_for_node_reports(

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from exo.api.cluster import ClusterClient, CommandRejectedError
-from exo.api.dependencies import cluster_dependency
+from exo.api.dependencies import catalog_of, cluster_dependency
 from exo.api.errors import ApiError, InvalidRequestError, ModelNotFoundError, NoCapacityError
 from exo.download.custom_cards import (
     REPO_ID,
@@ -114,7 +114,7 @@ async def add_model(body: AddModelRequest, cluster: Cluster) -> AddModelResponse
     node has no access to; 404 for an unknown repository or directory; 409 for a catalog
     model; 503 when the Hub cannot be reached."""
     model_id = body.model_id.strip()
-    catalog_id = resolve_model_name(model_id, cluster.catalog)
+    catalog_id = resolve_model_name(model_id, catalog_of(cluster))
     if catalog_id is not None:
         raise ModelConflictError(
             f"{model_id} is the catalog model {catalog_id}: it needs no adding",
@@ -168,7 +168,9 @@ async def _build_card(cluster: ClusterClient, model_id: str, revision: str) -> M
 async def delete_custom_model(model_id: str, cluster: Cluster) -> DeleteModelResponse:
     """Forget a custom model on every node (its files stay where they are). 400 for a
     catalog model, 404 for an unknown one, 409 while an instance of it is placed."""
-    resolved = resolve_model_name(model_id, cluster.cards) or ModelId(model_id)
+    resolved = resolve_model_name(
+        model_id, catalog_of(cluster), custom_cards=cluster.state.custom_cards
+    ) or ModelId(model_id)
     command = DeleteCustomModel(command_id=CommandId.new(), model_id=resolved)
     try:
         await cluster.submit(command)
@@ -197,12 +199,13 @@ async def search_models(
         ) from None
     supported = set(supported_architectures())
     custom = cluster.state.custom_cards
+    catalog = catalog_of(cluster)
     return [
         SearchResult(
             model_id=result.model_id,
             architecture=result.architecture,
             supported=result.architecture in supported if result.architecture else None,
-            catalog_id=resolve_model_name(result.model_id, cluster.catalog),
+            catalog_id=resolve_model_name(result.model_id, catalog),
             custom=result.model_id in custom,
             gated=result.gated,
             downloads=result.downloads,

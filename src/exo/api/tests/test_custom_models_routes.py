@@ -28,6 +28,8 @@ REPO = "someone/tiny-llama"
 GATED_REPO = "someone/tiny-gated"
 CUSTOM_CODE_REPO = "someone/tiny-custom-code"
 FOREIGN_REPO = "someone/tiny-foreign"
+# Another organisation's copy of a catalog model: same bare repository name.
+NAMESAKE = "someone/SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +53,7 @@ def hub(checkouts: dict[str, Path]) -> Iterator[HubServer]:
         server.add_directory(GATED_REPO, checkouts[REPO], gated="manual", tokens={"hf_good"})
         # A repository under a catalog model's id: search marks it as that catalog model.
         server.add_directory(SMOLLM2, checkouts[REPO])
+        server.add_directory(NAMESAKE, checkouts[REPO])
         yield server
 
 
@@ -98,6 +101,20 @@ async def test_an_added_model_is_in_the_state_and_listed(cluster: InProcessClust
         assert previews.status_code == 200, previews.text
     added = [e for e in cluster.logged_events() if isinstance(e, CustomModelAdded)]
     assert [event.card.model_id for event in added] == [REPO]
+
+
+async def test_the_catalogs_names_stay_the_catalogs(cluster: InProcessCluster) -> None:
+    async with http_client(cluster) as client:
+        assert (await client.post("/models/add", json={"model_id": NAMESAKE})).status_code == 200
+        for name, meant in (
+            ("SmolLM2-135M-Instruct", SMOLLM2),
+            ("smollm2:135m", SMOLLM2),
+            (NAMESAKE, NAMESAKE),
+            (NAMESAKE.lower(), NAMESAKE),
+        ):
+            retrieved = await client.get(f"/v1/models/{name}")
+            assert retrieved.status_code == 200, retrieved.text
+            assert retrieved.json()["id"] == meant, name
 
 
 async def test_adding_it_again_replaces_the_card(cluster: InProcessCluster) -> None:
@@ -231,7 +248,10 @@ async def test_search_marks_catalog_custom_and_supported(cluster: InProcessClust
         assert results[FOREIGN_REPO]["architecture"] == "FalconForCausalLM"
         assert results[GATED_REPO]["gated"]
         catalog = (await client.get("/models/search", params={"query": "smollm2"})).json()
-        assert [(r["model_id"], r["catalog_id"]) for r in catalog] == [(SMOLLM2, SMOLLM2)]
+        assert [(r["model_id"], r["catalog_id"]) for r in catalog] == [
+            (SMOLLM2, SMOLLM2),
+            (NAMESAKE, None),  # the same bare name under another organisation is not it
+        ]
         limited = await client.get("/models/search", params={"query": "tiny", "limit": 1})
         assert len(limited.json()) == 1
         too_many = await client.get("/models/search", params={"limit": 1000})

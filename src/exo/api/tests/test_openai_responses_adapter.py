@@ -898,6 +898,7 @@ SCRIPTED_CHUNKS: dict[str, list[Chunk]] = {
 
 class FakeState:
     instances: dict[str, Any] = {}
+    custom_cards: dict[str, Any] = {}
 
     def instances_of_model(self, model_id: ModelId) -> list[Any]:
         return [object()]

@@ -127,3 +127,21 @@ def test_a_deleted_custom_model_is_unknown_to_placement() -> None:
     command = PlaceInstance(command_id=CommandId("place"), model_id=CUSTOM.model_id)
     status, _ = rejection(decide(deleted, command))
     assert status == 404
+
+
+def test_a_custom_model_leaves_the_catalogs_names_to_the_catalog() -> None:
+    # A fine-tune's copy under another organisation shares the catalog model's bare name.
+    namesake = CUSTOM.model_copy(update={"model_id": ModelId("someone/SmolLM2-135M-Instruct")})
+    state = apply_all(
+        make_state(nodes={NODE_A: make_node_info(4096)}),
+        indexed([CustomModelAdded(card=namesake)]),
+    )
+    for name, meant in (
+        ("SmolLM2-135M-Instruct", SMOLLM2),
+        ("smollm2:135m", SMOLLM2),
+        ("someone/smollm2-135m-instruct", namesake.model_id),
+    ):
+        command = PlaceInstance(command_id=CommandId("place"), model_id=ModelId(name))
+        (event,) = decide(state, command)
+        assert isinstance(event, InstanceCreated), event
+        assert event.instance.model_id == meant, name

@@ -265,22 +265,27 @@ def with_custom_cards(
     return {**builtin, **{k: v for k, v in custom.items() if k not in builtin}}
 
 
-def resolve_card(model_id: str, builtin: Mapping[ModelId, ModelCard]) -> ModelCard:
+def resolve_card(
+    model_id: str,
+    builtin: Mapping[ModelId, ModelCard],
+    custom: Mapping[ModelId, ModelCard] | None = None,
+) -> ModelCard:
     """The card for a requested model: a built-in card by any of its names (id, short name,
-    see `exo.shared.models.names`), else a local model directory.
+    see `exo.shared.models.names`), else a custom model's (`State.custom_cards`, by the names
+    no catalog card claims), else a local model directory.
 
     Raises:
-        UnknownModelError: neither a built-in id nor an existing directory.
+        UnknownModelError: neither a built-in id, a custom model nor an existing directory.
         ValueError: the directory exists but is not a loadable model (see
             `card_from_local_directory`).
     """
-    resolved = resolve_model_name(model_id, builtin)
+    resolved = resolve_model_name(model_id, builtin, custom_cards=custom)
     if resolved is not None:
-        return builtin[resolved]
+        return builtin[resolved] if resolved in builtin else (custom or {})[resolved]
     candidate = Path(model_id).expanduser() if model_id else None
     if candidate is not None and candidate.is_dir():
         return card_from_local_directory(candidate)
-    known = ", ".join(sorted(builtin)) or "none"
+    known = ", ".join(sorted(with_custom_cards(builtin, custom or {}))) or "none"
     raise UnknownModelError(
         f"unknown model {str(model_id)!r}: not a built-in model (known: {known}) "
         "and not an existing local model directory"

@@ -41,7 +41,10 @@ def _repository_names(cards: Iterable[ModelCard]) -> dict[str, ModelId | None]:
 
 
 def resolve_model_name(
-    name: str, cards: Mapping[ModelId, ModelCard], other_ids: Iterable[str] = ()
+    name: str,
+    cards: Mapping[ModelId, ModelCard],
+    other_ids: Iterable[str] = (),
+    custom_cards: Mapping[ModelId, ModelCard] | None = None,
 ) -> ModelId | None:
     """The model `name` means, or None.
 
@@ -50,12 +53,24 @@ def resolve_model_name(
         cards: The catalog, by id.
         other_ids: Ids of models known without a catalog card (placed custom models); they
             match exactly only.
+        custom_cards: Models added outside the catalog (`State.custom_cards`). They answer
+            to their names like catalog cards, but only to names no catalog card answers
+            to: adding `someone/Qwen3-0.6B` leaves `Qwen3-0.6B` meaning the catalog's.
 
     Returns:
         The canonical model id.
     """
     if not name:
         return None
+    found = _resolve(name, cards, other_ids)
+    if found is None and custom_cards:
+        found = _resolve(name, custom_cards, ())
+    return found
+
+
+def _resolve(
+    name: str, cards: Mapping[ModelId, ModelCard], other_ids: Iterable[str]
+) -> ModelId | None:
     if name in cards:
         return ModelId(name)
     others = set(other_ids)
