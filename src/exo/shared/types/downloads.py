@@ -9,12 +9,14 @@ from exo.shared.types.common import FrozenModel
 
 class FileProgress(FrozenModel):
     """One file: `downloaded_bytes` of `total_bytes` on disk (a resumed file starts at
-    what its partial file held)."""
+    what its partial file held); `sha256` the digest it is checked against, when its
+    source publishes one (the Hub's LFS files)."""
 
     path: str
     downloaded_bytes: int = Field(ge=0)
     total_bytes: int = Field(ge=0)
     source: str = "hub"
+    sha256: str | None = None
 
 
 class DownloadProgress(FrozenModel):
