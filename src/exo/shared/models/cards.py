@@ -259,9 +259,10 @@ def with_custom_cards(
     """Every card the cluster knows: the catalog's first, then the custom models of the
     state (`State.custom_cards`). A catalog id always means the catalog's card.
 
-    The one place custom cards join the catalog: the API's `ClusterClient.cards` and the
-    master's decisions both look cards up through it, so a custom model resolves like a
-    catalog model everywhere (names, listings, placement, every dialect)."""
+    The API's `ClusterClient.cards` is this merge, so a custom model is listed and its
+    card found like a catalog model's everywhere; names resolve through
+    `resolve_model_name(..., custom_cards=...)` (and `resolve_card`), where a catalog
+    card's names win over a custom card's."""
     return {**builtin, **{k: v for k, v in custom.items() if k not in builtin}}
 
 
