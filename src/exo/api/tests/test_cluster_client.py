@@ -11,8 +11,9 @@ import anyio
 import pytest
 
 from exo.api.cluster import ClusterClient, CommandRejectedError
+from exo.master.recovery import events_after_node_lost
 from exo.shared.election import Election
-from exo.shared.types.chunks import Chunk
+from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
 from exo.shared.types.commands import (
     CancelGeneration,
     DeleteInstance,
@@ -260,3 +261,27 @@ async def test_cancel_is_sent_again_until_its_generation_is_gone(tmp_path: Path)
         assert cancelled == [
             TaskStatusUpdated(task_id=created.task.task_id, status=TaskCancelled())
         ]
+
+
+async def test_a_stream_whose_node_is_lost_ends_with_a_503_that_can_be_sent_again(
+    tmp_path: Path,
+) -> None:
+    other = NodeId("node-2")
+    async with in_process_cluster(tmp_path) as cluster:
+        cluster.report_node()
+        cluster.report_node(node_id=other)
+        with anyio.fail_after(DEADLINE_SECONDS):
+            assert await cluster.client.wait_for_node_reports()
+            await cluster.client.submit(
+                PlaceInstance(command_id=CommandId("place-1"), model_id=SMOLLM2, node_ids=(other,))
+            )
+            generate = GenerateText(command_id=CommandId("generate-1"), params=make_params())
+            with cluster.client.chunk_stream(generate.command_id) as chunks:
+                await cluster.client.submit(generate)
+                # The master's links say node-2 is gone.
+                cluster.master.emit(events_after_node_lost(cluster.master.state, other))
+                [chunk] = [chunk async for chunk in chunks]
+        assert isinstance(chunk, ErrorChunk)
+        assert (chunk.status_code, chunk.error_code) == (503, INSTANCE_UNAVAILABLE)
+        assert chunk.error_message.endswith(f"is unavailable: node {other} left; re-placing")
+        assert cluster.state.tasks == {}
