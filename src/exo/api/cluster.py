@@ -155,6 +155,9 @@ class ClusterClient:
         self._chunk_streams: dict[CommandId, MemoryObjectSendStream[Chunk]] = {}
         self._command_instance: dict[CommandId, InstanceId] = {}
         self._task_commands: dict[TaskId, CommandId] = {}
+        self.generation_aliases: dict[CommandId, CommandId] = {}
+        """Generations sent again after their instance was lost: the command their client
+        knows (its response id names it) -> the command running now (`/v1/cancel`)."""
         self.state_changed = anyio.Event()
 
     @property

@@ -107,6 +107,8 @@ class Generation:
     keep_alive: KeepAlive | None = None
     retries: int = 0
     """How often it was sent again after its instance became unavailable."""
+    _known_command_id: CommandId | None = None
+    """The first command, which the client's response id names, once sent again."""
 
     def cancel(self) -> None:
         """Ask the cluster to stop this generation on every rank (idempotent)."""
@@ -116,6 +118,8 @@ class Generation:
 
     def close(self) -> None:
         self._resources.close()
+        if self._known_command_id is not None:
+            self.cluster.generation_aliases.pop(self._known_command_id, None)
 
     def can_retry(self, error: ApiError | Chunk | None) -> bool:
         """Whether `error` (an error chunk, or the ApiError a collector made of one) says
@@ -137,6 +141,7 @@ class Generation:
         """
         self.retries += 1
         self._resources.close()  # the old command's chunk stream
+        known = self._known_command_id = self._known_command_id or self.command_id
         self._resources = ExitStack()
         deadline = anyio.current_time() + RETRY_WAIT_SECONDS
         while True:
@@ -149,6 +154,7 @@ class Generation:
                 f"{command.command_id} (retry {self.retries})"
             )
             self.command_id, self.chunks = command.command_id, chunks
+            self.cluster.generation_aliases[known] = command.command_id
             try:
                 await _submit(self.cluster, command)
                 return

@@ -44,6 +44,7 @@ class ScriptedCluster:
         self.load_on_request = LoadOnRequest()
         self.placing: dict[str, anyio.Event] = {}
         self.downloads_recorded: list[tuple[str, DownloadStatus]] = []
+        self.generation_aliases: dict[CommandId, CommandId] = {}
 
     def record_download(self, model_id: str, status: DownloadStatus) -> None:
         self.downloads_recorded.append((model_id, status))

@@ -111,6 +111,8 @@ async def cancel_generation(generation_id: str, cluster: Cluster) -> dict[str, o
     or the internal command id. 404 when no such generation is pending or running.
     """
     command_id = command_id_in_response_id(generation_id)
+    if command_id is not None:  # sent again after its instance was lost: the new command
+        command_id = cluster.generation_aliases.get(command_id, command_id)
     if command_id is None or not any(
         task.command_id == command_id for task in cluster.state.tasks.values()
     ):

@@ -64,8 +64,10 @@ def test_a_generation_that_lost_its_instance_before_any_chunk_is_answered_by_ano
         response = http.post("/v1/chat/completions", json={**CHAT, "stream": stream})
         assert response.status_code == 200, response.text
         assert SCRIPTED_ANSWER in response.text
-    # Sent three times, each under its own command id, the same request each time.
+    # Sent three times, each under its own command id, the same request each time; the
+    # alias that lets /v1/cancel find the running command goes with the request.
     assert len({command.command_id for command in cluster.submitted}) == 3
+    assert cluster.generation_aliases == {}
     assert len({command.params.model_dump_json() for command in cluster.submitted}) == 1
 
 
