@@ -36,6 +36,7 @@ from exo.shared.types.events import (
     CommandRejected,
     CustomModelAdded,
     CustomModelDeleted,
+    DownloadControlled,
     Event,
     IndexedEvent,
     InstanceCreated,
@@ -280,7 +281,7 @@ class ClusterClient:
                 return
             case InstanceCreated() | InstanceDeleted() | InstanceUsed() | CommandRejected():
                 command_id = event.command_id
-            case CustomModelAdded() | CustomModelDeleted():
+            case CustomModelAdded() | CustomModelDeleted() | DownloadControlled():
                 command_id = event.command_id
             case TaskCreated(task=task):
                 command_id = task.command_id

@@ -117,7 +117,7 @@ def fetch_file(
     on_bytes: ByteCallback | None = None,
     cancelled: threading.Event | None = None,
     policy: RetryPolicy = DEFAULT_RETRY_POLICY,
-    sleep: Callable[[float], None] = time.sleep,
+    sleep: Callable[[float], None] | None = None,
 ) -> None:
     """Fetch `url` into `destination`, verified.
 
@@ -126,7 +126,9 @@ def fetch_file(
         expected: size and digest the file must have.
         headers: sent with every request (e.g. `Authorization`).
         on_bytes: progress, see `ByteCallback`.
-        cancelled: checked between chunks and before each attempt.
+        cancelled: checked between chunks and before each attempt; it also ends a wait
+            between attempts.
+        sleep: waits between attempts (default: on `cancelled`, or `time.sleep`).
 
     Raises:
         DownloadCancelledError: `cancelled` was set (the partial file stays).
@@ -136,6 +138,7 @@ def fetch_file(
     """
     partial = partial_path(destination)
     report = on_bytes or (lambda _bytes: None)
+    wait: Callable[[float], object] = sleep or (time.sleep if cancelled is None else cancelled.wait)
     last_failure = "no attempt"
     for attempt in range(1, policy.max_attempts + 1):
         if cancelled is not None and cancelled.is_set():
@@ -154,7 +157,7 @@ def fetch_file(
                 report(expected.size)
                 return
         if attempt < policy.max_attempts:
-            sleep(policy.delay(attempt, retry_after))
+            wait(policy.delay(attempt, retry_after))
     raise DownloadError(
         f"{destination.name}: {policy.max_attempts} attempts failed; the last: {last_failure}"
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,3 +199,24 @@ def choose_download_directory(
         if free_bytes(root) >= size_bytes:
             return root / directory_name(model_id)
     return writable[0] / directory_name(model_id)
+
+
+def delete_downloaded_model(default_models_dir: Path, model_id: str) -> list[Path]:
+    """Remove the model's directory from every writable models directory (never from a
+    read-only one or the Hugging Face cache), its completion marker first so a removal
+    cut short leaves nothing that looks complete.
+
+    Returns:
+        The directories removed.
+    """
+    from exo.download.hub_download import COMPLETION_MARKER
+
+    removed: list[Path] = []
+    for root in ModelLocations.from_environment(default_models_dir).writable:
+        target = root / directory_name(model_id)
+        if not target.is_dir():
+            continue
+        (target / COMPLETION_MARKER).unlink(missing_ok=True)
+        shutil.rmtree(target)
+        removed.append(target)
+    return removed

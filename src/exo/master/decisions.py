@@ -14,6 +14,7 @@ from exo.shared.types.commands import (
     AddCustomModel,
     CancelGeneration,
     Command,
+    ControlDownload,
     DeleteCustomModel,
     DeleteInstance,
     GenerateText,
@@ -26,6 +27,7 @@ from exo.shared.types.events import (
     CommandRejected,
     CustomModelAdded,
     CustomModelDeleted,
+    DownloadControlled,
     Event,
     InstanceCreated,
     InstanceDeleted,
@@ -173,6 +175,26 @@ def events_for_command(
             if refusal is not None:
                 return [_reject(command.command_id, origin, *refusal)]
             return [CustomModelDeleted(model_id=model_id, command_id=command.command_id)]
+        case ControlDownload(node_id=node_id, card=card, action=action):
+            if node_id not in state.node_info:
+                reason = f"no node {node_id!r} in the cluster (known: {sorted(state.node_info)})"
+                return [_reject(command.command_id, origin, reason, 404)]
+            placed = [
+                instance.instance_id
+                for instance in state.instances_of_model(card.model_id)
+                if node_id in instance.shard_assignments.node_to_runner
+            ]
+            if action == "delete" and placed:
+                reason = (
+                    f"{card.model_id} has a shard on {node_id} (instance {placed[0]}); delete "
+                    "the instance first (DELETE /instance/{id})"
+                )
+                return [_reject(command.command_id, origin, reason, 409)]
+            return [
+                DownloadControlled(
+                    node_id=node_id, card=card, action=action, command_id=command.command_id
+                )
+            ]
         case CancelGeneration(target_command_id=target):
             return [
                 TaskStatusUpdated(task_id=task.task_id, status=TaskCancelled())

@@ -27,6 +27,7 @@ from exo.shared.types.events import (
     CommandRejected,
     CustomModelAdded,
     CustomModelDeleted,
+    DownloadControlled,
     Event,
     ForwarderEvent,
     IndexedEvent,
@@ -54,7 +55,7 @@ def command_id_of(event: Event) -> CommandId | None:
     match event:
         case InstanceCreated() | InstanceDeleted() | InstanceUsed() | CommandRejected():
             return event.command_id
-        case CustomModelAdded() | CustomModelDeleted():
+        case CustomModelAdded() | CustomModelDeleted() | DownloadControlled():
             return event.command_id
         case TaskCreated(task=task):
             return task.command_id

@@ -15,6 +15,7 @@ from exo.shared.types.events import (
     CommandRejected,
     CustomModelAdded,
     CustomModelDeleted,
+    DownloadControlled,
     Event,
     IndexedEvent,
     InstanceCreated,
@@ -218,7 +219,7 @@ def apply_event(state: State, event: Event) -> State:
         case CustomModelDeleted(model_id=model_id):
             cards = {k: v for k, v in state.custom_cards.items() if k != model_id}
             return state.model_copy(update={"custom_cards": cards})
-        case CommandRejected():
+        case CommandRejected() | DownloadControlled():
             return state
         case ClusterHistoryStarted(history_id=history_id):
             return state.model_copy(update={"history_id": history_id})

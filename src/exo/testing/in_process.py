@@ -44,6 +44,8 @@ class InProcessCluster:
     """Where a stand-in runner publishes the chunks of the client's generations."""
     state: State = field(default_factory=State)
     active: bool = True
+    applied: Topic[IndexedEvent] | None = None
+    """The events as this node's replica applied them (what a worker subscribes to)."""
     _next_local_idx: int = 0
 
     def report_node(self, available_mb: int = 4096, node_id: NodeId = NODE) -> None:
@@ -110,7 +112,7 @@ async def in_process_cluster(
         load_on_request=load_on_request,
     )
     cluster = InProcessCluster(
-        client, master, event_log, commands, local_events, chunks, active=active
+        client, master, event_log, commands, local_events, chunks, active=active, applied=applied
     )
     holder.append(cluster)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -10,12 +11,15 @@ import anyio
 from anyio.abc import TaskGroup
 from loguru import logger
 
+from exo.download.fetch import DownloadCancelledError
+from exo.download.locations import delete_downloaded_model
 from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.shared.local_events import LocalEventSender
 from exo.shared.types.chunks import Chunk
 from exo.shared.types.common import ModelId, NodeId, RunnerId
 from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.events import (
+    DownloadControlled,
     Event,
     IndexedEvent,
     NodeDownloadProgress,
@@ -23,13 +27,16 @@ from exo.shared.types.events import (
     RunnerStatusUpdated,
     TaskStatusUpdated,
 )
+from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import (
     DownloadCompleted,
     DownloadFailed,
     DownloadOngoing,
+    DownloadPending,
     DownloadStatus,
 )
 from exo.shared.types.runners import RunnerFailed, RunnerReady
+from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.state import State
 from exo.shared.types.tasks import (
     CancelTask,
@@ -48,6 +55,8 @@ from exo.worker.plan import LocalRunner, plan
 from exo.worker.runner.supervisor import RunnerSupervisor
 
 PLAN_IDLE_WAKE_SECONDS = 0.5
+# How long a delete waits for the model's cancelled download to stop writing.
+CANCEL_WAIT_SECONDS = 10.0
 # Retry delays after consecutive failures: 1 s, 2 s, 4 s, ... capped at 30 s.
 BACKOFF_BASE_SECONDS = 1.0
 BACKOFF_MAX_SECONDS = 30.0
@@ -85,7 +94,7 @@ class Worker:
         self._clock = clock
         self.runners: dict[RunnerId, RunnerSupervisor] = {}
         self.downloads: dict[ModelId, DownloadStatus] = {}
-        self._downloading: set[ModelId] = set()
+        self._download_cancels: dict[ModelId, threading.Event] = {}
         self._failures: dict[str, int] = {}
         self._retry_after: dict[str, float] = {}
         self._changed = anyio.Event()
@@ -117,8 +126,41 @@ class Worker:
         return self._current_state()
 
     async def _event_loop(self) -> None:
-        async for _ in self._applied_events:
+        async for indexed_event in self._applied_events:
+            event = indexed_event.event
+            if isinstance(event, DownloadControlled) and event.node_id == self.node_id:
+                await self._control_download(event)
             self._notify()
+
+    async def _control_download(self, event: DownloadControlled) -> None:
+        """`POST /download/start` / `cancel`, `DELETE /download/...` addressed to this node."""
+        assert self._task_group is not None
+        model_id = event.card.model_id
+        cancel = self._download_cancels.get(model_id)
+        match event.action:
+            case "start":
+                if cancel is None:
+                    self.downloads[model_id] = DownloadOngoing(message="preparing")
+                    self._task_group.start_soon(self._download, event.card, None)
+            case "cancel":
+                if cancel is not None:
+                    cancel.set()
+            case "delete":
+                if cancel is not None:
+                    cancel.set()
+                    with anyio.move_on_after(CANCEL_WAIT_SECONDS):
+                        while model_id in self._download_cancels:
+                            await anyio.sleep(0.05)
+                removed = await anyio.to_thread.run_sync(
+                    delete_downloaded_model, self._models_dir, str(model_id)
+                )
+                logger.info(f"deleted the files of {model_id}: {[str(p) for p in removed]}")
+                self.downloads.pop(model_id, None)
+                self._local_events.emit(
+                    NodeDownloadProgress(
+                        node_id=self.node_id, model_id=model_id, status=DownloadPending()
+                    )
+                )
 
     def _local_view(self) -> dict[RunnerId, LocalRunner]:
         return {
@@ -175,7 +217,7 @@ class Worker:
             case DownloadModel(shard=shard):
                 model_id = shard.model_card.model_id
                 self.downloads[model_id] = DownloadOngoing(message="preparing")
-                self._task_group.start_soon(self._download, shard.model_card.model_id, task)
+                self._task_group.start_soon(self._download, shard.model_card, shard)
             case (
                 ConnectToGroup(runner_id=runner_id)
                 | LoadModel(runner_id=runner_id)
@@ -246,8 +288,21 @@ class Worker:
                 TaskStatusUpdated(task_id=task.task_id, status=TaskFailed(error_message=message))
             )
 
-    async def _download(self, model_id: ModelId, task: DownloadModel) -> None:
-        card = task.shard.model_card
+    async def _download(self, card: ModelCard, shard: ShardMetadata | None) -> None:
+        """Prepare the files of `shard` (None: the whole model, as asked by `POST
+        /download/start`), reporting progress; cancelled through `_download_cancels`."""
+        model_id = card.model_id
+        cancelled = threading.Event()
+        self._download_cancels[model_id] = cancelled
+        try:
+            await self._prepare(card, shard, cancelled)
+        finally:
+            self._download_cancels.pop(model_id, None)
+
+    async def _prepare(
+        self, card: ModelCard, shard: ShardMetadata | None, cancelled: threading.Event
+    ) -> None:
+        model_id = card.model_id
         self._local_events.emit(
             NodeDownloadProgress(
                 node_id=self.node_id, model_id=model_id, status=DownloadOngoing(message="preparing")
@@ -278,12 +333,15 @@ class Worker:
                     self._models_dir,
                     self._offline,
                     on_progress,
-                    shard=task.shard,
+                    shard=shard,
                     on_download_progress=on_download_progress,
+                    cancelled=cancelled,
                 )
             )
         except Exception as error:
-            if isinstance(error, ModelPreparationError):
+            if isinstance(error, DownloadCancelledError):
+                logger.info(f"the download of {model_id} was cancelled (partial files kept)")
+            elif isinstance(error, ModelPreparationError):
                 logger.error(f"preparing {model_id} failed: {error}")
             else:
                 logger.opt(exception=error).error(f"preparing {model_id} failed")

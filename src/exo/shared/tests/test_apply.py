@@ -10,6 +10,7 @@ from exo.shared.types.events import (
     CommandRejected,
     CustomModelAdded,
     CustomModelDeleted,
+    DownloadControlled,
     Event,
     IndexedEvent,
     InstanceCreated,
@@ -102,6 +103,7 @@ SAMPLE_EVENTS: dict[type, Event] = {
     TopologyEdgeRemoved: TopologyEdgeRemoved(source=NODE_A, sink=NODE_B),
     CustomModelAdded: CustomModelAdded(card=CUSTOM_CARD, command_id=CommandId("c-3")),
     CustomModelDeleted: CustomModelDeleted(model_id=CUSTOM_CARD.model_id),
+    DownloadControlled: DownloadControlled(node_id=NODE_A, card=CUSTOM_CARD, action="start"),
     NodeLost: NodeLost(node_id=NODE_A),
     NodeRejoined: NodeRejoined(node_id=NODE_A),
     InstanceReplaced: InstanceReplaced(

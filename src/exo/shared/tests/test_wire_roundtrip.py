@@ -13,6 +13,7 @@ from exo.shared.types import (
     chunks,
     commands,
     common,
+    downloads,
     events,
     instances,
     models,
@@ -37,6 +38,7 @@ from exo.shared.types.commands import (
     AddCustomModel,
     CancelGeneration,
     Command,
+    ControlDownload,
     DeleteCustomModel,
     DeleteInstance,
     ForwarderCommand,
@@ -56,11 +58,13 @@ from exo.shared.types.common import (
     TaskId,
     truncate_for_repr,
 )
+from exo.shared.types.downloads import DownloadProgress, FileProgress
 from exo.shared.types.events import (
     ClusterHistoryStarted,
     CommandRejected,
     CustomModelAdded,
     CustomModelDeleted,
+    DownloadControlled,
     Event,
     ForwarderEvent,
     IndexedEvent,
@@ -171,7 +175,8 @@ from exo.worker.runner.messages import (
 )
 
 WIRE_MODULES = (
-    chunks, commands, common, events, instances, models, nodes, runners, shards, state, tasks,
+    chunks, commands, common, downloads, events, instances, models, nodes, runners, shards,
+    state, tasks,
     text_generation, messages, election,
 )  # fmt: skip
 
@@ -181,6 +186,16 @@ INSTANCE_ID = InstanceId("instance-1")
 RUNNER = RunnerId("instance-1-rank0")
 TASK = TaskId("task-1")
 CARD = make_card()
+FILE_PROGRESS = FileProgress(
+    path="model.safetensors", downloaded_bytes=10, total_bytes=20, sha256="ab" * 32
+)
+DOWNLOAD_PROGRESS = DownloadProgress(
+    downloaded_bytes=10,
+    total_bytes=20,
+    speed_bytes_per_second=5.0,
+    eta_seconds=2.0,
+    files=(FILE_PROGRESS,),
+)
 PARAMS = TextGenerationTaskParams(
     model=SMOLLM2,
     messages=(
@@ -358,7 +373,12 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     NetworkInterface: [NetworkInterface(name="lo", addresses=("127.0.0.1", "127.0.0.2"))],
     TopologyEdge: [EDGE],
     DownloadPending: [DownloadPending()],
-    DownloadOngoing: [DownloadOngoing(message="1/3 files")],
+    DownloadOngoing: [
+        DownloadOngoing(message="1/3 files"),
+        DownloadOngoing(message="downloading", progress=DOWNLOAD_PROGRESS),
+    ],
+    FileProgress: [FILE_PROGRESS],
+    DownloadProgress: [DOWNLOAD_PROGRESS],
     DownloadCompleted: [DownloadCompleted(path="/models/x")],
     DownloadFailed: [DownloadFailed(error_message="disk full")],
     # runners
@@ -429,6 +449,10 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     CancelGeneration: [CancelGeneration(command_id=COMMAND, target_command_id=CommandId("c-0"))],
     RequestEventReplay: [RequestEventReplay(command_id=COMMAND, from_idx=17)],
     AddCustomModel: [AddCustomModel(command_id=COMMAND, card=CARD)],
+    ControlDownload: [
+        ControlDownload(command_id=COMMAND, node_id=NODE, card=CARD, action=action)
+        for action in ("start", "cancel", "delete")
+    ],
     DeleteCustomModel: [DeleteCustomModel(command_id=COMMAND, model_id=ModelId("org/tiny"))],
     ForwarderCommand: [
         ForwarderCommand(
@@ -472,6 +496,9 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     TopologyEdgeMeasured: [TopologyEdgeMeasured(edge=EDGE)],
     TopologyEdgeRemoved: [TopologyEdgeRemoved(source=NODE, sink=NodeId("node-b"))],
     CustomModelAdded: [CustomModelAdded(card=CARD, command_id=COMMAND)],
+    DownloadControlled: [
+        DownloadControlled(node_id=NODE, card=CARD, action="delete", command_id=COMMAND)
+    ],
     CustomModelDeleted: [CustomModelDeleted(model_id=ModelId("org/tiny"))],
     ForwarderEvent: [
         ForwarderEvent(

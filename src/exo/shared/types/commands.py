@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from exo.shared.types.common import CommandId, FrozenModel, InstanceId, ModelId, NodeId
+from exo.shared.types.downloads import DownloadAction
 from exo.shared.types.instances import Sharding
 from exo.shared.types.models import ModelCard
 from exo.shared.types.text_generation import TextGenerationTaskParams
@@ -79,6 +80,19 @@ class DeleteCustomModel(FrozenModel):
     model_id: ModelId
 
 
+class ControlDownload(FrozenModel):
+    """Start, cancel or delete the download of `card`'s model on `node_id` (`POST
+    /download/start`, `POST /download/cancel`, `DELETE /download/{node_id}/{model_id}`).
+    Rejected for a node the cluster does not know (404) and, for "delete", while an
+    instance of the model has a shard on that node (409)."""
+
+    kind: Literal["ControlDownload"] = "ControlDownload"
+    command_id: CommandId
+    node_id: NodeId
+    card: ModelCard
+    action: DownloadAction
+
+
 class CancelGeneration(FrozenModel):
     """Stop the generation started by `target_command_id` (client gone or asked)."""
 
@@ -104,7 +118,8 @@ Command = Annotated[
     | CancelGeneration
     | RequestEventReplay
     | AddCustomModel
-    | DeleteCustomModel,
+    | DeleteCustomModel
+    | ControlDownload,
     Field(discriminator="kind"),
 ]
 

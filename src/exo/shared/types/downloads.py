@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from exo.shared.types.common import FrozenModel
@@ -30,3 +32,8 @@ class DownloadProgress(FrozenModel):
     eta_seconds: float | None = Field(default=None, ge=0)
     files: tuple[FileProgress, ...] = ()
     complete: bool = False
+
+
+DownloadAction = Literal["start", "cancel", "delete"]
+"""What a node is asked to do with a model's files: fetch them all, stop fetching them
+(partial files stay), remove them from its writable models directory."""

@@ -16,6 +16,7 @@ from exo.shared.types.common import (
     RunnerId,
     TaskId,
 )
+from exo.shared.types.downloads import DownloadAction
 from exo.shared.types.instances import Instance
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import DownloadStatus, NodeInfo, TopologyEdge
@@ -167,6 +168,17 @@ class CustomModelDeleted(FrozenModel):
     command_id: CommandId | None = None
 
 
+class DownloadControlled(FrozenModel):
+    """`node_id` was asked to start, cancel or delete the download of `card`'s model; its
+    worker does it and reports the files as `NodeDownloadProgress`."""
+
+    kind: Literal["DownloadControlled"] = "DownloadControlled"
+    node_id: NodeId
+    card: ModelCard
+    action: DownloadAction
+    command_id: CommandId | None = None
+
+
 class CommandRejected(FrozenModel):
     """The master could not carry out a command; the API that sent it reports `reason`."""
 
@@ -189,6 +201,7 @@ Event = Annotated[
     | NodeDownloadProgress
     | CustomModelAdded
     | CustomModelDeleted
+    | DownloadControlled
     | CommandRejected
     | ClusterHistoryStarted
     | NodeTimedOut
