@@ -1,5 +1,5 @@
-"""Cluster figures on one machine: formation time, failover time, and the latency a
-second node adds to a chat stream.
+"""Cluster figures on one machine: formation time, the latency a second node adds to a
+chat stream, and what each kind of node loss costs the model's users.
 
 Starts three `exo` nodes on loopback (bootstrap peers, distinct ports, fresh data dirs,
 the default model converted once into the shared models directory), then prints:
@@ -7,7 +7,13 @@ the default model converted once into the shared models directory), then prints:
   (includes ~3 s of Python start-up per process);
 - per-token latency of a stream from node A (which runs the instance) asked directly,
   and asked through node B: median inter-chunk gap and TTFT over several requests;
-- failover: SIGKILL of the master -> the survivors agree on a new master and a state.
+- node loss, for each kind (a non-master node holding one of two instances; the master
+  node holding one of two instances; a node of the only instance, split over two nodes):
+  SIGKILL of the node while a client asks a surviving node for a short chat every 0.2 s
+  (one at a time); prints the failed requests, the seconds the model was unavailable
+  (from the first failed request to the next answered one, summed), the slowest answer,
+  and how long until the lost instance served again (placed anew on the remaining nodes).
+  The killed node is started again (same data directory) before the next kind.
 
 Usage: python bench/bench_cluster.py [--requests 5] [--max-tokens 64]
 """
@@ -18,7 +24,9 @@ import argparse
 import itertools
 import statistics
 import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -67,6 +75,132 @@ def same_state(nodes: list[ExoNode], expected_nodes: int) -> bool:
     return all(s == states[0] for s in states) and len(states[0]["node_info"]) == expected_nodes
 
 
+@dataclass
+class ChatPoller:
+    """A client asking `node` for a short chat every `interval` seconds, one at a time."""
+
+    node: ExoNode
+    interval: float = 0.2
+    results: list[tuple[float, float, int]] = field(default_factory=list)
+    """(sent, seconds, HTTP status or 0 for a transport error), in order."""
+    errors: set[str] = field(default_factory=set)
+    """The distinct error bodies (first 240 characters)."""
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> ChatPoller:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=300)
+
+    def _run(self) -> None:
+        body = {
+            "model": DEFAULT_MODEL_ID,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        while not self._stop.is_set():
+            sent = time.monotonic()
+            try:
+                response = httpx.post(
+                    f"{self.node.url}/v1/chat/completions", json=body, timeout=180
+                )
+                status = response.status_code
+                if status != 200:
+                    self.errors.add(f"{status} {response.text[:240]}")
+            except httpx.HTTPError as error:
+                status = 0
+                self.errors.add(repr(error))
+            self.results.append((sent, time.monotonic() - sent, status))
+            self._stop.wait(max(0.0, self.interval - (time.monotonic() - sent)))
+
+    def failed(self) -> int:
+        return sum(status != 200 for _, _, status in self.results)
+
+    def unavailable_seconds(self) -> float:
+        """Summed windows from a failed request's sending to the next answered one's."""
+        total, window_start = 0.0, None
+        for sent, _, status in self.results:
+            if status != 200 and window_start is None:
+                window_start = sent
+            elif status == 200 and window_start is not None:
+                total += sent - window_start
+                window_start = None
+        if window_start is not None:
+            total += self.results[-1][0] - window_start
+        return total
+
+    def slowest(self) -> float:
+        return max((seconds for _, seconds, _ in self.results), default=0.0)
+
+
+def place(via: ExoNode, node_ids: list[str], sharding: str = "pipeline") -> str:
+    placed = httpx.post(
+        f"{via.url}/place_instance",
+        json={"model_id": DEFAULT_MODEL_ID, "node_ids": node_ids, "sharding": sharding,
+              "min_nodes": len(node_ids)},
+        timeout=600,
+    )  # fmt: skip
+    placed.raise_for_status()
+    instance_id: str = placed.json()["instance_id"]
+    return instance_id
+
+
+def delete_all(via: ExoNode) -> None:
+    for instance_id in list(via.state()["instances"]):
+        httpx.delete(f"{via.url}/instance/{instance_id}", timeout=60).raise_for_status()
+
+
+def loss(
+    name: str,
+    victim: ExoNode,
+    via: ExoNode,
+    lost_instance: str,
+    others: list[str],
+    survivors: list[ExoNode],
+) -> tuple[str, int, int, float, float, float, float]:
+    """Kill `victim` while polling chats through `via`; returns the figures."""
+    for instance_id in [lost_instance, *others]:
+        wait_until(lambda i=instance_id: via.serving(i), 600, interval=0.2)  # type: ignore[misc]
+    victim_id = victim.node_id()
+    poller = ChatPoller(via).start()
+    time.sleep(2.0)  # a few answered requests before the loss
+    victim.kill()
+    killed = time.monotonic()
+    wait_until(lambda: agreed_master(survivors, excluded=victim_id), 60, interval=0.05)
+    master_seconds = time.monotonic() - killed
+    wait_until(lambda: via.serving(lost_instance), 600, interval=0.1)
+    serving_again = time.monotonic() - killed
+    time.sleep(2.0)
+    poller.stop()
+    for error in sorted(poller.errors):
+        print(f"  {name}: {error}")
+    return (
+        name,
+        len(poller.results),
+        poller.failed(),
+        poller.unavailable_seconds(),
+        poller.slowest(),
+        master_seconds,
+        serving_again,
+    )
+
+
+def restart(node: ExoNode, models_dir: Path, bootstrap: ExoNode) -> ExoNode:
+    """The same node (data directory, id) started again, on new ports."""
+    again = ExoNode(
+        node.home, models_dir, ("--no-default-model", "-q"), namespace=bootstrap.namespace,
+        bootstrap=(bootstrap,),
+    )  # fmt: skip
+    return again.start()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=5)
@@ -79,7 +213,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="exo-bench-cluster-"))
-    a = ExoNode(root / "a", args.models_dir, extra_args=("--no-default-model", "-q"))
+    a = ExoNode(
+        root / "a", args.models_dir, extra_args=("--no-default-model", "-q", "--force-master")
+    )
     b = ExoNode(
         root / "b", args.models_dir, ("--no-default-model", "-q"), namespace=a.namespace,
         bootstrap=(a,),
@@ -116,18 +252,25 @@ def main() -> None:
                 gaps.extend(request_gaps)
             results[name] = (statistics.median(ttfts), statistics.median(gaps))
 
-        master_id = agreed_master(nodes)
-        master = next(node for node in nodes if node.node_id() == master_id)
-        survivors = [node for node in nodes if node is not master]
-        killed = time.monotonic()
-        master.kill()
-        wait_until(lambda: agreed_master(survivors, excluded=master_id), 60, interval=0.05)
-        # The dead node stays in the state until it times out (30 s); agreement is enough.
-        wait_until(lambda: same_state(survivors, 3), 60, interval=0.05)
-        failover = time.monotonic() - killed
+        losses = []
+        delete_all(a)
+        # 1. A non-master node holding one of two instances (chats through the master).
+        on_b, on_c = place(a, [b.node_id()]), place(a, [c.node_id()])
+        losses.append(loss("non-master node (1 of 2 instances)", b, a, on_b, [on_c], [a, c]))
+        nodes[1] = b = restart(b, args.models_dir, a)
+        wait_until(lambda: same_state(nodes, 3), 120, interval=0.2)
+        # 2. The node of a split instance, the model's only one (chats through the master).
+        delete_all(a)
+        split = place(a, [b.node_id(), c.node_id()])
+        losses.append(loss("node of a split instance (only instance)", c, a, split, [], [a, b]))
+        nodes[2] = c = restart(c, args.models_dir, a)
+        wait_until(lambda: same_state(nodes, 3), 120, interval=0.2)
+        # 3. The master node holding one of two instances (chats through another node).
+        delete_all(a)
+        on_a, on_c = place(a, [a.node_id()]), place(a, [c.node_id()])
+        losses.append(loss("master node (1 of 2 instances)", a, c, on_a, [on_c], [b, c]))
 
         print(f"3-node cluster formed in {formation:.1f} s (from process launch)")
-        print(f"failover after SIGKILL of the master: {failover:.1f} s")
         print(f"{'asked node':<24} {'TTFT ms':>8} {'per-token ms':>13} {'tok/s':>7}")
         for name, (ttft, gap) in results.items():
             print(f"{name:<24} {ttft * 1000:>8.1f} {gap * 1000:>13.2f} {1 / gap:>7.1f}")
@@ -135,6 +278,21 @@ def main() -> None:
         print(
             f"added by the extra hop: {(forwarded[1] - direct[1]) * 1000:+.2f} ms per token, "
             f"{(forwarded[0] - direct[0]) * 1000:+.1f} ms TTFT"
+        )
+        print("node loss (SIGKILL), a chat every 0.2 s through a surviving node:")
+        print(
+            f"{'lost':<42} {'requests':>8} {'failed':>6} {'unavailable s':>13} "
+            f"{'slowest s':>9} {'master s':>8} {'serving again s':>15}"
+        )
+        for name, requests, failed, unavailable, slowest, master_s, again in losses:
+            print(
+                f"{name:<42} {requests:>8} {failed:>6} {unavailable:>13.1f} "
+                f"{slowest:>9.1f} {master_s:>8.1f} {again:>15.1f}"
+            )
+        print(
+            "(unavailable: from a failed request to the next answered one, summed; master: "
+            "until the survivors agree on a master; serving again: the lost instance placed "
+            "anew and ready)"
         )
     finally:
         for node in nodes:

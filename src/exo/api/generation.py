@@ -150,7 +150,7 @@ class Generation:
             )
             chunks = self._resources.enter_context(self.cluster.chunk_stream(command.command_id))
             logger.info(
-                f"api: {self.command_id} lost its instance before answering; sent again as "
+                f"api: {known} lost its instance before answering; sent again as "
                 f"{command.command_id} (retry {self.retries})"
             )
             self.command_id, self.chunks = command.command_id, chunks
@@ -159,12 +159,29 @@ class Generation:
                 await _submit(self.cluster, command)
                 return
             except NoCapacityError:
-                if anyio.current_time() >= deadline or not self._model_recovering():
+                if not self._model_recovering():
                     raise
             self._resources.close()
             self._resources = ExitStack()
-            if not await _wait_for_state_change(self.cluster, request, RETRY_STATE_CHECK_SECONDS):
-                raise GenerationError("the client disconnected; generation cancelled")
+            # Every instance of the model is recovering: wait until one serves again.
+            while self._model_recovering() and not self._model_serving():
+                if anyio.current_time() >= deadline:
+                    raise NoCapacityError(
+                        f"no instance of {self.params.model} served again within "
+                        f"{RETRY_WAIT_SECONDS:.0f} s after its instance was lost"
+                    )
+                if not await _wait_for_state_change(
+                    self.cluster, request, RETRY_STATE_CHECK_SECONDS
+                ):
+                    raise GenerationError("the client disconnected; generation cancelled")
+
+    def _model_serving(self) -> bool:
+        """Whether an instance of the model is not unavailable (it may take requests)."""
+        state = self.cluster.state
+        return any(
+            instance.instance_id not in state.unavailable_instances
+            for instance in state.instances_of_model(self.params.model)
+        )
 
     def _model_recovering(self) -> bool:
         """Whether an instance of the model is unavailable now and may serve again."""

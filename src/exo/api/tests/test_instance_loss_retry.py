@@ -7,14 +7,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, cast
 
+import anyio
 import pytest
 from fastapi.testclient import TestClient
 
 from exo.api.app import create_app
-from exo.api.cluster import ClusterClient
+from exo.api.cluster import ClusterClient, CommandRejectedError
 from exo.api.generation import MAX_RETRIES
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
+from exo.shared.types.commands import GenerateText
 from exo.shared.types.common import CommandId
+from exo.shared.types.state import InstanceUnavailable, State
 from exo.testing.builders import SMOLLM2
 from exo.testing.scripted_cluster import SCRIPTED_ANSWER, ScriptedCluster
 
@@ -100,3 +103,50 @@ def test_a_generation_that_keeps_losing_its_instance_gets_a_503_in_the_dialects_
         assert response.status_code == 503, response.text
         assert body_message(path, response.json()) == LOST
     assert len(cluster.submitted) == MAX_RETRIES + 1
+
+
+class RecoveringCluster(LosingCluster):
+    """Its only instance is lost under the first generation; the master then refuses
+    (503) while the instance is being placed again, which the state shows for a few
+    looks; then the instance serves again and the generation is answered."""
+
+    def __init__(self) -> None:
+        super().__init__(losses=1)
+        self.rejected = 0
+        self.looks_while_recovering = 0
+        self.state_changed = anyio.Event()
+        self._serving_state = self.state
+        self._recovering_state = self.state.model_copy(
+            update={
+                "unavailable_instances": {
+                    instance_id: InstanceUnavailable(reason="node n-1 left; re-placed on n-2")
+                    for instance_id in self.state.instances
+                }
+            }
+        )
+
+    @property
+    def state(self) -> State:
+        if len(self.submitted) == 0 or self.looks_while_recovering > 3:
+            return self._serving_state
+        self.looks_while_recovering += 1
+        return self._recovering_state
+
+    @state.setter
+    def state(self, value: State) -> None:
+        self._serving_state = value
+
+    async def submit(self, command: GenerateText, timeout: float = 0.0) -> None:
+        if len(self.submitted) == 1 and self.rejected == 0:
+            self.rejected += 1
+            raise CommandRejectedError("instance i-1 is unavailable: node n-1 left", 503)
+        await super().submit(command, timeout)
+
+
+def test_a_retried_generation_waits_for_its_lost_instance_to_serve_again() -> None:
+    cluster = RecoveringCluster()
+    for http in client_for(cluster):
+        response = http.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 200, response.text
+        assert SCRIPTED_ANSWER in response.text
+    assert cluster.rejected == 1 and len(cluster.submitted) == 2
