@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -11,6 +12,7 @@ import anyio
 from anyio.abc import TaskGroup
 from loguru import logger
 
+from exo.download.console import ConsoleProgress
 from exo.download.fetch import DownloadCancelledError
 from exo.download.locations import delete_downloaded_model
 from exo.download.pypi_gguf import ModelPreparationError, prepare_model
@@ -95,6 +97,8 @@ class Worker:
         self.runners: dict[RunnerId, RunnerSupervisor] = {}
         self.downloads: dict[ModelId, DownloadStatus] = {}
         self._download_cancels: dict[ModelId, threading.Event] = {}
+        # Download bars on the node's console, when it is a terminal.
+        self._console_progress = ConsoleProgress() if sys.stderr.isatty() else None
         self._failures: dict[str, int] = {}
         self._retry_after: dict[str, float] = {}
         self._changed = anyio.Event()
@@ -298,6 +302,8 @@ class Worker:
             await self._prepare(card, shard, cancelled)
         finally:
             self._download_cancels.pop(model_id, None)
+            if self._console_progress is not None:
+                self._console_progress.end(str(model_id))
 
     async def _prepare(
         self, card: ModelCard, shard: ShardMetadata | None, cancelled: threading.Event
@@ -317,6 +323,8 @@ class Worker:
         def on_download_progress(progress: DownloadProgress) -> None:
             # From the download's threads, at most twice a second (its tracker throttles);
             # events are emitted on the event loop, in order.
+            if self._console_progress is not None:
+                self._console_progress.update(str(model_id), progress)
             if progress.complete:
                 return  # DownloadCompleted follows
             event = NodeDownloadProgress(
