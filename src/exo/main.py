@@ -22,6 +22,7 @@ from exo.api.cluster import (
     LoadOnRequest,
 )
 from exo.api.main import Api, bind_api_socket
+from exo.download.gguf_models import ollama_store, ollama_store_cards
 from exo.master.decisions import events_after_restart
 from exo.master.event_log import EventLog
 from exo.master.main import Master
@@ -39,7 +40,13 @@ from exo.shared.election import Election, ElectionMessage
 from exo.shared.local_events import LocalEventSender
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.replica import Replica
-from exo.shared.types.commands import Command, ForwarderCommand, KeepAlive, PlaceInstance
+from exo.shared.types.commands import (
+    AddCustomModel,
+    Command,
+    ForwarderCommand,
+    KeepAlive,
+    PlaceInstance,
+)
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
 from exo.shared.types.events import RunnerDeleted
 from exo.shared.types.runners import RunnerReady, RunnerRunning
@@ -323,6 +330,7 @@ class Node:
                     self._announce,
                     self._announce_ready_models,
                     self._clean_up_after_restart,
+                    self._add_ollama_store_models,
                 ):
                     task_group.start_soon(component)
                 if self.options.default_model:
@@ -382,6 +390,26 @@ class Node:
         )
         console.print(f"  data      {exo_home()}")
         console.rule()
+
+    async def _add_ollama_store_models(self) -> None:
+        """Models in Ollama's store on this machine become custom models of the cluster,
+        named as Ollama names them (`mytiny:latest`), unless a catalog model has the name."""
+        cards, skipped = await anyio.to_thread.run_sync(
+            lambda: ollama_store_cards(ollama_store(), self.cards), abandon_on_cancel=True
+        )
+        for line in skipped:
+            logger.info(f"Ollama store: not added: {line}")
+        if not cards or not await self._caught_up(timeout=60):
+            return
+        for card in cards:
+            known = self.cluster.state.custom_cards.get(card.model_id)
+            if known == card:
+                continue
+            try:
+                await self.cluster.submit(AddCustomModel(command_id=CommandId.new(), card=card))
+                logger.info(f"added {card.model_id} from Ollama's store")
+            except (CommandRejectedError, CommandTimeoutError) as error:
+                logger.warning(f"could not add {card.model_id} from Ollama's store: {error}")
 
     async def _place_default_model(self) -> None:
         """On a cluster with no instance, place the default model so a fresh install

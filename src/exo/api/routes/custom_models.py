@@ -8,6 +8,7 @@ on the model resolves like a catalog model (`with_custom_cards`).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, ClassVar
 
 import anyio
@@ -25,6 +26,7 @@ from exo.download.custom_cards import (
     is_local_path,
     search_hub,
 )
+from exo.download.gguf_models import GgufModelError, card_for_gguf
 from exo.shared.models.names import resolve_model_name
 from exo.shared.types.commands import AddCustomModel, DeleteCustomModel
 from exo.shared.types.common import CommandId, ModelId
@@ -129,10 +131,24 @@ async def add_model(body: AddModelRequest, cluster: Cluster) -> AddModelResponse
     return AddModelResponse(model_id=event.card.model_id, card=event.card)
 
 
+def _card_for_gguf_file(path: str) -> ModelCard:
+    """The card of a GGUF file on this node (its id is the absolute path); converted once
+    when first placed. 404 when absent, 400 when it is no model the engine runs."""
+    gguf_path = Path(path).expanduser().resolve()
+    if not gguf_path.is_file():
+        raise CustomModelError(f"no GGUF file {gguf_path} on this node", 404)
+    try:
+        return card_for_gguf(gguf_path, str(gguf_path))
+    except GgufModelError as error:
+        raise CustomModelError(str(error), 400) from None
+
+
 async def _build_card(cluster: ClusterClient, model_id: str, revision: str) -> ModelCard:
     supported = supported_architectures()
     trust_remote_code = cluster.trust_remote_code
     try:
+        if is_local_path(model_id) and model_id.endswith(".gguf"):
+            return _card_for_gguf_file(model_id)
         if is_local_path(model_id):
             return card_for_local_directory(model_id, supported, trust_remote_code)
         if REPO_ID.match(model_id) is None:

