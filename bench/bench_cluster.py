@@ -11,7 +11,7 @@ the default model converted once into the shared models directory), then prints:
   node holding one of two instances; a node of the only instance, split over two nodes):
   SIGKILL of the node while a client asks a surviving node for a short chat every 0.2 s
   (one at a time); prints the failed requests, the seconds the model was unavailable
-  (from the first failed request to the next answered one, summed), the slowest answer,
+  (the longest time between two answers), the slowest answer,
   and how long until the lost instance served again (placed anew on the remaining nodes).
   The killed node is started again (same data directory) before the next kind.
 
@@ -124,17 +124,12 @@ class ChatPoller:
         return sum(status != 200 for _, _, status in self.results)
 
     def unavailable_seconds(self) -> float:
-        """Summed windows from a failed request's sending to the next answered one's."""
-        total, window_start = 0.0, None
-        for sent, _, status in self.results:
-            if status != 200 and window_start is None:
-                window_start = sent
-            elif status == 200 and window_start is not None:
-                total += sent - window_start
-                window_start = None
-        if window_start is not None:
-            total += self.results[-1][0] - window_start
-        return total
+        """The longest time the model answered no request: between two consecutive
+        answers (a failed request in between counts as no answer)."""
+        answered = sorted(sent + seconds for sent, seconds, status in self.results if status == 200)
+        return max(
+            (later - earlier for earlier, later in itertools.pairwise(answered)), default=0.0
+        )
 
     def slowest(self) -> float:
         return max((seconds for _, seconds, _ in self.results), default=0.0)
@@ -290,9 +285,10 @@ def main() -> None:
                 f"{slowest:>9.1f} {master_s:>8.1f} {again:>15.1f}"
             )
         print(
-            "(unavailable: from a failed request to the next answered one, summed; master: "
-            "until the survivors agree on a master; serving again: the lost instance placed "
-            "anew and ready)"
+            "(unavailable: the longest time between two answers, normal service included; "
+            "slowest: the longest request, a retried one waiting for the re-placed instance "
+            "included; master: until the survivors agree on a master; serving again: the "
+            "lost instance placed anew and ready)"
         )
     finally:
         for node in nodes:

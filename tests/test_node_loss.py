@@ -120,6 +120,19 @@ def queue_behind(node: ExoNode, instance_id: str, pool: ThreadPoolExecutor) -> l
     raise AssertionError(f"no request ever waited on {instance_id}")
 
 
+def caught_up(node: ExoNode, master: ExoNode) -> bool:
+    """`node` holds the master's history as of now: its instances, its nodes (chats keep
+    going meanwhile, so tasks and runner statuses may differ by a moment)."""
+    ahead = master.state()
+    mine = node.state()
+    return (
+        mine["last_event_applied_idx"] >= ahead["last_event_applied_idx"]
+        and mine["instances"] == ahead["instances"]
+        and set(mine["node_info"]) == set(ahead["node_info"])
+        and len(mine["node_info"]) == 3
+    )
+
+
 def measure(what: str, started: float, condition: Callable[[], Any], timeout: float) -> Any:
     result = wait_until(condition, timeout, interval=0.2, what=what)
     print(f"{what}: {time.monotonic() - started:.1f} s")
@@ -187,8 +200,7 @@ def test_node_loss_is_a_non_event_for_everyone_not_using_that_node(
         )
         log_before = b.log_path.read_text()
         with running([restarted]):
-            everyone = [a, restarted, c]
-            wait_until(lambda: identical_states(everyone), 60, what="B caught up")
+            wait_until(lambda: caught_up(restarted, a), 60, what="B caught up")
             time.sleep(2.0)  # room for a wrongly started runner to show
             assert restarted.runner_processes() == []
             new_lines = restarted.log_path.read_text()[len(log_before) :]
