@@ -23,6 +23,7 @@ from exo.api.cluster import (
 )
 from exo.api.main import Api, bind_api_socket
 from exo.download.gguf_models import ollama_store, ollama_store_cards
+from exo.download.peers import peer_credential
 from exo.master.decisions import events_after_restart
 from exo.master.event_log import EventLog
 from exo.master.main import Master
@@ -274,6 +275,7 @@ class Node:
             offline=options.offline,
             log_level=options.log_level,
             caught_up=lambda: self.replica.caught_up(),
+            peer_credential=peer_credential(options.namespace),
         )
         self.cluster = ClusterClient(
             node_id=self.node_id,
@@ -303,6 +305,8 @@ class Node:
         self._listen_socket = bind_api_socket(options.host, options.api_port)
         browser_access = BrowserAccess(options.cors_origins, this_machine_names())
         self.api = Api(self.cluster, self._listen_socket, options.log_level, browser_access)
+        # Model files go to nodes presenting this cluster's peer credential.
+        self.api.app.state.peer_namespace = options.namespace
 
     def _send_command(self, command: Command) -> None:
         self.router.commands.publish(ForwarderCommand(origin=self.node_id, command=command))

@@ -28,7 +28,15 @@ from exo.api.errors import (
     error_type_for_status,
 )
 from exo.api.openapi import with_bad_request_responses
-from exo.api.routes import chat, cluster, completions, custom_models, downloads, ollama_files
+from exo.api.routes import (
+    chat,
+    cluster,
+    completions,
+    custom_models,
+    downloads,
+    ollama_files,
+    peer_files,
+)
 from exo.api.routes import claude_messages as claude_messages_routes
 from exo.api.routes import ollama as ollama_routes
 from exo.api.routes import openai_responses as responses_routes
@@ -41,6 +49,7 @@ ROUTE_MODULES: tuple[ModuleType, ...] = (
     cluster,
     custom_models,
     downloads,
+    peer_files,
     claude_messages_routes,
     responses_routes,
     ollama_routes,

@@ -20,13 +20,15 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
+from loguru import logger
 
 from exo.download.fetch import (
     DEFAULT_RETRY_POLICY,
@@ -37,6 +39,7 @@ from exo.download.fetch import (
     fetch_file,
     partial_path,
 )
+from exo.download.peers import PeerSource
 from exo.download.progress import ProgressCallback, ProgressTracker
 from exo.download.shard_files import (
     INDEX_FILE,
@@ -243,12 +246,18 @@ def download_from_hub(
     policy: RetryPolicy = DEFAULT_RETRY_POLICY,
     free_bytes: FreeBytes = disk_free_bytes,
     client: httpx.Client | None = None,
+    peers: Sequence[PeerSource] = (),
 ) -> Path:
     """Fetch the shard's files into `download.directory` and mark them complete.
 
     Files already verified there (its marker) are kept; partial files resume. The
     safetensors index is fetched first (it says which weight files the shard needs), then
     the free disk is checked, then the rest is fetched `max_parallel` files at a time.
+
+    With `peers` (nodes holding the model, fastest first), the listing comes from their
+    completion markers when they hold every file the shard needs (no request to the Hub
+    then), and each file comes from a peer that holds it (files spread over the peers),
+    verified like a Hub file; a file whose peer fails or goes away resumes from the Hub.
 
     Returns:
         The directory.
@@ -258,34 +267,75 @@ def download_from_hub(
             (to resume), and a marker listing only what was verified before.
         DownloadCancelledError: `cancelled` was set.
     """
-    listing = list_repository(download.repo_id, download.revision)
     directory = download.directory
     endpoint = hub_endpoint()
     token = hub_token()
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    marker = read_marker(directory) or {}
-    known = marker.get("files") if marker.get("commit") == listing.commit else None
-    verified: dict[str, str] = dict(known) if isinstance(known, dict) else {}
+    hub_headers = {"Authorization": f"Bearer {token}"} if token else {}
     owns_client = client is None
     http = client or httpx.Client(
         follow_redirects=True, timeout=httpx.Timeout(HUB_TIMEOUT_SECONDS, read=60.0)
     )
-
-    def url_of(path: str) -> str:
-        from urllib.parse import quote
-
-        return f"{endpoint}/{listing.repo_id}/resolve/{listing.commit}/{quote(path)}"
-
+    repo_id = download.repo_id
     try:
+        from_peers = _peer_listing(http, peers, download) if peers else None
+        listing: RepositoryListing
+        universe: dict[str, int] | None
+        holders: dict[str, list[PeerSource]]
+        if from_peers is None:
+            listing, universe, holders = list_repository(repo_id, download.revision), None, {}
+        else:
+            listing, universe, holders = from_peers
+        marker = read_marker(directory) or {}
+        known = marker.get("files") if marker.get("commit") == listing.commit else None
+        verified: dict[str, str] = dict(known) if isinstance(known, dict) else {}
+
+        def sources(path: str, spread: int = 0) -> list[_Source]:
+            quoted = quote(path)
+            hub = _Source(
+                "hub",
+                f"{endpoint}/{repo_id}/resolve/{listing.commit}/{quoted}",
+                hub_headers,
+                policy,
+            )
+            holding = holders.get(path, [])
+            if holding:
+                first = spread % len(holding)
+                holding = [*holding[first:], *holding[:first]]
+            return [
+                *(
+                    _Source(
+                        f"peer:{peer.node_id}",
+                        peer.url(directory_name_of(download.model_id), path),
+                        peer.headers,
+                        PEER_RETRY_POLICY,
+                    )
+                    for peer in holding
+                ),
+                hub,
+            ]
+
         directory.mkdir(parents=True, exist_ok=True)
+        names = set(universe if universe is not None else listing.files)
         index: dict[str, Any] | None = None
-        if INDEX_FILE in listing.files:
+        origins: dict[str, str] = {}  # where files fetched before the others came from
+        if INDEX_FILE in names and INDEX_FILE not in listing.files:
+            universe = None  # no peer holds the index verified: the Hub lists the files
+        if universe is None and from_peers is not None:
+            listing, holders = _hub_listing(repo_id, download.revision, listing.commit, holders)
+        if INDEX_FILE in names:
             index_file = listing.files[INDEX_FILE]
             if INDEX_FILE not in verified:
-                _fetch_one(http, url_of(INDEX_FILE), directory, index_file, headers, None, None)
+                origins[INDEX_FILE] = _fetch_one(
+                    http, sources(INDEX_FILE), directory, index_file, None, None
+                )
                 verified[INDEX_FILE] = index_file.expected.digest
             index = json.loads((directory / INDEX_FILE).read_text())
-        needed = needed_files(listing.files, index, download.shard)
+        needed = needed_files(names, index, download.shard)
+        if any(path not in listing.files for path in needed):
+            # The peers lack some of the shard's files: the Hub lists them.
+            listing, holders = _hub_listing(repo_id, download.revision, listing.commit, holders)
+            universe = None
+            needed = needed_files(listing.files, index, download.shard)
         to_fetch = [listing.files[path] for path in needed if path not in verified]
         _check_disk(directory, to_fetch, free_bytes)
         tracker = ProgressTracker(
@@ -299,21 +349,24 @@ def download_from_hub(
         )
         for path in needed:
             if path in verified:
-                tracker.start_file(path, listing.files[path].expected.size)
-        _fetch_parallel(
-            http, url_of, directory, to_fetch, headers, tracker, cancelled, max_parallel, policy
-        )
+                source = origins.get(path, "local")
+                tracker.start_file(path, listing.files[path].expected.size, source)
+        jobs = [(remote, sources(remote.path, spread)) for spread, remote in enumerate(to_fetch)]
+        _fetch_parallel(http, directory, jobs, tracker, cancelled, max_parallel)
         verified.update({remote.path: remote.expected.digest for remote in to_fetch})
+        sizes = (
+            universe
+            if universe is not None
+            else {path: remote.expected.size for path, remote in listing.files.items()}
+        )
         _write_marker(
             directory,
             {
                 "model_id": download.model_id,
-                "repo_id": listing.repo_id,
+                "repo_id": repo_id,
                 "revision": download.revision,
                 "commit": listing.commit,
-                "repository_files": {
-                    path: remote.expected.size for path, remote in sorted(listing.files.items())
-                },
+                "repository_files": dict(sorted(sizes.items())),
                 "files": dict(sorted(verified.items())),
             },
         )
@@ -324,15 +377,98 @@ def download_from_hub(
     except DownloadError as error:
         if error.status_code in (401, 403):
             raise HubDownloadError(
-                gated_message(listing.repo_id, endpoint, error.status_code), error.status_code
+                gated_message(repo_id, endpoint, error.status_code), error.status_code
             ) from None
         status = 404 if error.status_code == 404 else 503
-        raise HubDownloadError(f"downloading {listing.repo_id} failed: {error}", status) from None
+        raise HubDownloadError(f"downloading {repo_id} failed: {error}", status) from None
     except ValueError as error:
-        raise HubDownloadError(f"{listing.repo_id}: unreadable {INDEX_FILE}: {error}") from None
+        raise HubDownloadError(f"{repo_id}: unreadable {INDEX_FILE}: {error}") from None
     finally:
         if owns_client:
             http.close()
+
+
+def _hub_listing(
+    repo_id: str, revision: str, peers_commit: str, holders: dict[str, list[PeerSource]]
+) -> tuple[RepositoryListing, dict[str, list[PeerSource]]]:
+    """The Hub's listing, keeping the peers as sources only when they hold the same commit."""
+    listing = list_repository(repo_id, revision)
+    return listing, holders if listing.commit == peers_commit else {}
+
+
+PEER_RETRY_POLICY = RetryPolicy(max_attempts=2, base_delay_seconds=0.2)
+
+
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """Where one file may come from, tried in order: `label` is "hub" or "peer:<node>"."""
+
+    label: str
+    url: str
+    headers: Mapping[str, str]
+    policy: RetryPolicy
+
+
+def _expected_from_marker(size: object, digest: object) -> ExpectedFile | None:
+    if not isinstance(size, int) or not isinstance(digest, str):
+        return None
+    if len(digest) == 64:
+        return ExpectedFile(size, "sha256", digest)
+    if len(digest) == 40:
+        return ExpectedFile(size, "git-blob", digest)
+    return None
+
+
+def _peer_listing(
+    http: httpx.Client, peers: Sequence[PeerSource], download: HubDownload
+) -> tuple[RepositoryListing, dict[str, int], dict[str, list[PeerSource]]] | None:
+    """The repository as the peers' completion markers describe it: the files some peer
+    holds verified (with their digests), every file's size, and which peers hold each.
+    Only peers at the commit of the first that answers count. None when no peer answers
+    with a marker of this repository and revision."""
+    commit: str | None = None
+    universe: dict[str, int] = {}
+    files: dict[str, RemoteFile] = {}
+    holders: dict[str, list[PeerSource]] = {}
+    for peer in peers:
+        try:
+            response = http.get(
+                peer.url(directory_name_of(download.model_id), COMPLETION_MARKER),
+                headers=peer.headers,
+                timeout=PEER_MARKER_TIMEOUT_SECONDS,
+            )
+            marker = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            continue
+        if not isinstance(marker, dict) or marker.get("repo_id") != download.repo_id:
+            continue
+        if download.revision not in (marker.get("revision"), marker.get("commit")):
+            continue
+        if commit is None:
+            commit = str(marker.get("commit"))
+        elif marker.get("commit") != commit:
+            continue
+        sizes = marker.get("repository_files")
+        verified = marker.get("files")
+        if not isinstance(sizes, dict) or not isinstance(verified, dict):
+            continue
+        universe.update({str(path): int(size) for path, size in sizes.items()})
+        for path, digest in verified.items():
+            expected = _expected_from_marker(sizes.get(path), digest)
+            if expected is None:
+                continue
+            files.setdefault(path, RemoteFile(path, expected))
+            holders.setdefault(path, []).append(peer)
+    if commit is None:
+        return None
+    return RepositoryListing(download.repo_id, commit, files), universe, holders
+
+
+PEER_MARKER_TIMEOUT_SECONDS = 5.0
+
+
+def directory_name_of(model_id: str) -> str:
+    return model_id.strip("/").replace("/", "--")
 
 
 def _check_disk(directory: Path, to_fetch: list[RemoteFile], free_bytes: FreeBytes) -> None:
@@ -356,52 +492,66 @@ def _gib(size: int) -> str:
 
 def _fetch_one(
     http: httpx.Client,
-    url: str,
+    sources: Sequence[_Source],
     directory: Path,
     remote: RemoteFile,
-    headers: Mapping[str, str],
     tracker: ProgressTracker | None,
     cancelled: threading.Event | None,
-    policy: RetryPolicy = DEFAULT_RETRY_POLICY,
-) -> None:
+) -> str:
+    """Fetch `remote` from its sources in order: the next one resumes the partial file a
+    failed one left. The last source's failure is raised.
+
+    Returns:
+        The label of the source that completed it.
+    """
     destination = directory / remote.path
     destination.parent.mkdir(parents=True, exist_ok=True)
     if destination.exists():
         destination.unlink()  # not in the marker: unverified, fetched again
-    on_bytes = None
-    if tracker is not None:
-        partial = partial_path(destination)
-        tracker.start_file(remote.path, partial.stat().st_size if partial.is_file() else 0)
+    failure: Exception | None = None
+    for source in sources:
+        on_bytes = None
+        if tracker is not None:
+            partial = partial_path(destination)
+            on_disk = partial.stat().st_size if partial.is_file() else 0
+            tracker.start_file(remote.path, on_disk, source.label)
 
-        def on_bytes(size: int) -> None:
-            tracker.update(remote.path, size)
+            def on_bytes(size: int) -> None:
+                tracker.update(remote.path, size)
 
-    fetch_file(
-        http,
-        url,
-        destination,
-        remote.expected,
-        headers=headers,
-        on_bytes=on_bytes,
-        cancelled=cancelled,
-        policy=policy,
-    )
+        try:
+            fetch_file(
+                http,
+                source.url,
+                destination,
+                remote.expected,
+                headers=source.headers,
+                on_bytes=on_bytes,
+                cancelled=cancelled,
+                policy=source.policy,
+            )
+            return source.label
+        except DownloadCancelledError:
+            raise
+        except (DownloadError, httpx.HTTPError) as error:
+            failure = error
+            if source is not sources[-1]:
+                logger.warning(f"{remote.path} from {source.label} failed ({error}); next source")
+    assert failure is not None
+    raise failure
 
 
 def _fetch_parallel(
     http: httpx.Client,
-    url_of: Callable[[str], str],
     directory: Path,
-    to_fetch: list[RemoteFile],
-    headers: Mapping[str, str],
+    jobs: Sequence[tuple[RemoteFile, Sequence[_Source]]],
     tracker: ProgressTracker,
     cancelled: threading.Event | None,
     max_parallel: int,
-    policy: RetryPolicy,
 ) -> None:
     """Fetch every file, `max_parallel` at a time; the first failure stops the others
     (their partial files stay) and is raised."""
-    if not to_fetch:
+    if not jobs:
         return
     stop = threading.Event()
 
@@ -414,20 +564,10 @@ def _fetch_parallel(
     watcher = threading.Thread(target=watch_cancel, daemon=True, name="download-cancel")
     watcher.start()
     try:
-        with ThreadPoolExecutor(max_workers=max(1, min(max_parallel, len(to_fetch)))) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(max_parallel, len(jobs)))) as pool:
             futures = [
-                pool.submit(
-                    _fetch_one,
-                    http,
-                    url_of(remote.path),
-                    directory,
-                    remote,
-                    headers,
-                    tracker,
-                    stop,
-                    policy,
-                )
-                for remote in to_fetch
+                pool.submit(_fetch_one, http, sources, directory, remote, tracker, stop)
+                for remote, sources in jobs
             ]
             first: BaseException | None = None
             for future in as_completed(futures):

@@ -26,11 +26,12 @@ import sys
 import tempfile
 import threading
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from exo.download.peers import PeerSource
 from exo.download.progress import ProgressCallback as DownloadProgressCallback
 from exo.shared.types.models import (
     GgufFileSource,
@@ -88,6 +89,7 @@ def prepare_model(
     shard: ShardMetadata | None = None,
     on_download_progress: DownloadProgressCallback | None = None,
     cancelled: threading.Event | None = None,
+    peers: Sequence[PeerSource] = (),
 ) -> Path:
     """Return an HF-format directory (config.json, safetensors, tokenizer, chat template)
     holding the weights of `card` (of `shard` only, for a Hub model), downloading or
@@ -102,6 +104,7 @@ def prepare_model(
             fetches only the weight files holding it.
         on_download_progress: byte counts of a Hub download (throttled).
         cancelled: set to stop a Hub download (its partial files stay, to resume).
+        peers: nodes holding the Hub model complete, asked for its files before the Hub.
 
     Returns:
         The model directory.
@@ -131,6 +134,7 @@ def prepare_model(
                 shard,
                 on_download_progress,
                 cancelled,
+                peers,
             )
 
 
@@ -477,6 +481,7 @@ def _prepare_hugging_face(
     shard: ShardMetadata | None,
     on_download_progress: DownloadProgressCallback | None,
     cancelled: threading.Event | None,
+    peers: Sequence[PeerSource] = (),
 ) -> Path:
     """A copy already on this machine that holds the shard's files (`locations`: the
     models directories, read-only ones, the Hugging Face cache), used in place; else the
@@ -498,10 +503,13 @@ def _prepare_hugging_face(
     if offline:
         raise ModelPreparationError(offline_message(source.repo_id, source.revision, search))
     target = choose_download_directory(locations, model_id, card.storage_size_bytes)
-    report(f"downloading {source.repo_id}@{source.revision} from the Hugging Face Hub")
+    where = f"{len(peers)} peer(s) and the Hub" if peers else "the Hugging Face Hub"
+    report(f"downloading {source.repo_id}@{source.revision} from {where}")
     download = HubDownload(str(card.model_id), source.repo_id, source.revision, shard, target)
     try:
-        download_from_hub(download, on_progress=on_download_progress, cancelled=cancelled)
+        download_from_hub(
+            download, on_progress=on_download_progress, cancelled=cancelled, peers=peers
+        )
     except HubDownloadError as error:
         raise ModelPreparationError(str(error)) from error
     report(f"model ready at {target}")

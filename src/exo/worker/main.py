@@ -15,6 +15,7 @@ from loguru import logger
 from exo.download.console import ConsoleProgress
 from exo.download.fetch import DownloadCancelledError
 from exo.download.locations import delete_downloaded_model
+from exo.download.peers import peers_holding
 from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.shared.local_events import LocalEventSender
 from exo.shared.types.chunks import Chunk
@@ -84,6 +85,7 @@ class Worker:
         log_level: str = "INFO",
         clock: Callable[[], float] = time.monotonic,
         caught_up: Callable[[], bool] = lambda: True,
+        peer_credential: str | None = None,
     ) -> None:
         self.node_id = node_id
         self._current_state = current_state
@@ -97,6 +99,8 @@ class Worker:
         self.runners: dict[RunnerId, RunnerSupervisor] = {}
         self.downloads: dict[ModelId, DownloadStatus] = {}
         self._download_cancels: dict[ModelId, threading.Event] = {}
+        # Presented to other nodes' file routes; None: never fetch from peers.
+        self._peer_credential = peer_credential
         # Download bars on the node's console, when it is a terminal.
         self._console_progress = ConsoleProgress() if sys.stderr.isatty() else None
         self._failures: dict[str, int] = {}
@@ -319,6 +323,11 @@ class Worker:
             logger.info(f"{model_id}: {message}")
 
         loop = anyio.lowlevel.current_token()
+        peers = (
+            peers_holding(self.state, self.node_id, model_id, self._peer_credential)
+            if self._peer_credential is not None
+            else []
+        )
 
         def on_download_progress(progress: DownloadProgress) -> None:
             # From the download's threads, at most twice a second (its tracker throttles);
@@ -344,6 +353,7 @@ class Worker:
                     shard=shard,
                     on_download_progress=on_download_progress,
                     cancelled=cancelled,
+                    peers=peers,
                 )
             )
         except Exception as error:
