@@ -10,11 +10,17 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from exo.api.cluster import ClusterClient
+from exo.download.locations import ModelLocations, find_local_copy
 from exo.download.pypi_gguf import is_prepared, model_directory_name
 from exo.shared.constants import models_dir
 from exo.shared.models.names import resolve_model_name
 from exo.shared.types.common import ModelId
-from exo.shared.types.models import LocalDirectorySource, ModelCard
+from exo.shared.types.models import (
+    GgufFileSource,
+    HuggingFaceSource,
+    LocalDirectorySource,
+    ModelCard,
+)
 from exo.shared.types.nodes import DownloadCompleted
 
 RequestBody = TypeVar("RequestBody", bound=BaseModel)
@@ -81,9 +87,21 @@ def is_downloaded(cluster: ClusterClient, card: ModelCard, models_directory: Pat
     for downloads in cluster.state.downloads.values():
         if isinstance(downloads.get(card.model_id), DownloadCompleted):
             return True
-    if isinstance(card.source, LocalDirectorySource):
-        return Path(card.source.path).expanduser().is_dir()
-    return is_prepared(models_directory / model_directory_name(card.model_id))
+    match card.source:
+        case LocalDirectorySource(path=path):
+            return Path(path).expanduser().is_dir()
+        case GgufFileSource(path=path):
+            # Converted on first use; the file being here is what counts.
+            return Path(path).is_file() or is_prepared(
+                models_directory / model_directory_name(card.model_id)
+            )
+        case HuggingFaceSource(repo_id=repo_id, revision=revision):
+            # Any models directory (writable or read-only) or the Hugging Face cache.
+            locations = ModelLocations.from_environment(models_directory)
+            found = find_local_copy(locations, card.model_id, repo_id, revision, None)
+            return found.ready is not None
+        case _:
+            return is_prepared(models_directory / model_directory_name(card.model_id))
 
 
 def servable_model_ids(

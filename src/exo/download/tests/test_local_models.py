@@ -7,6 +7,8 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 
@@ -159,3 +161,20 @@ def test_locations_come_from_the_environment(tmp_path: Path) -> None:
     fallback = ModelLocations.from_environment(tmp_path / "default", {"HF_HUB_CACHE": "/x"})
     assert fallback.writable == (tmp_path / "default",)
     assert fallback.hub_cache == Path("/x")
+
+
+def test_a_model_in_the_hugging_face_cache_counts_as_downloaded(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    from huggingface_hub import snapshot_download
+
+    from exo.api.cluster import ClusterClient
+    from exo.api.dependencies import is_downloaded
+    from exo.shared.types.state import State
+
+    cluster = cast(ClusterClient, SimpleNamespace(state=State()))
+    assert not is_downloaded(cluster, CARD, tmp_path / "models")
+    snapshot_download(REPO, cache_dir=str(tmp_path / "hf-cache"), endpoint=hub.url)
+    before = len(hub.requests)
+    assert is_downloaded(cluster, CARD, tmp_path / "models")
+    assert hub.requests[before:] == []
