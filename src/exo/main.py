@@ -125,7 +125,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
     parser.add_argument(
         "--offline",
         action="store_true",
-        help="never download: use only models already on this machine",
+        default=os.environ.get("EXO_OFFLINE", "").strip().lower() not in ("", "0", "false", "no"),
+        help="never download: use only models already on this machine (env EXO_OFFLINE=1)",
     )
     parser.add_argument(
         "--no-default-model",

@@ -178,3 +178,16 @@ def test_a_model_in_the_hugging_face_cache_counts_as_downloaded(
     before = len(hub.requests)
     assert is_downloaded(cluster, CARD, tmp_path / "models")
     assert hub.requests[before:] == []
+
+
+def test_exo_offline_in_the_environment_turns_offline_mode_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from exo.main import parse_args
+
+    monkeypatch.delenv("EXO_OFFLINE", raising=False)
+    assert not parse_args([]).offline
+    assert parse_args(["--offline"]).offline
+    for value, offline in (("1", True), ("true", True), ("0", False), ("false", False)):
+        monkeypatch.setenv("EXO_OFFLINE", value)
+        assert parse_args([]).offline is offline
