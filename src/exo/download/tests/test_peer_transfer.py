@@ -203,6 +203,36 @@ def test_when_a_stops_mid_file_b_finishes_it_from_the_hub(
     assert same_files(target, checkout, set(marker["files"]))
 
 
+def test_files_come_from_several_peers_at_once(
+    hub: HubServer, node_a_models: Path, checkout: Path, tmp_path: Path
+) -> None:
+    nodes = [serve(node_a_app()), serve(node_a_app())]  # two nodes holding the model
+    sources = [
+        PeerSource(NodeId(f"node-{index}"), node.url, peer_credential(NAMESPACE))
+        for index, node in enumerate(nodes)
+    ]
+    try:
+        before = len(hub.requests)
+        reports: list[DownloadProgress] = []
+        target = tmp_path / "node-b" / "someone--tiny-peer"
+        download_from_hub(
+            HubDownload(REPO, REPO, "main", None, target),
+            on_progress=reports.append,
+            peers=sources,
+            policy=NO_WAIT,
+        )
+    finally:
+        for node in nodes:
+            node.server.should_exit = True
+            node.thread.join(START_TIMEOUT_SECONDS)
+    assert hub.requests[before:] == []
+    weights = [file for file in reports[-1].files if file.path.endswith(".safetensors")]
+    assert {file.source for file in weights} == {"peer:node-0", "peer:node-1"}
+    marker = read_marker(target)
+    assert marker is not None
+    assert same_files(target, checkout, set(marker["files"]))
+
+
 def test_a_serves_only_verified_files_and_only_to_the_cluster(
     node_a_models: Path,
 ) -> None:
