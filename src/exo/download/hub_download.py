@@ -1,26 +1,22 @@
 """A shard's files from the Hugging Face Hub into a model directory.
 
-The Hub's model info (`HfApi.model_info(files_metadata=True)`, honouring `HF_ENDPOINT` and
-`HF_TOKEN` as set when called) pins the revision to a commit and gives each file's size,
-the SHA-256 of LFS files and the git blob id of the others. The node then fetches only what
+The Hub's model info (`hub_listing`) pins the revision to a commit and gives each file's
+size, the SHA-256 of LFS files and the git blob id of the others. The node then fetches only what
 its shard needs (`shard_files`), several files at a time, each resumable and verified
 (`fetch.fetch_file`) from `<endpoint>/<repo>/resolve/<commit>/<path>` — huggingface_hub's
 own downloader keeps its partial files in its cache layout, not ours, so the transfer is
 ours. Proxies come from the environment (`HTTPS_PROXY`, ...), as httpx reads them.
 
-The directory's completion marker (`.exo-complete`, JSON) is written last, atomically, and
-lists the verified files and the repository's whole file list: a directory is ready for a
-shard only when its marker lists every file the shard needs (`missing_files`), so a download
-cut anywhere never leaves a directory that looks complete.
+The directory's completion marker (`completion`) is written last, atomically, so a
+download cut anywhere never leaves a directory that looks complete.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +26,12 @@ from urllib.parse import quote
 import httpx
 from loguru import logger
 
+from exo.download.completion import (
+    COMPLETION_MARKER,
+    needed_files,
+    read_marker,
+    write_marker,
+)
 from exo.download.fetch import (
     DEFAULT_RETRY_POLICY,
     DownloadCancelledError,
@@ -39,179 +41,26 @@ from exo.download.fetch import (
     fetch_file,
     partial_path,
 )
+from exo.download.hub_listing import (
+    HUB_TIMEOUT_SECONDS,
+    HubDownloadError,
+    RemoteFile,
+    RepositoryListing,
+    gated_message,
+    hub_endpoint,
+    hub_token,
+    list_repository,
+)
 from exo.download.peers import PeerSource
 from exo.download.progress import ProgressCallback, ProgressTracker
 from exo.download.shard_files import (
     INDEX_FILE,
-    small_files,
-    weight_files_for_shard,
 )
 from exo.shared.types.shards import ShardMetadata
 
-DEFAULT_ENDPOINT = "https://huggingface.co"
-COMPLETION_MARKER = ".exo-complete"
 MAX_PARALLEL_FILES = 4
-HUB_TIMEOUT_SECONDS = 30.0
 # Room kept free on the disk beyond the files themselves.
 DISK_RESERVE_BYTES = 64 * 2**20
-
-
-class HubDownloadError(RuntimeError):
-    """The shard's files could not be fetched: `status_code` 401 / 403 gated without
-    access, 404 unknown repository, revision or file, 507 not enough disk, 503 the Hub
-    unreachable or failing, 409 offline with files missing, None otherwise."""
-
-    def __init__(self, message: str, status_code: int | None = None) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-
-
-def hub_endpoint() -> str:
-    """The Hub to ask: `HF_ENDPOINT` as set now (a mirror, or a test server)."""
-    return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
-
-
-def hub_token() -> str | None:
-    """`HF_TOKEN` (or the token `huggingface-cli login` stored), as huggingface_hub finds it."""
-    from huggingface_hub import get_token
-
-    return get_token()
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteFile:
-    path: str
-    expected: ExpectedFile
-
-
-@dataclass(frozen=True, slots=True)
-class RepositoryListing:
-    """A repository at one commit: every file with its size and digest."""
-
-    repo_id: str
-    commit: str
-    files: Mapping[str, RemoteFile]
-
-
-def list_repository(repo_id: str, revision: str) -> RepositoryListing:
-    """The repository's files at `revision`, pinned to its commit.
-
-    Raises:
-        HubDownloadError: 404 unknown repository or revision, 401 / 403 refused, 503
-            the Hub unreachable or failing.
-    """
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    endpoint = hub_endpoint()
-    try:
-        info = HfApi(endpoint=endpoint).model_info(
-            repo_id, revision=revision, files_metadata=True, timeout=HUB_TIMEOUT_SECONDS
-        )
-    except GatedRepoError:
-        raise HubDownloadError(gated_message(repo_id, endpoint), 401) from None
-    except RevisionNotFoundError:
-        raise HubDownloadError(f"{repo_id} has no revision {revision!r}", 404) from None
-    except RepositoryNotFoundError:
-        raise HubDownloadError(
-            f"no model repository {repo_id!r} on {endpoint} (a private one needs HF_TOKEN)", 404
-        ) from None
-    except HfHubHTTPError as error:
-        raise HubDownloadError(f"the Hub at {endpoint} refused: {error}", 503) from None
-    except Exception as error:  # httpx's and huggingface_hub's network errors
-        raise HubDownloadError(
-            f"cannot reach the Hugging Face Hub at {endpoint}: {type(error).__name__}: {error}",
-            503,
-        ) from None
-    files: dict[str, RemoteFile] = {}
-    for sibling in info.siblings or ():
-        if sibling.lfs is not None:
-            expected = ExpectedFile(sibling.lfs.size, "sha256", sibling.lfs.sha256)
-        elif sibling.blob_id is not None and sibling.size is not None:
-            expected = ExpectedFile(sibling.size, "git-blob", sibling.blob_id)
-        else:
-            raise HubDownloadError(
-                f"the Hub at {endpoint} gave no size or digest for {repo_id}/{sibling.rfilename}",
-                503,
-            )
-        files[sibling.rfilename] = RemoteFile(sibling.rfilename, expected)
-    return RepositoryListing(repo_id, info.sha or revision, files)
-
-
-def gated_message(repo_id: str, endpoint: str, status_code: int = 401) -> str:
-    if status_code == 401 or hub_token() is None:
-        return (
-            f"{repo_id} is gated: set HF_TOKEN (on every node) to a token of an account that "
-            f"accepted its terms at {endpoint}/{repo_id}"
-        )
-    return (
-        f"{repo_id} is gated and the token in HF_TOKEN has no access to it: accept its terms "
-        f"at {endpoint}/{repo_id} with that account"
-    )
-
-
-# ----- the completion marker ------------------------------------------------------------
-
-
-def read_marker(directory: Path) -> dict[str, Any] | None:
-    """The directory's completion marker, or None when there is none (or it is unreadable)."""
-    try:
-        content = json.loads((directory / COMPLETION_MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    return content if isinstance(content, dict) else None
-
-
-def missing_files(directory: Path, shard: ShardMetadata | None) -> list[str] | None:
-    """The files `shard` (None: the whole model) needs that `directory`'s marker does not
-    list as verified: `[]` when ready. None when the directory has no marker that lists
-    its repository's files (nothing known). A marker without a file list (a converted
-    model, written whole) counts as ready."""
-    marker = read_marker(directory)
-    if marker is None:
-        return None
-    verified = marker.get("files")
-    repository_files = marker.get("repository_files")
-    if verified is None:
-        return []
-    if not isinstance(verified, dict) or not isinstance(repository_files, dict):
-        return None
-    needed = needed_files(repository_files, _local_index(directory, verified), shard)
-    return [path for path in needed if path not in verified]
-
-
-def _local_index(directory: Path, verified: Mapping[str, object]) -> dict[str, Any] | None:
-    if INDEX_FILE not in verified:
-        return None
-    try:
-        index = json.loads((directory / INDEX_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return index if isinstance(index, dict) else None
-
-
-def needed_files(
-    repository_files: Iterable[str], index: Mapping[str, object] | None, shard: ShardMetadata | None
-) -> tuple[str, ...]:
-    """Small files plus the shard's weight files (see `shard_files`)."""
-    names = list(repository_files)
-    try:
-        weights = weight_files_for_shard(names, index, shard)
-    except ValueError as error:
-        raise HubDownloadError(str(error)) from None
-    return tuple(sorted({*small_files(names), *weights}))
-
-
-def _write_marker(directory: Path, content: Mapping[str, Any]) -> None:
-    temporary = directory / f"{COMPLETION_MARKER}{'.partial'}"
-    temporary.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
-    temporary.replace(directory / COMPLETION_MARKER)
-
 
 # ----- the download ---------------------------------------------------------------------
 
@@ -359,7 +208,7 @@ def download_from_hub(
             if universe is not None
             else {path: remote.expected.size for path, remote in listing.files.items()}
         )
-        _write_marker(
+        write_marker(
             directory,
             {
                 "model_id": download.model_id,

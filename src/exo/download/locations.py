@@ -23,13 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from exo.download.completion import COMPLETION_MARKER, missing_files, needed_files
 from exo.download.fetch import PARTIAL_SUFFIX
-from exo.download.hub_download import (
-    HubDownloadError,
-    disk_free_bytes,
-    missing_files,
-    needed_files,
-)
+from exo.download.hub_download import disk_free_bytes
+from exo.download.hub_listing import HubDownloadError
 from exo.download.shard_files import INDEX_FILE
 from exo.shared.types.shards import ShardMetadata
 
@@ -209,8 +206,6 @@ def delete_downloaded_model(default_models_dir: Path, model_id: str) -> list[Pat
     Returns:
         The directories removed.
     """
-    from exo.download.hub_download import COMPLETION_MARKER
-
     removed: list[Path] = []
     for root in ModelLocations.from_environment(default_models_dir).writable:
         target = root / directory_name(model_id)

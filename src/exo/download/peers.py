@@ -97,7 +97,7 @@ def servable_file(roots: Sequence[Path], directory_name: str, path: str) -> Path
     `roots`, listed as verified in that copy's completion marker (or the marker itself).
     None for anything else (unknown model, unverified or partial file, a path leaving the
     directory)."""
-    from exo.download.hub_download import COMPLETION_MARKER, read_marker
+    from exo.download.completion import COMPLETION_MARKER, read_marker
 
     if "/" in directory_name or directory_name in ("", ".", ".."):
         return None

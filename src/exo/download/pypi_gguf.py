@@ -487,7 +487,8 @@ def _prepare_hugging_face(
     models directories, read-only ones, the Hugging Face cache), used in place; else the
     shard's files from the Hub (`hub_download`) into a writable models directory. Offline,
     the missing files are named."""
-    from exo.download.hub_download import HubDownload, HubDownloadError, download_from_hub
+    from exo.download.hub_download import HubDownload, download_from_hub
+    from exo.download.hub_listing import HubDownloadError
     from exo.download.locations import (
         ModelLocations,
         choose_download_directory,

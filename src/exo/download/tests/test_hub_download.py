@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from exo.download.completion import missing_files, read_marker
 from exo.download.fetch import (
     DownloadCancelledError,
     DownloadError,
@@ -21,13 +22,8 @@ from exo.download.fetch import (
     parse_retry_after,
     partial_path,
 )
-from exo.download.hub_download import (
-    HubDownload,
-    HubDownloadError,
-    download_from_hub,
-    missing_files,
-    read_marker,
-)
+from exo.download.hub_download import HubDownload, download_from_hub
+from exo.download.hub_listing import HubDownloadError
 from exo.download.shard_files import small_files, tensor_on_shard, weight_files_for_shard
 from exo.shared.types.downloads import DownloadProgress
 from exo.testing.builders import make_card, make_shard

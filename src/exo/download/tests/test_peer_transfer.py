@@ -21,8 +21,9 @@ from fastapi import FastAPI
 
 from exo.api.app import create_app
 from exo.api.cluster import ClusterClient
+from exo.download.completion import read_marker
 from exo.download.fetch import RetryPolicy
-from exo.download.hub_download import HubDownload, download_from_hub, read_marker
+from exo.download.hub_download import HubDownload, download_from_hub
 from exo.download.peers import (
     PEER_CREDENTIAL_HEADER,
     PeerSource,
