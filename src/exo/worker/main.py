@@ -15,7 +15,7 @@ from loguru import logger
 from exo.download.console import ConsoleProgress
 from exo.download.fetch import DownloadCancelledError
 from exo.download.locations import delete_downloaded_model
-from exo.download.peers import peers_holding
+from exo.download.peers import HUB_ASSUMED_MBPS, peers_holding
 from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.shared.local_events import LocalEventSender
 from exo.shared.types.chunks import Chunk
@@ -101,6 +101,9 @@ class Worker:
         self._download_cancels: dict[ModelId, threading.Event] = {}
         # Presented to other nodes' file routes; None: never fetch from peers.
         self._peer_credential = peer_credential
+        # The Hub's speed as this node's last download from it measured (Mbit/s): peers
+        # whose measured link is slower are not asked first.
+        self._hub_mbps = HUB_ASSUMED_MBPS
         # Download bars on the node's console, when it is a terminal.
         self._console_progress = ConsoleProgress() if sys.stderr.isatty() else None
         self._failures: dict[str, int] = {}
@@ -269,6 +272,13 @@ class Worker:
         )
         self._notify()
 
+    def _measure_hub(self, progress: DownloadProgress) -> None:
+        """Remember the Hub's speed from a download that came from it alone."""
+        fetched = [file for file in progress.files if file.source != "local"]
+        from_hub_alone = fetched and all(file.source == "hub" for file in fetched)
+        if from_hub_alone and progress.speed_bytes_per_second > 0:
+            self._hub_mbps = progress.speed_bytes_per_second * 8 / 1e6
+
     def _on_runner_event(self, event: Event) -> None:
         if isinstance(event, RunnerStatusUpdated) and isinstance(event.status, RunnerReady):
             self._failures.pop(event.runner_id, None)
@@ -324,7 +334,7 @@ class Worker:
 
         loop = anyio.lowlevel.current_token()
         peers = (
-            peers_holding(self.state, self.node_id, model_id, self._peer_credential)
+            peers_holding(self.state, self.node_id, model_id, self._peer_credential, self._hub_mbps)
             if self._peer_credential is not None
             else []
         )
@@ -335,6 +345,7 @@ class Worker:
             if self._console_progress is not None:
                 self._console_progress.update(str(model_id), progress)
             if progress.complete:
+                self._measure_hub(progress)
                 return  # DownloadCompleted follows
             event = NodeDownloadProgress(
                 node_id=self.node_id,

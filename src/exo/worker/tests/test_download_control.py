@@ -15,6 +15,7 @@ import pytest
 
 from exo.api.app import create_app
 from exo.download.fetch import PARTIAL_SUFFIX
+from exo.download.peers import HUB_ASSUMED_MBPS
 from exo.shared.local_events import LocalEventSender
 from exo.shared.types.events import NodeDownloadProgress
 from exo.shared.types.models import HuggingFaceSource, ModelCard
@@ -48,7 +49,7 @@ def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @asynccontextmanager
 async def node(
     tmp_path: Path, hub: HubServer, monkeypatch: pytest.MonkeyPatch
-) -> AsyncIterator[tuple[InProcessCluster, httpx.AsyncClient, Path]]:
+) -> AsyncIterator[tuple[InProcessCluster, httpx.AsyncClient, Path, Worker]]:
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
@@ -78,7 +79,7 @@ async def node(
             with anyio.fail_after(DEADLINE_SECONDS):
                 while NODE not in cluster.state.node_info:
                     await anyio.sleep(0.02)
-            yield cluster, http, models / "someone--tiny-control"
+            yield cluster, http, models / "someone--tiny-control", worker
             task_group.cancel_scope.cancel()
 
 
@@ -104,7 +105,7 @@ async def test_start_reports_progress_in_order_and_delete_removes_the_files(
 ) -> None:
     with HubServer() as hub:
         hub.add_directory(REPO, checkout)
-        async with node(tmp_path, hub, monkeypatch) as (cluster, http, directory):
+        async with node(tmp_path, hub, monkeypatch) as (cluster, http, directory, worker):
             started = await http.post("/download/start", json={"model": REPO})
             assert started.status_code == 200, started.text
             assert started.json() == {"node_id": NODE, "model_id": REPO, "action": "start"}
@@ -121,6 +122,8 @@ async def test_start_reports_progress_in_order_and_delete_removes_the_files(
                 if isinstance(status, DownloadOngoing) and status.progress is not None
             ]
             assert progress == sorted(progress)
+            # The Hub's speed, measured by this download, replaces the assumed one.
+            assert worker._hub_mbps != HUB_ASSUMED_MBPS
             deleted = await http.delete(f"/download/{NODE}/{REPO}")
             assert deleted.status_code == 200, deleted.text
             await status_becomes(cluster, DownloadPending)
@@ -134,7 +137,7 @@ async def test_cancel_stops_a_download_and_keeps_its_partial_files(
         hub.add_directory(REPO, checkout)
         # One weight file keeps answering 429 "come back in a minute".
         hub.hooks.append(too_many_requests(REPO, LAYERS_2_3, retry_after="60", times=1000))
-        async with node(tmp_path, hub, monkeypatch) as (cluster, http, directory):
+        async with node(tmp_path, hub, monkeypatch) as (cluster, http, directory, _worker):
             assert (await http.post("/download/start", json={"model": REPO})).status_code == 200
             with anyio.fail_after(DEADLINE_SECONDS):
                 while hub.file_requests(REPO, LAYERS_2_3) == 0:
@@ -154,7 +157,7 @@ async def test_refusals_come_in_openai_shape(
 ) -> None:
     with HubServer() as hub:
         hub.add_directory(REPO, checkout)
-        async with node(tmp_path, hub, monkeypatch) as (_cluster, http, _directory):
+        async with node(tmp_path, hub, monkeypatch) as (_cluster, http, _directory, _worker):
             unknown_node = await http.post(
                 "/download/start", json={"model": REPO, "node_id": "no-such-node"}
             )
