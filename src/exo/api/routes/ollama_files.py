@@ -142,7 +142,11 @@ async def _prepare(
             with contextlib.suppress(
                 anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError
             ):
-                anyio.from_thread.run_sync(progress.send_nowait, _line(line), token=loop)
+                if download.complete:
+                    # The files' last lines always arrive (the download waits for room).
+                    anyio.from_thread.run(progress.send, _line(line), token=loop)
+                else:
+                    anyio.from_thread.run_sync(progress.send_nowait, _line(line), token=loop)
 
     loop = anyio.lowlevel.current_token()
     offline = cluster.load_on_request.offline

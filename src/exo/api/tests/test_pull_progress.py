@@ -1,11 +1,27 @@
-"""Ollama's pull lines made from a Hub download's progress."""
+"""Ollama's pull lines made from a Hub download's progress, and a pull of a Hub model
+through the API streaming them."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from exo.api.app import create_app
 from exo.api.routes.ollama_files import pull_progress_lines
+from exo.shared.types.commands import AddCustomModel
+from exo.shared.types.common import CommandId
 from exo.shared.types.downloads import DownloadProgress, FileProgress
+from exo.shared.types.models import HuggingFaceSource
+from exo.testing.builders import make_card
+from exo.testing.hf_server import HubServer
+from exo.testing.hub_models import save_layered_checkout
+from exo.testing.in_process import in_process_cluster
 
 WEIGHTS_SHA256 = "ab" * 32
+REPO = "someone/tiny-pull"
 
 
 def test_each_file_is_one_pulling_line_with_its_digest_and_bytes() -> None:
@@ -34,3 +50,37 @@ def test_each_file_is_one_pulling_line_with_its_digest_and_bytes() -> None:
             "completed": 1000,
         },
     ]
+
+
+@pytest.mark.anyio
+async def test_pulling_a_hub_model_streams_each_files_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    card = make_card(n_layers=6, model_id=REPO).model_copy(
+        update={"source": HuggingFaceSource(repo_id=REPO)}
+    )
+    with HubServer() as hub:
+        hub.add_directory(REPO, save_layered_checkout(tmp_path / "checkout"))
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+        monkeypatch.setenv("HF_TOKEN_PATH", "/nonexistent/exo-test-token")
+        monkeypatch.setenv("EXO_MODELS_DIR", str(tmp_path / "models"))
+        for name in ("HF_TOKEN", "EXO_MODELS_DIRS", "EXO_MODELS_READ_ONLY_DIRS"):
+            monkeypatch.delenv(name, raising=False)
+        async with in_process_cluster(tmp_path) as cluster:
+            await cluster.client.submit(AddCustomModel(command_id=CommandId.new(), card=card))
+            transport = httpx.ASGITransport(app=create_app(cluster.client))
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+                response = await http.post("/ollama/api/pull", json={"model": REPO})
+    assert response.status_code == 200
+    lines = [json.loads(line) for line in response.text.splitlines() if line]
+    assert lines[0] == {"status": "pulling manifest"}
+    assert lines[-1] == {"status": "success"}
+    weights = [line for line in lines if str(line.get("digest", "")).startswith("sha256:")]
+    assert weights, lines
+    finals: dict[str, dict[str, int]] = {}
+    for line in weights:
+        finals[line["digest"]] = line
+    assert len(finals) >= 4  # one digest per weight file (and the summary line)
+    assert all(line["completed"] == line["total"] for line in finals.values())
+    assert (tmp_path / "models" / "someone--tiny-pull" / ".exo-complete").is_file()
