@@ -29,8 +29,8 @@ from exo.worker.engines.prompt import RenderedPrompt, decode_keeping_markers, re
 from exo.worker.engines.torch.constrained import (
     TokenConstraint,
     json_object_constraint,
-    tool_call_constraint,
     json_schema_constraint,
+    tool_call_constraint,
 )
 from exo.worker.engines.torch.detokenizer import StreamingDetokenizer, without_incomplete_end
 from exo.worker.engines.torch.kv_cache import DecodeSession, KVCachePool
@@ -292,12 +292,12 @@ class TorchEngine:
         if sampling.has_penalties:
             penalties = TokenPenalties(sampling, self.vocab_size, self.device)
             penalties.observe_prompt(prompt_ids)
-        constraint: TokenConstraint | None = None
         bias = (
             LogitBias(params.logit_bias, self.vocab_size, self.device)
             if params.logit_bias
             else None
         )
+        constraint: TokenConstraint | None = None
         if params.forces_tool_call:
             constraint = tool_call_constraint(
                 params.offered_tools, self.vocabulary, self.eos_token_ids
