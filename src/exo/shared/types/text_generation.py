@@ -157,9 +157,9 @@ class TextGenerationTaskParams(FrozenModel):
                     f"tools ({', '.join(sorted(names)) or 'none given'})"
                 )
         if self.response_format != "text" and self.forces_tool_call:
+            format_name = self.response_format
             raise ValueError(
-                f"response_format {self.response_format} cannot be combined with "
-                "a forced tool call"
+                f"response_format {format_name} cannot be combined with a forced tool call"
             )
         if (self.response_format == "json_schema") != (self.json_schema is not None):
             raise ValueError("json_schema is set exactly when response_format is 'json_schema'")
