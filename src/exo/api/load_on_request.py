@@ -48,8 +48,9 @@ def default_keep_alive(cluster: ClusterClient, requested: KeepAlive | None) -> K
 def not_downloaded_message(model_id: str) -> str:
     return (
         f"model '{model_id}' is not downloaded on any node of the cluster. Download it "
-        f'first with POST /ollama/api/pull {{"model": "{model_id}"}} (Ollama\'s pull), '
-        "then ask again: it is loaded on request."
+        f'first with POST /download/start {{"model": "{model_id}"}} or Ollama\'s '
+        f'POST /ollama/api/pull {{"model": "{model_id}"}}, then ask again: it is loaded on '
+        "request."
     )
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated
@@ -31,10 +30,9 @@ from exo.api.dependencies import card_of, cluster_dependency, resolve_model_id
 from exo.api.errors import ApiError, ModelNotFoundError, NoCapacityError
 from exo.api.routes.ollama import PREFIX
 from exo.api.types.ollama import OllamaDeleteRequest, OllamaProgressResponse, OllamaPullRequest
+from exo.download.locations import delete_downloaded_model
 from exo.download.pypi_gguf import (
-    COMPLETION_MARKER,
     ModelPreparationError,
-    model_directory_name,
     prepare_model,
 )
 from exo.shared.constants import models_dir
@@ -88,11 +86,16 @@ async def delete(body: OllamaDeleteRequest, cluster: Cluster) -> Response:
             'first (Ollama: "keep_alive": 0 with no prompt, or DELETE /instance/{id})',
             param="model",
         )
-    directory = models_dir() / model_directory_name(card.model_id)
-    if isinstance(card.source, LocalDirectorySource) or not directory.is_dir():
+    if isinstance(card.source, LocalDirectorySource):
         raise ModelNotFoundError(f"model '{body.model}' not found")
-    await anyio.to_thread.run_sync(_remove, directory)
-    logger.info(f"deleted the files of {card.model_id} from {directory}")
+    # The same removal as DELETE /download/{node_id}/{model}: every writable models
+    # directory, never a read-only one or the Hugging Face cache.
+    removed = await anyio.to_thread.run_sync(
+        delete_downloaded_model, models_dir(), str(card.model_id)
+    )
+    if not removed:
+        raise ModelNotFoundError(f"model '{body.model}' not found")
+    logger.info(f"deleted the files of {card.model_id} from {', '.join(map(str, removed))}")
     cluster.record_download(card.model_id, DownloadPending())
     return Response(status_code=200)
 
@@ -103,12 +106,6 @@ def _card(cluster: ClusterClient, name: str) -> ModelCard:
     if card is None:
         raise ModelNotFoundError(f"model '{name}' not found")
     return card
-
-
-def _remove(directory: Path) -> None:
-    # The completion marker goes first: a removal cut short leaves no "prepared" model.
-    (directory / COMPLETION_MARKER).unlink(missing_ok=True)
-    shutil.rmtree(directory)
 
 
 async def _prepare(

@@ -199,6 +199,7 @@ async def test_a_model_not_downloaded_answers_404_with_a_pull_hint(tmp_path: Pat
         assert openai.status_code == 404
         assert openai.json()["error"]["code"] == "model_not_downloaded"
         assert "/ollama/api/pull" in openai.json()["error"]["message"]
+        assert "POST /download/start" in openai.json()["error"]["message"]
         ollama = await http.post(
             "/ollama/api/chat", json={"model": "qwen3:0.6b", "messages": [USER_HI]}
         )
