@@ -92,13 +92,15 @@ router.add_api_route(
 router.add_api_route(f"{PREFIX}/v1/models/{{model_id:path}}", chat.retrieve_model, methods=["GET"])
 
 
-@router.api_route(PREFIX, methods=["GET", "HEAD"], response_class=PlainTextResponse)
+@router.head(PREFIX, response_class=PlainTextResponse, include_in_schema=False)
+@router.get(PREFIX, response_class=PlainTextResponse)
 async def root() -> str:
     """Ollama's liveness answer at its root URL."""
     return "Ollama is running"
 
 
-@router.api_route(f"{PREFIX}/api/version", methods=["GET", "HEAD"])
+@router.head(f"{PREFIX}/api/version", include_in_schema=False)
+@router.get(f"{PREFIX}/api/version")
 async def version() -> OllamaVersionResponse:
     return OllamaVersionResponse(version=OLLAMA_COMPATIBLE_VERSION)
 
