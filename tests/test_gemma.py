@@ -135,7 +135,7 @@ def test_a_node_serves_the_base_model(gemma_node: ExoNode, gemma_dir: Path) -> N
         base_url=f"{gemma_node.url}/v1", api_key="unused", timeout=120, max_retries=0
     )
     completion = client.completions.create(
-        model="gemma3:270m", prompt=WEEKDAYS, max_tokens=12, temperature=0
+        model="gemma3:270m-base", prompt=WEEKDAYS, max_tokens=12, temperature=0
     )
     assert completion.model == GEMMA
     text = completion.choices[0].text
