@@ -365,6 +365,14 @@ async def test_delete_removes_the_files_unless_the_model_is_in_use(
             assert not directory.exists()
             again = await http.request("DELETE", "/ollama/api/delete", json={"model": QWEN3})
             assert again.status_code == 404 and "not found" in again.json()["error"]
+            # Ollama's documented `curl -X DELETE ... -d '{...}'` sends a form content type.
+            as_curl = await http.request(
+                "DELETE",
+                "/ollama/api/delete",
+                content=json.dumps({"model": QWEN3}),
+                headers={"content-type": "application/x-www-form-urlencoded"},
+            )
+            assert as_curl.status_code == 404 and "not found" in as_curl.json()["error"]
         with prepared(empty_models_directory, SMOLLM2) as directory:
             chat = await http.post("/ollama/api/chat", json=DIALECT_REQUESTS["/ollama/api/chat"])
             assert chat.status_code == 200 and cluster.state.instances
