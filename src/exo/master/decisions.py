@@ -177,7 +177,8 @@ def events_for_command(
             return [CustomModelDeleted(model_id=model_id, command_id=command.command_id)]
         case ControlDownload(node_id=node_id, card=card, action=action):
             if node_id not in state.node_info:
-                reason = f"no node {node_id!r} in the cluster (known: {sorted(state.node_info)})"
+                known = ", ".join(sorted(state.node_info)) or "none"
+                reason = f"no node {node_id} in the cluster (known: {known})"
                 return [_reject(command.command_id, origin, reason, 404)]
             placed = [
                 instance.instance_id
@@ -210,7 +211,8 @@ def _custom_model_refusal(
     if resolve_model_name(model_id, catalog) is not None:
         return f"{model_id} is a catalog model; only custom models can be deleted", 400
     if model_id not in state.custom_cards:
-        return f"no custom model {model_id!r} (known: {sorted(state.custom_cards)})", 404
+        known = ", ".join(sorted(state.custom_cards)) or "none"
+        return f"no custom model {model_id} (known: {known})", 404
     placed = state.instances_of_model(model_id)
     if placed:
         return (

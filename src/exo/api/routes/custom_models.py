@@ -184,8 +184,12 @@ async def _build_card(cluster: ClusterClient, model_id: str, revision: str) -> M
 async def delete_custom_model(model_id: str, cluster: Cluster) -> DeleteModelResponse:
     """Forget a custom model on every node (its files stay where they are). 400 for a
     catalog model, 404 for an unknown one, 409 while an instance of it is placed."""
+    custom_cards = cluster.state.custom_cards
+    if ModelId(model_id) not in custom_cards and ModelId(f"/{model_id}") in custom_cards:
+        # `/models/custom//tmp/x` and `/models/custom/tmp/x` both name the directory /tmp/x.
+        model_id = f"/{model_id}"
     resolved = resolve_model_name(
-        model_id, catalog_of(cluster), custom_cards=cluster.state.custom_cards
+        model_id, catalog_of(cluster), custom_cards=custom_cards
     ) or ModelId(model_id)
     command = DeleteCustomModel(command_id=CommandId.new(), model_id=resolved)
     try:

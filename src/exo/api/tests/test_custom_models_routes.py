@@ -139,6 +139,15 @@ async def test_a_local_directory_is_added_under_its_path(
         # The id is a path: the route's `{model_id:path}` takes its slashes.
         deleted = await client.delete(f"/models/custom/{directory}")
         assert deleted.status_code == 200, deleted.text
+        assert cluster.state.custom_cards == {}
+        # A user writes the path with one slash after `custom`: the same directory.
+        again = await client.post("/models/add", json={"model_id": directory})
+        assert again.status_code == 200, again.text
+        deleted = await client.delete(f"/models/custom{directory}")
+        assert deleted.status_code == 200, deleted.text
+        missing = await client.delete(f"/models/custom{directory}")
+        assert missing.status_code == 404
+        assert "ModelId(" not in missing.json()["error"]["message"]
     assert cluster.state.custom_cards == {}
 
 
