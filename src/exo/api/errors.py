@@ -142,7 +142,7 @@ def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str
         param = param_from_location(tuple(error.get("loc", ())))
         if first_param is None:
             first_param = param
-        message = str(error.get("msg", "invalid value"))
+        message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
         descriptions.append(f"{param}: {message}" if param else message)
     if not descriptions:
         return "invalid request", None

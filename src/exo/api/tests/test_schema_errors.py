@@ -75,3 +75,13 @@ def test_openapi_documents_400_and_never_422(http: TestClient) -> None:
     assert paths["/v1/chat/completions"]["post"]["responses"]["400"]["content"]["application/json"][
         "example"
     ]["error"]["type"] == ("invalid_request_error")
+
+
+def test_messages_from_validators_carry_no_pydantic_prefix() -> None:
+    from exo.api.errors import describe_validation_errors
+
+    message, param = describe_validation_errors(
+        [{"loc": ("body", "logit_bias"), "msg": "Value error, bias 500 is outside [-100, 100]"}]
+    )
+    assert message == "logit_bias: bias 500 is outside [-100, 100]"
+    assert param == "logit_bias"
