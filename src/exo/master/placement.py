@@ -136,8 +136,7 @@ def tensor_split_error(card: ModelCard, world_size: int) -> str | None:
     and an equal slice of the MLP)."""
     if world_size == 1:
         return None
-    if not card.supports_tensor:
-        return f"{card.model_id} does not support tensor parallelism"
+    # The shapes first: they give the user the concrete reason.
     for what, value in (
         (f"{card.num_attention_heads} attention heads do", card.num_attention_heads),
         (f"{card.num_key_value_heads} KV heads do", card.num_key_value_heads),
@@ -148,6 +147,8 @@ def tensor_split_error(card: ModelCard, world_size: int) -> str | None:
                 f"{card.model_id} cannot be tensor-split over {world_size} nodes: its "
                 f"{what} not divide by {world_size}"
             )
+    if not card.supports_tensor:
+        return f"{card.model_id} does not support tensor parallelism"
     return None
 
 

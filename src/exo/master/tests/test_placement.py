@@ -13,6 +13,7 @@ from exo.master.placement import (
     placement_previews,
     rendezvous_port,
     required_memory_bytes,
+    tensor_split_error,
 )
 from exo.shared.models.memory import WeightShare, loading_peak_bytes, resident_weight_bytes
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId
@@ -198,8 +199,10 @@ def test_tensor_sharding_splits_every_layer() -> None:
 
 def test_tensor_sharding_needs_support_and_divisible_heads() -> None:
     state = state_with(node_a=NEED_MIB, node_b=NEED_MIB)
+    # A card that does not allow it, with shapes that divide.
+    unsupported = TENSOR_CARD.model_copy(update={"supports_tensor": False})
     with pytest.raises(PlacementError, match="does not support tensor"):
-        place_instance(CARD, state, INSTANCE, sharding="tensor", min_nodes=2)
+        place_instance(unsupported, state, INSTANCE, sharding="tensor", min_nodes=2)
     # SmolLM2's 9 heads do not divide by 2.
     nine_heads = TENSOR_CARD.model_copy(update={"num_attention_heads": 9})
     with pytest.raises(PlacementError, match=r"9 attention heads do not divide by 2"):
@@ -251,3 +254,14 @@ def test_instance_ids_decide_the_rendezvous_port() -> None:
     assert rendezvous_port(InstanceId("a")) == rendezvous_port(InstanceId("a"))
     assert 40000 <= rendezvous_port(InstanceId("b")) < 50000
     assert ModelId(CARD.model_id) == CARD.model_id
+
+
+def test_a_tensor_refusal_names_the_shape_that_does_not_divide() -> None:
+    # SmolLM2-135M: 9 attention heads, 3 KV heads, MLP 1536; its card allows no tensor split.
+    card = smollm2_card()
+    over_two = tensor_split_error(card, 2)
+    assert over_two is not None and "its 9 attention heads do not divide by 2" in over_two
+    # Over 3 nodes every shape divides: the card's own flag is the reason.
+    over_three = tensor_split_error(card, 3)
+    assert over_three is not None and "does not support tensor parallelism" in over_three
+    assert tensor_split_error(card, 1) is None
