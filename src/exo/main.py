@@ -301,6 +301,7 @@ class Node:
             api_port=options.api_port,
             models=models_dir(),
             current_state=lambda: self.replica.state,
+            offline=options.offline,
         )
         self.topology = TopologyProber(self.node_id, lambda: self.replica.state, self.local_events)
         self._listen_socket = bind_api_socket(options.host, options.api_port)

@@ -237,12 +237,21 @@ def _holds_files(state: State, card: ModelCard, node_id: NodeId) -> bool:
     return isinstance(status, DownloadCompleted)
 
 
+def _cannot_fetch(state: State, card: ModelCard, node_id: NodeId) -> bool:
+    """An `--offline` node not known to hold the files may fail to prepare them."""
+    return state.node_info[node_id].offline and not _holds_files(state, card, node_id)
+
+
 def _preference(
     state: State, card: ModelCard, candidate: Layout
-) -> tuple[int, int, tuple[str, ...]]:
+) -> tuple[int, int, int, tuple[str, ...]]:
+    """Smaller is better: fewest offline nodes lacking the files (they can only use what
+    they hold; a lone offline node is still chosen), then most nodes holding the files,
+    then most memory, then the node ids (deterministic)."""
+    cannot_fetch = sum(_cannot_fetch(state, card, n) for n in candidate.nodes)
     holding = sum(_holds_files(state, card, n) for n in candidate.nodes)
     memory = sum(_available(state, n) for n in candidate.nodes)
-    return (-holding, -memory, tuple(sorted(candidate.nodes)))
+    return (cannot_fetch, -holding, -memory, tuple(sorted(candidate.nodes)))
 
 
 def best_layout(

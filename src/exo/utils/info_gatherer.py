@@ -91,7 +91,10 @@ def disk_free_bytes(path: Path) -> int:
 
 
 def gather_node_info(
-    api_host: str = "0.0.0.0", api_port: int = 0, models: Path | None = None
+    api_host: str = "0.0.0.0",
+    api_port: int = 0,
+    models: Path | None = None,
+    offline: bool = False,
 ) -> NodeInfo:
     interfaces = network_interfaces()
     return NodeInfo(
@@ -104,6 +107,7 @@ def gather_node_info(
         network_interfaces=interfaces,
         api_port=api_port,
         api_addresses=api_addresses(api_host, interfaces),
+        offline=offline,
     )
 
 
@@ -132,8 +136,10 @@ class InfoGatherer:
         api_port: int = 0,
         models: Path | None = None,
         current_state: Callable[[], State] | None = None,
+        offline: bool = False,
     ) -> None:
         self._local_events = local_events
+        self._offline = offline
         self._current_state = current_state
         self._api_host = api_host
         self._api_port = api_port
@@ -150,7 +156,7 @@ class InfoGatherer:
         last_sent = 0.0
         while True:
             info = await anyio.to_thread.run_sync(
-                gather_node_info, self._api_host, self._api_port, self._models
+                gather_node_info, self._api_host, self._api_port, self._models, self._offline
             )
             now = anyio.current_time()
             if (

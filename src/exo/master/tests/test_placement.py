@@ -121,6 +121,27 @@ def test_nodes_holding_the_files_are_preferred_over_more_memory() -> None:
     assert list(instance.shard_assignments.node_to_runner) == [NODE_A]
 
 
+def offline(state: State, node_id: NodeId) -> State:
+    nodes = dict(state.node_info)
+    nodes[node_id] = nodes[node_id].model_copy(update={"offline": True})
+    return state.model_copy(update={"node_info": nodes})
+
+
+def test_an_offline_node_without_the_files_is_placed_last() -> None:
+    # node-b has more memory but runs --offline with no copy: it could not fetch the files.
+    state = offline(state_with(node_a=2 * NEED_MIB, node_b=5 * NEED_MIB), NODE_B)
+    instance = place_instance(CARD, state, INSTANCE)
+    assert list(instance.shard_assignments.node_to_runner) == [NODE_A]
+    # Holding the files, the offline node is as good as any.
+    held = {NODE_B: {CARD.model_id: DownloadCompleted(path="/models/x")}}
+    instance = place_instance(CARD, state.model_copy(update={"downloads": held}), INSTANCE)
+    assert list(instance.shard_assignments.node_to_runner) == [NODE_B]
+    # A lone offline node is still used: its files may be on its disk unreported.
+    lone = offline(state_with(node_a=2 * NEED_MIB), NODE_A)
+    instance = place_instance(CARD, lone, INSTANCE)
+    assert list(instance.shard_assignments.node_to_runner) == [NODE_A]
+
+
 def test_too_big_for_one_node_splits_layers_by_memory() -> None:
     state = state_with(node_a=NEED_MIB * 9 // 10, node_b=NEED_MIB * 7 // 10)
     instance = place_instance(CARD, state, INSTANCE)

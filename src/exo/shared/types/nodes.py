@@ -29,7 +29,8 @@ class NetworkInterface(FrozenModel):
 
 class NodeInfo(FrozenModel):
     """A node's resources. `api_addresses` are the addresses its API listens on (what
-    peers probe); `models_disk_free_bytes` is free space where models are stored."""
+    peers probe); `models_disk_free_bytes` is free space where models are stored;
+    `offline`: started with `--offline`, it can prepare only files it already holds."""
 
     friendly_name: str
     memory: MemoryInfo
@@ -40,6 +41,7 @@ class NodeInfo(FrozenModel):
     network_interfaces: tuple[NetworkInterface, ...] = ()
     api_port: int = Field(default=0, ge=0, lt=65536)
     api_addresses: tuple[str, ...] = ()
+    offline: bool = False
 
 
 class TopologyEdge(FrozenModel):

@@ -64,6 +64,8 @@ def test_gather_node_info_reports_this_machine(
     assert info.models_disk_free_bytes > 0
     assert info.api_port == 52415
     assert info.api_addresses == ("127.0.0.1",)
+    assert not info.offline
+    assert gather_node_info("127.0.0.1", 52415, tmp_path, offline=True).offline
     assert all(interface.addresses for interface in info.network_interfaces)
     assert all(gpu.total_memory_bytes > 0 for gpu in info.gpus)
     # It crosses the wire as is.
