@@ -18,9 +18,11 @@ from collections.abc import AsyncIterator
 from typing import assert_never
 
 from exo.api.adapters.common import (
+    SSE_DONE,
     ended_without_finish,
     error_chunk_error,
     final_usage,
+    openai_sse,
     unfinished_generation_error,
 )
 from exo.api.errors import ApiError, GenerationError, openai_error_body_for
@@ -54,9 +56,6 @@ from exo.shared.types.chunks import (
 from exo.shared.types.text_generation import (
     TextGenerationTaskParams,
 )
-
-SSE_DONE = "data: [DONE]\n\n"
-
 
 # ---------------------------------------------------------------- response
 
@@ -108,10 +107,6 @@ def _error_chunk_error(chunk: ErrorChunk) -> ApiError:
     return error_chunk_error(chunk, param="messages")
 
 
-def _sse(data: str) -> str:
-    return f"data: {data}\n\n"
-
-
 async def stream_chat_completion(
     chunks: AsyncIterator[Chunk],
     *,
@@ -150,10 +145,10 @@ async def stream_chat_completion(
         )
         # OpenAI sends `usage: null` on ordinary chunks only when usage was asked for.
         excluded = {"system_fingerprint"} if include_usage else {"system_fingerprint", "usage"}
-        return _sse(chunk.model_dump_json(exclude=excluded))
+        return openai_sse(chunk.model_dump_json(exclude=excluded))
 
     def error_event(error: ApiError) -> str:
-        return _sse(json.dumps(openai_error_body_for(error), ensure_ascii=False))
+        return openai_sse(json.dumps(openai_error_body_for(error), ensure_ascii=False))
 
     yield event([ChunkChoice(index=0, delta=ChunkDelta(role="assistant", content=""))])
     counted_completion_tokens = 0

@@ -12,6 +12,15 @@ from exo.api.errors import ApiError, GenerationError, InvalidRequestError, NoCap
 from exo.shared.types.chunks import ErrorChunk, Usage
 from exo.shared.types.text_generation import ChatMessage
 
+# OpenAI's server-sent events (Chat Completions and legacy Completions): `data: <json>`
+# lines, ended by `data: [DONE]`.
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def openai_sse(data: str) -> str:
+    """One OpenAI SSE event carrying `data` (a JSON text)."""
+    return f"data: {data}\n\n"
+
 
 def unfinished_generation_error(reason: Literal["error", "cancelled"]) -> GenerationError:
     """The error for a generation that did not finish. No dialect has a value for a

@@ -14,9 +14,11 @@ from collections.abc import AsyncIterator, Sequence
 from typing import assert_never
 
 from exo.api.adapters.common import (
+    SSE_DONE,
     ended_without_finish,
     error_chunk_error,
     final_usage,
+    openai_sse,
     unfinished_generation_error,
 )
 from exo.api.errors import ApiError, GenerationError, openai_error_body_for
@@ -37,8 +39,6 @@ from exo.shared.types.chunks import (
     Usage,
 )
 from exo.shared.types.text_generation import TextGenerationTaskParams
-
-SSE_DONE = "data: [DONE]\n\n"
 
 
 def completion_finish_reason(reason: FinishReason) -> CompletionFinishReason:
@@ -101,10 +101,6 @@ def _error_chunk_error(chunk: ErrorChunk) -> ApiError:
     return error_chunk_error(chunk, param="prompt")
 
 
-def _sse(data: str) -> str:
-    return f"data: {data}\n\n"
-
-
 async def stream_completion(
     chunks: AsyncIterator[Chunk],
     *,
@@ -139,10 +135,10 @@ async def stream_completion(
             id=completion_id, created=created, model=model, choices=choices, usage=usage
         )
         excluded = {"system_fingerprint"} if include_usage else {"system_fingerprint", "usage"}
-        return _sse(chunk.model_dump_json(exclude=excluded))
+        return openai_sse(chunk.model_dump_json(exclude=excluded))
 
     def error_event(error: ApiError) -> str:
-        return _sse(json.dumps(openai_error_body_for(error), ensure_ascii=False))
+        return openai_sse(json.dumps(openai_error_body_for(error), ensure_ascii=False))
 
     if echo:
         yield event([CompletionChoice(text=echo)])
