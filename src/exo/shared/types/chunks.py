@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from exo.shared.types.common import CommandId, FrozenModel, ModelId
 from exo.shared.types.text_generation import ToolCall
@@ -40,11 +40,26 @@ MIN_LOGPROB = -9999.0
 
 class Usage(FrozenModel):
     """Token counts of one generation. `reasoning_tokens` are the part of
-    `completion_tokens` spent inside the thinking section."""
+    `completion_tokens` spent inside the thinking section; `cached_tokens` the part of
+    `prompt_tokens` whose KV came from the runner's prefix cache instead of being prefilled
+    (OpenAI's `prompt_tokens_details.cached_tokens`).
+
+    Raises:
+        pydantic.ValidationError: `cached_tokens` exceeds `prompt_tokens`.
+    """
 
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
     reasoning_tokens: int = Field(default=0, ge=0)
+    cached_tokens: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _cached_within_prompt(self) -> Usage:
+        if self.cached_tokens > self.prompt_tokens:
+            raise ValueError(
+                f"cached_tokens ({self.cached_tokens}) exceeds prompt_tokens ({self.prompt_tokens})"
+            )
+        return self
 
     @property
     def total_tokens(self) -> int:

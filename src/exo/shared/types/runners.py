@@ -41,10 +41,13 @@ class RunnerWarmingUp(FrozenModel):
 
 class RunnerReady(FrozenModel):
     """Loaded and warmed up, waiting for a generation task. `weight_bytes` is what this
-    rank's loaded parameters take (its share of the model)."""
+    rank's loaded parameters take (its share of the model); `max_concurrent_requests` how
+    many generations its engine runs at once in its batch (`--max-concurrent-requests`;
+    the API admits that many per instance plus a bounded queue)."""
 
     kind: Literal["RunnerReady"] = "RunnerReady"
     weight_bytes: int = Field(default=0, ge=0)
+    max_concurrent_requests: int = Field(default=1, ge=1)
 
 
 class RunnerRunning(FrozenModel):
