@@ -39,6 +39,7 @@ from exo.api.types.openai_chat import (
     DeltaFunctionCall,
     DeltaToolCall,
     LogprobEntry,
+    PromptTokensDetails,
     ResponseFunctionCall,
     ResponseMessage,
     ResponseToolCall,
@@ -84,6 +85,7 @@ def _completion_usage(usage: Usage | None, counted_completion_tokens: int) -> Co
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
         completion_tokens_details=CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens),
     )
 

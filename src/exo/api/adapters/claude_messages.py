@@ -9,7 +9,9 @@ Choices, each said where it matters:
   engine names it on the final chunk and leaves it out of the text, as Anthropic does).
 - `message_start` reports the prompt's `input_tokens` (the runner sends the count with
   the first chunk, which the stream waits for anyway); `message_delta` repeats it with the
-  output count, as Anthropic's cumulative usage does.
+  output count, as Anthropic's cumulative usage does. Prompt tokens served from the
+  runner's prefix cache are `cache_read_input_tokens` and left out of `input_tokens`, as
+  Anthropic counts cache reads; `cache_creation_input_tokens` is always 0.
 - Thinking blocks carry an empty `signature`: exo does not sign thinking.
 - `output_config.effort` (anthropic 2.x) reaches the chat template as `reasoning_effort`:
   low, medium and high as they are, xhigh and max as high (the strongest effort templates

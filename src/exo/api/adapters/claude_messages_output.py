@@ -83,7 +83,8 @@ def _message_usage(usage: Usage | None, counted_output_tokens: int) -> MessageUs
     # stream itself shows (input tokens are then unknown, so 0) rather than fail.
     usage = final_usage(usage, counted_output_tokens)
     return MessageUsage(
-        input_tokens=usage.prompt_tokens,
+        input_tokens=usage.prompt_tokens - usage.cached_tokens,
+        cache_read_input_tokens=usage.cached_tokens,
         output_tokens=usage.completion_tokens,
         output_tokens_details=OutputTokensDetails(thinking_tokens=usage.reasoning_tokens),
     )
@@ -216,14 +217,21 @@ async def stream_message(
         model: The model name to report.
     """
     first = await anext(chunks, None)
-    input_tokens = first.prompt_tokens if isinstance(first, TokenChunk) else None
+    prompt_tokens, cached_tokens = 0, 0
+    if isinstance(first, TokenChunk):
+        prompt_tokens = first.prompt_tokens or 0
+        cached_tokens = min(first.cached_tokens or 0, prompt_tokens)
     start = Message(
         id=message_id,
         model=model,
         content=[],
         stop_reason=None,
         stop_sequence=None,
-        usage=MessageUsage(input_tokens=input_tokens or 0, output_tokens=0),
+        usage=MessageUsage(
+            input_tokens=prompt_tokens - cached_tokens,
+            cache_read_input_tokens=cached_tokens,
+            output_tokens=0,
+        ),
     )
     yield _sse(MessageStartEvent(message=start))
     try:

@@ -22,7 +22,7 @@ from exo.api.adapters.common import (
     unfinished_generation_error,
 )
 from exo.api.errors import ApiError, GenerationError, openai_error_body_for
-from exo.api.types.openai_chat import CompletionUsage
+from exo.api.types.openai_chat import CompletionUsage, PromptTokensDetails
 from exo.api.types.openai_completions import (
     Completion,
     CompletionChoice,
@@ -94,6 +94,7 @@ def _usage(usage: Usage | None, counted_completion_tokens: int) -> CompletionUsa
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
     )
 
 

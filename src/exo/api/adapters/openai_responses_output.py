@@ -28,6 +28,7 @@ from exo.api.types.openai_responses import (
     FunctionToolChoiceEcho,
     FunctionToolEcho,
     IncompleteDetails,
+    InputTokensDetails,
     ItemStatus,
     LogprobEntry,
     OutputFunctionCall,
@@ -387,6 +388,7 @@ class _ResponseAssembler:
             usage = Usage(prompt_tokens=0, completion_tokens=self.counted_output_tokens)
         return ResponseUsage(
             input_tokens=usage.prompt_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_tokens),
             output_tokens=usage.completion_tokens,
             output_tokens_details=OutputTokensDetails(reasoning_tokens=usage.reasoning_tokens),
             total_tokens=usage.total_tokens,

@@ -609,6 +609,7 @@ async def test_stream_usage_chunk_only_with_include_usage() -> None:
         "prompt_tokens": 4,
         "completion_tokens": 2,
         "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
         "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
@@ -676,6 +677,7 @@ async def test_stream_usage_falls_back_to_counted_tokens() -> None:
         "prompt_tokens": 0,
         "completion_tokens": 3,
         "total_tokens": 3,
+        "prompt_tokens_details": {"cached_tokens": 0},
         "completion_tokens_details": {"reasoning_tokens": 0},
     }
 
@@ -820,6 +822,7 @@ async def test_collect_concatenates_text_and_reports_usage() -> None:
         "prompt_tokens": 5,
         "completion_tokens": 3,
         "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
         "completion_tokens_details": {"reasoning_tokens": 0},
     }
 

@@ -287,8 +287,10 @@ class OutputTokensDetails(_WireResponseModel):
 
 
 class MessageUsage(_WireResponseModel):
-    """Token counts. exo has no prompt cache the client controls, so the cache counts are
-    always 0."""
+    """Token counts, split as Anthropic splits them: `input_tokens` are the prompt tokens
+    prefilled for this request, `cache_read_input_tokens` those whose KV the runner reused
+    from its prefix cache (the prompt is their sum). exo's prefix cache fills itself (there
+    is no `cache_control` to pay for), so `cache_creation_input_tokens` is always 0."""
 
     input_tokens: int = Field(ge=0)
     output_tokens: int = Field(ge=0)

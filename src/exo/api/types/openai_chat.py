@@ -262,10 +262,18 @@ class CompletionTokensDetails(_WireResponseModel):
     reasoning_tokens: int = Field(default=0, ge=0)
 
 
+class PromptTokensDetails(_WireResponseModel):
+    """`cached_tokens`: prompt tokens whose KV the runner reused from its prefix cache
+    instead of prefilling them (part of `prompt_tokens`)."""
+
+    cached_tokens: int = Field(default=0, ge=0)
+
+
 class CompletionUsage(_WireResponseModel):
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
     total_tokens: int = Field(ge=0)
+    prompt_tokens_details: PromptTokensDetails | None = None
     completion_tokens_details: CompletionTokensDetails | None = None
 
 

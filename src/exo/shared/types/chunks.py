@@ -112,6 +112,9 @@ class TokenChunk(FrozenModel):
     """On the first chunk: the prompt's token count, known once the prompt is rendered (the
     final `usage.prompt_tokens` repeats it), for dialects that report usage as a stream
     opens (Claude's `message_start`). None on the other chunks."""
+    cached_tokens: int | None = Field(default=None, ge=0)
+    """On the first chunk, beside `prompt_tokens`: how many of them came from the prefix
+    cache (the final `usage.cached_tokens` repeats it). None when not known."""
 
 
 class ToolCallChunk(FrozenModel):

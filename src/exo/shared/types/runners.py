@@ -51,9 +51,10 @@ class RunnerReady(FrozenModel):
 
 
 class RunnerRunning(FrozenModel):
-    """Generating for at least one task."""
+    """Generating for at least one task. `max_concurrent_requests` as in `RunnerReady`."""
 
     kind: Literal["RunnerRunning"] = "RunnerRunning"
+    max_concurrent_requests: int = Field(default=1, ge=1)
 
 
 class RunnerFailed(FrozenModel):
