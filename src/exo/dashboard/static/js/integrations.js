@@ -1,0 +1,3 @@
+export function mountIntegrations(section) {
+  return {};
+}

@@ -1,0 +1,3 @@
+export function mountLaunch(section) {
+  return {};
+}

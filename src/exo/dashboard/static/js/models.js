@@ -1,0 +1,3 @@
+export function mountModels(section) {
+  return {};
+}
