@@ -38,6 +38,7 @@ from exo.api.routes import (
     peer_files,
 )
 from exo.api.routes import claude_messages as claude_messages_routes
+from exo.api.routes import dashboard as dashboard_routes
 from exo.api.routes import ollama as ollama_routes
 from exo.api.routes import openai_responses as responses_routes
 
@@ -142,6 +143,8 @@ def create_app(
     app.state.cluster = cluster_client
     for module in ROUTE_MODULES:
         app.include_router(module.router)
+    # The page, its files and its live state; browser navigations to unknown paths.
+    dashboard_routes.install(app)
 
     generate_openapi = app.openapi
 

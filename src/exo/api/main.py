@@ -12,6 +12,7 @@ import uvicorn
 from exo.api.app import create_app
 from exo.api.browser_access import BrowserAccess
 from exo.api.cluster import ClusterClient
+from exo.api.routes.dashboard import close_event_streams
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -72,3 +73,4 @@ class Api:
                 task_group.cancel_scope.cancel()
         finally:
             self._server.should_exit = True
+            close_event_streams(self.app)
