@@ -5,7 +5,6 @@ import { describeRunner, runnerIndex } from "./runners.js";
 import { subscribe } from "./store.js";
 import { bar, el, formatBytes, replace, shortId, svg } from "./ui.js";
 
-const WIDTH = 800;
 const NODE_W = 210;
 const NODE_H = 104;
 
@@ -14,12 +13,18 @@ function nodeName(state, nodeId) {
 }
 
 /** Positions on a circle (one node: the centre). */
-function layout(nodeIds, height) {
-  const cx = WIDTH / 2;
+function layout(nodeIds, width, height) {
+  const cx = width / 2;
   const cy = height / 2;
   if (nodeIds.length === 1) return new Map([[nodeIds[0], [cx, cy]]]);
-  const rx = WIDTH / 2 - NODE_W / 2 - 10;
+  const rx = width / 2 - NODE_W / 2 - 10;
   const ry = height / 2 - NODE_H / 2 - 10;
+  if (nodeIds.length === 2 && width >= 800) {
+    return new Map([
+      [nodeIds[0], [cx - rx, cy]],
+      [nodeIds[1], [cx + rx, cy]],
+    ]);
+  }
   return new Map(
     nodeIds.map((id, i) => {
       const angle = -Math.PI / 2 + (2 * Math.PI * i) / nodeIds.length;
@@ -33,13 +38,17 @@ function linkLabel(edge) {
   return `${edge.latency_ms.toFixed(edge.latency_ms < 10 ? 2 : 0)} ms · ${Math.round(edge.bandwidth_mbps)} Mbit/s`;
 }
 
-function topologySvg(state, master, self) {
+function topologySvg(state, master, self, available) {
   const nodeIds = Object.keys(state.node_info).sort();
-  const height = nodeIds.length <= 1 ? 180 : nodeIds.length === 2 ? 260 : 420;
-  const positions = layout(nodeIds, height);
+  // Narrow screens get a narrower picture (so its text stays readable) that grows down.
+  const narrow = available < 600;
+  const width = narrow ? 440 : 800;
+  const n = nodeIds.length;
+  const height = n <= 1 ? 150 : narrow ? Math.max(300, n * 150) : n === 2 ? 180 : 420;
+  const positions = layout(nodeIds, width, height);
   const lost = new Set(state.lost_nodes);
   const picture = svg("svg", {
-    viewBox: `0 0 ${WIDTH} ${height}`,
+    viewBox: `0 0 ${width} ${height}`,
     class: "topology",
     role: "img",
     "aria-label": `Topology of ${nodeIds.length} node${nodeIds.length === 1 ? "" : "s"}`,
@@ -197,7 +206,7 @@ export function mountCluster(section) {
     const self = cluster?.node_id ?? null;
     const nodeIds = Object.keys(state.node_info).sort();
     const runnersByNode = runnerIndex(state);
-    replace(topology, nodeIds.length ? topologySvg(state, master, self) : el("p", { text: "No node has reported yet." }));
+    replace(topology, nodeIds.length ? topologySvg(state, master, self, topology.clientWidth || 800) : el("p", { text: "No node has reported yet." }));
     replace(cards, nodeIds.map((id) => nodeCard(state, id, master, self, runnersByNode)));
   });
   return {};

@@ -1,3 +1,165 @@
+// Integrations view: ready-to-paste settings for the tools people already use, with this
+// node's real address (location.origin) and the model of a running instance.
+
+import { auth } from "./api.js";
+import { instanceStatus } from "./runners.js";
+import { store, subscribe } from "./store.js";
+import { copyText, el, replace } from "./ui.js";
+
+const KEY_VAR = "EXO_API_KEY";
+
+/** The model the snippets name: a ready instance's, else any instance's, else the default. */
+export function snippetModel(state) {
+  const instances = Object.values(state?.instances ?? {});
+  const ready = instances.find((i) => instanceStatus(state, i) === "ready") ?? instances[0];
+  return ready?.shard_assignments.model_id ?? "HuggingFaceTB/SmolLM2-135M-Instruct";
+}
+
+/** [{id, title, language, code, note}] for `origin`, `model`, and whether keys are on. */
+export function snippets(origin, model, keysOn) {
+  const key = keysOn ? `os.environ["${KEY_VAR}"]` : '"unused"';
+  const jsKey = keysOn ? `process.env.${KEY_VAR}` : '"unused"';
+  const curlAuth = keysOn ? `\n  -H "Authorization: Bearer $${KEY_VAR}" \\` : "";
+  const keyNote = keysOn
+    ? `API keys are on: export ${KEY_VAR}=<your key> first.`
+    : "API keys are off on this node: any key value works.";
+  return [
+    {
+      id: "openai-python",
+      title: "OpenAI Python SDK",
+      language: "python",
+      code: `${keysOn ? "import os\n" : ""}from openai import OpenAI
+
+client = OpenAI(base_url="${origin}/v1", api_key=${key})
+reply = client.chat.completions.create(
+    model="${model}",
+    messages=[{"role": "user", "content": "Hello!"}],
+)
+print(reply.choices[0].message.content)`,
+      note: keyNote,
+    },
+    {
+      id: "openai-js",
+      title: "OpenAI JavaScript SDK",
+      language: "javascript",
+      code: `import OpenAI from "openai";
+
+const client = new OpenAI({ baseURL: "${origin}/v1", apiKey: ${jsKey} });
+const reply = await client.chat.completions.create({
+  model: "${model}",
+  messages: [{ role: "user", content: "Hello!" }],
+});
+console.log(reply.choices[0].message.content);`,
+      note: keyNote,
+    },
+    {
+      id: "anthropic-python",
+      title: "Anthropic Python SDK",
+      language: "python",
+      code: `${keysOn ? "import os\n" : ""}from anthropic import Anthropic
+
+client = Anthropic(base_url="${origin}", api_key=${key})
+reply = client.messages.create(
+    model="${model}",
+    max_tokens=256,
+    messages=[{"role": "user", "content": "Hello!"}],
+)
+print(reply.content[0].text)`,
+      note: "The SDK adds /v1/messages to the base URL itself.",
+    },
+    {
+      id: "claude-code",
+      title: "Claude Code",
+      language: "shell",
+      code: `export ANTHROPIC_BASE_URL="${origin}"
+export ANTHROPIC_AUTH_TOKEN="${keysOn ? `$${KEY_VAR}` : "unused"}"
+export ANTHROPIC_MODEL="${model}"
+export ANTHROPIC_DEFAULT_HAIKU_MODEL="${model}"
+claude`,
+      note: "Claude Code speaks the Claude Messages API, which this node serves. A small model follows Claude Code's long tool-heavy prompts poorly; use the largest model the cluster runs.",
+    },
+    {
+      id: "codex",
+      title: "Codex (~/.codex/config.toml)",
+      language: "toml",
+      code: `model = "${model}"
+model_provider = "exo"
+
+[model_providers.exo]
+name = "exo"
+base_url = "${origin}/v1"
+wire_api = "responses"${keysOn ? `\nenv_key = "${KEY_VAR}"` : ""}`,
+      note: "Current Codex releases accept only wire_api = \"responses\" (the OpenAI Responses API, served here at /v1/responses).",
+    },
+    {
+      id: "open-webui",
+      title: "Open WebUI",
+      language: "shell",
+      code: `OPENAI_API_BASE_URL="${origin}/v1"
+OPENAI_API_KEY="${keysOn ? `$${KEY_VAR}` : "unused"}"`,
+      note: "Set these in Open WebUI's environment, or under Admin Settings → Connections → OpenAI API. Open WebUI in Docker reaches this machine at host.docker.internal, not localhost.",
+    },
+    {
+      id: "ollama-cli",
+      title: "Ollama CLI",
+      language: "shell",
+      code: `OLLAMA_HOST="${origin}/ollama" ollama run ${model} "Hello!"
+OLLAMA_HOST="${origin}/ollama" ollama list`,
+      note: "The ollama CLI keeps a path in OLLAMA_HOST (its envconfig.Host parses scheme, host, port and path, and requests are joined to that path). Not tried with the CLI itself here; the Python client below is tested against the node. The CLI sends no API key: with keys on, use the Python client or curl.",
+    },
+    {
+      id: "ollama-python",
+      title: "Ollama Python client",
+      language: "python",
+      code: `${keysOn ? "import os\n" : ""}from ollama import Client
+
+client = Client(host="${origin}/ollama"${keysOn ? `, headers={"Authorization": f"Bearer {os.environ['${KEY_VAR}']}"}` : ""})
+reply = client.chat(model="${model}", messages=[{"role": "user", "content": "Hello!"}])
+print(reply.message.content)`,
+      note: "",
+    },
+    {
+      id: "curl",
+      title: "curl",
+      language: "shell",
+      code: `curl ${origin}/v1/chat/completions \\${curlAuth}
+  -H "Content-Type: application/json" \\
+  -d '{"model": "${model}", "messages": [{"role": "user", "content": "Hello!"}]}'`,
+      note: "",
+    },
+  ];
+}
+
 export function mountIntegrations(section) {
-  return {};
+  const root = section.querySelector("#integrations-root");
+  const intro = el("p", { class: "muted" });
+  const list = el("div", { id: "snippets" });
+  root.append(intro, list);
+  let lastKey = "";
+
+  function render() {
+    const model = snippetModel(store.state);
+    const key = `${model}|${auth.required}`;
+    if (key === lastKey) return;
+    lastKey = key;
+    intro.textContent = `This node answers at ${location.origin}. The snippets name ${model}, the model of a running instance.`;
+    replace(
+      list,
+      snippets(location.origin, model, auth.required).map((s) =>
+        el(
+          "section",
+          { class: "snippet card", id: `snippet-${s.id}`, "data-snippet": s.id },
+          el("h2", { text: s.title }),
+          el("pre", {}, el("code", { class: `language-${s.language}`, text: s.code })),
+          el("div", { class: "row-actions" }, el("button", { type: "button", text: "Copy", onclick: () => copyText(s.code) })),
+          s.note ? el("p", { class: "note", text: s.note }) : null,
+        ),
+      ),
+    );
+  }
+
+  subscribe(() => {
+    if (!section.hidden) render();
+  });
+  return { onShow: render };
 }
