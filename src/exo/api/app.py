@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from exo.api.admission import Admission
 from exo.api.browser_access import (
     LOOPBACK_ORIGIN_PATTERN,
     BrowserAccess,
@@ -24,6 +25,7 @@ from exo.api.errors import (
     OPENAI_ERRORS,
     ApiError,
     ErrorDialect,
+    QueueFullError,
     describe_validation_errors,
     error_type_for_status,
 )
@@ -115,7 +117,9 @@ class JsonBodyMiddleware:
 
 
 def create_app(
-    cluster_client: ClusterClient, browser_access: BrowserAccess | None = None
+    cluster_client: ClusterClient,
+    browser_access: BrowserAccess | None = None,
+    admission: Admission | None = None,
 ) -> FastAPI:
     """The API application.
 
@@ -124,6 +128,8 @@ def create_app(
         browser_access: CORS origins and the names requests may address this node by. None:
             loopback origins and no `Host` check (in-process test clients call the server
             `testserver`); the node passes `BrowserAccess` with this machine's names.
+        admission: how many generations may be in flight (`--max-queued-requests`); None:
+            the defaults of `exo.api.admission`.
     """
     app = FastAPI(title="exo", version="0.1.0")
     access = browser_access or BrowserAccess(check_host=False)
@@ -141,6 +147,7 @@ def create_app(
     # Added last, so it runs first: a refused request never reaches the CORS answer.
     app.add_middleware(BrowserAccessMiddleware, access=access, refuse=_refuse)
     app.state.cluster = cluster_client
+    app.state.admission = admission or Admission()
     for module in ROUTE_MODULES:
         app.include_router(module.router)
     # The page, its files and its live state; browser navigations to unknown paths.
@@ -157,9 +164,12 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> JSONResponse:
-        return _error_response(
+        response = _error_response(
             request, error.status_code, error.error_type, error.message, error.param, error.code
         )
+        if isinstance(error, QueueFullError):
+            response.headers["Retry-After"] = str(error.retry_after_seconds)
+        return response
 
     @app.exception_handler(CommandTimeoutError)
     async def _timeout(request: Request, error: CommandTimeoutError) -> JSONResponse:

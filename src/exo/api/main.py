@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import anyio
 import uvicorn
 
+from exo.api.admission import Admission
 from exo.api.app import create_app
 from exo.api.browser_access import BrowserAccess
 from exo.api.cluster import ClusterClient
@@ -48,9 +49,10 @@ class Api:
         listen_socket: socket.socket,
         log_level: str,
         browser_access: BrowserAccess,
+        admission: Admission | None = None,
     ) -> None:
         self.cluster = cluster
-        self.app = create_app(cluster, browser_access)
+        self.app = create_app(cluster, browser_access, admission)
         config = uvicorn.Config(
             self.app,
             log_level="warning" if log_level not in ("DEBUG", "TRACE") else "info",
