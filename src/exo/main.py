@@ -7,14 +7,14 @@ import os
 import signal
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 from loguru import logger
 from pydantic import TypeAdapter
 from rich.console import Console
 
-from exo.api.admission import Admission
+from exo.api.auth import KeyFileError
 from exo.api.browser_access import BrowserAccess, parse_cors_origins, this_machine_names
 from exo.api.cluster import (
     ClusterClient,
@@ -23,8 +23,17 @@ from exo.api.cluster import (
     LoadOnRequest,
 )
 from exo.api.main import Api, bind_api_socket
+from exo.api.security import (
+    ApiSecurity,
+    SecurityOptions,
+    add_security_arguments,
+    banner_lines,
+    build_auth,
+    reload_keys_on_sighup,
+    security_options,
+)
 from exo.download.gguf_models import ollama_store, ollama_store_cards
-from exo.download.peers import peer_credential
+from exo.download.peers import PEER_CREDENTIAL_HEADER, peer_credential
 from exo.master.decisions import events_after_restart
 from exo.master.event_log import EventLog
 from exo.master.main import Master
@@ -76,7 +85,7 @@ class Options:
     auto_place: bool = True
     idle_unload_seconds: float | None = None
     trust_remote_code: bool = False
-    max_queued_requests: int | None = None
+    security: SecurityOptions = field(default_factory=SecurityOptions)
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
@@ -155,29 +164,19 @@ def parse_args(argv: list[str] | None = None) -> Options:
         "(auto_map); the engine still runs only the model families it has files for",
     )
     parser.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=None,
-        metavar="N",
-        help="requests this node's API lets wait in each instance's queue beyond the batch "
-        "it runs (default: 4 x its --max-concurrent-requests); when every instance of the "
-        "model is full a request waits up to 30 s for a place, then gets 503 with Retry-After",
-    )
-    parser.add_argument(
         "--cors-origins",
         default=os.environ.get("EXO_CORS_ORIGINS", ""),
         help="comma-separated origins of web pages allowed to use the API besides "
         "localhost/127.0.0.1/[::1] pages, e.g. https://chat.example.com; * allows every "
         "page (env EXO_CORS_ORIGINS)",
     )
+    add_security_arguments(parser)
     args = parser.parse_args(argv)
     for flag, port in (("--api-port", args.api_port), ("--zenoh-port", args.zenoh_port)):
         if not 0 < port < 65536:
             parser.error(f"{flag} must be between 1 and 65535, not {port}")
     if args.api_port == args.zenoh_port:
         parser.error("--api-port and --zenoh-port must differ")
-    if args.max_queued_requests is not None and args.max_queued_requests < 0:
-        parser.error(f"--max-queued-requests must be >= 0, not {args.max_queued_requests}")
     if args.idle_unload is not None and not 0 <= args.idle_unload < float("inf"):
         parser.error(f"--idle-unload must be a number of seconds >= 0, not {args.idle_unload}")
     peers = tuple(p.strip() for p in args.bootstrap_peers.split(",") if p.strip())
@@ -204,7 +203,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         auto_place=not args.no_auto_place,
         idle_unload_seconds=args.idle_unload,
         trust_remote_code=args.trust_remote_code,
-        max_queued_requests=args.max_queued_requests,
+        security=security_options(args, parser),
     )
 
 
@@ -317,18 +316,35 @@ class Node:
             current_state=lambda: self.replica.state,
             offline=options.offline,
         )
-        self.topology = TopologyProber(self.node_id, lambda: self.replica.state, self.local_events)
+        credential = peer_credential(options.namespace)
+        # Other nodes' APIs answer this node's probes and file requests by this credential.
+        self.topology = TopologyProber(
+            self.node_id,
+            lambda: self.replica.state,
+            self.local_events,
+            headers={PEER_CREDENTIAL_HEADER: credential},
+        )
+        try:
+            self.api_auth, self._generated_api_key = build_auth(
+                options.security, exo_home(), credential
+            )
+        except KeyFileError as error:
+            logger.error(str(error))
+            raise SystemExit(1) from None
+        security = ApiSecurity(
+            self.api_auth, options.security.limits, master_event_index=self._master_event_index
+        )
         self._listen_socket = bind_api_socket(options.host, options.api_port)
         browser_access = BrowserAccess(options.cors_origins, this_machine_names())
         self.api = Api(
-            self.cluster,
-            self._listen_socket,
-            options.log_level,
-            browser_access,
-            Admission(options.max_queued_requests),
+            self.cluster, self._listen_socket, options.log_level, browser_access, security
         )
         # Model files go to nodes presenting this cluster's peer credential.
         self.api.app.state.peer_namespace = options.namespace
+
+    def _master_event_index(self) -> int | None:
+        master = self.election.master_message
+        return master.last_event_idx if master is not None else None
 
     def _send_command(self, command: Command) -> None:
         self.router.commands.publish(ForwarderCommand(origin=self.node_id, command=command))
@@ -359,6 +375,7 @@ class Node:
                     self._add_ollama_store_models,
                 ):
                     task_group.start_soon(component)
+                task_group.start_soon(reload_keys_on_sighup, self.api_auth)
                 if self.options.default_model:
                     task_group.start_soon(self._place_default_model)
         finally:
@@ -415,6 +432,8 @@ class Node:
             f"{self.router.listen_endpoint}"
         )
         console.print(f"  data      {exo_home()}")
+        for line in banner_lines(self.api_auth, self._generated_api_key, exo_home()):
+            console.print(line, soft_wrap=True)
         console.rule()
 
     async def _add_ollama_store_models(self) -> None:

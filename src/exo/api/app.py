@@ -14,7 +14,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from exo.api.admission import Admission
 from exo.api.browser_access import (
     LOOPBACK_ORIGIN_PATTERN,
     BrowserAccess,
@@ -25,7 +24,6 @@ from exo.api.errors import (
     OPENAI_ERRORS,
     ApiError,
     ErrorDialect,
-    QueueFullError,
     describe_validation_errors,
     error_type_for_status,
 )
@@ -38,11 +36,14 @@ from exo.api.routes import (
     downloads,
     ollama_files,
     peer_files,
+    session,
 )
 from exo.api.routes import claude_messages as claude_messages_routes
 from exo.api.routes import dashboard as dashboard_routes
+from exo.api.routes import metrics as metrics_routes
 from exo.api.routes import ollama as ollama_routes
 from exo.api.routes import openai_responses as responses_routes
+from exo.api.security import ApiSecurity, install_client_guards, install_metrics
 
 # One line per route module: each has a `router`; a dialect whose errors are not shaped like
 # OpenAI's also has an `ERROR_DIALECT`.
@@ -57,6 +58,8 @@ ROUTE_MODULES: tuple[ModuleType, ...] = (
     responses_routes,
     ollama_routes,
     ollama_files,
+    metrics_routes,
+    session,
 )
 
 
@@ -94,6 +97,12 @@ def error_response_for_path(
     return JSONResponse(json.loads(json.dumps(body, default=str)), status_code=status_code)
 
 
+def _plain_error_response(
+    path: str, status_code: int, error_type: str, message: str
+) -> JSONResponse:
+    return error_response_for_path(path, status_code, error_type, message)
+
+
 def _refuse(path: str, message: str) -> JSONResponse:
     return error_response_for_path(path, 403, "permission_error", message)
 
@@ -119,7 +128,7 @@ class JsonBodyMiddleware:
 def create_app(
     cluster_client: ClusterClient,
     browser_access: BrowserAccess | None = None,
-    admission: Admission | None = None,
+    security: ApiSecurity | None = None,
 ) -> FastAPI:
     """The API application.
 
@@ -128,12 +137,14 @@ def create_app(
         browser_access: CORS origins and the names requests may address this node by. None:
             loopback origins and no `Host` check (in-process test clients call the server
             `testserver`); the node passes `BrowserAccess` with this machine's names.
-        admission: how many generations may be in flight (`--max-queued-requests`); None:
-            the defaults of `exo.api.admission`.
+        security: API keys, limits on clients, metrics inputs (`exo.api.security`); None:
+            no key needed and the default limits.
     """
     app = FastAPI(title="exo", version="0.1.0")
     access = browser_access or BrowserAccess(check_host=False)
     app.add_middleware(JsonBodyMiddleware)
+    security = security or ApiSecurity()
+    install_client_guards(app, security, _plain_error_response)
     app.add_middleware(
         CORSMiddleware,
         allow_origins=list(access.extra_origins),
@@ -147,9 +158,10 @@ def create_app(
     # Added last, so it runs first: a refused request never reaches the CORS answer.
     app.add_middleware(BrowserAccessMiddleware, access=access, refuse=_refuse)
     app.state.cluster = cluster_client
-    app.state.admission = admission or Admission()
     for module in ROUTE_MODULES:
         app.include_router(module.router)
+    # Added after every other middleware, so it runs first and counts every answer.
+    install_metrics(app, security, lambda: cluster_client.state)
     # The page, its files and its live state; browser navigations to unknown paths.
     dashboard_routes.install(app)
 
@@ -164,12 +176,9 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> JSONResponse:
-        response = _error_response(
+        return _error_response(
             request, error.status_code, error.error_type, error.message, error.param, error.code
         )
-        if isinstance(error, QueueFullError):
-            response.headers["Retry-After"] = str(error.retry_after_seconds)
-        return response
 
     @app.exception_handler(CommandTimeoutError)
     async def _timeout(request: Request, error: CommandTimeoutError) -> JSONResponse:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import anyio
 import httpx
@@ -82,14 +82,19 @@ class TopologyProber:
         node_id: NodeId,
         current_state: Callable[[], State],
         local_events: LocalEventSender,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         self.node_id = node_id
         self._current_state = current_state
         self._local_events = local_events
         self._failures: dict[NodeId, int] = {}
+        # The cluster's peer credential: other nodes' APIs open the probed routes to it.
+        self._headers = dict(headers or {})
 
     async def run(self) -> None:
-        async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_SECONDS, trust_env=False) as client:
+        async with httpx.AsyncClient(
+            timeout=PROBE_TIMEOUT_SECONDS, trust_env=False, headers=self._headers
+        ) as client:
             while True:
                 await self.probe_all(client)
                 await anyio.sleep(PROBE_INTERVAL_SECONDS)

@@ -1,0 +1,421 @@
+"""API keys: who may use this node's HTTP API.
+
+Three modes (`ApiAuth.mode`):
+- `keys`: keys were configured (`--api-key`, `--api-key-file`, `EXO_API_KEY`); every request
+  needs one of them, from any address.
+- `generated`: nothing configured (the default). The node creates one key on first start,
+  keeps it in `<EXO_HOME>/api_key` (0600) and requires it from every client that is not on
+  loopback; loopback clients (this machine) need none.
+- `open`: `--no-auth`; nobody needs a key.
+
+A client presents a key as `Authorization: Bearer KEY` (OpenAI's and Ollama's clients),
+`x-api-key: KEY` (Anthropic's), or the session cookie the dashboard gets from
+`POST /auth/session` (EventSource cannot send headers). The cookie is an HMAC of the key
+with this node's session secret, never the key itself; it stops working when its key is
+revoked. Keys are compared in constant time against every key (`hmac.compare_digest`), and
+never logged: refusals name the client's address and the path only.
+
+Requests between nodes (topology probes, model file transfers) carry the cluster's peer
+credential (`exo.download.peers`) instead of a key; it opens only `NODE_PATHS`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+import secrets
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from loguru import logger
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from exo.download.peers import PEER_CREDENTIAL_HEADER, PEER_FILES_PREFIX
+
+AuthMode = Literal["keys", "generated", "open"]
+API_KEY_FILE_NAME = "api_key"
+SESSION_SECRET_FILE_NAME = "session_secret"
+SESSION_COOKIE = "exo_session"
+SESSION_PATH = "/auth/session"
+# The dashboard's page and its files load without a key, so that its key screen can show.
+PUBLIC_PATHS = frozenset({"/", "/index.html", "/favicon.ico"})
+PUBLIC_PREFIXES = ("/static/",)
+# What a node asks another node for: its id and a bandwidth sample (topology probes) and
+# model files (peer downloads).
+NODE_PATHS = frozenset({"/node_id", "/bandwidth_probe"})
+NODE_PREFIXES = (f"{PEER_FILES_PREFIX}/",)
+CLIENT_SCOPE_KEY = "exo.client"
+"""The ASGI scope key the auth middleware sets: who the request is from (`client_identity`)."""
+
+
+class KeyFileError(ValueError):
+    """An API key file that cannot be read or holds an unusable line."""
+
+
+def check_key(key: str, source: str) -> str:
+    """`key` stripped, if it can travel in an HTTP header.
+
+    Raises:
+        KeyFileError: an empty key, or one with whitespace, control or non-ASCII characters.
+    """
+    key = key.strip()
+    if not key:
+        raise KeyFileError(f"{source}: an API key must not be empty")
+    if not all(33 <= ord(character) <= 126 for character in key):
+        raise KeyFileError(
+            f"{source}: an API key may hold only visible ASCII characters (no spaces)"
+        )
+    return key
+
+
+def read_key_file(path: Path) -> tuple[str, ...]:
+    """The keys in `path`: one per line; blank lines and lines starting with `#` are skipped.
+
+    Raises:
+        KeyFileError: the file cannot be read, or a line is not a usable key (the error
+            names the line number, never its text).
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise KeyFileError(f"cannot read the API key file {path}: {error}") from None
+    keys: list[str] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        keys.append(check_key(line, f"{path} line {number}"))
+    return tuple(dict.fromkeys(keys))
+
+
+def write_private_file(path: Path, data: bytes) -> None:
+    """Write `data` to `path` atomically with mode 0600: a temporary file in the same
+    directory, created 0600, flushed to disk, then renamed over `path`."""
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def _read_private_file(path: Path) -> bytes | None:
+    """`path`'s bytes, or None when it does not exist; a file others may read is made 0600
+    (with a warning) before it is read."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return None
+    if mode & 0o077:
+        logger.warning(f"{path} was readable by other users; its mode is now 0600")
+        path.chmod(0o600)
+    return path.read_bytes()
+
+
+def load_or_create_key(home: Path) -> tuple[str, bool]:
+    """This node's generated API key, created on first start in `home/api_key` (0600).
+
+    Returns:
+        (the key, whether it was created now).
+
+    Raises:
+        KeyFileError: the file exists but holds no usable key.
+    """
+    path = home / API_KEY_FILE_NAME
+    stored = _read_private_file(path)
+    if stored is not None:
+        keys = read_key_file(path)
+        if len(keys) != 1:
+            raise KeyFileError(f"{path} must hold exactly one key (delete it to get a new one)")
+        return keys[0], False
+    key = f"exo-{secrets.token_urlsafe(32)}"
+    write_private_file(path, f"{key}\n".encode())
+    return key, True
+
+
+def load_or_create_session_secret(home: Path) -> bytes:
+    """The secret session cookies are derived with (32 random bytes, kept 0600 in `home`,
+    so a node's restart does not sign the dashboard out)."""
+    path = home / SESSION_SECRET_FILE_NAME
+    stored = _read_private_file(path)
+    if stored is not None and len(stored) >= 32:
+        return stored
+    secret = secrets.token_bytes(32)
+    write_private_file(path, secret)
+    return secret
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether a client address is on this machine's loopback (IPv4-mapped IPv6 included)."""
+    if host is None:
+        return False
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
+def is_public(method: str, path: str) -> bool:
+    """Whether a request needs no key: the dashboard's page and files (GET/HEAD), and
+    signing in and out of a dashboard session."""
+    if path == SESSION_PATH:
+        return method in ("POST", "DELETE")
+    if method not in ("GET", "HEAD"):
+        return False
+    return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
+
+
+def is_node_path(method: str, path: str) -> bool:
+    """Whether a request is one nodes send each other (the peer credential opens it)."""
+    return method in ("GET", "HEAD") and (path in NODE_PATHS or path.startswith(NODE_PREFIXES))
+
+
+def _key_fingerprint(key: str) -> str:
+    # Identifies a key in rate limits and per-client counts without holding the key there.
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """What a request presents: keys from its headers, its session cookie, and the peer
+    credential."""
+
+    keys: tuple[str, ...] = ()
+    session: str | None = None
+    peer: str | None = None
+
+    @classmethod
+    def from_headers(cls, headers: Iterable[tuple[bytes, bytes]]) -> Credentials:
+        keys: list[str] = []
+        session: str | None = None
+        peer: str | None = None
+        peer_header = PEER_CREDENTIAL_HEADER.lower().encode()
+        for name, raw in headers:
+            name = name.lower()
+            value = raw.decode("latin-1").strip()
+            if name == b"authorization":
+                scheme, _, token = value.partition(" ")
+                if scheme.lower() == "bearer" and token.strip():
+                    keys.append(token.strip())
+            elif name == b"x-api-key" and value:
+                keys.append(value)
+            elif name == peer_header:
+                peer = value
+            elif name == b"cookie":
+                for part in value.split(";"):
+                    cookie_name, _, cookie_value = part.strip().partition("=")
+                    if cookie_name == SESSION_COOKIE and cookie_value:
+                        session = cookie_value
+        return cls(tuple(keys), session, peer)
+
+
+class ApiAuth:
+    """The keys this node accepts, and the decision for each request.
+
+    Args:
+        mode: see the module docstring.
+        keys: keys given on the command line or in `EXO_API_KEY` (mode `keys`), or the
+            generated key (mode `generated`).
+        key_file: `--api-key-file`, read now and again on `reload()` (SIGHUP).
+        session_secret: the secret session cookies are derived with (random when None).
+        node_credential: the peer credential of this node's cluster (None: no node paths
+            open without a key).
+
+    Raises:
+        KeyFileError: the key file cannot be read, or `keys` mode with no key at all.
+    """
+
+    def __init__(
+        self,
+        mode: AuthMode,
+        keys: Sequence[str] = (),
+        key_file: Path | None = None,
+        session_secret: bytes | None = None,
+        node_credential: str | None = None,
+    ) -> None:
+        self.mode: AuthMode = mode
+        self._fixed_keys = tuple(dict.fromkeys(check_key(key, "API key") for key in keys))
+        self.key_file = key_file
+        self._session_secret = session_secret or secrets.token_bytes(32)
+        self.node_credential = node_credential
+        self._keys: tuple[bytes, ...] = ()
+        self._sessions: tuple[bytes, ...] = ()
+        self._load(self._read_file_keys())
+        if mode != "open" and not self._keys:
+            raise KeyFileError("no API key configured (the key file holds none)")
+
+    @classmethod
+    def open(cls) -> ApiAuth:
+        return cls("open")
+
+    @property
+    def key_count(self) -> int:
+        return len(self._keys)
+
+    def _read_file_keys(self) -> tuple[str, ...]:
+        return read_key_file(self.key_file) if self.key_file is not None else ()
+
+    def _load(self, file_keys: tuple[str, ...]) -> None:
+        keys = tuple(dict.fromkeys((*self._fixed_keys, *file_keys)))
+        self._keys = tuple(key.encode() for key in keys)
+        self._sessions = tuple(self._session_value(key).encode() for key in keys)
+
+    def reload(self) -> None:
+        """Read the key file again (SIGHUP): keys added there work from now on, keys
+        removed stop working, and so do the dashboard sessions made with them. A file that
+        cannot be read leaves the keys as they were (an error is logged)."""
+        if self.key_file is None:
+            logger.info("SIGHUP: no --api-key-file to read again; keys unchanged")
+            return
+        try:
+            file_keys = self._read_file_keys()
+        except KeyFileError as error:
+            logger.error(f"SIGHUP: {error}; API keys unchanged")
+            return
+        self._load(file_keys)
+        if not self._keys:
+            logger.warning(f"SIGHUP: {self.key_file} holds no key: every request is refused")
+        else:
+            logger.info(f"SIGHUP: {len(self._keys)} API key(s) loaded from {self.key_file}")
+
+    def _session_value(self, key: str) -> str:
+        return hmac.new(self._session_secret, key.encode(), hashlib.sha256).hexdigest()
+
+    def valid_key(self, presented: str) -> str | None:
+        """The fingerprint of `presented` when it is one of the keys, else None. Compares
+        against every key, in constant time for each."""
+        candidate = presented.encode()
+        matched = False
+        for key in self._keys:
+            matched |= hmac.compare_digest(key, candidate)
+        return _key_fingerprint(presented) if matched else None
+
+    def session_cookie(self, presented_key: str) -> str | None:
+        """The session cookie value for a valid key, or None."""
+        if self.valid_key(presented_key) is None:
+            return None
+        return self._session_value(presented_key)
+
+    def valid_session(self, cookie: str) -> str | None:
+        """An identity for a valid session cookie (its own fingerprint), else None."""
+        candidate = cookie.encode()
+        matched = False
+        for session in self._sessions:
+            matched |= hmac.compare_digest(session, candidate)
+        return f"session:{_key_fingerprint(cookie)}" if matched else None
+
+    def client_identity(
+        self, method: str, path: str, client_host: str | None, credentials: Credentials
+    ) -> str | None:
+        """Who the request is from, or None when it must be refused (401).
+
+        The identity is `key:<fingerprint>` for a valid key, `session:<fingerprint>` for a
+        valid session cookie, `node` for another node on a node path, else
+        `address:<client address>` (open mode, loopback in generated mode, public paths).
+        """
+        address = f"address:{client_host}"
+        for key in credentials.keys:
+            fingerprint = self.valid_key(key)
+            if fingerprint is not None:
+                return f"key:{fingerprint}"
+        if credentials.session is not None:
+            session = self.valid_session(credentials.session)
+            if session is not None:
+                return session
+        if self.mode == "open" or is_public(method, path):
+            return address
+        if (
+            self.node_credential is not None
+            and credentials.peer is not None
+            and is_node_path(method, path)
+            and hmac.compare_digest(credentials.peer.encode(), self.node_credential.encode())
+        ):
+            return "node"
+        if self.mode == "generated" and is_loopback(client_host):
+            return address
+        return None
+
+    def describe(self) -> str:
+        """One line for the start banner (never a configured key)."""
+        if self.mode == "open":
+            return "OPEN: --no-auth, anyone who reaches this port may use the API"
+        if self.mode == "generated":
+            return "required from every client not on loopback (this machine needs none)"
+        sources = []
+        if self._fixed_keys:
+            sources.append(f"{len(self._fixed_keys)} from --api-key/EXO_API_KEY")
+        if self.key_file is not None:
+            sources.append(f"the file {self.key_file}")
+        return f"{self.key_count} API key(s) ({', '.join(sources)}) required from every client"
+
+
+ErrorResponder = Callable[[str, int, str, str, Mapping[str, str]], ASGIApp]
+"""(request path, HTTP status, OpenAI-style error type, message, extra headers) -> an ASGI
+response in the error shape of the dialect that serves the path."""
+
+WWW_AUTHENTICATE = 'Bearer realm="exo"'
+
+
+class AuthMiddleware:
+    """Refuse (401 with `WWW-Authenticate`, in the dialect's error shape) every request
+    `ApiAuth.client_identity` does not accept; put the identity of the others into the
+    scope under `CLIENT_SCOPE_KEY`."""
+
+    def __init__(self, app: ASGIApp, auth: ApiAuth, respond: ErrorResponder) -> None:
+        self.app = app
+        self.auth = auth
+        self.respond = respond
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        method = scope.get("method", "GET")
+        path: str = scope["path"]
+        client = scope.get("client")
+        host = client[0] if client else None
+        credentials = Credentials.from_headers(scope["headers"])
+        identity = self.auth.client_identity(method, path, host, credentials)
+        if identity is not None:
+            await self.app({**scope, CLIENT_SCOPE_KEY: identity}, receive, send)
+            return
+        presented = bool(credentials.keys or credentials.session)
+        # The key itself is never logged, nor echoed back.
+        logger.debug(
+            f"api: refused {method} {path} from {host}: "
+            f"{'an API key that is not valid' if presented else 'no API key'}"
+        )
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        message = (
+            "the API key is not valid"
+            if presented
+            else "this node requires an API key: send it as 'Authorization: Bearer <key>' "
+            "or 'x-api-key: <key>'"
+        )
+        if self.auth.mode == "generated":
+            message += (
+                f" (clients not on the node's machine need the key in {API_KEY_FILE_NAME} "
+                "of its data directory; the node prints it when it starts)"
+            )
+        response = self.respond(
+            path, 401, "authentication_error", message, {"WWW-Authenticate": WWW_AUTHENTICATE}
+        )
+        await response(scope, receive, send)
