@@ -14,6 +14,7 @@ from loguru import logger
 from pydantic import TypeAdapter
 from rich.console import Console
 
+from exo.api.admission import Admission
 from exo.api.auth import KeyFileError
 from exo.api.browser_access import BrowserAccess, parse_cors_origins, this_machine_names
 from exo.api.cluster import (
@@ -86,6 +87,7 @@ class Options:
     idle_unload_seconds: float | None = None
     trust_remote_code: bool = False
     security: SecurityOptions = field(default_factory=SecurityOptions)
+    max_queued_requests: int | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
@@ -164,6 +166,15 @@ def parse_args(argv: list[str] | None = None) -> Options:
         "(auto_map); the engine still runs only the model families it has files for",
     )
     parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests this node's API lets wait in each instance's queue beyond the batch "
+        "it runs (default: 4 x its --max-concurrent-requests); when every instance of the "
+        "model is full a request waits up to 30 s for a place, then gets 503 with Retry-After",
+    )
+    parser.add_argument(
         "--cors-origins",
         default=os.environ.get("EXO_CORS_ORIGINS", ""),
         help="comma-separated origins of web pages allowed to use the API besides "
@@ -177,6 +188,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
             parser.error(f"{flag} must be between 1 and 65535, not {port}")
     if args.api_port == args.zenoh_port:
         parser.error("--api-port and --zenoh-port must differ")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        parser.error(f"--max-queued-requests must be >= 0, not {args.max_queued_requests}")
     if args.idle_unload is not None and not 0 <= args.idle_unload < float("inf"):
         parser.error(f"--idle-unload must be a number of seconds >= 0, not {args.idle_unload}")
     peers = tuple(p.strip() for p in args.bootstrap_peers.split(",") if p.strip())
@@ -204,6 +217,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         idle_unload_seconds=args.idle_unload,
         trust_remote_code=args.trust_remote_code,
         security=security_options(args, parser),
+        max_queued_requests=args.max_queued_requests,
     )
 
 
@@ -337,7 +351,12 @@ class Node:
         self._listen_socket = bind_api_socket(options.host, options.api_port)
         browser_access = BrowserAccess(options.cors_origins, this_machine_names())
         self.api = Api(
-            self.cluster, self._listen_socket, options.log_level, browser_access, security
+            self.cluster,
+            self._listen_socket,
+            options.log_level,
+            browser_access,
+            Admission(options.max_queued_requests),
+            security,
         )
         # Model files go to nodes presenting this cluster's peer credential.
         self.api.app.state.peer_namespace = options.namespace

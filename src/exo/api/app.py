@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from exo.api.admission import Admission
 from exo.api.browser_access import (
     LOOPBACK_ORIGIN_PATTERN,
     BrowserAccess,
@@ -24,6 +25,7 @@ from exo.api.errors import (
     OPENAI_ERRORS,
     ApiError,
     ErrorDialect,
+    QueueFullError,
     describe_validation_errors,
     error_type_for_status,
 )
@@ -128,6 +130,7 @@ class JsonBodyMiddleware:
 def create_app(
     cluster_client: ClusterClient,
     browser_access: BrowserAccess | None = None,
+    admission: Admission | None = None,
     security: ApiSecurity | None = None,
 ) -> FastAPI:
     """The API application.
@@ -137,6 +140,8 @@ def create_app(
         browser_access: CORS origins and the names requests may address this node by. None:
             loopback origins and no `Host` check (in-process test clients call the server
             `testserver`); the node passes `BrowserAccess` with this machine's names.
+        admission: how many generations may be in flight (`--max-queued-requests`); None:
+            the defaults of `exo.api.admission`.
         security: API keys, limits on clients, metrics inputs (`exo.api.security`); None:
             no key needed and the default limits.
     """
@@ -158,12 +163,13 @@ def create_app(
     # Added last, so it runs first: a refused request never reaches the CORS answer.
     app.add_middleware(BrowserAccessMiddleware, access=access, refuse=_refuse)
     app.state.cluster = cluster_client
+    app.state.admission = admission or Admission()
     for module in ROUTE_MODULES:
         app.include_router(module.router)
-    # Added after every other middleware, so it runs first and counts every answer.
-    install_metrics(app, security, lambda: cluster_client.state)
     # The page, its files and its live state; browser navigations to unknown paths.
     dashboard_routes.install(app)
+    # Added after every other middleware, so it runs first and counts every answer.
+    install_metrics(app, security, lambda: cluster_client.state, app.state.admission)
 
     generate_openapi = app.openapi
 
@@ -176,9 +182,12 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> JSONResponse:
-        return _error_response(
+        response = _error_response(
             request, error.status_code, error.error_type, error.message, error.param, error.code
         )
+        if isinstance(error, QueueFullError):
+            response.headers["Retry-After"] = str(error.retry_after_seconds)
+        return response
 
     @app.exception_handler(CommandTimeoutError)
     async def _timeout(request: Request, error: CommandTimeoutError) -> JSONResponse:

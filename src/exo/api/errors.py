@@ -56,6 +56,16 @@ class NoCapacityError(ApiError):
     error_type = "service_unavailable_error"
 
 
+class QueueFullError(NoCapacityError):
+    """Every instance of the model is running and queueing as many requests from this node
+    as it may (`exo.api.admission`), and none finished within the wait; answered with a
+    `Retry-After: retry_after_seconds` header."""
+
+    def __init__(self, message: str, retry_after_seconds: int) -> None:
+        super().__init__(message, code="queue_full")
+        self.retry_after_seconds = retry_after_seconds
+
+
 class GenerationError(ApiError):
     """The generation failed (or was cancelled) after it was accepted."""
 

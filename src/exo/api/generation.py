@@ -28,6 +28,7 @@ from loguru import logger
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
+from exo.api.admission import admission_of
 from exo.api.cluster import ClusterClient, CommandRejectedError
 from exo.api.dependencies import card_of, known_model_ids
 from exo.api.errors import (
@@ -110,6 +111,8 @@ class Generation:
     """How often it was sent again after its instance became unavailable."""
     _known_command_id: CommandId | None = None
     """The first command, which the client's response id names, once sent again."""
+    release_place: Callable[[], None] | None = None
+    """Gives back its place among this node's requests in flight (`exo.api.admission`)."""
 
     def cancel(self) -> None:
         """Ask the cluster to stop this generation on every rank (idempotent)."""
@@ -119,6 +122,8 @@ class Generation:
 
     def close(self) -> None:
         self._resources.close()
+        if self.release_place is not None:
+            self.release_place()
         if self._known_command_id is not None:
             self.cluster.generation_aliases.pop(self._known_command_id, None)
 
@@ -207,8 +212,10 @@ async def start_generation(
     """Submit `params` as a `GenerateText` command.
 
     A model with no instance is first placed and loaded (`exo.api.load_on_request`), and
-    nothing is answered until it is ready. `keep_alive` (Ollama's; default this node's
-    `--idle-unload`) becomes the instance's keep-alive.
+    nothing is answered until it is ready. While every instance of the model is running and
+    queueing all it may for this node, the request waits for a place (`exo.api.admission`).
+    `keep_alive` (Ollama's; default this node's `--idle-unload`) becomes the instance's
+    keep-alive.
 
     With `wait_for_first_chunk` (default: `params.stream`) the first chunk is awaited before
     returning, so that a request the engine refuses (prompt longer than the context) is a
@@ -220,6 +227,8 @@ async def start_generation(
         InvalidRequestError: a conversation for a base model (no chat template) (400).
         NoCapacityError: the master rejected the command, or the model could not be
             loaded on request (no room, preparation failed, too slow) (503).
+        QueueFullError: every instance stayed full for the admission wait (503 with
+            `Retry-After`).
         InvalidRequestError: the request holds text that is not valid Unicode, values
             nested too deeply or a `logit_bias` for a token outside the model's vocabulary,
             or the engine refused it (400).
@@ -233,6 +242,7 @@ async def start_generation(
     _check_logit_bias(params, card_of(cluster, params.model))
     keep_alive = default_keep_alive(cluster, keep_alive)
     await ensure_instance(cluster, request, params.model, keep_alive)
+    release_place = await admission_of(request).admit(lambda: cluster.state, request, params.model)
     command = GenerateText(
         command_id=command_id or CommandId.new(), params=params, keep_alive=keep_alive
     )
@@ -240,6 +250,7 @@ async def start_generation(
     # Registered before submitting, so no chunk can arrive unheard.
     chunks = observed_chunks(resources.enter_context(cluster.chunk_stream(command.command_id)))
     generation = Generation(cluster, command.command_id, params, chunks, resources, keep_alive)
+    generation.release_place = release_place
     try:
         await _submit(cluster, command)
         if wait_for_first_chunk if wait_for_first_chunk is not None else params.stream:

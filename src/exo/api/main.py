@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import anyio
 import uvicorn
 
+from exo.api.admission import Admission
 from exo.api.app import create_app
 from exo.api.browser_access import BrowserAccess
 from exo.api.cluster import ClusterClient
@@ -50,10 +51,11 @@ class Api:
         listen_socket: socket.socket,
         log_level: str,
         browser_access: BrowserAccess,
+        admission: Admission | None = None,
         security: ApiSecurity | None = None,
     ) -> None:
         self.cluster = cluster
-        self.app = create_app(cluster, browser_access, security=security)
+        self.app = create_app(cluster, browser_access, admission, security)
         limits = (security or ApiSecurity()).limits
         config = uvicorn.Config(
             self.app,

@@ -40,8 +40,9 @@ from exo.shared.types.chunks import (
     Usage,
 )
 from exo.shared.types.commands import CancelGeneration, GenerateText
-from exo.shared.types.common import CommandId, ModelId
+from exo.shared.types.common import CommandId, ModelId, NodeId
 from exo.shared.types.text_generation import ChatMessage, NamedToolChoice, ToolCall
+from exo.testing.builders import make_instance
 from exo.testing.chunks import ChunkSource
 
 MODEL = "test-model"
@@ -899,9 +900,11 @@ SCRIPTED_CHUNKS: dict[str, list[Chunk]] = {
 class FakeState:
     instances: dict[str, Any] = {}
     custom_cards: dict[str, Any] = {}
+    runners: dict[str, Any] = {}
+    unavailable_instances: dict[str, Any] = {}
 
     def instances_of_model(self, model_id: ModelId) -> list[Any]:
-        return [object()]
+        return [make_instance(NodeId("node-a"))]
 
 
 class FakeCluster:
