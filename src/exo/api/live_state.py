@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -107,7 +107,7 @@ async def state_stream(
     changes: StateChanges,
     patch_interval_seconds: float = PATCH_INTERVAL_SECONDS,
     keepalive_seconds: float = KEEPALIVE_SECONDS,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """The text of the `/events` stream, message by message; it never ends on its own.
 
     Each message is produced only when the consumer asks for the next one, from the state

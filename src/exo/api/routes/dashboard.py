@@ -16,7 +16,7 @@ answer to any other browser navigation that is not an API route.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -125,21 +125,30 @@ class DashboardFiles(StaticFiles):
         return response
 
 
-_files = DashboardFiles(directory=STATIC_DIR, check_dir=False)
+def _files_of(scope: Scope) -> DashboardFiles:
+    files: DashboardFiles = scope["app"].state.dashboard_files
+    return files
+
+
+async def serve_static(scope: Scope, receive: Receive, send: Send) -> None:
+    """The ASGI app mounted at `/static`: the app's `DashboardFiles`."""
+    await SecurityHeaders(_files_of(scope))(scope, receive, send)
 
 
 async def page_response(scope: Scope) -> Response:
     """The dashboard page (200, or 304 when the client's ETag matches)."""
-    if not (STATIC_DIR / INDEX_FILE).is_file():
+    files = _files_of(scope)
+    directory = Path(str(files.directory))
+    if not (directory / INDEX_FILE).is_file():
         # A broken installation, not a missing route: say so instead of a bare 404.
         return _add_security_headers(
             Response(
-                f"the dashboard's files are missing from this installation ({STATIC_DIR})",
+                f"the dashboard's files are missing from this installation ({directory})",
                 status_code=500,
                 media_type="text/plain",
             )
         )
-    response = await _files.get_response(INDEX_FILE, {**scope, "method": "GET"})
+    response = await files.get_response(INDEX_FILE, {**scope, "method": "GET"})
     if scope["method"] == "HEAD":
         response = Response(status_code=response.status_code, headers=dict(response.headers))
     return _add_security_headers(response)
@@ -158,7 +167,7 @@ class EventStreamResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, messages: AsyncIterator[str]) -> None:
+    def __init__(self, messages: AsyncGenerator[str, None]) -> None:
         super().__init__(
             headers={
                 "cache-control": "no-cache",
@@ -202,7 +211,7 @@ class EventStreamResponse(Response):
                 task_group.cancel_scope.cancel()
 
             task_group.start_soon(cancel_on_disconnect)
-            async with aclosing(self._messages) as messages:  # type: ignore[type-var]
+            async with aclosing(self._messages) as messages:
                 async for text in messages:
                     body = text.encode("utf-8")
                     await send({"type": "http.response.body", "body": body, "more_body": True})
@@ -260,14 +269,19 @@ def wants_page(request: Request) -> bool:
 ExceptionHandler = Callable[[Request, Exception], Awaitable[Response]]
 
 
-def install(app: FastAPI) -> None:
+def install(app: FastAPI, directory: Path = STATIC_DIR) -> None:
     """Serve the dashboard from `app`: its routes, its files under `/static`, and the page
     for browser navigations that match no route (other 404s go to the app's own handler
-    for `HTTPException`, looked up when they happen)."""
+    for `HTTPException`, looked up when they happen).
+
+    Args:
+        directory: the page's files (`app.state.dashboard_files` may replace them later).
+    """
+    app.state.dashboard_files = DashboardFiles(directory=directory, check_dir=False)
     app.state.event_streams = set()
     """The `/events` responses streaming now (for tests and metrics)."""
     app.include_router(router)
-    app.mount(STATIC_PREFIX, SecurityHeaders(_files), name="dashboard-static")
+    app.mount(STATIC_PREFIX, serve_static, name="dashboard-static")
 
     async def not_found(request: Request, error: Exception) -> Response:
         if wants_page(request):
