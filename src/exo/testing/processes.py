@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from typing import Any
 
 import httpx
 import psutil
+
+from exo.testing.ports import free_port as free_port  # re-exported for the tests
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 READY_TIMEOUT_SECONDS = 600.0
@@ -31,13 +32,6 @@ def exo_command() -> str:
     if found is None:
         raise RuntimeError("the `exo` command is not installed: run `pip install -e .`")
     return found
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def wait_until(

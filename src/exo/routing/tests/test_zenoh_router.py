@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -25,6 +24,7 @@ from exo.shared.types.chunks import TokenChunk
 from exo.shared.types.commands import ForwarderCommand, PlaceInstance
 from exo.shared.types.common import CommandId, ModelId, NodeId, RunnerId
 from exo.shared.types.events import ForwarderEvent, IndexedEvent, RunnerDeleted
+from exo.testing.ports import free_port
 
 pytestmark = pytest.mark.anyio
 
@@ -32,16 +32,10 @@ COUNT = 200
 MODEL = ModelId("test/model")
 
 
-def _free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def _private_group() -> str:
-    # A group port of our own so concurrent test runs never scout each other.
-    return f"224.0.0.224:{_free_udp_port()}"
+    # A group port of our own (reserved across processes, see exo.testing.ports) so
+    # concurrent test runs never scout each other.
+    return f"224.0.0.224:{free_port()}"
 
 
 def _router(
