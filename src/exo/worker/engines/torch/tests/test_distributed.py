@@ -5,9 +5,7 @@ random-weight model of every model family (the family registry) and the real def
 from __future__ import annotations
 
 import itertools
-import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Iterator
@@ -23,6 +21,7 @@ from exo.shared.models.cards import card_from_local_directory
 from exo.shared.types.common import ModelId
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+from exo.testing.ports import free_port
 from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.quantize import WeightDtype
@@ -121,16 +120,8 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[Job], results: 
         results.put(("error", "", rank, traceback.format_exc()))
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def run_group(world_size: int, jobs: list[Job]) -> dict[str, JobResult]:
     """Spawn `world_size` ranks running `jobs`; every wait bounded, every process ended."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = free_port()
@@ -330,7 +321,6 @@ def _doomed_rank_main(
 
 
 def test_killed_rank_makes_rank_zero_raise(tiny_dirs: dict[str, Path]) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     context = multiprocessing.get_context("spawn")
     events, results, killed = context.Queue(), context.Queue(), context.Event()
     port = free_port()

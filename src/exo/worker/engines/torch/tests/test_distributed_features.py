@@ -6,7 +6,6 @@ logprobs."""
 from __future__ import annotations
 
 import math
-import os
 import queue
 import time
 import traceback
@@ -19,11 +18,11 @@ import torch.multiprocessing as multiprocessing
 
 from exo.shared.models.cards import card_from_local_directory
 from exo.shared.types.shards import PipelineShardMetadata
+from exo.testing.ports import free_port
 from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.tests.test_distributed import (
     GROUP_DEADLINE_S,
-    free_port,
     make_shard,
     request,
 )
@@ -97,7 +96,6 @@ def _rank_main(
 
 
 def run_group(model_dir: Path, mode: str, world_size: int = 2) -> list[Outcome]:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = free_port()
