@@ -84,12 +84,14 @@ def test_quantize_linears_float32_is_a_no_op_and_unknown_dtype_fails() -> None:
 
 
 def test_fused_rms_norm_matches_llama_rms_norm() -> None:
+    # Its own seeded generator: the global one's state depends on the tests run before.
+    generator = torch.Generator().manual_seed(0)
     norm = LlamaRMSNorm(576, eps=1e-5)
-    norm.weight.data.uniform_(0.5, 1.5)
+    norm.weight.data.uniform_(0.5, 1.5, generator=generator)
     holder = nn.ModuleDict({"norm": norm})
     assert fuse_rms_norms(holder, (LlamaRMSNorm,)) == 1
     assert isinstance(holder["norm"], FusedRMSNorm)
-    x = torch.randn(2, 7, 576)
+    x = torch.randn(2, 7, 576, generator=generator)
     torch.testing.assert_close(holder["norm"](x), norm(x))
 
 
