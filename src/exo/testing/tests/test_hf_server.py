@@ -113,8 +113,14 @@ def test_huggingface_hub_downloads_a_snapshot_and_requests_are_counted(
     from huggingface_hub import snapshot_download
 
     before = hub.file_requests("org/model", "model.safetensors")
+    # cache_dir: even with local_dir, huggingface_hub writes refs into its cache, which
+    # would otherwise be this machine's ~/.cache/huggingface, shared by every run.
     folder = snapshot_download(
-        "org/model", endpoint=hub.url, local_dir=tmp_path / "snapshot", token=False
+        "org/model",
+        endpoint=hub.url,
+        local_dir=tmp_path / "snapshot",
+        cache_dir=tmp_path / "hf-cache",
+        token=False,
     )
     assert (Path(folder) / "model.safetensors").read_bytes() == WEIGHTS
     assert (Path(folder) / "sub" / "notes.txt").read_bytes() == b"hello"
