@@ -37,6 +37,7 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.worker.engines.torch.engine import TorchEngine
+from exo.worker.engines.torch.engine_factory import load_engine
 
 DEFAULT_MODEL = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -83,7 +84,7 @@ def rank_main(
         if world_size > 1:
             init_group("gloo", rank, world_size, "127.0.0.1", port, timeout_s=120)
         shard = make_shard(Path(model_dir), mode, rank, world_size)
-        engine = TorchEngine.load(Path(model_dir), shard, weight_dtype=args.weight_dtype)
+        engine = load_engine(Path(model_dir), shard, weight_dtype=args.weight_dtype)
         engine.warmup()
         if rank != 0:
             engine.serve_forever()

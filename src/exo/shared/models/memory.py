@@ -153,3 +153,28 @@ def loading_peak_bytes(
     if share.holds_output_layer and head_read_in_float32:
         transient = max(transient, card.vocab_size * card.hidden_size * FLOAT32_BYTES)
     return resident + transient
+
+
+# Keys and values are held in the activations' dtype: float32 on CPU in every weight format.
+KV_CACHE_VALUE_BYTES = FLOAT32_BYTES
+# Tokens of KV cache a runner keeps room for by default (running requests and the prefix
+# cache together): eight concurrent requests of 2,048 tokens, or one of 16,384.
+DEFAULT_KV_CACHE_TOKENS = 16_384
+
+
+def kv_cache_bytes_per_token(card: ModelCard, share: WeightShare | None = None) -> int:
+    """Bytes of KV cache one token takes on a node holding `share`: layers × KV heads ×
+    head dim × 2 (a key and a value) × `KV_CACHE_VALUE_BYTES`; tensor ranks hold their
+    part of the KV heads (at least one each)."""
+    share = share or whole_model(card)
+    kv_heads = max(1, card.num_key_value_heads // share.tensor_parallel_ranks)
+    return share.layers * kv_heads * card.attention_head_dim * 2 * KV_CACHE_VALUE_BYTES
+
+
+def kv_cache_budget_bytes(
+    card: ModelCard, share: WeightShare | None = None, tokens: int | None = None
+) -> int:
+    """The KV cache memory a runner holding `share` may use: `tokens` (default
+    `DEFAULT_KV_CACHE_TOKENS`) times `kv_cache_bytes_per_token`."""
+    budget_tokens = DEFAULT_KV_CACHE_TOKENS if tokens is None else tokens
+    return budget_tokens * kv_cache_bytes_per_token(card, share)

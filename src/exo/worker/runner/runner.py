@@ -1,8 +1,12 @@
 """The runner: the subprocess that owns an engine and runs one shard of one instance.
 
-It runs one generation at a time (first come, first served) and checks its inbound
-pipe between decoded pieces, so a cancel or shutdown takes effect within one token.
-A crash here never takes the node down: the supervisor sees the pipe close.
+Once ready it hands every generation task to the engine at once (`submit`) and loops over
+`engine.step()`, each step advancing every running request by one token (continuous
+batching: a single-rank engine runs up to `max_concurrent_requests` at once, queueing the
+rest). Between steps it reads its inbound pipe without blocking, so a new request joins
+and a cancel or shutdown takes effect at the next step. A request that fails alone (the
+request was at fault) fails only itself. A crash here never takes the node down: the
+supervisor sees the pipe close.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import signal
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,6 +58,7 @@ from exo.shared.types.tasks import (
 )
 from exo.worker.engines.output_parsing import OutputParser
 from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
+from exo.worker.engines.torch.request_state import GeneratedPiece
 from exo.worker.runner.messages import (
     ChunkReport,
     RunnerInbound,
@@ -76,6 +83,35 @@ class _ShutdownRequested(Exception):
     pass
 
 
+class _PieceFeed:
+    """The pieces of one generation, handed to `parse_generation` one at a time (it reads
+    exactly one piece per output piece)."""
+
+    def __init__(self) -> None:
+        self.piece: GeneratedPiece | None = None
+
+    def __iter__(self) -> Iterator[GeneratedPiece]:
+        return self
+
+    def __next__(self) -> GeneratedPiece:
+        piece, self.piece = self.piece, None
+        if piece is None:
+            raise StopIteration
+        return piece
+
+
+@dataclass(eq=False)
+class _Generation:
+    """A task the engine is running: its output parser and whether its first chunk (which
+    carries the prompt's size) was sent."""
+
+    task: TextGeneration
+    prompt_tokens: int
+    feed: _PieceFeed
+    parsed: Iterator[OutputPiece]
+    first_sent: bool = field(default=False)
+
+
 class Runner:
     def __init__(
         self,
@@ -83,15 +119,18 @@ class Runner:
         shard: ShardMetadata,
         inbound: Connection,
         outbound: Connection,
+        max_concurrent_requests: int | None = None,
     ) -> None:
         self.runner_id = runner_id
         self.shard = shard
         self._inbound = inbound
         self._outbound = outbound
         self._engine: TorchEngine | None = None
-        self._queue: deque[TextGeneration] = deque()
+        self._queue: deque[TextGeneration] = deque()  # arrived before the engine was ready
+        self._generations: dict[str, _Generation] = {}  # by task id (the engine's request id)
         self._status: RunnerStatus = RunnerIdle()
         self._ready = RunnerReady()
+        self._max_concurrent_requests = max_concurrent_requests
 
     @property
     def _is_follower(self) -> bool:
@@ -108,10 +147,18 @@ class Runner:
                     self._follow()
                     continue
                 if self._queue and isinstance(self._status, RunnerReady | RunnerRunning):
-                    self._generate(self._queue.popleft())
+                    self._start_generation(self._queue.popleft())
+                    continue
+                if self._generations:
+                    self._handle_waiting_messages()
+                    if self._generations:
+                        self._step()
                     continue
                 self._handle(self._receive())
         except _ShutdownRequested:
+            for generation in list(self._generations.values()):
+                self._end_task(generation.task, TaskCancelled())
+            self._generations.clear()
             for task in self._queue:
                 self._end_task(task, TaskCancelled())
             if self._engine is not None and self.shard.world_size > 1 and not self._is_follower:
@@ -145,12 +192,12 @@ class Runner:
             case StartWarmup():
                 self._warm_up()
             case TextGeneration():
-                self._queue.append(message)
+                if isinstance(self._status, RunnerReady | RunnerRunning) and not self._queue:
+                    self._start_generation(message)
+                else:
+                    self._queue.append(message)
             case CancelTask(task_id=task_id):
-                for task in list(self._queue):
-                    if task.task_id == task_id:
-                        self._queue.remove(task)
-                        self._end_task(task, TaskCancelled())
+                self._cancel(task_id)
             case Shutdown():
                 raise _ShutdownRequested()
 
@@ -195,7 +242,8 @@ class Runner:
         raise _ShutdownRequested()
 
     def _load(self, model_dir: Path) -> None:
-        from exo.worker.engines.torch.engine import TorchEngine
+        from exo.worker.engines.torch.engine import DEFAULT_MAX_CONCURRENT_REQUESTS
+        from exo.worker.engines.torch.engine_factory import load_engine
 
         total_layers = self.shard.model_card.n_layers
         self._set_status(RunnerLoading(layers_loaded=0, total_layers=total_layers))
@@ -204,7 +252,12 @@ class Runner:
             self._set_status(RunnerLoading(layers_loaded=loaded, total_layers=total))
 
         try:
-            self._engine = TorchEngine.load(model_dir, self.shard, on_layer_loaded=on_layer_loaded)
+            self._engine = load_engine(
+                model_dir, self.shard, on_layer_loaded=on_layer_loaded,
+                max_concurrent_requests=(
+                    self._max_concurrent_requests or DEFAULT_MAX_CONCURRENT_REQUESTS
+                ),
+            )  # fmt: skip
         except Exception as error:
             logger.opt(exception=error).error(f"runner {self.runner_id}: loading failed")
             self._set_status(RunnerFailed(error_message=f"loading failed: {error}"))
@@ -224,21 +277,26 @@ class Runner:
             self._set_status(RunnerFailed(error_message=f"warm-up failed: {error}"))
             return
         logger.info(f"runner {self.runner_id}: warmed up in {time.perf_counter() - started:.1f}s")
-        self._ready = RunnerReady(weight_bytes=parameter_bytes(self._engine.model))
+        self._ready = RunnerReady(
+            weight_bytes=parameter_bytes(self._engine.model),
+            max_concurrent_requests=self._engine.max_concurrent_requests,
+        )
         self._set_status(self._ready)
 
     # -- generation ------------------------------------------------------------------
 
-    def _generate(self, task: TextGeneration) -> None:
+    def _start_generation(self, task: TextGeneration) -> None:
+        """Hand a task to the engine (it joins the batch at the next step); a request the
+        engine refuses (too long, a template refusal) fails alone with a 400."""
         assert self._engine is not None, "generation is only started when ready"
-        self._set_status(RunnerRunning())
         self._send(TaskStatusReport(task_id=task.task_id, status=TaskRunning()))
         try:
             prompt = self._engine.render_prompt(task.params)
+            handle = self._engine.submit(task.params, prompt, request_id=str(task.task_id))
         except Exception as error:
             self._fail_generation(task, error)
+            self._update_status()
             return
-        pieces = self._engine.generate(task.params, prompt)
         # A constrained request's output is the JSON document alone: no thinking section.
         # A raw prompt's output is returned as generated.
         constrained = task.params.forces_tool_call or task.params.response_format != "text"
@@ -249,30 +307,73 @@ class Runner:
             forced_tool_call=task.params.forces_tool_call,
             parse_reasoning=not constrained and not task.params.is_raw,
         )
-        # The first chunk tells the API the prompt's size (Claude reports it up front).
-        prompt_tokens: int | None = len(prompt.token_ids)
+        feed = _PieceFeed()
+        parsed = parse_generation(feed, parser, task.params)
+        self._generations[str(task.task_id)] = _Generation(task, handle.prompt_tokens, feed, parsed)
+        self._update_status()
+
+    def _step(self) -> None:
+        """One engine step; stream each request's pieces, end the finished ones."""
+        assert self._engine is not None
         try:
-            for piece in parse_generation(pieces, parser, task.params):
-                self._send_piece(task, piece, prompt_tokens)
-                prompt_tokens = None
-                if piece.finish_reason is not None:
-                    break
-                if self._cancelled_while_running(task):
-                    pieces.close()
-                    self._end_task(task, TaskCancelled())
-                    self._set_status(self._ready)
-                    return
-        except _ShutdownRequested:
-            pieces.close()
-            self._end_task(task, TaskCancelled())
-            raise
-        except Exception as error:
-            pieces.close()
-            self._fail_generation(task, error)
+            outputs = self._engine.step()
+        except Exception as error:  # the forward pass failed: every running request fails
+            for failed in list(self._generations.values()):
+                self._fail_generation(failed.task, error)
+            self._generations.clear()
+            if not isinstance(self._status, RunnerFailed):
+                self._update_status()
             return
-        else:
-            self._send(TaskStatusReport(task_id=task.task_id, status=TaskComplete()))
-        self._set_status(self._ready)
+        for request_id, output in outputs:
+            generation = self._generations.get(request_id)
+            if generation is None:
+                continue
+            if isinstance(output, Exception):
+                del self._generations[request_id]
+                self._fail_generation(generation.task, output)
+                continue
+            try:
+                generation.feed.piece = output
+                piece = next(generation.parsed)
+            except Exception as error:
+                self._engine.cancel(request_id)
+                del self._generations[request_id]
+                self._fail_generation(generation.task, error)
+                continue
+            prompt_tokens = None if generation.first_sent else generation.prompt_tokens
+            self._send_piece(generation.task, piece, prompt_tokens)
+            generation.first_sent = True
+            if piece.finish_reason is not None:
+                del self._generations[request_id]
+                self._send(TaskStatusReport(task_id=generation.task.task_id, status=TaskComplete()))
+        if not isinstance(self._status, RunnerFailed):
+            self._update_status()
+
+    def _update_status(self) -> None:
+        """RunnerRunning while any generation runs, else ready (reported on change)."""
+        if isinstance(self._status, RunnerFailed):
+            return
+        status: RunnerStatus = RunnerRunning() if self._generations else self._ready
+        if status != self._status:
+            self._set_status(status)
+
+    def _cancel(self, task_id: str) -> None:
+        """End a queued or running task with a final "cancelled" chunk."""
+        for task in list(self._queue):
+            if task.task_id == task_id:
+                self._queue.remove(task)
+                self._end_task(task, TaskCancelled())
+        generation = self._generations.pop(str(task_id), None)
+        if generation is not None:
+            if self._engine is not None:
+                self._engine.cancel(str(task_id))
+            self._end_task(generation.task, TaskCancelled())
+            self._update_status()
+
+    def _handle_waiting_messages(self) -> None:
+        """Handle every message that arrived since the last step, without blocking."""
+        while self._inbound.poll(0):
+            self._handle(self._receive())
 
     def _send_piece(
         self, task: TextGeneration, piece: OutputPiece, prompt_tokens: int | None = None
@@ -362,19 +463,6 @@ class Runner:
         )
         if self.shard.world_size > 1 and not bad_request:
             self._set_status(RunnerFailed(error_message=f"process group failed: {error}"))
-            return
-        self._set_status(self._ready)
-
-    def _cancelled_while_running(self, running: TextGeneration) -> bool:
-        """Handle every message that arrived meanwhile; True if `running` was cancelled."""
-        cancelled = False
-        while self._inbound.poll(0):
-            message = self._receive()
-            if isinstance(message, CancelTask) and message.task_id == running.task_id:
-                cancelled = True
-            else:
-                self._handle(message)
-        return cancelled
 
     def _end_task(self, task: TextGeneration, status: TaskStatus) -> None:
         """End a task that did not run to completion; its stream gets a final chunk."""
@@ -441,7 +529,12 @@ def _die_with_parent() -> None:
 
 
 def runner_main(
-    runner_id: str, shard_json: str, inbound: Connection, outbound: Connection, log_level: str
+    runner_id: str,
+    shard_json: str,
+    inbound: Connection,
+    outbound: Connection,
+    log_level: str,
+    max_concurrent_requests: int | None = None,
 ) -> None:
     """Entry point of the spawned runner process."""
     from pydantic import TypeAdapter
@@ -452,4 +545,4 @@ def runner_main(
     logger.remove()
     logger.add(sys.stderr, level=log_level, format="{time:HH:mm:ss} runner | {level} | {message}")
     shard: ShardMetadata = TypeAdapter(ShardMetadata).validate_json(shard_json)
-    Runner(RunnerId(runner_id), shard, inbound, outbound).run()
+    Runner(RunnerId(runner_id), shard, inbound, outbound, max_concurrent_requests).run()

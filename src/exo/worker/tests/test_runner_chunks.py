@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from multiprocessing import Pipe
 from typing import Any, cast
 
@@ -14,7 +13,7 @@ from exo.shared.types.common import RunnerId
 from exo.shared.types.text_generation import ToolDefinition
 from exo.testing.builders import make_params, make_shard, make_text_generation_task
 from exo.worker.engines.prompt import RenderedPrompt
-from exo.worker.engines.torch.engine import GeneratedPiece
+from exo.worker.engines.torch.engine import GeneratedPiece, RequestHandle
 from exo.worker.runner.messages import ChunkReport, RunnerOutbound
 from exo.worker.runner.runner import Runner
 
@@ -23,10 +22,13 @@ OUTBOUND = TypeAdapter[RunnerOutbound](RunnerOutbound)
 
 
 class ScriptedEngine:
-    """Renders a 17-token prompt and yields the given pieces."""
+    """Renders a 17-token prompt and returns the given pieces, one per step."""
+
+    max_concurrent_requests = 1
 
     def __init__(self, pieces: list[GeneratedPiece]) -> None:
         self._pieces = pieces
+        self._request_id = ""
 
     def render_prompt(self, params: Any) -> RenderedPrompt:
         return RenderedPrompt(
@@ -34,8 +36,15 @@ class ScriptedEngine:
             thinking_open=False, tools_in_template=False,
         )  # fmt: skip
 
-    def generate(self, params: Any, prompt: RenderedPrompt) -> Iterator[GeneratedPiece]:
-        yield from self._pieces
+    def submit(self, params: Any, prompt: RenderedPrompt, request_id: str) -> RequestHandle:
+        self._request_id = request_id
+        return RequestHandle(request_id, len(prompt.token_ids))
+
+    def step(self) -> list[tuple[str, GeneratedPiece]]:
+        return [(self._request_id, self._pieces.pop(0))] if self._pieces else []
+
+    def cancel(self, request_id: str) -> bool:
+        return False
 
 
 def chunks_of_one_generation(pieces: list[GeneratedPiece], **params: Any) -> list[Chunk]:
@@ -44,7 +53,10 @@ def chunks_of_one_generation(pieces: list[GeneratedPiece], **params: Any) -> lis
     runner = Runner(RunnerId("runner-1"), make_shard(), inbound_reader, outbound_writer)
     runner._engine = cast(Any, ScriptedEngine(pieces))
     task = make_text_generation_task(params=make_params().model_copy(update=params))
-    runner._generate(task)
+    runner._start_generation(task)
+    for _step in range(len(pieces)):
+        runner._step()
+    assert not runner._generations, "the generation finished with its last piece"
     chunks: list[Chunk] = []
     while outbound_reader.poll(0):
         message = OUTBOUND.validate_json(outbound_reader.recv_bytes())

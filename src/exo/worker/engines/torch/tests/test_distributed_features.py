@@ -21,6 +21,7 @@ from exo.shared.types.shards import PipelineShardMetadata
 from exo.testing.ports import free_port
 from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.engine import TorchEngine
+from exo.worker.engines.torch.engine_factory import load_engine
 from exo.worker.engines.torch.tests.test_distributed import (
     GROUP_DEADLINE_S,
     make_shard,
@@ -82,7 +83,7 @@ def _rank_main(
     try:
         init_group("gloo", rank, world_size, "127.0.0.1", port, timeout_s=60)
         shard = make_shard(Path(model_dir), mode, rank, world_size)
-        engine = TorchEngine.load(Path(model_dir), shard, weight_dtype="float32")
+        engine = load_engine(Path(model_dir), shard, weight_dtype="float32")
         engine.warmup()
         if rank == 0:
             results.put(("outcomes", rank, generate_all(engine)))
@@ -143,7 +144,7 @@ def single_process(tiny_dir: Path) -> list[Outcome]:
     shard = PipelineShardMetadata(
         model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
     )
-    return generate_all(TorchEngine.load(tiny_dir, shard, weight_dtype="float32"))
+    return generate_all(load_engine(tiny_dir, shard, weight_dtype="float32"))
 
 
 def assert_same(sharded: list[Outcome], single: list[Outcome]) -> None:

@@ -10,6 +10,7 @@ from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import PipelineShardMetadata, TensorShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.worker.engines.torch.engine import GeneratedPiece, PromptTooLongError, TorchEngine
+from exo.worker.engines.torch.engine_factory import load_engine
 
 
 def request(content: str, model: str = "m", **fields: Any) -> TextGenerationTaskParams:
@@ -97,9 +98,9 @@ def test_tiny_closing_generator_frees_kv_cache(tiny_engine: TorchEngine) -> None
     tiny_engine.eos_token_ids = frozenset({-1})
     generator = tiny_engine.generate(request("Go on", temperature=1.0, seed=1, max_tokens=50))
     next(generator)
-    assert tiny_engine._cache_pool.active_session is not None
+    assert tiny_engine.has_work and tiny_engine.scheduler.kv_tokens() > 0
     generator.close()
-    assert tiny_engine._cache_pool.active_session is None
+    assert not tiny_engine.has_work and tiny_engine.scheduler.kv_tokens() == 0
     # The engine serves the next request normally.
     final = list(tiny_engine.generate(request("Again", temperature=0.0, max_tokens=3)))[-1]
     assert final.usage is not None and final.usage.completion_tokens == 3
@@ -110,6 +111,8 @@ def test_multi_rank_shard_needs_a_process_group(tiny_card: ModelCard, tiny_model
         model_card=tiny_card, device_rank=0, world_size=2, start_layer=0, end_layer=1
     )
     with pytest.raises(RuntimeError, match="init_group"):
+        load_engine(tiny_model_dir, shard)
+    with pytest.raises(ValueError, match="load_engine"):
         TorchEngine.load(tiny_model_dir, shard)
 
 
@@ -130,8 +133,13 @@ def test_real_greedy_answer_is_paris(real_engine: TorchEngine) -> None:
 
 
 def test_real_same_seed_same_text(real_engine: TorchEngine) -> None:
+    # The same computation each time: a prefix-cache hit computes the last prompt token
+    # alone, and the int4 kernels' rounding depends on the rows in a call (the logits move
+    # by ~1e-2, enough to change a draw at temperature 1; test_batching.py bounds it).
     params = request("Write a short poem about the sea.", temperature=1.0, seed=42, max_tokens=24)
+    real_engine.clear_prefix_cache()
     first = "".join(piece.text for piece in real_engine.generate(params))
+    real_engine.clear_prefix_cache()
     second = "".join(piece.text for piece in real_engine.generate(params))
     other = "".join(
         piece.text for piece in real_engine.generate(params.model_copy(update={"seed": 7}))

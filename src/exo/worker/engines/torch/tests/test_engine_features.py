@@ -16,9 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from exo.shared.types.text_generation import NamedToolChoice, ToolDefinition
+from exo.worker.engines.torch import scheduler as scheduler_module
 from exo.worker.engines.torch.constrained import JsonRecognizer, parse_forced_tool_call
 from exo.worker.engines.torch.engine import GeneratedPiece, TorchEngine
-from exo.worker.engines.torch.kv_cache import DecodeSession
 from exo.worker.engines.torch.tests.test_engine import check_stream_shape, request
 
 TOOLS = (ToolDefinition(name="get_weather"), ToolDefinition(name="search"))
@@ -199,33 +199,18 @@ def test_logprob_bytes_rebuild_a_split_character(tiny_engine: TorchEngine) -> No
 # --- constrained decoding -------------------------------------------------------------------
 
 
-class NudgedSession:
-    """A decode session whose logits favour a few characters. A random model almost never
-    closes a string; nudging `"`, `}`, `]`, `:`, `1` makes a complete document likely within
-    the context, while the constraint still decides every token."""
-
-    def __init__(self, session: DecodeSession, bias: torch.Tensor) -> None:
-        self._session = session
-        self._bias = bias
-
-    def prefill(self, prompt_ids: list[int]) -> torch.Tensor:
-        return self._session.prefill(prompt_ids) + self._bias
-
-    def decode(self, token_id: int) -> torch.Tensor:
-        return self._session.decode(token_id) + self._bias
-
-    def close(self) -> None:
-        self._session.close()
-
-
 @pytest.fixture()
 def nudged_engine(tiny_engine: TorchEngine, monkeypatch: pytest.MonkeyPatch) -> TorchEngine:
+    """Logits that favour a few characters. A random model almost never closes a string;
+    nudging `"`, `}`, `]`, `:`, `1` makes a complete document likely within the context,
+    while the constraint still decides every token."""
     bias = torch.zeros(tiny_engine.vocab_size)
     for text in ('"', "}", "]", ":", "1"):
         bias[tiny_engine.tokenizer.encode(text, add_special_tokens=False)[0]] = 12.0
-    pool: Any = tiny_engine._cache_pool
-    open_session = pool.open
-    monkeypatch.setattr(pool, "open", lambda capacity: NudgedSession(open_session(capacity), bias))
+    forward = scheduler_module.forward_batch
+    monkeypatch.setattr(
+        scheduler_module, "forward_batch", lambda *args, **kwargs: forward(*args, **kwargs) + bias
+    )
     return tiny_engine
 
 

@@ -1,0 +1,333 @@
+"""One forward pass over a batch of requests: their KV slots and the attention that keeps
+them apart.
+
+The step's new tokens of every running request (one per decoding request, a chunk of the
+prompt per prefilling one) are flattened into one `[1, T]` sequence with per-request
+`position_ids`, so the decoder layers' linears and MLPs run once over all `T` rows. Only
+attention must know where one request ends: the model is switched to the attention
+implementation `BATCHED_ATTENTION` (registered through transformers' `AttentionInterface`),
+which, while a `BatchPlan` is active, writes each request's new keys/values into that
+request's slot of `SlotKVCache` and attends each request's queries to its own keys only
+(causal within its new tokens, within the layer's sliding window). Outside a plan (the
+multi-rank engines' sessions) it is transformers' SDPA attention, with SDPA's masks.
+
+Decoding requests attend in one SDPA call over the slots `[S, kv_heads, max_len, head_dim]`
+(a view of the cache: nothing is copied) with a `[S, 1, 1, max_len]` key-validity mask;
+each prefill chunk attends in its own call (a handful per step). This is the layout of
+vLLM's "continuous batching" (Yu et al. 2022, "Orca", iteration-level scheduling) with
+contiguous per-request buffers instead of paged blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    AttentionMaskInterface,
+    sdpa_mask,
+)
+
+BATCHED_ATTENTION = "exo_batched"
+
+# Initial per-slot capacity in tokens; buffers double when a request outgrows them.
+INITIAL_SLOT_CAPACITY = 256
+
+
+class SlotKVCache:
+    """Keys and values of the running requests, one slot per request.
+
+    Per decoder layer, `keys[layer]` / `values[layer]` are `[slots, kv_heads, capacity,
+    head_dim]`; slot `s` holds `lengths[s]` positions. Occupied slots are always
+    `0 .. occupied - 1` (a freed slot is filled by moving the last one into it), so the
+    decoding requests' keys are one view `keys[layer][:occupied, :, :max_len]`.
+    `torch.empty` reserves address space only: pages are backed as positions are written.
+
+    Args:
+        layers: decoder layers of this shard.
+        kv_heads: key/value heads per layer (this rank's).
+        head_dim: width of one head.
+        dtype: dtype of the keys and values (the model's activations).
+        device: where they live.
+        slots: most requests held at once.
+    """
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        slots: int,
+    ) -> None:
+        self.slots = slots
+        self.capacity = INITIAL_SLOT_CAPACITY
+        shape = (slots, kv_heads, self.capacity, head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.lengths = [0] * slots
+        self.occupied = 0
+
+    def allocate(self) -> int:
+        """A free slot (length 0).
+
+        Raises:
+            RuntimeError: every slot is taken.
+        """
+        if self.occupied >= self.slots:
+            raise RuntimeError("no free KV slot")
+        slot = self.occupied
+        self.occupied += 1
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> int | None:
+        """Release `slot`; the last occupied slot moves into it.
+
+        Returns:
+            The slot that moved into `slot` (its owner must update its slot number), or
+            None when `slot` was the last one.
+        """
+        last = self.occupied - 1
+        self.occupied -= 1
+        if slot == last:
+            self.lengths[slot] = 0
+            return None
+        length = self.lengths[last]
+        for tensors in (self.keys, self.values):
+            for layer in tensors:
+                layer[slot, :, :length].copy_(layer[last, :, :length])
+        self.lengths[slot], self.lengths[last] = length, 0
+        return last
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for `tokens` positions per slot (doubling the capacity; only the
+        filled positions are copied)."""
+        if tokens <= self.capacity:
+            return
+        capacity = max(tokens, 2 * self.capacity)
+        for tensors in (self.keys, self.values):
+            for index, old in enumerate(tensors):
+                new = old.new_empty((old.shape[0], old.shape[1], capacity, old.shape[3]))
+                for slot in range(self.occupied):
+                    length = self.lengths[slot]
+                    new[slot, :, :length].copy_(old[slot, :, :length])
+                tensors[index] = new
+        self.capacity = capacity
+
+    def read(self, slot: int, length: int) -> torch.Tensor:
+        """A copy of the slot's first `length` positions as `[layers, 2, kv_heads, length,
+        head_dim]` (for the prefix cache)."""
+        return torch.stack(
+            [
+                torch.stack((keys[slot, :, :length], values[slot, :, :length]))
+                for keys, values in zip(self.keys, self.values, strict=True)
+            ]
+        )
+
+    def write(self, slot: int, kv: torch.Tensor, length: int) -> None:
+        """Fill the slot's first `length` positions from `read`'s layout."""
+        self.reserve(length)
+        for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+            keys[slot, :, :length].copy_(kv[layer, 0, :, :length])
+            values[slot, :, :length].copy_(kv[layer, 1, :, :length])
+        self.lengths[slot] = length
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSegment:
+    """A chunk of one request's prompt in the flattened step: rows `offset .. offset + n`
+    go to positions `start .. start + n` of `slot`."""
+
+    slot: int
+    start: int
+    offset: int
+    length: int
+
+
+@dataclass(slots=True)
+class BatchPlan:
+    """Where each row of the flattened step goes.
+
+    Rows `0 .. len(decode_slots) - 1` are one token of each decoding request (slots in
+    ascending order, position `decode_positions[i]`); prefill segments follow.
+    """
+
+    cache: SlotKVCache
+    windows: Sequence[int | None]  # per layer: sliding window in tokens, None for full
+    decode_slots: list[int]
+    decode_positions: list[int]
+    prefill: list[PrefillSegment]
+    layer_of: dict[int, int]  # id(attention module) -> layer index in the cache
+    # Filled by `prepare`:
+    decode_index: torch.Tensor | None = None  # [D] slots (int64)
+    decode_pos: torch.Tensor | None = None  # [D] positions (int64)
+    masks: dict[int | None, torch.Tensor] | None = None  # window -> [S, 1, 1, max_len] bool
+    all_slots_decode: bool = False
+
+    def prepare(self, device: torch.device) -> None:
+        """Index tensors and the decode masks, once per step (shared by every layer)."""
+        if not self.decode_slots:
+            return
+        self.decode_index = torch.tensor(self.decode_slots, dtype=torch.long, device=device)
+        self.decode_pos = torch.tensor(self.decode_positions, dtype=torch.long, device=device)
+        occupied = self.cache.occupied
+        self.all_slots_decode = self.decode_slots == list(range(occupied))
+        # Key positions visible to each slot's new token: those written so far, this one
+        # included; other slots' rows are never read.
+        ends = torch.zeros(occupied, dtype=torch.long, device=device)
+        ends[self.decode_index] = self.decode_pos + 1
+        max_len = int(ends.max().item())
+        keys = torch.arange(max_len, device=device)  # [max_len]
+        self.masks = {}
+        for window in set(self.windows):
+            visible = keys[None, :] < ends[:, None]  # [S, max_len]
+            if window is not None:
+                visible &= keys[None, :] > ends[:, None] - 1 - window
+            self.masks[window] = visible[:, None, None, :]
+
+
+_active_plan: BatchPlan | None = None
+
+
+def batched_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The attention of `BATCHED_ATTENTION` (transformers' attention-function signature).
+
+    Args:
+        query: `[1, heads, T, head_dim]` the step's queries (rotary applied).
+        key / value: `[1, kv_heads, T, head_dim]` the step's new keys/values (no cache is
+            passed to the model in a batched step, so these are only the new rows).
+
+    Returns:
+        `[1, T, heads, head_dim]` attention output, and no weights.
+    """
+    plan = _active_plan
+    if plan is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    layer = plan.layer_of[id(module)]
+    window = plan.windows[layer]
+    keys, values = plan.cache.keys[layer], plan.cache.values[layer]
+    output = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+    decoding = len(plan.decode_slots)
+    if decoding:
+        assert plan.decode_index is not None and plan.decode_pos is not None
+        assert plan.masks is not None
+        new_keys = key[0, :, :decoding].transpose(0, 1)  # [D, kv_heads, head_dim]
+        new_values = value[0, :, :decoding].transpose(0, 1)
+        keys[plan.decode_index, :, plan.decode_pos] = new_keys
+        values[plan.decode_index, :, plan.decode_pos] = new_values
+        mask = plan.masks[window]  # [S, 1, 1, max_len]
+        max_len = mask.shape[-1]
+        occupied = mask.shape[0]
+        queries = query[0, :, :decoding].transpose(0, 1).unsqueeze(2)  # [D, heads, 1, dim]
+        if not plan.all_slots_decode:  # a prefilling request holds a slot between them
+            full = query.new_zeros(occupied, *queries.shape[1:])
+            full[plan.decode_index] = queries
+            queries = full
+        attended = F.scaled_dot_product_attention(
+            queries, keys[:occupied, :, :max_len], values[:occupied, :, :max_len],
+            attn_mask=mask, scale=scaling, enable_gqa=True,
+        )  # fmt: skip  # [S, heads, 1, dim]
+        if not plan.all_slots_decode:
+            attended = attended[plan.decode_index]
+        output[0, :decoding] = attended[:, :, 0]
+    for segment in plan.prefill:
+        rows = slice(segment.offset, segment.offset + segment.length)
+        end = segment.start + segment.length
+        keys[segment.slot, :, segment.start : end] = key[0, :, rows]
+        values[segment.slot, :, segment.start : end] = value[0, :, rows]
+        first = 0 if window is None else max(0, segment.start - window + 1)
+        segment_keys = keys[segment.slot : segment.slot + 1, :, first:end]
+        segment_values = values[segment.slot : segment.slot + 1, :, first:end]
+        queries = query[:, :, rows]  # [1, heads, n, dim]
+        if segment.start == 0 and window is None:
+            attended = F.scaled_dot_product_attention(
+                queries, segment_keys, segment_values, is_causal=True, scale=scaling,
+                enable_gqa=True,
+            )  # fmt: skip
+        else:
+            query_positions = torch.arange(segment.start, end, device=query.device)[:, None]
+            key_positions = torch.arange(first, end, device=query.device)[None, :]
+            visible = key_positions <= query_positions  # [n, keys]
+            if window is not None:
+                visible &= key_positions > query_positions - window
+            attended = F.scaled_dot_product_attention(
+                queries, segment_keys, segment_values, attn_mask=visible, scale=scaling,
+                enable_gqa=True,
+            )  # fmt: skip
+        output[0, rows] = attended[0].transpose(0, 1)
+    return output, None
+
+
+def _batched_mask(*args: Any, **kwargs: Any) -> Any:
+    """SDPA's mask outside a batched step; none inside (the attention builds its own)."""
+    if _active_plan is not None:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def use_batched_attention(model: PreTrainedModel) -> None:
+    """Switch `model` to `BATCHED_ATTENTION` (SDPA behaviour outside a `BatchPlan`)."""
+    AttentionInterface.register(BATCHED_ATTENTION, batched_attention_forward)
+    AttentionMaskInterface.register(BATCHED_ATTENTION, _batched_mask)
+    assert BATCHED_ATTENTION in ALL_MASK_ATTENTION_FUNCTIONS
+    model.set_attn_implementation(BATCHED_ATTENTION)
+
+
+def attention_layers(model: PreTrainedModel) -> dict[int, int]:
+    """id(attention module) -> index of its decoder layer among this shard's layers."""
+    layers: Any = model.model.layers
+    return {id(layer.self_attn): index for index, layer in enumerate(layers)}
+
+
+@torch.inference_mode()
+def forward_batch(
+    model: PreTrainedModel,
+    plan: BatchPlan,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    logit_rows: torch.Tensor,
+) -> torch.Tensor:
+    """Run one batched step.
+
+    Args:
+        input_ids / position_ids: `[1, T]` int64, rows laid out as `plan` says.
+        logit_rows: `[R]` int64 rows whose logits are wanted.
+
+    Returns:
+        `[R, vocab]` float32 logits.
+    """
+    global _active_plan
+    plan.prepare(input_ids.device)
+    _active_plan = plan
+    try:
+        output = model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False,
+            logits_to_keep=logit_rows,
+        )  # fmt: skip
+    finally:
+        _active_plan = None
+    for segment in plan.prefill:
+        plan.cache.lengths[segment.slot] = segment.start + segment.length
+    for slot, position in zip(plan.decode_slots, plan.decode_positions, strict=True):
+        plan.cache.lengths[slot] = position + 1
+    logits: torch.Tensor = output.logits[0].float()
+    return logits

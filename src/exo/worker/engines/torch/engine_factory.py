@@ -1,0 +1,37 @@
+"""Which engine serves a shard: `TorchEngine` for a whole model on one rank, the
+`DistributedTorchEngine` for a rank of a split (pipeline or tensor) instance. The one place
+that knows both, so neither engine module imports the other's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from exo.shared.types.shards import ShardMetadata
+from exo.worker.engines.torch.distributed_engine import DistributedTorchEngine
+from exo.worker.engines.torch.engine import DEFAULT_MAX_CONCURRENT_REQUESTS, TorchEngine
+from exo.worker.engines.torch.loading import LayerProgressCallback
+from exo.worker.engines.torch.quantize import WeightDtype
+
+
+def load_engine(
+    model_dir: Path,
+    shard: ShardMetadata,
+    device: str = "cpu",
+    on_layer_loaded: LayerProgressCallback | None = None,
+    weight_dtype: WeightDtype | None = None,
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+) -> TorchEngine:
+    """Load the engine for `shard` (arguments as `TorchEngine.load`).
+
+    A multi-rank shard needs its process group first (`distributed.init_group`); its
+    engine runs one request at a time (`max_concurrent_requests` applies to one rank).
+
+    Raises:
+        RuntimeError: a multi-rank shard without a matching process group.
+        ValueError / UnsupportedArchitectureError: as `TorchEngine.load`.
+    """
+    if shard.world_size > 1:
+        return DistributedTorchEngine.load(model_dir, shard, device, on_layer_loaded, weight_dtype)
+    return TorchEngine.load(
+        model_dir, shard, device, on_layer_loaded, weight_dtype, max_concurrent_requests
+    )

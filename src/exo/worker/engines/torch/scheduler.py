@@ -1,0 +1,298 @@
+"""Continuous batching on one rank: which requests run in each step, and the step itself.
+
+Every `step()` runs ONE forward pass (`batch_attention.forward_batch`) over one new token of
+each decoding request plus chunks of at most `PREFILL_TOKENS_PER_STEP` prompt tokens of the
+requests still prefilling, so a long new prompt never stalls the running streams (chunked
+prefill, as in Agrawal et al. 2024, "Sarathi-Serve"). Requests join at any step and leave
+when they finish or are cancelled (iteration-level scheduling, Yu et al. 2022, "Orca").
+
+Memory: the KV of running requests and of the prefix cache share one budget in tokens
+(`budget_tokens`, from the KV-cache memory budget). A waiting request is admitted, first
+come first served, when a slot is free (`max_running`) and its known tokens fit beside the
+running ones (the prefix cache gives way). When the running requests outgrow the budget
+mid-decode, the most recently admitted one is pre-empted: its KV is dropped and it goes back
+to the front of the queue, to be recomputed later from its prompt and the tokens it already
+generated (vLLM's recompute pre-emption); its streamed output is unaffected. A request
+alone always fits: the engine caps its tokens at the budget.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from loguru import logger
+from transformers import PreTrainedModel
+
+from exo.worker.engines.torch.batch_attention import (
+    BatchPlan,
+    PrefillSegment,
+    SlotKVCache,
+    forward_batch,
+)
+from exo.worker.engines.torch.prefix_cache import PrefixCache
+from exo.worker.engines.torch.request_state import GeneratedPiece, RequestState
+
+# Prompt tokens prefilled per step, over all prefilling requests. A step costs about one
+# decode step plus the chunk's prefill; on the 2-core reference machine (SmolLM2-135M, int4)
+# a decode step takes ~10 ms and prefill runs at ~1,000 tok/s, so 32 tokens add ~30 ms:
+# a running stream's inter-token gap stays within ~3x of idle while a long prompt is
+# admitted (bench/bench_concurrency.py), and the chunk stays within the int4 layers'
+# fused-kernel rows (`Int4Linear.fused_max_rows` = 64) with a batch of decodes.
+PREFILL_TOKENS_PER_STEP = 32
+
+StepOutput = tuple[str, GeneratedPiece | Exception]
+
+
+@dataclass(eq=False, slots=True)
+class _Running:
+    """A request holding a KV slot: `tokens[:computed]` have KV in `slot`; while
+    `computed < len(tokens)` it is prefilling, then `tokens[-1]` is fed each step."""
+
+    state: RequestState
+    slot: int
+    tokens: list[int]
+    computed: int
+    admitted: int  # admission order (pre-emption takes the latest)
+
+    @property
+    def prefilling(self) -> bool:
+        """More than one token left to compute (one left is a decode step)."""
+        return len(self.tokens) - self.computed > 1
+
+
+class BatchScheduler:
+    """Runs the requests of one single-rank engine in batched steps.
+
+    Args:
+        model: the whole model (switched to `BATCHED_ATTENTION`).
+        cache: the slots' KV (`cache.slots` = most requests running at once).
+        windows: per layer, the sliding window in tokens or None.
+        layer_of: `batch_attention.attention_layers(model)`.
+        budget_tokens: KV budget over running requests and the prefix cache, in tokens.
+        prefix_cache: where finished requests' KV is kept (None: no reuse).
+        device: where inputs go.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        cache: SlotKVCache,
+        windows: Sequence[int | None],
+        layer_of: dict[int, int],
+        budget_tokens: int,
+        prefix_cache: PrefixCache | None,
+        device: torch.device,
+    ) -> None:
+        self._model = model
+        self._cache = cache
+        self._windows = windows
+        self._layer_of = layer_of
+        self.budget_tokens = budget_tokens
+        self.prefix_cache = prefix_cache
+        self._device = device
+        self._waiting: deque[RequestState] = deque()
+        self._running: list[_Running] = []
+        self._admissions = itertools.count()
+        self.preemptions = 0
+
+    @property
+    def max_running(self) -> int:
+        return self._cache.slots
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def running_ids(self) -> list[str]:
+        return [running.state.request_id for running in self._running]
+
+    @property
+    def waiting_ids(self) -> list[str]:
+        return [state.request_id for state in self._waiting]
+
+    def add(self, state: RequestState) -> None:
+        """Queue a request (admitted at a later `step`)."""
+        self._waiting.append(state)
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a waiting or running request and free its KV; False if unknown."""
+        for state in self._waiting:
+            if state.request_id == request_id:
+                self._waiting.remove(state)
+                return True
+        for running in self._running:
+            if running.state.request_id == request_id:
+                self._release(running, keep_prefix=False)
+                return True
+        return False
+
+    def kv_tokens(self) -> int:
+        """Tokens of KV held now by running requests (the prefix cache not counted)."""
+        return sum(running.computed for running in self._running)
+
+    # -- one step ---------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Admit what fits, run one forward pass, sample one token per request that has
+        logits this step.
+
+        Returns:
+            `(request_id, piece)` per streamed piece (a request may finish here), or
+            `(request_id, error)` for a request that failed on its own (e.g. its constraint
+            allows no token); the other requests go on.
+
+        Raises:
+            Exception: the forward pass itself failed (every running request is dropped).
+        """
+        self._admit()
+        if not self._running:
+            return []
+        decoding, prefill = self._schedule()
+        if not decoding and not prefill:
+            return []
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        sampled: list[_Running] = []
+        for running in decoding:
+            logit_rows.append(len(input_ids))
+            input_ids.append(running.tokens[-1])
+            positions.append(running.computed)
+            sampled.append(running)
+        segments: list[PrefillSegment] = []
+        for running, length in prefill:
+            start = running.computed
+            segments.append(PrefillSegment(running.slot, start, len(input_ids), length))
+            input_ids.extend(running.tokens[start : start + length])
+            positions.extend(range(start, start + length))
+            if start + length == len(running.tokens):
+                logit_rows.append(len(input_ids) - 1)
+                sampled.append(running)
+        ends = [running.computed + 1 for running in decoding]
+        ends += [running.computed + length for running, length in prefill]
+        self._cache.reserve(max(ends))
+        plan = BatchPlan(
+            cache=self._cache,
+            windows=self._windows,
+            decode_slots=[running.slot for running in decoding],
+            decode_positions=[running.computed for running in decoding],
+            prefill=segments,
+            layer_of=self._layer_of,
+        )
+        device = self._device
+        try:
+            logits = forward_batch(
+                self._model,
+                plan,
+                torch.tensor([input_ids], dtype=torch.long, device=device),
+                torch.tensor([positions], dtype=torch.long, device=device),
+                torch.tensor(logit_rows, dtype=torch.long, device=device),
+            )
+        except Exception:
+            for running in list(self._running):
+                self._release(running, keep_prefix=False)
+            raise
+        for running in decoding:
+            running.computed += 1
+        for running, length in prefill:
+            running.computed += length
+        outputs: list[StepOutput] = []
+        for row, running in enumerate(sampled):
+            state = running.state
+            try:
+                pieces = state.accept(logits[row])
+            except Exception as error:  # this request's own failure (its constraint)
+                self._release(running, keep_prefix=False)
+                outputs.append((state.request_id, error))
+                continue
+            outputs.extend((state.request_id, piece) for piece in pieces)
+            if state.finished:
+                self._release(running, keep_prefix=True)
+            else:
+                running.tokens.append(state.generated_ids[-1])
+        return outputs
+
+    def _schedule(self) -> tuple[list[_Running], list[tuple[_Running, int]]]:
+        """This step's decoding requests (slot order) and prefill chunks, within the KV
+        budget (evicting prefix-cache entries, then pre-empting, to make room)."""
+        while True:
+            decoding = sorted(
+                (running for running in self._running if not running.prefilling),
+                key=lambda running: running.slot,
+            )
+            prefill: list[tuple[_Running, int]] = []
+            room = PREFILL_TOKENS_PER_STEP
+            for running in sorted(
+                (running for running in self._running if running.prefilling),
+                key=lambda running: running.admitted,
+            ):
+                if room <= 0:
+                    break
+                length = min(room, len(running.tokens) - running.computed)
+                prefill.append((running, length))
+                room -= length
+            needed = self.kv_tokens() + len(decoding) + sum(length for _, length in prefill)
+            if self._make_room(needed):
+                return decoding, prefill
+            self._preempt_latest()
+
+    def _make_room(self, needed_tokens: int) -> bool:
+        """Whether `needed_tokens` of running KV fit the budget, evicting prefix-cache
+        entries as needed."""
+        if needed_tokens > self.budget_tokens:
+            return False
+        if self.prefix_cache is not None:
+            self.prefix_cache.evict(self.budget_tokens - needed_tokens)
+        return True
+
+    def _preempt_latest(self) -> None:
+        victim = max(self._running, key=lambda running: running.admitted)
+        if len(self._running) == 1:  # the engine caps one request's tokens at the budget
+            raise RuntimeError("a lone request outgrew the KV budget")
+        logger.info(
+            "KV budget full: pre-empting {} ({} tokens, recomputed later)",
+            victim.state.request_id, victim.computed,
+        )  # fmt: skip
+        self.preemptions += 1
+        self._release(victim, keep_prefix=False)
+        self._waiting.appendleft(victim.state)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self._cache.slots:
+            state = self._waiting[0]
+            tokens = state.known_tokens
+            match = None
+            if self.prefix_cache is not None:  # first: a hit is then the last one evicted
+                match = self.prefix_cache.lookup(tokens, limit=len(tokens) - 1)
+            # Room for its known tokens and one more beside what runs now.
+            if not self._make_room(self.kv_tokens() + len(tokens) + 1):
+                return
+            self._waiting.popleft()
+            slot = self._cache.allocate()
+            computed = 0
+            if match is not None:
+                self._cache.write(slot, match.kv, match.length)
+                computed = match.length
+                if not state.generated_ids:  # a first admission, not a recompute
+                    state.cached_tokens = computed
+            self._running.append(
+                _Running(state, slot, list(tokens), computed, next(self._admissions))
+            )
+
+    def _release(self, running: _Running, keep_prefix: bool) -> None:
+        """Free the request's slot (storing its KV in the prefix cache when asked)."""
+        self._running.remove(running)
+        if keep_prefix and self.prefix_cache is not None and running.computed > 0:
+            kv = self._cache.read(running.slot, running.computed)
+            self.prefix_cache.insert(running.tokens[: running.computed], kv)
+        moved = self._cache.free(running.slot)
+        if moved is not None:
+            for other in self._running:
+                if other.slot == moved:
+                    other.slot = running.slot
+                    break
