@@ -31,6 +31,7 @@ from typing import Any
 
 import anyio
 import h11
+import uvicorn
 from loguru import logger
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -360,4 +361,24 @@ def with_header_timeout(seconds: float) -> type[HeaderTimeoutH11Protocol]:
     protocol from a class, one per connection)."""
     return type(
         "HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,), {"header_timeout_seconds": seconds}
+    )
+
+
+def server_config(app: ASGIApp, log_level: str, limits: ApiLimits) -> uvicorn.Config:
+    """The node's uvicorn configuration: h11 with `limits.header_timeout_seconds` for each
+    request's headers, uvicorn's keep-alive timeout (5 s) between requests,
+    `limits.max_connections` as its `limit_concurrency`, access log at `exo -v`.
+
+    Args:
+        log_level: the node's (`DEBUG`, `INFO`, `WARNING`).
+    """
+    verbose = log_level in ("DEBUG", "TRACE")
+    return uvicorn.Config(
+        app,
+        log_level="info" if verbose else "warning",
+        access_log=verbose,
+        timeout_graceful_shutdown=2,
+        http=with_header_timeout(limits.header_timeout_seconds),
+        limit_concurrency=limits.max_connections,
+        lifespan="off",
     )

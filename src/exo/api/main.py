@@ -13,7 +13,7 @@ from exo.api.admission import Admission
 from exo.api.app import create_app
 from exo.api.browser_access import BrowserAccess
 from exo.api.cluster import ClusterClient
-from exo.api.limits import with_header_timeout
+from exo.api.limits import server_config
 from exo.api.routes.dashboard import close_event_streams
 from exo.api.security import ApiSecurity
 
@@ -56,18 +56,7 @@ class Api:
     ) -> None:
         self.cluster = cluster
         self.app = create_app(cluster, browser_access, admission, security)
-        limits = (security or ApiSecurity()).limits
-        config = uvicorn.Config(
-            self.app,
-            log_level="warning" if log_level not in ("DEBUG", "TRACE") else "info",
-            access_log=log_level in ("DEBUG", "TRACE"),
-            timeout_graceful_shutdown=2,
-            # h11 with a deadline for each request's headers (slowloris); uvicorn's own
-            # keep-alive timeout closes idle connections between requests.
-            http=with_header_timeout(limits.header_timeout_seconds),
-            limit_concurrency=limits.max_connections,
-            lifespan="off",
-        )
+        config = server_config(self.app, log_level, (security or ApiSecurity()).limits)
         self._socket = listen_socket
         self._server = _EmbeddedServer(config)
 
