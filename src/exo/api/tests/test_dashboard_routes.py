@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from exo.api.app import create_app
+from exo.api.main import bind_api_socket
 from exo.api.routes.dashboard import (
     CONTENT_SECURITY_POLICY,
     STATIC_DIR,
@@ -48,9 +48,7 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
     """The app on a real server (streams are read as a browser reads them)."""
     async with in_process_cluster(tmp_path) as cluster:
         app = create_app(cluster.client)
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", 0))
+        listener = bind_api_socket("127.0.0.1", 0)  # the node's own listening socket
         port = listener.getsockname()[1]
         server = uvicorn.Server(
             uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
