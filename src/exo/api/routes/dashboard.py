@@ -26,6 +26,7 @@ import fastapi.routing
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.gzip import GZipMiddleware
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -62,6 +63,9 @@ MEDIA_TYPES: dict[str, str] = {
     ".txt": "text/plain; charset=utf-8",
     ".md": "text/plain; charset=utf-8",
 }
+
+GZIP_MINIMUM_BYTES = 1024
+"""Smaller files are sent as they are: compressing them saves less than a packet."""
 
 router = APIRouter()
 
@@ -131,8 +135,10 @@ def _files_of(scope: Scope) -> DashboardFiles:
 
 
 async def serve_static(scope: Scope, receive: Receive, send: Send) -> None:
-    """The ASGI app mounted at `/static`: the app's `DashboardFiles`."""
-    await SecurityHeaders(_files_of(scope))(scope, receive, send)
+    """The ASGI app mounted at `/static`: the app's `DashboardFiles`, gzipped for clients
+    that accept it (the scripts shrink to about a third)."""
+    files = SecurityHeaders(_files_of(scope))
+    await GZipMiddleware(files, minimum_size=GZIP_MINIMUM_BYTES)(scope, receive, send)
 
 
 async def page_response(scope: Scope) -> Response:

@@ -161,6 +161,25 @@ async def test_file_types_are_fixed_and_missing_files_are_plain_404s(
         assert posted.status_code == 405
 
 
+async def test_large_files_are_gzipped_for_clients_that_accept_it(
+    served: Served, tmp_path: Path
+) -> None:
+    script = "export const answer = 42;\n" * 400  # 10 KB
+    (tmp_path / "big.js").write_text(script)
+    (tmp_path / "index.html").write_text("<!doctype html>")
+    served.app.state.dashboard_files = DashboardFiles(directory=tmp_path)
+    async with client(served) as http:
+        compressed = await http.get("/static/big.js", headers={"accept-encoding": "gzip"})
+        assert compressed.headers["content-encoding"] == "gzip"
+        assert int(compressed.headers["content-length"]) < len(script) / 10
+        assert compressed.text == script  # httpx decodes it
+        assert compressed.headers["content-type"] == "text/javascript; charset=utf-8"
+        assert_secured(compressed)
+        plain = await http.get("/static/big.js", headers={"accept-encoding": "identity"})
+        assert "content-encoding" not in plain.headers
+        assert plain.text == script
+
+
 @pytest.mark.parametrize("path", ["/chat", "/ui/cluster/node-1", "/a/b/c", "/favicon-x"])
 async def test_browser_navigations_get_the_page(served: Served, path: str) -> None:
     async with client(served) as http:
