@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +45,13 @@ from exo.worker.engines.torch.request_state import GeneratedPiece, RequestState
 PREFILL_TOKENS_PER_STEP = 32
 
 StepOutput = tuple[str, GeneratedPiece | Exception]
+
+# `forward_batch`'s signature: (model, plan, input_ids [1, T], position_ids [1, T],
+# logit_rows [R]) -> [R, vocab] float32 logits. A multi-rank engine passes its own (it tells
+# the other ranks the step's plan, then runs its part of the model).
+BatchForward = Callable[
+    [PreTrainedModel, BatchPlan, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
 
 
 @dataclass(eq=False, slots=True)
@@ -75,6 +82,7 @@ class BatchScheduler:
         budget_tokens: KV budget over running requests and the prefix cache, in tokens.
         prefix_cache: where finished requests' KV is kept (None: no reuse).
         device: where inputs go.
+        forward: runs one step's forward pass (default `forward_batch`).
     """
 
     def __init__(
@@ -86,6 +94,7 @@ class BatchScheduler:
         budget_tokens: int,
         prefix_cache: PrefixCache | None,
         device: torch.device,
+        forward: BatchForward = forward_batch,
     ) -> None:
         self._model = model
         self._cache = cache
@@ -94,6 +103,7 @@ class BatchScheduler:
         self.budget_tokens = budget_tokens
         self.prefix_cache = prefix_cache
         self._device = device
+        self._forward = forward
         self._waiting: deque[RequestState] = deque()
         self._running: list[_Running] = []
         self._admissions = itertools.count()
@@ -186,7 +196,7 @@ class BatchScheduler:
         )
         device = self._device
         try:
-            logits = forward_batch(
+            logits = self._forward(
                 self._model,
                 plan,
                 torch.tensor([input_ids], dtype=torch.long, device=device),
