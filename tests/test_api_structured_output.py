@@ -89,6 +89,9 @@ def test_anthropic_sdk_2_output_config_format_and_effort(default_node: ExoNode) 
         messages=question,
         output_format=Capital,
         output_config={"effort": "max"},
+        # Greedy (anthropic 2.x has no temperature argument; the server reads the field):
+        # sampled, the answer is another one on every run and may not close in 40 tokens.
+        extra_body={"temperature": 0},
     )
     assert isinstance(parsed.parsed_output, Capital), parsed.content
     assert parsed.stop_reason == "end_turn"
@@ -102,6 +105,7 @@ def test_json_schema_in_the_openai_and_ollama_spellings(default_node: ExoNode) -
         model=DEFAULT_MODEL_ID,
         messages=messages,
         max_tokens=40,
+        temperature=0,
         response_format={
             "type": "json_schema",
             "json_schema": {"name": "capital", "schema": SCHEMA, "strict": True},
@@ -114,6 +118,7 @@ def test_json_schema_in_the_openai_and_ollama_spellings(default_node: ExoNode) -
         model=DEFAULT_MODEL_ID,
         input=QUESTION,
         max_output_tokens=40,
+        temperature=0,
         text={"format": {"type": "json_schema", "name": "capital", "schema": SCHEMA}},
     )
     assert response.status == "completed"
@@ -125,7 +130,7 @@ def test_json_schema_in_the_openai_and_ollama_spellings(default_node: ExoNode) -
         model=DEFAULT_MODEL_ID,
         messages=messages,
         format=SCHEMA,
-        options={"num_predict": 40},
+        options={"temperature": 0, "num_predict": 40},
     )
     assert answer.done_reason == "stop"
     assert_follows_schema(answer.message.content or "")
