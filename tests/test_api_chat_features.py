@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
@@ -25,6 +24,8 @@ WEATHER_TOOL = {
     },
 }
 QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
+# Text pieces a cancelled stream may still deliver: those already generated or in flight.
+CANCEL_SLACK_PIECES = 200
 
 
 def client_for(node: ExoNode) -> openai.OpenAI:
@@ -135,20 +136,30 @@ def test_logprobs_json_mode_and_penalties(default_node: ExoNode) -> None:
 
 def test_cancel_by_response_id(default_node: ExoNode) -> None:
     client = client_for(default_node)
+    # Greedy: the long story is the same on every run (sampled, a short answer could end
+    # before the cancel arrives).
     stream = client.chat.completions.create(
         model=DEFAULT_MODEL_ID,
         messages=[{"role": "user", "content": "Write a very long story about a dragon."}],
+        temperature=0,
         max_tokens=2000,
         stream=True,
     )
-    cancelled_at = 0.0
+    cancelled = False
+    pieces_after_cancel = 0
     with pytest.raises(openai.APIError, match="cancelled"):
         for chunk in stream:
-            if not cancelled_at and chunk.choices and chunk.choices[0].delta.content:
-                response = httpx.post(f"{default_node.url}/v1/cancel/{chunk.id}", timeout=10)
-                assert response.status_code == 200, response.text
-                cancelled_at = time.monotonic()
-    assert cancelled_at and time.monotonic() - cancelled_at < 5
+            if not (chunk.choices and chunk.choices[0].delta.content):
+                continue
+            if cancelled:
+                pieces_after_cancel += 1
+                continue
+            response = httpx.post(f"{default_node.url}/v1/cancel/{chunk.id}", timeout=10)
+            assert response.status_code == 200, response.text
+            cancelled = True
+    # The generation stops within a few tokens of the cancel, far short of its 2000 (counted
+    # in tokens, not seconds, so a loaded machine does not change the outcome).
+    assert cancelled and pieces_after_cancel < CANCEL_SLACK_PIECES, pieces_after_cancel
     unknown = httpx.post(f"{default_node.url}/v1/cancel/chatcmpl-{'0' * 32}", timeout=10)
     assert unknown.status_code == 404
     assert unknown.json()["error"]["code"] == "generation_not_found"

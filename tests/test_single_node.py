@@ -165,17 +165,19 @@ def test_client_disconnect_cancels_generation(default_node: ExoNode) -> None:
             event["kind"] == "TaskStatusUpdated" and event["status"]["kind"] == "TaskCancelled"
             for event in default_node.events()
         ),
-        timeout=15,
+        timeout=60,
         what="the cancelled task in the event log",
     )
-    wait_until(lambda: not default_node.state()["tasks"], timeout=15, what="no tasks left")
+    wait_until(lambda: not default_node.state()["tasks"], timeout=60, what="no tasks left")
 
 
 def test_runner_killed_mid_request_fails_request_then_recovers(default_node: ExoNode) -> None:
     client = client_for(default_node, timeout=60)
     [runner] = default_node.runner_processes()
+    # Greedy: the long story is the same on every run (sampled, a short answer could end
+    # before the runner is killed).
     stream = client.chat.completions.create(
-        model=DEFAULT_MODEL_ID, messages=LONG_ANSWER, max_tokens=2000, stream=True
+        model=DEFAULT_MODEL_ID, messages=LONG_ANSWER, temperature=0, max_tokens=2000, stream=True
     )
     started = time.monotonic()
     with pytest.raises(openai.APIError) as raised:
