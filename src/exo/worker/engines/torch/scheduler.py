@@ -82,7 +82,8 @@ class BatchScheduler:
         budget_tokens: KV budget over running requests and the prefix cache, in tokens.
         prefix_cache: where finished requests' KV is kept (None: no reuse).
         device: where inputs go.
-        forward: runs one step's forward pass (default `forward_batch`).
+        forward: runs one step's forward pass (None: `forward_batch`, looked up at each
+            step).
     """
 
     def __init__(
@@ -94,7 +95,7 @@ class BatchScheduler:
         budget_tokens: int,
         prefix_cache: PrefixCache | None,
         device: torch.device,
-        forward: BatchForward = forward_batch,
+        forward: BatchForward | None = None,
     ) -> None:
         self._model = model
         self._cache = cache
@@ -196,7 +197,7 @@ class BatchScheduler:
         )
         device = self._device
         try:
-            logits = self._forward(
+            logits = (self._forward or forward_batch)(
                 self._model,
                 plan,
                 torch.tensor([input_ids], dtype=torch.long, device=device),
