@@ -47,7 +47,11 @@ class SlotKVCache:
     head_dim]`; slot `s` holds `lengths[s]` positions. Occupied slots are always
     `0 .. occupied - 1` (a freed slot is filled by moving the last one into it), so the
     decoding requests' keys are one view `keys[layer][:occupied, :, :max_len]`.
-    `torch.empty` reserves address space only: pages are backed as positions are written.
+    `torch.empty` reserves address space only: pages are backed as they are written. A slot
+    is zeroed over its whole capacity when it is first taken after an allocation: decode
+    attention reads past a short request's length (masked out, but a masked NaN left by
+    uninitialised memory would still poison the weighted sum), so only occupied slots'
+    pages are ever backed.
 
     Args:
         layers: decoder layers of this shard.
@@ -74,6 +78,7 @@ class SlotKVCache:
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.lengths = [0] * slots
         self.occupied = 0
+        self._zeroed = [False] * slots  # the slot holds no uninitialised memory
 
     def allocate(self) -> int:
         """A free slot (length 0).
@@ -86,6 +91,11 @@ class SlotKVCache:
         slot = self.occupied
         self.occupied += 1
         self.lengths[slot] = 0
+        if not self._zeroed[slot]:
+            for tensors in (self.keys, self.values):
+                for layer in tensors:
+                    layer[slot].zero_()
+            self._zeroed[slot] = True
         return slot
 
     def free(self, slot: int) -> int | None:
@@ -119,8 +129,10 @@ class SlotKVCache:
                 for slot in range(self.occupied):
                     length = self.lengths[slot]
                     new[slot, :, :length].copy_(old[slot, :, :length])
+                    new[slot, :, length:].zero_()
                 tensors[index] = new
         self.capacity = capacity
+        self._zeroed = [slot < self.occupied for slot in range(self.slots)]
 
     def read(self, slot: int, length: int) -> torch.Tensor:
         """A copy of the slot's first `length` positions as `[layers, 2, kv_heads, length,

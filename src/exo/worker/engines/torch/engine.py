@@ -215,6 +215,7 @@ class TorchEngine:
         on_layer_loaded: LayerProgressCallback | None = None,
         weight_dtype: WeightDtype | None = None,
         max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+        kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
     ) -> TorchEngine:
         """Load a single-rank shard's weights and the tokenizer from an HF-format directory
         (a multi-rank shard: `engine_factory.load_engine`).
@@ -230,6 +231,7 @@ class TorchEngine:
                 "int4" on CPU (`DEFAULT_CPU_WEIGHT_DTYPE`), "float32" elsewhere.
                 `exo.shared.models.memory` sizes each format from the card.
             max_concurrent_requests: most requests decoded together.
+            kv_cache_tokens: the KV budget in tokens (see the class).
 
         Raises:
             UnsupportedArchitectureError (a ValueError): no family file for the model.
@@ -244,7 +246,7 @@ class TorchEngine:
         parts = load_parts(model_dir, shard, device, weight_dtype, on_layer_loaded)
         engine = cls(
             parts.model, parts.tokenizer, shard.model_card, parts.device,
-            parts.eos_token_ids, parts.weight_dtype, max_concurrent_requests,
+            parts.eos_token_ids, parts.weight_dtype, max_concurrent_requests, kv_cache_tokens,
         )  # fmt: skip
         elapsed = time.perf_counter() - started
         logger.info(
