@@ -23,6 +23,10 @@ MEMORY_CHANGE_REPORT_BYTES = 256 * 2**20
 DISK_CHANGE_REPORT_BYTES = 1024 * 2**20
 # Liveness is the election heartbeat's job; this only refreshes figures now and then.
 HEARTBEAT_SECONDS = 300.0
+# CPU load is news for the dashboard, but every report is an event in the cluster's log: a
+# move this large, at most this often (<= 360 events an hour per busy node).
+CPU_CHANGE_REPORT_PERCENT = 25.0
+LOAD_REPORT_SECONDS = 10.0
 MISSING_RESEND_SECONDS = 5.0
 
 
@@ -83,11 +87,19 @@ def api_addresses(api_host: str, interfaces: tuple[NetworkInterface, ...]) -> tu
     return tuple(address for interface in interfaces for address in interface.addresses)
 
 
-def disk_free_bytes(path: Path) -> int:
+def disk_usage_bytes(path: Path) -> tuple[int, int]:
+    """(free, total) bytes of the file system holding `path`; (0, 0) when it is missing."""
     try:
-        return int(shutil.disk_usage(path).free)
+        usage = shutil.disk_usage(path)
     except OSError:
-        return 0
+        return 0, 0
+    return int(usage.free), int(usage.total)
+
+
+def cpu_percent() -> float:
+    """How busy all cores were since the previous call (the first call: since the process
+    started), 0-100 (psutil's `cpu_percent(interval=None)`)."""
+    return min(100.0, max(0.0, float(psutil.cpu_percent(interval=None))))
 
 
 def gather_node_info(
@@ -97,13 +109,16 @@ def gather_node_info(
     offline: bool = False,
 ) -> NodeInfo:
     interfaces = network_interfaces()
+    disk_free, disk_total = disk_usage_bytes(models) if models is not None else (0, 0)
     return NodeInfo(
         friendly_name=socket.gethostname(),
         memory=memory_info(),
         cpu_model=cpu_model(),
         cpu_cores=psutil.cpu_count(logical=True) or 1,
         gpus=gpus(),
-        models_disk_free_bytes=disk_free_bytes(models) if models is not None else 0,
+        models_disk_free_bytes=disk_free,
+        models_disk_total_bytes=disk_total,
+        cpu_percent=round(cpu_percent(), 1),
         network_interfaces=interfaces,
         api_port=api_port,
         api_addresses=api_addresses(api_host, interfaces),
@@ -112,16 +127,35 @@ def gather_node_info(
 
 
 def _significant_change(old: NodeInfo, new: NodeInfo) -> bool:
-    if (
-        old.model_copy(
-            update={"memory": new.memory, "models_disk_free_bytes": new.models_disk_free_bytes}
-        )
-        != new
-    ):
+    moving = {
+        "memory": new.memory,
+        "models_disk_free_bytes": new.models_disk_free_bytes,
+        "cpu_percent": new.cpu_percent,
+    }
+    if old.model_copy(update=moving) != new:
         return True
     memory_moved = abs(new.memory.available_bytes - old.memory.available_bytes)
     disk_moved = abs(new.models_disk_free_bytes - old.models_disk_free_bytes)
     return memory_moved >= MEMORY_CHANGE_REPORT_BYTES or disk_moved >= DISK_CHANGE_REPORT_BYTES
+
+
+def _load_moved(old: NodeInfo, new: NodeInfo) -> bool:
+    return abs(new.cpu_percent - old.cpu_percent) >= CPU_CHANGE_REPORT_PERCENT
+
+
+def report_due(
+    last: NodeInfo | None, info: NodeInfo, seconds_since_sent: float, missing: bool
+) -> bool:
+    """Whether `info` is worth an event, `seconds_since_sent` after `last` was reported:
+    the first report, a significant change, a CPU load move (rate-limited), the
+    heartbeat, or the state lacking this node (`missing`)."""
+    if last is None or _significant_change(last, info):
+        return True
+    if _load_moved(last, info) and seconds_since_sent >= LOAD_REPORT_SECONDS:
+        return True
+    if missing and seconds_since_sent >= MISSING_RESEND_SECONDS:
+        return True
+    return seconds_since_sent >= HEARTBEAT_SECONDS
 
 
 class InfoGatherer:
@@ -159,12 +193,7 @@ class InfoGatherer:
                 gather_node_info, self._api_host, self._api_port, self._models, self._offline
             )
             now = anyio.current_time()
-            if (
-                last is None
-                or _significant_change(last, info)
-                or now - last_sent >= HEARTBEAT_SECONDS
-                or (self._missing_from_state() and now - last_sent >= MISSING_RESEND_SECONDS)
-            ):
+            if report_due(last, info, now - last_sent, self._missing_from_state()):
                 self._local_events.emit(
                     NodeGatheredInfo(node_id=self._local_events.node_id, info=info)
                 )

@@ -29,8 +29,11 @@ class NetworkInterface(FrozenModel):
 
 class NodeInfo(FrozenModel):
     """A node's resources. `api_addresses` are the addresses its API listens on (what
-    peers probe); `models_disk_free_bytes` is free space where models are stored;
-    `offline`: started with `--offline`, it can prepare only files it already holds."""
+    peers probe); `models_disk_free_bytes` (of `models_disk_total_bytes`) is free space
+    where models are stored; `cpu_percent` how busy all its cores were over the last
+    gather interval, 0-100 (reported when it moves by `CPU_CHANGE_REPORT_PERCENT`, at
+    most every `LOAD_REPORT_SECONDS`: `exo.utils.info_gatherer`); `offline`: started with
+    `--offline`, it can prepare only files it already holds."""
 
     friendly_name: str
     memory: MemoryInfo
@@ -38,6 +41,8 @@ class NodeInfo(FrozenModel):
     cpu_cores: int = Field(default=1, ge=1)
     gpus: tuple[GpuInfo, ...] = ()
     models_disk_free_bytes: int = Field(default=0, ge=0)
+    models_disk_total_bytes: int = Field(default=0, ge=0)
+    cpu_percent: float = Field(default=0.0, ge=0, le=100)
     network_interfaces: tuple[NetworkInterface, ...] = ()
     api_port: int = Field(default=0, ge=0, lt=65536)
     api_addresses: tuple[str, ...] = ()

@@ -10,12 +10,17 @@ import pytest
 
 from exo.shared.types.nodes import MemoryInfo, NetworkInterface, NodeInfo
 from exo.utils.info_gatherer import (
+    CPU_CHANGE_REPORT_PERCENT,
     DISK_CHANGE_REPORT_BYTES,
+    HEARTBEAT_SECONDS,
+    LOAD_REPORT_SECONDS,
     MEMORY_CHANGE_REPORT_BYTES,
+    MISSING_RESEND_SECONDS,
     _significant_change,
     api_addresses,
     gather_node_info,
     memory_info,
+    report_due,
 )
 
 MIB = 2**20
@@ -122,7 +127,42 @@ def disk_moved(by: int) -> NodeInfo:
         (BASE.model_copy(update={"api_port": 1}), True),
         (BASE.model_copy(update={"cpu_cores": 2}), True),
         (BASE.model_copy(update={"friendly_name": "m"}), True),
+        # CPU load alone is rate-limited apart (`report_due`).
+        (BASE.model_copy(update={"cpu_percent": 100.0}), False),
     ],
 )
 def test_only_significant_changes_are_reported(new: NodeInfo, expected: bool) -> None:
     assert _significant_change(BASE, new) is expected
+
+
+def cpu_at(percent: float) -> NodeInfo:
+    return BASE.model_copy(update={"cpu_percent": percent})
+
+
+@pytest.mark.parametrize(
+    ("new", "seconds_since_sent", "missing", "expected"),
+    [
+        (BASE, 0.0, False, False),
+        (BASE, HEARTBEAT_SECONDS, False, True),
+        (BASE, MISSING_RESEND_SECONDS - 0.1, True, False),
+        (BASE, MISSING_RESEND_SECONDS, True, True),
+        (memory_moved(MEMORY_CHANGE_REPORT_BYTES), 0.0, False, True),
+        # A load move is reported, but not more often than every LOAD_REPORT_SECONDS.
+        (cpu_at(CPU_CHANGE_REPORT_PERCENT), LOAD_REPORT_SECONDS, False, True),
+        (cpu_at(CPU_CHANGE_REPORT_PERCENT), LOAD_REPORT_SECONDS - 0.1, False, False),
+        (cpu_at(CPU_CHANGE_REPORT_PERCENT - 0.1), LOAD_REPORT_SECONDS * 10, False, False),
+    ],
+)
+def test_reports_are_due_on_change_heartbeat_absence_and_rate_limited_load(
+    new: NodeInfo, seconds_since_sent: float, missing: bool, expected: bool
+) -> None:
+    assert report_due(BASE, new, seconds_since_sent, missing) is expected
+    assert report_due(None, new, 0.0, False)  # the first report is always due
+
+
+def test_load_and_disk_size_are_reported(tmp_path: Path) -> None:
+    info = gather_node_info("127.0.0.1", 52415, tmp_path)
+    assert 0.0 <= info.cpu_percent <= 100.0
+    assert info.models_disk_total_bytes >= info.models_disk_free_bytes > 0
+    missing = gather_node_info("127.0.0.1", 52415, tmp_path / "absent")
+    assert (missing.models_disk_free_bytes, missing.models_disk_total_bytes) == (0, 0)
