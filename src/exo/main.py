@@ -88,6 +88,7 @@ class Options:
     trust_remote_code: bool = False
     security: SecurityOptions = field(default_factory=SecurityOptions)
     max_queued_requests: int | None = None
+    max_concurrent_requests: int | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
@@ -166,6 +167,15 @@ def parse_args(argv: list[str] | None = None) -> Options:
         "(auto_map); the engine still runs only the model families it has files for",
     )
     parser.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests each runner of this node decodes together in one batch (default 8 "
+        "on CPU); more wait in the runner's queue, and a runner also admits only what fits "
+        "its KV-cache budget",
+    )
+    parser.add_argument(
         "--max-queued-requests",
         type=int,
         default=None,
@@ -188,6 +198,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
             parser.error(f"{flag} must be between 1 and 65535, not {port}")
     if args.api_port == args.zenoh_port:
         parser.error("--api-port and --zenoh-port must differ")
+    if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
+        parser.error(f"--max-concurrent-requests must be >= 1, not {args.max_concurrent_requests}")
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         parser.error(f"--max-queued-requests must be >= 0, not {args.max_queued_requests}")
     if args.idle_unload is not None and not 0 <= args.idle_unload < float("inf"):
@@ -218,6 +230,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         trust_remote_code=args.trust_remote_code,
         security=security_options(args, parser),
         max_queued_requests=args.max_queued_requests,
+        max_concurrent_requests=args.max_concurrent_requests,
     )
 
 
@@ -303,6 +316,7 @@ class Node:
             offline=options.offline,
             log_level=options.log_level,
             caught_up=lambda: self.replica.caught_up(),
+            max_concurrent_requests=options.max_concurrent_requests,
             peer_credential=peer_credential(options.namespace),
         )
         self.cluster = ClusterClient(

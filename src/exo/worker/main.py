@@ -86,6 +86,7 @@ class Worker:
         clock: Callable[[], float] = time.monotonic,
         caught_up: Callable[[], bool] = lambda: True,
         peer_credential: str | None = None,
+        max_concurrent_requests: int | None = None,
     ) -> None:
         self.node_id = node_id
         self._current_state = current_state
@@ -95,6 +96,8 @@ class Worker:
         self._models_dir = models_dir
         self._offline = offline
         self._log_level = log_level
+        # Each runner's batch size (`--max-concurrent-requests`; None: the engine's default).
+        self._max_concurrent_requests = max_concurrent_requests
         self._clock = clock
         self.runners: dict[RunnerId, RunnerSupervisor] = {}
         self.downloads: dict[ModelId, DownloadStatus] = {}
@@ -221,6 +224,7 @@ class Worker:
                     publish_chunk=self._publish_chunk,
                     on_change=self._notify,
                     log_level=self._log_level,
+                    max_concurrent_requests=self._max_concurrent_requests,
                 )
                 supervisor.start()
                 self.runners[runner_id] = supervisor

@@ -61,6 +61,7 @@ class RunnerSupervisor:
         publish_chunk: Callable[[NodeId, Chunk], None],
         on_change: Callable[[], None],
         log_level: str = "INFO",
+        max_concurrent_requests: int | None = None,
     ) -> None:
         self.node_id = node_id
         self.runner_id = runner_id
@@ -73,6 +74,7 @@ class RunnerSupervisor:
         self._publish_chunk = publish_chunk
         self._on_change = on_change
         self._log_level = log_level
+        self._max_concurrent_requests = max_concurrent_requests
         self._process: BaseProcess | None = None
         self._to_runner: Connection | None = None
         self._from_runner: Connection | None = None
@@ -98,6 +100,7 @@ class RunnerSupervisor:
                 runner_inbound_read,
                 runner_outbound_write,
                 self._log_level,
+                self._max_concurrent_requests,
             ),
             name=f"exo-runner-{self.runner_id}",
             daemon=True,
