@@ -181,8 +181,9 @@ def parse_args(argv: list[str] | None = None) -> Options:
         default=None,
         metavar="N",
         help="requests this node's API lets wait in each instance's queue beyond the batch "
-        "it runs (default: 4 x its --max-concurrent-requests); when every instance of the "
-        "model is full a request waits up to 30 s for a place, then gets 503 with Retry-After",
+        "it runs (default: 4 x its --max-concurrent-requests, at least 16); when every "
+        "instance of the model is full a request waits up to 30 s for a place, then gets 503 "
+        "with Retry-After",
     )
     parser.add_argument(
         "--cors-origins",

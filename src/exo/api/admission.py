@@ -6,10 +6,11 @@ rank-0 runner reports the number in `RunnerReady`), and queues the ones after th
 node lets at most `capacity + queue` of its own requests be in flight per instance serving
 the model (summed over the model's instances: the master sends each generation to the least
 busy of them), where `queue` is `--max-queued-requests` (default `DEFAULT_QUEUE_BATCHES`
-times the capacity). A request beyond that waits here, first come first served, for at
-most `ADMISSION_WAIT_SECONDS`; then it is answered 503 with a `Retry-After` header
-(`QueueFullError`) in its dialect's shape. Nothing is lost: the waiting request has sent
-nothing to the cluster yet, and a client that disconnects while waiting gives up its place.
+times the capacity, at least `DEFAULT_MIN_QUEUE`). A request beyond that waits here,
+first come first served, for at most `ADMISSION_WAIT_SECONDS`; then it is answered 503 with
+a `Retry-After` header (`QueueFullError`) in its dialect's shape. Nothing is lost: the
+waiting request has sent nothing to the cluster yet, and a client that disconnects while
+waiting gives up its place.
 
 "In flight" runs from admission until the response is finished or abandoned (the
 `Generation` is closed), including the time spent streaming to a slow client.
@@ -41,9 +42,14 @@ ADMISSION_WAIT_SECONDS = 30.0
 # the queue is full (one short answer of the running batch finishing), so that a client
 # retrying then (the official SDKs honour the header) is likely to be admitted.
 RETRY_AFTER_SECONDS = 5
-# The default queue per instance, in multiples of its batch capacity: a queued request
-# then waits behind at most this many batches' worth of generations.
+# The default queue per instance: this many batches' worth of generations, so a queued
+# request waits behind at most about four batches...
 DEFAULT_QUEUE_BATCHES = 4
+# ...and at least this many requests, so that an ordinary burst (a few users at once, an
+# agent's parallel calls) is queued rather than refused even by an instance that runs one
+# generation at a time. (Ollama queues up to 512 per server before its 503, OLLAMA_MAX_QUEUE;
+# we refuse sooner, after a bounded wait, so that a client hears of the overload in time.)
+DEFAULT_MIN_QUEUE = 16
 # Waiting requests look at the cluster state (new instances, new capacities) and at their
 # client's connection this often, besides waking whenever a place is released.
 POLL_SECONDS = 0.25
@@ -74,7 +80,8 @@ class Admission:
 
     Args:
         max_queued_requests: requests per instance admitted beyond its batch capacity
-            (`--max-queued-requests`, >= 0); None: `DEFAULT_QUEUE_BATCHES` x capacity.
+            (`--max-queued-requests`, >= 0); None: `DEFAULT_QUEUE_BATCHES` x capacity, at
+            least `DEFAULT_MIN_QUEUE`.
         wait_seconds: how long a request waits for a place before its 503.
         retry_after_seconds: the `Retry-After` of that 503.
         poll_seconds: how often a waiting request looks at the state and its client.
@@ -122,7 +129,7 @@ class Admission:
                 )
             running += capacity
             queued += (
-                DEFAULT_QUEUE_BATCHES * capacity
+                max(DEFAULT_MIN_QUEUE, DEFAULT_QUEUE_BATCHES * capacity)
                 if self.max_queued_requests is None
                 else self.max_queued_requests
             )

@@ -16,7 +16,7 @@ import anyio
 import httpx
 import pytest
 
-from exo.api.admission import DEFAULT_QUEUE_BATCHES, Admission
+from exo.api.admission import DEFAULT_MIN_QUEUE, DEFAULT_QUEUE_BATCHES, Admission
 from exo.api.app import create_app
 from exo.api.errors import GenerationError, QueueFullError
 from exo.master.placement import runner_id_for
@@ -106,8 +106,10 @@ def test_capacity_is_the_rank_zero_runners_batch_plus_the_default_queue() -> Non
     admission = Admission()
     loading = RunnerLoading(layers_loaded=1, total_layers=30)
     state = state_with(RunnerReady(max_concurrent_requests=8), loading)
-    # The loading instance counts with a batch of 1 until it reports its own.
-    assert admission.capacity(state, SMOLLM2) == (8 + 1, DEFAULT_QUEUE_BATCHES * (8 + 1))
+    # The loading instance counts with a batch of 1 until it reports its own; the queue of
+    # each is 4 batches, at least 16.
+    assert (DEFAULT_QUEUE_BATCHES, DEFAULT_MIN_QUEUE) == (4, 16)
+    assert admission.capacity(state, SMOLLM2) == (8 + 1, 4 * 8 + 16)
     assert Admission(max_queued_requests=3).limit(state, SMOLLM2) == 8 + 1 + 2 * 3
 
 
