@@ -21,6 +21,13 @@ import torch.distributed as dist
 
 # Long enough to mean "forever" for an idle rank, short enough for gloo's millisecond count.
 IDLE_WAIT = timedelta(days=30)
+# The bound on waits for another rank's compute, set by `init_group`.
+_group_timeout = timedelta(seconds=60)
+
+
+def group_timeout() -> timedelta:
+    """The group's bound on every collective and send/receive (`init_group`'s timeout_s)."""
+    return _group_timeout
 
 
 def local_interface_for(master_addr: str) -> str | None:
@@ -75,6 +82,8 @@ def init_group(
         master_port: TCP port of that store.
         timeout_s: bound on every collective and send/receive, seconds.
     """
+    global _group_timeout
+    _group_timeout = timedelta(seconds=timeout_s)
     if backend == "gloo":
         configure_gloo_interface(master_addr)
     host = f"[{master_addr}]" if ":" in master_addr else master_addr

@@ -23,15 +23,17 @@ def load_engine(
 ) -> TorchEngine:
     """Load the engine for `shard` (arguments as `TorchEngine.load`).
 
-    A multi-rank shard needs its process group first (`distributed.init_group`); its
-    engine runs one request at a time (`max_concurrent_requests` applies to one rank).
+    A multi-rank shard needs its process group first (`distributed.init_group`); rank 0
+    batches up to `max_concurrent_requests` requests across the group.
 
     Raises:
         RuntimeError: a multi-rank shard without a matching process group.
         ValueError / UnsupportedArchitectureError: as `TorchEngine.load`.
     """
     if shard.world_size > 1:
-        return DistributedTorchEngine.load(model_dir, shard, device, on_layer_loaded, weight_dtype)
+        return DistributedTorchEngine.load(
+            model_dir, shard, device, on_layer_loaded, weight_dtype, max_concurrent_requests
+        )
     return TorchEngine.load(
         model_dir, shard, device, on_layer_loaded, weight_dtype, max_concurrent_requests
     )

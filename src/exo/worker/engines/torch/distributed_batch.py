@@ -1,0 +1,364 @@
+"""What the ranks of a split instance exchange to run one batched step together.
+
+Rank 0 runs the single-rank `BatchScheduler` (admission, chunked prefill, pre-emption,
+sampling) over its part of the model. Each step it sends the other ranks a `StepHeader`: the
+KV-slot operations it made since the last step (`allocate` / `free` / `reserve` of
+`SlotKVCache`, recorded by `RecordingSlotKVCache`, replayed in the same order by
+`replay_cache_ops`, so every rank's slot `s` holds the same request's KV) and the step's
+`BatchPlan` (decoding slots and positions, prefill segments), its token ids, positions and
+logit rows. The header is one int64 tensor, sent as its length then its values.
+
+A pipeline step is split into micro-batches (`split_micro_batches`): rank 0 computes its
+layers for micro-batch A and sends it on, then computes micro-batch B while rank 1 computes
+A (as in Huang et al. 2019, "GPipe", without the backward pass).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedModel
+
+from exo.worker.engines.torch.batch_attention import (
+    BatchPlan,
+    PrefillSegment,
+    SlotKVCache,
+    forward_batch,
+)
+from exo.worker.engines.torch.distributed import broadcast_waiting, receive_waiting
+
+# StepHeader.command
+STEP = 1  # run the step the header describes
+WARMUP_DONE = 2  # rank 0 finished its warm-up generation
+SHUTDOWN = 3  # rank 0 is shutting down: the other ranks return
+
+# Cache operations (kind, argument) in StepHeader.cache_ops
+CACHE_ALLOCATE = 1  # argument: the slot rank 0 got (checked on replay)
+CACHE_FREE = 2  # argument: the freed slot (the last occupied slot moves into it)
+CACHE_RESERVE = 3  # argument: tokens per slot to make room for
+
+
+class RecordingSlotKVCache(SlotKVCache):
+    """Rank 0's `SlotKVCache`: records every slot operation for the other ranks to replay.
+
+    A multi-rank engine keeps no prefix cache (rank 0 holds only its own part of the KV), so
+    `write` is refused.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ops: list[tuple[int, int]] = []
+
+    def allocate(self) -> int:
+        slot = super().allocate()
+        self._ops.append((CACHE_ALLOCATE, slot))
+        return slot
+
+    def free(self, slot: int) -> int | None:
+        self._ops.append((CACHE_FREE, slot))
+        return super().free(slot)
+
+    def reserve(self, tokens: int) -> None:
+        if tokens > self.capacity:
+            self._ops.append((CACHE_RESERVE, tokens))
+        super().reserve(tokens)
+
+    def write(self, slot: int, kv: torch.Tensor, length: int) -> None:
+        raise RuntimeError("a multi-rank engine keeps no prefix cache")
+
+    def take_ops(self) -> tuple[tuple[int, int], ...]:
+        """The operations since the last call, in order (and forget them)."""
+        ops, self._ops = tuple(self._ops), []
+        return ops
+
+
+def replay_cache_ops(cache: SlotKVCache, ops: tuple[tuple[int, int], ...]) -> None:
+    """Apply rank 0's slot operations to this rank's cache.
+
+    Raises:
+        RuntimeError: an allocation got another slot than rank 0's (the caches diverged).
+    """
+    for kind, argument in ops:
+        if kind == CACHE_ALLOCATE:
+            slot = cache.allocate()
+            if slot != argument:
+                raise RuntimeError(f"KV slot {slot} allocated where rank 0 got {argument}")
+        elif kind == CACHE_FREE:
+            cache.free(argument)
+        elif kind == CACHE_RESERVE:
+            cache.reserve(argument)
+        else:
+            raise RuntimeError(f"unknown KV cache operation {kind}")
+
+
+@dataclass(frozen=True, slots=True)
+class StepHeader:
+    """One step (or one pipeline micro-batch) as rank 0 tells it to the other ranks.
+
+    Attributes:
+        command: `STEP`, `WARMUP_DONE` or `SHUTDOWN` (the other fields empty for the last two).
+        cache_ops: slot operations to replay before the step (`CACHE_*`, argument).
+        decode_slots / decode_positions: one row per decoding request (`BatchPlan`).
+        prefill: prefill segments following the decode rows.
+        input_ids / position_ids: `[T]` the step's flattened tokens and their positions.
+        logit_rows: `[R]` rows whose logits are wanted (the last rank sends `[R, vocab]`).
+    """
+
+    command: int
+    cache_ops: tuple[tuple[int, int], ...] = ()
+    decode_slots: tuple[int, ...] = ()
+    decode_positions: tuple[int, ...] = ()
+    prefill: tuple[PrefillSegment, ...] = ()
+    input_ids: tuple[int, ...] = ()
+    position_ids: tuple[int, ...] = ()
+    logit_rows: tuple[int, ...] = ()
+
+    @classmethod
+    def from_plan(
+        cls,
+        plan: BatchPlan,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        logit_rows: torch.Tensor,
+        cache_ops: tuple[tuple[int, int], ...],
+    ) -> StepHeader:
+        """The header of a step `forward_batch` would run (`input_ids` / `position_ids`
+        `[1, T]`, `logit_rows` `[R]`)."""
+        return cls(
+            STEP, cache_ops, tuple(plan.decode_slots), tuple(plan.decode_positions),
+            tuple(plan.prefill), tuple(input_ids[0].tolist()), tuple(position_ids[0].tolist()),
+            tuple(logit_rows.tolist()),
+        )  # fmt: skip
+
+    @property
+    def rows(self) -> int:
+        return len(self.input_ids)
+
+    def plan(self, cache: SlotKVCache, windows: Any, layer_of: dict[int, int]) -> BatchPlan:
+        """This rank's `BatchPlan` of the step (over this rank's cache and layers)."""
+        return BatchPlan(
+            cache=cache, windows=windows, decode_slots=list(self.decode_slots),
+            decode_positions=list(self.decode_positions), prefill=list(self.prefill),
+            layer_of=layer_of,
+        )  # fmt: skip
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`input_ids` `[1, T]`, `position_ids` `[1, T]`, `logit_rows` `[R]` (int64)."""
+        return (
+            torch.tensor([self.input_ids], dtype=torch.long),
+            torch.tensor([self.position_ids], dtype=torch.long),
+            torch.tensor(self.logit_rows, dtype=torch.long),
+        )
+
+    def encode(self) -> torch.Tensor:
+        """The header as one int64 vector (counts first, then each list)."""
+        values = [self.command, len(self.cache_ops)]
+        for kind, argument in self.cache_ops:
+            values += [kind, argument]
+        values += [len(self.decode_slots), *self.decode_slots, *self.decode_positions]
+        values.append(len(self.prefill))
+        for segment in self.prefill:
+            values += [segment.slot, segment.start, segment.offset, segment.length]
+        values += [len(self.input_ids), *self.input_ids, *self.position_ids]
+        values += [len(self.logit_rows), *self.logit_rows]
+        return torch.tensor(values, dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, encoded: torch.Tensor) -> StepHeader:
+        """Inverse of `encode`."""
+        values = encoded.tolist()
+        cursor = 0
+
+        def take(count: int) -> list[int]:
+            nonlocal cursor
+            taken = values[cursor : cursor + count]
+            cursor += count
+            return taken
+
+        command, op_count = take(2)
+        flat_ops = take(2 * op_count)
+        ops = tuple((flat_ops[i], flat_ops[i + 1]) for i in range(0, len(flat_ops), 2))
+        (decoding,) = take(1)
+        slots, positions = tuple(take(decoding)), tuple(take(decoding))
+        (segment_count,) = take(1)
+        flat_segments = take(4 * segment_count)
+        segments = tuple(
+            PrefillSegment(*flat_segments[i : i + 4]) for i in range(0, len(flat_segments), 4)
+        )
+        (rows,) = take(1)
+        input_ids, position_ids = tuple(take(rows)), tuple(take(rows))
+        (logit_count,) = take(1)
+        logit_rows = tuple(take(logit_count))
+        if cursor != len(values):
+            raise RuntimeError(f"malformed step header ({len(values)} values, read {cursor})")
+        return cls(command, ops, slots, positions, segments, input_ids, position_ids, logit_rows)
+
+
+def broadcast_step(header: StepHeader | None, idle_wait: timedelta) -> StepHeader:
+    """Tensor parallel: rank 0 sends `header` to every rank; the others (`header` None)
+    receive it, waiting up to `idle_wait` for it to start (rank 0 may be idle), then the
+    group's timeout. Two broadcasts: the length, then the values."""
+    if header is not None:
+        encoded = header.encode()
+        broadcast_waiting(torch.tensor([encoded.numel()], dtype=torch.int64), 0, None)
+        broadcast_waiting(encoded, 0, None)
+        return header
+    length = torch.zeros(1, dtype=torch.int64)
+    broadcast_waiting(length, 0, idle_wait)
+    encoded = torch.empty(int(length.item()), dtype=torch.int64)
+    broadcast_waiting(encoded, 0, None)
+    return StepHeader.decode(encoded)
+
+
+def send_step(header: StepHeader, destination: int) -> None:
+    """Pipeline: send a header to the next rank (its length, then its values)."""
+    encoded = header.encode()
+    dist.send(torch.tensor([encoded.numel()], dtype=torch.int64), dst=destination)
+    dist.send(encoded, dst=destination)
+
+
+def receive_step(source: int, idle_wait: timedelta) -> StepHeader:
+    """Pipeline: receive a header from the previous rank, waiting up to `idle_wait` for it
+    to start, then the group's timeout."""
+    length = torch.zeros(1, dtype=torch.int64)
+    receive_waiting(length, source, idle_wait)
+    encoded = torch.empty(int(length.item()), dtype=torch.int64)
+    dist.recv(encoded, src=source)
+    return StepHeader.decode(encoded)
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    """One micro-batch of a pipeline step: its own header (rows renumbered from 0) and, per
+    logit row of it, the index of that row in the whole step's `logit_rows`."""
+
+    header: StepHeader
+    logit_order: tuple[int, ...]
+
+
+def split_micro_batches(step: StepHeader, parts: int) -> list[MicroBatch]:
+    """Split a step's requests (a decoding request's row, a prefill segment's rows) into at
+    most `parts` micro-batches of about equal rows (longest first to the least loaded, the
+    LPT rule of Graham 1969). The step's cache operations go with the first micro-batch; the
+    order of rows inside a micro-batch follows the step's (decode rows first).
+
+    Raises:
+        ValueError: `parts` < 1.
+    """
+    if parts < 1:
+        raise ValueError("parts must be at least 1")
+    # Items: (rows in the step, decode index or None, prefill segment or None).
+    items: list[tuple[range, int | None, PrefillSegment | None]] = [
+        (range(index, index + 1), index, None) for index in range(len(step.decode_slots))
+    ]
+    items += [
+        (range(segment.offset, segment.offset + segment.length), None, segment)
+        for segment in step.prefill
+    ]
+    parts = max(1, min(parts, len(items)))
+    loads = [(0, part) for part in range(parts)]
+    assigned: list[list[int]] = [[] for _ in range(parts)]
+    for item in sorted(range(len(items)), key=lambda index: -len(items[index][0])):
+        load, part = heapq.heappop(loads)
+        assigned[part].append(item)
+        heapq.heappush(loads, (load + len(items[item][0]), part))
+    logit_index = {row: order for order, row in enumerate(step.logit_rows)}
+    micro_batches: list[MicroBatch] = []
+    for part, members in enumerate(assigned):
+        if not members:
+            continue
+        members.sort()  # decode items (lower indices) first, each kind in the step's order
+        slots: list[int] = []
+        positions: list[int] = []
+        segments: list[PrefillSegment] = []
+        rows: list[int] = []
+        for member in members:
+            step_rows, decode, segment = items[member]
+            if decode is not None:
+                slots.append(step.decode_slots[decode])
+                positions.append(step.decode_positions[decode])
+            else:
+                assert segment is not None
+                segments.append(
+                    PrefillSegment(segment.slot, segment.start, len(rows), segment.length)
+                )
+            rows.extend(step_rows)
+        local_logits = [local for local, row in enumerate(rows) if row in logit_index]
+        header = StepHeader(
+            STEP,
+            step.cache_ops if not micro_batches else (),
+            tuple(slots),
+            tuple(positions),
+            tuple(segments),
+            tuple(step.input_ids[row] for row in rows),
+            tuple(step.position_ids[row] for row in rows),
+            tuple(local_logits),
+        )
+        order = tuple(logit_index[rows[local]] for local in local_logits)
+        micro_batches.append(MicroBatch(header, order))
+        del part
+    return micro_batches
+
+
+class _Stage:
+    """One pipeline rank's layers, called by `forward_batch` as if they were the whole
+    causal LM: the first rank embeds `input_ids`, later ranks take `hidden` `[1, T, hidden]`
+    as `inputs_embeds`; a rank before the last returns its hidden states as `logits`."""
+
+    def __init__(self, model: PreTrainedModel, hidden: torch.Tensor | None, is_last: bool):
+        self._model = model
+        self._hidden = hidden
+        self._is_last = is_last
+
+    def __call__(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        use_cache: bool,
+        logits_to_keep: torch.Tensor,
+    ) -> Any:
+        tokens = input_ids if self._hidden is None else None
+        if self._is_last:
+            return self._model(
+                input_ids=tokens, inputs_embeds=self._hidden, position_ids=position_ids,
+                use_cache=use_cache, logits_to_keep=logits_to_keep,
+            )  # fmt: skip
+        inner: Any = self._model.model
+        hidden = inner(
+            input_ids=tokens, inputs_embeds=self._hidden, position_ids=position_ids,
+            use_cache=use_cache,
+        ).last_hidden_state  # fmt: skip
+        return SimpleNamespace(logits=hidden)
+
+
+def stage_forward_batch(
+    model: PreTrainedModel,
+    plan: BatchPlan,
+    header: StepHeader,
+    *,
+    hidden: torch.Tensor | None,
+    is_last: bool,
+    device: torch.device,
+) -> torch.Tensor:
+    """Run this pipeline rank's layers over a (micro-)batch with `batch_attention`.
+
+    Args:
+        hidden: `[1, T, hidden]` the previous rank's output (None on the first rank, which
+            embeds `header.input_ids`).
+        is_last: this rank holds the final norm and LM head.
+
+    Returns:
+        `[R, vocab]` float32 logits of `header.logit_rows` on the last rank, else `[1, T,
+        hidden]` float32 hidden states for the next rank.
+    """
+    input_ids, position_ids, logit_rows = (t.to(device) for t in header.tensors())
+    stage = cast(PreTrainedModel, _Stage(model, hidden, is_last))
+    output = forward_batch(stage, plan, input_ids, position_ids, logit_rows)
+    return output if is_last else output.unsqueeze(0)
