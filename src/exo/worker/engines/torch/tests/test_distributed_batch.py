@@ -1,0 +1,118 @@
+"""The step header multi-rank engines exchange, its micro-batch split, and the replay of
+rank 0's KV-slot operations (no process group needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exo.worker.engines.torch.batch_attention import PrefillSegment, SlotKVCache
+from exo.worker.engines.torch.distributed_batch import (
+    CACHE_ALLOCATE,
+    CACHE_FREE,
+    CACHE_RESERVE,
+    STEP,
+    RecordingSlotKVCache,
+    StepHeader,
+    replay_cache_ops,
+    split_micro_batches,
+)
+
+# 3 decoding requests (slots 0, 2, 3) then prefill chunks of slots 1 (5 rows, the prompt's
+# end: its last row wants logits) and 4 (2 rows, mid-prompt: no logits).
+STEP_HEADER = StepHeader(
+    command=STEP,
+    cache_ops=((CACHE_ALLOCATE, 4), (CACHE_FREE, 5)),
+    decode_slots=(0, 2, 3),
+    decode_positions=(7, 9, 11),
+    prefill=(PrefillSegment(1, 0, 3, 5), PrefillSegment(4, 32, 8, 2)),
+    input_ids=tuple(range(100, 110)),
+    position_ids=(7, 9, 11, 0, 1, 2, 3, 4, 32, 33),
+    logit_rows=(0, 1, 2, 7),
+)
+
+
+def test_header_survives_encoding() -> None:
+    assert StepHeader.decode(STEP_HEADER.encode()) == STEP_HEADER
+    assert StepHeader.decode(StepHeader(STEP).encode()) == StepHeader(STEP)
+    with pytest.raises(RuntimeError, match="malformed"):
+        StepHeader.decode(torch.cat((STEP_HEADER.encode(), torch.tensor([1]))))
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 8])
+def test_micro_batches_cover_the_step_once(parts: int) -> None:
+    micro_batches = split_micro_batches(STEP_HEADER, parts)
+    assert len(micro_batches) == min(parts, 5)  # 5 requests at most
+    assert micro_batches[0].header.cache_ops == STEP_HEADER.cache_ops
+    assert all(not batch.header.cache_ops for batch in micro_batches[1:])
+    # Each (slot, position) row appears once, with its token.
+    rows = sorted(
+        (slot, position, token)
+        for batch in micro_batches
+        for slot, position, token in _rows(batch.header)
+    )
+    assert rows == sorted(_rows(STEP_HEADER))
+    # Reassembling per-micro-batch "logits" (here: the row's token) in `logit_order` gives
+    # the whole step's logit rows in order.
+    gathered: dict[int, int] = {}
+    for batch in micro_batches:
+        for local_row, order in zip(batch.header.logit_rows, batch.logit_order, strict=True):
+            gathered[order] = batch.header.input_ids[local_row]
+    assert [gathered[order] for order in range(4)] == [
+        STEP_HEADER.input_ids[row] for row in STEP_HEADER.logit_rows
+    ]
+    if parts == 2:  # 10 rows: the 5-row chunk alone, the rest (5 rows) together
+        assert sorted(batch.header.rows for batch in micro_batches) == [5, 5]
+
+
+def _rows(header: StepHeader) -> list[tuple[int, int, int]]:
+    """(slot, position, token) of every row, checked against the header's layout."""
+    rows = [
+        (slot, position, header.input_ids[index])
+        for index, (slot, position) in enumerate(
+            zip(header.decode_slots, header.decode_positions, strict=True)
+        )
+    ]
+    offset = len(header.decode_slots)
+    for segment in header.prefill:
+        assert segment.offset == offset  # segments follow the decode rows, packed
+        for row in range(segment.offset, segment.offset + segment.length):
+            position = segment.start + row - segment.offset
+            assert header.position_ids[row] == position
+            rows.append((segment.slot, position, header.input_ids[row]))
+        offset += segment.length
+    assert offset == header.rows
+    return rows
+
+
+def test_replayed_slot_operations_keep_the_caches_alike() -> None:
+    shape = (1, 1, 2)  # layers, kv heads, head dim
+    recording = RecordingSlotKVCache(*shape, torch.float32, torch.device("cpu"), 4)
+    replica = SlotKVCache(*shape, torch.float32, torch.device("cpu"), 4)
+
+    def fill(slot: int, length: int, value: float) -> None:  # a forward pass on both ranks
+        for cache in (recording, replica):
+            cache.keys[0][slot, :, :length] = value
+            cache.lengths[slot] = length
+
+    for value in (1.0, 2.0, 3.0):  # one request admitted per step
+        slot = recording.allocate()
+        replay_cache_ops(replica, recording.take_ops())
+        fill(slot, 3, value)
+    recording.free(0)  # slot 2 (value 3) moves into slot 0
+    recording.reserve(1000)
+    slot = recording.allocate()
+    ops = recording.take_ops()
+    assert [kind for kind, _ in ops] == [CACHE_FREE, CACHE_RESERVE, CACHE_ALLOCATE]
+    assert recording.take_ops() == ()
+    replay_cache_ops(replica, ops)
+    fill(slot, 2, 4.0)
+    assert (replica.occupied, replica.lengths, replica.capacity) == (
+        recording.occupied, recording.lengths, recording.capacity,
+    )  # fmt: skip
+    assert torch.equal(replica.keys[0][:3, :, :3], recording.keys[0][:3, :, :3])
+    assert replica.keys[0][0, 0, 0, 0].item() == 3.0  # the moved slot
+    with pytest.raises(RuntimeError, match="rank 0 got"):
+        replay_cache_ops(replica, ((CACHE_ALLOCATE, 0),))
+    with pytest.raises(RuntimeError, match="no prefix cache"):
+        recording.write(0, torch.zeros(1), 1)
