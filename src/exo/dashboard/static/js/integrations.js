@@ -34,6 +34,7 @@ client = OpenAI(base_url="${origin}/v1", api_key=${key})
 reply = client.chat.completions.create(
     model="${model}",
     messages=[{"role": "user", "content": "Hello!"}],
+    max_tokens=64,
 )
 print(reply.choices[0].message.content)`,
       note: keyNote,
@@ -48,6 +49,7 @@ const client = new OpenAI({ baseURL: "${origin}/v1", apiKey: ${jsKey} });
 const reply = await client.chat.completions.create({
   model: "${model}",
   messages: [{ role: "user", content: "Hello!" }],
+  max_tokens: 64,
 });
 console.log(reply.choices[0].message.content);`,
       note: keyNote,
@@ -61,7 +63,7 @@ console.log(reply.choices[0].message.content);`,
 client = Anthropic(base_url="${origin}", api_key=${key})
 reply = client.messages.create(
     model="${model}",
-    max_tokens=256,
+    max_tokens=64,
     messages=[{"role": "user", "content": "Hello!"}],
 )
 print(reply.content[0].text)`,
@@ -96,7 +98,8 @@ wire_api = "responses"${keysOn ? `\nenv_key = "${KEY_VAR}"` : ""}`,
       title: "Open WebUI",
       language: "shell",
       code: `OPENAI_API_BASE_URL="${origin}/v1"
-OPENAI_API_KEY="${keysOn ? `$${KEY_VAR}` : "unused"}"`,
+OPENAI_API_KEY="${keysOn ? `$${KEY_VAR}` : "unused"}"
+DEFAULT_MODELS="${model}"`,
       note: "Set these in Open WebUI's environment, or under Admin Settings → Connections → OpenAI API. Open WebUI in Docker reaches this machine at host.docker.internal, not localhost.",
     },
     {
@@ -114,7 +117,11 @@ OLLAMA_HOST="${origin}/ollama" ollama list`,
       code: `${keysOn ? "import os\n" : ""}from ollama import Client
 
 client = Client(host="${origin}/ollama"${keysOn ? `, headers={"Authorization": f"Bearer {os.environ['${KEY_VAR}']}"}` : ""})
-reply = client.chat(model="${model}", messages=[{"role": "user", "content": "Hello!"}])
+reply = client.chat(
+    model="${model}",
+    messages=[{"role": "user", "content": "Hello!"}],
+    options={"num_predict": 64},
+)
 print(reply.message.content)`,
       note: "",
     },
@@ -124,7 +131,7 @@ print(reply.message.content)`,
       language: "shell",
       code: `curl ${origin}/v1/chat/completions \\${curlAuth}
   -H "Content-Type: application/json" \\
-  -d '{"model": "${model}", "messages": [{"role": "user", "content": "Hello!"}]}'`,
+  -d '{"model": "${model}", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64}'`,
       note: "",
     },
   ];

@@ -1,0 +1,178 @@
+"""Every snippet of the Integrations view works against the running node: the values are
+read from the rendered page (its own address and the running model's name) and used with
+the real clients: the Python snippets run as written (openai, anthropic, ollama), the curl
+snippet runs in a shell, and the settings of tools that cannot run here (the OpenAI JS SDK,
+Claude Code, Codex, Open WebUI, the ollama CLI) are used with the client speaking the same
+API with the same URL, headers and model."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import ollama
+import openai
+import pytest
+from playwright.sync_api import Browser
+
+from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
+from tests.browser.dashboard_pages import DashboardPage
+
+SNIPPETS = (
+    "openai-python",
+    "openai-js",
+    "anthropic-python",
+    "claude-code",
+    "codex",
+    "open-webui",
+    "ollama-cli",
+    "ollama-python",
+    "curl",
+)
+
+
+@pytest.fixture(scope="module")
+def rendered(
+    browser: Browser, dashboard_node: ExoNode, screenshot_dir: Path
+) -> Iterator[dict[str, str]]:
+    """Each snippet's code as the page shows it."""
+    dashboard = DashboardPage(browser, dashboard_node)
+    try:
+        page = dashboard.open("integrations").page
+        page.locator("[data-snippet='curl'] pre").wait_for()
+        codes = {
+            name: page.locator(f"[data-snippet='{name}'] pre").inner_text() for name in SNIPPETS
+        }
+        page.screenshot(path=screenshot_dir / "integrations-snippets-desktop.png", full_page=True)
+        assert dashboard.errors == []
+        yield codes
+    finally:
+        dashboard.close()
+
+
+def _run_python(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _exports(code: str) -> dict[str, str]:
+    """The variables a shell snippet sets (`export NAME="value"` / `NAME="value"` lines)."""
+    return {m[1]: m[2] for m in re.finditer(r'^(?:export )?([A-Z_]+)="([^"]*)"$', code, re.M)}
+
+
+def test_snippets_name_this_node_and_its_model(
+    rendered: dict[str, str], dashboard_node: ExoNode
+) -> None:
+    origin = dashboard_node.url
+    for name, code in rendered.items():
+        assert origin in code, name
+        if name != "ollama-cli":
+            assert DEFAULT_MODEL_ID in code, name
+    assert f'"{origin}/v1"' in rendered["openai-js"]
+
+
+@pytest.mark.parametrize("name", ["openai-python", "anthropic-python", "ollama-python"])
+def test_python_snippets_run_as_written(rendered: dict[str, str], name: str) -> None:
+    assert _run_python(rendered[name]).strip()
+
+
+def test_curl_snippet_runs(rendered: dict[str, str]) -> None:
+    done = subprocess.run(
+        ["bash", "-c", rendered["curl"]], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["model"] == DEFAULT_MODEL_ID and answer["choices"][0]["message"]["content"]
+
+
+def test_openai_js_settings(rendered: dict[str, str]) -> None:
+    # The JS SDK posts to baseURL + "/chat/completions" with a Bearer key.
+    code = rendered["openai-js"]
+    base_url = re.search(r'baseURL: "([^"]+)"', code)[1]  # type: ignore[index]
+    model = re.search(r'model: "([^"]+)"', code)[1]  # type: ignore[index]
+    answer = httpx.post(
+        f"{base_url}/chat/completions",
+        headers={"authorization": "Bearer unused"},
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4,
+            "temperature": 0,
+        },
+        timeout=120,
+    )
+    assert answer.status_code == 200 and answer.json()["model"] == model
+
+
+def test_claude_code_settings(rendered: dict[str, str]) -> None:
+    env = _exports(rendered["claude-code"])
+    # Claude Code sends ANTHROPIC_AUTH_TOKEN as a Bearer token to ANTHROPIC_BASE_URL.
+    client = anthropic.Anthropic(
+        base_url=env["ANTHROPIC_BASE_URL"], auth_token=env["ANTHROPIC_AUTH_TOKEN"], api_key=None
+    )
+    for model in (env["ANTHROPIC_MODEL"], env["ANTHROPIC_DEFAULT_HAIKU_MODEL"]):
+        reply = client.messages.create(
+            model=model, max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
+        )
+        assert reply.content and reply.model == DEFAULT_MODEL_ID
+
+
+def test_codex_settings(rendered: dict[str, str]) -> None:
+    config = tomllib.loads(rendered["codex"])
+    provider = config["model_providers"][config["model_provider"]]
+    assert provider["wire_api"] == "responses"
+    client = openai.OpenAI(
+        base_url=provider["base_url"], api_key=os.environ.get(provider.get("env_key", ""), "unused")
+    )
+    reply = client.responses.create(
+        model=config["model"], input="Hi", max_output_tokens=16, temperature=0
+    )
+    assert reply.output_text
+
+
+def test_open_webui_settings(rendered: dict[str, str]) -> None:
+    env = _exports(rendered["open-webui"])
+    client = openai.OpenAI(base_url=env["OPENAI_API_BASE_URL"], api_key=env["OPENAI_API_KEY"])
+    # Open WebUI lists the models first, then chats.
+    assert env["DEFAULT_MODELS"] in [m.id for m in client.models.list()]
+    reply = client.chat.completions.create(
+        model=env["DEFAULT_MODELS"],
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+    )
+    assert reply.choices[0].message.content
+
+
+def test_ollama_cli_settings(rendered: dict[str, str]) -> None:
+    first = rendered["ollama-cli"].splitlines()[0]
+    words = shlex.split(first)
+    host = words[0].removeprefix("OLLAMA_HOST=")
+    model = words[3]
+    assert words[1:3] == ["ollama", "run"]
+    # The Python client reads OLLAMA_HOST as the CLI does (a path after the port is kept).
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import ollama, sys; print(ollama.Client().generate(model=sys.argv[1], prompt='Hi',"
+            " options={'num_predict': 4, 'temperature': 0}).response)",
+            model,
+        ],
+        env={**os.environ, "OLLAMA_HOST": host},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert model in [m.model for m in ollama.Client(host=host).list().models]

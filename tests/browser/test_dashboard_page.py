@@ -1,0 +1,259 @@
+"""The dashboard in a real headless Chromium against a real node: it loads without console
+errors under its CSP, shows the node in the topology, renders model output safely, applies
+JSON patches correctly, is usable on a phone, and every view is screenshotted (desktop and
+phone, light and dark) into the pytest tmp dir."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from playwright.sync_api import Browser, Route
+
+from exo.testing.processes import ExoNode
+from tests.browser.dashboard_pages import PHONE, VIEWS, DashboardPage
+
+
+@pytest.fixture
+def screenshots(screenshot_dir: Path) -> Path:
+    """The session's screenshot folder (tests/browser/conftest.py), named in the summary."""
+    return screenshot_dir
+
+
+@pytest.fixture
+def dashboard(browser: Browser, dashboard_node: ExoNode) -> Iterator[DashboardPage]:
+    page = DashboardPage(browser, dashboard_node)
+    try:
+        yield page
+    finally:
+        page.close()
+
+
+def test_page_loads_and_shows_the_node(dashboard: DashboardPage, screenshots: Path) -> None:
+    dashboard.open("cluster")
+    node_id = dashboard.node.node_id()
+    page = dashboard.page
+    node = page.locator(f"svg.topology g.node[data-node-id='{node_id}']")
+    node.wait_for()
+    text = node.text_content() or ""
+    # Name, short id, master mark, memory, CPU, GPU and disk are all in the picture.
+    assert "★" in text and node_id[:8] in text
+    assert "RAM" in text and "cores" in text and "GPU" in text and "disk" in text
+    card = page.locator(f".node-card[data-node-id='{node_id}']")
+    assert card.locator(".badge-master").count() == 1
+    # The default model's runner and its status are listed on the node.
+    card.locator(".runner .runner-status").first.wait_for()
+    assert "SmolLM2-135M-Instruct" in (card.locator(".runner-list").text_content() or "")
+    for view in VIEWS:
+        dashboard.show(view)
+        page.wait_for_timeout(300)
+        page.screenshot(path=screenshots / f"{view}-desktop.png")
+    assert dashboard.errors == []
+
+
+def test_phone_viewport_and_dark_theme(
+    browser: Browser, dashboard_node: ExoNode, screenshots: Path
+) -> None:
+    phone = DashboardPage(browser, dashboard_node, viewport=PHONE)
+    try:
+        page = phone.page
+        page.emulate_media(color_scheme="dark")
+        phone.open("chat")
+        # The chat fits the phone's width: input, send button and model picker are visible
+        # and inside the viewport, and the page does not scroll sideways.
+        for selector in ("#chat-input", "#send-button", "#chat-model", "#attach-button"):
+            box = page.locator(selector).bounding_box()
+            assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= PHONE["width"]
+        assert page.evaluate("document.documentElement.scrollWidth") <= PHONE["width"]
+        background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+        assert background == "rgb(15, 18, 23)"  # the dark theme's --bg
+        for view in VIEWS:
+            phone.show(view)
+            page.wait_for_timeout(300)
+            page.screenshot(path=screenshots / f"{view}-phone-dark.png")
+        # The toggle switches to light and is remembered across a reload.
+        page.click("#theme-toggle")
+        assert page.evaluate("document.documentElement.dataset.theme") == "light"
+        page.reload()
+        page.wait_for_selector("#live-indicator:has-text('live')")
+        assert (
+            page.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(246, 247, 249)"
+        )
+        assert phone.errors == []
+    finally:
+        phone.close()
+
+
+def _sse(chunks: list[dict[str, Any]]) -> str:
+    return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks) + "data: [DONE]\n\n"
+
+
+HOSTILE_ANSWER = (
+    "Here you go: <script>window.__pwned = 'script'</script>\n\n"
+    '<img src="x" onerror="window.__pwned = \'img\'">\n\n'
+    "[click](javascript:window.__pwned='link') and ![pic](http://198.51.100.1/track.png)\n\n"
+    "```python\nprint('hello')\n```\n"
+)
+
+
+def test_model_html_is_shown_as_text(dashboard: DashboardPage, screenshots: Path) -> None:
+    """A crafted streamed answer (the chat request is intercepted: this tests rendering,
+    not the model) with a script, an img onerror, a javascript: link, a remote image,
+    thinking and a tool call."""
+    body = _sse(
+        [
+            {
+                "id": "chatcmpl-test",
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {
+                            "role": "assistant",
+                            "reasoning_content": "Let me think <b>hard</b>.",
+                        },
+                    }
+                ],
+            },
+            {
+                "id": "chatcmpl-test",
+                "choices": [{"index": 0, "delta": {"content": HOSTILE_ANSWER}}],
+            },
+            {
+                "id": "chatcmpl-test",
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {
+                            "tool_calls": [
+                                {
+                                    "index": 0,
+                                    "id": "call_1",
+                                    "type": "function",
+                                    "function": {
+                                        "name": "get_weather",
+                                        "arguments": '{"city": "Paris"}',
+                                    },
+                                }
+                            ]
+                        },
+                    }
+                ],
+            },
+            {
+                "id": "chatcmpl-test",
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+            },
+            {
+                "id": "chatcmpl-test",
+                "choices": [],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 40, "total_tokens": 45},
+            },
+        ]
+    )
+
+    def answer(route: Route) -> None:
+        route.fulfill(status=200, headers={"content-type": "text/event-stream"}, body=body)
+
+    page = dashboard.page
+    page.route("**/v1/chat/completions", answer)
+    dashboard.open("chat")
+    page.fill("#chat-input", "Say something dangerous")
+    page.press("#chat-input", "Enter")
+    reply = page.locator(".message.assistant").last
+    reply.locator(".stats:has-text('40 tokens')").wait_for()
+    page.wait_for_timeout(300)
+    answer_box = reply.locator(".answer")
+    text = answer_box.inner_text()
+    assert "<script>window.__pwned = 'script'</script>" in text
+    assert "onerror=" in text
+    assert answer_box.locator("script, img, iframe, [onerror], [style]").count() == 0
+    assert answer_box.locator("a[href^='javascript']").count() == 0
+    assert page.evaluate("window.__pwned") is None
+    # The code block is a real <pre><code> with a copy button; thinking and the tool call are
+    # collapsed <details>, the thinking's HTML shown as text.
+    assert answer_box.locator("pre code").inner_text().strip() == "print('hello')"
+    thinking = reply.locator("details.thinking")
+    assert thinking.get_attribute("open") is None
+    assert "<b>hard</b>" in (thinking.text_content() or "")
+    assert "get_weather" in reply.locator("details.tool-call summary").inner_text()
+    page.screenshot(path=screenshots / "chat-hostile-answer.png")
+    assert dashboard.errors == []
+
+
+PATCH_CASES: list[tuple[Any, list[dict[str, Any]], Any]] = [
+    # RFC 6902 appendix A, and the escaped keys model ids need.
+    ({"foo": "bar"}, [{"op": "add", "path": "/baz", "value": "qux"}], {"foo": "bar", "baz": "qux"}),
+    (
+        {"foo": ["bar", "baz"]},
+        [{"op": "add", "path": "/foo/1", "value": "qux"}],
+        {"foo": ["bar", "qux", "baz"]},
+    ),
+    ({"foo": ["bar"]}, [{"op": "add", "path": "/foo/-", "value": "x"}], {"foo": ["bar", "x"]}),
+    ({"baz": "qux", "foo": "bar"}, [{"op": "remove", "path": "/baz"}], {"foo": "bar"}),
+    ({"foo": ["bar", "qux", "baz"]}, [{"op": "remove", "path": "/foo/1"}], {"foo": ["bar", "baz"]}),
+    (
+        {"baz": "qux", "foo": "bar"},
+        [{"op": "replace", "path": "/baz", "value": "boo"}],
+        {"baz": "boo", "foo": "bar"},
+    ),
+    (
+        {"foo": {"bar": "baz", "waldo": "fred"}, "qux": {"corge": "grault"}},
+        [{"op": "move", "from": "/foo/waldo", "path": "/qux/thud"}],
+        {"foo": {"bar": "baz"}, "qux": {"corge": "grault", "thud": "fred"}},
+    ),
+    (
+        {"foo": ["all", "grass", "cows", "eat"]},
+        [{"op": "move", "from": "/foo/1", "path": "/foo/3"}],
+        {"foo": ["all", "cows", "eat", "grass"]},
+    ),
+    (
+        {"a": {"b": [1]}},
+        [{"op": "copy", "from": "/a", "path": "/c"}],
+        {"a": {"b": [1]}, "c": {"b": [1]}},
+    ),
+    (
+        {"baz": "qux", "foo": ["a", 2, "c"]},
+        [
+            {"op": "test", "path": "/baz", "value": "qux"},
+            {"op": "test", "path": "/foo/1", "value": 2},
+        ],
+        {"baz": "qux", "foo": ["a", 2, "c"]},
+    ),
+    (
+        {"d": {}},
+        [
+            {"op": "add", "path": "/d/Org~1Model", "value": 1},
+            {"op": "add", "path": "/d/a~0b", "value": 2},
+        ],
+        {"d": {"Org/Model": 1, "a~b": 2}},
+    ),
+    ({"x": 1}, [{"op": "replace", "path": "", "value": [1]}], [1]),
+]
+PATCH_FAILURES: list[tuple[Any, list[dict[str, Any]]]] = [
+    ({"baz": "qux"}, [{"op": "test", "path": "/baz", "value": "bar"}]),
+    ({"foo": "bar"}, [{"op": "add", "path": "/baz/bat", "value": "qux"}]),
+    ({"foo": "bar"}, [{"op": "remove", "path": "/nothing"}]),
+    ({"foo": "bar"}, [{"op": "replace", "path": "/nothing", "value": 1}]),
+    ({"foo": [1]}, [{"op": "add", "path": "/foo/5", "value": 1}]),
+    ({"a": {"b": 1}}, [{"op": "move", "from": "/a", "path": "/a/c"}]),
+]
+
+
+def test_json_patch_applier(dashboard: DashboardPage) -> None:
+    dashboard.open("cluster")
+    results = dashboard.page.evaluate(
+        """async ([cases, failures]) => {
+            const { applyPatch } = await import('/static/js/jsonpatch.js');
+            const ok = cases.map(([doc, ops]) => applyPatch(doc, ops));
+            const failed = failures.map(([doc, ops]) => {
+                try { applyPatch(doc, ops); return null; } catch (e) { return e.message; }
+            });
+            return [ok, failed];
+        }""",
+        [[[doc, ops] for doc, ops, _ in PATCH_CASES], PATCH_FAILURES],
+    )
+    assert results[0] == [expected for _, _, expected in PATCH_CASES]
+    assert all(message is not None for message in results[1]), results[1]
