@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -27,6 +27,7 @@ from fastapi.responses import StreamingResponse
 from loguru import logger
 from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
+from starlette.types import Receive, Scope, Send
 
 from exo.api.admission import admission_of
 from exo.api.cluster import ClusterClient, CommandRejectedError
@@ -270,23 +271,48 @@ async def start_generation(
     return generation
 
 
-def streaming_response(
-    generation: Generation, render: ChunkRenderer, media_type: str = "text/event-stream"
-) -> StreamingResponse:
-    """Stream `render(chunks)`; a client that leaves mid-stream cancels the generation."""
+class _GenerationStreamingResponse(StreamingResponse):
+    """Streams `render(chunks)` and always ends the generation with the response: cancelled
+    unless it streamed to the end, closed (its admission place given back) either way.
+    Starlette never starts the body when the client is gone before the headers are sent,
+    and leaves a body it stopped early to the garbage collector, so the ending is also done
+    when the response is over."""
 
-    async def body() -> AsyncIterator[str]:
+    def __init__(self, generation: Generation, render: ChunkRenderer, media_type: str) -> None:
+        self._generation = generation
+        self._started = False
+        self._body = self._stream(render)
+        super().__init__(self._body, media_type=media_type)
+
+    async def _stream(self, render: ChunkRenderer) -> AsyncGenerator[str, None]:
+        self._started = True
         finished = False
         try:
-            async for piece in render(generation.chunks):
+            async for piece in render(self._generation.chunks):
                 yield piece
             finished = True
         finally:
             if not finished:
-                generation.cancel()
-            generation.close()
+                self._generation.cancel()
+            self._generation.close()
 
-    return StreamingResponse(body(), media_type=media_type)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._started:
+                self._generation.cancel()
+                self._generation.close()
+            with anyio.CancelScope(shield=True):
+                await self._body.aclose()  # runs `_stream`'s `finally` if it stopped early
+
+
+def streaming_response(
+    generation: Generation, render: ChunkRenderer, media_type: str = "text/event-stream"
+) -> StreamingResponse:
+    """Stream `render(chunks)`; a client that leaves mid-stream (or before the stream
+    starts) cancels the generation and gives back its admission place."""
+    return _GenerationStreamingResponse(generation, render, media_type)
 
 
 async def collect(

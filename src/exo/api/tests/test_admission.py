@@ -9,6 +9,8 @@ lets them finish.
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,7 +23,7 @@ from exo.api.app import create_app
 from exo.api.errors import GenerationError, QueueFullError
 from exo.master.placement import runner_id_for
 from exo.shared.types.chunks import Chunk, TokenChunk, Usage
-from exo.shared.types.commands import GenerateText
+from exo.shared.types.commands import CancelGeneration, GenerateText
 from exo.shared.types.common import CommandId, NodeId
 from exo.shared.types.runners import RunnerLoading, RunnerReady, RunnerRunning, RunnerStatus
 from exo.shared.types.state import InstanceUnavailable, State
@@ -317,3 +319,52 @@ async def test_a_streamed_answer_holds_its_place_until_it_ends() -> None:
             await wait_for(lambda: admission.in_flight(SMOLLM2) == 1, "the stream holds one")
             cluster.finish(1)
     assert admission.in_flight(SMOLLM2) == 0
+
+
+async def call_with_failing_send(app: Any, fail_on: str) -> None:
+    """A streamed chat request straight through ASGI (spec 2.4, as uvicorn speaks it) whose
+    client is gone when the response's `fail_on` message ("start" or "body") is sent."""
+    body = json.dumps({**DIALECT_REQUESTS["chat"][1], "stream": True}).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"127.0.0.1:52415"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 52415),
+    }
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop()
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == f"http.response.{fail_on}":
+            raise OSError("the client is gone")
+
+    with contextlib.suppress(Exception):
+        await app(scope, receive, send)
+
+
+@pytest.mark.parametrize("fail_on", ["start", "body"])
+async def test_a_stream_whose_client_left_gives_back_its_place(fail_on: str) -> None:
+    # Starlette never starts the body when the headers cannot be sent ("start"), and stops
+    # iterating it when a piece cannot ("body"); the place comes back at once either way.
+    cluster = ScriptedCluster()
+    admission = Admission(max_queued_requests=0, wait_seconds=DEADLINE_SECONDS)
+    app = create_app(cluster, admission=admission)  # type: ignore[arg-type]
+    with anyio.fail_after(DEADLINE_SECONDS):
+        await call_with_failing_send(app, fail_on)
+    assert len(cluster.submitted) == 1
+    assert admission.in_flight(SMOLLM2) == 0
+    cancelled = [c.target_command_id for c in cluster.sent if isinstance(c, CancelGeneration)]
+    assert cancelled == [cluster.submitted[0].command_id]
