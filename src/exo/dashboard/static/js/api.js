@@ -79,7 +79,7 @@ function showKeyScreen(done) {
     "aria-label": "API key",
   });
   const message = el("p", { class: "key-error", role: "alert" });
-  const submit = el("button", { type: "submit", id: "api-key-submit", text: "Sign in" });
+  const submit = el("button", { type: "submit", class: "primary", id: "api-key-submit", text: "Sign in" });
   const form = el(
     "form",
     { class: "key-form" },
