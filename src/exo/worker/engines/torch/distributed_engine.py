@@ -41,6 +41,7 @@ from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, Tensor
 from exo.shared.types.text_generation import TextGenerationTaskParams
 from exo.worker.engines.prompt import RenderedPrompt
 from exo.worker.engines.torch.batch_attention import (
+    BATCHED_ATTENTION,
     BatchPlan,
     SlotKVCache,
     attention_layers,
@@ -164,6 +165,13 @@ class DistributedTorchEngine(TorchEngine):
             kv_heads //= self.world_size
         dtype = next(self.model.parameters()).dtype
         use_batched_attention(self.model)
+        # A family may give a tensor rank's attention modules a config of their own (with
+        # this rank's head counts, e.g. Phi-3): it must use the batched attention too.
+        layers: Any = self.model.model.layers
+        for layer in layers:
+            own_config = getattr(layer.self_attn, "config", None)
+            if own_config is not None and own_config is not text_config:
+                own_config._attn_implementation = BATCHED_ATTENTION
         return cache_class(
             len(self._windows), kv_heads, head_dim, dtype, self.device,
             self.max_concurrent_requests,
