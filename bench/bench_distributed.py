@@ -2,19 +2,25 @@
 against the single-process engine.
 
 Usage: PYTHONPATH=src python bench/bench_distributed.py [--runs 3] [--decode-tokens 32]
-       [--prompt-words 200] [--weight-dtype float32] [--models-dir DIR]
+       [--prompt-words 200] [--weight-dtype float32] [--models-dir DIR] [--concurrency 1,4]
+       [--models all|default|random]
 
 Rows: the default model (SmolLM2-135M) single / 2-rank pipeline / 2-rank tensor (not
 possible: 9 attention heads), then a random-weight Llama of similar size with 8 heads
 (hidden 512, 30 layers) single / pipeline / tensor. Each process gets cores // ranks intra-op
 threads so every row uses the same cores. Prefill tok/s = prompt tokens / time to the first
 piece; decode tok/s = tokens after the first / time after the first piece (EOS ignored).
-Figures are medians of `--runs` runs after the collective warm-up.
+Figures are medians of `--runs` runs after the collective warm-up. Then, per `--concurrency`
+N: N requests submitted together (the multi-rank engines batch them: tensor ranks in
+lockstep, pipeline steps in micro-batches); aggregate decode tok/s = tokens streamed after
+every request had its first token / the time from then to the last token (JSON in
+`--json`, if given).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import queue
 import shutil
@@ -74,6 +80,29 @@ def measure(engine: TorchEngine, args: argparse.Namespace) -> tuple[int, float, 
     return prompt_tokens, prompt_tokens / (first - started), decode
 
 
+def measure_concurrent(engine: TorchEngine, requests: int, args: argparse.Namespace) -> float:
+    """`requests` greedy requests submitted together: aggregate decode tok/s."""
+    content = " ".join(["the quick brown fox jumps over the lazy dog"] * (args.prompt_words // 9))
+    params = TextGenerationTaskParams(
+        model=ModelId("bench"), messages=(ChatMessage(role="user", content=content),),
+        max_tokens=args.decode_tokens, temperature=0.0,
+    )  # fmt: skip
+    for index in range(requests):
+        engine.submit(params, request_id=f"bench-{index}")
+    started: set[str] = set()
+    all_started = 0.0
+    tokens_after = 0
+    while engine.has_work:
+        for request_id, piece in engine.step():
+            assert not isinstance(piece, Exception), piece
+            if all_started:
+                tokens_after += len(piece.token_ids)
+            started.add(request_id)
+        if not all_started and len(started) == requests:
+            all_started = time.perf_counter()
+    return tokens_after / (time.perf_counter() - all_started)
+
+
 def rank_main(
     rank: int, world_size: int, port: int, mode: str, model_dir: str, args: Any, results: Any
 ) -> None:
@@ -91,12 +120,19 @@ def rank_main(
         else:
             engine.eos_token_ids = frozenset()  # decode the same number of tokens every run
             runs = [measure(engine, args) for _ in range(args.runs)]
+            concurrent = {
+                requests: statistics.median(
+                    measure_concurrent(engine, requests, args) for _ in range(args.runs)
+                )
+                for requests in args.concurrency
+            }
             engine.shutdown()
             results.put(
                 (
                     runs[0][0],
                     statistics.median(run[1] for run in runs),
                     statistics.median(run[2] for run in runs),
+                    concurrent,
                 )
             )
         if world_size > 1:
@@ -107,7 +143,9 @@ def rank_main(
             results.put(str(error).splitlines()[0])
 
 
-def bench(mode: str, world_size: int, model_dir: Path, args: argparse.Namespace) -> str:
+def bench(
+    mode: str, world_size: int, model_dir: Path, args: argparse.Namespace
+) -> tuple[str, dict[int, float]]:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
@@ -132,11 +170,14 @@ def bench(mode: str, world_size: int, model_dir: Path, args: argparse.Namespace)
             if process.is_alive():
                 process.kill()
     if isinstance(outcome, str):
-        return f"not possible: {outcome}"
-    prompt_tokens, prefill, decode = outcome
-    return (
+        return f"not possible: {outcome}", {}
+    prompt_tokens, prefill, decode, concurrent = outcome
+    line = (
         f"prompt {prompt_tokens:4d} tok  prefill {prefill:7.1f} tok/s  decode {decode:6.1f} tok/s"
     )
+    for requests, rate in concurrent.items():
+        line += f"  x{requests}: {rate:6.1f} tok/s"
+    return line, concurrent
 
 
 def random_llama(directory: Path, tokenizer_source: Path) -> Path:
@@ -164,21 +205,32 @@ def main() -> int:
     parser.add_argument("--prompt-words", type=int, default=200)
     parser.add_argument("--weight-dtype", default="float32", choices=("float32", "int8", "int4"))
     parser.add_argument("--models-dir", type=Path, default=None)
+    parser.add_argument(
+        "--concurrency", type=lambda text: [int(part) for part in text.split(",")],
+        default=[1, 4], help="requests submitted together, comma-separated",
+    )  # fmt: skip
+    parser.add_argument("--models", choices=("all", "default", "random"), default="all")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
     card = load_builtin_cards()[DEFAULT_MODEL]
     real_dir = prepare_model(card, args.models_dir or default_models_dir(), offline=False)
     print(f"cpus {os.cpu_count()}, weights {args.weight_dtype}, runs {args.runs}", flush=True)
-    rows = [("SmolLM2-135M", real_dir)]
+    rows = [("SmolLM2-135M", real_dir)] if args.models != "random" else []
+    figures: dict[str, dict[int, float]] = {}
     with tempfile.TemporaryDirectory() as scratch:
-        rows.append(("random Llama 8 heads", random_llama(Path(scratch), real_dir)))
+        if args.models != "default":
+            rows.append(("random Llama 8 heads", random_llama(Path(scratch), real_dir)))
         for name, directory in rows:
             for label, mode, world_size in (
                 ("single", "pipeline", 1),
                 ("pipeline x2", "pipeline", 2),
                 ("tensor x2", "tensor", 2),
             ):
-                line = bench(mode, world_size, directory, args)
+                line, concurrent = bench(mode, world_size, directory, args)
+                figures[f"{name} / {label}"] = concurrent
                 print(f"{name:22s} {label:12s} {line}", flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"aggregate_decode_tok_s": figures}, indent=2))
     return 0
 
 
