@@ -21,6 +21,13 @@ from exo.testing.ports import free_port as free_port  # re-exported for the test
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 READY_TIMEOUT_SECONDS = 600.0
+# A bound on a node's start until its API answers (imports, zenoh), not a measure of it: on
+# a loaded 2-core machine it has taken over 90 s.
+API_TIMEOUT_SECONDS = 180.0
+# Environment variables naming model stores of the machine running the tests.
+MACHINE_MODEL_STORES = frozenset(
+    {"HF_HOME", "HF_HUB_CACHE", "OLLAMA_MODELS", "EXO_MODELS_DIRS", "EXO_MODELS_READ_ONLY_DIRS"}
+)
 
 
 def exo_command() -> str:
@@ -87,12 +94,29 @@ class ExoNode:
     def zenoh_endpoint(self) -> str:
         return f"tcp/127.0.0.1:{self.zenoh_port}"
 
+    def environment(self) -> dict[str, str]:
+        """The node's environment: this process's, without the machine's model stores (its
+        Hugging Face cache, Ollama store, extra model directories) so a node sees only what
+        its test gives it, whatever the machine holds or earlier runs left there; then the
+        node's home and models directory, then the test's `env` (which may name stores)."""
+        inherited = {
+            name: value for name, value in os.environ.items() if name not in MACHINE_MODEL_STORES
+        }
+        env = {
+            **inherited,
+            "HF_HUB_CACHE": str(self.home / "hf-cache"),
+            "OLLAMA_MODELS": str(self.home / "ollama-models"),
+            "EXO_HOME": str(self.home),
+            **self.extra_env,
+        }
+        if self.models_dir is not None:
+            env["EXO_MODELS_DIR"] = str(self.models_dir)
+        return env
+
     def launch(self) -> ExoNode:
         """Start the process without waiting for it (see `wait_api`)."""
         self.home.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "EXO_HOME": str(self.home), **self.extra_env}
-        if self.models_dir is not None:
-            env["EXO_MODELS_DIR"] = str(self.models_dir)
+        env = self.environment()
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
             [
@@ -113,7 +137,7 @@ class ExoNode:
         return self
 
     def wait_api(self) -> ExoNode:
-        wait_until(self._api_up, timeout=60, what=f"exo API on port {self.port}")
+        wait_until(self._api_up, timeout=API_TIMEOUT_SECONDS, what=f"exo API on port {self.port}")
         return self
 
     def start(self) -> ExoNode:
