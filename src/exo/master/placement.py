@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from exo.shared.models.memory import ENGINE_CPU_WEIGHT_FORMAT, WeightShare, loading_peak_bytes
+from exo.shared.models.memory import ENGINE_CPU_WEIGHT_FORMAT, WeightShare, serving_peak_bytes
 from exo.shared.types.common import FrozenModel, InstanceId, NodeId, RunnerId
 from exo.shared.types.instances import (
     Instance,
@@ -74,9 +74,10 @@ class Layout:
 def required_memory_bytes(card: ModelCard, world_size: int = 1) -> int:
     """Bytes one tensor-parallel rank of `world_size` (or a whole single node) needs: the
     peak of its weights while loading in the engine's CPU format (int4 layers, int8 LM head,
-    float32 embedding; `exo.shared.models.memory`), plus the overhead fraction."""
+    float32 embedding; `exo.shared.models.memory`) or of its weights and KV-cache budget
+    while serving, whichever is larger, plus the overhead fraction."""
     share = WeightShare(layers=card.n_layers, tensor_parallel_ranks=world_size)
-    peak = loading_peak_bytes(card, ENGINE_CPU_WEIGHT_FORMAT, share)
+    peak = serving_peak_bytes(card, ENGINE_CPU_WEIGHT_FORMAT, share)
     return int(peak * (1 + MEMORY_OVERHEAD_FRACTION))
 
 
@@ -84,9 +85,10 @@ def pipeline_share_bytes(
     card: ModelCard, n_layers: int, is_first: bool = True, is_last: bool = True
 ) -> int:
     """Bytes a pipeline rank holding `n_layers` layers (and the embedding on the first
-    rank, the LM head on the last) needs while loading, plus the overhead fraction."""
+    rank, the LM head on the last) needs while loading or serving (its layers' KV-cache
+    budget), plus the overhead fraction."""
     share = WeightShare(layers=n_layers, holds_embedding=is_first, holds_output_layer=is_last)
-    peak = loading_peak_bytes(card, ENGINE_CPU_WEIGHT_FORMAT, share)
+    peak = serving_peak_bytes(card, ENGINE_CPU_WEIGHT_FORMAT, share)
     return int(peak * (1 + MEMORY_OVERHEAD_FRACTION))
 
 

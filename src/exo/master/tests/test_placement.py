@@ -15,7 +15,13 @@ from exo.master.placement import (
     required_memory_bytes,
     tensor_split_error,
 )
-from exo.shared.models.memory import WeightShare, loading_peak_bytes, resident_weight_bytes
+from exo.shared.models.memory import (
+    DEFAULT_KV_CACHE_TOKENS,
+    WeightShare,
+    kv_cache_budget_bytes,
+    loading_peak_bytes,
+    resident_weight_bytes,
+)
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId
 from exo.shared.types.instances import PipelineInstance, TensorInstance
 from exo.shared.types.nodes import DownloadCompleted, GpuInfo, TopologyEdge
@@ -66,14 +72,19 @@ def state_with(linked: bool = True, **available_mb: int) -> State:
     return state.model_copy(update={"topology": topology})
 
 
-def test_required_memory_is_the_int4_loading_peak_plus_overhead() -> None:
+def test_required_memory_is_the_int4_serving_peak_plus_overhead() -> None:
     assert MEMORY_OVERHEAD_FRACTION == 0.10
-    peak = loading_peak_bytes(CARD, "int4", WeightShare(layers=12))
-    assert required_memory_bytes(CARD) == int(peak * 1.1)
-    # Far below the float32 weights: placement reserves what the engine holds.
+    whole = WeightShare(layers=12)
+    peak = loading_peak_bytes(CARD, "int4", whole)
+    serving = resident_weight_bytes(CARD, "int4") + kv_cache_budget_bytes(CARD, whole)
+    assert required_memory_bytes(CARD) == int(max(peak, serving) * 1.1)
+    # The KV-cache budget: layers x KV heads x head dim x (key, value) x float32 per token.
+    assert kv_cache_budget_bytes(CARD, whole) == DEFAULT_KV_CACHE_TOKENS * 12 * 3 * 64 * 2 * 4
+    # Far below the float32 weights plus that budget: placement reserves what the engine holds.
     real = smollm2_card()
-    assert required_memory_bytes(real) < 0.7 * resident_weight_bytes(real, "float32")
-    # Tensor ranks split the layers, not the embedding and LM head.
+    kv = kv_cache_budget_bytes(real)
+    assert required_memory_bytes(real) < 0.7 * resident_weight_bytes(real, "float32") + 1.1 * kv
+    # Tensor ranks split the layers and KV heads, not the embedding and LM head.
     half = required_memory_bytes(CARD, world_size=2)
     assert required_memory_bytes(CARD) / 2 < half < required_memory_bytes(CARD)
 
@@ -211,7 +222,8 @@ def test_no_known_nodes_is_an_error() -> None:
 
 
 def test_tensor_sharding_splits_every_layer() -> None:
-    state = state_with(node_a=NEED_MIB * 6 // 10, node_b=NEED_MIB * 6 // 10)
+    need = -(-required_memory_bytes(TENSOR_CARD) // MIB)
+    state = state_with(node_a=need * 6 // 10, node_b=need * 6 // 10)
     instance = place_instance(TENSOR_CARD, state, INSTANCE, sharding="tensor")
     assert isinstance(instance, TensorInstance)
     shards = list(instance.shard_assignments.runner_to_shard.values())

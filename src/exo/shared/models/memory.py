@@ -158,16 +158,16 @@ def loading_peak_bytes(
 # Keys and values are held in the activations' dtype: float32 on CPU in every weight format.
 KV_CACHE_VALUE_BYTES = FLOAT32_BYTES
 # Tokens of KV cache a runner keeps room for by default (running requests and the prefix
-# cache together): eight concurrent requests of 2,048 tokens, or one of 16,384.
-DEFAULT_KV_CACHE_TOKENS = 16_384
+# cache together): eight concurrent requests of 1,024 tokens, or one of 8,192.
+DEFAULT_KV_CACHE_TOKENS = 8_192
 
 
 def kv_cache_bytes_per_token(card: ModelCard, share: WeightShare | None = None) -> int:
     """Bytes of KV cache one token takes on a node holding `share`: layers × KV heads ×
     head dim × 2 (a key and a value) × `KV_CACHE_VALUE_BYTES`; tensor ranks hold their
-    part of the KV heads (at least one each)."""
+    part of the KV heads (rounded up)."""
     share = share or whole_model(card)
-    kv_heads = max(1, card.num_key_value_heads // share.tensor_parallel_ranks)
+    kv_heads = -(-card.num_key_value_heads // share.tensor_parallel_ranks)
     return share.layers * kv_heads * card.attention_head_dim * 2 * KV_CACHE_VALUE_BYTES
 
 
@@ -178,3 +178,14 @@ def kv_cache_budget_bytes(
     `DEFAULT_KV_CACHE_TOKENS`) times `kv_cache_bytes_per_token`."""
     budget_tokens = DEFAULT_KV_CACHE_TOKENS if tokens is None else tokens
     return budget_tokens * kv_cache_bytes_per_token(card, share)
+
+
+def serving_peak_bytes(
+    card: ModelCard, weight_format: WeightFormat, share: WeightShare | None = None
+) -> int:
+    """Peak bytes of a runner holding `share`: the loading peak, or the resident weights
+    plus the whole KV-cache budget (`kv_cache_budget_bytes`) once it serves, whichever is
+    larger (the KV cache fills only after loading)."""
+    share = share or whole_model(card)
+    serving = resident_weight_bytes(card, weight_format, share) + kv_cache_budget_bytes(card, share)
+    return max(loading_peak_bytes(card, weight_format, share), serving)
