@@ -8,8 +8,13 @@ import { bar, el, formatBytes, replace, shortId, svg } from "./ui.js";
 const NODE_W = 210;
 const NODE_H = 104;
 
+/** A node's name for labels: its friendly name, with its short id when another node has
+ * the same name. */
 function nodeName(state, nodeId) {
-  return state.node_info[nodeId]?.friendly_name || shortId(nodeId);
+  const name = state.node_info[nodeId]?.friendly_name;
+  if (!name) return shortId(nodeId);
+  const twins = Object.values(state.node_info).filter((info) => info.friendly_name === name);
+  return twins.length > 1 ? `${name} ${shortId(nodeId)}` : name;
 }
 
 /** Positions on a circle (one node: the centre). */
@@ -73,7 +78,7 @@ function topologySvg(state, master, self, available) {
         group.append(
           svg(
             "text",
-            { x: mx, y: my - 6 + i * 16, "text-anchor": "middle", class: "link-label" },
+            { x: mx, y: my - 8 + i * 24, "text-anchor": "middle", class: "link-label" },
             `${nodeName(state, edge.source)}→${nodeName(state, edge.sink)}: ${linkLabel(edge)}`,
           ),
         );
