@@ -3,7 +3,8 @@
 Every `step()` runs ONE forward pass (`batch_attention.forward_batch`) over one new token of
 each decoding request plus chunks of at most `PREFILL_TOKENS_PER_STEP` prompt tokens of the
 requests still prefilling, so a long new prompt never stalls the running streams (chunked
-prefill, as in Agrawal et al. 2024, "Sarathi-Serve"). Requests join at any step and leave
+prefill, as in Agrawal et al. 2024, "Sarathi-Serve"); with nothing decoding, prompts are
+prefilled `PREFILL_TOKENS_PER_IDLE_STEP` tokens at a time. Requests join at any step and leave
 when they finish or are cancelled (iteration-level scheduling, Yu et al. 2022, "Orca").
 
 Memory: the KV of running requests and of the prefix cache share one budget in tokens
@@ -36,13 +37,18 @@ from exo.worker.engines.torch.batch_attention import (
 from exo.worker.engines.torch.prefix_cache import PrefixCache
 from exo.worker.engines.torch.request_state import GeneratedPiece, RequestState
 
-# Prompt tokens prefilled per step, over all prefilling requests. A step costs about one
-# decode step plus the chunk's prefill; on the 2-core reference machine (SmolLM2-135M, int4)
-# a decode step takes ~10 ms and prefill runs at ~1,000 tok/s, so 32 tokens add ~30 ms:
-# a running stream's inter-token gap stays within ~3x of idle while a long prompt is
-# admitted (bench/bench_concurrency.py), and the chunk stays within the int4 layers'
-# fused-kernel rows (`Int4Linear.fused_max_rows` = 64) with a batch of decodes.
-PREFILL_TOKENS_PER_STEP = 32
+# Prompt tokens prefilled per step, over all prefilling requests, while other requests are
+# decoding. A step then costs one decode step plus the chunk's prefill: on the 2-core
+# reference machine (SmolLM2-135M, int4) a decode step takes ~10 ms and prefill runs at
+# ~600-1,000 tok/s, so 16 tokens add ~16-25 ms and a running stream's inter-token gap stays
+# within ~3x of idle while a long prompt is admitted (bench/bench_concurrency.py); it also
+# stays within the int4 layers' fused-kernel rows (`Int4Linear.fused_max_rows` = 64) beside
+# a batch of decodes.
+PREFILL_TOKENS_PER_STEP = 16
+# With no request decoding there is no stream to protect: larger chunks prefill faster
+# (fewer steps, better matmul shapes) while bounding activation memory ([chunk,
+# intermediate] MLP activations, [heads, chunk, keys] attention scores).
+PREFILL_TOKENS_PER_IDLE_STEP = 512
 
 StepOutput = tuple[str, GeneratedPiece | Exception]
 
@@ -237,7 +243,7 @@ class BatchScheduler:
                 key=lambda running: running.slot,
             )
             prefill: list[tuple[_Running, int]] = []
-            room = PREFILL_TOKENS_PER_STEP
+            room = PREFILL_TOKENS_PER_STEP if decoding else PREFILL_TOKENS_PER_IDLE_STEP
             for running in sorted(
                 (running for running in self._running if running.prefilling),
                 key=lambda running: running.admitted,

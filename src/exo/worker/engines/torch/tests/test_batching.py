@@ -24,6 +24,7 @@ from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.request_state import GeneratedPiece, RequestState
 from exo.worker.engines.torch.sampling import TokenChooser
+from exo.worker.engines.torch.scheduler import PREFILL_TOKENS_PER_STEP
 
 # Largest |batched - alone| logit difference allowed (measured: float32 tiny models stay
 # below 2e-6, int4 below 2e-2; the bounds leave headroom for other CPUs' kernels).
@@ -335,3 +336,24 @@ def test_int4_batched_logits_stay_within_the_int4_tolerance(
     params = [request(prompt, temperature=0.0, max_tokens=6) for prompt in PROMPTS]
     solo, forced, _pieces = solo_and_batched(engine, params, join_at=[0, 1, 1])
     assert max_difference(solo, forced) < INT4_TOLERANCE
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_a_stream_keeps_decoding(
+    tiny_card: Any, tiny_model_dir: Path
+) -> None:
+    engine = tiny_llama(tiny_card, tiny_model_dir)
+    stream = engine.build_request(request("Hi", temperature=0.0, max_tokens=200), None, "s")
+    engine.scheduler.add(stream)
+    while not stream.generated_ids:
+        engine.step()
+    long_request = engine.build_request(request("word " * 120, max_tokens=1), None, "long")
+    prompt_tokens = len(long_request.prompt_ids)
+    engine.scheduler.add(long_request)
+    steps = 0
+    while not long_request.generated_ids:
+        before = len(stream.generated_ids)
+        engine.step()
+        steps += 1
+        assert len(stream.generated_ids) == before + 1  # one token every step
+    assert steps == -(-prompt_tokens // PREFILL_TOKENS_PER_STEP)
+    assert engine.cancel("s")
