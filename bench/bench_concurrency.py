@@ -75,7 +75,7 @@ def submit_tokens(
         temperature=0.0,
     )
     rendered = RenderedPrompt(
-        token_ids=prompt_ids, text="", tool_call_format="none", thinking_open=False,
+        token_ids=prompt_ids, text="", tool_call_format="generic", thinking_open=False,
         tools_in_template=False,
     )  # fmt: skip
     state = engine.build_request(params, rendered, request_id)
