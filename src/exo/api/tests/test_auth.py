@@ -245,3 +245,24 @@ def test_reload_keeps_the_keys_when_the_file_is_unreadable(tmp_path: Path) -> No
     path.write_text(f"{OTHER_KEY}\n")
     auth.reload()
     assert auth.valid_key(KEY) is None and auth.valid_key(OTHER_KEY) is not None
+
+
+def test_command_line_keys_and_limits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from exo.main import parse_args
+
+    monkeypatch.setenv("EXO_API_KEY", "env-key-123")
+    options = parse_args(["--api-key", KEY, "--rate-limit", "30", "--max-body-size", "1024"])
+    assert options.security.api_keys == (KEY, "env-key-123")
+    assert options.security.limits.rate_limit_per_minute == 30
+    assert options.security.limits.max_body_bytes == 1024
+    monkeypatch.delenv("EXO_API_KEY")
+    assert parse_args([]).security.api_keys == ()
+    for argv in (
+        ["--no-auth", "--api-key", KEY],
+        ["--api-key", "has space"],
+        ["--api-key-file", str(tmp_path / "missing")],
+        ["--max-connections", "0"],
+        ["--header-timeout", "0"],
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
