@@ -18,6 +18,8 @@ from exo.testing.tiny_models import save_tiny_model
 PROMPT = [{"role": "user", "content": "Name three colours and say why the sky is blue."}]
 FORM_TIMEOUT_SECONDS = 30.0
 READY_TIMEOUT_SECONDS = 180.0
+# Text pieces a cancelled stream may still deliver: those already generated or in flight.
+CANCEL_SLACK_PIECES = 200
 
 
 @pytest.fixture(scope="module")
@@ -187,20 +189,24 @@ def test_cancel_and_disconnect_stop_every_rank_and_free_the_slot(nodes: list[Exo
     story = [{"role": "user", "content": "Write a very long story about a dragon."}]
     try:
         # 1. POST /v1/cancel/{id} with the id the client saw, asked through another node.
+        # Greedy: the long story is the same on every run (sampled, a short answer could
+        # end before the cancel).
         stream = client.chat.completions.create(
-            model=DEFAULT_MODEL_ID, messages=story, max_tokens=2000, stream=True
+            model=DEFAULT_MODEL_ID, messages=story, temperature=0, max_tokens=2000, stream=True
         )
-        cancelled_at = 0.0
         pieces = 0
+        cancelled_after = 0
         with pytest.raises(openai.APIError, match="cancelled"):
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
                     pieces += 1
-                if pieces == 3 and not cancelled_at:
+                if pieces == 3 and not cancelled_after:
                     cancel = httpx.post(f"{a.url}/v1/cancel/{chunk.id}", timeout=10)
                     assert cancel.status_code == 200, cancel.text
-                    cancelled_at = time.monotonic()
-        assert cancelled_at and time.monotonic() - cancelled_at < 5
+                    cancelled_after = pieces
+        # Every rank stops within a few tokens of the cancel, far short of the 2000 (counted
+        # in tokens, not seconds, so a loaded machine does not change the outcome).
+        assert cancelled_after and pieces - cancelled_after < CANCEL_SLACK_PIECES, pieces
         assert httpx.post(f"{a.url}/v1/cancel/{chunk.id}", timeout=10).status_code == 404
         # 2. A client that goes away mid-stream.
         with (
@@ -211,6 +217,7 @@ def test_cancel_and_disconnect_stop_every_rank_and_free_the_slot(nodes: list[Exo
                 json={
                     "model": DEFAULT_MODEL_ID,
                     "messages": story,
+                    "temperature": 0,
                     "max_tokens": 2000,
                     "stream": True,
                 },
@@ -220,7 +227,7 @@ def test_cancel_and_disconnect_stop_every_rank_and_free_the_slot(nodes: list[Exo
             for index, _line in enumerate(streamed.iter_lines()):
                 if index == 6:
                     break
-        wait_until(lambda: not a.state()["tasks"], 15, what="no task left after disconnect")
+        wait_until(lambda: not a.state()["tasks"], 60, what="no task left after disconnect")
         # Every rank is free again: the next request is served at once, in full.
         started = time.monotonic()
         text, tokens = greedy_answer(a, DEFAULT_MODEL_ID)
@@ -243,6 +250,7 @@ def test_killing_a_rank_fails_the_request_fast_and_the_instance_is_placed_again(
     stream = client.chat.completions.create(
         model=DEFAULT_MODEL_ID,
         messages=[{"role": "user", "content": "Write a very long story about a dragon."}],
+        temperature=0,  # greedy: a sampled short answer could end before the kill
         max_tokens=2000,
         stream=True,
     )
@@ -261,7 +269,8 @@ def test_killing_a_rank_fails_the_request_fast_and_the_instance_is_placed_again(
             if chunk.choices and chunk.choices[0].delta.content and not killed_at:
                 victim.kill()
                 killed_at = time.monotonic()
-    assert killed_at and time.monotonic() - killed_at < 10
+    # Well before the client's 60 s timeout (which would also raise an APIError).
+    assert killed_at and time.monotonic() - killed_at < 30
     survivors = [node for node in nodes if node is not victim]
     victim_id = rank_zero_node
 
