@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from exo.testing.processes import exo_command, free_port, wait_until
+from exo.testing.processes import API_TIMEOUT_SECONDS, exo_command, free_port, wait_until
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None,
@@ -90,7 +90,15 @@ def test_nodes_find_each_other_by_multicast(namespace: str, tmp_path: Path) -> N
                 and all(view["master"] is not None for view in views)
             )
 
-        wait_until(agreed, timeout=30, interval=0.5, what="discovery by multicast")
+        # Starting (imports, zenoh) is bounded apart from finding each other: on a loaded
+        # machine it alone has taken over 90 s.
+        wait_until(
+            lambda: all(cluster_view(namespace, api_port) for api_port, _ in ports),
+            timeout=API_TIMEOUT_SECONDS,
+            interval=0.5,
+            what="both nodes' APIs",
+        )
+        wait_until(agreed, timeout=60, interval=0.5, what="discovery by multicast")
     finally:
         for process in processes:
             process.terminate()
