@@ -14,7 +14,11 @@ import openai
 
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode, wait_until
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# "Answer in one sentence." keeps SmolLM2's greedy answer ("The capital of France is Paris.")
+# clear of near ties: without it the first token leads "The" over "L" by one bfloat16 step
+# (25.25 vs 25.125), and concurrent requests, computed in a batch, may take "L" and answer
+# "L'Étoile, ..." without Paris. With it, every step leads by 1.0 or more.
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 REQUEST_TIMEOUT_SECONDS = 300.0
 
 
@@ -82,7 +86,7 @@ def test_requests_place_the_model_once_and_keep_alive_zero_unloads_it(
         # Ollama's unload request: no prompt, keep_alive 0.
         unloaded = ollama_client.generate(model="smollm2:135m", keep_alive=0)
         assert unloaded.done and unloaded.done_reason == "unload"
-        wait_until(lambda: not node.state()["instances"], timeout=10, what="the instance deleted")
+        wait_until(lambda: not node.state()["instances"], timeout=60, what="the instance deleted")
         wait_until(lambda: not node.runner_processes(), timeout=30, what="the runner stopped")
         assert httpx.get(f"{node.url}/ollama/api/ps", timeout=10).json()["models"] == []
     finally:

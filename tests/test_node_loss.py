@@ -29,6 +29,11 @@ from tests.test_cluster import (
 )
 
 POLL_SECONDS = 0.2
+# "Answer in one sentence." keeps SmolLM2's greedy answer ("The capital of France is Paris.")
+# clear of near ties: without it the first token leads "The" over "L" by one bfloat16 step
+# (25.25 vs 25.125), and the concurrent chats here, computed in a batch, may take "L" and answer
+# "L'Étoile, ..." without Paris. With it, every step leads by 1.0 or more.
+QUESTION = "What is the capital of France? Answer in one sentence."
 READY_SECONDS = 300.0
 
 
@@ -37,7 +42,7 @@ def chat(node: ExoNode, max_tokens: int, timeout: float = 180.0) -> httpx.Respon
         f"{node.url}/v1/chat/completions",
         json={
             "model": DEFAULT_MODEL_ID,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "messages": [{"role": "user", "content": QUESTION}],
             "temperature": 0,
             "max_tokens": max_tokens,
         },
