@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -259,11 +260,13 @@ def test_three_nodes_under_the_default_place_and_serve_across_nodes(
             for index in (1, 2)
         ),
     ]
+    started = time.monotonic()
     try:
         for node in nodes:
             node.launch()
         for node in nodes:
             node.wait_api()
+        print(f"APIs up after {time.monotonic() - started:.1f} s")
         node_ids = {node.node_id() for node in nodes}
         assert len({node.key for node in nodes}) == 3  # a key per node
         wait_until(
@@ -273,6 +276,7 @@ def test_three_nodes_under_the_default_place_and_serve_across_nodes(
             timeout=60,
             what="topology edges between all nodes (probes carry the node credential)",
         )
+        print(f"links measured after {time.monotonic() - started:.1f} s")
         assert httpx.get(f"{first.url}/state", timeout=5).status_code == 401
         # Placed through A on A (the default model), asked through B and C: the chunks
         # travel between nodes, each client uses its own node's key.
@@ -285,6 +289,7 @@ def test_three_nodes_under_the_default_place_and_serve_across_nodes(
         assert placed.status_code == 200, placed.text
         instance_id = placed.json()["instance_id"]
         wait_until(lambda: first.serving(instance_id), 240, interval=0.5, what="the model ready")
+        print(f"model ready after {time.monotonic() - started:.1f} s")
         for node in nodes[1:]:
             client = openai.OpenAI(
                 base_url=f"{node.url}/v1", api_key=node.key, timeout=120, max_retries=0
@@ -296,6 +301,7 @@ def test_three_nodes_under_the_default_place_and_serve_across_nodes(
                 max_tokens=20,
             )
             assert "Paris" in (completion.choices[0].message.content or "")
+        print(f"answered through both after {time.monotonic() - started:.1f} s")
         assert first.runner_processes() and not any(n.runner_processes() for n in nodes[1:])
     finally:
         for node in nodes:
