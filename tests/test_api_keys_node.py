@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -304,5 +305,5 @@ def test_three_nodes_under_the_default_place_and_serve_across_nodes(
         print(f"answered through both after {time.monotonic() - started:.1f} s")
         assert first.runner_processes() and not any(n.runner_processes() for n in nodes[1:])
     finally:
-        for node in nodes:
-            node.stop()
+        with ThreadPoolExecutor(max_workers=len(nodes)) as pool:  # stopped side by side
+            list(pool.map(lambda node: node.stop(), nodes))
