@@ -188,17 +188,31 @@ class DistributedTorchEngine(TorchEngine):
         )  # fmt: skip
 
     def warmup(self) -> None:
-        """Collective: rank 0 runs a short generation, the others serve it until rank 0
-        says the warm-up is over.
+        """Collective: the ranks take rank 0's `max_concurrent_requests`, then rank 0 runs
+        a short generation and the others serve it until rank 0 says the warm-up is over.
 
         Raises:
             RuntimeError: rank 0 shut down during the warm-up (ranks > 0).
         """
+        self._agree_on_slots()
         if self.rank == 0:
             super().warmup()
             self._send_control(WARMUP_DONE)
         elif self._serve() != WARMUP_DONE:
             raise RuntimeError("rank 0 shut down during warmup")
+
+    def _agree_on_slots(self) -> None:
+        """Take rank 0's `max_concurrent_requests` (each node may be started with its own):
+        every rank needs as many KV slots as rank 0 admits requests."""
+        slots = torch.tensor([self.max_concurrent_requests], dtype=torch.int64)
+        if not self.is_pipeline:
+            dist.broadcast(slots, src=0)
+        else:
+            if self.rank > 0:
+                dist.recv(slots, src=self.rank - 1)
+            if not self.is_last_rank:
+                dist.send(slots, dst=self.rank + 1)
+        self.max_concurrent_requests = int(slots.item())
 
     # -- the engine contract, on rank 0 ---------------------------------------------------
 
