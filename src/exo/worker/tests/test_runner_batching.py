@@ -1,0 +1,118 @@
+"""A ready runner hands every generation to its engine at once and streams each request's
+pieces step by step; a cancel arriving between steps ends only that request, a request the
+engine fails alone fails only itself."""
+
+from __future__ import annotations
+
+from multiprocessing import Pipe
+from typing import Any, cast
+
+from pydantic import TypeAdapter
+
+from exo.shared.types.chunks import ErrorChunk, TokenChunk, Usage
+from exo.shared.types.common import RunnerId, TaskId
+from exo.shared.types.runners import RunnerReady, RunnerRunning
+from exo.shared.types.tasks import CancelTask, TaskCancelled, TaskComplete, TaskFailed
+from exo.testing.builders import make_shard, make_text_generation_task
+from exo.worker.engines.prompt import RenderedPrompt
+from exo.worker.engines.torch.engine import GeneratedPiece, RequestHandle
+from exo.worker.runner.messages import (
+    ChunkReport,
+    RunnerOutbound,
+    RunnerStatusReport,
+    TaskStatusReport,
+)
+from exo.worker.runner.runner import Runner
+
+OUTBOUND = TypeAdapter[RunnerOutbound](RunnerOutbound)
+
+
+class BatchEngine:
+    """Every running request gets one piece per step: "a0", "a1", ... then a final piece
+    after `length` pieces; a request named "task-bad" fails at its second step."""
+
+    max_concurrent_requests = 4
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.running: dict[str, int] = {}
+        self.cancelled: list[str] = []
+
+    def render_prompt(self, params: Any) -> RenderedPrompt:
+        return RenderedPrompt(
+            token_ids=[1, 2, 3], text="", tool_call_format="hermes", thinking_open=False,
+            tools_in_template=False,
+        )  # fmt: skip
+
+    def submit(self, params: Any, prompt: RenderedPrompt, request_id: str) -> RequestHandle:
+        self.running[request_id] = 0
+        return RequestHandle(request_id, len(prompt.token_ids))
+
+    def step(self) -> list[tuple[str, GeneratedPiece | Exception]]:
+        outputs: list[tuple[str, GeneratedPiece | Exception]] = []
+        for request_id, done in list(self.running.items()):
+            if request_id == "task-bad" and done == 1:
+                del self.running[request_id]
+                outputs.append((request_id, RuntimeError("the constraint allows no token")))
+                continue
+            self.running[request_id] = done + 1
+            finished = done + 1 == self.length
+            usage = Usage(prompt_tokens=3, completion_tokens=done + 1) if finished else None
+            piece = GeneratedPiece(
+                f"{request_id[-1]}{done} ", (done,), "length" if finished else None, usage
+            )
+            outputs.append((request_id, piece))
+            if finished:
+                del self.running[request_id]
+        return outputs
+
+    def cancel(self, request_id: str) -> bool:
+        self.cancelled.append(request_id)
+        return self.running.pop(request_id, None) is not None
+
+
+def test_requests_run_together_and_a_cancel_or_failure_ends_only_its_own() -> None:
+    inbound_reader, inbound_writer = Pipe(duplex=False)
+    outbound_reader, outbound_writer = Pipe(duplex=False)
+    runner = Runner(RunnerId("runner-1"), make_shard(), inbound_reader, outbound_writer)
+    engine = BatchEngine(length=4)
+    runner._engine = cast(Any, engine)
+    runner._ready = RunnerReady(max_concurrent_requests=4)
+    runner._status = runner._ready
+    tasks = [make_text_generation_task(task_id=f"task-{name}") for name in ("a", "b", "bad")]
+    for task in tasks:
+        runner._start_generation(task)
+    assert set(engine.running) == {"task-a", "task-b", "task-bad"}
+    runner._step()
+    # A cancel for b arrives between steps; the runner reads it before the next step.
+    inbound_writer.send_bytes(
+        CancelTask(runner_id=RunnerId("runner-1"), task_id=TaskId("task-b"))
+        .model_dump_json()
+        .encode()
+    )
+    for _step in range(6):
+        if runner._generations:
+            runner._handle_waiting_messages()
+            runner._step()
+    assert not runner._generations and engine.cancelled == ["task-b"]
+    texts: dict[str, str] = {}
+    finals: dict[str, TaskStatusReport] = {}
+    statuses = []
+    while outbound_reader.poll(0):
+        message = OUTBOUND.validate_json(outbound_reader.recv_bytes())
+        if isinstance(message, ChunkReport) and isinstance(message.chunk, TokenChunk):
+            key = str(message.chunk.command_id)
+            texts[key] = texts.get(key, "") + message.chunk.text
+        elif isinstance(message, ChunkReport) and isinstance(message.chunk, ErrorChunk):
+            texts[str(message.chunk.command_id)] = "error"
+        elif isinstance(message, TaskStatusReport) and message.status.kind != "TaskRunning":
+            finals[str(message.task_id)] = message
+        elif isinstance(message, RunnerStatusReport):
+            statuses.append(message.status)
+    assert texts["command-task-a"] == "a0 a1 a2 a3 "  # every step, to its end
+    assert texts["command-task-b"] == "b0 "  # one step, then cancelled
+    assert texts["command-task-bad"] == "error"
+    assert isinstance(finals["task-a"].status, TaskComplete)
+    assert isinstance(finals["task-b"].status, TaskCancelled)
+    assert isinstance(finals["task-bad"].status, TaskFailed)
+    assert isinstance(statuses[0], RunnerRunning) and statuses[-1] == runner._ready
