@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from playwright.sync_api import Browser, Route
 
-from exo.testing.processes import ExoNode
+from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
 from tests.browser.dashboard_pages import PHONE, VIEWS, DashboardPage
 
 
@@ -257,3 +257,51 @@ def test_json_patch_applier(dashboard: DashboardPage) -> None:
     )
     assert results[0] == [expected for _, _, expected in PATCH_CASES]
     assert all(message is not None for message in results[1]), results[1]
+
+
+def test_models_catalog_filters_and_downloads(dashboard: DashboardPage, screenshots: Path) -> None:
+    page = dashboard.open("models").page
+    rows = page.locator("#model-table tbody tr")
+    rows.first.wait_for()
+    total = rows.count()
+    assert total >= 30
+    page.fill("#model-search", "qwen3")
+    ids = [rows.nth(i).get_attribute("data-model-id") or "" for i in range(rows.count())]
+    assert ids and all("qwen3" in model_id.lower() for model_id in ids)
+    page.fill("#model-search", "")
+    page.check("#cap-thinking")
+    page.check("#cap-tools")
+    with_both = [rows.nth(i).inner_text() for i in range(rows.count())]
+    assert with_both and all("thinking" in r and "tools" in r for r in with_both)
+    page.uncheck("#cap-thinking")
+    page.uncheck("#cap-tools")
+    # "Fits this cluster" asks the node's placement previews: the 70B models do not fit on
+    # this machine, the default model does.
+    page.check("#model-fits")
+    page.locator("#model-count:not(:has-text('checking'))").wait_for()
+    fitting = {rows.nth(i).get_attribute("data-model-id") for i in range(rows.count())}
+    assert DEFAULT_MODEL_ID in fitting
+    assert "meta-llama/Llama-3.1-70B-Instruct" not in fitting
+    page.uncheck("#model-fits")
+    # Which node holds the default model.
+    page.check("#model-downloaded")
+    row = page.locator(f"tr[data-model-id='{DEFAULT_MODEL_ID}']")
+    assert row.locator(".download[data-kind='DownloadCompleted']").count() >= 1
+    assert row.locator(".delete-download").count() == 1
+    page.screenshot(path=screenshots / "models-downloaded-desktop.png")
+    assert dashboard.errors == []
+
+
+def test_impossible_placement_says_why(dashboard: DashboardPage) -> None:
+    model = "meta-llama/Llama-3.1-70B-Instruct"
+    page = dashboard.open(f"launch/{model}").page
+    page.locator(
+        ".preview[data-sharding='pipeline'][data-node-count='1'] .preview-error"
+    ).wait_for()
+    page.select_option("#launch-sharding", "pipeline")
+    page.select_option("#launch-nodes", "1")
+    verdict = page.locator("#launch-verdict")
+    assert verdict.inner_text().startswith("Impossible: ")
+    assert "MiB" in verdict.inner_text()
+    assert page.locator("#launch-button").is_disabled()
+    assert dashboard.errors == []

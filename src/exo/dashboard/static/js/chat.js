@@ -4,47 +4,14 @@
 
 import { apiFetch, apiJson } from "./api.js";
 import { loadConversations, newConversation, saveConversations, titleFrom } from "./conversations.js";
-import { renderMarkdown } from "./markdown.js";
 import { instanceStatus } from "./runners.js";
 import { store, subscribe } from "./store.js";
 import { el, replace, toast } from "./ui.js";
-import { splitThinking, streamChat } from "./stream.js";
+import { streamChat } from "./stream.js";
+import { apiMessages, fillAssistant, samplingFields, statsLine } from "./chat-parts.js";
 
 const MAX_ATTACHMENT_BYTES = 256 * 1024;
 const ACTIVE_KEY = "exo.activeConversation";
-
-/** The messages the API gets: the system prompt, then each turn's text (attachments
- * appended to their message as fenced blocks). */
-export function apiMessages(conversation, upTo = conversation.messages.length) {
-  const messages = [];
-  if (conversation.system.trim()) messages.push({ role: "system", content: conversation.system });
-  for (const message of conversation.messages.slice(0, upTo)) {
-    if (message.role === "assistant" && message.error) continue;
-    let content = message.content;
-    for (const file of message.attachments ?? []) {
-      content += `\n\n${file.name}:\n\`\`\`\n${file.text}\n\`\`\``;
-    }
-    messages.push({ role: message.role, content });
-  }
-  return messages;
-}
-
-function samplingFields(settings) {
-  const fields = {};
-  for (const [name, parse] of [
-    ["temperature", parseFloat],
-    ["top_p", parseFloat],
-    ["max_tokens", (v) => parseInt(v, 10)],
-    ["seed", (v) => parseInt(v, 10)],
-  ]) {
-    const raw = String(settings[name] ?? "").trim();
-    if (raw === "") continue;
-    const value = parse(raw);
-    if (Number.isNaN(value)) throw new Error(`${name} must be a number`);
-    fields[name] = value;
-  }
-  return fields;
-}
 
 export function mountChat(section) {
   const root = section.querySelector("#chat-root");
@@ -96,7 +63,7 @@ export function mountChat(section) {
   const input = el("textarea", {
     id: "chat-input",
     rows: 2,
-    placeholder: "Ask something… (Enter sends, Shift+Enter new line, Esc stops)",
+    placeholder: "Ask something…",
     "aria-label": "Message",
   });
   const fileInput = el("input", { type: "file", id: "chat-attach", multiple: true, hidden: true, accept: "text/*,.md,.py,.js,.ts,.json,.toml,.yaml,.yml,.csv,.log,.rs,.go,.c,.h,.cpp,.java,.sh" });
@@ -109,6 +76,7 @@ export function mountChat(section) {
     { class: "composer" },
     attachmentList,
     el("div", { class: "composer-row" }, attachButton, input, sendButton, stopButton),
+    el("div", { class: "hint hide-phone", text: "Enter sends · Shift+Enter new line · Esc stops · Attach adds text files" }),
     fileInput,
   );
   root.append(
@@ -210,18 +178,6 @@ export function mountChat(section) {
     );
   }
 
-  function statsLine(message) {
-    const parts = [];
-    if (message.stats?.ttftMs !== null && message.stats?.ttftMs !== undefined) {
-      parts.push(`TTFT ${(message.stats.ttftMs / 1000).toFixed(2)} s`);
-    }
-    if (message.stats?.tokensPerSecond) parts.push(`${message.stats.tokensPerSecond.toFixed(1)} tok/s`);
-    if (message.stats?.completionTokens) parts.push(`${message.stats.completionTokens} tokens`);
-    if (message.stopped) parts.push("stopped");
-    else if (message.stats?.finishReason === "length") parts.push("cut at max tokens");
-    return parts.join(" · ");
-  }
-
   function messageView(message, index) {
     const bubble = el("div", { class: "bubble" });
     const node = el("div", { class: `message ${message.role}`, "data-index": String(index) }, el("div", { class: "role", text: message.role === "user" ? "You" : message.model || "Assistant" }), bubble);
@@ -240,23 +196,6 @@ export function mountChat(section) {
     }
     node.append(meta);
     return node;
-  }
-
-  function fillAssistant(bubble, message) {
-    const separated = splitThinking(message.content);
-    const thinking = [message.reasoning, separated.thinking].filter(Boolean).join("\n");
-    bubble.replaceChildren();
-    if (thinking) {
-      bubble.append(el("details", { class: "thinking" }, el("summary", { text: message.streaming && !separated.answer ? "Thinking…" : "Thinking" }), el("pre", { text: thinking })));
-    }
-    for (const call of message.toolCalls ?? []) {
-      bubble.append(el("details", { class: "tool-call" }, el("summary", { text: `Tool call: ${call.name}` }), el("pre", { text: call.arguments })));
-    }
-    const answer = el("div", { class: "markdown answer" });
-    renderMarkdown(answer, separated.answer);
-    bubble.append(answer);
-    if (message.error) bubble.append(el("div", { class: "error-text", role: "alert", text: message.error }));
-    if (message.streaming && !message.content && !message.reasoning) answer.textContent = "…";
   }
 
   function renderMessages() {
@@ -438,8 +377,8 @@ export function mountChat(section) {
       send();
     }
   });
-  section.addEventListener("keydown", (event) => {
-    if (event.key === "Escape" && running) {
+  document.addEventListener("keydown", (event) => {
+    if (event.key === "Escape" && running && !section.hidden) {
       event.preventDefault();
       stop();
     }

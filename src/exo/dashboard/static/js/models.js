@@ -179,7 +179,7 @@ export function mountModels(section) {
       nodeIds.map((id) => el("option", { value: id, text: `${state.node_info[id].friendly_name} ${shortId(id)}` })),
     );
     if (store.cluster?.node_id && nodeIds.includes(store.cluster.node_id)) target.value = store.cluster.node_id;
-    const status = () => state.downloads[target.value]?.[card.model_id];
+    const status = () => state?.downloads[target.value]?.[card.model_id];
     const control = (action) => async () => {
       if (action === "delete") {
         await apiJson(`/download/${encodeURIComponent(target.value)}/${card.model_id}`, { method: "DELETE" });

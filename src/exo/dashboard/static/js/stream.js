@@ -98,6 +98,10 @@ export async function streamChat(body, { signal, onUpdate, onId }) {
   if (firstAt !== null && lastAt > firstAt && tokens > 1) {
     // Decode speed: the tokens after the first over the time they took.
     result.tokensPerSecond = ((tokens - 1) * 1000) / (lastAt - firstAt);
+  } else if (firstAt !== null && tokens > 0 && lastAt > started) {
+    // Every token arrived in one read (a proxy or a busy browser buffered the stream): the
+    // rate over the whole request is all that can be measured.
+    result.tokensPerSecond = (tokens * 1000) / (lastAt - started);
   }
   onUpdate?.(result);
   return result;
