@@ -36,14 +36,15 @@ def test_page_loads_and_shows_the_node(dashboard: DashboardPage, screenshots: Pa
     dashboard.open("cluster")
     node_id = dashboard.node.node_id()
     page = dashboard.page
-    node = page.locator(f"svg.topology g.node[data-node-id='{node_id}']")
+    # Marked master once the page has asked the node who the master is (GET /cluster).
+    node = page.locator(f"svg.topology g.node.master[data-node-id='{node_id}']")
     node.wait_for()
     text = node.text_content() or ""
     # Name, short id, master mark, memory, CPU, GPU and disk are all in the picture.
     assert "★" in text and node_id[:8] in text
     assert "RAM" in text and "cores" in text and "GPU" in text and "disk" in text
     card = page.locator(f".node-card[data-node-id='{node_id}']")
-    assert card.locator(".badge-master").count() == 1
+    card.locator(".badge-master").wait_for()
     # The default model's runner and its status are listed on the node.
     card.locator(".runner .runner-status").first.wait_for()
     assert "SmolLM2-135M-Instruct" in (card.locator(".runner-list").text_content() or "")

@@ -125,7 +125,7 @@ function topologySvg(state, master, self, available) {
       svg(
         "text",
         { x: left + 10, y: top + 68, class: "node-detail" },
-        `${info.cpu_cores} cores · ${info.cpu_model || "CPU"}`.slice(0, 34),
+        `CPU ${Math.round(info.cpu_percent ?? 0)}% busy · ${info.cpu_cores} cores`,
       ),
       svg(
         "text",
@@ -168,7 +168,12 @@ function nodeCard(state, nodeId, master, self, runnersByNode) {
         bar(info.memory.total_bytes ? used / info.memory.total_bytes : 0, "memory used"),
       ),
       el("dt", { text: "CPU" }),
-      el("dd", { text: `${info.cpu_model || "unknown"} (${info.cpu_cores} cores)` }),
+      el(
+        "dd",
+        {},
+        `${Math.round(info.cpu_percent ?? 0)}% busy · ${info.cpu_model || "unknown"} (${info.cpu_cores} cores)`,
+        bar((info.cpu_percent ?? 0) / 100, "CPU load"),
+      ),
       el("dt", { text: "GPU" }),
       el("dd", {
         text: info.gpus.length
@@ -176,7 +181,11 @@ function nodeCard(state, nodeId, master, self, runnersByNode) {
           : "none",
       }),
       el("dt", { text: "Disk" }),
-      el("dd", { text: `${formatBytes(info.models_disk_free_bytes)} free for models` }),
+      el("dd", {
+        text: info.models_disk_total_bytes
+          ? `${formatBytes(info.models_disk_free_bytes)} free of ${formatBytes(info.models_disk_total_bytes)} for models`
+          : `${formatBytes(info.models_disk_free_bytes)} free for models`,
+      }),
       el("dt", { text: "API" }),
       el("dd", { text: info.api_addresses.map((a) => `${a}:${info.api_port}`).join(", ") || "–" }),
     ),
