@@ -306,3 +306,51 @@ def test_impossible_placement_says_why(dashboard: DashboardPage) -> None:
     assert "MiB" in verdict.inner_text()
     assert page.locator("#launch-button").is_disabled()
     assert dashboard.errors == []
+
+
+def test_download_progress_and_runner_states_render(
+    dashboard: DashboardPage, screenshots: Path
+) -> None:
+    """The page's rendering of states this machine cannot produce on demand (a Hub download
+    in flight, a failed runner): `/events` is answered with a crafted snapshot."""
+    node = dashboard.node
+    state = node.state()
+    node_id = node.node_id()
+    state["downloads"].setdefault(node_id, {})["Qwen/Qwen3-0.6B"] = {
+        "kind": "DownloadOngoing",
+        "message": "",
+        "progress": {
+            "downloaded_bytes": 300_000_000,
+            "total_bytes": 1_200_000_000,
+            "speed_bytes_per_second": 25_000_000,
+            "eta_seconds": 36,
+            "files": [],
+            "complete": False,
+        },
+    }
+    [runner_id] = list(state["runners"])[:1]
+    state["runners"][runner_id] = {"kind": "RunnerFailed", "error_message": "out of memory"}
+    snapshot = json.dumps({"index": state["last_event_applied_idx"], "state": state})
+    body = f"retry: 60000\n\nevent: snapshot\ndata: {snapshot}\n\n"
+    dashboard.page.route(
+        "**/events",
+        lambda route: route.fulfill(
+            status=200, headers={"content-type": "text/event-stream"}, body=body
+        ),
+    )
+    # (Not `open()`: the crafted stream ends at once, so the page never stays "live".)
+    page = dashboard.page
+    page.goto(f"{node.url}/#/models")
+    row = page.locator("tr[data-model-id='Qwen/Qwen3-0.6B']")
+    row.locator(".download[data-kind='DownloadOngoing'] [role='progressbar']").wait_for()
+    text = row.locator(".download-cell").inner_text()
+    assert "300 MB of 1.2 GB" in text and "25.0 MB/s" in text and "36 s left" in text
+    assert row.locator(".cancel-download").count() == 1
+    assert row.locator("[role='progressbar']").get_attribute("aria-valuenow") == "25"
+    page.screenshot(path=screenshots / "models-downloading-desktop.png")
+    dashboard.show("launch")
+    failed = page.locator(f".instance [data-runner-id='{runner_id}']")
+    failed.wait_for()
+    assert "failed" in failed.inner_text() and "out of memory" in failed.inner_text()
+    assert page.locator(".instance[data-status='failed']").count() >= 1
+    assert dashboard.errors == []
