@@ -113,11 +113,17 @@ class Admission:
         """(batch capacity, queue) summed over the instances of `model` that can serve (not
         unavailable). An instance's capacity is its rank-0 runner's
         `max_concurrent_requests` (the last one it reported while ready when it is
-        running now; 1 while it is still loading)."""
+        running now; 1 while it is still loading).
+
+        When every instance of the model is unavailable (a lost node's instance waiting to
+        be re-placed under the same id), they all count as they were: their requests go on
+        to the cluster, which holds a request without tokens until the re-placed instance
+        serves it (`generation.RETRY_WAIT_SECONDS`), instead of waiting here for a place that
+        cannot free and failing with "busy"."""
+        instances = state.instances_of_model(model)
+        serving = [i for i in instances if i.instance_id not in state.unavailable_instances]
         running, queued = 0, 0
-        for instance in state.instances_of_model(model):
-            if instance.instance_id in state.unavailable_instances:
-                continue
+        for instance in serving or instances:
             rank_zero = instance.shard_assignments.rank_zero_runner()
             status = state.runners.get(rank_zero)
             capacity = 1

@@ -129,6 +129,13 @@ def test_an_unavailable_instance_takes_no_requests() -> None:
     assert Admission(max_queued_requests=2).limit(state, SMOLLM2) == 1 + 2
 
 
+def test_a_model_whose_every_instance_is_being_replaced_keeps_its_places() -> None:
+    """Requests during a re-placement go on to the cluster (which waits for the re-placed
+    instance) rather than waiting here on a limit of 0 and failing "busy"."""
+    state = state_with(RunnerReady(), RunnerReady(), unavailable=(0, 1))
+    assert Admission(max_queued_requests=2).limit(state, SMOLLM2) == 2 * (1 + 2)
+
+
 def test_a_negative_queue_is_refused() -> None:
     with pytest.raises(ValueError, match="max_queued_requests"):
         Admission(max_queued_requests=-1)
