@@ -85,7 +85,7 @@ def test_events_reach_the_page_as_a_snapshot_then_a_patch(
 ) -> None:
     page.goto(f"{dashboard_node.url}/")
     page.evaluate(LISTEN)
-    page.wait_for_function("window.__events.length >= 1")
+    page.wait_for_function("() => window.__events.length >= 1")
     [[name, snapshot]] = page.evaluate("window.__events.slice(0, 1)")
     assert name == "snapshot"
     assert set(snapshot["state"]) == set(dashboard_node.state())
