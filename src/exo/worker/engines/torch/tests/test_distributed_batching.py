@@ -1,11 +1,12 @@
 """Batched equals alone on a split instance: 2-rank pipeline and 2-rank tensor groups (gloo
-over 127.0.0.1, spawned processes, a tiny random float32 llama) run 4 requests with different
-prompt lengths (one prefilled in chunks), sampling settings with seeds, penalties, logprobs
-and a stop string, submitted together, at staggered steps, and with one cancelled mid-way;
-each request's tokens equal those it gets alone. Teacher forcing (each request fed its solo
-tokens inside the batch) bounds the logits' difference from the solo run:
-`LOGIT_TOLERANCE`. Rank 1 is loaded with fewer slots than rank 0 (and takes rank 0's at
-warm-up). Both modes run in one group (one spawn, one load per mode)."""
+over 127.0.0.1, spawned processes, a tiny random float32 model of each family: llama by
+default, the others under `-m slow`) run 4 requests with different prompt lengths (one
+prefilled in chunks), sampling settings with seeds, penalties, logprobs and a stop string,
+submitted together, at staggered steps, and with one cancelled mid-way; each request's tokens
+equal those it gets alone. Teacher forcing (each request fed its solo tokens inside the
+batch) bounds the logits' difference from the solo run: `LOGIT_TOLERANCE`. Rank 1 is loaded
+with fewer slots than rank 0 (and takes rank 0's at warm-up). Both modes run in one group
+(one spawn, one load per mode)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch.multiprocessing as multiprocessing
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.testing.ports import free_port
-from exo.testing.tiny_models import save_tiny_model
+from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
 from exo.worker.engines.torch.engine import GeneratedPiece, TorchEngine
 from exo.worker.engines.torch.engine_factory import load_engine
 from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S, make_shard
@@ -223,11 +224,24 @@ def _rank_main(rank: int, port: int, model_dir: str, results: Any) -> None:
         results.put(("error", rank, traceback.format_exc()))
 
 
-@pytest.fixture(scope="module")
-def outcomes(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> dict[str, Outcome]:
+# Llama in the default run; every other family under `-m slow` (one 2-rank group each).
+FAMILY_PARAMS = [
+    pytest.param(name, marks=() if name == "llama" else pytest.mark.slow, id=name)
+    for name in ARCHITECTURES
+]
+
+
+@pytest.fixture(scope="module", params=FAMILY_PARAMS)
+def outcomes(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    real_model_dir: Path,
+) -> dict[str, Outcome]:
+    architecture: str = request.param
     model_dir = save_tiny_model(
-        tmp_path_factory.mktemp("tiny-llama-batching"), "llama", real_model_dir, n_layers=4
-    )
+        tmp_path_factory.mktemp(f"tiny-{architecture}-batching"), architecture, real_model_dir,
+        n_layers=4,
+    )  # fmt: skip
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = free_port()
