@@ -265,3 +265,37 @@ def test_placement_routes_and_restart_replay(tmp_path: Path, shared_models_dir: 
         wait_until(lambda: not restarted.runner_processes(), timeout=30, what="runner shut down")
     finally:
         restarted.stop()
+
+
+def kv_cache_samples(node: ExoNode) -> dict[tuple[str, str], float]:
+    """`exo_kv_cache_*` samples of the node's `/metrics`: (name, holder) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{node.url}/metrics", timeout=30)
+    assert response.status_code == 200
+    return {
+        (sample.name, sample.labels.get("holder", "")): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name.startswith("exo_kv_cache")
+    }
+
+
+def test_metrics_show_the_runners_kv_cache(default_node: ExoNode) -> None:
+    """After a chat the runner's KV cache reaches the node's /metrics: its budget, nothing
+    held by running requests once the answer is done, the finished turn in the prefix cache."""
+    answer = client_for(default_node).chat.completions.create(
+        model=DEFAULT_MODEL_ID, messages=QUESTION, temperature=0, max_tokens=8
+    )
+    assert answer.usage is not None
+    samples: dict[tuple[str, str], float] = {}
+
+    def settled() -> bool:
+        samples.update(kv_cache_samples(default_node))
+        return samples.get(("exo_kv_cache_tokens", "running")) == 0 and bool(
+            samples.get(("exo_kv_cache_tokens", "prefix_cache"))
+        )
+
+    wait_until(settled, 30, what="the runner's KV cache in /metrics")
+    assert samples[("exo_kv_cache_budget_tokens", "")] >= answer.usage.prompt_tokens
+    assert samples[("exo_kv_cache_tokens", "prefix_cache")] >= answer.usage.prompt_tokens

@@ -335,6 +335,7 @@ class Node:
                 offline=options.offline,
             ),
             record_download=self.worker.record_download,
+            local_kv_cache=self.worker.kv_cache_use,
             trust_remote_code=options.trust_remote_code,
         )
         self.info_gatherer = InfoGatherer(

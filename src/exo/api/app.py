@@ -169,7 +169,10 @@ def create_app(
     # The page, its files and its live state; browser navigations to unknown paths.
     dashboard_routes.install(app)
     # Added after every other middleware, so it runs first and counts every answer.
-    install_metrics(app, security, lambda: cluster_client.state, app.state.admission)
+    install_metrics(
+        app, security, lambda: cluster_client.state, app.state.admission,
+        kv_cache=lambda: cluster_client.local_kv_cache(),
+    )  # fmt: skip
 
     generate_openapi = app.openapi
 

@@ -47,6 +47,7 @@ from exo.shared.types.events import (
 )
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import DownloadStatus
+from exo.shared.types.runners import KVCacheUse
 from exo.shared.types.state import State
 from exo.shared.types.tasks import TaskCancelled, TaskComplete, TaskFailed
 from exo.utils.channels import Publisher, Subscription
@@ -132,10 +133,12 @@ class ClusterClient:
         load_on_request: LoadOnRequest | None = None,
         record_download: Callable[[ModelId, DownloadStatus], None] | None = None,
         trust_remote_code: bool = False,
+        local_kv_cache: Callable[[], list[KVCacheUse]] = list,
     ) -> None:
         self.node_id = node_id
         self.load_on_request = load_on_request or LoadOnRequest()
         self._record_download = record_download
+        self.local_kv_cache = local_kv_cache  # this node's runners' KV use (`/metrics`)
         # Placements on request in progress, by model: concurrent requests wait for one.
         self.placing: dict[ModelId, anyio.Event] = {}
         self._current_state = current_state

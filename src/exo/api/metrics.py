@@ -23,7 +23,12 @@ Read from the cluster state at each scrape (the same on every node):
   sink}`: measured links between nodes.
 - `exo_event_index`: the last cluster event this node applied; `exo_event_replay_lag`:
   events the elected master holds that this node has not applied yet.
-The state carries no KV-cache figures, so there is no KV-cache metric.
+
+Reported by this node's own runners (node-local, not in the cluster state):
+- `exo_kv_cache_tokens{runner, model, holder}`: KV-cache tokens held by running requests
+  (`holder="running"`) and by the prefix cache (`"prefix_cache"`);
+  `exo_kv_cache_budget_tokens{runner, model}`: the budget they share. A runner appears once
+  it has served a request; figures are at most `runner.KV_REPORT_INTERVAL_S` old.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from exo.api.limits import is_generation
 from exo.shared.types.chunks import Chunk, TokenChunk
 from exo.shared.types.common import ModelId
 from exo.shared.types.nodes import DownloadOngoing
+from exo.shared.types.runners import KVCacheUse
 from exo.shared.types.state import State
 from exo.shared.types.tasks import TaskPending, TaskRunning
 
@@ -79,6 +85,7 @@ class ApiMetrics:
         current_state: Callable[[], State],
         master_event_index: Callable[[], int | None] | None = None,
         admission: AdmissionCounts | None = None,
+        kv_cache: Callable[[], list[KVCacheUse]] = list,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
@@ -126,7 +133,7 @@ class ApiMetrics:
             buckets=INTER_TOKEN_BUCKETS,
             registry=registry,
         )
-        registry.register(StateCollector(current_state, master_event_index, admission))
+        registry.register(StateCollector(current_state, master_event_index, admission, kv_cache))
 
 
 class StateCollector(Collector):
@@ -137,10 +144,12 @@ class StateCollector(Collector):
         current_state: Callable[[], State],
         master_event_index: Callable[[], int | None] | None,
         admission: AdmissionCounts | None = None,
+        kv_cache: Callable[[], list[KVCacheUse]] = list,
     ) -> None:
         self._current_state = current_state
         self._master_event_index = master_event_index
         self._admission = admission
+        self._kv_cache = kv_cache
 
     def describe(self) -> list[Metric]:
         return []  # collected fresh each scrape; nothing to check at registration
@@ -150,6 +159,7 @@ class StateCollector(Collector):
         yield from _task_gauges(state)
         if self._admission is not None:
             yield from _admission_gauges(state, self._admission)
+        yield from _kv_cache_gauges(self._kv_cache())
         runners = GaugeMetricFamily(
             "exo_runners", "Runners by node and status", labels=("node", "status")
         )
@@ -225,6 +235,25 @@ def _task_gauges(state: State) -> Iterator[Metric]:
         running.add_metric((model,), counts.get((model, "TaskRunning"), 0))
     yield queued
     yield running
+
+
+def _kv_cache_gauges(uses: list[KVCacheUse]) -> Iterator[Metric]:
+    held = GaugeMetricFamily(
+        "exo_kv_cache_tokens",
+        "KV-cache tokens held by this node's runners: by running requests or the prefix cache",
+        labels=("runner", "model", "holder"),
+    )
+    budget = GaugeMetricFamily(
+        "exo_kv_cache_budget_tokens",
+        "KV-cache budget of each of this node's runners (running requests and prefix cache)",
+        labels=("runner", "model"),
+    )
+    for use in uses:
+        held.add_metric((use.runner_id, use.model_id, "running"), use.running_tokens)
+        held.add_metric((use.runner_id, use.model_id, "prefix_cache"), use.prefix_cache_tokens)
+        budget.add_metric((use.runner_id, use.model_id), use.budget_tokens)
+    yield held
+    yield budget
 
 
 def _admission_gauges(state: State, admission: AdmissionCounts) -> Iterator[Metric]:

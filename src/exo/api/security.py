@@ -46,6 +46,7 @@ from exo.api.limits import (
     LimitsMiddleware,
 )
 from exo.api.metrics import AdmissionCounts, ApiMetrics, MetricsMiddleware
+from exo.shared.types.runners import KVCacheUse
 from exo.shared.types.state import State
 
 ErrorResponseFactory = Callable[[str, int, str, str], Response]
@@ -98,10 +99,11 @@ def install_metrics(
     security: ApiSecurity,
     current_state: Callable[[], State],
     admission: AdmissionCounts | None = None,
+    kv_cache: Callable[[], list[KVCacheUse]] = list,
 ) -> None:
     """Add the metrics (`app.state.metrics`, served at `GET /metrics`); call after every
-    other middleware, so that it runs first."""
-    metrics = ApiMetrics(current_state, security.master_event_index, admission)
+    other middleware, so that it runs first. `kv_cache`: this node's runners' KV use."""
+    metrics = ApiMetrics(current_state, security.master_event_index, admission, kv_cache)
     app.state.metrics = metrics
     flattened: list[BaseRoute] = []
 

@@ -19,6 +19,7 @@ from exo.shared.types.commands import Command, GenerateText
 from exo.shared.types.common import CommandId, NodeId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import DownloadStatus
+from exo.shared.types.runners import KVCacheUse
 from exo.shared.types.text_generation import TextGenerationTaskParams
 from exo.testing.builders import SMOLLM2, make_instance, make_state, smollm2_card
 
@@ -45,6 +46,10 @@ class ScriptedCluster:
         self.placing: dict[str, anyio.Event] = {}
         self.downloads_recorded: list[tuple[str, DownloadStatus]] = []
         self.generation_aliases: dict[CommandId, CommandId] = {}
+        self.kv_cache: list[KVCacheUse] = []  # what `local_kv_cache` reports
+
+    def local_kv_cache(self) -> list[KVCacheUse]:
+        return list(self.kv_cache)
 
     def record_download(self, model_id: str, status: DownloadStatus) -> None:
         self.downloads_recorded.append((model_id, status))

@@ -38,7 +38,7 @@ from exo.shared.types.nodes import (
     DownloadPending,
     DownloadStatus,
 )
-from exo.shared.types.runners import RunnerFailed, RunnerReady
+from exo.shared.types.runners import KVCacheUse, RunnerFailed, RunnerReady
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.state import State
 from exo.shared.types.tasks import (
@@ -262,6 +262,21 @@ class Worker:
                     # Retried later with backoff; a runner of a deleted or re-placed
                     # instance is not retried, so it is no failure to count.
                     self._record_failure(runner_id)
+
+    def kv_cache_use(self) -> list[KVCacheUse]:
+        """This node's runners' KV caches as each last reported (runners that have served
+        nothing yet are left out)."""
+        return [
+            KVCacheUse(
+                str(runner_id),
+                str(supervisor.shard.model_card.model_id),
+                report.running_tokens,
+                report.prefix_cache_tokens,
+                report.budget_tokens,
+            )
+            for runner_id, supervisor in self.runners.items()
+            if (report := supervisor.kv_cache) is not None
+        ]
 
     def record_download(self, model_id: ModelId, status: DownloadStatus) -> None:
         """The API changed the model's files on this node (Ollama's pull and delete):

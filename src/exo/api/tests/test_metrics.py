@@ -14,7 +14,7 @@ from exo.shared.types.chunks import Chunk, TokenChunk, Usage
 from exo.shared.types.common import CommandId, NodeId, RunnerId
 from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.nodes import DownloadOngoing, TopologyEdge
-from exo.shared.types.runners import RunnerLoading, RunnerReady
+from exo.shared.types.runners import KVCacheUse, RunnerLoading, RunnerReady
 from exo.testing.builders import SMOLLM2, make_instance, make_state
 from exo.testing.scripted_cluster import ScriptedCluster
 
@@ -135,3 +135,15 @@ def test_state_gauges_follow_the_cluster_state() -> None:
     assert value(samples, "exo_event_index") == 41
     assert value(samples, "exo_requests_queued", model=SMOLLM2) == 0
     assert value(samples, "exo_api_admitted_generations", model=SMOLLM2) == 0
+
+
+def test_kv_cache_gauges_show_this_nodes_runners() -> None:
+    cluster = ScriptedCluster()
+    client = TestClient(scripted_app(cluster))
+    assert not any(name.startswith("exo_kv_cache") for name, _ in scrape(client))
+    cluster.kv_cache = [KVCacheUse("runner-1", SMOLLM2, 120, 1500, 8192)]
+    samples = scrape(client)
+    labels = {"runner": "runner-1", "model": SMOLLM2}
+    assert value(samples, "exo_kv_cache_tokens", holder="running", **labels) == 120
+    assert value(samples, "exo_kv_cache_tokens", holder="prefix_cache", **labels) == 1500
+    assert value(samples, "exo_kv_cache_budget_tokens", **labels) == 8192

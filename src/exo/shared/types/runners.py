@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 from pydantic import Field
 
@@ -79,3 +79,14 @@ RunnerStatus = Annotated[
     | RunnerShutdown,
     Field(discriminator="kind"),
 ]
+
+
+class KVCacheUse(NamedTuple):
+    """One local runner's KV cache as it last reported it, in tokens (node-local: for the
+    node's `/metrics`, never a cluster event)."""
+
+    runner_id: str
+    model_id: str
+    running_tokens: int
+    prefix_cache_tokens: int
+    budget_tokens: int

@@ -31,13 +31,25 @@ class TaskStatusReport(FrozenModel):
     status: TaskStatus
 
 
+class KVCacheReport(FrozenModel):
+    """The runner's KV cache now, in tokens: held by running requests, by the prefix cache,
+    and the budget they share (`BatchScheduler.budget_tokens`). Sent after engine steps, at
+    most every `KV_REPORT_INTERVAL_S` while it changes; stays on the node (`/metrics`)."""
+
+    kind: Literal["KVCacheReport"] = "KVCacheReport"
+    running_tokens: int = Field(ge=0)
+    prefix_cache_tokens: int = Field(ge=0)
+    budget_tokens: int = Field(ge=0)
+
+
 class ChunkReport(FrozenModel):
     kind: Literal["ChunkReport"] = "ChunkReport"
     chunk: Chunk
 
 
 RunnerOutbound = Annotated[
-    RunnerStatusReport | TaskStatusReport | ChunkReport, Field(discriminator="kind")
+    RunnerStatusReport | TaskStatusReport | ChunkReport | KVCacheReport,
+    Field(discriminator="kind"),
 ]
 RunnerInbound = Annotated[
     ConnectToGroup | LoadModel | StartWarmup | TextGeneration | CancelTask | Shutdown,

@@ -61,6 +61,7 @@ from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
 from exo.worker.engines.torch.request_state import GeneratedPiece
 from exo.worker.runner.messages import (
     ChunkReport,
+    KVCacheReport,
     RunnerInbound,
     RunnerOutbound,
     RunnerStatusReport,
@@ -77,6 +78,9 @@ if TYPE_CHECKING:
 # Bounds every collective: a rank that vanished without closing its sockets (a machine
 # that lost power) fails the others after this long instead of hanging them.
 GROUP_TIMEOUT_SECONDS = 60.0
+# The runner's KV-cache use reaches the node's /metrics at most this often while it changes
+# (a scrape every 15 s or so needs no more; each report is one small pipe message).
+KV_REPORT_INTERVAL_S = 1.0
 
 
 class _ShutdownRequested(Exception):
@@ -131,6 +135,8 @@ class Runner:
         self._status: RunnerStatus = RunnerIdle()
         self._ready = RunnerReady()
         self._max_concurrent_requests = max_concurrent_requests
+        self._kv_reported: tuple[int, int, int] | None = None
+        self._kv_reported_at = float("-inf")
 
     @property
     def _is_follower(self) -> bool:
@@ -348,12 +354,32 @@ class Runner:
                 self._send(TaskStatusReport(task_id=generation.task.task_id, status=TaskComplete()))
         if not isinstance(self._status, RunnerFailed):
             self._update_status()
+        self._report_kv_cache(force=not self._generations)
+
+    def _report_kv_cache(self, force: bool = False) -> None:
+        """Tell the supervisor the KV cache's use (for the node's `/metrics`) when it changed:
+        at most every `KV_REPORT_INTERVAL_S`, or at once when `force` (the batch emptied)."""
+        usage = self._engine.kv_cache_usage() if self._engine is not None else None
+        if usage is None or usage == self._kv_reported:
+            return
+        now = time.monotonic()
+        if not force and now - self._kv_reported_at < KV_REPORT_INTERVAL_S:
+            return
+        self._kv_reported, self._kv_reported_at = usage, now
+        running, cached, budget = usage
+        self._send(
+            KVCacheReport(running_tokens=running, prefix_cache_tokens=cached, budget_tokens=budget)
+        )
 
     def _update_status(self) -> None:
         """RunnerRunning while any generation runs, else ready (reported on change)."""
         if isinstance(self._status, RunnerFailed):
             return
-        status: RunnerStatus = RunnerRunning() if self._generations else self._ready
+        status: RunnerStatus = (
+            RunnerRunning(max_concurrent_requests=self._ready.max_concurrent_requests)
+            if self._generations
+            else self._ready
+        )
         if status != self._status:
             self._set_status(status)
 

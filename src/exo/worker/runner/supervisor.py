@@ -38,6 +38,7 @@ from exo.shared.types.tasks import (
 )
 from exo.worker.runner.messages import (
     ChunkReport,
+    KVCacheReport,
     RunnerInbound,
     RunnerStatusReport,
     TaskStatusReport,
@@ -70,6 +71,7 @@ class RunnerSupervisor:
         self.status: RunnerStatus = RunnerIdle()
         self.in_flight: dict[TaskId, TextGeneration] = {}
         self.busy_loading = False
+        self.kv_cache: KVCacheReport | None = None  # the runner's last report
         self._emit_event = emit_event
         self._publish_chunk = publish_chunk
         self._on_change = on_change
@@ -162,6 +164,9 @@ class RunnerSupervisor:
                     if command_id is not None:
                         self._chunk_owners.pop(command_id, None)
                 self._emit_event(TaskStatusUpdated(task_id=task_id, status=status))
+            case KVCacheReport():
+                self.kv_cache = message
+                return  # node-local figures: nothing for the worker to plan
             case ChunkReport(chunk=chunk):
                 owner = self._chunk_owners.get(chunk.command_id)
                 if owner is not None:

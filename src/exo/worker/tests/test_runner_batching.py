@@ -18,6 +18,7 @@ from exo.worker.engines.prompt import RenderedPrompt
 from exo.worker.engines.torch.engine import GeneratedPiece, RequestHandle
 from exo.worker.runner.messages import (
     ChunkReport,
+    KVCacheReport,
     RunnerOutbound,
     RunnerStatusReport,
     TaskStatusReport,
@@ -70,6 +71,10 @@ class BatchEngine:
         self.cancelled.append(request_id)
         return self.running.pop(request_id, None) is not None
 
+    def kv_cache_usage(self) -> tuple[int, int, int]:
+        # 3 prompt tokens plus one per piece for each running request; no prefix cache.
+        return sum(3 + done for done in self.running.values()), 0, 100
+
 
 def test_requests_run_together_and_a_cancel_or_failure_ends_only_its_own() -> None:
     inbound_reader, inbound_writer = Pipe(duplex=False)
@@ -98,6 +103,7 @@ def test_requests_run_together_and_a_cancel_or_failure_ends_only_its_own() -> No
     texts: dict[str, str] = {}
     finals: dict[str, TaskStatusReport] = {}
     statuses = []
+    kv_reports: list[KVCacheReport] = []
     while outbound_reader.poll(0):
         message = OUTBOUND.validate_json(outbound_reader.recv_bytes())
         if isinstance(message, ChunkReport) and isinstance(message.chunk, TokenChunk):
@@ -109,6 +115,8 @@ def test_requests_run_together_and_a_cancel_or_failure_ends_only_its_own() -> No
             finals[str(message.task_id)] = message
         elif isinstance(message, RunnerStatusReport):
             statuses.append(message.status)
+        elif isinstance(message, KVCacheReport):
+            kv_reports.append(message)
     assert texts["command-task-a"] == "a0 a1 a2 a3 "  # every step, to its end
     assert texts["command-task-b"] == "b0 "  # one step, then cancelled
     assert texts["command-task-bad"] == "error"
@@ -116,3 +124,12 @@ def test_requests_run_together_and_a_cancel_or_failure_ends_only_its_own() -> No
     assert isinstance(finals["task-b"].status, TaskCancelled)
     assert isinstance(finals["task-bad"].status, TaskFailed)
     assert isinstance(statuses[0], RunnerRunning) and statuses[-1] == runner._ready
+    assert statuses[0].max_concurrent_requests == 4
+    # The KV cache's use reaches the node (/metrics): throttled while it changes, and at
+    # once when the batch empties. The first step left a, b and bad at 4 tokens each.
+    assert kv_reports[0] == KVCacheReport(
+        running_tokens=12, prefix_cache_tokens=0, budget_tokens=100
+    )
+    assert kv_reports[-1] == KVCacheReport(
+        running_tokens=0, prefix_cache_tokens=0, budget_tokens=100
+    )

@@ -40,6 +40,9 @@ class ScriptedEngine:
         self._request_id = request_id
         return RequestHandle(request_id, len(prompt.token_ids))
 
+    def kv_cache_usage(self) -> None:
+        return None  # no scheduler yet: nothing to report
+
     def step(self) -> list[tuple[str, GeneratedPiece]]:
         return [(self._request_id, self._pieces.pop(0))] if self._pieces else []
 

@@ -506,6 +506,19 @@ class TorchEngine:
         already finished)."""
         return self.scheduler.cancel(request_id)
 
+    def kv_cache_usage(self) -> tuple[int, int, int] | None:
+        """KV-cache tokens held now by running requests and by the prefix cache, and the
+        budget they share (rank 0 of a split instance: its scheduler's view); None before
+        the first request built the scheduler."""
+        if self._scheduler is None:
+            return None
+        cache = self._scheduler.prefix_cache
+        return (
+            self._scheduler.kv_tokens(),
+            cache.tokens if cache is not None else 0,
+            self._scheduler.budget_tokens,
+        )
+
     def clear_prefix_cache(self) -> None:
         """Forget every cached prefix (the next requests prefill their whole prompts)."""
         if self._scheduler is not None and self._scheduler.prefix_cache is not None:
