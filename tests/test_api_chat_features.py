@@ -86,7 +86,9 @@ def test_logprobs_json_mode_and_penalties(default_node: ExoNode) -> None:
     client = client_for(default_node)
     completion = client.chat.completions.create(
         model=DEFAULT_MODEL_ID,
-        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        messages=[
+            {"role": "user", "content": "What is the capital of France? Answer in one sentence."}
+        ],
         temperature=0,
         max_tokens=8,
         logprobs=True,

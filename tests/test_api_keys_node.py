@@ -27,7 +27,7 @@ import pytest
 from exo.testing import processes
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode, wait_until
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 FORM_TIMEOUT_SECONDS = 30.0
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 GREEDY = {"temperature": 0, "num_predict": 40}
 
 
@@ -68,7 +68,9 @@ def test_history_system_prompt_stop_and_length(default_node: ExoNode) -> None:
 def test_generate_and_load(default_node: ExoNode) -> None:
     client = client_for(default_node)
     generated = client.generate(
-        model=f"{DEFAULT_MODEL_ID}:latest", prompt="What is the capital of France?", options=GREEDY
+        model=f"{DEFAULT_MODEL_ID}:latest",
+        prompt="What is the capital of France? Answer in one sentence.",
+        options=GREEDY,
     )
     assert generated.response and "Paris" in generated.response
     assert generated.model == f"{DEFAULT_MODEL_ID}:latest"

@@ -12,7 +12,7 @@ import pytest
 from exo.api.generation import command_id_in_response_id
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
 
-QUESTION = "What is the capital of France?"
+QUESTION = "What is the capital of France? Answer in one sentence."
 # Typed loosely: the SDK's TypedDict params do not accept a plain dict.
 WEATHER_TOOL: Any = {
     "type": "function",

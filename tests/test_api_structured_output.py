@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
 
-QUESTION = "What is the capital of France?"
+QUESTION = "What is the capital of France? Answer in one sentence."
 # " Paris" is one token of SmolLM2's vocabulary (its greedy answer is "The capital of France
 # is Paris.").
 PARIS_TOKEN_ID = 7042

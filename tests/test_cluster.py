@@ -14,7 +14,7 @@ import openai
 
 from exo.testing.processes import API_TIMEOUT_SECONDS, DEFAULT_MODEL_ID, ExoNode, wait_until
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 # A bound on forming a cluster or failing over, not a measure of its speed (printed):
 # three nodes on a loaded 2-core machine take far longer than on an idle one.
 FORM_TIMEOUT_SECONDS = 60.0

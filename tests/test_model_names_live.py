@@ -11,7 +11,7 @@ import openai
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
 
 SHORT_NAME = "smollm2:135m"
-QUESTION = "What is the capital of France?"
+QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 def test_short_name_in_every_dialect(default_node: ExoNode) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode, wait_until
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 LONG_ANSWER = [{"role": "user", "content": "Write a very long story about a dragon and a knight."}]
 
 

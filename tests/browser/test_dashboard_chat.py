@@ -96,7 +96,7 @@ def test_chat_streams_stops_and_serves_again(dashboard: DashboardPage, screensho
     page.wait_for_selector(f"#chat-model option[value='{DEFAULT_MODEL_ID}']", state="attached")
     page.select_option("#chat-model", DEFAULT_MODEL_ID)
     _settings(page, 24)
-    _ask(page, "What is the capital of France?")
+    _ask(page, "What is the capital of France? Answer in one sentence.")
     reply = page.locator(".message.assistant").last
     # Streamed: the stop button shows while tokens arrive, then TTFT and tok/s appear.
     page.locator("#stop-button:not([hidden])").wait_for()
