@@ -167,6 +167,7 @@ from exo.testing.builders import (
 from exo.worker.runner import messages
 from exo.worker.runner.messages import (
     ChunkReport,
+    KVCacheReport,
     RunnerInbound,
     RunnerOutbound,
     RunnerStatusReport,
@@ -541,6 +542,9 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     RunnerStatusReport: [RunnerStatusReport(status=RunnerLoading(layers_loaded=0, total_layers=1))],
     TaskStatusReport: [TaskStatusReport(task_id=TASK, status=TaskCancelled())],
     ChunkReport: [ChunkReport(chunk=TOKEN_CHUNK)],
+    KVCacheReport: [
+        KVCacheReport(running_tokens=120, prefix_cache_tokens=1500, budget_tokens=8192)
+    ],
 }
 
 UNIONS: dict[str, Any] = {
