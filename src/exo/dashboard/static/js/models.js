@@ -178,7 +178,11 @@ export function mountModels(section) {
       { "aria-label": `Node for ${card.model_id}`, class: "node-select" },
       nodeIds.map((id) => el("option", { value: id, text: `${state.node_info[id].friendly_name} ${shortId(id)}` })),
     );
-    if (store.cluster?.node_id && nodeIds.includes(store.cluster.node_id)) target.value = store.cluster.node_id;
+    // This node when known, else the node already downloading (or holding) the model.
+    const own = store.cluster?.node_id;
+    const holder = nodeIds.find((id) => state?.downloads?.[id]?.[card.model_id]);
+    if (own && nodeIds.includes(own)) target.value = own;
+    else if (holder) target.value = holder;
     const status = () => state?.downloads[target.value]?.[card.model_id];
     const control = (action) => async () => {
       if (action === "delete") {
