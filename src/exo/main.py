@@ -38,6 +38,12 @@ from exo.download.peers import PEER_CREDENTIAL_HEADER, peer_credential
 from exo.master.decisions import events_after_restart
 from exo.master.event_log import EventLog
 from exo.master.main import Master
+from exo.routing.cluster_tls import ClusterSecret
+from exo.routing.secret_options import (
+    add_cluster_secret_arguments,
+    cluster_banner_line,
+    cluster_secret_option,
+)
 from exo.routing.zenoh_router import DEFAULT_ZENOH_PORT, NetworkRouter
 from exo.shared.apply import apply_all
 from exo.shared.constants import (
@@ -89,6 +95,7 @@ class Options:
     security: SecurityOptions = field(default_factory=SecurityOptions)
     max_queued_requests: int | None = None
     max_concurrent_requests: int | None = None
+    cluster_secret: ClusterSecret | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
@@ -193,6 +200,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         "page (env EXO_CORS_ORIGINS)",
     )
     add_security_arguments(parser)
+    add_cluster_secret_arguments(parser)
     args = parser.parse_args(argv)
     for flag, port in (("--api-port", args.api_port), ("--zenoh-port", args.zenoh_port)):
         if not 0 < port < 65536:
@@ -232,6 +240,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         security=security_options(args, parser),
         max_queued_requests=args.max_queued_requests,
         max_concurrent_requests=args.max_concurrent_requests,
+        cluster_secret=cluster_secret_option(args, parser, peers),
     )
 
 
@@ -257,6 +266,7 @@ class Node:
         self.options = options
         self.node_id = load_node_id()
         self.cards = load_builtin_cards()
+        secret = options.cluster_secret
         self.router = NetworkRouter(
             self.node_id,
             options.namespace,
@@ -264,6 +274,7 @@ class Node:
             listen_host=options.host,
             bootstrap_peers=options.bootstrap_peers,
             multicast=options.multicast,
+            tls=secret.write_tls_files(exo_home()) if secret is not None else None,
         )
         election_topic = self.router.election(TypeAdapter(ElectionMessage))
         self.event_log = EventLog(event_log_path())
@@ -318,7 +329,7 @@ class Node:
             log_level=options.log_level,
             caught_up=lambda: self.replica.caught_up(),
             max_concurrent_requests=options.max_concurrent_requests,
-            peer_credential=peer_credential(options.namespace),
+            peer_credential=peer_credential(options.namespace, secret),
         )
         self.cluster = ClusterClient(
             node_id=self.node_id,
@@ -346,7 +357,7 @@ class Node:
             current_state=lambda: self.replica.state,
             offline=options.offline,
         )
-        credential = peer_credential(options.namespace)
+        credential = peer_credential(options.namespace, secret)
         # Other nodes' APIs answer this node's probes and file requests by this credential.
         self.topology = TopologyProber(
             self.node_id,
@@ -375,7 +386,7 @@ class Node:
             security,
         )
         # Model files go to nodes presenting this cluster's peer credential.
-        self.api.app.state.peer_namespace = options.namespace
+        self.api.app.state.peer_credential = credential
 
     def _master_event_index(self) -> int | None:
         master = self.election.master_message
@@ -466,6 +477,7 @@ class Node:
             f"  cluster   namespace {self.options.namespace!r}, links on "
             f"{self.router.listen_endpoint}"
         )
+        console.print(cluster_banner_line(self.options.cluster_secret), soft_wrap=True)
         console.print(f"  data      {exo_home()}")
         for line in banner_lines(self.api_auth, self._generated_api_key, exo_home()):
             console.print(line, soft_wrap=True)

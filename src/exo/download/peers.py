@@ -11,7 +11,8 @@ partial file resumes there).
 Who may ask: a request must carry `X-Exo-Peer-Credential`, an HMAC of the cluster's
 namespace. This keeps out clients that do not know the namespace (a browser page, a
 scanner on the LAN); the namespace is no secret (the default is the protocol version), so
-it does not keep out someone who knows or guesses it. Issue 17's cluster secret replaces it.
+it does not keep out someone who knows or guesses it. With a cluster secret
+(`exo.routing.cluster_tls`) the credential is derived from the secret instead.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
+from exo.routing.cluster_tls import ClusterSecret
 from exo.shared.types.common import ModelId, NodeId
 from exo.shared.types.nodes import DownloadCompleted
 from exo.shared.types.state import State
@@ -34,13 +36,17 @@ PEER_FILES_PREFIX = "/peer/files"
 HUB_ASSUMED_MBPS = 50.0
 
 
-def peer_credential(namespace: str) -> str:
-    """What a member of the cluster `namespace` presents to another member's file route."""
+def peer_credential(namespace: str, secret: ClusterSecret | None = None) -> str:
+    """What a member of the cluster `namespace` presents to another member's API (hex):
+    derived from the cluster secret when there is one, else from the namespace."""
+    if secret is not None:
+        return secret.peer_credential(namespace)
     return hmac.new(namespace.encode(), b"exo peer files v1", hashlib.sha256).hexdigest()
 
 
-def credential_matches(presented: str | None, namespace: str) -> bool:
-    return presented is not None and hmac.compare_digest(presented, peer_credential(namespace))
+def credential_matches(presented: str | None, expected: str) -> bool:
+    """Whether `presented` is the `expected` peer credential (constant-time compare)."""
+    return presented is not None and hmac.compare_digest(presented.encode(), expected.encode())
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,11 @@ zenoh calls back on its own threads; items are validated there and handed to the
 asyncio loop with `call_soon_threadsafe`, which keeps each publisher's order. Outgoing puts
 run on one thread per router (`_Outbox`), in call order, so a slow peer never stalls the loop.
 
+With a cluster secret (`tls`, see `exo.routing.cluster_tls`) every link is TLS with mutual
+authentication against the cluster's CA, and zenoh may use no other protocol: a session
+without the secret cannot open a link to a member, nor a member to it. The zenoh id is
+zenoh's random one, never derived from the exo node id: multicast scouting announces it.
+
 Peers are tracked with zenoh liveliness: each router declares the token
 `exo/{namespace}/nodes/{node_id}/{zenoh session id}`; its appearance and disappearance
 (graceful close at once, a silent peer after `lease_seconds`) become `PeerConnected` and
@@ -40,6 +45,7 @@ import zenoh
 from loguru import logger
 from pydantic import TypeAdapter, ValidationError
 
+from exo.routing.cluster_tls import TlsFiles
 from exo.routing.connections import ConnectionMessage, PeerConnected, PeerDisconnected
 from exo.shared.types.chunks import Chunk
 from exo.shared.types.commands import ForwarderCommand
@@ -207,6 +213,12 @@ class NetworkRouter:
             listen host when it is a loopback address, else zenoh's "auto".
         multicast_address: scouting group "address:port"; default zenoh's 224.0.0.224:7446.
         lease_seconds: a peer silent this long is reported disconnected.
+        tls: the cluster secret's TLS files: links are then `tls/` only, mutually
+            authenticated, and bootstrap peers must be `tls/` endpoints.
+
+    Raises:
+        ValueError: a bad port, lease, node id or namespace, or (with `tls`) a bootstrap
+            peer that is not a `tls/` endpoint.
     """
 
     def __init__(
@@ -221,6 +233,7 @@ class NetworkRouter:
         multicast_interface: str | None = None,
         multicast_address: str | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        tls: TlsFiles | None = None,
     ) -> None:
         if not 0 <= zenoh_port < 65536:
             raise ValueError(f"zenoh port must be between 0 and 65535, not {zenoh_port}")
@@ -232,6 +245,14 @@ class NetworkRouter:
         self.listen_host = listen_host
         self.listen_port = zenoh_port or _free_tcp_port(listen_host)
         self.bootstrap_peers = tuple(bootstrap_peers)
+        self.tls = tls
+        if tls is not None:
+            for peer in self.bootstrap_peers:
+                if not peer.startswith("tls/"):
+                    raise ValueError(
+                        f"bootstrap peer {peer!r}: with a cluster secret links are TLS, "
+                        "so peers are tls/HOST:PORT"
+                    )
         self.multicast = multicast
         if multicast_interface is None and _is_loopback(listen_host):
             multicast_interface = listen_host
@@ -259,7 +280,8 @@ class NetworkRouter:
     @property
     def listen_endpoint(self) -> str:
         host = f"[{self.listen_host}]" if ":" in self.listen_host else self.listen_host
-        return f"tcp/{host}:{self.listen_port}"
+        protocol = "tcp" if self.tls is None else "tls"
+        return f"{protocol}/{host}:{self.listen_port}"
 
     def zenoh_config_json(self) -> dict[str, Any]:
         """The zenoh configuration this router opens its session with (JSON5 object)."""
@@ -268,19 +290,22 @@ class NetworkRouter:
             multicast["interface"] = self.multicast_interface
         if self.multicast_address is not None:
             multicast["address"] = self.multicast_address
+        link: dict[str, Any] = {
+            "tx": {
+                "lease": round(self.lease_seconds * 1000),  # ms
+                "keep_alive": KEEP_ALIVES_PER_LEASE,
+            }
+        }
+        if self.tls is not None:
+            # Only TLS, accepted or opened: scouting also finds open nodes' tcp/ endpoints.
+            link["protocols"] = ["tls"]
+            link["tls"] = self.tls.zenoh_tls_config()
         return {
             "mode": "peer",
             "listen": {"endpoints": [self.listen_endpoint]},
             "connect": {"endpoints": list(self.bootstrap_peers)},
             "scouting": {"multicast": multicast},
-            "transport": {
-                "link": {
-                    "tx": {
-                        "lease": round(self.lease_seconds * 1000),  # ms
-                        "keep_alive": KEEP_ALIVES_PER_LEASE,
-                    }
-                }
-            },
+            "transport": {"link": link},
         }
 
     def zenoh_config(self) -> zenoh.Config:

@@ -14,6 +14,7 @@ from exo.download.peers import (
     PEER_CREDENTIAL_HEADER,
     PEER_FILES_PREFIX,
     credential_matches,
+    peer_credential,
     servable_file,
 )
 from exo.shared.constants import models_dir
@@ -29,9 +30,14 @@ class PeerCredentialError(ApiError):
 @router.get(f"{PEER_FILES_PREFIX}/{{directory_name}}/{{path:path}}", include_in_schema=False)
 async def peer_file(directory_name: str, path: str, request: Request) -> FileResponse:
     """One verified file of a model this node holds, for a member of its cluster."""
+    # The node sets `peer_credential` (secret-derived with a cluster secret); apps that
+    # set only `peer_namespace` expect the namespace's credential.
+    expected: str | None = getattr(request.app.state, "peer_credential", None)
     namespace: str | None = getattr(request.app.state, "peer_namespace", None)
-    if namespace is None or not credential_matches(
-        request.headers.get(PEER_CREDENTIAL_HEADER), namespace
+    if expected is None and namespace is not None:
+        expected = peer_credential(namespace)
+    if expected is None or not credential_matches(
+        request.headers.get(PEER_CREDENTIAL_HEADER), expected
     ):
         raise PeerCredentialError("model files are served only to nodes of this cluster")
     locations = ModelLocations.from_environment(models_dir())

@@ -1,0 +1,71 @@
+"""`exo`'s cluster secret flags: `--cluster-secret`, `--cluster-secret-file` and the
+environment variable `EXO_CLUSTER_SECRET` (see `exo.routing.cluster_tls`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from exo.routing.cluster_tls import ClusterSecret, ClusterSecretError, read_secret_file
+
+SECRET_ENVIRONMENT_VARIABLE = "EXO_CLUSTER_SECRET"
+
+
+def add_cluster_secret_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags choosing the cluster secret (at most one of them)."""
+    group = parser.add_argument_group("cluster secret")
+    choice = group.add_mutually_exclusive_group()
+    choice.add_argument(
+        "--cluster-secret",
+        default=None,
+        metavar="SECRET",
+        help="only nodes started with this secret join the cluster; links between nodes are "
+        f"then mutually authenticated TLS (env {SECRET_ENVIRONMENT_VARIABLE}, which other "
+        "users cannot read in the process list as they can a flag; default: none, an open "
+        "cluster)",
+    )
+    choice.add_argument(
+        "--cluster-secret-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="read the cluster secret from the first line of this file",
+    )
+
+
+def cluster_secret_option(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, bootstrap_peers: Sequence[str]
+) -> ClusterSecret | None:
+    """The parsed cluster secret (flag, file, else environment), None for an open cluster;
+    `parser.error` for a short or unreadable secret, or a bootstrap peer that is not
+    `tls/` while a secret is set."""
+    text: str | None = args.cluster_secret
+    try:
+        if args.cluster_secret_file is not None:
+            text = read_secret_file(args.cluster_secret_file)
+        if text is None:
+            text = os.environ.get(SECRET_ENVIRONMENT_VARIABLE) or None
+        if text is None:
+            return None
+        secret = ClusterSecret(text)
+    except ClusterSecretError as error:
+        parser.error(str(error))
+    for peer in bootstrap_peers:
+        if not peer.startswith("tls/"):
+            parser.error(
+                f"bootstrap peer {peer!r}: with a cluster secret links are TLS, "
+                "so peers are tls/HOST:PORT"
+            )
+    return secret
+
+
+def cluster_banner_line(secret: ClusterSecret | None) -> str:
+    """The start banner's line about who may join."""
+    if secret is None:
+        return (
+            "  [bold yellow]access    OPEN: anyone on the network who knows the namespace may "
+            "join, read prompts and answers, and send commands (see --cluster-secret)[/]"
+        )
+    return "  access    closed: TLS links, only nodes with the cluster secret may join"
