@@ -45,7 +45,6 @@ from exo.routing.secret_options import (
     cluster_secret_option,
 )
 from exo.routing.zenoh_router import DEFAULT_ZENOH_PORT, NetworkRouter
-from exo.shared.apply import apply_all
 from exo.shared.constants import (
     DEFAULT_API_PORT,
     PROTOCOL_VERSION,
@@ -68,7 +67,6 @@ from exo.shared.types.commands import (
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
 from exo.shared.types.events import RunnerDeleted
 from exo.shared.types.runners import RunnerReady, RunnerRunning
-from exo.shared.types.state import State
 from exo.utils.info_gatherer import InfoGatherer
 from exo.utils.topology import TopologyProber
 from exo.worker.main import Worker
@@ -278,10 +276,12 @@ class Node:
         )
         election_topic = self.router.election(TypeAdapter(ElectionMessage))
         self.event_log = EventLog(event_log_path())
-        replayed = self.event_log.read_all()
-        state = apply_all(State(), replayed)
-        if replayed:
-            logger.info(f"replayed {len(replayed)} events from {self.event_log.path}")
+        state = self.event_log.load()
+        if state.last_event_applied_idx >= 0:
+            logger.info(
+                f"history: {len(self.event_log.events)} events after the snapshot at "
+                f"{self.event_log.base_idx} (up to event {state.last_event_applied_idx})"
+            )
         # What this node ran before it stopped, decided now: later events are this run's.
         self._stale_on_restart = events_after_restart(state, self.node_id)
         self.local_events = LocalEventSender(self.node_id, self.router.local_events.sender())
@@ -328,6 +328,7 @@ class Node:
             offline=options.offline,
             log_level=options.log_level,
             caught_up=lambda: self.replica.caught_up(),
+            resyncing=lambda: self.replica.resyncing,
             max_concurrent_requests=options.max_concurrent_requests,
             peer_credential=peer_credential(options.namespace, secret),
         )

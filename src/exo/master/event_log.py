@@ -1,18 +1,50 @@
-"""The master's append-only, persisted event log (one JSON `IndexedEvent` per line)."""
+"""The node's persisted cluster history: a snapshot of the state plus the events after it.
+
+Two files in the node's data directory (`event_log.jsonl` and `event_log.snapshot`):
+- the log: one record per line, `<CRC-32 of the JSON, 8 hex digits> <IndexedEvent JSON>`
+  (lines that start with `{` are records of older versions, without a checksum); every
+  append is flushed and fsynced before it returns;
+- the snapshot: one header line (JSON: `format`, `idx`, `last_event_digest`, `sha256` and
+  `bytes` of the body) then the `State` after event `idx` as JSON.
+
+Compaction (`maybe_compact`): once `SNAPSHOT_EVERY_EVENTS` events follow the snapshot, or
+the log file reaches `SNAPSHOT_LOG_BYTES`, the state is written as the new snapshot
+(temp file, fsync, rename, directory fsync) and only then is the log rewritten with the
+events after it (the same way). A crash in between leaves a log whose first records the
+snapshot already covers; loading skips them. Disk use is thus about one state plus at most
+`SNAPSHOT_EVERY_EVENTS` events (or `SNAPSHOT_LOG_BYTES`).
+
+Recovery (`load`): a snapshot whose header, checksum or body is bad, and a log with a bad
+record (checksum, JSON, a torn last line) or an index out of sequence, are set aside
+(renamed `<name>.corrupt-<UTC time>`, never deleted) with a WARNING saying what was found;
+the log is rewritten with its good prefix. The node then continues from the snapshot plus
+that prefix; a follower fetches the rest from the master (`exo.shared.replica`).
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
+import zlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from loguru import logger
 from pydantic import ValidationError
 
+from exo.shared.apply import apply_all
 from exo.shared.types.events import IndexedEvent
+from exo.shared.types.state import State
+
+SNAPSHOT_EVERY_EVENTS = 10_000
+SNAPSHOT_LOG_BYTES = 64 * 1024 * 1024
+SNAPSHOT_FORMAT = 1
+# Logs of histories this node dropped (`reset`) that are kept; older ones are removed.
+KEPT_OLD_LOGS = 3
 
 
 def event_digest(indexed_event: IndexedEvent) -> str:
@@ -22,122 +54,293 @@ def event_digest(indexed_event: IndexedEvent) -> str:
 
 
 class EventLogCorruptError(RuntimeError):
-    """A line other than the last one is unreadable, or indexes are not 0, 1, 2, ..."""
+    """An append would leave a gap in the indexes."""
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The state after event `idx`, and that event's digest (None when unknown)."""
+
+    idx: int
+    last_event_digest: str | None
+    state: State
+
+
+def encode_record(event: IndexedEvent) -> bytes:
+    """One log line (with its newline) for `event`."""
+    body = event.model_dump_json().encode()
+    return f"{zlib.crc32(body):08x} ".encode() + body + b"\n"
+
+
+def decode_record(line: bytes) -> IndexedEvent:
+    """The event of one log line (without its newline).
+
+    Raises:
+        ValueError: the checksum does not match or the JSON is not an indexed event.
+    """
+    if line.startswith(b"{"):
+        body = line
+    else:
+        checksum, _, body = line.partition(b" ")
+        if len(checksum) != 8 or f"{zlib.crc32(body):08x}".encode() != checksum:
+            raise ValueError("checksum mismatch")
+    try:
+        return IndexedEvent.model_validate_json(body)
+    except ValidationError as error:
+        raise ValueError(f"not a valid event: {error.errors()[0]['msg']}") from error
+
+
+def set_aside(path: Path, found: str) -> Path:
+    """Rename a damaged file beside itself with a timestamp and say so at WARNING."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = path.with_name(f"{path.name}.corrupt-{stamp}-{time.time_ns() % 10**9:09d}")
+    path.replace(target)
+    logger.warning(f"{path}: {found}; set aside as {target.name}")
+    return target
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that a crash leaves either the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f"{path.name}.tmp")
+    with temporary.open("wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    temporary.replace(path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 class EventLog:
-    """Append-only JSON-lines log of indexed events.
+    """A node's history on disk: the latest snapshot and the events after it (`events`)."""
 
-    Every append is flushed and fsynced before it returns, so an event that was
-    published survives a crash. A torn last line (power loss mid-write) is dropped on
-    open, with a warning; corruption anywhere else is an error, never silently skipped.
-    """
-
-    def __init__(self, path: Path) -> None:
+    def __init__(
+        self,
+        path: Path,
+        snapshot_every: int = SNAPSHOT_EVERY_EVENTS,
+        max_log_bytes: int = SNAPSHOT_LOG_BYTES,
+    ) -> None:
         self.path = path
-        self._file: IO[str] | None = None
+        self.snapshot_path = path.with_suffix(".snapshot")
+        self.snapshot_every = snapshot_every
+        self.max_log_bytes = max_log_bytes
+        self._file: IO[bytes] | None = None
+        self._log_bytes = 0
+        self.snapshot: Snapshot | None = None
         self.events: list[IndexedEvent] = []
-        """Every event of the log, in index order."""
+        """The events after the snapshot, in index order."""
         self._loaded = False
 
-    def read_all(self) -> list[IndexedEvent]:
-        """Every event in the log, in index order.
+    # -- loading -----------------------------------------------------------------------
 
-        Raises:
-            EventLogCorruptError: a line before the last is invalid or indexes skip.
-        """
+    def load(self) -> State:
+        """Read the snapshot and the log, set aside what is damaged, and return the state
+        they hold (the empty `State` when nothing usable is left). Compacts at once when
+        the log is past the thresholds (a long log of an older version)."""
+        self.close()
         self._loaded = True
+        self.snapshot = self._read_snapshot()
+        self.events = self._read_log()
+        state = apply_all(self.snapshot.state if self.snapshot else State(), self.events)
+        self.maybe_compact(state)
+        return state
+
+    def read_all(self) -> list[IndexedEvent]:
+        """`load`, then the events after the snapshot."""
+        self.load()
+        return list(self.events)
+
+    def _read_snapshot(self) -> Snapshot | None:
+        if not self.snapshot_path.exists():
+            return None
+        raw = self.snapshot_path.read_bytes()
+        header_line, _, body = raw.partition(b"\n")
+        try:
+            header = json.loads(header_line)
+            if header.get("format") != SNAPSHOT_FORMAT:
+                raise ValueError(f"unknown format {header.get('format')!r}")
+            if header["bytes"] != len(body):
+                raise ValueError(f"truncated: {len(body)} of {header['bytes']} bytes")
+            if hashlib.sha256(body).hexdigest() != header["sha256"]:
+                raise ValueError("checksum mismatch")
+            state = State.model_validate_json(body)
+            if state.last_event_applied_idx != header["idx"]:
+                raise ValueError(f"holds event {state.last_event_applied_idx}, not {header['idx']}")
+        except (ValueError, KeyError, TypeError, ValidationError) as error:
+            set_aside(self.snapshot_path, f"snapshot unreadable ({error})")
+            return None
+        return Snapshot(
+            idx=header["idx"], last_event_digest=header["last_event_digest"], state=state
+        )
+
+    def _read_log(self) -> list[IndexedEvent]:
         if not self.path.exists():
-            self.events = []
+            self._log_bytes = 0
             return []
         raw = self.path.read_bytes()
         lines = raw.split(b"\n")
         events: list[IndexedEvent] = []
-        valid_bytes = 0
-        for line_number, line in enumerate(lines):
-            is_last = line_number == len(lines) - 1
+        kept: list[bytes] = []
+        problem: str | None = None
+        for number, line in enumerate(lines, start=1):
             if not line.strip():
-                if not is_last:
-                    valid_bytes += len(line) + 1
                 continue
             try:
-                event = IndexedEvent.model_validate_json(line)
-            except ValidationError as error:
-                if is_last:
-                    logger.warning(f"dropping torn last line of {self.path}")
-                    break
-                raise EventLogCorruptError(
-                    f"{self.path}:{line_number + 1} is not a valid event: {error}"
-                ) from error
-            if event.idx != len(events):
-                raise EventLogCorruptError(
-                    f"{self.path}:{line_number + 1} has index {event.idx}, expected {len(events)}"
-                )
+                event = decode_record(line)
+            except ValueError as error:
+                torn = number == len(lines)  # no newline after it: cut mid-write
+                problem = f"{'torn last' if torn else 'bad'} record at line {number} ({error})"
+                break
+            if event.idx <= self.base_idx:
+                continue  # the snapshot holds it (a crash between snapshot and rewrite)
+            expected = self.base_idx + 1 + len(events)
+            if event.idx != expected:
+                problem = f"line {number} has index {event.idx}, expected {expected}"
+                break
             events.append(event)
-            valid_bytes += len(line) + (0 if is_last else 1)
-        if valid_bytes < len(raw):
-            # Cut the torn tail so the next append starts on a clean line.
-            with self.path.open("r+b") as file:
-                file.truncate(valid_bytes)
-                if valid_bytes and not raw[:valid_bytes].endswith(b"\n"):
-                    file.seek(valid_bytes)
-                    file.write(b"\n")
-        elif raw and not raw.endswith(b"\n"):
-            with self.path.open("ab") as file:
-                file.write(b"\n")
-        self.events = list(events)
+            kept.append(encode_record(event))
+        good = b"".join(kept)
+        if problem is not None:
+            set_aside(self.path, f"{problem}; keeping the {len(events)} events before it")
+            write_atomically(self.path, good)
+        elif good != raw:
+            write_atomically(self.path, good)  # legacy records or a missing last newline
+        self._log_bytes = len(good)
         return events
+
+    # -- reading -----------------------------------------------------------------------
+
+    def _ensure_loaded(self) -> None:
+        if not self._loaded:
+            self.load()
+
+    @property
+    def base_idx(self) -> int:
+        """The index the snapshot holds the state after (-1: no snapshot)."""
+        return self.snapshot.idx if self.snapshot is not None else -1
 
     @property
     def last_idx(self) -> int:
-        if not self._loaded:
-            self.read_all()
-        return len(self.events) - 1
+        self._ensure_loaded()
+        return self.base_idx + len(self.events)
 
     def digest_at(self, idx: int) -> str | None:
-        """`event_digest` of the event at `idx`, None when the log does not reach it."""
-        if not self._loaded:
-            self.read_all()
-        if not 0 <= idx < len(self.events):
+        """`event_digest` of the event at `idx`, None when this node does not hold it
+        (compacted away, or beyond the log)."""
+        self._ensure_loaded()
+        if self.snapshot is not None and idx == self.snapshot.idx:
+            return self.snapshot.last_event_digest
+        offset = idx - self.base_idx - 1
+        if not 0 <= offset < len(self.events):
             return None
-        return event_digest(self.events[idx])
+        return event_digest(self.events[offset])
+
+    def events_from(self, first_idx: int, limit: int) -> list[IndexedEvent]:
+        """Up to `limit` held events from index `first_idx` on (compacted ones are not)."""
+        self._ensure_loaded()
+        offset = max(0, first_idx - self.base_idx - 1)
+        return self.events[offset : offset + limit]
+
+    # -- writing -----------------------------------------------------------------------
 
     def append(self, events: Iterable[IndexedEvent]) -> None:
-        """Persist `events`; those already in the log (index <= `last_idx`) are skipped,
-        so the master and the node's replica can both hand it the same event.
+        """Persist `events`; those already held (index <= `last_idx`) are skipped, so the
+        master and the node's replica can both hand it the same event.
 
         Raises:
             EventLogCorruptError: an event would leave a gap in the indexes.
         """
-        if not self._loaded:
-            self.read_all()
+        self._ensure_loaded()
         new = [event for event in events if event.idx > self.last_idx]
         if not new:
             return
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
+            self._file = self.path.open("ab")
         for event in new:
-            if event.idx != len(self.events):
+            if event.idx != self.last_idx + 1:
                 raise EventLogCorruptError(
                     f"appending event {event.idx} after {self.last_idx} would leave a gap"
                 )
-            self._file.write(event.model_dump_json() + "\n")
+            record = encode_record(event)
+            self._file.write(record)
+            self._log_bytes += len(record)
             self.events.append(event)
         self._file.flush()
         os.fsync(self._file.fileno())
 
+    def maybe_compact(self, state: State) -> bool:
+        """Snapshot `state` and drop the events it holds from the log when past the
+        thresholds (see the module docstring). Returns whether it did."""
+        held = state.last_event_applied_idx - self.base_idx
+        if held <= 0 or (held < self.snapshot_every and self._log_bytes < self.max_log_bytes):
+            return False
+        started = time.perf_counter()
+        self.write_snapshot(state)
+        logger.info(
+            f"event log: snapshot at event {state.last_event_applied_idx} "
+            f"({held} events compacted, {time.perf_counter() - started:.2f} s)"
+        )
+        return True
+
+    def write_snapshot(self, state: State, last_event_digest: str | None = None) -> None:
+        """Make `state` the snapshot (durable before the log is touched) and keep only the
+        events after it. `last_event_digest` defaults to this log's digest of that event.
+        A log that does not continue right after the snapshot is emptied."""
+        self._ensure_loaded()
+        idx = state.last_event_applied_idx
+        if idx < 0:
+            return
+        digest = last_event_digest or self.digest_at(idx)
+        body = state.model_dump_json().encode()
+        header = {
+            "format": SNAPSHOT_FORMAT,
+            "idx": idx,
+            "last_event_digest": digest,
+            "sha256": hashlib.sha256(body).hexdigest(),
+            "bytes": len(body),
+        }
+        write_atomically(self.snapshot_path, json.dumps(header).encode() + b"\n" + body)
+        tail = [event for event in self.events if event.idx > idx]
+        if tail and tail[0].idx != idx + 1:
+            tail = []
+        self.snapshot = Snapshot(idx=idx, last_event_digest=digest, state=state)
+        self.events = tail
+        self.close()
+        data = b"".join(encode_record(event) for event in tail)
+        write_atomically(self.path, data)
+        self._log_bytes = len(data)
+
     def reset(self) -> Path | None:
-        """Start an empty log, keeping the old one beside it (for a node that joins a
-        cluster with another history). Returns where the old log went."""
+        """Start an empty history, keeping the old log (and snapshot) beside it, for a
+        node that joins a cluster with another history. Returns where the old log went."""
         self.close()
         self.events = []
+        self.snapshot = None
+        self._log_bytes = 0
         self._loaded = True
+        stamp = time.time_ns()
+        if self.snapshot_path.exists():
+            self.snapshot_path.replace(
+                self.snapshot_path.with_name(f"{self.snapshot_path.name}.{stamp}.old")
+            )
         if not self.path.exists():
             return None
-        archive = self.path.with_name(f"{self.path.name}.{time.time_ns()}.old")
+        archive = self.path.with_name(f"{self.path.name}.{stamp}.old")
         self.path.replace(archive)
+        self._prune_old()
         return archive
+
+    def _prune_old(self) -> None:
+        for pattern in (f"{self.path.name}.*.old", f"{self.snapshot_path.name}.*.old"):
+            old = sorted(self.path.parent.glob(pattern))
+            for path in old[:-KEPT_OLD_LOGS]:
+                logger.info(f"event log: removing {path.name} (keeping {KEPT_OLD_LOGS} old logs)")
+                path.unlink(missing_ok=True)
 
     def close(self) -> None:
         if self._file is not None:

@@ -10,7 +10,7 @@ import anyio
 from loguru import logger
 
 from exo.master.decisions import events_for_command
-from exo.master.event_log import EventLog
+from exo.master.event_log import EventLog, EventLogCorruptError
 from exo.master.keep_alive import idle_instances, usage_after_command, usage_after_local_event
 from exo.master.recovery import (
     ACTIVATION_GRACE_SECONDS,
@@ -39,6 +39,7 @@ from exo.shared.types.events import (
     NodeLost,
     NodeRejoined,
     NodeTimedOut,
+    StateSnapshot,
     TaskCreated,
 )
 from exo.shared.types.models import ModelCard
@@ -135,7 +136,14 @@ class Master:
             )
             for i, event in enumerate(events)
         ]
-        self._event_log.append(indexed)
+        try:
+            self._event_log.append(indexed)
+        except EventLogCorruptError as error:
+            # The log lost its place (set aside on start): the state before these events
+            # becomes the snapshot the log continues from.
+            logger.warning(f"master: {error}; writing a snapshot at event {first - 1}")
+            self._event_log.write_snapshot(self.state)
+            self._event_log.append(indexed)
         for indexed_event in indexed:
             self.state = apply(self.state, indexed_event)
             command_id = command_id_of(indexed_event.event)
@@ -158,9 +166,14 @@ class Master:
     def _activate(self) -> None:
         if self._current_state is not None:
             self.state = self._current_state()
+        snapshot = self._event_log.snapshot
+        if snapshot is not None and snapshot.idx > self.state.last_event_applied_idx:
+            self.state = snapshot.state
         # Events this master emitted before a short election round may not have come back
         # to the node's replica yet; the log holds them, and the next index follows them.
-        for indexed_event in self._event_log.events[self.state.last_event_applied_idx + 1 :]:
+        for indexed_event in self._event_log.events_from(
+            self.state.last_event_applied_idx + 1, len(self._event_log.events)
+        ):
             self.state = apply(self.state, indexed_event)
         self._activated_at = self._now()
         self._done_commands = {
@@ -217,10 +230,7 @@ class Master:
     def handle_command(self, forwarded: ForwarderCommand) -> None:
         command = forwarded.command
         if isinstance(command, RequestEventReplay):
-            for indexed_event in self._event_log.events[
-                command.from_idx : command.from_idx + REPLAY_BATCH
-            ]:
-                self._global_events.publish(indexed_event)
+            self.replay(command.from_idx)
             return
         if command.command_id in self._done_commands:
             return  # resent after a master change; already carried out
@@ -231,6 +241,23 @@ class Master:
         self.emit(events)
         # A keep-alive of 0 set on an idle instance unloads it at once.
         self.emit(idle_instances(self.state, now))
+
+    def replay(self, from_idx: int) -> None:
+        """Publish the events from `from_idx` on (`REPLAY_BATCH` at most); when the log
+        compacted some of them, the snapshot they ended in goes first."""
+        log = self._event_log
+        if from_idx < log.base_idx and log.snapshot is not None:
+            snapshot = log.snapshot
+            self._global_events.publish(
+                IndexedEvent(
+                    idx=snapshot.idx,
+                    event=StateSnapshot(
+                        state=snapshot.state, last_event_digest=snapshot.last_event_digest
+                    ),
+                )
+            )
+        for indexed_event in log.events_from(from_idx, REPLAY_BATCH):
+            self._global_events.publish(indexed_event)
 
     def handle_local_event(self, forwarded: ForwarderEvent) -> None:
         key = origin_key(forwarded.origin, forwarded.origin_session)

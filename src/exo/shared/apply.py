@@ -21,6 +21,7 @@ from exo.shared.types.events import (
     InstanceCreated,
     InstanceDeleted,
     InstanceReplaced,
+    InstanceReported,
     InstanceUnplaced,
     InstanceUsed,
     NodeDownloadProgress,
@@ -30,6 +31,7 @@ from exo.shared.types.events import (
     NodeTimedOut,
     RunnerDeleted,
     RunnerStatusUpdated,
+    StateSnapshot,
     TaskCreated,
     TaskStatusUpdated,
     TopologyEdgeMeasured,
@@ -236,6 +238,35 @@ def apply_event(state: State, event: Event) -> State:
             if not remaining:
                 del topology[source]
             return state.model_copy(update={"topology": topology})
+        case StateSnapshot(state=snapshot_state):
+            return snapshot_state
+        case InstanceReported():
+            return _reported_instance(state, event)
+
+
+def _reported_instance(state: State, report: InstanceReported) -> State:
+    """Add back an instance a node still runs after a healed split (see
+    `InstanceReported`); a no-op when its id or a runner id is already taken."""
+    instance = report.instance
+    runner_ids = set(instance.shard_assignments.runner_to_shard)
+    taken = set(state.runners) | set(state.runner_nodes)
+    for other in state.instances.values():
+        taken |= set(other.shard_assignments.runner_to_shard)
+    if instance.instance_id in state.instances or runner_ids & taken:
+        return state
+    runner_nodes = {
+        runner_id: node_id
+        for node_id, runner_id in instance.shard_assignments.node_to_runner.items()
+    }
+    statuses = {k: v for k, v in report.runners.items() if k in runner_ids}
+    update: dict[str, object] = {
+        "instances": {**state.instances, instance.instance_id: instance},
+        "runners": {**state.runners, **statuses},
+        "runner_nodes": {**state.runner_nodes, **runner_nodes},
+    }
+    if report.usage is not None:
+        update["instance_usage"] = {**state.instance_usage, instance.instance_id: report.usage}
+    return state.model_copy(update=update)
 
 
 def _instance_of_runner(state: State, runner_id: RunnerId) -> Instance | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import anyio
 
@@ -48,11 +48,12 @@ class LocalEventSender:
         self._unacknowledged[forwarded.origin_idx] = (forwarded, self._now())
         self._publisher.publish(forwarded)
 
-    def restart_session(self) -> None:
+    def restart_session(self, then: Sequence[Event] = ()) -> None:
         """Start numbering again under a new session and send this process's events once
-        more, in order: the history that had indexed them was discarded. (Events set
-        state — statuses, node info — so sending them again ends in the same state.)"""
-        emitted = list(self._emitted)
+        more, in order, followed by `then`: the history that had indexed them was
+        discarded. (Events set state — statuses, node info — so sending them again ends in
+        the same state.)"""
+        emitted = [*self._emitted, *then]
         self.session = uuid.uuid4().hex
         self._next_idx = 0
         self._unacknowledged.clear()
@@ -66,6 +67,15 @@ class LocalEventSender:
         assert indexed_event.origin_idx is not None
         for origin_idx in [i for i in self._unacknowledged if i <= indexed_event.origin_idx]:
             del self._unacknowledged[origin_idx]
+
+    def acknowledge_through(self, origin_idx: int) -> None:
+        """Every event of this session up to `origin_idx` is indexed (a snapshot says so)."""
+        for idx in [i for i in self._unacknowledged if i <= origin_idx]:
+            del self._unacknowledged[idx]
+
+    def pending(self) -> list[Event]:
+        """The events sent and not yet indexed, in order."""
+        return [self._unacknowledged[i][0].event for i in sorted(self._unacknowledged)]
 
     @property
     def unacknowledged(self) -> int:

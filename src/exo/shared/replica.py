@@ -4,7 +4,13 @@ Events from the master can arrive out of order, twice, or not at all (a node tha
 late, a message lost during a master change). The replica buffers what is ahead, asks
 the master to replay a gap, persists each event to the node's own log (so any node can
 become master and continue from the highest index it holds), and tells the node's
-components after each applied event.
+components after each applied event. A master that compacted the events a node lacks
+sends a `StateSnapshot` first; the replica takes it as its state and snapshot, and
+compacts its own log past the same thresholds (`exo.master.event_log`).
+
+When this node drops its history for the cluster's (a healed split whose other side won
+the election), it reports each instance it still runs (`InstanceReported`) after
+re-sending its own events, so the winner's history keeps what still exists.
 """
 
 from __future__ import annotations
@@ -15,13 +21,13 @@ from collections.abc import Callable
 import anyio
 from loguru import logger
 
-from exo.master.event_log import EventLog, event_digest
-from exo.shared.apply import apply
+from exo.master.event_log import EventLog, EventLogCorruptError, event_digest
+from exo.shared.apply import apply, origin_key
 from exo.shared.election import Election, ElectionMessage
 from exo.shared.local_events import LocalEventSender
 from exo.shared.types.commands import Command, RequestEventReplay
 from exo.shared.types.common import CommandId, NodeId
-from exo.shared.types.events import IndexedEvent
+from exo.shared.types.events import Event, IndexedEvent, InstanceReported, StateSnapshot
 from exo.shared.types.state import State
 from exo.utils.channels import Subscription, Topic
 
@@ -55,8 +61,14 @@ class Replica:
         self._ahead: dict[int, IndexedEvent] = {}
         self._replay_requested_at = -1.0e9
         self._replay_requested_from = -1
+        self.resyncing = False
+        """From a reset (this node dropped its history) until it holds the master's again:
+        the worker keeps its runners as they are meanwhile."""
 
     def receive(self, indexed_event: IndexedEvent) -> None:
+        if isinstance(indexed_event.event, StateSnapshot):
+            self._install(indexed_event.idx, indexed_event.event)
+            return
         if indexed_event.idx <= self.state.last_event_applied_idx:
             # Replays overlap what we hold by one event: a different event there means
             # this node's history forked (it ran as a lone master) and must start over.
@@ -69,15 +81,52 @@ class Replica:
         while (next_idx := self.state.last_event_applied_idx + 1) in self._ahead:
             event = self._ahead.pop(next_idx)
             self.state = apply(self.state, event)
-            self._event_log.append([event])
+            self._persist(event)
             self._local_events.acknowledge(event)
             self.applied.publish(event)
             applied_any = True
         if applied_any:
-            self.changed.set()
-            self.changed = anyio.Event()
+            self._event_log.maybe_compact(self.state)
+            self._notify()
         if self._ahead:
             self._request_replay()
+
+    def _persist(self, event: IndexedEvent) -> None:
+        try:
+            self._event_log.append([event])
+        except EventLogCorruptError as error:
+            # The log lost its place (set aside on start, or reset): the state is right,
+            # so it becomes the snapshot the log continues from.
+            logger.warning(f"replica: {error}; writing a snapshot at event {event.idx}")
+            self._event_log.write_snapshot(self.state, event_digest(event))
+
+    def _install(self, idx: int, snapshot: StateSnapshot) -> None:
+        """Take the master's snapshot of the state after event `idx`, unless this node
+        already holds that event (then only check that it is the same one)."""
+        if snapshot.state.last_event_applied_idx != idx:
+            logger.warning(f"replica: ignoring a snapshot labelled {idx} that is not at {idx}")
+            return
+        if idx <= self.state.last_event_applied_idx:
+            mine = self._event_log.digest_at(idx)
+            if mine is None or snapshot.last_event_digest in (None, mine):
+                return
+            self._reset(f"this node's event {idx} differs from the master's snapshot")
+        logger.info(f"replica: took the master's snapshot at event {idx}")
+        self.state = snapshot.state
+        self._event_log.write_snapshot(self.state, snapshot.last_event_digest)
+        key = origin_key(self.node_id, self._local_events.session)
+        if (progress := self.state.local_event_progress.get(key)) is not None:
+            self._local_events.acknowledge_through(progress)
+        for stale in [i for i in self._ahead if i <= idx]:
+            del self._ahead[stale]
+        self.applied.publish(IndexedEvent(idx=idx, event=snapshot))
+        self._notify()
+        if self._ahead:
+            self.receive(self._ahead.pop(min(self._ahead)))
+
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = anyio.Event()
 
     def behind_master(self) -> bool:
         master = self._election.master_message
@@ -102,6 +151,9 @@ class Replica:
 
     def check(self) -> None:
         """Start over on another history; ask for what the master has and we lack."""
+        if self.resyncing and self.caught_up():
+            self.resyncing = False
+            self._notify()
         master = self._election.master_message
         if master is None or master.node_id == self.node_id:
             return
@@ -129,17 +181,41 @@ class Replica:
         return self._event_log.digest_at(self.state.last_event_applied_idx)
 
     def _reset(self, reason: str) -> None:
+        reports = self.instance_reports()
         archive = self._event_log.reset()
         logger.warning(
-            f"{reason}; starting over from the master's history (old log kept at {archive})"
+            f"{reason}; starting over from the master's history (old log kept at {archive}); "
+            f"reporting the {len(reports)} instances this node runs"
         )
         self.state = State()
         self._ahead.clear()
-        # Our events indexed in the discarded history never reached the cluster's.
-        self._local_events.restart_session()
+        self.resyncing = True
+        # Our events indexed in the discarded history never reached the cluster's; the
+        # instances this node runs are reported after them so the cluster keeps them.
+        self._local_events.restart_session(then=reports)
         self._replay_requested_at = -1.0e9
-        self.changed.set()
-        self.changed = anyio.Event()
+        self._notify()
+
+    def instance_reports(self) -> list[Event]:
+        """An `InstanceReported` for each instance of this node's state with a runner on
+        this node, carrying the statuses of all the instance's runners."""
+        reports: list[Event] = []
+        for instance in self.state.instances.values():
+            assignments = instance.shard_assignments
+            if self.node_id not in assignments.node_to_runner:
+                continue
+            runners = {
+                runner_id: self.state.runners[runner_id]
+                for runner_id in assignments.runner_to_shard
+                if runner_id in self.state.runners
+            }
+            usage = self.state.instance_usage.get(instance.instance_id)
+            reports.append(
+                InstanceReported(
+                    node_id=self.node_id, instance=instance, runners=runners, usage=usage
+                )
+            )
+        return reports
 
     def _request_replay(self) -> None:
         # From the last event we hold (not the next), so the reply proves we agree on it.

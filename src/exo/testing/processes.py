@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -17,6 +16,7 @@ from typing import Any
 import httpx
 import psutil
 
+from exo.master.event_log import decode_record
 from exo.testing.ports import free_port as free_port  # re-exported for the tests
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -211,8 +211,11 @@ class ExoNode:
         return instance if ready else None
 
     def events(self) -> list[dict[str, Any]]:
-        lines = (self.home / "event_log.jsonl").read_text().splitlines()
-        return [json.loads(line)["event"] for line in lines if line.strip()]
+        """The events of this node's log after its snapshot, as JSON."""
+        lines = (self.home / "event_log.jsonl").read_bytes().splitlines()
+        return [
+            decode_record(line).model_dump(mode="json")["event"] for line in lines if line.strip()
+        ]
 
     def runner_processes(self) -> list[psutil.Process]:
         """The spawned runner subprocesses of this node."""

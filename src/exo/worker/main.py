@@ -25,6 +25,7 @@ from exo.shared.types.events import (
     DownloadControlled,
     Event,
     IndexedEvent,
+    InstanceReported,
     NodeDownloadProgress,
     RunnerDeleted,
     RunnerStatusUpdated,
@@ -85,6 +86,7 @@ class Worker:
         log_level: str = "INFO",
         clock: Callable[[], float] = time.monotonic,
         caught_up: Callable[[], bool] = lambda: True,
+        resyncing: Callable[[], bool] = lambda: False,
         peer_credential: str | None = None,
         max_concurrent_requests: int | None = None,
     ) -> None:
@@ -116,6 +118,9 @@ class Worker:
         # A node that restarts from its own log must not act on it (start a runner for
         # an instance the cluster removed since) before it holds the master's history.
         self._caught_up = caught_up
+        # A node that dropped its history (a healed split) holds no state to act on
+        # until it has the master's: its runners stay as they are meanwhile.
+        self._resyncing = resyncing
 
     def _notify(self) -> None:
         self._changed.set()
@@ -195,6 +200,10 @@ class Worker:
         logger.debug("worker: holding the cluster's current state; planning")
         while True:
             self._changed = anyio.Event()
+            if self._resyncing():
+                with anyio.move_on_after(PLAN_IDLE_WAKE_SECONDS):
+                    await self._changed.wait()
+                continue
             task = plan(
                 self.node_id,
                 self.state,
@@ -202,6 +211,11 @@ class Worker:
                 self.downloads,
                 self._retry_after,
                 self._clock(),
+                reported=frozenset(
+                    event.instance.instance_id
+                    for event in self._local_events.pending()
+                    if isinstance(event, InstanceReported)
+                ),
             )
             if task is None:
                 with anyio.move_on_after(PLAN_IDLE_WAKE_SECONDS):

@@ -55,6 +55,7 @@ def plan(
     downloads: Mapping[ModelId, DownloadStatus],
     retry_after: Mapping[str, float],
     now: float,
+    reported: frozenset[InstanceId] = frozenset(),
 ) -> Task | None:
     """Decide this node's next task.
 
@@ -66,10 +67,12 @@ def plan(
         retry_after: monotonic time (s) before which a runner id or model id must not be
             retried after a failure.
         now: monotonic time (s).
+        reported: instances this node reported after dropping its history (a healed
+            split) that the master has not indexed yet: their runners are kept.
     """
     state = _placed_instances_only(state)
     for task in (
-        _shut_down_orphans(node_id, state, runners),
+        _shut_down_orphans(node_id, state, runners, reported),
         _cancel_abandoned(state, runners),
         _create_runners(node_id, state, runners, retry_after, now),
         _download(node_id, state, runners, downloads, retry_after, now),
@@ -92,10 +95,15 @@ def _placed_instances_only(state: State) -> State:
 
 
 def _shut_down_orphans(
-    node_id: NodeId, state: State, runners: Mapping[RunnerId, LocalRunner]
+    node_id: NodeId,
+    state: State,
+    runners: Mapping[RunnerId, LocalRunner],
+    reported: frozenset[InstanceId] = frozenset(),
 ) -> Task | None:
     for runner_id, runner in runners.items():
         instance = state.instances.get(runner.instance_id)
+        if instance is None and runner.instance_id in reported:
+            continue
         if (
             instance is None
             or instance.shard_assignments.runner_for_node(node_id) != runner_id

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from exo.master.event_log import EventLog, EventLogCorruptError
+from exo.master.event_log import EventLog, EventLogCorruptError, encode_record
 from exo.shared.types.common import NodeId, RunnerId
 from exo.shared.types.events import IndexedEvent, NodeGatheredInfo, RunnerDeleted, TaskCreated
 from exo.testing.builders import indexed, make_node_info, make_params, make_text_generation_task
@@ -17,7 +17,11 @@ EVENTS = indexed(
 
 
 def line(event: IndexedEvent) -> bytes:
-    return event.model_dump_json().encode() + b"\n"
+    return encode_record(event)
+
+
+def set_aside_files(path: Path) -> list[Path]:
+    return sorted(path.parent.glob(f"{path.name}.corrupt-*"))
 
 
 def test_missing_file_reads_as_empty(tmp_path: Path) -> None:
@@ -91,27 +95,42 @@ def test_torn_only_line_leaves_an_empty_log(tmp_path: Path) -> None:
     assert EventLog(path).read_all() == EVENTS[:1]
 
 
-def test_corrupt_middle_line_raises_and_names_the_line(tmp_path: Path) -> None:
+def test_corrupt_middle_line_is_set_aside_and_the_good_prefix_kept(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
-    path.write_bytes(line(EVENTS[0]) + b'{"idx": 1, "ev\n' + line(EVENTS[2]))
-    with pytest.raises(EventLogCorruptError, match=r"events\.jsonl:2 is not a valid event"):
-        EventLog(path).read_all()
-    # Nothing is cut from a corrupt log.
-    assert path.read_bytes().endswith(line(EVENTS[2]))
+    original = line(EVENTS[0]) + b'{"idx": 1, "ev\n' + line(EVENTS[2])
+    path.write_bytes(original)
+    assert EventLog(path).read_all() == EVENTS[:1]
+    assert path.read_bytes() == line(EVENTS[0])
+    # The damaged file is kept as it was, beside the log.
+    [aside] = set_aside_files(path)
+    assert aside.read_bytes() == original
 
 
-def test_index_gap_raises(tmp_path: Path) -> None:
+def test_index_gap_keeps_the_events_before_it(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     path.write_bytes(line(EVENTS[0]) + line(EVENTS[2]))
-    with pytest.raises(EventLogCorruptError, match=r"events\.jsonl:2 has index 2, expected 1"):
-        EventLog(path).read_all()
+    assert EventLog(path).read_all() == EVENTS[:1]
+    assert len(set_aside_files(path)) == 1
 
 
-def test_log_not_starting_at_zero_raises(tmp_path: Path) -> None:
+def test_log_not_starting_at_zero_without_a_snapshot_is_set_aside(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     path.write_bytes(line(EVENTS[1]))
-    with pytest.raises(EventLogCorruptError, match="has index 1, expected 0"):
-        EventLog(path).read_all()
+    log = EventLog(path)
+    assert log.read_all() == []
+    assert path.read_bytes() == b""
+    assert len(set_aside_files(path)) == 1
+    log.append(EVENTS[:1])
+    log.close()
+    assert EventLog(path).read_all() == EVENTS[:1]
+
+
+def test_records_of_older_versions_without_checksums_are_read(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(b"".join(event.model_dump_json().encode() + b"\n" for event in EVENTS))
+    assert EventLog(path).read_all() == EVENTS
+    assert path.read_bytes() == b"".join(map(line, EVENTS))
+    assert set_aside_files(path) == []
 
 
 def test_long_prompt_survives_the_log(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from exo.shared.types.events import (
     InstanceCreated,
     InstanceDeleted,
     InstanceReplaced,
+    InstanceReported,
     InstanceUnplaced,
     InstanceUsed,
     NodeDownloadProgress,
@@ -25,6 +26,7 @@ from exo.shared.types.events import (
     NodeTimedOut,
     RunnerDeleted,
     RunnerStatusUpdated,
+    StateSnapshot,
     TaskCreated,
     TaskStatusUpdated,
     TopologyEdgeMeasured,
@@ -112,6 +114,14 @@ SAMPLE_EVENTS: dict[type, Event] = {
     ),
     InstanceUnplaced: InstanceUnplaced(
         instance_id=INSTANCE.instance_id, reason="node node-a left; waiting for room"
+    ),
+    StateSnapshot: StateSnapshot(
+        state=make_state(nodes={NODE_C: make_node_info(512)}, last_event_applied_idx=5)
+    ),
+    InstanceReported: InstanceReported(
+        node_id=NODE_C,
+        instance=make_instance(NODE_C, instance_id="instance-3"),
+        runners={RunnerId("instance-3-rank0"): RunnerReady()},
     ),
 }
 

@@ -71,6 +71,7 @@ from exo.shared.types.events import (
     InstanceCreated,
     InstanceDeleted,
     InstanceReplaced,
+    InstanceReported,
     InstanceUnplaced,
     InstanceUsed,
     NodeDownloadProgress,
@@ -80,6 +81,7 @@ from exo.shared.types.events import (
     NodeTimedOut,
     RunnerDeleted,
     RunnerStatusUpdated,
+    StateSnapshot,
     TaskCreated,
     TaskStatusUpdated,
     TopologyEdgeMeasured,
@@ -498,6 +500,15 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     NodeRejoined: [NodeRejoined(node_id=NODE)],
     InstanceReplaced: [InstanceReplaced(instance=PIPELINE, reason="node node-b left")],
     InstanceUnplaced: [InstanceUnplaced(instance_id=INSTANCE_ID, reason="no room")],
+    StateSnapshot: [StateSnapshot(state=FULL_STATE, last_event_digest="0123456789abcdef")],
+    InstanceReported: [
+        InstanceReported(
+            node_id=NODE,
+            instance=PIPELINE,
+            runners={RUNNER: RunnerReady()},
+            usage=InstanceUsage(last_used_at=1_700_000_000.0, keep_alive_seconds=None),
+        )
+    ],
     InstanceUnavailable: [InstanceUnavailable(reason="node node-b left")],
     TopologyEdgeMeasured: [TopologyEdgeMeasured(edge=EDGE)],
     TopologyEdgeRemoved: [TopologyEdgeRemoved(source=NODE, sink=NodeId("node-b"))],

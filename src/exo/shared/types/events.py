@@ -21,6 +21,7 @@ from exo.shared.types.instances import Instance
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import DownloadStatus, NodeInfo, TopologyEdge
 from exo.shared.types.runners import RunnerStatus
+from exo.shared.types.state import InstanceUsage, State
 from exo.shared.types.tasks import TaskStatus, TextGeneration
 
 
@@ -189,6 +190,33 @@ class CommandRejected(FrozenModel):
     status_code: int = 400
 
 
+class StateSnapshot(FrozenModel):
+    """The whole cluster state after the event at the carrying `IndexedEvent.idx`.
+
+    Never written to the event log: the master sends it to a node that asks for events
+    it has compacted away (`exo.master.event_log`), followed by the events after it, so a
+    node joining a long history applies one snapshot and a short tail."""
+
+    kind: Literal["StateSnapshot"] = "StateSnapshot"
+    state: State
+    last_event_digest: str | None = None
+    """`event_digest` of the event at the snapshot's index (None when unknown)."""
+
+
+class InstanceReported(FrozenModel):
+    """A node still runs `instance` after it dropped its history for the cluster's (a
+    healed network split whose other side won the election): the instance is added
+    back, with the runner statuses the node last knew, unless the cluster's history
+    already holds an instance of that id or one of its runner ids."""
+
+    kind: Literal["InstanceReported"] = "InstanceReported"
+    node_id: NodeId
+    instance: Instance
+    runners: dict[RunnerId, RunnerStatus]
+    """The statuses of the instance's runners in the dropped history."""
+    usage: InstanceUsage | None = None
+
+
 Event = Annotated[
     InstanceCreated
     | InstanceDeleted
@@ -210,7 +238,9 @@ Event = Annotated[
     | InstanceReplaced
     | InstanceUnplaced
     | TopologyEdgeMeasured
-    | TopologyEdgeRemoved,
+    | TopologyEdgeRemoved
+    | StateSnapshot
+    | InstanceReported,
     Field(discriminator="kind"),
 ]
 
