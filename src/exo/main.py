@@ -93,6 +93,7 @@ class Options:
     security: SecurityOptions = field(default_factory=SecurityOptions)
     max_queued_requests: int | None = None
     max_concurrent_requests: int | None = None
+    remeasure_speed: bool = False
     cluster_secret: ClusterSecret | None = None
 
 
@@ -197,6 +198,12 @@ def parse_args(argv: list[str] | None = None) -> Options:
         "localhost/127.0.0.1/[::1] pages, e.g. https://chat.example.com; * allows every "
         "page (env EXO_CORS_ORIGINS)",
     )
+    parser.add_argument(
+        "--remeasure-speed",
+        action="store_true",
+        help="measure this node's decode and prefill speed again instead of reading the "
+        "cached figures (measured once per CPU, thread count and torch version)",
+    )
     add_security_arguments(parser)
     add_cluster_secret_arguments(parser)
     args = parser.parse_args(argv)
@@ -238,6 +245,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         security=security_options(args, parser),
         max_queued_requests=args.max_queued_requests,
         max_concurrent_requests=args.max_concurrent_requests,
+        remeasure_speed=args.remeasure_speed,
         cluster_secret=cluster_secret_option(args, parser, peers),
     )
 
@@ -357,6 +365,8 @@ class Node:
             models=models_dir(),
             current_state=lambda: self.replica.state,
             offline=options.offline,
+            measure_speed=True,
+            remeasure_speed=options.remeasure_speed,
         )
         credential = peer_credential(options.namespace, secret)
         # Other nodes' APIs answer this node's probes and file requests by this credential.

@@ -21,6 +21,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from exo.master.speed_prediction import DEFAULT_PROMPT_TOKENS, predict_speed
 from exo.shared.models.memory import ENGINE_CPU_WEIGHT_FORMAT, WeightShare, serving_peak_bytes
 from exo.shared.types.common import FrozenModel, InstanceId, NodeId, RunnerId
 from exo.shared.types.instances import (
@@ -50,7 +51,12 @@ class PlacementError(ValueError):
 
 
 class PlacementPreview(FrozenModel):
-    """One way to place a model, valid or not (`error` says why not)."""
+    """One way to place a model, valid or not (`error` says why not).
+
+    `predicted_decode_tokens_per_second` (one stream, tok/s) and `predicted_ttft_seconds`
+    for a prompt of `prediction_prompt_tokens` tokens come from the nodes' measured speeds
+    and links (`exo.master.speed_prediction`); None when the placement is invalid or a
+    node has not measured its speed."""
 
     model_id: str
     sharding: Sharding
@@ -59,6 +65,9 @@ class PlacementPreview(FrozenModel):
     layer_ranges: tuple[tuple[int, int], ...]
     bytes_per_node: tuple[int, ...]
     error: str | None = None
+    predicted_decode_tokens_per_second: float | None = None
+    predicted_ttft_seconds: float | None = None
+    prediction_prompt_tokens: int = DEFAULT_PROMPT_TOKENS
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,8 +388,12 @@ def place_instance(
     )
 
 
-def placement_previews(card: ModelCard, state: State) -> list[PlacementPreview]:
-    """Every (sharding, node count) combination with its layout, or why it is invalid."""
+def placement_previews(
+    card: ModelCard, state: State, prompt_tokens: int = DEFAULT_PROMPT_TOKENS
+) -> list[PlacementPreview]:
+    """Every (sharding, node count) combination with its layout, or why it is invalid,
+    and the valid ones' predicted speed for a prompt of `prompt_tokens` tokens."""
+    speeds = {node_id: info.speed for node_id, info in state.node_info.items()}
     previews: list[PlacementPreview] = []
     nodes = sorted(state.node_info)
     sharding: Sharding
@@ -398,9 +411,14 @@ def placement_previews(card: ModelCard, state: State) -> list[PlacementPreview]:
                         layer_ranges=(),
                         bytes_per_node=(),
                         error=str(error),
+                        prediction_prompt_tokens=prompt_tokens,
                     )
                 )
                 continue
+            prediction = predict_speed(
+                card, sharding, chosen.nodes, chosen.layer_ranges, speeds, state.topology,
+                prompt_tokens,
+            )  # fmt: skip
             previews.append(
                 PlacementPreview(
                     model_id=card.model_id,
@@ -409,6 +427,11 @@ def placement_previews(card: ModelCard, state: State) -> list[PlacementPreview]:
                     node_ids=chosen.nodes,
                     layer_ranges=chosen.layer_ranges,
                     bytes_per_node=chosen.bytes_per_node,
+                    predicted_decode_tokens_per_second=(
+                        None if prediction is None else prediction.decode_tokens_per_second
+                    ),
+                    predicted_ttft_seconds=None if prediction is None else prediction.ttft_seconds,
+                    prediction_prompt_tokens=prompt_tokens,
                 )
             )
     return previews

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import anyio
 import psutil
+from loguru import logger
 
 from exo.shared.local_events import LocalEventSender
 from exo.shared.types.events import NodeGatheredInfo
-from exo.shared.types.nodes import GpuInfo, MemoryInfo, NetworkInterface, NodeInfo
+from exo.shared.types.nodes import GpuInfo, MemoryInfo, NetworkInterface, NodeInfo, NodeSpeed
 from exo.shared.types.state import State
 
 GATHER_INTERVAL_SECONDS = 2.0
@@ -107,6 +108,7 @@ def gather_node_info(
     api_port: int = 0,
     models: Path | None = None,
     offline: bool = False,
+    speed: NodeSpeed | None = None,
 ) -> NodeInfo:
     interfaces = network_interfaces()
     disk_free, disk_total = disk_usage_bytes(models) if models is not None else (0, 0)
@@ -123,6 +125,7 @@ def gather_node_info(
         api_port=api_port,
         api_addresses=api_addresses(api_host, interfaces),
         offline=offline,
+        speed=speed,
     )
 
 
@@ -161,7 +164,9 @@ def report_due(
 class InfoGatherer:
     """Reports this node's `NodeInfo` when it changes, when the cluster state lacks it (a
     node timed out after a network blip, a node that joined another history), and every
-    `HEARTBEAT_SECONDS`."""
+    `HEARTBEAT_SECONDS`. With `measure_speed` it measures the node's speed once in a worker
+    thread (`exo.utils.speed_probe.cached_node_speed`; `remeasure_speed` ignores the
+    cache) and reports it with the next figures."""
 
     def __init__(
         self,
@@ -171,8 +176,13 @@ class InfoGatherer:
         models: Path | None = None,
         current_state: Callable[[], State] | None = None,
         offline: bool = False,
+        measure_speed: bool = False,
+        remeasure_speed: bool = False,
     ) -> None:
         self._local_events = local_events
+        self._measure_speed = measure_speed
+        self._remeasure_speed = remeasure_speed
+        self._speed: NodeSpeed | None = None
         self._offline = offline
         self._current_state = current_state
         self._api_host = api_host
@@ -185,12 +195,33 @@ class InfoGatherer:
         state = self._current_state()
         return state.history_id is not None and self._local_events.node_id not in state.node_info
 
+    async def _probe_speed(self) -> None:
+        from exo.utils.speed_probe import cached_node_speed
+
+        try:
+            self._speed = await anyio.to_thread.run_sync(
+                cached_node_speed, self._remeasure_speed, abandon_on_cancel=True
+            )
+        except Exception as error:  # a failed probe leaves the speed unknown, never the node
+            logger.warning(f"speed probe failed, no speed predictions for this node: {error!r}")
+
     async def run(self) -> None:
+        async with anyio.create_task_group() as tasks:
+            if self._measure_speed:
+                tasks.start_soon(self._probe_speed)
+            await self._report_loop()
+
+    async def _report_loop(self) -> None:
         last: NodeInfo | None = None
         last_sent = 0.0
         while True:
             info = await anyio.to_thread.run_sync(
-                gather_node_info, self._api_host, self._api_port, self._models, self._offline
+                gather_node_info,
+                self._api_host,
+                self._api_port,
+                self._models,
+                self._offline,
+                self._speed,
             )
             now = anyio.current_time()
             if report_due(last, info, now - last_sent, self._missing_from_state()):

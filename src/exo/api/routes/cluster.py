@@ -12,6 +12,7 @@ from exo.api.dependencies import catalog_of, cluster_dependency, is_downloaded
 from exo.api.errors import ApiError, InvalidRequestError, ModelNotFoundError, NoCapacityError
 from exo.api.load_on_request import default_keep_alive
 from exo.master.placement import PlacementPreview, placement_previews
+from exo.master.speed_prediction import DEFAULT_PROMPT_TOKENS
 from exo.shared.constants import models_dir
 from exo.shared.models.cards import UnknownModelError, resolve_card
 from exo.shared.types.commands import DeleteInstance, PlaceInstance
@@ -111,11 +112,22 @@ def _card(cluster: ClusterClient, model_id: str) -> ModelCard:
         raise InvalidRequestError(str(error), param="model_id") from None
 
 
+# The longest prompt a prediction is asked for (larger numbers are a typo, not a prompt).
+MAX_PREDICTION_PROMPT_TOKENS = 1 << 20
+
+
 @router.get("/instance/previews")
 async def instance_previews(
-    cluster: Cluster, model_id: Annotated[str, Query(min_length=1)]
+    cluster: Cluster,
+    model_id: Annotated[str, Query(min_length=1)],
+    prompt_tokens: Annotated[
+        int, Query(ge=1, le=MAX_PREDICTION_PROMPT_TOKENS)
+    ] = DEFAULT_PROMPT_TOKENS,
 ) -> list[PlacementPreview]:
-    return placement_previews(_card(cluster, model_id), cluster.state)
+    """Every placement of `model_id` (valid or with the reason it is not), each valid one
+    with its predicted single-stream decode tok/s and TTFT for a prompt of
+    `prompt_tokens` tokens (null while a node has not measured its speed)."""
+    return placement_previews(_card(cluster, model_id), cluster.state, prompt_tokens)
 
 
 @router.post("/place_instance")

@@ -13,9 +13,10 @@ import pytest
 from exo.api import cluster as cluster_module
 from exo.api.app import create_app
 from exo.shared.types.commands import PlaceInstance
-from exo.shared.types.events import InstanceCreated
-from exo.testing.builders import SMOLLM2
-from exo.testing.in_process import InProcessCluster, in_process_cluster
+from exo.shared.types.events import InstanceCreated, NodeGatheredInfo
+from exo.shared.types.nodes import NodeSpeed
+from exo.testing.builders import SMOLLM2, make_node_info
+from exo.testing.in_process import NODE, InProcessCluster, in_process_cluster
 
 pytestmark = pytest.mark.anyio
 
@@ -104,3 +105,55 @@ async def test_wait_for_node_reports_is_bounded(
             response = await http.post("/place_instance", json={"model_id": SMOLLM2})
     assert response.status_code == 400
     assert "no nodes are known" in response.json()["error"]["message"]
+
+
+async def test_previews_carry_the_predicted_speed_once_the_node_measured_it(
+    cluster: InProcessCluster,
+) -> None:
+    async def preview(prompt_tokens: int) -> dict[str, object]:
+        with anyio.fail_after(DEADLINE_SECONDS):
+            while NODE not in cluster.client.state.node_info:
+                await anyio.sleep(0.01)
+        async with http_client(cluster) as http:
+            answer = await http.get(
+                "/instance/previews", params={"model_id": SMOLLM2, "prompt_tokens": prompt_tokens}
+            )
+        assert answer.status_code == 200, answer.text
+        first: dict[str, object] = answer.json()[0]
+        assert (first["sharding"], first["node_count"], first["error"]) == ("pipeline", 1, None)
+        return first
+
+    cluster.report_node()
+    unmeasured = await preview(128)
+    assert unmeasured["predicted_decode_tokens_per_second"] is None
+    assert unmeasured["predicted_ttft_seconds"] is None
+    speed = NodeSpeed(
+        threads=1,
+        int4_decode_bytes_per_second=1e10,
+        int8_decode_bytes_per_second=8e9,
+        memory_copy_bytes_per_second=2e10,
+        bf16_matmul_flops=1e11,
+        float32_matmul_flops=5e10,
+        layer_overhead_seconds=1e-4,
+    )
+    info = make_node_info(4096).model_copy(update={"speed": speed})
+    cluster.emit_local(NodeGatheredInfo(node_id=NODE, info=info))
+    with anyio.fail_after(DEADLINE_SECONDS):
+        while cluster.client.state.node_info[NODE].speed is None:
+            await anyio.sleep(0.01)
+    short, long = await preview(128), await preview(4096)
+    assert short["prediction_prompt_tokens"] == 128 and long["prediction_prompt_tokens"] == 4096
+    short_rate, long_rate = (
+        short["predicted_decode_tokens_per_second"],
+        long["predicted_decode_tokens_per_second"],
+    )
+    assert isinstance(short_rate, float) and isinstance(long_rate, float)
+    assert short_rate > long_rate > 0
+    assert isinstance(short["predicted_ttft_seconds"], float)
+    assert isinstance(long["predicted_ttft_seconds"], float)
+    assert 0 < short["predicted_ttft_seconds"] < long["predicted_ttft_seconds"]
+    async with http_client(cluster) as http:
+        refused = await http.get(
+            "/instance/previews", params={"model_id": SMOLLM2, "prompt_tokens": 0}
+        )
+    assert refused.status_code == 400 and "prompt_tokens" in refused.text

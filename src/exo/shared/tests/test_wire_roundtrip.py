@@ -116,6 +116,7 @@ from exo.shared.types.nodes import (
     MemoryInfo,
     NetworkInterface,
     NodeInfo,
+    NodeSpeed,
     TopologyEdge,
 )
 from exo.shared.types.runners import (
@@ -215,6 +216,15 @@ PARAMS = TextGenerationTaskParams(
     seed=7,
     stop=("\n\n", "END"),
     stream=True,
+)
+NODE_SPEED = NodeSpeed(
+    threads=2,
+    int4_decode_bytes_per_second=1.2e10,
+    int8_decode_bytes_per_second=8e9,
+    memory_copy_bytes_per_second=3.3e10,
+    bf16_matmul_flops=4.5e11,
+    float32_matmul_flops=6e10,
+    layer_overhead_seconds=8.5e-5,
 )
 EDGE = TopologyEdge(
     source=NODE, sink=NodeId("node-b"), address="10.0.0.2", latency_ms=0.4, bandwidth_mbps=9400.0
@@ -375,8 +385,10 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
             network_interfaces=(NetworkInterface(name="eth0", addresses=("10.0.0.1",)),),
             api_port=52415,
             api_addresses=("10.0.0.1",),
+            speed=NODE_SPEED,
         ),
     ],
+    NodeSpeed: [NODE_SPEED],
     GpuInfo: [GpuInfo(name="H200", total_memory_bytes=1)],
     NetworkInterface: [NetworkInterface(name="lo", addresses=("127.0.0.1", "127.0.0.2"))],
     TopologyEdge: [EDGE],

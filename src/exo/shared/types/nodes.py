@@ -27,13 +27,41 @@ class NetworkInterface(FrozenModel):
     addresses: tuple[str, ...]
 
 
+class NodeSpeed(FrozenModel):
+    """What this node's CPU does per second, measured at start by `exo.utils.speed_probe`
+    with the torch thread count its runners use (`threads`, within its CPU affinity).
+
+    Attributes:
+        int4_decode_bytes_per_second: packed int4 weight bytes (with their bfloat16 scales
+            and zeros) the engine's decode kernel (`aten._weight_int4pack_mm_for_cpu`, one
+            row) reads per second.
+        int8_decode_bytes_per_second: the same for the int8 kernel (`aten._weight_int8pack_mm`,
+            the LM head).
+        memory_copy_bytes_per_second: bytes read plus bytes written per second by a plain
+            copy of a buffer larger than the last-level cache (KV cache, float32 reads).
+        bf16_matmul_flops: FLOP/s of a bfloat16 matmul at a prefill shape.
+        float32_matmul_flops: FLOP/s of a float32 matmul at a prefill shape.
+        layer_overhead_seconds: fixed cost of one decoder layer's decode ops at a tiny width
+            (dispatch, casts, norms, rotary, attention; bytes negligible), seconds.
+    """
+
+    threads: int = Field(ge=1)
+    int4_decode_bytes_per_second: float = Field(gt=0)
+    int8_decode_bytes_per_second: float = Field(gt=0)
+    memory_copy_bytes_per_second: float = Field(gt=0)
+    bf16_matmul_flops: float = Field(gt=0)
+    float32_matmul_flops: float = Field(gt=0)
+    layer_overhead_seconds: float = Field(ge=0)
+
+
 class NodeInfo(FrozenModel):
     """A node's resources. `api_addresses` are the addresses its API listens on (what
     peers probe); `models_disk_free_bytes` (of `models_disk_total_bytes`) is free space
     where models are stored; `cpu_percent` how busy all its cores were over the last
     gather interval, 0-100 (reported when it moves by `CPU_CHANGE_REPORT_PERCENT`, at
     most every `LOAD_REPORT_SECONDS`: `exo.utils.info_gatherer`); `offline`: started with
-    `--offline`, it can prepare only files it already holds."""
+    `--offline`, it can prepare only files it already holds; `speed`: its measured
+    decode and prefill rates (None until measured, and from nodes too old to measure)."""
 
     friendly_name: str
     memory: MemoryInfo
@@ -47,6 +75,7 @@ class NodeInfo(FrozenModel):
     api_port: int = Field(default=0, ge=0, lt=65536)
     api_addresses: tuple[str, ...] = ()
     offline: bool = False
+    speed: NodeSpeed | None = None
 
 
 class TopologyEdge(FrozenModel):

@@ -1,0 +1,238 @@
+"""Predicted decode tok/s and time to first token of a placement, before it is placed.
+
+A pure function of the model card, the layout (nodes in rank order and their layers) and
+what the nodes measured: each node's `NodeSpeed` (`exo.utils.speed_probe`) and the links'
+`TopologyEdge` latency and bandwidth. A node without a measured speed (an old node, or one
+still measuring) gives no prediction (None), never a guessed one.
+
+The model (bytes from `exo.shared.models.memory`, in the engine's CPU format: int4 decoder
+layers, int8 LM head, float32 KV cache):
+
+decode, seconds per token (one stream, `context` tokens in the KV cache):
+    stage(s) = layer bytes(s) / int4 bytes/s + LM head bytes(s) / int8 bytes/s
+               + 2 × KV bytes(s, context) / copy bytes/s        (a copy counts read + write)
+               + layers(s) × layer overhead × ENGINE_LAYER_OVERHEAD_FACTOR
+               + STEP_OVERHEAD_SECONDS
+    pipeline ×N:  Σ stage(s) + Σ over the N hops of a token's round (rank i → i+1, the
+                  last rank's token back to rank 0) of (one-way latency + bytes / bandwidth)
+    tensor ×N:    max over ranks of stage(rank) (each rank reads 1/N of every layer's
+                  linears and KV heads, and the whole LM head) + 2 all-reduces per layer
+                  (attention and MLP outputs), each 2 × (N − 1) one-way latencies plus
+                  2 × (N − 1) / N × hidden bytes / bandwidth (ring all-reduce)
+time to first token for `prompt` tokens (processed in chunks of `PREFILL_CHUNK_TOKENS`):
+    stage(s) = 2 × linear params(s) × prompt / bf16 FLOP/s          (projections, MLP)
+               + 2 × layers(s) × prompt² × query width / float32 FLOP/s   (causal attention)
+               + chunks × layer weights(s) as bfloat16 × 2 / copy bytes/s (int4 → bf16)
+               + chunks × layers(s) × layer overhead × factor + LM head decode of one row
+    combined over ranks as decode is, with the hops carrying prompt × hidden activations.
+One-way link latency is half the measured round trip (`TopologyEdge.latency_ms`, an HTTP
+call to the peer's API, so an upper bound for the runners' own messages).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from exo.shared.models.memory import (
+    BFLOAT16_BYTES,
+    FLOAT32_BYTES,
+    WeightShare,
+    decoder_layer_bytes,
+    kv_cache_bytes_per_token,
+    linear_weight_bytes,
+)
+from exo.shared.types.common import NodeId
+from exo.shared.types.instances import Sharding
+from exo.shared.types.models import ModelCard
+from exo.shared.types.nodes import NodeSpeed, TopologyEdge
+
+DEFAULT_PROMPT_TOKENS = 512
+# The scheduler's prompt chunk when no other request decodes
+# (`scheduler.PREFILL_TOKENS_PER_IDLE_STEP`): each chunk dequantizes the int4 weights once.
+PREFILL_CHUNK_TOKENS = 512
+# The engine's decode step runs more than the probe's tiny layer (`speed_probe._TinyLayer`)
+# per layer (its model code's Python, KV slot bookkeeping): measured ratio of the engine's
+# per-token time not explained by bytes to the tiny layer's time, see the README.
+ENGINE_LAYER_OVERHEAD_FACTOR = 1.0
+# Per decode step, outside the layers (scheduler, sampling, embedding), seconds.
+STEP_OVERHEAD_SECONDS = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedPrediction:
+    """Predicted single-stream decode tok/s and TTFT (seconds) for `prompt_tokens`."""
+
+    decode_tokens_per_second: float
+    ttft_seconds: float
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Link:
+    one_way_seconds: float
+    bytes_per_second: float
+
+
+def _link(edges: dict[NodeId, dict[NodeId, TopologyEdge]], a: NodeId, b: NodeId) -> _Link | None:
+    """The measured link a → b (or b → a when only that direction was measured)."""
+    edge = edges.get(a, {}).get(b) or edges.get(b, {}).get(a)
+    if edge is None:
+        return None
+    bandwidth = edge.bandwidth_mbps * 1e6 / 8
+    return _Link(edge.latency_ms / 2 / 1000, bandwidth if bandwidth > 0 else math.inf)
+
+
+def _transfer_seconds(link: _Link, size: float) -> float:
+    return link.one_way_seconds + size / link.bytes_per_second
+
+
+def _linear_params_per_layer(card: ModelCard) -> int:
+    query = card.num_attention_heads * card.attention_head_dim
+    key_value = card.num_key_value_heads * card.attention_head_dim
+    return card.hidden_size * (2 * query + 2 * key_value) + 3 * card.hidden_size * (
+        card.intermediate_size
+    )
+
+
+def _layer_overhead(speed: NodeSpeed, layers: int) -> float:
+    return layers * speed.layer_overhead_seconds * ENGINE_LAYER_OVERHEAD_FACTOR
+
+
+def _lm_head_seconds(card: ModelCard, speed: NodeSpeed) -> float:
+    head = linear_weight_bytes(card.hidden_size, card.vocab_size, "int8")
+    return head / speed.int8_decode_bytes_per_second
+
+
+def decode_stage_seconds(
+    card: ModelCard, speed: NodeSpeed, share: WeightShare, context_tokens: int
+) -> float:
+    """Seconds one rank holding `share` spends on one decode step of a single stream with
+    `context_tokens` in its KV cache (the module docstring's stage(s))."""
+    layers = share.layers * decoder_layer_bytes(card, "int4", share.tensor_parallel_ranks)
+    seconds = layers / speed.int4_decode_bytes_per_second
+    if share.holds_output_layer:
+        seconds += _lm_head_seconds(card, speed)
+    kv = kv_cache_bytes_per_token(card, share) * context_tokens
+    seconds += 2 * kv / speed.memory_copy_bytes_per_second
+    return seconds + _layer_overhead(speed, share.layers) + STEP_OVERHEAD_SECONDS
+
+
+def prefill_stage_seconds(
+    card: ModelCard, speed: NodeSpeed, share: WeightShare, prompt_tokens: int
+) -> float:
+    """Seconds one rank holding `share` spends prefilling `prompt_tokens` (the module
+    docstring's TTFT stage(s))."""
+    ranks = share.tensor_parallel_ranks
+    params = share.layers * _linear_params_per_layer(card) / ranks
+    seconds = 2 * params * prompt_tokens / speed.bf16_matmul_flops
+    query_width = card.num_attention_heads * card.attention_head_dim / ranks
+    attention_flops = 2 * share.layers * prompt_tokens**2 * query_width
+    seconds += attention_flops / speed.float32_matmul_flops
+    chunks = math.ceil(prompt_tokens / PREFILL_CHUNK_TOKENS)
+    dequantized = params * BFLOAT16_BYTES
+    seconds += chunks * 2 * dequantized / speed.memory_copy_bytes_per_second
+    seconds += chunks * (_layer_overhead(speed, share.layers) + STEP_OVERHEAD_SECONDS)
+    if share.holds_output_layer:
+        seconds += _lm_head_seconds(card, speed)
+    return seconds
+
+
+def _shares(
+    card: ModelCard, sharding: Sharding, layer_ranges: Sequence[tuple[int, int]]
+) -> list[WeightShare]:
+    world_size = len(layer_ranges)
+    if sharding == "tensor":
+        return [WeightShare(layers=card.n_layers, tensor_parallel_ranks=world_size)] * world_size
+    last = world_size - 1
+    return [
+        WeightShare(layers=end - start, holds_embedding=rank == 0, holds_output_layer=rank == last)
+        for rank, (start, end) in enumerate(layer_ranges)
+    ]
+
+
+def _combine(
+    card: ModelCard,
+    sharding: Sharding,
+    stage_seconds: list[float],
+    links: list[_Link],
+    activation_bytes: float,
+) -> float:
+    """Pipeline: stages in sequence plus one transfer per hop of the round (the token's
+    way back is a few bytes); tensor: the slowest rank plus the all-reduces."""
+    world_size = len(stage_seconds)
+    if world_size == 1:
+        return stage_seconds[0]
+    if sharding == "pipeline":
+        forward = sum(_transfer_seconds(link, activation_bytes) for link in links[:-1])
+        back = _transfer_seconds(links[-1], 8)
+        return sum(stage_seconds) + forward + back
+    steps = 2 * (world_size - 1)
+    slowest_latency = max(link.one_way_seconds for link in links)
+    narrowest = min(link.bytes_per_second for link in links)
+    all_reduce = steps * slowest_latency + steps / world_size * activation_bytes / narrowest
+    return max(stage_seconds) + 2 * card.n_layers * all_reduce
+
+
+def predict_speed(
+    card: ModelCard,
+    sharding: Sharding,
+    nodes: Sequence[NodeId],
+    layer_ranges: Sequence[tuple[int, int]],
+    speeds: dict[NodeId, NodeSpeed | None],
+    edges: dict[NodeId, dict[NodeId, TopologyEdge]],
+    prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+) -> SpeedPrediction | None:
+    """Predicted single-stream decode tok/s (with `prompt_tokens` in the KV cache) and
+    TTFT (seconds) of `card` on `nodes` in rank order holding `layer_ranges`.
+
+    Args:
+        speeds: each node's measured `NodeSpeed` (None: not measured).
+        edges: measured links, `edges[source][sink]` (the state's topology).
+        prompt_tokens: the prompt's length, >= 1.
+
+    Returns:
+        None when a node's speed or a link between consecutive ranks (and last to first)
+        is not measured.
+
+    Raises:
+        ValueError: `prompt_tokens` < 1, or `nodes` and `layer_ranges` differ in length.
+    """
+    if prompt_tokens < 1:
+        raise ValueError(f"prompt_tokens must be >= 1, not {prompt_tokens}")
+    if len(nodes) != len(layer_ranges) or not nodes:
+        raise ValueError("one layer range per node, at least one node")
+    measured = [speeds.get(node) for node in nodes]
+    if any(speed is None for speed in measured):
+        return None
+    node_speeds = [speed for speed in measured if speed is not None]
+    ring = list(zip(nodes, [*nodes[1:], nodes[0]], strict=True)) if len(nodes) > 1 else []
+    links = [_link(edges, a, b) for a, b in ring]
+    if any(link is None for link in links):
+        return None
+    measured_links = [link for link in links if link is not None]
+    shares = _shares(card, sharding, layer_ranges)
+    decode = _combine(
+        card,
+        sharding,
+        [
+            decode_stage_seconds(card, speed, share, prompt_tokens)
+            for speed, share in zip(node_speeds, shares, strict=True)
+        ],
+        measured_links,
+        card.hidden_size * FLOAT32_BYTES,
+    )
+    ttft = _combine(
+        card,
+        sharding,
+        [
+            prefill_stage_seconds(card, speed, share, prompt_tokens)
+            for speed, share in zip(node_speeds, shares, strict=True)
+        ],
+        measured_links,
+        prompt_tokens * card.hidden_size * FLOAT32_BYTES,
+    )
+    return SpeedPrediction(
+        decode_tokens_per_second=1 / decode, ttft_seconds=ttft, prompt_tokens=prompt_tokens
+    )

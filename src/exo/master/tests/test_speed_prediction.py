@@ -1,0 +1,169 @@
+"""The speed model on synthetic nodes: what moves the prediction and when there is none."""
+
+from __future__ import annotations
+
+import pytest
+
+from exo.master.placement import placement_previews
+from exo.master.speed_prediction import (
+    DEFAULT_PROMPT_TOKENS,
+    decode_stage_seconds,
+    predict_speed,
+)
+from exo.shared.models.memory import WeightShare, decoder_layer_bytes, kv_cache_bytes_per_token
+from exo.shared.types.common import NodeId
+from exo.shared.types.models import ModelCard
+from exo.shared.types.nodes import NodeSpeed, TopologyEdge
+from exo.testing.builders import make_card, make_node_info, make_state
+
+A, B = NodeId("a"), NodeId("b")
+# Heads and MLP divide by 2 (a tensor split is valid).
+CARD = make_card(n_layers=12, supports_tensor=True).model_copy(
+    update={"num_attention_heads": 8, "num_key_value_heads": 4}
+)
+GB = 1e9
+
+
+def speed(int4_gbps: float = 10.0, overhead_us: float = 100.0, flops: float = 100e9) -> NodeSpeed:
+    return NodeSpeed(
+        threads=1,
+        int4_decode_bytes_per_second=int4_gbps * GB,
+        int8_decode_bytes_per_second=8 * GB,
+        memory_copy_bytes_per_second=20 * GB,
+        bf16_matmul_flops=flops,
+        float32_matmul_flops=flops / 4,
+        layer_overhead_seconds=overhead_us * 1e-6,
+    )
+
+
+def link(
+    latency_ms: float = 1.0, mbps: float = 10_000.0
+) -> dict[NodeId, dict[NodeId, TopologyEdge]]:
+    def one(source: NodeId, sink: NodeId) -> TopologyEdge:
+        return TopologyEdge(
+            source=source,
+            sink=sink,
+            address="127.0.0.1",
+            latency_ms=latency_ms,
+            bandwidth_mbps=mbps,
+        )
+
+    return {A: {B: one(A, B)}, B: {A: one(B, A)}}
+
+
+def single(card: ModelCard = CARD, node: NodeSpeed | None = None, prompt: int = 512) -> float:
+    prediction = predict_speed(
+        card, "pipeline", [A], [(0, card.n_layers)], {A: node or speed()}, {}, prompt
+    )
+    assert prediction is not None
+    return prediction.decode_tokens_per_second
+
+
+def two(sharding: str, latency_ms: float = 1.0, speeds: dict | None = None) -> tuple[float, float]:
+    ranges = [(0, 6), (6, 12)] if sharding == "pipeline" else [(0, 12), (0, 12)]
+    prediction = predict_speed(
+        CARD,
+        "pipeline" if sharding == "pipeline" else "tensor",
+        [A, B],
+        ranges,
+        speeds or {A: speed(), B: speed()},
+        link(latency_ms),
+        DEFAULT_PROMPT_TOKENS,
+    )
+    assert prediction is not None
+    return prediction.decode_tokens_per_second, prediction.ttft_seconds
+
+
+def test_faster_memory_and_less_overhead_decode_faster() -> None:
+    rates = [single(node=speed(int4_gbps=g)) for g in (2, 5, 10, 40)]
+    assert rates == sorted(rates) and rates[0] < rates[-1]
+    by_overhead = [single(node=speed(overhead_us=us)) for us in (400, 100, 10, 0)]
+    assert by_overhead == sorted(by_overhead) and by_overhead[0] < by_overhead[-1]
+
+
+def test_a_longer_prompt_decodes_slower_and_waits_longer() -> None:
+    assert single(prompt=4096) < single(prompt=512) < single(prompt=16)
+    ttfts = []
+    for prompt in (16, 512, 4096):
+        prediction = predict_speed(CARD, "pipeline", [A], [(0, 12)], {A: speed()}, {}, prompt)
+        assert prediction is not None and prediction.prompt_tokens == prompt
+        ttfts.append(prediction.ttft_seconds)
+    assert ttfts == sorted(ttfts) and ttfts[0] < ttfts[-1]
+    faster_compute = predict_speed(CARD, "pipeline", [A], [(0, 12)], {A: speed(flops=1e12)}, {})
+    slower_compute = predict_speed(CARD, "pipeline", [A], [(0, 12)], {A: speed(flops=1e10)}, {})
+    assert faster_compute is not None and slower_compute is not None
+    assert faster_compute.ttft_seconds < slower_compute.ttft_seconds
+
+
+def test_pipeline_adds_the_hops_to_the_stages() -> None:
+    one_node = single()
+    split, _ = two("pipeline", latency_ms=0.0)
+    # Two stages read what one node reads (no more), then the hops cost their latency.
+    assert split <= one_node * 1.01
+    slower, slower_ttft = two("pipeline", latency_ms=4.0)
+    hop_seconds = 2 * 4.0 / 2 / 1000  # two one-way hops per token: half of each round trip
+    assert 1 / slower - 1 / split == pytest.approx(hop_seconds, rel=1e-6)
+    assert slower_ttft > two("pipeline", latency_ms=0.0)[1]
+
+
+def test_tensor_divides_the_bytes_and_pays_two_all_reduces_per_layer() -> None:
+    whole = decode_stage_seconds(CARD, speed(), WeightShare(layers=12), 512)
+    half = decode_stage_seconds(CARD, speed(), WeightShare(layers=12, tensor_parallel_ranks=2), 512)
+    layer_bytes = decoder_layer_bytes(CARD, "int4")
+    half_layer_bytes = decoder_layer_bytes(CARD, "int4", 2)
+    half_kv = kv_cache_bytes_per_token(CARD, WeightShare(layers=12, tensor_parallel_ranks=2))
+    assert half_kv * 2 == kv_cache_bytes_per_token(CARD)
+    assert half_layer_bytes < layer_bytes * 0.55  # int8 where a half does not fit int4
+    assert whole - half == pytest.approx(
+        12 * (layer_bytes - half_layer_bytes) / (10 * GB)
+        + 2 * 512 * (kv_cache_bytes_per_token(CARD) - half_kv) / (20 * GB),
+        rel=1e-6,
+    )
+    free_links, _ = two("tensor", latency_ms=0.0)
+    assert free_links > single()
+    slow_links, _ = two("tensor", latency_ms=1.0)
+    # Two all-reduces per layer, each 2 × (2 − 1) one-way latencies of 0.5 ms.
+    extra = 2 * CARD.n_layers * 2 * 0.5e-3
+    assert 1 / slow_links - 1 / free_links == pytest.approx(extra, rel=1e-3)
+
+
+def test_the_slowest_tensor_rank_sets_the_pace() -> None:
+    even, _ = two("tensor", speeds={A: speed(), B: speed()})
+    uneven, _ = two("tensor", speeds={A: speed(), B: speed(int4_gbps=1)})
+    assert uneven < even
+
+
+def test_no_prediction_without_a_measured_speed_or_link() -> None:
+    assert predict_speed(CARD, "pipeline", [A], [(0, 12)], {A: None}, {}) is None
+    assert predict_speed(CARD, "pipeline", [A], [(0, 12)], {}, {}) is None
+    ranges = [(0, 6), (6, 12)]
+    assert predict_speed(CARD, "pipeline", [A, B], ranges, {A: speed(), B: None}, link()) is None
+    assert predict_speed(CARD, "pipeline", [A, B], ranges, {A: speed(), B: speed()}, {}) is None
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        predict_speed(CARD, "pipeline", [A], [(0, 12)], {A: speed()}, {}, 0)
+
+
+def test_previews_carry_the_prediction_for_the_prompt_asked() -> None:
+    measured = make_node_info(4096).model_copy(update={"speed": speed()})
+    state = make_state(nodes={A: measured, B: make_node_info(4096)})
+    state = state.model_copy(update={"topology": link()})
+    previews = {(p.sharding, p.node_count): p for p in placement_previews(CARD, state, 128)}
+    alone = previews[("pipeline", 1)]
+    assert alone.node_ids == (A,) or alone.node_ids == (B,)
+    assert all(p.prediction_prompt_tokens == 128 for p in previews.values())
+    # B never measured: every placement using it has no prediction, not a guess.
+    assert previews[("pipeline", 2)].error is None
+    assert previews[("pipeline", 2)].predicted_decode_tokens_per_second is None
+    assert previews[("tensor", 2)].predicted_ttft_seconds is None
+    both = state.model_copy(
+        update={"node_info": {A: measured, B: measured.model_copy(update={"friendly_name": "b"})}}
+    )
+    for preview in placement_previews(CARD, both, 128):
+        assert preview.error is None
+        expected = predict_speed(
+            CARD, preview.sharding, preview.node_ids, preview.layer_ranges,
+            {A: speed(), B: speed()}, link(), 128,
+        )  # fmt: skip
+        assert expected is not None
+        assert preview.predicted_decode_tokens_per_second == expected.decode_tokens_per_second
+        assert preview.predicted_ttft_seconds == expected.ttft_seconds

@@ -1,0 +1,336 @@
+"""Measures what this node's CPU does per second for the engine: a `NodeSpeed`.
+
+Run once at start (`InfoGatherer` calls `cached_node_speed` in a worker thread, so the node
+starts at once and reports the figures a moment later) and cached in
+`<EXO_HOME>/speed_probe.json` under a key of CPU model, logical CPUs, CPU affinity, torch
+version, thread count and `PROBE_VERSION`: a changed key, or `exo --remeasure-speed`,
+measures again. The measurement takes about `PROBE_SECONDS` × 6 (~1.5 s) plus building the
+operands.
+
+What is measured is what the engine runs (`exo.worker.engines.torch.quantize`), with the
+thread count its runners use (`runner_threads`: torch's default capped by the CPUs this
+process may run on, as the engine does):
+- int4 decode: `aten._weight_int4pack_mm_for_cpu` on one bfloat16 row against
+  `[INT4_OUTPUTS, INT4_INPUTS]` packed weights, cycled over copies whose total exceeds the
+  last-level cache (the weights of a decode step come from memory, not cache);
+- int8 decode: `aten._weight_int8pack_mm` likewise (the engine's LM head);
+- memory copy: `Tensor.copy_` of `COPY_BYTES`, counted as bytes read plus written;
+- bfloat16 / float32 matmul FLOP/s at `[MATMUL_ROWS, MATMUL_INNER] @ [MATMUL_INNER,
+  MATMUL_INNER]` (prefill);
+- per-layer overhead: one decoder layer's decode ops at a tiny width (`_TinyLayer`: RMSNorm,
+  int4 Q/K/V/O and gate/up/down with the engine's bfloat16 casts around each kernel, rotary,
+  attention over a short KV cache, SiLU gate, residual adds), where bytes are negligible and
+  only the fixed cost of each op remains.
+Each figure is the median of timed repetitions after a warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+from loguru import logger
+from pydantic import ValidationError
+
+from exo.shared.constants import exo_home
+from exo.shared.types.nodes import NodeSpeed
+
+# Bump when what is measured changes: cached figures of an older probe are measured again.
+PROBE_VERSION = 1
+CACHE_FILE_NAME = "speed_probe.json"
+# Seconds of timed repetitions per figure (after one warm-up call).
+PROBE_SECONDS = 0.2
+# A mid-size model's MLP projection (e.g. Qwen3-0.6B's down projection is [1024, 3072]).
+INT4_INPUTS = 2048
+INT4_OUTPUTS = 2048
+INT4_GROUP_SIZE = 32
+# Weights cycled through per repetition, at least this many bytes (above a typical LLC).
+WORKING_SET_BYTES = 48 * 2**20
+COPY_BYTES = 64 * 2**20
+MATMUL_ROWS = 256
+MATMUL_INNER = 1024
+
+
+def runner_threads() -> int:
+    """The torch intra-op threads a runner of this node uses: torch's default (or
+    `OMP_NUM_THREADS`), never more than the CPUs this process may run on (the engine's
+    `_configure_cpu_threads` rule; a node pinned to one core gets 1)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if "OMP_NUM_THREADS" in os.environ or not hasattr(os, "sched_getaffinity"):
+        return threads
+    return max(1, min(threads, len(os.sched_getaffinity(0))))
+
+
+def _llc_bytes() -> int:
+    """The largest cache of CPU 0 (sysfs), 32 MiB when unknown."""
+    largest = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        number, unit = (text[:-1], text[-1]) if text[-1] in units else (text, "")
+        if number.isdigit():
+            largest = max(largest, int(number) * units.get(unit, 1))
+    return largest or 32 * 2**20
+
+
+def probe_key(threads: int) -> dict[str, Any]:
+    """What the cached figures depend on; any change measures again."""
+    import torch
+
+    from exo.utils.info_gatherer import cpu_model
+
+    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return {
+        "probe_version": PROBE_VERSION,
+        "cpu_model": cpu_model(),
+        "logical_cpus": psutil.cpu_count(logical=True) or 1,
+        "affinity": affinity,
+        "torch": torch.__version__,
+        "threads": threads,
+    }
+
+
+def _median_seconds(call: Callable[[], object], seconds: float = PROBE_SECONDS) -> float:
+    """Median wall time of `call` over repetitions filling `seconds` (at least 3, at most
+    10,000), after one warm-up call."""
+    call()
+    timings: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(timings) < 3 or (time.perf_counter() < deadline and len(timings) < 10_000):
+        started = time.perf_counter()
+        call()
+        timings.append(time.perf_counter() - started)
+    return statistics.median(timings)
+
+
+@contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _int4_weights(outputs: int, inputs: int) -> tuple[Any, Any]:
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    levels = torch.randint(0, 16, (outputs, inputs), dtype=torch.int32, generator=generator)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
+    groups = inputs // INT4_GROUP_SIZE
+    scales_and_zeros = torch.rand(groups, outputs, 2, generator=generator).to(torch.bfloat16)
+    return packed, scales_and_zeros
+
+
+def _int4_decode_bytes_per_second(working_set: int) -> float:
+    import torch
+
+    packed, scales_and_zeros = _int4_weights(INT4_OUTPUTS, INT4_INPUTS)
+    matrix_bytes = packed.numel() * packed.element_size() + scales_and_zeros.numel() * 2
+    copies = max(1, -(-working_set // matrix_bytes))
+    weights = [(packed.clone(), scales_and_zeros.clone()) for _ in range(copies)]
+    row = torch.rand(1, INT4_INPUTS).to(torch.bfloat16)
+
+    def step() -> None:
+        for block, scale_zero in weights:
+            torch._weight_int4pack_mm_for_cpu(row, block, INT4_GROUP_SIZE, scale_zero)
+
+    return copies * matrix_bytes / _median_seconds(step)
+
+
+def _int8_decode_bytes_per_second(working_set: int) -> float:
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randint(-127, 128, (INT4_OUTPUTS, INT4_INPUTS), generator=generator)
+    weight = weight.to(torch.int8)
+    scales = torch.rand(INT4_OUTPUTS, generator=generator).to(torch.bfloat16)
+    matrix_bytes = weight.numel() + scales.numel() * 2
+    copies = max(1, -(-working_set // matrix_bytes))
+    weights = [weight.clone() for _ in range(copies)]
+    row = torch.rand(1, INT4_INPUTS).to(torch.bfloat16)
+
+    def step() -> None:
+        for block in weights:
+            torch._weight_int8pack_mm(row, block, scales)
+
+    return copies * matrix_bytes / _median_seconds(step)
+
+
+def _memory_copy_bytes_per_second(size: int) -> float:
+    import torch
+
+    source = torch.ones(size // 4)
+    target = torch.empty_like(source)
+    return 2 * size / _median_seconds(lambda: target.copy_(source))
+
+
+def _matmul_flops(dtype_name: str) -> float:
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    generator = torch.Generator().manual_seed(2)
+    left = torch.rand(MATMUL_ROWS, MATMUL_INNER, generator=generator).to(dtype)
+    right = torch.rand(MATMUL_INNER, MATMUL_INNER, generator=generator).to(dtype)
+    flops = 2 * MATMUL_ROWS * MATMUL_INNER * MATMUL_INNER
+    return flops / _median_seconds(lambda: left @ right)
+
+
+class _TinyLayer:
+    """One Llama-style decoder layer's decode ops at a tiny width (hidden 64, 2 query heads
+    and 1 KV head of 32, MLP 128, 16 cached tokens), float32 activations cast to bfloat16
+    around each int4 kernel as `QuantizedLinear.forward` does."""
+
+    HIDDEN = 64
+    HEAD_DIM = 32
+    HEADS = 2
+    MLP = 128
+    CACHED = 16
+
+    def __init__(self) -> None:
+        import torch
+
+        hidden, head_dim, mlp = self.HIDDEN, self.HEAD_DIM, self.MLP
+        self.projections = {
+            "q": _int4_weights(self.HEADS * head_dim, hidden),
+            "k": _int4_weights(head_dim, hidden),
+            "v": _int4_weights(head_dim, hidden),
+            "o": _int4_weights(hidden, self.HEADS * head_dim),
+            "gate": _int4_weights(mlp, hidden),
+            "up": _int4_weights(mlp, hidden),
+            "down": _int4_weights(hidden, mlp),
+        }
+        generator = torch.Generator().manual_seed(3)
+        self.norm = torch.ones(hidden)
+        self.hidden = torch.rand(1, 1, hidden, generator=generator)
+        self.keys = torch.rand(1, 1, self.CACHED, head_dim, generator=generator)
+        self.values = torch.rand(1, 1, self.CACHED, head_dim, generator=generator)
+        angles = torch.rand(1, 1, 1, head_dim, generator=generator)
+        self.cos, self.sin = angles.cos(), angles.sin()
+
+    def _linear(self, name: str, x: Any) -> Any:
+        import torch
+
+        packed, scales_and_zeros = self.projections[name]
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        out = torch._weight_int4pack_mm_for_cpu(rows, packed, INT4_GROUP_SIZE, scales_and_zeros)
+        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+
+    def _rms_norm(self, x: Any) -> Any:
+        import torch
+
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.norm * (x * torch.rsqrt(variance + 1e-6))
+
+    def _rotate(self, x: Any) -> Any:
+        import torch
+
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * self.cos + rotated * self.sin
+
+    def forward(self) -> Any:
+        import torch
+
+        x = self.hidden
+        normed = self._rms_norm(x)
+        query = self._linear("q", normed).view(1, 1, self.HEADS, self.HEAD_DIM).transpose(1, 2)
+        key = self._linear("k", normed).view(1, 1, 1, self.HEAD_DIM).transpose(1, 2)
+        value = self._linear("v", normed).view(1, 1, 1, self.HEAD_DIM).transpose(1, 2)
+        query, key = self._rotate(query), self._rotate(key)
+        keys = torch.cat((self.keys, key), dim=2).expand(1, self.HEADS, -1, -1)
+        values = torch.cat((self.values, value), dim=2).expand(1, self.HEADS, -1, -1)
+        attended = torch.nn.functional.scaled_dot_product_attention(query, keys, values)
+        x = x + self._linear("o", attended.transpose(1, 2).reshape(1, 1, -1))
+        normed = self._rms_norm(x)
+        gated = torch.nn.functional.silu(self._linear("gate", normed)) * self._linear("up", normed)
+        return x + self._linear("down", gated)
+
+
+def measure_node_speed(threads: int | None = None) -> NodeSpeed:
+    """Measure this CPU now with `threads` torch threads (default `runner_threads()`); the
+    process's own thread count is restored afterwards."""
+    import torch
+
+    threads = threads or runner_threads()
+    working_set = max(WORKING_SET_BYTES, 2 * _llc_bytes())
+    with _torch_threads(threads), torch.inference_mode():
+        layer = _TinyLayer()
+        return NodeSpeed(
+            threads=threads,
+            int4_decode_bytes_per_second=_int4_decode_bytes_per_second(working_set),
+            int8_decode_bytes_per_second=_int8_decode_bytes_per_second(working_set),
+            memory_copy_bytes_per_second=_memory_copy_bytes_per_second(COPY_BYTES),
+            bf16_matmul_flops=_matmul_flops("bfloat16"),
+            float32_matmul_flops=_matmul_flops("float32"),
+            layer_overhead_seconds=_median_seconds(layer.forward),
+        )
+
+
+def cache_path() -> Path:
+    return exo_home() / CACHE_FILE_NAME
+
+
+def _read_cache(path: Path, key: dict[str, Any]) -> NodeSpeed | None:
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cached, dict) or cached.get("key") != key:
+        return None
+    try:
+        return NodeSpeed.model_validate(cached.get("speed"))
+    except ValidationError:
+        return None
+
+
+def _write_cache(path: Path, key: dict[str, Any], speed: NodeSpeed) -> None:
+    """Atomically (a temporary file renamed over the cache): never a half-written file."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(json.dumps({"key": key, "speed": speed.model_dump(mode="json")}))
+        temporary.replace(path)
+    except OSError as error:
+        logger.warning(f"could not cache the speed probe's figures in {path}: {error}")
+        temporary.unlink(missing_ok=True)
+
+
+def cached_node_speed(remeasure: bool = False, path: Path | None = None) -> NodeSpeed:
+    """This node's `NodeSpeed`: from the cache when its key matches, else (or with
+    `remeasure`) measured now and cached."""
+    path = path or cache_path()
+    threads = runner_threads()
+    key = probe_key(threads)
+    if not remeasure and (cached := _read_cache(path, key)) is not None:
+        return cached
+    started = time.perf_counter()
+    speed = measure_node_speed(threads)
+    logger.info(
+        f"speed probe ({threads} thread(s), {time.perf_counter() - started:.1f} s): int4 decode "
+        f"{speed.int4_decode_bytes_per_second / 1e9:.1f} GB/s, copy "
+        f"{speed.memory_copy_bytes_per_second / 1e9:.1f} GB/s, bf16 matmul "
+        f"{speed.bf16_matmul_flops / 1e9:.0f} GFLOP/s, layer overhead "
+        f"{speed.layer_overhead_seconds * 1e6:.0f} us"
+    )
+    _write_cache(path, key, speed)
+    return speed
+
+
+if __name__ == "__main__":
+    print(measure_node_speed().model_dump_json(indent=2))
