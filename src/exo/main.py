@@ -601,7 +601,12 @@ def configure_logging(level: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    options = parse_args(argv)
+    arguments = sys.argv[1:] if argv is None else argv
+    if arguments[:1] == ["bench"]:  # `exo bench ...`: exo.benchmark.cli
+        from exo.benchmark.cli import main as bench_main
+
+        raise SystemExit(bench_main(arguments[1:]))
+    options = parse_args(arguments)
     configure_logging(options.log_level)
     try:
         node = Node(options)

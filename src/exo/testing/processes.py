@@ -72,8 +72,11 @@ class ExoNode:
         env: dict[str, str] | None = None,
         namespace: str | None = None,
         bootstrap: tuple[ExoNode, ...] = (),
+        cpu_cores: tuple[int, ...] | None = None,
     ) -> None:
         self.home = home
+        # Run the node (and so its runners, which inherit it) on these CPUs only (taskset).
+        self.cpu_cores = cpu_cores
         self.models_dir = models_dir
         self.port = free_port()
         self.zenoh_port = free_port()
@@ -118,8 +121,10 @@ class ExoNode:
         self.home.mkdir(parents=True, exist_ok=True)
         env = self.environment()
         log = self.log_path.open("ab")
+        pin = ("taskset", "-c", ",".join(map(str, self.cpu_cores))) if self.cpu_cores else ()
         self.process = subprocess.Popen(
             [
+                *pin,
                 exo_command(),
                 *("--host", "127.0.0.1"),
                 *("--api-port", str(self.port)),

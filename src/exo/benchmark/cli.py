@@ -1,0 +1,187 @@
+"""`exo bench`: measure prefill / decode tok/s, TTFT and peak memory of placements.
+
+exo bench [--model M] [--placement single pipeline:2 tensor:2] [--prompt-tokens 128 512]
+          [--generation-tokens 64] [--concurrency 1 4] [--runs 3] [--warmup 1]
+          [--api URL [--api-key KEY]] [--nodes N] [--pin-cores] [--threads N]
+          [--compare-llama-cpp GGUF] [--engine-in-process] [--output DIR] [--no-plots]
+          [--quick] [--suite issue14]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from loguru import logger
+
+from exo.benchmark.client import BenchRequestError
+from exo.benchmark.cluster import BenchSetupError, Placement
+from exo.benchmark.engine_runner import EngineRunError
+from exo.benchmark.llama_cpp_runner import LlamaCppMissingError
+from exo.benchmark.plots import PlotsUnavailableError, plot_report, require_matplotlib
+from exo.benchmark.runner import BenchConfig, print_ratios, run_bench
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+QUICK = {"prompt_tokens": [16], "generation_tokens": [8], "runs": 2, "warmup": 1}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="exo bench",
+        description="Prefill / decode tok/s, TTFT and peak memory of exo placements, against "
+        "fresh local nodes (default) or a running cluster (--api). EOS is banned so every run "
+        "decodes exactly --generation-tokens tokens; each figure is the median of --runs runs "
+        "after --warmup, with its min / max and quartiles in the JSON.",
+    )
+    parser.add_argument("--suite", choices=["issue14"], help="run a predefined set of benches")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="catalog id, short name or a "
+        "local Hugging Face-format directory (added through /models/add)",
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        help="the model's files on this machine "
+        "(tokenizer, EOS ids) when --api serves a model this machine has not "
+        "prepared",
+    )
+    parser.add_argument(
+        "--placement",
+        nargs="+",
+        default=["single"],
+        help="single, pipeline:N, tensor:N (default single)",
+    )
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--generation-tokens", type=int, nargs="+", default=[64])
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="requests submitted together per run",
+    )
+    parser.add_argument("--runs", type=int, default=3, help="measured runs per case")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured runs per case first")
+    parser.add_argument("--api", help="URL of a running node's API (default: start local nodes)")
+    parser.add_argument("--api-key", help="API key for --api")
+    parser.add_argument(
+        "--nodes", type=int, help="local nodes to start (default: the most any placement needs)"
+    )
+    parser.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="pin local node i (and its "
+        "runners) to CPU core i: N nodes behave like N 1-core machines",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="intra-op threads per node "
+        "(OMP_NUM_THREADS) and llama.cpp's threads (default: the node's CPUs)",
+    )
+    parser.add_argument(
+        "--compare-llama-cpp",
+        type=Path,
+        metavar="GGUF",
+        help="also run llama.cpp (llama-cpp-python) on this GGUF, run by run "
+        "interleaved with exo's single placement",
+    )
+    parser.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="also measure the engine in this process (submit / step)",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path("bench-results"),
+        help="directory for the JSON and PNG (default bench-results/)",
+    )
+    parser.add_argument("--name", default="bench", help="file name stem of the JSON and PNG")
+    parser.add_argument("--no-plots", action="store_true", help="write only the JSON")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
+    return parser
+
+
+def config_from_arguments(arguments: argparse.Namespace) -> BenchConfig:
+    """The bench's config from parsed arguments (`--quick` overrides the sizes).
+
+    Raises:
+        ValueError: a placement or a number out of range.
+    """
+    placements = [Placement.parse(text) for text in arguments.placement]
+    config = BenchConfig(
+        model=arguments.model,
+        placements=placements,
+        prompt_tokens=arguments.prompt_tokens,
+        generation_tokens=arguments.generation_tokens,
+        concurrency=arguments.concurrency,
+        runs=arguments.runs,
+        warmup=arguments.warmup,
+        api=arguments.api.rstrip("/") if arguments.api else None,
+        api_key=arguments.api_key,
+        nodes=arguments.nodes,
+        pin_cores=arguments.pin_cores,
+        threads=arguments.threads,
+        compare_llama_cpp=arguments.compare_llama_cpp,
+        engine_in_process=arguments.engine_in_process,
+        model_dir=arguments.model_dir,
+        output=arguments.output,
+        name=arguments.name,
+        plots=not arguments.no_plots,
+    )
+    if arguments.quick:
+        for name, value in QUICK.items():
+            setattr(config, name, value)
+    numbers = (*config.prompt_tokens, *config.generation_tokens, *config.concurrency)
+    if min(numbers) < 1 or config.runs < 1 or config.warmup < 0:
+        raise ValueError("token counts, concurrency and --runs must be >= 1, --warmup >= 0")
+    if config.generation_tokens and min(config.generation_tokens) < 2:
+        raise ValueError("--generation-tokens must be >= 2 (decode is timed after the first)")
+    if config.api is not None and config.pin_cores:
+        raise ValueError("--pin-cores applies to local nodes only (not with --api)")
+    if config.compare_llama_cpp is not None and not config.compare_llama_cpp.is_file():
+        raise ValueError(f"--compare-llama-cpp: no file {config.compare_llama_cpp}")
+    return config
+
+
+def run_config(config: BenchConfig, title: str) -> int:
+    """Run one bench, print its figures and ratios, write the JSON (always) and the PNG."""
+    report = run_bench(config)
+    print_ratios(report)
+    if config.plots:
+        path = plot_report(report, config.output / f"{config.name}.png", title)
+        print(f"plot: {path}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """`exo bench ...`; returns the exit status (2: bad arguments or a missing package,
+    1: the bench failed)."""
+    parser = build_parser()
+    arguments = parser.parse_args(argv)
+    # The engine in-process logs its loading at DEBUG; the bench prints its own lines.
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")
+    try:
+        if arguments.suite == "issue14":
+            from exo.benchmark.suite import run_issue14
+
+            if not arguments.no_plots:
+                require_matplotlib()
+            return run_issue14(
+                arguments.output, quick=arguments.quick, plots=not arguments.no_plots
+            )
+        config = config_from_arguments(arguments)
+        if config.plots:
+            require_matplotlib()
+        return run_config(config, f"exo bench: {config.model}")
+    except (ValueError, PlotsUnavailableError, LlamaCppMissingError) as error:
+        print(f"exo bench: {error}", file=sys.stderr)
+        return 2
+    except (BenchSetupError, BenchRequestError, EngineRunError) as error:
+        print(f"exo bench failed: {error}", file=sys.stderr)
+        return 1

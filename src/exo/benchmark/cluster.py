@@ -1,0 +1,298 @@
+"""The nodes a bench runs against: fresh local `exo` processes (optionally each pinned to
+its own CPU core) or a running cluster's API; placing and deleting instances through the
+API; sampling the local nodes' memory."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from exo.benchmark.client import ApiTarget
+from exo.testing.processes import ExoNode, wait_until
+
+MEMORY_SAMPLE_SECONDS = 0.2
+PLACE_TIMEOUT_SECONDS = 900.0
+UNLOAD_TIMEOUT_SECONDS = 120.0
+PEERS_TIMEOUT_SECONDS = 120.0
+
+
+class BenchSetupError(RuntimeError):
+    """The nodes could not be started, or a placement could not be made ready."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A placement the bench asks for: `sharding` over `nodes` nodes ("single" is one)."""
+
+    sharding: str
+    nodes: int
+
+    @classmethod
+    def parse(cls, text: str) -> Placement:
+        """ "single", "pipeline", "pipelineN"/"pipeline:N"/"pipeline×N", "tensor..." alike.
+
+        Raises:
+            ValueError: another spelling.
+        """
+        lowered = text.strip().lower().replace("×", "x")
+        if lowered == "single":
+            return cls("pipeline", 1)
+        for sharding in ("pipeline", "tensor"):
+            if lowered.startswith(sharding):
+                count = lowered[len(sharding) :].lstrip(":x") or "2"
+                if count.isdigit() and int(count) >= 1:
+                    return cls(sharding, int(count))
+        raise ValueError(f"placement {text!r}: use single, pipeline:N or tensor:N")
+
+    @property
+    def label(self) -> str:
+        return "single" if self.nodes == 1 else f"{self.sharding} x{self.nodes}"
+
+
+@dataclass
+class MemorySampler:
+    """Peak RSS (bytes) of each local node process plus its descendants (its runners),
+    sampled every `MEMORY_SAMPLE_SECONDS` on a thread between `start` and `stop`."""
+
+    processes: dict[str, int]
+    """Label -> node pid."""
+    peaks: dict[str, int] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        for label, pid in self.processes.items():
+            total = 0
+            with contextlib.suppress(psutil.Error):
+                root = psutil.Process(pid)
+                for process in (root, *root.children(recursive=True)):
+                    with contextlib.suppress(psutil.Error):
+                        total += process.memory_info().rss
+            self.peaks[label] = max(self.peaks.get(label, 0), total)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(MEMORY_SAMPLE_SECONDS):
+            self._sample()
+
+    def start(self) -> None:
+        self.peaks = {}
+        self._stop.clear()
+        self._sample()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self._sample()
+        return dict(self.peaks)
+
+
+class BenchNodes:
+    """A cluster the bench talks to: its API target and node ids (rank order preferred)."""
+
+    def __init__(self, target: ApiTarget, node_ids: list[str]) -> None:
+        self.target = target
+        self.node_ids = node_ids
+        self.memory = MemorySampler({})
+        self.pinned = False
+
+    def get(self, path: str, **params: Any) -> Any:
+        response = httpx.get(
+            f"{self.target.url}{path}",
+            params=params,
+            headers=self.target.request_headers(),
+            timeout=30,
+        )
+        response.raise_for_status()
+        return response.json()
+
+    def add_local_model(self, path: Path) -> str:
+        """Add a local model directory to the cluster's catalog; returns its model id."""
+        response = httpx.post(
+            f"{self.target.url}/models/add",
+            json={"model_id": str(path)},
+            headers=self.target.request_headers(),
+            timeout=120,
+        )
+        if response.status_code != 200:
+            raise BenchSetupError(f"adding {path}: HTTP {response.status_code} {response.text}")
+        model_id: str = response.json()["model_id"]
+        return model_id
+
+    def place(self, model_id: str, placement: Placement) -> str:
+        """Place `model_id` on the first `placement.nodes` nodes and wait until every runner
+        is ready; returns the instance id.
+
+        Raises:
+            BenchSetupError: the placement was refused, or was not ready in time.
+        """
+        if placement.nodes > len(self.node_ids):
+            raise BenchSetupError(
+                f"{placement.label} needs {placement.nodes} nodes; the cluster has "
+                f"{len(self.node_ids)}"
+            )
+        body = {
+            "model_id": model_id,
+            "sharding": placement.sharding,
+            "min_nodes": placement.nodes,
+            "node_ids": self.node_ids[: placement.nodes],
+        }
+        response = httpx.post(
+            f"{self.target.url}/place_instance",
+            json=body,
+            headers=self.target.request_headers(),
+            timeout=120,
+        )
+        if response.status_code != 200:
+            raise BenchSetupError(
+                f"placing {model_id} {placement.label}: HTTP {response.status_code} {response.text}"
+            )
+        instance_id: str = response.json()["instance_id"]
+        try:
+            wait_until(
+                lambda: self._ready(instance_id),
+                timeout=PLACE_TIMEOUT_SECONDS,
+                interval=1.0,
+                what=f"{model_id} {placement.label} ready",
+            )
+        except TimeoutError as error:
+            raise BenchSetupError(str(error)) from None
+        return instance_id
+
+    def _ready(self, instance_id: str) -> bool:
+        state = self.get("/state")
+        instance = state["instances"].get(instance_id)
+        if instance is None:
+            raise BenchSetupError(f"instance {instance_id} disappeared (its runner failed?)")
+        statuses = [
+            state["runners"].get(runner_id, {}).get("kind")
+            for runner_id in instance["shard_assignments"]["runner_to_shard"]
+        ]
+        if "RunnerFailed" in statuses:
+            raise BenchSetupError(f"a runner of {instance_id} failed: {state['runners']}")
+        return all(status in ("RunnerReady", "RunnerRunning") for status in statuses)
+
+    def delete(self, instance_id: str) -> None:
+        """Delete the instance and wait until its runners are gone from the state."""
+        instance = self.get("/state")["instances"].get(instance_id) or {}
+        runner_ids = set(instance.get("shard_assignments", {}).get("runner_to_shard", {}))
+        httpx.delete(
+            f"{self.target.url}/instance/{instance_id}",
+            headers=self.target.request_headers(),
+            timeout=60,
+        )
+
+        def gone() -> bool:
+            state = self.get("/state")
+            return instance_id not in state["instances"] and not runner_ids & set(state["runners"])
+
+        wait_until(gone, timeout=UNLOAD_TIMEOUT_SECONDS, interval=0.5, what="instance deleted")
+
+    def predicted(
+        self, model_id: str, placement: Placement, prompt_tokens: int
+    ) -> dict[str, float]:
+        """This placement's predicted figures for a prompt of `prompt_tokens` (the preview's
+        `predicted_*` fields, without the prefix), when the cluster's previews carry them;
+        empty otherwise."""
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            previews = self.get(
+                "/instance/previews", model_id=model_id, prompt_tokens=prompt_tokens
+            )
+            for preview in previews:
+                if (
+                    preview.get("sharding") == placement.sharding
+                    and preview.get("node_count") == placement.nodes
+                    and not preview.get("error")
+                    and list(preview.get("node_ids", [])) == self.node_ids[: placement.nodes]
+                ):
+                    return {
+                        name.removeprefix("predicted_"): float(value)
+                        for name, value in preview.items()
+                        if name.startswith("predicted_") and isinstance(value, int | float)
+                    }
+        return {}
+
+    def close(self) -> None:
+        """Stop what the bench started (nothing, for a running cluster)."""
+
+
+class LocalNodes(BenchNodes):
+    """`count` fresh `exo` nodes on loopback with their own homes and ports, joined into one
+    cluster; with `pin_cores`, node i and its runners run on CPU core i only."""
+
+    def __init__(
+        self,
+        count: int,
+        models_dir: Path,
+        pin_cores: bool,
+        threads: int | None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self._directory = tempfile.TemporaryDirectory(prefix="exo-bench-")
+        root = Path(self._directory.name)
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if pin_cores and len(cores) < count:
+            raise BenchSetupError(f"--pin-cores needs {count} cores; this process has {cores}")
+        env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
+        self.nodes: list[ExoNode] = []
+        try:
+            for index in range(count):
+                node = ExoNode(
+                    root / f"node{index}",
+                    models_dir=models_dir,
+                    extra_args=("--offline", "--no-default-model", *extra_args),
+                    env=env,
+                    namespace=f"exo-bench-{os.getpid()}",
+                    bootstrap=tuple(self.nodes),
+                    cpu_cores=(cores[index],) if pin_cores else None,
+                )
+                self.nodes.append(node.launch())
+            for node in self.nodes:
+                node.wait_api()
+            node_ids = [node.node_id() for node in self.nodes]
+            first = self.nodes[0]
+            wait_until(
+                lambda: set(node_ids[1:]) <= set(first.cluster()["peers"]),
+                timeout=PEERS_TIMEOUT_SECONDS,
+                interval=0.5,
+                what="the local nodes to see each other",
+            )
+        except BaseException:
+            self.close()
+            raise
+        super().__init__(ApiTarget(first.url), node_ids)
+        self.pinned = pin_cores
+        assert first.process is not None
+        self.memory = MemorySampler(
+            {
+                node_id: node.process.pid
+                for node_id, node in zip(node_ids, self.nodes, strict=True)
+                if node.process is not None
+            }
+        )
+
+    def affinities(self) -> dict[str, list[list[int]]]:
+        """Per node: the CPU affinity of the node and each of its runners (to check the
+        pinning reached the runners)."""
+        result: dict[str, list[list[int]]] = {}
+        for node_id, node in zip(self.node_ids, self.nodes, strict=True):
+            assert node.process is not None
+            processes = [psutil.Process(node.process.pid), *node.runner_processes()]
+            result[node_id] = [sorted(process.cpu_affinity() or []) for process in processes]
+        return result
+
+    def close(self) -> None:
+        for node in reversed(getattr(self, "nodes", [])):
+            with contextlib.suppress(Exception):
+                node.stop()
+        self._directory.cleanup()

@@ -1,0 +1,340 @@
+"""One `exo bench` run: for each placement asked × prompt length × generation length ×
+concurrency, warm-up requests then measured runs, optionally interleaved run by run with
+llama.cpp on the same GGUF and with the engine in-process; the JSON report is rewritten after
+every case, so an interrupted run keeps what it measured."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from exo.benchmark.client import ApiTarget, run_concurrent
+from exo.benchmark.cluster import BenchNodes, LocalNodes, Placement
+from exo.benchmark.llama_cpp_runner import LlamaCppRunner
+from exo.benchmark.prompts import ModelText
+from exo.benchmark.stats import BenchReport, CaseResult, RunResult, ratio, write_json
+
+Print = Callable[[str], None]
+
+
+@dataclass
+class BenchConfig:
+    """What to measure (see `exo bench --help` for each field)."""
+
+    model: str
+    placements: list[Placement]
+    prompt_tokens: list[int]
+    generation_tokens: list[int]
+    concurrency: list[int]
+    runs: int = 3
+    warmup: int = 1
+    api: str | None = None
+    api_key: str | None = None
+    nodes: int | None = None
+    pin_cores: bool = False
+    threads: int | None = None
+    compare_llama_cpp: Path | None = None
+    engine_in_process: bool = False
+    model_dir: Path | None = None
+    output: Path = Path("bench-results")
+    name: str = "bench"
+    plots: bool = True
+    seed: int = 0
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def node_count(self) -> int:
+        return self.nodes or max(placement.nodes for placement in self.placements)
+
+
+def machine_facts() -> dict[str, Any]:
+    """The machine the bench ran on (CPU, cores, load at start)."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    cpu_model = platform.processor()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu": cpu_model,
+        "cpus": os.cpu_count(),
+        "load_average_at_start": list(load),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+    }
+
+
+def resolve_model(config: BenchConfig, say: Print) -> tuple[str, Path, bool]:
+    """(model id or local path to ask for, the model's local directory, whether it is a
+    local directory to add through `/models/add`).
+
+    Raises:
+        ValueError: an unknown model, or one whose files are not on this machine (a running
+            cluster's model: give `--model-dir`).
+    """
+    from exo.download.pypi_gguf import prepare_model
+    from exo.shared.constants import models_dir
+    from exo.shared.models.cards import load_builtin_cards, resolve_card
+
+    path = Path(config.model).expanduser()
+    if path.is_dir():
+        return str(path.resolve()), path.resolve(), True
+    card = resolve_card(config.model, load_builtin_cards())
+    if config.model_dir is not None:
+        return str(card.model_id), config.model_dir, False
+    directory = prepare_model(card, models_dir(), offline=config.api is not None, on_progress=say)
+    return str(card.model_id), directory, False
+
+
+def _case(
+    config: BenchConfig,
+    engine: str,
+    placement: str,
+    pinned: bool,
+    prompt_tokens: int,
+    generation_tokens: int,
+    concurrency: int,
+) -> CaseResult:
+    return CaseResult(
+        engine=engine,
+        model=config.model,
+        placement=placement,
+        pinned=pinned,
+        threads=config.threads,
+        prompt_tokens=prompt_tokens,
+        generation_tokens=generation_tokens,
+        concurrency=concurrency,
+        runs=[],
+    )
+
+
+def _describe(case: CaseResult) -> str:
+    summary = case.summary
+    decode = summary["aggregate_decode_tok_s" if case.concurrency > 1 else "decode_tok_s"]
+    memory = ", ".join(
+        f"{node[:8]} {peak / 2**20:.0f} MiB" for node, peak in case.peak_memory_bytes.items()
+    )
+    predicted = ""
+    if case.predicted:
+        predicted = "  predicted " + ", ".join(f"{k} {v:.2f}" for k, v in case.predicted.items())
+    return (
+        f"{case.label:<28} prompt {case.prompt_tokens:>5} gen {case.generation_tokens:>4} "
+        f"x{case.concurrency:<2} prefill {summary['prefill_tok_s'].median:8.1f} tok/s  "
+        f"decode {decode.median:7.1f} tok/s [{decode.min:.1f}-{decode.max:.1f}]  "
+        f"TTFT {summary['ttft_s'].median * 1000:7.0f} ms"
+        + (f"  peak {memory}" if memory else "")
+        + predicted
+    )
+
+
+def run_bench(config: BenchConfig, say: Print = print) -> BenchReport:
+    """Run `config` and return (and write, to `config.output / f"{config.name}.json"`) the
+    report.
+
+    Raises:
+        BenchSetupError: nodes could not start or a placement could not be made ready.
+        BenchRequestError / EngineRunError: a run failed or did not decode the exact count.
+        LlamaCppMissingError: `compare_llama_cpp` without llama-cpp-python.
+    """
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    report = BenchReport(
+        started_at=started,
+        machine=machine_facts(),
+        settings={**asdict(config), **config.settings},
+    )
+    json_path = config.output / f"{config.name}.json"
+    model_id, model_dir, local_directory = resolve_model(config, say)
+    model_text = ModelText.load(model_dir)
+    say(f"model {model_id}: EOS ids {sorted(model_text.eos_token_ids)} banned (logit_bias -100)")
+    llama: LlamaCppRunner | None = None
+    longest = max(config.prompt_tokens) + max(config.generation_tokens) + 16
+    if config.compare_llama_cpp is not None:
+        threads = config.threads or len(os.sched_getaffinity(0))
+        llama = LlamaCppRunner(config.compare_llama_cpp, threads, longest)
+        say(f"llama.cpp on {config.compare_llama_cpp.name}, {threads} threads")
+    nodes: BenchNodes
+    if config.api is not None:
+        nodes = BenchNodes(ApiTarget(config.api, config.api_key), [])
+        view = nodes.get("/cluster")
+        nodes.node_ids = [view["node_id"], *view["peers"]]
+    else:
+        say(
+            f"starting {config.node_count()} local node(s)"
+            + (", pinned" if config.pin_cores else "")
+        )
+        from exo.shared.constants import models_dir
+
+        nodes = LocalNodes(config.node_count(), models_dir(), config.pin_cores, config.threads)
+    try:
+        if local_directory:
+            model_id = nodes.add_local_model(model_dir)
+        for placement in config.placements:
+            _bench_placement(config, report, nodes, placement, model_id, model_text, llama, say)
+            write_json(report, json_path)
+        if config.engine_in_process:
+            _engine_cases(config, report, model_dir, model_text, say)
+    finally:
+        nodes.close()
+        if llama is not None:
+            llama.close()
+        report.finished_at = datetime.now(UTC).isoformat(timespec="seconds")
+        report.machine["load_average_at_end"] = list(os.getloadavg())
+        write_json(report, json_path)
+    add_ratios(report)
+    write_json(report, json_path)
+    say(f"JSON: {json_path}")
+    return report
+
+
+def _prompts(model_text: ModelText, length: int, count: int, seed: int) -> list[str]:
+    return [model_text.random_prompt(length, seed * 1000 + index)[0] for index in range(count)]
+
+
+def _bench_placement(
+    config: BenchConfig,
+    report: BenchReport,
+    nodes: BenchNodes,
+    placement: Placement,
+    model_id: str,
+    model_text: ModelText,
+    llama: LlamaCppRunner | None,
+    say: Print,
+) -> None:
+    predictions = {
+        length: nodes.predicted(model_id, placement, length) for length in config.prompt_tokens
+    }
+    say(f"placing {model_id} {placement.label}")
+    started = time.monotonic()
+    instance_id = nodes.place(model_id, placement)
+    say(f"  ready in {time.monotonic() - started:.0f} s")
+    if isinstance(nodes, LocalNodes) and nodes.pinned:
+        report.notes.append(f"{placement.label} CPU affinity (node, runners): {nodes.affinities()}")
+    seed = config.seed
+    try:
+        for prompt_tokens in config.prompt_tokens:
+            for generation_tokens in config.generation_tokens:
+                for concurrency in config.concurrency:
+                    case = _case(
+                        config, "exo", placement.label, nodes.pinned, prompt_tokens,
+                        generation_tokens, concurrency,
+                    )  # fmt: skip
+                    compare = llama is not None and placement.nodes == 1 and concurrency == 1
+                    other = _case(
+                        config, "llama.cpp", "single", False, prompt_tokens, generation_tokens, 1
+                    )
+                    for index in range(config.warmup + config.runs):
+                        seed += 1
+                        prompts = _prompts(model_text, prompt_tokens, concurrency, seed)
+                        if index == config.warmup:
+                            nodes.memory.start()
+                        run = run_concurrent(
+                            nodes.target, model_id, prompts, generation_tokens,
+                            model_text.logit_bias(),
+                        )  # fmt: skip
+                        if compare and llama is not None:
+                            ids = model_text.random_token_ids(prompt_tokens, seed)
+                            other_run = llama.run(ids, generation_tokens)
+                            if index >= config.warmup:
+                                other.runs.append(other_run)
+                        if index >= config.warmup:
+                            case.runs.append(run)
+                    case.peak_memory_bytes = nodes.memory.stop()
+                    case.predicted = predictions.get(prompt_tokens, {})
+                    case = case.summarise()
+                    report.cases.append(case)
+                    say(_describe(case))
+                    if compare:
+                        other = other.summarise()
+                        report.cases.append(other)
+                        say(_describe(other))
+    finally:
+        nodes.delete(instance_id)
+
+
+def _engine_cases(
+    config: BenchConfig,
+    report: BenchReport,
+    model_dir: Path,
+    model_text: ModelText,
+    say: Print,
+) -> None:
+    """The engine in this process through submit / step, same cases as the single
+    placement (run after the nodes' instances are deleted)."""
+    from exo.benchmark.engine_runner import load_engine_for_bench, run_engine
+
+    engine = load_engine_for_bench(model_dir)
+    seed = config.seed + 10_000
+    for prompt_tokens in config.prompt_tokens:
+        for generation_tokens in config.generation_tokens:
+            for concurrency in config.concurrency:
+                case = _case(
+                    config, "exo-engine", "single", False, prompt_tokens, generation_tokens,
+                    concurrency,
+                )  # fmt: skip
+                for index in range(config.warmup + config.runs):
+                    seed += 1
+                    prompts = _prompts(model_text, prompt_tokens, concurrency, seed)
+                    run: RunResult = run_engine(engine, prompts, generation_tokens, model_text)
+                    if index >= config.warmup:
+                        case.runs.append(run)
+                case = case.summarise()
+                report.cases.append(case)
+                say(_describe(case))
+
+
+def add_ratios(report: BenchReport) -> None:
+    """The report's comparisons, from its cases: exo over llama.cpp (decode, prefill), API
+    over the engine in-process (decode), and each multi-node placement over the single one
+    (aggregate decode), per (prompt, generation, concurrency)."""
+    for case in report.cases:
+        if case.engine != "exo":
+            continue
+        same = {
+            "prompt_tokens": case.prompt_tokens,
+            "generation_tokens": case.generation_tokens,
+        }
+        tag = f"prompt {case.prompt_tokens}, gen {case.generation_tokens}, x{case.concurrency}"
+        if case.placement == "single" and case.concurrency == 1:
+            llama = report.case(engine="llama.cpp", **same)
+            if llama is not None:
+                report.ratios.append(
+                    ratio(f"decode vs llama.cpp ({tag})", "decode_tok_s", case, llama, 1.0)
+                )
+                report.ratios.append(
+                    ratio(f"prefill vs llama.cpp ({tag})", "prefill_tok_s", case, llama, 2.0)
+                )
+        if case.placement == "single":
+            engine = report.case(engine="exo-engine", concurrency=case.concurrency, **same)
+            if engine is not None:
+                report.ratios.append(
+                    ratio(f"API decode vs engine ({tag})", "decode_tok_s", case, engine, 0.95)
+                )
+            continue
+        single = report.case(engine="exo", placement="single", concurrency=case.concurrency, **same)
+        if single is not None:
+            target = 1.6 if case.placement.startswith("pipeline") else 1.3
+            name = f"{case.placement} vs single ({tag})"
+            report.ratios.append(ratio(name, "aggregate_decode_tok_s", case, single, target))
+
+
+def print_ratios(report: BenchReport, say: Print = print) -> None:
+    for item in report.ratios:
+        target = f"  (target >= {item.target:g})" if item.target is not None else ""
+        say(f"{item.name}: {item.value:.2f}x{target}")
+    for case in report.cases:
+        for figure, predicted in case.predicted.items():
+            measured = case.summary.get(figure)
+            if measured is not None and measured.median:
+                say(
+                    f"{case.label} prompt {case.prompt_tokens}: {figure} predicted "
+                    f"{predicted:.2f}, measured {measured.median:.2f} "
+                    f"({(predicted / measured.median - 1) * 100:+.0f}%)"
+                )

