@@ -14,14 +14,20 @@ the default model converted once into the shared models directory), then prints:
   (the longest time between two answers), the slowest answer,
   and how long until the lost instance served again (placed anew on the remaining nodes).
   The killed node is started again (same data directory) before the next kind.
+- join sync (first, and alone with `--join-sync-only`, which needs no model): a master
+  whose history holds 100 and then 100,000 events, written with the `EventLog` API into
+  its data directory before it starts (it compacts the long one into a snapshot when it
+  loads it); a fresh node joins it: launch -> it holds the master's history (same
+  history id, the master's last event). Also written to `--json`.
 
-Usage: python bench/bench_cluster.py [--requests 5] [--max-tokens 64]
+Usage: python bench/bench_cluster.py [--requests 5] [--max-tokens 64] [--join-sync-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 import tempfile
 import threading
@@ -31,6 +37,16 @@ from pathlib import Path
 
 import httpx
 
+from exo.master.event_log import EventLog
+from exo.shared.types.common import CommandId, NodeId
+from exo.shared.types.events import (
+    ClusterHistoryStarted,
+    CommandRejected,
+    Event,
+    IndexedEvent,
+    TopologyEdgeMeasured,
+)
+from exo.shared.types.nodes import TopologyEdge
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode, wait_until
 
 QUESTION = [{"role": "user", "content": "Tell me about the history of Paris."}]
@@ -196,6 +212,89 @@ def restart(node: ExoNode, models_dir: Path, bootstrap: ExoNode) -> ExoNode:
     return again.start()
 
 
+def write_history(home: Path, count: int) -> None:
+    """A history of `count` events for the node of `home` (its node id written too):
+    mostly refused commands (no state change), every tenth an edge measurement between
+    two machines that never join."""
+    master = NodeId.new()
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "node_id").write_text(master)
+    source, sink = NodeId("bench-source"), NodeId("bench-sink")
+    events: list[IndexedEvent] = []
+    for idx in range(count):
+        event: Event
+        if idx == 0:
+            event = ClusterHistoryStarted(history_id=f"bench-{count}", master=master)
+        elif idx % 10 == 0:
+            edge = TopologyEdge(
+                source=source, sink=sink, address="192.0.2.1",
+                latency_ms=float(idx % 97), bandwidth_mbps=1000.0,
+            )  # fmt: skip
+            event = TopologyEdgeMeasured(edge=edge)
+        else:
+            event = CommandRejected(
+                command_id=CommandId(f"bench-{idx}"), origin=master, reason="bench", status_code=400
+            )
+        events.append(IndexedEvent(idx=idx, event=event))
+    log = EventLog(home / "event_log.jsonl")
+    log.append(events)
+    log.close()
+
+
+def join_sync(root: Path, count: int) -> dict[str, float]:
+    """Seconds: the master's launch -> API, and a joining node's launch -> API and ->
+    holding the master's whole history."""
+    master = ExoNode(root / f"master-{count}", None, ("--no-default-model", "-q", "--force-master"))
+    write_history(master.home, count)
+    joiner = ExoNode(
+        root / f"joiner-{count}", None, ("--no-default-model", "-q"),
+        namespace=master.namespace, bootstrap=(master,),
+    )  # fmt: skip
+    try:
+        launched = time.monotonic()
+        master.start()
+        master_api = time.monotonic() - launched
+        wait_until(lambda: master.cluster()["master"] == master.node_id(), 120, interval=0.05)
+        target = master.state()
+        launched = time.monotonic()
+        joiner.launch()
+        joiner.wait_api()
+        joiner_api = time.monotonic() - launched
+
+        def synced() -> bool:
+            state = joiner.state()
+            return bool(
+                state["history_id"] == target["history_id"]
+                and state["last_event_applied_idx"] >= target["last_event_applied_idx"]
+            )
+
+        wait_until(synced, 300, interval=0.05)
+        joined = time.monotonic() - launched
+    finally:
+        joiner.stop()
+        master.stop()
+    return {"events": count, "master_api_s": master_api, "joiner_api_s": joiner_api,
+            "join_sync_s": joined}  # fmt: skip
+
+
+def print_join_sync(results: list[dict[str, float]]) -> None:
+    print(
+        f"{'history events':>14} {'master up s':>11} {'joiner up s':>11} {'joined s':>8} "
+        f"{'joined after up s':>17}"
+    )
+    for row in results:
+        print(
+            f"{row['events']:>14,.0f} {row['master_api_s']:>11.1f} "
+            f"{row['joiner_api_s']:>11.1f} {row['join_sync_s']:>8.1f} "
+            f"{row['join_sync_s'] - row['joiner_api_s']:>17.2f}"
+        )
+    print(
+        "(joined: the new node's launch -> it holds the master's history; up: launch -> API "
+        "answering, Python start-up included; the master's up includes reading and "
+        "compacting its history)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=5)
@@ -206,8 +305,16 @@ def main() -> None:
         default=Path.home() / ".local" / "share" / "exo" / "models",
         help="where the default model is (or will be) converted",
     )
+    parser.add_argument("--join-sync-only", action="store_true", help="only the join-sync table")
+    parser.add_argument("--json", type=Path, help="also write the join-sync figures here")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="exo-bench-cluster-"))
+    sync_results = [join_sync(root, count) for count in (100, 100_000)]
+    print_join_sync(sync_results)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"join_sync": sync_results}, indent=2))
+    if args.join_sync_only:
+        return
     a = ExoNode(
         root / "a", args.models_dir, extra_args=("--no-default-model", "-q", "--force-master")
     )
