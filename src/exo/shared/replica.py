@@ -112,10 +112,30 @@ class Replica:
                 return
             self._reset(f"this node's event {idx} differs from the master's snapshot")
         logger.info(f"replica: took the master's snapshot at event {idx}")
+        before = self.state
+        key = origin_key(self.node_id, self._local_events.session)
         self.state = snapshot.state
         self._event_log.write_snapshot(self.state, snapshot.last_event_digest)
-        key = origin_key(self.node_id, self._local_events.session)
-        if (progress := self.state.local_event_progress.get(key)) is not None:
+        missing = [
+            report
+            for report in self.instance_reports(before)
+            if report.instance.instance_id not in self.state.instances
+        ]
+        regressed = before.local_event_progress.get(key, -1) > self.state.local_event_progress.get(
+            key, -1
+        )
+        if missing or regressed:
+            # The snapshot skips past what this node held, so its events cannot be
+            # compared: this node may have been on the other side of a split. What it
+            # still runs is reported, and its own events sent again under a new session
+            # (the master would wait forever for the ones only the other side indexed).
+            logger.warning(
+                f"replica: the master's snapshot at event {idx} lacks {len(missing)} "
+                "instances this node runs; reporting them and sending this node's events again"
+            )
+            self.resyncing = True
+            self._local_events.restart_session(then=missing)
+        elif (progress := self.state.local_event_progress.get(key)) is not None:
             self._local_events.acknowledge_through(progress)
         for stale in [i for i in self._ahead if i <= idx]:
             del self._ahead[stale]
@@ -181,7 +201,7 @@ class Replica:
         return self._event_log.digest_at(self.state.last_event_applied_idx)
 
     def _reset(self, reason: str) -> None:
-        reports = self.instance_reports()
+        reports: list[Event] = list(self.instance_reports(self.state))
         archive = self._event_log.reset()
         logger.warning(
             f"{reason}; starting over from the master's history (old log kept at {archive}); "
@@ -196,20 +216,20 @@ class Replica:
         self._replay_requested_at = -1.0e9
         self._notify()
 
-    def instance_reports(self) -> list[Event]:
-        """An `InstanceReported` for each instance of this node's state with a runner on
-        this node, carrying the statuses of all the instance's runners."""
-        reports: list[Event] = []
-        for instance in self.state.instances.values():
+    def instance_reports(self, state: State) -> list[InstanceReported]:
+        """An `InstanceReported` for each instance of `state` with a runner on this node,
+        carrying the statuses of all the instance's runners."""
+        reports: list[InstanceReported] = []
+        for instance in state.instances.values():
             assignments = instance.shard_assignments
             if self.node_id not in assignments.node_to_runner:
                 continue
             runners = {
-                runner_id: self.state.runners[runner_id]
+                runner_id: state.runners[runner_id]
                 for runner_id in assignments.runner_to_shard
-                if runner_id in self.state.runners
+                if runner_id in state.runners
             }
-            usage = self.state.instance_usage.get(instance.instance_id)
+            usage = state.instance_usage.get(instance.instance_id)
             reports.append(
                 InstanceReported(
                     node_id=self.node_id, instance=instance, runners=runners, usage=usage

@@ -195,3 +195,36 @@ def test_a_second_report_of_the_same_instance_changes_nothing(tmp_path: Path) ->
     once = apply_all(state, numbered([first], start=len(PREFIX)))
     twice = apply_all(once, numbered([second], start=len(PREFIX) + 1))
     assert twice.model_copy(update={"last_event_applied_idx": once.last_event_applied_idx}) == once
+
+
+def test_a_compacted_winner_s_snapshot_still_keeps_the_loser_s_instances(tmp_path: Path) -> None:
+    # The winner's side ran longer and compacted past the split: the loser gets a
+    # snapshot it cannot compare its events with.
+    filler: list[Event] = [
+        NodeGatheredInfo(node_id=WINNER, info=make_node_info(8192 + i)) for i in range(20)
+    ]
+    winner_history = numbered([*PREFIX, *WINNER_SIDE, *filler])
+    loser_history = numbered([*PREFIX, *LOSER_SIDE])
+    (tmp_path / "loser").mkdir()
+    harness = make_harness(tmp_path / "loser", held=loser_history)
+    master, published = winner_master(tmp_path, winner_history)
+    master._event_log.write_snapshot(master.state)
+    last = winner_history[-1]
+    harness.follow(last_event_idx=last.idx, last_event_digest=event_digest(last))
+    harness.replica.check()
+    assert harness.replays() == [len(loser_history) - 1]
+    master.replay(harness.replays()[-1])
+    harness.receive(*drain(published))
+    assert harness.replica.resyncing
+    assert LOSER_INSTANCE.instance_id not in harness.replica.state.instances
+    for forwarded in drain(harness.forwarded):
+        master.handle_local_event(forwarded)
+    harness.receive(*drain(published))
+    final = master.state.last_event_applied_idx
+    harness.follow(last_event_idx=final, last_event_digest=master._event_log.digest_at(final))
+    harness.replica.check()
+    state = harness.replica.state
+    assert state == master.state
+    assert not harness.replica.resyncing
+    assert {LOSER_INSTANCE.instance_id, SPLIT_INSTANCE.instance_id} <= set(state.instances)
+    assert harness.local_events.pending() == []
