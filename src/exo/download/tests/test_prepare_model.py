@@ -139,10 +139,17 @@ def test_real_pypi_model_converts_from_cached_wheel_offline(tmp_path: Path) -> N
     assert "quantization_config" not in config
     assert config["tie_word_embeddings"] is True
     header = read_safetensors_header(directory / "model.safetensors")
-    dtypes = {entry["dtype"] for name, entry in header.items() if name != "__metadata__"}
-    assert dtypes == {"F32"}
-    assert "lm_head.weight" not in header  # tied: stored once
-    assert card_from_local_directory(directory).storage_size_bytes == card.storage_size_bytes
+    # Q4_1 linears repacked as int4 groups, the Q8_0 embedding as its raw blocks, norms F32.
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert header[f"{q_proj}.int4_packed"]["dtype"] == "U8"
+    assert header[f"{q_proj}.int4_packed"]["shape"] == [576, 288]
+    assert header[f"{q_proj}.int4_scales"]["dtype"] == "BF16"
+    assert header["model.embed_tokens.weight.gguf_Q8_0"]["shape"] == [49152, 612]
+    assert header["model.norm.weight"]["dtype"] == "F32"
+    assert not any(name.startswith("lm_head") for name in header)  # tied: stored once
+    local = card_from_local_directory(directory)
+    assert local.parameter_count == card.storage_size_bytes // 4  # the float32 model's weights
+    assert local.storage_size_bytes < card.storage_size_bytes / 5
     # Second call: fast path, no conversion.
     messages.clear()
     assert prepare_model(card, models_dir, offline=True, on_progress=messages.append) == directory

@@ -89,9 +89,26 @@ SafetensorsHeader = Mapping[str, Any]
 `__metadata__`)."""
 
 
+def _weight_elements(name: str, count: int) -> int:
+    """The weights a stored tensor of `count` elements holds: a weight repacked from GGUF
+    (`exo.download.gguf_repack`) holds two per packed byte, none in its scales and zeros,
+    and a GGML block's values per block of raw bytes."""
+    if name.endswith(".int4_packed"):
+        return 2 * count
+    if name.endswith((".int4_scales", ".int4_zeros")):
+        return 0
+    _, marker, type_name = name.rpartition(".gguf_")
+    if marker:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+        return count // type_size * block_size
+    return count
+
+
 def _weight_totals(headers: Sequence[tuple[str, SafetensorsHeader]]) -> tuple[int, int]:
-    """(number of weight elements, bytes they take on disk) over all files (`(file name,
-    header)` pairs); a tensor name seen twice counts once."""
+    """(number of weights, bytes they take on disk) over all files (`(file name, header)`
+    pairs); a tensor name seen twice counts once."""
     seen: set[str] = set()
     elements = 0
     stored_bytes = 0
@@ -105,7 +122,7 @@ def _weight_totals(headers: Sequence[tuple[str, SafetensorsHeader]]) -> tuple[in
             count = 1
             for dimension in entry["shape"]:
                 count *= int(dimension)
-            elements += count
+            elements += _weight_elements(name, count)
             stored_bytes += count * SAFETENSORS_DTYPE_BYTES[entry["dtype"]]
     return elements, stored_bytes
 

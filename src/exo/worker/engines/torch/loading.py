@@ -31,6 +31,7 @@ from exo.worker.engines.torch.families import (
     family_for_architecture,
 )
 from exo.worker.engines.torch.fusion import fuse_rms_norms
+from exo.worker.engines.torch.gguf_weights import load_repacked, split_repacked_name
 from exo.worker.engines.torch.quantize import (
     WEIGHT_DTYPES,
     WeightDtype,
@@ -99,7 +100,12 @@ def _plan_tensors(
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                target = model_tensor_name(name, prefix, shard)
+                # A weight repacked from GGUF is planned once, under the name it stands for.
+                repacked = split_repacked_name(name)
+                if repacked is not None and repacked.companion:
+                    continue
+                base = name if repacked is None else repacked.base
+                target = model_tensor_name(base, prefix, shard)
                 if target is None or target not in wanted:
                     skipped += 1
                     continue
@@ -193,12 +199,16 @@ def _plan_tied_lm_head(
     embedding = getattr(model.model, "embed_tokens", None)
     if not isinstance(embedding, AbsentModule) or isinstance(model.lm_head, AbsentModule):
         return
-    name = f"{prefix}{EMBEDDING}"
+    wanted = f"{prefix}{EMBEDDING}"
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
-            if name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                groups[None].append((path, name, EMBEDDING))
-                return
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                repacked = split_repacked_name(name)
+                if name == wanted or (
+                    repacked is not None and not repacked.companion and repacked.base == wanted
+                ):
+                    groups[None].append((path, name, EMBEDDING))
+                    return
 
 
 def load_model(
@@ -258,7 +268,14 @@ def load_model(
 
     def read(handle_for: Callable[[Path], Any], path: Path, name: str, target: str) -> None:
         reader = tensor_reader(family, text_config, target, shard)
-        tensor = reader(handle_for(path).get_slice(name))
+        if split_repacked_name(name) is not None:
+            held = weight_dtype if quantize else "float32"
+            loaded = load_repacked(model, handle_for(path), name, target, reader, held)
+            if loaded is None:  # a quantized module now holds it
+                return
+            tensor = loaded
+        else:
+            tensor = reader(handle_for(path).get_slice(name))
         # A copy: a view would keep the file's whole memory map alive (and resident).
         _assign_tensor(model, target, tensor.to(device=device, dtype=torch.float32, copy=True))
 

@@ -1,0 +1,340 @@
+"""GGUF weights repacked for the engine with integer operations on the raw block bytes.
+
+`convert_gguf` writes an HF-format directory (config.json, tokenizer, generation config,
+model.safetensors) whose weights are the GGUF's own quantized values, never dequantized to
+float32 and quantized again:
+
+- **Q4_0, Q4_1, Q4_K** become the engine's int4 groups of 32 (`INT4_GROUP_SIZE`, the layout of
+  `quantize.Int4Linear`: `w = (q - 8) * scale + zero` per group). The 4-bit values are moved
+  by shifts and masks; only the per-group scale and zero are computed, in float32 from the
+  block's fp16 fields, and stored as bfloat16, so the one loss is the fp16 → bf16 rounding of
+  scales and zeros. Q4_0 (`x = (q - 8) d`): scale d, zero 0. Q4_1 (`x = q d + m`): scale d,
+  zero m + 8d. Q4_K (super-blocks of 256 with eight 6-bit sub-block scales and mins,
+  `x = d sc q - dmin m`): one group per sub-block of 32, scale d·sc, zero 8 d·sc - dmin·m.
+  Stored as `<name>.int4_packed` (uint8 `[out, in / 2]`, column 2j in the low nibble of byte j,
+  2j + 1 in the high one), `<name>.int4_scales` and `<name>.int4_zeros` (bfloat16
+  `[out, in / 32]`): plain row-major, so a tensor-parallel rank reads its rows or columns
+  like any weight's.
+- **Every other quantized type** (Q5_0, Q5_1, Q6_K, Q8_0, ...) is stored as its raw GGUF
+  blocks, `<name>.gguf_<TYPE>` (uint8 `[out, bytes per row]`), the smallest lossless form, and
+  dequantized by `gguf`'s own dequantizer when loaded
+  (`exo.worker.engines.torch.gguf_weights`).
+- **F32, F16, BF16** tensors are stored as they are.
+
+Block layouts are GGML's (`ggml-quants.c`, `gguf.quants`); tensor names and the per-family
+corrections (llama.cpp permutes the rows of llama Q/K projections; Gemma norms are stored
+plus one) come from transformers' GGUF loader (`TENSOR_PROCESSORS`, `get_gguf_hf_weights_map`),
+whose corrections are row permutations for quantized weights and so apply to packed rows,
+raw blocks and scales alike.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from exo.shared.models.memory import INT4_GROUP_SIZE
+
+# Suffixes of the stored tensors of one repacked weight (see the module docstring).
+INT4_PACKED = ".int4_packed"
+INT4_SCALES = ".int4_scales"
+INT4_ZEROS = ".int4_zeros"
+GGUF_BLOCKS = ".gguf_"
+REPACK_FORMAT = "exo-gguf-repack-1"  # safetensors metadata value of "format_exo"
+
+# GGML block sizes and bytes per block (ggml-common.h).
+_Q4_0_BYTES = 18  # fp16 d, 16 bytes of nibbles
+_Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
+_Q4_K_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+_Q4_K_ELEMENTS = 256
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
+
+class GgufRepackError(ValueError):
+    """A GGUF tensor that cannot be repacked (named, with the reason)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Groups:
+    """One weight in the engine's int4 form, shapes for `[out, in]`.
+
+    packed: uint8 `[out, in / 2]` (column 2j low nibble, 2j + 1 high), values q in 0..15.
+    scales, zeros: float32 `[out, in / 32]`; `w = (q - 8) * scale + zero`.
+    """
+
+    packed: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray
+
+
+def _fp16(raw: np.ndarray) -> np.ndarray:
+    """Bytes `[..., 2]` (little-endian fp16) as float32 `[...]`."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _pack_pairs(values: np.ndarray, rows: int) -> np.ndarray:
+    """uint8 values 0..15 `[rows, ..., even]` → bytes `[rows, n / 2]`, pairs in one byte."""
+    flat = values.reshape(rows, -1)
+    packed: np.ndarray = flat[:, 0::2] | (flat[:, 1::2] << 4)
+    return packed
+
+
+def _blocks(data: np.ndarray, rows: int, block_bytes: int, what: str) -> np.ndarray:
+    """Raw tensor bytes `[rows, row bytes]` as `[rows, blocks, block_bytes]`."""
+    data = np.asarray(data, dtype=np.uint8).reshape(rows, -1)
+    if data.shape[1] % block_bytes:
+        raise GgufRepackError(f"{what}: {data.shape[1]} bytes per row is no whole block count")
+    return data.reshape(rows, -1, block_bytes)
+
+
+def repack_q4_0(data: np.ndarray, rows: int) -> Int4Groups:
+    """Q4_0 blocks (32 values: fp16 d, then byte j holds values j (low) and j + 16 (high);
+    `x = (q - 8) d`) of a `[rows, in]` weight → int4 groups with scale d, zero 0."""
+    blocks = _blocks(data, rows, _Q4_0_BYTES, "Q4_0")
+    nibbles = blocks[..., 2:]
+    values = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)  # [rows, blocks, 32]
+    scales = _fp16(blocks[..., 0:2])
+    return Int4Groups(_pack_pairs(values, rows), scales, np.zeros_like(scales))
+
+
+def repack_q4_1(data: np.ndarray, rows: int) -> Int4Groups:
+    """Q4_1 blocks (fp16 d, fp16 m, nibbles as Q4_0; `x = q d + m`) → scale d, zero m + 8d."""
+    blocks = _blocks(data, rows, _Q4_1_BYTES, "Q4_1")
+    nibbles = blocks[..., 4:]
+    values = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)
+    scales = _fp16(blocks[..., 0:2])
+    return Int4Groups(_pack_pairs(values, rows), scales, _fp16(blocks[..., 2:4]) + 8.0 * scales)
+
+
+def _q4_k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 bytes of 6-bit scales and mins of Q4_K super-blocks `[..., 12]` → two uint8
+    arrays `[..., 8]` (ggml's `get_scale_min_k4`): sub-blocks 0-3 keep the low 6 bits of
+    bytes 0-3 (scales) and 4-7 (mins); sub-blocks 4-7 take 4 bits from bytes 8-11 and their
+    top 2 bits from the top of bytes 0-3 (scales) and 4-7 (mins)."""
+    low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([low & 63, (extra & 15) | ((low >> 6) << 4)], axis=-1)
+    mins = np.concatenate([high & 63, (extra >> 4) | ((high >> 6) << 4)], axis=-1)
+    return scales, mins
+
+
+def repack_q4_k(data: np.ndarray, rows: int) -> Int4Groups:
+    """Q4_K super-blocks (256 values: fp16 d, fp16 dmin, 12 bytes of scales/mins, 128 bytes:
+    per 64 values 32 bytes, low nibbles the first sub-block of 32, high the second;
+    `x = d sc q - dmin m`) → one group per sub-block: scale d sc, zero 8 d sc - dmin m."""
+    blocks = _blocks(data, rows, _Q4_K_BYTES, "Q4_K")
+    d = _fp16(blocks[..., 0:2])[..., None]
+    dmin = _fp16(blocks[..., 2:4])[..., None]
+    sub_scales, sub_mins = _q4_k_scales_and_mins(blocks[..., 4:16])
+    nibbles = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)
+    values = np.concatenate([nibbles & 15, nibbles >> 4], axis=3)  # [rows, sb, 4, 2, 32]
+    scales = (d * sub_scales.astype(np.float32)).reshape(rows, -1)
+    mins = (dmin * sub_mins.astype(np.float32)).reshape(rows, -1)
+    return Int4Groups(_pack_pairs(values, rows), scales, 8.0 * scales - mins)
+
+
+_REPACKERS = {"Q4_0": repack_q4_0, "Q4_1": repack_q4_1, "Q4_K": repack_q4_k}
+
+
+def repack_int4(type_name: str, data: np.ndarray, rows: int) -> Int4Groups:
+    """Repack a `[rows, in]` weight's raw blocks of GGML type `type_name` (one of
+    `INT4_TYPES`) into int4 groups of `INT4_GROUP_SIZE`.
+
+    Raises:
+        GgufRepackError: another type, or bytes that are no whole blocks.
+    """
+    repacker = _REPACKERS.get(type_name)
+    if repacker is None:
+        raise GgufRepackError(f"{type_name} has no int4 repacking; supported: {INT4_TYPES}")
+    groups = repacker(data, rows)
+    assert groups.scales.shape[1] * INT4_GROUP_SIZE == groups.packed.shape[1] * 2
+    return groups
+
+
+def dequantize_int4(groups: Int4Groups) -> np.ndarray:
+    """The float32 `[out, in]` weight of `groups`: `(q - 8) * scale + zero` per group."""
+    rows = groups.packed.shape[0]
+    values = np.stack([groups.packed & 15, groups.packed >> 4], axis=-1).reshape(
+        rows, -1, INT4_GROUP_SIZE
+    )
+    weight = (values.astype(np.float32) - 8.0) * groups.scales[..., None] + groups.zeros[..., None]
+    result: np.ndarray = weight.reshape(rows, -1)
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class GgufConversion:
+    """What `convert_gguf` did: seconds, the process's peak RSS afterwards (bytes; the
+    process-lifetime maximum, `getrusage`), bytes written, tensors per stored form."""
+
+    seconds: float
+    peak_rss_bytes: int
+    bytes_on_disk: int
+    int4_tensors: int
+    gguf_block_tensors: int
+    float_tensors: int
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def gguf_name_map(architecture: str, checkpoint_names: list[str], layers: int) -> dict[str, str]:
+    """GGUF tensor name → checkpoint name for the names a model of `architecture` (GGUF's
+    `general.architecture`) has, by gguf-py's `TensorNameMap` (what transformers'
+    `get_gguf_hf_weights_map` uses, built once here instead of once per module)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
+    if arch is None:
+        raise GgufRepackError(f"gguf-py knows no architecture {architecture!r}")
+    name_map = get_tensor_name_map(arch, layers)
+    mapping: dict[str, str] = {}
+    for name in checkpoint_names:
+        base, dot, suffix = name.rpartition(".")
+        if suffix not in ("weight", "bias"):
+            base, dot, suffix = name, "", ""
+        gguf_name = name_map.get_name(base)
+        if gguf_name is not None:
+            mapping.setdefault(f"{gguf_name}{dot}{suffix}", name)
+    return mapping
+
+
+def _processed(processor: Any, array: np.ndarray, gguf_name: str) -> np.ndarray:
+    """`array` after the family's correction for tensor `gguf_name` (for a quantized weight
+    a row permutation, checked: the shape must stay)."""
+    result: np.ndarray = processor.process(weights=array, name=gguf_name).weights
+    if result.shape != array.shape:
+        raise GgufRepackError(
+            f"{gguf_name}: transformers' correction changes its shape {array.shape}; "
+            "it cannot be applied to packed rows"
+        )
+    return np.ascontiguousarray(result)
+
+
+def repacked_tensors(
+    reader: Any, processor: Any, name_map: dict[str, str]
+) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """Every mapped tensor of the GGUF, in its stored form (see the module docstring).
+
+    Args:
+        reader: the file's `gguf.GGUFReader`.
+        processor: transformers' tensor processor for the file's architecture.
+        name_map: GGUF tensor name → checkpoint name (tensors not in it are skipped).
+
+    Returns:
+        The tensors by stored name, and counts per form ("int4", "gguf_blocks", "float").
+    """
+    from gguf import GGMLQuantizationType
+
+    tensors: dict[str, torch.Tensor] = {}
+    counts = {"int4": 0, "gguf_blocks": 0, "float": 0}
+    floats = {
+        GGMLQuantizationType.F32: torch.float32,
+        GGMLQuantizationType.F16: torch.float16,
+    }
+    for tensor in reader.tensors:
+        name = name_map.get(tensor.name)
+        if name is None:
+            continue
+        type_name = tensor.tensor_type.name
+        shape = tuple(int(size) for size in reversed(tensor.shape.tolist()))
+        if tensor.tensor_type in floats or tensor.tensor_type == GGMLQuantizationType.BF16:
+            data = np.asarray(tensor.data).reshape(shape)
+            if tensor.tensor_type == GGMLQuantizationType.BF16:
+                raw = np.ascontiguousarray(data).view(np.int16)
+                processed = _processed(processor, raw, tensor.name)
+                tensors[name] = torch.from_numpy(processed.copy()).view(torch.bfloat16)
+            else:
+                processed = processor.process(weights=data, name=tensor.name).weights
+                tensors[name] = torch.from_numpy(np.array(processed, copy=True))
+            counts["float"] += 1
+            continue
+        if len(shape) != 2:
+            raise GgufRepackError(f"{tensor.name}: a quantized tensor of shape {shape}")
+        rows = shape[0]
+        data = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1)
+        if type_name in INT4_TYPES and shape[1] % INT4_GROUP_SIZE == 0:
+            groups = repack_int4(type_name, data, rows)
+            tensors[name + INT4_PACKED] = torch.from_numpy(
+                _processed(processor, groups.packed, tensor.name)
+            )
+            for suffix, part in ((INT4_SCALES, groups.scales), (INT4_ZEROS, groups.zeros)):
+                tensors[name + suffix] = torch.from_numpy(
+                    _processed(processor, part, tensor.name)
+                ).to(torch.bfloat16)
+            counts["int4"] += 1
+        else:
+            tensors[f"{name}{GGUF_BLOCKS}{type_name}"] = torch.from_numpy(
+                _processed(processor, data, tensor.name).copy()
+            )
+            counts["gguf_blocks"] += 1
+    return tensors, counts
+
+
+def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
+    """Write the GGUF at `gguf_path` into `output_dir` (which must exist) as config.json,
+    generation_config.json, tokenizer files (with chat template) and one model.safetensors
+    of repacked weights, read by `exo.worker.engines.torch.loading.load_model`.
+
+    Raises:
+        GgufRepackError: a tensor that cannot be repacked.
+        ValueError / OSError: from transformers or gguf for a file they cannot read
+            (not GGUF, an architecture transformers has no GGUF support for).
+    """
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    from exo.worker.engines.torch.loading import empty_model
+
+    started = time.perf_counter()
+    gguf_dir, gguf_name = str(gguf_path.parent), gguf_path.name
+    config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    text_config = config.get_text_config()
+    skeleton = empty_model(config)
+    checkpoint_names = list(skeleton.state_dict())
+    del skeleton
+    reader = GGUFReader(str(gguf_path))
+    architecture = str(reader.fields["general.architecture"].contents())
+    name_map = gguf_name_map(architecture, checkpoint_names, text_config.num_hidden_layers)
+    heads = {
+        "num_attention_heads": text_config.num_attention_heads,
+        "num_key_value_heads": text_config.num_key_value_heads,
+    }
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=heads)
+    tensors, counts = repacked_tensors(reader, processor, name_map)
+    del reader
+    save_file(
+        tensors,
+        str(output_dir / "model.safetensors"),
+        metadata={"format": "pt", "format_exo": REPACK_FORMAT},
+    )
+    del tensors
+    config.architectures = [_architecture_name(config)]
+    config.dtype = torch.float32
+    config.save_pretrained(output_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(output_dir)
+    AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name).save_pretrained(output_dir)
+    written = sum(path.stat().st_size for path in output_dir.iterdir() if path.is_file())
+    return GgufConversion(
+        seconds=time.perf_counter() - started,
+        peak_rss_bytes=_peak_rss_bytes(),
+        bytes_on_disk=written,
+        int4_tensors=counts["int4"],
+        gguf_block_tensors=counts["gguf_blocks"],
+        float_tensors=counts["float"],
+    )
+
+
+def _architecture_name(config: Any) -> str:
+    from transformers import AutoModelForCausalLM
+
+    mapping: Any = AutoModelForCausalLM._model_mapping
+    return str(mapping[type(config)].__name__)
