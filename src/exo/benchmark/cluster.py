@@ -8,6 +8,7 @@ import contextlib
 import os
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ MEMORY_SAMPLE_SECONDS = 0.2
 PLACE_TIMEOUT_SECONDS = 900.0
 UNLOAD_TIMEOUT_SECONDS = 120.0
 PEERS_TIMEOUT_SECONDS = 120.0
+PREDICTION_TIMEOUT_SECONDS = 30.0
 
 
 class BenchSetupError(RuntimeError):
@@ -201,26 +203,38 @@ class BenchNodes:
     def predicted(
         self, model_id: str, placement: Placement, prompt_tokens: int
     ) -> dict[str, float]:
-        """This placement's predicted figures for a prompt of `prompt_tokens` (the preview's
-        `predicted_*` fields, without the prefix), when the cluster's previews carry them;
-        empty otherwise."""
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            previews = self.get(
-                "/instance/previews", model_id=model_id, prompt_tokens=prompt_tokens
-            )
-            for preview in previews:
-                if (
-                    preview.get("sharding") == placement.sharding
-                    and preview.get("node_count") == placement.nodes
-                    and not preview.get("error")
-                    and list(preview.get("node_ids", [])) == self.node_ids[: placement.nodes]
-                ):
-                    return {
-                        name.removeprefix("predicted_"): float(value)
-                        for name, value in preview.items()
-                        if name.startswith("predicted_") and isinstance(value, int | float)
-                    }
-        return {}
+        """The cluster's prediction for this placement with a prompt of `prompt_tokens`:
+        `decode_tok_s` (one stream) and `ttft_s`, from the placement preview of the same
+        sharding and node count (preferring the same nodes); empty when the previews carry
+        none. Waits up to `PREDICTION_TIMEOUT_SECONDS` while a node has not measured its
+        speed yet (the preview's figures are null then)."""
+        deadline = time.monotonic() + PREDICTION_TIMEOUT_SECONDS
+        while True:
+            try:
+                previews = self.get(
+                    "/instance/previews", model_id=model_id, prompt_tokens=prompt_tokens
+                )
+            except (httpx.HTTPError, ValueError):
+                return {}
+            matching = [
+                preview
+                for preview in previews
+                if preview.get("sharding") == placement.sharding
+                and preview.get("node_count") == placement.nodes
+                and not preview.get("error")
+            ]
+            if not matching or "predicted_decode_tokens_per_second" not in matching[0]:
+                return {}  # no such placement, or a cluster that does not predict
+            wanted = set(self.node_ids[: placement.nodes])
+            matching.sort(key=lambda preview: set(preview.get("node_ids", [])) != wanted)
+            preview = matching[0]
+            decode = preview.get("predicted_decode_tokens_per_second")
+            ttft = preview.get("predicted_ttft_seconds")
+            if decode is not None and ttft is not None:
+                return {"decode_tok_s": float(decode), "ttft_s": float(ttft)}
+            if time.monotonic() > deadline:
+                return {}
+            time.sleep(1.0)
 
     def close(self) -> None:
         """Stop what the bench started (nothing, for a running cluster)."""
@@ -238,13 +252,13 @@ class LocalNodes(BenchNodes):
         threads: int | None,
         extra_args: tuple[str, ...] = (),
     ) -> None:
+        self.nodes: list[ExoNode] = []
         self._directory = tempfile.TemporaryDirectory(prefix="exo-bench-")
         root = Path(self._directory.name)
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         if pin_cores and len(cores) < count:
             raise BenchSetupError(f"--pin-cores needs {count} cores; this process has {cores}")
         env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
-        self.nodes: list[ExoNode] = []
         try:
             for index in range(count):
                 node = ExoNode(
@@ -292,7 +306,16 @@ class LocalNodes(BenchNodes):
         return result
 
     def close(self) -> None:
-        for node in reversed(getattr(self, "nodes", [])):
+        """Stop every node side by side (each waits for its runners), then remove their
+        homes."""
+
+        def stop(node: ExoNode) -> None:
             with contextlib.suppress(Exception):
                 node.stop()
+
+        stoppers = [threading.Thread(target=stop, args=(node,)) for node in self.nodes]
+        for thread in stoppers:
+            thread.start()
+        for thread in stoppers:
+            thread.join()
         self._directory.cleanup()

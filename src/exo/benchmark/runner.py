@@ -5,6 +5,7 @@ every case, so an interrupted run keeps what it measured."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import platform
@@ -152,27 +153,23 @@ def run_bench(config: BenchConfig, say: Print = print) -> BenchReport:
     )
     json_path = config.output / f"{config.name}.json"
     model_id, model_dir, local_directory = resolve_model(config, say)
-    model_text = ModelText.load(model_dir)
-    say(f"model {model_id}: EOS ids {sorted(model_text.eos_token_ids)} banned (logit_bias -100)")
-    llama: LlamaCppRunner | None = None
-    longest = max(config.prompt_tokens) + max(config.generation_tokens) + 16
-    if config.compare_llama_cpp is not None:
-        threads = config.threads or len(os.sched_getaffinity(0))
-        llama = LlamaCppRunner(config.compare_llama_cpp, threads, longest)
-        say(f"llama.cpp on {config.compare_llama_cpp.name}, {threads} threads")
-    nodes: BenchNodes
-    if config.api is not None:
-        nodes = BenchNodes(ApiTarget(config.api, config.api_key), [])
-        view = nodes.get("/cluster")
-        nodes.node_ids = [view["node_id"], *view["peers"]]
-    else:
-        say(
-            f"starting {config.node_count()} local node(s)"
-            + (", pinned" if config.pin_cores else "")
-        )
-        from exo.shared.constants import models_dir
-
-        nodes = LocalNodes(config.node_count(), models_dir(), config.pin_cores, config.threads)
+    # The nodes start (tens of seconds) while this process reads the tokenizer.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        starting = pool.submit(_connect, config, say)
+        try:
+            model_text = ModelText.load(model_dir)
+            say(f"model {model_id}: EOS ids {sorted(model_text.eos_token_ids)} banned")
+            llama: LlamaCppRunner | None = None
+            if config.compare_llama_cpp is not None:
+                longest = max(config.prompt_tokens) + max(config.generation_tokens) + 16
+                threads = config.threads or len(os.sched_getaffinity(0))
+                llama = LlamaCppRunner(config.compare_llama_cpp, threads, longest)
+                say(f"llama.cpp on {config.compare_llama_cpp.name}, {threads} threads")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                starting.result().close()
+            raise
+        nodes = starting.result()
     try:
         if local_directory:
             model_id = nodes.add_local_model(model_dir)
@@ -192,6 +189,20 @@ def run_bench(config: BenchConfig, say: Print = print) -> BenchReport:
     write_json(report, json_path)
     say(f"JSON: {json_path}")
     return report
+
+
+def _connect(config: BenchConfig, say: Print) -> BenchNodes:
+    """The running cluster of `config.api`, or fresh local nodes."""
+    if config.api is not None:
+        nodes = BenchNodes(ApiTarget(config.api, config.api_key), [])
+        view = nodes.get("/cluster")
+        nodes.node_ids = [view["node_id"], *view["peers"]]
+        return nodes
+    from exo.shared.constants import models_dir
+
+    pinned = ", pinned one core each" if config.pin_cores else ""
+    say(f"starting {config.node_count()} local node(s){pinned}")
+    return LocalNodes(config.node_count(), models_dir(), config.pin_cores, config.threads)
 
 
 def _prompts(model_text: ModelText, length: int, count: int, seed: int) -> list[str]:
@@ -332,9 +343,11 @@ def print_ratios(report: BenchReport, say: Print = print) -> None:
     for case in report.cases:
         for figure, predicted in case.predicted.items():
             measured = case.summary.get(figure)
-            if measured is not None and measured.median:
-                say(
-                    f"{case.label} prompt {case.prompt_tokens}: {figure} predicted "
-                    f"{predicted:.2f}, measured {measured.median:.2f} "
-                    f"({(predicted / measured.median - 1) * 100:+.0f}%)"
-                )
+            if measured is None or not measured.median:
+                continue
+            note = " (single-stream prediction)" if case.concurrency > 1 else ""
+            say(
+                f"{case.label} prompt {case.prompt_tokens} x{case.concurrency}: {figure} "
+                f"predicted {predicted:.3g}, measured {measured.median:.3g} "
+                f"({(predicted / measured.median - 1) * 100:+.0f}%){note}"
+            )

@@ -97,7 +97,7 @@ def issue14_configs(output: Path, quick: bool, gguf_directory: Path) -> list[Ben
             name="pipeline-pinned",
             placements=[Placement("pipeline", 1), Placement("pipeline", 2)],
             prompt_tokens=prompts[:1],
-            concurrency=[4],
+            concurrency=[1, 4],
             nodes=2,
             pin_cores=True,
         ),
