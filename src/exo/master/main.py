@@ -246,7 +246,9 @@ class Master:
         """Publish the events from `from_idx` on (`REPLAY_BATCH` at most); when the log
         compacted some of them, the snapshot they ended in goes first."""
         log = self._event_log
-        if from_idx < log.base_idx and log.snapshot is not None:
+        # A node asks from the last event it holds (0 when it holds none): one holding the
+        # snapshot's own event gets the snapshot too (it only checks that it agrees).
+        if from_idx <= log.base_idx and log.snapshot is not None:
             snapshot = log.snapshot
             self._global_events.publish(
                 IndexedEvent(

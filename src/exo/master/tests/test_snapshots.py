@@ -265,3 +265,28 @@ def test_fsync_is_called_for_the_snapshot_and_its_directory(
     event_log_module.write_atomically(tmp_path / "file", b"data")
     assert len(synced) == 2  # the file, then the directory holding the new name
     assert (tmp_path / "file").read_bytes() == b"data"
+
+
+def test_a_fresh_node_gets_a_snapshot_taken_at_the_first_event(tmp_path: Path) -> None:
+    # A fresh node asks from 0, as does one holding event 0: both need the snapshot.
+    events = make_events(3)
+    log = EventLog(tmp_path / "events.jsonl")
+    log.append(events[:1])
+    log.write_snapshot(apply_all(State(), events[:1]))
+    log.append(events[1:])
+    published: Topic[IndexedEvent] = Topic("global_events")
+    received = published.subscribe()
+    master = Master(
+        node_id=NODES[0],
+        state=apply_all(State(), events),
+        event_log=log,
+        command_subscription=Topic[ForwarderCommand]("commands").subscribe(),
+        local_event_subscription=Topic[ForwarderEvent]("local_events").subscribe(),
+        global_event_publisher=published.sender(),
+        cards={},
+    )
+    master.replay(0)
+    first = received.receive_nowait()
+    assert first.idx == 0 and isinstance(first.event, StateSnapshot)
+    assert [received.receive_nowait() for _ in range(2)] == events[1:]
+    log.close()
