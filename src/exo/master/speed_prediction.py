@@ -10,9 +10,8 @@ layers, int8 LM head, float32 KV cache):
 
 decode, seconds per token (one stream, `context` tokens in the KV cache):
     stage(s) = layer bytes(s) / int4 bytes/s + LM head bytes(s) / int8 bytes/s
-               + 2 × KV bytes(s, context) / copy bytes/s        (a copy counts read + write)
+               + ENGINE_KV_READ_FACTOR × 2 × KV bytes(s, context) / copy bytes/s
                + layers(s) × layer overhead × ENGINE_LAYER_OVERHEAD_FACTOR
-               + STEP_OVERHEAD_SECONDS
     pipeline ×N:  Σ stage(s) + Σ over the N hops of a token's round (rank i → i+1, the
                   last rank's token back to rank 0) of (one-way latency + bytes / bandwidth)
     tensor ×N:    max over ranks of stage(rank) (each rank reads 1/N of every layer's
@@ -20,23 +19,32 @@ decode, seconds per token (one stream, `context` tokens in the KV cache):
                   (attention and MLP outputs), each 2 × (N − 1) one-way latencies plus
                   2 × (N − 1) / N × hidden bytes / bandwidth (ring all-reduce)
 time to first token for `prompt` tokens (processed in chunks of `PREFILL_CHUNK_TOKENS`):
-    stage(s) = 2 × linear params(s) × prompt / bf16 FLOP/s          (projections, MLP)
-               + 2 × layers(s) × prompt² × query width / float32 FLOP/s   (causal attention)
-               + chunks × layer weights(s) as bfloat16 × 2 / copy bytes/s (int4 → bf16)
+    stage(s) = ENGINE_PREFILL_FACTOR × 2 × (linear params(s) × prompt     (projections, MLP)
+                   + layers(s) × prompt² × query width) / float32 FLOP/s   (causal attention)
                + chunks × layers(s) × layer overhead × factor + LM head decode of one row
     combined over ranks as decode is, with the hops carrying prompt × hidden activations.
-One-way link latency is half the measured round trip (`TopologyEdge.latency_ms`, an HTTP
-call to the peer's API, so an upper bound for the runners' own messages).
+    (The engine's prefill was measured at 1-2× the probe's float32 matmul rate, far below
+    its bfloat16 rate: float32 activations, norms and the int4 → bfloat16 dequantization of
+    every weight per chunk come with the matmuls; so the float32 rate is the one used.)
+A link's one-way latency: between nodes on one machine (a loopback address), half the
+slower node's measured loopback round trip (`NodeSpeed.loopback_round_trip_seconds`; the
+API's round trip on loopback measures two web servers, not the link); otherwise half the
+measured round trip (`TopologyEdge.latency_ms`, an HTTP call to the peer's API, so an
+upper bound for the runners' own messages).
+
+The ENGINE_* factors are what the engine does beyond the probe's kernels (its model code's
+Python, KV gathering, prefill's float32 work), measured with `bench/bench_prediction.py`
+on the 2-core reference machine (see the README's prediction section); they change when
+the engine's forward changes, so that script prints them again.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from exo.shared.models.memory import (
-    BFLOAT16_BYTES,
     FLOAT32_BYTES,
     WeightShare,
     decoder_layer_bytes,
@@ -52,12 +60,22 @@ DEFAULT_PROMPT_TOKENS = 512
 # The scheduler's prompt chunk when no other request decodes
 # (`scheduler.PREFILL_TOKENS_PER_IDLE_STEP`): each chunk dequantizes the int4 weights once.
 PREFILL_CHUNK_TOKENS = 512
-# The engine's decode step runs more than the probe's tiny layer (`speed_probe._TinyLayer`)
-# per layer (its model code's Python, KV slot bookkeeping): measured ratio of the engine's
-# per-token time not explained by bytes to the tiny layer's time, see the README.
-ENGINE_LAYER_OVERHEAD_FACTOR = 1.0
-# Per decode step, outside the layers (scheduler, sampling, embedding), seconds.
-STEP_OVERHEAD_SECONDS = 0.0
+# Measured with bench/bench_prediction.py on the 2-core reference machine, one pinned core,
+# 2026-11-30, while six other engineers' tests loaded it (load average 10-15): noisy, to be
+# measured again on a quiet machine (the script prints them).
+# The engine's decode step does more per layer than the probe's tiny layer
+# (`speed_probe._TinyLayer`): the engine's per-token time not explained by bytes, per layer,
+# over the tiny layer's time. SmolLM2-135M: 3.0-6.2 (median 5.2) over six runs.
+ENGINE_LAYER_OVERHEAD_FACTOR = 5.0
+# The engine's attention reads the KV cache slower than a plain copy moves bytes (it gathers
+# the request's slots and repeats KV heads for grouped-query attention, in float32): the
+# extra time per token of a 512-token context over a 32-token one, over the copy model's.
+# SmolLM2-135M: 1.9 and 3.5.
+ENGINE_KV_READ_FACTOR = 3.0
+# The engine's prefill time over 2 × FLOPs / the probe's float32 matmul rate. SmolLM2-135M
+# and a random Llama of its size, 32-512 prompt tokens: 0.5-1.4 (median 1.0).
+ENGINE_PREFILL_FACTOR = 1.0
+LOOPBACK_ADDRESSES = ("127.", "::1", "localhost")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +93,22 @@ class _Link:
     bytes_per_second: float
 
 
-def _link(edges: dict[NodeId, dict[NodeId, TopologyEdge]], a: NodeId, b: NodeId) -> _Link | None:
+def _link(
+    edges: Mapping[NodeId, Mapping[NodeId, TopologyEdge]],
+    a: NodeId,
+    b: NodeId,
+    speeds: tuple[NodeSpeed, NodeSpeed],
+) -> _Link | None:
     """The measured link a → b (or b → a when only that direction was measured)."""
     edge = edges.get(a, {}).get(b) or edges.get(b, {}).get(a)
     if edge is None:
         return None
     bandwidth = edge.bandwidth_mbps * 1e6 / 8
-    return _Link(edge.latency_ms / 2 / 1000, bandwidth if bandwidth > 0 else math.inf)
+    if edge.address.startswith(LOOPBACK_ADDRESSES):
+        one_way = max(speed.loopback_round_trip_seconds for speed in speeds) / 2
+    else:
+        one_way = edge.latency_ms / 2 / 1000
+    return _Link(one_way, bandwidth if bandwidth > 0 else math.inf)
 
 
 def _transfer_seconds(link: _Link, size: float) -> float:
@@ -115,8 +142,8 @@ def decode_stage_seconds(
     if share.holds_output_layer:
         seconds += _lm_head_seconds(card, speed)
     kv = kv_cache_bytes_per_token(card, share) * context_tokens
-    seconds += 2 * kv / speed.memory_copy_bytes_per_second
-    return seconds + _layer_overhead(speed, share.layers) + STEP_OVERHEAD_SECONDS
+    seconds += ENGINE_KV_READ_FACTOR * 2 * kv / speed.memory_copy_bytes_per_second
+    return seconds + _layer_overhead(speed, share.layers)
 
 
 def prefill_stage_seconds(
@@ -126,14 +153,11 @@ def prefill_stage_seconds(
     docstring's TTFT stage(s))."""
     ranks = share.tensor_parallel_ranks
     params = share.layers * _linear_params_per_layer(card) / ranks
-    seconds = 2 * params * prompt_tokens / speed.bf16_matmul_flops
     query_width = card.num_attention_heads * card.attention_head_dim / ranks
-    attention_flops = 2 * share.layers * prompt_tokens**2 * query_width
-    seconds += attention_flops / speed.float32_matmul_flops
+    flops = 2 * (params * prompt_tokens + share.layers * prompt_tokens**2 * query_width)
+    seconds = ENGINE_PREFILL_FACTOR * flops / speed.float32_matmul_flops
     chunks = math.ceil(prompt_tokens / PREFILL_CHUNK_TOKENS)
-    dequantized = params * BFLOAT16_BYTES
-    seconds += chunks * 2 * dequantized / speed.memory_copy_bytes_per_second
-    seconds += chunks * (_layer_overhead(speed, share.layers) + STEP_OVERHEAD_SECONDS)
+    seconds += chunks * _layer_overhead(speed, share.layers)
     if share.holds_output_layer:
         seconds += _lm_head_seconds(card, speed)
     return seconds
@@ -180,8 +204,8 @@ def predict_speed(
     sharding: Sharding,
     nodes: Sequence[NodeId],
     layer_ranges: Sequence[tuple[int, int]],
-    speeds: dict[NodeId, NodeSpeed | None],
-    edges: dict[NodeId, dict[NodeId, TopologyEdge]],
+    speeds: Mapping[NodeId, NodeSpeed | None],
+    edges: Mapping[NodeId, Mapping[NodeId, TopologyEdge]],
     prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
 ) -> SpeedPrediction | None:
     """Predicted single-stream decode tok/s (with `prompt_tokens` in the KV cache) and
@@ -208,7 +232,8 @@ def predict_speed(
         return None
     node_speeds = [speed for speed in measured if speed is not None]
     ring = list(zip(nodes, [*nodes[1:], nodes[0]], strict=True)) if len(nodes) > 1 else []
-    links = [_link(edges, a, b) for a, b in ring]
+    speed_of = dict(zip(nodes, node_speeds, strict=True))
+    links = [_link(edges, a, b, (speed_of[a], speed_of[b])) for a, b in ring]
     if any(link is None for link in links):
         return None
     measured_links = [link for link in links if link is not None]

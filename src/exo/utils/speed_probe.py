@@ -20,15 +20,19 @@ process may run on, as the engine does):
 - per-layer overhead: one decoder layer's decode ops at a tiny width (`_TinyLayer`: RMSNorm,
   int4 Q/K/V/O and gate/up/down with the engine's bfloat16 casts around each kernel, rotary,
   attention over a short KV cache, SiLU gate, residual adds), where bytes are negligible and
-  only the fixed cost of each op remains.
-Each figure is the median of timed repetitions after a warm-up.
+  only the fixed cost of each op remains;
+- loopback round trip: a small message to a thread of this process and back over TCP on
+  127.0.0.1 (what a message between two runners on this machine costs at least).
+Each figure is the fastest of timed repetitions after a warm-up (the least disturbed by
+other work, as `timeit` advises): the node's capability, not its load at start.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -43,7 +47,7 @@ from exo.shared.constants import exo_home
 from exo.shared.types.nodes import NodeSpeed
 
 # Bump when what is measured changes: cached figures of an older probe are measured again.
-PROBE_VERSION = 1
+PROBE_VERSION = 2
 CACHE_FILE_NAME = "speed_probe.json"
 # Seconds of timed repetitions per figure (after one warm-up call).
 PROBE_SECONDS = 0.2
@@ -102,8 +106,8 @@ def probe_key(threads: int) -> dict[str, Any]:
     }
 
 
-def _median_seconds(call: Callable[[], object], seconds: float = PROBE_SECONDS) -> float:
-    """Median wall time of `call` over repetitions filling `seconds` (at least 3, at most
+def _fastest_seconds(call: Callable[[], object], seconds: float = PROBE_SECONDS) -> float:
+    """Fastest wall time of `call` over repetitions filling `seconds` (at least 3, at most
     10,000), after one warm-up call."""
     call()
     timings: list[float] = []
@@ -112,7 +116,7 @@ def _median_seconds(call: Callable[[], object], seconds: float = PROBE_SECONDS) 
         started = time.perf_counter()
         call()
         timings.append(time.perf_counter() - started)
-    return statistics.median(timings)
+    return min(timings)
 
 
 @contextmanager
@@ -151,7 +155,7 @@ def _int4_decode_bytes_per_second(working_set: int) -> float:
         for block, scale_zero in weights:
             torch._weight_int4pack_mm_for_cpu(row, block, INT4_GROUP_SIZE, scale_zero)
 
-    return copies * matrix_bytes / _median_seconds(step)
+    return copies * matrix_bytes / _fastest_seconds(step)
 
 
 def _int8_decode_bytes_per_second(working_set: int) -> float:
@@ -170,7 +174,7 @@ def _int8_decode_bytes_per_second(working_set: int) -> float:
         for block in weights:
             torch._weight_int8pack_mm(row, block, scales)
 
-    return copies * matrix_bytes / _median_seconds(step)
+    return copies * matrix_bytes / _fastest_seconds(step)
 
 
 def _memory_copy_bytes_per_second(size: int) -> float:
@@ -178,7 +182,7 @@ def _memory_copy_bytes_per_second(size: int) -> float:
 
     source = torch.ones(size // 4)
     target = torch.empty_like(source)
-    return 2 * size / _median_seconds(lambda: target.copy_(source))
+    return 2 * size / _fastest_seconds(lambda: target.copy_(source))
 
 
 def _matmul_flops(dtype_name: str) -> float:
@@ -189,7 +193,7 @@ def _matmul_flops(dtype_name: str) -> float:
     left = torch.rand(MATMUL_ROWS, MATMUL_INNER, generator=generator).to(dtype)
     right = torch.rand(MATMUL_INNER, MATMUL_INNER, generator=generator).to(dtype)
     flops = 2 * MATMUL_ROWS * MATMUL_INNER * MATMUL_INNER
-    return flops / _median_seconds(lambda: left @ right)
+    return flops / _fastest_seconds(lambda: left @ right)
 
 
 class _TinyLayer:
@@ -263,6 +267,50 @@ class _TinyLayer:
         return x + self._linear("down", gated)
 
 
+LOOPBACK_MESSAGE_BYTES = 64
+LOOPBACK_TIMEOUT_SECONDS = 2.0
+
+
+def _loopback_round_trip_seconds(seconds: float = PROBE_SECONDS) -> float:
+    """Fastest round trip of a `LOOPBACK_MESSAGE_BYTES` message to an echoing thread over
+    TCP on 127.0.0.1 (Nagle off); sockets time out rather than hang."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(LOOPBACK_TIMEOUT_SECONDS)
+
+        def echo() -> None:
+            try:
+                peer, _ = server.accept()
+            except OSError:
+                return
+            with peer:
+                peer.settimeout(LOOPBACK_TIMEOUT_SECONDS)
+                peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                try:
+                    while message := peer.recv(LOOPBACK_MESSAGE_BYTES):
+                        peer.sendall(message)
+                except OSError:
+                    return
+
+        echoer = threading.Thread(target=echo, name="speed-probe-echo", daemon=True)
+        echoer.start()
+        with socket.create_connection(server.getsockname(), LOOPBACK_TIMEOUT_SECONDS) as client:
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            message = bytes(LOOPBACK_MESSAGE_BYTES)
+
+            def round_trip() -> None:
+                client.sendall(message)
+                received = 0
+                while received < LOOPBACK_MESSAGE_BYTES:
+                    chunk = client.recv(LOOPBACK_MESSAGE_BYTES - received)
+                    if not chunk:
+                        raise OSError("the echo thread closed the connection")
+                    received += len(chunk)
+
+            fastest = _fastest_seconds(round_trip, seconds)
+        echoer.join(LOOPBACK_TIMEOUT_SECONDS)
+    return fastest
+
+
 def measure_node_speed(threads: int | None = None) -> NodeSpeed:
     """Measure this CPU now with `threads` torch threads (default `runner_threads()`); the
     process's own thread count is restored afterwards."""
@@ -279,7 +327,8 @@ def measure_node_speed(threads: int | None = None) -> NodeSpeed:
             memory_copy_bytes_per_second=_memory_copy_bytes_per_second(COPY_BYTES),
             bf16_matmul_flops=_matmul_flops("bfloat16"),
             float32_matmul_flops=_matmul_flops("float32"),
-            layer_overhead_seconds=_median_seconds(layer.forward),
+            layer_overhead_seconds=_fastest_seconds(layer.forward),
+            loopback_round_trip_seconds=_loopback_round_trip_seconds(),
         )
 
 

@@ -135,6 +135,7 @@ async def test_previews_carry_the_predicted_speed_once_the_node_measured_it(
         bf16_matmul_flops=1e11,
         float32_matmul_flops=5e10,
         layer_overhead_seconds=1e-4,
+        loopback_round_trip_seconds=5e-5,
     )
     info = make_node_info(4096).model_copy(update={"speed": speed})
     cluster.emit_local(NodeGatheredInfo(node_id=NODE, info=info))

@@ -7,6 +7,7 @@ import pytest
 from exo.master.placement import placement_previews
 from exo.master.speed_prediction import (
     DEFAULT_PROMPT_TOKENS,
+    ENGINE_KV_READ_FACTOR,
     decode_stage_seconds,
     predict_speed,
 )
@@ -33,19 +34,18 @@ def speed(int4_gbps: float = 10.0, overhead_us: float = 100.0, flops: float = 10
         bf16_matmul_flops=flops,
         float32_matmul_flops=flops / 4,
         layer_overhead_seconds=overhead_us * 1e-6,
+        loopback_round_trip_seconds=50e-6,
     )
 
 
 def link(
-    latency_ms: float = 1.0, mbps: float = 10_000.0
+    latency_ms: float = 1.0, mbps: float = 10_000.0, address: str = "10.0.0.2"
 ) -> dict[NodeId, dict[NodeId, TopologyEdge]]:
+    """Measured links both ways between A and B (a LAN address unless told otherwise)."""
+
     def one(source: NodeId, sink: NodeId) -> TopologyEdge:
         return TopologyEdge(
-            source=source,
-            sink=sink,
-            address="127.0.0.1",
-            latency_ms=latency_ms,
-            bandwidth_mbps=mbps,
+            source=source, sink=sink, address=address, latency_ms=latency_ms, bandwidth_mbps=mbps
         )
 
     return {A: {B: one(A, B)}, B: {A: one(B, A)}}
@@ -116,7 +116,7 @@ def test_tensor_divides_the_bytes_and_pays_two_all_reduces_per_layer() -> None:
     assert half_layer_bytes < layer_bytes * 0.55  # int8 where a half does not fit int4
     assert whole - half == pytest.approx(
         12 * (layer_bytes - half_layer_bytes) / (10 * GB)
-        + 2 * 512 * (kv_cache_bytes_per_token(CARD) - half_kv) / (20 * GB),
+        + ENGINE_KV_READ_FACTOR * 2 * 512 * (kv_cache_bytes_per_token(CARD) - half_kv) / (20 * GB),
         rel=1e-6,
     )
     free_links, _ = two("tensor", latency_ms=0.0)
@@ -167,3 +167,21 @@ def test_previews_carry_the_prediction_for_the_prompt_asked() -> None:
         assert expected is not None
         assert preview.predicted_decode_tokens_per_second == expected.decode_tokens_per_second
         assert preview.predicted_ttft_seconds == expected.ttft_seconds
+
+
+def test_a_loopback_link_costs_the_nodes_measured_loopback_round_trip() -> None:
+    """Two nodes on one machine: the API's round trip (two web servers) is not the link's
+    cost; half the slower node's measured loopback round trip is."""
+    slow_loop = speed().model_copy(update={"loopback_round_trip_seconds": 400e-6})
+    ranges = [(0, 6), (6, 12)]
+    rates = {}
+    for name, speeds in (("fast", {A: speed(), B: speed()}), ("slow", {A: speed(), B: slow_loop})):
+        prediction = predict_speed(
+            CARD, "pipeline", [A, B], ranges, speeds, link(50.0, address="127.0.0.1")
+        )
+        assert prediction is not None
+        rates[name] = prediction.decode_tokens_per_second
+    # Two hops a token, each half the slower round trip: 2 × 200 µs against 2 × 25 µs.
+    assert 1 / rates["slow"] - 1 / rates["fast"] == pytest.approx(2 * (200e-6 - 25e-6), rel=1e-6)
+    lan = predict_speed(CARD, "pipeline", [A, B], ranges, {A: speed(), B: speed()}, link(50.0))
+    assert lan is not None and lan.decode_tokens_per_second < rates["slow"]

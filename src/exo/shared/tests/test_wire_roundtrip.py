@@ -225,6 +225,7 @@ NODE_SPEED = NodeSpeed(
     bf16_matmul_flops=4.5e11,
     float32_matmul_flops=6e10,
     layer_overhead_seconds=8.5e-5,
+    loopback_round_trip_seconds=4e-5,
 )
 EDGE = TopologyEdge(
     source=NODE, sink=NodeId("node-b"), address="10.0.0.2", latency_ms=0.4, bandwidth_mbps=9400.0

@@ -43,6 +43,8 @@ class NodeSpeed(FrozenModel):
         float32_matmul_flops: FLOP/s of a float32 matmul at a prefill shape.
         layer_overhead_seconds: fixed cost of one decoder layer's decode ops at a tiny width
             (dispatch, casts, norms, rotary, attention; bytes negligible), seconds.
+        loopback_round_trip_seconds: a small message's round trip over TCP on 127.0.0.1
+            between two threads, seconds (links between nodes on one machine).
     """
 
     threads: int = Field(ge=1)
@@ -52,6 +54,7 @@ class NodeSpeed(FrozenModel):
     bf16_matmul_flops: float = Field(gt=0)
     float32_matmul_flops: float = Field(gt=0)
     layer_overhead_seconds: float = Field(ge=0)
+    loopback_round_trip_seconds: float = Field(ge=0)
 
 
 class NodeInfo(FrozenModel):

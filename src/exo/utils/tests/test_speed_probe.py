@@ -26,6 +26,7 @@ SPEED = NodeSpeed(
     bf16_matmul_flops=1e11,
     float32_matmul_flops=5e10,
     layer_overhead_seconds=1e-4,
+    loopback_round_trip_seconds=5e-5,
 )
 
 
