@@ -16,13 +16,16 @@ Decoding requests attend in one SDPA call over the slots `[S, kv_heads, max_len,
 each prefill chunk attends in its own call (a handful per step). This is the layout of
 vLLM's "continuous batching" (Yu et al. 2022, "Orca", iteration-level scheduling) with
 contiguous per-request buffers instead of paged blocks.
+
+A model with a lean step attached (`attach_lean_step`, see `lean_forward.py`) runs that
+instead of transformers' forward; it calls `attend` directly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -234,7 +237,28 @@ def batched_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    layer = plan.layer_of[id(module)]
+    return attend(plan, plan.layer_of[id(module)], query, key, value, scaling), None
+
+
+def attend(
+    plan: BatchPlan,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Write the step's new keys/values of decoder layer `layer` into the plan's slots and
+    attend each request's queries to its own keys.
+
+    Args:
+        query: `[1, heads, T, head_dim]` (rotary applied; any strides).
+        key / value: `[1, kv_heads, T, head_dim]` the step's new rows, in the cache's dtype.
+        scaling: the softmax scale (None: `head_dim ** -0.5`).
+
+    Returns:
+        `[1, T, heads, head_dim]` attention output.
+    """
     window = plan.windows[layer]
     keys, values = plan.cache.keys[layer], plan.cache.values[layer]
     output = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
@@ -286,7 +310,7 @@ def batched_attention_forward(
                 enable_gqa=True,
             )  # fmt: skip
         output[0, rows] = attended[0].transpose(0, 1)
-    return output, None
+    return output
 
 
 def _batched_mask(*args: Any, **kwargs: Any) -> Any:
@@ -329,6 +353,11 @@ def forward_batch(
     """
     global _active_plan
     plan.prepare(input_ids.device)
+    lean = lean_step_of(model)
+    if lean is not None:
+        logits = lean(plan, input_ids[0], None, position_ids[0], logit_rows)
+        commit_lengths(plan)
+        return logits
     _active_plan = plan
     try:
         output = model(
@@ -337,9 +366,47 @@ def forward_batch(
         )  # fmt: skip
     finally:
         _active_plan = None
+    commit_lengths(plan)
+    logits = output.logits[0].float()
+    return logits
+
+
+def commit_lengths(plan: BatchPlan) -> None:
+    """After a step: every slot it wrote holds its new positions."""
     for segment in plan.prefill:
         plan.cache.lengths[segment.slot] = segment.start + segment.length
     for slot, position in zip(plan.decode_slots, plan.decode_positions, strict=True):
         plan.cache.lengths[slot] = position + 1
-    logits: torch.Tensor = output.logits[0].float()
-    return logits
+
+
+class LeanStep(Protocol):
+    """A model's own batched step (`lean_forward.LeanModel`), attached with
+    `attach_lean_step`: `(plan, input_ids [T] or None, hidden [T, hidden] float32 or None,
+    position_ids [T], logit_rows [R] or None)` -> `[R, vocab]` float32 logits, or `[T,
+    hidden]` float32 hidden states when `logit_rows` is None (a pipeline rank before the
+    last). The plan is prepared by the caller, which also commits the lengths."""
+
+    enabled: bool
+
+    def __call__(
+        self,
+        plan: BatchPlan,
+        input_ids: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        logit_rows: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+
+
+_LEAN_ATTRIBUTE = "_exo_lean_step"
+
+
+def attach_lean_step(model: torch.nn.Module, step: LeanStep | None) -> None:
+    """Make `forward_batch` run `step` for `model` (None: transformers' forward again)."""
+    model.__dict__[_LEAN_ATTRIBUTE] = step
+
+
+def lean_step_of(model: Any) -> LeanStep | None:
+    """The enabled lean step attached to `model`, if any."""
+    step: LeanStep | None = getattr(model, "__dict__", {}).get(_LEAN_ATTRIBUTE)
+    return step if step is not None and step.enabled else None

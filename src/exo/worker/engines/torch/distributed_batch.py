@@ -29,7 +29,9 @@ from exo.worker.engines.torch.batch_attention import (
     BatchPlan,
     PrefillSegment,
     SlotKVCache,
+    commit_lengths,
     forward_batch,
+    lean_step_of,
 )
 from exo.worker.engines.torch.distributed import broadcast_waiting, receive_waiting
 
@@ -359,6 +361,17 @@ def stage_forward_batch(
         hidden]` float32 hidden states for the next rank.
     """
     input_ids, position_ids, logit_rows = (t.to(device) for t in header.tensors())
+    lean = lean_step_of(model)
+    if lean is not None:
+        with torch.inference_mode():
+            plan.prepare(device)
+            output = lean(
+                plan, input_ids[0] if hidden is None else None,
+                None if hidden is None else hidden[0], position_ids[0],
+                logit_rows if is_last else None,
+            )  # fmt: skip
+            commit_lengths(plan)
+        return output if is_last else output.unsqueeze(0)
     stage = cast(PreTrainedModel, _Stage(model, hidden, is_last))
     output = forward_batch(stage, plan, input_ids, position_ids, logit_rows)
     return output if is_last else output.unsqueeze(0)

@@ -2,12 +2,18 @@
 
 Decode of a small model on CPU spends as much time dispatching small operators as in the
 matmuls, so replacing a multi-op module by a single fused kernel is measurable per token.
+`fuse_linears` concatenates linears that read the same input (Q/K/V, gate/up) along their
+outputs, as gpt-fast's `wqkv` and vLLM's `QKVParallelLinear` do: one matmul instead of three.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
+
+from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear
 
 
 class FusedRMSNorm(nn.Module):
@@ -50,3 +56,72 @@ def fuse_rms_norms(model: nn.Module, norm_classes: tuple[type[nn.Module], ...]) 
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attribute, FusedRMSNorm(module.weight, module.variance_epsilon))
     return len(targets)
+
+
+def fuse_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
+    """One linear computing `parts`' outputs concatenated in order (for linears reading the
+    same input: a layer's Q/K/V or gate/up projections; on a tensor rank, its own slices).
+
+    The fused weight is new; each part is then re-pointed at its rows of it (views, and
+    small per-part copies of int4 scales), so the model's own modules keep working and
+    the weights are held once.
+
+    Args:
+        parts: `nn.Linear`, `Int4Linear` or `Int8Linear` modules of one kind, same input
+            width.
+
+    Returns:
+        The fused module (`parts[0]` itself when there is one part), or None when the parts
+        are of different kinds (e.g. one fell back to int8 because int4 cannot pack its
+        shape) or of a kind this cannot fuse.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    kinds = {type(part) for part in parts}
+    if len(kinds) != 1 or len({getattr(part, "in_features", None) for part in parts}) != 1:
+        return None
+    kind = kinds.pop()
+    if kind is nn.Linear:
+        linears = [part for part in parts if isinstance(part, nn.Linear)]
+        biases = [linear.bias for linear in linears]
+        if any(bias is None for bias in biases) and not all(bias is None for bias in biases):
+            return None
+        weight = torch.cat([linear.weight.detach() for linear in linears])
+        dense = nn.Linear(weight.shape[1], weight.shape[0], biases[0] is not None, "meta")
+        dense.weight = nn.Parameter(weight, requires_grad=False)
+        if dense.bias is not None:
+            bias = torch.cat([b.detach() for b in biases if b is not None])
+            dense.bias = nn.Parameter(bias, requires_grad=False)
+        offset = 0
+        for linear in linears:
+            rows = slice(offset, offset + linear.out_features)
+            linear.weight = nn.Parameter(dense.weight[rows], requires_grad=False)
+            if linear.bias is not None:
+                assert dense.bias is not None
+                linear.bias = nn.Parameter(dense.bias[rows], requires_grad=False)
+            offset += linear.out_features
+        return dense
+    if kind is Int4Linear:
+        int4 = [part for part in parts if isinstance(part, Int4Linear)]
+        fused4 = Int4Linear.concatenate(int4)
+        offset = 0
+        for part in int4:
+            rows = slice(offset, offset + part.out_features)
+            part.packed = fused4.packed[rows]  # the blocked layout is row-major by output
+            if part.bias is not None and fused4.bias is not None:
+                part.bias = fused4.bias[rows]
+            offset += part.out_features
+        return fused4
+    if kind is Int8Linear:
+        int8 = [part for part in parts if isinstance(part, Int8Linear)]
+        fused8 = Int8Linear.concatenate(int8)
+        offset = 0
+        for part8 in int8:
+            rows = slice(offset, offset + part8.out_features)
+            part8.weight = fused8.weight[rows]
+            part8.scales = fused8.scales[rows]
+            if part8.bias is not None and fused8.bias is not None:
+                part8.bias = fused8.bias[rows]
+            offset += part8.out_features
+        return fused8
+    return None

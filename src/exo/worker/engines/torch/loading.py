@@ -32,6 +32,7 @@ from exo.worker.engines.torch.families import (
 )
 from exo.worker.engines.torch.fusion import fuse_rms_norms
 from exo.worker.engines.torch.gguf_weights import load_repacked, split_repacked_name
+from exo.worker.engines.torch.lean_forward import enable_lean_forward
 from exo.worker.engines.torch.quantize import (
     WEIGHT_DTYPES,
     WeightDtype,
@@ -305,4 +306,5 @@ def load_model(
         fuse_rms_norms(model, family.rms_norms)
     model.eval()
     model.requires_grad_(False)
+    enable_lean_forward(model, family)
     return model

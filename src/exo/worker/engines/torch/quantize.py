@@ -61,12 +61,17 @@ class QuantizedLinear(nn.Module, abc.ABC):
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.dequantize())
 
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """`[rows, in]` bfloat16 → `[rows, out]` bfloat16, without the bias: the fused
+        kernel up to `fused_max_rows` rows, else dequantize-then-matmul (the lean forward
+        calls this directly, keeping its activations in bfloat16)."""
+        if rows.shape[0] <= self.fused_max_rows:
+            return self._fused(rows)
+        return self._dequantized_matmul(rows)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if rows.shape[0] <= self.fused_max_rows:
-            out = self._fused(rows)
-        else:
-            out = self._dequantized_matmul(rows)
+        out = self.matmul(rows)
         result = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             result = result + self.bias
@@ -100,6 +105,23 @@ class Int8Linear(QuantizedLinear):
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch._weight_int8pack_mm(x, self.weight, self.scales)
         return out
+
+    @classmethod
+    def concatenate(cls, parts: list[Int8Linear]) -> Int8Linear:
+        """One linear whose outputs are `parts`' outputs in order (a fused Q/K/V or
+        gate/up projection); the weights are copied (the caller may re-point the parts).
+
+        Raises:
+            ValueError: the parts' input widths differ or only some have a bias.
+        """
+        bias = _concatenated_bias(parts)
+        fused = cls.__new__(cls)
+        QuantizedLinear.__init__(
+            fused, parts[0].in_features, sum(part.out_features for part in parts), bias
+        )
+        fused.register_buffer("weight", torch.cat([part.weight for part in parts]))
+        fused.register_buffer("scales", torch.cat([part.scales for part in parts]))
+        return fused
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.to(torch.bfloat16) * self.scales[:, None]
@@ -169,6 +191,37 @@ class Int4Linear(QuantizedLinear):
         )
         return out
 
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if not self._unpack_ok:
+            return self._fused(rows)
+        return super().matmul(rows)
+
+    @classmethod
+    def concatenate(cls, parts: list[Int4Linear]) -> Int4Linear:
+        """One linear whose outputs are `parts`' outputs in order. The packed layout is
+        blocked by 64 output channels along its first dimension and every part's output
+        count is a multiple of 64, so the packed tensors concatenate along it as they are
+        (and `scales_and_zeros` `[groups, out, 2]` along outputs).
+
+        Raises:
+            ValueError: the parts' input widths or group sizes differ, or only some have
+                a bias.
+        """
+        if len({part.group_size for part in parts}) != 1:
+            raise ValueError("int4 parts with different group sizes cannot be fused")
+        bias = _concatenated_bias(parts)
+        fused = cls.__new__(cls)
+        QuantizedLinear.__init__(
+            fused, parts[0].in_features, sum(part.out_features for part in parts), bias
+        )
+        fused.group_size = parts[0].group_size
+        fused.register_buffer("packed", torch.cat([part.packed for part in parts]))
+        fused.register_buffer(
+            "scales_and_zeros", torch.cat([part.scales_and_zeros for part in parts], dim=1)
+        )
+        fused._unpack_ok = all(part._unpack_ok for part in parts)
+        return fused
+
     def dequantize_transposed(self) -> torch.Tensor:
         """The weight as `[in, out]` bfloat16 (the layout the packed blocks unpack to)."""
         blocks = self.out_features // _INT4_BLOCK_N
@@ -196,6 +249,22 @@ class Int4Linear(QuantizedLinear):
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         result = self._fused(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return result if self.bias is None else result + self.bias
+
+
+def _concatenated_bias(parts: list[Int8Linear] | list[Int4Linear]) -> torch.Tensor | None:
+    """The parts' biases concatenated (None when none has one); checks the input widths.
+
+    Raises:
+        ValueError: input widths differ, or only some parts have a bias.
+    """
+    if len({part.in_features for part in parts}) != 1:
+        raise ValueError("linears with different input widths cannot be fused")
+    biases = [part.bias for part in parts]
+    if all(bias is None for bias in biases):
+        return None
+    if any(bias is None for bias in biases):
+        raise ValueError("cannot fuse linears where only some have a bias")
+    return torch.cat([bias for bias in biases if bias is not None])
 
 
 def int4_supported(linear: nn.Linear, group_size: int = INT4_GROUP_SIZE) -> bool:

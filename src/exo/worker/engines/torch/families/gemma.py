@@ -7,7 +7,11 @@ from typing import Any
 
 from transformers import GemmaConfig, GemmaForCausalLM, PreTrainedModel
 
-from exo.worker.engines.torch.families.spec import ModelFamily, standard_attention_and_mlp
+from exo.worker.engines.torch.families.spec import (
+    DecoderLayout,
+    ModelFamily,
+    standard_attention_and_mlp,
+)
 
 
 def tiny_model(settings: dict[str, Any]) -> PreTrainedModel:
@@ -23,4 +27,5 @@ FAMILY = ModelFamily(
     row_parallel=_ROW,
     rms_norms=(),
     tiny_model=tiny_model,
+    layout=DecoderLayout(norm_offset=1.0),
 )

@@ -18,6 +18,7 @@ from transformers import (
 )
 
 from exo.worker.engines.torch.families.spec import (
+    DecoderLayout,
     ModelFamily,
     attention_windows_from_layer_types,
     standard_attention_and_mlp,
@@ -48,4 +49,12 @@ FAMILY = ModelFamily(
     attention_windows=attention_windows_from_layer_types,
     tiny_model=tiny_model,
     tiny_wrapped_config=wrapped_config,
+    layout=DecoderLayout(
+        pre_mlp_norm="pre_feedforward_layernorm",
+        post_attention_norm="post_attention_layernorm",
+        post_mlp_norm="post_feedforward_layernorm",
+        qk_norms=("self_attn.q_norm", "self_attn.k_norm"),
+        norm_offset=1.0,
+        rope_per_layer_type=True,
+    ),
 )

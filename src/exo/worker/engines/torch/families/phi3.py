@@ -14,7 +14,11 @@ from torch import nn
 from transformers import Phi3Config, Phi3ForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.phi3.modeling_phi3 import Phi3RMSNorm
 
-from exo.worker.engines.torch.families.spec import ModelFamily, UnsupportedArchitectureError
+from exo.worker.engines.torch.families.spec import (
+    DecoderLayout,
+    ModelFamily,
+    UnsupportedArchitectureError,
+)
 
 
 def _head_dim(config: PretrainedConfig) -> int:
@@ -61,4 +65,5 @@ FAMILY = ModelFamily(
     rms_norms=(Phi3RMSNorm,),
     after_tensor_split=give_attention_rank_heads,
     tiny_model=tiny_model,
+    layout=DecoderLayout(qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",)),
 )

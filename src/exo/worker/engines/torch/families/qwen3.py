@@ -8,6 +8,7 @@ from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from exo.worker.engines.torch.families.spec import (
+    DecoderLayout,
     ModelFamily,
     attention_windows_from_layer_types,
     standard_attention_and_mlp,
@@ -28,4 +29,5 @@ FAMILY = ModelFamily(
     rms_norms=(Qwen3RMSNorm,),
     attention_windows=attention_windows_from_layer_types,
     tiny_model=tiny_model,
+    layout=DecoderLayout(qk_norms=("self_attn.q_norm", "self_attn.k_norm")),
 )

@@ -1,9 +1,10 @@
 """What the engine must know about a model family, in one value per family.
 
 A family file (`llama.py`, `gemma3.py`, ...) builds one `ModelFamily`; loading, sharding,
-quantization, fusion, the KV cache and the tests' tiny models read it and nothing else
-(the habit of mlx-lm's `models/<family>.py`: one place per architecture). The model code
-itself stays transformers'; the spec only names its parts.
+quantization, fusion, the KV cache, the lean forward and the tests' tiny models read it and
+nothing else (the habit of mlx-lm's `models/<family>.py`: one place per architecture). The
+modules stay transformers'; the lean forward (`lean_forward.py`) walks them as the spec's
+`DecoderLayout` says, and transformers' own forward is the reference.
 """
 
 from __future__ import annotations
@@ -65,6 +66,41 @@ def _layers(config: PretrainedConfig) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class DecoderLayout:
+    """How the lean forward (`lean_forward.py`) walks one decoder layer: module paths
+    relative to the layer, and the family's variations on the Llama layer.
+
+    Attributes:
+        qkv: the Q, K, V projections in that order (fused into one matmul), or one path of
+            an already fused `qkv_proj` (Phi-3).
+        gate_up: the gate and up projections (fused), or one fused `gate_up_proj`.
+        output / down: the attention output and MLP down projections (row-parallel).
+        input_norm: the norm before attention.
+        pre_mlp_norm: the norm before the MLP.
+        post_attention_norm / post_mlp_norm: norms of the attention / MLP output before
+            the residual add (Gemma 3's "sandwich" norms), None where absent.
+        qk_norms: per-head RMSNorms of queries and keys before rotary (Qwen3, Gemma 3).
+        norm_offset: RMSNorms scale by `norm_offset + weight` (Gemma's `1 + weight`: 1.0).
+        rope_per_layer_type: the rotary module takes the layer type (Gemma 3: local
+            sliding layers use another base frequency).
+    The activation is read from the MLP module; the embedding's scale (Gemma's
+    `sqrt(hidden)`) is inside the model's embedding module, which the lean forward calls.
+    """
+
+    qkv: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    gate_up: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")
+    output: str = "self_attn.o_proj"
+    down: str = "mlp.down_proj"
+    input_norm: str = "input_layernorm"
+    pre_mlp_norm: str = "post_attention_layernorm"
+    post_attention_norm: str | None = None
+    post_mlp_norm: str | None = None
+    qk_norms: tuple[str, str] | None = None
+    norm_offset: float = 0.0
+    rope_per_layer_type: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ModelFamily:
     """One model family's facts for the engine.
 
@@ -90,6 +126,8 @@ class ModelFamily:
         tiny_model: builds a random-weight model of the family for tests and benchmarks.
         tiny_wrapped_config: the `*ForConditionalGeneration` config around a text config,
             for tests of the wrapped checkpoint layout (None: the family has none).
+        layout: how the lean forward walks a decoder layer (None: the family runs on
+            transformers' modules only).
     """
 
     name: str
@@ -104,6 +142,7 @@ class ModelFamily:
     tensor_parallel_note: str | None = None
     after_tensor_split: TensorSplitHook | None = None
     tiny_wrapped_config: Callable[[PretrainedConfig], PretrainedConfig] | None = None
+    layout: DecoderLayout | None = DecoderLayout()
 
     def checkpoint_prefix(self, architecture: str) -> str:
         """The prefix of the text model's tensor names in a checkpoint of `architecture`."""

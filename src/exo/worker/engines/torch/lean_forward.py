@@ -1,0 +1,298 @@
+"""The lean batched step: our own forward over a loaded model's weights, for every family
+with a `DecoderLayout`, with no transformers Python per token.
+
+`forward_batch` / `stage_forward_batch` (batch_attention.py, distributed_batch.py) call the
+`LeanModel` attached to a model (`enable_lean_forward`, done at load) instead of the
+transformers model. One step, over the plan's flattened rows `[T]`:
+
+1. embed (the model's embedding module, which carries Gemma's `sqrt(hidden)` scale), or take
+   the previous pipeline rank's hidden states;
+2. rotary cos/sin once per step (the model's rotary module, once per rope kind; Gemma 3
+   has a local one for sliding layers), as whole-head tables (`lean_parts.rotary_tables`);
+3. per decoder layer: RMSNorm (one `F.rms_norm` kernel; Gemma's `1 + weight` folded into the
+   weight at build time), ONE fused Q/K/V matmul, per-head q/k norms (Qwen3, Gemma 3) and
+   rotary over queries and keys together, `batch_attention.attend` (slot KV cache, per-request
+   positions and windows), the output projection (all-reduced on tensor ranks), Gemma 3's
+   post-attention norm, the residual add in place; then the same for the MLP with ONE fused
+   gate/up matmul and the activation times up;
+4. on the last rank: the final norm and LM head on the logit rows only (Gemma's final logit
+   soft-capping where configured).
+
+Dtypes: the residual stream stays float32. With quantized linears on a CPU with native
+bfloat16 (`lean_parts.bf16_activations_wanted`), a norm's output is cast to bfloat16 once
+and the int4/int8 kernels take and give bfloat16 directly (the MLP stays bfloat16 from the
+gate/up matmul to the down matmul); attention runs in the KV cache's dtype (float32). Without
+native bfloat16 every activation is float32 and the quantized modules cast around their kernel
+(what they did before). Fusing Q/K/V and gate/up follows gpt-fast (`wqkv`, `w1`/`w3`) and
+vLLM (`QKVParallelLinear`, `MergedColumnParallelLinear`); on a tensor rank the rank's slices
+are fused, after the split.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from loguru import logger
+from torch import nn
+
+from exo.worker.engines.torch.batch_attention import BatchPlan, attach_lean_step, attend
+from exo.worker.engines.torch.families import ModelFamily, UnsupportedArchitectureError
+from exo.worker.engines.torch.lean_parts import (
+    Activation,
+    LeanUnsupportedError,
+    Projection,
+    bf16_activations_wanted,
+    mlp_activation,
+    norm_weight,
+    rotary_tables,
+)
+from exo.worker.engines.torch.quantize import QuantizedLinear
+from exo.worker.engines.torch.sharding import AbsentModule
+
+# "0": keep transformers' forward on the serving path (for A/B measurements and debugging).
+LEAN_ENV = "EXO_LEAN_FORWARD"
+
+_Norm = tuple[torch.Tensor, float]  # (offset + weight float32, eps)
+
+
+class LeanLayer:
+    """One decoder layer's tensors, read from the loaded modules.
+
+    Attributes:
+        heads / kv_heads / head_dim: this rank's query and KV heads, and their width.
+        rope: index of the layer's rotary tables in the step (0 unless Gemma 3 local).
+    """
+
+    __slots__ = (
+        "activation", "down", "gate_up", "head_dim", "heads", "input_norm", "intermediate",
+        "kv_heads", "output", "post_attention_norm", "post_mlp_norm", "pre_mlp_norm",
+        "qk_norm", "qkv", "rope", "scaling",
+    )  # fmt: skip
+
+    def __init__(self, layer: nn.Module, family: ModelFamily, bf16: bool, rope: int) -> None:
+        layout = family.layout
+        assert layout is not None
+        attention: Any = layer.get_submodule("self_attn")
+        if getattr(attention, "attn_logit_softcapping", None) is not None:
+            raise LeanUnsupportedError("attention logit soft-capping")
+        self.head_dim = int(attention.head_dim)
+        self.scaling = float(attention.scaling)
+        self.rope = rope
+        self.qkv = Projection([layer.get_submodule(path) for path in layout.qkv], bf16)
+        if len(layout.qkv) == 3:
+            query: Any = layer.get_submodule(layout.qkv[0])
+            key: Any = layer.get_submodule(layout.qkv[1])
+            self.heads = int(query.out_features) // self.head_dim
+            self.kv_heads = int(key.out_features) // self.head_dim
+        else:  # one fused qkv_proj: heads in the config's ratio, this rank's share
+            config: Any = attention.config
+            heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+            share = self.qkv.out_features / ((heads + 2 * kv_heads) * self.head_dim)
+            self.heads, self.kv_heads = round(heads * share), round(kv_heads * share)
+        if (self.heads + 2 * self.kv_heads) * self.head_dim != self.qkv.out_features:
+            raise LeanUnsupportedError("Q/K/V widths do not match the head counts")
+        self.output = Projection([layer.get_submodule(layout.output)], bf16)
+        self.gate_up = Projection([layer.get_submodule(path) for path in layout.gate_up], bf16)
+        self.intermediate = self.gate_up.out_features // 2
+        self.down = Projection([layer.get_submodule(layout.down)], bf16)
+        self.activation: Activation = mlp_activation(_parent(layer, layout.down))
+        offset = layout.norm_offset
+        self.input_norm = norm_weight(layer.get_submodule(layout.input_norm), offset)
+        self.pre_mlp_norm = norm_weight(layer.get_submodule(layout.pre_mlp_norm), offset)
+        self.post_attention_norm: _Norm | None = None
+        self.post_mlp_norm: _Norm | None = None
+        if layout.post_attention_norm is not None:
+            module = layer.get_submodule(layout.post_attention_norm)
+            self.post_attention_norm = norm_weight(module, offset)
+        if layout.post_mlp_norm is not None:
+            self.post_mlp_norm = norm_weight(layer.get_submodule(layout.post_mlp_norm), offset)
+        self.qk_norm: _Norm | None = None
+        if layout.qk_norms is not None:
+            q_weight, eps = norm_weight(layer.get_submodule(layout.qk_norms[0]), offset)
+            k_weight, _ = norm_weight(layer.get_submodule(layout.qk_norms[1]), offset)
+            weight = torch.cat(
+                [q_weight.expand(self.heads, -1), k_weight.expand(self.kv_heads, -1)]
+            )  # [heads + kv_heads, head_dim]
+            self.qk_norm = (weight, eps)
+
+
+def _parent(layer: nn.Module, path: str) -> nn.Module:
+    parent, _, _ = path.rpartition(".")
+    return layer.get_submodule(parent) if parent else layer
+
+
+class LeanModel:
+    """A loaded (possibly sharded) model's batched step without transformers' forward.
+
+    Args:
+        model: the loaded causal LM (whole, a pipeline stage, or a tensor rank's slices).
+        family: its family file (with a `layout`).
+        bf16: bfloat16 activations around quantized kernels (None: where the CPU has native
+            bfloat16 and some decoder linear is quantized).
+
+    Raises:
+        LeanUnsupportedError: a part the lean forward has no code for (the caller keeps
+            transformers' forward).
+    """
+
+    enabled: bool
+
+    def __init__(self, model: nn.Module, family: ModelFamily, bf16: bool | None = None) -> None:
+        if family.layout is None:
+            raise LeanUnsupportedError(f"the {family.name} family has no decoder layout")
+        inner: Any = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise LeanUnsupportedError("no decoder layers at model.model.layers")
+        quantized = any(isinstance(module, QuantizedLinear) for module in layers.modules())
+        self.bf16 = (bf16_activations_wanted() if bf16 is None else bf16) and quantized
+        self.enabled = True
+        config: Any = model.config
+        text_config: Any = config.get_text_config()
+        self._rotary: nn.Module = inner.rotary_emb
+        layer_types = getattr(text_config, "layer_types", None)
+        if family.layout.rope_per_layer_type and isinstance(layer_types, list | tuple):
+            self._rope_kinds: list[str | None] = sorted(set(layer_types))
+            ropes = [self._rope_kinds.index(kind) for kind in layer_types]
+        else:
+            self._rope_kinds = [None]
+            ropes = [0] * len(layers)
+        self.layers = [
+            LeanLayer(layer, family, self.bf16, rope)
+            for layer, rope in zip(layers, ropes, strict=True)
+        ]
+        self._embedding: nn.Module | None = inner.embed_tokens
+        if isinstance(self._embedding, AbsentModule):
+            self._embedding = None
+        self._hidden_size = int(text_config.hidden_size)
+        head: Any = getattr(model, "lm_head", None)
+        self._head: Projection | None = None
+        self._final_norm: tuple[torch.Tensor, float] | None = None
+        if head is not None and not isinstance(head, AbsentModule):
+            self._head = Projection([head], self.bf16)
+            self._final_norm = norm_weight(inner.norm, family.layout.norm_offset)
+        softcap = getattr(text_config, "final_logit_softcapping", None)
+        self._softcap = float(softcap) if softcap else None
+        self._cache_dtype = torch.float32
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        plan: BatchPlan,
+        input_ids: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        logit_rows: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One step (see `batch_attention.LeanStep`): `input_ids` `[T]` int64 on the first
+        rank, else `hidden` `[T, hidden]` float32; `position_ids` `[T]` int64; `logit_rows`
+        `[R]` int64 or None (return the `[T, hidden]` float32 hidden states).
+
+        Returns:
+            `[R, vocab]` float32 logits, or the hidden states.
+        """
+        if input_ids is not None:
+            if self._embedding is None:
+                raise RuntimeError("the token embedding is not on this pipeline rank")
+            x = self._embedding(input_ids).float()
+        else:
+            assert hidden is not None
+            x = hidden.float().clone()
+        cache_dtype = plan.cache.keys[0].dtype if plan.cache.keys else torch.float32
+        tables = self._rotary_tables(x, position_ids, cache_dtype)
+        for index, layer in enumerate(self.layers):
+            self._layer(plan, index, layer, x, tables[layer.rope], cache_dtype)
+        if logit_rows is None:
+            return x
+        assert self._head is not None and self._final_norm is not None
+        rows = x.index_select(0, logit_rows)
+        weight, eps = self._final_norm
+        normed = F.rms_norm(rows, (self._hidden_size,), weight, eps)
+        logits = self._head(normed.to(self._head.in_dtype)).float()
+        if self._softcap is not None:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
+
+    def _rotary_tables(
+        self, x: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        probe = x[:1, None].to(dtype)  # the rotary module reads only its dtype and device
+        positions = position_ids[None]
+        tables = []
+        head_dim = self.layers[0].head_dim if self.layers else 1
+        for kind in self._rope_kinds:
+            if kind is None:
+                cos, sin = self._rotary(probe, positions)
+            else:
+                cos, sin = self._rotary(probe, positions, kind)
+            tables.append(rotary_tables(cos[0], sin[0], head_dim))
+        return tables
+
+    def _layer(
+        self,
+        plan: BatchPlan,
+        index: int,
+        layer: LeanLayer,
+        x: torch.Tensor,
+        table: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        cache_dtype: torch.dtype,
+    ) -> None:
+        """Layer `index` over the residual stream `x` `[T, hidden]` float32, in place."""
+        rows = x.shape[0]
+        heads, kv_heads, head_dim = layer.heads, layer.kv_heads, layer.head_dim
+        weight, eps = layer.input_norm
+        normed = F.rms_norm(x, (self._hidden_size,), weight, eps).to(layer.qkv.in_dtype)
+        qkv = layer.qkv(normed).to(cache_dtype)  # [T, (heads + 2 kv_heads) * head_dim]
+        width = (heads + kv_heads) * head_dim
+        qk = qkv[:, :width].view(rows, heads + kv_heads, head_dim)
+        if layer.qk_norm is not None:
+            qk_weight, qk_eps = layer.qk_norm
+            qk = F.rms_norm(qk, (head_dim,), None, qk_eps) * qk_weight
+        cos, sin, perm = table
+        qk = qk * cos + qk.index_select(-1, perm) * sin
+        query = qk[:, :heads].transpose(0, 1).unsqueeze(0)  # [1, heads, T, head_dim]
+        key = qk[:, heads:].transpose(0, 1).unsqueeze(0)
+        value = qkv[:, width:].view(rows, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
+        attended = attend(plan, index, query, key, value, layer.scaling)  # [1, T, heads, dim]
+        out = layer.output(attended.view(rows, heads * head_dim).to(layer.output.in_dtype))
+        if layer.post_attention_norm is not None:
+            weight, eps = layer.post_attention_norm
+            out = F.rms_norm(out.float(), (self._hidden_size,), weight, eps)
+        x.add_(out)
+        weight, eps = layer.pre_mlp_norm
+        normed = F.rms_norm(x, (self._hidden_size,), weight, eps).to(layer.gate_up.in_dtype)
+        gate_up = layer.gate_up(normed)  # [T, 2 * intermediate]
+        middle = layer.intermediate
+        activated = layer.activation(gate_up[:, :middle]).mul_(gate_up[:, middle:])
+        out = layer.down(activated.to(layer.down.in_dtype))
+        if layer.post_mlp_norm is not None:
+            weight, eps = layer.post_mlp_norm
+            out = F.rms_norm(out.float(), (self._hidden_size,), weight, eps)
+        x.add_(out)
+
+
+def enable_lean_forward(
+    model: nn.Module, family: ModelFamily, bf16: bool | None = None
+) -> LeanModel | None:
+    """Build the model's `LeanModel` (fusing its Q/K/V and gate/up linears) and attach it
+    so `forward_batch` runs it; None (transformers' forward stays, with a log line naming
+    the reason) when `LEAN_ENV` is "0" or the model has a part without lean code."""
+    if os.environ.get(LEAN_ENV) == "0":
+        logger.info("lean forward off ({}=0): batched steps run transformers' forward", LEAN_ENV)
+        return None
+    try:
+        lean = LeanModel(model, family, bf16)
+    except (LeanUnsupportedError, UnsupportedArchitectureError) as error:
+        logger.warning(
+            "no lean forward for {}: {}; using transformers' forward", family.name, error
+        )
+        return None
+    attach_lean_step(model, lean)
+    logger.debug(
+        "lean forward for {} ({} layers, {} activations)", family.name, len(lean.layers),
+        "bfloat16" if lean.bf16 else "float32",
+    )  # fmt: skip
+    return lean

@@ -1,0 +1,222 @@
+"""The pieces the lean forward (`lean_forward.py`) reads out of a loaded transformers model:
+projections (fused Q/K/V and gate/up, quantized or dense, row-parallel with their
+all-reduce), RMSNorm weights, the MLP's activation, and whether the CPU computes bfloat16
+natively.
+
+Nothing here runs transformers code per token: each piece holds the loaded module's tensors
+(or the quantized module, whose kernel it calls directly) and does one or two torch ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from exo.worker.engines.torch.fusion import FusedRMSNorm, fuse_linears
+from exo.worker.engines.torch.quantize import QuantizedLinear
+from exo.worker.engines.torch.sharding import AllReducedLinear, RowParallelLinear
+
+# "1" / "0": force bfloat16 activations on or off (default: on where the CPU has native
+# bfloat16 arithmetic and the model's linears are quantized).
+BF16_ENV = "EXO_LEAN_BF16"
+
+
+class LeanUnsupportedError(ValueError):
+    """The model has a part the lean forward has no code for (it then runs transformers')."""
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively: the x86 flags `avx512_bf16` /
+    `amx_bf16` or the Arm flag `bf16` in /proc/cpuinfo. (`torch.backends.cpu.
+    get_cpu_capability()` names only the vector ISA torch dispatches to, e.g. "AVX512",
+    which does not imply bfloat16 instructions.) False where /proc/cpuinfo is unreadable."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags: set[str] = set()
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def bf16_activations_wanted() -> bool:
+    """`BF16_ENV` when set ("1" / "0"), else `cpu_has_native_bf16()`."""
+    forced = os.environ.get(BF16_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    return cpu_has_native_bf16()
+
+
+class Projection:
+    """One linear of a decoder layer (possibly several fused along outputs), called on
+    `[T, in]` rows.
+
+    Kinds: a dense float32 weight (`F.linear`); a quantized module whose kernel is called
+    directly on bfloat16 rows (`bf16=True`: no cast around it) or through its own forward
+    (float32 rows, cast around the kernel: the fallback without native bfloat16); unfusable
+    parts (mixed int4/int8) run one by one and are concatenated. A row-parallel linear's
+    partial sum is all-reduced (in float32) before its bias.
+
+    Output dtype: float32, except bfloat16 for a quantized kernel with `bf16=True` and no
+    all-reduce.
+    """
+
+    __slots__ = ("bf16", "bias", "out_features", "parts", "quantized", "reduce", "weight")
+
+    def __init__(self, modules: Sequence[nn.Module], bf16: bool) -> None:
+        self.bf16 = bf16
+        self.reduce = False
+        self.weight: torch.Tensor | None = None
+        self.quantized: QuantizedLinear | None = None
+        self.parts: list[Projection] = []
+        self.bias: torch.Tensor | None = None
+        self.out_features: int
+        if len(modules) > 1:
+            fused = fuse_linears(modules)
+            if fused is None:  # mixed kinds: run each, concatenate
+                self.parts = [Projection([module], bf16) for module in modules]
+                self.out_features = sum(part.out_features for part in self.parts)
+                return
+            modules = [fused]
+        module = modules[0]
+        if isinstance(module, AllReducedLinear):
+            self.reduce = True
+            self.bias = module.bias
+            module = module.local
+        elif isinstance(module, RowParallelLinear):
+            self.reduce = True
+        if isinstance(module, QuantizedLinear):
+            self.quantized = module
+            if not self.reduce:
+                bias = module.bias
+                self.bias = None if bias is None else bias.to(self._kernel_out_dtype)
+        elif isinstance(module, nn.Linear):
+            self.weight = module.weight.detach()
+            if module.bias is not None:
+                self.bias = module.bias.detach()
+        else:
+            raise LeanUnsupportedError(f"no lean code for a {type(module).__name__} linear")
+        self.out_features = int(module.out_features)
+
+    @property
+    def _kernel_out_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+    @property
+    def in_dtype(self) -> torch.dtype:
+        """The dtype its rows must come in."""
+        if self.parts:
+            return self.parts[0].in_dtype
+        return torch.bfloat16 if self.quantized is not None and self.bf16 else torch.float32
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.parts:
+            return torch.cat([part(rows.to(part.in_dtype)) for part in self.parts], dim=-1)
+        if self.weight is not None:
+            out = F.linear(rows, self.weight, None if self.reduce else self.bias)
+        else:
+            assert self.quantized is not None
+            if self.bf16:
+                out = self.quantized.matmul(rows)
+            else:
+                out = self.quantized.matmul(rows.to(torch.bfloat16)).float()
+            if not self.reduce and self.bias is not None:
+                out = out + self.bias
+        if self.reduce:
+            out = out.float()
+            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+            if self.bias is not None:
+                out = out + self.bias
+        return out
+
+
+def norm_weight(module: nn.Module, offset: float) -> tuple[torch.Tensor, float]:
+    """An RMSNorm's `offset + weight` (float32) and epsilon, for `F.rms_norm`.
+
+    Raises:
+        LeanUnsupportedError: the module has no weight or epsilon where RMSNorms keep them.
+    """
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is None:
+        eps = getattr(module, "eps", None)
+    if not isinstance(weight, torch.Tensor) or not isinstance(eps, float):
+        raise LeanUnsupportedError(
+            f"{type(module).__name__} is not an RMSNorm the lean forward reads"
+        )
+    weight = weight.detach().float()
+    if offset:
+        weight = weight + offset
+    return weight, eps
+
+
+def is_rms_norm(module: nn.Module) -> bool:
+    return isinstance(module, FusedRMSNorm) or "RMSNorm" in type(module).__name__
+
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def mlp_activation(mlp: nn.Module) -> Activation:
+    """The gated MLP's activation as a torch function, identified by evaluating the
+    module's own (`act_fn`, or Phi-3's `activation_fn`) on fixed points: SiLU (Llama,
+    Qwen, Mistral, Phi-3), tanh-GELU (Gemma), exact GELU.
+
+    Raises:
+        LeanUnsupportedError: none matches.
+    """
+    module = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+    if not callable(module):
+        raise LeanUnsupportedError(f"{type(mlp).__name__} has no act_fn")
+    probe = torch.linspace(-6.0, 6.0, 97)
+    with torch.no_grad():
+        reference = module(probe)
+    candidates: tuple[Activation, ...] = (F.silu, _gelu_tanh, F.gelu)
+    for candidate in candidates:
+        if torch.allclose(reference, candidate(probe), rtol=0.0, atol=1e-6):
+            return candidate
+    raise LeanUnsupportedError(f"unknown activation {type(module).__name__}")
+
+
+def rotary_tables(
+    cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotary position embedding as one gather and two products over whole heads.
+
+    transformers applies `x * cos + rotate_half(x) * sin` to the first `rotary_dim` values
+    of each head (`rotate_half(x) = cat(-x2, x1)`; the rest pass unchanged: Phi-4-mini's
+    partial rotary). Here `x * cos_full + x[..., perm] * sin_full` gives the same products
+    with the sign folded into `sin_full` and 1 / 0 over the pass-through values.
+
+    Args:
+        cos / sin: `[T, rotary_dim]` from the model's rotary module.
+
+    Returns:
+        `cos_full` `[T, 1, head_dim]`, `sin_full` `[T, 1, head_dim]`, `perm` `[head_dim]`.
+    """
+    rows, rotary = cos.shape
+    half = rotary // 2
+    cos_full = cos.new_ones(rows, head_dim)
+    sin_full = sin.new_zeros(rows, head_dim)
+    cos_full[:, :rotary] = cos
+    sin_full[:, :half] = -sin[:, :half]
+    sin_full[:, half:rotary] = sin[:, half:]
+    perm = torch.arange(head_dim, device=cos.device)
+    perm[:half] += half
+    perm[half:rotary] -= half
+    return cos_full[:, None], sin_full[:, None], perm

@@ -1,0 +1,161 @@
+"""A fixed sequence of batched steps, run through `forward_batch` (single rank, tensor rank)
+or the pipeline stages, with the lean forward on or off: the tests compare the two.
+
+Two requests with fixed token ids (teacher forcing: the same tokens whatever the logits):
+request A (12 prompt tokens, longer than the tiny models' sliding window of 8) and request B
+(5 tokens) are prefilled in one step (two segments), then both decode `DECODE_STEPS` tokens
+together, and finally request C joins (prefill segment) beside the decoding A and B.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from exo.worker.engines.torch.batch_attention import (
+    BatchPlan,
+    PrefillSegment,
+    SlotKVCache,
+    attention_layers,
+    forward_batch,
+    lean_step_of,
+    use_batched_attention,
+)
+from exo.worker.engines.torch.distributed_batch import StepHeader, stage_forward_batch
+from exo.worker.engines.torch.families import family_for_architecture
+
+DECODE_STEPS = 6
+PROMPT_A_LENGTH = 12
+PROMPT_B_LENGTH = 5
+PROMPT_C_LENGTH = 7
+
+
+def forced_tokens(vocab: int, seed: int = 0) -> list[list[int]]:
+    """Per request, its prompt then the tokens fed while decoding (seeded)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = (PROMPT_A_LENGTH + DECODE_STEPS, PROMPT_B_LENGTH + DECODE_STEPS, PROMPT_C_LENGTH)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def new_cache(model: nn.Module, world_size: int = 1) -> tuple[SlotKVCache, Any, dict[int, int]]:
+    config: Any = model.config
+    text_config: Any = config.get_text_config()
+    windows = family_for_architecture(type(model).__name__).attention_windows(text_config)
+    heads = int(text_config.num_attention_heads)
+    kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads) // world_size
+    head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
+    use_batched_attention(model)  # type: ignore[arg-type]
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        own = getattr(layer.self_attn, "config", None)
+        if own is not None and own is not text_config:
+            own._attn_implementation = text_config._attn_implementation
+    cache = SlotKVCache(len(windows), kv_heads, head_dim, torch.float32, torch.device("cpu"), 3)
+    return cache, windows, attention_layers(model)  # type: ignore[arg-type]
+
+
+def steps(
+    tokens: list[list[int]],
+) -> list[tuple[list[int], list[int], list[PrefillSegment], list[int], list[int], list[int]]]:
+    """The steps as (decode slots, decode positions, prefill segments, input ids, positions,
+    logit rows)."""
+    a, b, c = tokens
+    out: list[Any] = []
+    ids = a[:PROMPT_A_LENGTH] + b[:PROMPT_B_LENGTH]
+    positions = list(range(PROMPT_A_LENGTH)) + list(range(PROMPT_B_LENGTH))
+    segments = [
+        PrefillSegment(0, 0, 0, PROMPT_A_LENGTH),
+        PrefillSegment(1, 0, PROMPT_A_LENGTH, PROMPT_B_LENGTH),
+    ]
+    out.append(([], [], segments, ids, positions, [PROMPT_A_LENGTH - 1, len(ids) - 1]))
+    for step in range(DECODE_STEPS):
+        ids = [a[PROMPT_A_LENGTH + step], b[PROMPT_B_LENGTH + step]]
+        positions = [PROMPT_A_LENGTH + step, PROMPT_B_LENGTH + step]
+        prefill: list[PrefillSegment] = []
+        rows = [0, 1]
+        if step == DECODE_STEPS - 1:  # C joins beside the decodes
+            prefill = [PrefillSegment(2, 0, 2, PROMPT_C_LENGTH)]
+            ids = ids + c
+            positions = positions + list(range(PROMPT_C_LENGTH))
+            rows = [0, 1, 1 + PROMPT_C_LENGTH]
+        out.append(([0, 1], positions[:2], prefill, ids, positions, rows))
+    return out
+
+
+def run_single(
+    model: Any, tokens: list[list[int]], lean: bool, world_size: int = 1
+) -> torch.Tensor:
+    """Every step through `forward_batch` (a whole model or a tensor rank's; collective on
+    tensor ranks). Returns the logits of every step's logit rows, `[rows, vocab]`."""
+    step_fn = lean_step_of(model) if lean else None
+    attached = model.__dict__.get("_exo_lean_step")
+    if lean and step_fn is None:
+        raise AssertionError("the model has no lean forward attached")
+    if attached is not None:
+        attached.enabled = lean
+    try:
+        cache, windows, layer_of = new_cache(model, world_size)
+        logits = []
+        for decode_slots, decode_positions, prefill, ids, positions, rows in steps(tokens):
+            for segment in prefill:
+                if segment.start == 0:
+                    assert cache.allocate() == segment.slot
+            plan = BatchPlan(cache, windows, decode_slots, decode_positions, prefill, layer_of)
+            logits.append(
+                forward_batch(
+                    model,
+                    plan,
+                    torch.tensor([ids]),
+                    torch.tensor([positions]),
+                    torch.tensor(rows),
+                )
+            )
+        return torch.cat(logits)
+    finally:
+        if attached is not None:
+            attached.enabled = True
+
+
+def run_pipeline_rank(
+    model: nn.Module, tokens: list[list[int]], lean: bool, rank: int, world_size: int
+) -> torch.Tensor | None:
+    """Every step through this pipeline rank's stage (hidden states sent rank to rank);
+    the last rank returns the logits `[rows, vocab]`, the others None."""
+    attached = model.__dict__.get("_exo_lean_step")
+    if lean and attached is None:
+        raise AssertionError("the model has no lean forward attached")
+    if attached is not None:
+        attached.enabled = lean
+    is_last = rank == world_size - 1
+    config: Any = model.config
+    hidden_size = int(config.get_text_config().hidden_size)
+    try:
+        cache, windows, layer_of = new_cache(model)
+        logits = []
+        for decode_slots, decode_positions, prefill, ids, positions, rows in steps(tokens):
+            for segment in prefill:
+                if segment.start == 0:
+                    assert cache.allocate() == segment.slot
+            header = StepHeader(
+                1, (), tuple(decode_slots), tuple(decode_positions), tuple(prefill), tuple(ids),
+                tuple(positions), tuple(rows),
+            )  # fmt: skip
+            plan = header.plan(cache, windows, layer_of)
+            hidden = None
+            if rank > 0:
+                hidden = torch.empty((1, len(ids), hidden_size))
+                dist.recv(hidden, src=rank - 1)
+            output = stage_forward_batch(
+                model, plan, header, hidden=hidden, is_last=is_last,  # type: ignore[arg-type]
+                device=torch.device("cpu"),
+            )  # fmt: skip
+            if is_last:
+                logits.append(output)
+            else:
+                dist.send(output.float().contiguous(), dst=rank + 1)
+        return torch.cat(logits) if is_last else None
+    finally:
+        if attached is not None:
+            attached.enabled = True

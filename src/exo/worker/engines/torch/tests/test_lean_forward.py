@@ -1,0 +1,241 @@
+"""The lean forward (lean_forward.py) against transformers' forward, on tiny random models of
+every family: float32 logits within `FLOAT32_TOLERANCE` and the same greedy tokens, single
+rank and sharded (pipeline x2, tensor x2: llama by default, the other families under
+`-m slow`); int4 with bfloat16 activations within `INT4_TOLERANCE` (teacher forcing: both
+paths are fed the same tokens, `lean_steps`); the float32 fallback for CPUs without
+bfloat16, forced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as multiprocessing
+from torch import nn
+
+from exo.testing.ports import free_port
+from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
+from exo.worker.engines.torch import lean_parts
+from exo.worker.engines.torch.batch_attention import lean_step_of
+from exo.worker.engines.torch.families import family_by_name
+from exo.worker.engines.torch.fusion import fuse_linears
+from exo.worker.engines.torch.lean_forward import LeanModel, enable_lean_forward
+from exo.worker.engines.torch.loading import load_model
+from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear
+from exo.worker.engines.torch.tests import lean_steps
+from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S, make_shard
+
+# Largest |lean - transformers| logit. float32: measured 0 (the same kernels in the same
+# order) on every family; the bound leaves room for other CPUs' matmul blocking. int4 with
+# bfloat16 activations against transformers' int4 path (float32 activations cast to
+# bfloat16 at each kernel): measured up to 9e-3 on these models (the bfloat16 rounding of
+# activations between kernels; logits here are ~0.1 wide).
+FLOAT32_TOLERANCE = 1e-4
+INT4_TOLERANCE = 5e-2
+VOCAB_PROBE = 1000  # forced token ids are drawn below this
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> dict[str, Path]:
+    return {
+        name: save_tiny_model(
+            tmp_path_factory.mktemp(f"lean-{name}"), name, real_model_dir, n_layers=4
+        )
+        for name in ARCHITECTURES
+    }
+
+
+def _load(model_dir: Path, weight_dtype: str = "float32") -> Any:
+    return load_model(model_dir, make_shard(model_dir, "pipeline", 0, 1), CPU, weight_dtype)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_float32_lean_equals_transformers(tiny_dirs: dict[str, Path], name: str) -> None:
+    model = _load(tiny_dirs[name])
+    assert isinstance(lean_step_of(model), LeanModel)
+    tokens = lean_steps.forced_tokens(VOCAB_PROBE)
+    reference = lean_steps.run_single(model, tokens, lean=False)
+    lean = lean_steps.run_single(model, tokens, lean=True)
+    assert reference.shape == lean.shape == (15, model.config.vocab_size)
+    assert (lean - reference).abs().max().item() < FLOAT32_TOLERANCE
+    assert torch.equal(lean.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_int4_bf16_lean_within_tolerance(tiny_dirs: dict[str, Path], name: str) -> None:
+    model = _load(tiny_dirs[name], "int4")
+    lean = lean_step_of(model)
+    assert isinstance(lean, LeanModel)
+    if not lean_parts.cpu_has_native_bf16():
+        lean = LeanModel(model, family_by_name(name), bf16=True)  # emulated, still correct
+        model.__dict__["_exo_lean_step"] = lean
+    assert lean.bf16
+    tokens = lean_steps.forced_tokens(VOCAB_PROBE)
+    reference = lean_steps.run_single(model, tokens, lean=False)
+    lean_logits = lean_steps.run_single(model, tokens, lean=True)
+    difference = (lean_logits - reference).abs().max().item()
+    print(f"{name} int4: max |lean - transformers| = {difference:.3g}")
+    assert 0 < difference < INT4_TOLERANCE  # 0 would mean the bfloat16 path did not run
+
+
+def test_bf16_fallback_forced(tiny_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With bfloat16 forced off (as on a CPU without it), activations stay float32 and the
+    quantized kernels are called as transformers' path calls them: the same logits."""
+    monkeypatch.setenv(lean_parts.BF16_ENV, "0")
+    model = _load(tiny_dirs["llama"], "int4")
+    lean = lean_step_of(model)
+    assert isinstance(lean, LeanModel) and not lean.bf16
+    layer = lean.layers[0]
+    assert layer.qkv.in_dtype == torch.float32 and layer.gate_up.in_dtype == torch.float32
+    tokens = lean_steps.forced_tokens(VOCAB_PROBE)
+    reference = lean_steps.run_single(model, tokens, lean=False)
+    fallback = lean_steps.run_single(model, tokens, lean=True)
+    assert (fallback - reference).abs().max().item() < 1e-3
+    assert torch.equal(fallback.argmax(-1), reference.argmax(-1))
+    monkeypatch.setenv(lean_parts.BF16_ENV, "1")
+    assert lean_parts.bf16_activations_wanted()
+
+
+def test_family_without_layout_keeps_transformers(tiny_dirs: dict[str, Path]) -> None:
+    model = _load(tiny_dirs["llama"])
+    model.__dict__["_exo_lean_step"] = None
+    family = dataclasses.replace(family_by_name("llama"), layout=None)
+    assert enable_lean_forward(model, family) is None
+    assert lean_step_of(model) is None
+    tokens = lean_steps.forced_tokens(VOCAB_PROBE)
+    assert lean_steps.run_single(model, tokens, lean=False).shape[0] == 15
+
+
+@pytest.mark.parametrize("kind", ["dense", "int4", "int8"])
+def test_fused_linears_equal_parts_and_share_storage(kind: str) -> None:
+    torch.manual_seed(0)
+    dense = [nn.Linear(64, width, bias=True) for width in (128, 64, 64)]
+    expected = None
+    parts: list[nn.Module] = list(dense)
+    if kind == "int4":
+        parts = [Int4Linear(linear) for linear in dense]
+    elif kind == "int8":
+        parts = [Int8Linear(linear) for linear in dense]
+    rows = torch.randn(3, 64)
+    with torch.inference_mode():
+        expected = torch.cat([part(rows) for part in parts], dim=-1)
+        fused = fuse_linears(parts)
+        assert fused is not None
+        assert torch.allclose(fused(rows), expected, atol=1e-5, rtol=0)
+        # The parts still compute what they did, now reading the fused storage.
+        assert torch.allclose(torch.cat([part(rows) for part in parts], -1), expected, atol=1e-5)
+    storage = {
+        "dense": lambda m: m.weight,
+        "int4": lambda m: m.packed,
+        "int8": lambda m: m.weight,
+    }[kind]
+    for part in parts:
+        assert storage(part).untyped_storage().data_ptr() == (
+            storage(fused).untyped_storage().data_ptr()
+        )
+
+
+def test_mixed_kinds_are_not_fused() -> None:
+    torch.manual_seed(0)
+    parts: list[nn.Module] = [Int4Linear(nn.Linear(64, 64)), Int8Linear(nn.Linear(64, 32))]
+    assert fuse_linears(parts) is None
+
+
+# -- sharded: 2 gloo ranks ---------------------------------------------------------------
+
+
+def _rank_main(rank: int, port: int, model_dir: str, results: Any) -> None:
+    from exo.worker.engines.torch.distributed import destroy_group, init_group
+
+    torch.set_num_threads(1)
+    try:
+        init_group("gloo", rank, 2, "127.0.0.1", port, timeout_s=60)
+        tokens = lean_steps.forced_tokens(VOCAB_PROBE)
+        for mode in ("pipeline", "tensor"):
+            shard = make_shard(Path(model_dir), mode, rank, 2)
+            model = load_model(Path(model_dir), shard, CPU, "float32")
+            assert isinstance(lean_step_of(model), LeanModel), "no lean forward on a rank"
+            for lean in (True, False):
+                if mode == "pipeline":
+                    logits = lean_steps.run_pipeline_rank(model, tokens, lean, rank, 2)
+                else:
+                    logits = lean_steps.run_single(model, tokens, lean, world_size=2)
+                if logits is not None and (mode == "tensor") == (rank == 0):
+                    results.put(("logits", (mode, lean), logits.numpy()))  # no shared memory
+        results.put(("done", rank, None))
+        destroy_group()
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc()))
+
+
+SHARDED_PARAMS = [
+    pytest.param(name, marks=() if name == "llama" else pytest.mark.slow, id=name)
+    for name in ARCHITECTURES
+]
+
+
+@pytest.mark.parametrize("name", SHARDED_PARAMS)
+def test_sharded_lean_equals_transformers(tiny_dirs: dict[str, Path], name: str) -> None:
+    model_dir = tiny_dirs[name]
+    reference = lean_steps.run_single(
+        _load(model_dir), lean_steps.forced_tokens(VOCAB_PROBE), False
+    )
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_rank_main, args=(rank, port, str(model_dir), results))
+        for rank in range(2)
+    ]
+    collected: dict[tuple[str, bool], torch.Tensor] = {}
+    try:
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + GROUP_DEADLINE_S
+        done = 0
+        while done < 2:
+            try:
+                kind, key, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"the 2-rank group did not finish in {GROUP_DEADLINE_S} s")
+            if kind == "error":
+                pytest.fail(f"rank {key} failed:\n{value}")
+            if kind == "logits":
+                collected[key] = torch.from_numpy(value)
+            done += kind == "done"
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+    assert set(collected) == {
+        (mode, lean) for mode in ("pipeline", "tensor") for lean in (True, False)
+    }
+    for (mode, lean), logits in collected.items():
+        difference = (logits - reference).abs().max().item()
+        assert difference < FLOAT32_TOLERANCE, (mode, lean, difference)
+        assert torch.equal(logits.argmax(-1), reference.argmax(-1)), (mode, lean)
+
+
+@pytest.fixture(autouse=True)
+def _no_group_in_test_process() -> Any:
+    yield
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Any:
+    """Tiny matmuls run faster on one thread than contending for two busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
