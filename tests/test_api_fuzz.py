@@ -99,9 +99,14 @@ json_values = st.recursive(
 
 
 @st.composite
-def mutated_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
-    endpoint = draw(st.sampled_from(sorted(VALID_BODIES)))
-    valid, length_field = VALID_BODIES[endpoint]
+def mutated_bodies(
+    draw: st.DrawFn,
+    valid_bodies: dict[str, tuple[dict[str, Any], str | None]] = VALID_BODIES,
+) -> tuple[str, bytes]:
+    """A valid body of one endpoint of `valid_bodies` (endpoint -> (body, the field that
+    bounds its generation length or None)) with one mutation, or any JSON value."""
+    endpoint = draw(st.sampled_from(sorted(valid_bodies)))
+    valid, length_field = valid_bodies[endpoint]
     body = json.loads(json.dumps(valid))
     mutation = draw(st.sampled_from(["replace", "remove", "add", "nested", "whole"]))
     field = draw(st.sampled_from(sorted(body)))
