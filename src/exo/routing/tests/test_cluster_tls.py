@@ -5,14 +5,18 @@ from __future__ import annotations
 import argparse
 import stat
 from pathlib import Path
+from typing import cast
 
+import httpx
 import pytest
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from exo.download.peers import peer_credential
+from exo.api.app import create_app
+from exo.api.cluster import ClusterClient
+from exo.download.peers import PEER_CREDENTIAL_HEADER, peer_credential
 from exo.routing.cluster_tls import (
     LEAF_NAME,
     TLS_DIRECTORY_NAME,
@@ -21,6 +25,7 @@ from exo.routing.cluster_tls import (
     read_secret_file,
 )
 from exo.routing.secret_options import add_cluster_secret_arguments, cluster_secret_option
+from exo.testing.scripted_cluster import ScriptedCluster
 
 SECRET = "correct horse battery staple"
 
@@ -149,3 +154,23 @@ def test_secret_from_flag_file_or_environment(
         with pytest.raises(SystemExit):
             _parse(argv)
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.anyio
+async def test_the_file_route_takes_only_the_secret_credential(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EXO_MODELS_DIRS", str(tmp_path))
+    monkeypatch.delenv("EXO_MODELS_READ_ONLY_DIRS", raising=False)
+    secret = ClusterSecret(SECRET)
+    app = create_app(cast(ClusterClient, ScriptedCluster()))
+    app.state.peer_credential = peer_credential("ns", secret)
+    transport = httpx.ASGITransport(app=app)
+    url = "/peer/files/someone--tiny/config.json"
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+        for wrong in (peer_credential("ns"), peer_credential("ns", ClusterSecret(SECRET + "!"))):
+            response = await client.get(url, headers={PEER_CREDENTIAL_HEADER: wrong})
+            assert response.status_code == 403
+        # Past the credential check: this node holds no such model.
+        right = {PEER_CREDENTIAL_HEADER: peer_credential("ns", secret)}
+        assert (await client.get(url, headers=right)).status_code == 404
