@@ -1,5 +1,6 @@
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,19 @@ def test_arguments_are_checked_before_anything_runs(tmp_path: Path) -> None:
         config_from_arguments(parser.parse_args(["--compare-llama-cpp", str(tmp_path / "x")]))
     quick = config_from_arguments(parser.parse_args(["--quick", "--placement", "tensor:2"]))
     assert (quick.prompt_tokens, quick.generation_tokens, quick.node_count()) == ([16], [8], 2)
+
+
+def test_a_missing_matplotlib_stops_the_bench_before_it_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import exo.benchmark.cli as cli
+
+    def must_not_run(*_args: object) -> int:
+        raise AssertionError("the bench ran without matplotlib")
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setattr(cli, "run_config", must_not_run)
+    assert cli.main(["--quick"]) == 2
+    assert "pip install 'exo[bench]'" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "run_config", lambda *_args: 0)
+    assert cli.main(["--quick", "--no-plots"]) == 0
