@@ -202,7 +202,8 @@ class EventLog:
                 problem = f"line {number} has index {event.idx}, expected {expected}"
                 break
             events.append(event)
-            kept.append(encode_record(event))
+            # A record of this version is kept byte for byte; an older one gets its checksum.
+            kept.append(encode_record(event) if line.startswith(b"{") else line + b"\n")
         good = b"".join(kept)
         if problem is not None:
             set_aside(self.path, f"{problem}; keeping the {len(events)} events before it")
