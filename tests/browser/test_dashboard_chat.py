@@ -50,6 +50,11 @@ def test_launch_from_the_page_reaches_ready_then_delete(
     preview = page.locator(".preview[data-sharding='pipeline'][data-node-count='1']")
     preview.wait_for()
     assert "layers 0–30" in preview.inner_text() and "MB" in preview.inner_text()
+    # Once the node has measured its speed (a few seconds after its start), the preview
+    # predicts its decode rate and TTFT.
+    prediction = preview.locator(".prediction:has-text('tok/s decode')")
+    prediction.wait_for(timeout=60_000)
+    assert "TTFT" in prediction.inner_text() and "512-token prompt" in prediction.inner_text()
     # SmolLM2's 9 attention heads cannot be tensor-split over 2 nodes; with one node there
     # is no 2-node preview at all, and the page says why it cannot launch it either way.
     page.locator("#launch-button:not([disabled])").wait_for()

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -110,6 +111,9 @@ class ExoNode:
             "HF_HUB_CACHE": str(self.home / "hf-cache"),
             "OLLAMA_MODELS": str(self.home / "ollama-models"),
             "EXO_HOME": str(self.home),
+            # Every test node on this machine shares one speed measurement (keyed by CPU,
+            # affinity, threads and torch version) instead of measuring at each start.
+            "EXO_SPEED_PROBE_CACHE": str(Path(tempfile.gettempdir()) / "exo-test-speed.json"),
             **self.extra_env,
         }
         if self.models_dir is not None:

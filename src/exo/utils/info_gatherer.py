@@ -29,6 +29,9 @@ HEARTBEAT_SECONDS = 300.0
 CPU_CHANGE_REPORT_PERCENT = 25.0
 LOAD_REPORT_SECONDS = 10.0
 MISSING_RESEND_SECONDS = 5.0
+# Speed figures measured on a busy machine are measured again this often, this many times.
+SPEED_REMEASURE_SECONDS = 300.0
+SPEED_REMEASURE_ATTEMPTS = 3
 
 
 def memory_info() -> MemoryInfo:
@@ -196,14 +199,25 @@ class InfoGatherer:
         return state.history_id is not None and self._local_events.node_id not in state.node_info
 
     async def _probe_speed(self) -> None:
+        """Measure (or read the cache); figures measured on a busy machine are measured again
+        `SPEED_REMEASURE_ATTEMPTS` times, `SPEED_REMEASURE_SECONDS` apart, keeping each
+        figure's best."""
         from exo.utils.speed_probe import cached_node_speed
 
-        try:
-            self._speed = await anyio.to_thread.run_sync(
-                cached_node_speed, self._remeasure_speed, abandon_on_cancel=True
-            )
-        except Exception as error:  # a failed probe leaves the speed unknown, never the node
-            logger.warning(f"speed probe failed, no speed predictions for this node: {error!r}")
+        remeasure = self._remeasure_speed
+        for attempt in range(1 + SPEED_REMEASURE_ATTEMPTS):
+            if attempt:
+                await anyio.sleep(SPEED_REMEASURE_SECONDS)
+            try:
+                result = await anyio.to_thread.run_sync(
+                    cached_node_speed, remeasure, abandon_on_cancel=True
+                )
+            except Exception as error:  # a failed probe leaves the speed as it was
+                logger.warning(f"speed probe failed: {error!r}")
+                return
+            self._speed, remeasure = result.speed, False
+            if result.settled:
+                return
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tasks:

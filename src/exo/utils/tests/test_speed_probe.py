@@ -16,8 +16,16 @@ from exo.shared.types.nodes import NodeSpeed
 from exo.utils import speed_probe
 from exo.utils.channels import Topic
 from exo.utils.info_gatherer import InfoGatherer
-from exo.utils.speed_probe import cached_node_speed, measure_node_speed, probe_key, runner_threads
+from exo.utils.speed_probe import (
+    ProbeResult,
+    cached_node_speed,
+    fastest_of,
+    measure_node_speed,
+    probe_key,
+    runner_threads,
+)
 
+SLOW_FIELDS = {"int4_decode_bytes_per_second": 1e9, "layer_overhead_seconds": 1e-3}
 SPEED = NodeSpeed(
     threads=1,
     int4_decode_bytes_per_second=1e10,
@@ -28,6 +36,8 @@ SPEED = NodeSpeed(
     layer_overhead_seconds=1e-4,
     loopback_round_trip_seconds=5e-5,
 )
+
+SLOW = SPEED.model_copy(update=SLOW_FIELDS)
 
 
 @pytest.fixture
@@ -65,8 +75,9 @@ def test_runner_threads_stay_within_the_affinity(monkeypatch: pytest.MonkeyPatch
 def test_the_cache_answers_until_the_key_changes_or_a_remeasure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(speed_probe, "machine_busy", lambda: False)
     path = tmp_path / "speed_probe.json"
-    first = cached_node_speed(path=path)
+    first = cached_node_speed(path=path).speed
     assert json.loads(path.read_text())["speed"] == first.model_dump(mode="json")
     calls: list[int] = []
 
@@ -75,28 +86,39 @@ def test_the_cache_answers_until_the_key_changes_or_a_remeasure(
         return SPEED
 
     monkeypatch.setattr(speed_probe, "measure_node_speed", counted)
-    assert cached_node_speed(path=path) == first and calls == []
-    assert cached_node_speed(remeasure=True, path=path) == SPEED and len(calls) == 1
-    assert cached_node_speed(path=path) == SPEED and len(calls) == 1
+    assert cached_node_speed(path=path) == ProbeResult(first, settled=True) and calls == []
+    assert cached_node_speed(remeasure=True, path=path).speed == SPEED and len(calls) == 1
+    assert cached_node_speed(path=path).speed == SPEED and len(calls) == 1
     # Another torch version (or CPU, affinity, thread count, probe version): measured again.
     monkeypatch.setattr(speed_probe, "PROBE_VERSION", speed_probe.PROBE_VERSION + 1)
     cached_node_speed(path=path)
     assert len(calls) == 2
     # A damaged cache is measured over, not trusted.
     path.write_text('{"key": ')
-    assert cached_node_speed(path=path) == SPEED and len(calls) == 3
+    assert cached_node_speed(path=path).speed == SPEED and len(calls) == 3
     assert json.loads(path.read_text())["key"] == probe_key(runner_threads())
     assert not list(tmp_path.glob(".*.tmp"))
 
 
 @pytest.mark.anyio
 async def test_the_node_reports_its_speed_once_measured(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(speed_probe, "cached_node_speed", lambda remeasure=False: SPEED)
+    results = iter([ProbeResult(SLOW, settled=False), ProbeResult(SPEED, settled=True)])
+    asked: list[bool] = []
+
+    def probe(remeasure: bool = False) -> ProbeResult:
+        asked.append(remeasure)
+        return next(results)
+
+    monkeypatch.setattr(speed_probe, "cached_node_speed", probe)
+    monkeypatch.setattr("exo.utils.info_gatherer.SPEED_REMEASURE_SECONDS", 0.05)
     monkeypatch.setattr("exo.utils.info_gatherer.GATHER_INTERVAL_SECONDS", 0.02)
     topic: Topic[ForwarderEvent] = Topic("local_events")
     outbox = topic.subscribe()
     gatherer = InfoGatherer(
-        LocalEventSender(NodeId("node"), topic.sender()), api_port=1, measure_speed=True
+        LocalEventSender(NodeId("node"), topic.sender()),
+        api_port=1,
+        measure_speed=True,
+        remeasure_speed=True,
     )
     speeds = []
     with anyio.fail_after(20):
@@ -105,7 +127,40 @@ async def test_the_node_reports_its_speed_once_measured(monkeypatch: pytest.Monk
             async for forwarded in outbox:
                 assert isinstance(forwarded.event, NodeGatheredInfo)
                 speeds.append(forwarded.event.info.speed)
-                if forwarded.event.info.speed is not None:
+                if forwarded.event.info.speed == SPEED:
                     break
             tasks.cancel_scope.cancel()
-    assert speeds[-1] == SPEED
+    # Measured on a busy machine first (reported), then again (unforced) until settled.
+    assert SLOW in speeds and speeds[-1] == SPEED
+    assert asked == [True, False]
+
+
+def test_the_cache_lives_in_exo_home_unless_overridden(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("EXO_SPEED_PROBE_CACHE", raising=False)
+    monkeypatch.setenv("EXO_HOME", str(tmp_path / "home"))
+    assert speed_probe.cache_path() == tmp_path / "home" / "speed_probe.json"
+    monkeypatch.setenv("EXO_SPEED_PROBE_CACHE", str(tmp_path / "shared.json"))
+    assert speed_probe.cache_path() == tmp_path / "shared.json"
+
+
+def test_figures_from_a_busy_machine_are_measured_again_keeping_the_best(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "speed_probe.json"
+    measured = iter([SLOW, SPEED.model_copy(update={"bf16_matmul_flops": 5e10})])
+    monkeypatch.setattr(speed_probe, "measure_node_speed", lambda threads=None: next(measured))
+    monkeypatch.setattr(speed_probe, "machine_busy", lambda: True)
+    busy = cached_node_speed(path=path)
+    assert busy == ProbeResult(SLOW, settled=False)
+    assert json.loads(path.read_text())["settled"] is False
+    monkeypatch.setattr(speed_probe, "machine_busy", lambda: False)
+    quiet = cached_node_speed(path=path)
+    # The best of both: the quiet run's bandwidth and overhead, the busy run's matmul rate.
+    assert quiet.settled and quiet.speed == fastest_of(SLOW, SPEED)
+    assert quiet.speed.bf16_matmul_flops == SLOW.bf16_matmul_flops
+    assert quiet.speed.int4_decode_bytes_per_second == SPEED.int4_decode_bytes_per_second
+    assert quiet.speed.layer_overhead_seconds == SPEED.layer_overhead_seconds
+    # Settled: the next start reads it without measuring (the iterator is spent).
+    assert cached_node_speed(path=path) == quiet

@@ -11,12 +11,22 @@ function nodeLabel(state, nodeId) {
   return `${state?.node_info[nodeId]?.friendly_name ?? "?"} ${shortId(nodeId)}`;
 }
 
-/** The tok/s a preview predicts, when the node's previews carry one. */
+/** A valid preview's predicted speed line (the nodes' measured speeds and links), or why
+ * there is none. */
 function predictedSpeed(preview) {
-  for (const [key, value] of Object.entries(preview)) {
-    if (typeof value === "number" && /tok/i.test(key)) return value;
+  if (preview.error) return null;
+  const rate = preview.predicted_decode_tokens_per_second;
+  const ttft = preview.predicted_ttft_seconds;
+  if (typeof rate !== "number" || typeof ttft !== "number") {
+    return el("p", { class: "muted prediction", text: "Speed not predicted yet: a node has not measured its speed." });
   }
-  return null;
+  const prompt = preview.prediction_prompt_tokens;
+  return el("p", { class: "muted prediction", text: `Predicted ${rate.toFixed(1)} tok/s decode · TTFT ${ttft.toFixed(2)} s for a ${prompt}-token prompt` });
+}
+
+/** Which nodes have measured their speed: the previews change when one reports it. */
+function measuredNodes(state) {
+  return Object.entries(state?.node_info ?? {}).filter(([, info]) => info.speed).map(([id]) => id).sort().join(",");
 }
 
 export function mountLaunch(section) {
@@ -66,7 +76,6 @@ export function mountLaunch(section) {
       previewBox,
       previews.length
         ? previews.map((p) => {
-            const speed = predictedSpeed(p);
             const card = el(
               "article",
               {
@@ -89,7 +98,7 @@ export function mountLaunch(section) {
                       ),
                     ),
                   ),
-              speed !== null ? el("p", { class: "muted", text: `predicted ${speed.toFixed(1)} tok/s` }) : null,
+              predictedSpeed(p),
             );
             card.addEventListener("click", () => {
               sharding.value = p.sharding;
@@ -117,7 +126,7 @@ export function mountLaunch(section) {
 
   async function loadPreviews(force = false) {
     const modelId = modelSelect.value;
-    const key = `${modelId}|${Object.keys(store.state?.node_info ?? {}).sort().join(",")}`;
+    const key = `${modelId}|${Object.keys(store.state?.node_info ?? {}).sort().join(",")}|${measuredNodes(store.state)}`;
     if (!modelId || (!force && key === previewsKey)) return;
     previewsKey = key;
     previewsFor = modelId;
@@ -234,8 +243,8 @@ export function mountLaunch(section) {
     if (!state) return;
     if (nodeCount.options.length !== Math.max(1, Object.keys(state.node_info).length)) {
       renderNodeCounts();
-      loadPreviews();
     }
+    loadPreviews(); // only when the node set or the nodes that measured their speed changed
     const instances = Object.values(state.instances);
     replace(instancesBox, instances.length ? instances.map((i) => instanceCard(state, i)) : el("p", { class: "muted", text: "No instance: launch a model above." }));
   });
