@@ -29,6 +29,8 @@ API_TIMEOUT_SECONDS = 180.0
 MACHINE_MODEL_STORES = frozenset(
     {"HF_HOME", "HF_HUB_CACHE", "OLLAMA_MODELS", "EXO_MODELS_DIRS", "EXO_MODELS_READ_ONLY_DIRS"}
 )
+# The machine's cluster secret: a test node joins only the cluster its test sets up.
+MACHINE_CLUSTER_SECRET = "EXO_CLUSTER_SECRET"
 
 
 def exo_command() -> str:
@@ -104,7 +106,9 @@ class ExoNode:
         its test gives it, whatever the machine holds or earlier runs left there; then the
         node's home and models directory, then the test's `env` (which may name stores)."""
         inherited = {
-            name: value for name, value in os.environ.items() if name not in MACHINE_MODEL_STORES
+            name: value
+            for name, value in os.environ.items()
+            if name not in MACHINE_MODEL_STORES and name != MACHINE_CLUSTER_SECRET
         }
         env = {
             **inherited,
