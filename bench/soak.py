@@ -49,7 +49,10 @@ import psutil
 from exo.shared.constants import models_dir as default_models_dir
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
 
-CLIENT_TIMEOUT_SECONDS = 180.0
+# The longest wait for a byte before a request counts as hung: the OpenAI Python SDK's
+# default read timeout. A queued request sends nothing until its first token, and on a
+# 2-core machine loaded by other work 8 streams have taken minutes each.
+CLIENT_TIMEOUT_SECONDS = 600.0
 RSS_GROWTH_LIMIT = 0.10
 BASELINE_SAMPLES = 5
 WORDS = (
@@ -66,6 +69,7 @@ SHARED_PREFIX = " ".join(random.Random(0).choice(WORDS) for _ in range(300))
 class Outcomes:
     counts: Counter[str] = field(default_factory=Counter)
     unclean: list[str] = field(default_factory=list)
+    refusals: Counter[str] = field(default_factory=Counter)  # "status: message" -> count
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, kind: str, detail: str = "") -> None:
@@ -73,6 +77,8 @@ class Outcomes:
             self.counts[kind] += 1
             if kind == "unclean":
                 self.unclean.append(detail[:400])
+            if kind in ("refused", "failed_clean"):
+                self.refusals[detail[:160]] += 1
 
 
 def request_body(dialect: str, prompt: str, max_tokens: int) -> tuple[str, dict[str, Any]]:
@@ -146,6 +152,7 @@ def one_request(
     path, body = request_body(dialect, prompt, rng.randint(4, 48))
     act_after = rng.randint(1, 6)
     chunks = 0
+    sent = time.monotonic()
     cancelled = False
     gen_id: str | None = None
     try:
@@ -164,7 +171,7 @@ def one_request(
                 end = stream_end(dialect, line, event)
                 if end is not None:
                     kind = "failed_clean" if end == "error" else "completed"
-                    outcomes.add("cancelled" if cancelled else kind)
+                    outcomes.add("cancelled" if cancelled else kind, line)
                     return
                 chunks += 1
                 if chunks >= act_after and fate == "disconnect":
@@ -178,7 +185,10 @@ def one_request(
                     cancelled = True
             outcomes.add("unclean", f"{dialect} stream stopped without its end ({chunks} chunks)")
     except httpx.HTTPError as error:
-        outcomes.add("unclean", f"{dialect} {fate}: {error!r}")
+        waited = time.monotonic() - sent
+        outcomes.add(
+            "unclean", f"{dialect} {fate}: {error!r} after {waited:.0f} s and {chunks} chunks"
+        )
 
 
 def client_loop(
@@ -285,6 +295,7 @@ def soak(node: ExoNode, arguments: argparse.Namespace) -> dict[str, Any]:
         "seed": arguments.seed,
         "requests": dict(outcomes.counts),
         "unclean": outcomes.unclean[:20],
+        "refusals": dict(outcomes.refusals.most_common(10)),
         "client_threads_hung": hung,
         "runner_pids": runner_pids,
         "processes": processes,
@@ -329,6 +340,8 @@ def main() -> int:
     print(f"requests: {result['requests']} (client threads hung: {result['client_threads_hung']})")
     for detail in result["unclean"]:
         print(f"  unclean: {detail}")
+    for detail, count in result["refusals"].items():
+        print(f"  refused or failed cleanly x{count}: {detail}")
     for name, figures in result["processes"].items():
         print(
             f"{name}: RSS {figures['rss_start_mib']:.0f} -> {figures['rss_end_mib']:.0f} MiB "
