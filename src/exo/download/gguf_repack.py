@@ -7,14 +7,16 @@ float32 and quantized again:
 - **Q4_0, Q4_1, Q4_K** become the engine's int4 groups of 32 (`INT4_GROUP_SIZE`, the layout of
   `quantize.Int4Linear`: `w = (q - 8) * scale + zero` per group). The 4-bit values are moved
   by shifts and masks; only the per-group scale and zero are computed, in float32 from the
-  block's fp16 fields, and stored as bfloat16, so the one loss is the fp16 → bf16 rounding of
-  scales and zeros. Q4_0 (`x = (q - 8) d`): scale d, zero 0. Q4_1 (`x = q d + m`): scale d,
-  zero m + 8d. Q4_K (super-blocks of 256 with eight 6-bit sub-block scales and mins,
-  `x = d sc q - dmin m`): one group per sub-block of 32, scale d·sc, zero 8 d·sc - dmin·m.
+  block's fp16 fields (exact up to float32 rounding of one product and one sum), and stored
+  in float32, so a float32 load gives the GGUF's values; the int4 kernel holds them in
+  bfloat16, the one loss of the int4 path. Q4_0 (`x = (q - 8) d`): scale d, zero 0.
+  Q4_1 (`x = q d + m`): scale d, zero m + 8d. Q4_K (super-blocks of 256 with eight 6-bit
+  sub-block scales and mins, `x = d sc q - dmin m`): one group per sub-block of 32, scale
+  d·sc, zero 8 d·sc - dmin·m.
   Stored as `<name>.int4_packed` (uint8 `[out, in / 2]`, column 2j in the low nibble of byte j,
-  2j + 1 in the high one), `<name>.int4_scales` and `<name>.int4_zeros` (bfloat16
-  `[out, in / 32]`): plain row-major, so a tensor-parallel rank reads its rows or columns
-  like any weight's.
+  2j + 1 in the high one), `<name>.int4_scales` and `<name>.int4_zeros` (float32
+  `[out, in / 32]`, 1/4 byte per weight): plain row-major, so a tensor-parallel rank reads
+  its rows or columns like any weight's.
 - **Every other quantized type** (Q5_0, Q5_1, Q6_K, Q8_0, ...) is stored as its raw GGUF
   blocks, `<name>.gguf_<TYPE>` (uint8 `[out, bytes per row]`), the smallest lossless form, and
   dequantized by `gguf`'s own dequantizer when loaded
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from exo.download.gguf_tensors import GgufTensor, read_gguf_tensors
 from exo.shared.models.memory import INT4_GROUP_SIZE
 
 # Suffixes of the stored tensors of one repacked weight (see the module docstring).
@@ -54,6 +58,12 @@ _Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 _Q4_K_BYTES = 144  # fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
 _Q4_K_ELEMENTS = 256
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+# Float GGML types, stored as they are (BF16 read as int16 bits, viewed as bfloat16 later).
+_FLOATS: dict[str, np.dtype[Any]] = {
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(np.int16),
+}
 
 
 class GgufRepackError(ValueError):
@@ -218,63 +228,57 @@ def _processed(processor: Any, array: np.ndarray, gguf_name: str) -> np.ndarray:
 
 
 def repacked_tensors(
-    reader: Any, processor: Any, name_map: dict[str, str]
+    tensors: Sequence[GgufTensor], processor: Any, name_map: Mapping[str, str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """Every mapped tensor of the GGUF, in its stored form (see the module docstring).
 
     Args:
-        reader: the file's `gguf.GGUFReader`.
+        tensors: the file's tensors (`gguf_tensors.read_gguf_tensors`).
         processor: transformers' tensor processor for the file's architecture.
         name_map: GGUF tensor name → checkpoint name (tensors not in it are skipped).
 
     Returns:
         The tensors by stored name, and counts per form ("int4", "gguf_blocks", "float").
-    """
-    from gguf import GGMLQuantizationType
 
-    tensors: dict[str, torch.Tensor] = {}
+    Raises:
+        GgufRepackError: a quantized tensor that is not 2-D.
+    """
+    stored: dict[str, torch.Tensor] = {}
     counts = {"int4": 0, "gguf_blocks": 0, "float": 0}
-    floats = {
-        GGMLQuantizationType.F32: torch.float32,
-        GGMLQuantizationType.F16: torch.float16,
-    }
-    for tensor in reader.tensors:
+    for tensor in tensors:
         name = name_map.get(tensor.name)
         if name is None:
             continue
-        type_name = tensor.tensor_type.name
-        shape = tuple(int(size) for size in reversed(tensor.shape.tolist()))
-        if tensor.tensor_type in floats or tensor.tensor_type == GGMLQuantizationType.BF16:
-            data = np.asarray(tensor.data).reshape(shape)
-            if tensor.tensor_type == GGMLQuantizationType.BF16:
-                raw = np.ascontiguousarray(data).view(np.int16)
-                processed = _processed(processor, raw, tensor.name)
-                tensors[name] = torch.from_numpy(processed.copy()).view(torch.bfloat16)
-            else:
-                processed = processor.process(weights=data, name=tensor.name).weights
-                tensors[name] = torch.from_numpy(np.array(processed, copy=True))
+        type_name = tensor.type_name
+        shape = tuple(reversed(tensor.shape))  # [out, in]
+        if type_name in _FLOATS:
+            data = tensor.data.view(_FLOATS[type_name]).reshape(shape)
+            processed = np.array(processor.process(weights=data, name=tensor.name).weights)
+            if processed.shape != shape:
+                raise GgufRepackError(f"{tensor.name}: a correction changed its shape")
+            stored[name] = torch.from_numpy(processed)
+            if type_name == "BF16":
+                stored[name] = stored[name].view(torch.bfloat16)
             counts["float"] += 1
             continue
         if len(shape) != 2:
             raise GgufRepackError(f"{tensor.name}: a quantized tensor of shape {shape}")
         rows = shape[0]
-        data = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1)
+        data = tensor.data.reshape(rows, -1)
         if type_name in INT4_TYPES and shape[1] % INT4_GROUP_SIZE == 0:
             groups = repack_int4(type_name, data, rows)
-            tensors[name + INT4_PACKED] = torch.from_numpy(
+            stored[name + INT4_PACKED] = torch.from_numpy(
                 _processed(processor, groups.packed, tensor.name)
             )
             for suffix, part in ((INT4_SCALES, groups.scales), (INT4_ZEROS, groups.zeros)):
-                tensors[name + suffix] = torch.from_numpy(
-                    _processed(processor, part, tensor.name)
-                ).to(torch.bfloat16)
+                stored[name + suffix] = torch.from_numpy(_processed(processor, part, tensor.name))
             counts["int4"] += 1
         else:
-            tensors[f"{name}{GGUF_BLOCKS}{type_name}"] = torch.from_numpy(
+            stored[f"{name}{GGUF_BLOCKS}{type_name}"] = torch.from_numpy(
                 _processed(processor, data, tensor.name).copy()
             )
             counts["gguf_blocks"] += 1
-    return tensors, counts
+    return stored, counts
 
 
 def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
@@ -287,7 +291,6 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
         ValueError / OSError: from transformers or gguf for a file they cannot read
             (not GGUF, an architecture transformers has no GGUF support for).
     """
-    from gguf import GGUFReader
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
@@ -301,16 +304,16 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
     skeleton = empty_model(config)
     checkpoint_names = list(skeleton.state_dict())
     del skeleton
-    reader = GGUFReader(str(gguf_path))
-    architecture = str(reader.fields["general.architecture"].contents())
+    directory = read_gguf_tensors(gguf_path)
+    architecture = directory.architecture
     name_map = gguf_name_map(architecture, checkpoint_names, text_config.num_hidden_layers)
     heads = {
         "num_attention_heads": text_config.num_attention_heads,
         "num_key_value_heads": text_config.num_key_value_heads,
     }
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=heads)
-    tensors, counts = repacked_tensors(reader, processor, name_map)
-    del reader
+    tensors, counts = repacked_tensors(directory.tensors, processor, name_map)
+    del directory
     save_file(
         tensors,
         str(output_dir / "model.safetensors"),

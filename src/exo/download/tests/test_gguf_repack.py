@@ -185,9 +185,9 @@ def test_tiny_gguf_direct_path_matches_dequantized_path(tiny_models: dict[str, P
         card_of(tiny_models["repacked"]).parameter_count
         == card_of(tiny_models["dequantized"]).parameter_count
     )
-    # float32 from the repacked groups: only the bf16 rounding of scales and zeros differs.
+    # float32 from the repacked groups (float32 scales and zeros on disk): the same model.
     torch.testing.assert_close(
-        logits(tiny_models["repacked"], "float32"), reference, rtol=0, atol=0.01 * scale
+        logits(tiny_models["repacked"], "float32"), reference, rtol=0, atol=1e-4 * scale
     )
     # int4 straight from the blocks stays close; requantizing the float weights does not
     # (Q4_0's symmetric grid is not the engine's min/max grid).

@@ -143,13 +143,13 @@ def test_real_pypi_model_converts_from_cached_wheel_offline(tmp_path: Path) -> N
     q_proj = "model.layers.0.self_attn.q_proj.weight"
     assert header[f"{q_proj}.int4_packed"]["dtype"] == "U8"
     assert header[f"{q_proj}.int4_packed"]["shape"] == [576, 288]
-    assert header[f"{q_proj}.int4_scales"]["dtype"] == "BF16"
+    assert header[f"{q_proj}.int4_scales"]["dtype"] == "F32"
     assert header["model.embed_tokens.weight.gguf_Q8_0"]["shape"] == [49152, 612]
     assert header["model.norm.weight"]["dtype"] == "F32"
     assert not any(name.startswith("lm_head") for name in header)  # tied: stored once
     local = card_from_local_directory(directory)
     assert local.parameter_count == card.storage_size_bytes // 4  # the float32 model's weights
-    assert local.storage_size_bytes < card.storage_size_bytes / 5
+    assert local.storage_size_bytes < card.storage_size_bytes / 4
     # Second call: fast path, no conversion.
     messages.clear()
     assert prepare_model(card, models_dir, offline=True, on_progress=messages.append) == directory

@@ -13,7 +13,7 @@ from the error each route adds to the GGUF's own values, measured on Gaussian we
 0.1% outliers (relative Frobenius error; bench in the gguf helper's notes):
 
 - Q4_0 / Q4_1 / Q4_K → `Int4Linear` directly, no float detour: 0.0017 (the bf16 rounding
-  of scales and zeros only).
+  of scales and zeros only; a float32 load is exact).
 - Q8_0, Q5_0, Q5_1, Q6_K and any other quantized type → `Bf16Linear` (the dequantized
   weight in bfloat16): 0.0017, where requantizing to the engine's int8 per output channel
   adds 0.022 (3.4× Q8_0's own error of 0.0065) and to int4 groups 0.083. It costs 2 bytes
@@ -44,6 +44,7 @@ _REPACKED = re.compile(
     r"^(?P<base>.+?)(?P<suffix>\.int4_packed|\.int4_scales|\.int4_zeros|\.gguf_(?P<type>[A-Z0-9_]+))$"
 )
 TensorReader = Callable[[Any], torch.Tensor]
+_DEQUANTIZE_ROWS = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,9 +149,17 @@ class DequantizedBlocks:
         from gguf.quants import dequantize
 
         rows, columns = (key, slice(None)) if not isinstance(key, tuple) else key
-        raw = self._raw[rows].numpy()
-        weight = torch.from_numpy(dequantize(raw, self._type).reshape(raw.shape[0], -1))
-        return weight[:, columns]
+        if not isinstance(columns, slice):
+            raise TypeError(f"columns are read by slice, not {columns!r}")
+        raw = self._raw[rows]
+        width = len(range(self._shape[1])[columns])
+        result = torch.empty(raw.shape[0], width, dtype=torch.float32)
+        # Row chunks bound gguf's float32 temporaries (an embedding is the largest weight).
+        for start in range(0, raw.shape[0], _DEQUANTIZE_ROWS):
+            chunk = raw[start : start + _DEQUANTIZE_ROWS].numpy()
+            values = dequantize(chunk, self._type).reshape(chunk.shape[0], -1)
+            result[start : start + chunk.shape[0]] = torch.from_numpy(values)[:, columns]
+        return result
 
 
 def _dequantize_groups(
