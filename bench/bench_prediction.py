@@ -289,9 +289,26 @@ def main() -> int:
                         "rows": measured["rows"],
                     }
                 )
+    print_fitted_factors(report)
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))
     return 0
+
+
+def print_fitted_factors(report: list[dict]) -> None:
+    """The single-rank rows' medians: what to set `ENGINE_LAYER_OVERHEAD_FACTOR` and
+    `ENGINE_PREFILL_FACTOR` to in `exo.master.speed_prediction` (the factors scale with
+    the engine's code, so rerun this after changing the forward)."""
+    single = [row for entry in report if entry["placement"] == "single" for row in entry["rows"]]
+    if not single:
+        return
+    layer = statistics.median(row["layer_overhead_factor"] for row in single)
+    prefill = statistics.median(row["prefill_factor"] for row in single)
+    print(
+        f"fitted on {len(single)} single-rank rows: ENGINE_LAYER_OVERHEAD_FACTOR ~ {layer:.1f} "
+        f"(now {speed_prediction.ENGINE_LAYER_OVERHEAD_FACTOR}), ENGINE_PREFILL_FACTOR ~ "
+        f"{prefill:.2f} (now {speed_prediction.ENGINE_PREFILL_FACTOR})"
+    )
 
 
 if __name__ == "__main__":
