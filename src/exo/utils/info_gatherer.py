@@ -29,9 +29,10 @@ HEARTBEAT_SECONDS = 300.0
 CPU_CHANGE_REPORT_PERCENT = 25.0
 LOAD_REPORT_SECONDS = 10.0
 MISSING_RESEND_SECONDS = 5.0
-# Speed figures measured on a busy machine are measured again this often, this many times.
+# Speed figures measured on a busy machine: whether it is quiet now is checked this often,
+# this many times (an hour), and when it is they are measured again.
 SPEED_REMEASURE_SECONDS = 300.0
-SPEED_REMEASURE_ATTEMPTS = 3
+SPEED_REMEASURE_CHECKS = 12
 
 
 def memory_info() -> MemoryInfo:
@@ -200,14 +201,17 @@ class InfoGatherer:
 
     async def _probe_speed(self) -> None:
         """Measure (or read the cache); figures measured on a busy machine are measured again
-        `SPEED_REMEASURE_ATTEMPTS` times, `SPEED_REMEASURE_SECONDS` apart, keeping each
+        once it is quiet (checked every `SPEED_REMEASURE_SECONDS`, at most
+        `SPEED_REMEASURE_CHECKS` times: a node busy serving is not disturbed), keeping each
         figure's best."""
-        from exo.utils.speed_probe import cached_node_speed
+        from exo.utils.speed_probe import cached_node_speed, machine_busy
 
         remeasure = self._remeasure_speed
-        for attempt in range(1 + SPEED_REMEASURE_ATTEMPTS):
-            if attempt:
+        for check in range(1 + SPEED_REMEASURE_CHECKS):
+            if check:
                 await anyio.sleep(SPEED_REMEASURE_SECONDS)
+                if machine_busy():
+                    continue
             try:
                 result = await anyio.to_thread.run_sync(
                     cached_node_speed, remeasure, abandon_on_cancel=True

@@ -5,10 +5,10 @@ starts at once and reports the figures a moment later) and cached in
 `<EXO_HOME>/speed_probe.json` under a key of CPU model, logical CPUs, CPU affinity, torch
 version, thread count and `PROBE_VERSION`: a changed key, or `exo --remeasure-speed`,
 measures again. Figures measured while other work kept the machine busy (`machine_busy`)
-are used but unsettled: the node measures again later (`InfoGatherer`, a few times) and at
-its next start, keeping each figure's best (`fastest_of`), until a quiet measurement
-settles them. The measurement takes about `PROBE_SECONDS` × 6 (~1.5 s) plus building the
-operands.
+are used but unsettled: the node measures again once the machine is quiet (`InfoGatherer`
+checks every 5 minutes for an hour) and at its next start, keeping each figure's best
+(`fastest_of`), until a quiet measurement settles them. The measurement takes about
+`PROBE_SECONDS` × 7 (~1.5 s) plus building the operands.
 
 What is measured is what the engine runs (`exo.worker.engines.torch.quantize`), with the
 thread count its runners use (`runner_threads`: torch's default capped by the CPUs this

@@ -111,6 +111,9 @@ async def test_the_node_reports_its_speed_once_measured(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(speed_probe, "cached_node_speed", probe)
     monkeypatch.setattr("exo.utils.info_gatherer.SPEED_REMEASURE_SECONDS", 0.05)
+    # Busy at the first check (no measurement then: a serving node is left alone), then quiet.
+    busy = iter([True, False])
+    monkeypatch.setattr(speed_probe, "machine_busy", lambda: next(busy))
     monkeypatch.setattr("exo.utils.info_gatherer.GATHER_INTERVAL_SECONDS", 0.02)
     topic: Topic[ForwarderEvent] = Topic("local_events")
     outbox = topic.subscribe()
@@ -130,9 +133,10 @@ async def test_the_node_reports_its_speed_once_measured(monkeypatch: pytest.Monk
                 if forwarded.event.info.speed == SPEED:
                     break
             tasks.cancel_scope.cancel()
-    # Measured on a busy machine first (reported), then again (unforced) until settled.
+    # Measured on a busy machine first (reported), then again (unforced) once quiet.
     assert SLOW in speeds and speeds[-1] == SPEED
     assert asked == [True, False]
+    assert next(busy, "spent") == "spent"  # the busy check came before the second measurement
 
 
 def test_the_cache_lives_in_exo_home_unless_overridden(
