@@ -127,10 +127,14 @@ def run_issue14(output: Path, quick: bool, plots: bool) -> int:
             if plots:
                 plot_report(report, output / f"{config.name}.png", f"{config.name}: {config.model}")
             if summary is None:
-                summary = report.model_copy(update={"cases": [], "ratios": []})
+                summary = report.model_copy(update={"cases": [], "ratios": [], "notes": []})
                 summary.settings = {"suite": "issue14", "quick": quick}
             summary.cases.extend(report.cases)
-            summary.ratios.extend(report.ratios)
+            summary.ratios.extend(
+                item.model_copy(update={"name": f"{config.name}: {item.name}"})
+                for item in report.ratios
+            )
+            summary.notes.extend(f"{config.name}: {note}" for note in report.notes)
             summary.finished_at = report.finished_at
             write_json(summary, output / "issue14.json")
     assert summary is not None
