@@ -28,6 +28,7 @@ from exo.testing.random_gguf import RandomGgufShape, write_random_gguf
 from exo.worker.engines.torch.gguf_weights import (
     Bf16Linear,
     DequantizedBlocks,
+    DequantizedGroups,
     int4_linear_from_groups,
 )
 from exo.worker.engines.torch.loading import load_model
@@ -138,6 +139,33 @@ def test_int4_linear_from_groups_matches_the_groups() -> None:
         torch.testing.assert_close(got, expected, rtol=0, atol=0.02 * float(expected.abs().max()))
     with pytest.raises(ValueError, match="int4 cannot pack"):
         int4_linear_from_groups(packed[:32], scales[:32], zeros[:32], None)
+
+
+def test_a_column_slice_cutting_groups_reads_the_dequantized_weight() -> None:
+    """A row-parallel rank whose columns cut an int4 group (in / world size no multiple of
+    32) gets its slice of the dequantized weight."""
+    groups = repack_int4("Q4_0", blocks_of("Q4_0"), ROWS)
+    parts = (
+        torch.from_numpy(groups.packed),
+        torch.from_numpy(groups.scales),
+        torch.from_numpy(groups.zeros),
+    )
+
+    class Slice:
+        def __init__(self, tensor: torch.Tensor) -> None:
+            self.tensor = tensor
+
+        def get_shape(self) -> list[int]:
+            return list(self.tensor.shape)
+
+        def __getitem__(self, key: Any) -> torch.Tensor:
+            return self.tensor[key]
+
+    weight = DequantizedGroups(*(Slice(part) for part in parts))
+    whole = torch.from_numpy(dequantize_int4(groups))
+    assert weight.get_shape() == [ROWS, COLUMNS]
+    assert torch.equal(weight[:, 48:112], whole[:, 48:112])
+    assert torch.equal(weight[3:9], whole[3:9])
 
 
 SHAPE = RandomGgufShape(

@@ -174,6 +174,24 @@ def _dequantize_groups(
     return weight.reshape(out_features, -1)
 
 
+class DequantizedGroups:
+    """Safetensors slices of int4 groups (packed, scales, zeros) seen as the float32
+    `[out, in]` weight: rows are read and dequantized, then any columns sliced."""
+
+    def __init__(self, packed: Any, scales: Any, zeros: Any) -> None:
+        self._parts = (packed, scales, zeros)
+        rows, half = packed.get_shape()
+        self._shape = [rows, 2 * half]
+
+    def get_shape(self) -> list[int]:
+        return list(self._shape)
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        rows, columns = (key, slice(None)) if not isinstance(key, tuple) else key
+        packed, scales, zeros = (part[rows] for part in self._parts)
+        return _dequantize_groups(packed, scales, zeros)[:, columns]
+
+
 def _bias_of(linear: nn.Linear) -> torch.Tensor | None:
     bias = linear.bias
     return None if bias is None or bias.is_meta else bias
@@ -230,8 +248,7 @@ def load_repacked(
         weight_dtype: the format the engine holds weights in.
 
     Raises:
-        ValueError: a name that is no repacked tensor, or a column slice that would cut an
-            int4 group (`in / world size` not a multiple of the group size).
+        ValueError: a name that is no repacked tensor.
     """
     parts = split_repacked_name(stored_name)
     if parts is None or parts.companion:
@@ -243,15 +260,14 @@ def load_repacked(
             return weight.contiguous()
         _install(*direct, lambda bias: Bf16Linear(weight, bias))
         return None
-    packed, scales, zeros = (
-        reader(handle.get_slice(parts.base + suffix))
-        for suffix in (INT4_PACKED, INT4_SCALES, INT4_ZEROS)
-    )
+    slices = [
+        handle.get_slice(parts.base + suffix) for suffix in (INT4_PACKED, INT4_SCALES, INT4_ZEROS)
+    ]
+    packed, scales, zeros = (reader(tensor_slice) for tensor_slice in slices)
     if packed.shape[1] * 2 != scales.shape[1] * INT4_GROUP_SIZE:
-        raise ValueError(
-            f"{target}: this rank's slice of {tuple(packed.shape)} packed bytes and "
-            f"{tuple(scales.shape)} groups cuts an int4 group"
-        )
+        # This rank's columns cut an int4 group (in / world size is no multiple of 32):
+        # its slice of the dequantized weight, held as the engine decides (int8).
+        return reader(DequantizedGroups(*slices)).contiguous()
     if direct is not None:
         parent, name = direct
         linear = getattr(parent, name)
