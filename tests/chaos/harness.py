@@ -30,6 +30,13 @@ LOAD_MAX_TOKENS = 24
 
 
 CLONE_NEWNET = 0x40000000
+_thread_netns = threading.local()
+
+
+def current_netns() -> str | None:
+    """The network namespace the calling thread entered with `enter_netns`, or None."""
+    name: str | None = getattr(_thread_netns, "name", None)
+    return name
 
 
 def enter_netns(name: str) -> None:
@@ -41,6 +48,7 @@ def enter_netns(name: str) -> None:
             raise OSError(ctypes.get_errno(), f"setns into {name} failed")
     finally:
         os.close(descriptor)
+    _thread_netns.name = name
 
 
 @dataclass(frozen=True)
