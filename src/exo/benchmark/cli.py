@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import httpx
 from loguru import logger
 
 from exo.benchmark.client import BenchRequestError
@@ -185,3 +186,15 @@ def main(argv: list[str]) -> int:
     except (BenchSetupError, BenchRequestError, EngineRunError) as error:
         print(f"exo bench failed: {error}", file=sys.stderr)
         return 1
+    except httpx.HTTPError as error:
+        where = f" ({error.request.url})" if _has_request(error) else ""
+        print(f"exo bench failed: the API did not answer{where}: {error}", file=sys.stderr)
+        return 1
+
+
+def _has_request(error: httpx.HTTPError) -> bool:
+    try:
+        error.request  # noqa: B018 (raises RuntimeError when the error has none)
+    except RuntimeError:
+        return False
+    return True

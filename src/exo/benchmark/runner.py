@@ -82,7 +82,7 @@ def resolve_model(config: BenchConfig, say: Print) -> tuple[str, Path, bool]:
         ValueError: an unknown model, or one whose files are not on this machine (a running
             cluster's model: give `--model-dir`).
     """
-    from exo.download.pypi_gguf import prepare_model
+    from exo.download.pypi_gguf import ModelPreparationError, prepare_model
     from exo.shared.constants import models_dir
     from exo.shared.models.cards import load_builtin_cards, resolve_card
 
@@ -92,7 +92,15 @@ def resolve_model(config: BenchConfig, say: Print) -> tuple[str, Path, bool]:
     card = resolve_card(config.model, load_builtin_cards())
     if config.model_dir is not None:
         return str(card.model_id), config.model_dir, False
-    directory = prepare_model(card, models_dir(), offline=config.api is not None, on_progress=say)
+    try:
+        directory = prepare_model(
+            card, models_dir(), offline=config.api is not None, on_progress=say
+        )
+    except ModelPreparationError as error:
+        raise ValueError(
+            f"{card.model_id}: its files (tokenizer, EOS ids) are not on this machine "
+            f"({error}); give them with --model-dir DIR"
+        ) from None
     return str(card.model_id), directory, False
 
 
