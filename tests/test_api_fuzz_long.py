@@ -13,8 +13,8 @@ that takes a body, and schemathesis against the node's own OpenAPI document; 0 a
   one (and the Hub search) against the throwaway node.
 
 Every length bound in a body (`max_tokens`, `max_completion_tokens`, `max_output_tokens`,
-Ollama's `num_predict`) that is a number above 1 is capped at 1 before it is sent, so an
-accepted request generates one token. Hypothesis runs derandomized (pinned in
+Ollama's `num_predict`) that is null or a number above 1 is capped at 1 before it is sent,
+so an accepted request generates one token. Hypothesis runs derandomized (pinned in
 pyproject.toml): the same bodies on every run. Bodies are generated first, then sent by
 `SENDERS` client threads (concurrent requests are part of the load). Counts per route and
 status, and the time taken, are printed.
@@ -101,14 +101,18 @@ HUB_OPERATIONS = {("GET", "/models/search")}
 
 
 def cap_lengths(value: Any) -> Any:
-    """`value` with every numeric length bound above 1 (at the top or in Ollama's
-    `options`) set to 1."""
+    """`value` with every length bound that is null or a number above 1 (at the top or in
+    Ollama's `options`) set to 1."""
     if not isinstance(value, dict):
         return value
     capped = dict(value)
     for name in LENGTH_FIELDS:
         bound = capped.get(name)
-        if isinstance(bound, int | float) and not isinstance(bound, bool) and bound > 1:
+        # null means "no limit" (the model's context): a generation of minutes here.
+        unbounded = name in capped and bound is None
+        if unbounded or (
+            isinstance(bound, int | float) and not isinstance(bound, bool) and bound > 1
+        ):
             capped[name] = 1
     if isinstance(capped.get("options"), dict):
         capped["options"] = cap_lengths(capped["options"])

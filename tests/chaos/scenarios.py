@@ -100,17 +100,19 @@ def pipeline_rank_node_killed(root: Path, models: Path) -> Row:
     a, b = nodes
     with running(nodes):
         wait_until(lambda: same_master(nodes), FORM_TIMEOUT_SECONDS, what="one master")
-        placed = httpx.post(
-            f"{a.url}/place_instance",
-            json={
-                "model_id": DEFAULT_MODEL_ID,
-                "sharding": "pipeline",
-                "node_ids": [a.node_id(), b.node_id()],
-                "min_nodes": 2,
-            },
-            timeout=60,
-        )
-        assert placed.status_code == 200, placed.text
+        body = {
+            "model_id": DEFAULT_MODEL_ID,
+            "sharding": "pipeline",
+            "node_ids": [a.node_id(), b.node_id()],
+            "min_nodes": 2,
+        }
+
+        def place() -> httpx.Response | None:
+            # 400 until the nodes have measured their link to each other.
+            answer = httpx.post(f"{a.url}/place_instance", json=body, timeout=60)
+            return answer if answer.status_code == 200 else None
+
+        placed = wait_until(place, 120, interval=1.0, what="a pipeline placement")
         instance = placed.json()["instance_id"]
         wait_until(lambda: a.serving(instance), READY_SECONDS, interval=0.5, what="both ranks")
         load = Load(a).start()
