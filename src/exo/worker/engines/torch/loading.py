@@ -5,7 +5,9 @@ A single rank is the world-size-1 case of a sharded load. Each decoder layer's t
 read (only this rank's slices), assigned, then its linears are quantized before the next
 layer is read, and each file's memory map is closed after every layer, so a node's peak
 memory while loading stays near the size of the format it holds (int4 on CPU) plus one
-layer in float32 (see `exo.shared.models.memory.loading_peak_bytes`).
+layer in float32 (see `exo.shared.models.memory.loading_peak_bytes`). Weights repacked from
+GGUF (`exo.download.gguf_repack`) are read through the same per-rank slicing and go straight
+into their quantized modules (`gguf_weights.load_repacked`).
 """
 
 from __future__ import annotations
