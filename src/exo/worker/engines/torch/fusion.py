@@ -73,7 +73,7 @@ def fuse_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
     Returns:
         The fused module (`parts[0]` itself when there is one part), or None when the parts
         are of different kinds (e.g. one fell back to int8 because int4 cannot pack its
-        shape) or of a kind this cannot fuse.
+        shape), int4 groups of different sizes, or of a kind this cannot fuse.
     """
     if len(parts) == 1:
         return parts[0]
@@ -103,6 +103,8 @@ def fuse_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
         return dense
     if kind is Int4Linear:
         int4 = [part for part in parts if isinstance(part, Int4Linear)]
+        if len({part.group_size for part in int4}) != 1:  # e.g. GGUF Q4_0 beside Q4_K
+            return None
         fused4 = Int4Linear.concatenate(int4)
         offset = 0
         for part in int4:

@@ -147,6 +147,8 @@ def test_mixed_kinds_are_not_fused() -> None:
     torch.manual_seed(0)
     parts: list[nn.Module] = [Int4Linear(nn.Linear(64, 64)), Int8Linear(nn.Linear(64, 32))]
     assert fuse_linears(parts) is None
+    groups: list[nn.Module] = [Int4Linear(nn.Linear(64, 64), 32), Int4Linear(nn.Linear(64, 64), 64)]
+    assert fuse_linears(groups) is None
 
 
 # -- sharded: 2 gloo ranks ---------------------------------------------------------------
