@@ -151,12 +151,16 @@ class DequantizedBlocks:
         rows, columns = (key, slice(None)) if not isinstance(key, tuple) else key
         if not isinstance(columns, slice):
             raise TypeError(f"columns are read by slice, not {columns!r}")
-        raw = self._raw[rows]
+        selected = range(self._shape[0])[rows] if isinstance(rows, slice) else None
+        if selected is None or selected.step != 1:
+            raise TypeError(f"rows are read by a contiguous slice, not {rows!r}")
         width = len(range(self._shape[1])[columns])
-        result = torch.empty(raw.shape[0], width, dtype=torch.float32)
-        # Row chunks bound gguf's float32 temporaries (an embedding is the largest weight).
-        for start in range(0, raw.shape[0], _DEQUANTIZE_ROWS):
-            chunk = raw[start : start + _DEQUANTIZE_ROWS].numpy()
+        result = torch.empty(len(selected), width, dtype=torch.float32)
+        # Row chunks, read from the file one at a time, bound the raw copy and gguf's float32
+        # temporaries (an embedding is the largest weight).
+        for start in range(0, len(selected), _DEQUANTIZE_ROWS):
+            first = selected.start + start
+            chunk = self._raw[first : min(first + _DEQUANTIZE_ROWS, selected.stop)].numpy()
             values = dequantize(chunk, self._type).reshape(chunk.shape[0], -1)
             result[start : start + chunk.shape[0]] = torch.from_numpy(values)[:, columns]
         return result
