@@ -16,6 +16,7 @@ once, when the model is first prepared, into a writable models directory
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -112,17 +113,15 @@ def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> Model
         GgufModelError: not a GGUF file, an architecture the engine has no family for, or
             metadata it lacks (named).
     """
-    from gguf import GGUFReader
+    from exo.download.gguf_tensors import GgufArray, read_gguf_tensors
 
     try:
-        reader = GGUFReader(str(path))
+        directory = read_gguf_tensors(path)
     except (OSError, ValueError) as error:
         raise GgufModelError(f"{path} is not a readable GGUF file: {error}") from None
-    fields = reader.fields
 
     def value(key: str) -> Any:
-        field = fields.get(key)
-        return None if field is None else field.contents()
+        return directory.metadata.get(key)
 
     architecture = value("general.architecture")
     if architecture not in GGUF_ARCHITECTURES:
@@ -138,11 +137,11 @@ def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> Model
 
     heads = required("attention.head_count")
     tokens = value("tokenizer.ggml.tokens")
-    if not tokens:
+    if not isinstance(tokens, GgufArray) or not tokens.count:
         raise GgufModelError(f"{path} has no tokenizer.ggml.tokens (no tokenizer)")
     head_dim = value(f"{architecture}.attention.key_length")
     hidden_size = required("embedding_length")
-    tensor_names = {tensor.name for tensor in reader.tensors}
+    tensor_names = {tensor.name for tensor in directory.tensors}
     return ModelCard(
         model_id=ModelId(model_id),
         source=GgufFileSource(path=str(path), sha256=sha256),
@@ -152,13 +151,13 @@ def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> Model
         num_attention_heads=heads,
         num_key_value_heads=int(value(f"{architecture}.attention.head_count_kv") or heads),
         intermediate_size=required("feed_forward_length"),
-        vocab_size=len(tokens),
+        vocab_size=tokens.count,
         storage_size_bytes=path.stat().st_size,
         context_length=required("context_length"),
         has_chat_template=value("tokenizer.chat_template") is not None,
         head_dim=int(head_dim) if head_dim and int(head_dim) != hidden_size // heads else None,
         tie_word_embeddings="output.weight" not in tensor_names,
-        parameter_count=sum(int(tensor.n_elements) for tensor in reader.tensors) or None,
+        parameter_count=sum(math.prod(tensor.shape) for tensor in directory.tensors) or None,
     )
 
 

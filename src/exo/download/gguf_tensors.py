@@ -1,13 +1,15 @@
-"""The tensor directory of a GGUF file, read without building its metadata.
+"""The tensor directory and metadata of a GGUF file, read without `gguf.GGUFReader`.
 
 `gguf.GGUFReader` turns every metadata value into numpy views, which for a vocabulary of
-~50k tokens costs seconds and ~200 MB; converting weights needs only the architecture, the
-alignment and the tensor infos. Format (GGUF v2/v3, ggml's `docs/gguf.md`): magic "GGUF",
-u32 version, u64 tensor count, u64 metadata count; each metadata entry a string key, a u32
-value type and the value (strings: u64 length + bytes; arrays: u32 element type, u64 count,
-elements); each tensor info a string name, u32 dimension count, u64 dimensions (fastest
-first), u32 GGML type, u64 offset into the data section, which starts at the next multiple of
-`general.alignment` (default 32). All little-endian.
+~50k tokens costs seconds and ~200 MB; converting weights and reading a card need only the
+scalar and string metadata, array lengths and the tensor infos.
+
+Format (GGUF v2/v3, ggml's `docs/gguf.md`): magic "GGUF", u32 version, u64 tensor count,
+u64 metadata count; each metadata entry a string key, a u32 value type and the value
+(strings: u64 length + bytes; arrays: u32 element type, u64 count, elements); each tensor
+info a string name, u32 dimension count, u64 dimensions (fastest first), u32 GGML type, u64
+offset into the data section, which starts at the next multiple of `general.alignment`
+(default 32). All little-endian.
 """
 
 from __future__ import annotations
@@ -53,9 +55,20 @@ class GgufTensor:
 
 
 @dataclass(frozen=True, slots=True)
+class GgufArray:
+    """A metadata array, by its length only (its elements are skipped, not read)."""
+
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
 class GgufDirectory:
+    """The file's architecture, its scalar and string metadata (arrays as `GgufArray`) and
+    its tensors."""
+
     architecture: str
     tensors: tuple[GgufTensor, ...]
+    metadata: dict[str, object]
 
 
 class _Cursor:
@@ -91,16 +104,16 @@ class _Cursor:
             count = int(self.unpack("Q"))
             if element_type in _SCALARS:  # skipped whole: nothing here needs array values
                 self.offset += count * struct.calcsize("<" + _SCALARS[element_type])
-                return None
-            for _ in range(count):
-                self.value(element_type)
-            return None
+            else:
+                for _ in range(count):
+                    self.value(element_type)
+            return GgufArray(count)
         raise GgufFormatError(f"unknown metadata value type {value_type}")
 
 
 def read_gguf_tensors(path: Path) -> GgufDirectory:
-    """The architecture and tensors of the GGUF file at `path` (tensor data memory-mapped,
-    nothing read until used).
+    """The architecture, metadata and tensors of the GGUF file at `path` (tensor data
+    memory-mapped, nothing read until used).
 
     Raises:
         GgufFormatError: not a GGUF file, an unsupported version, a truncated header, a
@@ -118,15 +131,14 @@ def read_gguf_tensors(path: Path) -> GgufDirectory:
         raise GgufFormatError(f"{path}: GGUF version {version} (2 and 3 are read)")
     tensor_count = int(cursor.unpack("Q"))
     metadata_count = int(cursor.unpack("Q"))
-    architecture = ""
-    alignment = _DEFAULT_ALIGNMENT
+    metadata: dict[str, object] = {}
     for _ in range(metadata_count):
         key = cursor.string()
-        value = cursor.value(int(cursor.unpack("I")))
-        if key == "general.architecture":
-            architecture = str(value)
-        elif key == "general.alignment" and isinstance(value, int):
-            alignment = value
+        metadata[key] = cursor.value(int(cursor.unpack("I")))
+    architecture = str(metadata.get("general.architecture", ""))
+    alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise GgufFormatError(f"{path}: general.alignment {alignment!r} is no positive integer")
     infos: list[tuple[str, str, tuple[int, ...], int, int]] = []
     for _ in range(tensor_count):
         name = cursor.string()
@@ -148,4 +160,4 @@ def read_gguf_tensors(path: Path) -> GgufDirectory:
         if begin + size > len(file_map):
             raise GgufFormatError(f"{path}: tensor {name} runs past the end of the file")
         tensors.append(GgufTensor(name, type_name, shape, file_map[begin : begin + size]))
-    return GgufDirectory(architecture, tuple(tensors))
+    return GgufDirectory(architecture, tuple(tensors), metadata)

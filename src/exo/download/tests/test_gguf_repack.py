@@ -279,3 +279,20 @@ def test_tensor_parallel_ranks_hold_their_slices(tiny_models: dict[str, Path]) -
         local = layer.mlp.down_proj.local
         assert isinstance(local, Int4Linear)
         assert torch.equal(local.dequantize(), full.mlp.down_proj.dequantize()[:, columns])
+
+
+def test_the_tensor_directory_matches_gguf_reader(tiny_models: dict[str, Path]) -> None:
+    from gguf import GGUFReader
+
+    from exo.download.gguf_tensors import GgufArray, read_gguf_tensors
+
+    ours = read_gguf_tensors(tiny_models["gguf"])
+    theirs = GGUFReader(str(tiny_models["gguf"]))
+    assert ours.architecture == "llama"
+    assert ours.metadata["llama.block_count"] == SHAPE.n_layers
+    assert ours.metadata["tokenizer.ggml.tokens"] == GgufArray(SHAPE.vocab_size)
+    assert [tensor.name for tensor in ours.tensors] == [tensor.name for tensor in theirs.tensors]
+    for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
+        assert mine.type_name == reference.tensor_type.name
+        assert mine.shape == tuple(int(size) for size in reference.shape)
+        assert np.array_equal(mine.data, np.asarray(reference.data).reshape(-1).view(np.uint8))
