@@ -114,6 +114,8 @@ def cap_lengths(value: Any) -> Any:
             isinstance(bound, int | float) and not isinstance(bound, bool) and bound > 1
         ):
             capped[name] = 1
+    if "options" in capped and capped["options"] is None:  # Ollama's: no limit either
+        capped["options"] = {"num_predict": 1}
     if isinstance(capped.get("options"), dict):
         capped["options"] = cap_lengths(capped["options"])
     return capped
