@@ -14,6 +14,7 @@ the model (to resume it), else the first with room for the model's stored size.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -212,6 +213,29 @@ def delete_downloaded_model(default_models_dir: Path, model_id: str) -> list[Pat
         if not target.is_dir():
             continue
         (target / COMPLETION_MARKER).unlink(missing_ok=True)
-        shutil.rmtree(target)
+        _remove_tree(target)
         removed.append(target)
     return removed
+
+
+def _remove_tree(target: Path, attempts: int = 3) -> None:
+    """`shutil.rmtree` that tolerates a download writing into `target` meanwhile (found by
+    the long fuzz: a delete racing a download answered 500): a file that vanished (renamed
+    from `.partial`, or removed) is skipped, and a directory that gained a file before it
+    was removed is walked again, up to `attempts` times.
+
+    Raises:
+        OSError: any other failure, or the directory still gaining files after `attempts`.
+    """
+
+    def skip_vanished(_function: Callable[..., Any], _path: str, error: Any) -> None:
+        if not isinstance(error[1], FileNotFoundError):
+            raise error[1]
+
+    for attempt in range(attempts):
+        try:
+            shutil.rmtree(target, onerror=skip_vanished)
+            return
+        except OSError as error:
+            if error.errno != errno.ENOTEMPTY or attempt == attempts - 1:
+                raise

@@ -4,15 +4,20 @@ files it lacks."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import cast
+from typing import Any, cast
 
 import pytest
 
-from exo.download.locations import ModelLocations, choose_download_directory
+from exo.download.locations import (
+    ModelLocations,
+    choose_download_directory,
+    delete_downloaded_model,
+)
 from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.shared.types.models import HuggingFaceSource, ModelCard
 from exo.testing.builders import make_card, make_shard
@@ -191,3 +196,27 @@ def test_exo_offline_in_the_environment_turns_offline_mode_on(
     for value, offline in (("1", True), ("true", True), ("0", False), ("false", False)):
         monkeypatch.setenv("EXO_OFFLINE", value)
         assert parse_args([]).offline is offline
+
+
+def test_delete_skips_a_file_that_vanishes_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A download renaming its `.partial` file while the model is deleted (found by the
+    long fuzz: DELETE /ollama/api/delete racing POST /download/start answered 500)."""
+    target = tmp_path / "models" / "org--m"
+    target.mkdir(parents=True)
+    (target / "weights.safetensors.partial").write_bytes(b"x")
+    (target / "config.json").write_bytes(b"{}")
+    real_unlink = os.unlink
+    vanished: list[str] = []
+
+    def racing_unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        real_unlink(path, *args, **kwargs)
+        if str(path).endswith(".partial"):  # the downloader got there first
+            vanished.append(str(path))
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+
+    monkeypatch.setattr(os, "unlink", racing_unlink)
+    monkeypatch.delenv("EXO_MODELS_DIRS", raising=False)
+    assert delete_downloaded_model(tmp_path / "models", "org/m") == [target]
+    assert vanished and not target.exists()
