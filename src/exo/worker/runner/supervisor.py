@@ -137,9 +137,16 @@ class RunnerSupervisor:
         """Relay the runner's messages until its pipe closes, then report how it ended."""
         assert self._from_runner is not None, "run() before start()"
         connection = self._from_runner
+        # A thread of its own for the whole life of the runner, outside AnyIO's default
+        # limiter: in that shared pool of 40, forty runners (found by the long fuzz placing
+        # instances of a tiny model) held every token, and every API route that runs a
+        # thread (FastAPI's sync dependencies included) waited forever.
+        own_thread = anyio.CapacityLimiter(1)
         while True:
             try:
-                raw = await anyio.to_thread.run_sync(connection.recv_bytes, abandon_on_cancel=True)
+                raw = await anyio.to_thread.run_sync(
+                    connection.recv_bytes, abandon_on_cancel=True, limiter=own_thread
+                )
             except (EOFError, OSError):
                 break
             self._handle(runner_outbound_adapter.validate_json(raw))
