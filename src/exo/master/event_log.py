@@ -16,7 +16,9 @@ snapshot already covers; loading skips them. Disk use is thus about one state pl
 
 Recovery (`load`): a snapshot whose header, checksum or body is bad, and a log with a bad
 record (checksum, JSON, a torn last line) or an index out of sequence, are set aside
-(renamed `<name>.corrupt-<UTC time>`, never deleted) with a WARNING saying what was found;
+(renamed `<name>.corrupt-<UTC time>`; the `KEPT_CORRUPT_FILES` newest of each file are
+kept, older ones removed, so repeated damage cannot fill the disk) with a WARNING saying
+what was found;
 the log is rewritten with its good prefix. The node then continues from the snapshot plus
 that prefix; a follower fetches the rest from the master (`exo.shared.replica`).
 """
@@ -45,6 +47,8 @@ SNAPSHOT_LOG_BYTES = 64 * 1024 * 1024
 SNAPSHOT_FORMAT = 1
 # Logs of histories this node dropped (`reset`) that are kept; older ones are removed.
 KEPT_OLD_LOGS = 3
+# Damaged files set aside (`set_aside`) kept per file name, for a post-mortem; older ones go.
+KEPT_CORRUPT_FILES = 3
 
 
 def event_digest(indexed_event: IndexedEvent) -> str:
@@ -91,11 +95,17 @@ def decode_record(line: bytes) -> IndexedEvent:
 
 
 def set_aside(path: Path, found: str) -> Path:
-    """Rename a damaged file beside itself with a timestamp and say so at WARNING."""
+    """Rename a damaged file beside itself with a timestamp and say so at WARNING; only
+    the `KEPT_CORRUPT_FILES` newest set-aside copies of `path` stay."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     target = path.with_name(f"{path.name}.corrupt-{stamp}-{time.time_ns() % 10**9:09d}")
     path.replace(target)
     logger.warning(f"{path}: {found}; set aside as {target.name}")
+    # The names sort by time: the UTC second, then its nanoseconds.
+    copies = sorted(path.parent.glob(f"{path.name}.corrupt-*"))
+    for old in copies[:-KEPT_CORRUPT_FILES]:
+        logger.info(f"event log: removing {old.name} (keeping {KEPT_CORRUPT_FILES} damaged copies)")
+        old.unlink(missing_ok=True)
     return target
 
 

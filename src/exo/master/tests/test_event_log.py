@@ -2,7 +2,12 @@ from pathlib import Path
 
 import pytest
 
-from exo.master.event_log import EventLog, EventLogCorruptError, encode_record
+from exo.master.event_log import (
+    KEPT_CORRUPT_FILES,
+    EventLog,
+    EventLogCorruptError,
+    encode_record,
+)
 from exo.shared.types.common import NodeId, RunnerId
 from exo.shared.types.events import IndexedEvent, NodeGatheredInfo, RunnerDeleted, TaskCreated
 from exo.testing.builders import indexed, make_node_info, make_params, make_text_generation_task
@@ -104,6 +109,18 @@ def test_corrupt_middle_line_is_set_aside_and_the_good_prefix_kept(tmp_path: Pat
     # The damaged file is kept as it was, beside the log.
     [aside] = set_aside_files(path)
     assert aside.read_bytes() == original
+
+
+def test_only_the_newest_damaged_copies_are_kept(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    damaged = [line(EVENTS[0]) + f'{{"torn {number}'.encode() + b"\n" for number in range(5)]
+    for body in damaged:
+        path.write_bytes(body)
+        assert EventLog(path).read_all() == EVENTS[:1]
+    kept = set_aside_files(path)
+    assert len(kept) == KEPT_CORRUPT_FILES
+    # The newest ones, in the order they were set aside.
+    assert [copy.read_bytes() for copy in kept] == damaged[-KEPT_CORRUPT_FILES:]
 
 
 def test_index_gap_keeps_the_events_before_it(tmp_path: Path) -> None:
