@@ -42,6 +42,7 @@ from exo.api.errors import (
 )
 from exo.api.load_on_request import default_keep_alive, ensure_instance
 from exo.api.metrics import observed_chunks
+from exo.api.prompt_size import check_prompt_size
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
 from exo.shared.types.commands import CancelGeneration, GenerateText, KeepAlive
 from exo.shared.types.common import CommandId
@@ -232,7 +233,8 @@ async def start_generation(
             `Retry-After`).
         InvalidRequestError: the request holds text that is not valid Unicode, values
             nested too deeply or a `logit_bias` for a token outside the model's vocabulary,
-            or the engine refused it (400).
+            is too large for the model's context (`exo.api.prompt_size`, checked before
+            anything is placed or sent), or the engine refused it (400).
         GenerationError: the client disconnected before the first chunk (or while the
             model was loading).
     """
@@ -241,6 +243,7 @@ async def start_generation(
         raise ModelNotFoundError(f"The model '{params.model}' does not exist")
     check_chat_template(params, card_of(cluster, params.model))
     _check_logit_bias(params, card_of(cluster, params.model))
+    check_prompt_size(params, card_of(cluster, params.model))
     keep_alive = default_keep_alive(cluster, keep_alive)
     await ensure_instance(cluster, request, params.model, keep_alive)
     release_place = await admission_of(request).admit(lambda: cluster.state, request, params.model)
@@ -457,4 +460,6 @@ async def _submit(cluster: ClusterClient, command: GenerateText) -> None:
     except CommandRejectedError as error:
         if error.status_code == 404:
             raise ModelNotFoundError(error.reason, code="no_instance") from None
+        if error.status_code == 413:
+            raise InvalidRequestError(error.reason, code="context_length_exceeded") from None
         raise NoCapacityError(error.reason) from None

@@ -11,6 +11,7 @@ from exo.master.recovery import unavailable_message
 from exo.shared.models.cards import UnknownModelError, resolve_card
 from exo.shared.models.names import resolve_model_name
 from exo.shared.types.commands import (
+    MAX_GENERATION_BYTES,
     AddCustomModel,
     CancelGeneration,
     Command,
@@ -145,6 +146,10 @@ def events_for_command(
                 return [_reject(command.command_id, origin, f"no instance '{instance_id}'", 404)]
             return [InstanceDeleted(instance_id=instance_id, command_id=command.command_id)]
         case GenerateText(params=params):
+            size = len(params.__pydantic_serializer__.to_json(params))
+            if size > MAX_GENERATION_BYTES:
+                reason = f"the request is {size} bytes; at most {MAX_GENERATION_BYTES} are accepted"
+                return [_reject(command.command_id, origin, reason, 413)]
             chosen = choose_instance(state, params.model, command.command_id)
             if chosen is None:
                 unavailable = state.instances_of_model(params.model)

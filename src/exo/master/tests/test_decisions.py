@@ -4,6 +4,7 @@ from exo.master.decisions import choose_instance, events_after_restart, events_f
 from exo.master.placement import required_memory_bytes
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.commands import (
+    MAX_GENERATION_BYTES,
     CancelGeneration,
     Command,
     DeleteInstance,
@@ -202,6 +203,19 @@ def test_generate_creates_a_task_on_the_instance() -> None:
             )
         )
     ]
+
+
+def test_generate_larger_than_the_event_bound_is_rejected_and_creates_no_task() -> None:
+    state = make_state(instances=[make_instance(NODE_A)])
+    params = make_params("x" * MAX_GENERATION_BYTES)
+    [event] = decide(state, GenerateText(command_id=COMMAND, params=params))
+    assert isinstance(event, CommandRejected)
+    assert event.status_code == 413
+    assert f"at most {MAX_GENERATION_BYTES} are accepted" in event.reason
+    # Just under the bound still makes a task.
+    small = make_params("x" * (MAX_GENERATION_BYTES - 4096))
+    [created] = decide(state, GenerateText(command_id=COMMAND, params=small))
+    assert isinstance(created, TaskCreated)
 
 
 def runner_of(instance_id: str) -> RunnerId:
