@@ -22,6 +22,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from loguru import logger
 
+from exo.api.command_outcomes import answer_from_state
 from exo.shared.election import Election
 from exo.shared.models.cards import with_custom_cards
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
@@ -42,6 +43,7 @@ from exo.shared.types.events import (
     InstanceCreated,
     InstanceDeleted,
     InstanceUsed,
+    StateSnapshot,
     TaskCreated,
     TaskStatusUpdated,
 )
@@ -280,6 +282,9 @@ class ClusterClient:
     def _on_event(self, event: Event) -> None:
         command_id: CommandId | None = None
         match event:
+            case StateSnapshot(state=snapshot_state):
+                self._answer_from_snapshot(snapshot_state)
+                return
             case CommandRejected() if event.origin != self.node_id:
                 return
             case InstanceCreated() | InstanceDeleted() | InstanceUsed() | CommandRejected():
@@ -311,11 +316,26 @@ class ClusterClient:
                 pass
         if isinstance(event, InstanceDeleted):
             self._fail_streams_of_instance(event.instance_id)
-        if command_id is None:
-            return
+        if command_id is not None:
+            self._deliver(command_id, event)
+
+    def _deliver(self, command_id: CommandId, event: Event) -> None:
         self._unanswered.pop(command_id, None)
         if command_id in self._result_waiters:
             self._result_waiters.pop(command_id).send_nowait(event)
+
+    def _answer_from_snapshot(self, state: State) -> None:
+        """Answer the commands whose answering events a snapshot stands in for (this node
+        fell behind further than the master's log reaches): their outcomes are in it."""
+        for command_id, unanswered in list(self._unanswered.items()):
+            outcome = state.command_outcomes.get(command_id)
+            if outcome is None:
+                continue
+            event = answer_from_state(unanswered.command, outcome, state, self.node_id)
+            if isinstance(event, TaskCreated) and event.task.task_id not in state.tasks:
+                self._deliver(command_id, event)  # finished: no chunk stream to route
+            else:
+                self._on_event(event)
 
     def _fail_streams_of_instance(self, instance_id: InstanceId) -> None:
         for command_id, stream_instance in list(self._command_instance.items()):

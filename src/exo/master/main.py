@@ -176,7 +176,8 @@ class Master:
         ):
             self.state = apply(self.state, indexed_event)
         self._activated_at = self._now()
-        self._done_commands = {
+        # Commands answered in the log, and those a snapshot compacted (their outcomes).
+        self._done_commands = set(self.state.command_outcomes) | {
             command_id
             for indexed_event in self._event_log.events
             if (command_id := command_id_of(indexed_event.event)) is not None

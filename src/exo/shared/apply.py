@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from exo.shared.types.common import InstanceId, NodeId, RunnerId
+from exo.shared.types.common import CommandId, InstanceId, NodeId, RunnerId
 from exo.shared.types.events import (
     ClusterHistoryStarted,
     CommandRejected,
@@ -39,7 +39,13 @@ from exo.shared.types.events import (
 )
 from exo.shared.types.instances import Instance
 from exo.shared.types.runners import RunnerFailed, RunnerReady, RunnerRunning, RunnerStatus
-from exo.shared.types.state import InstanceUnavailable, InstanceUsage, State
+from exo.shared.types.state import (
+    MAX_COMMAND_OUTCOMES,
+    CommandOutcome,
+    InstanceUnavailable,
+    InstanceUsage,
+    State,
+)
 from exo.shared.types.tasks import TERMINAL_TASK_STATUSES
 
 
@@ -58,6 +64,14 @@ def apply(state: State, indexed_event: IndexedEvent) -> State:
         raise EventOutOfOrderError(f"expected event {expected}, got {indexed_event.idx}")
     new_state = apply_event(state, indexed_event.event)
     update: dict[str, object] = {"last_event_applied_idx": indexed_event.idx}
+    answered = command_outcome(indexed_event)
+    if answered is not None and answered[0] not in new_state.command_outcomes:
+        # The first event that carries out a command is its answer (an InstanceUsed may
+        # follow a TaskCreated under the same command id).
+        outcomes = {**new_state.command_outcomes, answered[0]: answered[1]}
+        while len(outcomes) > MAX_COMMAND_OUTCOMES:
+            del outcomes[next(iter(outcomes))]
+        update["command_outcomes"] = outcomes
     if indexed_event.origin is not None and indexed_event.origin_idx is not None:
         key = origin_key(indexed_event.origin, indexed_event.origin_session or "")
         update["local_event_progress"] = {
@@ -65,6 +79,35 @@ def apply(state: State, indexed_event: IndexedEvent) -> State:
             key: indexed_event.origin_idx,
         }
     return new_state.model_copy(update=update)
+
+
+def command_outcome(indexed_event: IndexedEvent) -> tuple[CommandId, CommandOutcome] | None:
+    """The command `indexed_event` answers and how, for events that answer one."""
+    event = indexed_event.event
+    outcome = CommandOutcome(event_idx=indexed_event.idx, kind=event.kind)
+    match event:
+        case CommandRejected(command_id=command_id):
+            update = {
+                "origin": event.origin,
+                "reason": event.reason,
+                "status_code": event.status_code,
+            }
+        case TaskCreated(task=task):
+            command_id = task.command_id
+            update = {"task_id": task.task_id, "instance_id": task.instance_id}
+        case InstanceCreated(instance=instance, command_id=command_id):
+            update = {"instance_id": instance.instance_id}
+        case InstanceDeleted(command_id=command_id) | InstanceUsed(command_id=command_id):
+            update = {"instance_id": event.instance_id}
+        case CustomModelAdded(command_id=command_id) | CustomModelDeleted(command_id=command_id):
+            update = {}
+        case DownloadControlled(command_id=command_id):
+            update = {}
+        case _:
+            return None
+    if command_id is None:
+        return None
+    return command_id, outcome.model_copy(update=update)
 
 
 def origin_key(origin: str, session: str) -> str:

@@ -40,7 +40,7 @@ from exo.shared.types.runners import (
     RunnerShutdown,
     RunnerStatus,
 )
-from exo.shared.types.state import InstanceUsage, State
+from exo.shared.types.state import CommandOutcome, InstanceUsage, State
 from exo.shared.types.tasks import (
     TaskCancelled,
     TaskComplete,
@@ -294,10 +294,21 @@ def test_node_download_progress_is_per_node_and_model() -> None:
     }
 
 
-def test_command_rejected_changes_nothing_but_the_index() -> None:
+def test_command_rejected_changes_nothing_but_the_index_and_its_outcome() -> None:
     state = populated_state()
-    new_state = apply_one(state, SAMPLE_EVENTS[CommandRejected])
-    assert new_state == state.model_copy(update={"last_event_applied_idx": 5})
+    rejection = SAMPLE_EVENTS[CommandRejected]
+    assert isinstance(rejection, CommandRejected)
+    new_state = apply_one(state, rejection)
+    outcome = CommandOutcome(
+        event_idx=5,
+        kind="CommandRejected",
+        origin=rejection.origin,
+        reason=rejection.reason,
+        status_code=rejection.status_code,
+    )
+    assert new_state == state.model_copy(
+        update={"last_event_applied_idx": 5, "command_outcomes": {rejection.command_id: outcome}}
+    )
 
 
 def test_apply_all_from_empty_sets_last_index() -> None:
@@ -322,9 +333,8 @@ def test_out_of_order_index_raises(idx: int) -> None:
 def test_first_event_must_have_index_zero() -> None:
     with pytest.raises(EventOutOfOrderError):
         apply(State(), IndexedEvent(idx=1, event=SAMPLE_EVENTS[CommandRejected]))
-    assert apply(State(), IndexedEvent(idx=0, event=SAMPLE_EVENTS[CommandRejected])) == State(
-        last_event_applied_idx=0
-    )
+    first = apply(State(), IndexedEvent(idx=0, event=SAMPLE_EVENTS[CommandRejected]))
+    assert first.last_event_applied_idx == 0
 
 
 def test_cluster_history_started_names_the_history() -> None:

@@ -133,7 +133,7 @@ from exo.shared.types.runners import (
     RunnerWarmingUp,
 )
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
-from exo.shared.types.state import InstanceUnavailable, InstanceUsage, State
+from exo.shared.types.state import CommandOutcome, InstanceUnavailable, InstanceUsage, State
 from exo.shared.types.tasks import (
     CancelTask,
     ConnectToGroup,
@@ -259,6 +259,11 @@ FULL_STATE = make_state(
             TENSOR.instance_id: InstanceUsage(last_used_at=3.0, keep_alive_seconds=None)
         },
         "local_event_progress": {"node-a/session-1": 4},
+        "command_outcomes": {
+            COMMAND: CommandOutcome(
+                event_idx=3, kind="TaskCreated", instance_id=TENSOR.instance_id, task_id=TASK
+            )
+        },
         "lost_nodes": (NodeId("node-b"),),
         "unavailable_instances": {
             TENSOR.instance_id: InstanceUnavailable(
@@ -490,6 +495,11 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
         ),
     ],
     InstanceUsage: [InstanceUsage(last_used_at=2.0, keep_alive_seconds=60.0)],
+    CommandOutcome: [
+        CommandOutcome(
+            event_idx=7, kind="CommandRejected", origin=NODE, reason="no room", status_code=503
+        )
+    ],
     TaskCreated: [TaskCreated(task=GENERATION)],
     TaskStatusUpdated: [
         TaskStatusUpdated(task_id=TASK, status=TaskComplete()),

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from exo.shared.types.common import FrozenModel, InstanceId, ModelId, NodeId, RunnerId, TaskId
+from exo.shared.types.common import (
+    CommandId,
+    FrozenModel,
+    InstanceId,
+    ModelId,
+    NodeId,
+    RunnerId,
+    TaskId,
+)
 from exo.shared.types.instances import Instance
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import DownloadStatus, NodeInfo, TopologyEdge
@@ -30,6 +38,34 @@ class InstanceUnavailable(FrozenModel):
     """No remaining node set has room: the master places it again when room appears."""
 
 
+MAX_COMMAND_OUTCOMES = 1000
+"""Command answers the state keeps (`State.command_outcomes`), the newest. An API waits at
+most 30 s for an answer; a busy cluster carries out far fewer than 1000 commands in that
+time, and 1000 small records add about 200 KB to a snapshot."""
+
+
+class CommandOutcome(FrozenModel):
+    """How the master answered one command, as much as the API waiting for the answer
+    needs to rebuild the answering event from its own command and the state
+    (`exo.api.command_outcomes`). Kept in the state so that a node that takes a snapshot
+    in place of the events (`StateSnapshot`) still learns the answers inside it."""
+
+    event_idx: int
+    """The index of the answering event."""
+    kind: str
+    """The answering event's kind (`"InstanceCreated"`, `"CommandRejected"`, ...)."""
+    instance_id: InstanceId | None = None
+    """The instance created, deleted or used, or that the created task runs on."""
+    task_id: TaskId | None = None
+    """The task created (`TaskCreated`)."""
+    origin: NodeId | None = None
+    """A rejection's: the node that sent the command."""
+    reason: str | None = None
+    """A rejection's reason."""
+    status_code: int | None = None
+    """A rejection's HTTP status."""
+
+
 class State(FrozenModel):
     """Built only by `apply()` over indexed events; `last_event_applied_idx` is -1 when
     no event has been applied."""
@@ -53,6 +89,8 @@ class State(FrozenModel):
     custom_cards: dict[ModelId, ModelCard] = {}
     """Models added outside the catalog (`CustomModelAdded`), by id."""
     history_id: str | None = None
+    command_outcomes: dict[CommandId, CommandOutcome] = {}
+    """The answers to the latest `MAX_COMMAND_OUTCOMES` commands, oldest first."""
     local_event_progress: dict[str, int] = {}
     """Highest `origin_idx` indexed per "node/session", so any master drops resends."""
     last_event_applied_idx: int = -1
