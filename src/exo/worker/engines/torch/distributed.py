@@ -1,5 +1,5 @@
 """The process group of one model instance's ranks, and the messages rank 0 sends to the
-others (torch.distributed: gloo on CPU).
+others (torch.distributed: gloo on CPU; the decode hot path's messages over `links.py`).
 
 Every wait that depends on another rank's compute or on the network is bounded by the group's
 timeout (`init_group(timeout_s=...)`), so a dead or stuck rank makes the others raise. Waits
@@ -12,12 +12,22 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FuturesTimeout
 from datetime import timedelta
 from typing import Any
 
 import psutil
 import torch
 import torch.distributed as dist
+
+from exo.worker.engines.torch.links import (
+    LinkError,
+    RankLinks,
+    current_links,
+    links_enabled,
+    set_links,
+)
 
 # Long enough to mean "forever" for an idle rank, short enough for gloo's millisecond count.
 IDLE_WAIT = timedelta(days=30)
@@ -30,20 +40,27 @@ def group_timeout() -> timedelta:
     return _group_timeout
 
 
-def local_interface_for(master_addr: str) -> str | None:
-    """The name of this machine's network interface holding the local address that a
-    connection to `master_addr` leaves from (None if it cannot be found)."""
+def local_address_for(master_addr: str) -> str | None:
+    """The local address that a connection to `master_addr` leaves from (None if
+    `master_addr` does not resolve)."""
     try:
         infos = socket.getaddrinfo(master_addr, None, type=socket.SOCK_DGRAM)
     except socket.gaierror:
         return None
     family, _type, _proto, _name, address = infos[0]
     if ipaddress.ip_address(address[0]).is_loopback:
-        local_address = address[0]
-    else:
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((address[0], 9))  # UDP connect sends nothing; picks the route
-            local_address = probe.getsockname()[0]
+        return str(address[0])
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((address[0], 9))  # UDP connect sends nothing; picks the route
+        return str(probe.getsockname()[0]).split("%")[0]
+
+
+def local_interface_for(master_addr: str) -> str | None:
+    """The name of this machine's network interface holding the local address that a
+    connection to `master_addr` leaves from (None if it cannot be found)."""
+    local_address = local_address_for(master_addr)
+    if local_address is None:
+        return None
     for name, addresses in psutil.net_if_addrs().items():
         for entry in addresses:
             if entry.address.split("%")[0] == local_address:
@@ -81,6 +98,12 @@ def init_group(
         master_addr: address of rank 0's rendezvous store.
         master_port: TCP port of that store.
         timeout_s: bound on every collective and send/receive, seconds.
+
+    With gloo and more than one rank, the ranks also connect their `links.RankLinks`
+    (unless `EXO_RANK_LINKS=0`): the decode hot path's messages and small all-reduces.
+
+    Raises:
+        torch.distributed.DistError: a rank did not join (or link) within `timeout_s`.
     """
     global _group_timeout
     _group_timeout = timedelta(seconds=timeout_s)
@@ -94,10 +117,21 @@ def init_group(
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    set_links(None)
+    local_address = local_address_for(master_addr)
+    if backend == "gloo" and world_size > 1 and links_enabled() and local_address is not None:
+        store = dist.distributed_c10d._get_default_store()
+        try:
+            links = RankLinks.connect(store, rank, world_size, local_address, timeout_s)
+        except BaseException:
+            dist.destroy_process_group()
+            raise
+        set_links(links)
 
 
 def destroy_group() -> None:
-    """Leave the default process group (no-op if none)."""
+    """Leave the default process group and close its links (no-op if none)."""
+    set_links(None)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -152,3 +186,108 @@ def broadcast_bytes(payload: bytes | None, src: int = 0) -> bytes:
         assert payload is not None
         return payload
     return bytes(data.numpy())
+
+
+# -- the decode hot path: over the links when the group has them, else gloo ---------------
+
+
+def _seconds(timeout: timedelta | None) -> float | None:
+    """A wait bound for the links: None (unbounded) for `IDLE_WAIT` or longer."""
+    if timeout is None:
+        return _group_timeout.total_seconds()
+    return None if timeout >= IDLE_WAIT else timeout.total_seconds()
+
+
+def send_tensor(tensor: torch.Tensor, dst: int) -> None:
+    """Send a contiguous CPU tensor to rank `dst` (which receives the same shape and dtype).
+
+    Raises:
+        torch.distributed.DistError: the peer is gone or did not read within the timeout.
+    """
+    links = current_links()
+    if links is not None:
+        links.send(tensor, dst)
+    else:
+        dist.send(tensor, dst=dst)
+
+
+def receive_tensor(tensor: torch.Tensor, src: int, timeout: timedelta | None = None) -> None:
+    """Receive rank `src`'s `send_tensor` into `tensor`, waiting up to `timeout` (None: the
+    group's).
+
+    Raises:
+        torch.distributed.DistError: the peer is gone or did not send within the bound.
+    """
+    links = current_links()
+    if links is not None:
+        links.recv(tensor, src, _seconds(timeout))
+    else:
+        receive_waiting(tensor, src, timeout)
+
+
+def post_receive(tensor: torch.Tensor, src: int) -> Callable[[], None]:
+    """Start receiving rank `src`'s next `send_tensor` into `tensor` (this rank may send
+    meanwhile); return the function that waits for it (bounded by the group's timeout).
+
+    Raises (from the returned function):
+        torch.distributed.DistError: the peer is gone or did not send within the timeout.
+    """
+    links = current_links()
+    timeout = _group_timeout
+    if links is not None:
+        future = links.irecv(tensor, src)
+
+        def wait_links() -> None:
+            try:
+                future.result(timeout.total_seconds())
+            except FuturesTimeout as error:
+                raise LinkError(f"rank {src} sent nothing for {timeout} (timeout)") from error
+
+        return wait_links
+    work = dist.irecv(tensor, src=src)
+
+    def wait_gloo() -> None:
+        assert work is not None
+        work.wait(timeout)
+
+    return wait_gloo
+
+
+def send_message(payload: torch.Tensor, dst: int) -> None:
+    """Send a 1-D int64 tensor of any length to rank `dst` (its length first)."""
+    links = current_links()
+    if links is not None:
+        links.send_message(payload, dst)
+        return
+    dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=dst)
+    dist.send(payload, dst=dst)
+
+
+def receive_message(src: int, idle_wait: timedelta) -> torch.Tensor:
+    """Receive a `send_message` from rank `src`, waiting up to `idle_wait` for it to start
+    (`IDLE_WAIT`: unbounded; a closed link still raises), then the group's timeout."""
+    links = current_links()
+    if links is not None:
+        return links.recv_message(src, _seconds(idle_wait))
+    length = torch.zeros(1, dtype=torch.int64)
+    receive_waiting(length, src, idle_wait)
+    payload = torch.empty(int(length.item()), dtype=torch.int64)
+    dist.recv(payload, src=src)
+    return payload
+
+
+def broadcast_message(payload: torch.Tensor | None, idle_wait: timedelta) -> torch.Tensor:
+    """Rank 0 sends a 1-D int64 tensor (`payload`) to every rank; the others (`payload`
+    None) receive it, waiting up to `idle_wait` for it to start, then the group's timeout."""
+    links = current_links()
+    if links is not None:
+        return links.broadcast_message(payload, 0, _seconds(idle_wait))
+    if payload is not None:
+        broadcast_waiting(torch.tensor([payload.numel()], dtype=torch.int64), 0, None)
+        broadcast_waiting(payload, 0, None)
+        return payload
+    length = torch.zeros(1, dtype=torch.int64)
+    broadcast_waiting(length, 0, idle_wait)
+    received = torch.empty(int(length.item()), dtype=torch.int64)
+    broadcast_waiting(received, 0, None)
+    return received

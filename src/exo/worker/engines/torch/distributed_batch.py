@@ -6,7 +6,8 @@ KV-slot operations it made since the last step (`allocate` / `free` / `reserve` 
 `SlotKVCache`, recorded by `RecordingSlotKVCache`, replayed in the same order by
 `replay_cache_ops`, so every rank's slot `s` holds the same request's KV) and the step's
 `BatchPlan` (decoding slots and positions, prefill segments), its token ids, positions and
-logit rows. The header is one int64 tensor, sent as its length then its values.
+logit rows. The header is one int64 tensor, sent as its length then its values (one
+message over the links of `links.py`, or two gloo sends without them).
 
 A pipeline step is split into micro-batches (`split_micro_batches`): rank 0 computes its
 layers for micro-batch A and sends it on, then computes micro-batch B while rank 1 computes
@@ -22,7 +23,6 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from exo.worker.engines.torch.batch_attention import (
@@ -33,7 +33,11 @@ from exo.worker.engines.torch.batch_attention import (
     forward_batch,
     lean_step_of,
 )
-from exo.worker.engines.torch.distributed import broadcast_waiting, receive_waiting
+from exo.worker.engines.torch.distributed import (
+    broadcast_message,
+    receive_message,
+    send_message,
+)
 
 # StepHeader.command
 STEP = 1  # run the step the header describes
@@ -205,34 +209,22 @@ class StepHeader:
 def broadcast_step(header: StepHeader | None, idle_wait: timedelta) -> StepHeader:
     """Tensor parallel: rank 0 sends `header` to every rank; the others (`header` None)
     receive it, waiting up to `idle_wait` for it to start (rank 0 may be idle), then the
-    group's timeout. Two broadcasts: the length, then the values."""
+    group's timeout (`distributed.broadcast_message`: one message over the links)."""
     if header is not None:
-        encoded = header.encode()
-        broadcast_waiting(torch.tensor([encoded.numel()], dtype=torch.int64), 0, None)
-        broadcast_waiting(encoded, 0, None)
+        broadcast_message(header.encode(), idle_wait)
         return header
-    length = torch.zeros(1, dtype=torch.int64)
-    broadcast_waiting(length, 0, idle_wait)
-    encoded = torch.empty(int(length.item()), dtype=torch.int64)
-    broadcast_waiting(encoded, 0, None)
-    return StepHeader.decode(encoded)
+    return StepHeader.decode(broadcast_message(None, idle_wait))
 
 
 def send_step(header: StepHeader, destination: int) -> None:
-    """Pipeline: send a header to the next rank (its length, then its values)."""
-    encoded = header.encode()
-    dist.send(torch.tensor([encoded.numel()], dtype=torch.int64), dst=destination)
-    dist.send(encoded, dst=destination)
+    """Pipeline: send a header to the next rank (`distributed.send_message`)."""
+    send_message(header.encode(), destination)
 
 
 def receive_step(source: int, idle_wait: timedelta) -> StepHeader:
     """Pipeline: receive a header from the previous rank, waiting up to `idle_wait` for it
     to start, then the group's timeout."""
-    length = torch.zeros(1, dtype=torch.int64)
-    receive_waiting(length, source, idle_wait)
-    encoded = torch.empty(int(length.item()), dtype=torch.int64)
-    dist.recv(encoded, src=source)
-    return StepHeader.decode(encoded)
+    return StepHeader.decode(receive_message(source, idle_wait))
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ runs its part of the same batched forward. Rank 0 samples every request (`Reques
 seeded generators, penalties, logit bias, logprobs and constraints live in one place, and
 the next step's header carries the chosen tokens, so no extra message is needed for them.
 
-- Tensor: one broadcast of the header per step (its length, then its values); every rank
+- Tensor: one broadcast of the header per step (one message per rank); every rank
   runs the whole batched forward in lockstep (the row-parallel linears all-reduce, so every
   rank computes the same logits; the others drop theirs).
 - Pipeline: the step is split into up to `world_size` micro-batches of requests. For each,
@@ -18,7 +18,8 @@ the next step's header carries the chosen tokens, so no extra message is needed 
   rank 1 (which runs its layers while rank 0 computes the next micro-batch), and so on; the
   last rank sends the micro-batch's `[R, vocab]` float32 logits to rank 0 (rank 0 posts that
   receive before sending the micro-batch, so no send waits on a rank that is itself
-  sending). Per micro-batch and hop: three sends (header length, header, hidden states).
+  sending). Per micro-batch and hop: two messages (the header with its length, the hidden
+  states), over the group's `links.py` TCP links when it has them (else gloo).
 
 Ranks > 0 wait for rank 0's next header in `serve_forever` (unbounded while rank 0 is idle;
 every other wait is bounded by the group's timeout, so a dead rank makes the others raise).
@@ -27,6 +28,7 @@ every other wait is bounded by the group's timeout, so a dead rank makes the oth
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +50,12 @@ from exo.worker.engines.torch.batch_attention import (
     forward_batch,
     use_batched_attention,
 )
-from exo.worker.engines.torch.distributed import IDLE_WAIT, group_timeout
+from exo.worker.engines.torch.distributed import (
+    IDLE_WAIT,
+    post_receive,
+    receive_tensor,
+    send_tensor,
+)
 from exo.worker.engines.torch.distributed_batch import (
     SHUTDOWN,
     STEP,
@@ -289,23 +296,22 @@ class DistributedTorchEngine(TorchEngine):
             plan, input_ids, position_ids, logit_rows, self._rank_zero_ops()
         )
         last = self.world_size - 1
-        timeout = group_timeout()
-        answers: list[tuple[Any, torch.Tensor, tuple[int, ...]]] = []
+        answers: list[tuple[Callable[[], None] | None, torch.Tensor, tuple[int, ...]]] = []
         for micro_batch in split_micro_batches(step, self.world_size):
             header = micro_batch.header
             logits = torch.empty((len(header.logit_rows), self.vocab_size), dtype=torch.float32)
-            work = dist.irecv(logits, src=last) if header.logit_rows else None
+            wait = post_receive(logits, last) if header.logit_rows else None
             micro_plan = header.plan(plan.cache, plan.windows, plan.layer_of)
             hidden = stage_forward_batch(
                 model, micro_plan, header, hidden=None, is_last=False, device=self.device
             )
             send_step(header, 1)
-            dist.send(hidden.cpu().contiguous(), dst=1)
-            answers.append((work, logits, micro_batch.logit_order))
+            send_tensor(hidden.cpu().contiguous(), 1)
+            answers.append((wait, logits, micro_batch.logit_order))
         result = torch.empty((len(step.logit_rows), self.vocab_size), dtype=torch.float32)
-        for work, logits, order in answers:
-            if work is not None:
-                work.wait(timeout)
+        for wait, logits, order in answers:
+            if wait is not None:
+                wait()
                 result[list(order)] = logits
         return result.to(self.device)
 
@@ -350,7 +356,7 @@ class DistributedTorchEngine(TorchEngine):
     def _serve_pipeline_step(self, header: StepHeader, plan: BatchPlan) -> None:
         dtype = next(self.model.parameters()).dtype
         received = torch.empty((1, header.rows, self._hidden_size), dtype=torch.float32)
-        dist.recv(received, src=self.rank - 1)
+        receive_tensor(received, self.rank - 1)
         hidden = received.to(device=self.device, dtype=dtype)
         output = stage_forward_batch(
             self.model, plan, header, hidden=hidden, is_last=self.is_last_rank,
@@ -358,9 +364,9 @@ class DistributedTorchEngine(TorchEngine):
         )  # fmt: skip
         if not self.is_last_rank:
             send_step(header, self.rank + 1)
-            dist.send(output.cpu().contiguous(), dst=self.rank + 1)
+            send_tensor(output.cpu().contiguous(), self.rank + 1)
         elif header.logit_rows:
-            dist.send(output.float().cpu().contiguous(), dst=0)
+            send_tensor(output.float().cpu().contiguous(), 0)
 
 
 def shard_needs_group(shard: ShardMetadata) -> bool:

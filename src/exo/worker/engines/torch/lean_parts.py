@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from exo.worker.engines.torch.fusion import FusedRMSNorm, fuse_linears
+from exo.worker.engines.torch.links import all_reduce_sum
 from exo.worker.engines.torch.quantize import QuantizedLinear
 from exo.worker.engines.torch.sharding import AllReducedLinear, RowParallelLinear
 
@@ -135,7 +135,7 @@ class Projection:
                 out = out + self.bias
         if self.reduce:
             out = out.float()
-            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+            all_reduce_sum(out)
             if self.bias is not None:
                 out = out + self.bias
         return out

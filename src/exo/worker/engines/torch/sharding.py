@@ -14,12 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 from exo.worker.engines.torch.families import ModelFamily, UnsupportedArchitectureError
+from exo.worker.engines.torch.links import all_reduce_sum
 
 # A decoder layer's tensors in the model: `model.layers.<index>.<rest>`.
 LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -46,7 +46,7 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         output = torch.nn.functional.linear(input, self.weight)  # [batch, seq, out] partial
-        dist.all_reduce(output, op=dist.ReduceOp.SUM)
+        all_reduce_sum(output)
         if self.bias is not None:
             output = output + self.bias
         return output
@@ -64,7 +64,7 @@ class AllReducedLinear(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         output: torch.Tensor = self.local(input)  # [batch, seq, out] partial sum
-        dist.all_reduce(output, op=dist.ReduceOp.SUM)
+        all_reduce_sum(output)
         if self.bias is not None:
             output = output + self.bias
         return output

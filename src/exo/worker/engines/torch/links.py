@@ -1,0 +1,339 @@
+"""Rank-to-rank links: a full mesh of TCP connections between one instance's ranks, for the
+small, latency-bound messages of the decode hot path (tensor-parallel all-reduces of a few
+rows, pipeline step headers, hidden states and logits).
+
+Why not gloo for these: on one pinned core per node, a gloo all-reduce of a `[1, 1024]`
+float32 row costs ~2 ms (its progress thread must be scheduled on the busy core, then wake
+the caller), which for a 28-layer model with two all-reduces per layer is most of a decode
+token. A blocking `recv_into` on a `TCP_NODELAY` socket from the computing thread costs one
+wake-up (see `bench/bench_links.py` for the measured figures). Gloo stays for the rest:
+rendezvous, the one-off agreements, and collectives too large for `SMALL_BYTES`.
+
+Set-up (`RankLinks.connect`): every rank listens on the local address it uses to reach the
+rendezvous host, publishes `host:port` in the group's rendezvous store, then connects to
+every lower rank and accepts every higher one; each connection starts with a hello naming
+the connecting rank and a token only members of this group read from the store.
+
+Errors: a closed connection, a reset, or a wait past the group's timeout raise `LinkError`, a
+`torch.distributed.DistNetworkError`, so callers treat it as they treat gloo's failures.
+The links carry no authentication beyond the store's token: whoever can reach the
+rendezvous port can read it (see the README's note on the group's ports).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+import struct
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Collectives of at most this many bytes per rank go over the links; larger ones (long
+# prefills) over gloo, whose ring moves bulk data well. Two ranks both `sendall` this much
+# before either reads, so it must fit the kernel's socket buffers (we ask for `_BUFFER_BYTES`
+# each way and check what we got).
+SMALL_BYTES = 256 * 1024
+_BUFFER_BYTES = 1 << 20
+_HELLO = struct.Struct("!II16s")  # magic, rank, group token
+_MAGIC = 0x65786F4C  # "exoL"
+_LENGTH = struct.Struct("!q")
+
+
+class LinkError(dist.DistNetworkError):
+    """Another rank closed its link, reset it, or did not answer within the timeout."""
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (any dtype)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("links carry contiguous CPU tensors only")
+    array: Any = tensor.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
+
+
+class RankLinks:
+    """This rank's TCP connection to every other rank of the group.
+
+    Not thread-safe, except that `irecv` receives on one helper thread per peer: do not
+    `recv` from a peer that has an `irecv` pending.
+    """
+
+    def __init__(
+        self, rank: int, world_size: int, peers: dict[int, socket.socket], timeout_s: float
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._peers = peers
+        self._receivers: dict[int, ThreadPoolExecutor] = {}
+        self._scratch: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self.small_bytes = SMALL_BYTES
+        for peer in peers.values():
+            sent = peer.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+            self.small_bytes = min(self.small_bytes, sent // 2)
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    @classmethod
+    def connect(
+        cls, store: Any, rank: int, world_size: int, host: str, timeout_s: float
+    ) -> RankLinks:
+        """Build the mesh through the group's rendezvous `store` (a `torch.distributed.Store`
+        every rank shares); `host` is the local address the other ranks can reach.
+
+        Raises:
+            LinkError: a rank did not connect within `timeout_s`, or a stranger connected.
+        """
+        deadline = time.monotonic() + timeout_s
+        listener = socket.create_server((host, 0), family=_family(host), backlog=world_size)
+        listener.settimeout(timeout_s)
+        try:
+            address, port = listener.getsockname()[:2]
+            if rank == 0:
+                store.set("exo_links/token", secrets.token_bytes(16).hex())
+            store.set(f"exo_links/{rank}", f"{port} {address}")
+            token = bytes.fromhex(store.get("exo_links/token").decode())
+            peers: dict[int, socket.socket] = {}
+            for other in range(rank):
+                other_port, other_address = store.get(f"exo_links/{other}").decode().split(" ")
+                remaining = max(0.1, deadline - time.monotonic())
+                connection = socket.create_connection(
+                    (other_address, int(other_port)), timeout=remaining
+                )
+                connection.sendall(_HELLO.pack(_MAGIC, rank, token))
+                peers[other] = connection
+            while len(peers) < world_size - 1:
+                listener.settimeout(max(0.1, deadline - time.monotonic()))
+                try:
+                    connection, _ = listener.accept()
+                except TimeoutError as error:
+                    raise LinkError(f"rank {rank}: not every rank connected its link") from error
+                connection.settimeout(max(0.1, deadline - time.monotonic()))
+                hello = bytearray(_HELLO.size)
+                try:
+                    _receive_exactly(connection, memoryview(hello))
+                    magic, other, their_token = _HELLO.unpack(hello)
+                except (OSError, LinkError):
+                    connection.close()
+                    continue
+                if magic != _MAGIC or their_token != token or not rank < other < world_size:
+                    connection.close()  # a stranger, or a stale rank of an earlier group
+                    continue
+                peers[other] = connection
+        except OSError as error:
+            raise LinkError(f"rank {rank}: setting up the links failed: {error}") from error
+        finally:
+            listener.close()
+        for connection in peers.values():
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BUFFER_BYTES)
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _BUFFER_BYTES)
+            connection.settimeout(timeout_s)
+        return cls(rank, world_size, peers, timeout_s)
+
+    def close(self) -> None:
+        """Close every connection (idempotent); peers waiting on this rank raise."""
+        for receiver in self._receivers.values():
+            receiver.shutdown(wait=False, cancel_futures=True)
+        self._receivers.clear()
+        for connection in self._peers.values():
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+            connection.close()
+        self._peers.clear()
+
+    # -- point to point -------------------------------------------------------------------
+
+    def _peer(self, other: int) -> socket.socket:
+        try:
+            return self._peers[other]
+        except KeyError:
+            raise LinkError(f"rank {self.rank} has no link to rank {other}") from None
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send a contiguous CPU tensor's bytes to rank `dst` (it must `recv` the same shape
+        and dtype). Blocks until the kernel took them (bounded by the timeout).
+
+        Raises:
+            LinkError: the peer is gone or did not read within the timeout.
+        """
+        self._send_bytes(_byte_view(tensor), dst)
+
+    def _send_bytes(self, data: memoryview | bytes, dst: int) -> None:
+        connection = self._peer(dst)
+        try:
+            connection.sendall(data)
+        except OSError as error:
+            raise LinkError(f"rank {self.rank}: sending to rank {dst} failed: {error}") from error
+
+    def recv(self, tensor: torch.Tensor, src: int, timeout_s: float | None = -1.0) -> None:
+        """Receive rank `src`'s next `send` into `tensor` (contiguous CPU, same byte size).
+
+        Args:
+            timeout_s: bound on the whole wait, seconds; -1: the group's; None: unbounded
+                (a closed connection still raises at once).
+
+        Raises:
+            LinkError: the peer closed its link or did not send within the bound.
+        """
+        self._recv_bytes(_byte_view(tensor), src, timeout_s)
+
+    def _recv_bytes(self, view: memoryview, src: int, timeout_s: float | None = -1.0) -> None:
+        connection = self._peer(src)
+        bound = self.timeout_s if timeout_s == -1.0 else timeout_s
+        if bound != self.timeout_s:
+            connection.settimeout(bound)
+        try:
+            _receive_exactly(connection, view)
+        except TimeoutError as error:
+            raise LinkError(
+                f"rank {self.rank}: rank {src} sent nothing for {bound} s (timeout)"
+            ) from error
+        except OSError as error:
+            raise LinkError(
+                f"rank {self.rank}: receiving from rank {src} failed: {error}"
+            ) from error
+        finally:
+            if bound != self.timeout_s:
+                connection.settimeout(self.timeout_s)
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Future[None]:
+        """Receive rank `src`'s next `send` into `tensor` on a helper thread (so this rank
+        can send meanwhile); `result(timeout)` on the future waits for it and re-raises."""
+        receiver = self._receivers.get(src)
+        if receiver is None:
+            receiver = ThreadPoolExecutor(1, thread_name_prefix=f"exo-link-{src}")
+            self._receivers[src] = receiver
+        return receiver.submit(self.recv, tensor, src)
+
+    def send_message(self, payload: torch.Tensor, dst: int) -> None:
+        """Send a 1-D int64 tensor of any length (its length first, in the same write)."""
+        length = _LENGTH.pack(payload.numel())
+        self._send_bytes(length + bytes(_byte_view(payload)), dst)
+
+    def recv_message(self, src: int, timeout_s: float | None = -1.0) -> torch.Tensor:
+        """Receive a `send_message` (waiting up to `timeout_s` for it, see `recv`)."""
+        length = bytearray(_LENGTH.size)
+        self._recv_bytes(memoryview(length), src, timeout_s)
+        (count,) = _LENGTH.unpack(length)
+        payload = torch.empty(count, dtype=torch.int64)
+        if count:
+            self.recv(payload, src)
+        return payload
+
+    # -- collectives ----------------------------------------------------------------------
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` over every rank, in place (contiguous CPU, at most `small_bytes`).
+
+        Every rank sends its tensor to every other, then adds the received ones in rank
+        order (rank 0's first), so every rank computes the same bits. Cost: one one-way
+        message latency plus `world_size - 1` additions; bytes sent per rank grow as
+        `world_size - 1` times the tensor, which is why large tensors go through gloo.
+
+        Raises:
+            LinkError: a peer is gone or did not send within the timeout.
+            ValueError: the tensor is larger than `small_bytes`.
+        """
+        size = tensor.numel() * tensor.element_size()
+        if size > self.small_bytes:
+            raise ValueError(f"{size} bytes is too large for the links' all-reduce")
+        view = _byte_view(tensor)
+        for other in range(self.world_size):
+            if other != self.rank:
+                self._send_bytes(view, other)
+        key = (tensor.dtype, tensor.numel())
+        scratch = self._scratch.get(key)
+        if scratch is None:
+            scratch = [torch.empty(tensor.numel(), dtype=tensor.dtype) for _ in self._peers]
+            self._scratch[key] = scratch
+        parts: list[torch.Tensor] = []
+        buffers = iter(scratch)
+        for other in range(self.world_size):
+            if other == self.rank:
+                parts.append(tensor.reshape(-1))
+                continue
+            buffer = next(buffers)
+            self.recv(buffer, other)
+            parts.append(buffer)
+        flat = tensor.reshape(-1)
+        if self.world_size == 2:
+            torch.add(parts[0], parts[1], out=flat)  # a + b: the same bits on both ranks
+            return
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total.add_(part)
+        flat.copy_(total)
+
+    def broadcast_message(
+        self, payload: torch.Tensor | None, src: int, timeout_s: float | None = -1.0
+    ) -> torch.Tensor:
+        """`send_message` from `src` to every other rank (`payload` set on `src` only);
+        the others receive it, waiting up to `timeout_s` (see `recv`)."""
+        if self.rank == src:
+            assert payload is not None
+            for other in range(self.world_size):
+                if other != src:
+                    self.send_message(payload, other)
+            return payload
+        return self.recv_message(src, timeout_s)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _receive_exactly(connection: socket.socket, view: memoryview) -> None:
+    """Fill `view` from `connection`; EOF raises `LinkError`, a timeout `TimeoutError`."""
+    got = 0
+    total = len(view)
+    while got < total:
+        count = connection.recv_into(view[got:], total - got)
+        if count == 0:
+            raise LinkError("the other rank closed its link")
+        got += count
+
+
+# -- the process's links (one group per process) ----------------------------------------
+
+_links: RankLinks | None = None
+
+
+def links_enabled() -> bool:
+    """Whether new groups build links (`EXO_RANK_LINKS=0` keeps every message on gloo, for
+    A/B benches)."""
+    return os.environ.get("EXO_RANK_LINKS", "1") != "0"
+
+
+def set_links(links: RankLinks | None) -> None:
+    """Install (or clear, closing the old ones) this process's links."""
+    global _links
+    if _links is not None and _links is not links:
+        _links.close()
+    _links = links
+
+
+def current_links() -> RankLinks | None:
+    """This process's links, if its group built them."""
+    return _links
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> None:
+    """Sum `tensor` over the group's ranks in place: over the links when they exist and the
+    tensor is a small contiguous CPU tensor, else `torch.distributed.all_reduce`."""
+    links = _links
+    if (
+        links is not None
+        and tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and tensor.numel() * tensor.element_size() <= links.small_bytes
+    ):
+        links.all_reduce_sum(tensor)
+    else:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)

@@ -1,0 +1,210 @@
+"""The rank-to-rank links (`links.py`): each rank is a thread of this process, the mesh is
+built through a real `TCPStore` on loopback."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from exo.worker.engines.torch.links import LinkError, RankLinks
+
+T = TypeVar("T")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class _Stores:
+    """A `TCPStore` server and one client per rank (a client is one connection; a blocking
+    `get` on it would hold up another thread's `set`, so each rank thread has its own)."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.server = dist.TCPStore(
+            "127.0.0.1", self.port, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=30),
+        )  # fmt: skip
+
+    def client(self) -> Any:
+        return dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=30))
+
+
+@pytest.fixture
+def make_mesh() -> Iterator[Callable[..., list[RankLinks]]]:
+    built: list[RankLinks] = []
+
+    def make(world_size: int, timeout_s: float = 10.0) -> list[RankLinks]:
+        stores = _Stores()
+        clients = [stores.client() for _ in range(world_size)]
+        with ThreadPoolExecutor(world_size) as pool:
+            futures = [
+                pool.submit(
+                    RankLinks.connect, clients[rank], rank, world_size, "127.0.0.1", timeout_s
+                )
+                for rank in range(world_size)
+            ]
+            mesh = [future.result(timeout=30) for future in futures]
+        built.extend(mesh)
+        return mesh
+
+    yield make
+    for links in built:
+        links.close()
+
+
+def _on_every_rank(mesh: list[RankLinks], work: Callable[[RankLinks], T]) -> list[T]:
+    with ThreadPoolExecutor(len(mesh)) as pool:
+        futures = [pool.submit(work, links) for links in mesh]
+        return [future.result(timeout=30) for future in futures]
+
+
+def test_send_and_receive_tensors_and_messages(make_mesh: Callable[..., list[RankLinks]]) -> None:
+    first, second = make_mesh(2)
+    sent = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4) / 7
+    received = torch.zeros_like(sent)
+    first.send(sent, 1)
+    second.recv(received, 0)
+    assert torch.equal(received, sent)
+    second.send_message(torch.tensor([5, -1, 2**40]), 0)
+    second.send_message(torch.tensor([], dtype=torch.int64), 0)
+    assert first.recv_message(1).tolist() == [5, -1, 2**40]
+    assert first.recv_message(1).tolist() == []
+
+
+def test_broadcast_message_reaches_every_rank(make_mesh: Callable[..., list[RankLinks]]) -> None:
+    mesh = make_mesh(3)
+    payload = torch.tensor([3, 1, 4, 1, 5])
+    got = _on_every_rank(
+        mesh, lambda links: links.broadcast_message(payload if links.rank == 0 else None, 0)
+    )
+    assert all(message.tolist() == payload.tolist() for message in got)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_reduce_equals_reference_sum_on_every_rank(
+    make_mesh: Callable[..., list[RankLinks]], world_size: int
+) -> None:
+    mesh = make_mesh(world_size)
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(4, 1024, generator=generator) for _ in range(world_size)]
+    reference = inputs[0].clone()
+    for part in inputs[1:]:
+        reference += part
+
+    def reduce(links: RankLinks) -> torch.Tensor:
+        tensor = inputs[links.rank].clone()
+        for _ in range(3):  # the same buffers again: scratch reuse
+            tensor.copy_(inputs[links.rank])
+            links.all_reduce_sum(tensor)
+        return tensor
+
+    results = _on_every_rank(mesh, reduce)
+    for result in results:
+        assert torch.equal(result, reference)  # rank order: the same bits everywhere
+
+
+def test_all_reduce_refuses_a_tensor_past_small_bytes(
+    make_mesh: Callable[..., list[RankLinks]],
+) -> None:
+    first, _second = make_mesh(2)
+    with pytest.raises(ValueError, match="too large"):
+        first.all_reduce_sum(torch.zeros(first.small_bytes // 4 + 1))
+
+
+def test_posted_receive_lets_both_ranks_send_large_messages(
+    make_mesh: Callable[..., list[RankLinks]],
+) -> None:
+    """Rank 0 posts the receive of 8 MB of logits, then sends 8 MB of hidden states while
+    rank 1 first sends its logits: far past the socket buffers, no deadlock."""
+    first, second = make_mesh(2)
+    logits = torch.empty(2 * 1024 * 1024)
+    hidden = torch.full((2 * 1024 * 1024,), 2.0)
+
+    def last_rank() -> torch.Tensor:
+        second.send(torch.full((2 * 1024 * 1024,), 3.0), 0)
+        received = torch.empty_like(hidden)
+        second.recv(received, 0)
+        return received
+
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(last_rank)
+        pending = first.irecv(logits, 1)
+        first.send(hidden, 1)
+        pending.result(timeout=30)
+        assert torch.equal(other.result(timeout=30), hidden)
+    assert bool((logits == 3.0).all())
+
+
+def test_dead_peer_raises_at_once(make_mesh: Callable[..., list[RankLinks]]) -> None:
+    first, second = make_mesh(2, timeout_s=30)
+    second.close()
+    started = time.monotonic()
+    with pytest.raises(LinkError):
+        first.recv(torch.empty(4), 1)
+    assert time.monotonic() - started < 5  # EOF, not the 30 s timeout
+    with pytest.raises(dist.DistError):  # what the runner reads as "a peer left"
+        first.all_reduce_sum(torch.ones(4))
+
+
+def test_silent_peer_raises_after_the_timeout(make_mesh: Callable[..., list[RankLinks]]) -> None:
+    first, _second = make_mesh(2, timeout_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(LinkError, match="timeout"):
+        first.recv(torch.empty(4), 1)
+    elapsed = time.monotonic() - started
+    assert 0.4 < elapsed < 10
+    with pytest.raises(LinkError, match="timeout"):
+        first.recv_message(1, timeout_s=0.2)
+
+
+def test_a_stranger_cannot_take_a_rank_s_place() -> None:
+    """A connection without the group's token is dropped; the mesh still forms."""
+    stores = _Stores()
+    store = stores.client()
+    listener_ready = threading.Event()
+
+    def stranger() -> None:
+        listener_ready.wait(10)
+        port, address = store.get("exo_links/0").decode().split(" ")
+        with socket.create_connection((address, int(port)), timeout=5) as connection:
+            connection.sendall(b"\x65\x78\x6f\x4c" + b"\x00\x00\x00\x01" + b"x" * 16)
+            time.sleep(0.2)
+
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(RankLinks.connect, stores.client(), 0, 2, "127.0.0.1", 10.0)
+        while not store.check(["exo_links/0"]):
+            time.sleep(0.01)
+        listener_ready.set()
+        pool.submit(stranger).result(timeout=10)
+        second = pool.submit(RankLinks.connect, stores.client(), 1, 2, "127.0.0.1", 10.0)
+        mesh = [first.result(timeout=30), second.result(timeout=30)]
+    try:
+        mesh[1].send(torch.ones(3), 0)
+        received = torch.zeros(3)
+        mesh[0].recv(received, 1)
+        assert received.tolist() == [1.0, 1.0, 1.0]
+    finally:
+        for links in mesh:
+            links.close()
+
+
+def test_close_is_idempotent_and_refuses_later_sends(
+    make_mesh: Callable[..., list[RankLinks]],
+) -> None:
+    first, _second = make_mesh(2)
+    first.close()
+    first.close()
+    with pytest.raises(LinkError, match="no link"):
+        first.send(torch.ones(1), 1)
