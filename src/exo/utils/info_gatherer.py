@@ -170,7 +170,7 @@ class InfoGatherer:
     node timed out after a network blip, a node that joined another history), and every
     `HEARTBEAT_SECONDS`. With `measure_speed` it measures the node's speed once in a worker
     thread (`exo.utils.speed_probe.cached_node_speed`; `remeasure_speed` ignores the
-    cache) and reports it with the next figures."""
+    cache) and reports it with the next figures, once settled (`_probe_speed`)."""
 
     def __init__(
         self,
@@ -203,7 +203,9 @@ class InfoGatherer:
         """Measure (or read the cache); figures measured on a busy machine are measured again
         once it is quiet (checked every `SPEED_REMEASURE_SECONDS`, at most
         `SPEED_REMEASURE_CHECKS` times: a node busy serving is not disturbed), keeping each
-        figure's best."""
+        figure's best. Only settled figures are reported: a busy machine's can be ~80x too
+        low, and previews would predict from them; until then the node reports no speed
+        (previews predict nothing for it)."""
         from exo.utils.speed_probe import cached_node_speed, machine_busy
 
         remeasure = self._remeasure_speed
@@ -219,9 +221,15 @@ class InfoGatherer:
             except Exception as error:  # a failed probe leaves the speed as it was
                 logger.warning(f"speed probe failed: {error!r}")
                 return
-            self._speed, remeasure = result.speed, False
+            remeasure = False
             if result.settled:
+                self._speed = result.speed
                 return
+        logger.warning(
+            "speed probe: the machine stayed busy; this node reports no speed figures (no "
+            "speed predictions) until it measures on a quiet machine (next start, or "
+            "`exo --remeasure-speed`)"
+        )
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tasks:
