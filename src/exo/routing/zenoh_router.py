@@ -156,7 +156,8 @@ class ChunkTopic:
         return f"{self._router.key_prefix}/chunks/{owner}/{command_id}"
 
     def publish_to(self, owner: NodeId, chunk: Chunk) -> None:
-        """Send `chunk` to `owner`, the node whose API submitted the command.
+        """Send `chunk` to `owner`, the node whose API submitted the command (this node's
+        own chunks are delivered at once, on the caller's thread: call it on the loop).
 
         Raises:
             ValueError: `owner` or the command id cannot be part of a zenoh key.
@@ -166,6 +167,12 @@ class ChunkTopic:
         session = self._router._session
         if session is None:
             self._router._not_open(self.name)
+            return
+        if owner == self._router.node_id:
+            # This node's own API: straight to its subscribers, in order, without the JSON
+            # round trip and the two thread hand-overs (outbox, zenoh) of a network put.
+            if not self._router._closed:
+                self._local.publish(chunk)
             return
         self._router._send(
             functools.partial(

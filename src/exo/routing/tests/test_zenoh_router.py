@@ -249,6 +249,21 @@ async def test_chunks_reach_only_the_owner_of_the_command() -> None:
                     subscription.receive_nowait()
 
 
+async def test_own_chunks_are_delivered_at_once_in_order() -> None:
+    # A node's own API gets its runners' chunks on the spot (no zenoh round trip): each is
+    # readable as soon as publish_to returns, in publication order.
+    router = _router("node-a")
+    subscription = router.chunks.subscribe()
+    async with _running(router):
+        for number in range(5):
+            router.chunks.publish_to(router.node_id, _chunk("node-a", "node-a", number, False))
+            received = subscription.receive_nowait()
+            assert isinstance(received, TokenChunk) and received.text == str(number)
+        await anyio.sleep(0.2)  # nothing arrives a second time through zenoh
+        with pytest.raises(anyio.WouldBlock):
+            subscription.receive_nowait()
+
+
 async def test_chunk_sender_looks_up_the_owner() -> None:
     first = _router("node-a")
     second = _router("node-b", bootstrap=[first.listen_endpoint])

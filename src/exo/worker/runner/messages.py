@@ -1,7 +1,14 @@
-"""Messages between a runner subprocess and its supervisor (JSON over a pipe)."""
+"""Messages between a runner subprocess and its supervisor (JSON over a pipe).
+
+Runner -> supervisor framing: every pipe message is a JSON array of `RunnerOutbound`
+messages, in order (`encode_outbound` / `decode_outbound`). The runner sends everything one
+engine step produced for all its running requests (their chunks, finished tasks' statuses,
+its own status) as one pipe message, so the supervisor wakes once per step, not once per
+request per token. Supervisor -> runner: one `RunnerInbound` per pipe message."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 from pydantic import Field, TypeAdapter
@@ -58,3 +65,18 @@ RunnerInbound = Annotated[
 
 runner_outbound_adapter: TypeAdapter[RunnerOutbound] = TypeAdapter(RunnerOutbound)
 runner_inbound_adapter: TypeAdapter[RunnerInbound] = TypeAdapter(RunnerInbound)
+_outbound_batch_adapter: TypeAdapter[list[RunnerOutbound]] = TypeAdapter(list[RunnerOutbound])
+
+
+def encode_outbound(messages: Sequence[RunnerOutbound]) -> bytes:
+    """One pipe message carrying `messages` (at least one), in order: a JSON array."""
+    return b"[" + b",".join(message.model_dump_json().encode() for message in messages) + b"]"
+
+
+def decode_outbound(raw: bytes) -> list[RunnerOutbound]:
+    """The messages of one pipe message, in the order they were sent.
+
+    Raises:
+        pydantic.ValidationError: `raw` is not a JSON array of runner messages.
+    """
+    return _outbound_batch_adapter.validate_json(raw)

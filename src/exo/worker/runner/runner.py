@@ -3,11 +3,11 @@
 Once ready it hands every generation task to the engine at once (`submit`) and loops over
 `engine.step()`, each step advancing every running request by one token (continuous
 batching: a single-rank engine runs up to `max_concurrent_requests` at once, queueing the
-rest). Between steps it reads its inbound pipe without blocking, so a new request joins
-and a cancel or shutdown takes effect at the next step. A request that fails alone (the
-request was at fault) fails only itself. A crash here never takes the node down: the
-supervisor sees the pipe close.
-"""
+rest). What a step produces for all its requests (chunks, ended tasks, status) goes to the
+supervisor as one pipe message. Between steps it reads its inbound pipe without blocking,
+so a new request joins and a cancel or shutdown takes effect at the next step. A request
+that fails alone (the request was at fault) fails only itself. A crash here never takes
+the node down: the supervisor sees the pipe close."""
 
 from __future__ import annotations
 
@@ -66,6 +66,7 @@ from exo.worker.runner.messages import (
     RunnerOutbound,
     RunnerStatusReport,
     TaskStatusReport,
+    encode_outbound,
     runner_inbound_adapter,
 )
 
@@ -137,6 +138,9 @@ class Runner:
         self._max_concurrent_requests = max_concurrent_requests
         self._kv_reported: tuple[int, int, int] | None = None
         self._kv_reported_at = float("-inf")
+        # Messages held while a step runs (`_holding`), sent together when it ends.
+        self._unsent: list[RunnerOutbound] = []
+        self._holding = False
 
     @property
     def _is_follower(self) -> bool:
@@ -156,9 +160,7 @@ class Runner:
                     self._start_generation(self._queue.popleft())
                     continue
                 if self._generations:
-                    self._handle_waiting_messages()
-                    if self._generations:
-                        self._step()
+                    self._run_step()
                     continue
                 self._handle(self._receive())
         except _ShutdownRequested:
@@ -175,7 +177,15 @@ class Runner:
     # -- messages --------------------------------------------------------------------
 
     def _send(self, message: RunnerOutbound) -> None:
-        self._outbound.send_bytes(message.model_dump_json().encode())
+        """Send `message` now, or with the rest of the step's output while a step runs."""
+        self._unsent.append(message)
+        if not self._holding:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._unsent:
+            messages, self._unsent = self._unsent, []
+            self._outbound.send_bytes(encode_outbound(messages))
 
     def _receive(self) -> RunnerInbound:
         try:
@@ -317,6 +327,18 @@ class Runner:
         parsed = parse_generation(feed, parser, task.params)
         self._generations[str(task.task_id)] = _Generation(task, handle.prompt_tokens, feed, parsed)
         self._update_status()
+
+    def _run_step(self) -> None:
+        """Take the messages that arrived, then run one step; everything both produce (for
+        every request) leaves as one pipe message at the end."""
+        self._holding = True
+        try:
+            self._handle_waiting_messages()
+            if self._generations:
+                self._step()
+        finally:
+            self._holding = False
+            self._flush()
 
     def _step(self) -> None:
         """One engine step; stream each request's pieces, end the finished ones."""

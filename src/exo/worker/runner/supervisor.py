@@ -4,7 +4,10 @@ request it was serving gets an error chunk instead of hanging."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import multiprocessing
+import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -40,13 +43,16 @@ from exo.worker.runner.messages import (
     ChunkReport,
     KVCacheReport,
     RunnerInbound,
+    RunnerOutbound,
     RunnerStatusReport,
     TaskStatusReport,
-    runner_outbound_adapter,
+    decode_outbound,
 )
 from exo.worker.runner.runner import runner_main
 
 SHUTDOWN_GRACE_SECONDS = 5.0
+# At most this many pipe messages (runner steps) reach the loop in one hand-over.
+READ_BATCH_MESSAGES = 64
 
 
 class RunnerSupervisor:
@@ -134,25 +140,57 @@ class RunnerSupervisor:
             logger.warning(f"runner {self.runner_id}: could not send {task.kind}: {error}")
 
     async def run(self) -> None:
-        """Relay the runner's messages until its pipe closes, then report how it ended."""
+        """Relay the runner's messages until its pipe closes, then report how it ended.
+
+        A thread of its own reads the pipe for the whole life of the runner (outside AnyIO's
+        shared limiter of 40: forty runners holding it, as the long fuzz's throwaway node
+        did, would leave no thread for the API's routes) and hands each batch of messages it
+        read to the event loop with one `call_soon_threadsafe`: one wake-up of the loop per
+        runner step, whatever the number of requests in the step.
+
+        Raises:
+            pydantic.ValidationError: the runner sent something that is not a runner message.
+        """
         assert self._from_runner is not None, "run() before start()"
-        connection = self._from_runner
-        # A thread of its own for the whole life of the runner, outside AnyIO's default
-        # limiter: in that shared pool of 40, forty runners (found by the long fuzz placing
-        # instances of a tiny model) held every token, and every API route that runs a
-        # thread (FastAPI's sync dependencies included) waited forever.
-        own_thread = anyio.CapacityLimiter(1)
-        while True:
+        loop = asyncio.get_running_loop()
+        ended = anyio.Event()
+        failures: list[Exception] = []
+
+        def relay(batch: list[bytes] | None) -> None:  # on the loop, in the order read
+            if ended.is_set():
+                return  # run() was cancelled: nobody relays any more
+            if batch is None:
+                ended.set()
+                return
             try:
-                raw = await anyio.to_thread.run_sync(
-                    connection.recv_bytes, abandon_on_cancel=True, limiter=own_thread
-                )
-            except (EOFError, OSError):
-                break
-            self._handle(runner_outbound_adapter.validate_json(raw))
+                changed = False
+                for raw in batch:
+                    for message in decode_outbound(raw):
+                        changed = self._handle(message) or changed
+                if changed:
+                    self._on_change()
+            except Exception as error:
+                failures.append(error)
+                ended.set()
+
+        reader = threading.Thread(
+            target=_read_pipe,
+            args=(self._from_runner, loop, relay),
+            name=f"exo-runner-pipe-{self.runner_id}",
+            daemon=True,
+        )
+        reader.start()
+        try:
+            await ended.wait()
+        finally:
+            ended.set()
+        if failures:
+            raise failures[0]
         await self._on_exit()
 
-    def _handle(self, message: object) -> None:
+    def _handle(self, message: RunnerOutbound) -> bool:
+        """Act on one runner message; whether the worker's plan may have changed (a chunk
+        or a KV-cache report never changes it, so streaming never wakes the planner)."""
         match message:
             case RunnerStatusReport(status=status):
                 self.status = status
@@ -173,12 +211,13 @@ class RunnerSupervisor:
                 self._emit_event(TaskStatusUpdated(task_id=task_id, status=status))
             case KVCacheReport():
                 self.kv_cache = message
-                return  # node-local figures: nothing for the worker to plan
+                return False  # node-local figures: nothing for the worker to plan
             case ChunkReport(chunk=chunk):
                 owner = self._chunk_owners.get(chunk.command_id)
                 if owner is not None:
                     self._publish_chunk(owner, chunk)
-        self._on_change()
+                return False
+        return True
 
     async def _on_exit(self) -> None:
         process = self._process
@@ -245,6 +284,31 @@ class RunnerSupervisor:
         """Last-resort cleanup for interpreter exit: no waiting, no messages."""
         if self._process is not None and self._process.is_alive():
             self._process.kill()
+
+
+def _read_pipe(
+    connection: Connection,
+    loop: asyncio.AbstractEventLoop,
+    relay: Callable[[list[bytes] | None], None],
+) -> None:
+    """On the supervisor's reader thread: hand the loop every message waiting in the pipe
+    at once (at most `READ_BATCH_MESSAGES`), in order, then `None` once the pipe closed."""
+    batch: list[bytes] = []
+    try:
+        while True:
+            batch.append(connection.recv_bytes())
+            while len(batch) < READ_BATCH_MESSAGES and connection.poll(0):
+                batch.append(connection.recv_bytes())
+            loop.call_soon_threadsafe(relay, batch)
+            batch = []
+    except (EOFError, OSError):
+        pass  # the runner is gone (or its pipe was closed here)
+    except RuntimeError:
+        return  # the loop closed: the node is gone
+    with contextlib.suppress(RuntimeError):
+        if batch:
+            loop.call_soon_threadsafe(relay, batch)
+        loop.call_soon_threadsafe(relay, None)
 
 
 def _worth_reporting(status: RunnerLoading) -> bool:

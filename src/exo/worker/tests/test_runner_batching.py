@@ -7,8 +7,6 @@ from __future__ import annotations
 from multiprocessing import Pipe
 from typing import Any, cast
 
-from pydantic import TypeAdapter
-
 from exo.shared.types.chunks import ErrorChunk, TokenChunk, Usage
 from exo.shared.types.common import RunnerId, TaskId
 from exo.shared.types.runners import RunnerReady, RunnerRunning
@@ -22,10 +20,9 @@ from exo.worker.runner.messages import (
     RunnerOutbound,
     RunnerStatusReport,
     TaskStatusReport,
+    decode_outbound,
 )
 from exo.worker.runner.runner import Runner
-
-OUTBOUND = TypeAdapter[RunnerOutbound](RunnerOutbound)
 
 
 class BatchEngine:
@@ -88,7 +85,23 @@ def test_requests_run_together_and_a_cancel_or_failure_ends_only_its_own() -> No
     for task in tasks:
         runner._start_generation(task)
     assert set(engine.running) == {"task-a", "task-b", "task-bad"}
-    runner._step()
+    sent: list[RunnerOutbound] = []
+    while outbound_reader.poll(0):  # what starting the generations reported, at once
+        sent.extend(decode_outbound(outbound_reader.recv_bytes()))
+
+    def one_step() -> list[RunnerOutbound]:
+        runner._run_step()
+        batch = decode_outbound(outbound_reader.recv_bytes())
+        assert not outbound_reader.poll(0), "a step's output leaves as one pipe message"
+        sent.extend(batch)
+        return batch
+
+    first = one_step()
+    assert [message.chunk.command_id for message in first if isinstance(message, ChunkReport)] == [
+        "command-task-a",
+        "command-task-b",
+        "command-task-bad",
+    ]
     # A cancel for b arrives between steps; the runner reads it before the next step.
     inbound_writer.send_bytes(
         CancelTask(runner_id=RunnerId("runner-1"), task_id=TaskId("task-b"))
@@ -97,15 +110,13 @@ def test_requests_run_together_and_a_cancel_or_failure_ends_only_its_own() -> No
     )
     for _step in range(6):
         if runner._generations:
-            runner._handle_waiting_messages()
-            runner._step()
+            one_step()
     assert not runner._generations and engine.cancelled == ["task-b"]
     texts: dict[str, str] = {}
     finals: dict[str, TaskStatusReport] = {}
     statuses = []
     kv_reports: list[KVCacheReport] = []
-    while outbound_reader.poll(0):
-        message = OUTBOUND.validate_json(outbound_reader.recv_bytes())
+    for message in sent:
         if isinstance(message, ChunkReport) and isinstance(message.chunk, TokenChunk):
             key = str(message.chunk.command_id)
             texts[key] = texts.get(key, "") + message.chunk.text

@@ -6,19 +6,16 @@ from __future__ import annotations
 from multiprocessing import Pipe
 from typing import Any, cast
 
-from pydantic import TypeAdapter
-
 from exo.shared.types.chunks import Chunk, TokenChunk, ToolCallChunk, Usage
 from exo.shared.types.common import RunnerId
 from exo.shared.types.text_generation import ToolDefinition
 from exo.testing.builders import make_params, make_shard, make_text_generation_task
 from exo.worker.engines.prompt import RenderedPrompt
 from exo.worker.engines.torch.engine import GeneratedPiece, RequestHandle
-from exo.worker.runner.messages import ChunkReport, RunnerOutbound
+from exo.worker.runner.messages import ChunkReport, decode_outbound
 from exo.worker.runner.runner import Runner
 
 PROMPT_TOKEN_IDS = list(range(100, 117))
-OUTBOUND = TypeAdapter[RunnerOutbound](RunnerOutbound)
 
 
 class ScriptedEngine:
@@ -62,9 +59,9 @@ def chunks_of_one_generation(pieces: list[GeneratedPiece], **params: Any) -> lis
     assert not runner._generations, "the generation finished with its last piece"
     chunks: list[Chunk] = []
     while outbound_reader.poll(0):
-        message = OUTBOUND.validate_json(outbound_reader.recv_bytes())
-        if isinstance(message, ChunkReport):
-            chunks.append(message.chunk)
+        for message in decode_outbound(outbound_reader.recv_bytes()):
+            if isinstance(message, ChunkReport):
+                chunks.append(message.chunk)
     return chunks
 
 
