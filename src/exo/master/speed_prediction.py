@@ -15,9 +15,12 @@ decode, seconds per token (one stream, `context` tokens in the KV cache):
     pipeline ×N:  Σ stage(s) + Σ over the N hops of a token's round (rank i → i+1, the
                   last rank's token back to rank 0) of (one-way latency + bytes / bandwidth)
     tensor ×N:    max over ranks of stage(rank) (each rank reads 1/N of every layer's
-                  linears and KV heads, and the whole LM head) + 2 all-reduces per layer
-                  (attention and MLP outputs), each 2 × (N − 1) one-way latencies plus
-                  2 × (N − 1) / N × hidden bytes / bandwidth (ring all-reduce)
+                  linears and KV heads, and the whole LM head) + the step header's one-way
+                  latency + 2 all-reduces per layer (attention and MLP outputs), each over
+                  the rank links (`worker/engines/torch/links.py`, up to
+                  `LINKS_ALL_REDUCE_BYTES`): one one-way latency plus (N − 1) × hidden bytes
+                  / bandwidth (all-to-all); larger ones (prefill) over gloo's ring: 2 × (N − 1)
+                  one-way latencies plus 2 × (N − 1) / N × bytes / bandwidth
 time to first token for `prompt` tokens (processed in chunks of `PREFILL_CHUNK_TOKENS`):
     stage(s) = ENGINE_PREFILL_FACTOR × 2 × (linear params(s) × prompt     (projections, MLP)
                    + layers(s) × prompt² × query width) / float32 FLOP/s   (causal attention)
@@ -76,6 +79,8 @@ ENGINE_KV_READ_FACTOR = 3.0
 # and a random Llama of its size, 32-512 prompt tokens: 0.5-1.4 (median 1.0).
 ENGINE_PREFILL_FACTOR = 1.0
 LOOPBACK_ADDRESSES = ("127.", "::1", "localhost")
+# All-reduces up to this many bytes per rank go over the rank links (`links.SMALL_BYTES`).
+LINKS_ALL_REDUCE_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,11 +197,16 @@ def _combine(
         forward = sum(_transfer_seconds(link, activation_bytes) for link in links[:-1])
         back = _transfer_seconds(links[-1], 8)
         return sum(stage_seconds) + forward + back
-    steps = 2 * (world_size - 1)
     slowest_latency = max(link.one_way_seconds for link in links)
     narrowest = min(link.bytes_per_second for link in links)
-    all_reduce = steps * slowest_latency + steps / world_size * activation_bytes / narrowest
-    return max(stage_seconds) + 2 * card.n_layers * all_reduce
+    if activation_bytes <= LINKS_ALL_REDUCE_BYTES:
+        # The links' all-to-all: every rank sends its part to every other at once.
+        all_reduce = slowest_latency + (world_size - 1) * activation_bytes / narrowest
+    else:
+        steps = 2 * (world_size - 1)  # gloo's ring
+        all_reduce = steps * slowest_latency + steps / world_size * activation_bytes / narrowest
+    # Plus the step header rank 0 sends every rank before the step.
+    return max(stage_seconds) + 2 * card.n_layers * all_reduce + slowest_latency
 
 
 def predict_speed(

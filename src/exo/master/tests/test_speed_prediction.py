@@ -122,8 +122,9 @@ def test_tensor_divides_the_bytes_and_pays_two_all_reduces_per_layer() -> None:
     free_links, _ = two("tensor", latency_ms=0.0)
     assert free_links > single()
     slow_links, _ = two("tensor", latency_ms=1.0)
-    # Two all-reduces per layer, each 2 × (2 − 1) one-way latencies of 0.5 ms.
-    extra = 2 * CARD.n_layers * 2 * 0.5e-3
+    # Two all-reduces per layer over the rank links, each one one-way latency of 0.5 ms
+    # (both ranks send at once), plus the step header's one-way latency.
+    extra = 2 * CARD.n_layers * 0.5e-3 + 0.5e-3
     assert 1 / slow_links - 1 / free_links == pytest.approx(extra, rel=1e-3)
 
 
