@@ -126,8 +126,17 @@ async def instance_previews(
 ) -> list[PlacementPreview]:
     """Every placement of `model_id` (valid or with the reason it is not), each valid one
     with its predicted single-stream decode tok/s and TTFT for a prompt of
-    `prompt_tokens` tokens (null while a node has not measured its speed)."""
-    return placement_previews(_card(cluster, model_id), cluster.state, prompt_tokens)
+    `prompt_tokens` tokens (null while a node has not measured its speed). A
+    `prompt_tokens` beyond the model's context length is a 400 naming it: no placement
+    can take such a prompt."""
+    card = _card(cluster, model_id)
+    if prompt_tokens > card.context_length:
+        raise InvalidRequestError(
+            f"prompt_tokens {prompt_tokens} is beyond {card.model_id}'s context length of "
+            f"{card.context_length} tokens",
+            param="prompt_tokens",
+        )
+    return placement_previews(card, cluster.state, prompt_tokens)
 
 
 @router.post("/place_instance")

@@ -15,7 +15,7 @@ from exo.api.app import create_app
 from exo.shared.types.commands import PlaceInstance
 from exo.shared.types.events import InstanceCreated, NodeGatheredInfo
 from exo.shared.types.nodes import NodeSpeed
-from exo.testing.builders import SMOLLM2, make_node_info
+from exo.testing.builders import SMOLLM2, make_node_info, smollm2_card
 from exo.testing.in_process import NODE, InProcessCluster, in_process_cluster
 
 pytestmark = pytest.mark.anyio
@@ -158,3 +158,22 @@ async def test_previews_carry_the_predicted_speed_once_the_node_measured_it(
             "/instance/previews", params={"model_id": SMOLLM2, "prompt_tokens": 0}
         )
     assert refused.status_code == 400 and "prompt_tokens" in refused.text
+
+
+async def test_previews_refuse_a_prompt_beyond_the_context_length(
+    cluster: InProcessCluster,
+) -> None:
+    context = smollm2_card().context_length
+    async with http_client(cluster) as http:
+        with anyio.fail_after(DEADLINE_SECONDS):
+            fits = await http.get(
+                "/instance/previews", params={"model_id": SMOLLM2, "prompt_tokens": context}
+            )
+            beyond = await http.get(
+                "/instance/previews", params={"model_id": SMOLLM2, "prompt_tokens": context + 1}
+            )
+    assert fits.status_code == 200, fits.text
+    assert beyond.status_code == 400, beyond.text
+    error = beyond.json()["error"]
+    assert error["param"] == "prompt_tokens"
+    assert f"context length of {context} tokens" in error["message"]
