@@ -107,6 +107,9 @@ class BenchNodes:
         self.node_ids = node_ids
         self.memory = MemorySampler({})
         self.pinned = False
+        self.no_prediction_reason: str | None = None
+        """Why the last `predicted` returned nothing (None when it returned figures)."""
+        self._speed_wait_over = False
 
     def get(self, path: str, **params: Any) -> Any:
         response = httpx.get(
@@ -206,15 +209,19 @@ class BenchNodes:
         """The cluster's prediction for this placement with a prompt of `prompt_tokens`:
         `decode_tok_s` (one stream) and `ttft_s`, from the placement preview of the same
         sharding and node count (preferring the same nodes); empty when the previews carry
-        none. Waits up to `PREDICTION_TIMEOUT_SECONDS` while a node has not measured its
-        speed yet (the preview's figures are null then)."""
-        deadline = time.monotonic() + PREDICTION_TIMEOUT_SECONDS
+        none, with the reason in `no_prediction_reason`. The first call waits up to
+        `PREDICTION_TIMEOUT_SECONDS` while a node has no settled speed figures (the
+        preview's figures are null then: a fresh node measures a few seconds after it
+        starts, a busy machine's node only once it is quiet); later calls do not wait."""
+        deadline = time.monotonic() + (0.0 if self._speed_wait_over else PREDICTION_TIMEOUT_SECONDS)
+        self.no_prediction_reason = None
         while True:
             try:
                 previews = self.get(
                     "/instance/previews", model_id=model_id, prompt_tokens=prompt_tokens
                 )
-            except (httpx.HTTPError, ValueError):
+            except (httpx.HTTPError, ValueError) as error:
+                self.no_prediction_reason = f"the placement previews failed: {error}"
                 return {}
             matching = [
                 preview
@@ -224,7 +231,12 @@ class BenchNodes:
                 and not preview.get("error")
             ]
             if not matching or "predicted_decode_tokens_per_second" not in matching[0]:
-                return {}  # no such placement, or a cluster that does not predict
+                self.no_prediction_reason = (
+                    f"no valid {placement.label} preview"
+                    if not matching
+                    else "the cluster's previews carry no predictions (an older exo)"
+                )
+                return {}
             wanted = set(self.node_ids[: placement.nodes])
             matching.sort(key=lambda preview: set(preview.get("node_ids", [])) != wanted)
             preview = matching[0]
@@ -232,9 +244,26 @@ class BenchNodes:
             ttft = preview.get("predicted_ttft_seconds")
             if decode is not None and ttft is not None:
                 return {"decode_tok_s": float(decode), "ttft_s": float(ttft)}
-            if time.monotonic() > deadline:
+            if time.monotonic() >= deadline:
+                self._speed_wait_over = True
+                self.no_prediction_reason = self._unmeasured_nodes(preview.get("node_ids", []))
                 return {}
             time.sleep(1.0)
+
+    def _unmeasured_nodes(self, node_ids: list[str]) -> str:
+        """Why a valid preview predicts nothing: which of its nodes report no speed."""
+        try:
+            node_info = self.get("/state").get("node_info", {})
+        except (httpx.HTTPError, ValueError) as error:
+            return f"no speed figures, and the state failed: {error}"
+        unmeasured = [
+            node_id[:8] for node_id in node_ids if not (node_info.get(node_id) or {}).get("speed")
+        ]
+        return (
+            f"node(s) {', '.join(unmeasured) or '?'} report no settled speed figures after "
+            f"{PREDICTION_TIMEOUT_SECONDS:.0f} s (a node measures a few seconds after it "
+            "starts, and on a busy machine only once it is quiet: see the node's log)"
+        )
 
     def close(self) -> None:
         """Stop what the bench started (nothing, for a running cluster)."""

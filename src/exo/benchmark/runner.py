@@ -254,9 +254,13 @@ def _bench_placement(
     """Place, measure every case, delete. On a single placement the llama.cpp runner (one
     stream) and the in-process engine (when given) each run right after every exo run, on
     the same prompt length, so background load affects them alike."""
-    predictions = {
-        length: nodes.predicted(model_id, placement, length) for length in config.prompt_tokens
-    }
+    predictions: dict[int, dict[str, float]] = {}
+    for length in config.prompt_tokens:
+        predictions[length] = nodes.predicted(model_id, placement, length)
+        if nodes.no_prediction_reason is not None:
+            note = f"{placement.label} prompt {length}: no prediction: {nodes.no_prediction_reason}"
+            say(f"  {note}")
+            report.notes.append(note)
     say(f"placing {model_id} {placement.label}")
     started = time.monotonic()
     instance_id = nodes.place(model_id, placement)
