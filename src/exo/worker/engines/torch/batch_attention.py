@@ -37,6 +37,8 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
+from exo.worker.engines.torch.kv_memory import release_positions, zeroed_kv_buffer
+
 BATCHED_ATTENTION = "exo_batched"
 
 # Initial per-slot capacity in tokens; buffers double when a request outgrows them.
@@ -50,11 +52,12 @@ class SlotKVCache:
     head_dim]`; slot `s` holds `lengths[s]` positions. Occupied slots are always
     `0 .. occupied - 1` (a freed slot is filled by moving the last one into it), so the
     decoding requests' keys are one view `keys[layer][:occupied, :, :max_len]`.
-    `torch.empty` reserves address space only: pages are backed as they are written. A slot
-    is zeroed over its whole capacity when it is first taken after an allocation: decode
-    attention reads past a short request's length (masked out, but a masked NaN left by
-    uninitialised memory would still poison the weighted sum), so only occupied slots'
-    pages are ever backed.
+    The buffers come from `kv_memory.zeroed_kv_buffer`: zero-filled (decode attention reads
+    past a short request's length — masked out, but a masked NaN from uninitialised memory
+    would still poison the weighted sum) and backed by the OS only where positions are
+    written. A freed slot's positions are released (`kv_memory.release_positions`), so the
+    resident KV memory follows the positions the running requests hold (the scheduler's
+    budget), not `slots x capacity`.
 
     Args:
         layers: decoder layers of this shard.
@@ -77,11 +80,10 @@ class SlotKVCache:
         self.slots = slots
         self.capacity = INITIAL_SLOT_CAPACITY
         shape = (slots, kv_heads, self.capacity, head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.keys = [zeroed_kv_buffer(shape, dtype, device) for _ in range(layers)]
+        self.values = [zeroed_kv_buffer(shape, dtype, device) for _ in range(layers)]
         self.lengths = [0] * slots
         self.occupied = 0
-        self._zeroed = [False] * slots  # the slot holds no uninitialised memory
 
     def allocate(self) -> int:
         """A free slot (length 0).
@@ -94,11 +96,6 @@ class SlotKVCache:
         slot = self.occupied
         self.occupied += 1
         self.lengths[slot] = 0
-        if not self._zeroed[slot]:
-            for tensors in (self.keys, self.values):
-                for layer in tensors:
-                    layer[slot].zero_()
-            self._zeroed[slot] = True
         return slot
 
     def free(self, slot: int) -> int | None:
@@ -111,14 +108,23 @@ class SlotKVCache:
         last = self.occupied - 1
         self.occupied -= 1
         if slot == last:
+            self._release(slot, 0)
             self.lengths[slot] = 0
             return None
         length = self.lengths[last]
         for tensors in (self.keys, self.values):
             for layer in tensors:
                 layer[slot, :, :length].copy_(layer[last, :, :length])
+        self._release(slot, length)
+        self._release(last, 0)
         self.lengths[slot], self.lengths[last] = length, 0
         return last
+
+    def _release(self, slot: int, start: int) -> None:
+        """Give back the memory of `slot`'s positions `start ..` (they read as zeros)."""
+        for tensors in (self.keys, self.values):
+            for layer in tensors:
+                release_positions(layer, slot, start)
 
     def reserve(self, tokens: int) -> None:
         """Make room for `tokens` positions per slot (doubling the capacity; only the
@@ -128,14 +134,14 @@ class SlotKVCache:
         capacity = max(tokens, 2 * self.capacity)
         for tensors in (self.keys, self.values):
             for index, old in enumerate(tensors):
-                new = old.new_empty((old.shape[0], old.shape[1], capacity, old.shape[3]))
+                new = zeroed_kv_buffer(
+                    (old.shape[0], old.shape[1], capacity, old.shape[3]), old.dtype, old.device
+                )
                 for slot in range(self.occupied):
                     length = self.lengths[slot]
                     new[slot, :, :length].copy_(old[slot, :, :length])
-                    new[slot, :, length:].zero_()
                 tensors[index] = new
         self.capacity = capacity
-        self._zeroed = [slot < self.occupied for slot in range(self.slots)]
 
     def read(self, slot: int, length: int) -> torch.Tensor:
         """A copy of the slot's first `length` positions as `[layers, 2, kv_heads, length,
