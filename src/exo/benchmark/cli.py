@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 from loguru import logger
@@ -107,6 +108,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def api_url(text: str) -> str:
+    """`--api`'s base URL: `HOST:PORT` (no scheme) means `http://HOST:PORT`; a trailing
+    slash is dropped.
+
+    Raises:
+        ValueError: not an http(s) URL with a host, or a port that is not a number.
+    """
+    url = text.strip().rstrip("/")
+    if "://" not in url:
+        url = f"http://{url}"
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 (raises ValueError for a port that is not a number)
+    except ValueError:
+        raise ValueError(
+            f"--api {text!r}: the port is not a number (use http://HOST:PORT)"
+        ) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--api {text!r}: use http://HOST:PORT (or https://)")
+    return url
+
+
 def config_from_arguments(arguments: argparse.Namespace) -> BenchConfig:
     """The bench's config from parsed arguments (`--quick` overrides the sizes).
 
@@ -122,7 +145,7 @@ def config_from_arguments(arguments: argparse.Namespace) -> BenchConfig:
         concurrency=arguments.concurrency,
         runs=arguments.runs,
         warmup=arguments.warmup,
-        api=arguments.api.rstrip("/") if arguments.api else None,
+        api=api_url(arguments.api) if arguments.api else None,
         api_key=arguments.api_key,
         nodes=arguments.nodes,
         pin_cores=arguments.pin_cores,

@@ -130,6 +130,14 @@ def test_arguments_are_checked_before_anything_runs(tmp_path: Path) -> None:
         config_from_arguments(parser.parse_args(["--api", "http://x", "--pin-cores"]))
     with pytest.raises(ValueError, match="no file"):
         config_from_arguments(parser.parse_args(["--compare-llama-cpp", str(tmp_path / "x")]))
+    # A host and port without a scheme is http (it gave a garbled httpx error before).
+    bare = config_from_arguments(parser.parse_args(["--api", "127.0.0.1:53999"]))
+    assert bare.api == "http://127.0.0.1:53999"
+    secure = config_from_arguments(parser.parse_args(["--api", "https://node.lan:52415/"]))
+    assert secure.api == "https://node.lan:52415"
+    for bad, complaint in (("ftp://node:1", "use http://HOST:PORT"), ("node:port", "port")):
+        with pytest.raises(ValueError, match=complaint):
+            config_from_arguments(parser.parse_args(["--api", bad]))
     quick = config_from_arguments(parser.parse_args(["--quick", "--placement", "tensor:2"]))
     assert (quick.prompt_tokens, quick.generation_tokens, quick.node_count()) == ([16], [8], 2)
 
