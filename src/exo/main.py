@@ -38,11 +38,13 @@ from exo.download.peers import PEER_CREDENTIAL_HEADER, peer_credential
 from exo.master.decisions import events_after_restart
 from exo.master.event_log import EventLog
 from exo.master.main import Master
-from exo.routing.cluster_tls import ClusterSecret
+from exo.routing.cluster_tls import ClusterSecret, TlsFilesError
 from exo.routing.secret_options import (
     add_cluster_secret_arguments,
+    bootstrap_peer_problem,
     cluster_banner_line,
     cluster_secret_option,
+    tls_peer_warnings,
 )
 from exo.routing.zenoh_router import DEFAULT_ZENOH_PORT, NetworkRouter
 from exo.shared.constants import (
@@ -220,8 +222,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
         parser.error(f"--idle-unload must be a number of seconds >= 0, not {args.idle_unload}")
     peers = tuple(p.strip() for p in args.bootstrap_peers.split(",") if p.strip())
     for peer in peers:
-        if not peer.startswith(("tcp/", "udp/", "tls/", "quic/")) or ":" not in peer:
-            parser.error(f"bootstrap peer {peer!r} must look like tcp/HOST:PORT")
+        if (problem := bootstrap_peer_problem(peer)) is not None:
+            parser.error(problem)
     try:
         cors_origins = parse_cors_origins(args.cors_origins)
     except ValueError as error:
@@ -608,8 +610,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(bench_main(arguments[1:]))
     options = parse_args(arguments)
     configure_logging(options.log_level)
+    for warning in tls_peer_warnings(options.cluster_secret, options.bootstrap_peers):
+        logger.warning(warning)
     try:
         node = Node(options)
+    except TlsFilesError as error:
+        logger.error(str(error))
+        raise SystemExit(1) from None
     except OSError as error:
         logger.error(f"cannot listen on {options.host}:{options.api_port}: {error}")
         raise SystemExit(1) from None

@@ -67,6 +67,10 @@ _LEAF_LIFETIME = datetime.timedelta(days=3650)
 _P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
 
 
+class TlsFilesError(RuntimeError):
+    """The cluster's TLS files could not be written (`ClusterSecret.write_tls_files`)."""
+
+
 class ClusterSecretError(ValueError):
     """A cluster secret that cannot be used (too short, unreadable file)."""
 
@@ -117,9 +121,19 @@ class ClusterSecret:
         zenoh's TLS links. The CA's private key is never written.
 
         Raises:
-            OSError: the files cannot be written.
+            TlsFilesError: the directory or a file cannot be written (the message names
+                the directory and the OS error).
         """
         directory = home / TLS_DIRECTORY_NAME
+        try:
+            return self._write_tls_files(directory)
+        except OSError as error:
+            raise TlsFilesError(
+                f"cannot write the cluster's TLS files in {directory}: {error} (make the "
+                "directory writable, or point EXO_HOME at one that is)"
+            ) from error
+
+    def _write_tls_files(self, directory: Path) -> TlsFiles:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         directory.chmod(0o700)
         ca_key = self.ca_private_key()

@@ -61,6 +61,40 @@ def cluster_secret_option(
     return secret
 
 
+PEER_SCHEMES = ("tcp", "tls", "udp", "quic")
+"""The zenoh transports a `--bootstrap-peers` entry may name."""
+
+
+def bootstrap_peer_problem(peer: str) -> str | None:
+    """What is wrong with one `--bootstrap-peers` entry (`SCHEME/HOST:PORT`, the host an
+    address or name, IPv6 in brackets), in terms of its own scheme; None when it is fine."""
+    scheme, slash, address = peer.partition("/")
+    if not slash or scheme not in PEER_SCHEMES:
+        return (
+            f"bootstrap peer {peer!r} must look like tcp/HOST:PORT (tls/HOST:PORT with a "
+            "cluster secret; udp/ and quic/ also work)"
+        )
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"bootstrap peer {peer!r} must look like {scheme}/HOST:PORT (a port 1-65535)"
+    return None
+
+
+def tls_peer_warnings(secret: ClusterSecret | None, bootstrap_peers: Sequence[str]) -> list[str]:
+    """Warnings for `tls/` bootstrap peers given to a node without a cluster secret: it
+    has no certificate, so it cannot connect to them."""
+    if secret is not None:
+        return []
+    return [
+        f"bootstrap peer {peer!r} is a TLS link, but this node has no cluster secret, so it "
+        f"cannot connect to it: start it with the cluster's secret (--cluster-secret, "
+        f"--cluster-secret-file or {SECRET_ENVIRONMENT_VARIABLE}), or use tcp/ for an open "
+        "cluster"
+        for peer in bootstrap_peers
+        if peer.startswith("tls/")
+    ]
+
+
 def cluster_banner_line(secret: ClusterSecret | None) -> str:
     """The start banner's line about who may join."""
     if secret is None:
