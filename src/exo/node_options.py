@@ -1,0 +1,204 @@
+"""`exo`'s command line: the node's flags (`parse_args`) and the `Options` they give."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from exo.api.browser_access import parse_cors_origins
+from exo.api.security import (
+    SecurityOptions,
+    add_security_arguments,
+    security_options,
+)
+from exo.routing.cluster_tls import ClusterSecret
+from exo.routing.secret_options import (
+    add_cluster_secret_arguments,
+    bootstrap_peer_problem,
+    cluster_secret_option,
+)
+from exo.routing.zenoh_router import DEFAULT_ZENOH_PORT
+from exo.shared.constants import (
+    DEFAULT_API_PORT,
+    PROTOCOL_VERSION,
+)
+from exo.shared.types.common import ModelId
+
+DEFAULT_MODEL_ID = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+@dataclass(frozen=True)
+class Options:
+    host: str
+    api_port: int
+    zenoh_port: int
+    namespace: str
+    bootstrap_peers: tuple[str, ...]
+    multicast: bool
+    force_master: bool
+    log_level: str
+    offline: bool
+    default_model: bool
+    cors_origins: tuple[str, ...] = ()
+    auto_place: bool = True
+    idle_unload_seconds: float | None = None
+    trust_remote_code: bool = False
+    security: SecurityOptions = field(default_factory=SecurityOptions)
+    max_queued_requests: int | None = None
+    max_concurrent_requests: int | None = None
+    remeasure_speed: bool = False
+    cluster_secret: ClusterSecret | None = None
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
+    parser = argparse.ArgumentParser(
+        prog="exo",
+        description=(
+            "Run an exo node. Nodes on the same network find each other, form one cluster "
+            "and serve its models through the OpenAI-compatible API on port "
+            f"{DEFAULT_API_PORT} of every node."
+        ),
+    )
+    parser.add_argument(
+        "--api-port", type=int, default=DEFAULT_API_PORT, help="HTTP API port (default %(default)s)"
+    )
+    parser.add_argument(
+        "--host",
+        "--api-host",
+        dest="host",
+        default="0.0.0.0",
+        help="address the API and the cluster links listen on (default %(default)s: all)",
+    )
+    parser.add_argument(
+        "--zenoh-port",
+        type=int,
+        default=DEFAULT_ZENOH_PORT,
+        help="TCP port for links between nodes (default %(default)s)",
+    )
+    parser.add_argument(
+        "--namespace",
+        default=os.environ.get("EXO_NAMESPACE") or PROTOCOL_VERSION,
+        help="cluster name: nodes only join nodes with the same one (env EXO_NAMESPACE)",
+    )
+    parser.add_argument(
+        "--bootstrap-peers",
+        default="",
+        help="comma-separated peers to connect to, e.g. tcp/192.168.1.7:52414 "
+        "(for networks without multicast)",
+    )
+    parser.add_argument(
+        "--no-multicast",
+        action="store_true",
+        help="do not look for peers by multicast (use --bootstrap-peers)",
+    )
+    parser.add_argument("--force-master", action="store_true", help="win every master election")
+    verbosity = parser.add_mutually_exclusive_group()
+    verbosity.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    verbosity.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    parser.add_argument(
+        "--offline",
+        action="store_true",
+        default=os.environ.get("EXO_OFFLINE", "").strip().lower() not in ("", "0", "false", "no"),
+        help="never download: use only models already on this machine (env EXO_OFFLINE=1)",
+    )
+    parser.add_argument(
+        "--no-default-model",
+        action="store_true",
+        help=f"do not place {DEFAULT_MODEL_ID} when the cluster has no instance",
+    )
+    parser.add_argument(
+        "--no-auto-place",
+        action="store_true",
+        help="answer a request for a model with no instance with 404 instead of placing it",
+    )
+    parser.add_argument(
+        "--idle-unload",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="delete instances this node places or serves once idle this long "
+        "(default: keep them until deleted; a request's Ollama keep_alive overrides it)",
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let POST /models/add accept repositories whose config names custom code "
+        "(auto_map); the engine still runs only the model families it has files for",
+    )
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests each runner of this node decodes together in one batch (default 8 "
+        "on CPU); more wait in the runner's queue, and a runner also admits only what fits "
+        "its KV-cache budget",
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests this node's API lets wait in each instance's queue beyond the batch "
+        "it runs (default: 4 x its --max-concurrent-requests, at least 16); when every "
+        "instance of the model is full a request waits up to 30 s for a place, then gets 503 "
+        "with Retry-After",
+    )
+    parser.add_argument(
+        "--cors-origins",
+        default=os.environ.get("EXO_CORS_ORIGINS", ""),
+        help="comma-separated origins of web pages allowed to use the API besides "
+        "localhost/127.0.0.1/[::1] pages, e.g. https://chat.example.com; * allows every "
+        "page (env EXO_CORS_ORIGINS)",
+    )
+    parser.add_argument(
+        "--remeasure-speed",
+        action="store_true",
+        help="measure this node's decode and prefill speed again instead of reading the "
+        "cached figures (measured once per CPU, thread count and torch version)",
+    )
+    add_security_arguments(parser)
+    add_cluster_secret_arguments(parser)
+    args = parser.parse_args(argv)
+    for flag, port in (("--api-port", args.api_port), ("--zenoh-port", args.zenoh_port)):
+        if not 0 < port < 65536:
+            parser.error(f"{flag} must be between 1 and 65535, not {port}")
+    if args.api_port == args.zenoh_port:
+        parser.error("--api-port and --zenoh-port must differ")
+    if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
+        parser.error(f"--max-concurrent-requests must be >= 1, not {args.max_concurrent_requests}")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        parser.error(f"--max-queued-requests must be >= 0, not {args.max_queued_requests}")
+    if args.idle_unload is not None and not 0 <= args.idle_unload < float("inf"):
+        parser.error(f"--idle-unload must be a number of seconds >= 0, not {args.idle_unload}")
+    peers = tuple(p.strip() for p in args.bootstrap_peers.split(",") if p.strip())
+    for peer in peers:
+        if (problem := bootstrap_peer_problem(peer)) is not None:
+            parser.error(problem)
+    try:
+        cors_origins = parse_cors_origins(args.cors_origins)
+    except ValueError as error:
+        parser.error(f"--cors-origins: {error}")
+    log_level = "WARNING" if args.quiet else ("DEBUG" if args.verbose else "INFO")
+    return Options(
+        host=args.host,
+        api_port=args.api_port,
+        zenoh_port=args.zenoh_port,
+        namespace=args.namespace,
+        bootstrap_peers=peers,
+        multicast=not args.no_multicast,
+        force_master=args.force_master,
+        log_level=log_level,
+        offline=args.offline,
+        default_model=not args.no_default_model,
+        cors_origins=cors_origins,
+        auto_place=not args.no_auto_place,
+        idle_unload_seconds=args.idle_unload,
+        trust_remote_code=args.trust_remote_code,
+        security=security_options(args, parser),
+        max_queued_requests=args.max_queued_requests,
+        max_concurrent_requests=args.max_concurrent_requests,
+        remeasure_speed=args.remeasure_speed,
+        cluster_secret=cluster_secret_option(args, parser, peers),
+    )
