@@ -506,7 +506,9 @@ def _config_of(repository: HubRepository) -> dict[str, Any]:
 
 
 def _error(status_code: int, error_code: str | None, message: str) -> Response:
-    headers = {"X-Error-Message": message}
+    # Header values are latin-1 on the wire: a revision or path echoed in the message may
+    # hold any character (schemathesis sends them), so the header carries it escaped.
+    headers = {"X-Error-Message": message.encode("ascii", "backslashreplace").decode()}
     if error_code is not None:
         headers["X-Error-Code"] = error_code
     return JSONResponse({"error": message}, status_code=status_code, headers=headers)

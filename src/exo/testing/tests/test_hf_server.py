@@ -141,3 +141,11 @@ def test_a_hook_answers_instead_of_the_file(hub: HubServer) -> None:
     finally:
         hub.hooks.remove(too_many)
     assert httpx.get(resolve(hub, "config.json")).content == CONFIG
+
+
+def test_an_error_echoing_any_character_is_still_an_answer(hub: HubServer) -> None:
+    # schemathesis sends revisions outside latin-1; the message header must still encode.
+    response = httpx.get(f"{hub.url}/api/models/org/model/revision/v\U00078b74\u00e9")
+    assert response.status_code == 404
+    assert response.headers["X-Error-Code"] == "RevisionNotFound"
+    assert "\\U00078b74" in response.headers["X-Error-Message"]
