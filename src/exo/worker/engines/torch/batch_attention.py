@@ -146,12 +146,16 @@ class SlotKVCache:
     def read(self, slot: int, length: int) -> torch.Tensor:
         """A copy of the slot's first `length` positions as `[layers, 2, kv_heads, length,
         head_dim]` (for the prefix cache)."""
-        return torch.stack(
-            [
-                torch.stack((keys[slot, :, :length], values[slot, :, :length]))
-                for keys, values in zip(self.keys, self.values, strict=True)
-            ]
+        first = self.keys[0]
+        # Its own mapping (`zeroed_kv_buffer`): evicting the entry unmaps it, where heap
+        # blocks of many sizes coming and going would stay with the allocator (fragmented).
+        copy = zeroed_kv_buffer(
+            (len(self.keys), 2, first.shape[1], length, first.shape[3]), first.dtype, first.device
         )
+        for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+            copy[layer, 0].copy_(keys[slot, :, :length])
+            copy[layer, 1].copy_(values[slot, :, :length])
+        return copy
 
     def write(self, slot: int, kv: torch.Tensor, length: int) -> None:
         """Fill the slot's first `length` positions from `read`'s layout."""
