@@ -194,7 +194,9 @@ class BatchPlan:
     # Filled by `prepare`:
     decode_index: torch.Tensor | None = None  # [D] slots (int64)
     decode_pos: torch.Tensor | None = None  # [D] positions (int64)
-    masks: dict[int | None, torch.Tensor] | None = None  # window -> [S, 1, 1, max_len] bool
+    # window -> [S, 1, 1, max_len] bool, None where every key up to max_len is visible
+    masks: dict[int | None, torch.Tensor | None] | None = None
+    max_len: int = 0  # keys the decode rows attend over (the longest decoding slot's)
     all_slots_decode: bool = False
 
     def prepare(self, device: torch.device) -> None:
@@ -210,9 +212,16 @@ class BatchPlan:
         ends = torch.zeros(occupied, dtype=torch.long, device=device)
         ends[self.decode_index] = self.decode_pos + 1
         max_len = int(ends.max().item())
+        self.max_len = max_len
         keys = torch.arange(max_len, device=device)  # [max_len]
         self.masks = {}
+        # One decoding slot that sees all its keys (the single-stream case) needs no mask:
+        # SDPA then skips turning a boolean mask into an additive one in every layer.
+        single = occupied == 1
         for window in set(self.windows):
+            if single and (window is None or max_len <= window):
+                self.masks[window] = None
+                continue
             visible = keys[None, :] < ends[:, None]  # [S, max_len]
             if window is not None:
                 visible &= keys[None, :] > ends[:, None] - 1 - window
@@ -276,13 +285,18 @@ def attend(
     if decoding:
         assert plan.decode_index is not None and plan.decode_pos is not None
         assert plan.masks is not None
-        new_keys = key[0, :, :decoding].transpose(0, 1)  # [D, kv_heads, head_dim]
-        new_values = value[0, :, :decoding].transpose(0, 1)
-        keys[plan.decode_index, :, plan.decode_pos] = new_keys
-        values[plan.decode_index, :, plan.decode_pos] = new_values
-        mask = plan.masks[window]  # [S, 1, 1, max_len]
-        max_len = mask.shape[-1]
-        occupied = mask.shape[0]
+        if decoding == 1:  # a plain copy, not an indexed write
+            slot, position = plan.decode_slots[0], plan.decode_positions[0]
+            keys[slot, :, position] = key[0, :, 0]
+            values[slot, :, position] = value[0, :, 0]
+        else:
+            new_keys = key[0, :, :decoding].transpose(0, 1)  # [D, kv_heads, head_dim]
+            new_values = value[0, :, :decoding].transpose(0, 1)
+            keys[plan.decode_index, :, plan.decode_pos] = new_keys
+            values[plan.decode_index, :, plan.decode_pos] = new_values
+        mask = plan.masks[window]  # [S, 1, 1, max_len] or None (all visible)
+        max_len = plan.max_len
+        occupied = plan.cache.occupied
         queries = query[0, :, :decoding].transpose(0, 1).unsqueeze(2)  # [D, heads, 1, dim]
         if not plan.all_slots_decode:  # a prefilling request holds a slot between them
             full = query.new_zeros(occupied, *queries.shape[1:])
