@@ -13,7 +13,7 @@ session's own subscriber (exactly once), so a node hears its own messages.
 
 zenoh calls back on its own threads; items are validated there and handed to the node's
 asyncio loop with `call_soon_threadsafe`, which keeps each publisher's order. Outgoing puts
-run on one thread per router (`_Outbox`), in call order, so a slow peer never stalls the loop.
+run on one thread per router (`Outbox`), in call order, so a slow peer never stalls the loop.
 
 With a cluster secret (`tls`, see `exo.routing.cluster_tls`) every link is TLS with mutual
 authentication against the cluster's CA, and zenoh may use no other protocol: a session
@@ -31,12 +31,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import ipaddress
 import json
-import queue
 import re
-import socket
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Self, TypeVar, cast
 
@@ -47,6 +43,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from exo.routing.cluster_tls import TlsFiles
 from exo.routing.connections import ConnectionMessage, PeerConnected, PeerDisconnected
+from exo.routing.zenoh_support import Outbox, close_session, free_tcp_port, is_loopback
 from exo.shared.types.chunks import Chunk
 from exo.shared.types.commands import ForwarderCommand
 from exo.shared.types.common import CommandId, NodeId
@@ -250,7 +247,7 @@ class NetworkRouter:
         self.namespace = _check_key_chunk("namespace", namespace)
         self.key_prefix = f"exo/{namespace}"
         self.listen_host = listen_host
-        self.listen_port = zenoh_port or _free_tcp_port(listen_host)
+        self.listen_port = zenoh_port or free_tcp_port(listen_host)
         self.bootstrap_peers = tuple(bootstrap_peers)
         self.tls = tls
         if tls is not None:
@@ -261,7 +258,7 @@ class NetworkRouter:
                         "so peers are tls/HOST:PORT"
                     )
         self.multicast = multicast
-        if multicast_interface is None and _is_loopback(listen_host):
+        if multicast_interface is None and is_loopback(listen_host):
             multicast_interface = listen_host
         self.multicast_interface = multicast_interface
         self.multicast_address = multicast_address
@@ -273,7 +270,7 @@ class NetworkRouter:
         self._session: zenoh.Session | None = None
         self._declared: list[Any] = []
         self._token: zenoh.LivelinessToken | None = None
-        self._outbox: _Outbox | None = None
+        self._outbox: Outbox | None = None
         self._closed = False
         self._topics: dict[str, NetworkTopic[Any]] = {}
         self.commands = self.topic("commands", TypeAdapter(ForwarderCommand))
@@ -377,7 +374,7 @@ class NetworkRouter:
         session = await anyio.to_thread.run_sync(zenoh.open, config)
         self._session = session
         self._own_session_id = str(session.zid())
-        self._outbox = _Outbox(f"exo-router-{self.node_id}")
+        self._outbox = Outbox(f"exo-router-{self.node_id}")
         try:
             await anyio.to_thread.run_sync(self._declare_all, session)
         except BaseException:
@@ -421,7 +418,7 @@ class NetworkRouter:
             if outbox is not None:
                 # A put blocked on a silent peer ends when its lease expires.
                 await anyio.to_thread.run_sync(outbox.stop, self.lease_seconds + 2)
-            await anyio.to_thread.run_sync(_close_session, session, token)
+            await anyio.to_thread.run_sync(close_session, session, token)
         self._loop = None
         logger.info(f"router {self.node_id} closed")
 
@@ -489,54 +486,3 @@ class NetworkRouter:
         if outbox is None:  # closed between the caller's check and now
             return
         outbox.send(put)
-
-
-class _Outbox:
-    """Runs zenoh puts on one thread, in call order. With BLOCK congestion control a put
-    waits while a slow peer's queue is full; that wait must not stall the event loop."""
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def send(self, put: Callable[[], object]) -> None:
-        self._queue.put(put)
-
-    def stop(self, timeout: float) -> None:
-        """Send what is queued, then end the thread (waits at most `timeout` seconds)."""
-        self._queue.put(None)
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            logger.warning(f"{self._thread.name}: unsent messages after {timeout} s")
-
-    def _run(self) -> None:
-        while (put := self._queue.get()) is not None:
-            try:
-                put()
-            except zenoh.ZError as error:
-                logger.warning(f"{self._thread.name}: a message was not sent: {error}")
-            except Exception:
-                logger.exception(f"{self._thread.name}: a message was not sent")
-
-
-def _close_session(session: zenoh.Session, token: zenoh.LivelinessToken | None) -> None:
-    if token is not None:
-        token.undeclare()
-    session.close()
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _free_tcp_port(host: str) -> int:
-    """A port nothing listens on right now (another process could take it before zenoh)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        port: int = probe.getsockname()[1]
-        return port
