@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -326,6 +327,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--models-dir", type=Path, default=None)
     arguments = parser.parse_args()
+    # SIGTERM (timeout, kill) unwinds like Ctrl-C, so the node below is stopped, not orphaned.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     with tempfile.TemporaryDirectory(prefix="exo-soak-") as home:
         node = ExoNode(Path(home), arguments.models_dir or default_models_dir(), ("-q",))
         node.start()
