@@ -13,13 +13,15 @@ the next step's header carries the chosen tokens, so no extra message is needed 
 - Tensor: one broadcast of the header per step (one message per rank); every rank
   runs the whole batched forward in lockstep (the row-parallel linears all-reduce, so every
   rank computes the same logits; the others drop theirs).
-- Pipeline: the step is split into up to `world_size` micro-batches of requests. For each,
-  rank 0 runs its layers and sends the header and `[1, T, hidden]` float32 hidden states to
-  rank 1 (which runs its layers while rank 0 computes the next micro-batch), and so on; the
-  last rank sends the micro-batch's `[R, vocab]` float32 logits to rank 0 (rank 0 posts that
-  receive before sending the micro-batch, so no send waits on a rank that is itself
-  sending). Per micro-batch and hop: two messages (the header with its length, the hidden
-  states), over the group's `links.py` TCP links when it has them (else gloo).
+- Pipeline: a step of at least `MICRO_BATCH_MIN_ROWS` rows (prefill) is split into up to
+  `world_size` micro-batches of requests (`micro_batch_count`; a decode step stays whole).
+  For each, rank 0 runs its layers and sends the header and `[1, T, hidden]` float32
+  hidden states to rank 1 (which runs its layers while rank 0 computes the next
+  micro-batch), and so on; the last rank sends the micro-batch's `[R, vocab]` float32
+  logits to rank 0 (rank 0 posts that receive before sending the micro-batch, so no send
+  waits on a rank that is itself sending). Per micro-batch and hop: two messages (the
+  header with its length, the hidden states), over the group's `links.py` TCP links when
+  it has them (else gloo).
 
 Ranks > 0 wait for rank 0's next header in `serve_forever` (unbounded while rank 0 is idle;
 every other wait is bounded by the group's timeout, so a dead rank makes the others raise).
@@ -63,6 +65,7 @@ from exo.worker.engines.torch.distributed_batch import (
     RecordingSlotKVCache,
     StepHeader,
     broadcast_step,
+    micro_batch_count,
     receive_step,
     replay_cache_ops,
     send_step,
@@ -297,7 +300,7 @@ class DistributedTorchEngine(TorchEngine):
         )
         last = self.world_size - 1
         answers: list[tuple[Callable[[], None] | None, torch.Tensor, tuple[int, ...]]] = []
-        for micro_batch in split_micro_batches(step, self.world_size):
+        for micro_batch in split_micro_batches(step, micro_batch_count(step, self.world_size)):
             header = micro_batch.header
             logits = torch.empty((len(header.logit_rows), self.vocab_size), dtype=torch.float32)
             wait = post_receive(logits, last) if header.logit_rows else None

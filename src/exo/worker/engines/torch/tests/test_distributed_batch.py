@@ -11,9 +11,11 @@ from exo.worker.engines.torch.distributed_batch import (
     CACHE_ALLOCATE,
     CACHE_FREE,
     CACHE_RESERVE,
+    MICRO_BATCH_MIN_ROWS,
     STEP,
     RecordingSlotKVCache,
     StepHeader,
+    micro_batch_count,
     replay_cache_ops,
     split_micro_batches,
 )
@@ -116,3 +118,17 @@ def test_replayed_slot_operations_keep_the_caches_alike() -> None:
         replay_cache_ops(replica, ((CACHE_ALLOCATE, 0),))
     with pytest.raises(RuntimeError, match="no prefix cache"):
         recording.write(0, torch.zeros(1), 1)
+
+
+def test_only_a_step_with_many_rows_is_split_into_micro_batches() -> None:
+    decode = StepHeader(
+        STEP, decode_slots=(0, 1, 2, 3), decode_positions=(9, 9, 9, 9), input_ids=(1, 2, 3, 4),
+        position_ids=(9, 9, 9, 9), logit_rows=(0, 1, 2, 3),
+    )  # fmt: skip
+    assert micro_batch_count(decode, 2) == 1
+    rows = MICRO_BATCH_MIN_ROWS
+    prefill = StepHeader(
+        STEP, prefill=(PrefillSegment(0, 0, 0, rows),), input_ids=(1,) * rows,
+        position_ids=tuple(range(rows)), logit_rows=(rows - 1,),
+    )  # fmt: skip
+    assert micro_batch_count(prefill, 3) == 3
