@@ -64,8 +64,13 @@ WORKING_SET_BYTES = 48 * 2**20
 COPY_BYTES = 64 * 2**20
 MATMUL_ROWS = 256
 MATMUL_INNER = 1024
-# A 1-minute load average above this per logical CPU: figures measured then are unsettled.
-BUSY_LOAD_PER_CPU = 0.5
+# A 1-minute load average above this per logical CPU: figures measured then are unsettled
+# (not reported). Each figure is the fastest of many short repetitions, which a moderate
+# load (a test suite, a model loading next to the probe) barely moves; the figures that came
+# out ~80x too low were measured at load averages of 20-70 on 2 CPUs. A lower bound would
+# leave a node that starts while it loads its own model with no speed (and no predictions)
+# for the 5 minutes until the next check.
+BUSY_LOAD_PER_CPU = 3.0
 
 
 def runner_threads() -> int:
