@@ -20,9 +20,7 @@ float32 and quantized again:
 - **Every other quantized type** (Q5_0, Q5_1, Q6_K, Q8_0, ...) is stored as its raw GGUF
   blocks, `<name>.gguf_<TYPE>` (uint8 `[out, bytes per row]`), the smallest lossless form, and
   dequantized by `gguf`'s own dequantizer when loaded
-  (`exo.worker.engines.torch.gguf_weights`, which holds Q5_0 decoder linears in the engine's
-  int4 groups — lossy, 0.085 relative error, the loss and speed stated there — and the other
-  types in bfloat16).
+  (`exo.worker.engines.torch.gguf_weights`).
 - **F32, F16, BF16** tensors are stored as they are.
 
 Block layouts are GGML's (`ggml-quants.c`, `gguf.quants`); tensor names and the per-family

@@ -14,21 +14,10 @@ from the error each route adds to the GGUF's own values, measured on Gaussian we
 
 - Q4_0 / Q4_1 / Q4_K → `Int4Linear` directly, no float detour: 0.0017 (the bf16 rounding
   of scales and zeros only; a float32 load is exact).
-- Q5_0 → `Int4Linear` requantized from the dequantized blocks (`REQUANTIZED_TO_INT4`), a
-  speed-for-accuracy choice: 0.085 (the int4 grid's own rounding; 0.0017 as bfloat16) for
-  0.625 bytes per weight instead of 2. In llama.cpp's K-quant mixes Q5_0 is the stand-in
-  for Q4_K where a row is no multiple of 256 (Gemma 3 270M's Q4_K_M file: 640-wide rows,
-  63 M of its 100 M decoder weights are Q5_0), so int4 is the precision the file's recipe
-  asked for. Measured on Gemma 3 270M (teacher forcing over 140 tokens of English against
-  the bfloat16 route): greedy token agreement 92.9%, mean KL 0.043 nats, NLL 0.944 → 1.004;
-  decode about 2× faster in an interleaved A/B on a heavily loaded machine (bytes read per
-  token drop from ~335 MB to ~245 MB, most of the rest being the int8 LM head).
-  An empty `REQUANTIZED_TO_INT4` restores the bfloat16 route.
-- Q8_0, Q5_1, Q6_K and any other quantized type → `Bf16Linear` (the dequantized weight in
-  bfloat16): 0.0017, where requantizing to the engine's int8 per output channel adds 0.022
-  (3.4× Q8_0's own error of 0.0065) and to int4 groups 0.083. It costs 2 bytes per weight
-  against int8's 1. (In the K-quant mixes these are the higher-precision choices: Q6_K for
-  sensitive tensors, Q8_0 as Q6_K's stand-in.)
+- Q8_0, Q5_0, Q5_1, Q6_K and any other quantized type → `Bf16Linear` (the dequantized
+  weight in bfloat16): 0.0017, where requantizing to the engine's int8 per output channel
+  adds 0.022 (3.4× Q8_0's own error of 0.0065) and to int4 groups 0.083. It costs 2 bytes
+  per weight against int8's 1.
 - F32 / F16 / BF16 weights → the engine's own quantization, as for any checkpoint.
 
 Everything else (the embedding, the LM head, norms, any weight when the engine holds
@@ -56,8 +45,6 @@ _REPACKED = re.compile(
 )
 TensorReader = Callable[[Any], torch.Tensor]
 _DEQUANTIZE_ROWS = 2048
-# Raw GGUF block types requantized to the engine's int4 groups under int4 (module docstring).
-REQUANTIZED_TO_INT4 = frozenset({"Q5_0"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,22 +196,6 @@ class DequantizedGroups:
         return _dequantize_groups(packed, scales, zeros)[:, columns]
 
 
-def _linear_for_blocks(
-    gguf_type: str | None, weight: torch.Tensor, bias: torch.Tensor | None
-) -> QuantizedLinear:
-    """The module a decoder-layer linear stored as raw GGUF blocks becomes under int4:
-    `Int4Linear` (requantized) for `REQUANTIZED_TO_INT4` types whose `[out, in]` shape int4
-    packs, else `Bf16Linear` (see the module docstring)."""
-    if gguf_type in REQUANTIZED_TO_INT4:
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-        if int4_supported(linear):
-            linear.weight = nn.Parameter(weight, requires_grad=False)
-            if bias is not None:
-                linear.bias = nn.Parameter(bias, requires_grad=False)
-            return Int4Linear(linear)
-    return Bf16Linear(weight, bias)
-
-
 def _bias_of(linear: nn.Linear) -> torch.Tensor | None:
     bias = linear.bias
     return None if bias is None or bias.is_meta else bias
@@ -291,7 +262,7 @@ def load_repacked(
         weight = reader(DequantizedBlocks(handle.get_slice(stored_name), parts.gguf_type))
         if direct is None:
             return weight.contiguous()
-        _install(*direct, lambda bias: _linear_for_blocks(parts.gguf_type, weight, bias))
+        _install(*direct, lambda bias: Bf16Linear(weight, bias))
         return None
     slices = [
         handle.get_slice(parts.base + suffix) for suffix in (INT4_PACKED, INT4_SCALES, INT4_ZEROS)
