@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 
 from exo.master.keep_alive import set_keep_alive
 from exo.master.placement import PlacementError, place_instance, required_memory_bytes
+from exo.master.placement_memory import placement_room
 from exo.master.recovery import unavailable_message
 from exo.shared.models.cards import UnknownModelError, resolve_card
 from exo.shared.models.names import resolve_model_name
@@ -55,7 +56,7 @@ def no_room_message(card: ModelCard, state: State, placement_error: str) -> str:
     """Why a model asked for cannot be loaded, with how much memory the cluster lacks when
     its nodes together have too little."""
     needed = required_memory_bytes(card)
-    available = sum(info.memory.available_bytes for info in state.node_info.values())
+    available = sum(room.available_bytes for room in placement_room(state).values())
     message = f"the cluster has no room to load {card.model_id}: {placement_error}"
     if needed > available:
         message += (

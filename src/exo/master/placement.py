@@ -5,9 +5,13 @@ Rules (exo's, with its gaps filled):
   (topology edges); every rank must reach rank 0, where the process group meets;
 - a group must hold the model in its total available memory, and each node its share:
   the peak of its weights while loading in the engine's format (int4 on CPU, see
-  `exo.shared.models.memory`), not the float32 or on-disk size;
-- pipeline sharding splits layers in proportion to each node's available memory
-  (largest-remainder rounding, at least one layer per node);
+  `exo.shared.models.memory`), not the float32 or on-disk size, or of its weights and
+  KV-cache budget while serving, plus the runner process's own memory;
+- a node's available memory is what it reported minus what is promised to runners
+  already placed on it that its report cannot show yet (`placement_room`), so placements
+  in quick succession never share the same free memory;
+- pipeline sharding splits layers in proportion to each node's available memory beyond
+  its runner process (largest-remainder rounding, at least one layer per node);
 - tensor sharding needs the card's tensor support and attention heads, KV heads and MLP
   size divisible by the node count;
 - prefer the fewest nodes that fit, then nodes that already hold the model's files, then
@@ -18,11 +22,18 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from exo.master.placement_memory import MEMORY_OVERHEAD_FRACTION as MEMORY_OVERHEAD_FRACTION
+from exo.master.placement_memory import (
+    NodeRoom,
+    pipeline_share_bytes,
+    placement_room,
+    required_memory_bytes,
+)
 from exo.master.speed_prediction import DEFAULT_PROMPT_TOKENS, predict_speed
-from exo.shared.models.memory import ENGINE_CPU_WEIGHT_FORMAT, WeightShare, serving_peak_bytes
+from exo.shared.models.memory import RUNNER_PROCESS_OVERHEAD_BYTES
 from exo.shared.types.common import FrozenModel, InstanceId, NodeId, RunnerId
 from exo.shared.types.instances import (
     Instance,
@@ -37,8 +48,6 @@ from exo.shared.types.nodes import DownloadCompleted
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 from exo.shared.types.state import State
 
-# Activations, KV cache of typical requests and allocator slack on top of the weights.
-MEMORY_OVERHEAD_FRACTION = 0.10
 # Rank 0 of a multi-node instance listens on a port derived from the instance id.
 RENDEZVOUS_PORT_BASE = 40000
 RENDEZVOUS_PORT_SPAN = 10000
@@ -78,27 +87,6 @@ class Layout:
     layer_ranges: tuple[tuple[int, int], ...]
     bytes_per_node: tuple[int, ...]
     rendezvous_addresses: dict[NodeId, str]
-
-
-def required_memory_bytes(card: ModelCard, world_size: int = 1) -> int:
-    """Bytes one tensor-parallel rank of `world_size` (or a whole single node) needs: the
-    peak of its weights while loading in the engine's CPU format (int4 layers, int8 LM head,
-    float32 embedding; `exo.shared.models.memory`) or of its weights and KV-cache budget
-    while serving, whichever is larger, plus the overhead fraction."""
-    share = WeightShare(layers=card.n_layers, tensor_parallel_ranks=world_size)
-    peak = serving_peak_bytes(card, ENGINE_CPU_WEIGHT_FORMAT, share)
-    return int(peak * (1 + MEMORY_OVERHEAD_FRACTION))
-
-
-def pipeline_share_bytes(
-    card: ModelCard, n_layers: int, is_first: bool = True, is_last: bool = True
-) -> int:
-    """Bytes a pipeline rank holding `n_layers` layers (and the embedding on the first
-    rank, the LM head on the last) needs while loading or serving (its layers' KV-cache
-    budget), plus the overhead fraction."""
-    share = WeightShare(layers=n_layers, holds_embedding=is_first, holds_output_layer=is_last)
-    peak = serving_peak_bytes(card, ENGINE_CPU_WEIGHT_FORMAT, share)
-    return int(peak * (1 + MEMORY_OVERHEAD_FRACTION))
 
 
 def runner_id_for(instance_id: InstanceId, rank: int, runner_tag: str = "") -> RunnerId:
@@ -163,10 +151,6 @@ def tensor_split_error(card: ModelCard, world_size: int) -> str | None:
     return None
 
 
-def _available(state: State, node_id: NodeId) -> int:
-    return state.node_info[node_id].memory.available_bytes
-
-
 def _edge_address(state: State, source: NodeId, sink: NodeId) -> str | None:
     edge = state.topology.get(source, {}).get(sink)
     return edge.address if edge is not None else None
@@ -176,9 +160,11 @@ def _connected(state: State, a: NodeId, b: NodeId) -> bool:
     return _edge_address(state, a, b) is not None or _edge_address(state, b, a) is not None
 
 
-def _rank_order(state: State, group: Sequence[NodeId]) -> tuple[NodeId, ...] | str:
+def _rank_order(
+    state: State, room: Mapping[NodeId, NodeRoom], group: Sequence[NodeId]
+) -> tuple[NodeId, ...] | str:
     """The group in rank order: most memory first, rank 0 a node every other can reach."""
-    ordered = sorted(group, key=lambda n: (-_available(state, n), n))
+    ordered = sorted(group, key=lambda n: (-room[n].available_bytes, n))
     if len(ordered) == 1:
         return tuple(ordered)
     for a, b in itertools.combinations(ordered, 2):
@@ -198,23 +184,38 @@ def _own_address(state: State, node_id: NodeId, peer_view: dict[NodeId, str]) ->
     return addresses[0] if addresses else "127.0.0.1"
 
 
-def layout(card: ModelCard, state: State, sharding: Sharding, group: Sequence[NodeId]) -> Layout:
+def layout(
+    card: ModelCard,
+    state: State,
+    sharding: Sharding,
+    group: Sequence[NodeId],
+    room: Mapping[NodeId, NodeRoom] | None = None,
+) -> Layout:
     """Shares of `group` for `card`, or why that group cannot run it.
+
+    Args:
+        room: the nodes' memory (`placement_room(state)` when None).
 
     Raises:
         PlacementError: not connected, not divisible, or some node lacks memory.
     """
-    order = _rank_order(state, group)
+    room = placement_room(state) if room is None else room
+    order = _rank_order(state, room, group)
     if isinstance(order, str):
         raise PlacementError(order)
     world_size = len(order)
-    total_available = sum(_available(state, n) for n in order)
-    needed_total = required_memory_bytes(card)
+    total_available = sum(room[n].available_bytes for n in order)
+    # Each further node runs one more runner process.
+    needed_total = required_memory_bytes(card) + (world_size - 1) * RUNNER_PROCESS_OVERHEAD_BYTES
     if total_available < needed_total:
+        holder = f"the node has {room[order[0]].describe()}"
+        if world_size > 1:
+            promised = sum(room[n].promised_bytes for n in order)
+            holder = f"these {world_size} nodes have {total_available / 2**20:.0f} MiB available"
+            if promised:
+                holder += f" ({promised / 2**20:.0f} MiB promised to runners already placed)"
         raise PlacementError(
-            f"model {card.model_id} needs {needed_total / 2**20:.0f} MiB but "
-            f"{'the node' if world_size == 1 else f'these {world_size} nodes'} "
-            f"{'has' if world_size == 1 else 'have'} {total_available / 2**20:.0f} MiB available"
+            f"model {card.model_id} needs {needed_total / 2**20:.0f} MiB but {holder}"
         )
     if sharding == "tensor":
         error = tensor_split_error(card, world_size)
@@ -223,7 +224,11 @@ def layout(card: ModelCard, state: State, sharding: Sharding, group: Sequence[No
         ranges = tuple((0, card.n_layers) for _ in order)
         shares = tuple(required_memory_bytes(card, world_size) for _ in order)
     else:
-        counts = layer_split(card.n_layers, [_available(state, n) for n in order])
+        # In proportion to the memory left for layers once each node's runner process runs.
+        for_layers = [
+            max(0, room[n].available_bytes - RUNNER_PROCESS_OVERHEAD_BYTES) for n in order
+        ]
+        counts = layer_split(card.n_layers, for_layers)
         starts = list(itertools.accumulate([0, *counts[:-1]]))
         ranges = tuple((s, s + c) for s, c in zip(starts, counts, strict=True))
         last = len(counts) - 1
@@ -232,10 +237,10 @@ def layout(card: ModelCard, state: State, sharding: Sharding, group: Sequence[No
             for rank, count in enumerate(counts)
         )
     for node_id, share in zip(order, shares, strict=True):
-        if share > _available(state, node_id):
+        if share > room[node_id].available_bytes:
             raise PlacementError(
                 f"node {node_id} would need {share / 2**20:.0f} MiB for its share but has "
-                f"{_available(state, node_id) / 2**20:.0f} MiB available"
+                f"{room[node_id].describe()}"
             )
     rank_zero = order[0]
     peer_view = {n: a for n in order[1:] if (a := _edge_address(state, n, rank_zero)) is not None}
@@ -254,14 +259,14 @@ def _cannot_fetch(state: State, card: ModelCard, node_id: NodeId) -> bool:
 
 
 def _preference(
-    state: State, card: ModelCard, candidate: Layout
+    state: State, room: Mapping[NodeId, NodeRoom], card: ModelCard, candidate: Layout
 ) -> tuple[int, int, int, tuple[str, ...]]:
     """Smaller is better: fewest offline nodes lacking the files (they can only use what
     they hold; a lone offline node is still chosen), then most nodes holding the files,
     then most memory, then the node ids (deterministic)."""
     cannot_fetch = sum(_cannot_fetch(state, card, n) for n in candidate.nodes)
     holding = sum(_holds_files(state, card, n) for n in candidate.nodes)
-    memory = sum(_available(state, n) for n in candidate.nodes)
+    memory = sum(room[n].available_bytes for n in candidate.nodes)
     return (cannot_fetch, -holding, -memory, tuple(sorted(candidate.nodes)))
 
 
@@ -271,8 +276,10 @@ def best_layout(
     sharding: Sharding,
     node_count: int,
     nodes: Sequence[NodeId],
+    room: Mapping[NodeId, NodeRoom] | None = None,
 ) -> Layout:
-    """The preferred valid layout on exactly `node_count` of `nodes`.
+    """The preferred valid layout on exactly `node_count` of `nodes` (`room` as in
+    `layout`).
 
     Raises:
         PlacementError: none is valid (the reason of the most promising group).
@@ -281,15 +288,16 @@ def best_layout(
         raise PlacementError(f"needs {node_count} nodes but the cluster has {len(nodes)}")
     if node_count > MAX_GROUP_SIZE:
         raise PlacementError(f"groups of more than {MAX_GROUP_SIZE} nodes are not placed")
+    room = placement_room(state) if room is None else room
     valid: list[Layout] = []
     errors: list[tuple[int, str]] = []
     for group in itertools.combinations(sorted(nodes), node_count):
         try:
-            valid.append(layout(card, state, sharding, group))
+            valid.append(layout(card, state, sharding, group, room))
         except PlacementError as error:
-            errors.append((sum(_available(state, n) for n in group), str(error)))
+            errors.append((sum(room[n].available_bytes for n in group), str(error)))
     if valid:
-        return min(valid, key=lambda candidate: _preference(state, card, candidate))
+        return min(valid, key=lambda candidate: _preference(state, room, card, candidate))
     # The group with the most memory explains best why nothing fits.
     raise PlacementError(max(errors)[1])
 
@@ -334,7 +342,9 @@ def place_instance(
     node_ids: Sequence[NodeId] | None = None,
     runner_tag: str = "",
 ) -> Instance:
-    """Choose where to run `card` and return the instance to create.
+    """Choose where to run `card` and return the instance to create. The memory of
+    instances already placed counts (`placement_room`), except `instance_id`'s own (a
+    re-placement replaces it).
 
     Args:
         node_ids: restrict the placement to these nodes (all of them need not be used).
@@ -352,11 +362,12 @@ def place_instance(
         raise PlacementError(
             f"min_nodes={min_nodes} but only {len(candidates)} node(s) are available"
         )
+    room = placement_room(state, exclude=instance_id)
     chosen: Layout | None = None
     last_error: str | None = None
     for node_count in range(min_nodes, min(len(candidates), MAX_GROUP_SIZE) + 1):
         try:
-            chosen = best_layout(card, state, sharding, node_count, candidates)
+            chosen = best_layout(card, state, sharding, node_count, candidates, room)
             break
         except PlacementError as error:
             last_error = str(error)  # the largest groups explain best what is missing
@@ -394,13 +405,14 @@ def placement_previews(
     """Every (sharding, node count) combination with its layout, or why it is invalid,
     and the valid ones' predicted speed for a prompt of `prompt_tokens` tokens."""
     speeds = {node_id: info.speed for node_id, info in state.node_info.items()}
+    room = placement_room(state)
     previews: list[PlacementPreview] = []
     nodes = sorted(state.node_info)
     sharding: Sharding
     for sharding in ("pipeline", "tensor"):
         for count in range(1, max(len(nodes), 1) + 1):
             try:
-                chosen = best_layout(card, state, sharding, count, nodes)
+                chosen = best_layout(card, state, sharding, count, nodes, room)
             except PlacementError as error:
                 previews.append(
                     PlacementPreview(

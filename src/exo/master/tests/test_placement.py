@@ -17,6 +17,7 @@ from exo.master.placement import (
 )
 from exo.shared.models.memory import (
     DEFAULT_KV_CACHE_TOKENS,
+    RUNNER_PROCESS_OVERHEAD_BYTES,
     WeightShare,
     kv_cache_budget_bytes,
     loading_peak_bytes,
@@ -39,8 +40,11 @@ CARD = make_card(n_layers=12).model_copy(update={"vocab_size": 512})
 TENSOR_CARD = make_card(n_layers=12, supports_tensor=True).model_copy(
     update={"num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 512}
 )
-# What one node needs for the whole model (int4 loading peak + 10%), in whole MiB.
+# What one node needs for the whole model (int4 serving peak + 10% + the runner process),
+# in whole MiB; the runner process alone; and the model's part of NEED_MIB.
 NEED_MIB = -(-required_memory_bytes(CARD) // MIB)
+PROCESS_MIB = RUNNER_PROCESS_OVERHEAD_BYTES // MIB
+MODEL_MIB = NEED_MIB - PROCESS_MIB
 
 
 def mib(value: int) -> str:
@@ -77,13 +81,16 @@ def test_required_memory_is_the_int4_serving_peak_plus_overhead() -> None:
     whole = WeightShare(layers=12)
     peak = loading_peak_bytes(CARD, "int4", whole)
     serving = resident_weight_bytes(CARD, "int4") + kv_cache_budget_bytes(CARD, whole)
-    assert required_memory_bytes(CARD) == int(max(peak, serving) * 1.1)
+    process = RUNNER_PROCESS_OVERHEAD_BYTES
+    assert required_memory_bytes(CARD) == int(max(peak, serving) * 1.1) + process
+    assert process == 320 * MIB  # bench/bench_runner_memory.py: USS 299 MiB warmed up
     # The KV-cache budget: layers x KV heads x head dim x (key, value) x float32 per token.
     assert kv_cache_budget_bytes(CARD, whole) == DEFAULT_KV_CACHE_TOKENS * 12 * 3 * 64 * 2 * 4
     # Far below the float32 weights plus that budget: placement reserves what the engine holds.
     real = smollm2_card()
     kv = kv_cache_budget_bytes(real)
-    assert required_memory_bytes(real) < 0.7 * resident_weight_bytes(real, "float32") + 1.1 * kv
+    model_part = required_memory_bytes(real) - process
+    assert model_part < 0.7 * resident_weight_bytes(real, "float32") + 1.1 * kv
     # Tensor ranks split the layers and KV heads, not the embedding and LM head.
     half = required_memory_bytes(CARD, world_size=2)
     assert required_memory_bytes(CARD) / 2 < half < required_memory_bytes(CARD)
@@ -154,7 +161,10 @@ def test_an_offline_node_without_the_files_is_placed_last() -> None:
 
 
 def test_too_big_for_one_node_splits_layers_by_memory() -> None:
-    state = state_with(node_a=NEED_MIB * 9 // 10, node_b=NEED_MIB * 7 // 10)
+    # Each node runs a runner process; the layers split by the memory beyond it.
+    state = state_with(
+        node_a=PROCESS_MIB + MODEL_MIB * 9 // 10, node_b=PROCESS_MIB + MODEL_MIB * 7 // 10
+    )
     instance = place_instance(CARD, state, INSTANCE)
     assignments = instance.shard_assignments
     assert list(assignments.node_to_runner) == [NODE_A, NODE_B]
@@ -173,7 +183,8 @@ def test_too_big_for_one_node_splits_layers_by_memory() -> None:
 
 def test_a_split_needs_each_share_to_fit() -> None:
     # Enough memory in total, but B's share (a layer, the LM head) does not fit in it.
-    state = state_with(node_a=NEED_MIB, node_b=pipeline_share_bytes(CARD, 1) // MIB // 4)
+    layer_and_head_mib = pipeline_share_bytes(CARD, 1) // MIB - PROCESS_MIB
+    state = state_with(node_a=NEED_MIB, node_b=PROCESS_MIB + layer_and_head_mib // 4)
     with pytest.raises(PlacementError, match="node-b would need"):
         place_instance(CARD, state, INSTANCE, min_nodes=2)
 
@@ -188,7 +199,12 @@ def test_not_enough_memory_anywhere_says_how_much_in_mib() -> None:
     with pytest.raises(PlacementError) as error:
         place_instance(CARD, state_with(node_a=NEED_MIB // 2, node_b=NEED_MIB // 3), INSTANCE)
     message = str(error.value)
-    assert f"needs {mib(required_memory_bytes(CARD))}" in message
+    # Two nodes need the model once and two runner processes.
+    two_nodes = required_memory_bytes(CARD) + RUNNER_PROCESS_OVERHEAD_BYTES
+    assert (
+        f"needs {mib(two_nodes)} but these 2 nodes have {NEED_MIB // 2 + NEED_MIB // 3} MiB"
+        in message
+    )
     assert str(CARD.model_id) in message
 
 
@@ -222,8 +238,8 @@ def test_no_known_nodes_is_an_error() -> None:
 
 
 def test_tensor_sharding_splits_every_layer() -> None:
-    need = -(-required_memory_bytes(TENSOR_CARD) // MIB)
-    state = state_with(node_a=need * 6 // 10, node_b=need * 6 // 10)
+    model = -(-required_memory_bytes(TENSOR_CARD) // MIB) - PROCESS_MIB
+    state = state_with(node_a=PROCESS_MIB + model * 6 // 10, node_b=PROCESS_MIB + model * 6 // 10)
     instance = place_instance(TENSOR_CARD, state, INSTANCE, sharding="tensor")
     assert isinstance(instance, TensorInstance)
     shards = list(instance.shard_assignments.runner_to_shard.values())
@@ -253,7 +269,8 @@ def test_all_cuda_nodes_use_nccl() -> None:
 
 def test_previews_list_every_sharding_and_node_count_with_reasons() -> None:
     need = required_memory_bytes(TENSOR_CARD) // MIB
-    state = state_with(node_a=need * 9 // 10, node_b=need * 7 // 10)
+    model = need - PROCESS_MIB
+    state = state_with(node_a=PROCESS_MIB + model * 9 // 10, node_b=PROCESS_MIB + model * 7 // 10)
     previews = {(p.sharding, p.node_count): p for p in placement_previews(TENSOR_CARD, state)}
     assert set(previews) == {("pipeline", 1), ("pipeline", 2), ("tensor", 1), ("tensor", 2)}
     assert previews[("pipeline", 1)].error is not None
@@ -273,7 +290,10 @@ def test_previews_list_every_sharding_and_node_count_with_reasons() -> None:
     assert previews[("tensor", 2)].error is None
     assert previews[("tensor", 2)].bytes_per_node == (tensor_share, tensor_share)
     assert "node-b would need" in (
-        placement_previews(TENSOR_CARD, state_with(node_a=need, node_b=need // 3))[3].error or ""
+        placement_previews(TENSOR_CARD, state_with(node_a=need, node_b=PROCESS_MIB + model // 3))[
+            3
+        ].error
+        or ""
     )
 
 

@@ -1,0 +1,151 @@
+"""How much memory placement reserves per runner, and how much each node has left for a
+new placement once the runners already placed on it are counted (`placement_room`).
+
+Sizes come from `exo.shared.models.memory` (the engine's CPU format: int4 layers, int8 LM
+head, float32 embedding) plus `MEMORY_OVERHEAD_FRACTION` and the runner process's own
+memory (`RUNNER_PROCESS_OVERHEAD_BYTES`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from exo.shared.models.memory import (
+    ENGINE_CPU_WEIGHT_FORMAT,
+    RUNNER_PROCESS_OVERHEAD_BYTES,
+    WeightShare,
+    resident_weight_bytes,
+    serving_peak_bytes,
+)
+from exo.shared.types.common import InstanceId, NodeId
+from exo.shared.types.models import ModelCard
+from exo.shared.types.runners import RunnerReady, RunnerRunning
+from exo.shared.types.shards import ShardMetadata, TensorShardMetadata
+from exo.shared.types.state import State
+
+# Activations and allocator slack on top of the weights and KV-cache budget.
+MEMORY_OVERHEAD_FRACTION = 0.10
+
+
+def required_memory_bytes(card: ModelCard, world_size: int = 1) -> int:
+    """Bytes one tensor-parallel rank of `world_size` (or a whole single node) needs: the
+    peak of its weights while loading in the engine's CPU format (int4 layers, int8 LM head,
+    float32 embedding; `exo.shared.models.memory`) or of its weights and KV-cache budget
+    while serving, whichever is larger, plus the overhead fraction, plus the runner
+    process's own memory (`RUNNER_PROCESS_OVERHEAD_BYTES`)."""
+    share = WeightShare(layers=card.n_layers, tensor_parallel_ranks=world_size)
+    return _runner_bytes(card, share)
+
+
+def pipeline_share_bytes(
+    card: ModelCard, n_layers: int, is_first: bool = True, is_last: bool = True
+) -> int:
+    """Bytes a pipeline rank holding `n_layers` layers (and the embedding on the first
+    rank, the LM head on the last) needs while loading or serving (its layers' KV-cache
+    budget), plus the overhead fraction, plus the runner process's own memory."""
+    share = WeightShare(layers=n_layers, holds_embedding=is_first, holds_output_layer=is_last)
+    return _runner_bytes(card, share)
+
+
+def _runner_bytes(card: ModelCard, share: WeightShare) -> int:
+    peak = serving_peak_bytes(card, ENGINE_CPU_WEIGHT_FORMAT, share)
+    return int(peak * (1 + MEMORY_OVERHEAD_FRACTION)) + RUNNER_PROCESS_OVERHEAD_BYTES
+
+
+def _weight_share(shard: ShardMetadata) -> WeightShare:
+    card = shard.model_card
+    if isinstance(shard, TensorShardMetadata):
+        return WeightShare(layers=card.n_layers, tensor_parallel_ranks=shard.world_size)
+    return WeightShare(
+        layers=shard.end_layer - shard.start_layer,
+        holds_embedding=shard.start_layer == 0,
+        holds_output_layer=shard.end_layer == card.n_layers,
+    )
+
+
+def runner_bytes(shard: ShardMetadata) -> int:
+    """Bytes placement reserves for the runner of `shard` (`required_memory_bytes` of a
+    tensor rank, `pipeline_share_bytes` of a pipeline rank)."""
+    return _runner_bytes(shard.model_card, _weight_share(shard))
+
+
+def runner_unallocated_bytes(shard: ShardMetadata) -> int:
+    """What a loaded runner of `shard` may still allocate: `runner_bytes` minus its
+    resident weights and process memory, i.e. the KV-cache budget it fills as requests
+    come, the overhead fraction, and no more than that."""
+    loaded = resident_weight_bytes(shard.model_card, ENGINE_CPU_WEIGHT_FORMAT, _weight_share(shard))
+    return max(0, runner_bytes(shard) - loaded - RUNNER_PROCESS_OVERHEAD_BYTES)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRoom:
+    """A node's memory as placement sees it (bytes).
+
+    Attributes:
+        reported_bytes: the available memory the node last reported (`NodeInfo.memory`).
+        promised_bytes: memory its placed runners will still take that the report cannot
+            show (`placement_room`).
+        promised_runners: how many runners that is.
+    """
+
+    reported_bytes: int
+    promised_bytes: int = 0
+    promised_runners: int = 0
+
+    @property
+    def available_bytes(self) -> int:
+        """What a new placement may use: reported minus promised, at least 0."""
+        return max(0, self.reported_bytes - self.promised_bytes)
+
+    def describe(self) -> str:
+        """'N MiB available', with what was promised when anything was."""
+        text = f"{self.available_bytes / 2**20:.0f} MiB available"
+        if self.promised_runners:
+            text += (
+                f" ({self.reported_bytes / 2**20:.0f} MiB free, "
+                f"{self.promised_bytes / 2**20:.0f} MiB of it promised to "
+                f"{self.promised_runners} runner(s) already placed there)"
+            )
+        return text
+
+
+def placement_room(state: State, exclude: InstanceId | None = None) -> dict[NodeId, NodeRoom]:
+    """Every known node's memory for a new placement.
+
+    A node reports its available memory every few seconds, and only when it moved by
+    256 MiB (`exo.utils.info_gatherer`), while the state knows each placed runner's status.
+    So a runner placed on a node promises, beyond that report:
+    - until it reports `RunnerReady` / `RunnerRunning` (no status yet, idle, connecting,
+      loading, warming up, or failed and about to be started again): all of its
+      `runner_bytes`: its process and weights are not (all) allocated yet (what a
+      loading runner already holds may so count twice: a placement meanwhile is refused
+      rather than overcommitting the node);
+    - once ready: `runner_unallocated_bytes`, the KV cache it fills later (its weights and
+      process are in the node's report from the next one on: a report lagging a runner
+      that just became ready, or under 256 MiB, is the error left).
+    Instance `exclude` (the one being re-placed) promises nothing, nor does an instance
+    waiting for room (it runs nowhere until placed again). Deterministic: a pure function
+    of the state, the same on every master.
+    """
+    promised: dict[NodeId, list[int]] = {node_id: [] for node_id in state.node_info}
+    for instance in state.instances.values():
+        waiting = state.unavailable_instances.get(instance.instance_id)
+        if instance.instance_id == exclude or (waiting is not None and waiting.waiting_for_room):
+            continue
+        assignments = instance.shard_assignments
+        for node_id, runner_id in assignments.node_to_runner.items():
+            shard = assignments.runner_to_shard.get(runner_id)
+            if node_id not in promised or shard is None:
+                continue
+            if isinstance(state.runners.get(runner_id), RunnerReady | RunnerRunning):
+                promised[node_id].append(runner_unallocated_bytes(shard))
+            else:
+                promised[node_id].append(runner_bytes(shard))
+    return {
+        node_id: NodeRoom(
+            reported_bytes=info.memory.available_bytes,
+            promised_bytes=sum(promised[node_id]),
+            promised_runners=len(promised[node_id]),
+        )
+        for node_id, info in state.node_info.items()
+    }
