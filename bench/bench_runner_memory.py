@@ -6,7 +6,8 @@ A fresh interpreter is started the way the supervisor starts a runner (`multipro
 layers, hidden size 64: its weights and KV cache are a few hundred KiB) with the engine
 the runner uses. After each stage it reports its RSS and USS (`psutil`; USS is the memory
 only this process holds: what each further runner on a node costs, the shared library
-code counted once). Prints each stage in MiB and writes JSON (`--json`).
+code counted once; anonymous is `RssAnon`, the part of it the kernel cannot drop under
+pressure). Prints each stage in MiB and writes JSON (`--json`).
 
     python bench/bench_runner_memory.py [--repeats 3] [--json out.json]
 """
@@ -25,11 +26,24 @@ from typing import Any
 MIB = 2**20
 
 
+def _anonymous_bytes() -> int:
+    """`RssAnon` of /proc/self/status (Linux): private memory no other process shares and
+    the kernel cannot drop under pressure (no swap); 0 where it is not reported."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return 0
+    for line in status.splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def _sample() -> dict[str, int]:
     import psutil
 
     info = psutil.Process().memory_full_info()
-    return {"rss": int(info.rss), "uss": int(info.uss)}
+    return {"rss": int(info.rss), "uss": int(info.uss), "anonymous": _anonymous_bytes()}
 
 
 def _child(model_dir: str, out: Connection) -> None:
@@ -73,7 +87,7 @@ def measure(repeats: int) -> dict[str, Any]:
         "stages_mib": {
             stage: {
                 kind: statistics.median(run[stage][kind] for run in runs) / MIB
-                for kind in ("rss", "uss")
+                for kind in ("rss", "uss", "anonymous")
             }
             for stage in stages
         },
@@ -87,7 +101,10 @@ def main() -> None:
     args = parser.parse_args()
     result = measure(args.repeats)
     for stage, figures in result["stages_mib"].items():
-        print(f"{stage:>20}: RSS {figures['rss']:7.1f} MiB   USS {figures['uss']:7.1f} MiB")
+        print(
+            f"{stage:>20}: RSS {figures['rss']:7.1f} MiB   USS {figures['uss']:7.1f} MiB   "
+            f"anonymous {figures['anonymous']:7.1f} MiB"
+        )
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
 
