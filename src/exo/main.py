@@ -60,6 +60,7 @@ from exo.shared.types.commands import (
 from exo.shared.types.common import CommandId, InstanceId, NodeId
 from exo.shared.types.events import RunnerDeleted
 from exo.shared.types.runners import RunnerReady, RunnerRunning
+from exo.utils.heap import trim_heap_periodically
 from exo.utils.info_gatherer import InfoGatherer
 from exo.utils.topology import TopologyProber
 from exo.worker.main import Worker
@@ -248,6 +249,7 @@ class Node:
                 ):
                     task_group.start_soon(component)
                 task_group.start_soon(reload_keys_on_sighup, self.api_auth)
+                task_group.start_soon(trim_heap_periodically)
                 if self.options.default_model:
                     task_group.start_soon(self._place_default_model)
         finally:

@@ -56,6 +56,7 @@ from exo.shared.types.tasks import (
     TaskStatus,
     TextGeneration,
 )
+from exo.utils.heap import HeapTrimmer
 from exo.worker.engines.output_parsing import OutputParser
 from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
 from exo.worker.engines.torch.request_state import GeneratedPiece
@@ -82,6 +83,9 @@ GROUP_TIMEOUT_SECONDS = 60.0
 # The runner's KV-cache use reaches the node's /metrics at most this often while it changes
 # (a scrape every 15 s or so needs no more; each report is one small pipe message).
 KV_REPORT_INTERVAL_S = 1.0
+# Freed heap memory goes back to the OS at most this often while serving (and on going
+# idle): see `exo.utils.heap` (the soak's runner RSS crept up with heap holes).
+HEAP_TRIM_INTERVAL_SECONDS = 30.0
 
 
 class _ShutdownRequested(Exception):
@@ -141,6 +145,7 @@ class Runner:
         # Messages held while a step runs (`_holding`), sent together when it ends.
         self._unsent: list[RunnerOutbound] = []
         self._holding = False
+        self._heap_trimmer = HeapTrimmer(HEAP_TRIM_INTERVAL_SECONDS)
 
     @property
     def _is_follower(self) -> bool:
@@ -161,7 +166,9 @@ class Runner:
                     continue
                 if self._generations:
                     self._run_step()
+                    self._heap_trimmer.maybe_trim()
                     continue
+                self._heap_trimmer.maybe_trim(force=True)  # going idle
                 self._handle(self._receive())
         except _ShutdownRequested:
             for generation in list(self._generations.values()):
