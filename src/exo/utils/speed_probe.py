@@ -5,9 +5,10 @@ starts at once and reports the figures a moment later) and cached in
 `<EXO_HOME>/speed_probe.json` under a key of CPU model, logical CPUs, CPU affinity, torch
 version, thread count and `PROBE_VERSION`: a changed key, or `exo --remeasure-speed`,
 measures again. Figures measured while other work kept the machine busy (`machine_busy`)
-are used but unsettled: the node measures again once the machine is quiet (`InfoGatherer`
-checks every 5 minutes for an hour) and at its next start, keeping each figure's best
-(`fastest_of`), until a quiet measurement settles them. The measurement takes about
+are unsettled and not reported (the node has no speed, previews predict nothing): the node
+measures again once the machine is quiet (`InfoGatherer` checks every 5 minutes for an
+hour) and at its next start, keeping each figure's best (`fastest_of`), until a quiet
+measurement settles them. The measurement takes about
 `PROBE_SECONDS` × 7 (~1.5 s) plus building the operands.
 
 What is measured is what the engine runs (`exo.worker.engines.torch.quantize`), with the
@@ -353,7 +354,8 @@ def cache_path() -> Path:
 @dataclass(frozen=True, slots=True)
 class ProbeResult:
     """The figures and whether they are settled: measured (or merged with measurements)
-    while the machine was quiet. Unsettled figures are used, and measured again later."""
+    while the machine was quiet. Unsettled figures are cached (merged with the next
+    measurement) but not reported."""
 
     speed: NodeSpeed
     settled: bool
