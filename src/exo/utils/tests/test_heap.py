@@ -53,3 +53,70 @@ def test_the_trimmer_trims_at_most_once_per_interval(monkeypatch: pytest.MonkeyP
     now[0] += 1.0
     trimmer.maybe_trim(force=True)
     assert calls == [1, 1] and trimmer.trims == 2
+
+
+def test_bound_kernel_caches_sets_each_capacity_unless_the_user_did() -> None:
+    environ = {"LRU_CACHE_CAPACITY": "7"}
+    heap.bound_kernel_caches(environ)
+    assert environ == {
+        "LRU_CACHE_CAPACITY": "7",
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(heap.KERNEL_CACHE_CAPACITY),
+    }
+
+
+_DISTINCT_SHAPES = """
+import ctypes, re, torch
+def heap_kib():
+    total, name = 0, None
+    for line in open("/proc/self/smaps"):
+        header = re.match(r"^[0-9a-f]+-[0-9a-f]+ \\S+ \\S+ \\S+ \\S+\\s*(.*)$", line)
+        if header:
+            name = header.group(1).strip()
+        elif line.startswith("Rss:") and name == "[heap]":
+            total += int(line.split()[1])
+    return total
+torch.set_num_threads(1)
+weight = torch.randn(1536, 576, dtype=torch.bfloat16)
+torch.nn.functional.linear(torch.randn(1, 576, dtype=torch.bfloat16), weight)
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+before = heap_kib()
+for rows in range(2, 402):  # a prefill of every length from 2 to 401 tokens
+    torch.nn.functional.linear(torch.randn(rows, 576, dtype=torch.bfloat16), weight)
+    if rows in (201, 401):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        print(heap_kib() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps, glibc")
+def test_bounded_kernel_caches_keep_the_heap_flat_over_distinct_shapes() -> None:
+    import os
+    import subprocess
+
+    def growth_mib(bounded: bool) -> tuple[float, float]:
+        """Heap growth (MiB) over the first 200 distinct shapes and over the next 200."""
+        environ = {k: v for k, v in os.environ.items() if k not in heap.KERNEL_CACHE_VARIABLES}
+        if bounded:
+            heap.bound_kernel_caches(environ)
+        result = subprocess.run(
+            [sys.executable, "-c", _DISTINCT_SHAPES],
+            env=environ,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        first, total = (int(value) / 1024 for value in result.stdout.split())
+        return first, total - first
+
+    _, unbounded_later = growth_mib(bounded=False)
+    if unbounded_later < 60:
+        pytest.skip(f"bfloat16 linear keeps no per-shape cache here (+{unbounded_later:.0f} MiB)")
+    bounded_first, bounded_later = growth_mib(bounded=True)
+    # Measured: unbounded ~0.6 MiB per shape (~115 MiB per 200); bounded, the first 64 shapes
+    # fill the caches (~38 MiB), then the heap stays flat.
+    assert bounded_first < 64, f"{bounded_first:.0f} MiB for the caches' 64 entries"
+    assert bounded_later < 8, (
+        f"heap still grew {bounded_later:.0f} MiB over 200 new shapes with full caches"
+        f" (unbounded: {unbounded_later:.0f} MiB)"
+    )

@@ -39,6 +39,7 @@ from exo.shared.types.tasks import (
     TaskFailed,
     TextGeneration,
 )
+from exo.utils.heap import bound_kernel_caches
 from exo.worker.runner.messages import (
     ChunkReport,
     KVCacheReport,
@@ -97,6 +98,8 @@ class RunnerSupervisor:
         return self._process.pid if self._process is not None else None
 
     def start(self) -> None:
+        # The spawned runner inherits this environment: bounded per-shape kernel caches.
+        bound_kernel_caches()
         context = multiprocessing.get_context("spawn")
         runner_inbound_read, runner_inbound_write = context.Pipe(duplex=False)
         runner_outbound_read, runner_outbound_write = context.Pipe(duplex=False)

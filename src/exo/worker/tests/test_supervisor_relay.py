@@ -138,3 +138,34 @@ async def test_a_cancelled_relay_stops_relaying() -> None:
     await anyio.sleep(0.2)  # the reader thread reads it; nobody relays it any more
     write.close()
     assert [chunk.text for chunk in published if isinstance(chunk, TokenChunk)] == ["a0 "]
+
+
+async def test_the_runner_process_starts_with_bounded_kernel_caches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from exo.utils.heap import KERNEL_CACHE_CAPACITY, KERNEL_CACHE_VARIABLES
+
+    for name in KERNEL_CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    supervisor = RunnerSupervisor(
+        node_id=NodeId("node"),
+        runner_id=RunnerId("runner-env"),
+        instance_id=InstanceId("instance"),
+        shard=make_shard(),
+        emit_event=lambda event: None,
+        publish_chunk=lambda owner, chunk: None,
+        on_change=lambda: None,
+    )
+    supervisor.start()
+    try:
+        assert supervisor.pid is not None
+        with open(f"/proc/{supervisor.pid}/environ", "rb") as environ_file:
+            environ = dict(
+                entry.decode().split("=", 1)
+                for entry in environ_file.read().split(b"\0")
+                if b"=" in entry
+            )
+        for name in KERNEL_CACHE_VARIABLES:
+            assert environ.get(name) == str(KERNEL_CACHE_CAPACITY), name
+    finally:
+        await supervisor.shutdown()
