@@ -51,6 +51,9 @@ pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(7200)]
 BODIES = int(os.environ.get("EXO_FUZZ_BODIES", "20000"))
 # The share of the bodies that goes to the state-changing routes on the throwaway node.
 STATE_CHANGING_SHARE = 0.2
+# What the throwaway node reports as its memory: room for about six tiny-model runners
+# (placement counts 320 MiB per runner process).
+THROWAWAY_MEMORY_MB = 2048
 SCHEMATHESIS_EXAMPLES = int(os.environ.get("EXO_FUZZ_SCHEMA_EXAMPLES", "50"))
 SENDERS = 4
 REQUEST_TIMEOUT_SECONDS = 120.0
@@ -194,13 +197,15 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
 
 @pytest.fixture(scope="module")
 def throwaway_node(tmp_path_factory: pytest.TempPathFactory, hub: HubServer) -> Iterator[ExoNode]:
-    """A node with no model of its own whose Hub is the loopback stand-in."""
+    """A node with no model of its own whose Hub is the loopback stand-in, capped at
+    `THROWAWAY_MEMORY_MB` so that the placements the fuzz makes start a few runners, not
+    as many as the machine's memory holds (~60 tiny-model runners on 24 GiB)."""
     home = tmp_path_factory.mktemp("exo-fuzz-throwaway")
     node = ExoNode(
         home,
         home / "models",
         extra_args=("--no-default-model", "-q"),
-        env={"HF_ENDPOINT": hub.url},
+        env={"HF_ENDPOINT": hub.url, "OVERRIDE_MEMORY_MB": str(THROWAWAY_MEMORY_MB)},
     )
     node.start()
     try:

@@ -36,15 +36,33 @@ SPEED_REMEASURE_CHECKS = 12
 
 
 def memory_info() -> MemoryInfo:
-    """Total and available RAM in bytes. `OVERRIDE_MEMORY_MB` (tests, capping what exo may
-    use) replaces the available figure, and the total when larger."""
+    """Total and available RAM in bytes.
+
+    `OVERRIDE_MEMORY_MB` (tests, capping what exo may use) replaces the total when larger,
+    and the available figure with the override less what this process's children (its
+    runners) hold resident (RSS): as on real memory, a node's loaded runners use up what
+    it reports, so placement cannot keep adding runners to a capped node once the first
+    ones are ready. Never below 0."""
     virtual = psutil.virtual_memory()
     total, available = int(virtual.total), int(virtual.available)
     override = os.environ.get("OVERRIDE_MEMORY_MB")
     if override:
-        available = int(float(override) * 2**20)
-        total = max(total, available)
+        cap = int(float(override) * 2**20)
+        total = max(total, cap)
+        available = max(0, cap - _children_resident_bytes())
     return MemoryInfo(total_bytes=total, available_bytes=available)
+
+
+def _children_resident_bytes() -> int:
+    """Resident bytes of every live descendant of this process (0 for one that exits while
+    it is read)."""
+    held = 0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            held += int(child.memory_info().rss)
+        except psutil.Error:
+            continue
+    return held
 
 
 def cpu_model() -> str:

@@ -9,6 +9,7 @@ import psutil
 import pytest
 
 from exo.shared.types.nodes import MemoryInfo, NetworkInterface, NodeInfo
+from exo.utils import info_gatherer
 from exo.utils.info_gatherer import (
     CPU_CHANGE_REPORT_PERCENT,
     DISK_CHANGE_REPORT_BYTES,
@@ -42,6 +43,8 @@ def test_api_bound_to_one_host_is_reachable_there_only(host: str) -> None:
 
 
 def test_override_memory_replaces_the_available_figure(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Children of the test process (other tests' nodes, browsers) would count against it.
+    monkeypatch.setattr(info_gatherer, "_children_resident_bytes", lambda: 0)
     monkeypatch.delenv("OVERRIDE_MEMORY_MB", raising=False)
     real = memory_info()
     assert 0 < real.available_bytes <= real.total_bytes
@@ -60,6 +63,7 @@ def test_override_memory_replaces_the_available_figure(monkeypatch: pytest.Monke
 def test_gather_node_info_reports_this_machine(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(info_gatherer, "_children_resident_bytes", lambda: 0)
     monkeypatch.setenv("OVERRIDE_MEMORY_MB", "1024")
     info = gather_node_info("127.0.0.1", 52415, tmp_path)
     assert info.friendly_name == socket.gethostname()
@@ -166,3 +170,35 @@ def test_load_and_disk_size_are_reported(tmp_path: Path) -> None:
     assert info.models_disk_total_bytes >= info.models_disk_free_bytes > 0
     missing = gather_node_info("127.0.0.1", 52415, tmp_path / "absent")
     assert (missing.models_disk_free_bytes, missing.models_disk_total_bytes) == (0, 0)
+
+
+def test_override_memory_counts_what_the_node_s_runners_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A capped node's reported memory drops by its children's RSS, as real memory would."""
+    import subprocess
+    import sys
+    import time
+
+    monkeypatch.setenv("OVERRIDE_MEMORY_MB", "4096")
+    alone = memory_info().available_bytes
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; block = bytearray(300 * 2**20); time.sleep(60)"]
+    )
+    try:
+        deadline = time.monotonic() + 30
+        held = 0
+        while time.monotonic() < deadline:
+            held = psutil.Process(child.pid).memory_info().rss
+            if held > 300 * MIB:
+                break
+            time.sleep(0.05)
+        assert held > 300 * MIB, "the child never held its 300 MiB"
+        with_child = memory_info().available_bytes
+        assert alone - with_child > 300 * MIB
+        assert with_child >= 0
+        monkeypatch.setenv("OVERRIDE_MEMORY_MB", "100")
+        assert memory_info().available_bytes == 0  # the child holds more than the cap
+    finally:
+        child.kill()
+        child.wait(10)
