@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear
+from exo.worker.engines.torch.split_int4 import SplitInt4Linear
 
 
 class FusedRMSNorm(nn.Module):
@@ -67,8 +68,8 @@ def fuse_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
     the weights are held once.
 
     Args:
-        parts: `nn.Linear`, `Int4Linear` or `Int8Linear` modules of one kind, same input
-            width.
+        parts: `nn.Linear`, `Int4Linear`, `SplitInt4Linear` or `Int8Linear` modules of one
+            kind, same input width.
 
     Returns:
         The fused module (`parts[0]` itself when there is one part), or None when the parts
@@ -114,6 +115,17 @@ def fuse_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
                 part.bias = fused4.bias[rows]
             offset += part.out_features
         return fused4
+    if kind is SplitInt4Linear:
+        split = [part for part in parts if isinstance(part, SplitInt4Linear)]
+        fused_split = SplitInt4Linear.concatenate(split)
+        offset = 0
+        for part_split in split:
+            rows = slice(offset, offset + part_split.out_features)
+            part_split.planes.packed = fused_split.planes.packed[rows]
+            if part_split.bias is not None and fused_split.bias is not None:
+                part_split.bias = fused_split.bias[rows]
+            offset += part_split.out_features
+        return fused_split
     if kind is Int8Linear:
         int8 = [part for part in parts if isinstance(part, Int8Linear)]
         fused8 = Int8Linear.concatenate(int8)

@@ -14,10 +14,16 @@ from the error each route adds to the GGUF's own values, measured on Gaussian we
 
 - Q4_0 / Q4_1 / Q4_K → `Int4Linear` directly, no float detour: 0.0017 (the bf16 rounding
   of scales and zeros only; a float32 load is exact).
-- Q8_0, Q5_0, Q5_1, Q6_K and any other quantized type → `Bf16Linear` (the dequantized
-  weight in bfloat16): 0.0017, where requantizing to the engine's int8 per output channel
-  adds 0.022 (3.4× Q8_0's own error of 0.0065) and to int4 groups 0.083. It costs 2 bytes
-  per weight against int8's 1.
+- Q8_0, Q5_0, Q5_1 → `SplitInt4Linear`: the block integers exactly, as two int4 planes
+  (high and low nibble, `split_int4`): again only the bf16 rounding of scales and zeros,
+  1.25 bytes per weight.
+- Q6_K and any other quantized type → `Bf16Linear` (the dequantized weight in bfloat16):
+  0.0017, where requantizing to the engine's int8 per output channel adds 0.022 (3.4× Q8_0's
+  own error of 0.0065) and to int4 groups 0.083. It costs 2 bytes per weight against int8's
+  1. (Q6_K's sub-blocks of 16 are smaller than the int4 kernel's smallest group, 32.)
+- A split that cuts a block (a tensor-parallel rank's columns when `in / world size` is no
+  multiple of 32) or an output count the int4 layout cannot pack (`out % 64`) takes the
+  bfloat16 route.
 - F32 / F16 / BF16 weights → the engine's own quantization, as for any checkpoint.
 
 Everything else (the embedding, the LM head, norms, any weight when the engine holds
@@ -37,8 +43,9 @@ from torch import nn
 
 from exo.download.gguf_repack import INT4_PACKED, INT4_SCALES, INT4_ZEROS
 from exo.shared.models.memory import INT4_GROUP_SIZE
-from exo.worker.engines.torch.quantize import Int4Linear, QuantizedLinear, int4_supported
+from exo.worker.engines.torch.quantize import QuantizedLinear, int4_linear_from_groups
 from exo.worker.engines.torch.sharding import LAYER_TENSOR, AllReducedLinear, RowParallelLinear
+from exo.worker.engines.torch.split_int4 import BLOCK, SPLIT_TYPES, BlockPart, SplitInt4Linear
 
 _REPACKED = re.compile(
     r"^(?P<base>.+?)(?P<suffix>\.int4_packed|\.int4_scales|\.int4_zeros|\.gguf_(?P<type>[A-Z0-9_]+))$"
@@ -83,50 +90,6 @@ class Bf16Linear(QuantizedLinear):
 
     def dequantize(self) -> torch.Tensor:
         return self.weight
-
-
-def int4_linear_from_groups(
-    packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None
-) -> Int4Linear:
-    """An `Int4Linear` holding given int4 groups, with no float weight ever made.
-
-    Args:
-        packed: uint8 `[out, in / 2]`, column 2j in the low nibble, 2j + 1 in the high one.
-        scales, zeros: `[out, in / group]` (any float dtype; held as bfloat16);
-            `w = (q - 8) * scale + zero`.
-        bias: `[out]` or None.
-
-    Raises:
-        ValueError: shapes that disagree or that the int4 kernel cannot pack
-            (`out % 64`, `in % group`).
-    """
-    out_features, half = packed.shape
-    in_features = 2 * half
-    if scales.shape != zeros.shape or scales.shape[0] != out_features or not scales.shape[1]:
-        raise ValueError(
-            f"int4 groups disagree: packed {tuple(packed.shape)}, scales "
-            f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)}"
-        )
-    group_size = in_features // scales.shape[1]
-    shape_probe = nn.Linear(in_features, out_features, bias=False, device="meta")
-    if group_size * scales.shape[1] != in_features or not int4_supported(shape_probe, group_size):
-        raise ValueError(
-            f"int4 cannot pack a {out_features}x{in_features} weight in groups of {group_size}"
-        )
-    values = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(out_features, in_features)
-    quantized = values.to(torch.int32)
-    module = Int4Linear.__new__(Int4Linear)
-    QuantizedLinear.__init__(module, in_features, out_features, bias)
-    module.group_size = group_size
-    module.register_buffer(
-        "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(quantized, 1)
-    )
-    scales_and_zeros = torch.stack([scales, zeros], dim=-1)  # [out, groups, 2]
-    module.register_buffer(
-        "scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
-    )  # [groups, out, 2]
-    module._unpack_ok = torch.equal(module._unpack(), quantized)
-    return module
 
 
 class DequantizedBlocks:
@@ -258,6 +221,21 @@ def load_repacked(
     if parts is None or parts.companion:
         raise ValueError(f"{stored_name} is not a repacked weight")
     direct = _direct_target(model, target, weight_dtype)
+    if parts.gguf_type in SPLIT_TYPES and direct is not None:
+        raw = handle.get_slice(stored_name)
+        values, scales, offsets = (
+            reader(BlockPart(raw, parts.gguf_type, part))
+            for part in ("values", "scales", "offsets")
+        )
+        parent, name = direct
+        # Whole blocks on this rank (a row-parallel split of `in / world` % 32 == 0 columns)
+        # and a packable shape; otherwise the bfloat16 route below.
+        if (
+            values.shape[1] == BLOCK * scales.shape[1]
+            and getattr(parent, name).out_features % 64 == 0
+        ):
+            _install(parent, name, lambda bias: SplitInt4Linear(values, scales, offsets, bias))
+            return None
     if parts.gguf_type is not None:
         weight = reader(DequantizedBlocks(handle.get_slice(stored_name), parts.gguf_type))
         if direct is None:

@@ -251,6 +251,50 @@ class Int4Linear(QuantizedLinear):
         return result if self.bias is None else result + self.bias
 
 
+def int4_linear_from_groups(
+    packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None
+) -> Int4Linear:
+    """An `Int4Linear` holding given int4 groups, with no float weight ever made.
+
+    Args:
+        packed: uint8 `[out, in / 2]`, column 2j in the low nibble, 2j + 1 in the high one.
+        scales, zeros: `[out, in / group]` (any float dtype; held as bfloat16);
+            `w = (q - 8) * scale + zero`.
+        bias: `[out]` or None.
+
+    Raises:
+        ValueError: shapes that disagree or that the int4 kernel cannot pack
+            (`out % 64`, `in % group`).
+    """
+    out_features, half = packed.shape
+    in_features = 2 * half
+    if scales.shape != zeros.shape or scales.shape[0] != out_features or not scales.shape[1]:
+        raise ValueError(
+            f"int4 groups disagree: packed {tuple(packed.shape)}, scales "
+            f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)}"
+        )
+    group_size = in_features // scales.shape[1]
+    shape_probe = nn.Linear(in_features, out_features, bias=False, device="meta")
+    if group_size * scales.shape[1] != in_features or not int4_supported(shape_probe, group_size):
+        raise ValueError(
+            f"int4 cannot pack a {out_features}x{in_features} weight in groups of {group_size}"
+        )
+    values = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(out_features, in_features)
+    quantized = values.to(torch.int32)
+    module = Int4Linear.__new__(Int4Linear)
+    QuantizedLinear.__init__(module, in_features, out_features, bias)
+    module.group_size = group_size
+    module.register_buffer(
+        "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(quantized, 1)
+    )
+    scales_and_zeros = torch.stack([scales, zeros], dim=-1)  # [out, groups, 2]
+    module.register_buffer(
+        "scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
+    )  # [groups, out, 2]
+    module._unpack_ok = torch.equal(module._unpack(), quantized)
+    return module
+
+
 def _concatenated_bias(parts: list[Int8Linear] | list[Int4Linear]) -> torch.Tensor | None:
     """The parts' biases concatenated (None when none has one); checks the input widths.
 
