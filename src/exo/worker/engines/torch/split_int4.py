@@ -148,26 +148,35 @@ class SplitInt4Linear(QuantizedLinear):
         return self.planes._fused(torch.cat((x, x), dim=-1))
 
     def dequantize_transposed(self) -> torch.Tensor:
-        """The weight as `[in, out]` bfloat16: the integers `16 (q_high - 8) + q_low` (exact
-        in bfloat16, |v| <= 128) times the low plane's scale plus its offset
-        (`zero - 8 * scale`), rounded once, as a bfloat16 copy of `d * v + m` would be.
-        (Adding the planes' own bfloat16 dequantizations would round the high plane's
-        `16 d h` before the low one is added.)"""
+        """The weight as `[in, out]` bfloat16: the integers `v` times the low plane's scale
+        plus its offset (`zero - 8 * scale`), rounded once, as a bfloat16 copy of
+        `d * v + m` would be. (Adding the planes' own bfloat16 dequantizations would round
+        the high plane's `16 d h` before the low one is added.)
+
+        `v + 128` is one byte, the high plane's nibble above the low plane's: in the
+        packed AVX512 layout (see `Int4Linear._unpack_blocks`) both planes hold a channel's
+        nibble at the same place of the same byte, so two byte operations per pair of
+        bytes give the int8 values of 64 channels at once.
+        """
         blocks = self.out_features // _BLOCK_OUTPUTS
         groups = self.in_features // self.planes.group_size
-        nibbles = self.planes._unpack_blocks()  # [blocks, 2 in, 64] uint8
-        values = (nibbles[:, : self.in_features].to(torch.int16) - 8) * 16
-        values += nibbles[:, self.in_features :]
-        low_plane = self.planes.scales_and_zeros[groups:].float()  # [groups, out, 2]
+        packed = self.planes.packed.reshape(blocks, 2 * self.in_features, 32)
+        high, low = packed[:, : self.in_features], packed[:, self.in_features :]
+        # Byte b holds channel b (low nibble) and channel b + 32 (high nibble).
+        first = (high << 4) | (low & 15)
+        second = (high & 0xF0) | (low >> 4)
+        values = (torch.cat([first, second], dim=-1) ^ 0x80).view(torch.int8)  # [blocks, in, 64]
+        low_plane = self.planes.scales_and_zeros[groups:]  # [groups, out, 2] bfloat16
         scale_zero = low_plane.reshape(groups, blocks, _BLOCK_OUTPUTS, 2).permute(1, 0, 3, 2)
-        scales = scale_zero[:, :, 0].unsqueeze(2)  # [blocks, groups, 1, 64]
-        offsets = (scale_zero[:, :, 1] - 8.0 * scale_zero[:, :, 0]).unsqueeze(2)
+        # Contiguous [blocks, groups, 1, 64] operands: addcmul broadcasts them much faster.
+        scales = scale_zero[:, :, 0].unsqueeze(2).contiguous()
+        offsets = torch.sub(scale_zero[:, :, 1], scale_zero[:, :, 0], alpha=8.0)
         weight = torch.addcmul(
-            offsets.to(torch.bfloat16),
+            offsets.unsqueeze(2).contiguous(),
             values.reshape(blocks, groups, self.planes.group_size, _BLOCK_OUTPUTS).to(
                 torch.bfloat16
             ),
-            scales.to(torch.bfloat16),
+            scales,
         )
         weight = weight.reshape(blocks, self.in_features, _BLOCK_OUTPUTS).transpose(0, 1)
         return weight.reshape(self.in_features, self.out_features)
