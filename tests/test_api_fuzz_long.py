@@ -103,9 +103,21 @@ STATE_CHANGING_OPERATIONS = {
 HUB_OPERATIONS = {("GET", "/models/search")}
 
 
+def _above_one(bound: Any) -> bool:
+    """A number above 1, or a string the API's lax integer parsing reads as one (the first
+    20,000-body run sent `"max_tokens": "8198623"`: a generation to the end of the context,
+    past the client's timeout)."""
+    if isinstance(bound, str):
+        try:
+            bound = float(bound)
+        except ValueError:
+            return False
+    return isinstance(bound, int | float) and not isinstance(bound, bool) and bound > 1
+
+
 def cap_lengths(value: Any) -> Any:
     """`value` with every length bound that is null or a number above 1 (at the top or in
-    Ollama's `options`) set to 1."""
+    Ollama's `options`; numeric strings too) set to 1."""
     if not isinstance(value, dict):
         return value
     capped = dict(value)
@@ -113,9 +125,7 @@ def cap_lengths(value: Any) -> Any:
         bound = capped.get(name)
         # null means "no limit" (the model's context): a generation of minutes here.
         unbounded = name in capped and bound is None
-        if unbounded or (
-            isinstance(bound, int | float) and not isinstance(bound, bool) and bound > 1
-        ):
+        if unbounded or _above_one(bound):
             capped[name] = 1
     if "options" in capped and capped["options"] is None:  # Ollama's: no limit either
         capped["options"] = {"num_predict": 1}

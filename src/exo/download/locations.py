@@ -28,10 +28,13 @@ from exo.download.completion import COMPLETION_MARKER, missing_files, needed_fil
 from exo.download.fetch import PARTIAL_SUFFIX
 from exo.download.hub_download import disk_free_bytes
 from exo.download.hub_listing import HubDownloadError
+from exo.download.model_lock import model_lock
 from exo.download.shard_files import INDEX_FILE
 from exo.shared.types.shards import ShardMetadata
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# How long a delete waits for a download or conversion of the model to finish.
+DELETE_WAIT_SECONDS = 10.0
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -199,22 +202,29 @@ def choose_download_directory(
     return writable[0] / directory_name(model_id)
 
 
-def delete_downloaded_model(default_models_dir: Path, model_id: str) -> list[Path]:
+def delete_downloaded_model(
+    default_models_dir: Path, model_id: str, wait_s: float = DELETE_WAIT_SECONDS
+) -> list[Path]:
     """Remove the model's directory from every writable models directory (never from a
     read-only one or the Hugging Face cache), its completion marker first so a removal
-    cut short leaves nothing that looks complete.
+    cut short leaves nothing that looks complete. Holds the model's lock (`model_lock`):
+    waits up to `wait_s` for a download or conversion of it to finish.
 
     Returns:
         The directories removed.
+
+    Raises:
+        ModelBusyError: the model was still being downloaded or converted after `wait_s`.
     """
     removed: list[Path] = []
-    for root in ModelLocations.from_environment(default_models_dir).writable:
-        target = root / directory_name(model_id)
-        if not target.is_dir():
-            continue
-        (target / COMPLETION_MARKER).unlink(missing_ok=True)
-        _remove_tree(target)
-        removed.append(target)
+    with model_lock(default_models_dir, directory_name(model_id), wait_s=wait_s):
+        for root in ModelLocations.from_environment(default_models_dir).writable:
+            target = root / directory_name(model_id)
+            if not target.is_dir():
+                continue
+            (target / COMPLETION_MARKER).unlink(missing_ok=True)
+            _remove_tree(target)
+            removed.append(target)
     return removed
 
 

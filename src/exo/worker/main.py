@@ -15,6 +15,7 @@ from loguru import logger
 from exo.download.console import ConsoleProgress
 from exo.download.fetch import DownloadCancelledError
 from exo.download.locations import delete_downloaded_model
+from exo.download.model_lock import ModelBusyError
 from exo.download.peers import HUB_ASSUMED_MBPS, peers_holding
 from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.shared.local_events import LocalEventSender
@@ -170,9 +171,13 @@ class Worker:
                     with anyio.move_on_after(CANCEL_WAIT_SECONDS):
                         while model_id in self._download_cancels:
                             await anyio.sleep(0.05)
-                removed = await anyio.to_thread.run_sync(
-                    delete_downloaded_model, self._models_dir, str(model_id)
-                )
+                try:
+                    removed = await anyio.to_thread.run_sync(
+                        delete_downloaded_model, self._models_dir, str(model_id)
+                    )
+                except ModelBusyError as error:  # a pull through the API holds the files
+                    logger.warning(f"the files of {model_id} were not deleted: {error}")
+                    return
                 logger.info(f"deleted the files of {model_id}: {[str(p) for p in removed]}")
                 self.downloads.pop(model_id, None)
                 self._local_events.emit(

@@ -31,6 +31,7 @@ from exo.api.errors import ApiError, ModelNotFoundError, NoCapacityError
 from exo.api.routes.ollama import PREFIX
 from exo.api.types.ollama import OllamaDeleteRequest, OllamaProgressResponse, OllamaPullRequest
 from exo.download.locations import delete_downloaded_model
+from exo.download.model_lock import ModelBusyError
 from exo.download.pypi_gguf import (
     ModelPreparationError,
     prepare_model,
@@ -77,7 +78,8 @@ async def pull(
 @router.delete(f"{PREFIX}/api/delete", response_model=None)
 async def delete(body: OllamaDeleteRequest, cluster: Cluster) -> Response:
     """Remove the model's files from this node's models directory (200, empty body);
-    404 when this node has none there, 409 while an instance of the model is placed."""
+    404 when this node has none there, 409 while an instance of the model is placed or
+    its files are still being pulled (after waiting `DELETE_WAIT_SECONDS` for that)."""
     card = _card(cluster, body.model)
     in_use = cluster.state.instances_of_model(card.model_id)
     if in_use:
@@ -90,9 +92,16 @@ async def delete(body: OllamaDeleteRequest, cluster: Cluster) -> Response:
         raise ModelNotFoundError(f"model '{body.model}' not found")
     # The same removal as DELETE /download/{node_id}/{model}: every writable models
     # directory, never a read-only one or the Hugging Face cache.
-    removed = await anyio.to_thread.run_sync(
-        delete_downloaded_model, models_dir(), str(card.model_id)
-    )
+    try:
+        removed = await anyio.to_thread.run_sync(
+            delete_downloaded_model, models_dir(), str(card.model_id)
+        )
+    except ModelBusyError:
+        raise ModelInUseError(
+            f"model '{body.model}' is being pulled or downloaded on this node; delete it "
+            "when that has finished (or cancel it: POST /download/cancel)",
+            param="model",
+        ) from None
     if not removed:
         raise ModelNotFoundError(f"model '{body.model}' not found")
     logger.info(f"deleted the files of {card.model_id} from {', '.join(map(str, removed))}")

@@ -84,3 +84,57 @@ async def test_pulling_a_hub_model_streams_each_files_bytes(
     assert len(finals) >= 4  # one digest per weight file (and the summary line)
     assert all(line["completed"] == line["total"] for line in finals.values())
     assert (tmp_path / "models" / "someone--tiny-pull" / ".exo-complete").is_file()
+
+
+@pytest.mark.anyio
+async def test_concurrent_pulls_and_deletes_of_one_model_never_answer_5xx(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the long fuzz: two pulls of one model wrote the same `.partial` files (one
+    answered 500 when the other renamed them away) and a delete removed files a pull was
+    verifying. Now the model's lock orders them: every pull succeeds (a streamed one ends
+    with its success line), every delete is 200 or 404, or 409 while a pull holds the
+    files."""
+    import anyio
+
+    card = make_card(n_layers=6, model_id=REPO).model_copy(
+        update={"source": HuggingFaceSource(repo_id=REPO)}
+    )
+    with HubServer() as hub:
+        hub.add_directory(REPO, save_layered_checkout(tmp_path / "checkout"))
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+        monkeypatch.setenv("HF_TOKEN_PATH", "/nonexistent/exo-test-token")
+        monkeypatch.setenv("EXO_MODELS_DIR", str(tmp_path / "models"))
+        for name in ("HF_TOKEN", "EXO_MODELS_DIRS", "EXO_MODELS_READ_ONLY_DIRS"):
+            monkeypatch.delenv(name, raising=False)
+        answers: list[tuple[str, int, str]] = []
+        async with in_process_cluster(tmp_path) as cluster:
+            await cluster.client.submit(AddCustomModel(command_id=CommandId.new(), card=card))
+            transport = httpx.ASGITransport(app=create_app(cluster.client))
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://127.0.0.1", timeout=60
+            ) as http:
+
+                async def send(kind: str) -> None:
+                    if kind == "delete":
+                        response = await http.request(
+                            "DELETE", "/ollama/api/delete", json={"model": REPO}
+                        )
+                    else:
+                        body = {"model": REPO, "stream": kind == "stream"}
+                        response = await http.post("/ollama/api/pull", json=body)
+                    answers.append((kind, response.status_code, response.text))
+
+                kinds = ["pull", "stream", "delete", "pull", "stream", "pull"] * 4
+                async with anyio.create_task_group() as task_group:
+                    for kind in kinds:
+                        task_group.start_soon(send, kind)
+    assert len(answers) == len(kinds)
+    for kind, status, text in answers:
+        if kind == "delete":
+            assert status in (200, 404, 409), (status, text)
+        else:
+            assert status == 200, (kind, status, text)
+            last = json.loads(text.splitlines()[-1])
+            assert last == {"status": "success"}, (kind, text[-300:])

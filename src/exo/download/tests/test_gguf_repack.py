@@ -32,7 +32,8 @@ from exo.worker.engines.torch.gguf_weights import (
     int4_linear_from_groups,
 )
 from exo.worker.engines.torch.loading import load_model
-from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear, WeightDtype
+from exo.worker.engines.torch.quantize import Int4Linear, WeightDtype
+from exo.worker.engines.torch.split_int4 import SplitInt4Linear
 
 ROWS, COLUMNS = 64, 512
 BF16_RELATIVE = 2.0**-8  # bfloat16 keeps 8 significant bits: rounding moves a value <= 2^-9
@@ -235,8 +236,18 @@ def test_repacked_linears_are_built_from_the_blocks(tiny_models: dict[str, Path]
     assert len(layers) == 1  # the pipeline rank loads only its layer
     attention: Any = layers[0].self_attn
     assert isinstance(attention.q_proj, Int4Linear)
-    assert isinstance(model.lm_head, Int8Linear)  # the engine's LM head policy holds
     stored = load_file(str(tiny_models["repacked"] / "model.safetensors"))
+    # The tied head (this rank has no embedding) holds the Q8_0 embedding's blocks exactly.
+    assert isinstance(model.lm_head, SplitInt4Linear)
+    embedding = dequantize(
+        stored["model.embed_tokens.weight.gguf_Q8_0"].numpy(), GGMLQuantizationType.Q8_0
+    ).reshape(SHAPE.vocab_size, SHAPE.hidden_size)
+    torch.testing.assert_close(
+        model.lm_head.dequantize().float(),
+        torch.from_numpy(embedding),
+        rtol=2.0**-7,
+        atol=1e-6,
+    )
     name = "model.layers.1.self_attn.q_proj.weight"
     expected = torch.from_numpy(
         dequantize_int4(

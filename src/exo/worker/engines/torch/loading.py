@@ -33,7 +33,11 @@ from exo.worker.engines.torch.families import (
     family_for_architecture,
 )
 from exo.worker.engines.torch.fusion import fuse_rms_norms
-from exo.worker.engines.torch.gguf_weights import load_repacked, split_repacked_name
+from exo.worker.engines.torch.gguf_weights import (
+    load_repacked,
+    split_output_layer,
+    split_repacked_name,
+)
 from exo.worker.engines.torch.lean_forward import enable_lean_forward
 from exo.worker.engines.torch.quantize import (
     WEIGHT_DTYPES,
@@ -194,6 +198,19 @@ def _fill_tied_lm_head(
             return
 
 
+def _stored_head(model: PreTrainedModel, unlayered: list[PlannedTensor]) -> tuple[Path, str] | None:
+    """(file, stored name) of the tensor this rank's LM head was read from: `lm_head.weight`,
+    or the embedding when they are tied; None without a head here."""
+    if isinstance(getattr(model, "lm_head", None), AbsentModule | None):
+        return None
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    for wanted in ("lm_head.weight", EMBEDDING) if tied else ("lm_head.weight",):
+        for path, name, target in unlayered:
+            if target == wanted:
+                return path, name
+    return None
+
+
 def _plan_tied_lm_head(
     model_dir: Path, prefix: str, model: PreTrainedModel, groups: dict[int | None, Any]
 ) -> None:
@@ -290,7 +307,11 @@ def load_model(
                 read(handle_for, path, name, target)
         _fill_tied_lm_head(model, lambda *entry: read(handle_for, *entry), unlayered)
     if quantize:
-        quantize_output_layer(model, weight_dtype)
+        head = _stored_head(model, unlayered)
+        with _open_files() as handle_for:
+            split = head is not None and split_output_layer(model, handle_for(head[0]), head[1])
+        if not split:
+            quantize_output_layer(model, weight_dtype)
         release_freed_memory()
     for index, layer in enumerate(layers):
         with _open_files() as handle_for:  # one layer's memory maps at a time

@@ -321,7 +321,8 @@ def quantize_output_layer(model: nn.Module, weight_dtype: WeightDtype) -> bool:
     `weight_dtype`: an int4 LM head flipped greedy answers of SmolLM2-135M (it no longer
     answered "Paris"), an int8 one did not. A tied head gets its own int8 copy; the input
     embedding stays float32 (one row is read per token; an int8 embedding on top of int4
-    layers flipped answers too).
+    layers flipped answers too). (A head stored as GGUF Q8_0 / Q5_x blocks is held exactly
+    instead: `gguf_weights.split_output_layer`.)
 
     Returns:
         whether a head was replaced (False for "float32" or a rank without the head).
