@@ -5,12 +5,14 @@ may sum in another order) can legitimately pick the other of two almost equally 
 tokens.
 
 How a near tie is recognised: the request's answer alone is fetched with `logprobs` and
-`top_logprobs: 2`. Over the tokens both answers share, the batched stream's log probability
+`top_logprobs: 5`. Over the tokens both answers share, the batched stream's log probability
 of each token must stay within `MAX_LOGPROB_DRIFT` of the solo one (this measures how much
-batching moves the distribution); the first differing token must sit where the solo answer's
-two most likely tokens are within `NEAR_TIE_NATS` = 2 x that drift of each other (a
-perturbation of at most d to each of two log probabilities can reorder them only when they
-were within 2d).
+batching moves the distribution); the first differing token must be one the solo answer
+ranked within `NEAR_TIE_NATS` = 2 x that drift of its top token (a perturbation of at most d
+to each of two log probabilities can reorder them only when they were within 2d). The
+LM head's kernels return bfloat16 logits (8 significant bits: steps of 1/8 nat at logits of
+16-32), so exact ties of three or more tokens happen, and the batched pick may be any of
+them.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ DEADLINE_SECONDS = 400.0
 # against alone). The bound is twice that; float32 weights would drift ~1e-6.
 MAX_LOGPROB_DRIFT = 0.25
 NEAR_TIE_NATS = 2 * MAX_LOGPROB_DRIFT
+TOP_LOGPROBS = 5
 # Eight prompts of different lengths, so the batch holds requests at different positions.
 PROMPTS = [
     "Name a colour.",
@@ -76,7 +79,7 @@ def alone(client: openai.OpenAI, prompt: str) -> Answer:
         temperature=0,
         max_tokens=MAX_TOKENS,
         logprobs=True,
-        top_logprobs=2,
+        top_logprobs=TOP_LOGPROBS,
     )
     choice = completion.choices[0]
     assert choice.logprobs is not None and choice.logprobs.content, "no logprobs"
@@ -143,13 +146,16 @@ def check_same_or_near_tie(prompt: str, solo: Answer, batched: Answer) -> None:
         f"batched {''.join(batched_ids)!r}"
     )
     top = solo.tokens[shared].top_logprobs
-    assert len(top) == 2
-    gap = top[0].logprob - top[1].logprob
-    assert gap <= NEAR_TIE_NATS and batched_ids[shared] == top[1].token, (
+    assert len(top) == TOP_LOGPROBS
+    # Every listed token, the first too: with exact ties the list's order need not be the
+    # order the sampler's argmax breaks them in.
+    tied = {entry.token: top[0].logprob - entry.logprob for entry in top}
+    gap = tied.get(batched_ids[shared], float("inf"))
+    assert gap <= NEAR_TIE_NATS, (
         f"{prompt!r}: the batched answer differs at token {shared} ({batched_ids[shared]!r} "
-        f"instead of {solo_ids[shared]!r}), where the solo top two were {gap:.4f} nats apart "
-        f"(a near tie is <= {NEAR_TIE_NATS}): alone {''.join(solo_ids)!r}, batched "
-        f"{''.join(batched_ids)!r}"
+        f"instead of {solo_ids[shared]!r}), which alone was {gap:.4f} nats below the top "
+        f"(a near tie is <= {NEAR_TIE_NATS}; solo gaps {tied}): alone "
+        f"{''.join(solo_ids)!r}, batched {''.join(batched_ids)!r}"
     )
 
 

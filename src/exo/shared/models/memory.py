@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from exo.shared.types.models import ModelCard
+from exo.shared.types.models import GgufFileSource, ModelCard, PypiGgufPartsSource, PypiGgufSource
 
 WeightFormat = Literal["float32", "int8", "int4"]
 WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("float32", "int8", "int4")
@@ -100,16 +100,18 @@ def decoder_layer_bytes(
 def output_layer_bytes(card: ModelCard, weight_format: WeightFormat, shares_embedding: bool) -> int:
     """Bytes of the final norm and LM head: float32 (no extra copy when it is tied to an
     embedding held on the same node), else int8 (the engine keeps the LM head in int8
-    under int4 too: an int4 head changed greedy answers) or, for a head stored as GGUF
-    Q8_0 / Q5_x blocks, two int4 planes over it (`split_int4`: 1.25 bytes per weight),
-    whichever is larger, since the card does not say how its head is stored."""
+    under int4 too: an int4 head changed greedy answers) or, for a model converted from
+    GGUF (whose head may be Q8_0 / Q5_x blocks), the larger of that and two int4 planes
+    (`split_int4`: 1.25 bytes per weight), since the card does not say how its head is
+    stored."""
     norm = card.hidden_size * FLOAT32_BYTES
     if weight_format == "float32":
         if shares_embedding:
             return norm
         return norm + card.vocab_size * card.hidden_size * FLOAT32_BYTES
     int8 = linear_weight_bytes(card.hidden_size, card.vocab_size, "int8")
-    if not int4_fits(card.hidden_size, card.vocab_size):  # no planes for this shape
+    from_gguf = isinstance(card.source, PypiGgufSource | PypiGgufPartsSource | GgufFileSource)
+    if not from_gguf or not int4_fits(card.hidden_size, card.vocab_size):
         return norm + int8
     split_planes = linear_weight_bytes(2 * card.hidden_size, card.vocab_size, "int4")
     return norm + max(int8, split_planes)

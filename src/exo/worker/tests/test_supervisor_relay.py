@@ -4,6 +4,7 @@ wakes the worker's planner, and a closed pipe fails whatever was still running."
 
 from __future__ import annotations
 
+import time
 from multiprocessing import Pipe
 from typing import Any
 
@@ -159,12 +160,17 @@ async def test_the_runner_process_starts_with_bounded_kernel_caches(
     supervisor.start()
     try:
         assert supervisor.pid is not None
-        with open(f"/proc/{supervisor.pid}/environ", "rb") as environ_file:
-            environ = dict(
-                entry.decode().split("=", 1)
-                for entry in environ_file.read().split(b"\0")
-                if b"=" in entry
-            )
+        # Right after the fork, before the exec, /proc shows an empty environment.
+        environ: dict[str, str] = {}
+        deadline = time.monotonic() + 30
+        while "PATH" not in environ and time.monotonic() < deadline:
+            with open(f"/proc/{supervisor.pid}/environ", "rb") as environ_file:
+                environ = dict(
+                    entry.decode().split("=", 1)
+                    for entry in environ_file.read().split(b"\0")
+                    if b"=" in entry
+                )
+            await anyio.sleep(0.05)
         for name in KERNEL_CACHE_VARIABLES:
             assert environ.get(name) == str(KERNEL_CACHE_CAPACITY), name
     finally:
