@@ -346,6 +346,11 @@ async def test_pull_failures_come_in_ollama_shape(tmp_path: Path) -> None:
         assert unknown.status_code == 404 and unknown.json() == {
             "error": "model 'no-such-model' not found"
         }
+        # `name`, Ollama's older spelling of `model`, is read as it; neither is a 400.
+        older = await http.post("/ollama/api/pull", json={"name": "no-such-model"})
+        assert older.status_code == 404 and older.json() == unknown.json()
+        neither = await http.post("/ollama/api/pull", json={"stream": False})
+        assert neither.status_code == 400 and "model" in neither.json()["error"]
         streamed = await http.post("/ollama/api/pull", json={"model": QWEN3})
         assert streamed.status_code == 200
         assert "offline" in lines(streamed)[-1]["error"]
@@ -363,7 +368,7 @@ async def test_delete_removes_the_files_unless_the_model_is_in_use(
             )
             assert deleted.status_code == 200 and deleted.content == b""
             assert not directory.exists()
-            again = await http.request("DELETE", "/ollama/api/delete", json={"model": QWEN3})
+            again = await http.request("DELETE", "/ollama/api/delete", json={"name": QWEN3})
             assert again.status_code == 404 and "not found" in again.json()["error"]
             # Ollama's documented `curl -X DELETE ... -d '{...}'` sends a form content type.
             as_curl = await http.request(
