@@ -52,6 +52,16 @@ def test_each_file_is_one_pulling_line_with_its_digest_and_bytes() -> None:
     ]
 
 
+def _use_hub(monkeypatch: pytest.MonkeyPatch, hub: HubServer, tmp_path: Path) -> None:
+    """This process's downloads go to the stand-in Hub, into `tmp_path`'s models directory."""
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("HF_TOKEN_PATH", "/nonexistent/exo-test-token")
+    monkeypatch.setenv("EXO_MODELS_DIR", str(tmp_path / "models"))
+    for name in ("HF_TOKEN", "EXO_MODELS_DIRS", "EXO_MODELS_READ_ONLY_DIRS"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.mark.anyio
 async def test_pulling_a_hub_model_streams_each_files_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -61,12 +71,7 @@ async def test_pulling_a_hub_model_streams_each_files_bytes(
     )
     with HubServer() as hub:
         hub.add_directory(REPO, save_layered_checkout(tmp_path / "checkout"))
-        monkeypatch.setenv("HF_ENDPOINT", hub.url)
-        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-        monkeypatch.setenv("HF_TOKEN_PATH", "/nonexistent/exo-test-token")
-        monkeypatch.setenv("EXO_MODELS_DIR", str(tmp_path / "models"))
-        for name in ("HF_TOKEN", "EXO_MODELS_DIRS", "EXO_MODELS_READ_ONLY_DIRS"):
-            monkeypatch.delenv(name, raising=False)
+        _use_hub(monkeypatch, hub, tmp_path)
         async with in_process_cluster(tmp_path) as cluster:
             await cluster.client.submit(AddCustomModel(command_id=CommandId.new(), card=card))
             transport = httpx.ASGITransport(app=create_app(cluster.client))
@@ -102,12 +107,7 @@ async def test_concurrent_pulls_and_deletes_of_one_model_never_answer_5xx(
     )
     with HubServer() as hub:
         hub.add_directory(REPO, save_layered_checkout(tmp_path / "checkout"))
-        monkeypatch.setenv("HF_ENDPOINT", hub.url)
-        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-        monkeypatch.setenv("HF_TOKEN_PATH", "/nonexistent/exo-test-token")
-        monkeypatch.setenv("EXO_MODELS_DIR", str(tmp_path / "models"))
-        for name in ("HF_TOKEN", "EXO_MODELS_DIRS", "EXO_MODELS_READ_ONLY_DIRS"):
-            monkeypatch.delenv(name, raising=False)
+        _use_hub(monkeypatch, hub, tmp_path)
         answers: list[tuple[str, int, str]] = []
         async with in_process_cluster(tmp_path) as cluster:
             await cluster.client.submit(AddCustomModel(command_id=CommandId.new(), card=card))

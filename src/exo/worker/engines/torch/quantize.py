@@ -152,12 +152,16 @@ class Int4Linear(QuantizedLinear):
         quantized = levels.to(torch.int32).reshape(out_features, in_features)
         del levels
         zeros = low + 8.0 * scales
+        self._hold(quantized, torch.cat([scales, zeros], dim=-1))
+
+    def _hold(self, quantized: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
+        """Pack int4 values `quantized` (int32 `[out, in]`, 0..15) and hold them with their
+        `scales_and_zeros` (`[out, groups, 2]`, kept as bfloat16 `[groups, out, 2]`)."""
         self.packed: torch.Tensor
         self.scales_and_zeros: torch.Tensor
         self.register_buffer(
             "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(quantized, 1)
         )
-        scales_and_zeros = torch.cat([scales, zeros], dim=-1)  # [out, groups, 2]
         self.register_buffer(
             "scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
         )  # [groups, out, 2]
@@ -284,14 +288,7 @@ def int4_linear_from_groups(
     module = Int4Linear.__new__(Int4Linear)
     QuantizedLinear.__init__(module, in_features, out_features, bias)
     module.group_size = group_size
-    module.register_buffer(
-        "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(quantized, 1)
-    )
-    scales_and_zeros = torch.stack([scales, zeros], dim=-1)  # [out, groups, 2]
-    module.register_buffer(
-        "scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16)
-    )  # [groups, out, 2]
-    module._unpack_ok = torch.equal(module._unpack(), quantized)
+    module._hold(quantized, torch.stack([scales, zeros], dim=-1))
     return module
 
 
