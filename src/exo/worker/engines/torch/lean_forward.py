@@ -9,8 +9,9 @@ transformers model. One step, over the plan's flattened rows `[T]`:
    the previous pipeline rank's hidden states;
 2. rotary cos/sin once per step (the model's rotary module, once per rope kind; Gemma 3
    has a local one for sliding layers), as whole-head tables (`lean_parts.rotary_tables`);
-3. per decoder layer: RMSNorm (one `F.rms_norm` kernel; Gemma's `1 + weight` folded into the
-   weight at build time), ONE fused Q/K/V matmul, per-head q/k norms (Qwen3, Gemma 3) and
+3. per decoder layer: RMSNorm (one `F.rms_norm` call, or exo's one-pass kernel where its
+   int4 kernels run (`native_int4`); Gemma's `1 + weight` folded into the weight at build
+   time), ONE fused Q/K/V matmul, per-head q/k norms (Qwen3, Gemma 3) and
    rotary over queries and keys together, `batch_attention.attend` (slot KV cache, per-request
    positions and windows), the output projection (all-reduced on tensor ranks), Gemma 3's
    post-attention norm, the residual add in place; then the same for the MLP with ONE fused
@@ -23,7 +24,7 @@ bfloat16 (`lean_parts.bf16_activations_wanted`), a norm's output is cast to bflo
 and the int4/int8 kernels take and give bfloat16 directly (the MLP stays bfloat16 from the
 gate/up matmul to the down matmul); attention runs in the KV cache's dtype (float32). Without
 native bfloat16 every activation is float32 and the quantized modules cast around their kernel
-(what they did before). Fusing Q/K/V and gate/up follows gpt-fast (`wqkv`, `w1`/`w3`) and
+(what they did before), except exo's own int4 kernel (AVX2 CPUs), which takes float32 rows. Fusing Q/K/V and gate/up follows gpt-fast (`wqkv`, `w1`/`w3`) and
 vLLM (`QKVParallelLinear`, `MergedColumnParallelLinear`); on a tensor rank the rank's slices
 are fused, after the split.
 """
@@ -149,6 +150,10 @@ class LeanModel:
             raise LeanUnsupportedError("no decoder layers at model.model.layers")
         quantized = any(isinstance(module, QuantizedLinear) for module in layers.modules())
         self.bf16 = (bf16_activations_wanted() if bf16 is None else bf16) and quantized
+        # With exo's int4 kernels in use, its one-pass RMSNorm too (`native_int4`).
+        self._native_norm: Any = None
+        if any(getattr(module, "native", False) for module in layers.modules()):
+            self._native_norm = torch.ops.exo_native.rms_norm
         self.enabled = True
         config: Any = model.config
         text_config: Any = config.get_text_config()
@@ -210,11 +215,18 @@ class LeanModel:
         assert self._head is not None and self._final_norm is not None
         rows = x.index_select(0, logit_rows)
         weight, eps = self._final_norm
-        normed = F.rms_norm(rows, (self._hidden_size,), weight, eps)
+        normed = self._norm(rows, weight, eps)
         logits = self._head(normed.to(self._head.in_dtype)).float()
         if self._softcap is not None:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits
+
+    def _norm(self, rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of float32 rows `[T, hidden]` (exo's one-pass kernel where its int4
+        kernels run, else `F.rms_norm`)."""
+        if self._native_norm is not None:
+            return self._native_norm(rows.contiguous(), weight, eps)
+        return F.rms_norm(rows, (self._hidden_size,), weight, eps)
 
     def _rotary_tables(
         self, x: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
@@ -244,7 +256,7 @@ class LeanModel:
         rows = x.shape[0]
         heads, kv_heads, head_dim = layer.heads, layer.kv_heads, layer.head_dim
         weight, eps = layer.input_norm
-        normed = F.rms_norm(x, (self._hidden_size,), weight, eps).to(layer.qkv.in_dtype)
+        normed = self._norm(x, weight, eps).to(layer.qkv.in_dtype)
         qkv = layer.qkv(normed).to(cache_dtype)  # [T, (heads + 2 kv_heads) * head_dim]
         width = (heads + kv_heads) * head_dim
         qk = qkv[:, :width].view(rows, heads + kv_heads, head_dim)
@@ -260,17 +272,17 @@ class LeanModel:
         out = layer.output(attended.view(rows, heads * head_dim).to(layer.output.in_dtype))
         if layer.post_attention_norm is not None:
             weight, eps = layer.post_attention_norm
-            out = F.rms_norm(out.float(), (self._hidden_size,), weight, eps)
+            out = self._norm(out.float(), weight, eps)
         x.add_(out)
         weight, eps = layer.pre_mlp_norm
-        normed = F.rms_norm(x, (self._hidden_size,), weight, eps).to(layer.gate_up.in_dtype)
+        normed = self._norm(x, weight, eps).to(layer.gate_up.in_dtype)
         gate_up = layer.gate_up(normed)  # [T, 2 * intermediate]
         middle = layer.intermediate
         activated = layer.activation(gate_up[:, :middle]).mul_(gate_up[:, middle:])
         out = layer.down(activated.to(layer.down.in_dtype))
         if layer.post_mlp_norm is not None:
             weight, eps = layer.post_mlp_norm
-            out = F.rms_norm(out.float(), (self._hidden_size,), weight, eps)
+            out = self._norm(out.float(), weight, eps)
         x.add_(out)
 
 

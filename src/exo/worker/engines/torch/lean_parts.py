@@ -64,21 +64,25 @@ class Projection:
 
     Kinds: a dense float32 weight (`F.linear`); a quantized module whose kernel is called
     directly on bfloat16 rows (`bf16=True`: no cast around it) or through its own forward
-    (float32 rows, cast around the kernel: the fallback without native bfloat16); unfusable
+    (float32 rows, cast around the kernel: the fallback without native bfloat16); exo's own
+    int4 kernel (`native_int4`, on AVX2 CPUs) on float32 rows with no cast at all; unfusable
     parts (mixed int4/int8) run one by one and are concatenated. A row-parallel linear's
     partial sum is all-reduced (in float32) before its bias.
 
-    Output dtype: float32, except bfloat16 for a quantized kernel with `bf16=True` and no
-    all-reduce.
+    Output dtype: float32, except bfloat16 for torch's quantized kernels with `bf16=True`
+    and no all-reduce.
     """
 
-    __slots__ = ("bf16", "bias", "out_features", "parts", "quantized", "reduce", "weight")
+    __slots__ = (
+        "bf16", "bias", "native", "out_features", "parts", "quantized", "reduce", "weight",
+    )  # fmt: skip
 
     def __init__(self, modules: Sequence[nn.Module], bf16: bool) -> None:
         self.bf16 = bf16
         self.reduce = False
         self.weight: torch.Tensor | None = None
         self.quantized: QuantizedLinear | None = None
+        self.native = False
         self.parts: list[Projection] = []
         self.bias: torch.Tensor | None = None
         self.out_features: int
@@ -98,6 +102,8 @@ class Projection:
             self.reduce = True
         if isinstance(module, QuantizedLinear):
             self.quantized = module
+            # exo's int4 kernel (`native_int4`) takes and gives float32 rows directly.
+            self.native = bool(getattr(module, "native", False))
             if not self.reduce:
                 bias = module.bias
                 self.bias = None if bias is None else bias.to(self._kernel_out_dtype)
@@ -111,14 +117,16 @@ class Projection:
 
     @property
     def _kernel_out_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.bf16 else torch.float32
+        return torch.bfloat16 if self.bf16 and not self.native else torch.float32
 
     @property
     def in_dtype(self) -> torch.dtype:
         """The dtype its rows must come in."""
         if self.parts:
             return self.parts[0].in_dtype
-        return torch.bfloat16 if self.quantized is not None and self.bf16 else torch.float32
+        if self.quantized is not None and self.bf16 and not self.native:
+            return torch.bfloat16
+        return torch.float32
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         if self.parts:
@@ -127,7 +135,7 @@ class Projection:
             out = F.linear(rows, self.weight, None if self.reduce else self.bias)
         else:
             assert self.quantized is not None
-            if self.bf16:
+            if self.bf16 or self.native:
                 out = self.quantized.matmul(rows)
             else:
                 out = self.quantized.matmul(rows.to(torch.bfloat16)).float()

@@ -13,6 +13,10 @@ for one oneDNN matmul, which is much faster than the row-by-row kernels there.
 
 Measured on the 2-core reference machine (AVX512-BF16/AMX), SmolLM2-135M: see
 bench/bench_engine.py and the engine's `weight_dtype` option.
+
+On x86 CPUs where torch dispatches below AVX512 (AVX2), torch's int4 kernel is
+compute-bound and slower than its int8 one; int4 linears there hold exo's layout and run
+exo's own kernel on float32 rows (`native_int4`, `Int4Linear._hold`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ import torch
 from torch import nn
 
 from exo.shared.models.memory import INT4_BLOCK_OUTPUTS, INT4_GROUP_SIZE, WeightFormat
+from exo.worker.engines.torch.native_int4 import (
+    ROUNDS_ACTIVATIONS,
+    built_int4_kernel,
+    native_int4_kernel,
+    rounded_activations,
+)
 from exo.worker.engines.torch.sharding import AllReducedLinear, RowParallelLinear
 
 # The formats the engine holds weights in; `exo.shared.models.memory` sizes each of them.
@@ -31,6 +41,9 @@ WEIGHT_DTYPES: tuple[WeightDtype, ...] = ("float32", "int8", "int4")
 
 _INT4_BLOCK_N = INT4_BLOCK_OUTPUTS  # output channels per block of the AVX512 int4 layout
 _INT8_ROWS_PER_STEP = 4096
+# Rows up to which exo's int4 kernel (`native_int4`) runs; more rows dequantize the weight
+# to float32 for one matmul (measured crossover on a 2-core AVX2 EPYC).
+NATIVE_MAX_ROWS = 16
 
 
 class QuantizedLinear(nn.Module, abc.ABC):
@@ -156,9 +169,31 @@ class Int4Linear(QuantizedLinear):
 
     def _hold(self, quantized: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
         """Pack int4 values `quantized` (int32 `[out, in]`, 0..15) and hold them with their
-        `scales_and_zeros` (`[out, groups, 2]`, kept as bfloat16 `[groups, out, 2]`)."""
+        `scales_and_zeros` (`[out, groups, 2]`), in one of two layouts:
+
+        - torch's (`native` False): `packed` from `aten._convert_weight_to_int4pack_for_cpu`
+          (its layout depends on the CPU capability torch dispatches to) and
+          `scales_and_zeros` bfloat16 `[groups, out, 2]`, for `aten._weight_int4pack_mm_for_cpu`;
+        - exo's (`native` True, where `native_int4.native_int4_kernel()` is available):
+          `packed` uint8 `[out, in / 2]` in blocks of 32 inputs (byte j of a block: input j
+          in the low nibble, input j + 16 in the high one) and `scales_and_zeros` bfloat16
+          `[out, groups, 2]`, for exo's AVX2 kernel.
+
+        Both are row-major by output channel: a slice of rows is a slice of outputs."""
         self.packed: torch.Tensor
         self.scales_and_zeros: torch.Tensor
+        self.native = native_int4_kernel() is not None
+        if self.native:
+            out_features, in_features = quantized.shape
+            blocks = quantized.to(torch.uint8).reshape(out_features, in_features // 32, 2, 16)
+            self.register_buffer(
+                "packed", (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out_features, -1)
+            )
+            self.register_buffer(
+                "scales_and_zeros", scales_and_zeros.contiguous().to(torch.bfloat16)
+            )
+            self._unpack_ok = False
+            return
         self.register_buffer(
             "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(quantized, 1)
         )
@@ -183,19 +218,68 @@ class Int4Linear(QuantizedLinear):
 
     def _unpack(self) -> torch.Tensor:
         """The int4 values `[out, in]` (0..15) as int32."""
+        if self.native:
+            return (
+                self._native_values().reshape(self.out_features, self.in_features).to(torch.int32)
+            )
         values = self._unpack_blocks()
         if values.numel() == 0:
             return values
         values = values.transpose(1, 2).reshape(self.out_features, self.in_features)
         return values.to(torch.int32)
 
+    def scale_zero_by_output(self) -> torch.Tensor:
+        """The held (scale, zero) pairs as bfloat16 `[out, groups, 2]`, whichever layout."""
+        return self.scales_and_zeros if self.native else self.scales_and_zeros.transpose(0, 1)
+
+    def _native_values(self) -> torch.Tensor:
+        """exo's layout: the int4 values as uint8 `[out, in / 32, 32]`."""
+        blocks = self.packed.reshape(self.out_features, self.in_features // 32, 16)
+        return torch.cat([blocks & 15, blocks >> 4], dim=-1)
+
+    def dequantize_float(self) -> torch.Tensor:
+        """The weight as `[out, in]` float32 (exact: `(q - 8) * scale + zero`)."""
+        if not self.native:
+            return self.dequantize().float()
+        groups = self.in_features // self.group_size
+        values = self._native_values().reshape(self.out_features, groups, self.group_size)
+        scale_zero = self.scales_and_zeros.float()  # [out, groups, 2]
+        offsets = scale_zero[..., 1:] - 8.0 * scale_zero[..., :1]
+        weight = torch.addcmul(offsets, values.float(), scale_zero[..., :1])
+        return weight.reshape(self.out_features, self.in_features)
+
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return self._native_matmul(x)
         out: torch.Tensor = torch._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group_size, self.scales_and_zeros
         )
         return out
 
+    def _native_product_by_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """The kernel's product for many rows (prefill) by one float32 matmul: the
+        dequantized weight times the activations rounded as the kernel rounds them. The
+        same sum as the kernel's in another order, so a token's result does not depend on
+        how many rows share its call (a pipeline rank and a single process chunk prompts
+        differently)."""
+        activations = rounded_activations(rows) if ROUNDS_ACTIVATIONS else rows
+        return torch.nn.functional.linear(activations, self.dequantize_float())
+
+    def _native_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """exo's kernel on `[rows, in]` (float32, or bfloat16 widened); output in the
+        rows' dtype."""
+        kernel = built_int4_kernel()
+        assert kernel is not None
+        out = kernel(rows.float().contiguous(), self.packed, self.scales_and_zeros)
+        return out.to(rows.dtype)
+
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """`[rows, in]` → `[rows, out]` in the rows' dtype (bfloat16 for torch's layout;
+        exo's also takes float32, with no cast around its kernel)."""
+        if self.native:
+            if rows.shape[0] <= NATIVE_MAX_ROWS:
+                return self._native_matmul(rows)
+            return self._native_product_by_matmul(rows.float()).to(rows.dtype)
         if not self._unpack_ok:
             return self._fused(rows)
         return super().matmul(rows)
@@ -218,16 +302,22 @@ class Int4Linear(QuantizedLinear):
         QuantizedLinear.__init__(
             fused, parts[0].in_features, sum(part.out_features for part in parts), bias
         )
+        if len({part.native for part in parts}) != 1:
+            raise ValueError("int4 parts in different layouts cannot be fused")
         fused.group_size = parts[0].group_size
+        fused.native = parts[0].native
         fused.register_buffer("packed", torch.cat([part.packed for part in parts]))
         fused.register_buffer(
-            "scales_and_zeros", torch.cat([part.scales_and_zeros for part in parts], dim=1)
+            "scales_and_zeros",
+            torch.cat([part.scales_and_zeros for part in parts], dim=0 if fused.native else 1),
         )
         fused._unpack_ok = all(part._unpack_ok for part in parts)
         return fused
 
     def dequantize_transposed(self) -> torch.Tensor:
         """The weight as `[in, out]` bfloat16 (the layout the packed blocks unpack to)."""
+        if self.native:
+            return self.dequantize_float().to(torch.bfloat16).t()
         blocks = self.out_features // _INT4_BLOCK_N
         groups = self.in_features // self.group_size
         # Broadcasting (scale, zero) over a middle dimension with 64 contiguous channels
@@ -248,6 +338,10 @@ class Int4Linear(QuantizedLinear):
         return x @ self.dequantize_transposed()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            rows = x.reshape(-1, self.in_features).float()
+            result = self.matmul(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            return result if self.bias is None else result + self.bias
         if self._unpack_ok:
             return super().forward(x)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)

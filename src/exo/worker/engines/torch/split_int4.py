@@ -30,7 +30,11 @@ import numpy as np
 import torch
 
 from exo.shared.models.memory import INT4_BLOCK_OUTPUTS as _BLOCK_OUTPUTS
-from exo.worker.engines.torch.quantize import Int4Linear, QuantizedLinear, int4_linear_from_groups
+from exo.worker.engines.torch.quantize import (
+    Int4Linear,
+    QuantizedLinear,
+    int4_linear_from_groups,
+)
 
 # GGUF block types held as split int4 planes: bytes per block of 32 weights.
 SPLIT_TYPES: dict[str, int] = {"Q8_0": 34, "Q5_0": 22, "Q5_1": 24}
@@ -147,6 +151,11 @@ class SplitInt4Linear(QuantizedLinear):
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
         return self.planes._fused(torch.cat((x, x), dim=-1))
 
+    def dequantize_float(self) -> torch.Tensor:
+        """The weight as `[out, in]` float32, exact: the two planes added in float32."""
+        planes = self.planes.dequantize_float()
+        return planes[:, : self.in_features] + planes[:, self.in_features :]
+
     def dequantize_transposed(self) -> torch.Tensor:
         """The weight as `[in, out]` bfloat16: the integers `v` times the low plane's scale
         plus its offset (`zero - 8 * scale`), rounded once, as a bfloat16 copy of
@@ -158,6 +167,8 @@ class SplitInt4Linear(QuantizedLinear):
         nibble at the same place of the same byte, so two byte operations per pair of
         bytes give the int8 values of 64 channels at once.
         """
+        if self.planes.native:
+            return self.dequantize_float().to(torch.bfloat16).t()
         blocks = self.out_features // _BLOCK_OUTPUTS
         groups = self.in_features // self.planes.group_size
         packed = self.planes.packed.reshape(blocks, 2 * self.in_features, 32)
@@ -187,10 +198,24 @@ class SplitInt4Linear(QuantizedLinear):
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.dequantize_transposed()
 
+    @property
+    def native(self) -> bool:
+        """Whether the planes are in exo's layout (its kernel takes float32 rows)."""
+        return self.planes.native
+
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.planes.native:  # the planes' own rule for any row count (see Int4Linear)
+            return self.planes.matmul(torch.cat((rows, rows), dim=-1))
         if not self.planes._unpack_ok:  # another packed layout: the fused kernel only
             return self._fused(rows)
         return super().matmul(rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.planes.native:
+            return super().forward(x)
+        rows = x.reshape(-1, self.in_features).float()
+        result = self.matmul(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return result if self.bias is None else result + self.bias
 
 
 class BlockPart:

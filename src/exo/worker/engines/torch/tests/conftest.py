@@ -18,6 +18,7 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import PipelineShardMetadata
 from exo.worker.engines.torch.engine import TorchEngine
+from exo.worker.engines.torch.native_int4 import NATIVE_INT4_ENV, built_int4_kernel
 
 TEST_MODELS_DIR = Path.home() / ".cache" / "exo-test-models"
 DEFAULT_MODEL_ID = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -94,3 +95,19 @@ def tiny_engine(tiny_card: ModelCard, tiny_model_dir: Path) -> TorchEngine:
         end_layer=tiny_card.n_layers,
     )  # fmt: skip
     return TorchEngine.load(tiny_model_dir, shard, weight_dtype="float32")
+
+
+@pytest.fixture(params=["torch", "native"])
+def int4_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Int4 linears built in this test hold torch's layout (its kernel) or exo's
+    (`native_int4`, built on first use: this fails where it cannot be built)."""
+    native = request.param == "native"
+    monkeypatch.setenv(NATIVE_INT4_ENV, "1" if native else "0")
+    if native:
+        assert built_int4_kernel() is not None, "exo's int4 kernel did not build"
+    return str(request.param)
+
+
+def torch_layout_unpacks() -> bool:
+    """Whether torch's int4 layout here is the AVX512 one the dequantization reads."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")

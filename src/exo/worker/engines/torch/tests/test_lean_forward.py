@@ -28,6 +28,7 @@ from exo.worker.engines.torch.families import family_by_name
 from exo.worker.engines.torch.fusion import fuse_linears
 from exo.worker.engines.torch.lean_forward import LeanModel, enable_lean_forward
 from exo.worker.engines.torch.loading import load_model
+from exo.worker.engines.torch.native_int4 import NATIVE_INT4_ENV
 from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear
 from exo.worker.engines.torch.tests import lean_steps
 from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S, make_shard
@@ -70,7 +71,10 @@ def test_float32_lean_equals_transformers(tiny_dirs: dict[str, Path], name: str)
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
-def test_int4_bf16_lean_within_tolerance(tiny_dirs: dict[str, Path], name: str) -> None:
+def test_int4_bf16_lean_within_tolerance(
+    tiny_dirs: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(NATIVE_INT4_ENV, "0")  # torch's kernels, which take bfloat16 rows
     model = _load(tiny_dirs[name], "int4")
     lean = lean_step_of(model)
     assert isinstance(lean, LeanModel)
@@ -86,10 +90,36 @@ def test_int4_bf16_lean_within_tolerance(tiny_dirs: dict[str, Path], name: str) 
     assert 0 < difference < INT4_TOLERANCE  # 0 would mean the bfloat16 path did not run
 
 
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_int4_native_lean_equals_transformers(
+    tiny_dirs: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """exo's int4 kernel takes float32 rows on both paths: only the order of the lean
+    forward's float32 operations differs from transformers' (the kernel rounds activations
+    to int16 blocks, so a last-bit difference can move a value by one step of 1/32767), and
+    the int8 LM head still takes bfloat16 rows, where a last-bit difference before the cast
+    can move a logit by one bfloat16 step (measured: 2^-8 on these models)."""
+    monkeypatch.setenv(NATIVE_INT4_ENV, "1")
+    model = _load(tiny_dirs[name], "int4")
+    lean = lean_step_of(model)
+    assert isinstance(lean, LeanModel)
+    layer = lean.layers[0]
+    projections = [layer.qkv, layer.output, layer.gate_up, layer.down]
+    leaves = [part for projection in projections for part in projection.parts or [projection]]
+    int4 = [leaf for leaf in leaves if isinstance(leaf.quantized, Int4Linear)]
+    assert int4 and all(leaf.native and leaf.in_dtype == torch.float32 for leaf in int4)
+    tokens = lean_steps.forced_tokens(VOCAB_PROBE)
+    reference = lean_steps.run_single(model, tokens, lean=False)
+    lean_logits = lean_steps.run_single(model, tokens, lean=True)
+    assert (lean_logits - reference).abs().max().item() < 1e-2
+    assert torch.equal(lean_logits.argmax(-1), reference.argmax(-1))
+
+
 def test_bf16_fallback_forced(tiny_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """With bfloat16 forced off (as on a CPU without it), activations stay float32 and the
     quantized kernels are called as transformers' path calls them: the same logits."""
     monkeypatch.setenv(lean_parts.BF16_ENV, "0")
+    monkeypatch.setenv(NATIVE_INT4_ENV, "0")
     model = _load(tiny_dirs["llama"], "int4")
     lean = lean_step_of(model)
     assert isinstance(lean, LeanModel) and not lean.bf16
@@ -114,13 +144,16 @@ def test_family_without_layout_keeps_transformers(tiny_dirs: dict[str, Path]) ->
     assert lean_steps.run_single(model, tokens, lean=False).shape[0] == 15
 
 
-@pytest.mark.parametrize("kind", ["dense", "int4", "int8"])
-def test_fused_linears_equal_parts_and_share_storage(kind: str) -> None:
+@pytest.mark.parametrize("kind", ["dense", "int4", "int4-native", "int8"])
+def test_fused_linears_equal_parts_and_share_storage(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(NATIVE_INT4_ENV, "1" if kind == "int4-native" else "0")
     torch.manual_seed(0)
     dense = [nn.Linear(64, width, bias=True) for width in (128, 64, 64)]
     expected = None
     parts: list[nn.Module] = list(dense)
-    if kind == "int4":
+    if kind.startswith("int4"):
         parts = [Int4Linear(linear) for linear in dense]
     elif kind == "int8":
         parts = [Int8Linear(linear) for linear in dense]
@@ -135,6 +168,7 @@ def test_fused_linears_equal_parts_and_share_storage(kind: str) -> None:
     storage = {
         "dense": lambda m: m.weight,
         "int4": lambda m: m.packed,
+        "int4-native": lambda m: m.packed,
         "int8": lambda m: m.weight,
     }[kind]
     for part in parts:

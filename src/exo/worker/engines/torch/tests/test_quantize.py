@@ -11,6 +11,12 @@ from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import PipelineShardMetadata
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.fusion import FusedRMSNorm, fuse_rms_norms
+from exo.worker.engines.torch.native_int4 import (
+    NATIVE_INT4_ENV,
+    ROUNDS_ACTIVATIONS,
+    built_int4_kernel,
+    rounded_activations,
+)
 from exo.worker.engines.torch.quantize import (
     Int4Linear,
     Int8Linear,
@@ -18,6 +24,7 @@ from exo.worker.engines.torch.quantize import (
     int4_supported,
     quantize_linears,
 )
+from exo.worker.engines.torch.tests.conftest import torch_layout_unpacks
 from exo.worker.engines.torch.tests.test_engine import check_stream_shape, request
 
 
@@ -46,9 +53,10 @@ def test_int8_linear_matches_float32(rows: int, bias: bool) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 100])
-def test_int4_linear_matches_float32(rows: int) -> None:
+def test_int4_linear_matches_float32(rows: int, int4_layout: str) -> None:
     linear = random_linear(1536, 576)
     quantized = Int4Linear(linear)
+    assert quantized.native == (int4_layout == "native")
     x = torch.randn(rows, 1536)
     with torch.inference_mode():
         actual, expected = quantized(x), linear(x)
@@ -57,14 +65,87 @@ def test_int4_linear_matches_float32(rows: int) -> None:
     assert relative_error(actual, expected) < 0.12
 
 
-def test_int4_fused_and_dequantized_paths_agree() -> None:
+def test_int4_fused_and_dequantized_paths_agree(int4_layout: str) -> None:
     quantized = Int4Linear(random_linear(576, 192))
-    assert quantized._unpack_ok  # this CPU packs the layout the dequantization reads
+    if int4_layout == "torch" and not torch_layout_unpacks():
+        assert not quantized._unpack_ok  # every call takes torch's kernel: nothing to compare
+        pytest.skip("torch's int4 layout on this CPU is not the AVX512 one prefill unpacks")
+    assert quantized.native or quantized._unpack_ok
     x = torch.randn(4, 576).to(torch.bfloat16)
     with torch.inference_mode():
         fused = quantized._fused(x).float()
         dequantized = (x @ quantized.dequantize().t()).float()
     assert relative_error(fused, dequantized) < 0.01
+
+
+# Rows 1-7 run the kernel's 4-row and remainder paths (and 2- and 4-output-row tiles); 40
+# the dequantized matmul. Groups of 64 put two blocks of 32 under one (scale, zero); 320
+# outputs split over the threads leave tiles with remainders.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 40])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_native_int4_kernel_computes_its_documented_product(
+    rows: int, group_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(NATIVE_INT4_ENV, "1")
+    quantized = Int4Linear(random_linear(640, 320), group_size=group_size)
+    assert quantized.native
+    values = quantized._unpack().double()  # [out, in], 0..15
+    scale_zero = quantized.scales_and_zeros.double()  # [out, groups, 2]
+    out = values.shape[0]
+    groups = 640 // group_size
+    weight = (values.reshape(out, groups, group_size) - 8) * scale_zero[..., :1]
+    weight = (weight + scale_zero[..., 1:]).reshape(out, 640)
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 640, generator=generator)
+    with torch.inference_mode():
+        actual = quantized.matmul(x)
+    assert actual.dtype == torch.float32 and actual.shape == (rows, out)
+    exact = x.double() @ weight.t()
+    if ROUNDS_ACTIVATIONS:  # the kernel (up to 16 rows) or the matmul computing its sum
+        expected = rounded_activations(x).double() @ weight.t()
+        # Rounding the activations to int16 moves the product by ~2e-5 of its norm ...
+        assert 0 < relative_error(actual.double(), exact) < 1e-4
+    else:  # the portable kernel: the exact product
+        expected = exact
+    # ... and otherwise only float32 summation differs from float64.
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_int4_kernel_takes_any_output_count(threads: int) -> None:
+    """70 outputs: tiles of four output rows, then single rows, on one or two threads."""
+    kernel = built_int4_kernel()
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(threads)
+    values = torch.randint(0, 16, (70, 96), generator=generator, dtype=torch.uint8)
+    blocks = values.reshape(70, 3, 2, 16)
+    qweight = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(70, 48).contiguous()
+    scale_zero = (torch.randn(70, 3, 2, generator=generator) * 0.1).to(torch.bfloat16)
+    weight = (values.double().reshape(70, 3, 32) - 8) * scale_zero[..., :1].double()
+    weight = (weight + scale_zero[..., 1:].double()).reshape(70, 96)
+    x = torch.randn(3, 96, generator=generator)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        actual = kernel(x, qweight, scale_zero).double()
+    finally:
+        torch.set_num_threads(before)
+    activations = rounded_activations(x).double() if ROUNDS_ACTIVATIONS else x.double()
+    expected = activations @ weight.t()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_native_int4_kernel_refuses_bad_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = built_int4_kernel()
+    assert kernel is not None
+    qweight = torch.zeros(64, 32, dtype=torch.uint8)
+    scale_zero = torch.zeros(64, 2, 2, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="inputs"):
+        kernel(torch.zeros(1, 32), qweight, scale_zero)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel(torch.zeros(1, 64, dtype=torch.bfloat16), qweight, scale_zero)
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        kernel(torch.zeros(1, 64), qweight, torch.zeros(64, 4, 2, dtype=torch.bfloat16))
 
 
 def test_int4_unsupported_shape_falls_back_to_int8() -> None:

@@ -1,0 +1,350 @@
+// exo's int4 decode kernel for x86 CPUs without AVX512 (see ../native_int4.py).
+//
+// y[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (decode), where
+//   w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g],  g = k / group_size,
+// the engine's int4 format (Int4Linear), with q held as blocks of 32 inputs: byte j of a
+// block holds q[32 b + j] in its low nibble and q[32 b + j + 16] in its high nibble (the
+// nibble order of GGUF's Q4_0 / Q4_1 blocks), and (scale, zero) as bfloat16 pairs.
+//
+// With AVX2 (the CPUs this kernel is for) the activations are rounded per block of 32 to
+// int16 with one float scale (largest |x| / 32767), the int4 x int16 products of a block
+// are summed exactly in int32 (vpmaddwd: |sum| <= 32 * 15 * 32767) and scaled once by the
+// block's two scales; the zero term is (zero - 8 scale) times the group's sum of the rounded
+// activations. So the result is exactly the dequantized weights times the rounded
+// activations (summed in another order), and the rounding, at most half a step of 1/32767
+// of the block's largest |x| per value, is far below float16's precision. (llama.cpp rounds
+// activations to int8 for its integer dot products; measured here on SmolLM2-135M that
+// quadrupled the int4 model's KL from float32, 1.1e-3 to 4.5e-3, and broke its greedy
+// "Paris"; int16 costs one more multiply-add per 16 weights.) Four output rows are computed
+// together (independent accumulators; each activation block is loaded once for all four);
+// output rows are split across torch's intra-op threads. Without AVX2 a portable loop
+// computes the float32 product exactly.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define EXO_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+// Activations are rounded to integers in [-kLevels, kLevels] per block (int16).
+constexpr float kLevels = 32767.0f;
+
+inline float bf16_to_float(uint16_t value) {
+  uint32_t bits = static_cast<uint32_t>(value) << 16;
+  float result;
+  std::memcpy(&result, &bits, sizeof(result));
+  return result;
+}
+
+#ifdef EXO_AVX2
+inline float horizontal_sum(__m256 v) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+  return _mm_cvtss_f32(sum);
+}
+
+#endif
+
+#ifdef EXO_AVX2
+// NR output rows at once (independent accumulators, each activation block loaded once for
+// all of them) for ROWS activation rows.
+template <int ROWS, int NR>
+void tile_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
+                  const uint16_t* scale_zero, int64_t groups, int64_t group_size,
+                  const float* offset_sums, float* y, int64_t n_total, int64_t n,
+                  float* scales) {
+  const int64_t blocks = k / kBlock;
+  const int64_t blocks_per_group = group_size / kBlock;
+  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+  // Each row's (scale, zero) pairs, 8 groups per step: the bfloat16 scale is the low half
+  // of a pair's 32 bits (shifted up it is the float32), the zero the high half (masked).
+  float offset_acc[NR][ROWS];
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  for (int i = 0; i < NR; ++i) {
+    const uint16_t* pairs = scale_zero + (n + i) * groups * 2;
+    __m256 offset_vec[ROWS];
+    for (int r = 0; r < ROWS; ++r) offset_vec[r] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 2 * g));
+      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(packed, 16));
+      const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(packed, high_half));
+      _mm256_storeu_ps(scales + i * groups + g, scale);
+      const __m256 offset = _mm256_fnmadd_ps(eight, scale, zero);
+      for (int r = 0; r < ROWS; ++r)
+        offset_vec[r] =
+            _mm256_fmadd_ps(offset, _mm256_loadu_ps(offset_sums + r * groups + g), offset_vec[r]);
+    }
+    for (int r = 0; r < ROWS; ++r) offset_acc[i][r] = horizontal_sum(offset_vec[r]);
+    for (; g < groups; ++g) {
+      const float scale = bf16_to_float(pairs[2 * g]);
+      scales[i * groups + g] = scale;
+      const float offset = bf16_to_float(pairs[2 * g + 1]) - 8.0f * scale;
+      for (int r = 0; r < ROWS; ++r) offset_acc[i][r] += offset * offset_sums[r * groups + g];
+    }
+  }
+  __m256 acc[NR][ROWS];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i low_weights[NR], high_weights[NR];  // q[0..15] and q[16..31] as int16
+    __m256 weight_scales[NR];
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* block = q + (n + i) * (k / 2) + b * 16;
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
+      low_weights[i] = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, low_nibbles));
+      high_weights[i] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles));
+      weight_scales[i] = _mm256_broadcast_ss(scales + i * groups + b / blocks_per_group);
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
+      const __m256i x_low = _mm256_loadu_si256(xv), x_high = _mm256_loadu_si256(xv + 1);
+      const __m256 x_scale = _mm256_broadcast_ss(x_scales + r * blocks + b);
+      for (int i = 0; i < NR; ++i) {
+        const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(low_weights[i], x_low),
+                                              _mm256_madd_epi16(high_weights[i], x_high));
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                    _mm256_mul_ps(x_scale, weight_scales[i]), acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r)
+      y[r * n_total + n + i] = horizontal_sum(acc[i][r]) + offset_acc[i][r];
+}
+
+// Output rows [n0, n1) for ROWS activation rows: tiles of 4 output rows (2 for 3-4
+// activation rows, keeping the accumulators in registers), then one at a time.
+template <int ROWS>
+void rows_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
+                  const uint16_t* scale_zero, int64_t groups, int64_t group_size,
+                  const float* offset_sums, float* y, int64_t n_total, int64_t n0, int64_t n1,
+                  float* scratch) {
+  constexpr int kTile = ROWS <= 2 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + kTile <= n1; n += kTile)
+    tile_avx2_q8<ROWS, kTile>(xq, x_scales, k, q, scale_zero, groups, group_size, offset_sums,
+                              y, n_total, n, scratch);
+  for (; n < n1; ++n)
+    tile_avx2_q8<ROWS, 1>(xq, x_scales, k, q, scale_zero, groups, group_size, offset_sums, y,
+                          n_total, n, scratch);
+}
+#endif
+
+// The same product without vector intrinsics (CPUs without AVX2 + FMA).
+void rows_scalar(const float* x, int64_t rows, int64_t k, const uint8_t* q,
+                 const uint16_t* scale_zero, int64_t groups, int64_t group_size,
+                 const float* offset_sums, float* y, int64_t n_total, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = q + n * (k / 2);
+    const uint16_t* pairs = scale_zero + n * groups * 2;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * k;
+      float total = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float group_sum = 0.0f;
+        for (int64_t i = g * group_size; i < (g + 1) * group_size; i += kBlock) {
+          const uint8_t* block = row + i / 2;
+          for (int j = 0; j < 16; ++j) {
+            group_sum += static_cast<float>(block[j] & 0x0F) * xr[i + j];
+            group_sum += static_cast<float>(block[j] >> 4) * xr[i + j + 16];
+          }
+        }
+        const float scale = bf16_to_float(pairs[2 * g]);
+        const float offset = bf16_to_float(pairs[2 * g + 1]) - 8.0f * scale;
+        total += scale * group_sum + offset * offset_sums[r * groups + g];
+      }
+      y[r * n_total + n] = total;
+    }
+  }
+}
+
+void check_arguments(const at::Tensor& x, const at::Tensor& qweight,
+                     const at::Tensor& scale_zero) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "int4_gemv: x must be a contiguous float32 [rows, in] tensor");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
+              "int4_gemv: qweight must be a contiguous uint8 [out, in / 2] tensor");
+  TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(2) == 2 &&
+                  scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous(),
+              "int4_gemv: scale_zero must be a contiguous bfloat16 [out, groups, 2] tensor");
+  const int64_t k = x.size(1), n = qweight.size(0);
+  const int64_t groups = scale_zero.size(1);
+  TORCH_CHECK(qweight.size(1) * 2 == k, "int4_gemv: x has ", k, " inputs, qweight ",
+              qweight.size(1) * 2);
+  TORCH_CHECK(scale_zero.size(0) == n && groups > 0 && k % groups == 0 &&
+                  (k / groups) % kBlock == 0,
+              "int4_gemv: groups must divide the inputs into multiples of 32");
+}
+
+#ifdef EXO_AVX2
+// Activations per block of 32 as int16 values (round to nearest) and one float scale
+// (largest |x| / 32767; 0 for an all-zero block), and each group's sum of the rounded
+// activations (so the zero term cancels against the same values the products use).
+void quantize_rows(const float* x, int64_t rows, int64_t k, int64_t group_size, int16_t* values,
+                   float* scales, float* group_sums) {
+  const int64_t blocks = k / kBlock;
+  const int64_t blocks_per_group = group_size / kBlock;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* block = x + r * k + b * kBlock;
+      float largest = 0.0f;
+      for (int j = 0; j < kBlock; ++j) largest = std::max(largest, std::abs(block[j]));
+      const float scale = largest / kLevels;
+      scales[r * blocks + b] = scale;
+      int32_t rounded_sum = 0;
+      for (int j = 0; j < kBlock; ++j) {
+        const int16_t value =
+            scale > 0.0f ? static_cast<int16_t>(std::nearbyint(block[j] / scale)) : 0;
+        values[r * k + b * kBlock + j] = value;
+        rounded_sum += value;
+      }
+      float& group_sum = group_sums[r * (k / group_size) + b / blocks_per_group];
+      group_sum = (b % blocks_per_group == 0 ? 0.0f : group_sum) +
+                  static_cast<float>(rounded_sum) * scale;
+    }
+  }
+}
+
+template <int ROWS>
+void rows_at(const int16_t* xq, const float* xs, int64_t k, const uint8_t* q, const uint16_t* sz,
+             int64_t groups, int64_t group_size, const float* sums, float* y, int64_t n,
+             int64_t n0, int64_t n1, float* scratch) {
+  rows_avx2_q8<ROWS>(xq, xs, k, q, sz, groups, group_size, sums, y, n, n0, n1, scratch);
+}
+#endif
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_zero) {
+  check_arguments(x, qweight, scale_zero);
+  const int64_t rows = x.size(0), k = x.size(1), n = qweight.size(0);
+  const int64_t groups = scale_zero.size(1);
+  const int64_t group_size = k / groups;
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = qweight.data_ptr<uint8_t>();
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  // About 128 KiB of activations-times-weights work per task: small enough to balance two
+  // threads on a 576-wide projection, large enough that the thread pool's cost stays small.
+  const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 17) / std::max<int64_t>(k, 1));
+  // Per-call scratch kept by the calling thread (no allocation per call in decode).
+  thread_local std::vector<float> group_sums;
+  group_sums.resize(static_cast<size_t>(rows * groups));
+  float* sums = group_sums.data();
+#ifdef EXO_AVX2
+  const int64_t blocks = k / kBlock;
+  thread_local std::vector<int16_t> quantized;
+  thread_local std::vector<float> x_scales;
+  quantized.resize(static_cast<size_t>(rows * k));
+  x_scales.resize(static_cast<size_t>(rows * blocks));
+  int16_t* xq = quantized.data();
+  float* xs = x_scales.data();
+  quantize_rows(xp, rows, k, group_size, xq, xs, sums);
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    float scratch[4 * 512];  // four rows' scales, up to 512 groups (16,384 inputs)
+    std::vector<float> large;
+    float* tmp = scratch;
+    if (4 * groups > 4 * 512) {
+      large.resize(static_cast<size_t>(4 * groups));
+      tmp = large.data();
+    }
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+      rows_at<4>(xq + r * k, xs + r * blocks, k, qp, sz, groups, group_size, sums + r * groups,
+                 yp + r * n, n, n0, n1, tmp);
+    const int64_t left = rows - r;
+    const int16_t* xr = xq + r * k;
+    const float* sr = xs + r * blocks;
+    if (left == 3)
+      rows_at<3>(xr, sr, k, qp, sz, groups, group_size, sums + r * groups, yp + r * n, n, n0, n1,
+                 tmp);
+    else if (left == 2)
+      rows_at<2>(xr, sr, k, qp, sz, groups, group_size, sums + r * groups, yp + r * n, n, n0, n1,
+                 tmp);
+    else if (left == 1)
+      rows_at<1>(xr, sr, k, qp, sz, groups, group_size, sums + r * groups, yp + r * n, n, n0, n1,
+                 tmp);
+  });
+#else
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.0f;
+      for (int64_t i = 0; i < group_size; ++i) sum += xp[r * k + g * group_size + i];
+      sums[r * groups + g] = sum;
+    }
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    rows_scalar(xp, rows, k, qp, sz, groups, group_size, sums, yp, n, n0, n1);
+  });
+#endif
+  return y;
+}
+
+// RMSNorm over the last dimension of float32 rows, `x / sqrt(mean(x^2) + eps) * weight`
+// (Zhang & Sennrich 2019), in one pass per row: torch's CPU rms_norm runs as ~7 separate
+// operators (pow, mean, add, rsqrt, mul, mul, ...), which dominate a decode step's norms.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "rms_norm: x must be a contiguous float32 [rows, hidden] tensor");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden &&
+                  weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "rms_norm: weight must be a contiguous float32 [hidden] tensor");
+  at::Tensor y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float epsilon = static_cast<float>(eps);
+  auto normalize = [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * hidden;
+      float* out = yp + r * hidden;
+      // Eight partial sums (vectorized by the compiler), then their total.
+      float partial[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      int64_t i = 0;
+      for (; i + 8 <= hidden; i += 8)
+        for (int lane = 0; lane < 8; ++lane) partial[lane] += row[i + lane] * row[i + lane];
+      float squares = 0.0f;
+      for (; i < hidden; ++i) squares += row[i] * row[i];
+      for (int lane = 0; lane < 8; ++lane) squares += partial[lane];
+      const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + epsilon);
+      for (int64_t j = 0; j < hidden; ++j) out[j] = row[j] * inverse * wp[j];
+    }
+  };
+  // One row (decode) is far below a thread hand-off's cost; prefill rows are split.
+  if (rows * hidden < (int64_t{1} << 16)) {
+    normalize(0, rows);
+  } else {
+    at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t{1} << 15) / hidden), normalize);
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(exo_native, m) {
+  m.def("int4_gemv(Tensor x, Tensor qweight, Tensor scale_zero) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(exo_native, CPU, m) {
+  m.impl("int4_gemv", &int4_gemv);
+  m.impl("rms_norm", &rms_norm);
+}
