@@ -15,8 +15,9 @@ What is measured is what the engine runs (`exo.worker.engines.torch.quantize`), 
 thread count its runners use (`runner_threads`: torch's default capped by the CPUs this
 process may run on, as the engine does):
 - int4 decode: `aten._weight_int4pack_mm_for_cpu` on one bfloat16 row against
-  `[INT4_OUTPUTS, INT4_INPUTS]` packed weights, cycled over copies whose total exceeds the
-  last-level cache (the weights of a decode step come from memory, not cache);
+  `[INT4_OUTPUTS, INT4_INPUTS]` packed weights (exo's own kernel on a float32 row where the
+  engine runs it, `native_int4`), cycled over copies whose total exceeds the last-level
+  cache (the weights of a decode step come from memory, not cache);
 - int8 decode: `aten._weight_int8pack_mm` likewise (the engine's LM head);
 - memory copy: `Tensor.copy_` of `COPY_BYTES`, counted as bytes read plus written;
 - bfloat16 / float32 matmul FLOP/s at `[MATMUL_ROWS, MATMUL_INNER] @ [MATMUL_INNER,
@@ -52,7 +53,7 @@ from exo.shared.constants import exo_home
 from exo.shared.types.nodes import NodeSpeed
 
 # Bump when what is measured changes: cached figures of an older probe are measured again.
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 CACHE_FILE_NAME = "speed_probe.json"
 # Seconds of timed repetitions per figure (after one warm-up call).
 PROBE_SECONDS = 0.2
@@ -157,6 +158,11 @@ def _int4_weights(outputs: int, inputs: int) -> tuple[Any, Any]:
 def _int4_decode_bytes_per_second(working_set: int) -> float:
     import torch
 
+    from exo.worker.engines.torch.native_int4 import native_int4_kernel
+
+    kernel = native_int4_kernel()
+    if kernel is not None:  # this CPU's int4 layers run exo's kernel (AVX2)
+        return _native_int4_bytes_per_second(kernel, working_set)
     packed, scales_and_zeros = _int4_weights(INT4_OUTPUTS, INT4_INPUTS)
     matrix_bytes = packed.numel() * packed.element_size() + scales_and_zeros.numel() * 2
     copies = max(1, -(-working_set // matrix_bytes))
@@ -166,6 +172,28 @@ def _int4_decode_bytes_per_second(working_set: int) -> float:
     def step() -> None:
         for block, scale_zero in weights:
             torch._weight_int4pack_mm_for_cpu(row, block, INT4_GROUP_SIZE, scale_zero)
+
+    return copies * matrix_bytes / _fastest_seconds(step)
+
+
+def _native_int4_bytes_per_second(kernel: Callable[..., Any], working_set: int) -> float:
+    """`_int4_decode_bytes_per_second` for exo's kernel: its block layout, float32 rows."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    packed = torch.randint(
+        0, 256, (INT4_OUTPUTS, INT4_INPUTS // 2), dtype=torch.uint8, generator=generator
+    )
+    groups = INT4_INPUTS // INT4_GROUP_SIZE
+    scale_zero = torch.rand(INT4_OUTPUTS, groups, 2, generator=generator).to(torch.bfloat16)
+    matrix_bytes = packed.numel() + scale_zero.numel() * 2
+    copies = max(1, -(-working_set // matrix_bytes))
+    weights = [(packed.clone(), scale_zero.clone()) for _ in range(copies)]
+    row = torch.rand(1, INT4_INPUTS, generator=generator)
+
+    def step() -> None:
+        for block, pairs in weights:
+            kernel(row, block, pairs)
 
     return copies * matrix_bytes / _fastest_seconds(step)
 

@@ -169,3 +169,30 @@ def test_figures_from_a_busy_machine_are_measured_again_keeping_the_best(
     assert quiet.speed.layer_overhead_seconds == SPEED.layer_overhead_seconds
     # Settled: the next start reads it without measuring (the iterator is spent).
     assert cached_node_speed(path=path) == quiet
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_int4_decode_is_measured_on_the_kernel_the_engine_runs(
+    native: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from exo.worker.engines.torch import native_int4
+
+    monkeypatch.setenv(native_int4.NATIVE_INT4_ENV, native)
+    calls: list[tuple[torch.Size, torch.dtype]] = []
+    kernel = native_int4.built_int4_kernel()
+    assert kernel is not None
+
+    def counting(row: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+        calls.append((packed.shape, row.dtype))
+        return kernel(row, packed, pairs)
+
+    monkeypatch.setattr(native_int4, "built_int4_kernel", lambda: counting)
+    rate = speed_probe._int4_decode_bytes_per_second(1 << 20)
+    assert rate > 0
+    if native == "1":
+        assert calls and calls[0] == (
+            (speed_probe.INT4_OUTPUTS, speed_probe.INT4_INPUTS // 2),
+            torch.float32,
+        )
+    else:
+        assert calls == []  # torch's kernel
