@@ -121,7 +121,11 @@ def fuse_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
         offset = 0
         for part_split in split:
             rows = slice(offset, offset + part_split.out_features)
-            part_split.planes.packed = fused_split.planes.packed[rows]
+            if fused_split._native:  # int8 block values (exo's kernels)
+                part_split.values = fused_split.values[rows]
+                part_split.scale_zero = fused_split.scale_zero[rows]
+            else:
+                part_split.planes.packed = fused_split.planes.packed[rows]
             if part_split.bias is not None and fused_split.bias is not None:
                 part_split.bias = fused_split.bias[rows]
             offset += part_split.out_features

@@ -24,9 +24,10 @@ bfloat16 (`lean_parts.bf16_activations_wanted`), a norm's output is cast to bflo
 and the int4/int8 kernels take and give bfloat16 directly (the MLP stays bfloat16 from the
 gate/up matmul to the down matmul); attention runs in the KV cache's dtype (float32). Without
 native bfloat16 every activation is float32 and the quantized modules cast around their kernel
-(what they did before), except exo's own int4 kernel (AVX2 CPUs), which takes float32 rows. Fusing Q/K/V and gate/up follows gpt-fast (`wqkv`, `w1`/`w3`) and
-vLLM (`QKVParallelLinear`, `MergedColumnParallelLinear`); on a tensor rank the rank's slices
-are fused, after the split.
+(what they did before), except exo's own int4 kernel (AVX2 CPUs), which takes float32
+rows. Fusing Q/K/V and gate/up follows gpt-fast (`wqkv`, `w1`/`w3`) and vLLM
+(`QKVParallelLinear`, `MergedColumnParallelLinear`); on a tensor rank the rank's slices are
+fused, after the split.
 """
 
 from __future__ import annotations

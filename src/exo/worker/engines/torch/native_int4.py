@@ -120,6 +120,17 @@ def built_int4_kernel() -> Int4Gemv | None:
     return kernel
 
 
+def built_int8_block_kernel() -> Int4Gemv | None:
+    """`int8_block_gemv(x [rows, in] float32, values [out, in] int8, scale_zero [out,
+    in / 32, 2] bfloat16) -> [rows, out] float32`, `w = (v - 8) * scale + zero` per block of
+    32 (GGUF's 8- and 5-bit blocks), from the same library as `built_int4_kernel`; None
+    where that could not be built."""
+    if built_int4_kernel() is None:
+        return None
+    kernel: Int4Gemv = torch.ops.exo_native.int8_block_gemv
+    return kernel
+
+
 def _flags() -> list[str]:
     # OpenMP: torch's `at::parallel_for` is inlined into the extension and only spreads
     # work over the intra-op threads when the extension is compiled with it.

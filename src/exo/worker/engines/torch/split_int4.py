@@ -30,7 +30,14 @@ import numpy as np
 import torch
 
 from exo.shared.models.memory import INT4_BLOCK_OUTPUTS as _BLOCK_OUTPUTS
+from exo.worker.engines.torch.native_int4 import (
+    ROUNDS_ACTIVATIONS,
+    built_int8_block_kernel,
+    native_int4_kernel,
+    rounded_activations,
+)
 from exo.worker.engines.torch.quantize import (
+    NATIVE_MAX_ROWS,
     Int4Linear,
     QuantizedLinear,
     int4_linear_from_groups,
@@ -90,7 +97,11 @@ def _nibbles(values: torch.Tensor) -> torch.Tensor:
 
 class SplitInt4Linear(QuantizedLinear):
     """A GGUF Q8_0 / Q5_0 / Q5_1 weight `[out, in]` held exactly as two int4 planes (see the
-    module docstring); `planes` is the `Int4Linear` over `[out, 2 * in]`.
+    module docstring); `planes` is the `Int4Linear` over `[out, 2 * in]`. Where exo's own
+    kernels run (`native_int4`, AVX2 CPUs), the block integers are held instead as they are,
+    int8 `values` `[out, in]` with bfloat16 `scale_zero` `[out, in / 32, 2]`, `w = (v - 8) *
+    scale + zero` (scale d, zero 8d + m: rounded exactly as the low plane's), `native` True:
+    1.125 bytes per weight, one kernel pass over each weight instead of two.
 
     Args:
         values: integers `[out, in]` in [-128, 127] (any integer dtype).
@@ -116,9 +127,20 @@ class SplitInt4Linear(QuantizedLinear):
         values = values.to(torch.int32)
         if values.numel() and (int(values.min()) < -128 or int(values.max()) > 127):
             raise ValueError("split int4 planes hold integers in [-128, 127]")
+        scales, offsets = scales.float(), offsets.float()
+        self._native = native_int4_kernel() is not None
+        self.values: torch.Tensor
+        self.scale_zero: torch.Tensor
+        if self._native:
+            if in_features % BLOCK or scales.shape != (out_features, in_features // BLOCK):
+                raise ValueError(f"blocks of {BLOCK} do not fit a {tuple(values.shape)} weight")
+            self.register_buffer("values", values.to(torch.int8))
+            zeros = 8.0 * scales + offsets
+            pairs = torch.stack([scales, zeros], dim=-1).to(torch.bfloat16).contiguous()
+            self.register_buffer("scale_zero", pairs)
+            return
         low = values & 15  # two's complement: v mod 16, also for negative v
         high = (values - low) >> 4  # in [-8, 7]
-        scales, offsets = scales.float(), offsets.float()
         self.planes = int4_linear_from_groups(
             torch.cat([_nibbles(high + 8), _nibbles(low)], dim=1),
             torch.cat([16.0 * scales, scales], dim=1),
@@ -132,6 +154,7 @@ class SplitInt4Linear(QuantizedLinear):
         split = cls.__new__(cls)
         QuantizedLinear.__init__(split, planes.in_features // 2, planes.out_features, bias)
         split.planes = planes
+        split._native = False
         return split
 
     @classmethod
@@ -145,14 +168,40 @@ class SplitInt4Linear(QuantizedLinear):
         if any(bias is None for bias in biases) and not all(bias is None for bias in biases):
             raise ValueError("cannot fuse linears where only some have a bias")
         bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
+        if len({part._native for part in parts}) != 1:
+            raise ValueError("split linears in different layouts cannot be fused")
+        if parts[0]._native:
+            if len({part.in_features for part in parts}) != 1:
+                raise ValueError("linears with different input widths cannot be fused")
+            fused = cls.__new__(cls)
+            out_features = sum(part.out_features for part in parts)
+            QuantizedLinear.__init__(fused, parts[0].in_features, out_features, bias)
+            fused._native = True
+            fused.register_buffer("values", torch.cat([part.values for part in parts]))
+            fused.register_buffer("scale_zero", torch.cat([p.scale_zero for p in parts]))
+            return fused
         planes = Int4Linear.concatenate([part.planes for part in parts])
         return cls.from_planes(planes, bias)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native:
+            return self._native_matmul(x)
         return self.planes._fused(torch.cat((x, x), dim=-1))
 
+    def _native_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        kernel = built_int8_block_kernel()
+        assert kernel is not None
+        return kernel(rows.float().contiguous(), self.values, self.scale_zero).to(rows.dtype)
+
     def dequantize_float(self) -> torch.Tensor:
-        """The weight as `[out, in]` float32, exact: the two planes added in float32."""
+        """The weight as `[out, in]` float32, exact: the two planes added in float32 (or
+        the held block integers times their scales plus offsets)."""
+        if self._native:
+            blocks = self.values.float().reshape(self.out_features, -1, BLOCK)
+            pairs = self.scale_zero.float()
+            offsets = pairs[..., 1:] - 8.0 * pairs[..., :1]
+            weight = torch.addcmul(offsets, blocks, pairs[..., :1])
+            return weight.reshape(self.out_features, self.in_features)
         planes = self.planes.dequantize_float()
         return planes[:, : self.in_features] + planes[:, self.in_features :]
 
@@ -167,7 +216,7 @@ class SplitInt4Linear(QuantizedLinear):
         nibble at the same place of the same byte, so two byte operations per pair of
         bytes give the int8 values of 64 channels at once.
         """
-        if self.planes.native:
+        if self.native:
             return self.dequantize_float().to(torch.bfloat16).t()
         blocks = self.out_features // _BLOCK_OUTPUTS
         groups = self.in_features // self.planes.group_size
@@ -200,10 +249,16 @@ class SplitInt4Linear(QuantizedLinear):
 
     @property
     def native(self) -> bool:
-        """Whether the planes are in exo's layout (its kernel takes float32 rows)."""
-        return self.planes.native
+        """Whether exo's kernels run this weight (they take float32 rows)."""
+        return self._native or self.planes.native
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._native:  # the kernel for decode; prefill: its sum by one matmul
+            if rows.shape[0] <= NATIVE_MAX_ROWS:
+                return self._native_matmul(rows)
+            activations = rounded_activations(rows.float()) if ROUNDS_ACTIVATIONS else rows
+            out = torch.nn.functional.linear(activations.float(), self.dequantize_float())
+            return out.to(rows.dtype)
         if self.planes.native:  # the planes' own rule for any row count (see Int4Linear)
             return self.planes.matmul(torch.cat((rows, rows), dim=-1))
         if not self.planes._unpack_ok:  # another packed layout: the fused kernel only
@@ -211,7 +266,7 @@ class SplitInt4Linear(QuantizedLinear):
         return super().matmul(rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.planes.native:
+        if not self.native:
             return super().forward(x)
         rows = x.reshape(-1, self.in_features).float()
         result = self.matmul(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)

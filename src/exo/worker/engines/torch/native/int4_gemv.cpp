@@ -297,6 +297,142 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
   return y;
 }
 
+// GGUF's 8- and 5-bit blocks (Q8_0, Q5_0, Q5_1): w[n, k] = (v[n, k] - 8) * scale[n, b] +
+// zero[n, b] per block b of 32 inputs (the int4 convention; GGUF's d * v + m is scale d,
+// zero 8d + m, which bfloat16 holds exactly for Q8_0 / Q5_0), v in [-128, 127] held as int8
+// (1 byte per weight plus 4 per block: 1.125 bytes, where torch's kernels hold them as two
+// int4 planes at 1.25 and twice the work). Same scheme as int4_gemv: int16 activations per
+// block, int32 products, (zero - 8 scale) times the block's sum of rounded activations.
+#ifdef EXO_AVX2
+template <int ROWS, int NR>
+void tile_avx2_int8(const int16_t* xq, const float* x_scales, const float* block_sums,
+                    int64_t k, const int8_t* v, const uint16_t* scale_zero, float* y,
+                    int64_t n_total, int64_t n) {
+  const int64_t blocks = k / kBlock;
+  __m256 acc[NR][ROWS];
+  float offset_acc[NR][ROWS];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r) {
+      acc[i][r] = _mm256_setzero_ps();
+      offset_acc[i][r] = 0.0f;
+    }
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i low[NR], high[NR];
+    __m256 weight_scales[NR];
+    float offsets[NR];
+    for (int i = 0; i < NR; ++i) {
+      const int8_t* block = v + (n + i) * k + b * kBlock;
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
+      low[i] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
+      high[i] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
+      const uint16_t* pair = scale_zero + ((n + i) * blocks + b) * 2;
+      const float scale = bf16_to_float(pair[0]);
+      weight_scales[i] = _mm256_set1_ps(scale);
+      offsets[i] = bf16_to_float(pair[1]) - 8.0f * scale;
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
+      const __m256i x_low = _mm256_loadu_si256(xv), x_high = _mm256_loadu_si256(xv + 1);
+      const __m256 x_scale = _mm256_broadcast_ss(x_scales + r * blocks + b);
+      const float block_sum = block_sums[r * blocks + b];
+      for (int i = 0; i < NR; ++i) {
+        const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(low[i], x_low),
+                                              _mm256_madd_epi16(high[i], x_high));
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                    _mm256_mul_ps(x_scale, weight_scales[i]), acc[i][r]);
+        offset_acc[i][r] += offsets[i] * block_sum;
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r)
+      y[r * n_total + n + i] = horizontal_sum(acc[i][r]) + offset_acc[i][r];
+}
+
+template <int ROWS>
+void rows_avx2_int8(const int16_t* xq, const float* xs, const float* sums, int64_t k,
+                    const int8_t* v, const uint16_t* so, float* y, int64_t n_total, int64_t n0,
+                    int64_t n1) {
+  constexpr int kTile = ROWS <= 2 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + kTile <= n1; n += kTile)
+    tile_avx2_int8<ROWS, kTile>(xq, xs, sums, k, v, so, y, n_total, n);
+  for (; n < n1; ++n) tile_avx2_int8<ROWS, 1>(xq, xs, sums, k, v, so, y, n_total, n);
+}
+#endif
+
+at::Tensor int8_block_gemv(const at::Tensor& x, const at::Tensor& values,
+                           const at::Tensor& scale_zero) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "int8_block_gemv: x must be a contiguous float32 [rows, in] tensor");
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kChar && values.is_contiguous(),
+              "int8_block_gemv: values must be a contiguous int8 [out, in] tensor");
+  const int64_t rows = x.size(0), k = x.size(1), n = values.size(0);
+  TORCH_CHECK(values.size(1) == k && k % kBlock == 0, "int8_block_gemv: x has ", k,
+              " inputs, values ", values.size(1), " (a multiple of 32 is needed)");
+  TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(0) == n &&
+                  scale_zero.size(1) == k / kBlock && scale_zero.size(2) == 2 &&
+                  scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous(),
+              "int8_block_gemv: scale_zero must be a contiguous bfloat16 [out, in / 32, 2] "
+              "tensor");
+  at::Tensor y = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return y;
+  const int64_t blocks = k / kBlock;
+  const float* xp = x.data_ptr<float>();
+  const int8_t* vp = values.data_ptr<int8_t>();
+  const uint16_t* so = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / std::max<int64_t>(k, 1));
+  thread_local std::vector<float> block_sums;
+  block_sums.resize(static_cast<size_t>(rows * blocks));
+  float* sums = block_sums.data();
+#ifdef EXO_AVX2
+  thread_local std::vector<int16_t> quantized;
+  thread_local std::vector<float> x_scales;
+  quantized.resize(static_cast<size_t>(rows * k));
+  x_scales.resize(static_cast<size_t>(rows * blocks));
+  int16_t* xq = quantized.data();
+  float* xs = x_scales.data();
+  quantize_rows(xp, rows, k, kBlock, xq, xs, sums);
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+      rows_avx2_int8<4>(xq + r * k, xs + r * blocks, sums + r * blocks, k, vp, so, yp + r * n,
+                        n, n0, n1);
+    const int64_t left = rows - r;
+    const int16_t* xr = xq + r * k;
+    const float* sr = xs + r * blocks;
+    const float* br = sums + r * blocks;
+    if (left == 3)
+      rows_avx2_int8<3>(xr, sr, br, k, vp, so, yp + r * n, n, n0, n1);
+    else if (left == 2)
+      rows_avx2_int8<2>(xr, sr, br, k, vp, so, yp + r * n, n, n0, n1);
+    else if (left == 1)
+      rows_avx2_int8<1>(xr, sr, br, k, vp, so, yp + r * n, n, n0, n1);
+  });
+#else
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t o = n0; o < n1; ++o)
+      for (int64_t r = 0; r < rows; ++r) {
+        float total = 0.0f;
+        for (int64_t b = 0; b < blocks; ++b) {
+          const uint16_t* pair = so + (o * blocks + b) * 2;
+          float dot = 0.0f, sum = 0.0f;
+          for (int j = 0; j < kBlock; ++j) {
+            const float xv = xp[r * k + b * kBlock + j];
+            dot += static_cast<float>(vp[o * k + b * kBlock + j]) * xv;
+            sum += xv;
+          }
+          const float scale = bf16_to_float(pair[0]);
+          total += scale * dot + (bf16_to_float(pair[1]) - 8.0f * scale) * sum;
+        }
+        yp[r * n + o] = total;
+      }
+  });
+#endif
+  return y;
+}
+
 // RMSNorm over the last dimension of float32 rows, `x / sqrt(mean(x^2) + eps) * weight`
 // (Zhang & Sennrich 2019), in one pass per row: torch's CPU rms_norm runs as ~7 separate
 // operators (pow, mean, add, rsqrt, mul, mul, ...), which dominate a decode step's norms.
@@ -342,9 +478,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 TORCH_LIBRARY(exo_native, m) {
   m.def("int4_gemv(Tensor x, Tensor qweight, Tensor scale_zero) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("int8_block_gemv(Tensor x, Tensor values, Tensor scale_zero) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exo_native, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("rms_norm", &rms_norm);
+  m.impl("int8_block_gemv", &int8_block_gemv);
 }

@@ -18,6 +18,11 @@ from exo.shared.types.shards import PipelineShardMetadata, TensorShardMetadata
 from exo.testing.random_gguf import RandomGgufShape, write_random_gguf
 from exo.worker.engines.torch.fusion import fuse_linears
 from exo.worker.engines.torch.loading import load_model
+from exo.worker.engines.torch.native_int4 import (
+    ROUNDS_ACTIVATIONS,
+    built_int8_block_kernel,
+    rounded_activations,
+)
 from exo.worker.engines.torch.split_int4 import BlockPart, SplitInt4Linear, block_values
 from exo.worker.engines.torch.tests.conftest import torch_layout_unpacks
 
@@ -39,6 +44,11 @@ def blocks_of(type_name: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def plane_values(linear: SplitInt4Linear) -> torch.Tensor:
     """The float32 weight `[out, in]` the two planes hold: `(q - 8) * scale + zero` per
     group of each plane (bfloat16 scales and zeros as held), the planes added."""
+    if linear._native:  # the block integers as they are, with (scale, offset) pairs
+        pairs = linear.scale_zero.float()
+        blocks = linear.values.float().reshape(linear.out_features, -1, 32)
+        weight = (blocks - 8.0) * pairs[..., :1] + pairs[..., 1:]
+        return weight.reshape(linear.out_features, linear.in_features)
     planes = linear.planes
     q = planes._unpack().float()  # [out, 2 in]
     scale_zero = planes.scale_zero_by_output().float()  # [out, groups, 2]
@@ -217,3 +227,29 @@ def test_tensor_parallel_ranks_split_the_planes(repacked: Path) -> None:
         local = layer.mlp.down_proj.local
         assert isinstance(local, SplitInt4Linear)
         assert torch.equal(local.dequantize(), whole.mlp.down_proj.dequantize()[:, columns])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_block_kernel_computes_its_documented_product(rows: int, threads: int) -> None:
+    """exo's int8 block kernel: `(v - 8) * scale + zero` per block of 32 times the
+    activations as the kernel rounds them; 70 outputs leave tiles with remainders."""
+    kernel = built_int8_block_kernel()
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(rows * 10 + threads)
+    values = torch.randint(-128, 128, (70, 96), generator=generator, dtype=torch.int8)
+    scale_zero = (torch.randn(70, 3, 2, generator=generator) * 0.01).to(torch.bfloat16)
+    pairs = scale_zero.double()
+    weight = (values.double().reshape(70, 3, 32) - 8) * pairs[..., :1] + pairs[..., 1:]
+    x = torch.randn(rows, 96, generator=generator)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        actual = kernel(x, values, scale_zero).double()
+    finally:
+        torch.set_num_threads(before)
+    activations = rounded_activations(x).double() if ROUNDS_ACTIVATIONS else x.double()
+    expected = activations @ weight.reshape(70, 96).t()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernel(torch.zeros(1, 80), torch.zeros(70, 80, dtype=torch.int8), scale_zero)
