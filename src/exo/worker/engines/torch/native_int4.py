@@ -164,7 +164,6 @@ def _built_library() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if library.exists():  # built by another process while this one waited
             return library
-        _put_ninja_on_path()
         with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=root) as build:
             script = (
                 "import sys\n"
@@ -176,6 +175,7 @@ def _built_library() -> Path:
             done = subprocess.run(
                 [sys.executable, "-c", script, name, str(_SOURCE), build, " ".join(flags)],
                 capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False,
+                env=_build_environment(),
             )  # fmt: skip
             built = Path(build) / f"{name}.so"
             if done.returncode != 0 or not built.exists():
@@ -185,10 +185,10 @@ def _built_library() -> Path:
     return library
 
 
-def _put_ninja_on_path() -> None:
-    """torch's builder runs `ninja` from PATH: add the `ninja` package's directory and this
-    interpreter's (a virtual environment's bin, where pip put it) for a node started
-    without activating its environment."""
+def _build_environment() -> dict[str, str]:
+    """This process's environment with `ninja` findable: torch's builder runs it from PATH,
+    so the `ninja` package's directory and this interpreter's (a virtual environment's bin,
+    where pip put it) go first, for a node started without activating its environment."""
     directories = [str(Path(sys.executable).parent)]
     try:
         import ninja
@@ -198,8 +198,7 @@ def _put_ninja_on_path() -> None:
         pass
     path = os.environ.get("PATH", "").split(os.pathsep)
     missing = [directory for directory in directories if directory not in path]
-    if missing:
-        os.environ["PATH"] = os.pathsep.join([*missing, *path])
+    return {**os.environ, "PATH": os.pathsep.join([*missing, *path])}
 
 
 def _cache_root() -> Path:

@@ -42,7 +42,8 @@ WEIGHT_DTYPES: tuple[WeightDtype, ...] = ("float32", "int8", "int4")
 _INT4_BLOCK_N = INT4_BLOCK_OUTPUTS  # output channels per block of the AVX512 int4 layout
 _INT8_ROWS_PER_STEP = 4096
 # Rows up to which exo's int4 kernel (`native_int4`) runs; more rows dequantize the weight
-# to float32 for one matmul (measured crossover on a 2-core AVX2 EPYC).
+# to float32 for one matmul. A chosen bound, not a measured crossover: decode batches (up to
+# 8 requests here) stay on the kernel and prefill chunks (>= 128 rows) take the matmul.
 NATIVE_MAX_ROWS = 16
 
 

@@ -222,3 +222,31 @@ def test_real_default_engine_is_int4(real_engine: TorchEngine) -> None:
     # The Paris test in test_engine.py runs on this engine: the default format answers it.
     assert real_engine.weight_dtype == "int4"
     assert any(isinstance(module, QuantizedLinear) for module in real_engine.model.modules())
+
+
+def test_a_kernel_that_does_not_build_leaves_torch_kernels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed build (here: a source that does not compile, as a missing compiler would
+    fail) logs the cause and returns None; int4 layers then hold torch's layout."""
+    from loguru import logger
+
+    from exo.worker.engines.torch import native_int4
+
+    broken = tmp_path / "int4_gemv.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(native_int4, "_SOURCE", broken)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(NATIVE_INT4_ENV, "1")
+    warnings: list[str] = []
+    sink = logger.add(lambda message: warnings.append(str(message)), level="WARNING")
+    native_int4.built_int4_kernel.cache_clear()
+    try:
+        assert native_int4.built_int4_kernel() is None
+        assert native_int4.native_int4_kernel() is None
+        assert not Int4Linear(random_linear(64, 64)).native
+    finally:
+        logger.remove(sink)
+        native_int4.built_int4_kernel.cache_clear()  # the next test loads the real one
+    assert any("could not be built" in line for line in warnings)
+    assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built left in place
