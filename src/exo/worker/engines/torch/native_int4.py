@@ -36,6 +36,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -164,6 +165,8 @@ def _built_library() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if library.exists():  # built by another process while this one waited
             return library
+        logger.info("building exo's native kernels (once per machine, ~15 s) into {}", root)
+        started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=root) as build:
             script = (
                 "import sys\n"
@@ -182,6 +185,7 @@ def _built_library() -> Path:
                 output = (done.stderr or done.stdout).strip().splitlines()[-3:]
                 raise RuntimeError(" / ".join(output) or f"exit code {done.returncode}")
             os.replace(built, library)
+        logger.info("built exo's native kernels in {:.0f} s", time.monotonic() - started)
     return library
 
 
