@@ -49,7 +49,9 @@ from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, Tensor
 from exo.shared.types.state import State
 
 # Rank 0 of a multi-node instance listens on a port derived from the instance id.
-RENDEZVOUS_PORT_BASE = 40000
+# Below Linux's ephemeral range (32768-60999): a port the OS hands to an outgoing connection
+# (or to a test's free-port probe) can never be the one a group meets on.
+RENDEZVOUS_PORT_BASE = 20000
 RENDEZVOUS_PORT_SPAN = 10000
 # Groups larger than this are not enumerated (the number of groups grows combinatorially).
 MAX_GROUP_SIZE = 8
@@ -98,7 +100,7 @@ def runner_id_for(instance_id: InstanceId, rank: int, runner_tag: str = "") -> R
 
 
 def rendezvous_port(instance_id: InstanceId, runner_tag: str = "") -> int:
-    """Rank 0's port: in [40000, 50000), from the instance id (and the re-placement's
+    """Rank 0's port: in [20000, 30000), from the instance id (and the re-placement's
     tag, so a new group never meets on the port the broken one used)."""
     key = f"{instance_id}-{runner_tag}" if runner_tag else instance_id
     digest = hashlib.sha256(key.encode()).digest()

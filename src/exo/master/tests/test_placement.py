@@ -305,7 +305,7 @@ def test_previews_without_nodes_say_so() -> None:
 
 def test_instance_ids_decide_the_rendezvous_port() -> None:
     assert rendezvous_port(InstanceId("a")) == rendezvous_port(InstanceId("a"))
-    assert 40000 <= rendezvous_port(InstanceId("b")) < 50000
+    assert 20000 <= rendezvous_port(InstanceId("b")) < 30000
     assert ModelId(CARD.model_id) == CARD.model_id
 
 
