@@ -46,16 +46,20 @@ from exo.worker.engines.torch.lean_parts import (
     Activation,
     LeanUnsupportedError,
     Projection,
+    activation_code,
     bf16_activations_wanted,
     mlp_activation,
     norm_weight,
     rotary_tables,
 )
+from exo.worker.engines.torch.native_int4 import native_int4_kernel
 from exo.worker.engines.torch.quantize import QuantizedLinear
 from exo.worker.engines.torch.sharding import AbsentModule
 
 # "0": keep transformers' forward on the serving path (for A/B measurements and debugging).
 LEAN_ENV = "EXO_LEAN_FORWARD"
+# "0": decode steps run the lean forward's torch operators instead of exo's decode layer.
+NATIVE_DECODE_ENV = "EXO_NATIVE_DECODE"
 
 _Norm = tuple[torch.Tensor, float]  # (offset + weight float32, eps)
 
@@ -69,9 +73,9 @@ class LeanLayer:
     """
 
     __slots__ = (
-        "activation", "down", "gate_up", "head_dim", "heads", "input_norm", "intermediate",
-        "kv_heads", "output", "post_attention_norm", "post_mlp_norm", "pre_mlp_norm",
-        "qk_norm", "qkv", "rope", "scaling",
+        "activation", "decode_arguments", "down", "gate_up", "head_dim", "heads",
+        "input_norm", "intermediate", "kv_heads", "output", "post_attention_norm",
+        "post_mlp_norm", "pre_mlp_norm", "qk_norm", "qkv", "rope", "scaling",
     )  # fmt: skip
 
     def __init__(self, layer: nn.Module, family: ModelFamily, bf16: bool, rope: int) -> None:
@@ -119,6 +123,30 @@ class LeanLayer:
                 [q_weight.expand(self.heads, -1), k_weight.expand(self.kv_heads, -1)]
             )  # [heads + kv_heads, head_dim]
             self.qk_norm = (weight, eps)
+        self.decode_arguments = self._decode_arguments()
+
+    def _decode_arguments(self) -> _DecodeArguments | None:
+        """The `linears`, `norms`, `eps` and `activation` arguments of exo's decode layer
+        (`native/decode_layer.cpp`), or None where a projection cannot run there."""
+        linears: list[torch.Tensor | None] = []
+        for projection in (self.qkv, self.output, self.gate_up, self.down):
+            tensors = projection.decode_tensors()
+            if tensors is None:
+                return None
+            linears += tensors
+        norms: list[torch.Tensor | None] = []
+        epsilons: list[float] = []
+        for norm in (
+            self.input_norm, self.pre_mlp_norm, self.post_attention_norm, self.post_mlp_norm,
+            self.qk_norm,
+        ):  # fmt: skip
+            norms.append(None if norm is None else norm[0].contiguous())
+            epsilons.append(0.0 if norm is None else norm[1])
+        return linears, norms, epsilons, activation_code(self.activation)
+
+
+# linears (weight, scale_zero, bias per projection), norms, epsilons, activation code.
+_DecodeArguments = tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[float], int]
 
 
 def _parent(layer: nn.Module, path: str) -> nn.Module:
@@ -183,6 +211,15 @@ class LeanModel:
         softcap = getattr(text_config, "final_logit_softcapping", None)
         self._softcap = float(softcap) if softcap else None
         self._cache_dtype = torch.float32
+        # exo's decode layer (one C++ call per layer for decode-only steps) where its
+        # kernels run and every layer's projections are held in a form it reads.
+        self._decode_layer: Any = None
+        if (
+            os.environ.get(NATIVE_DECODE_ENV) != "0"
+            and native_int4_kernel() is not None
+            and all(layer.decode_arguments is not None for layer in self.layers)
+        ):
+            self._decode_layer = torch.ops.exo_native.decode_layer
 
     @torch.inference_mode()
     def __call__(
@@ -209,8 +246,14 @@ class LeanModel:
             x = hidden.float().clone()
         cache_dtype = plan.cache.keys[0].dtype if plan.cache.keys else torch.float32
         tables = self._rotary_tables(x, position_ids, cache_dtype)
-        for index, layer in enumerate(self.layers):
-            self._layer(plan, index, layer, x, tables[layer.rope], cache_dtype)
+        if (
+            self._decode_layer is not None and not plan.prefill and plan.decode_slots
+            and cache_dtype == torch.float32
+        ):  # fmt: skip
+            self._decode_layers(plan, x, tables)
+        else:
+            for index, layer in enumerate(self.layers):
+                self._layer(plan, index, layer, x, tables[layer.rope], cache_dtype)
         if logit_rows is None:
             return x
         assert self._head is not None and self._final_norm is not None
@@ -243,6 +286,32 @@ class LeanModel:
                 cos, sin = self._rotary(probe, positions, kind)
             tables.append(rotary_tables(cos[0], sin[0], head_dim))
         return tables
+
+    def _decode_layers(
+        self,
+        plan: BatchPlan,
+        x: torch.Tensor,
+        tables: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Every layer of a decode-only step (rows = the plan's decode slots, in order) by
+        exo's decode layer, over `x` `[D, hidden]` float32 in place."""
+        rows = x.shape[0]
+        flat = [
+            (cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous(), perm)
+            for cos, sin, perm in tables
+        ]
+        slots, positions = plan.decode_slots, plan.decode_positions
+        cache = plan.cache
+        for index, layer in enumerate(self.layers):
+            assert layer.decode_arguments is not None
+            linears, norms, epsilons, activation = layer.decode_arguments
+            cos, sin, perm = flat[layer.rope]
+            window = plan.windows[index]
+            self._decode_layer(
+                x, linears, norms, epsilons, cache.keys[index], cache.values[index], slots,
+                positions, cos, sin, perm, layer.heads, layer.kv_heads, layer.head_dim,
+                activation, window or 0, layer.scaling,
+            )  # fmt: skip
 
     def _layer(
         self,

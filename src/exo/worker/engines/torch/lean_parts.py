@@ -13,6 +13,7 @@ import functools
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +129,28 @@ class Projection:
             return torch.bfloat16
         return torch.float32
 
+    def decode_tensors(self) -> list[torch.Tensor | None] | None:
+        """`[weight, scale_zero, bias]` as exo's decode layer (`native/decode_layer.cpp`)
+        reads them: exo's int4 blocks (uint8 `[out, in / 2]`) or int8 blocks (int8 `[out,
+        in]`) with their bfloat16 (scale, zero) pairs, or a dense weight with None; bias
+        float32 `[out]` or None. None where that layer cannot run it: torch's int4 layout,
+        a row-parallel (all-reduced) linear, unfusable parts."""
+        if self.parts or self.reduce:
+            return None
+        bias = None if self.bias is None else self.bias.float().contiguous()
+        if self.weight is not None:
+            return [self.weight.contiguous(), None, bias]
+        if not self.native:
+            return None
+        module: Any = self.quantized
+        packed = getattr(module, "packed", None)
+        if packed is not None and packed.dtype == torch.uint8:  # Int4Linear, exo's layout
+            return [packed, module.scales_and_zeros, bias]
+        values = getattr(module, "values", None)
+        if values is not None and values.dtype == torch.int8:  # SplitInt4Linear's blocks
+            return [values, module.scale_zero, bias]
+        return None
+
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         if self.parts:
             return torch.cat([part(rows.to(part.in_dtype)) for part in self.parts], dim=-1)
@@ -178,6 +201,12 @@ Activation = Callable[[torch.Tensor], torch.Tensor]
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
+
+
+def activation_code(activation: Activation) -> int:
+    """The activation's number in exo's decode layer (`native/decode_layer.cpp`): 0 SiLU,
+    1 tanh-GELU, 2 exact GELU."""
+    return {F.silu: 0, _gelu_tanh: 1, F.gelu: 2}[activation]
 
 
 def mlp_activation(mlp: nn.Module) -> Activation:

@@ -1,5 +1,6 @@
-"""exo's own CPU kernels (`native/int4_gemv.cpp`) for x86 CPUs without AVX512: an int4
-decode matmul and a one-pass RMSNorm.
+"""exo's own CPU kernels (`native/*.cpp`) for x86 CPUs without AVX512: an int4 decode
+matmul, an int8-block one, a one-pass RMSNorm, and a whole decoder layer's decode step
+(`decode_layer.cpp`, called by `lean_forward.LeanModel` for decode-only steps).
 
 torch's `aten._weight_int4pack_mm_for_cpu` is fast where torch dispatches to AVX512 (its
 tiled kernel reads the packed weights at memory speed) but on AVX2-only CPUs (AMD Zen 1-3,
@@ -45,7 +46,9 @@ from loguru import logger
 
 NATIVE_INT4_ENV = "EXO_NATIVE_INT4"
 
-_SOURCE = Path(__file__).with_name("native") / "int4_gemv.cpp"
+_NATIVE = Path(__file__).with_name("native")
+_SOURCES = (_NATIVE / "int4_gemv.cpp", _NATIVE / "decode_layer.cpp")
+_HEADERS = (_NATIVE / "kernels.h",)
 # A first build takes ~15-40 s on 2 cores (torch's headers dominate).
 BUILD_TIMEOUT_S = 600.0
 
@@ -153,7 +156,7 @@ def _built_library() -> Path:
     Raises:
         RuntimeError: the build failed (its last output lines are in the message).
     """
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
     flags = _flags()
     digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:12]
     name = f"exo_native_{'avx2' if _x86_avx2() else 'generic'}_{digest}"
@@ -171,12 +174,13 @@ def _built_library() -> Path:
             script = (
                 "import sys\n"
                 "from torch.utils.cpp_extension import load\n"
-                "load(name=sys.argv[1], sources=[sys.argv[2]], build_directory=sys.argv[3],"
-                " extra_cflags=sys.argv[4].split(), extra_ldflags=['-fopenmp'],"
-                " is_python_module=False, verbose=False)\n"
+                "load(name=sys.argv[1], sources=sys.argv[2].split('\\n'),"
+                " build_directory=sys.argv[3], extra_cflags=sys.argv[4].split(),"
+                " extra_ldflags=['-fopenmp'], is_python_module=False, verbose=False)\n"
             )
             done = subprocess.run(
-                [sys.executable, "-c", script, name, str(_SOURCE), build, " ".join(flags)],
+                [sys.executable, "-c", script, name, "\n".join(map(str, _SOURCES)), build,
+                 " ".join(flags)],
                 capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False,
                 env=_build_environment(),
             )  # fmt: skip

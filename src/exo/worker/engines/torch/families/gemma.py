@@ -16,7 +16,7 @@ from exo.worker.engines.torch.families.spec import (
 
 def tiny_model(settings: dict[str, Any]) -> PreTrainedModel:
     settings = {key: value for key, value in settings.items() if key != "sliding_window"}
-    return GemmaForCausalLM(GemmaConfig(**settings, head_dim=16))
+    return GemmaForCausalLM(GemmaConfig(**{"head_dim": 16, **settings}))
 
 
 _COLUMN, _ROW = standard_attention_and_mlp()

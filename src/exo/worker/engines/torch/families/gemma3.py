@@ -30,7 +30,9 @@ def tiny_model(settings: dict[str, Any]) -> PreTrainedModel:
     # One full-attention layer after each sliding one (real Gemma 3: one in six).
     layer_types = ["sliding_attention", "full_attention"] * (layers // 2)
     layer_types += ["sliding_attention"] * (layers % 2)
-    return Gemma3ForCausalLM(Gemma3TextConfig(**settings, head_dim=16, layer_types=layer_types))
+    return Gemma3ForCausalLM(
+        Gemma3TextConfig(**{"head_dim": 16, **settings}, layer_types=layer_types)
+    )
 
 
 def wrapped_config(text_config: PretrainedConfig) -> PretrainedConfig:

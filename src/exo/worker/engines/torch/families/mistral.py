@@ -21,7 +21,7 @@ from exo.worker.engines.torch.families.spec import ModelFamily, standard_attenti
 def tiny_model(settings: dict[str, Any]) -> PreTrainedModel:
     # MistralConfig's own default window (4096) is longer than any test prompt.
     settings = {key: value for key, value in settings.items() if key != "sliding_window"}
-    return MistralForCausalLM(MistralConfig(**settings, head_dim=16))
+    return MistralForCausalLM(MistralConfig(**{"head_dim": 16, **settings}))
 
 
 def wrapped_config(text_config: PretrainedConfig) -> PretrainedConfig:

@@ -17,7 +17,7 @@ from exo.worker.engines.torch.families.spec import (
 
 def tiny_model(settings: dict[str, Any]) -> PreTrainedModel:
     settings = {key: value for key, value in settings.items() if key != "sliding_window"}
-    return Qwen3ForCausalLM(Qwen3Config(**settings, head_dim=16))
+    return Qwen3ForCausalLM(Qwen3Config(**{"head_dim": 16, **settings}))
 
 
 _COLUMN, _ROW = standard_attention_and_mlp()

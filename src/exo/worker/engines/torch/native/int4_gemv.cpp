@@ -27,6 +27,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -231,17 +233,19 @@ void rows_at(const int16_t* xq, const float* xs, int64_t k, const uint8_t* q, co
 }
 #endif
 
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_zero) {
-  check_arguments(x, qweight, scale_zero);
-  const int64_t rows = x.size(0), k = x.size(1), n = qweight.size(0);
+}  // namespace
+
+namespace exo_native {
+
+void int4_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& qweight,
+                  const at::Tensor& scale_zero, float* yp) {
+  const int64_t n = qweight.size(0);
   const int64_t groups = scale_zero.size(1);
   const int64_t group_size = k / groups;
-  at::Tensor y = at::empty({rows, n}, x.options());
-  if (rows == 0 || n == 0) return y;
-  const float* xp = x.data_ptr<float>();
+  if (rows == 0 || n == 0) return;
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>());
-  float* yp = y.data_ptr<float>();
+
   // About 128 KiB of activations-times-weights work per task: small enough to balance two
   // threads on a 576-wide projection, large enough that the thread pool's cost stays small.
   const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 17) / std::max<int64_t>(k, 1));
@@ -294,6 +298,17 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
     rows_scalar(xp, rows, k, qp, sz, groups, group_size, sums, yp, n, n0, n1);
   });
 #endif
+}
+
+}  // namespace exo_native
+
+namespace {
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_zero) {
+  check_arguments(x, qweight, scale_zero);
+  at::Tensor y = at::empty({x.size(0), qweight.size(0)}, x.options());
+  exo_native::int4_product(x.data_ptr<float>(), x.size(0), x.size(1), qweight, scale_zero,
+                           y.data_ptr<float>());
   return y;
 }
 
@@ -361,27 +376,17 @@ void rows_avx2_int8(const int16_t* xq, const float* xs, const float* sums, int64
 }
 #endif
 
-at::Tensor int8_block_gemv(const at::Tensor& x, const at::Tensor& values,
-                           const at::Tensor& scale_zero) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "int8_block_gemv: x must be a contiguous float32 [rows, in] tensor");
-  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kChar && values.is_contiguous(),
-              "int8_block_gemv: values must be a contiguous int8 [out, in] tensor");
-  const int64_t rows = x.size(0), k = x.size(1), n = values.size(0);
-  TORCH_CHECK(values.size(1) == k && k % kBlock == 0, "int8_block_gemv: x has ", k,
-              " inputs, values ", values.size(1), " (a multiple of 32 is needed)");
-  TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(0) == n &&
-                  scale_zero.size(1) == k / kBlock && scale_zero.size(2) == 2 &&
-                  scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous(),
-              "int8_block_gemv: scale_zero must be a contiguous bfloat16 [out, in / 32, 2] "
-              "tensor");
-  at::Tensor y = at::empty({rows, n}, x.options());
-  if (rows == 0 || n == 0) return y;
+}  // namespace
+
+namespace exo_native {
+
+void int8_block_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& values,
+                        const at::Tensor& scale_zero, float* yp) {
+  const int64_t n = values.size(0);
+  if (rows == 0 || n == 0) return;
   const int64_t blocks = k / kBlock;
-  const float* xp = x.data_ptr<float>();
   const int8_t* vp = values.data_ptr<int8_t>();
   const uint16_t* so = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>());
-  float* yp = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / std::max<int64_t>(k, 1));
   thread_local std::vector<float> block_sums;
   block_sums.resize(static_cast<size_t>(rows * blocks));
@@ -430,8 +435,56 @@ at::Tensor int8_block_gemv(const at::Tensor& x, const at::Tensor& values,
       }
   });
 #endif
+}
+
+}  // namespace exo_native
+
+namespace {
+
+at::Tensor int8_block_gemv(const at::Tensor& x, const at::Tensor& values,
+                           const at::Tensor& scale_zero) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "int8_block_gemv: x must be a contiguous float32 [rows, in] tensor");
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kChar && values.is_contiguous(),
+              "int8_block_gemv: values must be a contiguous int8 [out, in] tensor");
+  const int64_t rows = x.size(0), k = x.size(1), n = values.size(0);
+  TORCH_CHECK(values.size(1) == k && k % kBlock == 0, "int8_block_gemv: x has ", k,
+              " inputs, values ", values.size(1), " (a multiple of 32 is needed)");
+  TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(0) == n &&
+                  scale_zero.size(1) == k / kBlock && scale_zero.size(2) == 2 &&
+                  scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous(),
+              "int8_block_gemv: scale_zero must be a contiguous bfloat16 [out, in / 32, 2] "
+              "tensor");
+  at::Tensor y = at::empty({rows, n}, x.options());
+  exo_native::int8_block_product(x.data_ptr<float>(), rows, k, values, scale_zero,
+                                 y.data_ptr<float>());
   return y;
 }
+
+}  // namespace
+
+namespace exo_native {
+
+void rms_norm_row(const float* row, const float* weight, int64_t hidden, float eps, float* out) {
+  // Eight partial sums (vectorized by the compiler), then their total.
+  float partial[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t i = 0;
+  for (; i + 8 <= hidden; i += 8)
+    for (int lane = 0; lane < 8; ++lane) partial[lane] += row[i + lane] * row[i + lane];
+  float squares = 0.0f;
+  for (; i < hidden; ++i) squares += row[i] * row[i];
+  for (int lane = 0; lane < 8; ++lane) squares += partial[lane];
+  const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+  if (weight == nullptr) {
+    for (int64_t j = 0; j < hidden; ++j) out[j] = row[j] * inverse;
+  } else {
+    for (int64_t j = 0; j < hidden; ++j) out[j] = row[j] * inverse * weight[j];
+  }
+}
+
+}  // namespace exo_native
+
+namespace {
 
 // RMSNorm over the last dimension of float32 rows, `x / sqrt(mean(x^2) + eps) * weight`
 // (Zhang & Sennrich 2019), in one pass per row: torch's CPU rms_norm runs as ~7 separate
@@ -449,20 +502,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   float* yp = y.data_ptr<float>();
   const float epsilon = static_cast<float>(eps);
   auto normalize = [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * hidden;
-      float* out = yp + r * hidden;
-      // Eight partial sums (vectorized by the compiler), then their total.
-      float partial[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-      int64_t i = 0;
-      for (; i + 8 <= hidden; i += 8)
-        for (int lane = 0; lane < 8; ++lane) partial[lane] += row[i + lane] * row[i + lane];
-      float squares = 0.0f;
-      for (; i < hidden; ++i) squares += row[i] * row[i];
-      for (int lane = 0; lane < 8; ++lane) squares += partial[lane];
-      const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + epsilon);
-      for (int64_t j = 0; j < hidden; ++j) out[j] = row[j] * inverse * wp[j];
-    }
+    for (int64_t r = begin; r < end; ++r)
+      exo_native::rms_norm_row(xp + r * hidden, wp, hidden, epsilon, yp + r * hidden);
   };
   // One row (decode) is far below a thread hand-off's cost; prefill rows are split.
   if (rows * hidden < (int64_t{1} << 16)) {

@@ -54,6 +54,23 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) ->
     }
 
 
+@pytest.fixture(scope="module")
+def int4_dirs(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> dict[str, Path]:
+    """Tiny models whose every decoder linear is int4 (outputs multiples of 64: heads of
+    32), so exo's decode layer takes every layer."""
+    return {
+        name: save_tiny_model(
+            tmp_path_factory.mktemp(f"lean-int4-{name}"),
+            name,
+            real_model_dir,
+            n_layers=3,
+            hidden_size=128,
+            head_dim=32,
+        )
+        for name in ARCHITECTURES
+    }
+
+
 def _load(model_dir: Path, weight_dtype: str = "float32") -> Any:
     return load_model(model_dir, make_shard(model_dir, "pipeline", 0, 1), CPU, weight_dtype)  # type: ignore[arg-type]
 
@@ -113,6 +130,39 @@ def test_int4_native_lean_equals_transformers(
     lean_logits = lean_steps.run_single(model, tokens, lean=True)
     assert (lean_logits - reference).abs().max().item() < 1e-2
     assert torch.equal(lean_logits.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("weights", ["float32", "int4"])
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_native_decode_layer_equals_lean_operators(
+    int4_dirs: dict[str, Path], name: str, weights: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """exo's decode layer (one C++ call per layer for decode-only steps: two requests, one
+    past the sliding window) against the lean forward's torch operators on the same model,
+    and, for float32 weights, against transformers: only the order of float32 sums differs
+    (attention's softmax and weighted sum, the norms), so float32 logits agree to float32
+    rounding; int4's LM head (int8, torch's kernel) takes bfloat16 rows, where a last-bit
+    difference before the cast moves a logit by a bfloat16 step (2^-7 at these logits)."""
+    monkeypatch.setenv(NATIVE_INT4_ENV, "1")
+    model = _load(int4_dirs[name], weights)
+    lean = lean_step_of(model)
+    assert isinstance(lean, LeanModel)
+    decode_layer = lean._decode_layer
+    assert decode_layer is not None
+    tokens = lean_steps.forced_tokens(VOCAB_PROBE)
+    native = lean_steps.run_single(model, tokens, lean=True)
+    lean._decode_layer = None
+    try:
+        operators = lean_steps.run_single(model, tokens, lean=True)
+    finally:
+        lean._decode_layer = decode_layer
+    tolerance = FLOAT32_TOLERANCE if weights == "float32" else 2e-2
+    assert (native - operators).abs().max().item() < tolerance
+    assert torch.equal(native.argmax(-1), operators.argmax(-1))
+    if weights == "float32":
+        reference = lean_steps.run_single(model, tokens, lean=False)
+        assert (native - reference).abs().max().item() < FLOAT32_TOLERANCE
+        assert torch.equal(native.argmax(-1), reference.argmax(-1))
 
 
 def test_bf16_fallback_forced(tiny_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:

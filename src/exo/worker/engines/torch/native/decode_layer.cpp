@@ -1,0 +1,342 @@
+// One decoder layer's decode step in one call (called by ../lean_forward.py): the layer's norms,
+// projections, per-head q/k norms, rotary, KV-cache write, attention and gated MLP over D
+// decode rows, each its own request (KV slot, position), with no torch operator between
+// them. A decode step of a small model is otherwise mostly the cost of calling ~30 torch
+// operators per layer from Python (measured on SmolLM2-135M, 2-core AMD EPYC Zen 3: 7.6 of
+// 15.6 ms per token outside the int4 kernels).
+//
+// Per layer (row-major float32 throughout; the residual stream x is updated in place):
+//   h  = rms_norm(x, input_norm)                         [D, hidden]
+//   qkv = h W_qkv^T (+ bias)                             [D, (heads + 2 kv_heads) head_dim]
+//   q, k = rotary(qk_norm(q), qk_norm(k))                per head, "rotate half" convention
+//   keys[slot, :, position] = k; values[slot, :, position] = v
+//   a  = softmax(q K^T * scaling) V                      per head over the slot's visible keys
+//   o  = a W_o^T (+ bias); o = rms_norm(o, post_attention_norm) where given; x += o
+//   h  = rms_norm(x, pre_mlp_norm); [g, u] = h W_gate_up^T
+//   m  = act(g) * u; o = m W_down^T; o = rms_norm(o, post_mlp_norm) where given; x += o
+// A key at position j is visible to the query at position p when j <= p and, with a sliding
+// window w, p - j < w (transformers' sliding-window convention, as batch_attention.py).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/linear.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "kernels.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define EXO_AVX2 1
+#endif
+
+namespace {
+
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2 };
+
+// The layer's linears, in the order of the `linears` argument: (weight, scale_zero, bias)
+// for Q/K/V, output, gate/up, down.
+constexpr int kLinears = 4;
+enum LinearIndex { kQkv = 0, kOutput = 1, kGateUp = 2, kDown = 3 };
+// The `norms` argument: input, pre-MLP, post-attention, post-MLP, q/k.
+enum NormIndex { kInputNorm = 0, kPreMlpNorm = 1, kPostAttentionNorm = 2, kPostMlpNorm = 3,
+                 kQkNorm = 4 };
+constexpr int kNorms = 5;
+
+struct Linear {
+  at::Tensor weight;      // uint8 [out, in / 2] int4 blocks, int8 [out, in] blocks, or dense
+  at::Tensor scale_zero;  // bfloat16 pairs for the block kinds; undefined for dense
+  at::Tensor bias;        // float32 [out] or undefined
+  int64_t out = 0;
+  int64_t in = 0;
+};
+
+Linear read_linear(const c10::List<std::optional<at::Tensor>>& linears, int index) {
+  Linear linear;
+  const std::optional<at::Tensor> weight = linears.get(3 * index);
+  TORCH_CHECK(weight.has_value() && weight->dim() == 2 && weight->is_contiguous(),
+              "decode_layer: linear ", index, " needs a contiguous 2-d weight");
+  linear.weight = *weight;
+  const std::optional<at::Tensor> scale_zero = linears.get(3 * index + 1);
+  const std::optional<at::Tensor> bias = linears.get(3 * index + 2);
+  linear.out = linear.weight.size(0);
+  const auto kind = linear.weight.scalar_type();
+  if (kind == at::kByte || kind == at::kChar) {
+    TORCH_CHECK(scale_zero.has_value() && scale_zero->dim() == 3 &&
+                    scale_zero->scalar_type() == at::kBFloat16 && scale_zero->is_contiguous() &&
+                    scale_zero->size(0) == linear.out && scale_zero->size(2) == 2,
+                "decode_layer: linear ", index, " needs bfloat16 [out, groups, 2] scale_zero");
+    linear.scale_zero = *scale_zero;
+    linear.in = kind == at::kByte ? 2 * linear.weight.size(1) : linear.weight.size(1);
+    TORCH_CHECK(linear.in % 32 == 0 && linear.in % linear.scale_zero.size(1) == 0 &&
+                    (linear.in / linear.scale_zero.size(1)) % 32 == 0,
+                "decode_layer: linear ", index, "'s groups must be multiples of 32 inputs");
+    if (kind == at::kChar)
+      TORCH_CHECK(linear.scale_zero.size(1) * 32 == linear.in,
+                  "decode_layer: int8 blocks need one (scale, zero) pair per 32 inputs");
+  } else {
+    linear.in = linear.weight.size(1);
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == linear.out &&
+                    bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "decode_layer: linear ", index, "'s bias must be float32 [out]");
+    linear.bias = *bias;
+  }
+  return linear;
+}
+
+// y[rows, out] = x[rows, in] W^T + bias.
+void apply_linear(const Linear& linear, const float* x, int64_t rows, float* y) {
+  const auto kind = linear.weight.scalar_type();
+  if (kind == at::kByte) {
+    exo_native::int4_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);
+  } else if (kind == at::kChar) {
+    exo_native::int8_block_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);
+  } else {  // a dense weight (a type exo holds unquantized): torch's matmul in its dtype
+    const at::Tensor input =
+        at::from_blob(const_cast<float*>(x), {rows, linear.in}, at::kFloat);
+    const at::Tensor product = at::linear(input.to(linear.weight.scalar_type()), linear.weight)
+                                   .to(at::kFloat)
+                                   .contiguous();
+    std::memcpy(y, product.data_ptr<float>(), sizeof(float) * rows * linear.out);
+  }
+  if (linear.bias.defined()) {
+    const float* bias = linear.bias.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t o = 0; o < linear.out; ++o) y[r * linear.out + o] += bias[o];
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+#ifdef EXO_AVX2
+  if (n % 16 == 0) {
+    __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      sum0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), sum0);
+      sum1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), sum1);
+    }
+    const __m256 sum = _mm256_add_ps(sum0, sum1);
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_add_ss(half, _mm_movehdup_ps(half));
+    return _mm_cvtss_f32(half);
+  }
+#endif
+  float total = 0.0f;
+  for (int64_t i = 0; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+// out[n] += weight * v[n] (vectorized by the compiler).
+inline void axpy(float weight, const float* v, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] += weight * v[i];
+}
+
+inline float activate(float g, int64_t activation) {
+  switch (activation) {
+    case kSilu:
+      return g / (1.0f + std::exp(-g));
+    case kGeluTanh: {  // Hendrycks & Gimpel 2016, the tanh approximation
+      const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+      return 0.5f * g * (1.0f + std::tanh(inner));
+    }
+    default:
+      return 0.5f * g * (1.0f + std::erf(g * 0.7071067811865476f));
+  }
+}
+
+void decode_layer(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& linears,
+                  const c10::List<std::optional<at::Tensor>>& norms, at::ArrayRef<double> eps,
+                  at::Tensor& keys, at::Tensor& values, at::IntArrayRef slots,
+                  at::IntArrayRef positions, const at::Tensor& cos, const at::Tensor& sin,
+                  const at::Tensor& perm, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                  int64_t activation, int64_t window, double scaling) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "decode_layer: x must be a contiguous float32 [rows, hidden] tensor");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(static_cast<int64_t>(slots.size()) == rows &&
+                  static_cast<int64_t>(positions.size()) == rows,
+              "decode_layer: one slot and one position per row");
+  TORCH_CHECK(linears.size() == 3 * kLinears, "decode_layer: 12 linear entries expected");
+  TORCH_CHECK(norms.size() == kNorms && eps.size() == kNorms,
+              "decode_layer: 5 norm entries and 5 epsilons expected");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0,
+              "decode_layer: heads must be a multiple of kv_heads");
+  TORCH_CHECK(keys.dim() == 4 && keys.scalar_type() == at::kFloat && keys.is_contiguous() &&
+                  keys.sizes() == values.sizes() && values.scalar_type() == at::kFloat &&
+                  values.is_contiguous() && keys.size(1) == kv_heads && keys.size(3) == head_dim,
+              "decode_layer: keys / values must be contiguous float32 [slots, kv_heads, "
+              "capacity, head_dim]");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == rows && cos.size(1) == head_dim &&
+                  cos.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat &&
+                  sin.is_contiguous(),
+              "decode_layer: cos / sin must be contiguous float32 [rows, head_dim]");
+  TORCH_CHECK(perm.dim() == 1 && perm.size(0) == head_dim && perm.scalar_type() == at::kLong,
+              "decode_layer: perm must be int64 [head_dim]");
+  const Linear qkv = read_linear(linears, kQkv), output = read_linear(linears, kOutput);
+  const Linear gate_up = read_linear(linears, kGateUp), down = read_linear(linears, kDown);
+  const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
+  const int64_t qkv_width = q_width + 2 * kv_width;
+  const int64_t intermediate = gate_up.out / 2;
+  TORCH_CHECK(qkv.in == hidden && qkv.out == qkv_width, "decode_layer: Q/K/V is ", qkv.out,
+              "x", qkv.in, ", expected ", qkv_width, "x", hidden);
+  TORCH_CHECK(output.in == q_width && output.out == hidden,
+              "decode_layer: the output projection does not map the heads to hidden");
+  TORCH_CHECK(gate_up.in == hidden && gate_up.out % 2 == 0 && down.in == intermediate &&
+                  down.out == hidden,
+              "decode_layer: gate/up and down projections do not fit hidden");
+  const int64_t slot_count = keys.size(0), capacity = keys.size(2);
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(slots[r] >= 0 && slots[r] < slot_count && positions[r] >= 0 &&
+                    positions[r] < capacity,
+                "decode_layer: row ", r, "'s slot or position is outside the KV cache");
+  const float* norm[kNorms];
+  for (int i = 0; i < kNorms; ++i) {
+    const std::optional<at::Tensor> weight = norms.get(i);
+    norm[i] = nullptr;
+    if (!weight.has_value()) continue;
+    const int64_t width = i == kQkNorm ? (heads + kv_heads) * head_dim : hidden;
+    TORCH_CHECK(weight->scalar_type() == at::kFloat && weight->is_contiguous() &&
+                    weight->numel() == width,
+                "decode_layer: norm ", i, " must be float32 with ", width, " values");
+    norm[i] = weight->data_ptr<float>();
+  }
+  TORCH_CHECK(norm[kInputNorm] != nullptr && norm[kPreMlpNorm] != nullptr,
+              "decode_layer: the input and pre-MLP norms are required");
+
+  // Scratch kept by the calling thread: no allocation per call once warm.
+  thread_local std::vector<float> normed_buffer, qkv_buffer, attended_buffer, out_buffer,
+      gate_up_buffer, middle_buffer;
+  normed_buffer.resize(static_cast<size_t>(rows * hidden));
+  qkv_buffer.resize(static_cast<size_t>(rows * qkv_width));
+  attended_buffer.resize(static_cast<size_t>(rows * q_width));
+  out_buffer.resize(static_cast<size_t>(rows * hidden));
+  gate_up_buffer.resize(static_cast<size_t>(rows * gate_up.out));
+  middle_buffer.resize(static_cast<size_t>(rows * intermediate));
+  float* xp = x.data_ptr<float>();
+  float* normed = normed_buffer.data();
+  float* qkv_out = qkv_buffer.data();
+  float* attended = attended_buffer.data();
+  float* out = out_buffer.data();
+
+  // Attention block.
+  for (int64_t r = 0; r < rows; ++r)
+    exo_native::rms_norm_row(xp + r * hidden, norm[kInputNorm], hidden,
+                             static_cast<float>(eps[kInputNorm]), normed + r * hidden);
+  apply_linear(qkv, normed, rows, qkv_out);
+  const float* cos_p = cos.data_ptr<float>();
+  const float* sin_p = sin.data_ptr<float>();
+  const int64_t* perm_p = perm.data_ptr<int64_t>();
+  float* key_cache = keys.data_ptr<float>();
+  float* value_cache = values.data_ptr<float>();
+  std::vector<float> head_copy(static_cast<size_t>(head_dim));
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = qkv_out + r * qkv_width;
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {  // queries, then keys: norm, rotary
+      float* vec = row + h * head_dim;
+      if (norm[kQkNorm] != nullptr)
+        exo_native::rms_norm_row(vec, norm[kQkNorm] + h * head_dim, head_dim,
+                                 static_cast<float>(eps[kQkNorm]), vec);
+      std::memcpy(head_copy.data(), vec, sizeof(float) * head_dim);
+      const float* c = cos_p + r * head_dim;
+      const float* s = sin_p + r * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d)
+        vec[d] = head_copy[d] * c[d] + head_copy[perm_p[d]] * s[d];
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const int64_t at_position = ((slots[r] * kv_heads + h) * capacity + positions[r]) * head_dim;
+      std::memcpy(key_cache + at_position, row + q_width + h * head_dim, sizeof(float) * head_dim);
+      std::memcpy(value_cache + at_position, row + q_width + kv_width + h * head_dim,
+                  sizeof(float) * head_dim);
+    }
+  }
+  // One task per (row, query head); short contexts stay on this thread.
+  int64_t longest = 1;
+  for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, positions[r] + 1);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (longest * head_dim));
+  const int64_t group = heads / kv_heads;
+  const float scale = static_cast<float>(scaling);
+  at::parallel_for(0, rows * heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / heads, h = task % heads;
+      const int64_t position = positions[r];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+      const int64_t count = position + 1 - first;
+      const int64_t base = (slots[r] * kv_heads + h / group) * capacity * head_dim;
+      const float* query = qkv_out + r * qkv_width + h * head_dim;
+      scores.resize(static_cast<size_t>(count));
+      float largest = -INFINITY;
+      for (int64_t j = 0; j < count; ++j) {
+        scores[j] = dot(query, key_cache + base + (first + j) * head_dim, head_dim) * scale;
+        largest = std::max(largest, scores[j]);
+      }
+      float total = 0.0f;
+      for (int64_t j = 0; j < count; ++j) {
+        scores[j] = std::exp(scores[j] - largest);
+        total += scores[j];
+      }
+      float* result = attended + r * q_width + h * head_dim;
+      std::fill(result, result + head_dim, 0.0f);
+      for (int64_t j = 0; j < count; ++j)
+        axpy(scores[j], value_cache + base + (first + j) * head_dim, result, head_dim);
+      const float inverse = 1.0f / total;
+      for (int64_t d = 0; d < head_dim; ++d) result[d] *= inverse;
+    }
+  });
+  apply_linear(output, attended, rows, out);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out + r * hidden;
+    if (norm[kPostAttentionNorm] != nullptr)
+      exo_native::rms_norm_row(o, norm[kPostAttentionNorm], hidden,
+                               static_cast<float>(eps[kPostAttentionNorm]), o);
+    float* residual = xp + r * hidden;
+    for (int64_t i = 0; i < hidden; ++i) residual[i] += o[i];
+  }
+
+  // MLP block.
+  float* gate_up_out = gate_up_buffer.data();
+  float* middle = middle_buffer.data();
+  for (int64_t r = 0; r < rows; ++r)
+    exo_native::rms_norm_row(xp + r * hidden, norm[kPreMlpNorm], hidden,
+                             static_cast<float>(eps[kPreMlpNorm]), normed + r * hidden);
+  apply_linear(gate_up, normed, rows, gate_up_out);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = gate_up_out + r * gate_up.out;
+    const float* up = gate + intermediate;
+    float* m = middle + r * intermediate;
+    for (int64_t i = 0; i < intermediate; ++i) m[i] = activate(gate[i], activation) * up[i];
+  }
+  apply_linear(down, middle, rows, out);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out + r * hidden;
+    if (norm[kPostMlpNorm] != nullptr)
+      exo_native::rms_norm_row(o, norm[kPostMlpNorm], hidden,
+                               static_cast<float>(eps[kPostMlpNorm]), o);
+    float* residual = xp + r * hidden;
+    for (int64_t i = 0; i < hidden; ++i) residual[i] += o[i];
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(exo_native, m) {
+  m.def(
+      "decode_layer(Tensor(a!) x, Tensor?[] linears, Tensor?[] norms, float[] eps, "
+      "Tensor(b!) keys, Tensor(c!) values, int[] slots, int[] positions, Tensor cos, "
+      "Tensor sin, Tensor perm, int heads, int kv_heads, int head_dim, int activation, "
+      "int window, float scaling) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(exo_native, CPU, m) { m.impl("decode_layer", &decode_layer); }
