@@ -41,14 +41,16 @@ from exo.worker.engines.torch.engine import TorchEngine
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 CATEGORIES = {
+    "exo's decode layers (whole layers, C++)": ("exo_native::decode_layer",),
     "matmul (int4/int8 kernels, dense linear)": (
+        "exo_native::int4_gemv", "exo_native::int8_block_gemv",
         "_weight_int4pack_mm", "_weight_int8pack_mm", "aten::linear", "aten::mm", "aten::addmm",
         "aten::matmul",
     ),
     "attention (SDPA, KV writes)": ("scaled_dot_product", "_flash_attention", "index_put",
                                     "aten::_efficient_attention", "aten::bmm", "softmax"),
     "norms + rotary + elementwise": (
-        "rms_norm", "aten::mul", "aten::add", "index_select", "aten::silu", "aten::gelu",
+        "rms_norm", "exo_native::rms_norm", "aten::mul", "aten::add", "index_select", "aten::silu", "aten::gelu",
         "aten::cat", "aten::to", "aten::_to_copy", "aten::copy_", "aten::embedding",
         "aten::tanh", "aten::div", "aten::neg",
     ),

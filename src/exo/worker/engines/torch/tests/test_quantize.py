@@ -235,7 +235,7 @@ def test_a_kernel_that_does_not_build_leaves_torch_kernels(
 
     broken = tmp_path / "int4_gemv.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(native_int4, "_SOURCE", broken)
+    monkeypatch.setattr(native_int4, "_SOURCES", (broken, *native_int4._SOURCES[1:]))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv(NATIVE_INT4_ENV, "1")
     warnings: list[str] = []
