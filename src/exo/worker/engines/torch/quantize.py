@@ -176,20 +176,16 @@ class Int4Linear(QuantizedLinear):
           (its layout depends on the CPU capability torch dispatches to) and
           `scales_and_zeros` bfloat16 `[groups, out, 2]`, for `aten._weight_int4pack_mm_for_cpu`;
         - exo's (`native` True, where `native_int4.native_int4_kernel()` is available):
-          `packed` uint8 `[out, in / 2]` in blocks of 32 inputs (byte j of a block: input j
-          in the low nibble, input j + 16 in the high one) and `scales_and_zeros` bfloat16
-          `[out, groups, 2]`, for exo's AVX2 kernel.
+          `packed` uint8 `[out, in / 2]` by pairs of blocks of 32 inputs
+          (`pack_native_int4`) and `scales_and_zeros` bfloat16 `[out, groups, 2]`, for
+          exo's AVX2 kernel.
 
         Both are row-major by output channel: a slice of rows is a slice of outputs."""
         self.packed: torch.Tensor
         self.scales_and_zeros: torch.Tensor
         self.native = native_int4_kernel() is not None
         if self.native:
-            out_features, in_features = quantized.shape
-            blocks = quantized.to(torch.uint8).reshape(out_features, in_features // 32, 2, 16)
-            self.register_buffer(
-                "packed", (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out_features, -1)
-            )
+            self.register_buffer("packed", pack_native_int4(quantized.to(torch.uint8)))
             self.register_buffer(
                 "scales_and_zeros", scales_and_zeros.contiguous().to(torch.bfloat16)
             )
@@ -235,8 +231,7 @@ class Int4Linear(QuantizedLinear):
 
     def _native_values(self) -> torch.Tensor:
         """exo's layout: the int4 values as uint8 `[out, in / 32, 32]`."""
-        blocks = self.packed.reshape(self.out_features, self.in_features // 32, 16)
-        return torch.cat([blocks & 15, blocks >> 4], dim=-1)
+        return unpack_native_int4(self.packed).reshape(self.out_features, -1, 32)
 
     def dequantize_float(self) -> torch.Tensor:
         """The weight as `[out, in]` float32 (exact: `(q - 8) * scale + zero`)."""
@@ -348,6 +343,41 @@ class Int4Linear(QuantizedLinear):
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         result = self._fused(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return result if self.bias is None else result + self.bias
+
+
+def pack_native_int4(values: torch.Tensor) -> torch.Tensor:
+    """int4 values (uint8 `[out, in]`, 0..15, `in % 32 == 0`) in exo's kernel layout
+    (`native/int4_gemv.cpp`): per 64 inputs, 16 little-endian 16-bit lanes, lane i holding
+    inputs i, 16 + i, 32 + i, 48 + i in its nibbles from the lowest; as bytes, byte 2i holds
+    inputs i (low nibble) and 16 + i, byte 2i + 1 inputs 32 + i and 48 + i. An odd last
+    block of 32 is 16 bytes, byte j holding inputs j and 16 + j.
+
+    Returns:
+        uint8 `[out, in / 2]`.
+    """
+    out_features, in_features = values.shape
+    blocks = values.reshape(out_features, in_features // 32, 2, 16)
+    gguf_order = blocks[:, :, 0] | (blocks[:, :, 1] << 4)  # [out, blocks, 16]
+    paired = in_features // 64
+    lanes = gguf_order[:, : 2 * paired].reshape(out_features, paired, 2, 16).transpose(2, 3)
+    tail = gguf_order[:, 2 * paired :]
+    return torch.cat([lanes.reshape(out_features, -1), tail.reshape(out_features, -1)], dim=1)
+
+
+def unpack_native_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The int4 values of `pack_native_int4`'s layout: uint8 `[out, in / 2]` →
+    `[out, in]`."""
+    out_features, half = packed.shape
+    paired = half // 32
+    lanes = packed[:, : 32 * paired].reshape(out_features, paired, 16, 2).transpose(2, 3)
+    gguf_order = torch.cat(
+        [
+            lanes.reshape(out_features, -1, 16),
+            packed[:, 32 * paired :].reshape(out_features, -1, 16),
+        ],
+        dim=1,
+    )  # [out, blocks, 16]
+    return torch.cat([gguf_order & 15, gguf_order >> 4], dim=-1).reshape(out_features, -1)
 
 
 def int4_linear_from_groups(

@@ -2,9 +2,14 @@
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (decode), where
 //   w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g],  g = k / group_size,
-// the engine's int4 format (Int4Linear), with q held as blocks of 32 inputs: byte j of a
-// block holds q[32 b + j] in its low nibble and q[32 b + j + 16] in its high nibble (the
-// nibble order of GGUF's Q4_0 / Q4_1 blocks), and (scale, zero) as bfloat16 pairs.
+// the engine's int4 format (Int4Linear), with (scale, zero) as bfloat16 pairs and q held
+// per pair of blocks of 32 inputs (64 inputs, 32 bytes) as 16 little-endian 16-bit lanes:
+// lane i holds q[i], q[16 + i], q[32 + i], q[48 + i] in its four nibbles, lowest first.
+// One AND (and a shift) per nibble turns a 32-byte load into four vectors of 16 int16
+// weights, with no byte-to-word widening (measured on a 2-core AMD EPYC Zen 3: 20% faster
+// than GGUF's byte order, 16 bytes per block with q[j] and q[j + 16] in byte j, widened
+// by vpmovzxbw). In bytes, the pair is the two GGUF-ordered blocks interleaved byte by
+// byte; an odd last block of 32 (k % 64 == 32) is held in GGUF's order.
 //
 // With AVX2 (the CPUs this kernel is for) the activations are rounded per block of 32 to
 // int16 with one float scale (largest |x| / 32767), the int4 x int16 products of a block
@@ -16,9 +21,8 @@
 // activations to int8 for its integer dot products; measured here on SmolLM2-135M that
 // quadrupled the int4 model's KL from float32, 1.1e-3 to 4.5e-3, and broke its greedy
 // "Paris"; int16 costs one more multiply-add per 16 weights.) Four output rows are computed
-// together (independent accumulators; each activation block is loaded once for all four);
-// output rows are split across torch's intra-op threads. Without AVX2 a portable loop
-// computes the float32 product exactly.
+// together (independent accumulators); output rows are split across torch's intra-op
+// threads. Without AVX2 a portable loop computes the float32 product exactly.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -73,7 +77,6 @@ void tile_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
                   float* scales) {
   const int64_t blocks = k / kBlock;
   const int64_t blocks_per_group = group_size / kBlock;
-  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
   // Each row's (scale, zero) pairs, 8 groups per step: the bfloat16 scale is the low half
   // of a pair's 32 bits (shifted up it is the float32), the zero the high half (masked).
   float offset_acc[NR][ROWS];
@@ -105,25 +108,53 @@ void tile_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
   __m256 acc[NR][ROWS];
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m256i low_weights[NR], high_weights[NR];  // q[0..15] and q[16..31] as int16
-    __m256 weight_scales[NR];
+  const __m256i nibble = _mm256_set1_epi16(0x000F);
+  const int64_t pairs = blocks / 2;
+  for (int64_t p = 0; p < pairs; ++p) {  // two blocks: 32 bytes, 16 lanes of four nibbles
+    const int64_t b = 2 * p;
     for (int i = 0; i < NR; ++i) {
-      const uint8_t* block = q + (n + i) * (k / 2) + b * 16;
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
-      low_weights[i] = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, low_nibbles));
-      high_weights[i] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles));
-      weight_scales[i] = _mm256_broadcast_ss(scales + i * groups + b / blocks_per_group);
+      const __m256i lanes =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (n + i) * (k / 2) + p * 32));
+      const __m256i w0 = _mm256_and_si256(lanes, nibble);  // q[0..15] as int16
+      const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(lanes, 4), nibble);
+      const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(lanes, 8), nibble);
+      const __m256i w3 = _mm256_srli_epi16(lanes, 12);  // q[48..63]
+      const __m256 scale0 = _mm256_broadcast_ss(scales + i * groups + b / blocks_per_group);
+      const __m256 scale1 =
+          _mm256_broadcast_ss(scales + i * groups + (b + 1) / blocks_per_group);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
+        const __m256i sums0 = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xv)),
+                                               _mm256_madd_epi16(w1, _mm256_loadu_si256(xv + 1)));
+        const __m256i sums1 =
+            _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_loadu_si256(xv + 2)),
+                             _mm256_madd_epi16(w3, _mm256_loadu_si256(xv + 3)));
+        const float* x_scale = x_scales + r * blocks + b;
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums0),
+                                    _mm256_mul_ps(_mm256_broadcast_ss(x_scale), scale0), acc[i][r]);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums1),
+                                    _mm256_mul_ps(_mm256_broadcast_ss(x_scale + 1), scale1),
+                                    acc[i][r]);
+      }
     }
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
-      const __m256i x_low = _mm256_loadu_si256(xv), x_high = _mm256_loadu_si256(xv + 1);
-      const __m256 x_scale = _mm256_broadcast_ss(x_scales + r * blocks + b);
-      for (int i = 0; i < NR; ++i) {
-        const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(low_weights[i], x_low),
-                                              _mm256_madd_epi16(high_weights[i], x_high));
-        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
-                                    _mm256_mul_ps(x_scale, weight_scales[i]), acc[i][r]);
+  }
+  if (blocks % 2) {  // an odd last block in GGUF's byte order
+    const int64_t b = blocks - 1;
+    const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* block = q + (n + i) * (k / 2) + pairs * 32;
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
+      const __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, low_nibbles));
+      const __m256i w1 =
+          _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles));
+      const __m256 scale = _mm256_broadcast_ss(scales + i * groups + b / blocks_per_group);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
+        const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xv)),
+                                              _mm256_madd_epi16(w1, _mm256_loadu_si256(xv + 1)));
+        acc[i][r] = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(sums),
+            _mm256_mul_ps(_mm256_broadcast_ss(x_scales + r * blocks + b), scale), acc[i][r]);
       }
     }
   }
@@ -151,26 +182,35 @@ void rows_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
 #endif
 
 // The same product without vector intrinsics (CPUs without AVX2 + FMA).
+// The int4 value of input j in a row held as described at the top of this file.
+inline int nibble_at(const uint8_t* row, int64_t j, int64_t pairs) {
+  const int64_t pair = j / 64;
+  if (pair < pairs) {
+    const int64_t within = j % 64, lane = within % 16, which = within / 16;
+    const uint8_t byte = row[pair * 32 + 2 * lane + (which >= 2 ? 1 : 0)];
+    return which % 2 == 0 ? (byte & 0x0F) : (byte >> 4);
+  }
+  const int64_t tail = j - pairs * 64;  // the odd last block, GGUF's byte order
+  const uint8_t byte = row[pairs * 32 + tail % 16];
+  return tail < 16 ? (byte & 0x0F) : (byte >> 4);
+}
+
 void rows_scalar(const float* x, int64_t rows, int64_t k, const uint8_t* q,
                  const uint16_t* scale_zero, int64_t groups, int64_t group_size,
                  const float* offset_sums, float* y, int64_t n_total, int64_t n0, int64_t n1) {
+  const int64_t pairs = k / (2 * kBlock);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = q + n * (k / 2);
-    const uint16_t* pairs = scale_zero + n * groups * 2;
+    const uint16_t* pairs_sz = scale_zero + n * groups * 2;
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = x + r * k;
       float total = 0.0f;
       for (int64_t g = 0; g < groups; ++g) {
         float group_sum = 0.0f;
-        for (int64_t i = g * group_size; i < (g + 1) * group_size; i += kBlock) {
-          const uint8_t* block = row + i / 2;
-          for (int j = 0; j < 16; ++j) {
-            group_sum += static_cast<float>(block[j] & 0x0F) * xr[i + j];
-            group_sum += static_cast<float>(block[j] >> 4) * xr[i + j + 16];
-          }
-        }
-        const float scale = bf16_to_float(pairs[2 * g]);
-        const float offset = bf16_to_float(pairs[2 * g + 1]) - 8.0f * scale;
+        for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i)
+          group_sum += static_cast<float>(nibble_at(row, i, pairs)) * xr[i];
+        const float scale = bf16_to_float(pairs_sz[2 * g]);
+        const float offset = bf16_to_float(pairs_sz[2 * g + 1]) - 8.0f * scale;
         total += scale * group_sum + offset * offset_sums[r * groups + g];
       }
       y[r * n_total + n] = total;

@@ -22,6 +22,7 @@ from exo.worker.engines.torch.quantize import (
     Int8Linear,
     QuantizedLinear,
     int4_supported,
+    pack_native_int4,
     quantize_linears,
 )
 from exo.worker.engines.torch.tests.conftest import torch_layout_unpacks
@@ -113,13 +114,13 @@ def test_native_int4_kernel_computes_its_documented_product(
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_int4_kernel_takes_any_output_count(threads: int) -> None:
-    """70 outputs: tiles of four output rows, then single rows, on one or two threads."""
+    """70 outputs: tiles of four output rows, then single rows, on one or two threads; 96
+    inputs: a pair of blocks, then an odd block."""
     kernel = built_int4_kernel()
     assert kernel is not None
     generator = torch.Generator().manual_seed(threads)
     values = torch.randint(0, 16, (70, 96), generator=generator, dtype=torch.uint8)
-    blocks = values.reshape(70, 3, 2, 16)
-    qweight = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(70, 48).contiguous()
+    qweight = pack_native_int4(values)
     scale_zero = (torch.randn(70, 3, 2, generator=generator) * 0.1).to(torch.bfloat16)
     weight = (values.double().reshape(70, 3, 32) - 8) * scale_zero[..., :1].double()
     weight = (weight + scale_zero[..., 1:].double()).reshape(70, 96)
