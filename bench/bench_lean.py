@@ -50,7 +50,7 @@ CATEGORIES = {
     "attention (SDPA, KV writes)": ("scaled_dot_product", "_flash_attention", "index_put",
                                     "aten::_efficient_attention", "aten::bmm", "softmax"),
     "norms + rotary + elementwise": (
-        "rms_norm", "exo_native::rms_norm", "aten::mul", "aten::add", "index_select", "aten::silu", "aten::gelu",
+        "rms_norm", "aten::mul", "aten::add", "index_select", "aten::silu", "aten::gelu",
         "aten::cat", "aten::to", "aten::_to_copy", "aten::copy_", "aten::embedding",
         "aten::tanh", "aten::div", "aten::neg",
     ),
