@@ -47,7 +47,7 @@ from loguru import logger
 NATIVE_INT4_ENV = "EXO_NATIVE_INT4"
 
 _NATIVE = Path(__file__).with_name("native")
-_SOURCES = (_NATIVE / "int4_gemv.cpp", _NATIVE / "decode_layer.cpp")
+_SOURCES = (_NATIVE / "int4_gemv.cpp", _NATIVE / "decode_layer.cpp", _NATIVE / "prefill.cpp")
 _HEADERS = (_NATIVE / "kernels.h",)
 # A first build takes ~15-40 s on 2 cores (torch's headers dominate).
 BUILD_TIMEOUT_S = 600.0

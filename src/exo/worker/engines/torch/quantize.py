@@ -28,10 +28,8 @@ from torch import nn
 
 from exo.shared.models.memory import INT4_BLOCK_OUTPUTS, INT4_GROUP_SIZE, WeightFormat
 from exo.worker.engines.torch.native_int4 import (
-    ROUNDS_ACTIVATIONS,
     built_int4_kernel,
     native_int4_kernel,
-    rounded_activations,
 )
 from exo.worker.engines.torch.sharding import AllReducedLinear, RowParallelLinear
 
@@ -253,13 +251,15 @@ class Int4Linear(QuantizedLinear):
         return out
 
     def _native_product_by_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """The kernel's product for many rows (prefill) by one float32 matmul: the
-        dequantized weight times the activations rounded as the kernel rounds them. The
-        same sum as the kernel's in another order, so a token's result does not depend on
-        how many rows share its call (a pipeline rank and a single process chunk prompts
-        differently)."""
-        activations = rounded_activations(rows) if ROUNDS_ACTIVATIONS else rows
-        return torch.nn.functional.linear(activations, self.dequantize_float())
+        """The kernel's product for many rows (prefill) by float32 matmuls (exo's
+        `block_matmul`, `native/prefill.cpp`): the dequantized weight times the activations
+        rounded as the kernel rounds them. The same sum as the kernel's in another order,
+        so a token's result does not depend on how many rows share its call (a pipeline
+        rank and a single process chunk prompts differently)."""
+        product: torch.Tensor = torch.ops.exo_native.block_matmul(
+            rows.contiguous(), self.packed, self.scales_and_zeros
+        )
+        return product
 
     def _native_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """exo's kernel on `[rows, in]` (float32, or bfloat16 widened); output in the

@@ -31,10 +31,8 @@ import torch
 
 from exo.shared.models.memory import INT4_BLOCK_OUTPUTS as _BLOCK_OUTPUTS
 from exo.worker.engines.torch.native_int4 import (
-    ROUNDS_ACTIVATIONS,
     built_int8_block_kernel,
     native_int4_kernel,
-    rounded_activations,
 )
 from exo.worker.engines.torch.quantize import (
     NATIVE_MAX_ROWS,
@@ -253,11 +251,12 @@ class SplitInt4Linear(QuantizedLinear):
         return self._native or self.planes.native
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if self._native:  # the kernel for decode; prefill: its sum by one matmul
+        if self._native:  # the kernel for decode; prefill: its sum by float32 matmuls
             if rows.shape[0] <= NATIVE_MAX_ROWS:
                 return self._native_matmul(rows)
-            activations = rounded_activations(rows.float()) if ROUNDS_ACTIVATIONS else rows
-            out = torch.nn.functional.linear(activations.float(), self.dequantize_float())
+            out = torch.ops.exo_native.block_matmul(
+                rows.float().contiguous(), self.values, self.scale_zero
+            )
             return out.to(rows.dtype)
         if self.planes.native:  # the planes' own rule for any row count (see Int4Linear)
             return self.planes.matmul(torch.cat((rows, rows), dim=-1))

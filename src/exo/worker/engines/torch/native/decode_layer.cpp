@@ -22,6 +22,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/linear.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -103,6 +104,7 @@ void apply_linear(const Linear& linear, const float* x, int64_t rows, float* y) 
   } else if (kind == at::kChar) {
     exo_native::int8_block_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);
   } else {  // a dense weight (a type exo holds unquantized): torch's matmul in its dtype
+    c10::InferenceMode inference;
     const at::Tensor input =
         at::from_blob(const_cast<float*>(x), {rows, linear.in}, at::kFloat);
     const at::Tensor product = at::linear(input.to(linear.weight.scalar_type()), linear.weight)

@@ -47,8 +47,6 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-// Activations are rounded to integers in [-kLevels, kLevels] per block (int16).
-constexpr float kLevels = 32767.0f;
 
 inline float bf16_to_float(uint16_t value) {
   uint32_t bits = static_cast<uint32_t>(value) << 16;
@@ -246,18 +244,11 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int64_t group_size, 
   const int64_t blocks_per_group = group_size / kBlock;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
-      const float* block = x + r * k + b * kBlock;
-      float largest = 0.0f;
-      for (int j = 0; j < kBlock; ++j) largest = std::max(largest, std::abs(block[j]));
-      const float scale = largest / kLevels;
+      int16_t* block_values = values + r * k + b * kBlock;
+      const float scale = exo_native::round_block(x + r * k + b * kBlock, block_values);
       scales[r * blocks + b] = scale;
       int32_t rounded_sum = 0;
-      for (int j = 0; j < kBlock; ++j) {
-        const int16_t value =
-            scale > 0.0f ? static_cast<int16_t>(std::nearbyint(block[j] / scale)) : 0;
-        values[r * k + b * kBlock + j] = value;
-        rounded_sum += value;
-      }
+      for (int j = 0; j < kBlock; ++j) rounded_sum += block_values[j];
       float& group_sum = group_sums[r * (k / group_size) + b / blocks_per_group];
       group_sum = (b % blocks_per_group == 0 ? 0.0f : group_sum) +
                   static_cast<float>(rounded_sum) * scale;

@@ -3,9 +3,27 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace exo_native {
+
+// Activations are rounded per block of 32 to integers in [-kActivationLevels,
+// kActivationLevels] (int16) times one float scale.
+constexpr float kActivationLevels = 32767.0f;
+
+// Rounds the 32 values of `block` to int16 `values` (nearest, ties to even) in units of
+// the returned scale, the block's largest |x| / kActivationLevels (0 for an all-zero block,
+// whose values are all 0).
+inline float round_block(const float* block, int16_t* values) {
+  float largest = 0.0f;
+  for (int j = 0; j < 32; ++j) largest = std::max(largest, std::abs(block[j]));
+  const float scale = largest / kActivationLevels;
+  for (int j = 0; j < 32; ++j)
+    values[j] = scale > 0.0f ? static_cast<int16_t>(std::nearbyint(block[j] / scale)) : 0;
+  return scale;
+}
 
 // y[rows, out] = x[rows, k] times the int4 weight (qweight uint8 [out, k / 2] in blocks of
 // 32, scale_zero bfloat16 [out, groups, 2]); see int4_gemv.cpp. Splits outputs across
@@ -17,6 +35,13 @@ void int4_product(const float* x, int64_t rows, int64_t k, const at::Tensor& qwe
 // bfloat16 [out, k / 32, 2]); see int4_gemv.cpp.
 void int8_block_product(const float* x, int64_t rows, int64_t k, const at::Tensor& values,
                         const at::Tensor& scale_zero, float* y);
+
+// y[rows, out] = x[rows, k] times a block weight (int4 or int8, as above) for many rows
+// (prefill): the activations rounded as the decode kernels round them, times the
+// dequantized weight, by torch's float32 matmul over slabs of output rows dequantized
+// into each thread's cache. See prefill.cpp.
+void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& weight,
+                  const at::Tensor& scale_zero, float* y);
 
 // out[hidden] = row / sqrt(mean(row^2) + eps) * weight (weight nullptr: no weight).
 void rms_norm_row(const float* row, const float* weight, int64_t hidden, float eps, float* out);
