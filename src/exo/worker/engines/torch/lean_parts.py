@@ -132,7 +132,8 @@ class Projection:
     def decode_tensors(self) -> list[torch.Tensor | None] | None:
         """`[weight, scale_zero, bias]` as exo's decode layer (`native/decode_layer.cpp`)
         reads them: exo's int4 blocks (uint8 `[out, in / 2]`) or int8 blocks (int8 `[out,
-        in]`) with their bfloat16 (scale, zero) pairs, or a dense weight with None; bias
+        in]`) with their bfloat16 (scale, zero) pairs, symmetric int8 (int8 `[out, in]`)
+        with its bfloat16 scale per output `[out]`, or a dense weight with None; bias
         float32 `[out]` or None. None where that layer cannot run it: torch's int4 layout,
         a row-parallel (all-reduced) linear, unfusable parts."""
         if self.parts or self.reduce:
@@ -149,6 +150,9 @@ class Projection:
         values = getattr(module, "values", None)
         if values is not None and values.dtype == torch.int8:  # SplitInt4Linear's blocks
             return [values, module.scale_zero, bias]
+        scales = getattr(module, "scales", None)
+        if isinstance(scales, torch.Tensor) and scales.dim() == 1:  # Int8Linear's channels
+            return [module.weight, scales, bias]
         return None
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:

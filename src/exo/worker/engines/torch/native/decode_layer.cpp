@@ -54,8 +54,9 @@ enum NormIndex { kInputNorm = 0, kPreMlpNorm = 1, kPostAttentionNorm = 2, kPostM
 constexpr int kNorms = 5;
 
 struct Linear {
-  at::Tensor weight;      // uint8 [out, in / 2] int4 blocks, int8 [out, in] blocks, or dense
-  at::Tensor scale_zero;  // bfloat16 pairs for the block kinds; undefined for dense
+  at::Tensor weight;      // uint8 [out, in / 2] int4 blocks, int8 [out, in], or dense
+  at::Tensor scale_zero;  // bfloat16 pairs (blocks), bfloat16 [out] (int8 per output row),
+                          // undefined (dense)
   at::Tensor bias;        // float32 [out] or undefined
   int64_t out = 0;
   int64_t in = 0;
@@ -71,7 +72,13 @@ Linear read_linear(const c10::List<std::optional<at::Tensor>>& linears, int inde
   const std::optional<at::Tensor> bias = linears.get(3 * index + 2);
   linear.out = linear.weight.size(0);
   const auto kind = linear.weight.scalar_type();
-  if (kind == at::kByte || kind == at::kChar) {
+  if (kind == at::kChar && scale_zero.has_value() && scale_zero->dim() == 1) {
+    TORCH_CHECK(scale_zero->scalar_type() == at::kBFloat16 && scale_zero->is_contiguous() &&
+                    scale_zero->size(0) == linear.out && linear.weight.size(1) % 32 == 0,
+                "decode_layer: linear ", index, " needs bfloat16 [out] scales");
+    linear.scale_zero = *scale_zero;
+    linear.in = linear.weight.size(1);
+  } else if (kind == at::kByte || kind == at::kChar) {
     TORCH_CHECK(scale_zero.has_value() && scale_zero->dim() == 3 &&
                     scale_zero->scalar_type() == at::kBFloat16 && scale_zero->is_contiguous() &&
                     scale_zero->size(0) == linear.out && scale_zero->size(2) == 2,
@@ -101,6 +108,8 @@ void apply_linear(const Linear& linear, const float* x, int64_t rows, float* y) 
   const auto kind = linear.weight.scalar_type();
   if (kind == at::kByte) {
     exo_native::int4_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);
+  } else if (kind == at::kChar && linear.scale_zero.dim() == 1) {
+    exo_native::int8_channel_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);
   } else if (kind == at::kChar) {
     exo_native::int8_block_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);
   } else {  // a dense weight (a type exo holds unquantized): torch's matmul in its dtype

@@ -547,14 +547,144 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 }  // namespace
 
+namespace {
+
+// Symmetric int8 weights with one scale per output row (Int8Linear, the LM head's format):
+// y[m, n] = scale[n] * sum_k v[n, k] x[m, k]. Activations rounded per block of 32 to int16
+// as above, reordered within each block to its even then its odd inputs, so a 32-byte load
+// of weights sign-extends to int16 by shifts alone (lane i of the load holds inputs 2i and
+// 2i + 1 of the block in its low and high bytes); no byte-to-word widening.
+#ifdef EXO_AVX2
+template <int ROWS, int NR>
+void tile_avx2_int8_channel(const int16_t* xq, const float* x_scales, int64_t k, const int8_t* v,
+                            const uint16_t* scales, float* y, int64_t n_total, int64_t n) {
+  const int64_t blocks = k / kBlock;
+  __m256 acc[NR][ROWS];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int i = 0; i < NR; ++i) {
+      const __m256i bytes =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (n + i) * k + b * kBlock));
+      const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 8);
+      const __m256i odd = _mm256_srai_epi16(bytes, 8);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
+        const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_loadu_si256(xv)),
+                                              _mm256_madd_epi16(odd, _mm256_loadu_si256(xv + 1)));
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                    _mm256_broadcast_ss(x_scales + r * blocks + b), acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r)
+      y[r * n_total + n + i] = horizontal_sum(acc[i][r]) * bf16_to_float(scales[n + i]);
+}
+
+template <int ROWS>
+void rows_avx2_int8_channel(const int16_t* xq, const float* xs, int64_t k, const int8_t* v,
+                            const uint16_t* scales, float* y, int64_t n_total, int64_t n0,
+                            int64_t n1) {
+  constexpr int kTile = ROWS <= 2 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + kTile <= n1; n += kTile)
+    tile_avx2_int8_channel<ROWS, kTile>(xq, xs, k, v, scales, y, n_total, n);
+  for (; n < n1; ++n) tile_avx2_int8_channel<ROWS, 1>(xq, xs, k, v, scales, y, n_total, n);
+}
+#endif
+
+}  // namespace
+
+namespace exo_native {
+
+void int8_channel_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& weight,
+                          const at::Tensor& scales, float* yp) {
+  const int64_t n = weight.size(0);
+  if (rows == 0 || n == 0) return;
+  const int8_t* vp = weight.data_ptr<int8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 17) / std::max<int64_t>(k, 1));
+#ifdef EXO_AVX2
+  const int64_t blocks = k / kBlock;
+  thread_local std::vector<int16_t> rounded, reordered;
+  thread_local std::vector<float> x_scales, block_sums;
+  rounded.resize(static_cast<size_t>(rows * k));
+  reordered.resize(static_cast<size_t>(rows * k));
+  x_scales.resize(static_cast<size_t>(rows * blocks));
+  block_sums.resize(static_cast<size_t>(rows * blocks));
+  quantize_rows(xp, rows, k, kBlock, rounded.data(), x_scales.data(), block_sums.data());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int16_t* from = rounded.data() + r * k + b * kBlock;
+      int16_t* to = reordered.data() + r * k + b * kBlock;
+      for (int i = 0; i < 16; ++i) {
+        to[i] = from[2 * i];
+        to[16 + i] = from[2 * i + 1];
+      }
+    }
+  const int16_t* xq = reordered.data();
+  const float* xs = x_scales.data();
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+      rows_avx2_int8_channel<4>(xq + r * k, xs + r * blocks, k, vp, sp, yp + r * n, n, n0, n1);
+    const int64_t left = rows - r;
+    const int16_t* xr = xq + r * k;
+    const float* sr = xs + r * blocks;
+    if (left == 3)
+      rows_avx2_int8_channel<3>(xr, sr, k, vp, sp, yp + r * n, n, n0, n1);
+    else if (left == 2)
+      rows_avx2_int8_channel<2>(xr, sr, k, vp, sp, yp + r * n, n, n0, n1);
+    else if (left == 1)
+      rows_avx2_int8_channel<1>(xr, sr, k, vp, sp, yp + r * n, n, n0, n1);
+  });
+#else
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t o = n0; o < n1; ++o)
+      for (int64_t r = 0; r < rows; ++r) {
+        float total = 0.0f;
+        for (int64_t j = 0; j < k; ++j) total += static_cast<float>(vp[o * k + j]) * xp[r * k + j];
+        yp[r * n + o] = total * bf16_to_float(sp[o]);
+      }
+  });
+#endif
+}
+
+}  // namespace exo_native
+
+namespace {
+
+at::Tensor int8_channel_gemv(const at::Tensor& x, const at::Tensor& weight,
+                             const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "int8_channel_gemv: x must be a contiguous float32 [rows, in] tensor");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous(),
+              "int8_channel_gemv: weight must be a contiguous int8 [out, in] tensor");
+  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(weight.size(1) == k && k % kBlock == 0, "int8_channel_gemv: x has ", k,
+              " inputs, the weight ", weight.size(1), " (a multiple of 32 is needed)");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n &&
+                  scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(),
+              "int8_channel_gemv: scales must be a contiguous bfloat16 [out] tensor");
+  at::Tensor y = at::empty({rows, n}, x.options());
+  exo_native::int8_channel_product(x.data_ptr<float>(), rows, k, weight, scales,
+                                   y.data_ptr<float>());
+  return y;
+}
+
+}  // namespace
+
 TORCH_LIBRARY(exo_native, m) {
   m.def("int4_gemv(Tensor x, Tensor qweight, Tensor scale_zero) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("int8_block_gemv(Tensor x, Tensor values, Tensor scale_zero) -> Tensor");
+  m.def("int8_channel_gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exo_native, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("rms_norm", &rms_norm);
   m.impl("int8_block_gemv", &int8_block_gemv);
+  m.impl("int8_channel_gemv", &int8_channel_gemv);
 }

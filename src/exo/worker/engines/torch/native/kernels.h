@@ -36,6 +36,11 @@ void int4_product(const float* x, int64_t rows, int64_t k, const at::Tensor& qwe
 void int8_block_product(const float* x, int64_t rows, int64_t k, const at::Tensor& values,
                         const at::Tensor& scale_zero, float* y);
 
+// y[rows, out] = x[rows, k] times a symmetric int8 weight (int8 [out, k]) with one bfloat16
+// scale per output row (scales [out]); see int4_gemv.cpp.
+void int8_channel_product(const float* x, int64_t rows, int64_t k, const at::Tensor& weight,
+                          const at::Tensor& scales, float* y);
+
 // y[rows, out] = x[rows, k] times a block weight (int4 or int8, as above) for many rows
 // (prefill): the activations rounded as the decode kernels round them, times the
 // dequantized weight, by torch's float32 matmul over slabs of output rows dequantized

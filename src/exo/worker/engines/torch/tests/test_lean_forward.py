@@ -132,7 +132,7 @@ def test_int4_native_lean_equals_transformers(
     assert torch.equal(lean_logits.argmax(-1), reference.argmax(-1))
 
 
-@pytest.mark.parametrize("weights", ["float32", "int4"])
+@pytest.mark.parametrize("weights", ["float32", "int8", "int4"])
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_native_decode_layer_equals_lean_operators(
     int4_dirs: dict[str, Path], name: str, weights: str, monkeypatch: pytest.MonkeyPatch

@@ -136,6 +136,31 @@ def test_native_int4_kernel_takes_any_output_count(threads: int) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_int8_channel_kernel_computes_its_documented_product(
+    rows: int, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Int8Linear on exo's kernel: the int8 weight times its per-output scale times the
+    activations rounded to int16 blocks (70 outputs: tiles of four, then single rows)."""
+    monkeypatch.setenv(NATIVE_INT4_ENV, "1")
+    quantized = Int8Linear(random_linear(96, 70))
+    assert quantized.native
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=generator)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            actual = quantized(x)
+    finally:
+        torch.set_num_threads(before)
+    assert actual.dtype == torch.float32 and actual.shape == (rows, 70)
+    weight = quantized.weight.double() * quantized.scales.double()[:, None]
+    activations = rounded_activations(x).double() if ROUNDS_ACTIVATIONS else x.double()
+    torch.testing.assert_close(actual.double(), activations @ weight.t(), rtol=1e-5, atol=1e-4)
+
+
 def test_native_int4_kernel_refuses_bad_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     kernel = built_int4_kernel()
     assert kernel is not None
