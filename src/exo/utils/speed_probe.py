@@ -53,7 +53,7 @@ from exo.shared.constants import exo_home
 from exo.shared.types.nodes import NodeSpeed
 
 # Bump when what is measured changes: cached figures of an older probe are measured again.
-PROBE_VERSION = 3
+PROBE_VERSION = 4
 CACHE_FILE_NAME = "speed_probe.json"
 # Seconds of timed repetitions per figure (after one warm-up call).
 PROBE_SECONDS = 0.2
@@ -201,6 +201,8 @@ def _native_int4_bytes_per_second(kernel: Callable[..., Any], working_set: int) 
 def _int8_decode_bytes_per_second(working_set: int) -> float:
     import torch
 
+    from exo.worker.engines.torch.native_int4 import native_int4_kernel
+
     generator = torch.Generator().manual_seed(1)
     weight = torch.randint(-127, 128, (INT4_OUTPUTS, INT4_INPUTS), generator=generator)
     weight = weight.to(torch.int8)
@@ -209,10 +211,14 @@ def _int8_decode_bytes_per_second(working_set: int) -> float:
     copies = max(1, -(-working_set // matrix_bytes))
     weights = [weight.clone() for _ in range(copies)]
     row = torch.rand(1, INT4_INPUTS).to(torch.bfloat16)
+    native = native_int4_kernel() is not None  # Int8Linear runs exo's kernel (AVX2)
 
     def step() -> None:
         for block in weights:
-            torch._weight_int8pack_mm(row, block, scales)
+            if native:
+                torch.ops.exo_native.int8_channel_gemv(row.float(), block, scales)
+            else:
+                torch._weight_int8pack_mm(row, block, scales)
 
     return copies * matrix_bytes / _fastest_seconds(step)
 
@@ -307,6 +313,49 @@ class _TinyLayer:
         return x + self._linear("down", gated)
 
 
+class _NativeTinyLayer:
+    """`_TinyLayer`'s layer as the engine runs it where exo's kernels run (AVX2): one call
+    of exo's decode layer (`native/decode_layer.cpp`) on int4 weights in its layout."""
+
+    def __init__(self) -> None:
+        import torch
+
+        from exo.worker.engines.torch.quantize import pack_native_int4
+
+        hidden, head_dim, mlp, heads = (
+            _TinyLayer.HIDDEN, _TinyLayer.HEAD_DIM, _TinyLayer.MLP, _TinyLayer.HEADS,
+        )  # fmt: skip
+        generator = torch.Generator().manual_seed(3)
+
+        def weights(outputs: int, inputs: int) -> list[Any]:
+            levels = torch.randint(0, 16, (outputs, inputs), dtype=torch.uint8, generator=generator)
+            pairs = torch.rand(outputs, inputs // 32, 2, generator=generator)
+            return [pack_native_int4(levels), pairs.to(torch.bfloat16), None]
+
+        self.linears = [
+            *weights((heads + 2) * head_dim, hidden), *weights(hidden, heads * head_dim),
+            *weights(2 * mlp, hidden), *weights(hidden, mlp),
+        ]  # fmt: skip
+        self.norms = [torch.ones(hidden), torch.ones(hidden), None, None, None]
+        self.hidden = torch.rand(1, hidden, generator=generator)
+        self.keys = torch.rand(1, 1, _TinyLayer.CACHED + 1, head_dim, generator=generator)
+        self.values = torch.rand(1, 1, _TinyLayer.CACHED + 1, head_dim, generator=generator)
+        angles = torch.rand(1, head_dim, generator=generator)
+        self.cos, self.sin = angles.cos(), angles.sin()
+        self.perm = torch.arange(head_dim).roll(head_dim // 2)
+
+    def forward(self) -> Any:
+        import torch
+
+        x = self.hidden.clone()
+        torch.ops.exo_native.decode_layer(
+            x, self.linears, self.norms, [1e-6] * 5, self.keys, self.values, [0],
+            [_TinyLayer.CACHED], self.cos, self.sin, self.perm, _TinyLayer.HEADS, 1,
+            _TinyLayer.HEAD_DIM, 0, 0, _TinyLayer.HEAD_DIM**-0.5,
+        )  # fmt: skip
+        return x
+
+
 LOOPBACK_MESSAGE_BYTES = 64
 LOOPBACK_TIMEOUT_SECONDS = 2.0
 
@@ -358,8 +407,12 @@ def measure_node_speed(threads: int | None = None) -> NodeSpeed:
 
     threads = threads or runner_threads()
     working_set = max(WORKING_SET_BYTES, 2 * _llc_bytes())
+    from exo.worker.engines.torch.native_int4 import native_int4_kernel
+
     with _torch_threads(threads), torch.inference_mode():
-        layer = _TinyLayer()
+        layer: _TinyLayer | _NativeTinyLayer = (
+            _NativeTinyLayer() if native_int4_kernel() is not None else _TinyLayer()
+        )
         return NodeSpeed(
             threads=threads,
             int4_decode_bytes_per_second=_int4_decode_bytes_per_second(working_set),
