@@ -133,7 +133,8 @@ class Projection:
         """`[weight, scale_zero, bias]` as exo's decode layer (`native/decode_layer.cpp`)
         reads them: exo's int4 blocks (uint8 `[out, in / 2]`) or int8 blocks (int8 `[out,
         in]`) with their bfloat16 (scale, zero) pairs, symmetric int8 (int8 `[out, in]`)
-        with its bfloat16 scale per output `[out]`, or a dense weight with None; bias
+        with its bfloat16 scale per output `[out]`, or a dense weight (float32, or bfloat16
+        held unquantized) with None; bias
         float32 `[out]` or None. None where that layer cannot run it: torch's int4 layout,
         a row-parallel (all-reduced) linear, unfusable parts."""
         if self.parts or self.reduce:
@@ -153,6 +154,9 @@ class Projection:
         scales = getattr(module, "scales", None)
         if isinstance(scales, torch.Tensor) and scales.dim() == 1:  # Int8Linear's channels
             return [module.weight, scales, bias]
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16:  # Bf16Linear
+            return [weight, None, bias]
         return None
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:

@@ -112,7 +112,9 @@ void apply_linear(const Linear& linear, const float* x, int64_t rows, float* y) 
     exo_native::int8_channel_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);
   } else if (kind == at::kChar) {
     exo_native::int8_block_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);
-  } else {  // a dense weight (a type exo holds unquantized): torch's matmul in its dtype
+  } else if (kind == at::kBFloat16) {  // held unquantized (GGUF Q6_K): exact float32 sums
+    exo_native::bf16_product(x, rows, linear.in, linear.weight, y);
+  } else {  // a dense float32 weight: torch's matmul
     c10::InferenceMode inference;
     const at::Tensor input =
         at::from_blob(const_cast<float*>(x), {rows, linear.in}, at::kFloat);

@@ -41,6 +41,9 @@ void int8_block_product(const float* x, int64_t rows, int64_t k, const at::Tenso
 void int8_channel_product(const float* x, int64_t rows, int64_t k, const at::Tensor& weight,
                           const at::Tensor& scales, float* y);
 
+// y[rows, out] = x[rows, k] times a bfloat16 weight [out, k], exactly in float32.
+void bf16_product(const float* x, int64_t rows, int64_t k, const at::Tensor& weight, float* y);
+
 // y[rows, out] = x[rows, k] times a block weight (int4 or int8, as above) for many rows
 // (prefill): the activations rounded as the decode kernels round them, times the
 // dequantized weight, by torch's float32 matmul over slabs of output rows dequantized

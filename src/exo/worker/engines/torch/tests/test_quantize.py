@@ -161,6 +161,28 @@ def test_native_int8_channel_kernel_computes_its_documented_product(
     torch.testing.assert_close(actual.double(), activations @ weight.t(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 20])
+def test_bf16_linear_on_native_kernels_is_exact_in_float32(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weight held in bfloat16 (GGUF Q6_K) where exo's kernels run: float32 rows times the
+    bfloat16 weight in float32 (exo's kernel up to 16 rows, torch's float32 matmul above;
+    70 outputs: tiles of four, then single rows; 100 inputs: a tail after 8-wide steps)."""
+    from exo.worker.engines.torch.gguf_weights import Bf16Linear
+
+    monkeypatch.setenv(NATIVE_INT4_ENV, "1")
+    generator = torch.Generator().manual_seed(rows)
+    linear = Bf16Linear(torch.randn(70, 100, generator=generator), torch.randn(70))
+    assert linear.native
+    x = torch.randn(rows, 100, generator=generator)
+    with torch.inference_mode():
+        actual = linear(x)
+    assert actual.dtype == torch.float32 and actual.shape == (rows, 70)
+    assert linear.bias is not None
+    expected = x.double() @ linear.weight.double().t() + linear.bias.double()
+    torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_native_int4_kernel_refuses_bad_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     kernel = built_int4_kernel()
     assert kernel is not None
