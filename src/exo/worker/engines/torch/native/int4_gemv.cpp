@@ -32,6 +32,9 @@
 #include <torch/library.h>
 
 #include "kernels.h"
+#ifndef PF
+#define PF 32768
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -66,6 +69,15 @@ inline float horizontal_sum(__m256 v) {
 #endif
 
 #ifdef EXO_AVX2
+// Weights are read once per token, from memory: a software prefetch this many bytes ahead
+// of each row's read position. Measured on the 2-core AMD EPYC (Zen 3), a 262144x640 int8
+// product (168 MB, Gemma 3's LM head): 12.5 GB/s without, 18-20 GB/s with 8-32 KiB ahead.
+constexpr int64_t kPrefetchBytes = 16384;
+
+inline void prefetch_ahead(const void* address) {
+  _mm_prefetch(static_cast<const char*>(address) + kPrefetchBytes, _MM_HINT_T0);
+}
+
 // For NR output rows' (scale, zero) bfloat16 pairs [NR, groups, 2]: the scales as float32
 // into scales[NR, groups], and per row and activation row the zero term, sum over groups of
 // (zero - 8 scale) times the group's sum of rounded activations (offset_sums[ROWS, groups]).
@@ -120,8 +132,9 @@ void tile_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
   for (int64_t p = 0; p < pairs; ++p) {  // two blocks: 32 bytes, 16 lanes of four nibbles
     const int64_t b = 2 * p;
     for (int i = 0; i < NR; ++i) {
-      const __m256i lanes =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (n + i) * (k / 2) + p * 32));
+      const uint8_t* pair = q + (n + i) * (k / 2) + p * 32;
+      const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+      prefetch_ahead(pair);
       const __m256i w0 = _mm256_and_si256(lanes, nibble);  // q[0..15] as int16
       const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(lanes, 4), nibble);
       const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(lanes, 8), nibble);
@@ -386,6 +399,7 @@ void tile_avx2_int8(const int16_t* xq, const float* x_scales, const float* block
     for (int i = 0; i < NR; ++i) {
       const __m256i bytes =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (n + i) * k + b * kBlock));
+      prefetch_ahead(v + (n + i) * k + b * kBlock);
       const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 8);
       const __m256i odd = _mm256_srai_epi16(bytes, 8);
       const __m256 weight_scale = _mm256_broadcast_ss(scales + i * blocks + b);
@@ -578,6 +592,7 @@ void tile_avx2_int8_channel(const int16_t* xq, const float* x_scales, int64_t k,
     for (int i = 0; i < NR; ++i) {
       const __m256i bytes =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (n + i) * k + b * kBlock));
+      prefetch_ahead(v + (n + i) * k + b * kBlock);
       const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 8);
       const __m256i odd = _mm256_srai_epi16(bytes, 8);
       for (int r = 0; r < ROWS; ++r) {
@@ -695,7 +710,9 @@ void tile_avx2_bf16(const float* x, int64_t rows, int64_t k, const uint16_t* w, 
     for (; j + 8 <= k; j += 8) {
       const __m256 xv = _mm256_loadu_ps(x + r * k + j);
       for (int i = 0; i < NR; ++i) {
-        const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n + i) * k + j));
+        const uint16_t* values = w + (n + i) * k + j;
+        const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values));
+        if (j % 32 == 0) prefetch_ahead(values);
         const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
         acc[i] = _mm256_fmadd_ps(wv, xv, acc[i]);
       }
