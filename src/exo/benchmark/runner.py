@@ -168,20 +168,24 @@ def run_bench(config: BenchConfig, say: Print = print) -> BenchReport:
         try:
             model_text = ModelText.load(model_dir)
             say(f"model {model_id}: EOS ids {sorted(model_text.eos_token_ids)} banned")
-            llama: LlamaCppRunner | None = None
-            if config.compare_llama_cpp is not None:
-                longest = max(config.prompt_tokens) + max(config.generation_tokens) + 16
-                threads = config.threads or len(os.sched_getaffinity(0))
-                llama = LlamaCppRunner(config.compare_llama_cpp, threads, longest)
-                say(f"llama.cpp on {config.compare_llama_cpp.name}, {threads} threads")
         except BaseException:
             with contextlib.suppress(Exception):
                 starting.result().close()
             raise
         nodes = starting.result()
+    llama: LlamaCppRunner | None = None
     try:
         if local_directory:
             model_id = nodes.add_local_model(model_dir)
+        # Fresh nodes measure their speed a few seconds after they start; loading llama.cpp
+        # or the engine in this process meanwhile slowed those figures (a prediction of 11
+        # tok/s where a node measured alone predicted 125), so wait for them first.
+        nodes.predicted(model_id, config.placements[0], config.prompt_tokens[0])
+        if config.compare_llama_cpp is not None:
+            longest = max(config.prompt_tokens) + max(config.generation_tokens) + 16
+            threads = config.threads or len(os.sched_getaffinity(0))
+            llama = LlamaCppRunner(config.compare_llama_cpp, threads, longest)
+            say(f"llama.cpp on {config.compare_llama_cpp.name}, {threads} threads")
         engine: Any = None
         if config.engine_in_process:
             from exo.benchmark.engine_runner import load_engine_for_bench
