@@ -177,10 +177,15 @@ def run_bench(config: BenchConfig, say: Print = print) -> BenchReport:
     try:
         if local_directory:
             model_id = nodes.add_local_model(model_dir)
-        # Fresh nodes measure their speed a few seconds after they start; loading llama.cpp
-        # or the engine in this process meanwhile slowed those figures (a prediction of 11
-        # tok/s where a node measured alone predicted 125), so wait for them first.
-        nodes.predicted(model_id, config.placements[0], config.prompt_tokens[0])
+        # Fresh nodes measure their speed a few seconds after they start; predictions taken
+        # after this process loaded llama.cpp or the engine came out 2.5-10x slower than a
+        # node alone predicts (11 and 49 tok/s where it predicted 125-133), so every
+        # placement's predictions are taken first.
+        predictions: dict[tuple[str, int], tuple[dict[str, float], str | None]] = {}
+        for placement in config.placements:
+            for length in config.prompt_tokens:
+                predicted = nodes.predicted(model_id, placement, length)
+                predictions[placement.label, length] = (predicted, nodes.no_prediction_reason)
         if config.compare_llama_cpp is not None:
             longest = max(config.prompt_tokens) + max(config.generation_tokens) + 16
             threads = config.threads or len(os.sched_getaffinity(0))
@@ -194,8 +199,9 @@ def run_bench(config: BenchConfig, say: Print = print) -> BenchReport:
             engine = load_engine_for_bench(model_dir)
         for placement in config.placements:
             _bench_placement(
-                config, report, nodes, placement, model_id, model_text, llama, engine, say
-            )
+                config, report, nodes, placement, model_id, model_text, llama, engine,
+                predictions, say,
+            )  # fmt: skip
             write_json(report, json_path)
     finally:
         nodes.close()
@@ -253,16 +259,19 @@ def _bench_placement(
     model_text: ModelText,
     llama: LlamaCppRunner | None,
     engine: Any,
+    taken: dict[tuple[str, int], tuple[dict[str, float], str | None]],
     say: Print,
 ) -> None:
     """Place, measure every case, delete. On a single placement the llama.cpp runner (one
     stream) and the in-process engine (when given) each run right after every exo run, on
-    the same prompt length, so background load affects them alike."""
+    the same prompt length, so background load affects them alike. `taken`: the cluster's
+    predictions (and why there is none) per (placement label, prompt length), taken before
+    anything ran."""
     predictions: dict[int, dict[str, float]] = {}
     for length in config.prompt_tokens:
-        predictions[length] = nodes.predicted(model_id, placement, length)
-        if nodes.no_prediction_reason is not None:
-            note = f"{placement.label} prompt {length}: no prediction: {nodes.no_prediction_reason}"
+        predictions[length], reason = taken[placement.label, length]
+        if reason is not None:
+            note = f"{placement.label} prompt {length}: no prediction: {reason}"
             say(f"  {note}")
             report.notes.append(note)
     say(f"placing {model_id} {placement.label}")

@@ -40,6 +40,7 @@ from exo.shared.types.tasks import (
     TextGeneration,
 )
 from exo.utils.heap import bound_kernel_caches
+from exo.utils.omp import limit_thread_spinning
 from exo.worker.runner.messages import (
     ChunkReport,
     KVCacheReport,
@@ -98,8 +99,10 @@ class RunnerSupervisor:
         return self._process.pid if self._process is not None else None
 
     def start(self) -> None:
-        # The spawned runner inherits this environment: bounded per-shape kernel caches.
+        # The spawned runner inherits this environment: bounded per-shape kernel caches,
+        # intra-op threads that stop spinning soon after a step.
         bound_kernel_caches()
+        limit_thread_spinning()
         context = multiprocessing.get_context("spawn")
         runner_inbound_read, runner_inbound_write = context.Pipe(duplex=False)
         runner_outbound_read, runner_outbound_write = context.Pipe(duplex=False)
