@@ -210,9 +210,10 @@ class BenchNodes:
         `decode_tok_s` (one stream) and `ttft_s`, from the placement preview of the same
         sharding and node count (preferring the same nodes); empty when the previews carry
         none, with the reason in `no_prediction_reason`. The first call waits up to
-        `PREDICTION_TIMEOUT_SECONDS` while a node has no settled speed figures (the
-        preview's figures are null then: a fresh node measures a few seconds after it
-        starts, a busy machine's node only once it is quiet); later calls do not wait."""
+        `PREDICTION_TIMEOUT_SECONDS` while there is no such preview yet or a node has no
+        settled speed figures (the preview's figures are null then: a fresh node measures
+        a few seconds after it starts, a busy machine's node only once it is quiet); later
+        calls do not wait."""
         deadline = time.monotonic() + (0.0 if self._speed_wait_over else PREDICTION_TIMEOUT_SECONDS)
         self.no_prediction_reason = None
         while True:
@@ -230,7 +231,11 @@ class BenchNodes:
                 and preview.get("node_count") == placement.nodes
                 and not preview.get("error")
             ]
+            if not matching and time.monotonic() < deadline:
+                time.sleep(1.0)  # a fresh node lists the model's previews a little later
+                continue
             if not matching or "predicted_decode_tokens_per_second" not in matching[0]:
+                self._speed_wait_over = True
                 self.no_prediction_reason = (
                     f"no valid {placement.label} preview"
                     if not matching
@@ -290,11 +295,14 @@ class LocalNodes(BenchNodes):
         env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
         try:
             for index in range(count):
+                home = root / f"node{index}"
                 node = ExoNode(
-                    root / f"node{index}",
+                    home,
                     models_dir=models_dir,
                     extra_args=("--offline", "--no-default-model", *extra_args),
-                    env=env,
+                    # Each node measures its speed afresh (the test nodes' shared cache holds
+                    # figures measured while tests loaded the machine).
+                    env={**env, "EXO_SPEED_PROBE_CACHE": str(home / "speed_probe.json")},
                     namespace=f"exo-bench-{os.getpid()}",
                     bootstrap=tuple(self.nodes),
                     cpu_cores=(cores[index],) if pin_cores else None,

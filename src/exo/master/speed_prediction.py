@@ -68,7 +68,10 @@ PREFILL_CHUNK_TOKENS = 512
 # measured again on a quiet machine (the script prints them).
 # The engine's decode step does more per layer than the probe's tiny layer
 # (`speed_probe._TinyLayer`): the engine's per-token time not explained by bytes, per layer,
-# over the tiny layer's time. SmolLM2-135M: 3.0-6.2 (median 5.2) over six runs.
+# over the tiny layer's time. SmolLM2-135M: 3.0-6.2 (median 5.2) over six runs. On the
+# AVX2 machine the tiny layer is exo's decode layer (speed probe v4) and the factor fits
+# 2.3-3.0 (bench_prediction.py, one pinned core); with 5.0 `exo bench` (2 threads) predicted
+# SmolLM2's decode within -1% / -15% at 128 / 512 tokens, so it stays.
 ENGINE_LAYER_OVERHEAD_FACTOR = 5.0
 # The engine's attention reads the KV cache slower than a plain copy moves bytes (it gathers
 # the request's slots and repeats KV heads for grouped-query attention, in float32): the
@@ -76,8 +79,11 @@ ENGINE_LAYER_OVERHEAD_FACTOR = 5.0
 # SmolLM2-135M: 1.9 and 3.5.
 ENGINE_KV_READ_FACTOR = 3.0
 # The engine's prefill time over 2 × FLOPs / the probe's float32 matmul rate. SmolLM2-135M
-# and a random Llama of its size, 32-512 prompt tokens: 0.5-1.4 (median 1.0).
-ENGINE_PREFILL_FACTOR = 1.0
+# and a random Llama of its size, 32-512 prompt tokens: 0.5-1.4 (median 1.0) on the
+# AVX512 machine (2026-11-30); on the AVX2-only 2-core EPYC with exo's kernels (2026-12-01,
+# prefill by slabs of dequantized rows) 1.44-1.45 at 128 tokens (bench_prediction.py, one
+# pinned core) and 1.5-1.7 at 128-512 (`exo bench`, 2 threads).
+ENGINE_PREFILL_FACTOR = 1.5
 LOOPBACK_ADDRESSES = ("127.", "::1", "localhost")
 # All-reduces up to this many bytes per rank go over the rank links (`links.SMALL_BYTES`).
 LINKS_ALL_REDUCE_BYTES = 256 * 1024
