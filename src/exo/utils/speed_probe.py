@@ -343,6 +343,7 @@ class _NativeTinyLayer:
         angles = torch.rand(1, head_dim, generator=generator)
         self.cos, self.sin = angles.cos(), angles.sin()
         self.perm = torch.arange(head_dim).roll(head_dim // 2)
+        self.partial = torch.empty(0)  # only a tensor rank's stages use it
 
     def forward(self) -> Any:
         import torch
@@ -351,7 +352,7 @@ class _NativeTinyLayer:
         torch.ops.exo_native.decode_layer(
             x, self.linears, self.norms, [1e-6] * 5, self.keys, self.values, [0],
             [_TinyLayer.CACHED], self.cos, self.sin, self.perm, _TinyLayer.HEADS, 1,
-            _TinyLayer.HEAD_DIM, 0, 0, _TinyLayer.HEAD_DIM**-0.5,
+            _TinyLayer.HEAD_DIM, 0, 0, _TinyLayer.HEAD_DIM**-0.5, self.partial, 0,
         )  # fmt: skip
         return x
 

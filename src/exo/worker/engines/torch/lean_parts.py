@@ -135,9 +135,10 @@ class Projection:
         in]`) with their bfloat16 (scale, zero) pairs, symmetric int8 (int8 `[out, in]`)
         with its bfloat16 scale per output `[out]`, or a dense weight (float32, or bfloat16
         held unquantized) with None; bias
-        float32 `[out]` or None. None where that layer cannot run it: torch's int4 layout,
-        a row-parallel (all-reduced) linear, unfusable parts."""
-        if self.parts or self.reduce:
+        float32 `[out]` or None (a row-parallel linear's bias, which the decode layer adds
+        after the caller's all-reduce). None where that layer cannot run it: torch's int4
+        layout, unfusable parts."""
+        if self.parts:
             return None
         bias = None if self.bias is None else self.bias.float().contiguous()
         if self.weight is not None:

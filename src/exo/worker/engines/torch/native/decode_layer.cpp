@@ -1,5 +1,5 @@
-// One decoder layer's decode step in one call (called by ../lean_forward.py): the layer's norms,
-// projections, per-head q/k norms, rotary, KV-cache write, attention and gated MLP over D
+// One decoder layer's decode step in one call (called by ../lean_forward.py): the layer's
+// norms, projections, per-head q/k norms, rotary, KV-cache write, attention and gated MLP over D
 // decode rows, each its own request (KV slot, position), with no torch operator between
 // them. A decode step of a small model is otherwise mostly the cost of calling ~30 torch
 // operators per layer from Python (measured on SmolLM2-135M, 2-core AMD EPYC Zen 3: 7.6 of
@@ -16,6 +16,13 @@
 //   m  = act(g) * u; o = m W_down^T; o = rms_norm(o, post_mlp_norm) where given; x += o
 // A key at position j is visible to the query at position p when j <= p and, with a sliding
 // window w, p - j < w (transformers' sliding-window convention, as batch_attention.py).
+//
+// On a tensor rank the output and down projections are row-parallel: their partial sums
+// must be all-reduced before their bias, norm and residual. `stage` 0 runs the whole layer;
+// 1 stops after the output projection (written, without bias, to `partial`); once the
+// caller has all-reduced `partial`, 2 adds its bias, finishes the attention's residual and
+// stops after the down projection (again into `partial`); after the second all-reduce, 3
+// adds the down bias and finishes the MLP's residual.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/List.h>
@@ -103,8 +110,16 @@ Linear read_linear(const c10::List<std::optional<at::Tensor>>& linears, int inde
   return linear;
 }
 
-// y[rows, out] = x[rows, in] W^T + bias.
-void apply_linear(const Linear& linear, const float* x, int64_t rows, float* y) {
+void add_bias_rows(const Linear& linear, int64_t rows, float* y) {
+  if (!linear.bias.defined()) return;
+  const float* bias = linear.bias.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t o = 0; o < linear.out; ++o) y[r * linear.out + o] += bias[o];
+}
+
+// y[rows, out] = x[rows, in] W^T (+ bias when add_bias).
+void apply_linear(const Linear& linear, const float* x, int64_t rows, float* y,
+                  bool add_bias = true) {
   const auto kind = linear.weight.scalar_type();
   if (kind == at::kByte) {
     exo_native::int4_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);
@@ -123,11 +138,7 @@ void apply_linear(const Linear& linear, const float* x, int64_t rows, float* y) 
                                    .contiguous();
     std::memcpy(y, product.data_ptr<float>(), sizeof(float) * rows * linear.out);
   }
-  if (linear.bias.defined()) {
-    const float* bias = linear.bias.data_ptr<float>();
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t o = 0; o < linear.out; ++o) y[r * linear.out + o] += bias[o];
-  }
+  if (add_bias) add_bias_rows(linear, rows, y);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -173,10 +184,16 @@ void decode_layer(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& lin
                   at::Tensor& keys, at::Tensor& values, at::IntArrayRef slots,
                   at::IntArrayRef positions, const at::Tensor& cos, const at::Tensor& sin,
                   const at::Tensor& perm, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                  int64_t activation, int64_t window, double scaling) {
+                  int64_t activation, int64_t window, double scaling, at::Tensor& partial,
+                  int64_t stage) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "decode_layer: x must be a contiguous float32 [rows, hidden] tensor");
   const int64_t rows = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(stage >= 0 && stage <= 3, "decode_layer: stage must be 0 (the whole layer) to 3");
+  TORCH_CHECK(stage == 0 || (partial.scalar_type() == at::kFloat && partial.is_contiguous() &&
+                             partial.dim() == 2 && partial.size(0) == rows &&
+                             partial.size(1) == hidden),
+              "decode_layer: partial must be a contiguous float32 [rows, hidden] tensor");
   TORCH_CHECK(static_cast<int64_t>(slots.size()) == rows &&
                   static_cast<int64_t>(positions.size()) == rows,
               "decode_layer: one slot and one position per row");
@@ -241,97 +258,104 @@ void decode_layer(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& lin
   float* normed = normed_buffer.data();
   float* qkv_out = qkv_buffer.data();
   float* attended = attended_buffer.data();
-  float* out = out_buffer.data();
-
-  // Attention block.
-  for (int64_t r = 0; r < rows; ++r)
-    exo_native::rms_norm_row(xp + r * hidden, norm[kInputNorm], hidden,
-                             static_cast<float>(eps[kInputNorm]), normed + r * hidden);
-  apply_linear(qkv, normed, rows, qkv_out);
-  const float* cos_p = cos.data_ptr<float>();
-  const float* sin_p = sin.data_ptr<float>();
-  const int64_t* perm_p = perm.data_ptr<int64_t>();
-  float* key_cache = keys.data_ptr<float>();
-  float* value_cache = values.data_ptr<float>();
-  std::vector<float> head_copy(static_cast<size_t>(head_dim));
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = qkv_out + r * qkv_width;
-    for (int64_t h = 0; h < heads + kv_heads; ++h) {  // queries, then keys: norm, rotary
-      float* vec = row + h * head_dim;
-      if (norm[kQkNorm] != nullptr)
-        exo_native::rms_norm_row(vec, norm[kQkNorm] + h * head_dim, head_dim,
-                                 static_cast<float>(eps[kQkNorm]), vec);
-      std::memcpy(head_copy.data(), vec, sizeof(float) * head_dim);
-      const float* c = cos_p + r * head_dim;
-      const float* s = sin_p + r * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d)
-        vec[d] = head_copy[d] * c[d] + head_copy[perm_p[d]] * s[d];
-    }
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const int64_t at_position = ((slots[r] * kv_heads + h) * capacity + positions[r]) * head_dim;
-      std::memcpy(key_cache + at_position, row + q_width + h * head_dim, sizeof(float) * head_dim);
-      std::memcpy(value_cache + at_position, row + q_width + kv_width + h * head_dim,
-                  sizeof(float) * head_dim);
-    }
-  }
-  // One task per (row, query head); short contexts stay on this thread.
-  int64_t longest = 1;
-  for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, positions[r] + 1);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (longest * head_dim));
-  const int64_t group = heads / kv_heads;
-  const float scale = static_cast<float>(scaling);
-  at::parallel_for(0, rows * heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / heads, h = task % heads;
-      const int64_t position = positions[r];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
-      const int64_t count = position + 1 - first;
-      const int64_t base = (slots[r] * kv_heads + h / group) * capacity * head_dim;
-      const float* query = qkv_out + r * qkv_width + h * head_dim;
-      scores.resize(static_cast<size_t>(count));
-      float largest = -INFINITY;
-      for (int64_t j = 0; j < count; ++j) {
-        scores[j] = dot(query, key_cache + base + (first + j) * head_dim, head_dim) * scale;
-        largest = std::max(largest, scores[j]);
+  float* out = stage == 0 ? out_buffer.data() : partial.data_ptr<float>();
+  if (stage <= 1) {  // the attention block, up to the output projection
+    for (int64_t r = 0; r < rows; ++r)
+      exo_native::rms_norm_row(xp + r * hidden, norm[kInputNorm], hidden,
+                               static_cast<float>(eps[kInputNorm]), normed + r * hidden);
+    apply_linear(qkv, normed, rows, qkv_out);
+    const float* cos_p = cos.data_ptr<float>();
+    const float* sin_p = sin.data_ptr<float>();
+    const int64_t* perm_p = perm.data_ptr<int64_t>();
+    float* key_cache = keys.data_ptr<float>();
+    float* value_cache = values.data_ptr<float>();
+    std::vector<float> head_copy(static_cast<size_t>(head_dim));
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = qkv_out + r * qkv_width;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {  // queries, then keys: norm, rotary
+        float* vec = row + h * head_dim;
+        if (norm[kQkNorm] != nullptr)
+          exo_native::rms_norm_row(vec, norm[kQkNorm] + h * head_dim, head_dim,
+                                   static_cast<float>(eps[kQkNorm]), vec);
+        std::memcpy(head_copy.data(), vec, sizeof(float) * head_dim);
+        const float* c = cos_p + r * head_dim;
+        const float* s = sin_p + r * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d)
+          vec[d] = head_copy[d] * c[d] + head_copy[perm_p[d]] * s[d];
       }
-      float total = 0.0f;
-      for (int64_t j = 0; j < count; ++j) {
-        scores[j] = std::exp(scores[j] - largest);
-        total += scores[j];
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t at_position =
+            ((slots[r] * kv_heads + h) * capacity + positions[r]) * head_dim;
+        const size_t bytes = sizeof(float) * head_dim;
+        std::memcpy(key_cache + at_position, row + q_width + h * head_dim, bytes);
+        std::memcpy(value_cache + at_position, row + q_width + kv_width + h * head_dim, bytes);
       }
-      float* result = attended + r * q_width + h * head_dim;
-      std::fill(result, result + head_dim, 0.0f);
-      for (int64_t j = 0; j < count; ++j)
-        axpy(scores[j], value_cache + base + (first + j) * head_dim, result, head_dim);
-      const float inverse = 1.0f / total;
-      for (int64_t d = 0; d < head_dim; ++d) result[d] *= inverse;
     }
-  });
-  apply_linear(output, attended, rows, out);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* o = out + r * hidden;
-    if (norm[kPostAttentionNorm] != nullptr)
-      exo_native::rms_norm_row(o, norm[kPostAttentionNorm], hidden,
-                               static_cast<float>(eps[kPostAttentionNorm]), o);
-    float* residual = xp + r * hidden;
-    for (int64_t i = 0; i < hidden; ++i) residual[i] += o[i];
+    // One task per (row, query head); short contexts stay on this thread.
+    int64_t longest = 1;
+    for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, positions[r] + 1);
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (longest * head_dim));
+    const int64_t group = heads / kv_heads;
+    const float scale = static_cast<float>(scaling);
+    at::parallel_for(0, rows * heads, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t r = task / heads, h = task % heads;
+        const int64_t position = positions[r];
+        const int64_t first = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+        const int64_t count = position + 1 - first;
+        const int64_t base = (slots[r] * kv_heads + h / group) * capacity * head_dim;
+        const float* query = qkv_out + r * qkv_width + h * head_dim;
+        scores.resize(static_cast<size_t>(count));
+        float largest = -INFINITY;
+        for (int64_t j = 0; j < count; ++j) {
+          scores[j] = dot(query, key_cache + base + (first + j) * head_dim, head_dim) * scale;
+          largest = std::max(largest, scores[j]);
+        }
+        float total = 0.0f;
+        for (int64_t j = 0; j < count; ++j) {
+          scores[j] = std::exp(scores[j] - largest);
+          total += scores[j];
+        }
+        float* result = attended + r * q_width + h * head_dim;
+        std::fill(result, result + head_dim, 0.0f);
+        for (int64_t j = 0; j < count; ++j)
+          axpy(scores[j], value_cache + base + (first + j) * head_dim, result, head_dim);
+        const float inverse = 1.0f / total;
+        for (int64_t d = 0; d < head_dim; ++d) result[d] *= inverse;
+      }
+    });
+    apply_linear(output, attended, rows, out, /*add_bias=*/stage == 0);
+    if (stage == 1) return;  // the caller all-reduces `partial`, then runs stage 2
   }
+  if (stage == 2) add_bias_rows(output, rows, out);
+  if (stage <= 2) {  // the attention's residual, the MLP block up to the down projection
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o = out + r * hidden;
+      if (norm[kPostAttentionNorm] != nullptr)
+        exo_native::rms_norm_row(o, norm[kPostAttentionNorm], hidden,
+                                 static_cast<float>(eps[kPostAttentionNorm]), o);
+      float* residual = xp + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) residual[i] += o[i];
+    }
 
-  // MLP block.
-  float* gate_up_out = gate_up_buffer.data();
-  float* middle = middle_buffer.data();
-  for (int64_t r = 0; r < rows; ++r)
-    exo_native::rms_norm_row(xp + r * hidden, norm[kPreMlpNorm], hidden,
-                             static_cast<float>(eps[kPreMlpNorm]), normed + r * hidden);
-  apply_linear(gate_up, normed, rows, gate_up_out);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gate = gate_up_out + r * gate_up.out;
-    const float* up = gate + intermediate;
-    float* m = middle + r * intermediate;
-    for (int64_t i = 0; i < intermediate; ++i) m[i] = activate(gate[i], activation) * up[i];
+    // MLP block.
+    float* gate_up_out = gate_up_buffer.data();
+    float* middle = middle_buffer.data();
+    for (int64_t r = 0; r < rows; ++r)
+      exo_native::rms_norm_row(xp + r * hidden, norm[kPreMlpNorm], hidden,
+                               static_cast<float>(eps[kPreMlpNorm]), normed + r * hidden);
+    apply_linear(gate_up, normed, rows, gate_up_out);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* gate = gate_up_out + r * gate_up.out;
+      const float* up = gate + intermediate;
+      float* m = middle + r * intermediate;
+      for (int64_t i = 0; i < intermediate; ++i) m[i] = activate(gate[i], activation) * up[i];
+    }
+    apply_linear(down, middle, rows, out, /*add_bias=*/stage == 0);
+    if (stage == 2) return;  // the caller all-reduces `partial`, then runs stage 3
   }
-  apply_linear(down, middle, rows, out);
+  if (stage == 3) add_bias_rows(down, rows, out);
   for (int64_t r = 0; r < rows; ++r) {
     float* o = out + r * hidden;
     if (norm[kPostMlpNorm] != nullptr)
@@ -349,7 +373,7 @@ TORCH_LIBRARY_FRAGMENT(exo_native, m) {
       "decode_layer(Tensor(a!) x, Tensor?[] linears, Tensor?[] norms, float[] eps, "
       "Tensor(b!) keys, Tensor(c!) values, int[] slots, int[] positions, Tensor cos, "
       "Tensor sin, Tensor perm, int heads, int kv_heads, int head_dim, int activation, "
-      "int window, float scaling) -> ()");
+      "int window, float scaling, Tensor(d!) partial, int stage) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(exo_native, CPU, m) { m.impl("decode_layer", &decode_layer); }
