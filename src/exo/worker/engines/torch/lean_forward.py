@@ -64,7 +64,7 @@ from exo.worker.engines.torch.lean_parts import (
 from exo.worker.engines.torch.links import all_reduce_sum
 from exo.worker.engines.torch.native_int4 import native_int4_kernel
 from exo.worker.engines.torch.quantize import QuantizedLinear
-from exo.worker.engines.torch.sharding import AbsentModule
+from exo.worker.engines.torch.sharding import AbsentModule, VocabParallelHead
 
 # "0": keep transformers' forward on the serving path (for A/B measurements and debugging).
 LEAN_ENV = "EXO_LEAN_FORWARD"
@@ -219,7 +219,11 @@ class LeanModel:
         self._hidden_size = int(text_config.hidden_size)
         head: Any = getattr(model, "lm_head", None)
         self._head: Projection | None = None
+        self._vocab_split: VocabParallelHead | None = None  # a tensor rank's head rows
         self._final_norm: tuple[torch.Tensor, float] | None = None
+        if isinstance(head, VocabParallelHead):
+            self._vocab_split = head
+            head = head.local
         if head is not None and not isinstance(head, AbsentModule):
             self._head = Projection([head], self.bf16)
             self._final_norm = norm_weight(inner.norm, family.layout.norm_offset)
@@ -276,6 +280,8 @@ class LeanModel:
         weight, eps = self._final_norm
         normed = self._norm(rows, weight, eps)
         logits = self._head(normed.to(self._head.in_dtype)).float()
+        if self._vocab_split is not None:  # this rank's vocabulary columns → all of them
+            logits = self._vocab_split.gather(logits)
         if self._softcap is not None:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits

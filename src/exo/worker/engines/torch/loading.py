@@ -26,7 +26,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from exo.shared.types.shards import ShardMetadata
+from exo.shared.types.shards import ShardMetadata, TensorShardMetadata
 from exo.worker.engines.torch.families import (
     UnsupportedArchitectureError,
     config_architecture,
@@ -50,6 +50,7 @@ from exo.worker.engines.torch.sharding import (
     AbsentModule,
     apply_shard,
     model_tensor_name,
+    split_head_by_vocab,
     tensor_reader,
 )
 
@@ -312,6 +313,10 @@ def load_model(
             split = head is not None and split_output_layer(model, handle_for(head[0]), head[1])
         if not split:
             quantize_output_layer(model, weight_dtype)
+        release_freed_memory()
+    if isinstance(shard, TensorShardMetadata) and split_head_by_vocab(
+        model, shard.device_rank, shard.world_size
+    ):
         release_freed_memory()
     for index, layer in enumerate(layers):
         with _open_files() as handle_for:  # one layer's memory maps at a time

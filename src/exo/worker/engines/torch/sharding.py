@@ -70,6 +70,92 @@ class AllReducedLinear(nn.Module):
         return output
 
 
+class VocabParallelHead(nn.Module):
+    """A tensor rank's LM head: output rows (vocabulary ids) `[start, start + local
+    outputs)` of the full head; the logits are all-reduced into the full vocabulary
+    (each rank fills its own columns of a zeroed `[..., vocab]`), so every rank reads only
+    its share of the head's weight per token (Megatron-LM's vocabulary-parallel output
+    layer, Shoeybi et al. 2019; the logits are summed rather than gathered because the
+    engine's collective is a sum).
+
+    Args:
+        local: the head's rows for this rank (`nn.Linear` or a quantized linear).
+        vocab: the full vocabulary size.
+        start: the first vocabulary id this rank holds.
+    """
+
+    def __init__(self, local: nn.Module, vocab: int, start: int) -> None:
+        super().__init__()
+        self.local = local
+        self.vocab = vocab
+        self.start = start
+
+    def gather(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """`[..., local outputs]` → `[..., vocab]` float32 logits (collective)."""
+        full = local_logits.new_zeros(*local_logits.shape[:-1], self.vocab, dtype=torch.float32)
+        full[..., self.start : self.start + local_logits.shape[-1]] = local_logits
+        all_reduce_sum(full)
+        return full
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self.gather(self.local(input))
+
+
+def split_head_by_vocab(model: nn.Module, rank: int, world_size: int) -> bool:
+    """Keep only this tensor rank's rows of the model's LM head (`VocabParallelHead`);
+    False (the head stays whole) for a head kind this cannot slice by rows (torch's int4
+    layouts), or a float32 head tied to the embedding (it costs no memory of its own)."""
+    from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear, QuantizedLinear
+    from exo.worker.engines.torch.split_int4 import SplitInt4Linear
+
+    head: Any = getattr(model, "lm_head", None)
+    vocab = int(getattr(head, "out_features", 0) or 0)
+    if head is None or world_size < 2 or vocab < world_size:
+        return False
+    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
+    weight = getattr(embedding, "weight", None)
+    dense = type(head) is nn.Linear
+    if dense and isinstance(weight, torch.Tensor) and head.weight.data_ptr() == weight.data_ptr():
+        return False  # tied to the embedding every rank holds: rows would cost memory
+    share = -(-vocab // world_size)
+    if isinstance(head, Int4Linear | SplitInt4Linear):
+        share = -(-share // 64) * 64  # int4 layouts pack outputs in multiples of 64
+    start, end = min(vocab, rank * share), min(vocab, (rank + 1) * share)
+    if end <= start:
+        return False
+    rows = slice(start, end)
+    bias = None if head.bias is None else head.bias.detach()[rows].clone()
+    local: nn.Module
+    if type(head) is nn.Linear:
+        local = nn.Linear(head.in_features, end - start, bias is not None, device="meta")
+        local.weight = nn.Parameter(head.weight.detach()[rows].clone(), requires_grad=False)
+        if bias is not None:
+            local.bias = nn.Parameter(bias, requires_grad=False)
+    elif isinstance(head, Int8Linear | Int4Linear | SplitInt4Linear):
+        # The same kind holding only these rows (every layout is row-major by output).
+        kept: Any = type(head).__new__(type(head))
+        QuantizedLinear.__init__(kept, head.in_features, end - start, bias)
+        if isinstance(head, Int8Linear):
+            kept.register_buffer("weight", head.weight[rows].clone())
+            kept.register_buffer("scales", head.scales[rows].clone())
+            kept.native = head.native
+        elif isinstance(head, Int4Linear) and head.native:
+            kept.group_size, kept.native, kept._unpack_ok = head.group_size, True, False
+            kept.register_buffer("packed", head.packed[rows].clone())
+            kept.register_buffer("scales_and_zeros", head.scales_and_zeros[rows].clone())
+        elif isinstance(head, SplitInt4Linear) and head._native:
+            kept._native = True
+            kept.register_buffer("values", head.values[rows].clone())
+            kept.register_buffer("scale_zero", head.scale_zero[rows].clone())
+        else:  # torch's int4 layouts are blocked across outputs
+            return False
+        local = kept
+    else:
+        return False
+    model.lm_head = VocabParallelHead(local, vocab, start)
+    return True
+
+
 def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     """The decoder layers of a transformers causal LM (`model.model.layers`).
 

@@ -1,0 +1,76 @@
+"""A tensor rank's share of the LM head (`sharding.split_head_by_vocab`): each rank's rows
+of every head kind, which together are the whole head's outputs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from exo.worker.engines.torch.native_int4 import NATIVE_INT4_ENV
+from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear
+from exo.worker.engines.torch.sharding import VocabParallelHead, split_head_by_vocab
+from exo.worker.engines.torch.split_int4 import SplitInt4Linear
+
+VOCAB, HIDDEN = 200, 64
+
+
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, HIDDEN)
+
+
+class _Model(nn.Module):
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.model = _Inner()
+        self.lm_head = head
+
+
+def _heads() -> dict[str, nn.Module]:
+    generator = torch.Generator().manual_seed(0)
+    linear = nn.Linear(HIDDEN, VOCAB, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(VOCAB, HIDDEN, generator=generator))
+        linear.bias.copy_(torch.randn(VOCAB, generator=generator))
+    values = torch.randint(-128, 128, (VOCAB, HIDDEN), generator=generator)
+    scales = torch.rand(VOCAB, HIDDEN // 32, generator=generator) * 0.01
+    return {
+        "dense": linear,
+        "int8": Int8Linear(linear),
+        "int4": Int4Linear(nn.Linear(HIDDEN, 256, bias=False)),
+        "int8-blocks": SplitInt4Linear(values[:192], scales[:192], -scales[:192], None),
+    }
+
+
+@pytest.mark.parametrize("kind", ["dense", "int8", "int4", "int8-blocks"])
+def test_the_ranks_rows_are_the_whole_heads_outputs(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(NATIVE_INT4_ENV, "1")
+    head = _heads()[kind]
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        whole = head(x).float()
+        pieces: list[torch.Tensor] = []
+        for rank in range(2):
+            model = _Model(copy.deepcopy(head))
+            assert split_head_by_vocab(model, rank, 2)
+            split = model.lm_head
+            assert isinstance(split, VocabParallelHead)
+            assert split.vocab == whole.shape[-1] and split.start == sum(
+                piece.shape[-1] for piece in pieces
+            )
+            pieces.append(split.local(x).float())
+    torch.testing.assert_close(torch.cat(pieces, dim=-1), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_a_head_tied_to_the_embedding_stays_whole() -> None:
+    head = nn.Linear(HIDDEN, VOCAB, bias=False)
+    model = _Model(head)
+    head.weight = model.model.embed_tokens.weight
+    assert not split_head_by_vocab(model, 0, 2)
+    assert model.lm_head is head
