@@ -122,6 +122,16 @@ def embedding_bytes(card: ModelCard) -> int:
     return card.vocab_size * card.hidden_size * FLOAT32_BYTES
 
 
+def vocab_share(vocab: int, ranks: int) -> int:
+    """Rows of the LM head a tensor rank holds (`sharding.split_head_by_vocab`): the
+    vocabulary split evenly, rounded up to a multiple of 64 (the int4 layouts pack outputs
+    in 64s); the last rank may hold fewer."""
+    if ranks <= 1:
+        return vocab
+    per_rank = -(-vocab // ranks)
+    return min(vocab, -(-per_rank // 64) * 64)
+
+
 def resident_weight_bytes(
     card: ModelCard, weight_format: WeightFormat, share: WeightShare | None = None
 ) -> int:
@@ -133,7 +143,13 @@ def resident_weight_bytes(
         total += embedding_bytes(card)
     if share.holds_output_layer:
         tied_here = card.tie_word_embeddings and share.holds_embedding
-        total += output_layer_bytes(card, weight_format, tied_here)
+        head = output_layer_bytes(card, weight_format, tied_here)
+        if share.tensor_parallel_ranks > 1 and not (weight_format == "float32" and tied_here):
+            # A tensor rank keeps its share of the head's rows (the final norm whole).
+            norm = card.hidden_size * FLOAT32_BYTES
+            rows = vocab_share(card.vocab_size, share.tensor_parallel_ranks)
+            head = norm + (head - norm) // card.vocab_size * rows
+        total += head
     return total
 
 

@@ -112,13 +112,6 @@ class Bf16Linear(QuantizedLinear):
             out = torch.nn.functional.linear(rows.float(), self.weight.float())
         return out.to(rows.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.native:
-            return super().forward(x)
-        rows = x.reshape(-1, self.in_features).float()
-        result = self.matmul(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return result if self.bias is None else result + self.bias
-
     def dequantize(self) -> torch.Tensor:
         return self.weight
 

@@ -82,6 +82,10 @@ class QuantizedLinear(nn.Module, abc.ABC):
         return self._dequantized_matmul(rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "native", False):  # exo's kernels take and give float32 rows
+            rows = x.reshape(-1, self.in_features).float()
+            result = self.matmul(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            return result if self.bias is None else result + self.bias
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         out = self.matmul(rows)
         result = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -137,13 +141,6 @@ class Int8Linear(QuantizedLinear):
         if self.native:
             return self._native_matmul(rows)
         return super().matmul(rows)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.native:
-            return super().forward(x)
-        rows = x.reshape(-1, self.in_features).float()
-        result = self.matmul(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return result if self.bias is None else result + self.bias
 
     @classmethod
     def concatenate(cls, parts: list[Int8Linear]) -> Int8Linear:
@@ -362,11 +359,7 @@ class Int4Linear(QuantizedLinear):
         return x @ self.dequantize_transposed()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native:
-            rows = x.reshape(-1, self.in_features).float()
-            result = self.matmul(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-            return result if self.bias is None else result + self.bias
-        if self._unpack_ok:
+        if self.native or self._unpack_ok:
             return super().forward(x)
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         result = self._fused(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)

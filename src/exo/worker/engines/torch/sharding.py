@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from exo.shared.models.memory import vocab_share
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 from exo.worker.engines.torch.families import ModelFamily, UnsupportedArchitectureError
 from exo.worker.engines.torch.links import all_reduce_sum
@@ -103,8 +104,8 @@ class VocabParallelHead(nn.Module):
 
 def split_head_by_vocab(model: nn.Module, rank: int, world_size: int) -> bool:
     """Keep only this tensor rank's rows of the model's LM head (`VocabParallelHead`);
-    False (the head stays whole) for a head kind this cannot slice by rows (torch's int4
-    layouts), or a float32 head tied to the embedding (it costs no memory of its own)."""
+    False (the head stays whole) for a head kind this cannot slice by rows, or a float32
+    head tied to the embedding (it costs no memory of its own)."""
     from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear, QuantizedLinear
     from exo.worker.engines.torch.split_int4 import SplitInt4Linear
 
@@ -117,9 +118,7 @@ def split_head_by_vocab(model: nn.Module, rank: int, world_size: int) -> bool:
     dense = type(head) is nn.Linear
     if dense and isinstance(weight, torch.Tensor) and head.weight.data_ptr() == weight.data_ptr():
         return False  # tied to the embedding every rank holds: rows would cost memory
-    share = -(-vocab // world_size)
-    if isinstance(head, Int4Linear | SplitInt4Linear):
-        share = -(-share // 64) * 64  # int4 layouts pack outputs in multiples of 64
+    share = vocab_share(vocab, world_size)  # a multiple of 64: int4 layouts pack outputs in 64s
     start, end = min(vocab, rank * share), min(vocab, (rank + 1) * share)
     if end <= start:
         return False
@@ -139,21 +138,39 @@ def split_head_by_vocab(model: nn.Module, rank: int, world_size: int) -> bool:
             kept.register_buffer("weight", head.weight[rows].clone())
             kept.register_buffer("scales", head.scales[rows].clone())
             kept.native = head.native
-        elif isinstance(head, Int4Linear) and head.native:
-            kept.group_size, kept.native, kept._unpack_ok = head.group_size, True, False
-            kept.register_buffer("packed", head.packed[rows].clone())
-            kept.register_buffer("scales_and_zeros", head.scales_and_zeros[rows].clone())
-        elif isinstance(head, SplitInt4Linear) and head._native:
+        elif isinstance(head, Int4Linear):
+            kept = _int4_rows(head, rows)
+        elif head._native:
             kept._native = True
             kept.register_buffer("values", head.values[rows].clone())
             kept.register_buffer("scale_zero", head.scale_zero[rows].clone())
-        else:  # torch's int4 layouts are blocked across outputs
-            return False
+        else:  # two int4 planes
+            kept._native = False
+            kept.planes = _int4_rows(head.planes, rows)
         local = kept
     else:
         return False
     model.lm_head = VocabParallelHead(local, vocab, start)
     return True
+
+
+def _int4_rows(linear: Any, rows: slice) -> Any:
+    """An `Int4Linear` holding output rows `rows` of `linear` (a multiple of 64 apart: both
+    layouts are row-major by output, torch's blocked by 64 outputs)."""
+    from exo.worker.engines.torch.quantize import Int4Linear, QuantizedLinear
+
+    kept: Any = Int4Linear.__new__(Int4Linear)
+    bias = None if linear.bias is None else linear.bias[rows].clone()
+    QuantizedLinear.__init__(kept, linear.in_features, rows.stop - rows.start, bias)
+    # torch's layout unpacks by blocks of 64 outputs: a slice of them as the whole does.
+    kept.group_size, kept.native = linear.group_size, linear.native
+    kept._unpack_ok = linear._unpack_ok
+    kept.register_buffer("packed", linear.packed[rows].clone())
+    pairs = linear.scales_and_zeros  # exo's [out, groups, 2]; torch's [groups, out, 2]
+    kept.register_buffer(
+        "scales_and_zeros", (pairs[rows] if linear.native else pairs[:, rows]).clone()
+    )
+    return kept
 
 
 def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:

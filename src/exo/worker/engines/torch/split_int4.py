@@ -264,13 +264,6 @@ class SplitInt4Linear(QuantizedLinear):
             return self._fused(rows)
         return super().matmul(rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.native:
-            return super().forward(x)
-        rows = x.reshape(-1, self.in_features).float()
-        result = self.matmul(rows).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return result if self.bias is None else result + self.bias
-
 
 class BlockPart:
     """A safetensors slice of raw GGUF blocks `[out, bytes per row]` seen as one part of

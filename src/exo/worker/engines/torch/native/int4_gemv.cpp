@@ -40,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -49,14 +50,9 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;
+using exo_native::bf16_to_float;
 
-inline float bf16_to_float(uint16_t value) {
-  uint32_t bits = static_cast<uint32_t>(value) << 16;
-  float result;
-  std::memcpy(&result, &bits, sizeof(result));
-  return result;
-}
+constexpr int64_t kBlock = 32;
 
 #ifdef EXO_AVX2
 inline float horizontal_sum(__m256 v) {
@@ -291,6 +287,18 @@ void reorder_even_odd(int16_t* values, int64_t count) {
   }
 }
 
+// Calls body(std::integral_constant<int, R>{}, r) for the activation rows in groups of
+// R = 4 starting at row r, then once for the 3, 2 or 1 rows left (the kernels' register
+// tiles are templated on the row count).
+template <typename Body>
+void for_row_groups(int64_t rows, Body&& body) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) body(std::integral_constant<int, 4>{}, r);
+  if (rows - r == 3) body(std::integral_constant<int, 3>{}, r);
+  if (rows - r == 2) body(std::integral_constant<int, 2>{}, r);
+  if (rows - r == 1) body(std::integral_constant<int, 1>{}, r);
+}
+
 template <int ROWS>
 void rows_at(const int16_t* xq, const float* xs, int64_t k, const uint8_t* q, const uint16_t* sz,
              int64_t groups, int64_t group_size, const float* sums, float* y, int64_t n,
@@ -336,22 +344,10 @@ void int4_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& qw
       large.resize(static_cast<size_t>(4 * groups));
       tmp = large.data();
     }
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4)
-      rows_at<4>(xq + r * k, xs + r * blocks, k, qp, sz, groups, group_size, sums + r * groups,
-                 yp + r * n, n, n0, n1, tmp);
-    const int64_t left = rows - r;
-    const int16_t* xr = xq + r * k;
-    const float* sr = xs + r * blocks;
-    if (left == 3)
-      rows_at<3>(xr, sr, k, qp, sz, groups, group_size, sums + r * groups, yp + r * n, n, n0, n1,
-                 tmp);
-    else if (left == 2)
-      rows_at<2>(xr, sr, k, qp, sz, groups, group_size, sums + r * groups, yp + r * n, n, n0, n1,
-                 tmp);
-    else if (left == 1)
-      rows_at<1>(xr, sr, k, qp, sz, groups, group_size, sums + r * groups, yp + r * n, n, n0, n1,
-                 tmp);
+    for_row_groups(rows, [&](auto count, int64_t r) {
+      rows_at<decltype(count)::value>(xq + r * k, xs + r * blocks, k, qp, sz, groups, group_size,
+                                      sums + r * groups, yp + r * n, n, n0, n1, tmp);
+    });
   });
 #else
   for (int64_t r = 0; r < rows; ++r)
@@ -457,20 +453,10 @@ void int8_block_product(const float* xp, int64_t rows, int64_t k, const at::Tens
   quantize_rows(xp, rows, k, kBlock, xq, xs, sums);
   reorder_even_odd(xq, rows * k);
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4)
-      rows_avx2_int8<4>(xq + r * k, xs + r * blocks, sums + r * blocks, k, vp, so, yp + r * n,
-                        n, n0, n1);
-    const int64_t left = rows - r;
-    const int16_t* xr = xq + r * k;
-    const float* sr = xs + r * blocks;
-    const float* br = sums + r * blocks;
-    if (left == 3)
-      rows_avx2_int8<3>(xr, sr, br, k, vp, so, yp + r * n, n, n0, n1);
-    else if (left == 2)
-      rows_avx2_int8<2>(xr, sr, br, k, vp, so, yp + r * n, n, n0, n1);
-    else if (left == 1)
-      rows_avx2_int8<1>(xr, sr, br, k, vp, so, yp + r * n, n, n0, n1);
+    for_row_groups(rows, [&](auto count, int64_t r) {
+      rows_avx2_int8<decltype(count)::value>(xq + r * k, xs + r * blocks, sums + r * blocks, k,
+                                             vp, so, yp + r * n, n, n0, n1);
+    });
   });
 #else
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
@@ -644,18 +630,10 @@ void int8_channel_product(const float* xp, int64_t rows, int64_t k, const at::Te
   const int16_t* xq = rounded.data();
   const float* xs = x_scales.data();
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    int64_t r = 0;
-    for (; r + 4 <= rows; r += 4)
-      rows_avx2_int8_channel<4>(xq + r * k, xs + r * blocks, k, vp, sp, yp + r * n, n, n0, n1);
-    const int64_t left = rows - r;
-    const int16_t* xr = xq + r * k;
-    const float* sr = xs + r * blocks;
-    if (left == 3)
-      rows_avx2_int8_channel<3>(xr, sr, k, vp, sp, yp + r * n, n, n0, n1);
-    else if (left == 2)
-      rows_avx2_int8_channel<2>(xr, sr, k, vp, sp, yp + r * n, n, n0, n1);
-    else if (left == 1)
-      rows_avx2_int8_channel<1>(xr, sr, k, vp, sp, yp + r * n, n, n0, n1);
+    for_row_groups(rows, [&](auto count, int64_t r) {
+      rows_avx2_int8_channel<decltype(count)::value>(xq + r * k, xs + r * blocks, k, vp, sp,
+                                                     yp + r * n, n, n0, n1);
+    });
   });
 #else
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {

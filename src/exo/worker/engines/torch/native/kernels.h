@@ -6,8 +6,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace exo_native {
+
+// A bfloat16 (its 16 bits) as the float32 it is: the upper half of the float32's bits.
+inline float bf16_to_float(uint16_t value) {
+  uint32_t bits = static_cast<uint32_t>(value) << 16;
+  float result;
+  std::memcpy(&result, &bits, sizeof(result));
+  return result;
+}
 
 // Activations are rounded per block of 32 to integers in [-kActivationLevels,
 // kActivationLevels] (int16) times one float scale.

@@ -27,14 +27,9 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;
+using exo_native::bf16_to_float;
 
-inline float bf16_to_float(uint16_t value) {
-  uint32_t bits = static_cast<uint32_t>(value) << 16;
-  float result;
-  std::memcpy(&result, &bits, sizeof(result));
-  return result;
-}
+constexpr int64_t kBlock = 32;
 
 // One output row of an int4 weight (pairs of blocks as 16-bit lanes, int4_gemv.cpp) as
 // float32: w = q * scale + (zero - 8 scale).
