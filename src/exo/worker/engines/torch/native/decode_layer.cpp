@@ -166,6 +166,19 @@ inline void axpy(float weight, const float* v, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] += weight * v[i];
 }
 
+// x[rows, hidden] += out (normed in place by `post_norm` first, where given: Gemma 3's
+// post-attention and post-MLP norms).
+void add_residual(float* x, float* out, int64_t rows, int64_t hidden, const float* post_norm,
+                  double eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out + r * hidden;
+    if (post_norm != nullptr)
+      exo_native::rms_norm_row(o, post_norm, hidden, static_cast<float>(eps), o);
+    float* residual = x + r * hidden;
+    for (int64_t i = 0; i < hidden; ++i) residual[i] += o[i];
+  }
+}
+
 inline float activate(float g, int64_t activation) {
   switch (activation) {
     case kSilu:
@@ -330,14 +343,7 @@ void decode_layer(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& lin
   }
   if (stage == 2) add_bias_rows(output, rows, out);
   if (stage <= 2) {  // the attention's residual, the MLP block up to the down projection
-    for (int64_t r = 0; r < rows; ++r) {
-      float* o = out + r * hidden;
-      if (norm[kPostAttentionNorm] != nullptr)
-        exo_native::rms_norm_row(o, norm[kPostAttentionNorm], hidden,
-                                 static_cast<float>(eps[kPostAttentionNorm]), o);
-      float* residual = xp + r * hidden;
-      for (int64_t i = 0; i < hidden; ++i) residual[i] += o[i];
-    }
+    add_residual(xp, out, rows, hidden, norm[kPostAttentionNorm], eps[kPostAttentionNorm]);
 
     // MLP block.
     float* gate_up_out = gate_up_buffer.data();
@@ -356,14 +362,7 @@ void decode_layer(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& lin
     if (stage == 2) return;  // the caller all-reduces `partial`, then runs stage 3
   }
   if (stage == 3) add_bias_rows(down, rows, out);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* o = out + r * hidden;
-    if (norm[kPostMlpNorm] != nullptr)
-      exo_native::rms_norm_row(o, norm[kPostMlpNorm], hidden,
-                               static_cast<float>(eps[kPostMlpNorm]), o);
-    float* residual = xp + r * hidden;
-    for (int64_t i = 0; i < hidden; ++i) residual[i] += o[i];
-  }
+  add_residual(xp, out, rows, hidden, norm[kPostMlpNorm], eps[kPostMlpNorm]);
 }
 
 }  // namespace
