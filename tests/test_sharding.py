@@ -141,11 +141,12 @@ def test_default_model_pipeline_equals_single_node(nodes: list[ExoNode]) -> None
     three, three_tokens, _ = run_placement(nodes, DEFAULT_MODEL_ID, "pipeline", 3)
     assert (two, two_tokens) == (single, single_tokens)
     assert (three, three_tokens) == (single, single_tokens)
-    # Each rank holds its share, not the model: half the layers each, plus the input
-    # embedding (float32, the largest single tensor) on rank 0 and the LM head on rank 1.
+    # Each rank holds its share, not the model: its layers (split by the nodes' measured
+    # speeds, the LM head's rank taking fewer), plus the input embedding (float32, the
+    # largest single tensor) on rank 0 and the LM head on rank 1.
     total = single_status["weight_bytes"]
     shares = [status["weight_bytes"] for status in two_statuses]
-    assert all(0.25 * total < share < 0.75 * total for share in shares), (shares, total)
+    assert all(0.1 * total < share < 0.9 * total for share in shares), (shares, total)
     assert 0.95 * total < sum(shares) < 1.2 * total, (shares, total)
 
 

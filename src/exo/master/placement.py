@@ -10,8 +10,13 @@ Rules (exo's, with its gaps filled):
 - a node's available memory is what it reported minus what is promised to runners
   already placed on it that its report cannot show yet (`placement_room`), so placements
   in quick succession never share the same free memory;
-- pipeline sharding splits layers in proportion to each node's available memory beyond
-  its runner process (largest-remainder rounding, at least one layer per node);
+- pipeline sharding, when every node of the group measured its speed (`NodeSpeed`),
+  splits layers so that the slowest rank's predicted decode stage (its layers, the last
+  rank's LM head: `speed_prediction.decode_stage_seconds`) is as short as the nodes'
+  memory allows (`speed_balanced_split`): a pipeline serving several streams runs as fast
+  as its slowest stage, and one stream gains when a faster node holds more layers; without
+  every speed, in proportion to each node's available memory beyond its runner process
+  (largest-remainder rounding, exo's rule); at least one layer per node either way;
 - tensor sharding needs the card's tensor support and attention heads, KV heads and MLP
   size divisible by the node count;
 - prefer the fewest nodes that fit, then nodes that already hold the model's files, then
@@ -32,8 +37,12 @@ from exo.master.placement_memory import (
     placement_room,
     required_memory_bytes,
 )
-from exo.master.speed_prediction import DEFAULT_PROMPT_TOKENS, predict_speed
-from exo.shared.models.memory import RUNNER_PROCESS_OVERHEAD_BYTES
+from exo.master.speed_prediction import (
+    DEFAULT_PROMPT_TOKENS,
+    decode_stage_seconds,
+    predict_speed,
+)
+from exo.shared.models.memory import RUNNER_PROCESS_OVERHEAD_BYTES, WeightShare
 from exo.shared.types.common import FrozenModel, InstanceId, NodeId, RunnerId
 from exo.shared.types.instances import (
     Instance,
@@ -44,7 +53,7 @@ from exo.shared.types.instances import (
     TensorInstance,
 )
 from exo.shared.types.models import ModelCard
-from exo.shared.types.nodes import DownloadCompleted
+from exo.shared.types.nodes import DownloadCompleted, NodeSpeed
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 from exo.shared.types.state import State
 
@@ -127,6 +136,71 @@ def layer_split(n_layers: int, weights: Sequence[int]) -> list[int]:
     for i in by_remainder[: spare - sum(counts)]:
         counts[i] += 1
     return [1 + c for c in counts]
+
+
+def speed_balanced_split(
+    card: ModelCard, speeds: Sequence[NodeSpeed], available_bytes: Sequence[int]
+) -> list[int] | None:
+    """Layer counts per rank (in rank order) that minimize the slowest rank's predicted
+    decode stage (`decode_stage_seconds` with `DEFAULT_PROMPT_TOKENS` of context; rank 0
+    holds the embedding, the last rank the LM head), each rank's share within its
+    `available_bytes` (`pipeline_share_bytes`), at least one layer each; ties go to the
+    split whose stages are most even (layers taken, one at a time, from the slowest rank).
+
+    The bottleneck split: the smallest time T at which the most layers each rank can hold
+    within T (and its memory) add up to `card.n_layers` (T is one of the W x L stage times).
+    Returns None when no split fits the memory.
+    """
+    world_size, n_layers = len(speeds), card.n_layers
+    if world_size == 0 or world_size > n_layers or len(available_bytes) != world_size:
+        return None
+    last = world_size - 1
+    most = n_layers - last  # the others keep one layer each
+
+    def stage(rank: int, layers: int) -> float:
+        share = WeightShare(
+            layers=layers, holds_embedding=rank == 0, holds_output_layer=rank == last
+        )
+        return decode_stage_seconds(card, speeds[rank], share, DEFAULT_PROMPT_TOKENS)
+
+    times = [
+        [
+            stage(rank, layers)
+            if pipeline_share_bytes(card, layers, rank == 0, rank == last) <= available_bytes[rank]
+            else None
+            for layers in range(1, most + 1)
+        ]
+        for rank in range(world_size)
+    ]
+
+    def counts_within(bound: float) -> list[int]:
+        # Stage times grow with the layers, so each rank's count is a prefix of its row.
+        return [
+            sum(1 for _ in itertools.takewhile(lambda t: t is not None and t <= bound, row))
+            for row in times
+        ]
+
+    def fits(counts: list[int]) -> bool:
+        return min(counts) >= 1 and sum(counts) >= n_layers
+
+    bounds = sorted({t for row in times for t in row if t is not None})
+    if not bounds or not fits(counts_within(bounds[-1])):
+        return None
+    low, high = 0, len(bounds) - 1  # the smallest feasible bound, by bisection
+    while low < high:
+        middle = (low + high) // 2
+        if fits(counts_within(bounds[middle])):
+            high = middle
+        else:
+            low = middle + 1
+    counts = counts_within(bounds[low])
+    while sum(counts) > n_layers:
+        slowest = max(
+            (rank for rank in range(world_size) if counts[rank] > 1),
+            key=lambda rank: (times[rank][counts[rank] - 1] or 0.0, -rank),
+        )
+        counts[slowest] -= 1
+    return counts
 
 
 def tensor_split_error(card: ModelCard, world_size: int) -> str | None:
@@ -226,11 +300,18 @@ def layout(
         ranges = tuple((0, card.n_layers) for _ in order)
         shares = tuple(required_memory_bytes(card, world_size) for _ in order)
     else:
-        # In proportion to the memory left for layers once each node's runner process runs.
-        for_layers = [
-            max(0, room[n].available_bytes - RUNNER_PROCESS_OVERHEAD_BYTES) for n in order
-        ]
-        counts = layer_split(card.n_layers, for_layers)
+        measured = [state.node_info[n].speed for n in order]
+        speeds = [speed for speed in measured if speed is not None]
+        balanced = None
+        if len(speeds) == world_size:
+            balanced = speed_balanced_split(card, speeds, [room[n].available_bytes for n in order])
+        if balanced is not None:
+            counts = balanced
+        else:  # in proportion to the memory left for layers beside each runner process
+            for_layers = [
+                max(0, room[n].available_bytes - RUNNER_PROCESS_OVERHEAD_BYTES) for n in order
+            ]
+            counts = layer_split(card.n_layers, for_layers)
         starts = list(itertools.accumulate([0, *counts[:-1]]))
         ranges = tuple((s, s + c) for s, c in zip(starts, counts, strict=True))
         last = len(counts) - 1

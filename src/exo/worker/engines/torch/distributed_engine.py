@@ -13,8 +13,11 @@ the next step's header carries the chosen tokens, so no extra message is needed 
 - Tensor: one broadcast of the header per step (one message per rank); every rank
   runs the whole batched forward in lockstep (the row-parallel linears all-reduce, so every
   rank computes the same logits; the others drop theirs).
-- Pipeline: a step of at least `MICRO_BATCH_MIN_ROWS` rows (prefill) is split into up to
-  `world_size` micro-batches of requests (`micro_batch_count`; a decode step stays whole).
+- Pipeline: up to `world_size` steps are in flight at once, each over its own requests
+  (the scheduler's `max_in_flight`: rank 0 runs step t+1's layers while the next ranks run
+  step t's, and samples step t when its logits come back). A step of at least
+  `MICRO_BATCH_MIN_ROWS` rows (prefill) is also split into up to `world_size`
+  micro-batches of requests (`micro_batch_count`; a decode step stays whole).
   For each, rank 0 runs its layers and sends the header and `[1, T, hidden]` float32
   hidden states to rank 1 (which runs its layers while rank 0 computes the next
   micro-batch), and so on; the last rank sends the micro-batch's `[R, vocab]` float32
@@ -191,10 +194,14 @@ class DistributedTorchEngine(TorchEngine):
         self._check_rank_zero()
         cache = self._new_slot_cache(RecordingSlotKVCache)
         self._slots = cache
-        forward = self._pipeline_forward if self.is_pipeline else self._tensor_forward
+        if self.is_pipeline:  # one step in flight per rank (see scheduler.py)
+            return BatchScheduler(
+                self.model, cache, self._windows, self._layer_of, self.kv_cache_tokens, None,
+                self.device, launch=self._pipeline_launch, max_in_flight=self.world_size,
+            )  # fmt: skip
         return BatchScheduler(
             self.model, cache, self._windows, self._layer_of, self.kv_cache_tokens, None,
-            self.device, forward=forward,
+            self.device, forward=self._tensor_forward,
         )  # fmt: skip
 
     def warmup(self) -> None:
@@ -285,16 +292,17 @@ class DistributedTorchEngine(TorchEngine):
         broadcast_step(header, IDLE_WAIT)
         return forward_batch(model, plan, input_ids, position_ids, logit_rows)
 
-    def _pipeline_forward(
+    def _pipeline_launch(
         self,
         model: PreTrainedModel,
         plan: BatchPlan,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         logit_rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """Rank 0's pipeline step: its layers for each micro-batch in turn, sent on as soon
-        as done; then the last rank's logits of every micro-batch, in order."""
+    ) -> Callable[[], torch.Tensor]:
+        """Rank 0's part of a pipeline step: its layers for each micro-batch in turn, sent
+        on as soon as done (the receive of the last rank's logits posted first); returns
+        the function that waits for every micro-batch's logits and puts them in order."""
         step = StepHeader.from_plan(
             plan, input_ids, position_ids, logit_rows, self._rank_zero_ops()
         )
@@ -311,12 +319,17 @@ class DistributedTorchEngine(TorchEngine):
             send_step(header, 1)
             send_tensor(hidden.cpu().contiguous(), 1)
             answers.append((wait, logits, micro_batch.logit_order))
-        result = torch.empty((len(step.logit_rows), self.vocab_size), dtype=torch.float32)
-        for wait, logits, order in answers:
-            if wait is not None:
-                wait()
-                result[list(order)] = logits
-        return result.to(self.device)
+        device = self.device
+
+        def collect() -> torch.Tensor:
+            result = torch.empty((len(step.logit_rows), self.vocab_size), dtype=torch.float32)
+            for wait, logits, order in answers:
+                if wait is not None:
+                    wait()
+                    result[list(order)] = logits
+            return result.to(device)
+
+        return collect
 
     # -- ranks > 0 ------------------------------------------------------------------------
 

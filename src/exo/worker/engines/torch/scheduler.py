@@ -3,9 +3,11 @@
 Every `step()` runs ONE forward pass (`batch_attention.forward_batch`) over one new token of
 each decoding request plus chunks of at most `PREFILL_TOKENS_PER_STEP` prompt tokens of the
 requests still prefilling, so a long new prompt never stalls the running streams (chunked
-prefill, as in Agrawal et al. 2024, "Sarathi-Serve"); with nothing decoding, prompts are
-prefilled `PREFILL_TOKENS_PER_IDLE_STEP` tokens at a time. Requests join at any step and leave
-when they finish or are cancelled (iteration-level scheduling, Yu et al. 2022, "Orca").
+prefill, as in Agrawal et al. 2024, "Sarathi-Serve"); with no request streaming tokens yet
+(nothing decoding, or only requests awaiting their first token from a step in flight),
+prompts are prefilled `PREFILL_TOKENS_PER_IDLE_STEP` tokens at a time. Requests join at any
+step and leave when they finish or are cancelled (iteration-level scheduling, Yu et al. 2022,
+"Orca").
 
 Memory: the KV of running requests and of the prefix cache share one budget in tokens
 (`budget_tokens`, from the KV-cache memory budget). A waiting request is admitted, first
@@ -15,11 +17,23 @@ mid-decode, the most recently admitted one is pre-empted: its KV is dropped and 
 to the front of the queue, to be recomputed later from its prompt and the tokens it already
 generated (vLLM's recompute pre-emption); its streamed output is unaffected. A request
 alone always fits: the engine caps its tokens at the budget.
+
+Steps in flight (a pipeline of ranks): with `max_in_flight` > 1 the forward pass is
+launched (`BatchLaunch`) and its logits collected later, so up to `max_in_flight` steps,
+each over its own requests, are in the ranks at once: while rank 1 runs step t's rows,
+rank 0 runs step t+1's over the other requests (the schedule of GPipe's micro-batches,
+Huang et al. 2019, carried across decode steps). A request whose token is still to be
+sampled waits out of later steps; the decoding requests are spread over `max_in_flight`
+steps (at most ceil(decoding / max_in_flight) rows each), and a prompt's next chunk may go
+while its previous one is in flight (every rank runs the steps in launch order, so its KV is
+written first). Cache operations (admissions, releases) are recorded in that same order, so
+every rank applies them between the same two steps.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,23 +72,41 @@ StepOutput = tuple[str, GeneratedPiece | Exception]
 BatchForward = Callable[
     [PreTrainedModel, BatchPlan, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 ]
+# The same arguments; starts the forward pass and returns the function that waits for its
+# [R, vocab] float32 logits (a pipeline's rank 0: its layers run before it returns, the
+# other ranks' after).
+BatchLaunch = Callable[
+    [PreTrainedModel, BatchPlan, torch.Tensor, torch.Tensor, torch.Tensor],
+    Callable[[], torch.Tensor],
+]
 
 
 @dataclass(eq=False, slots=True)
 class _Running:
-    """A request holding a KV slot: `tokens[:computed]` have KV in `slot`; while
-    `computed < len(tokens)` it is prefilling, then `tokens[-1]` is fed each step."""
+    """A request holding a KV slot: `tokens[:computed]` have KV in `slot` (or are written
+    by a step in flight); while `computed < len(tokens)` it is prefilling, then `tokens[-1]`
+    is fed each step."""
 
     state: RequestState
     slot: int
     tokens: list[int]
     computed: int
     admitted: int  # admission order (pre-emption takes the latest)
+    # A launched step will sample this request's next token (it waits out later steps).
+    awaiting: bool = False
 
     @property
     def prefilling(self) -> bool:
         """More than one token left to compute (one left is a decode step)."""
         return len(self.tokens) - self.computed > 1
+
+
+@dataclass(eq=False, slots=True)
+class _Launched:
+    """A step whose forward pass has started: `sampled[i]` takes logits row i."""
+
+    sampled: list[_Running]
+    logits: Callable[[], torch.Tensor]
 
 
 class BatchScheduler:
@@ -90,6 +122,9 @@ class BatchScheduler:
         device: where inputs go.
         forward: runs one step's forward pass (None: `forward_batch`, looked up at each
             step).
+        launch: starts one step's forward pass instead (overrides `forward`).
+        max_in_flight: steps launched and not yet sampled, at most (1: each `step` runs
+            its forward pass to the end).
     """
 
     def __init__(
@@ -102,7 +137,11 @@ class BatchScheduler:
         prefix_cache: PrefixCache | None,
         device: torch.device,
         forward: BatchForward | None = None,
+        launch: BatchLaunch | None = None,
+        max_in_flight: int = 1,
     ) -> None:
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
         self._model = model
         self._cache = cache
         self._windows = windows
@@ -111,6 +150,9 @@ class BatchScheduler:
         self.prefix_cache = prefix_cache
         self._device = device
         self._forward = forward
+        self.launch = launch
+        self.max_in_flight = max_in_flight
+        self._in_flight: deque[_Launched] = deque()
         self._waiting: deque[RequestState] = deque()
         self._running: list[_Running] = []
         self._admissions = itertools.count()
@@ -122,7 +164,12 @@ class BatchScheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._in_flight)
+
+    @property
+    def in_flight(self) -> int:
+        """Steps launched and not yet sampled."""
+        return len(self._in_flight)
 
     @property
     def running_ids(self) -> list[str]:
@@ -155,23 +202,32 @@ class BatchScheduler:
     # -- one step ---------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """Admit what fits, run one forward pass, sample one token per request that has
-        logits this step.
+        """Admit what fits, launch one forward pass over the requests not waiting for a
+        token, and sample the oldest step in flight once `max_in_flight` are (or nothing
+        more could be launched).
 
         Returns:
             `(request_id, piece)` per streamed piece (a request may finish here), or
             `(request_id, error)` for a request that failed on its own (e.g. its constraint
-            allows no token); the other requests go on.
+            allows no token); the other requests go on. Empty while steps fill the pipeline.
 
         Raises:
-            Exception: the forward pass itself failed (every running request is dropped).
+            Exception: a forward pass failed (every running request is dropped, and every
+                step in flight with them).
         """
         self._admit()
+        launched = self._launch_step()
+        if self._in_flight and (not launched or len(self._in_flight) >= self.max_in_flight):
+            return self._complete_step(self._in_flight.popleft())
+        return []
+
+    def _launch_step(self) -> bool:
+        """Start one step's forward pass; False if no request can take part."""
         if not self._running:
-            return []
+            return False
         decoding, prefill = self._schedule()
         if not decoding and not prefill:
-            return []
+            return False
         input_ids: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []
@@ -202,24 +258,44 @@ class BatchScheduler:
             layer_of=self._layer_of,
         )
         device = self._device
+        arguments = (
+            self._model,
+            plan,
+            torch.tensor([input_ids], dtype=torch.long, device=device),
+            torch.tensor([positions], dtype=torch.long, device=device),
+            torch.tensor(logit_rows, dtype=torch.long, device=device),
+        )
         try:
-            logits = (self._forward or forward_batch)(
-                self._model,
-                plan,
-                torch.tensor([input_ids], dtype=torch.long, device=device),
-                torch.tensor([positions], dtype=torch.long, device=device),
-                torch.tensor(logit_rows, dtype=torch.long, device=device),
-            )
+            if self.launch is not None:
+                logits = self.launch(*arguments)
+            else:
+                computed = (self._forward or forward_batch)(*arguments)
+                logits = lambda: computed  # noqa: E731
         except Exception:
-            for running in list(self._running):
-                self._release(running, keep_prefix=False)
+            self._drop_everything()
             raise
+        # The KV of these rows is written (on every rank, before any later step's).
         for running in decoding:
             running.computed += 1
         for running, length in prefill:
             running.computed += length
+        for running in sampled:
+            running.awaiting = True
+        self._in_flight.append(_Launched(sampled, logits))
+        return True
+
+    def _complete_step(self, launched: _Launched) -> list[StepOutput]:
+        """Sample a launched step's rows (skipping requests cancelled or pre-empted since)."""
+        try:
+            logits = launched.logits()
+        except Exception:
+            self._drop_everything()
+            raise
         outputs: list[StepOutput] = []
-        for row, running in enumerate(sampled):
+        for row, running in enumerate(launched.sampled):
+            running.awaiting = False
+            if running not in self._running:
+                continue
             state = running.state
             try:
                 pieces = state.accept(logits[row])
@@ -234,16 +310,29 @@ class BatchScheduler:
                 running.tokens.append(state.generated_ids[-1])
         return outputs
 
+    def _drop_everything(self) -> None:
+        """After a failed forward pass: free every running request and forget the steps in
+        flight (their logits will never come)."""
+        self._in_flight.clear()
+        for running in list(self._running):
+            self._release(running, keep_prefix=False)
+
     def _schedule(self) -> tuple[list[_Running], list[tuple[_Running, int]]]:
         """This step's decoding requests (slot order) and prefill chunks, within the KV
-        budget (evicting prefix-cache entries, then pre-empting, to make room)."""
+        budget (evicting prefix-cache entries, then pre-empting, to make room). Requests
+        awaiting a token from a step in flight take no part; the decoding ones are spread
+        over `max_in_flight` steps."""
         while True:
+            streams = [running for running in self._running if not running.prefilling]
             decoding = sorted(
-                (running for running in self._running if not running.prefilling),
+                (running for running in streams if not running.awaiting),
                 key=lambda running: running.slot,
-            )
+            )[: math.ceil(len(streams) / self.max_in_flight)]
             prefill: list[tuple[_Running, int]] = []
-            room = PREFILL_TOKENS_PER_STEP if decoding else PREFILL_TOKENS_PER_IDLE_STEP
+            # Small chunks protect the gaps of streams that already stream tokens; one
+            # awaiting its first token (in flight) has no gap yet.
+            streaming = any(running.state.generated_ids for running in streams)
+            room = PREFILL_TOKENS_PER_STEP if streaming else PREFILL_TOKENS_PER_IDLE_STEP
             for running in sorted(
                 (running for running in self._running if running.prefilling),
                 key=lambda running: running.admitted,
