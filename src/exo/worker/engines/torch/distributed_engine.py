@@ -250,7 +250,9 @@ class DistributedTorchEngine(TorchEngine):
         return super().submit(params, prompt, request_id)
 
     def step(self) -> list[StepOutput]:
-        """As `TorchEngine.step`, on rank 0 only: one batched step across the group.
+        """As `TorchEngine.step`, on rank 0 only: one batched step across the group (a
+        pipeline launches one and samples the oldest of up to `world_size` in flight, so a
+        call may stream nothing while the pipeline fills).
 
         Raises:
             RuntimeError (torch.distributed): another rank died or timed out; every running
