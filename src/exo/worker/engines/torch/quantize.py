@@ -39,10 +39,13 @@ WEIGHT_DTYPES: tuple[WeightDtype, ...] = ("float32", "int8", "int4")
 
 _INT4_BLOCK_N = INT4_BLOCK_OUTPUTS  # output channels per block of the AVX512 int4 layout
 _INT8_ROWS_PER_STEP = 4096
-# Rows up to which exo's int4 kernel (`native_int4`) runs; more rows dequantize the weight
-# to float32 for one matmul. A chosen bound, not a measured crossover: decode batches (up to
-# 8 requests here) stay on the kernel and prefill chunks (>= 128 rows) take the matmul.
+# Rows up to which exo's bfloat16 kernel (`bf16_gemv`) runs; more rows widen the weight to
+# float32 for one matmul. A chosen bound, not a measured crossover.
 NATIVE_MAX_ROWS = 16
+# Rows up to which exo's int4 / int8-block decode kernels run; more rows take the integer
+# GEMM (`block_matmul`, native/prefill.cpp). Measured crossovers on a 2-core AMD EPYC (Zen 3),
+# a 1536x576 int4 and a 1536x640 int8-block weight, 1 and 2 threads: 6 and 8 rows.
+NATIVE_BLOCK_MAX_ROWS = 7
 
 
 class QuantizedLinear(nn.Module, abc.ABC):
@@ -276,11 +279,12 @@ class Int4Linear(QuantizedLinear):
         return out
 
     def _native_product_by_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """The kernel's product for many rows (prefill) by float32 matmuls (exo's
-        `block_matmul`, `native/prefill.cpp`): the dequantized weight times the activations
-        rounded as the kernel rounds them. The same sum as the kernel's in another order,
-        so a token's result does not depend on how many rows share its call (a pipeline
-        rank and a single process chunk prompts differently)."""
+        """The kernel's product for many rows (prefill) by exo's `block_matmul`
+        (`native/prefill.cpp`: an integer GEMM on AVX2 CPUs): the weight times the
+        activations rounded as the kernel rounds them, the same integer sums per block as
+        the kernel's, scaled in another order, so a token's result does not depend on how
+        many rows share its call (a pipeline rank and a single process chunk prompts
+        differently)."""
         product: torch.Tensor = torch.ops.exo_native.block_matmul(
             rows.contiguous(), self.packed, self.scales_and_zeros
         )
@@ -298,7 +302,7 @@ class Int4Linear(QuantizedLinear):
         """`[rows, in]` → `[rows, out]` in the rows' dtype (bfloat16 for torch's layout;
         exo's also takes float32, with no cast around its kernel)."""
         if self.native:
-            if rows.shape[0] <= NATIVE_MAX_ROWS:
+            if rows.shape[0] <= NATIVE_BLOCK_MAX_ROWS:
                 return self._native_matmul(rows)
             return self._native_product_by_matmul(rows.float()).to(rows.dtype)
         if not self._unpack_ok:

@@ -35,7 +35,7 @@ from exo.worker.engines.torch.native_int4 import (
     native_int4_kernel,
 )
 from exo.worker.engines.torch.quantize import (
-    NATIVE_MAX_ROWS,
+    NATIVE_BLOCK_MAX_ROWS,
     Int4Linear,
     QuantizedLinear,
     int4_linear_from_groups,
@@ -251,8 +251,8 @@ class SplitInt4Linear(QuantizedLinear):
         return self._native or self.planes.native
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if self._native:  # the kernel for decode; prefill: its sum by float32 matmuls
-            if rows.shape[0] <= NATIVE_MAX_ROWS:
+        if self._native:  # the kernel for decode; prefill: the same sums by block_matmul
+            if rows.shape[0] <= NATIVE_BLOCK_MAX_ROWS:
                 return self._native_matmul(rows)
             out = torch.ops.exo_native.block_matmul(
                 rows.float().contiguous(), self.values, self.scale_zero

@@ -54,9 +54,10 @@ void int8_channel_product(const float* x, int64_t rows, int64_t k, const at::Ten
 void bf16_product(const float* x, int64_t rows, int64_t k, const at::Tensor& weight, float* y);
 
 // y[rows, out] = x[rows, k] times a block weight (int4 or int8, as above) for many rows
-// (prefill): the activations rounded as the decode kernels round them, times the
-// dequantized weight, by torch's float32 matmul over slabs of output rows dequantized
-// into each thread's cache. See prefill.cpp.
+// (prefill): the activations rounded as the decode kernels round them, times the weight:
+// with AVX2 an integer GEMM over slabs of output rows unpacked to int16 in each thread's
+// cache (the decode kernels' int32 block sums), else torch's float32 matmul over slabs of
+// dequantized rows. See prefill.cpp.
 void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& weight,
                   const at::Tensor& scale_zero, float* y);
 

@@ -112,6 +112,47 @@ def test_native_int4_kernel_computes_its_documented_product(
     torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-4)
 
 
+# block_matmul (prefill) on shapes that leave every remainder: rows not a multiple of the
+# 4-row tile, outputs not a multiple of the 16-output tile or of a slab, an odd last int4
+# block, groups of two blocks, int8 blocks with negative values; one and two threads.
+@pytest.mark.parametrize(
+    ("kind", "rows", "outputs", "inputs", "group_size"),
+    [
+        ("int4", 8, 70, 96, 32),
+        ("int4", 17, 333, 640, 64),
+        ("int4", 130, 48, 160, 32),
+        ("int8", 9, 70, 96, 32),
+        ("int8", 33, 129, 640, 32),
+    ],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_block_matmul_computes_the_decode_kernels_product(
+    kind: str, rows: int, outputs: int, inputs: int, group_size: int, threads: int
+) -> None:
+    assert built_int4_kernel() is not None
+    generator = torch.Generator().manual_seed(rows * outputs + threads)
+    if kind == "int4":
+        values = torch.randint(0, 16, (outputs, inputs), generator=generator, dtype=torch.uint8)
+        held = pack_native_int4(values)
+    else:
+        values = torch.randint(-128, 128, (outputs, inputs), generator=generator).to(torch.int8)
+        held = values
+    groups = inputs // group_size
+    scale_zero = (torch.randn(outputs, groups, 2, generator=generator) * 0.1).to(torch.bfloat16)
+    weight = values.double().reshape(outputs, groups, group_size) - 8
+    weight = weight * scale_zero[..., :1].double() + scale_zero[..., 1:].double()
+    x = torch.randn(rows, inputs, generator=generator)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        actual = torch.ops.exo_native.block_matmul(x, held, scale_zero).double()
+    finally:
+        torch.set_num_threads(before)
+    activations = rounded_activations(x).double() if ROUNDS_ACTIVATIONS else x.double()
+    expected = activations @ weight.reshape(outputs, inputs).t()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_int4_kernel_takes_any_output_count(threads: int) -> None:
     """70 outputs: tiles of four output rows, then single rows, on one or two threads; 96
