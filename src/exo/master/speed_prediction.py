@@ -82,8 +82,11 @@ ENGINE_KV_READ_FACTOR = 3.0
 # and a random Llama of its size, 32-512 prompt tokens: 0.5-1.4 (median 1.0) on the
 # AVX512 machine (2026-11-30); on the AVX2-only 2-core EPYC with exo's kernels (2026-12-01,
 # prefill by slabs of dequantized rows) 1.44-1.45 at 128 tokens (bench_prediction.py, one
-# pinned core) and 1.5-1.7 at 128-512 (`exo bench`, 2 threads).
-ENGINE_PREFILL_FACTOR = 1.5
+# pinned core) and 1.5-1.7 at 128-512 (`exo bench`, 2 threads). With prefill as an integer
+# GEMM (2026-12-01, session 10) 1.5 over-predicted TTFT by +1% to +35% (median ~+17%) over
+# SmolLM2 (2 threads and one pinned core), Gemma 3 270M, and the Qwen3-0.6B-shape model
+# single and tensor x2: 1.5 / 1.2.
+ENGINE_PREFILL_FACTOR = 1.25
 LOOPBACK_ADDRESSES = ("127.", "::1", "localhost")
 # All-reduces up to this many bytes per rank go over the rank links (`links.SMALL_BYTES`).
 LINKS_ALL_REDUCE_BYTES = 256 * 1024

@@ -211,16 +211,23 @@ def outcome(pieces: list[GeneratedPiece]) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
-def test_every_feature_gives_the_same_output_in_a_batch(
-    tiny_card: Any, tiny_model_dir: Path
-) -> None:
-    engine = tiny_llama(tiny_card, tiny_model_dir)
-    params = feature_requests(engine)
+def solo_outcomes(engine: TorchEngine, params: list[TextGenerationTaskParams]) -> list[Any]:
+    """Each request's `outcome` when it runs alone (the prefix cache emptied before each);
+    the cache is emptied again at the end."""
     alone = []
     for one in params:
         engine.clear_prefix_cache()
         alone.append(outcome(list(engine.generate(one))))
     engine.clear_prefix_cache()
+    return alone
+
+
+def test_every_feature_gives_the_same_output_in_a_batch(
+    tiny_card: Any, tiny_model_dir: Path
+) -> None:
+    engine = tiny_llama(tiny_card, tiny_model_dir)
+    params = feature_requests(engine)
+    alone = solo_outcomes(engine, params)
     states = [engine.build_request(one, request_id=f"r{index}") for index, one in enumerate(params)]
     pieces = run_batch(engine, states, join_at=[0, 0, 1, 2, 2, 4, 5])
     for index, expected in enumerate(alone):
@@ -317,11 +324,7 @@ def test_preemption_under_a_small_kv_budget_gives_the_same_tokens(
     engine = tiny_llama(tiny_card, tiny_model_dir, kv_cache_tokens=120)
     params = [request(prompt, temperature=1.0, seed=i, max_tokens=16) for i, prompt in
               enumerate(PROMPTS)]  # fmt: skip
-    alone = []
-    for one in params:
-        engine.clear_prefix_cache()
-        alone.append(outcome(list(engine.generate(one))))
-    engine.clear_prefix_cache()
+    alone = solo_outcomes(engine, params)
     states = [engine.build_request(one, request_id=f"r{i}") for i, one in enumerate(params)]
     pieces = run_batch(engine, states, join_at=[0, 0, 0])
     assert engine.scheduler.preemptions > 0

@@ -22,6 +22,7 @@ from exo.worker.engines.torch.tests.test_batching import (
     feature_requests,
     outcome,
     request,
+    solo_outcomes,
     tiny_llama,
 )
 
@@ -61,10 +62,7 @@ def test_every_feature_gives_its_solo_output_with_steps_in_flight(
 ) -> None:
     engine = tiny_llama(tiny_card, tiny_model_dir)
     params = feature_requests(engine)
-    alone = []
-    for one in params:
-        engine.clear_prefix_cache()
-        alone.append(outcome(list(engine.generate(one))))
+    alone = solo_outcomes(engine, params)
     engine.scheduler.max_in_flight = in_flight
     pieces, most = run_in_flight(engine, params, join_at=[0, 0, 1, 2, 2, 4, 5])
     assert most == in_flight - 1  # the steps did overlap
@@ -97,10 +95,7 @@ def test_preemption_with_steps_in_flight_gives_the_same_tokens(
     engine = tiny_llama(tiny_card, tiny_model_dir, kv_cache_tokens=120)
     params = [request(prompt, temperature=1.0, seed=i, max_tokens=16) for i, prompt in
               enumerate(PROMPTS)]  # fmt: skip
-    alone = []
-    for one in params:
-        engine.clear_prefix_cache()
-        alone.append(outcome(list(engine.generate(one))))
+    alone = solo_outcomes(engine, params)
     engine.scheduler.max_in_flight = 2
     pieces, most = run_in_flight(engine, params, join_at=[0, 0, 0])
     assert most == 1 and engine.scheduler.preemptions > 0
