@@ -239,6 +239,9 @@ class LeanModel:
             and all(layer.decode_arguments is not None for layer in self.layers)
         ):
             self._decode_layer = torch.ops.exo_native.decode_layer
+        # Every layer's decode arguments concatenated, for one `decode_layers` call per
+        # decode step where no layer all-reduces (built at the first such step).
+        self._stacked: tuple[list[Any], ...] | None = None
 
     @torch.inference_mode()
     def __call__(
@@ -315,7 +318,9 @@ class LeanModel:
         tables: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     ) -> None:
         """Every layer of a decode-only step (rows = the plan's decode slots, in order) by
-        exo's decode layer, over `x` `[D, hidden]` float32 in place."""
+        exo's decode layer, over `x` `[D, hidden]` float32 in place: one `decode_layers`
+        call for them all, or on a tensor rank three calls per layer around its two
+        all-reduces."""
         rows = x.shape[0]
         flat = [
             (cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous(), perm)
@@ -323,6 +328,17 @@ class LeanModel:
         ]
         slots, positions = plan.decode_slots, plan.decode_positions
         cache = plan.cache
+        if not any(layer.reduced for layer in self.layers):  # one call for every layer
+            linears, norms, epsilons, ropes, shapes, scalings = self._stacked_arguments()
+            windows = plan.windows
+            for index in range(len(self.layers)):
+                shapes[5 * index + 4] = windows[index] or 0
+            torch.ops.exo_native.decode_layers(
+                x, linears, norms, epsilons, cache.keys, cache.values, slots, positions,
+                [table[0] for table in flat], [table[1] for table in flat],
+                [table[2] for table in flat], ropes, shapes, scalings,
+            )  # fmt: skip
+            return
         partial = torch.empty_like(x)  # a tensor rank's projections' partial sums
         for index, layer in enumerate(self.layers):
             assert layer.decode_arguments is not None
@@ -339,6 +355,29 @@ class LeanModel:
                     positions, cos, sin, perm, layer.heads, layer.kv_heads, layer.head_dim,
                     activation, window or 0, layer.scaling, partial, stage,
                 )  # fmt: skip
+
+    def _stacked_arguments(self) -> tuple[list[Any], ...]:
+        """`decode_layers`' per-layer arguments, concatenated over the layers: linears,
+        norms, epsilons, rotary table indices, shapes (heads, KV heads, head dim,
+        activation, window: the window is filled in per step), scalings."""
+        if self._stacked is None:
+            linears: list[torch.Tensor | None] = []
+            norms: list[torch.Tensor | None] = []
+            epsilons: list[float] = []
+            ropes: list[int] = []
+            shapes: list[int] = []
+            scalings: list[float] = []
+            for layer in self.layers:
+                assert layer.decode_arguments is not None
+                layer_linears, layer_norms, layer_epsilons, activation = layer.decode_arguments
+                linears += layer_linears
+                norms += layer_norms
+                epsilons += layer_epsilons
+                ropes.append(layer.rope)
+                shapes += [layer.heads, layer.kv_heads, layer.head_dim, activation, 0]
+                scalings.append(float(layer.scaling))
+            self._stacked = (linears, norms, epsilons, ropes, shapes, scalings)
+        return self._stacked
 
     def _layer(
         self,
