@@ -4,7 +4,8 @@ Run once at start (`InfoGatherer` calls `cached_node_speed` in a worker thread, 
 starts at once and reports the figures a moment later) and cached in
 `<EXO_HOME>/speed_probe.json` under a key of CPU model, logical CPUs, CPU affinity, torch
 version, thread count and `PROBE_VERSION`: a changed key, or `exo --remeasure-speed`,
-measures again. Figures measured while other work kept the machine busy (`machine_busy`)
+measures again. Figures measured while other work kept the machine busy
+(`machine_busy`), or with several threads slower than one thread (`threads_contended`),
 are unsettled and not reported (the node has no speed, previews predict nothing): the node
 measures again once the machine is quiet (`InfoGatherer` checks every 5 minutes for an
 hour) and at its next start, keeping each figure's best (`fastest_of`), until a quiet
@@ -495,10 +496,32 @@ def _write_cache(path: Path, key: dict[str, Any], result: ProbeResult) -> None:
         temporary.unlink(missing_ok=True)
 
 
+def one_thread_int4_bytes_per_second() -> float:
+    """The int4 decode figure measured now with one thread (`measure_node_speed`'s)."""
+    import torch
+
+    working_set = max(WORKING_SET_BYTES, 2 * _llc_bytes())
+    with _torch_threads(1), torch.inference_mode():
+        return _int4_decode_bytes_per_second(working_set)
+
+
+def threads_contended(speed: NodeSpeed) -> bool:
+    """Whether `speed`'s threads were held up by other work: its int4 decode figure (with
+    `speed.threads` threads) is below one thread's, measured now. Each parallel region of
+    the kernels waits for all its threads, so a thread that another busy process keeps off
+    its CPU stalls every one: on the 2-core AMD EPYC, with a test suite running (load
+    average 1.6-4, under `BUSY_LOAD_PER_CPU`), 2 threads measured 0.2-0.4 GB/s where 1
+    thread measured 12 (session 10's fresh-user check)."""
+    if speed.threads <= 1:
+        return False
+    return speed.int4_decode_bytes_per_second < one_thread_int4_bytes_per_second()
+
+
 def cached_node_speed(remeasure: bool = False, path: Path | None = None) -> ProbeResult:
     """This node's speed: the cached figures when their key matches and they are settled;
     otherwise measured now (merged with unsettled cached figures by `fastest_of`, unless
-    `remeasure`) and cached, settled when the machine was not busy before and after."""
+    `remeasure`) and cached, settled when the machine was not busy before and after and
+    the threads were not held up (`threads_contended`)."""
     path = path or cache_path()
     threads = runner_threads()
     key = probe_key(threads)
@@ -508,10 +531,12 @@ def cached_node_speed(remeasure: bool = False, path: Path | None = None) -> Prob
     busy_before = machine_busy()
     started = time.perf_counter()
     speed = measure_node_speed(threads)
-    settled = not (busy_before or machine_busy())
+    contended = threads_contended(speed)
+    settled = not (busy_before or contended or machine_busy())
+    reason = "threads held up by other work" if contended else "machine busy"
     logger.info(
         f"speed probe ({threads} thread(s), {time.perf_counter() - started:.1f} s"
-        f"{'' if settled else ', machine busy: measured again later'}): int4 decode "
+        f"{'' if settled else f', {reason}: measured again later'}): int4 decode "
         f"{speed.int4_decode_bytes_per_second / 1e9:.1f} GB/s, copy "
         f"{speed.memory_copy_bytes_per_second / 1e9:.1f} GB/s, bf16 matmul "
         f"{speed.bf16_matmul_flops / 1e9:.0f} GFLOP/s, layer overhead "

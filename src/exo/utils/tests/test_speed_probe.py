@@ -76,6 +76,7 @@ def test_the_cache_answers_until_the_key_changes_or_a_remeasure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(speed_probe, "machine_busy", lambda: False)
+    monkeypatch.setattr(speed_probe, "threads_contended", lambda _speed: False)
     path = tmp_path / "speed_probe.json"
     first = cached_node_speed(path=path).speed
     assert json.loads(path.read_text())["speed"] == first.model_dump(mode="json")
@@ -196,3 +197,27 @@ def test_int4_decode_is_measured_on_the_kernel_the_engine_runs(
         )
     else:
         assert calls == []  # torch's kernel
+
+
+@pytest.mark.parametrize(("one_thread", "settled"), [(2e10, False), (6e9, True)])
+def test_threads_slower_than_one_thread_leave_the_figures_unsettled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: float, settled: bool
+) -> None:
+    """Two threads measuring less than one thread does: another process held a CPU (every
+    parallel region waited for it), so the figures understate the machine."""
+    two_threads = SPEED.model_copy(update={"threads": 2})  # int4 1e10 B/s
+    monkeypatch.setattr(speed_probe, "machine_busy", lambda: False)
+    monkeypatch.setattr(speed_probe, "runner_threads", lambda: 2)
+    monkeypatch.setattr(speed_probe, "measure_node_speed", lambda threads=None: two_threads)
+    monkeypatch.setattr(speed_probe, "one_thread_int4_bytes_per_second", lambda: one_thread)
+    result = cached_node_speed(path=tmp_path / "speed_probe.json")
+    assert result == ProbeResult(two_threads, settled=settled)
+    assert json.loads((tmp_path / "speed_probe.json").read_text())["settled"] is settled
+    assert not speed_probe.threads_contended(SPEED)  # one thread: nothing to compare
+
+
+@pytest.mark.usefixtures("small_probe")
+def test_one_thread_int4_figure_is_measured_for_real() -> None:
+    before = torch.get_num_threads()
+    assert speed_probe.one_thread_int4_bytes_per_second() > 1e6
+    assert torch.get_num_threads() == before
