@@ -163,15 +163,31 @@ def speed_balanced_split(
         )
         return decode_stage_seconds(card, speeds[rank], share, DEFAULT_PROMPT_TOKENS)
 
-    times = [
-        [
-            stage(rank, layers)
-            if pipeline_share_bytes(card, layers, rank == 0, rank == last) <= available_bytes[rank]
-            else None
-            for layers in range(1, most + 1)
-        ]
-        for rank in range(world_size)
-    ]
+    def fitting_layers(rank: int) -> int:
+        """The most layers (up to `most`) whose share fits the rank's memory (the share
+        grows with the layers), 0 if none."""
+        low, high = 0, most
+        while low < high:
+            middle = (low + high + 1) // 2
+            share = pipeline_share_bytes(card, middle, rank == 0, rank == last)
+            if share <= available_bytes[rank]:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    # A stage's time is affine in its layers (fixed head and embedding parts plus a
+    # per-layer part), so two evaluations give each rank's row: one stage time per layer
+    # count that fits its memory. (Evaluating every entry took 1.9 s for the previews of
+    # an 80-layer model on 8 nodes.)
+    times: list[list[float | None]] = []
+    for rank in range(world_size):
+        first, per_layer = stage(rank, 1), stage(rank, 2) - stage(rank, 1)
+        fitting = fitting_layers(rank)
+        row: list[float | None] = []
+        for layers in range(1, most + 1):
+            row.append(first + (layers - 1) * per_layer if layers <= fitting else None)
+        times.append(row)
 
     def counts_within(bound: float) -> list[int]:
         # Stage times grow with the layers, so each rank's count is a prefix of its row.
