@@ -21,10 +21,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from exo.shared.types.common import ModelId
-from exo.shared.types.models import GgufFileSource, ModelCard
+from exo.shared.types.models import GgufFileSource, GgufWeightTypes, ModelCard
+
+if TYPE_CHECKING:
+    from exo.download.gguf_tensors import GgufDirectory
 
 OLLAMA_MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
 DEFAULT_REGISTRY = "registry.ollama.ai"
@@ -104,10 +107,27 @@ def _ollama_name(registry: str, namespace: str, name: str, tag: str) -> str:
     return f"{registry}/{namespace}/{name}:{tag}"
 
 
+def gguf_weight_types(directory: GgufDirectory) -> GgufWeightTypes | None:
+    """The types a GGUF stores its decoder-layer linears (2-d tensors under `blk.`) and LM
+    head (`output.weight`, else the tied `token_embd.weight`) in; None without either."""
+    layer_weights: dict[str, int] = {}
+    by_name = {tensor.name: tensor for tensor in directory.tensors}
+    for tensor in directory.tensors:
+        if tensor.name.startswith("blk.") and len(tensor.shape) == 2:
+            count = layer_weights.get(tensor.type_name, 0)
+            layer_weights[tensor.type_name] = count + math.prod(tensor.shape)
+    head = by_name.get("output.weight") or by_name.get("token_embd.weight")
+    if not layer_weights or head is None:
+        return None
+    return GgufWeightTypes(
+        layer_weights=tuple(sorted(layer_weights.items())), output_type=head.type_name
+    )
+
+
 def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> ModelCard:
     """A card from the GGUF's metadata: architecture, shapes, context length, whether it
     has a chat template; `storage_size_bytes` is the file's size, `parameter_count` the
-    elements of its tensors.
+    elements of its tensors, `gguf_weight_types` the types of its layers and head.
 
     Raises:
         GgufModelError: not a GGUF file, an architecture the engine has no family for, or
@@ -158,6 +178,7 @@ def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> Model
         head_dim=int(head_dim) if head_dim and int(head_dim) != hidden_size // heads else None,
         tie_word_embeddings="output.weight" not in tensor_names,
         parameter_count=sum(math.prod(tensor.shape) for tensor in directory.tensors) or None,
+        gguf_weight_types=gguf_weight_types(directory),
     )
 
 

@@ -6,7 +6,8 @@ what the nodes measured: each node's `NodeSpeed` (`exo.utils.speed_probe`) and t
 still measuring) gives no prediction (None), never a guessed one.
 
 The model (bytes from `exo.shared.models.memory`, in the engine's CPU format: int4 decoder
-layers, int8 LM head, float32 KV cache):
+layers, int8 LM head, float32 KV cache; a GGUF-sourced card's layers and head as the
+engine holds the types they are stored in):
 
 decode, seconds per token (one stream, `context` tokens in the KV cache):
     stage(s) = layer bytes(s) / int4 bytes/s + LM head bytes(s) / int8 bytes/s
@@ -15,7 +16,7 @@ decode, seconds per token (one stream, `context` tokens in the KV cache):
     pipeline ×N:  Σ stage(s) + Σ over the N hops of a token's round (rank i → i+1, the
                   last rank's token back to rank 0) of (one-way latency + bytes / bandwidth)
     tensor ×N:    max over ranks of stage(rank) (each rank reads 1/N of every layer's
-                  linears and KV heads, and the whole LM head) + the step header's one-way
+                  linears and KV heads, and its rows of the LM head) + the step header's one-way
                   latency + 2 all-reduces per layer (attention and MLP outputs), each over
                   the rank links (`worker/engines/torch/links.py`, up to
                   `LINKS_ALL_REDUCE_BYTES`): one one-way latency plus (N − 1) × hidden bytes
@@ -52,7 +53,8 @@ from exo.shared.models.memory import (
     WeightShare,
     decoder_layer_bytes,
     kv_cache_bytes_per_token,
-    linear_weight_bytes,
+    output_layer_bytes,
+    vocab_share,
 )
 from exo.shared.types.common import NodeId
 from exo.shared.types.instances import Sharding
@@ -141,9 +143,11 @@ def _layer_overhead(speed: NodeSpeed, layers: int) -> float:
     return layers * speed.layer_overhead_seconds * ENGINE_LAYER_OVERHEAD_FACTOR
 
 
-def _lm_head_seconds(card: ModelCard, speed: NodeSpeed) -> float:
-    head = linear_weight_bytes(card.hidden_size, card.vocab_size, "int8")
-    return head / speed.int8_decode_bytes_per_second
+def _lm_head_seconds(card: ModelCard, speed: NodeSpeed, share: WeightShare) -> float:
+    norm = card.hidden_size * FLOAT32_BYTES
+    head = output_layer_bytes(card, "int4", shares_embedding=False) - norm
+    rows = vocab_share(card.vocab_size, share.tensor_parallel_ranks)
+    return head * rows / card.vocab_size / speed.int8_decode_bytes_per_second
 
 
 def decode_stage_seconds(
@@ -154,7 +158,7 @@ def decode_stage_seconds(
     layers = share.layers * decoder_layer_bytes(card, "int4", share.tensor_parallel_ranks)
     seconds = layers / speed.int4_decode_bytes_per_second
     if share.holds_output_layer:
-        seconds += _lm_head_seconds(card, speed)
+        seconds += _lm_head_seconds(card, speed, share)
     kv = kv_cache_bytes_per_token(card, share) * context_tokens
     seconds += ENGINE_KV_READ_FACTOR * 2 * kv / speed.memory_copy_bytes_per_second
     return seconds + _layer_overhead(speed, share.layers)
@@ -173,7 +177,7 @@ def prefill_stage_seconds(
     chunks = math.ceil(prompt_tokens / PREFILL_CHUNK_TOKENS)
     seconds += chunks * _layer_overhead(speed, share.layers)
     if share.holds_output_layer:
-        seconds += _lm_head_seconds(card, speed)
+        seconds += _lm_head_seconds(card, speed, share)
     return seconds
 
 

@@ -24,9 +24,10 @@ from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.commands import AddCustomModel
 from exo.shared.types.common import CommandId
-from exo.shared.types.models import GgufFileSource
+from exo.shared.types.models import GgufFileSource, GgufWeightTypes
 from exo.testing.hf_server import HubServer
 from exo.testing.in_process import in_process_cluster
+from exo.testing.random_gguf import RandomGgufShape, write_random_gguf
 from exo.testing.tiny_gguf import add_to_ollama_store, save_tiny_gguf
 
 CATALOG = load_builtin_cards()
@@ -76,6 +77,20 @@ def test_a_card_comes_from_the_gguf_metadata(tiny_gguf: Path) -> None:
     assert card.context_length == 512 and card.has_chat_template
     assert card.storage_size_bytes == tiny_gguf.stat().st_size
     assert card.source == GgufFileSource(path=str(tiny_gguf), sha256="ab" * 32)
+    # 2 layers x (64 x (64 + 32 + 32 + 64) + 3 x 64 x 128) float32 linear weights, F32 head.
+    assert card.gguf_weight_types == GgufWeightTypes(
+        layer_weights=(("F32", 73728),), output_type="F32"
+    )
+
+
+def test_a_card_records_the_types_the_gguf_stores_its_weights_in(tmp_path: Path) -> None:
+    shape = RandomGgufShape()  # hidden 128, 2 layers, heads 4 x 32, 2 KV heads, MLP 256
+    path = write_random_gguf(tmp_path / "q8.gguf", shape, tensor_type="Q8_0", embedding_type="Q4_1")
+    card = card_for_gguf(path, "q8")
+    per_layer = 128 * (128 + 64 + 64 + 128) + 3 * 128 * 256
+    assert card.gguf_weight_types == GgufWeightTypes(
+        layer_weights=(("Q8_0", 2 * per_layer),), output_type="Q4_1"
+    )
 
 
 def test_a_file_that_is_no_gguf_is_refused(tmp_path: Path) -> None:

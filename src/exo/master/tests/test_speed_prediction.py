@@ -12,9 +12,14 @@ from exo.master.speed_prediction import (
     decode_stage_seconds,
     predict_speed,
 )
-from exo.shared.models.memory import WeightShare, decoder_layer_bytes, kv_cache_bytes_per_token
+from exo.shared.models.memory import (
+    WeightShare,
+    decoder_layer_bytes,
+    kv_cache_bytes_per_token,
+    output_layer_bytes,
+)
 from exo.shared.types.common import NodeId
-from exo.shared.types.models import ModelCard
+from exo.shared.types.models import GgufWeightTypes, ModelCard
 from exo.shared.types.nodes import NodeSpeed, TopologyEdge
 from exo.testing.builders import make_card, make_node_info, make_state
 
@@ -115,9 +120,12 @@ def test_tensor_divides_the_bytes_and_pays_two_all_reduces_per_layer() -> None:
     half_kv = kv_cache_bytes_per_token(CARD, WeightShare(layers=12, tensor_parallel_ranks=2))
     assert half_kv * 2 == kv_cache_bytes_per_token(CARD)
     assert half_layer_bytes < layer_bytes * 0.55  # int8 where a half does not fit int4
+    # Each rank reads its half of the LM head's rows (vocabulary 49152: 24576 each).
+    head = output_layer_bytes(CARD, "int4", shares_embedding=False) - CARD.hidden_size * 4
     assert whole - half == pytest.approx(
         12 * (layer_bytes - half_layer_bytes) / (10 * GB)
-        + ENGINE_KV_READ_FACTOR * 2 * 512 * (kv_cache_bytes_per_token(CARD) - half_kv) / (20 * GB),
+        + ENGINE_KV_READ_FACTOR * 2 * 512 * (kv_cache_bytes_per_token(CARD) - half_kv) / (20 * GB)
+        + head / 2 / (8 * GB),
         rel=1e-6,
     )
     free_links, _ = two("tensor", latency_ms=0.0)
@@ -127,6 +135,40 @@ def test_tensor_divides_the_bytes_and_pays_two_all_reduces_per_layer() -> None:
     # (both ranks send at once), plus the step header's one-way latency.
     extra = 2 * CARD.n_layers * 0.5e-3 + 0.5e-3
     assert 1 / slow_links - 1 / free_links == pytest.approx(extra, rel=1e-3)
+
+
+def test_a_gguf_card_is_predicted_from_the_types_its_weights_are_stored_in() -> None:
+    """The engine holds Q5_0 / Q8_0 blocks at 1.25 bytes per weight (planes) and Q6_K at
+    2 (bfloat16), where its own int4 takes 0.625: a GGUF stored in those types reads more
+    bytes per token, and the prediction says so (Gemma 3 270M's Q4_K_M was predicted 50-62%
+    too fast when every layer was sized as int4)."""
+
+    def typed(layers: tuple[tuple[str, int], ...], head: str) -> ModelCard:
+        return CARD.model_copy(
+            update={"gguf_weight_types": GgufWeightTypes(layer_weights=layers, output_type=head)}
+        )
+
+    # CARD: hidden 576, 8 query heads and 4 KV heads of 72, MLP 1536.
+    per_layer = 576 * 576 * 2 + 576 * 288 * 2 + 3 * 576 * 1536
+    weights = 12 * per_layer
+    int4 = typed((("Q4_K", weights),), "Q8_0")
+    mixed = typed((("Q4_K", weights // 2), ("Q6_K", weights // 4), ("Q5_0", weights // 4)), "Q8_0")
+    norms = 2 * 576 * 4
+    assert decoder_layer_bytes(int4, "int4") == per_layer * 0.625 + norms
+    expected = per_layer * (0.5 * 0.625 + 0.25 * 2 + 0.25 * 1.25) + norms
+    assert decoder_layer_bytes(mixed, "int4") == pytest.approx(expected, rel=1e-6)
+    share = WeightShare(layers=12)
+    extra = 12 * (decoder_layer_bytes(mixed, "int4") - decoder_layer_bytes(int4, "int4"))
+    assert decode_stage_seconds(mixed, speed(), share, 512) - decode_stage_seconds(
+        int4, speed(), share, 512
+    ) == pytest.approx(extra / (10 * GB), rel=1e-6)
+    # A Q6_K head is dequantized and held in the engine's int8 (1 byte per weight and a
+    # bfloat16 scale per row), a Q8_0 head as planes (1.25): the smaller one reads faster.
+    q6_head = typed((("Q4_K", weights),), "Q6_K")
+    head_weights = CARD.vocab_size * CARD.hidden_size
+    assert decode_stage_seconds(int4, speed(), share, 512) - decode_stage_seconds(
+        q6_head, speed(), share, 512
+    ) == pytest.approx((head_weights * 0.25 - 2 * CARD.vocab_size) / (8 * GB), rel=1e-6)
 
 
 def test_the_slowest_tensor_rank_sets_the_pace() -> None:

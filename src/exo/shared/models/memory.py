@@ -14,6 +14,7 @@ Pure functions of a `ModelCard`; the engine's `quantize.py` uses the same consta
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -77,13 +78,39 @@ def linear_weight_bytes(in_features: int, out_features: int, weight_format: Weig
             return weights // 2 + groups * out_features * 2 * BFLOAT16_BYTES
 
 
+# GGUF block types the engine repacks into its int4 groups (`gguf_weights.py`).
+GGUF_INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
+# GGUF 8- and 5-bit block types the engine holds exactly: two int4 planes (1.25 bytes per
+# weight) or, with exo's AVX2 kernels, int8 blocks (1.125 bytes per weight).
+GGUF_SPLIT_TYPES = frozenset({"Q8_0", "Q5_0", "Q5_1"})
+# Unquantized GGUF types: the engine quantizes them as it does any checkpoint's weights.
+GGUF_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+
+
+def gguf_weight_bytes(gguf_type: str, weights: int) -> int:
+    """Bytes the engine holds (int4 format) for `weights` decoder-layer weights stored as
+    GGUF `gguf_type` (`worker/engines/torch/gguf_weights.py` routes each type): Q4_0 / Q4_1 /
+    Q4_K and float types as int4 groups (half a byte plus a bfloat16 pair per 32), Q8_0 /
+    Q5_0 / Q5_1 as two int4 planes (1.25 bytes; the larger of the two ways they are held),
+    any other quantized type (Q6_K, ...) as bfloat16 (2 bytes)."""
+    if gguf_type in GGUF_INT4_TYPES or gguf_type in GGUF_FLOAT_TYPES:
+        return weights // 2 + weights // INT4_GROUP_SIZE * 2 * BFLOAT16_BYTES
+    if gguf_type in GGUF_SPLIT_TYPES:
+        return weights + weights // INT4_GROUP_SIZE * 2 * 2 * BFLOAT16_BYTES
+    return weights * BFLOAT16_BYTES
+
+
 def decoder_layer_bytes(
     card: ModelCard, weight_format: WeightFormat, tensor_parallel_ranks: int = 1
 ) -> int:
     """Bytes of one decoder layer on one tensor rank: the attention and gated-MLP linears
     (column-parallel ones split by rows, row-parallel by columns), their biases and the two
     norms (float32). Fused projections (Phi-3's `qkv_proj`) hold the same weights; they
-    are sized part by part, exact when each part fits int4 (as in every catalog model)."""
+    are sized part by part, exact when each part fits int4 (as in every catalog model).
+    In int4, a card with `gguf_weight_types` sizes its linears by the types they are
+    stored in: the bytes per weight `gguf_weight_bytes` gives them, averaged over all the
+    GGUF's layer weights (a GGUF may store some layers' linears in other types than the
+    rest's)."""
     ranks = tensor_parallel_ranks
     hidden, intermediate = card.hidden_size, card.intermediate_size
     query = card.num_attention_heads * card.attention_head_dim
@@ -91,7 +118,13 @@ def decoder_layer_bytes(
     column = [(hidden, query // ranks), (hidden, key_value // ranks), (hidden, key_value // ranks)]
     column += [(hidden, intermediate // ranks)] * 2
     row = [(query // ranks, hidden), (intermediate // ranks, hidden)]
-    total = sum(linear_weight_bytes(i, o, weight_format) for i, o in (*column, *row))
+    stored = card.gguf_weight_types
+    if weight_format == "int4" and stored is not None:
+        held = sum(gguf_weight_bytes(kind, count) for kind, count in stored.layer_weights)
+        weights = sum(count for _, count in stored.layer_weights)
+        total = math.ceil(sum(i * o for i, o in (*column, *row)) * held / weights)
+    else:
+        total = sum(linear_weight_bytes(i, o, weight_format) for i, o in (*column, *row))
     if card.attention_bias:
         total += (query + 2 * key_value) // ranks * FLOAT32_BYTES
     return total + 2 * hidden * FLOAT32_BYTES
@@ -101,9 +134,8 @@ def output_layer_bytes(card: ModelCard, weight_format: WeightFormat, shares_embe
     """Bytes of the final norm and LM head: float32 (no extra copy when it is tied to an
     embedding held on the same node), else int8 (the engine keeps the LM head in int8
     under int4 too: an int4 head changed greedy answers) or, for a model converted from
-    GGUF (whose head may be Q8_0 / Q5_x blocks), the larger of that and two int4 planes
-    (`split_int4`: 1.25 bytes per weight), since the card does not say how its head is
-    stored."""
+    GGUF whose head is (or, when the card does not say, may be) Q8_0 / Q5_x blocks, the
+    larger of that and two int4 planes (`split_int4`: 1.25 bytes per weight)."""
     norm = card.hidden_size * FLOAT32_BYTES
     if weight_format == "float32":
         if shares_embedding:
@@ -111,7 +143,9 @@ def output_layer_bytes(card: ModelCard, weight_format: WeightFormat, shares_embe
         return norm + card.vocab_size * card.hidden_size * FLOAT32_BYTES
     int8 = linear_weight_bytes(card.hidden_size, card.vocab_size, "int8")
     from_gguf = isinstance(card.source, PypiGgufSource | PypiGgufPartsSource | GgufFileSource)
-    if not from_gguf or not int4_fits(card.hidden_size, card.vocab_size):
+    stored = card.gguf_weight_types
+    split_head = stored is None or stored.output_type in GGUF_SPLIT_TYPES
+    if not from_gguf or not split_head or not int4_fits(card.hidden_size, card.vocab_size):
         return norm + int8
     split_planes = linear_weight_bytes(2 * card.hidden_size, card.vocab_size, "int4")
     return norm + max(int8, split_planes)

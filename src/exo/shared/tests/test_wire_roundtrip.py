@@ -96,6 +96,7 @@ from exo.shared.types.instances import (
 )
 from exo.shared.types.models import (
     GgufFileSource,
+    GgufWeightTypes,
     HuggingFaceSource,
     LocalDirectorySource,
     ModelCard,
@@ -371,6 +372,9 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
         GgufFileSource(path="/root/.ollama/models/blobs/sha256-ab", sha256="ab" * 32),
     ],
     LocalDirectorySource: [LocalDirectorySource(path="/models/x")],
+    GgufWeightTypes: [
+        GgufWeightTypes(layer_weights=(("Q4_K", 23592960), ("Q6_K", 11796480)), output_type="Q8_0")
+    ],
     SamplingDefaults: [SamplingDefaults(temperature=0.2, top_p=0.9, top_k=5, min_p=0.1)],
     # A catalog card sets every optional field (head_dim, vision, sources, short name...).
     ModelCard: [CARD, load_builtin_cards()[ModelId("google/gemma-3-4b-it")]],

@@ -116,6 +116,21 @@ class SamplingDefaults(FrozenModel):
     min_p: float = 0.0
 
 
+class GgufWeightTypes(FrozenModel):
+    """How a GGUF-sourced model stores the weights the engine reads every token: the engine
+    holds each GGUF type in its own format (`exo.shared.models.memory.gguf_weight_bytes`),
+    so these, not the card's shapes alone, size its decoder layers and LM head.
+
+    Attributes:
+        layer_weights: (GGUF type name, weights of that type) over every decoder layer's
+            attention and MLP linears (2-d tensors under `blk.`), e.g. `("Q5_0", 63406080)`.
+        output_type: the LM head's stored type (the token embedding's, for a tied head).
+    """
+
+    layer_weights: tuple[tuple[str, int], ...] = Field(min_length=1)
+    output_type: str = Field(min_length=1)
+
+
 class ModelCard(FrozenModel):
     """Facts about a model that placement and the API need without reading weights.
 
@@ -157,6 +172,9 @@ class ModelCard(FrozenModel):
     tool_call_format: ToolCallFormat = "none"
     gated: bool = False
     sources: tuple[str, ...] = ()
+    gguf_weight_types: GgufWeightTypes | None = None
+    """For a GGUF source: the types its weights are stored in (None: not GGUF, or not
+    recorded; memory then sizes the decoder layers as the engine's own int4)."""
 
     @property
     def attention_head_dim(self) -> int:

@@ -58,6 +58,22 @@ def test_stated_parameter_count_matches_the_shapes(card: ModelCard) -> None:
     assert drift < PARAMETER_COUNT_TOLERANCE, (computed, card.parameter_count)
 
 
+@pytest.mark.parametrize(
+    "card",
+    [card for card in CARDS.values() if card.gguf_weight_types is not None],
+    ids=[model for model, card in CARDS.items() if card.gguf_weight_types is not None],
+)
+def test_recorded_gguf_types_cover_exactly_the_layer_linears(card: ModelCard) -> None:
+    """A GGUF card's per-type weight counts (copied from the file's tensor directory) add
+    up to its shapes' decoder-layer linears: a miscopied count shows here."""
+    assert card.gguf_weight_types is not None
+    query = card.num_attention_heads * card.attention_head_dim
+    key_value = card.num_key_value_heads * card.attention_head_dim
+    per_layer = card.hidden_size * (2 * query + 2 * key_value + 3 * card.intermediate_size)
+    counted = sum(count for _, count in card.gguf_weight_types.layer_weights)
+    assert counted == card.n_layers * per_layer
+
+
 def test_a_wrong_shape_is_caught() -> None:
     card = CARDS[SMOLLM2]
     for wrong in (
