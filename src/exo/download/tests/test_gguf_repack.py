@@ -31,7 +31,9 @@ from exo.worker.engines.torch.gguf_weights import (
     DequantizedGroups,
     int4_linear_from_groups,
 )
+from exo.worker.engines.torch.int8_blocks import ScaledInt8Linear
 from exo.worker.engines.torch.loading import load_model
+from exo.worker.engines.torch.native_int4 import native_int4_kernel
 from exo.worker.engines.torch.quantize import Int4Linear, WeightDtype
 from exo.worker.engines.torch.split_int4 import SplitInt4Linear
 
@@ -237,8 +239,10 @@ def test_repacked_linears_are_built_from_the_blocks(tiny_models: dict[str, Path]
     attention: Any = layers[0].self_attn
     assert isinstance(attention.q_proj, Int4Linear)
     stored = load_file(str(tiny_models["repacked"] / "model.safetensors"))
-    # The tied head (this rank has no embedding) holds the Q8_0 embedding's blocks exactly.
-    assert isinstance(model.lm_head, SplitInt4Linear)
+    # The tied head (this rank has no embedding) holds the Q8_0 embedding's blocks exactly:
+    # as symmetric int8 blocks where exo's kernels run, else as two int4 planes.
+    native = native_int4_kernel() is not None
+    assert isinstance(model.lm_head, ScaledInt8Linear if native else SplitInt4Linear)
     embedding = dequantize(
         stored["model.embed_tokens.weight.gguf_Q8_0"].numpy(), GGMLQuantizationType.Q8_0
     ).reshape(SHAPE.vocab_size, SHAPE.hidden_size)

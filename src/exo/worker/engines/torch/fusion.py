@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from exo.worker.engines.torch.int8_blocks import ScaledInt8Linear
 from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear
 from exo.worker.engines.torch.split_int4 import SplitInt4Linear
 
@@ -68,8 +69,8 @@ def fuse_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
     the weights are held once.
 
     Args:
-        parts: `nn.Linear`, `Int4Linear`, `SplitInt4Linear` or `Int8Linear` modules of one
-            kind, same input width.
+        parts: `nn.Linear`, `Int4Linear`, `SplitInt4Linear`, `ScaledInt8Linear` or
+            `Int8Linear` modules of one kind, same input width.
 
     Returns:
         The fused module (`parts[0]` itself when there is one part), or None when the parts
@@ -130,6 +131,20 @@ def fuse_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
                 part_split.bias = fused_split.bias[rows]
             offset += part_split.out_features
         return fused_split
+    if kind is ScaledInt8Linear:
+        scaled = [part for part in parts if isinstance(part, ScaledInt8Linear)]
+        if len({part.block_size for part in scaled}) != 1:  # Q8_0 beside Q6_K
+            return None
+        fused_scaled = ScaledInt8Linear.concatenate(scaled)
+        offset = 0
+        for part_scaled in scaled:
+            rows = slice(offset, offset + part_scaled.out_features)
+            part_scaled.values = fused_scaled.values[rows]
+            part_scaled.block_scales = fused_scaled.block_scales[rows]
+            if part_scaled.bias is not None and fused_scaled.bias is not None:
+                part_scaled.bias = fused_scaled.bias[rows]
+            offset += part_scaled.out_features
+        return fused_scaled
     if kind is Int8Linear:
         int8 = [part for part in parts if isinstance(part, Int8Linear)]
         fused8 = Int8Linear.concatenate(int8)

@@ -14,10 +14,14 @@ from the error each route adds to the GGUF's own values, measured on Gaussian we
 
 - Q4_0 / Q4_1 / Q4_K → `Int4Linear` directly, no float detour: 0.0017 (the bf16 rounding
   of scales and zeros only; a float32 load is exact).
-- Q8_0, Q5_0, Q5_1 → `SplitInt4Linear`: the block integers exactly, as two int4 planes
-  (high and low nibble, `split_int4`): again only the bf16 rounding of scales and zeros,
+- Q8_0, Q6_K where exo's AVX2 kernels run → `ScaledInt8Linear` (`int8_blocks`): the
+  integers exactly as int8 with one bfloat16 scale per 32 (Q8_0) or 16 (Q6_K) inputs, 1.0625
+  / 1.125 bytes per weight: only the bf16 rounding of the scales.
+- Q8_0 (elsewhere), Q5_0, Q5_1 → `SplitInt4Linear`: the block integers exactly, as two int4
+  planes (high and low nibble, `split_int4`; int8 blocks with a (scale, zero) pair, 1.125
+  bytes, where exo's kernels run): again only the bf16 rounding of scales and zeros,
   1.25 bytes per weight.
-- Q6_K and any other quantized type → `Bf16Linear` (the dequantized weight in bfloat16):
+- Q6_K (elsewhere) and any other quantized type → `Bf16Linear` (the dequantized weight in bfloat16):
   0.0017, where requantizing to the engine's int8 per output channel adds 0.022 (3.4× Q8_0's
   own error of 0.0065) and to int4 groups 0.083. It costs 2 bytes per weight against int8's
   1. (Q6_K's sub-blocks of 16 are smaller than the int4 kernel's smallest group, 32.)
@@ -27,7 +31,7 @@ from the error each route adds to the GGUF's own values, measured on Gaussian we
 - F32 / F16 / BF16 weights → the engine's own quantization, as for any checkpoint.
 
 The LM head, when its stored weight (the embedding, for a tied head) is Q8_0 / Q5_0 / Q5_1
-and the engine quantizes, is held as split planes too (`split_output_layer`), in place of
+and the engine quantizes, is held as those blocks too (`split_output_layer`), in place of
 the engine's int8 head. Everything else (the embedding, other heads, norms, any weight when
 the engine holds float32 or int8) is dequantized to float32 and loaded as a checkpoint
 tensor would be, so the engine's other policies (float32 embedding, int8 LM head) apply.
@@ -45,6 +49,7 @@ from torch import nn
 
 from exo.download.gguf_repack import INT4_PACKED, INT4_SCALES, INT4_ZEROS
 from exo.shared.models.memory import INT4_GROUP_SIZE
+from exo.worker.engines.torch.int8_blocks import SCALED_TYPES, ScaledBlockPart, ScaledInt8Linear
 from exo.worker.engines.torch.native_int4 import native_int4_kernel
 from exo.worker.engines.torch.quantize import (
     NATIVE_MAX_ROWS,
@@ -245,6 +250,16 @@ def load_repacked(
     if parts is None or parts.companion:
         raise ValueError(f"{stored_name} is not a repacked weight")
     direct = _direct_target(model, target, weight_dtype)
+    if parts.gguf_type in SCALED_TYPES and direct is not None and native_int4_kernel() is not None:
+        raw = handle.get_slice(stored_name)
+        values, scales = (
+            reader(ScaledBlockPart(raw, parts.gguf_type, part)) for part in ("values", "scales")
+        )
+        per_scale = SCALED_TYPES[parts.gguf_type][2]
+        # Whole blocks on this rank (a row-parallel split may cut them: the routes below).
+        if values.shape[1] == per_scale * scales.shape[1] and values.shape[1] % 32 == 0:
+            _install(*direct, lambda bias: ScaledInt8Linear(values, scales, bias, per_scale))
+            return None
     if parts.gguf_type in SPLIT_TYPES and direct is not None:
         raw = handle.get_slice(stored_name)
         values, scales, offsets = (
@@ -297,7 +312,9 @@ def split_output_layer(model: nn.Module, handle: Any, stored_name: str) -> bool:
     scale per row, requantized from the dequantized blocks) it costs 1.25 bytes per weight
     instead of 1: on SmolLM2-135M (Q8_0 head, 49,152 x 576; 2 threads) 0.94 against 0.67
     ms per decode row, and teacher-forced over 600 tokens the KL divergence from the float32
-    head is 6.4e-4 against int8's 2.1e-3 (bfloat16 weights: 5.4e-4).
+    head is 6.4e-4 against int8's 2.1e-3 (bfloat16 weights: 5.4e-4). Where exo's AVX2
+    kernels run, a Q8_0 head is held as symmetric int8 blocks instead (`ScaledInt8Linear`,
+    1.0625 bytes per weight, the same integers and scales).
 
     Args:
         model: the loaded model, its LM head an `nn.Linear` (any weight, even meta).
@@ -315,6 +332,8 @@ def split_output_layer(model: nn.Module, handle: Any, stored_name: str) -> bool:
         return False
     assert isinstance(head, nn.Linear) and parts.gguf_type is not None
     raw = handle.get_slice(stored_name)
+    if parts.gguf_type == "Q8_0" and native_int4_kernel() is not None:
+        return _replace_head(model, head, _scaled_head(raw, head))
     kinds = ("values", "scales", "offsets")
     blocks = [BlockPart(raw, parts.gguf_type, kind) for kind in kinds]
     rows, columns = blocks[0].get_shape()
@@ -327,12 +346,35 @@ def split_output_layer(model: nn.Module, handle: Any, stored_name: str) -> bool:
         pieces.append(SplitInt4Linear(values, scales, offsets, None))
     split = pieces[0] if len(pieces) == 1 else SplitInt4Linear.concatenate(pieces)
     del pieces
+    return _replace_head(model, head, split)
+
+
+def _scaled_head(raw: Any, head: nn.Linear) -> ScaledInt8Linear | None:
+    """A Q8_0 head as symmetric int8 blocks of 32 (`ScaledInt8Linear`), converted in row
+    blocks; None where the stored shape is not the head's."""
+    values_part, scales_part = (ScaledBlockPart(raw, "Q8_0", part) for part in ("values", "scales"))
+    rows, columns = values_part.get_shape()
+    if (rows, columns) != (head.out_features, head.in_features) or columns % 32:
+        return None
+    values = torch.empty(rows, columns, dtype=torch.int8)
+    scales = torch.empty(rows, columns // 32, dtype=torch.bfloat16)
+    for start in range(0, rows, _HEAD_ROWS_PER_STEP):
+        chunk = slice(start, min(start + _HEAD_ROWS_PER_STEP, rows))
+        values[chunk] = values_part[chunk]
+        scales[chunk] = scales_part[chunk].to(torch.bfloat16)
+    return ScaledInt8Linear(values, scales, None, 32)
+
+
+def _replace_head(model: nn.Module, head: nn.Linear, held: QuantizedLinear | None) -> bool:
+    """Put `held` (with the head's bias) where the model has `head`; False for None."""
+    if held is None:
+        return False
     if head.bias is not None and not head.bias.is_meta:
-        split.bias = head.bias.detach().clone()
+        held.bias = head.bias.detach().clone()
     for name, module in model.named_modules():
         if module is head:
             parent_name, _, attribute = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attribute, split)
+            setattr(parent, attribute, held)
             return True
     return False

@@ -132,7 +132,8 @@ class Projection:
     def decode_tensors(self) -> list[torch.Tensor | None] | None:
         """`[weight, scale_zero, bias]` as exo's decode layer (`native/decode_layer.cpp`)
         reads them: exo's int4 blocks (uint8 `[out, in / 2]`) or int8 blocks (int8 `[out,
-        in]`) with their bfloat16 (scale, zero) pairs, symmetric int8 (int8 `[out, in]`)
+        in]`) with their bfloat16 (scale, zero) pairs, symmetric int8 blocks (int8 `[out,
+        in]`, bfloat16 scales `[out, in / 16 or 32]`), symmetric int8 (int8 `[out, in]`)
         with its bfloat16 scale per output `[out]`, or a dense weight (float32, or bfloat16
         held unquantized) with None; bias
         float32 `[out]` or None (a row-parallel linear's bias, which the decode layer adds
@@ -150,6 +151,9 @@ class Projection:
         if packed is not None and packed.dtype == torch.uint8:  # Int4Linear, exo's layout
             return [packed, module.scales_and_zeros, bias]
         values = getattr(module, "values", None)
+        block_scales = getattr(module, "block_scales", None)
+        if values is not None and block_scales is not None:  # ScaledInt8Linear's blocks
+            return [values, block_scales, bias]
         if values is not None and values.dtype == torch.int8:  # SplitInt4Linear's blocks
             return [values, module.scale_zero, bias]
         scales = getattr(module, "scales", None)

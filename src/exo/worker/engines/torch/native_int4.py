@@ -1,5 +1,6 @@
 """exo's own CPU kernels (`native/*.cpp`) for x86 CPUs without AVX512: decode products
-for int4 blocks, int8 blocks, int8 per channel and bfloat16 weights (`int4_gemv.cpp`),
+for int4 blocks, int8 per channel and bfloat16 weights (`int4_gemv.cpp`), int8 blocks with
+(scale, zero) pairs or symmetric scales per 16 or 32 inputs (`int8_blocks.cpp`),
 prefill products (`prefill.cpp`), a one-pass RMSNorm, and a whole decoder layer's decode
 step (`decode_layer.cpp`, called by `lean_forward.LeanModel` for decode-only steps).
 
@@ -50,8 +51,11 @@ from loguru import logger
 NATIVE_INT4_ENV = "EXO_NATIVE_INT4"
 
 _NATIVE = Path(__file__).with_name("native")
-_SOURCES = (_NATIVE / "int4_gemv.cpp", _NATIVE / "decode_layer.cpp", _NATIVE / "prefill.cpp")
-_HEADERS = (_NATIVE / "kernels.h",)
+_SOURCES = tuple(
+    _NATIVE / name
+    for name in ("int4_gemv.cpp", "int8_blocks.cpp", "decode_layer.cpp", "prefill.cpp")
+)
+_HEADERS = (_NATIVE / "kernels.h", _NATIVE / "block_rows.h")
 # A first build takes ~15-40 s on 2 cores (torch's headers dominate).
 BUILD_TIMEOUT_S = 600.0
 
@@ -135,6 +139,17 @@ def built_int8_block_kernel() -> Int4Gemv | None:
     if built_int4_kernel() is None:
         return None
     kernel: Int4Gemv = torch.ops.exo_native.int8_block_gemv
+    return kernel
+
+
+def built_int8_scaled_kernel() -> Int4Gemv | None:
+    """`int8_scaled_gemv(x [rows, in] float32, values [out, in] int8, scales [out, in / S]
+    bfloat16) -> [rows, out] float32`, `w = v * scale` per block of S = 16 or 32 inputs
+    (GGUF Q6_K, Q8_0), from the same library as `built_int4_kernel`; None where that could
+    not be built."""
+    if built_int4_kernel() is None:
+        return None
+    kernel: Int4Gemv = torch.ops.exo_native.int8_scaled_gemv
     return kernel
 
 

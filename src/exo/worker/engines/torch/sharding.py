@@ -106,6 +106,7 @@ def split_head_by_vocab(model: nn.Module, rank: int, world_size: int) -> bool:
     """Keep only this tensor rank's rows of the model's LM head (`VocabParallelHead`);
     False (the head stays whole) for a head kind this cannot slice by rows, or a float32
     head tied to the embedding (it costs no memory of its own)."""
+    from exo.worker.engines.torch.int8_blocks import ScaledInt8Linear
     from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear, QuantizedLinear
     from exo.worker.engines.torch.split_int4 import SplitInt4Linear
 
@@ -130,6 +131,8 @@ def split_head_by_vocab(model: nn.Module, rank: int, world_size: int) -> bool:
         local.weight = nn.Parameter(head.weight.detach()[rows].clone(), requires_grad=False)
         if bias is not None:
             local.bias = nn.Parameter(bias, requires_grad=False)
+    elif isinstance(head, ScaledInt8Linear):
+        local = head.rows(rows, bias)
     elif isinstance(head, Int8Linear | Int4Linear | SplitInt4Linear):
         # The same kind holding only these rows (every layout is row-major by output).
         kept: Any = type(head).__new__(type(head))

@@ -64,6 +64,7 @@ constexpr int kNorms = 5;
 struct Linear {
   at::Tensor weight;      // uint8 [out, in / 2] int4 blocks, int8 [out, in], or dense
   at::Tensor scale_zero;  // bfloat16 pairs (blocks), bfloat16 [out] (int8 per output row),
+                          // bfloat16 [out, in / 16 or 32] (symmetric int8 blocks),
                           // undefined (dense)
   at::Tensor bias;        // float32 [out] or undefined
   int64_t out = 0;
@@ -87,6 +88,13 @@ Linear read_linear(const c10::List<std::optional<at::Tensor>>& linears, int64_t 
                 "decode_layer: linear ", index, " needs bfloat16 [out] scales");
     linear.scale_zero = *scale_zero;
     linear.in = linear.weight.size(1);
+  } else if (kind == at::kChar && scale_zero.has_value() && scale_zero->dim() == 2) {
+    linear.in = linear.weight.size(1);
+    TORCH_CHECK(scale_zero->scalar_type() == at::kBFloat16 && scale_zero->is_contiguous() &&
+                    scale_zero->size(0) == linear.out && linear.in % 32 == 0 &&
+                    (scale_zero->size(1) * 16 == linear.in || scale_zero->size(1) * 32 == linear.in),
+                "decode_layer: linear ", index, " needs bfloat16 [out, in / 16 or in / 32] scales");
+    linear.scale_zero = *scale_zero;
   } else if (kind == at::kByte || kind == at::kChar) {
     TORCH_CHECK(scale_zero.has_value() && scale_zero->dim() == 3 &&
                     scale_zero->scalar_type() == at::kBFloat16 && scale_zero->is_contiguous() &&
@@ -127,9 +135,11 @@ void apply_linear(const Linear& linear, const float* x, int64_t rows, float* y,
     exo_native::int4_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);
   } else if (kind == at::kChar && linear.scale_zero.dim() == 1) {
     exo_native::int8_channel_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);
+  } else if (kind == at::kChar && linear.scale_zero.dim() == 2) {
+    exo_native::int8_scaled_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);
   } else if (kind == at::kChar) {
     exo_native::int8_block_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);
-  } else if (kind == at::kBFloat16) {  // held unquantized (GGUF Q6_K): exact float32 sums
+  } else if (kind == at::kBFloat16) {  // held unquantized: exact float32 sums
     exo_native::bf16_product(x, rows, linear.in, linear.weight, y);
   } else {  // a dense float32 weight: torch's matmul
     c10::InferenceMode inference;

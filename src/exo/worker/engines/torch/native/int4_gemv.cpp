@@ -31,10 +31,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include "kernels.h"
-#ifndef PF
-#define PF 32768
-#endif
+#include "block_rows.h"
 
 #include <algorithm>
 #include <cmath>
@@ -43,72 +40,12 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define EXO_AVX2 1
-#endif
-
 namespace {
 
 using exo_native::bf16_to_float;
-
-constexpr int64_t kBlock = 32;
-
-#ifdef EXO_AVX2
-inline float horizontal_sum(__m256 v) {
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
-  return _mm_cvtss_f32(sum);
-}
-
-#endif
+using namespace exo_native::block_rows;
 
 #ifdef EXO_AVX2
-// Weights are read once per token, from memory: a software prefetch this many bytes ahead
-// of each row's read position. Measured on the 2-core AMD EPYC (Zen 3), a 262144x640 int8
-// product (168 MB, Gemma 3's LM head): 12.5 GB/s without, 18-20 GB/s with 8-32 KiB ahead.
-constexpr int64_t kPrefetchBytes = 16384;
-
-inline void prefetch_ahead(const void* address) {
-  _mm_prefetch(static_cast<const char*>(address) + kPrefetchBytes, _MM_HINT_T0);
-}
-
-// For NR output rows' (scale, zero) bfloat16 pairs [NR, groups, 2]: the scales as float32
-// into scales[NR, groups], and per row and activation row the zero term, sum over groups of
-// (zero - 8 scale) times the group's sum of rounded activations (offset_sums[ROWS, groups]).
-// 8 groups per step: a pair's bfloat16 scale is the low half of its 32 bits (shifted up it
-// is the float32), the zero the high half (masked).
-template <int ROWS, int NR>
-void unpack_scales(const uint16_t* scale_zero, int64_t groups, const float* offset_sums,
-                   float* scales, float (&offset_acc)[NR][ROWS]) {
-  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const __m256 eight = _mm256_set1_ps(8.0f);
-  for (int i = 0; i < NR; ++i) {
-    const uint16_t* pairs = scale_zero + i * groups * 2;
-    __m256 offset_vec[ROWS];
-    for (int r = 0; r < ROWS; ++r) offset_vec[r] = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= groups; g += 8) {
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 2 * g));
-      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(packed, 16));
-      const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(packed, high_half));
-      _mm256_storeu_ps(scales + i * groups + g, scale);
-      const __m256 offset = _mm256_fnmadd_ps(eight, scale, zero);
-      for (int r = 0; r < ROWS; ++r)
-        offset_vec[r] =
-            _mm256_fmadd_ps(offset, _mm256_loadu_ps(offset_sums + r * groups + g), offset_vec[r]);
-    }
-    for (int r = 0; r < ROWS; ++r) offset_acc[i][r] = horizontal_sum(offset_vec[r]);
-    for (; g < groups; ++g) {
-      const float scale = bf16_to_float(pairs[2 * g]);
-      scales[i * groups + g] = scale;
-      const float offset = bf16_to_float(pairs[2 * g + 1]) - 8.0f * scale;
-      for (int r = 0; r < ROWS; ++r) offset_acc[i][r] += offset * offset_sums[r * groups + g];
-    }
-  }
-}
-
 // NR output rows at once (independent accumulators, each activation block loaded once for
 // all of them) for ROWS activation rows.
 template <int ROWS, int NR>
@@ -253,52 +190,6 @@ void check_arguments(const at::Tensor& x, const at::Tensor& qweight,
 }
 
 #ifdef EXO_AVX2
-// Activations per block of 32 as int16 values (round to nearest) and one float scale
-// (largest |x| / 32767; 0 for an all-zero block), and each group's sum of the rounded
-// activations (so the zero term cancels against the same values the products use).
-void quantize_rows(const float* x, int64_t rows, int64_t k, int64_t group_size, int16_t* values,
-                   float* scales, float* group_sums) {
-  const int64_t blocks = k / kBlock;
-  const int64_t blocks_per_group = group_size / kBlock;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      int16_t* block_values = values + r * k + b * kBlock;
-      const float scale = exo_native::round_block(x + r * k + b * kBlock, block_values);
-      scales[r * blocks + b] = scale;
-      int32_t rounded_sum = 0;
-      for (int j = 0; j < kBlock; ++j) rounded_sum += block_values[j];
-      float& group_sum = group_sums[r * (k / group_size) + b / blocks_per_group];
-      group_sum = (b % blocks_per_group == 0 ? 0.0f : group_sum) +
-                  static_cast<float>(rounded_sum) * scale;
-    }
-  }
-}
-
-// Each block of 32 rounded activations reordered to its even inputs, then its odd ones:
-// the order in which the int8 kernels' shifts sign-extend a 32-byte load of weights.
-void reorder_even_odd(int16_t* values, int64_t count) {
-  int16_t block[kBlock];
-  for (int64_t start = 0; start + kBlock <= count; start += kBlock) {
-    for (int i = 0; i < 16; ++i) {
-      block[i] = values[start + 2 * i];
-      block[16 + i] = values[start + 2 * i + 1];
-    }
-    std::memcpy(values + start, block, sizeof(block));
-  }
-}
-
-// Calls body(std::integral_constant<int, R>{}, r) for the activation rows in groups of
-// R = 4 starting at row r, then once for the 3, 2 or 1 rows left (the kernels' register
-// tiles are templated on the row count).
-template <typename Body>
-void for_row_groups(int64_t rows, Body&& body) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) body(std::integral_constant<int, 4>{}, r);
-  if (rows - r == 3) body(std::integral_constant<int, 3>{}, r);
-  if (rows - r == 2) body(std::integral_constant<int, 2>{}, r);
-  if (rows - r == 1) body(std::integral_constant<int, 1>{}, r);
-}
-
 template <int ROWS>
 void rows_at(const int16_t* xq, const float* xs, int64_t k, const uint8_t* q, const uint16_t* sz,
              int64_t groups, int64_t group_size, const float* sums, float* y, int64_t n,
@@ -371,136 +262,6 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::T
   at::Tensor y = at::empty({x.size(0), qweight.size(0)}, x.options());
   exo_native::int4_product(x.data_ptr<float>(), x.size(0), x.size(1), qweight, scale_zero,
                            y.data_ptr<float>());
-  return y;
-}
-
-// GGUF's 8- and 5-bit blocks (Q8_0, Q5_0, Q5_1): w[n, k] = (v[n, k] - 8) * scale[n, b] +
-// zero[n, b] per block b of 32 inputs (the int4 convention; GGUF's d * v + m is scale d,
-// zero 8d + m, which bfloat16 holds exactly for Q8_0 / Q5_0), v in [-128, 127] held as int8
-// (1 byte per weight plus 4 per block: 1.125 bytes, where torch's kernels hold them as two
-// int4 planes at 1.25 and twice the work). Same scheme as int4_gemv: int16 activations per
-// block, int32 products, (zero - 8 scale) times the block's sum of rounded activations.
-#ifdef EXO_AVX2
-template <int ROWS, int NR>
-void tile_avx2_int8(const int16_t* xq, const float* x_scales, const float* block_sums,
-                    int64_t k, const int8_t* v, const uint16_t* scale_zero, float* y,
-                    int64_t n_total, int64_t n, float* scales) {
-  const int64_t blocks = k / kBlock;
-  float offset_acc[NR][ROWS];
-  unpack_scales<ROWS, NR>(scale_zero + n * blocks * 2, blocks, block_sums, scales, offset_acc);
-  __m256 acc[NR][ROWS];
-  for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int i = 0; i < NR; ++i) {
-      const __m256i bytes =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (n + i) * k + b * kBlock));
-      prefetch_ahead(v + (n + i) * k + b * kBlock);
-      const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 8);
-      const __m256i odd = _mm256_srai_epi16(bytes, 8);
-      const __m256 weight_scale = _mm256_broadcast_ss(scales + i * blocks + b);
-      for (int r = 0; r < ROWS; ++r) {
-        const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
-        const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_loadu_si256(xv)),
-                                              _mm256_madd_epi16(odd, _mm256_loadu_si256(xv + 1)));
-        acc[i][r] = _mm256_fmadd_ps(
-            _mm256_cvtepi32_ps(sums),
-            _mm256_mul_ps(_mm256_broadcast_ss(x_scales + r * blocks + b), weight_scale),
-            acc[i][r]);
-      }
-    }
-  }
-  for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < ROWS; ++r)
-      y[r * n_total + n + i] = horizontal_sum(acc[i][r]) + offset_acc[i][r];
-}
-
-template <int ROWS>
-void rows_avx2_int8(const int16_t* xq, const float* xs, const float* sums, int64_t k,
-                    const int8_t* v, const uint16_t* so, float* y, int64_t n_total, int64_t n0,
-                    int64_t n1) {
-  constexpr int kTile = ROWS <= 2 ? 4 : 2;
-  std::vector<float> scales(static_cast<size_t>(kTile * (k / kBlock)));
-  int64_t n = n0;
-  for (; n + kTile <= n1; n += kTile)
-    tile_avx2_int8<ROWS, kTile>(xq, xs, sums, k, v, so, y, n_total, n, scales.data());
-  for (; n < n1; ++n) tile_avx2_int8<ROWS, 1>(xq, xs, sums, k, v, so, y, n_total, n, scales.data());
-}
-#endif
-
-}  // namespace
-
-namespace exo_native {
-
-void int8_block_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& values,
-                        const at::Tensor& scale_zero, float* yp) {
-  const int64_t n = values.size(0);
-  if (rows == 0 || n == 0) return;
-  const int64_t blocks = k / kBlock;
-  const int8_t* vp = values.data_ptr<int8_t>();
-  const uint16_t* so = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>());
-  const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / std::max<int64_t>(k, 1));
-  thread_local std::vector<float> block_sums;
-  block_sums.resize(static_cast<size_t>(rows * blocks));
-  float* sums = block_sums.data();
-#ifdef EXO_AVX2
-  thread_local std::vector<int16_t> quantized;
-  thread_local std::vector<float> x_scales;
-  quantized.resize(static_cast<size_t>(rows * k));
-  x_scales.resize(static_cast<size_t>(rows * blocks));
-  int16_t* xq = quantized.data();
-  float* xs = x_scales.data();
-  quantize_rows(xp, rows, k, kBlock, xq, xs, sums);
-  reorder_even_odd(xq, rows * k);
-  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    for_row_groups(rows, [&](auto count, int64_t r) {
-      rows_avx2_int8<decltype(count)::value>(xq + r * k, xs + r * blocks, sums + r * blocks, k,
-                                             vp, so, yp + r * n, n, n0, n1);
-    });
-  });
-#else
-  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t o = n0; o < n1; ++o)
-      for (int64_t r = 0; r < rows; ++r) {
-        float total = 0.0f;
-        for (int64_t b = 0; b < blocks; ++b) {
-          const uint16_t* pair = so + (o * blocks + b) * 2;
-          float dot = 0.0f, sum = 0.0f;
-          for (int j = 0; j < kBlock; ++j) {
-            const float xv = xp[r * k + b * kBlock + j];
-            dot += static_cast<float>(vp[o * k + b * kBlock + j]) * xv;
-            sum += xv;
-          }
-          const float scale = bf16_to_float(pair[0]);
-          total += scale * dot + (bf16_to_float(pair[1]) - 8.0f * scale) * sum;
-        }
-        yp[r * n + o] = total;
-      }
-  });
-#endif
-}
-
-}  // namespace exo_native
-
-namespace {
-
-at::Tensor int8_block_gemv(const at::Tensor& x, const at::Tensor& values,
-                           const at::Tensor& scale_zero) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "int8_block_gemv: x must be a contiguous float32 [rows, in] tensor");
-  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kChar && values.is_contiguous(),
-              "int8_block_gemv: values must be a contiguous int8 [out, in] tensor");
-  const int64_t rows = x.size(0), k = x.size(1), n = values.size(0);
-  TORCH_CHECK(values.size(1) == k && k % kBlock == 0, "int8_block_gemv: x has ", k,
-              " inputs, values ", values.size(1), " (a multiple of 32 is needed)");
-  TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(0) == n &&
-                  scale_zero.size(1) == k / kBlock && scale_zero.size(2) == 2 &&
-                  scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous(),
-              "int8_block_gemv: scale_zero must be a contiguous bfloat16 [out, in / 32, 2] "
-              "tensor");
-  at::Tensor y = at::empty({rows, n}, x.options());
-  exo_native::int8_block_product(x.data_ptr<float>(), rows, k, values, scale_zero,
-                                 y.data_ptr<float>());
   return y;
 }
 
@@ -750,7 +511,6 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight) {
 TORCH_LIBRARY(exo_native, m) {
   m.def("int4_gemv(Tensor x, Tensor qweight, Tensor scale_zero) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("int8_block_gemv(Tensor x, Tensor values, Tensor scale_zero) -> Tensor");
   m.def("int8_channel_gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def("bf16_gemv(Tensor x, Tensor weight) -> Tensor");
 }
@@ -758,7 +518,6 @@ TORCH_LIBRARY(exo_native, m) {
 TORCH_LIBRARY_IMPL(exo_native, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("rms_norm", &rms_norm);
-  m.impl("int8_block_gemv", &int8_block_gemv);
   m.impl("int8_channel_gemv", &int8_channel_gemv);
   m.impl("bf16_gemv", &bf16_gemv);
 }

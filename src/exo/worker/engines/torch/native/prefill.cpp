@@ -9,6 +9,8 @@
 // of 32 inputs is summed exactly in int32 for a tile of 4 activation rows x 16 outputs before
 // its scales apply in float32: w = q * scale + offset per group, so
 //   y[m, n] += x_scale[m, b] * (scale[n, g] * sum_j xq[m, j] q[n, j] + offset[n, g] * sum_j xq[m, j]).
+// Symmetric int8 blocks (one scale per 16 or 32 inputs, int8_blocks.cpp) have no offset; with
+// blocks of 16 each half of a block of 32 is summed and scaled on its own.
 // `vpmaddwd` does 16 multiply-adds per instruction where a float32 FMA does 8 (measured on a
 // 2-core AMD EPYC, Zen 3: 93 against 51 GMAC/s per core in a register-only loop), which made
 // SmolLM2-135M's 128-token prefill products 204 -> 157 ms on 2 threads (TTFT 246 -> 207 ms).
@@ -96,6 +98,16 @@ void dequantize_int8_row(const int8_t* row, const uint16_t* scale_zero, int64_t 
 }
 
 
+// One output row of a symmetric int8-block weight: w = v * scale per block of `block` inputs.
+void dequantize_scaled_row(const int8_t* row, const uint16_t* scales, int64_t k, int64_t block,
+                           float* out) {
+  for (int64_t b = 0; b < k / block; ++b) {
+    const float scale = bf16_to_float(scales[b]);
+    for (int64_t j = 0; j < block; ++j)
+      out[b * block + j] = static_cast<float>(row[b * block + j]) * scale;
+  }
+}
+
 #ifdef EXO_INT_GEMM
 
 // Transposes 8 vectors of 8 int32 (row i: lanes 0..7) so that out[j] holds lane j of every
@@ -182,18 +194,21 @@ void pack_slab(const uint8_t* bytes, int64_t row_bytes, bool int4, int64_t k, in
 
 // ROWS activation rows (starting at xq's row 0) x 16 outputs (two packed vectors from
 // `packed_tile`): each block's int32 sums, then its scales, into `acc` [ROWS][16].
-template <int ROWS>
+// With HALVES 2 (symmetric blocks of 16: zero offsets) each half of a block (input pairs
+// 0-7, 8-15) is summed and scaled on its own, `blocks_per_group` then counting halves.
+template <int ROWS, int HALVES>
 void gemm_tile(const int16_t* xq, const float* x_scales, const float* x_sums, int64_t k,
                const int32_t* packed_tile, const float* scales, const float* offsets,
                int64_t padded, int64_t blocks_per_group, float* acc) {
   const int64_t blocks = k / 32, pairs = k / 2;
   __m256 sums[ROWS][2];
   for (int r = 0; r < ROWS; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t half = 0; half < blocks * HALVES; ++half) {
+    const int64_t b = half / HALVES;
     __m256i dot[ROWS][2];
     for (int r = 0; r < ROWS; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     const int32_t* w = packed_tile + b * 16 * 8;
-    for (int p = 0; p < 16; ++p) {
+    for (int p = (half % HALVES) * 16 / HALVES; p < (half % HALVES + 1) * 16 / HALVES; ++p) {
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 8));
       const __m256i w1 =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + pairs * 8 + p * 8));
@@ -205,7 +220,7 @@ void gemm_tile(const int16_t* xq, const float* x_scales, const float* x_sums, in
         dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(w1, x));
       }
     }
-    const int64_t g = b / blocks_per_group;
+    const int64_t g = half / blocks_per_group;
     const __m256 scale0 = _mm256_loadu_ps(scales + g * padded);
     const __m256 scale1 = _mm256_loadu_ps(scales + g * padded + 8);
     const __m256 offset0 = _mm256_loadu_ps(offsets + g * padded);
@@ -227,11 +242,14 @@ void gemm_tile(const int16_t* xq, const float* x_scales, const float* x_sums, in
   }
 }
 
-// The integer GEMM of the file's comment: y[rows, n] for a block weight.
+// The integer GEMM of the file's comment: y[rows, n] for a block weight. `symmetric`: one
+// bfloat16 scale per group of 16 or 32 inputs (offset 0) instead of (scale, zero) pairs.
 void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* bytes,
-                          bool int4, const uint16_t* scale_zero, int64_t groups, int64_t n,
-                          float* y) {
-  const int64_t blocks = k / 32, group_size = k / groups, blocks_per_group = group_size / 32;
+                          bool int4, bool symmetric, const uint16_t* scale_zero, int64_t groups,
+                          int64_t n, float* y) {
+  const int64_t blocks = k / 32, group_size = k / groups;
+  const bool halves = group_size == 16;  // blocks of 16: each half of a block its own scale
+  const int64_t blocks_per_group = halves ? 1 : group_size / 32;
   const int64_t row_bytes = int4 ? k / 2 : k;
   std::vector<int16_t> quantized(static_cast<size_t>(rows * k));
   std::vector<float> x_scales(static_cast<size_t>(rows * blocks));
@@ -261,7 +279,9 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
       for (int64_t i = 0; i < padded; ++i)
         for (int64_t g = 0; g < groups; ++g) {
           float scale = 0.0f, offset = 0.0f;
-          if (i < count) {
+          if (i < count && symmetric) {
+            scale = bf16_to_float(scale_zero[(n0 + i) * groups + g]);
+          } else if (i < count) {
             scale = bf16_to_float(scale_zero[((n0 + i) * groups + g) * 2]);
             offset = bf16_to_float(scale_zero[((n0 + i) * groups + g) * 2 + 1]) - 8.0f * scale;
           }
@@ -273,9 +293,14 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
         const int64_t width = std::min<int64_t>(16, count - 16 * t);
         auto run = [&](auto count_rows, int64_t r) {
           constexpr int R = decltype(count_rows)::value;
-          gemm_tile<R>(quantized.data() + r * k, x_scales.data() + r * blocks,
-                       x_sums.data() + r * blocks, k, tile, scales.data() + 16 * t,
-                       offsets.data() + 16 * t, padded, blocks_per_group, acc);
+          if (halves)
+            gemm_tile<R, 2>(quantized.data() + r * k, x_scales.data() + r * blocks,
+                            x_sums.data() + r * blocks, k, tile, scales.data() + 16 * t,
+                            offsets.data() + 16 * t, padded, blocks_per_group, acc);
+          else
+            gemm_tile<R, 1>(quantized.data() + r * k, x_scales.data() + r * blocks,
+                            x_sums.data() + r * blocks, k, tile, scales.data() + 16 * t,
+                            offsets.data() + 16 * t, padded, blocks_per_group, acc);
           for (int i = 0; i < R; ++i)
             std::memcpy(y + (r + i) * n + n0 + 16 * t, acc + i * 16, sizeof(float) * width);
         };
@@ -317,7 +342,8 @@ void dequantized_block_matmul(const float* x, int64_t rows, int64_t k, const at:
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>());
   const auto* bytes = static_cast<const uint8_t*>(weight.data_ptr());
   const int64_t row_bytes = int4 ? k / 2 : k;
-  const int64_t pairs_per_row = scale_zero.size(1) * 2;
+  const bool symmetric = scale_zero.dim() == 2;
+  const int64_t pairs_per_row = scale_zero.size(1) * (symmetric ? 1 : 2);
   at::parallel_for(0, slabs, 1, [&](int64_t first, int64_t last) {
     c10::InferenceMode worker_inference;  // thread-local: each worker sets its own
     std::vector<float> buffer(static_cast<size_t>(slab * k));
@@ -328,6 +354,9 @@ void dequantized_block_matmul(const float* x, int64_t rows, int64_t k, const at:
         const uint16_t* pairs = sz + (n0 + i) * pairs_per_row;
         if (int4)
           dequantize_int4_row(row, pairs, k, group_size, buffer.data() + i * k);
+        else if (symmetric)
+          dequantize_scaled_row(reinterpret_cast<const int8_t*>(row), pairs, k, group_size,
+                                buffer.data() + i * k);
         else
           dequantize_int8_row(reinterpret_cast<const int8_t*>(row), pairs, k,
                               buffer.data() + i * k);
@@ -359,7 +388,7 @@ void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
   }();
   if (integer) {
     integer_block_matmul(x, rows, k, static_cast<const uint8_t*>(weight.data_ptr()), int4,
-                         reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>()),
+                         scale_zero.dim() == 2, reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>()),
                          scale_zero.size(1), n, y);
     return;
   }
@@ -382,13 +411,21 @@ at::Tensor block_matmul_op(const at::Tensor& x, const at::Tensor& weight,
   const int64_t held = weight.scalar_type() == at::kByte ? 2 * weight.size(1) : weight.size(1);
   TORCH_CHECK(held == k && k % kBlock == 0, "block_matmul: x has ", k, " inputs, the weight ",
               held, " (a multiple of 32 is needed)");
-  TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(0) == n && scale_zero.size(2) == 2 &&
-                  scale_zero.size(1) > 0 && k % scale_zero.size(1) == 0 &&
-                  (k / scale_zero.size(1)) % kBlock == 0 &&
-                  scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous(),
-              "block_matmul: scale_zero must be a contiguous bfloat16 [out, groups, 2] tensor "
-              "with groups of multiples of 32 inputs");
-  TORCH_CHECK(weight.scalar_type() == at::kByte || scale_zero.size(1) * kBlock == k,
+  TORCH_CHECK(scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous() &&
+                  scale_zero.size(0) == n && scale_zero.size(1) > 0,
+              "block_matmul: scale_zero must be a contiguous bfloat16 [out, ...] tensor");
+  if (scale_zero.dim() == 2) {  // symmetric int8 blocks: one scale per 16 or 32 inputs
+    TORCH_CHECK(weight.scalar_type() == at::kChar &&
+                    (scale_zero.size(1) * 16 == k || scale_zero.size(1) * 32 == k),
+                "block_matmul: symmetric int8 blocks need one scale per 16 or 32 inputs");
+  } else {
+    TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(2) == 2 &&
+                    k % scale_zero.size(1) == 0 && (k / scale_zero.size(1)) % kBlock == 0,
+                "block_matmul: scale_zero must be bfloat16 [out, groups, 2] with groups of "
+                "multiples of 32 inputs");
+  }
+  TORCH_CHECK(weight.scalar_type() == at::kByte || scale_zero.dim() == 2 ||
+                  scale_zero.size(1) * kBlock == k,
               "block_matmul: int8 blocks need one (scale, zero) pair per 32 inputs");
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   exo_native::block_matmul(x.data_ptr<float>(), x.size(0), k, weight, scale_zero,

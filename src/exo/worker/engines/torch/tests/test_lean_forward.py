@@ -144,7 +144,30 @@ def _output_and_down_in_bf16(model: Any, name: str) -> None:
     enable_lean_forward(model, family_by_name(name))
 
 
-@pytest.mark.parametrize("weights", ["float32", "int8", "int4", "bf16"])
+def _scaled_int8(linear: Any, block_size: int) -> Any:
+    """`linear` as symmetric int8 blocks of `block_size` (GGUF Q8_0 / Q6_K's route)."""
+    from exo.worker.engines.torch.int8_blocks import ScaledInt8Linear
+
+    weight = linear.weight.detach().float()
+    blocks = weight.reshape(weight.shape[0], -1, block_size)
+    scales = (blocks.abs().amax(dim=-1) / 127.0).clamp(min=1e-8).to(torch.bfloat16).float()
+    values = torch.round(blocks / scales[..., None]).clamp(-127, 127).reshape(weight.shape)
+    return ScaledInt8Linear(values, scales, linear.bias, block_size)
+
+
+def _held_as_scaled_int8(model: Any, name: str) -> None:
+    """Q/K/V and gate/up (or Phi-3's fused ones) as int8 blocks of 32 (fused by the lean
+    forward), output and down as blocks of 16 (Q6_K's), then the lean forward rebuilt."""
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for attribute, linear in list(parent.named_children()):
+                if isinstance(linear, torch.nn.Linear):
+                    block_size = 16 if attribute in ("o_proj", "down_proj") else 32
+                    setattr(parent, attribute, _scaled_int8(linear, block_size))
+    enable_lean_forward(model, family_by_name(name))
+
+
+@pytest.mark.parametrize("weights", ["float32", "int8", "int4", "bf16", "int8-blocks"])
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_native_decode_layer_equals_lean_operators(
     int4_dirs: dict[str, Path], name: str, weights: str, monkeypatch: pytest.MonkeyPatch
@@ -157,9 +180,12 @@ def test_native_decode_layer_equals_lean_operators(
     kernels round activations to int16 blocks, where a last-bit difference can move a value
     by one step of 1/32767 of its block's largest, so those get a looser bound."""
     monkeypatch.setenv(NATIVE_INT4_ENV, "1")
-    model = _load(int4_dirs[name], "float32" if weights == "bf16" else weights)
+    held_as_float = weights in ("bf16", "int8-blocks")
+    model = _load(int4_dirs[name], "float32" if held_as_float else weights)
     if weights == "bf16":
         _output_and_down_in_bf16(model, name)
+    if weights == "int8-blocks":
+        _held_as_scaled_int8(model, name)
     lean = lean_step_of(model)
     assert isinstance(lean, LeanModel)
     decode_layer = lean._decode_layer
@@ -171,7 +197,7 @@ def test_native_decode_layer_equals_lean_operators(
         operators = lean_steps.run_single(model, tokens, lean=True)
     finally:
         lean._decode_layer = decode_layer
-    tolerance = 2e-2 if weights in ("int8", "int4") else FLOAT32_TOLERANCE
+    tolerance = 2e-2 if weights in ("int8", "int4", "int8-blocks") else FLOAT32_TOLERANCE
     assert (native - operators).abs().max().item() < tolerance
     assert torch.equal(native.argmax(-1), operators.argmax(-1))
     if weights == "float32":

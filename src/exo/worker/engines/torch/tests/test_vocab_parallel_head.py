@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from exo.worker.engines.torch.int8_blocks import ScaledInt8Linear
 from exo.worker.engines.torch.native_int4 import NATIVE_INT4_ENV
 from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear
 from exo.worker.engines.torch.sharding import VocabParallelHead, split_head_by_vocab
@@ -43,11 +44,12 @@ def _heads() -> dict[str, nn.Module]:
         "int8": Int8Linear(linear),
         "int4": Int4Linear(nn.Linear(HIDDEN, 256, bias=False)),
         "int8-blocks": SplitInt4Linear(values[:192], scales[:192], -scales[:192], None),
+        "int8-scaled": ScaledInt8Linear(values[:200], scales[:200], None, 32),
     }
 
 
 @pytest.mark.parametrize("layout", ["native", "torch"])
-@pytest.mark.parametrize("kind", ["dense", "int8", "int4", "int8-blocks"])
+@pytest.mark.parametrize("kind", ["dense", "int8", "int4", "int8-blocks", "int8-scaled"])
 def test_the_ranks_rows_are_the_whole_heads_outputs(
     kind: str, layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

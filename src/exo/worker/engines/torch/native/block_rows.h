@@ -1,0 +1,123 @@
+// Helpers shared by exo's row-by-row (decode) block kernels, int4_gemv.cpp and
+// int8_blocks.cpp: activations rounded to int16 per block of 32, horizontal sums, software
+// prefetch, bfloat16 (scale, zero) pairs unpacked per tile of output rows, and the
+// dispatch of activation rows to register tiles of 4, 3, 2 or 1 rows.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "kernels.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define EXO_AVX2 1
+#endif
+
+namespace exo_native::block_rows {
+
+constexpr int64_t kBlock = 32;
+
+#ifdef EXO_AVX2
+inline float horizontal_sum(__m256 v) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+  return _mm_cvtss_f32(sum);
+}
+
+
+// Weights are read once per token, from memory: a software prefetch this many bytes ahead
+// of each row's read position. Measured on the 2-core AMD EPYC (Zen 3), a 262144x640 int8
+// product (168 MB, Gemma 3's LM head): 12.5 GB/s without, 18-20 GB/s with 8-32 KiB ahead.
+constexpr int64_t kPrefetchBytes = 16384;
+
+inline void prefetch_ahead(const void* address) {
+  _mm_prefetch(static_cast<const char*>(address) + kPrefetchBytes, _MM_HINT_T0);
+}
+
+// For NR output rows' (scale, zero) bfloat16 pairs [NR, groups, 2]: the scales as float32
+// into scales[NR, groups], and per row and activation row the zero term, sum over groups of
+// (zero - 8 scale) times the group's sum of rounded activations (offset_sums[ROWS, groups]).
+// 8 groups per step: a pair's bfloat16 scale is the low half of its 32 bits (shifted up it
+// is the float32), the zero the high half (masked).
+template <int ROWS, int NR>
+void unpack_scales(const uint16_t* scale_zero, int64_t groups, const float* offset_sums,
+                   float* scales, float (&offset_acc)[NR][ROWS]) {
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  for (int i = 0; i < NR; ++i) {
+    const uint16_t* pairs = scale_zero + i * groups * 2;
+    __m256 offset_vec[ROWS];
+    for (int r = 0; r < ROWS; ++r) offset_vec[r] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 2 * g));
+      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(packed, 16));
+      const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(packed, high_half));
+      _mm256_storeu_ps(scales + i * groups + g, scale);
+      const __m256 offset = _mm256_fnmadd_ps(eight, scale, zero);
+      for (int r = 0; r < ROWS; ++r)
+        offset_vec[r] =
+            _mm256_fmadd_ps(offset, _mm256_loadu_ps(offset_sums + r * groups + g), offset_vec[r]);
+    }
+    for (int r = 0; r < ROWS; ++r) offset_acc[i][r] = horizontal_sum(offset_vec[r]);
+    for (; g < groups; ++g) {
+      const float scale = bf16_to_float(pairs[2 * g]);
+      scales[i * groups + g] = scale;
+      const float offset = bf16_to_float(pairs[2 * g + 1]) - 8.0f * scale;
+      for (int r = 0; r < ROWS; ++r) offset_acc[i][r] += offset * offset_sums[r * groups + g];
+    }
+  }
+}
+
+// Activations per block of 32 as int16 values (round to nearest) and one float scale
+// (largest |x| / 32767; 0 for an all-zero block), and each group's sum of the rounded
+// activations (so the zero term cancels against the same values the products use).
+inline void quantize_rows(const float* x, int64_t rows, int64_t k, int64_t group_size, int16_t* values,
+                   float* scales, float* group_sums) {
+  const int64_t blocks = k / kBlock;
+  const int64_t blocks_per_group = group_size / kBlock;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      int16_t* block_values = values + r * k + b * kBlock;
+      const float scale = exo_native::round_block(x + r * k + b * kBlock, block_values);
+      scales[r * blocks + b] = scale;
+      int32_t rounded_sum = 0;
+      for (int j = 0; j < kBlock; ++j) rounded_sum += block_values[j];
+      float& group_sum = group_sums[r * (k / group_size) + b / blocks_per_group];
+      group_sum = (b % blocks_per_group == 0 ? 0.0f : group_sum) +
+                  static_cast<float>(rounded_sum) * scale;
+    }
+  }
+}
+
+// Each block of 32 rounded activations reordered to its even inputs, then its odd ones:
+// the order in which the int8 kernels' shifts sign-extend a 32-byte load of weights.
+inline void reorder_even_odd(int16_t* values, int64_t count) {
+  int16_t block[kBlock];
+  for (int64_t start = 0; start + kBlock <= count; start += kBlock) {
+    for (int i = 0; i < 16; ++i) {
+      block[i] = values[start + 2 * i];
+      block[16 + i] = values[start + 2 * i + 1];
+    }
+    std::memcpy(values + start, block, sizeof(block));
+  }
+}
+
+// Calls body(std::integral_constant<int, R>{}, r) for the activation rows in groups of
+// R = 4 starting at row r, then once for the 3, 2 or 1 rows left (the kernels' register
+// tiles are templated on the row count).
+template <typename Body>
+void for_row_groups(int64_t rows, Body&& body) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) body(std::integral_constant<int, 4>{}, r);
+  if (rows - r == 3) body(std::integral_constant<int, 3>{}, r);
+  if (rows - r == 2) body(std::integral_constant<int, 2>{}, r);
+  if (rows - r == 1) body(std::integral_constant<int, 1>{}, r);
+}
+#endif  // EXO_AVX2
+
+}  // namespace exo_native::block_rows
