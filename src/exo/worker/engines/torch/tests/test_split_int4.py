@@ -25,6 +25,7 @@ from exo.worker.engines.torch.native_int4 import (
     native_int4_kernel,
     rounded_activations,
 )
+from exo.worker.engines.torch.quantize import QuantizedLinear
 from exo.worker.engines.torch.split_int4 import BlockPart, SplitInt4Linear, block_values
 from exo.worker.engines.torch.tests.conftest import torch_layout_unpacks
 
@@ -198,7 +199,7 @@ def _load(directory: Path, weight_dtype: str, rank: int = 0, world_size: int = 1
     return load_model(directory, shard, torch.device("cpu"), weight_dtype)  # type: ignore[arg-type]
 
 
-def _held_kind(repacked: Path) -> type:
+def _held_kind(repacked: Path) -> type[QuantizedLinear]:
     """Q8_0 blocks are held as symmetric int8 blocks where exo's kernels run
     (`int8_blocks`), split planes elsewhere; Q5_0 always as split planes."""
     q8_0 = repacked.parent.name.startswith("split-Q8_0")
