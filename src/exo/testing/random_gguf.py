@@ -110,12 +110,24 @@ def _permute_rows(array: np.ndarray, heads: int) -> np.ndarray:
     return permuted
 
 
+def _random_q6_k(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Q6_K blocks (ggml's `block_q6_K`: 128 bytes of low nibbles, 64 of high bit pairs, 16
+    int8 sub-block scales, fp16 `d`) of random values for a `[rows, in]` weight, `d` set so
+    the weights stay below ~0.06 like the Gaussian ones (`in` a multiple of 256)."""
+    rows, columns = shape
+    blocks = rng.integers(0, 256, (rows, columns // 256, 210), dtype=np.uint8)
+    d = np.full((rows, columns // 256, 1), 1.5e-5, dtype=np.float16)
+    blocks[..., 208:210] = d.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 def write_random_gguf(
     path: Path,
     shape: RandomGgufShape = RandomGgufShape(),
     tensor_type: str = "Q4_0",
     embedding_type: str = "Q8_0",
     seed: int = 0,
+    down_type: str | None = None,
 ) -> Path:
     """Write a random-weight GGUF of `shape` at `path`.
 
@@ -124,6 +136,9 @@ def write_random_gguf(
             "F32": the types `gguf.quants.quantize` writes).
         embedding_type: GGML type of the (tied) token embedding.
         seed: the weights' random seed.
+        down_type: another type for the MLP down projections (`ffn_down`), as llama.cpp's
+            Q4_K_M files keep some in Q6_K; "Q6_K" (which `gguf` cannot quantize to) writes
+            random 6-bit values and sub-block scales (inputs a multiple of 256).
 
     Returns:
         `path`.
@@ -187,8 +202,12 @@ def write_random_gguf(
         elif arch == "llama" and ".attn_k." in gguf_name:
             weights = _permute_rows(weights, shape.num_key_value_heads)
         type_name = embedding_type if gguf_name.startswith("token_embd") else tensor_type
+        if down_type is not None and ".ffn_down." in gguf_name:
+            type_name = down_type
         qtype = gguf.GGMLQuantizationType[type_name]
-        if qtype == gguf.GGMLQuantizationType.F32:
+        if qtype == gguf.GGMLQuantizationType.Q6_K:
+            writer.add_tensor(gguf_name, _random_q6_k(tensor_shape, rng), raw_dtype=qtype)
+        elif qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, weights)
         elif qtype == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(gguf_name, weights.astype(np.float16))

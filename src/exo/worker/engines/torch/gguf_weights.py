@@ -14,9 +14,10 @@ from the error each route adds to the GGUF's own values, measured on Gaussian we
 
 - Q4_0 / Q4_1 / Q4_K → `Int4Linear` directly, no float detour: 0.0017 (the bf16 rounding
   of scales and zeros only; a float32 load is exact).
-- Q8_0, Q6_K where exo's AVX2 kernels run → `ScaledInt8Linear` (`int8_blocks`): the
-  integers exactly as int8 with one bfloat16 scale per 32 (Q8_0) or 16 (Q6_K) inputs, 1.0625
-  / 1.125 bytes per weight: only the bf16 rounding of the scales.
+- Q6_K where exo's AVX2 kernels run → `ScaledInt8Linear` (`int8_blocks`): the integers
+  exactly as int8 with one bfloat16 scale per 16 inputs, 1.125 bytes per weight: only the
+  bf16 rounding of the scales. (A Q8_0 linear takes the next route: fused with Q5_0 / Q5_1
+  neighbours into one kernel call, which a mix of kinds could not be.)
 - Q8_0 (elsewhere), Q5_0, Q5_1 → `SplitInt4Linear`: the block integers exactly, as two int4
   planes (high and low nibble, `split_int4`; int8 blocks with a (scale, zero) pair, 1.125
   bytes, where exo's kernels run): again only the bf16 rounding of scales and zeros,
@@ -250,7 +251,9 @@ def load_repacked(
     if parts is None or parts.companion:
         raise ValueError(f"{stored_name} is not a repacked weight")
     direct = _direct_target(model, target, weight_dtype)
-    if parts.gguf_type in SCALED_TYPES and direct is not None and native_int4_kernel() is not None:
+    # Q6_K only: a layer's Q8_0 linears (Gemma's Q4_K_M keeps some `attn_v` in Q8_0) stay
+    # int8 blocks with (scale, zero) pairs, which fuse with their Q5_0 neighbours.
+    if parts.gguf_type == "Q6_K" and direct is not None and native_int4_kernel() is not None:
         raw = handle.get_slice(stored_name)
         values, scales = (
             reader(ScaledBlockPart(raw, parts.gguf_type, part)) for part in ("values", "scales")

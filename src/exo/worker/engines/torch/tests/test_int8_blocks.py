@@ -16,12 +16,14 @@ from gguf.quants import dequantize, quantize
 from exo.download.gguf_repack import convert_gguf
 from exo.shared.types.shards import PipelineShardMetadata
 from exo.testing.random_gguf import RandomGgufShape, write_random_gguf
+from exo.worker.engines.torch.batch_attention import lean_step_of
 from exo.worker.engines.torch.fusion import fuse_linears
 from exo.worker.engines.torch.int8_blocks import (
     ScaledBlockPart,
     ScaledInt8Linear,
     scaled_block_values,
 )
+from exo.worker.engines.torch.lean_forward import LeanModel
 from exo.worker.engines.torch.loading import load_model
 from exo.worker.engines.torch.native_int4 import (
     NATIVE_INT4_ENV,
@@ -30,6 +32,8 @@ from exo.worker.engines.torch.native_int4 import (
     native_int4_kernel,
     rounded_activations,
 )
+from exo.worker.engines.torch.split_int4 import SplitInt4Linear
+from exo.worker.engines.torch.tests import lean_steps
 
 pytestmark = pytest.mark.skipif(
     built_int8_scaled_kernel() is None, reason="exo's native kernels cannot be built here"
@@ -159,39 +163,70 @@ def test_bad_shapes_and_values_are_refused() -> None:
 
 
 SHAPE = RandomGgufShape(
-    architecture="llama", hidden_size=128, n_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, intermediate_size=256, vocab_size=320,
+    architecture="llama", hidden_size=256, n_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=320,
 )  # fmt: skip
 
 
-def test_a_q8_0_gguf_loads_as_scaled_blocks_and_matches_gguf(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every Q8_0 decoder linear and the tied Q8_0 head are held as int8 blocks of 32 where
-    exo's kernels run; the logits equal a float32 model of gguf's dequantized weights up to
-    the bfloat16 scales and the activations' int16 rounding."""
-    monkeypatch.setenv(NATIVE_INT4_ENV, "1")
-    assert native_int4_kernel() is not None
-    gguf_path = write_random_gguf(tmp_path / "q8.gguf", SHAPE, tensor_type="Q8_0", seed=11)
-    directory = tmp_path / "converted"
-    directory.mkdir()
-    convert_gguf(gguf_path, directory)
+def _load_both(directory: Path) -> tuple[Any, Any]:
     from exo.shared.models.cards import card_from_local_directory
 
     card = card_from_local_directory(directory)
     shard = PipelineShardMetadata(
         model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
     )
-    tokens = torch.tensor([[5, 17, 99, 200, 3, 44, 8, 250]])
     held = load_model(directory, shard, torch.device("cpu"), "int4")
-    attention = held.model.layers[0].self_attn
-    assert isinstance(attention.q_proj, ScaledInt8Linear)
-    assert isinstance(held.model.layers[1].mlp.down_proj, ScaledInt8Linear)
+    reference = load_model(directory, shard, torch.device("cpu"), "float32")
+    return held, reference
+
+
+def test_a_q4_k_m_like_gguf_holds_q6_k_downs_and_the_q8_0_head_as_scaled_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Q5_0 linears, Q6_K MLP down projections, a tied Q8_0 head (as Gemma 3's Q4_K_M):
+    where exo's kernels run the downs are int8 blocks of 16 and the head int8 blocks of 32,
+    every decoder layer still runs in exo's one-call decode layer, and the logits equal a
+    float32 model of gguf's dequantized weights up to the bfloat16 scales and the
+    activations' int16 rounding."""
+    monkeypatch.setenv(NATIVE_INT4_ENV, "1")
+    assert native_int4_kernel() is not None
+    gguf_path = write_random_gguf(
+        tmp_path / "mixed.gguf", SHAPE, tensor_type="Q5_0", seed=11, down_type="Q6_K"
+    )
+    directory = tmp_path / "converted"
+    directory.mkdir()
+    convert_gguf(gguf_path, directory)
+    held, reference_model = _load_both(directory)
+    for layer in held.model.layers:
+        assert isinstance(layer.mlp.down_proj, ScaledInt8Linear)
+        assert layer.mlp.down_proj.block_size == 16
+        assert isinstance(layer.self_attn.q_proj, SplitInt4Linear)
     assert isinstance(held.lm_head, ScaledInt8Linear) and held.lm_head.block_size == 32
-    reference_model = load_model(directory, shard, torch.device("cpu"), "float32")
-    with torch.no_grad():
-        logits = held(tokens).logits.float()
-        reference = reference_model(tokens).logits.float()
+    lean = lean_step_of(held)
+    assert isinstance(lean, LeanModel) and lean._decode_layer is not None
+    tokens = lean_steps.forced_tokens(300)
+    logits = lean_steps.run_single(held, tokens, lean=True)
+    reference = lean_steps.run_single(reference_model, tokens, lean=False)
     scale = float(reference.abs().max())
     assert (logits - reference).abs().max().item() < 0.02 * scale
     assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+
+
+def test_q8_0_layers_stay_fusable_int8_blocks_beside_a_scaled_head(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Q8_0 GGUF's linears keep the (scale, zero) int8 blocks that fuse with Q5_0 ones
+    (`split_int4`); only its head becomes symmetric blocks."""
+    monkeypatch.setenv(NATIVE_INT4_ENV, "1")
+    gguf_path = write_random_gguf(tmp_path / "q8.gguf", SHAPE, tensor_type="Q8_0", seed=3)
+    directory = tmp_path / "converted"
+    directory.mkdir()
+    convert_gguf(gguf_path, directory)
+    held, reference_model = _load_both(directory)
+    assert isinstance(held.model.layers[0].self_attn.v_proj, SplitInt4Linear)
+    assert isinstance(held.lm_head, ScaledInt8Linear)
+    tokens = torch.tensor([[5, 17, 99, 200, 3, 44, 8, 250]])
+    with torch.no_grad():
+        logits = held(tokens).logits.float()
+        reference = reference_model(tokens).logits.float()
+    assert (logits - reference).abs().max().item() < 0.02 * float(reference.abs().max())

@@ -17,15 +17,12 @@ from exo.download.gguf_repack import convert_gguf
 from exo.shared.types.shards import PipelineShardMetadata, TensorShardMetadata
 from exo.testing.random_gguf import RandomGgufShape, write_random_gguf
 from exo.worker.engines.torch.fusion import fuse_linears
-from exo.worker.engines.torch.int8_blocks import ScaledInt8Linear
 from exo.worker.engines.torch.loading import load_model
 from exo.worker.engines.torch.native_int4 import (
     ROUNDS_ACTIVATIONS,
     built_int8_block_kernel,
-    native_int4_kernel,
     rounded_activations,
 )
-from exo.worker.engines.torch.quantize import QuantizedLinear
 from exo.worker.engines.torch.split_int4 import BlockPart, SplitInt4Linear, block_values
 from exo.worker.engines.torch.tests.conftest import torch_layout_unpacks
 
@@ -199,19 +196,12 @@ def _load(directory: Path, weight_dtype: str, rank: int = 0, world_size: int = 1
     return load_model(directory, shard, torch.device("cpu"), weight_dtype)  # type: ignore[arg-type]
 
 
-def _held_kind(repacked: Path) -> type[QuantizedLinear]:
-    """Q8_0 blocks are held as symmetric int8 blocks where exo's kernels run
-    (`int8_blocks`), split planes elsewhere; Q5_0 always as split planes."""
-    q8_0 = repacked.parent.name.startswith("split-Q8_0")
-    return ScaledInt8Linear if q8_0 and native_int4_kernel() is not None else SplitInt4Linear
-
-
 def test_a_repacked_gguf_loads_its_blocks_as_split_planes(repacked: Path) -> None:
     exact = _load(repacked, "float32")  # gguf's dequantization, float32 throughout
     split = _load(repacked, "int4")
     layer = split.model.layers[0]
     for module in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
-        assert isinstance(module, _held_kind(repacked))
+        assert isinstance(module, SplitInt4Linear)
     torch.testing.assert_close(
         layer.mlp.up_proj.dequantize().float(),
         exact.model.layers[0].mlp.up_proj.weight.float(),
@@ -229,13 +219,13 @@ def test_tensor_parallel_ranks_split_the_planes(repacked: Path) -> None:
     for rank in range(2):
         layer = _load(repacked, "int4", rank=rank, world_size=2).model.layers[0]
         rows = slice(rank * 64, (rank + 1) * 64)  # column parallel: this rank's outputs
-        assert isinstance(layer.self_attn.q_proj, _held_kind(repacked))
+        assert isinstance(layer.self_attn.q_proj, SplitInt4Linear)
         assert torch.equal(
             layer.self_attn.q_proj.dequantize(), whole.self_attn.q_proj.dequantize()[rows]
         )
         columns = slice(rank * 128, (rank + 1) * 128)  # row parallel: its inputs, all-reduced
         local = layer.mlp.down_proj.local
-        assert isinstance(local, _held_kind(repacked))
+        assert isinstance(local, SplitInt4Linear)
         assert torch.equal(local.dequantize(), whole.mlp.down_proj.dequantize()[:, columns])
 
 
