@@ -7,7 +7,8 @@ still measuring) gives no prediction (None), never a guessed one.
 
 The model (bytes from `exo.shared.models.memory`, in the engine's CPU format: int4 decoder
 layers, int8 LM head, float32 KV cache; a GGUF-sourced card's layers and head as the
-engine holds the types they are stored in):
+engine holds the types they are stored in, on a node where exo's kernels run in their
+smaller block forms, `NodeSpeed.native_kernels`):
 
 decode, seconds per token (one stream, `context` tokens in the KV cache):
     stage(s) = layer bytes(s) / int4 bytes/s + LM head bytes(s) / int8 bytes/s
@@ -145,7 +146,7 @@ def _layer_overhead(speed: NodeSpeed, layers: int) -> float:
 
 def _lm_head_seconds(card: ModelCard, speed: NodeSpeed, share: WeightShare) -> float:
     norm = card.hidden_size * FLOAT32_BYTES
-    head = output_layer_bytes(card, "int4", shares_embedding=False) - norm
+    head = output_layer_bytes(card, "int4", False, speed.native_kernels) - norm
     rows = vocab_share(card.vocab_size, share.tensor_parallel_ranks)
     return head * rows / card.vocab_size / speed.int8_decode_bytes_per_second
 
@@ -155,7 +156,10 @@ def decode_stage_seconds(
 ) -> float:
     """Seconds one rank holding `share` spends on one decode step of a single stream with
     `context_tokens` in its KV cache (the module docstring's stage(s))."""
-    layers = share.layers * decoder_layer_bytes(card, "int4", share.tensor_parallel_ranks)
+    layer = decoder_layer_bytes(
+        card, "int4", share.tensor_parallel_ranks, native_kernels=speed.native_kernels
+    )
+    layers = share.layers * layer
     seconds = layers / speed.int4_decode_bytes_per_second
     if share.holds_output_layer:
         seconds += _lm_head_seconds(card, speed, share)

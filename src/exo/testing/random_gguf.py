@@ -12,6 +12,7 @@ file loads in llama.cpp and in exo (`exo.download.gguf_models.card_for_gguf` the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,7 +128,7 @@ def write_random_gguf(
     tensor_type: str = "Q4_0",
     embedding_type: str = "Q8_0",
     seed: int = 0,
-    down_type: str | None = None,
+    types: Mapping[str, str] | None = None,
 ) -> Path:
     """Write a random-weight GGUF of `shape` at `path`.
 
@@ -136,9 +137,10 @@ def write_random_gguf(
             "F32": the types `gguf.quants.quantize` writes).
         embedding_type: GGML type of the (tied) token embedding.
         seed: the weights' random seed.
-        down_type: another type for the MLP down projections (`ffn_down`), as llama.cpp's
-            Q4_K_M files keep some in Q6_K; "Q6_K" (which `gguf` cannot quantize to) writes
-            random 6-bit values and sub-block scales (inputs a multiple of 256).
+        types: other types for some linears, by their GGUF kind (`{"ffn_down": "Q6_K",
+            "attn_v": "Q8_0"}`), as llama.cpp's Q4_K_M files keep some; "Q6_K" (which
+            `gguf` cannot quantize to) writes random 6-bit values and sub-block scales
+            (inputs a multiple of 256).
 
     Returns:
         `path`.
@@ -202,8 +204,8 @@ def write_random_gguf(
         elif arch == "llama" and ".attn_k." in gguf_name:
             weights = _permute_rows(weights, shape.num_key_value_heads)
         type_name = embedding_type if gguf_name.startswith("token_embd") else tensor_type
-        if down_type is not None and ".ffn_down." in gguf_name:
-            type_name = down_type
+        kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else None
+        type_name = (types or {}).get(kind or "", type_name)
         qtype = gguf.GGMLQuantizationType[type_name]
         if qtype == gguf.GGMLQuantizationType.Q6_K:
             writer.add_tensor(gguf_name, _random_q6_k(tensor_shape, rng), raw_dtype=qtype)

@@ -54,7 +54,7 @@ from exo.shared.constants import exo_home
 from exo.shared.types.nodes import NodeSpeed
 
 # Bump when what is measured changes: cached figures of an older probe are measured again.
-PROBE_VERSION = 4
+PROBE_VERSION = 5
 CACHE_FILE_NAME = "speed_probe.json"
 # Seconds of timed repetitions per figure (after one warm-up call).
 PROBE_SECONDS = 0.2
@@ -411,10 +411,9 @@ def measure_node_speed(threads: int | None = None) -> NodeSpeed:
     working_set = max(WORKING_SET_BYTES, 2 * _llc_bytes())
     from exo.worker.engines.torch.native_int4 import native_int4_kernel
 
+    native = native_int4_kernel() is not None
     with _torch_threads(threads), torch.inference_mode():
-        layer: _TinyLayer | _NativeTinyLayer = (
-            _NativeTinyLayer() if native_int4_kernel() is not None else _TinyLayer()
-        )
+        layer: _TinyLayer | _NativeTinyLayer = _NativeTinyLayer() if native else _TinyLayer()
         return NodeSpeed(
             threads=threads,
             int4_decode_bytes_per_second=_int4_decode_bytes_per_second(working_set),
@@ -424,6 +423,7 @@ def measure_node_speed(threads: int | None = None) -> NodeSpeed:
             float32_matmul_flops=_matmul_flops("float32"),
             layer_overhead_seconds=_fastest_seconds(layer.forward),
             loopback_round_trip_seconds=_loopback_round_trip_seconds(),
+            native_kernels=native,
         )
 
 

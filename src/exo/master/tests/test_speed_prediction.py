@@ -157,7 +157,21 @@ def test_a_gguf_card_is_predicted_from_the_types_its_weights_are_stored_in() -> 
     assert decoder_layer_bytes(int4, "int4") == per_layer * 0.625 + norms
     expected = per_layer * (0.5 * 0.625 + 0.25 * 2 + 0.25 * 1.25) + norms
     assert decoder_layer_bytes(mixed, "int4") == pytest.approx(expected, rel=1e-6)
+    # Where exo's AVX2 kernels run, Q6_K is held at 1.125 bytes per weight and Q5_0 at
+    # 0.6875; a node that says so is predicted from those.
+    native = per_layer * (0.5 * 0.625 + 0.25 * 1.125 + 0.25 * 0.6875) + norms
+    assert decoder_layer_bytes(mixed, "int4", native_kernels=True) == pytest.approx(
+        native, rel=1e-6
+    )
     share = WeightShare(layers=12)
+    native_node = speed().model_copy(update={"native_kernels": True})
+    assert decode_stage_seconds(mixed, speed(), share, 512) - decode_stage_seconds(
+        mixed, native_node, share, 512
+    ) == pytest.approx(
+        12 * (expected - native) / (10 * GB)
+        + CARD.vocab_size * CARD.hidden_size * (1.25 - 34 / 32) / (8 * GB),
+        rel=1e-3,
+    )
     extra = 12 * (decoder_layer_bytes(mixed, "int4") - decoder_layer_bytes(int4, "int4"))
     assert decode_stage_seconds(mixed, speed(), share, 512) - decode_stage_seconds(
         int4, speed(), share, 512

@@ -81,27 +81,40 @@ def linear_weight_bytes(in_features: int, out_features: int, weight_format: Weig
 # GGUF block types the engine repacks into its int4 groups (`gguf_weights.py`).
 GGUF_INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 # GGUF 8- and 5-bit block types the engine holds exactly: two int4 planes (1.25 bytes per
-# weight) or, with exo's AVX2 kernels, int8 blocks (1.125 bytes per weight).
+# weight) or, with exo's AVX2 kernels, int8 blocks (1.125 bytes per weight; Q5_0 as 5-bit
+# blocks, 0.6875).
 GGUF_SPLIT_TYPES = frozenset({"Q8_0", "Q5_0", "Q5_1"})
 # Unquantized GGUF types: the engine quantizes them as it does any checkpoint's weights.
 GGUF_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+# Bytes per weight exo's AVX2 kernels hold a GGUF type in (`native_kernels`): Q5_0 as 5-bit
+# blocks (`int5_blocks.py`: 20 bytes + a bfloat16 scale per 32), Q8_0 / Q5_1 as int8 blocks
+# with a (scale, zero) pair per 32 (`split_int4.py`), Q6_K as int8 blocks with a scale per 16
+# (`int8_blocks.py`).
+_NATIVE_BYTES_PER_WEIGHT = {"Q5_0": 22 / 32, "Q8_0": 36 / 32, "Q5_1": 36 / 32, "Q6_K": 18 / 16}
 
 
-def gguf_weight_bytes(gguf_type: str, weights: int) -> int:
+def gguf_weight_bytes(gguf_type: str, weights: int, native_kernels: bool = False) -> int:
     """Bytes the engine holds (int4 format) for `weights` decoder-layer weights stored as
     GGUF `gguf_type` (`worker/engines/torch/gguf_weights.py` routes each type): Q4_0 / Q4_1 /
-    Q4_K and float types as int4 groups (half a byte plus a bfloat16 pair per 32), Q8_0 /
-    Q5_0 / Q5_1 as two int4 planes (1.25 bytes; the larger of the two ways they are held),
-    any other quantized type (Q6_K, ...) as bfloat16 (2 bytes)."""
+    Q4_K and float types as int4 groups (half a byte plus a bfloat16 pair per 32); with
+    `native_kernels` (a node where exo's AVX2 kernels run) Q5_0 / Q8_0 / Q5_1 / Q6_K in their
+    smaller block forms (`_NATIVE_BYTES_PER_WEIGHT`); else Q8_0 / Q5_0 / Q5_1 as two int4
+    planes (1.25 bytes) and any other quantized type as bfloat16 (2 bytes). The second is
+    never smaller: placement's memory uses it (a node's kernels are not known there)."""
     if gguf_type in GGUF_INT4_TYPES or gguf_type in GGUF_FLOAT_TYPES:
         return weights // 2 + weights // INT4_GROUP_SIZE * 2 * BFLOAT16_BYTES
+    if native_kernels and gguf_type in _NATIVE_BYTES_PER_WEIGHT:
+        return math.ceil(weights * _NATIVE_BYTES_PER_WEIGHT[gguf_type])
     if gguf_type in GGUF_SPLIT_TYPES:
         return weights + weights // INT4_GROUP_SIZE * 2 * 2 * BFLOAT16_BYTES
     return weights * BFLOAT16_BYTES
 
 
 def decoder_layer_bytes(
-    card: ModelCard, weight_format: WeightFormat, tensor_parallel_ranks: int = 1
+    card: ModelCard,
+    weight_format: WeightFormat,
+    tensor_parallel_ranks: int = 1,
+    native_kernels: bool = False,
 ) -> int:
     """Bytes of one decoder layer on one tensor rank: the attention and gated-MLP linears
     (column-parallel ones split by rows, row-parallel by columns), their biases and the two
@@ -110,7 +123,7 @@ def decoder_layer_bytes(
     In int4, a card with `gguf_weight_types` sizes its linears by the types they are
     stored in: the bytes per weight `gguf_weight_bytes` gives them, averaged over all the
     GGUF's layer weights (a GGUF may store some layers' linears in other types than the
-    rest's)."""
+    rest's; `native_kernels`: as a node where exo's AVX2 kernels run holds them)."""
     ranks = tensor_parallel_ranks
     hidden, intermediate = card.hidden_size, card.intermediate_size
     query = card.num_attention_heads * card.attention_head_dim
@@ -120,7 +133,9 @@ def decoder_layer_bytes(
     row = [(query // ranks, hidden), (intermediate // ranks, hidden)]
     stored = card.gguf_weight_types
     if weight_format == "int4" and stored is not None:
-        held = sum(gguf_weight_bytes(kind, count) for kind, count in stored.layer_weights)
+        held = sum(
+            gguf_weight_bytes(kind, count, native_kernels) for kind, count in stored.layer_weights
+        )
         weights = sum(count for _, count in stored.layer_weights)
         total = math.ceil(sum(i * o for i, o in (*column, *row)) * held / weights)
     else:
@@ -130,12 +145,19 @@ def decoder_layer_bytes(
     return total + 2 * hidden * FLOAT32_BYTES
 
 
-def output_layer_bytes(card: ModelCard, weight_format: WeightFormat, shares_embedding: bool) -> int:
+def output_layer_bytes(
+    card: ModelCard,
+    weight_format: WeightFormat,
+    shares_embedding: bool,
+    native_kernels: bool = False,
+) -> int:
     """Bytes of the final norm and LM head: float32 (no extra copy when it is tied to an
     embedding held on the same node), else int8 (the engine keeps the LM head in int8
     under int4 too: an int4 head changed greedy answers) or, for a model converted from
     GGUF whose head is (or, when the card does not say, may be) Q8_0 / Q5_x blocks, the
-    larger of that and two int4 planes (`split_int4`: 1.25 bytes per weight)."""
+    larger of that and two int4 planes (`split_int4`: 1.25 bytes per weight); with
+    `native_kernels` (and a known type) as exo's AVX2 kernels hold it: Q8_0 as int8 blocks
+    with a bfloat16 scale per 32 (1.0625), Q5_x as int8 blocks with a pair per 32 (1.125)."""
     norm = card.hidden_size * FLOAT32_BYTES
     if weight_format == "float32":
         if shares_embedding:
@@ -147,6 +169,10 @@ def output_layer_bytes(card: ModelCard, weight_format: WeightFormat, shares_embe
     split_head = stored is None or stored.output_type in GGUF_SPLIT_TYPES
     if not from_gguf or not split_head or not int4_fits(card.hidden_size, card.vocab_size):
         return norm + int8
+    weights = card.vocab_size * card.hidden_size
+    if native_kernels and stored is not None:
+        per_block = 34 if stored.output_type == "Q8_0" else 36
+        return norm + weights // INT4_GROUP_SIZE * per_block
     split_planes = linear_weight_bytes(2 * card.hidden_size, card.vocab_size, "int4")
     return norm + max(int8, split_planes)
 

@@ -45,6 +45,9 @@ class NodeSpeed(FrozenModel):
             (dispatch, casts, norms, rotary, attention; bytes negligible), seconds.
         loopback_round_trip_seconds: a small message's round trip over TCP on 127.0.0.1
             between two threads, seconds (links between nodes on one machine).
+        native_kernels: exo's own CPU kernels run the engine's linears here
+            (`worker/engines/torch/native_int4.py`), so GGUF blocks are held in their
+            smaller forms (`exo.shared.models.memory.gguf_weight_bytes`).
     """
 
     threads: int = Field(ge=1)
@@ -55,6 +58,7 @@ class NodeSpeed(FrozenModel):
     float32_matmul_flops: float = Field(gt=0)
     layer_overhead_seconds: float = Field(ge=0)
     loopback_round_trip_seconds: float = Field(ge=0)
+    native_kernels: bool = False
 
 
 class NodeInfo(FrozenModel):

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from exo.worker.engines.torch.int5_blocks import Int5Linear
 from exo.worker.engines.torch.int8_blocks import ScaledInt8Linear
 from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear
 from exo.worker.engines.torch.split_int4 import SplitInt4Linear
@@ -70,7 +71,8 @@ def fuse_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
 
     Args:
         parts: `nn.Linear`, `Int4Linear`, `SplitInt4Linear`, `ScaledInt8Linear` or
-            `Int8Linear` modules of one kind, same input width.
+            `Int8Linear` modules of one kind, same input width (`Int5Linear` ones may sit
+            beside `SplitInt4Linear` ones: they are widened to its int8 blocks).
 
     Returns:
         The fused module (`parts[0]` itself when there is one part), or None when the parts
@@ -80,6 +82,8 @@ def fuse_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
     if len(parts) == 1:
         return parts[0]
     kinds = {type(part) for part in parts}
+    if kinds <= {Int5Linear, SplitInt4Linear} and Int5Linear in kinds:
+        return _fuse_int5(parts)
     if len(kinds) != 1 or len({getattr(part, "in_features", None) for part in parts}) != 1:
         return None
     kind = kinds.pop()
@@ -158,3 +162,29 @@ def fuse_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
             offset += part8.out_features
         return fused8
     return None
+
+
+def _fuse_int5(parts: Sequence[nn.Module]) -> nn.Module | None:
+    """`Int5Linear` parts (and `SplitInt4Linear` ones in exo's int8-block form) fused: 5-bit
+    blocks when every part holds them, else every part widened to int8 blocks in place
+    (`Int5Linear.widen`), each part then re-pointed at its rows of the fused weight."""
+    try:
+        fused = Int5Linear.concatenate(list(parts))
+    except ValueError:  # widths, biases, or split planes beside int8 blocks
+        return None
+    offset = 0
+    for part in parts:
+        assert isinstance(part, SplitInt4Linear)
+        rows = slice(offset, offset + part.out_features)
+        if isinstance(fused, Int5Linear) and not fused.widened:
+            assert isinstance(part, Int5Linear)
+            assert fused.int5_blocks is not None and fused.block_scales is not None
+            part.int5_blocks = fused.int5_blocks[rows]
+            part.block_scales = fused.block_scales[rows]
+        else:
+            part.values = fused.values[rows]
+            part.scale_zero = fused.scale_zero[rows]
+        if part.bias is not None and fused.bias is not None:
+            part.bias = fused.bias[rows]
+        offset += part.out_features
+    return fused

@@ -18,7 +18,9 @@ from the error each route adds to the GGUF's own values, measured on Gaussian we
   exactly as int8 with one bfloat16 scale per 16 inputs, 1.125 bytes per weight: only the
   bf16 rounding of the scales. (A Q8_0 linear takes the next route: fused with Q5_0 / Q5_1
   neighbours into one kernel call, which a mix of kinds could not be.)
-- Q8_0 (elsewhere), Q5_0, Q5_1 → `SplitInt4Linear`: the block integers exactly, as two int4
+- Q5_0 where exo's AVX2 kernels run → `Int5Linear` (`int5_blocks`): the blocks as they are
+  without their scales, 0.6875 bytes per weight: only the bf16 rounding of the scales.
+- Q8_0, Q5_0 (elsewhere), Q5_1 → `SplitInt4Linear`: the block integers exactly, as two int4
   planes (high and low nibble, `split_int4`; int8 blocks with a (scale, zero) pair, 1.125
   bytes, where exo's kernels run): again only the bf16 rounding of scales and zeros,
   1.25 bytes per weight.
@@ -50,6 +52,7 @@ from torch import nn
 
 from exo.download.gguf_repack import INT4_PACKED, INT4_SCALES, INT4_ZEROS
 from exo.shared.models.memory import INT4_GROUP_SIZE
+from exo.worker.engines.torch.int5_blocks import HELD_BLOCK_BYTES, Int5BlockPart, Int5Linear
 from exo.worker.engines.torch.int8_blocks import SCALED_TYPES, ScaledBlockPart, ScaledInt8Linear
 from exo.worker.engines.torch.native_int4 import native_int4_kernel
 from exo.worker.engines.torch.quantize import (
@@ -262,6 +265,12 @@ def load_repacked(
         # Whole blocks on this rank (a row-parallel split may cut them: the routes below).
         if values.shape[1] == per_scale * scales.shape[1] and values.shape[1] % 32 == 0:
             _install(*direct, lambda bias: ScaledInt8Linear(values, scales, bias, per_scale))
+            return None
+    if parts.gguf_type == "Q5_0" and direct is not None and native_int4_kernel() is not None:
+        raw = handle.get_slice(stored_name)
+        packed, scales = (reader(Int5BlockPart(raw, part)) for part in ("packed", "scales"))
+        if packed.shape[1] == HELD_BLOCK_BYTES * scales.shape[1]:  # whole blocks here
+            _install(*direct, lambda bias: Int5Linear(packed, scales, bias))
             return None
     if parts.gguf_type in SPLIT_TYPES and direct is not None:
         raw = handle.get_slice(stored_name)

@@ -1,6 +1,7 @@
 """exo's own CPU kernels (`native/*.cpp`) for x86 CPUs without AVX512: decode products
 for int4 blocks, int8 per channel and bfloat16 weights (`int4_gemv.cpp`), int8 blocks with
-(scale, zero) pairs or symmetric scales per 16 or 32 inputs (`int8_blocks.cpp`),
+(scale, zero) pairs or symmetric scales per 16 or 32 inputs (`int8_blocks.cpp`), GGUF Q5_0's
+5-bit blocks (`int5_blocks.cpp`),
 prefill products (`prefill.cpp`), a one-pass RMSNorm, and a whole decoder layer's decode
 step (`decode_layer.cpp`, called by `lean_forward.LeanModel` for decode-only steps).
 
@@ -53,7 +54,13 @@ NATIVE_INT4_ENV = "EXO_NATIVE_INT4"
 _NATIVE = Path(__file__).with_name("native")
 _SOURCES = tuple(
     _NATIVE / name
-    for name in ("int4_gemv.cpp", "int8_blocks.cpp", "decode_layer.cpp", "prefill.cpp")
+    for name in (
+        "int4_gemv.cpp",
+        "int8_blocks.cpp",
+        "int5_blocks.cpp",
+        "decode_layer.cpp",
+        "prefill.cpp",
+    )
 )
 _HEADERS = (_NATIVE / "kernels.h", _NATIVE / "block_rows.h")
 # A first build takes ~15-40 s on 2 cores (torch's headers dominate).

@@ -1,7 +1,8 @@
-// Helpers shared by exo's row-by-row (decode) block kernels, int4_gemv.cpp and
-// int8_blocks.cpp: activations rounded to int16 per block of 32, horizontal sums, software
-// prefetch, bfloat16 (scale, zero) pairs unpacked per tile of output rows, and the
-// dispatch of activation rows to register tiles of 4, 3, 2 or 1 rows.
+// Helpers shared by exo's block kernels (int4_gemv.cpp, int8_blocks.cpp, int5_blocks.cpp, and
+// prefill.cpp for the 5-bit blocks' values): activations rounded to int16 per block of 32,
+// horizontal sums, software prefetch, bfloat16 scales and (scale, zero) pairs unpacked per
+// tile of output rows, 5-bit blocks unpacked to int16, and the dispatch of activation rows
+// to register tiles of 4, 3, 2 or 1 rows.
 #pragma once
 
 #include <algorithm>
@@ -19,6 +20,9 @@
 namespace exo_native::block_rows {
 
 constexpr int64_t kBlock = 32;
+// Bytes of one 5-bit block of 32 inputs as held (int5_blocks.cpp): 4 of high bits, 16 of
+// low nibbles.
+constexpr int64_t kInt5BlockBytes = 20;
 
 #ifdef EXO_AVX2
 inline float horizontal_sum(__m256 v) {
@@ -71,6 +75,41 @@ void unpack_scales(const uint16_t* scale_zero, int64_t groups, const float* offs
       for (int r = 0; r < ROWS; ++r) offset_acc[i][r] += offset * offset_sums[r * groups + g];
     }
   }
+}
+
+// `count` bfloat16 scales as float32 (8 at a time: a bfloat16 shifted up 16 bits is its
+// float32).
+inline void unpack_bf16(const uint16_t* values, int64_t count, float* out) {
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8) {
+    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + j));
+    _mm256_storeu_ps(out + j,
+                     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16)));
+  }
+  for (; j < count; ++j) out[j] = bf16_to_float(values[j]);
+}
+
+// One 5-bit block as held (int5_blocks.cpp: 4 bytes of high bits, bit j for input j, then
+// 16 bytes of low nibbles, byte j holding input j's low and input j + 16's high) as two
+// vectors of 16 int16 values v = (low | high << 4) - 16 in [-16, 15]: inputs 0-15, 16-31.
+// Each lane j tests bit j of a broadcast 16-bit half of the high bits.
+inline void int5_block_values(const uint8_t* block, __m256i out[2]) {
+  uint32_t high;
+  std::memcpy(&high, block, sizeof(high));
+  const __m256i bytes =
+      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
+  const __m256i select = _mm256_setr_epi16(
+      0x0001, 0x0002, 0x0004, 0x0008, 0x0010, 0x0020, 0x0040, 0x0080, 0x0100, 0x0200, 0x0400,
+      0x0800, 0x1000, 0x2000, 0x4000, static_cast<int16_t>(0x8000));
+  const __m256i minus16 = _mm256_set1_epi16(-16);
+  const __m256i set0 = _mm256_cmpeq_epi16(
+      _mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(high & 0xFFFFu)), select), select);
+  const __m256i set1 = _mm256_cmpeq_epi16(
+      _mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(high >> 16)), select), select);
+  const __m256i low0 = _mm256_and_si256(bytes, _mm256_set1_epi16(0x000F));
+  const __m256i low1 = _mm256_srli_epi16(bytes, 4);
+  out[0] = _mm256_add_epi16(low0, _mm256_andnot_si256(set0, minus16));
+  out[1] = _mm256_add_epi16(low1, _mm256_andnot_si256(set1, minus16));
 }
 
 // Activations per block of 32 as int16 values (round to nearest) and one float scale

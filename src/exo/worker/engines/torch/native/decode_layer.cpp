@@ -62,9 +62,11 @@ enum NormIndex { kInputNorm = 0, kPreMlpNorm = 1, kPostAttentionNorm = 2, kPostM
 constexpr int kNorms = 5;
 
 struct Linear {
-  at::Tensor weight;      // uint8 [out, in / 2] int4 blocks, int8 [out, in], or dense
+  at::Tensor weight;      // uint8 [out, in / 2] int4 blocks, uint8 [out, in / 32 * 20]
+                          // 5-bit blocks, int8 [out, in], or dense
   at::Tensor scale_zero;  // bfloat16 pairs (blocks), bfloat16 [out] (int8 per output row),
-                          // bfloat16 [out, in / 16 or 32] (symmetric int8 blocks),
+                          // bfloat16 [out, in / 16 or 32] (symmetric int8 or 5-bit
+                          // blocks),
                           // undefined (dense)
   at::Tensor bias;        // float32 [out] or undefined
   int64_t out = 0;
@@ -88,6 +90,14 @@ Linear read_linear(const c10::List<std::optional<at::Tensor>>& linears, int64_t 
                 "decode_layer: linear ", index, " needs bfloat16 [out] scales");
     linear.scale_zero = *scale_zero;
     linear.in = linear.weight.size(1);
+  } else if (kind == at::kByte && scale_zero.has_value() && scale_zero->dim() == 2) {
+    // 5-bit blocks: 20 bytes and one bfloat16 scale per 32 inputs.
+    linear.in = linear.weight.size(1) / 20 * 32;
+    TORCH_CHECK(scale_zero->scalar_type() == at::kBFloat16 && scale_zero->is_contiguous() &&
+                    scale_zero->size(0) == linear.out && linear.weight.size(1) % 20 == 0 &&
+                    scale_zero->size(1) * 32 == linear.in,
+                "decode_layer: linear ", index, " needs bfloat16 [out, in / 32] scales");
+    linear.scale_zero = *scale_zero;
   } else if (kind == at::kChar && scale_zero.has_value() && scale_zero->dim() == 2) {
     linear.in = linear.weight.size(1);
     TORCH_CHECK(scale_zero->scalar_type() == at::kBFloat16 && scale_zero->is_contiguous() &&
@@ -131,7 +141,9 @@ void add_bias_rows(const Linear& linear, int64_t rows, float* y) {
 void apply_linear(const Linear& linear, const float* x, int64_t rows, float* y,
                   bool add_bias = true) {
   const auto kind = linear.weight.scalar_type();
-  if (kind == at::kByte) {
+  if (kind == at::kByte && linear.scale_zero.dim() == 2) {
+    exo_native::int5_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);
+  } else if (kind == at::kByte) {
     exo_native::int4_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);
   } else if (kind == at::kChar && linear.scale_zero.dim() == 1) {
     exo_native::int8_channel_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);

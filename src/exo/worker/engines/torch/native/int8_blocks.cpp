@@ -87,16 +87,8 @@ void tile_avx2_scaled(const int16_t* xq, const float* x_scales, int64_t k, const
                       const uint16_t* scales_bf16, float* y, int64_t n_total, int64_t n,
                       float* scales) {
   const int64_t blocks = k / kBlock, per_row = blocks * HALVES;
-  for (int i = 0; i < NR; ++i) {  // the tile's scales as float32, 8 at a time
-    const uint16_t* row = scales_bf16 + (n + i) * per_row;
-    int64_t j = 0;
-    for (; j + 8 <= per_row; j += 8) {
-      const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j));
-      _mm256_storeu_ps(scales + i * per_row + j,
-                       _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16)));
-    }
-    for (; j < per_row; ++j) scales[i * per_row + j] = bf16_to_float(row[j]);
-  }
+  for (int i = 0; i < NR; ++i)  // the tile's scales as float32
+    unpack_bf16(scales_bf16 + (n + i) * per_row, per_row, scales + i * per_row);
   __m256 acc[NR][ROWS];
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm256_setzero_ps();

@@ -1,5 +1,5 @@
 // exo's CPU kernels shared between the operator files (int4_gemv.cpp, int8_blocks.cpp,
-// decode_layer.cpp, prefill.cpp).
+// int5_blocks.cpp, decode_layer.cpp, prefill.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -51,6 +51,11 @@ void int8_block_product(const float* x, int64_t rows, int64_t k, const at::Tenso
 void int8_scaled_product(const float* x, int64_t rows, int64_t k, const at::Tensor& values,
                          const at::Tensor& scales, float* y);
 
+// y[rows, out] = x[rows, k] times 5-bit blocks (packed uint8 [out, k / 32 * 20], scales
+// bfloat16 [out, k / 32]); see int5_blocks.cpp.
+void int5_product(const float* x, int64_t rows, int64_t k, const at::Tensor& packed,
+                  const at::Tensor& scales, float* y);
+
 // y[rows, out] = x[rows, k] times a symmetric int8 weight (int8 [out, k]) with one bfloat16
 // scale per output row (scales [out]); see int4_gemv.cpp.
 void int8_channel_product(const float* x, int64_t rows, int64_t k, const at::Tensor& weight,
@@ -59,8 +64,8 @@ void int8_channel_product(const float* x, int64_t rows, int64_t k, const at::Ten
 // y[rows, out] = x[rows, k] times a bfloat16 weight [out, k], exactly in float32.
 void bf16_product(const float* x, int64_t rows, int64_t k, const at::Tensor& weight, float* y);
 
-// y[rows, out] = x[rows, k] times a block weight (int4, int8 or symmetric int8 blocks, as
-// above: scale_zero 3-d pairs or 2-d scales) for many rows
+// y[rows, out] = x[rows, k] times a block weight (int4, int8, symmetric int8 or 5-bit
+// blocks, as above: scale_zero 3-d pairs or 2-d scales) for many rows
 // (prefill): the activations rounded as the decode kernels round them, times the weight:
 // with AVX2 an integer GEMM over slabs of output rows unpacked to int16 in each thread's
 // cache (the decode kernels' int32 block sums), else torch's float32 matmul over slabs of

@@ -9,8 +9,9 @@
 // of 32 inputs is summed exactly in int32 for a tile of 4 activation rows x 16 outputs before
 // its scales apply in float32: w = q * scale + offset per group, so
 //   y[m, n] += x_scale[m, b] * (scale[n, g] * sum_j xq[m, j] q[n, j] + offset[n, g] * sum_j xq[m, j]).
-// Symmetric int8 blocks (one scale per 16 or 32 inputs, int8_blocks.cpp) have no offset; with
-// blocks of 16 each half of a block of 32 is summed and scaled on its own.
+// Symmetric int8 blocks (one scale per 16 or 32 inputs, int8_blocks.cpp) and 5-bit blocks
+// (int5_blocks.cpp) have no offset; with blocks of 16 each half of a block of 32 is summed
+// and scaled on its own.
 // `vpmaddwd` does 16 multiply-adds per instruction where a float32 FMA does 8 (measured on a
 // 2-core AMD EPYC, Zen 3: 93 against 51 GMAC/s per core in a register-only loop), which made
 // SmolLM2-135M's 128-token prefill products 204 -> 157 ms on 2 threads (TTFT 246 -> 207 ms).
@@ -38,18 +39,33 @@
 #include <string>
 #include <vector>
 
-#include "kernels.h"
+#include "block_rows.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#ifdef EXO_AVX2
 #define EXO_INT_GEMM 1
 #endif
 
 namespace {
 
 using exo_native::bf16_to_float;
+using exo_native::block_rows::kBlock;
+using exo_native::block_rows::kInt5BlockBytes;
 
-constexpr int64_t kBlock = 32;
+// How a block weight's integers are held: int4 pairs of blocks (int4_gemv.cpp), int8 values
+// (int8_blocks.cpp), or 5-bit blocks (int5_blocks.cpp).
+enum class Held { kInt4, kInt8, kInt5 };
+
+int64_t row_bytes_of(Held held, int64_t k) {
+  switch (held) {
+    case Held::kInt4:
+      return k / 2;
+    case Held::kInt5:
+      return k / kBlock * kInt5BlockBytes;
+    case Held::kInt8:
+      break;
+  }
+  return k;
+}
 
 // One output row of an int4 weight (pairs of blocks as 16-bit lanes, int4_gemv.cpp) as
 // float32: w = q * scale + (zero - 8 scale).
@@ -98,6 +114,23 @@ void dequantize_int8_row(const int8_t* row, const uint16_t* scale_zero, int64_t 
 }
 
 
+// One output row of a 5-bit block weight: w = v * scale per block of 32 inputs (the value
+// layout of int5_blocks.cpp).
+void dequantize_int5_row(const uint8_t* row, const uint16_t* scales, int64_t k, float* out) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const uint8_t* block = row + b * kInt5BlockBytes;
+    uint32_t high;
+    std::memcpy(&high, block, sizeof(high));
+    const float scale = bf16_to_float(scales[b]);
+    for (int j = 0; j < 16; ++j) {
+      const int low = block[4 + j] & 0x0F, upper = block[4 + j] >> 4;
+      out[b * kBlock + j] = static_cast<float>((low | (((high >> j) & 1u) << 4)) - 16) * scale;
+      out[b * kBlock + 16 + j] =
+          static_cast<float>((upper | (((high >> (16 + j)) & 1u) << 4)) - 16) * scale;
+    }
+  }
+}
+
 // One output row of a symmetric int8-block weight: w = v * scale per block of `block` inputs.
 void dequantize_scaled_row(const int8_t* row, const uint16_t* scales, int64_t k, int64_t block,
                            float* out) {
@@ -132,10 +165,14 @@ inline void transpose8(__m256i in[8], __m256i out[8]) {
 
 // The int16 values of one block of 32 inputs of one output row as two vectors (inputs 0-15,
 // 16-31). int4: pairs of blocks as 16-bit lanes of four nibbles, an odd last block in GGUF's
-// byte order (int4_gemv.cpp); int8: the values in order.
-inline void block_values(const uint8_t* row, bool int4, int64_t block, int64_t blocks,
+// byte order (int4_gemv.cpp); int8: the values in order; int5: block_rows.h.
+inline void block_values(const uint8_t* row, Held held, int64_t block, int64_t blocks,
                          __m256i out[2]) {
-  if (!int4) {
+  if (held == Held::kInt5) {
+    exo_native::block_rows::int5_block_values(row + block * kInt5BlockBytes, out);
+    return;
+  }
+  if (held == Held::kInt8) {
     const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + block * 32));
     out[0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
     out[1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
@@ -164,7 +201,7 @@ inline void block_values(const uint8_t* row, bool int4, int64_t block, int64_t b
 // group of 8 outputs v and input pair p, one vector of 8 int32 lanes (lane i: output
 // n0 + 8 v + i, inputs 2p and 2p + 1 as two int16) at packed + (v * k / 2 + p) * 8.
 // Outputs past `count` are zero.
-void pack_slab(const uint8_t* bytes, int64_t row_bytes, bool int4, int64_t k, int64_t n0,
+void pack_slab(const uint8_t* bytes, int64_t row_bytes, Held held, int64_t k, int64_t n0,
                int64_t count, int64_t padded, int32_t* packed) {
   const int64_t blocks = k / 32, pairs = k / 2;
   for (int64_t v = 0; v < padded / 8; ++v) {
@@ -174,7 +211,7 @@ void pack_slab(const uint8_t* bytes, int64_t row_bytes, bool int4, int64_t k, in
         const int64_t row = 8 * v + i;
         if (row < count) {
           __m256i values[2];
-          block_values(bytes + (n0 + row) * row_bytes, int4, b, blocks, values);
+          block_values(bytes + (n0 + row) * row_bytes, held, b, blocks, values);
           low[i] = values[0];
           high[i] = values[1];
         } else {
@@ -245,12 +282,12 @@ void gemm_tile(const int16_t* xq, const float* x_scales, const float* x_sums, in
 // The integer GEMM of the file's comment: y[rows, n] for a block weight. `symmetric`: one
 // bfloat16 scale per group of 16 or 32 inputs (offset 0) instead of (scale, zero) pairs.
 void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* bytes,
-                          bool int4, bool symmetric, const uint16_t* scale_zero, int64_t groups,
+                          Held held, bool symmetric, const uint16_t* scale_zero, int64_t groups,
                           int64_t n, float* y) {
   const int64_t blocks = k / 32, group_size = k / groups;
   const bool halves = group_size == 16;  // blocks of 16: each half of a block its own scale
   const int64_t blocks_per_group = halves ? 1 : group_size / 32;
-  const int64_t row_bytes = int4 ? k / 2 : k;
+  const int64_t row_bytes = row_bytes_of(held, k);
   std::vector<int16_t> quantized(static_cast<size_t>(rows * k));
   std::vector<float> x_scales(static_cast<size_t>(rows * blocks));
   std::vector<float> x_sums(static_cast<size_t>(rows * blocks));
@@ -275,7 +312,7 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
     for (int64_t s = first; s < last; ++s) {
       const int64_t n0 = s * slab, count = std::min(slab, n - n0);
       const int64_t padded = (count + 15) / 16 * 16;
-      pack_slab(bytes, row_bytes, int4, k, n0, count, padded, packed.data());
+      pack_slab(bytes, row_bytes, held, k, n0, count, padded, packed.data());
       for (int64_t i = 0; i < padded; ++i)
         for (int64_t g = 0; g < groups; ++g) {
           float scale = 0.0f, offset = 0.0f;
@@ -317,7 +354,7 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
 #endif  // EXO_INT_GEMM
 // The weight dequantized to float32 one slab at a time, times torch's float32 matmul.
 void dequantized_block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& weight,
-                              const at::Tensor& scale_zero, bool int4, int64_t group_size,
+                              const at::Tensor& scale_zero, Held held, int64_t group_size,
                               int64_t n, float* y) {
   // The activations rounded as the decode kernels round them, [rows, k].
   at::Tensor activations = at::empty({rows, k}, at::kFloat);
@@ -341,7 +378,7 @@ void dequantized_block_matmul(const float* x, int64_t rows, int64_t k, const at:
   const int64_t slabs = (n + slab - 1) / slab;
   const uint16_t* sz = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>());
   const auto* bytes = static_cast<const uint8_t*>(weight.data_ptr());
-  const int64_t row_bytes = int4 ? k / 2 : k;
+  const int64_t row_bytes = row_bytes_of(held, k);
   const bool symmetric = scale_zero.dim() == 2;
   const int64_t pairs_per_row = scale_zero.size(1) * (symmetric ? 1 : 2);
   at::parallel_for(0, slabs, 1, [&](int64_t first, int64_t last) {
@@ -352,8 +389,10 @@ void dequantized_block_matmul(const float* x, int64_t rows, int64_t k, const at:
       for (int64_t i = 0; i < count; ++i) {
         const uint8_t* row = bytes + (n0 + i) * row_bytes;
         const uint16_t* pairs = sz + (n0 + i) * pairs_per_row;
-        if (int4)
+        if (held == Held::kInt4)
           dequantize_int4_row(row, pairs, k, group_size, buffer.data() + i * k);
+        else if (held == Held::kInt5)
+          dequantize_int5_row(row, pairs, k, buffer.data() + i * k);
         else if (symmetric)
           dequantize_scaled_row(reinterpret_cast<const int8_t*>(row), pairs, k, group_size,
                                 buffer.data() + i * k);
@@ -378,7 +417,9 @@ void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
   if (rows == 0 || n == 0) return;
   // No autograd below this call (its torch ops write into views of the output).
   c10::InferenceMode inference;
-  const bool int4 = weight.scalar_type() == at::kByte;
+  // uint8 with 2-d scales: 5-bit blocks; uint8 with (scale, zero) pairs: int4.
+  const bool bytes = weight.scalar_type() == at::kByte;
+  const Held held = !bytes ? Held::kInt8 : scale_zero.dim() == 2 ? Held::kInt5 : Held::kInt4;
   const int64_t group_size = k / scale_zero.size(1);
 #ifdef EXO_INT_GEMM
   // EXO_NATIVE_INT_GEMM=0: the dequantized float32 path instead (to compare the two).
@@ -387,13 +428,13 @@ void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
     return value == nullptr || std::string(value) != "0";
   }();
   if (integer) {
-    integer_block_matmul(x, rows, k, static_cast<const uint8_t*>(weight.data_ptr()), int4,
+    integer_block_matmul(x, rows, k, static_cast<const uint8_t*>(weight.data_ptr()), held,
                          scale_zero.dim() == 2, reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>()),
                          scale_zero.size(1), n, y);
     return;
   }
 #endif
-  dequantized_block_matmul(x, rows, k, weight, scale_zero, int4, group_size, n, y);
+  dequantized_block_matmul(x, rows, k, weight, scale_zero, held, group_size, n, y);
 }
 
 }  // namespace exo_native
@@ -406,15 +447,22 @@ at::Tensor block_matmul_op(const at::Tensor& x, const at::Tensor& weight,
               "block_matmul: x must be a contiguous float32 [rows, in] tensor");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
                   (weight.scalar_type() == at::kByte || weight.scalar_type() == at::kChar),
-              "block_matmul: weight must be contiguous uint8 int4 pairs or int8 blocks");
+              "block_matmul: weight must be contiguous uint8 int4 pairs or 5-bit blocks, or "
+              "int8 blocks");
   const int64_t k = x.size(1), n = weight.size(0);
-  const int64_t held = weight.scalar_type() == at::kByte ? 2 * weight.size(1) : weight.size(1);
-  TORCH_CHECK(held == k && k % kBlock == 0, "block_matmul: x has ", k, " inputs, the weight ",
-              held, " (a multiple of 32 is needed)");
   TORCH_CHECK(scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous() &&
                   scale_zero.size(0) == n && scale_zero.size(1) > 0,
               "block_matmul: scale_zero must be a contiguous bfloat16 [out, ...] tensor");
-  if (scale_zero.dim() == 2) {  // symmetric int8 blocks: one scale per 16 or 32 inputs
+  const bool int5 = weight.scalar_type() == at::kByte && scale_zero.dim() == 2;
+  const int64_t held = int5 ? weight.size(1) / kInt5BlockBytes * kBlock
+                       : weight.scalar_type() == at::kByte ? 2 * weight.size(1)
+                                                           : weight.size(1);
+  TORCH_CHECK(held == k && k % kBlock == 0, "block_matmul: x has ", k, " inputs, the weight ",
+              held, " (a multiple of 32 is needed)");
+  if (int5) {  // 5-bit blocks: 20 bytes and one scale per 32 inputs
+    TORCH_CHECK(weight.size(1) % kInt5BlockBytes == 0 && scale_zero.size(1) * kBlock == k,
+                "block_matmul: 5-bit blocks need 20 bytes and one scale per 32 inputs");
+  } else if (scale_zero.dim() == 2) {  // symmetric int8 blocks: one scale per 16 or 32 inputs
     TORCH_CHECK(weight.scalar_type() == at::kChar &&
                     (scale_zero.size(1) * 16 == k || scale_zero.size(1) * 32 == k),
                 "block_matmul: symmetric int8 blocks need one scale per 16 or 32 inputs");

@@ -18,6 +18,7 @@ from exo.shared.types.shards import PipelineShardMetadata
 from exo.testing.random_gguf import RandomGgufShape, write_random_gguf
 from exo.worker.engines.torch.batch_attention import lean_step_of
 from exo.worker.engines.torch.fusion import fuse_linears
+from exo.worker.engines.torch.int5_blocks import Int5Linear
 from exo.worker.engines.torch.int8_blocks import (
     ScaledBlockPart,
     ScaledInt8Linear,
@@ -180,18 +181,23 @@ def _load_both(directory: Path) -> tuple[Any, Any]:
     return held, reference
 
 
-def test_a_q4_k_m_like_gguf_holds_q6_k_downs_and_the_q8_0_head_as_scaled_blocks(
+def test_a_q4_k_m_like_gguf_holds_each_type_in_its_own_blocks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Q5_0 linears, Q6_K MLP down projections, a tied Q8_0 head (as Gemma 3's Q4_K_M):
-    where exo's kernels run the downs are int8 blocks of 16 and the head int8 blocks of 32,
+    """Q5_0 linears, Q8_0 value and Q6_K down projections, a tied Q8_0 head (as Gemma 3's
+    Q4_K_M): where exo's kernels run the downs are int8 blocks of 16, the head int8 blocks
+    of 32, the Q5_0 MLP 5-bit blocks,
     every decoder layer still runs in exo's one-call decode layer, and the logits equal a
     float32 model of gguf's dequantized weights up to the bfloat16 scales and the
     activations' int16 rounding."""
     monkeypatch.setenv(NATIVE_INT4_ENV, "1")
     assert native_int4_kernel() is not None
     gguf_path = write_random_gguf(
-        tmp_path / "mixed.gguf", SHAPE, tensor_type="Q5_0", seed=11, down_type="Q6_K"
+        tmp_path / "mixed.gguf",
+        SHAPE,
+        tensor_type="Q5_0",
+        seed=11,
+        types={"ffn_down": "Q6_K", "attn_v": "Q8_0"},
     )
     directory = tmp_path / "converted"
     directory.mkdir()
@@ -200,7 +206,11 @@ def test_a_q4_k_m_like_gguf_holds_q6_k_downs_and_the_q8_0_head_as_scaled_blocks(
     for layer in held.model.layers:
         assert isinstance(layer.mlp.down_proj, ScaledInt8Linear)
         assert layer.mlp.down_proj.block_size == 16
-        assert isinstance(layer.self_attn.q_proj, SplitInt4Linear)
+        # Q5_0 gate / up stay 5-bit blocks, fused; Q5_0 q / k beside a Q8_0 v were
+        # widened to int8 blocks so that the three fuse.
+        assert isinstance(layer.mlp.up_proj, Int5Linear) and not layer.mlp.up_proj.widened
+        assert isinstance(layer.self_attn.q_proj, Int5Linear) and layer.self_attn.q_proj.widened
+        assert type(layer.self_attn.v_proj) is SplitInt4Linear
     assert isinstance(held.lm_head, ScaledInt8Linear) and held.lm_head.block_size == 32
     lean = lean_step_of(held)
     assert isinstance(lean, LeanModel) and lean._decode_layer is not None

@@ -1,0 +1,144 @@
+"""GGUF Q5_0 blocks held as 5-bit blocks: the integers against `gguf`'s own dequantizer, the
+decode kernel and the integer GEMM against the held weight, widening to int8 blocks, and
+fusion with 5-bit and int8-block neighbours."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from exo.worker.engines.torch.fusion import fuse_linears
+from exo.worker.engines.torch.int5_blocks import (
+    Int5BlockPart,
+    Int5Linear,
+    int5_values,
+    q5_0_blocks,
+)
+from exo.worker.engines.torch.native_int4 import (
+    ROUNDS_ACTIVATIONS,
+    built_int4_kernel,
+    rounded_activations,
+)
+from exo.worker.engines.torch.split_int4 import SplitInt4Linear, block_values
+
+pytestmark = pytest.mark.skipif(
+    built_int4_kernel() is None, reason="exo's native kernels cannot be built here"
+)
+
+ROWS, COLUMNS = 80, 640  # 20 blocks per row (Gemma 3 270M's width)
+BF16_RELATIVE = 2.0**-8
+
+
+def q5_0(rows: int = ROWS, seed: int = 0) -> np.ndarray:
+    """Raw Q5_0 blocks of Gaussian weights with outliers, quantized by `gguf`."""
+    rng = np.random.default_rng(seed)
+    weights = rng.standard_normal((rows, COLUMNS)).astype(np.float32) * 0.02
+    weights[rng.random(weights.shape) < 0.002] *= 10.0
+    return quantize(weights, GGMLQuantizationType.Q5_0)
+
+
+def linear_of(raw: np.ndarray, bias: torch.Tensor | None = None) -> Int5Linear:
+    packed, scales = q5_0_blocks(raw)
+    return Int5Linear(torch.from_numpy(packed), torch.from_numpy(scales), bias)
+
+
+def test_held_blocks_are_gguf_values_up_to_the_bfloat16_scales() -> None:
+    raw = q5_0()
+    expected = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q5_0).reshape(ROWS, -1))
+    packed, scales = q5_0_blocks(raw)
+    assert packed.shape == (ROWS, COLUMNS // 32 * 20) and scales.shape == (ROWS, COLUMNS // 32)
+    values = int5_values(torch.from_numpy(packed))
+    # The integers are split_int4's (GGUF's x - 16), and with float32 scales exactly gguf's.
+    reference_values, _, _ = block_values(raw, "Q5_0")
+    assert torch.equal(values.to(torch.int16), torch.from_numpy(reference_values))
+    assert int(values.min()) == -16 and int(values.max()) == 15
+    exact = values.float() * torch.from_numpy(scales).repeat_interleave(32, dim=1)
+    assert torch.equal(exact, expected)
+    held = linear_of(raw).dequantize_float()
+    assert bool(((held - expected).abs() <= expected.abs() * BF16_RELATIVE + 1e-9).all())
+
+    class Slice:  # a tensor-parallel reader's view: whole blocks of the columns
+        def get_shape(self) -> list[int]:
+            return list(raw.shape)
+
+        def __getitem__(self, key: object) -> torch.Tensor:
+            return torch.from_numpy(raw)[key]  # type: ignore[index]
+
+    part = Int5BlockPart(Slice(), "packed")
+    assert part.get_shape() == [ROWS, COLUMNS // 32 * 20]
+    assert torch.equal(part[4:12, 40:100], torch.from_numpy(packed)[4:12, 40:100])
+    assert Int5BlockPart(Slice(), "scales").get_shape() == [ROWS, COLUMNS // 32]
+    with pytest.raises(ValueError, match="whole blocks"):
+        q5_0_blocks(raw[:, :-2])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 33])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_kernels_compute_the_held_weight_times_the_rounded_rows(
+    rows: int, threads: int
+) -> None:
+    """Up to 7 rows the decode kernel, from 8 the integer GEMM: the held weight times the
+    activations as the AVX2 kernels round them, plus the bias; 80 outputs leave tiles with
+    remainders."""
+    generator = torch.Generator().manual_seed(rows)
+    bias = torch.randn(ROWS, generator=generator)
+    linear = linear_of(q5_0(seed=rows), bias)
+    x = torch.randn(rows, COLUMNS, generator=generator)
+    activations = rounded_activations(x) if ROUNDS_ACTIVATIONS else x
+    expected = activations.double() @ linear.dequantize_float().double().t() + bias
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = linear(x)
+    finally:
+        torch.set_num_threads(before)
+    assert out.shape == (rows, ROWS)
+    atol = 1e-5 * float(expected.abs().max())
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=atol)
+
+
+def test_widening_keeps_the_product() -> None:
+    linear = linear_of(q5_0(seed=3))
+    x = torch.randn(3, COLUMNS, generator=torch.Generator().manual_seed(3))
+    before, weight = linear(x), linear.dequantize_float()
+    linear.widen()
+    assert linear.widened and linear.values.dtype == torch.int8
+    assert torch.equal(linear.dequantize_float(), weight)
+    torch.testing.assert_close(linear(x), before, rtol=0, atol=1e-6)
+
+
+def test_fusion_keeps_5_bit_blocks_or_widens_beside_int8_blocks() -> None:
+    x = torch.randn(2, COLUMNS, generator=torch.Generator().manual_seed(7))
+    gate, up = linear_of(q5_0(64, seed=1)), linear_of(q5_0(64, seed=2))
+    separately = torch.cat([gate(x), up(x)], dim=-1)
+    fused = fuse_linears([gate, up])
+    assert isinstance(fused, Int5Linear) and not fused.widened
+    torch.testing.assert_close(fused(x), separately, rtol=0, atol=1e-6)
+    assert up.int5_blocks is not None and fused.int5_blocks is not None
+    assert up.int5_blocks.data_ptr() == fused.int5_blocks[64:].data_ptr()  # held once
+    # Q5_0 q / k beside a Q8_0 v (Gemma's Q4_K_M): all three as int8 blocks, one call.
+    q, k = linear_of(q5_0(64, seed=4)), linear_of(q5_0(64, seed=5))
+    rng = np.random.default_rng(6)
+    v_raw = quantize(
+        rng.standard_normal((64, COLUMNS)).astype(np.float32), GGMLQuantizationType.Q8_0
+    )
+    values, scales, offsets = (torch.from_numpy(a) for a in block_values(v_raw, "Q8_0"))
+    v = SplitInt4Linear(values, scales, offsets, None)
+    separately = torch.cat([q(x), k(x), v(x)], dim=-1)
+    fused_qkv = fuse_linears([q, k, v])
+    assert type(fused_qkv) is SplitInt4Linear and q.widened and k.widened
+    torch.testing.assert_close(fused_qkv(x), separately, rtol=0, atol=1e-5)
+    torch.testing.assert_close(k(x), separately[:, 64:128], rtol=0, atol=1e-5)
+
+
+def test_bad_shapes_are_refused() -> None:
+    with pytest.raises(ValueError, match="do not fit"):
+        Int5Linear(torch.zeros(4, 41, dtype=torch.uint8), torch.ones(4, 2), None)
+    x = torch.zeros(1, 64)
+    with pytest.raises(RuntimeError, match="20"):
+        torch.ops.exo_native.int5_gemv(
+            x, torch.zeros(4, 41, dtype=torch.uint8), torch.ones(4, 2, dtype=torch.bfloat16)
+        )
