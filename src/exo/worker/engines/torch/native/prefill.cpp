@@ -124,9 +124,10 @@ void dequantize_int5_row(const uint8_t* row, const uint16_t* scales, int64_t k, 
     const float scale = bf16_to_float(scales[b]);
     for (int j = 0; j < 16; ++j) {
       const int low = block[4 + j] & 0x0F, upper = block[4 + j] >> 4;
-      out[b * kBlock + j] = static_cast<float>((low | (((high >> j) & 1u) << 4)) - 16) * scale;
-      out[b * kBlock + 16 + j] =
-          static_cast<float>((upper | (((high >> (16 + j)) & 1u) << 4)) - 16) * scale;
+      const int bit = static_cast<int>((high >> j) & 1u);
+      const int upper_bit = static_cast<int>((high >> (16 + j)) & 1u);
+      out[b * kBlock + j] = static_cast<float>((low | (bit << 4)) - 16) * scale;
+      out[b * kBlock + 16 + j] = static_cast<float>((upper | (upper_bit << 4)) - 16) * scale;
     }
   }
 }

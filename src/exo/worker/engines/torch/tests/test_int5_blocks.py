@@ -142,3 +142,50 @@ def test_bad_shapes_are_refused() -> None:
         torch.ops.exo_native.int5_gemv(
             x, torch.zeros(4, 41, dtype=torch.uint8), torch.ones(4, 2, dtype=torch.bfloat16)
         )
+
+
+_FLOAT_PATH_SCRIPT = """
+import json, sys, torch
+from exo.worker.engines.torch.native_int4 import built_int4_kernel, rounded_activations
+from exo.worker.engines.torch.int5_blocks import int5_values
+assert built_int4_kernel() is not None
+g = torch.Generator().manual_seed(0)
+x = torch.randn(9, 640, generator=g)
+act = rounded_activations(x).double()
+errors = {}
+packed = torch.randint(0, 256, (40, 400), generator=g, dtype=torch.uint8)
+scales = (torch.rand(40, 20, generator=g) * 0.01).to(torch.bfloat16)
+weight = int5_values(packed).double() * scales.double().repeat_interleave(32, dim=1)
+cases = {"int5": (packed, scales, weight)}
+for block in (16, 32):
+    values = torch.randint(-128, 128, (40, 640), generator=g, dtype=torch.int8)
+    sc = (torch.rand(40, 640 // block, generator=g) * 0.01).to(torch.bfloat16)
+    w = values.double() * sc.double().repeat_interleave(block, 1)
+    cases[f"scaled{block}"] = (values, sc, w)
+for name, (held, sc, w) in cases.items():
+    expected = act @ w.t()
+    got = torch.ops.exo_native.block_matmul(x, held, sc).double()
+    errors[name] = float((got - expected).abs().max() / expected.abs().max())
+print(json.dumps(errors))
+"""
+
+
+@pytest.mark.parametrize("integer_gemm", ["1", "0"])
+def test_both_prefill_paths_compute_the_held_weights(integer_gemm: str) -> None:
+    """`block_matmul` for 5-bit and symmetric int8 blocks through the integer GEMM and, with
+    `EXO_NATIVE_INT_GEMM=0` (read once per process: a child process), through the weight
+    dequantized to float32 slab by slab."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "EXO_NATIVE_INT_GEMM": integer_gemm}
+    done = subprocess.run(
+        [sys.executable, "-c", _FLOAT_PATH_SCRIPT],
+        capture_output=True, text=True, timeout=300, env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    errors = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(errors) == {"int5", "scaled16", "scaled32"}
+    assert all(error < 1e-5 for error in errors.values()), errors
