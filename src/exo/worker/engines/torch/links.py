@@ -271,6 +271,28 @@ class RankLinks:
             total.add_(part)
         flat.copy_(total)
 
+    def all_gather(self, local: torch.Tensor, parts: dict[int, torch.Tensor]) -> None:
+        """Send `local` (contiguous CPU) to every other rank and receive each other rank's
+        into `parts[rank]` (its shape and dtype), in place. The receives run on helper
+        threads while this thread sends (`irecv`), so any size goes through without both
+        ranks' sends having to fit the socket buffers. Cost: one one-way latency plus the
+        bytes of the parts; no rank sends more than its own tensor to each other rank
+        (an all-reduce of a zero-padded whole sends the whole to each).
+
+        Raises:
+            LinkError: a peer is gone or did not send within the timeout.
+            ValueError: `parts` does not name exactly the other ranks.
+        """
+        others = [other for other in range(self.world_size) if other != self.rank]
+        if sorted(parts) != others:
+            raise ValueError(f"rank {self.rank} gathers from ranks {others}, not {sorted(parts)}")
+        received = {other: self.irecv(parts[other], other) for other in others}
+        view = _byte_view(local)
+        for other in others:
+            self._send_bytes(view, other)
+        for future in received.values():
+            future.result(self.timeout_s + 1.0)
+
     def broadcast_message(
         self, payload: torch.Tensor | None, src: int, timeout_s: float | None = -1.0
     ) -> torch.Tensor:

@@ -4,12 +4,16 @@ random-weight Llama that uses the real tokenizer."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+import socket
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from exo.download.pypi_gguf import prepare_model
@@ -18,6 +22,7 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import PipelineShardMetadata
 from exo.worker.engines.torch.engine import TorchEngine
+from exo.worker.engines.torch.links import RankLinks
 from exo.worker.engines.torch.native_int4 import NATIVE_INT4_ENV, built_int4_kernel
 
 TEST_MODELS_DIR = Path.home() / ".cache" / "exo-test-models"
@@ -111,3 +116,50 @@ def int4_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
 def torch_layout_unpacks() -> bool:
     """Whether torch's int4 layout here is the AVX512 one the dequantization reads."""
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+# -- rank links between threads of this process (test_links, test_vocab_parallel_head) --
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class LinkStores:
+    """A `TCPStore` server and one client per rank (a client is one connection; a blocking
+    `get` on it would hold up another thread's `set`, so each rank thread has its own)."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.server = dist.TCPStore(
+            "127.0.0.1", self.port, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=30),
+        )  # fmt: skip
+
+    def client(self) -> Any:
+        return dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=30))
+
+
+@pytest.fixture
+def make_mesh() -> Iterator[Callable[..., list[RankLinks]]]:
+    built: list[RankLinks] = []
+
+    def make(world_size: int, timeout_s: float = 10.0) -> list[RankLinks]:
+        stores = LinkStores()
+        clients = [stores.client() for _ in range(world_size)]
+        with ThreadPoolExecutor(world_size) as pool:
+            futures = [
+                pool.submit(
+                    RankLinks.connect, clients[rank], rank, world_size, "127.0.0.1", timeout_s
+                )
+                for rank in range(world_size)
+            ]
+            mesh = [future.result(timeout=30) for future in futures]
+        built.extend(mesh)
+        return mesh
+
+    yield make
+    for links in built:
+        links.close()

@@ -6,62 +6,18 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from exo.worker.engines.torch.links import LinkError, RankLinks
+from exo.worker.engines.torch.tests.conftest import LinkStores
 
 T = TypeVar("T")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-class _Stores:
-    """A `TCPStore` server and one client per rank (a client is one connection; a blocking
-    `get` on it would hold up another thread's `set`, so each rank thread has its own)."""
-
-    def __init__(self) -> None:
-        self.port = _free_port()
-        self.server = dist.TCPStore(
-            "127.0.0.1", self.port, is_master=True, wait_for_workers=False,
-            timeout=timedelta(seconds=30),
-        )  # fmt: skip
-
-    def client(self) -> Any:
-        return dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=30))
-
-
-@pytest.fixture
-def make_mesh() -> Iterator[Callable[..., list[RankLinks]]]:
-    built: list[RankLinks] = []
-
-    def make(world_size: int, timeout_s: float = 10.0) -> list[RankLinks]:
-        stores = _Stores()
-        clients = [stores.client() for _ in range(world_size)]
-        with ThreadPoolExecutor(world_size) as pool:
-            futures = [
-                pool.submit(
-                    RankLinks.connect, clients[rank], rank, world_size, "127.0.0.1", timeout_s
-                )
-                for rank in range(world_size)
-            ]
-            mesh = [future.result(timeout=30) for future in futures]
-        built.extend(mesh)
-        return mesh
-
-    yield make
-    for links in built:
-        links.close()
 
 
 def _on_every_rank(mesh: list[RankLinks], work: Callable[[RankLinks], T]) -> list[T]:
@@ -147,6 +103,31 @@ def test_posted_receive_lets_both_ranks_send_large_messages(
     assert bool((logits == 3.0).all())
 
 
+def test_all_gather_delivers_every_rank_s_part_past_the_socket_buffers(
+    make_mesh: Callable[..., list[RankLinks]],
+) -> None:
+    """Three ranks, parts of different widths and 2-4 MiB each (larger than what both ends'
+    socket buffers hold): every rank ends with every other rank's tensor, bit for bit."""
+    mesh = make_mesh(3)
+    widths = {0: 1 << 19, 1: 1 << 19, 2: 3 << 18}
+    local = {
+        rank: torch.randn(2, width, generator=torch.Generator().manual_seed(rank))
+        for rank, width in widths.items()
+    }
+
+    def work(links: RankLinks) -> dict[int, torch.Tensor]:
+        parts = {other: torch.empty(2, widths[other]) for other in widths if other != links.rank}
+        links.all_gather(local[links.rank], parts)
+        return parts
+
+    for links, parts in zip(mesh, _on_every_rank(mesh, work), strict=True):
+        assert sorted(parts) == [other for other in range(3) if other != links.rank]
+        for other, part in parts.items():
+            assert torch.equal(part, local[other])
+    with pytest.raises(ValueError, match="gathers from"):
+        mesh[0].all_gather(local[0], {1: torch.empty(2, widths[1])})
+
+
 def test_dead_peer_raises_at_once(make_mesh: Callable[..., list[RankLinks]]) -> None:
     first, second = make_mesh(2, timeout_s=30)
     second.close()
@@ -171,7 +152,7 @@ def test_silent_peer_raises_after_the_timeout(make_mesh: Callable[..., list[Rank
 
 def test_a_stranger_cannot_take_a_rank_s_place() -> None:
     """A connection without the group's token is dropped; the mesh still forms."""
-    stores = _Stores()
+    stores = LinkStores()
     store = stores.client()
     listener_ready = threading.Event()
 

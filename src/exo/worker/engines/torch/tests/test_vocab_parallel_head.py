@@ -4,12 +4,15 @@ of every head kind, which together are the whole head's outputs."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from torch import nn
 
 from exo.worker.engines.torch.int8_blocks import ScaledInt8Linear
+from exo.worker.engines.torch.links import RankLinks
 from exo.worker.engines.torch.native_int4 import NATIVE_INT4_ENV
 from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear
 from exo.worker.engines.torch.sharding import VocabParallelHead, split_head_by_vocab
@@ -79,3 +82,31 @@ def test_a_head_tied_to_the_embedding_stays_whole() -> None:
     head.weight = model.model.embed_tokens.weight
     assert not split_head_by_vocab(model, 0, 2)
     assert model.lm_head is head
+
+
+def test_logits_gathered_over_rank_links_are_the_whole_heads(
+    make_mesh: Callable[..., list[RankLinks]],
+) -> None:
+    """Each rank sends only its columns over the links (`VocabParallelHead.gather`): both
+    ranks end with the whole head's logits (200 ids: 128 on rank 0, 72 on rank 1)."""
+    head = _heads()["int8"]
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        whole = head(x).float()
+    splits = []
+    for rank in range(2):
+        model = _Model(copy.deepcopy(head))
+        assert split_head_by_vocab(model, rank, 2)
+        assert isinstance(model.lm_head, VocabParallelHead)
+        splits.append(model.lm_head)
+    mesh = make_mesh(2)
+
+    def gather(rank: int) -> torch.Tensor:
+        with torch.inference_mode():
+            local = splits[rank].local(x).float().contiguous()
+            return splits[rank]._gather_over_links(local, mesh[rank])
+
+    with ThreadPoolExecutor(2) as pool:
+        gathered = list(pool.map(gather, range(2)))
+    for logits in gathered:
+        torch.testing.assert_close(logits, whole, rtol=1e-5, atol=1e-5)
