@@ -22,7 +22,9 @@ decode, seconds per token (one stream, `context` tokens in the KV cache):
                   the rank links (`worker/engines/torch/links.py`, up to
                   `LINKS_ALL_REDUCE_BYTES`): one one-way latency plus (N − 1) × hidden bytes
                   / bandwidth (all-to-all); larger ones (prefill) over gloo's ring: 2 × (N − 1)
-                  one-way latencies plus 2 × (N − 1) / N × bytes / bandwidth
+                  one-way latencies plus 2 × (N − 1) / N × bytes / bandwidth; then the
+                  logits' gather over the links: one one-way latency plus (N − 1) × the
+                  rank's share of the vocabulary in float32 / bandwidth
 time to first token for `prompt` tokens (processed in chunks of `PREFILL_CHUNK_TOKENS`):
     stage(s) = ENGINE_PREFILL_FACTOR × 2 × (linear params(s) × prompt     (projections, MLP)
                    + layers(s) × prompt² × query width) / float32 FLOP/s   (causal attention)
@@ -222,8 +224,11 @@ def _combine(
     else:
         steps = 2 * (world_size - 1)  # gloo's ring
         all_reduce = steps * slowest_latency + steps / world_size * activation_bytes / narrowest
+    # The logits: each rank sends its share of the vocabulary (float32) to every other.
+    share = vocab_share(card.vocab_size, world_size) * FLOAT32_BYTES
+    gather = slowest_latency + (world_size - 1) * share / narrowest
     # Plus the step header rank 0 sends every rank before the step.
-    return max(stage_seconds) + 2 * card.n_layers * all_reduce + slowest_latency
+    return max(stage_seconds) + 2 * card.n_layers * all_reduce + gather + slowest_latency
 
 
 def predict_speed(
