@@ -280,11 +280,12 @@ def _bench_placement(
     say(f"  ready in {time.monotonic() - started:.0f} s")
     if isinstance(nodes, LocalNodes) and nodes.pinned:
         report.notes.append(f"{placement.label} CPU affinity (node, runners): {nodes.affinities()}")
-        speeds = {
-            node_id[:8]: (info.get("speed") or {}).get("threads")
-            for node_id, info in nodes.get("/state").get("node_info", {}).items()
-        }
-        report.notes.append(f"{placement.label} torch threads each node measured with: {speeds}")
+    # What each node measured (the predictions' inputs; the probe's figures move run to run).
+    measured = {
+        node_id[:8]: info.get("speed")
+        for node_id, info in nodes.get("/state").get("node_info", {}).items()
+    }
+    report.notes.append(f"{placement.label} speed figures each node measured: {measured}")
     seed = config.seed
     try:
         for prompt_tokens in config.prompt_tokens:

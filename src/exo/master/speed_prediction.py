@@ -12,6 +12,8 @@ smaller block forms, `NodeSpeed.native_kernels`):
 
 decode, seconds per token (one stream, `context` tokens in the KV cache):
     stage(s) = layer bytes(s) / int4 bytes/s + LM head bytes(s) / int8 bytes/s
+               (a GGUF card's layer bytes on a node running exo's kernels: each kernel's
+               share at its own measured rate, `NodeSpeed.int5_decode_bytes_per_second` ...)
                + ENGINE_KV_READ_FACTOR × 2 × KV bytes(s, context) / copy bytes/s
                + layers(s) × layer overhead × ENGINE_LAYER_OVERHEAD_FACTOR
     pipeline ×N:  Σ stage(s) + Σ over the N hops of a token's round (rank i → i+1, the
@@ -55,6 +57,7 @@ from exo.shared.models.memory import (
     FLOAT32_BYTES,
     WeightShare,
     decoder_layer_bytes,
+    decoder_layer_bytes_by_kernel,
     kv_cache_bytes_per_token,
     output_layer_bytes,
     vocab_share,
@@ -153,16 +156,28 @@ def _lm_head_seconds(card: ModelCard, speed: NodeSpeed, share: WeightShare) -> f
     return head * rows / card.vocab_size / speed.int8_decode_bytes_per_second
 
 
+def _layer_read_seconds(card: ModelCard, speed: NodeSpeed, ranks: int) -> float:
+    """Seconds one decoder layer's weights take to read: each kernel's bytes at its
+    measured rate (`decoder_layer_bytes_by_kernel`; the int4 rate where a kernel's own was
+    not measured), norms and biases at the int4 rate."""
+    whole = decoder_layer_bytes(card, "int4", ranks, native_kernels=speed.native_kernels)
+    rates = {
+        "int5": speed.int5_decode_bytes_per_second,
+        "int8_blocks": speed.int8_block_decode_bytes_per_second,
+    }
+    by_kernel = decoder_layer_bytes_by_kernel(card, ranks, speed.native_kernels)
+    seconds = (whole - sum(by_kernel.values())) / speed.int4_decode_bytes_per_second
+    for kernel, size in by_kernel.items():
+        seconds += size / (rates.get(kernel) or speed.int4_decode_bytes_per_second)
+    return seconds
+
+
 def decode_stage_seconds(
     card: ModelCard, speed: NodeSpeed, share: WeightShare, context_tokens: int
 ) -> float:
     """Seconds one rank holding `share` spends on one decode step of a single stream with
     `context_tokens` in its KV cache (the module docstring's stage(s))."""
-    layer = decoder_layer_bytes(
-        card, "int4", share.tensor_parallel_ranks, native_kernels=speed.native_kernels
-    )
-    layers = share.layers * layer
-    seconds = layers / speed.int4_decode_bytes_per_second
+    seconds = share.layers * _layer_read_seconds(card, speed, share.tensor_parallel_ranks)
     if share.holds_output_layer:
         seconds += _lm_head_seconds(card, speed, share)
     kv = kv_cache_bytes_per_token(card, share) * context_tokens

@@ -199,6 +199,38 @@ def _native_int4_bytes_per_second(kernel: Callable[..., Any], working_set: int) 
     return copies * matrix_bytes / _fastest_seconds(step)
 
 
+def _native_block_bytes_per_second(kind: str, working_set: int) -> float:
+    """Bytes per second exo's `kind` block kernel ("int5": GGUF Q5_0's 5-bit blocks,
+    "int8_blocks": int8 values with (scale, zero) pairs) reads for one float32 row, over
+    copies of an `[INT4_OUTPUTS, INT4_INPUTS]` weight filling `working_set`."""
+    import torch
+
+    generator = torch.Generator().manual_seed(3)
+    blocks = INT4_INPUTS // INT4_GROUP_SIZE
+    if kind == "int5":
+        held = torch.randint(
+            0, 256, (INT4_OUTPUTS, blocks * 20), dtype=torch.uint8, generator=generator
+        )
+        scales = torch.rand(INT4_OUTPUTS, blocks, generator=generator).to(torch.bfloat16)
+        kernel = torch.ops.exo_native.int5_gemv
+    else:
+        held = torch.randint(
+            -128, 128, (INT4_OUTPUTS, INT4_INPUTS), dtype=torch.int8, generator=generator
+        )
+        scales = torch.rand(INT4_OUTPUTS, blocks, 2, generator=generator).to(torch.bfloat16)
+        kernel = torch.ops.exo_native.int8_block_gemv
+    matrix_bytes = held.numel() * held.element_size() + scales.numel() * 2
+    copies = max(1, -(-working_set // matrix_bytes))
+    weights = [(held.clone(), scales.clone()) for _ in range(copies)]
+    row = torch.rand(1, INT4_INPUTS, generator=generator)
+
+    def step() -> None:
+        for weight, weight_scales in weights:
+            kernel(row, weight, weight_scales)
+
+    return copies * matrix_bytes / _fastest_seconds(step)
+
+
 def _int8_decode_bytes_per_second(working_set: int) -> float:
     import torch
 
@@ -424,6 +456,12 @@ def measure_node_speed(threads: int | None = None) -> NodeSpeed:
             layer_overhead_seconds=_fastest_seconds(layer.forward),
             loopback_round_trip_seconds=_loopback_round_trip_seconds(),
             native_kernels=native,
+            int5_decode_bytes_per_second=(
+                _native_block_bytes_per_second("int5", working_set) if native else None
+            ),
+            int8_block_decode_bytes_per_second=(
+                _native_block_bytes_per_second("int8_blocks", working_set) if native else None
+            ),
         )
 
 
@@ -460,8 +498,8 @@ def fastest_of(first: NodeSpeed, second: NodeSpeed) -> NodeSpeed:
     best: dict[str, Any] = {}
     for name, value in first.model_dump().items():
         other = getattr(second, name)
-        if name == "threads":
-            best[name] = value
+        if name in ("threads", "native_kernels") or value is None or other is None:
+            best[name] = value if other is None else other if value is None else value
         elif name.endswith("_seconds"):
             best[name] = min(value, other)
         else:

@@ -15,6 +15,7 @@ from exo.master.speed_prediction import (
 from exo.shared.models.memory import (
     WeightShare,
     decoder_layer_bytes,
+    decoder_layer_bytes_by_kernel,
     kv_cache_bytes_per_token,
     output_layer_bytes,
 )
@@ -173,6 +174,16 @@ def test_a_gguf_card_is_predicted_from_the_types_its_weights_are_stored_in() -> 
         + CARD.vocab_size * CARD.hidden_size * (1.25 - 34 / 32) / (8 * GB),
         rel=1e-3,
     )
+    # Each kernel's bytes at its own measured rate: a 5-bit kernel half as fast as the int4
+    # one doubles the Q5_0 share's time (a quarter of the weights, 0.6875 bytes each).
+    by_kernel = decoder_layer_bytes_by_kernel(mixed, 1, native_kernels=True)
+    assert set(by_kernel) == {"int4", "int5", "int8_blocks"}
+    assert by_kernel["int5"] == pytest.approx(per_layer * 0.25 * 0.6875, rel=1e-6)
+    assert sum(by_kernel.values()) == pytest.approx(native - norms, rel=1e-6)
+    slow_int5 = native_node.model_copy(update={"int5_decode_bytes_per_second": 5 * GB})
+    assert decode_stage_seconds(mixed, slow_int5, share, 512) - decode_stage_seconds(
+        mixed, native_node, share, 512
+    ) == pytest.approx(12 * by_kernel["int5"] / (10 * GB), rel=1e-6)
     extra = 12 * (decoder_layer_bytes(mixed, "int4") - decoder_layer_bytes(int4, "int4"))
     assert decode_stage_seconds(mixed, speed(), share, 512) - decode_stage_seconds(
         int4, speed(), share, 512

@@ -93,6 +93,44 @@ GGUF_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 _NATIVE_BYTES_PER_WEIGHT = {"Q5_0": 22 / 32, "Q8_0": 36 / 32, "Q5_1": 36 / 32, "Q6_K": 18 / 16}
 
 
+def gguf_kernel(gguf_type: str, native_kernels: bool) -> str:
+    """Which of the engine's decode kernels reads a GGUF type's weights: "int5" (Q5_0) or
+    "int8_blocks" (Q8_0 / Q5_1 / Q6_K) where exo's kernels run, else "int4" (the int4
+    groups, two int4 planes, and bfloat16 weights, read at about the int4 kernel's rate)."""
+    if native_kernels and gguf_type == "Q5_0":
+        return "int5"
+    if native_kernels and gguf_type in _NATIVE_BYTES_PER_WEIGHT:
+        return "int8_blocks"
+    return "int4"
+
+
+def decoder_layer_bytes_by_kernel(
+    card: ModelCard, tensor_parallel_ranks: int = 1, native_kernels: bool = False
+) -> dict[str, int]:
+    """The linears' bytes of one decoder layer (int4 format) by the kernel that reads
+    them (`gguf_kernel`; everything "int4" for a card without `gguf_weight_types`), on
+    one tensor rank: the GGUF's types in proportion over the layer's weights, as
+    `decoder_layer_bytes` sizes them. Norms and biases are not included."""
+    stored = card.gguf_weight_types
+    linears = decoder_layer_bytes(card, "int4", tensor_parallel_ranks, native_kernels)
+    linears -= 2 * card.hidden_size * FLOAT32_BYTES
+    if card.attention_bias:
+        query = card.num_attention_heads * card.attention_head_dim
+        key_value = card.num_key_value_heads * card.attention_head_dim
+        linears -= (query + 2 * key_value) // tensor_parallel_ranks * FLOAT32_BYTES
+    if stored is None:
+        return {"int4": linears}
+    held = {
+        kind: gguf_weight_bytes(kind, count, native_kernels) for kind, count in stored.layer_weights
+    }
+    total = sum(held.values())
+    by_kernel: dict[str, int] = {}
+    for kind, size in held.items():
+        kernel = gguf_kernel(kind, native_kernels)
+        by_kernel[kernel] = by_kernel.get(kernel, 0) + round(linears * size / total)
+    return by_kernel
+
+
 def gguf_weight_bytes(gguf_type: str, weights: int, native_kernels: bool = False) -> int:
     """Bytes the engine holds (int4 format) for `weights` decoder-layer weights stored as
     GGUF `gguf_type` (`worker/engines/torch/gguf_weights.py` routes each type): Q4_0 / Q4_1 /

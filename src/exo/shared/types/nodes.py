@@ -48,6 +48,10 @@ class NodeSpeed(FrozenModel):
         native_kernels: exo's own CPU kernels run the engine's linears here
             (`worker/engines/torch/native_int4.py`), so GGUF blocks are held in their
             smaller forms (`exo.shared.models.memory.gguf_weight_bytes`).
+        int5_decode_bytes_per_second, int8_block_decode_bytes_per_second: where they run,
+            the bytes per second exo's 5-bit block kernel (GGUF Q5_0) and int8 block
+            kernel (Q8_0 / Q5_1 / Q6_K) read, one row, as `int4_decode_bytes_per_second`
+            (None elsewhere, and from older nodes).
     """
 
     threads: int = Field(ge=1)
@@ -59,6 +63,8 @@ class NodeSpeed(FrozenModel):
     layer_overhead_seconds: float = Field(ge=0)
     loopback_round_trip_seconds: float = Field(ge=0)
     native_kernels: bool = False
+    int5_decode_bytes_per_second: float | None = Field(default=None, gt=0)
+    int8_block_decode_bytes_per_second: float | None = Field(default=None, gt=0)
 
 
 class NodeInfo(FrozenModel):
