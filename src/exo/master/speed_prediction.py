@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 from exo.shared.models.memory import (
     FLOAT32_BYTES,
+    GGUF_SPLIT_TYPES,
     WeightShare,
     decoder_layer_bytes,
     decoder_layer_bytes_by_kernel,
@@ -153,7 +154,12 @@ def _lm_head_seconds(card: ModelCard, speed: NodeSpeed, share: WeightShare) -> f
     norm = card.hidden_size * FLOAT32_BYTES
     head = output_layer_bytes(card, "int4", False, speed.native_kernels) - norm
     rows = vocab_share(card.vocab_size, share.tensor_parallel_ranks)
-    return head * rows / card.vocab_size / speed.int8_decode_bytes_per_second
+    rate = speed.int8_decode_bytes_per_second
+    stored = card.gguf_weight_types
+    if speed.native_kernels and stored is not None and stored.output_type in GGUF_SPLIT_TYPES:
+        # A Q8_0 / Q5_x head is held as int8 blocks (`gguf_weights.split_output_layer`).
+        rate = speed.int8_block_decode_bytes_per_second or rate
+    return head * rows / card.vocab_size / rate
 
 
 def _layer_read_seconds(card: ModelCard, speed: NodeSpeed, ranks: int) -> float:

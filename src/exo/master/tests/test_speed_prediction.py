@@ -184,6 +184,17 @@ def test_a_gguf_card_is_predicted_from_the_types_its_weights_are_stored_in() -> 
     assert decode_stage_seconds(mixed, slow_int5, share, 512) - decode_stage_seconds(
         mixed, native_node, share, 512
     ) == pytest.approx(12 * by_kernel["int5"] / (10 * GB), rel=1e-6)
+    # A Q8_0 head on such a node is held as int8 blocks and read at that kernel's rate, as
+    # the Q6_K layer share is (both at the int8 / int4 rates while it is not measured).
+    slow_blocks = native_node.model_copy(update={"int8_block_decode_bytes_per_second": 4 * GB})
+    head_bytes = CARD.vocab_size * CARD.hidden_size * 34 / 32
+    assert decode_stage_seconds(mixed, slow_blocks, share, 512) - decode_stage_seconds(
+        mixed, native_node, share, 512
+    ) == pytest.approx(
+        head_bytes * (1 / (4 * GB) - 1 / (8 * GB))
+        + 12 * by_kernel["int8_blocks"] * (1 / (4 * GB) - 1 / (10 * GB)),
+        rel=1e-3,
+    )
     extra = 12 * (decoder_layer_bytes(mixed, "int4") - decoder_layer_bytes(int4, "int4"))
     assert decode_stage_seconds(mixed, speed(), share, 512) - decode_stage_seconds(
         int4, speed(), share, 512
