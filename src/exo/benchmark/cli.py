@@ -131,7 +131,8 @@ def api_url(text: str) -> str:
 
 
 def config_from_arguments(arguments: argparse.Namespace) -> BenchConfig:
-    """The bench's config from parsed arguments (`--quick` overrides the sizes).
+    """The bench's config from parsed arguments (`--quick` sets the sizes the command line
+    did not: `arguments.given`, the destinations given explicitly, see `parse_arguments`).
 
     Raises:
         ValueError: a placement or a number out of range.
@@ -157,9 +158,11 @@ def config_from_arguments(arguments: argparse.Namespace) -> BenchConfig:
         name=arguments.name,
         plots=not arguments.no_plots,
     )
-    if arguments.quick:
+    if arguments.quick:  # smaller sizes for what the command line did not set itself
+        given = set(getattr(arguments, "given", ()))
         for name, value in QUICK.items():
-            setattr(config, name, value)
+            if name not in given:
+                setattr(config, name, value)
     numbers = (*config.prompt_tokens, *config.generation_tokens, *config.concurrency)
     if min(numbers) < 1 or config.runs < 1 or config.warmup < 0:
         raise ValueError("token counts, concurrency and --runs must be >= 1, --warmup >= 0")
@@ -182,11 +185,21 @@ def run_config(config: BenchConfig, title: str) -> int:
     return 0
 
 
+def parse_arguments(argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed, plus `given`: the destinations the command line set explicitly (so
+    `--quick` changes only the others)."""
+    arguments = build_parser().parse_args(argv)
+    explicit = build_parser()
+    for action in explicit._actions:
+        action.default = argparse.SUPPRESS
+    arguments.given = sorted(vars(explicit.parse_args(argv)))
+    return arguments
+
+
 def main(argv: list[str]) -> int:
     """`exo bench ...`; returns the exit status (2: bad arguments or a missing package,
     1: the bench failed)."""
-    parser = build_parser()
-    arguments = parser.parse_args(argv)
+    arguments = parse_arguments(argv)
     # The engine in-process logs its loading at DEBUG; the bench prints its own lines.
     logger.remove()
     logger.add(sys.stderr, level="WARNING")

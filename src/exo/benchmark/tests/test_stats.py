@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from exo.benchmark.cli import build_parser, config_from_arguments
+from exo.benchmark.cli import build_parser, config_from_arguments, parse_arguments
 from exo.benchmark.cluster import Placement
 from exo.benchmark.runner import add_ratios
 from exo.benchmark.stats import (
@@ -140,6 +140,9 @@ def test_arguments_are_checked_before_anything_runs(tmp_path: Path) -> None:
             config_from_arguments(parser.parse_args(["--api", bad]))
     quick = config_from_arguments(parser.parse_args(["--quick", "--placement", "tensor:2"]))
     assert (quick.prompt_tokens, quick.generation_tokens, quick.node_count()) == ([16], [8], 2)
+    # --quick shrinks only the sizes the command line did not set.
+    mixed = config_from_arguments(parse_arguments(["--quick", "--generation-tokens", "64"]))
+    assert (mixed.prompt_tokens, mixed.generation_tokens, mixed.runs) == ([16], [64], 2)
 
 
 def test_a_missing_matplotlib_stops_the_bench_before_it_starts(
