@@ -154,12 +154,26 @@ def _lm_head_seconds(card: ModelCard, speed: NodeSpeed, share: WeightShare) -> f
     norm = card.hidden_size * FLOAT32_BYTES
     head = output_layer_bytes(card, "int4", False, speed.native_kernels) - norm
     rows = vocab_share(card.vocab_size, share.tensor_parallel_ranks)
-    rate = speed.int8_decode_bytes_per_second
+    rate: float | None = speed.int8_decode_bytes_per_second
     stored = card.gguf_weight_types
     if speed.native_kernels and stored is not None and stored.output_type in GGUF_SPLIT_TYPES:
         # A Q8_0 / Q5_x head is held as int8 blocks (`gguf_weights.split_output_layer`).
         rate = speed.int8_block_decode_bytes_per_second or rate
-    return head * rows / card.vocab_size / rate
+    return head * rows / card.vocab_size / _kernel_rate(speed, rate)
+
+
+# A kernel's figure below this fraction of the int4 one is taken for a measurement other
+# work held up, and its bytes are read at the int4 rate instead: with nothing in the way,
+# on the 2-core AMD EPYC, the 5-bit kernel reads 0.75x the int4 rate and the int8 kernels
+# 1.1-1.2x; probed while a node's own runner converted a model they came out 0.01-0.03x
+# (only the int4 figure is checked against one thread: `speed_probe.threads_contended`).
+CONSISTENT_RATE_FRACTION = 0.25
+
+
+def _kernel_rate(speed: NodeSpeed, rate: float | None) -> float:
+    """`rate` (bytes/s) where measured and consistent with the int4 one, else the int4 rate."""
+    int4 = speed.int4_decode_bytes_per_second
+    return rate if rate is not None and rate >= CONSISTENT_RATE_FRACTION * int4 else int4
 
 
 def _layer_read_seconds(card: ModelCard, speed: NodeSpeed, ranks: int) -> float:
@@ -174,7 +188,7 @@ def _layer_read_seconds(card: ModelCard, speed: NodeSpeed, ranks: int) -> float:
     by_kernel = decoder_layer_bytes_by_kernel(card, ranks, speed.native_kernels)
     seconds = (whole - sum(by_kernel.values())) / speed.int4_decode_bytes_per_second
     for kernel, size in by_kernel.items():
-        seconds += size / (rates.get(kernel) or speed.int4_decode_bytes_per_second)
+        seconds += size / _kernel_rate(speed, rates.get(kernel))
     return seconds
 
 

@@ -5,8 +5,7 @@ starts at once and reports the figures a moment later) and cached in
 `<EXO_HOME>/speed_probe.json` under a key of CPU model, logical CPUs, CPU affinity, torch
 version, thread count, whether exo's kernels run and `PROBE_VERSION`: a changed key, or
 `exo --remeasure-speed`, measures again. Figures measured while other work kept the machine busy
-(`machine_busy`), or with several threads slower than one thread (`threads_contended`)
-or one kernel's figure far below the others' (`rates_inconsistent`),
+(`machine_busy`), or with several threads slower than one thread (`threads_contended`),
 are unsettled and not reported (the node has no speed, previews predict nothing): the node
 measures again once the machine is quiet (`InfoGatherer` checks every 5 minutes for an
 hour) and at its next start, keeping each figure's best (`fastest_of`), until a quiet
@@ -564,32 +563,11 @@ def threads_contended(speed: NodeSpeed) -> bool:
     return speed.int4_decode_bytes_per_second < one_thread_int4_bytes_per_second()
 
 
-# Each other weight-reading figure is at least this fraction of the int4 one when nothing
-# held the probe up: on the 2-core AMD EPYC the 5-bit kernel reads 0.75x the int4 rate,
-# int8 and int8 blocks 1.1-1.2x; measured while the node's own runner loaded a model (load
-# average ~4, under `BUSY_LOAD_PER_CPU`) they came out 0.01-0.03x (session 11's
-# fresh-user check), and only the int4 figure is compared with one thread.
-CONSISTENT_RATE_FRACTION = 0.25
-
-
-def rates_inconsistent(speed: NodeSpeed) -> bool:
-    """Whether a weight-reading figure (int8, 5-bit, int8-block decode) is far below the
-    int4 one (`CONSISTENT_RATE_FRACTION`): it was measured while other work held the CPUs,
-    at another moment than the int4 figure."""
-    floor = CONSISTENT_RATE_FRACTION * speed.int4_decode_bytes_per_second
-    others = (
-        speed.int8_decode_bytes_per_second,
-        speed.int5_decode_bytes_per_second,
-        speed.int8_block_decode_bytes_per_second,
-    )
-    return any(rate is not None and rate < floor for rate in others)
-
-
 def cached_node_speed(remeasure: bool = False, path: Path | None = None) -> ProbeResult:
     """This node's speed: the cached figures when their key matches and they are settled;
     otherwise measured now (merged with unsettled cached figures by `fastest_of`, unless
     `remeasure`) and cached, settled when the machine was not busy before and after and
-    the threads were not held up (`threads_contended`, `rates_inconsistent`)."""
+    the threads were not held up (`threads_contended`)."""
     path = path or cache_path()
     threads = runner_threads()
     key = probe_key(threads)
@@ -599,13 +577,16 @@ def cached_node_speed(remeasure: bool = False, path: Path | None = None) -> Prob
     busy_before = machine_busy()
     started = time.perf_counter()
     speed = measure_node_speed(threads)
-    contended = threads_contended(speed) or rates_inconsistent(speed)
+    contended = threads_contended(speed)
     settled = not (busy_before or contended or machine_busy())
     reason = "threads held up by other work" if contended else "machine busy"
     logger.info(
         f"speed probe ({threads} thread(s), {time.perf_counter() - started:.1f} s"
         f"{'' if settled else f', {reason}: measured again later'}): int4 decode "
-        f"{speed.int4_decode_bytes_per_second / 1e9:.1f} GB/s, copy "
+        f"{speed.int4_decode_bytes_per_second / 1e9:.1f} GB/s, int8 "
+        f"{speed.int8_decode_bytes_per_second / 1e9:.1f} GB/s, 5-bit "
+        f"{(speed.int5_decode_bytes_per_second or 0.0) / 1e9:.1f} GB/s, int8 blocks "
+        f"{(speed.int8_block_decode_bytes_per_second or 0.0) / 1e9:.1f} GB/s, copy "
         f"{speed.memory_copy_bytes_per_second / 1e9:.1f} GB/s, bf16 matmul "
         f"{speed.bf16_matmul_flops / 1e9:.0f} GFLOP/s, layer overhead "
         f"{speed.layer_overhead_seconds * 1e6:.0f} us"

@@ -223,23 +223,6 @@ def test_one_thread_int4_figure_is_measured_for_real() -> None:
     assert torch.get_num_threads() == before
 
 
-@pytest.mark.parametrize(("int5", "settled"), [(1.2e8, False), (7.5e9, True)])
-def test_a_kernel_figure_far_below_the_int4_one_leaves_the_figures_unsettled(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, int5: float, settled: bool
-) -> None:
-    """The 5-bit kernel measured at 0.12 GB/s beside int4's 10 (other work held the CPUs
-    while it ran, at another moment than the int4 figure): not settled, measured again."""
-    measured = SPEED.model_copy(
-        update={"native_kernels": True, "int5_decode_bytes_per_second": int5,
-                "int8_block_decode_bytes_per_second": 1.2e10}
-    )  # fmt: skip
-    monkeypatch.setattr(speed_probe, "machine_busy", lambda: False)
-    monkeypatch.setattr(speed_probe, "measure_node_speed", lambda threads=None: measured)
-    result = cached_node_speed(path=tmp_path / "speed_probe.json")
-    assert result == ProbeResult(measured, settled=settled)
-    assert speed_probe.rates_inconsistent(measured) is not settled
-
-
 def test_the_cache_key_says_whose_kernels_were_measured(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EXO_NATIVE_INT4", "1")
     native = speed_probe.probe_key(2)
