@@ -37,12 +37,19 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 READY_SECONDS = 300.0
 
 
-def chat(node: ExoNode, max_tokens: int, timeout: float = 180.0) -> httpx.Response:
+# A question whose answer runs to max_tokens (SmolLM2 answers QUESTION in ~8 tokens): the
+# chats that must be in flight on the dying node when it is killed.
+LONG_QUESTION = "Write a long story about a lighthouse keeper and a storm."
+
+
+def chat(
+    node: ExoNode, max_tokens: int, timeout: float = 180.0, question: str = QUESTION
+) -> httpx.Response:
     return httpx.post(
         f"{node.url}/v1/chat/completions",
         json={
             "model": DEFAULT_MODEL_ID,
-            "messages": [{"role": "user", "content": QUESTION}],
+            "messages": [{"role": "user", "content": question}],
             "temperature": 0,
             "max_tokens": max_tokens,
         },
@@ -104,25 +111,29 @@ class Watch:
             self._stop.wait(0.1)
 
 
-def pending_task_on(node: ExoNode, instance_id: str) -> bool:
+def unfinished_task_on(node: ExoNode, instance_id: str) -> bool:
     return any(
-        task["instance_id"] == instance_id and task["status"]["kind"] == "TaskPending"
+        task["instance_id"] == instance_id
+        and task["status"]["kind"] in ("TaskPending", "TaskRunning")
         for task in node.state()["tasks"].values()
     )
 
 
 def queue_behind(node: ExoNode, instance_id: str, pool: ThreadPoolExecutor) -> list[Future[Any]]:
-    """Send long chats through `node` until one waits on `instance_id` with no token yet
-    (routing sends each to the least busy instance, so a few suffice)."""
+    """Send long chats (~2 s each here) through `node` until one is in flight on
+    `instance_id` (routing sends each to the least busy instance, so a few suffice). A task
+    is pending only for the moment until its runner takes it into the batch, too short to
+    catch by polling; a non-streaming answer lost mid-way is sent again whole, as one with
+    no token yet."""
     sent: list[Future[Any]] = []
     for _ in range(6):
-        sent.append(pool.submit(chat, node, 24))
+        sent.append(pool.submit(chat, node, 160, 180.0, LONG_QUESTION))
         try:
-            wait_until(lambda: pending_task_on(node, instance_id), 3, 0.05)
+            wait_until(lambda: unfinished_task_on(node, instance_id), 3, 0.05)
             return sent
         except TimeoutError:
             continue
-    raise AssertionError(f"no request ever waited on {instance_id}")
+    raise AssertionError(f"no request was ever in flight on {instance_id}")
 
 
 def caught_up(node: ExoNode, master: ExoNode) -> bool:
@@ -159,7 +170,7 @@ def test_node_loss_is_a_non_event_for_everyone_not_using_that_node(
             wait_until(lambda i=instance_id: a.serving(i), READY_SECONDS, what="both ready")  # type: ignore[misc]
 
         # 1. B (not the master, holding one of two instances) dies while chats go through
-        # A every 0.2 s and a request waits on B's instance with no token yet.
+        # A every 0.2 s and a long request is in flight on B's instance.
         watch = Watch(via=a, observers=[a, c], expected_master=master).start()
         with ThreadPoolExecutor(6) as pool:
             long_chats = queue_behind(a, on_b, pool)
@@ -191,6 +202,7 @@ def test_node_loss_is_a_non_event_for_everyone_not_using_that_node(
         assert watch.masters_seen == {master}
         assert any(e["kind"] == "NodeLost" and e["node_id"] == b_id for e in a.events())
         assert f"node {b_id} left (link lost)" in a.log_path.read_text()
+        assert "lost its instance before answering; sent again" in a.log_path.read_text()
 
         # 2. B restarts from its own log, which still places an instance on it: it starts
         # no runner and announces nothing before it holds the cluster's state; joining
