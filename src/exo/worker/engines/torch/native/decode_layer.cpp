@@ -45,6 +45,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include <sleef.h>  // the vectorized exp / tanh torch's own kernels use (exported by libtorch_cpu)
 #define EXO_AVX2 1
 #endif
 
@@ -216,6 +217,38 @@ inline float activate(float g, int64_t activation) {
   }
 }
 
+// m[i] = act(gate[i]) * up[i] for i < n. With AVX2, SiLU and the tanh GELU 8 at a time
+// through SLEEF's exp / tanh (1.0 ulp; torch's vectorized kernels call the same): the
+// scalar loop took 34 us for Gemma 3 270M's 2048 values per layer on the 2-core AMD EPYC
+// (0.6 ms of a 20 ms token, while the other thread waited), 8 at a time ~3 us. The exact
+// (erf) GELU stays scalar.
+void activate_rows(const float* gate, const float* up, int64_t n, int64_t activation,
+                   float* m) {
+  int64_t i = 0;
+#ifdef EXO_AVX2
+  if (activation == kSilu || activation == kGeluTanh) {
+    const __m256 one = _mm256_set1_ps(1.0f), half = _mm256_set1_ps(0.5f);
+    const __m256 root_two_over_pi = _mm256_set1_ps(0.7978845608028654f);
+    const __m256 cubic = _mm256_set1_ps(0.044715f);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + i);
+      __m256 a;
+      if (activation == kSilu) {
+        const __m256 e = Sleef_expf8_u10avx2(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        a = _mm256_div_ps(g, _mm256_add_ps(one, e));
+      } else {
+        const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+        const __m256 inner = _mm256_mul_ps(root_two_over_pi, _mm256_fmadd_ps(cubic, g3, g));
+        a = _mm256_mul_ps(_mm256_mul_ps(half, g),
+                          _mm256_add_ps(one, Sleef_tanhf8_u10avx2(inner)));
+      }
+      _mm256_storeu_ps(m + i, _mm256_mul_ps(a, _mm256_loadu_ps(up + i)));
+    }
+  }
+#endif
+  for (; i < n; ++i) m[i] = activate(gate[i], activation) * up[i];
+}
+
 // One layer: its 12 `linears` entries from `linear_base`, its 5 `norms` entries from
 // `norm_base`, its 5 epsilons in `eps`.
 void run_layer(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& linears,
@@ -384,8 +417,7 @@ void run_layer(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& linear
     for (int64_t r = 0; r < rows; ++r) {
       const float* gate = gate_up_out + r * gate_up.out;
       const float* up = gate + intermediate;
-      float* m = middle + r * intermediate;
-      for (int64_t i = 0; i < intermediate; ++i) m[i] = activate(gate[i], activation) * up[i];
+      activate_rows(gate, up, intermediate, activation, middle + r * intermediate);
     }
     apply_linear(down, middle, rows, out, /*add_bias=*/stage == 0);
     if (stage == 2) return;  // the caller all-reduces `partial`, then runs stage 3
