@@ -47,6 +47,7 @@ from exo.shared.constants import (
     node_id_path,
 )
 from exo.shared.election import Election, ElectionMessage
+from exo.shared.home_lock import HomeInUseError, HomeLock
 from exo.shared.local_events import LocalEventSender
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.replica import Replica
@@ -86,6 +87,8 @@ class Node:
 
     def __init__(self, options: Options) -> None:
         self.options = options
+        # Before anything in the data directory is read or written (raises HomeInUseError).
+        self._home_lock = HomeLock(exo_home())
         self.node_id = load_node_id()
         self.cards = load_builtin_cards()
         secret = options.cluster_secret
@@ -227,6 +230,7 @@ class Node:
             await self.router.start()
         except Exception as error:
             self._listen_socket.close()
+            self._home_lock.release()
             raise NodeStartError(
                 f"cannot open cluster links on {self.router.listen_endpoint}: {error}"
             ) from error
@@ -257,6 +261,7 @@ class Node:
                 await self.router.close()
             self.event_log.close()
             self._listen_socket.close()
+            self._home_lock.release()
             logger.info("exo stopped")
 
     async def _stop_on_signal(self, scope: anyio.CancelScope) -> None:
@@ -429,6 +434,9 @@ def main(argv: list[str] | None = None) -> None:
         logger.warning(warning)
     try:
         node = Node(options)
+    except HomeInUseError as error:
+        logger.error(str(error))
+        raise SystemExit(1) from None
     except TlsFilesError as error:
         logger.error(str(error))
         raise SystemExit(1) from None
