@@ -55,7 +55,7 @@ from exo.shared.constants import exo_home
 from exo.shared.types.nodes import NodeSpeed
 
 # Bump when what is measured changes: cached figures of an older probe are measured again.
-PROBE_VERSION = 5
+PROBE_VERSION = 6  # 6: the 5-bit kernel reads lanes
 CACHE_FILE_NAME = "speed_probe.json"
 # Seconds of timed repetitions per figure (after one warm-up call).
 PROBE_SECONDS = 0.2
@@ -208,17 +208,20 @@ def _native_int4_bytes_per_second(kernel: Callable[..., Any], working_set: int) 
 
 
 def _native_block_bytes_per_second(kind: str, working_set: int) -> float:
-    """Bytes per second exo's `kind` block kernel ("int5": GGUF Q5_0's 5-bit blocks,
+    """Bytes per second exo's `kind` block kernel ("int5": GGUF Q5_0's 5-bit lanes,
     "int8_blocks": int8 values with (scale, zero) pairs) reads for one float32 row, over
     copies of an `[INT4_OUTPUTS, INT4_INPUTS]` weight filling `working_set`."""
     import torch
 
+    from exo.worker.engines.torch.int5_blocks import int5_row_bytes
+
     generator = torch.Generator().manual_seed(3)
     blocks = INT4_INPUTS // INT4_GROUP_SIZE
-    if kind == "int5":
-        held = torch.randint(
-            0, 256, (INT4_OUTPUTS, blocks * 20), dtype=torch.uint8, generator=generator
+    if kind == "int5":  # 5-bit lanes: three 5-bit values per 16-bit lane (bit 15 clear)
+        lanes = torch.randint(
+            0, 1 << 15, (INT4_OUTPUTS, int5_row_bytes(INT4_INPUTS) // 2), generator=generator
         )
+        held = lanes.to(torch.int16).view(torch.uint8)
         scales = torch.rand(INT4_OUTPUTS, blocks, generator=generator).to(torch.bfloat16)
         kernel = torch.ops.exo_native.int5_gemv
     else:

@@ -160,8 +160,8 @@ def test_a_gguf_card_is_predicted_from_the_types_its_weights_are_stored_in() -> 
     expected = per_layer * (0.5 * 0.625 + 0.25 * 2 + 0.25 * 1.25) + norms
     assert decoder_layer_bytes(mixed, "int4") == pytest.approx(expected, rel=1e-6)
     # Where exo's AVX2 kernels run, Q6_K is held at 1.125 bytes per weight and Q5_0 at
-    # 0.6875; a node that says so is predicted from those.
-    native = per_layer * (0.5 * 0.625 + 0.25 * 1.125 + 0.25 * 0.6875) + norms
+    # 0.75 (5-bit lanes); a node that says so is predicted from those.
+    native = per_layer * (0.5 * 0.625 + 0.25 * 1.125 + 0.25 * 0.75) + norms
     assert decoder_layer_bytes(mixed, "int4", native_kernels=True) == pytest.approx(
         native, rel=1e-6
     )
@@ -175,10 +175,10 @@ def test_a_gguf_card_is_predicted_from_the_types_its_weights_are_stored_in() -> 
         rel=1e-3,
     )
     # Each kernel's bytes at its own measured rate: a 5-bit kernel half as fast as the int4
-    # one doubles the Q5_0 share's time (a quarter of the weights, 0.6875 bytes each).
+    # one doubles the Q5_0 share's time (a quarter of the weights, 0.75 bytes each).
     by_kernel = decoder_layer_bytes_by_kernel(mixed, 1, native_kernels=True)
     assert set(by_kernel) == {"int4", "int5", "int8_blocks"}
-    assert by_kernel["int5"] == pytest.approx(per_layer * 0.25 * 0.6875, rel=1e-6)
+    assert by_kernel["int5"] == pytest.approx(per_layer * 0.25 * 0.75, rel=1e-6)
     assert sum(by_kernel.values()) == pytest.approx(native - norms, rel=1e-6)
     slow_int5 = native_node.model_copy(update={"int5_decode_bytes_per_second": 5 * GB})
     assert decode_stage_seconds(mixed, slow_int5, share, 512) - decode_stage_seconds(

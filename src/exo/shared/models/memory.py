@@ -82,15 +82,16 @@ def linear_weight_bytes(in_features: int, out_features: int, weight_format: Weig
 GGUF_INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 # GGUF 8- and 5-bit block types the engine holds exactly: two int4 planes (1.25 bytes per
 # weight) or, with exo's AVX2 kernels, int8 blocks (1.125 bytes per weight; Q5_0 as 5-bit
-# blocks, 0.6875).
+# lanes, ~0.75).
 GGUF_SPLIT_TYPES = frozenset({"Q8_0", "Q5_0", "Q5_1"})
 # Unquantized GGUF types: the engine quantizes them as it does any checkpoint's weights.
 GGUF_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 # Bytes per weight exo's AVX2 kernels hold a GGUF type in (`native_kernels`): Q5_0 as 5-bit
-# blocks (`int5_blocks.py`: 20 bytes + a bfloat16 scale per 32), Q8_0 / Q5_1 as int8 blocks
-# with a (scale, zero) pair per 32 (`split_int4.py`), Q6_K as int8 blocks with a scale per 16
-# (`int8_blocks.py`).
-_NATIVE_BYTES_PER_WEIGHT = {"Q5_0": 22 / 32, "Q8_0": 36 / 32, "Q5_1": 36 / 32, "Q6_K": 18 / 16}
+# lanes (`int5_blocks.py`: 64 bytes per 96 weights, a row's last group padded, + a bfloat16
+# scale per 32: 0.729 for rows that are whole groups, 0.7625 for rows of 640; 0.75 here),
+# Q8_0 / Q5_1 as int8 blocks with a (scale, zero) pair per 32 (`split_int4.py`), Q6_K as
+# int8 blocks with a scale per 16 (`int8_blocks.py`).
+_NATIVE_BYTES_PER_WEIGHT = {"Q5_0": 24 / 32, "Q8_0": 36 / 32, "Q5_1": 36 / 32, "Q6_K": 18 / 16}
 
 
 def gguf_kernel(gguf_type: str, native_kernels: bool) -> str:

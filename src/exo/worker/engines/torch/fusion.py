@@ -166,7 +166,7 @@ def fuse_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
 
 def _fuse_int5(parts: Sequence[nn.Module]) -> nn.Module | None:
     """`Int5Linear` parts (and `SplitInt4Linear` ones in exo's int8-block form) fused: 5-bit
-    blocks when every part holds them, else every part widened to int8 blocks in place
+    lanes when every part holds them, else every part widened to int8 blocks in place
     (`Int5Linear.widen`), each part then re-pointed at its rows of the fused weight."""
     try:
         fused = Int5Linear.concatenate(list(parts))
@@ -178,8 +178,8 @@ def _fuse_int5(parts: Sequence[nn.Module]) -> nn.Module | None:
         rows = slice(offset, offset + part.out_features)
         if isinstance(fused, Int5Linear) and not fused.widened:
             assert isinstance(part, Int5Linear)
-            assert fused.int5_blocks is not None and fused.block_scales is not None
-            part.int5_blocks = fused.int5_blocks[rows]
+            assert fused.int5_lanes is not None and fused.block_scales is not None
+            part.int5_lanes = fused.int5_lanes[rows]
             part.block_scales = fused.block_scales[rows]
         else:
             part.values = fused.values[rows]

@@ -18,8 +18,9 @@ from the error each route adds to the GGUF's own values, measured on Gaussian we
   exactly as int8 with one bfloat16 scale per 16 inputs, 1.125 bytes per weight: only the
   bf16 rounding of the scales. (A Q8_0 linear takes the next route: fused with Q5_0 / Q5_1
   neighbours into one kernel call, which a mix of kinds could not be.)
-- Q5_0 where exo's AVX2 kernels run → `Int5Linear` (`int5_blocks`): the blocks as they are
-  without their scales, 0.6875 bytes per weight: only the bf16 rounding of the scales.
+- Q5_0 where exo's AVX2 kernels run → `Int5Linear` (`int5_blocks`): the blocks' integers
+  exactly as 5-bit lanes (three values per 16-bit lane), ~0.75 bytes per weight: only the
+  bf16 rounding of the scales.
 - Q8_0, Q5_0 (elsewhere), Q5_1 → `SplitInt4Linear`: the block integers exactly, as two int4
   planes (high and low nibble, `split_int4`; int8 blocks with a (scale, zero) pair, 1.125
   bytes, where exo's kernels run): again only the bf16 rounding of scales and zeros,

@@ -1,19 +1,24 @@
-"""GGUF Q5_0 weights held as 5-bit blocks for exo's AVX2 kernels.
+"""GGUF Q5_0 weights held as 5-bit lanes for exo's AVX2 kernels.
 
 A Q5_0 block (ggml's `block_q5_0`) is 32 weights `w = d * (x - 16)`: an fp16 `d`, 4 bytes of
 high bits (bit j: weight j's fifth bit) and 16 bytes of low nibbles (byte j: weight j in its
-low nibble, weight j + 16 in its high one), x in [0, 31]. `Int5Linear` holds those 20 bytes
-per block as they are (`int5_blocks` uint8 `[out, in / 32 * 20]`) with `d` rounded to
-bfloat16 (`block_scales` `[out, in / 32]`): 0.6875 bytes per weight, where the exact int8
+low nibble, weight j + 16 in its high one), x in [0, 31]. `Int5Linear` holds the values
+`x` three to a 16-bit lane (`int5_lanes` uint8 `[out, ceil(in / 96) * 64]`, the layout in
+`native/int5_blocks.cpp`: each group of 3 blocks as two vectors of 16 lanes, 5 bits per
+value, a row's last group zero-padded) with `d` rounded to bfloat16 (`block_scales`
+`[out, in / 32]`): 0.729 bytes per weight (0.7625 for rows of 640), where the exact int8
 blocks of `split_int4` take 1.125. Only the scales are rounded (as on every exact GGUF
-route). `native/int5_blocks.cpp` unpacks a block into int16 values `x - 16` with a few
-vector operations and sums their products with the int16-rounded activations exactly, as
-the int8 kernel does on the same integers; more rows run the integer GEMM (`block_matmul`).
+route). GGUF's own 20-byte blocks would be a little smaller (0.6875) but took ~15 vector
+operations per block to unpack, where a lane's three values take one shift and one mask
+each: `native/int5_blocks.cpp` read Gemma 3 270M's Q5_0 weights at 9.8 GB/s from GGUF's
+blocks on the 2-core AMD EPYC (Zen 3). The kernel sums the values' products with the
+int16-rounded activations exactly, as the int8 kernel does on the same integers; more rows
+run the integer GEMM (`block_matmul`).
 
 Gemma 3 270M's Q4_K_M keeps 63M of its 100M layer weights in Q5_0 (its 640 inputs are no
-multiple of Q4_K's 256); there they take 44 MB per token instead of 71.
+multiple of Q4_K's 256); there they take 48 MB per token instead of 71.
 
-An `Int5Linear` is a `SplitInt4Linear`: where a projection's parts mix 5-bit blocks with
+An `Int5Linear` is a `SplitInt4Linear`: where a projection's parts mix 5-bit lanes with
 int8 blocks (Gemma's Q5_0 `attn_q` / `attn_k` beside a Q8_0 `attn_v` in half its layers),
 `widen` turns it, in place, into the int8 blocks it stands for, so the parts fuse into one
 kernel call (`fusion.fuse_linears`).
@@ -32,6 +37,9 @@ from exo.worker.engines.torch.split_int4 import BLOCK, SplitInt4Linear
 
 Q5_0_BLOCK_BYTES = 22  # fp16 d, 4 bytes of high bits, 16 of low nibbles
 HELD_BLOCK_BYTES = 20  # the block without its scale
+GROUP_BLOCKS = 3  # blocks per group of 5-bit lanes
+GROUP_BYTES = 64  # two vectors of 16 16-bit lanes
+LANE_VALUES = 3  # 5-bit values per 16-bit lane
 
 
 def q5_0_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -66,12 +74,50 @@ def int5_values(packed: torch.Tensor) -> torch.Tensor:
     return ((low | (high << 4)) - 16).to(torch.int8).reshape(out, -1)
 
 
+def int5_row_bytes(in_features: int) -> int:
+    """Bytes of one row of 5-bit lanes for `in_features` inputs (a multiple of 32)."""
+    return -(-(in_features // BLOCK) // GROUP_BLOCKS) * GROUP_BYTES
+
+
+def int5_lanes(values: torch.Tensor) -> torch.Tensor:
+    """Integers `[out, in]` in [-16, 15] (`in` a multiple of 32) as 5-bit lanes, uint8
+    `[out, int5_row_bytes(in)]` (the layout of `native/int5_blocks.cpp`).
+
+    Raises:
+        ValueError: values outside [-16, 15], or `in` not a multiple of 32.
+    """
+    out, width = values.shape
+    if width % BLOCK:
+        raise ValueError(f"5-bit lanes hold whole blocks of {BLOCK} inputs, not {width}")
+    wide = values.to(torch.int32)
+    if wide.numel() and (int(wide.min()) < -16 or int(wide.max()) > 15):
+        raise ValueError("5-bit lanes hold integers in [-16, 15]")
+    groups = int5_row_bytes(width) // GROUP_BYTES
+    padded = torch.zeros(out, groups * GROUP_BLOCKS * BLOCK, dtype=torch.int32)
+    padded[:, :width] = wide + 16
+    # [out, group, vector h, field f, lane j]: input 16 (3h + f) + j of the group.
+    fields = padded.reshape(out, groups, 2, LANE_VALUES, 16)
+    lanes = fields[..., 0, :] | (fields[..., 1, :] << 5) | (fields[..., 2, :] << 10)
+    return lanes.to(torch.int16).reshape(out, -1).view(torch.uint8).contiguous()
+
+
+def lane_values(lanes: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The int8 values `[out, in_features]` in [-16, 15] of 5-bit lanes (`int5_lanes`'
+    inverse)."""
+    out = lanes.shape[0]
+    wide = lanes.contiguous().view(torch.int16).to(torch.int32).reshape(out, -1, 2, 1, 16)
+    shifts = torch.tensor([0, 5, 10], dtype=torch.int32).reshape(1, 1, 1, LANE_VALUES, 1)
+    fields = (wide >> shifts) & 0x1F  # [out, group, h, f, j]
+    return (fields.reshape(out, -1)[:, :in_features] - 16).to(torch.int8)
+
+
 class Int5Linear(SplitInt4Linear):
-    """Q5_0 blocks held as 5-bit blocks: `w = (x - 16) * scale` per block of 32 inputs
+    """Q5_0 blocks held as 5-bit lanes: `w = (x - 16) * scale` per block of 32 inputs
     (see the module docstring), for exo's AVX2 kernels (built only where they run).
 
     Args:
-        packed: uint8 `[out, in / 32 * 20]` (`q5_0_blocks`).
+        packed: uint8 `[out, in / 32 * 20]`: GGUF's blocks without their scales
+            (`q5_0_blocks`), repacked into lanes here.
         scales: `[out, in / 32]` float (rounded to bfloat16).
         bias: `[out]` or None.
 
@@ -91,32 +137,32 @@ class Int5Linear(SplitInt4Linear):
             raise ValueError("5-bit blocks need exo's native kernels")
         QuantizedLinear.__init__(self, blocks * BLOCK, out_features, bias)
         self._native = True
-        self.int5_blocks: torch.Tensor | None
+        self.int5_lanes: torch.Tensor | None
         self.block_scales: torch.Tensor | None
-        self.register_buffer("int5_blocks", packed.contiguous())
+        self.register_buffer("int5_lanes", int5_lanes(int5_values(packed)))
         self.register_buffer("block_scales", scales.to(torch.bfloat16).contiguous())
 
     @property
     def widened(self) -> bool:
         """Whether `widen` turned it into int8 blocks."""
-        return self.int5_blocks is None
+        return self.int5_lanes is None
 
     def widen(self) -> None:
         """Hold the same integers as int8 blocks with (scale, zero) pairs (`SplitInt4Linear`'s
         native form: scale d, zero 8d), freeing the 5-bit blocks."""
         if self.widened:
             return
-        assert self.int5_blocks is not None and self.block_scales is not None
+        assert self.int5_lanes is not None and self.block_scales is not None
         scales = self.block_scales.float()
-        self.register_buffer("values", int5_values(self.int5_blocks))
+        self.register_buffer("values", lane_values(self.int5_lanes, self.in_features))
         pairs = torch.stack([scales, 8.0 * scales], dim=-1).to(torch.bfloat16).contiguous()
         self.register_buffer("scale_zero", pairs)
-        self.int5_blocks = None
+        self.int5_lanes = None
         self.block_scales = None
 
     @classmethod
     def concatenate(cls, parts: list[Any]) -> Any:
-        """One linear whose outputs are `parts`' outputs in order: 5-bit blocks when every
+        """One linear whose outputs are `parts`' outputs in order: 5-bit lanes when every
         part holds them, else (some widened) `SplitInt4Linear.concatenate` of the widened
         parts.
 
@@ -139,7 +185,7 @@ class Int5Linear(SplitInt4Linear):
             fused, parts[0].in_features, sum(part.out_features for part in parts), bias
         )
         fused._native = True
-        fused.register_buffer("int5_blocks", torch.cat([part.int5_blocks for part in parts]))
+        fused.register_buffer("int5_lanes", torch.cat([part.int5_lanes for part in parts]))
         fused.register_buffer("block_scales", torch.cat([part.block_scales for part in parts]))
         return fused
 
@@ -151,10 +197,10 @@ class Int5Linear(SplitInt4Linear):
         x = rows.float().contiguous()
         if rows.shape[0] <= NATIVE_BLOCK_MAX_ROWS:
             out: torch.Tensor = torch.ops.exo_native.int5_gemv(
-                x, self.int5_blocks, self.block_scales
+                x, self.int5_lanes, self.block_scales
             )
         else:
-            out = torch.ops.exo_native.block_matmul(x, self.int5_blocks, self.block_scales)
+            out = torch.ops.exo_native.block_matmul(x, self.int5_lanes, self.block_scales)
         return out.to(rows.dtype)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,9 +210,9 @@ class Int5Linear(SplitInt4Linear):
         """The weight as `[out, in]` float32, exact (held integers times held scales)."""
         if self.widened:
             return super().dequantize_float()
-        assert self.int5_blocks is not None and self.block_scales is not None
+        assert self.int5_lanes is not None and self.block_scales is not None
         scales = self.block_scales.float().repeat_interleave(BLOCK, dim=1)
-        return int5_values(self.int5_blocks).float() * scales
+        return lane_values(self.int5_lanes, self.in_features).float() * scales
 
     def dequantize_transposed(self) -> torch.Tensor:
         return self.dequantize_float().to(torch.bfloat16).t()

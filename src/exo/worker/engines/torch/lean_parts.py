@@ -133,8 +133,8 @@ class Projection:
         """`[weight, scale_zero, bias]` as exo's decode layer (`native/decode_layer.cpp`)
         reads them: exo's int4 blocks (uint8 `[out, in / 2]`) or int8 blocks (int8 `[out,
         in]`) with their bfloat16 (scale, zero) pairs, symmetric int8 blocks (int8 `[out,
-        in]`, bfloat16 scales `[out, in / 16 or 32]`), 5-bit blocks (uint8 `[out, in / 32 *
-        20]`, bfloat16 scales `[out, in / 32]`), symmetric int8 (int8 `[out, in]`)
+        in]`, bfloat16 scales `[out, in / 16 or 32]`), 5-bit lanes (uint8 `[out, ceil(in / 96)
+        * 64]`, bfloat16 scales `[out, in / 32]`), symmetric int8 (int8 `[out, in]`)
         with its bfloat16 scale per output `[out]`, or a dense weight (float32, or bfloat16
         held unquantized) with None; bias
         float32 `[out]` or None (a row-parallel linear's bias, which the decode layer adds
@@ -151,9 +151,9 @@ class Projection:
         packed = getattr(module, "packed", None)
         if packed is not None and packed.dtype == torch.uint8:  # Int4Linear, exo's layout
             return [packed, module.scales_and_zeros, bias]
-        int5 = getattr(module, "int5_blocks", None)
+        int5 = getattr(module, "int5_lanes", None)
         block_scales = getattr(module, "block_scales", None)
-        if int5 is not None and block_scales is not None:  # Int5Linear's 5-bit blocks
+        if int5 is not None and block_scales is not None:  # Int5Linear's 5-bit lanes
             return [int5, block_scales, bias]
         values = getattr(module, "values", None)
         if values is not None and block_scales is not None:  # ScaledInt8Linear's blocks

@@ -1,7 +1,7 @@
 // Helpers shared by exo's block kernels (int4_gemv.cpp, int8_blocks.cpp, int5_blocks.cpp, and
 // prefill.cpp for the 5-bit blocks' values): activations rounded to int16 per block of 32,
 // horizontal sums, software prefetch, bfloat16 scales and (scale, zero) pairs unpacked per
-// tile of output rows, 5-bit blocks unpacked to int16, and the dispatch of activation rows
+// tile of output rows, 5-bit lanes unpacked to int16, and the dispatch of activation rows
 // to register tiles of 4, 3, 2 or 1 rows.
 #pragma once
 
@@ -20,9 +20,6 @@
 namespace exo_native::block_rows {
 
 constexpr int64_t kBlock = 32;
-// Bytes of one 5-bit block of 32 inputs as held (int5_blocks.cpp): 4 of high bits, 16 of
-// low nibbles.
-constexpr int64_t kInt5BlockBytes = 20;
 
 #ifdef EXO_AVX2
 inline float horizontal_sum(__m256 v) {
@@ -89,27 +86,37 @@ inline void unpack_bf16(const uint16_t* values, int64_t count, float* out) {
   for (; j < count; ++j) out[j] = bf16_to_float(values[j]);
 }
 
-// One 5-bit block as held (int5_blocks.cpp: 4 bytes of high bits, bit j for input j, then
-// 16 bytes of low nibbles, byte j holding input j's low and input j + 16's high) as two
-// vectors of 16 int16 values v = (low | high << 4) - 16 in [-16, 15]: inputs 0-15, 16-31.
-// Each lane j tests bit j of a broadcast 16-bit half of the high bits.
-inline void int5_block_values(const uint8_t* block, __m256i out[2]) {
-  uint32_t high;
-  std::memcpy(&high, block, sizeof(high));
-  const __m256i bytes =
-      _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
-  const __m256i select = _mm256_setr_epi16(
-      0x0001, 0x0002, 0x0004, 0x0008, 0x0010, 0x0020, 0x0040, 0x0080, 0x0100, 0x0200, 0x0400,
-      0x0800, 0x1000, 0x2000, 0x4000, static_cast<int16_t>(0x8000));
-  const __m256i minus16 = _mm256_set1_epi16(-16);
-  const __m256i set0 = _mm256_cmpeq_epi16(
-      _mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(high & 0xFFFFu)), select), select);
-  const __m256i set1 = _mm256_cmpeq_epi16(
-      _mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(high >> 16)), select), select);
-  const __m256i low0 = _mm256_and_si256(bytes, _mm256_set1_epi16(0x000F));
-  const __m256i low1 = _mm256_srli_epi16(bytes, 4);
-  out[0] = _mm256_add_epi16(low0, _mm256_andnot_si256(set0, minus16));
-  out[1] = _mm256_add_epi16(low1, _mm256_andnot_si256(set1, minus16));
+// Vector v (0-5) of a group of 5-bit lanes (int5_blocks.cpp): 16 int16 values u = x + 16 in
+// [0, 31], of inputs 16 v + j of the group (j: the lane).
+template <int V>
+inline __m256i int5_vector(const uint8_t* group) {
+  const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + (V / 3) * 32));
+  const __m256i five_bits = _mm256_set1_epi16(0x1F);
+  if constexpr (V % 3 == 0) return _mm256_and_si256(lanes, five_bits);
+  if constexpr (V % 3 == 1) return _mm256_and_si256(_mm256_srli_epi16(lanes, 5), five_bits);
+  return _mm256_srli_epi16(lanes, 10);  // bit 15 is 0
+}
+
+// Block `block` of a row of 5-bit lanes as two vectors of 16 int16 values x = u - 16 in
+// [-16, 15]: inputs 0-15, 16-31 of the block.
+inline void int5_block_values(const uint8_t* row, int64_t block, __m256i out[2]) {
+  const uint8_t* group = row + block / kInt5GroupBlocks * kInt5GroupBytes;
+  const __m256i sixteen = _mm256_set1_epi16(16);
+  switch (block % kInt5GroupBlocks) {
+    case 0:
+      out[0] = int5_vector<0>(group);
+      out[1] = int5_vector<1>(group);
+      break;
+    case 1:
+      out[0] = int5_vector<2>(group);
+      out[1] = int5_vector<3>(group);
+      break;
+    default:
+      out[0] = int5_vector<4>(group);
+      out[1] = int5_vector<5>(group);
+  }
+  out[0] = _mm256_sub_epi16(out[0], sixteen);
+  out[1] = _mm256_sub_epi16(out[1], sixteen);
 }
 
 // Activations per block of 32 as int16 values (round to nearest) and one float scale

@@ -63,8 +63,8 @@ enum NormIndex { kInputNorm = 0, kPreMlpNorm = 1, kPostAttentionNorm = 2, kPostM
 constexpr int kNorms = 5;
 
 struct Linear {
-  at::Tensor weight;      // uint8 [out, in / 2] int4 blocks, uint8 [out, in / 32 * 20]
-                          // 5-bit blocks, int8 [out, in], or dense
+  at::Tensor weight;      // uint8 [out, in / 2] int4 blocks, uint8 [out, ceil(in / 96) * 64]
+                          // 5-bit lanes, int8 [out, in], or dense
   at::Tensor scale_zero;  // bfloat16 pairs (blocks), bfloat16 [out] (int8 per output row),
                           // bfloat16 [out, in / 16 or 32] (symmetric int8 or 5-bit
                           // blocks),
@@ -92,12 +92,13 @@ Linear read_linear(const c10::List<std::optional<at::Tensor>>& linears, int64_t 
     linear.scale_zero = *scale_zero;
     linear.in = linear.weight.size(1);
   } else if (kind == at::kByte && scale_zero.has_value() && scale_zero->dim() == 2) {
-    // 5-bit blocks: 20 bytes and one bfloat16 scale per 32 inputs.
-    linear.in = linear.weight.size(1) / 20 * 32;
+    // 5-bit lanes (int5_blocks.cpp): one bfloat16 scale per 32 inputs.
+    linear.in = scale_zero->size(1) * 32;
     TORCH_CHECK(scale_zero->scalar_type() == at::kBFloat16 && scale_zero->is_contiguous() &&
-                    scale_zero->size(0) == linear.out && linear.weight.size(1) % 20 == 0 &&
-                    scale_zero->size(1) * 32 == linear.in,
-                "decode_layer: linear ", index, " needs bfloat16 [out, in / 32] scales");
+                    scale_zero->size(0) == linear.out &&
+                    linear.weight.size(1) == exo_native::int5_row_bytes(linear.in),
+                "decode_layer: linear ", index, " needs 5-bit lanes of ceil(in / 96) * 64 "
+                "bytes per row and bfloat16 [out, in / 32] scales");
     linear.scale_zero = *scale_zero;
   } else if (kind == at::kChar && scale_zero.has_value() && scale_zero->dim() == 2) {
     linear.in = linear.weight.size(1);

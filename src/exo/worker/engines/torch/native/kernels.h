@@ -51,7 +51,25 @@ void int8_block_product(const float* x, int64_t rows, int64_t k, const at::Tenso
 void int8_scaled_product(const float* x, int64_t rows, int64_t k, const at::Tensor& values,
                          const at::Tensor& scales, float* y);
 
-// y[rows, out] = x[rows, k] times 5-bit blocks (packed uint8 [out, k / 32 * 20], scales
+// 5-bit lanes (int5_blocks.cpp): a row of k inputs (k / 32 blocks) is held in groups of 3
+// blocks of 64 bytes, the last group zero-padded: its bytes.
+constexpr int64_t kInt5GroupBlocks = 3;
+constexpr int64_t kInt5GroupBytes = 64;
+constexpr int64_t int5_row_bytes(int64_t k) {
+  return (k / 32 + kInt5GroupBlocks - 1) / kInt5GroupBlocks * kInt5GroupBytes;
+}
+
+// The 5-bit value x = u - 16 of input j of a row of 5-bit lanes: group j / 96; within it,
+// "vector" v = (j % 96) / 16 is field v % 3 of the lanes of half v / 3, lane (j % 16).
+inline int int5_value(const uint8_t* row, int64_t j) {
+  constexpr int64_t kGroupInputs = kInt5GroupBlocks * 32;
+  const int64_t within = j % kGroupInputs, vector = within / 16;
+  const uint8_t* lane = row + j / kGroupInputs * kInt5GroupBytes + vector / 3 * 32 + within % 16 * 2;
+  const int bits = lane[0] | (lane[1] << 8);  // little-endian 16-bit lane
+  return ((bits >> (5 * (vector % 3))) & 0x1F) - 16;
+}
+
+// y[rows, out] = x[rows, k] times 5-bit lanes (uint8 [out, int5_row_bytes(k)], scales
 // bfloat16 [out, k / 32]); see int5_blocks.cpp.
 void int5_product(const float* x, int64_t rows, int64_t k, const at::Tensor& packed,
                   const at::Tensor& scales, float* y);

@@ -49,7 +49,6 @@ namespace {
 
 using exo_native::bf16_to_float;
 using exo_native::block_rows::kBlock;
-using exo_native::block_rows::kInt5BlockBytes;
 
 // How a block weight's integers are held: int4 pairs of blocks (int4_gemv.cpp), int8 values
 // (int8_blocks.cpp), or 5-bit blocks (int5_blocks.cpp).
@@ -60,7 +59,7 @@ int64_t row_bytes_of(Held held, int64_t k) {
     case Held::kInt4:
       return k / 2;
     case Held::kInt5:
-      return k / kBlock * kInt5BlockBytes;
+      return exo_native::int5_row_bytes(k);
     case Held::kInt8:
       break;
   }
@@ -114,22 +113,11 @@ void dequantize_int8_row(const int8_t* row, const uint16_t* scale_zero, int64_t 
 }
 
 
-// One output row of a 5-bit block weight: w = v * scale per block of 32 inputs (the value
-// layout of int5_blocks.cpp).
+// One output row of 5-bit lanes: w = x * scale per block of 32 inputs (the layout of
+// int5_blocks.cpp).
 void dequantize_int5_row(const uint8_t* row, const uint16_t* scales, int64_t k, float* out) {
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    const uint8_t* block = row + b * kInt5BlockBytes;
-    uint32_t high;
-    std::memcpy(&high, block, sizeof(high));
-    const float scale = bf16_to_float(scales[b]);
-    for (int j = 0; j < 16; ++j) {
-      const int low = block[4 + j] & 0x0F, upper = block[4 + j] >> 4;
-      const int bit = static_cast<int>((high >> j) & 1u);
-      const int upper_bit = static_cast<int>((high >> (16 + j)) & 1u);
-      out[b * kBlock + j] = static_cast<float>((low | (bit << 4)) - 16) * scale;
-      out[b * kBlock + 16 + j] = static_cast<float>((upper | (upper_bit << 4)) - 16) * scale;
-    }
-  }
+  for (int64_t j = 0; j < k; ++j)
+    out[j] = static_cast<float>(exo_native::int5_value(row, j)) * bf16_to_float(scales[j / kBlock]);
 }
 
 // One output row of a symmetric int8-block weight: w = v * scale per block of `block` inputs.
@@ -170,7 +158,7 @@ inline void transpose8(__m256i in[8], __m256i out[8]) {
 inline void block_values(const uint8_t* row, Held held, int64_t block, int64_t blocks,
                          __m256i out[2]) {
   if (held == Held::kInt5) {
-    exo_native::block_rows::int5_block_values(row + block * kInt5BlockBytes, out);
+    exo_native::block_rows::int5_block_values(row, block, out);
     return;
   }
   if (held == Held::kInt8) {
@@ -455,14 +443,14 @@ at::Tensor block_matmul_op(const at::Tensor& x, const at::Tensor& weight,
                   scale_zero.size(0) == n && scale_zero.size(1) > 0,
               "block_matmul: scale_zero must be a contiguous bfloat16 [out, ...] tensor");
   const bool int5 = weight.scalar_type() == at::kByte && scale_zero.dim() == 2;
-  const int64_t held = int5 ? weight.size(1) / kInt5BlockBytes * kBlock
+  const int64_t held = int5 ? scale_zero.size(1) * kBlock
                        : weight.scalar_type() == at::kByte ? 2 * weight.size(1)
                                                            : weight.size(1);
   TORCH_CHECK(held == k && k % kBlock == 0, "block_matmul: x has ", k, " inputs, the weight ",
               held, " (a multiple of 32 is needed)");
-  if (int5) {  // 5-bit blocks: 20 bytes and one scale per 32 inputs
-    TORCH_CHECK(weight.size(1) % kInt5BlockBytes == 0 && scale_zero.size(1) * kBlock == k,
-                "block_matmul: 5-bit blocks need 20 bytes and one scale per 32 inputs");
+  if (int5) {  // 5-bit lanes: groups of 3 blocks in 64 bytes, one scale per 32 inputs
+    TORCH_CHECK(weight.size(1) == exo_native::int5_row_bytes(k),
+                "block_matmul: 5-bit lanes need ceil(in / 96) * 64 bytes per row");
   } else if (scale_zero.dim() == 2) {  // symmetric int8 blocks: one scale per 16 or 32 inputs
     TORCH_CHECK(weight.scalar_type() == at::kChar &&
                     (scale_zero.size(1) * 16 == k || scale_zero.size(1) * 32 == k),

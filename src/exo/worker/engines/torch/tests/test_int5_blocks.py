@@ -1,6 +1,7 @@
-"""GGUF Q5_0 blocks held as 5-bit blocks: the integers against `gguf`'s own dequantizer, the
-decode kernel and the integer GEMM against the held weight, widening to int8 blocks, and
-fusion with 5-bit and int8-block neighbours."""
+"""GGUF Q5_0 blocks held as 5-bit lanes: the integers against `gguf`'s own dequantizer, the
+lanes' layout, the decode kernel and the integer GEMM against the held weight (rows of whole
+and of padded groups), widening to int8 blocks, and fusion with 5-bit and int8-block
+neighbours."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from exo.worker.engines.torch.fusion import fuse_linears
 from exo.worker.engines.torch.int5_blocks import (
     Int5BlockPart,
     Int5Linear,
+    int5_lanes,
+    int5_row_bytes,
     int5_values,
+    lane_values,
     q5_0_blocks,
 )
 from exo.worker.engines.torch.native_int4 import (
@@ -32,10 +36,10 @@ ROWS, COLUMNS = 80, 640  # 20 blocks per row (Gemma 3 270M's width)
 BF16_RELATIVE = 2.0**-8
 
 
-def q5_0(rows: int = ROWS, seed: int = 0) -> np.ndarray:
+def q5_0(rows: int = ROWS, seed: int = 0, columns: int = COLUMNS) -> np.ndarray:
     """Raw Q5_0 blocks of Gaussian weights with outliers, quantized by `gguf`."""
     rng = np.random.default_rng(seed)
-    weights = rng.standard_normal((rows, COLUMNS)).astype(np.float32) * 0.02
+    weights = rng.standard_normal((rows, columns)).astype(np.float32) * 0.02
     weights[rng.random(weights.shape) < 0.002] *= 10.0
     return quantize(weights, GGMLQuantizationType.Q5_0)
 
@@ -57,8 +61,10 @@ def test_held_blocks_are_gguf_values_up_to_the_bfloat16_scales() -> None:
     assert int(values.min()) == -16 and int(values.max()) == 15
     exact = values.float() * torch.from_numpy(scales).repeat_interleave(32, dim=1)
     assert torch.equal(exact, expected)
-    held = linear_of(raw).dequantize_float()
+    linear = linear_of(raw)
+    held = linear.dequantize_float()
     assert bool(((held - expected).abs() <= expected.abs() * BF16_RELATIVE + 1e-9).all())
+    assert linear.int5_lanes is not None and linear.int5_lanes.shape == (ROWS, 7 * 64)
 
     class Slice:  # a tensor-parallel reader's view: whole blocks of the columns
         def get_shape(self) -> list[int]:
@@ -75,18 +81,42 @@ def test_held_blocks_are_gguf_values_up_to_the_bfloat16_scales() -> None:
         q5_0_blocks(raw[:, :-2])
 
 
+def test_lanes_hold_three_5_bit_values_each_in_groups_of_three_blocks() -> None:
+    """Lane j of vector h of a group holds inputs 16 (3h + f) + j at bits 5f (u = x + 16);
+    a row's last group is zero-padded; `lane_values` inverts `int5_lanes`."""
+    values = torch.arange(-16, 16, dtype=torch.int8).repeat(3, 5)[:, :160]  # 5 blocks
+    lanes = int5_lanes(values)
+    assert lanes.dtype == torch.uint8 and lanes.shape == (3, int5_row_bytes(160)) == (3, 128)
+    words = lanes.view(torch.int16).to(torch.int32)  # [3, 64 lanes]
+    for j in (0, 7, 15):
+        for h in (0, 1):
+            for f in range(3):
+                field = (int(words[1, 16 * h + j]) >> (5 * f)) & 0x1F
+                assert field == int(values[1, 16 * (3 * h + f) + j]) + 16
+    assert int(words.max()) < 1 << 15  # bit 15 clear
+    # The second group holds blocks 3 and 4; its third block (vectors 4, 5) is padding.
+    assert torch.equal(words[:, 32 + 16 : 32 + 32] >> 5, torch.zeros(3, 16, dtype=torch.int32))
+    assert torch.equal(lane_values(lanes, 160), values)
+    with pytest.raises(ValueError, match=r"\[-16, 15\]"):
+        int5_lanes(torch.full((1, 32), 16, dtype=torch.int8))
+    with pytest.raises(ValueError, match="whole blocks"):
+        int5_lanes(torch.zeros(1, 48, dtype=torch.int8))
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 33])
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("columns", [COLUMNS, 576, 96 + 32])
 def test_the_kernels_compute_the_held_weight_times_the_rounded_rows(
-    rows: int, threads: int
+    rows: int, threads: int, columns: int
 ) -> None:
     """Up to 7 rows the decode kernel, from 8 the integer GEMM: the held weight times the
     activations as the AVX2 kernels round them, plus the bias; 80 outputs leave tiles with
-    remainders."""
+    remainders; rows of 640 end in a group of 2 blocks, of 576 in whole groups, of 128 in a
+    group of 1."""
     generator = torch.Generator().manual_seed(rows)
     bias = torch.randn(ROWS, generator=generator)
-    linear = linear_of(q5_0(seed=rows), bias)
-    x = torch.randn(rows, COLUMNS, generator=generator)
+    linear = linear_of(q5_0(seed=rows, columns=columns), bias)
+    x = torch.randn(rows, columns, generator=generator)
     activations = rounded_activations(x) if ROUNDS_ACTIVATIONS else x
     expected = activations.double() @ linear.dequantize_float().double().t() + bias
     before = torch.get_num_threads()
@@ -96,6 +126,24 @@ def test_the_kernels_compute_the_held_weight_times_the_rounded_rows(
     finally:
         torch.set_num_threads(before)
     assert out.shape == (rows, ROWS)
+    atol = 1e-5 * float(expected.abs().max())
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_decode_kernel_splits_many_outputs_over_threads(rows: int) -> None:
+    """2,048 outputs of 640 inputs: several chunks of outputs, run on both threads."""
+    generator = torch.Generator().manual_seed(11)
+    linear = linear_of(q5_0(2048, seed=11))
+    x = torch.randn(rows, COLUMNS, generator=generator)
+    activations = rounded_activations(x) if ROUNDS_ACTIVATIONS else x
+    expected = activations.double() @ linear.dequantize_float().double().t()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = linear(x)
+    finally:
+        torch.set_num_threads(before)
     atol = 1e-5 * float(expected.abs().max())
     torch.testing.assert_close(out.double(), expected, rtol=0, atol=atol)
 
@@ -117,8 +165,8 @@ def test_fusion_keeps_5_bit_blocks_or_widens_beside_int8_blocks() -> None:
     fused = fuse_linears([gate, up])
     assert isinstance(fused, Int5Linear) and not fused.widened
     torch.testing.assert_close(fused(x), separately, rtol=0, atol=1e-6)
-    assert up.int5_blocks is not None and fused.int5_blocks is not None
-    assert up.int5_blocks.data_ptr() == fused.int5_blocks[64:].data_ptr()  # held once
+    assert up.int5_lanes is not None and fused.int5_lanes is not None
+    assert up.int5_lanes.data_ptr() == fused.int5_lanes[64:].data_ptr()  # held once
     # Q5_0 q / k beside a Q8_0 v (Gemma's Q4_K_M): all three as int8 blocks, one call.
     q, k = linear_of(q5_0(64, seed=4)), linear_of(q5_0(64, seed=5))
     rng = np.random.default_rng(6)
@@ -138,25 +186,30 @@ def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="do not fit"):
         Int5Linear(torch.zeros(4, 41, dtype=torch.uint8), torch.ones(4, 2), None)
     x = torch.zeros(1, 64)
-    with pytest.raises(RuntimeError, match="20"):
+    with pytest.raises(RuntimeError, match="5-bit lanes"):
         torch.ops.exo_native.int5_gemv(
             x, torch.zeros(4, 41, dtype=torch.uint8), torch.ones(4, 2, dtype=torch.bfloat16)
         )
+    with pytest.raises(RuntimeError, match="5-bit lanes"):
+        torch.ops.exo_native.block_matmul(
+            torch.zeros(9, 64), torch.zeros(4, 40, dtype=torch.uint8),
+            torch.ones(4, 2, dtype=torch.bfloat16),
+        )  # fmt: skip
 
 
 _FLOAT_PATH_SCRIPT = """
 import json, sys, torch
 from exo.worker.engines.torch.native_int4 import built_int4_kernel, rounded_activations
-from exo.worker.engines.torch.int5_blocks import int5_values
+from exo.worker.engines.torch.int5_blocks import int5_lanes
 assert built_int4_kernel() is not None
 g = torch.Generator().manual_seed(0)
 x = torch.randn(9, 640, generator=g)
 act = rounded_activations(x).double()
 errors = {}
-packed = torch.randint(0, 256, (40, 400), generator=g, dtype=torch.uint8)
+values = torch.randint(-16, 16, (40, 640), generator=g, dtype=torch.int8)
 scales = (torch.rand(40, 20, generator=g) * 0.01).to(torch.bfloat16)
-weight = int5_values(packed).double() * scales.double().repeat_interleave(32, dim=1)
-cases = {"int5": (packed, scales, weight)}
+weight = values.double() * scales.double().repeat_interleave(32, dim=1)
+cases = {"int5": (int5_lanes(values), scales, weight)}
 for block in (16, 32):
     values = torch.randint(-128, 128, (40, 640), generator=g, dtype=torch.int8)
     sc = (torch.rand(40, 640 // block, generator=g) * 0.01).to(torch.bfloat16)
