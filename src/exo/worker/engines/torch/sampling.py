@@ -21,6 +21,18 @@ from exo.shared.types.text_generation import TextGenerationTaskParams
 from exo.worker.engines.torch.constrained import TokenConstraint
 
 
+def argmax_token(scores: torch.Tensor) -> int:
+    """The index of the largest of `scores` `[n]` (the first of equal ones; a NaN counts as
+    the largest, as in `torch.argmax`).
+
+    numpy's argmax where the scores are float32 on the CPU: torch's took 600 us for Gemma 3's
+    262,144 logits on the 2-core AMD EPYC (Zen 3), 3% of a decode step; numpy's 29 us.
+    """
+    if scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 1:
+        return int(scores.detach().contiguous().numpy().argmax())
+    return int(torch.argmax(scores).item())
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Fully resolved sampling settings for one request.
@@ -285,7 +297,7 @@ class Sampler:
         """
         if constraint is None:
             if self.params.is_greedy:
-                return int(torch.argmax(logits).item())
+                return argmax_token(logits)
             probs = torch.softmax(filter_logits(logits, self.params), dim=-1)
             return int(torch.multinomial(probs, 1, generator=self._generator).item())
         if self.params.is_greedy:
@@ -295,7 +307,7 @@ class Sampler:
     def _constrained_greedy(self, logits: torch.Tensor, constraint: TokenFilter) -> int:
         scores = logits.float().clone()  # [vocab]
         for _attempt in range(MAX_REJECTIONS):
-            token = int(torch.argmax(scores).item())
+            token = argmax_token(scores)
             if constraint.allowed(token):
                 return token
             scores[token] = float("-inf")
@@ -314,7 +326,7 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(1.0, generator=self._generator)
         race = probs / noise  # [vocab]; filtered-out tokens at 0
         for _attempt in range(MAX_REJECTIONS):
-            token = int(torch.argmax(race).item())
+            token = argmax_token(race)
             if race[token] <= 0.0:  # every token the filters kept was rejected
                 break
             if constraint.allowed(token):

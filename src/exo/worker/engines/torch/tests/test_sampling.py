@@ -9,6 +9,7 @@ from exo.worker.engines.torch.sampling import (
     Sampler,
     SamplingParams,
     TokenChooser,
+    argmax_token,
     filter_logits,
     resolve_sampling_params,
 )
@@ -23,6 +24,22 @@ def test_temperature_zero_is_argmax() -> None:
     logits = random_logits()
     sampler = Sampler(SamplingParams(temperature=0.0, seed=1))
     assert sampler.sample(logits) == int(logits.argmax())
+
+
+@pytest.mark.parametrize(
+    "scores",
+    [
+        random_logits(3, vocab=262_144),
+        torch.tensor([1.0, 3.0, 3.0, -float("inf")]),  # the first of equals
+        torch.tensor([1.0, float("nan"), 3.0, float("nan")]),  # NaN counts as the largest
+        torch.full((5,), -float("inf")),
+        random_logits(4).reshape(10, 100)[:, 7],  # a strided view
+        random_logits(5).to(torch.bfloat16),  # torch's argmax
+    ],
+    ids=["gemma-vocab", "ties", "nan", "all-inf", "strided", "bfloat16"],
+)
+def test_argmax_token_is_torch_argmax(scores: torch.Tensor) -> None:
+    assert argmax_token(scores) == int(torch.argmax(scores))
 
 
 def test_top_k_one_equals_greedy() -> None:
