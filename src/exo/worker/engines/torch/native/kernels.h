@@ -65,7 +65,8 @@ inline int int5_value(const uint8_t* row, int64_t j) {
   constexpr int64_t kGroupInputs = kInt5GroupBlocks * 32;
   const int64_t within = j % kGroupInputs, vector = within / 16;
   const uint8_t* lane = row + j / kGroupInputs * kInt5GroupBytes + vector / 3 * 32 + within % 16 * 2;
-  const int bits = lane[0] | (lane[1] << 8);  // little-endian 16-bit lane
+  uint16_t bits;  // a 16-bit lane in the machine's byte order (as int5_blocks.py writes it)
+  std::memcpy(&bits, lane, sizeof(bits));
   return ((bits >> (5 * (vector % 3))) & 0x1F) - 16;
 }
 
