@@ -249,12 +249,20 @@ def test_placement_routes_and_restart_replay(tmp_path: Path, shared_models_dir: 
     finally:
         node.stop()
 
-    # On restart the node replays its log: the instance is back and answers.
+    # On restart the node replays its log: the instance is back and answers. "is ready"
+    # is logged once the new runner is (the replayed state still says the old one was).
+    log_before = node.log_path.read_text()
     restarted = ExoNode(node.home, models_dir=shared_models_dir, extra_args=("--no-default-model",))
     restarted.start()
     try:
         assert instance_id in restarted.state()["instances"]
         restarted.wait_ready(timeout=120)
+
+        def new_lines() -> str:
+            return restarted.log_path.read_text()[len(log_before) :]
+
+        wait_until(lambda: " is ready" in new_lines(), timeout=30, what='"is ready" logged')
+        assert "warmed up" in new_lines().split(" is ready")[0], new_lines()
         completion = client_for(restarted).chat.completions.create(
             model=DEFAULT_MODEL_ID, messages=QUESTION, temperature=0, max_tokens=40
         )

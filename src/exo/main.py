@@ -374,23 +374,29 @@ class Node:
 
     async def _announce_ready_models(self) -> None:
         """Log `<model> is ready` each time an instance this node takes part in becomes
-        ready to answer (every rank ready), after a restart too."""
+        ready to answer (every rank ready), after a restart too. This node's own rank is
+        judged by its runner's live status: after a restart the replayed state still holds
+        the previous life's `RunnerReady` until the new runner reports (the line came ~40 s
+        before a restarted node's runner had loaded)."""
         announced: set[InstanceId] = set()
         while not self.replica.caught_up():
             await anyio.sleep(0.2)
         while True:
             await self.cluster.state_changed.wait()
             state = self.cluster.state
-            ready = {
-                instance.instance_id
-                for instance in state.instances_on_node(self.node_id)
-                if all(
-                    isinstance(state.runners.get(runner_id), RunnerReady | RunnerRunning)
-                    for runner_id in instance.shard_assignments.runner_to_shard
-                )
-                and self.worker.runners.get(instance.shard_assignments.node_to_runner[self.node_id])
-                is not None
-            }
+            ready = set()
+            for instance in state.instances_on_node(self.node_id):
+                assignments = instance.shard_assignments
+                mine = self.worker.runners.get(assignments.node_to_runner[self.node_id])
+                if (
+                    mine is not None
+                    and isinstance(mine.status, RunnerReady | RunnerRunning)
+                    and all(
+                        isinstance(state.runners.get(runner_id), RunnerReady | RunnerRunning)
+                        for runner_id in assignments.runner_to_shard
+                    )
+                ):
+                    ready.add(instance.instance_id)
             for instance_id in ready - announced:
                 logger.info(f"{state.instances[instance_id].model_id} is ready")
             announced = ready
