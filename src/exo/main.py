@@ -59,7 +59,7 @@ from exo.shared.types.commands import (
     PlaceInstance,
 )
 from exo.shared.types.common import CommandId, InstanceId, NodeId
-from exo.shared.types.events import RunnerDeleted
+from exo.shared.types.events import RunnerDeleted, RunnerStatusUpdated
 from exo.shared.types.runners import RunnerReady, RunnerRunning
 from exo.utils.heap import trim_heap_periodically
 from exo.utils.info_gatherer import InfoGatherer
@@ -281,12 +281,19 @@ class Node:
 
     async def _clean_up_after_restart(self) -> None:
         """Runners this node ran before it stopped are gone, and so are the clients of the
-        requests it was serving: say so, once the node holds the cluster's history."""
+        requests it was serving: say so, once the node holds the cluster's history. A runner
+        already recreated under the same id gets its live status instead of its deletion:
+        the replayed state still says the previous life's (`RunnerReady` for ~30 s of the
+        new runner's loading, seen by a user, until the new one's first report)."""
         if not await self._caught_up(timeout=60):
             return
         for event in self._stale_on_restart:
-            if isinstance(event, RunnerDeleted) and event.runner_id in self.worker.runners:
-                continue  # already recreated under the same id; its status replaces the old
+            if isinstance(event, RunnerDeleted):
+                recreated = self.worker.runners.get(event.runner_id)
+                if recreated is not None:
+                    event = RunnerStatusUpdated(
+                        runner_id=event.runner_id, node_id=self.node_id, status=recreated.status
+                    )
             self.local_events.emit(event)
 
     async def _announce(self) -> None:
