@@ -40,7 +40,7 @@ class HomeLock:
             holder = handle.read().strip()
             handle.close()
             raise HomeInUseError(
-                f"{home} is in use by another exo node"
+                f"{home.resolve()} is in use by another exo node"
                 + (f" (pid {holder})" if holder.isdigit() else "")
                 + "; give each node on one machine its own data directory (EXO_HOME)"
             ) from None

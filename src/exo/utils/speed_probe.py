@@ -591,7 +591,7 @@ def cached_node_speed(remeasure: bool = False, path: Path | None = None) -> Prob
         f"{(speed.int5_decode_bytes_per_second or 0.0) / 1e9:.1f} GB/s, int8 blocks "
         f"{(speed.int8_block_decode_bytes_per_second or 0.0) / 1e9:.1f} GB/s, copy "
         f"{speed.memory_copy_bytes_per_second / 1e9:.1f} GB/s, bf16 matmul "
-        f"{speed.bf16_matmul_flops / 1e9:.0f} GFLOP/s, layer overhead "
+        f"{speed.bf16_matmul_flops / 1e9:.1f} GFLOP/s, layer overhead "
         f"{speed.layer_overhead_seconds * 1e6:.0f} us"
     )
     if cached is not None:

@@ -68,6 +68,10 @@ async def retrieve_model(model_id: str, cluster: Cluster) -> ModelObject:
     """One known model (catalog or placed) by id or short name; 404 in OpenAI's error shape
     when the cluster knows no such model."""
     resolved = resolve_model_id(cluster, model_id)
+    if resolved is None and not model_id.startswith("/"):
+        # `/v1/models/tmp/x.gguf` names the local model /tmp/x.gguf (the path converter
+        # leaves out the slash after `models/`), as `DELETE /models/custom/tmp/x.gguf` does.
+        resolved = resolve_model_id(cluster, f"/{model_id}")
     if resolved is None:
         raise ModelNotFoundError(f"The model '{model_id}' does not exist", code="model_not_found")
     return _model_object(resolved)

@@ -136,7 +136,12 @@ async def test_a_local_directory_is_added_under_its_path(
             "kind": "LocalDirectorySource",
             "path": directory,
         }
-        # The id is a path: the route's `{model_id:path}` takes its slashes.
+        # The id is a path, written after `models/` with its slash or without.
+        for url in (f"/v1/models/{directory}", f"/v1/models{directory}"):
+            retrieved = await client.get(url)
+            assert retrieved.status_code == 200, (url, retrieved.text)
+            assert retrieved.json()["id"] == directory
+        # The route's `{model_id:path}` takes its slashes.
         deleted = await client.delete(f"/models/custom/{directory}")
         assert deleted.status_code == 200, deleted.text
         assert cluster.state.custom_cards == {}

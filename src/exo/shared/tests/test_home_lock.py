@@ -27,11 +27,17 @@ time.sleep(120)
 """
 
 
-def test_a_second_lock_is_refused_until_the_first_is_released(tmp_path: Path) -> None:
+def test_a_second_lock_is_refused_until_the_first_is_released(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     first = HomeLock(tmp_path)
     assert (tmp_path / LOCK_FILE_NAME).read_text() == f"{os.getpid()}\n"
     with pytest.raises(HomeInUseError, match=rf"in use by another exo node \(pid {os.getpid()}\)"):
         HomeLock(tmp_path)
+    monkeypatch.chdir(tmp_path.parent)  # a relative EXO_HOME: the message names it whole
+    with pytest.raises(HomeInUseError) as refused:
+        HomeLock(Path(tmp_path.name))
+    assert str(refused.value).startswith(f"{tmp_path.resolve()} is in use")
     first.release()
     first.release()  # idempotent
     HomeLock(tmp_path).release()
@@ -74,7 +80,9 @@ def test_exo_refuses_to_start_on_a_directory_in_use(
         logger.remove(sink)
         held.release()
     assert stopped.value.code == 1
-    assert any(f"{tmp_path} is in use by another exo node" in line for line in logged), logged
+    assert any(f"{tmp_path.resolve()} is in use by another exo node" in line for line in logged), (
+        logged
+    )
     # Nothing of the directory was touched: no node id, no event log.
     assert sorted(path.name for path in tmp_path.iterdir()) == [LOCK_FILE_NAME]
 
