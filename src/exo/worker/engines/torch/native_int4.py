@@ -193,7 +193,7 @@ def _built_library() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if library.exists():  # built by another process while this one waited
             return library
-        logger.info("building exo's native kernels (once per machine, ~15 s) into {}", root)
+        logger.info("building exo's native kernels (once per machine, up to a minute) in {}", root)
         started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=root) as build:
             script = (
