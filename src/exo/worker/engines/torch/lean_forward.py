@@ -55,11 +55,14 @@ from exo.worker.engines.torch.lean_parts import (
     Activation,
     LeanUnsupportedError,
     Projection,
+    RotaryCache,
+    RotaryTables,
     activation_code,
     bf16_activations_wanted,
     mlp_activation,
     norm_weight,
     rotary_tables,
+    static_rope,
 )
 from exo.worker.engines.torch.links import all_reduce_sum
 from exo.worker.engines.torch.native_int4 import native_int4_kernel
@@ -213,6 +216,9 @@ class LeanModel:
             LeanLayer(layer, family, self.bf16, rope)
             for layer, rope in zip(layers, ropes, strict=True)
         ]
+        self._rotary_cache: RotaryCache | None = None
+        if static_rope(self._rotary, self._rope_kinds):
+            self._rotary_cache = RotaryCache(self._computed_rotary_tables)
         self._embedding: nn.Module | None = inner.embed_tokens
         if isinstance(self._embedding, AbsentModule):
             self._embedding = None
@@ -298,8 +304,24 @@ class LeanModel:
 
     def _rotary_tables(
         self, x: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
-    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        probe = x[:1, None].to(dtype)  # the rotary module reads only its dtype and device
+    ) -> RotaryTables:
+        """Each rope kind's whole-head tables (`lean_parts.rotary_tables`) for the step's
+        positions `[T]`: `cos` / `sin` `[T, 1, head_dim]`, `perm` `[head_dim]`.
+
+        Where every rope kind's frequencies are static, the tables come from
+        `RotaryCache` (the rotary module run once per block of positions, then one row
+        gather per step; the same values, the module being elementwise in the position):
+        calling Gemma 3's rotary module for its two kinds took ~0.36 ms of a ~18 ms decode
+        step on the 2-core AMD EPYC, the gathers ~0.02 ms."""
+        if self._rotary_cache is not None:
+            return self._rotary_cache.tables(position_ids, dtype, x.device)
+        return self._computed_rotary_tables(position_ids, dtype, x.device)
+
+    def _computed_rotary_tables(
+        self, position_ids: torch.Tensor, dtype: torch.dtype, device: torch.device
+    ) -> RotaryTables:
+        """The rotary module's tables for `position_ids` `[T]` (int64), one per rope kind."""
+        probe = torch.empty(1, 1, 1, dtype=dtype, device=device)  # read for dtype and device
         positions = position_ids[None]
         tables = []
         head_dim = self.layers[0].head_dim if self.layers else 1

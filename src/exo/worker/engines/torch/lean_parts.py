@@ -274,3 +274,70 @@ def rotary_tables(
     perm[:half] += half
     perm[half:rotary] -= half
     return cos_full[:, None], sin_full[:, None], perm
+
+
+RotaryTables = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# Positions per block of cached rotary tables, and the widest span of positions kept.
+ROTARY_BLOCK = 256
+ROTARY_CACHE_LIMIT = 8192
+
+
+def static_rope(rotary: nn.Module, kinds: Sequence[str | None]) -> bool:
+    """Whether `rotary` (a transformers rotary module) gives every position the same
+    cos / sin whatever else the step holds: true for every rope type but transformers'
+    "dynamic" ones (NTK scaling that changes with the longest position) and "longrope"
+    (short or long factors by the same), which `dynamic_rope_update` recomputes per call.
+    False where the module does not say its type."""
+    types: Any = getattr(rotary, "rope_type", None)
+    if isinstance(types, dict):
+        named = [types.get(kind) for kind in kinds]
+    else:
+        named = [types for _ in kinds]
+    return all(
+        isinstance(name, str) and "dynamic" not in name and name != "longrope" for name in named
+    )
+
+
+class RotaryCache:
+    """Whole-head rotary tables for a span of positions, computed once and gathered per step.
+
+    `compute(positions [P] int64, dtype, device)` gives each rope kind's tables for
+    `positions` (`LeanModel._computed_rotary_tables`); the cache asks it for whole blocks of
+    `ROTARY_BLOCK` positions covering a step's positions and keeps them until a step falls
+    outside (a decode step moves past the span once per block). A step whose positions span
+    more than `ROTARY_CACHE_LIMIT` is computed directly and not kept (a long prefill next to
+    a short decode would otherwise keep its tables: 2 KiB per position per kind for a head
+    of 256).
+    """
+
+    def __init__(
+        self, compute: Callable[[torch.Tensor, torch.dtype, torch.device], RotaryTables]
+    ) -> None:
+        self._compute = compute
+        self._first = 0
+        self._end = 0
+        self._key: tuple[torch.dtype, torch.device] | None = None
+        self._tables: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def tables(
+        self, position_ids: torch.Tensor, dtype: torch.dtype, device: torch.device
+    ) -> RotaryTables:
+        """Each kind's `cos` / `sin` `[T, 1, head_dim]` and `perm` `[head_dim]` for
+        `position_ids` `[T]` (int64, >= 0)."""
+        if position_ids.numel() == 0:
+            return self._compute(position_ids, dtype, device)
+        low, high = int(position_ids.min()), int(position_ids.max())
+        if (dtype, device) != self._key or low < self._first or high >= self._end:
+            first = low // ROTARY_BLOCK * ROTARY_BLOCK
+            end = (high // ROTARY_BLOCK + 1) * ROTARY_BLOCK
+            if end - first > ROTARY_CACHE_LIMIT:
+                return self._compute(position_ids, dtype, device)
+            span = torch.arange(first, end, dtype=torch.int64, device=device)
+            computed = self._compute(span, dtype, device)
+            self._tables = [(cos[:, 0], sin[:, 0], perm) for cos, sin, perm in computed]
+            self._first, self._end, self._key = first, end, (dtype, device)
+        rows = position_ids - self._first if self._first else position_ids
+        return [
+            (cos.index_select(0, rows)[:, None], sin.index_select(0, rows)[:, None], perm)
+            for cos, sin, perm in self._tables
+        ]

@@ -225,6 +225,57 @@ def test_bf16_fallback_forced(tiny_dirs: dict[str, Path], monkeypatch: pytest.Mo
     assert lean_parts.bf16_activations_wanted()
 
 
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_cached_rotary_tables_equal_the_rotary_module(
+    tiny_dirs: dict[str, Path], name: str
+) -> None:
+    """The cached tables (blocks of positions, gathered per step) hold exactly the values the
+    rotary module gives the step's own positions, across block boundaries and in any order;
+    a span past the cache's limit is computed directly and not kept."""
+    lean = lean_step_of(_load(tiny_dirs[name]))
+    assert isinstance(lean, LeanModel)
+    cache = lean._rotary_cache
+    assert cache is not None  # every tiny model's rope type is static
+    block = lean_parts.ROTARY_BLOCK
+    steps = [[0], [5], [block - 1, 3], [block], [block + 7, 2 * block + 1, 1], list(range(40))]
+    for positions in steps:
+        ids = torch.tensor(positions, dtype=torch.int64)
+        cached = cache.tables(ids, torch.float32, CPU)
+        computed = lean._computed_rotary_tables(ids, torch.float32, CPU)
+        assert len(cached) == len(computed) == len(lean._rope_kinds)
+        for (cos, sin, perm), (cos_ref, sin_ref, perm_ref) in zip(cached, computed, strict=True):
+            assert cos.shape == cos_ref.shape == (len(positions), 1, lean.layers[0].head_dim)
+            assert torch.equal(cos, cos_ref) and torch.equal(sin, sin_ref)
+            assert torch.equal(perm, perm_ref)
+    kept = cache._tables
+    far = torch.tensor([0, lean_parts.ROTARY_CACHE_LIMIT + 5], dtype=torch.int64)
+    for (cos, _, _), (cos_ref, _, _) in zip(
+        cache.tables(far, torch.float32, CPU),
+        lean._computed_rotary_tables(far, torch.float32, CPU),
+        strict=True,
+    ):
+        assert torch.equal(cos, cos_ref)
+    assert cache._tables is kept
+
+
+def test_dynamic_rope_is_not_cached() -> None:
+    """Rope types whose frequencies change with the longest position ("dynamic" NTK scaling,
+    "longrope") are computed per step; the static ones (and Gemma 3's per-kind dict) are
+    cached; a module that names no type is not."""
+    module = nn.Module()
+    for rope_type, static in [
+        ("default", True), ("linear", True), ("yarn", True), ("llama3", True),
+        ("dynamic", False), ("longrope", False),
+    ]:  # fmt: skip
+        module.rope_type = rope_type  # type: ignore[assignment]
+        assert lean_parts.static_rope(module, [None]) is static
+    module.rope_type = {"full_attention": "default", "sliding_attention": "linear"}  # type: ignore[assignment]
+    assert lean_parts.static_rope(module, ["full_attention", "sliding_attention"])
+    module.rope_type = {"full_attention": "dynamic", "sliding_attention": "default"}  # type: ignore[assignment]
+    assert not lean_parts.static_rope(module, ["full_attention", "sliding_attention"])
+    assert not lean_parts.static_rope(nn.Module(), [None])
+
+
 def test_family_without_layout_keeps_transformers(tiny_dirs: dict[str, Path]) -> None:
     model = _load(tiny_dirs["llama"])
     model.__dict__["_exo_lean_step"] = None
