@@ -59,13 +59,19 @@ def completion_finish_reason(reason: FinishReason) -> CompletionFinishReason:
             assert_never(reason)
 
 
-def legacy_logprobs(entries: Sequence[TokenLogprob], text_offset: int) -> CompletionLogprobs:
+def legacy_logprobs(
+    entries: Sequence[TokenLogprob], text_offset: int, text_length: int | None = None
+) -> CompletionLogprobs:
     """Token logprobs in the legacy shape: parallel lists, one entry per token.
 
     `top_logprobs[i]` maps the text of each reported alternative to its log probability,
     plus the sampled token (OpenAI: "up to logprobs+1 elements"); alternatives with the
-    same text keep the likelier one. `text_offset[i]` is where token i starts in the
-    choice's text, counting tokens' texts from `text_offset` on.
+    same text keep the likelier one (a dict keyed by text: tokens that decode alike, such
+    as byte tokens that are each "\ufffd" on their own, are one entry). `text_offset[i]` is
+    where token i starts in the choice's text, counting tokens' texts from `text_offset` on
+    and never past the `text_length` characters these tokens added to the text: a token
+    that ends inside a character (its text alone "\ufffd", the character not yet
+    complete) adds nothing to the text until the character is.
     """
     tokens: list[str] = []
     token_logprobs: list[float] = []
@@ -80,7 +86,8 @@ def legacy_logprobs(entries: Sequence[TokenLogprob], text_offset: int) -> Comple
             alternatives.setdefault(candidate.token, candidate.logprob)
         alternatives.setdefault(entry.token, entry.logprob)
         top_logprobs.append(alternatives)
-        offsets.append(offset)
+        end = text_offset + text_length if text_length is not None else None
+        offsets.append(offset if end is None else min(offset, end))
         offset += len(entry.token)
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs,
@@ -149,15 +156,15 @@ async def stream_completion(
         match chunk:
             case TokenChunk():
                 counted_completion_tokens += len(chunk.token_ids)
+                text = chunk.text + chunk.reasoning_text
                 logprobs = (
-                    legacy_logprobs(chunk.logprobs, text_offset)
+                    legacy_logprobs(chunk.logprobs, text_offset, len(text))
                     if params.logprobs and chunk.logprobs
                     else None
                 )
-                text = chunk.text + chunk.reasoning_text
                 if text or logprobs is not None:
                     yield event([CompletionChoice(text=text, logprobs=logprobs)])
-                text_offset += sum(len(entry.token) for entry in chunk.logprobs)
+                text_offset += len(text)
             case ToolCallChunk():  # cannot happen for a raw prompt; its tokens still count
                 counted_completion_tokens += len(chunk.token_ids)
             case ErrorChunk():
@@ -202,13 +209,21 @@ async def collect_completion(
             stream ended without a finish.
     """
     texts: list[str] = [echo]
-    entries: list[TokenLogprob] = []
+    logprobs = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    text_offset = len(echo)
     counted_completion_tokens = 0
     async for chunk in chunks:
         match chunk:
             case TokenChunk():
-                texts.append(chunk.text + chunk.reasoning_text)
-                entries.extend(chunk.logprobs)
+                text = chunk.text + chunk.reasoning_text
+                texts.append(text)
+                if chunk.logprobs:  # offsets per chunk: its tokens' texts are within its text
+                    part = legacy_logprobs(chunk.logprobs, text_offset, len(text))
+                    logprobs.tokens.extend(part.tokens)
+                    logprobs.token_logprobs.extend(part.token_logprobs)
+                    logprobs.top_logprobs.extend(part.top_logprobs)
+                    logprobs.text_offset.extend(part.text_offset)
+                text_offset += len(text)
                 counted_completion_tokens += len(chunk.token_ids)
             case ToolCallChunk():  # cannot happen for a raw prompt; its tokens still count
                 counted_completion_tokens += len(chunk.token_ids)
@@ -220,7 +235,7 @@ async def collect_completion(
             continue
         choice = CompletionChoice(
             text="".join(texts),
-            logprobs=legacy_logprobs(entries, len(echo)) if params.logprobs else None,
+            logprobs=logprobs if params.logprobs else None,
             finish_reason=completion_finish_reason(chunk.finish_reason),
         )
         return Completion(

@@ -259,6 +259,39 @@ def test_the_sampled_token_is_always_among_the_top_logprobs() -> None:
     assert logprobs.text_offset == [3]
 
 
+def test_text_offsets_stay_inside_the_text() -> None:
+    """Two byte tokens of one character ("é" is 0xC3 0xA9): alone each decodes to
+    "\ufffd", and the detokenizer sends no text until the character is complete. Every
+    offset must point into the choice's text (OpenAI: where the token starts in it)."""
+    first = logprob("\ufffd", -0.3, ("\ufffd", -0.3), ("a", -2.0))
+    second = logprob("\ufffd", -0.2, ("\ufffd", -0.2))
+    chunks = [
+        token(" caf", 5, logprobs=[logprob(" caf", -0.1)]),
+        token("", 6, logprobs=[first]),
+        token("é", 7, logprobs=[second]),
+        token("!", 8, logprobs=[logprob("!", -0.4)]),
+        finish(),
+    ]
+    completion = collect(chunks, logprobs=1, echo="Q:")
+    choice = completion.choices[0]
+    assert choice.text == "Q: café!"
+    assert choice.logprobs is not None
+    assert choice.logprobs.text_offset == [2, 6, 6, 7]  # "é" starts at 6, "!" right after
+    assert all(offset <= len(choice.text) for offset in choice.logprobs.text_offset)
+    events = stream(chunks, logprobs=1, echo="Q:")
+    bodies = [event for event in events if isinstance(event, dict) and event["choices"]]
+    offsets = [
+        offset
+        for body in bodies
+        if body["choices"][0]["logprobs"]
+        for offset in body["choices"][0]["logprobs"]["text_offset"]
+    ]
+    assert offsets == choice.logprobs.text_offset
+    streamed_text = "".join(body["choices"][0]["text"] for body in bodies)
+    assert streamed_text == "Q: café!"
+    assert bodies[2]["choices"][0]["logprobs"]["top_logprobs"] == [{"\ufffd": -0.3, "a": -2.0}]
+
+
 def test_streamed_chunks_usage_and_done() -> None:
     chunks = [token("Hel", logprobs=[logprob("Hel", -1.0)]), token("lo"), finish("!")]
     events = stream(chunks, include_usage=True, logprobs=0)
