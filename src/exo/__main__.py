@@ -1,5 +1,5 @@
 """`python -m exo`: the same entry point as the `exo` command."""
 
-from exo.main import main
+from exo.cli import main
 
 main()

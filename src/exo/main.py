@@ -28,12 +28,13 @@ from exo.api.security import (
     build_auth,
     reload_keys_on_sighup,
 )
+from exo.cli import main as cli_main
 from exo.download.gguf_models import ollama_store, ollama_store_cards
 from exo.download.peers import PEER_CREDENTIAL_HEADER, peer_credential
 from exo.master.decisions import events_after_restart
 from exo.master.event_log import EventLog
 from exo.master.main import Master
-from exo.node_options import DEFAULT_MODEL_ID, Options, parse_args
+from exo.node_options import DEFAULT_MODEL_ID, Options
 from exo.routing.cluster_tls import TlsFilesError
 from exo.routing.secret_options import (
     cluster_banner_line,
@@ -436,12 +437,16 @@ def configure_logging(level: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    arguments = sys.argv[1:] if argv is None else argv
-    if arguments[:1] == ["bench"]:  # `exo bench ...`: exo.benchmark.cli
-        from exo.benchmark.cli import main as bench_main
+    """The `exo` command (`exo.cli.main`)."""
+    cli_main(argv)
 
-        raise SystemExit(bench_main(arguments[1:]))
-    options = parse_args(arguments)
+
+def run_node(options: Options) -> None:
+    """Run a node with `options` until it is stopped.
+
+    Raises:
+        SystemExit: status 1 when the node cannot start (the reason logged).
+    """
     configure_logging(options.log_level)
     for warning in tls_peer_warnings(options.cluster_secret, options.bootstrap_peers):
         logger.warning(warning)

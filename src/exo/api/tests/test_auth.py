@@ -248,7 +248,7 @@ def test_reload_keeps_the_keys_when_the_file_is_unreadable(tmp_path: Path) -> No
 
 
 def test_command_line_keys_and_limits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from exo.main import parse_args
+    from exo.node_options import parse_args
 
     monkeypatch.setenv("EXO_API_KEY", "env-key-123")
     options = parse_args(["--api-key", KEY, "--rate-limit", "30", "--max-body-size", "1024"])

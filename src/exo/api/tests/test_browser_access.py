@@ -236,7 +236,7 @@ def test_configured_origin_and_star() -> None:
 
 
 def test_cli_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from exo.main import parse_args
+    from exo.node_options import parse_args
 
     monkeypatch.delenv("EXO_CORS_ORIGINS", raising=False)
     assert parse_args([]).cors_origins == ()

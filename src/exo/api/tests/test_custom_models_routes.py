@@ -13,7 +13,7 @@ import pytest
 
 from exo.api.app import create_app
 from exo.api.cluster import LoadOnRequest
-from exo.main import parse_args
+from exo.node_options import parse_args
 from exo.shared.types.common import ModelId
 from exo.shared.types.events import CustomModelAdded, CustomModelDeleted, InstanceCreated
 from exo.testing.builders import SMOLLM2, make_instance

@@ -188,7 +188,7 @@ def test_a_model_in_the_hugging_face_cache_counts_as_downloaded(
 def test_exo_offline_in_the_environment_turns_offline_mode_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from exo.main import parse_args
+    from exo.node_options import parse_args
 
     monkeypatch.delenv("EXO_OFFLINE", raising=False)
     assert not parse_args([]).offline

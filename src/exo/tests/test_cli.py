@@ -1,0 +1,31 @@
+"""The `exo` entry point answers `--help`, a bad flag and `exo bench --help` without
+importing the node (torch, transformers, the API: ~6 s on a 2-core machine)."""
+
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "transformers", "exo.main", "exo.api.app")
+CHECK = """
+import sys
+from exo.cli import main
+try:
+    main({arguments!r})
+except SystemExit as stop:
+    code = stop.code
+loaded = [name for name in {heavy!r} if name in sys.modules]
+print("CODE", code, "LOADED", ",".join(loaded))
+"""
+
+
+@pytest.mark.parametrize(
+    ("arguments", "code"), [(["--help"], 0), (["--bogus"], 2), (["bench", "--help"], 0)]
+)
+def test_the_command_line_answers_without_the_node(arguments: list[str], code: int) -> None:
+    script = CHECK.format(arguments=arguments, heavy=HEAVY)
+    finished = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert finished.returncode == 0, finished.stderr
+    assert f"CODE {code} LOADED \n" in finished.stdout, finished.stdout + finished.stderr
