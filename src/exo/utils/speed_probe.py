@@ -55,7 +55,7 @@ from exo.shared.constants import exo_home
 from exo.shared.types.nodes import NodeSpeed
 
 # Bump when what is measured changes: cached figures of an older probe are measured again.
-PROBE_VERSION = 6  # 6: the 5-bit kernel reads lanes
+PROBE_VERSION = 7  # 7: the int8 head kernel timed without a cast per call; 6: 5-bit lanes
 CACHE_FILE_NAME = "speed_probe.json"
 # Seconds of timed repetitions per figure (after one warm-up call).
 PROBE_SECONDS = 0.2
@@ -164,6 +164,23 @@ def _int4_weights(outputs: int, inputs: int) -> tuple[Any, Any]:
     return packed, scales_and_zeros
 
 
+def _read_rate(
+    kernel: Callable[..., object], row: Any, operands: tuple[Any, ...], working_set: int
+) -> float:
+    """Bytes per second `kernel(row, *operands)` reads: the operands (a weight and its
+    scales) copied until the copies fill `working_set`, each timed repetition running the
+    kernel once over every copy, so the weights come from memory and not from cache."""
+    matrix_bytes = sum(operand.numel() * operand.element_size() for operand in operands)
+    copies = max(1, -(-working_set // matrix_bytes))
+    weights = [tuple(operand.clone() for operand in operands) for _ in range(copies)]
+
+    def step() -> None:
+        for copy in weights:
+            kernel(row, *copy)
+
+    return copies * matrix_bytes / _fastest_seconds(step)
+
+
 def _int4_decode_bytes_per_second(working_set: int) -> float:
     import torch
 
@@ -173,16 +190,12 @@ def _int4_decode_bytes_per_second(working_set: int) -> float:
     if kernel is not None:  # this CPU's int4 layers run exo's kernel (AVX2)
         return _native_int4_bytes_per_second(kernel, working_set)
     packed, scales_and_zeros = _int4_weights(INT4_OUTPUTS, INT4_INPUTS)
-    matrix_bytes = packed.numel() * packed.element_size() + scales_and_zeros.numel() * 2
-    copies = max(1, -(-working_set // matrix_bytes))
-    weights = [(packed.clone(), scales_and_zeros.clone()) for _ in range(copies)]
     row = torch.rand(1, INT4_INPUTS).to(torch.bfloat16)
 
-    def step() -> None:
-        for block, scale_zero in weights:
-            torch._weight_int4pack_mm_for_cpu(row, block, INT4_GROUP_SIZE, scale_zero)
+    def product(row: Any, block: Any, scale_zero: Any) -> None:
+        torch._weight_int4pack_mm_for_cpu(row, block, INT4_GROUP_SIZE, scale_zero)
 
-    return copies * matrix_bytes / _fastest_seconds(step)
+    return _read_rate(product, row, (packed, scales_and_zeros), working_set)
 
 
 def _native_int4_bytes_per_second(kernel: Callable[..., Any], working_set: int) -> float:
@@ -195,16 +208,8 @@ def _native_int4_bytes_per_second(kernel: Callable[..., Any], working_set: int) 
     )
     groups = INT4_INPUTS // INT4_GROUP_SIZE
     scale_zero = torch.rand(INT4_OUTPUTS, groups, 2, generator=generator).to(torch.bfloat16)
-    matrix_bytes = packed.numel() + scale_zero.numel() * 2
-    copies = max(1, -(-working_set // matrix_bytes))
-    weights = [(packed.clone(), scale_zero.clone()) for _ in range(copies)]
     row = torch.rand(1, INT4_INPUTS, generator=generator)
-
-    def step() -> None:
-        for block, pairs in weights:
-            kernel(row, block, pairs)
-
-    return copies * matrix_bytes / _fastest_seconds(step)
+    return _read_rate(kernel, row, (packed, scale_zero), working_set)
 
 
 def _native_block_bytes_per_second(kind: str, working_set: int) -> float:
@@ -230,16 +235,8 @@ def _native_block_bytes_per_second(kind: str, working_set: int) -> float:
         )
         scales = torch.rand(INT4_OUTPUTS, blocks, 2, generator=generator).to(torch.bfloat16)
         kernel = torch.ops.exo_native.int8_block_gemv
-    matrix_bytes = held.numel() * held.element_size() + scales.numel() * 2
-    copies = max(1, -(-working_set // matrix_bytes))
-    weights = [(held.clone(), scales.clone()) for _ in range(copies)]
     row = torch.rand(1, INT4_INPUTS, generator=generator)
-
-    def step() -> None:
-        for weight, weight_scales in weights:
-            kernel(row, weight, weight_scales)
-
-    return copies * matrix_bytes / _fastest_seconds(step)
+    return _read_rate(kernel, row, (held, scales), working_set)
 
 
 def _int8_decode_bytes_per_second(working_set: int) -> float:
@@ -251,20 +248,13 @@ def _int8_decode_bytes_per_second(working_set: int) -> float:
     weight = torch.randint(-127, 128, (INT4_OUTPUTS, INT4_INPUTS), generator=generator)
     weight = weight.to(torch.int8)
     scales = torch.rand(INT4_OUTPUTS, generator=generator).to(torch.bfloat16)
-    matrix_bytes = weight.numel() + scales.numel() * 2
-    copies = max(1, -(-working_set // matrix_bytes))
-    weights = [weight.clone() for _ in range(copies)]
+    if native_int4_kernel() is not None:  # Int8Linear runs exo's kernel (AVX2)
+        return _read_rate(
+            torch.ops.exo_native.int8_channel_gemv, torch.rand(1, INT4_INPUTS), (weight, scales),
+            working_set,
+        )  # fmt: skip
     row = torch.rand(1, INT4_INPUTS).to(torch.bfloat16)
-    native = native_int4_kernel() is not None  # Int8Linear runs exo's kernel (AVX2)
-
-    def step() -> None:
-        for block in weights:
-            if native:
-                torch.ops.exo_native.int8_channel_gemv(row.float(), block, scales)
-            else:
-                torch._weight_int8pack_mm(row, block, scales)
-
-    return copies * matrix_bytes / _fastest_seconds(step)
+    return _read_rate(torch._weight_int8pack_mm, row, (weight, scales), working_set)
 
 
 def _memory_copy_bytes_per_second(size: int) -> float:
