@@ -360,7 +360,7 @@ template <int ROWS>
 void rows_avx2_int8_channel(const int16_t* xq, const float* xs, int64_t k, const int8_t* v,
                             const uint16_t* scales, float* y, int64_t n_total, int64_t n0,
                             int64_t n1) {
-  constexpr int kTile = ROWS <= 2 ? 4 : 2;
+  constexpr int kTile = int8_tile_rows<ROWS>();
   int64_t n = n0;
   for (; n + kTile <= n1; n += kTile)
     tile_avx2_int8_channel<ROWS, kTile>(xq, xs, k, v, scales, y, n_total, n);

@@ -66,7 +66,7 @@ template <int ROWS>
 void rows_avx2_int8(const int16_t* xq, const float* xs, const float* sums, int64_t k,
                     const int8_t* v, const uint16_t* so, float* y, int64_t n_total, int64_t n0,
                     int64_t n1) {
-  constexpr int kTile = ROWS <= 2 ? 4 : 2;
+  constexpr int kTile = int8_tile_rows<ROWS>();
   std::vector<float> scales(static_cast<size_t>(kTile * (k / kBlock)));
   int64_t n = n0;
   for (; n + kTile <= n1; n += kTile)
@@ -125,7 +125,7 @@ void tile_avx2_scaled(const int16_t* xq, const float* x_scales, int64_t k, const
 template <int ROWS, int HALVES>
 void rows_avx2_scaled(const int16_t* xq, const float* xs, int64_t k, const int8_t* v,
                       const uint16_t* sc, float* y, int64_t n_total, int64_t n0, int64_t n1) {
-  constexpr int kTile = ROWS <= 2 ? 4 : 2;
+  constexpr int kTile = int8_tile_rows<ROWS>();
   std::vector<float> scales(static_cast<size_t>(kTile * (k / kBlock) * HALVES));
   int64_t n = n0;
   for (; n + kTile <= n1; n += kTile)
