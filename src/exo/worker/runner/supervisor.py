@@ -5,9 +5,9 @@ request it was serving gets an error chunk instead of hanging."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import multiprocessing
-import threading
+import os
+import struct
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -53,8 +53,12 @@ from exo.worker.runner.messages import (
 from exo.worker.runner.runner import runner_main
 
 SHUTDOWN_GRACE_SECONDS = 5.0
-# At most this many pipe messages (runner steps) reach the loop in one hand-over.
-READ_BATCH_MESSAGES = 64
+# Bytes read from a runner's pipe per call, and at most per wake-up of the loop (more
+# waits for the next turn of the loop, so that a flood cannot starve it).
+READ_CHUNK_BYTES = 1 << 16
+READ_BATCH_BYTES = 1 << 20
+_LENGTH = struct.Struct("!i")
+_LONG_LENGTH = struct.Struct("!Q")
 
 
 class RunnerSupervisor:
@@ -148,26 +152,26 @@ class RunnerSupervisor:
     async def run(self) -> None:
         """Relay the runner's messages until its pipe closes, then report how it ended.
 
-        A thread of its own reads the pipe for the whole life of the runner (outside AnyIO's
-        shared limiter of 40: forty runners holding it, as the long fuzz's throwaway node
-        did, would leave no thread for the API's routes) and hands each batch of messages it
-        read to the event loop with one `call_soon_threadsafe`: one wake-up of the loop per
-        runner step, whatever the number of requests in the step.
+        The event loop itself watches the pipe (`add_reader`, the pipe non-blocking): when
+        the runner wrote, everything waiting in the pipe is read and handled in one
+        callback, in order. No thread sits in between (a reader thread cost a GIL hand-over
+        and a self-pipe wake-up of the loop per runner step, ~0.15 ms of node CPU per
+        streamed token on 2 cores), and none is borrowed from AnyIO's shared limiter of 40
+        (forty runners holding it, as the long fuzz's throwaway node did, would leave no
+        thread for the API's routes).
 
         Raises:
             pydantic.ValidationError: the runner sent something that is not a runner message.
         """
         assert self._from_runner is not None, "run() before start()"
         loop = asyncio.get_running_loop()
+        descriptor = self._from_runner.fileno()
+        frames = PipeFrames(descriptor)
         ended = anyio.Event()
         failures: list[Exception] = []
 
-        def relay(batch: list[bytes] | None) -> None:  # on the loop, in the order read
-            if ended.is_set():
-                return  # run() was cancelled: nobody relays any more
-            if batch is None:
-                ended.set()
-                return
+        def relay() -> None:  # on the loop, whenever the pipe has something to read
+            batch, closed = frames.read()
             try:
                 changed = False
                 for raw in batch:
@@ -177,19 +181,16 @@ class RunnerSupervisor:
                     self._on_change()
             except Exception as error:
                 failures.append(error)
+                closed = True
+            if closed:
+                loop.remove_reader(descriptor)
                 ended.set()
 
-        reader = threading.Thread(
-            target=_read_pipe,
-            args=(self._from_runner, loop, relay),
-            name=f"exo-runner-pipe-{self.runner_id}",
-            daemon=True,
-        )
-        reader.start()
+        loop.add_reader(descriptor, relay)
         try:
             await ended.wait()
         finally:
-            ended.set()
+            loop.remove_reader(descriptor)  # cancelled: nobody relays any more
         if failures:
             raise failures[0]
         await self._on_exit()
@@ -292,29 +293,61 @@ class RunnerSupervisor:
             self._process.kill()
 
 
-def _read_pipe(
-    connection: Connection,
-    loop: asyncio.AbstractEventLoop,
-    relay: Callable[[list[bytes] | None], None],
-) -> None:
-    """On the supervisor's reader thread: hand the loop every message waiting in the pipe
-    at once (at most `READ_BATCH_MESSAGES`), in order, then `None` once the pipe closed."""
-    batch: list[bytes] = []
-    try:
+class PipeFrames:
+    """The messages of a `multiprocessing` connection's pipe, read without blocking: each
+    is a 4-byte big-endian length (-1, then an 8-byte length, past 2 GiB) and its bytes
+    (CPython's `Connection._send_bytes` framing). Puts the descriptor in non-blocking mode.
+    """
+
+    def __init__(self, descriptor: int) -> None:
+        os.set_blocking(descriptor, False)
+        self._descriptor = descriptor
+        self._buffer = bytearray()
+
+    def read(self) -> tuple[list[bytes], bool]:
+        """The whole messages waiting now (at most ~`READ_BATCH_BYTES` read per call, in
+        order), and whether the pipe has closed (the writer is gone, or it failed)."""
+        closed = False
+        received = 0
+        while received < READ_BATCH_BYTES:
+            try:
+                data = os.read(self._descriptor, READ_CHUNK_BYTES)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                closed = True
+                break
+            if not data:
+                closed = True
+                break
+            self._buffer += data
+            received += len(data)
+            if len(data) < READ_CHUNK_BYTES:
+                break  # drained
+        return self._messages(), closed
+
+    def _messages(self) -> list[bytes]:
+        messages: list[bytes] = []
+        buffer = self._buffer
+        start = 0
         while True:
-            batch.append(connection.recv_bytes())
-            while len(batch) < READ_BATCH_MESSAGES and connection.poll(0):
-                batch.append(connection.recv_bytes())
-            loop.call_soon_threadsafe(relay, batch)
-            batch = []
-    except (EOFError, OSError):
-        pass  # the runner is gone (or its pipe was closed here)
-    except RuntimeError:
-        return  # the loop closed: the node is gone
-    with contextlib.suppress(RuntimeError):
-        if batch:
-            loop.call_soon_threadsafe(relay, batch)
-        loop.call_soon_threadsafe(relay, None)
+            header = 4
+            if len(buffer) - start < header:
+                break
+            (size,) = _LENGTH.unpack_from(buffer, start)
+            if size == -1:
+                header = 12
+                if len(buffer) - start < header:
+                    break
+                (size,) = _LONG_LENGTH.unpack_from(buffer, start + 4)
+            end = start + header + size
+            if len(buffer) < end:
+                break
+            messages.append(bytes(buffer[start + header : end]))
+            start = end
+        if start:
+            del buffer[:start]
+        return messages
 
 
 def _worth_reporting(status: RunnerLoading) -> bool:
