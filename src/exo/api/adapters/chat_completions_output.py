@@ -14,7 +14,7 @@ always has one); nothing after it is read. The caller owns the chunk iterator an
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import assert_never
 
 from exo.api.adapters.common import (
@@ -109,6 +109,29 @@ def _error_chunk_error(chunk: ErrorChunk) -> ApiError:
     return error_chunk_error(chunk, param="messages")
 
 
+def text_event_renderer(
+    render: Callable[[ChunkDelta], str], field: str
+) -> Callable[[str], str] | None:
+    """A fast `lambda text: render(ChunkDelta(**{field: text}))` for non-empty `text`: the
+    event is rendered once with an empty text, and each token's text (JSON-escaped as
+    pydantic does: UTF-8 left as is, `"`, `\\` and control characters escaped) goes
+    between its two halves, byte for byte what `render` would give (the model's
+    validation and serialisation cost ~0.1 ms per token, once per streamed token). None
+    when the empty text cannot be found exactly once in the rendering.
+    """
+    marker = f'"{field}":""'
+    rendered = render(ChunkDelta(**{field: ""}))
+    if rendered.count(marker) != 1:
+        return None
+    before, _, after = rendered.partition(marker)
+    prefix = f'{before}"{field}":'
+
+    def render_text(text: str) -> str:
+        return prefix + json.dumps(text, ensure_ascii=False) + after
+
+    return render_text
+
+
 async def stream_chat_completion(
     chunks: AsyncIterator[Chunk],
     *,
@@ -152,6 +175,13 @@ async def stream_chat_completion(
     def error_event(error: ApiError) -> str:
         return openai_sse(json.dumps(openai_error_body_for(error), ensure_ascii=False))
 
+    def delta_event(delta: ChunkDelta) -> str:
+        return event([ChunkChoice(index=0, delta=delta)])
+
+    # The common token (text only, no logprobs) skips the models: see `text_event_renderer`.
+    content_event = text_event_renderer(delta_event, "content")
+    reasoning_event = text_event_renderer(delta_event, "reasoning_content")
+
     yield event([ChunkChoice(index=0, delta=ChunkDelta(role="assistant", content=""))])
     counted_completion_tokens = 0
     tool_call_count = 0
@@ -164,7 +194,13 @@ async def stream_chat_completion(
                     if want_logprobs and chunk.logprobs
                     else None
                 )
-                if chunk.text or chunk.reasoning_text or logprobs is not None:
+                if logprobs is None and chunk.text and not chunk.reasoning_text and content_event:
+                    yield content_event(chunk.text)
+                elif (
+                    logprobs is None and chunk.reasoning_text and not chunk.text and reasoning_event
+                ):
+                    yield reasoning_event(chunk.reasoning_text)
+                elif chunk.text or chunk.reasoning_text or logprobs is not None:
                     delta = ChunkDelta(
                         content=chunk.text or None,
                         reasoning_content=chunk.reasoning_text or None,
