@@ -59,9 +59,13 @@ inline void prefetch_ahead(const void* address) {
 // (zero - 8 scale) times the group's sum of rounded activations (offset_sums[ROWS, groups]).
 // 8 groups per step: a pair's bfloat16 scale is the low half of its 32 bits (shifted up it
 // is the float32), the zero the high half (masked).
+// With `x_scales` (one activation row whose blocks are the groups: [groups]) each stored
+// scale is multiplied by its block's activation scale, the product the kernel would
+// otherwise form per block and output row in its loop (the same float32 product).
 template <int ROWS, int NR>
 void unpack_scales(const uint16_t* scale_zero, int64_t groups, const float* offset_sums,
-                   float* scales, float (&offset_acc)[NR][ROWS]) {
+                   float* scales, float (&offset_acc)[NR][ROWS],
+                   const float* x_scales = nullptr) {
   const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   const __m256 eight = _mm256_set1_ps(8.0f);
   for (int i = 0; i < NR; ++i) {
@@ -73,7 +77,8 @@ void unpack_scales(const uint16_t* scale_zero, int64_t groups, const float* offs
       const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 2 * g));
       const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(packed, 16));
       const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(packed, high_half));
-      _mm256_storeu_ps(scales + i * groups + g, scale);
+      _mm256_storeu_ps(scales + i * groups + g,
+                       x_scales ? _mm256_mul_ps(_mm256_loadu_ps(x_scales + g), scale) : scale);
       const __m256 offset = _mm256_fnmadd_ps(eight, scale, zero);
       for (int r = 0; r < ROWS; ++r)
         offset_vec[r] =
@@ -82,7 +87,7 @@ void unpack_scales(const uint16_t* scale_zero, int64_t groups, const float* offs
     for (int r = 0; r < ROWS; ++r) offset_acc[i][r] = horizontal_sum(offset_vec[r]);
     for (; g < groups; ++g) {
       const float scale = bf16_to_float(pairs[2 * g]);
-      scales[i * groups + g] = scale;
+      scales[i * groups + g] = x_scales ? x_scales[g] * scale : scale;
       const float offset = bf16_to_float(pairs[2 * g + 1]) - 8.0f * scale;
       for (int r = 0; r < ROWS; ++r) offset_acc[i][r] += offset * offset_sums[r * groups + g];
     }

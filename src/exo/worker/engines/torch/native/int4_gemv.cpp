@@ -47,16 +47,21 @@ using namespace exo_native::block_rows;
 
 #ifdef EXO_AVX2
 // NR output rows at once (independent accumulators, each activation block loaded once for
-// all of them) for ROWS activation rows.
-template <int ROWS, int NR>
+// all of them) for ROWS activation rows. FOLDED (one activation row, groups of 32): the
+// unpacked weight scales already hold the activation blocks' scales (`unpack_scales`), which
+// spares two broadcasts and two multiplies per 64 weights of an instruction-bound loop
+// (the same float32 products, so the same sums).
+template <int ROWS, int NR, bool FOLDED = false>
 void tile_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
                   const uint16_t* scale_zero, int64_t groups, int64_t group_size,
                   const float* offset_sums, float* y, int64_t n_total, int64_t n,
                   float* scales) {
+  static_assert(!FOLDED || ROWS == 1, "folded scales are for one activation row");
   const int64_t blocks = k / kBlock;
   const int64_t blocks_per_group = group_size / kBlock;
   float offset_acc[NR][ROWS];
-  unpack_scales<ROWS, NR>(scale_zero + n * groups * 2, groups, offset_sums, scales, offset_acc);
+  unpack_scales<ROWS, NR>(scale_zero + n * groups * 2, groups, offset_sums, scales, offset_acc,
+                          FOLDED ? x_scales : nullptr);
   __m256 acc[NR][ROWS];
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm256_setzero_ps();
@@ -83,11 +88,17 @@ void tile_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
             _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_loadu_si256(xv + 2)),
                              _mm256_madd_epi16(w3, _mm256_loadu_si256(xv + 3)));
         const float* x_scale = x_scales + r * blocks + b;
-        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums0),
-                                    _mm256_mul_ps(_mm256_broadcast_ss(x_scale), scale0), acc[i][r]);
-        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums1),
-                                    _mm256_mul_ps(_mm256_broadcast_ss(x_scale + 1), scale1),
-                                    acc[i][r]);
+        if constexpr (FOLDED) {
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums0), scale0, acc[i][r]);
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums1), scale1, acc[i][r]);
+        } else {
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums0),
+                                      _mm256_mul_ps(_mm256_broadcast_ss(x_scale), scale0),
+                                      acc[i][r]);
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums1),
+                                      _mm256_mul_ps(_mm256_broadcast_ss(x_scale + 1), scale1),
+                                      acc[i][r]);
+        }
       }
     }
   }
@@ -105,9 +116,9 @@ void tile_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
         const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
         const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xv)),
                                               _mm256_madd_epi16(w1, _mm256_loadu_si256(xv + 1)));
-        acc[i][r] = _mm256_fmadd_ps(
-            _mm256_cvtepi32_ps(sums),
-            _mm256_mul_ps(_mm256_broadcast_ss(x_scales + r * blocks + b), scale), acc[i][r]);
+        const __m256 weight =
+            FOLDED ? scale : _mm256_mul_ps(_mm256_broadcast_ss(x_scales + r * blocks + b), scale);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), weight, acc[i][r]);
       }
     }
   }
@@ -125,6 +136,17 @@ void rows_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
                   float* scratch) {
   constexpr int kTile = ROWS <= 2 ? 4 : 2;
   int64_t n = n0;
+  if constexpr (ROWS == 1) {
+    if (group_size == kBlock) {
+      for (; n + kTile <= n1; n += kTile)
+        tile_avx2_q8<1, kTile, true>(xq, x_scales, k, q, scale_zero, groups, group_size,
+                                     offset_sums, y, n_total, n, scratch);
+      for (; n < n1; ++n)
+        tile_avx2_q8<1, 1, true>(xq, x_scales, k, q, scale_zero, groups, group_size, offset_sums,
+                                 y, n_total, n, scratch);
+      return;
+    }
+  }
   for (; n + kTile <= n1; n += kTile)
     tile_avx2_q8<ROWS, kTile>(xq, x_scales, k, q, scale_zero, groups, group_size, offset_sums,
                               y, n_total, n, scratch);
