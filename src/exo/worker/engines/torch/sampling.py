@@ -8,6 +8,7 @@ top-p, then min-p (min-p: Nguyen et al. 2024, "Turning Up the Heat").
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -82,8 +83,75 @@ def resolve_sampling_params(
     )
 
 
+# The most likely tokens examined first for the top-p nucleus (doubled while they hold less
+# than top_p of the mass), instead of sorting the whole vocabulary: `torch.sort` of
+# SmolLM2's 49,152 scores took ~3.9 ms on the 2-core AMD EPYC (Zen 3), more than the decode
+# step itself; `torch.topk` of 256 takes ~0.1 ms.
+NUCLEUS_CANDIDATES = 256
+
+
+def sampling_candidates(
+    logits: torch.Tensor, params: SamplingParams
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The tokens that temperature, top-k, top-p and min-p leave, with their tempered scores.
+
+    top-p keeps, in order of likelihood, each token while the mass of the tokens before it
+    (probabilities after top-k) is below top_p, so the most likely token always survives;
+    min-p keeps the tokens whose probability is at least min_p times the largest
+    (`score >= best + ln(min_p)`). The nucleus is found among the `NUCLEUS_CANDIDATES`
+    most likely tokens (more when they hold less than top_p): the same set as a full sort
+    gives, up to the order of equal scores.
+
+    Args:
+        logits: `[vocab]` float scores.
+        params: the sampling settings; temperature must be > 0.
+
+    Returns:
+        `(ids, scores)`: ids `[C]` int64 and their float32 scores divided by the
+        temperature, most likely first; or `(None, scores [vocab])` when every token is
+        kept.
+    """
+    scores = logits.float() / params.temperature
+    vocab_size = scores.shape[-1]
+    limit = params.top_k if 0 < params.top_k < vocab_size else vocab_size
+    ids: torch.Tensor | None = None
+    kept = scores
+    if params.top_p < 1.0:
+        # Probabilities as softmax forms them, exp(score - best) over their sum, in float64:
+        # float32 sums over thousands of tokens move the cut by a few tokens.
+        if limit < vocab_size:
+            top_scores, top_ids = torch.topk(scores, limit)
+            best = top_scores[0]
+            total = torch.exp((top_scores - best).double()).sum()
+        else:
+            best = scores.max()
+            total = torch.exp((scores - best).double()).sum()
+        taken = limit if limit < vocab_size else min(limit, NUCLEUS_CANDIDATES)
+        while True:
+            if limit == vocab_size or taken < limit:
+                top_scores, top_ids = torch.topk(scores, taken)
+            probs = torch.exp((top_scores[:taken] - best).double()) / total
+            mass_before = torch.cumsum(probs, dim=-1) - probs
+            count = max(1, int((mass_before < params.top_p).sum()))
+            if count < taken or taken == limit:
+                break
+            taken = min(2 * taken, limit)
+        ids, kept = top_ids[:count], top_scores[:count]
+    elif limit < vocab_size:
+        kept, ids = torch.topk(scores, limit)
+    if params.min_p > 0.0:
+        keep = kept >= kept.max() + math.log(params.min_p)
+        if ids is None:
+            ids = keep.nonzero().squeeze(1)
+            kept = scores.index_select(0, ids)
+        else:
+            ids, kept = ids[keep], kept[keep]
+    return ids, kept
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Apply temperature, top-k, top-p and min-p to one step's logits.
+    """Apply temperature, top-k, top-p and min-p to one step's logits
+    (`sampling_candidates`).
 
     Args:
         logits: `[vocab]` float scores.
@@ -92,24 +160,11 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     Returns:
         `[vocab]` float32 logits with filtered-out tokens at -inf (at least one token kept).
     """
-    scores = logits.float() / params.temperature
-    vocab_size = scores.shape[-1]
-    if 0 < params.top_k < vocab_size:
-        kth_largest = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth_largest, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_scores, sorted_indices = torch.sort(scores, descending=True)
-        sorted_probs = torch.softmax(sorted_scores, dim=-1)
-        # Keep a token while the mass of the tokens before it is still below top_p, so the
-        # most likely token always survives.
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        remove_sorted = mass_before >= params.top_p
-        remove = torch.zeros_like(remove_sorted).scatter(0, sorted_indices, remove_sorted)
-        scores = scores.masked_fill(remove, float("-inf"))
-    if params.min_p > 0.0:
-        probs = torch.softmax(scores, dim=-1)
-        scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    return scores
+    ids, kept = sampling_candidates(logits, params)
+    if ids is None:
+        return kept
+    filtered = torch.full(logits.shape, float("-inf"), dtype=torch.float32, device=logits.device)
+    return filtered.index_copy_(0, ids, kept)
 
 
 class TokenPenalties:
@@ -298,11 +353,23 @@ class Sampler:
         if constraint is None:
             if self.params.is_greedy:
                 return argmax_token(logits)
-            probs = torch.softmax(filter_logits(logits, self.params), dim=-1)
-            return int(torch.multinomial(probs, 1, generator=self._generator).item())
+            ids, kept = sampling_candidates(logits, self.params)
+            drawn = self._draw(torch.softmax(kept, dim=-1))
+            return drawn if ids is None else int(ids[drawn])
         if self.params.is_greedy:
             return self._constrained_greedy(logits, constraint)
         return self._constrained_sample(logits, constraint)
+
+    def _draw(self, probs: torch.Tensor) -> int:
+        """An index drawn with probabilities `probs` `[n]` (summing to ~1) by inverting
+        their cumulative sum (float64) at one uniform number of the request's generator:
+        O(n), where `torch.multinomial` drew one exponential number per entry (1.2 ms for
+        49,152 entries on the 2-core AMD EPYC)."""
+        cumulative = torch.cumsum(probs.double(), dim=-1)
+        point = torch.rand((), dtype=torch.float64, generator=self._generator) * cumulative[-1]
+        # The first index whose cumulative mass exceeds the point: never a zero-mass entry.
+        index = int(torch.searchsorted(cumulative, point, right=True))
+        return min(index, probs.shape[-1] - 1)
 
     def _constrained_greedy(self, logits: torch.Tensor, constraint: TokenFilter) -> int:
         scores = logits.float().clone()  # [vocab]

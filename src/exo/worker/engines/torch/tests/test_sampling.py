@@ -86,6 +86,65 @@ def test_top_p_keeps_smallest_set_reaching_mass() -> None:
     assert torch.isfinite(filtered).tolist() == [True, False, False, False]
 
 
+def _sorted_filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The filters by a full sort of the vocabulary (what `filter_logits` did before the
+    nucleus was searched among the top candidates, its sums now in float64): the
+    reference."""
+    scores = logits.float() / params.temperature
+    if 0 < params.top_k < scores.shape[-1]:
+        kth_largest = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth_largest, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, sorted_indices = torch.sort(scores, descending=True)
+        sorted_probs = torch.softmax(sorted_scores.double(), dim=-1)  # float64 sums
+        remove_sorted = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+        remove = torch.zeros_like(remove_sorted).scatter(0, sorted_indices, remove_sorted)
+        scores = scores.masked_fill(remove, float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return scores
+
+
+@pytest.mark.parametrize("vocab", [50, 255, 256, 257, 3000, 49152])
+def test_candidates_equal_a_full_sort(vocab: int) -> None:
+    """The nucleus found among the top candidates (doubled while short of top_p: flat
+    logits need thousands) is the full sort's, with every filter combination; fixed seeds."""
+    settings = [
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=0.7, top_p=0.95, top_k=40),
+        SamplingParams(temperature=1.3, top_p=0.5, min_p=0.05),
+        SamplingParams(temperature=1.0, top_k=300),
+        SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=2.0, top_p=0.99, top_k=vocab - 1),
+    ]
+    generator = torch.Generator().manual_seed(vocab)
+    for spread in (0.01, 1.0, 8.0):  # nearly flat (a huge nucleus) to peaked
+        logits = torch.randn(vocab, generator=generator) * spread
+        for params in settings:
+            expected = _sorted_filter(logits, params)
+            got = filter_logits(logits, params)
+            assert torch.equal(torch.isfinite(got), torch.isfinite(expected)), (spread, params)
+            finite = torch.isfinite(expected)
+            assert torch.equal(got[finite], expected[finite])
+
+
+def test_draws_follow_the_distribution() -> None:
+    """20,000 seeded draws from known probabilities (with zero-probability tokens first,
+    between and last, which must never come out) land within 4 standard deviations."""
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=11))
+    logits = torch.log(probs)
+    draws = 20_000
+    counts = torch.bincount(
+        torch.tensor([sampler.sample(logits) for _ in range(draws)]), minlength=len(probs)
+    )
+    assert counts[probs == 0].sum() == 0
+    for token, probability in enumerate(probs.tolist()):
+        deviation = 4 * (draws * probability * (1 - probability)) ** 0.5
+        assert abs(counts[token].item() - draws * probability) <= deviation
+
+
 def test_min_p_drops_tokens_below_fraction_of_top() -> None:
     logits = torch.log(torch.tensor([0.6, 0.25, 0.1, 0.05]))
     filtered = filter_logits(logits, SamplingParams(temperature=1.0, min_p=0.2))
