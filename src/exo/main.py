@@ -158,6 +158,7 @@ class Node:
             caught_up=lambda: self.replica.caught_up(),
             resyncing=lambda: self.replica.resyncing,
             max_concurrent_requests=options.max_concurrent_requests,
+            stream_interval_seconds=options.stream_interval_seconds,
             peer_credential=peer_credential(options.namespace, secret),
         )
         self.cluster = ClusterClient(

@@ -90,6 +90,7 @@ class Worker:
         resyncing: Callable[[], bool] = lambda: False,
         peer_credential: str | None = None,
         max_concurrent_requests: int | None = None,
+        stream_interval_seconds: float = 0.0,
     ) -> None:
         self.node_id = node_id
         self._current_state = current_state
@@ -101,6 +102,8 @@ class Worker:
         self._log_level = log_level
         # Each runner's batch size (`--max-concurrent-requests`; None: the engine's default).
         self._max_concurrent_requests = max_concurrent_requests
+        # How long each runner holds a stream's tokens (`--stream-interval-ms`).
+        self._stream_interval_seconds = stream_interval_seconds
         self._clock = clock
         self.runners: dict[RunnerId, RunnerSupervisor] = {}
         self.downloads: dict[ModelId, DownloadStatus] = {}
@@ -244,6 +247,7 @@ class Worker:
                     on_change=self._notify,
                     log_level=self._log_level,
                     max_concurrent_requests=self._max_concurrent_requests,
+                    stream_interval_seconds=self._stream_interval_seconds,
                 )
                 supervisor.start()
                 self.runners[runner_id] = supervisor

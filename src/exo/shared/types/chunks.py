@@ -117,6 +117,32 @@ class TokenChunk(FrozenModel):
     cache (the final `usage.cached_tokens` repeats it). None when not known."""
 
 
+def merged_token_chunks(first: TokenChunk, second: TokenChunk) -> TokenChunk:
+    """`first` then `second` (the same command's next chunk) as one chunk: texts, token ids
+    and logprobs in order; the end (finish reason, usage, stop sequence) is `second`'s, the
+    start (prompt and cached token counts) `first`'s unless only `second` has it.
+
+    Raises:
+        ValueError: the chunks belong to different commands, or `first` already ended.
+    """
+    if first.command_id != second.command_id or first.finish_reason is not None:
+        raise ValueError("only a command's unfinished chunk merges with its next one")
+    return second.model_copy(
+        update={
+            "text": first.text + second.text,
+            "reasoning_text": first.reasoning_text + second.reasoning_text,
+            "token_ids": first.token_ids + second.token_ids,
+            "logprobs": first.logprobs + second.logprobs,
+            "prompt_tokens": (
+                first.prompt_tokens if first.prompt_tokens is not None else second.prompt_tokens
+            ),
+            "cached_tokens": (
+                first.cached_tokens if first.cached_tokens is not None else second.cached_tokens
+            ),
+        }
+    )
+
+
 class ToolCallChunk(FrozenModel):
     """One or more complete tool calls, parsed from the model's output."""
 

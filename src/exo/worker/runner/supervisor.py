@@ -75,6 +75,7 @@ class RunnerSupervisor:
         on_change: Callable[[], None],
         log_level: str = "INFO",
         max_concurrent_requests: int | None = None,
+        stream_interval_seconds: float = 0.0,
     ) -> None:
         self.node_id = node_id
         self.runner_id = runner_id
@@ -89,6 +90,7 @@ class RunnerSupervisor:
         self._on_change = on_change
         self._log_level = log_level
         self._max_concurrent_requests = max_concurrent_requests
+        self._stream_interval_seconds = stream_interval_seconds
         self._process: BaseProcess | None = None
         self._to_runner: Connection | None = None
         self._from_runner: Connection | None = None
@@ -119,6 +121,7 @@ class RunnerSupervisor:
                 runner_outbound_write,
                 self._log_level,
                 self._max_concurrent_requests,
+                self._stream_interval_seconds,
             ),
             name=f"exo-runner-{self.runner_id}",
             daemon=True,

@@ -6,8 +6,11 @@ from __future__ import annotations
 from multiprocessing import Pipe
 from typing import Any, cast
 
-from exo.shared.types.chunks import Chunk, TokenChunk, ToolCallChunk, Usage
-from exo.shared.types.common import RunnerId
+import pytest
+
+from exo.node_options import parse_args
+from exo.shared.types.chunks import Chunk, TokenChunk, ToolCallChunk, Usage, merged_token_chunks
+from exo.shared.types.common import CommandId, ModelId, RunnerId
 from exo.shared.types.text_generation import ToolDefinition
 from exo.testing.builders import make_params, make_shard, make_text_generation_task
 from exo.worker.engines.prompt import RenderedPrompt
@@ -47,14 +50,27 @@ class ScriptedEngine:
         return False
 
 
-def chunks_of_one_generation(pieces: list[GeneratedPiece], **params: Any) -> list[Chunk]:
+def chunks_of_one_generation(
+    pieces: list[GeneratedPiece],
+    stream_interval: float = 0.0,
+    cancel_after: int | None = None,
+    **params: Any,
+) -> list[Chunk]:
+    """The chunks the runner sends for `pieces` (one per step); with `cancel_after`, the
+    task is cancelled after that many steps."""
     inbound_reader, _inbound_writer = Pipe(duplex=False)
     outbound_reader, outbound_writer = Pipe(duplex=False)
-    runner = Runner(RunnerId("runner-1"), make_shard(), inbound_reader, outbound_writer)
+    runner = Runner(
+        RunnerId("runner-1"), make_shard(), inbound_reader, outbound_writer,
+        stream_interval_seconds=stream_interval,
+    )  # fmt: skip
     runner._engine = cast(Any, ScriptedEngine(pieces))
     task = make_text_generation_task(params=make_params().model_copy(update=params))
     runner._start_generation(task)
-    for _step in range(len(pieces)):
+    for step in range(len(pieces)):
+        if step == cancel_after:
+            runner._cancel(task.task_id)
+            break
         runner._step()
     assert not runner._generations, "the generation finished with its last piece"
     chunks: list[Chunk] = []
@@ -101,3 +117,69 @@ def test_a_generation_that_ends_at_once_still_reports_its_prompt() -> None:
     only = chunks[0]
     assert isinstance(only, TokenChunk) and only.prompt_tokens == 17
     assert only.finish_reason == "stop"
+
+
+def test_a_stream_interval_groups_tokens_and_loses_none() -> None:
+    """With an interval longer than the steps, tokens after the first leave together: texts,
+    token ids and logprobs in order, the first chunk (prompt size) and the last (finish,
+    usage) at once; nothing is lost or reordered."""
+    words = ["Once", " upon", " a", " time", ",", " there"]
+    pieces = [GeneratedPiece(word, (index,), None, None) for index, word in enumerate(words)]
+    pieces.append(GeneratedPiece("!", (6,), "length", usage(7)))
+    grouped = chunks_of_one_generation(list(pieces), stream_interval=60.0)
+    assert all(isinstance(chunk, TokenChunk) for chunk in grouped)
+    tokens = cast(list[TokenChunk], grouped)
+    # The first alone (TTFT), the middle five held and sent with the last.
+    assert [chunk.text for chunk in tokens] == ["Once", " upon a time, there!"]
+    assert [chunk.token_ids for chunk in tokens] == [(0,), (1, 2, 3, 4, 5, 6)]
+    assert tokens[0].prompt_tokens == len(PROMPT_TOKEN_IDS) and tokens[1].prompt_tokens is None
+    assert tokens[-1].finish_reason == "length" and tokens[-1].usage == usage(7)
+    every = cast(list[TokenChunk], chunks_of_one_generation(list(pieces), stream_interval=0.0))
+    assert len(every) == len(pieces)
+    assert "".join(chunk.text for chunk in every) == "".join(chunk.text for chunk in tokens)
+
+
+def test_held_tokens_leave_before_a_tool_call_and_a_cancel() -> None:
+    """A held token is sent before the tool call that follows it, and before the final
+    chunk of a cancelled generation."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    pieces = [
+        GeneratedPiece("Let", (1,), None, None),
+        GeneratedPiece(" me", (2,), None, None),
+        GeneratedPiece(" check", (3,), None, None),
+        GeneratedPiece(call, (4, 5, 6), "stop", usage(6)),
+    ]
+    chunks = chunks_of_one_generation(
+        list(pieces), stream_interval=60.0, tools=(ToolDefinition(name="get_weather"),)
+    )
+    kinds = [chunk.kind for chunk in chunks]
+    texts = [chunk.text for chunk in chunks if isinstance(chunk, TokenChunk)]
+    calls = kinds.index("ToolCallChunk")
+    assert texts[0] == "Let"
+    assert "".join(texts[: kinds[:calls].count("TokenChunk")]).startswith("Let me check")
+    assert chunks[-1].finish_reason == "tool_calls"
+    cancelled = chunks_of_one_generation(pieces[:3] * 2, stream_interval=60.0, cancel_after=3)
+    tokens = [chunk for chunk in cancelled if isinstance(chunk, TokenChunk)]
+    assert [chunk.text for chunk in tokens] == ["Let", " me check", ""]
+    assert tokens[-1].finish_reason == "cancelled"
+
+
+def test_only_a_commands_unfinished_chunk_merges() -> None:
+    first = TokenChunk(command_id=CommandId("a"), model=ModelId("m"), text="x", prompt_tokens=3)
+    second = TokenChunk(
+        command_id=CommandId("a"), model=ModelId("m"), text="y", finish_reason="stop"
+    )
+    merged = merged_token_chunks(first, second)
+    assert (merged.text, merged.prompt_tokens, merged.finish_reason) == ("xy", 3, "stop")
+    with pytest.raises(ValueError, match="merges"):
+        merged_token_chunks(second, first)
+    other = TokenChunk(command_id=CommandId("b"), model=ModelId("m"), text="z")
+    with pytest.raises(ValueError, match="merges"):
+        merged_token_chunks(first, other)
+
+
+@pytest.mark.parametrize("value", ["-1", "1001", "nan"])
+def test_a_stream_interval_out_of_range_is_refused(value: str) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--stream-interval-ms", value])
+    assert parse_args(["--stream-interval-ms", "0"]).stream_interval_seconds == 0.0
