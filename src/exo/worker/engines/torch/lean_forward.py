@@ -86,8 +86,8 @@ class LeanLayer:
     """
 
     __slots__ = (
-        "activation", "decode_arguments", "down", "gate_up", "head_dim", "heads",
-        "input_norm", "intermediate", "kv_heads", "output", "post_attention_norm",
+        "activation", "activation_number", "decode_arguments", "down", "gate_up", "head_dim",
+        "heads", "input_norm", "intermediate", "kv_heads", "output", "post_attention_norm",
         "post_mlp_norm", "pre_mlp_norm", "qk_norm", "qkv", "reduced", "rope", "scaling",
     )  # fmt: skip
 
@@ -118,6 +118,7 @@ class LeanLayer:
         self.intermediate = self.gate_up.out_features // 2
         self.down = Projection([layer.get_submodule(layout.down)], bf16)
         self.activation: Activation = mlp_activation(_parent(layer, layout.down))
+        self.activation_number = activation_code(self.activation)
         offset = layout.norm_offset
         self.input_norm = norm_weight(layer.get_submodule(layout.input_norm), offset)
         self.pre_mlp_norm = norm_weight(layer.get_submodule(layout.pre_mlp_norm), offset)
@@ -160,7 +161,7 @@ class LeanLayer:
         ):  # fmt: skip
             norms.append(None if norm is None else norm[0].contiguous())
             epsilons.append(0.0 if norm is None else norm[1])
-        return linears, norms, epsilons, activation_code(self.activation)
+        return linears, norms, epsilons, self.activation_number
 
 
 # linears (weight, scale_zero, bias per projection), norms, epsilons, activation code.
@@ -199,8 +200,10 @@ class LeanModel:
         self.bf16 = (bf16_activations_wanted() if bf16 is None else bf16) and quantized
         # With exo's int4 kernels in use, its one-pass RMSNorm too (`native_int4`).
         self._native_norm: Any = None
+        self._gated_activation: Any = None  # exo's act(gate) * up, where its kernels run
         if any(getattr(module, "native", False) for module in layers.modules()):
             self._native_norm = torch.ops.exo_native.rms_norm
+            self._gated_activation = torch.ops.exo_native.gated_activation
         self.enabled = True
         config: Any = model.config
         text_config: Any = config.get_text_config()
@@ -436,7 +439,10 @@ class LeanModel:
         normed = self._norm(x, weight, eps).to(layer.gate_up.in_dtype)
         gate_up = layer.gate_up(normed)  # [T, 2 * intermediate]
         middle = layer.intermediate
-        activated = layer.activation(gate_up[:, :middle]).mul_(gate_up[:, middle:])
+        if self._gated_activation is not None and gate_up.dtype == torch.float32:
+            activated = self._gated_activation(gate_up.contiguous(), layer.activation_number)
+        else:
+            activated = layer.activation(gate_up[:, :middle]).mul_(gate_up[:, middle:])
         out = layer.down(activated.to(layer.down.in_dtype))
         if layer.post_mlp_norm is not None:
             weight, eps = layer.post_mlp_norm
