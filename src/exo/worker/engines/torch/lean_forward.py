@@ -200,10 +200,13 @@ class LeanModel:
         self.bf16 = (bf16_activations_wanted() if bf16 is None else bf16) and quantized
         # With exo's int4 kernels in use, its one-pass RMSNorm too (`native_int4`).
         self._native_norm: Any = None
-        self._gated_activation: Any = None  # exo's act(gate) * up, where its kernels run
+        # exo's act(gate) * up and q/k norm + rotary for prefill, where its kernels run.
+        self._gated_activation: Any = None
+        self._qk_norm_rotary: Any = None
         if any(getattr(module, "native", False) for module in layers.modules()):
             self._native_norm = torch.ops.exo_native.rms_norm
             self._gated_activation = torch.ops.exo_native.gated_activation
+            self._qk_norm_rotary = torch.ops.exo_native.qk_norm_rotary
         self.enabled = True
         config: Any = model.config
         text_config: Any = config.get_text_config()
@@ -420,12 +423,21 @@ class LeanModel:
         normed = self._norm(x, weight, eps).to(layer.qkv.in_dtype)
         qkv = layer.qkv(normed).to(cache_dtype)  # [T, (heads + 2 kv_heads) * head_dim]
         width = (heads + kv_heads) * head_dim
-        qk = qkv[:, :width].view(rows, heads + kv_heads, head_dim)
-        if layer.qk_norm is not None:
-            qk_weight, qk_eps = layer.qk_norm
-            qk = F.rms_norm(qk, (head_dim,), None, qk_eps) * qk_weight
         cos, sin, perm = table
-        qk = qk * cos + qk.index_select(-1, perm) * sin
+        if self._qk_norm_rotary is not None and qkv.dtype == torch.float32:
+            qkv = qkv.contiguous()
+            qk_weight, qk_eps = layer.qk_norm if layer.qk_norm is not None else (None, 0.0)
+            self._qk_norm_rotary(
+                qkv, heads + kv_heads, head_dim, qk_weight, qk_eps,
+                cos.reshape(rows, head_dim), sin.reshape(rows, head_dim), perm,
+            )  # fmt: skip
+            qk = qkv[:, :width].view(rows, heads + kv_heads, head_dim)
+        else:
+            qk = qkv[:, :width].view(rows, heads + kv_heads, head_dim)
+            if layer.qk_norm is not None:
+                qk_weight, qk_eps = layer.qk_norm
+                qk = F.rms_norm(qk, (head_dim,), None, qk_eps) * qk_weight
+            qk = qk * cos + qk.index_select(-1, perm) * sin
         query = qk[:, :heads].transpose(0, 1).unsqueeze(0)  # [1, heads, T, head_dim]
         key = qk[:, heads:].transpose(0, 1).unsqueeze(0)
         value = qkv[:, width:].view(rows, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)

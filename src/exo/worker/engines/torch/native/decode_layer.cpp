@@ -254,6 +254,21 @@ void activate_rows(const float* gate, const float* up, int64_t n, int64_t activa
   for (; i < n; ++i) m[i] = activate(gate[i], activation) * up[i];
 }
 
+// A row's first `heads` heads of `head_dim` values, in place: each normed by its slice of
+// `norm` (per-head q/k norm weights [heads, head_dim]; nullptr: no norm), then rotated:
+// v[d] = v[d] cos[d] + v[perm[d]] sin[d] (lean_parts.rotary_tables: the sign of
+// rotate-half folded into sin). `scratch` holds head_dim values.
+void norm_rotate_heads(float* row, int64_t heads, int64_t head_dim, const float* norm,
+                       float eps, const float* cos, const float* sin, const int64_t* perm,
+                       float* scratch) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* vec = row + h * head_dim;
+    if (norm != nullptr) exo_native::rms_norm_row(vec, norm + h * head_dim, head_dim, eps, vec);
+    std::memcpy(scratch, vec, sizeof(float) * head_dim);
+    for (int64_t d = 0; d < head_dim; ++d) vec[d] = scratch[d] * cos[d] + scratch[perm[d]] * sin[d];
+  }
+}
+
 // One layer: its 12 `linears` entries from `linear_base`, its 5 `norms` entries from
 // `norm_base`, its 5 epsilons in `eps`.
 void run_layer(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& linears,
@@ -352,17 +367,10 @@ void run_layer(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& linear
     std::vector<float> head_copy(static_cast<size_t>(head_dim));
     for (int64_t r = 0; r < rows; ++r) {
       float* row = qkv_out + r * qkv_width;
-      for (int64_t h = 0; h < heads + kv_heads; ++h) {  // queries, then keys: norm, rotary
-        float* vec = row + h * head_dim;
-        if (norm[kQkNorm] != nullptr)
-          exo_native::rms_norm_row(vec, norm[kQkNorm] + h * head_dim, head_dim,
-                                   static_cast<float>(eps[kQkNorm]), vec);
-        std::memcpy(head_copy.data(), vec, sizeof(float) * head_dim);
-        const float* c = cos_p + r * head_dim;
-        const float* s = sin_p + r * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d)
-          vec[d] = head_copy[d] * c[d] + head_copy[perm_p[d]] * s[d];
-      }
+      // Queries, then keys: norm, rotary.
+      norm_rotate_heads(row, heads + kv_heads, head_dim, norm[kQkNorm],
+                        static_cast<float>(eps[kQkNorm]), cos_p + r * head_dim,
+                        sin_p + r * head_dim, perm_p, head_copy.data());
       for (int64_t h = 0; h < kv_heads; ++h) {
         const int64_t at_position =
             ((slots[r] * kv_heads + h) * capacity + positions[r]) * head_dim;
@@ -509,9 +517,56 @@ at::Tensor gated_activation(const at::Tensor& gate_up, int64_t activation) {
   return out;
 }
 
+// A prefill step's per-head q/k norms and rotary over its rows in parallel, in place:
+// qkv float32 [rows, width] (each row's first `heads` heads of head_dim: queries then
+// keys), norm float32 [heads, head_dim] or none, cos / sin float32 [rows, head_dim], perm
+// int64 [head_dim] (lean_parts.rotary_tables). torch's operators (rms_norm, the weight's
+// product, then x cos + x[perm] sin with a gather over the last dimension) took ~1 ms per
+// Gemma 3 270M layer at 128 rows on one thread of the 2-core AMD EPYC.
+void qk_norm_rotary(at::Tensor& qkv, int64_t heads, int64_t head_dim,
+                    const std::optional<at::Tensor>& norm, double eps, const at::Tensor& cos,
+                    const at::Tensor& sin, const at::Tensor& perm) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous() &&
+                  heads > 0 && head_dim > 0 && heads * head_dim <= qkv.size(1),
+              "qk_norm_rotary: qkv must be a contiguous float32 [rows, width] tensor holding "
+              "heads x head_dim values per row");
+  const int64_t rows = qkv.size(0), width = qkv.size(1);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == rows && cos.size(1) == head_dim &&
+                  cos.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat &&
+                  sin.is_contiguous(),
+              "qk_norm_rotary: cos / sin must be contiguous float32 [rows, head_dim]");
+  TORCH_CHECK(perm.dim() == 1 && perm.size(0) == head_dim && perm.scalar_type() == at::kLong &&
+                  perm.is_contiguous(),
+              "qk_norm_rotary: perm must be int64 [head_dim]");
+  const int64_t* perm_p = perm.data_ptr<int64_t>();
+  for (int64_t d = 0; d < head_dim; ++d)
+    TORCH_CHECK(perm_p[d] >= 0 && perm_p[d] < head_dim, "qk_norm_rotary: perm out of range");
+  const float* norm_p = nullptr;
+  if (norm.has_value()) {
+    TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() &&
+                    norm->numel() == heads * head_dim,
+                "qk_norm_rotary: norm must be float32 [heads, head_dim]");
+    norm_p = norm->data_ptr<float>();
+  }
+  float* qkv_p = qkv.data_ptr<float>();
+  const float* cos_p = cos.data_ptr<float>();
+  const float* sin_p = sin.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 16384 / (heads * head_dim));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(static_cast<size_t>(head_dim));
+    for (int64_t r = begin; r < end; ++r)
+      norm_rotate_heads(qkv_p + r * width, heads, head_dim, norm_p, static_cast<float>(eps),
+                        cos_p + r * head_dim, sin_p + r * head_dim, perm_p, scratch.data());
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(exo_native, m) {
+  m.def(
+      "qk_norm_rotary(Tensor(a!) qkv, int heads, int head_dim, Tensor? norm, float eps, "
+      "Tensor cos, Tensor sin, Tensor perm) -> ()");
   m.def("gated_activation(Tensor gate_up, int activation) -> Tensor");
   m.def(
       "decode_layer(Tensor(a!) x, Tensor?[] linears, Tensor?[] norms, float[] eps, "
@@ -528,4 +583,5 @@ TORCH_LIBRARY_IMPL(exo_native, CPU, m) {
   m.impl("decode_layer", &decode_layer);
   m.impl("decode_layers", &decode_layers);
   m.impl("gated_activation", &gated_activation);
+  m.impl("qk_norm_rotary", &qk_norm_rotary);
 }
