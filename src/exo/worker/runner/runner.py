@@ -395,6 +395,7 @@ class Runner:
             generation.first_sent = True
             if piece.finish_reason is not None:
                 del self._generations[request_id]
+                self._forget_stream(generation.task.command_id)  # nothing is held by now
                 self._send(TaskStatusReport(task_id=generation.task.task_id, status=TaskComplete()))
         if not isinstance(self._status, RunnerFailed):
             self._update_status()
@@ -528,6 +529,7 @@ class Runner:
             self._send(ChunkReport(chunk=held))
 
     def _forget_stream(self, command_id: CommandId) -> None:
+        """A stream ends: what it held leaves, its send time is dropped."""
         self._release_held(command_id)
         self._streamed_at.pop(command_id, None)
 
