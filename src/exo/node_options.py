@@ -149,7 +149,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
         help="a runner sends a stream's tokens to the API at most every MS milliseconds "
         f"while decode steps are shorter (default {DEFAULT_STREAM_INTERVAL_MS:g}: at ~150 "
         "tok/s two or three tokens per chunk, the node's per-chunk work halved; the first "
-        "and last token are never held back); 0 sends every token at once",
+        "and last token are never held back); 0 sends every token at once; at most "
+        f"{MAX_STREAM_INTERVAL_MS:g}",
     )
     parser.add_argument(
         "--max-queued-requests",
@@ -187,7 +188,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
     if not 0 <= args.stream_interval_ms <= MAX_STREAM_INTERVAL_MS:
         parser.error(
             f"--stream-interval-ms must be between 0 and {MAX_STREAM_INTERVAL_MS:g}, "
-            f"not {args.stream_interval_ms}"
+            f"not {args.stream_interval_ms:g}"
         )
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         parser.error(f"--max-queued-requests must be >= 0, not {args.max_queued_requests}")
