@@ -57,7 +57,9 @@ def test_create_stream_and_count_tokens_agree(default_node: ExoNode) -> None:
     assert prompt_tokens(start.message.usage) == prompt_tokens(message.usage) > 5
     pieces = [event.text for event in events if event.type == "text"]
     assert "".join(pieces) == text_of(message)
-    assert len(pieces) > 3, "streaming sends the answer piece by piece"
+    # More than one piece: the first token leaves alone (TTFT), later ones may be grouped
+    # (`--stream-interval-ms`), so how many pieces depends on the decode speed.
+    assert len(pieces) >= 2, "streaming sends the answer piece by piece"
     assert text_of(final) == text_of(message)
     assert final.stop_reason == message.stop_reason
     assert prompt_tokens(final.usage) == prompt_tokens(message.usage)

@@ -34,7 +34,9 @@ def test_chat_plain_and_streaming(default_node: ExoNode) -> None:
         client.chat(model=DEFAULT_MODEL_ID, messages=QUESTION, options=GREEDY, stream=True)
     )
     assert "".join(part.message.content or "" for part in parts) == answer.message.content
-    assert len(parts) > 3, "streaming sends the answer piece by piece"
+    # More than one piece: the first token leaves alone (TTFT), later ones may be grouped
+    # (`--stream-interval-ms`), so how many pieces depends on the decode speed.
+    assert len(parts) >= 2, "streaming sends the answer piece by piece"
     assert [part.done for part in parts] == [False] * (len(parts) - 1) + [True]
     assert parts[-1].done_reason == "stop" and parts[-1].eval_count == answer.eval_count
 

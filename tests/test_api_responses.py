@@ -61,7 +61,9 @@ def test_plain_streaming_and_stream_helper_agree(default_node: ExoNode) -> None:
         "response.content_part.added",
     ]
     deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
-    assert len(deltas) > 3, "streaming sends the answer piece by piece"
+    # More than one piece: the first token leaves alone (TTFT), later ones may be grouped
+    # (`--stream-interval-ms`), so how many pieces depends on the decode speed.
+    assert len(deltas) >= 2, "streaming sends the answer piece by piece"
     assert "".join(deltas) == response.output_text
     completed = events[-1]
     assert completed.type == "response.completed"

@@ -67,7 +67,9 @@ def test_default_model_answers_streaming_and_not(default_node: ExoNode) -> None:
             if choice.finish_reason:
                 finish_reasons.append(choice.finish_reason)
     assert "".join(pieces) == answer
-    assert len(pieces) > 3, "streaming sends the answer piece by piece"
+    # More than one piece: the first token leaves alone (TTFT), later ones may be grouped
+    # (`--stream-interval-ms`), so how many pieces depends on the decode speed.
+    assert len(pieces) >= 2, "streaming sends the answer piece by piece"
     assert finish_reasons == ["stop"]
     assert usage is not None and usage.completion_tokens == completion.usage.completion_tokens
 
