@@ -15,7 +15,9 @@ transformers model. One step, over the plan's flattened rows `[T]`:
    rotary over queries and keys together, `batch_attention.attend` (slot KV cache, per-request
    positions and windows), the output projection (all-reduced on tensor ranks), Gemma 3's
    post-attention norm, the residual add in place; then the same for the MLP with ONE fused
-   gate/up matmul and the activation times up;
+   gate/up matmul and the activation times up (where exo's kernels run, the q/k norms with
+   the rotary and the activation with its product are one C++ pass each:
+   `exo_native.qk_norm_rotary`, `exo_native.gated_activation`);
 4. on the last rank: the final norm and LM head on the logit rows only (Gemma's final logit
    soft-capping where configured).
 
