@@ -227,30 +227,33 @@ void gemm_tile(const int16_t* xq, const float* x_scales, const float* x_sums, in
                const int32_t* packed_tile, const float* scales, const float* offsets,
                int64_t padded, int64_t blocks_per_group, float* acc) {
   const int64_t blocks = k / 32, pairs = k / 2;
+  constexpr int kPairs = 16 / HALVES;  // input pairs summed before a scale applies
   __m256 sums[ROWS][2];
   for (int r = 0; r < ROWS; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
+  const float* scale = scales;  // the group's scales and offsets: advanced per group
+  const float* offset = offsets;
+  int64_t in_group = 0;
   for (int64_t half = 0; half < blocks * HALVES; ++half) {
     const int64_t b = half / HALVES;
+    const int64_t first = b * 16 + (half % HALVES) * kPairs;  // this part's first pair
     __m256i dot[ROWS][2];
     for (int r = 0; r < ROWS; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-    const int32_t* w = packed_tile + b * 16 * 8;
-    for (int p = (half % HALVES) * 16 / HALVES; p < (half % HALVES + 1) * 16 / HALVES; ++p) {
+    const int32_t* w = packed_tile + first * 8;
+    const int16_t* x = xq + 2 * first;
+    for (int p = 0; p < kPairs; ++p) {
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 8));
       const __m256i w1 =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + pairs * 8 + p * 8));
       for (int r = 0; r < ROWS; ++r) {
         int32_t pair;
-        std::memcpy(&pair, xq + r * k + b * 32 + 2 * p, sizeof(pair));
-        const __m256i x = _mm256_set1_epi32(pair);
-        dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(w0, x));
-        dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(w1, x));
+        std::memcpy(&pair, x + r * k + 2 * p, sizeof(pair));
+        const __m256i xr = _mm256_set1_epi32(pair);
+        dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(w0, xr));
+        dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(w1, xr));
       }
     }
-    const int64_t g = half / blocks_per_group;
-    const __m256 scale0 = _mm256_loadu_ps(scales + g * padded);
-    const __m256 scale1 = _mm256_loadu_ps(scales + g * padded + 8);
-    const __m256 offset0 = _mm256_loadu_ps(offsets + g * padded);
-    const __m256 offset1 = _mm256_loadu_ps(offsets + g * padded + 8);
+    const __m256 scale0 = _mm256_loadu_ps(scale), scale1 = _mm256_loadu_ps(scale + 8);
+    const __m256 offset0 = _mm256_loadu_ps(offset), offset1 = _mm256_loadu_ps(offset + 8);
     for (int r = 0; r < ROWS; ++r) {
       const __m256 x_scale = _mm256_broadcast_ss(x_scales + r * blocks + b);
       const __m256 x_sum = _mm256_broadcast_ss(x_sums + r * blocks + b);
@@ -260,6 +263,11 @@ void gemm_tile(const int16_t* xq, const float* x_scales, const float* x_sums, in
           _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), scale1, _mm256_mul_ps(x_sum, offset1));
       sums[r][0] = _mm256_fmadd_ps(x_scale, block0, sums[r][0]);
       sums[r][1] = _mm256_fmadd_ps(x_scale, block1, sums[r][1]);
+    }
+    if (++in_group == blocks_per_group) {  // the next part starts the next group
+      in_group = 0;
+      scale += padded;
+      offset += padded;
     }
   }
   for (int r = 0; r < ROWS; ++r) {
@@ -314,11 +322,13 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
           scales[g * padded + i] = scale;
           offsets[g * padded + i] = offset;
         }
-      for (int64_t t = 0; t < padded / 16; ++t) {
-        const int32_t* tile = packed.data() + 2 * t * (k / 2) * 8;
-        const int64_t width = std::min<int64_t>(16, count - 16 * t);
-        auto run = [&](auto count_rows, int64_t r) {
-          constexpr int R = decltype(count_rows)::value;
+      // Row groups outside, tiles inside: a group's activation rows (4 x k int16) stay in L1
+      // while the slab's tiles come from L2.
+      auto run = [&](auto count_rows, int64_t r) {
+        constexpr int R = decltype(count_rows)::value;
+        for (int64_t t = 0; t < padded / 16; ++t) {
+          const int32_t* tile = packed.data() + 2 * t * (k / 2) * 8;
+          const int64_t width = std::min<int64_t>(16, count - 16 * t);
           if (halves)
             gemm_tile<R, 2>(quantized.data() + r * k, x_scales.data() + r * blocks,
                             x_sums.data() + r * blocks, k, tile, scales.data() + 16 * t,
@@ -329,13 +339,13 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
                             offsets.data() + 16 * t, padded, blocks_per_group, acc);
           for (int i = 0; i < R; ++i)
             std::memcpy(y + (r + i) * n + n0 + 16 * t, acc + i * 16, sizeof(float) * width);
-        };
-        int64_t r = 0;
-        for (; r + 4 <= rows; r += 4) run(std::integral_constant<int, 4>{}, r);
-        if (rows - r == 3) run(std::integral_constant<int, 3>{}, r);
-        if (rows - r == 2) run(std::integral_constant<int, 2>{}, r);
-        if (rows - r == 1) run(std::integral_constant<int, 1>{}, r);
-      }
+        }
+      };
+      int64_t r = 0;
+      for (; r + 4 <= rows; r += 4) run(std::integral_constant<int, 4>{}, r);
+      if (rows - r == 3) run(std::integral_constant<int, 3>{}, r);
+      if (rows - r == 2) run(std::integral_constant<int, 2>{}, r);
+      if (rows - r == 1) run(std::integral_constant<int, 1>{}, r);
     }
   });
 }
