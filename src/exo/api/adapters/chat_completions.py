@@ -10,7 +10,11 @@ import json
 import uuid
 from typing import Any, assert_never
 
-from exo.api.adapters.common import check_tool_results_answer_calls, logit_bias_from_wire
+from exo.api.adapters.common import (
+    check_tool_results_answer_calls,
+    logit_bias_from_wire,
+    vllm_top_k,
+)
 from exo.api.errors import InvalidRequestError
 from exo.api.generation import build_task_params
 from exo.api.types.openai_chat import (
@@ -87,8 +91,7 @@ def to_task_params(request: ChatCompletionRequest) -> TextGenerationTaskParams:
         max_tokens=_max_tokens(request),
         temperature=request.temperature,
         top_p=request.top_p,
-        # vLLM spells "no top-k filter" as -1; internally it is 0.
-        top_k=0 if request.top_k == -1 else request.top_k,
+        top_k=vllm_top_k(request.top_k),
         min_p=request.min_p,
         seed=request.seed,
         stop=_stop_sequences(request.stop),

@@ -22,6 +22,12 @@ def openai_sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
+def vllm_top_k(top_k: int | None) -> int | None:
+    """The internal `top_k` of an OpenAI-shaped route's (vLLM's) `top_k`: its -1 means no
+    top-k filter, which is 0 internally (`exo.api.types.wire.VllmTopK`)."""
+    return 0 if top_k == -1 else top_k
+
+
 def unfinished_generation_error(reason: Literal["error", "cancelled"]) -> GenerationError:
     """The error for a generation that did not finish. No dialect has a value for a
     cancelled generation, and reporting "stop" would make a truncated answer look

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 
-from exo.api.adapters.common import logit_bias_from_wire
+from exo.api.adapters.common import logit_bias_from_wire, vllm_top_k
 from exo.api.errors import InvalidRequestError
 from exo.api.generation import build_task_params
 from exo.api.types.openai_completions import CompletionRequest
@@ -51,8 +51,7 @@ def to_task_params(request: CompletionRequest) -> TextGenerationTaskParams:
         max_tokens=request.max_tokens,
         temperature=request.temperature,
         top_p=request.top_p,
-        # vLLM spells "no top-k filter" as -1; internally it is 0.
-        top_k=0 if request.top_k == -1 else request.top_k,
+        top_k=vllm_top_k(request.top_k),
         min_p=request.min_p,
         seed=request.seed,
         stop=_stop_sequences(request.stop),

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 from typing import Any, assert_never
 
+from exo.api.adapters.common import vllm_top_k
 from exo.api.errors import InvalidRequestError
 from exo.api.generation import build_task_params
 from exo.api.types.openai_responses import (
@@ -125,6 +126,7 @@ def to_task_params(request: ResponsesRequest) -> TextGenerationTaskParams:
             max_tokens=request.max_output_tokens,
             temperature=request.temperature,
             top_p=request.top_p,
+            top_k=vllm_top_k(request.top_k),
             stream=request.stream,
             tools=tuple(_to_tool_definition(tool) for tool in function_tools(request)),
             tool_choice=_tool_choice(request),

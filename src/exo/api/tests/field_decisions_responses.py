@@ -210,7 +210,9 @@ def responses_effects() -> list[Decision]:
             {"max_output_tokens": 7},
             lambda p: p.max_tokens == 7,
         ),
-        *sampling_effects(RESPONSES, "ResponsesRequest", {"temperature": 0.3, "top_p": 0.5}),
+        *sampling_effects(
+            RESPONSES, "ResponsesRequest", {"temperature": 0.3, "top_p": 0.5, "top_k": 7}
+        ),
         Effect(
             fields(
                 "ResponsesRequest.tools",

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from exo.api.types.wire import WireRequestModel
+from exo.api.types.wire import VllmTopK, WireRequestModel
 
 # The OpenAI API allows at most 4 stop sequences; llama.cpp and vLLM accept more, and so
 # do we, up to a bound that keeps stop-string matching cheap.
@@ -217,7 +217,7 @@ class ChatCompletionRequest(_WireRequestModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: VllmTopK | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     # torch generators take seeds in [-2**63, 2**64).
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)

@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from exo.api.types.openai_chat import MAX_STOP_SEQUENCES, CompletionUsage, StreamOptions
-from exo.api.types.wire import WireRequestModel
+from exo.api.types.wire import VllmTopK, WireRequestModel
 from exo.shared.types.text_generation import MAX_TOP_LOGPROBS
 
 # OpenAI's documented default for the legacy endpoint (vLLM keeps it too): a request
@@ -54,7 +54,7 @@ class CompletionRequest(_WireRequestModel):
     max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: VllmTopK | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     # torch generators take seeds in [-2**63, 2**64).
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)

@@ -32,7 +32,7 @@ from pydantic import (
     model_serializer,
 )
 
-from exo.api.types.wire import WireRequestModel
+from exo.api.types.wire import VllmTopK, WireRequestModel
 
 # OpenAI caps top_logprobs at 20.
 MAX_TOP_LOGPROBS = 20
@@ -267,6 +267,8 @@ class ResponsesRequest(_WireRequestModel):
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    # Not an OpenAI parameter: vLLM's extension, as on Chat Completions.
+    top_k: VllmTopK | None = None
     tools: list[ToolSpec] | None = None
     tool_choice: ToolChoiceSpec | None = None
     parallel_tool_calls: bool | None = None

@@ -10,10 +10,15 @@ fields each have an effect, a 400, or a place on the README's list of compatibil
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Annotated, Any
 
 from loguru import logger
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# `top_k` on the OpenAI-shaped routes (Chat Completions, Completions, Responses). OpenAI has
+# no `top_k`; vLLM's extension, which we follow, keeps the k most likely tokens for k >= 1,
+# and takes 0 or -1 as "no top-k filter" (vLLM refuses anything below -1, and so do we).
+VllmTopK = Annotated[int, Field(ge=-1)]
 
 
 @functools.cache
