@@ -1,8 +1,8 @@
 """The `exo` command's entry point (`exo`, `python -m exo`).
 
 Kept free of the node's imports (torch, transformers, the API), which take ~6 s on a
-2-core machine: `exo --help`, a bad flag and `exo bench ...` answer without them; the node
-is imported only once its flags are parsed.
+2-core machine: `exo --help`, `exo --version`, a bad flag and `exo bench ...` answer
+without them; the node is imported only once its flags are parsed.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ def main(argv: list[str] | None = None) -> None:
     until it is stopped.
 
     Raises:
-        SystemExit: after `--help`, a bad flag, `exo bench`, or a node that could not start
-            (status 1, the reason logged).
+        SystemExit: after `--help`, `--version`, a bad flag, `exo bench`, or a node that
+            could not start (status 1, the reason logged).
     """
     arguments = sys.argv[1:] if argv is None else argv
     if arguments[:1] == ["bench"]:

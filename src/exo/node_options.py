@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 from dataclasses import dataclass, field
 
@@ -57,6 +58,15 @@ class Options:
     cluster_secret: ClusterSecret | None = None
 
 
+def package_version() -> str:
+    """The installed `exo` distribution's version (`exo --version`), from its metadata; a
+    source tree run without installing has none."""
+    try:
+        return importlib.metadata.version("exo")
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown: the exo package is not installed)"
+
+
 def parse_args(argv: list[str] | None = None) -> Options:
     parser = argparse.ArgumentParser(
         prog="exo",
@@ -66,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
             f"{DEFAULT_API_PORT} of every node."
         ),
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     parser.add_argument(
         "--api-port", type=int, default=DEFAULT_API_PORT, help="HTTP API port (default %(default)s)"
     )

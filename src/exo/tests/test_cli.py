@@ -1,6 +1,7 @@
-"""The `exo` entry point answers `--help`, a bad flag and `exo bench --help` without
-importing the node (torch, transformers, the API: ~6 s on a 2-core machine)."""
+"""The `exo` entry point answers `--help`, `--version`, a bad flag and `exo bench --help`
+without importing the node (torch, transformers, the API: ~6 s on a 2-core machine)."""
 
+import importlib.metadata
 import subprocess
 import sys
 
@@ -20,7 +21,8 @@ print("CODE", code, "LOADED", ",".join(loaded))
 
 
 @pytest.mark.parametrize(
-    ("arguments", "code"), [(["--help"], 0), (["--bogus"], 2), (["bench", "--help"], 0)]
+    ("arguments", "code"),
+    [(["--help"], 0), (["--version"], 0), (["--bogus"], 2), (["bench", "--help"], 0)],
 )
 def test_the_command_line_answers_without_the_node(arguments: list[str], code: int) -> None:
     script = CHECK.format(arguments=arguments, heavy=HEAVY)
@@ -29,3 +31,11 @@ def test_the_command_line_answers_without_the_node(arguments: list[str], code: i
     )
     assert finished.returncode == 0, finished.stderr
     assert f"CODE {code} LOADED \n" in finished.stdout, finished.stdout + finished.stderr
+
+
+def test_version_prints_the_installed_package_version() -> None:
+    finished = subprocess.run(
+        [sys.executable, "-m", "exo", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert finished.returncode == 0, finished.stderr
+    assert finished.stdout == f"exo {importlib.metadata.version('exo')}\n"
