@@ -22,6 +22,7 @@ from exo.api.adapters.common import (
     ended_without_finish,
     error_chunk_error,
     final_usage,
+    logprob_token,
     openai_sse,
     unfinished_generation_error,
 )
@@ -93,11 +94,15 @@ def _completion_usage(usage: Usage | None, counted_completion_tokens: int) -> Co
 def _logprob_entries(entries: tuple[TokenLogprob, ...]) -> list[LogprobEntry]:
     return [
         LogprobEntry(
-            token=entry.token,
+            token=logprob_token(entry.token, entry.bytes),
             logprob=entry.logprob,
             bytes=list(entry.bytes),
             top_logprobs=[
-                TopLogprobEntry(token=top.token, logprob=top.logprob, bytes=list(top.bytes))
+                TopLogprobEntry(
+                    token=logprob_token(top.token, top.bytes),
+                    logprob=top.logprob,
+                    bytes=list(top.bytes),
+                )
                 for top in entry.top_logprobs
             ],
         )

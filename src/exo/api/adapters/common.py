@@ -22,6 +22,30 @@ def openai_sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
+def logprob_token(token: str, token_bytes: Sequence[int], prefix: str = "") -> str:
+    """A logprobs entry's token string as OpenAI writes it: the token's text, unless its
+    bytes are not whole UTF-8 characters (a byte-level BPE token inside a character,
+    whose text alone is only "\ufffd"): then `prefix` and its bytes escaped as `\\xNN`,
+    printable ASCII as itself (Chat Completions and Responses: `"\\xf0\\x9f"`, next to
+    the exact `bytes`; legacy Completions, `prefix="bytes:"`: `"bytes:\\xf0\\x9f"`).
+
+    Args:
+        token: the token decoded alone.
+        token_bytes: its exact output bytes (empty when unknown: `token` is kept).
+        prefix: written before the escaped bytes.
+    """
+    if not token_bytes:
+        return token
+    raw = bytes(token_bytes)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return prefix + "".join(
+            chr(byte) if 0x20 <= byte < 0x7F and byte != 0x5C else f"\\x{byte:02x}" for byte in raw
+        )
+    return token
+
+
 def vllm_top_k(top_k: int | None) -> int | None:
     """The internal `top_k` of an OpenAI-shaped route's (vLLM's) `top_k`: its -1 means no
     top-k filter, which is 0 internally (`exo.api.types.wire.VllmTopK`)."""

@@ -9,6 +9,7 @@ client raises `APIError` on it). A chunk stream ends with the first chunk whose
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import AsyncIterator, Sequence
 from typing import assert_never
@@ -18,6 +19,7 @@ from exo.api.adapters.common import (
     ended_without_finish,
     error_chunk_error,
     final_usage,
+    logprob_token,
     openai_sse,
     unfinished_generation_error,
 )
@@ -59,36 +61,57 @@ def completion_finish_reason(reason: FinishReason) -> CompletionFinishReason:
             assert_never(reason)
 
 
+# The legacy API's spelling of a token that is not whole UTF-8 characters.
+BYTES_TOKEN_PREFIX = "bytes:"
+
+
+def utf8_offset_decoder() -> codecs.IncrementalDecoder:
+    """What `legacy_logprobs` counts characters with: fed every generated token's bytes in
+    order, so a character split over tokens (of one chunk or several) is counted once, by
+    the token that completes it."""
+    return codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+
 def legacy_logprobs(
-    entries: Sequence[TokenLogprob], text_offset: int, text_length: int | None = None
+    entries: Sequence[TokenLogprob],
+    text_offset: int,
+    text_length: int | None = None,
+    decoder: codecs.IncrementalDecoder | None = None,
 ) -> CompletionLogprobs:
     """Token logprobs in the legacy shape: parallel lists, one entry per token.
 
-    `top_logprobs[i]` maps the text of each reported alternative to its log probability,
-    plus the sampled token (OpenAI: "up to logprobs+1 elements"); alternatives with the
-    same text keep the likelier one (a dict keyed by text: tokens that decode alike, such
-    as byte tokens that are each "\ufffd" on their own, are one entry). `text_offset[i]` is
-    where token i starts in the choice's text, counting tokens' texts from `text_offset` on
-    and never past the `text_length` characters these tokens added to the text: a token
-    that ends inside a character (its text alone "\ufffd", the character not yet
-    complete) adds nothing to the text until the character is.
+    A token's string is its text, or for a token that is not whole UTF-8 characters (a
+    byte-level BPE token inside a character, "\ufffd" alone) its bytes as OpenAI writes
+    them, `"bytes:\\xe2\\x9c"` (`logprob_token`). `top_logprobs[i]` maps the string of
+    each reported alternative to its log probability, plus the sampled token (OpenAI: "up
+    to logprobs+1 elements"); alternatives with the same string keep the likelier one (a
+    dict keyed by it). `text_offset[i]` is where token i starts in the choice's text:
+    `text_offset` plus the characters the tokens before it completed (counted by
+    `decoder`, which has seen the earlier chunks' tokens; a token inside a character starts
+    where the character does), never past the `text_length` characters these tokens added
+    to the text (a stop string's tokens add none).
     """
+    decoder = utf8_offset_decoder() if decoder is None else decoder
     tokens: list[str] = []
     token_logprobs: list[float] = []
     top_logprobs: list[dict[str, float]] = []
     offsets: list[int] = []
     offset = text_offset
+    end = text_offset + text_length if text_length is not None else None
     for entry in entries:
-        tokens.append(entry.token)
+        token = logprob_token(entry.token, entry.bytes, BYTES_TOKEN_PREFIX)
+        tokens.append(token)
         token_logprobs.append(entry.logprob)
         alternatives: dict[str, float] = {}
         for candidate in entry.top_logprobs:
-            alternatives.setdefault(candidate.token, candidate.logprob)
-        alternatives.setdefault(entry.token, entry.logprob)
+            alternatives.setdefault(
+                logprob_token(candidate.token, candidate.bytes, BYTES_TOKEN_PREFIX),
+                candidate.logprob,
+            )
+        alternatives.setdefault(token, entry.logprob)
         top_logprobs.append(alternatives)
-        end = text_offset + text_length if text_length is not None else None
         offsets.append(offset if end is None else min(offset, end))
-        offset += len(entry.token)
+        offset += len(decoder.decode(bytes(entry.bytes))) if entry.bytes else len(entry.token)
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top_logprobs,
         text_offset=offsets,
@@ -151,6 +174,7 @@ async def stream_completion(
     if echo:
         yield event([CompletionChoice(text=echo)])
     text_offset = len(echo)
+    decoder = utf8_offset_decoder()
     counted_completion_tokens = 0
     async for chunk in chunks:
         match chunk:
@@ -158,7 +182,7 @@ async def stream_completion(
                 counted_completion_tokens += len(chunk.token_ids)
                 text = chunk.text + chunk.reasoning_text
                 logprobs = (
-                    legacy_logprobs(chunk.logprobs, text_offset, len(text))
+                    legacy_logprobs(chunk.logprobs, text_offset, len(text), decoder)
                     if params.logprobs and chunk.logprobs
                     else None
                 )
@@ -211,6 +235,7 @@ async def collect_completion(
     texts: list[str] = [echo]
     logprobs = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     text_offset = len(echo)
+    decoder = utf8_offset_decoder()
     counted_completion_tokens = 0
     async for chunk in chunks:
         match chunk:
@@ -218,7 +243,7 @@ async def collect_completion(
                 text = chunk.text + chunk.reasoning_text
                 texts.append(text)
                 if chunk.logprobs:  # offsets per chunk: its tokens' texts are within its text
-                    part = legacy_logprobs(chunk.logprobs, text_offset, len(text))
+                    part = legacy_logprobs(chunk.logprobs, text_offset, len(text), decoder)
                     logprobs.tokens.extend(part.tokens)
                     logprobs.token_logprobs.extend(part.token_logprobs)
                     logprobs.top_logprobs.extend(part.top_logprobs)

@@ -17,6 +17,7 @@ from typing import Literal, assert_never
 from exo.api.adapters.common import (
     ended_without_finish,
     error_chunk_error,
+    logprob_token,
     unfinished_generation_error,
 )
 from exo.api.adapters.openai_responses import function_tools
@@ -490,11 +491,15 @@ class _ResponseAssembler:
 def _logprob_entries(logprobs: tuple[TokenLogprob, ...]) -> list[LogprobEntry]:
     return [
         LogprobEntry(
-            token=entry.token,
+            token=logprob_token(entry.token, entry.bytes),
             logprob=entry.logprob,
             bytes=list(entry.bytes),
             top_logprobs=[
-                TopLogprobEntry(token=top.token, logprob=top.logprob, bytes=list(top.bytes))
+                TopLogprobEntry(
+                    token=logprob_token(top.token, top.bytes),
+                    logprob=top.logprob,
+                    bytes=list(top.bytes),
+                )
                 for top in entry.top_logprobs
             ],
         )
@@ -512,17 +517,24 @@ async def _events(
     """Every event of one generation, `response.created` to the terminal event."""
     for event in assembler.start():
         yield event
+    # Logprobs of a chunk with no text (a token inside a character the engine holds back)
+    # go with the next text, or are dropped with a thinking text (module docstring).
+    held_logprobs: list[LogprobEntry] = []
     async for chunk in chunks:
         match chunk:
             case TokenChunk():
                 assembler.counted_output_tokens += len(chunk.token_ids)
                 if chunk.reasoning_text:
+                    held_logprobs.clear()
                     for event in assembler.add_reasoning(chunk.reasoning_text):
                         yield event
                 if chunk.text:
-                    logprobs = _logprob_entries(chunk.logprobs)
+                    logprobs = held_logprobs + _logprob_entries(chunk.logprobs)
+                    held_logprobs = []
                     for event in assembler.add_text(chunk.text, logprobs):
                         yield event
+                elif not chunk.reasoning_text:
+                    held_logprobs.extend(_logprob_entries(chunk.logprobs))
             case ToolCallChunk():
                 assembler.counted_output_tokens += len(chunk.token_ids)
                 for call in chunk.tool_calls:
