@@ -2,8 +2,9 @@
 for int4 blocks, int8 per channel and bfloat16 weights (`int4_gemv.cpp`), int8 blocks with
 (scale, zero) pairs or symmetric scales per 16 or 32 inputs (`int8_blocks.cpp`), GGUF Q5_0's
 5-bit blocks (`int5_blocks.cpp`),
-prefill products (`prefill.cpp`), a one-pass RMSNorm, and a whole decoder layer's decode
-step (`decode_layer.cpp`, called by `lean_forward.LeanModel` for decode-only steps).
+prefill products (`prefill.cpp`), prefill's gated activation and q/k norm + rotary
+(`prefill_ops.cpp`), a one-pass RMSNorm, and a whole decoder layer's decode step
+(`decode_layer.cpp`, called by `lean_forward.LeanModel` for decode-only steps).
 
 torch's `aten._weight_int4pack_mm_for_cpu` is fast where torch dispatches to AVX512 (its
 tiled kernel reads the packed weights at memory speed) but on AVX2-only CPUs (AMD Zen 1-3,
@@ -60,9 +61,10 @@ _SOURCES = tuple(
         "int5_blocks.cpp",
         "decode_layer.cpp",
         "prefill.cpp",
+        "prefill_ops.cpp",
     )
 )
-_HEADERS = (_NATIVE / "kernels.h", _NATIVE / "block_rows.h")
+_HEADERS = (_NATIVE / "kernels.h", _NATIVE / "block_rows.h", _NATIVE / "row_ops.h")
 # A first build takes ~15-40 s on 2 cores (torch's headers dominate).
 BUILD_TIMEOUT_S = 600.0
 

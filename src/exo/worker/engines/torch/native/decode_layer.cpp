@@ -43,16 +43,17 @@
 #include <vector>
 
 #include "kernels.h"
+#include "row_ops.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#include <sleef.h>  // the vectorized exp / tanh torch's own kernels use (exported by libtorch_cpu)
 #define EXO_AVX2 1
 #endif
 
 namespace {
 
-enum Activation : int64_t { kSilu = 0, kGeluTanh = 1, kGelu = 2 };
+using exo_native::row_ops::activate_rows;
+using exo_native::row_ops::norm_rotate_heads;
 
 // The layer's linears, in the order of the `linears` argument: (weight, scale_zero, bias)
 // for Q/K/V, output, gate/up, down.
@@ -203,69 +204,6 @@ void add_residual(float* x, float* out, int64_t rows, int64_t hidden, const floa
       exo_native::rms_norm_row(o, post_norm, hidden, static_cast<float>(eps), o);
     float* residual = x + r * hidden;
     for (int64_t i = 0; i < hidden; ++i) residual[i] += o[i];
-  }
-}
-
-inline float activate(float g, int64_t activation) {
-  switch (activation) {
-    case kSilu:
-      return g / (1.0f + std::exp(-g));
-    case kGeluTanh: {  // Hendrycks & Gimpel 2016, the tanh approximation, as g sigmoid(2 z)
-      const float twice_inner = 1.5957691216057308f * (g + 0.044715f * g * g * g);
-      return g / (1.0f + std::exp(-twice_inner));
-    }
-    default:
-      return 0.5f * g * (1.0f + std::erf(g * 0.7071067811865476f));
-  }
-}
-
-// m[i] = act(gate[i]) * up[i] for i < n. With AVX2, SiLU and the tanh GELU 8 at a time
-// through SLEEF's exp (1.0 ulp; torch's vectorized kernels call the same): the scalar loop
-// took 34 us for Gemma 3 270M's 2048 values per layer on the 2-core AMD EPYC (0.6 ms of a
-// 20 ms token, while the other thread waited); 8 at a time it takes ~5.5x less. The tanh
-// GELU is computed as g sigmoid(2 z) (0.5 (1 + tanh z) = sigmoid(2 z)), one exp instead of
-// SLEEF's tanh: [128, 2048] gate values (a Gemma prefill layer) 0.88 -> ~0.3 ms on one
-// thread, within a few float32 ulps of torch's tanh form. The exact (erf) GELU stays scalar.
-void activate_rows(const float* gate, const float* up, int64_t n, int64_t activation,
-                   float* m) {
-  int64_t i = 0;
-#ifdef EXO_AVX2
-  if (activation == kSilu || activation == kGeluTanh) {
-    const __m256 one = _mm256_set1_ps(1.0f);
-    const __m256 twice_root_two_over_pi = _mm256_set1_ps(1.5957691216057308f);
-    const __m256 cubic = _mm256_set1_ps(0.044715f);
-    for (; i + 8 <= n; i += 8) {
-      const __m256 g = _mm256_loadu_ps(gate + i);
-      __m256 a;
-      if (activation == kSilu) {
-        const __m256 e = Sleef_expf8_u10avx2(_mm256_sub_ps(_mm256_setzero_ps(), g));
-        a = _mm256_div_ps(g, _mm256_add_ps(one, e));
-      } else {
-        const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
-        const __m256 twice_inner =
-            _mm256_mul_ps(twice_root_two_over_pi, _mm256_fmadd_ps(cubic, g3, g));
-        const __m256 e = Sleef_expf8_u10avx2(_mm256_sub_ps(_mm256_setzero_ps(), twice_inner));
-        a = _mm256_div_ps(g, _mm256_add_ps(one, e));
-      }
-      _mm256_storeu_ps(m + i, _mm256_mul_ps(a, _mm256_loadu_ps(up + i)));
-    }
-  }
-#endif
-  for (; i < n; ++i) m[i] = activate(gate[i], activation) * up[i];
-}
-
-// A row's first `heads` heads of `head_dim` values, in place: each normed by its slice of
-// `norm` (per-head q/k norm weights [heads, head_dim]; nullptr: no norm), then rotated:
-// v[d] = v[d] cos[d] + v[perm[d]] sin[d] (lean_parts.rotary_tables: the sign of
-// rotate-half folded into sin). `scratch` holds head_dim values.
-void norm_rotate_heads(float* row, int64_t heads, int64_t head_dim, const float* norm,
-                       float eps, const float* cos, const float* sin, const int64_t* perm,
-                       float* scratch) {
-  for (int64_t h = 0; h < heads; ++h) {
-    float* vec = row + h * head_dim;
-    if (norm != nullptr) exo_native::rms_norm_row(vec, norm + h * head_dim, head_dim, eps, vec);
-    std::memcpy(scratch, vec, sizeof(float) * head_dim);
-    for (int64_t d = 0; d < head_dim; ++d) vec[d] = scratch[d] * cos[d] + scratch[perm[d]] * sin[d];
   }
 }
 
@@ -492,82 +430,9 @@ void decode_layers(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& li
   }
 }
 
-// A prefill step's gated activation, act(gate) * up, over its rows in parallel:
-// gate_up float32 [rows, 2 I] (gate, then up) -> [rows, I]. torch's tanh GELU took
-// ~1 ms per Gemma 3 270M layer at 128 rows on one thread of the 2-core AMD EPYC (and the
-// product with `up` a second pass); `activate_rows` does both in one pass.
-at::Tensor gated_activation(const at::Tensor& gate_up, int64_t activation) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat &&
-                  gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
-              "gated_activation: gate_up must be a contiguous float32 [rows, 2 I] tensor");
-  TORCH_CHECK(activation >= kSilu && activation <= kGelu,
-              "gated_activation: activation must be 0 (SiLU), 1 (tanh GELU) or 2 (GELU)");
-  const int64_t rows = gate_up.size(0), intermediate = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({rows, intermediate}, gate_up.options());
-  const float* input = gate_up.data_ptr<float>();
-  float* output = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(intermediate, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gate = input + r * 2 * intermediate;
-      activate_rows(gate, gate + intermediate, intermediate, activation,
-                    output + r * intermediate);
-    }
-  });
-  return out;
-}
-
-// A prefill step's per-head q/k norms and rotary over its rows in parallel, in place:
-// qkv float32 [rows, width] (each row's first `heads` heads of head_dim: queries then
-// keys), norm float32 [heads, head_dim] or none, cos / sin float32 [rows, head_dim], perm
-// int64 [head_dim] (lean_parts.rotary_tables). torch's operators (rms_norm, the weight's
-// product, then x cos + x[perm] sin with a gather over the last dimension) took ~1 ms per
-// Gemma 3 270M layer at 128 rows on one thread of the 2-core AMD EPYC.
-void qk_norm_rotary(at::Tensor& qkv, int64_t heads, int64_t head_dim,
-                    const std::optional<at::Tensor>& norm, double eps, const at::Tensor& cos,
-                    const at::Tensor& sin, const at::Tensor& perm) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous() &&
-                  heads > 0 && head_dim > 0 && heads * head_dim <= qkv.size(1),
-              "qk_norm_rotary: qkv must be a contiguous float32 [rows, width] tensor holding "
-              "heads x head_dim values per row");
-  const int64_t rows = qkv.size(0), width = qkv.size(1);
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == rows && cos.size(1) == head_dim &&
-                  cos.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat &&
-                  sin.is_contiguous(),
-              "qk_norm_rotary: cos / sin must be contiguous float32 [rows, head_dim]");
-  TORCH_CHECK(perm.dim() == 1 && perm.size(0) == head_dim && perm.scalar_type() == at::kLong &&
-                  perm.is_contiguous(),
-              "qk_norm_rotary: perm must be int64 [head_dim]");
-  const int64_t* perm_p = perm.data_ptr<int64_t>();
-  for (int64_t d = 0; d < head_dim; ++d)
-    TORCH_CHECK(perm_p[d] >= 0 && perm_p[d] < head_dim, "qk_norm_rotary: perm out of range");
-  const float* norm_p = nullptr;
-  if (norm.has_value()) {
-    TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() &&
-                    norm->numel() == heads * head_dim,
-                "qk_norm_rotary: norm must be float32 [heads, head_dim]");
-    norm_p = norm->data_ptr<float>();
-  }
-  float* qkv_p = qkv.data_ptr<float>();
-  const float* cos_p = cos.data_ptr<float>();
-  const float* sin_p = sin.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, 16384 / (heads * head_dim));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(static_cast<size_t>(head_dim));
-    for (int64_t r = begin; r < end; ++r)
-      norm_rotate_heads(qkv_p + r * width, heads, head_dim, norm_p, static_cast<float>(eps),
-                        cos_p + r * head_dim, sin_p + r * head_dim, perm_p, scratch.data());
-  });
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(exo_native, m) {
-  m.def(
-      "qk_norm_rotary(Tensor(a!) qkv, int heads, int head_dim, Tensor? norm, float eps, "
-      "Tensor cos, Tensor sin, Tensor perm) -> ()");
-  m.def("gated_activation(Tensor gate_up, int activation) -> Tensor");
   m.def(
       "decode_layer(Tensor(a!) x, Tensor?[] linears, Tensor?[] norms, float[] eps, "
       "Tensor(b!) keys, Tensor(c!) values, int[] slots, int[] positions, Tensor cos, "
@@ -582,6 +447,4 @@ TORCH_LIBRARY_FRAGMENT(exo_native, m) {
 TORCH_LIBRARY_IMPL(exo_native, CPU, m) {
   m.impl("decode_layer", &decode_layer);
   m.impl("decode_layers", &decode_layers);
-  m.impl("gated_activation", &gated_activation);
-  m.impl("qk_norm_rotary", &qk_norm_rotary);
 }
