@@ -17,13 +17,48 @@ from exo.api.limits import server_config
 from exo.api.routes.dashboard import close_event_streams
 from exo.api.security import ApiSecurity
 
+# uvicorn's `main_loop` wakes every 0.1 s to look at `should_exit` (and refreshes the
+# `date` header every tenth time); ours waits for `should_exit` and wakes once a second.
+SERVER_TICK_SECONDS = 1.0
+# uvicorn's tick counter counts tenths of a second and wraps at a day of them.
+_UVICORN_TICKS_PER_SECOND = 10
+_UVICORN_TICK_WRAP = 864000
+
 
 class _EmbeddedServer(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to the node."""
+    """A uvicorn server that leaves signal handling to the node and, when idle, wakes
+    once a second instead of ten times (an idle node's event loop had no busier timer)."""
+
+    _exit_requested: anyio.Event | None = None
+    _should_exit = False
+
+    @property
+    def should_exit(self) -> bool:
+        return self._should_exit
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        self._should_exit = value
+        if value and self._exit_requested is not None:
+            self._exit_requested.set()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def main_loop(self) -> None:
+        """uvicorn's loop, with `on_tick` once a second (the `date` header still changes
+        every second) and an exit as soon as `should_exit` is set."""
+        self._exit_requested = anyio.Event()
+        if self.should_exit:
+            self._exit_requested.set()
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            with anyio.move_on_after(SERVER_TICK_SECONDS):
+                await self._exit_requested.wait()
+            counter = (counter + _UVICORN_TICKS_PER_SECOND) % _UVICORN_TICK_WRAP
+            should_exit = await self.on_tick(counter)
 
 
 def bind_api_socket(host: str, port: int) -> socket.socket:
