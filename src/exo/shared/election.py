@@ -106,6 +106,8 @@ class Election:
         self._round_started: float | None = None
         self._last_activity = 0.0
         self._started_at: float | None = None
+        self._round_opened: anyio.Event | None = None
+        """Set when a round opens, to wake `run` from its wait between rounds."""
 
     # -- messages ----------------------------------------------------------------------
 
@@ -141,6 +143,8 @@ class Election:
         self._last_activity = self._round_started
         self._set_master(None)
         self._broadcast()
+        if self._round_opened is not None:
+            self._round_opened.set()
 
     def on_connection(self, message: ConnectionMessage) -> None:
         match message:
@@ -231,7 +235,10 @@ class Election:
     # -- loops -------------------------------------------------------------------------
 
     async def run(self) -> None:
+        """Tick every `TICK_SECONDS` while a round is open; between rounds (`tick` has
+        nothing to decide) wake only for the next heartbeat or when a round opens."""
         self._started_at = self._now()
+        self._round_opened = anyio.Event()
         self.start_round(self.election_clock + 1, "node started")
         async with anyio.create_task_group() as task_group:
             task_group.start_soon(self._connection_loop)
@@ -242,7 +249,13 @@ class Election:
                 if self._now() - last_broadcast >= BROADCAST_INTERVAL_SECONDS:
                     self._broadcast()
                     last_broadcast = self._now()
-                await anyio.sleep(TICK_SECONDS)
+                if self._round_started is not None:
+                    await anyio.sleep(TICK_SECONDS)
+                    continue
+                self._round_opened = anyio.Event()
+                next_broadcast = last_broadcast + BROADCAST_INTERVAL_SECONDS - self._now()
+                with anyio.move_on_after(max(0.0, next_broadcast)):
+                    await self._round_opened.wait()
 
     async def _connection_loop(self) -> None:
         async for message in self._connections:
