@@ -160,6 +160,8 @@ class ClusterClient:
         self._result_waiters: dict[CommandId, MemoryObjectSendStream[Event]] = {}
         self._chunk_streams: dict[CommandId, MemoryObjectSendStream[Chunk]] = {}
         self._command_instance: dict[CommandId, InstanceId] = {}
+        # Set when a request's instance becomes known, to wake `_watch_lost_nodes`.
+        self._request_routed = anyio.Event()
         self._task_commands: dict[TaskId, CommandId] = {}
         self.generation_aliases: dict[CommandId, CommandId] = {}
         """Generations sent again after their instance was lost: the command their client
@@ -295,6 +297,7 @@ class ClusterClient:
                 command_id = task.command_id
                 if task.command_id in self._chunk_streams:
                     self._command_instance[task.command_id] = task.instance_id
+                    self._request_routed.set()
                     self._task_commands[task.task_id] = task.command_id
                     # Sent to an instance that lost a node since: no chunk will come.
                     self._end_streams_of_lost_instances()
@@ -344,8 +347,12 @@ class ClusterClient:
 
     async def _watch_lost_nodes(self) -> None:
         """A request whose instance runs on a node that left the cluster will never get
-        its chunks: end it now (this node's own links say so as soon as the master's)."""
+        its chunks: end it now (this node's own links say so as soon as the master's).
+        With no request waiting for chunks there is nothing to look at until one is."""
         while True:
+            if not self._command_instance:
+                self._request_routed = anyio.Event()
+                await self._request_routed.wait()
             await anyio.sleep(LOST_NODE_CHECK_SECONDS)
             self._end_streams_of_lost_instances()
 

@@ -38,6 +38,8 @@ class LocalEventSender:
         self._next_idx = 0
         self._unacknowledged: dict[int, tuple[ForwarderEvent, float]] = {}
         self._emitted: deque[Event] = deque(maxlen=EMITTED_KEPT)
+        self._emitted_wake: anyio.Event | None = None
+        """Set by `emit`, to wake `run` from its wait while nothing is unacknowledged."""
 
     def emit(self, event: Event) -> None:
         self._emitted.append(event)
@@ -47,6 +49,8 @@ class LocalEventSender:
         self._next_idx += 1
         self._unacknowledged[forwarded.origin_idx] = (forwarded, self._now())
         self._publisher.publish(forwarded)
+        if self._emitted_wake is not None:
+            self._emitted_wake.set()
 
     def restart_session(self, then: Sequence[Event] = ()) -> None:
         """Start numbering again under a new session and send this process's events once
@@ -93,6 +97,11 @@ class LocalEventSender:
         return len(self._unacknowledged)
 
     async def run(self) -> None:
+        """Look for overdue events every `RESEND_AFTER_SECONDS / 2` while some are not
+        indexed yet; with none, sleep until the next is emitted."""
         while True:
+            if not self._unacknowledged:
+                self._emitted_wake = anyio.Event()
+                await self._emitted_wake.wait()
             await anyio.sleep(RESEND_AFTER_SECONDS / 2)
             self.resend_overdue()

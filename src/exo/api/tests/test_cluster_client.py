@@ -21,7 +21,7 @@ from exo.shared.types.commands import (
     GenerateText,
     PlaceInstance,
 )
-from exo.shared.types.common import CommandId, InstanceId, NodeId
+from exo.shared.types.common import CommandId, InstanceId, NodeId, TaskId
 from exo.shared.types.events import (
     CommandRejected,
     Event,
@@ -31,8 +31,8 @@ from exo.shared.types.events import (
     TaskStatusUpdated,
 )
 from exo.shared.types.state import State
-from exo.shared.types.tasks import TaskCancelled
-from exo.testing.builders import SMOLLM2, make_params
+from exo.shared.types.tasks import TaskCancelled, TextGeneration
+from exo.testing.builders import SMOLLM2, make_instance, make_params, make_state
 from exo.testing.in_process import in_process_cluster
 from exo.utils.channels import Topic
 
@@ -285,3 +285,44 @@ async def test_a_stream_whose_node_is_lost_ends_with_a_503_that_can_be_sent_agai
         assert (chunk.status_code, chunk.error_code) == (503, INSTANCE_UNAVAILABLE)
         assert chunk.error_message.endswith(f"is unavailable: node {other} left; re-placing")
         assert cluster.state.tasks == {}
+
+
+async def test_a_stream_ends_when_this_nodes_links_lose_a_node_of_its_instance() -> None:
+    """Without a request the watcher sleeps; a routed request wakes it, and it sees the
+    links drop the instance's other node before any event says so."""
+    other = NodeId("node-2")
+    instance = make_instance([NODE, other])
+    state = make_state(instances=[instance])
+    peers = {other}
+    applied: Topic[IndexedEvent] = Topic("applied")
+    election = FakeElection()
+    election.elect(NODE)
+    client = ClusterClient(
+        node_id=NODE,
+        current_state=lambda: state,
+        applied_events=applied.subscribe(),
+        chunk_subscription=Topic[Chunk]("chunks").subscribe(),
+        command_publisher=Topic[ForwarderCommand]("commands").sender(),
+        cards={},
+        election=cast(Election, election),
+        current_peers=lambda: frozenset(peers),
+    )
+    command_id = CommandId("generate-1")
+    task = TextGeneration(
+        task_id=TaskId("task-1"),
+        command_id=command_id,
+        instance_id=instance.instance_id,
+        origin_node_id=NODE,
+        params=make_params(),
+    )
+    with anyio.fail_after(DEADLINE_SECONDS):
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(client.run)
+            with client.chunk_stream(command_id) as chunks:
+                applied.publish(IndexedEvent(idx=0, event=TaskCreated(task=task)))
+                await anyio.wait_all_tasks_blocked()
+                peers.clear()  # the links lose node-2; no event says so yet
+                [chunk] = [chunk async for chunk in chunks]
+            task_group.cancel_scope.cancel()
+    assert isinstance(chunk, ErrorChunk)
+    assert (chunk.status_code, chunk.error_code) == (503, INSTANCE_UNAVAILABLE)

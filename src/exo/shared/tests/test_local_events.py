@@ -5,6 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
+from exo.shared import local_events
 from exo.shared.local_events import RESEND_AFTER_SECONDS, LocalEventSender
 from exo.shared.types.common import NodeId, RunnerId
 from exo.shared.types.events import ForwarderEvent, IndexedEvent, RunnerDeleted
@@ -147,3 +148,30 @@ async def test_a_new_session_sends_every_event_again_from_zero() -> None:
         (sender.session, 1, event("e1")),
     ]
     assert sender.unacknowledged == 2
+
+
+async def test_run_sleeps_while_every_event_is_indexed_and_resends_once_one_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(local_events, "RESEND_AFTER_SECONDS", 0.02)
+    topic: Topic[ForwarderEvent] = Topic("local_events")
+    outbox = topic.subscribe()
+    sender = LocalEventSender(NODE, topic.sender())
+    checks: list[None] = []
+    resend_overdue = sender.resend_overdue
+
+    def counting_resend_overdue() -> int:
+        checks.append(None)
+        return resend_overdue()
+
+    monkeypatch.setattr(sender, "resend_overdue", counting_resend_overdue)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(sender.run)
+            await anyio.sleep(0.2)  # ten resend periods with nothing to resend
+            assert checks == []
+            sender.emit(event("e0"))
+            first = await outbox.receive()
+            assert await outbox.receive() == first  # resent: nobody indexed it
+            sender.acknowledge(indexed_copy(first))
+            task_group.cancel_scope.cancel()
