@@ -142,6 +142,7 @@ class EventLog:
         self._log_bytes = 0
         self.snapshot: Snapshot | None = None
         self.events: list[IndexedEvent] = []
+        self._last_digest: tuple[IndexedEvent, str] | None = None
         """The events after the snapshot, in index order."""
         self._loaded = False
 
@@ -248,7 +249,12 @@ class EventLog:
         offset = idx - self.base_idx - 1
         if not 0 <= offset < len(self.events):
             return None
-        return event_digest(self.events[offset])
+        event = self.events[offset]
+        # Every election heartbeat asks for the last event's digest (twice a second): the
+        # same event object has the same digest, so it is computed once.
+        if self._last_digest is None or self._last_digest[0] is not event:
+            self._last_digest = (event, event_digest(event))
+        return self._last_digest[1]
 
     def events_from(self, first_idx: int, limit: int) -> list[IndexedEvent]:
         """Up to `limit` held events from index `first_idx` on (compacted ones are not)."""

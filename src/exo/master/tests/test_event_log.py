@@ -2,11 +2,13 @@ from pathlib import Path
 
 import pytest
 
+from exo.master import event_log
 from exo.master.event_log import (
     KEPT_CORRUPT_FILES,
     EventLog,
     EventLogCorruptError,
     encode_record,
+    event_digest,
 )
 from exo.shared.types.common import NodeId, RunnerId
 from exo.shared.types.events import IndexedEvent, NodeGatheredInfo, RunnerDeleted, TaskCreated
@@ -219,3 +221,26 @@ def test_reset_without_a_file_archives_nothing(tmp_path: Path) -> None:
     log = EventLog(tmp_path / "events.jsonl")
     assert log.reset() is None
     assert log.events == []
+
+
+def test_the_digest_of_an_event_is_computed_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Election heartbeats ask for the last event's digest twice a second."""
+    log = EventLog(tmp_path / "events.jsonl")
+    log.append(EVENTS)
+    computed: list[int] = []
+
+    def counting_digest(event: IndexedEvent) -> str:
+        computed.append(event.idx)
+        return event_digest(event)
+
+    monkeypatch.setattr(event_log, "event_digest", counting_digest)
+    digests = [log.digest_at(2) for _ in range(5)]
+    assert digests == [event_digest(EVENTS[2])] * 5
+    assert computed == [2]
+    assert log.digest_at(1) == event_digest(EVENTS[1])
+    log.append(indexed([RunnerDeleted(runner_id=RunnerId("runner-3"))], start=3))
+    assert log.digest_at(3) == event_digest(log.read_all()[3])
+    assert computed == [2, 1, 3]
+    log.close()
