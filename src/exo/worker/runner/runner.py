@@ -32,9 +32,8 @@ from exo.shared.types.chunks import (
     ErrorChunk,
     TokenChunk,
     ToolCallChunk,
-    merged_token_chunks,
 )
-from exo.shared.types.common import CommandId, RunnerId
+from exo.shared.types.common import RunnerId
 from exo.shared.types.runners import (
     RunnerConnected,
     RunnerConnecting,
@@ -76,6 +75,7 @@ from exo.worker.runner.messages import (
     encode_outbound,
     runner_inbound_adapter,
 )
+from exo.worker.runner.stream_grouping import ChunkGrouper
 
 if TYPE_CHECKING:
     import torch
@@ -153,11 +153,11 @@ class Runner:
         self._unsent: list[RunnerOutbound] = []
         self._holding = False
         self._heap_trimmer = HeapTrimmer(HEAP_TRIM_INTERVAL_SECONDS)
-        self._stream_interval = stream_interval_seconds
-        # Token chunks held back to stream together (`_send_token_chunk`), when each
-        # command's chunk last left, and how long the last step took.
-        self._held: dict[CommandId, TokenChunk] = {}
-        self._streamed_at: dict[CommandId, float] = {}
+        # A fast stream's token chunks leave grouped (stream_grouping.py); the last step's
+        # duration tells it whether the next chunk comes soon.
+        self._grouper = ChunkGrouper(
+            stream_interval_seconds, lambda chunk: self._send(ChunkReport(chunk=chunk))
+        )
         self._last_step_seconds = 0.0
 
     @property
@@ -395,7 +395,7 @@ class Runner:
             generation.first_sent = True
             if piece.finish_reason is not None:
                 del self._generations[request_id]
-                self._forget_stream(generation.task.command_id)  # nothing is held by now
+                self._grouper.forget(generation.task.command_id)  # nothing is held by now
                 self._send(TaskStatusReport(task_id=generation.task.task_id, status=TaskComplete()))
         if not isinstance(self._status, RunnerFailed):
             self._update_status()
@@ -468,9 +468,9 @@ class Runner:
                 stop_sequence=None if piece.tool_calls else piece.stop_sequence,
                 prompt_tokens=prompt_tokens,
             )
-            self._send_token_chunk(chunk, may_hold=not piece.tool_calls)
+            self._grouper.token_chunk(chunk, not piece.tool_calls, self._last_step_seconds)
         elif piece.tool_calls:
-            self._release_held(task.command_id)
+            self._grouper.release(task.command_id)
         if not piece.tool_calls:
             return
         self._send(
@@ -492,46 +492,6 @@ class Runner:
                     )
                 )
             )
-
-    def _send_token_chunk(self, chunk: TokenChunk, may_hold: bool) -> None:
-        """Stream `chunk` (after any chunk held back for its command, merged into one), or
-        hold it back to leave with the command's next one: when the command's last chunk
-        left less than the stream interval ago, the last step was shorter than the interval
-        (so the next chunk comes soon) and `chunk` is neither the first (it carries the
-        prompt's size: TTFT) nor the last. Each chunk that leaves costs the node a pipe
-        message, an event-loop wake-up and a response write, on the cores that decode;
-        at ~150 tok/s two tokens per chunk halve that. SGLang's `--stream-interval` groups
-        tokens the same way, by count."""
-        held = self._held.pop(chunk.command_id, None)
-        if held is not None:
-            chunk = merged_token_chunks(held, chunk)
-        now = time.monotonic()
-        if (
-            may_hold
-            and chunk.finish_reason is None
-            and chunk.prompt_tokens is None
-            and self._last_step_seconds < self._stream_interval
-            and now - self._streamed_at.get(chunk.command_id, float("-inf")) < self._stream_interval
-        ):
-            self._held[chunk.command_id] = chunk
-            return
-        self._streamed_at[chunk.command_id] = now
-        if chunk.finish_reason is not None:
-            del self._streamed_at[chunk.command_id]
-        self._send(ChunkReport(chunk=chunk))
-
-    def _release_held(self, command_id: CommandId) -> None:
-        """Send the chunk held back for `command_id`, if any (before its stream's end, an
-        error, or a chunk of another kind)."""
-        held = self._held.pop(command_id, None)
-        if held is not None:
-            self._streamed_at[command_id] = time.monotonic()
-            self._send(ChunkReport(chunk=held))
-
-    def _forget_stream(self, command_id: CommandId) -> None:
-        """A stream ends: what it held leaves, its send time is dropped."""
-        self._release_held(command_id)
-        self._streamed_at.pop(command_id, None)
 
     def _fail_generation(self, task: TextGeneration, error: Exception) -> None:
         """Report a failed generation; a ValueError means the request was at fault (prompt
@@ -557,7 +517,7 @@ class Runner:
             status_code, error_code = 503, INSTANCE_UNAVAILABLE
         else:
             logger.opt(exception=error).warning(f"runner {self.runner_id}: generation failed")
-        self._forget_stream(task.command_id)
+        self._grouper.forget(task.command_id)
         self._send(
             ChunkReport(
                 chunk=ErrorChunk(
@@ -577,7 +537,7 @@ class Runner:
 
     def _end_task(self, task: TextGeneration, status: TaskStatus) -> None:
         """End a task that did not run to completion; its stream gets a final chunk."""
-        self._forget_stream(task.command_id)
+        self._grouper.forget(task.command_id)
         self._send(
             ChunkReport(
                 chunk=TokenChunk(

@@ -73,7 +73,7 @@ def chunks_of_one_generation(
             break
         runner._step()
     assert not runner._generations, "the generation finished with its last piece"
-    assert not runner._held and not runner._streamed_at, "an ended stream keeps nothing"
+    assert runner._grouper.idle, "an ended stream keeps nothing"
     chunks: list[Chunk] = []
     while outbound_reader.poll(0):
         for message in decode_outbound(outbound_reader.recv_bytes()):
