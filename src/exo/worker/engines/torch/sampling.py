@@ -333,10 +333,11 @@ class Sampler:
         Under a constraint the token is drawn (or argmax-ed) first and checked; a rejected
         token is masked out and the draw repeated, which is the same as drawing from the
         distribution restricted to the allowed tokens while checking only a few tokens per
-        step (constrained draws use an exponential race, so a seed gives other tokens than
-        unconstrained sampling). After `MAX_REJECTIONS` rejections (greedy: after also
-        checking the `SCAN_BLOCK` most likely tokens in order) the whole allowed set is
-        computed and the choice made from the masked distribution. If the filters
+        step (a constrained draw inverts the same cumulative sum as an unconstrained one, so
+        a seed gives the same tokens as unconstrained sampling until a token is rejected).
+        After `MAX_REJECTIONS` rejections (greedy: after also checking the `SCAN_BLOCK` most
+        likely tokens in order) the whole allowed set is computed and the choice made from
+        the masked distribution. If the filters
         (top-k/top-p/min-p) left no allowed token, the most likely allowed token of the
         unfiltered scores is taken.
 
@@ -385,27 +386,35 @@ class Sampler:
         return _best_allowed(logits, constraint.allowed_tokens())
 
     def _constrained_sample(self, logits: torch.Tensor, constraint: TokenFilter) -> int:
-        # Exponential race (the Gumbel-max trick): argmax(p / E) with E ~ Exp(1) i.i.d. is a
-        # draw from p, and masking the winner and taking the next argmax continues the same
-        # race, i.e. draws without replacement (Kool et al. 2019, "Stochastic Beams and Where
-        # to Find Them"). One noise draw per step, then each retry costs only an argmax.
-        probs = torch.softmax(filter_logits(logits, self.params), dim=-1)  # [vocab]
-        noise = torch.empty_like(probs).exponential_(1.0, generator=self._generator)
-        race = probs / noise  # [vocab]; filtered-out tokens at 0
+        # Drawing from the filtered distribution, masking a rejected token and drawing again
+        # returns the first allowed token of a draw without replacement: a draw from the
+        # distribution restricted to the allowed tokens (the first allowed member of such a
+        # sequence is drawn in proportion to its probability). Each draw inverts the
+        # cumulative sum over the filters' candidates (`sampling_candidates`: a few hundred
+        # tokens with top-k / top-p / min-p), where an exponential race drew one random
+        # number per vocabulary entry (1.2 ms for 49,152 entries on the 2-core AMD EPYC).
+        ids, kept = sampling_candidates(logits, self.params)
+        probs = torch.softmax(kept, dim=-1).double()  # [candidates]
         for _attempt in range(MAX_REJECTIONS):
-            token = argmax_token(race)
-            if race[token] <= 0.0:  # every token the filters kept was rejected
+            index = self._draw(probs)
+            if probs[index] <= 0.0:  # every candidate the filters kept was rejected
                 break
+            token = index if ids is None else int(ids[index])
             if constraint.allowed(token):
                 return token
-            race[token] = 0.0
+            probs[index] = 0.0
         allowed = constraint.allowed_tokens()
         if allowed:
-            ids = torch.tensor(allowed, dtype=torch.long, device=race.device)
-            allowed_race = race[ids]  # [allowed]
-            best = int(torch.argmax(allowed_race).item())
-            if allowed_race[best] > 0.0:
-                return allowed[best]
+            allowed_ids = torch.tensor(allowed, dtype=torch.long, device=probs.device)
+            keep = (
+                torch.zeros_like(probs, dtype=torch.bool).index_fill_(0, allowed_ids, True)
+                if ids is None
+                else torch.isin(ids, allowed_ids)
+            )
+            restricted = torch.where(keep, probs, 0.0)  # the allowed candidates' masses
+            if float(restricted.sum()) > 0.0:
+                index = self._draw(restricted)
+                return index if ids is None else int(ids[index])
         return _best_allowed(logits, allowed)
 
 

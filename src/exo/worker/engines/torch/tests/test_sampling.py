@@ -145,6 +145,73 @@ def test_draws_follow_the_distribution() -> None:
         assert abs(counts[token].item() - draws * probability) <= deviation
 
 
+class _AllowSet:
+    """A constraint allowing a fixed set of token ids (`sampling.TokenFilter`)."""
+
+    def __init__(self, allowed: set[int]) -> None:
+        self._allowed = allowed
+
+    def allowed(self, token_id: int) -> bool:
+        return token_id in self._allowed
+
+    def allowed_tokens(self) -> list[int]:
+        return sorted(self._allowed)
+
+
+# Constrained draws follow the filtered distribution restricted to the allowed tokens:
+# with candidates (top_k) and without (every token kept); the allowed set holds likely
+# tokens (found by a few draws) and unlikely ones (found only after MAX_REJECTIONS).
+@pytest.mark.parametrize("top_k", [0, 6])
+def test_constrained_draws_follow_the_restricted_distribution(top_k: int) -> None:
+    probs = torch.tensor([0.3, 0.2, 0.15, 0.12, 0.1, 0.08, 0.05])
+    allowed = {1, 3, 5, 6}  # 6 is outside the top 6
+    params = SamplingParams(temperature=1.0, top_k=top_k, seed=17)
+    kept = probs.clone()
+    if top_k:
+        kept[probs.argsort(descending=True)[top_k:]] = 0.0
+    expected = torch.zeros_like(probs)
+    for token in allowed:
+        expected[token] = kept[token]
+    expected /= expected.sum()
+    sampler = Sampler(params)
+    logits = torch.log(probs)
+    draws = 20_000
+    counts = torch.bincount(
+        torch.tensor([sampler.sample(logits, _AllowSet(allowed)) for _ in range(draws)]),
+        minlength=len(probs),
+    )
+    assert counts[expected == 0].sum() == 0
+    for token, probability in enumerate(expected.tolist()):
+        deviation = 4 * (draws * probability * (1 - probability)) ** 0.5
+        assert abs(counts[token].item() - draws * probability) <= deviation, token
+
+
+def test_constrained_draws_beyond_the_rejection_limit_stay_in_the_allowed_set() -> None:
+    """An allowed token behind more than MAX_REJECTIONS likelier ones is still drawn from
+    the restricted distribution; where the filters left no allowed token, the most likely
+    allowed token of the unfiltered scores is taken."""
+    logits = random_logits(8, vocab=2000)
+    order = logits.argsort(descending=True).tolist()
+    allowed = {order[100], order[500]}
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=3))
+    drawn = {sampler.sample(logits, _AllowSet(allowed)) for _ in range(200)}
+    assert drawn <= allowed and order[100] in drawn
+    filtered = Sampler(SamplingParams(temperature=1.0, top_k=10, seed=3))
+    assert filtered.sample(logits, _AllowSet(allowed)) == order[100]
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_a_constraint_that_allows_the_token_keeps_the_seeded_draw(top_p: float) -> None:
+    """Same seed: a constraint that rejects nothing gives the unconstrained tokens."""
+    logits = random_logits(9, vocab=500)
+    params = SamplingParams(temperature=0.8, top_p=top_p, seed=21)
+    free, constrained = Sampler(params), Sampler(params)
+    everything = _AllowSet(set(range(500)))
+    assert [free.sample(logits) for _ in range(50)] == [
+        constrained.sample(logits, everything) for _ in range(50)
+    ]
+
+
 def test_min_p_drops_tokens_below_fraction_of_top() -> None:
     logits = torch.log(torch.tensor([0.6, 0.25, 0.1, 0.05]))
     filtered = filter_logits(logits, SamplingParams(temperature=1.0, min_p=0.2))
