@@ -518,7 +518,9 @@ async def _events(
     for event in assembler.start():
         yield event
     # Logprobs of a chunk with no text (a token inside a character the engine holds back)
-    # go with the next text, or are dropped with a thinking text (module docstring).
+    # go with the next text, or are dropped with a thinking text or a tool call (module
+    # docstring). Those of a generation that ends inside a character (its bytes dropped
+    # from the text) go in one last delta with no text, as Chat Completions keeps them.
     held_logprobs: list[LogprobEntry] = []
     async for chunk in chunks:
         match chunk:
@@ -537,6 +539,7 @@ async def _events(
                     held_logprobs.extend(_logprob_entries(chunk.logprobs))
             case ToolCallChunk():
                 assembler.counted_output_tokens += len(chunk.token_ids)
+                held_logprobs.clear()
                 for call in chunk.tool_calls:
                     for event in assembler.add_tool_call(call):
                         yield event
@@ -547,6 +550,9 @@ async def _events(
             case _:
                 assert_never(chunk)
         if chunk.finish_reason is not None:
+            if held_logprobs:
+                for event in assembler.add_text("", held_logprobs):
+                    yield event
             for event in assembler.finish(chunk.finish_reason, chunk.usage):
                 yield event
             return

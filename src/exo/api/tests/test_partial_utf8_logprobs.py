@@ -217,3 +217,43 @@ def test_completions_write_bytes_tokens_and_offsets_by_character(
     assert offsets == [0, 1, 1, 2, 2, 2, 3]
     # Distinct partial tokens stay distinct keys (with "\ufffd" they were one).
     assert tops[0] == {"bytes:\\xf0\\x9f": -1.0, "bytes:\\xe2\\x9c": -2.0, "A": -0.5}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("answer", ["A✓", ""])
+def test_responses_keep_the_logprobs_of_a_character_the_generation_did_not_finish(
+    tokenizer: Any, vocabulary: TokenVocabulary, stream: bool, answer: str
+) -> None:
+    """A generation that ends inside "😀" (max_output_tokens reached after its first token)
+    drops that character's bytes from the text; its token's logprob stays, in a last delta
+    without text, as Chat Completions keeps it (before, the response lost it, or had no
+    message at all when that token was the whole answer)."""
+    script = [(text, ids_of(tokenizer, text)) for text in [answer] if text]
+    script.append(("", ids_of(tokenizer, "😀")[:1]))
+    token_ids = [token_id for _, ids in script for token_id in ids]
+    cluster = LogprobCluster(vocabulary, script, alternatives=[])
+    with TestClient(create_app(cast(ClusterClient, cluster))) as client:
+        body = {"model": SMOLLM2, "input": "hi", "top_logprobs": 1, "stream": stream}
+        response = client.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [
+            json.loads(line.removeprefix("data: "))
+            for line in response.text.splitlines()
+            if line.startswith("data: ")
+        ]
+        deltas = [event for event in events if event["type"] == "response.output_text.delta"]
+        assert "".join(delta["delta"] for delta in deltas) == answer
+        entries = [entry for delta in deltas for entry in delta["logprobs"]]
+        done = next(event for event in events if event["type"] == "response.output_text.done")
+        assert done["logprobs"] == entries
+        output = events[-1]["response"]["output"]
+    else:
+        output = response.json()["output"]
+    message = next(item for item in output if item["type"] == "message")
+    assert message["content"][0]["text"] == answer
+    if not stream:
+        entries = message["content"][0]["logprobs"]
+    assert message["content"][0]["logprobs"] == entries
+    assert [entry["token"] for entry in entries] == expected_tokens(vocabulary, token_ids, "")
+    assert entries[-1]["token"] == "\\xf0\\x9f"
