@@ -15,6 +15,8 @@ REPLACEMENT_CHARACTER = "\ufffd"
 # Prompt tokens kept as left context so the first generated token gets its leading space
 # right (TGI and vLLM use the same small window).
 CONTEXT_TOKENS = 5
+# The most tokens one character can take: a byte-fallback token per byte, 4 bytes in UTF-8.
+MAX_CHARACTER_TOKENS = 4
 
 DecodeFunction = Callable[[Sequence[int]], str]
 
@@ -26,6 +28,19 @@ def without_incomplete_end(text: str) -> str:
     shown as U+FFFD. A U+FFFD the model itself wrote last cannot be told apart and goes too.
     """
     return text.rstrip(REPLACEMENT_CHARACTER)
+
+
+def _context_window(decode: DecodeFunction, context_token_ids: Sequence[int]) -> list[int]:
+    """The last `CONTEXT_TOKENS` of the prompt, reaching back (at most
+    `MAX_CHARACTER_TOKENS - 1` tokens more) to a character's first token where the cut falls
+    inside a character: a window that starts with a character's later bytes decodes to
+    U+FFFD there, and a byte-fallback decoder (SentencePiece's, Gemma's) turns the whole run
+    of byte tokens after it, the generated ones included, into U+FFFD too."""
+    tail = list(context_token_ids[-(CONTEXT_TOKENS + MAX_CHARACTER_TOKENS - 1) :])
+    start = max(0, len(tail) - CONTEXT_TOKENS)
+    while start > 0 and decode(tail[start:]).startswith(REPLACEMENT_CHARACTER):
+        start -= 1
+    return tail[start:]
 
 
 class StreamingDetokenizer:
@@ -41,7 +56,7 @@ class StreamingDetokenizer:
 
     def __init__(self, decode: DecodeFunction, context_token_ids: Sequence[int] = ()) -> None:
         self._decode = decode
-        self._token_ids: list[int] = list(context_token_ids[-CONTEXT_TOKENS:])
+        self._token_ids: list[int] = _context_window(decode, context_token_ids)
         # [prefix_offset, read_offset) was decoded already; tokens from read_offset are new.
         self._prefix_offset = 0
         self._read_offset = len(self._token_ids)
