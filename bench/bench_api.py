@@ -223,8 +223,9 @@ def main() -> None:
         parser.error("--cpu with --url needs the node's --pid")
     process = None
     url = args.url
+    home: Path | None = None
     if url is None:
-        process, url, _ = start_node()
+        process, url, home = start_node()
     try:
         wait_ready(url)
         if args.cpu:
@@ -250,6 +251,8 @@ def main() -> None:
         if process is not None:
             process.send_signal(signal.SIGINT)
             process.wait(timeout=30)
+        if home is not None:  # the node's temporary EXO_HOME
+            shutil.rmtree(home, ignore_errors=True)
 
 
 if __name__ == "__main__":
