@@ -129,6 +129,15 @@ CHAT_BODY = {
 }
 
 
+def sse_events(response: Any) -> list[dict[str, Any]]:
+    """The JSON events of a streamed (server-sent events) response body, in order."""
+    return [
+        json.loads(line.removeprefix("data: "))
+        for line in response.text.splitlines()
+        if line.startswith("data: {")
+    ]
+
+
 def chat_entries(client: TestClient, stream: bool) -> list[dict[str, Any]]:
     response = client.post("/v1/chat/completions", json={**CHAT_BODY, "stream": stream})
     assert response.status_code == 200, response.text
@@ -136,11 +145,10 @@ def chat_entries(client: TestClient, stream: bool) -> list[dict[str, Any]]:
         entries: list[dict[str, Any]] = response.json()["choices"][0]["logprobs"]["content"]
         return entries
     entries = []
-    for line in response.text.splitlines():
-        if line.startswith("data: {"):
-            choices = json.loads(line.removeprefix("data: "))["choices"]
-            if choices and choices[0].get("logprobs"):
-                entries.extend(choices[0]["logprobs"]["content"])
+    for event in sse_events(response):
+        choices = event["choices"]
+        if choices and choices[0].get("logprobs"):
+            entries.extend(choices[0]["logprobs"]["content"])
     return entries
 
 
@@ -169,11 +177,7 @@ def test_responses_writes_a_partial_token_as_its_escaped_bytes(
     response = client.post("/v1/responses", json=body)
     assert response.status_code == 200, response.text
     if stream:
-        events = [
-            json.loads(line.removeprefix("data: "))
-            for line in response.text.splitlines()
-            if line.startswith("data: ")
-        ]
+        events = sse_events(response)
         deltas = [event for event in events if event["type"] == "response.output_text.delta"]
         assert all(delta["delta"] for delta in deltas)
         entries = [entry for delta in deltas for entry in delta["logprobs"]]
@@ -194,11 +198,7 @@ def test_completions_write_bytes_tokens_and_offsets_by_character(
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     if stream:
-        parts = [
-            json.loads(line.removeprefix("data: "))["choices"][0]
-            for line in response.text.splitlines()
-            if line.startswith("data: {")
-        ]
+        parts = [event["choices"][0] for event in sse_events(response)]
         text = "".join(part["text"] for part in parts)
         logprobs = [part["logprobs"] for part in parts if part.get("logprobs")]
         tokens = [token for part in logprobs for token in part["tokens"]]
@@ -237,11 +237,7 @@ def test_responses_keep_the_logprobs_of_a_character_the_generation_did_not_finis
         response = client.post("/v1/responses", json=body)
     assert response.status_code == 200, response.text
     if stream:
-        events = [
-            json.loads(line.removeprefix("data: "))
-            for line in response.text.splitlines()
-            if line.startswith("data: ")
-        ]
+        events = sse_events(response)
         deltas = [event for event in events if event["type"] == "response.output_text.delta"]
         assert "".join(delta["delta"] for delta in deltas) == answer
         entries = [entry for delta in deltas for entry in delta["logprobs"]]
