@@ -2,8 +2,8 @@
 
 Pure conversions: a wire request becomes `TextGenerationTaskParams`; the internal chunk
 stream of one generation becomes either the Responses SSE events or one `ResponseObject`.
-Both go through one `_ResponseAssembler`, so the streamed events and the final object
-always agree (ids, output indexes, texts).
+Both go through one `ResponseAssembler` (`openai_responses_assembler`), so the streamed
+events and the final object always agree (ids, output indexes, texts).
 
 Choices where the API leaves room:
 - Thinking text (`TokenChunk.reasoning_text`) is reported as a `reasoning` output item whose

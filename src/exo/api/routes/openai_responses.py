@@ -12,9 +12,9 @@ from fastapi.responses import StreamingResponse
 from exo.api.adapters.openai_responses import (
     to_task_params,
 )
+from exo.api.adapters.openai_responses_context import response_context
 from exo.api.adapters.openai_responses_output import (
     collect_response,
-    response_context,
     stream_response,
 )
 from exo.api.cluster import ClusterClient

@@ -18,10 +18,9 @@ from pydantic import TypeAdapter, ValidationError
 from exo.api.adapters.openai_responses import (
     to_task_params,
 )
+from exo.api.adapters.openai_responses_context import ResponseContext, response_context
 from exo.api.adapters.openai_responses_output import (
-    ResponseContext,
     collect_response,
-    response_context,
     stream_response,
 )
 from exo.api.app import create_app
