@@ -14,7 +14,7 @@ from typing import Literal, assert_never
 from exo.api.adapters.common import unfinished_generation_error
 from exo.api.adapters.openai_responses_context import ResponseContext
 from exo.api.errors import ApiError
-from exo.api.types.openai_responses import (
+from exo.api.types.openai_responses_output import (
     ContentPartEvent,
     FunctionCallArgumentsDeltaEvent,
     FunctionCallArgumentsDoneEvent,

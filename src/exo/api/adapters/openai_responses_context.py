@@ -11,10 +11,12 @@ from typing import Literal
 
 from exo.api.adapters.openai_responses import function_tools
 from exo.api.types.openai_responses import (
+    ResponsesRequest,
+)
+from exo.api.types.openai_responses_output import (
     FunctionToolChoiceEcho,
     FunctionToolEcho,
     ReasoningEcho,
-    ResponsesRequest,
     TextConfigEcho,
     TextFormatEcho,
 )

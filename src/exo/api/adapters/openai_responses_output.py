@@ -20,7 +20,7 @@ from exo.api.adapters.common import (
 from exo.api.adapters.openai_responses_assembler import ResponseAssembler
 from exo.api.adapters.openai_responses_context import ResponseContext
 from exo.api.errors import ApiError
-from exo.api.types.openai_responses import (
+from exo.api.types.openai_responses_output import (
     LogprobEntry,
     ResponseLifecycleEvent,
     ResponseObject,

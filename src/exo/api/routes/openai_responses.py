@@ -20,7 +20,8 @@ from exo.api.adapters.openai_responses_output import (
 from exo.api.cluster import ClusterClient
 from exo.api.dependencies import cluster_dependency, with_resolved_model
 from exo.api.generation import collect, response_id, start_generation, streaming_response
-from exo.api.types.openai_responses import ResponseObject, ResponsesRequest
+from exo.api.types.openai_responses import ResponsesRequest
+from exo.api.types.openai_responses_output import ResponseObject
 from exo.shared.types.common import CommandId
 
 router = APIRouter()

@@ -27,7 +27,8 @@ from exo.api.app import create_app
 from exo.api.cluster import ClusterClient, LoadOnRequest
 from exo.api.errors import ApiError, GenerationError, InvalidRequestError
 from exo.api.generation import command_id_in_response_id, response_id
-from exo.api.types.openai_responses import ResponseObject, ResponsesRequest
+from exo.api.types.openai_responses import ResponsesRequest
+from exo.api.types.openai_responses_output import ResponseObject
 from exo.shared.types.chunks import (
     Chunk,
     ErrorChunk,
