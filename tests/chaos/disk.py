@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 from starlette.responses import Response
 
-from exo.testing.hf_server import FileRequest, HubServer
+from exo.testing.hf_file_serving import FileRequest
+from exo.testing.hf_server import HubServer
 from exo.testing.hub_models import save_layered_checkout
 from exo.testing.processes import ExoNode, wait_until
 from tests.chaos.harness import Row

@@ -27,12 +27,8 @@ from exo.download.hub_listing import HubDownloadError
 from exo.download.shard_files import small_files, tensor_on_shard, weight_files_for_shard
 from exo.shared.types.downloads import DownloadProgress
 from exo.testing.builders import make_card, make_shard
-from exo.testing.hf_server import (
-    HubServer,
-    corrupt_byte,
-    cut_transfer,
-    too_many_requests,
-)
+from exo.testing.hf_file_serving import corrupt_byte, cut_transfer, too_many_requests
+from exo.testing.hf_server import HubServer
 from exo.testing.hub_models import save_layered_checkout
 
 REPO = "someone/tiny-layered"

@@ -10,7 +10,9 @@ import httpx
 import pytest
 from starlette.responses import Response
 
-from exo.testing.hf_server import FileRequest, HubServer, git_blob_id, parse_range
+from exo.testing.hf_file_serving import FileRequest, parse_range
+from exo.testing.hf_repository import git_blob_id
+from exo.testing.hf_server import HubServer
 
 WEIGHTS = bytes(range(256)) * 40
 CONFIG = b'{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}'

@@ -27,7 +27,8 @@ from exo.shared.types.nodes import (
     DownloadStatus,
 )
 from exo.testing.builders import make_card
-from exo.testing.hf_server import HubServer, too_many_requests
+from exo.testing.hf_file_serving import too_many_requests
+from exo.testing.hf_server import HubServer
 from exo.testing.hub_models import save_layered_checkout
 from exo.testing.in_process import NODE, InProcessCluster, in_process_cluster
 from exo.worker.main import Worker
