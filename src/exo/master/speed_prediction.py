@@ -76,7 +76,7 @@ PREFILL_CHUNK_TOKENS = 512
 # 2026-11-30, while six other engineers' tests loaded it (load average 10-15): noisy, to be
 # measured again on a quiet machine (the script prints them).
 # The engine's decode step does more per layer than the probe's tiny layer
-# (`speed_probe._TinyLayer`): the engine's per-token time not explained by bytes, per layer,
+# (`speed_measurements.TinyLayer`): the engine's per-token time not explained by bytes, per layer,
 # over the tiny layer's time. SmolLM2-135M: 3.0-6.2 (median 5.2) over six runs. On the
 # AVX2 machine the tiny layer is exo's decode layer (speed probe v4) and the factor fits
 # 2.3-3.0 (bench_prediction.py, one pinned core); with 5.0 `exo bench` (2 threads) predicted

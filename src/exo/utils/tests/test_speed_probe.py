@@ -13,7 +13,7 @@ from exo.shared.local_events import LocalEventSender
 from exo.shared.types.common import NodeId
 from exo.shared.types.events import ForwarderEvent, NodeGatheredInfo
 from exo.shared.types.nodes import NodeSpeed
-from exo.utils import speed_probe
+from exo.utils import speed_measurements, speed_probe
 from exo.utils.channels import Topic
 from exo.utils.info_gatherer import InfoGatherer
 from exo.utils.speed_probe import (
@@ -43,11 +43,11 @@ SLOW = SPEED.model_copy(update=SLOW_FIELDS)
 @pytest.fixture
 def small_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     """The real measurement at a small size: short timings, operands of a few MiB."""
-    monkeypatch.setattr(speed_probe, "PROBE_SECONDS", 0.01)
+    monkeypatch.setattr(speed_measurements, "PROBE_SECONDS", 0.01)
     monkeypatch.setattr(speed_probe, "WORKING_SET_BYTES", 2 * 2**20)
     monkeypatch.setattr(speed_probe, "COPY_BYTES", 4 * 2**20)
-    monkeypatch.setattr(speed_probe, "MATMUL_ROWS", 64)
-    monkeypatch.setattr(speed_probe, "MATMUL_INNER", 256)
+    monkeypatch.setattr(speed_measurements, "MATMUL_ROWS", 64)
+    monkeypatch.setattr(speed_measurements, "MATMUL_INNER", 256)
     monkeypatch.setattr(speed_probe, "_llc_bytes", lambda: 2**20)
 
 
@@ -188,11 +188,11 @@ def test_int4_decode_is_measured_on_the_kernel_the_engine_runs(
         return kernel(row, packed, pairs)
 
     monkeypatch.setattr(native_int4, "built_int4_kernel", lambda: counting)
-    rate = speed_probe._int4_decode_bytes_per_second(1 << 20)
+    rate = speed_measurements.int4_decode_bytes_per_second(1 << 20)
     assert rate > 0
     if native == "1":
         assert calls and calls[0] == (
-            (speed_probe.INT4_OUTPUTS, speed_probe.INT4_INPUTS // 2),
+            (speed_measurements.INT4_OUTPUTS, speed_measurements.INT4_INPUTS // 2),
             torch.float32,
         )
     else:
