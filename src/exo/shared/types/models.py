@@ -105,8 +105,8 @@ Capability = Literal["text", "thinking", "tools", "vision"]
 tools, read images."""
 
 ToolCallFormat = Literal["none", "hermes", "llama3_json", "mistral", "generic"]
-"""How the model writes a tool call (the parser names in `worker/engines/output_parsing.py`;
-"none" when it was not trained to call tools)."""
+"""How the model writes a tool call (the parser names in
+`worker/engines/tool_call_parsing.py`; "none" when it was not trained to call tools)."""
 
 
 class SamplingDefaults(FrozenModel):
