@@ -159,6 +159,7 @@ class Node:
             resyncing=lambda: self.replica.resyncing,
             max_concurrent_requests=options.max_concurrent_requests,
             stream_interval_seconds=options.stream_interval_seconds,
+            prefill_activations=options.prefill_activations,
             peer_credential=peer_credential(options.namespace, secret),
         )
         self.cluster = ClusterClient(

@@ -23,6 +23,7 @@ from exo.benchmark.engine_runner import EngineRunError
 from exo.benchmark.llama_cpp_runner import LlamaCppMissingError
 from exo.benchmark.plots import PlotsUnavailableError, plot_report, require_matplotlib
 from exo.benchmark.runner import BenchConfig, print_ratios, run_bench
+from exo.shared.models.memory import PREFILL_ACTIVATIONS
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 QUICK = {"prompt_tokens": [16], "generation_tokens": [8], "runs": 2, "warmup": 1}
@@ -83,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="intra-op threads per node "
         "(OMP_NUM_THREADS) and llama.cpp's threads (default: the node's CPUs)",
+    )
+    parser.add_argument(
+        "--prefill-activations",
+        choices=PREFILL_ACTIVATIONS,
+        default="int16",
+        help="the local nodes' and the in-process engine's --prefill-activations "
+        "(int8: llama.cpp's rounding of a prompt's activations)",
     )
     parser.add_argument(
         "--compare-llama-cpp",
@@ -151,6 +159,7 @@ def config_from_arguments(arguments: argparse.Namespace) -> BenchConfig:
         nodes=arguments.nodes,
         pin_cores=arguments.pin_cores,
         threads=arguments.threads,
+        prefill_activations=arguments.prefill_activations,
         compare_llama_cpp=arguments.compare_llama_cpp,
         engine_in_process=arguments.engine_in_process,
         model_dir=arguments.model_dir,

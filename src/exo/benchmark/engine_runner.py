@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from exo.benchmark.prompts import EOS_BIAS, ModelText
 from exo.benchmark.stats import RequestTiming, RunResult
+from exo.shared.models.memory import PrefillActivations
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
@@ -24,7 +25,11 @@ class EngineRunError(RuntimeError):
     """A request failed in the engine or did not generate the asked number of tokens."""
 
 
-def load_engine_for_bench(model_dir: Path, weight_dtype: str | None = None) -> TorchEngine:
+def load_engine_for_bench(
+    model_dir: Path,
+    weight_dtype: str | None = None,
+    prefill_activations: PrefillActivations = "int16",
+) -> TorchEngine:
     """The whole model of `model_dir` in one single-rank engine, warmed up."""
     from exo.shared.models.cards import card_from_local_directory
     from exo.shared.types.shards import PipelineShardMetadata
@@ -34,7 +39,12 @@ def load_engine_for_bench(model_dir: Path, weight_dtype: str | None = None) -> T
     shard = PipelineShardMetadata(
         model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
     )
-    engine = TorchEngine.load(model_dir, shard, weight_dtype=weight_dtype)  # type: ignore[arg-type]
+    engine = TorchEngine.load(
+        model_dir,
+        shard,
+        weight_dtype=weight_dtype,  # type: ignore[arg-type]
+        prefill_activations=prefill_activations,
+    )
     engine.warmup()
     return engine
 

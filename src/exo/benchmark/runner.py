@@ -23,6 +23,7 @@ from exo.benchmark.cluster import BenchNodes, LocalNodes, Placement
 from exo.benchmark.llama_cpp_runner import LlamaCppRunner
 from exo.benchmark.prompts import ModelText
 from exo.benchmark.stats import BenchReport, CaseResult, RunResult, ratio, write_json
+from exo.shared.models.memory import PrefillActivations
 
 Print = Callable[[str], None]
 
@@ -43,6 +44,7 @@ class BenchConfig:
     nodes: int | None = None
     pin_cores: bool = False
     threads: int | None = None
+    prefill_activations: PrefillActivations = "int16"
     compare_llama_cpp: Path | None = None
     engine_in_process: bool = False
     model_dir: Path | None = None
@@ -196,7 +198,9 @@ def run_bench(config: BenchConfig, say: Print = print) -> BenchReport:
             from exo.benchmark.engine_runner import load_engine_for_bench
 
             say("loading the engine in this process")
-            engine = load_engine_for_bench(model_dir)
+            engine = load_engine_for_bench(
+                model_dir, prefill_activations=config.prefill_activations
+            )
         for placement in config.placements:
             _bench_placement(
                 config, report, nodes, placement, model_id, model_text, llama, engine,
@@ -227,7 +231,10 @@ def _connect(config: BenchConfig, say: Print) -> BenchNodes:
 
     pinned = ", pinned one core each" if config.pin_cores else ""
     say(f"starting {config.node_count()} local node(s){pinned}")
-    return LocalNodes(config.node_count(), models_dir(), config.pin_cores, config.threads)
+    extra_args = ("--prefill-activations", config.prefill_activations)
+    return LocalNodes(
+        config.node_count(), models_dir(), config.pin_cores, config.threads, extra_args
+    )
 
 
 def _prompts(model_text: ModelText, length: int, count: int, seed: int) -> list[str]:

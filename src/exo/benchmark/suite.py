@@ -1,10 +1,12 @@
-"""`exo bench --suite issue14`: every figure issue 14 checks, in one command (about 15
+"""`exo bench --suite issue14`: every figure issue 14 checks, in one command (about 17
 minutes on the 2-core reference machine; `--quick` for a smoke-sized pass).
 
 1. Default model (SmolLM2-135M), one local node: API single-stream decode and prefill at
    128 and 512 prompt tokens against llama.cpp on the same GGUF (interleaved run by run),
    and against the engine in-process (submit / step).
-2. Gemma 3 270M (base, its PyPI GGUF): the same against llama.cpp.
+2. Gemma 3 270M (base, its PyPI GGUF): the same against llama.cpp; then again with
+   `--prefill-activations int8` (llama.cpp's rounding of a prompt's activations), 16 tokens
+   generated (decode does not change).
 3. Two nodes pinned to one core each: pipeline x2 serving 4 concurrent streams against one
    pinned node (aggregate decode tok/s).
 4. Two pinned nodes: tensor x2 on a single stream against one pinned node, on random
@@ -90,6 +92,14 @@ def issue14_configs(output: Path, quick: bool, gguf_directory: Path) -> list[Ben
             base,
             model=GEMMA_MODEL,
             name="gemma-3-270m",
+            compare_llama_cpp=_gguf_of(GEMMA_MODEL, gguf_directory) if llama else None,
+        ),
+        replace(
+            base,
+            model=GEMMA_MODEL,
+            name="gemma-3-270m-int8-prefill",
+            generation_tokens=[8] if quick else [16],
+            prefill_activations="int8",
             compare_llama_cpp=_gguf_of(GEMMA_MODEL, gguf_directory) if llama else None,
         ),
         replace(

@@ -19,6 +19,7 @@ from exo.download.model_lock import ModelBusyError
 from exo.download.peers import HUB_ASSUMED_MBPS, peers_holding
 from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.shared.local_events import LocalEventSender
+from exo.shared.models.memory import PrefillActivations
 from exo.shared.types.chunks import Chunk
 from exo.shared.types.common import ModelId, NodeId, RunnerId
 from exo.shared.types.downloads import DownloadProgress
@@ -91,6 +92,7 @@ class Worker:
         peer_credential: str | None = None,
         max_concurrent_requests: int | None = None,
         stream_interval_seconds: float = 0.0,
+        prefill_activations: PrefillActivations = "int16",
     ) -> None:
         self.node_id = node_id
         self._current_state = current_state
@@ -104,6 +106,8 @@ class Worker:
         self._max_concurrent_requests = max_concurrent_requests
         # How long each runner holds a stream's tokens (`--stream-interval-ms`).
         self._stream_interval_seconds = stream_interval_seconds
+        # How each runner's prefill rounds activations (`--prefill-activations`).
+        self._prefill_activations: PrefillActivations = prefill_activations
         self._clock = clock
         self.runners: dict[RunnerId, RunnerSupervisor] = {}
         self.downloads: dict[ModelId, DownloadStatus] = {}
@@ -248,6 +252,7 @@ class Worker:
                     log_level=self._log_level,
                     max_concurrent_requests=self._max_concurrent_requests,
                     stream_interval_seconds=self._stream_interval_seconds,
+                    prefill_activations=self._prefill_activations,
                 )
                 supervisor.start()
                 self.runners[runner_id] = supervisor

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from loguru import logger
 
+from exo.shared.models.memory import PrefillActivations
 from exo.shared.types.chunks import (
     INSTANCE_UNAVAILABLE,
     ErrorChunk,
@@ -136,6 +137,7 @@ class Runner:
         outbound: Connection,
         max_concurrent_requests: int | None = None,
         stream_interval_seconds: float = 0.0,
+        prefill_activations: PrefillActivations = "int16",
     ) -> None:
         self.runner_id = runner_id
         self.shard = shard
@@ -147,6 +149,7 @@ class Runner:
         self._status: RunnerStatus = RunnerIdle()
         self._ready = RunnerReady()
         self._max_concurrent_requests = max_concurrent_requests
+        self._prefill_activations: PrefillActivations = prefill_activations
         self._kv_reported: tuple[int, int, int] | None = None
         self._kv_reported_at = float("-inf")
         # Messages held while a step runs (`_holding`), sent together when it ends.
@@ -293,6 +296,7 @@ class Runner:
                 max_concurrent_requests=(
                     self._max_concurrent_requests or DEFAULT_MAX_CONCURRENT_REQUESTS
                 ),
+                prefill_activations=self._prefill_activations,
             )  # fmt: skip
         except Exception as error:
             logger.opt(exception=error).error(f"runner {self.runner_id}: loading failed")
@@ -608,6 +612,7 @@ def runner_main(
     log_level: str,
     max_concurrent_requests: int | None = None,
     stream_interval_seconds: float = 0.0,
+    prefill_activations: PrefillActivations = "int16",
 ) -> None:
     """Entry point of the spawned runner process."""
     from pydantic import TypeAdapter
@@ -620,5 +625,5 @@ def runner_main(
     shard: ShardMetadata = TypeAdapter(ShardMetadata).validate_json(shard_json)
     Runner(
         RunnerId(runner_id), shard, inbound, outbound, max_concurrent_requests,
-        stream_interval_seconds,
+        stream_interval_seconds, prefill_activations,
     ).run()  # fmt: skip

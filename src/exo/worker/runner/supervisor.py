@@ -15,6 +15,7 @@ from multiprocessing.process import BaseProcess
 import anyio
 from loguru import logger
 
+from exo.shared.models.memory import PrefillActivations
 from exo.shared.types.chunks import Chunk, ErrorChunk
 from exo.shared.types.common import CommandId, InstanceId, NodeId, RunnerId, TaskId
 from exo.shared.types.events import Event, RunnerStatusUpdated, TaskStatusUpdated
@@ -76,6 +77,7 @@ class RunnerSupervisor:
         log_level: str = "INFO",
         max_concurrent_requests: int | None = None,
         stream_interval_seconds: float = 0.0,
+        prefill_activations: PrefillActivations = "int16",
     ) -> None:
         self.node_id = node_id
         self.runner_id = runner_id
@@ -91,6 +93,7 @@ class RunnerSupervisor:
         self._log_level = log_level
         self._max_concurrent_requests = max_concurrent_requests
         self._stream_interval_seconds = stream_interval_seconds
+        self._prefill_activations: PrefillActivations = prefill_activations
         self._process: BaseProcess | None = None
         self._to_runner: Connection | None = None
         self._from_runner: Connection | None = None
@@ -122,6 +125,7 @@ class RunnerSupervisor:
                 self._log_level,
                 self._max_concurrent_requests,
                 self._stream_interval_seconds,
+                self._prefill_activations,
             ),
             name=f"exo-runner-{self.runner_id}",
             daemon=True,

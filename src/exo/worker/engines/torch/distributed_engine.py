@@ -42,7 +42,7 @@ import torch.distributed as dist
 from loguru import logger
 from transformers import PreTrainedModel
 
-from exo.shared.models.memory import DEFAULT_KV_CACHE_TOKENS
+from exo.shared.models.memory import DEFAULT_KV_CACHE_TOKENS, PrefillActivations
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 from exo.shared.types.text_generation import TextGenerationTaskParams
@@ -134,6 +134,7 @@ class DistributedTorchEngine(TorchEngine):
         weight_dtype: WeightDtype | None = None,
         max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
         kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
+        prefill_activations: PrefillActivations = "int16",
     ) -> DistributedTorchEngine:
         """Load this rank's part of the model (see `TorchEngine.load`).
 
@@ -148,7 +149,9 @@ class DistributedTorchEngine(TorchEngine):
                 f"match the shard's rank {shard.device_rank} of {shard.world_size}"
             )
         started = time.perf_counter()
-        parts = load_parts(model_dir, shard, device, weight_dtype, on_layer_loaded)
+        parts = load_parts(
+            model_dir, shard, device, weight_dtype, on_layer_loaded, prefill_activations
+        )
         engine = cls(
             parts.model, parts.tokenizer, shard.model_card, parts.device,
             parts.eos_token_ids, shard, parts.weight_dtype, max_concurrent_requests,

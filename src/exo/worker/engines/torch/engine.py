@@ -27,6 +27,7 @@ from exo.shared.models.memory import (
     DEFAULT_KV_CACHE_TOKENS,
     ENGINE_CPU_WEIGHT_FORMAT,
     KV_CACHE_VALUE_BYTES,
+    PrefillActivations,
 )
 from exo.shared.types.chunks import TokenLogprob, TopLogprob
 from exo.shared.types.common import ModelId
@@ -139,6 +140,7 @@ def load_parts(
     device: str,
     weight_dtype: WeightDtype | None,
     on_layer_loaded: LayerProgressCallback | None = None,
+    prefill_activations: PrefillActivations = "int16",
 ) -> LoadedParts:
     """Load the shard's model (whole or one rank's part; quantized and fused on CPU while
     loading, see `loading.load_model`) and the tokenizer: what every engine needs.
@@ -153,7 +155,9 @@ def load_parts(
         weight_dtype = DEFAULT_CPU_WEIGHT_DTYPE if torch_device.type == "cpu" else "float32"
     if torch_device.type == "cpu":
         _configure_cpu_threads()
-    model = load_model(model_dir, shard, torch_device, weight_dtype, on_layer_loaded)
+    model = load_model(
+        model_dir, shard, torch_device, weight_dtype, on_layer_loaded, prefill_activations
+    )
     # A tokenizer without a chat template is a base model's: it serves raw prompts only.
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos_token_ids = _eos_token_ids(model_dir, tokenizer, model)
@@ -216,6 +220,7 @@ class TorchEngine:
         weight_dtype: WeightDtype | None = None,
         max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
         kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
+        prefill_activations: PrefillActivations = "int16",
     ) -> TorchEngine:
         """Load a single-rank shard's weights and the tokenizer from an HF-format directory
         (a multi-rank shard: `engine_factory.load_engine`).
@@ -232,6 +237,9 @@ class TorchEngine:
                 `exo.shared.models.memory` sizes each format from the card.
             max_concurrent_requests: most requests decoded together.
             kv_cache_tokens: the KV budget in tokens (see the class).
+            prefill_activations: "int8" rounds prefill's activations of int4 and 5-bit
+                block weights to int8 per block of 32 on AVX2 CPUs (llama.cpp's precision:
+                faster prefill, a less exact prompt); "int16" as decode (`load_model`).
 
         Raises:
             UnsupportedArchitectureError (a ValueError): no family file for the model.
@@ -243,7 +251,9 @@ class TorchEngine:
                 "a multi-rank shard is loaded by engine_factory.load_engine (after init_group)"
             )
         started = time.perf_counter()
-        parts = load_parts(model_dir, shard, device, weight_dtype, on_layer_loaded)
+        parts = load_parts(
+            model_dir, shard, device, weight_dtype, on_layer_loaded, prefill_activations
+        )
         engine = cls(
             parts.model, parts.tokenizer, shard.model_card, parts.device,
             parts.eos_token_ids, parts.weight_dtype, max_concurrent_requests, kv_cache_tokens,

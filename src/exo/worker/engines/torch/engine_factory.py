@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from exo.shared.models.memory import PrefillActivations
 from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.distributed_engine import DistributedTorchEngine
 from exo.worker.engines.torch.engine import DEFAULT_MAX_CONCURRENT_REQUESTS, TorchEngine
@@ -20,6 +21,7 @@ def load_engine(
     on_layer_loaded: LayerProgressCallback | None = None,
     weight_dtype: WeightDtype | None = None,
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+    prefill_activations: PrefillActivations = "int16",
 ) -> TorchEngine:
     """Load the engine for `shard` (arguments as `TorchEngine.load`).
 
@@ -32,8 +34,10 @@ def load_engine(
     """
     if shard.world_size > 1:
         return DistributedTorchEngine.load(
-            model_dir, shard, device, on_layer_loaded, weight_dtype, max_concurrent_requests
-        )
+            model_dir, shard, device, on_layer_loaded, weight_dtype, max_concurrent_requests,
+            prefill_activations=prefill_activations,
+        )  # fmt: skip
     return TorchEngine.load(
-        model_dir, shard, device, on_layer_loaded, weight_dtype, max_concurrent_requests
-    )
+        model_dir, shard, device, on_layer_loaded, weight_dtype, max_concurrent_requests,
+        prefill_activations=prefill_activations,
+    )  # fmt: skip

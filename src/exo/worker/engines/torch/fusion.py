@@ -15,7 +15,7 @@ from torch import nn
 
 from exo.worker.engines.torch.int5_blocks import Int5Linear
 from exo.worker.engines.torch.int8_blocks import ScaledInt8Linear
-from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear
+from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear, QuantizedLinear
 from exo.worker.engines.torch.split_int4 import SplitInt4Linear
 
 
@@ -77,8 +77,16 @@ def fuse_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
     Returns:
         The fused module (`parts[0]` itself when there is one part), or None when the parts
         are of different kinds (e.g. one fell back to int8 because int4 cannot pack its
-        shape), int4 groups of different sizes, or of a kind this cannot fuse.
+        shape), int4 groups of different sizes, or of a kind this cannot fuse. A fused
+        quantized module rounds prefill's activations as `parts[0]` does.
     """
+    fused = _fuse(parts)
+    if isinstance(fused, QuantizedLinear) and isinstance(parts[0], QuantizedLinear):
+        fused.prefill_activation_bits = parts[0].prefill_activation_bits
+    return fused
+
+
+def _fuse(parts: Sequence[nn.Module]) -> nn.Module | None:
     if len(parts) == 1:
         return parts[0]
     kinds = {type(part) for part in parts}

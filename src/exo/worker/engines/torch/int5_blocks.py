@@ -200,7 +200,9 @@ class Int5Linear(SplitInt4Linear):
                 x, self.int5_lanes, self.block_scales
             )
         else:
-            out = torch.ops.exo_native.block_matmul(x, self.int5_lanes, self.block_scales)
+            out = torch.ops.exo_native.block_matmul(
+                x, self.int5_lanes, self.block_scales, self.prefill_activation_bits
+            )
         return out.to(rows.dtype)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from exo.shared.models.memory import PrefillActivations
 from exo.shared.types.shards import ShardMetadata, TensorShardMetadata
 from exo.worker.engines.torch.families import (
     UnsupportedArchitectureError,
@@ -44,6 +45,7 @@ from exo.worker.engines.torch.quantize import (
     WeightDtype,
     quantize_linears,
     quantize_output_layer,
+    set_prefill_activations,
 )
 from exo.worker.engines.torch.sharding import (
     LAYER_TENSOR,
@@ -238,6 +240,7 @@ def load_model(
     device: torch.device,
     weight_dtype: WeightDtype = "float32",
     on_layer_loaded: LayerProgressCallback | None = None,
+    prefill_activations: PrefillActivations = "int16",
 ) -> PreTrainedModel:
     """Load this rank's part of the model in `model_dir` onto `device`.
 
@@ -251,6 +254,8 @@ def load_model(
             "int8", "int4"; see `quantize.py`), converted layer by layer while loading.
         on_layer_loaded: called as (decoder layers loaded, decoder layers on this rank),
             first with 0 and then after each layer.
+        prefill_activations: how prefill rounds the activations of int4 and 5-bit block
+            weights ("int16" as decode, or "int8"; `quantize.set_prefill_activations`).
 
     Returns:
         The cut-down model in eval mode: for a pipeline rank that is not the last,
@@ -326,6 +331,7 @@ def load_model(
         if quantize:
             quantize_linears(layer, weight_dtype)
             release_freed_memory()
+        set_prefill_activations(layer, prefill_activations)  # before the lean forward fuses
         if on_layer_loaded is not None:
             on_layer_loaded(index + 1, len(layers))
     _check_loaded(model, "the model", model_dir, shard)

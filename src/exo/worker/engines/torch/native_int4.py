@@ -61,10 +61,16 @@ _SOURCES = tuple(
         "int5_blocks.cpp",
         "decode_layer.cpp",
         "prefill.cpp",
+        "prefill_int8.cpp",
         "prefill_ops.cpp",
     )
 )
-_HEADERS = (_NATIVE / "kernels.h", _NATIVE / "block_rows.h", _NATIVE / "row_ops.h")
+_HEADERS = (
+    _NATIVE / "kernels.h",
+    _NATIVE / "block_rows.h",
+    _NATIVE / "row_ops.h",
+    _NATIVE / "prefill_pack.h",
+)
 # A first build takes ~15-40 s on 2 cores (torch's headers dominate).
 BUILD_TIMEOUT_S = 600.0
 

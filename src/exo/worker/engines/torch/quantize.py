@@ -26,7 +26,12 @@ import abc
 import torch
 from torch import nn
 
-from exo.shared.models.memory import INT4_BLOCK_OUTPUTS, INT4_GROUP_SIZE, WeightFormat
+from exo.shared.models.memory import (
+    INT4_BLOCK_OUTPUTS,
+    INT4_GROUP_SIZE,
+    PrefillActivations,
+    WeightFormat,
+)
 from exo.worker.engines.torch.native_int4 import (
     built_int4_kernel,
     native_int4_kernel,
@@ -57,6 +62,10 @@ class QuantizedLinear(nn.Module, abc.ABC):
     # Rows (tokens) up to which a call uses the fused kernel; with more rows, dequantizing
     # the weight to bfloat16 for one oneDNN matmul is faster (measured crossovers).
     fused_max_rows = 32
+    # Bits of the activations' rounding in prefill's integer GEMM (`block_matmul`): 16, or 8
+    # where the engine was loaded with int8 prefill activations (`set_prefill_activations`;
+    # only int4 and 5-bit block weights take it).
+    prefill_activation_bits = 16
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -284,9 +293,9 @@ class Int4Linear(QuantizedLinear):
         activations rounded as the kernel rounds them, the same integer sums per block as
         the kernel's, scaled in another order, so a token's result does not depend on how
         many rows share its call (a pipeline rank and a single process chunk prompts
-        differently)."""
+        differently; with int8 prefill activations, only among prefill's rows)."""
         product: torch.Tensor = torch.ops.exo_native.block_matmul(
-            rows.contiguous(), self.packed, self.scales_and_zeros
+            rows.contiguous(), self.packed, self.scales_and_zeros, self.prefill_activation_bits
         )
         return product
 
@@ -528,3 +537,22 @@ def quantize_linears(model: nn.Module, weight_dtype: WeightDtype) -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attribute, replacement)
     return len(targets)
+
+
+def set_prefill_activations(model: nn.Module, activations: PrefillActivations) -> int:
+    """Round prefill's activations to `activations` ("int16" or "int8", per block of 32) in
+    every quantized linear of `model`; the number of linears set. Only int4 and 5-bit block
+    weights on AVX2 CPUs change (native/prefill_int8.cpp); decode keeps int16.
+
+    Raises:
+        ValueError: an unknown `activations`.
+    """
+    bits = {"int16": 16, "int8": 8}.get(activations)
+    if bits is None:
+        raise ValueError(f"prefill activations must be int16 or int8, not {activations!r}")
+    count = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.prefill_activation_bits = bits
+            count += 1
+    return count

@@ -20,7 +20,8 @@
 // place ~50-55 (packing the slab, rounding the activations, the per-block scales).
 // llama.cpp rounds activations to int8 and multiplies with `vpmaddubsw` (u8 x s8 summed in
 // int16 before one widening: ~81-95 GMAC/s per core in the same stand-alone loop, ~1.5x).
-// Prefill keeps int16: rounding every linear's input to int8 per block of 32 moved the
+// Prefill keeps int16 by default (int8 is an opt-in, prefill_int8.cpp, `--prefill-activations
+// int8`): rounding every linear's input to int8 per block of 32 moved the
 // next-token distributions (teacher-forced over 400 tokens, against the same weights with
 // unrounded activations) by a KL of 3.0e-3 on SmolLM2-135M Q4_1 and 2.6e-3 on Gemma 3 270M
 // Q4_K_M (int16: below 1e-7), changing the most likely token at 4.5% and 3% of positions,
@@ -51,6 +52,7 @@
 #include <vector>
 
 #include "block_rows.h"
+#include "prefill_pack.h"
 
 #ifdef EXO_AVX2
 #define EXO_INT_GEMM 1
@@ -60,22 +62,12 @@ namespace {
 
 using exo_native::bf16_to_float;
 using exo_native::block_rows::kBlock;
-
-// How a block weight's integers are held: int4 pairs of blocks (int4_gemv.cpp), int8 values
-// (int8_blocks.cpp), or 5-bit blocks (int5_blocks.cpp).
-enum class Held { kInt4, kInt8, kInt5 };
-
-int64_t row_bytes_of(Held held, int64_t k) {
-  switch (held) {
-    case Held::kInt4:
-      return k / 2;
-    case Held::kInt5:
-      return exo_native::int5_row_bytes(k);
-    case Held::kInt8:
-      break;
-  }
-  return k;
-}
+using exo_native::prefill::Held;
+using exo_native::prefill::row_bytes_of;
+#ifdef EXO_INT_GEMM
+using exo_native::prefill::block_values;
+using exo_native::prefill::transpose8;
+#endif
 
 // One output row of an int4 weight (pairs of blocks as 16-bit lanes, int4_gemv.cpp) as
 // float32: w = q * scale + (zero - 8 scale).
@@ -142,60 +134,6 @@ void dequantize_scaled_row(const int8_t* row, const uint16_t* scales, int64_t k,
 }
 
 #ifdef EXO_INT_GEMM
-
-// Transposes 8 vectors of 8 int32 (row i: lanes 0..7) so that out[j] holds lane j of every
-// row (out[j] lane i = in[i] lane j).
-inline void transpose8(__m256i in[8], __m256i out[8]) {
-  __m256i a[8], b[8];
-  for (int i = 0; i < 8; i += 2) {
-    a[i] = _mm256_unpacklo_epi32(in[i], in[i + 1]);
-    a[i + 1] = _mm256_unpackhi_epi32(in[i], in[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    b[i] = _mm256_unpacklo_epi64(a[i], a[i + 2]);
-    b[i + 1] = _mm256_unpackhi_epi64(a[i], a[i + 2]);
-    b[i + 2] = _mm256_unpacklo_epi64(a[i + 1], a[i + 3]);
-    b[i + 3] = _mm256_unpackhi_epi64(a[i + 1], a[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    out[i] = _mm256_permute2x128_si256(b[i], b[i + 4], 0x20);
-    out[i + 4] = _mm256_permute2x128_si256(b[i], b[i + 4], 0x31);
-  }
-}
-
-// The int16 values of one block of 32 inputs of one output row as two vectors (inputs 0-15,
-// 16-31). int4: pairs of blocks as 16-bit lanes of four nibbles, an odd last block in GGUF's
-// byte order (int4_gemv.cpp); int8: the values in order; int5: block_rows.h.
-inline void block_values(const uint8_t* row, Held held, int64_t block, int64_t blocks,
-                         __m256i out[2]) {
-  if (held == Held::kInt5) {
-    exo_native::block_rows::int5_block_values(row, block, out);
-    return;
-  }
-  if (held == Held::kInt8) {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + block * 32));
-    out[0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
-    out[1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
-    return;
-  }
-  const __m256i nibble = _mm256_set1_epi16(0x000F);
-  if (block / 2 < blocks / 2) {
-    const __m256i lanes =
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (block / 2) * 32));
-    if (block % 2 == 0) {
-      out[0] = _mm256_and_si256(lanes, nibble);
-      out[1] = _mm256_and_si256(_mm256_srli_epi16(lanes, 4), nibble);
-    } else {
-      out[0] = _mm256_and_si256(_mm256_srli_epi16(lanes, 8), nibble);
-      out[1] = _mm256_srli_epi16(lanes, 12);
-    }
-    return;
-  }
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + (blocks / 2) * 32));
-  const __m128i low = _mm_set1_epi8(0x0F);
-  out[0] = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, low));
-  out[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low));
-}
 
 // Unpacks outputs [n0, n0 + count) (count <= padded, a multiple of 8) into `packed`: for each
 // group of 8 outputs v and input pair p, one vector of 8 int32 lanes (lane i: output
@@ -422,7 +360,7 @@ void dequantized_block_matmul(const float* x, int64_t rows, int64_t k, const at:
 namespace exo_native {
 
 void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& weight,
-                  const at::Tensor& scale_zero, float* y) {
+                  const at::Tensor& scale_zero, float* y, int64_t activation_bits) {
   const int64_t n = weight.size(0);
   if (rows == 0 || n == 0) return;
   // No autograd below this call (its torch ops write into views of the output).
@@ -437,6 +375,13 @@ void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
     const char* value = std::getenv("EXO_NATIVE_INT_GEMM");
     return value == nullptr || std::string(value) != "0";
   }();
+  if (integer && activation_bits == 8 && held != Held::kInt8) {
+    exo_native::prefill::int8_activation_matmul(
+        x, rows, k, static_cast<const uint8_t*>(weight.data_ptr()), held,
+        reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>()),
+        scale_zero.size(1), n, y);
+    return;
+  }
   if (integer) {
     integer_block_matmul(x, rows, k, static_cast<const uint8_t*>(weight.data_ptr()), held,
                          scale_zero.dim() == 2, reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>()),
@@ -452,7 +397,9 @@ void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
 namespace {
 
 at::Tensor block_matmul_op(const at::Tensor& x, const at::Tensor& weight,
-                           const at::Tensor& scale_zero) {
+                           const at::Tensor& scale_zero, int64_t activation_bits) {
+  TORCH_CHECK(activation_bits == 16 || activation_bits == 8,
+              "block_matmul: activation_bits must be 16 or 8, not ", activation_bits);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "block_matmul: x must be a contiguous float32 [rows, in] tensor");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
@@ -487,14 +434,16 @@ at::Tensor block_matmul_op(const at::Tensor& x, const at::Tensor& weight,
               "block_matmul: int8 blocks need one (scale, zero) pair per 32 inputs");
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   exo_native::block_matmul(x.data_ptr<float>(), x.size(0), k, weight, scale_zero,
-                           y.data_ptr<float>());
+                           y.data_ptr<float>(), activation_bits);
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(exo_native, m) {
-  m.def("block_matmul(Tensor x, Tensor weight, Tensor scale_zero) -> Tensor");
+  m.def(
+      "block_matmul(Tensor x, Tensor weight, Tensor scale_zero, int activation_bits=16) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exo_native, CPU, m) { m.impl("block_matmul", &block_matmul_op); }

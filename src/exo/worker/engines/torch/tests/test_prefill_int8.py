@@ -1,0 +1,185 @@
+"""Prefill with int8 activations (`block_matmul(..., activation_bits=8)`, native/
+prefill_int8.cpp, behind `--prefill-activations int8`): int4 and 5-bit block weights times the
+activations rounded to int8 per block of 32, against the held weight times the same rounding
+in float64 (odd block counts, padded tiles, row groups of 1-4, one and two threads, and the
+extremes that fill the int16 partial sums); int8-held weights keep int16; the option reaching
+every linear the lean forward runs, fused ones included, through the engine and the node's
+command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from exo.node_options import parse_args
+from exo.shared.types.models import ModelCard
+from exo.shared.types.shards import PipelineShardMetadata
+from exo.worker.engines.torch.batch_attention import lean_step_of
+from exo.worker.engines.torch.engine import TorchEngine
+from exo.worker.engines.torch.int5_blocks import int5_lanes
+from exo.worker.engines.torch.lean_parts import Projection
+from exo.worker.engines.torch.native_int4 import ROUNDS_ACTIVATIONS, built_int4_kernel
+from exo.worker.engines.torch.quantize import pack_native_int4, set_prefill_activations
+from exo.worker.engines.torch.tests.test_engine import check_stream_shape, request
+
+native = pytest.mark.skipif(
+    built_int4_kernel() is None or not ROUNDS_ACTIVATIONS,
+    reason="exo's AVX2 kernels cannot be built here",
+)
+
+
+def int8_rounded(rows: torch.Tensor) -> torch.Tensor:
+    """float32 rows `[n, in]` as prefill_int8.cpp rounds them, in float64: per block of 32,
+    round-to-nearest-even of x * (127 / largest |x|) (float32), times largest / 127."""
+    blocks = rows.reshape(rows.shape[0], -1, 32)
+    largest = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(largest > 0, 127.0 / largest, torch.zeros(()))
+    values = (blocks * inverse).round()
+    return (values.double() * (largest / 127.0).double()).reshape(rows.shape)
+
+
+def int4_weight(values: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`[out, in]` float64: (q - 8) * scale + zero per group."""
+    outputs, inputs = values.shape
+    grouped = values.double().reshape(outputs, inputs // group_size, group_size) - 8
+    weight = grouped * scale_zero[..., :1].double() + scale_zero[..., 1:].double()
+    return weight.reshape(outputs, inputs)
+
+
+def product(
+    x: torch.Tensor, held: torch.Tensor, scales: torch.Tensor, threads: int
+) -> torch.Tensor:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return torch.ops.exo_native.block_matmul(x, held, scales, 8).double()
+    finally:
+        torch.set_num_threads(before)
+
+
+@native
+@pytest.mark.parametrize(
+    ("rows", "outputs", "inputs", "group_size"),
+    [(8, 70, 96, 32), (17, 333, 640, 64), (130, 48, 160, 32), (11, 40, 512, 128), (5, 16, 64, 64)],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int4_weights_times_int8_rounded_rows(
+    rows: int, outputs: int, inputs: int, group_size: int, threads: int
+) -> None:
+    generator = torch.Generator().manual_seed(rows * outputs + threads)
+    values = torch.randint(0, 16, (outputs, inputs), generator=generator, dtype=torch.uint8)
+    groups = inputs // group_size
+    scale_zero = (torch.randn(outputs, groups, 2, generator=generator) * 0.1).to(torch.bfloat16)
+    x = torch.randn(rows, inputs, generator=generator) * 3
+    x[0, :32] = 0.0  # an all-zero block
+    actual = product(x, pack_native_int4(values), scale_zero, threads)
+    expected = int8_rounded(x) @ int4_weight(values, scale_zero, group_size).t()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4)
+    # Not the int16 rounding: the option changes the product.
+    assert not torch.allclose(
+        actual, torch.ops.exo_native.block_matmul(x, pack_native_int4(values), scale_zero).double()
+    )
+
+
+@native
+@pytest.mark.parametrize(
+    ("rows", "outputs", "inputs"), [(9, 70, 640), (13, 33, 288), (130, 20, 96)]
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_5_bit_weights_times_int8_rounded_rows(
+    rows: int, outputs: int, inputs: int, threads: int
+) -> None:
+    generator = torch.Generator().manual_seed(rows + outputs + threads)
+    values = torch.randint(-16, 16, (outputs, inputs), generator=generator, dtype=torch.int8)
+    scales = (torch.rand(outputs, inputs // 32, generator=generator) * 0.01).to(torch.bfloat16)
+    weight = values.double() * scales.double().repeat_interleave(32, dim=1)
+    x = torch.randn(rows, inputs, generator=generator)
+    actual = product(x, int5_lanes(values), scales, threads)
+    torch.testing.assert_close(actual, int8_rounded(x) @ weight.t(), rtol=1e-5, atol=1e-6)
+
+
+@native
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_largest_products_fit_the_int16_partial_sums(sign: float) -> None:
+    """Every weight at its largest magnitude and every activation at +-127: int4's 8 and
+    the 5-bit blocks' 4 summed `vpmaddubsw` results reach 30480 and 31496 (a longer run
+    in int16 would saturate)."""
+    rows, outputs, inputs = 6, 24, 256
+    x = torch.full((rows, inputs), 2.5 * sign)
+    int4_values = torch.full((outputs, inputs), 15, dtype=torch.uint8)
+    scale_zero = torch.tensor([0.5, 0.25], dtype=torch.bfloat16).expand(outputs, 8, 2).contiguous()
+    actual = product(x, pack_native_int4(int4_values), scale_zero, 1)
+    expected = int8_rounded(x) @ int4_weight(int4_values, scale_zero, 32).t()
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=0)
+    for value in (15, -16):  # stored as u = value + 16: 31 and 0
+        int5_values = torch.full((outputs, inputs), value, dtype=torch.int8)
+        scales = torch.full((outputs, inputs // 32), 0.125, dtype=torch.bfloat16)
+        actual = product(x, int5_lanes(int5_values), scales, 1)
+        expected = int8_rounded(x) @ (int5_values.double() * 0.125).t()
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=0)
+
+
+@native
+def test_int8_held_weights_keep_int16_activations() -> None:
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randint(-128, 128, (40, 640), generator=generator).to(torch.int8)
+    scale_zero = (torch.randn(40, 20, 2, generator=generator) * 0.1).to(torch.bfloat16)
+    scales = (torch.rand(40, 40, generator=generator) * 0.01).to(torch.bfloat16)
+    x = torch.randn(12, 640, generator=generator)
+    for held_scales in (scale_zero, scales):
+        int16 = torch.ops.exo_native.block_matmul(x, values, held_scales)
+        assert torch.equal(torch.ops.exo_native.block_matmul(x, values, held_scales, 8), int16)
+
+
+@native
+def test_other_activation_bits_are_refused() -> None:
+    values = pack_native_int4(torch.zeros(16, 64, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="activation_bits must be 16 or 8, not 12"):
+        torch.ops.exo_native.block_matmul(
+            torch.zeros(9, 64), values, torch.ones(16, 2, 2, dtype=torch.bfloat16), 12
+        )
+    with pytest.raises(ValueError, match="int16 or int8, not 'int4'"):
+        set_prefill_activations(torch.nn.Linear(2, 2), "int4")  # type: ignore[arg-type]
+
+
+def _bits(projection: Projection) -> set[int]:
+    if projection.parts:
+        return set().union(*(_bits(part) for part in projection.parts))
+    assert projection.quantized is not None
+    return {projection.quantized.prefill_activation_bits}
+
+
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_the_engine_option_reaches_every_linear_of_the_lean_forward(
+    tiny_card: ModelCard, tiny_model_dir: Path, activations: str
+) -> None:
+    """Q/K/V and gate/up are fused into new modules after loading: they take the option too;
+    a prompt longer than the decode kernels' rows runs the GEMM and the engine generates."""
+    shard = PipelineShardMetadata(
+        model_card=tiny_card, device_rank=0, world_size=1, start_layer=0,
+        end_layer=tiny_card.n_layers,
+    )  # fmt: skip
+    engine = TorchEngine.load(
+        tiny_model_dir,
+        shard,
+        weight_dtype="int4",
+        prefill_activations=activations,  # type: ignore[arg-type]
+    )
+    lean = lean_step_of(engine.model)
+    assert lean is not None
+    expected = {16 if activations == "int16" else 8}
+    for layer in lean.layers:  # type: ignore[attr-defined]
+        for projection in (layer.qkv, layer.output, layer.gate_up, layer.down):
+            assert _bits(projection) == expected
+    prompt = "Count slowly from one to twenty, one number per line, please."
+    pieces = list(engine.generate(request(prompt, temperature=0.0, max_tokens=5)))
+    check_stream_shape(pieces)
+
+
+def test_the_node_flag_sets_the_option() -> None:
+    assert parse_args([]).prefill_activations == "int16"
+    assert parse_args(["--prefill-activations", "int8"]).prefill_activations == "int8"
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill-activations", "int4"])
