@@ -25,9 +25,10 @@ MATMUL_ROWS = 256
 MATMUL_INNER = 1024
 
 
-def fastest_seconds(call: Callable[[], object], seconds: float = PROBE_SECONDS) -> float:
-    """Fastest wall time of `call` over repetitions filling `seconds` (at least 3, at most
-    10,000), after one warm-up call."""
+def fastest_seconds(call: Callable[[], object], seconds: float | None = None) -> float:
+    """Fastest wall time of `call` over repetitions filling `seconds` (default
+    `PROBE_SECONDS`, read at the call; at least 3, at most 10,000), after one warm-up call."""
+    seconds = PROBE_SECONDS if seconds is None else seconds
     call()
     timings: list[float] = []
     deadline = time.perf_counter() + seconds
@@ -292,7 +293,7 @@ LOOPBACK_MESSAGE_BYTES = 64
 LOOPBACK_TIMEOUT_SECONDS = 2.0
 
 
-def loopback_round_trip_seconds(seconds: float = PROBE_SECONDS) -> float:
+def loopback_round_trip_seconds(seconds: float | None = None) -> float:
     """Fastest round trip of a `LOOPBACK_MESSAGE_BYTES` message to an echoing thread over
     TCP on 127.0.0.1 (Nagle off); sockets time out rather than hang."""
     with socket.create_server(("127.0.0.1", 0)) as server:

@@ -5,7 +5,6 @@ lifecycle event of that request (see `openai_responses_output`).
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -111,9 +110,3 @@ def response_context(
         user=request.user,
         metadata=dict(request.metadata or {}),
     )
-
-
-def new_response_id() -> str:
-    """A fresh id in OpenAI's format (`resp_` + 32 hex digits), for callers without a
-    command id."""
-    return f"resp_{uuid.uuid4().hex}"
