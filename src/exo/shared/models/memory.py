@@ -22,8 +22,8 @@ from exo.shared.types.models import GgufFileSource, ModelCard, PypiGgufPartsSour
 
 WeightFormat = Literal["float32", "int8", "int4"]
 WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("float32", "int8", "int4")
-# How prefill's integer GEMM rounds activations (per block of 32) for int4 and 5-bit block
-# weights on AVX2 CPUs: "int16" (the decode kernels' rounding, the default) or "int8"
+# How prefill's integer GEMM rounds activations (per block of 32) for int4, 5-bit and Q6_K
+# block weights on AVX2 CPUs: "int16" (the decode kernels' rounding, the default) or "int8"
 # (llama.cpp's; faster, less exact: `--prefill-activations`).
 PrefillActivations = Literal["int16", "int8"]
 PREFILL_ACTIVATIONS: tuple[PrefillActivations, ...] = ("int16", "int8")

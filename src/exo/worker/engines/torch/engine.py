@@ -237,9 +237,10 @@ class TorchEngine:
                 `exo.shared.models.memory` sizes each format from the card.
             max_concurrent_requests: most requests decoded together.
             kv_cache_tokens: the KV budget in tokens (see the class).
-            prefill_activations: "int8" rounds prefill's activations of int4 and 5-bit
-                block weights to int8 per block of 32 on AVX2 CPUs (llama.cpp's precision:
-                faster prefill, a less exact prompt); "int16" as decode (`load_model`).
+            prefill_activations: "int8" rounds prefill's activations of int4, 5-bit
+                and 6-bit (Q6_K) block weights to int8 per block of 32 on AVX2 CPUs
+                (llama.cpp's precision: faster prefill, a less exact prompt); "int16" as
+                decode (`load_model`).
 
         Raises:
             UnsupportedArchitectureError (a ValueError): no family file for the model.

@@ -175,7 +175,9 @@ class ScaledInt8Linear(QuantizedLinear):
                 x, self.values, self.block_scales
             )
         else:
-            out = torch.ops.exo_native.block_matmul(x, self.values, self.block_scales)
+            out = torch.ops.exo_native.block_matmul(
+                x, self.values, self.block_scales, self.prefill_activation_bits
+            )
         return out.to(rows.dtype)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:

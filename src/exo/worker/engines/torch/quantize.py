@@ -64,7 +64,7 @@ class QuantizedLinear(nn.Module, abc.ABC):
     fused_max_rows = 32
     # Bits of the activations' rounding in prefill's integer GEMM (`block_matmul`): 16, or 8
     # where the engine was loaded with int8 prefill activations (`set_prefill_activations`;
-    # only int4 and 5-bit block weights take it).
+    # only int4, 5-bit and Q6_K's 6-bit block weights take it).
     prefill_activation_bits = 16
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
@@ -541,8 +541,8 @@ def quantize_linears(model: nn.Module, weight_dtype: WeightDtype) -> int:
 
 def set_prefill_activations(model: nn.Module, activations: PrefillActivations) -> int:
     """Round prefill's activations to `activations` ("int16" or "int8", per block of 32) in
-    every quantized linear of `model`; the number of linears set. Only int4 and 5-bit block
-    weights on AVX2 CPUs change (native/prefill_int8.cpp); decode keeps int16.
+    every quantized linear of `model`; the number of linears set. Only int4, 5-bit and Q6_K's
+    6-bit block weights on AVX2 CPUs change (native/prefill_int8.cpp); decode keeps int16.
 
     Raises:
         ValueError: an unknown `activations`.

@@ -375,13 +375,16 @@ void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
     const char* value = std::getenv("EXO_NATIVE_INT_GEMM");
     return value == nullptr || std::string(value) != "0";
   }();
-  if (integer && activation_bits == 8 && held != Held::kInt8) {
-    exo_native::prefill::int8_activation_matmul(
-        x, rows, k, static_cast<const uint8_t*>(weight.data_ptr()), held,
-        reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>()),
-        scale_zero.size(1), n, y);
+  // int8 activations: int4, 5-bit, and symmetric int8 blocks of 16 (Q6_K's 6-bit values;
+  // any value outside [-32, 31] falls back to the int16 GEMM).
+  const bool takes_int8 =
+      held != Held::kInt8 || (scale_zero.dim() == 2 && group_size == 16);
+  if (integer && activation_bits == 8 && takes_int8 &&
+      exo_native::prefill::int8_activation_matmul(
+          x, rows, k, static_cast<const uint8_t*>(weight.data_ptr()), held,
+          reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>()),
+          scale_zero.size(1), n, y))
     return;
-  }
   if (integer) {
     integer_block_matmul(x, rows, k, static_cast<const uint8_t*>(weight.data_ptr()), held,
                          scale_zero.dim() == 2, reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>()),

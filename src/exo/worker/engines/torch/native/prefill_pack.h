@@ -81,10 +81,12 @@ inline void block_values(const uint8_t* row, Held held, int64_t block, int64_t b
   out[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low));
 }
 
-// y[rows, n] for an int4 or 5-bit block weight with the activations rounded to int8 per block
-// of 32 (prefill_int8.cpp). `scale_zero`: (scale, zero) pairs [n, groups, 2] for int4, one
-// scale per block [n, k / 32] for 5-bit blocks.
-void int8_activation_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* bytes,
+// y[rows, n] for an int4, 5-bit or 6-bit-valued symmetric int8-block weight with the
+// activations rounded to int8 per block of 32 (prefill_int8.cpp). `scale_zero`: (scale,
+// zero) pairs [n, groups, 2] for int4, one scale per block [n, k / 32] for 5-bit blocks, one
+// per half block [n, k / 16] for int8 (whose values must lie in [-32, 31]). False (and `y`
+// not written in full) when an int8 value does not.
+bool int8_activation_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* bytes,
                             Held held, const uint16_t* scale_zero, int64_t groups, int64_t n,
                             float* y);
 

@@ -1,10 +1,10 @@
 """Prefill with int8 activations (`block_matmul(..., activation_bits=8)`, native/
-prefill_int8.cpp, behind `--prefill-activations int8`): int4 and 5-bit block weights times the
-activations rounded to int8 per block of 32, against the held weight times the same rounding
-in float64 (odd block counts, padded tiles, row groups of 1-4, one and two threads, and the
-extremes that fill the int16 partial sums); int8-held weights keep int16; the option reaching
-every linear the lean forward runs, fused ones included, through the engine and the node's
-command line."""
+prefill_int8.cpp, behind `--prefill-activations int8`): int4, 5-bit and 6-bit (Q6_K's, in
+int8 blocks of 16) weights times the activations rounded to int8 per block of 32, against the
+held weight times the same rounding in float64 (odd block counts, padded tiles, row groups of
+1-4, one and two threads, and the extremes that fill the int16 partial sums); other int8-held
+weights keep int16; the option reaching every linear the lean forward runs, fused ones
+included, through the engine and the node's command line."""
 
 from __future__ import annotations
 
@@ -97,15 +97,15 @@ def test_5_bit_weights_times_int8_rounded_rows(
     weight = values.double() * scales.double().repeat_interleave(32, dim=1)
     x = torch.randn(rows, inputs, generator=generator)
     actual = product(x, int5_lanes(values), scales, threads)
-    torch.testing.assert_close(actual, int8_rounded(x) @ weight.t(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(actual, int8_rounded(x) @ weight.t(), rtol=1e-5, atol=1e-5)
 
 
 @native
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_the_largest_products_fit_the_int16_partial_sums(sign: float) -> None:
-    """Every weight at its largest magnitude and every activation at +-127: int4's 8 and
-    the 5-bit blocks' 4 summed `vpmaddubsw` results reach 30480 and 31496 (a longer run
-    in int16 would saturate)."""
+    """Every weight at its largest magnitude and every activation at +-127: int4's 8, the
+    5-bit blocks' 4 and the 6-bit values' 2 summed `vpmaddubsw` results reach 30480, 31496
+    and 32004 (a longer run in int16 would saturate)."""
     rows, outputs, inputs = 6, 24, 256
     x = torch.full((rows, inputs), 2.5 * sign)
     int4_values = torch.full((outputs, inputs), 15, dtype=torch.uint8)
@@ -119,18 +119,49 @@ def test_the_largest_products_fit_the_int16_partial_sums(sign: float) -> None:
         actual = product(x, int5_lanes(int5_values), scales, 1)
         expected = int8_rounded(x) @ (int5_values.double() * 0.125).t()
         torch.testing.assert_close(actual, expected, rtol=1e-6, atol=0)
+    for value in (31, -32):  # 6-bit values in int8 blocks of 16, u = value + 32: 63 and 0
+        six_bit = torch.full((outputs, inputs), value, dtype=torch.int8)
+        scales = torch.full((outputs, inputs // 16), 0.125, dtype=torch.bfloat16)
+        actual = product(x, six_bit, scales, 1)
+        expected = int8_rounded(x) @ (six_bit.double() * 0.125).t()
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=0)
 
 
 @native
-def test_int8_held_weights_keep_int16_activations() -> None:
+@pytest.mark.parametrize(("rows", "outputs", "inputs"), [(9, 40, 640), (13, 70, 2048), (5, 17, 96)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_6_bit_values_in_int8_blocks_of_16_times_int8_rounded_rows(
+    rows: int, outputs: int, inputs: int, threads: int
+) -> None:
+    """GGUF Q6_K's values (-32..31) held as symmetric int8 blocks of 16: each half block of
+    the activations' block of 32 scaled on its own."""
+    generator = torch.Generator().manual_seed(rows + outputs + threads)
+    values = torch.randint(-32, 32, (outputs, inputs), generator=generator, dtype=torch.int8)
+    scales = (torch.rand(outputs, inputs // 16, generator=generator) * 0.01).to(torch.bfloat16)
+    weight = values.double() * scales.double().repeat_interleave(16, dim=1)
+    x = torch.randn(rows, inputs, generator=generator)
+    actual = product(x, values, scales, threads)
+    torch.testing.assert_close(actual, int8_rounded(x) @ weight.t(), rtol=1e-5, atol=1e-5)
+
+
+@native
+def test_other_int8_held_weights_keep_int16_activations() -> None:
+    """(scale, zero) pairs, symmetric blocks of 32, and blocks of 16 with one value outside
+    [-32, 31] (found while unpacking: the whole product falls back) equal the int16 GEMM."""
     generator = torch.Generator().manual_seed(3)
     values = torch.randint(-128, 128, (40, 640), generator=generator).to(torch.int8)
-    scale_zero = (torch.randn(40, 20, 2, generator=generator) * 0.1).to(torch.bfloat16)
-    scales = (torch.rand(40, 40, generator=generator) * 0.01).to(torch.bfloat16)
+    six_bit = torch.randint(-32, 32, (40, 640), generator=generator).to(torch.int8)
+    six_bit[37, 601] = 32  # in the last slab's last tile
+    cases = [
+        (values, (torch.randn(40, 20, 2, generator=generator) * 0.1).to(torch.bfloat16)),
+        (values, (torch.rand(40, 20, generator=generator) * 0.01).to(torch.bfloat16)),
+        (values, (torch.rand(40, 40, generator=generator) * 0.01).to(torch.bfloat16)),
+        (six_bit, (torch.rand(40, 40, generator=generator) * 0.01).to(torch.bfloat16)),
+    ]
     x = torch.randn(12, 640, generator=generator)
-    for held_scales in (scale_zero, scales):
-        int16 = torch.ops.exo_native.block_matmul(x, values, held_scales)
-        assert torch.equal(torch.ops.exo_native.block_matmul(x, values, held_scales, 8), int16)
+    for held, held_scales in cases:
+        int16 = torch.ops.exo_native.block_matmul(x, held, held_scales)
+        assert torch.equal(torch.ops.exo_native.block_matmul(x, held, held_scales, 8), int16)
 
 
 @native
