@@ -179,6 +179,11 @@ def config_from_arguments(arguments: argparse.Namespace) -> BenchConfig:
         raise ValueError("--generation-tokens must be >= 2 (decode is timed after the first)")
     if config.api is not None and config.pin_cores:
         raise ValueError("--pin-cores applies to local nodes only (not with --api)")
+    if config.api is not None and config.prefill_activations != "int16":
+        raise ValueError(
+            "--prefill-activations applies to the nodes the bench starts (with --api, give "
+            "it to the cluster's nodes when they start)"
+        )
     if config.compare_llama_cpp is not None and not config.compare_llama_cpp.is_file():
         raise ValueError(f"--compare-llama-cpp: no file {config.compare_llama_cpp}")
     return config

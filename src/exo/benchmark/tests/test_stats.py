@@ -128,6 +128,16 @@ def test_arguments_are_checked_before_anything_runs(tmp_path: Path) -> None:
         config_from_arguments(parser.parse_args(["--generation-tokens", "1"]))
     with pytest.raises(ValueError, match="pin-cores"):
         config_from_arguments(parser.parse_args(["--api", "http://x", "--pin-cores"]))
+    with pytest.raises(ValueError, match="prefill-activations applies to the nodes"):
+        config_from_arguments(
+            parser.parse_args(["--api", "http://x", "--prefill-activations", "int8"])
+        )
+    assert (
+        config_from_arguments(
+            parser.parse_args(["--prefill-activations", "int8"])
+        ).prefill_activations
+        == "int8"
+    )
     with pytest.raises(ValueError, match="no file"):
         config_from_arguments(parser.parse_args(["--compare-llama-cpp", str(tmp_path / "x")]))
     # A host and port without a scheme is http (it gave a garbled httpx error before).
