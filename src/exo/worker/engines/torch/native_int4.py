@@ -62,6 +62,7 @@ _SOURCES = tuple(
         "decode_layer.cpp",
         "prefill.cpp",
         "prefill_int8.cpp",
+        "prefill_dequantized.cpp",
         "prefill_ops.cpp",
     )
 )

@@ -28,12 +28,12 @@
 // more than the int4 weights' own KL from float32 (1.1e-3 on SmolLM2); int8 only for blocks
 // whose largest |x| stays under 3x their RMS still gave 2.0e-4 (half the blocks).
 // Elsewhere the weight is dequantized to float32 one slab at a time and multiplied by torch's
-// float32 matmul (the portable kernel's exact product).
+// float32 matmul (prefill_dequantized.cpp; the portable kernel's exact product).
 //
 // Slabs of output rows (each unpacked into a buffer of the thread that multiplies it, small
-// enough to stay in its core's cache) are spread over torch's intra-op threads. Dequantizing
-// the whole weight first (as torch ops) took 3.5 ms for a 3072x576 weight on the 2-core AMD
-// EPYC, longer than a 128-row product itself.
+// enough to stay in its core's cache) are spread over torch's intra-op threads; with int8
+// activations each slab whose integers fit them takes prefill_int8.cpp's kernel, the others
+// this file's.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -65,73 +65,14 @@ using exo_native::block_rows::kBlock;
 using exo_native::prefill::Held;
 using exo_native::prefill::row_bytes_of;
 #ifdef EXO_INT_GEMM
+using exo_native::block_rows::for_row_groups;
 using exo_native::prefill::block_values;
+using exo_native::prefill::int8_bias;
+using exo_native::prefill::pack_slab_u8;
+using exo_native::prefill::round_row_int8;
 using exo_native::prefill::transpose8;
+using exo_native::prefill::u8_slab_product;
 #endif
-
-// One output row of an int4 weight (pairs of blocks as 16-bit lanes, int4_gemv.cpp) as
-// float32: w = q * scale + (zero - 8 scale).
-void dequantize_int4_row(const uint8_t* row, const uint16_t* scale_zero, int64_t k,
-                         int64_t group_size, float* out) {
-  const int64_t blocks = k / kBlock, pairs = blocks / 2;
-  auto scale_of = [&](int64_t block) {
-    return bf16_to_float(scale_zero[2 * (block * kBlock / group_size)]);
-  };
-  auto offset_of = [&](int64_t block, float scale) {
-    return bf16_to_float(scale_zero[2 * (block * kBlock / group_size) + 1]) - 8.0f * scale;
-  };
-  for (int64_t p = 0; p < pairs; ++p) {
-    const float scale0 = scale_of(2 * p), scale1 = scale_of(2 * p + 1);
-    const float offset0 = offset_of(2 * p, scale0), offset1 = offset_of(2 * p + 1, scale1);
-    const uint8_t* bytes = row + p * 32;
-    float* w = out + p * 64;
-    for (int i = 0; i < 16; ++i) {
-      const int low = bytes[2 * i], high = bytes[2 * i + 1];
-      w[i] = static_cast<float>(low & 0x0F) * scale0 + offset0;
-      w[16 + i] = static_cast<float>(low >> 4) * scale0 + offset0;
-      w[32 + i] = static_cast<float>(high & 0x0F) * scale1 + offset1;
-      w[48 + i] = static_cast<float>(high >> 4) * scale1 + offset1;
-    }
-  }
-  if (blocks % 2) {  // the odd last block, GGUF's byte order
-    const int64_t b = blocks - 1;
-    const float scale = scale_of(b), offset = offset_of(b, scale);
-    const uint8_t* bytes = row + pairs * 32;
-    float* w = out + b * kBlock;
-    for (int j = 0; j < 16; ++j) {
-      w[j] = static_cast<float>(bytes[j] & 0x0F) * scale + offset;
-      w[16 + j] = static_cast<float>(bytes[j] >> 4) * scale + offset;
-    }
-  }
-}
-
-// One output row of an int8-block weight: w = v * scale + (zero - 8 scale) per block.
-void dequantize_int8_row(const int8_t* row, const uint16_t* scale_zero, int64_t k, float* out) {
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    const float scale = bf16_to_float(scale_zero[2 * b]);
-    const float offset = bf16_to_float(scale_zero[2 * b + 1]) - 8.0f * scale;
-    for (int j = 0; j < kBlock; ++j)
-      out[b * kBlock + j] = static_cast<float>(row[b * kBlock + j]) * scale + offset;
-  }
-}
-
-
-// One output row of 5-bit lanes: w = x * scale per block of 32 inputs (the layout of
-// int5_blocks.cpp).
-void dequantize_int5_row(const uint8_t* row, const uint16_t* scales, int64_t k, float* out) {
-  for (int64_t j = 0; j < k; ++j)
-    out[j] = static_cast<float>(exo_native::int5_value(row, j)) * bf16_to_float(scales[j / kBlock]);
-}
-
-// One output row of a symmetric int8-block weight: w = v * scale per block of `block` inputs.
-void dequantize_scaled_row(const int8_t* row, const uint16_t* scales, int64_t k, int64_t block,
-                           float* out) {
-  for (int64_t b = 0; b < k / block; ++b) {
-    const float scale = bf16_to_float(scales[b]);
-    for (int64_t j = 0; j < block; ++j)
-      out[b * block + j] = static_cast<float>(row[b * block + j]) * scale;
-  }
-}
 
 #ifdef EXO_INT_GEMM
 
@@ -225,20 +166,61 @@ void gemm_tile(const int16_t* xq, const float* x_scales, const float* x_sums, in
   }
 }
 
+// The int16 activation rows times a slab packed by `pack_slab` into y's columns
+// [n0, n0 + count).
+void int16_slab_product(const int16_t* xq, const float* x_scales, const float* x_sums,
+                        int64_t rows, int64_t k, bool halves, const int32_t* packed,
+                        const float* scales, const float* offsets, int64_t padded,
+                        int64_t count, int64_t blocks_per_group, int64_t n0, int64_t n,
+                        float* y) {
+  const int64_t blocks = k / 32;
+  float acc[4 * 16];
+  // Row groups outside, tiles inside: a group's activation rows (4 x k int16) stay in L1
+  // while the slab's tiles come from L2.
+  for_row_groups(rows, [&](auto count_rows, int64_t r) {
+    constexpr int R = decltype(count_rows)::value;
+    for (int64_t t = 0; t < padded / 16; ++t) {
+      const int32_t* tile = packed + 2 * t * (k / 2) * 8;
+      if (halves)
+        gemm_tile<R, 2>(xq + r * k, x_scales + r * blocks, x_sums + r * blocks, k, tile,
+                        scales + 16 * t, offsets + 16 * t, padded, blocks_per_group, acc);
+      else
+        gemm_tile<R, 1>(xq + r * k, x_scales + r * blocks, x_sums + r * blocks, k, tile,
+                        scales + 16 * t, offsets + 16 * t, padded, blocks_per_group, acc);
+      const int64_t width = std::min<int64_t>(16, count - 16 * t);
+      for (int i = 0; i < R; ++i)
+        std::memcpy(y + (r + i) * n + n0 + 16 * t, acc + i * 16, sizeof(float) * width);
+    }
+  });
+}
+
 // The integer GEMM of the file's comment: y[rows, n] for a block weight. `symmetric`: one
 // bfloat16 scale per group of 16 or 32 inputs (offset 0) instead of (scale, zero) pairs.
+// `int8_activations`: every slab whose integers fit (int4 and 5-bit weights always, int8
+// ones whose values lie in [-32, 31]) multiplies the activations rounded to int8
+// (prefill_int8.cpp); the other slabs int16.
 void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* bytes,
                           Held held, bool symmetric, const uint16_t* scale_zero, int64_t groups,
-                          int64_t n, float* y) {
+                          int64_t n, float* y, bool int8_activations) {
   const int64_t blocks = k / 32, group_size = k / groups;
   const bool halves = group_size == 16;  // blocks of 16: each half of a block its own scale
   const int64_t blocks_per_group = halves ? 1 : group_size / 32;
   const int64_t row_bytes = row_bytes_of(held, k);
-  std::vector<int16_t> quantized(static_cast<size_t>(rows * k));
-  std::vector<float> x_scales(static_cast<size_t>(rows * blocks));
-  std::vector<float> x_sums(static_cast<size_t>(rows * blocks));
+  // An int8 weight's slabs may not fit int8 activations: both roundings then.
+  const bool int16_rows = !int8_activations || held == Held::kInt8;
+  std::vector<int16_t> quantized(int16_rows ? static_cast<size_t>(rows * k) : 0);
+  std::vector<float> x_scales(int16_rows ? static_cast<size_t>(rows * blocks) : 0);
+  std::vector<float> x_sums(int16_rows ? static_cast<size_t>(rows * blocks) : 0);
+  std::vector<int8_t> values8(int8_activations ? static_cast<size_t>(rows * k) : 0);
+  std::vector<float> scales8(int8_activations ? static_cast<size_t>(rows * blocks) : 0);
+  std::vector<float> sums8(int8_activations ? static_cast<size_t>(rows * blocks) : 0);
+  std::vector<float> half_sums8(int8_activations ? static_cast<size_t>(rows * blocks * 2) : 0);
   at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / k), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
+    for (int64_t r = r0; r < r1; ++r) {
+      if (int8_activations)
+        round_row_int8(x + r * k, k, values8.data() + r * k, scales8.data() + r * blocks,
+                       sums8.data() + r * blocks, half_sums8.data() + r * blocks * 2);
+      if (!int16_rows) continue;
       for (int64_t b = 0; b < blocks; ++b) {
         int16_t* values = quantized.data() + r * k + b * 32;
         x_scales[r * blocks + b] = exo_native::round_block(x + r * k + b * 32, values);
@@ -246,19 +228,33 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
         for (int j = 0; j < 32; ++j) sum += values[j];
         x_sums[r * blocks + b] = static_cast<float>(sum);
       }
+    }
   });
-  // A slab's packed int16 values take 2 bytes per weight: ~128 KiB (L2-resident).
-  const int64_t slab = std::clamp<int64_t>(((int64_t{1} << 16) / k) / 16 * 16, 16, 256);
+  const exo_native::prefill::Int8Rows rows8{values8.data(), scales8.data(), sums8.data(),
+                                            half_sums8.data()};
+  // A slab's packed integers take 2 bytes per weight as int16, 1 as bytes: ~128 KiB
+  // (L2-resident).
+  const int64_t weight_bytes = int16_rows ? 2 : 1;
+  const int64_t slab =
+      std::clamp<int64_t>(((int64_t{1} << 17) / (weight_bytes * k)) / 16 * 16, 16, 256);
   const int64_t slabs = (n + slab - 1) / slab;
   at::parallel_for(0, slabs, 1, [&](int64_t first, int64_t last) {
-    std::vector<int32_t> packed(static_cast<size_t>(slab * k / 2));
-    std::vector<float> scales(static_cast<size_t>(groups * slab));
-    std::vector<float> offsets(static_cast<size_t>(groups * slab));
-    float acc[4 * 16];
+    // Each thread's buffers stay between calls: a fresh 128-256 KiB buffer is a fresh
+    // mapping whose pages fault in on first write (~7 us each on the 2-core VM).
+    thread_local std::vector<int32_t> packed;
+    thread_local std::vector<float> scales, offsets;
+    packed.resize(std::max(packed.size(), static_cast<size_t>(slab * k / 2)));
+    scales.resize(std::max(scales.size(), static_cast<size_t>(groups * slab)));
+    offsets.resize(std::max(offsets.size(), static_cast<size_t>(groups * slab)));
     for (int64_t s = first; s < last; ++s) {
       const int64_t n0 = s * slab, count = std::min(slab, n - n0);
       const int64_t padded = (count + 15) / 16 * 16;
-      pack_slab(bytes, row_bytes, held, k, n0, count, padded, packed.data());
+      const bool as_int8 =
+          int8_activations &&
+          pack_slab_u8(bytes, row_bytes, held, k, n0, count, padded, packed.data());
+      if (!as_int8) pack_slab(bytes, row_bytes, held, k, n0, count, padded, packed.data());
+      // The bytes' bias comes back out through the offset (w = (u - bias) * scale + ...).
+      const float bias = as_int8 ? int8_bias(held) : 0.0f;
       for (int64_t i = 0; i < padded; ++i)
         for (int64_t g = 0; g < groups; ++g) {
           float scale = 0.0f, offset = 0.0f;
@@ -269,92 +265,20 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
             offset = bf16_to_float(scale_zero[((n0 + i) * groups + g) * 2 + 1]) - 8.0f * scale;
           }
           scales[g * padded + i] = scale;
-          offsets[g * padded + i] = offset;
+          offsets[g * padded + i] = offset - bias * scale;
         }
-      // Row groups outside, tiles inside: a group's activation rows (4 x k int16) stay in L1
-      // while the slab's tiles come from L2.
-      auto run = [&](auto count_rows, int64_t r) {
-        constexpr int R = decltype(count_rows)::value;
-        for (int64_t t = 0; t < padded / 16; ++t) {
-          const int32_t* tile = packed.data() + 2 * t * (k / 2) * 8;
-          const int64_t width = std::min<int64_t>(16, count - 16 * t);
-          if (halves)
-            gemm_tile<R, 2>(quantized.data() + r * k, x_scales.data() + r * blocks,
-                            x_sums.data() + r * blocks, k, tile, scales.data() + 16 * t,
-                            offsets.data() + 16 * t, padded, blocks_per_group, acc);
-          else
-            gemm_tile<R, 1>(quantized.data() + r * k, x_scales.data() + r * blocks,
-                            x_sums.data() + r * blocks, k, tile, scales.data() + 16 * t,
-                            offsets.data() + 16 * t, padded, blocks_per_group, acc);
-          for (int i = 0; i < R; ++i)
-            std::memcpy(y + (r + i) * n + n0 + 16 * t, acc + i * 16, sizeof(float) * width);
-        }
-      };
-      int64_t r = 0;
-      for (; r + 4 <= rows; r += 4) run(std::integral_constant<int, 4>{}, r);
-      if (rows - r == 3) run(std::integral_constant<int, 3>{}, r);
-      if (rows - r == 2) run(std::integral_constant<int, 2>{}, r);
-      if (rows - r == 1) run(std::integral_constant<int, 1>{}, r);
+      if (as_int8)
+        u8_slab_product(rows8, rows, k, held, halves, packed.data(), scales.data(),
+                        offsets.data(), padded, count, blocks_per_group, n0, n, y);
+      else
+        int16_slab_product(quantized.data(), x_scales.data(), x_sums.data(), rows, k, halves,
+                           packed.data(), scales.data(), offsets.data(), padded, count,
+                           blocks_per_group, n0, n, y);
     }
   });
 }
 
 #endif  // EXO_INT_GEMM
-// The weight dequantized to float32 one slab at a time, times torch's float32 matmul.
-void dequantized_block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& weight,
-                              const at::Tensor& scale_zero, Held held, int64_t group_size,
-                              int64_t n, float* y) {
-  // The activations rounded as the decode kernels round them, [rows, k].
-  at::Tensor activations = at::empty({rows, k}, at::kFloat);
-  float* rounded = activations.data_ptr<float>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / k), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t b = 0; b < k / kBlock; ++b) {
-        const float* block = x + r * k + b * kBlock;
-        float* out = rounded + r * k + b * kBlock;
-#if defined(__AVX2__) && defined(__FMA__)
-        int16_t values[kBlock];
-        const float scale = exo_native::round_block(block, values);
-        for (int j = 0; j < kBlock; ++j) out[j] = static_cast<float>(values[j]) * scale;
-#else  // the portable kernel computes the exact product
-        std::memcpy(out, block, sizeof(float) * kBlock);
-#endif
-      }
-  });
-  at::Tensor result = at::from_blob(y, {rows, n}, at::kFloat);
-  const int64_t slab = std::clamp<int64_t>(((int64_t{1} << 16) / k) / 8 * 8, 8, 256);
-  const int64_t slabs = (n + slab - 1) / slab;
-  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>());
-  const auto* bytes = static_cast<const uint8_t*>(weight.data_ptr());
-  const int64_t row_bytes = row_bytes_of(held, k);
-  const bool symmetric = scale_zero.dim() == 2;
-  const int64_t pairs_per_row = scale_zero.size(1) * (symmetric ? 1 : 2);
-  at::parallel_for(0, slabs, 1, [&](int64_t first, int64_t last) {
-    c10::InferenceMode worker_inference;  // thread-local: each worker sets its own
-    std::vector<float> buffer(static_cast<size_t>(slab * k));
-    for (int64_t s = first; s < last; ++s) {
-      const int64_t n0 = s * slab, count = std::min(slab, n - n0);
-      for (int64_t i = 0; i < count; ++i) {
-        const uint8_t* row = bytes + (n0 + i) * row_bytes;
-        const uint16_t* pairs = sz + (n0 + i) * pairs_per_row;
-        if (held == Held::kInt4)
-          dequantize_int4_row(row, pairs, k, group_size, buffer.data() + i * k);
-        else if (held == Held::kInt5)
-          dequantize_int5_row(row, pairs, k, buffer.data() + i * k);
-        else if (symmetric)
-          dequantize_scaled_row(reinterpret_cast<const int8_t*>(row), pairs, k, group_size,
-                                buffer.data() + i * k);
-        else
-          dequantize_int8_row(reinterpret_cast<const int8_t*>(row), pairs, k,
-                              buffer.data() + i * k);
-      }
-      at::Tensor slab_weight = at::from_blob(buffer.data(), {count, k}, at::kFloat);
-      at::Tensor out = result.narrow(1, n0, count);  // columns n0.., row stride n
-      at::mm_out(out, activations, slab_weight.t());
-    }
-  });
-}
-
 }  // namespace
 
 namespace exo_native {
@@ -375,24 +299,22 @@ void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
     const char* value = std::getenv("EXO_NATIVE_INT_GEMM");
     return value == nullptr || std::string(value) != "0";
   }();
-  // int8 activations: int4, 5-bit, and symmetric int8 blocks of 16 (Q6_K's 6-bit values;
-  // any value outside [-32, 31] falls back to the int16 GEMM).
-  const bool takes_int8 =
-      held != Held::kInt8 || (scale_zero.dim() == 2 && group_size == 16);
-  if (integer && activation_bits == 8 && takes_int8 &&
-      exo_native::prefill::int8_activation_matmul(
-          x, rows, k, static_cast<const uint8_t*>(weight.data_ptr()), held,
-          reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>()),
-          scale_zero.size(1), n, y))
-    return;
   if (integer) {
+    // int8 activations where asked: int4, 5-bit, and int8 weights with (scale, zero) pairs
+    // or symmetric blocks of 16 (Q6_K's), each slab whose values fit; symmetric int8 blocks
+    // of 32 (Q8_0's, which span -127..127) keep int16.
+    const bool symmetric = scale_zero.dim() == 2;
+    const bool int8_activations =
+        activation_bits == 8 && (held != Held::kInt8 || !symmetric || group_size == 16);
     integer_block_matmul(x, rows, k, static_cast<const uint8_t*>(weight.data_ptr()), held,
-                         scale_zero.dim() == 2, reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>()),
-                         scale_zero.size(1), n, y);
+                         symmetric,
+                         reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>()),
+                         scale_zero.size(1), n, y, int8_activations);
     return;
   }
 #endif
-  dequantized_block_matmul(x, rows, k, weight, scale_zero, held, group_size, n, y);
+  exo_native::prefill::dequantized_block_matmul(x, rows, k, weight, scale_zero, held,
+                                               group_size, n, y);
 }
 
 }  // namespace exo_native

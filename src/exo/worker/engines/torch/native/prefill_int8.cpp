@@ -11,26 +11,23 @@
 // 1-2 `vpmaddwd` per 8 outputs and activation row where int16 activations take 16
 // `vpmaddwd`, and half the adds. The 5-bit values' +16 comes back out through the block's
 // offset term: w = (u - 16) * scale, so offset = -16 * scale against the rounded
-// activations' block sum, as int4's (zero - 8 * scale) does. Symmetric int8 blocks of 16
-// whose values all lie in [-32, 31] (Q6_K's) go the same way as u = x + 32 in 0..63, two
-// sums per int16 (2 * 2 * 63 * 127 = 32004), each half block with its own scale and sum;
-// any value outside (found while unpacking) sends the whole product to the int16 GEMM.
-// Layout and threading as prefill.cpp's int16 GEMM: slabs of output rows unpacked (here to
-// bytes, 4 consecutive inputs per 32-bit lane) into a buffer of the thread that multiplies
-// them, tiles of 4 activation rows x 16 outputs.
+// activations' block sum, as int4's (zero - 8 * scale) does. int8 weights whose values lie
+// in [-32, 31] (Q6_K's blocks of 16, GGUF Q5_0 widened to int8 beside a Q8_0 neighbour) go
+// the same way as u = x + 32 in 0..63, two sums per int16 (2 * 2 * 63 * 127 = 32004), blocks
+// of 16 each half with its own scale and sum. That is decided per slab of outputs while
+// unpacking: a slab holding a value outside (Q8_0's span -127..127) takes prefill.cpp's
+// int16 kernel, as symmetric blocks of 32 (Q8_0) always do.
+// Layout as prefill.cpp's int16 GEMM (whose driver runs both): a slab of output rows
+// unpacked (here to bytes, 4 consecutive inputs per 32-bit lane) into a buffer of the thread
+// that multiplies it, tiles of 4 activation rows x 16 outputs.
 // Measured on the 2-core AMD EPYC (Zen 3), Gemma 3 270M's prefill shapes at 128 rows, one
-// thread: int4 45-51 -> 87-93 GMAC/s, 5-bit 51-52 -> 73-75, Q6_K's blocks of 16 42 -> 61.
-// Other int8 weights (Q8_0's, GGUF blocks widened to int8) keep int16 activations: their
-// products do not fit two to an int16 sum, nor with an unsigned operand (`vpmaddubsw`
-// multiplies unsigned by signed bytes).
-
-#include <ATen/Parallel.h>
+// thread: int4 45-51 -> 87-93 GMAC/s, 5-bit 51-52 -> 72-78, Q6_K's blocks of 16 42 -> 60;
+// Gemma's TTFT in the engine, 2 threads: 171 -> 133 ms at 128 tokens, 716 -> 559 at 512.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <limits>
 
 #include "prefill_pack.h"
 
@@ -56,85 +53,6 @@ inline int32_t horizontal_sum_epi32(__m256i v) {
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
   return _mm_cvtsi128_si32(s);
-}
-
-// Rounds each block of 32 of a row to int8 values: round-to-nearest-even of x * (127 /
-// largest |x|) (the MXCSR default of `vcvtps2dq`), all 0 for an all-zero block. Writes
-// each block's scale (largest |x| / 127) and the sums of its rounded values: per block
-// (`sums`) and per half block of 16 (`half_sums`).
-void round_row_int8(const float* x, int64_t k, int8_t* values, float* scales, float* sums,
-                    float* half_sums) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    __m256 v[4];
-    __m256 largest = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(x + b * kBlock + 8 * i);
-      largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v[i]));
-    }
-    const float top = horizontal_max(largest);
-    const __m256 inverse = _mm256_set1_ps(top > 0.0f ? kInt8Levels / top : 0.0f);
-    __m256i q[4];
-    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
-    const int32_t first = horizontal_sum_epi32(_mm256_add_epi32(q[0], q[1]));
-    const int32_t second = horizontal_sum_epi32(_mm256_add_epi32(q[2], q[3]));
-    // packs work within 128-bit lanes: the dwords come out as q0 0-3, q1 0-3, q2 0-3, q3 0-3,
-    // q0 4-7, ...; `order` puts them back in input order.
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
-                                             _mm256_packs_epi32(q[2], q[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(values + b * kBlock),
-                        _mm256_permutevar8x32_epi32(bytes, order));
-    scales[b] = top / kInt8Levels;
-    sums[b] = static_cast<float>(first + second);
-    half_sums[2 * b] = static_cast<float>(first);
-    half_sums[2 * b + 1] = static_cast<float>(second);
-  }
-}
-
-// Unpacks outputs [n0, n0 + count) (count <= padded, a multiple of 8) into `packed` as
-// unsigned bytes: for each group of 8 outputs v and input quad q, one vector of 8 32-bit
-// lanes (lane i: output n0 + 8 v + i, inputs 4q..4q+3) at packed + (v * k / 4 + q) * 8.
-// int4 values as held (0..15), 5-bit values plus 16 (0..31), int8 values plus 32 (0..63);
-// outputs past `count` are 0. False when an int8 value lies outside [-32, 31] (the bytes
-// are then not a product's).
-bool pack_slab_u8(const uint8_t* bytes, int64_t row_bytes, Held held, int64_t k, int64_t n0,
-                  int64_t count, int64_t padded, int32_t* packed) {
-  const int64_t blocks = k / kBlock, quads = k / 4;
-  const int16_t offset = held == Held::kInt5 ? 16 : held == Held::kInt8 ? 32 : 0;
-  const __m256i bias = _mm256_set1_epi16(offset);
-  const __m256i top = _mm256_set1_epi16(63);
-  __m256i outside = _mm256_setzero_si256();  // any lane of any u outside 0..63
-  for (int64_t v = 0; v < padded / 8; ++v) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m256i rows[8];  // per output row: the block's 32 values as bytes, in input order
-      for (int i = 0; i < 8; ++i) {
-        const int64_t row = 8 * v + i;
-        if (row >= count) {
-          rows[i] = _mm256_setzero_si256();
-          continue;
-        }
-        __m256i values[2];
-        block_values(bytes + (n0 + row) * row_bytes, held, b, blocks, values);
-        const __m256i low = _mm256_add_epi16(values[0], bias);
-        const __m256i high = _mm256_add_epi16(values[1], bias);
-        if (held == Held::kInt8)  // u < 0 or u > 63 (signed compares)
-          outside = _mm256_or_si256(
-              outside, _mm256_or_si256(_mm256_or_si256(_mm256_cmpgt_epi16(low, top),
-                                                       _mm256_cmpgt_epi16(high, top)),
-                                       _mm256_or_si256(_mm256_srai_epi16(low, 15),
-                                                       _mm256_srai_epi16(high, 15))));
-        const __m256i u8 = _mm256_packus_epi16(low, high);
-        rows[i] = _mm256_permute4x64_epi64(u8, 0xD8);  // undo packus's per-lane order
-      }
-      __m256i out[8];
-      transpose8(rows, out);
-      int32_t* base = packed + (v * quads + b * 8) * 8;
-      for (int j = 0; j < 8; ++j)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + j * 8), out[j]);
-    }
-  }
-  return _mm256_testz_si256(outside, outside);
 }
 
 // ROWS activation rows x 16 outputs (two packed vectors from `tile`): each block's sums
@@ -173,6 +91,10 @@ void gemm_tile_u8(const int8_t* xq, const float* x_scales, const float* x_sums, 
           partial[r][0] = _mm256_add_epi16(partial[r][0], _mm256_maddubs_epi16(w0, xr));
           partial[r][1] = _mm256_add_epi16(partial[r][1], _mm256_maddubs_epi16(w1, xr));
         }
+        // Keeps each sum in a register step by step: free to reassociate the wrapping adds,
+        // GCC may otherwise keep all STEPS products (spilled to the stack) and add them as a
+        // tree, which ran the int4 GEMM at 67 instead of 85-92 GMAC/s.
+        for (int r = 0; r < ROWS; ++r) asm("" : "+x"(partial[r][0]), "+x"(partial[r][1]));
       }
       for (int r = 0; r < ROWS; ++r) {
         dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(partial[r][0], ones));
@@ -205,78 +127,122 @@ void gemm_tile_u8(const int8_t* xq, const float* x_scales, const float* x_sums, 
 
 }  // namespace
 
-bool int8_activation_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* bytes,
-                            Held held, const uint16_t* scale_zero, int64_t groups, int64_t n,
-                            float* y) {
-  const int64_t blocks = k / kBlock;
-  // Symmetric int8 blocks of 16: each half block is a group of its own.
-  const bool halves = held == Held::kInt8;
-  const int64_t blocks_per_group = halves ? 1 : blocks / groups;
-  const int64_t row_bytes = row_bytes_of(held, k);
-  std::vector<int8_t> quantized(static_cast<size_t>(rows * k));
-  std::vector<float> x_scales(static_cast<size_t>(rows * blocks));
-  std::vector<float> x_sums(static_cast<size_t>(rows * blocks));
-  std::vector<float> x_half_sums(static_cast<size_t>(rows * blocks * 2));
-  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / k), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      round_row_int8(x + r * k, k, quantized.data() + r * k, x_scales.data() + r * blocks,
-                     x_sums.data() + r * blocks, x_half_sums.data() + r * blocks * 2);
-  });
-  // A slab's packed bytes take 1 byte per weight: ~128 KiB (L2-resident).
-  const int64_t slab = std::clamp<int64_t>(((int64_t{1} << 17) / k) / 16 * 16, 16, 256);
-  const int64_t slabs = (n + slab - 1) / slab;
-  std::atomic<bool> in_range{true};
-  at::parallel_for(0, slabs, 1, [&](int64_t first, int64_t last) {
-    std::vector<int32_t> packed(static_cast<size_t>(slab * k / 4));
-    std::vector<float> scales(static_cast<size_t>(groups * slab));
-    std::vector<float> offsets(static_cast<size_t>(groups * slab));
-    float acc[4 * 16];
-    for (int64_t s = first; s < last && in_range.load(std::memory_order_relaxed); ++s) {
-      const int64_t n0 = s * slab, count = std::min(slab, n - n0);
-      const int64_t padded = (count + 15) / 16 * 16;
-      if (!pack_slab_u8(bytes, row_bytes, held, k, n0, count, padded, packed.data())) {
-        in_range.store(false, std::memory_order_relaxed);
-        return;
+// Rounds each block of 32 of a row to int8 values: round-to-nearest-even of x * (127 /
+// largest |x|) (the MXCSR default of `vcvtps2dq`), all 0 for an all-zero block (or one so
+// small that 127 / largest |x| overflows). Writes
+// each block's scale (largest |x| / 127) and the sums of its rounded values: per block
+// (`sums`) and per half block of 16 (`half_sums`).
+void round_row_int8(const float* x, int64_t k, int8_t* values, float* scales, float* sums,
+                    float* half_sums) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    __m256 v[4];
+    __m256 largest = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + b * kBlock + 8 * i);
+      largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v[i]));
+    }
+    float top = horizontal_max(largest);
+    // A block too small for 127 / top to be finite (|x| < ~1e-36) rounds to zeros.
+    if (!(kInt8Levels / top <= std::numeric_limits<float>::max())) top = 0.0f;
+    const __m256 inverse = _mm256_set1_ps(top > 0.0f ? kInt8Levels / top : 0.0f);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+    const int32_t first = horizontal_sum_epi32(_mm256_add_epi32(q[0], q[1]));
+    const int32_t second = horizontal_sum_epi32(_mm256_add_epi32(q[2], q[3]));
+    // packs work within 128-bit lanes: the dwords come out as q0 0-3, q1 0-3, q2 0-3, q3 0-3,
+    // q0 4-7, ...; `order` puts them back in input order.
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                             _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(values + b * kBlock),
+                        _mm256_permutevar8x32_epi32(bytes, order));
+    scales[b] = top / kInt8Levels;
+    sums[b] = static_cast<float>(first + second);
+    half_sums[2 * b] = static_cast<float>(first);
+    half_sums[2 * b + 1] = static_cast<float>(second);
+  }
+}
+
+// Unpacks outputs [n0, n0 + count) (count <= padded, a multiple of 8) into `packed` as
+// unsigned bytes: for each group of 8 outputs v and input quad q, one vector of 8 32-bit
+// lanes (lane i: output n0 + 8 v + i, inputs 4q..4q+3) at packed + (v * k / 4 + q) * 8.
+// int4 values as held (0..15), 5-bit values plus 16 (0..31), int8 values plus 32 (0..63);
+// outputs past `count` are 0. False when an int8 value lies outside [-32, 31] (the bytes
+// are then not a product's).
+bool pack_slab_u8(const uint8_t* bytes, int64_t row_bytes, Held held, int64_t k, int64_t n0,
+                  int64_t count, int64_t padded, int32_t* packed) {
+  const int64_t blocks = k / kBlock, quads = k / 4;
+  const __m256i bias = _mm256_set1_epi16(static_cast<int16_t>(int8_bias(held)));
+  const __m256i top = _mm256_set1_epi16(63);
+  __m256i outside = _mm256_setzero_si256();  // any lane of any u outside 0..63
+  for (int64_t v = 0; v < padded / 8; ++v) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256i rows[8];  // per output row: the block's 32 values as bytes, in input order
+      for (int i = 0; i < 8; ++i) {
+        const int64_t row = 8 * v + i;
+        if (row >= count) {
+          rows[i] = _mm256_setzero_si256();
+          continue;
+        }
+        __m256i values[2];
+        block_values(bytes + (n0 + row) * row_bytes, held, b, blocks, values);
+        const __m256i low = _mm256_add_epi16(values[0], bias);
+        const __m256i high = _mm256_add_epi16(values[1], bias);
+        if (held == Held::kInt8)  // u < 0 or u > 63 (signed compares)
+          outside = _mm256_or_si256(
+              outside, _mm256_or_si256(_mm256_or_si256(_mm256_cmpgt_epi16(low, top),
+                                                       _mm256_cmpgt_epi16(high, top)),
+                                       _mm256_or_si256(_mm256_srai_epi16(low, 15),
+                                                       _mm256_srai_epi16(high, 15))));
+        const __m256i u8 = _mm256_packus_epi16(low, high);
+        rows[i] = _mm256_permute4x64_epi64(u8, 0xD8);  // undo packus's per-lane order
       }
-      for (int64_t i = 0; i < padded; ++i)
-        for (int64_t g = 0; g < groups; ++g) {
-          float scale = 0.0f, offset = 0.0f;
-          if (i < count && held != Held::kInt4) {  // one scale per group, u = x + bias
-            scale = bf16_to_float(scale_zero[(n0 + i) * groups + g]);
-            offset = (halves ? -32.0f : -16.0f) * scale;
-          } else if (i < count) {
-            scale = bf16_to_float(scale_zero[((n0 + i) * groups + g) * 2]);
-            offset = bf16_to_float(scale_zero[((n0 + i) * groups + g) * 2 + 1]) - 8.0f * scale;
-          }
-          scales[g * padded + i] = scale;
-          offsets[g * padded + i] = offset;
-        }
-      // Row groups outside, tiles inside (a group's activation rows stay in L1).
-      for_row_groups(rows, [&](auto count_rows, int64_t r) {
-        constexpr int R = decltype(count_rows)::value;
-        const int8_t* xq = quantized.data() + r * k;
-        const float* row_scales = x_scales.data() + r * blocks;
-        for (int64_t t = 0; t < padded / 16; ++t) {
-          const int32_t* tile = packed.data() + 2 * t * (k / 4) * 8;
-          const float* tile_scales = scales.data() + 16 * t;
-          const float* tile_offsets = offsets.data() + 16 * t;
-          if (held == Held::kInt4)
-            gemm_tile_u8<R, 8, 1>(xq, row_scales, x_sums.data() + r * blocks, k, tile,
-                                  tile_scales, tile_offsets, padded, blocks_per_group, acc);
-          else if (held == Held::kInt5)
-            gemm_tile_u8<R, 4, 1>(xq, row_scales, x_sums.data() + r * blocks, k, tile,
-                                  tile_scales, tile_offsets, padded, blocks_per_group, acc);
-          else
-            gemm_tile_u8<R, 2, 2>(xq, row_scales, x_half_sums.data() + r * blocks * 2, k, tile,
-                                  tile_scales, tile_offsets, padded, blocks_per_group, acc);
-          const int64_t width = std::min<int64_t>(16, count - 16 * t);
-          for (int i = 0; i < R; ++i)
-            std::memcpy(y + (r + i) * n + n0 + 16 * t, acc + i * 16, sizeof(float) * width);
-        }
-      });
+      if (held == Held::kInt8 && !_mm256_testz_si256(outside, outside)) return false;
+      __m256i out[8];
+      transpose8(rows, out);
+      int32_t* base = packed + (v * quads + b * 8) * 8;
+      for (int j = 0; j < 8; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + j * 8), out[j]);
+    }
+  }
+  return true;
+}
+
+void u8_slab_product(const Int8Rows& x, int64_t rows, int64_t k, Held held, bool halves,
+                     const int32_t* packed, const float* scales, const float* offsets,
+                     int64_t padded, int64_t count, int64_t blocks_per_group, int64_t n0,
+                     int64_t n, float* y) {
+  const int64_t blocks = k / kBlock;
+  float acc[4 * 16];
+  // Row groups outside, tiles inside (a group's activation rows stay in L1).
+  for_row_groups(rows, [&](auto count_rows, int64_t r) {
+    constexpr int R = decltype(count_rows)::value;
+    const int8_t* xq = x.values + r * k;
+    const float* row_scales = x.scales + r * blocks;
+    for (int64_t t = 0; t < padded / 16; ++t) {
+      const int32_t* tile = packed + 2 * t * (k / 4) * 8;
+      const float* tile_scales = scales + 16 * t;
+      const float* tile_offsets = offsets + 16 * t;
+      // Quads summed in int16 before they widen: 8 for int4 (u <= 15), 4 for 5-bit
+      // (u <= 31), 2 for int8 (u <= 63).
+      if (held == Held::kInt4)
+        gemm_tile_u8<R, 8, 1>(xq, row_scales, x.sums + r * blocks, k, tile, tile_scales,
+                              tile_offsets, padded, blocks_per_group, acc);
+      else if (held == Held::kInt5)
+        gemm_tile_u8<R, 4, 1>(xq, row_scales, x.sums + r * blocks, k, tile, tile_scales,
+                              tile_offsets, padded, blocks_per_group, acc);
+      else if (halves)
+        gemm_tile_u8<R, 2, 2>(xq, row_scales, x.half_sums + r * blocks * 2, k, tile,
+                              tile_scales, tile_offsets, padded, blocks_per_group, acc);
+      else
+        gemm_tile_u8<R, 2, 1>(xq, row_scales, x.sums + r * blocks, k, tile, tile_scales,
+                              tile_offsets, padded, blocks_per_group, acc);
+      const int64_t width = std::min<int64_t>(16, count - 16 * t);
+      for (int i = 0; i < R; ++i)
+        std::memcpy(y + (r + i) * n + n0 + 16 * t, acc + i * 16, sizeof(float) * width);
     }
   });
-  return in_range.load();
 }
 
 }  // namespace exo_native::prefill

@@ -1,6 +1,7 @@
-// The prefill GEMMs' shared pieces (prefill.cpp: int16 activations; prefill_int8.cpp: int8
-// activations): how a block weight's integers are held, one block of a row's integers
-// unpacked to int16, an 8 x 8 transpose of int32 lanes, and the int8 GEMM's entry point.
+// Prefill's shared pieces (prefill.cpp: the integer GEMM's driver and its int16 kernels;
+// prefill_int8.cpp: its int8-activation kernels; prefill_dequantized.cpp: the float32 path):
+// how a block weight's integers are held, one block of a row's integers unpacked to int16,
+// an 8 x 8 transpose of int32 lanes.
 #pragma once
 
 #include <cstdint>
@@ -81,15 +82,48 @@ inline void block_values(const uint8_t* row, Held held, int64_t block, int64_t b
   out[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low));
 }
 
-// y[rows, n] for an int4, 5-bit or 6-bit-valued symmetric int8-block weight with the
-// activations rounded to int8 per block of 32 (prefill_int8.cpp). `scale_zero`: (scale,
-// zero) pairs [n, groups, 2] for int4, one scale per block [n, k / 32] for 5-bit blocks, one
-// per half block [n, k / 16] for int8 (whose values must lie in [-32, 31]). False (and `y`
-// not written in full) when an int8 value does not.
-bool int8_activation_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* bytes,
-                            Held held, const uint16_t* scale_zero, int64_t groups, int64_t n,
-                            float* y);
+// prefill_int8.cpp, for prefill.cpp's GEMM with int8 activations:
+// Rounds a row's blocks of 32 to int8 (`values` [k]) and writes each block's scale
+// (`scales` [k / 32]) and the sums of its rounded values per block (`sums` [k / 32]) and per
+// half block (`half_sums` [k / 16]).
+void round_row_int8(const float* x, int64_t k, int8_t* values, float* scales, float* sums,
+                    float* half_sums);
+
+// The unsigned bytes `vpmaddubsw` multiplies (int4 values as held, 5-bit values + 16, int8
+// values + 32; `int8_bias`) of outputs [n0, n0 + count) into `packed` (k / 4 int32 per 8
+// outputs); false when an int8 value lies outside [-32, 31] (the slab then needs int16
+// activations).
+bool pack_slab_u8(const uint8_t* bytes, int64_t row_bytes, Held held, int64_t k, int64_t n0,
+                  int64_t count, int64_t padded, int32_t* packed);
+
+// The byte value `pack_slab_u8` adds to a weight integer of `held`: 0, 16 or 32.
+inline float int8_bias(Held held) {
+  return held == Held::kInt5 ? 16.0f : held == Held::kInt8 ? 32.0f : 0.0f;
+}
+
+// Activations rounded to int8 (`round_row_int8` for every row, [rows, k] and per block).
+struct Int8Rows {
+  const int8_t* values;
+  const float* scales;
+  const float* sums;
+  const float* half_sums;
+};
+
+// y[:, n0 .. n0 + count) (row stride n) = the int8 rows times a slab packed by
+// `pack_slab_u8`, with each group's float32 scale and offset [groups][padded] (the offset
+// against the rounded activations' group sum, the bias already in it). `halves`: groups of
+// 16 inputs (else `blocks_per_group` blocks of 32).
+void u8_slab_product(const Int8Rows& x, int64_t rows, int64_t k, Held held, bool halves,
+                     const int32_t* packed, const float* scales, const float* offsets,
+                     int64_t padded, int64_t count, int64_t blocks_per_group, int64_t n0,
+                     int64_t n, float* y);
 
 #endif  // EXO_AVX2
+
+// y[rows, n] with the weight dequantized to float32 slab by slab times torch's matmul
+// (prefill_dequantized.cpp: CPUs without AVX2, `EXO_NATIVE_INT_GEMM=0`).
+void dequantized_block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& weight,
+                              const at::Tensor& scale_zero, Held held, int64_t group_size,
+                              int64_t n, float* y);
 
 }  // namespace exo_native::prefill

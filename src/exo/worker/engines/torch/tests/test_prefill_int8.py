@@ -2,9 +2,9 @@
 prefill_int8.cpp, behind `--prefill-activations int8`): int4, 5-bit and 6-bit (Q6_K's, in
 int8 blocks of 16) weights times the activations rounded to int8 per block of 32, against the
 held weight times the same rounding in float64 (odd block counts, padded tiles, row groups of
-1-4, one and two threads, and the extremes that fill the int16 partial sums); other int8-held
-weights keep int16; the option reaching every linear the lean forward runs, fused ones
-included, through the engine and the node's command line."""
+1-4, one and two threads, and the extremes that fill the int16 partial sums); int8 weights
+per slab of outputs where their values fit; the option reaching every linear the lean
+forward runs, fused ones included, through the engine and the node's command line."""
 
 from __future__ import annotations
 
@@ -145,23 +145,34 @@ def test_6_bit_values_in_int8_blocks_of_16_times_int8_rounded_rows(
 
 
 @native
-def test_other_int8_held_weights_keep_int16_activations() -> None:
-    """(scale, zero) pairs, symmetric blocks of 32, and blocks of 16 with one value outside
-    [-32, 31] (found while unpacking: the whole product falls back) equal the int16 GEMM."""
+def test_int8_weights_take_int8_activations_per_slab_where_their_values_fit() -> None:
+    """(scale, zero) pairs (GGUF Q5_0 widened, Q8_0, Q5_1 beside them) and symmetric blocks of
+    16: a slab of outputs (96 here: 128 KiB of int16) whose values all lie in [-32, 31]
+    multiplies int8-rounded rows, a slab with one value outside multiplies int16-rounded
+    ones; symmetric blocks of 32 (Q8_0's) always int16."""
     generator = torch.Generator().manual_seed(3)
-    values = torch.randint(-128, 128, (40, 640), generator=generator).to(torch.int8)
-    six_bit = torch.randint(-32, 32, (40, 640), generator=generator).to(torch.int8)
-    six_bit[37, 601] = 32  # in the last slab's last tile
-    cases = [
-        (values, (torch.randn(40, 20, 2, generator=generator) * 0.1).to(torch.bfloat16)),
-        (values, (torch.rand(40, 20, generator=generator) * 0.01).to(torch.bfloat16)),
-        (values, (torch.rand(40, 40, generator=generator) * 0.01).to(torch.bfloat16)),
-        (six_bit, (torch.rand(40, 40, generator=generator) * 0.01).to(torch.bfloat16)),
-    ]
-    x = torch.randn(12, 640, generator=generator)
-    for held, held_scales in cases:
-        int16 = torch.ops.exo_native.block_matmul(x, held, held_scales)
-        assert torch.equal(torch.ops.exo_native.block_matmul(x, held, held_scales, 8), int16)
+    outputs, inputs = 200, 640  # slabs [0, 96), [96, 192), [192, 200)
+    values = torch.randint(-32, 32, (outputs, inputs), generator=generator).to(torch.int8)
+    values[100, 601] = -33  # slab 1 does not fit
+    x = torch.randn(12, inputs, generator=generator)
+    pairs = (torch.rand(outputs, 20, 2, generator=generator) * 0.01).to(torch.bfloat16)
+    pair_weight = (values.double().reshape(outputs, 20, 32) - 8) * pairs[..., :1].double()
+    pair_weight = (pair_weight + pairs[..., 1:].double()).reshape(outputs, inputs)
+    halves = (torch.rand(outputs, 40, generator=generator) * 0.01).to(torch.bfloat16)
+    half_weight = values.double() * halves.double().repeat_interleave(16, dim=1)
+    for held_scales, weight in ((pairs, pair_weight), (halves, half_weight)):
+        actual = product(x, values, held_scales, 2)
+        int16 = torch.ops.exo_native.block_matmul(x, values, held_scales).double()
+        expected = int8_rounded(x) @ weight.t()
+        fits = torch.ones(outputs, dtype=torch.bool)
+        fits[96:192] = False
+        torch.testing.assert_close(actual[:, fits], expected[:, fits], rtol=1e-5, atol=1e-5)
+        assert torch.equal(actual[:, ~fits], int16[:, ~fits])
+    scaled32 = (torch.rand(outputs, 20, generator=generator) * 0.01).to(torch.bfloat16)
+    small = values.clone()
+    small[100, 601] = 0
+    int16 = torch.ops.exo_native.block_matmul(x, small, scaled32)
+    assert torch.equal(torch.ops.exo_native.block_matmul(x, small, scaled32, 8), int16)
 
 
 @native
