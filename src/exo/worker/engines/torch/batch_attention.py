@@ -38,6 +38,7 @@ from transformers.masking_utils import (
 )
 
 from exo.worker.engines.torch.kv_memory import release_positions, zeroed_kv_buffer
+from exo.worker.engines.torch.quantize import DECODE_ROWS
 
 BATCHED_ATTENTION = "exo_batched"
 
@@ -200,7 +201,9 @@ class BatchPlan:
     all_slots_decode: bool = False
 
     def prepare(self, device: torch.device) -> None:
-        """Index tensors and the decode masks, once per step (shared by every layer)."""
+        """Index tensors and the decode masks, once per step (shared by every layer); the
+        step's decode row count for the quantized linears (`quantize.DECODE_ROWS`)."""
+        DECODE_ROWS.set(len(self.decode_slots))
         if not self.decode_slots:
             return
         self.decode_index = torch.tensor(self.decode_slots, dtype=torch.long, device=device)

@@ -32,7 +32,11 @@ import numpy as np
 import torch
 
 from exo.worker.engines.torch.native_int4 import built_int4_kernel
-from exo.worker.engines.torch.quantize import NATIVE_BLOCK_MAX_ROWS, QuantizedLinear
+from exo.worker.engines.torch.quantize import (
+    NATIVE_BLOCK_MAX_ROWS,
+    QuantizedLinear,
+    prefill_product,
+)
 from exo.worker.engines.torch.split_int4 import BLOCK, SplitInt4Linear
 
 Q5_0_BLOCK_BYTES = 22  # fp16 d, 4 bytes of high bits, 16 of low nibbles
@@ -200,7 +204,8 @@ class Int5Linear(SplitInt4Linear):
                 x, self.int5_lanes, self.block_scales
             )
         else:
-            out = torch.ops.exo_native.block_matmul(
+            assert self.int5_lanes is not None and self.block_scales is not None  # not widened
+            out = prefill_product(
                 x, self.int5_lanes, self.block_scales, self.prefill_activation_bits
             )
         return out.to(rows.dtype)

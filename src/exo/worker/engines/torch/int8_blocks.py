@@ -28,7 +28,11 @@ import numpy as np
 import torch
 
 from exo.worker.engines.torch.native_int4 import built_int8_scaled_kernel
-from exo.worker.engines.torch.quantize import NATIVE_BLOCK_MAX_ROWS, QuantizedLinear
+from exo.worker.engines.torch.quantize import (
+    NATIVE_BLOCK_MAX_ROWS,
+    QuantizedLinear,
+    prefill_product,
+)
 
 # GGUF block types held as symmetric int8 blocks: (bytes per block, weights per block,
 # weights per scale).
@@ -175,9 +179,7 @@ class ScaledInt8Linear(QuantizedLinear):
                 x, self.values, self.block_scales
             )
         else:
-            out = torch.ops.exo_native.block_matmul(
-                x, self.values, self.block_scales, self.prefill_activation_bits
-            )
+            out = prefill_product(x, self.values, self.block_scales, self.prefill_activation_bits)
         return out.to(rows.dtype)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:

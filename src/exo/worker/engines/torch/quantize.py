@@ -22,6 +22,7 @@ exo's own kernel on float32 rows (`native_int4`, `Int4Linear._hold`).
 from __future__ import annotations
 
 import abc
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -51,6 +52,26 @@ NATIVE_MAX_ROWS = 16
 # GEMM (`block_matmul`, native/prefill.cpp). Measured crossovers on a 2-core AMD EPYC (Zen 3),
 # a 1536x576 int4 and a 1536x640 int8-block weight, 1 and 2 threads: 6 and 8 rows.
 NATIVE_BLOCK_MAX_ROWS = 7
+
+
+# How many rows at the start of a batched step's activations are decode tokens (one per
+# running request: `batch_attention.BatchPlan` puts them first; set by its `prepare`). With
+# int8 prefill activations they keep int16, so a stream's tokens do not depend on prompts
+# prefilled beside it.
+DECODE_ROWS: ContextVar[int] = ContextVar("exo_decode_rows", default=0)
+
+
+def prefill_product(
+    rows: torch.Tensor, held: torch.Tensor, scales: torch.Tensor, activation_bits: int
+) -> torch.Tensor:
+    """exo's `block_matmul` (native/prefill.cpp) of float32 `[T, in]` rows: `[T, out]`
+    float32, rounding the activations to `activation_bits` (16 or 8) except the step's
+    leading decode rows (`DECODE_ROWS`), which keep int16."""
+    decode_rows = DECODE_ROWS.get() if activation_bits == 8 else 0
+    out: torch.Tensor = torch.ops.exo_native.block_matmul(
+        rows, held, scales, activation_bits, decode_rows
+    )
+    return out
 
 
 class QuantizedLinear(nn.Module, abc.ABC):
@@ -294,10 +315,9 @@ class Int4Linear(QuantizedLinear):
         the kernel's, scaled in another order, so a token's result does not depend on how
         many rows share its call (a pipeline rank and a single process chunk prompts
         differently; with int8 prefill activations, only among prefill's rows)."""
-        product: torch.Tensor = torch.ops.exo_native.block_matmul(
+        return prefill_product(
             rows.contiguous(), self.packed, self.scales_and_zeros, self.prefill_activation_bits
         )
-        return product
 
     def _native_matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """exo's kernel on `[rows, in]` (float32, or bfloat16 widened); output in the

@@ -39,6 +39,7 @@ from exo.worker.engines.torch.quantize import (
     Int4Linear,
     QuantizedLinear,
     int4_linear_from_groups,
+    prefill_product,
 )
 
 # GGUF block types held as split int4 planes: bytes per block of 32 weights.
@@ -254,9 +255,10 @@ class SplitInt4Linear(QuantizedLinear):
         if self._native:  # the kernel for decode; prefill: the same sums by block_matmul
             if rows.shape[0] <= NATIVE_BLOCK_MAX_ROWS:
                 return self._native_matmul(rows)
-            out = torch.ops.exo_native.block_matmul(
-                rows.float().contiguous(), self.values, self.scale_zero
-            )
+            out = prefill_product(
+                rows.float().contiguous(), self.values, self.scale_zero,
+                self.prefill_activation_bits,
+            )  # fmt: skip
             return out.to(rows.dtype)
         if self.planes.native:  # the planes' own rule for any row count (see Int4Linear)
             return self.planes.matmul(torch.cat((rows, rows), dim=-1))

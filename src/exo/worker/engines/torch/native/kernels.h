@@ -88,11 +88,12 @@ void bf16_product(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
 // (prefill): the activations rounded as the decode kernels round them, times the weight:
 // with AVX2 an integer GEMM over slabs of output rows unpacked to int16 in each thread's
 // cache (the decode kernels' int32 block sums), else torch's float32 matmul over slabs of
-// dequantized rows. See prefill.cpp. `activation_bits` 8: int4, 5-bit and 6-bit-valued
-// (Q6_K) int8 blocks of 16 take activations rounded to int8 instead (prefill_int8.cpp; AVX2
-// only; other weights as 16).
+// dequantized rows. See prefill.cpp. `activation_bits` 8: rows from `int16_rows` on take
+// activations rounded to int8 instead where the weight's integers fit (int4, 5-bit, int8
+// values in [-32, 31]; prefill_int8.cpp; AVX2 only).
 void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& weight,
-                  const at::Tensor& scale_zero, float* y, int64_t activation_bits = 16);
+                  const at::Tensor& scale_zero, float* y, int64_t activation_bits = 16,
+                  int64_t int16_rows = 0);
 
 // out[hidden] = row / sqrt(mean(row^2) + eps) * weight (weight nullptr: no weight).
 void rms_norm_row(const float* row, const float* weight, int64_t hidden, float eps, float* out);

@@ -142,6 +142,8 @@ void gemm_tile(const int16_t* xq, const float* x_scales, const float* x_sums, in
         dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(w1, xr));
       }
     }
+    // The float32 side, as prefill_int8.cpp's tile writes it too: a shared helper (a struct
+    // holding the sums and group pointers) made GCC's int8 tile 6% slower, measured.
     const __m256 scale0 = _mm256_loadu_ps(scale), scale1 = _mm256_loadu_ps(scale + 8);
     const __m256 offset0 = _mm256_loadu_ps(offset), offset1 = _mm256_loadu_ps(offset + 8);
     for (int r = 0; r < ROWS; ++r) {
@@ -196,31 +198,35 @@ void int16_slab_product(const int16_t* xq, const float* x_scales, const float* x
 
 // The integer GEMM of the file's comment: y[rows, n] for a block weight. `symmetric`: one
 // bfloat16 scale per group of 16 or 32 inputs (offset 0) instead of (scale, zero) pairs.
-// `int8_activations`: every slab whose integers fit (int4 and 5-bit weights always, int8
-// ones whose values lie in [-32, 31]) multiplies the activations rounded to int8
-// (prefill_int8.cpp); the other slabs int16.
+// `int8_activations`: rows from `int16_rows` on multiply the activations rounded to int8
+// (prefill_int8.cpp) in every slab whose integers fit (int4 and 5-bit weights always, int8
+// ones whose values lie in [-32, 31]); the first `int16_rows` rows (a step's decode tokens)
+// and the other slabs int16.
 void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* bytes,
                           Held held, bool symmetric, const uint16_t* scale_zero, int64_t groups,
-                          int64_t n, float* y, bool int8_activations) {
+                          int64_t n, float* y, bool int8_activations, int64_t int16_rows) {
   const int64_t blocks = k / 32, group_size = k / groups;
   const bool halves = group_size == 16;  // blocks of 16: each half of a block its own scale
   const int64_t blocks_per_group = halves ? 1 : group_size / 32;
   const int64_t row_bytes = row_bytes_of(held, k);
-  // An int8 weight's slabs may not fit int8 activations: both roundings then.
-  const bool int16_rows = !int8_activations || held == Held::kInt8;
-  std::vector<int16_t> quantized(int16_rows ? static_cast<size_t>(rows * k) : 0);
-  std::vector<float> x_scales(int16_rows ? static_cast<size_t>(rows * blocks) : 0);
-  std::vector<float> x_sums(int16_rows ? static_cast<size_t>(rows * blocks) : 0);
-  std::vector<int8_t> values8(int8_activations ? static_cast<size_t>(rows * k) : 0);
-  std::vector<float> scales8(int8_activations ? static_cast<size_t>(rows * blocks) : 0);
-  std::vector<float> sums8(int8_activations ? static_cast<size_t>(rows * blocks) : 0);
-  std::vector<float> half_sums8(int8_activations ? static_cast<size_t>(rows * blocks * 2) : 0);
+  const int64_t rows16 = int8_activations ? std::clamp<int64_t>(int16_rows, 0, rows) : rows;
+  const bool int8_rows = rows16 < rows;
+  // int16 rounding for the leading rows, and for all rows where a slab may not fit int8.
+  const int64_t rounded16 = int8_rows && held != Held::kInt8 ? rows16 : rows;
+  std::vector<int16_t> quantized(static_cast<size_t>(rounded16 * k));
+  std::vector<float> x_scales(static_cast<size_t>(rounded16 * blocks));
+  std::vector<float> x_sums(static_cast<size_t>(rounded16 * blocks));
+  const int64_t rounded8 = int8_rows ? rows : 0;
+  std::vector<int8_t> values8(static_cast<size_t>(rounded8 * k));
+  std::vector<float> scales8(static_cast<size_t>(rounded8 * blocks));
+  std::vector<float> sums8(static_cast<size_t>(rounded8 * blocks));
+  std::vector<float> half_sums8(static_cast<size_t>(rounded8 * blocks * 2));
   at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / k), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      if (int8_activations)
+      if (r >= rows16)
         round_row_int8(x + r * k, k, values8.data() + r * k, scales8.data() + r * blocks,
                        sums8.data() + r * blocks, half_sums8.data() + r * blocks * 2);
-      if (!int16_rows) continue;
+      if (r >= rounded16) continue;
       for (int64_t b = 0; b < blocks; ++b) {
         int16_t* values = quantized.data() + r * k + b * 32;
         x_scales[r * blocks + b] = exo_native::round_block(x + r * k + b * 32, values);
@@ -230,31 +236,32 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
       }
     }
   });
-  const exo_native::prefill::Int8Rows rows8{values8.data(), scales8.data(), sums8.data(),
-                                            half_sums8.data()};
+  // The int8 rows: those from `rows16` on.
+  const exo_native::prefill::Int8Rows rows8{
+      values8.data() + rows16 * k, scales8.data() + rows16 * blocks,
+      sums8.data() + rows16 * blocks, half_sums8.data() + rows16 * blocks * 2};
   // A slab's packed integers take 2 bytes per weight as int16, 1 as bytes: ~128 KiB
   // (L2-resident).
-  const int64_t weight_bytes = int16_rows ? 2 : 1;
+  const int64_t weight_bytes = int8_rows && rows16 == 0 && held != Held::kInt8 ? 1 : 2;
   const int64_t slab =
       std::clamp<int64_t>(((int64_t{1} << 17) / (weight_bytes * k)) / 16 * 16, 16, 256);
   const int64_t slabs = (n + slab - 1) / slab;
   at::parallel_for(0, slabs, 1, [&](int64_t first, int64_t last) {
     // Each thread's buffers stay between calls: a fresh 128-256 KiB buffer is a fresh
     // mapping whose pages fault in on first write (~7 us each on the 2-core VM).
-    thread_local std::vector<int32_t> packed;
-    thread_local std::vector<float> scales, offsets;
+    thread_local std::vector<int32_t> packed, packed8;
+    thread_local std::vector<float> scales, offsets, offsets8;
     packed.resize(std::max(packed.size(), static_cast<size_t>(slab * k / 2)));
-    scales.resize(std::max(scales.size(), static_cast<size_t>(groups * slab)));
-    offsets.resize(std::max(offsets.size(), static_cast<size_t>(groups * slab)));
+    packed8.resize(std::max(packed8.size(), static_cast<size_t>(int8_rows ? slab * k / 4 : 0)));
+    for (auto* buffer : {&scales, &offsets, &offsets8})
+      buffer->resize(std::max(buffer->size(), static_cast<size_t>(groups * slab)));
     for (int64_t s = first; s < last; ++s) {
       const int64_t n0 = s * slab, count = std::min(slab, n - n0);
       const int64_t padded = (count + 15) / 16 * 16;
       const bool as_int8 =
-          int8_activations &&
-          pack_slab_u8(bytes, row_bytes, held, k, n0, count, padded, packed.data());
-      if (!as_int8) pack_slab(bytes, row_bytes, held, k, n0, count, padded, packed.data());
+          int8_rows && pack_slab_u8(bytes, row_bytes, held, k, n0, count, padded, packed8.data());
       // The bytes' bias comes back out through the offset (w = (u - bias) * scale + ...).
-      const float bias = as_int8 ? int8_bias(held) : 0.0f;
+      const float bias = int8_bias(held);
       for (int64_t i = 0; i < padded; ++i)
         for (int64_t g = 0; g < groups; ++g) {
           float scale = 0.0f, offset = 0.0f;
@@ -265,15 +272,19 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
             offset = bf16_to_float(scale_zero[((n0 + i) * groups + g) * 2 + 1]) - 8.0f * scale;
           }
           scales[g * padded + i] = scale;
-          offsets[g * padded + i] = offset - bias * scale;
+          offsets[g * padded + i] = offset;
+          offsets8[g * padded + i] = offset - bias * scale;
         }
+      const int64_t int16_count = as_int8 ? rows16 : rows;  // rows the int16 kernel takes
       if (as_int8)
-        u8_slab_product(rows8, rows, k, held, halves, packed.data(), scales.data(),
-                        offsets.data(), padded, count, blocks_per_group, n0, n, y);
-      else
-        int16_slab_product(quantized.data(), x_scales.data(), x_sums.data(), rows, k, halves,
-                           packed.data(), scales.data(), offsets.data(), padded, count,
-                           blocks_per_group, n0, n, y);
+        u8_slab_product(rows8, rows - rows16, k, held, halves, packed8.data(), scales.data(),
+                        offsets8.data(), padded, count, blocks_per_group, n0, n,
+                        y + rows16 * n);
+      if (int16_count == 0) continue;
+      pack_slab(bytes, row_bytes, held, k, n0, count, padded, packed.data());
+      int16_slab_product(quantized.data(), x_scales.data(), x_sums.data(), int16_count, k,
+                         halves, packed.data(), scales.data(), offsets.data(), padded, count,
+                         blocks_per_group, n0, n, y);
     }
   });
 }
@@ -284,7 +295,8 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
 namespace exo_native {
 
 void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& weight,
-                  const at::Tensor& scale_zero, float* y, int64_t activation_bits) {
+                  const at::Tensor& scale_zero, float* y, int64_t activation_bits,
+                  int64_t int16_rows) {
   const int64_t n = weight.size(0);
   if (rows == 0 || n == 0) return;
   // No autograd below this call (its torch ops write into views of the output).
@@ -309,7 +321,7 @@ void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
     integer_block_matmul(x, rows, k, static_cast<const uint8_t*>(weight.data_ptr()), held,
                          symmetric,
                          reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>()),
-                         scale_zero.size(1), n, y, int8_activations);
+                         scale_zero.size(1), n, y, int8_activations, int16_rows);
     return;
   }
 #endif
@@ -322,9 +334,11 @@ void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
 namespace {
 
 at::Tensor block_matmul_op(const at::Tensor& x, const at::Tensor& weight,
-                           const at::Tensor& scale_zero, int64_t activation_bits) {
+                           const at::Tensor& scale_zero, int64_t activation_bits,
+                           int64_t int16_rows) {
   TORCH_CHECK(activation_bits == 16 || activation_bits == 8,
               "block_matmul: activation_bits must be 16 or 8, not ", activation_bits);
+  TORCH_CHECK(int16_rows >= 0, "block_matmul: int16_rows must be >= 0, not ", int16_rows);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "block_matmul: x must be a contiguous float32 [rows, in] tensor");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
@@ -359,7 +373,7 @@ at::Tensor block_matmul_op(const at::Tensor& x, const at::Tensor& weight,
               "block_matmul: int8 blocks need one (scale, zero) pair per 32 inputs");
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   exo_native::block_matmul(x.data_ptr<float>(), x.size(0), k, weight, scale_zero,
-                           y.data_ptr<float>(), activation_bits);
+                           y.data_ptr<float>(), activation_bits, int16_rows);
   return y;
 }
 
@@ -367,8 +381,8 @@ at::Tensor block_matmul_op(const at::Tensor& x, const at::Tensor& weight,
 
 TORCH_LIBRARY_FRAGMENT(exo_native, m) {
   m.def(
-      "block_matmul(Tensor x, Tensor weight, Tensor scale_zero, int activation_bits=16) -> "
-      "Tensor");
+      "block_matmul(Tensor x, Tensor weight, Tensor scale_zero, int activation_bits=16, "
+      "int int16_rows=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exo_native, CPU, m) { m.impl("block_matmul", &block_matmul_op); }

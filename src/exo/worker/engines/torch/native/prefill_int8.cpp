@@ -69,7 +69,7 @@ void gemm_tile_u8(const int8_t* xq, const float* x_scales, const float* x_sums, 
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 sums[ROWS][2];
   for (int r = 0; r < ROWS; ++r) sums[r][0] = sums[r][1] = _mm256_setzero_ps();
-  const float* scale = scales;  // the group's scales and offsets: advanced per group
+  const float* scale = scales;
   const float* offset = offsets;
   int64_t in_group = 0;
   for (int64_t half = 0; half < blocks * HALVES; ++half) {
@@ -101,6 +101,7 @@ void gemm_tile_u8(const int8_t* xq, const float* x_scales, const float* x_sums, 
         dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(partial[r][1], ones));
       }
     }
+    // The float32 side, as prefill.cpp's int16 tile (kept apart: see there).
     const __m256 scale0 = _mm256_loadu_ps(scale), scale1 = _mm256_loadu_ps(scale + 8);
     const __m256 offset0 = _mm256_loadu_ps(offset), offset1 = _mm256_loadu_ps(offset + 8);
     for (int r = 0; r < ROWS; ++r) {

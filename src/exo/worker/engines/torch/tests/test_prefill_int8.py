@@ -8,6 +8,7 @@ forward runs, fused ones included, through the engine and the node's command lin
 
 from __future__ import annotations
 
+import contextvars
 from pathlib import Path
 
 import pytest
@@ -225,3 +226,95 @@ def test_the_node_flag_sets_the_option() -> None:
     assert parse_args(["--prefill-activations", "int8"]).prefill_activations == "int8"
     with pytest.raises(SystemExit):
         parse_args(["--prefill-activations", "int4"])
+
+
+@native
+@pytest.mark.parametrize("kind", ["int4", "int5", "int8 pairs"])
+def test_leading_int16_rows_equal_an_int16_call_and_the_rest_an_int8_call(kind: str) -> None:
+    """`int16_rows` (a step's decode tokens, first): those rows exactly as with int16
+    activations, the others exactly as with int8 (each row's sums do not depend on the rows
+    beside it); an int8 slab that does not fit keeps every row int16."""
+    generator = torch.Generator().manual_seed(11)
+    outputs, inputs, rows = 200, 640, 13
+    if kind == "int4":
+        held = pack_native_int4(
+            torch.randint(0, 16, (outputs, inputs), generator=generator, dtype=torch.uint8)
+        )
+        scales = (torch.randn(outputs, 20, 2, generator=generator) * 0.1).to(torch.bfloat16)
+    elif kind == "int5":
+        held = int5_lanes(
+            torch.randint(-16, 16, (outputs, inputs), generator=generator, dtype=torch.int8)
+        )
+        scales = (torch.rand(outputs, 20, generator=generator) * 0.01).to(torch.bfloat16)
+    else:
+        held = torch.randint(-32, 32, (outputs, inputs), generator=generator).to(torch.int8)
+        held[150, 3] = 100  # the last full slab keeps int16 for every row
+        scales = (torch.rand(outputs, 20, 2, generator=generator) * 0.01).to(torch.bfloat16)
+    x = torch.randn(rows, inputs, generator=generator)
+    int16 = torch.ops.exo_native.block_matmul(x, held, scales)
+    int8 = torch.ops.exo_native.block_matmul(x, held, scales, 8)
+    for decode_rows in (0, 1, 5, rows, rows + 3):
+        mixed = torch.ops.exo_native.block_matmul(x, held, scales, 8, decode_rows)
+        assert torch.equal(mixed[:decode_rows], int16[:decode_rows])
+        assert torch.equal(mixed[decode_rows:], int8[decode_rows:])
+    with pytest.raises(RuntimeError, match="int16_rows must be >= 0"):
+        torch.ops.exo_native.block_matmul(x, held, scales, 8, -1)
+
+
+def _decode_beside_a_prefill(engine: TorchEngine) -> float:
+    """Request A's greedy logprobs alone against beside B, whose long prompt is prefilled
+    in chunks next to A's decode steps: the largest change over A's tokens."""
+    from exo.shared.types.common import ModelId
+    from exo.shared.types.text_generation import TextGenerationTaskParams
+
+    def params(prompt: str, tokens: int) -> TextGenerationTaskParams:
+        return TextGenerationTaskParams(
+            model=ModelId("m"), prompt=prompt, max_tokens=tokens, temperature=0.0,
+            logprobs=True, logit_bias={token: -100.0 for token in engine.eos_token_ids},
+        )  # fmt: skip
+
+    def run(beside: bool) -> list[tuple[int, float]]:
+        engine.clear_prefix_cache()
+        engine.submit(params("Once upon a time, a dragon", 12), request_id="A")
+        got: list[tuple[int, float]] = []
+        submitted = False
+        for _ in range(500):
+            if not engine.has_work:
+                break
+            for request_id, piece in engine.step():
+                assert not isinstance(piece, Exception), piece
+                if request_id == "A":
+                    got.extend(
+                        (token, entry.logprob)
+                        for token, entry in zip(piece.token_ids, piece.logprobs, strict=True)
+                    )
+            if beside and not submitted and len(got) >= 2:
+                engine.submit(params("word " * 120, 2), request_id="B")
+                submitted = True
+        return got
+
+    alone, beside = run(False), run(True)
+    assert [token for token, _ in alone] == [token for token, _ in beside]
+    return max(abs(a - b) for (_, a), (_, b) in zip(alone, beside, strict=True))
+
+
+@native
+def test_a_decoding_stream_keeps_int16_beside_an_int8_prefill(
+    tiny_card: ModelCard, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mixed step (decode tokens first, then a chunk of another prompt) rounds its decode
+    rows to int16: a stream's logprobs do not depend on a prompt prefilled beside it any
+    more than with int16 prefill; treating the decode rows as prompt rows changes them."""
+    import exo.worker.engines.torch.quantize as quantize
+
+    shard = PipelineShardMetadata(
+        model_card=tiny_card, device_rank=0, world_size=1, start_layer=0,
+        end_layer=tiny_card.n_layers,
+    )  # fmt: skip
+    int16 = TorchEngine.load(tiny_model_dir, shard, weight_dtype="int4")
+    int8 = TorchEngine.load(tiny_model_dir, shard, weight_dtype="int4", prefill_activations="int8")
+    baseline = _decode_beside_a_prefill(int16)
+    kept = _decode_beside_a_prefill(int8)
+    assert kept <= 2 * baseline + 1e-4, (kept, baseline)
+    monkeypatch.setattr(quantize, "DECODE_ROWS", contextvars.ContextVar("unset", default=0))
+    assert _decode_beside_a_prefill(int8) > 10 * (baseline + 1e-5)
