@@ -230,7 +230,8 @@ def _connect(config: BenchConfig, say: Print) -> BenchNodes:
     from exo.shared.constants import models_dir
 
     pinned = ", pinned one core each" if config.pin_cores else ""
-    say(f"starting {config.node_count()} local node(s){pinned}")
+    int8 = ", --prefill-activations int8" if config.prefill_activations == "int8" else ""
+    say(f"starting {config.node_count()} local node(s){pinned}{int8}")
     extra_args = ("--prefill-activations", config.prefill_activations)
     return LocalNodes(
         config.node_count(), models_dir(), config.pin_cores, config.threads, extra_args

@@ -40,6 +40,7 @@ from exo.worker.engines.torch.gguf_weights import (
     split_repacked_name,
 )
 from exo.worker.engines.torch.lean_forward import enable_lean_forward
+from exo.worker.engines.torch.native_int4 import ROUNDS_ACTIVATIONS, native_int4_kernel
 from exo.worker.engines.torch.quantize import (
     WEIGHT_DTYPES,
     WeightDtype,
@@ -323,6 +324,7 @@ def load_model(
         model, shard.device_rank, shard.world_size
     ):
         release_freed_memory()
+    set_linears = 0
     for index, layer in enumerate(layers):
         with _open_files() as handle_for:  # one layer's memory maps at a time
             for path, name, target in groups.get(index, []):
@@ -331,10 +333,12 @@ def load_model(
         if quantize:
             quantize_linears(layer, weight_dtype)
             release_freed_memory()
-        set_prefill_activations(layer, prefill_activations)  # before the lean forward fuses
+        # Before the lean forward fuses them.
+        set_linears += set_prefill_activations(layer, prefill_activations)
         if on_layer_loaded is not None:
             on_layer_loaded(index + 1, len(layers))
     _check_loaded(model, "the model", model_dir, shard)
+    _report_prefill_activations(prefill_activations, set_linears)
     torch.nn.Module.to(model, device)  # non-persistent buffers (rotary frequencies)
     if device.type == "cpu":
         fuse_rms_norms(model, family.rms_norms)
@@ -342,3 +346,17 @@ def load_model(
     model.requires_grad_(False)
     enable_lean_forward(model, family)
     return model
+
+
+def _report_prefill_activations(activations: PrefillActivations, linears: int) -> None:
+    """Say in the log how prefill rounds activations when int8 was asked for, or why it
+    changes nothing here (no AVX2 integer GEMM, or no linear held in exo's block formats)."""
+    if activations != "int8":
+        return
+    if not ROUNDS_ACTIVATIONS or native_int4_kernel() is None or linears == 0:
+        logger.warning(
+            "--prefill-activations int8 has no effect here: it needs exo's AVX2 kernels and "
+            "int4 / GGUF block weights (prefill rounds activations as decode does)"
+        )
+        return
+    logger.info(f"prefill rounds activations to int8 in {linears} linears (decode: int16)")

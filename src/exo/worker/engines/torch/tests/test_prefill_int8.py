@@ -221,6 +221,30 @@ def test_the_engine_option_reaches_every_linear_of_the_lean_forward(
     check_stream_shape(pieces)
 
 
+@native
+def test_the_log_says_where_int8_prefill_applies_or_that_it_has_no_effect(
+    tiny_card: ModelCard, tiny_model_dir: Path
+) -> None:
+    from loguru import logger
+
+    shard = PipelineShardMetadata(
+        model_card=tiny_card, device_rank=0, world_size=1, start_layer=0,
+        end_layer=tiny_card.n_layers,
+    )  # fmt: skip
+    logged: list[str] = []
+    sink = logger.add(logged.append, level="INFO", format="{message}")
+    try:
+        TorchEngine.load(tiny_model_dir, shard, weight_dtype="int4", prefill_activations="int8")
+        TorchEngine.load(tiny_model_dir, shard, weight_dtype="float32", prefill_activations="int8")
+        TorchEngine.load(tiny_model_dir, shard, weight_dtype="int4")
+    finally:
+        logger.remove(sink)
+    said = [line for line in logged if "int8" in line]
+    assert len(said) == 2, said
+    assert "prefill rounds activations to int8 in 14 linears" in said[0]
+    assert "--prefill-activations int8 has no effect here" in said[1]
+
+
 def test_the_node_flag_sets_the_option() -> None:
     assert parse_args([]).prefill_activations == "int16"
     assert parse_args(["--prefill-activations", "int8"]).prefill_activations == "int8"
