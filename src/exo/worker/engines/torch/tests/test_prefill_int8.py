@@ -16,7 +16,7 @@ import torch
 
 from exo.node_options import parse_args
 from exo.shared.types.models import ModelCard
-from exo.shared.types.shards import PipelineShardMetadata
+from exo.testing.builders import make_shard
 from exo.worker.engines.torch.batch_attention import lean_step_of
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.int5_blocks import int5_lanes
@@ -200,10 +200,7 @@ def test_the_engine_option_reaches_every_linear_of_the_lean_forward(
 ) -> None:
     """Q/K/V and gate/up are fused into new modules after loading: they take the option too;
     a prompt longer than the decode kernels' rows runs the GEMM and the engine generates."""
-    shard = PipelineShardMetadata(
-        model_card=tiny_card, device_rank=0, world_size=1, start_layer=0,
-        end_layer=tiny_card.n_layers,
-    )  # fmt: skip
+    shard = make_shard(tiny_card)
     engine = TorchEngine.load(
         tiny_model_dir,
         shard,
@@ -227,10 +224,7 @@ def test_the_log_says_where_int8_prefill_applies_or_that_it_has_no_effect(
 ) -> None:
     from loguru import logger
 
-    shard = PipelineShardMetadata(
-        model_card=tiny_card, device_rank=0, world_size=1, start_layer=0,
-        end_layer=tiny_card.n_layers,
-    )  # fmt: skip
+    shard = make_shard(tiny_card)
     logged: list[str] = []
     sink = logger.add(logged.append, level="INFO", format="{message}")
     try:
@@ -331,10 +325,7 @@ def test_a_decoding_stream_keeps_int16_beside_an_int8_prefill(
     more than with int16 prefill; treating the decode rows as prompt rows changes them."""
     import exo.worker.engines.torch.quantize as quantize
 
-    shard = PipelineShardMetadata(
-        model_card=tiny_card, device_rank=0, world_size=1, start_layer=0,
-        end_layer=tiny_card.n_layers,
-    )  # fmt: skip
+    shard = make_shard(tiny_card)
     int16 = TorchEngine.load(tiny_model_dir, shard, weight_dtype="int4")
     int8 = TorchEngine.load(tiny_model_dir, shard, weight_dtype="int4", prefill_activations="int8")
     baseline = _decode_beside_a_prefill(int16)
