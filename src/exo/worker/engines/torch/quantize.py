@@ -85,7 +85,8 @@ class QuantizedLinear(nn.Module, abc.ABC):
     fused_max_rows = 32
     # Bits of the activations' rounding in prefill's integer GEMM (`block_matmul`): 16, or 8
     # where the engine was loaded with int8 prefill activations (`set_prefill_activations`;
-    # only int4, 5-bit and Q6_K's 6-bit block weights take it).
+    # taken where the weight's integers fit: int4, 5-bit, int8 blocks with values in
+    # [-32, 31] such as Q6_K's).
     prefill_activation_bits = 16
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
@@ -561,8 +562,9 @@ def quantize_linears(model: nn.Module, weight_dtype: WeightDtype) -> int:
 
 def set_prefill_activations(model: nn.Module, activations: PrefillActivations) -> int:
     """Round prefill's activations to `activations` ("int16" or "int8", per block of 32) in
-    every quantized linear of `model`; the number of linears set. Only int4, 5-bit and Q6_K's
-    6-bit block weights on AVX2 CPUs change (native/prefill_int8.cpp); decode keeps int16.
+    every quantized linear of `model`; the number of linears set. On AVX2 CPUs, block weights
+    whose integers fit change (int4, 5-bit, int8 values in [-32, 31] such as Q6_K's:
+    native/prefill_int8.cpp); a step's decode rows keep int16 (`DECODE_ROWS`).
 
     Raises:
         ValueError: an unknown `activations`.
