@@ -24,7 +24,11 @@ from exo.shared.constants import (
     DEFAULT_API_PORT,
     PROTOCOL_VERSION,
 )
-from exo.shared.models.memory import PREFILL_ACTIVATIONS, PrefillActivations
+from exo.shared.models.memory import (
+    DEFAULT_PREFILL_ACTIVATIONS,
+    PREFILL_ACTIVATIONS,
+    PrefillActivations,
+)
 from exo.shared.types.common import ModelId
 
 DEFAULT_MODEL_ID = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -58,7 +62,7 @@ class Options:
     remeasure_speed: bool = False
     cluster_secret: ClusterSecret | None = None
     # How prefill rounds int4 / 5-bit block weights' activations (`--prefill-activations`).
-    prefill_activations: PrefillActivations = "int16"
+    prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS
 
 
 def package_version() -> str:
@@ -169,7 +173,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
     parser.add_argument(
         "--prefill-activations",
         choices=PREFILL_ACTIVATIONS,
-        default="int16",
+        default=DEFAULT_PREFILL_ACTIVATIONS,
         help="how this node's runners round a prompt's activations for int4, 5-bit and "
         "Q6_K weights on AVX2 CPUs (default int16, as decode); int8 is llama.cpp's "
         "rounding: faster prefill (int4 products ~1.8x, Gemma 3 270M's TTFT ~1.3x), "

@@ -23,7 +23,7 @@ from exo.benchmark.engine_runner import EngineRunError
 from exo.benchmark.llama_cpp_runner import LlamaCppMissingError
 from exo.benchmark.plots import PlotsUnavailableError, plot_report, require_matplotlib
 from exo.benchmark.runner import BenchConfig, print_ratios, run_bench
-from exo.shared.models.memory import PREFILL_ACTIVATIONS
+from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PREFILL_ACTIVATIONS
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 QUICK = {"prompt_tokens": [16], "generation_tokens": [8], "runs": 2, "warmup": 1}
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--prefill-activations",
         choices=PREFILL_ACTIVATIONS,
-        default="int16",
+        default=DEFAULT_PREFILL_ACTIVATIONS,
         help="the local nodes' and the in-process engine's --prefill-activations "
         "(int8: llama.cpp's rounding of a prompt's activations)",
     )
@@ -179,7 +179,7 @@ def config_from_arguments(arguments: argparse.Namespace) -> BenchConfig:
         raise ValueError("--generation-tokens must be >= 2 (decode is timed after the first)")
     if config.api is not None and config.pin_cores:
         raise ValueError("--pin-cores applies to local nodes only (not with --api)")
-    if config.api is not None and config.prefill_activations != "int16":
+    if config.api is not None and config.prefill_activations != DEFAULT_PREFILL_ACTIVATIONS:
         raise ValueError(
             "--prefill-activations applies to the nodes the bench starts (with --api, give "
             "it to the cluster's nodes when they start)"

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from exo.benchmark.prompts import EOS_BIAS, ModelText
 from exo.benchmark.stats import RequestTiming, RunResult
-from exo.shared.models.memory import PrefillActivations
+from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
@@ -28,7 +28,7 @@ class EngineRunError(RuntimeError):
 def load_engine_for_bench(
     model_dir: Path,
     weight_dtype: str | None = None,
-    prefill_activations: PrefillActivations = "int16",
+    prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
 ) -> TorchEngine:
     """The whole model of `model_dir` in one single-rank engine, warmed up."""
     from exo.shared.models.cards import card_from_local_directory

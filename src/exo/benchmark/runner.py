@@ -23,7 +23,7 @@ from exo.benchmark.cluster import BenchNodes, LocalNodes, Placement
 from exo.benchmark.llama_cpp_runner import LlamaCppRunner
 from exo.benchmark.prompts import ModelText
 from exo.benchmark.stats import BenchReport, CaseResult, RunResult, ratio, write_json
-from exo.shared.models.memory import PrefillActivations
+from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
 
 Print = Callable[[str], None]
 
@@ -44,7 +44,7 @@ class BenchConfig:
     nodes: int | None = None
     pin_cores: bool = False
     threads: int | None = None
-    prefill_activations: PrefillActivations = "int16"
+    prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS
     compare_llama_cpp: Path | None = None
     engine_in_process: bool = False
     model_dir: Path | None = None

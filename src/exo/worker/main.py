@@ -19,7 +19,7 @@ from exo.download.model_lock import ModelBusyError
 from exo.download.peers import HUB_ASSUMED_MBPS, peers_holding
 from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.shared.local_events import LocalEventSender
-from exo.shared.models.memory import PrefillActivations
+from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
 from exo.shared.types.chunks import Chunk
 from exo.shared.types.common import ModelId, NodeId, RunnerId
 from exo.shared.types.downloads import DownloadProgress
@@ -92,7 +92,7 @@ class Worker:
         peer_credential: str | None = None,
         max_concurrent_requests: int | None = None,
         stream_interval_seconds: float = 0.0,
-        prefill_activations: PrefillActivations = "int16",
+        prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
     ) -> None:
         self.node_id = node_id
         self._current_state = current_state

@@ -27,6 +27,7 @@ WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("float32", "int8", "int4")
 # (llama.cpp's; faster, less exact: `--prefill-activations`).
 PrefillActivations = Literal["int16", "int8"]
 PREFILL_ACTIVATIONS: tuple[PrefillActivations, ...] = ("int16", "int8")
+DEFAULT_PREFILL_ACTIVATIONS: PrefillActivations = "int16"
 ENGINE_CPU_WEIGHT_FORMAT: WeightFormat = "int4"
 
 INT4_GROUP_SIZE = 32  # inputs sharing one (scale, zero) pair

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from loguru import logger
 
-from exo.shared.models.memory import PrefillActivations
+from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
 from exo.shared.types.chunks import (
     INSTANCE_UNAVAILABLE,
     ErrorChunk,
@@ -137,7 +137,7 @@ class Runner:
         outbound: Connection,
         max_concurrent_requests: int | None = None,
         stream_interval_seconds: float = 0.0,
-        prefill_activations: PrefillActivations = "int16",
+        prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
     ) -> None:
         self.runner_id = runner_id
         self.shard = shard
@@ -612,7 +612,7 @@ def runner_main(
     log_level: str,
     max_concurrent_requests: int | None = None,
     stream_interval_seconds: float = 0.0,
-    prefill_activations: PrefillActivations = "int16",
+    prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
 ) -> None:
     """Entry point of the spawned runner process."""
     from pydantic import TypeAdapter

@@ -15,7 +15,7 @@ from multiprocessing.process import BaseProcess
 import anyio
 from loguru import logger
 
-from exo.shared.models.memory import PrefillActivations
+from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
 from exo.shared.types.chunks import Chunk, ErrorChunk
 from exo.shared.types.common import CommandId, InstanceId, NodeId, RunnerId, TaskId
 from exo.shared.types.events import Event, RunnerStatusUpdated, TaskStatusUpdated
@@ -77,7 +77,7 @@ class RunnerSupervisor:
         log_level: str = "INFO",
         max_concurrent_requests: int | None = None,
         stream_interval_seconds: float = 0.0,
-        prefill_activations: PrefillActivations = "int16",
+        prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
     ) -> None:
         self.node_id = node_id
         self.runner_id = runner_id

@@ -42,7 +42,11 @@ import torch.distributed as dist
 from loguru import logger
 from transformers import PreTrainedModel
 
-from exo.shared.models.memory import DEFAULT_KV_CACHE_TOKENS, PrefillActivations
+from exo.shared.models.memory import (
+    DEFAULT_KV_CACHE_TOKENS,
+    DEFAULT_PREFILL_ACTIVATIONS,
+    PrefillActivations,
+)
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 from exo.shared.types.text_generation import TextGenerationTaskParams
@@ -134,7 +138,7 @@ class DistributedTorchEngine(TorchEngine):
         weight_dtype: WeightDtype | None = None,
         max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
         kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
-        prefill_activations: PrefillActivations = "int16",
+        prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
     ) -> DistributedTorchEngine:
         """Load this rank's part of the model (see `TorchEngine.load`).
 

@@ -25,6 +25,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from exo.shared.models.memory import (
     DEFAULT_KV_CACHE_TOKENS,
+    DEFAULT_PREFILL_ACTIVATIONS,
     ENGINE_CPU_WEIGHT_FORMAT,
     KV_CACHE_VALUE_BYTES,
     PrefillActivations,
@@ -140,7 +141,7 @@ def load_parts(
     device: str,
     weight_dtype: WeightDtype | None,
     on_layer_loaded: LayerProgressCallback | None = None,
-    prefill_activations: PrefillActivations = "int16",
+    prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
 ) -> LoadedParts:
     """Load the shard's model (whole or one rank's part; quantized and fused on CPU while
     loading, see `loading.load_model`) and the tokenizer: what every engine needs.
@@ -220,7 +221,7 @@ class TorchEngine:
         weight_dtype: WeightDtype | None = None,
         max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
         kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
-        prefill_activations: PrefillActivations = "int16",
+        prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
     ) -> TorchEngine:
         """Load a single-rank shard's weights and the tokenizer from an HF-format directory
         (a multi-rank shard: `engine_factory.load_engine`).

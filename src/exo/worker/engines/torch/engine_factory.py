@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exo.shared.models.memory import PrefillActivations
+from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
 from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.distributed_engine import DistributedTorchEngine
 from exo.worker.engines.torch.engine import DEFAULT_MAX_CONCURRENT_REQUESTS, TorchEngine
@@ -21,7 +21,7 @@ def load_engine(
     on_layer_loaded: LayerProgressCallback | None = None,
     weight_dtype: WeightDtype | None = None,
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
-    prefill_activations: PrefillActivations = "int16",
+    prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
 ) -> TorchEngine:
     """Load the engine for `shard` (arguments as `TorchEngine.load`).
 

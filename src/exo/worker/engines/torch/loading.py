@@ -26,7 +26,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from exo.shared.models.memory import PrefillActivations
+from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
 from exo.shared.types.shards import ShardMetadata, TensorShardMetadata
 from exo.worker.engines.torch.families import (
     UnsupportedArchitectureError,
@@ -241,7 +241,7 @@ def load_model(
     device: torch.device,
     weight_dtype: WeightDtype = "float32",
     on_layer_loaded: LayerProgressCallback | None = None,
-    prefill_activations: PrefillActivations = "int16",
+    prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
 ) -> PreTrainedModel:
     """Load this rank's part of the model in `model_dir` onto `device`.
 
