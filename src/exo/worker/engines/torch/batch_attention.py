@@ -44,6 +44,13 @@ BATCHED_ATTENTION = "exo_batched"
 
 # Initial per-slot capacity in tokens; buffers double when a request outgrows them.
 INITIAL_SLOT_CAPACITY = 256
+# Queries of one prompt chunk attend in blocks of this many positions, each to the keys up
+# to its own last position. torch's CPU flash attention skips keys past the causal diagonal
+# only in blocks of 512 keys, so one call over a 512-token chunk computes all 512 x 512
+# scores; in blocks of 128 it computes 62.5% of them. Measured (2-core AMD EPYC, 2 threads,
+# float32): Gemma 3's shape (4 heads, 1 KV head, dim 256) 6.8 -> 5.3 ms at 512 tokens,
+# SmolLM2's (9 / 3 / 64) 4.6 -> 3.8 ms; equal at 128 and 1024 tokens.
+PREFILL_QUERY_BLOCK = 128
 
 
 class SlotKVCache:
@@ -317,27 +324,78 @@ def attend(
         end = segment.start + segment.length
         keys[segment.slot, :, segment.start : end] = key[0, :, rows]
         values[segment.slot, :, segment.start : end] = value[0, :, rows]
-        first = 0 if window is None else max(0, segment.start - window + 1)
-        segment_keys = keys[segment.slot : segment.slot + 1, :, first:end]
-        segment_values = values[segment.slot : segment.slot + 1, :, first:end]
-        queries = query[:, :, rows]  # [1, heads, n, dim]
-        if segment.start == 0 and window is None:
-            attended = F.scaled_dot_product_attention(
-                queries, segment_keys, segment_values, is_causal=True, scale=scaling,
-                enable_gqa=True,
-            )  # fmt: skip
-        else:
-            query_positions = torch.arange(segment.start, end, device=query.device)[:, None]
-            key_positions = torch.arange(first, end, device=query.device)[None, :]
-            visible = key_positions <= query_positions  # [n, keys]
-            if window is not None:
-                visible &= key_positions > query_positions - window
-            attended = F.scaled_dot_product_attention(
-                queries, segment_keys, segment_values, attn_mask=visible, scale=scaling,
-                enable_gqa=True,
-            )  # fmt: skip
+        attended = prefill_attention(
+            query[:, :, rows],
+            keys[segment.slot : segment.slot + 1],
+            values[segment.slot : segment.slot + 1],
+            segment.start,
+            window,
+            scaling,
+        )
         output[0, rows] = attended[0].transpose(0, 1)
     return output
+
+
+def prefill_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    window: int | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Attention of a request's prompt chunk to the keys each position may see: causal,
+    within the layer's sliding window, in blocks of `PREFILL_QUERY_BLOCK` queries (each
+    block to the keys up to its own last position).
+
+    Args:
+        queries: `[1, heads, n, dim]`, the queries of positions `start .. start + n - 1`.
+        keys / values: `[1, kv_heads, capacity, dim]`, the request's slot, written up to
+            position `start + n - 1`.
+        start: the position of the chunk's first query (> 0 after a cached prefix or an
+            earlier chunk).
+        window: the layer's sliding window in tokens (None: full attention).
+        scaling: the softmax scale (None: `head_dim ** -0.5`).
+
+    Returns:
+        `[1, heads, n, dim]`.
+    """
+    count = queries.shape[2]
+    if count <= PREFILL_QUERY_BLOCK:
+        return _block_attention(queries, keys, values, start, window, scaling)
+    output = queries.new_empty(queries.shape)
+    for offset in range(0, count, PREFILL_QUERY_BLOCK):
+        rows = slice(offset, min(count, offset + PREFILL_QUERY_BLOCK))
+        output[:, :, rows] = _block_attention(
+            queries[:, :, rows], keys, values, start + offset, window, scaling
+        )
+    return output
+
+
+def _block_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    window: int | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """`prefill_attention` of one block, in one SDPA call."""
+    end = start + queries.shape[2]
+    first = 0 if window is None else max(0, start - window + 1)
+    block_keys, block_values = keys[:, :, first:end], values[:, :, first:end]
+    if start == 0 and (window is None or end <= window):  # plain causal: no mask to build
+        return F.scaled_dot_product_attention(
+            queries, block_keys, block_values, is_causal=True, scale=scaling, enable_gqa=True
+        )
+    query_positions = torch.arange(start, end, device=queries.device)[:, None]
+    key_positions = torch.arange(first, end, device=queries.device)[None, :]
+    visible = key_positions <= query_positions  # [n, keys]
+    if window is not None:
+        visible &= key_positions > query_positions - window
+    return F.scaled_dot_product_attention(
+        queries, block_keys, block_values, attn_mask=visible, scale=scaling, enable_gqa=True
+    )
 
 
 def _batched_mask(*args: Any, **kwargs: Any) -> Any:
