@@ -230,7 +230,7 @@ def test_the_log_says_where_int8_prefill_applies_or_that_it_has_no_effect(
     try:
         TorchEngine.load(tiny_model_dir, shard, weight_dtype="int4", prefill_activations="int8")
         TorchEngine.load(tiny_model_dir, shard, weight_dtype="float32", prefill_activations="int8")
-        TorchEngine.load(tiny_model_dir, shard, weight_dtype="int4")
+        TorchEngine.load(tiny_model_dir, shard, weight_dtype="int4", prefill_activations="int16")
     finally:
         logger.remove(sink)
     said = [line for line in logged if "int8" in line]
@@ -326,7 +326,9 @@ def test_a_decoding_stream_keeps_int16_beside_an_int8_prefill(
     import exo.worker.engines.torch.quantize as quantize
 
     shard = make_shard(tiny_card)
-    int16 = TorchEngine.load(tiny_model_dir, shard, weight_dtype="int4")
+    int16 = TorchEngine.load(
+        tiny_model_dir, shard, weight_dtype="int4", prefill_activations="int16"
+    )
     int8 = TorchEngine.load(tiny_model_dir, shard, weight_dtype="int4", prefill_activations="int8")
     baseline = _decode_beside_a_prefill(int16)
     kept = _decode_beside_a_prefill(int8)
