@@ -189,6 +189,7 @@ class Node:
             offline=options.offline,
             measure_speed=True,
             remeasure_speed=options.remeasure_speed,
+            prefill_activations=options.prefill_activations,
         )
         credential = peer_credential(options.namespace, secret)
         # Other nodes' APIs answer this node's probes and file requests by this credential.

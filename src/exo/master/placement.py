@@ -399,6 +399,7 @@ def placement_previews(
     """Every (sharding, node count) combination with its layout, or why it is invalid,
     and the valid ones' predicted speed for a prompt of `prompt_tokens` tokens."""
     speeds = {node_id: info.speed for node_id, info in state.node_info.items()}
+    rounding = {node_id: info.prefill_activations for node_id, info in state.node_info.items()}
     room = placement_room(state)
     previews: list[PlacementPreview] = []
     nodes = sorted(state.node_info)
@@ -423,7 +424,7 @@ def placement_previews(
                 continue
             prediction = predict_speed(
                 card, sharding, chosen.nodes, chosen.layer_ranges, speeds, state.topology,
-                prompt_tokens,
+                prompt_tokens, rounding,
             )  # fmt: skip
             previews.append(
                 PlacementPreview(

@@ -31,10 +31,19 @@ time to first token for `prompt` tokens (processed in chunks of `PREFILL_CHUNK_T
     stage(s) = ENGINE_PREFILL_FACTOR × 2 × (linear params(s) × prompt     (projections, MLP)
                    + layers(s) × prompt² × query width) / float32 FLOP/s   (causal attention)
                + chunks × layers(s) × layer overhead × factor + LM head decode of one row
+               + (where exo's kernels run and the node rounds prefill's activations
+                  otherwise than the runs that fitted ENGINE_PREFILL_FACTOR, int16:
+                  `NodeInfo.prefill_activations`) its integer GEMM's seconds at the node's
+                  rounding − those at the fitted rounding: 2 × linear params(s) × prompt,
+                  each GGUF type's share at its kernel's measured FLOP/s
+                  (`NodeSpeed.int4_prefill_int8_flops` ..., `prefill_gemm_seconds`)
     combined over ranks as decode is, with the hops carrying prompt × hidden activations.
     (The engine's prefill was measured at 1-2× the probe's float32 matmul rate, far below
     its bfloat16 rate: float32 activations, norms and the int4 → bfloat16 dequantization of
-    every weight per chunk come with the matmuls; so the float32 rate is the one used.)
+    every weight per chunk come with the matmuls; so the float32 rate is the one used. Int8
+    activations speed up only the integer GEMM, so only its measured time is exchanged: on
+    the 2-core EPYC the probe's int4 GEMM ran 1.8x as fast (5-bit 1.6x, Q6_K 1.5x), Gemma 3
+    270M's TTFT ~1.3x.)
 A link's one-way latency: between nodes on one machine (a loopback address), half the
 slower node's measured loopback round trip (`NodeSpeed.loopback_round_trip_seconds`; the
 API's round trip on loopback measures two web servers, not the link); otherwise half the
@@ -54,11 +63,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from exo.shared.models.memory import (
+    DEFAULT_PREFILL_ACTIVATIONS,
     FLOAT32_BYTES,
+    GGUF_FLOAT_TYPES,
+    GGUF_INT4_TYPES,
     GGUF_SPLIT_TYPES,
+    PrefillActivations,
     WeightShare,
     decoder_layer_bytes,
     decoder_layer_bytes_by_kernel,
+    gguf_kernel,
     kv_cache_bytes_per_token,
     output_layer_bytes,
     vocab_share,
@@ -99,6 +113,13 @@ ENGINE_KV_READ_FACTOR = 1.75
 # SmolLM2 (2 threads and one pinned core), Gemma 3 270M, and the Qwen3-0.6B-shape model
 # single and tensor x2: 1.5 / 1.2.
 ENGINE_PREFILL_FACTOR = 1.25
+# How the runs that fitted ENGINE_PREFILL_FACTOR rounded prefill's activations (every run
+# above predates `--prefill-activations int8`): a node rounding otherwise has this
+# rounding's integer-GEMM time exchanged for its own (`prefill_stage_seconds`).
+ENGINE_PREFILL_FACTOR_ACTIVATIONS: PrefillActivations = "int16"
+# GGUF types whose prefill GEMM keeps int16 activations under int8: Q8_0's symmetric blocks
+# of 32 span -127..127, too wide for vpmaddubsw (native/prefill.cpp's `block_matmul`).
+INT16_ONLY_GGUF_TYPES = frozenset({"Q8_0"})
 LOOPBACK_ADDRESSES = ("127.", "::1", "localhost")
 # All-reduces up to this many bytes per rank go over the rank links (`links.SMALL_BYTES`).
 LINKS_ALL_REDUCE_BYTES = 256 * 1024
@@ -208,16 +229,96 @@ def decode_stage_seconds(
     return seconds + _layer_overhead(speed, share.layers)
 
 
+def _prefill_gemm_shares(card: ModelCard) -> list[tuple[str, bool, float]]:
+    """(kernel, whether int8 activations apply, fraction of the decoder layers' linear
+    weights) for the weights prefill's integer GEMM multiplies where exo's kernels run:
+    every linear as int4 for a card without `gguf_weight_types`; else each GGUF type in the
+    form the engine holds it (`memory.gguf_kernel`), GGUF types held as bfloat16 left out
+    (they take the dequantized float32 path, which no rounding changes)."""
+    stored = card.gguf_weight_types
+    if stored is None:
+        return [("int4", True, 1.0)]
+    total = sum(count for _, count in stored.layer_weights)
+    shares: list[tuple[str, bool, float]] = []
+    for kind, count in stored.layer_weights:
+        kernel = gguf_kernel(kind, native_kernels=True)
+        if kernel == "int4" and kind not in GGUF_INT4_TYPES | GGUF_FLOAT_TYPES:
+            continue
+        shares.append((kernel, kind not in INT16_ONLY_GGUF_TYPES, count / total))
+    return shares
+
+
+def _prefill_gemm_flops(
+    speed: NodeSpeed, kernel: str, activations: PrefillActivations
+) -> float | None:
+    if kernel == "int5":
+        int16, int8 = speed.int5_prefill_int16_flops, speed.int5_prefill_int8_flops
+    elif kernel == "int8_blocks":
+        int16, int8 = speed.int8_block_prefill_int16_flops, speed.int8_block_prefill_int8_flops
+    else:
+        int16, int8 = speed.int4_prefill_int16_flops, speed.int4_prefill_int8_flops
+    return int8 if activations == "int8" else int16
+
+
+def prefill_gemm_seconds(
+    card: ModelCard, speed: NodeSpeed, linear_flops: float, activations: PrefillActivations
+) -> float | None:
+    """Seconds prefill's integer GEMM (`block_matmul`) takes for `linear_flops` FLOPs of
+    `card`'s decoder-layer linears with activations rounded as `activations`, each weight
+    kind's share (`_prefill_gemm_shares`) at the node's measured FLOP/s for it
+    (`NodeSpeed.int4_prefill_int16_flops` ...; Q8_0's at int16's). None where a figure was
+    not measured (torch's kernels, an older node)."""
+    seconds = 0.0
+    for kernel, takes_int8, share in _prefill_gemm_shares(card):
+        rounding = activations if takes_int8 else ENGINE_PREFILL_FACTOR_ACTIVATIONS
+        rate = _prefill_gemm_flops(speed, kernel, rounding)
+        if rate is None:
+            return None
+        seconds += share * linear_flops / rate
+    return seconds
+
+
+def _rounding_seconds(
+    card: ModelCard, speed: NodeSpeed, linear_flops: float, activations: PrefillActivations
+) -> tuple[float, float] | None:
+    """(integer GEMM seconds at `activations`, at ENGINE_PREFILL_FACTOR_ACTIVATIONS), or
+    None where that exchange does not apply: the same rounding, a figure not measured, or
+    figures more than 1 / CONSISTENT_RATE_FRACTION apart (a measurement other work held up:
+    on the 2-core EPYC int8 ran the int4 GEMM 1.8x as fast as int16, not 4x)."""
+    if activations == ENGINE_PREFILL_FACTOR_ACTIVATIONS:
+        return None
+    own = prefill_gemm_seconds(card, speed, linear_flops, activations)
+    fitted = prefill_gemm_seconds(card, speed, linear_flops, ENGINE_PREFILL_FACTOR_ACTIVATIONS)
+    if own is None or fitted is None or fitted <= 0:
+        return None
+    if not CONSISTENT_RATE_FRACTION <= own / fitted <= 1 / CONSISTENT_RATE_FRACTION:
+        return None
+    return own, fitted
+
+
 def prefill_stage_seconds(
-    card: ModelCard, speed: NodeSpeed, share: WeightShare, prompt_tokens: int
+    card: ModelCard,
+    speed: NodeSpeed,
+    share: WeightShare,
+    prompt_tokens: int,
+    activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
 ) -> float:
     """Seconds one rank holding `share` spends prefilling `prompt_tokens` (the module
-    docstring's TTFT stage(s))."""
+    docstring's TTFT stage(s)) with its runners rounding prefill's activations as
+    `activations` (`NodeInfo.prefill_activations`)."""
     ranks = share.tensor_parallel_ranks
     params = share.layers * _linear_params_per_layer(card) / ranks
     query_width = card.num_attention_heads * card.attention_head_dim / ranks
     flops = 2 * (params * prompt_tokens + share.layers * prompt_tokens**2 * query_width)
     seconds = ENGINE_PREFILL_FACTOR * flops / speed.float32_matmul_flops
+    exchanged = (
+        _rounding_seconds(card, speed, 2 * params * prompt_tokens, activations)
+        if speed.native_kernels
+        else None
+    )
+    if exchanged is not None:  # never below the node's own GEMM time
+        own, fitted = exchanged
+        seconds = max(seconds - fitted + own, own)
     chunks = math.ceil(prompt_tokens / PREFILL_CHUNK_TOKENS)
     seconds += chunks * _layer_overhead(speed, share.layers)
     if share.holds_output_layer:
@@ -277,6 +378,7 @@ def predict_speed(
     speeds: Mapping[NodeId, NodeSpeed | None],
     edges: Mapping[NodeId, Mapping[NodeId, TopologyEdge]],
     prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+    prefill_activations: Mapping[NodeId, PrefillActivations] | None = None,
 ) -> SpeedPrediction | None:
     """Predicted single-stream decode tok/s (with `prompt_tokens` in the KV cache) and
     TTFT (seconds) of `card` on `nodes` in rank order holding `layer_ranges`.
@@ -285,6 +387,8 @@ def predict_speed(
         speeds: each node's measured `NodeSpeed` (None: not measured).
         edges: measured links, `edges[source][sink]` (the state's topology).
         prompt_tokens: the prompt's length, >= 1.
+        prefill_activations: how each node's runners round prefill's activations
+            (`NodeInfo.prefill_activations`); a node not in it: `DEFAULT_PREFILL_ACTIVATIONS`.
 
     Returns:
         None when a node's speed or a link between consecutive ranks (and last to first)
@@ -308,6 +412,7 @@ def predict_speed(
         return None
     measured_links = [link for link in links if link is not None]
     shares = _shares(card, sharding, layer_ranges)
+    rounding = prefill_activations or {}
     decode = _combine(
         card,
         sharding,
@@ -322,8 +427,10 @@ def predict_speed(
         card,
         sharding,
         [
-            prefill_stage_seconds(card, speed, share, prompt_tokens)
-            for speed, share in zip(node_speeds, shares, strict=True)
+            prefill_stage_seconds(
+                card, speed, share, prompt_tokens, rounding.get(node, DEFAULT_PREFILL_ACTIVATIONS)
+            )
+            for node, speed, share in zip(nodes, node_speeds, shares, strict=True)
         ],
         measured_links,
         prompt_tokens * card.hidden_size * FLOAT32_BYTES,

@@ -14,6 +14,7 @@ import psutil
 from loguru import logger
 
 from exo.shared.local_events import LocalEventSender
+from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
 from exo.shared.types.events import NodeGatheredInfo
 from exo.shared.types.nodes import GpuInfo, MemoryInfo, NetworkInterface, NodeInfo, NodeSpeed
 from exo.shared.types.state import State
@@ -131,6 +132,7 @@ def gather_node_info(
     models: Path | None = None,
     offline: bool = False,
     speed: NodeSpeed | None = None,
+    prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
 ) -> NodeInfo:
     interfaces = network_interfaces()
     disk_free, disk_total = disk_usage_bytes(models) if models is not None else (0, 0)
@@ -148,6 +150,7 @@ def gather_node_info(
         api_addresses=api_addresses(api_host, interfaces),
         offline=offline,
         speed=speed,
+        prefill_activations=prefill_activations,
     )
 
 
@@ -188,7 +191,9 @@ class InfoGatherer:
     node timed out after a network blip, a node that joined another history), and every
     `HEARTBEAT_SECONDS`. With `measure_speed` it measures the node's speed once in a worker
     thread (`exo.utils.speed_probe.cached_node_speed`; `remeasure_speed` ignores the
-    cache) and reports it with the next figures, once settled (`_probe_speed`)."""
+    cache) and reports it with the next figures, once settled (`_probe_speed`), with how
+    this node's runners round prefill's activations (`prefill_activations`, the node's
+    `--prefill-activations`: which of its prefill figures a TTFT prediction reads)."""
 
     def __init__(
         self,
@@ -200,8 +205,10 @@ class InfoGatherer:
         offline: bool = False,
         measure_speed: bool = False,
         remeasure_speed: bool = False,
+        prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
     ) -> None:
         self._local_events = local_events
+        self._prefill_activations: PrefillActivations = prefill_activations
         self._measure_speed = measure_speed
         self._remeasure_speed = remeasure_speed
         self._speed: NodeSpeed | None = None
@@ -266,6 +273,7 @@ class InfoGatherer:
                 self._models,
                 self._offline,
                 self._speed,
+                self._prefill_activations,
             )
             now = anyio.current_time()
             if report_due(last, info, now - last_sent, self._missing_from_state()):

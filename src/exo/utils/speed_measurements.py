@@ -1,8 +1,9 @@
 """The figures of a `NodeSpeed`, each measured on its own (`exo.utils.speed_probe` runs
 them all with the runners' thread count, and caches the result): the engine's int4, int8
 and (where exo's kernels run) 5-bit and int8-block decode kernels as bytes read per second,
-a memory copy, bfloat16 / float32 matmul FLOP/s, one tiny decoder layer's fixed cost
-(`TinyLayer`, `NativeTinyLayer`) and a loopback round trip. Each is the fastest of timed
+a memory copy, bfloat16 / float32 matmul FLOP/s, (where exo's kernels run) prefill's integer
+GEMM FLOP/s with activations rounded to int16 and to int8, one tiny decoder layer's fixed
+cost (`TinyLayer`, `NativeTinyLayer`) and a loopback round trip. Each is the fastest of timed
 repetitions after a warm-up (`fastest_seconds`).
 """
 
@@ -23,6 +24,9 @@ INT4_OUTPUTS = 2048
 INT4_GROUP_SIZE = 32
 MATMUL_ROWS = 256
 MATMUL_INNER = 1024
+# Prompt tokens of one timed prefill GEMM (`prefill_gemm_flops`), times an
+# `[INT4_OUTPUTS, INT4_INPUTS]` weight: ~6-11 ms per call on 2 Zen 3 cores.
+PREFILL_ROWS = 256
 
 
 def fastest_seconds(call: Callable[[], object], seconds: float | None = None) -> float:
@@ -135,6 +139,51 @@ def native_block_bytes_per_second(kind: str, working_set: int) -> float:
         kernel = torch.ops.exo_native.int8_block_gemv
     row = torch.rand(1, INT4_INPUTS, generator=generator)
     return _read_rate(kernel, row, (held, scales), working_set)
+
+
+def _prefill_weight(kind: str) -> tuple[Any, Any]:
+    """An `[INT4_OUTPUTS, INT4_INPUTS]` weight as the engine holds `kind` ("int4": int4
+    pairs with (scale, zero) per 32; "int5": 5-bit lanes, one scale per 32; "int8_blocks":
+    int8 in [-32, 31] with one scale per 16, GGUF Q6_K's form) and its bfloat16 scales."""
+    import torch
+
+    from exo.worker.engines.torch.int5_blocks import int5_lanes
+    from exo.worker.engines.torch.quantize import pack_native_int4
+
+    generator = torch.Generator().manual_seed(4)
+    shape = (INT4_OUTPUTS, INT4_INPUTS)
+    if kind == "int4":
+        levels = torch.randint(0, 16, shape, dtype=torch.uint8, generator=generator)
+        pairs = torch.rand(INT4_OUTPUTS, INT4_INPUTS // INT4_GROUP_SIZE, 2, generator=generator)
+        return pack_native_int4(levels), pairs.to(torch.bfloat16)
+    if kind == "int5":
+        values = torch.randint(-16, 16, shape, generator=generator)
+        scales = torch.rand(INT4_OUTPUTS, INT4_INPUTS // INT4_GROUP_SIZE, generator=generator)
+        return int5_lanes(values), scales.to(torch.bfloat16)
+    values = torch.randint(-32, 32, shape, dtype=torch.int8, generator=generator)
+    scales = torch.rand(INT4_OUTPUTS, INT4_INPUTS // 16, generator=generator)
+    return values, scales.to(torch.bfloat16)
+
+
+def prefill_gemm_flops(kind: str) -> tuple[float, float]:
+    """FLOP/s (2 per multiply-add) of prefill's integer GEMM (exo's `block_matmul`,
+    native/prefill.cpp) of `PREFILL_ROWS` float32 rows times a `kind` weight
+    (`_prefill_weight`), with the rows rounded to int16 and to int8 per block of 32
+    (`--prefill-activations`): `(int16, int8)`. Each is timed for half of
+    `PROBE_SECONDS` (a call takes a few ms, so that is still tens of repetitions)."""
+    import torch
+
+    weight, scales = _prefill_weight(kind)
+    rows = torch.randn(PREFILL_ROWS, INT4_INPUTS, generator=torch.Generator().manual_seed(5))
+    flops = 2 * PREFILL_ROWS * INT4_INPUTS * INT4_OUTPUTS
+
+    def rate(bits: int) -> float:
+        def product() -> object:
+            return torch.ops.exo_native.block_matmul(rows, weight, scales, bits)
+
+        return flops / fastest_seconds(product, PROBE_SECONDS / 2)
+
+    return rate(16), rate(8)
 
 
 def int8_decode_bytes_per_second(working_set: int) -> float:

@@ -10,7 +10,7 @@ are unsettled and not reported (the node has no speed, previews predict nothing)
 measures again once the machine is quiet (`InfoGatherer` checks every 5 minutes for an
 hour) and at its next start, keeping each figure's best (`fastest_of`), until a quiet
 measurement settles them. The measurement takes about
-`PROBE_SECONDS` × 7 (~1.5 s) plus building the operands.
+`PROBE_SECONDS` × 10 plus building the operands (the prefill GEMM figures: ~0.4 s of it).
 
 What is measured is what the engine runs (`exo.worker.engines.torch.quantize`), with the
 thread count its runners use (`runner_threads`: torch's default capped by the CPUs this
@@ -24,6 +24,10 @@ process may run on, as the engine does):
 - memory copy: `Tensor.copy_` of `COPY_BYTES`, counted as bytes read plus written;
 - bfloat16 / float32 matmul FLOP/s at `[MATMUL_ROWS, MATMUL_INNER] @ [MATMUL_INNER,
   MATMUL_INNER]` (prefill);
+- where exo's kernels run, prefill's integer GEMM (`block_matmul`) FLOP/s for int4, 5-bit
+  and Q6_K-style int8 block weights, each with the activations rounded to int16 and to int8
+  (`--prefill-activations`: the node publishes which its runners use, `NodeInfo.
+  prefill_activations`, and a TTFT prediction reads that figure);
 - per-layer overhead: one decoder layer's decode ops at a tiny width (`TinyLayer`: RMSNorm,
   int4 Q/K/V/O and gate/up/down with the engine's bfloat16 casts around each kernel, rotary,
   attention over a short KV cache, SiLU gate, residual adds), where bytes are negligible and
@@ -60,11 +64,14 @@ from exo.utils.speed_measurements import (
     matmul_flops,
     memory_copy_bytes_per_second,
     native_block_bytes_per_second,
+    prefill_gemm_flops,
     torch_threads,
 )
 
 # Bump when what is measured changes: cached figures of an older probe are measured again.
-PROBE_VERSION = 7  # 7: the int8 head kernel timed without a cast per call; 6: 5-bit lanes
+# 8: prefill GEMM FLOP/s with int16 and int8 activations; 7: the int8 head kernel timed
+# without a cast per call; 6: 5-bit lanes.
+PROBE_VERSION = 8
 CACHE_FILE_NAME = "speed_probe.json"
 # Weights cycled through per repetition, at least this many bytes (above a typical LLC) and
 # this many times the last-level cache: on the 2-core AMD EPYC (32 MiB L3, a victim cache)
@@ -141,6 +148,10 @@ def measure_node_speed(threads: int | None = None) -> NodeSpeed:
     native = native_int4_kernel() is not None
     with torch_threads(threads), torch.inference_mode():
         layer: TinyLayer | NativeTinyLayer = NativeTinyLayer() if native else TinyLayer()
+        unmeasured: tuple[float | None, float | None] = (None, None)
+        int4_gemm = prefill_gemm_flops("int4") if native else unmeasured
+        int5_gemm = prefill_gemm_flops("int5") if native else unmeasured
+        int8_block_gemm = prefill_gemm_flops("int8_blocks") if native else unmeasured
         return NodeSpeed(
             threads=threads,
             int4_decode_bytes_per_second=int4_decode_bytes_per_second(working_set),
@@ -157,6 +168,12 @@ def measure_node_speed(threads: int | None = None) -> NodeSpeed:
             int8_block_decode_bytes_per_second=(
                 native_block_bytes_per_second("int8_blocks", working_set) if native else None
             ),
+            int4_prefill_int16_flops=int4_gemm[0],
+            int4_prefill_int8_flops=int4_gemm[1],
+            int5_prefill_int16_flops=int5_gemm[0],
+            int5_prefill_int8_flops=int5_gemm[1],
+            int8_block_prefill_int16_flops=int8_block_gemm[0],
+            int8_block_prefill_int8_flops=int8_block_gemm[1],
         )
 
 
@@ -275,7 +292,9 @@ def cached_node_speed(remeasure: bool = False, path: Path | None = None) -> Prob
         f"{(speed.int5_decode_bytes_per_second or 0.0) / 1e9:.1f} GB/s, int8 blocks "
         f"{(speed.int8_block_decode_bytes_per_second or 0.0) / 1e9:.1f} GB/s, copy "
         f"{speed.memory_copy_bytes_per_second / 1e9:.1f} GB/s, bf16 matmul "
-        f"{speed.bf16_matmul_flops / 1e9:.1f} GFLOP/s, layer overhead "
+        f"{speed.bf16_matmul_flops / 1e9:.1f} GFLOP/s, int4 prefill GEMM "
+        f"{(speed.int4_prefill_int16_flops or 0.0) / 1e9:.1f} GFLOP/s (int16 activations) / "
+        f"{(speed.int4_prefill_int8_flops or 0.0) / 1e9:.1f} (int8), layer overhead "
         f"{speed.layer_overhead_seconds * 1e6:.0f} us"
     )
     if cached is not None:

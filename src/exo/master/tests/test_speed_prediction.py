@@ -9,10 +9,14 @@ from exo.master.placement_memory import pipeline_share_bytes
 from exo.master.speed_prediction import (
     DEFAULT_PROMPT_TOKENS,
     ENGINE_KV_READ_FACTOR,
+    ENGINE_PREFILL_FACTOR_ACTIVATIONS,
     decode_stage_seconds,
     predict_speed,
 )
 from exo.shared.models.memory import (
+    DEFAULT_PREFILL_ACTIVATIONS,
+    PREFILL_ACTIVATIONS,
+    PrefillActivations,
     WeightShare,
     decoder_layer_bytes,
     decoder_layer_bytes_by_kernel,
@@ -212,6 +216,98 @@ def test_a_gguf_card_is_predicted_from_the_types_its_weights_are_stored_in() -> 
     assert decode_stage_seconds(int4, speed(), share, 512) - decode_stage_seconds(
         q6_head, speed(), share, 512
     ) == pytest.approx((head_weights * 0.25 - 2 * CARD.vocab_size) / (8 * GB), rel=1e-6)
+
+
+def prefill_node(int16: float = 60e9, int8: float = 108e9) -> NodeSpeed:
+    """A node running exo's kernels whose prefill GEMM reads `int16` / `int8` FLOP/s for
+    every weight kind (int8 1.8x as fast, as the 2-core EPYC's int4 GEMM)."""
+    return speed().model_copy(
+        update={
+            "native_kernels": True,
+            **{f"{kind}_prefill_int16_flops": int16 for kind in ("int4", "int5", "int8_block")},
+            **{f"{kind}_prefill_int8_flops": int8 for kind in ("int4", "int5", "int8_block")},
+        }
+    )
+
+
+def ttft(card: ModelCard, node: NodeSpeed, rounding: PrefillActivations, prompt: int) -> float:
+    prediction = predict_speed(
+        card, "pipeline", [A], [(0, card.n_layers)], {A: node}, {}, prompt, {A: rounding}
+    )
+    assert prediction is not None
+    return prediction.ttft_seconds
+
+
+@pytest.mark.parametrize("prompt", [128, 512])
+def test_int8_prefill_activations_shorten_ttft_by_the_measured_gemm_time(prompt: int) -> None:
+    """A node rounding prefill's activations to int8 has the fitted (int16) integer GEMM's
+    time exchanged for its own measured one: 2 × linear params × prompt at int8's FLOP/s
+    instead of int16's; decode does not move."""
+    node = prefill_node()
+    params = CARD.n_layers * (576 * (2 * 576 + 2 * 288) + 3 * 576 * 1536)
+    gemm_flops = 2 * params * prompt
+    int16, int8 = ttft(CARD, node, "int16", prompt), ttft(CARD, node, "int8", prompt)
+    assert int16 - int8 == pytest.approx(gemm_flops / 60e9 - gemm_flops / 108e9, rel=1e-9)
+    # The fitted rounding is the model as it was (the same TTFT as a node without figures).
+    unmeasured = speed().model_copy(update={"native_kernels": True})
+    assert int16 == pytest.approx(ttft(CARD, unmeasured, "int16", prompt), rel=1e-12)
+    assert int16 == pytest.approx(ttft(CARD, node, ENGINE_PREFILL_FACTOR_ACTIVATIONS, prompt))
+    decode = [
+        predict_speed(CARD, "pipeline", [A], [(0, 12)], {A: node}, {}, prompt, {A: rounding})
+        for rounding in PREFILL_ACTIVATIONS
+    ]
+    assert len({d.decode_tokens_per_second for d in decode if d is not None}) == 1
+    # A node not in the mapping rounds as this exo's default.
+    default = predict_speed(CARD, "pipeline", [A], [(0, 12)], {A: node}, {}, prompt)
+    assert default is not None
+    assert default.ttft_seconds == ttft(CARD, node, DEFAULT_PREFILL_ACTIVATIONS, prompt)
+
+
+def test_the_rounding_changes_nothing_where_it_cannot_be_priced() -> None:
+    """No exchange without both figures (torch's kernels, an older node), with figures a
+    held-up measurement left over 4x apart, or for weights the rounding does not reach:
+    Q8_0's blocks keep int16, types held as bfloat16 take the float32 path."""
+    unmeasured = speed().model_copy(update={"native_kernels": True})
+    held_up = prefill_node(int8=0.5e9)
+    for node in (speed(), unmeasured, held_up):
+        assert ttft(CARD, node, "int8", 512) == ttft(CARD, node, "int16", 512)
+
+    def stored_as(*layers: tuple[str, int]) -> ModelCard:
+        types = GgufWeightTypes(layer_weights=layers, output_type="Q8_0")
+        return CARD.model_copy(update={"gguf_weight_types": types})
+
+    untouched = stored_as(("Q8_0", 1000), ("Q3_K", 1000))
+    assert ttft(untouched, prefill_node(), "int8", 512) == ttft(
+        untouched, prefill_node(), "int16", 512
+    )
+    # Half the weights Q4_K (int8 applies), half Q8_0 (int16 kept): half the int4 saving.
+    half = stored_as(("Q4_K", 1000), ("Q8_0", 1000))
+    assert ttft(half, prefill_node(), "int16", 512) - ttft(
+        half, prefill_node(), "int8", 512
+    ) == pytest.approx(
+        (ttft(CARD, prefill_node(), "int16", 512) - ttft(CARD, prefill_node(), "int8", 512)) / 2,
+        rel=1e-9,
+    )
+    # Each kind at its own figures: a 5-bit GEMM that int8 does not speed up saves nothing.
+    q5 = stored_as(("Q5_0", 1000))
+    flat_int5 = prefill_node().model_copy(update={"int5_prefill_int8_flops": 60e9})
+    assert ttft(q5, flat_int5, "int8", 512) == pytest.approx(ttft(q5, flat_int5, "int16", 512))
+    assert ttft(q5, prefill_node(), "int8", 512) < ttft(q5, prefill_node(), "int16", 512)
+
+
+def test_previews_read_each_nodes_published_prefill_activations() -> None:
+    """The master predicts from the rounding each node publishes with its info."""
+    ttfts = {}
+    for rounding in PREFILL_ACTIVATIONS:
+        info = make_node_info(4096).model_copy(
+            update={"speed": prefill_node(), "prefill_activations": rounding}
+        )
+        previews = placement_previews(CARD, make_state(nodes={A: info}), 256)
+        alone = next(p for p in previews if (p.sharding, p.node_count) == ("pipeline", 1))
+        assert alone.predicted_ttft_seconds is not None
+        ttfts[rounding] = alone.predicted_ttft_seconds
+        assert alone.predicted_ttft_seconds == ttft(CARD, prefill_node(), rounding, 256)
+    assert ttfts["int8"] < ttfts["int16"]
 
 
 def test_the_slowest_tensor_rank_sets_the_pace() -> None:

@@ -9,6 +9,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from exo.shared import election
 from exo.shared.election import ElectionMessage
 from exo.shared.models.cards import load_builtin_cards
+from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PREFILL_ACTIVATIONS
 from exo.shared.types import (
     chunks,
     commands,
@@ -228,6 +229,20 @@ NODE_SPEED = NodeSpeed(
     layer_overhead_seconds=8.5e-5,
     loopback_round_trip_seconds=4e-5,
 )
+NATIVE_NODE_SPEED = NODE_SPEED.model_copy(
+    update={
+        "native_kernels": True,
+        "int5_decode_bytes_per_second": 9e9,
+        "int8_block_decode_bytes_per_second": 1.3e10,
+        "int4_prefill_int16_flops": 9e10,
+        "int4_prefill_int8_flops": 1.7e11,
+        "int5_prefill_int16_flops": 1e11,
+        "int5_prefill_int8_flops": 1.5e11,
+        "int8_block_prefill_int16_flops": 8e10,
+        "int8_block_prefill_int8_flops": 1.2e11,
+    }
+)
+OTHER_PREFILL_ACTIVATIONS = next(a for a in PREFILL_ACTIVATIONS if a != DEFAULT_PREFILL_ACTIVATIONS)
 EDGE = TopologyEdge(
     source=NODE, sink=NodeId("node-b"), address="10.0.0.2", latency_ms=0.4, bandwidth_mbps=9400.0
 )
@@ -396,9 +411,11 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
             api_port=52415,
             api_addresses=("10.0.0.1",),
             speed=NODE_SPEED,
+            # The rounding that is not the default: the field travels, not only its default.
+            prefill_activations=OTHER_PREFILL_ACTIVATIONS,
         ),
     ],
-    NodeSpeed: [NODE_SPEED],
+    NodeSpeed: [NODE_SPEED, NATIVE_NODE_SPEED],
     GpuInfo: [GpuInfo(name="H200", total_memory_bytes=1)],
     NetworkInterface: [NetworkInterface(name="lo", addresses=("127.0.0.1", "127.0.0.2"))],
     TopologyEdge: [EDGE],

@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
 from exo.shared.types.common import FrozenModel, NodeId
 from exo.shared.types.downloads import DownloadProgress
 
@@ -52,6 +53,15 @@ class NodeSpeed(FrozenModel):
             the bytes per second exo's 5-bit block kernel (GGUF Q5_0) and int8 block
             kernel (Q8_0 / Q5_1 / Q6_K) read, one row, as `int4_decode_bytes_per_second`
             (None elsewhere, and from older nodes).
+        int4_prefill_int16_flops, int4_prefill_int8_flops: where exo's kernels run, FLOP/s
+            (2 per multiply-add) of prefill's integer GEMM (`block_matmul`, native/
+            prefill.cpp) of float32 rows times int4 block weights, the rows rounded to
+            int16 or to int8 per block of 32 (`--prefill-activations`); None elsewhere,
+            and from older nodes.
+        int5_prefill_int16_flops, int5_prefill_int8_flops: the same for 5-bit block
+            weights (GGUF Q5_0).
+        int8_block_prefill_int16_flops, int8_block_prefill_int8_flops: the same for int8
+            blocks of 16 with values in [-32, 31] (GGUF Q6_K).
     """
 
     threads: int = Field(ge=1)
@@ -65,6 +75,12 @@ class NodeSpeed(FrozenModel):
     native_kernels: bool = False
     int5_decode_bytes_per_second: float | None = Field(default=None, gt=0)
     int8_block_decode_bytes_per_second: float | None = Field(default=None, gt=0)
+    int4_prefill_int16_flops: float | None = Field(default=None, gt=0)
+    int4_prefill_int8_flops: float | None = Field(default=None, gt=0)
+    int5_prefill_int16_flops: float | None = Field(default=None, gt=0)
+    int5_prefill_int8_flops: float | None = Field(default=None, gt=0)
+    int8_block_prefill_int16_flops: float | None = Field(default=None, gt=0)
+    int8_block_prefill_int8_flops: float | None = Field(default=None, gt=0)
 
 
 class NodeInfo(FrozenModel):
@@ -74,7 +90,10 @@ class NodeInfo(FrozenModel):
     gather interval, 0-100 (reported when it moves by `CPU_CHANGE_REPORT_PERCENT`, at
     most every `LOAD_REPORT_SECONDS`: `exo.utils.info_gatherer`); `offline`: started with
     `--offline`, it can prepare only files it already holds; `speed`: its measured
-    decode and prefill rates (None until measured, and from nodes too old to measure)."""
+    decode and prefill rates (None until measured, and from nodes too old to measure);
+    `prefill_activations`: how its runners round prefill's activations
+    (`--prefill-activations`), which of its prefill GEMM figures a TTFT prediction reads
+    (nodes too old to say: `DEFAULT_PREFILL_ACTIVATIONS`)."""
 
     friendly_name: str
     memory: MemoryInfo
@@ -89,6 +108,7 @@ class NodeInfo(FrozenModel):
     api_addresses: tuple[str, ...] = ()
     offline: bool = False
     speed: NodeSpeed | None = None
+    prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS
 
 
 class TopologyEdge(FrozenModel):

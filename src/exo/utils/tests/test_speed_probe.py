@@ -48,6 +48,7 @@ def small_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(speed_probe, "COPY_BYTES", 4 * 2**20)
     monkeypatch.setattr(speed_measurements, "MATMUL_ROWS", 64)
     monkeypatch.setattr(speed_measurements, "MATMUL_INNER", 256)
+    monkeypatch.setattr(speed_measurements, "PREFILL_ROWS", 16)
     monkeypatch.setattr(speed_probe, "_llc_bytes", lambda: 2**20)
 
 
@@ -62,6 +63,47 @@ def test_a_real_measurement_is_positive_and_keeps_the_thread_count() -> None:
     assert speed.bf16_matmul_flops > 1e6 and speed.float32_matmul_flops > 1e6
     assert 0 < speed.layer_overhead_seconds < 1
     assert torch.get_num_threads() == before
+    gemm = [
+        speed.int4_prefill_int16_flops, speed.int4_prefill_int8_flops,
+        speed.int5_prefill_int16_flops, speed.int5_prefill_int8_flops,
+        speed.int8_block_prefill_int16_flops, speed.int8_block_prefill_int8_flops,
+    ]  # fmt: skip
+    # Prefill's integer GEMM with each rounding, where exo's kernels run (else not measured).
+    if speed.native_kernels:
+        assert all(figure is not None and figure > 1e6 for figure in gemm)
+    else:
+        assert gemm == [None] * 6
+
+
+@pytest.mark.parametrize("stale", ["older_probe", "unknown_field"])
+def test_a_cache_from_another_probe_is_measured_again_not_crashed_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stale: str
+) -> None:
+    """A settled cache of probe version 7 (no prefill GEMM figures), or one whose figures
+    this exo does not know (a newer exo's): measured again and replaced."""
+    monkeypatch.setattr(speed_probe, "machine_busy", lambda: False)
+    monkeypatch.setattr(speed_probe, "threads_contended", lambda _speed: False)
+    key = probe_key(runner_threads())
+    figures = SPEED.model_dump(mode="json")
+    if stale == "older_probe":
+        key = {**key, "probe_version": 7}
+    else:
+        figures["int4_prefill_int4_flops"] = 1e11
+    path = tmp_path / "speed_probe.json"
+    path.write_text(json.dumps({"key": key, "speed": figures, "settled": True}))
+    fresh = SPEED.model_copy(
+        update={"int4_prefill_int16_flops": 6e10, "int4_prefill_int8_flops": 1.1e11}
+    )
+    calls: list[int | None] = []
+
+    def measured(threads: int | None = None) -> NodeSpeed:
+        calls.append(threads)
+        return fresh
+
+    monkeypatch.setattr(speed_probe, "measure_node_speed", measured)
+    assert cached_node_speed(path=path) == ProbeResult(fresh, settled=True) and len(calls) == 1
+    assert json.loads(path.read_text())["key"] == probe_key(runner_threads())
+    assert cached_node_speed(path=path).speed == fresh and len(calls) == 1
 
 
 def test_runner_threads_stay_within_the_affinity(monkeypatch: pytest.MonkeyPatch) -> None:
