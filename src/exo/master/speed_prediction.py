@@ -260,39 +260,35 @@ def _prefill_gemm_flops(
     return int8 if activations == "int8" else int16
 
 
+# One weight kind's prefill GEMM figures further apart than this, either way, are taken
+# for a measurement other work held up, and that kind's time is not exchanged: int8
+# activations double the products per instruction (vpmaddubsw against vpmaddwd), and on
+# the 2-core EPYC the probe's GEMM ran 1.5-1.8x as fast with them; a node's probe caught
+# by its own start-up once measured 5.1x (int16's figure 70 GFLOP/s where it reads ~200).
+PREFILL_ROUNDING_MAX_RATIO = 2.5
+
+
 def prefill_gemm_seconds(
     card: ModelCard, speed: NodeSpeed, linear_flops: float, activations: PrefillActivations
-) -> float | None:
-    """Seconds prefill's integer GEMM (`block_matmul`) takes for `linear_flops` FLOPs of
-    `card`'s decoder-layer linears with activations rounded as `activations`, each weight
-    kind's share (`_prefill_gemm_shares`) at the node's measured FLOP/s for it
-    (`NodeSpeed.int4_prefill_int16_flops` ...; Q8_0's at int16's). None where a figure was
-    not measured (torch's kernels, an older node)."""
-    seconds = 0.0
-    for kernel, takes_int8, share in _prefill_gemm_shares(card):
-        rounding = activations if takes_int8 else ENGINE_PREFILL_FACTOR_ACTIVATIONS
-        rate = _prefill_gemm_flops(speed, kernel, rounding)
-        if rate is None:
-            return None
-        seconds += share * linear_flops / rate
-    return seconds
-
-
-def _rounding_seconds(
-    card: ModelCard, speed: NodeSpeed, linear_flops: float, activations: PrefillActivations
 ) -> tuple[float, float] | None:
-    """(integer GEMM seconds at `activations`, at ENGINE_PREFILL_FACTOR_ACTIVATIONS), or
-    None where that exchange does not apply: the same rounding, a figure not measured, or
-    figures more than 1 / CONSISTENT_RATE_FRACTION apart (a measurement other work held up:
-    on the 2-core EPYC int8 ran the int4 GEMM 1.8x as fast as int16, not 4x)."""
-    if activations == ENGINE_PREFILL_FACTOR_ACTIVATIONS:
-        return None
-    own = prefill_gemm_seconds(card, speed, linear_flops, activations)
-    fitted = prefill_gemm_seconds(card, speed, linear_flops, ENGINE_PREFILL_FACTOR_ACTIVATIONS)
-    if own is None or fitted is None or fitted <= 0:
-        return None
-    if not CONSISTENT_RATE_FRACTION <= own / fitted <= 1 / CONSISTENT_RATE_FRACTION:
-        return None
+    """Seconds prefill's integer GEMM (`block_matmul`) takes for `linear_flops` FLOPs of
+    `card`'s decoder-layer linears, with activations rounded as `activations` and as
+    ENGINE_PREFILL_FACTOR_ACTIVATIONS: each weight kind's share (`_prefill_gemm_shares`) at
+    the node's measured FLOP/s for it (`NodeSpeed.int4_prefill_int16_flops` ...; Q8_0's,
+    and a kind whose figures lie more than PREFILL_ROUNDING_MAX_RATIO apart, at the fitted
+    rounding's for both). None where a figure was not measured (torch's kernels, an older
+    node)."""
+    own = fitted = 0.0
+    for kernel, takes_int8, share in _prefill_gemm_shares(card):
+        fitted_rate = _prefill_gemm_flops(speed, kernel, ENGINE_PREFILL_FACTOR_ACTIVATIONS)
+        own_rate = _prefill_gemm_flops(speed, kernel, activations) if takes_int8 else fitted_rate
+        if fitted_rate is None or own_rate is None:
+            return None
+        ratio = own_rate / fitted_rate
+        if not 1 / PREFILL_ROUNDING_MAX_RATIO <= ratio <= PREFILL_ROUNDING_MAX_RATIO:
+            own_rate = fitted_rate
+        own += share * linear_flops / own_rate
+        fitted += share * linear_flops / fitted_rate
     return own, fitted
 
 
@@ -312,8 +308,8 @@ def prefill_stage_seconds(
     flops = 2 * (params * prompt_tokens + share.layers * prompt_tokens**2 * query_width)
     seconds = ENGINE_PREFILL_FACTOR * flops / speed.float32_matmul_flops
     exchanged = (
-        _rounding_seconds(card, speed, 2 * params * prompt_tokens, activations)
-        if speed.native_kernels
+        prefill_gemm_seconds(card, speed, 2 * params * prompt_tokens, activations)
+        if speed.native_kernels and activations != ENGINE_PREFILL_FACTOR_ACTIVATIONS
         else None
     )
     if exchanged is not None:  # never below the node's own GEMM time

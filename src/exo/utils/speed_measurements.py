@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -41,6 +41,25 @@ def fastest_seconds(call: Callable[[], object], seconds: float | None = None) ->
         call()
         timings.append(time.perf_counter() - started)
     return min(timings)
+
+
+def fastest_seconds_interleaved(
+    calls: Sequence[Callable[[], object]], seconds: float | None = None
+) -> list[float]:
+    """`fastest_seconds` of each of `calls`, their repetitions taken in turn over one
+    `seconds` (so other work that holds the CPUs for a while slows every call's
+    repetitions, not all of one call's: figures meant to be compared stay comparable)."""
+    seconds = PROBE_SECONDS if seconds is None else seconds
+    for call in calls:
+        call()
+    timings: list[list[float]] = [[] for _ in calls]
+    deadline = time.perf_counter() + seconds
+    while len(timings[0]) < 3 or (time.perf_counter() < deadline and len(timings[0]) < 10_000):
+        for call, taken in zip(calls, timings, strict=True):
+            started = time.perf_counter()
+            call()
+            taken.append(time.perf_counter() - started)
+    return [min(taken) for taken in timings]
 
 
 @contextmanager
@@ -169,21 +188,23 @@ def prefill_gemm_flops(kind: str) -> tuple[float, float]:
     """FLOP/s (2 per multiply-add) of prefill's integer GEMM (exo's `block_matmul`,
     native/prefill.cpp) of `PREFILL_ROWS` float32 rows times a `kind` weight
     (`_prefill_weight`), with the rows rounded to int16 and to int8 per block of 32
-    (`--prefill-activations`): `(int16, int8)`. Each is timed for half of
-    `PROBE_SECONDS` (a call takes a few ms, so that is still tens of repetitions)."""
+    (`--prefill-activations`): `(int16, int8)`, their repetitions in turn over
+    `PROBE_SECONDS` (`fastest_seconds_interleaved`: the prediction reads their ratio; a
+    call takes a few ms, so that is still tens of repetitions)."""
     import torch
 
     weight, scales = _prefill_weight(kind)
     rows = torch.randn(PREFILL_ROWS, INT4_INPUTS, generator=torch.Generator().manual_seed(5))
     flops = 2 * PREFILL_ROWS * INT4_INPUTS * INT4_OUTPUTS
 
-    def rate(bits: int) -> float:
-        def product() -> object:
-            return torch.ops.exo_native.block_matmul(rows, weight, scales, bits)
+    def int16() -> object:
+        return torch.ops.exo_native.block_matmul(rows, weight, scales, 16)
 
-        return flops / fastest_seconds(product, PROBE_SECONDS / 2)
+    def int8() -> object:
+        return torch.ops.exo_native.block_matmul(rows, weight, scales, 8)
 
-    return rate(16), rate(8)
+    int16_seconds, int8_seconds = fastest_seconds_interleaved([int16, int8])
+    return flops / int16_seconds, flops / int8_seconds
 
 
 def int8_decode_bytes_per_second(working_set: int) -> float:

@@ -265,11 +265,12 @@ def test_int8_prefill_activations_shorten_ttft_by_the_measured_gemm_time(prompt:
 
 def test_the_rounding_changes_nothing_where_it_cannot_be_priced() -> None:
     """No exchange without both figures (torch's kernels, an older node), with figures a
-    held-up measurement left over 4x apart, or for weights the rounding does not reach:
+    held-up measurement left too far apart, or for weights the rounding does not reach:
     Q8_0's blocks keep int16, types held as bfloat16 take the float32 path."""
     unmeasured = speed().model_copy(update={"native_kernels": True})
-    held_up = prefill_node(int8=0.5e9)
-    for node in (speed(), unmeasured, held_up):
+    held_up_int16 = prefill_node(int16=70e9, int8=361e9)  # a node's start-up held it
+    held_up_int8 = prefill_node(int8=20e9)
+    for node in (speed(), unmeasured, held_up_int16, held_up_int8):
         assert ttft(CARD, node, "int8", 512) == ttft(CARD, node, "int16", 512)
 
     def stored_as(*layers: tuple[str, int]) -> ModelCard:

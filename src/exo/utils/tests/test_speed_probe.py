@@ -75,6 +75,17 @@ def test_a_real_measurement_is_positive_and_keeps_the_thread_count() -> None:
         assert gemm == [None] * 6
 
 
+def test_interleaved_timings_take_every_call_in_turn() -> None:
+    """The prefill GEMM's two roundings are timed in turn, so a stretch of other work
+    slows repetitions of both, never all of one."""
+    order: list[str] = []
+    timings = speed_measurements.fastest_seconds_interleaved(
+        [lambda: order.append("int16"), lambda: order.append("int8")], seconds=0.0
+    )
+    assert len(timings) == 2 and all(seconds >= 0 for seconds in timings)
+    assert order == ["int16", "int8"] * 4  # a warm-up each, then at least 3 rounds
+
+
 @pytest.mark.parametrize("stale", ["older_probe", "unknown_field"])
 def test_a_cache_from_another_probe_is_measured_again_not_crashed_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stale: str
