@@ -117,27 +117,41 @@ class TokenChunk(FrozenModel):
     cache (the final `usage.cached_tokens` repeats it). None when not known."""
 
 
-def merged_token_chunks(first: TokenChunk, second: TokenChunk) -> TokenChunk:
-    """`first` then `second` (the same command's next chunk) as one chunk: texts, token ids
-    and logprobs in order; the end (finish reason, usage, stop sequence) is `second`'s, the
-    start (prompt and cached token counts) `first`'s unless only `second` has it.
+def merged_token_chunks(first: TokenChunk, *rest: TokenChunk) -> TokenChunk:
+    """`first` then each of `rest` (the same command's next chunks, in order) as one chunk:
+    texts, token ids and logprobs in order; the end (finish reason, usage, stop sequence)
+    is the last chunk's, the start (prompt and cached token counts) the first chunk's that
+    has it. One copy however many chunks merge.
 
     Raises:
-        ValueError: the chunks belong to different commands, or `first` already ended.
+        ValueError: the chunks belong to different commands, or one before the last
+            already ended.
     """
-    if first.command_id != second.command_id or first.finish_reason is not None:
+    if not rest:
+        return first
+    chunks = (first, *rest)
+    last = rest[-1]
+    if (
+        any(
+            chunk.command_id != first.command_id or chunk.finish_reason is not None
+            for chunk in chunks[:-1]
+        )
+        or last.command_id != first.command_id
+    ):
         raise ValueError("only a command's unfinished chunk merges with its next one")
-    return second.model_copy(
+    return last.model_copy(
         update={
-            "text": first.text + second.text,
-            "reasoning_text": first.reasoning_text + second.reasoning_text,
-            "token_ids": first.token_ids + second.token_ids,
-            "logprobs": first.logprobs + second.logprobs,
-            "prompt_tokens": (
-                first.prompt_tokens if first.prompt_tokens is not None else second.prompt_tokens
+            "text": "".join(chunk.text for chunk in chunks),
+            "reasoning_text": "".join(chunk.reasoning_text for chunk in chunks),
+            "token_ids": tuple(token for chunk in chunks for token in chunk.token_ids),
+            "logprobs": tuple(entry for chunk in chunks for entry in chunk.logprobs),
+            "prompt_tokens": next(
+                (chunk.prompt_tokens for chunk in chunks if chunk.prompt_tokens is not None),
+                None,
             ),
-            "cached_tokens": (
-                first.cached_tokens if first.cached_tokens is not None else second.cached_tokens
+            "cached_tokens": next(
+                (chunk.cached_tokens for chunk in chunks if chunk.cached_tokens is not None),
+                None,
             ),
         }
     )

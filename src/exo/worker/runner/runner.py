@@ -408,11 +408,11 @@ class Runner:
     def _report_kv_cache(self, force: bool = False) -> None:
         """Tell the supervisor the KV cache's use (for the node's `/metrics`) when it changed:
         at most every `KV_REPORT_INTERVAL_S`, or at once when `force` (the batch emptied)."""
-        usage = self._engine.kv_cache_usage() if self._engine is not None else None
-        if usage is None or usage == self._kv_reported:
-            return
         now = time.monotonic()
         if not force and now - self._kv_reported_at < KV_REPORT_INTERVAL_S:
+            return
+        usage = self._engine.kv_cache_usage() if self._engine is not None else None
+        if usage is None or usage == self._kv_reported:
             return
         self._kv_reported, self._kv_reported_at = usage, now
         running, cached, budget = usage
@@ -424,6 +424,8 @@ class Runner:
         """RunnerRunning while any generation runs, else ready (reported on change)."""
         if isinstance(self._status, RunnerFailed):
             return
+        if self._generations and isinstance(self._status, RunnerRunning):
+            return  # unchanged (a step's common case: no status built and compared)
         status: RunnerStatus = (
             RunnerRunning(max_concurrent_requests=self._ready.max_concurrent_requests)
             if self._generations

@@ -27,7 +27,8 @@ class ChunkGrouper:
     def __init__(self, interval_s: float, send: Callable[[TokenChunk], None]) -> None:
         self._interval = interval_s
         self._send = send
-        self._held: dict[CommandId, TokenChunk] = {}
+        # Per command, the chunks held (merged into one when they leave: one copy).
+        self._held: dict[CommandId, list[TokenChunk]] = {}
         self._streamed_at: dict[CommandId, float] = {}
 
     @property
@@ -41,19 +42,23 @@ class ChunkGrouper:
         less than the interval ago, the last step took less than the interval (`last_step_s`,
         so the next chunk comes soon) and `chunk` is neither the first (`prompt_tokens` set)
         nor the last (`finish_reason` set)."""
-        held = self._held.pop(chunk.command_id, None)
-        if held is not None:
-            chunk = merged_token_chunks(held, chunk)
         now = time.monotonic()
+        held = self._held.get(chunk.command_id)
         if (
             may_hold
             and chunk.finish_reason is None
-            and chunk.prompt_tokens is None
+            and chunk.prompt_tokens is None  # (so is every held chunk's)
             and last_step_s < self._interval
             and now - self._streamed_at.get(chunk.command_id, float("-inf")) < self._interval
         ):
-            self._held[chunk.command_id] = chunk
+            if held is None:
+                self._held[chunk.command_id] = [chunk]
+            else:
+                held.append(chunk)
             return
+        if held is not None:
+            del self._held[chunk.command_id]
+            chunk = merged_token_chunks(*held, chunk)
         self._streamed_at[chunk.command_id] = now
         if chunk.finish_reason is not None:
             del self._streamed_at[chunk.command_id]
@@ -65,7 +70,7 @@ class ChunkGrouper:
         held = self._held.pop(command_id, None)
         if held is not None:
             self._streamed_at[command_id] = time.monotonic()
-            self._send(held)
+            self._send(merged_token_chunks(*held))
 
     def forget(self, command_id: CommandId) -> None:
         """A stream ends: what it held leaves, its send time is dropped."""

@@ -179,6 +179,23 @@ def test_only_a_commands_unfinished_chunk_merges() -> None:
         merged_token_chunks(first, other)
 
 
+def test_many_chunks_merge_in_order_in_one_copy() -> None:
+    def chunk(text: str, token: int, **fields: Any) -> TokenChunk:
+        return TokenChunk(
+            command_id=CommandId("a"), model=ModelId("m"), text=text, token_ids=(token,),
+            reasoning_text=text.upper(), **fields,
+        )  # fmt: skip
+
+    first, middle = chunk("a", 1, prompt_tokens=5, cached_tokens=2), chunk("b", 2)
+    last = chunk("c", 3, finish_reason="length", stop_sequence=None)
+    merged = merged_token_chunks(first, middle, last)
+    assert (merged.text, merged.reasoning_text, merged.token_ids) == ("abc", "ABC", (1, 2, 3))
+    assert (merged.prompt_tokens, merged.cached_tokens, merged.finish_reason) == (5, 2, "length")
+    assert merged_token_chunks(middle) is middle
+    with pytest.raises(ValueError, match="merges"):
+        merged_token_chunks(first, last, middle)  # a finished chunk before the last
+
+
 @pytest.mark.parametrize("value", ["-1", "1001", "nan"])
 def test_a_stream_interval_out_of_range_is_refused(value: str) -> None:
     with pytest.raises(SystemExit):
