@@ -3,7 +3,7 @@
 Each chunk a runner streams costs the node a pipe message, an event-loop wake-up and a
 response write, on the cores that decode. When decode steps are shorter than the stream
 interval, a command's token chunks are held and leave merged (texts, token ids and
-logprobs in order): at ~150 tok/s and 15 ms, two or three tokens per chunk. The first
+logprobs in order): at ~150 tok/s and 30 ms, four or five tokens per chunk. The first
 chunk (it carries the prompt's size: TTFT) and the last never wait. SGLang's
 `--stream-interval` groups tokens the same way, by count."""
 
