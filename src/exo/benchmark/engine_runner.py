@@ -97,6 +97,7 @@ def run_engine(
                 finish[request_id] = str(piece.finish_reason)
     else:
         raise EngineRunError(f"the engine still had work after {budget} steps")
+    engine.store_finished()  # as a runner does once the last pieces are out
     timings = []
     for request_id in submitted:
         if counts.get(request_id) != generation_tokens:

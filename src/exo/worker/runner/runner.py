@@ -354,7 +354,8 @@ class Runner:
 
     def _run_step(self) -> None:
         """Take the messages that arrived, then run one step; everything both produce (for
-        every request) leaves as one pipe message at the end."""
+        every request) leaves as one pipe message at the end. Then the KV of the requests
+        that finished enters the prefix cache (their last pieces are out by then)."""
         self._holding = True
         try:
             self._handle_waiting_messages()
@@ -363,6 +364,8 @@ class Runner:
         finally:
             self._holding = False
             self._flush()
+        if self._engine is not None and self._engine.store_finished():
+            self._report_kv_cache(force=not self._generations)  # KV moved to the prefix cache
 
     def _step(self) -> None:
         """One engine step; stream each request's pieces, end the finished ones."""

@@ -72,6 +72,9 @@ class BatchEngine:
         # 3 prompt tokens plus one per piece for each running request; no prefix cache.
         return sum(3 + done for done in self.running.values()), 0, 100
 
+    def store_finished(self) -> int:
+        return 0  # no prefix cache
+
 
 def test_requests_run_together_and_a_cancel_or_failure_ends_only_its_own() -> None:
     inbound_reader, inbound_writer = Pipe(duplex=False)

@@ -43,6 +43,9 @@ class ScriptedEngine:
     def kv_cache_usage(self) -> None:
         return None  # no scheduler yet: nothing to report
 
+    def store_finished(self) -> int:
+        return 0  # no prefix cache
+
     def step(self) -> list[tuple[str, GeneratedPiece]]:
         return [(self._request_id, self._pieces.pop(0))] if self._pieces else []
 

@@ -513,6 +513,12 @@ class TorchEngine:
         """
         return self.scheduler.step()
 
+    def store_finished(self) -> int:
+        """Copy the KV of the requests that finished in the last step into the prefix cache
+        (the next `step` does it first otherwise); how many requests. Call it once that
+        step's outputs are sent, so a request's last piece never waits for the copy."""
+        return self._scheduler.store_finished() if self._scheduler is not None else 0
+
     def cancel(self, request_id: str) -> bool:
         """Drop a queued or running request and free its KV; False if it is unknown (or
         already finished)."""
@@ -534,6 +540,7 @@ class TorchEngine:
     def clear_prefix_cache(self) -> None:
         """Forget every cached prefix (the next requests prefill their whole prompts)."""
         if self._scheduler is not None and self._scheduler.prefix_cache is not None:
+            self._scheduler.store_finished()  # its slots free; what it stores goes too
             self._scheduler.prefix_cache.evict(0)
 
     @property
@@ -564,6 +571,7 @@ class TorchEngine:
         """
         if self.has_work:
             raise RuntimeError("generate() needs an idle engine; use submit() and step()")
+        self.store_finished()
         handle = self.submit(params, prompt)
         finished = False
         try:
@@ -578,3 +586,4 @@ class TorchEngine:
         finally:
             if not finished:
                 self.cancel(handle.request_id)
+            self.store_finished()

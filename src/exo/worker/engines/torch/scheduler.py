@@ -155,6 +155,9 @@ class BatchScheduler:
         self._in_flight: deque[_Launched] = deque()
         self._waiting: deque[RequestState] = deque()
         self._running: list[_Running] = []
+        # Requests that finished in a step whose KV still waits in their slots to enter the
+        # prefix cache (`store_finished`, once the step's outputs are out).
+        self._finished: list[_Running] = []
         self._admissions = itertools.count()
         self.preemptions = 0
 
@@ -196,8 +199,24 @@ class BatchScheduler:
         return False
 
     def kv_tokens(self) -> int:
-        """Tokens of KV held now by running requests (the prefix cache not counted)."""
-        return sum(running.computed for running in self._running)
+        """Tokens of KV held now by running requests and by finished ones waiting for
+        `store_finished` (the prefix cache not counted)."""
+        return sum(running.computed for running in itertools.chain(self._running, self._finished))
+
+    def store_finished(self) -> int:
+        """Copy the KV of the requests that finished in the last step into the prefix cache
+        and free their slots; how many requests. `step` does it first; a caller that has
+        sent a step's outputs calls it sooner, so a request's last piece never waits for the
+        copy (SmolLM2-135M on 2 cores: 6 ms at 191 tokens, 32 ms at 1,563: a fresh
+        mapping's page faults)."""
+        stored = len(self._finished)
+        while self._finished:
+            running = self._finished.pop(0)
+            assert self.prefix_cache is not None
+            kv = self._cache.read(running.slot, running.computed)
+            self.prefix_cache.insert(running.tokens[: running.computed], kv)
+            self._free(running)
+        return stored
 
     # -- one step ---------------------------------------------------------------------
 
@@ -215,6 +234,7 @@ class BatchScheduler:
             Exception: a forward pass failed (every running request is dropped, and every
                 step in flight with them).
         """
+        self.store_finished()
         self._admit()
         launched = self._launch_step()
         if self._in_flight and (not launched or len(self._in_flight) >= self.max_in_flight):
@@ -391,14 +411,20 @@ class BatchScheduler:
             )
 
     def _release(self, running: _Running, keep_prefix: bool) -> None:
-        """Free the request's slot (storing its KV in the prefix cache when asked)."""
+        """Take the request out of the batch and free its slot; with `keep_prefix` (and a
+        prefix cache) the slot is kept for `store_finished` to copy its KV first."""
         self._running.remove(running)
         if keep_prefix and self.prefix_cache is not None and running.computed > 0:
-            kv = self._cache.read(running.slot, running.computed)
-            self.prefix_cache.insert(running.tokens[: running.computed], kv)
+            self._finished.append(running)
+            return
+        self._free(running)
+
+    def _free(self, running: _Running) -> None:
+        """Free `running`'s slot; the request whose slot moves into it (the last one) is
+        told its new slot number."""
         moved = self._cache.free(running.slot)
         if moved is not None:
-            for other in self._running:
+            for other in itertools.chain(self._running, self._finished):
                 if other.slot == moved:
                     other.slot = running.slot
                     break

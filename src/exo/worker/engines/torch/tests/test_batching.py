@@ -95,6 +95,7 @@ def run_batch(
             assert isinstance(output, GeneratedPiece), (request_id, output)
             pieces[request_id].append(output)
         if step >= max(join_at) and not engine.has_work:
+            engine.store_finished()  # as a runner does once the last pieces are out
             return pieces
     raise AssertionError("the batch did not finish within 2,000 steps")
 
@@ -360,3 +361,73 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_a_stream_keeps_decoding(
         assert len(stream.generated_ids) == before + 1  # one token every step
     assert steps == -(-prompt_tokens // PREFILL_TOKENS_PER_STEP)
     assert engine.cancel("s")
+
+
+def _step_until_finished(engine: TorchEngine, request_id: str) -> None:
+    for _ in range(200):
+        for finished_id, output in engine.step():
+            assert isinstance(output, GeneratedPiece)
+            if finished_id == request_id and output.finish_reason is not None:
+                return
+    raise AssertionError(f"{request_id} did not finish within 200 steps")
+
+
+def test_a_finished_requests_kv_enters_the_prefix_cache_after_its_last_piece(
+    tiny_card: Any, tiny_model_dir: Path
+) -> None:
+    """The step that streams a request's last piece leaves its KV in the slot; the copy into
+    the prefix cache (`store_finished`, or the next step) comes after, and a later request
+    with the same conversation reuses it."""
+    engine = tiny_llama(tiny_card, tiny_model_dir)
+    scheduler = engine.scheduler
+    assert scheduler.prefix_cache is not None
+    state = engine.build_request(request(PROMPTS[1], temperature=0.0, max_tokens=3), None, "a")
+    scheduler.add(state)
+    _step_until_finished(engine, "a")
+    held = scheduler.kv_tokens()
+    assert held == len(state.prompt_ids) + 2  # the last token's KV is never computed
+    assert scheduler.prefix_cache.tokens == 0 and not engine.has_work
+    engine.store_finished()
+    assert scheduler.kv_tokens() == 0 and scheduler.prefix_cache.tokens == held
+    engine.store_finished()  # nothing left: a no-op
+    assert scheduler.prefix_cache.tokens == held
+    again = list(engine.generate(request(PROMPTS[1], temperature=0.0, max_tokens=3)))
+    usage = again[-1].usage
+    assert usage is not None and usage.cached_tokens == len(state.prompt_ids) - 1
+
+
+def test_a_finished_request_whose_slot_moves_before_the_copy_stores_its_own_kv(
+    tiny_card: Any, tiny_model_dir: Path
+) -> None:
+    """Three requests in slots 0, 1, 2; the one in slot 2 finishes, then the one in slot 0
+    is cancelled before the copy: slot 2's KV moves into slot 0, and the prefix cache gets
+    the finished request's KV (as when it ran alone), not the cancelled one's."""
+    engine = tiny_llama(tiny_card, tiny_model_dir)
+    scheduler = engine.scheduler
+    assert scheduler.prefix_cache is not None
+    short = request(PROMPTS[2], temperature=0.0, max_tokens=2)
+    solo = engine.build_request(short, None, "solo")
+    scheduler.add(solo)
+    _step_until_finished(engine, "solo")
+    engine.store_finished()
+    solo_tokens = solo.prompt_ids + solo.generated_ids[:-1]
+    match = scheduler.prefix_cache.lookup([*solo_tokens, 0], limit=len(solo_tokens))
+    assert match is not None and match.length == len(solo_tokens)
+    expected = match.kv.clone()
+    engine.clear_prefix_cache()
+    for request_id, params in (
+        ("long-a", request(PROMPTS[0], temperature=0.0, max_tokens=10)),
+        ("long-b", request(PROMPTS[1], temperature=0.0, max_tokens=10)),
+        ("short", short),
+    ):
+        scheduler.add(engine.build_request(params, None, request_id))
+    _step_until_finished(engine, "short")
+    assert engine.cancel("long-a")  # frees slot 0: slot 2 (the finished request) moves in
+    engine.store_finished()
+    match = scheduler.prefix_cache.lookup([*solo_tokens, 0], limit=len(solo_tokens))
+    assert match is not None and match.length == len(solo_tokens)
+    assert torch.allclose(match.kv, expected, atol=1e-5, rtol=0)
+    while engine.has_work:
+        engine.step()
+    engine.store_finished()
+    assert scheduler.kv_tokens() == 0
