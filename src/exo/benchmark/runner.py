@@ -24,6 +24,7 @@ from exo.benchmark.llama_cpp_runner import LlamaCppRunner
 from exo.benchmark.prompts import ModelText
 from exo.benchmark.stats import BenchReport, CaseResult, RunResult, ratio, write_json
 from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
+from exo.utils.heap import freeze_long_lived_objects
 
 Print = Callable[[str], None]
 
@@ -201,6 +202,9 @@ def run_bench(config: BenchConfig, say: Print = print) -> BenchReport:
             engine = load_engine_for_bench(
                 model_dir, prefill_activations=config.prefill_activations
             )
+        # This process's client times every chunk: a full collection over the engine's
+        # objects (~170 ms) in the middle of a run would show up as a stalled stream.
+        freeze_long_lived_objects()
         for placement in config.placements:
             _bench_placement(
                 config, report, nodes, placement, model_id, model_text, llama, engine,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import os
 import sys
 import time
@@ -63,6 +64,23 @@ def bound_kernel_caches(environ: MutableMapping[str, str] | None = None) -> None
     target = os.environ if environ is None else environ
     for name in KERNEL_CACHE_VARIABLES:
         target.setdefault(name, str(KERNEL_CACHE_CAPACITY))
+
+
+def freeze_long_lived_objects() -> int:
+    """Collect garbage, then move every object alive now into the collector's permanent
+    generation (`gc.freeze`, Python >= 3.7), where later collections do not walk it; how
+    many objects were frozen.
+
+    Call it once a process has built what it keeps for its whole life (a runner's loaded and
+    warmed-up model). A full collection otherwise walks those objects too: in a runner of
+    SmolLM2-135M one took 170 ms, measured while it streamed (one every ~1,200 tokens),
+    stalling that decode step; after freezing, 0.2 ms. The frozen objects are never freed by
+    the cycle collector (they still are by reference counting), so call it after loading,
+    not in a loop.
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def trim_heap() -> bool:

@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 from exo.utils import heap
-from exo.utils.heap import HeapTrimmer, trim_heap
+from exo.utils.heap import HeapTrimmer, freeze_long_lived_objects, trim_heap
 
 MIB = 2**20
 
@@ -120,3 +120,26 @@ def test_bounded_kernel_caches_keep_the_heap_flat_over_distinct_shapes() -> None
         f"heap still grew {bounded_later:.0f} MiB over 200 new shapes with full caches"
         f" (unbounded: {unbounded_later:.0f} MiB)"
     )
+
+
+def test_frozen_objects_leave_the_collectors_generations() -> None:
+    import gc
+    import itertools
+
+    class Node:
+        def __init__(self) -> None:
+            self.other: Node | None = None
+
+    kept = [Node() for _ in range(1000)]
+    for first, second in itertools.pairwise(kept):
+        first.other = second
+    frozen = freeze_long_lived_objects()
+    try:
+        assert frozen >= 1000 and gc.get_freeze_count() == frozen
+        assert not any(gc.is_tracked(node) and node in gc.get_objects(2) for node in kept[:3])
+        cycle = Node()
+        cycle.other = cycle  # garbage made after the freeze is still collected
+        del cycle
+        assert gc.collect() >= 1
+    finally:
+        gc.unfreeze()

@@ -62,7 +62,7 @@ from exo.shared.types.tasks import (
     TaskStatus,
     TextGeneration,
 )
-from exo.utils.heap import HeapTrimmer
+from exo.utils.heap import HeapTrimmer, freeze_long_lived_objects
 from exo.worker.engines.output_parsing import OutputParser
 from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
 from exo.worker.engines.torch.request_state import GeneratedPiece
@@ -317,6 +317,7 @@ class Runner:
             self._set_status(RunnerFailed(error_message=f"warm-up failed: {error}"))
             return
         logger.info(f"runner {self.runner_id}: warmed up in {time.perf_counter() - started:.1f}s")
+        freeze_long_lived_objects()  # the model: no full collection walks it mid-decode
         self._ready = RunnerReady(
             weight_bytes=parameter_bytes(self._engine.model),
             max_concurrent_requests=self._engine.max_concurrent_requests,
