@@ -450,6 +450,8 @@ class Runner:
                 self._engine.cancel(str(task_id))
             self._end_task(generation.task, TaskCancelled())
             self._update_status()
+            # No step may follow (the batch emptied): the node's /metrics learns it now.
+            self._report_kv_cache(force=not self._generations)
 
     def _handle_waiting_messages(self) -> None:
         """Handle every message that arrived since the last step, without blocking."""

@@ -147,3 +147,27 @@ def test_requests_run_together_and_a_cancel_or_failure_ends_only_its_own() -> No
     assert kv_reports[-1] == KVCacheReport(
         running_tokens=0, prefix_cache_tokens=0, budget_tokens=100
     )
+
+
+def test_cancelling_the_last_request_reports_the_freed_kv_at_once() -> None:
+    """A cancel (a client that hung up) that empties the batch is followed by no step; the
+    KV report saying nothing runs goes out with the cancel, not at the next request."""
+    inbound_reader, _inbound_writer = Pipe(duplex=False)
+    outbound_reader, outbound_writer = Pipe(duplex=False)
+    runner = Runner(RunnerId("runner-1"), make_shard(), inbound_reader, outbound_writer)
+    engine = BatchEngine(length=50)
+    runner._engine = cast(Any, engine)
+    runner._ready = RunnerReady(max_concurrent_requests=4)
+    runner._status = runner._ready
+    runner._start_generation(make_text_generation_task(task_id="task-a"))
+    for _step in range(3):  # reports are throttled: the last one says 4 tokens
+        runner._run_step()
+    while outbound_reader.poll(0):
+        outbound_reader.recv_bytes()
+    runner._cancel("task-a")
+    sent: list[RunnerOutbound] = []
+    while outbound_reader.poll(0):
+        sent.extend(decode_outbound(outbound_reader.recv_bytes()))
+    reports = [message for message in sent if isinstance(message, KVCacheReport)]
+    assert reports == [KVCacheReport(running_tokens=0, prefix_cache_tokens=0, budget_tokens=100)]
+    assert engine.cancelled == ["task-a"]
