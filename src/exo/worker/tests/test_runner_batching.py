@@ -5,6 +5,7 @@ engine fails alone fails only itself."""
 from __future__ import annotations
 
 from multiprocessing import Pipe
+from multiprocessing.connection import Connection
 from typing import Any, cast
 
 from exo.shared.types.chunks import ErrorChunk, TokenChunk, Usage
@@ -76,14 +77,21 @@ class BatchEngine:
         return 0  # no prefix cache
 
 
-def test_requests_run_together_and_a_cancel_or_failure_ends_only_its_own() -> None:
+def ready_runner(engine: BatchEngine) -> tuple[Runner, Connection, Connection]:
+    """A runner serving `engine`, ready; with the pipe end that writes to it and the one
+    that reads what it sends."""
     inbound_reader, inbound_writer = Pipe(duplex=False)
     outbound_reader, outbound_writer = Pipe(duplex=False)
     runner = Runner(RunnerId("runner-1"), make_shard(), inbound_reader, outbound_writer)
-    engine = BatchEngine(length=4)
     runner._engine = cast(Any, engine)
     runner._ready = RunnerReady(max_concurrent_requests=4)
     runner._status = runner._ready
+    return runner, inbound_writer, outbound_reader
+
+
+def test_requests_run_together_and_a_cancel_or_failure_ends_only_its_own() -> None:
+    engine = BatchEngine(length=4)
+    runner, inbound_writer, outbound_reader = ready_runner(engine)
     tasks = [make_text_generation_task(task_id=f"task-{name}") for name in ("a", "b", "bad")]
     for task in tasks:
         runner._start_generation(task)
@@ -152,13 +160,8 @@ def test_requests_run_together_and_a_cancel_or_failure_ends_only_its_own() -> No
 def test_cancelling_the_last_request_reports_the_freed_kv_at_once() -> None:
     """A cancel (a client that hung up) that empties the batch is followed by no step; the
     KV report saying nothing runs goes out with the cancel, not at the next request."""
-    inbound_reader, _inbound_writer = Pipe(duplex=False)
-    outbound_reader, outbound_writer = Pipe(duplex=False)
-    runner = Runner(RunnerId("runner-1"), make_shard(), inbound_reader, outbound_writer)
     engine = BatchEngine(length=50)
-    runner._engine = cast(Any, engine)
-    runner._ready = RunnerReady(max_concurrent_requests=4)
-    runner._status = runner._ready
+    runner, _inbound_writer, outbound_reader = ready_runner(engine)
     runner._start_generation(make_text_generation_task(task_id="task-a"))
     for _step in range(3):  # reports are throttled: the last one says 4 tokens
         runner._run_step()
