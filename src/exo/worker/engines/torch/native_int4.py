@@ -1,4 +1,4 @@
-"""exo's own CPU kernels (`native/*.cpp`) for x86 CPUs without AVX512: decode products
+"""exo's own CPU kernels (`native/*.cpp`) for x86 CPUs with AVX2 + FMA: decode products
 for int4 blocks, int8 per channel and bfloat16 weights (`int4_gemv.cpp`), int8 blocks with
 (scale, zero) pairs or symmetric scales per 16 or 32 inputs (`int8_blocks.cpp`), GGUF Q5_0's
 5-bit blocks (`int5_blocks.cpp`),
@@ -8,18 +8,21 @@ prefill products (`prefill.cpp`), prefill's gated activation and q/k norm + rota
 
 torch's `aten._weight_int4pack_mm_for_cpu` is fast where torch dispatches to AVX512 (its
 tiled kernel reads the packed weights at memory speed) but on AVX2-only CPUs (AMD Zen 1-3,
-most Intel desktop parts) it takes a compute-bound path: measured on a 2-core AMD EPYC
-(Zen 3, AVX2), a 3072x576 int4 product took 128 µs (7 GB/s of packed weights; the int8
-kernel 78 µs, a float32 matmul 167 µs), and SmolLM2-135M decoded at 45 tok/s against
-llama.cpp's 135 on the same cores. exo's kernel holds int4 blocks of 32 (pairs of blocks
-as 16-bit lanes of four nibbles), takes float32 activations (no cast to bfloat16 around
-each call), rounds them to int16 per block, sums the products in int32 with AVX2 and
-prefetches each weight row 16 KiB ahead (see the C++ file): 49 µs for the same product
-from cache (22 GB/s), SmolLM2's 30 layers from memory at 18 GB/s; teacher-forced on 400 tokens
-of SmolLM2-135M (measured with blocks in GGUF's byte order) its KL from the float32
-model is 3.1e-4 (torch's int4 kernel on bfloat16 activations: 1.1e-3). torch's RMSNorm
-runs as ~7 operators on CPU (16 µs for one 576-wide row here); exo's takes one pass (3 µs,
-mostly the call).
+most Intel desktop parts) it takes a compute-bound path: measured on a 2-core AMD EPYC (Zen
+3, AVX2), a 3072x576 int4 product took 128 µs (7 GB/s of packed weights; the int8 kernel 78
+µs, a float32 matmul 167 µs), and SmolLM2-135M decoded at 45 tok/s against llama.cpp's 135
+on the same cores. Where torch dispatches to AVX512 its kernel is not fast either: on a
+2-core Intel Xeon (Emerald Rapids, AVX512 with BF16 and VNNI, no AMX exposed; 2026-12-02)
+SmolLM2-135M decoded at 46 tok/s with it and 106 with exo's kernels (llama.cpp: 74-80), so
+exo's kernels run on every x86 CPU with AVX2 + FMA. exo's kernel holds int4 blocks of 32
+(pairs of blocks as 16-bit lanes of four nibbles), takes float32 activations (no cast to
+bfloat16 around each call), rounds them to int16 per block, sums the products in int32 with
+AVX2 and prefetches each weight row 16 KiB ahead (see the C++ file): 49 µs for the same
+product from cache (22 GB/s), SmolLM2's 30 layers from memory at 18 GB/s; teacher-forced on
+400 tokens of SmolLM2-135M (measured with blocks in GGUF's byte order) its KL from the
+float32 model is 3.1e-4 (torch's int4 kernel on bfloat16 activations: 1.1e-3). torch's
+RMSNorm runs as ~7 operators on CPU (16 µs for one 576-wide row here); exo's takes one pass
+(3 µs, mostly the call).
 
 The C++ files are compiled on first use (torch's extension builder: the machine's C++
 compiler and `ninja`, a dependency) into a cache directory (`TORCH_EXTENSIONS_DIR`, else
@@ -30,8 +33,7 @@ once and keeps torch's kernels.
 
 `NATIVE_INT4_ENV`: "1" uses the kernels on any CPU (the AVX2 path on x86 CPUs with AVX2 +
 FMA, a portable exact float32 loop elsewhere; for tests and A/B runs), "0" never; unset:
-only where torch dispatches below AVX512 and the CPU has AVX2 + FMA.
-"""
+where the CPU has AVX2 + FMA (AVX512 CPUs included)."""
 
 from __future__ import annotations
 
@@ -112,12 +114,12 @@ def rounded_activations(rows: torch.Tensor) -> torch.Tensor:
 
 def native_int4_wanted() -> bool:
     """Whether int4 linears should hold exo's layout and run its kernel (`NATIVE_INT4_ENV`,
-    else: AVX2 + FMA and torch dispatching below AVX512). Building may still fail:
+    else: an x86 CPU with AVX2 + FMA). Building may still fail:
     `native_int4_kernel()` then returns None."""
     forced = os.environ.get(NATIVE_INT4_ENV)
     if forced in ("0", "1"):
         return forced == "1"
-    return _x86_avx2() and not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return _x86_avx2()
 
 
 def native_int4_kernel() -> Int4Gemv | None:

@@ -14,9 +14,9 @@ for one oneDNN matmul, which is much faster than the row-by-row kernels there.
 Measured on the 2-core reference machine (AVX512-BF16/AMX), SmolLM2-135M: see
 bench/bench_engine.py and the engine's `weight_dtype` option.
 
-On x86 CPUs where torch dispatches below AVX512 (AVX2), torch's int4 kernel is
-compute-bound and slower than its int8 one; int4 linears there hold exo's layout and run
-exo's own kernel on float32 rows (`native_int4`, `Int4Linear._hold`).
+On x86 CPUs with AVX2 + FMA (AVX512 ones included: measured slower there too, see
+`native_int4`), int4 linears hold exo's layout and run exo's own kernel on float32 rows
+(`native_int4`, `Int4Linear._hold`); torch's kernels remain for other CPUs.
 """
 
 from __future__ import annotations

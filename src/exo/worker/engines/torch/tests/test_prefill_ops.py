@@ -1,6 +1,7 @@
 """exo's prefill operators (`native/decode_layer.cpp`, what the decode layer runs per row)
 against torch's:
-- the gated activation act(gate) * up: SiLU equal, the tanh GELU (computed as
+- the gated activation act(gate) * up: SiLU equal where torch dispatches to AVX2 (else within
+  the bound below), the tanh GELU (computed as
   g sigmoid(2 z)) and the exact GELU within a few float32 ulps of |gate * up|, at widths
   with and without a vector tail, over rows split across threads;
 - per-head q/k norm and rotary in place (`qk_norm_rotary`): the lean forward's torch
@@ -43,7 +44,9 @@ def test_gated_activation_matches_torch(
     assert out.shape == (rows, intermediate) and torch.isfinite(out).all()
     bound = ULPS * (gate.abs() * up.abs()) + 1e-30
     assert ((out - expected).abs() <= bound).all()
-    if code == 0:
+    if code == 0 and torch.backends.cpu.get_cpu_capability() == "AVX2":
+        # The same SLEEF exp at the same vector width as torch's SiLU: equal. (Where torch
+        # dispatches to AVX512 its 16-wide kernel rounds differently, within the bound.)
         assert torch.equal(out, expected)
 
 
