@@ -149,6 +149,17 @@ def built_int4_kernel() -> Int4Gemv | None:
     return kernel
 
 
+def int16_prefill_is_integer() -> bool:
+    """Whether prefill's products with int16 activations (`block_matmul`) take exo's integer
+    GEMM, exactly the decode kernels' sums (AVX2 builds), rather than the weight dequantized
+    to float32 (the same product to float32 rounding: builds with AVX512, where that is
+    faster, and `EXO_NATIVE_INT_GEMM=0`; see native/prefill.cpp). False where the kernels
+    are not built."""
+    if built_int4_kernel() is None:
+        return False
+    return bool(torch.ops.exo_native.int16_integer_gemm())
+
+
 def built_int8_block_kernel() -> Int4Gemv | None:
     """`int8_block_gemv(x [rows, in] float32, values [out, in] int8, scale_zero [out,
     in / 32, 2] bfloat16) -> [rows, out] float32`, `w = (v - 8) * scale + zero` per block of
@@ -177,6 +188,16 @@ def _flags() -> list[str]:
     flags = ["-O3", "-fopenmp"]
     if _x86_avx2():
         flags += ["-mavx2", "-mfma"]
+        # AVX512 (prefill.cpp then multiplies int16 activations in float32) and VNNI (one
+        # vpdpwssd / vpdpbusd per product and sum in the integer GEMMs): GCC's own code
+        # stays 256 bits wide.
+        cpu = _cpu_flags()
+        if "avx512f" in cpu:
+            flags += ["-mavx512f", "-mprefer-vector-width=256"]
+            if {"avx512_vnni", "avx512vl"} <= cpu:
+                flags += ["-mavx512vnni", "-mavx512vl"]
+        elif "avx_vnni" in cpu:
+            flags += ["-mavxvnni"]
     return flags
 
 

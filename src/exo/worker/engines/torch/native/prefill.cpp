@@ -27,8 +27,12 @@
 // Q4_K_M (int16: below 1e-7), changing the most likely token at 4.5% and 3% of positions,
 // more than the int4 weights' own KL from float32 (1.1e-3 on SmolLM2); int8 only for blocks
 // whose largest |x| stays under 3x their RMS still gave 2.0e-4 (half the blocks).
-// Elsewhere the weight is dequantized to float32 one slab at a time and multiplied by torch's
-// float32 matmul (prefill_dequantized.cpp; the portable kernel's exact product).
+// With VNNI (AVX512-VNNI or AVX-VNNI, where native_int4._flags builds for it) each
+// vpmaddwd + vpaddd pair is one vpdpwssd, and prefill_int8.cpp's vpmaddubsw, widening and add
+// one vpdpbusd: the same exact integer sums.
+// Elsewhere (and by default for int16 activations where the library is built with AVX512:
+// kInt16GemmByDefault) the weight is dequantized to float32 one slab at a time and multiplied
+// by torch's float32 matmul (prefill_dequantized.cpp; the portable kernel's exact product).
 //
 // Slabs of output rows (each unpacked into a buffer of the thread that multiplies it, small
 // enough to stay in its core's cache) are spread over torch's intra-op threads; with int8
@@ -57,6 +61,48 @@
 #ifdef EXO_AVX2
 #define EXO_INT_GEMM 1
 #endif
+
+#ifdef EXO_INT_GEMM
+namespace {
+// Whether int16 activations take the integer GEMM when EXO_NATIVE_INT_GEMM is unset. Not on
+// CPUs with 512-bit FMAs (the library is then built with AVX512, native_int4._flags): there
+// a float32 FMA does 16 multiply-adds, as many as a 256-bit vpmaddwd, and torch's float32
+// matmul (MKL) runs near that peak, while the integer tile is bound by its unpacking and
+// adds. Measured on a 2-core Intel Xeon (Emerald Rapids, 2026-12-02), SmolLM2-135M and
+// Gemma 3 270M shapes at 128 and 512 rows, 2 threads: the int16 GEMM 43-57 GMAC/s, the
+// dequantized float32 path 65-102 (its activations rounded to int16 the same way first, so
+// the product is the same to float32 rounding; not bit for bit the decode kernels' sums).
+// int8 activations keep the integer GEMM (VNNI's vpdpbusd: 105-142 GMAC/s there).
+#ifdef __AVX512F__
+constexpr bool kInt16GemmByDefault = false;
+#else
+constexpr bool kInt16GemmByDefault = true;
+#endif
+
+// EXO_NATIVE_INT_GEMM, read once: 0 ("0": the dequantized float32 path for every product),
+// 1 (any other value: the integer GEMM for every product; to compare the two), -1 (unset).
+int int_gemm_forced() {
+  static const int forced = [] {
+    const char* value = std::getenv("EXO_NATIVE_INT_GEMM");
+    return value == nullptr ? -1 : std::string(value) == "0" ? 0 : 1;
+  }();
+  return forced;
+}
+}  // namespace
+#endif  // EXO_INT_GEMM
+
+namespace exo_native {
+// Whether products with int16 activations take the integer GEMM (exactly the decode kernels'
+// sums) rather than the dequantized float32 path (the same to float32 rounding).
+bool int16_integer_gemm() {
+#ifdef EXO_INT_GEMM
+  const int forced = int_gemm_forced();
+  return forced == -1 ? kInt16GemmByDefault : forced == 1;
+#else
+  return false;
+#endif
+}
+}  // namespace exo_native
 
 namespace {
 
@@ -138,8 +184,8 @@ void gemm_tile(const int16_t* xq, const float* x_scales, const float* x_sums, in
         int32_t pair;
         std::memcpy(&pair, x + r * k + 2 * p, sizeof(pair));
         const __m256i xr = _mm256_set1_epi32(pair);
-        dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(w0, xr));
-        dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(w1, xr));
+        dot[r][0] = exo_native::prefill::add_pair_products(dot[r][0], w0, xr);
+        dot[r][1] = exo_native::prefill::add_pair_products(dot[r][1], w1, xr);
       }
     }
     // The float32 side, as prefill_int8.cpp's tile writes it too: a shared helper (a struct
@@ -306,18 +352,13 @@ void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
   const Held held = !bytes ? Held::kInt8 : scale_zero.dim() == 2 ? Held::kInt5 : Held::kInt4;
   const int64_t group_size = k / scale_zero.size(1);
 #ifdef EXO_INT_GEMM
-  // EXO_NATIVE_INT_GEMM=0: the dequantized float32 path instead (to compare the two).
-  static const bool integer = [] {
-    const char* value = std::getenv("EXO_NATIVE_INT_GEMM");
-    return value == nullptr || std::string(value) != "0";
-  }();
-  if (integer) {
-    // int8 activations where asked: int4, 5-bit, and int8 weights with (scale, zero) pairs
-    // or symmetric blocks of 16 (Q6_K's), each slab whose values fit; symmetric int8 blocks
-    // of 32 (Q8_0's, which span -127..127) keep int16.
-    const bool symmetric = scale_zero.dim() == 2;
-    const bool int8_activations =
-        activation_bits == 8 && (held != Held::kInt8 || !symmetric || group_size == 16);
+  // int8 activations where asked: int4, 5-bit, and int8 weights with (scale, zero) pairs
+  // or symmetric blocks of 16 (Q6_K's), each slab whose values fit; symmetric int8 blocks
+  // of 32 (Q8_0's, which span -127..127) keep int16.
+  const bool symmetric = scale_zero.dim() == 2;
+  const bool int8_activations =
+      activation_bits == 8 && (held != Held::kInt8 || !symmetric || group_size == 16);
+  if (int8_activations ? int_gemm_forced() != 0 : int16_integer_gemm()) {
     integer_block_matmul(x, rows, k, static_cast<const uint8_t*>(weight.data_ptr()), held,
                          symmetric,
                          reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>()),
@@ -383,6 +424,7 @@ TORCH_LIBRARY_FRAGMENT(exo_native, m) {
   m.def(
       "block_matmul(Tensor x, Tensor weight, Tensor scale_zero, int activation_bits=16, "
       "int int16_rows=0) -> Tensor");
+  m.def("int16_integer_gemm() -> bool", [] { return exo_native::int16_integer_gemm(); });
 }
 
 TORCH_LIBRARY_IMPL(exo_native, CPU, m) { m.impl("block_matmul", &block_matmul_op); }

@@ -23,6 +23,9 @@
 // Measured on the 2-core AMD EPYC (Zen 3), Gemma 3 270M's prefill shapes at 128 rows, one
 // thread: int4 45-51 -> 87-93 GMAC/s, 5-bit 51-52 -> 72-78, Q6_K's blocks of 16 42 -> 60;
 // Gemma's TTFT in the engine, 2 threads: 171 -> 133 ms at 128 tokens, 716 -> 559 at 512.
+// With VNNI (EXO_VNNI, prefill_pack.h) a quad of products goes straight into the int32 sums
+// (vpdpbusd: no int16 partial sums, no widening): on a 2-core Intel Xeon (Emerald Rapids)
+// SmolLM2 and Gemma shapes at 128-512 rows, 2 threads, 77-87 -> 105-163 GMAC/s.
 
 #include <algorithm>
 #include <cstdint>
@@ -88,18 +91,27 @@ void gemm_tile_u8(const int8_t* xq, const float* x_scales, const float* x_sums, 
           int32_t quad;
           std::memcpy(&quad, xq + r * k + 4 * q, sizeof(quad));
           const __m256i xr = _mm256_set1_epi32(quad);
+#ifdef EXO_VNNI
+          dot[r][0] = add_quad_products(dot[r][0], w0, xr);
+          dot[r][1] = add_quad_products(dot[r][1], w1, xr);
+#else
           partial[r][0] = _mm256_add_epi16(partial[r][0], _mm256_maddubs_epi16(w0, xr));
           partial[r][1] = _mm256_add_epi16(partial[r][1], _mm256_maddubs_epi16(w1, xr));
+#endif
         }
         // Keeps each sum in a register step by step: free to reassociate the wrapping adds,
         // GCC may otherwise keep all STEPS products (spilled to the stack) and add them as a
         // tree, which ran the int4 GEMM at 67 instead of 85-92 GMAC/s.
+#ifndef EXO_VNNI
         for (int r = 0; r < ROWS; ++r) asm("" : "+x"(partial[r][0]), "+x"(partial[r][1]));
+#endif
       }
+#ifndef EXO_VNNI
       for (int r = 0; r < ROWS; ++r) {
         dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(partial[r][0], ones));
         dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(partial[r][1], ones));
       }
+#endif
     }
     // The float32 side, as prefill.cpp's int16 tile (kept apart: see there).
     const __m256 scale0 = _mm256_loadu_ps(scale), scale1 = _mm256_loadu_ps(scale + 8);

@@ -28,6 +28,34 @@ inline int64_t row_bytes_of(Held held, int64_t k) {
 
 #ifdef EXO_AVX2
 
+// acc + the int32 sums of w's and x's int16 pairs (vpmaddwd then vpaddd, or one vpdpwssd
+// where the library is built with AVX512-VNNI or AVX-VNNI: the same exact sums).
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define EXO_VNNI 1
+#endif
+
+// acc + the int32 sums of u's unsigned and x's signed bytes, four per lane (one vpdpbusd;
+// only with VNNI).
+#ifdef EXO_VNNI
+inline __m256i add_quad_products(__m256i acc, __m256i u, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, x);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, x);
+#endif
+}
+#endif
+
+inline __m256i add_pair_products(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, w, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+#endif
+}
+
 // Transposes 8 vectors of 8 int32 (row i: lanes 0..7) so that out[j] holds lane j of every
 // row (out[j] lane i = in[i] lane j).
 inline void transpose8(__m256i in[8], __m256i out[8]) {
