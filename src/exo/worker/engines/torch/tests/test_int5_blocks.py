@@ -204,20 +204,33 @@ from exo.worker.engines.torch.int5_blocks import int5_lanes
 assert built_int4_kernel() is not None
 g = torch.Generator().manual_seed(0)
 x = torch.randn(9, 640, generator=g)
-act = rounded_activations(x).double()
 errors = {}
 values = torch.randint(-16, 16, (40, 640), generator=g, dtype=torch.int8)
 scales = (torch.rand(40, 20, generator=g) * 0.01).to(torch.bfloat16)
 weight = values.double() * scales.double().repeat_interleave(32, dim=1)
 cases = {"int5": (int5_lanes(values), scales, weight)}
+from exo.worker.engines.torch.quantize import pack_native_int4
+nibbles = torch.randint(0, 16, (40, 640), generator=g, dtype=torch.uint8)
+pairs = (torch.randn(40, 10, 2, generator=g) * 0.1).to(torch.bfloat16)  # groups of 64
+w = (nibbles.double().reshape(40, 10, 64) - 8) * pairs[..., :1].double() + pairs[..., 1:].double()
+cases["int4"] = (pack_native_int4(nibbles), pairs, w.reshape(40, 640))
+odd = torch.randint(0, 16, (40, 96), generator=g, dtype=torch.uint8)  # an odd last block
+op = (torch.randn(40, 3, 2, generator=g) * 0.1).to(torch.bfloat16)
+w = (odd.double().reshape(40, 3, 32) - 8) * op[..., :1].double() + op[..., 1:].double()
+cases["int4 odd"] = (pack_native_int4(odd), op, w.reshape(40, 96))
+signed = torch.randint(-128, 128, (40, 640), generator=g, dtype=torch.int8)
+pairs = (torch.randn(40, 20, 2, generator=g) * 0.01).to(torch.bfloat16)
+w = (signed.double().reshape(40, 20, 32) - 8) * pairs[..., :1].double() + pairs[..., 1:].double()
+cases["int8 pairs"] = (signed, pairs, w.reshape(40, 640))
 for block in (16, 32):
     values = torch.randint(-128, 128, (40, 640), generator=g, dtype=torch.int8)
     sc = (torch.rand(40, 640 // block, generator=g) * 0.01).to(torch.bfloat16)
     w = values.double() * sc.double().repeat_interleave(block, 1)
     cases[f"scaled{block}"] = (values, sc, w)
 for name, (held, sc, w) in cases.items():
-    expected = act @ w.t()
-    got = torch.ops.exo_native.block_matmul(x, held, sc).double()
+    rows = x[:, : w.shape[1]].contiguous()
+    expected = rounded_activations(rows).double() @ w.t()
+    got = torch.ops.exo_native.block_matmul(rows, held, sc).double()
     errors[name] = float((got - expected).abs().max() / expected.abs().max())
 print(json.dumps(errors))
 """
@@ -225,7 +238,8 @@ print(json.dumps(errors))
 
 @pytest.mark.parametrize("integer_gemm", ["1", "0"])
 def test_both_prefill_paths_compute_the_held_weights(integer_gemm: str) -> None:
-    """`block_matmul` for 5-bit and symmetric int8 blocks through the integer GEMM and, with
+    """`block_matmul` for 5-bit, int4 (groups of 64; an odd last block), int8 blocks with
+    (scale, zero) pairs and symmetric int8 blocks through the integer GEMM and, with
     `EXO_NATIVE_INT_GEMM=0` (read once per process: a child process), through the weight
     dequantized to float32 slab by slab."""
     import json
@@ -240,5 +254,5 @@ def test_both_prefill_paths_compute_the_held_weights(integer_gemm: str) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     errors = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(errors) == {"int5", "scaled16", "scaled32"}
+    assert set(errors) == {"int5", "int4", "int4 odd", "int8 pairs", "scaled16", "scaled32"}
     assert all(error < 1e-5 for error in errors.values()), errors
