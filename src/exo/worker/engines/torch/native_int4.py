@@ -135,7 +135,7 @@ def built_int4_kernel() -> Int4Gemv | None:
     """The kernel of `native_int4_kernel`, built (or loaded from the cache) once per
     process whether or not it is wanted; None where that fails."""
     try:
-        library = _built_library()
+        library = _built_library_for_this_cpu()
         torch.ops.load_library(str(library))
         kernel: Int4Gemv = torch.ops.exo_native.int4_gemv
     except Exception as error:  # a missing compiler or ninja, a failed build, a bad cache
@@ -182,12 +182,18 @@ def built_int8_scaled_kernel() -> Int4Gemv | None:
     return kernel
 
 
-def _flags() -> list[str]:
+def _base_flags() -> list[str]:
     # OpenMP: torch's `at::parallel_for` is inlined into the extension and only spreads
     # work over the intra-op threads when the extension is compiled with it.
     flags = ["-O3", "-fopenmp"]
     if _x86_avx2():
         flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def _flags() -> list[str]:
+    flags = _base_flags()
+    if _x86_avx2():
         # AVX512 (prefill.cpp then multiplies int16 activations in float32) and VNNI (one
         # vpdpwssd / vpdpbusd per product and sum in the integer GEMMs): GCC's own code
         # stays 256 bits wide.
@@ -201,7 +207,28 @@ def _flags() -> list[str]:
     return flags
 
 
-def _built_library() -> Path:
+def _built_library_for_this_cpu() -> Path:
+    """`_built_library` with this CPU's flags (`_flags`) or, where that build fails (a
+    compiler too old for `-mavxvnni`, say: GCC 10), with the AVX2 ones (`_base_flags`).
+
+    Raises:
+        RuntimeError: the last build failed.
+    """
+    flags, base = _flags(), _base_flags()
+    if flags == base:
+        return _built_library(base)
+    try:
+        return _built_library(flags)
+    except Exception as error:  # the build's own failure, or a subprocess timeout
+        lines = str(error).strip().splitlines()
+        logger.warning(
+            "exo's native kernels did not build with {} ({}); building them for AVX2 only",
+            " ".join(flags[len(base) :]), lines[-1] if lines else type(error).__name__,
+        )  # fmt: skip
+        return _built_library(base)
+
+
+def _built_library(flags: list[str]) -> Path:
     """The shared library for this source and these flags, built once per cache.
 
     The build runs in a child process (torch's builder also loads what it builds, and a
@@ -214,7 +241,6 @@ def _built_library() -> Path:
         RuntimeError: the build failed (its last output lines are in the message).
     """
     source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
-    flags = _flags()
     digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:12]
     name = f"exo_native_{'avx2' if _x86_avx2() else 'generic'}_{digest}"
     root = _cache_root()
