@@ -28,8 +28,6 @@ inline int64_t row_bytes_of(Held held, int64_t k) {
 
 #ifdef EXO_AVX2
 
-// acc + the int32 sums of w's and x's int16 pairs (vpmaddwd then vpaddd, or one vpdpwssd
-// where the library is built with AVX512-VNNI or AVX-VNNI: the same exact sums).
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define EXO_VNNI 1
 #endif
@@ -46,6 +44,8 @@ inline __m256i add_quad_products(__m256i acc, __m256i u, __m256i x) {
 }
 #endif
 
+// acc + the int32 sums of w's and x's int16 pairs (vpmaddwd then vpaddd, or one vpdpwssd
+// where the library is built with AVX512-VNNI or AVX-VNNI: the same exact sums).
 inline __m256i add_pair_products(__m256i acc, __m256i w, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpwssd_epi32(acc, w, x);
