@@ -151,10 +151,10 @@ def built_int4_kernel() -> Int4Gemv | None:
 
 def int16_prefill_is_integer() -> bool:
     """Whether prefill's products with int16 activations (`block_matmul`) take exo's integer
-    GEMM, exactly the decode kernels' sums (AVX2 builds), rather than the weight dequantized
-    to float32 (the same product to float32 rounding: builds with AVX512, where that is
-    faster, and `EXO_NATIVE_INT_GEMM=0`; see native/prefill.cpp). False where the kernels
-    are not built."""
+    GEMM, exactly the decode kernels' sums (AVX2 builds, and AVX512 ones with VNNI and BW),
+    rather than the weight dequantized to float32 (the same product to float32 rounding:
+    builds with AVX512 but not VNNI + BW, where that is faster, and `EXO_NATIVE_INT_GEMM=0`;
+    see native/prefill.cpp). False where the kernels are not built."""
     if built_int4_kernel() is None:
         return False
     return bool(torch.ops.exo_native.int16_integer_gemm())
@@ -194,14 +194,16 @@ def _base_flags() -> list[str]:
 def _flags() -> list[str]:
     flags = _base_flags()
     if _x86_avx2():
-        # AVX512 (prefill.cpp then multiplies int16 activations in float32) and VNNI (one
-        # vpdpwssd / vpdpbusd per product and sum in the integer GEMMs): GCC's own code
-        # stays 256 bits wide.
+        # AVX512 and VNNI (one vpdpwssd / vpdpbusd per product and sum in the integer GEMMs;
+        # with AVX512BW too, prefill.cpp's int16 tiles are 512 bits wide, without it int16
+        # activations are multiplied in float32): GCC's own code stays 256 bits wide.
         cpu = _cpu_flags()
         if "avx512f" in cpu:
             flags += ["-mavx512f", "-mprefer-vector-width=256"]
             if {"avx512_vnni", "avx512vl"} <= cpu:
                 flags += ["-mavx512vnni", "-mavx512vl"]
+                if "avx512bw" in cpu:
+                    flags += ["-mavx512bw"]
         elif "avx_vnni" in cpu:
             flags += ["-mavxvnni"]
     return flags

@@ -30,9 +30,21 @@
 // With VNNI (AVX512-VNNI or AVX-VNNI, where native_int4._flags builds for it) each
 // vpmaddwd + vpaddd pair is one vpdpwssd, and prefill_int8.cpp's vpmaddubsw, widening and add
 // one vpdpbusd: the same exact integer sums.
-// Elsewhere (and by default for int16 activations where the library is built with AVX512:
-// kInt16GemmByDefault) the weight is dequantized to float32 one slab at a time and multiplied
-// by torch's float32 matmul (prefill_dequantized.cpp; the portable kernel's exact product).
+// With AVX512-VNNI and AVX512BW the int16 tiles are 512 bits wide (16 outputs per vector, 6
+// activation rows x 32 outputs per tile) and the loops turn around: for each tile of 32
+// outputs, 8 blocks of its packed weight (16 KiB, L1-resident) meet every activation row
+// before the next 8, the float32 sums of all rows kept in a buffer of the thread. The block
+// sums and their scaling are the 256-bit tiles' (the same float32 operations in the same
+// order: bit for bit the same product, tested). Measured on a 2-core Intel Xeon (Emerald
+// Rapids, 2026-12-02), Gemma 3 270M's layer shapes in int4, 2 threads, interleaved in one
+// process: 32 rows 37-40 GMAC/s (float32 path) -> 64-73, 128 rows 68-77 -> 85-119,
+// 512 rows 65-66 -> 82-84 (this VM's speeds move 30-50% from minute to minute; each pair
+// was measured together). A 4 x 32 tile looping rows outside tiles (the 256-bit tiles'
+// order) ran 58-81 at 128 rows: each 4 rows re-read the whole slab from L2.
+// Elsewhere (and by default for int16 activations where the library is built with AVX512
+// but not AVX512-VNNI + AVX512BW: kInt16GemmByDefault) the weight is dequantized to float32
+// one slab at a time and multiplied by torch's float32 matmul (prefill_dequantized.cpp; the
+// portable kernel's exact product).
 //
 // Slabs of output rows (each unpacked into a buffer of the thread that multiplies it, small
 // enough to stay in its core's cache) are spread over torch's intra-op threads; with int8
@@ -60,31 +72,37 @@
 
 #ifdef EXO_AVX2
 #define EXO_INT_GEMM 1
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define EXO_INT16_TILES_512 1
+#endif
 #endif
 
 #ifdef EXO_INT_GEMM
 namespace {
-// Whether int16 activations take the integer GEMM when EXO_NATIVE_INT_GEMM is unset. Not on
-// CPUs with 512-bit FMAs (the library is then built with AVX512, native_int4._flags): there
-// a float32 FMA does 16 multiply-adds, as many as a 256-bit vpmaddwd, and torch's float32
-// matmul (MKL) runs near that peak, while the integer tile is bound by its unpacking and
-// adds. Measured on a 2-core Intel Xeon (Emerald Rapids, 2026-12-02), SmolLM2-135M and
-// Gemma 3 270M shapes at 128 and 512 rows, 2 threads: the int16 GEMM 43-57 GMAC/s, the
-// dequantized float32 path 65-102 (its activations rounded to int16 the same way first, so
-// the product is the same to float32 rounding; not bit for bit the decode kernels' sums).
-// int8 activations keep the integer GEMM (VNNI's vpdpbusd: 105-142 GMAC/s there).
-#ifdef __AVX512F__
+// Whether int16 activations take the integer GEMM when EXO_NATIVE_INT_GEMM is unset. Not
+// where the library is built with AVX512 but without the 512-bit int16 tiles (no
+// AVX512-VNNI + AVX512BW): there a float32 FMA does 16 multiply-adds, as many as a 256-bit
+// vpdpwssd, and torch's float32 matmul (MKL) runs near that peak, while the 256-bit tile
+// is bound by its unpacking and adds. Measured on a 2-core Intel Xeon (Emerald Rapids,
+// 2026-12-02), SmolLM2-135M and Gemma 3 270M shapes at 128 and 512 rows, 2 threads: the
+// 256-bit int16 GEMM 43-57 GMAC/s, the dequantized float32 path 65-102 (its activations
+// rounded to int16 the same way first, so the product is the same to float32 rounding; not
+// bit for bit the decode kernels' sums). int8 activations keep the integer GEMM.
+#if defined(__AVX512F__) && !defined(EXO_INT16_TILES_512)
 constexpr bool kInt16GemmByDefault = false;
 #else
 constexpr bool kInt16GemmByDefault = true;
 #endif
 
 // EXO_NATIVE_INT_GEMM, read once: 0 ("0": the dequantized float32 path for every product),
-// 1 (any other value: the integer GEMM for every product; to compare the two), -1 (unset).
+// 2 ("256": the integer GEMM with 256-bit int16 tiles even where 512-bit ones are built; to
+// compare the two), 1 (any other value: the integer GEMM for every product), -1 (unset).
 int int_gemm_forced() {
   static const int forced = [] {
     const char* value = std::getenv("EXO_NATIVE_INT_GEMM");
-    return value == nullptr ? -1 : std::string(value) == "0" ? 0 : 1;
+    if (value == nullptr) return -1;
+    const std::string text(value);
+    return text == "0" ? 0 : text == "256" ? 2 : 1;
   }();
   return forced;
 }
@@ -97,9 +115,20 @@ namespace exo_native {
 bool int16_integer_gemm() {
 #ifdef EXO_INT_GEMM
   const int forced = int_gemm_forced();
-  return forced == -1 ? kInt16GemmByDefault : forced == 1;
+  return forced == -1 ? kInt16GemmByDefault : forced != 0;
 #else
   return false;
+#endif
+}
+
+// The width of the integer GEMM's int16 tiles in bits: 512 or 256 (0 where there is none).
+int64_t int16_tile_bits() {
+#if defined(EXO_INT16_TILES_512)
+  return int_gemm_forced() == 2 ? 256 : 512;
+#elif defined(EXO_INT_GEMM)
+  return 256;
+#else
+  return 0;
 #endif
 }
 }  // namespace exo_native
@@ -214,6 +243,169 @@ void gemm_tile(const int16_t* xq, const float* x_scales, const float* x_sums, in
   }
 }
 
+#ifdef EXO_INT16_TILES_512
+// pack_slab's layout with 16 outputs per vector (one zmm): for each group of 16 outputs v
+// and input pair p, 16 int32 lanes (lane i: output n0 + 16 v + i) at
+// packed + (v * k / 2 + p) * 16. `padded` is a multiple of 16.
+void pack_slab_512(const uint8_t* bytes, int64_t row_bytes, Held held, int64_t k, int64_t n0,
+                   int64_t count, int64_t padded, int32_t* packed) {
+  const int64_t blocks = k / 32, pairs = k / 2;
+  for (int64_t eighth = 0; eighth < padded / 8; ++eighth) {  // 8 outputs: half a vector
+    const int64_t v = eighth / 2, lane = (eighth % 2) * 8;
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256i low[8], high[8];  // per output row: inputs 0-15 (pairs 0-7), 16-31 (8-15)
+      for (int i = 0; i < 8; ++i) {
+        const int64_t row = 8 * eighth + i;
+        if (row < count) {
+          __m256i values[2];
+          block_values(bytes + (n0 + row) * row_bytes, held, b, blocks, values);
+          low[i] = values[0];
+          high[i] = values[1];
+        } else {
+          low[i] = high[i] = _mm256_setzero_si256();
+        }
+      }
+      __m256i out[8];
+      int32_t* base = packed + (v * pairs + b * 16) * 16 + lane;
+      transpose8(low, out);
+      for (int j = 0; j < 8; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + j * 16), out[j]);
+      transpose8(high, out);
+      for (int j = 0; j < 8; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + (8 + j) * 16), out[j]);
+    }
+  }
+}
+
+// gemm_tile with 512-bit vectors: ROWS activation rows (row stride k) x 16 VECS outputs
+// (VECS packed vectors from `packed_tile`), the blocks [b0, b1) only, each block's scaled
+// sum added into acc [ROWS][32] (the same float32 operations, in the same order, as
+// gemm_tile's: a tile's sums over blocks [0, 8) then [8, 16) ... equal its sums over all).
+template <int ROWS, int HALVES, int VECS>
+void gemm_tile_512(const int16_t* xq, const float* x_scales, const float* x_sums, int64_t k,
+                   int64_t b0, int64_t b1, const int32_t* packed_tile, const float* scales,
+                   const float* offsets, int64_t padded, int64_t blocks_per_group,
+                   float* acc) {
+  const int64_t blocks = k / 32, pairs = k / 2;
+  constexpr int kPairs = 16 / HALVES;  // input pairs summed before a scale applies
+  const int32_t* x_pairs[ROWS];  // each row's int16 pairs as int32
+  for (int r = 0; r < ROWS; ++r) x_pairs[r] = reinterpret_cast<const int32_t*>(xq + r * k);
+  int64_t part = b0 * HALVES;  // a block, or half of one with HALVES 2
+  const float* scale = scales + (part / blocks_per_group) * padded;
+  const float* offset = offsets + (part / blocks_per_group) * padded;
+  int64_t in_group = part % blocks_per_group;
+  for (; part < b1 * HALVES; ++part) {
+    const int64_t b = part / HALVES;
+    const int64_t first = b * 16 + (part % HALVES) * kPairs;  // this part's first pair
+    __m512i dot[ROWS][VECS];
+    for (int r = 0; r < ROWS; ++r)
+      for (int v = 0; v < VECS; ++v) dot[r][v] = _mm512_setzero_si512();
+    const int32_t* w = packed_tile + first * 16;
+    // Unrolled: GCC's rolled loop moved every accumulator through a copy per vpdpwssd
+    // (measured: half the throughput).
+#pragma GCC unroll 16
+    for (int p = 0; p < kPairs; ++p) {
+      __m512i weights[VECS];
+#pragma GCC unroll 2
+      for (int v = 0; v < VECS; ++v)
+        weights[v] = _mm512_loadu_si512(w + v * pairs * 16 + p * 16);
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512i xr = _mm512_set1_epi32(x_pairs[r][first + p]);
+#pragma GCC unroll 2
+        for (int v = 0; v < VECS; ++v) dot[r][v] = _mm512_dpwssd_epi32(dot[r][v], weights[v], xr);
+      }
+    }
+    for (int v = 0; v < VECS; ++v) {
+      const __m512 scale_v = _mm512_loadu_ps(scale + 16 * v);
+      const __m512 offset_v = _mm512_loadu_ps(offset + 16 * v);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 x_scale = _mm512_set1_ps(x_scales[r * blocks + b]);
+        const __m512 x_sum = _mm512_set1_ps(x_sums[r * blocks + b]);
+        const __m512 block = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][v]), scale_v,
+                                             _mm512_mul_ps(x_sum, offset_v));
+        float* sums = acc + r * 32 + 16 * v;
+        _mm512_storeu_ps(sums, _mm512_fmadd_ps(x_scale, block, _mm512_loadu_ps(sums)));
+      }
+    }
+    if (++in_group == blocks_per_group) {  // the next part starts the next group
+      in_group = 0;
+      scale += padded;
+      offset += padded;
+    }
+  }
+}
+
+// Blocks of a tile's packed weight per pass over the activation rows: 8 blocks of 32
+// outputs are 16 KiB (L1-resident while every row meets them). Measured against 4, 16 and
+// all of k: within the machine's noise, all of k slower at 128 rows for k = 2048.
+constexpr int64_t kBlocksPerPass = 8;
+
+// int16_slab_product with 512-bit tiles on a slab packed by `pack_slab_512`.
+void int16_slab_product_512(const int16_t* xq, const float* x_scales, const float* x_sums,
+                            int64_t rows, int64_t k, bool halves, const int32_t* packed,
+                            const float* scales, const float* offsets, int64_t padded,
+                            int64_t count, int64_t blocks_per_group, int64_t n0, int64_t n,
+                            float* y) {
+  const int64_t blocks = k / 32;
+  // The float32 sums of every row for one tile: 128 B per row; kept between calls (a fresh
+  // buffer is a fresh mapping whose pages fault in on first write).
+  thread_local std::vector<float> sums_buffer;
+  sums_buffer.resize(std::max(sums_buffer.size(), static_cast<size_t>(rows * 32)));
+  float* acc = sums_buffer.data();
+  for (int64_t t = 0; t < padded / 16; t += 2) {  // t: the tile's first vector of 16
+    const int32_t* tile = packed + t * (k / 2) * 16;
+    const bool two = t + 1 < padded / 16;  // 32 outputs, or the last 16
+    std::fill(acc, acc + rows * 32, 0.0f);
+    for (int64_t b0 = 0; b0 < blocks; b0 += kBlocksPerPass) {
+      const int64_t b1 = std::min(blocks, b0 + kBlocksPerPass);
+      auto rows_tile = [&](auto count_rows, int64_t r) {
+        constexpr int R = decltype(count_rows)::value;
+        const int16_t* x = xq + r * k;
+        const float* x_scale = x_scales + r * blocks;
+        const float* x_sum = x_sums + r * blocks;
+        const float* scale = scales + 16 * t;
+        const float* offset = offsets + 16 * t;
+        float* sums = acc + r * 32;
+        if (two && halves)
+          gemm_tile_512<R, 2, 2>(x, x_scale, x_sum, k, b0, b1, tile, scale, offset, padded,
+                                 blocks_per_group, sums);
+        else if (two)
+          gemm_tile_512<R, 1, 2>(x, x_scale, x_sum, k, b0, b1, tile, scale, offset, padded,
+                                 blocks_per_group, sums);
+        else if (halves)
+          gemm_tile_512<R, 2, 1>(x, x_scale, x_sum, k, b0, b1, tile, scale, offset, padded,
+                                 blocks_per_group, sums);
+        else
+          gemm_tile_512<R, 1, 1>(x, x_scale, x_sum, k, b0, b1, tile, scale, offset, padded,
+                                 blocks_per_group, sums);
+      };
+      // Tiles of 6 rows (12 accumulators: enough vpdpwssd in flight), the rest by 4..1.
+      int64_t r = 0;
+      for (; r + 6 <= rows; r += 6) rows_tile(std::integral_constant<int, 6>{}, r);
+      const int64_t done = r;
+      for_row_groups(rows - done, [&](auto count_rows, int64_t rest) {
+        rows_tile(count_rows, done + rest);
+      });
+    }
+    // Out to y's columns n0 + 16 t.. (masked: libc's memcpy per row took 11% of a 512-row
+    // product, measured).
+    const int64_t width = std::min<int64_t>(two ? 32 : 16, count - 16 * t);
+    const auto mask_of = [](int64_t lanes) {
+      return lanes >= 16 ? static_cast<__mmask16>(0xFFFF)
+             : lanes <= 0 ? static_cast<__mmask16>(0)
+                          : static_cast<__mmask16>((1u << lanes) - 1);
+    };
+    const __mmask16 mask0 = mask_of(width), mask1 = mask_of(width - 16);
+    for (int64_t i = 0; i < rows; ++i) {
+      float* out = y + i * n + n0 + 16 * t;
+      _mm512_mask_storeu_ps(out, mask0, _mm512_loadu_ps(acc + i * 32));
+      _mm512_mask_storeu_ps(out + 16, mask1, _mm512_loadu_ps(acc + i * 32 + 16));
+    }
+  }
+}
+#endif  // EXO_INT16_TILES_512
+
 // The int16 activation rows times a slab packed by `pack_slab` into y's columns
 // [n0, n0 + count).
 void int16_slab_product(const int16_t* xq, const float* x_scales, const float* x_sums,
@@ -327,6 +519,15 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
                         offsets8.data(), padded, count, blocks_per_group, n0, n,
                         y + rows16 * n);
       if (int16_count == 0) continue;
+#ifdef EXO_INT16_TILES_512
+      if (int_gemm_forced() != 2) {
+        pack_slab_512(bytes, row_bytes, held, k, n0, count, padded, packed.data());
+        int16_slab_product_512(quantized.data(), x_scales.data(), x_sums.data(), int16_count,
+                               k, halves, packed.data(), scales.data(), offsets.data(), padded,
+                               count, blocks_per_group, n0, n, y);
+        continue;
+      }
+#endif
       pack_slab(bytes, row_bytes, held, k, n0, count, padded, packed.data());
       int16_slab_product(quantized.data(), x_scales.data(), x_sums.data(), int16_count, k,
                          halves, packed.data(), scales.data(), offsets.data(), padded, count,
@@ -425,6 +626,7 @@ TORCH_LIBRARY_FRAGMENT(exo_native, m) {
       "block_matmul(Tensor x, Tensor weight, Tensor scale_zero, int activation_bits=16, "
       "int int16_rows=0) -> Tensor");
   m.def("int16_integer_gemm() -> bool", [] { return exo_native::int16_integer_gemm(); });
+  m.def("int16_tile_bits() -> int", [] { return exo_native::int16_tile_bits(); });
 }
 
 TORCH_LIBRARY_IMPL(exo_native, CPU, m) { m.impl("block_matmul", &block_matmul_op); }

@@ -1,5 +1,6 @@
 // Prefill's product where the integer GEMM does not run (CPUs without AVX2 + FMA, int16
-// activations where the library is built with AVX512, or `EXO_NATIVE_INT_GEMM=0`): the weight dequantized to float32 one slab of output rows at a
+// activations where the library is built with AVX512 but not AVX512-VNNI + AVX512BW, or
+// `EXO_NATIVE_INT_GEMM=0`): the weight dequantized to float32 one slab of output rows at a
 // time (in a buffer of the thread that multiplies it) times torch's float32 matmul, with the
 // activations rounded as the decode kernels round them (exactly, on the portable kernel).
 // Dequantizing the whole weight first (as torch ops) took 3.5 ms for a 3072x576 weight on

@@ -159,6 +159,76 @@ def test_block_matmul_computes_the_decode_kernels_product(
         assert ((actual - expected).abs() <= bound).all()
 
 
+_TILE_PRODUCTS_SCRIPT = """
+import sys, torch
+from exo.worker.engines.torch.native_int4 import built_int4_kernel
+from exo.worker.engines.torch.int5_blocks import int5_lanes
+from exo.worker.engines.torch.quantize import pack_native_int4
+assert built_int4_kernel() is not None
+print(torch.ops.exo_native.int16_tile_bits())
+g = torch.Generator().manual_seed(0)
+def int4(outputs, inputs, group):
+    values = torch.randint(0, 16, (outputs, inputs), generator=g, dtype=torch.uint8)
+    pairs = (torch.randn(outputs, inputs // group, 2, generator=g) * 0.1).to(torch.bfloat16)
+    return pack_native_int4(values), pairs
+def int8(outputs, inputs, block):
+    values = torch.randint(-128, 128, (outputs, inputs), generator=g, dtype=torch.int8)
+    if block == 0:  # (scale, zero) pairs per 32 inputs
+        pairs = torch.randn(outputs, inputs // 32, 2, generator=g) * 0.01
+        return values, pairs.to(torch.bfloat16)
+    return values, (torch.rand(outputs, inputs // block, generator=g) * 0.01).to(torch.bfloat16)
+def int5(outputs, inputs):
+    values = torch.randint(-16, 16, (outputs, inputs), generator=g, dtype=torch.int8)
+    scales = torch.rand(outputs, inputs // 32, generator=g) * 0.01
+    return int5_lanes(values), scales.to(torch.bfloat16)
+weights = [int4(70, 640, 32), int4(48, 960, 96), int4(333, 96, 32), int4(16, 2048, 64),
+           int8(70, 640, 0), int8(40, 640, 16), int8(36, 640, 32), int5(70, 640)]
+products = []
+for rows in (1, 5, 6, 7, 13, 40):
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for held, scales in weights:
+            inputs = held.shape[1] * (2 if held.dtype == torch.uint8 and scales.dim() == 3 else 1)
+            if scales.dim() == 2 and held.dtype == torch.uint8:
+                inputs = scales.shape[1] * 32
+            x = torch.randn(rows, inputs, generator=g)
+            products.append(torch.ops.exo_native.block_matmul(x, held, scales))
+            products.append(torch.ops.exo_native.block_matmul(x, held, scales, 8, 2))
+torch.save(products, sys.argv[1])
+"""
+
+
+def test_512_bit_int16_tiles_compute_the_256_bit_tiles_product(tmp_path: Path) -> None:
+    """Where the kernels are built with 512-bit int16 tiles (AVX512-VNNI + AVX512BW),
+    `block_matmul` equals, bit for bit, its product with the 256-bit tiles
+    (`EXO_NATIVE_INT_GEMM=256`; read once per process: child processes) for int4 (groups of
+    32, 64 and 96: groups across the tiles' passes of 8 blocks; an odd last block), int8
+    pairs, symmetric int8 blocks of 16 and 32, and 5-bit blocks; rows around the 6-row tile,
+    output counts that leave a last tile of 16, one and two threads; int16 calls and int8
+    calls' two int16 rows."""
+    import os
+    import subprocess
+    import sys
+
+    results = {}
+    for forced in ("1", "256"):
+        path = tmp_path / f"{forced}.pt"
+        env = {**os.environ, "EXO_NATIVE_INT_GEMM": forced}
+        done = subprocess.run(
+            [sys.executable, "-c", _TILE_PRODUCTS_SCRIPT, str(path)],
+            capture_output=True, text=True, timeout=300, env=env, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        bits = int(done.stdout.strip().splitlines()[-1])
+        if forced == "1" and bits != 512:
+            pytest.skip(f"the kernels here have {bits}-bit int16 tiles only")
+        assert forced == "1" or bits == 256
+        results[forced] = torch.load(path)
+    assert len(results["1"]) == len(results["256"]) == 6 * 2 * 8 * 2
+    for wide, narrow in zip(results["1"], results["256"], strict=True):
+        assert torch.equal(wide, narrow)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_int4_kernel_takes_any_output_count(threads: int) -> None:
     """70 outputs: tiles of four output rows, then single rows, on one or two threads; 96
