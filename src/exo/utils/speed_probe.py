@@ -69,10 +69,11 @@ from exo.utils.speed_measurements import (
 )
 
 # Bump when what is measured changes: cached figures of an older probe are measured again.
-# 9: exo's kernels on AVX512 CPUs too, built with AVX512 / VNNI where the CPU has them (int16
-# prefill in float32 there); 8: prefill GEMM FLOP/s with int16 and int8 activations; 7: the
-# int8 head kernel timed without a cast per call; 6: 5-bit lanes.
-PROBE_VERSION = 9
+# 10: 512-bit int16 prefill tiles where the kernels have AVX512-VNNI + AVX512BW; 9: exo's
+# kernels on AVX512 CPUs too, built with AVX512 / VNNI where the CPU has them (int16 prefill
+# in float32 there); 8: prefill GEMM FLOP/s with int16 and int8 activations; 7: the int8
+# head kernel timed without a cast per call; 6: 5-bit lanes.
+PROBE_VERSION = 10
 CACHE_FILE_NAME = "speed_probe.json"
 # Weights cycled through per repetition, at least this many bytes (above a typical LLC) and
 # this many times the last-level cache: on the 2-core AMD EPYC (32 MiB L3, a victim cache)

@@ -55,8 +55,8 @@ def int4_weight(values: torch.Tensor, scale_zero: torch.Tensor, group_size: int)
 
 def assert_int16_product(actual: torch.Tensor, int16: torch.Tensor) -> None:
     """The int16 part of an int8 call (integer GEMM) against an int16 call: equal where int16
-    calls take the integer GEMM too, else (AVX512 builds: the dequantized float32 path) the
-    same product to float32 rounding."""
+    calls take the integer GEMM too, else (AVX512 builds without AVX512-VNNI + AVX512BW: the
+    dequantized float32 path) the same product to float32 rounding."""
     if int16_prefill_is_integer():
         assert torch.equal(actual, int16)
     else:
