@@ -9,6 +9,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace exo_native {
 
 // A bfloat16 (its 16 bits) as the float32 it is: the upper half of the float32's bits.
@@ -26,6 +30,39 @@ constexpr float kActivationLevels = 32767.0f;
 // Rounds the 32 values of `block` to int16 `values` (nearest, ties to even) in units of
 // the returned scale, the block's largest |x| / kActivationLevels (0 for an all-zero block,
 // whose values are all 0).
+#if defined(__AVX2__)
+// Vectorized: the same IEEE division and the same rounding (vcvtps2dq rounds as MXCSR says,
+// nearest-even by default, as std::nearbyint does), so the same values. The scalar loop
+// took 1.3 ns per value on a 2-core Intel Xeon (Emerald Rapids): ~13 ms of one core for
+// the activations of a 128-token Gemma 3 270M prefill.
+inline float round_block(const float* block, int16_t* values) {
+  const __m256 magnitude_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 x[4];
+  __m256 largest8 = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_loadu_ps(block + 8 * i);
+    largest8 = _mm256_max_ps(_mm256_and_ps(x[i], magnitude_bits), largest8);
+  }
+  __m128 largest4 =
+      _mm_max_ps(_mm256_castps256_ps128(largest8), _mm256_extractf128_ps(largest8, 1));
+  largest4 = _mm_max_ps(largest4, _mm_movehl_ps(largest4, largest4));
+  largest4 = _mm_max_ss(largest4, _mm_movehdup_ps(largest4));
+  const float scale = _mm_cvtss_f32(largest4) / kActivationLevels;
+  if (!(scale > 0.0f)) {
+    std::memset(values, 0, 32 * sizeof(int16_t));
+    return scale;
+  }
+  const __m256 scales = _mm256_set1_ps(scale);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_div_ps(x[i], scales));
+  // packs interleaves 128-bit lanes (0-3, 8-11, 4-7, 12-15): the permute puts them back.
+  const __m256i low = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
+  const __m256i high = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(values), low);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(values + 16), high);
+  return scale;
+}
+#else
 inline float round_block(const float* block, int16_t* values) {
   float largest = 0.0f;
   for (int j = 0; j < 32; ++j) largest = std::max(largest, std::abs(block[j]));
@@ -34,6 +71,7 @@ inline float round_block(const float* block, int16_t* values) {
     values[j] = scale > 0.0f ? static_cast<int16_t>(std::nearbyint(block[j] / scale)) : 0;
   return scale;
 }
+#endif
 
 // y[rows, out] = x[rows, k] times the int4 weight (qweight uint8 [out, k / 2] in blocks of
 // 32, scale_zero bfloat16 [out, groups, 2]); see int4_gemv.cpp. Splits outputs across

@@ -159,6 +159,26 @@ def test_block_matmul_computes_the_decode_kernels_product(
         assert ((actual - expected).abs() <= bound).all()
 
 
+def test_block_matmul_rounds_activations_as_documented() -> None:
+    """Through an identity weight (symmetric int8 blocks of 32, scales 1) `block_matmul`
+    returns its rounded activations exactly: they equal `rounded_activations` bit for bit
+    (ties to even, all-zero blocks, a block of one tiny value, signs), on both prefill paths."""
+    assert built_int4_kernel() is not None
+    inputs = 96
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(7, inputs, generator=generator) * torch.logspace(-20, 20, 7).unsqueeze(1)
+    x[0, :32] = 0.0  # an all-zero block
+    x[1, :32] = torch.tensor([32767.0, 2.5, 3.5, -4.5, -0.5, 0.5, 1.5] + [0.0] * 25)  # ties
+    x[2, 32:64] = 0.0
+    x[2, 40] = -1e-30  # one tiny value
+    identity = torch.eye(inputs, dtype=torch.int8)
+    scales = torch.ones(inputs, inputs // 32, dtype=torch.bfloat16)
+    rounded = torch.ops.exo_native.block_matmul(x, identity, scales)
+    expected = rounded_activations(x) if ROUNDS_ACTIVATIONS else x
+    assert torch.equal(rounded, expected)
+    assert rounded[1, :7].tolist() == [32767.0, 2.0, 4.0, -4.0, -0.0, 0.0, 2.0]
+
+
 _TILE_PRODUCTS_SCRIPT = """
 import sys, torch
 from exo.worker.engines.torch.native_int4 import built_int4_kernel
