@@ -137,6 +137,7 @@ namespace {
 
 using exo_native::bf16_to_float;
 using exo_native::block_rows::kBlock;
+using exo_native::prefill::aligned_buffer;
 using exo_native::prefill::Held;
 using exo_native::prefill::row_bytes_of;
 #ifdef EXO_INT_GEMM
@@ -351,8 +352,7 @@ void int16_slab_product_512(const int16_t* xq, const float* x_scales, const floa
   // The float32 sums of every row for one tile: 128 B per row; kept between calls (a fresh
   // buffer is a fresh mapping whose pages fault in on first write).
   thread_local std::vector<float> sums_buffer;
-  sums_buffer.resize(std::max(sums_buffer.size(), static_cast<size_t>(rows * 32)));
-  float* acc = sums_buffer.data();
+  float* acc = aligned_buffer(sums_buffer, static_cast<size_t>(rows * 32));
   for (int64_t t = 0; t < padded / 16; t += 2) {  // t: the tile's first vector of 16
     const int32_t* tile = packed + t * (k / 2) * 16;
     const bool two = t + 1 < padded / 16;  // 32 outputs, or the last 16
@@ -487,17 +487,20 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
   at::parallel_for(0, slabs, 1, [&](int64_t first, int64_t last) {
     // Each thread's buffers stay between calls: a fresh 128-256 KiB buffer is a fresh
     // mapping whose pages fault in on first write (~7 us each on the 2-core VM).
-    thread_local std::vector<int32_t> packed, packed8;
-    thread_local std::vector<float> scales, offsets, offsets8;
-    packed.resize(std::max(packed.size(), static_cast<size_t>(slab * k / 2)));
-    packed8.resize(std::max(packed8.size(), static_cast<size_t>(int8_rows ? slab * k / 4 : 0)));
-    for (auto* buffer : {&scales, &offsets, &offsets8})
-      buffer->resize(std::max(buffer->size(), static_cast<size_t>(groups * slab)));
+    thread_local std::vector<int32_t> packed_buffer, packed8_buffer;
+    thread_local std::vector<float> scales_buffer, offsets_buffer, offsets8_buffer;
+    int32_t* packed = aligned_buffer(packed_buffer, static_cast<size_t>(slab * k / 2));
+    int32_t* packed8 =
+        aligned_buffer(packed8_buffer, static_cast<size_t>(int8_rows ? slab * k / 4 : 0));
+    const auto per_group = static_cast<size_t>(groups * slab);
+    float* scales = aligned_buffer(scales_buffer, per_group);
+    float* offsets = aligned_buffer(offsets_buffer, per_group);
+    float* offsets8 = aligned_buffer(offsets8_buffer, per_group);
     for (int64_t s = first; s < last; ++s) {
       const int64_t n0 = s * slab, count = std::min(slab, n - n0);
       const int64_t padded = (count + 15) / 16 * 16;
       const bool as_int8 =
-          int8_rows && pack_slab_u8(bytes, row_bytes, held, k, n0, count, padded, packed8.data());
+          int8_rows && pack_slab_u8(bytes, row_bytes, held, k, n0, count, padded, packed8);
       // The bytes' bias comes back out through the offset (w = (u - bias) * scale + ...).
       const float bias = int8_bias(held);
       for (int64_t i = 0; i < padded; ++i)
@@ -515,23 +518,22 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
         }
       const int64_t int16_count = as_int8 ? rows16 : rows;  // rows the int16 kernel takes
       if (as_int8)
-        u8_slab_product(rows8, rows - rows16, k, held, halves, packed8.data(), scales.data(),
-                        offsets8.data(), padded, count, blocks_per_group, n0, n,
-                        y + rows16 * n);
+        u8_slab_product(rows8, rows - rows16, k, held, halves, packed8, scales, offsets8,
+                        padded, count, blocks_per_group, n0, n, y + rows16 * n);
       if (int16_count == 0) continue;
 #ifdef EXO_INT16_TILES_512
       if (int_gemm_forced() != 2) {
-        pack_slab_512(bytes, row_bytes, held, k, n0, count, padded, packed.data());
+        pack_slab_512(bytes, row_bytes, held, k, n0, count, padded, packed);
         int16_slab_product_512(quantized.data(), x_scales.data(), x_sums.data(), int16_count,
-                               k, halves, packed.data(), scales.data(), offsets.data(), padded,
-                               count, blocks_per_group, n0, n, y);
+                               k, halves, packed, scales, offsets, padded, count,
+                               blocks_per_group, n0, n, y);
         continue;
       }
 #endif
-      pack_slab(bytes, row_bytes, held, k, n0, count, padded, packed.data());
+      pack_slab(bytes, row_bytes, held, k, n0, count, padded, packed);
       int16_slab_product(quantized.data(), x_scales.data(), x_sums.data(), int16_count, k,
-                         halves, packed.data(), scales.data(), offsets.data(), padded, count,
-                         blocks_per_group, n0, n, y);
+                         halves, packed, scales, offsets, padded, count, blocks_per_group, n0,
+                         n, y);
     }
   });
 }
