@@ -289,8 +289,6 @@ void gemm_tile_512(const int16_t* xq, const float* x_scales, const float* x_sums
                    float* acc) {
   const int64_t blocks = k / 32, pairs = k / 2;
   constexpr int kPairs = 16 / HALVES;  // input pairs summed before a scale applies
-  const int32_t* x_pairs[ROWS];  // each row's int16 pairs as int32
-  for (int r = 0; r < ROWS; ++r) x_pairs[r] = reinterpret_cast<const int32_t*>(xq + r * k);
   int64_t part = b0 * HALVES;  // a block, or half of one with HALVES 2
   const float* scale = scales + (part / blocks_per_group) * padded;
   const float* offset = offsets + (part / blocks_per_group) * padded;
@@ -312,7 +310,9 @@ void gemm_tile_512(const int16_t* xq, const float* x_scales, const float* x_sums
         weights[v] = _mm512_loadu_si512(w + v * pairs * 16 + p * 16);
 #pragma GCC unroll 8
       for (int r = 0; r < ROWS; ++r) {
-        const __m512i xr = _mm512_set1_epi32(x_pairs[r][first + p]);
+        int32_t pair;  // inputs 2 (first + p) and the next of row r, as one lane
+        std::memcpy(&pair, xq + r * k + 2 * (first + p), sizeof(pair));
+        const __m512i xr = _mm512_set1_epi32(pair);
 #pragma GCC unroll 2
         for (int v = 0; v < VECS; ++v) dot[r][v] = _mm512_dpwssd_epi32(dot[r][v], weights[v], xr);
       }
