@@ -152,18 +152,21 @@ using exo_native::prefill::u8_slab_product;
 
 #ifdef EXO_INT_GEMM
 
-// Unpacks outputs [n0, n0 + count) (count <= padded, a multiple of 8) into `packed`: for each
-// group of 8 outputs v and input pair p, one vector of 8 int32 lanes (lane i: output
-// n0 + 8 v + i, inputs 2p and 2p + 1 as two int16) at packed + (v * k / 2 + p) * 8.
-// Outputs past `count` are zero.
+// Unpacks outputs [n0, n0 + count) (count <= padded, a multiple of LANES) into `packed`: for
+// each group of LANES outputs v (8: the 256-bit tiles' vectors, 16: the 512-bit tiles') and
+// input pair p, one vector of LANES int32 lanes (lane i: output n0 + LANES v + i, inputs 2p
+// and 2p + 1 as two int16) at packed + (v * k / 2 + p) * LANES. Outputs past `count` are
+// zero.
+template <int LANES>
 void pack_slab(const uint8_t* bytes, int64_t row_bytes, Held held, int64_t k, int64_t n0,
                int64_t count, int64_t padded, int32_t* packed) {
   const int64_t blocks = k / 32, pairs = k / 2;
-  for (int64_t v = 0; v < padded / 8; ++v) {
+  for (int64_t eighth = 0; eighth < padded / 8; ++eighth) {  // 8 outputs: one transpose
+    const int64_t v = eighth / (LANES / 8), lane = (eighth % (LANES / 8)) * 8;
     for (int64_t b = 0; b < blocks; ++b) {
       __m256i low[8], high[8];  // per output row: inputs 0-15 (pairs 0-7), 16-31 (8-15)
       for (int i = 0; i < 8; ++i) {
-        const int64_t row = 8 * v + i;
+        const int64_t row = 8 * eighth + i;
         if (row < count) {
           __m256i values[2];
           block_values(bytes + (n0 + row) * row_bytes, held, b, blocks, values);
@@ -174,12 +177,13 @@ void pack_slab(const uint8_t* bytes, int64_t row_bytes, Held held, int64_t k, in
         }
       }
       __m256i out[8];
-      int32_t* base = packed + (v * pairs + b * 16) * 8;
+      int32_t* base = packed + (v * pairs + b * 16) * LANES + lane;
       transpose8(low, out);
-      for (int j = 0; j < 8; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + j * 8), out[j]);
+      for (int j = 0; j < 8; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + j * LANES), out[j]);
       transpose8(high, out);
       for (int j = 0; j < 8; ++j)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + (8 + j) * 8), out[j]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + (8 + j) * LANES), out[j]);
     }
   }
 }
@@ -245,39 +249,6 @@ void gemm_tile(const int16_t* xq, const float* x_scales, const float* x_sums, in
 }
 
 #ifdef EXO_INT16_TILES_512
-// pack_slab's layout with 16 outputs per vector (one zmm): for each group of 16 outputs v
-// and input pair p, 16 int32 lanes (lane i: output n0 + 16 v + i) at
-// packed + (v * k / 2 + p) * 16. `padded` is a multiple of 16.
-void pack_slab_512(const uint8_t* bytes, int64_t row_bytes, Held held, int64_t k, int64_t n0,
-                   int64_t count, int64_t padded, int32_t* packed) {
-  const int64_t blocks = k / 32, pairs = k / 2;
-  for (int64_t eighth = 0; eighth < padded / 8; ++eighth) {  // 8 outputs: half a vector
-    const int64_t v = eighth / 2, lane = (eighth % 2) * 8;
-    for (int64_t b = 0; b < blocks; ++b) {
-      __m256i low[8], high[8];  // per output row: inputs 0-15 (pairs 0-7), 16-31 (8-15)
-      for (int i = 0; i < 8; ++i) {
-        const int64_t row = 8 * eighth + i;
-        if (row < count) {
-          __m256i values[2];
-          block_values(bytes + (n0 + row) * row_bytes, held, b, blocks, values);
-          low[i] = values[0];
-          high[i] = values[1];
-        } else {
-          low[i] = high[i] = _mm256_setzero_si256();
-        }
-      }
-      __m256i out[8];
-      int32_t* base = packed + (v * pairs + b * 16) * 16 + lane;
-      transpose8(low, out);
-      for (int j = 0; j < 8; ++j)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + j * 16), out[j]);
-      transpose8(high, out);
-      for (int j = 0; j < 8; ++j)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(base + (8 + j) * 16), out[j]);
-    }
-  }
-}
-
 // gemm_tile with 512-bit vectors: ROWS activation rows (row stride k) x 16 VECS outputs
 // (VECS packed vectors from `packed_tile`), the blocks [b0, b1) only, each block's scaled
 // sum added into acc [ROWS][32] (the same float32 operations, in the same order, as
@@ -342,7 +313,7 @@ void gemm_tile_512(const int16_t* xq, const float* x_scales, const float* x_sums
 // all of k: within the machine's noise, all of k slower at 128 rows for k = 2048.
 constexpr int64_t kBlocksPerPass = 8;
 
-// int16_slab_product with 512-bit tiles on a slab packed by `pack_slab_512`.
+// int16_slab_product with 512-bit tiles on a slab packed by `pack_slab<16>`.
 void int16_slab_product_512(const int16_t* xq, const float* x_scales, const float* x_sums,
                             int64_t rows, int64_t k, bool halves, const int32_t* packed,
                             const float* scales, const float* offsets, int64_t padded,
@@ -406,7 +377,7 @@ void int16_slab_product_512(const int16_t* xq, const float* x_scales, const floa
 }
 #endif  // EXO_INT16_TILES_512
 
-// The int16 activation rows times a slab packed by `pack_slab` into y's columns
+// The int16 activation rows times a slab packed by `pack_slab<8>` into y's columns
 // [n0, n0 + count).
 void int16_slab_product(const int16_t* xq, const float* x_scales, const float* x_sums,
                         int64_t rows, int64_t k, bool halves, const int32_t* packed,
@@ -523,14 +494,14 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
       if (int16_count == 0) continue;
 #ifdef EXO_INT16_TILES_512
       if (int_gemm_forced() != 2) {
-        pack_slab_512(bytes, row_bytes, held, k, n0, count, padded, packed);
+        pack_slab<16>(bytes, row_bytes, held, k, n0, count, padded, packed);
         int16_slab_product_512(quantized.data(), x_scales.data(), x_sums.data(), int16_count,
                                k, halves, packed, scales, offsets, padded, count,
                                blocks_per_group, n0, n, y);
         continue;
       }
 #endif
-      pack_slab(bytes, row_bytes, held, k, n0, count, padded, packed);
+      pack_slab<8>(bytes, row_bytes, held, k, n0, count, padded, packed);
       int16_slab_product(quantized.data(), x_scales.data(), x_sums.data(), int16_count, k,
                          halves, packed, scales, offsets, padded, count, blocks_per_group, n0,
                          n, y);
