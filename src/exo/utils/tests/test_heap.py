@@ -135,7 +135,9 @@ def test_frozen_objects_leave_the_collectors_generations() -> None:
         first.other = second
     frozen = freeze_long_lived_objects()
     try:
-        assert frozen >= 1000 and gc.get_freeze_count() == frozen
+        # Other threads of the test process may free frozen objects meanwhile (reference
+        # counting still frees them): the count can only drop.
+        assert frozen >= 1000 and 1000 <= gc.get_freeze_count() <= frozen
         assert not any(gc.is_tracked(node) and node in gc.get_objects(2) for node in kept[:3])
         cycle = Node()
         cycle.other = cycle  # garbage made after the freeze is still collected
