@@ -41,6 +41,17 @@
 // 512 rows 65-66 -> 82-84 (this VM's speeds move 30-50% from minute to minute; each pair
 // was measured together). A 4 x 32 tile looping rows outside tiles (the 256-bit tiles'
 // order) ran 58-81 at 128 rows: each 4 rows re-read the whole slab from L2.
+// AMX tiles (AMX-INT8) were tried and not kept (2026-12-02, a 2-core Xeon exposing amx_int8,
+// Gemma 3 270M's layer shapes in int4): each int16 activation split exactly into two bytes
+// (x = 256 hi + lo + 128, lo = (x & 255) - 128), `tdpbssd` per block of 32 inputs for 16
+// rows x 2 x 16 outputs (hi and lo), the weight's block sums from the packing, the tiles'
+// int32 sums stored and scaled as here: bit for bit this product (tested), but 0.90-1.04 of
+// the 512-bit tiles' time at 32 / 128 / 512 rows, 1 and 2 threads, interleaved call by call.
+// The tile multiplies ran 500-740 GMAC/s (bytes, one core, 32 bytes per row), but each block
+// has its own scales, so every tile's sums go through memory into the vector unit once per
+// block: without that float32 side the product took 0.61-0.65 of the 512-bit tiles' time.
+// Scaling one block while the tiles multiply the next changed nothing; `tilerelease` and
+// `ldtilecfg` per slab cost another ~1.4x.
 // Elsewhere (and by default for int16 activations where the library is built with AVX512
 // but not AVX512-VNNI + AVX512BW: kInt16GemmByDefault) the weight is dequantized to float32
 // one slab at a time and multiplied by torch's float32 matmul (prefill_dequantized.cpp; the
