@@ -2,6 +2,7 @@
 
 exo bench [--model M] [--placement single pipeline:2 tensor:2] [--prompt-tokens 128 512]
           [--generation-tokens 64] [--concurrency 1 4] [--runs 3] [--warmup 1]
+          [--settle-seconds 0.5]
           [--api URL [--api-key KEY]] [--nodes N] [--pin-cores] [--threads N]
           [--compare-llama-cpp GGUF] [--engine-in-process] [--output DIR] [--no-plots]
           [--quick] [--suite issue14]
@@ -22,10 +23,17 @@ from exo.benchmark.cluster import BenchSetupError, Placement
 from exo.benchmark.engine_runner import EngineRunError
 from exo.benchmark.llama_cpp_runner import LlamaCppMissingError
 from exo.benchmark.plots import PlotsUnavailableError, plot_report, require_matplotlib
-from exo.benchmark.runner import BenchConfig, print_ratios, run_bench
+from exo.benchmark.runner import (
+    DEFAULT_SETTLE_SECONDS,
+    BenchConfig,
+    print_ratios,
+    run_bench,
+)
 from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PREFILL_ACTIVATIONS
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# A pause past this is a typo (NaN fails the check too).
+MAX_SETTLE_SECONDS = 60.0
 QUICK = {"prompt_tokens": [16], "generation_tokens": [8], "runs": 2, "warmup": 1}
 
 
@@ -68,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--runs", type=int, default=3, help="measured runs per case")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured runs per case first")
+    parser.add_argument(
+        "--settle-seconds",
+        type=float,
+        default=DEFAULT_SETTLE_SECONDS,
+        help="pause before every run, so threads the run before left spinning idle have "
+        f"stopped (default {DEFAULT_SETTLE_SECONDS:g})",
+    )
     parser.add_argument("--api", help="URL of a running node's API (default: start local nodes)")
     parser.add_argument("--api-key", help="API key for --api")
     parser.add_argument(
@@ -154,6 +169,7 @@ def config_from_arguments(arguments: argparse.Namespace) -> BenchConfig:
         concurrency=arguments.concurrency,
         runs=arguments.runs,
         warmup=arguments.warmup,
+        settle_seconds=arguments.settle_seconds,
         api=api_url(arguments.api) if arguments.api else None,
         api_key=arguments.api_key,
         nodes=arguments.nodes,
@@ -177,6 +193,8 @@ def config_from_arguments(arguments: argparse.Namespace) -> BenchConfig:
         raise ValueError("token counts, concurrency and --runs must be >= 1, --warmup >= 0")
     if config.generation_tokens and min(config.generation_tokens) < 2:
         raise ValueError("--generation-tokens must be >= 2 (decode is timed after the first)")
+    if not 0 <= config.settle_seconds <= MAX_SETTLE_SECONDS:
+        raise ValueError(f"--settle-seconds must be within 0 .. {MAX_SETTLE_SECONDS:g}")
     if config.api is not None and config.pin_cores:
         raise ValueError("--pin-cores applies to local nodes only (not with --api)")
     if config.api is not None and config.prefill_activations != DEFAULT_PREFILL_ACTIVATIONS:

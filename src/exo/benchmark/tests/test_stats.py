@@ -140,6 +140,12 @@ def test_arguments_are_checked_before_anything_runs(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="no file"):
         config_from_arguments(parser.parse_args(["--compare-llama-cpp", str(tmp_path / "x")]))
+    # The pause before each run: 0.5 s unless given, never negative, NaN or past a minute.
+    assert config_from_arguments(parser.parse_args([])).settle_seconds == 0.5
+    assert config_from_arguments(parser.parse_args(["--settle-seconds", "0"])).settle_seconds == 0
+    for bad in ("-0.1", "nan", "61"):
+        with pytest.raises(ValueError, match="settle-seconds"):
+            config_from_arguments(parser.parse_args(["--settle-seconds", bad]))
     # A host and port without a scheme is http (it gave a garbled httpx error before).
     bare = config_from_arguments(parser.parse_args(["--api", "127.0.0.1:53999"]))
     assert bare.api == "http://127.0.0.1:53999"
