@@ -43,9 +43,10 @@ from exo.api.errors import (
 from exo.api.load_on_request import default_keep_alive, ensure_instance
 from exo.api.metrics import observed_chunks
 from exo.api.prompt_size import check_prompt_size
+from exo.shared.constants import INSTANCE_HEADER
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
 from exo.shared.types.commands import CancelGeneration, GenerateText, KeepAlive
-from exo.shared.types.common import CommandId
+from exo.shared.types.common import CommandId, InstanceId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
@@ -115,6 +116,8 @@ class Generation:
     """The first command, which the client's response id names, once sent again."""
     release_place: Callable[[], None] | None = None
     """Gives back its place among this node's requests in flight (`exo.api.admission`)."""
+    instance_id: InstanceId | None = None
+    """The instance it was pinned to (`INSTANCE_HEADER`): never sent to another."""
 
     def cancel(self) -> None:
         """Ask the cluster to stop this generation on every rank (idempotent)."""
@@ -135,7 +138,8 @@ class Generation:
         code = error.error_code if isinstance(error, ErrorChunk) else None
         if isinstance(error, ApiError):
             code = error.code
-        return code == INSTANCE_UNAVAILABLE and self.retries < MAX_RETRIES
+        pinned = self.instance_id is not None
+        return code == INSTANCE_UNAVAILABLE and self.retries < MAX_RETRIES and not pinned
 
     async def retry(self, request: Request) -> None:
         """Send the generation again under a new command (its chunks replace the old
@@ -217,7 +221,8 @@ async def start_generation(
     nothing is answered until it is ready. While every instance of the model is running and
     queueing all it may for this node, the request waits for a place (`exo.api.admission`).
     `keep_alive` (Ollama's; default this node's `--idle-unload`) becomes the instance's
-    keep-alive.
+    keep-alive. A request with the `INSTANCE_HEADER` header runs on that instance only: it
+    places nothing and is not sent again elsewhere when the instance is lost.
 
     With `wait_for_first_chunk` (default: `params.stream`) the first chunk is awaited before
     returning, so that a request the engine refuses (prompt longer than the context) is a
@@ -229,6 +234,8 @@ async def start_generation(
         InvalidRequestError: a conversation for a base model (no chat template) (400).
         NoCapacityError: the master rejected the command, or the model could not be
             loaded on request (no room, preparation failed, too slow) (503).
+        ModelNotFoundError: the `INSTANCE_HEADER` names no instance (404).
+        InvalidRequestError: the `INSTANCE_HEADER` names an instance of another model (400).
         QueueFullError: every instance stayed full for the admission wait (503 with
             `Retry-After`).
         InvalidRequestError: the request holds text that is not valid Unicode, values
@@ -245,16 +252,22 @@ async def start_generation(
     _check_logit_bias(params, card_of(cluster, params.model))
     check_prompt_size(params, card_of(cluster, params.model))
     keep_alive = default_keep_alive(cluster, keep_alive)
-    await ensure_instance(cluster, request, params.model, keep_alive)
+    pinned = request.headers.get(INSTANCE_HEADER)
+    if pinned is None:
+        await ensure_instance(cluster, request, params.model, keep_alive)
     release_place = await admission_of(request).admit(lambda: cluster.state, request, params.model)
     command = GenerateText(
-        command_id=command_id or CommandId.new(), params=params, keep_alive=keep_alive
+        command_id=command_id or CommandId.new(),
+        params=params,
+        keep_alive=keep_alive,
+        instance_id=InstanceId(pinned) if pinned is not None else None,
     )
     resources = ExitStack()
     # Registered before submitting, so no chunk can arrive unheard.
     chunks = observed_chunks(resources.enter_context(cluster.chunk_stream(command.command_id)))
     generation = Generation(cluster, command.command_id, params, chunks, resources, keep_alive)
     generation.release_place = release_place
+    generation.instance_id = command.instance_id
     try:
         await _submit(cluster, command)
         if wait_for_first_chunk if wait_for_first_chunk is not None else params.stream:
@@ -462,4 +475,6 @@ async def _submit(cluster: ClusterClient, command: GenerateText) -> None:
             raise ModelNotFoundError(error.reason, code="no_instance") from None
         if error.status_code == 413:
             raise InvalidRequestError(error.reason, code="context_length_exceeded") from None
+        if error.status_code == 400:  # pinned to an instance of another model
+            raise InvalidRequestError(error.reason, param=INSTANCE_HEADER) from None
         raise NoCapacityError(error.reason) from None

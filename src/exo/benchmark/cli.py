@@ -2,7 +2,7 @@
 
 exo bench [--model M] [--placement single pipeline:2 tensor:2] [--prompt-tokens 128 512]
           [--generation-tokens 64] [--concurrency 1 4] [--runs 3] [--warmup 1]
-          [--settle-seconds 0.5]
+          [--settle-seconds 0.5] [--sequential-placements]
           [--api URL [--api-key KEY]] [--nodes N] [--pin-cores] [--threads N]
           [--compare-llama-cpp GGUF] [--engine-in-process] [--output DIR] [--no-plots]
           [--quick] [--suite issue14]
@@ -120,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also measure the engine in this process (submit / step)",
     )
     parser.add_argument(
+        "--sequential-placements",
+        action="store_true",
+        help="place and measure one placement at a time (default: every placement is "
+        "placed side by side and their runs interleaved run by run, each request pinned "
+        "to its instance, so the machine's drift affects them alike)",
+    )
+    parser.add_argument(
         "--output",
         type=Path,
         default=Path("bench-results"),
@@ -178,6 +185,7 @@ def config_from_arguments(arguments: argparse.Namespace) -> BenchConfig:
         prefill_activations=arguments.prefill_activations,
         compare_llama_cpp=arguments.compare_llama_cpp,
         engine_in_process=arguments.engine_in_process,
+        interleave_placements=not arguments.sequential_placements,
         model_dir=arguments.model_dir,
         output=arguments.output,
         name=arguments.name,

@@ -67,15 +67,23 @@ class MemorySampler:
     processes: dict[str, int]
     """Label -> node pid."""
     peaks: dict[str, int] = field(default_factory=dict)
+    excluded: set[int] = field(default_factory=set)
+    """Processes (with their descendants) left out: other instances' runners."""
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
     def _sample(self) -> None:
+        skipped: set[int] = set()
+        for pid in self.excluded:
+            with contextlib.suppress(psutil.Error):
+                skipped |= {pid, *(child.pid for child in psutil.Process(pid).children(True))}
         for label, pid in self.processes.items():
             total = 0
             with contextlib.suppress(psutil.Error):
                 root = psutil.Process(pid)
                 for process in (root, *root.children(recursive=True)):
+                    if process.pid in skipped:
+                        continue
                     with contextlib.suppress(psutil.Error):
                         total += process.memory_info().rss
             self.peaks[label] = max(self.peaks.get(label, 0), total)
@@ -84,8 +92,10 @@ class MemorySampler:
         while not self._stop.wait(MEMORY_SAMPLE_SECONDS):
             self._sample()
 
-    def start(self) -> None:
+    def start(self, excluded: set[int] | None = None) -> None:
+        """Sample from now on, anew, leaving out `excluded` (pids) and their descendants."""
         self.peaks = {}
+        self.excluded = set(excluded or ())
         self._stop.clear()
         self._sample()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -110,6 +120,10 @@ class BenchNodes:
         self.no_prediction_reason: str | None = None
         """Why the last `predicted` returned nothing (None when it returned figures)."""
         self._speed_wait_over = False
+
+    def instance_processes(self, instance_id: str) -> set[int]:
+        """The local processes of `instance_id`'s runners (none for a remote cluster)."""
+        return set()
 
     def get(self, path: str, **params: Any) -> Any:
         response = httpx.get(
@@ -287,6 +301,7 @@ class LocalNodes(BenchNodes):
         extra_args: tuple[str, ...] = (),
     ) -> None:
         self.nodes: list[ExoNode] = []
+        self._instance_pids: dict[str, set[int]] = {}
         self._directory = tempfile.TemporaryDirectory(prefix="exo-bench-")
         root = Path(self._directory.name)
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -331,6 +346,19 @@ class LocalNodes(BenchNodes):
                 if node.process is not None
             }
         )
+
+    def _runner_pids(self) -> set[int]:
+        return {process.pid for node in self.nodes for process in node.runner_processes()}
+
+    def place(self, model_id: str, placement: Placement) -> str:
+        """`BenchNodes.place`, noting which runner processes the new instance started."""
+        before = self._runner_pids()
+        instance_id = super().place(model_id, placement)
+        self._instance_pids[instance_id] = self._runner_pids() - before
+        return instance_id
+
+    def instance_processes(self, instance_id: str) -> set[int]:
+        return set(self._instance_pids.get(instance_id, ()))
 
     def affinities(self) -> dict[str, list[list[int]]]:
         """Per node: the CPU affinity of the node and each of its runners (to check the

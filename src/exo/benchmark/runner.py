@@ -13,13 +13,13 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from exo.benchmark.client import ApiTarget, run_concurrent
-from exo.benchmark.cluster import BenchNodes, LocalNodes, Placement
+from exo.benchmark.cluster import BenchNodes, BenchSetupError, LocalNodes, Placement
 from exo.benchmark.llama_cpp_runner import LlamaCppRunner
 from exo.benchmark.prompts import ModelText
 from exo.benchmark.stats import BenchReport, CaseResult, RunResult, ratio, write_json
@@ -57,6 +57,7 @@ class BenchConfig:
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS
     compare_llama_cpp: Path | None = None
     engine_in_process: bool = False
+    interleave_placements: bool = True
     model_dir: Path | None = None
     output: Path = Path("bench-results")
     name: str = "bench"
@@ -214,9 +215,12 @@ def run_bench(config: BenchConfig, say: Print = print) -> BenchReport:
         # This process's client times every chunk: a full collection over the engine's
         # objects (~170 ms) in the middle of a run would show up as a stalled stream.
         freeze_long_lived_objects()
-        for placement in config.placements:
-            _bench_placement(
-                config, report, nodes, placement, model_id, model_text, llama, engine,
+        groups = [config.placements] if config.interleave_placements else [
+            [placement] for placement in config.placements
+        ]  # fmt: skip
+        for placements in groups:
+            _bench_placements(
+                config, report, nodes, placements, model_id, model_text, llama, engine,
                 predictions, say,
             )  # fmt: skip
             write_json(report, json_path)
@@ -271,11 +275,22 @@ def _engine_run(
     )
 
 
-def _bench_placement(
+@dataclass
+class _Measured:
+    """One placement's case while the cases of a group are measured run by run."""
+
+    case: CaseResult
+    target: ApiTarget
+    others: set[int]
+    """Processes of the group's other instances (left out of this case's peak memory)."""
+    companions: list[tuple[CaseResult, Callable[[int], RunResult]]]
+
+
+def _bench_placements(
     config: BenchConfig,
     report: BenchReport,
     nodes: BenchNodes,
-    placement: Placement,
+    placements: list[Placement],
     model_id: str,
     model_text: ModelText,
     llama: LlamaCppRunner | None,
@@ -283,18 +298,54 @@ def _bench_placement(
     taken: dict[tuple[str, int], tuple[dict[str, float], str | None]],
     say: Print,
 ) -> None:
-    """Place, measure every case, delete. On a single placement the llama.cpp runner (one
-    stream) and the in-process engine (when given) each run right after every exo run, on
-    the same prompt length, so background load affects them alike. `taken`: the cluster's
-    predictions (and why there is none) per (placement label, prompt length), taken before
-    anything ran."""
-    predictions: dict[int, dict[str, float]] = {}
-    for length in config.prompt_tokens:
-        predictions[length], reason = taken[placement.label, length]
-        if reason is not None:
-            note = f"{placement.label} prompt {length}: no prediction: {reason}"
-            say(f"  {note}")
-            report.notes.append(note)
+    """Place every placement of `placements` side by side (each its own instance), measure
+    every case with their runs interleaved run by run (each request pinned to its instance
+    with the API's `INSTANCE_HEADER`), delete them. The machine's speed moves between
+    minutes (2x on the 2-core VMs), so placements measured minutes apart compare badly:
+    tensor x2 against one pinned node measured 1.04-1.20x one after the other and 1.6x in
+    runs taken together. When a later placement has no room beside the earlier ones, each
+    is measured alone, one after the other (with a note).
+
+    Raises:
+        BenchSetupError: the first placement could not be made ready.
+    """
+    placed: list[tuple[Placement, str]] = []
+    try:
+        for placement in placements:
+            try:
+                placed.append((placement, _place(config, report, nodes, placement, model_id, say)))
+            except BenchSetupError as error:
+                if not placed:
+                    raise
+                note = (
+                    f"{placement.label} could not be placed beside "
+                    f"{', '.join(p.label for p, _ in placed)} ({error}): each placement "
+                    "measured alone, one after the other"
+                )
+                say(f"  {note}")
+                report.notes.append(note)
+                break
+        else:
+            _measure(config, report, nodes, placed, model_id, model_text, llama, engine, taken,
+                     say)  # fmt: skip
+            return
+    finally:
+        for _, instance_id in placed:
+            nodes.delete(instance_id)
+    for placement in placements:
+        _bench_placements(config, report, nodes, [placement], model_id, model_text, llama,
+                          engine, taken, say)  # fmt: skip
+
+
+def _place(
+    config: BenchConfig,
+    report: BenchReport,
+    nodes: BenchNodes,
+    placement: Placement,
+    model_id: str,
+    say: Print,
+) -> str:
+    """Place `placement` and wait until it is ready; returns its instance id."""
     say(f"placing {model_id} {placement.label}")
     started = time.monotonic()
     instance_id = nodes.place(model_id, placement)
@@ -307,54 +358,110 @@ def _bench_placement(
         for node_id, info in nodes.get("/state").get("node_info", {}).items()
     }
     report.notes.append(f"{placement.label} speed figures each node measured: {measured}")
+    return instance_id
+
+
+def _measure(
+    config: BenchConfig,
+    report: BenchReport,
+    nodes: BenchNodes,
+    placed: list[tuple[Placement, str]],
+    model_id: str,
+    model_text: ModelText,
+    llama: LlamaCppRunner | None,
+    engine: Any,
+    taken: dict[tuple[str, int], tuple[dict[str, float], str | None]],
+    say: Print,
+) -> None:
+    """Measure every case on the placed instances, run by run in turn (each run's prompts
+    the same for every placement). On a single placement the llama.cpp runner (one stream)
+    and the in-process engine (when given) each run right after its exo run, on the same
+    prompts' length, so background load affects them alike. `taken`: the cluster's
+    predictions (and why there is none) per (placement label, prompt length), taken before
+    anything ran."""
+    from exo.shared.constants import INSTANCE_HEADER
+
+    for placement, _ in placed:
+        for length in config.prompt_tokens:
+            _, reason = taken[placement.label, length]
+            if reason is not None:
+                note = f"{placement.label} prompt {length}: no prediction: {reason}"
+                say(f"  {note}")
+                report.notes.append(note)
+    processes = {instance_id: nodes.instance_processes(instance_id) for _, instance_id in placed}
     seed = config.seed
-    try:
-        for prompt_tokens in config.prompt_tokens:
-            for generation_tokens in config.generation_tokens:
-                for concurrency in config.concurrency:
+    for prompt_tokens in config.prompt_tokens:
+        for generation_tokens in config.generation_tokens:
+            for concurrency in config.concurrency:
+                group: list[_Measured] = []
+                for placement, instance_id in placed:
                     case = _case(
                         config, "exo", placement.label, nodes.pinned, prompt_tokens,
                         generation_tokens, concurrency,
                     )  # fmt: skip
-                    companions: list[tuple[CaseResult, Callable[[int], RunResult]]] = []
-                    if llama is not None and placement.nodes == 1 and concurrency == 1:
-                        other = _case(config, "llama.cpp", "single", False, prompt_tokens,
-                                      generation_tokens, 1)  # fmt: skip
-                        companions.append((other, functools.partial(
-                            _llama_run, llama, model_text, prompt_tokens, generation_tokens
-                        )))  # fmt: skip
-                    if engine is not None and placement.nodes == 1:
-                        other = _case(config, "exo-engine", "single", False, prompt_tokens,
-                                      generation_tokens, concurrency)  # fmt: skip
-                        companions.append((other, functools.partial(
-                            _engine_run, engine, model_text, prompt_tokens, generation_tokens,
-                            concurrency,
-                        )))  # fmt: skip
-                    for index in range(config.warmup + config.runs):
+                    case.predicted = taken[placement.label, prompt_tokens][0]
+                    headers = {**nodes.target.headers, INSTANCE_HEADER: instance_id}
+                    others = set().union(*(p for i, p in processes.items() if i != instance_id))
+                    companions = _companions(
+                        config, placement, llama, engine, model_text, prompt_tokens,
+                        generation_tokens, concurrency,
+                    )  # fmt: skip
+                    target = replace(nodes.target, headers=headers)
+                    group.append(_Measured(case, target, others, companions))
+                for index in range(config.warmup + config.runs):
+                    seed += 1
+                    prompts = _prompts(model_text, prompt_tokens, concurrency, seed)
+                    measured = index >= config.warmup
+                    for entry in group:
                         time.sleep(config.settle_seconds)
-                        seed += 1
-                        prompts = _prompts(model_text, prompt_tokens, concurrency, seed)
-                        if index == config.warmup:
-                            nodes.memory.start()
+                        if measured:
+                            nodes.memory.start(entry.others)
                         run = run_concurrent(
-                            nodes.target, model_id, prompts, generation_tokens,
+                            entry.target, model_id, prompts, generation_tokens,
                             model_text.logit_bias(),
                         )  # fmt: skip
-                        if index >= config.warmup:
-                            case.runs.append(run)
-                        for companion, run_companion in companions:
+                        if measured:
+                            for node, peak in nodes.memory.stop().items():
+                                peaks = entry.case.peak_memory_bytes
+                                peaks[node] = max(peaks.get(node, 0), peak)
+                            entry.case.runs.append(run)
+                        for companion, run_companion in entry.companions:
                             time.sleep(config.settle_seconds)
                             companion_run = run_companion(seed)
-                            if index >= config.warmup:
+                            if measured:
                                 companion.runs.append(companion_run)
-                    case.peak_memory_bytes = nodes.memory.stop()
-                    case.predicted = predictions.get(prompt_tokens, {})
-                    for finished in (case, *(companion for companion, _ in companions)):
+                for entry in group:
+                    for finished in (entry.case, *(other for other, _ in entry.companions)):
                         finished = finished.summarise()
                         report.cases.append(finished)
                         say(_describe(finished))
-    finally:
-        nodes.delete(instance_id)
+
+
+def _companions(
+    config: BenchConfig,
+    placement: Placement,
+    llama: LlamaCppRunner | None,
+    engine: Any,
+    model_text: ModelText,
+    prompt_tokens: int,
+    generation_tokens: int,
+    concurrency: int,
+) -> list[tuple[CaseResult, Callable[[int], RunResult]]]:
+    """The runs that follow each of `placement`'s exo runs: llama.cpp (one stream) and the
+    in-process engine, for a single placement."""
+    companions: list[tuple[CaseResult, Callable[[int], RunResult]]] = []
+    if llama is not None and placement.nodes == 1 and concurrency == 1:
+        other = _case(config, "llama.cpp", "single", False, prompt_tokens, generation_tokens, 1)
+        companions.append((other, functools.partial(
+            _llama_run, llama, model_text, prompt_tokens, generation_tokens
+        )))  # fmt: skip
+    if engine is not None and placement.nodes == 1:
+        other = _case(config, "exo-engine", "single", False, prompt_tokens, generation_tokens,
+                      concurrency)  # fmt: skip
+        companions.append((other, functools.partial(
+            _engine_run, engine, model_text, prompt_tokens, generation_tokens, concurrency,
+        )))  # fmt: skip
+    return companions
 
 
 def add_ratios(report: BenchReport) -> None:

@@ -94,6 +94,22 @@ def choose_instance(
     return min(candidates, key=load)
 
 
+def _pinned_instance_refusal(
+    state: State, model_id: ModelId, instance_id: InstanceId
+) -> tuple[str, int] | None:
+    """Why a generation pinned to `instance_id` cannot run there (reason, HTTP status):
+    no such instance (404), an instance of another model (400), or one that cannot serve
+    now (503); None when it can."""
+    instance = state.instances.get(instance_id)
+    if instance is None:
+        return f"no instance '{instance_id}'", 404
+    if instance.model_id != model_id:
+        return f"instance '{instance_id}' serves {instance.model_id}, not {model_id}", 400
+    if instance_id in state.unavailable_instances:
+        return unavailable_message(state, instance), 503
+    return None
+
+
 def events_for_command(
     state: State,
     origin: NodeId,
@@ -151,7 +167,14 @@ def events_for_command(
             if size > MAX_GENERATION_BYTES:
                 reason = f"the request is {size} bytes; at most {MAX_GENERATION_BYTES} are accepted"
                 return [_reject(command.command_id, origin, reason, 413)]
-            chosen = choose_instance(state, params.model, command.command_id)
+            chosen: Instance | None
+            if command.instance_id is not None:
+                refusal = _pinned_instance_refusal(state, params.model, command.instance_id)
+                if refusal is not None:
+                    return [_reject(command.command_id, origin, *refusal)]
+                chosen = state.instances[command.instance_id]
+            else:
+                chosen = choose_instance(state, params.model, command.command_id)
             if chosen is None:
                 unavailable = state.instances_of_model(params.model)
                 if unavailable:

@@ -23,7 +23,7 @@ from exo.shared.types.events import (
 )
 from exo.shared.types.instances import PipelineInstance, TensorInstance
 from exo.shared.types.runners import RunnerLoaded, RunnerReady, RunnerRunning, RunnerStatus
-from exo.shared.types.state import State
+from exo.shared.types.state import InstanceUnavailable, State
 from exo.shared.types.tasks import TaskCancelled, TaskFailed, TaskPending, TextGeneration
 from exo.testing.builders import (
     SMOLLM2,
@@ -266,6 +266,44 @@ def test_choose_instance(
     [event] = decide(state, GenerateText(command_id=COMMAND, params=make_params()))
     assert isinstance(event, TaskCreated)
     assert event.task.instance_id == InstanceId(expected)
+
+
+def test_a_generation_pinned_to_an_instance_runs_there_even_when_another_is_idler() -> None:
+    # instance-1 is busier (3 tasks against 0): unpinned, instance-2 gets it.
+    state = two_instances_state(RunnerReady(), RunnerReady(), 3, 0)
+    pinned = GenerateText(
+        command_id=COMMAND, params=make_params(), instance_id=InstanceId("instance-1")
+    )
+    [event] = decide(state, pinned)
+    assert isinstance(event, TaskCreated)
+    assert event.task.instance_id == InstanceId("instance-1")
+
+
+@pytest.mark.parametrize(
+    ("instance_id", "model", "status", "reason"),
+    [
+        ("instance-9", SMOLLM2, 404, "no instance 'instance-9'"),
+        ("instance-1", "other/model", 400, f"serves {SMOLLM2}, not other/model"),
+        ("instance-2", SMOLLM2, 503, "instance-2 of"),
+    ],
+)
+def test_a_generation_pinned_to_an_instance_that_cannot_run_it_is_refused(
+    instance_id: str, model: str, status: int, reason: str
+) -> None:
+    state = two_instances_state(RunnerReady(), RunnerReady(), 0, 0)
+    state = state.model_copy(
+        update={
+            "unavailable_instances": {
+                InstanceId("instance-2"): InstanceUnavailable(reason="node B left")
+            }
+        }
+    )
+    params = make_params().model_copy(update={"model": ModelId(model)})
+    command = GenerateText(command_id=COMMAND, params=params, instance_id=InstanceId(instance_id))
+    [event] = decide(state, command)
+    assert isinstance(event, CommandRejected)
+    assert event.status_code == status
+    assert reason in event.reason
 
 
 def test_choose_instance_without_runner_status_counts_as_not_ready() -> None:

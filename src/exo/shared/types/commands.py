@@ -57,6 +57,9 @@ class GenerateText(FrozenModel):
     params: TextGenerationTaskParams
     keep_alive: KeepAlive | None = None
     """The instance's keep-alive from this request on; None leaves it as it is."""
+    instance_id: InstanceId | None = None
+    """The instance that must run it (the API's `X-Exo-Instance` header); None: the master
+    chooses among the model's instances (`exo.master.decisions.choose_instance`)."""
 
 
 class SetKeepAlive(FrozenModel):
