@@ -6,9 +6,13 @@ Two processes form a group over loopback (as `exo bench --pin-cores` does: one p
 - `gloo_all_reduce`: `dist.all_reduce` (sum) of a `[rows, hidden]` float32 tensor;
 - `links_all_reduce`: `RankLinks.all_reduce_sum` of the same tensor;
 - `gloo_ping_pong` / `links_ping_pong`: rank 0 sends the tensor, rank 1 sends it back (one
-  round trip; halve it for a one-way hop).
+  round trip; halve it for a one-way hop);
+- `links_all_reduce_after_work_spin` / `_sleep`: decode's pattern, each rank busy for
+  `WORK_US` (rank 1 `WORK_IMBALANCE_US` longer) before every all-reduce, timed on the rank
+  that waits; with the links' spin (`EXO_LINK_SPIN_US`) and without it (the waiting rank
+  sleeps in the kernel and its idle core must be woken).
 
-Prints median / p90 microseconds per operation and writes JSON (`--json`).
+Prints median / p90 / mean microseconds per operation and writes JSON (`--json`).
 
     python bench/bench_links.py [--rows 1] [--hidden 1024] [--iterations 2000] [--json out]
 """
@@ -27,6 +31,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+WORK_US = 300
+WORK_IMBALANCE_US = 100
 
 
 def _free_port() -> int:
@@ -77,18 +84,42 @@ def _rank_main(
             links.recv(tensor, peer)
             links.send(tensor, peer)
 
+    spin_s = links.spin_s
+    # Decode's pattern: each rank computes (rank 1 a little longer), then they all-reduce;
+    # rank 0 waits ~WORK_IMBALANCE_US for rank 1 in every all-reduce.
+    work_s = (WORK_US + rank * WORK_IMBALANCE_US) / 1e6
+
+    def after_work(spin: float) -> Any:
+        def operation() -> None:
+            until = time.perf_counter() + work_s
+            while time.perf_counter() < until:
+                pass
+            links.spin_s = spin
+            started = time.perf_counter_ns()
+            links.all_reduce_sum(tensor)
+            waits.append((time.perf_counter_ns() - started) / 1000)
+            links.spin_s = spin_s
+
+        return operation
+
+    waits: list[float] = []
     operations = {
         "gloo_all_reduce": lambda: dist.all_reduce(tensor),
         "links_all_reduce": lambda: links.all_reduce_sum(tensor),
         "gloo_ping_pong": gloo_ping_pong,
         "links_ping_pong": links_ping_pong,
+        "links_all_reduce_after_work_spin": after_work(spin_s),
+        "links_all_reduce_after_work_sleep": after_work(0.0),
     }
     results: dict[str, list[float]] = {}
     for _round in range(2):  # interleaved twice: the machine's load drifts
         for name, operation in operations.items():
             dist.barrier()
             tensor.normal_(generator=torch.Generator().manual_seed(rank))
-            results.setdefault(name, []).extend(_timed(operation, iterations // 2))
+            waits.clear()
+            samples = _timed(operation, iterations // 2)
+            # After work: the all-reduce's own time (the waiting rank's, rank 0's).
+            results.setdefault(name, []).extend(waits[-len(samples) :] if waits else samples)
             tensor.clamp_(-1e3, 1e3)
     destroy_group()
     if rank == 0:
@@ -96,7 +127,7 @@ def _rank_main(
 
 
 def measure(pinned: bool, rows: int, hidden: int, iterations: int) -> dict[str, dict[str, float]]:
-    """Run both ranks; return {operation: {median_us, p90_us}}."""
+    """Run both ranks; return {operation: {median_us, p90_us, mean_us}}."""
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     port = _free_port()
@@ -131,6 +162,7 @@ def measure(pinned: bool, rows: int, hidden: int, iterations: int) -> dict[str, 
         summary[name] = {
             "median_us": round(statistics.median(ordered), 1),
             "p90_us": round(ordered[int(0.9 * (len(ordered) - 1))], 1),
+            "mean_us": round(statistics.fmean(ordered), 1),
         }
     return summary
 
@@ -150,7 +182,8 @@ def main() -> None:
         print(f"[{args.rows}, {args.hidden}] float32, {label} (cores 0 and 1):")
         for name, figure in summary.items():
             print(
-                f"  {name:18s} median {figure['median_us']:8.1f} us  p90 {figure['p90_us']:8.1f} us"
+                f"  {name:33s} median {figure['median_us']:7.1f} us  p90 {figure['p90_us']:7.1f} us"
+                f"  mean {figure['mean_us']:7.1f} us"
             )
         sys.stdout.flush()
     if args.json:

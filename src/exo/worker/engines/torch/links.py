@@ -43,6 +43,7 @@ _BUFFER_BYTES = 1 << 20
 _HELLO = struct.Struct("!II16s")  # magic, rank, group token
 _MAGIC = 0x65786F4C  # "exoL"
 _LENGTH = struct.Struct("!q")
+DEFAULT_SPIN_US = 1000
 
 
 class LinkError(dist.DistNetworkError):
@@ -73,6 +74,11 @@ class RankLinks:
         self._peers = peers
         self._receivers: dict[int, ThreadPoolExecutor] = {}
         self._scratch: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self.spin_s = spin_seconds()
+        # A second socket object on each connection (the same open file), non-blocking,
+        # for the spin: the connection's own keeps its timeout for the threads that send
+        # on it meanwhile (Python's timeout is per socket object).
+        self._pollers = {other: _poller(peer) for other, peer in peers.items()}
         self.small_bytes = SMALL_BYTES
         for peer in peers.values():
             sent = peer.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
@@ -147,6 +153,9 @@ class RankLinks:
                 connection.shutdown(socket.SHUT_RDWR)
             connection.close()
         self._peers.clear()
+        for poller in self._pollers.values():
+            poller.close()
+        self._pollers.clear()
 
     # -- point to point -------------------------------------------------------------------
 
@@ -172,25 +181,36 @@ class RankLinks:
         except OSError as error:
             raise LinkError(f"rank {self.rank}: sending to rank {dst} failed: {error}") from error
 
-    def recv(self, tensor: torch.Tensor, src: int, timeout_s: float | None = -1.0) -> None:
+    def recv(
+        self, tensor: torch.Tensor, src: int, timeout_s: float | None = -1.0, spin: bool = True
+    ) -> None:
         """Receive rank `src`'s next `send` into `tensor` (contiguous CPU, same byte size).
 
         Args:
             timeout_s: bound on the whole wait, seconds; -1: the group's; None: unbounded
                 (a closed connection still raises at once).
+            spin: poll without sleeping for the first `spin_s` of the wait (see
+                `spin_seconds`); off for receives on helper threads.
 
         Raises:
             LinkError: the peer closed its link or did not send within the bound.
         """
-        self._recv_bytes(_byte_view(tensor), src, timeout_s)
+        self._recv_bytes(_byte_view(tensor), src, timeout_s, spin)
 
-    def _recv_bytes(self, view: memoryview, src: int, timeout_s: float | None = -1.0) -> None:
+    def _recv_bytes(
+        self, view: memoryview, src: int, timeout_s: float | None = -1.0, spin: bool = True
+    ) -> None:
         connection = self._peer(src)
+        got = 0
+        if spin and self.spin_s > 0:
+            got = _spin_receive(self._pollers[src], view, self.spin_s)
+            if got == len(view):
+                return
         bound = self.timeout_s if timeout_s == -1.0 else timeout_s
         if bound != self.timeout_s:
             connection.settimeout(bound)
         try:
-            _receive_exactly(connection, view)
+            _receive_exactly(connection, view[got:])
         except TimeoutError as error:
             raise LinkError(
                 f"rank {self.rank}: rank {src} sent nothing for {bound} s (timeout)"
@@ -210,7 +230,7 @@ class RankLinks:
         if receiver is None:
             receiver = ThreadPoolExecutor(1, thread_name_prefix=f"exo-link-{src}")
             self._receivers[src] = receiver
-        return receiver.submit(self.recv, tensor, src)
+        return receiver.submit(self.recv, tensor, src, -1.0, False)
 
     def send_message(self, payload: torch.Tensor, dst: int) -> None:
         """Send a 1-D int64 tensor of any length (its length first, in the same write)."""
@@ -309,6 +329,56 @@ class RankLinks:
 
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def spin_seconds() -> float:
+    """How long a rank polls its link before it sleeps in the kernel waiting for data:
+    `EXO_LINK_SPIN_US` microseconds (default `DEFAULT_SPIN_US`; 0: never).
+
+    A rank that sleeps leaves its core idle, and waking an idle core costs more than the
+    message: on the 2-core VMs an idle vCPU halts and is woken through the hypervisor.
+    Decode's all-reduces wait tens to hundreds of microseconds for the slower rank, so a
+    rank that polls through them never sleeps during a step; longer waits (between steps,
+    between requests) still sleep after the spin.
+
+    Raises:
+        ValueError: the variable is not a whole number of microseconds >= 0.
+    """
+    text = os.environ.get("EXO_LINK_SPIN_US", str(DEFAULT_SPIN_US))
+    if not text.strip().isdigit():
+        raise ValueError(f"EXO_LINK_SPIN_US={text!r}: a whole number of microseconds >= 0")
+    return int(text) / 1e6
+
+
+def _poller(connection: socket.socket) -> socket.socket:
+    poller = socket.socket(fileno=os.dup(connection.fileno()))
+    poller.setblocking(False)
+    return poller
+
+
+def _spin_receive(poller: socket.socket, view: memoryview, spin_s: float) -> int:
+    """Read what arrives on `poller` (non-blocking) into `view` for up to `spin_s`
+    seconds; returns the bytes read (all of `view` at most).
+
+    Raises:
+        LinkError: the other rank closed its link.
+    """
+    got = 0
+    total = len(view)
+    deadline = time.perf_counter() + spin_s
+    while got < total:
+        try:
+            count = poller.recv_into(view[got:], total - got)
+        except BlockingIOError:
+            if time.perf_counter() > deadline:
+                break
+            continue
+        except OSError as error:
+            raise LinkError(f"receiving failed: {error}") from error
+        if count == 0:
+            raise LinkError("the other rank closed its link")
+        got += count
+    return got
 
 
 def _receive_exactly(connection: socket.socket, view: memoryview) -> None:

@@ -189,3 +189,61 @@ def test_close_is_idempotent_and_refuses_later_sends(
     first.close()
     with pytest.raises(LinkError, match="no link"):
         first.send(torch.ones(1), 1)
+
+
+def test_a_receive_polls_through_the_spin_then_sleeps_for_the_rest(
+    make_mesh: Callable[..., list[RankLinks]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import exo.worker.engines.torch.links as links_module
+
+    first, second = make_mesh(2)
+    second.spin_s = 0.005
+    blocking_reads: list[int] = []
+    real_receive = links_module._receive_exactly
+
+    def counted(connection: socket.socket, view: memoryview) -> None:
+        blocking_reads.append(len(view))
+        real_receive(connection, view)
+
+    monkeypatch.setattr(links_module, "_receive_exactly", counted)
+    sent = torch.arange(64, dtype=torch.float32)
+    # Already there: read whole by the spin, the kernel's blocking wait never entered.
+    first.send(sent, 1)
+    received = torch.zeros_like(sent)
+    second.recv(received, 0)
+    assert torch.equal(received, sent) and blocking_reads == []
+    # Part there already, the rest long after the spin: it comes through the blocking read.
+    data = sent.numpy().tobytes()
+    first._send_bytes(data[:100], 1)
+
+    def late_half() -> None:
+        time.sleep(0.2)
+        first._send_bytes(data[100:], 1)
+
+    sender = threading.Thread(target=late_half)
+    sender.start()
+    received.zero_()
+    second.recv(received, 0)
+    sender.join(10)
+    assert torch.equal(received, sent)
+    assert blocking_reads == [len(data) - 100]
+    # Without a spin every receive sleeps in the kernel at once.
+    second.spin_s = 0.0
+    first.send(sent, 1)
+    second.recv(received, 0)
+    assert blocking_reads[-1] == len(data)
+
+
+def test_the_spin_is_set_in_microseconds_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from exo.worker.engines.torch.links import DEFAULT_SPIN_US, spin_seconds
+
+    monkeypatch.delenv("EXO_LINK_SPIN_US", raising=False)
+    assert spin_seconds() == DEFAULT_SPIN_US / 1e6
+    monkeypatch.setenv("EXO_LINK_SPIN_US", "0")
+    assert spin_seconds() == 0.0
+    monkeypatch.setenv("EXO_LINK_SPIN_US", "250")
+    assert spin_seconds() == 250e-6
+    for bad in ("-5", "1.5", "soon"):
+        monkeypatch.setenv("EXO_LINK_SPIN_US", bad)
+        with pytest.raises(ValueError, match="EXO_LINK_SPIN_US"):
+            spin_seconds()
