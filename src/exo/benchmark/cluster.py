@@ -62,30 +62,39 @@ class Placement:
 @dataclass
 class MemorySampler:
     """Peak RSS (bytes) of each local node process plus its descendants (its runners),
-    sampled every `MEMORY_SAMPLE_SECONDS` on a thread between `start` and `stop`."""
+    sampled every `MEMORY_SAMPLE_SECONDS` on a thread between `start` and `stop`.
+
+    The processes are listed once per `start` (finding a process's descendants reads every
+    process of the machine: ~5% of a core at this rate on the 2-core VM, taken from the
+    pinned ranks the bench measures); each sample then reads only their resident sizes.
+    """
 
     processes: dict[str, int]
     """Label -> node pid."""
     peaks: dict[str, int] = field(default_factory=dict)
-    excluded: set[int] = field(default_factory=set)
-    """Processes (with their descendants) left out: other instances' runners."""
+    _tracked: dict[str, list[psutil.Process]] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
-    def _sample(self) -> None:
+    def _track(self, excluded: set[int]) -> None:
         skipped: set[int] = set()
-        for pid in self.excluded:
+        for pid in excluded:
             with contextlib.suppress(psutil.Error):
                 skipped |= {pid, *(child.pid for child in psutil.Process(pid).children(True))}
+        self._tracked = {}
         for label, pid in self.processes.items():
-            total = 0
+            tracked: list[psutil.Process] = []
             with contextlib.suppress(psutil.Error):
                 root = psutil.Process(pid)
-                for process in (root, *root.children(recursive=True)):
-                    if process.pid in skipped:
-                        continue
-                    with contextlib.suppress(psutil.Error):
-                        total += process.memory_info().rss
+                tracked = [root, *root.children(recursive=True)]
+            self._tracked[label] = [p for p in tracked if p.pid not in skipped]
+
+    def _sample(self) -> None:
+        for label, tracked in self._tracked.items():
+            total = 0
+            for process in tracked:
+                with contextlib.suppress(psutil.Error):
+                    total += process.memory_info().rss
             self.peaks[label] = max(self.peaks.get(label, 0), total)
 
     def _loop(self) -> None:
@@ -93,9 +102,10 @@ class MemorySampler:
             self._sample()
 
     def start(self, excluded: set[int] | None = None) -> None:
-        """Sample from now on, anew, leaving out `excluded` (pids) and their descendants."""
+        """Sample from now on, anew, the node processes and their descendants as they are
+        now, leaving out `excluded` (pids) and their descendants."""
         self.peaks = {}
-        self.excluded = set(excluded or ())
+        self._track(set(excluded or ()))
         self._stop.clear()
         self._sample()
         self._thread = threading.Thread(target=self._loop, daemon=True)

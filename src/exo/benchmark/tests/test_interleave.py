@@ -142,3 +142,31 @@ def test_placements_without_room_together_are_measured_each_alone(
     ]
     assert any("measured alone" in note for note in report.notes)
     assert nodes.live == []
+
+
+def test_memory_sampler_leaves_out_the_other_instances_processes() -> None:
+    import os
+    import subprocess
+    import sys
+
+    import psutil
+
+    from exo.benchmark.cluster import MemorySampler
+
+    children = [
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)
+    ]
+    try:
+        own = psutil.Process().memory_info().rss
+        child = psutil.Process(children[0].pid).memory_info().rss
+        sampler = MemorySampler({"node": os.getpid()})
+        sampler.start(excluded={children[1].pid})
+        peaks = sampler.stop()
+        tracked = {process.pid for process in sampler._tracked["node"]}
+        assert {os.getpid(), children[0].pid} <= tracked
+        assert children[1].pid not in tracked
+        assert peaks["node"] >= 0.9 * own + child // 2  # the child's memory is counted
+    finally:
+        for child in children:
+            child.kill()
+            child.wait(10)
