@@ -109,7 +109,7 @@ class RunnerSupervisor:
 
     def start(self) -> None:
         # The spawned runner inherits this environment: bounded per-shape kernel caches,
-        # intra-op threads that stop spinning soon after a step.
+        # intra-op threads that stop spinning soon after a step where that measured better.
         bound_kernel_caches()
         limit_thread_spinning()
         context = multiprocessing.get_context("spawn")
