@@ -221,9 +221,8 @@ def run_bench(config: BenchConfig, say: Print = print) -> BenchReport:
         for placements in groups:
             _bench_placements(
                 config, report, nodes, placements, model_id, model_text, llama, engine,
-                predictions, say,
+                predictions, say, functools.partial(write_json, report, json_path),
             )  # fmt: skip
-            write_json(report, json_path)
     finally:
         nodes.close()
         if llama is not None:
@@ -297,6 +296,7 @@ def _bench_placements(
     engine: Any,
     taken: dict[tuple[str, int], tuple[dict[str, float], str | None]],
     say: Print,
+    checkpoint: Callable[[], None] = lambda: None,
 ) -> None:
     """Place every placement of `placements` side by side (each its own instance), measure
     every case with their runs interleaved run by run (each request pinned to its instance
@@ -327,14 +327,14 @@ def _bench_placements(
                 break
         else:
             _measure(config, report, nodes, placed, model_id, model_text, llama, engine, taken,
-                     say)  # fmt: skip
+                     say, checkpoint)  # fmt: skip
             return
     finally:
         for _, instance_id in placed:
             nodes.delete(instance_id)
     for placement in placements:
         _bench_placements(config, report, nodes, [placement], model_id, model_text, llama,
-                          engine, taken, say)  # fmt: skip
+                          engine, taken, say, checkpoint)  # fmt: skip
 
 
 def _place(
@@ -372,13 +372,14 @@ def _measure(
     engine: Any,
     taken: dict[tuple[str, int], tuple[dict[str, float], str | None]],
     say: Print,
+    checkpoint: Callable[[], None],
 ) -> None:
     """Measure every case on the placed instances, run by run in turn (each run's prompts
     the same for every placement). On a single placement the llama.cpp runner (one stream)
     and the in-process engine (when given) each run right after its exo run, on the same
     prompts' length, so background load affects them alike. `taken`: the cluster's
     predictions (and why there is none) per (placement label, prompt length), taken before
-    anything ran."""
+    anything ran. `checkpoint` runs after every case (the report rewritten)."""
     from exo.shared.constants import INSTANCE_HEADER
 
     for placement, _ in placed:
@@ -435,6 +436,7 @@ def _measure(
                         finished = finished.summarise()
                         report.cases.append(finished)
                         say(_describe(finished))
+                checkpoint()
 
 
 def _companions(

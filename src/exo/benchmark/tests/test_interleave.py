@@ -95,7 +95,7 @@ def bench(nodes: FakeNodes, monkeypatch: pytest.MonkeyPatch) -> tuple[BenchRepor
     }
     _bench_placements(
         config, report, nodes, [SINGLE, TENSOR], "m", FakeText(), None, None,  # type: ignore[arg-type]
-        taken, lambda _: None,
+        taken, lambda _: None, lambda: nodes.log.append("checkpoint"),
     )  # fmt: skip
     return report, runs
 
@@ -109,7 +109,7 @@ def test_placements_are_placed_together_and_measured_run_by_run_in_turn(
     assert nodes.log == [
         f"place {single}", f"place {tensor}",
         *[f"run {instance}" for _ in range(4) for instance in (single, tensor)],
-        f"delete {single}", f"delete {tensor}",
+        "checkpoint", f"delete {single}", f"delete {tensor}",
     ]  # fmt: skip
     # Each warm-up / run index sends both placements the same prompts, new ones each time.
     prompts = [prompt for _, (prompt,) in runs]
@@ -133,8 +133,8 @@ def test_placements_without_room_together_are_measured_each_alone(
     single, tensor = "instance-pipeline1", "instance-tensor2"
     assert nodes.log == [
         f"place {single}", f"delete {single}",
-        f"place {single}", *[f"run {single}"] * 4, f"delete {single}",
-        f"place {tensor}", *[f"run {tensor}"] * 4, f"delete {tensor}",
+        f"place {single}", *[f"run {single}"] * 4, "checkpoint", f"delete {single}",
+        f"place {tensor}", *[f"run {tensor}"] * 4, "checkpoint", f"delete {tensor}",
     ]  # fmt: skip
     assert [(case.placement, len(case.runs)) for case in report.cases] == [
         ("single", 3),
