@@ -368,7 +368,9 @@ def _spin_receive(poller: socket.socket, view: memoryview, spin_s: float) -> int
     deadline = time.perf_counter() + spin_s
     while got < total:
         try:
-            count = poller.recv_into(view[got:], total - got)
+            # MSG_DONTWAIT: never blocks, even while another thread has the connection in
+            # blocking mode (`settimeout(None)` clears the shared O_NONBLOCK).
+            count = poller.recv_into(view[got:], total - got, socket.MSG_DONTWAIT)
         except BlockingIOError:
             if time.perf_counter() > deadline:
                 break
