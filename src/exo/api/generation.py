@@ -252,7 +252,7 @@ async def start_generation(
     _check_logit_bias(params, card_of(cluster, params.model))
     check_prompt_size(params, card_of(cluster, params.model))
     keep_alive = default_keep_alive(cluster, keep_alive)
-    pinned = request.headers.get(INSTANCE_HEADER)
+    pinned = _pinned_instance(cluster, request, params.model)
     if pinned is None:
         await ensure_instance(cluster, request, params.model, keep_alive)
     release_place = await admission_of(request).admit(lambda: cluster.state, request, params.model)
@@ -260,7 +260,7 @@ async def start_generation(
         command_id=command_id or CommandId.new(),
         params=params,
         keep_alive=keep_alive,
-        instance_id=InstanceId(pinned) if pinned is not None else None,
+        instance_id=pinned,
     )
     resources = ExitStack()
     # Registered before submitting, so no chunk can arrive unheard.
@@ -285,6 +285,36 @@ async def start_generation(
         generation.close()
         raise
     return generation
+
+
+def _pinned_instance(cluster: ClusterClient, request: Request, model: str) -> InstanceId | None:
+    """The instance the `INSTANCE_HEADER` names (None without the header), checked against
+    this node's view of the state before anything waits on the model (the master checks
+    again when it decides).
+
+    Raises:
+        InvalidRequestError: the header is empty or not an ASCII id, or names an instance
+            of another model (400).
+        ModelNotFoundError: no such instance (404).
+    """
+    value = request.headers.get(INSTANCE_HEADER)
+    if value is None:
+        return None
+    value = value.strip()
+    if not value or not value.isascii() or not value.isprintable():
+        raise InvalidRequestError(
+            f"the {INSTANCE_HEADER} header must be an instance id (see GET /state)",
+            param=INSTANCE_HEADER,
+        )
+    instance_id = InstanceId(value)
+    instance = cluster.state.instances.get(instance_id)
+    if instance is None:
+        raise ModelNotFoundError(f"no instance '{value}'", code="no_instance")
+    if instance.model_id != model:
+        raise InvalidRequestError(
+            f"instance '{value}' serves {instance.model_id}, not {model}", param=INSTANCE_HEADER
+        )
+    return instance_id
 
 
 class _GenerationStreamingResponse(StreamingResponse):

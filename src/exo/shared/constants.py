@@ -13,9 +13,9 @@ from pathlib import Path
 DEFAULT_API_PORT = 52415
 INSTANCE_HEADER = "x-exo-instance"
 """A request header naming the instance (its id in `GET /state`) that must run the
-generation, in every dialect: the master runs it there or refuses (404 no such instance,
-400 an instance of another model, 503 unavailable), never elsewhere. For comparing
-placements of one model side by side (`exo bench`)."""
+generation, in every dialect: it runs there or is refused (404 no such instance, 400 an
+instance of another model or a value that is no instance id, 503 unavailable), never
+elsewhere. For comparing placements of one model side by side (`exo bench`)."""
 PROTOCOL_VERSION = "0.1"
 
 

@@ -110,6 +110,23 @@ def test_a_header_naming_an_instance_that_cannot_run_it_is_refused_in_the_dialec
     assert cluster.submitted == []
 
 
+@pytest.mark.parametrize("value", ["", "   ", "instance-\u00e9"])
+def test_a_header_that_is_no_instance_id_is_a_400(value: str) -> None:
+    cluster = DecidingCluster()
+    for http in client_for(cluster):
+        chat = {"model": SMOLLM2, "messages": [{"role": "user", "content": "Hi"}]}
+        response = http.post(
+            "/v1/chat/completions",
+            json=chat,
+            headers=[(INSTANCE_HEADER.encode(), value.encode("latin-1"))],
+        )
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == INSTANCE_HEADER
+        assert "must be an instance id" in error["message"]
+    assert cluster.submitted == []
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_pinned_generation_that_lost_its_instance_is_not_sent_elsewhere(stream: bool) -> None:
     cluster = LosingCluster(losses=1)  # unpinned, the second try would be answered
