@@ -309,7 +309,9 @@ def _pinned_instance(cluster: ClusterClient, request: Request, model: str) -> In
     instance_id = InstanceId(value)
     instance = cluster.state.instances.get(instance_id)
     if instance is None:
-        raise ModelNotFoundError(f"no instance '{value}'", code="no_instance")
+        raise ModelNotFoundError(
+            f"no instance '{value}'", param=INSTANCE_HEADER, code="no_instance"
+        )
     if instance.model_id != model:
         raise InvalidRequestError(
             f"instance '{value}' serves {instance.model_id}, not {model}", param=INSTANCE_HEADER

@@ -99,6 +99,7 @@ def test_a_header_naming_an_instance_that_cannot_run_it_is_refused_in_the_dialec
         error = response.json()["error"]
         assert error["type"] == "invalid_request_error"
         assert message in error["message"]
+        assert error["param"] == INSTANCE_HEADER
         claude = http.post(
             "/v1/messages",
             json={**chat, "max_tokens": 8},
