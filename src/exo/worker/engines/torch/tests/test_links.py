@@ -165,7 +165,9 @@ def test_a_stranger_cannot_take_a_rank_s_place() -> None:
 
     with ThreadPoolExecutor(3) as pool:
         first = pool.submit(RankLinks.connect, stores.client(), 0, 2, "127.0.0.1", 10.0)
+        deadline = time.monotonic() + 30
         while not store.check(["exo_links/0"]):
+            assert time.monotonic() < deadline, "rank 0 never published its listener"
             time.sleep(0.01)
         listener_ready.set()
         pool.submit(stranger).result(timeout=10)
@@ -199,10 +201,12 @@ def test_a_receive_polls_through_the_spin_then_sleeps_for_the_rest(
     first, second = make_mesh(2)
     second.spin_s = 0.005
     blocking_reads: list[int] = []
+    entered_blocking_read = threading.Event()
     real_receive = links_module._receive_exactly
 
     def counted(connection: socket.socket, view: memoryview) -> None:
         blocking_reads.append(len(view))
+        entered_blocking_read.set()
         real_receive(connection, view)
 
     monkeypatch.setattr(links_module, "_receive_exactly", counted)
@@ -217,7 +221,9 @@ def test_a_receive_polls_through_the_spin_then_sleeps_for_the_rest(
     first._send_bytes(data[:100], 1)
 
     def late_half() -> None:
-        time.sleep(0.2)
+        # Sent only once the receive sleeps in the kernel, however late the spin ran; the
+        # deadline only keeps a broken receive from hanging the test.
+        entered_blocking_read.wait(10)
         first._send_bytes(data[100:], 1)
 
     sender = threading.Thread(target=late_half)
