@@ -30,6 +30,7 @@ from exo.shared.models.memory import (
     PrefillActivations,
 )
 from exo.shared.types.common import ModelId
+from exo.utils.cpu_features import default_prefill_activations
 
 DEFAULT_MODEL_ID = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
 # `--stream-interval-ms`: 30 ms (two frames of a 60 Hz screen) groups four or five tokens of
@@ -178,11 +179,14 @@ def parse_args(argv: list[str] | None = None) -> Options:
     parser.add_argument(
         "--prefill-activations",
         choices=PREFILL_ACTIVATIONS,
-        default=DEFAULT_PREFILL_ACTIVATIONS,
+        default=default_prefill_activations(),
         help="how this node's runners round a prompt's activations for int4, 5-bit and "
-        "Q6_K weights on AVX2 CPUs (default int16, as decode); int8 is llama.cpp's "
-        "rounding: faster prefill (int4 products ~1.8x, Gemma 3 270M's TTFT ~1.3x), "
-        "a prompt's next-token distributions off by a KL of ~2-3e-3 (int16: < 1e-7)",
+        "GGUF int8-block weights on AVX2 CPUs (default: bf16 where the CPU has AMX-BF16, "
+        "else int16). int16: as decode, exact integer sums; int8: llama.cpp's rounding, "
+        "faster (int4 products ~1.8x, Gemma 3 270M's TTFT ~1.3x), a prompt's next-token "
+        "distributions off by a KL of ~2-3e-3 (int16: < 1e-7); bf16 (AMX CPUs only, "
+        "elsewhere int16): the weights dequantized to bfloat16 for AMX tiles, products ~2x "
+        "int16's, a KL of ~2-3.5e-4",
     )
     parser.add_argument(
         "--max-queued-requests",

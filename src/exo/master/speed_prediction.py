@@ -251,12 +251,19 @@ def _prefill_gemm_shares(card: ModelCard) -> list[tuple[str, bool, float]]:
 def _prefill_gemm_flops(
     speed: NodeSpeed, kernel: str, activations: PrefillActivations
 ) -> float | None:
+    """The node's measured prefill FLOP/s for `kernel`'s weights rounded as `activations`
+    (bf16 where it was not measured, i.e. does not run there: int16's, its fallback)."""
     if kernel == "int5":
-        int16, int8 = speed.int5_prefill_int16_flops, speed.int5_prefill_int8_flops
+        int16 = speed.int5_prefill_int16_flops
+        int8, bf16 = speed.int5_prefill_int8_flops, speed.int5_prefill_bf16_flops
     elif kernel == "int8_blocks":
-        int16, int8 = speed.int8_block_prefill_int16_flops, speed.int8_block_prefill_int8_flops
+        int16 = speed.int8_block_prefill_int16_flops
+        int8, bf16 = speed.int8_block_prefill_int8_flops, speed.int8_block_prefill_bf16_flops
     else:
-        int16, int8 = speed.int4_prefill_int16_flops, speed.int4_prefill_int8_flops
+        int16 = speed.int4_prefill_int16_flops
+        int8, bf16 = speed.int4_prefill_int8_flops, speed.int4_prefill_bf16_flops
+    if activations == "bf16":
+        return bf16 if bf16 is not None else int16
     return int8 if activations == "int8" else int16
 
 
@@ -281,7 +288,11 @@ def prefill_gemm_seconds(
     own = fitted = 0.0
     for kernel, takes_int8, share in _prefill_gemm_shares(card):
         fitted_rate = _prefill_gemm_flops(speed, kernel, ENGINE_PREFILL_FACTOR_ACTIVATIONS)
-        own_rate = _prefill_gemm_flops(speed, kernel, activations) if takes_int8 else fitted_rate
+        own_rate = (
+            _prefill_gemm_flops(speed, kernel, activations)
+            if takes_int8 or activations == "bf16"  # bf16 takes every block weight
+            else fitted_rate
+        )
         if fitted_rate is None or own_rate is None:
             return None
         ratio = own_rate / fitted_rate

@@ -184,14 +184,17 @@ def _prefill_weight(kind: str) -> tuple[Any, Any]:
     return values, scales.to(torch.bfloat16)
 
 
-def prefill_gemm_flops(kind: str) -> tuple[float, float]:
-    """FLOP/s (2 per multiply-add) of prefill's integer GEMM (exo's `block_matmul`,
+def prefill_gemm_flops(kind: str) -> tuple[float, float, float | None]:
+    """FLOP/s (2 per multiply-add) of prefill's product (exo's `block_matmul`,
     native/prefill.cpp) of `PREFILL_ROWS` float32 rows times a `kind` weight
-    (`_prefill_weight`), with the rows rounded to int16 and to int8 per block of 32
-    (`--prefill-activations`): `(int16, int8)`, their repetitions in turn over
-    `PROBE_SECONDS` (`fastest_seconds_interleaved`: the prediction reads their ratio; a
-    call takes a few ms, so that is still tens of repetitions)."""
+    (`_prefill_weight`), with the rows rounded to int16 and to int8 per block of 32, and to
+    bfloat16 where that runs (`--prefill-activations`): `(int16, int8, bf16 or None)`,
+    their repetitions in turn over `PROBE_SECONDS` (`fastest_seconds_interleaved`: the
+    prediction reads their ratios; a call takes a few ms, so that is still tens of
+    repetitions)."""
     import torch
+
+    from exo.worker.engines.torch.native_int4 import bf16_prefill_available
 
     weight, scales = _prefill_weight(kind)
     rows = torch.randn(PREFILL_ROWS, INT4_INPUTS, generator=torch.Generator().manual_seed(5))
@@ -203,8 +206,14 @@ def prefill_gemm_flops(kind: str) -> tuple[float, float]:
     def int8() -> object:
         return torch.ops.exo_native.block_matmul(rows, weight, scales, 8)
 
-    int16_seconds, int8_seconds = fastest_seconds_interleaved([int16, int8])
-    return flops / int16_seconds, flops / int8_seconds
+    def bf16() -> object:
+        return torch.ops.exo_native.block_matmul(rows, weight, scales, 16, 0, True)
+
+    if not bf16_prefill_available():
+        int16_seconds, int8_seconds = fastest_seconds_interleaved([int16, int8])
+        return flops / int16_seconds, flops / int8_seconds, None
+    int16_seconds, int8_seconds, bf16_seconds = fastest_seconds_interleaved([int16, int8, bf16])
+    return flops / int16_seconds, flops / int8_seconds, flops / bf16_seconds
 
 
 def int8_decode_bytes_per_second(working_set: int) -> float:

@@ -69,11 +69,12 @@ from exo.utils.speed_measurements import (
 )
 
 # Bump when what is measured changes: cached figures of an older probe are measured again.
-# 10: 512-bit int16 prefill tiles where the kernels have AVX512-VNNI + AVX512BW; 9: exo's
+# 11: prefill FLOP/s with bf16 activations where AMX-BF16 runs them; 10: 512-bit int16
+# prefill tiles where the kernels have AVX512-VNNI + AVX512BW; 9: exo's
 # kernels on AVX512 CPUs too, built with AVX512 / VNNI where the CPU has them (int16 prefill
 # in float32 there); 8: prefill GEMM FLOP/s with int16 and int8 activations; 7: the int8
 # head kernel timed without a cast per call; 6: 5-bit lanes.
-PROBE_VERSION = 10
+PROBE_VERSION = 11
 CACHE_FILE_NAME = "speed_probe.json"
 # Weights cycled through per repetition, at least this many bytes (above a typical LLC) and
 # this many times the last-level cache: on the 2-core AMD EPYC (32 MiB L3, a victim cache)
@@ -150,7 +151,7 @@ def measure_node_speed(threads: int | None = None) -> NodeSpeed:
     native = native_int4_kernel() is not None
     with torch_threads(threads), torch.inference_mode():
         layer: TinyLayer | NativeTinyLayer = NativeTinyLayer() if native else TinyLayer()
-        unmeasured: tuple[float | None, float | None] = (None, None)
+        unmeasured: tuple[float | None, float | None, float | None] = (None, None, None)
         int4_gemm = prefill_gemm_flops("int4") if native else unmeasured
         int5_gemm = prefill_gemm_flops("int5") if native else unmeasured
         int8_block_gemm = prefill_gemm_flops("int8_blocks") if native else unmeasured
@@ -176,6 +177,9 @@ def measure_node_speed(threads: int | None = None) -> NodeSpeed:
             int5_prefill_int8_flops=int5_gemm[1],
             int8_block_prefill_int16_flops=int8_block_gemm[0],
             int8_block_prefill_int8_flops=int8_block_gemm[1],
+            int4_prefill_bf16_flops=int4_gemm[2],
+            int5_prefill_bf16_flops=int5_gemm[2],
+            int8_block_prefill_bf16_flops=int8_block_gemm[2],
         )
 
 
@@ -296,7 +300,8 @@ def cached_node_speed(remeasure: bool = False, path: Path | None = None) -> Prob
         f"{speed.memory_copy_bytes_per_second / 1e9:.1f} GB/s, bf16 matmul "
         f"{speed.bf16_matmul_flops / 1e9:.1f} GFLOP/s, int4 prefill GEMM "
         f"{(speed.int4_prefill_int16_flops or 0.0) / 1e9:.1f} GFLOP/s (int16 activations) / "
-        f"{(speed.int4_prefill_int8_flops or 0.0) / 1e9:.1f} (int8), layer overhead "
+        f"{(speed.int4_prefill_int8_flops or 0.0) / 1e9:.1f} (int8) / "
+        f"{(speed.int4_prefill_bf16_flops or 0.0) / 1e9:.1f} (bf16), layer overhead "
         f"{speed.layer_overhead_seconds * 1e6:.0f} us"
     )
     if cached is not None:

@@ -296,6 +296,28 @@ def test_the_rounding_changes_nothing_where_it_cannot_be_priced() -> None:
     assert ttft(q5, prefill_node(), "int8", 512) < ttft(q5, prefill_node(), "int16", 512)
 
 
+def test_bf16_prefill_activations_take_every_block_weight_at_their_own_figure() -> None:
+    """A node rounding to bf16 has its measured bf16 FLOP/s for every GGUF block type, Q8_0
+    included (the AMX path dequantizes any of them); a node that measured none (no
+    AMX-BF16: its runners fall back to int16) is priced as int16."""
+    node = prefill_node().model_copy(
+        update={f"{kind}_prefill_bf16_flops": 120e9 for kind in ("int4", "int5", "int8_block")}
+    )
+    params = CARD.n_layers * (576 * (2 * 576 + 2 * 288) + 3 * 576 * 1536)
+    gemm_flops = 2 * params * 512
+    saved = ttft(CARD, node, "int16", 512) - ttft(CARD, node, "bf16", 512)
+    assert saved == pytest.approx(gemm_flops / 60e9 - gemm_flops / 120e9, rel=1e-9)
+    assert ttft(CARD, prefill_node(), "bf16", 512) == ttft(CARD, prefill_node(), "int16", 512)
+    q8 = CARD.model_copy(
+        update={
+            "gguf_weight_types": GgufWeightTypes(
+                layer_weights=(("Q8_0", 1000),), output_type="Q8_0"
+            )
+        }
+    )
+    assert ttft(q8, node, "bf16", 512) < ttft(q8, node, "int16", 512)
+
+
 def test_previews_read_each_nodes_published_prefill_activations() -> None:
     """The master predicts from the rounding each node publishes with its info."""
     ttfts = {}

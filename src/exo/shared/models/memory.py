@@ -22,11 +22,13 @@ from exo.shared.types.models import GgufFileSource, ModelCard, PypiGgufPartsSour
 
 WeightFormat = Literal["float32", "int8", "int4"]
 WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("float32", "int8", "int4")
-# How prefill's integer GEMM rounds activations (per block of 32) for int4, 5-bit and Q6_K
-# block weights on AVX2 CPUs: "int16" (the decode kernels' rounding, the default) or "int8"
-# (llama.cpp's; faster, less exact: `--prefill-activations`).
-PrefillActivations = Literal["int16", "int8"]
-PREFILL_ACTIVATIONS: tuple[PrefillActivations, ...] = ("int16", "int8")
+# How prefill rounds activations for exo's block weights (int4, 5-bit, GGUF's int8 blocks)
+# on AVX2 CPUs (`--prefill-activations`): "int16" per block of 32 (the decode kernels'
+# rounding, exact integer sums), "int8" per block of 32 (llama.cpp's; faster, less exact), or
+# "bf16" (the weight dequantized to bfloat16 too, multiplied by AMX tiles: CPUs with
+# AMX-BF16 only, elsewhere int16; native/prefill_bf16.cpp).
+PrefillActivations = Literal["int16", "int8", "bf16"]
+PREFILL_ACTIVATIONS: tuple[PrefillActivations, ...] = ("int16", "int8", "bf16")
 # int16 by default: on SmolLM2-135M (int4) int8 prefill turns the greedy answer to "What is
 # the capital of France?" from "The capital of France is Paris." into "L'Étoile, la
 # Marseillaise, la femme, ..." (llama.cpp on the same Q4_1 GGUF answers that same text word

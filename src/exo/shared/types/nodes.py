@@ -62,6 +62,9 @@ class NodeSpeed(FrozenModel):
             weights (GGUF Q5_0).
         int8_block_prefill_int16_flops, int8_block_prefill_int8_flops: the same for int8
             blocks of 16 with values in [-32, 31] (GGUF Q6_K).
+        int4_prefill_bf16_flops, int5_prefill_bf16_flops, int8_block_prefill_bf16_flops:
+            the same with `--prefill-activations bf16` (native/prefill_bf16.cpp), where it
+            runs (CPUs with AMX-BF16); None elsewhere and from older nodes.
     """
 
     threads: int = Field(ge=1)
@@ -81,6 +84,9 @@ class NodeSpeed(FrozenModel):
     int5_prefill_int8_flops: float | None = Field(default=None, gt=0)
     int8_block_prefill_int16_flops: float | None = Field(default=None, gt=0)
     int8_block_prefill_int8_flops: float | None = Field(default=None, gt=0)
+    int4_prefill_bf16_flops: float | None = Field(default=None, gt=0)
+    int5_prefill_bf16_flops: float | None = Field(default=None, gt=0)
+    int8_block_prefill_bf16_flops: float | None = Field(default=None, gt=0)
 
 
 class NodeInfo(FrozenModel):

@@ -24,6 +24,7 @@ from exo.utils.speed_probe import (
     probe_key,
     runner_threads,
 )
+from exo.worker.engines.torch.native_int4 import bf16_prefill_available
 
 SLOW_FIELDS = {"int4_decode_bytes_per_second": 1e9, "layer_overhead_seconds": 1e-3}
 SPEED = NodeSpeed(
@@ -68,11 +69,20 @@ def test_a_real_measurement_is_positive_and_keeps_the_thread_count() -> None:
         speed.int5_prefill_int16_flops, speed.int5_prefill_int8_flops,
         speed.int8_block_prefill_int16_flops, speed.int8_block_prefill_int8_flops,
     ]  # fmt: skip
-    # Prefill's integer GEMM with each rounding, where exo's kernels run (else not measured).
+    # Prefill's integer GEMM with each rounding, where exo's kernels run (else not measured);
+    # bf16 only where it runs (AMX-BF16).
+    bf16 = [
+        speed.int4_prefill_bf16_flops, speed.int5_prefill_bf16_flops,
+        speed.int8_block_prefill_bf16_flops,
+    ]  # fmt: skip
     if speed.native_kernels:
         assert all(figure is not None and figure > 1e6 for figure in gemm)
     else:
         assert gemm == [None] * 6
+    if speed.native_kernels and bf16_prefill_available():
+        assert all(figure is not None and figure > 1e6 for figure in bf16)
+    else:
+        assert bf16 == [None] * 3
 
 
 def test_interleaved_timings_take_every_call_in_turn() -> None:

@@ -82,7 +82,7 @@ def fuse_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
     """
     fused = _fuse(parts)
     if isinstance(fused, QuantizedLinear) and isinstance(parts[0], QuantizedLinear):
-        fused.prefill_activation_bits = parts[0].prefill_activation_bits
+        fused.prefill_activations = parts[0].prefill_activations
     return fused
 
 

@@ -205,9 +205,7 @@ class Int5Linear(SplitInt4Linear):
             )
         else:
             assert self.int5_lanes is not None and self.block_scales is not None  # not widened
-            out = prefill_product(
-                x, self.int5_lanes, self.block_scales, self.prefill_activation_bits
-            )
+            out = prefill_product(x, self.int5_lanes, self.block_scales, self.prefill_activations)
         return out.to(rows.dtype)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:

@@ -179,7 +179,7 @@ class ScaledInt8Linear(QuantizedLinear):
                 x, self.values, self.block_scales
             )
         else:
-            out = prefill_product(x, self.values, self.block_scales, self.prefill_activation_bits)
+            out = prefill_product(x, self.values, self.block_scales, self.prefill_activations)
         return out.to(rows.dtype)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:

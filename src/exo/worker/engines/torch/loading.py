@@ -40,7 +40,11 @@ from exo.worker.engines.torch.gguf_weights import (
     split_repacked_name,
 )
 from exo.worker.engines.torch.lean_forward import enable_lean_forward
-from exo.worker.engines.torch.native_int4 import ROUNDS_ACTIVATIONS, native_int4_kernel
+from exo.worker.engines.torch.native_int4 import (
+    ROUNDS_ACTIVATIONS,
+    bf16_prefill_available,
+    native_int4_kernel,
+)
 from exo.worker.engines.torch.quantize import (
     WEIGHT_DTYPES,
     WeightDtype,
@@ -256,7 +260,7 @@ def load_model(
         on_layer_loaded: called as (decoder layers loaded, decoder layers on this rank),
             first with 0 and then after each layer.
         prefill_activations: how prefill rounds the activations of int4, 5-bit and Q6_K
-            block weights ("int16" as decode, or "int8"; `quantize.set_prefill_activations`).
+            block weights ("int16" as decode, "int8" or "bf16"; `quantize.set_prefill_activations`).
 
     Returns:
         The cut-down model in eval mode: for a pipeline rank that is not the last,
@@ -349,14 +353,21 @@ def load_model(
 
 
 def _report_prefill_activations(activations: PrefillActivations, linears: int) -> None:
-    """Say in the log how prefill rounds activations when int8 was asked for, or why it
-    changes nothing here (no AVX2 integer GEMM, or no linear held in exo's block formats)."""
-    if activations != "int8":
+    """Say in the log how prefill rounds activations when int8 or bf16 was asked for, or why
+    it changes nothing here (no AVX2 integer GEMM, no linear held in exo's block formats;
+    for bf16, no AMX-BF16)."""
+    if activations == "int16":
         return
     if not ROUNDS_ACTIVATIONS or native_int4_kernel() is None or linears == 0:
         logger.warning(
-            "--prefill-activations int8 has no effect here: it needs exo's AVX2 kernels and "
-            "int4 / GGUF block weights (prefill rounds activations as decode does)"
+            f"--prefill-activations {activations} has no effect here: it needs exo's AVX2 "
+            "kernels and int4 / GGUF block weights (prefill rounds activations as decode does)"
         )
         return
-    logger.info(f"prefill rounds activations to int8 in {linears} linears (decode: int16)")
+    if activations == "bf16" and not bf16_prefill_available():
+        logger.warning(
+            "--prefill-activations bf16 needs AMX-BF16 (and exo's kernels built for it): "
+            "prefill rounds activations to int16 here, as decode does"
+        )
+        return
+    logger.info(f"prefill rounds activations to {activations} in {linears} linears (decode: int16)")

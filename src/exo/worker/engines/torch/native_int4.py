@@ -52,6 +52,8 @@ from pathlib import Path
 import torch
 from loguru import logger
 
+from exo.utils.cpu_features import AMX_BF16_FLAGS, cpu_flags
+
 NATIVE_INT4_ENV = "EXO_NATIVE_INT4"
 
 _NATIVE = Path(__file__).with_name("native")
@@ -65,6 +67,7 @@ _SOURCES = tuple(
         "prefill.cpp",
         "prefill_int8.cpp",
         "prefill_dequantized.cpp",
+        "prefill_bf16.cpp",
         "prefill_ops.cpp",
     )
 )
@@ -80,21 +83,8 @@ BUILD_TIMEOUT_S = 600.0
 Int4Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
-
-
 def _x86_avx2() -> bool:
-    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= _cpu_flags()
+    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= cpu_flags()
 
 
 # Whether the kernel built here rounds activations to int16 blocks (its AVX2 path) or
@@ -160,6 +150,15 @@ def int16_prefill_is_integer() -> bool:
     return bool(torch.ops.exo_native.int16_integer_gemm())
 
 
+def bf16_prefill_available() -> bool:
+    """Whether prefill's bf16 product runs here (`--prefill-activations bf16`: exo's kernels
+    built with AMX-BF16, and oneDNN's AMX micro-kernel usable: native/prefill_bf16.cpp);
+    elsewhere bf16 falls back to int16."""
+    if built_int4_kernel() is None:
+        return False
+    return bool(torch.ops.exo_native.bf16_prefill_available())
+
+
 def built_int8_block_kernel() -> Int4Gemv | None:
     """`int8_block_gemv(x [rows, in] float32, values [out, in] int8, scale_zero [out,
     in / 32, 2] bfloat16) -> [rows, out] float32`, `w = (v - 8) * scale + zero` per block of
@@ -197,13 +196,17 @@ def _flags() -> list[str]:
         # AVX512 and VNNI (one vpdpwssd / vpdpbusd per product and sum in the integer GEMMs;
         # with AVX512BW too, prefill.cpp's int16 tiles are 512 bits wide, without it int16
         # activations are multiplied in float32): GCC's own code stays 256 bits wide.
-        cpu = _cpu_flags()
+        cpu = cpu_flags()
         if "avx512f" in cpu:
             flags += ["-mavx512f", "-mprefer-vector-width=256"]
             if {"avx512_vnni", "avx512vl"} <= cpu:
                 flags += ["-mavx512vnni", "-mavx512vl"]
                 if "avx512bw" in cpu:
                     flags += ["-mavx512bw"]
+            if cpu >= AMX_BF16_FLAGS:
+                # prefill_bf16.cpp: the weight dequantized to bfloat16 for oneDNN's AMX
+                # micro-kernel (torch's), which runs the tiles.
+                flags += ["-mavx512bf16", "-mavx512vl", "-DEXO_AMX_BF16"]
         elif "avx_vnni" in cpu:
             flags += ["-mavxvnni"]
     return flags

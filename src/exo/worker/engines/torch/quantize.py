@@ -30,6 +30,7 @@ from torch import nn
 from exo.shared.models.memory import (
     INT4_BLOCK_OUTPUTS,
     INT4_GROUP_SIZE,
+    PREFILL_ACTIVATIONS,
     PrefillActivations,
     WeightFormat,
 )
@@ -62,14 +63,16 @@ DECODE_ROWS: ContextVar[int] = ContextVar("exo_decode_rows", default=0)
 
 
 def prefill_product(
-    rows: torch.Tensor, held: torch.Tensor, scales: torch.Tensor, activation_bits: int
+    rows: torch.Tensor, held: torch.Tensor, scales: torch.Tensor, activations: PrefillActivations
 ) -> torch.Tensor:
     """exo's `block_matmul` (native/prefill.cpp) of float32 `[T, in]` rows: `[T, out]`
-    float32, rounding the activations to `activation_bits` (16 or 8) except the step's
-    leading decode rows (`DECODE_ROWS`), which keep int16."""
-    decode_rows = DECODE_ROWS.get() if activation_bits == 8 else 0
+    float32, rounding the activations as `activations` says except the step's leading
+    decode rows (`DECODE_ROWS`), which keep int16 (so a stream's tokens do not depend on
+    the prompts prefilled beside it)."""
+    decode_rows = DECODE_ROWS.get() if activations != "int16" else 0
+    bits = 8 if activations == "int8" else 16
     out: torch.Tensor = torch.ops.exo_native.block_matmul(
-        rows, held, scales, activation_bits, decode_rows
+        rows, held, scales, bits, decode_rows, activations == "bf16"
     )
     return out
 
@@ -83,11 +86,11 @@ class QuantizedLinear(nn.Module, abc.ABC):
     # Rows (tokens) up to which a call uses the fused kernel; with more rows, dequantizing
     # the weight to bfloat16 for one oneDNN matmul is faster (measured crossovers).
     fused_max_rows = 32
-    # Bits of the activations' rounding in prefill's integer GEMM (`block_matmul`): 16, or 8
-    # where the engine was loaded with int8 prefill activations (`set_prefill_activations`;
-    # taken where the weight's integers fit: int4, 5-bit, int8 blocks with values in
-    # [-32, 31] such as Q6_K's).
-    prefill_activation_bits = 16
+    # How prefill's product (`block_matmul`) rounds the activations: "int16", "int8" where
+    # the engine was loaded with int8 prefill activations (`set_prefill_activations`; taken
+    # where the weight's integers fit: int4, 5-bit, int8 blocks with values in [-32, 31]
+    # such as Q6_K's), or "bf16" (AMX CPUs; every block weight).
+    prefill_activations: PrefillActivations = "int16"
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -317,7 +320,7 @@ class Int4Linear(QuantizedLinear):
         many rows share its call (a pipeline rank and a single process chunk prompts
         differently; with int8 prefill activations, only among prefill's rows)."""
         return prefill_product(
-            rows.contiguous(), self.packed, self.scales_and_zeros, self.prefill_activation_bits
+            rows.contiguous(), self.packed, self.scales_and_zeros, self.prefill_activations
         )
 
     def _native_matmul(self, rows: torch.Tensor) -> torch.Tensor:
@@ -561,20 +564,24 @@ def quantize_linears(model: nn.Module, weight_dtype: WeightDtype) -> int:
 
 
 def set_prefill_activations(model: nn.Module, activations: PrefillActivations) -> int:
-    """Round prefill's activations to `activations` ("int16" or "int8", per block of 32) in
-    every quantized linear of `model`; the number of linears set. On AVX2 CPUs, block weights
-    whose integers fit change (int4, 5-bit, int8 values in [-32, 31] such as Q6_K's:
-    native/prefill_int8.cpp); a step's decode rows keep int16 (`DECODE_ROWS`).
+    """Round prefill's activations as `activations` says ("int16" or "int8" per block of 32,
+    or "bf16") in every quantized linear of `model`; the number of linears set. On AVX2
+    CPUs, with int8 the block weights whose integers fit change (int4, 5-bit, int8 values in
+    [-32, 31] such as Q6_K's: native/prefill_int8.cpp), with bf16 every block weight where
+    the CPU has AMX-BF16 (native/prefill_bf16.cpp; elsewhere int16); a step's decode rows
+    keep int16 (`DECODE_ROWS`).
 
     Raises:
         ValueError: an unknown `activations`.
     """
-    bits = {"int16": 16, "int8": 8}.get(activations)
-    if bits is None:
-        raise ValueError(f"prefill activations must be int16 or int8, not {activations!r}")
+    if activations not in PREFILL_ACTIVATIONS:
+        raise ValueError(
+            f"prefill activations must be one of {', '.join(PREFILL_ACTIVATIONS)}, "
+            f"not {activations!r}"
+        )
     count = 0
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
-            module.prefill_activation_bits = bits
+            module.prefill_activations = activations
             count += 1
     return count

@@ -257,7 +257,7 @@ class SplitInt4Linear(QuantizedLinear):
                 return self._native_matmul(rows)
             out = prefill_product(
                 rows.float().contiguous(), self.values, self.scale_zero,
-                self.prefill_activation_bits,
+                self.prefill_activations,
             )  # fmt: skip
             return out.to(rows.dtype)
         if self.planes.native:  # the planes' own rule for any row count (see Int4Linear)

@@ -527,7 +527,7 @@ namespace exo_native {
 
 void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& weight,
                   const at::Tensor& scale_zero, float* y, int64_t activation_bits,
-                  int64_t int16_rows) {
+                  int64_t int16_rows, bool bf16) {
   const int64_t n = weight.size(0);
   if (rows == 0 || n == 0) return;
   // No autograd below this call (its torch ops write into views of the output).
@@ -536,6 +536,18 @@ void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
   const bool bytes = weight.scalar_type() == at::kByte;
   const Held held = !bytes ? Held::kInt8 : scale_zero.dim() == 2 ? Held::kInt5 : Held::kInt4;
   const int64_t group_size = k / scale_zero.size(1);
+  if (bf16 && activation_bits == 16 && prefill::bf16_tiles_available()) {
+    // The leading int16 rows (a step's decode tokens) as without bf16, the rest in bf16.
+    const int64_t leading = std::clamp<int64_t>(int16_rows, 0, rows);
+    if (leading > 0) block_matmul(x, leading, k, weight, scale_zero, y, 16, 0, false);
+    if (leading < rows)
+      prefill::bf16_block_matmul(
+          x + leading * k, rows - leading, k, static_cast<const uint8_t*>(weight.data_ptr()),
+          held, scale_zero.dim() == 2,
+          reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>()),
+          scale_zero.size(1), n, y + leading * n);
+    return;
+  }
 #ifdef EXO_INT_GEMM
   // int8 activations where asked: int4, 5-bit, and int8 weights with (scale, zero) pairs
   // or symmetric blocks of 16 (Q6_K's), each slab whose values fit; symmetric int8 blocks
@@ -561,9 +573,11 @@ namespace {
 
 at::Tensor block_matmul_op(const at::Tensor& x, const at::Tensor& weight,
                            const at::Tensor& scale_zero, int64_t activation_bits,
-                           int64_t int16_rows) {
+                           int64_t int16_rows, bool bf16) {
   TORCH_CHECK(activation_bits == 16 || activation_bits == 8,
               "block_matmul: activation_bits must be 16 or 8, not ", activation_bits);
+  TORCH_CHECK(!bf16 || activation_bits == 16,
+              "block_matmul: bf16 activations need activation_bits 16, not ", activation_bits);
   TORCH_CHECK(int16_rows >= 0, "block_matmul: int16_rows must be >= 0, not ", int16_rows);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "block_matmul: x must be a contiguous float32 [rows, in] tensor");
@@ -599,7 +613,7 @@ at::Tensor block_matmul_op(const at::Tensor& x, const at::Tensor& weight,
               "block_matmul: int8 blocks need one (scale, zero) pair per 32 inputs");
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   exo_native::block_matmul(x.data_ptr<float>(), x.size(0), k, weight, scale_zero,
-                           y.data_ptr<float>(), activation_bits, int16_rows);
+                           y.data_ptr<float>(), activation_bits, int16_rows, bf16);
   return y;
 }
 
@@ -608,7 +622,9 @@ at::Tensor block_matmul_op(const at::Tensor& x, const at::Tensor& weight,
 TORCH_LIBRARY_FRAGMENT(exo_native, m) {
   m.def(
       "block_matmul(Tensor x, Tensor weight, Tensor scale_zero, int activation_bits=16, "
-      "int int16_rows=0) -> Tensor");
+      "int int16_rows=0, bool bf16=False) -> Tensor");
+  m.def("bf16_prefill_available() -> bool",
+        [] { return exo_native::prefill::bf16_tiles_available(); });
   m.def("int16_integer_gemm() -> bool", [] { return exo_native::int16_integer_gemm(); });
   m.def("int16_tile_bits() -> int", [] { return exo_native::int16_tile_bits(); });
 }

@@ -164,6 +164,16 @@ void u8_slab_product(const Int8Rows& x, int64_t rows, int64_t k, Held held, bool
 
 #endif  // EXO_AVX2
 
+// Whether this build and CPU have prefill_bf16.cpp's AMX-BF16 product.
+bool bf16_tiles_available();
+
+// y[rows, n] (row stride n) = x [rows, k] rounded to bfloat16 times the weight dequantized
+// to bfloat16 slab by slab, by oneDNN's AMX micro-kernel (prefill_bf16.cpp). Raises where
+// `bf16_tiles_available()` is false.
+void bf16_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* bytes, Held held,
+                       bool symmetric, const uint16_t* scale_zero, int64_t groups, int64_t n,
+                       float* y);
+
 // y[rows, n] with the weight dequantized to float32 slab by slab times torch's matmul
 // (prefill_dequantized.cpp: CPUs without AVX2, `EXO_NATIVE_INT_GEMM=0`).
 void dequantized_block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& weight,

@@ -17,6 +17,7 @@ import torch
 from exo.node_options import parse_args
 from exo.shared.types.models import ModelCard
 from exo.testing.builders import make_shard
+from exo.utils.cpu_features import default_prefill_activations
 from exo.worker.engines.torch.batch_attention import lean_step_of
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.int5_blocks import int5_lanes
@@ -198,18 +199,18 @@ def test_other_activation_bits_are_refused() -> None:
         torch.ops.exo_native.block_matmul(
             torch.zeros(9, 64), values, torch.ones(16, 2, 2, dtype=torch.bfloat16), 12
         )
-    with pytest.raises(ValueError, match="int16 or int8, not 'int4'"):
+    with pytest.raises(ValueError, match="int16, int8, bf16, not 'int4'"):
         set_prefill_activations(torch.nn.Linear(2, 2), "int4")  # type: ignore[arg-type]
 
 
-def _bits(projection: Projection) -> set[int]:
+def _roundings(projection: Projection) -> set[str]:
     if projection.parts:
-        return set().union(*(_bits(part) for part in projection.parts))
+        return set().union(*(_roundings(part) for part in projection.parts))
     assert projection.quantized is not None
-    return {projection.quantized.prefill_activation_bits}
+    return {projection.quantized.prefill_activations}
 
 
-@pytest.mark.parametrize("activations", ["int16", "int8"])
+@pytest.mark.parametrize("activations", ["int16", "int8", "bf16"])
 def test_the_engine_option_reaches_every_linear_of_the_lean_forward(
     tiny_card: ModelCard, tiny_model_dir: Path, activations: str
 ) -> None:
@@ -224,10 +225,9 @@ def test_the_engine_option_reaches_every_linear_of_the_lean_forward(
     )
     lean = lean_step_of(engine.model)
     assert lean is not None
-    expected = {16 if activations == "int16" else 8}
     for layer in lean.layers:  # type: ignore[attr-defined]
         for projection in (layer.qkv, layer.output, layer.gate_up, layer.down):
-            assert _bits(projection) == expected
+            assert _roundings(projection) == {activations}
     prompt = "Count slowly from one to twenty, one number per line, please."
     pieces = list(engine.generate(request(prompt, temperature=0.0, max_tokens=5)))
     check_stream_shape(pieces)
@@ -255,8 +255,10 @@ def test_the_log_says_where_int8_prefill_applies_or_that_it_has_no_effect(
 
 
 def test_the_node_flag_sets_the_option() -> None:
-    assert parse_args([]).prefill_activations == "int16"
-    assert parse_args(["--prefill-activations", "int8"]).prefill_activations == "int8"
+    # The default depends on the CPU: bf16 where AMX-BF16 runs it, else int16.
+    assert parse_args([]).prefill_activations == default_prefill_activations()
+    for rounding in ("int16", "int8", "bf16"):
+        assert parse_args(["--prefill-activations", rounding]).prefill_activations == rounding
     with pytest.raises(SystemExit):
         parse_args(["--prefill-activations", "int4"])
 
