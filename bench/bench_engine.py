@@ -4,6 +4,7 @@
 Usage: PYTHONPATH=src python bench/bench_engine.py [--runs 5] [--decode-tokens 64]
        [--prompt-tokens 32 128 512] [--concurrency 1] [--models-dir DIR] [--device cpu]
        [--weight-dtype default float32 int8 int4] [--threads N] [--json PATH]
+       [--prefill-activations int16|int8|bf16]
 
 Each run submits `--concurrency` random raw prompts of `--prompt-tokens` tokens (a fresh
 prompt per run, so the prefix cache never hits) with the model's EOS ids banned (logit bias
@@ -31,8 +32,10 @@ from exo.benchmark.stats import BenchReport, CaseResult, write_json
 from exo.download.pypi_gguf import prepare_model
 from exo.shared.constants import models_dir as default_models_dir
 from exo.shared.models.cards import load_builtin_cards
+from exo.shared.models.memory import PREFILL_ACTIVATIONS
 from exo.shared.types.common import ModelId
 from exo.shared.types.shards import PipelineShardMetadata
+from exo.utils.cpu_features import default_prefill_activations
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.quantize import WEIGHT_DTYPES, WeightDtype
 
@@ -55,6 +58,12 @@ def main() -> int:
         help="engine weight formats to compare (default: the engine's default)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument(
+        "--prefill-activations",
+        choices=PREFILL_ACTIVATIONS,
+        default=default_prefill_activations(),
+        help="prefill's rounding (default: a node's on this CPU)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the runs here")
     arguments = parser.parse_args()
 
@@ -74,7 +83,11 @@ def main() -> int:
         weight_dtype: WeightDtype | None = None if name == "default" else name
         started = time.perf_counter()
         engine = TorchEngine.load(
-            model_dir, shard, device=arguments.device, weight_dtype=weight_dtype
+            model_dir,
+            shard,
+            device=arguments.device,
+            weight_dtype=weight_dtype,
+            prefill_activations=arguments.prefill_activations,
         )
         load_seconds = time.perf_counter() - started
         if arguments.threads is not None:

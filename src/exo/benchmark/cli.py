@@ -29,7 +29,8 @@ from exo.benchmark.runner import (
     print_ratios,
     run_bench,
 )
-from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PREFILL_ACTIVATIONS
+from exo.shared.models.memory import PREFILL_ACTIVATIONS
+from exo.utils.cpu_features import default_prefill_activations
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # A pause past this is a typo (NaN fails the check too).
@@ -103,9 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--prefill-activations",
         choices=PREFILL_ACTIVATIONS,
-        default=DEFAULT_PREFILL_ACTIVATIONS,
+        default=None,
         help="the local nodes' and the in-process engine's --prefill-activations "
-        "(int8: llama.cpp's rounding of a prompt's activations)",
+        "(default: a node's default on this CPU, bf16 with AMX-BF16, else int16; int8: "
+        "llama.cpp's rounding of a prompt's activations)",
     )
     parser.add_argument(
         "--compare-llama-cpp",
@@ -182,7 +184,7 @@ def config_from_arguments(arguments: argparse.Namespace) -> BenchConfig:
         nodes=arguments.nodes,
         pin_cores=arguments.pin_cores,
         threads=arguments.threads,
-        prefill_activations=arguments.prefill_activations,
+        prefill_activations=arguments.prefill_activations or default_prefill_activations(),
         compare_llama_cpp=arguments.compare_llama_cpp,
         engine_in_process=arguments.engine_in_process,
         interleave_placements=not arguments.sequential_placements,
@@ -205,7 +207,7 @@ def config_from_arguments(arguments: argparse.Namespace) -> BenchConfig:
         raise ValueError(f"--settle-seconds must be within 0 .. {MAX_SETTLE_SECONDS:g}")
     if config.api is not None and config.pin_cores:
         raise ValueError("--pin-cores applies to local nodes only (not with --api)")
-    if config.api is not None and config.prefill_activations != DEFAULT_PREFILL_ACTIVATIONS:
+    if config.api is not None and arguments.prefill_activations is not None:
         raise ValueError(
             "--prefill-activations applies to the nodes the bench starts (with --api, give "
             "it to the cluster's nodes when they start)"

@@ -23,7 +23,8 @@ from exo.benchmark.cluster import BenchNodes, BenchSetupError, LocalNodes, Place
 from exo.benchmark.llama_cpp_runner import LlamaCppRunner
 from exo.benchmark.prompts import ModelText
 from exo.benchmark.stats import BenchReport, CaseResult, RunResult, ratio, write_json
-from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
+from exo.shared.models.memory import PrefillActivations
+from exo.utils.cpu_features import default_prefill_activations
 from exo.utils.heap import freeze_long_lived_objects
 
 Print = Callable[[str], None]
@@ -54,7 +55,8 @@ class BenchConfig:
     nodes: int | None = None
     pin_cores: bool = False
     threads: int | None = None
-    prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS
+    # The local nodes' and the in-process engine's (default: a node's default on this CPU).
+    prefill_activations: PrefillActivations = field(default_factory=default_prefill_activations)
     compare_llama_cpp: Path | None = None
     engine_in_process: bool = False
     interleave_placements: bool = True
@@ -246,8 +248,8 @@ def _connect(config: BenchConfig, say: Print) -> BenchNodes:
     from exo.shared.constants import models_dir
 
     pinned = ", pinned one core each" if config.pin_cores else ""
-    int8 = ", --prefill-activations int8" if config.prefill_activations == "int8" else ""
-    say(f"starting {config.node_count()} local node(s){pinned}{int8}")
+    rounding = f", --prefill-activations {config.prefill_activations}"
+    say(f"starting {config.node_count()} local node(s){pinned}{rounding}")
     extra_args = ("--prefill-activations", config.prefill_activations)
     return LocalNodes(
         config.node_count(), models_dir(), config.pin_cores, config.threads, extra_args

@@ -16,6 +16,7 @@ from exo.benchmark.stats import (
     summarize,
     write_json,
 )
+from exo.utils.cpu_features import default_prefill_activations
 
 
 def timing(submitted: float, first: float, last: float, tokens: int = 11) -> RequestTiming:
@@ -138,6 +139,10 @@ def test_arguments_are_checked_before_anything_runs(tmp_path: Path) -> None:
         ).prefill_activations
         == "int8"
     )
+    # Unset: what a node started here rounds by default (bf16 with AMX-BF16, else int16).
+    for given in ([], ["--api", "http://x"]):
+        default = config_from_arguments(parser.parse_args(given)).prefill_activations
+        assert default == default_prefill_activations()
     with pytest.raises(ValueError, match="no file"):
         config_from_arguments(parser.parse_args(["--compare-llama-cpp", str(tmp_path / "x")]))
     # The pause before each run: 0.5 s unless given, never negative, NaN or past a minute.

@@ -1,23 +1,35 @@
-// Prefill's product on CPUs with AMX-BF16 (Intel Sapphire Rapids and later): the weight
-// dequantized to bfloat16 one slab of output rows at a time, laid out for the tile unit,
-// times the activations rounded to bfloat16, by oneDNN's batch-reduce GEMM micro-kernel
-// (`at::native::cpublas::brgemm`, float32 sums).
+// Prefill's product on CPUs with AMX-BF16 (Intel Sapphire Rapids and later), behind
+// `--prefill-activations bf16` (the default there): the weight dequantized to bfloat16 one
+// slab of output rows at a time, laid out for the tile unit, times the activations rounded
+// to bfloat16, by oneDNN's batch-reduce GEMM micro-kernel (torch's
+// `at::native::cpublas::brgemm`, float32 sums).
 //
 // Why not the integer GEMM (prefill.cpp) there: its sums are exact per block of 32 inputs,
 // so every block's int32 sums leave the multiplier to be scaled in float32. AMX-INT8 tiles
 // were tried that way and ran 0.90-1.04x of the 512-bit vpdpwssd tiles (prefill.cpp's
 // notes). Dequantizing folds the scales into the weight, so the tiles sum a whole row of
-// inputs without leaving the multiplier. Measured on a 2-core Intel Xeon (model 167, AMX
-// exposed; 2026-12-03), Gemma 3 270M's layer shapes in int4, 2 threads, interleaved call by
-// call in one process: see `bench/bench_prefill_paths.py` (the figures are in its docstring).
+// inputs without leaving the multiplier. Measured on a 2-core Intel Xeon (model 167, KVM,
+// AMX exposed; 2026-12-03), Gemma 3 270M's four layer products in int4, 2 threads,
+// interleaved call by call (`bench/bench_prefill_paths.py`, medians of 30): a layer's
+// products at 128 rows 8.4 ms (int16) -> 4.9 ms, at 512 rows 54 -> 24 ms; at 32 rows the
+// same (3.3 ms). Gemma 3 270M's TTFT in-process, 2 threads: 255 -> 176 ms at 128 tokens,
+// 719 -> 419 ms at 512.
 //
 // What it costs in accuracy: the activations are rounded to bfloat16 (8 significant bits)
-// where the integer GEMM rounds them to int16 per block of 32 (the lean forward's
-// activations are bfloat16 already, so there the rounding loses nothing), and each
-// dequantized weight (q * scale + offset in float32) is rounded to bfloat16 once (relative
-// error up to 2^-9, against int4's own step of 1/15 of a group's range). The sums are
-// float32. A token's product therefore differs (by rounding) from the decode kernels' exact
-// integer sums, which the steps with at most `NATIVE_BLOCK_MAX_ROWS` rows take.
+// where the integer GEMM rounds them to int16 per block of 32, and each dequantized weight
+// (q * scale + offset in float32) is rounded to bfloat16 once (relative error up to 2^-9,
+// against int4's own step of 1/15 of a group's range); the products of two bfloat16 are
+// exact in float32 and summed in float32. On random layer shapes that is an RMS error of
+// 2.4e-3 of the product's RMS (int16: 2.1e-5; int8: 5.4e-3); over 400 teacher-forced
+// positions of a text, a KL of 1.9e-4 (Gemma 3 270M) and 3.5e-4 (SmolLM2-135M) from the
+// int16 path's next-token distributions, the most likely token changed at 1.0% / 1.25% of
+// positions (int8: KL 2.1-2.8e-3, 3%). Keeping what the rounding leaves as a second
+// bfloat16 term was tried: weights split (two tile products) RMS 1.7e-3 at 0.6x this
+// speed, weights and activations split (three) 3.7e-6 at 0.45x, slower than int16. A
+// token's product therefore differs (by rounding) from the decode kernels' exact integer
+// sums, which steps of at most `NATIVE_BLOCK_MAX_ROWS` rows take, and a step's decode rows
+// keep int16 (prefill.cpp's `block_matmul`); a row's result does not depend on the rows
+// beside it in the call (tested).
 //
 // Layout (oneDNN's "VNNI" form for bfloat16 B matrices): for a slab of kSlab outputs, input
 // pair p and output i, the two bfloat16 weights of inputs 2p and 2p + 1 as one 32-bit word
