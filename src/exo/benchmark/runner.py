@@ -220,11 +220,12 @@ def run_bench(config: BenchConfig, say: Print = print) -> BenchReport:
         groups = [config.placements] if config.interleave_placements else [
             [placement] for placement in config.placements
         ]  # fmt: skip
+        session = BenchSession(
+            config, report, nodes, model_id, model_text, llama, engine, predictions, say,
+            functools.partial(write_json, report, json_path),
+        )  # fmt: skip
         for placements in groups:
-            _bench_placements(
-                config, report, nodes, placements, model_id, model_text, llama, engine,
-                predictions, say, functools.partial(write_json, report, json_path),
-            )  # fmt: skip
+            _bench_placements(session, placements)
     finally:
         nodes.close()
         if llama is not None:
@@ -287,19 +288,27 @@ class _Measured:
     companions: list[tuple[CaseResult, Callable[[int], RunResult]]]
 
 
-def _bench_placements(
-    config: BenchConfig,
-    report: BenchReport,
-    nodes: BenchNodes,
-    placements: list[Placement],
-    model_id: str,
-    model_text: ModelText,
-    llama: LlamaCppRunner | None,
-    engine: Any,
-    taken: dict[tuple[str, int], tuple[dict[str, float], str | None]],
-    say: Print,
-    checkpoint: Callable[[], None] = lambda: None,
-) -> None:
+@dataclass
+class BenchSession:
+    """What every placement group of one `run_bench` shares: the config, the report being
+    filled, the nodes, the model, the runners measured beside exo's single placement
+    (llama.cpp, the in-process engine; None where not asked), the cluster's predictions
+    (and why there is none) per (placement label, prompt length), taken before anything
+    ran, where messages go, and `checkpoint`, run after every case (the report rewritten)."""
+
+    config: BenchConfig
+    report: BenchReport
+    nodes: BenchNodes
+    model_id: str
+    model_text: ModelText
+    llama: LlamaCppRunner | None
+    engine: Any
+    predictions: dict[tuple[str, int], tuple[dict[str, float], str | None]]
+    say: Print
+    checkpoint: Callable[[], None] = lambda: None
+
+
+def _bench_placements(session: BenchSession, placements: list[Placement]) -> None:
     """Place every placement of `placements` side by side (each its own instance), measure
     every case with their runs interleaved run by run (each request pinned to its instance
     with the API's `INSTANCE_HEADER`), delete them. The machine's speed moves between
@@ -311,11 +320,12 @@ def _bench_placements(
     Raises:
         BenchSetupError: the first placement could not be made ready.
     """
+    report, nodes, say = session.report, session.nodes, session.say
     placed: list[tuple[Placement, str]] = []
     try:
         for placement in placements:
             try:
-                placed.append((placement, _place(config, report, nodes, placement, model_id, say)))
+                placed.append((placement, _place(session, placement)))
             except BenchSetupError as error:
                 if not placed:
                     raise
@@ -328,26 +338,18 @@ def _bench_placements(
                 report.notes.append(note)
                 break
         else:
-            _measure(config, report, nodes, placed, model_id, model_text, llama, engine, taken,
-                     say, checkpoint)  # fmt: skip
+            _measure(session, placed)
             return
     finally:
         for _, instance_id in placed:
             nodes.delete(instance_id)
     for placement in placements:
-        _bench_placements(config, report, nodes, [placement], model_id, model_text, llama,
-                          engine, taken, say, checkpoint)  # fmt: skip
+        _bench_placements(session, [placement])
 
 
-def _place(
-    config: BenchConfig,
-    report: BenchReport,
-    nodes: BenchNodes,
-    placement: Placement,
-    model_id: str,
-    say: Print,
-) -> str:
+def _place(session: BenchSession, placement: Placement) -> str:
     """Place `placement` and wait until it is ready; returns its instance id."""
+    report, nodes, model_id, say = session.report, session.nodes, session.model_id, session.say
     say(f"placing {model_id} {placement.label}")
     started = time.monotonic()
     instance_id = nodes.place(model_id, placement)
@@ -363,26 +365,15 @@ def _place(
     return instance_id
 
 
-def _measure(
-    config: BenchConfig,
-    report: BenchReport,
-    nodes: BenchNodes,
-    placed: list[tuple[Placement, str]],
-    model_id: str,
-    model_text: ModelText,
-    llama: LlamaCppRunner | None,
-    engine: Any,
-    taken: dict[tuple[str, int], tuple[dict[str, float], str | None]],
-    say: Print,
-    checkpoint: Callable[[], None],
-) -> None:
+def _measure(session: BenchSession, placed: list[tuple[Placement, str]]) -> None:
     """Measure every case on the placed instances, run by run in turn (each run's prompts
     the same for every placement). On a single placement the llama.cpp runner (one stream)
     and the in-process engine (when given) each run right after its exo run, on the same
-    prompts' length, so background load affects them alike. `taken`: the cluster's
-    predictions (and why there is none) per (placement label, prompt length), taken before
-    anything ran. `checkpoint` runs after every case (the report rewritten)."""
+    prompts' length, so background load affects them alike."""
     from exo.shared.constants import INSTANCE_HEADER
+
+    config, report, nodes, say = session.config, session.report, session.nodes, session.say
+    model_text, taken, checkpoint = session.model_text, session.predictions, session.checkpoint
 
     for placement, _ in placed:
         for length in config.prompt_tokens:
@@ -406,8 +397,8 @@ def _measure(
                     headers = {**nodes.target.headers, INSTANCE_HEADER: instance_id}
                     others = set().union(*(p for i, p in processes.items() if i != instance_id))
                     companions = _companions(
-                        config, placement, llama, engine, model_text, prompt_tokens,
-                        generation_tokens, concurrency,
+                        config, placement, session.llama, session.engine, model_text,
+                        prompt_tokens, generation_tokens, concurrency,
                     )  # fmt: skip
                     target = replace(nodes.target, headers=headers)
                     group.append(_Measured(case, target, others, companions))
@@ -420,7 +411,7 @@ def _measure(
                         if measured:
                             nodes.memory.start(entry.others)
                         run = run_concurrent(
-                            entry.target, model_id, prompts, generation_tokens,
+                            entry.target, session.model_id, prompts, generation_tokens,
                             model_text.logit_bias(),
                         )  # fmt: skip
                         if measured:

@@ -12,7 +12,7 @@ import pytest
 from exo.benchmark import runner
 from exo.benchmark.client import ApiTarget
 from exo.benchmark.cluster import BenchNodes, BenchSetupError, Placement
-from exo.benchmark.runner import BenchConfig, _bench_placements
+from exo.benchmark.runner import BenchConfig, BenchSession, _bench_placements
 from exo.benchmark.stats import BenchReport, RequestTiming, RunResult
 from exo.shared.constants import INSTANCE_HEADER
 
@@ -93,10 +93,11 @@ def bench(nodes: FakeNodes, monkeypatch: pytest.MonkeyPatch) -> tuple[BenchRepor
     taken: dict[tuple[str, int], tuple[dict[str, float], str | None]] = {
         (p.label, 4): ({"decode_tok_s": 1.0}, None) for p in (SINGLE, TENSOR)
     }
-    _bench_placements(
-        config, report, nodes, [SINGLE, TENSOR], "m", FakeText(), None, None,  # type: ignore[arg-type]
-        taken, lambda _: None, lambda: nodes.log.append("checkpoint"),
+    session = BenchSession(
+        config, report, nodes, "m", FakeText(), None, None, taken,  # type: ignore[arg-type]
+        lambda _: None, lambda: nodes.log.append("checkpoint"),
     )  # fmt: skip
+    _bench_placements(session, [SINGLE, TENSOR])
     return report, runs
 
 
