@@ -67,7 +67,7 @@ from exo.worker.engines.torch.lean_parts import (
     static_rope,
 )
 from exo.worker.engines.torch.links import all_reduce_sum
-from exo.worker.engines.torch.native_int4 import native_int4_kernel
+from exo.worker.engines.torch.native_int4 import bf16_prefill_available, native_int4_kernel
 from exo.worker.engines.torch.quantize import QuantizedLinear
 from exo.worker.engines.torch.sharding import AbsentModule, VocabParallelHead
 
@@ -244,6 +244,8 @@ class LeanModel:
         softcap = getattr(text_config, "final_logit_softcapping", None)
         self._softcap = float(softcap) if softcap else None
         self._cache_dtype = torch.float32
+        # Whether `--prefill-activations bf16` runs here (AMX-BF16), read once.
+        self._bf16_prefill = bf16_prefill_available()
         # exo's decode layer (one C++ call per layer for decode-only steps) where its
         # kernels run and every layer's projections are held in a form it reads.
         self._decode_layer: Any = None
@@ -443,7 +445,13 @@ class LeanModel:
         query = qk[:, :heads].transpose(0, 1).unsqueeze(0)  # [1, heads, T, head_dim]
         key = qk[:, heads:].transpose(0, 1).unsqueeze(0)
         value = qkv[:, width:].view(rows, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
-        attended = attend(plan, index, query, key, value, layer.scaling)  # [1, T, heads, dim]
+        # With bf16 prefill activations a prompt chunk attends in bfloat16 too (AMX tiles).
+        prefill_dtype = (
+            torch.bfloat16
+            if self._bf16_prefill and layer.qkv.prefill_activations == "bf16"
+            else None
+        )
+        attended = attend(plan, index, query, key, value, layer.scaling, prefill_dtype)
         out = layer.output(attended.view(rows, heads * head_dim).to(layer.output.in_dtype))
         if layer.post_attention_norm is not None:
             weight, eps = layer.post_attention_norm

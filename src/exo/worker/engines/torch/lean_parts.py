@@ -117,6 +117,18 @@ class Projection:
         self.out_features = int(module.out_features)
 
     @property
+    def prefill_activations(self) -> str | None:
+        """How prefill rounds this projection's activations (`QuantizedLinear.
+        prefill_activations` of its first quantized part); None for dense weights."""
+        if self.quantized is not None:
+            return self.quantized.prefill_activations
+        for part in self.parts:
+            found = part.prefill_activations
+            if found is not None:
+                return found
+        return None
+
+    @property
     def _kernel_out_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.bf16 and not self.native else torch.float32
 

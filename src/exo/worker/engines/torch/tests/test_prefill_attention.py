@@ -1,5 +1,6 @@
 """`batch_attention.prefill_attention` (queries in blocks, each to the keys up to its own
-last position) against attention written out in float64 from its definition."""
+last position) against attention written out in float64 from its definition; in bfloat16
+(`--prefill-activations bf16`) against the same definition on the bfloat16-rounded inputs."""
 
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ def test_prefill_attention_equals_attention_by_its_definition(
     assert got.shape == (1, HEADS, count, DIM)
     expected = reference(queries, keys, values, start, window)
     assert torch.allclose(got.double(), expected, atol=2e-6, rtol=0)
+    # In bfloat16: the inputs rounded, the output in float32 within bfloat16's rounding of
+    # the definition on those rounded inputs (a key out of place is off by far more).
+    rounded = prefill_attention(queries, keys, values, start, window, None, torch.bfloat16)
+    assert rounded.dtype == torch.float32 and rounded.shape == got.shape
+    on_rounded = reference(queries.bfloat16(), keys.bfloat16(), values.bfloat16(), start, window)
+    assert torch.allclose(rounded.double(), on_rounded, atol=2e-2, rtol=0)
+    assert not torch.equal(rounded, got)
 
 
 def test_prefill_attention_takes_the_given_scale() -> None:
