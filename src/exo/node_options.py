@@ -186,7 +186,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         "faster (int4 products ~1.8x, Gemma 3 270M's TTFT ~1.3x), a prompt's next-token "
         "distributions off by a KL of ~2-3e-3 (int16: < 1e-7); bf16 (AMX CPUs only, "
         "elsewhere int16): the weights dequantized to bfloat16 for AMX tiles, products ~2x "
-        "int16's, a KL of ~2-3.5e-4",
+        "int16's, a KL of ~2e-4",
     )
     parser.add_argument(
         "--max-queued-requests",

@@ -21,9 +21,10 @@
 // against int4's own step of 1/15 of a group's range); the products of two bfloat16 are
 // exact in float32 and summed in float32. On random layer shapes that is an RMS error of
 // 2.4e-3 of the product's RMS (int16: 2.1e-5; int8: 5.4e-3); over 400 teacher-forced
-// positions of a text, a KL of 1.9e-4 (Gemma 3 270M) and 3.5e-4 (SmolLM2-135M) from the
-// int16 path's next-token distributions, the most likely token changed at 1.0% / 1.25% of
-// positions (int8: KL 2.1-2.8e-3, 3%). Keeping what the rounding leaves as a second
+// positions of the README (`bench/bench_prefill_rounding.py`, prompt chunks attending in
+// bfloat16 too), a KL of 1.9e-4 (Gemma 3 270M) and 2.1e-4 (SmolLM2-135M) from the int16
+// path's next-token distributions, the most likely token changed at 0.5% / 0.25% of
+// positions (int8: KL 2.9e-3 on both, 3.75% / 3.25%). Keeping what the rounding leaves as a second
 // bfloat16 term was tried: weights split (two tile products) RMS 1.7e-3 at 0.6x this
 // speed, weights and activations split (three) 3.7e-6 at 0.45x, slower than int16. A
 // token's product therefore differs (by rounding) from the decode kernels' exact integer
