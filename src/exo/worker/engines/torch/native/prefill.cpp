@@ -536,9 +536,10 @@ void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
   const bool bytes = weight.scalar_type() == at::kByte;
   const Held held = !bytes ? Held::kInt8 : scale_zero.dim() == 2 ? Held::kInt5 : Held::kInt4;
   const int64_t group_size = k / scale_zero.size(1);
-  if (bf16 && activation_bits == 16 && prefill::bf16_tiles_available()) {
+  const int64_t leading = std::clamp<int64_t>(int16_rows, 0, rows);
+  if (bf16 && activation_bits == 16 && rows - leading >= prefill::kBf16MinRows &&
+      prefill::bf16_tiles_available()) {
     // The leading int16 rows (a step's decode tokens) as without bf16, the rest in bf16.
-    const int64_t leading = std::clamp<int64_t>(int16_rows, 0, rows);
     if (leading > 0) block_matmul(x, leading, k, weight, scale_zero, y, 16, 0, false);
     if (leading < rows)
       prefill::bf16_block_matmul(
@@ -625,6 +626,7 @@ TORCH_LIBRARY_FRAGMENT(exo_native, m) {
       "int int16_rows=0, bool bf16=False) -> Tensor");
   m.def("bf16_prefill_available() -> bool",
         [] { return exo_native::prefill::bf16_tiles_available(); });
+  m.def("bf16_prefill_min_rows() -> int", [] { return exo_native::prefill::kBf16MinRows; });
   m.def("int16_integer_gemm() -> bool", [] { return exo_native::int16_integer_gemm(); });
   m.def("int16_tile_bits() -> int", [] { return exo_native::int16_tile_bits(); });
 }

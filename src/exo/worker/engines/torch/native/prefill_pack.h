@@ -167,6 +167,14 @@ void u8_slab_product(const Int8Rows& x, int64_t rows, int64_t k, Held held, bool
 // Whether this build and CPU have prefill_bf16.cpp's AMX-BF16 product.
 bool bf16_tiles_available();
 
+// Fewest rows a call multiplies in bfloat16 (`block_matmul`'s bf16): with fewer, all its
+// rows take int16. Each call dequantizes the whole weight once either way; at 32 rows the
+// two paths took the same time (Gemma 3 270M's layer shapes, 2 threads, 2-core Xeon with
+// AMX), and a step's 8-token prompt chunk beside decodes (scheduler.py) would pay the
+// weight's unpacking twice (its decode rows int16, the chunk bf16): a pinned node's 4
+// concurrent streams took 4.4 s to their last first token instead of ~1 s.
+constexpr int64_t kBf16MinRows = 32;
+
 // y[rows, n] (row stride n) = x [rows, k] rounded to bfloat16 times the weight dequantized
 // to bfloat16 slab by slab, by oneDNN's AMX micro-kernel (prefill_bf16.cpp). Raises where
 // `bf16_tiles_available()` is false.

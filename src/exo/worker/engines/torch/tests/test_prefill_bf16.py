@@ -4,8 +4,9 @@ behind `--prefill-activations bf16`): on CPUs with AMX-BF16, every block weight 
 int8 blocks of 16 and 32, 5-bit blocks) times the activations, against the exact float64
 product within the rounding the path documents; output counts that leave a part slab, row
 counts past the micro-kernel's row blocks, one and two threads; a step's leading decode
-rows exactly as an int16 call. Elsewhere the option falls back to int16, exactly. The
-default by CPU flags."""
+rows exactly as an int16 call, and calls with fewer bf16 rows than the path's minimum
+entirely int16. Elsewhere the option falls back to int16, exactly. The default by CPU
+flags."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def test_the_bf16_product_is_the_product_within_its_rounding(kind: str, threads:
     or scale is off by the product's own size, far outside it), and the error as a whole
     that of bfloat16 rounding (RMS ~2e-3 of the product's RMS, not int8's ~5e-3)."""
     inputs = 960 if kind == "int4/96" else 640
-    for outputs, rows in ((70, 9), (333, 70), (128, 130)):
+    for outputs, rows in ((70, 32), (333, 70), (128, 130)):
         held, scales, dense = weight(kind, outputs, inputs, seed=outputs + rows)
         x = torch.randn(rows, inputs, generator=torch.Generator().manual_seed(rows))
         actual = bf16_call(x, held, scales, threads).double()
@@ -101,28 +102,37 @@ def test_the_bf16_product_is_the_product_within_its_rounding(kind: str, threads:
 
 @amx
 def test_each_row_s_product_does_not_depend_on_the_rows_beside_it() -> None:
-    """A row's result is the same alone and among 129 others, on one and two threads (the
-    micro-kernel's row blocks and the slabs' split over threads change no sum)."""
+    """A row's result is the same among the fewest rows bf16 takes and among 130, on one
+    and two threads (the micro-kernel's row blocks and the slabs' split over threads
+    change no sum)."""
     held, scales, _ = weight("int4/32", 200, 640, seed=3)
     x = torch.randn(130, 640, generator=torch.Generator().manual_seed(4))
+    least = int(torch.ops.exo_native.bf16_prefill_min_rows())
     together = bf16_call(x, held, scales, 2)
-    for row in (0, 63, 64, 129):
-        assert torch.equal(bf16_call(x[row : row + 1], held, scales, 1)[0], together[row])
+    for row in (0, 63, 64, 130 - least):
+        alone = bf16_call(x[row : row + least], held, scales, 1)
+        assert torch.equal(alone[0], together[row])
 
 
 @native
 @pytest.mark.parametrize("kind", ["int4/32", "int8/16", "int5"])
 def test_leading_decode_rows_keep_int16(kind: str) -> None:
     """`int16_rows` (a step's decode tokens, first) equal an int16 call bit for bit, the
-    other rows a bf16 call of their own (where bf16 does not run, every row is int16)."""
+    other rows a bf16 call of their own when there are at least the minimum of them, else
+    an int16 call too (where bf16 does not run, every row is int16)."""
     held, scales, _ = weight(kind, 200, 640, seed=7)
-    x = torch.randn(13, 640, generator=torch.Generator().manual_seed(8))
+    least = int(torch.ops.exo_native.bf16_prefill_min_rows())
+    rows = least + 5
+    x = torch.randn(rows, 640, generator=torch.Generator().manual_seed(8))
     int16 = torch.ops.exo_native.block_matmul(x, held, scales)
-    for decode_rows in (0, 1, 5, 13, 16):
+    for decode_rows in (0, 1, 5, 6, rows, rows + 3):
         mixed = torch.ops.exo_native.block_matmul(x, held, scales, 16, decode_rows, True)
         assert torch.equal(mixed[:decode_rows], int16[:decode_rows])
         rest = torch.ops.exo_native.block_matmul(x[decode_rows:], held, scales, 16, 0, True)
         assert torch.equal(mixed[decode_rows:], rest)
+        bf16_rows = rows - min(decode_rows, rows)
+        takes_bf16 = bf16_prefill_available() and bf16_rows >= least
+        assert torch.equal(mixed, int16) == (not takes_bf16), (decode_rows, takes_bf16)
     if not bf16_prefill_available():
         assert torch.equal(torch.ops.exo_native.block_matmul(x, held, scales, 16, 0, True), int16)
     with pytest.raises(RuntimeError, match="bf16 activations need activation_bits 16"):
