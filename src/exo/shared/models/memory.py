@@ -29,10 +29,12 @@ WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("float32", "int8", "int4")
 # AMX-BF16 only, elsewhere int16; native/prefill_bf16.cpp).
 PrefillActivations = Literal["int16", "int8", "bf16"]
 PREFILL_ACTIVATIONS: tuple[PrefillActivations, ...] = ("int16", "int8", "bf16")
-# int16 by default: on SmolLM2-135M (int4) int8 prefill turns the greedy answer to "What is
-# the capital of France?" from "The capital of France is Paris." into "L'Étoile, la
-# Marseillaise, la femme, ..." (llama.cpp on the same Q4_1 GGUF answers that same text word
-# for word); rounding the prompt's last row to int16 does not bring Paris back.
+# The engine's default (a node's is bf16 on AMX-BF16 CPUs, else this:
+# `exo.utils.cpu_features.default_prefill_activations`). Not int8: on SmolLM2-135M (int4)
+# int8 prefill turns the greedy answer to "What is the capital of France?" from "The
+# capital of France is Paris." into "L'Étoile, la Marseillaise, la femme, ..." (llama.cpp
+# on the same Q4_1 GGUF answers that same text word for word); rounding the prompt's last
+# row to int16 does not bring Paris back.
 DEFAULT_PREFILL_ACTIVATIONS: PrefillActivations = "int16"
 ENGINE_CPU_WEIGHT_FORMAT: WeightFormat = "int4"
 

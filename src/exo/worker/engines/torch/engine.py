@@ -240,8 +240,9 @@ class TorchEngine:
             kv_cache_tokens: the KV budget in tokens (see the class).
             prefill_activations: "int8" rounds prefill's activations of int4, 5-bit
                 and 6-bit (Q6_K) block weights to int8 per block of 32 on AVX2 CPUs
-                (llama.cpp's precision: faster prefill, a less exact prompt); "int16" as
-                decode (`load_model`).
+                (llama.cpp's precision: faster prefill, a less exact prompt); "bf16"
+                rounds them and the dequantized weights to bfloat16 for AMX tiles (CPUs
+                with AMX-BF16, else int16); "int16" as decode (`load_model`).
 
         Raises:
             UnsupportedArchitectureError (a ValueError): no family file for the model.

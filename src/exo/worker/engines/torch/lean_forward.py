@@ -244,8 +244,12 @@ class LeanModel:
         softcap = getattr(text_config, "final_logit_softcapping", None)
         self._softcap = float(softcap) if softcap else None
         self._cache_dtype = torch.float32
-        # Whether `--prefill-activations bf16` runs here (AMX-BF16), read once.
+        # Whether `--prefill-activations bf16` runs here (AMX-BF16), read once, and the
+        # fewest prompt rows of a step that take it (fewer take int16: native/prefill.cpp).
         self._bf16_prefill = bf16_prefill_available()
+        self._bf16_min_rows = (
+            int(torch.ops.exo_native.bf16_prefill_min_rows()) if self._bf16_prefill else 0
+        )
         # exo's decode layer (one C++ call per layer for decode-only steps) where its
         # kernels run and every layer's projections are held in a form it reads.
         self._decode_layer: Any = None
@@ -445,10 +449,13 @@ class LeanModel:
         query = qk[:, :heads].transpose(0, 1).unsqueeze(0)  # [1, heads, T, head_dim]
         key = qk[:, heads:].transpose(0, 1).unsqueeze(0)
         value = qkv[:, width:].view(rows, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
-        # With bf16 prefill activations a prompt chunk attends in bfloat16 too (AMX tiles).
+        # With bf16 prefill activations a prompt chunk attends in bfloat16 too (AMX tiles),
+        # where the step's products take bf16 (enough prompt rows).
         prefill_dtype = (
             torch.bfloat16
-            if self._bf16_prefill and layer.qkv.prefill_activations == "bf16"
+            if self._bf16_prefill
+            and rows - len(plan.decode_slots) >= self._bf16_min_rows
+            and layer.qkv.prefill_activations == "bf16"
             else None
         )
         attended = attend(plan, index, query, key, value, layer.scaling, prefill_dtype)

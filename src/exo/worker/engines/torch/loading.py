@@ -259,8 +259,8 @@ def load_model(
             "int8", "int4"; see `quantize.py`), converted layer by layer while loading.
         on_layer_loaded: called as (decoder layers loaded, decoder layers on this rank),
             first with 0 and then after each layer.
-        prefill_activations: how prefill rounds the activations of int4, 5-bit and Q6_K
-            block weights ("int16" as decode, "int8" or "bf16"; `quantize.set_prefill_activations`).
+        prefill_activations: how prefill rounds the activations of exo's block weights
+            ("int16" as decode, "int8" or "bf16"; `quantize.set_prefill_activations`).
 
     Returns:
         The cut-down model in eval mode: for a pipeline rank that is not the last,

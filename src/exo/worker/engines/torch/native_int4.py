@@ -154,7 +154,7 @@ def bf16_prefill_available() -> bool:
     """Whether prefill's bf16 product runs here (`--prefill-activations bf16`: exo's kernels
     built with AMX-BF16, and oneDNN's AMX micro-kernel usable: native/prefill_bf16.cpp);
     elsewhere bf16 falls back to int16."""
-    if built_int4_kernel() is None:
+    if native_int4_kernel() is None:  # not wanted here, or not built: nothing is built now
         return False
     return bool(torch.ops.exo_native.bf16_prefill_available())
 

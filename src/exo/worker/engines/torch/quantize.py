@@ -318,7 +318,8 @@ class Int4Linear(QuantizedLinear):
         activations rounded as the kernel rounds them, the same integer sums per block as
         the kernel's, scaled in another order, so a token's result does not depend on how
         many rows share its call (a pipeline rank and a single process chunk prompts
-        differently; with int8 prefill activations, only among prefill's rows)."""
+        differently; with int8 prefill activations, only among prefill's rows; with bf16,
+        only among calls of at least 32 prefill rows, fewer taking int16)."""
         return prefill_product(
             rows.contiguous(), self.packed, self.scales_and_zeros, self.prefill_activations
         )

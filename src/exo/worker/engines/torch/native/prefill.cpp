@@ -20,8 +20,8 @@
 // place ~50-55 (packing the slab, rounding the activations, the per-block scales).
 // llama.cpp rounds activations to int8 and multiplies with `vpmaddubsw` (u8 x s8 summed in
 // int16 before one widening: ~81-95 GMAC/s per core in the same stand-alone loop, ~1.5x).
-// Prefill keeps int16 by default (int8 is an opt-in, prefill_int8.cpp, `--prefill-activations
-// int8`): rounding every linear's input to int8 per block of 32 moved the
+// Prefill keeps int16 by default except on AMX-BF16 CPUs (prefill_bf16.cpp; int8 is an
+// opt-in, prefill_int8.cpp, `--prefill-activations int8`): rounding every linear's input to int8 per block of 32 moved the
 // next-token distributions (teacher-forced over 400 tokens, against the same weights with
 // unrounded activations) by a KL of 3.0e-3 on SmolLM2-135M Q4_1 and 2.6e-3 on Gemma 3 270M
 // Q4_K_M (int16: below 1e-7), changing the most likely token at 4.5% and 3% of positions,

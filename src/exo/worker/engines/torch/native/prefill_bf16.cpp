@@ -29,14 +29,18 @@
 // speed, weights and activations split (three) 3.7e-6 at 0.45x, slower than int16. A
 // token's product therefore differs (by rounding) from the decode kernels' exact integer
 // sums, which steps of at most `NATIVE_BLOCK_MAX_ROWS` rows take, and a step's decode rows
-// keep int16 (prefill.cpp's `block_matmul`); a row's result does not depend on the rows
-// beside it in the call (tested).
+// keep int16 (prefill.cpp's `block_matmul`). Calls with fewer than `kBf16MinRows` bf16 rows
+// take int16 too (prefill_pack.h), so a prompt chunk's rounding depends on the chunk's size:
+// 8-token chunks beside other requests' decodes take int16, chunks of 32 tokens or more
+// (a prompt alone, or several prompts in one step) bf16. Within bf16 calls a row's result
+// does not depend on the rows beside it (tested).
 //
 // Layout (oneDNN's "VNNI" form for bfloat16 B matrices): for a slab of kSlab outputs, input
 // pair p and output i, the two bfloat16 weights of inputs 2p and 2p + 1 as one 32-bit word
 // at packed[p * kSlab + i]. One output row's block of 32 dequantized and converted is 16
 // such words; 8 rows' are transposed 8 x 8 (prefill_pack.h's `transpose8`) into place.
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/Exception.h>
@@ -140,9 +144,10 @@ void round_rows_bf16(const float* x, int64_t rows, int64_t k, uint16_t* out) {
 bool bf16_tiles_available() {
 #ifdef EXO_BF16_TILES
   // oneDNN's micro-kernel for bfloat16 needs AMX, enabled for this process by the kernel
-  // (torch asks for the tile state's permission).
-  static const bool available = at::native::cpublas::could_pack(at::kBFloat16);
-  return available;
+  // (torch asks for the tile state's permission); torch's brgemm also refuses to run while
+  // `torch.backends.mkldnn` is turned off, so that is checked at every call.
+  static const bool cpu = at::native::cpublas::could_pack(at::kBFloat16);
+  return cpu && at::globalContext().userEnabledMkldnn();
 #else
   return false;
 #endif
