@@ -1,7 +1,8 @@
 """Prefill's block-weight products on this CPU, interleaved call by call in one process:
 `block_matmul` with the activations rounded to int16 (exact integer sums), to int8, and to
-bfloat16 (the AMX-BF16 product, where the CPU and build have it), on a model's layer shapes
-(random int4 weights in groups of 32, random float32 activations).
+bfloat16 (the AMX-BF16 product, where the CPU and build have it; calls of fewer rows than
+its minimum, 32, take int16), on a model's layer shapes (random int4 weights in groups of
+32, random float32 activations).
 
 Usage: PYTHONPATH=src python bench/bench_prefill_paths.py [--rows 32 128 512]
        [--threads 2] [--calls 30] [--shapes gemma3-270m|smollm2-135m]
