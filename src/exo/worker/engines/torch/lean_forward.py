@@ -245,7 +245,7 @@ class LeanModel:
         self._softcap = float(softcap) if softcap else None
         self._cache_dtype = torch.float32
         # Whether `--prefill-activations bf16` runs here (AMX-BF16), read once, and the
-        # fewest prompt rows of a step that take it (fewer take int16: native/prefill.cpp).
+        # fewest prompt rows of a step with decode rows that take it (native/prefill.cpp).
         self._bf16_prefill = bf16_prefill_available()
         self._bf16_min_rows = (
             int(torch.ops.exo_native.bf16_prefill_min_rows()) if self._bf16_prefill else 0
@@ -450,11 +450,12 @@ class LeanModel:
         key = qk[:, heads:].transpose(0, 1).unsqueeze(0)
         value = qkv[:, width:].view(rows, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
         # With bf16 prefill activations a prompt chunk attends in bfloat16 too (AMX tiles),
-        # where the step's products take bf16 (enough prompt rows).
+        # where the step's products take bf16 (not a short chunk beside decode rows).
+        decoding = len(plan.decode_slots)
         prefill_dtype = (
             torch.bfloat16
             if self._bf16_prefill
-            and rows - len(plan.decode_slots) >= self._bf16_min_rows
+            and (decoding == 0 or rows - decoding >= self._bf16_min_rows)
             and layer.qkv.prefill_activations == "bf16"
             else None
         )

@@ -319,7 +319,7 @@ class Int4Linear(QuantizedLinear):
         the kernel's, scaled in another order, so a token's result does not depend on how
         many rows share its call (a pipeline rank and a single process chunk prompts
         differently; with int8 prefill activations, only among prefill's rows; with bf16,
-        only among calls of at least 32 prefill rows, fewer taking int16)."""
+        only among prefill's rows too, a short chunk beside decode rows taking int16)."""
         return prefill_product(
             rows.contiguous(), self.packed, self.scales_and_zeros, self.prefill_activations
         )

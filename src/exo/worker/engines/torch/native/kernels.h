@@ -130,8 +130,9 @@ void bf16_product(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
 // activations rounded to int8 instead where the weight's integers fit (int4, 5-bit, int8
 // values in [-32, 31]; prefill_int8.cpp; AVX2 only). `bf16` (with `activation_bits` 16):
 // rows from `int16_rows` on take activations rounded to bfloat16 times the weight
-// dequantized to bfloat16, by AMX tiles, where this CPU and build have them and those rows
-// are at least `prefill::kBf16MinRows` (prefill_bf16.cpp; otherwise int16 as without it).
+// dequantized to bfloat16, by AMX tiles, where this CPU and build have them, unless there
+// are leading int16 rows and fewer than `prefill::kBf16MinRows` others (prefill_bf16.cpp;
+// then, and elsewhere, int16 as without it).
 void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& weight,
                   const at::Tensor& scale_zero, float* y, int64_t activation_bits = 16,
                   int64_t int16_rows = 0, bool bf16 = false);

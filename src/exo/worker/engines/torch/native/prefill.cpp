@@ -537,8 +537,9 @@ void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
   const Held held = !bytes ? Held::kInt8 : scale_zero.dim() == 2 ? Held::kInt5 : Held::kInt4;
   const int64_t group_size = k / scale_zero.size(1);
   const int64_t leading = std::clamp<int64_t>(int16_rows, 0, rows);
-  if (bf16 && activation_bits == 16 && rows - leading >= prefill::kBf16MinRows &&
-      prefill::bf16_tiles_available()) {
+  // A step with decode rows and a short prompt chunk beside them takes int16 for all.
+  const bool short_chunk = leading > 0 && rows - leading < prefill::kBf16MinRows;
+  if (bf16 && activation_bits == 16 && !short_chunk && prefill::bf16_tiles_available()) {
     // The leading int16 rows (a step's decode tokens) as without bf16, the rest in bf16.
     if (leading > 0) block_matmul(x, leading, k, weight, scale_zero, y, 16, 0, false);
     if (leading < rows)

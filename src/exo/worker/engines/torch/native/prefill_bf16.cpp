@@ -29,11 +29,10 @@
 // speed, weights and activations split (three) 3.7e-6 at 0.45x, slower than int16. A
 // token's product therefore differs (by rounding) from the decode kernels' exact integer
 // sums, which steps of at most `NATIVE_BLOCK_MAX_ROWS` rows take, and a step's decode rows
-// keep int16 (prefill.cpp's `block_matmul`). Calls with fewer than `kBf16MinRows` bf16 rows
-// take int16 too (prefill_pack.h), so a prompt chunk's rounding depends on the chunk's size:
-// 8-token chunks beside other requests' decodes take int16, chunks of 32 tokens or more
-// (a prompt alone, or several prompts in one step) bf16. Within bf16 calls a row's result
-// does not depend on the rows beside it (tested).
+// keep int16 (prefill.cpp's `block_matmul`). A step with decode rows and fewer than
+// `kBf16MinRows` prompt rows takes int16 for all (prefill_pack.h), so a prompt chunk joining
+// beside other requests' decodes (8 tokens) is rounded to int16, one prefilled alone to
+// bfloat16. Within bf16 calls a row's result does not depend on the rows beside it (tested).
 //
 // Layout (oneDNN's "VNNI" form for bfloat16 B matrices): for a slab of kSlab outputs, input
 // pair p and output i, the two bfloat16 weights of inputs 2p and 2p + 1 as one 32-bit word

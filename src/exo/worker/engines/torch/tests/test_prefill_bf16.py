@@ -4,8 +4,8 @@ behind `--prefill-activations bf16`): on CPUs with AMX-BF16, every block weight 
 int8 blocks of 16 and 32, 5-bit blocks) times the activations, against the exact float64
 product within the rounding the path documents; output counts that leave a part slab, row
 counts past the micro-kernel's row blocks, one and two threads; a step's leading decode
-rows exactly as an int16 call, and calls with fewer bf16 rows than the path's minimum
-entirely int16. Elsewhere the option falls back to int16, exactly. The default by CPU
+rows exactly as an int16 call, and a call with decode rows and fewer prompt rows than the
+path's minimum entirely int16. Elsewhere the option falls back to int16, exactly. The default by CPU
 flags."""
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ def test_each_row_s_product_does_not_depend_on_the_rows_beside_it() -> None:
 @pytest.mark.parametrize("kind", ["int4/32", "int8/16", "int5"])
 def test_leading_decode_rows_keep_int16(kind: str) -> None:
     """`int16_rows` (a step's decode tokens, first) equal an int16 call bit for bit, the
-    other rows a bf16 call of their own when there are at least the minimum of them, else
-    an int16 call too (where bf16 does not run, every row is int16)."""
+    other rows a bf16 call of their own; beside decode rows, fewer prompt rows than the
+    minimum take int16 too (where bf16 does not run, every row is int16)."""
     held, scales, _ = weight(kind, 200, 640, seed=7)
     least = int(torch.ops.exo_native.bf16_prefill_min_rows())
     rows = least + 5
@@ -128,11 +128,17 @@ def test_leading_decode_rows_keep_int16(kind: str) -> None:
     for decode_rows in (0, 1, 5, 6, rows, rows + 3):
         mixed = torch.ops.exo_native.block_matmul(x, held, scales, 16, decode_rows, True)
         assert torch.equal(mixed[:decode_rows], int16[:decode_rows])
-        rest = torch.ops.exo_native.block_matmul(x[decode_rows:], held, scales, 16, 0, True)
-        assert torch.equal(mixed[decode_rows:], rest)
         bf16_rows = rows - min(decode_rows, rows)
-        takes_bf16 = bf16_prefill_available() and bf16_rows >= least
+        takes_bf16 = bf16_prefill_available() and bf16_rows > 0
+        takes_bf16 = takes_bf16 and (decode_rows == 0 or bf16_rows >= least)
+        if takes_bf16:  # the prompt rows as a bf16 call of their own
+            rest = torch.ops.exo_native.block_matmul(x[decode_rows:], held, scales, 16, 0, True)
+            assert torch.equal(mixed[decode_rows:], rest)
         assert torch.equal(mixed, int16) == (not takes_bf16), (decode_rows, takes_bf16)
+    # Without decode rows any prompt chunk takes bf16, however short (a pipeline rank and a
+    # single process chunk a prompt differently and must agree).
+    short = torch.ops.exo_native.block_matmul(x[:9], held, scales, 16, 0, True)
+    assert torch.equal(short, int16[:9]) != bf16_prefill_available()
     if not bf16_prefill_available():
         assert torch.equal(torch.ops.exo_native.block_matmul(x, held, scales, 16, 0, True), int16)
     with pytest.raises(RuntimeError, match="bf16 activations need activation_bits 16"):
