@@ -250,7 +250,7 @@ class LeanModel:
         self._bf16_min_rows = (
             int(torch.ops.exo_native.bf16_prefill_min_rows()) if self._bf16_prefill else 0
         )
-        # exo's decode layer (one C++ call per layer for decode-only steps) where its
+        # exo's decode layer (one C++ call per layer for decode steps, `_native_step`) where its
         # kernels run and every layer's projections are held in a form it reads.
         self._decode_layer: Any = None
         if (
@@ -288,10 +288,7 @@ class LeanModel:
             x = hidden.float().clone()
         cache_dtype = plan.cache.keys[0].dtype if plan.cache.keys else torch.float32
         tables = self._rotary_tables(x, position_ids, cache_dtype)
-        if (
-            self._decode_layer is not None and not plan.prefill and plan.decode_slots
-            and cache_dtype == torch.float32
-        ):  # fmt: skip
+        if cache_dtype == torch.float32 and self._native_step(plan, x.shape[0]):
             self._decode_layers(plan, x, tables)
         else:
             for index, layer in enumerate(self.layers):
@@ -347,22 +344,53 @@ class LeanModel:
             tables.append(rotary_tables(cos[0], sin[0], head_dim))
         return tables
 
+    def _native_step(self, plan: BatchPlan, rows: int) -> bool:
+        """Whether exo's decode layer runs this step of `rows` rows: it has decode rows,
+        and any prompt rows beside them take the decode rows' int16 rounding anyway
+        (`--prefill-activations int16`; bf16 with fewer prompt rows than its minimum beside
+        decode rows, or where bf16 does not run; not int8, whose prompt rows round to
+        int8). A short chunk joining running streams then costs one native pass instead of
+        ~30 torch operators per layer: SmolLM2-135M, one stream decoding beside an 8-token
+        chunk, 2 threads on a 2-core Xeon with AMX (2026-12-03): ~60 -> ~30 ms a step."""
+        if self._decode_layer is None or not plan.decode_slots:
+            return False
+        if not plan.prefill:
+            return True
+        prompt_rows = rows - len(plan.decode_slots)
+        for layer in self.layers:
+            for projection in (layer.qkv, layer.output, layer.gate_up, layer.down):
+                activations = projection.prefill_activations
+                if activations == "int8" or (
+                    activations == "bf16"
+                    and self._bf16_prefill
+                    and prompt_rows >= self._bf16_min_rows
+                ):
+                    return False
+        return True
+
     def _decode_layers(
         self,
         plan: BatchPlan,
         x: torch.Tensor,
         tables: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     ) -> None:
-        """Every layer of a decode-only step (rows = the plan's decode slots, in order) by
-        exo's decode layer, over `x` `[D, hidden]` float32 in place: one `decode_layers`
-        call for them all, or on a tensor rank three calls per layer around its two
-        all-reduces."""
+        """Every layer of a step by exo's decode layer (rows = the plan's decode slots in
+        order, then each prompt segment's positions), over `x` `[T, hidden]` float32 in
+        place: one `decode_layers` call for them all, or on a tensor rank three calls per
+        layer around its two all-reduces."""
         rows = x.shape[0]
         flat = [
             (cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous(), perm)
             for cos, sin, perm in tables
         ]
-        slots, positions = plan.decode_slots, plan.decode_positions
+        slots, positions = list(plan.decode_slots), list(plan.decode_positions)
+        for segment in sorted(plan.prefill, key=lambda segment: segment.offset):
+            if segment.offset != len(slots):
+                raise ValueError(f"prompt segment at row {segment.offset}, expected {len(slots)}")
+            slots += [segment.slot] * segment.length
+            positions += range(segment.start, segment.start + segment.length)
+        if len(slots) != rows:
+            raise ValueError(f"the plan places {len(slots)} rows, the step has {rows}")
         cache = plan.cache
         if not any(layer.reduced for layer in self.layers):  # one call for every layer
             linears, norms, epsilons, ropes, shapes, scalings = self._stacked_arguments()

@@ -4,7 +4,8 @@ for int4 blocks, int8 per channel and bfloat16 weights (`int4_gemv.cpp`), int8 b
 5-bit blocks (`int5_blocks.cpp`),
 prefill products (`prefill.cpp`), prefill's gated activation and q/k norm + rotary
 (`prefill_ops.cpp`), a one-pass RMSNorm, and a whole decoder layer's decode step
-(`decode_layer.cpp`, called by `lean_forward.LeanModel` for decode-only steps).
+(`decode_layer.cpp`, called by `lean_forward.LeanModel` for decode steps, a short prompt
+chunk beside the decode rows included).
 
 torch's `aten._weight_int4pack_mm_for_cpu` is fast where torch dispatches to AVX512 (its
 tiled kernel reads the packed weights at memory speed) but on AVX2-only CPUs (AMD Zen 1-3,

@@ -3,7 +3,10 @@
 // decode rows, each its own request (KV slot, position), with no torch operator between
 // them. A decode step of a small model is otherwise mostly the cost of calling ~30 torch
 // operators per layer from Python (measured on SmolLM2-135M, 2-core AMD EPYC Zen 3: 7.6 of
-// 15.6 ms per token outside the int4 kernels).
+// 15.6 ms per token outside the int4 kernels). A row is any (slot, position): a prompt
+// chunk beside the decode rows is its slot's consecutive positions, each row attending to
+// its slot's keys up to its own position (every row's key and value are written before
+// any row attends), so a short chunk joining decodes runs here too (lean_forward.py).
 //
 // Per layer (row-major float32 throughout; the residual stream x is updated in place):
 //   h  = rms_norm(x, input_norm)                         [D, hidden]
@@ -141,11 +144,22 @@ void add_bias_rows(const Linear& linear, int64_t rows, float* y) {
     for (int64_t o = 0; o < linear.out; ++o) y[r * linear.out + o] += bias[o];
 }
 
+// Rows from which a block weight's product is the integer GEMM (`block_matmul` with int16
+// activations: the decode kernels' block sums, scaled in another order) rather than the
+// decode kernels, which unpack the weight again for every 4 rows (quantize.py's
+// NATIVE_BLOCK_MAX_ROWS + 1). A step's rows beyond its decode rows are a prompt chunk
+// beside them (lean_forward.py). SmolLM2-135M's four products over 30 layers, 2 threads,
+// 2-core Xeon with AMX (2026-12-03): 8 rows 29 ms either way, 16 rows 61 -> 39 ms.
+constexpr int64_t kGemmMinRows = 8;
+
 // y[rows, out] = x[rows, in] W^T (+ bias when add_bias).
 void apply_linear(const Linear& linear, const float* x, int64_t rows, float* y,
                   bool add_bias = true) {
   const auto kind = linear.weight.scalar_type();
-  if (kind == at::kByte && linear.scale_zero.dim() == 2) {
+  const bool blocks = (kind == at::kByte || kind == at::kChar) && linear.scale_zero.dim() >= 2;
+  if (blocks && rows >= kGemmMinRows) {
+    exo_native::block_matmul(x, rows, linear.in, linear.weight, linear.scale_zero, y);
+  } else if (kind == at::kByte && linear.scale_zero.dim() == 2) {
     exo_native::int5_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);
   } else if (kind == at::kByte) {
     exo_native::int4_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);

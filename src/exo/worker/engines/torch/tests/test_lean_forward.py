@@ -23,13 +23,13 @@ from torch import nn
 from exo.testing.ports import free_port
 from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
 from exo.worker.engines.torch import lean_parts
-from exo.worker.engines.torch.batch_attention import lean_step_of
+from exo.worker.engines.torch.batch_attention import BatchPlan, PrefillSegment, lean_step_of
 from exo.worker.engines.torch.families import family_by_name
 from exo.worker.engines.torch.fusion import fuse_linears
 from exo.worker.engines.torch.lean_forward import LeanModel, enable_lean_forward
 from exo.worker.engines.torch.loading import load_model
 from exo.worker.engines.torch.native_int4 import NATIVE_INT4_ENV
-from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear
+from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear, set_prefill_activations
 from exo.worker.engines.torch.tests import lean_steps
 from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S, make_shard
 
@@ -191,7 +191,17 @@ def test_native_decode_layer_equals_lean_operators(
     decode_layer = lean._decode_layer
     assert decode_layer is not None
     tokens = lean_steps.forced_tokens(VOCAB_PROBE)
+    native_rows: list[int] = []
+    run_layers = lean._decode_layers
+    monkeypatch.setattr(
+        lean, "_decode_layers", lambda plan, x, tables: (
+            native_rows.append(x.shape[0]), run_layers(plan, x, tables)
+        ),
+    )  # fmt: skip
     native = lean_steps.run_single(model, tokens, lean=True)
+    # Every decode step ran natively, the last with request C's prompt chunk beside A and B
+    # (9 rows: the block weights' integer GEMM); the prompt-only first step did not.
+    assert native_rows == [2] * (lean_steps.DECODE_STEPS - 1) + [2 + lean_steps.PROMPT_C_LENGTH]
     lean._decode_layer = None
     try:
         operators = lean_steps.run_single(model, tokens, lean=True)
@@ -204,6 +214,34 @@ def test_native_decode_layer_equals_lean_operators(
         reference = lean_steps.run_single(model, tokens, lean=False)
         assert (native - reference).abs().max().item() < FLOAT32_TOLERANCE
         assert torch.equal(native.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("activations", ["int16", "int8", "bf16"])
+def test_mixed_step_is_native_where_prompt_rows_round_as_decode_rows(
+    int4_dirs: dict[str, Path], activations: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step with decode rows and a prompt chunk runs in exo's decode layer (int16
+    activations for every row) only where the chunk's products would take int16 anyway:
+    always with int16 prefill activations; with bf16 below its minimum rows beside decode
+    rows, or at any length where bf16 does not run; never with int8."""
+    monkeypatch.setenv(NATIVE_INT4_ENV, "1")
+    model = _load(int4_dirs["llama"], "int4")
+    assert set_prefill_activations(model, activations) > 0  # type: ignore[arg-type]
+    lean = lean_step_of(model)
+    assert isinstance(lean, LeanModel) and lean._decode_layer is not None
+    cache, windows, layer_of = lean_steps.new_cache(model)
+
+    def native(chunk: int) -> bool:
+        prefill = [PrefillSegment(1, 0, 1, chunk)] if chunk else []
+        plan = BatchPlan(cache, windows, [0], [5], prefill, layer_of)
+        return lean._native_step(plan, 1 + chunk)
+
+    short, long = 7, 64
+    assert lean._bf16_min_rows == 0 or short < lean._bf16_min_rows <= long
+    assert native(0)  # decode only
+    assert native(short) == (activations != "int8")
+    bf16_runs = lean._bf16_prefill
+    assert native(long) == (activations == "int16" or (activations == "bf16" and not bf16_runs))
 
 
 def test_bf16_fallback_forced(tiny_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
