@@ -193,11 +193,12 @@ def test_native_decode_layer_equals_lean_operators(
     tokens = lean_steps.forced_tokens(VOCAB_PROBE)
     native_rows: list[int] = []
     run_layers = lean._decode_layers
-    monkeypatch.setattr(
-        lean, "_decode_layers", lambda plan, x, tables: (
-            native_rows.append(x.shape[0]), run_layers(plan, x, tables)
-        ),
-    )  # fmt: skip
+
+    def counted(plan: BatchPlan, x: torch.Tensor, tables: Any) -> None:
+        native_rows.append(x.shape[0])
+        run_layers(plan, x, tables)
+
+    monkeypatch.setattr(lean, "_decode_layers", counted)
     native = lean_steps.run_single(model, tokens, lean=True)
     # Every decode step ran natively, the last with request C's prompt chunk beside A and B
     # (9 rows: the block weights' integer GEMM); the prompt-only first step did not.
