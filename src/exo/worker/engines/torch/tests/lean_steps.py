@@ -4,7 +4,9 @@ or the pipeline stages, with the lean forward on or off: the tests compare the t
 Two requests with fixed token ids (teacher forcing: the same tokens whatever the logits):
 request A (12 prompt tokens, longer than the tiny models' sliding window of 8) and request B
 (5 tokens) are prefilled in one step (two segments), then both decode `DECODE_STEPS` tokens
-together, and finally request C joins (prefill segment) beside the decoding A and B.
+together, and request C joins beside the decoding A and B in two prompt chunks over the last
+two steps (the second from position `PROMPT_C_FIRST_CHUNK` on, its later rows past the
+sliding window).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from exo.worker.engines.torch.families import family_for_architecture
 DECODE_STEPS = 6
 PROMPT_A_LENGTH = 12
 PROMPT_B_LENGTH = 5
-PROMPT_C_LENGTH = 7
+PROMPT_C_LENGTH = 13
+PROMPT_C_FIRST_CHUNK = 7
 
 
 def forced_tokens(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -75,11 +78,14 @@ def steps(
         positions = [PROMPT_A_LENGTH + step, PROMPT_B_LENGTH + step]
         prefill: list[PrefillSegment] = []
         rows = [0, 1]
-        if step == DECODE_STEPS - 1:  # C joins beside the decodes
-            prefill = [PrefillSegment(2, 0, 2, PROMPT_C_LENGTH)]
-            ids = ids + c
-            positions = positions + list(range(PROMPT_C_LENGTH))
-            rows = [0, 1, 1 + PROMPT_C_LENGTH]
+        if step >= DECODE_STEPS - 2:  # C joins beside the decodes, one chunk a step
+            first = 0 if step == DECODE_STEPS - 2 else PROMPT_C_FIRST_CHUNK
+            end = PROMPT_C_FIRST_CHUNK if step == DECODE_STEPS - 2 else PROMPT_C_LENGTH
+            prefill = [PrefillSegment(2, first, 2, end - first)]
+            ids = ids + c[first:end]
+            positions = positions + list(range(first, end))
+            if end == PROMPT_C_LENGTH:  # its first token's logits
+                rows = [0, 1, 1 + end - first]
         out.append(([0, 1], positions[:2], prefill, ids, positions, rows))
     return out
 

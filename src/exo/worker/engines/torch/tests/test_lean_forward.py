@@ -200,9 +200,14 @@ def test_native_decode_layer_equals_lean_operators(
 
     monkeypatch.setattr(lean, "_decode_layers", counted)
     native = lean_steps.run_single(model, tokens, lean=True)
-    # Every decode step ran natively, the last with request C's prompt chunk beside A and B
-    # (9 rows: the block weights' integer GEMM); the prompt-only first step did not.
-    assert native_rows == [2] * (lean_steps.DECODE_STEPS - 1) + [2 + lean_steps.PROMPT_C_LENGTH]
+    # Every decode step ran natively, the last two with request C's prompt chunks beside A
+    # and B (9 and 8 rows: the block weights' integer GEMM; the second chunk's later rows
+    # past the sliding window); the prompt-only first step did not.
+    first_chunk = lean_steps.PROMPT_C_FIRST_CHUNK
+    assert native_rows == [2] * (lean_steps.DECODE_STEPS - 2) + [
+        2 + first_chunk,
+        2 + lean_steps.PROMPT_C_LENGTH - first_chunk,
+    ]
     lean._decode_layer = None
     try:
         operators = lean_steps.run_single(model, tokens, lean=True)
