@@ -57,7 +57,11 @@ from exo.worker.engines.torch.request_state import GeneratedPiece, RequestState
 # ~13 ms): 16 tokens made a running stream's median gap 3.4x idle while a 2,000-token prompt
 # was admitted (TTFT 5.5 s), 8 tokens 2.2x (TTFT 7.2 s); the issue's bound is 3x. It also
 # stays within the int4 layers' fused-kernel rows (`Int4Linear.fused_max_rows` = 64) beside
-# a batch of decodes.
+# a batch of decodes. Since then a decode step got ~2.3x faster (exo's decode layer) and a
+# chunk's step less so (its products unpack every weight once for the chunk's few rows):
+# on a 2-core Xeon with AMX (2026-12-03, the chunk in the decode layer, 2 threads) the
+# idle gap was ~10 ms and a step beside an 8-token chunk 47 ms at a 200-token prompt, 61-63
+# ms at 2,000 tokens (5-7x; 4 tokens: 30 ms, 3x, at 200; 16 tokens: 54 ms and 70-80 ms).
 PREFILL_TOKENS_PER_STEP = 8
 # With no request decoding there is no stream to protect: larger chunks prefill faster
 # (fewer steps, better matmul shapes) while bounding activation memory ([chunk,
