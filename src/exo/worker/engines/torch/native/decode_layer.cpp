@@ -204,73 +204,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return total;
 }
 
-// scores[i] = exp(scores[i] - shift) for i < n, returning their sum (attention's softmax
-// numerators: shift is the largest score, so every argument is <= 0). With AVX2, eight at
-// a time by Cephes' single-precision exp (S. L. Moshier, cephes/single/expf.c: n = round(x
-// / ln 2), r = x - n ln 2 with ln 2 split in two constants, e^r by its degree-5 minimax
-// polynomial, times 2^n through the exponent bits; within 2 ulp of e^x for float32): the
-// libm call per score took ~40% of a decode step's attention (SmolLM2-135M at 1,500
-// tokens, 2-core Xeon with AMX, 2026-12-03). Arguments below ln(FLT_MIN) give 2^-126
-// rather than 0 (below any float32 sum's resolution here); a NaN stays NaN.
-#ifdef EXO_AVX2
-inline __m256 exp_avx2(__m256 x) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2High = 0.693359375f;      // ln 2 = kLn2High - kLn2Low, the high part
-  constexpr float kLn2Low = -2.12194440e-4f;    // exact in a few bits (Cephes' C1, C2)
-  constexpr float kExpMin = -87.3365447505f;    // ln(FLT_MIN)
-  x = _mm256_max_ps(_mm256_set1_ps(kExpMin), x);  // NaN as the second operand: kept
-  const __m256 n = _mm256_floor_ps(
-      _mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 e_r = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i two_n = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(e_r, _mm256_castsi256_ps(two_n));
-}
-#endif
-
-inline float exp_shifted(float* scores, int64_t n, float shift) {
-  int64_t i = 0;
-  float total = 0.0f;
-#ifdef EXO_AVX2
-  const __m256 shift8 = _mm256_set1_ps(shift);
-  __m256 sum8 = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(scores + i), shift8));
-    _mm256_storeu_ps(scores + i, e);
-    sum8 = _mm256_add_ps(sum8, e);
-  }
-  if (i < n) {  // the last 1-7 scores through the same steps, padded
-    alignas(32) float tail[8];
-    const int64_t left = n - i;
-    for (int64_t j = 0; j < 8; ++j) tail[j] = j < left ? scores[i + j] - shift : -INFINITY;
-    const __m256 e = exp_avx2(_mm256_load_ps(tail));
-    _mm256_store_ps(tail, e);
-    for (int64_t j = 0; j < left; ++j) {
-      scores[i + j] = tail[j];
-      total += tail[j];
-    }
-    i = n;
-  }
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum8), _mm256_extractf128_ps(sum8, 1));
-  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  half = _mm_add_ss(half, _mm_movehdup_ps(half));
-  total += _mm_cvtss_f32(half);
-#endif
-  for (; i < n; ++i) {
-    scores[i] = std::exp(scores[i] - shift);
-    total += scores[i];
-  }
-  return total;
-}
-
 // out[n] += weight * v[n] (vectorized by the compiler).
 inline void axpy(float weight, const float* v, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] += weight * v[i];
@@ -495,7 +428,11 @@ void run_layer(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& linear
           scores[j] = dot(query, key_cache + base + (first + j) * head_dim, head_dim) * scale;
           largest = std::max(largest, scores[j]);
         }
-        const float total = exp_shifted(scores.data(), count, largest);
+        float total = 0.0f;
+        for (int64_t j = 0; j < count; ++j) {
+          scores[j] = std::exp(scores[j] - largest);
+          total += scores[j];
+        }
         float* result = attended + r * q_width + h * head_dim;
         std::fill(result, result + head_dim, 0.0f);
         for (int64_t j = 0; j < count; ++j)
