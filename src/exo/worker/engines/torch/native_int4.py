@@ -65,6 +65,7 @@ _SOURCES = tuple(
         "int8_blocks.cpp",
         "int5_blocks.cpp",
         "decode_layer.cpp",
+        "decode_attention.cpp",
         "prefill.cpp",
         "prefill_int8.cpp",
         "prefill_dequantized.cpp",
