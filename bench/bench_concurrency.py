@@ -52,8 +52,8 @@ from exo.shared.types.shards import PipelineShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
 from exo.worker.engines.prompt import RenderedPrompt
+from exo.worker.engines.torch.batching.request_state import RequestState
 from exo.worker.engines.torch.engine import TorchEngine
-from exo.worker.engines.torch.request_state import RequestState
 
 DEFAULT_MODEL = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
 

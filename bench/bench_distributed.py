@@ -106,7 +106,7 @@ def measure_concurrent(engine: TorchEngine, requests: int, args: argparse.Namesp
 def rank_main(
     rank: int, world_size: int, port: int, mode: str, model_dir: str, args: Any, results: Any
 ) -> None:
-    from exo.worker.engines.torch.distributed import destroy_group, init_group
+    from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:

@@ -37,7 +37,7 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.shards import PipelineShardMetadata
 from exo.utils.cpu_features import default_prefill_activations
 from exo.worker.engines.torch.engine import TorchEngine
-from exo.worker.engines.torch.quantize import WEIGHT_DTYPES, WeightDtype
+from exo.worker.engines.torch.quant.quantize import WEIGHT_DTYPES, WeightDtype
 
 DEFAULT_MODEL = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
 

@@ -63,7 +63,7 @@ def _child_load(model_dir: Path, weight_dtype: str, reference: Path | None) -> d
 
     from exo.shared.models.cards import card_from_local_directory
     from exo.shared.types.shards import PipelineShardMetadata
-    from exo.worker.engines.torch.loading import load_model
+    from exo.worker.engines.torch.model.loading import load_model
 
     def whole(directory: Path) -> PipelineShardMetadata:
         card = card_from_local_directory(directory)

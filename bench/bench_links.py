@@ -59,8 +59,8 @@ def _rank_main(
     if core is not None:
         os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
-    from exo.worker.engines.torch.distributed import destroy_group, init_group
-    from exo.worker.engines.torch.links import current_links
+    from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
+    from exo.worker.engines.torch.comm.tcp_mesh import current_links
 
     init_group("gloo", rank, 2, "127.0.0.1", port, timeout_s=60)
     links = current_links()

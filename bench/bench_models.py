@@ -50,7 +50,7 @@ def _load_in_child(warmup_dir: str, model_dir: str, weight_dtype: str, results: 
     import torch
 
     from exo.shared.types.shards import PipelineShardMetadata
-    from exo.worker.engines.torch.loading import load_model
+    from exo.worker.engines.torch.model.loading import load_model
 
     def whole(directory: str) -> PipelineShardMetadata:
         card = card_from_local_directory(Path(directory))

@@ -59,7 +59,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: Any, out: Any) -> No
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
     torch.set_num_threads(1)
-    from exo.worker.engines.torch.distributed import destroy_group, init_group
+    from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
 
     try:
         if world_size > 1:

@@ -100,7 +100,7 @@ def rank_main(
     rank: int, world_size: int, port: int, mode: str, model_dir: str, args: Any, results: Any
 ) -> None:
     from exo.utils.speed_probe import measure_node_speed
-    from exo.worker.engines.torch.distributed import destroy_group, init_group
+    from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
     from exo.worker.engines.torch.engine_factory import load_engine
 
     os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})

@@ -27,7 +27,7 @@ from exo.shared.models.cards import load_builtin_cards
 from exo.shared.models.memory import PREFILL_ACTIVATIONS
 from exo.shared.types.common import ModelId
 from exo.shared.types.shards import PipelineShardMetadata
-from exo.worker.engines.torch.batch_attention import (
+from exo.worker.engines.torch.batching.batch_attention import (
     BatchPlan,
     PrefillSegment,
     SlotKVCache,
@@ -36,8 +36,8 @@ from exo.worker.engines.torch.batch_attention import (
     use_batched_attention,
 )
 from exo.worker.engines.torch.engine import TorchEngine
-from exo.worker.engines.torch.families import family_for_architecture
-from exo.worker.engines.torch.native_int4 import bf16_prefill_available
+from exo.worker.engines.torch.model.families import family_for_architecture
+from exo.worker.engines.torch.quant.native_kernels import bf16_prefill_available
 
 
 def all_logits(model: Any, ids: list[int]) -> torch.Tensor:

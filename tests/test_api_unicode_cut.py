@@ -12,7 +12,7 @@ import httpx
 import openai
 
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
-from exo.worker.engines.torch.vocabulary import split_incomplete_utf8
+from exo.worker.engines.torch.decoding.vocabulary import split_incomplete_utf8
 
 PROMPT = "Repeat exactly: 你好 😀 ✓ 🇫🇷 👨\u200d👩\u200d👧 日本語"
 MESSAGES: list[Any] = [{"role": "user", "content": PROMPT}]

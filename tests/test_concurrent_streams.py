@@ -31,7 +31,7 @@ MAX_TOKENS = 16
 REQUEST_TIMEOUT_SECONDS = 300.0
 DEADLINE_SECONDS = 400.0
 # How far batching may move a token's log probability (nats). The default model runs int4
-# weights on bfloat16 activations (exo.worker.engines.torch.quantize): bfloat16 keeps 8 bits
+# weights on bfloat16 activations (exo.worker.engines.torch.quant.quantize): bfloat16 keeps 8 bits
 # of mantissa, so summing in another order (another row blocking, or the dequantized matmul
 # above `fused_max_rows`) moves a logit by up to ~1e-2 of its size. Measured through this
 # node with these 8 prompts x 16 tokens, batched against alone: at most 0.123 nats (0.0 alone

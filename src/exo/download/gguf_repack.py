@@ -20,7 +20,7 @@ float32 and quantized again:
 - **Every other quantized type** (Q5_0, Q5_1, Q6_K, Q8_0, ...) is stored as its raw GGUF
   blocks, `<name>.gguf_<TYPE>` (uint8 `[out, bytes per row]`), the smallest lossless form, and
   dequantized by `gguf`'s own dequantizer when loaded
-  (`exo.worker.engines.torch.gguf_weights`).
+  (`exo.worker.engines.torch.quant.gguf_weights`).
 - **F32, F16, BF16** tensors are stored as they are.
 
 Block layouts are GGML's (`ggml-quants.c`, `gguf.quants`); tensor names and the per-family
@@ -44,11 +44,8 @@ import torch
 
 from exo.download.gguf_tensors import GgufTensor, read_gguf_tensors
 from exo.shared.models.memory import INT4_GROUP_SIZE
+from exo.shared.models.tensor_names import INT4_PACKED, INT4_SCALES, INT4_ZEROS
 
-# Suffixes of the stored tensors of one repacked weight (see the module docstring).
-INT4_PACKED = ".int4_packed"
-INT4_SCALES = ".int4_scales"
-INT4_ZEROS = ".int4_zeros"
 GGUF_BLOCKS = ".gguf_"
 REPACK_FORMAT = "exo-gguf-repack-1"  # safetensors metadata value of "format_exo"
 
@@ -284,7 +281,7 @@ def repacked_tensors(
 def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
     """Write the GGUF at `gguf_path` into `output_dir` (which must exist) as config.json,
     generation_config.json, tokenizer files (with chat template) and one model.safetensors
-    of repacked weights, read by `exo.worker.engines.torch.loading.load_model`.
+    of repacked weights, read by `exo.worker.engines.torch.model.loading.load_model`.
 
     Raises:
         GgufRepackError: a tensor that cannot be repacked.
@@ -295,7 +292,7 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    from exo.worker.engines.torch.loading import empty_model
+    from exo.worker.engines.torch.model.loading import empty_model
 
     started = time.perf_counter()
     gguf_dir, gguf_name = str(gguf_path.parent), gguf_path.name

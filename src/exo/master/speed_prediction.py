@@ -21,7 +21,7 @@ decode, seconds per token (one stream, `context` tokens in the KV cache):
     tensor ×N:    max over ranks of stage(rank) (each rank reads 1/N of every layer's
                   linears and KV heads, and its rows of the LM head) + the step header's one-way
                   latency + 2 all-reduces per layer (attention and MLP outputs), each over
-                  the rank links (`worker/engines/torch/links.py`, up to
+                  the rank links (`worker/engines/torch/comm/tcp_mesh.py`, up to
                   `LINKS_ALL_REDUCE_BYTES`): one one-way latency plus (N − 1) × hidden bytes
                   / bandwidth (all-to-all); larger ones (prefill) over gloo's ring: 2 × (N − 1)
                   one-way latencies plus 2 × (N − 1) / N × bytes / bandwidth; then the

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from exo.worker.engines.torch.families import FAMILIES, family_by_name
+from exo.worker.engines.torch.model.families import FAMILIES, family_by_name
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 ARCHITECTURES = tuple(family.name for family in FAMILIES)

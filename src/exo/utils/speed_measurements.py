@@ -105,7 +105,7 @@ def _read_rate(
 def int4_decode_bytes_per_second(working_set: int) -> float:
     import torch
 
-    from exo.worker.engines.torch.native_int4 import native_int4_kernel
+    from exo.worker.engines.torch.quant.native_kernels import native_int4_kernel
 
     kernel = native_int4_kernel()
     if kernel is not None:  # this CPU's int4 layers run exo's kernel (AVX2)
@@ -139,7 +139,7 @@ def native_block_bytes_per_second(kind: str, working_set: int) -> float:
     copies of an `[INT4_OUTPUTS, INT4_INPUTS]` weight filling `working_set`."""
     import torch
 
-    from exo.worker.engines.torch.int5_blocks import int5_row_bytes
+    from exo.worker.engines.torch.quant.int5_blocks import int5_row_bytes
 
     generator = torch.Generator().manual_seed(3)
     blocks = INT4_INPUTS // INT4_GROUP_SIZE
@@ -166,8 +166,8 @@ def _prefill_weight(kind: str) -> tuple[Any, Any]:
     int8 in [-32, 31] with one scale per 16, GGUF Q6_K's form) and its bfloat16 scales."""
     import torch
 
-    from exo.worker.engines.torch.int5_blocks import int5_lanes
-    from exo.worker.engines.torch.quantize import pack_native_int4
+    from exo.worker.engines.torch.quant.int5_blocks import int5_lanes
+    from exo.worker.engines.torch.quant.quantize import pack_native_int4
 
     generator = torch.Generator().manual_seed(4)
     shape = (INT4_OUTPUTS, INT4_INPUTS)
@@ -194,7 +194,7 @@ def prefill_gemm_flops(kind: str) -> tuple[float, float, float | None]:
     repetitions)."""
     import torch
 
-    from exo.worker.engines.torch.native_int4 import bf16_prefill_available
+    from exo.worker.engines.torch.quant.native_kernels import bf16_prefill_available
 
     weight, scales = _prefill_weight(kind)
     rows = torch.randn(PREFILL_ROWS, INT4_INPUTS, generator=torch.Generator().manual_seed(5))
@@ -219,7 +219,7 @@ def prefill_gemm_flops(kind: str) -> tuple[float, float, float | None]:
 def int8_decode_bytes_per_second(working_set: int) -> float:
     import torch
 
-    from exo.worker.engines.torch.native_int4 import native_int4_kernel
+    from exo.worker.engines.torch.quant.native_kernels import native_int4_kernel
 
     generator = torch.Generator().manual_seed(1)
     weight = torch.randint(-127, 128, (INT4_OUTPUTS, INT4_INPUTS), generator=generator)
@@ -331,7 +331,7 @@ class NativeTinyLayer:
     def __init__(self) -> None:
         import torch
 
-        from exo.worker.engines.torch.quantize import pack_native_int4
+        from exo.worker.engines.torch.quant.quantize import pack_native_int4
 
         hidden, head_dim, mlp, heads = (
             TinyLayer.HIDDEN, TinyLayer.HEAD_DIM, TinyLayer.MLP, TinyLayer.HEADS,

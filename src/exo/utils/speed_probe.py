@@ -12,12 +12,12 @@ hour) and at its next start, keeping each figure's best (`fastest_of`), until a 
 measurement settles them. The measurement takes about
 `PROBE_SECONDS` × 10 plus building the operands (the prefill GEMM figures: ~0.4 s of it).
 
-What is measured is what the engine runs (`exo.worker.engines.torch.quantize`), with the
+What is measured is what the engine runs (`exo.worker.engines.torch.quant.quantize`), with the
 thread count its runners use (`runner_threads`: torch's default capped by the CPUs this
 process may run on, as the engine does):
 - int4 decode: `aten._weight_int4pack_mm_for_cpu` on one bfloat16 row against
   `[INT4_OUTPUTS, INT4_INPUTS]` packed weights (exo's own kernel on a float32 row where the
-  engine runs it, `native_int4`), cycled over copies whose total exceeds the last-level
+  engine runs it, `native_kernels`), cycled over copies whose total exceeds the last-level
   cache (the weights of a decode step come from memory, not cache);
 - int8 decode: `aten._weight_int8pack_mm` likewise (the engine's LM head), and where exo's
   kernels run its 5-bit and int8-block kernels (GGUF Q5_0, Q8_0 / Q5_1 / Q6_K layers);
@@ -124,7 +124,7 @@ def probe_key(threads: int) -> dict[str, Any]:
     import torch
 
     from exo.utils.info_gatherer import cpu_model
-    from exo.worker.engines.torch.native_int4 import native_int4_wanted
+    from exo.worker.engines.torch.quant.native_kernels import native_int4_wanted
 
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     return {
@@ -146,7 +146,7 @@ def measure_node_speed(threads: int | None = None) -> NodeSpeed:
 
     threads = threads or runner_threads()
     working_set = max(WORKING_SET_BYTES, LLC_MULTIPLE * _llc_bytes())
-    from exo.worker.engines.torch.native_int4 import native_int4_kernel
+    from exo.worker.engines.torch.quant.native_kernels import native_int4_kernel
 
     native = native_int4_kernel() is not None
     with torch_threads(threads), torch.inference_mode():

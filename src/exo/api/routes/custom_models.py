@@ -32,7 +32,7 @@ from exo.shared.types.commands import AddCustomModel, DeleteCustomModel
 from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.events import CustomModelAdded
 from exo.shared.types.models import ModelCard
-from exo.worker.engines.torch.families import supported_architectures
+from exo.worker.engines.torch.model.families import supported_architectures
 
 router = APIRouter()
 Cluster = Annotated[ClusterClient, Depends(cluster_dependency)]

@@ -27,7 +27,7 @@ from exo.shared.types.chunks import Chunk, TokenChunk, TokenLogprob, TopLogprob,
 from exo.shared.types.common import CommandId
 from exo.testing.builders import SMOLLM2
 from exo.testing.scripted_cluster import ScriptedCluster
-from exo.worker.engines.torch.vocabulary import TokenVocabulary
+from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary
 
 # Shared with the engine tests' fixtures: SmolLM2 converted once from PyPI.
 TEST_MODELS_DIR = Path.home() / ".cache" / "exo-test-models"

@@ -20,7 +20,7 @@ from exo.shared.types.models import HuggingFaceSource
 from exo.testing.hf_server import HubServer
 from exo.testing.processes import free_port
 from exo.testing.tiny_models import save_tiny_checkout
-from exo.worker.engines.torch.families import supported_architectures
+from exo.worker.engines.torch.model.families import supported_architectures
 
 SUPPORTED = supported_architectures()
 REPO = "someone/tiny-llama"

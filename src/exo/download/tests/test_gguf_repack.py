@@ -25,17 +25,17 @@ from exo.shared.models.memory import INT4_GROUP_SIZE
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import PipelineShardMetadata, TensorShardMetadata
 from exo.testing.random_gguf import RandomGgufShape, write_random_gguf
-from exo.worker.engines.torch.gguf_weights import (
+from exo.worker.engines.torch.model.loading import load_model
+from exo.worker.engines.torch.quant.gguf_weights import (
     Bf16Linear,
     DequantizedBlocks,
     DequantizedGroups,
     int4_linear_from_groups,
 )
-from exo.worker.engines.torch.int8_blocks import ScaledInt8Linear
-from exo.worker.engines.torch.loading import load_model
-from exo.worker.engines.torch.native_int4 import native_int4_kernel
-from exo.worker.engines.torch.quantize import Int4Linear, WeightDtype
-from exo.worker.engines.torch.split_int4 import SplitInt4Linear
+from exo.worker.engines.torch.quant.int4_planes import SplitInt4Linear
+from exo.worker.engines.torch.quant.int8_blocks import ScaledInt8Linear
+from exo.worker.engines.torch.quant.native_kernels import native_int4_kernel
+from exo.worker.engines.torch.quant.quantize import Int4Linear, WeightDtype
 
 ROWS, COLUMNS = 64, 512
 BF16_RELATIVE = 2.0**-8  # bfloat16 keeps 8 significant bits: rounding moves a value <= 2^-9

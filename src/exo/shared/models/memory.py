@@ -103,7 +103,7 @@ GGUF_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 # Bytes per weight exo's AVX2 kernels hold a GGUF type in (`native_kernels`): Q5_0 as 5-bit
 # lanes (`int5_blocks.py`: 64 bytes per 96 weights, a row's last group padded, + a bfloat16
 # scale per 32: 0.729 for rows that are whole groups, 0.7625 for rows of 640; 0.75 here),
-# Q8_0 / Q5_1 as int8 blocks with a (scale, zero) pair per 32 (`split_int4.py`), Q6_K as
+# Q8_0 / Q5_1 as int8 blocks with a (scale, zero) pair per 32 (`quant/int4_planes.py`), Q6_K as
 # int8 blocks with a scale per 16 (`int8_blocks.py`).
 _NATIVE_BYTES_PER_WEIGHT = {"Q5_0": 24 / 32, "Q8_0": 36 / 32, "Q5_1": 36 / 32, "Q6_K": 18 / 16}
 
@@ -148,7 +148,7 @@ def decoder_layer_bytes_by_kernel(
 
 def gguf_weight_bytes(gguf_type: str, weights: int, native_kernels: bool = False) -> int:
     """Bytes the engine holds (int4 format) for `weights` decoder-layer weights stored as
-    GGUF `gguf_type` (`worker/engines/torch/gguf_weights.py` routes each type): Q4_0 / Q4_1 /
+    GGUF `gguf_type` (`worker/engines/torch/quant/gguf_weights.py` routes each type): Q4_0 / Q4_1 /
     Q4_K and float types as int4 groups (half a byte plus a bfloat16 pair per 32); with
     `native_kernels` (a node where exo's AVX2 kernels run) Q5_0 / Q8_0 / Q5_1 / Q6_K in their
     smaller block forms (`_NATIVE_BYTES_PER_WEIGHT`); else Q8_0 / Q5_0 / Q5_1 as two int4
@@ -208,7 +208,7 @@ def output_layer_bytes(
     embedding held on the same node), else int8 (the engine keeps the LM head in int8
     under int4 too: an int4 head changed greedy answers) or, for a model converted from
     GGUF whose head is (or, when the card does not say, may be) Q8_0 / Q5_x blocks, the
-    larger of that and two int4 planes (`split_int4`: 1.25 bytes per weight); with
+    larger of that and two int4 planes (`int4_planes`: 1.25 bytes per weight); with
     `native_kernels` (and a known type) as exo's AVX2 kernels hold it: Q8_0 as int8 blocks
     with a bfloat16 scale per 32 (1.0625), Q5_x as int8 blocks with a pair per 32 (1.125)."""
     norm = card.hidden_size * FLOAT32_BYTES

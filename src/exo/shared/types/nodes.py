@@ -47,7 +47,7 @@ class NodeSpeed(FrozenModel):
         loopback_round_trip_seconds: a small message's round trip over TCP on 127.0.0.1
             between two threads, seconds (links between nodes on one machine).
         native_kernels: exo's own CPU kernels run the engine's linears here
-            (`worker/engines/torch/native_int4.py`), so GGUF blocks are held in their
+            (`worker/engines/torch/quant/native_kernels.py`), so GGUF blocks are held in their
             smaller forms (`exo.shared.models.memory.gguf_weight_bytes`).
         int5_decode_bytes_per_second, int8_block_decode_bytes_per_second: where they run,
             the bytes per second exo's 5-bit block kernel (GGUF Q5_0) and int8 block

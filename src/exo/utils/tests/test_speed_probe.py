@@ -24,7 +24,7 @@ from exo.utils.speed_probe import (
     probe_key,
     runner_threads,
 )
-from exo.worker.engines.torch.native_int4 import bf16_prefill_available
+from exo.worker.engines.torch.quant.native_kernels import bf16_prefill_available
 
 SLOW_FIELDS = {"int4_decode_bytes_per_second": 1e9, "layer_overhead_seconds": 1e-3}
 SPEED = NodeSpeed(
@@ -239,18 +239,18 @@ def test_figures_from_a_busy_machine_are_measured_again_keeping_the_best(
 def test_int4_decode_is_measured_on_the_kernel_the_engine_runs(
     native: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from exo.worker.engines.torch import native_int4
+    from exo.worker.engines.torch.quant import native_kernels
 
-    monkeypatch.setenv(native_int4.NATIVE_INT4_ENV, native)
+    monkeypatch.setenv(native_kernels.NATIVE_INT4_ENV, native)
     calls: list[tuple[torch.Size, torch.dtype]] = []
-    kernel = native_int4.built_int4_kernel()
+    kernel = native_kernels.built_int4_kernel()
     assert kernel is not None
 
     def counting(row: torch.Tensor, packed: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
         calls.append((packed.shape, row.dtype))
         return kernel(row, packed, pairs)
 
-    monkeypatch.setattr(native_int4, "built_int4_kernel", lambda: counting)
+    monkeypatch.setattr(native_kernels, "built_int4_kernel", lambda: counting)
     rate = speed_measurements.int4_decode_bytes_per_second(1 << 20)
     assert rate > 0
     if native == "1":

@@ -65,7 +65,7 @@ from exo.shared.types.tasks import (
 from exo.utils.heap import HeapTrimmer, freeze_long_lived_objects
 from exo.worker.engines.output_parsing import OutputParser
 from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
-from exo.worker.engines.torch.request_state import GeneratedPiece
+from exo.worker.engines.torch.batching.request_state import GeneratedPiece
 from exo.worker.runner.messages import (
     ChunkReport,
     KVCacheReport,
@@ -243,7 +243,7 @@ class Runner:
     # -- lifecycle -------------------------------------------------------------------
 
     def _connect(self, task: ConnectToGroup) -> None:
-        from exo.worker.engines.torch.distributed import init_group
+        from exo.worker.engines.torch.comm.process_group import init_group
 
         self._set_status(RunnerConnecting())
         try:

@@ -7,7 +7,7 @@ KV-slot operations it made since the last step (`allocate` / `free` / `reserve` 
 `replay_cache_ops`, so every rank's slot `s` holds the same request's KV) and the step's
 `BatchPlan` (decoding slots and positions, prefill segments), its token ids, positions and
 logit rows. The header is one int64 tensor, sent as its length then its values (one
-message over the links of `links.py`, or two gloo sends without them).
+message over the links of `comm/tcp_mesh.py`, or two gloo sends without them).
 
 A pipeline step with enough rows (`micro_batch_count`) is split into micro-batches
 (`split_micro_batches`): rank 0 computes its layers for micro-batch A and sends it on, then
@@ -26,7 +26,7 @@ from typing import Any, cast
 import torch
 from transformers import PreTrainedModel
 
-from exo.worker.engines.torch.batch_attention import (
+from exo.worker.engines.torch.batching.batch_attention import (
     BatchPlan,
     PrefillSegment,
     SlotKVCache,
@@ -34,7 +34,7 @@ from exo.worker.engines.torch.batch_attention import (
     forward_batch,
     lean_step_of,
 )
-from exo.worker.engines.torch.distributed import (
+from exo.worker.engines.torch.comm.process_group import (
     broadcast_message,
     receive_message,
     send_message,

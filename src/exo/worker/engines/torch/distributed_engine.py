@@ -23,7 +23,7 @@ the next step's header carries the chosen tokens, so no extra message is needed 
   micro-batch), and so on; the last rank sends the micro-batch's `[R, vocab]` float32
   logits to rank 0 (rank 0 posts that receive before sending the micro-batch, so no send
   waits on a rank that is itself sending). Per micro-batch and hop: two messages (the
-  header with its length, the hidden states), over the group's `links.py` TCP links when
+  header with its length, the hidden states), over the group's `comm/tcp_mesh.py` TCP links when
   it has them (else gloo).
 
 Ranks > 0 wait for rank 0's next header in `serve_forever` (unbounded while rank 0 is idle;
@@ -51,7 +51,7 @@ from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 from exo.shared.types.text_generation import TextGenerationTaskParams
 from exo.worker.engines.prompt import RenderedPrompt
-from exo.worker.engines.torch.batch_attention import (
+from exo.worker.engines.torch.batching.batch_attention import (
     BATCHED_ATTENTION,
     BatchPlan,
     SlotKVCache,
@@ -59,7 +59,8 @@ from exo.worker.engines.torch.batch_attention import (
     forward_batch,
     use_batched_attention,
 )
-from exo.worker.engines.torch.distributed import (
+from exo.worker.engines.torch.batching.scheduler import BatchScheduler, StepOutput
+from exo.worker.engines.torch.comm.process_group import (
     IDLE_WAIT,
     post_receive,
     receive_tensor,
@@ -85,10 +86,9 @@ from exo.worker.engines.torch.engine import (
     TorchEngine,
     load_parts,
 )
-from exo.worker.engines.torch.families import family_for_architecture
-from exo.worker.engines.torch.loading import LayerProgressCallback
-from exo.worker.engines.torch.quantize import WeightDtype
-from exo.worker.engines.torch.scheduler import BatchScheduler, StepOutput
+from exo.worker.engines.torch.model.families import family_for_architecture
+from exo.worker.engines.torch.model.loading import LayerProgressCallback
+from exo.worker.engines.torch.quant.quantize import WeightDtype
 
 
 class DistributedTorchEngine(TorchEngine):

@@ -36,29 +36,26 @@ from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.worker.engines.prompt import RenderedPrompt, decode_keeping_markers, render_prompt
-from exo.worker.engines.torch.batch_attention import (
+from exo.worker.engines.torch.batching.batch_attention import (
     SlotKVCache,
     attention_layers,
     use_batched_attention,
 )
-from exo.worker.engines.torch.constrained import (
+from exo.worker.engines.torch.batching.prefix_cache import PrefixCache
+from exo.worker.engines.torch.batching.request_state import (
+    GeneratedPiece,
+    RequestState,
+    new_request_id,
+)
+from exo.worker.engines.torch.batching.scheduler import BatchScheduler, StepOutput
+from exo.worker.engines.torch.decoding.constraints import (
     TokenConstraint,
     json_object_constraint,
     json_schema_constraint,
     tool_call_constraint,
 )
-from exo.worker.engines.torch.detokenizer import StreamingDetokenizer
-from exo.worker.engines.torch.families import family_for_architecture
-from exo.worker.engines.torch.kv_cache import KVCachePool
-from exo.worker.engines.torch.loading import LayerProgressCallback, load_model
-from exo.worker.engines.torch.prefix_cache import PrefixCache
-from exo.worker.engines.torch.quantize import WeightDtype
-from exo.worker.engines.torch.request_state import (
-    GeneratedPiece,
-    RequestState,
-    new_request_id,
-)
-from exo.worker.engines.torch.sampling import (
+from exo.worker.engines.torch.decoding.detokenizer import StreamingDetokenizer
+from exo.worker.engines.torch.decoding.sampling import (
     LogitBias,
     Sampler,
     SamplingParams,
@@ -67,9 +64,11 @@ from exo.worker.engines.torch.sampling import (
     resolve_sampling_params,
     step_logprobs,
 )
-from exo.worker.engines.torch.scheduler import BatchScheduler, StepOutput
-from exo.worker.engines.torch.stop_sequences import StopSequenceMatcher
-from exo.worker.engines.torch.vocabulary import TokenVocabulary
+from exo.worker.engines.torch.decoding.stop_sequences import StopSequenceMatcher
+from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary
+from exo.worker.engines.torch.model.families import family_for_architecture
+from exo.worker.engines.torch.model.loading import LayerProgressCallback, load_model
+from exo.worker.engines.torch.quant.quantize import WeightDtype
 
 WARMUP_PROMPT = "Say hello."
 WARMUP_TOKENS = 8
@@ -205,7 +204,6 @@ class TorchEngine:
         self.context_length = min(card.context_length, configured_context or card.context_length)
         # Length of the logits vectors (the output layer may be padded past the tokenizer).
         self.vocab_size = int(getattr(text_config, "vocab_size", None) or len(tokenizer))
-        self._cache_pool = KVCachePool(model, device)  # one-request sessions (multi-rank)
         self._vocabulary: TokenVocabulary | None = None
         # Tool-call and thinking markers survive decoding even where they are special tokens.
         self._decode = decode_keeping_markers(tokenizer)

@@ -10,8 +10,8 @@ from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivat
 from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.distributed_engine import DistributedTorchEngine
 from exo.worker.engines.torch.engine import DEFAULT_MAX_CONCURRENT_REQUESTS, TorchEngine
-from exo.worker.engines.torch.loading import LayerProgressCallback
-from exo.worker.engines.torch.quantize import WeightDtype
+from exo.worker.engines.torch.model.loading import LayerProgressCallback
+from exo.worker.engines.torch.quant.quantize import WeightDtype
 
 
 def load_engine(

@@ -21,9 +21,9 @@ from exo.shared.models.cards import card_from_local_directory, load_builtin_card
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import PipelineShardMetadata
+from exo.worker.engines.torch.comm.tcp_mesh import RankLinks
 from exo.worker.engines.torch.engine import TorchEngine
-from exo.worker.engines.torch.links import RankLinks
-from exo.worker.engines.torch.native_int4 import NATIVE_INT4_ENV, built_int4_kernel
+from exo.worker.engines.torch.quant.native_kernels import NATIVE_INT4_ENV, built_int4_kernel
 
 TEST_MODELS_DIR = Path.home() / ".cache" / "exo-test-models"
 DEFAULT_MODEL_ID = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -105,7 +105,7 @@ def tiny_engine(tiny_card: ModelCard, tiny_model_dir: Path) -> TorchEngine:
 @pytest.fixture(params=["torch", "native"])
 def int4_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Int4 linears built in this test hold torch's layout (its kernel) or exo's
-    (`native_int4`, built on first use: this fails where it cannot be built)."""
+    (`native_kernels`, built on first use: this fails where it cannot be built)."""
     native = request.param == "native"
     monkeypatch.setenv(NATIVE_INT4_ENV, "1" if native else "0")
     if native:

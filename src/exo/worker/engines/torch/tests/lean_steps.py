@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from exo.worker.engines.torch.batch_attention import (
+from exo.worker.engines.torch.batching.batch_attention import (
     BatchPlan,
     PrefillSegment,
     SlotKVCache,
@@ -27,7 +27,7 @@ from exo.worker.engines.torch.batch_attention import (
     use_batched_attention,
 )
 from exo.worker.engines.torch.distributed_batch import StepHeader, stage_forward_batch
-from exo.worker.engines.torch.families import family_for_architecture
+from exo.worker.engines.torch.model.families import family_for_architecture
 
 DECODE_STEPS = 6
 PROMPT_A_LENGTH = 12

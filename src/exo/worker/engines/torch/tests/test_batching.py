@@ -21,10 +21,10 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.shards import PipelineShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
+from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
+from exo.worker.engines.torch.batching.scheduler import PREFILL_TOKENS_PER_STEP
+from exo.worker.engines.torch.decoding.sampling import TokenChooser
 from exo.worker.engines.torch.engine import TorchEngine
-from exo.worker.engines.torch.request_state import GeneratedPiece, RequestState
-from exo.worker.engines.torch.sampling import TokenChooser
-from exo.worker.engines.torch.scheduler import PREFILL_TOKENS_PER_STEP
 
 # Largest |batched - alone| logit difference allowed (measured: float32 tiny models stay
 # below 2e-6, int4 below 2e-2; the bounds leave headroom for other CPUs' kernels).

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from exo.worker.engines.torch import scheduler as scheduler_module
+from exo.worker.engines.torch.batching import scheduler as scheduler_module
+from exo.worker.engines.torch.decoding.vocabulary import split_incomplete_utf8
 from exo.worker.engines.torch.distributed_engine import DistributedTorchEngine
 from exo.worker.engines.torch.engine import GeneratedPiece, RequestHandle, TorchEngine
 from exo.worker.engines.torch.tests.test_engine import check_stream_shape, request
-from exo.worker.engines.torch.vocabulary import split_incomplete_utf8
 
 SCRIPTED_TEXT = "Hi 你好 😀 ✓ 🇫🇷 👨\u200d👩\u200d👧 日本語"
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from exo.shared.types.text_generation import ToolDefinition
-from exo.worker.engines.torch.constrained import (
+from exo.worker.engines.torch.decoding.constraints import (
     JsonRecognizer,
     TokenConstraint,
     ToolCallRecognizer,
@@ -17,9 +17,9 @@ from exo.worker.engines.torch.constrained import (
     parse_forced_tool_call,
     tool_call_constraint,
 )
-from exo.worker.engines.torch.json_lexing import MAX_NUMBER_LENGTH
-from exo.worker.engines.torch.sampling import Sampler, SamplingParams
-from exo.worker.engines.torch.vocabulary import TokenVocabulary
+from exo.worker.engines.torch.decoding.json_lexing import MAX_NUMBER_LENGTH
+from exo.worker.engines.torch.decoding.sampling import Sampler, SamplingParams
+from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary
 
 
 def feed(text: str, top_level_object: bool = False, max_whitespace_run: int = 2) -> JsonRecognizer:

@@ -1,7 +1,7 @@
 from collections.abc import Sequence
 from typing import Any
 
-from exo.worker.engines.torch.detokenizer import DecodeFunction, StreamingDetokenizer
+from exo.worker.engines.torch.decoding.detokenizer import DecodeFunction, StreamingDetokenizer
 
 
 def stream(detokenizer: StreamingDetokenizer, token_ids: Sequence[int]) -> list[str]:

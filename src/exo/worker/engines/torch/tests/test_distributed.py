@@ -24,7 +24,7 @@ from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskPara
 from exo.testing.ports import free_port
 from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
 from exo.worker.engines.torch.engine_factory import load_engine
-from exo.worker.engines.torch.quantize import WeightDtype
+from exo.worker.engines.torch.quant.quantize import WeightDtype
 
 GROUP_DEADLINE_S = 240.0
 PROMPT = "Name three colours and say why the sky is blue."
@@ -77,8 +77,8 @@ class JobResult:
 
 def _rank_main(rank: int, world_size: int, port: int, jobs: list[Job], results: Any) -> None:
     """A spawned rank: join the group, then load/warm up/generate (rank 0) or serve each job."""
-    from exo.worker.engines.torch.distributed import destroy_group, init_group
-    from exo.worker.engines.torch.sharding import loaded_parameter_bytes
+    from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
+    from exo.worker.engines.torch.model.sharding import loaded_parameter_bytes
 
     torch.set_num_threads(1)
     try:
@@ -301,7 +301,7 @@ def test_pipeline_rank_holds_about_half_the_parameters(
 def _doomed_rank_main(
     rank: int, port: int, model_dir: str, events: Any, results: Any, killed: Any
 ) -> None:
-    from exo.worker.engines.torch.distributed import init_group
+    from exo.worker.engines.torch.comm.process_group import init_group
 
     torch.set_num_threads(1)
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exo.worker.engines.torch.batch_attention import PrefillSegment, SlotKVCache
+from exo.worker.engines.torch.batching.batch_attention import PrefillSegment, SlotKVCache
 from exo.worker.engines.torch.distributed_batch import (
     CACHE_ALLOCATE,
     CACHE_FREE,

@@ -198,7 +198,7 @@ def check_batching(engine: TorchEngine) -> Outcome:
 
 
 def _rank_main(rank: int, port: int, model_dir: str, results: Any) -> None:
-    from exo.worker.engines.torch.distributed import destroy_group, init_group
+    from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
 
     torch.set_num_threads(1)
     try:

@@ -77,7 +77,7 @@ def generate_all(engine: TorchEngine) -> list[Outcome]:
 def _rank_main(
     rank: int, world_size: int, port: int, model_dir: str, mode: str, results: Any
 ) -> None:
-    from exo.worker.engines.torch.distributed import destroy_group, init_group
+    from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
 
     torch.set_num_threads(1)
     try:

@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from exo.shared.types.text_generation import NamedToolChoice, ToolDefinition
-from exo.worker.engines.torch import scheduler as scheduler_module
-from exo.worker.engines.torch.constrained import JsonRecognizer, parse_forced_tool_call
+from exo.worker.engines.torch.batching import scheduler as scheduler_module
+from exo.worker.engines.torch.decoding.constraints import JsonRecognizer, parse_forced_tool_call
 from exo.worker.engines.torch.engine import GeneratedPiece, TorchEngine
 from exo.worker.engines.torch.tests.test_engine import check_stream_shape, request
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,17 +20,22 @@ from exo.shared.models.memory import WeightShare, resident_weight_bytes
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
 from exo.testing.tiny_models import ARCHITECTURES, WRAPPED_ARCHITECTURES, save_tiny_model
-from exo.worker.engines.torch.families import (
+from exo.worker.engines.torch.batching.batch_attention import (
+    BatchPlan,
+    PrefillSegment,
+    forward_batch,
+)
+from exo.worker.engines.torch.model.families import (
     FAMILIES,
     UnsupportedArchitectureError,
     family_by_name,
     family_for_architecture,
 )
-from exo.worker.engines.torch.fusion import FusedRMSNorm
-from exo.worker.engines.torch.kv_cache import DecodeSession, PreallocatedLayer, new_request_cache
-from exo.worker.engines.torch.loading import load_model
-from exo.worker.engines.torch.quantize import WeightDtype
-from exo.worker.engines.torch.sharding import check_tensor_parallel, loaded_parameter_bytes
+from exo.worker.engines.torch.model.fusion import FusedRMSNorm
+from exo.worker.engines.torch.model.loading import load_model
+from exo.worker.engines.torch.model.sharding import check_tensor_parallel, loaded_parameter_bytes
+from exo.worker.engines.torch.quant.quantize import WeightDtype
+from exo.worker.engines.torch.tests.lean_steps import new_cache
 
 CPU = torch.device("cpu")
 PROMPT_IDS = list(range(100, 112))
@@ -41,14 +47,36 @@ def whole(card: ModelCard) -> ShardMetadata:
     )
 
 
-def greedy_tokens(model: nn.Module, count: int = 8) -> list[int]:
-    session = DecodeSession(model, CPU, len(PROMPT_IDS) + count)  # type: ignore[arg-type]
-    logits = session.prefill(PROMPT_IDS)
+def greedy_tokens(model: Any, count: int = 8) -> list[int]:
+    """Greedy tokens through the engine's real path: one request's prompt prefilled in one
+    step of `forward_batch` (the loaded model's direct forward), then one decode step per
+    token, over a slot KV cache."""
+    cache, windows, layer_of = new_cache(model)
+    slot = cache.allocate()
+    prompt = PrefillSegment(slot, 0, 0, len(PROMPT_IDS))
+    plan = BatchPlan(cache, windows, [], [], [prompt], layer_of)
+    rows = torch.tensor([len(PROMPT_IDS) - 1])
+    logits = forward_batch(
+        model, plan, torch.tensor([PROMPT_IDS]), torch.tensor([list(range(len(PROMPT_IDS)))]), rows
+    )
     tokens: list[int] = []
-    for _ in range(count):
-        tokens.append(int(logits.argmax()))
-        logits = session.decode(tokens[-1])
+    for position in range(len(PROMPT_IDS), len(PROMPT_IDS) + count):
+        tokens.append(int(logits[-1].argmax()))
+        plan = BatchPlan(cache, windows, [slot], [position], [], layer_of)
+        logits = forward_batch(
+            model, plan, torch.tensor([[tokens[-1]]]), torch.tensor([[position]]), torch.tensor([0])
+        )
     return tokens
+
+
+def reference_greedy_tokens(model: nn.Module, count: int = 8) -> list[int]:
+    """Greedy tokens of transformers' own model, the whole sequence run at every step (no
+    cache: nothing of exo's on this path)."""
+    ids = list(PROMPT_IDS)
+    with torch.no_grad():
+        for _ in range(count):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(PROMPT_IDS) :]
 
 
 @pytest.fixture(scope="module")
@@ -102,16 +130,15 @@ def test_spec_names_real_modules_and_transformers_cache_layout(
             assert sum(parts(config)) == layer.get_submodule(path).out_features, path
     norms = {type(module) for module in reference.modules() if "RMSNorm" in type(module).__name__}
     assert set(family.rms_norms) <= norms
-    # The cache the engine builds from the spec is laid out as transformers' own.
+    # The cache windows the engine reads from the spec are transformers' own cache layout.
     theirs = DynamicCache(config=reference.config).layers
-    ours = new_request_cache(reference, 16).layers
-    assert len(ours) == len(theirs) == config.num_hidden_layers
-    for mine, expected in zip(ours, theirs, strict=True):
+    windows = family.attention_windows(config)
+    assert len(windows) == len(theirs) == config.num_hidden_layers
+    for window, expected in zip(windows, theirs, strict=True):
         if isinstance(expected, DynamicSlidingWindowLayer):
-            assert isinstance(mine, DynamicSlidingWindowLayer)
-            assert mine.sliding_window == expected.sliding_window
+            assert window == expected.sliding_window
         else:
-            assert isinstance(mine, PreallocatedLayer)
+            assert window is None
 
 
 def test_a_family_can_refuse_tensor_parallelism_with_its_reason(
@@ -146,7 +173,7 @@ def test_loader_equals_transformers_and_fuses_the_spec_norms(
     card = card_from_local_directory(directory)
     ours = load_model(directory, whole(card), CPU)
     reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    assert greedy_tokens(ours) == greedy_tokens(reference)
+    assert greedy_tokens(ours) == reference_greedy_tokens(reference)
     fused = sum(isinstance(module, FusedRMSNorm) for module in ours.modules())
     assert fused == (2 * card.n_layers + 1 if family_by_name(name).rms_norms else 0) or (
         name == "qwen3" and fused == 4 * card.n_layers + 1  # plus per-head q/k norms

@@ -11,8 +11,9 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from exo.worker.engines.torch.fusion import fuse_linears
-from exo.worker.engines.torch.int5_blocks import (
+from exo.worker.engines.torch.model.fusion import fuse_linears
+from exo.worker.engines.torch.quant.int4_planes import SplitInt4Linear, block_values
+from exo.worker.engines.torch.quant.int5_blocks import (
     Int5BlockPart,
     Int5Linear,
     int5_lanes,
@@ -21,12 +22,11 @@ from exo.worker.engines.torch.int5_blocks import (
     lane_values,
     q5_0_blocks,
 )
-from exo.worker.engines.torch.native_int4 import (
+from exo.worker.engines.torch.quant.native_kernels import (
     ROUNDS_ACTIVATIONS,
     built_int4_kernel,
     rounded_activations,
 )
-from exo.worker.engines.torch.split_int4 import SplitInt4Linear, block_values
 
 pytestmark = pytest.mark.skipif(
     built_int4_kernel() is None, reason="exo's native kernels cannot be built here"
@@ -55,7 +55,7 @@ def test_held_blocks_are_gguf_values_up_to_the_bfloat16_scales() -> None:
     packed, scales = q5_0_blocks(raw)
     assert packed.shape == (ROWS, COLUMNS // 32 * 20) and scales.shape == (ROWS, COLUMNS // 32)
     values = int5_values(torch.from_numpy(packed))
-    # The integers are split_int4's (GGUF's x - 16), and with float32 scales exactly gguf's.
+    # The integers are int4_planes' (GGUF's x - 16), and with float32 scales exactly gguf's.
     reference_values, _, _ = block_values(raw, "Q5_0")
     assert torch.equal(values.to(torch.int16), torch.from_numpy(reference_values))
     assert int(values.min()) == -16 and int(values.max()) == 15
@@ -199,8 +199,8 @@ def test_bad_shapes_are_refused() -> None:
 
 _FLOAT_PATH_SCRIPT = """
 import json, sys, torch
-from exo.worker.engines.torch.native_int4 import built_int4_kernel, rounded_activations
-from exo.worker.engines.torch.int5_blocks import int5_lanes
+from exo.worker.engines.torch.quant.native_kernels import built_int4_kernel, rounded_activations
+from exo.worker.engines.torch.quant.int5_blocks import int5_lanes
 assert built_int4_kernel() is not None
 g = torch.Generator().manual_seed(0)
 x = torch.randn(9, 640, generator=g)
@@ -209,7 +209,7 @@ values = torch.randint(-16, 16, (40, 640), generator=g, dtype=torch.int8)
 scales = (torch.rand(40, 20, generator=g) * 0.01).to(torch.bfloat16)
 weight = values.double() * scales.double().repeat_interleave(32, dim=1)
 cases = {"int5": (int5_lanes(values), scales, weight)}
-from exo.worker.engines.torch.quantize import pack_native_int4
+from exo.worker.engines.torch.quant.quantize import pack_native_int4
 nibbles = torch.randint(0, 16, (40, 640), generator=g, dtype=torch.uint8)
 pairs = (torch.randn(40, 10, 2, generator=g) * 0.1).to(torch.bfloat16)  # groups of 64
 w = (nibbles.double().reshape(40, 10, 64) - 8) * pairs[..., :1].double() + pairs[..., 1:].double()

@@ -16,24 +16,24 @@ from gguf.quants import dequantize, quantize
 from exo.download.gguf_repack import convert_gguf
 from exo.shared.types.shards import PipelineShardMetadata
 from exo.testing.random_gguf import RandomGgufShape, write_random_gguf
-from exo.worker.engines.torch.batch_attention import lean_step_of
-from exo.worker.engines.torch.fusion import fuse_linears
-from exo.worker.engines.torch.int5_blocks import Int5Linear
-from exo.worker.engines.torch.int8_blocks import (
+from exo.worker.engines.torch.batching.batch_attention import lean_step_of
+from exo.worker.engines.torch.model.direct_forward import LeanModel
+from exo.worker.engines.torch.model.fusion import fuse_linears
+from exo.worker.engines.torch.model.loading import load_model
+from exo.worker.engines.torch.quant.int4_planes import SplitInt4Linear
+from exo.worker.engines.torch.quant.int5_blocks import Int5Linear
+from exo.worker.engines.torch.quant.int8_blocks import (
     ScaledBlockPart,
     ScaledInt8Linear,
     scaled_block_values,
 )
-from exo.worker.engines.torch.lean_forward import LeanModel
-from exo.worker.engines.torch.loading import load_model
-from exo.worker.engines.torch.native_int4 import (
+from exo.worker.engines.torch.quant.native_kernels import (
     NATIVE_INT4_ENV,
     ROUNDS_ACTIVATIONS,
     built_int8_scaled_kernel,
     native_int4_kernel,
     rounded_activations,
 )
-from exo.worker.engines.torch.split_int4 import SplitInt4Linear
 from exo.worker.engines.torch.tests import lean_steps
 
 pytestmark = pytest.mark.skipif(
@@ -226,7 +226,7 @@ def test_q8_0_layers_stay_fusable_int8_blocks_beside_a_scaled_head(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A Q8_0 GGUF's linears keep the (scale, zero) int8 blocks that fuse with Q5_0 ones
-    (`split_int4`); only its head becomes symmetric blocks."""
+    (`int4_planes`); only its head becomes symmetric blocks."""
     monkeypatch.setenv(NATIVE_INT4_ENV, "1")
     gguf_path = write_random_gguf(tmp_path / "q8.gguf", SHAPE, tensor_type="Q8_0", seed=3)
     directory = tmp_path / "converted"

@@ -15,25 +15,25 @@ import torch
 from exo.shared.models.cards import card_from_local_directory
 from exo.shared.types.shards import PipelineShardMetadata
 from exo.shared.types.text_generation import NamedToolChoice, ToolDefinition
-from exo.worker.engines.torch.constrained import (
+from exo.worker.engines.torch.decoding.constraints import (
     TokenConstraint,
     ToolCallRecognizer,
     parse_forced_tool_call,
     tool_call_constraint,
 )
-from exo.worker.engines.torch.engine import TorchEngine
-from exo.worker.engines.torch.json_schema_grammar import (
+from exo.worker.engines.torch.decoding.json_schema_grammar import (
     SchemaJsonRecognizer,
     compile_arguments_schema,
 )
-from exo.worker.engines.torch.sampling import Sampler, SamplingParams
+from exo.worker.engines.torch.decoding.sampling import Sampler, SamplingParams
+from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary
+from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.tests.conftest import save_tiny_llama
 from exo.worker.engines.torch.tests.test_engine import request
 from exo.worker.engines.torch.tests.test_engine_features import (
     nudged_engine,  # noqa: F401  (a fixture used below)
     text_of,
 )
-from exo.worker.engines.torch.vocabulary import TokenVocabulary
 
 WEATHER: dict[str, Any] = {
     "type": "object",

@@ -1,9 +1,9 @@
-"""The lean forward (lean_forward.py) against transformers' forward, on tiny random models of
-every family: float32 logits within `FLOAT32_TOLERANCE` and the same greedy tokens, single
-rank and sharded (pipeline x2, tensor x2: llama by default, the other families under
-`-m slow`); int4 with bfloat16 activations within `INT4_TOLERANCE` (teacher forcing: both
-paths are fed the same tokens, `lean_steps`); the float32 fallback for CPUs without
-bfloat16, forced.
+"""The direct forward (model/direct_forward.py) against transformers' forward, on tiny random
+models of every family: float32 logits within `FLOAT32_TOLERANCE` and the same greedy
+tokens, single rank and sharded (pipeline x2, tensor x2: llama by default, the other
+families under `-m slow`); int4 with bfloat16 activations within `INT4_TOLERANCE` (teacher
+forcing: both paths are fed the same tokens, `lean_steps`); the float32 fallback for CPUs
+without bfloat16, forced.
 """
 
 from __future__ import annotations
@@ -22,14 +22,18 @@ from torch import nn
 
 from exo.testing.ports import free_port
 from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
-from exo.worker.engines.torch import lean_parts
-from exo.worker.engines.torch.batch_attention import BatchPlan, PrefillSegment, lean_step_of
-from exo.worker.engines.torch.families import family_by_name
-from exo.worker.engines.torch.fusion import fuse_linears
-from exo.worker.engines.torch.lean_forward import LeanModel, enable_lean_forward
-from exo.worker.engines.torch.loading import load_model
-from exo.worker.engines.torch.native_int4 import NATIVE_INT4_ENV
-from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear, set_prefill_activations
+from exo.worker.engines.torch.batching.batch_attention import (
+    BatchPlan,
+    PrefillSegment,
+    lean_step_of,
+)
+from exo.worker.engines.torch.model import direct_forward_parts
+from exo.worker.engines.torch.model.direct_forward import LeanModel, enable_lean_forward
+from exo.worker.engines.torch.model.families import family_by_name
+from exo.worker.engines.torch.model.fusion import fuse_linears
+from exo.worker.engines.torch.model.loading import load_model
+from exo.worker.engines.torch.quant.native_kernels import NATIVE_INT4_ENV
+from exo.worker.engines.torch.quant.quantize import Int4Linear, Int8Linear, set_prefill_activations
 from exo.worker.engines.torch.tests import lean_steps
 from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S, make_shard
 
@@ -95,7 +99,7 @@ def test_int4_bf16_lean_within_tolerance(
     model = _load(tiny_dirs[name], "int4")
     lean = lean_step_of(model)
     assert isinstance(lean, LeanModel)
-    if not lean_parts.cpu_has_native_bf16():
+    if not direct_forward_parts.cpu_has_native_bf16():
         lean = LeanModel(model, family_by_name(name), bf16=True)  # emulated, still correct
         model.__dict__["_exo_lean_step"] = lean
     assert lean.bf16
@@ -135,7 +139,7 @@ def test_int4_native_lean_equals_transformers(
 def _output_and_down_in_bf16(model: Any, name: str) -> None:
     """Hold each layer's output and down projections as `Bf16Linear` (GGUF Q6_K's route)
     and rebuild the lean forward over them."""
-    from exo.worker.engines.torch.gguf_weights import Bf16Linear
+    from exo.worker.engines.torch.quant.gguf_weights import Bf16Linear
 
     for layer in model.model.layers:
         for parent, attribute in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
@@ -146,7 +150,7 @@ def _output_and_down_in_bf16(model: Any, name: str) -> None:
 
 def _scaled_int8(linear: Any, block_size: int) -> Any:
     """`linear` as symmetric int8 blocks of `block_size` (GGUF Q8_0 / Q6_K's route)."""
-    from exo.worker.engines.torch.int8_blocks import ScaledInt8Linear
+    from exo.worker.engines.torch.quant.int8_blocks import ScaledInt8Linear
 
     weight = linear.weight.detach().float()
     blocks = weight.reshape(weight.shape[0], -1, block_size)
@@ -253,7 +257,7 @@ def test_mixed_step_is_native_where_prompt_rows_round_as_decode_rows(
 def test_bf16_fallback_forced(tiny_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     """With bfloat16 forced off (as on a CPU without it), activations stay float32 and the
     quantized kernels are called as transformers' path calls them: the same logits."""
-    monkeypatch.setenv(lean_parts.BF16_ENV, "0")
+    monkeypatch.setenv(direct_forward_parts.BF16_ENV, "0")
     monkeypatch.setenv(NATIVE_INT4_ENV, "0")
     model = _load(tiny_dirs["llama"], "int4")
     lean = lean_step_of(model)
@@ -265,8 +269,8 @@ def test_bf16_fallback_forced(tiny_dirs: dict[str, Path], monkeypatch: pytest.Mo
     fallback = lean_steps.run_single(model, tokens, lean=True)
     assert (fallback - reference).abs().max().item() < 1e-3
     assert torch.equal(fallback.argmax(-1), reference.argmax(-1))
-    monkeypatch.setenv(lean_parts.BF16_ENV, "1")
-    assert lean_parts.bf16_activations_wanted()
+    monkeypatch.setenv(direct_forward_parts.BF16_ENV, "1")
+    assert direct_forward_parts.bf16_activations_wanted()
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
@@ -280,7 +284,7 @@ def test_cached_rotary_tables_equal_the_rotary_module(
     assert isinstance(lean, LeanModel)
     cache = lean._rotary_cache
     assert cache is not None  # every tiny model's rope type is static
-    block = lean_parts.ROTARY_BLOCK
+    block = direct_forward_parts.ROTARY_BLOCK
     steps = [[0], [5], [block - 1, 3], [block], [block + 7, 2 * block + 1, 1], list(range(40))]
     for positions in steps:
         ids = torch.tensor(positions, dtype=torch.int64)
@@ -292,7 +296,7 @@ def test_cached_rotary_tables_equal_the_rotary_module(
             assert torch.equal(cos, cos_ref) and torch.equal(sin, sin_ref)
             assert torch.equal(perm, perm_ref)
     kept = cache._tables
-    far = torch.tensor([0, lean_parts.ROTARY_CACHE_LIMIT + 5], dtype=torch.int64)
+    far = torch.tensor([0, direct_forward_parts.ROTARY_CACHE_LIMIT + 5], dtype=torch.int64)
     for (cos, _, _), (cos_ref, _, _) in zip(
         cache.tables(far, torch.float32, CPU),
         lean._computed_rotary_tables(far, torch.float32, CPU),
@@ -312,12 +316,12 @@ def test_dynamic_rope_is_not_cached() -> None:
         ("dynamic", False), ("longrope", False),
     ]:  # fmt: skip
         module.rope_type = rope_type  # type: ignore[assignment]
-        assert lean_parts.static_rope(module, [None]) is static
+        assert direct_forward_parts.static_rope(module, [None]) is static
     module.rope_type = {"full_attention": "default", "sliding_attention": "linear"}  # type: ignore[assignment]
-    assert lean_parts.static_rope(module, ["full_attention", "sliding_attention"])
+    assert direct_forward_parts.static_rope(module, ["full_attention", "sliding_attention"])
     module.rope_type = {"full_attention": "dynamic", "sliding_attention": "default"}  # type: ignore[assignment]
-    assert not lean_parts.static_rope(module, ["full_attention", "sliding_attention"])
-    assert not lean_parts.static_rope(nn.Module(), [None])
+    assert not direct_forward_parts.static_rope(module, ["full_attention", "sliding_attention"])
+    assert not direct_forward_parts.static_rope(nn.Module(), [None])
 
 
 def test_family_without_layout_keeps_transformers(tiny_dirs: dict[str, Path]) -> None:
@@ -375,7 +379,7 @@ def test_mixed_kinds_are_not_fused() -> None:
 
 
 def _rank_main(rank: int, port: int, model_dir: str, results: Any) -> None:
-    from exo.worker.engines.torch.distributed import destroy_group, init_group
+    from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
 
     torch.set_num_threads(1)
     try:

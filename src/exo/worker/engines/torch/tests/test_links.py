@@ -1,4 +1,4 @@
-"""The rank-to-rank links (`links.py`): each rank is a thread of this process, the mesh is
+"""The rank-to-rank links (`comm/tcp_mesh.py`): each rank is a thread of this process, the mesh is
 built through a real `TCPStore` on loopback."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from exo.worker.engines.torch.links import LinkError, RankLinks
+from exo.worker.engines.torch.comm.tcp_mesh import LinkError, RankLinks
 from exo.worker.engines.torch.tests.conftest import LinkStores
 
 T = TypeVar("T")
@@ -196,7 +196,7 @@ def test_close_is_idempotent_and_refuses_later_sends(
 def test_a_receive_polls_through_the_spin_then_sleeps_for_the_rest(
     make_mesh: Callable[..., list[RankLinks]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import exo.worker.engines.torch.links as links_module
+    import exo.worker.engines.torch.comm.tcp_mesh as links_module
 
     first, second = make_mesh(2)
     second.spin_s = 0.005
@@ -241,7 +241,7 @@ def test_a_receive_polls_through_the_spin_then_sleeps_for_the_rest(
 
 
 def test_the_spin_is_set_in_microseconds_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from exo.worker.engines.torch.links import DEFAULT_SPIN_US, spin_seconds
+    from exo.worker.engines.torch.comm.tcp_mesh import DEFAULT_SPIN_US, spin_seconds
 
     monkeypatch.delenv("EXO_LINK_SPIN_US", raising=False)
     assert spin_seconds() == DEFAULT_SPIN_US / 1e6

@@ -35,7 +35,7 @@ def _measure_load(warmup_dir: str, model_dir: str, weight_dtype: str, results: A
     import torch
 
     from exo.shared.types.shards import PipelineShardMetadata
-    from exo.worker.engines.torch.loading import load_model
+    from exo.worker.engines.torch.model.loading import load_model
 
     torch.set_num_threads(1)
 

@@ -11,7 +11,7 @@ from exo.shared.types.chunks import MIN_LOGPROB
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import SamplingDefaults
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
-from exo.worker.engines.torch.sampling import (
+from exo.worker.engines.torch.decoding.sampling import (
     NoAllowedTokenError,
     Sampler,
     SamplingParams,

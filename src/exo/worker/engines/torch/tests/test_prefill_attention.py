@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exo.worker.engines.torch.batch_attention import PREFILL_QUERY_BLOCK, prefill_attention
+from exo.worker.engines.torch.batching.batch_attention import PREFILL_QUERY_BLOCK, prefill_attention
 
 HEADS, KV_HEADS, DIM, CAPACITY = 4, 2, 16, 1024
 

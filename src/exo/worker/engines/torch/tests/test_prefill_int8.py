@@ -18,16 +18,16 @@ from exo.node_options import parse_args
 from exo.shared.types.models import ModelCard
 from exo.testing.builders import make_shard
 from exo.utils.cpu_features import default_prefill_activations
-from exo.worker.engines.torch.batch_attention import lean_step_of
+from exo.worker.engines.torch.batching.batch_attention import lean_step_of
 from exo.worker.engines.torch.engine import TorchEngine
-from exo.worker.engines.torch.int5_blocks import int5_lanes
-from exo.worker.engines.torch.lean_parts import Projection
-from exo.worker.engines.torch.native_int4 import (
+from exo.worker.engines.torch.model.direct_forward_parts import Projection
+from exo.worker.engines.torch.quant.int5_blocks import int5_lanes
+from exo.worker.engines.torch.quant.native_kernels import (
     ROUNDS_ACTIVATIONS,
     built_int4_kernel,
     int16_prefill_is_integer,
 )
-from exo.worker.engines.torch.quantize import pack_native_int4, set_prefill_activations
+from exo.worker.engines.torch.quant.quantize import pack_native_int4, set_prefill_activations
 from exo.worker.engines.torch.tests.test_engine import check_stream_shape, request
 
 native = pytest.mark.skipif(
@@ -340,7 +340,7 @@ def test_a_decoding_stream_keeps_int16_beside_an_int8_prefill(
     """A mixed step (decode tokens first, then a chunk of another prompt) rounds its decode
     rows to int16: a stream's logprobs do not depend on a prompt prefilled beside it any
     more than with int16 prefill; treating the decode rows as prompt rows changes them."""
-    import exo.worker.engines.torch.quantize as quantize
+    import exo.worker.engines.torch.quant.quantize as quantize
 
     shard = make_shard(tiny_card)
     int16 = TorchEngine.load(

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from exo.worker.engines.torch.lean_parts import rotary_tables
-from exo.worker.engines.torch.native_int4 import built_int4_kernel
+from exo.worker.engines.torch.model.direct_forward_parts import rotary_tables
+from exo.worker.engines.torch.quant.native_kernels import built_int4_kernel
 
 pytestmark = pytest.mark.skipif(
     built_int4_kernel() is None, reason="exo's native kernels cannot be built here"

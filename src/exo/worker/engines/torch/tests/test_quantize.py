@@ -10,15 +10,15 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import PipelineShardMetadata
 from exo.worker.engines.torch.engine import TorchEngine
-from exo.worker.engines.torch.fusion import FusedRMSNorm, fuse_rms_norms
-from exo.worker.engines.torch.native_int4 import (
+from exo.worker.engines.torch.model.fusion import FusedRMSNorm, fuse_rms_norms
+from exo.worker.engines.torch.quant.native_kernels import (
     NATIVE_INT4_ENV,
     ROUNDS_ACTIVATIONS,
     built_int4_kernel,
     int16_prefill_is_integer,
     rounded_activations,
 )
-from exo.worker.engines.torch.quantize import (
+from exo.worker.engines.torch.quant.quantize import (
     Int4Linear,
     Int8Linear,
     QuantizedLinear,
@@ -181,9 +181,9 @@ def test_block_matmul_rounds_activations_as_documented() -> None:
 
 _TILE_PRODUCTS_SCRIPT = """
 import sys, torch
-from exo.worker.engines.torch.native_int4 import built_int4_kernel
-from exo.worker.engines.torch.int5_blocks import int5_lanes
-from exo.worker.engines.torch.quantize import pack_native_int4
+from exo.worker.engines.torch.quant.native_kernels import built_int4_kernel
+from exo.worker.engines.torch.quant.int5_blocks import int5_lanes
+from exo.worker.engines.torch.quant.quantize import pack_native_int4
 assert built_int4_kernel() is not None
 print(torch.ops.exo_native.int16_tile_bits())
 g = torch.Generator().manual_seed(0)
@@ -305,7 +305,7 @@ def test_bf16_linear_on_native_kernels_is_exact_in_float32(
     """A weight held in bfloat16 (GGUF Q6_K) where exo's kernels run: float32 rows times the
     bfloat16 weight in float32 (exo's kernel up to 16 rows, torch's float32 matmul above;
     70 outputs: tiles of four, then single rows; 100 inputs: a tail after 8-wide steps)."""
-    from exo.worker.engines.torch.gguf_weights import Bf16Linear
+    from exo.worker.engines.torch.quant.gguf_weights import Bf16Linear
 
     monkeypatch.setenv(NATIVE_INT4_ENV, "1")
     generator = torch.Generator().manual_seed(rows)
@@ -416,22 +416,22 @@ def test_a_kernel_that_does_not_build_leaves_torch_kernels(
     fail) logs the cause and returns None; int4 layers then hold torch's layout."""
     from loguru import logger
 
-    from exo.worker.engines.torch import native_int4
+    from exo.worker.engines.torch.quant import native_kernels
 
     broken = tmp_path / "int4_gemv.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(native_int4, "_SOURCES", (broken, *native_int4._SOURCES[1:]))
+    monkeypatch.setattr(native_kernels, "_SOURCES", (broken, *native_kernels._SOURCES[1:]))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv(NATIVE_INT4_ENV, "1")
     warnings: list[str] = []
     sink = logger.add(lambda message: warnings.append(str(message)), level="WARNING")
-    native_int4.built_int4_kernel.cache_clear()
+    native_kernels.built_int4_kernel.cache_clear()
     try:
-        assert native_int4.built_int4_kernel() is None
-        assert native_int4.native_int4_kernel() is None
+        assert native_kernels.built_int4_kernel() is None
+        assert native_kernels.native_int4_kernel() is None
         assert not Int4Linear(random_linear(64, 64)).native
     finally:
         logger.remove(sink)
-        native_int4.built_int4_kernel.cache_clear()  # the next test loads the real one
+        native_kernels.built_int4_kernel.cache_clear()  # the next test loads the real one
     assert any("could not be built" in line for line in warnings)
     assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built left in place

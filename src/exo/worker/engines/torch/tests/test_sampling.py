@@ -4,7 +4,7 @@ import torch
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import SamplingDefaults
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
-from exo.worker.engines.torch.sampling import (
+from exo.worker.engines.torch.decoding.sampling import (
     LogitBias,
     Sampler,
     SamplingParams,

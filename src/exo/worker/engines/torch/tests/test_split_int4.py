@@ -16,14 +16,14 @@ from gguf.quants import dequantize, quantize
 from exo.download.gguf_repack import convert_gguf
 from exo.shared.types.shards import PipelineShardMetadata, TensorShardMetadata
 from exo.testing.random_gguf import RandomGgufShape, write_random_gguf
-from exo.worker.engines.torch.fusion import fuse_linears
-from exo.worker.engines.torch.loading import load_model
-from exo.worker.engines.torch.native_int4 import (
+from exo.worker.engines.torch.model.fusion import fuse_linears
+from exo.worker.engines.torch.model.loading import load_model
+from exo.worker.engines.torch.quant.int4_planes import BlockPart, SplitInt4Linear, block_values
+from exo.worker.engines.torch.quant.native_kernels import (
     ROUNDS_ACTIVATIONS,
     built_int8_block_kernel,
     rounded_activations,
 )
-from exo.worker.engines.torch.split_int4 import BlockPart, SplitInt4Linear, block_values
 from exo.worker.engines.torch.tests.conftest import torch_layout_unpacks
 
 ROWS, COLUMNS = 128, 256

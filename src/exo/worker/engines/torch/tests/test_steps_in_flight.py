@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from exo.worker.engines.torch.batching.request_state import GeneratedPiece
 from exo.worker.engines.torch.engine import TorchEngine
-from exo.worker.engines.torch.request_state import GeneratedPiece
 from exo.worker.engines.torch.tests.test_batching import (
     PROMPTS,
     feature_requests,
@@ -113,7 +113,7 @@ def test_decoding_requests_are_spread_over_the_steps_in_flight(
     inner = engine.scheduler._forward
 
     def counting(*arguments: Any) -> Any:
-        from exo.worker.engines.torch.batch_attention import forward_batch
+        from exo.worker.engines.torch.batching.batch_attention import forward_batch
 
         rows.append(len(arguments[1].decode_slots))
         return (inner or forward_batch)(*arguments)

@@ -1,4 +1,4 @@
-from exo.worker.engines.torch.stop_sequences import StopCheck, StopSequenceMatcher
+from exo.worker.engines.torch.decoding.stop_sequences import StopCheck, StopSequenceMatcher
 
 
 def feed_all(matcher: StopSequenceMatcher, pieces: list[str]) -> tuple[list[str], bool]:

@@ -11,12 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from exo.worker.engines.torch.int8_blocks import ScaledInt8Linear
-from exo.worker.engines.torch.links import RankLinks
-from exo.worker.engines.torch.native_int4 import NATIVE_INT4_ENV
-from exo.worker.engines.torch.quantize import Int4Linear, Int8Linear
-from exo.worker.engines.torch.sharding import VocabParallelHead, split_head_by_vocab
-from exo.worker.engines.torch.split_int4 import SplitInt4Linear
+from exo.worker.engines.torch.comm.parallel_linears import VocabParallelHead
+from exo.worker.engines.torch.comm.tcp_mesh import RankLinks
+from exo.worker.engines.torch.model.sharding import split_head_by_vocab
+from exo.worker.engines.torch.quant.int4_planes import SplitInt4Linear
+from exo.worker.engines.torch.quant.int8_blocks import ScaledInt8Linear
+from exo.worker.engines.torch.quant.native_kernels import NATIVE_INT4_ENV
+from exo.worker.engines.torch.quant.quantize import Int4Linear, Int8Linear
 
 VOCAB, HIDDEN = 200, 64
 

@@ -1,0 +1,516 @@
+"""One forward pass over a batch of requests: their KV slots and the attention that keeps
+them apart.
+
+The step's new tokens of every running request (one per decoding request, a chunk of the
+prompt per prefilling one) are flattened into one `[1, T]` sequence with per-request
+`position_ids`, so the decoder layers' linears and MLPs run once over all `T` rows. Only
+attention must know where one request ends: the model is switched to the attention
+implementation `BATCHED_ATTENTION` (registered through transformers' `AttentionInterface`),
+which, while a `BatchPlan` is active, writes each request's new keys/values into that
+request's slot of `SlotKVCache` and attends each request's queries to its own keys only
+(causal within its new tokens, within the layer's sliding window). Outside a plan (the
+multi-rank engines' sessions) it is transformers' SDPA attention, with SDPA's masks.
+
+Decoding requests attend in one SDPA call over the slots `[S, kv_heads, max_len, head_dim]`
+(a view of the cache: nothing is copied) with a `[S, 1, 1, max_len]` key-validity mask;
+each prefill chunk attends in its own call (a handful per step). This is the layout of
+vLLM's "continuous batching" (Yu et al. 2022, "Orca", iteration-level scheduling) with
+contiguous per-request buffers instead of paged blocks.
+
+A model with a lean step attached (`attach_lean_step`, see `model/direct_forward.py`) runs that
+instead of transformers' forward; it calls `attend` directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    AttentionMaskInterface,
+    sdpa_mask,
+)
+
+from exo.worker.engines.torch.batching.kv_memory import release_positions, zeroed_kv_buffer
+from exo.worker.engines.torch.quant.quantize import DECODE_ROWS
+
+BATCHED_ATTENTION = "exo_batched"
+
+# Initial per-slot capacity in tokens; buffers double when a request outgrows them.
+INITIAL_SLOT_CAPACITY = 256
+# Queries of one prompt chunk attend in blocks of this many positions, each to the keys up
+# to its own last position. torch's CPU flash attention skips keys past the causal diagonal
+# only in blocks of 512 keys, so one call over a 512-token chunk computes all 512 x 512
+# scores; in blocks of 128 it computes 62.5% of them. Measured (2-core AMD EPYC, 2 threads,
+# float32): Gemma 3's shape (4 heads, 1 KV head, dim 256) 6.8 -> 5.3 ms at 512 tokens,
+# SmolLM2's (9 / 3 / 64) 4.6 -> 3.8 ms; equal at 128 and 1024 tokens.
+PREFILL_QUERY_BLOCK = 128
+
+
+class SlotKVCache:
+    """Keys and values of the running requests, one slot per request.
+
+    Per decoder layer, `keys[layer]` / `values[layer]` are `[slots, kv_heads, capacity,
+    head_dim]`; slot `s` holds `lengths[s]` positions. Occupied slots are always
+    `0 .. occupied - 1` (a freed slot is filled by moving the last one into it), so the
+    decoding requests' keys are one view `keys[layer][:occupied, :, :max_len]`.
+    The buffers come from `kv_memory.zeroed_kv_buffer`: zero-filled (decode attention reads
+    past a short request's length — masked out, but a masked NaN from uninitialised memory
+    would still poison the weighted sum) and backed by the OS only where positions are
+    written. A freed slot's positions are released (`kv_memory.release_positions`), so the
+    resident KV memory follows the positions the running requests hold (the scheduler's
+    budget), not `slots x capacity`.
+
+    Args:
+        layers: decoder layers of this shard.
+        kv_heads: key/value heads per layer (this rank's).
+        head_dim: width of one head.
+        dtype: dtype of the keys and values (the model's activations).
+        device: where they live.
+        slots: most requests held at once.
+    """
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        slots: int,
+    ) -> None:
+        self.slots = slots
+        self.capacity = INITIAL_SLOT_CAPACITY
+        shape = (slots, kv_heads, self.capacity, head_dim)
+        self.keys = [zeroed_kv_buffer(shape, dtype, device) for _ in range(layers)]
+        self.values = [zeroed_kv_buffer(shape, dtype, device) for _ in range(layers)]
+        self.lengths = [0] * slots
+        self.occupied = 0
+
+    def allocate(self) -> int:
+        """A free slot (length 0).
+
+        Raises:
+            RuntimeError: every slot is taken.
+        """
+        if self.occupied >= self.slots:
+            raise RuntimeError("no free KV slot")
+        slot = self.occupied
+        self.occupied += 1
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> int | None:
+        """Release `slot`; the last occupied slot moves into it.
+
+        Returns:
+            The slot that moved into `slot` (its owner must update its slot number), or
+            None when `slot` was the last one.
+        """
+        last = self.occupied - 1
+        self.occupied -= 1
+        if slot == last:
+            self._release(slot, 0)
+            self.lengths[slot] = 0
+            return None
+        length = self.lengths[last]
+        for tensors in (self.keys, self.values):
+            for layer in tensors:
+                layer[slot, :, :length].copy_(layer[last, :, :length])
+        self._release(slot, length)
+        self._release(last, 0)
+        self.lengths[slot], self.lengths[last] = length, 0
+        return last
+
+    def _release(self, slot: int, start: int) -> None:
+        """Give back the memory of `slot`'s positions `start ..` (they read as zeros)."""
+        for tensors in (self.keys, self.values):
+            for layer in tensors:
+                release_positions(layer, slot, start)
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for `tokens` positions per slot (doubling the capacity; only the
+        filled positions are copied)."""
+        if tokens <= self.capacity:
+            return
+        capacity = max(tokens, 2 * self.capacity)
+        for tensors in (self.keys, self.values):
+            for index, old in enumerate(tensors):
+                new = zeroed_kv_buffer(
+                    (old.shape[0], old.shape[1], capacity, old.shape[3]), old.dtype, old.device
+                )
+                for slot in range(self.occupied):
+                    length = self.lengths[slot]
+                    new[slot, :, :length].copy_(old[slot, :, :length])
+                tensors[index] = new
+        self.capacity = capacity
+
+    def read(self, slot: int, length: int) -> torch.Tensor:
+        """A copy of the slot's first `length` positions as `[layers, 2, kv_heads, length,
+        head_dim]` (for the prefix cache)."""
+        first = self.keys[0]
+        # Its own mapping (`zeroed_kv_buffer`): evicting the entry unmaps it, where heap
+        # blocks of many sizes coming and going would stay with the allocator (fragmented).
+        copy = zeroed_kv_buffer(
+            (len(self.keys), 2, first.shape[1], length, first.shape[3]), first.dtype, first.device
+        )
+        for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+            copy[layer, 0].copy_(keys[slot, :, :length])
+            copy[layer, 1].copy_(values[slot, :, :length])
+        return copy
+
+    def write(self, slot: int, kv: torch.Tensor, length: int) -> None:
+        """Fill the slot's first `length` positions from `read`'s layout."""
+        self.reserve(length)
+        for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+            keys[slot, :, :length].copy_(kv[layer, 0, :, :length])
+            values[slot, :, :length].copy_(kv[layer, 1, :, :length])
+        self.lengths[slot] = length
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSegment:
+    """A chunk of one request's prompt in the flattened step: rows `offset .. offset + n`
+    go to positions `start .. start + n` of `slot`."""
+
+    slot: int
+    start: int
+    offset: int
+    length: int
+
+
+@dataclass(slots=True)
+class BatchPlan:
+    """Where each row of the flattened step goes.
+
+    Rows `0 .. len(decode_slots) - 1` are one token of each decoding request (slots in
+    ascending order, position `decode_positions[i]`); prefill segments follow.
+    """
+
+    cache: SlotKVCache
+    windows: Sequence[int | None]  # per layer: sliding window in tokens, None for full
+    decode_slots: list[int]
+    decode_positions: list[int]
+    prefill: list[PrefillSegment]
+    layer_of: dict[int, int]  # id(attention module) -> layer index in the cache
+    # Filled by `prepare`:
+    decode_index: torch.Tensor | None = None  # [D] slots (int64)
+    decode_pos: torch.Tensor | None = None  # [D] positions (int64)
+    # window -> [S, 1, 1, max_len] bool, None where every key up to max_len is visible
+    masks: dict[int | None, torch.Tensor | None] | None = None
+    max_len: int = 0  # keys the decode rows attend over (the longest decoding slot's)
+    all_slots_decode: bool = False
+
+    def prepare(self, device: torch.device) -> None:
+        """Index tensors and the decode masks, once per step (shared by every layer); the
+        step's decode row count for the quantized linears (`quantize.DECODE_ROWS`)."""
+        DECODE_ROWS.set(len(self.decode_slots))
+        if not self.decode_slots:
+            return
+        self.decode_index = torch.tensor(self.decode_slots, dtype=torch.long, device=device)
+        self.decode_pos = torch.tensor(self.decode_positions, dtype=torch.long, device=device)
+        occupied = self.cache.occupied
+        self.all_slots_decode = self.decode_slots == list(range(occupied))
+        # Key positions visible to each slot's new token: those written so far, this one
+        # included; other slots' rows are never read.
+        ends = torch.zeros(occupied, dtype=torch.long, device=device)
+        ends[self.decode_index] = self.decode_pos + 1
+        max_len = int(ends.max().item())
+        self.max_len = max_len
+        keys = torch.arange(max_len, device=device)  # [max_len]
+        self.masks = {}
+        # One decoding slot that sees all its keys (the single-stream case) needs no mask:
+        # SDPA then skips turning a boolean mask into an additive one in every layer.
+        single = occupied == 1
+        for window in set(self.windows):
+            if single and (window is None or max_len <= window):
+                self.masks[window] = None
+                continue
+            visible = keys[None, :] < ends[:, None]  # [S, max_len]
+            if window is not None:
+                visible &= keys[None, :] > ends[:, None] - 1 - window
+            self.masks[window] = visible[:, None, None, :]
+
+
+_active_plan: BatchPlan | None = None
+
+
+def batched_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The attention of `BATCHED_ATTENTION` (transformers' attention-function signature).
+
+    Args:
+        query: `[1, heads, T, head_dim]` the step's queries (rotary applied).
+        key / value: `[1, kv_heads, T, head_dim]` the step's new keys/values (no cache is
+            passed to the model in a batched step, so these are only the new rows).
+
+    Returns:
+        `[1, T, heads, head_dim]` attention output, and no weights.
+    """
+    plan = _active_plan
+    if plan is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    return attend(plan, plan.layer_of[id(module)], query, key, value, scaling), None
+
+
+def attend(
+    plan: BatchPlan,
+    layer: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    prefill_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Write the step's new keys/values of decoder layer `layer` into the plan's slots and
+    attend each request's queries to its own keys.
+
+    Args:
+        query: `[1, heads, T, head_dim]` (rotary applied; any strides).
+        key / value: `[1, kv_heads, T, head_dim]` the step's new rows, in the cache's dtype.
+        scaling: the softmax scale (None: `head_dim ** -0.5`).
+        prefill_dtype: the dtype prompt chunks attend in (`prefill_attention`; None: the
+            cache's). Decode rows always attend in the cache's.
+
+    Returns:
+        `[1, T, heads, head_dim]` attention output.
+    """
+    window = plan.windows[layer]
+    keys, values = plan.cache.keys[layer], plan.cache.values[layer]
+    output = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+    decoding = len(plan.decode_slots)
+    if decoding:
+        assert plan.decode_index is not None and plan.decode_pos is not None
+        assert plan.masks is not None
+        if decoding == 1:  # a plain copy, not an indexed write
+            slot, position = plan.decode_slots[0], plan.decode_positions[0]
+            keys[slot, :, position] = key[0, :, 0]
+            values[slot, :, position] = value[0, :, 0]
+        else:
+            new_keys = key[0, :, :decoding].transpose(0, 1)  # [D, kv_heads, head_dim]
+            new_values = value[0, :, :decoding].transpose(0, 1)
+            keys[plan.decode_index, :, plan.decode_pos] = new_keys
+            values[plan.decode_index, :, plan.decode_pos] = new_values
+        mask = plan.masks[window]  # [S, 1, 1, max_len] or None (all visible)
+        max_len = plan.max_len
+        occupied = plan.cache.occupied
+        queries = query[0, :, :decoding].transpose(0, 1).unsqueeze(2)  # [D, heads, 1, dim]
+        if not plan.all_slots_decode:  # a prefilling request holds a slot between them
+            full = query.new_zeros(occupied, *queries.shape[1:])
+            full[plan.decode_index] = queries
+            queries = full
+        attended = F.scaled_dot_product_attention(
+            queries, keys[:occupied, :, :max_len], values[:occupied, :, :max_len],
+            attn_mask=mask, scale=scaling, enable_gqa=True,
+        )  # fmt: skip  # [S, heads, 1, dim]
+        if not plan.all_slots_decode:
+            attended = attended[plan.decode_index]
+        output[0, :decoding] = attended[:, :, 0]
+    for segment in plan.prefill:
+        rows = slice(segment.offset, segment.offset + segment.length)
+        end = segment.start + segment.length
+        keys[segment.slot, :, segment.start : end] = key[0, :, rows]
+        values[segment.slot, :, segment.start : end] = value[0, :, rows]
+        attended = prefill_attention(
+            query[:, :, rows],
+            keys[segment.slot : segment.slot + 1],
+            values[segment.slot : segment.slot + 1],
+            segment.start,
+            window,
+            scaling,
+            prefill_dtype,
+        )
+        output[0, rows] = attended[0].transpose(0, 1)
+    return output
+
+
+def prefill_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    window: int | None,
+    scaling: float | None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Attention of a request's prompt chunk to the keys each position may see: causal,
+    within the layer's sliding window, in blocks of `PREFILL_QUERY_BLOCK` queries (each
+    block to the keys up to its own last position).
+
+    Args:
+        queries: `[1, heads, n, dim]`, the queries of positions `start .. start + n - 1`.
+        keys / values: `[1, kv_heads, capacity, dim]`, the request's slot, written up to
+            position `start + n - 1`.
+        start: the position of the chunk's first query (> 0 after a cached prefix or an
+            earlier chunk).
+        window: the layer's sliding window in tokens (None: full attention).
+        scaling: the softmax scale (None: `head_dim ** -0.5`).
+        dtype: where given and not the queries' (bfloat16 with `--prefill-activations bf16`),
+            the queries and the keys / values they read are rounded to it and attend in
+            it (torch's flash attention accumulates in float32; with bfloat16 it multiplies
+            on AMX tiles: Gemma 3 270M's shape at 128 / 512 tokens, 2 threads, 0.70 -> 0.26
+            ms / 16.0 -> 7.0 ms per call on a 2-core Xeon with AMX, casts included); the
+            output comes back in the queries' dtype.
+
+    Returns:
+        `[1, heads, n, dim]`.
+    """
+    count = queries.shape[2]
+    if dtype is not None and dtype != queries.dtype:
+        end = start + count
+        first = 0 if window is None else max(0, start - window + 1)
+        rounded = prefill_attention(
+            queries.to(dtype), keys[:, :, first:end].to(dtype), values[:, :, first:end].to(dtype),
+            start - first, window, scaling,
+        )  # fmt: skip
+        return rounded.to(queries.dtype)
+    if count <= PREFILL_QUERY_BLOCK:
+        return _block_attention(queries, keys, values, start, window, scaling)
+    output = queries.new_empty(queries.shape)
+    for offset in range(0, count, PREFILL_QUERY_BLOCK):
+        rows = slice(offset, min(count, offset + PREFILL_QUERY_BLOCK))
+        output[:, :, rows] = _block_attention(
+            queries[:, :, rows], keys, values, start + offset, window, scaling
+        )
+    return output
+
+
+def _block_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    window: int | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """`prefill_attention` of one block, in one SDPA call."""
+    end = start + queries.shape[2]
+    first = 0 if window is None else max(0, start - window + 1)
+    block_keys, block_values = keys[:, :, first:end], values[:, :, first:end]
+    if start == 0 and (window is None or end <= window):  # plain causal: no mask to build
+        return F.scaled_dot_product_attention(
+            queries, block_keys, block_values, is_causal=True, scale=scaling, enable_gqa=True
+        )
+    query_positions = torch.arange(start, end, device=queries.device)[:, None]
+    key_positions = torch.arange(first, end, device=queries.device)[None, :]
+    visible = key_positions <= query_positions  # [n, keys]
+    if window is not None:
+        visible &= key_positions > query_positions - window
+    return F.scaled_dot_product_attention(
+        queries, block_keys, block_values, attn_mask=visible, scale=scaling, enable_gqa=True
+    )
+
+
+def _batched_mask(*args: Any, **kwargs: Any) -> Any:
+    """SDPA's mask outside a batched step; none inside (the attention builds its own)."""
+    if _active_plan is not None:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def use_batched_attention(model: PreTrainedModel) -> None:
+    """Switch `model` to `BATCHED_ATTENTION` (SDPA behaviour outside a `BatchPlan`)."""
+    AttentionInterface.register(BATCHED_ATTENTION, batched_attention_forward)
+    AttentionMaskInterface.register(BATCHED_ATTENTION, _batched_mask)
+    assert BATCHED_ATTENTION in ALL_MASK_ATTENTION_FUNCTIONS
+    model.set_attn_implementation(BATCHED_ATTENTION)
+
+
+def attention_layers(model: PreTrainedModel) -> dict[int, int]:
+    """id(attention module) -> index of its decoder layer among this shard's layers."""
+    layers: Any = model.model.layers
+    return {id(layer.self_attn): index for index, layer in enumerate(layers)}
+
+
+@torch.inference_mode()
+def forward_batch(
+    model: PreTrainedModel,
+    plan: BatchPlan,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    logit_rows: torch.Tensor,
+) -> torch.Tensor:
+    """Run one batched step.
+
+    Args:
+        input_ids / position_ids: `[1, T]` int64, rows laid out as `plan` says.
+        logit_rows: `[R]` int64 rows whose logits are wanted.
+
+    Returns:
+        `[R, vocab]` float32 logits.
+    """
+    global _active_plan
+    plan.prepare(input_ids.device)
+    lean = lean_step_of(model)
+    if lean is not None:
+        logits = lean(plan, input_ids[0], None, position_ids[0], logit_rows)
+        commit_lengths(plan)
+        return logits
+    _active_plan = plan
+    try:
+        output = model(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False,
+            logits_to_keep=logit_rows,
+        )  # fmt: skip
+    finally:
+        _active_plan = None
+    commit_lengths(plan)
+    logits = output.logits[0].float()
+    return logits
+
+
+def commit_lengths(plan: BatchPlan) -> None:
+    """After a step: every slot it wrote holds its new positions."""
+    for segment in plan.prefill:
+        plan.cache.lengths[segment.slot] = segment.start + segment.length
+    for slot, position in zip(plan.decode_slots, plan.decode_positions, strict=True):
+        plan.cache.lengths[slot] = position + 1
+
+
+class LeanStep(Protocol):
+    """A model's own batched step (`direct_forward.LeanModel`), attached with
+    `attach_lean_step`: `(plan, input_ids [T] or None, hidden [T, hidden] float32 or None,
+    position_ids [T], logit_rows [R] or None)` -> `[R, vocab]` float32 logits, or `[T,
+    hidden]` float32 hidden states when `logit_rows` is None (a pipeline rank before the
+    last). The plan is prepared by the caller, which also commits the lengths."""
+
+    enabled: bool
+
+    def __call__(
+        self,
+        plan: BatchPlan,
+        input_ids: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        logit_rows: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+
+
+_LEAN_ATTRIBUTE = "_exo_lean_step"
+
+
+def attach_lean_step(model: torch.nn.Module, step: LeanStep | None) -> None:
+    """Make `forward_batch` run `step` for `model` (None: transformers' forward again)."""
+    model.__dict__[_LEAN_ATTRIBUTE] = step
+
+
+def lean_step_of(model: Any) -> LeanStep | None:
+    """The enabled lean step attached to `model`, if any."""
+    step: LeanStep | None = getattr(model, "__dict__", {}).get(_LEAN_ATTRIBUTE)
+    return step if step is not None and step.enabled else None

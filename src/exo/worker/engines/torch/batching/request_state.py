@@ -1,0 +1,164 @@
+"""One generation request's state between steps, built in one place for every engine.
+
+`RequestState` holds what turns the model's logits into streamed text for one request: the
+prompt's token ids, the token budget, the `TokenChooser` (sampler with its own seeded
+generator, penalties, logit bias, JSON / tool-call constraint), the streaming detokenizer,
+the stop-string matcher, logprobs and the counters. The single-rank batching engine and the
+multi-rank engines both build it with `build_request_state` and feed it one token at a time
+with `accept`; neither repeats the finishing rules.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from exo.shared.types.chunks import FinishReason, TokenLogprob, Usage
+from exo.worker.engines.torch.decoding.detokenizer import (
+    StreamingDetokenizer,
+    without_incomplete_end,
+)
+from exo.worker.engines.torch.decoding.sampling import TokenChooser
+from exo.worker.engines.torch.decoding.stop_sequences import StopSequenceMatcher
+
+_request_numbers = itertools.count(1)
+
+
+def new_request_id() -> str:
+    """A request id unique within this process ("req-1", "req-2", ...)."""
+    return f"req-{next(_request_numbers)}"
+
+
+@dataclass(slots=True)
+class GeneratedPiece:
+    """One streamed piece of generated text.
+
+    `token_ids` are the tokens whose text this piece completes (several when a character or
+    a possible stop string spanned tokens; none for a final piece that only carries the
+    finish reason). `finish_reason` and `usage` are set on the last piece only. `logprobs`
+    has one entry per token of `token_ids` when the request asked for logprobs, else none.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    usage: Usage | None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    stop_sequence: str | None = None
+
+
+# The chosen token's logprob entry from the step's raw `[vocab]` logits (engine's vocabulary).
+LogprobFunction = Callable[[torch.Tensor, int, int], TokenLogprob]
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """A request from submission to its final piece.
+
+    Attributes:
+        request_id: the caller's id for the request (unique among running requests).
+        prompt_ids: the rendered prompt's token ids.
+        max_new_tokens: generated tokens allowed (`max_tokens` capped by the context and
+            the engine's KV budget); at least 1.
+        chooser: turns `[vocab]` logits into the next token.
+        top_logprobs: None without logprobs, else how many alternatives per token.
+        generated_ids: every sampled token (EOS included), in order.
+        cached_tokens: prompt tokens whose KV came from the prefix cache.
+        finished: the final piece was produced.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    chooser: TokenChooser
+    top_logprobs: int | None
+    detokenizer: StreamingDetokenizer
+    stop_matcher: StopSequenceMatcher
+    eos_token_ids: frozenset[int]
+    logprob_of: LogprobFunction
+    generated_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    finished: bool = False
+    _pending_ids: list[int] = field(default_factory=list)
+    _pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.generated_ids)
+
+    @property
+    def known_tokens(self) -> list[int]:
+        """Prompt and generated tokens: what a recompute after pre-emption prefills (the
+        last generated token has no KV yet; feeding it gives the next token's logits)."""
+        return self.prompt_ids + self.generated_ids
+
+    def accept(self, logits: torch.Tensor) -> list[GeneratedPiece]:
+        """Choose the next token from this step's logits and advance the request.
+
+        Args:
+            logits: `[vocab]` raw scores of the request's last position (on a pipeline head
+                whose last rank sampled: the 0-d sampled token, see `ForwardedTokenSampler`).
+
+        Returns:
+            The pieces to stream, in order: none when the token's text is held back (an
+            unfinished character, a possible stop string), its text, and/or the final piece
+            (`finish_reason` set; `finished` is then True).
+
+        Raises:
+            NoAllowedTokenError: the constraint allows no token.
+        """
+        assert not self.finished, "a finished request takes no more tokens"
+        token = self.chooser.choose(logits)
+        self.generated_ids.append(token)
+        if token in self.eos_token_ids:
+            return [self._final(*_finish_text(self.detokenizer, self.stop_matcher), eos=True)]
+        self.chooser.observe(token)
+        self._pending_ids.append(token)
+        if self.top_logprobs is not None:
+            self._pending_logprobs.append(self.logprob_of(logits, token, self.top_logprobs))
+        pieces: list[GeneratedPiece] = []
+        text = self.detokenizer.add_token(token)
+        if text:
+            check = self.stop_matcher.feed(text)
+            if check.stopped:
+                return [self._final(without_incomplete_end(check.text), check.stop)]
+            if check.text:
+                ids, logprobs = tuple(self._pending_ids), tuple(self._pending_logprobs)
+                pieces.append(GeneratedPiece(check.text, ids, None, None, logprobs))
+                self._pending_ids, self._pending_logprobs = [], []
+        # A whole constrained document, or the token budget spent: nothing may follow.
+        if self.chooser.is_complete or self.completion_tokens >= self.max_new_tokens:
+            final_text, stop = _finish_text(self.detokenizer, self.stop_matcher)
+            pieces.append(self._final(final_text, stop, eos=self.chooser.is_complete))
+        return pieces
+
+    def _final(self, text: str, stop: str | None, eos: bool = False) -> GeneratedPiece:
+        """The last piece: "stop" at EOS, a stop string or a complete constrained document,
+        else "length"."""
+        self.finished = True
+        usage = Usage(
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=self.completion_tokens,
+            cached_tokens=min(self.cached_tokens, len(self.prompt_ids)),
+        )
+        reason: FinishReason = "stop" if eos or stop is not None else "length"
+        piece = GeneratedPiece(
+            text, tuple(self._pending_ids), reason, usage, tuple(self._pending_logprobs), stop
+        )
+        self._pending_ids, self._pending_logprobs = [], []
+        return piece
+
+
+def _finish_text(
+    detokenizer: StreamingDetokenizer, stop_matcher: StopSequenceMatcher
+) -> tuple[str, str | None]:
+    """The text still held back when generation ends, and the stop string it completes (None
+    when it completes none). The text never ends with the bytes of an unfinished character
+    (`without_incomplete_end`)."""
+    check = stop_matcher.feed(detokenizer.flush())
+    if check.stopped:
+        return without_incomplete_end(check.text), check.stop
+    return check.text + stop_matcher.flush(), None

@@ -1,0 +1,434 @@
+"""Continuous batching on one rank: which requests run in each step, and the step itself.
+
+Every `step()` runs ONE forward pass (`batch_attention.forward_batch`) over one new token of
+each decoding request plus chunks of at most `PREFILL_TOKENS_PER_STEP` prompt tokens of the
+requests still prefilling, so a long new prompt never stalls the running streams (chunked
+prefill, as in Agrawal et al. 2024, "Sarathi-Serve"); with no request streaming tokens yet
+(nothing decoding, or only requests awaiting their first token from a step in flight),
+prompts are prefilled `PREFILL_TOKENS_PER_IDLE_STEP` tokens at a time. Requests join at any
+step and leave when they finish or are cancelled (iteration-level scheduling, Yu et al. 2022,
+"Orca").
+
+Memory: the KV of running requests and of the prefix cache share one budget in tokens
+(`budget_tokens`, from the KV-cache memory budget). A waiting request is admitted, first
+come first served, when a slot is free (`max_running`) and its known tokens fit beside the
+running ones (the prefix cache gives way). When the running requests outgrow the budget
+mid-decode, the most recently admitted one is pre-empted: its KV is dropped and it goes back
+to the front of the queue, to be recomputed later from its prompt and the tokens it already
+generated (vLLM's recompute pre-emption); its streamed output is unaffected. A request
+alone always fits: the engine caps its tokens at the budget.
+
+Steps in flight (a pipeline of ranks): with `max_in_flight` > 1 the forward pass is
+launched (`BatchLaunch`) and its logits collected later, so up to `max_in_flight` steps,
+each over its own requests, are in the ranks at once: while rank 1 runs step t's rows,
+rank 0 runs step t+1's over the other requests (the schedule of GPipe's micro-batches,
+Huang et al. 2019, carried across decode steps). A request whose token is still to be
+sampled waits out of later steps; the decoding requests are spread over `max_in_flight`
+steps (at most ceil(decoding / max_in_flight) rows each), and a prompt's next chunk may go
+while its previous one is in flight (every rank runs the steps in launch order, so its KV is
+written first). Cache operations (admissions, releases) are recorded in that same order, so
+every rank applies them between the same two steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from loguru import logger
+from transformers import PreTrainedModel
+
+from exo.worker.engines.torch.batching.batch_attention import (
+    BatchPlan,
+    PrefillSegment,
+    SlotKVCache,
+    forward_batch,
+)
+from exo.worker.engines.torch.batching.prefix_cache import PrefixCache
+from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
+
+# Prompt tokens prefilled per step, over all prefilling requests, while other requests are
+# decoding. A step then costs one decode step plus the chunk's prefill. Measured with
+# bench/bench_concurrency.py on the 2-core reference machine (SmolLM2-135M, int4, idle gap
+# ~13 ms): 16 tokens made a running stream's median gap 3.4x idle while a 2,000-token prompt
+# was admitted (TTFT 5.5 s), 8 tokens 2.2x (TTFT 7.2 s); the issue's bound is 3x. It also
+# stays within the int4 layers' fused-kernel rows (`Int4Linear.fused_max_rows` = 64) beside
+# a batch of decodes. Since then a decode step got ~2.3x faster (exo's decode layer) and a
+# chunk's step less so (its products unpack every weight once for the chunk's few rows):
+# on a 2-core Xeon with AMX (2026-12-03, the chunk in the decode layer, 2 threads) the
+# idle gap was ~10 ms and a step beside an 8-token chunk 47 ms at a 200-token prompt, 61-63
+# ms at 2,000 tokens (5-7x; 4 tokens: 30 ms, 3x, at 200; 16 tokens: 54 ms and 70-80 ms).
+PREFILL_TOKENS_PER_STEP = 8
+# With no request decoding there is no stream to protect: larger chunks prefill faster
+# (fewer steps, better matmul shapes) while bounding activation memory ([chunk,
+# intermediate] MLP activations, [heads, chunk, keys] attention scores).
+PREFILL_TOKENS_PER_IDLE_STEP = 512
+
+StepOutput = tuple[str, GeneratedPiece | Exception]
+
+# `forward_batch`'s signature: (model, plan, input_ids [1, T], position_ids [1, T],
+# logit_rows [R]) -> [R, vocab] float32 logits. A multi-rank engine passes its own (it tells
+# the other ranks the step's plan, then runs its part of the model).
+BatchForward = Callable[
+    [PreTrainedModel, BatchPlan, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
+# The same arguments; starts the forward pass and returns the function that waits for its
+# [R, vocab] float32 logits (a pipeline's rank 0: its layers run before it returns, the
+# other ranks' after).
+BatchLaunch = Callable[
+    [PreTrainedModel, BatchPlan, torch.Tensor, torch.Tensor, torch.Tensor],
+    Callable[[], torch.Tensor],
+]
+
+
+@dataclass(eq=False, slots=True)
+class _Running:
+    """A request holding a KV slot: `tokens[:computed]` have KV in `slot` (or are written
+    by a step in flight); while `computed < len(tokens)` it is prefilling, then `tokens[-1]`
+    is fed each step."""
+
+    state: RequestState
+    slot: int
+    tokens: list[int]
+    computed: int
+    admitted: int  # admission order (pre-emption takes the latest)
+    # A launched step will sample this request's next token (it waits out later steps).
+    awaiting: bool = False
+
+    @property
+    def prefilling(self) -> bool:
+        """More than one token left to compute (one left is a decode step)."""
+        return len(self.tokens) - self.computed > 1
+
+
+@dataclass(eq=False, slots=True)
+class _Launched:
+    """A step whose forward pass has started: `sampled[i]` takes logits row i."""
+
+    sampled: list[_Running]
+    logits: Callable[[], torch.Tensor]
+
+
+class BatchScheduler:
+    """Runs the requests of one single-rank engine in batched steps.
+
+    Args:
+        model: the whole model (switched to `BATCHED_ATTENTION`).
+        cache: the slots' KV (`cache.slots` = most requests running at once).
+        windows: per layer, the sliding window in tokens or None.
+        layer_of: `batch_attention.attention_layers(model)`.
+        budget_tokens: KV budget over running requests and the prefix cache, in tokens.
+        prefix_cache: where finished requests' KV is kept (None: no reuse).
+        device: where inputs go.
+        forward: runs one step's forward pass (None: `forward_batch`, looked up at each
+            step).
+        launch: starts one step's forward pass instead (overrides `forward`).
+        max_in_flight: steps launched and not yet sampled, at most (1: each `step` runs
+            its forward pass to the end).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        cache: SlotKVCache,
+        windows: Sequence[int | None],
+        layer_of: dict[int, int],
+        budget_tokens: int,
+        prefix_cache: PrefixCache | None,
+        device: torch.device,
+        forward: BatchForward | None = None,
+        launch: BatchLaunch | None = None,
+        max_in_flight: int = 1,
+    ) -> None:
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        self._model = model
+        self._cache = cache
+        self._windows = windows
+        self._layer_of = layer_of
+        self.budget_tokens = budget_tokens
+        self.prefix_cache = prefix_cache
+        self._device = device
+        self._forward = forward
+        self.launch = launch
+        self.max_in_flight = max_in_flight
+        self._in_flight: deque[_Launched] = deque()
+        self._waiting: deque[RequestState] = deque()
+        self._running: list[_Running] = []
+        # Requests that finished in a step whose KV still waits in their slots to enter the
+        # prefix cache (`store_finished`, once the step's outputs are out).
+        self._finished: list[_Running] = []
+        self._admissions = itertools.count()
+        self.preemptions = 0
+
+    @property
+    def max_running(self) -> int:
+        return self._cache.slots
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._in_flight)
+
+    @property
+    def in_flight(self) -> int:
+        """Steps launched and not yet sampled."""
+        return len(self._in_flight)
+
+    @property
+    def running_ids(self) -> list[str]:
+        return [running.state.request_id for running in self._running]
+
+    @property
+    def waiting_ids(self) -> list[str]:
+        return [state.request_id for state in self._waiting]
+
+    def add(self, state: RequestState) -> None:
+        """Queue a request (admitted at a later `step`)."""
+        self._waiting.append(state)
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a waiting or running request and free its KV; False if unknown."""
+        for state in self._waiting:
+            if state.request_id == request_id:
+                self._waiting.remove(state)
+                return True
+        for running in self._running:
+            if running.state.request_id == request_id:
+                self._release(running, keep_prefix=False)
+                return True
+        return False
+
+    def kv_tokens(self) -> int:
+        """Tokens of KV held now by running requests and by finished ones waiting for
+        `store_finished` (the prefix cache not counted)."""
+        return sum(running.computed for running in itertools.chain(self._running, self._finished))
+
+    def store_finished(self) -> int:
+        """Copy the KV of the requests that finished in the last step into the prefix cache
+        and free their slots; how many requests. `step` does it first; a caller that has
+        sent a step's outputs calls it sooner, so a request's last piece never waits for the
+        copy (SmolLM2-135M on 2 cores: 6 ms at 191 tokens, 32 ms at 1,563: a fresh
+        mapping's page faults)."""
+        stored = len(self._finished)
+        while self._finished:
+            running = self._finished.pop(0)
+            assert self.prefix_cache is not None
+            kv = self._cache.read(running.slot, running.computed)
+            self.prefix_cache.insert(running.tokens[: running.computed], kv)
+            self._free(running)
+        return stored
+
+    # -- one step ---------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Admit what fits, launch one forward pass over the requests not waiting for a
+        token, and sample the oldest step in flight once `max_in_flight` are (or nothing
+        more could be launched).
+
+        Returns:
+            `(request_id, piece)` per streamed piece (a request may finish here), or
+            `(request_id, error)` for a request that failed on its own (e.g. its constraint
+            allows no token); the other requests go on. Empty while steps fill the pipeline.
+
+        Raises:
+            Exception: a forward pass failed (every running request is dropped, and every
+                step in flight with them).
+        """
+        self.store_finished()
+        self._admit()
+        launched = self._launch_step()
+        if self._in_flight and (not launched or len(self._in_flight) >= self.max_in_flight):
+            return self._complete_step(self._in_flight.popleft())
+        return []
+
+    def _launch_step(self) -> bool:
+        """Start one step's forward pass; False if no request can take part."""
+        if not self._running:
+            return False
+        decoding, prefill = self._schedule()
+        if not decoding and not prefill:
+            return False
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        sampled: list[_Running] = []
+        for running in decoding:
+            logit_rows.append(len(input_ids))
+            input_ids.append(running.tokens[-1])
+            positions.append(running.computed)
+            sampled.append(running)
+        segments: list[PrefillSegment] = []
+        for running, length in prefill:
+            start = running.computed
+            segments.append(PrefillSegment(running.slot, start, len(input_ids), length))
+            input_ids.extend(running.tokens[start : start + length])
+            positions.extend(range(start, start + length))
+            if start + length == len(running.tokens):
+                logit_rows.append(len(input_ids) - 1)
+                sampled.append(running)
+        ends = [running.computed + 1 for running in decoding]
+        ends += [running.computed + length for running, length in prefill]
+        self._cache.reserve(max(ends))
+        plan = BatchPlan(
+            cache=self._cache,
+            windows=self._windows,
+            decode_slots=[running.slot for running in decoding],
+            decode_positions=[running.computed for running in decoding],
+            prefill=segments,
+            layer_of=self._layer_of,
+        )
+        device = self._device
+        arguments = (
+            self._model,
+            plan,
+            torch.tensor([input_ids], dtype=torch.long, device=device),
+            torch.tensor([positions], dtype=torch.long, device=device),
+            torch.tensor(logit_rows, dtype=torch.long, device=device),
+        )
+        try:
+            if self.launch is not None:
+                logits = self.launch(*arguments)
+            else:
+                computed = (self._forward or forward_batch)(*arguments)
+                logits = lambda: computed  # noqa: E731
+        except Exception:
+            self._drop_everything()
+            raise
+        # The KV of these rows is written (on every rank, before any later step's).
+        for running in decoding:
+            running.computed += 1
+        for running, length in prefill:
+            running.computed += length
+        for running in sampled:
+            running.awaiting = True
+        self._in_flight.append(_Launched(sampled, logits))
+        return True
+
+    def _complete_step(self, launched: _Launched) -> list[StepOutput]:
+        """Sample a launched step's rows (skipping requests cancelled or pre-empted since)."""
+        try:
+            logits = launched.logits()
+        except Exception:
+            self._drop_everything()
+            raise
+        outputs: list[StepOutput] = []
+        for row, running in enumerate(launched.sampled):
+            running.awaiting = False
+            if running not in self._running:
+                continue
+            state = running.state
+            try:
+                pieces = state.accept(logits[row])
+            except Exception as error:  # this request's own failure (its constraint)
+                self._release(running, keep_prefix=False)
+                outputs.append((state.request_id, error))
+                continue
+            outputs.extend((state.request_id, piece) for piece in pieces)
+            if state.finished:
+                self._release(running, keep_prefix=True)
+            else:
+                running.tokens.append(state.generated_ids[-1])
+        return outputs
+
+    def _drop_everything(self) -> None:
+        """After a failed forward pass: free every running request and forget the steps in
+        flight (their logits will never come)."""
+        self._in_flight.clear()
+        for running in list(self._running):
+            self._release(running, keep_prefix=False)
+
+    def _schedule(self) -> tuple[list[_Running], list[tuple[_Running, int]]]:
+        """This step's decoding requests (slot order) and prefill chunks, within the KV
+        budget (evicting prefix-cache entries, then pre-empting, to make room). Requests
+        awaiting a token from a step in flight take no part; the decoding ones are spread
+        over `max_in_flight` steps."""
+        while True:
+            streams = [running for running in self._running if not running.prefilling]
+            decoding = sorted(
+                (running for running in streams if not running.awaiting),
+                key=lambda running: running.slot,
+            )[: math.ceil(len(streams) / self.max_in_flight)]
+            prefill: list[tuple[_Running, int]] = []
+            # Small chunks protect the gaps of streams that already stream tokens; one
+            # awaiting its first token (in flight) has no gap yet.
+            streaming = any(running.state.generated_ids for running in streams)
+            room = PREFILL_TOKENS_PER_STEP if streaming else PREFILL_TOKENS_PER_IDLE_STEP
+            for running in sorted(
+                (running for running in self._running if running.prefilling),
+                key=lambda running: running.admitted,
+            ):
+                if room <= 0:
+                    break
+                length = min(room, len(running.tokens) - running.computed)
+                prefill.append((running, length))
+                room -= length
+            needed = self.kv_tokens() + len(decoding) + sum(length for _, length in prefill)
+            if self._make_room(needed):
+                return decoding, prefill
+            self._preempt_latest()
+
+    def _make_room(self, needed_tokens: int) -> bool:
+        """Whether `needed_tokens` of running KV fit the budget, evicting prefix-cache
+        entries as needed."""
+        if needed_tokens > self.budget_tokens:
+            return False
+        if self.prefix_cache is not None:
+            self.prefix_cache.evict(self.budget_tokens - needed_tokens)
+        return True
+
+    def _preempt_latest(self) -> None:
+        victim = max(self._running, key=lambda running: running.admitted)
+        if len(self._running) == 1:  # the engine caps one request's tokens at the budget
+            raise RuntimeError("a lone request outgrew the KV budget")
+        logger.info(
+            "KV budget full: pre-empting {} ({} tokens, recomputed later)",
+            victim.state.request_id, victim.computed,
+        )  # fmt: skip
+        self.preemptions += 1
+        self._release(victim, keep_prefix=False)
+        self._waiting.appendleft(victim.state)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self._cache.slots:
+            state = self._waiting[0]
+            tokens = state.known_tokens
+            match = None
+            if self.prefix_cache is not None:  # first: a hit is then the last one evicted
+                match = self.prefix_cache.lookup(tokens, limit=len(tokens) - 1)
+            # Room for its known tokens and one more beside what runs now.
+            if not self._make_room(self.kv_tokens() + len(tokens) + 1):
+                return
+            self._waiting.popleft()
+            slot = self._cache.allocate()
+            computed = 0
+            if match is not None:
+                self._cache.write(slot, match.kv, match.length)
+                computed = match.length
+                if not state.generated_ids:  # a first admission, not a recompute
+                    state.cached_tokens = computed
+            self._running.append(
+                _Running(state, slot, list(tokens), computed, next(self._admissions))
+            )
+
+    def _release(self, running: _Running, keep_prefix: bool) -> None:
+        """Take the request out of the batch and free its slot; with `keep_prefix` (and a
+        prefix cache) the slot is kept for `store_finished` to copy its KV first."""
+        self._running.remove(running)
+        if keep_prefix and self.prefix_cache is not None and running.computed > 0:
+            self._finished.append(running)
+            return
+        self._free(running)
+
+    def _free(self, running: _Running) -> None:
+        """Free `running`'s slot; the request whose slot moves into it (the last one) is
+        told its new slot number."""
+        moved = self._cache.free(running.slot)
+        if moved is not None:
+            for other in itertools.chain(self._running, self._finished):
+                if other.slot == moved:
+                    other.slot = running.slot
+                    break

@@ -1,0 +1,293 @@
+"""The process group of one model instance's ranks, and the messages rank 0 sends to the
+others (torch.distributed: gloo on CPU; the decode hot path's messages over `comm/tcp_mesh.py`).
+
+Every wait that depends on another rank's compute or on the network is bounded by the group's
+timeout (`init_group(timeout_s=...)`), so a dead or stuck rank makes the others raise. Waits
+for rank 0's next command (idle between requests, or while rank 0's consumer reads a piece)
+are unbounded: a closed connection still makes them raise at once.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FuturesTimeout
+from datetime import timedelta
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from exo.worker.engines.torch.comm.tcp_mesh import (
+    LinkError,
+    RankLinks,
+    current_links,
+    links_enabled,
+    set_links,
+)
+
+# Long enough to mean "forever" for an idle rank, short enough for gloo's millisecond count.
+IDLE_WAIT = timedelta(days=30)
+# The bound on waits for another rank's compute, set by `init_group`.
+_group_timeout = timedelta(seconds=60)
+
+
+def group_timeout() -> timedelta:
+    """The group's bound on every collective and send/receive (`init_group`'s timeout_s)."""
+    return _group_timeout
+
+
+def local_address_for(master_addr: str) -> str | None:
+    """The local address that a connection to `master_addr` leaves from (None if
+    `master_addr` does not resolve)."""
+    try:
+        infos = socket.getaddrinfo(master_addr, None, type=socket.SOCK_DGRAM)
+    except socket.gaierror:
+        return None
+    family, _type, _proto, _name, address = infos[0]
+    if ipaddress.ip_address(address[0]).is_loopback:
+        return str(address[0])
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((address[0], 9))  # UDP connect sends nothing; picks the route
+        return str(probe.getsockname()[0]).split("%")[0]
+
+
+def local_interface_for(master_addr: str) -> str | None:
+    """The name of this machine's network interface holding the local address that a
+    connection to `master_addr` leaves from (None if it cannot be found)."""
+    local_address = local_address_for(master_addr)
+    if local_address is None:
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        for entry in addresses:
+            if entry.address.split("%")[0] == local_address:
+                return name
+    if ipaddress.ip_address(local_address).is_loopback:
+        return "lo" if "lo" in psutil.net_if_addrs() else None
+    return None
+
+
+def configure_gloo_interface(master_addr: str) -> None:
+    """Set GLOO_SOCKET_IFNAME (unless already set) to the interface used to reach
+    `master_addr`: gloo otherwise binds to the interface of the hostname's address, which on
+    loopback tests may not be loopback."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    interface = local_interface_for(master_addr)
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def init_group(
+    backend: str,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    timeout_s: float = 60,
+) -> None:
+    """Join the default process group of one model instance (blocks until every rank joined).
+
+    Args:
+        backend: "gloo" (CPU) or "nccl" (every rank on CUDA).
+        rank: this process's rank, 0 being the one that serves requests.
+        world_size: number of ranks.
+        master_addr: address of rank 0's rendezvous store.
+        master_port: TCP port of that store.
+        timeout_s: bound on every collective and send/receive, seconds.
+
+    With gloo and more than one rank, the ranks also connect their `links.RankLinks`
+    (unless `EXO_RANK_LINKS=0`): the decode hot path's messages and small all-reduces.
+
+    Raises:
+        torch.distributed.DistError: a rank did not join (or link) within `timeout_s`.
+    """
+    global _group_timeout
+    _group_timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        configure_gloo_interface(master_addr)
+    host = f"[{master_addr}]" if ":" in master_addr else master_addr
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{host}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    set_links(None)
+    local_address = local_address_for(master_addr)
+    if backend == "gloo" and world_size > 1 and links_enabled() and local_address is not None:
+        store = dist.distributed_c10d._get_default_store()
+        try:
+            links = RankLinks.connect(store, rank, world_size, local_address, timeout_s)
+        except BaseException:
+            dist.destroy_process_group()
+            raise
+        set_links(links)
+
+
+def destroy_group() -> None:
+    """Leave the default process group and close its links (no-op if none)."""
+    set_links(None)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _default_group() -> Any:
+    return dist.distributed_c10d._get_default_group()
+
+
+def broadcast_waiting(tensor: torch.Tensor, src: int, timeout: timedelta | None) -> None:
+    """`dist.broadcast` with its own timeout (None: the group's)."""
+    if timeout is None:
+        dist.broadcast(tensor, src=src)
+        return
+    options = dist.BroadcastOptions()
+    options.rootRank = src
+    options.rootTensor = 0
+    options.timeout = timeout
+    _default_group().broadcast([tensor], options).wait()
+
+
+def receive_waiting(tensor: torch.Tensor, src: int, timeout: timedelta | None) -> None:
+    """`dist.recv` with its own timeout (None: the group's)."""
+    if timeout is None:
+        dist.recv(tensor, src=src)
+        return
+    work = dist.irecv(tensor, src=src)
+    assert work is not None
+    work.wait(timeout)
+
+
+def broadcast_bytes(payload: bytes | None, src: int = 0) -> bytes:
+    """Send (on `src`, `payload` set) or receive (elsewhere, `payload` None) one message's
+    bytes over the group.
+
+    The length goes first as one int64, then the bytes. Receivers wait without a bound:
+    rank 0 may be idle between requests for any time.
+    """
+    is_source = dist.get_rank() == src
+    if is_source:
+        assert payload is not None
+        length = torch.tensor([len(payload)], dtype=torch.int64)
+    else:
+        length = torch.zeros(1, dtype=torch.int64)
+    broadcast_waiting(length, src, None if is_source else IDLE_WAIT)
+    if is_source:
+        assert payload is not None
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:
+        data = torch.empty(int(length.item()), dtype=torch.uint8)
+    broadcast_waiting(data, src, None)
+    if is_source:
+        assert payload is not None
+        return payload
+    return bytes(data.numpy())
+
+
+# -- the decode hot path: over the links when the group has them, else gloo ---------------
+
+
+def _seconds(timeout: timedelta | None) -> float | None:
+    """A wait bound for the links: None (unbounded) for `IDLE_WAIT` or longer."""
+    if timeout is None:
+        return _group_timeout.total_seconds()
+    return None if timeout >= IDLE_WAIT else timeout.total_seconds()
+
+
+def send_tensor(tensor: torch.Tensor, dst: int) -> None:
+    """Send a contiguous CPU tensor to rank `dst` (which receives the same shape and dtype).
+
+    Raises:
+        torch.distributed.DistError: the peer is gone or did not read within the timeout.
+    """
+    links = current_links()
+    if links is not None:
+        links.send(tensor, dst)
+    else:
+        dist.send(tensor, dst=dst)
+
+
+def receive_tensor(tensor: torch.Tensor, src: int, timeout: timedelta | None = None) -> None:
+    """Receive rank `src`'s `send_tensor` into `tensor`, waiting up to `timeout` (None: the
+    group's).
+
+    Raises:
+        torch.distributed.DistError: the peer is gone or did not send within the bound.
+    """
+    links = current_links()
+    if links is not None:
+        links.recv(tensor, src, _seconds(timeout))
+    else:
+        receive_waiting(tensor, src, timeout)
+
+
+def post_receive(tensor: torch.Tensor, src: int) -> Callable[[], None]:
+    """Start receiving rank `src`'s next `send_tensor` into `tensor` (this rank may send
+    meanwhile); return the function that waits for it (bounded by the group's timeout).
+
+    Raises (from the returned function):
+        torch.distributed.DistError: the peer is gone or did not send within the timeout.
+    """
+    links = current_links()
+    timeout = _group_timeout
+    if links is not None:
+        future = links.irecv(tensor, src)
+
+        def wait_links() -> None:
+            try:
+                future.result(timeout.total_seconds())
+            except FuturesTimeout as error:
+                raise LinkError(f"rank {src} sent nothing for {timeout} (timeout)") from error
+
+        return wait_links
+    work = dist.irecv(tensor, src=src)
+
+    def wait_gloo() -> None:
+        assert work is not None
+        work.wait(timeout)
+
+    return wait_gloo
+
+
+def send_message(payload: torch.Tensor, dst: int) -> None:
+    """Send a 1-D int64 tensor of any length to rank `dst` (its length first)."""
+    links = current_links()
+    if links is not None:
+        links.send_message(payload, dst)
+        return
+    dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=dst)
+    dist.send(payload, dst=dst)
+
+
+def receive_message(src: int, idle_wait: timedelta) -> torch.Tensor:
+    """Receive a `send_message` from rank `src`, waiting up to `idle_wait` for it to start
+    (`IDLE_WAIT`: unbounded; a closed link still raises), then the group's timeout."""
+    links = current_links()
+    if links is not None:
+        return links.recv_message(src, _seconds(idle_wait))
+    length = torch.zeros(1, dtype=torch.int64)
+    receive_waiting(length, src, idle_wait)
+    payload = torch.empty(int(length.item()), dtype=torch.int64)
+    dist.recv(payload, src=src)
+    return payload
+
+
+def broadcast_message(payload: torch.Tensor | None, idle_wait: timedelta) -> torch.Tensor:
+    """Rank 0 sends a 1-D int64 tensor (`payload`) to every rank; the others (`payload`
+    None) receive it, waiting up to `idle_wait` for it to start, then the group's timeout."""
+    links = current_links()
+    if links is not None:
+        return links.broadcast_message(payload, 0, _seconds(idle_wait))
+    if payload is not None:
+        broadcast_waiting(torch.tensor([payload.numel()], dtype=torch.int64), 0, None)
+        broadcast_waiting(payload, 0, None)
+        return payload
+    length = torch.zeros(1, dtype=torch.int64)
+    broadcast_waiting(length, 0, idle_wait)
+    received = torch.empty(int(length.item()), dtype=torch.int64)
+    broadcast_waiting(received, 0, None)
+    return received

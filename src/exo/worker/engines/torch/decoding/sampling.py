@@ -1,0 +1,525 @@
+"""Token sampling: penalties, logit bias, temperature, top-k, top-p (nucleus), min-p,
+per-request seed, optional constraints on which tokens may be drawn, and log probabilities.
+
+Penalties come first (on the model's logits), then the logit bias, then the filters in the
+order Hugging Face transformers' logits processors use: temperature, then top-k, then
+top-p, then min-p (min-p: Nguyen et al. 2024, "Turning Up the Heat").
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from exo.shared.types.chunks import MIN_LOGPROB
+from exo.shared.types.models import SamplingDefaults
+from exo.shared.types.text_generation import TextGenerationTaskParams
+from exo.worker.engines.torch.decoding.constraints import TokenConstraint
+
+
+def argmax_token(scores: torch.Tensor) -> int:
+    """The index of the largest of `scores` `[n]` (the first of equal ones; a NaN counts as
+    the largest, as in `torch.argmax`).
+
+    numpy's argmax where the scores are float32 on the CPU: torch's took 600 us for Gemma 3's
+    262,144 logits on the 2-core AMD EPYC (Zen 3), 3% of a decode step; numpy's 29 us.
+    """
+    if scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 1:
+        return int(scores.detach().contiguous().numpy().argmax())
+    return int(torch.argmax(scores).item())
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Fully resolved sampling settings for one request.
+
+    `temperature == 0` is greedy; `top_k == 0`, `top_p == 1`, `min_p == 0` disable a filter;
+    `seed=None` draws a random seed. `presence_penalty == frequency_penalty == 0` and
+    `repetition_penalty == 1` disable the penalties (see `TokenPenalties`).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def resolve_sampling_params(
+    params: TextGenerationTaskParams, defaults: SamplingDefaults
+) -> SamplingParams:
+    """Fill the request's unset (None) sampling fields from the model card's defaults."""
+    return SamplingParams(
+        temperature=defaults.temperature if params.temperature is None else params.temperature,
+        top_k=defaults.top_k if params.top_k is None else params.top_k,
+        top_p=defaults.top_p if params.top_p is None else params.top_p,
+        min_p=defaults.min_p if params.min_p is None else params.min_p,
+        seed=params.seed,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=(
+            1.0 if params.repetition_penalty is None else params.repetition_penalty
+        ),
+    )
+
+
+# The most likely tokens examined first for the top-p nucleus (doubled while they hold less
+# than top_p of the mass), instead of sorting the whole vocabulary: `torch.sort` of
+# SmolLM2's 49,152 scores took ~3.9 ms on the 2-core AMD EPYC (Zen 3), more than the decode
+# step itself; `torch.topk` of 256 takes ~0.1 ms.
+NUCLEUS_CANDIDATES = 256
+
+
+def sampling_candidates(
+    logits: torch.Tensor, params: SamplingParams
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The tokens that temperature, top-k, top-p and min-p leave, with their tempered scores.
+
+    top-p keeps, in order of likelihood, each token while the mass of the tokens before it
+    (probabilities after top-k) is below top_p, so the most likely token always survives;
+    min-p keeps the tokens whose probability is at least min_p times the largest
+    (`score >= best + ln(min_p)`). The nucleus is found among the `NUCLEUS_CANDIDATES`
+    most likely tokens (more when they hold less than top_p): the same set as a full sort
+    gives, up to the order of equal scores.
+
+    Args:
+        logits: `[vocab]` float scores.
+        params: the sampling settings; temperature must be > 0.
+
+    Returns:
+        `(ids, scores)`: ids `[C]` int64 and their float32 scores divided by the
+        temperature, most likely first; or `(None, scores [vocab])` when every token is
+        kept.
+    """
+    scores = logits.float() / params.temperature
+    vocab_size = scores.shape[-1]
+    limit = params.top_k if 0 < params.top_k < vocab_size else vocab_size
+    ids: torch.Tensor | None = None
+    kept = scores
+    if params.top_p < 1.0:
+        # Probabilities as softmax forms them, exp(score - best) over their sum, in float64:
+        # float32 sums over thousands of tokens move the cut by a few tokens.
+        if limit < vocab_size:
+            top_scores, top_ids = torch.topk(scores, limit)
+            best = top_scores[0]
+            total = torch.exp((top_scores - best).double()).sum()
+        else:
+            best = scores.max()
+            total = torch.exp((scores - best).double()).sum()
+        taken = limit if limit < vocab_size else min(limit, NUCLEUS_CANDIDATES)
+        while True:
+            if limit == vocab_size or taken < limit:
+                top_scores, top_ids = torch.topk(scores, taken)
+            probs = torch.exp((top_scores[:taken] - best).double()) / total
+            mass_before = torch.cumsum(probs, dim=-1) - probs
+            count = max(1, int((mass_before < params.top_p).sum()))
+            if count < taken or taken == limit:
+                break
+            taken = min(2 * taken, limit)
+        ids, kept = top_ids[:count], top_scores[:count]
+    elif limit < vocab_size:
+        kept, ids = torch.topk(scores, limit)
+    if params.min_p > 0.0:
+        keep = kept >= kept.max() + math.log(params.min_p)
+        if ids is None:
+            ids = keep.nonzero().squeeze(1)
+            kept = scores.index_select(0, ids)
+        else:
+            ids, kept = ids[keep], kept[keep]
+    return ids, kept
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Apply temperature, top-k, top-p and min-p to one step's logits
+    (`sampling_candidates`).
+
+    Args:
+        logits: `[vocab]` float scores.
+        params: the sampling settings; temperature must be > 0.
+
+    Returns:
+        `[vocab]` float32 logits with filtered-out tokens at -inf (at least one token kept).
+    """
+    ids, kept = sampling_candidates(logits, params)
+    if ids is None:
+        return kept
+    filtered = torch.full(logits.shape, float("-inf"), dtype=torch.float32, device=logits.device)
+    return filtered.index_copy_(0, ids, kept)
+
+
+class TokenPenalties:
+    """Penalty state of one request: counts of the tokens seen so far, kept incrementally
+    (one element updated per token) so applying them costs O(vocab) per step, not
+    O(tokens).
+
+    - presence / frequency (OpenAI, https://platform.openai.com/docs/advanced-usage, "Frequency
+      and presence penalties"): `logit -= presence * (count > 0) + frequency * count`, with
+      `count` over the *generated* tokens only.
+    - repetition (Keskar et al. 2019, "CTRL", section 4.1, as transformers'
+      `RepetitionPenaltyLogitsProcessor` applies it): every token seen in the prompt or the
+      output has a positive logit divided by the penalty, a negative one multiplied by it.
+
+    Repetition is applied first, then presence/frequency (the order vLLM uses).
+
+    Args:
+        params: the request's resolved settings (its three penalty fields are read).
+        vocab_size: length of the logits vectors (the model's output size).
+        device: where the logits live.
+    """
+
+    __slots__ = (
+        "_additive",
+        "_frequency",
+        "_generated_seen",
+        "_presence",
+        "_repetition",
+        "_seen",
+    )
+
+    def __init__(
+        self, params: SamplingParams, vocab_size: int, device: torch.device | str = "cpu"
+    ) -> None:
+        self._presence = params.presence_penalty
+        self._frequency = params.frequency_penalty
+        self._repetition = params.repetition_penalty
+        # presence * (count > 0) + frequency * count, per token id.
+        self._additive = torch.zeros(vocab_size, dtype=torch.float32, device=device)  # [vocab]
+        # Token ids seen in prompt + output (the repetition penalty's set).
+        self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [vocab]
+        self._generated_seen: set[int] = set()
+
+    def observe_prompt(self, token_ids: Iterable[int]) -> None:
+        """Record the prompt's tokens (they count for the repetition penalty only)."""
+        if self._repetition == 1.0:
+            return
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self._seen.device)
+        ids = ids[(ids >= 0) & (ids < self._seen.shape[0])]
+        self._seen[ids] = True
+
+    def observe(self, token_id: int) -> None:
+        """Record one generated token."""
+        if not 0 <= token_id < self._seen.shape[0]:
+            return
+        if self._repetition != 1.0:
+            self._seen[token_id] = True
+        if self._presence != 0.0 or self._frequency != 0.0:
+            increment = self._frequency
+            if token_id not in self._generated_seen:
+                self._generated_seen.add(token_id)
+                increment += self._presence
+            self._additive[token_id] += increment
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Penalised copy of one step's logits.
+
+        Args:
+            logits: `[vocab]` scores (left unchanged).
+
+        Returns:
+            `[vocab]` float32 penalised scores.
+        """
+        scores = logits.float()
+        if self._repetition != 1.0:
+            penalised = torch.where(
+                scores > 0, scores / self._repetition, scores * self._repetition
+            )
+            scores = torch.where(self._seen, penalised, scores)
+        if self._presence != 0.0 or self._frequency != 0.0:
+            scores = scores - self._additive
+        return scores
+
+
+class LogitBias:
+    """A request's `logit_bias`: a fixed number added to chosen tokens' logits at every
+    step (OpenAI's semantics: after the penalties, before temperature and the filters).
+
+    Args:
+        bias: token id -> bias (already range-checked by `TextGenerationTaskParams`).
+        vocab_size: length of the logits vectors.
+        device: where the logits live.
+
+    Raises:
+        ValueError: a token id outside the vocabulary (the request is at fault).
+    """
+
+    __slots__ = ("_ids", "_values")
+
+    def __init__(
+        self, bias: Mapping[int, float], vocab_size: int, device: torch.device | str = "cpu"
+    ) -> None:
+        outside = sorted(token_id for token_id in bias if not 0 <= token_id < vocab_size)
+        if outside:
+            raise ValueError(
+                f"logit_bias names token ids outside the model's vocabulary of {vocab_size} "
+                f"tokens: {', '.join(str(token_id) for token_id in outside[:5])}"
+            )
+        self._ids = torch.tensor(list(bias), dtype=torch.long, device=device)  # [biased]
+        self._values = torch.tensor(
+            list(bias.values()), dtype=torch.float32, device=device
+        )  # [biased]
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Biased copy of one step's logits.
+
+        Args:
+            logits: `[vocab]` scores (left unchanged).
+
+        Returns:
+            `[vocab]` float32 scores with the biases added.
+        """
+        return logits.float().index_add(0, self._ids, self._values)
+
+
+# Rejection sampling under a constraint: this many draws (each one masking the rejected
+# token) before computing the whole allowed set instead.
+MAX_REJECTIONS = 32
+# Greedy decoding checks this many of the most likely tokens, in order, before computing
+# the whole allowed set.
+SCAN_BLOCK = 256
+
+
+class TokenFilter(Protocol):
+    """Which tokens may be drawn next (`constrained.TokenConstraint`)."""
+
+    def allowed(self, token_id: int) -> bool: ...
+
+    def allowed_tokens(self) -> list[int]: ...
+
+
+class NoAllowedTokenError(RuntimeError):
+    """A constraint rejected every token of the vocabulary."""
+
+
+class Sampler:
+    """Draws tokens for one request with its own random generator, so a seed reproduces the
+    same tokens regardless of other requests.
+
+    Args:
+        params: resolved sampling settings.
+        device: where the logits live (the generator must be on the same device).
+    """
+
+    __slots__ = ("_generator", "params", "seed")
+
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
+        self.params = params
+        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self._generator = torch.Generator(device=device)
+        self._generator.manual_seed(self.seed)
+
+    def sample(self, logits: torch.Tensor, constraint: TokenFilter | None = None) -> int:
+        """Pick the next token.
+
+        Under a constraint the token is drawn (or argmax-ed) first and checked; a rejected
+        token is masked out and the draw repeated, which is the same as drawing from the
+        distribution restricted to the allowed tokens while checking only a few tokens per
+        step (a constrained draw inverts the same cumulative sum as an unconstrained one, so
+        a seed gives the same tokens as unconstrained sampling until a token is rejected).
+        After `MAX_REJECTIONS` rejections (greedy: after also checking the `SCAN_BLOCK` most
+        likely tokens in order) the whole allowed set is computed and the choice made from
+        the masked distribution. If the filters
+        (top-k/top-p/min-p) left no allowed token, the most likely allowed token of the
+        unfiltered scores is taken.
+
+        Args:
+            logits: `[vocab]` scores of the last position (penalties already applied).
+            constraint: which tokens may be drawn; None allows every token.
+
+        Returns:
+            The token id.
+
+        Raises:
+            NoAllowedTokenError: the constraint allows no token.
+        """
+        if constraint is None:
+            if self.params.is_greedy:
+                return argmax_token(logits)
+            ids, kept = sampling_candidates(logits, self.params)
+            drawn = self._draw(torch.softmax(kept, dim=-1))
+            return drawn if ids is None else int(ids[drawn])
+        if self.params.is_greedy:
+            return self._constrained_greedy(logits, constraint)
+        return self._constrained_sample(logits, constraint)
+
+    def _draw(self, probs: torch.Tensor) -> int:
+        """An index drawn with probabilities `probs` `[n]` (summing to ~1) by inverting
+        their cumulative sum (float64) at one uniform number of the request's generator:
+        O(n), where `torch.multinomial` drew one exponential number per entry (1.2 ms for
+        49,152 entries on the 2-core AMD EPYC)."""
+        cumulative = torch.cumsum(probs.double(), dim=-1)
+        point = torch.rand((), dtype=torch.float64, generator=self._generator) * cumulative[-1]
+        # The first index whose cumulative mass exceeds the point: never a zero-mass entry.
+        index = int(torch.searchsorted(cumulative, point, right=True))
+        return min(index, probs.shape[-1] - 1)
+
+    def _constrained_greedy(self, logits: torch.Tensor, constraint: TokenFilter) -> int:
+        scores = logits.float().clone()  # [vocab]
+        for _attempt in range(MAX_REJECTIONS):
+            token = argmax_token(scores)
+            if constraint.allowed(token):
+                return token
+            scores[token] = float("-inf")
+        block = min(SCAN_BLOCK, scores.shape[-1])
+        for token in torch.topk(scores, block).indices.tolist():
+            if constraint.allowed(token):
+                return token
+        return _best_allowed(logits, constraint.allowed_tokens())
+
+    def _constrained_sample(self, logits: torch.Tensor, constraint: TokenFilter) -> int:
+        # Drawing from the filtered distribution, masking a rejected token and drawing again
+        # returns the first allowed token of a draw without replacement: a draw from the
+        # distribution restricted to the allowed tokens (the first allowed member of such a
+        # sequence is drawn in proportion to its probability). Each draw inverts the
+        # cumulative sum over the filters' candidates (`sampling_candidates`: a few hundred
+        # tokens with top-k / top-p / min-p), where an exponential race drew one random
+        # number per vocabulary entry (1.2 ms for 49,152 entries on the 2-core AMD EPYC).
+        ids, kept = sampling_candidates(logits, self.params)
+        probs = torch.softmax(kept, dim=-1).double()  # [candidates]
+        for _attempt in range(MAX_REJECTIONS):
+            index = self._draw(probs)
+            if probs[index] <= 0.0:  # every candidate the filters kept was rejected
+                break
+            token = index if ids is None else int(ids[index])
+            if constraint.allowed(token):
+                return token
+            probs[index] = 0.0
+        allowed = constraint.allowed_tokens()
+        if allowed:
+            allowed_ids = torch.tensor(allowed, dtype=torch.long, device=probs.device)
+            keep = (
+                torch.zeros_like(probs, dtype=torch.bool).index_fill_(0, allowed_ids, True)
+                if ids is None
+                else torch.isin(ids, allowed_ids)
+            )
+            restricted = torch.where(keep, probs, 0.0)  # the allowed candidates' masses
+            if float(restricted.sum()) > 0.0:
+                index = self._draw(restricted)
+                return index if ids is None else int(ids[index])
+        return _best_allowed(logits, allowed)
+
+
+def _best_allowed(logits: torch.Tensor, allowed: list[int]) -> int:
+    """The highest-scoring token of `allowed` under `[vocab]` `logits`.
+
+    Raises:
+        NoAllowedTokenError: `allowed` is empty.
+    """
+    if not allowed:
+        raise NoAllowedTokenError("the constraint allows no token of the vocabulary")
+    ids = torch.tensor(allowed, dtype=torch.long, device=logits.device)
+    return allowed[int(torch.argmax(logits[ids]).item())]
+
+
+@dataclass(frozen=True, slots=True)
+class StepLogprobs:
+    """Log probabilities at one position (natural log, clamped to >= `MIN_LOGPROB`).
+
+    `top_ids`/`top_logprobs` are the most likely tokens, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+def step_logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> StepLogprobs:
+    """Log probabilities of the model's distribution (raw logits: before penalties, filters
+    and constraints, as OpenAI and vLLM report them).
+
+    Args:
+        logits: `[vocab]` raw scores of the position.
+        token_id: the token that was chosen.
+        top_n: how many of the most likely tokens to report (0: none).
+
+    Returns:
+        The chosen token's log probability and the `top_n` most likely tokens'.
+    """
+    log_probs = torch.log_softmax(logits.float(), dim=-1)  # [vocab]
+    logprob = max(float(log_probs[token_id].item()), MIN_LOGPROB)
+    if top_n <= 0:
+        return StepLogprobs(token_id, logprob, (), ())
+    top = torch.topk(log_probs, min(top_n, log_probs.shape[-1]))  # sorted, descending
+    values = tuple(max(value, MIN_LOGPROB) for value in top.values.tolist())
+    return StepLogprobs(token_id, logprob, tuple(top.indices.tolist()), values)
+
+
+class TokenChooser:
+    """Turns one request's logits into tokens: penalties, then the logit bias, then the
+    (constrained) sampler.
+
+    Args:
+        sampler: draws the token.
+        penalties: the request's penalty state, or None when it has none.
+        constraint: restricts which tokens may follow (JSON, a tool call), or None.
+        bias: the request's logit bias, or None when it has none.
+    """
+
+    __slots__ = ("bias", "constraint", "penalties", "sampler")
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        penalties: TokenPenalties | None = None,
+        constraint: TokenConstraint | None = None,
+        bias: LogitBias | None = None,
+    ) -> None:
+        self.sampler = sampler
+        self.penalties = penalties
+        self.constraint = constraint
+        self.bias = bias
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether choosing needs this process to see the logits (penalties, bias,
+        constraint); otherwise a pipeline's last rank may sample on its own."""
+        return self.penalties is not None or self.constraint is not None or self.bias is not None
+
+    @property
+    def is_complete(self) -> bool:
+        """The constraint's document is complete (generation must stop)."""
+        return self.constraint is not None and self.constraint.is_complete
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """Pick the next token.
+
+        Args:
+            logits: `[vocab]` raw scores of the last position.
+
+        Returns:
+            The token id.
+
+        Raises:
+            NoAllowedTokenError: the constraint allows no token.
+        """
+        scores = logits if self.penalties is None else self.penalties.apply(logits)
+        if self.bias is not None:
+            scores = self.bias.apply(scores)
+        return self.sampler.sample(scores, self.constraint)
+
+    def observe(self, token_id: int) -> None:
+        """Record the chosen token (penalty counts, constraint state)."""
+        if self.penalties is not None:
+            self.penalties.observe(token_id)
+        if self.constraint is not None:
+            self.constraint.advance(token_id)

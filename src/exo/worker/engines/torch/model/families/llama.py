@@ -1,0 +1,26 @@
+"""Llama: SmolLM2, Llama 3.x, DeepSeek-R1-Distill-Llama (`LlamaForCausalLM`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from exo.worker.engines.torch.model.families.spec import ModelFamily, standard_attention_and_mlp
+
+
+def tiny_model(settings: dict[str, Any]) -> PreTrainedModel:
+    settings = {key: value for key, value in settings.items() if key != "sliding_window"}
+    return LlamaForCausalLM(LlamaConfig(**settings))
+
+
+_COLUMN, _ROW = standard_attention_and_mlp()
+FAMILY = ModelFamily(
+    name="llama",
+    architectures=("LlamaForCausalLM",),
+    column_parallel=_COLUMN,
+    row_parallel=_ROW,
+    rms_norms=(LlamaRMSNorm,),
+    tiny_model=tiny_model,
+)

@@ -1,0 +1,171 @@
+"""What the engine must know about a model family, in one value per family.
+
+A family file (`llama.py`, `gemma3.py`, ...) builds one `ModelFamily`; loading, sharding,
+quantization, fusion, the KV cache, the lean forward and the tests' tiny models read it and
+nothing else (the habit of mlx-lm's `models/<family>.py`: one place per architecture). The
+modules stay transformers'; the lean forward (`model/direct_forward.py`) walks them as the spec's
+`DecoderLayout` says, and transformers' own forward is the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+# Sizes of the parts of a fused column-parallel linear along its output dimension, from the
+# (text) config: e.g. (query, key, value) widths of a fused `qkv_proj`.
+FusedParts = Callable[[PretrainedConfig], tuple[int, ...]]
+# Per decoder layer: the attention window in tokens, or None for full attention.
+AttentionWindows = Callable[[PretrainedConfig], tuple[int | None, ...]]
+# A random-weight model of the family from the common tiny settings (hidden size, heads,
+# layers, vocabulary, ...), built with the real transformers classes.
+TinyModelBuilder = Callable[[dict[str, Any]], PreTrainedModel]
+# Adjusts one decoder layer after its linears were split over `world_size` tensor ranks,
+# for attention code that reads head counts from somewhere other than tensor shapes.
+TensorSplitHook = Callable[[nn.Module, PretrainedConfig, int], None]
+
+# `*ForConditionalGeneration` checkpoints (Gemma 3 4B+, Mistral-Small 3.1) keep the text
+# model under this prefix, next to the vision tower the text engine does not load.
+LANGUAGE_MODEL_PREFIX = "language_model."
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The model's architecture has no family file, or its structure is not what the
+    family file says."""
+
+
+def uniform_attention_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    """Every layer attends within `config.sliding_window` tokens when it is set (Mistral
+    7B v0.1, Phi-3-mini), else over the whole context (Llama, Gemma)."""
+    window = getattr(config, "sliding_window", None)
+    return tuple(window if isinstance(window, int) else None for _ in range(_layers(config)))
+
+
+def attention_windows_from_layer_types(config: PretrainedConfig) -> tuple[int | None, ...]:
+    """Windows from the config's per-layer `layer_types` ("sliding_attention" layers use
+    `sliding_window`; Gemma 3, Qwen2/3 with `use_sliding_window`), else uniform."""
+    layer_types = getattr(config, "layer_types", None)
+    if not isinstance(layer_types, list | tuple):
+        return uniform_attention_windows(config)
+    window = getattr(config, "sliding_window", None)
+    return tuple(
+        window if kind == "sliding_attention" and isinstance(window, int) else None
+        for kind in layer_types
+    )
+
+
+def _layers(config: PretrainedConfig) -> int:
+    count = getattr(config, "num_hidden_layers", None)
+    if not isinstance(count, int):
+        raise UnsupportedArchitectureError(f"{type(config).__name__} has no num_hidden_layers")
+    return count
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderLayout:
+    """How the lean forward (`model/direct_forward.py`) walks one decoder layer: module paths
+    relative to the layer, and the family's variations on the Llama layer.
+
+    Attributes:
+        qkv: the Q, K, V projections in that order (fused into one matmul), or one path of
+            an already fused `qkv_proj` (Phi-3).
+        gate_up: the gate and up projections (fused), or one fused `gate_up_proj`.
+        output / down: the attention output and MLP down projections (row-parallel).
+        input_norm: the norm before attention.
+        pre_mlp_norm: the norm before the MLP.
+        post_attention_norm / post_mlp_norm: norms of the attention / MLP output before
+            the residual add (Gemma 3's "sandwich" norms), None where absent.
+        qk_norms: per-head RMSNorms of queries and keys before rotary (Qwen3, Gemma 3).
+        norm_offset: RMSNorms scale by `norm_offset + weight` (Gemma's `1 + weight`: 1.0).
+        rope_per_layer_type: the rotary module takes the layer type (Gemma 3: local
+            sliding layers use another base frequency).
+    The activation is read from the MLP module; the embedding's scale (Gemma's
+    `sqrt(hidden)`) is inside the model's embedding module, which the lean forward calls.
+    """
+
+    qkv: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    gate_up: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")
+    output: str = "self_attn.o_proj"
+    down: str = "mlp.down_proj"
+    input_norm: str = "input_layernorm"
+    pre_mlp_norm: str = "post_attention_layernorm"
+    post_attention_norm: str | None = None
+    post_mlp_norm: str | None = None
+    qk_norms: tuple[str, str] | None = None
+    norm_offset: float = 0.0
+    rope_per_layer_type: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFamily:
+    """One model family's facts for the engine.
+
+    Linear paths are relative to a decoder layer (`"self_attn.q_proj"`). Column-parallel
+    linears are split by output rows over tensor ranks, row-parallel ones by input columns
+    (their partial sums are all-reduced); a fused column linear (in `fused_parts`) is split
+    part by part, so every rank holds its slice of each part, in order.
+
+    Attributes:
+        name: the family's short name (also the tiny model's name in tests).
+        architectures: config `architectures` names whose checkpoints hold the text model
+            at the top level (`model.layers.N...`, `lm_head`).
+        wrapped_architectures: `*ForConditionalGeneration` names whose checkpoints hold it
+            under `LANGUAGE_MODEL_PREFIX`; the text model is built from `text_config`.
+        column_parallel / row_parallel: the decoder layer's linears by split direction.
+        fused_parts: part sizes of fused column-parallel linears.
+        rms_norms: RMSNorm classes computing `weight * normalize(x)` (fusable into one
+            `rms_norm` kernel); Gemma's `(1 + weight)` norms are not listed.
+        attention_windows: the KV cache layout (window per layer).
+        tensor_parallel_note: why tensor parallelism is refused for this family (None: it
+            is supported where heads divide).
+        after_tensor_split: adjusts a layer whose attention reads head counts from config.
+        tiny_model: builds a random-weight model of the family for tests and benchmarks.
+        tiny_wrapped_config: the `*ForConditionalGeneration` config around a text config,
+            for tests of the wrapped checkpoint layout (None: the family has none).
+        layout: how the lean forward walks a decoder layer (None: the family runs on
+            transformers' modules only).
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    column_parallel: tuple[str, ...]
+    row_parallel: tuple[str, ...]
+    rms_norms: tuple[type[nn.Module], ...]
+    tiny_model: TinyModelBuilder
+    wrapped_architectures: tuple[str, ...] = ()
+    fused_parts: Mapping[str, FusedParts] = field(default_factory=dict)
+    attention_windows: AttentionWindows = uniform_attention_windows
+    tensor_parallel_note: str | None = None
+    after_tensor_split: TensorSplitHook | None = None
+    tiny_wrapped_config: Callable[[PretrainedConfig], PretrainedConfig] | None = None
+    layout: DecoderLayout | None = DecoderLayout()
+
+    def checkpoint_prefix(self, architecture: str) -> str:
+        """The prefix of the text model's tensor names in a checkpoint of `architecture`."""
+        return LANGUAGE_MODEL_PREFIX if architecture in self.wrapped_architectures else ""
+
+    def split_direction(self, linear_path: str) -> Literal["column", "row"] | None:
+        """ "column", "row" or None (replicated) for a layer-relative linear path."""
+        if linear_path in self.column_parallel:
+            return "column"
+        if linear_path in self.row_parallel:
+            return "row"
+        return None
+
+
+def standard_attention_and_mlp() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Column- and row-parallel linears of the Llama-style decoder layer (separate q/k/v,
+    gated MLP) that most families share."""
+    column = (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+    )
+    row = ("self_attn.o_proj", "mlp.down_proj")
+    return column, row

@@ -1,0 +1,373 @@
+"""The one loading path: a meta-device skeleton of the model's family, cut to the shard,
+filled layer by layer from safetensors and quantized as each layer arrives.
+
+A single rank is the world-size-1 case of a sharded load. Each decoder layer's tensors are
+read (only this rank's slices), assigned, then its linears are quantized before the next
+layer is read, and each file's memory map is closed after every layer, so a node's peak
+memory while loading stays near the size of the format it holds (int4 on CPU) plus one
+layer in float32 (see `exo.shared.models.memory.loading_peak_bytes`). Weights repacked from
+GGUF (`exo.download.gguf_repack`) are read through the same per-rank slicing and go straight
+into their quantized modules (`gguf_weights.load_repacked`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from loguru import logger
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
+from exo.shared.models.tensor_names import LAYER_TENSOR
+from exo.shared.types.shards import ShardMetadata, TensorShardMetadata
+from exo.worker.engines.torch.model.direct_forward import enable_lean_forward
+from exo.worker.engines.torch.model.families import (
+    UnsupportedArchitectureError,
+    config_architecture,
+    family_for_architecture,
+)
+from exo.worker.engines.torch.model.fusion import fuse_rms_norms
+from exo.worker.engines.torch.model.sharding import (
+    AbsentModule,
+    apply_shard,
+    model_tensor_name,
+    split_head_by_vocab,
+    tensor_reader,
+)
+from exo.worker.engines.torch.quant.gguf_weights import (
+    load_repacked,
+    split_output_layer,
+    split_repacked_name,
+)
+from exo.worker.engines.torch.quant.native_kernels import (
+    ROUNDS_ACTIVATIONS,
+    bf16_prefill_available,
+    native_int4_kernel,
+)
+from exo.worker.engines.torch.quant.quantize import (
+    WEIGHT_DTYPES,
+    WeightDtype,
+    quantize_linears,
+    quantize_output_layer,
+    set_prefill_activations,
+)
+
+LayerProgressCallback = Callable[[int, int], None]
+# (file, checkpoint tensor name, model tensor name) of one tensor to read.
+PlannedTensor = tuple[Path, str, str]
+EMBEDDING = "model.embed_tokens.weight"
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, or None where the C library has none (musl, macOS)."""
+    try:
+        function: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return None
+    return function
+
+
+def release_freed_memory() -> None:
+    """Give the memory of freed float32 tensors back to the OS. glibc keeps freed heap
+    memory between the quantized buffers allocated meanwhile, so without this a node's
+    resident memory after loading int4 stayed near the float32 size (measured: 73 MB
+    resident for 17 MB of int4 weights of a 99 MB float32 model)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def empty_model(config: PretrainedConfig) -> PreTrainedModel:
+    """The causal LM for `config` (its text config for multimodal checkpoints) with every
+    parameter on the meta device; buffers computed at construction (rotary inverse
+    frequencies, not stored in checkpoints) are real."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(
+            config.get_text_config(), dtype=torch.float32, attn_implementation="sdpa"
+        )
+    # The model built is the text model, whatever wrapped it in the checkpoint.
+    model.config.architectures = [type(model).__name__]
+    return model
+
+
+def _plan_tensors(
+    model_dir: Path, prefix: str, shard: ShardMetadata, wanted: set[str]
+) -> dict[int | None, list[PlannedTensor]]:
+    """This rank's tensors grouped by decoder layer index on this rank (None: embedding,
+    final norm, LM head), read from the safetensors headers only."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} has no *.safetensors weights")
+    groups: dict[int | None, list[PlannedTensor]] = defaultdict(list)
+    skipped = 0
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                # A weight repacked from GGUF is planned once, under the name it stands for.
+                repacked = split_repacked_name(name)
+                if repacked is not None and repacked.companion:
+                    continue
+                base = name if repacked is None else repacked.base
+                target = model_tensor_name(base, prefix, shard)
+                if target is None or target not in wanted:
+                    skipped += 1
+                    continue
+                match = LAYER_TENSOR.match(target)
+                groups[int(match.group(1)) if match else None].append((path, name, target))
+    logger.debug("{}: {} checkpoint tensors are not on this rank", model_dir, skipped)
+    return groups
+
+
+def _model_entries(model: nn.Module) -> set[str]:
+    """Names of the parameters and persistent buffers a checkpoint may fill."""
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for buffer_name in module._buffers:
+            if buffer_name not in module._non_persistent_buffers_set:
+                names.add(f"{module_name}.{buffer_name}" if module_name else buffer_name)
+    return names
+
+
+def _assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Put `tensor` in place of the parameter or persistent buffer `name`.
+
+    Raises:
+        ValueError: its shape differs from the skeleton's.
+    """
+    module_path, _, attribute = name.rpartition(".")
+    module = model.get_submodule(module_path)
+    if attribute in module._parameters:
+        current = module._parameters[attribute]
+        if current is not None and current.shape != tensor.shape:
+            raise ValueError(
+                f"tensor {name} has shape {tuple(tensor.shape)}, "
+                f"this rank's model expects {tuple(current.shape)}"
+            )
+        module._parameters[attribute] = nn.Parameter(tensor, requires_grad=False)
+    else:
+        module._buffers[attribute] = tensor
+
+
+@contextlib.contextmanager
+def _open_files() -> Iterator[Callable[[Path], Any]]:
+    """Lazily opened safetensors handles, all closed (memory maps released) on exit."""
+    handles: dict[Path, Any] = {}
+    try:
+
+        def handle_for(path: Path) -> Any:
+            if path not in handles:
+                handles[path] = safe_open(str(path), framework="pt")
+            return handles[path]
+
+        yield handle_for
+    finally:
+        handles.clear()
+
+
+def _check_loaded(module: nn.Module, what: str, model_dir: Path, shard: ShardMetadata) -> None:
+    missing = [name for name, parameter in module.named_parameters() if parameter.is_meta]
+    if missing:
+        raise ValueError(
+            f"{model_dir} lacks {len(missing)} tensors rank {shard.device_rank} needs for "
+            f"{what}, e.g. {missing[:5]}"
+        )
+
+
+def _fill_tied_lm_head(
+    model: PreTrainedModel, read: Callable[[Path, str, str], None], unlayered: list[PlannedTensor]
+) -> None:
+    """With tied embeddings the checkpoint stores the embedding only: share it with the LM
+    head where both are here, or read it into the LM head (last pipeline rank)."""
+    lm_head = getattr(model, "lm_head", None)
+    weight = getattr(lm_head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or not weight.is_meta:
+        return
+    if not getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        return
+    embedding = getattr(model.model, "embed_tokens", None)
+    if isinstance(embedding, nn.Embedding) and not embedding.weight.is_meta:
+        lm_head.weight = embedding.weight  # type: ignore[union-attr]
+        return
+    for path, name, target in unlayered:
+        if target == EMBEDDING:
+            read(path, name, "lm_head.weight")
+            return
+
+
+def _stored_head(model: PreTrainedModel, unlayered: list[PlannedTensor]) -> tuple[Path, str] | None:
+    """(file, stored name) of the tensor this rank's LM head was read from: `lm_head.weight`,
+    or the embedding when they are tied; None without a head here."""
+    if isinstance(getattr(model, "lm_head", None), AbsentModule | None):
+        return None
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    for wanted in ("lm_head.weight", EMBEDDING) if tied else ("lm_head.weight",):
+        for path, name, target in unlayered:
+            if target == wanted:
+                return path, name
+    return None
+
+
+def _plan_tied_lm_head(
+    model_dir: Path, prefix: str, model: PreTrainedModel, groups: dict[int | None, Any]
+) -> None:
+    """A last pipeline rank with a tied LM head needs the embedding tensor it does not keep
+    as an embedding (`_fill_tied_lm_head` reads it into the LM head)."""
+    embedding = getattr(model.model, "embed_tokens", None)
+    if not isinstance(embedding, AbsentModule) or isinstance(model.lm_head, AbsentModule):
+        return
+    wanted = f"{prefix}{EMBEDDING}"
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                repacked = split_repacked_name(name)
+                if name == wanted or (
+                    repacked is not None and not repacked.companion and repacked.base == wanted
+                ):
+                    groups[None].append((path, name, EMBEDDING))
+                    return
+
+
+def load_model(
+    model_dir: Path,
+    shard: ShardMetadata,
+    device: torch.device,
+    weight_dtype: WeightDtype = "float32",
+    on_layer_loaded: LayerProgressCallback | None = None,
+    prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
+) -> PreTrainedModel:
+    """Load this rank's part of the model in `model_dir` onto `device`.
+
+    Args:
+        model_dir: HF-format directory (config.json + *.safetensors); a
+            `*ForConditionalGeneration` checkpoint of a supported family loads its text model.
+        shard: any pipeline shard (a layer range) or tensor shard (any world size); world
+            size 1 is the whole model.
+        device: target device; quantization and norm fusion apply on CPU only.
+        weight_dtype: how decoder-layer linears and the LM head are held ("float32",
+            "int8", "int4"; see `quantize.py`), converted layer by layer while loading.
+        on_layer_loaded: called as (decoder layers loaded, decoder layers on this rank),
+            first with 0 and then after each layer.
+        prefill_activations: how prefill rounds the activations of exo's block weights
+            ("int16" as decode, "int8" or "bf16"; `quantize.set_prefill_activations`).
+
+    Returns:
+        The cut-down model in eval mode: for a pipeline rank that is not the last,
+        `model.model(...)` returns the hidden states to send on (its final norm is an
+        identity); a tensor rank's forward all-reduces and needs the process group.
+
+    Raises:
+        UnsupportedArchitectureError: no family file for the checkpoint's architecture, or
+            a structure the family file does not describe.
+        ValueError: indivisible heads for tensor parallelism, missing or mis-shaped
+            tensors, an unknown weight dtype or a quantized one off CPU.
+    """
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"unknown weight dtype {weight_dtype!r}; expected one of {WEIGHT_DTYPES}")
+    if weight_dtype != "float32" and device.type != "cpu":
+        raise ValueError(f"weight dtype {weight_dtype} is only supported on CPU")
+    config = AutoConfig.from_pretrained(model_dir)
+    architecture = config_architecture(config)
+    family = family_for_architecture(architecture)
+    model = empty_model(config)
+    if type(model).__name__ not in family.architectures:
+        raise UnsupportedArchitectureError(
+            f"{architecture}: its text model is {type(model).__name__}, which the "
+            f"{family.name} family file does not describe"
+        )
+    apply_shard(model, family, shard)
+    text_config = model.config.get_text_config()
+    prefix = family.checkpoint_prefix(architecture)
+    groups = _plan_tensors(model_dir, prefix, shard, _model_entries(model))
+    if getattr(text_config, "tie_word_embeddings", False):
+        _plan_tied_lm_head(model_dir, prefix, model, groups)
+    layers: Any = model.model.layers
+    quantize = device.type == "cpu" and weight_dtype != "float32"
+    if on_layer_loaded is not None:
+        on_layer_loaded(0, len(layers))
+
+    def read(handle_for: Callable[[Path], Any], path: Path, name: str, target: str) -> None:
+        reader = tensor_reader(family, text_config, target, shard)
+        if split_repacked_name(name) is not None:
+            held = weight_dtype if quantize else "float32"
+            loaded = load_repacked(model, handle_for(path), name, target, reader, held)
+            if loaded is None:  # a quantized module now holds it
+                return
+            tensor = loaded
+        else:
+            tensor = reader(handle_for(path).get_slice(name))
+        # A copy: a view would keep the file's whole memory map alive (and resident).
+        _assign_tensor(model, target, tensor.to(device=device, dtype=torch.float32, copy=True))
+
+    unlayered = groups.get(None, [])
+    embedding_here = not isinstance(getattr(model.model, "embed_tokens", None), AbsentModule)
+    with _open_files() as handle_for:
+        for path, name, target in unlayered:
+            if embedding_here or target != EMBEDDING:
+                read(handle_for, path, name, target)
+        _fill_tied_lm_head(model, lambda *entry: read(handle_for, *entry), unlayered)
+    if quantize:
+        head = _stored_head(model, unlayered)
+        with _open_files() as handle_for:
+            split = head is not None and split_output_layer(model, handle_for(head[0]), head[1])
+        if not split:
+            quantize_output_layer(model, weight_dtype)
+        release_freed_memory()
+    if isinstance(shard, TensorShardMetadata) and split_head_by_vocab(
+        model, shard.device_rank, shard.world_size
+    ):
+        release_freed_memory()
+    set_linears = 0
+    for index, layer in enumerate(layers):
+        with _open_files() as handle_for:  # one layer's memory maps at a time
+            for path, name, target in groups.get(index, []):
+                read(handle_for, path, name, target)
+        _check_loaded(layer, f"decoder layer {index}", model_dir, shard)
+        if quantize:
+            quantize_linears(layer, weight_dtype)
+            release_freed_memory()
+        # Before the lean forward fuses them.
+        set_linears += set_prefill_activations(layer, prefill_activations)
+        if on_layer_loaded is not None:
+            on_layer_loaded(index + 1, len(layers))
+    _check_loaded(model, "the model", model_dir, shard)
+    _report_prefill_activations(prefill_activations, set_linears)
+    torch.nn.Module.to(model, device)  # non-persistent buffers (rotary frequencies)
+    if device.type == "cpu":
+        fuse_rms_norms(model, family.rms_norms)
+    model.eval()
+    model.requires_grad_(False)
+    enable_lean_forward(model, family)
+    return model
+
+
+def _report_prefill_activations(activations: PrefillActivations, linears: int) -> None:
+    """Say in the log how prefill rounds activations when int8 or bf16 was asked for, or why
+    it changes nothing here (no AVX2 integer GEMM, no linear held in exo's block formats;
+    for bf16, no AMX-BF16)."""
+    if activations == "int16":
+        return
+    if not ROUNDS_ACTIVATIONS or native_int4_kernel() is None or linears == 0:
+        logger.warning(
+            f"--prefill-activations {activations} has no effect here: it needs exo's AVX2 "
+            "kernels and int4 / GGUF block weights (prefill rounds activations as decode does)"
+        )
+        return
+    if activations == "bf16" and not bf16_prefill_available():
+        logger.warning(
+            "--prefill-activations bf16 needs AMX-BF16 (and exo's kernels built for it): "
+            "prefill rounds activations to int16 here, as decode does"
+        )
+        return
+    logger.info(f"prefill rounds activations to {activations} in {linears} linears (decode: int16)")

@@ -1,0 +1,545 @@
+// exo's int4 decode kernel for x86 CPUs without AVX512 (see ../native_kernels.py).
+//
+// y[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (decode), where
+//   w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g],  g = k / group_size,
+// the engine's int4 format (Int4Linear), with (scale, zero) as bfloat16 pairs and q held
+// per pair of blocks of 32 inputs (64 inputs, 32 bytes) as 16 little-endian 16-bit lanes:
+// lane i holds q[i], q[16 + i], q[32 + i], q[48 + i] in its four nibbles, lowest first.
+// One AND (and a shift) per nibble turns a 32-byte load into four vectors of 16 int16
+// weights, with no byte-to-word widening (measured on a 2-core AMD EPYC Zen 3: 20% faster
+// than GGUF's byte order, 16 bytes per block with q[j] and q[j + 16] in byte j, widened
+// by vpmovzxbw). In bytes, the pair is the two GGUF-ordered blocks interleaved byte by
+// byte; an odd last block of 32 (k % 64 == 32) is held in GGUF's order.
+//
+// With AVX2 (the CPUs this kernel is for) the activations are rounded per block of 32 to
+// int16 with one float scale (largest |x| / 32767), the int4 x int16 products of a block
+// are summed exactly in int32 (vpmaddwd: |sum| <= 32 * 15 * 32767) and scaled once by the
+// block's two scales; the zero term is (zero - 8 scale) times the group's sum of the rounded
+// activations. So the result is exactly the dequantized weights times the rounded
+// activations (summed in another order), and the rounding, at most half a step of 1/32767
+// of the block's largest |x| per value, is far below float16's precision. (llama.cpp rounds
+// activations to int8 for its integer dot products; measured here on SmolLM2-135M that
+// quadrupled the int4 model's KL from float32, 1.1e-3 to 4.5e-3, and broke its greedy
+// "Paris"; int16 costs one more multiply-add per 16 weights.) Four output rows are computed
+// together (independent accumulators); output rows are split across torch's intra-op
+// threads. Without AVX2 a portable loop computes the float32 product exactly.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include "block_rows.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using exo_native::bf16_to_float;
+using namespace exo_native::block_rows;
+
+#ifdef EXO_AVX2
+// NR output rows at once (independent accumulators, each activation block loaded once for
+// all of them) for ROWS activation rows. FOLDED (one activation row, groups of 32): the
+// unpacked weight scales already hold the activation blocks' scales (`unpack_scales`), which
+// spares two broadcasts and two multiplies per 64 weights of an instruction-bound loop
+// (the same float32 products, so the same sums).
+template <int ROWS, int NR, bool FOLDED = false>
+void tile_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
+                  const uint16_t* scale_zero, int64_t groups, int64_t group_size,
+                  const float* offset_sums, float* y, int64_t n_total, int64_t n,
+                  float* scales) {
+  static_assert(!FOLDED || ROWS == 1, "folded scales are for one activation row");
+  const int64_t blocks = k / kBlock;
+  const int64_t blocks_per_group = group_size / kBlock;
+  float offset_acc[NR][ROWS];
+  unpack_scales<ROWS, NR>(scale_zero + n * groups * 2, groups, offset_sums, scales, offset_acc,
+                          FOLDED ? x_scales : nullptr);
+  __m256 acc[NR][ROWS];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi16(0x000F);
+  const int64_t pairs = blocks / 2;
+  for (int64_t p = 0; p < pairs; ++p) {  // two blocks: 32 bytes, 16 lanes of four nibbles
+    const int64_t b = 2 * p;
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* pair = q + (n + i) * (k / 2) + p * 32;
+      const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+      prefetch_ahead(pair);
+      const __m256i w0 = _mm256_and_si256(lanes, nibble);  // q[0..15] as int16
+      const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(lanes, 4), nibble);
+      const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(lanes, 8), nibble);
+      const __m256i w3 = _mm256_srli_epi16(lanes, 12);  // q[48..63]
+      const __m256 scale0 = _mm256_broadcast_ss(scales + i * groups + b / blocks_per_group);
+      const __m256 scale1 =
+          _mm256_broadcast_ss(scales + i * groups + (b + 1) / blocks_per_group);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
+        const __m256i sums0 = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xv)),
+                                               _mm256_madd_epi16(w1, _mm256_loadu_si256(xv + 1)));
+        const __m256i sums1 =
+            _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_loadu_si256(xv + 2)),
+                             _mm256_madd_epi16(w3, _mm256_loadu_si256(xv + 3)));
+        const float* x_scale = x_scales + r * blocks + b;
+        if constexpr (FOLDED) {
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums0), scale0, acc[i][r]);
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums1), scale1, acc[i][r]);
+        } else {
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums0),
+                                      _mm256_mul_ps(_mm256_broadcast_ss(x_scale), scale0),
+                                      acc[i][r]);
+          acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums1),
+                                      _mm256_mul_ps(_mm256_broadcast_ss(x_scale + 1), scale1),
+                                      acc[i][r]);
+        }
+      }
+    }
+  }
+  if (blocks % 2) {  // an odd last block in GGUF's byte order
+    const int64_t b = blocks - 1;
+    const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* block = q + (n + i) * (k / 2) + pairs * 32;
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
+      const __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, low_nibbles));
+      const __m256i w1 =
+          _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles));
+      const __m256 scale = _mm256_broadcast_ss(scales + i * groups + b / blocks_per_group);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
+        const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xv)),
+                                              _mm256_madd_epi16(w1, _mm256_loadu_si256(xv + 1)));
+        const __m256 weight =
+            FOLDED ? scale : _mm256_mul_ps(_mm256_broadcast_ss(x_scales + r * blocks + b), scale);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), weight, acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r)
+      y[r * n_total + n + i] = horizontal_sum(acc[i][r]) + offset_acc[i][r];
+}
+
+// Output rows [n0, n1) for ROWS activation rows: tiles of 4 output rows (2 for 3-4
+// activation rows, keeping the accumulators in registers), then one at a time.
+template <int ROWS>
+void rows_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
+                  const uint16_t* scale_zero, int64_t groups, int64_t group_size,
+                  const float* offset_sums, float* y, int64_t n_total, int64_t n0, int64_t n1,
+                  float* scratch) {
+  constexpr int kTile = ROWS <= 2 ? 4 : 2;
+  int64_t n = n0;
+  if constexpr (ROWS == 1) {
+    if (group_size == kBlock) {
+      for (; n + kTile <= n1; n += kTile)
+        tile_avx2_q8<1, kTile, true>(xq, x_scales, k, q, scale_zero, groups, group_size,
+                                     offset_sums, y, n_total, n, scratch);
+      for (; n < n1; ++n)
+        tile_avx2_q8<1, 1, true>(xq, x_scales, k, q, scale_zero, groups, group_size, offset_sums,
+                                 y, n_total, n, scratch);
+      return;
+    }
+  }
+  for (; n + kTile <= n1; n += kTile)
+    tile_avx2_q8<ROWS, kTile>(xq, x_scales, k, q, scale_zero, groups, group_size, offset_sums,
+                              y, n_total, n, scratch);
+  for (; n < n1; ++n)
+    tile_avx2_q8<ROWS, 1>(xq, x_scales, k, q, scale_zero, groups, group_size, offset_sums, y,
+                          n_total, n, scratch);
+}
+#endif
+
+// The same product without vector intrinsics (CPUs without AVX2 + FMA).
+// The int4 value of input j in a row held as described at the top of this file.
+inline int nibble_at(const uint8_t* row, int64_t j, int64_t pairs) {
+  const int64_t pair = j / 64;
+  if (pair < pairs) {
+    const int64_t within = j % 64, lane = within % 16, which = within / 16;
+    const uint8_t byte = row[pair * 32 + 2 * lane + (which >= 2 ? 1 : 0)];
+    return which % 2 == 0 ? (byte & 0x0F) : (byte >> 4);
+  }
+  const int64_t tail = j - pairs * 64;  // the odd last block, GGUF's byte order
+  const uint8_t byte = row[pairs * 32 + tail % 16];
+  return tail < 16 ? (byte & 0x0F) : (byte >> 4);
+}
+
+void rows_scalar(const float* x, int64_t rows, int64_t k, const uint8_t* q,
+                 const uint16_t* scale_zero, int64_t groups, int64_t group_size,
+                 const float* offset_sums, float* y, int64_t n_total, int64_t n0, int64_t n1) {
+  const int64_t pairs = k / (2 * kBlock);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = q + n * (k / 2);
+    const uint16_t* pairs_sz = scale_zero + n * groups * 2;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * k;
+      float total = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        float group_sum = 0.0f;
+        for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i)
+          group_sum += static_cast<float>(nibble_at(row, i, pairs)) * xr[i];
+        const float scale = bf16_to_float(pairs_sz[2 * g]);
+        const float offset = bf16_to_float(pairs_sz[2 * g + 1]) - 8.0f * scale;
+        total += scale * group_sum + offset * offset_sums[r * groups + g];
+      }
+      y[r * n_total + n] = total;
+    }
+  }
+}
+
+void check_arguments(const at::Tensor& x, const at::Tensor& qweight,
+                     const at::Tensor& scale_zero) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "int4_gemv: x must be a contiguous float32 [rows, in] tensor");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
+              "int4_gemv: qweight must be a contiguous uint8 [out, in / 2] tensor");
+  TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(2) == 2 &&
+                  scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous(),
+              "int4_gemv: scale_zero must be a contiguous bfloat16 [out, groups, 2] tensor");
+  const int64_t k = x.size(1), n = qweight.size(0);
+  const int64_t groups = scale_zero.size(1);
+  TORCH_CHECK(qweight.size(1) * 2 == k, "int4_gemv: x has ", k, " inputs, qweight ",
+              qweight.size(1) * 2);
+  TORCH_CHECK(scale_zero.size(0) == n && groups > 0 && k % groups == 0 &&
+                  (k / groups) % kBlock == 0,
+              "int4_gemv: groups must divide the inputs into multiples of 32");
+}
+
+#ifdef EXO_AVX2
+template <int ROWS>
+void rows_at(const int16_t* xq, const float* xs, int64_t k, const uint8_t* q, const uint16_t* sz,
+             int64_t groups, int64_t group_size, const float* sums, float* y, int64_t n,
+             int64_t n0, int64_t n1, float* scratch) {
+  rows_avx2_q8<ROWS>(xq, xs, k, q, sz, groups, group_size, sums, y, n, n0, n1, scratch);
+}
+#endif
+
+}  // namespace
+
+namespace exo_native {
+
+void int4_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& qweight,
+                  const at::Tensor& scale_zero, float* yp) {
+  const int64_t n = qweight.size(0);
+  const int64_t groups = scale_zero.size(1);
+  const int64_t group_size = k / groups;
+  if (rows == 0 || n == 0) return;
+  const uint8_t* qp = qweight.data_ptr<uint8_t>();
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>());
+
+  // About 128 KiB of activations-times-weights work per task: small enough to balance two
+  // threads on a 576-wide projection, large enough that the thread pool's cost stays small.
+  const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 17) / std::max<int64_t>(k, 1));
+  // Per-call scratch kept by the calling thread (no allocation per call in decode).
+  thread_local std::vector<float> group_sums;
+  group_sums.resize(static_cast<size_t>(rows * groups));
+  float* sums = group_sums.data();
+#ifdef EXO_AVX2
+  const int64_t blocks = k / kBlock;
+  thread_local std::vector<int16_t> quantized;
+  thread_local std::vector<float> x_scales;
+  quantized.resize(static_cast<size_t>(rows * k));
+  x_scales.resize(static_cast<size_t>(rows * blocks));
+  int16_t* xq = quantized.data();
+  float* xs = x_scales.data();
+  quantize_rows(xp, rows, k, group_size, xq, xs, sums);
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    float scratch[4 * 512];  // four rows' scales, up to 512 groups (16,384 inputs)
+    std::vector<float> large;
+    float* tmp = scratch;
+    if (4 * groups > 4 * 512) {
+      large.resize(static_cast<size_t>(4 * groups));
+      tmp = large.data();
+    }
+    for_row_groups(rows, [&](auto count, int64_t r) {
+      rows_at<decltype(count)::value>(xq + r * k, xs + r * blocks, k, qp, sz, groups, group_size,
+                                      sums + r * groups, yp + r * n, n, n0, n1, tmp);
+    });
+  });
+#else
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.0f;
+      for (int64_t i = 0; i < group_size; ++i) sum += xp[r * k + g * group_size + i];
+      sums[r * groups + g] = sum;
+    }
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    rows_scalar(xp, rows, k, qp, sz, groups, group_size, sums, yp, n, n0, n1);
+  });
+#endif
+}
+
+}  // namespace exo_native
+
+namespace {
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_zero) {
+  check_arguments(x, qweight, scale_zero);
+  at::Tensor y = at::empty({x.size(0), qweight.size(0)}, x.options());
+  exo_native::int4_product(x.data_ptr<float>(), x.size(0), x.size(1), qweight, scale_zero,
+                           y.data_ptr<float>());
+  return y;
+}
+
+}  // namespace
+
+namespace exo_native {
+
+void rms_norm_row(const float* row, const float* weight, int64_t hidden, float eps, float* out) {
+  // Eight partial sums (vectorized by the compiler), then their total.
+  float partial[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t i = 0;
+  for (; i + 8 <= hidden; i += 8)
+    for (int lane = 0; lane < 8; ++lane) partial[lane] += row[i + lane] * row[i + lane];
+  float squares = 0.0f;
+  for (; i < hidden; ++i) squares += row[i] * row[i];
+  for (int lane = 0; lane < 8; ++lane) squares += partial[lane];
+  const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+  if (weight == nullptr) {
+    for (int64_t j = 0; j < hidden; ++j) out[j] = row[j] * inverse;
+  } else {
+    for (int64_t j = 0; j < hidden; ++j) out[j] = row[j] * inverse * weight[j];
+  }
+}
+
+}  // namespace exo_native
+
+namespace {
+
+// RMSNorm over the last dimension of float32 rows, `x / sqrt(mean(x^2) + eps) * weight`
+// (Zhang & Sennrich 2019), in one pass per row: torch's CPU rms_norm runs as ~7 separate
+// operators (pow, mean, add, rsqrt, mul, mul, ...), which dominate a decode step's norms.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "rms_norm: x must be a contiguous float32 [rows, hidden] tensor");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == hidden &&
+                  weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              "rms_norm: weight must be a contiguous float32 [hidden] tensor");
+  at::Tensor y = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float epsilon = static_cast<float>(eps);
+  auto normalize = [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      exo_native::rms_norm_row(xp + r * hidden, wp, hidden, epsilon, yp + r * hidden);
+  };
+  // One row (decode) is far below a thread hand-off's cost; prefill rows are split.
+  if (rows * hidden < (int64_t{1} << 16)) {
+    normalize(0, rows);
+  } else {
+    at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t{1} << 15) / hidden), normalize);
+  }
+  return y;
+}
+
+}  // namespace
+
+namespace {
+
+// Symmetric int8 weights with one scale per output row (Int8Linear, the LM head's format):
+// y[m, n] = scale[n] * sum_k v[n, k] x[m, k]. Activations rounded per block of 32 to int16
+// as above, reordered within each block to its even then its odd inputs, so a 32-byte load
+// of weights sign-extends to int16 by shifts alone (lane i of the load holds inputs 2i and
+// 2i + 1 of the block in its low and high bytes); no byte-to-word widening.
+#ifdef EXO_AVX2
+template <int ROWS, int NR>
+void tile_avx2_int8_channel(const int16_t* xq, const float* x_scales, int64_t k, const int8_t* v,
+                            const uint16_t* scales, float* y, int64_t n_total, int64_t n) {
+  const int64_t blocks = k / kBlock;
+  __m256 acc[NR][ROWS];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int i = 0; i < NR; ++i) {
+      const __m256i bytes =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (n + i) * k + b * kBlock));
+      prefetch_ahead(v + (n + i) * k + b * kBlock);
+      const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 8);
+      const __m256i odd = _mm256_srai_epi16(bytes, 8);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
+        const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_loadu_si256(xv)),
+                                              _mm256_madd_epi16(odd, _mm256_loadu_si256(xv + 1)));
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                    _mm256_broadcast_ss(x_scales + r * blocks + b), acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r)
+      y[r * n_total + n + i] = horizontal_sum(acc[i][r]) * bf16_to_float(scales[n + i]);
+}
+
+template <int ROWS>
+void rows_avx2_int8_channel(const int16_t* xq, const float* xs, int64_t k, const int8_t* v,
+                            const uint16_t* scales, float* y, int64_t n_total, int64_t n0,
+                            int64_t n1) {
+  constexpr int kTile = int8_tile_rows<ROWS>();
+  int64_t n = n0;
+  for (; n + kTile <= n1; n += kTile)
+    tile_avx2_int8_channel<ROWS, kTile>(xq, xs, k, v, scales, y, n_total, n);
+  for (; n < n1; ++n) tile_avx2_int8_channel<ROWS, 1>(xq, xs, k, v, scales, y, n_total, n);
+}
+#endif
+
+}  // namespace
+
+namespace exo_native {
+
+void int8_channel_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& weight,
+                          const at::Tensor& scales, float* yp) {
+  const int64_t n = weight.size(0);
+  if (rows == 0 || n == 0) return;
+  const int8_t* vp = weight.data_ptr<int8_t>();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 17) / std::max<int64_t>(k, 1));
+#ifdef EXO_AVX2
+  const int64_t blocks = k / kBlock;
+  thread_local std::vector<int16_t> rounded;
+  thread_local std::vector<float> x_scales, block_sums;
+  rounded.resize(static_cast<size_t>(rows * k));
+  x_scales.resize(static_cast<size_t>(rows * blocks));
+  block_sums.resize(static_cast<size_t>(rows * blocks));
+  quantize_rows(xp, rows, k, kBlock, rounded.data(), x_scales.data(), block_sums.data());
+  reorder_even_odd(rounded.data(), rows * k);
+  const int16_t* xq = rounded.data();
+  const float* xs = x_scales.data();
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    for_row_groups(rows, [&](auto count, int64_t r) {
+      rows_avx2_int8_channel<decltype(count)::value>(xq + r * k, xs + r * blocks, k, vp, sp,
+                                                     yp + r * n, n, n0, n1);
+    });
+  });
+#else
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t o = n0; o < n1; ++o)
+      for (int64_t r = 0; r < rows; ++r) {
+        float total = 0.0f;
+        for (int64_t j = 0; j < k; ++j) total += static_cast<float>(vp[o * k + j]) * xp[r * k + j];
+        yp[r * n + o] = total * bf16_to_float(sp[o]);
+      }
+  });
+#endif
+}
+
+}  // namespace exo_native
+
+namespace {
+
+at::Tensor int8_channel_gemv(const at::Tensor& x, const at::Tensor& weight,
+                             const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "int8_channel_gemv: x must be a contiguous float32 [rows, in] tensor");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous(),
+              "int8_channel_gemv: weight must be a contiguous int8 [out, in] tensor");
+  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(weight.size(1) == k && k % kBlock == 0, "int8_channel_gemv: x has ", k,
+              " inputs, the weight ", weight.size(1), " (a multiple of 32 is needed)");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n &&
+                  scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(),
+              "int8_channel_gemv: scales must be a contiguous bfloat16 [out] tensor");
+  at::Tensor y = at::empty({rows, n}, x.options());
+  exo_native::int8_channel_product(x.data_ptr<float>(), rows, k, weight, scales,
+                                   y.data_ptr<float>());
+  return y;
+}
+
+}  // namespace
+
+namespace {
+
+// bfloat16 weights (GGUF types held unquantized, e.g. Q6_K) times float32 activations,
+// exactly in float32: widening the weight is one shift per 8 values, so the product is
+// bound by reading 2 bytes per weight (one 2048x640 row on the 2-core AMD EPYC: 0.07 ms,
+// torch's bfloat16 linear on bfloat16 rows 0.15 ms; this CPU has no bfloat16 arithmetic).
+#ifdef EXO_AVX2
+template <int NR>
+void tile_avx2_bf16(const float* x, int64_t rows, int64_t k, const uint16_t* w, float* y,
+                    int64_t n_total, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    __m256 acc[NR];
+    for (int i = 0; i < NR; ++i) acc[i] = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= k; j += 8) {
+      const __m256 xv = _mm256_loadu_ps(x + r * k + j);
+      for (int i = 0; i < NR; ++i) {
+        const uint16_t* values = w + (n + i) * k + j;
+        const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values));
+        if (j % 32 == 0) prefetch_ahead(values);
+        const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+        acc[i] = _mm256_fmadd_ps(wv, xv, acc[i]);
+      }
+    }
+    for (int i = 0; i < NR; ++i) {
+      float total = horizontal_sum(acc[i]);
+      for (int64_t t = j; t < k; ++t) total += bf16_to_float(w[(n + i) * k + t]) * x[r * k + t];
+      y[r * n_total + n + i] = total;
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+namespace exo_native {
+
+void bf16_product(const float* x, int64_t rows, int64_t k, const at::Tensor& weight, float* y) {
+  const int64_t n = weight.size(0);
+  if (rows == 0 || n == 0) return;
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / std::max<int64_t>(k, 1));
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    int64_t o = n0;
+#ifdef EXO_AVX2
+    for (; o + 4 <= n1; o += 4) tile_avx2_bf16<4>(x, rows, k, w, y, n, o);
+    for (; o < n1; ++o) tile_avx2_bf16<1>(x, rows, k, w, y, n, o);
+#else
+    for (; o < n1; ++o)
+      for (int64_t r = 0; r < rows; ++r) {
+        float total = 0.0f;
+        for (int64_t t = 0; t < k; ++t) total += bf16_to_float(w[o * k + t]) * x[r * k + t];
+        y[r * n + o] = total;
+      }
+#endif
+  });
+}
+
+}  // namespace exo_native
+
+namespace {
+
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "bf16_gemv: x must be a contiguous float32 [rows, in] tensor");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
+                  weight.is_contiguous() && weight.size(1) == x.size(1),
+              "bf16_gemv: weight must be a contiguous bfloat16 [out, in] tensor");
+  at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
+  exo_native::bf16_product(x.data_ptr<float>(), x.size(0), x.size(1), weight,
+                           y.data_ptr<float>());
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(exo_native, m) {
+  m.def("int4_gemv(Tensor x, Tensor qweight, Tensor scale_zero) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("int8_channel_gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("bf16_gemv(Tensor x, Tensor weight) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(exo_native, CPU, m) {
+  m.impl("int4_gemv", &int4_gemv);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("int8_channel_gemv", &int8_channel_gemv);
+  m.impl("bf16_gemv", &bf16_gemv);
+}

@@ -1,0 +1,319 @@
+"""exo's own CPU kernels (`native/*.cpp`) for x86 CPUs with AVX2 + FMA: decode products
+for int4 blocks, int8 per channel and bfloat16 weights (`int4_gemv.cpp`), int8 blocks with
+(scale, zero) pairs or symmetric scales per 16 or 32 inputs (`int8_blocks.cpp`), GGUF Q5_0's
+5-bit blocks (`int5_blocks.cpp`),
+prefill products (`prefill.cpp`), prefill's gated activation and q/k norm + rotary
+(`prefill_ops.cpp`), a one-pass RMSNorm, and a whole decoder layer's decode step
+(`decode_layer.cpp`, called by `direct_forward.LeanModel` for decode steps, a short prompt
+chunk beside the decode rows included).
+
+torch's `aten._weight_int4pack_mm_for_cpu` is fast where torch dispatches to AVX512 (its
+tiled kernel reads the packed weights at memory speed) but on AVX2-only CPUs (AMD Zen 1-3,
+most Intel desktop parts) it takes a compute-bound path: measured on a 2-core AMD EPYC (Zen
+3, AVX2), a 3072x576 int4 product took 128 µs (7 GB/s of packed weights; the int8 kernel 78
+µs, a float32 matmul 167 µs), and SmolLM2-135M decoded at 45 tok/s against llama.cpp's 135
+on the same cores. Where torch dispatches to AVX512 its kernel is not fast either: on a
+2-core Intel Xeon (Emerald Rapids, AVX512 with BF16 and VNNI, no AMX exposed; 2026-12-02)
+SmolLM2-135M decoded at 46 tok/s with it and 106 with exo's kernels (llama.cpp: 74-80), so
+exo's kernels run on every x86 CPU with AVX2 + FMA. exo's kernel holds int4 blocks of 32
+(pairs of blocks as 16-bit lanes of four nibbles), takes float32 activations (no cast to
+bfloat16 around each call), rounds them to int16 per block, sums the products in int32 with
+AVX2 and prefetches each weight row 16 KiB ahead (see the C++ file): 49 µs for the same
+product from cache (22 GB/s), SmolLM2's 30 layers from memory at 18 GB/s; teacher-forced on
+400 tokens of SmolLM2-135M (measured with blocks in GGUF's byte order) its KL from the
+float32 model is 3.1e-4 (torch's int4 kernel on bfloat16 activations: 1.1e-3). torch's
+RMSNorm runs as ~7 operators on CPU (16 µs for one 576-wide row here); exo's takes one pass
+(3 µs, mostly the call).
+
+The C++ files are compiled on first use (torch's extension builder: the machine's C++
+compiler and `ninja`, a dependency) into a cache directory (`TORCH_EXTENSIONS_DIR`, else
+`~/.cache/torch_extensions`), under a name that carries the source's and flags' hash and
+the instruction set it was built for, so a later start (or another runner) loads the built
+library in well under a second. Where it cannot be built (no compiler), the engine logs why
+once and keeps torch's kernels.
+
+`NATIVE_INT4_ENV`: "1" uses the kernels on any CPU (the AVX2 path on x86 CPUs with AVX2 +
+FMA, a portable exact float32 loop elsewhere; for tests and A/B runs), "0" never; unset:
+where the CPU has AVX2 + FMA (AVX512 CPUs included)."""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from loguru import logger
+
+from exo.utils.cpu_features import AMX_BF16_FLAGS, cpu_flags
+
+NATIVE_INT4_ENV = "EXO_NATIVE_INT4"
+
+_NATIVE = Path(__file__).with_name("native")
+_SOURCES = tuple(
+    _NATIVE / name
+    for name in (
+        "int4_gemv.cpp",
+        "int8_blocks.cpp",
+        "int5_blocks.cpp",
+        "decode_layer.cpp",
+        "decode_attention.cpp",
+        "prefill.cpp",
+        "prefill_int8.cpp",
+        "prefill_dequantized.cpp",
+        "prefill_bf16.cpp",
+        "prefill_ops.cpp",
+    )
+)
+_HEADERS = (
+    _NATIVE / "kernels.h",
+    _NATIVE / "block_rows.h",
+    _NATIVE / "row_ops.h",
+    _NATIVE / "prefill_pack.h",
+)
+# A first build takes ~15-40 s on 2 cores (torch's headers dominate).
+BUILD_TIMEOUT_S = 600.0
+
+Int4Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _x86_avx2() -> bool:
+    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= cpu_flags()
+
+
+# Whether the kernel built here rounds activations to int16 blocks (its AVX2 path) or
+# computes the float32 product exactly (its portable loop).
+ROUNDS_ACTIVATIONS = _x86_avx2()
+
+
+def rounded_activations(rows: torch.Tensor) -> torch.Tensor:
+    """float32 rows `[n, in]` as the AVX2 kernel rounds them: per block of 32 inputs, the
+    nearest integer multiple (ties to even, |multiple| <= 32767) of the block's scale, its
+    largest |x| / 32767 (an all-zero block stays zero). Same float32 operations as the C++."""
+    blocks = rows.reshape(rows.shape[0], -1, 32)
+    scales = blocks.abs().amax(dim=-1, keepdim=True) / 32767.0
+    values = torch.where(scales > 0, blocks / scales, 0.0).round_()
+    return (values * scales).reshape(rows.shape)
+
+
+def native_int4_wanted() -> bool:
+    """Whether int4 linears should hold exo's layout and run its kernel (`NATIVE_INT4_ENV`,
+    else: an x86 CPU with AVX2 + FMA). Building may still fail:
+    `native_int4_kernel()` then returns None."""
+    forced = os.environ.get(NATIVE_INT4_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
+    return _x86_avx2()
+
+
+def native_int4_kernel() -> Int4Gemv | None:
+    """The compiled `int4_gemv(x [rows, in] float32, qweight [out, in / 2] uint8,
+    scale_zero [out, groups, 2] bfloat16) -> [rows, out] float32` where it is wanted
+    (`native_int4_wanted`) and could be built; else None (a failed build logs one warning
+    naming the cause)."""
+    return built_int4_kernel() if native_int4_wanted() else None
+
+
+@functools.cache
+def built_int4_kernel() -> Int4Gemv | None:
+    """The kernel of `native_int4_kernel`, built (or loaded from the cache) once per
+    process whether or not it is wanted; None where that fails."""
+    try:
+        library = _built_library_for_this_cpu()
+        torch.ops.load_library(str(library))
+        kernel: Int4Gemv = torch.ops.exo_native.int4_gemv
+    except Exception as error:  # a missing compiler or ninja, a failed build, a bad cache
+        lines = str(error).strip().splitlines()
+        logger.warning(
+            "exo's native kernels could not be built ({}: {}); int4 layers use torch's kernel",
+            type(error).__name__, lines[-1] if lines else "",
+        )  # fmt: skip
+        return None
+    logger.debug("exo's native kernels loaded from {}", library)
+    return kernel
+
+
+def int16_prefill_is_integer() -> bool:
+    """Whether prefill's products with int16 activations (`block_matmul`) take exo's integer
+    GEMM, exactly the decode kernels' sums (AVX2 builds, and AVX512 ones with VNNI and BW),
+    rather than the weight dequantized to float32 (the same product to float32 rounding:
+    builds with AVX512 but not VNNI + BW, where that is faster, and `EXO_NATIVE_INT_GEMM=0`;
+    see native/prefill.cpp). False where the kernels are not built."""
+    if built_int4_kernel() is None:
+        return False
+    return bool(torch.ops.exo_native.int16_integer_gemm())
+
+
+def bf16_prefill_available() -> bool:
+    """Whether prefill's bf16 product runs here (`--prefill-activations bf16`: exo's kernels
+    built with AMX-BF16, and oneDNN's AMX micro-kernel usable: native/prefill_bf16.cpp);
+    elsewhere bf16 falls back to int16."""
+    if native_int4_kernel() is None:  # not wanted here, or not built: nothing is built now
+        return False
+    return bool(torch.ops.exo_native.bf16_prefill_available())
+
+
+def built_int8_block_kernel() -> Int4Gemv | None:
+    """`int8_block_gemv(x [rows, in] float32, values [out, in] int8, scale_zero [out,
+    in / 32, 2] bfloat16) -> [rows, out] float32`, `w = (v - 8) * scale + zero` per block of
+    32 (GGUF's 8- and 5-bit blocks), from the same library as `built_int4_kernel`; None
+    where that could not be built."""
+    if built_int4_kernel() is None:
+        return None
+    kernel: Int4Gemv = torch.ops.exo_native.int8_block_gemv
+    return kernel
+
+
+def built_int8_scaled_kernel() -> Int4Gemv | None:
+    """`int8_scaled_gemv(x [rows, in] float32, values [out, in] int8, scales [out, in / S]
+    bfloat16) -> [rows, out] float32`, `w = v * scale` per block of S = 16 or 32 inputs
+    (GGUF Q6_K, Q8_0), from the same library as `built_int4_kernel`; None where that could
+    not be built."""
+    if built_int4_kernel() is None:
+        return None
+    kernel: Int4Gemv = torch.ops.exo_native.int8_scaled_gemv
+    return kernel
+
+
+def _base_flags() -> list[str]:
+    # OpenMP: torch's `at::parallel_for` is inlined into the extension and only spreads
+    # work over the intra-op threads when the extension is compiled with it.
+    flags = ["-O3", "-fopenmp"]
+    if _x86_avx2():
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def _flags() -> list[str]:
+    flags = _base_flags()
+    if _x86_avx2():
+        # AVX512 and VNNI (one vpdpwssd / vpdpbusd per product and sum in the integer GEMMs;
+        # with AVX512BW too, prefill.cpp's int16 tiles are 512 bits wide, without it int16
+        # activations are multiplied in float32): GCC's own code stays 256 bits wide.
+        cpu = cpu_flags()
+        if "avx512f" in cpu:
+            flags += ["-mavx512f", "-mprefer-vector-width=256"]
+            if {"avx512_vnni", "avx512vl"} <= cpu:
+                flags += ["-mavx512vnni", "-mavx512vl"]
+                if "avx512bw" in cpu:
+                    flags += ["-mavx512bw"]
+            if cpu >= AMX_BF16_FLAGS:
+                # prefill_bf16.cpp: the weight dequantized to bfloat16 for oneDNN's AMX
+                # micro-kernel (torch's), which runs the tiles.
+                flags += ["-mavx512bf16", "-mavx512vl", "-DEXO_AMX_BF16"]
+        elif "avx_vnni" in cpu:
+            flags += ["-mavxvnni"]
+    return flags
+
+
+def _built_library_for_this_cpu() -> Path:
+    """`_built_library` with this CPU's flags (`_flags`) or, where that build fails (a
+    compiler too old for `-mavxvnni`, say: GCC 10), with the AVX2 ones (`_base_flags`).
+
+    Raises:
+        RuntimeError: the last build failed.
+    """
+    flags, base = _flags(), _base_flags()
+    if flags == base:
+        return _built_library(base)
+    try:
+        return _built_library(flags)
+    except Exception as error:  # the build's own failure, or a subprocess timeout
+        lines = str(error).strip().splitlines()
+        logger.warning(
+            "exo's native kernels did not build with {} ({}); building them for AVX2 only",
+            " ".join(flags[len(base) :]), lines[-1] if lines else type(error).__name__,
+        )  # fmt: skip
+        return _built_library(base)
+
+
+def _built_library(flags: list[str]) -> Path:
+    """The shared library for this source and these flags, built once per cache.
+
+    The build runs in a child process (torch's builder also loads what it builds, and a
+    library loaded from two paths would register its operators twice) into a private
+    directory, and the result is renamed into place, all under an `fcntl` lock, which the
+    system releases when its holder dies. (torch's own build lock is a file whose holder,
+    killed mid-build, would leave every later load waiting.)
+
+    Raises:
+        RuntimeError: the build failed (its last output lines are in the message).
+    """
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
+    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:12]
+    name = f"exo_native_{'avx2' if _x86_avx2() else 'generic'}_{digest}"
+    root = _cache_root()
+    library = root / f"{name}.so"
+    if library.exists():
+        return library
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if library.exists():  # built by another process while this one waited
+            return library
+        logger.info("building exo's native kernels (once per machine, up to a minute) in {}", root)
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=root) as build:
+            script = (
+                "import sys\n"
+                "from torch.utils.cpp_extension import load\n"
+                "load(name=sys.argv[1], sources=sys.argv[2].split('\\n'),"
+                " build_directory=sys.argv[3], extra_cflags=sys.argv[4].split(),"
+                " extra_ldflags=['-fopenmp'], is_python_module=False, verbose=False)\n"
+            )
+            done = subprocess.run(
+                [sys.executable, "-c", script, name, "\n".join(map(str, _SOURCES)), build,
+                 " ".join(flags)],
+                capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False,
+                env=_build_environment(),
+            )  # fmt: skip
+            built = Path(build) / f"{name}.so"
+            if done.returncode != 0 or not built.exists():
+                output = (done.stderr or done.stdout).strip().splitlines()[-3:]
+                raise RuntimeError(" / ".join(output) or f"exit code {done.returncode}")
+            os.replace(built, library)
+        logger.info("built exo's native kernels in {:.0f} s", time.monotonic() - started)
+    return library
+
+
+def _build_environment() -> dict[str, str]:
+    """This process's environment with `ninja` findable: torch's builder runs it from PATH,
+    so the `ninja` package's directory and this interpreter's (a virtual environment's bin,
+    where pip put it) go first, for a node started without activating its environment."""
+    directories = [str(Path(sys.executable).parent)]
+    try:
+        import ninja
+
+        directories.insert(0, str(ninja.BIN_DIR))
+    except (ImportError, AttributeError):
+        pass
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    missing = [directory for directory in directories if directory not in path]
+    return {**os.environ, "PATH": os.pathsep.join([*missing, *path])}
+
+
+def _cache_root() -> Path:
+    """Where built kernels are kept: `TORCH_EXTENSIONS_DIR`, else
+    `~/.cache/torch_extensions`, else (a home that is not writable) the temporary
+    directory."""
+    configured = os.environ.get("TORCH_EXTENSIONS_DIR")
+    candidates = [Path(configured)] if configured else []
+    candidates += [
+        Path.home() / ".cache" / "torch_extensions",
+        Path(tempfile.gettempdir()) / f"torch_extensions-{os.getuid()}",
+    ]
+    for candidate in candidates:
+        try:
+            candidate.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(candidate, os.W_OK):
+            return candidate
+    raise RuntimeError("no writable directory for built kernels")
