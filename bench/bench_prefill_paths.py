@@ -37,11 +37,11 @@ def main() -> int:
     arguments = parser.parse_args()
     import torch
 
+    from exo.worker.engines.torch.quant.int4_groups import pack_native_int4
     from exo.worker.engines.torch.quant.native_kernels import (
         bf16_prefill_available,
         built_int4_kernel,
     )
-    from exo.worker.engines.torch.quant.quantize import pack_native_int4
 
     if built_int4_kernel() is None:
         print("exo's native kernels are not available here", file=sys.stderr)

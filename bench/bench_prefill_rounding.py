@@ -30,11 +30,11 @@ from exo.shared.types.shards import PipelineShardMetadata
 from exo.worker.engines.torch.batching.batch_attention import (
     BatchPlan,
     PrefillSegment,
-    SlotKVCache,
     attention_layers,
     forward_batch,
     use_batched_attention,
 )
+from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.model.families import family_for_architecture
 from exo.worker.engines.torch.quant.native_kernels import bf16_prefill_available

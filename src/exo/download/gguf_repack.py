@@ -5,7 +5,7 @@ model.safetensors) whose weights are the GGUF's own quantized values, never dequ
 float32 and quantized again:
 
 - **Q4_0, Q4_1, Q4_K** become the engine's int4 groups of 32 (`INT4_GROUP_SIZE`, the layout of
-  `quantize.Int4Linear`: `w = (q - 8) * scale + zero` per group). The 4-bit values are moved
+  `int4_groups.Int4Linear`: `w = (q - 8) * scale + zero` per group). The 4-bit values are moved
   by shifts and masks; only the per-group scale and zero are computed, in float32 from the
   block's fp16 fields (exact up to float32 rounding of one product and one sum), and stored
   in float32, so a float32 load gives the GGUF's values; the int4 kernel holds them in

@@ -166,8 +166,8 @@ def _prefill_weight(kind: str) -> tuple[Any, Any]:
     int8 in [-32, 31] with one scale per 16, GGUF Q6_K's form) and its bfloat16 scales."""
     import torch
 
+    from exo.worker.engines.torch.quant.int4_groups import pack_native_int4
     from exo.worker.engines.torch.quant.int5_blocks import int5_lanes
-    from exo.worker.engines.torch.quant.quantize import pack_native_int4
 
     generator = torch.Generator().manual_seed(4)
     shape = (INT4_OUTPUTS, INT4_INPUTS)
@@ -331,7 +331,7 @@ class NativeTinyLayer:
     def __init__(self) -> None:
         import torch
 
-        from exo.worker.engines.torch.quant.quantize import pack_native_int4
+        from exo.worker.engines.torch.quant.int4_groups import pack_native_int4
 
         hidden, head_dim, mlp, heads = (
             TinyLayer.HIDDEN, TinyLayer.HEAD_DIM, TinyLayer.MLP, TinyLayer.HEADS,

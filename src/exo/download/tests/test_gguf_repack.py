@@ -32,10 +32,11 @@ from exo.worker.engines.torch.quant.gguf_weights import (
     DequantizedGroups,
     int4_linear_from_groups,
 )
+from exo.worker.engines.torch.quant.int4_groups import Int4Linear
 from exo.worker.engines.torch.quant.int4_planes import SplitInt4Linear
 from exo.worker.engines.torch.quant.int8_blocks import ScaledInt8Linear
 from exo.worker.engines.torch.quant.native_kernels import native_int4_kernel
-from exo.worker.engines.torch.quant.quantize import Int4Linear, WeightDtype
+from exo.worker.engines.torch.quant.quantize import WeightDtype
 
 ROWS, COLUMNS = 64, 512
 BF16_RELATIVE = 2.0**-8  # bfloat16 keeps 8 significant bits: rounding moves a value <= 2^-9

@@ -29,11 +29,11 @@ from transformers import PreTrainedModel
 from exo.worker.engines.torch.batching.batch_attention import (
     BatchPlan,
     PrefillSegment,
-    SlotKVCache,
     commit_lengths,
     forward_batch,
     lean_step_of,
 )
+from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.comm.process_group import (
     broadcast_message,
     receive_message,

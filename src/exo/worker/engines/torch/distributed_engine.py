@@ -54,12 +54,12 @@ from exo.worker.engines.prompt import RenderedPrompt
 from exo.worker.engines.torch.batching.batch_attention import (
     BATCHED_ATTENTION,
     BatchPlan,
-    SlotKVCache,
     attention_layers,
     forward_batch,
     use_batched_attention,
 )
 from exo.worker.engines.torch.batching.scheduler import BatchScheduler, StepOutput
+from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.comm.process_group import (
     IDLE_WAIT,
     post_receive,

@@ -37,7 +37,6 @@ from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.worker.engines.prompt import RenderedPrompt, decode_keeping_markers, render_prompt
 from exo.worker.engines.torch.batching.batch_attention import (
-    SlotKVCache,
     attention_layers,
     use_batched_attention,
 )
@@ -48,6 +47,7 @@ from exo.worker.engines.torch.batching.request_state import (
     new_request_id,
 )
 from exo.worker.engines.torch.batching.scheduler import BatchScheduler, StepOutput
+from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.decoding.constraints import (
     TokenConstraint,
     json_object_constraint,
@@ -55,14 +55,11 @@ from exo.worker.engines.torch.decoding.constraints import (
     tool_call_constraint,
 )
 from exo.worker.engines.torch.decoding.detokenizer import StreamingDetokenizer
-from exo.worker.engines.torch.decoding.sampling import (
-    LogitBias,
-    Sampler,
+from exo.worker.engines.torch.decoding.logit_adjustments import LogitBias, TokenPenalties
+from exo.worker.engines.torch.decoding.sampling import Sampler, TokenChooser, step_logprobs
+from exo.worker.engines.torch.decoding.sampling_params import (
     SamplingParams,
-    TokenChooser,
-    TokenPenalties,
     resolve_sampling_params,
-    step_logprobs,
 )
 from exo.worker.engines.torch.decoding.stop_sequences import StopSequenceMatcher
 from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary

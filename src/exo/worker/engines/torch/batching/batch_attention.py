@@ -37,13 +37,11 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
-from exo.worker.engines.torch.batching.kv_memory import release_positions, zeroed_kv_buffer
-from exo.worker.engines.torch.quant.quantize import DECODE_ROWS
+from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
+from exo.worker.engines.torch.quant.quantized_linear import DECODE_ROWS
 
 BATCHED_ATTENTION = "exo_batched"
 
-# Initial per-slot capacity in tokens; buffers double when a request outgrows them.
-INITIAL_SLOT_CAPACITY = 256
 # Queries of one prompt chunk attend in blocks of this many positions, each to the keys up
 # to its own last position. torch's CPU flash attention skips keys past the causal diagonal
 # only in blocks of 512 keys, so one call over a 512-token chunk computes all 512 x 512
@@ -51,127 +49,6 @@ INITIAL_SLOT_CAPACITY = 256
 # float32): Gemma 3's shape (4 heads, 1 KV head, dim 256) 6.8 -> 5.3 ms at 512 tokens,
 # SmolLM2's (9 / 3 / 64) 4.6 -> 3.8 ms; equal at 128 and 1024 tokens.
 PREFILL_QUERY_BLOCK = 128
-
-
-class SlotKVCache:
-    """Keys and values of the running requests, one slot per request.
-
-    Per decoder layer, `keys[layer]` / `values[layer]` are `[slots, kv_heads, capacity,
-    head_dim]`; slot `s` holds `lengths[s]` positions. Occupied slots are always
-    `0 .. occupied - 1` (a freed slot is filled by moving the last one into it), so the
-    decoding requests' keys are one view `keys[layer][:occupied, :, :max_len]`.
-    The buffers come from `kv_memory.zeroed_kv_buffer`: zero-filled (decode attention reads
-    past a short request's length — masked out, but a masked NaN from uninitialised memory
-    would still poison the weighted sum) and backed by the OS only where positions are
-    written. A freed slot's positions are released (`kv_memory.release_positions`), so the
-    resident KV memory follows the positions the running requests hold (the scheduler's
-    budget), not `slots x capacity`.
-
-    Args:
-        layers: decoder layers of this shard.
-        kv_heads: key/value heads per layer (this rank's).
-        head_dim: width of one head.
-        dtype: dtype of the keys and values (the model's activations).
-        device: where they live.
-        slots: most requests held at once.
-    """
-
-    def __init__(
-        self,
-        layers: int,
-        kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        slots: int,
-    ) -> None:
-        self.slots = slots
-        self.capacity = INITIAL_SLOT_CAPACITY
-        shape = (slots, kv_heads, self.capacity, head_dim)
-        self.keys = [zeroed_kv_buffer(shape, dtype, device) for _ in range(layers)]
-        self.values = [zeroed_kv_buffer(shape, dtype, device) for _ in range(layers)]
-        self.lengths = [0] * slots
-        self.occupied = 0
-
-    def allocate(self) -> int:
-        """A free slot (length 0).
-
-        Raises:
-            RuntimeError: every slot is taken.
-        """
-        if self.occupied >= self.slots:
-            raise RuntimeError("no free KV slot")
-        slot = self.occupied
-        self.occupied += 1
-        self.lengths[slot] = 0
-        return slot
-
-    def free(self, slot: int) -> int | None:
-        """Release `slot`; the last occupied slot moves into it.
-
-        Returns:
-            The slot that moved into `slot` (its owner must update its slot number), or
-            None when `slot` was the last one.
-        """
-        last = self.occupied - 1
-        self.occupied -= 1
-        if slot == last:
-            self._release(slot, 0)
-            self.lengths[slot] = 0
-            return None
-        length = self.lengths[last]
-        for tensors in (self.keys, self.values):
-            for layer in tensors:
-                layer[slot, :, :length].copy_(layer[last, :, :length])
-        self._release(slot, length)
-        self._release(last, 0)
-        self.lengths[slot], self.lengths[last] = length, 0
-        return last
-
-    def _release(self, slot: int, start: int) -> None:
-        """Give back the memory of `slot`'s positions `start ..` (they read as zeros)."""
-        for tensors in (self.keys, self.values):
-            for layer in tensors:
-                release_positions(layer, slot, start)
-
-    def reserve(self, tokens: int) -> None:
-        """Make room for `tokens` positions per slot (doubling the capacity; only the
-        filled positions are copied)."""
-        if tokens <= self.capacity:
-            return
-        capacity = max(tokens, 2 * self.capacity)
-        for tensors in (self.keys, self.values):
-            for index, old in enumerate(tensors):
-                new = zeroed_kv_buffer(
-                    (old.shape[0], old.shape[1], capacity, old.shape[3]), old.dtype, old.device
-                )
-                for slot in range(self.occupied):
-                    length = self.lengths[slot]
-                    new[slot, :, :length].copy_(old[slot, :, :length])
-                tensors[index] = new
-        self.capacity = capacity
-
-    def read(self, slot: int, length: int) -> torch.Tensor:
-        """A copy of the slot's first `length` positions as `[layers, 2, kv_heads, length,
-        head_dim]` (for the prefix cache)."""
-        first = self.keys[0]
-        # Its own mapping (`zeroed_kv_buffer`): evicting the entry unmaps it, where heap
-        # blocks of many sizes coming and going would stay with the allocator (fragmented).
-        copy = zeroed_kv_buffer(
-            (len(self.keys), 2, first.shape[1], length, first.shape[3]), first.dtype, first.device
-        )
-        for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
-            copy[layer, 0].copy_(keys[slot, :, :length])
-            copy[layer, 1].copy_(values[slot, :, :length])
-        return copy
-
-    def write(self, slot: int, kv: torch.Tensor, length: int) -> None:
-        """Fill the slot's first `length` positions from `read`'s layout."""
-        self.reserve(length)
-        for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
-            keys[slot, :, :length].copy_(kv[layer, 0, :, :length])
-            values[slot, :, :length].copy_(kv[layer, 1, :, :length])
-        self.lengths[slot] = length
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +86,7 @@ class BatchPlan:
 
     def prepare(self, device: torch.device) -> None:
         """Index tensors and the decode masks, once per step (shared by every layer); the
-        step's decode row count for the quantized linears (`quantize.DECODE_ROWS`)."""
+        step's decode row count for the quantized linears (`quantized_linear.DECODE_ROWS`)."""
         DECODE_ROWS.set(len(self.decode_slots))
         if not self.decode_slots:
             return

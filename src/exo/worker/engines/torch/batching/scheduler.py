@@ -45,11 +45,11 @@ from transformers import PreTrainedModel
 from exo.worker.engines.torch.batching.batch_attention import (
     BatchPlan,
     PrefillSegment,
-    SlotKVCache,
     forward_batch,
 )
 from exo.worker.engines.torch.batching.prefix_cache import PrefixCache
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
+from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 
 # Prompt tokens prefilled per step, over all prefilling requests, while other requests are
 # decoding. A step then costs one decode step plus the chunk's prefill. Measured with

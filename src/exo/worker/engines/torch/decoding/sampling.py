@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from exo.shared.types.chunks import MIN_LOGPROB
-from exo.shared.types.models import SamplingDefaults
-from exo.shared.types.text_generation import TextGenerationTaskParams
 from exo.worker.engines.torch.decoding.constraints import TokenConstraint
+from exo.worker.engines.torch.decoding.logit_adjustments import LogitBias, TokenPenalties
+from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
 
 
 def argmax_token(scores: torch.Tensor) -> int:
@@ -32,55 +31,6 @@ def argmax_token(scores: torch.Tensor) -> int:
     if scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 1:
         return int(scores.detach().contiguous().numpy().argmax())
     return int(torch.argmax(scores).item())
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """Fully resolved sampling settings for one request.
-
-    `temperature == 0` is greedy; `top_k == 0`, `top_p == 1`, `min_p == 0` disable a filter;
-    `seed=None` draws a random seed. `presence_penalty == frequency_penalty == 0` and
-    `repetition_penalty == 1` disable the penalties (see `TokenPenalties`).
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    @property
-    def has_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
-
-
-def resolve_sampling_params(
-    params: TextGenerationTaskParams, defaults: SamplingDefaults
-) -> SamplingParams:
-    """Fill the request's unset (None) sampling fields from the model card's defaults."""
-    return SamplingParams(
-        temperature=defaults.temperature if params.temperature is None else params.temperature,
-        top_k=defaults.top_k if params.top_k is None else params.top_k,
-        top_p=defaults.top_p if params.top_p is None else params.top_p,
-        min_p=defaults.min_p if params.min_p is None else params.min_p,
-        seed=params.seed,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        repetition_penalty=(
-            1.0 if params.repetition_penalty is None else params.repetition_penalty
-        ),
-    )
 
 
 # The most likely tokens examined first for the top-p nucleus (doubled while they hold less
@@ -165,129 +115,6 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         return kept
     filtered = torch.full(logits.shape, float("-inf"), dtype=torch.float32, device=logits.device)
     return filtered.index_copy_(0, ids, kept)
-
-
-class TokenPenalties:
-    """Penalty state of one request: counts of the tokens seen so far, kept incrementally
-    (one element updated per token) so applying them costs O(vocab) per step, not
-    O(tokens).
-
-    - presence / frequency (OpenAI, https://platform.openai.com/docs/advanced-usage, "Frequency
-      and presence penalties"): `logit -= presence * (count > 0) + frequency * count`, with
-      `count` over the *generated* tokens only.
-    - repetition (Keskar et al. 2019, "CTRL", section 4.1, as transformers'
-      `RepetitionPenaltyLogitsProcessor` applies it): every token seen in the prompt or the
-      output has a positive logit divided by the penalty, a negative one multiplied by it.
-
-    Repetition is applied first, then presence/frequency (the order vLLM uses).
-
-    Args:
-        params: the request's resolved settings (its three penalty fields are read).
-        vocab_size: length of the logits vectors (the model's output size).
-        device: where the logits live.
-    """
-
-    __slots__ = (
-        "_additive",
-        "_frequency",
-        "_generated_seen",
-        "_presence",
-        "_repetition",
-        "_seen",
-    )
-
-    def __init__(
-        self, params: SamplingParams, vocab_size: int, device: torch.device | str = "cpu"
-    ) -> None:
-        self._presence = params.presence_penalty
-        self._frequency = params.frequency_penalty
-        self._repetition = params.repetition_penalty
-        # presence * (count > 0) + frequency * count, per token id.
-        self._additive = torch.zeros(vocab_size, dtype=torch.float32, device=device)  # [vocab]
-        # Token ids seen in prompt + output (the repetition penalty's set).
-        self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [vocab]
-        self._generated_seen: set[int] = set()
-
-    def observe_prompt(self, token_ids: Iterable[int]) -> None:
-        """Record the prompt's tokens (they count for the repetition penalty only)."""
-        if self._repetition == 1.0:
-            return
-        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self._seen.device)
-        ids = ids[(ids >= 0) & (ids < self._seen.shape[0])]
-        self._seen[ids] = True
-
-    def observe(self, token_id: int) -> None:
-        """Record one generated token."""
-        if not 0 <= token_id < self._seen.shape[0]:
-            return
-        if self._repetition != 1.0:
-            self._seen[token_id] = True
-        if self._presence != 0.0 or self._frequency != 0.0:
-            increment = self._frequency
-            if token_id not in self._generated_seen:
-                self._generated_seen.add(token_id)
-                increment += self._presence
-            self._additive[token_id] += increment
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Penalised copy of one step's logits.
-
-        Args:
-            logits: `[vocab]` scores (left unchanged).
-
-        Returns:
-            `[vocab]` float32 penalised scores.
-        """
-        scores = logits.float()
-        if self._repetition != 1.0:
-            penalised = torch.where(
-                scores > 0, scores / self._repetition, scores * self._repetition
-            )
-            scores = torch.where(self._seen, penalised, scores)
-        if self._presence != 0.0 or self._frequency != 0.0:
-            scores = scores - self._additive
-        return scores
-
-
-class LogitBias:
-    """A request's `logit_bias`: a fixed number added to chosen tokens' logits at every
-    step (OpenAI's semantics: after the penalties, before temperature and the filters).
-
-    Args:
-        bias: token id -> bias (already range-checked by `TextGenerationTaskParams`).
-        vocab_size: length of the logits vectors.
-        device: where the logits live.
-
-    Raises:
-        ValueError: a token id outside the vocabulary (the request is at fault).
-    """
-
-    __slots__ = ("_ids", "_values")
-
-    def __init__(
-        self, bias: Mapping[int, float], vocab_size: int, device: torch.device | str = "cpu"
-    ) -> None:
-        outside = sorted(token_id for token_id in bias if not 0 <= token_id < vocab_size)
-        if outside:
-            raise ValueError(
-                f"logit_bias names token ids outside the model's vocabulary of {vocab_size} "
-                f"tokens: {', '.join(str(token_id) for token_id in outside[:5])}"
-            )
-        self._ids = torch.tensor(list(bias), dtype=torch.long, device=device)  # [biased]
-        self._values = torch.tensor(
-            list(bias.values()), dtype=torch.float32, device=device
-        )  # [biased]
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Biased copy of one step's logits.
-
-        Args:
-            logits: `[vocab]` scores (left unchanged).
-
-        Returns:
-            `[vocab]` float32 scores with the biases added.
-        """
-        return logits.float().index_add(0, self._ids, self._values)
 
 
 # Rejection sampling under a constraint: this many draws (each one masking the rejected

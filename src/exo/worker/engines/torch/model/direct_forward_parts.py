@@ -22,7 +22,7 @@ from torch import nn
 from exo.worker.engines.torch.comm.parallel_linears import AllReducedLinear, RowParallelLinear
 from exo.worker.engines.torch.comm.tcp_mesh import all_reduce_sum
 from exo.worker.engines.torch.model.fusion import FusedRMSNorm, fuse_linears
-from exo.worker.engines.torch.quant.quantize import QuantizedLinear
+from exo.worker.engines.torch.quant.quantized_linear import QuantizedLinear
 
 # "1" / "0": force bfloat16 activations on or off (default: on where the CPU has native
 # bfloat16 arithmetic and the model's linears are quantized).

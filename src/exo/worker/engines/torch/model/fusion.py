@@ -13,10 +13,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from exo.worker.engines.torch.quant.int4_groups import Int4Linear
 from exo.worker.engines.torch.quant.int4_planes import SplitInt4Linear
 from exo.worker.engines.torch.quant.int5_blocks import Int5Linear
 from exo.worker.engines.torch.quant.int8_blocks import ScaledInt8Linear
-from exo.worker.engines.torch.quant.quantize import Int4Linear, Int8Linear, QuantizedLinear
+from exo.worker.engines.torch.quant.int8_channels import Int8Linear
+from exo.worker.engines.torch.quant.quantized_linear import QuantizedLinear
 
 
 class FusedRMSNorm(nn.Module):

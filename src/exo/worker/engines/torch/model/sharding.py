@@ -44,9 +44,11 @@ def split_head_by_vocab(model: nn.Module, rank: int, world_size: int) -> bool:
     """Keep only this tensor rank's rows of the model's LM head (`VocabParallelHead`);
     False (the head stays whole) for a head kind this cannot slice by rows, or a float32
     head tied to the embedding (it costs no memory of its own)."""
+    from exo.worker.engines.torch.quant.int4_groups import Int4Linear
     from exo.worker.engines.torch.quant.int4_planes import SplitInt4Linear
     from exo.worker.engines.torch.quant.int8_blocks import ScaledInt8Linear
-    from exo.worker.engines.torch.quant.quantize import Int4Linear, Int8Linear, QuantizedLinear
+    from exo.worker.engines.torch.quant.int8_channels import Int8Linear
+    from exo.worker.engines.torch.quant.quantized_linear import QuantizedLinear
 
     head: Any = getattr(model, "lm_head", None)
     vocab = int(getattr(head, "out_features", 0) or 0)
@@ -98,7 +100,8 @@ def split_head_by_vocab(model: nn.Module, rank: int, world_size: int) -> bool:
 def _int4_rows(linear: Any, rows: slice) -> Any:
     """An `Int4Linear` holding output rows `rows` of `linear` (a multiple of 64 apart: both
     layouts are row-major by output, torch's blocked by 64 outputs)."""
-    from exo.worker.engines.torch.quant.quantize import Int4Linear, QuantizedLinear
+    from exo.worker.engines.torch.quant.int4_groups import Int4Linear
+    from exo.worker.engines.torch.quant.quantized_linear import QuantizedLinear
 
     kept: Any = Int4Linear.__new__(Int4Linear)
     bias = None if linear.bias is None else linear.bias[rows].clone()

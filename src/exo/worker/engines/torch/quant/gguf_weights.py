@@ -54,6 +54,7 @@ from torch import nn
 from exo.shared.models.memory import INT4_GROUP_SIZE
 from exo.shared.models.tensor_names import INT4_PACKED, INT4_SCALES, INT4_ZEROS, LAYER_TENSOR
 from exo.worker.engines.torch.comm.parallel_linears import AllReducedLinear, RowParallelLinear
+from exo.worker.engines.torch.quant.int4_groups import int4_linear_from_groups
 from exo.worker.engines.torch.quant.int4_planes import (
     BLOCK,
     SPLIT_TYPES,
@@ -67,11 +68,7 @@ from exo.worker.engines.torch.quant.int8_blocks import (
     ScaledInt8Linear,
 )
 from exo.worker.engines.torch.quant.native_kernels import native_int4_kernel
-from exo.worker.engines.torch.quant.quantize import (
-    NATIVE_MAX_ROWS,
-    QuantizedLinear,
-    int4_linear_from_groups,
-)
+from exo.worker.engines.torch.quant.quantized_linear import NATIVE_MAX_ROWS, QuantizedLinear
 
 _REPACKED = re.compile(
     r"^(?P<base>.+?)(?P<suffix>\.int4_packed|\.int4_scales|\.int4_zeros|\.gguf_(?P<type>[A-Z0-9_]+))$"

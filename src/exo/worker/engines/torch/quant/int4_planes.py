@@ -30,15 +30,14 @@ import numpy as np
 import torch
 
 from exo.shared.models.memory import INT4_BLOCK_OUTPUTS as _BLOCK_OUTPUTS
+from exo.worker.engines.torch.quant.int4_groups import Int4Linear, int4_linear_from_groups
 from exo.worker.engines.torch.quant.native_kernels import (
     built_int8_block_kernel,
     native_int4_kernel,
 )
-from exo.worker.engines.torch.quant.quantize import (
+from exo.worker.engines.torch.quant.quantized_linear import (
     NATIVE_BLOCK_MAX_ROWS,
-    Int4Linear,
     QuantizedLinear,
-    int4_linear_from_groups,
     prefill_product,
 )
 

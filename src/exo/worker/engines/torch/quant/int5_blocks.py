@@ -33,7 +33,7 @@ import torch
 
 from exo.worker.engines.torch.quant.int4_planes import BLOCK, SplitInt4Linear
 from exo.worker.engines.torch.quant.native_kernels import built_int4_kernel
-from exo.worker.engines.torch.quant.quantize import (
+from exo.worker.engines.torch.quant.quantized_linear import (
     NATIVE_BLOCK_MAX_ROWS,
     QuantizedLinear,
     prefill_product,

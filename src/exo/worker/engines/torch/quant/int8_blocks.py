@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from exo.worker.engines.torch.quant.native_kernels import built_int8_scaled_kernel
-from exo.worker.engines.torch.quant.quantize import (
+from exo.worker.engines.torch.quant.quantized_linear import (
     NATIVE_BLOCK_MAX_ROWS,
     QuantizedLinear,
     prefill_product,

@@ -20,12 +20,12 @@ from torch import nn
 from exo.worker.engines.torch.batching.batch_attention import (
     BatchPlan,
     PrefillSegment,
-    SlotKVCache,
     attention_layers,
     forward_batch,
     lean_step_of,
     use_batched_attention,
 )
+from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.distributed_batch import StepHeader, stage_forward_batch
 from exo.worker.engines.torch.model.families import family_for_architecture
 

@@ -18,7 +18,8 @@ from exo.worker.engines.torch.decoding.constraints import (
     tool_call_constraint,
 )
 from exo.worker.engines.torch.decoding.json_lexing import MAX_NUMBER_LENGTH
-from exo.worker.engines.torch.decoding.sampling import Sampler, SamplingParams
+from exo.worker.engines.torch.decoding.sampling import Sampler
+from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
 from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exo.worker.engines.torch.batching.batch_attention import PrefillSegment, SlotKVCache
+from exo.worker.engines.torch.batching.batch_attention import PrefillSegment
+from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.distributed_batch import (
     CACHE_ALLOCATE,
     CACHE_FREE,

@@ -209,7 +209,7 @@ values = torch.randint(-16, 16, (40, 640), generator=g, dtype=torch.int8)
 scales = (torch.rand(40, 20, generator=g) * 0.01).to(torch.bfloat16)
 weight = values.double() * scales.double().repeat_interleave(32, dim=1)
 cases = {"int5": (int5_lanes(values), scales, weight)}
-from exo.worker.engines.torch.quant.quantize import pack_native_int4
+from exo.worker.engines.torch.quant.int4_groups import pack_native_int4
 nibbles = torch.randint(0, 16, (40, 640), generator=g, dtype=torch.uint8)
 pairs = (torch.randn(40, 10, 2, generator=g) * 0.1).to(torch.bfloat16)  # groups of 64
 w = (nibbles.double().reshape(40, 10, 64) - 8) * pairs[..., :1].double() + pairs[..., 1:].double()

@@ -25,7 +25,8 @@ from exo.worker.engines.torch.decoding.json_schema_grammar import (
     SchemaJsonRecognizer,
     compile_arguments_schema,
 )
-from exo.worker.engines.torch.decoding.sampling import Sampler, SamplingParams
+from exo.worker.engines.torch.decoding.sampling import Sampler
+from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
 from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.tests.conftest import save_tiny_llama

@@ -9,8 +9,8 @@ import psutil
 import pytest
 import torch
 
-from exo.worker.engines.torch.batching.batch_attention import SlotKVCache
 from exo.worker.engines.torch.batching.kv_memory import release, release_positions, zeroed_kv_buffer
+from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 
 CPU = torch.device("cpu")
 MIB = 2**20

@@ -32,8 +32,10 @@ from exo.worker.engines.torch.model.direct_forward import LeanModel, enable_lean
 from exo.worker.engines.torch.model.families import family_by_name
 from exo.worker.engines.torch.model.fusion import fuse_linears
 from exo.worker.engines.torch.model.loading import load_model
+from exo.worker.engines.torch.quant.int4_groups import Int4Linear
+from exo.worker.engines.torch.quant.int8_channels import Int8Linear
 from exo.worker.engines.torch.quant.native_kernels import NATIVE_INT4_ENV
-from exo.worker.engines.torch.quant.quantize import Int4Linear, Int8Linear, set_prefill_activations
+from exo.worker.engines.torch.quant.quantize import set_prefill_activations
 from exo.worker.engines.torch.tests import lean_steps
 from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S, make_shard
 

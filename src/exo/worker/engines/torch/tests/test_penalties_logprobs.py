@@ -11,14 +11,16 @@ from exo.shared.types.chunks import MIN_LOGPROB
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import SamplingDefaults
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+from exo.worker.engines.torch.decoding.logit_adjustments import TokenPenalties
 from exo.worker.engines.torch.decoding.sampling import (
     NoAllowedTokenError,
     Sampler,
-    SamplingParams,
     TokenChooser,
-    TokenPenalties,
-    resolve_sampling_params,
     step_logprobs,
+)
+from exo.worker.engines.torch.decoding.sampling_params import (
+    SamplingParams,
+    resolve_sampling_params,
 )
 
 GREEDY = SamplingParams(temperature=0.0)

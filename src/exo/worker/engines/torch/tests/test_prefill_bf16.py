@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from exo.utils.cpu_features import AMX_BF16_FLAGS, default_prefill_activations
+from exo.worker.engines.torch.quant.int4_groups import pack_native_int4
 from exo.worker.engines.torch.quant.int5_blocks import int5_lanes
 from exo.worker.engines.torch.quant.native_kernels import (
     ROUNDS_ACTIVATIONS,
     bf16_prefill_available,
     built_int4_kernel,
 )
-from exo.worker.engines.torch.quant.quantize import pack_native_int4
 
 native = pytest.mark.skipif(
     built_int4_kernel() is None or not ROUNDS_ACTIVATIONS,

@@ -21,13 +21,14 @@ from exo.utils.cpu_features import default_prefill_activations
 from exo.worker.engines.torch.batching.batch_attention import lean_step_of
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.model.direct_forward_parts import Projection
+from exo.worker.engines.torch.quant.int4_groups import pack_native_int4
 from exo.worker.engines.torch.quant.int5_blocks import int5_lanes
 from exo.worker.engines.torch.quant.native_kernels import (
     ROUNDS_ACTIVATIONS,
     built_int4_kernel,
     int16_prefill_is_integer,
 )
-from exo.worker.engines.torch.quant.quantize import pack_native_int4, set_prefill_activations
+from exo.worker.engines.torch.quant.quantize import set_prefill_activations
 from exo.worker.engines.torch.tests.test_engine import check_stream_shape, request
 
 native = pytest.mark.skipif(

@@ -11,6 +11,8 @@ from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import PipelineShardMetadata
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.model.fusion import FusedRMSNorm, fuse_rms_norms
+from exo.worker.engines.torch.quant.int4_groups import Int4Linear, int4_supported, pack_native_int4
+from exo.worker.engines.torch.quant.int8_channels import Int8Linear
 from exo.worker.engines.torch.quant.native_kernels import (
     NATIVE_INT4_ENV,
     ROUNDS_ACTIVATIONS,
@@ -18,14 +20,8 @@ from exo.worker.engines.torch.quant.native_kernels import (
     int16_prefill_is_integer,
     rounded_activations,
 )
-from exo.worker.engines.torch.quant.quantize import (
-    Int4Linear,
-    Int8Linear,
-    QuantizedLinear,
-    int4_supported,
-    pack_native_int4,
-    quantize_linears,
-)
+from exo.worker.engines.torch.quant.quantize import quantize_linears
+from exo.worker.engines.torch.quant.quantized_linear import QuantizedLinear
 from exo.worker.engines.torch.tests.conftest import torch_layout_unpacks
 from exo.worker.engines.torch.tests.test_engine import check_stream_shape, request
 
@@ -183,7 +179,7 @@ _TILE_PRODUCTS_SCRIPT = """
 import sys, torch
 from exo.worker.engines.torch.quant.native_kernels import built_int4_kernel
 from exo.worker.engines.torch.quant.int5_blocks import int5_lanes
-from exo.worker.engines.torch.quant.quantize import pack_native_int4
+from exo.worker.engines.torch.quant.int4_groups import pack_native_int4
 assert built_int4_kernel() is not None
 print(torch.ops.exo_native.int16_tile_bits())
 g = torch.Generator().manual_seed(0)

@@ -4,13 +4,15 @@ import torch
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import SamplingDefaults
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+from exo.worker.engines.torch.decoding.logit_adjustments import LogitBias
 from exo.worker.engines.torch.decoding.sampling import (
-    LogitBias,
     Sampler,
-    SamplingParams,
     TokenChooser,
     argmax_token,
     filter_logits,
+)
+from exo.worker.engines.torch.decoding.sampling_params import (
+    SamplingParams,
     resolve_sampling_params,
 )
 

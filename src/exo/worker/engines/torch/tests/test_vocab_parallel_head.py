@@ -14,10 +14,11 @@ from torch import nn
 from exo.worker.engines.torch.comm.parallel_linears import VocabParallelHead
 from exo.worker.engines.torch.comm.tcp_mesh import RankLinks
 from exo.worker.engines.torch.model.sharding import split_head_by_vocab
+from exo.worker.engines.torch.quant.int4_groups import Int4Linear
 from exo.worker.engines.torch.quant.int4_planes import SplitInt4Linear
 from exo.worker.engines.torch.quant.int8_blocks import ScaledInt8Linear
+from exo.worker.engines.torch.quant.int8_channels import Int8Linear
 from exo.worker.engines.torch.quant.native_kernels import NATIVE_INT4_ENV
-from exo.worker.engines.torch.quant.quantize import Int4Linear, Int8Linear
 
 VOCAB, HIDDEN = 200, 64
 

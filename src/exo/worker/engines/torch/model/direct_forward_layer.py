@@ -1,0 +1,115 @@
+"""One decoder layer as the direct forward holds it (`LeanLayer`): its fused projections,
+norm weights, activation and rotary kind, read once from the loaded transformers layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from exo.worker.engines.torch.model.direct_forward_parts import (
+    Activation,
+    LeanUnsupportedError,
+    Projection,
+    activation_code,
+    mlp_activation,
+    norm_weight,
+)
+from exo.worker.engines.torch.model.families import ModelFamily
+
+_Norm = tuple[torch.Tensor, float]  # (offset + weight float32, eps)
+# linears (weight, scale_zero, bias per projection), norms, epsilons, activation code.
+_DecodeArguments = tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[float], int]
+
+
+class LeanLayer:
+    """One decoder layer's tensors, read from the loaded modules.
+
+    Attributes:
+        heads / kv_heads / head_dim: this rank's query and KV heads, and their width.
+        rope: index of the layer's rotary tables in the step (0 unless Gemma 3 local).
+    """
+
+    __slots__ = (
+        "activation", "activation_number", "decode_arguments", "down", "gate_up", "head_dim",
+        "heads", "input_norm", "intermediate", "kv_heads", "output", "post_attention_norm",
+        "post_mlp_norm", "pre_mlp_norm", "qk_norm", "qkv", "reduced", "rope", "scaling",
+    )  # fmt: skip
+
+    def __init__(self, layer: nn.Module, family: ModelFamily, bf16: bool, rope: int) -> None:
+        layout = family.layout
+        assert layout is not None
+        attention: Any = layer.get_submodule("self_attn")
+        if getattr(attention, "attn_logit_softcapping", None) is not None:
+            raise LeanUnsupportedError("attention logit soft-capping")
+        self.head_dim = int(attention.head_dim)
+        self.scaling = float(attention.scaling)
+        self.rope = rope
+        self.qkv = Projection([layer.get_submodule(path) for path in layout.qkv], bf16)
+        if len(layout.qkv) == 3:
+            query: Any = layer.get_submodule(layout.qkv[0])
+            key: Any = layer.get_submodule(layout.qkv[1])
+            self.heads = int(query.out_features) // self.head_dim
+            self.kv_heads = int(key.out_features) // self.head_dim
+        else:  # one fused qkv_proj: heads in the config's ratio, this rank's share
+            config: Any = attention.config
+            heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+            share = self.qkv.out_features / ((heads + 2 * kv_heads) * self.head_dim)
+            self.heads, self.kv_heads = round(heads * share), round(kv_heads * share)
+        if (self.heads + 2 * self.kv_heads) * self.head_dim != self.qkv.out_features:
+            raise LeanUnsupportedError("Q/K/V widths do not match the head counts")
+        self.output = Projection([layer.get_submodule(layout.output)], bf16)
+        self.gate_up = Projection([layer.get_submodule(path) for path in layout.gate_up], bf16)
+        self.intermediate = self.gate_up.out_features // 2
+        self.down = Projection([layer.get_submodule(layout.down)], bf16)
+        self.activation: Activation = mlp_activation(parent_module(layer, layout.down))
+        self.activation_number = activation_code(self.activation)
+        offset = layout.norm_offset
+        self.input_norm = norm_weight(layer.get_submodule(layout.input_norm), offset)
+        self.pre_mlp_norm = norm_weight(layer.get_submodule(layout.pre_mlp_norm), offset)
+        self.post_attention_norm: _Norm | None = None
+        self.post_mlp_norm: _Norm | None = None
+        if layout.post_attention_norm is not None:
+            module = layer.get_submodule(layout.post_attention_norm)
+            self.post_attention_norm = norm_weight(module, offset)
+        if layout.post_mlp_norm is not None:
+            self.post_mlp_norm = norm_weight(layer.get_submodule(layout.post_mlp_norm), offset)
+        self.qk_norm: _Norm | None = None
+        if layout.qk_norms is not None:
+            q_weight, eps = norm_weight(layer.get_submodule(layout.qk_norms[0]), offset)
+            k_weight, _ = norm_weight(layer.get_submodule(layout.qk_norms[1]), offset)
+            weight = torch.cat(
+                [q_weight.expand(self.heads, -1), k_weight.expand(self.kv_heads, -1)]
+            )  # [heads + kv_heads, head_dim]
+            self.qk_norm = (weight, eps)
+        # A tensor rank: the output and down projections' partial sums are all-reduced.
+        self.reduced = self.output.reduce and self.down.reduce
+        self.decode_arguments = self._decode_arguments()
+
+    def _decode_arguments(self) -> _DecodeArguments | None:
+        """The `linears`, `norms`, `eps` and `activation` arguments of exo's decode layer
+        (`native/decode_layer.cpp`), or None where a projection cannot run there (or only
+        some of a layer's row-parallel projections are)."""
+        if self.qkv.reduce or self.gate_up.reduce or self.output.reduce != self.down.reduce:
+            return None
+        linears: list[torch.Tensor | None] = []
+        for projection in (self.qkv, self.output, self.gate_up, self.down):
+            tensors = projection.decode_tensors()
+            if tensors is None:
+                return None
+            linears += tensors
+        norms: list[torch.Tensor | None] = []
+        epsilons: list[float] = []
+        for norm in (
+            self.input_norm, self.pre_mlp_norm, self.post_attention_norm, self.post_mlp_norm,
+            self.qk_norm,
+        ):  # fmt: skip
+            norms.append(None if norm is None else norm[0].contiguous())
+            epsilons.append(0.0 if norm is None else norm[1])
+        return linears, norms, epsilons, self.activation_number
+
+
+def parent_module(layer: nn.Module, path: str) -> nn.Module:
+    parent, _, _ = path.rpartition(".")
+    return layer.get_submodule(parent) if parent else layer
