@@ -1,5 +1,6 @@
 """The README's relative links reach a file that exists and, with an anchor, a heading of it
-(mkdocs checks the links inside docs/; the README is outside the site). No network."""
+(mkdocs checks the links inside docs/; the README is outside the site), and the site's home
+page is the README. No network."""
 
 import re
 import unicodedata
@@ -35,6 +36,27 @@ def relative_links(markdown: str) -> list[str]:
     ]
 
 
+HOME_NOTE = "<!-- The site's home page: the README with its links made relative to docs/. -->"
+SITE_NOTE = (
+    "The `docs/` folder is also a website: `pip install -e '.[docs]' && mkdocs serve`.",
+    "These pages are built from the repository's `docs/` folder: `pip install -e '.[docs]' && "
+    "mkdocs serve` serves them locally.",
+)
+
+
+def site_home(readme: str) -> str:
+    """docs/index.md: the README with its links into docs/ made relative to docs/."""
+    home = readme.replace("](docs/", "](").replace(*SITE_NOTE)
+    return home.replace("# exo\n", f"# exo\n\n{HOME_NOTE}\n", 1)
+
+
+def test_the_site_home_page_is_the_readme() -> None:
+    expected = site_home((ROOT / "README.md").read_text())
+    assert (ROOT / "docs" / "index.md").read_text() == expected, (
+        "docs/index.md differs from the README: run `python tests/test_readme_links.py`"
+    )
+
+
 def test_the_slug_of_a_heading_matches_mkdocs() -> None:
     assert slug("exo's kernels") == "exos-kernels"
     assert slug("The speed-targets suite") == "the-speed-targets-suite"
@@ -55,3 +77,7 @@ def test_every_relative_link_of_the_readme_reaches_its_file_and_heading() -> Non
         elif anchor and anchor not in anchors(path.read_text()):
             broken.append(f"{target}: {path.relative_to(ROOT)} has no heading #{anchor}")
     assert not broken, "broken links in README.md:\n" + "\n".join(broken)
+
+
+if __name__ == "__main__":  # rewrite docs/index.md from the README
+    (ROOT / "docs" / "index.md").write_text(site_home((ROOT / "README.md").read_text()))

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import setproctitle
 
+# How every runner's title starts (tests find a node's runners by it).
+RUNNER_TITLE_PREFIX = "exo runner "
+
 
 def runner_title(model_id: str, device_rank: int) -> str:
     """The title of the runner process of one rank of a model: `exo runner <model> rank N`."""
-    return f"exo runner {model_id} rank {device_rank}"
+    return f"{RUNNER_TITLE_PREFIX}{model_id} rank {device_rank}"
 
 
 def set_process_title(title: str) -> None:
