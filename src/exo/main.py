@@ -32,7 +32,7 @@ from exo.cli import main as cli_main
 from exo.download.gguf_models import ollama_store, ollama_store_cards
 from exo.download.peers import PEER_CREDENTIAL_HEADER, peer_credential
 from exo.master.decisions import events_after_restart
-from exo.master.event_log import EventLog
+from exo.master.event_log import EventLog, history_summary
 from exo.master.main import Master
 from exo.node_options import DEFAULT_MODEL_ID, Options
 from exo.routing.cluster_tls import TlsFilesError
@@ -106,10 +106,9 @@ class Node:
         self.event_log = EventLog(event_log_path())
         state = self.event_log.load()
         if state.last_event_applied_idx >= 0:
-            logger.info(
-                f"history: {len(self.event_log.events)} events after the snapshot at "
-                f"{self.event_log.base_idx} (up to event {state.last_event_applied_idx})"
-            )
+            events = len(self.event_log.events)
+            last = state.last_event_applied_idx
+            logger.info(history_summary(events, self.event_log.base_idx, last))
         # What this node ran before it stopped, decided now: later events are this run's.
         self._stale_on_restart = events_after_restart(state, self.node_id)
         self.local_events = LocalEventSender(self.node_id, self.router.local_events.sender())

@@ -79,7 +79,12 @@ def package_version() -> str:
         return "(version unknown: the exo package is not installed)"
 
 
-def parse_args(argv: list[str] | None = None) -> Options:
+def build_parser() -> argparse.ArgumentParser:
+    """The node's argument parser (also read by `exo.docs_options` for the options page).
+
+    Each help text is one sentence of at most 120 characters with its default; the details
+    are in docs/options.md and the pages it links to.
+    """
     parser = argparse.ArgumentParser(
         prog="exo",
         description=(
@@ -90,7 +95,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     parser.add_argument(
-        "--api-port", type=int, default=DEFAULT_API_PORT, help="HTTP API port (default %(default)s)"
+        "--api-port",
+        type=int,
+        default=DEFAULT_API_PORT,
+        help="port of the HTTP API and the dashboard (default %(default)s)",
     )
     parser.add_argument(
         "--host",
@@ -103,116 +111,119 @@ def parse_args(argv: list[str] | None = None) -> Options:
         "--zenoh-port",
         type=int,
         default=DEFAULT_ZENOH_PORT,
-        help="TCP port for links between nodes (default %(default)s)",
+        help="TCP port of the links between nodes (default %(default)s)",
     )
     parser.add_argument(
         "--namespace",
         default=os.environ.get("EXO_NAMESPACE") or PROTOCOL_VERSION,
-        help="cluster name: nodes only join nodes with the same one (env EXO_NAMESPACE)",
+        help="cluster name: nodes join only nodes with the same one (default: exo's protocol "
+        "version; env EXO_NAMESPACE)",
     )
     parser.add_argument(
         "--bootstrap-peers",
         default="",
-        help="comma-separated peers to connect to, e.g. tcp/192.168.1.7:52414 "
-        "(for networks without multicast)",
+        help="comma-separated peers to link to where multicast does not reach, e.g. "
+        "tcp/192.168.1.7:52414 (default: none)",
     )
     parser.add_argument(
         "--no-multicast",
         action="store_true",
-        help="do not look for peers by multicast (use --bootstrap-peers)",
+        help="do not look for peers by multicast, only --bootstrap-peers (default: look)",
     )
-    parser.add_argument("--force-master", action="store_true", help="win every master election")
+    parser.add_argument(
+        "--force-master",
+        action="store_true",
+        help="win every master election (default: the senior node wins)",
+    )
     verbosity = parser.add_mutually_exclusive_group()
-    verbosity.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
-    verbosity.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    verbosity.add_argument(
+        "-v", "--verbose", action="count", default=0, help="log debug messages too (default: info)"
+    )
+    verbosity.add_argument(
+        "-q", "--quiet", action="store_true", help="log warnings and errors only (default: info)"
+    )
     parser.add_argument(
         "--offline",
         action="store_true",
         default=os.environ.get("EXO_OFFLINE", "").strip().lower() not in ("", "0", "false", "no"),
-        help="never download: use only models already on this machine (env EXO_OFFLINE=1)",
+        help="never download: use only models already on this machine (default: download; "
+        "env EXO_OFFLINE=1)",
     )
     parser.add_argument(
         "--no-default-model",
         action="store_true",
-        help=f"do not place {DEFAULT_MODEL_ID} when the cluster has no instance",
+        help=f"do not place {DEFAULT_MODEL_ID} on a cluster with no instance (default: place it)",
     )
     parser.add_argument(
         "--no-auto-place",
         action="store_true",
-        help="answer a request for a model with no instance with 404 instead of placing it",
+        help="answer 404 to a request for a model with no instance (default: place the model "
+        "and wait for it)",
     )
     parser.add_argument(
         "--idle-unload",
         type=float,
         default=None,
         metavar="SECONDS",
-        help="delete instances this node places or serves once idle this long "
-        "(default: keep them until deleted; a request's Ollama keep_alive overrides it)",
+        help="delete instances this node places or serves once idle this long (default: keep "
+        "them until deleted)",
     )
     parser.add_argument(
         "--trust-remote-code",
         action="store_true",
         help="let POST /models/add accept repositories whose config names custom code "
-        "(auto_map); the engine still runs only the model families it has files for",
+        "(default: refuse them)",
     )
     parser.add_argument(
         "--max-concurrent-requests",
         type=int,
         default=None,
         metavar="N",
-        help="requests each runner of this node decodes together in one batch (default 8 "
-        "on CPU); more wait in the runner's queue, and a runner also admits only what fits "
-        "its KV-cache budget",
+        help="requests each runner of this node decodes together in one batch (default 8 on CPU)",
     )
     parser.add_argument(
         "--stream-interval-ms",
         type=float,
         default=DEFAULT_STREAM_INTERVAL_MS,
         metavar="MS",
-        help="a runner sends a stream's tokens to the API at most every MS milliseconds "
-        f"while decode steps are shorter (default {DEFAULT_STREAM_INTERVAL_MS:g}: at ~150 "
-        "tok/s four or five tokens per chunk, a quarter of the node's work token by "
-        "token; the first and last token are never held back); 0 sends every token at "
-        "once; at most "
-        f"{MAX_STREAM_INTERVAL_MS:g}",
+        help="send each stream's tokens to the API at most every MS milliseconds, 0 to "
+        f"{MAX_STREAM_INTERVAL_MS:g} (default {DEFAULT_STREAM_INTERVAL_MS:g}; 0: every token "
+        "at once)",
     )
     parser.add_argument(
         "--prefill-activations",
         choices=PREFILL_ACTIVATIONS,
         default=default_prefill_activations(),
-        help="how this node's runners round a prompt's activations for int4, 5-bit and "
-        "GGUF int8-block weights on AVX2 CPUs (default: bf16 where the CPU has AMX-BF16, "
-        "else int16). int16: as decode, exact integer sums; int8: llama.cpp's rounding, "
-        "faster (int4 products ~1.8x, Gemma 3 270M's TTFT ~1.3x), a prompt's next-token "
-        "distributions off by a KL of ~2-3e-3 (int16: < 1e-7); bf16 (AMX CPUs only, "
-        "elsewhere int16): the weights dequantized to bfloat16 for AMX tiles, products ~2x "
-        "int16's, a KL of ~2e-4",
+        help="how runners round a prompt's activations for quantized weights on AVX2 CPUs "
+        "(default: bf16 with AMX-BF16, else int16)",
     )
     parser.add_argument(
         "--max-queued-requests",
         type=int,
         default=None,
         metavar="N",
-        help="requests this node's API lets wait in each instance's queue beyond the batch "
-        "it runs (default: 4 x its --max-concurrent-requests, at least 16); when every "
-        "instance of the model is full a request waits up to 30 s for a place, then gets 503 "
-        "with Retry-After",
+        help="requests this node's API lets each instance queue beyond its batch (default: 4 "
+        "batches, at least 16)",
     )
     parser.add_argument(
         "--cors-origins",
         default=os.environ.get("EXO_CORS_ORIGINS", ""),
-        help="comma-separated origins of web pages allowed to use the API besides "
-        "localhost/127.0.0.1/[::1] pages, e.g. https://chat.example.com; * allows every "
-        "page (env EXO_CORS_ORIGINS)",
+        help="comma-separated web origins allowed to use the API besides local pages "
+        "(default: none; env EXO_CORS_ORIGINS)",
     )
     parser.add_argument(
         "--remeasure-speed",
         action="store_true",
-        help="measure this node's decode and prefill speed again instead of reading the "
-        "cached figures (measured once per CPU, thread count and torch version)",
+        help="measure this node's speed again instead of reading the cached figures "
+        "(default: use the cache)",
     )
     add_security_arguments(parser)
     add_cluster_secret_arguments(parser)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
+    parser = build_parser()
     args = parser.parse_args(argv)
     for flag, port in (("--api-port", args.api_port), ("--zenoh-port", args.zenoh_port)):
         if not 0 < port < 65536:

@@ -137,64 +137,64 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY",
-        help="accept this API key (repeatable; env EXO_API_KEY adds one); with any key "
-        "configured, every client needs one, loopback included",
+        help="accept this API key, repeatable (default: a generated key, needed off this "
+        "machine; env EXO_API_KEY)",
     )
     group.add_argument(
         "--api-key-file",
         type=Path,
         metavar="PATH",
-        help="accept the keys in this file, one per line (# comments); read again on SIGHUP",
+        help="accept the keys in this file, one per line, read again on SIGHUP (default: none)",
     )
     group.add_argument(
         "--no-auth",
         action="store_true",
-        help="let anyone who reaches the API use it without a key (by default a key, "
-        "generated on first start, is required from clients not on this machine)",
+        help="let anyone who reaches the API use it without a key (default: clients off "
+        "this machine need one)",
     )
     group.add_argument(
         "--max-body-size",
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
         metavar="BYTES",
-        help="largest request body (default %(default)s: 32 MiB); larger gets 413",
+        help="largest request body in bytes, larger gets 413 (default %(default)s: 32 MiB)",
     )
     group.add_argument(
         "--header-timeout",
         type=float,
         default=DEFAULT_HEADER_TIMEOUT_SECONDS,
         metavar="SECONDS",
-        help="time a connection has to send a request's headers (default %(default)s)",
+        help="seconds a connection has to send a request's headers, else 408 (default %(default)s)",
     )
     group.add_argument(
         "--body-timeout",
         type=float,
         default=DEFAULT_BODY_TIMEOUT_SECONDS,
         metavar="SECONDS",
-        help="longest pause while a request body is sent (default %(default)s)",
+        help="longest pause in seconds while a request body is sent, else 408 (default "
+        "%(default)s)",
     )
     group.add_argument(
         "--max-connections",
         type=int,
         default=DEFAULT_MAX_CONNECTIONS,
         metavar="N",
-        help="open connections (and requests) served at once; past it 503 (default %(default)s)",
+        help="connections and requests served at once, past it 503 (default %(default)s)",
     )
     group.add_argument(
         "--max-generations-per-client",
         type=int,
         default=DEFAULT_MAX_GENERATIONS_PER_CLIENT,
         metavar="N",
-        help="generations one client (API key, else address) may run at once; past it 429 "
-        "(default %(default)s; 0: no limit)",
+        help="generations one client may run at once, past it 429 (default %(default)s; 0: "
+        "no limit)",
     )
     group.add_argument(
         "--rate-limit",
         type=int,
         default=None,
         metavar="N",
-        help="requests per minute per client (API key, else address); past it 429 "
-        "(default: no limit)",
+        help="requests per minute per client, past it 429 (default: no limit)",
     )
 
 

@@ -1,8 +1,8 @@
 """The bench's HTTP client: streamed `/v1/completions` requests, timed as they arrive.
 
 Raw completions are used (not chat) so a prompt's length in tokens is what the bench made
-it, with no chat template around it; every model serves them ([Base models and raw
-prompts] in the README).
+it, with no chat template around it; every model serves them ("Base models and raw
+prompts" in docs/compatibility.md).
 """
 
 from __future__ import annotations

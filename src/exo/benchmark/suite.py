@@ -1,5 +1,6 @@
-"""`exo bench --suite issue14`: every figure issue 14 checks, in one command (about 12
-minutes on the 2-core reference machine; `--quick` for a smoke-sized pass).
+"""`exo bench --suite speed-targets`: every figure of the project's speed targets (the
+speed issue, 14), in one command (about 12 minutes on the 2-core reference machine; `--quick`
+for a smoke-sized pass). `--suite issue14`, its old name, runs it too until the next release.
 
 1. Default model (SmolLM2-135M), one local node: API single-stream decode and prefill at
    128 and 512 prompt tokens against llama.cpp on the same GGUF (interleaved run by run),
@@ -12,7 +13,7 @@ minutes on the 2-core reference machine; `--quick` for a smoke-sized pass).
 4. Two pinned nodes: tensor x2 on a single stream against one pinned node, on random
    weights at Qwen3-0.6B's shape (heads divide by 2).
 
-Each step writes `<name>.json` (and `.png`) under the output directory; `issue14.json`
+Each step writes `<name>.json` (and `.png`) under the output directory; `speed-targets.json`
 collects every ratio against its target.
 """
 
@@ -30,6 +31,7 @@ from exo.benchmark.stats import BenchReport, write_json
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GEMMA_MODEL = "google/gemma-3-270m"
+SUITE_NAME = "speed-targets"
 RANDOM_MODELS_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "exo-bench"
 
 
@@ -54,7 +56,7 @@ def _llama_available() -> bool:
     return True
 
 
-def issue14_configs(output: Path, quick: bool, gguf_directory: Path) -> list[BenchConfig]:
+def speed_target_configs(output: Path, quick: bool, gguf_directory: Path) -> list[BenchConfig]:
     """The suite's benches, in order (fetching the GGUFs and building the random model)."""
     # Five runs: the medians of three moved the API / engine decode ratio by ~0.1 between
     # suites on the noisy 2-core VMs (0.87-1.00 at 128 tokens).
@@ -126,13 +128,13 @@ def issue14_configs(output: Path, quick: bool, gguf_directory: Path) -> list[Ben
     ]
 
 
-def run_issue14(output: Path, quick: bool, plots: bool) -> int:
-    """Run the suite; print and write (`issue14.json`) every ratio with its target."""
+def run_speed_targets(output: Path, quick: bool, plots: bool) -> int:
+    """Run the suite; print and write (`speed-targets.json`) every ratio with its target."""
     from exo.benchmark.plots import plot_report
 
     summary: BenchReport | None = None
     with tempfile.TemporaryDirectory(prefix="exo-bench-gguf-") as gguf_directory:
-        for config in issue14_configs(output, quick, Path(gguf_directory)):
+        for config in speed_target_configs(output, quick, Path(gguf_directory)):
             print(f"== {config.name}")
             report = run_bench(config)
             print_ratios(report)
@@ -140,7 +142,7 @@ def run_issue14(output: Path, quick: bool, plots: bool) -> int:
                 plot_report(report, output / f"{config.name}.png", f"{config.name}: {config.model}")
             if summary is None:
                 summary = report.model_copy(update={"cases": [], "ratios": [], "notes": []})
-                summary.settings = {"suite": "issue14", "quick": quick}
+                summary.settings = {"suite": SUITE_NAME, "quick": quick}
             summary.cases.extend(report.cases)
             summary.ratios.extend(
                 item.model_copy(update={"name": f"{config.name}: {item.name}"})
@@ -148,8 +150,8 @@ def run_issue14(output: Path, quick: bool, plots: bool) -> int:
             )
             summary.notes.extend(f"{config.name}: {note}" for note in report.notes)
             summary.finished_at = report.finished_at
-            write_json(summary, output / "issue14.json")
+            write_json(summary, output / f"{SUITE_NAME}.json")
     assert summary is not None
-    print("== issue 14 figures")
+    print("== speed targets")
     print_ratios(summary)
     return 0

@@ -57,6 +57,26 @@ def event_digest(indexed_event: IndexedEvent) -> str:
     return hashlib.sha256(indexed_event.model_dump_json().encode()).hexdigest()[:16]
 
 
+def history_summary(events_after_snapshot: int, snapshot_idx: int, last_idx: int) -> str:
+    """The start-up log line that says what history a node found on disk.
+
+    Args:
+        events_after_snapshot: events in the log after the snapshot.
+        snapshot_idx: the last event the snapshot holds; -1 when there is no snapshot (the
+            log then holds the history from its first event).
+        last_idx: the last event of the history.
+    """
+    if snapshot_idx < 0:
+        return (
+            f"history: {events_after_snapshot} events in the log and no snapshot yet "
+            f"(events 0 to {last_idx})"
+        )
+    return (
+        f"history: a snapshot of the state after event {snapshot_idx} and "
+        f"{events_after_snapshot} events after it (up to event {last_idx})"
+    )
+
+
 class EventLogCorruptError(RuntimeError):
     """An append would leave a gap in the indexes."""
 

@@ -141,7 +141,7 @@ class Master:
         except EventLogCorruptError as error:
             # The log lost its place (set aside on start): the state before these events
             # becomes the snapshot the log continues from.
-            logger.warning(f"master: {error}; writing a snapshot at event {first - 1}")
+            logger.warning(f"master: {error}; writing a snapshot of the state before event {first}")
             self._event_log.write_snapshot(self.state)
             self._event_log.append(indexed)
         for indexed_event in indexed:

@@ -52,7 +52,7 @@ upper bound for the runners' own messages).
 
 The ENGINE_* factors are what the engine does beyond the probe's kernels (its model code's
 Python, KV gathering, prefill's float32 work), measured with `bench/bench_prediction.py`
-on the 2-core reference machine (see the README's prediction section); they change when
+on the 2-core reference machine (see docs/cluster.md, "Predicted speed"); they change when
 the engine's forward changes, so that script prints them again.
 """
 

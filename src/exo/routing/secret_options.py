@@ -21,17 +21,15 @@ def add_cluster_secret_arguments(parser: argparse.ArgumentParser) -> None:
         "--cluster-secret",
         default=None,
         metavar="SECRET",
-        help="only nodes started with this secret join the cluster; links between nodes are "
-        f"then mutually authenticated TLS (env {SECRET_ENVIRONMENT_VARIABLE}, which other "
-        "users cannot read in the process list as they can a flag; default: none, an open "
-        "cluster)",
+        help="only nodes with this secret join; node links become mutual TLS (default: none; "
+        f"env {SECRET_ENVIRONMENT_VARIABLE})",
     )
     choice.add_argument(
         "--cluster-secret-file",
         type=Path,
         default=None,
         metavar="PATH",
-        help="read the cluster secret from the first line of this file",
+        help="read the cluster secret from the first line of this file (default: none)",
     )
 
 

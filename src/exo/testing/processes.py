@@ -19,6 +19,7 @@ import psutil
 
 from exo.master.event_log import decode_record
 from exo.testing.ports import free_port as free_port  # re-exported for the tests
+from exo.utils.process_title import RUNNER_TITLE_PREFIX
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 READY_TIMEOUT_SECONDS = 600.0
@@ -243,7 +244,10 @@ class ExoNode:
                 cmdline = " ".join(child.cmdline())
             except psutil.Error:
                 continue
-            if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+            # A runner names itself (`exo runner <model> rank N`) once it starts; before
+            # that it is still multiprocessing's spawned interpreter.
+            titled = cmdline.startswith(RUNNER_TITLE_PREFIX)
+            if titled or ("spawn_main" in cmdline and "resource_tracker" not in cmdline):
                 runners.append(child)
         return runners
 

@@ -30,6 +30,6 @@ def default_prefill_activations(flags: frozenset[str] | None = None) -> PrefillA
     """`--prefill-activations`' default on a CPU with `flags` (default: this one's): "bf16"
     where AMX-BF16 runs prefill (`AMX_BF16_FLAGS`), else "int16". bf16 multiplied Gemma 3
     270M's and SmolLM2-135M's 128-512-row int4 products ~2x as fast as int16 on a 2-core
-    Xeon with AMX, for a KL of ~2e-4 from int16's next-token distributions (README,
-    `--prefill-activations`)."""
+    Xeon with AMX, for a KL of ~2e-4 from int16's next-token distributions (docs/engine.md,
+    "Prefill activations")."""
     return "bf16" if (cpu_flags() if flags is None else flags) >= AMX_BF16_FLAGS else "int16"

@@ -625,12 +625,15 @@ def runner_main(
     """Entry point of the spawned runner process."""
     from pydantic import TypeAdapter
 
+    from exo.utils.process_title import runner_title, set_process_title
+
     # Ctrl-C reaches the whole process group; the node shuts runners down in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     logger.remove()
     logger.add(sys.stderr, level=log_level, format="{time:HH:mm:ss} runner | {level} | {message}")
     shard: ShardMetadata = TypeAdapter(ShardMetadata).validate_json(shard_json)
+    set_process_title(runner_title(shard.model_card.model_id, shard.device_rank))
     Runner(
         RunnerId(runner_id), shard, inbound, outbound, max_concurrent_requests,
         stream_interval_seconds, prefill_activations,
