@@ -254,11 +254,25 @@ def test_placement_routes_and_restart_replay(tmp_path: Path, shared_models_dir: 
     # On restart the node replays its log: the instance is back and answers. "is ready"
     # is logged once the new runner is (the replayed state still says the old one was).
     log_before = node.log_path.read_text()
-    restarted = ExoNode(node.home, models_dir=shared_models_dir, extra_args=("--no-default-model",))
+    # Restarted with a smaller KV budget: its node info and its new runner's engine hold it.
+    restarted = ExoNode(
+        node.home,
+        models_dir=shared_models_dir,
+        extra_args=("--no-default-model", "--kv-cache-tokens", "4096"),
+    )
     restarted.start()
     try:
         assert instance_id in restarted.state()["instances"]
         restarted.wait_ready(timeout=120)
+        state = restarted.state()
+        assert [info["kv_cache_tokens"] for info in state["node_info"].values()] == [4096]
+        wait_until(
+            lambda: (
+                [s.get("kv_cache_tokens") for s in restarted.state()["runners"].values()] == [4096]
+            ),
+            timeout=30,
+            what="the runner's KV budget in /state",
+        )
 
         def new_lines() -> str:
             return restarted.log_path.read_text()[len(log_before) :]

@@ -31,6 +31,7 @@ NODE_DETAILS = {
     "offline": "models.md#model-files-and-downloads",
     "no_default_model": "models.md#built-in-models-from-pypi",
     "no_auto_place": "api.md#load-on-request",
+    "kv_cache_tokens": "api.md#many-users-at-once",
     "idle_unload": "api.md#keep-alive-and-idle-unload",
     "trust_remote_code": "models.md#custom-models",
     "max_concurrent_requests": "api.md#many-users-at-once",

@@ -66,6 +66,7 @@ from exo.utils.heap import trim_heap_periodically
 from exo.utils.info_gatherer import InfoGatherer
 from exo.utils.topology import TopologyProber
 from exo.worker.main import Worker
+from exo.worker.runner.options import RunnerOptions
 
 
 def load_node_id() -> NodeId:
@@ -156,9 +157,12 @@ class Node:
             log_level=options.log_level,
             caught_up=lambda: self.replica.caught_up(),
             resyncing=lambda: self.replica.resyncing,
-            max_concurrent_requests=options.max_concurrent_requests,
-            stream_interval_seconds=options.stream_interval_seconds,
-            prefill_activations=options.prefill_activations,
+            runner_options=RunnerOptions(
+                max_concurrent_requests=options.max_concurrent_requests,
+                stream_interval_seconds=options.stream_interval_seconds,
+                prefill_activations=options.prefill_activations,
+                kv_cache_tokens=options.kv_cache_tokens,
+            ),
             peer_credential=peer_credential(options.namespace, secret),
         )
         self.cluster = ClusterClient(
@@ -189,6 +193,7 @@ class Node:
             measure_speed=True,
             remeasure_speed=options.remeasure_speed,
             prefill_activations=options.prefill_activations,
+            kv_cache_tokens=options.kv_cache_tokens,
         )
         credential = peer_credential(options.namespace, secret)
         # Other nodes' APIs answer this node's probes and file requests by this credential.

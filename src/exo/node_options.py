@@ -25,7 +25,9 @@ from exo.shared.constants import (
     PROTOCOL_VERSION,
 )
 from exo.shared.models.memory import (
+    DEFAULT_KV_CACHE_TOKENS,
     DEFAULT_PREFILL_ACTIVATIONS,
+    MIN_KV_CACHE_TOKENS,
     PREFILL_ACTIVATIONS,
     PrefillActivations,
 )
@@ -68,6 +70,8 @@ class Options:
     cluster_secret: ClusterSecret | None = None
     # How prefill rounds int4 / 5-bit block weights' activations (`--prefill-activations`).
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS
+    # Each runner's KV-cache budget in tokens (`--kv-cache-tokens`).
+    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS
 
 
 def package_version() -> str:
@@ -198,6 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: bf16 with AMX-BF16, else int16)",
     )
     parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=DEFAULT_KV_CACHE_TOKENS,
+        metavar="N",
+        help="KV-cache tokens each runner keeps room for, all its requests together "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--max-queued-requests",
         type=int,
         default=None,
@@ -237,6 +249,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
             f"--stream-interval-ms must be between 0 and {MAX_STREAM_INTERVAL_MS:g}, "
             f"not {args.stream_interval_ms:g}"
         )
+    if args.kv_cache_tokens < MIN_KV_CACHE_TOKENS:
+        parser.error(
+            f"--kv-cache-tokens must be >= {MIN_KV_CACHE_TOKENS}, not {args.kv_cache_tokens}"
+        )
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         parser.error(f"--max-queued-requests must be >= 0, not {args.max_queued_requests}")
     if args.idle_unload is not None and not 0 <= args.idle_unload < float("inf"):
@@ -270,6 +286,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         max_concurrent_requests=args.max_concurrent_requests,
         stream_interval_seconds=args.stream_interval_ms / 1000,
         prefill_activations=args.prefill_activations,
+        kv_cache_tokens=args.kv_cache_tokens,
         remeasure_speed=args.remeasure_speed,
         cluster_secret=cluster_secret_option(args, parser, peers),
     )

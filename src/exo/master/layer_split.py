@@ -42,12 +42,16 @@ def layer_split(n_layers: int, weights: Sequence[int]) -> list[int]:
 
 
 def speed_balanced_split(
-    card: ModelCard, speeds: Sequence[NodeSpeed], available_bytes: Sequence[int]
+    card: ModelCard,
+    speeds: Sequence[NodeSpeed],
+    available_bytes: Sequence[int],
+    kv_cache_tokens: Sequence[int] | None = None,
 ) -> list[int] | None:
     """Layer counts per rank (in rank order) that minimize the slowest rank's predicted
     decode stage (`decode_stage_seconds` with `DEFAULT_PROMPT_TOKENS` of context; rank 0
     holds the embedding, the last rank the LM head), each rank's share within its
-    `available_bytes` (`pipeline_share_bytes`), at least one layer each; ties go to the
+    `available_bytes` (`pipeline_share_bytes` with its node's `kv_cache_tokens`; None:
+    the default everywhere), at least one layer each; ties go to the
     split whose stages are most even (layers taken, one at a time, from the slowest rank).
 
     The bottleneck split: the smallest time T at which the most layers each rank can hold
@@ -72,7 +76,8 @@ def speed_balanced_split(
         low, high = 0, most
         while low < high:
             middle = (low + high + 1) // 2
-            share = pipeline_share_bytes(card, middle, rank == 0, rank == last)
+            tokens = None if kv_cache_tokens is None else kv_cache_tokens[rank]
+            share = pipeline_share_bytes(card, middle, rank == 0, rank == last, tokens)
             if share <= available_bytes[rank]:
                 low = middle
             else:

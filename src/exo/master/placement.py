@@ -193,7 +193,11 @@ def layout(
     world_size = len(order)
     total_available = sum(room[n].available_bytes for n in order)
     # Each further node runs one more runner process.
-    needed_total = required_memory_bytes(card) + (world_size - 1) * RUNNER_PROCESS_OVERHEAD_BYTES
+    smallest_kv_cache = min(room[n].kv_cache_tokens for n in order)
+    needed_total = (
+        required_memory_bytes(card, kv_cache_tokens=smallest_kv_cache)
+        + (world_size - 1) * RUNNER_PROCESS_OVERHEAD_BYTES
+    )
     if total_available < needed_total:
         holder = f"the node has {room[order[0]].describe()}"
         if world_size > 1:
@@ -209,13 +213,18 @@ def layout(
         if error is not None:
             raise PlacementError(error)
         ranges = tuple((0, card.n_layers) for _ in order)
-        shares = tuple(required_memory_bytes(card, world_size) for _ in order)
+        shares = tuple(
+            required_memory_bytes(card, world_size, room[n].kv_cache_tokens) for n in order
+        )
     else:
         measured = [state.node_info[n].speed for n in order]
         speeds = [speed for speed in measured if speed is not None]
         balanced = None
         if len(speeds) == world_size:
-            balanced = speed_balanced_split(card, speeds, [room[n].available_bytes for n in order])
+            balanced = speed_balanced_split(
+                card, speeds, [room[n].available_bytes for n in order],
+                [room[n].kv_cache_tokens for n in order],
+            )  # fmt: skip
         if balanced is not None:
             counts = balanced
         else:  # in proportion to the memory left for layers beside each runner process
@@ -227,7 +236,9 @@ def layout(
         ranges = tuple((s, s + c) for s, c in zip(starts, counts, strict=True))
         last = len(counts) - 1
         shares = tuple(
-            pipeline_share_bytes(card, count, rank == 0, rank == last)
+            pipeline_share_bytes(
+                card, count, rank == 0, rank == last, room[order[rank]].kv_cache_tokens
+            )
             for rank, count in enumerate(counts)
         )
     for node_id, share in zip(order, shares, strict=True):

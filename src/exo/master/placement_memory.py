@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from exo.shared.models.memory import (
+    DEFAULT_KV_CACHE_TOKENS,
     ENGINE_CPU_WEIGHT_FORMAT,
     RUNNER_PROCESS_OVERHEAD_BYTES,
     WeightShare,
@@ -27,28 +28,36 @@ from exo.shared.types.state import State
 MEMORY_OVERHEAD_FRACTION = 0.10
 
 
-def required_memory_bytes(card: ModelCard, world_size: int = 1) -> int:
+def required_memory_bytes(
+    card: ModelCard, world_size: int = 1, kv_cache_tokens: int | None = None
+) -> int:
     """Bytes one tensor-parallel rank of `world_size` (or a whole single node) needs: the
     peak of its weights while loading in the engine's CPU format (int4 layers, int8 LM head,
     float32 embedding; `exo.shared.models.memory`) or of its weights and KV-cache budget
-    while serving, whichever is larger, plus the overhead fraction, plus the runner
-    process's own memory (`RUNNER_PROCESS_OVERHEAD_BYTES`)."""
+    (`kv_cache_tokens`, its node's `--kv-cache-tokens`; None: the default) while serving,
+    whichever is larger, plus the overhead fraction, plus the runner process's own memory
+    (`RUNNER_PROCESS_OVERHEAD_BYTES`)."""
     share = WeightShare(layers=card.n_layers, tensor_parallel_ranks=world_size)
-    return _runner_bytes(card, share)
+    return _runner_bytes(card, share, kv_cache_tokens)
 
 
 def pipeline_share_bytes(
-    card: ModelCard, n_layers: int, is_first: bool = True, is_last: bool = True
+    card: ModelCard,
+    n_layers: int,
+    is_first: bool = True,
+    is_last: bool = True,
+    kv_cache_tokens: int | None = None,
 ) -> int:
     """Bytes a pipeline rank holding `n_layers` layers (and the embedding on the first
     rank, the LM head on the last) needs while loading or serving (its layers' KV-cache
-    budget), plus the overhead fraction, plus the runner process's own memory."""
+    budget of `kv_cache_tokens`), plus the overhead fraction, plus the runner process's
+    own memory."""
     share = WeightShare(layers=n_layers, holds_embedding=is_first, holds_output_layer=is_last)
-    return _runner_bytes(card, share)
+    return _runner_bytes(card, share, kv_cache_tokens)
 
 
-def _runner_bytes(card: ModelCard, share: WeightShare) -> int:
-    peak = serving_peak_bytes(card, ENGINE_CPU_WEIGHT_FORMAT, share)
+def _runner_bytes(card: ModelCard, share: WeightShare, kv_cache_tokens: int | None) -> int:
+    peak = serving_peak_bytes(card, ENGINE_CPU_WEIGHT_FORMAT, share, kv_cache_tokens)
     return int(peak * (1 + MEMORY_OVERHEAD_FRACTION)) + RUNNER_PROCESS_OVERHEAD_BYTES
 
 
@@ -63,18 +72,19 @@ def _weight_share(shard: ShardMetadata) -> WeightShare:
     )
 
 
-def runner_bytes(shard: ShardMetadata) -> int:
-    """Bytes placement reserves for the runner of `shard` (`required_memory_bytes` of a
-    tensor rank, `pipeline_share_bytes` of a pipeline rank)."""
-    return _runner_bytes(shard.model_card, _weight_share(shard))
+def runner_bytes(shard: ShardMetadata, kv_cache_tokens: int | None = None) -> int:
+    """Bytes placement reserves for the runner of `shard` on a node whose runners keep
+    `kv_cache_tokens` of KV cache (`required_memory_bytes` of a tensor rank,
+    `pipeline_share_bytes` of a pipeline rank)."""
+    return _runner_bytes(shard.model_card, _weight_share(shard), kv_cache_tokens)
 
 
-def runner_unallocated_bytes(shard: ShardMetadata) -> int:
+def runner_unallocated_bytes(shard: ShardMetadata, kv_cache_tokens: int | None = None) -> int:
     """What a loaded runner of `shard` may still allocate: `runner_bytes` minus its
     resident weights and process memory, i.e. the KV-cache budget it fills as requests
     come, the overhead fraction, and no more than that."""
     loaded = resident_weight_bytes(shard.model_card, ENGINE_CPU_WEIGHT_FORMAT, _weight_share(shard))
-    return max(0, runner_bytes(shard) - loaded - RUNNER_PROCESS_OVERHEAD_BYTES)
+    return max(0, runner_bytes(shard, kv_cache_tokens) - loaded - RUNNER_PROCESS_OVERHEAD_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,11 +96,14 @@ class NodeRoom:
         promised_bytes: memory its placed runners will still take that the report cannot
             show (`placement_room`).
         promised_runners: how many runners that is.
+        kv_cache_tokens: the KV-cache budget of each runner there (`NodeInfo.kv_cache_tokens`),
+            which every share placed on it is sized with.
     """
 
     reported_bytes: int
     promised_bytes: int = 0
     promised_runners: int = 0
+    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS
 
     @property
     def available_bytes(self) -> int:
@@ -137,15 +150,17 @@ def placement_room(state: State, exclude: InstanceId | None = None) -> dict[Node
             shard = assignments.runner_to_shard.get(runner_id)
             if node_id not in promised or shard is None:
                 continue
+            tokens = state.node_info[node_id].kv_cache_tokens
             if isinstance(state.runners.get(runner_id), RunnerReady | RunnerRunning):
-                promised[node_id].append(runner_unallocated_bytes(shard))
+                promised[node_id].append(runner_unallocated_bytes(shard, tokens))
             else:
-                promised[node_id].append(runner_bytes(shard))
+                promised[node_id].append(runner_bytes(shard, tokens))
     return {
         node_id: NodeRoom(
             reported_bytes=info.memory.available_bytes,
             promised_bytes=sum(promised[node_id]),
             promised_runners=len(promised[node_id]),
+            kv_cache_tokens=info.kv_cache_tokens,
         )
         for node_id, info in state.node_info.items()
     }

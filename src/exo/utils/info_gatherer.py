@@ -14,7 +14,11 @@ import psutil
 from loguru import logger
 
 from exo.shared.local_events import LocalEventSender
-from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
+from exo.shared.models.memory import (
+    DEFAULT_KV_CACHE_TOKENS,
+    DEFAULT_PREFILL_ACTIVATIONS,
+    PrefillActivations,
+)
 from exo.shared.types.events import NodeGatheredInfo
 from exo.shared.types.nodes import GpuInfo, MemoryInfo, NetworkInterface, NodeInfo, NodeSpeed
 from exo.shared.types.state import State
@@ -133,6 +137,7 @@ def gather_node_info(
     offline: bool = False,
     speed: NodeSpeed | None = None,
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
+    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
 ) -> NodeInfo:
     interfaces = network_interfaces()
     disk_free, disk_total = disk_usage_bytes(models) if models is not None else (0, 0)
@@ -151,6 +156,7 @@ def gather_node_info(
         offline=offline,
         speed=speed,
         prefill_activations=prefill_activations,
+        kv_cache_tokens=kv_cache_tokens,
     )
 
 
@@ -206,9 +212,11 @@ class InfoGatherer:
         measure_speed: bool = False,
         remeasure_speed: bool = False,
         prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
+        kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
     ) -> None:
         self._local_events = local_events
         self._prefill_activations: PrefillActivations = prefill_activations
+        self._kv_cache_tokens = kv_cache_tokens
         self._measure_speed = measure_speed
         self._remeasure_speed = remeasure_speed
         self._speed: NodeSpeed | None = None
@@ -274,6 +282,7 @@ class InfoGatherer:
                 self._offline,
                 self._speed,
                 self._prefill_activations,
+                self._kv_cache_tokens,
             )
             now = anyio.current_time()
             if report_due(last, info, now - last_sent, self._missing_from_state()):

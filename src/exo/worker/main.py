@@ -19,7 +19,6 @@ from exo.download.model_lock import ModelBusyError
 from exo.download.peers import HUB_ASSUMED_MBPS, peers_holding
 from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.shared.local_events import LocalEventSender
-from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
 from exo.shared.types.chunks import Chunk
 from exo.shared.types.common import ModelId, NodeId, RunnerId
 from exo.shared.types.downloads import DownloadProgress
@@ -58,6 +57,7 @@ from exo.shared.types.tasks import (
 )
 from exo.utils.channels import Subscription
 from exo.worker.plan import LocalRunner, plan
+from exo.worker.runner.options import RunnerOptions
 from exo.worker.runner.supervisor import RunnerSupervisor
 
 PLAN_IDLE_WAKE_SECONDS = 0.5
@@ -90,9 +90,7 @@ class Worker:
         caught_up: Callable[[], bool] = lambda: True,
         resyncing: Callable[[], bool] = lambda: False,
         peer_credential: str | None = None,
-        max_concurrent_requests: int | None = None,
-        stream_interval_seconds: float = 0.0,
-        prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
+        runner_options: RunnerOptions | None = None,
     ) -> None:
         self.node_id = node_id
         self._current_state = current_state
@@ -102,12 +100,8 @@ class Worker:
         self._models_dir = models_dir
         self._offline = offline
         self._log_level = log_level
-        # Each runner's batch size (`--max-concurrent-requests`; None: the engine's default).
-        self._max_concurrent_requests = max_concurrent_requests
-        # How long each runner holds a stream's tokens (`--stream-interval-ms`).
-        self._stream_interval_seconds = stream_interval_seconds
-        # How each runner's prefill rounds activations (`--prefill-activations`).
-        self._prefill_activations: PrefillActivations = prefill_activations
+        # The node options each runner and its engine run with.
+        self._runner_options = runner_options or RunnerOptions()
         self._clock = clock
         self.runners: dict[RunnerId, RunnerSupervisor] = {}
         self.downloads: dict[ModelId, DownloadStatus] = {}
@@ -250,9 +244,7 @@ class Worker:
                     publish_chunk=self._publish_chunk,
                     on_change=self._notify,
                     log_level=self._log_level,
-                    max_concurrent_requests=self._max_concurrent_requests,
-                    stream_interval_seconds=self._stream_interval_seconds,
-                    prefill_activations=self._prefill_activations,
+                    options=self._runner_options,
                 )
                 supervisor.start()
                 self.runners[runner_id] = supervisor

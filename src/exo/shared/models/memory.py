@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from exo.shared.types.models import GgufFileSource, ModelCard, PypiGgufPartsSource, PypiGgufSource
 
@@ -296,17 +296,69 @@ def loading_peak_bytes(
 # Keys and values are held in the activations' dtype: float32 on CPU in every weight format.
 KV_CACHE_VALUE_BYTES = FLOAT32_BYTES
 # Tokens of KV cache a runner keeps room for by default (running requests and the prefix
-# cache together): eight concurrent requests of 1,024 tokens, or one of 8,192.
+# cache together): eight concurrent requests of 1,024 tokens, or one of 8,192. A node's
+# `--kv-cache-tokens` sets its own (`NodeInfo.kv_cache_tokens`), which its runners' engines
+# hold and placement reserves memory for.
 DEFAULT_KV_CACHE_TOKENS = 8_192
+# The smallest budget a node accepts: one request of a few hundred tokens.
+MIN_KV_CACHE_TOKENS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    """The KV cache of one rank: `layers` decoder layers, each holding `kv_heads` key and
+    value heads of `head_dim` values per token. The one place KV sizes are computed:
+    placement and speed prediction build it from the card (`kv_geometry`), the engine from
+    the loaded model's config (`kv_geometry_of_config`)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes: layers × KV heads × head dim × 2 (a key and a value) ×
+        `KV_CACHE_VALUE_BYTES`."""
+        return self.layers * self.kv_heads * self.head_dim * 2 * KV_CACHE_VALUE_BYTES
+
+
+def kv_heads_per_rank(kv_heads: int, tensor_parallel_ranks: int) -> int:
+    """KV heads one tensor rank holds (rounded up; tensor placement checks divisibility)."""
+    return -(-kv_heads // tensor_parallel_ranks)
+
+
+def kv_geometry(card: ModelCard, share: WeightShare | None = None) -> KVGeometry:
+    """The KV geometry of a node holding `share` of `card`'s model (the whole model when
+    None): its layers, its part of the KV heads."""
+    share = share or whole_model(card)
+    return KVGeometry(
+        layers=share.layers,
+        kv_heads=kv_heads_per_rank(card.num_key_value_heads, share.tensor_parallel_ranks),
+        head_dim=card.attention_head_dim,
+    )
+
+
+def kv_geometry_of_config(
+    text_config: Any, layers: int, tensor_parallel_ranks: int = 1
+) -> KVGeometry:
+    """The KV geometry of a loaded model from its (text) transformers config, duck-typed so
+    this module stays free of transformers: `num_key_value_heads` (else the attention
+    heads), `head_dim` (else hidden size / heads).
+
+    Args:
+        text_config: the model's text config.
+        layers: decoder layers this rank holds.
+        tensor_parallel_ranks: ranks the KV heads are split over.
+    """
+    heads = int(text_config.num_attention_heads)
+    kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
+    return KVGeometry(layers, kv_heads_per_rank(kv_heads, tensor_parallel_ranks), head_dim)
 
 
 def kv_cache_bytes_per_token(card: ModelCard, share: WeightShare | None = None) -> int:
-    """Bytes of KV cache one token takes on a node holding `share`: layers × KV heads ×
-    head dim × 2 (a key and a value) × `KV_CACHE_VALUE_BYTES`; tensor ranks hold their
-    part of the KV heads (rounded up)."""
-    share = share or whole_model(card)
-    kv_heads = -(-card.num_key_value_heads // share.tensor_parallel_ranks)
-    return share.layers * kv_heads * card.attention_head_dim * 2 * KV_CACHE_VALUE_BYTES
+    """Bytes of KV cache one token takes on a node holding `share` (`KVGeometry`)."""
+    return kv_geometry(card, share).bytes_per_token
 
 
 def kv_cache_budget_bytes(
@@ -329,11 +381,16 @@ RUNNER_PROCESS_OVERHEAD_BYTES = 320 * 2**20
 
 
 def serving_peak_bytes(
-    card: ModelCard, weight_format: WeightFormat, share: WeightShare | None = None
+    card: ModelCard,
+    weight_format: WeightFormat,
+    share: WeightShare | None = None,
+    kv_cache_tokens: int | None = None,
 ) -> int:
     """Peak bytes of a runner holding `share`: the loading peak, or the resident weights
-    plus the whole KV-cache budget (`kv_cache_budget_bytes`) once it serves, whichever is
-    larger (the KV cache fills only after loading)."""
+    plus the whole KV-cache budget of `kv_cache_tokens` (`kv_cache_budget_bytes`; None:
+    `DEFAULT_KV_CACHE_TOKENS`) once it serves, whichever is larger (the KV cache fills only
+    after loading)."""
     share = share or whole_model(card)
-    serving = resident_weight_bytes(card, weight_format, share) + kv_cache_budget_bytes(card, share)
+    kv_cache = kv_cache_budget_bytes(card, share, kv_cache_tokens)
+    serving = resident_weight_bytes(card, weight_format, share) + kv_cache
     return max(loading_peak_bytes(card, weight_format, share), serving)

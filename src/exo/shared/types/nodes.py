@@ -6,7 +6,11 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
+from exo.shared.models.memory import (
+    DEFAULT_KV_CACHE_TOKENS,
+    DEFAULT_PREFILL_ACTIVATIONS,
+    PrefillActivations,
+)
 from exo.shared.types.common import FrozenModel, NodeId
 from exo.shared.types.downloads import DownloadProgress
 
@@ -99,7 +103,9 @@ class NodeInfo(FrozenModel):
     decode and prefill rates (None until measured, and from nodes too old to measure);
     `prefill_activations`: how its runners round prefill's activations
     (`--prefill-activations`), which of its prefill GEMM figures a TTFT prediction reads
-    (nodes too old to say: `DEFAULT_PREFILL_ACTIVATIONS`)."""
+    (nodes too old to say: `DEFAULT_PREFILL_ACTIVATIONS`); `kv_cache_tokens`: the KV-cache
+    budget of each of its runners in tokens (`--kv-cache-tokens`), which placement reserves
+    memory for on this node."""
 
     friendly_name: str
     memory: MemoryInfo
@@ -115,6 +121,7 @@ class NodeInfo(FrozenModel):
     offline: bool = False
     speed: NodeSpeed | None = None
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS
+    kv_cache_tokens: int = Field(default=DEFAULT_KV_CACHE_TOKENS, ge=1)
 
 
 class TopologyEdge(FrozenModel):

@@ -6,6 +6,7 @@ from typing import Annotated, Literal, NamedTuple
 
 from pydantic import Field
 
+from exo.shared.models.memory import DEFAULT_KV_CACHE_TOKENS
 from exo.shared.types.common import FrozenModel
 
 
@@ -43,18 +44,22 @@ class RunnerReady(FrozenModel):
     """Loaded and warmed up, waiting for a generation task. `weight_bytes` is what this
     rank's loaded parameters take (its share of the model); `max_concurrent_requests` how
     many generations its engine runs at once in its batch (`--max-concurrent-requests`;
-    the API admits that many per instance plus a bounded queue)."""
+    the API admits that many per instance plus a bounded queue); `kv_cache_tokens` its
+    engine's KV-cache budget in tokens (its node's `--kv-cache-tokens`)."""
 
     kind: Literal["RunnerReady"] = "RunnerReady"
     weight_bytes: int = Field(default=0, ge=0)
     max_concurrent_requests: int = Field(default=1, ge=1)
+    kv_cache_tokens: int = Field(default=DEFAULT_KV_CACHE_TOKENS, ge=0)
 
 
 class RunnerRunning(FrozenModel):
-    """Generating for at least one task. `max_concurrent_requests` as in `RunnerReady`."""
+    """Generating for at least one task. `max_concurrent_requests` and `kv_cache_tokens` as
+    in `RunnerReady`."""
 
     kind: Literal["RunnerRunning"] = "RunnerRunning"
     max_concurrent_requests: int = Field(default=1, ge=1)
+    kv_cache_tokens: int = Field(default=DEFAULT_KV_CACHE_TOKENS, ge=0)
 
 
 class RunnerFailed(FrozenModel):

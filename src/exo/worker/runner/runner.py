@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 from loguru import logger
 
-from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
 from exo.shared.types.chunks import (
     INSTANCE_UNAVAILABLE,
     ErrorChunk,
@@ -76,6 +75,7 @@ from exo.worker.runner.messages import (
     encode_outbound,
     runner_inbound_adapter,
 )
+from exo.worker.runner.options import RunnerOptions
 from exo.worker.runner.stream_grouping import ChunkGrouper
 
 if TYPE_CHECKING:
@@ -135,9 +135,7 @@ class Runner:
         shard: ShardMetadata,
         inbound: Connection,
         outbound: Connection,
-        max_concurrent_requests: int | None = None,
-        stream_interval_seconds: float = 0.0,
-        prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
+        options: RunnerOptions | None = None,
     ) -> None:
         self.runner_id = runner_id
         self.shard = shard
@@ -148,8 +146,7 @@ class Runner:
         self._generations: dict[str, _Generation] = {}  # by task id (the engine's request id)
         self._status: RunnerStatus = RunnerIdle()
         self._ready = RunnerReady()
-        self._max_concurrent_requests = max_concurrent_requests
-        self._prefill_activations: PrefillActivations = prefill_activations
+        self._options = options or RunnerOptions()
         self._kv_reported: tuple[int, int, int] | None = None
         self._kv_reported_at = float("-inf")
         # Messages held while a step runs (`_holding`), sent together when it ends.
@@ -159,7 +156,8 @@ class Runner:
         # A fast stream's token chunks leave grouped (stream_grouping.py); the last step's
         # duration tells it whether the next chunk comes soon.
         self._grouper = ChunkGrouper(
-            stream_interval_seconds, lambda chunk: self._send(ChunkReport(chunk=chunk))
+            self._options.stream_interval_seconds,
+            lambda chunk: self._send(ChunkReport(chunk=chunk)),
         )
         self._last_step_seconds = 0.0
 
@@ -294,9 +292,10 @@ class Runner:
             self._engine = load_engine(
                 model_dir, self.shard, on_layer_loaded=on_layer_loaded,
                 max_concurrent_requests=(
-                    self._max_concurrent_requests or DEFAULT_MAX_CONCURRENT_REQUESTS
+                    self._options.max_concurrent_requests or DEFAULT_MAX_CONCURRENT_REQUESTS
                 ),
-                prefill_activations=self._prefill_activations,
+                prefill_activations=self._options.prefill_activations,
+                kv_cache_tokens=self._options.kv_cache_tokens,
             )  # fmt: skip
         except Exception as error:
             logger.opt(exception=error).error(f"runner {self.runner_id}: loading failed")
@@ -321,6 +320,7 @@ class Runner:
         self._ready = RunnerReady(
             weight_bytes=parameter_bytes(self._engine.model),
             max_concurrent_requests=self._engine.max_concurrent_requests,
+            kv_cache_tokens=self._engine.kv_cache_tokens,
         )
         self._set_status(self._ready)
 
@@ -431,7 +431,10 @@ class Runner:
         if self._generations and isinstance(self._status, RunnerRunning):
             return  # unchanged (a step's common case: no status built and compared)
         status: RunnerStatus = (
-            RunnerRunning(max_concurrent_requests=self._ready.max_concurrent_requests)
+            RunnerRunning(
+                max_concurrent_requests=self._ready.max_concurrent_requests,
+                kv_cache_tokens=self._ready.kv_cache_tokens,
+            )
             if self._generations
             else self._ready
         )
@@ -618,9 +621,7 @@ def runner_main(
     inbound: Connection,
     outbound: Connection,
     log_level: str,
-    max_concurrent_requests: int | None = None,
-    stream_interval_seconds: float = 0.0,
-    prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
+    options_json: str | None = None,
 ) -> None:
     """Entry point of the spawned runner process."""
     from pydantic import TypeAdapter
@@ -634,7 +635,5 @@ def runner_main(
     logger.add(sys.stderr, level=log_level, format="{time:HH:mm:ss} runner | {level} | {message}")
     shard: ShardMetadata = TypeAdapter(ShardMetadata).validate_json(shard_json)
     set_process_title(runner_title(shard.model_card.model_id, shard.device_rank))
-    Runner(
-        RunnerId(runner_id), shard, inbound, outbound, max_concurrent_requests,
-        stream_interval_seconds, prefill_activations,
-    ).run()  # fmt: skip
+    options = None if options_json is None else RunnerOptions.model_validate_json(options_json)
+    Runner(RunnerId(runner_id), shard, inbound, outbound, options).run()

@@ -15,7 +15,6 @@ from multiprocessing.process import BaseProcess
 import anyio
 from loguru import logger
 
-from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
 from exo.shared.types.chunks import Chunk, ErrorChunk
 from exo.shared.types.common import CommandId, InstanceId, NodeId, RunnerId, TaskId
 from exo.shared.types.events import Event, RunnerStatusUpdated, TaskStatusUpdated
@@ -51,6 +50,7 @@ from exo.worker.runner.messages import (
     TaskStatusReport,
     decode_outbound,
 )
+from exo.worker.runner.options import RunnerOptions
 from exo.worker.runner.runner import runner_main
 
 SHUTDOWN_GRACE_SECONDS = 5.0
@@ -75,9 +75,7 @@ class RunnerSupervisor:
         publish_chunk: Callable[[NodeId, Chunk], None],
         on_change: Callable[[], None],
         log_level: str = "INFO",
-        max_concurrent_requests: int | None = None,
-        stream_interval_seconds: float = 0.0,
-        prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
+        options: RunnerOptions | None = None,
     ) -> None:
         self.node_id = node_id
         self.runner_id = runner_id
@@ -91,9 +89,7 @@ class RunnerSupervisor:
         self._publish_chunk = publish_chunk
         self._on_change = on_change
         self._log_level = log_level
-        self._max_concurrent_requests = max_concurrent_requests
-        self._stream_interval_seconds = stream_interval_seconds
-        self._prefill_activations: PrefillActivations = prefill_activations
+        self._options = options or RunnerOptions()
         self._process: BaseProcess | None = None
         self._to_runner: Connection | None = None
         self._from_runner: Connection | None = None
@@ -123,9 +119,7 @@ class RunnerSupervisor:
                 runner_inbound_read,
                 runner_outbound_write,
                 self._log_level,
-                self._max_concurrent_requests,
-                self._stream_interval_seconds,
-                self._prefill_activations,
+                self._options.model_dump_json(),
             ),
             name=f"exo-runner-{self.runner_id}",
             daemon=True,

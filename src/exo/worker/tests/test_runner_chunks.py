@@ -16,6 +16,7 @@ from exo.testing.builders import make_params, make_shard, make_text_generation_t
 from exo.worker.engines.prompt import RenderedPrompt
 from exo.worker.engines.torch.engine import GeneratedPiece, RequestHandle
 from exo.worker.runner.messages import ChunkReport, decode_outbound
+from exo.worker.runner.options import RunnerOptions
 from exo.worker.runner.runner import Runner
 
 PROMPT_TOKEN_IDS = list(range(100, 117))
@@ -65,7 +66,7 @@ def chunks_of_one_generation(
     outbound_reader, outbound_writer = Pipe(duplex=False)
     runner = Runner(
         RunnerId("runner-1"), make_shard(), inbound_reader, outbound_writer,
-        stream_interval_seconds=stream_interval,
+        RunnerOptions(stream_interval_seconds=stream_interval),
     )  # fmt: skip
     runner._engine = cast(Any, ScriptedEngine(pieces))
     task = make_text_generation_task(params=make_params().model_copy(update=params))

@@ -46,6 +46,7 @@ from exo.shared.models.memory import (
     DEFAULT_KV_CACHE_TOKENS,
     DEFAULT_PREFILL_ACTIVATIONS,
     PrefillActivations,
+    kv_geometry_of_config,
 )
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
@@ -178,11 +179,8 @@ class DistributedTorchEngine(TorchEngine):
     def _new_slot_cache(self, cache_class: type[SlotKVCache]) -> SlotKVCache:
         """This rank's KV slots: its layers, its KV heads (a tensor rank holds 1/N)."""
         text_config = self.model.config.get_text_config()
-        heads = int(text_config.num_attention_heads)
-        kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
-        if isinstance(self.shard, TensorShardMetadata):
-            kv_heads //= self.world_size
+        tensor_ranks = self.world_size if isinstance(self.shard, TensorShardMetadata) else 1
+        geometry = kv_geometry_of_config(text_config, len(self._windows), tensor_ranks)
         dtype = next(self.model.parameters()).dtype
         use_batched_attention(self.model)
         # A family may give a tensor rank's attention modules a config of their own (with
@@ -193,7 +191,7 @@ class DistributedTorchEngine(TorchEngine):
             if own_config is not None and own_config is not text_config:
                 own_config._attn_implementation = BATCHED_ATTENTION
         return cache_class(
-            len(self._windows), kv_heads, head_dim, dtype, self.device,
+            geometry.layers, geometry.kv_heads, geometry.head_dim, dtype, self.device,
             self.max_concurrent_requests,
         )  # fmt: skip
 

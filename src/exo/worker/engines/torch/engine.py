@@ -27,8 +27,8 @@ from exo.shared.models.memory import (
     DEFAULT_KV_CACHE_TOKENS,
     DEFAULT_PREFILL_ACTIVATIONS,
     ENGINE_CPU_WEIGHT_FORMAT,
-    KV_CACHE_VALUE_BYTES,
     PrefillActivations,
+    kv_geometry_of_config,
 )
 from exo.shared.types.chunks import TokenLogprob, TopLogprob
 from exo.shared.types.common import ModelId
@@ -449,29 +449,17 @@ class TorchEngine:
         text_config = self.model.config.get_text_config()
         family = family_for_architecture(type(self.model).__name__)
         windows = family.attention_windows(text_config)
-        heads = int(text_config.num_attention_heads)
-        kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
+        geometry = kv_geometry_of_config(text_config, len(windows))
         dtype = next(self.model.parameters()).dtype
         use_batched_attention(self.model)
         cache = SlotKVCache(
-            len(windows), kv_heads, head_dim, dtype, self.device, self.max_concurrent_requests
-        )
+            geometry.layers, geometry.kv_heads, geometry.head_dim, dtype, self.device,
+            self.max_concurrent_requests,
+        )  # fmt: skip
         return BatchScheduler(
             self.model, cache, windows, attention_layers(self.model), self.kv_cache_tokens,
             PrefixCache(self.kv_cache_tokens), self.device,
         )  # fmt: skip
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of KV one token takes in this engine (layers × KV heads × head dim × 2 ×
-        `KV_CACHE_VALUE_BYTES`), as `memory.kv_cache_bytes_per_token` computes from the
-        card."""
-        text_config = self.model.config.get_text_config()
-        heads = int(text_config.num_attention_heads)
-        kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
-        return text_config.num_hidden_layers * kv_heads * head_dim * 2 * KV_CACHE_VALUE_BYTES
 
     def submit(
         self,

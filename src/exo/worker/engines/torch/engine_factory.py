@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
+from exo.shared.models.memory import (
+    DEFAULT_KV_CACHE_TOKENS,
+    DEFAULT_PREFILL_ACTIVATIONS,
+    PrefillActivations,
+)
 from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.distributed_engine import DistributedTorchEngine
 from exo.worker.engines.torch.engine import DEFAULT_MAX_CONCURRENT_REQUESTS, TorchEngine
@@ -22,6 +26,7 @@ def load_engine(
     weight_dtype: WeightDtype | None = None,
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
+    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
 ) -> TorchEngine:
     """Load the engine for `shard` (arguments as `TorchEngine.load`).
 
@@ -35,9 +40,9 @@ def load_engine(
     if shard.world_size > 1:
         return DistributedTorchEngine.load(
             model_dir, shard, device, on_layer_loaded, weight_dtype, max_concurrent_requests,
-            prefill_activations=prefill_activations,
+            kv_cache_tokens=kv_cache_tokens, prefill_activations=prefill_activations,
         )  # fmt: skip
     return TorchEngine.load(
         model_dir, shard, device, on_layer_loaded, weight_dtype, max_concurrent_requests,
-        prefill_activations=prefill_activations,
+        kv_cache_tokens=kv_cache_tokens, prefill_activations=prefill_activations,
     )  # fmt: skip

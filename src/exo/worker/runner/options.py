@@ -1,0 +1,34 @@
+"""How this node's runners run: the node options that reach each runner and its engine,
+handed from the node (`main.py`) to the worker, each runner's supervisor and the spawned
+runner process as one value."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from exo.shared.models.memory import (
+    DEFAULT_KV_CACHE_TOKENS,
+    DEFAULT_PREFILL_ACTIVATIONS,
+    MIN_KV_CACHE_TOKENS,
+    PrefillActivations,
+)
+from exo.shared.types.common import FrozenModel
+
+
+class RunnerOptions(FrozenModel):
+    """Attributes:
+    max_concurrent_requests: requests a runner's engine batches together
+        (`--max-concurrent-requests`; None: the engine's default).
+    stream_interval_seconds: how long a runner holds a stream's tokens to send them
+        together (`--stream-interval-ms`).
+    prefill_activations: how prefill rounds quantized weights' activations
+        (`--prefill-activations`).
+    kv_cache_tokens: the KV-cache budget of each runner's engine in tokens, running
+        requests and the prefix cache together (`--kv-cache-tokens`); placement reserves
+        memory for the same number (`NodeInfo.kv_cache_tokens`).
+    """
+
+    max_concurrent_requests: int | None = Field(default=None, ge=1)
+    stream_interval_seconds: float = Field(default=0.0, ge=0)
+    prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS
+    kv_cache_tokens: int = Field(default=DEFAULT_KV_CACHE_TOKENS, ge=MIN_KV_CACHE_TOKENS)
