@@ -35,10 +35,10 @@ from exo.shared.models.cards import (
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import (
     Capability,
+    CardToolCallFormat,
     HuggingFaceSource,
     ModelCard,
     SamplingDefaults,
-    ToolCallFormat,
 )
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -123,13 +123,15 @@ def refuse_unsupported(
         )
 
 
-def template_traits(template: str) -> tuple[tuple[Capability, ...], ToolCallFormat]:
+def template_traits(
+    template: str,
+) -> tuple[tuple[Capability, ...], CardToolCallFormat]:
     """Capabilities and tool-call format a chat template shows: `<think>` for thinking;
     Hermes `<tool_call>`, Mistral `[TOOL_CALLS]` or Llama 3's `<|python_tag|>` / ipython
     role for tools. A template with none of them gets text only and the generic format's
     fallback parsing."""
     capabilities: list[Capability] = ["text"]
-    tool_call_format: ToolCallFormat = "none"
+    tool_call_format: CardToolCallFormat = "none"
     if "<tool_call>" in template:
         tool_call_format = "hermes"
     elif "[TOOL_CALLS]" in template:

@@ -104,9 +104,15 @@ Capability = Literal["text", "thinking", "tools", "vision"]
 """What a model can do: read and write text, reason in a separate thinking block, call
 tools, read images."""
 
-ToolCallFormat = Literal["none", "hermes", "llama3_json", "mistral", "generic"]
-"""How the model writes a tool call (the parser names in
-`worker/engines/tool_call_parsing.py`; "none" when it was not trained to call tools)."""
+ToolCallFormat = Literal["hermes", "llama3_json", "mistral", "generic"]
+"""How a model writes a tool call: the parser names of `worker/engines/tool_call_parsing.py`.
+A card declares the format its model was trained on ("none": not trained to call tools);
+the runner detects it from the tokenizer at load and reports a card that says otherwise
+(`exo.shared.models.profile`)."""
+
+CardToolCallFormat = ToolCallFormat | Literal["none"]
+"""A card's declared tool-call format: a `ToolCallFormat`, or "none" for a model not trained
+to call tools."""
 
 
 class SamplingDefaults(FrozenModel):
@@ -169,7 +175,7 @@ class ModelCard(FrozenModel):
     short_name: str | None = Field(
         default=None, pattern=r"^[a-z0-9][a-z0-9.\-]*:[a-z0-9][a-z0-9.\-]*$"
     )
-    tool_call_format: ToolCallFormat = "none"
+    tool_call_format: CardToolCallFormat = "none"
     gated: bool = False
     sources: tuple[str, ...] = ()
     gguf_weight_types: GgufWeightTypes | None = None

@@ -45,12 +45,15 @@ class RunnerReady(FrozenModel):
     rank's loaded parameters take (its share of the model); `max_concurrent_requests` how
     many generations its engine runs at once in its batch (`--max-concurrent-requests`;
     the API admits that many per instance plus a bounded queue); `kv_cache_tokens` its
-    engine's KV-cache budget in tokens (its node's `--kv-cache-tokens`)."""
+    engine's KV-cache budget in tokens (its node's `--kv-cache-tokens`); `card_mismatches`
+    every fact of the model's card that its loaded files state otherwise
+    (`exo.shared.models.profile.card_mismatches`), empty when they agree."""
 
     kind: Literal["RunnerReady"] = "RunnerReady"
     weight_bytes: int = Field(default=0, ge=0)
     max_concurrent_requests: int = Field(default=1, ge=1)
     kv_cache_tokens: int = Field(default=DEFAULT_KV_CACHE_TOKENS, ge=0)
+    card_mismatches: tuple[str, ...] = ()
 
 
 class RunnerRunning(FrozenModel):

@@ -24,12 +24,11 @@ import re
 import secrets
 import string
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
+from exo.shared.types.models import ToolCallFormat
 from exo.shared.types.text_generation import ToolCall, ToolDefinition
 from exo.worker.engines.tool_arguments import coerce_to_schema
-
-ToolCallFormat = Literal["hermes", "llama3_json", "mistral", "generic"]
 
 HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"

@@ -12,15 +12,8 @@ the node down: the supervisor sees the pipe close."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import itertools
-import os
-import signal
-import sys
 import time
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,7 +24,6 @@ from exo.shared.types.chunks import (
     INSTANCE_UNAVAILABLE,
     ErrorChunk,
     TokenChunk,
-    ToolCallChunk,
 )
 from exo.shared.types.common import RunnerId
 from exo.shared.types.runners import (
@@ -64,7 +56,10 @@ from exo.shared.types.tasks import (
 from exo.utils.heap import HeapTrimmer, freeze_long_lived_objects
 from exo.worker.engines.output_parsing import OutputParser
 from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
-from exo.worker.engines.torch.batching.request_state import GeneratedPiece
+from exo.worker.engines.torch.model.sharding import loaded_parameter_bytes
+from exo.worker.runner.card_check import check_card
+from exo.worker.runner.failures import error_code_of, peer_failure
+from exo.worker.runner.generation_feed import Generation, PieceFeed
 from exo.worker.runner.messages import (
     ChunkReport,
     KVCacheReport,
@@ -76,11 +71,10 @@ from exo.worker.runner.messages import (
     runner_inbound_adapter,
 )
 from exo.worker.runner.options import RunnerOptions
+from exo.worker.runner.piece_chunks import piece_chunks
 from exo.worker.runner.stream_grouping import ChunkGrouper
 
 if TYPE_CHECKING:
-    import torch
-
     from exo.worker.engines.torch.engine import TorchEngine
 
 
@@ -99,35 +93,6 @@ class _ShutdownRequested(Exception):
     pass
 
 
-class _PieceFeed:
-    """The pieces of one generation, handed to `parse_generation` one at a time (it reads
-    exactly one piece per output piece)."""
-
-    def __init__(self) -> None:
-        self.piece: GeneratedPiece | None = None
-
-    def __iter__(self) -> Iterator[GeneratedPiece]:
-        return self
-
-    def __next__(self) -> GeneratedPiece:
-        piece, self.piece = self.piece, None
-        if piece is None:
-            raise StopIteration
-        return piece
-
-
-@dataclass(eq=False)
-class _Generation:
-    """A task the engine is running: its output parser and whether its first chunk (which
-    carries the prompt's size) was sent."""
-
-    task: TextGeneration
-    prompt_tokens: int
-    feed: _PieceFeed
-    parsed: Iterator[OutputPiece]
-    first_sent: bool = field(default=False)
-
-
 class Runner:
     def __init__(
         self,
@@ -143,10 +108,11 @@ class Runner:
         self._outbound = outbound
         self._engine: TorchEngine | None = None
         self._queue: deque[TextGeneration] = deque()  # arrived before the engine was ready
-        self._generations: dict[str, _Generation] = {}  # by task id (the engine's request id)
+        self._generations: dict[str, Generation] = {}  # by task id (the engine's request id)
         self._status: RunnerStatus = RunnerIdle()
         self._ready = RunnerReady()
         self._options = options or RunnerOptions()
+        self._card_mismatches: tuple[str, ...] = ()  # what the loaded model's files contradict
         self._kv_reported: tuple[int, int, int] | None = None
         self._kv_reported_at = float("-inf")
         # Messages held while a step runs (`_holding`), sent together when it ends.
@@ -268,7 +234,7 @@ class Runner:
         try:
             self._engine.serve_forever()
         except Exception as error:
-            if _peer_failure(error):
+            if peer_failure(error):
                 # Expected when a node of the instance dies: one line (traceback at -v).
                 logger.warning(f"runner {self.runner_id}: another rank left the group")
                 logger.opt(exception=error).debug(f"runner {self.runner_id}: the group broke")
@@ -301,6 +267,7 @@ class Runner:
             logger.opt(exception=error).error(f"runner {self.runner_id}: loading failed")
             self._set_status(RunnerFailed(error_message=f"loading failed: {error}"))
             return
+        self._card_mismatches = check_card(self.shard.model_card, model_dir, self._engine.tokenizer)
         self._set_status(RunnerLoaded())
 
     def _warm_up(self) -> None:
@@ -318,9 +285,10 @@ class Runner:
         logger.info(f"runner {self.runner_id}: warmed up in {time.perf_counter() - started:.1f}s")
         freeze_long_lived_objects()  # the model: no full collection walks it mid-decode
         self._ready = RunnerReady(
-            weight_bytes=parameter_bytes(self._engine.model),
+            weight_bytes=loaded_parameter_bytes(self._engine.model),
             max_concurrent_requests=self._engine.max_concurrent_requests,
             kv_cache_tokens=self._engine.kv_cache_tokens,
+            card_mismatches=self._card_mismatches,
         )
         self._set_status(self._ready)
 
@@ -348,9 +316,9 @@ class Runner:
             forced_tool_call=task.params.forces_tool_call,
             parse_reasoning=not constrained and not task.params.is_raw,
         )
-        feed = _PieceFeed()
+        feed = PieceFeed()
         parsed = parse_generation(feed, parser, task.params)
-        self._generations[str(task.task_id)] = _Generation(task, handle.prompt_tokens, feed, parsed)
+        self._generations[str(task.task_id)] = Generation(task, handle.prompt_tokens, feed, parsed)
         self._update_status()
 
     def _run_step(self) -> None:
@@ -464,56 +432,22 @@ class Runner:
     def _send_piece(
         self, task: TextGeneration, piece: OutputPiece, prompt_tokens: int | None = None
     ) -> None:
-        """One parsed piece as chunks: its text (with its tokens), then its tool calls; the
-        finish always rides on a final `TokenChunk`. `prompt_tokens` (first piece only)
-        rides on a `TokenChunk` sent first."""
-        model = task.params.model
-        has_text = bool(piece.text or piece.reasoning_text or piece.token_ids)
-        finishes_here = piece.finish_reason is not None and not piece.tool_calls
-        if has_text or finishes_here or prompt_tokens is not None:
-            chunk = TokenChunk(
-                command_id=task.command_id,
-                model=model,
-                text=piece.text,
-                reasoning_text=piece.reasoning_text,
-                token_ids=piece.token_ids,
-                logprobs=piece.logprobs,
-                finish_reason=None if piece.tool_calls else piece.finish_reason,
-                usage=None if piece.tool_calls else piece.usage,
-                stop_sequence=None if piece.tool_calls else piece.stop_sequence,
-                prompt_tokens=prompt_tokens,
-            )
-            self._grouper.token_chunk(chunk, not piece.tool_calls, self._last_step_seconds)
+        """One parsed piece as chunks (`piece_chunks`): its text chunk grouped per stream,
+        what follows it (tool calls, then the finish) sent at once."""
+        chunks = piece_chunks(task, piece, prompt_tokens)
+        if chunks.text is not None:
+            self._grouper.token_chunk(chunks.text, not piece.tool_calls, self._last_step_seconds)
         elif piece.tool_calls:
             self._grouper.release(task.command_id)
-        if not piece.tool_calls:
-            return
-        self._send(
-            ChunkReport(
-                chunk=ToolCallChunk(
-                    command_id=task.command_id, model=model, tool_calls=tuple(piece.tool_calls)
-                )
-            )
-        )
-        if piece.finish_reason is not None:
-            self._send(
-                ChunkReport(
-                    chunk=TokenChunk(
-                        command_id=task.command_id,
-                        model=model,
-                        text="",
-                        finish_reason=piece.finish_reason,
-                        usage=piece.usage,
-                    )
-                )
-            )
+        for chunk in chunks.after:
+            self._send(ChunkReport(chunk=chunk))
 
     def _fail_generation(self, task: TextGeneration, error: Exception) -> None:
         """Report a failed generation; a ValueError means the request was at fault (prompt
         longer than the context, a conversation the template refuses): a 400."""
         bad_request = isinstance(error, ValueError)
-        peer_left = self.shard.world_size > 1 and not bad_request and _peer_failure(error)
-        message, status_code, error_code = str(error), 500, _error_code(error)
+        peer_left = self.shard.world_size > 1 and not bad_request and peer_failure(error)
+        message, status_code, error_code = str(error), 500, error_code_of(error)
         if bad_request:
             logger.info(f"runner {self.runner_id}: request refused: {error}")
             status_code = 400
@@ -564,76 +498,3 @@ class Runner:
             )
         )
         self._send(TaskStatusReport(task_id=task.task_id, status=status))
-
-
-# What gloo and torch.distributed say when another rank's process or link goes away.
-_PEER_FAILURE_MARKERS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Socket Timeout",
-    "Timed out waiting",
-    "timed out",
-)
-
-
-def _peer_failure(error: BaseException) -> bool:
-    """Whether `error` is another rank of the process group going away (its node died or
-    lost its link), as opposed to a failure of this rank's own computation."""
-    import torch.distributed
-
-    if isinstance(error, torch.distributed.DistError):
-        return True
-    return any(marker in str(error) for marker in _PEER_FAILURE_MARKERS)
-
-
-def _error_code(error: Exception) -> str | None:
-    from exo.worker.engines.torch.engine import PromptTooLongError
-
-    if isinstance(error, PromptTooLongError):
-        return "context_length_exceeded"  # OpenAI's code for the same condition
-    return None
-
-
-def parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the parameters and buffers actually held (meta tensors are placeholders)."""
-    tensors = itertools.chain(model.parameters(), model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
-
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with_parent() -> None:
-    """A runner whose node was killed (SIGKILL, OOM) must not go on serving its shard:
-    ask Linux to kill it when its parent dies, and exit at once if that already happened."""
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent or parent == 1:
-        os._exit(1)
-
-
-def runner_main(
-    runner_id: str,
-    shard_json: str,
-    inbound: Connection,
-    outbound: Connection,
-    log_level: str,
-    options_json: str | None = None,
-) -> None:
-    """Entry point of the spawned runner process."""
-    from pydantic import TypeAdapter
-
-    from exo.utils.process_title import runner_title, set_process_title
-
-    # Ctrl-C reaches the whole process group; the node shuts runners down in order.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
-    logger.remove()
-    logger.add(sys.stderr, level=log_level, format="{time:HH:mm:ss} runner | {level} | {message}")
-    shard: ShardMetadata = TypeAdapter(ShardMetadata).validate_json(shard_json)
-    set_process_title(runner_title(shard.model_card.model_id, shard.device_rank))
-    options = None if options_json is None else RunnerOptions.model_validate_json(options_json)
-    Runner(RunnerId(runner_id), shard, inbound, outbound, options).run()

@@ -51,7 +51,7 @@ from exo.worker.runner.messages import (
     decode_outbound,
 )
 from exo.worker.runner.options import RunnerOptions
-from exo.worker.runner.runner import runner_main
+from exo.worker.runner.process import runner_main
 
 SHUTDOWN_GRACE_SECONDS = 5.0
 # Bytes read from a runner's pipe per call, and at most per wake-up of the loop (more

@@ -4,7 +4,7 @@ retries, one log line) rather than a failure of this rank."""
 import pytest
 import torch.distributed
 
-from exo.worker.runner.runner import _peer_failure
+from exo.worker.runner.failures import peer_failure
 
 
 @pytest.mark.parametrize(
@@ -19,11 +19,11 @@ from exo.worker.runner.runner import _peer_failure
     ],
 )
 def test_a_rank_leaving_is_a_peer_failure(error: Exception) -> None:
-    assert _peer_failure(error)
+    assert peer_failure(error)
 
 
 @pytest.mark.parametrize(
     "error", [RuntimeError("CUDA out of memory"), KeyError("lm_head.weight"), ValueError("bad")]
 )
 def test_other_failures_are_not(error: Exception) -> None:
-    assert not _peer_failure(error)
+    assert not peer_failure(error)

@@ -1,0 +1,42 @@
+"""A generation as the runner tracks it: the output parser fed one engine piece at a time
+(`PieceFeed`) and whether its first chunk left (`Generation`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from exo.shared.types.tasks import (
+    TextGeneration,
+)
+from exo.worker.engines.parsed_generation import OutputPiece
+from exo.worker.engines.torch.batching.request_state import GeneratedPiece
+
+
+class PieceFeed:
+    """The pieces of one generation, handed to `parse_generation` one at a time (it reads
+    exactly one piece per output piece)."""
+
+    def __init__(self) -> None:
+        self.piece: GeneratedPiece | None = None
+
+    def __iter__(self) -> Iterator[GeneratedPiece]:
+        return self
+
+    def __next__(self) -> GeneratedPiece:
+        piece, self.piece = self.piece, None
+        if piece is None:
+            raise StopIteration
+        return piece
+
+
+@dataclass(eq=False)
+class Generation:
+    """A task the engine is running: its output parser and whether its first chunk (which
+    carries the prompt's size) was sent."""
+
+    task: TextGeneration
+    prompt_tokens: int
+    feed: PieceFeed
+    parsed: Iterator[OutputPiece]
+    first_sent: bool = field(default=False)
