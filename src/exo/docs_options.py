@@ -118,6 +118,11 @@ ENVIRONMENT = (
         "security.md#cluster-secret",
     ),
     EnvironmentVariable(
+        "EXO_SPEED_PROBE",
+        "`0`: the node does not measure its speed (reports none; previews predict nothing)",
+        "cluster.md#predicted-speed",
+    ),
+    EnvironmentVariable(
         "EXO_SPEED_PROBE_CACHE",
         "file of the node's measured speed (default `$EXO_HOME/speed_probe.json`)",
         "cluster.md#predicted-speed",

@@ -64,6 +64,7 @@ from exo.shared.types.events import RunnerDeleted, RunnerStatusUpdated
 from exo.shared.types.runners import RunnerReady, RunnerRunning
 from exo.utils.heap import trim_heap_periodically
 from exo.utils.info_gatherer import InfoGatherer
+from exo.utils.speed_probe import speed_probe_enabled
 from exo.utils.topology import TopologyProber
 from exo.worker.main import Worker
 from exo.worker.runner.options import RunnerOptions
@@ -190,7 +191,7 @@ class Node:
             models=models_dir(),
             current_state=lambda: self.replica.state,
             offline=options.offline,
-            measure_speed=True,
+            measure_speed=speed_probe_enabled(),
             remeasure_speed=options.remeasure_speed,
             prefill_activations=options.prefill_activations,
             kv_cache_tokens=options.kv_cache_tokens,

@@ -327,7 +327,11 @@ class LocalNodes(BenchNodes):
                     extra_args=("--offline", "--no-default-model", *extra_args),
                     # Each node measures its speed afresh (the test nodes' shared cache holds
                     # figures measured while tests loaded the machine).
-                    env={**env, "EXO_SPEED_PROBE_CACHE": str(home / "speed_probe.json")},
+                    env={
+                        **env,
+                        "EXO_SPEED_PROBE": "1",
+                        "EXO_SPEED_PROBE_CACHE": str(home / "speed_probe.json"),
+                    },
                     namespace=f"exo-bench-{os.getpid()}",
                     bootstrap=tuple(self.nodes),
                     cpu_cores=(cores[index],) if pin_cores else None,

@@ -116,8 +116,12 @@ class ExoNode:
             "HF_HUB_CACHE": str(self.home / "hf-cache"),
             "OLLAMA_MODELS": str(self.home / "ollama-models"),
             "EXO_HOME": str(self.home),
-            # Every test node on this machine shares one speed measurement (keyed by CPU,
-            # affinity, threads and torch version) instead of measuring at each start.
+            # Test nodes do not measure their speed: on a machine busy with tests no
+            # measurement settles, so each node start measured again (25-180 s of both cores;
+            # a test that needs the figures sets EXO_SPEED_PROBE=1 in `env`). Where one does,
+            # every test node on this machine shares one cache (keyed by CPU, affinity,
+            # threads and torch version).
+            "EXO_SPEED_PROBE": "0",
             "EXO_SPEED_PROBE_CACHE": str(Path(tempfile.gettempdir()) / "exo-test-speed.json"),
             **self.extra_env,
         }

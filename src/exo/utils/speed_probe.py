@@ -183,6 +183,18 @@ def measure_node_speed(threads: int | None = None) -> NodeSpeed:
         )
 
 
+# "0" turns the probe off: the node reports no speed (placement splits layers by memory and
+# previews predict nothing for it). The test suite's nodes run with it off: on a machine
+# busy with tests no figure ever settles, so every node started measured again, 25-180 s
+# of both cores each (docs/testing.md).
+SPEED_PROBE_ENV = "EXO_SPEED_PROBE"
+
+
+def speed_probe_enabled() -> bool:
+    """Whether this node measures its speed (`EXO_SPEED_PROBE` is not "0")."""
+    return os.environ.get(SPEED_PROBE_ENV, "1") != "0"
+
+
 def cache_path() -> Path:
     """`<EXO_HOME>/speed_probe.json`, or `EXO_SPEED_PROBE_CACHE` (test nodes on one machine
     share one file)."""

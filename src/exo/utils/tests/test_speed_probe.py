@@ -292,3 +292,22 @@ def test_the_cache_key_says_whose_kernels_were_measured(monkeypatch: pytest.Monk
     monkeypatch.setenv("EXO_NATIVE_INT4", "0")
     torch_kernels = speed_probe.probe_key(2)
     assert native["native_kernels"] is True and torch_kernels["native_kernels"] is False
+
+
+def test_the_probe_runs_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(speed_probe.SPEED_PROBE_ENV, raising=False)
+    assert speed_probe.speed_probe_enabled()
+    monkeypatch.setenv(speed_probe.SPEED_PROBE_ENV, "0")
+    assert not speed_probe.speed_probe_enabled()
+    monkeypatch.setenv(speed_probe.SPEED_PROBE_ENV, "1")
+    assert speed_probe.speed_probe_enabled()
+
+
+def test_test_nodes_do_not_probe_and_bench_nodes_do(tmp_path: Path) -> None:
+    """The suite's nodes start with the probe off (each start measured again on a machine
+    busy with tests); a test may turn it back on."""
+    from exo.testing.processes import ExoNode
+
+    assert ExoNode(tmp_path / "a").environment()[speed_probe.SPEED_PROBE_ENV] == "0"
+    on = ExoNode(tmp_path / "b", env={speed_probe.SPEED_PROBE_ENV: "1"})
+    assert on.environment()[speed_probe.SPEED_PROBE_ENV] == "1"
