@@ -69,7 +69,7 @@ from exo.worker.engines.torch.quant.quantize import WeightDtype
 
 WARMUP_PROMPT = "Say hello."
 WARMUP_TOKENS = 8
-# Weight-only int4 (group 32) decodes several times faster than float32 on CPU with greedy
+# Weight-only int4 (group 32) decodes a few times faster than float32 on CPU with greedy
 # output close to float32's (figures: docs/benchmarks/engine-design-figures.md#enginepy);
 # CUDA keeps float32 (the quantized kernels used here are the CPU ones).
 DEFAULT_CPU_WEIGHT_DTYPE: WeightDtype = ENGINE_CPU_WEIGHT_FORMAT

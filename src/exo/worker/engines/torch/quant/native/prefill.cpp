@@ -364,7 +364,7 @@ void int16_slab_product_512(const int16_t* xq, const float* x_scales, const floa
       });
     }
     // Out to y's columns n0 + 16 t.. (masked: libc's memcpy per row took a noticeable share
-    // of the product, measured (figures: docs/benchmarks/engine-design-figures.md#prefillcpp)).
+    // of the product; figures: docs/benchmarks/engine-design-figures.md#prefillcpp).
     const int64_t width = std::min<int64_t>(two ? 32 : 16, count - 16 * t);
     const auto mask_of = [](int64_t lanes) {
       return lanes >= 16 ? static_cast<__mmask16>(0xFFFF)

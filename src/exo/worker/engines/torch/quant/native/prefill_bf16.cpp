@@ -18,8 +18,8 @@
 // against int4's own step of 1/15 of a group's range); the products of two bfloat16 are
 // exact in float32 and summed in float32. That error lies between int16's and int8's, in
 // the product (`bench/bench_prefill_paths.py`) and in the next-token distributions
-// (`bench/bench_prefill_rounding.py`, prompt chunks attending in bfloat16 too), about a
-// tenth of int8's KL. Keeping what the rounding leaves as a second bfloat16 term was tried
+// (`bench/bench_prefill_rounding.py`, prompt chunks attending in bfloat16 too), well under
+// a tenth of int8's KL. Keeping what the rounding leaves as a second bfloat16 term was tried
 // (weights split, or weights and activations split): more exact, but slower than int16
 // (figures: docs/benchmarks/engine-design-figures.md#prefill_bf16cpp). A
 // token's product therefore differs (by rounding) from the decode kernels' exact integer
