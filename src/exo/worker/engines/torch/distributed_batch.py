@@ -231,8 +231,8 @@ def receive_step(source: int, idle_wait: timedelta) -> StepHeader:
 # A pipeline step is split into micro-batches only from this many rows (tokens) on. A
 # decode step of a few rows costs about as much as one of a single row (reading the weights
 # and the per-layer work dominate, not the rows), so splitting it makes every rank run its
-# layers once per micro-batch: SmolLM2-135M int4, two ranks pinned to one core each, 4
-# streams: 56 ms per step whole, 108 ms in two micro-batches (one pinned rank alone: 41 ms).
+# layers once per micro-batch, nearly doubling the step (figures:
+# docs/benchmarks/engine-design-figures.md#distributed_batchpy).
 # Without overlapping consecutive steps a decode step gains nothing from the split; a long
 # prefill's rows are where the work grows with rows and the split lets the ranks overlap.
 MICRO_BATCH_MIN_ROWS = 64

@@ -69,9 +69,9 @@ from exo.worker.engines.torch.quant.quantize import WeightDtype
 
 WARMUP_PROMPT = "Say hello."
 WARMUP_TOKENS = 8
-# Weight-only int4 (group 32) decodes ~2-3x faster than float32 on CPU with greedy output
-# close to float32's (see bench/bench_engine.py and quantize.py); CUDA keeps float32 (the
-# quantized kernels used here are the CPU ones).
+# Weight-only int4 (group 32) decodes a few times faster than float32 on CPU with greedy
+# output close to float32's (figures: docs/benchmarks/engine-design-figures.md#enginepy);
+# CUDA keeps float32 (the quantized kernels used here are the CPU ones).
 DEFAULT_CPU_WEIGHT_DTYPE: WeightDtype = ENGINE_CPU_WEIGHT_FORMAT
 # Requests decoded together in one batch by default (`--max-concurrent-requests`). On CPU a
 # decode step is bound by reading the weights, so a batch of 8 costs little more than one

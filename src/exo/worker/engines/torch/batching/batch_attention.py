@@ -45,9 +45,8 @@ BATCHED_ATTENTION = "exo_batched"
 # Queries of one prompt chunk attend in blocks of this many positions, each to the keys up
 # to its own last position. torch's CPU flash attention skips keys past the causal diagonal
 # only in blocks of 512 keys, so one call over a 512-token chunk computes all 512 x 512
-# scores; in blocks of 128 it computes 62.5% of them. Measured (2-core AMD EPYC, 2 threads,
-# float32): Gemma 3's shape (4 heads, 1 KV head, dim 256) 6.8 -> 5.3 ms at 512 tokens,
-# SmolLM2's (9 / 3 / 64) 4.6 -> 3.8 ms; equal at 128 and 1024 tokens.
+# scores; in blocks of 128 it computes 62.5% of them, faster at 512 tokens and no slower
+# at 128 or 1024 (figures: docs/benchmarks/engine-design-figures.md#batch_attentionpy).
 PREFILL_QUERY_BLOCK = 128
 
 
@@ -241,9 +240,9 @@ def prefill_attention(
         dtype: where given and not the queries' (bfloat16 with `--prefill-activations bf16`),
             the queries and the keys / values they read are rounded to it and attend in
             it (torch's flash attention accumulates in float32; with bfloat16 it multiplies
-            on AMX tiles: Gemma 3 270M's shape at 128 / 512 tokens, 2 threads, 0.70 -> 0.26
-            ms / 16.0 -> 7.0 ms per call on a 2-core Xeon with AMX, casts included); the
-            output comes back in the queries' dtype.
+            on AMX tiles, faster casts included; figures:
+            docs/benchmarks/engine-design-figures.md#batch_attentionpy); the output comes
+            back in the queries' dtype.
 
     Returns:
         `[1, heads, n, dim]`.

@@ -52,16 +52,12 @@ from exo.worker.engines.torch.batching.request_state import GeneratedPiece, Requ
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 
 # Prompt tokens prefilled per step, over all prefilling requests, while other requests are
-# decoding. A step then costs one decode step plus the chunk's prefill. Measured with
-# bench/bench_concurrency.py on the 2-core reference machine (SmolLM2-135M, int4, idle gap
-# ~13 ms): 16 tokens made a running stream's median gap 3.4x idle while a 2,000-token prompt
-# was admitted (TTFT 5.5 s), 8 tokens 2.2x (TTFT 7.2 s); the issue's bound is 3x. It also
+# decoding. A step then costs one decode step plus the chunk's prefill. 8 kept a running
+# stream's median gap within the speed issue's bound (3x idle) while a long prompt was
+# admitted, where 16 did not, when it was chosen (bench/bench_concurrency.py); it also
 # stays within the int4 layers' fused-kernel rows (`Int4Linear.fused_max_rows` = 64) beside
-# a batch of decodes. Since then a decode step got ~2.3x faster (exo's decode layer) and a
-# chunk's step less so (its products unpack every weight once for the chunk's few rows):
-# on a 2-core Xeon with AMX (2026-12-03, the chunk in the decode layer, 2 threads) the
-# idle gap was ~10 ms and a step beside an 8-token chunk 47 ms at a 200-token prompt, 61-63
-# ms at 2,000 tokens (5-7x; 4 tokens: 30 ms, 3x, at 200; 16 tokens: 54 ms and 70-80 ms).
+# a batch of decodes. Decode steps have since got faster than a chunk's step, so the gap
+# ratio is larger now (figures: docs/benchmarks/engine-design-figures.md#schedulerpy).
 PREFILL_TOKENS_PER_STEP = 8
 # With no request decoding there is no stream to protect: larger chunks prefill faster
 # (fewer steps, better matmul shapes) while bounding activation memory ([chunk,
@@ -211,8 +207,8 @@ class BatchScheduler:
         """Copy the KV of the requests that finished in the last step into the prefix cache
         and free their slots; how many requests. `step` does it first; a caller that has
         sent a step's outputs calls it sooner, so a request's last piece never waits for the
-        copy (SmolLM2-135M on 2 cores: 6 ms at 191 tokens, 32 ms at 1,563: a fresh
-        mapping's page faults)."""
+        copy (tens of ms for a long prompt: a fresh mapping's page faults; figures:
+        docs/benchmarks/engine-design-figures.md#schedulerpy)."""
         stored = len(self._finished)
         while self._finished:
             running = self._finished.pop(0)

@@ -71,8 +71,9 @@ class VocabParallelHead(nn.Module):
     def gather(self, local_logits: torch.Tensor) -> torch.Tensor:
         """`[..., local outputs]` → `[..., vocab]` float32 logits (collective). Over the
         rank links (`links.RankLinks.all_gather`) each rank sends only its columns; else
-        (no links: gloo) the zero-filled whole is all-reduced. (On two pinned 1-core ranks,
-        Qwen3's 151,936 float32 logits took ~2 ms through gloo's all-reduce.)"""
+        (no links: gloo) the zero-filled whole is all-reduced, which takes milliseconds for
+        a large vocabulary (figures:
+        docs/benchmarks/engine-design-figures.md#parallel_linearspy)."""
         links = current_links()
         if links is not None and links.world_size > 1:
             return self._gather_over_links(local_logits.float().contiguous(), links)

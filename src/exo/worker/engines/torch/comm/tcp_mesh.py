@@ -3,10 +3,12 @@ small, latency-bound messages of the decode hot path (tensor-parallel all-reduce
 rows, pipeline step headers, hidden states and logits).
 
 Why not gloo for these: on one pinned core per node, a gloo all-reduce of a `[1, 1024]`
-float32 row costs ~2 ms (its progress thread must be scheduled on the busy core, then wake
-the caller), which for a 28-layer model with two all-reduces per layer is most of a decode
-token. A blocking `recv_into` on a `TCP_NODELAY` socket from the computing thread costs one
-wake-up (see `bench/bench_links.py` for the measured figures). Gloo stays for the rest:
+float32 row costs milliseconds (its progress thread must be scheduled on the busy core, then
+wake the caller), which for a 28-layer model with two all-reduces per layer is most of a
+decode token. A blocking `recv_into` on a `TCP_NODELAY` socket from the computing thread
+costs one wake-up (`bench/bench_links.py` measures both; figures:
+docs/benchmarks/engine-design-figures.md#tcp_meshpy and
+docs/benchmarks/2026-12-03-rank-links.md). Gloo stays for the rest:
 rendezvous, the one-off agreements, and collectives too large for `SMALL_BYTES`.
 
 Set-up (`RankLinks.connect`): every rank listens on the local address it uses to reach the

@@ -25,8 +25,8 @@ def argmax_token(scores: torch.Tensor) -> int:
     """The index of the largest of `scores` `[n]` (the first of equal ones; a NaN counts as
     the largest, as in `torch.argmax`).
 
-    numpy's argmax where the scores are float32 on the CPU: torch's took 600 us for Gemma 3's
-    262,144 logits on the 2-core AMD EPYC (Zen 3), 3% of a decode step; numpy's 29 us.
+    numpy's argmax where the scores are float32 on the CPU: torch's is many times slower
+    over a large vocabulary (figures: docs/benchmarks/engine-design-figures.md#samplingpy).
     """
     if scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 1:
         return int(scores.detach().contiguous().numpy().argmax())
@@ -34,9 +34,9 @@ def argmax_token(scores: torch.Tensor) -> int:
 
 
 # The most likely tokens examined first for the top-p nucleus (doubled while they hold less
-# than top_p of the mass), instead of sorting the whole vocabulary: `torch.sort` of
-# SmolLM2's 49,152 scores took ~3.9 ms on the 2-core AMD EPYC (Zen 3), more than the decode
-# step itself; `torch.topk` of 256 takes ~0.1 ms.
+# than top_p of the mass), instead of sorting the whole vocabulary: a sort of the whole
+# vocabulary can take longer than the decode step itself, a top-k of 256 a small part of it
+# (figures: docs/benchmarks/engine-design-figures.md#samplingpy).
 NUCLEUS_CANDIDATES = 256
 
 
@@ -191,8 +191,8 @@ class Sampler:
     def _draw(self, probs: torch.Tensor) -> int:
         """An index drawn with probabilities `probs` `[n]` (summing to ~1) by inverting
         their cumulative sum (float64) at one uniform number of the request's generator:
-        O(n), where `torch.multinomial` drew one exponential number per entry (1.2 ms for
-        49,152 entries on the 2-core AMD EPYC)."""
+        O(n), where `torch.multinomial` drew one exponential number per entry (figures:
+        docs/benchmarks/engine-design-figures.md#samplingpy)."""
         cumulative = torch.cumsum(probs.double(), dim=-1)
         point = torch.rand((), dtype=torch.float64, generator=self._generator) * cumulative[-1]
         # The first index whose cumulative mass exceeds the point: never a zero-mass entry.
@@ -219,7 +219,8 @@ class Sampler:
         # sequence is drawn in proportion to its probability). Each draw inverts the
         # cumulative sum over the filters' candidates (`sampling_candidates`: a few hundred
         # tokens with top-k / top-p / min-p), where an exponential race drew one random
-        # number per vocabulary entry (1.2 ms for 49,152 entries on the 2-core AMD EPYC).
+        # number per vocabulary entry (figures:
+        # docs/benchmarks/engine-design-figures.md#samplingpy).
         ids, kept = sampling_candidates(logits, self.params)
         probs = torch.softmax(kept, dim=-1).double()  # [candidates]
         for _attempt in range(MAX_REJECTIONS):

@@ -26,9 +26,8 @@ runs step 3 as one C++ call per layer instead (`native/decode_layer.cpp`: the sa
 operations on the same weights, over the decode rows and their slots), when every layer's
 projections are held in a form it reads (exo's int4 / int8 blocks, int8 per channel,
 bfloat16 or float32 dense; on a tensor rank in three calls around the two all-reduces).
-On SmolLM2-135M (2-core AMD
-EPYC, Zen 3) that took a decode step from 15.6 to 10.3 ms before the kernels' later
-speedups: the operators' Python and dispatch were half the step.
+The operators' Python and dispatch were half a decode step on a small model (figures:
+docs/benchmarks/engine-design-figures.md#direct_forwardpy).
 
 Dtypes: the residual stream stays float32. With quantized linears on a CPU with native
 bfloat16 (`direct_forward_parts.bf16_activations_wanted`), a norm's output is cast to bfloat16 once
@@ -223,8 +222,8 @@ class LeanModel:
         Where every rope kind's frequencies are static, the tables come from
         `RotaryCache` (the rotary module run once per block of positions, then one row
         gather per step; the same values, the module being elementwise in the position):
-        calling Gemma 3's rotary module for its two kinds took ~0.36 ms of a ~18 ms decode
-        step on the 2-core AMD EPYC, the gathers ~0.02 ms."""
+        the gathers cost a small fraction of calling the module every step (figures:
+        docs/benchmarks/engine-design-figures.md#direct_forwardpy)."""
         if self._rotary_cache is not None:
             return self._rotary_cache.tables(position_ids, dtype, x.device)
         return self._computed_rotary_tables(position_ids, dtype, x.device)
@@ -251,9 +250,8 @@ class LeanModel:
         (`--prefill-activations int16`; bf16 with fewer prompt rows than its minimum beside
         decode rows, or where bf16 does not run; not int8, whose prompt rows round to
         int8). A short chunk joining running streams then costs one native pass instead of
-        ~30 torch operators per layer: SmolLM2-135M, one stream decoding beside an 8-token
-        chunk of a 200-token prompt, 2 threads on a 2-core Xeon with AMX (2026-12-03): 62 ->
-        47 ms a step (a decode step alone: 10 ms); beside a 1-token chunk 32 -> 17 ms."""
+        ~30 torch operators per layer, which shortens the running streams' step (figures:
+        docs/benchmarks/engine-design-figures.md#direct_forwardpy)."""
         if self._decode_layer is None or not plan.decode_slots:
             return False
         if not plan.prefill:

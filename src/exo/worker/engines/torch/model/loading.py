@@ -80,8 +80,8 @@ def _malloc_trim() -> Callable[[int], int] | None:
 def release_freed_memory() -> None:
     """Give the memory of freed float32 tensors back to the OS. glibc keeps freed heap
     memory between the quantized buffers allocated meanwhile, so without this a node's
-    resident memory after loading int4 stayed near the float32 size (measured: 73 MB
-    resident for 17 MB of int4 weights of a 99 MB float32 model)."""
+    resident memory after loading int4 stayed near the float32 size (figures:
+    docs/benchmarks/engine-design-figures.md#loadingpy)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -10,10 +10,11 @@ are dequantized per row and then sliced.
 
 How a decoder-layer linear is built when the engine holds int4 (`weight_dtype="int4"`),
 from the error each route adds to the GGUF's own values, measured on Gaussian weights with
-0.1% outliers (relative Frobenius error; bench in the gguf helper's notes):
+0.1% outliers (relative Frobenius error; figures:
+docs/benchmarks/engine-design-figures.md#gguf_weightspy):
 
-- Q4_0 / Q4_1 / Q4_K → `Int4Linear` directly, no float detour: 0.0017 (the bf16 rounding
-  of scales and zeros only; a float32 load is exact).
+- Q4_0 / Q4_1 / Q4_K → `Int4Linear` directly, no float detour: the bf16 rounding of scales
+  and zeros only (a float32 load is exact).
 - Q6_K where exo's AVX2 kernels run → `ScaledInt8Linear` (`int8_blocks`): the integers
   exactly as int8 with one bfloat16 scale per 16 inputs, 1.125 bytes per weight: only the
   bf16 rounding of the scales. (A Q8_0 linear takes the next route: fused with Q5_0 / Q5_1
@@ -25,10 +26,11 @@ from the error each route adds to the GGUF's own values, measured on Gaussian we
   planes (high and low nibble, `int4_planes`; int8 blocks with a (scale, zero) pair, 1.125
   bytes, where exo's kernels run): again only the bf16 rounding of scales and zeros,
   1.25 bytes per weight.
-- Q6_K (elsewhere) and any other quantized type → `Bf16Linear` (the dequantized weight in bfloat16):
-  0.0017, where requantizing to the engine's int8 per output channel adds 0.022 (3.4× Q8_0's
-  own error of 0.0065) and to int4 groups 0.083. It costs 2 bytes per weight against int8's
-  1. (Q6_K's sub-blocks of 16 are smaller than the int4 kernel's smallest group, 32.)
+- Q6_K (elsewhere) and any other quantized type → `Bf16Linear` (the dequantized weight in
+  bfloat16): the bf16 rounding only, where requantizing to the engine's int8 per output
+  channel adds several times Q8_0's own error and to int4 groups more. It costs 2 bytes per
+  weight against int8's 1. (Q6_K's sub-blocks of 16 are smaller than the int4 kernel's
+  smallest group, 32.)
 - A split that cuts a block (a tensor-parallel rank's columns when `in / world size` is no
   multiple of 32) or an output count the int4 layout cannot pack (`out % 64`) takes the
   bfloat16 route.
@@ -105,8 +107,9 @@ class Bf16Linear(QuantizedLinear):
     CPUs, which have no bfloat16 arithmetic; `native` True) it takes float32 rows: up to
     `NATIVE_MAX_ROWS` rows exo's `bf16_gemv` (exact float32 sums, bound by reading the
     weight), more rows torch's float32 matmul on the weight widened once per call (torch's
-    bfloat16 matmul is emulated there; one 2048x640 row on a 2-core AMD EPYC: 0.15 ms,
-    exo's kernel 0.07 ms), and exo's decode layer reads it."""
+    bfloat16 matmul is emulated there and slower than exo's kernel; figures:
+    docs/benchmarks/engine-design-figures.md#gguf_weightspy), and exo's decode layer reads
+    it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(weight.shape[1], weight.shape[0], bias)
@@ -329,9 +332,9 @@ def split_output_layer(model: nn.Module, handle: Any, stored_name: str) -> bool:
     stored weight (the embedding, for tied heads) is GGUF Q8_0 / Q5_0 / Q5_1 blocks: the
     route that loses least, as for the decoder linears. Against the engine's int8 head (one
     scale per row, requantized from the dequantized blocks) it costs 1.25 bytes per weight
-    instead of 1: on SmolLM2-135M (Q8_0 head, 49,152 x 576; 2 threads) 0.94 against 0.67
-    ms per decode row, and teacher-forced over 600 tokens the KL divergence from the float32
-    head is 6.4e-4 against int8's 2.1e-3 (bfloat16 weights: 5.4e-4). Where exo's AVX2
+    instead of 1 and a slower decode row, for a KL from the float32 head a third of int8's,
+    near bfloat16 weights' (figures: docs/benchmarks/engine-design-figures.md#gguf_weightspy).
+    Where exo's AVX2
     kernels run, a Q8_0 head is held as symmetric int8 blocks instead (`ScaledInt8Linear`,
     1.0625 bytes per weight, the same integers and scales).
 

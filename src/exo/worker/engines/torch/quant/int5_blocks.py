@@ -10,10 +10,9 @@ value, a row's last group zero-padded) with `d` rounded to bfloat16 (`block_scal
 blocks of `int4_planes` take 1.125. Only the scales are rounded (as on every exact GGUF
 route). GGUF's own 20-byte blocks would be a little smaller (0.6875) but took ~15 vector
 operations per block to unpack, where a lane's three values take one shift and one mask
-each: `native/int5_blocks.cpp` read Gemma 3 270M's Q5_0 weights at 9.8 GB/s from GGUF's
-blocks on the 2-core AMD EPYC (Zen 3). The kernel sums the values' products with the
-int16-rounded activations exactly, as the int8 kernel does on the same integers; more rows
-run the integer GEMM (`block_matmul`).
+each (figures: docs/benchmarks/engine-design-figures.md#int5_blockspy). The kernel sums
+the values' products with the int16-rounded activations exactly, as the int8 kernel does on
+the same integers; more rows run the integer GEMM (`block_matmul`).
 
 Gemma 3 270M's Q4_K_M keeps 63M of its 100M layer weights in Q5_0 (its 640 inputs are no
 multiple of Q4_K's 256); there they take 48 MB per token instead of 71.

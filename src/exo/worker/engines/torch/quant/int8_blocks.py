@@ -11,9 +11,9 @@ same loss as the int4 route of GGUF's 4-bit types); the integers are exact.
 
 The engine holds Q6_K decoder linears and a Q8_0 LM head this way (`gguf_weights`; a Q8_0
 decoder linear keeps the (scale, zero) blocks that fuse with Q5_0 ones). Gemma 3 270M's
-Q4_K_M: its tied 262144 x 640 Q8_0 head reads 178 MB per token instead of 189 (2 threads on
-the 2-core AMD EPYC, Zen 3: 8.7-9.3 ms against 10.1-10.3), the Q6_K `ffn_down` of nine
-layers 13 MB instead of 24 (one 640 x 2048: 0.042 ms against 0.098 in bfloat16).
+Q4_K_M: its tied 262144 x 640 Q8_0 head reads 178 MB per token instead of 189, the Q6_K
+`ffn_down` of nine layers 13 MB instead of 24, and both run faster for it (figures:
+docs/benchmarks/engine-design-figures.md#int8_blockspy).
 
 Decode rows run `int8_scaled_gemv` (`native/int8_blocks.cpp`); more rows the integer GEMM
 (`block_matmul`, `native/prefill.cpp`), both with the activations rounded to int16 per block

@@ -20,9 +20,9 @@ _INT8_ROWS_PER_STEP = 4096
 class Int8Linear(QuantizedLinear):
     """Symmetric int8 weights with one scale per output channel. Where exo's kernels run
     (`native_kernels`, AVX2 CPUs; `native` True) every call runs exo's `int8_channel_gemv` on
-    float32 rows (activations rounded to int16 blocks as its int4 kernel rounds them): on
-    the 2-core AMD EPYC (Zen 3) it took SmolLM2-135M's 49152x576 LM head in 1.6 ms against
-    2.1 ms for torch's int8 kernel on bfloat16 rows."""
+    float32 rows (activations rounded to int16 blocks as its int4 kernel rounds them), faster
+    than torch's int8 kernel on bfloat16 rows (figures:
+    docs/benchmarks/engine-design-figures.md#int8_channelspy)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear.in_features, linear.out_features, linear.bias)

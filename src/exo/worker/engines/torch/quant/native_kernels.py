@@ -9,21 +9,14 @@ chunk beside the decode rows included).
 
 torch's `aten._weight_int4pack_mm_for_cpu` is fast where torch dispatches to AVX512 (its
 tiled kernel reads the packed weights at memory speed) but on AVX2-only CPUs (AMD Zen 1-3,
-most Intel desktop parts) it takes a compute-bound path: measured on a 2-core AMD EPYC (Zen
-3, AVX2), a 3072x576 int4 product took 128 µs (7 GB/s of packed weights; the int8 kernel 78
-µs, a float32 matmul 167 µs), and SmolLM2-135M decoded at 45 tok/s against llama.cpp's 135
-on the same cores. Where torch dispatches to AVX512 its kernel is not fast either: on a
-2-core Intel Xeon (Emerald Rapids, AVX512 with BF16 and VNNI, no AMX exposed; 2026-12-02)
-SmolLM2-135M decoded at 46 tok/s with it and 106 with exo's kernels (llama.cpp: 74-80), so
-exo's kernels run on every x86 CPU with AVX2 + FMA. exo's kernel holds int4 blocks of 32
-(pairs of blocks as 16-bit lanes of four nibbles), takes float32 activations (no cast to
-bfloat16 around each call), rounds them to int16 per block, sums the products in int32 with
-AVX2 and prefetches each weight row 16 KiB ahead (see the C++ file): 49 µs for the same
-product from cache (22 GB/s), SmolLM2's 30 layers from memory at 18 GB/s; teacher-forced on
-400 tokens of SmolLM2-135M (measured with blocks in GGUF's byte order) its KL from the
-float32 model is 3.1e-4 (torch's int4 kernel on bfloat16 activations: 1.1e-3). torch's
-RMSNorm runs as ~7 operators on CPU (16 µs for one 576-wide row here); exo's takes one pass
-(3 µs, mostly the call).
+most Intel desktop parts) it takes a compute-bound path, and where it dispatches to AVX512
+it decodes slower than exo's kernels too, so exo's kernels run on every x86 CPU with AVX2 +
+FMA. exo's kernel holds int4 blocks of 32 (pairs of blocks as 16-bit lanes of four nibbles),
+takes float32 activations (no cast to bfloat16 around each call), rounds them to int16 per
+block, sums the products in int32 with AVX2 and prefetches each weight row 16 KiB ahead (see
+the C++ file): it reads the weights near memory speed and stays closer to the float32 model
+than torch's int4 kernel on bfloat16 activations. torch's RMSNorm runs as ~7 operators on
+CPU; exo's takes one pass. (figures: docs/benchmarks/engine-design-figures.md#native_kernelspy)
 
 The C++ files are compiled on first use (torch's extension builder: the machine's C++
 compiler and `ninja`, a dependency) into a cache directory (`TORCH_EXTENSIONS_DIR`, else

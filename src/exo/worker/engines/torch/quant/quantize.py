@@ -14,9 +14,10 @@ for one oneDNN matmul, which is much faster than the row-by-row kernels there.
 Measured on the 2-core reference machine (AVX512-BF16/AMX), SmolLM2-135M: see
 bench/bench_engine.py and the engine's `weight_dtype` option.
 
-On x86 CPUs with AVX2 + FMA (AVX512 ones included: measured slower there too, see
-`native_kernels`), int4 linears hold exo's layout and run exo's own kernel on float32 rows
-(`native_kernels`, `Int4Linear._hold`); torch's kernels remain for other CPUs.
+On x86 CPUs with AVX2 + FMA (AVX512 ones included: torch's kernel is slower there too; see
+`native_kernels`, figures: docs/benchmarks/engine-design-figures.md#native_kernelspy), int4
+linears hold exo's layout and run exo's own kernel on float32 rows (`native_kernels`,
+`Int4Linear._hold`); torch's kernels remain for other CPUs.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from exo.shared.models.memory import (
 NATIVE_MAX_ROWS = 16
 
 # Rows up to which exo's int4 / int8-block decode kernels run; more rows take the integer
-# GEMM (`block_matmul`, native/prefill.cpp). Measured crossovers on a 2-core AMD EPYC (Zen 3),
-# a 1536x576 int4 and a 1536x640 int8-block weight, 1 and 2 threads: 6 and 8 rows.
+# GEMM (`block_matmul`, native/prefill.cpp). Between the measured crossovers of an int4 and
+# an int8-block weight (figures: docs/benchmarks/engine-design-figures.md#quantized_linearpy).
 NATIVE_BLOCK_MAX_ROWS = 7
 
 # How many rows at the start of a batched step's activations are decode tokens (one per

@@ -32,22 +32,17 @@ inline float horizontal_sum(__m256 v) {
 
 // Output rows per register tile of the int8 decode kernels (int8_blocks.cpp, and
 // int4_gemv.cpp's per-channel int8) for ROWS activation rows: one for one or two rows, so
-// the weight is read as one sequential stream, which the prefetchers follow best. Measured
-// on the 2-core AMD EPYC (Zen 3), one thread, one activation row, best of interleaved runs:
-// a 262144x640 int8 product (Gemma 3's LM head) 11-12 GB/s with tiles of 4 rows, 16.5-17.8
-// with one; 49152x576 per-channel int8 (SmolLM2's head) 10.4-11.4 -> 15.8-17.2; 640x2048
-// int8 blocks 14.3-14.5 -> 16.2-16.9; two activation rows: the head 11-12 -> 14. Two
-// threads on a stand-alone copy of the head's loop: 19-20 -> 21-26 GB/s. The int4 and
-// 5-bit kernels, with more arithmetic per byte, keep tiles of 4 (int4 4096x640 at one
-// row per tile: 10.3 -> 7.2 GB/s).
+// the weight is read as one sequential stream, which the prefetchers follow best. The int4
+// and 5-bit kernels, with more arithmetic per byte, keep tiles of 4, which read faster there
+// (figures: docs/benchmarks/engine-design-figures.md#block_rowsh).
 template <int ROWS>
 constexpr int int8_tile_rows() {
   return ROWS <= 2 ? 1 : 2;
 }
 
 // Weights are read once per token, from memory: a software prefetch this many bytes ahead
-// of each row's read position. Measured on the 2-core AMD EPYC (Zen 3), a 262144x640 int8
-// product (168 MB, Gemma 3's LM head): 12.5 GB/s without, 18-20 GB/s with 8-32 KiB ahead.
+// of each row's read position: 8-32 KiB ahead read a large weight markedly faster than none
+// (figures: docs/benchmarks/engine-design-figures.md#block_rowsh).
 constexpr int64_t kPrefetchBytes = 16384;
 
 inline void prefetch_ahead(const void* address) {

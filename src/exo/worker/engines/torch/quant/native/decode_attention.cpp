@@ -77,10 +77,9 @@ std::vector<Chunk> prompt_chunks(at::IntArrayRef slots, at::IntArrayRef position
 // from the layer's window start up to each query's own position, by torch's
 // scaled_dot_product_attention with a boolean mask (the same call as
 // batch_attention.prefill_attention's); written to `attended` [rows, heads * head_dim].
-// The per-row loop (one dot product per key, row and head) took longer: SmolLM2-135M, one
-// stream decoding while a 2,000-token prompt joins in 8-token chunks, 2 threads on a
-// 2-core Xeon with AMX (2026-12-03, two runs each): a step 79-82 -> 61-63 ms, the
-// prompt's first token 20.0-20.8 -> 15.5-18.6 s.
+// The per-row loop (one dot product per key, row and head) took longer, for a step and for
+// a long prompt's first token
+// (figures: docs/benchmarks/engine-design-figures.md#decode_attentioncpp).
 void attend_chunk(const Chunk& chunk, int64_t start, int64_t window, float* qkv, int64_t qkv_width,
                   const float* key_cache, const float* value_cache, int64_t slot_offset,
                   int64_t capacity,

@@ -2,12 +2,12 @@
 // norms, projections, per-head q/k norms, rotary, KV-cache write, attention and gated MLP over D
 // decode rows, each its own request (KV slot, position), with no torch operator between
 // them. A decode step of a small model is otherwise mostly the cost of calling ~30 torch
-// operators per layer from Python (measured on SmolLM2-135M, 2-core AMD EPYC Zen 3: 7.6 of
-// 15.6 ms per token outside the int4 kernels). A row is any (slot, position): a prompt
-// chunk beside the decode rows is its slot's consecutive positions, each row attending to
-// its slot's keys up to its own position (every row's key and value are written before
-// any row attends; decode_attention.cpp), so a short chunk joining decodes runs here too
-// (model/direct_forward.py).
+// operators per layer from Python, about half a token's time outside the int4 kernels
+// (figures: docs/benchmarks/engine-design-figures.md#decode_layercpp). A row is any (slot,
+// position): a prompt chunk beside the decode rows is its slot's consecutive positions,
+// each row attending to its slot's keys up to its own position (every row's key and value
+// are written before any row attends; decode_attention.cpp), so a short chunk joining
+// decodes runs here too (model/direct_forward.py).
 //
 // Per layer (row-major float32 throughout; the residual stream x is updated in place):
 //   h  = rms_norm(x, input_norm)                         [D, hidden]
@@ -144,8 +144,8 @@ void add_bias_rows(const Linear& linear, int64_t rows, float* y) {
 // activations: the decode kernels' block sums, scaled in another order) rather than the
 // decode kernels, which unpack the weight again for every 4 rows (quantize.py's
 // NATIVE_BLOCK_MAX_ROWS + 1). A step's rows beyond its decode rows are a prompt chunk
-// beside them (model/direct_forward.py). SmolLM2-135M's four products over 30 layers, 2 threads,
-// 2-core Xeon with AMX (2026-12-03): 8 rows 29 ms either way, 16 rows 61 -> 39 ms.
+// beside them (model/direct_forward.py). At 8 rows the two took the same time, above it the
+// GEMM is faster (figures: docs/benchmarks/engine-design-figures.md#decode_layercpp).
 constexpr int64_t kGemmMinRows = 8;
 
 // y[rows, out] = x[rows, in] W^T (+ bias when add_bias).
@@ -349,8 +349,8 @@ void decode_layer(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& lin
 // keys[i] / values[i], the rotary tables cos / sin / perm [rope[i]], and
 // shape[5 i : 5 i + 5] = (heads, kv_heads, head_dim, activation, window), scaling[i].
 // One call instead of one per layer spares each layer the Python call and the argument
-// conversion: ~9 us per layer on the 2-core AMD EPYC (30 layers of a tiny int4 model,
-// 36 -> 27 us per layer; SmolLM2-135M's Python + dispatch per step 1.05 -> 0.7 ms).
+// conversion, about a quarter of a small layer's time
+// (figures: docs/benchmarks/engine-design-figures.md#decode_layercpp).
 void decode_layers(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& linears,
                    const c10::List<std::optional<at::Tensor>>& norms, at::ArrayRef<double> eps,
                    const c10::List<at::Tensor>& keys, const c10::List<at::Tensor>& values,

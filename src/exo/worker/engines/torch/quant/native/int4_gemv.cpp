@@ -6,10 +6,11 @@
 // per pair of blocks of 32 inputs (64 inputs, 32 bytes) as 16 little-endian 16-bit lanes:
 // lane i holds q[i], q[16 + i], q[32 + i], q[48 + i] in its four nibbles, lowest first.
 // One AND (and a shift) per nibble turns a 32-byte load into four vectors of 16 int16
-// weights, with no byte-to-word widening (measured on a 2-core AMD EPYC Zen 3: 20% faster
-// than GGUF's byte order, 16 bytes per block with q[j] and q[j + 16] in byte j, widened
-// by vpmovzxbw). In bytes, the pair is the two GGUF-ordered blocks interleaved byte by
-// byte; an odd last block of 32 (k % 64 == 32) is held in GGUF's order.
+// weights, with no byte-to-word widening (faster than GGUF's byte order, 16 bytes per block
+// with q[j] and q[j + 16] in byte j, widened by vpmovzxbw; figures:
+// docs/benchmarks/engine-design-figures.md#int4_gemvcpp). In bytes, the pair is the two
+// GGUF-ordered blocks interleaved byte by byte; an odd last block of 32 (k % 64 == 32) is
+// held in GGUF's order.
 //
 // With AVX2 (the CPUs this kernel is for) the activations are rounded per block of 32 to
 // int16 with one float scale (largest |x| / 32767), the int4 x int16 products of a block
@@ -18,11 +19,12 @@
 // activations. So the result is exactly the dequantized weights times the rounded
 // activations (summed in another order), and the rounding, at most half a step of 1/32767
 // of the block's largest |x| per value, is far below float16's precision. (llama.cpp rounds
-// activations to int8 for its integer dot products; measured here on SmolLM2-135M that
-// quadrupled the int4 model's KL from float32, 1.1e-3 to 4.5e-3, and broke its greedy
-// "Paris"; int16 costs one more multiply-add per 16 weights.) Four output rows are computed
-// together (independent accumulators); output rows are split across torch's intra-op
-// threads. Without AVX2 a portable loop computes the float32 product exactly.
+// activations to int8 for its integer dot products; here that quadrupled the int4 model's
+// KL from float32 and broke a greedy answer; int16 costs one more multiply-add per 16
+// weights; figures: docs/benchmarks/engine-design-figures.md#int4_gemvcpp.) Four output
+// rows are computed together (independent accumulators); output rows are split across
+// torch's intra-op threads. Without AVX2 a portable loop computes the float32 product
+// exactly.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -458,8 +460,8 @@ namespace {
 
 // bfloat16 weights (GGUF types held unquantized, e.g. Q6_K) times float32 activations,
 // exactly in float32: widening the weight is one shift per 8 values, so the product is
-// bound by reading 2 bytes per weight (one 2048x640 row on the 2-core AMD EPYC: 0.07 ms,
-// torch's bfloat16 linear on bfloat16 rows 0.15 ms; this CPU has no bfloat16 arithmetic).
+// bound by reading 2 bytes per weight, faster than torch's bfloat16 linear on CPUs with no
+// bfloat16 arithmetic (figures: docs/benchmarks/engine-design-figures.md#int4_gemvcpp).
 #ifdef EXO_AVX2
 template <int NR>
 void tile_avx2_bf16(const float* x, int64_t rows, int64_t k, const uint16_t* w, float* y,

@@ -9,9 +9,10 @@
 // rows of 640) plus 0.0625 of scale, where GGUF's own 20-byte blocks take 0.625.
 //
 // Why lanes: a GGUF block's fifth bits (a 32-bit word beside 16 bytes of nibbles) took ~15
-// vector operations per block to unpack into int16, and the kernel read Gemma 3 270M's
-// 640-input Q5_0 weights at 9.8 GB/s on the 2-core AMD EPYC (Zen 3), where the int8-block
-// kernel reads 18. Three values per lane unpack with one shift and one mask each.
+// vector operations per block to unpack into int16, and the kernel read them about half as
+// fast as the int8-block kernel reads its weights
+// (figures: docs/benchmarks/engine-design-figures.md#int5_blockscpp).
+// Three values per lane unpack with one shift and one mask each.
 //
 // The activations are rounded to int16 per block of 32 as for every block weight
 // (block_rows.h) and each block's products summed exactly in int32, the offset included:

@@ -33,8 +33,8 @@ constexpr float kActivationLevels = 32767.0f;
 #if defined(__AVX2__)
 // Vectorized: the same IEEE division and the same rounding (vcvtps2dq rounds as MXCSR says,
 // nearest-even by default, as std::nearbyint does), so the same values. The scalar loop
-// took 1.3 ns per value on a 2-core Intel Xeon (Emerald Rapids): ~13 ms of one core for
-// the activations of a 128-token Gemma 3 270M prefill.
+// cost milliseconds of a core per prefill
+// (figures: docs/benchmarks/engine-design-figures.md#kernelsh).
 inline float round_block(const float* block, int16_t* values) {
   const __m256 magnitude_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 x[4];

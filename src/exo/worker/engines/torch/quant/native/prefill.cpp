@@ -12,21 +12,18 @@
 // Symmetric int8 blocks (one scale per 16 or 32 inputs, int8_blocks.cpp) and 5-bit blocks
 // (int5_blocks.cpp) have no offset; with blocks of 16 each half of a block of 32 is summed
 // and scaled on its own.
-// `vpmaddwd` does 16 multiply-adds per instruction where a float32 FMA does 8 (measured on a
-// 2-core AMD EPYC, Zen 3: 93 against 51 GMAC/s per core in a register-only loop), which made
-// SmolLM2-135M's 128-token prefill products 204 -> 157 ms on 2 threads (TTFT 246 -> 207 ms).
-// The bound is the vpaddd after each vpmaddwd (the sum of a block goes on in int32): a 4 x 16
-// tile in a stand-alone loop runs ~63 GMAC/s per core with the adds, ~88 without them; in
-// place ~50-55 (packing the slab, rounding the activations, the per-block scales).
+// `vpmaddwd` does 16 multiply-adds per instruction where a float32 FMA does 8, which made
+// prefill's products and TTFT faster than float32's. The bound is the vpaddd after each
+// vpmaddwd (the sum of a block goes on in int32), and in place the tile runs below its
+// stand-alone speed (packing the slab, rounding the activations, the per-block scales).
 // llama.cpp rounds activations to int8 and multiplies with `vpmaddubsw` (u8 x s8 summed in
-// int16 before one widening: ~81-95 GMAC/s per core in the same stand-alone loop, ~1.5x).
+// int16 before one widening), faster in the same stand-alone loop.
 // Prefill keeps int16 by default except on AMX-BF16 CPUs (prefill_bf16.cpp; int8 is an
-// opt-in, prefill_int8.cpp, `--prefill-activations int8`): rounding every linear's input to int8 per block of 32 moved the
-// next-token distributions (teacher-forced over 400 tokens, against the same weights with
-// unrounded activations) by a KL of 3.0e-3 on SmolLM2-135M Q4_1 and 2.6e-3 on Gemma 3 270M
-// Q4_K_M (int16: below 1e-7), changing the most likely token at 4.5% and 3% of positions,
-// more than the int4 weights' own KL from float32 (1.1e-3 on SmolLM2); int8 only for blocks
-// whose largest |x| stays under 3x their RMS still gave 2.0e-4 (half the blocks).
+// opt-in, prefill_int8.cpp, `--prefill-activations int8`): rounding every linear's input to
+// int8 per block of 32 moved the next-token distributions (teacher-forced, against the same
+// weights with unrounded activations; int16 leaves them all but unmoved) by more than the
+// int4 weights' own KL from float32, also when only well-behaved blocks took int8
+// (figures: docs/benchmarks/engine-design-figures.md#prefillcpp).
 // With VNNI (AVX512-VNNI or AVX-VNNI, where native_kernels._flags builds for it) each
 // vpmaddwd + vpaddd pair is one vpdpwssd, and prefill_int8.cpp's vpmaddubsw, widening and add
 // one vpdpbusd: the same exact integer sums.
@@ -35,23 +32,18 @@
 // outputs, 8 blocks of its packed weight (16 KiB, L1-resident) meet every activation row
 // before the next 8, the float32 sums of all rows kept in a buffer of the thread. The block
 // sums and their scaling are the 256-bit tiles' (the same float32 operations in the same
-// order: bit for bit the same product, tested). Measured on a 2-core Intel Xeon (Emerald
-// Rapids, 2026-12-02), Gemma 3 270M's layer shapes in int4, 2 threads, interleaved in one
-// process: 32 rows 37-40 GMAC/s (float32 path) -> 64-73, 128 rows 68-77 -> 85-119,
-// 512 rows 65-66 -> 82-84 (this VM's speeds move 30-50% from minute to minute; each pair
-// was measured together). A 4 x 32 tile looping rows outside tiles (the 256-bit tiles'
-// order) ran 58-81 at 128 rows: each 4 rows re-read the whole slab from L2.
-// AMX tiles (AMX-INT8) were tried and not kept (2026-12-02, a 2-core Xeon exposing amx_int8,
-// Gemma 3 270M's layer shapes in int4): each int16 activation split exactly into two bytes
-// (x = 256 hi + lo + 128, lo = (x & 255) - 128), `tdpbssd` per block of 32 inputs for 16
+// order: bit for bit the same product, tested). They are faster than the float32 path at
+// 32 to 512 rows; a 4 x 32 tile looping rows outside tiles (the 256-bit tiles' order) was
+// slower: each 4 rows re-read the whole slab from L2
+// (figures: docs/benchmarks/engine-design-figures.md#prefillcpp).
+// AMX tiles (AMX-INT8) were tried and not kept: each int16 activation split exactly into two
+// bytes (x = 256 hi + lo + 128, lo = (x & 255) - 128), `tdpbssd` per block of 32 inputs for 16
 // rows x 2 x 16 outputs (hi and lo), the weight's block sums from the packing, the tiles'
-// int32 sums stored and scaled as here: bit for bit this product (tested), but 0.90-1.04 of
-// the 512-bit tiles' time at 32 / 128 / 512 rows, 1 and 2 threads, interleaved call by call.
-// The tile multiplies ran 500-740 GMAC/s (bytes, one core, 32 bytes per row), but each block
-// has its own scales, so every tile's sums go through memory into the vector unit once per
-// block: without that float32 side the product took 0.61-0.65 of the 512-bit tiles' time.
-// Scaling one block while the tiles multiply the next changed nothing; `tilerelease` and
-// `ldtilecfg` per slab cost another ~1.4x.
+// int32 sums stored and scaled as here: bit for bit this product (tested), but about the
+// 512-bit tiles' time. The tile multiplies are fast, but each block has its own scales, so
+// every tile's sums go through memory into the vector unit once per block; scaling one block
+// while the tiles multiply the next changed nothing, and `tilerelease` and `ldtilecfg` per
+// slab cost more (figures: docs/benchmarks/engine-design-figures.md#prefillcpp).
 // Elsewhere (and by default for int16 activations where the library is built with AVX512
 // but not AVX512-VNNI + AVX512BW: kInt16GemmByDefault) the weight is dequantized to float32
 // one slab at a time and multiplied by torch's float32 matmul (prefill_dequantized.cpp; the
@@ -94,11 +86,11 @@ namespace {
 // where the library is built with AVX512 but without the 512-bit int16 tiles (no
 // AVX512-VNNI + AVX512BW): there a float32 FMA does 16 multiply-adds, as many as a 256-bit
 // vpdpwssd, and torch's float32 matmul (MKL) runs near that peak, while the 256-bit tile
-// is bound by its unpacking and adds. Measured on a 2-core Intel Xeon (Emerald Rapids,
-// 2026-12-02), SmolLM2-135M and Gemma 3 270M shapes at 128 and 512 rows, 2 threads: the
-// 256-bit int16 GEMM 43-57 GMAC/s, the dequantized float32 path 65-102 (its activations
-// rounded to int16 the same way first, so the product is the same to float32 rounding; not
-// bit for bit the decode kernels' sums). int8 activations keep the integer GEMM.
+// is bound by its unpacking and adds, so the dequantized float32 path is faster there (its
+// activations rounded to int16 the same way first, so the product is the same to float32
+// rounding; not bit for bit the decode kernels' sums)
+// (figures: docs/benchmarks/engine-design-figures.md#prefillcpp).
+// int8 activations keep the integer GEMM.
 #if defined(__AVX512F__) && !defined(EXO_INT16_TILES_512)
 constexpr bool kInt16GemmByDefault = false;
 #else
@@ -234,7 +226,8 @@ void gemm_tile(const int16_t* xq, const float* x_scales, const float* x_sums, in
       }
     }
     // The float32 side, as prefill_int8.cpp's tile writes it too: a shared helper (a struct
-    // holding the sums and group pointers) made GCC's int8 tile 6% slower, measured.
+    // holding the sums and group pointers) made GCC's int8 tile slower, measured
+    // (figures: docs/benchmarks/engine-design-figures.md#prefillcpp).
     const __m256 scale0 = _mm256_loadu_ps(scale), scale1 = _mm256_loadu_ps(scale + 8);
     const __m256 offset0 = _mm256_loadu_ps(offset), offset1 = _mm256_loadu_ps(offset + 8);
     for (int r = 0; r < ROWS; ++r) {
@@ -282,8 +275,8 @@ void gemm_tile_512(const int16_t* xq, const float* x_scales, const float* x_sums
     for (int r = 0; r < ROWS; ++r)
       for (int v = 0; v < VECS; ++v) dot[r][v] = _mm512_setzero_si512();
     const int32_t* w = packed_tile + first * 16;
-    // Unrolled: GCC's rolled loop moved every accumulator through a copy per vpdpwssd
-    // (measured: half the throughput).
+    // Unrolled: GCC's rolled loop moved every accumulator through a copy per vpdpwssd, much
+    // slower (figures: docs/benchmarks/engine-design-figures.md#prefillcpp).
 #pragma GCC unroll 16
     for (int p = 0; p < kPairs; ++p) {
       __m512i weights[VECS];
@@ -320,8 +313,8 @@ void gemm_tile_512(const int16_t* xq, const float* x_scales, const float* x_sums
 }
 
 // Blocks of a tile's packed weight per pass over the activation rows: 8 blocks of 32
-// outputs are 16 KiB (L1-resident while every row meets them). Measured against 4, 16 and
-// all of k: within the machine's noise, all of k slower at 128 rows for k = 2048.
+// outputs are 16 KiB (L1-resident while every row meets them); 4 or 16 were no better, all
+// of k slower (figures: docs/benchmarks/engine-design-figures.md#prefillcpp).
 constexpr int64_t kBlocksPerPass = 8;
 
 // int16_slab_product with 512-bit tiles on a slab packed by `pack_slab<16>`.
@@ -370,8 +363,8 @@ void int16_slab_product_512(const int16_t* xq, const float* x_scales, const floa
         rows_tile(count_rows, done + rest);
       });
     }
-    // Out to y's columns n0 + 16 t.. (masked: libc's memcpy per row took 11% of a 512-row
-    // product, measured).
+    // Out to y's columns n0 + 16 t.. (masked: libc's memcpy per row took a noticeable share
+    // of the product; figures: docs/benchmarks/engine-design-figures.md#prefillcpp).
     const int64_t width = std::min<int64_t>(two ? 32 : 16, count - 16 * t);
     const auto mask_of = [](int64_t lanes) {
       return lanes >= 16 ? static_cast<__mmask16>(0xFFFF)
@@ -468,7 +461,8 @@ void integer_block_matmul(const float* x, int64_t rows, int64_t k, const uint8_t
   const int64_t slabs = (n + slab - 1) / slab;
   at::parallel_for(0, slabs, 1, [&](int64_t first, int64_t last) {
     // Each thread's buffers stay between calls: a fresh 128-256 KiB buffer is a fresh
-    // mapping whose pages fault in on first write (~7 us each on the 2-core VM).
+    // mapping whose pages fault in on first write
+    // (figures: docs/benchmarks/engine-design-figures.md#prefillcpp).
     thread_local std::vector<int32_t> packed_buffer, packed8_buffer;
     thread_local std::vector<float> scales_buffer, offsets_buffer, offsets8_buffer;
     int32_t* packed = aligned_buffer(packed_buffer, static_cast<size_t>(slab * k / 2));

@@ -6,27 +6,22 @@
 //
 // Why not the integer GEMM (prefill.cpp) there: its sums are exact per block of 32 inputs,
 // so every block's int32 sums leave the multiplier to be scaled in float32. AMX-INT8 tiles
-// were tried that way and ran 0.90-1.04x of the 512-bit vpdpwssd tiles (prefill.cpp's
+// were tried that way and ran about as fast as the 512-bit vpdpwssd tiles (prefill.cpp's
 // notes). Dequantizing folds the scales into the weight, so the tiles sum a whole row of
-// inputs without leaving the multiplier. Measured on a 2-core Intel Xeon (model 167, KVM,
-// AMX exposed; 2026-12-03), Gemma 3 270M's four layer products in int4, 2 threads,
-// interleaved call by call (`bench/bench_prefill_paths.py`, medians of 30): a layer's
-// products at 128 rows 8.4 ms (int16) -> 4.9 ms, at 512 rows 54 -> 24 ms; at 32 rows the
-// same (3.3 ms). Gemma 3 270M's TTFT in-process, 2 threads: 255 -> 176 ms at 128 tokens,
-// 719 -> 419 ms at 512.
+// inputs without leaving the multiplier: a layer's products and the TTFT are markedly
+// faster from 128 rows on, the same at 32 (measured with `bench/bench_prefill_paths.py`;
+// figures: docs/benchmarks/engine-design-figures.md#prefill_bf16cpp).
 //
 // What it costs in accuracy: the activations are rounded to bfloat16 (8 significant bits)
 // where the integer GEMM rounds them to int16 per block of 32, and each dequantized weight
 // (q * scale + offset in float32) is rounded to bfloat16 once (relative error up to 2^-9,
 // against int4's own step of 1/15 of a group's range); the products of two bfloat16 are
-// exact in float32 and summed in float32. On random layer shapes that is an RMS error of
-// 2.4e-3 of the product's RMS (int16: 2.1e-5; int8: 5.4e-3); over 400 teacher-forced
-// positions of the README (`bench/bench_prefill_rounding.py`, prompt chunks attending in
-// bfloat16 too), a KL of 1.9e-4 (Gemma 3 270M) and 2.1e-4 (SmolLM2-135M) from the int16
-// path's next-token distributions, the most likely token changed at 0.5% / 0.25% of
-// positions (int8: KL 2.9e-3 on both, 3.75% / 3.25%). Keeping what the rounding leaves as a second
-// bfloat16 term was tried: weights split (two tile products) RMS 1.7e-3 at 0.6x this
-// speed, weights and activations split (three) 3.7e-6 at 0.45x, slower than int16. A
+// exact in float32 and summed in float32. That error lies between int16's and int8's, in
+// the product (`bench/bench_prefill_paths.py`) and in the next-token distributions
+// (`bench/bench_prefill_rounding.py`, prompt chunks attending in bfloat16 too), well under
+// a tenth of int8's KL. Keeping what the rounding leaves as a second bfloat16 term was tried
+// (weights split, or weights and activations split): more exact, but slower than int16
+// (figures: docs/benchmarks/engine-design-figures.md#prefill_bf16cpp). A
 // token's product therefore differs (by rounding) from the decode kernels' exact integer
 // sums, which steps of at most `NATIVE_BLOCK_MAX_ROWS` rows take, and a step's decode rows
 // keep int16 (prefill.cpp's `block_matmul`). A step with decode rows and fewer than

@@ -3,8 +3,8 @@
 // `EXO_NATIVE_INT_GEMM=0`): the weight dequantized to float32 one slab of output rows at a
 // time (in a buffer of the thread that multiplies it) times torch's float32 matmul, with the
 // activations rounded as the decode kernels round them (exactly, on the portable kernel).
-// Dequantizing the whole weight first (as torch ops) took 3.5 ms for a 3072x576 weight on
-// the 2-core AMD EPYC, longer than a 128-row product itself.
+// Dequantizing the whole weight first (as torch ops) took longer than a 128-row product
+// itself (figures: docs/benchmarks/engine-design-figures.md#prefill_dequantizedcpp).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

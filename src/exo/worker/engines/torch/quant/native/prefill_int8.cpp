@@ -20,12 +20,11 @@
 // Layout as prefill.cpp's int16 GEMM (whose driver runs both): a slab of output rows
 // unpacked (here to bytes, 4 consecutive inputs per 32-bit lane) into a buffer of the thread
 // that multiplies it, tiles of 4 activation rows x 16 outputs.
-// Measured on the 2-core AMD EPYC (Zen 3), Gemma 3 270M's prefill shapes at 128 rows, one
-// thread: int4 45-51 -> 87-93 GMAC/s, 5-bit 51-52 -> 72-78, Q6_K's blocks of 16 42 -> 60;
-// Gemma's TTFT in the engine, 2 threads: 171 -> 133 ms at 128 tokens, 716 -> 559 at 512.
+// Against int16 activations this is faster for int4, 5-bit and Q6_K weights, with a shorter
+// TTFT.
 // With VNNI (EXO_VNNI, prefill_pack.h) a quad of products goes straight into the int32 sums
-// (vpdpbusd: no int16 partial sums, no widening): on a 2-core Intel Xeon (Emerald Rapids)
-// SmolLM2 and Gemma shapes at 128-512 rows, 2 threads, 77-87 -> 105-163 GMAC/s.
+// (vpdpbusd: no int16 partial sums, no widening), faster again
+// (figures: docs/benchmarks/engine-design-figures.md#prefill_int8cpp).
 
 #include <algorithm>
 #include <cstdint>

@@ -23,9 +23,9 @@ using exo_native::row_ops::kSilu;
 using exo_native::row_ops::norm_rotate_heads;
 
 // A prefill step's gated activation, act(gate) * up, over its rows in parallel:
-// gate_up float32 [rows, 2 I] (gate, then up) -> [rows, I]. torch's tanh GELU took
-// ~1 ms per Gemma 3 270M layer at 128 rows on one thread of the 2-core AMD EPYC (and the
-// product with `up` a second pass); `activate_rows` does both in one pass.
+// gate_up float32 [rows, 2 I] (gate, then up) -> [rows, I]. torch's tanh GELU is slow on
+// CPU (and the product with `up` a second pass); `activate_rows` does both in one pass
+// (figures: docs/benchmarks/engine-design-figures.md#prefill_opscpp).
 at::Tensor gated_activation(const at::Tensor& gate_up, int64_t activation) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat &&
                   gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
@@ -50,9 +50,9 @@ at::Tensor gated_activation(const at::Tensor& gate_up, int64_t activation) {
 // A prefill step's per-head q/k norms and rotary over its rows in parallel, in place:
 // qkv float32 [rows, width] (each row's first `heads` heads of head_dim: queries then
 // keys), norm float32 [heads, head_dim] or none, cos / sin float32 [rows, head_dim], perm
-// int64 [head_dim] (direct_forward_parts.rotary_tables). torch's operators (rms_norm, the weight's
-// product, then x cos + x[perm] sin with a gather over the last dimension) took ~1 ms per
-// Gemma 3 270M layer at 128 rows on one thread of the 2-core AMD EPYC.
+// int64 [head_dim] (direct_forward_parts.rotary_tables). torch's operators (rms_norm, the
+// weight's product, then x cos + x[perm] sin with a gather over the last dimension) took
+// several passes over the rows (figures: docs/benchmarks/engine-design-figures.md#prefill_opscpp).
 void qk_norm_rotary(at::Tensor& qkv, int64_t heads, int64_t head_dim,
                     const std::optional<at::Tensor>& norm, double eps, const at::Tensor& cos,
                     const at::Tensor& sin, const at::Tensor& perm) {

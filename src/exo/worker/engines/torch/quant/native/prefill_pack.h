@@ -170,9 +170,8 @@ bool bf16_tiles_available();
 // Fewest prompt rows a call with leading int16 (decode) rows multiplies in bfloat16
 // (`block_matmul`'s bf16): with fewer, all its rows take int16. A step's 8-token prompt
 // chunk beside decodes (scheduler.py) would otherwise pay the weight's unpacking twice (its
-// decode rows int16, the chunk bf16): a pinned node's 4 concurrent SmolLM2 streams reached
-// their last first token after 8.9 s instead of ~5 s. At 32 rows the two paths took the same
-// time (Gemma 3 270M's layer shapes, 2 threads, 2-core Xeon with AMX). Calls without decode
+// decode rows int16, the chunk bf16), and at 32 rows the two paths took the same time
+// (figures: docs/benchmarks/engine-design-figures.md#prefill_packh). Calls without decode
 // rows take bf16 at any row count, so a prompt gives the same products however a pipeline
 // rank or a single process chunks it (a greedy answer then matches across placements).
 constexpr int64_t kBf16MinRows = 32;

@@ -31,12 +31,12 @@ inline float activate(float g, int64_t activation) {
 }
 
 // m[i] = act(gate[i]) * up[i] for i < n. With AVX2, SiLU and the tanh GELU 8 at a time
-// through SLEEF's exp (1.0 ulp; torch's vectorized kernels call the same): the scalar loop
-// took 34 us for Gemma 3 270M's 2048 values per layer on the 2-core AMD EPYC (0.6 ms of a
-// 20 ms token, while the other thread waited); 8 at a time it takes ~5.5x less. The tanh
-// GELU is computed as g sigmoid(2 z) (0.5 (1 + tanh z) = sigmoid(2 z)), one exp instead of
-// SLEEF's tanh: [128, 2048] gate values (a Gemma prefill layer) 0.88 -> ~0.3 ms on one
-// thread, within a few float32 ulps of torch's tanh form. The exact (erf) GELU stays scalar.
+// through SLEEF's exp (1.0 ulp; torch's vectorized kernels call the same), several times
+// faster than the scalar loop. The tanh GELU is computed as g sigmoid(2 z)
+// (0.5 (1 + tanh z) = sigmoid(2 z)), one exp instead of SLEEF's tanh, faster and within a
+// few float32 ulps of torch's tanh form
+// (figures: docs/benchmarks/engine-design-figures.md#row_opsh). The exact (erf) GELU stays
+// scalar.
 inline void activate_rows(const float* gate, const float* up, int64_t n, int64_t activation,
                    float* m) {
   int64_t i = 0;
