@@ -264,21 +264,28 @@ def test_placement_routes_and_restart_replay(tmp_path: Path, shared_models_dir: 
     try:
         assert instance_id in restarted.state()["instances"]
         restarted.wait_ready(timeout=120)
-        state = restarted.state()
-        assert [info["kv_cache_tokens"] for info in state["node_info"].values()] == [4096]
-        wait_until(
-            lambda: (
-                [s.get("kv_cache_tokens") for s in restarted.state()["runners"].values()] == [4096]
-            ),
-            timeout=30,
-            what="the runner's KV budget in /state",
-        )
 
         def new_lines() -> str:
             return restarted.log_path.read_text()[len(log_before) :]
 
         wait_until(lambda: " is ready" in new_lines(), timeout=30, what='"is ready" logged')
         assert "warmed up" in new_lines().split(" is ready")[0], new_lines()
+        # Its node info and its new runner hold the smaller KV budget (the replayed state
+        # showed the first run's until they reported).
+        wait_until(
+            lambda: (
+                [i["kv_cache_tokens"] for i in restarted.state()["node_info"].values()] == [4096]
+            ),
+            timeout=30,
+            what="the node's KV budget in /state",
+        )
+        wait_until(
+            lambda: (
+                [s.get("kv_cache_tokens") for s in restarted.state()["runners"].values()] == [4096]
+            ),
+            timeout=30,
+            what="the new runner's KV budget in /state",
+        )
         completion = client_for(restarted).chat.completions.create(
             model=DEFAULT_MODEL_ID, messages=QUESTION, temperature=0, max_tokens=40
         )
