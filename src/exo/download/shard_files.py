@@ -11,10 +11,10 @@ or a multimodal projector are never loaded by the text engine.
 from __future__ import annotations
 
 import fnmatch
-import re
 from collections.abc import Iterable, Mapping
 
-from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata
+from exo.shared.parallelism import parallelism
+from exo.shared.types.shards import ShardMetadata
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
@@ -31,10 +31,6 @@ SMALL_FILE_PATTERNS = (
     "merges.txt",
     INDEX_FILE,
 )
-# `...model.layers.<n>.` (also under `language_model.` / `model.language_model.`).
-_LAYER = re.compile(r"(?:^|\.)(?:model\.)?layers\.(\d+)\.")
-_EMBEDDING = re.compile(r"(?:^|\.)embed_tokens\.")
-_FINAL = re.compile(r"(?:^|\.)(?:lm_head|norm)\.[a-z_]+$")
 _NOT_TEXT = ("vision", "multi_modal_projector", "audio")
 
 
@@ -54,17 +50,9 @@ def tensor_on_shard(name: str, shard: ShardMetadata | None) -> bool:
     """Whether `shard` (None: the whole model) loads checkpoint tensor `name`."""
     if any(part in name for part in _NOT_TEXT):
         return False
-    if shard is None or not isinstance(shard, PipelineShardMetadata):
+    if shard is None:
         return True
-    match = _LAYER.search(name)
-    if match is not None:
-        return shard.start_layer <= int(match.group(1)) < shard.end_layer
-    if _EMBEDDING.search(name):
-        # The last rank reads it too when its LM head is tied to the embedding.
-        return shard.is_first_rank or shard.is_last_rank
-    if _FINAL.search(name):
-        return shard.is_last_rank
-    return True
+    return parallelism(shard.sharding).reads_tensor(name, shard)
 
 
 def weight_files_for_shard(

@@ -62,6 +62,11 @@ class WeightShare:
     holds_embedding: bool = True
     holds_output_layer: bool = True
 
+    def kv_heads(self, card: ModelCard) -> int:
+        """KV heads per layer this share caches: tensor ranks hold their part of the
+        card's KV heads (rounded up; placement only splits where they divide)."""
+        return -(-card.num_key_value_heads // self.tensor_parallel_ranks)
+
 
 def whole_model(card: ModelCard) -> WeightShare:
     """Every layer, the embedding and the LM head on one node."""
@@ -305,8 +310,7 @@ def kv_cache_bytes_per_token(card: ModelCard, share: WeightShare | None = None) 
     head dim × 2 (a key and a value) × `KV_CACHE_VALUE_BYTES`; tensor ranks hold their
     part of the KV heads (rounded up)."""
     share = share or whole_model(card)
-    kv_heads = -(-card.num_key_value_heads // share.tensor_parallel_ranks)
-    return share.layers * kv_heads * card.attention_head_dim * 2 * KV_CACHE_VALUE_BYTES
+    return share.layers * share.kv_heads(card) * card.attention_head_dim * 2 * KV_CACHE_VALUE_BYTES
 
 
 def kv_cache_budget_bytes(

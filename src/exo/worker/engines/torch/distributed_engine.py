@@ -48,7 +48,7 @@ from exo.shared.models.memory import (
     PrefillActivations,
 )
 from exo.shared.types.models import ModelCard
-from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import TextGenerationTaskParams
 from exo.worker.engines.prompt import RenderedPrompt
 from exo.worker.engines.torch.batching.batch_attention import (
@@ -169,7 +169,7 @@ class DistributedTorchEngine(TorchEngine):
 
     @property
     def is_pipeline(self) -> bool:
-        return isinstance(self.shard, PipelineShardMetadata)
+        return self.shard.sharding == "pipeline"
 
     @property
     def is_last_rank(self) -> bool:
@@ -181,7 +181,7 @@ class DistributedTorchEngine(TorchEngine):
         heads = int(text_config.num_attention_heads)
         kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
-        if isinstance(self.shard, TensorShardMetadata):
+        if self.shard.sharding == "tensor":
             kv_heads //= self.world_size
         dtype = next(self.model.parameters()).dtype
         use_batched_attention(self.model)
@@ -396,6 +396,4 @@ class DistributedTorchEngine(TorchEngine):
 
 def shard_needs_group(shard: ShardMetadata) -> bool:
     """Whether the shard spans several ranks (and so needs `DistributedTorchEngine`)."""
-    match shard:
-        case PipelineShardMetadata() | TensorShardMetadata():
-            return shard.world_size > 1
+    return shard.world_size > 1

@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
 from exo.shared.models.tensor_names import LAYER_TENSOR
-from exo.shared.types.shards import ShardMetadata, TensorShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.model.direct_forward import enable_lean_forward
 from exo.worker.engines.torch.model.families import (
     UnsupportedArchitectureError,
@@ -324,7 +324,7 @@ def load_model(
         if not split:
             quantize_output_layer(model, weight_dtype)
         release_freed_memory()
-    if isinstance(shard, TensorShardMetadata) and split_head_by_vocab(
+    if shard.sharding == "tensor" and split_head_by_vocab(
         model, shard.device_rank, shard.world_size
     ):
         release_freed_memory()

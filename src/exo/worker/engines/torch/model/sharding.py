@@ -18,7 +18,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from exo.shared.models.memory import vocab_share
 from exo.shared.models.tensor_names import LAYER_TENSOR
-from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.comm.parallel_linears import (
     RowParallelLinear,
     VocabParallelHead,
@@ -136,7 +136,7 @@ def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     return layers
 
 
-def cut_to_pipeline_stage(model: PreTrainedModel, shard: PipelineShardMetadata) -> None:
+def cut_to_pipeline_stage(model: PreTrainedModel, shard: ShardMetadata) -> None:
     """Keep decoder layers [start_layer, end_layer) (renumbered from 0 for the KV cache), the
     embedding on the first rank only, the final norm and LM head on the last rank only.
 
@@ -244,9 +244,13 @@ def apply_shard(model: PreTrainedModel, family: ModelFamily, shard: ShardMetadat
             `check_tensor_parallel`, `split_linears`.
     """
     match shard:
-        case PipelineShardMetadata():
+        case ShardMetadata(
+            sharding="pipeline",
+        ):
             cut_to_pipeline_stage(model, shard)
-        case TensorShardMetadata():
+        case ShardMetadata(
+            sharding="tensor",
+        ):
             decoder_layers(model)
             if shard.world_size > 1:
                 config = model.config.get_text_config()
@@ -265,7 +269,7 @@ def tensor_reader(
     """How rank `shard.device_rank` reads model tensor `model_name`: the rank's rows of
     column-parallel weights and biases (part by part for fused linears), its columns of
     row-parallel weights, everything else whole."""
-    if not isinstance(shard, TensorShardMetadata) or shard.world_size == 1:
+    if shard.sharding != "tensor" or shard.world_size == 1:
         return read_whole
     match = LAYER_TENSOR.match(model_name)
     if match is None:
@@ -302,13 +306,14 @@ def tensor_reader(
 
 def model_tensor_name(name: str, prefix: str, shard: ShardMetadata) -> str | None:
     """The model's name on this rank for checkpoint tensor `name` (None: not the text model
-    — a vision tower — or a layer another pipeline rank holds)."""
+    — a vision tower — or a layer outside the shard's range); the shard's layers are
+    renumbered from 0, as its skeleton keeps them."""
     if prefix:
         if not name.startswith(prefix):
             return None
         name = name[len(prefix) :]
     match = LAYER_TENSOR.match(name)
-    if match is None or not isinstance(shard, PipelineShardMetadata):
+    if match is None:
         return name
     index = int(match.group(1))
     if not shard.start_layer <= index < shard.end_layer:
