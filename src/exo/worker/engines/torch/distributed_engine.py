@@ -3,28 +3,16 @@
 Rank 0 is a `TorchEngine`: the engine contract (`submit` / `step` / `cancel`) over the
 single-rank `BatchScheduler` (continuous batching, chunked prefill, pre-emption; no prefix
 cache, whose KV would be rank 0's part only). Its scheduler's forward pass is this engine's:
-each step, rank 0 tells the other ranks the step as a `StepHeader` (`distributed_batch.py`:
+each step, rank 0 tells the other ranks the step as a `StepHeader` (`parallel/rank_steps.py`:
 the KV-slot operations since the last step, so admissions, finishes, cancels and
 pre-emptions free the same slots on every rank, and the step's batch plan), then every rank
 runs its part of the same batched forward. Rank 0 samples every request (`RequestState`):
 seeded generators, penalties, logit bias, logprobs and constraints live in one place, and
 the next step's header carries the chosen tokens, so no extra message is needed for them.
 
-- Tensor: one broadcast of the header per step (one message per rank); every rank
-  runs the whole batched forward in lockstep (the row-parallel linears all-reduce, so every
-  rank computes the same logits; the others drop theirs).
-- Pipeline: up to `world_size` steps are in flight at once, each over its own requests
-  (the scheduler's `max_in_flight`: rank 0 runs step t+1's layers while the next ranks run
-  step t's, and samples step t when its logits come back). A step of at least
-  `MICRO_BATCH_MIN_ROWS` rows (prefill) is also split into up to `world_size`
-  micro-batches of requests (`micro_batch_count`; a decode step stays whole).
-  For each, rank 0 runs its layers and sends the header and `[1, T, hidden]` float32
-  hidden states to rank 1 (which runs its layers while rank 0 computes the next
-  micro-batch), and so on; the last rank sends the micro-batch's `[R, vocab]` float32
-  logits to rank 0 (rank 0 posts that receive before sending the micro-batch, so no send
-  waits on a rank that is itself sending). Per micro-batch and hop: two messages (the
-  header with its length, the hidden states), over the group's `comm/tcp_mesh.py` TCP links when
-  it has them (else gloo).
+How a step travels (a broadcast to every rank in lockstep, or rank to rank with several
+steps in flight) is the shard's parallelism's: `parallel/<kind>.py`, looked up by the
+shard's `sharding` (`engine_transform`); this engine calls it and never tests the kind.
 
 Ranks > 0 wait for rank 0's next header in `serve_forever` (unbounded while rank 0 is idle;
 every other wait is bounded by the group's timeout, so a dead rank makes the others raise).
@@ -33,7 +21,6 @@ every other wait is bounded by the group's timeout, so a dead rank makes the oth
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,32 +40,13 @@ from exo.shared.types.text_generation import TextGenerationTaskParams
 from exo.worker.engines.prompt import RenderedPrompt
 from exo.worker.engines.torch.batching.batch_attention import (
     BATCHED_ATTENTION,
-    BatchPlan,
     SlotKVCache,
     attention_layers,
-    forward_batch,
     use_batched_attention,
 )
 from exo.worker.engines.torch.batching.scheduler import BatchScheduler, StepOutput
 from exo.worker.engines.torch.comm.process_group import (
     IDLE_WAIT,
-    post_receive,
-    receive_tensor,
-    send_tensor,
-)
-from exo.worker.engines.torch.distributed_batch import (
-    SHUTDOWN,
-    STEP,
-    WARMUP_DONE,
-    RecordingSlotKVCache,
-    StepHeader,
-    broadcast_step,
-    micro_batch_count,
-    receive_step,
-    replay_cache_ops,
-    send_step,
-    split_micro_batches,
-    stage_forward_batch,
 )
 from exo.worker.engines.torch.engine import (
     DEFAULT_MAX_CONCURRENT_REQUESTS,
@@ -88,6 +56,15 @@ from exo.worker.engines.torch.engine import (
 )
 from exo.worker.engines.torch.model.families import family_for_architecture
 from exo.worker.engines.torch.model.loading import LayerProgressCallback
+from exo.worker.engines.torch.parallel import engine_transform
+from exo.worker.engines.torch.parallel.rank_steps import (
+    SHUTDOWN,
+    STEP,
+    WARMUP_DONE,
+    RecordingSlotKVCache,
+    StepHeader,
+    replay_cache_ops,
+)
 from exo.worker.engines.torch.quant.quantize import WeightDtype
 
 
@@ -127,6 +104,7 @@ class DistributedTorchEngine(TorchEngine):
         )  # this shard's layers (a pipeline stage's config lists only its own)
         self._layer_of = attention_layers(model)
         self._hidden_size = int(text_config.hidden_size)
+        self.transform = engine_transform(shard.sharding)
 
     @classmethod
     def load(
@@ -168,8 +146,8 @@ class DistributedTorchEngine(TorchEngine):
         return engine
 
     @property
-    def is_pipeline(self) -> bool:
-        return self.shard.sharding == "pipeline"
+    def hidden_size(self) -> int:
+        return self._hidden_size
 
     @property
     def is_last_rank(self) -> bool:
@@ -181,8 +159,7 @@ class DistributedTorchEngine(TorchEngine):
         heads = int(text_config.num_attention_heads)
         kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
-        if self.shard.sharding == "tensor":
-            kv_heads //= self.world_size
+        kv_heads = self.transform.kv_heads(kv_heads, self.shard)
         dtype = next(self.model.parameters()).dtype
         use_batched_attention(self.model)
         # A family may give a tensor rank's attention modules a config of their own (with
@@ -201,14 +178,11 @@ class DistributedTorchEngine(TorchEngine):
         self._check_rank_zero()
         cache = self._new_slot_cache(RecordingSlotKVCache)
         self._slots = cache
-        if self.is_pipeline:  # one step in flight per rank (see scheduler.py)
-            return BatchScheduler(
-                self.model, cache, self._windows, self._layer_of, self.kv_cache_tokens, None,
-                self.device, launch=self._pipeline_launch, max_in_flight=self.world_size,
-            )  # fmt: skip
+        hooks = self.transform.scheduler_hooks(self)
         return BatchScheduler(
             self.model, cache, self._windows, self._layer_of, self.kv_cache_tokens, None,
-            self.device, forward=self._tensor_forward,
+            self.device, forward=hooks.forward, launch=hooks.launch,
+            max_in_flight=hooks.max_in_flight,
         )  # fmt: skip
 
     def warmup(self) -> None:
@@ -229,13 +203,7 @@ class DistributedTorchEngine(TorchEngine):
         """Take rank 0's `max_concurrent_requests` (each node may be started with its own):
         every rank needs as many KV slots as rank 0 admits requests."""
         slots = torch.tensor([self.max_concurrent_requests], dtype=torch.int64)
-        if not self.is_pipeline:
-            dist.broadcast(slots, src=0)
-        else:
-            if self.rank > 0:
-                dist.recv(slots, src=self.rank - 1)
-            if not self.is_last_rank:
-                dist.send(slots, dst=self.rank + 1)
+        self.transform.agree(self, slots)
         self.max_concurrent_requests = int(slots.item())
 
     # -- the engine contract, on rank 0 ---------------------------------------------------
@@ -276,69 +244,12 @@ class DistributedTorchEngine(TorchEngine):
         self._send_control(SHUTDOWN)
 
     def _send_control(self, command: int) -> None:
-        header = StepHeader(command)
-        if self.is_pipeline:
-            send_step(header, 1)
-        else:
-            broadcast_step(header, IDLE_WAIT)
+        self.transform.send_control(self, StepHeader(command))
 
-    def _rank_zero_ops(self) -> tuple[tuple[int, int], ...]:
+    def take_cache_ops(self) -> tuple[tuple[int, int], ...]:
+        """Rank 0's KV-slot operations since the last step (for the next step's header)."""
         assert isinstance(self._slots, RecordingSlotKVCache)
         return self._slots.take_ops()
-
-    def _tensor_forward(
-        self,
-        model: PreTrainedModel,
-        plan: BatchPlan,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        logit_rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """Rank 0's tensor-parallel step: broadcast the header, run the collective forward."""
-        header = StepHeader.from_plan(
-            plan, input_ids, position_ids, logit_rows, self._rank_zero_ops()
-        )
-        broadcast_step(header, IDLE_WAIT)
-        return forward_batch(model, plan, input_ids, position_ids, logit_rows)
-
-    def _pipeline_launch(
-        self,
-        model: PreTrainedModel,
-        plan: BatchPlan,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        logit_rows: torch.Tensor,
-    ) -> Callable[[], torch.Tensor]:
-        """Rank 0's part of a pipeline step: its layers for each micro-batch in turn, sent
-        on as soon as done (the receive of the last rank's logits posted first); returns
-        the function that waits for every micro-batch's logits and puts them in order."""
-        step = StepHeader.from_plan(
-            plan, input_ids, position_ids, logit_rows, self._rank_zero_ops()
-        )
-        last = self.world_size - 1
-        answers: list[tuple[Callable[[], None] | None, torch.Tensor, tuple[int, ...]]] = []
-        for micro_batch in split_micro_batches(step, micro_batch_count(step, self.world_size)):
-            header = micro_batch.header
-            logits = torch.empty((len(header.logit_rows), self.vocab_size), dtype=torch.float32)
-            wait = post_receive(logits, last) if header.logit_rows else None
-            micro_plan = header.plan(plan.cache, plan.windows, plan.layer_of)
-            hidden = stage_forward_batch(
-                model, micro_plan, header, hidden=None, is_last=False, device=self.device
-            )
-            send_step(header, 1)
-            send_tensor(hidden.cpu().contiguous(), 1)
-            answers.append((wait, logits, micro_batch.logit_order))
-        device = self.device
-
-        def collect() -> torch.Tensor:
-            result = torch.empty((len(step.logit_rows), self.vocab_size), dtype=torch.float32)
-            for wait, logits, order in answers:
-                if wait is not None:
-                    wait()
-                    result[list(order)] = logits
-            return result.to(device)
-
-        return collect
 
     # -- ranks > 0 ------------------------------------------------------------------------
 
@@ -360,38 +271,13 @@ class DistributedTorchEngine(TorchEngine):
         if self._slots is None:
             self._slots = self._new_slot_cache(SlotKVCache)
         while True:
-            if self.is_pipeline:
-                header = receive_step(self.rank - 1, IDLE_WAIT)
-            else:
-                header = broadcast_step(None, IDLE_WAIT)
+            header = self.transform.receive_header(self, IDLE_WAIT)
             if header.command != STEP:
-                if self.is_pipeline and not self.is_last_rank:
-                    send_step(header, self.rank + 1)
+                self.transform.pass_on_control(self, header)
                 return header.command
             replay_cache_ops(self._slots, header.cache_ops)
             plan = header.plan(self._slots, self._windows, self._layer_of)
-            if self.is_pipeline:
-                self._serve_pipeline_step(header, plan)
-            else:
-                input_ids, position_ids, logit_rows = (
-                    tensor.to(self.device) for tensor in header.tensors()
-                )
-                forward_batch(self.model, plan, input_ids, position_ids, logit_rows)
-
-    def _serve_pipeline_step(self, header: StepHeader, plan: BatchPlan) -> None:
-        dtype = next(self.model.parameters()).dtype
-        received = torch.empty((1, header.rows, self._hidden_size), dtype=torch.float32)
-        receive_tensor(received, self.rank - 1)
-        hidden = received.to(device=self.device, dtype=dtype)
-        output = stage_forward_batch(
-            self.model, plan, header, hidden=hidden, is_last=self.is_last_rank,
-            device=self.device,
-        )  # fmt: skip
-        if not self.is_last_rank:
-            send_step(header, self.rank + 1)
-            send_tensor(output.cpu().contiguous(), self.rank + 1)
-        elif header.logit_rows:
-            send_tensor(output.float().cpu().contiguous(), 0)
+            self.transform.serve_step(self, header, plan)
 
 
 def shard_needs_group(shard: ShardMetadata) -> bool:

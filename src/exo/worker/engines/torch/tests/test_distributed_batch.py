@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from exo.worker.engines.torch.batching.batch_attention import PrefillSegment, SlotKVCache
-from exo.worker.engines.torch.distributed_batch import (
+from exo.worker.engines.torch.parallel.rank_steps import (
     CACHE_ALLOCATE,
     CACHE_FREE,
     CACHE_RESERVE,

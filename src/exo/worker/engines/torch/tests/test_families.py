@@ -33,7 +33,8 @@ from exo.worker.engines.torch.model.families import (
 )
 from exo.worker.engines.torch.model.fusion import FusedRMSNorm
 from exo.worker.engines.torch.model.loading import load_model
-from exo.worker.engines.torch.model.sharding import check_tensor_parallel, loaded_parameter_bytes
+from exo.worker.engines.torch.model.sharding import loaded_parameter_bytes
+from exo.worker.engines.torch.parallel.tensor import check_tensor_parallel
 from exo.worker.engines.torch.quant.quantize import WeightDtype
 from exo.worker.engines.torch.tests.lean_steps import new_cache
 
