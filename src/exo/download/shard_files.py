@@ -1,11 +1,12 @@
 """Which files of a Hugging Face checkpoint one shard needs (pure).
 
 A node loads only its shard, so it fetches only: the config and tokenizer files, the
-safetensors index, and the weight files that hold a tensor of its shard. A pipeline rank
-holds decoder layers `[start_layer, end_layer)`; the first rank also the embedding, the last
-the final norm and the LM head (and the embedding when the head is tied to it). A tensor
-rank holds a slice of every tensor, so it needs every weight file. Tensors of a vision tower
-or a multimodal projector are never loaded by the text engine.
+safetensors index, and the weight files that hold a tensor of its shard. Which tensors a
+rank reads is its parallelism's (`Parallelism.reads_tensor`, `exo.shared.parallelism`): a
+pipeline rank its decoder layers `[start_layer, end_layer)`, the first rank also the
+embedding, the last the final norm and the LM head (and the embedding when the head is tied
+to it); a tensor rank a slice of every tensor, so every weight file. Tensors of a vision
+tower or a multimodal projector are never loaded by the text engine.
 """
 
 from __future__ import annotations
