@@ -11,7 +11,7 @@ the ones below, never one above:
 3. `model/` (families, loading, sharding, fusion, direct forward) and `parallel/` (each
    parallelism's cut, tensor reads and step travel, the messages of a step between ranks),
    which `model/loading.py` calls;
-4. the engines (`engine.py`, `distributed_engine.py`, `engine_factory.py`).
+4. the engine and its factory (`engine.py`, `engine_factory.py`).
 Nothing in `exo.worker.engines` imports the worker above it (`runner/`, `main.py`, `plan.py`).
 """
 

@@ -21,6 +21,7 @@ import ctypes
 import ctypes.util
 import mmap
 import sys
+from typing import Any
 
 import torch
 
@@ -103,3 +104,12 @@ def release_positions(buffer: torch.Tensor, slot: int, start: int) -> None:
         return
     for head in range(buffer.shape[1]):
         release(buffer[slot, head, start:])
+
+
+def kv_geometry(text_config: Any) -> tuple[int, int]:
+    """(KV heads, head dim) of a transformers text config: the slot buffers' shape per
+    layer (a tensor rank holds its share of the heads: `EngineTransform.kv_heads`)."""
+    heads = int(text_config.num_attention_heads)
+    kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
+    return kv_heads, head_dim

@@ -1,9 +1,10 @@
 """What every parallelism does to the engine: how the meta skeleton is cut to one rank's
 part, how the rank reads its tensors, and how a step travels between the ranks.
 
-`DistributedTorchEngine` looks its transform up by the shard's `sharding`
-(`engine_transform`) and calls it instead of testing the kind; the torch-free rules of the
-same kind (which layers, memory share, KV heads) are `exo.shared.parallelism`'s.
+A split instance's `RankGroup` (`rank_group.py`) and the loader look the transform up by
+the shard's `sharding` (`engine_transform`) and call it instead of testing the kind; the
+torch-free rules of the same kind (which layers, memory share, KV heads) are
+`exo.shared.parallelism`'s.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from exo.worker.engines.torch.parallel.rank_steps import StepHeader
 
 
 class RankEngine(Protocol):
-    """What a transform needs of the rank's engine to move a step."""
+    """What a transform needs of the rank (its `RankGroup`) to move a step."""
 
     model: PreTrainedModel
     device: torch.device
