@@ -48,7 +48,7 @@ from exo.download.pypi_gguf import prepare_model
 from exo.shared.constants import models_dir as default_models_dir
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.common import ModelId
-from exo.shared.types.shards import PipelineShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
 from exo.worker.engines.prompt import RenderedPrompt
@@ -333,8 +333,13 @@ def load_default_engine(models_dir: Path | None) -> TorchEngine:
         card, models_dir or default_models_dir(), offline=False,
         on_progress=lambda message: print(message, file=sys.stderr),
     )  # fmt: skip
-    shard = PipelineShardMetadata(
-        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
+    shard = ShardMetadata(
+        sharding="pipeline",
+        model_card=card,
+        device_rank=0,
+        world_size=1,
+        start_layer=0,
+        end_layer=card.n_layers,
     )
     engine = TorchEngine.load(model_dir, shard)
     engine.warmup()

@@ -34,7 +34,7 @@ from exo.shared.constants import models_dir as default_models_dir
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.models.memory import PREFILL_ACTIVATIONS
 from exo.shared.types.common import ModelId
-from exo.shared.types.shards import PipelineShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.utils.cpu_features import default_prefill_activations
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.quant.quantize import WEIGHT_DTYPES, WeightDtype
@@ -75,8 +75,13 @@ def main() -> int:
         on_progress=lambda message: print(message, file=sys.stderr),
     )
     model_text = ModelText.load(model_dir)
-    shard = PipelineShardMetadata(
-        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
+    shard = ShardMetadata(
+        sharding="pipeline",
+        model_card=card,
+        device_rank=0,
+        world_size=1,
+        start_layer=0,
+        end_layer=card.n_layers,
     )
     engines: dict[str, TorchEngine] = {}
     for name in arguments.weight_dtype:

@@ -62,13 +62,18 @@ def _child_load(model_dir: Path, weight_dtype: str, reference: Path | None) -> d
     import torch
 
     from exo.shared.models.cards import card_from_local_directory
-    from exo.shared.types.shards import PipelineShardMetadata
+    from exo.shared.types.shards import ShardMetadata
     from exo.worker.engines.torch.model.loading import load_model
 
-    def whole(directory: Path) -> PipelineShardMetadata:
+    def whole(directory: Path) -> ShardMetadata:
         card = card_from_local_directory(directory)
-        return PipelineShardMetadata(
-            model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
+        return ShardMetadata(
+            sharding="pipeline",
+            model_card=card,
+            device_rank=0,
+            world_size=1,
+            start_layer=0,
+            end_layer=card.n_layers,
         )
 
     shard = whole(model_dir)

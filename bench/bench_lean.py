@@ -35,7 +35,7 @@ from exo.download.pypi_gguf import prepare_model
 from exo.shared.constants import models_dir as default_models_dir
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.common import ModelId
-from exo.shared.types.shards import PipelineShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.engine import TorchEngine
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -60,8 +60,13 @@ CATEGORIES = {
 def load_engine(model_id: str, weight_dtype: str, models_dir: Path) -> TorchEngine:
     card = load_builtin_cards()[ModelId(model_id)]
     model_dir = prepare_model(card, models_dir, offline=False)
-    shard = PipelineShardMetadata(
-        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
+    shard = ShardMetadata(
+        sharding="pipeline",
+        model_card=card,
+        device_rank=0,
+        world_size=1,
+        start_layer=0,
+        end_layer=card.n_layers,
     )
     engine = TorchEngine.load(model_dir, shard, weight_dtype=weight_dtype)  # type: ignore[arg-type]
     engine.warmup()

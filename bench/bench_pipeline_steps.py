@@ -33,7 +33,7 @@ from exo.download.pypi_gguf import prepare_model
 from exo.shared.constants import models_dir
 from exo.shared.models.cards import card_from_local_directory, load_builtin_cards
 from exo.shared.types.common import ModelId
-from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import TextGenerationTaskParams
 from exo.worker.engines.torch.engine_factory import load_engine
 
@@ -45,12 +45,14 @@ def _shard(
 ) -> ShardMetadata:
     card = card_from_local_directory(model_dir)
     if mode == "tensor":
-        return TensorShardMetadata(model_card=card, device_rank=rank, world_size=world_size)
+        return ShardMetadata(
+            sharding="tensor", model_card=card, device_rank=rank, world_size=world_size
+        )
     bounds = [round(index * card.n_layers / world_size) for index in range(world_size + 1)]
     if split is not None and len(split) == world_size:
         bounds = [sum(split[:index]) for index in range(world_size + 1)]
-    return PipelineShardMetadata(
-        model_card=card, device_rank=rank, world_size=world_size,
+    return ShardMetadata(
+        sharding="pipeline", model_card=card, device_rank=rank, world_size=world_size,
         start_layer=bounds[rank], end_layer=bounds[rank + 1],
     )  # fmt: skip
 

@@ -26,7 +26,7 @@ from exo.shared.constants import models_dir
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.models.memory import PREFILL_ACTIVATIONS
 from exo.shared.types.common import ModelId
-from exo.shared.types.shards import PipelineShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.batching.batch_attention import (
     BatchPlan,
     PrefillSegment,
@@ -76,8 +76,13 @@ def main() -> int:
         print(f"{arguments.model} is not in the catalog", file=sys.stderr)
         return 2
     model_dir = prepare_model(card, models_dir(), offline=True)
-    shard = PipelineShardMetadata(
-        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
+    shard = ShardMetadata(
+        sharding="pipeline",
+        model_card=card,
+        device_rank=0,
+        world_size=1,
+        start_layer=0,
+        end_layer=card.n_layers,
     )
     logits: dict[str, torch.Tensor] = {}
     ids: list[int] = []

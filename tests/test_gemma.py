@@ -26,7 +26,7 @@ from exo.shared.models.cards import card_from_local_directory, load_builtin_card
 from exo.shared.models.parameter_count import decoder_parameter_count
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard, PypiGgufPartsSource
-from exo.shared.types.shards import PipelineShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import TextGenerationTaskParams
 from exo.testing.processes import ExoNode
 from exo.worker.engines.torch.engine import TorchEngine
@@ -97,8 +97,8 @@ def test_greedy_tokens_equal_transformers_on_the_same_gguf(
     # This prompt's greedy continuation has no EOS within 32 tokens, so all 32 are compared.
     assert len(theirs) == COMPARED_TOKENS and tokenizer.eos_token_id not in theirs
 
-    shard = PipelineShardMetadata(
-        model_card=gemma_card, device_rank=0, world_size=1, start_layer=0,
+    shard = ShardMetadata(
+        sharding="pipeline", model_card=gemma_card, device_rank=0, world_size=1, start_layer=0,
         end_layer=gemma_card.n_layers,
     )  # fmt: skip
     engine = TorchEngine.load(gemma_dir, shard, weight_dtype="float32")

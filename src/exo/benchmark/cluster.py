@@ -17,6 +17,8 @@ import httpx
 import psutil
 
 from exo.benchmark.client import ApiTarget
+from exo.shared.parallelism import PARALLELISMS
+from exo.shared.types.shards import Sharding
 from exo.testing.processes import ExoNode, wait_until
 
 MEMORY_SAMPLE_SECONDS = 0.2
@@ -34,7 +36,7 @@ class BenchSetupError(RuntimeError):
 class Placement:
     """A placement the bench asks for: `sharding` over `nodes` nodes ("single" is one)."""
 
-    sharding: str
+    sharding: Sharding
     nodes: int
 
     @classmethod
@@ -47,7 +49,7 @@ class Placement:
         lowered = text.strip().lower().replace("×", "x")
         if lowered == "single":
             return cls("pipeline", 1)
-        for sharding in ("pipeline", "tensor"):
+        for sharding in PARALLELISMS:
             if lowered.startswith(sharding):
                 count = lowered[len(sharding) :].lstrip(":x") or "2"
                 if count.isdigit() and int(count) >= 1:

@@ -32,12 +32,17 @@ def load_engine_for_bench(
 ) -> TorchEngine:
     """The whole model of `model_dir` in one single-rank engine, warmed up."""
     from exo.shared.models.cards import card_from_local_directory
-    from exo.shared.types.shards import PipelineShardMetadata
+    from exo.shared.types.shards import ShardMetadata
     from exo.worker.engines.torch.engine import TorchEngine
 
     card = card_from_local_directory(model_dir)
-    shard = PipelineShardMetadata(
-        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
+    shard = ShardMetadata(
+        sharding="pipeline",
+        model_card=card,
+        device_rank=0,
+        world_size=1,
+        start_layer=0,
+        end_layer=card.n_layers,
     )
     engine = TorchEngine.load(
         model_dir,

@@ -1,20 +1,21 @@
 """Which files of a Hugging Face checkpoint one shard needs (pure).
 
 A node loads only its shard, so it fetches only: the config and tokenizer files, the
-safetensors index, and the weight files that hold a tensor of its shard. A pipeline rank
-holds decoder layers `[start_layer, end_layer)`; the first rank also the embedding, the last
-the final norm and the LM head (and the embedding when the head is tied to it). A tensor
-rank holds a slice of every tensor, so it needs every weight file. Tensors of a vision tower
-or a multimodal projector are never loaded by the text engine.
+safetensors index, and the weight files that hold a tensor of its shard. Which tensors a
+rank reads is its parallelism's (`Parallelism.reads_tensor`, `exo.shared.parallelism`): a
+pipeline rank its decoder layers `[start_layer, end_layer)`, the first rank also the
+embedding, the last the final norm and the LM head (and the embedding when the head is tied
+to it); a tensor rank a slice of every tensor, so every weight file. Tensors of a vision
+tower or a multimodal projector are never loaded by the text engine.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import re
 from collections.abc import Iterable, Mapping
 
-from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata
+from exo.shared.parallelism import parallelism
+from exo.shared.types.shards import ShardMetadata
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
@@ -31,10 +32,6 @@ SMALL_FILE_PATTERNS = (
     "merges.txt",
     INDEX_FILE,
 )
-# `...model.layers.<n>.` (also under `language_model.` / `model.language_model.`).
-_LAYER = re.compile(r"(?:^|\.)(?:model\.)?layers\.(\d+)\.")
-_EMBEDDING = re.compile(r"(?:^|\.)embed_tokens\.")
-_FINAL = re.compile(r"(?:^|\.)(?:lm_head|norm)\.[a-z_]+$")
 _NOT_TEXT = ("vision", "multi_modal_projector", "audio")
 
 
@@ -54,17 +51,9 @@ def tensor_on_shard(name: str, shard: ShardMetadata | None) -> bool:
     """Whether `shard` (None: the whole model) loads checkpoint tensor `name`."""
     if any(part in name for part in _NOT_TEXT):
         return False
-    if shard is None or not isinstance(shard, PipelineShardMetadata):
+    if shard is None:
         return True
-    match = _LAYER.search(name)
-    if match is not None:
-        return shard.start_layer <= int(match.group(1)) < shard.end_layer
-    if _EMBEDDING.search(name):
-        # The last rank reads it too when its LM head is tied to the embedding.
-        return shard.is_first_rank or shard.is_last_rank
-    if _FINAL.search(name):
-        return shard.is_last_rank
-    return True
+    return parallelism(shard.sharding).reads_tensor(name, shard)
 
 
 def weight_files_for_shard(

@@ -14,6 +14,10 @@ events after it (the same way). A crash in between leaves a log whose first reco
 snapshot already covers; loading skips them. Disk use is thus about one state plus at most
 `SNAPSHOT_EVERY_EVENTS` events (or `SNAPSHOT_LOG_BYTES`).
 
+Older versions (`load`): records of protocol 0.1, which tagged shards and instances by
+class, are converted to today's shapes as they are read (`event_log_upgrade`) and the files
+rewritten in them.
+
 Recovery (`load`): a snapshot whose header, checksum or body is bad, and a log with a bad
 record (checksum, JSON, a torn last line) or an index out of sequence, are set aside
 (renamed `<name>.corrupt-<UTC time>`; the `KEPT_CORRUPT_FILES` newest of each file are
@@ -38,6 +42,7 @@ from typing import IO
 from loguru import logger
 from pydantic import ValidationError
 
+from exo.master.event_log_upgrade import needs_upgrade, upgrade_json
 from exo.shared.apply import apply_all
 from exo.shared.types.events import IndexedEvent
 from exo.shared.types.state import State
@@ -108,6 +113,8 @@ def decode_record(line: bytes) -> IndexedEvent:
         checksum, _, body = line.partition(b" ")
         if len(checksum) != 8 or f"{zlib.crc32(body):08x}".encode() != checksum:
             raise ValueError("checksum mismatch")
+    if needs_upgrade(body):
+        body = upgrade_json(body)
     try:
         return IndexedEvent.model_validate_json(body)
     except ValidationError as error:
@@ -165,6 +172,7 @@ class EventLog:
         self._last_digest: tuple[IndexedEvent, str] | None = None
         """The events after the snapshot, in index order."""
         self._loaded = False
+        self._snapshot_upgraded = False
 
     # -- loading -----------------------------------------------------------------------
 
@@ -174,10 +182,15 @@ class EventLog:
         the log is past the thresholds (a long log of an older version)."""
         self.close()
         self._loaded = True
+        self._snapshot_upgraded = False
         self.snapshot = self._read_snapshot()
         self.events = self._read_log()
         state = apply_all(self.snapshot.state if self.snapshot else State(), self.events)
-        self.maybe_compact(state)
+        if self._snapshot_upgraded and state.last_event_applied_idx >= 0:
+            logger.info(f"{self.snapshot_path}: protocol 0.1 snapshot converted to today's shapes")
+            self.write_snapshot(state)
+        else:
+            self.maybe_compact(state)
         return state
 
     def read_all(self) -> list[IndexedEvent]:
@@ -198,7 +211,10 @@ class EventLog:
                 raise ValueError(f"truncated: {len(body)} of {header['bytes']} bytes")
             if hashlib.sha256(body).hexdigest() != header["sha256"]:
                 raise ValueError("checksum mismatch")
-            state = State.model_validate_json(body)
+            self._snapshot_upgraded = needs_upgrade(body)
+            state = State.model_validate_json(
+                upgrade_json(body) if self._snapshot_upgraded else body
+            )
             if state.last_event_applied_idx != header["idx"]:
                 raise ValueError(f"holds event {state.last_event_applied_idx}, not {header['idx']}")
         except (ValueError, KeyError, TypeError, ValidationError) as error:
@@ -216,6 +232,7 @@ class EventLog:
         lines = raw.split(b"\n")
         events: list[IndexedEvent] = []
         kept: list[bytes] = []
+        upgraded = 0
         problem: str | None = None
         for number, line in enumerate(lines, start=1):
             if not line.strip():
@@ -233,9 +250,16 @@ class EventLog:
                 problem = f"line {number} has index {event.idx}, expected {expected}"
                 break
             events.append(event)
-            # A record of this version is kept byte for byte; an older one gets its checksum.
-            kept.append(encode_record(event) if line.startswith(b"{") else line + b"\n")
+            # A record of this version is kept byte for byte; an older one is written anew
+            # (with its checksum, in today's shapes).
+            old_record = line.startswith(b"{") or needs_upgrade(line)
+            upgraded += needs_upgrade(line)
+            kept.append(encode_record(event) if old_record else line + b"\n")
         good = b"".join(kept)
+        if upgraded:
+            logger.info(
+                f"{self.path}: {upgraded} records of protocol 0.1 converted to today's shapes"
+            )
         if problem is not None:
             set_aside(self.path, f"{problem}; keeping the {len(events)} events before it")
             write_atomically(self.path, good)

@@ -36,27 +36,22 @@ from exo.master.layer_split import speed_balanced_split as speed_balanced_split
 from exo.master.placement_memory import MEMORY_OVERHEAD_FRACTION as MEMORY_OVERHEAD_FRACTION
 from exo.master.placement_memory import (
     NodeRoom,
-    pipeline_share_bytes,
     placement_room,
     required_memory_bytes,
+    share_runner_bytes,
 )
+from exo.master.placement_memory import pipeline_share_bytes as pipeline_share_bytes
 from exo.master.speed_prediction import (
     DEFAULT_PROMPT_TOKENS,
     predict_speed,
 )
 from exo.shared.models.memory import RUNNER_PROCESS_OVERHEAD_BYTES
+from exo.shared.parallelism import PARALLELISMS, parallelism
 from exo.shared.types.common import FrozenModel, InstanceId, NodeId, RunnerId
-from exo.shared.types.instances import (
-    Instance,
-    PipelineInstance,
-    Rendezvous,
-    ShardAssignments,
-    Sharding,
-    TensorInstance,
-)
+from exo.shared.types.instances import Instance, Rendezvous, ShardAssignments, Sharding
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import DownloadCompleted
-from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.state import State
 
 # Rank 0 of a multi-node instance listens on a port derived from the instance id.
@@ -115,27 +110,9 @@ def rendezvous_port(instance_id: InstanceId, runner_tag: str = "") -> int:
 
 
 def tensor_split_error(card: ModelCard, world_size: int) -> str | None:
-    """Why `card` cannot be split inside its layers over `world_size` nodes, or None.
-
-    The rule: the card allows tensor parallelism, and its attention heads, KV heads and
-    MLP (intermediate) size each divide by the node count (every rank gets whole heads
-    and an equal slice of the MLP)."""
-    if world_size == 1:
-        return None
-    # The shapes first: they give the user the concrete reason.
-    for what, value in (
-        (f"{card.num_attention_heads} attention heads do", card.num_attention_heads),
-        (f"{card.num_key_value_heads} KV heads do", card.num_key_value_heads),
-        (f"MLP size ({card.intermediate_size}) does", card.intermediate_size),
-    ):
-        if value % world_size:
-            return (
-                f"{card.model_id} cannot be tensor-split over {world_size} nodes: its "
-                f"{what} not divide by {world_size}"
-            )
-    if not card.supports_tensor:
-        return f"{card.model_id} does not support tensor parallelism"
-    return None
+    """Why `card` cannot be split inside its layers over `world_size` nodes, or None
+    (`TensorParallelism.split_error`)."""
+    return parallelism("tensor").split_error(card, world_size)
 
 
 def _edge_address(state: State, source: NodeId, sink: NodeId) -> str | None:
@@ -208,39 +185,35 @@ def layout(
         raise PlacementError(
             f"model {card.model_id} needs {needed_total / 2**20:.0f} MiB but {holder}"
         )
-    if sharding == "tensor":
-        error = tensor_split_error(card, world_size)
-        if error is not None:
-            raise PlacementError(error)
-        ranges = tuple((0, card.n_layers) for _ in order)
-        shares = tuple(
-            required_memory_bytes(card, world_size, room[n].kv_cache_tokens) for n in order
-        )
-    else:
+    kind = parallelism(sharding)
+    error = kind.split_error(card, world_size)
+    if error is not None:
+        raise PlacementError(error)
+
+    def layer_counts() -> list[int]:
         measured = [state.node_info[n].speed for n in order]
         speeds = [speed for speed in measured if speed is not None]
-        balanced = None
         if len(speeds) == world_size:
-            balanced = speed_balanced_split(
-                card, speeds, [room[n].available_bytes for n in order],
-                [room[n].kv_cache_tokens for n in order],
-            )  # fmt: skip
-        if balanced is not None:
-            counts = balanced
-        else:  # in proportion to the memory left for layers beside each runner process
-            for_layers = [
-                max(0, room[n].available_bytes - RUNNER_PROCESS_OVERHEAD_BYTES) for n in order
-            ]
-            counts = layer_split(card.n_layers, for_layers)
-        starts = list(itertools.accumulate([0, *counts[:-1]]))
-        ranges = tuple((s, s + c) for s, c in zip(starts, counts, strict=True))
-        last = len(counts) - 1
-        shares = tuple(
-            pipeline_share_bytes(
-                card, count, rank == 0, rank == last, room[order[rank]].kv_cache_tokens
-            )
-            for rank, count in enumerate(counts)
+            available = [room[n].available_bytes for n in order]
+            kv_cache_tokens = [room[n].kv_cache_tokens for n in order]
+            balanced = speed_balanced_split(card, speeds, available, kv_cache_tokens)
+            if balanced is not None:
+                return balanced
+        # In proportion to the memory left for layers beside each runner process.
+        for_layers = [
+            max(0, room[n].available_bytes - RUNNER_PROCESS_OVERHEAD_BYTES) for n in order
+        ]
+        return layer_split(card.n_layers, for_layers)
+
+    ranges = kind.layer_ranges(card.n_layers, world_size, layer_counts)
+    shares = tuple(
+        share_runner_bytes(
+            card,
+            kind.weight_share(card, rank, world_size, layer_range),
+            room[order[rank]].kv_cache_tokens,
         )
+        for rank, layer_range in enumerate(ranges)
+    )
     for node_id, share in zip(order, shares, strict=True):
         if share > room[node_id].available_bytes:
             raise PlacementError(
@@ -325,16 +298,16 @@ def _candidate_nodes(state: State, node_ids: Sequence[NodeId] | None) -> list[No
 
 def _shards(card: ModelCard, sharding: Sharding, chosen: Layout) -> list[ShardMetadata]:
     world_size = len(chosen.nodes)
-    if sharding == "tensor":
-        return [
-            TensorShardMetadata(model_card=card, device_rank=rank, world_size=world_size)
-            for rank in range(world_size)
-        ]
     return [
-        PipelineShardMetadata(
-            model_card=card, device_rank=rank, world_size=world_size, start_layer=s, end_layer=e
+        ShardMetadata(
+            model_card=card,
+            sharding=sharding,
+            device_rank=rank,
+            world_size=world_size,
+            start_layer=start,
+            end_layer=end,
         )
-        for rank, (s, e) in enumerate(chosen.layer_ranges)
+        for rank, (start, end) in enumerate(chosen.layer_ranges)
     ]
 
 
@@ -395,12 +368,11 @@ def place_instance(
             port=rendezvous_port(instance_id, runner_tag),
             addresses=chosen.rendezvous_addresses,
         )
-    if sharding == "pipeline":
-        return PipelineInstance(
-            instance_id=instance_id, shard_assignments=assignments, rendezvous=rendezvous
-        )
-    return TensorInstance(
-        instance_id=instance_id, shard_assignments=assignments, rendezvous=rendezvous
+    return Instance(
+        instance_id=instance_id,
+        sharding=sharding,
+        shard_assignments=assignments,
+        rendezvous=rendezvous,
     )
 
 
@@ -414,8 +386,7 @@ def placement_previews(
     room = placement_room(state)
     previews: list[PlacementPreview] = []
     nodes = sorted(state.node_info)
-    sharding: Sharding
-    for sharding in ("pipeline", "tensor"):
+    for sharding in PARALLELISMS:
         for count in range(1, max(len(nodes), 1) + 1):
             try:
                 chosen = best_layout(card, state, sharding, count, nodes, room)

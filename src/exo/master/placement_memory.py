@@ -18,10 +18,11 @@ from exo.shared.models.memory import (
     resident_weight_bytes,
     serving_peak_bytes,
 )
+from exo.shared.parallelism import parallelism
 from exo.shared.types.common import InstanceId, NodeId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.runners import RunnerReady, RunnerRunning
-from exo.shared.types.shards import ShardMetadata, TensorShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.state import State
 
 # Activations and allocator slack on top of the weights and KV-cache budget.
@@ -38,7 +39,7 @@ def required_memory_bytes(
     whichever is larger, plus the overhead fraction, plus the runner process's own memory
     (`RUNNER_PROCESS_OVERHEAD_BYTES`)."""
     share = WeightShare(layers=card.n_layers, tensor_parallel_ranks=world_size)
-    return _runner_bytes(card, share, kv_cache_tokens)
+    return share_runner_bytes(card, share, kv_cache_tokens)
 
 
 def pipeline_share_bytes(
@@ -53,37 +54,36 @@ def pipeline_share_bytes(
     budget of `kv_cache_tokens`), plus the overhead fraction, plus the runner process's
     own memory."""
     share = WeightShare(layers=n_layers, holds_embedding=is_first, holds_output_layer=is_last)
-    return _runner_bytes(card, share, kv_cache_tokens)
+    return share_runner_bytes(card, share, kv_cache_tokens)
 
 
-def _runner_bytes(card: ModelCard, share: WeightShare, kv_cache_tokens: int | None) -> int:
+def share_runner_bytes(
+    card: ModelCard, share: WeightShare, kv_cache_tokens: int | None = None
+) -> int:
+    """Bytes a runner holding `share` of `card` needs: its loading or serving peak (with a
+    KV-cache budget of `kv_cache_tokens`, its node's; None: the default), plus the overhead
+    fraction, plus the runner process's own memory."""
     peak = serving_peak_bytes(card, ENGINE_CPU_WEIGHT_FORMAT, share, kv_cache_tokens)
     return int(peak * (1 + MEMORY_OVERHEAD_FRACTION)) + RUNNER_PROCESS_OVERHEAD_BYTES
-
-
-def _weight_share(shard: ShardMetadata) -> WeightShare:
-    card = shard.model_card
-    if isinstance(shard, TensorShardMetadata):
-        return WeightShare(layers=card.n_layers, tensor_parallel_ranks=shard.world_size)
-    return WeightShare(
-        layers=shard.end_layer - shard.start_layer,
-        holds_embedding=shard.start_layer == 0,
-        holds_output_layer=shard.end_layer == card.n_layers,
-    )
 
 
 def runner_bytes(shard: ShardMetadata, kv_cache_tokens: int | None = None) -> int:
     """Bytes placement reserves for the runner of `shard` on a node whose runners keep
     `kv_cache_tokens` of KV cache (`required_memory_bytes` of a tensor rank,
     `pipeline_share_bytes` of a pipeline rank)."""
-    return _runner_bytes(shard.model_card, _weight_share(shard), kv_cache_tokens)
+    share = parallelism(shard.sharding).shard_weight_share(shard)
+    return share_runner_bytes(shard.model_card, share, kv_cache_tokens)
 
 
 def runner_unallocated_bytes(shard: ShardMetadata, kv_cache_tokens: int | None = None) -> int:
     """What a loaded runner of `shard` may still allocate: `runner_bytes` minus its
     resident weights and process memory, i.e. the KV-cache budget it fills as requests
     come, the overhead fraction, and no more than that."""
-    loaded = resident_weight_bytes(shard.model_card, ENGINE_CPU_WEIGHT_FORMAT, _weight_share(shard))
+    loaded = resident_weight_bytes(
+        shard.model_card,
+        ENGINE_CPU_WEIGHT_FORMAT,
+        parallelism(shard.sharding).shard_weight_share(shard),
+    )
     return max(0, runner_bytes(shard, kv_cache_tokens) - loaded - RUNNER_PROCESS_OVERHEAD_BYTES)
 
 

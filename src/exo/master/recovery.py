@@ -25,7 +25,7 @@ from exo.shared.types.events import (
     NodeRejoined,
     TaskStatusUpdated,
 )
-from exo.shared.types.instances import Instance, Sharding, TensorInstance
+from exo.shared.types.instances import Instance
 from exo.shared.types.state import State
 from exo.shared.types.tasks import TaskFailed
 
@@ -94,13 +94,12 @@ def replacement(state: State, instance: Instance, cause: str) -> Event:
         cause: what happened to it, e.g. "node X left"; starts the reason either way.
     """
     shard = next(iter(instance.shard_assignments.runner_to_shard.values()))
-    sharding: Sharding = "tensor" if isinstance(instance, TensorInstance) else "pipeline"
     try:
         placed = place_instance(
             shard.model_card,
             state,
             instance.instance_id,
-            sharding=sharding,
+            sharding=instance.sharding,
             runner_tag=f"r{state.last_event_applied_idx + 1}",
         )
     except PlacementError as error:

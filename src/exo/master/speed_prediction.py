@@ -77,6 +77,7 @@ from exo.shared.models.memory import (
     output_layer_bytes,
     vocab_share,
 )
+from exo.shared.parallelism import parallelism
 from exo.shared.types.common import NodeId
 from exo.shared.types.instances import Sharding
 from exo.shared.types.models import ModelCard
@@ -338,14 +339,42 @@ def prefill_stage_seconds(
 def _shares(
     card: ModelCard, sharding: Sharding, layer_ranges: Sequence[tuple[int, int]]
 ) -> list[WeightShare]:
+    kind = parallelism(sharding)
     world_size = len(layer_ranges)
-    if sharding == "tensor":
-        return [WeightShare(layers=card.n_layers, tensor_parallel_ranks=world_size)] * world_size
-    last = world_size - 1
     return [
-        WeightShare(layers=end - start, holds_embedding=rank == 0, holds_output_layer=rank == last)
-        for rank, (start, end) in enumerate(layer_ranges)
+        kind.weight_share(card, rank, world_size, layer_range)
+        for rank, layer_range in enumerate(layer_ranges)
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class _LinkNetwork:
+    """The ring of measured links (rank r to r + 1, the last to 0) as a `StepNetwork`."""
+
+    links: Sequence[_Link]
+
+    def hop_seconds(self, rank: int, payload_bytes: float) -> float:
+        return _transfer_seconds(self.links[rank], payload_bytes)
+
+    def latency_seconds(self) -> float:
+        return max(link.one_way_seconds for link in self.links)
+
+    def _narrowest(self) -> float:
+        return min(link.bytes_per_second for link in self.links)
+
+    def all_reduce_seconds(self, payload_bytes: float) -> float:
+        world_size = len(self.links)
+        if payload_bytes <= LINKS_ALL_REDUCE_BYTES:
+            # The links' all-to-all: every rank sends its part to every other at once.
+            return self.latency_seconds() + (world_size - 1) * payload_bytes / self._narrowest()
+        steps = 2 * (world_size - 1)  # gloo's ring
+        return (
+            steps * self.latency_seconds() + steps / world_size * payload_bytes / self._narrowest()
+        )
+
+    def all_gather_seconds(self, bytes_per_rank: float) -> float:
+        world_size = len(self.links)
+        return self.latency_seconds() + (world_size - 1) * bytes_per_rank / self._narrowest()
 
 
 def _combine(
@@ -355,28 +384,12 @@ def _combine(
     links: list[_Link],
     activation_bytes: float,
 ) -> float:
-    """Pipeline: stages in sequence plus one transfer per hop of the round (the token's
-    way back is a few bytes); tensor: the slowest rank plus the all-reduces."""
-    world_size = len(stage_seconds)
-    if world_size == 1:
+    """One rank: its stage; more: as the parallelism combines stages and transfers
+    (`Parallelism.step_seconds`)."""
+    if len(stage_seconds) == 1:
         return stage_seconds[0]
-    if sharding == "pipeline":
-        forward = sum(_transfer_seconds(link, activation_bytes) for link in links[:-1])
-        back = _transfer_seconds(links[-1], 8)
-        return sum(stage_seconds) + forward + back
-    slowest_latency = max(link.one_way_seconds for link in links)
-    narrowest = min(link.bytes_per_second for link in links)
-    if activation_bytes <= LINKS_ALL_REDUCE_BYTES:
-        # The links' all-to-all: every rank sends its part to every other at once.
-        all_reduce = slowest_latency + (world_size - 1) * activation_bytes / narrowest
-    else:
-        steps = 2 * (world_size - 1)  # gloo's ring
-        all_reduce = steps * slowest_latency + steps / world_size * activation_bytes / narrowest
-    # The logits: each rank sends its share of the vocabulary (float32) to every other.
-    share = vocab_share(card.vocab_size, world_size) * FLOAT32_BYTES
-    gather = slowest_latency + (world_size - 1) * share / narrowest
-    # Plus the step header rank 0 sends every rank before the step.
-    return max(stage_seconds) + 2 * card.n_layers * all_reduce + gather + slowest_latency
+    network = _LinkNetwork(links)
+    return parallelism(sharding).step_seconds(card, stage_seconds, network, activation_bytes)
 
 
 def predict_speed(

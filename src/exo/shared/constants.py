@@ -16,7 +16,10 @@ INSTANCE_HEADER = "x-exo-instance"
 generation, in every dialect: it runs there or is refused (404 no such instance, 400 an
 instance of another model or a value that is no instance id, 503 unavailable), never
 elsewhere. For comparing placements of one model side by side (`exo bench`)."""
-PROTOCOL_VERSION = "0.1"
+PROTOCOL_VERSION = "0.2"
+"""The default namespace: nodes of another protocol version never see each other. 0.2: a
+shard and an instance carry `sharding` instead of a class tag (older event logs are
+converted on load, `exo.master.event_log_upgrade`)."""
 
 
 def exo_home() -> Path:

@@ -12,20 +12,14 @@ from typing import Any
 
 from exo.master.placement import runner_id_for
 from exo.shared.models.cards import load_builtin_cards
+from exo.shared.parallelism import parallelism
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.events import Event, IndexedEvent
-from exo.shared.types.instances import (
-    Instance,
-    PipelineInstance,
-    Rendezvous,
-    ShardAssignments,
-    Sharding,
-    TensorInstance,
-)
+from exo.shared.types.instances import Instance, Rendezvous, ShardAssignments, Sharding
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import DownloadStatus, MemoryInfo, NodeInfo
 from exo.shared.types.runners import RunnerStatus
-from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.state import State
 from exo.shared.types.tasks import TaskPending, TaskStatus, TextGeneration
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
@@ -76,13 +70,16 @@ def make_shard(
 ) -> ShardMetadata:
     """One rank's shard; pipeline ranks get equal layer ranges (the last takes the rest)."""
     card = card or smollm2_card()
-    if sharding == "tensor":
-        return TensorShardMetadata(model_card=card, device_rank=device_rank, world_size=world_size)
     per_rank = card.n_layers // world_size
-    start = device_rank * per_rank
-    end = card.n_layers if device_rank == world_size - 1 else start + per_rank
-    return PipelineShardMetadata(
+
+    def equal_counts() -> list[int]:
+        return [per_rank] * (world_size - 1) + [card.n_layers - per_rank * (world_size - 1)]
+
+    ranges = parallelism(sharding).layer_ranges(card.n_layers, world_size, equal_counts)
+    start, end = ranges[device_rank]
+    return ShardMetadata(
         model_card=card,
+        sharding=sharding,
         device_rank=device_rank,
         world_size=world_size,
         start_layer=start,
@@ -120,14 +117,11 @@ def make_instance(
             port=41000,
             addresses={node: f"10.0.0.{i + 1}" for i, node in enumerate(nodes)},
         )
-    if sharding == "pipeline":
-        return PipelineInstance(
-            instance_id=InstanceId(instance_id),
-            shard_assignments=assignments,
-            rendezvous=rendezvous,
-        )
-    return TensorInstance(
-        instance_id=InstanceId(instance_id), shard_assignments=assignments, rendezvous=rendezvous
+    return Instance(
+        instance_id=InstanceId(instance_id),
+        sharding=sharding,
+        shard_assignments=assignments,
+        rendezvous=rendezvous,
     )
 
 

@@ -37,10 +37,10 @@ def http_client(cluster: InProcessCluster) -> httpx.AsyncClient:
 @pytest.mark.parametrize(
     ("sharding", "instance_kind"),
     [
-        ("Pipeline", "PipelineInstance"),  # exo's API and dashboard
-        ("Tensor", "TensorInstance"),
-        ("pipeline", "PipelineInstance"),
-        ("tensor", "TensorInstance"),
+        ("Pipeline", "pipeline"),  # exo's API and dashboard
+        ("Tensor", "tensor"),
+        ("pipeline", "pipeline"),
+        ("tensor", "tensor"),
     ],
 )
 async def test_sharding_is_taken_in_exo_spelling_and_ours(
@@ -54,9 +54,9 @@ async def test_sharding_is_taken_in_exo_spelling_and_ours(
             )
     assert response.status_code == 200, response.text
     instance = response.json()["instance"]
-    assert instance["kind"] == instance_kind
+    assert instance["sharding"] == instance_kind
     [created] = [e for e in cluster.logged_events() if isinstance(e, InstanceCreated)]
-    assert type(created.instance).__name__ == instance_kind
+    assert created.instance.sharding == instance_kind
 
 
 async def test_unknown_sharding_is_refused_naming_the_field(cluster: InProcessCluster) -> None:

@@ -23,7 +23,7 @@ from exo.download.gguf_repack import (
 from exo.download.pypi_gguf import dequantize_gguf_to_safetensors
 from exo.shared.models.memory import INT4_GROUP_SIZE
 from exo.shared.types.models import ModelCard
-from exo.shared.types.shards import PipelineShardMetadata, TensorShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.testing.random_gguf import RandomGgufShape, write_random_gguf
 from exo.worker.engines.torch.model.loading import load_model
 from exo.worker.engines.torch.quant.gguf_weights import (
@@ -202,8 +202,13 @@ def card_of(directory: Path) -> ModelCard:
 
 def logits(directory: Path, weight_dtype: WeightDtype) -> torch.Tensor:
     card = card_of(directory)
-    shard = PipelineShardMetadata(
-        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
+    shard = ShardMetadata(
+        sharding="pipeline",
+        model_card=card,
+        device_rank=0,
+        world_size=1,
+        start_layer=0,
+        end_layer=card.n_layers,
     )
     model = load_model(directory, shard, torch.device("cpu"), weight_dtype)
     with torch.no_grad():
@@ -231,8 +236,13 @@ def test_tiny_gguf_direct_path_matches_dequantized_path(tiny_models: dict[str, P
 
 def test_repacked_linears_are_built_from_the_blocks(tiny_models: dict[str, Path]) -> None:
     card = card_of(tiny_models["repacked"])
-    shard = PipelineShardMetadata(
-        model_card=card, device_rank=1, world_size=2, start_layer=1, end_layer=2
+    shard = ShardMetadata(
+        sharding="pipeline",
+        model_card=card,
+        device_rank=1,
+        world_size=2,
+        start_layer=1,
+        end_layer=2,
     )
     model = load_model(tiny_models["repacked"], shard, torch.device("cpu"), "int4")
     layers: Any = model.model.layers
@@ -275,13 +285,27 @@ def test_tensor_parallel_ranks_hold_their_slices(tiny_models: dict[str, Path]) -
     directory = tiny_models["repacked"]
     whole = load_model(
         directory,
-        TensorShardMetadata(model_card=card_of(directory), device_rank=0, world_size=1),
+        ShardMetadata(
+            sharding="tensor",
+            model_card=card_of(directory),
+            device_rank=0,
+            world_size=1,
+            start_layer=0,
+            end_layer=card_of(directory).n_layers,
+        ),
         torch.device("cpu"),
         "int4",
     )
     full = whole.model.layers[0]
     for rank in range(2):
-        shard = TensorShardMetadata(model_card=card_of(directory), device_rank=rank, world_size=2)
+        shard = ShardMetadata(
+            sharding="tensor",
+            model_card=card_of(directory),
+            device_rank=rank,
+            world_size=2,
+            start_layer=0,
+            end_layer=card_of(directory).n_layers,
+        )
         model = load_model(directory, shard, torch.device("cpu"), "int4")
         layer = model.model.layers[0]
         # Column parallel: this rank's rows of the whole weight.

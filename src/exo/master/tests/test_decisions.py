@@ -21,7 +21,6 @@ from exo.shared.types.events import (
     TaskCreated,
     TaskStatusUpdated,
 )
-from exo.shared.types.instances import PipelineInstance, TensorInstance
 from exo.shared.types.runners import RunnerLoaded, RunnerReady, RunnerRunning, RunnerStatus
 from exo.shared.types.state import InstanceUnavailable, State
 from exo.shared.types.tasks import TaskCancelled, TaskFailed, TaskPending, TextGeneration
@@ -66,7 +65,7 @@ def test_place_instance_creates_an_instance() -> None:
     event = events[0]
     assert isinstance(event, InstanceCreated)
     assert event.command_id == COMMAND
-    assert isinstance(event.instance, PipelineInstance)
+    assert event.instance.sharding == "pipeline"
     assert event.instance.instance_id == InstanceId("new-instance")
     assert event.instance.model_id == SMOLLM2
     assert list(event.instance.shard_assignments.node_to_runner) == [NODE_A]
@@ -79,7 +78,7 @@ def test_place_instance_passes_sharding_and_node_ids() -> None:
     )
     [event] = decide(state, command)
     assert isinstance(event, InstanceCreated)
-    assert isinstance(event.instance, TensorInstance)
+    assert event.instance.sharding == "tensor"
     assert list(event.instance.shard_assignments.node_to_runner) == [NODE_A]
 
 

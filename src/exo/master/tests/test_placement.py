@@ -24,9 +24,7 @@ from exo.shared.models.memory import (
     resident_weight_bytes,
 )
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId
-from exo.shared.types.instances import PipelineInstance, TensorInstance
 from exo.shared.types.nodes import DownloadCompleted, GpuInfo, TopologyEdge
-from exo.shared.types.shards import PipelineShardMetadata, TensorShardMetadata
 from exo.shared.types.state import State
 from exo.testing.builders import MIB, make_card, make_node_info, make_state, smollm2_card
 
@@ -121,12 +119,12 @@ def test_layer_split_needs_a_layer_per_node() -> None:
 
 def test_a_model_that_fits_goes_on_one_node_with_all_layers() -> None:
     instance = place_instance(CARD, state_with(node_a=NEED_MIB, node_b=5 * NEED_MIB), INSTANCE)
-    assert isinstance(instance, PipelineInstance)
+    assert instance.sharding == "pipeline"
     assignments = instance.shard_assignments
     # The node with the most memory; one node is preferred over a split.
     assert assignments.node_to_runner == {NODE_B: RunnerId("instance-1-rank0")}
     shard = assignments.runner_to_shard[RunnerId("instance-1-rank0")]
-    assert isinstance(shard, PipelineShardMetadata)
+    assert shard.sharding == "pipeline"
     assert (shard.start_layer, shard.end_layer, shard.world_size) == (0, 12, 1)
     assert instance.rendezvous is None
 
@@ -169,9 +167,10 @@ def test_too_big_for_one_node_splits_layers_by_memory() -> None:
     assignments = instance.shard_assignments
     assert list(assignments.node_to_runner) == [NODE_A, NODE_B]
     shards = [assignments.runner_to_shard[runner] for runner in assignments.node_to_runner.values()]
-    assert [
-        (s.start_layer, s.end_layer) for s in shards if isinstance(s, PipelineShardMetadata)
-    ] == [(0, 7), (7, 12)]  # 12 layers split 9:7 (the available memory)
+    assert [(s.start_layer, s.end_layer) for s in shards if s.sharding == "pipeline"] == [
+        (0, 7),
+        (7, 12),
+    ]  # 12 layers split 9:7 (the available memory)
     assert [s.device_rank for s in shards] == [0, 1]
     rendezvous = instance.rendezvous
     assert rendezvous is not None
@@ -241,9 +240,9 @@ def test_tensor_sharding_splits_every_layer() -> None:
     model = -(-required_memory_bytes(TENSOR_CARD) // MIB) - PROCESS_MIB
     state = state_with(node_a=PROCESS_MIB + model * 6 // 10, node_b=PROCESS_MIB + model * 6 // 10)
     instance = place_instance(TENSOR_CARD, state, INSTANCE, sharding="tensor")
-    assert isinstance(instance, TensorInstance)
+    assert instance.sharding == "tensor"
     shards = list(instance.shard_assignments.runner_to_shard.values())
-    assert all(isinstance(s, TensorShardMetadata) and s.world_size == 2 for s in shards)
+    assert all(s.sharding == "tensor" and s.world_size == 2 for s in shards)
 
 
 def test_tensor_sharding_needs_support_and_divisible_heads() -> None:

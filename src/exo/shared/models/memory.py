@@ -62,6 +62,11 @@ class WeightShare:
     holds_embedding: bool = True
     holds_output_layer: bool = True
 
+    def kv_heads(self, card: ModelCard) -> int:
+        """KV heads per layer this share caches: tensor ranks hold their part of the
+        card's KV heads (rounded up; placement only splits where they divide)."""
+        return kv_heads_per_rank(card.num_key_value_heads, self.tensor_parallel_ranks)
+
 
 def whole_model(card: ModelCard) -> WeightShare:
     """Every layer, the embedding and the LM head on one node."""
@@ -333,7 +338,7 @@ def kv_geometry(card: ModelCard, share: WeightShare | None = None) -> KVGeometry
     share = share or whole_model(card)
     return KVGeometry(
         layers=share.layers,
-        kv_heads=kv_heads_per_rank(card.num_key_value_heads, share.tensor_parallel_ranks),
+        kv_heads=share.kv_heads(card),
         head_dim=card.attention_head_dim,
     )
 

@@ -88,13 +88,7 @@ from exo.shared.types.events import (
     TopologyEdgeMeasured,
     TopologyEdgeRemoved,
 )
-from exo.shared.types.instances import (
-    Instance,
-    PipelineInstance,
-    Rendezvous,
-    ShardAssignments,
-    TensorInstance,
-)
+from exo.shared.types.instances import Instance, Rendezvous, ShardAssignments
 from exo.shared.types.models import (
     GgufFileSource,
     GgufWeightTypes,
@@ -134,7 +128,7 @@ from exo.shared.types.runners import (
     RunnerStatus,
     RunnerWarmingUp,
 )
-from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.state import CommandOutcome, InstanceUnavailable, InstanceUsage, State
 from exo.shared.types.tasks import (
     CancelTask,
@@ -297,7 +291,7 @@ WEATHER_TOOL = ToolDefinition(
 TOP_LOGPROB = TopLogprob(token="b", token_id=2, logprob=-1.5, bytes=(98,))
 
 # Samples of every concrete wire type, keyed by class. Members with no fields next to
-# members with the same fields (TaskComplete/TaskRunning, PipelineInstance/TensorInstance)
+# members with the same fields (TaskComplete/TaskRunning)
 # check that the union tag, not the field set, picks the class.
 SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     # common / text generation
@@ -443,11 +437,9 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     RunnerFailed: [RunnerFailed(error_message="segfault")],
     RunnerShutdown: [RunnerShutdown()],
     # shards and instances
-    PipelineShardMetadata: [make_shard(CARD, "pipeline", 1, 2)],
-    TensorShardMetadata: [make_shard(CARD, "tensor", 1, 2)],
+    ShardMetadata: [make_shard(CARD, "pipeline", 1, 2), make_shard(CARD, "tensor", 1, 2)],
     ShardAssignments: [PIPELINE.shard_assignments, TENSOR.shard_assignments],
-    PipelineInstance: [PIPELINE],
-    TensorInstance: [TENSOR],
+    Instance: [PIPELINE, TENSOR],
     # tasks
     TaskPending: [TaskPending()],
     TaskRunning: [TaskRunning()],
@@ -609,8 +601,6 @@ UNIONS: dict[str, Any] = {
     "TaskStatus": TaskStatus,
     "RunnerStatus": RunnerStatus,
     "Chunk": Chunk,
-    "ShardMetadata": ShardMetadata,
-    "Instance": Instance,
     "DownloadStatus": DownloadStatus,
     "ModelSource": ModelSource,
     "RunnerInbound": RunnerInbound,
@@ -695,7 +685,7 @@ def test_fieldless_members_keep_their_tag_inside_events() -> None:
     assert isinstance(restored.event, TaskStatusUpdated)
     assert type(restored.event.status) is TaskComplete
     tensor = InstanceCreated.model_validate_json(InstanceCreated(instance=TENSOR).model_dump_json())
-    assert type(tensor.instance) is TensorInstance
+    assert tensor.instance.sharding == "tensor"
 
 
 def test_ids_come_back_as_their_own_class() -> None:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
 from exo.shared.types.common import FrozenModel, InstanceId, ModelId, NodeId, RunnerId
-from exo.shared.types.shards import ShardMetadata
+from exo.shared.types.shards import Sharding, ShardMetadata
 
-Sharding = Literal["pipeline", "tensor"]
+__all__ = ["Instance", "Rendezvous", "ShardAssignments", "Sharding"]
 
 
 class ShardAssignments(FrozenModel):
@@ -58,27 +58,26 @@ class Rendezvous(FrozenModel):
     addresses: dict[NodeId, str]
 
 
-class _InstanceBase(FrozenModel):
+class Instance(FrozenModel):
+    """One placed copy of a model: its runners' shards, all cut by `sharding`
+    (`exo.shared.parallelism` describes each kind; one runner is a single node)."""
+
     instance_id: InstanceId
+    sharding: Sharding
     shard_assignments: ShardAssignments
     rendezvous: Rendezvous | None = None
     """None for a single-rank instance."""
 
+    @model_validator(mode="after")
+    def _shards_of_its_kind(self) -> Instance:
+        for runner_id, shard in self.shard_assignments.runner_to_shard.items():
+            if shard.sharding != self.sharding:
+                raise ValueError(
+                    f"runner {runner_id} holds a {shard.sharding} shard of a "
+                    f"{self.sharding} instance"
+                )
+        return self
+
     @property
     def model_id(self) -> ModelId:
         return self.shard_assignments.model_id
-
-
-class PipelineInstance(_InstanceBase):
-    """Layers split across ranks; hidden states pass rank to rank."""
-
-    kind: Literal["PipelineInstance"] = "PipelineInstance"
-
-
-class TensorInstance(_InstanceBase):
-    """Every layer split across ranks; an all-reduce per block."""
-
-    kind: Literal["TensorInstance"] = "TensorInstance"
-
-
-Instance = Annotated[PipelineInstance | TensorInstance, Field(discriminator="kind")]

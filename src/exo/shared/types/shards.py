@@ -1,24 +1,52 @@
-"""Shard metadata: which part of a model one runner holds."""
+"""Shard metadata: which part of a model one runner holds.
+
+One type for every parallelism: `sharding` names the kind (`exo.shared.parallelism`
+describes each); a world of one rank is a single node holding the whole model. Every shard
+carries its layer range so kinds can compose later (pipeline stages split by tensor or
+expert): a tensor rank holds every layer, `[0, n_layers)`.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
+from exo.shared.parallelism import parallelism
 from exo.shared.types.common import FrozenModel
 from exo.shared.types.models import ModelCard
 
+Sharding = Literal["pipeline", "tensor"]
+"""How a model is split across ranks: pipeline (layer ranges, hidden states pass rank to
+rank) or tensor (a slice of every layer's linears, an all-reduce per block)."""
 
-class _ShardBase(FrozenModel):
+
+class ShardMetadata(FrozenModel):
+    """Rank `device_rank` of `world_size`, holding decoder layers `[start_layer, end_layer)`
+    cut by `sharding`.
+
+    Pipeline: the embedding lives on the first rank, the final norm and LM head on the
+    last. Tensor: every layer, the `device_rank`-th of `world_size` slices of each weight."""
+
     model_card: ModelCard
+    sharding: Sharding
     device_rank: int = Field(ge=0)
     world_size: int = Field(ge=1)
+    start_layer: int = Field(ge=0)
+    end_layer: int = Field(ge=1)
 
     @model_validator(mode="after")
-    def _rank_in_world(self) -> _ShardBase:
+    def _valid_for_its_kind(self) -> ShardMetadata:
         if self.device_rank >= self.world_size:
             raise ValueError(f"device_rank {self.device_rank} >= world_size {self.world_size}")
+        if not self.start_layer < self.end_layer <= self.model_card.n_layers:
+            raise ValueError(
+                f"layer range [{self.start_layer}, {self.end_layer}) is not inside "
+                f"the model's {self.model_card.n_layers} layers"
+            )
+        error = parallelism(self.sharding).shard_error(self)
+        if error is not None:
+            raise ValueError(error)
         return self
 
     @property
@@ -29,33 +57,6 @@ class _ShardBase(FrozenModel):
     def is_last_rank(self) -> bool:
         return self.device_rank == self.world_size - 1
 
-
-class PipelineShardMetadata(_ShardBase):
-    """Layers `[start_layer, end_layer)` of the model; the embedding lives on the first
-    rank, the final norm and LM head on the last."""
-
-    kind: Literal["PipelineShardMetadata"] = "PipelineShardMetadata"
-    start_layer: int = Field(ge=0)
-    end_layer: int = Field(ge=1)
-
-    @model_validator(mode="after")
-    def _layers_in_model(self) -> PipelineShardMetadata:
-        if not self.start_layer < self.end_layer <= self.model_card.n_layers:
-            raise ValueError(
-                f"layer range [{self.start_layer}, {self.end_layer}) is not inside "
-                f"the model's {self.model_card.n_layers} layers"
-            )
-        return self
-
     @property
     def n_shard_layers(self) -> int:
         return self.end_layer - self.start_layer
-
-
-class TensorShardMetadata(_ShardBase):
-    """Every layer, holding the `device_rank`-th of `world_size` slices of each weight."""
-
-    kind: Literal["TensorShardMetadata"] = "TensorShardMetadata"
-
-
-ShardMetadata = Annotated[PipelineShardMetadata | TensorShardMetadata, Field(discriminator="kind")]

@@ -8,9 +8,10 @@ the ones below, never one above:
    `comm/` (process group, TCP mesh, parallel linears) — neither imports the other;
 1. `quant/` (weight formats, GGUF weights, native kernels);
 2. `batching/` (scheduler, request state, slot KV cache, prefix cache);
-3. `model/` (families, loading, sharding, fusion, direct forward);
-4. the engines (`engine.py`, `distributed_engine.py`, `distributed_batch.py`,
-   `engine_factory.py`).
+3. `model/` (families, loading, sharding, fusion, direct forward) and `parallel/` (each
+   parallelism's cut, tensor reads and step travel, the messages of a step between ranks),
+   which `model/loading.py` calls;
+4. the engine and its factory (`engine.py`, `engine_factory.py`).
 Nothing in `exo.worker.engines` imports the worker above it (`runner/`, `main.py`, `plan.py`).
 """
 
@@ -30,6 +31,7 @@ FLOORS = {
     f"{ENGINE}.quant": 1,
     f"{ENGINE}.batching": 2,
     f"{ENGINE}.model": 3,
+    f"{ENGINE}.parallel": 3,
 }
 ENGINES_FLOOR = 4
 # Packages on one floor that must not import each other.

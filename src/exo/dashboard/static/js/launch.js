@@ -203,7 +203,7 @@ export function mountLaunch(section) {
         assignments.model_id,
         el("span", { class: `badge ${status === "ready" ? "badge-ok" : status === "failed" || status === "unavailable" ? "badge-bad" : ""} instance-status`, text: status }),
       ),
-      el("p", { class: "muted", text: `${instance.kind.replace("Instance", "").toLowerCase()} · ${Object.keys(assignments.node_to_runner).length} node(s) · ${shortId(instance.instance_id)}` }),
+      el("p", { class: "muted", text: `${instance.sharding} · ${Object.keys(assignments.node_to_runner).length} node(s) · ${shortId(instance.instance_id)}` }),
       unavailable ? el("p", { class: "error-text", text: unavailable.reason }) : null,
       failures ? el("p", { class: "error-text", text: `${failures} runner failure(s) since it was last ready` }) : null,
       el(

@@ -5,8 +5,9 @@ request and returns its handle, `step()` runs one batched forward pass and retur
 pieces of every request that produced text in it, `cancel(request_id)` drops a request and
 frees its KV. `generate()` is a convenience over the three for one request at a time
 (warm-up, tests). Requests join and leave the running batch at any step (`scheduler.py`).
-Which engine serves a shard (one rank, or a rank of a split instance) is chosen by
-`engine_factory.load_engine`.
+A shard that spans several ranks composes a `RankGroup` (`parallel/rank_group.py`): rank 0
+runs the contract over the group, the other ranks `serve_forever`; how a step travels is the
+shard's parallelism's, never tested here.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from exo.worker.engines.torch.decoding.stop_sequences import StopSequenceMatcher
 from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary
 from exo.worker.engines.torch.model.families import family_for_architecture
 from exo.worker.engines.torch.model.loading import LayerProgressCallback, load_model
+from exo.worker.engines.torch.parallel.rank_group import RankGroup, check_process_group
 from exo.worker.engines.torch.quant.quantize import WeightDtype
 
 WARMUP_PROMPT = "Say hello."
@@ -162,8 +164,9 @@ def load_parts(
 
 
 class TorchEngine:
-    """Text generation for one shard of a transformers causal LM (a whole model here; a
-    rank of a split instance in `DistributedTorchEngine`).
+    """Text generation for one shard of a transformers causal LM: a whole model, or one rank
+    of a split instance (`group`, a `RankGroup`; rank 0 generates, the others
+    `serve_forever`; `warmup()` is collective).
 
     Build with `TorchEngine.load` (or `engine_factory.load_engine` for any shard); call
     `warmup()` once; then `submit` requests and `step` while `has_work`.
@@ -185,6 +188,7 @@ class TorchEngine:
         weight_dtype: WeightDtype = "float32",
         max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
         kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
+        group: RankGroup | None = None,
     ) -> None:
         if max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be at least 1")
@@ -205,6 +209,7 @@ class TorchEngine:
         # Tool-call and thinking markers survive decoding even where they are special tokens.
         self._decode = decode_keeping_markers(tokenizer)
         self._scheduler: BatchScheduler | None = None
+        self.group = group
 
     @classmethod
     def load(
@@ -218,12 +223,12 @@ class TorchEngine:
         kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
         prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
     ) -> TorchEngine:
-        """Load a single-rank shard's weights and the tokenizer from an HF-format directory
-        (a multi-rank shard: `engine_factory.load_engine`).
+        """Load a shard's weights (a multi-rank shard: this rank's part, after
+        `init_group`) and the tokenizer from an HF-format directory.
 
         Args:
             model_dir: directory from `exo.download.pypi_gguf.prepare_model`.
-            shard: the whole model (world size 1).
+            shard: the whole model (world size 1) or one rank's part.
             device: torch device string ("cpu", "cuda", "cuda:1").
             on_layer_loaded: progress as (decoder layers loaded, layers in the shard).
             weight_dtype: how the linear layers' weights (decoder layers and LM head) are
@@ -242,12 +247,12 @@ class TorchEngine:
         Raises:
             UnsupportedArchitectureError (a ValueError): no family file for the model.
             ValueError: the directory lacks tensors, a tokenizer or an EOS token; an unknown
-                `weight_dtype`, or a quantized one on a non-CPU device; a multi-rank shard.
+                `weight_dtype`, or a quantized one on a non-CPU device.
+            RuntimeError: a multi-rank shard without a matching process group.
         """
-        if shard.world_size > 1:
-            raise ValueError(
-                "a multi-rank shard is loaded by engine_factory.load_engine (after init_group)"
-            )
+        split = shard.world_size > 1
+        if split:
+            check_process_group(shard)
         started = time.perf_counter()
         parts = load_parts(
             model_dir, shard, device, weight_dtype, on_layer_loaded, prefill_activations
@@ -256,21 +261,33 @@ class TorchEngine:
             parts.model, parts.tokenizer, shard.model_card, parts.device,
             parts.eos_token_ids, parts.weight_dtype, max_concurrent_requests, kv_cache_tokens,
         )  # fmt: skip
-        elapsed = time.perf_counter() - started
+        if split:
+            engine.group = RankGroup(parts.model, parts.device, engine.vocab_size, shard)
         logger.info(
-            "loaded {} ({} weights) in {:.1f} s",
+            "{}loaded {} ({} weights) in {:.1f} s",
+            f"rank {shard.device_rank}/{shard.world_size} " if split else "",
             shard.model_card.model_id,
             parts.weight_dtype,
-            elapsed,
+            time.perf_counter() - started,
         )
         return engine
 
     def serve_forever(self) -> None:
-        """Ranks > 0 of a multi-rank shard serve rank 0 here (`DistributedTorchEngine`)."""
-        raise RuntimeError("a single-rank engine has no rank 0 to serve")
+        """Ranks > 0 of a multi-rank shard: run rank 0's steps until it shuts down.
+
+        Raises:
+            RuntimeError: a single-rank engine or rank 0 (nothing to serve), or (from
+                torch.distributed) another rank died or timed out.
+        """
+        if self.group is None:
+            raise RuntimeError("a single-rank engine has no rank 0 to serve")
+        self.group.serve_forever(self.max_concurrent_requests)
 
     def shutdown(self) -> None:
-        """Rank 0 of a multi-rank shard releases the other ranks; nothing to do here."""
+        """Rank 0 of a multi-rank shard releases the other ranks (idempotent); nothing to do
+        for a single rank."""
+        if self.group is not None:
+            self.group.shutdown()
 
     @property
     def has_chat_template(self) -> bool:
@@ -279,7 +296,19 @@ class TorchEngine:
 
     def warmup(self) -> None:
         """Run one short greedy generation so kernels, caches and allocator are warm
-        (through the chat template when the model has one, else as a raw prompt)."""
+        (through the chat template when the model has one, else as a raw prompt).
+
+        A multi-rank shard: collective; the ranks take rank 0's `max_concurrent_requests`,
+        then rank 0 generates and the others serve it until rank 0 says it is over.
+
+        Raises:
+            RuntimeError: rank 0 shut down during the warm-up (ranks > 0).
+        """
+        if self.group is not None:
+            self.max_concurrent_requests = self.group.agree_on_slots(self.max_concurrent_requests)
+            if self.group.rank > 0:
+                self.group.serve_warmup(self.max_concurrent_requests)
+                return
         params = TextGenerationTaskParams(
             model=ModelId(self.card.model_id),
             messages=(
@@ -291,6 +320,8 @@ class TorchEngine:
         )
         for _piece in self.generate(params):
             pass
+        if self.group is not None:
+            self.group.end_warmup()
 
     def render_prompt(self, params: TextGenerationTaskParams) -> RenderedPrompt:
         """The request's conversation through the chat template (tools, tool history and
@@ -446,6 +477,8 @@ class TorchEngine:
         return self._scheduler
 
     def _build_scheduler(self) -> BatchScheduler:
+        if self.group is not None:
+            return self.group.build_scheduler(self.kv_cache_tokens, self.max_concurrent_requests)
         text_config = self.model.config.get_text_config()
         family = family_for_architecture(type(self.model).__name__)
         windows = family.attention_windows(text_config)
@@ -478,7 +511,10 @@ class TorchEngine:
         Raises:
             PromptTooLongError: the prompt leaves no room for a generated token.
             ValueError: the request is at fault (see `build_request`).
+            RuntimeError: not rank 0, or the engine was shut down.
         """
+        if self.group is not None:
+            self.group.check_rank_zero()
         state = self.build_request(params, prompt, request_id)
         self.scheduler.add(state)
         return RequestHandle(state.request_id, len(state.prompt_ids))
@@ -492,9 +528,16 @@ class TorchEngine:
             `(request_id, error)` for a request that failed alone (e.g.
             `NoAllowedTokenError`). Empty when nothing runs.
 
+        A split instance's rank 0 runs it across the group (a pipeline launches one and
+        samples the oldest of up to `world_size` in flight, so a call may stream nothing while
+        the pipeline fills).
+
         Raises:
-            Exception: the forward pass failed; every running request is dropped.
+            Exception: the forward pass failed (another rank died or timed out); every
+                running request is dropped.
         """
+        if self.group is not None:
+            self.group.check_rank_zero()
         return self.scheduler.step()
 
     def store_finished(self) -> int:

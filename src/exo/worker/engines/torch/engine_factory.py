@@ -1,6 +1,5 @@
-"""Which engine serves a shard: `TorchEngine` for a whole model on one rank, the
-`DistributedTorchEngine` for a rank of a split (pipeline or tensor) instance. The one place
-that knows both, so neither engine module imports the other's."""
+"""Which engine serves a shard: `TorchEngine` for a whole model on one rank and for a rank
+of a split (pipeline or tensor) instance, which composes a `RankGroup`."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from exo.shared.models.memory import (
     PrefillActivations,
 )
 from exo.shared.types.shards import ShardMetadata
-from exo.worker.engines.torch.distributed_engine import DistributedTorchEngine
 from exo.worker.engines.torch.engine import DEFAULT_MAX_CONCURRENT_REQUESTS, TorchEngine
 from exo.worker.engines.torch.model.loading import LayerProgressCallback
 from exo.worker.engines.torch.quant.quantize import WeightDtype
@@ -37,11 +35,6 @@ def load_engine(
         RuntimeError: a multi-rank shard without a matching process group.
         ValueError / UnsupportedArchitectureError: as `TorchEngine.load`.
     """
-    if shard.world_size > 1:
-        return DistributedTorchEngine.load(
-            model_dir, shard, device, on_layer_loaded, weight_dtype, max_concurrent_requests,
-            kv_cache_tokens=kv_cache_tokens, prefill_activations=prefill_activations,
-        )  # fmt: skip
     return TorchEngine.load(
         model_dir, shard, device, on_layer_loaded, weight_dtype, max_concurrent_requests,
         kv_cache_tokens=kv_cache_tokens, prefill_activations=prefill_activations,

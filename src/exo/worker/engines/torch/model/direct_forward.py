@@ -1,7 +1,7 @@
 """The lean batched step: our own forward over a loaded model's weights, for every family
 with a `DecoderLayout`, with no transformers Python per token.
 
-`forward_batch` / `stage_forward_batch` (batch_attention.py, distributed_batch.py) call the
+`forward_batch` / `stage_forward_batch` (batch_attention.py, parallel/rank_steps.py) call the
 `LeanModel` attached to a model (`enable_lean_forward`, done at load) instead of the
 transformers model. One step, over the plan's flattened rows `[T]`:
 

@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
 from exo.shared.models.tensor_names import LAYER_TENSOR
-from exo.shared.types.shards import ShardMetadata, TensorShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.model.direct_forward import enable_lean_forward
 from exo.worker.engines.torch.model.families import (
     UnsupportedArchitectureError,
@@ -36,13 +36,8 @@ from exo.worker.engines.torch.model.families import (
     family_for_architecture,
 )
 from exo.worker.engines.torch.model.fusion import fuse_rms_norms
-from exo.worker.engines.torch.model.sharding import (
-    AbsentModule,
-    apply_shard,
-    model_tensor_name,
-    split_head_by_vocab,
-    tensor_reader,
-)
+from exo.worker.engines.torch.model.sharding import AbsentModule, model_tensor_name
+from exo.worker.engines.torch.parallel import engine_transform
 from exo.worker.engines.torch.quant.gguf_weights import (
     load_repacked,
     split_output_layer,
@@ -286,7 +281,8 @@ def load_model(
             f"{architecture}: its text model is {type(model).__name__}, which the "
             f"{family.name} family file does not describe"
         )
-    apply_shard(model, family, shard)
+    transform = engine_transform(shard.sharding)
+    transform.cut(model, family, shard)
     text_config = model.config.get_text_config()
     prefix = family.checkpoint_prefix(architecture)
     groups = _plan_tensors(model_dir, prefix, shard, _model_entries(model))
@@ -298,7 +294,7 @@ def load_model(
         on_layer_loaded(0, len(layers))
 
     def read(handle_for: Callable[[Path], Any], path: Path, name: str, target: str) -> None:
-        reader = tensor_reader(family, text_config, target, shard)
+        reader = transform.tensor_reader(family, text_config, target, shard)
         if split_repacked_name(name) is not None:
             held = weight_dtype if quantize else "float32"
             loaded = load_repacked(model, handle_for(path), name, target, reader, held)
@@ -324,9 +320,7 @@ def load_model(
         if not split:
             quantize_output_layer(model, weight_dtype)
         release_freed_memory()
-    if isinstance(shard, TensorShardMetadata) and split_head_by_vocab(
-        model, shard.device_rank, shard.world_size
-    ):
+    if transform.split_output_layer(model, shard):
         release_freed_memory()
     set_linears = 0
     for index, layer in enumerate(layers):

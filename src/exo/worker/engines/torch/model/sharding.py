@@ -1,10 +1,10 @@
-"""The shard transform: a meta-device skeleton of the whole model is cut down to one rank's
-part (pipeline: a range of decoder layers; tensor: a slice of every attention and MLP
-projection), and each checkpoint tensor is mapped to its name and slice on that rank.
+"""What cutting a meta-device skeleton to one rank's part shares across parallelisms: the
+decoder layers' list, stand-ins for modules another rank holds, a tensor rank's rows of the
+LM head, and the map from checkpoint tensor names to the rank's renumbered layers.
 
 Parallelism is a transform on the unchanged transformers modules (the approach of gpt-fast's
-`tp.py`): layers are dropped or their linears swapped for smaller ones; the model code is
-never forked. Which linears split which way comes from the model's family file.
+`tp.py`): each kind's cut lives in `exo.worker.engines.torch.parallel` (one file per kind);
+the model code is never forked.
 """
 
 from __future__ import annotations
@@ -14,16 +14,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from exo.shared.models.memory import vocab_share
 from exo.shared.models.tensor_names import LAYER_TENSOR
-from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.comm.parallel_linears import (
-    RowParallelLinear,
     VocabParallelHead,
 )
-from exo.worker.engines.torch.model.families import ModelFamily, UnsupportedArchitectureError
+from exo.worker.engines.torch.model.families import UnsupportedArchitectureError
 
 # How a tensor is read: the rank's part of a safetensors slice object.
 TensorReader = Callable[[Any], torch.Tensor]
@@ -139,179 +138,21 @@ def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     return layers
 
 
-def cut_to_pipeline_stage(model: PreTrainedModel, shard: PipelineShardMetadata) -> None:
-    """Keep decoder layers [start_layer, end_layer) (renumbered from 0 for the KV cache), the
-    embedding on the first rank only, the final norm and LM head on the last rank only.
-
-    Raises:
-        ValueError: the model's layer count differs from the card's.
-    """
-    layers = decoder_layers(model)
-    inner: Any = model.model
-    if len(layers) != shard.model_card.n_layers:
-        raise ValueError(
-            f"the model has {len(layers)} decoder layers, its card says {shard.model_card.n_layers}"
-        )
-    if (shard.start_layer, shard.end_layer) == (0, len(layers)) and shard.world_size == 1:
-        return
-    kept = list(layers)[shard.start_layer : shard.end_layer]
-    inner.layers = nn.ModuleList(kept)
-    for layer in kept:
-        for module in layer.modules():
-            layer_index = getattr(module, "layer_idx", None)
-            if isinstance(layer_index, int):
-                setattr(module, "layer_idx", layer_index - shard.start_layer)  # noqa: B010
-    # Attention modules read their layer type at construction (done above with the global
-    # index); the model's forward and the cache read the per-layer lists by local index.
-    text_config = model.config.get_text_config()
-    text_config.num_hidden_layers = len(kept)
-    layer_types = getattr(text_config, "layer_types", None)
-    if isinstance(layer_types, list | tuple):
-        text_config.layer_types = list(layer_types)[shard.start_layer : shard.end_layer]
-    if not shard.is_first_rank:
-        inner.embed_tokens = AbsentModule("token embedding")
-    if not shard.is_last_rank:
-        inner.norm = nn.Identity()
-        model.lm_head = AbsentModule("LM head")
-
-
-def check_tensor_parallel(
-    family: ModelFamily, architecture: str, config: PretrainedConfig, world_size: int
-) -> None:
-    """Raises UnsupportedArchitectureError / ValueError naming the architecture and field
-    when the family refuses tensor parallelism, or attention heads, KV heads, the MLP width
-    or a fused linear's parts do not divide by `world_size`."""
-    if family.tensor_parallel_note is not None:
-        raise UnsupportedArchitectureError(
-            f"{architecture}: no tensor parallelism: {family.tensor_parallel_note}"
-        )
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(config, field, None)
-        if not isinstance(value, int):
-            raise UnsupportedArchitectureError(
-                f"{architecture}: config has no integer {field}; cannot shard it tensor-parallel"
-            )
-        if value % world_size:
-            raise ValueError(
-                f"{architecture}: {field}={value} is not divisible by the tensor "
-                f"parallel world size {world_size}"
-            )
-    for path, parts in family.fused_parts.items():
-        sizes = parts(config)
-        if any(size % world_size for size in sizes):
-            raise ValueError(
-                f"{architecture}: the parts {sizes} of the fused {path} are not divisible by "
-                f"the tensor parallel world size {world_size}"
-            )
-
-
-def split_linears(model: PreTrainedModel, family: ModelFamily, world_size: int) -> None:
-    """Swap every layer's column- and row-parallel linears (on meta) for their per-rank
-    shapes, then let the family adjust what reads head counts from its config.
-
-    Raises:
-        UnsupportedArchitectureError: a layer lacks a linear the family file names.
-    """
-    architecture = type(model).__name__
-    text_config = model.config.get_text_config()
-    for index, layer in enumerate(decoder_layers(model)):
-        for path in (*family.column_parallel, *family.row_parallel):
-            block_name, _, linear_name = path.rpartition(".")
-            block = layer.get_submodule(block_name) if block_name else layer
-            linear = getattr(block, linear_name, None)
-            if type(linear) is not nn.Linear:
-                raise UnsupportedArchitectureError(
-                    f"{architecture}: layer {index} has no plain linear {path}; cannot shard "
-                    "it tensor-parallel"
-                )
-            has_bias = linear.bias is not None
-            replacement: nn.Linear
-            if family.split_direction(path) == "row":
-                replacement = RowParallelLinear(
-                    linear.in_features // world_size, linear.out_features, has_bias, "meta"
-                )
-            else:
-                replacement = nn.Linear(
-                    linear.in_features, linear.out_features // world_size, has_bias, "meta"
-                )
-            setattr(block, linear_name, replacement)
-        if family.after_tensor_split is not None:
-            family.after_tensor_split(layer, text_config, world_size)
-
-
-def apply_shard(model: PreTrainedModel, family: ModelFamily, shard: ShardMetadata) -> None:
-    """Cut the meta skeleton down to `shard` in place (world size 1: the whole model).
-
-    Raises:
-        UnsupportedArchitectureError / ValueError: see `cut_to_pipeline_stage`,
-            `check_tensor_parallel`, `split_linears`.
-    """
-    match shard:
-        case PipelineShardMetadata():
-            cut_to_pipeline_stage(model, shard)
-        case TensorShardMetadata():
-            decoder_layers(model)
-            if shard.world_size > 1:
-                config = model.config.get_text_config()
-                check_tensor_parallel(family, type(model).__name__, config, shard.world_size)
-                split_linears(model, family, shard.world_size)
-
-
 def read_whole(tensor_slice: Any) -> torch.Tensor:
     tensor: torch.Tensor = tensor_slice[:]
     return tensor
 
 
-def tensor_reader(
-    family: ModelFamily, config: PretrainedConfig, model_name: str, shard: ShardMetadata
-) -> TensorReader:
-    """How rank `shard.device_rank` reads model tensor `model_name`: the rank's rows of
-    column-parallel weights and biases (part by part for fused linears), its columns of
-    row-parallel weights, everything else whole."""
-    if not isinstance(shard, TensorShardMetadata) or shard.world_size == 1:
-        return read_whole
-    match = LAYER_TENSOR.match(model_name)
-    if match is None:
-        return read_whole
-    path, _, kind = match.group(2).rpartition(".")
-    direction = family.split_direction(path)
-    rank, world_size = shard.device_rank, shard.world_size
-    if direction == "column":
-        parts_of = family.fused_parts.get(path)
-        parts = parts_of(config) if parts_of is not None else None
-
-        def rows(tensor_slice: Any) -> torch.Tensor:
-            sizes = parts or (tensor_slice.get_shape()[0],)
-            pieces: list[torch.Tensor] = []
-            offset = 0
-            for size in sizes:
-                share = size // world_size
-                start = offset + rank * share
-                pieces.append(tensor_slice[start : start + share])
-                offset += size
-            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
-
-        return rows
-    if direction == "row" and kind == "weight":
-
-        def columns(tensor_slice: Any) -> torch.Tensor:
-            share = tensor_slice.get_shape()[1] // world_size
-            tensor: torch.Tensor = tensor_slice[:, rank * share : (rank + 1) * share]
-            return tensor
-
-        return columns
-    return read_whole
-
-
 def model_tensor_name(name: str, prefix: str, shard: ShardMetadata) -> str | None:
     """The model's name on this rank for checkpoint tensor `name` (None: not the text model
-    — a vision tower — or a layer another pipeline rank holds)."""
+    — a vision tower — or a layer outside the shard's range); the shard's layers are
+    renumbered from 0, as its skeleton keeps them."""
     if prefix:
         if not name.startswith(prefix):
             return None
         name = name[len(prefix) :]
     match = LAYER_TENSOR.match(name)
-    if match is None or not isinstance(shard, PipelineShardMetadata):
+    if match is None:
         return name
     index = int(match.group(1))
     if not shard.start_layer <= index < shard.end_layer:

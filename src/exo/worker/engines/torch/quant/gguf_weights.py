@@ -254,7 +254,7 @@ def load_repacked(
         handle: the open safetensors file holding `stored_name` (and its companions).
         stored_name: a name `split_repacked_name` accepts, not a companion.
         target: the model tensor name on this rank.
-        reader: this rank's slice of a tensor (`sharding.tensor_reader`).
+        reader: this rank's slice of a tensor (`parallel/tensor.py`'s `tensor_reader`).
         weight_dtype: the format the engine holds weights in.
 
     Raises:

@@ -20,7 +20,7 @@ from exo.download.pypi_gguf import prepare_model
 from exo.shared.models.cards import card_from_local_directory, load_builtin_cards
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard
-from exo.shared.types.shards import PipelineShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.comm.tcp_mesh import RankLinks
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.quant.native_kernels import NATIVE_INT4_ENV, built_int4_kernel
@@ -47,8 +47,8 @@ def real_tokenizer(real_model_dir: Path) -> Any:
 
 @pytest.fixture(scope="session")
 def real_engine(real_card: ModelCard, real_model_dir: Path) -> Iterator[TorchEngine]:
-    shard = PipelineShardMetadata(
-        model_card=real_card, device_rank=0, world_size=1, start_layer=0,
+    shard = ShardMetadata(
+        sharding="pipeline", model_card=real_card, device_rank=0, world_size=1, start_layer=0,
         end_layer=real_card.n_layers,
     )  # fmt: skip
     engine = TorchEngine.load(real_model_dir, shard)
@@ -95,8 +95,8 @@ def tiny_card(tiny_model_dir: Path) -> ModelCard:
 
 @pytest.fixture()
 def tiny_engine(tiny_card: ModelCard, tiny_model_dir: Path) -> TorchEngine:
-    shard = PipelineShardMetadata(
-        model_card=tiny_card, device_rank=0, world_size=1, start_layer=0,
+    shard = ShardMetadata(
+        sharding="pipeline", model_card=tiny_card, device_rank=0, world_size=1, start_layer=0,
         end_layer=tiny_card.n_layers,
     )  # fmt: skip
     return TorchEngine.load(tiny_model_dir, shard, weight_dtype="float32")

@@ -26,8 +26,8 @@ from exo.worker.engines.torch.batching.batch_attention import (
     use_batched_attention,
 )
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
-from exo.worker.engines.torch.distributed_batch import StepHeader, stage_forward_batch
 from exo.worker.engines.torch.model.families import family_for_architecture
+from exo.worker.engines.torch.parallel.rank_steps import StepHeader, stage_forward_batch
 
 DECODE_STEPS = 6
 PROMPT_A_LENGTH = 12

@@ -18,7 +18,7 @@ import torch
 
 from exo.shared.models.cards import card_from_local_directory
 from exo.shared.types.common import ModelId
-from exo.shared.types.shards import PipelineShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
@@ -147,8 +147,13 @@ def family_engines(
             sliding_window=4,
         )  # fmt: skip
         card = card_from_local_directory(directory)
-        shard = PipelineShardMetadata(
-            model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
+        shard = ShardMetadata(
+            sharding="pipeline",
+            model_card=card,
+            device_rank=0,
+            world_size=1,
+            start_layer=0,
+            end_layer=card.n_layers,
         )
         engines[name] = TorchEngine.load(directory, shard, weight_dtype="float32")
     return engines
@@ -169,8 +174,8 @@ def test_every_family_decodes_the_same_batched_as_alone(
 
 
 def tiny_llama(tiny_card: Any, tiny_model_dir: Path, **options: Any) -> TorchEngine:
-    shard = PipelineShardMetadata(
-        model_card=tiny_card, device_rank=0, world_size=1, start_layer=0,
+    shard = ShardMetadata(
+        sharding="pipeline", model_card=tiny_card, device_rank=0, world_size=1, start_layer=0,
         end_layer=tiny_card.n_layers,
     )  # fmt: skip
     options.setdefault("weight_dtype", "float32")

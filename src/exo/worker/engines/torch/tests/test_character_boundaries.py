@@ -14,7 +14,6 @@ import torch
 
 from exo.worker.engines.torch.batching import scheduler as scheduler_module
 from exo.worker.engines.torch.decoding.vocabulary import split_incomplete_utf8
-from exo.worker.engines.torch.distributed_engine import DistributedTorchEngine
 from exo.worker.engines.torch.engine import GeneratedPiece, RequestHandle, TorchEngine
 from exo.worker.engines.torch.tests.test_engine import check_stream_shape, request
 
@@ -118,10 +117,3 @@ def test_stop_string_right_after_an_unfinished_character(
     )
     assert pieces[-1].finish_reason == "stop" and pieces[-1].stop_sequence == "!"
     assert text_of(pieces) == "ok"
-
-
-def test_distributed_engine_shares_the_request_state() -> None:
-    # Rank 0 of a multi-rank instance builds and advances the same request state (token
-    # chooser, detokenizer, stop matcher) as one rank, so the tests above cover it; a state
-    # of its own would need its own tests.
-    assert DistributedTorchEngine.build_request is TorchEngine.build_request

@@ -19,7 +19,7 @@ import torch.multiprocessing as multiprocessing
 
 from exo.shared.models.cards import card_from_local_directory
 from exo.shared.types.common import ModelId
-from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.testing.ports import free_port
 from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
@@ -48,11 +48,18 @@ def split_layers(n_layers: int, world_size: int) -> list[tuple[int, int]]:
 def make_shard(model_dir: Path, mode: str, rank: int, world_size: int) -> ShardMetadata:
     card = card_from_local_directory(model_dir)
     if mode == "tensor":
-        return TensorShardMetadata(model_card=card, device_rank=rank, world_size=world_size)
+        return ShardMetadata(
+            sharding="tensor",
+            model_card=card,
+            device_rank=rank,
+            world_size=world_size,
+            start_layer=0,
+            end_layer=card.n_layers,
+        )
     start, end = split_layers(card.n_layers, world_size)[rank]
-    return PipelineShardMetadata(
-        model_card=card, device_rank=rank, world_size=world_size, start_layer=start,
-        end_layer=end,
+    return ShardMetadata(
+        sharding="pipeline", model_card=card, device_rank=rank, world_size=world_size,
+        start_layer=start, end_layer=end,
     )  # fmt: skip
 
 
@@ -164,8 +171,13 @@ def single_process_tokens(
     model_dir: Path, requests: tuple[dict[str, Any], ...], weight_dtype: WeightDtype = "float32"
 ) -> list[list[int]]:
     card = card_from_local_directory(model_dir)
-    shard = PipelineShardMetadata(
-        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
+    shard = ShardMetadata(
+        sharding="pipeline",
+        model_card=card,
+        device_rank=0,
+        world_size=1,
+        start_layer=0,
+        end_layer=card.n_layers,
     )
     engine = load_engine(model_dir, shard, weight_dtype=weight_dtype)
     return [

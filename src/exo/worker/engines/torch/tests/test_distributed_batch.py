@@ -8,7 +8,7 @@ import torch
 
 from exo.worker.engines.torch.batching.batch_attention import PrefillSegment
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
-from exo.worker.engines.torch.distributed_batch import (
+from exo.worker.engines.torch.parallel.rank_steps import (
     CACHE_ALLOCATE,
     CACHE_FREE,
     CACHE_RESERVE,

@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as multiprocessing
 
 from exo.shared.models.cards import card_from_local_directory
-from exo.shared.types.shards import PipelineShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.testing.ports import free_port
 from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.engine import TorchEngine
@@ -141,8 +141,13 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> 
 @pytest.fixture(scope="module")
 def single_process(tiny_dir: Path) -> list[Outcome]:
     card = card_from_local_directory(tiny_dir)
-    shard = PipelineShardMetadata(
-        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
+    shard = ShardMetadata(
+        sharding="pipeline",
+        model_card=card,
+        device_rank=0,
+        world_size=1,
+        start_layer=0,
+        end_layer=card.n_layers,
     )
     return generate_all(load_engine(tiny_dir, shard, weight_dtype="float32"))
 

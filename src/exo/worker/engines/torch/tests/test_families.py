@@ -18,7 +18,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from exo.shared.models.cards import card_from_local_directory
 from exo.shared.models.memory import WeightShare, resident_weight_bytes
 from exo.shared.types.models import ModelCard
-from exo.shared.types.shards import PipelineShardMetadata, ShardMetadata, TensorShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.testing.tiny_models import ARCHITECTURES, WRAPPED_ARCHITECTURES, save_tiny_model
 from exo.worker.engines.torch.batching.batch_attention import (
     BatchPlan,
@@ -33,7 +33,8 @@ from exo.worker.engines.torch.model.families import (
 )
 from exo.worker.engines.torch.model.fusion import FusedRMSNorm
 from exo.worker.engines.torch.model.loading import load_model
-from exo.worker.engines.torch.model.sharding import check_tensor_parallel, loaded_parameter_bytes
+from exo.worker.engines.torch.model.sharding import loaded_parameter_bytes
+from exo.worker.engines.torch.parallel.tensor import check_tensor_parallel
 from exo.worker.engines.torch.quant.quantize import WeightDtype
 from exo.worker.engines.torch.tests.lean_steps import new_cache
 
@@ -42,8 +43,13 @@ PROMPT_IDS = list(range(100, 112))
 
 
 def whole(card: ModelCard) -> ShardMetadata:
-    return PipelineShardMetadata(
-        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
+    return ShardMetadata(
+        sharding="pipeline",
+        model_card=card,
+        device_rank=0,
+        world_size=1,
+        start_layer=0,
+        end_layer=card.n_layers,
     )
 
 
@@ -196,8 +202,13 @@ def test_conditional_generation_checkpoint_loads_its_text_model(
     expected = greedy_tokens(load_model(tiny_dirs[name], whole(card), CPU))
     assert greedy_tokens(load_model(wrapped, whole(card), CPU)) == expected
     # Pipeline ranks of the wrapped checkpoint cut it the same way.
-    first = PipelineShardMetadata(
-        model_card=card, device_rank=0, world_size=2, start_layer=0, end_layer=2
+    first = ShardMetadata(
+        sharding="pipeline",
+        model_card=card,
+        device_rank=0,
+        world_size=2,
+        start_layer=0,
+        end_layer=2,
     )
     assert len(load_model(wrapped, first, CPU).model.layers) == 2
 
@@ -230,13 +241,25 @@ def test_memory_estimate_is_what_loading_holds(
     cases: list[tuple[ShardMetadata, WeightShare]] = [
         (whole(card), WeightShare(layers=2)),
         (
-            PipelineShardMetadata(
-                model_card=card, device_rank=1, world_size=2, start_layer=1, end_layer=2
+            ShardMetadata(
+                sharding="pipeline",
+                model_card=card,
+                device_rank=1,
+                world_size=2,
+                start_layer=1,
+                end_layer=2,
             ),
             WeightShare(layers=1, holds_embedding=False),
         ),
         (
-            TensorShardMetadata(model_card=card, device_rank=0, world_size=2),
+            ShardMetadata(
+                sharding="tensor",
+                model_card=card,
+                device_rank=0,
+                world_size=2,
+                start_layer=0,
+                end_layer=card.n_layers,
+            ),
             WeightShare(layers=2, tensor_parallel_ranks=2),
         ),
     ]

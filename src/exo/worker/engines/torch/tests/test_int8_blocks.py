@@ -14,7 +14,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from exo.download.gguf_repack import convert_gguf
-from exo.shared.types.shards import PipelineShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.testing.random_gguf import RandomGgufShape, write_random_gguf
 from exo.worker.engines.torch.batching.batch_attention import lean_step_of
 from exo.worker.engines.torch.model.direct_forward import LeanModel
@@ -173,8 +173,13 @@ def _load_both(directory: Path) -> tuple[Any, Any]:
     from exo.shared.models.cards import card_from_local_directory
 
     card = card_from_local_directory(directory)
-    shard = PipelineShardMetadata(
-        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
+    shard = ShardMetadata(
+        sharding="pipeline",
+        model_card=card,
+        device_rank=0,
+        world_size=1,
+        start_layer=0,
+        end_layer=card.n_layers,
     )
     held = load_model(directory, shard, torch.device("cpu"), "int4")
     reference = load_model(directory, shard, torch.device("cpu"), "float32")

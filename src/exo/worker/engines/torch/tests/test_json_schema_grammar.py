@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from exo.shared.models.cards import card_from_local_directory
-from exo.shared.types.shards import PipelineShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import NamedToolChoice, ToolDefinition
 from exo.worker.engines.torch.decoding.constraints import (
     TokenConstraint,
@@ -459,8 +459,13 @@ def roomy_model_dir(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Pa
 def tiny_engine(roomy_model_dir: Path) -> TorchEngine:
     """Overrides conftest's for this module (`nudged_engine` builds on it)."""
     card = card_from_local_directory(roomy_model_dir)
-    shard = PipelineShardMetadata(
-        model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
+    shard = ShardMetadata(
+        sharding="pipeline",
+        model_card=card,
+        device_rank=0,
+        world_size=1,
+        start_layer=0,
+        end_layer=card.n_layers,
     )
     return TorchEngine.load(roomy_model_dir, shard, weight_dtype="float32")
 

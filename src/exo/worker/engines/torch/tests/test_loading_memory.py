@@ -34,15 +34,20 @@ def _measure_load(warmup_dir: str, model_dir: str, weight_dtype: str, results: A
 
     import torch
 
-    from exo.shared.types.shards import PipelineShardMetadata
+    from exo.shared.types.shards import ShardMetadata
     from exo.worker.engines.torch.model.loading import load_model
 
     torch.set_num_threads(1)
 
-    def whole(directory: str) -> PipelineShardMetadata:
+    def whole(directory: str) -> ShardMetadata:
         card = card_from_local_directory(Path(directory))
-        return PipelineShardMetadata(
-            model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
+        return ShardMetadata(
+            sharding="pipeline",
+            model_card=card,
+            device_rank=0,
+            world_size=1,
+            start_layer=0,
+            end_layer=card.n_layers,
         )
 
     try:

@@ -8,7 +8,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from exo.shared.types.models import ModelCard
-from exo.shared.types.shards import PipelineShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.model.fusion import FusedRMSNorm, fuse_rms_norms
 from exo.worker.engines.torch.quant.int4_groups import Int4Linear, int4_supported, pack_native_int4
@@ -360,8 +360,8 @@ def test_fused_rms_norm_matches_llama_rms_norm() -> None:
 def test_tiny_int4_engine_keeps_lm_head_int8_and_generates(
     tiny_card: ModelCard, tiny_model_dir: Path
 ) -> None:
-    shard = PipelineShardMetadata(
-        model_card=tiny_card, device_rank=0, world_size=1, start_layer=0,
+    shard = ShardMetadata(
+        sharding="pipeline", model_card=tiny_card, device_rank=0, world_size=1, start_layer=0,
         end_layer=tiny_card.n_layers,
     )  # fmt: skip
     engine = TorchEngine.load(tiny_model_dir, shard, weight_dtype="int4")
@@ -377,8 +377,8 @@ def test_tiny_int4_engine_keeps_lm_head_int8_and_generates(
 def test_quantized_engine_rejects_non_cpu_device(
     tiny_card: ModelCard, tiny_model_dir: Path
 ) -> None:
-    shard = PipelineShardMetadata(
-        model_card=tiny_card, device_rank=0, world_size=1, start_layer=0,
+    shard = ShardMetadata(
+        sharding="pipeline", model_card=tiny_card, device_rank=0, world_size=1, start_layer=0,
         end_layer=tiny_card.n_layers,
     )  # fmt: skip
     with pytest.raises(ValueError, match="only supported on CPU"):
@@ -389,8 +389,8 @@ def test_quantized_engine_rejects_non_cpu_device(
 def test_real_other_weight_dtypes_answer_paris(
     real_card: ModelCard, real_model_dir: Path, weight_dtype: str
 ) -> None:
-    shard = PipelineShardMetadata(
-        model_card=real_card, device_rank=0, world_size=1, start_layer=0,
+    shard = ShardMetadata(
+        sharding="pipeline", model_card=real_card, device_rank=0, world_size=1, start_layer=0,
         end_layer=real_card.n_layers,
     )  # fmt: skip
     engine = TorchEngine.load(real_model_dir, shard, weight_dtype=weight_dtype)  # type: ignore[arg-type]

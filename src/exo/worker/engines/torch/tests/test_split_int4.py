@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from exo.download.gguf_repack import convert_gguf
-from exo.shared.types.shards import PipelineShardMetadata, TensorShardMetadata
+from exo.shared.types.shards import ShardMetadata
 from exo.testing.random_gguf import RandomGgufShape, write_random_gguf
 from exo.worker.engines.torch.model.fusion import fuse_linears
 from exo.worker.engines.torch.model.loading import load_model
@@ -188,11 +188,23 @@ def _load(directory: Path, weight_dtype: str, rank: int = 0, world_size: int = 1
     card = card_from_local_directory(directory)
     shard: Any
     if world_size == 1:
-        shard = PipelineShardMetadata(
-            model_card=card, device_rank=0, world_size=1, start_layer=0, end_layer=card.n_layers
+        shard = ShardMetadata(
+            sharding="pipeline",
+            model_card=card,
+            device_rank=0,
+            world_size=1,
+            start_layer=0,
+            end_layer=card.n_layers,
         )
     else:
-        shard = TensorShardMetadata(model_card=card, device_rank=rank, world_size=world_size)
+        shard = ShardMetadata(
+            sharding="tensor",
+            model_card=card,
+            device_rank=rank,
+            world_size=world_size,
+            start_layer=0,
+            end_layer=card.n_layers,
+        )
     return load_model(directory, shard, torch.device("cpu"), weight_dtype)  # type: ignore[arg-type]
 
 

@@ -232,7 +232,7 @@ def receive_step(source: int, idle_wait: timedelta) -> StepHeader:
 # decode step of a few rows costs about as much as one of a single row (reading the weights
 # and the per-layer work dominate, not the rows), so splitting it makes every rank run its
 # layers once per micro-batch, nearly doubling the step (figures:
-# docs/benchmarks/engine-design-figures.md#distributed_batchpy).
+# docs/benchmarks/engine-design-figures.md#rank_stepspy).
 # Without overlapping consecutive steps a decode step gains nothing from the split; a long
 # prefill's rows are where the work grows with rows and the split lets the ranks overlap.
 MICRO_BATCH_MIN_ROWS = 64

@@ -1,0 +1,136 @@
+"""What every parallelism describes (torch-free): the rules placement, recovery, downloads,
+memory accounting and speed prediction need, answered per kind instead of by testing it.
+
+A kind says which layers and whole-model parts (embedding, LM head) a rank holds, how many
+ranks split each layer's linears (its memory share and KV geometry, `WeightShare`), whether
+a model can be split that way, and how the ranks' stage times and transfers add up to one
+step. The engine's side (how the skeleton is cut, how a step travels) is
+`exo.worker.engines.torch.parallel`.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from exo.shared.models.memory import WeightShare, kv_heads_per_rank
+from exo.shared.types.models import ModelCard
+
+if TYPE_CHECKING:
+    from exo.shared.types.shards import Sharding, ShardMetadata
+
+# `...model.layers.<n>.` (also under `language_model.` / `model.language_model.`).
+_LAYER = re.compile(r"(?:^|\.)(?:model\.)?layers\.(\d+)\.")
+_EMBEDDING = re.compile(r"(?:^|\.)embed_tokens\.")
+_FINAL = re.compile(r"(?:^|\.)(?:lm_head|norm)\.[a-z_]+$")
+
+LayerRange = tuple[int, int]
+
+
+class StepNetwork(Protocol):
+    """The measured links of a group of ranks, as speed prediction models them."""
+
+    def hop_seconds(self, rank: int, payload_bytes: float) -> float:
+        """Seconds to send `payload_bytes` from `rank` to the next rank (the last to 0)."""
+        ...
+
+    def all_reduce_seconds(self, payload_bytes: float) -> float:
+        """Seconds of one all-reduce of `payload_bytes` over every rank."""
+        ...
+
+    def all_gather_seconds(self, bytes_per_rank: float) -> float:
+        """Seconds for every rank to send its `bytes_per_rank` to every other."""
+        ...
+
+    def latency_seconds(self) -> float:
+        """The slowest link's one-way latency (a small message to every rank)."""
+        ...
+
+
+class Parallelism(ABC):
+    """One way of splitting a model across `world_size` ranks."""
+
+    sharding: ClassVar[Sharding]
+
+    @abstractmethod
+    def tensor_parallel_ranks(self, world_size: int) -> int:
+        """Ranks each decoder-layer linear (and the KV heads) is split over."""
+
+    @abstractmethod
+    def holds_embedding(self, rank: int, world_size: int) -> bool:
+        """Whether rank `rank` holds the input embedding."""
+
+    @abstractmethod
+    def holds_output_layer(self, rank: int, world_size: int) -> bool:
+        """Whether rank `rank` holds the final norm and the LM head."""
+
+    @abstractmethod
+    def split_error(self, card: ModelCard, world_size: int) -> str | None:
+        """Why `card` cannot be split this way over `world_size` nodes, or None."""
+
+    @abstractmethod
+    def layer_ranges(
+        self, n_layers: int, world_size: int, layer_counts: Callable[[], Sequence[int]]
+    ) -> tuple[LayerRange, ...]:
+        """Each rank's decoder layers `[start, end)`. `layer_counts` gives the layers per
+        rank when this kind splits layers (placement's speed- or memory-balanced split)."""
+
+    @abstractmethod
+    def shard_error(self, shard: ShardMetadata) -> str | None:
+        """Why `shard` is not a valid shard of this kind, or None."""
+
+    @abstractmethod
+    def step_seconds(
+        self,
+        card: ModelCard,
+        stage_seconds: Sequence[float],
+        network: StepNetwork,
+        activation_bytes: float,
+    ) -> float:
+        """One step over every rank (more than one): the ranks' own compute
+        (`stage_seconds`, rank order) and the transfers between them, `activation_bytes`
+        per hidden state sent."""
+
+    def weight_share(
+        self, card: ModelCard, rank: int, world_size: int, layer_range: LayerRange
+    ) -> WeightShare:
+        """The part of `card` rank `rank` holds: its layers, split over this kind's
+        tensor-parallel ranks, with the embedding / LM head where this kind keeps them."""
+        start, end = layer_range
+        return WeightShare(
+            layers=end - start,
+            tensor_parallel_ranks=self.tensor_parallel_ranks(world_size),
+            holds_embedding=self.holds_embedding(rank, world_size),
+            holds_output_layer=self.holds_output_layer(rank, world_size),
+        )
+
+    def shard_weight_share(self, shard: ShardMetadata) -> WeightShare:
+        """`weight_share` of `shard`."""
+        return self.weight_share(
+            shard.model_card,
+            shard.device_rank,
+            shard.world_size,
+            (shard.start_layer, shard.end_layer),
+        )
+
+    def kv_heads_per_rank(self, kv_heads: int, world_size: int) -> int:
+        """KV heads per layer one rank caches, of a model with `kv_heads`."""
+        return kv_heads_per_rank(kv_heads, self.tensor_parallel_ranks(world_size))
+
+    def reads_tensor(self, name: str, shard: ShardMetadata) -> bool:
+        """Whether `shard` reads (a slice of) text-model checkpoint tensor `name`: a layer
+        of its range, the embedding (also where the LM head is, which may be tied to it),
+        the final norm and LM head where this kind keeps them, anything else always."""
+        rank, world_size = shard.device_rank, shard.world_size
+        match = _LAYER.search(name)
+        if match is not None:
+            return shard.start_layer <= int(match.group(1)) < shard.end_layer
+        if _EMBEDDING.search(name):
+            return self.holds_embedding(rank, world_size) or self.holds_output_layer(
+                rank, world_size
+            )
+        if _FINAL.search(name):
+            return self.holds_output_layer(rank, world_size)
+        return True

@@ -1,0 +1,179 @@
+"""Pipeline parallelism's engine side: a rank keeps its range of decoder layers (the first
+also the embedding, the last the final norm and LM head) and a step travels rank to rank.
+
+Up to `world_size` steps are in flight at once, each over its own requests (the scheduler's
+`max_in_flight`: rank 0 runs step t+1's layers while the next ranks run step t's, and
+samples step t when its logits come back). A step of at least `MICRO_BATCH_MIN_ROWS` rows
+(prefill) is also split into up to `world_size` micro-batches of requests
+(`micro_batch_count`; a decode step stays whole). For each, rank 0 runs its layers and
+sends the header and `[1, T, hidden]` float32 hidden states to rank 1 (which runs its
+layers while rank 0 computes the next micro-batch), and so on; the last rank sends the
+micro-batch's `[R, vocab]` float32 logits to rank 0 (rank 0 posts that receive before
+sending the micro-batch, so no send waits on a rank that is itself sending). Per
+micro-batch and hop: two messages (the header with its length, the hidden states), over the
+group's `comm/tcp_mesh.py` TCP links when it has them (else gloo).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from exo.shared.types.shards import Sharding, ShardMetadata
+from exo.worker.engines.torch.batching.batch_attention import BatchPlan
+from exo.worker.engines.torch.comm.process_group import post_receive, receive_tensor, send_tensor
+from exo.worker.engines.torch.model.families import ModelFamily
+from exo.worker.engines.torch.model.sharding import (
+    AbsentModule,
+    TensorReader,
+    decoder_layers,
+    read_whole,
+)
+from exo.worker.engines.torch.parallel.base import EngineTransform, RankEngine, SchedulerHooks
+from exo.worker.engines.torch.parallel.rank_steps import (
+    StepHeader,
+    micro_batch_count,
+    receive_step,
+    send_step,
+    split_micro_batches,
+    stage_forward_batch,
+)
+
+
+def cut_to_pipeline_stage(model: PreTrainedModel, shard: ShardMetadata) -> None:
+    """Keep decoder layers [start_layer, end_layer) (renumbered from 0 for the KV cache), the
+    embedding on the first rank only, the final norm and LM head on the last rank only.
+
+    Raises:
+        ValueError: the model's layer count differs from the card's.
+    """
+    layers = decoder_layers(model)
+    inner: Any = model.model
+    if len(layers) != shard.model_card.n_layers:
+        raise ValueError(
+            f"the model has {len(layers)} decoder layers, its card says {shard.model_card.n_layers}"
+        )
+    if (shard.start_layer, shard.end_layer) == (0, len(layers)) and shard.world_size == 1:
+        return
+    kept = list(layers)[shard.start_layer : shard.end_layer]
+    inner.layers = nn.ModuleList(kept)
+    for layer in kept:
+        for module in layer.modules():
+            layer_index = getattr(module, "layer_idx", None)
+            if isinstance(layer_index, int):
+                setattr(module, "layer_idx", layer_index - shard.start_layer)  # noqa: B010
+    # Attention modules read their layer type at construction (done above with the global
+    # index); the model's forward and the cache read the per-layer lists by local index.
+    text_config = model.config.get_text_config()
+    text_config.num_hidden_layers = len(kept)
+    layer_types = getattr(text_config, "layer_types", None)
+    if isinstance(layer_types, list | tuple):
+        text_config.layer_types = list(layer_types)[shard.start_layer : shard.end_layer]
+    if not shard.is_first_rank:
+        inner.embed_tokens = AbsentModule("token embedding")
+    if not shard.is_last_rank:
+        inner.norm = nn.Identity()
+        model.lm_head = AbsentModule("LM head")
+
+
+class PipelineTransform(EngineTransform):
+    sharding: ClassVar[Sharding] = "pipeline"
+
+    def cut(self, model: PreTrainedModel, family: ModelFamily, shard: ShardMetadata) -> None:
+        cut_to_pipeline_stage(model, shard)
+
+    def tensor_reader(
+        self, family: ModelFamily, config: PretrainedConfig, model_name: str, shard: ShardMetadata
+    ) -> TensorReader:
+        return read_whole
+
+    def split_output_layer(self, model: PreTrainedModel, shard: ShardMetadata) -> bool:
+        return False  # the last rank holds the whole head
+
+    def scheduler_hooks(self, engine: RankEngine) -> SchedulerHooks:
+        def launch(
+            model: PreTrainedModel,
+            plan: BatchPlan,
+            input_ids: torch.Tensor,
+            position_ids: torch.Tensor,
+            logit_rows: torch.Tensor,
+        ) -> Callable[[], torch.Tensor]:
+            return _launch(engine, model, plan, input_ids, position_ids, logit_rows)
+
+        # One step in flight per rank (see scheduler.py).
+        return SchedulerHooks(launch=launch, max_in_flight=engine.world_size)
+
+    def agree(self, engine: RankEngine, value: torch.Tensor) -> None:
+        if engine.rank > 0:
+            dist.recv(value, src=engine.rank - 1)
+        if not engine.is_last_rank:
+            dist.send(value, dst=engine.rank + 1)
+
+    def send_control(self, engine: RankEngine, header: StepHeader) -> None:
+        send_step(header, 1)
+
+    def receive_header(self, engine: RankEngine, idle_wait: timedelta) -> StepHeader:
+        return receive_step(engine.rank - 1, idle_wait)
+
+    def pass_on_control(self, engine: RankEngine, header: StepHeader) -> None:
+        if not engine.is_last_rank:
+            send_step(header, engine.rank + 1)
+
+    def serve_step(self, engine: RankEngine, header: StepHeader, plan: BatchPlan) -> None:
+        model, device, rank = engine.model, engine.device, engine.rank
+        dtype = next(model.parameters()).dtype
+        received = torch.empty((1, header.rows, engine.hidden_size), dtype=torch.float32)
+        receive_tensor(received, rank - 1)
+        hidden = received.to(device=device, dtype=dtype)
+        output = stage_forward_batch(
+            model, plan, header, hidden=hidden, is_last=engine.is_last_rank, device=device
+        )
+        if not engine.is_last_rank:
+            send_step(header, rank + 1)
+            send_tensor(output.cpu().contiguous(), rank + 1)
+        elif header.logit_rows:
+            send_tensor(output.float().cpu().contiguous(), 0)
+
+
+def _launch(
+    engine: RankEngine,
+    model: PreTrainedModel,
+    plan: BatchPlan,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    logit_rows: torch.Tensor,
+) -> Callable[[], torch.Tensor]:
+    """Rank 0's part of a pipeline step: its layers for each micro-batch in turn, sent on as
+    soon as done (the receive of the last rank's logits posted first); returns the function
+    that waits for every micro-batch's logits and puts them in order."""
+    step = StepHeader.from_plan(plan, input_ids, position_ids, logit_rows, engine.take_cache_ops())
+    last = engine.world_size - 1
+    vocab_size, device = engine.vocab_size, engine.device
+    answers: list[tuple[Callable[[], None] | None, torch.Tensor, tuple[int, ...]]] = []
+    for micro_batch in split_micro_batches(step, micro_batch_count(step, engine.world_size)):
+        header = micro_batch.header
+        logits = torch.empty((len(header.logit_rows), vocab_size), dtype=torch.float32)
+        wait = post_receive(logits, last) if header.logit_rows else None
+        micro_plan = header.plan(plan.cache, plan.windows, plan.layer_of)
+        hidden = stage_forward_batch(
+            model, micro_plan, header, hidden=None, is_last=False, device=device
+        )
+        send_step(header, 1)
+        send_tensor(hidden.cpu().contiguous(), 1)
+        answers.append((wait, logits, micro_batch.logit_order))
+
+    def collect() -> torch.Tensor:
+        result = torch.empty((len(step.logit_rows), vocab_size), dtype=torch.float32)
+        for wait, logits, order in answers:
+            if wait is not None:
+                wait()
+                result[list(order)] = logits
+        return result.to(device)
+
+    return collect

@@ -1,0 +1,190 @@
+"""Tensor parallelism's engine side: every rank keeps every layer with its slice of each
+column- and row-parallel linear (the family file says which), its KV heads and its rows of
+the LM head; every rank runs the whole batched step in lockstep (the row-parallel linears
+all-reduce, so every rank computes the same logits; ranks > 0 drop theirs). One broadcast
+of the step header per step (one message per rank).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from exo.shared.models.tensor_names import LAYER_TENSOR
+from exo.shared.types.shards import Sharding, ShardMetadata
+from exo.worker.engines.torch.batching.batch_attention import BatchPlan, forward_batch
+from exo.worker.engines.torch.comm.parallel_linears import RowParallelLinear
+from exo.worker.engines.torch.comm.process_group import IDLE_WAIT
+from exo.worker.engines.torch.model.families import ModelFamily, UnsupportedArchitectureError
+from exo.worker.engines.torch.model.sharding import (
+    TensorReader,
+    decoder_layers,
+    read_whole,
+    split_head_by_vocab,
+)
+from exo.worker.engines.torch.parallel.base import EngineTransform, RankEngine, SchedulerHooks
+from exo.worker.engines.torch.parallel.rank_steps import StepHeader, broadcast_step
+
+
+def check_tensor_parallel(
+    family: ModelFamily, architecture: str, config: PretrainedConfig, world_size: int
+) -> None:
+    """Raises UnsupportedArchitectureError / ValueError naming the architecture and field
+    when the family refuses tensor parallelism, or attention heads, KV heads, the MLP width
+    or a fused linear's parts do not divide by `world_size`."""
+    if family.tensor_parallel_note is not None:
+        raise UnsupportedArchitectureError(
+            f"{architecture}: no tensor parallelism: {family.tensor_parallel_note}"
+        )
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, field, None)
+        if not isinstance(value, int):
+            raise UnsupportedArchitectureError(
+                f"{architecture}: config has no integer {field}; cannot shard it tensor-parallel"
+            )
+        if value % world_size:
+            raise ValueError(
+                f"{architecture}: {field}={value} is not divisible by the tensor "
+                f"parallel world size {world_size}"
+            )
+    for path, parts in family.fused_parts.items():
+        sizes = parts(config)
+        if any(size % world_size for size in sizes):
+            raise ValueError(
+                f"{architecture}: the parts {sizes} of the fused {path} are not divisible by "
+                f"the tensor parallel world size {world_size}"
+            )
+
+
+def split_linears(model: PreTrainedModel, family: ModelFamily, world_size: int) -> None:
+    """Swap every layer's column- and row-parallel linears (on meta) for their per-rank
+    shapes, then let the family adjust what reads head counts from its config.
+
+    Raises:
+        UnsupportedArchitectureError: a layer lacks a linear the family file names.
+    """
+    architecture = type(model).__name__
+    text_config = model.config.get_text_config()
+    for index, layer in enumerate(decoder_layers(model)):
+        for path in (*family.column_parallel, *family.row_parallel):
+            block_name, _, linear_name = path.rpartition(".")
+            block = layer.get_submodule(block_name) if block_name else layer
+            linear = getattr(block, linear_name, None)
+            if type(linear) is not nn.Linear:
+                raise UnsupportedArchitectureError(
+                    f"{architecture}: layer {index} has no plain linear {path}; cannot shard "
+                    "it tensor-parallel"
+                )
+            has_bias = linear.bias is not None
+            replacement: nn.Linear
+            if family.split_direction(path) == "row":
+                replacement = RowParallelLinear(
+                    linear.in_features // world_size, linear.out_features, has_bias, "meta"
+                )
+            else:
+                replacement = nn.Linear(
+                    linear.in_features, linear.out_features // world_size, has_bias, "meta"
+                )
+            setattr(block, linear_name, replacement)
+        if family.after_tensor_split is not None:
+            family.after_tensor_split(layer, text_config, world_size)
+
+
+def tensor_reader(
+    family: ModelFamily, config: PretrainedConfig, model_name: str, shard: ShardMetadata
+) -> TensorReader:
+    """How rank `shard.device_rank` reads model tensor `model_name`: the rank's rows of
+    column-parallel weights and biases (part by part for fused linears), its columns of
+    row-parallel weights, everything else whole."""
+    if shard.world_size == 1:
+        return read_whole
+    match = LAYER_TENSOR.match(model_name)
+    if match is None:
+        return read_whole
+    path, _, kind = match.group(2).rpartition(".")
+    direction = family.split_direction(path)
+    rank, world_size = shard.device_rank, shard.world_size
+    if direction == "column":
+        parts_of = family.fused_parts.get(path)
+        parts = parts_of(config) if parts_of is not None else None
+
+        def rows(tensor_slice: Any) -> torch.Tensor:
+            sizes = parts or (tensor_slice.get_shape()[0],)
+            pieces: list[torch.Tensor] = []
+            offset = 0
+            for size in sizes:
+                share = size // world_size
+                start = offset + rank * share
+                pieces.append(tensor_slice[start : start + share])
+                offset += size
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+        return rows
+    if direction == "row" and kind == "weight":
+
+        def columns(tensor_slice: Any) -> torch.Tensor:
+            share = tensor_slice.get_shape()[1] // world_size
+            tensor: torch.Tensor = tensor_slice[:, rank * share : (rank + 1) * share]
+            return tensor
+
+        return columns
+    return read_whole
+
+
+class TensorTransform(EngineTransform):
+    sharding: ClassVar[Sharding] = "tensor"
+
+    def cut(self, model: PreTrainedModel, family: ModelFamily, shard: ShardMetadata) -> None:
+        decoder_layers(model)
+        if shard.world_size > 1:
+            config = model.config.get_text_config()
+            check_tensor_parallel(family, type(model).__name__, config, shard.world_size)
+            split_linears(model, family, shard.world_size)
+
+    def tensor_reader(
+        self, family: ModelFamily, config: PretrainedConfig, model_name: str, shard: ShardMetadata
+    ) -> TensorReader:
+        return tensor_reader(family, config, model_name, shard)
+
+    def split_output_layer(self, model: PreTrainedModel, shard: ShardMetadata) -> bool:
+        return split_head_by_vocab(model, shard.device_rank, shard.world_size)
+
+    def scheduler_hooks(self, engine: RankEngine) -> SchedulerHooks:
+        def forward(
+            model: PreTrainedModel,
+            plan: BatchPlan,
+            input_ids: torch.Tensor,
+            position_ids: torch.Tensor,
+            logit_rows: torch.Tensor,
+        ) -> torch.Tensor:
+            """Rank 0's step: broadcast the header, run the collective forward."""
+            header = StepHeader.from_plan(
+                plan, input_ids, position_ids, logit_rows, engine.take_cache_ops()
+            )
+            broadcast_step(header, IDLE_WAIT)
+            return forward_batch(model, plan, input_ids, position_ids, logit_rows)
+
+        return SchedulerHooks(forward=forward)
+
+    def agree(self, engine: RankEngine, value: torch.Tensor) -> None:
+        dist.broadcast(value, src=0)
+
+    def send_control(self, engine: RankEngine, header: StepHeader) -> None:
+        broadcast_step(header, IDLE_WAIT)
+
+    def receive_header(self, engine: RankEngine, idle_wait: timedelta) -> StepHeader:
+        return broadcast_step(None, idle_wait)
+
+    def pass_on_control(self, engine: RankEngine, header: StepHeader) -> None:
+        pass  # the broadcast reached every rank
+
+    def serve_step(self, engine: RankEngine, header: StepHeader, plan: BatchPlan) -> None:
+        input_ids, position_ids, logit_rows = (
+            tensor.to(engine.device) for tensor in header.tensors()
+        )
+        forward_batch(engine.model, plan, input_ids, position_ids, logit_rows)
