@@ -14,14 +14,30 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from exo.api.admission import Admission
-from exo.api.browser_access import (
+from exo.api.claude_messages import routes as claude_messages_routes
+from exo.api.guards.browser_access import (
     LOOPBACK_ORIGIN_PATTERN,
     BrowserAccess,
     BrowserAccessMiddleware,
 )
-from exo.api.cluster import ClusterClient, CommandTimeoutError
-from exo.api.errors import (
+from exo.api.ollama import file_routes as ollama_files
+from exo.api.ollama import routes as ollama_routes
+from exo.api.openai_chat import routes as chat
+from exo.api.openai_completions import routes as completions
+from exo.api.openai_responses import routes as responses_routes
+from exo.api.routes import (
+    cluster,
+    custom_models,
+    downloads,
+    peer_files,
+    session,
+)
+from exo.api.routes import dashboard as dashboard_routes
+from exo.api.routes import metrics as metrics_routes
+from exo.api.security import ApiSecurity, install_client_guards, install_metrics
+from exo.api.serving.admission import Admission
+from exo.api.serving.cluster_client import ClusterClient, CommandTimeoutError
+from exo.api.wire.errors import (
     OPENAI_ERRORS,
     ApiError,
     ErrorDialect,
@@ -29,23 +45,7 @@ from exo.api.errors import (
     describe_validation_errors,
     error_type_for_status,
 )
-from exo.api.openapi import with_bad_request_responses
-from exo.api.routes import (
-    chat,
-    cluster,
-    completions,
-    custom_models,
-    downloads,
-    ollama_files,
-    peer_files,
-    session,
-)
-from exo.api.routes import claude_messages as claude_messages_routes
-from exo.api.routes import dashboard as dashboard_routes
-from exo.api.routes import metrics as metrics_routes
-from exo.api.routes import ollama as ollama_routes
-from exo.api.routes import openai_responses as responses_routes
-from exo.api.security import ApiSecurity, install_client_guards, install_metrics
+from exo.api.wire.openapi import with_bad_request_responses
 
 # One line per route module: each has a `router`; a dialect whose errors are not shaped like
 # OpenAI's also has an `ERROR_DIALECT`.
@@ -141,7 +141,7 @@ def create_app(
             loopback origins and no `Host` check (in-process test clients call the server
             `testserver`); the node passes `BrowserAccess` with this machine's names.
         admission: how many generations may be in flight (`--max-queued-requests`); None:
-            the defaults of `exo.api.admission`.
+            the defaults of `exo.api.serving.admission`.
         security: API keys, limits on clients, metrics inputs (`exo.api.security`); None:
             no key needed and the default limits.
     """

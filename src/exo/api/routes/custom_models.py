@@ -15,9 +15,9 @@ import anyio
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from exo.api.cluster import ClusterClient, CommandRejectedError
-from exo.api.dependencies import catalog_of, cluster_dependency
-from exo.api.errors import ApiError, InvalidRequestError, ModelNotFoundError, NoCapacityError
+from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
+from exo.api.serving.model_lookup import catalog_of, cluster_dependency
+from exo.api.wire.errors import ApiError, InvalidRequestError, ModelNotFoundError, NoCapacityError
 from exo.download.custom_cards import (
     REPO_ID,
     CustomModelError,

@@ -15,10 +15,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from exo.api.cluster import ClusterClient, CommandRejectedError
-from exo.api.dependencies import card_of, cluster_dependency, resolve_model_id
-from exo.api.errors import ApiError, InvalidRequestError, ModelNotFoundError
 from exo.api.routes.custom_models import ModelConflictError
+from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
+from exo.api.serving.model_lookup import card_of, cluster_dependency, resolve_model_id
+from exo.api.wire.errors import ApiError, InvalidRequestError, ModelNotFoundError
 from exo.shared.types.commands import ControlDownload
 from exo.shared.types.common import CommandId, NodeId
 from exo.shared.types.downloads import DownloadAction

@@ -11,7 +11,7 @@ from typing import Any, cast
 from fastapi.testclient import TestClient
 
 from exo.api.app import create_app
-from exo.api.cluster import ClusterClient
+from exo.api.serving.cluster_client import ClusterClient
 
 GOLDEN_PATH = Path(__file__).with_name("openapi_golden.json")
 
