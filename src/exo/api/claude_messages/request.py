@@ -54,10 +54,9 @@ from exo.api.claude_messages.wire_types import (
     ToolUseBlockParam,
 )
 from exo.api.serving.request_checks import build_task_params
-from exo.api.wire.common import (
-    check_tool_results_answer_calls,
-)
+from exo.api.wire.conversation import check_tool_results_answer_calls
 from exo.api.wire.errors import InvalidRequestError
+from exo.api.wire.sampling import sampling_fields
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     ChatMessage,
@@ -152,13 +151,14 @@ def to_task_params(request: MessagesRequest) -> TextGenerationTaskParams:
         **_prompt_fields(request),
         response_format="text" if output_format is None else "json_schema",
         json_schema=None if output_format is None else output_format.schema_,
-        max_tokens=request.max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        # An empty stop string would match before the first token; it is dropped.
-        stop=tuple(sequence for sequence in request.stop_sequences or () if sequence),
-        stream=request.stream,
+        **sampling_fields(
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            stop=request.stop_sequences,
+            stream=request.stream,
+        ),
     )
 
 

@@ -1,5 +1,5 @@
 """Claude Messages output: one generation's chunks as Anthropic's SSE events or one
-`Message` (see `claude_messages` for the request side and the choices made).
+`Message` (see `request` for the request side and the choices made).
 
 `collect_message` builds the non-streaming answer from the same events the stream sends,
 so the two cannot disagree. A chunk stream ends with the first chunk whose `finish_reason`
@@ -36,24 +36,10 @@ from exo.api.claude_messages.wire_types import (
     ThinkingDelta,
     ToolUseBlock,
 )
-from exo.api.wire.common import (
-    ended_without_finish,
-    error_chunk_error,
-    final_usage,
-    unfinished_generation_error,
-)
+from exo.api.wire import stream
 from exo.api.wire.errors import ApiError, GenerationError
-from exo.shared.types.chunks import (
-    Chunk,
-    ErrorChunk,
-    FinishReason,
-    TokenChunk,
-    ToolCallChunk,
-    Usage,
-)
-from exo.shared.types.text_generation import (
-    ToolCall,
-)
+from exo.shared.types.chunks import Chunk, FinishReason, TokenChunk, Usage
+from exo.shared.types.text_generation import ToolCall
 
 # ---------------------------------------------------------------- response
 
@@ -73,15 +59,12 @@ def _stop_reason(reason: FinishReason, called_tools: bool) -> StopReason:
         case "length":
             return "max_tokens"
         case "error" | "cancelled":
-            raise unfinished_generation_error(reason)
+            raise stream.unfinished_generation_error(reason)
         case _:
             assert_never(reason)
 
 
-def _message_usage(usage: Usage | None, counted_output_tokens: int) -> MessageUsage:
-    # The last chunk carries usage by contract; should a producer omit it, report what the
-    # stream itself shows (input tokens are then unknown, so 0) rather than fail.
-    usage = final_usage(usage, counted_output_tokens)
+def _message_usage(usage: Usage) -> MessageUsage:
     return MessageUsage(
         input_tokens=usage.prompt_tokens - usage.cached_tokens,
         cache_read_input_tokens=usage.cached_tokens,
@@ -103,10 +86,6 @@ def _tool_input(call: ToolCall) -> dict[str, Any]:
     return arguments
 
 
-def _error_chunk_error(chunk: ErrorChunk) -> ApiError:
-    return error_chunk_error(chunk, param="messages")
-
-
 async def message_events(chunks: AsyncIterator[Chunk]) -> AsyncIterator[StreamEvent]:
     """The content events of one generation, then its `message_delta`.
 
@@ -121,7 +100,6 @@ async def message_events(chunks: AsyncIterator[Chunk]) -> AsyncIterator[StreamEv
     index = -1
     open_kind: str | None = None  # "text" or "thinking": the block still open
     called_tools = False
-    counted_output_tokens = 0
 
     def switch_to(kind: str, block: ContentBlock) -> list[StreamEvent]:
         nonlocal index, open_kind
@@ -135,23 +113,21 @@ async def message_events(chunks: AsyncIterator[Chunk]) -> AsyncIterator[StreamEv
         events.append(ContentBlockStartEvent(index=index, content_block=block))
         return events
 
-    async for chunk in chunks:
-        match chunk:
-            case TokenChunk():
-                counted_output_tokens += len(chunk.token_ids)
-                if chunk.reasoning_text:
+    async for piece in stream.generation_events(chunks, conversation_param="messages"):
+        match piece:
+            case stream.Text():
+                if piece.reasoning:
                     for event in switch_to("thinking", ThinkingBlock(thinking="")):
                         yield event
                     yield ContentBlockDeltaEvent(
-                        index=index, delta=ThinkingDelta(thinking=chunk.reasoning_text)
+                        index=index, delta=ThinkingDelta(thinking=piece.reasoning)
                     )
-                if chunk.text:
+                if piece.text:
                     for event in switch_to("text", TextBlock(text="")):
                         yield event
-                    yield ContentBlockDeltaEvent(index=index, delta=TextDelta(text=chunk.text))
-            case ToolCallChunk():
-                counted_output_tokens += len(chunk.token_ids)
-                for call in chunk.tool_calls:
+                    yield ContentBlockDeltaEvent(index=index, delta=TextDelta(text=piece.text))
+            case stream.ToolCalls():
+                for call in piece.calls:
                     arguments = _tool_input(call)
                     if open_kind is not None:
                         yield ContentBlockStopEvent(index=index)
@@ -166,26 +142,23 @@ async def message_events(chunks: AsyncIterator[Chunk]) -> AsyncIterator[StreamEv
                         index=index, delta=InputJsonDelta(partial_json=json.dumps(arguments))
                     )
                     yield ContentBlockStopEvent(index=index)
-            case ErrorChunk():
-                raise _error_chunk_error(chunk)
+            case stream.Finished():
+                stop_reason = _stop_reason(piece.reason, called_tools)
+                stop_sequence = piece.stop_sequence
+                if stop_sequence is not None and stop_reason == "end_turn":
+                    stop_reason = "stop_sequence"
+                else:
+                    stop_sequence = None
+                if open_kind is not None:
+                    yield ContentBlockStopEvent(index=index)
+                yield MessageDeltaEvent(
+                    delta=MessageDelta(stop_reason=stop_reason, stop_sequence=stop_sequence),
+                    usage=_message_usage(piece.final_usage),
+                )
+            case stream.Failed():
+                raise piece.error
             case _:
-                assert_never(chunk)
-        if chunk.finish_reason is None:
-            continue
-        stop_reason = _stop_reason(chunk.finish_reason, called_tools)
-        stop_sequence = chunk.stop_sequence if isinstance(chunk, TokenChunk) else None
-        if stop_sequence is not None and stop_reason == "end_turn":
-            stop_reason = "stop_sequence"
-        else:
-            stop_sequence = None
-        if open_kind is not None:
-            yield ContentBlockStopEvent(index=index)
-        yield MessageDeltaEvent(
-            delta=MessageDelta(stop_reason=stop_reason, stop_sequence=stop_sequence),
-            usage=_message_usage(chunk.usage, counted_output_tokens),
-        )
-        return
-    raise ended_without_finish()
+                assert_never(piece)
 
 
 def _sse(event: StreamEvent) -> str:

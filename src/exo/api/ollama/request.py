@@ -34,6 +34,7 @@ from exo.api.ollama.wire_types import (
 )
 from exo.api.serving.request_checks import build_task_params
 from exo.api.wire.errors import InvalidRequestError
+from exo.api.wire.sampling import sampling_fields
 from exo.shared.types.commands import KeepAlive
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
@@ -244,19 +245,21 @@ def _task_params(
             model=model_id,
             messages=messages,
             prompt=prompt,
-            max_tokens=_max_tokens(options.num_predict),
-            temperature=options.temperature,
-            top_p=options.top_p,
-            # Ollama (like llama.cpp) spells "no top-k filter" as 0 or any negative value.
-            top_k=None if options.top_k is None else max(options.top_k, 0),
-            min_p=options.min_p,
-            # -1 is llama.cpp's and Ollama's "random seed".
-            seed=None if options.seed == -1 else options.seed,
-            stop=_stop_sequences(options.stop),
-            stream=request.stream,
-            presence_penalty=options.presence_penalty or 0.0,
-            frequency_penalty=options.frequency_penalty or 0.0,
-            repetition_penalty=options.repeat_penalty,
+            **sampling_fields(
+                max_tokens=_max_tokens(options.num_predict),
+                temperature=options.temperature,
+                top_p=options.top_p,
+                # Ollama (like llama.cpp) spells "no top-k filter" as 0 or any negative value.
+                top_k=None if options.top_k is None else max(options.top_k, 0),
+                min_p=options.min_p,
+                # -1 is llama.cpp's and Ollama's "random seed".
+                seed=None if options.seed == -1 else options.seed,
+                stop=options.stop,
+                stream=request.stream,
+                presence_penalty=options.presence_penalty,
+                frequency_penalty=options.frequency_penalty,
+                repetition_penalty=options.repeat_penalty,
+            ),
             tools=tools,
             tool_choice=tool_choice,
             response_format=_response_format(request.format),
@@ -283,13 +286,6 @@ def _max_tokens(num_predict: int | None) -> int | None:
     if num_predict is None or num_predict <= 0:
         return None
     return num_predict
-
-
-def _stop_sequences(stop: list[str] | str | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    sequences = [stop] if isinstance(stop, str) else stop
-    return tuple(sequence for sequence in sequences if sequence)
 
 
 def _thinking(think: ThinkSetting | None) -> tuple[bool | None, ReasoningEffort | None]:

@@ -20,13 +20,11 @@ from exo.api.ollama.wire_types import (
     OllamaTimings,
     OllamaTopLogprob,
 )
-from exo.api.wire.common import (
-    ended_without_finish,
-    error_chunk_error,
-    unfinished_generation_error,
-)
+from exo.api.wire import stream
 from exo.api.wire.errors import ApiError, GenerationError
-from exo.shared.types.chunks import Chunk, ErrorChunk, TokenChunk, TokenLogprob, ToolCallChunk
+from exo.api.wire.logprobs import logprob_entries
+from exo.shared.types.chunks import Chunk, FinishReason, TokenLogprob, Usage
+from exo.shared.types.text_generation import ToolCall
 
 # ---------------------------------------------------------------- responses
 
@@ -45,7 +43,9 @@ class _Timer:
         if self._first_chunk_ns is None:
             self._first_chunk_ns = self._clock()
 
-    def timings(self, prompt_tokens: int, completion_tokens: int) -> OllamaTimings:
+    def timings(self, usage: Usage | None) -> OllamaTimings:
+        prompt_tokens = usage.prompt_tokens if usage else 0
+        completion_tokens = usage.completion_tokens if usage else 0
         now = self._clock()
         first = self._first_chunk_ns if self._first_chunk_ns is not None else now
         return OllamaTimings(
@@ -58,32 +58,31 @@ class _Timer:
         )
 
 
-def _done_reason(chunk: TokenChunk | ToolCallChunk) -> str:
+def _done_reason(reason: FinishReason) -> str:
     """Ollama's `done_reason`; a generation that called tools is "stop" there.
 
     Raises:
         GenerationError: the generation failed or was cancelled (Ollama has no value for
             either, and "stop" would make a truncated answer look complete).
     """
-    assert chunk.finish_reason is not None
-    match chunk.finish_reason:
+    match reason:
         case "stop" | "tool_calls":
             return "stop"
         case "length":
             return "length"
         case "error" | "cancelled":
-            raise unfinished_generation_error(chunk.finish_reason)
+            raise stream.unfinished_generation_error(reason)
         case _:
-            assert_never(chunk.finish_reason)
+            assert_never(reason)
 
 
-def _error_chunk_error(chunk: ErrorChunk) -> ApiError:
-    return error_chunk_error(chunk, param=None)
-
-
-def _tool_calls(chunk: ToolCallChunk, first_index: int) -> list[OllamaResponseToolCall]:
+def _tool_calls(
+    dialect: Dialect, tool_calls: Sequence[ToolCall], first_index: int
+) -> list[OllamaResponseToolCall]:
+    if dialect == "generate":
+        raise GenerationError("a tool call in a generate request")
     calls: list[OllamaResponseToolCall] = []
-    for offset, call in enumerate(chunk.tool_calls):
+    for offset, call in enumerate(tool_calls):
         arguments = json.loads(call.arguments)
         if not isinstance(arguments, dict):
             raise GenerationError(
@@ -98,18 +97,9 @@ def _tool_calls(chunk: ToolCallChunk, first_index: int) -> list[OllamaResponseTo
 
 
 def _logprobs(entries: Sequence[TokenLogprob]) -> list[OllamaLogprob]:
-    return [
-        OllamaLogprob(
-            token=entry.token,
-            logprob=entry.logprob,
-            bytes=list(entry.bytes),
-            top_logprobs=[
-                OllamaTopLogprob(token=top.token, logprob=top.logprob, bytes=list(top.bytes))
-                for top in entry.top_logprobs
-            ],
-        )
-        for entry in entries
-    ]
+    return logprob_entries(
+        entries, OllamaLogprob, OllamaTopLogprob, escape_partial_characters=False
+    )
 
 
 def _line(
@@ -187,44 +177,36 @@ async def stream_ollama(
     """
     timer = _Timer(started_ns, clock)
     tool_call_count = 0
-    async for chunk in chunks:
-        timer.saw_chunk()
-        try:
-            match chunk:
-                case TokenChunk():
-                    if chunk.text or chunk.reasoning_text or chunk.logprobs:
+    try:
+        async for piece in stream.generation_events(chunks, conversation_param=None):
+            timer.saw_chunk()
+            match piece:
+                case stream.Text():
+                    if piece.text or piece.reasoning or piece.logprobs:
                         line = _line(
-                            dialect, model, rfc3339_nano(now_ns()), text=chunk.text,
-                            thinking=chunk.reasoning_text, logprobs=_logprobs(chunk.logprobs),
+                            dialect, model, rfc3339_nano(now_ns()), text=piece.text,
+                            thinking=piece.reasoning, logprobs=_logprobs(piece.logprobs),
                         )  # fmt: skip
                         yield _json_line(line)
-                case ToolCallChunk():
-                    if dialect == "generate":
-                        raise GenerationError("a tool call in a generate request")
-                    calls = _tool_calls(chunk, tool_call_count)
+                case stream.ToolCalls():
+                    calls = _tool_calls(dialect, piece.calls, tool_call_count)
                     tool_call_count += len(calls)
                     yield _json_line(
                         _line(dialect, model, rfc3339_nano(now_ns()), tool_calls=calls)
                     )
-                case ErrorChunk():
-                    raise _error_chunk_error(chunk)
+                case stream.Finished():
+                    done_reason = _done_reason(piece.reason)
+                    line = _line(
+                        dialect, model, rfc3339_nano(now_ns()), done_reason=done_reason,
+                        timings=timer.timings(piece.usage),
+                    )  # fmt: skip
+                    yield _json_line(line)
+                case stream.Failed():
+                    raise piece.error
                 case _:
-                    assert_never(chunk)
-            if chunk.finish_reason is None:
-                continue
-            done_reason = _done_reason(chunk)
-        except ApiError as error:
-            yield _error_line(error)
-            return
-        usage = chunk.usage
-        timings = timer.timings(
-            usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0
-        )
-        yield _json_line(
-            _line(dialect, model, rfc3339_nano(now_ns()), done_reason=done_reason, timings=timings)
-        )
-        return
-    yield _error_line(ended_without_finish())
+                    assert_never(piece)
+    except ApiError as error:
+        yield _error_line(error)
 
 
 async def collect_ollama(
@@ -250,34 +232,26 @@ async def collect_ollama(
     thinking: list[str] = []
     tool_calls: list[OllamaResponseToolCall] = []
     logprobs: list[OllamaLogprob] = []
-    async for chunk in chunks:
+    async for piece in stream.generation_events(chunks, conversation_param=None):
         timer.saw_chunk()
-        match chunk:
-            case TokenChunk():
-                texts.append(chunk.text)
-                thinking.append(chunk.reasoning_text)
-                logprobs.extend(_logprobs(chunk.logprobs))
-            case ToolCallChunk():
-                if dialect == "generate":
-                    raise GenerationError("a tool call in a generate request")
-                tool_calls.extend(_tool_calls(chunk, len(tool_calls)))
-            case ErrorChunk():
-                raise _error_chunk_error(chunk)
+        match piece:
+            case stream.Text():
+                texts.append(piece.text)
+                thinking.append(piece.reasoning)
+                logprobs.extend(_logprobs(piece.logprobs))
+            case stream.ToolCalls():
+                tool_calls.extend(_tool_calls(dialect, piece.calls, len(tool_calls)))
+            case stream.Finished():
+                return _line(
+                    dialect, model, rfc3339_nano(now_ns()), text="".join(texts),
+                    thinking="".join(thinking), tool_calls=tool_calls, logprobs=logprobs,
+                    done_reason=_done_reason(piece.reason), timings=timer.timings(piece.usage),
+                )  # fmt: skip
+            case stream.Failed():
+                raise piece.error
             case _:
-                assert_never(chunk)
-        if chunk.finish_reason is None:
-            continue
-        done_reason = _done_reason(chunk)
-        usage = chunk.usage
-        timings = timer.timings(
-            usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0
-        )
-        return _line(
-            dialect, model, rfc3339_nano(now_ns()), text="".join(texts),
-            thinking="".join(thinking), tool_calls=tool_calls, logprobs=logprobs,
-            done_reason=done_reason, timings=timings,
-        )  # fmt: skip
-    raise ended_without_finish()
+                assert_never(piece)
+    raise AssertionError("generation_events ended without a Finished or Failed")
 
 
 def _json_line(response: OllamaChatResponse | OllamaGenerateResponse) -> str:

@@ -29,12 +29,9 @@ from exo.api.openai_chat.wire_types import (
     UserMessage,
 )
 from exo.api.serving.request_checks import build_task_params
-from exo.api.wire.common import (
-    check_tool_results_answer_calls,
-    logit_bias_from_wire,
-    vllm_top_k,
-)
+from exo.api.wire.conversation import check_tool_results_answer_calls
 from exo.api.wire.errors import InvalidRequestError
+from exo.api.wire.sampling import logit_bias_from_wire, openai_sampling_fields
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     ChatMessage,
@@ -88,17 +85,7 @@ def to_task_params(request: ChatCompletionRequest) -> TextGenerationTaskParams:
     return build_task_params(
         model=ModelId(request.model),
         messages=_to_chat_messages(request.messages),
-        max_tokens=_max_tokens(request),
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=vllm_top_k(request.top_k),
-        min_p=request.min_p,
-        seed=request.seed,
-        stop=_stop_sequences(request.stop),
-        stream=request.stream,
-        presence_penalty=request.presence_penalty or 0.0,
-        frequency_penalty=request.frequency_penalty or 0.0,
-        repetition_penalty=request.repetition_penalty,
+        **openai_sampling_fields(request, max_tokens=_max_tokens(request)),
         tools=_tools(request),
         tool_choice=_tool_choice(request),
         parallel_tool_calls=(
@@ -220,15 +207,6 @@ def _max_tokens(request: ChatCompletionRequest) -> int | None:
             "max_completion_tokens",
         )
     return current if current is not None else legacy
-
-
-def _stop_sequences(stop: str | list[str] | None) -> tuple[str, ...]:
-    # An empty stop string would match before the first token; clients send `""` to mean
-    # "no stop", so it is dropped rather than refused.
-    if stop is None:
-        return ()
-    sequences = [stop] if isinstance(stop, str) else stop
-    return tuple(sequence for sequence in sequences if sequence)
 
 
 def _to_chat_messages(messages: list[RequestMessage]) -> tuple[ChatMessage, ...]:

@@ -1,14 +1,9 @@
 """Chat Completions output: one generation's chunks as OpenAI's SSE events or one
-`ChatCompletionResponse` (see `chat_completions` for the request side).
+`ChatCompletionResponse` (see `request` for the request side).
 
-Failure after the HTTP status has been sent is reported in-band, the way vLLM does: one
-`data: {"error": {...}}` event in OpenAI's error shape, then `data: [DONE]`. The official
-`openai` client raises `APIError` on any event whose JSON has a truthy `error` key (checked
-in openai 3.57, `_streaming.Stream.__stream__`), before it reaches `[DONE]`; clients that
-ignore unknown events still see a well-terminated stream.
-
-A chunk stream ends with the first chunk whose `finish_reason` is set (an `ErrorChunk`
-always has one); nothing after it is read. The caller owns the chunk iterator and closes it.
+Failure after the HTTP status has been sent is reported in-band (`exo.api.wire.openai_sse`).
+The chunks are read through `exo.api.wire.stream.generation_events`, which ends with the
+first chunk whose `finish_reason` is set. The caller owns the chunk iterator and closes it.
 """
 
 from __future__ import annotations
@@ -36,25 +31,10 @@ from exo.api.openai_chat.wire_types import (
     ResponseToolCall,
     TopLogprobEntry,
 )
-from exo.api.wire.common import (
-    SSE_DONE,
-    ended_without_finish,
-    error_chunk_error,
-    final_usage,
-    logprob_token,
-    openai_sse,
-    unfinished_generation_error,
-)
-from exo.api.wire.errors import ApiError, GenerationError, openai_error_body_for
-from exo.shared.types.chunks import (
-    Chunk,
-    ErrorChunk,
-    FinishReason,
-    TokenChunk,
-    TokenLogprob,
-    ToolCallChunk,
-    Usage,
-)
+from exo.api.wire import stream
+from exo.api.wire.logprobs import logprob_entries
+from exo.api.wire.openai_sse import SSE_DONE, openai_chunk_event, openai_error_events
+from exo.shared.types.chunks import Chunk, FinishReason, TokenLogprob, Usage
 from exo.shared.types.text_generation import (
     TextGenerationTaskParams,
 )
@@ -73,15 +53,12 @@ def _chat_finish_reason(reason: FinishReason) -> ChatFinishReason:
         case "stop" | "length" | "tool_calls":
             return reason
         case "error" | "cancelled":
-            raise unfinished_generation_error(reason)
+            raise stream.unfinished_generation_error(reason)
         case _:
             assert_never(reason)
 
 
-def _completion_usage(usage: Usage | None, counted_completion_tokens: int) -> CompletionUsage:
-    # The last chunk carries usage by contract; should a producer omit it, report what the
-    # stream itself shows (prompt tokens are then unknown, so 0) rather than fail.
-    usage = final_usage(usage, counted_completion_tokens)
+def _completion_usage(usage: Usage) -> CompletionUsage:
     return CompletionUsage(
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
@@ -92,26 +69,7 @@ def _completion_usage(usage: Usage | None, counted_completion_tokens: int) -> Co
 
 
 def _logprob_entries(entries: tuple[TokenLogprob, ...]) -> list[LogprobEntry]:
-    return [
-        LogprobEntry(
-            token=logprob_token(entry.token, entry.bytes),
-            logprob=entry.logprob,
-            bytes=list(entry.bytes),
-            top_logprobs=[
-                TopLogprobEntry(
-                    token=logprob_token(top.token, top.bytes),
-                    logprob=top.logprob,
-                    bytes=list(top.bytes),
-                )
-                for top in entry.top_logprobs
-            ],
-        )
-        for entry in entries
-    ]
-
-
-def _error_chunk_error(chunk: ErrorChunk) -> ApiError:
-    return error_chunk_error(chunk, param="messages")
+    return logprob_entries(entries, LogprobEntry, TopLogprobEntry)
 
 
 def text_event_renderer(
@@ -173,12 +131,7 @@ async def stream_chat_completion(
         chunk = ChatCompletionChunk(
             id=completion_id, created=created, model=model, choices=choices, usage=usage
         )
-        # OpenAI sends `usage: null` on ordinary chunks only when usage was asked for.
-        excluded = {"system_fingerprint"} if include_usage else {"system_fingerprint", "usage"}
-        return openai_sse(chunk.model_dump_json(exclude=excluded))
-
-    def error_event(error: ApiError) -> str:
-        return openai_sse(json.dumps(openai_error_body_for(error), ensure_ascii=False))
+        return openai_chunk_event(chunk, include_usage)
 
     def delta_event(delta: ChunkDelta) -> str:
         return event([ChunkChoice(index=0, delta=delta)])
@@ -188,34 +141,26 @@ async def stream_chat_completion(
     reasoning_event = text_event_renderer(delta_event, "reasoning_content")
 
     yield event([ChunkChoice(index=0, delta=ChunkDelta(role="assistant", content=""))])
-    counted_completion_tokens = 0
     tool_call_count = 0
-    async for chunk in chunks:
-        match chunk:
-            case TokenChunk():
-                counted_completion_tokens += len(chunk.token_ids)
+    async for piece in stream.generation_events(chunks, conversation_param="messages"):
+        match piece:
+            case stream.Text(text=text, reasoning=reasoning):
                 logprobs = (
-                    ChoiceLogprobs(content=_logprob_entries(chunk.logprobs))
-                    if want_logprobs and chunk.logprobs
+                    ChoiceLogprobs(content=_logprob_entries(piece.logprobs))
+                    if want_logprobs and piece.logprobs
                     else None
                 )
-                if logprobs is None and chunk.text and not chunk.reasoning_text and content_event:
-                    yield content_event(chunk.text)
-                elif (
-                    logprobs is None and chunk.reasoning_text and not chunk.text and reasoning_event
-                ):
-                    yield reasoning_event(chunk.reasoning_text)
-                elif chunk.text or chunk.reasoning_text or logprobs is not None:
-                    delta = ChunkDelta(
-                        content=chunk.text or None,
-                        reasoning_content=chunk.reasoning_text or None,
-                    )
+                if logprobs is None and text and not reasoning and content_event:
+                    yield content_event(text)
+                elif logprobs is None and reasoning and not text and reasoning_event:
+                    yield reasoning_event(reasoning)
+                elif text or reasoning or logprobs is not None:
+                    delta = ChunkDelta(content=text or None, reasoning_content=reasoning or None)
                     if delta.content is None and delta.reasoning_content is None:
                         delta = ChunkDelta(content="")
                     yield event([ChunkChoice(index=0, delta=delta, logprobs=logprobs)])
-            case ToolCallChunk():
-                counted_completion_tokens += len(chunk.token_ids)
-                for call in chunk.tool_calls:
+            case stream.ToolCalls():
+                for call in piece.calls:
                     delta_call = DeltaToolCall(
                         index=tool_call_count,
                         id=call.id,
@@ -224,27 +169,17 @@ async def stream_chat_completion(
                     )
                     tool_call_count += 1
                     yield event([ChunkChoice(index=0, delta=ChunkDelta(tool_calls=[delta_call]))])
-            case ErrorChunk():
-                yield error_event(_error_chunk_error(chunk))
+            case stream.Finished():
+                finish_reason = _chat_finish_reason(piece.reason)
+                yield event([ChunkChoice(index=0, delta=ChunkDelta(), finish_reason=finish_reason)])
+                if include_usage:
+                    yield event([], _completion_usage(piece.final_usage))
                 yield SSE_DONE
-                return
+            case stream.Failed():
+                for line in openai_error_events(piece.error):
+                    yield line
             case _:
-                assert_never(chunk)
-        if chunk.finish_reason is None:
-            continue
-        try:
-            finish_reason = _chat_finish_reason(chunk.finish_reason)
-        except GenerationError as error:
-            yield error_event(error)
-            yield SSE_DONE
-            return
-        yield event([ChunkChoice(index=0, delta=ChunkDelta(), finish_reason=finish_reason)])
-        if include_usage:
-            yield event([], _completion_usage(chunk.usage, counted_completion_tokens))
-        yield SSE_DONE
-        return
-    yield error_event(ended_without_finish())
-    yield SSE_DONE
+                assert_never(piece)
 
 
 async def collect_chat_completion(
@@ -280,47 +215,39 @@ async def collect_chat_completion(
     reasoning: list[str] = []
     tool_calls: list[ResponseToolCall] = []
     logprobs: list[LogprobEntry] = []
-    counted_completion_tokens = 0
-    async for chunk in chunks:
-        match chunk:
-            case TokenChunk():
-                texts.append(chunk.text)
-                reasoning.append(chunk.reasoning_text)
-                logprobs.extend(_logprob_entries(chunk.logprobs))
-                counted_completion_tokens += len(chunk.token_ids)
-            case ToolCallChunk():
-                counted_completion_tokens += len(chunk.token_ids)
+    async for piece in stream.generation_events(chunks, conversation_param="messages"):
+        match piece:
+            case stream.Text():
+                texts.append(piece.text)
+                reasoning.append(piece.reasoning)
+                logprobs.extend(_logprob_entries(piece.logprobs))
+            case stream.ToolCalls():
                 tool_calls.extend(
                     ResponseToolCall(
                         id=call.id,
                         function=ResponseFunctionCall(name=call.name, arguments=call.arguments),
                     )
-                    for call in chunk.tool_calls
+                    for call in piece.calls
                 )
-            case ErrorChunk():
-                raise _error_chunk_error(chunk)
-            case _:
-                assert_never(chunk)
-        if chunk.finish_reason is None:
-            continue
-        text = "".join(texts)
-        message = ResponseMessage(
-            content=text if text or not tool_calls else None,
-            tool_calls=tool_calls or None,
-            reasoning_content="".join(reasoning) or None,
-        )
-        return ChatCompletionResponse(
-            id=completion_id,
-            created=created,
-            model=model,
-            choices=[
-                Choice(
+            case stream.Finished():
+                text = "".join(texts)
+                message = ResponseMessage(
+                    content=text if text or not tool_calls else None,
+                    tool_calls=tool_calls or None,
+                    reasoning_content="".join(reasoning) or None,
+                )
+                choice = Choice(
                     index=0,
                     message=message,
-                    finish_reason=_chat_finish_reason(chunk.finish_reason),
+                    finish_reason=_chat_finish_reason(piece.reason),
                     logprobs=ChoiceLogprobs(content=logprobs) if want_logprobs else None,
                 )
-            ],
-            usage=_completion_usage(chunk.usage, counted_completion_tokens),
-        )
-    raise ended_without_finish()
+                return ChatCompletionResponse(
+                    id=completion_id, created=created, model=model, choices=[choice],
+                    usage=_completion_usage(piece.final_usage),
+                )  # fmt: skip
+            case stream.Failed():
+                raise piece.error
+            case _:
+                assert_never(piece)
+    raise AssertionError("generation_events ended without a Finished or Failed")

@@ -10,8 +10,8 @@ import uuid
 
 from exo.api.openai_completions.wire_types import CompletionRequest
 from exo.api.serving.request_checks import build_task_params
-from exo.api.wire.common import logit_bias_from_wire, vllm_top_k
 from exo.api.wire.errors import InvalidRequestError
+from exo.api.wire.sampling import logit_bias_from_wire, openai_sampling_fields
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
@@ -48,17 +48,7 @@ def to_task_params(request: CompletionRequest) -> TextGenerationTaskParams:
     return build_task_params(
         model=ModelId(request.model),
         prompt=prompt,
-        max_tokens=request.max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=vllm_top_k(request.top_k),
-        min_p=request.min_p,
-        seed=request.seed,
-        stop=_stop_sequences(request.stop),
-        stream=request.stream,
-        presence_penalty=request.presence_penalty or 0.0,
-        frequency_penalty=request.frequency_penalty or 0.0,
-        repetition_penalty=request.repetition_penalty,
+        **openai_sampling_fields(request, max_tokens=request.max_tokens),
         logit_bias=logit_bias_from_wire(request.logit_bias, "logit_bias"),
         logprobs=request.logprobs is not None,
         top_logprobs=request.logprobs or 0,
@@ -110,12 +100,3 @@ def _refuse_unsupported_features(request: CompletionRequest) -> None:
             "of generated tokens only, not of the prompt; drop one of the two",
             "echo",
         )
-
-
-def _stop_sequences(stop: str | list[str] | None) -> tuple[str, ...]:
-    # An empty stop string would match before the first token; clients send `""` to mean
-    # "no stop", so it is dropped rather than refused (as on Chat Completions).
-    if stop is None:
-        return ()
-    sequences = [stop] if isinstance(stop, str) else stop
-    return tuple(sequence for sequence in sequences if sequence)

@@ -1,16 +1,14 @@
 """Legacy Completions output: one generation's chunks as `text_completion` SSE chunks or one
-`Completion` (see `completions` for the request side).
+`Completion` (see `request` for the request side).
 
-Failure after the HTTP status has been sent is reported in-band as on Chat Completions: one
-`data: {"error": {...}}` event in OpenAI's error shape, then `data: [DONE]` (the official
-client raises `APIError` on it). A chunk stream ends with the first chunk whose
-`finish_reason` is set; nothing after it is read. The caller owns the chunk iterator.
+Failure after the HTTP status has been sent is reported in-band as on Chat Completions
+(`exo.api.wire.openai_sse`). The chunks are read through `generation_events`, up to the
+first chunk whose `finish_reason` is set. The caller owns the chunk iterator.
 """
 
 from __future__ import annotations
 
 import codecs
-import json
 from collections.abc import AsyncIterator, Sequence
 from typing import assert_never
 
@@ -21,25 +19,10 @@ from exo.api.openai_completions.wire_types import (
     CompletionFinishReason,
     CompletionLogprobs,
 )
-from exo.api.wire.common import (
-    SSE_DONE,
-    ended_without_finish,
-    error_chunk_error,
-    final_usage,
-    logprob_token,
-    openai_sse,
-    unfinished_generation_error,
-)
-from exo.api.wire.errors import ApiError, GenerationError, openai_error_body_for
-from exo.shared.types.chunks import (
-    Chunk,
-    ErrorChunk,
-    FinishReason,
-    TokenChunk,
-    TokenLogprob,
-    ToolCallChunk,
-    Usage,
-)
+from exo.api.wire import stream
+from exo.api.wire.logprobs import logprob_token
+from exo.api.wire.openai_sse import SSE_DONE, openai_chunk_event, openai_error_events
+from exo.shared.types.chunks import Chunk, FinishReason, TokenLogprob, Usage
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 
@@ -56,7 +39,7 @@ def completion_finish_reason(reason: FinishReason) -> CompletionFinishReason:
         case "tool_calls":
             return "stop"
         case "error" | "cancelled":
-            raise unfinished_generation_error(reason)
+            raise stream.unfinished_generation_error(reason)
         case _:
             assert_never(reason)
 
@@ -118,18 +101,13 @@ def legacy_logprobs(
     )  # fmt: skip
 
 
-def _usage(usage: Usage | None, counted_completion_tokens: int) -> CompletionUsage:
-    usage = final_usage(usage, counted_completion_tokens)
+def _usage(usage: Usage) -> CompletionUsage:
     return CompletionUsage(
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
     )
-
-
-def _error_chunk_error(chunk: ErrorChunk) -> ApiError:
-    return error_chunk_error(chunk, param="prompt")
 
 
 async def stream_completion(
@@ -165,53 +143,37 @@ async def stream_completion(
         chunk = Completion(
             id=completion_id, created=created, model=model, choices=choices, usage=usage
         )
-        excluded = {"system_fingerprint"} if include_usage else {"system_fingerprint", "usage"}
-        return openai_sse(chunk.model_dump_json(exclude=excluded))
-
-    def error_event(error: ApiError) -> str:
-        return openai_sse(json.dumps(openai_error_body_for(error), ensure_ascii=False))
+        return openai_chunk_event(chunk, include_usage)
 
     if echo:
         yield event([CompletionChoice(text=echo)])
     text_offset = len(echo)
     decoder = utf8_offset_decoder()
-    counted_completion_tokens = 0
-    async for chunk in chunks:
-        match chunk:
-            case TokenChunk():
-                counted_completion_tokens += len(chunk.token_ids)
-                text = chunk.text + chunk.reasoning_text
+    async for piece in stream.generation_events(chunks, conversation_param="prompt"):
+        match piece:
+            case stream.Text():
+                text = piece.text + piece.reasoning
                 logprobs = (
-                    legacy_logprobs(chunk.logprobs, text_offset, len(text), decoder)
-                    if params.logprobs and chunk.logprobs
+                    legacy_logprobs(piece.logprobs, text_offset, len(text), decoder)
+                    if params.logprobs and piece.logprobs
                     else None
                 )
                 if text or logprobs is not None:
                     yield event([CompletionChoice(text=text, logprobs=logprobs)])
                 text_offset += len(text)
-            case ToolCallChunk():  # cannot happen for a raw prompt; its tokens still count
-                counted_completion_tokens += len(chunk.token_ids)
-            case ErrorChunk():
-                yield error_event(_error_chunk_error(chunk))
+            case stream.ToolCalls():  # cannot happen for a raw prompt; its tokens still count
+                pass
+            case stream.Finished():
+                finish_reason = completion_finish_reason(piece.reason)
+                yield event([CompletionChoice(text="", finish_reason=finish_reason)])
+                if include_usage:
+                    yield event([], _usage(piece.final_usage))
                 yield SSE_DONE
-                return
+            case stream.Failed():
+                for line in openai_error_events(piece.error):
+                    yield line
             case _:
-                assert_never(chunk)
-        if chunk.finish_reason is None:
-            continue
-        try:
-            finish_reason = completion_finish_reason(chunk.finish_reason)
-        except GenerationError as error:
-            yield error_event(error)
-            yield SSE_DONE
-            return
-        yield event([CompletionChoice(text="", finish_reason=finish_reason)])
-        if include_usage:
-            yield event([], _usage(chunk.usage, counted_completion_tokens))
-        yield SSE_DONE
-        return
-    yield error_event(ended_without_finish())
-    yield SSE_DONE
+                assert_never(piece)
 
 
 async def collect_completion(
@@ -236,38 +198,32 @@ async def collect_completion(
     logprobs = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     text_offset = len(echo)
     decoder = utf8_offset_decoder()
-    counted_completion_tokens = 0
-    async for chunk in chunks:
-        match chunk:
-            case TokenChunk():
-                text = chunk.text + chunk.reasoning_text
+    async for piece in stream.generation_events(chunks, conversation_param="prompt"):
+        match piece:
+            case stream.Text():
+                text = piece.text + piece.reasoning
                 texts.append(text)
-                if chunk.logprobs:  # offsets per chunk: its tokens' texts are within its text
-                    part = legacy_logprobs(chunk.logprobs, text_offset, len(text), decoder)
+                if piece.logprobs:  # offsets per chunk: its tokens' texts are within its text
+                    part = legacy_logprobs(piece.logprobs, text_offset, len(text), decoder)
                     logprobs.tokens.extend(part.tokens)
                     logprobs.token_logprobs.extend(part.token_logprobs)
                     logprobs.top_logprobs.extend(part.top_logprobs)
                     logprobs.text_offset.extend(part.text_offset)
                 text_offset += len(text)
-                counted_completion_tokens += len(chunk.token_ids)
-            case ToolCallChunk():  # cannot happen for a raw prompt; its tokens still count
-                counted_completion_tokens += len(chunk.token_ids)
-            case ErrorChunk():
-                raise _error_chunk_error(chunk)
+            case stream.ToolCalls():  # cannot happen for a raw prompt; its tokens still count
+                pass
+            case stream.Finished():
+                choice = CompletionChoice(
+                    text="".join(texts),
+                    logprobs=logprobs if params.logprobs else None,
+                    finish_reason=completion_finish_reason(piece.reason),
+                )
+                return Completion(
+                    id=completion_id, created=created, model=model, choices=[choice],
+                    usage=_usage(piece.final_usage),
+                )  # fmt: skip
+            case stream.Failed():
+                raise piece.error
             case _:
-                assert_never(chunk)
-        if chunk.finish_reason is None:
-            continue
-        choice = CompletionChoice(
-            text="".join(texts),
-            logprobs=logprobs if params.logprobs else None,
-            finish_reason=completion_finish_reason(chunk.finish_reason),
-        )
-        return Completion(
-            id=completion_id,
-            created=created,
-            model=model,
-            choices=[choice],
-            usage=_usage(chunk.usage, counted_completion_tokens),
-        )
-    raise ended_without_finish()
+                assert_never(piece)
+    raise AssertionError("generation_events ended without a Finished or Failed")

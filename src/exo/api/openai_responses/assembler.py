@@ -40,8 +40,8 @@ from exo.api.openai_responses.response_types import (
     StreamEvent,
     SummaryText,
 )
-from exo.api.wire.common import unfinished_generation_error
 from exo.api.wire.errors import ApiError
+from exo.api.wire.stream import unfinished_generation_error
 from exo.shared.types.chunks import FinishReason, ToolCall, Usage
 
 _STATUS_BY_FINISH_REASON: dict[FinishReason, ResponseStatus] = {
@@ -81,7 +81,6 @@ class ResponseAssembler:
         self._sequence_number = 0
         self._output: list[OutputItem] = []
         self._open: _OpenMessage | _OpenReasoning | None = None
-        self.counted_output_tokens = 0
         self.error: ApiError | None = None
         """Set by `fail`: what ended the generation."""
 
@@ -213,7 +212,7 @@ class ResponseAssembler:
         self._output.append(item)
         yield self._item_event("response.output_item.done", item, output_index)
 
-    def finish(self, reason: FinishReason, usage: Usage | None) -> Iterator[StreamEvent]:
+    def finish(self, reason: FinishReason, usage: Usage) -> Iterator[StreamEvent]:
         """Close the open item and end with `response.completed` / `.incomplete` (length,
         cancelled) / `.failed` (reason "error")."""
         match reason:
@@ -234,7 +233,7 @@ class ResponseAssembler:
             case _:
                 assert_never(reason)
 
-    def final(self, reason: FinishReason, usage: Usage | None) -> ResponseObject:
+    def final(self, reason: FinishReason, usage: Usage) -> ResponseObject:
         """The response after `finish(reason, usage)` (all items closed)."""
         status = _STATUS_BY_FINISH_REASON[reason]
         return self.response(
@@ -256,11 +255,7 @@ class ResponseAssembler:
 
     # -- helpers
 
-    def _usage(self, usage: Usage | None) -> ResponseUsage:
-        # The last chunk carries usage by contract; should a producer omit it, report what
-        # the stream itself shows (input tokens then unknown, so 0).
-        if usage is None:
-            usage = Usage(prompt_tokens=0, completion_tokens=self.counted_output_tokens)
+    def _usage(self, usage: Usage) -> ResponseUsage:
         return ResponseUsage(
             input_tokens=usage.prompt_tokens,
             input_tokens_details=InputTokensDetails(cached_tokens=usage.cached_tokens),

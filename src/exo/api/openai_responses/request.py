@@ -49,8 +49,8 @@ from exo.api.openai_responses.request_types import (
     UnsupportedToolChoice,
 )
 from exo.api.serving.request_checks import build_task_params
-from exo.api.wire.common import vllm_top_k
 from exo.api.wire.errors import InvalidRequestError
+from exo.api.wire.sampling import sampling_fields, vllm_top_k
 from exo.shared.types.chunks import (
     ToolCall,
 )
@@ -123,11 +123,13 @@ def to_task_params(request: ResponsesRequest) -> TextGenerationTaskParams:
         return build_task_params(
             model=ModelId(request.model),
             messages=tuple(messages),
-            max_tokens=request.max_output_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=vllm_top_k(request.top_k),
-            stream=request.stream,
+            **sampling_fields(
+                max_tokens=request.max_output_tokens,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                top_k=vllm_top_k(request.top_k),
+                stream=request.stream,
+            ),
             tools=tuple(_to_tool_definition(tool) for tool in function_tools(request)),
             tool_choice=_tool_choice(request),
             parallel_tool_calls=(

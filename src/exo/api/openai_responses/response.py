@@ -1,7 +1,7 @@
 """OpenAI Responses output: one generation's chunks as Responses SSE events or one
-`ResponseObject` (see `openai_responses` for the request side and the choices made).
+`ResponseObject` (see `request` for the request side and the choices made).
 
-Both go through one `ResponseAssembler` (`openai_responses_assembler`), so the streamed
+Both go through one `ResponseAssembler` (`assembler`), so the streamed
 events and the final object always agree (ids, output indexes, texts). A chunk stream ends
 with the first chunk whose `finish_reason` is set; nothing after it is read. The caller owns
 the chunk iterator.
@@ -21,42 +21,13 @@ from exo.api.openai_responses.response_types import (
     StreamEvent,
     TopLogprobEntry,
 )
-from exo.api.wire.common import (
-    ended_without_finish,
-    error_chunk_error,
-    logprob_token,
-)
-from exo.api.wire.errors import ApiError
-from exo.shared.types.chunks import (
-    Chunk,
-    ErrorChunk,
-    TokenChunk,
-    TokenLogprob,
-    ToolCallChunk,
-)
+from exo.api.wire import stream
+from exo.api.wire.logprobs import logprob_entries
+from exo.shared.types.chunks import Chunk, TokenLogprob
 
 
 def _logprob_entries(logprobs: tuple[TokenLogprob, ...]) -> list[LogprobEntry]:
-    return [
-        LogprobEntry(
-            token=logprob_token(entry.token, entry.bytes),
-            logprob=entry.logprob,
-            bytes=list(entry.bytes),
-            top_logprobs=[
-                TopLogprobEntry(
-                    token=logprob_token(top.token, top.bytes),
-                    logprob=top.logprob,
-                    bytes=list(top.bytes),
-                )
-                for top in entry.top_logprobs
-            ],
-        )
-        for entry in logprobs
-    ]
-
-
-def _error_chunk_error(chunk: ErrorChunk) -> ApiError:
-    return error_chunk_error(chunk, param="input")
+    return logprob_entries(logprobs, LogprobEntry, TopLogprobEntry)
 
 
 async def _events(
@@ -70,42 +41,37 @@ async def _events(
     # docstring). Those of a generation that ends inside a character (its bytes dropped
     # from the text) go in one last delta with no text, as Chat Completions keeps them.
     held_logprobs: list[LogprobEntry] = []
-    async for chunk in chunks:
-        match chunk:
-            case TokenChunk():
-                assembler.counted_output_tokens += len(chunk.token_ids)
-                if chunk.reasoning_text:
+    pieces = stream.generation_events(chunks, conversation_param="input", fail_unfinished=False)
+    async for piece in pieces:
+        match piece:
+            case stream.Text():
+                if piece.reasoning:
                     held_logprobs.clear()
-                    for event in assembler.add_reasoning(chunk.reasoning_text):
+                    for event in assembler.add_reasoning(piece.reasoning):
                         yield event
-                if chunk.text:
-                    logprobs = held_logprobs + _logprob_entries(chunk.logprobs)
+                if piece.text:
+                    logprobs = held_logprobs + _logprob_entries(piece.logprobs)
                     held_logprobs = []
-                    for event in assembler.add_text(chunk.text, logprobs):
+                    for event in assembler.add_text(piece.text, logprobs):
                         yield event
-                elif not chunk.reasoning_text:
-                    held_logprobs.extend(_logprob_entries(chunk.logprobs))
-            case ToolCallChunk():
-                assembler.counted_output_tokens += len(chunk.token_ids)
+                elif not piece.reasoning:
+                    held_logprobs.extend(_logprob_entries(piece.logprobs))
+            case stream.ToolCalls():
                 held_logprobs.clear()
-                for call in chunk.tool_calls:
+                for call in piece.calls:
                     for event in assembler.add_tool_call(call):
                         yield event
-            case ErrorChunk():
-                for event in assembler.fail(_error_chunk_error(chunk)):
+            case stream.Finished():
+                if held_logprobs:
+                    for event in assembler.add_text("", held_logprobs):
+                        yield event
+                for event in assembler.finish(piece.reason, piece.final_usage):
                     yield event
-                return
+            case stream.Failed():
+                for event in assembler.fail(piece.error):
+                    yield event
             case _:
-                assert_never(chunk)
-        if chunk.finish_reason is not None:
-            if held_logprobs:
-                for event in assembler.add_text("", held_logprobs):
-                    yield event
-            for event in assembler.finish(chunk.finish_reason, chunk.usage):
-                yield event
-            return
-    for event in assembler.fail(ended_without_finish()):
-        yield event
+                assert_never(piece)
 
 
 def _sse(event: StreamEvent) -> str:

@@ -10,7 +10,7 @@ import pytest
 
 from exo.api.openai_chat.response import stream_chat_completion, text_event_renderer
 from exo.api.openai_chat.wire_types import ChatCompletionChunk, ChunkChoice, ChunkDelta
-from exo.api.wire.common import openai_sse
+from exo.api.wire.openai_sse import openai_sse
 from exo.shared.types.chunks import Chunk, TokenChunk, Usage
 from exo.shared.types.common import CommandId, ModelId
 
