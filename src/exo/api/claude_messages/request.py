@@ -157,8 +157,8 @@ def to_task_params(request: MessagesRequest) -> TextGenerationTaskParams:
             top_p=request.top_p,
             top_k=request.top_k,
             stop=request.stop_sequences,
-            stream=request.stream,
         ),
+        stream=request.stream,
     )
 
 

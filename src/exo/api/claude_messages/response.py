@@ -38,19 +38,15 @@ from exo.api.claude_messages.wire_types import (
 )
 from exo.api.wire import stream
 from exo.api.wire.errors import ApiError, GenerationError
-from exo.shared.types.chunks import Chunk, FinishReason, TokenChunk, Usage
+from exo.api.wire.stream import CompletedReason
+from exo.shared.types.chunks import Chunk, TokenChunk, Usage
 from exo.shared.types.text_generation import ToolCall
 
 # ---------------------------------------------------------------- response
 
 
-def _stop_reason(reason: FinishReason, called_tools: bool) -> StopReason:
-    """Map an internal finish reason onto Anthropic's.
-
-    Raises:
-        GenerationError: for "error" and "cancelled" (Anthropic has no stop reason for
-            them, and "end_turn" would make a truncated answer look complete).
-    """
+def _stop_reason(reason: CompletedReason, called_tools: bool) -> StopReason:
+    """Map an internal finish reason onto Anthropic's."""
     match reason:
         case "stop":
             return "tool_use" if called_tools else "end_turn"
@@ -58,8 +54,6 @@ def _stop_reason(reason: FinishReason, called_tools: bool) -> StopReason:
             return "tool_use"
         case "length":
             return "max_tokens"
-        case "error" | "cancelled":
-            raise stream.unfinished_generation_error(reason)
         case _:
             assert_never(reason)
 
@@ -143,7 +137,7 @@ async def message_events(chunks: AsyncIterator[Chunk]) -> AsyncIterator[StreamEv
                     )
                     yield ContentBlockStopEvent(index=index)
             case stream.Finished():
-                stop_reason = _stop_reason(piece.reason, called_tools)
+                stop_reason = _stop_reason(piece.completed_reason, called_tools)
                 stop_sequence = piece.stop_sequence
                 if stop_sequence is not None and stop_reason == "end_turn":
                     stop_reason = "stop_sequence"

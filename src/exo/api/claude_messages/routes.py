@@ -9,9 +9,9 @@ Anthropic's own 529), 500 `api_error`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from exo.api.claude_messages.request import (
@@ -26,16 +26,14 @@ from exo.api.claude_messages.wire_types import (
     Message,
     MessagesRequest,
 )
-from exo.api.serving.cluster_client import ClusterClient
-from exo.api.serving.generation import collect, start_generation, streaming_response
-from exo.api.serving.model_lookup import cluster_dependency, with_resolved_model
+from exo.api.serving.generation import serve_generation
+from exo.api.serving.model_lookup import Cluster, with_resolved_model
 from exo.api.serving.response_ids import response_id
 from exo.api.serving.token_counting import count_prompt_tokens
 from exo.api.wire.errors import ErrorDialect
 from exo.shared.types.common import CommandId
 
 router = APIRouter()
-Cluster = Annotated[ClusterClient, Depends(cluster_dependency)]
 
 
 def _render_error(
@@ -58,17 +56,11 @@ async def create_message(
     params = to_task_params(body)
     command_id = CommandId.new()
     message_id = response_id("msg_", command_id)
-    generation = await start_generation(cluster, request, params, command_id=command_id)
-    if params.stream:
-        return streaming_response(
-            generation,
-            lambda chunks: stream_message(chunks, message_id=message_id, model=body.model),
-        )
-    return await collect(
-        generation,
-        request,
-        lambda chunks: collect_message(chunks, message_id=message_id, model=body.model),
-    )
+    return await serve_generation(
+        cluster, request, params, command_id=command_id,
+        render=lambda chunks: stream_message(chunks, message_id=message_id, model=body.model),
+        collector=lambda chunks: collect_message(chunks, message_id=message_id, model=body.model),
+    )  # fmt: skip
 
 
 @router.post("/v1/messages/count_tokens")

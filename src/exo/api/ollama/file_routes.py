@@ -15,11 +15,10 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Annotated
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
 from loguru import logger
 
@@ -28,7 +27,7 @@ from exo.api.ollama.request import NDJSON_MEDIA_TYPE
 from exo.api.ollama.routes import PREFIX
 from exo.api.ollama.wire_types import OllamaDeleteRequest, OllamaProgressResponse, OllamaPullRequest
 from exo.api.serving.cluster_client import ClusterClient
-from exo.api.serving.model_lookup import card_of, cluster_dependency, resolve_model_id
+from exo.api.serving.model_lookup import Cluster, card_of, resolve_model_id
 from exo.api.wire.errors import ApiError, ModelNotFoundError, NoCapacityError
 from exo.download.locations import delete_downloaded_model
 from exo.download.model_lock import ModelBusyError
@@ -42,7 +41,6 @@ from exo.shared.types.models import LocalDirectorySource, ModelCard
 from exo.shared.types.nodes import DownloadCompleted, DownloadPending
 
 router = APIRouter()
-Cluster = Annotated[ClusterClient, Depends(cluster_dependency)]
 
 
 class ModelInUseError(ApiError):

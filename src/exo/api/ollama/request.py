@@ -245,6 +245,7 @@ def _task_params(
             model=model_id,
             messages=messages,
             prompt=prompt,
+            stream=request.stream,
             **sampling_fields(
                 max_tokens=_max_tokens(options.num_predict),
                 temperature=options.temperature,
@@ -255,7 +256,6 @@ def _task_params(
                 # -1 is llama.cpp's and Ollama's "random seed".
                 seed=None if options.seed == -1 else options.seed,
                 stop=options.stop,
-                stream=request.stream,
                 presence_penalty=options.presence_penalty,
                 frequency_penalty=options.frequency_penalty,
                 repetition_penalty=options.repeat_penalty,

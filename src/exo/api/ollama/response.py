@@ -23,7 +23,8 @@ from exo.api.ollama.wire_types import (
 from exo.api.wire import stream
 from exo.api.wire.errors import ApiError, GenerationError
 from exo.api.wire.logprobs import logprob_entries
-from exo.shared.types.chunks import Chunk, FinishReason, TokenLogprob, Usage
+from exo.api.wire.stream import CompletedReason
+from exo.shared.types.chunks import Chunk, TokenLogprob, Usage
 from exo.shared.types.text_generation import ToolCall
 
 # ---------------------------------------------------------------- responses
@@ -39,9 +40,12 @@ class _Timer:
         self._clock = clock
         self._first_chunk_ns: int | None = None
 
-    def saw_chunk(self) -> None:
-        if self._first_chunk_ns is None:
-            self._first_chunk_ns = self._clock()
+    async def watch(self, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+        """`chunks`, noting when the first arrives."""
+        async for chunk in chunks:
+            if self._first_chunk_ns is None:
+                self._first_chunk_ns = self._clock()
+            yield chunk
 
     def timings(self, usage: Usage | None) -> OllamaTimings:
         prompt_tokens = usage.prompt_tokens if usage else 0
@@ -58,28 +62,15 @@ class _Timer:
         )
 
 
-def _done_reason(reason: FinishReason) -> str:
-    """Ollama's `done_reason`; a generation that called tools is "stop" there.
-
-    Raises:
-        GenerationError: the generation failed or was cancelled (Ollama has no value for
-            either, and "stop" would make a truncated answer look complete).
-    """
-    match reason:
-        case "stop" | "tool_calls":
-            return "stop"
-        case "length":
-            return "length"
-        case "error" | "cancelled":
-            raise stream.unfinished_generation_error(reason)
-        case _:
-            assert_never(reason)
+def _done_reason(reason: CompletedReason) -> str:
+    """Ollama's `done_reason`; a generation that called tools is "stop" there."""
+    return "length" if reason == "length" else "stop"
 
 
 def _tool_calls(
     dialect: Dialect, tool_calls: Sequence[ToolCall], first_index: int
 ) -> list[OllamaResponseToolCall]:
-    if dialect == "generate":
+    if dialect == "generate" and tool_calls:
         raise GenerationError("a tool call in a generate request")
     calls: list[OllamaResponseToolCall] = []
     for offset, call in enumerate(tool_calls):
@@ -178,8 +169,7 @@ async def stream_ollama(
     timer = _Timer(started_ns, clock)
     tool_call_count = 0
     try:
-        async for piece in stream.generation_events(chunks, conversation_param=None):
-            timer.saw_chunk()
+        async for piece in stream.generation_events(timer.watch(chunks), conversation_param=None):
             match piece:
                 case stream.Text():
                     if piece.text or piece.reasoning or piece.logprobs:
@@ -195,7 +185,7 @@ async def stream_ollama(
                         _line(dialect, model, rfc3339_nano(now_ns()), tool_calls=calls)
                     )
                 case stream.Finished():
-                    done_reason = _done_reason(piece.reason)
+                    done_reason = _done_reason(piece.completed_reason)
                     line = _line(
                         dialect, model, rfc3339_nano(now_ns()), done_reason=done_reason,
                         timings=timer.timings(piece.usage),
@@ -228,30 +218,14 @@ async def collect_ollama(
         GenerationError: the generation failed, was cancelled, or ended without a finish.
     """
     timer = _Timer(started_ns, clock)
-    texts: list[str] = []
-    thinking: list[str] = []
-    tool_calls: list[OllamaResponseToolCall] = []
-    logprobs: list[OllamaLogprob] = []
-    async for piece in stream.generation_events(chunks, conversation_param=None):
-        timer.saw_chunk()
-        match piece:
-            case stream.Text():
-                texts.append(piece.text)
-                thinking.append(piece.reasoning)
-                logprobs.extend(_logprobs(piece.logprobs))
-            case stream.ToolCalls():
-                tool_calls.extend(_tool_calls(dialect, piece.calls, len(tool_calls)))
-            case stream.Finished():
-                return _line(
-                    dialect, model, rfc3339_nano(now_ns()), text="".join(texts),
-                    thinking="".join(thinking), tool_calls=tool_calls, logprobs=logprobs,
-                    done_reason=_done_reason(piece.reason), timings=timer.timings(piece.usage),
-                )  # fmt: skip
-            case stream.Failed():
-                raise piece.error
-            case _:
-                assert_never(piece)
-    raise AssertionError("generation_events ended without a Finished or Failed")
+    generation = await stream.collect_generation(timer.watch(chunks), conversation_param=None)
+    return _line(
+        dialect, model, rfc3339_nano(now_ns()), text=generation.text,
+        thinking=generation.reasoning, tool_calls=_tool_calls(dialect, generation.tool_calls, 0),
+        logprobs=_logprobs(generation.logprobs),
+        done_reason=_done_reason(generation.finished.completed_reason),
+        timings=timer.timings(generation.finished.usage),
+    )  # fmt: skip
 
 
 def _json_line(response: OllamaChatResponse | OllamaGenerateResponse) -> str:

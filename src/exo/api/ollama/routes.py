@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from exo.api.ollama.model_listings import (
@@ -48,11 +48,11 @@ from exo.api.ollama.wire_types import (
 from exo.api.openai_chat import routes as chat
 from exo.api.openai_completions import routes as completions
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
-from exo.api.serving.generation import collect, start_generation, streaming_response
+from exo.api.serving.generation import serve_generation
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
 from exo.api.serving.model_lookup import (
+    Cluster,
     card_of,
-    cluster_dependency,
     resolve_model_id,
     servable_model_ids,
 )
@@ -85,7 +85,6 @@ def _render_ollama_error(
 ERROR_DIALECT = ErrorDialect("ollama", (f"{PREFIX}/api",), _render_ollama_error)
 
 router = APIRouter()
-Cluster = Annotated[ClusterClient, Depends(cluster_dependency)]
 
 # Ollama's OpenAI-compatible API, served by the same handlers as `/v1/...`.
 router.add_api_route(
@@ -201,20 +200,15 @@ async def _generate(
     started_ns: int,
     keep_alive: KeepAlive | None,
 ) -> StreamingResponse | OllamaChatResponse | OllamaGenerateResponse:
-    generation = await start_generation(cluster, request, params, keep_alive=keep_alive)
-    if params.stream:
-        return streaming_response(
-            generation,
-            lambda chunks: stream_ollama(
-                chunks, dialect=dialect, model=model, started_ns=started_ns
-            ),
-            media_type=NDJSON_MEDIA_TYPE,
-        )
-    return await collect(
-        generation,
-        request,
-        lambda chunks: collect_ollama(chunks, dialect=dialect, model=model, started_ns=started_ns),
-    )
+    return await serve_generation(
+        cluster, request, params, keep_alive=keep_alive, media_type=NDJSON_MEDIA_TYPE,
+        render=lambda chunks: stream_ollama(
+            chunks, dialect=dialect, model=model, started_ns=started_ns
+        ),
+        collector=lambda chunks: collect_ollama(
+            chunks, dialect=dialect, model=model, started_ns=started_ns
+        ),
+    )  # fmt: skip
 
 
 async def _load_or_unload(

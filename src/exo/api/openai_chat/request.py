@@ -86,6 +86,7 @@ def to_task_params(request: ChatCompletionRequest) -> TextGenerationTaskParams:
         model=ModelId(request.model),
         messages=_to_chat_messages(request.messages),
         **openai_sampling_fields(request, max_tokens=_max_tokens(request)),
+        stream=request.stream,
         tools=_tools(request),
         tool_choice=_tool_choice(request),
         parallel_tool_calls=(

@@ -15,7 +15,6 @@ from typing import assert_never
 from exo.api.openai_chat.wire_types import (
     ChatCompletionChunk,
     ChatCompletionResponse,
-    ChatFinishReason,
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
@@ -34,28 +33,12 @@ from exo.api.openai_chat.wire_types import (
 from exo.api.wire import stream
 from exo.api.wire.logprobs import logprob_entries
 from exo.api.wire.openai_sse import SSE_DONE, openai_chunk_event, openai_error_events
-from exo.shared.types.chunks import Chunk, FinishReason, TokenLogprob, Usage
+from exo.shared.types.chunks import Chunk, TokenLogprob, Usage
 from exo.shared.types.text_generation import (
     TextGenerationTaskParams,
 )
 
 # ---------------------------------------------------------------- response
-
-
-def _chat_finish_reason(reason: FinishReason) -> ChatFinishReason:
-    """Map an internal finish reason onto OpenAI's.
-
-    Raises:
-        GenerationError: for "error" and "cancelled". OpenAI has no value for a cancelled
-            generation, and reporting "stop" would make a truncated answer look complete.
-    """
-    match reason:
-        case "stop" | "length" | "tool_calls":
-            return reason
-        case "error" | "cancelled":
-            raise stream.unfinished_generation_error(reason)
-        case _:
-            assert_never(reason)
 
 
 def _completion_usage(usage: Usage) -> CompletionUsage:
@@ -170,7 +153,7 @@ async def stream_chat_completion(
                     tool_call_count += 1
                     yield event([ChunkChoice(index=0, delta=ChunkDelta(tool_calls=[delta_call]))])
             case stream.Finished():
-                finish_reason = _chat_finish_reason(piece.reason)
+                finish_reason = piece.completed_reason
                 yield event([ChunkChoice(index=0, delta=ChunkDelta(), finish_reason=finish_reason)])
                 if include_usage:
                     yield event([], _completion_usage(piece.final_usage))
@@ -211,43 +194,27 @@ async def collect_chat_completion(
             stream ended without a finish.
     """
     want_logprobs = params is not None and params.logprobs
-    texts: list[str] = []
-    reasoning: list[str] = []
-    tool_calls: list[ResponseToolCall] = []
-    logprobs: list[LogprobEntry] = []
-    async for piece in stream.generation_events(chunks, conversation_param="messages"):
-        match piece:
-            case stream.Text():
-                texts.append(piece.text)
-                reasoning.append(piece.reasoning)
-                logprobs.extend(_logprob_entries(piece.logprobs))
-            case stream.ToolCalls():
-                tool_calls.extend(
-                    ResponseToolCall(
-                        id=call.id,
-                        function=ResponseFunctionCall(name=call.name, arguments=call.arguments),
-                    )
-                    for call in piece.calls
-                )
-            case stream.Finished():
-                text = "".join(texts)
-                message = ResponseMessage(
-                    content=text if text or not tool_calls else None,
-                    tool_calls=tool_calls or None,
-                    reasoning_content="".join(reasoning) or None,
-                )
-                choice = Choice(
-                    index=0,
-                    message=message,
-                    finish_reason=_chat_finish_reason(piece.reason),
-                    logprobs=ChoiceLogprobs(content=logprobs) if want_logprobs else None,
-                )
-                return ChatCompletionResponse(
-                    id=completion_id, created=created, model=model, choices=[choice],
-                    usage=_completion_usage(piece.final_usage),
-                )  # fmt: skip
-            case stream.Failed():
-                raise piece.error
-            case _:
-                assert_never(piece)
-    raise AssertionError("generation_events ended without a Finished or Failed")
+    generation = await stream.collect_generation(chunks, conversation_param="messages")
+    tool_calls = [
+        ResponseToolCall(
+            id=call.id, function=ResponseFunctionCall(name=call.name, arguments=call.arguments)
+        )
+        for call in generation.tool_calls
+    ]
+    text = generation.text
+    message = ResponseMessage(
+        content=text if text or not tool_calls else None,
+        tool_calls=tool_calls or None,
+        reasoning_content=generation.reasoning or None,
+    )
+    logprobs = _logprob_entries(generation.logprobs) if want_logprobs else None
+    choice = Choice(
+        index=0,
+        message=message,
+        finish_reason=generation.finished.completed_reason,
+        logprobs=ChoiceLogprobs(content=logprobs) if logprobs is not None else None,
+    )
+    return ChatCompletionResponse(
+        id=completion_id, created=created, model=model, choices=[choice],
+        usage=_completion_usage(generation.finished.final_usage),
+    )  # fmt: skip

@@ -9,9 +9,8 @@ converted; responses name that id, as OpenAI's name the snapshot an alias resolv
 from __future__ import annotations
 
 import time
-from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from exo.api.openai_chat.request import (
@@ -24,10 +23,9 @@ from exo.api.openai_chat.wire_types import (
     ModelList,
     ModelObject,
 )
-from exo.api.serving.cluster_client import ClusterClient
-from exo.api.serving.generation import collect, start_generation, streaming_response
+from exo.api.serving.generation import serve_generation
 from exo.api.serving.model_lookup import (
-    cluster_dependency,
+    Cluster,
     resolve_model_id,
     servable_model_ids,
     with_resolved_model,
@@ -38,7 +36,6 @@ from exo.shared.types.commands import CancelGeneration
 from exo.shared.types.common import CommandId
 
 router = APIRouter()
-Cluster = Annotated[ClusterClient, Depends(cluster_dependency)]
 
 
 class GenerationNotFoundError(ApiError):
@@ -79,27 +76,17 @@ async def chat_completions(
     params = to_task_params(with_resolved_model(cluster, body))
     command_id = CommandId.new()
     completion_id, created = response_id("chatcmpl-", command_id), int(time.time())
-    generation = await start_generation(cluster, request, params, command_id=command_id)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return streaming_response(
-            generation,
-            lambda chunks: stream_chat_completion(
-                chunks,
-                completion_id=completion_id,
-                model=params.model,
-                created=created,
-                include_usage=include_usage,
-                params=params,
-            ),
-        )
-    return await collect(
-        generation,
-        request,
-        lambda chunks: collect_chat_completion(
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return await serve_generation(
+        cluster, request, params, command_id=command_id,
+        render=lambda chunks: stream_chat_completion(
+            chunks, completion_id=completion_id, model=params.model, created=created,
+            include_usage=include_usage, params=params,
+        ),
+        collector=lambda chunks: collect_chat_completion(
             chunks, completion_id=completion_id, model=params.model, created=created, params=params
         ),
-    )
+    )  # fmt: skip
 
 
 @router.post("/v1/cancel/{generation_id}")

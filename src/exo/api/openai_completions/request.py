@@ -49,6 +49,7 @@ def to_task_params(request: CompletionRequest) -> TextGenerationTaskParams:
         model=ModelId(request.model),
         prompt=prompt,
         **openai_sampling_fields(request, max_tokens=request.max_tokens),
+        stream=request.stream,
         logit_bias=logit_bias_from_wire(request.logit_bias, "logit_bias"),
         logprobs=request.logprobs is not None,
         top_logprobs=request.logprobs or 0,

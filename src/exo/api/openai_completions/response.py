@@ -22,26 +22,15 @@ from exo.api.openai_completions.wire_types import (
 from exo.api.wire import stream
 from exo.api.wire.logprobs import logprob_token
 from exo.api.wire.openai_sse import SSE_DONE, openai_chunk_event, openai_error_events
-from exo.shared.types.chunks import Chunk, FinishReason, TokenLogprob, Usage
+from exo.api.wire.stream import CompletedReason
+from exo.shared.types.chunks import Chunk, TokenLogprob, Usage
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 
-def completion_finish_reason(reason: FinishReason) -> CompletionFinishReason:
+def completion_finish_reason(reason: CompletedReason) -> CompletionFinishReason:
     """Map an internal finish reason onto the legacy API's ("tool_calls" cannot happen: a
-    raw prompt has no tools).
-
-    Raises:
-        GenerationError: for "error" and "cancelled" (no legacy value says either).
-    """
-    match reason:
-        case "stop" | "length":
-            return reason
-        case "tool_calls":
-            return "stop"
-        case "error" | "cancelled":
-            raise stream.unfinished_generation_error(reason)
-        case _:
-            assert_never(reason)
+    raw prompt has no tools)."""
+    return "stop" if reason == "tool_calls" else reason
 
 
 # The legacy API's spelling of a token that is not whole UTF-8 characters.
@@ -164,7 +153,7 @@ async def stream_completion(
             case stream.ToolCalls():  # cannot happen for a raw prompt; its tokens still count
                 pass
             case stream.Finished():
-                finish_reason = completion_finish_reason(piece.reason)
+                finish_reason = completion_finish_reason(piece.completed_reason)
                 yield event([CompletionChoice(text="", finish_reason=finish_reason)])
                 if include_usage:
                     yield event([], _usage(piece.final_usage))
@@ -194,36 +183,27 @@ async def collect_completion(
         GenerationError: an `ErrorChunk` arrived, the generation was cancelled, or the
             stream ended without a finish.
     """
+    generation = await stream.collect_generation(chunks, conversation_param="prompt")
     texts: list[str] = [echo]
     logprobs = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     text_offset = len(echo)
     decoder = utf8_offset_decoder()
-    async for piece in stream.generation_events(chunks, conversation_param="prompt"):
-        match piece:
-            case stream.Text():
-                text = piece.text + piece.reasoning
-                texts.append(text)
-                if piece.logprobs:  # offsets per chunk: its tokens' texts are within its text
-                    part = legacy_logprobs(piece.logprobs, text_offset, len(text), decoder)
-                    logprobs.tokens.extend(part.tokens)
-                    logprobs.token_logprobs.extend(part.token_logprobs)
-                    logprobs.top_logprobs.extend(part.top_logprobs)
-                    logprobs.text_offset.extend(part.text_offset)
-                text_offset += len(text)
-            case stream.ToolCalls():  # cannot happen for a raw prompt; its tokens still count
-                pass
-            case stream.Finished():
-                choice = CompletionChoice(
-                    text="".join(texts),
-                    logprobs=logprobs if params.logprobs else None,
-                    finish_reason=completion_finish_reason(piece.reason),
-                )
-                return Completion(
-                    id=completion_id, created=created, model=model, choices=[choice],
-                    usage=_usage(piece.final_usage),
-                )  # fmt: skip
-            case stream.Failed():
-                raise piece.error
-            case _:
-                assert_never(piece)
-    raise AssertionError("generation_events ended without a Finished or Failed")
+    for piece in generation.texts:
+        text = piece.text + piece.reasoning
+        texts.append(text)
+        if piece.logprobs:  # offsets per chunk: its tokens' texts are within its text
+            part = legacy_logprobs(piece.logprobs, text_offset, len(text), decoder)
+            logprobs.tokens.extend(part.tokens)
+            logprobs.token_logprobs.extend(part.token_logprobs)
+            logprobs.top_logprobs.extend(part.top_logprobs)
+            logprobs.text_offset.extend(part.text_offset)
+        text_offset += len(text)
+    choice = CompletionChoice(
+        text="".join(texts),
+        logprobs=logprobs if params.logprobs else None,
+        finish_reason=completion_finish_reason(generation.finished.completed_reason),
+    )
+    return Completion(
+        id=completion_id, created=created, model=model, choices=[choice],
+        usage=_usage(generation.finished.final_usage),
+    )  # fmt: skip

@@ -128,8 +128,8 @@ def to_task_params(request: ResponsesRequest) -> TextGenerationTaskParams:
                 temperature=request.temperature,
                 top_p=request.top_p,
                 top_k=vllm_top_k(request.top_k),
-                stream=request.stream,
             ),
+            stream=request.stream,
             tools=tuple(_to_tool_definition(tool) for tool in function_tools(request)),
             tool_choice=_tool_choice(request),
             parallel_tool_calls=(

@@ -4,9 +4,8 @@ so this module defines no `ERROR_DIALECT`."""
 from __future__ import annotations
 
 import time
-from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from exo.api.openai_responses.context import response_context
@@ -19,14 +18,12 @@ from exo.api.openai_responses.response import (
     stream_response,
 )
 from exo.api.openai_responses.response_types import ResponseObject
-from exo.api.serving.cluster_client import ClusterClient
-from exo.api.serving.generation import collect, start_generation, streaming_response
-from exo.api.serving.model_lookup import cluster_dependency, with_resolved_model
+from exo.api.serving.generation import serve_generation
+from exo.api.serving.model_lookup import Cluster, with_resolved_model
 from exo.api.serving.response_ids import response_id
 from exo.shared.types.common import CommandId
 
 router = APIRouter()
-Cluster = Annotated[ClusterClient, Depends(cluster_dependency)]
 
 
 @router.post("/v1/responses", response_model=None)
@@ -40,7 +37,8 @@ async def create_response(
     context = response_context(
         body, params, response_id("resp_", command_id), created_at=int(time.time())
     )
-    generation = await start_generation(cluster, request, params, command_id=command_id)
-    if body.stream:
-        return streaming_response(generation, lambda chunks: stream_response(chunks, context))
-    return await collect(generation, request, lambda chunks: collect_response(chunks, context))
+    return await serve_generation(
+        cluster, request, params, command_id=command_id,
+        render=lambda chunks: stream_response(chunks, context),
+        collector=lambda chunks: collect_response(chunks, context),
+    )  # fmt: skip

@@ -366,6 +366,28 @@ async def collect(
     return result[0]
 
 
+async def serve_generation(
+    cluster: ClusterClient,
+    request: Request,
+    params: TextGenerationTaskParams,
+    *,
+    render: ChunkRenderer,
+    collector: Callable[[AsyncIterator[Chunk]], Awaitable[T]],
+    command_id: CommandId | None = None,
+    keep_alive: KeepAlive | None = None,
+    media_type: str = "text/event-stream",
+) -> T | StreamingResponse:
+    """What a dialect's generation route answers: `start_generation`, then the stream
+    `render(chunks)` when the request asked to stream (`params.stream`), else `await
+    collector(chunks)` (see `streaming_response` and `collect`)."""
+    generation = await start_generation(
+        cluster, request, params, command_id=command_id, keep_alive=keep_alive
+    )
+    if params.stream:
+        return streaming_response(generation, render, media_type)
+    return await collect(generation, request, collector)
+
+
 async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
     while not await request.is_disconnected():
         await anyio.sleep(DISCONNECT_POLL_SECONDS)

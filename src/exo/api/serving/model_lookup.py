@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
-from fastapi import Request
+from fastapi import Depends, Request
 from pydantic import BaseModel
 
 from exo.api.serving.cluster_client import ClusterClient
@@ -29,6 +29,10 @@ RequestBody = TypeVar("RequestBody", bound=BaseModel)
 def cluster_dependency(request: Request) -> ClusterClient:
     cluster: ClusterClient = request.app.state.cluster
     return cluster
+
+
+Cluster = Annotated[ClusterClient, Depends(cluster_dependency)]
+"""A route parameter: the node's cluster client."""
 
 
 def known_model_ids(cluster: ClusterClient) -> list[ModelId]:

@@ -25,7 +25,6 @@ def sampling_fields(
     temperature: float | None,
     top_p: float | None,
     top_k: int | None,
-    stream: bool,
     stop: str | Sequence[str] | None = None,
     min_p: float | None = None,
     seed: int | None = None,
@@ -48,11 +47,17 @@ def sampling_fields(
         "min_p": min_p,
         "seed": seed,
         "stop": tuple(sequence for sequence in sequences if sequence),
-        "stream": stream,
         "presence_penalty": presence_penalty or 0.0,
         "frequency_penalty": frequency_penalty or 0.0,
         "repetition_penalty": repetition_penalty,
     }
+
+
+# Fields the two OpenAI-shaped requests name as the internal request does.
+_OPENAI_SAMPLING_FIELDS = (
+    "temperature", "top_p", "min_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+    "repetition_penalty",
+)  # fmt: skip
 
 
 def openai_sampling_fields(
@@ -61,19 +66,8 @@ def openai_sampling_fields(
     """`sampling_fields` of the two OpenAI-shaped requests that share their sampling fields
     (vLLM's `top_k`, `min_p` and `repetition_penalty` included); `max_tokens` as the
     dialect reads it."""
-    return sampling_fields(
-        max_tokens=max_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=vllm_top_k(request.top_k),
-        min_p=request.min_p,
-        seed=request.seed,
-        stop=request.stop,
-        stream=request.stream,
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-        repetition_penalty=request.repetition_penalty,
-    )
+    shared = {name: getattr(request, name) for name in _OPENAI_SAMPLING_FIELDS}
+    return sampling_fields(max_tokens=max_tokens, top_k=vllm_top_k(request.top_k), **shared)
 
 
 def vllm_top_k(top_k: int | None) -> int | None:

@@ -25,6 +25,9 @@ from exo.shared.types.chunks import (
 )
 from exo.shared.types.text_generation import ToolCall
 
+CompletedReason = Literal["stop", "length", "tool_calls"]
+"""How a generation that completed ended (`FinishReason` without "error" and "cancelled")."""
+
 
 @dataclass(frozen=True, slots=True)
 class Text:
@@ -57,6 +60,22 @@ class Finished:
     @property
     def final_usage(self) -> Usage:
         return final_usage(self.usage, self.counted_completion_tokens)
+
+    @property
+    def completed_reason(self) -> CompletedReason:
+        """`reason`, which `generation_events` (`fail_unfinished`) never makes "error" or
+        "cancelled".
+
+        Raises:
+            GenerationError: it is one of those after all.
+        """
+        match self.reason:
+            case "stop" | "length" | "tool_calls":
+                return self.reason
+            case "error" | "cancelled":
+                raise unfinished_generation_error(self.reason)
+            case _:
+                assert_never(self.reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +128,55 @@ async def generation_events(
             yield Finished(reason, chunk.usage, counted_completion_tokens, stop_sequence)
         return
     yield Failed(ended_without_finish())
+
+
+@dataclass(frozen=True, slots=True)
+class CollectedGeneration:
+    """A whole generation, for an answer that is not streamed."""
+
+    texts: tuple[Text, ...]
+    tool_calls: tuple[ToolCall, ...]
+    finished: Finished
+
+    @property
+    def text(self) -> str:
+        return "".join(piece.text for piece in self.texts)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(piece.reasoning for piece in self.texts)
+
+    @property
+    def logprobs(self) -> tuple[TokenLogprob, ...]:
+        return tuple(entry for piece in self.texts for entry in piece.logprobs)
+
+
+async def collect_generation(
+    chunks: AsyncIterator[Chunk], *, conversation_param: str | None
+) -> CollectedGeneration:
+    """Every event of `generation_events` (`fail_unfinished`), gathered.
+
+    Raises:
+        ApiError: the generation failed (the error of its `Failed` event).
+    """
+    texts: list[Text] = []
+    tool_calls: list[ToolCall] = []
+    end: Finished | Failed | None = None
+    # Read to the end (the events stop after the finish), so nothing is left suspended.
+    async for piece in generation_events(chunks, conversation_param=conversation_param):
+        match piece:
+            case Text():
+                texts.append(piece)
+            case ToolCalls():
+                tool_calls.extend(piece.calls)
+            case Finished() | Failed():
+                end = piece
+            case _:
+                assert_never(piece)
+    if isinstance(end, Failed):
+        raise end.error
+    assert end is not None, "generation_events ends with a Finished or a Failed"
+    return CollectedGeneration(tuple(texts), tuple(tool_calls), end)
 
 
 def unfinished_generation_error(reason: Literal["error", "cancelled"]) -> GenerationError:
