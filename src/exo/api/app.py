@@ -74,17 +74,6 @@ def error_dialect_for(path: str) -> ErrorDialect:
     return OPENAI_ERRORS
 
 
-def _error_response(
-    request: Request,
-    status_code: int,
-    error_type: str,
-    message: str,
-    param: str | None = None,
-    code: str | None = None,
-) -> JSONResponse:
-    return error_response_for_path(request.url.path, status_code, error_type, message, param, code)
-
-
 def error_response_for_path(
     path: str,
     status_code: int,
@@ -185,8 +174,13 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> JSONResponse:
-        response = _error_response(
-            request, error.status_code, error.error_type, error.message, error.param, error.code
+        response = error_response_for_path(
+            request.url.path,
+            error.status_code,
+            error.error_type,
+            error.message,
+            error.param,
+            error.code,
         )
         if isinstance(error, QueueFullError):
             response.headers["Retry-After"] = str(error.retry_after_seconds)
@@ -194,7 +188,9 @@ def create_app(
 
     @app.exception_handler(CommandTimeoutError)
     async def _timeout(request: Request, error: CommandTimeoutError) -> JSONResponse:
-        return _error_response(request, 503, "service_unavailable_error", str(error))
+        return error_response_for_path(
+            request.url.path, 503, "service_unavailable_error", str(error)
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -204,19 +200,24 @@ def create_app(
         errors = error.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
             detail = errors[0].get("ctx", {}).get("error", "invalid JSON")
-            return _error_response(
-                request,
+            return error_response_for_path(
+                request.url.path,
                 400,
                 "invalid_request_error",
                 f"the request body is not valid JSON: {detail}",
             )
         message, param = describe_validation_errors(errors)
-        return _error_response(request, 400, "invalid_request_error", message, param)
+        return error_response_for_path(
+            request.url.path, 400, "invalid_request_error", message, param
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return _error_response(
-            request, error.status_code, error_type_for_status(error.status_code), str(error.detail)
+        return error_response_for_path(
+            request.url.path,
+            error.status_code,
+            error_type_for_status(error.status_code),
+            str(error.detail),
         )
 
     return app

@@ -149,6 +149,7 @@ def to_task_params(request: MessagesRequest) -> TextGenerationTaskParams:
         )
     return build_task_params(
         **_prompt_fields(request),
+        stream=request.stream,
         response_format="text" if output_format is None else "json_schema",
         json_schema=None if output_format is None else output_format.schema_,
         **sampling_fields(
@@ -158,7 +159,6 @@ def to_task_params(request: MessagesRequest) -> TextGenerationTaskParams:
             top_k=request.top_k,
             stop=request.stop_sequences,
         ),
-        stream=request.stream,
     )
 
 

@@ -32,7 +32,7 @@ from exo.api.openai_chat.wire_types import (
 )
 from exo.api.wire import stream
 from exo.api.wire.logprobs import logprob_entries
-from exo.api.wire.openai_sse import SSE_DONE, openai_chunk_event, openai_error_events
+from exo.api.wire.openai_sse import openai_chunk_event, openai_stream_end
 from exo.shared.types.chunks import Chunk, TokenLogprob, Usage
 from exo.shared.types.text_generation import (
     TextGenerationTaskParams,
@@ -116,6 +116,11 @@ async def stream_chat_completion(
         )
         return openai_chunk_event(chunk, include_usage)
 
+    def finish_event(end: stream.Finished) -> str:
+        return event([ChunkChoice(index=0, delta=ChunkDelta(), finish_reason=end.completed_reason)])
+
+    usage_event = (lambda usage: event([], _completion_usage(usage))) if include_usage else None
+
     def delta_event(delta: ChunkDelta) -> str:
         return event([ChunkChoice(index=0, delta=delta)])
 
@@ -152,14 +157,8 @@ async def stream_chat_completion(
                     )
                     tool_call_count += 1
                     yield event([ChunkChoice(index=0, delta=ChunkDelta(tool_calls=[delta_call]))])
-            case stream.Finished():
-                finish_reason = piece.completed_reason
-                yield event([ChunkChoice(index=0, delta=ChunkDelta(), finish_reason=finish_reason)])
-                if include_usage:
-                    yield event([], _completion_usage(piece.final_usage))
-                yield SSE_DONE
-            case stream.Failed():
-                for line in openai_error_events(piece.error):
+            case stream.Finished() | stream.Failed():
+                for line in openai_stream_end(piece, finish_event, usage_event):
                     yield line
             case _:
                 assert_never(piece)

@@ -21,7 +21,7 @@ from exo.api.openai_completions.wire_types import (
 )
 from exo.api.wire import stream
 from exo.api.wire.logprobs import logprob_token
-from exo.api.wire.openai_sse import SSE_DONE, openai_chunk_event, openai_error_events
+from exo.api.wire.openai_sse import openai_chunk_event, openai_stream_end
 from exo.api.wire.stream import CompletedReason
 from exo.shared.types.chunks import Chunk, TokenLogprob, Usage
 from exo.shared.types.text_generation import TextGenerationTaskParams
@@ -134,6 +134,12 @@ async def stream_completion(
         )
         return openai_chunk_event(chunk, include_usage)
 
+    def finish_event(end: stream.Finished) -> str:
+        reason = completion_finish_reason(end.completed_reason)
+        return event([CompletionChoice(text="", finish_reason=reason)])
+
+    usage_event = (lambda usage: event([], _usage(usage))) if include_usage else None
+
     if echo:
         yield event([CompletionChoice(text=echo)])
     text_offset = len(echo)
@@ -152,14 +158,8 @@ async def stream_completion(
                 text_offset += len(text)
             case stream.ToolCalls():  # cannot happen for a raw prompt; its tokens still count
                 pass
-            case stream.Finished():
-                finish_reason = completion_finish_reason(piece.completed_reason)
-                yield event([CompletionChoice(text="", finish_reason=finish_reason)])
-                if include_usage:
-                    yield event([], _usage(piece.final_usage))
-                yield SSE_DONE
-            case stream.Failed():
-                for line in openai_error_events(piece.error):
+            case stream.Finished() | stream.Failed():
+                for line in openai_stream_end(piece, finish_event, usage_event):
                     yield line
             case _:
                 assert_never(piece)

@@ -112,21 +112,9 @@ class ResponseAssembler:
             incomplete_details=IncompleteDetails(reason="max_output_tokens")
             if incomplete
             else None,
-            model=context.model,
             output=list(self._output),
-            instructions=context.instructions,
-            max_output_tokens=context.max_output_tokens,
-            parallel_tool_calls=context.parallel_tool_calls,
-            reasoning=context.reasoning,
-            temperature=context.temperature,
-            text=context.text,
-            tool_choice=context.tool_choice,
-            tools=list(context.tools),
-            top_logprobs=context.top_logprobs,
-            top_p=context.top_p,
             usage=usage,
-            user=context.user,
-            metadata=dict(context.metadata),
+            **context.echoed_fields(),
         )
 
     def start(self) -> Iterator[StreamEvent]:

@@ -1,12 +1,12 @@
 """The request fields one OpenAI Responses response echoes back: `ResponseContext`,
 built once per request by `response_context` and carried by every response object and
-lifecycle event of that request (see `openai_responses_output`).
+lifecycle event of that request (see `response` and `assembler`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 from exo.api.openai_responses.request import function_tools
 from exo.api.openai_responses.request_types import (
@@ -49,6 +49,18 @@ class ResponseContext:
     @property
     def id_hex(self) -> str:
         return self.response_id.split("_", 1)[-1]
+
+    def echoed_fields(self) -> dict[str, Any]:
+        """The `ResponseObject` fields of the request fields echoed back."""
+        echoed = {name: getattr(self, name) for name in _ECHOED_FIELDS}
+        return {**echoed, "tools": list(self.tools), "metadata": dict(self.metadata)}
+
+
+_ECHOED_FIELDS = tuple(
+    entry.name
+    for entry in fields(ResponseContext)
+    if entry.name not in ("response_id", "created_at")
+)
 
 
 def _format_echo(request: ResponsesRequest, params: TextGenerationTaskParams) -> TextFormatEcho:

@@ -11,10 +11,13 @@ ignore unknown events still see a well-terminated stream.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from pydantic import BaseModel
 
 from exo.api.wire.errors import ApiError, openai_error_body_for
+from exo.api.wire.stream import Failed, Finished
+from exo.shared.types.chunks import Usage
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -34,3 +37,17 @@ def openai_chunk_event(chunk: BaseModel, include_usage: bool) -> str:
 def openai_error_events(error: ApiError) -> tuple[str, str]:
     """The end of a failed stream: the error in OpenAI's shape, then `[DONE]`."""
     return openai_sse(json.dumps(openai_error_body_for(error), ensure_ascii=False)), SSE_DONE
+
+
+def openai_stream_end(
+    end: Finished | Failed,
+    finish_event: Callable[[Finished], str],
+    usage_event: Callable[[Usage], str] | None,
+) -> tuple[str, ...]:
+    """The last events of a stream: `finish_event(end)`, then `usage_event` of the final
+    usage (None: the request did not ask for usage), then `[DONE]`; for a failure the
+    error event and `[DONE]`."""
+    if isinstance(end, Failed):
+        return openai_error_events(end.error)
+    usage = () if usage_event is None else (usage_event(end.final_usage),)
+    return (finish_event(end), *usage, SSE_DONE)
