@@ -2,7 +2,7 @@
 
 Pure conversions: a wire request becomes `TextGenerationTaskParams` (this module); the
 internal chunk stream of one generation becomes Anthropic's SSE events or one `Message`
-(`claude_messages_output`). Routes do the I/O around them.
+(`response`). Routes do the I/O around them.
 
 Choices, each said where it matters:
 - A matched stop string is `stop_reason: "stop_sequence"` with `stop_sequence` set (the

@@ -1,5 +1,5 @@
-"""Ollama's native API <-> internal types, with `ollama_output` (a generation's chunks as
-newline-delimited JSON lines or one response object) and `ollama_models` (model cards as
+"""Ollama's native API <-> internal types, with `response` (a generation's chunks as
+newline-delimited JSON lines or one response object) and `model_listings` (model cards as
 `/api/tags`, `/api/show` and `/api/ps` entries). This module turns `/api/chat` and
 `/api/generate` bodies into `TextGenerationTaskParams`. Routes do the I/O (and supply the
 clocks) around them.

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response
 
 from exo.api.ollama.model_listings import (
     process_model,
@@ -114,26 +115,20 @@ async def version() -> OllamaVersionResponse:
 async def ollama_chat(
     body: OllamaChatRequest, request: Request, cluster: Cluster
 ) -> Response | OllamaChatResponse | OllamaGenerateResponse:
-    started_ns = time.monotonic_ns()
-    card = _card_for_request(cluster, body.model)
-    keep_alive = parse_keep_alive(body.keep_alive)
-    if not body.messages:
-        return await _load_or_unload(cluster, request, card, keep_alive, "chat", body)
-    params = chat_to_task_params(body, card.model_id, card.capabilities)
-    return await _generate(cluster, request, params, "chat", body.model, started_ns, keep_alive)
+    return await _answer(
+        cluster, request, body, "chat", bool(body.messages),
+        lambda card: chat_to_task_params(body, card.model_id, card.capabilities),
+    )  # fmt: skip
 
 
 @router.post(f"{PREFIX}/api/generate", response_model=None)
 async def ollama_generate(
     body: OllamaGenerateRequest, request: Request, cluster: Cluster
 ) -> Response | OllamaChatResponse | OllamaGenerateResponse:
-    started_ns = time.monotonic_ns()
-    card = _card_for_request(cluster, body.model)
-    keep_alive = parse_keep_alive(body.keep_alive)
-    if not body.prompt:
-        return await _load_or_unload(cluster, request, card, keep_alive, "generate", body)
-    params = generate_to_task_params(body, card.model_id, card.capabilities)
-    return await _generate(cluster, request, params, "generate", body.model, started_ns, keep_alive)
+    return await _answer(
+        cluster, request, body, "generate", bool(body.prompt),
+        lambda card: generate_to_task_params(body, card.model_id, card.capabilities),
+    )  # fmt: skip
 
 
 @router.get(f"{PREFIX}/api/tags")
@@ -191,15 +186,22 @@ async def ps(cluster: Cluster) -> OllamaProcessResponse:
 # ---------------------------------------------------------------- helpers
 
 
-async def _generate(
+async def _answer(
     cluster: ClusterClient,
     request: Request,
-    params: TextGenerationTaskParams,
+    body: OllamaChatRequest | OllamaGenerateRequest,
     dialect: Dialect,
-    model: str,
-    started_ns: int,
-    keep_alive: KeepAlive | None,
-) -> StreamingResponse | OllamaChatResponse | OllamaGenerateResponse:
+    has_input: bool,
+    to_params: Callable[[ModelCard], TextGenerationTaskParams],
+) -> Response | OllamaChatResponse | OllamaGenerateResponse:
+    """A chat or generate request: a load (or unload) request without input, else the
+    generation, streamed as JSON lines or collected."""
+    started_ns = time.monotonic_ns()
+    card = _card_for_request(cluster, body.model)
+    keep_alive = parse_keep_alive(body.keep_alive)
+    if not has_input:
+        return await _load_or_unload(cluster, request, card, keep_alive, dialect, body)
+    params, model = to_params(card), body.model
     return await serve_generation(
         cluster, request, params, keep_alive=keep_alive, media_type=NDJSON_MEDIA_TYPE,
         render=lambda chunks: stream_ollama(

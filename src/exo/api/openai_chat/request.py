@@ -1,5 +1,5 @@
 """OpenAI Chat Completions <-> internal types. The only modules that know this dialect:
-this one converts a wire request into `TextGenerationTaskParams`; `chat_completions_output`
+this one converts a wire request into `TextGenerationTaskParams`; `response`
 turns the internal chunk stream of one generation into OpenAI's SSE events or one
 `ChatCompletionResponse`. Routes do the I/O around them.
 """

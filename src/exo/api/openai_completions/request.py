@@ -1,5 +1,5 @@
 """OpenAI legacy Completions <-> internal types: this module turns a `POST /v1/completions`
-body into a raw-prompt `TextGenerationTaskParams`; `completions_output` turns one
+body into a raw-prompt `TextGenerationTaskParams`; `response` turns one
 generation's chunks into `text_completion` SSE chunks or one `Completion`. The route does
 the I/O around them.
 """

@@ -1,7 +1,7 @@
 """The OpenAI Responses event state machine: `ResponseAssembler` turns one generation's
 pieces (answer text, thinking text, tool calls, the finish) into Responses stream events
 and keeps the `ResponseObject` they add up to, so the streamed events and the final object
-always agree (ids, output indexes, texts). `openai_responses_output` drives it with chunks.
+always agree (ids, output indexes, texts). `response` drives it with chunks.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Pure conversions: a wire request becomes `TextGenerationTaskParams`; the internal chunk
 stream of one generation becomes either the Responses SSE events or one `ResponseObject`.
-Both go through one `ResponseAssembler` (`openai_responses_assembler`), so the streamed
+Both go through one `ResponseAssembler` (`assembler`), so the streamed
 events and the final object always agree (ids, output indexes, texts).
 
 Choices where the API leaves room:

@@ -1,5 +1,5 @@
 """Request wire models of the OpenAI Responses API (`POST /v1/responses`); the response
-object and stream events are in `openai_responses_output`.
+object and stream events are in `response_types`.
 
 Request models validate types and ranges only (a failure there is a schema error, 400);
 what the request *means* — hosted tools, image input, stored state — is checked by
