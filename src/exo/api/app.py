@@ -25,13 +25,7 @@ from exo.api.ollama import routes as ollama_routes
 from exo.api.openai_chat import routes as chat
 from exo.api.openai_completions import routes as completions
 from exo.api.openai_responses import routes as responses_routes
-from exo.api.routes import (
-    cluster,
-    custom_models,
-    downloads,
-    peer_files,
-    session,
-)
+from exo.api.routes import cluster, custom_models, downloads, peer_files, session
 from exo.api.routes import dashboard as dashboard_routes
 from exo.api.routes import metrics as metrics_routes
 from exo.api.security import ApiSecurity, install_client_guards, install_metrics

@@ -14,11 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from exo.api.claude_messages.request import (
-    count_tokens_params,
-    error_body,
-    to_task_params,
-)
+from exo.api.claude_messages.request import count_tokens_params, error_body, to_task_params
 from exo.api.claude_messages.response import collect_message, stream_message
 from exo.api.claude_messages.wire_types import (
     CountTokensRequest,

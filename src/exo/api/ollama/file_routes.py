@@ -31,10 +31,7 @@ from exo.api.serving.model_lookup import Cluster, card_of, resolve_model_id
 from exo.api.wire.errors import ApiError, ModelNotFoundError, NoCapacityError
 from exo.download.locations import delete_downloaded_model
 from exo.download.model_lock import ModelBusyError
-from exo.download.pypi_gguf import (
-    ModelPreparationError,
-    prepare_model,
-)
+from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.shared.constants import models_dir
 from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.models import LocalDirectorySource, ModelCard

@@ -51,12 +51,7 @@ from exo.api.openai_completions import routes as completions
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.serving.generation import serve_generation
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
-from exo.api.serving.model_lookup import (
-    Cluster,
-    card_of,
-    resolve_model_id,
-    servable_model_ids,
-)
+from exo.api.serving.model_lookup import Cluster, card_of, resolve_model_id, servable_model_ids
 from exo.api.wire.errors import (
     ErrorDialect,
     InvalidRequestError,

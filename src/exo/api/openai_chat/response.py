@@ -34,9 +34,7 @@ from exo.api.wire import stream
 from exo.api.wire.logprobs import logprob_entries
 from exo.api.wire.openai_sse import openai_chunk_event, openai_stream_end
 from exo.shared.types.chunks import Chunk, TokenLogprob, Usage
-from exo.shared.types.text_generation import (
-    TextGenerationTaskParams,
-)
+from exo.shared.types.text_generation import TextGenerationTaskParams
 
 # ---------------------------------------------------------------- response
 

@@ -13,9 +13,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from exo.api.openai_chat.request import (
-    to_task_params,
-)
+from exo.api.openai_chat.request import to_task_params
 from exo.api.openai_chat.response import collect_chat_completion, stream_chat_completion
 from exo.api.openai_chat.wire_types import (
     ChatCompletionRequest,

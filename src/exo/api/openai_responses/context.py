@@ -9,9 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from exo.api.openai_responses.request import function_tools
-from exo.api.openai_responses.request_types import (
-    ResponsesRequest,
-)
+from exo.api.openai_responses.request_types import ResponsesRequest
 from exo.api.openai_responses.response_types import (
     FunctionToolChoiceEcho,
     FunctionToolEcho,
@@ -19,10 +17,7 @@ from exo.api.openai_responses.response_types import (
     TextConfigEcho,
     TextFormatEcho,
 )
-from exo.shared.types.text_generation import (
-    NamedToolChoice,
-    TextGenerationTaskParams,
-)
+from exo.shared.types.text_generation import NamedToolChoice, TextGenerationTaskParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,9 +51,7 @@ from exo.api.openai_responses.request_types import (
 from exo.api.serving.request_checks import build_task_params
 from exo.api.wire.errors import InvalidRequestError
 from exo.api.wire.sampling import sampling_fields, vllm_top_k
-from exo.shared.types.chunks import (
-    ToolCall,
-)
+from exo.shared.types.chunks import ToolCall
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     ChatMessage,

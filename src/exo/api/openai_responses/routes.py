@@ -9,14 +9,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from exo.api.openai_responses.context import response_context
-from exo.api.openai_responses.request import (
-    to_task_params,
-)
+from exo.api.openai_responses.request import to_task_params
 from exo.api.openai_responses.request_types import ResponsesRequest
-from exo.api.openai_responses.response import (
-    collect_response,
-    stream_response,
-)
+from exo.api.openai_responses.response import collect_response, stream_response
 from exo.api.openai_responses.response_types import ResponseObject
 from exo.api.serving.generation import serve_generation
 from exo.api.serving.model_lookup import Cluster, with_resolved_model

@@ -26,12 +26,7 @@ from exo.api.serving.command_outcomes import answer_from_state
 from exo.shared.election import Election
 from exo.shared.models.cards import with_custom_cards
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
-from exo.shared.types.commands import (
-    CancelGeneration,
-    Command,
-    DeleteInstance,
-    ForwarderCommand,
-)
+from exo.shared.types.commands import CancelGeneration, Command, DeleteInstance, ForwarderCommand
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, TaskId
 from exo.shared.types.events import (
     CommandRejected,

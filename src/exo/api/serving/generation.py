@@ -31,11 +31,7 @@ from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
 from exo.api.serving.metrics import observed_chunks
 from exo.api.serving.model_lookup import card_of, known_model_ids
 from exo.api.serving.prompt_size import check_prompt_size
-from exo.api.serving.request_checks import (
-    check_chat_template,
-    check_logit_bias,
-    check_serializable,
-)
+from exo.api.serving.request_checks import check_chat_template, check_logit_bias, check_serializable
 from exo.api.wire.errors import (
     ApiError,
     GenerationError,
