@@ -26,7 +26,7 @@ import httpx
 import uvicorn
 
 from exo.api.app import create_app
-from exo.api.cluster import ClusterClient
+from exo.api.serving.cluster_client import ClusterClient
 from exo.download.hub_download import HubDownload, download_from_hub
 from exo.download.peers import PeerSource, peer_credential
 from exo.shared.types.common import NodeId

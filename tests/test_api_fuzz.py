@@ -28,12 +28,12 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from exo.api.app import create_app
-from exo.api.cluster import ClusterClient
-from exo.api.types.claude_messages import CountTokensRequest, MessagesRequest
-from exo.api.types.ollama import OllamaChatRequest, OllamaGenerateRequest
-from exo.api.types.openai_chat import ChatCompletionRequest
-from exo.api.types.openai_completions import CompletionRequest
-from exo.api.types.openai_responses import ResponsesRequest
+from exo.api.claude_messages.wire_types import CountTokensRequest, MessagesRequest
+from exo.api.ollama.wire_types import OllamaChatRequest, OllamaGenerateRequest
+from exo.api.openai_chat.wire_types import ChatCompletionRequest
+from exo.api.openai_completions.wire_types import CompletionRequest
+from exo.api.openai_responses.request_types import ResponsesRequest
+from exo.api.serving.cluster_client import ClusterClient
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
 from exo.testing.scripted_cluster import ScriptedCluster
 

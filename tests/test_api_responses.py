@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from exo.api.generation import command_id_in_response_id
+from exo.api.serving.response_ids import command_id_in_response_id
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
 
 QUESTION = "What is the capital of France? Answer in one sentence."

@@ -12,21 +12,21 @@ from loguru import logger
 from pydantic import TypeAdapter
 from rich.console import Console
 
-from exo.api.admission import Admission
-from exo.api.auth import KeyFileError
-from exo.api.browser_access import BrowserAccess, this_machine_names
-from exo.api.cluster import (
-    ClusterClient,
-    CommandRejectedError,
-    CommandTimeoutError,
-    LoadOnRequest,
-)
+from exo.api.guards.auth import KeyFileError
+from exo.api.guards.browser_access import BrowserAccess, this_machine_names
 from exo.api.main import Api, bind_api_socket
 from exo.api.security import (
     ApiSecurity,
     banner_lines,
     build_auth,
     reload_keys_on_sighup,
+)
+from exo.api.serving.admission import Admission
+from exo.api.serving.cluster_client import (
+    ClusterClient,
+    CommandRejectedError,
+    CommandTimeoutError,
+    LoadOnRequest,
 )
 from exo.cli import main as cli_main
 from exo.download.gguf_models import ollama_store, ollama_store_cards

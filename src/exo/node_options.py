@@ -7,7 +7,7 @@ import importlib.metadata
 import os
 from dataclasses import dataclass, field
 
-from exo.api.browser_access import parse_cors_origins
+from exo.api.guards.browser_access import parse_cors_origins
 from exo.api.security import (
     SecurityOptions,
     add_security_arguments,

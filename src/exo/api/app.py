@@ -14,14 +14,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from exo.api.admission import Admission
-from exo.api.browser_access import (
+from exo.api.claude_messages import routes as claude_messages_routes
+from exo.api.guards.browser_access import (
     LOOPBACK_ORIGIN_PATTERN,
     BrowserAccess,
     BrowserAccessMiddleware,
 )
-from exo.api.cluster import ClusterClient, CommandTimeoutError
-from exo.api.errors import (
+from exo.api.ollama import file_routes as ollama_files
+from exo.api.ollama import routes as ollama_routes
+from exo.api.openai_chat import routes as chat
+from exo.api.openai_completions import routes as completions
+from exo.api.openai_responses import routes as responses_routes
+from exo.api.routes import cluster, custom_models, downloads, peer_files, session
+from exo.api.routes import dashboard as dashboard_routes
+from exo.api.routes import metrics as metrics_routes
+from exo.api.security import ApiSecurity, install_client_guards, install_metrics
+from exo.api.serving.admission import Admission
+from exo.api.serving.cluster_client import ClusterClient, CommandTimeoutError
+from exo.api.wire.errors import (
     OPENAI_ERRORS,
     ApiError,
     ErrorDialect,
@@ -29,23 +39,7 @@ from exo.api.errors import (
     describe_validation_errors,
     error_type_for_status,
 )
-from exo.api.openapi import with_bad_request_responses
-from exo.api.routes import (
-    chat,
-    cluster,
-    completions,
-    custom_models,
-    downloads,
-    ollama_files,
-    peer_files,
-    session,
-)
-from exo.api.routes import claude_messages as claude_messages_routes
-from exo.api.routes import dashboard as dashboard_routes
-from exo.api.routes import metrics as metrics_routes
-from exo.api.routes import ollama as ollama_routes
-from exo.api.routes import openai_responses as responses_routes
-from exo.api.security import ApiSecurity, install_client_guards, install_metrics
+from exo.api.wire.openapi import with_bad_request_responses
 
 # One line per route module: each has a `router`; a dialect whose errors are not shaped like
 # OpenAI's also has an `ERROR_DIALECT`.
@@ -72,17 +66,6 @@ def error_dialect_for(path: str) -> ErrorDialect:
         if dialect is not None and dialect.matches(path):
             return dialect
     return OPENAI_ERRORS
-
-
-def _error_response(
-    request: Request,
-    status_code: int,
-    error_type: str,
-    message: str,
-    param: str | None = None,
-    code: str | None = None,
-) -> JSONResponse:
-    return error_response_for_path(request.url.path, status_code, error_type, message, param, code)
 
 
 def error_response_for_path(
@@ -141,7 +124,7 @@ def create_app(
             loopback origins and no `Host` check (in-process test clients call the server
             `testserver`); the node passes `BrowserAccess` with this machine's names.
         admission: how many generations may be in flight (`--max-queued-requests`); None:
-            the defaults of `exo.api.admission`.
+            the defaults of `exo.api.serving.admission`.
         security: API keys, limits on clients, metrics inputs (`exo.api.security`); None:
             no key needed and the default limits.
     """
@@ -185,8 +168,13 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> JSONResponse:
-        response = _error_response(
-            request, error.status_code, error.error_type, error.message, error.param, error.code
+        response = error_response_for_path(
+            request.url.path,
+            error.status_code,
+            error.error_type,
+            error.message,
+            error.param,
+            error.code,
         )
         if isinstance(error, QueueFullError):
             response.headers["Retry-After"] = str(error.retry_after_seconds)
@@ -194,7 +182,9 @@ def create_app(
 
     @app.exception_handler(CommandTimeoutError)
     async def _timeout(request: Request, error: CommandTimeoutError) -> JSONResponse:
-        return _error_response(request, 503, "service_unavailable_error", str(error))
+        return error_response_for_path(
+            request.url.path, 503, "service_unavailable_error", str(error)
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -204,19 +194,24 @@ def create_app(
         errors = error.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
             detail = errors[0].get("ctx", {}).get("error", "invalid JSON")
-            return _error_response(
-                request,
+            return error_response_for_path(
+                request.url.path,
                 400,
                 "invalid_request_error",
                 f"the request body is not valid JSON: {detail}",
             )
         message, param = describe_validation_errors(errors)
-        return _error_response(request, 400, "invalid_request_error", message, param)
+        return error_response_for_path(
+            request.url.path, 400, "invalid_request_error", message, param
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return _error_response(
-            request, error.status_code, error_type_for_status(error.status_code), str(error.detail)
+        return error_response_for_path(
+            request.url.path,
+            error.status_code,
+            error_type_for_status(error.status_code),
+            str(error.detail),
         )
 
     return app

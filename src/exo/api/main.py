@@ -9,13 +9,13 @@ from collections.abc import Iterator
 import anyio
 import uvicorn
 
-from exo.api.admission import Admission
 from exo.api.app import create_app
-from exo.api.browser_access import BrowserAccess
-from exo.api.cluster import ClusterClient
-from exo.api.limits import server_config
+from exo.api.guards.browser_access import BrowserAccess
+from exo.api.guards.limits import server_config
 from exo.api.routes.dashboard import close_event_streams
 from exo.api.security import ApiSecurity
+from exo.api.serving.admission import Admission
+from exo.api.serving.cluster_client import ClusterClient
 
 # uvicorn's `main_loop` wakes every 0.1 s to look at `should_exit` (and refreshes the
 # `date` header every tenth time); ours waits for `should_exit` and wakes once a second.

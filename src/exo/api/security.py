@@ -1,6 +1,6 @@
-"""How the API app guards and measures itself: API keys (`exo.api.auth`), limits on clients
-(`exo.api.limits`) and metrics (`exo.api.metrics`), installed as middleware around the
-routes.
+"""How the API app guards and measures itself: API keys (`exo.api.guards.auth`), limits on
+clients (`exo.api.guards.limits`) and metrics (`exo.api.serving.metrics`), installed as
+middleware around the routes.
 
 Order, outermost first: metrics (it counts every answer, refusals included), the browser
 checks (Host / Origin, 403), CORS (preflights answered before any key is asked for, and
@@ -25,7 +25,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp
 
-from exo.api.auth import (
+from exo.api.guards.auth import (
     API_KEY_FILE_NAME,
     ApiAuth,
     AuthMiddleware,
@@ -36,7 +36,7 @@ from exo.api.auth import (
     load_or_create_session_secret,
     read_key_file,
 )
-from exo.api.limits import (
+from exo.api.guards.limits import (
     DEFAULT_BODY_TIMEOUT_SECONDS,
     DEFAULT_HEADER_TIMEOUT_SECONDS,
     DEFAULT_MAX_BODY_BYTES,
@@ -45,7 +45,7 @@ from exo.api.limits import (
     ApiLimits,
     LimitsMiddleware,
 )
-from exo.api.metrics import AdmissionCounts, ApiMetrics, MetricsMiddleware
+from exo.api.serving.metrics import AdmissionCounts, ApiMetrics, MetricsMiddleware
 from exo.shared.types.runners import KVCacheUse
 from exo.shared.types.state import State
 

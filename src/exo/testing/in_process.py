@@ -14,7 +14,7 @@ from pathlib import Path
 
 import anyio
 
-from exo.api.cluster import RESEND_FIRST_SECONDS, ClusterClient, LoadOnRequest
+from exo.api.serving.cluster_client import RESEND_FIRST_SECONDS, ClusterClient, LoadOnRequest
 from exo.master.event_log import EventLog
 from exo.master.main import Master
 from exo.shared.apply import apply

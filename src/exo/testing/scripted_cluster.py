@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import anyio
 
-from exo.api.cluster import LoadOnRequest
+from exo.api.serving.cluster_client import LoadOnRequest
 from exo.shared.types.chunks import Chunk, TokenChunk, Usage
 from exo.shared.types.commands import Command, GenerateText
 from exo.shared.types.common import CommandId, NodeId

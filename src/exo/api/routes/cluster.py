@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Response
+from fastapi import APIRouter, Query, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from exo.api.cluster import ClusterClient, CommandRejectedError
-from exo.api.dependencies import catalog_of, cluster_dependency, is_downloaded
-from exo.api.errors import ApiError, InvalidRequestError, ModelNotFoundError, NoCapacityError
-from exo.api.load_on_request import default_keep_alive
+from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
+from exo.api.serving.load_on_request import default_keep_alive
+from exo.api.serving.model_lookup import Cluster, catalog_of, is_downloaded
+from exo.api.wire.errors import ApiError, InvalidRequestError, ModelNotFoundError, NoCapacityError
 from exo.master.placement import PlacementPreview, placement_previews
 from exo.master.speed_prediction import DEFAULT_PROMPT_TOKENS
 from exo.shared.constants import models_dir
@@ -22,7 +22,6 @@ from exo.shared.types.instances import Sharding
 from exo.shared.types.models import ModelCard
 
 router = APIRouter()
-Cluster = Annotated[ClusterClient, Depends(cluster_dependency)]
 
 
 class InstanceNotFoundError(ApiError):

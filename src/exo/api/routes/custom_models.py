@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Annotated, ClassVar
 
 import anyio
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from exo.api.cluster import ClusterClient, CommandRejectedError
-from exo.api.dependencies import catalog_of, cluster_dependency
-from exo.api.errors import ApiError, InvalidRequestError, ModelNotFoundError, NoCapacityError
+from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
+from exo.api.serving.model_lookup import Cluster, catalog_of
+from exo.api.wire.errors import ApiError, InvalidRequestError, ModelNotFoundError, NoCapacityError
 from exo.download.custom_cards import (
     REPO_ID,
     CustomModelError,
@@ -35,7 +35,6 @@ from exo.shared.types.models import ModelCard
 from exo.worker.engines.torch.model.families import supported_architectures
 
 router = APIRouter()
-Cluster = Annotated[ClusterClient, Depends(cluster_dependency)]
 # Reading a repository's small files takes a few requests; a Hub that hangs longer is down.
 ADD_TIMEOUT_SECONDS = 120.0
 MAX_SEARCH_RESULTS = 100

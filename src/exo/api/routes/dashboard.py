@@ -4,7 +4,7 @@ answer to any other browser navigation that is not an API route.
 - `GET /` is the page (`exo/dashboard/static/index.html`), `GET /static/<path>` its files;
   both revalidate with ETags (`Cache-Control: no-cache`), so an upgraded node never serves a
   stale page and an unchanged one answers 304.
-- `GET /events` streams the cluster state (`exo.api.live_state`).
+- `GET /events` streams the cluster state (`exo.api.serving.live_state`).
 - A `GET` of an unknown path whose `Accept` names `text/html`, outside every API route's
   first path segment (read from the app's routes, so routes added later count too), gets
   the page; every other unknown path keeps the API's JSON 404.
@@ -31,7 +31,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import exo
-from exo.api.live_state import StateChanges, state_stream
+from exo.api.serving.live_state import StateChanges, state_stream
 
 STATIC_DIR = Path(exo.__file__).parent / "dashboard" / "static"
 STATIC_PREFIX = "/static"
@@ -234,7 +234,7 @@ def close_event_streams(app: FastAPI) -> None:
 @router.get("/events", include_in_schema=False)
 async def state_events(request: Request) -> EventStreamResponse:
     """Server-Sent Events of the cluster state: a snapshot, then a JSON Patch per change
-    (`exo.api.live_state`)."""
+    (`exo.api.serving.live_state`)."""
     cluster = request.app.state.cluster
     changes = StateChanges(
         current_state=lambda: cluster.state,

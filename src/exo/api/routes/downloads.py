@@ -10,15 +10,13 @@ file and in total), as `downloads` in `GET /state`. Errors are OpenAI's shape.
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from exo.api.cluster import ClusterClient, CommandRejectedError
-from exo.api.dependencies import card_of, cluster_dependency, resolve_model_id
-from exo.api.errors import ApiError, InvalidRequestError, ModelNotFoundError
 from exo.api.routes.custom_models import ModelConflictError
+from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
+from exo.api.serving.model_lookup import Cluster, card_of, resolve_model_id
+from exo.api.wire.errors import ApiError, InvalidRequestError, ModelNotFoundError
 from exo.shared.types.commands import ControlDownload
 from exo.shared.types.common import CommandId, NodeId
 from exo.shared.types.downloads import DownloadAction
@@ -26,7 +24,6 @@ from exo.shared.types.events import DownloadControlled
 from exo.shared.types.models import ModelCard
 
 router = APIRouter()
-Cluster = Annotated[ClusterClient, Depends(cluster_dependency)]
 
 
 class NodeNotFoundError(ApiError):

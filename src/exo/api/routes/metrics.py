@@ -1,11 +1,12 @@
-"""`GET /metrics`: this node's Prometheus metrics (`exo.api.metrics`), in the text format."""
+"""`GET /metrics`: this node's Prometheus metrics (`exo.api.serving.metrics`), in the text
+format."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from exo.api.metrics import ApiMetrics
+from exo.api.serving.metrics import ApiMetrics
 
 router = APIRouter()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
 
-from exo.api.errors import ApiError, ModelNotFoundError
+from exo.api.wire.errors import ApiError, ModelNotFoundError
 from exo.download.locations import ModelLocations
 from exo.download.peers import (
     PEER_CREDENTIAL_HEADER,

@@ -2,7 +2,7 @@
 cookie (HttpOnly, SameSite=Strict: an `EventSource` sends it, page scripts cannot read it,
 other sites cannot make the browser send it); `DELETE /auth/session` clears it.
 
-The cookie holds an HMAC of the key with the node's session secret (`exo.api.auth`), never
+The cookie holds an HMAC of the key with the node's session secret (`exo.api.guards.auth`), never
 the key; it stops working when the key is revoked. Both routes need no key themselves.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, SecretStr
 
-from exo.api.auth import SESSION_COOKIE, SESSION_PATH, ApiAuth
-from exo.api.errors import ApiError
+from exo.api.guards.auth import SESSION_COOKIE, SESSION_PATH, ApiAuth
+from exo.api.wire.errors import ApiError
 
 router = APIRouter()
 SESSION_MAX_AGE_SECONDS = 30 * 24 * 3600

@@ -1,4 +1,4 @@
-"""A real uvicorn server (the node's configuration: `exo.api.limits.server_config`) in a
+"""A real uvicorn server (the node's configuration: `exo.api.guards.limits.server_config`) in a
 thread on 127.0.0.1, for tests that need real connections: official SDK clients, raw
 sockets, concurrent streams."""
 
@@ -16,9 +16,9 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp
 
 from exo.api.app import create_app
-from exo.api.cluster import ClusterClient
-from exo.api.limits import ApiLimits, server_config
+from exo.api.guards.limits import ApiLimits, server_config
 from exo.api.security import ApiSecurity
+from exo.api.serving.cluster_client import ClusterClient
 from exo.testing.scripted_cluster import ScriptedCluster
 
 START_TIMEOUT_SECONDS = 10.0

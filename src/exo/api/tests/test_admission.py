@@ -18,9 +18,9 @@ import anyio
 import httpx
 import pytest
 
-from exo.api.admission import DEFAULT_MIN_QUEUE, DEFAULT_QUEUE_BATCHES, Admission
 from exo.api.app import create_app
-from exo.api.errors import GenerationError, QueueFullError
+from exo.api.serving.admission import DEFAULT_MIN_QUEUE, DEFAULT_QUEUE_BATCHES, Admission
+from exo.api.wire.errors import GenerationError, QueueFullError
 from exo.master.placement import runner_id_for
 from exo.shared.types.chunks import Chunk, TokenChunk, Usage
 from exo.shared.types.commands import CancelGeneration, GenerateText

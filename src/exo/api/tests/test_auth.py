@@ -1,4 +1,4 @@
-"""API keys (`exo.api.auth`): the official clients of every dialect with and without a key
+"""API keys (`exo.api.guards.auth`): the official clients of every dialect with and without a key
 against a real server, the session cookie, key files and the generated key."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from loguru import logger
 from starlette.testclient import TestClient
 
-from exo.api.auth import (
+from exo.api.guards.auth import (
     API_KEY_FILE_NAME,
     SESSION_COOKIE,
     ApiAuth,

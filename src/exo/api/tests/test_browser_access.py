@@ -10,13 +10,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from exo.api.app import create_app
-from exo.api.browser_access import (
+from exo.api.guards.browser_access import (
     BrowserAccess,
     host_name,
     parse_cors_origins,
     this_machine_names,
 )
-from exo.api.cluster import ClusterClient
+from exo.api.serving.cluster_client import ClusterClient
 
 NODE = BrowserAccess(host_names=this_machine_names("studio"))
 PREFLIGHT = {

@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from exo.api.adapters.chat_completions_output import stream_chat_completion, text_event_renderer
-from exo.api.adapters.common import openai_sse
-from exo.api.types.openai_chat import ChatCompletionChunk, ChunkChoice, ChunkDelta
+from exo.api.openai_chat.response import stream_chat_completion, text_event_renderer
+from exo.api.openai_chat.wire_types import ChatCompletionChunk, ChunkChoice, ChunkDelta
+from exo.api.wire.openai_sse import openai_sse
 from exo.shared.types.chunks import Chunk, TokenChunk, Usage
 from exo.shared.types.common import CommandId, ModelId
 

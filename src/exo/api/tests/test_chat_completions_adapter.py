@@ -17,25 +17,25 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from exo.api.adapters.chat_completions import (
+from exo.api.openai_chat.request import (
     new_completion_id,
     to_task_params,
 )
-from exo.api.adapters.chat_completions_output import collect_chat_completion, stream_chat_completion
-from exo.api.errors import (
-    GenerationError,
-    InvalidRequestError,
-    describe_validation_errors,
-    openai_error_body,
-    openai_error_body_for,
-)
-from exo.api.types.openai_chat import (
+from exo.api.openai_chat.response import collect_chat_completion, stream_chat_completion
+from exo.api.openai_chat.wire_types import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ErrorResponse,
     ModelList,
     ModelObject,
+)
+from exo.api.wire.errors import (
+    GenerationError,
+    InvalidRequestError,
+    describe_validation_errors,
+    openai_error_body,
+    openai_error_body_for,
 )
 from exo.shared.types.chunks import (
     Chunk,

@@ -15,21 +15,17 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import TypeAdapter, ValidationError
 
-from exo.api.adapters.claude_messages import (
+from exo.api.app import create_app
+from exo.api.claude_messages.request import (
     TOOL_ERROR_PREFIX,
     count_tokens_params,
     error_body,
     error_type_for_status,
     to_task_params,
 )
-from exo.api.adapters.claude_messages_output import collect_message, stream_message
-from exo.api.app import create_app
-from exo.api.cluster import ClusterClient, LoadOnRequest
-from exo.api.errors import ApiError, InvalidRequestError, ModelNotFoundError, NoCapacityError
-from exo.api.generation import response_id
-from exo.api.routes.claude_messages import ERROR_DIALECT
-from exo.api.token_counting import TokenizerCache, count_prompt_tokens, model_files_directory
-from exo.api.types.claude_messages import (
+from exo.api.claude_messages.response import collect_message, stream_message
+from exo.api.claude_messages.routes import ERROR_DIALECT
+from exo.api.claude_messages.wire_types import (
     CountTokensRequest,
     Message,
     MessagesRequest,
@@ -39,6 +35,14 @@ from exo.api.types.claude_messages import (
     ThinkingBlock,
     ToolUseBlock,
 )
+from exo.api.serving.cluster_client import ClusterClient, LoadOnRequest
+from exo.api.serving.response_ids import response_id
+from exo.api.serving.token_counting import (
+    TokenizerCache,
+    count_prompt_tokens,
+    model_files_directory,
+)
+from exo.api.wire.errors import ApiError, InvalidRequestError, ModelNotFoundError, NoCapacityError
 from exo.shared.types.chunks import (
     Chunk,
     ErrorChunk,

@@ -8,7 +8,7 @@ from typing import Any
 
 import anyio
 
-from exo.api.adapters.claude_messages_output import stream_message
+from exo.api.claude_messages.response import stream_message
 from exo.shared.types.chunks import Chunk, ErrorChunk, TokenChunk, Usage
 from exo.shared.types.common import CommandId, ModelId
 from exo.testing.chunks import ChunkSource

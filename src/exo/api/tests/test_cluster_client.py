@@ -10,7 +10,7 @@ from typing import cast
 import anyio
 import pytest
 
-from exo.api.cluster import ClusterClient, CommandRejectedError
+from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.master.recovery import events_after_node_lost
 from exo.shared.election import Election
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk

@@ -19,16 +19,16 @@ import pytest
 import uvicorn
 from pydantic import ValidationError
 
-from exo.api.adapters.completions import to_task_params
-from exo.api.adapters.completions_output import (
+from exo.api.app import create_app
+from exo.api.openai_completions.request import to_task_params
+from exo.api.openai_completions.response import (
     collect_completion,
     legacy_logprobs,
     stream_completion,
 )
-from exo.api.app import create_app
-from exo.api.cluster import ClusterClient
-from exo.api.errors import GenerationError, InvalidRequestError
-from exo.api.types.openai_completions import Completion, CompletionRequest
+from exo.api.openai_completions.wire_types import Completion, CompletionRequest
+from exo.api.serving.cluster_client import ClusterClient
+from exo.api.wire.errors import GenerationError, InvalidRequestError
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.chunks import (
     Chunk,

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from exo.api.app import create_app
-from exo.api.cluster import LoadOnRequest
+from exo.api.serving.cluster_client import LoadOnRequest
 from exo.node_options import parse_args
 from exo.shared.types.common import ModelId
 from exo.shared.types.events import CustomModelAdded, CustomModelDeleted, InstanceCreated

@@ -31,9 +31,10 @@ from fastapi.testclient import TestClient
 from loguru import logger
 from pydantic import BaseModel
 
-from exo.api.adapters.claude_messages import count_tokens_params
 from exo.api.app import ROUTE_MODULES, create_app
-from exo.api.cluster import ClusterClient
+from exo.api.claude_messages.request import count_tokens_params
+from exo.api.claude_messages.wire_types import CountTokensRequest
+from exo.api.serving.cluster_client import ClusterClient
 from exo.api.tests.field_decisions import (
     BASE_BODIES,
     CHAT,
@@ -57,7 +58,6 @@ from exo.api.tests.field_decisions_claude import claude_effects
 from exo.api.tests.field_decisions_completions import completions_effects
 from exo.api.tests.field_decisions_ollama import ollama_effects
 from exo.api.tests.field_decisions_responses import responses_effects
-from exo.api.types.claude_messages import CountTokensRequest
 from exo.download.pypi_gguf import COMPLETION_MARKER, model_directory_name
 from exo.shared.types.commands import GenerateText
 from exo.testing.builders import SMOLLM2
@@ -92,7 +92,7 @@ def _request_models(annotation: Any, found: dict[str, type[BaseModel]]) -> None:
 
 def declared_fields() -> set[str]:
     """`Model.field` for every field of every request body model a dialect route takes
-    (models from `exo.api.types`), nested models included."""
+    (models from the dialects' `*_types` modules), nested models included."""
     found: dict[str, type[BaseModel]] = {}
     for module in ROUTE_MODULES:
         for route in module.router.routes:
@@ -100,7 +100,8 @@ def declared_fields() -> set[str]:
                 continue
             for parameter in route.dependant.body_params:
                 annotation = parameter.field_info.annotation
-                if getattr(annotation, "__module__", "").startswith("exo.api.types."):
+                module_name = getattr(annotation, "__module__", "")
+                if module_name.startswith("exo.api.") and module_name.endswith("_types"):
                     _request_models(annotation, found)
     return {
         f"{name}.{field_name}" for name, model in found.items() for field_name in model.model_fields

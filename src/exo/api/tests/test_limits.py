@@ -1,4 +1,4 @@
-"""Limits on hostile clients (`exo.api.limits`) against a real uvicorn server: body size,
+"""Limits on hostile clients (`exo.api.guards.limits`) against a real uvicorn server: body size,
 slowloris headers, a stalled body, generations per client, and the rate limit."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from exo.api.auth import ApiAuth
-from exo.api.limits import ApiLimits, RateLimiter
+from exo.api.guards.auth import ApiAuth
+from exo.api.guards.limits import ApiLimits, RateLimiter
 from exo.api.security import ApiSecurity
 from exo.api.tests.serving import scripted_app, serving
 from exo.shared.types.chunks import Chunk, TokenChunk, Usage

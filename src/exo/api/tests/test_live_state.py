@@ -12,7 +12,7 @@ import anyio
 import jsonpatch
 import pytest
 
-from exo.api.live_state import StateChanges, json_patch, server_sent_event, state_stream
+from exo.api.serving.live_state import StateChanges, json_patch, server_sent_event, state_stream
 from exo.shared.types.common import NodeId
 from exo.shared.types.state import State
 from exo.testing.builders import make_node_info, make_state

@@ -17,9 +17,9 @@ import pytest
 from fastapi import Request
 
 from exo.api.app import create_app
-from exo.api.cluster import LoadOnRequest
-from exo.api.errors import GenerationError
-from exo.api.load_on_request import ensure_instance
+from exo.api.serving.cluster_client import LoadOnRequest
+from exo.api.serving.load_on_request import ensure_instance
+from exo.api.wire.errors import GenerationError
 from exo.download.pypi_gguf import COMPLETION_MARKER, model_directory_name
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.chunks import TokenChunk, Usage

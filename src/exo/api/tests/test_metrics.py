@@ -1,4 +1,4 @@
-"""`GET /metrics` (`exo.api.metrics`): parsed with prometheus_client's own text parser, its
+"""`GET /metrics` (`exo.api.serving.metrics`): parsed with prometheus_client's own text parser, its
 counters move with traffic, each app keeps its own registry, and the state's gauges follow
 the cluster state."""
 

@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from exo.api.app import create_app
-from exo.api.cluster import ClusterClient
+from exo.api.serving.cluster_client import ClusterClient
 from exo.download.pypi_gguf import COMPLETION_MARKER, model_directory_name
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.commands import Command, PlaceInstance

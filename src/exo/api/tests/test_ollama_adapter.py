@@ -17,24 +17,24 @@ import openai
 import pytest
 import uvicorn
 
-from exo.api.adapters.ollama import (
+from exo.api.app import create_app
+from exo.api.ollama.model_listings import model_digest, process_model, show_response, tag_model
+from exo.api.ollama.request import (
     chat_to_task_params,
     generate_to_task_params,
     resolve_model_name,
     rfc3339_nano,
 )
-from exo.api.adapters.ollama_models import model_digest, process_model, show_response, tag_model
-from exo.api.adapters.ollama_output import collect_ollama, load_response, stream_ollama
-from exo.api.app import create_app
-from exo.api.cluster import ClusterClient, LoadOnRequest
-from exo.api.errors import GenerationError, InvalidRequestError
-from exo.api.types.ollama import (
+from exo.api.ollama.response import collect_ollama, load_response, stream_ollama
+from exo.api.ollama.wire_types import (
     OllamaChatRequest,
     OllamaChatResponse,
     OllamaGenerateRequest,
     OllamaGenerateResponse,
     OllamaShowResponse,
 )
+from exo.api.serving.cluster_client import ClusterClient, LoadOnRequest
+from exo.api.wire.errors import GenerationError, InvalidRequestError
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.chunks import (
     Chunk,

@@ -15,20 +15,20 @@ from openai.types.responses import Response as SdkResponse
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
-from exo.api.adapters.openai_responses import (
+from exo.api.app import create_app
+from exo.api.openai_responses.context import ResponseContext, response_context
+from exo.api.openai_responses.request import (
     to_task_params,
 )
-from exo.api.adapters.openai_responses_context import ResponseContext, response_context
-from exo.api.adapters.openai_responses_output import (
+from exo.api.openai_responses.request_types import ResponsesRequest
+from exo.api.openai_responses.response import (
     collect_response,
     stream_response,
 )
-from exo.api.app import create_app
-from exo.api.cluster import ClusterClient, LoadOnRequest
-from exo.api.errors import ApiError, GenerationError, InvalidRequestError
-from exo.api.generation import command_id_in_response_id, response_id
-from exo.api.types.openai_responses import ResponsesRequest
-from exo.api.types.openai_responses_output import ResponseObject
+from exo.api.openai_responses.response_types import ResponseObject
+from exo.api.serving.cluster_client import ClusterClient, LoadOnRequest
+from exo.api.serving.response_ids import command_id_in_response_id, response_id
+from exo.api.wire.errors import ApiError, GenerationError, InvalidRequestError
 from exo.shared.types.chunks import (
     Chunk,
     ErrorChunk,

@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
 from exo.api.app import create_app
-from exo.api.cluster import ClusterClient
+from exo.api.serving.cluster_client import ClusterClient
 from exo.download.pypi_gguf import prepare_model
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.chunks import Chunk, TokenChunk, TokenLogprob, TopLogprob, Usage

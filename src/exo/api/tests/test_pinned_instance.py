@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from exo.api.app import create_app
-from exo.api.cluster import ClusterClient, CommandRejectedError
+from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.tests.test_instance_loss_retry import LOST, LosingCluster
 from exo.master.decisions import events_for_command
 from exo.shared.constants import INSTANCE_HEADER

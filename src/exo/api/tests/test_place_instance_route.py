@@ -10,8 +10,8 @@ import anyio
 import httpx
 import pytest
 
-from exo.api import cluster as cluster_module
 from exo.api.app import create_app
+from exo.api.serving import cluster_client as cluster_module
 from exo.shared.types.commands import PlaceInstance
 from exo.shared.types.events import InstanceCreated, NodeGatheredInfo
 from exo.shared.types.nodes import NodeSpeed

@@ -1,5 +1,5 @@
 """A generation too large for its model's context is refused before anything is placed or
-sent to the master (`exo.api.prompt_size`), in each dialect's own error shape; a prompt
+sent to the master (`exo.api.serving.prompt_size`), in each dialect's own error shape; a prompt
 that fills the context is accepted."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from exo.api.app import create_app
-from exo.api.cluster import ClusterClient
-from exo.api.prompt_size import MAX_PROMPT_BYTES_PER_TOKEN, prompt_byte_limit
+from exo.api.serving.cluster_client import ClusterClient
+from exo.api.serving.prompt_size import MAX_PROMPT_BYTES_PER_TOKEN, prompt_byte_limit
 from exo.testing.builders import SMOLLM2, smollm2_card
 from exo.testing.scripted_cluster import ScriptedCluster
 

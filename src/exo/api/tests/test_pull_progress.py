@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from exo.api.app import create_app
-from exo.api.routes.ollama_files import pull_progress_lines
+from exo.api.ollama.file_routes import pull_progress_lines
 from exo.shared.types.commands import AddCustomModel
 from exo.shared.types.common import CommandId
 from exo.shared.types.downloads import DownloadProgress, FileProgress

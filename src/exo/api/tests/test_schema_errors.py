@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from exo.api.app import create_app
-from exo.api.cluster import ClusterClient
+from exo.api.serving.cluster_client import ClusterClient
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -78,7 +78,7 @@ def test_openapi_documents_400_and_never_422(http: TestClient) -> None:
 
 
 def test_messages_from_validators_carry_no_pydantic_prefix() -> None:
-    from exo.api.errors import describe_validation_errors
+    from exo.api.wire.errors import describe_validation_errors
 
     message, param = describe_validation_errors(
         [{"loc": ("body", "logit_bias"), "msg": "Value error, bias 500 is outside [-100, 100]"}]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from exo.api.cluster import ClusterClient, CommandRejectedError
+from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.shared.apply import apply_all
 from exo.shared.types.chunks import Chunk
 from exo.shared.types.commands import DeleteInstance, ForwarderCommand, GenerateText, PlaceInstance

@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from exo.api.app import create_app
-from exo.api.cluster import ClusterClient
+from exo.api.serving.cluster_client import ClusterClient
 from exo.api.tests.field_decisions import (
     BASE_BODIES,
     CHAT,

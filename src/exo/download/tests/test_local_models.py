@@ -173,8 +173,8 @@ def test_a_model_in_the_hugging_face_cache_counts_as_downloaded(
 ) -> None:
     from huggingface_hub import snapshot_download
 
-    from exo.api.cluster import ClusterClient
-    from exo.api.dependencies import is_downloaded
+    from exo.api.serving.cluster_client import ClusterClient
+    from exo.api.serving.model_lookup import is_downloaded
     from exo.shared.types.state import State
 
     cluster = cast(ClusterClient, SimpleNamespace(state=State()))

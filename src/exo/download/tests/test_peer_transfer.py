@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from exo.api.app import create_app
-from exo.api.cluster import ClusterClient
+from exo.api.serving.cluster_client import ClusterClient
 from exo.download.completion import read_marker
 from exo.download.fetch import RetryPolicy
 from exo.download.hub_download import HubDownload, download_from_hub

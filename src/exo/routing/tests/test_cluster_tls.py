@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from exo.api.app import create_app
-from exo.api.cluster import ClusterClient
+from exo.api.serving.cluster_client import ClusterClient
 from exo.download.peers import PEER_CREDENTIAL_HEADER, peer_credential
 from exo.routing.cluster_tls import (
     LEAF_NAME,

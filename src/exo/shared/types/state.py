@@ -47,7 +47,7 @@ time, and 1000 small records add about 200 KB to a snapshot."""
 class CommandOutcome(FrozenModel):
     """How the master answered one command, as much as the API waiting for the answer
     needs to rebuild the answering event from its own command and the state
-    (`exo.api.command_outcomes`). Kept in the state so that a node that takes a snapshot
+    (`exo.api.serving.command_outcomes`). Kept in the state so that a node that takes a snapshot
     in place of the events (`StateSnapshot`) still learns the answers inside it."""
 
     event_idx: int

@@ -1,0 +1,370 @@
+"""Claude (Anthropic) Messages <-> internal types. The only module that knows this dialect.
+
+Pure conversions: a wire request becomes `TextGenerationTaskParams` (this module); the
+internal chunk stream of one generation becomes Anthropic's SSE events or one `Message`
+(`response`). Routes do the I/O around them.
+
+Choices, each said where it matters:
+- A matched stop string is `stop_reason: "stop_sequence"` with `stop_sequence` set (the
+  engine names it on the final chunk and leaves it out of the text, as Anthropic does).
+- `message_start` reports the prompt's `input_tokens` (the runner sends the count with
+  the first chunk, which the stream waits for anyway); `message_delta` repeats it with the
+  output count, as Anthropic's cumulative usage does. Prompt tokens served from the
+  runner's prefix cache are `cache_read_input_tokens` and left out of `input_tokens`, as
+  Anthropic counts cache reads; `cache_creation_input_tokens` is always 0.
+- Thinking blocks carry an empty `signature`: exo does not sign thinking.
+- `output_config.effort` (anthropic 2.x) reaches the chat template as `reasoning_effort`:
+  low, medium and high as they are, xhigh and max as high (the strongest effort templates
+  know); whether thinking is on stays with `thinking`. `output_config.format` constrains
+  the answer to its JSON schema (`response_format` "json_schema").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, assert_never
+
+from exo.api.claude_messages.wire_types import (
+    ContentBlockParam,
+    CountTokensRequest,
+    DocumentBlockParam,
+    Effort,
+    ErrorDetail,
+    ErrorResponse,
+    ImageBlockParam,
+    MessagesRequest,
+    OtherBlockParam,
+    RedactedThinkingBlockParam,
+    TextBlockParam,
+    ThinkingAdaptive,
+    ThinkingBetweenTools,
+    ThinkingBlockParam,
+    ThinkingDisabled,
+    ThinkingEnabled,
+    ThinkingParam,
+    ToolChoiceAny,
+    ToolChoiceAuto,
+    ToolChoiceNone,
+    ToolChoiceParam,
+    ToolChoiceTool,
+    ToolParam,
+    ToolResultBlockParam,
+    ToolResultContentBlock,
+    ToolUseBlockParam,
+)
+from exo.api.serving.request_checks import build_task_params
+from exo.api.wire.conversation import check_tool_results_answer_calls
+from exo.api.wire.errors import InvalidRequestError
+from exo.api.wire.sampling import sampling_fields
+from exo.shared.types.common import ModelId
+from exo.shared.types.text_generation import (
+    ChatMessage,
+    NamedToolChoice,
+    ReasoningEffort,
+    TextGenerationTaskParams,
+    ToolCall,
+    ToolChoice,
+    ToolDefinition,
+)
+
+# Text blocks of one turn are joined with a newline (as the chat completions adapter joins
+# text parts), so blocks written as paragraphs do not run into each other.
+_TEXT_BLOCK_SEPARATOR = "\n"
+
+# How a failed tool run is marked for the model: templates have no field for Anthropic's
+# `is_error`, so it travels in the text.
+TOOL_ERROR_PREFIX = "Error: "
+
+# Anthropic's error `type` for each HTTP status (API reference, "Errors").
+_ERROR_TYPE_BY_STATUS: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+_EFFORT: dict[Effort, ReasoningEffort] = {
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "xhigh": "high",
+    "max": "high",
+}
+
+
+# ---------------------------------------------------------------- errors
+
+
+def error_type_for_status(status_code: int) -> str:
+    """Anthropic's error `type` for an HTTP status (`not_found_error` for 404, ...)."""
+    if status_code in _ERROR_TYPE_BY_STATUS:
+        return _ERROR_TYPE_BY_STATUS[status_code]
+    return "invalid_request_error" if 400 <= status_code < 500 else "api_error"
+
+
+def error_body(status_code: int, message: str) -> dict[str, Any]:
+    """Anthropic's error JSON: `{"type": "error", "error": {"type", "message"}}`."""
+    return ErrorResponse(
+        error=ErrorDetail(type=error_type_for_status(status_code), message=message)
+    ).model_dump(mode="json")
+
+
+# ---------------------------------------------------------------- request
+
+
+def to_task_params(request: MessagesRequest) -> TextGenerationTaskParams:
+    """Convert a Messages request into the internal generation request.
+
+    Args:
+        request: A schema-valid request.
+
+    Returns:
+        The internal params. `system` becomes a leading system turn; `tool_result` blocks
+        become `tool` turns, `tool_use` blocks the assistant turn's `tool_calls`, thinking
+        blocks its `reasoning_content`. Sampling fields the client left out stay None.
+
+    Raises:
+        InvalidRequestError: image or document input, server tools, block types exo does
+            not model, blocks in the wrong role, or fields that contradict each other (a
+            `tool_choice` naming a tool not in `tools`, `output_config.format` with a
+            forced tool call).
+    """
+    output_format = request.output_config.format if request.output_config else None
+    if output_format is not None and isinstance(
+        request.tool_choice, ToolChoiceAny | ToolChoiceTool
+    ):
+        raise InvalidRequestError(
+            "output_config.format cannot be combined with a forced tool call "
+            "(tool_choice 'any' or 'tool')",
+            "output_config.format",
+        )
+    return build_task_params(
+        **_prompt_fields(request),
+        stream=request.stream,
+        response_format="text" if output_format is None else "json_schema",
+        json_schema=None if output_format is None else output_format.schema_,
+        **sampling_fields(
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            stop=request.stop_sequences,
+        ),
+    )
+
+
+def count_tokens_params(request: CountTokensRequest) -> TextGenerationTaskParams:
+    """The internal params whose prompt `count_tokens` measures (see `to_task_params`)."""
+    return build_task_params(**_prompt_fields(request))
+
+
+def _prompt_fields(request: CountTokensRequest) -> dict[str, Any]:
+    tool_choice, parallel_tool_calls = _tool_choice(request.tool_choice)
+    effort = request.output_config.effort if request.output_config is not None else None
+    return {
+        "model": ModelId(request.model),
+        "messages": _conversation(request),
+        "tools": tuple(
+            _tool_definition(tool, index) for index, tool in enumerate(request.tools or ())
+        ),
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": parallel_tool_calls,
+        "enable_thinking": _enable_thinking(request.thinking),
+        "reasoning_effort": _EFFORT[effort] if effort is not None else None,
+    }
+
+
+def _tool_definition(tool: ToolParam, index: int) -> ToolDefinition:
+    if tool.type not in (None, "custom"):
+        raise InvalidRequestError(
+            f"tools.{index}: server tool {tool.name!r} (type {tool.type!r}) is not supported; "
+            "exo offers only client tools (an `input_schema` your code executes)",
+            f"tools.{index}.type",
+        )
+    if tool.input_schema is None:
+        raise InvalidRequestError(
+            f"tools.{index}.input_schema: Field required", f"tools.{index}.input_schema"
+        )
+    if tool.input_schema.get("type") != "object":
+        # Anthropic's rule too: a tool's input is always an object.
+        raise InvalidRequestError(
+            f"tools.{index}.input_schema.type: Input should be 'object'",
+            f"tools.{index}.input_schema.type",
+        )
+    return ToolDefinition(
+        name=tool.name, description=tool.description, parameters=tool.input_schema
+    )
+
+
+def _tool_choice(choice: ToolChoiceParam | None) -> tuple[ToolChoice, bool]:
+    """(internal tool choice, parallel tool calls allowed)."""
+    match choice:
+        case None:
+            return "auto", True
+        case ToolChoiceAuto():
+            return "auto", not choice.disable_parallel_tool_use
+        case ToolChoiceAny():
+            return "required", not choice.disable_parallel_tool_use
+        case ToolChoiceTool():
+            return NamedToolChoice(name=choice.name), not choice.disable_parallel_tool_use
+        case ToolChoiceNone():
+            return "none", True
+        case _:
+            assert_never(choice)
+
+
+def _enable_thinking(thinking: ThinkingParam | None) -> bool | None:
+    # `budget_tokens` cannot be honoured (the engine has no thinking budget); `adaptive`
+    # and `between_tools` let the model decide, which for a template means "enabled".
+    match thinking:
+        case None:
+            return None
+        case ThinkingEnabled() | ThinkingAdaptive() | ThinkingBetweenTools():
+            return True
+        case ThinkingDisabled():
+            return False
+        case _:
+            assert_never(thinking)
+
+
+def _conversation(request: CountTokensRequest) -> tuple[ChatMessage, ...]:
+    messages: list[ChatMessage] = []
+    system = _system_text(request.system)
+    if system:
+        messages.append(ChatMessage(role="system", content=system))
+    for index, message in enumerate(request.messages):
+        where = f"messages.{index}"
+        if isinstance(message.content, str):
+            messages.append(ChatMessage(role=message.role, content=message.content))
+        elif message.role == "user":
+            messages.extend(_user_turn(message.content, where))
+        else:
+            messages.append(_assistant_turn(message.content, where))
+    check_tool_results_answer_calls(messages, "messages")
+    return tuple(messages)
+
+
+def _system_text(system: str | list[TextBlockParam] | None) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    return _TEXT_BLOCK_SEPARATOR.join(block.text for block in system)
+
+
+def _user_turn(blocks: Sequence[ContentBlockParam], where: str) -> list[ChatMessage]:
+    """A user turn's text, and one `tool` turn per `tool_result`, in the blocks' order."""
+    messages: list[ChatMessage] = []
+    texts: list[str] = []
+
+    def flush_texts() -> None:
+        if texts:
+            messages.append(ChatMessage(role="user", content=_TEXT_BLOCK_SEPARATOR.join(texts)))
+            texts.clear()
+
+    for block_index, block in enumerate(blocks):
+        at = f"{where}.content.{block_index}"
+        match block:
+            case TextBlockParam():
+                texts.append(block.text)
+            case ToolResultBlockParam():
+                flush_texts()
+                messages.append(
+                    ChatMessage(
+                        role="tool",
+                        content=_tool_result_text(block, at),
+                        tool_call_id=block.tool_use_id,
+                    )
+                )
+            case ImageBlockParam() | DocumentBlockParam():
+                raise _unsupported_input(block, at)
+            case ThinkingBlockParam() | RedactedThinkingBlockParam() | ToolUseBlockParam():
+                raise InvalidRequestError(
+                    f"{at}: {block.type} blocks belong in assistant turns, not user turns", at
+                )
+            case OtherBlockParam():
+                raise _unsupported_block(block.type, at)
+            case _:
+                assert_never(block)
+    flush_texts()
+    return messages or [ChatMessage(role="user", content="")]
+
+
+def _assistant_turn(blocks: Sequence[ContentBlockParam], where: str) -> ChatMessage:
+    texts: list[str] = []
+    reasoning: list[str] = []
+    tool_calls: list[ToolCall] = []
+    for block_index, block in enumerate(blocks):
+        at = f"{where}.content.{block_index}"
+        match block:
+            case TextBlockParam():
+                texts.append(block.text)
+            case ThinkingBlockParam():
+                reasoning.append(block.thinking)
+            case RedactedThinkingBlockParam():
+                pass  # encrypted by Anthropic; nothing a template could show
+            case ToolUseBlockParam():
+                tool_calls.append(
+                    ToolCall(id=block.id, name=block.name, arguments=json.dumps(block.input))
+                )
+            case ToolResultBlockParam():
+                raise InvalidRequestError(
+                    f"{at}: tool_result blocks belong in user turns, not assistant turns", at
+                )
+            case ImageBlockParam() | DocumentBlockParam():
+                raise _unsupported_input(block, at)
+            case OtherBlockParam():
+                raise _unsupported_block(block.type, at)
+            case _:
+                assert_never(block)
+    return ChatMessage(
+        role="assistant",
+        content=_TEXT_BLOCK_SEPARATOR.join(texts),
+        tool_calls=tuple(tool_calls),
+        reasoning_content=_TEXT_BLOCK_SEPARATOR.join(reasoning) if reasoning else None,
+    )
+
+
+def _tool_result_text(block: ToolResultBlockParam, at: str) -> str:
+    if isinstance(block.content, str):
+        text = block.content
+    else:
+        texts: list[str] = []
+        for part_index, part in enumerate(block.content):
+            part_at = f"{at}.content.{part_index}"
+            match part:
+                case TextBlockParam():
+                    texts.append(part.text)
+                case ImageBlockParam() | DocumentBlockParam():
+                    raise _unsupported_input(part, part_at)
+                case OtherBlockParam():
+                    raise _unsupported_block(part.type, part_at)
+                case _:
+                    assert_never(part)
+        text = _TEXT_BLOCK_SEPARATOR.join(texts)
+    return TOOL_ERROR_PREFIX + text if block.is_error else text
+
+
+def _unsupported_input(
+    block: ImageBlockParam | DocumentBlockParam | ToolResultContentBlock, at: str
+) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"{at}: {block.type} input is not supported: the models exo serves read text only; "
+        "send text blocks",
+        at,
+    )
+
+
+def _unsupported_block(block_type: str, at: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"{at}: content blocks of type {block_type!r} are not supported; exo accepts text, "
+        "tool_use, tool_result, thinking and redacted_thinking blocks",
+        at,
+    )

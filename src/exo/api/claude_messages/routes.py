@@ -1,0 +1,66 @@
+"""Claude (Anthropic) Messages: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
+
+Errors under `/v1/messages` have Anthropic's shape (`{"type": "error", "error": {"type",
+"message"}}`) and a schema mismatch is a 400, as Anthropic answers. Statuses: 400
+`invalid_request_error`, 404 `not_found_error` (unknown model), 503 `overloaded_error` (no
+capacity; the official SDK raises `InternalServerError` and retries it, as it does
+Anthropic's own 529), 500 `api_error`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from exo.api.claude_messages.request import count_tokens_params, error_body, to_task_params
+from exo.api.claude_messages.response import collect_message, stream_message
+from exo.api.claude_messages.wire_types import (
+    CountTokensRequest,
+    CountTokensResponse,
+    Message,
+    MessagesRequest,
+)
+from exo.api.serving.generation import serve_generation
+from exo.api.serving.model_lookup import Cluster, with_resolved_model
+from exo.api.serving.response_ids import response_id
+from exo.api.serving.token_counting import count_prompt_tokens
+from exo.api.wire.errors import ErrorDialect
+from exo.shared.types.common import CommandId
+
+router = APIRouter()
+
+
+def _render_error(
+    status_code: int, _error_type: str, message: str, _param: str | None, _code: str | None
+) -> dict[str, Any]:
+    # Anthropic's body has no param or code; the type follows from the status alone.
+    return error_body(status_code, message)
+
+
+ERROR_DIALECT = ErrorDialect("anthropic", ("/v1/messages",), _render_error)
+
+
+@router.post("/v1/messages", response_model=None)
+async def create_message(
+    body: MessagesRequest, request: Request, cluster: Cluster
+) -> Message | StreamingResponse:
+    # A short name (`qwen3:0.6b`) answers with the catalog id it resolves to, as Anthropic
+    # answers an alias with the model it points to.
+    body = with_resolved_model(cluster, body)
+    params = to_task_params(body)
+    command_id = CommandId.new()
+    message_id = response_id("msg_", command_id)
+    return await serve_generation(
+        cluster, request, params, command_id=command_id,
+        render=lambda chunks: stream_message(chunks, message_id=message_id, model=body.model),
+        collector=lambda chunks: collect_message(chunks, message_id=message_id, model=body.model),
+    )  # fmt: skip
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, cluster: Cluster) -> CountTokensResponse:
+    body = with_resolved_model(cluster, body)
+    count = await count_prompt_tokens(cluster, count_tokens_params(body))
+    return CountTokensResponse(input_tokens=count)

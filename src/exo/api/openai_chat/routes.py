@@ -1,0 +1,111 @@
+"""OpenAI Chat Completions: `POST /v1/chat/completions`, `GET /v1/models` (what can be
+served now), `GET /v1/models/{id}` (any known model, by id or short name; ids contain a
+slash, sent plain or as `%2F`), and `POST /v1/cancel/{id}` (cancel any dialect's generation
+by its response or command id).
+
+A short model name (`qwen3:0.6b`) is resolved to the catalog id before the request is
+converted; responses name that id, as OpenAI's name the snapshot an alias resolved to."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from exo.api.openai_chat.request import to_task_params
+from exo.api.openai_chat.response import collect_chat_completion, stream_chat_completion
+from exo.api.openai_chat.wire_types import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ModelList,
+    ModelObject,
+)
+from exo.api.serving.generation import serve_generation
+from exo.api.serving.model_lookup import (
+    Cluster,
+    resolve_model_id,
+    servable_model_ids,
+    with_resolved_model,
+)
+from exo.api.serving.response_ids import command_id_in_response_id, response_id
+from exo.api.wire.errors import ApiError, ModelNotFoundError
+from exo.shared.types.commands import CancelGeneration
+from exo.shared.types.common import CommandId
+
+router = APIRouter()
+
+
+class GenerationNotFoundError(ApiError):
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
+def _model_object(model_id: str) -> ModelObject:
+    # exo does not know when a model was published; 0 is the Unix epoch.
+    return ModelObject(id=model_id, created=0, owned_by="exo")
+
+
+@router.get("/v1/models")
+async def list_models(cluster: Cluster) -> ModelList:
+    """Models the cluster can serve now: placed ones, then downloaded catalog models (the
+    whole catalog is `GET /models`)."""
+    return ModelList(data=[_model_object(model_id) for model_id in servable_model_ids(cluster)])
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, cluster: Cluster) -> ModelObject:
+    """One known model (catalog or placed) by id or short name; 404 in OpenAI's error shape
+    when the cluster knows no such model."""
+    resolved = resolve_model_id(cluster, model_id)
+    if resolved is None and not model_id.startswith("/"):
+        # `/v1/models/tmp/x.gguf` names the local model /tmp/x.gguf (the path converter
+        # leaves out the slash after `models/`), as `DELETE /models/custom/tmp/x.gguf` does.
+        resolved = resolve_model_id(cluster, f"/{model_id}")
+    if resolved is None:
+        raise ModelNotFoundError(f"The model '{model_id}' does not exist", code="model_not_found")
+    return _model_object(resolved)
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, cluster: Cluster
+) -> ChatCompletionResponse | StreamingResponse:
+    params = to_task_params(with_resolved_model(cluster, body))
+    command_id = CommandId.new()
+    completion_id, created = response_id("chatcmpl-", command_id), int(time.time())
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return await serve_generation(
+        cluster, request, params, command_id=command_id,
+        render=lambda chunks: stream_chat_completion(
+            chunks, completion_id=completion_id, model=params.model, created=created,
+            include_usage=include_usage, params=params,
+        ),
+        collector=lambda chunks: collect_chat_completion(
+            chunks, completion_id=completion_id, model=params.model, created=created, params=params
+        ),
+    )  # fmt: skip
+
+
+@router.post("/v1/cancel/{generation_id}")
+async def cancel_generation(generation_id: str, cluster: Cluster) -> dict[str, object]:
+    """Stop a running or queued generation on every rank and free its slot.
+
+    `generation_id` is the id of any dialect's response (`chatcmpl-…`, `msg_…`, `resp_…`)
+    or the internal command id. 404 when no such generation is pending or running.
+    """
+    command_id = command_id_in_response_id(generation_id)
+    if command_id is not None:  # sent again after its instance was lost: the new command
+        command_id = cluster.generation_aliases.get(command_id, command_id)
+    if command_id is None or not any(
+        task.command_id == command_id for task in cluster.state.tasks.values()
+    ):
+        raise GenerationNotFoundError(
+            f"no generation {generation_id!r} is pending or running",
+            param="generation_id",
+            code="generation_not_found",
+        )
+    cluster.send_and_forget(
+        CancelGeneration(command_id=CommandId.new(), target_command_id=command_id)
+    )
+    return {"id": generation_id, "object": "generation.cancelled", "cancelled": True}

@@ -1,0 +1,107 @@
+"""Wire models of OpenAI's legacy Completions API (`POST /v1/completions`): a raw prompt in,
+its continuation out, no chat template. Base models (no chat template) are served only here
+and through Ollama's raw generate; instruct models work too (their prompt is used raw).
+
+As with Chat Completions (`openai_chat`), request models check types and ranges only and
+ignore unknown fields; `exo.api.openai_completions.request.to_task_params` refuses, with a 400
+naming the field, what a valid body asks for that exo does not do (`suffix`, `n` > 1,
+`best_of` > 1, several prompts, token-id prompts, `echo` with `logprobs`). Response models
+follow the `openai` SDK's `Completion` type (checked against openai 3.57:
+`types/completion.py`, `completion_choice.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from exo.api.openai_chat.wire_types import MAX_STOP_SEQUENCES, CompletionUsage, StreamOptions
+from exo.api.wire.request_model import VllmTopK, WireRequestModel
+from exo.shared.types.text_generation import MAX_TOP_LOGPROBS
+
+# OpenAI's documented default for the legacy endpoint (vLLM keeps it too): a request
+# without `max_tokens` gets at most 16 tokens. An explicit null means "until a stop".
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+class _WireRequestModel(WireRequestModel):
+    """Unknown fields are ignored and logged at debug level (`exo.api.wire.request_model`)."""
+
+
+class _WireResponseModel(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+TokenIds = list[int]
+CompletionPrompt = str | list[str] | list[TokenIds] | TokenIds
+"""A text, a batch of texts, token ids, or a batch of token-id lists (OpenAI's four forms;
+only one text is served)."""
+
+
+class CompletionRequest(_WireRequestModel):
+    """The body of `POST /v1/completions`.
+
+    `logprobs` is the legacy integer form: how many most likely alternatives to report
+    per position (0 reports only the sampled tokens); OpenAI caps it at 5, exo at 20 like
+    Chat's `top_logprobs`. `top_k`, `min_p` and `repetition_penalty` are vLLM's
+    extensions, as on Chat Completions. `user` is accepted and has no effect.
+    """
+
+    model: str = Field(min_length=1)
+    prompt: CompletionPrompt
+    suffix: str | None = None
+    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: VllmTopK | None = None
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    # torch generators take seeds in [-2**63, 2**64).
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    n: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+CompletionFinishReason = Literal["stop", "length", "content_filter"]
+
+
+class CompletionLogprobs(_WireResponseModel):
+    """Legacy logprobs, one entry per generated token in each list: the token's text, its
+    log probability, its most likely alternatives (text -> log probability, the sampled
+    token always included, so up to `logprobs` + 1 entries) and the character offset of
+    the token in the choice's `text`."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_WireResponseModel):
+    text: str
+    index: int = 0
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: CompletionFinishReason | None = None
+
+
+class Completion(_WireResponseModel):
+    """A whole response, or (streaming) one `text_completion` chunk: then `text` is the new
+    piece and `finish_reason` is set on the last chunk only."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(description="Unix time, seconds.")
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage | None = None
+    system_fingerprint: str | None = None

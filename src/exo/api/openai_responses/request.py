@@ -1,0 +1,394 @@
+"""OpenAI Responses <-> internal types. The only module that knows this dialect.
+
+Pure conversions: a wire request becomes `TextGenerationTaskParams`; the internal chunk
+stream of one generation becomes either the Responses SSE events or one `ResponseObject`.
+Both go through one `ResponseAssembler` (`assembler`), so the streamed
+events and the final object always agree (ids, output indexes, texts).
+
+Choices where the API leaves room:
+- Thinking text (`TokenChunk.reasoning_text`) is reported as a `reasoning` output item whose
+  `summary` holds the text as it was generated (exo does not summarise).
+- `reasoning.effort`: "none" and "minimal" turn thinking off (`enable_thinking=False`;
+  "minimal" is still passed on as `reasoning_effort` for templates that know it); "low",
+  "medium", "high" turn it on with that effort; "xhigh" and "max" become "high". No effort:
+  the chat template's default.
+- Logprobs are returned when `include` lists `message.output_text.logprobs` or
+  `top_logprobs` > 0; they belong to the answer text only (a thinking token's are dropped).
+- A generation cancelled (`POST /v1/cancel/resp_…`) ends as status `cancelled`; a
+  streamed one emits `response.incomplete` (the Responses stream has no cancelled event).
+- Failure after the HTTP status was sent is a `response.failed` event whose response has
+  `error: {code, message}` (`invalid_prompt` when the request was at fault, else
+  `server_error`); the stream then ends.
+
+A chunk stream ends with the first chunk whose `finish_reason` is set; nothing after it is
+read. The caller owns the chunk iterator and closes it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, assert_never
+
+from exo.api.openai_responses.request_types import (
+    ContentPart,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionToolChoice,
+    FunctionToolSpec,
+    InputImagePart,
+    InputItem,
+    InputTextPart,
+    MessageItem,
+    OutputTextInputPart,
+    ReasoningItem,
+    RefusalInputPart,
+    ResponsesRequest,
+    UnsupportedItem,
+    UnsupportedPart,
+    UnsupportedTool,
+    UnsupportedToolChoice,
+)
+from exo.api.serving.request_checks import build_task_params
+from exo.api.wire.errors import InvalidRequestError
+from exo.api.wire.sampling import sampling_fields, vllm_top_k
+from exo.shared.types.chunks import ToolCall
+from exo.shared.types.common import ModelId
+from exo.shared.types.text_generation import (
+    ChatMessage,
+    NamedToolChoice,
+    ReasoningEffort,
+    ResponseFormat,
+    TextGenerationTaskParams,
+    ToolChoice,
+    ToolDefinition,
+)
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+# Parts of one message are joined with a newline, as the Chat Completions adapter does.
+_TEXT_PART_SEPARATOR = "\n"
+_NOT_SUPPORTED = "is not supported"
+
+# Internal field -> this dialect's name, for errors raised by `build_task_params`.
+_PARAM_NAMES = {
+    "max_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text.format",
+    "json_schema": "text.format.schema",
+    "top_logprobs": "top_logprobs",
+}
+
+
+# ---------------------------------------------------------------- request
+
+
+def to_task_params(request: ResponsesRequest) -> TextGenerationTaskParams:
+    """Convert a Responses request into the internal generation request.
+
+    `instructions` becomes a leading system message; input items become chat turns
+    (function calls join the assistant turn before them, reasoning items become the
+    `reasoning_content` of the assistant turn after them).
+
+    Args:
+        request: A schema-valid request.
+
+    Returns:
+        The internal params; sampling fields the client left out stay None (model card
+        defaults apply).
+
+    Raises:
+        InvalidRequestError: the request asks for something exo does not do (stored
+            responses or conversations, background mode, hosted tools, image or file input)
+            or is inconsistent (a function call output without its
+            call, a tool choice naming an unknown tool, an empty input).
+    """
+    _refuse_unsupported_features(request)
+    messages: list[ChatMessage] = []
+    if request.instructions:
+        messages.append(ChatMessage(role="system", content=request.instructions))
+    if isinstance(request.input, str):
+        messages.append(ChatMessage(role="user", content=request.input))
+    else:
+        messages.extend(_to_chat_messages(request.input))
+    if not any(message.role != "system" for message in messages):
+        raise InvalidRequestError(
+            "input must contain at least one user, assistant or tool turn", "input"
+        )
+    enable_thinking, reasoning_effort = _thinking(request)
+    include = request.include or []
+    top_logprobs = request.top_logprobs or 0
+    try:
+        return build_task_params(
+            model=ModelId(request.model),
+            messages=tuple(messages),
+            **sampling_fields(
+                max_tokens=request.max_output_tokens,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                top_k=vllm_top_k(request.top_k),
+            ),
+            stream=request.stream,
+            tools=tuple(_to_tool_definition(tool) for tool in function_tools(request)),
+            tool_choice=_tool_choice(request),
+            parallel_tool_calls=(
+                True if request.parallel_tool_calls is None else request.parallel_tool_calls
+            ),
+            response_format=_response_format(request),
+            json_schema=_json_schema(request),
+            logprobs=LOGPROBS_INCLUDE in include or top_logprobs > 0,
+            top_logprobs=top_logprobs,
+            enable_thinking=enable_thinking,
+            reasoning_effort=reasoning_effort,
+        )
+    except InvalidRequestError as error:
+        param = _PARAM_NAMES.get(error.param or "", error.param)
+        message = error.message
+        for internal, external in _PARAM_NAMES.items():
+            message = message.replace(f"{internal}:", f"{external}:")
+        raise InvalidRequestError(message, param, error.code) from None
+
+
+def _refuse_unsupported_features(request: ResponsesRequest) -> None:
+    if request.previous_response_id is not None:
+        raise InvalidRequestError(
+            "previous_response_id is not supported: exo does not store responses. Send the "
+            "whole conversation in `input` instead (earlier output items can be passed back "
+            "as input items)",
+            "previous_response_id",
+        )
+    if request.conversation is not None:
+        raise InvalidRequestError(
+            "conversation is not supported: exo does not store conversations; send the "
+            "whole conversation in `input`",
+            "conversation",
+        )
+    if request.prompt is not None:
+        raise InvalidRequestError(
+            "prompt templates are not supported: exo stores no prompts; send `instructions` "
+            "and `input`",
+            "prompt",
+        )
+    if request.background:
+        raise InvalidRequestError(
+            "background mode is not supported: exo does not store responses; use stream=true "
+            "for long generations",
+            "background",
+        )
+    for index, tool in enumerate(request.tools or []):
+        if isinstance(tool, UnsupportedTool):
+            raise InvalidRequestError(
+                f"tools of type {tool.type!r} {_NOT_SUPPORTED}: exo runs no hosted tools; "
+                "only 'function' tools are",
+                f"tools[{index}]",
+            )
+    if isinstance(request.tool_choice, UnsupportedToolChoice):
+        raise InvalidRequestError(
+            f"tool_choice of type {request.tool_choice.type!r} {_NOT_SUPPORTED}; use 'auto', "
+            "'none', 'required' or {'type': 'function', 'name': ...}",
+            "tool_choice",
+        )
+
+
+def function_tools(request: ResponsesRequest) -> list[FunctionToolSpec]:
+    return [tool for tool in request.tools or [] if isinstance(tool, FunctionToolSpec)]
+
+
+def _to_tool_definition(tool: FunctionToolSpec) -> ToolDefinition:
+    return ToolDefinition(
+        name=tool.name, description=tool.description, parameters=tool.parameters or {}
+    )
+
+
+def _tool_choice(request: ResponsesRequest) -> ToolChoice:
+    """The internal tool choice, checked against the tools and `text.format` here (rather
+    than by the internal model's validator) so that the error names this dialect's field."""
+    choice = request.tool_choice
+    names = [tool.name for tool in function_tools(request)]
+    converted: ToolChoice
+    match choice:
+        case None:
+            converted = "auto"
+        case FunctionToolChoice():
+            if choice.name not in names:
+                raise InvalidRequestError(
+                    f"tool_choice names {choice.name!r}, which is not among the function tools "
+                    f"({', '.join(names) or 'none given'})",
+                    "tool_choice",
+                )
+            converted = NamedToolChoice(name=choice.name)
+        case UnsupportedToolChoice():  # refused earlier
+            raise AssertionError("unsupported tool_choice reached conversion")
+        case "required" if not names:
+            raise InvalidRequestError(
+                "tool_choice 'required' needs at least one tool in `tools`", "tool_choice"
+            )
+        case _:
+            converted = choice
+    forced = converted == "required" or isinstance(converted, NamedToolChoice)
+    response_format = _response_format(request)
+    if forced and response_format != "text":
+        raise InvalidRequestError(
+            f"text.format {response_format!r} cannot be combined with a forced function call "
+            "(tool_choice 'required' or a named function)",
+            "text.format",
+        )
+    return converted
+
+
+def _response_format(request: ResponsesRequest) -> ResponseFormat:
+    if request.text is None or request.text.format is None:
+        return "text"
+    return request.text.format.type
+
+
+def _json_schema(request: ResponsesRequest) -> dict[str, Any] | None:
+    """The schema of a `json_schema` text format (any object when it gives none)."""
+    text_format = request.text.format if request.text else None
+    if text_format is None or text_format.type != "json_schema":
+        return None
+    return {"type": "object"} if text_format.schema_ is None else text_format.schema_
+
+
+def _thinking(request: ResponsesRequest) -> tuple[bool | None, ReasoningEffort | None]:
+    """(enable_thinking, reasoning_effort) for the request's `reasoning.effort`."""
+    effort = request.reasoning.effort if request.reasoning else None
+    match effort:
+        case None:
+            return None, None
+        case "none":
+            return False, None
+        case "minimal":
+            return False, "minimal"
+        case "low" | "medium" | "high":
+            return True, effort
+        case "xhigh" | "max":
+            return True, "high"
+        case _:
+            assert_never(effort)
+
+
+def _to_chat_messages(items: list[InputItem]) -> list[ChatMessage]:
+    messages: list[ChatMessage] = []
+    pending_reasoning: list[str] = []
+    call_ids: set[str] = set()
+    # Function calls join the assistant turn they directly follow (its text, or earlier
+    # calls of the same turn); anything else in between starts a new turn.
+    previous_was_assistant = False
+    for index, item in enumerate(items):
+        param = f"input[{index}]"
+        match item:
+            case MessageItem():
+                role = "system" if item.role == "developer" else item.role
+                content = _message_text(item, param)
+                reasoning = None
+                if role == "assistant" and pending_reasoning:
+                    reasoning = _TEXT_PART_SEPARATOR.join(pending_reasoning)
+                    pending_reasoning.clear()
+                messages.append(
+                    ChatMessage(role=role, content=content, reasoning_content=reasoning)
+                )
+                previous_was_assistant = role == "assistant"
+            case FunctionCallItem():
+                _check_arguments_object(item.arguments, f"{param}.arguments")
+                call = ToolCall(id=item.call_id, name=item.name, arguments=item.arguments)
+                call_ids.add(item.call_id)
+                if previous_was_assistant and not pending_reasoning:
+                    last = messages[-1]
+                    messages[-1] = last.model_copy(update={"tool_calls": (*last.tool_calls, call)})
+                else:
+                    messages.append(
+                        ChatMessage(
+                            role="assistant",
+                            tool_calls=(call,),
+                            reasoning_content=(
+                                _TEXT_PART_SEPARATOR.join(pending_reasoning)
+                                if pending_reasoning
+                                else None
+                            ),
+                        )
+                    )
+                    pending_reasoning.clear()
+                previous_was_assistant = True
+            case FunctionCallOutputItem():
+                if item.call_id not in call_ids:
+                    raise InvalidRequestError(
+                        f"no function_call with call_id {item.call_id!r} precedes this "
+                        "function_call_output; exo stores no responses, so the call must be "
+                        "in `input` too",
+                        f"{param}.call_id",
+                    )
+                messages.append(
+                    ChatMessage(
+                        role="tool",
+                        content=_parts_text(item.output, f"{param}.output"),
+                        tool_call_id=item.call_id,
+                    )
+                )
+                previous_was_assistant = False
+            case ReasoningItem():
+                # A reasoning item with no assistant turn after it has nowhere to go and is
+                # dropped.
+                texts = [part.text for part in item.summary] or [
+                    part.text for part in item.content or []
+                ]
+                text = _TEXT_PART_SEPARATOR.join(texts)
+                if text:
+                    pending_reasoning.append(text)
+                previous_was_assistant = False
+            case UnsupportedItem():
+                raise InvalidRequestError(_unsupported_item_message(item.type), f"{param}.type")
+            case _:
+                assert_never(item)
+    return messages
+
+
+def _check_arguments_object(arguments: str, param: str) -> None:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise InvalidRequestError("a function call's arguments must be a JSON object", param)
+
+
+def _unsupported_item_message(kind: str) -> str:
+    if kind == "item_reference":
+        return (
+            "input items of type 'item_reference' are not supported: exo does not store "
+            "responses; send the item itself"
+        )
+    return (
+        f"input items of type {kind!r} {_NOT_SUPPORTED}; exo accepts 'message', "
+        "'function_call', 'function_call_output' and 'reasoning' items"
+    )
+
+
+def _message_text(item: MessageItem, param: str) -> str:
+    return _parts_text(item.content, f"{param}.content")
+
+
+def _parts_text(content: str | list[ContentPart], param: str) -> str:
+    if isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for index, part in enumerate(content):
+        match part:
+            case InputTextPart() | OutputTextInputPart():
+                texts.append(part.text)
+            case RefusalInputPart():
+                # A replayed refusal is what the assistant said.
+                texts.append(part.refusal)
+            case InputImagePart():
+                raise InvalidRequestError(
+                    "image input is not supported: the model has no vision; send "
+                    "input_text parts only",
+                    f"{param}[{index}]",
+                )
+            case UnsupportedPart():
+                raise InvalidRequestError(
+                    f"content parts of type {part.type!r} {_NOT_SUPPORTED}; send input_text parts",
+                    f"{param}[{index}]",
+                )
+            case _:
+                assert_never(part)
+    return _TEXT_PART_SEPARATOR.join(texts)

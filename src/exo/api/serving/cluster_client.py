@@ -1,0 +1,491 @@
+"""The API's view of the cluster: its copy of the state, the commands it sends, and the
+chunk streams and command results it waits on.
+
+A command must be carried out exactly once whatever the timing of start-up and elections:
+it can be published while no master is elected, before the master's node is linked to
+this one, to a node that won the election but has not started acting as master yet, or
+to a master that dies before answering. So the client keeps every unanswered command
+and sends it again — at once to a newly elected master, and with backoff while
+unanswered — until the event that carries it out (or rejects it) comes back; the
+master ignores a command id its history already holds (`master.main.Master`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from loguru import logger
+
+from exo.api.serving.command_outcomes import answer_from_state
+from exo.shared.election import Election
+from exo.shared.models.cards import with_custom_cards
+from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
+from exo.shared.types.commands import CancelGeneration, Command, DeleteInstance, ForwarderCommand
+from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, TaskId
+from exo.shared.types.events import (
+    CommandRejected,
+    CustomModelAdded,
+    CustomModelDeleted,
+    DownloadControlled,
+    Event,
+    IndexedEvent,
+    InstanceCreated,
+    InstanceDeleted,
+    InstanceUsed,
+    StateSnapshot,
+    TaskCreated,
+    TaskStatusUpdated,
+)
+from exo.shared.types.models import ModelCard
+from exo.shared.types.nodes import DownloadStatus
+from exo.shared.types.runners import KVCacheUse
+from exo.shared.types.state import State
+from exo.shared.types.tasks import TaskCancelled, TaskComplete, TaskFailed
+from exo.utils.channels import Publisher, Subscription
+
+COMMAND_RESULT_TIMEOUT_SECONDS = 30.0
+LOST_NODE_CHECK_SECONDS = 0.5
+# First resend of an unanswered command after this long, then twice as long each time up
+# to the maximum. On loopback a master answers within milliseconds; an election takes
+# a few seconds.
+RESEND_FIRST_SECONDS = 1.0
+RESEND_MAX_SECONDS = 4.0
+# A cancel has no event of its own; it is resent until its generation is gone, at most
+# this long.
+CANCEL_RESEND_SECONDS = 30.0
+NODE_REPORTS_TIMEOUT_SECONDS = 30.0
+NODE_REPORTS_CHECK_SECONDS = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOnRequest:
+    """How this node's API loads models that requests name (`exo.api.serving.load_on_request`).
+
+    Args:
+        auto_place: place a model a request names when it has no instance
+            (`--no-auto-place` turns this off).
+        idle_unload_seconds: the keep-alive given to instances this node places and to
+            those its requests use, unless a request says otherwise (`--idle-unload`);
+            None: they stay until deleted.
+        ready_timeout_seconds: how long a request waits for the instance it placed to load.
+        offline: never download (`--offline`): Ollama's pull only finds files already here.
+    """
+
+    auto_place: bool = True
+    idle_unload_seconds: float | None = None
+    ready_timeout_seconds: float = 600.0
+    offline: bool = False
+
+
+class CommandRejectedError(Exception):
+    def __init__(self, reason: str, status_code: int) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status_code = status_code
+
+
+class CommandTimeoutError(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class _Unanswered:
+    """A command not carried out yet, and when to send it again (monotonic seconds)."""
+
+    command: Command
+    first_sent: float
+    next_send: float
+    interval: float
+
+
+class ClusterClient:
+    """Everything the HTTP routes need from the rest of the node.
+
+    Args:
+        resend_first_seconds: an unanswered command is sent again after this long, then
+            after twice as long each time, up to `RESEND_MAX_SECONDS`.
+        clock: monotonic seconds.
+        trust_remote_code: `POST /models/add` accepts repositories whose config asks for
+            custom code (`--trust-remote-code`); the engine still runs only its families.
+    """
+
+    def __init__(
+        self,
+        node_id: NodeId,
+        current_state: Callable[[], State],
+        applied_events: Subscription[IndexedEvent],
+        chunk_subscription: Subscription[Chunk],
+        command_publisher: Publisher[ForwarderCommand],
+        cards: Mapping[ModelId, ModelCard],
+        election: Election | None = None,
+        current_peers: Callable[[], frozenset[NodeId]] = frozenset,
+        resend_first_seconds: float = RESEND_FIRST_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+        load_on_request: LoadOnRequest | None = None,
+        record_download: Callable[[ModelId, DownloadStatus], None] | None = None,
+        trust_remote_code: bool = False,
+        local_kv_cache: Callable[[], list[KVCacheUse]] = list,
+    ) -> None:
+        self.node_id = node_id
+        self.load_on_request = load_on_request or LoadOnRequest()
+        self._record_download = record_download
+        self.local_kv_cache = local_kv_cache  # this node's runners' KV use (`/metrics`)
+        # Placements on request in progress, by model: concurrent requests wait for one.
+        self.placing: dict[ModelId, anyio.Event] = {}
+        self._current_state = current_state
+        self.catalog = cards
+        self.trust_remote_code = trust_remote_code
+        self._applied_events = applied_events
+        self._election = election
+        self.current_peers = current_peers
+        # Commands not yet carried out: held while there is no master, resent until answered.
+        self._unanswered: dict[CommandId, _Unanswered] = {}
+        self._resend_first_seconds = resend_first_seconds
+        self._now = clock
+        self._sent_to_master: NodeId | None = None
+        self._resend_wake = anyio.Event()
+        self._chunks = chunk_subscription
+        self._commands = command_publisher
+        self._result_waiters: dict[CommandId, MemoryObjectSendStream[Event]] = {}
+        self._chunk_streams: dict[CommandId, MemoryObjectSendStream[Chunk]] = {}
+        self._command_instance: dict[CommandId, InstanceId] = {}
+        # Set when a request's instance becomes known, to wake `_watch_lost_nodes`.
+        self._request_routed = anyio.Event()
+        self._task_commands: dict[TaskId, CommandId] = {}
+        self.generation_aliases: dict[CommandId, CommandId] = {}
+        """Generations sent again after their instance was lost: the command their client
+        knows (its response id names it) -> the command running now (`/v1/cancel`)."""
+        self.state_changed = anyio.Event()
+
+    @property
+    def state(self) -> State:
+        return self._current_state()
+
+    @property
+    def cards(self) -> Mapping[ModelId, ModelCard]:
+        """Every model the cluster knows: the catalog, then the custom models of the state."""
+        return with_custom_cards(self.catalog, self.state.custom_cards)
+
+    @property
+    def master(self) -> NodeId | None:
+        return self.node_id if self._election is None else self._election.master
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(self._event_loop)
+            task_group.start_soon(self._chunk_loop)
+            if self._election is not None:  # networked: peers are known
+                task_group.start_soon(self._watch_lost_nodes)
+            task_group.start_soon(self._resend_loop)
+
+    async def _event_loop(self) -> None:
+        async for indexed_event in self._applied_events:
+            self._on_event(indexed_event.event)
+            self._forget_answered_cancels()
+            self.state_changed.set()
+            self.state_changed = anyio.Event()
+
+    async def _resend_loop(self) -> None:
+        """Send unanswered commands again: all of them at once to a newly elected master,
+        each with backoff while it stays unanswered."""
+        async with anyio.create_task_group() as task_group:
+            if self._election is not None:
+                task_group.start_soon(self._wake_on_master_change, self._election)
+            while True:
+                with anyio.move_on_after(self._seconds_until_next_send()):
+                    await self._resend_wake.wait()
+                self._resend_wake = anyio.Event()
+                self.resend_due()
+
+    async def _wake_on_master_change(self, election: Election) -> None:
+        while True:
+            await election.master_changed.wait()
+            self._resend_wake.set()
+
+    def _seconds_until_next_send(self) -> float:
+        if self.master is None or not self._unanswered:
+            return math.inf
+        earliest = min(unanswered.next_send for unanswered in self._unanswered.values())
+        return max(0.0, earliest - self._now())
+
+    def resend_due(self) -> None:
+        """Send every unanswered command whose time has come (all of them when the master
+        changed since the last send); forget cancels whose generation is gone."""
+        master = self.master
+        if master is None:
+            # Held; whoever wins next (the same node too) gets them all at once: a master
+            # that was not active during the round dropped what it was sent then.
+            self._sent_to_master = None
+            return
+        now = self._now()
+        new_master = master != self._sent_to_master
+        self._sent_to_master = master
+        self._forget_answered_cancels()
+        for unanswered in list(self._unanswered.values()):
+            if not new_master and now < unanswered.next_send:
+                continue
+            if new_master:
+                logger.info(f"api: sending {unanswered.command.kind} to the new master {master}")
+            else:
+                logger.debug(f"api: no answer to {unanswered.command.kind} yet; sending again")
+            self._send(unanswered, now, restart_backoff=new_master)
+
+    def _forget_answered_cancels(self) -> None:
+        now = self._now()
+        for command_id, unanswered in list(self._unanswered.items()):
+            if self._answered_without_event(unanswered, now):
+                del self._unanswered[command_id]
+
+    def _answered_without_event(self, unanswered: _Unanswered, now: float) -> bool:
+        """A cancel is done when its generation has no task (and none can come: the
+        generation's own command is answered), or after `CANCEL_RESEND_SECONDS`."""
+        match unanswered.command:
+            case CancelGeneration(target_command_id=target):
+                if now - unanswered.first_sent > CANCEL_RESEND_SECONDS:
+                    return True
+                return target not in self._unanswered and not any(
+                    task.command_id == target for task in self.state.tasks.values()
+                )
+            case _:
+                return False
+
+    def _track(self, command: Command) -> None:
+        now = self._now()
+        unanswered = _Unanswered(
+            command=command, first_sent=now, next_send=now, interval=self._resend_first_seconds
+        )
+        self._unanswered[command.command_id] = unanswered
+        self._resend_wake.set()  # its resend may be due before the one the loop waits for
+        if self.master is None:
+            return  # held: sent when a master is elected
+        if self.master != self._sent_to_master:
+            self.resend_due()  # a new master the loop has not seen yet: it gets them all
+        else:
+            self._send(unanswered, now, restart_backoff=True)
+
+    def _send(self, unanswered: _Unanswered, now: float, restart_backoff: bool) -> None:
+        if restart_backoff:
+            unanswered.interval = self._resend_first_seconds
+        unanswered.next_send = now + unanswered.interval
+        unanswered.interval = min(unanswered.interval * 2, RESEND_MAX_SECONDS)
+        self._commands.publish(ForwarderCommand(origin=self.node_id, command=unanswered.command))
+
+    def _on_event(self, event: Event) -> None:
+        command_id: CommandId | None = None
+        match event:
+            case StateSnapshot(state=snapshot_state):
+                self._answer_from_snapshot(snapshot_state)
+                return
+            case CommandRejected() if event.origin != self.node_id:
+                return
+            case InstanceCreated() | InstanceDeleted() | InstanceUsed() | CommandRejected():
+                command_id = event.command_id
+            case CustomModelAdded() | CustomModelDeleted() | DownloadControlled():
+                command_id = event.command_id
+            case TaskCreated(task=task):
+                command_id = task.command_id
+                if task.command_id in self._chunk_streams:
+                    self._command_instance[task.command_id] = task.instance_id
+                    self._request_routed.set()
+                    self._task_commands[task.task_id] = task.command_id
+                    # Sent to an instance that lost a node since: no chunk will come.
+                    self._end_streams_of_lost_instances()
+            case TaskStatusUpdated(task_id=task_id, status=TaskFailed(error_message=message)):
+                # Normally the runner's error chunk came first; this ends streams whose
+                # runner could not say so (the node restarted or left, the task was
+                # dropped). A lost instance's requests may be sent again elsewhere.
+                failed_command = self._task_commands.pop(task_id, None)
+                instance_id = self._command_instance.get(failed_command) if failed_command else None
+                if instance_id is not None and instance_id in self.state.unavailable_instances:
+                    self._end_stream(failed_command, message, unavailable=True)
+                else:
+                    self._end_stream(failed_command, message)
+                return
+            case TaskStatusUpdated(task_id=task_id, status=TaskComplete() | TaskCancelled()):
+                self._task_commands.pop(task_id, None)
+                return
+            case _:
+                pass
+        if isinstance(event, InstanceDeleted):
+            self._fail_streams_of_instance(event.instance_id)
+        if command_id is not None:
+            self._deliver(command_id, event)
+
+    def _deliver(self, command_id: CommandId, event: Event) -> None:
+        self._unanswered.pop(command_id, None)
+        if command_id in self._result_waiters:
+            self._result_waiters.pop(command_id).send_nowait(event)
+
+    def _answer_from_snapshot(self, state: State) -> None:
+        """Answer the commands whose answering events a snapshot stands in for (this node
+        fell behind further than the master's log reaches): their outcomes are in it."""
+        for command_id, unanswered in list(self._unanswered.items()):
+            outcome = state.command_outcomes.get(command_id)
+            if outcome is None:
+                continue
+            event = answer_from_state(unanswered.command, outcome, state, self.node_id)
+            if isinstance(event, TaskCreated) and event.task.task_id not in state.tasks:
+                self._deliver(command_id, event)  # finished: no chunk stream to route
+            else:
+                self._on_event(event)
+
+    def _fail_streams_of_instance(self, instance_id: InstanceId) -> None:
+        for command_id, stream_instance in list(self._command_instance.items()):
+            if stream_instance == instance_id:
+                self._end_stream(command_id, "the instance serving this request was deleted")
+
+    async def _watch_lost_nodes(self) -> None:
+        """A request whose instance runs on a node that left the cluster will never get
+        its chunks: end it now (this node's own links say so as soon as the master's).
+        With no request waiting for chunks there is nothing to look at until one is."""
+        while True:
+            if not self._command_instance:
+                self._request_routed = anyio.Event()
+                await self._request_routed.wait()
+            await anyio.sleep(LOST_NODE_CHECK_SECONDS)
+            self._end_streams_of_lost_instances()
+
+    def _end_streams_of_lost_instances(self) -> None:
+        """End, as sendable again elsewhere, every request of this node whose instance
+        uses a node that this node's links or the cluster state say is gone."""
+        peers = self.current_peers() if self._election is not None else None
+        state = self.state
+        for command_id, instance_id in list(self._command_instance.items()):
+            instance = state.instances.get(instance_id)
+            if instance is None:
+                continue
+            lost = [
+                node
+                for node in instance.shard_assignments.node_to_runner
+                if node in state.lost_nodes
+                or (peers is not None and node != self.node_id and node not in peers)
+            ]
+            if lost:
+                self._end_stream(
+                    command_id,
+                    f"instance {instance_id} of {instance.model_id} is unavailable: node "
+                    f"{lost[0]} left; re-placing",
+                    unavailable=True,
+                )
+                self._command_instance.pop(command_id, None)
+
+    def _end_stream(
+        self, command_id: CommandId | None, message: str, unavailable: bool = False
+    ) -> None:
+        """End the stream of `command_id` with an error chunk; `unavailable`: its instance
+        lost a node (a 503 the generation may retry elsewhere)."""
+        stream = self._chunk_streams.get(command_id) if command_id is not None else None
+        if stream is None or command_id is None:
+            return
+        stream.send_nowait(
+            ErrorChunk(
+                command_id=command_id,
+                model=ModelId("unknown"),
+                error_message=message,
+                status_code=503 if unavailable else 500,
+                error_code=INSTANCE_UNAVAILABLE if unavailable else None,
+            )
+        )
+
+    async def _chunk_loop(self) -> None:
+        async for chunk in self._chunks:
+            stream = self._chunk_streams.get(chunk.command_id)
+            if stream is not None:
+                stream.send_nowait(chunk)
+
+    async def submit(
+        self, command: Command, timeout: float = COMMAND_RESULT_TIMEOUT_SECONDS
+    ) -> Event:
+        """Send `command` to the master and wait for the event that carries it out.
+
+        Raises:
+            CommandRejectedError: the master refused it (with the reason and status code).
+            CommandTimeoutError: no answer within `timeout` seconds.
+        """
+        send, receive = anyio.create_memory_object_stream[Event](1)
+        self._result_waiters[command.command_id] = send
+        self._track(command)
+        try:
+            with anyio.fail_after(timeout):
+                result = await receive.receive()
+        except TimeoutError:
+            raise CommandTimeoutError(
+                f"the cluster did not answer command {command.kind} within {timeout:.0f}s"
+            ) from None
+        finally:
+            self._result_waiters.pop(command.command_id, None)
+            self._unanswered.pop(command.command_id, None)
+            receive.close()
+        if isinstance(result, CommandRejected):
+            raise CommandRejectedError(result.reason, result.status_code)
+        return result
+
+    def record_download(self, model_id: ModelId, status: DownloadStatus) -> None:
+        """Tell this node's worker and the cluster state that the API changed the model's
+        files on this node (Ollama's pull and delete)."""
+        if self._record_download is not None:
+            self._record_download(model_id, status)
+
+    @property
+    def unanswered_command_ids(self) -> list[CommandId]:
+        """Commands sent and not carried out yet (sent again until they are)."""
+        return list(self._unanswered)
+
+    def send_and_forget(self, command: CancelGeneration | DeleteInstance) -> None:
+        """Send `command` without waiting for its outcome; it is still sent again until
+        carried out (see `_answered_without_event`)."""
+        self._track(command)
+
+    async def wait_for_node_reports(
+        self,
+        among: frozenset[NodeId] | None = None,
+        timeout: float | None = None,
+    ) -> bool:
+        """Wait until the cluster state holds the resources (memory, ...) of this node and
+        of the peers it is connected to (only those in `among`, when given): right after
+        start-up a placement would otherwise find no node, or too few, to place on.
+
+        Returns:
+            Whether they all reported within `timeout` seconds (default
+            `NODE_REPORTS_TIMEOUT_SECONDS`).
+        """
+        with anyio.move_on_after(NODE_REPORTS_TIMEOUT_SECONDS if timeout is None else timeout):
+            while True:
+                expected = self.current_peers() | {self.node_id}
+                if among is not None:
+                    expected &= among
+                if expected <= self.state.node_info.keys():
+                    return True
+                # Peers come and go without a state change: look again now and then.
+                with anyio.move_on_after(NODE_REPORTS_CHECK_SECONDS):
+                    await self.state_changed.wait()
+        return False
+
+    @contextmanager
+    def chunk_stream(self, command_id: CommandId) -> Iterator[AsyncIterator[Chunk]]:
+        """Register for the chunks of `command_id` (before submitting it, so none is missed).
+
+        The iterator ends after the chunk that finishes the stream (a finish reason or an
+        error)."""
+        send, receive = anyio.create_memory_object_stream[Chunk](max_buffer_size=math.inf)
+        self._chunk_streams[command_id] = send
+        try:
+            yield _until_finished(receive)
+        finally:
+            self._chunk_streams.pop(command_id, None)
+            self._command_instance.pop(command_id, None)
+            send.close()
+            receive.close()
+
+
+async def _until_finished(receive: MemoryObjectReceiveStream[Chunk]) -> AsyncIterator[Chunk]:
+    async for chunk in receive:
+        yield chunk
+        if chunk.finish_reason is not None:
+            return

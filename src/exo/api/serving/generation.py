@@ -1,0 +1,439 @@
+"""What every dialect's generation route does around its adapter: check the model, submit
+the command, wait for the first chunk (streaming), render or collect the chunk stream, and
+cancel the generation when the client goes away.
+
+A dialect route is then three lines: convert the request, `start_generation`, and either
+`streaming_response(...)` or `await collect(...)` with the adapter's renderer/collector.
+
+A generation whose instance becomes unavailable (it lost a node or a rank) before the
+client received anything — a stream before its first chunk, any non-streamed answer — is
+sent again under a new command: the master routes it to another healthy instance, or,
+when the model has none, it waits until the lost instance serves again (placed anew on
+the remaining nodes) for at most `RETRY_WAIT_SECONDS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from loguru import logger
+from starlette.types import Receive, Scope, Send
+
+from exo.api.serving.admission import admission_of
+from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
+from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
+from exo.api.serving.metrics import observed_chunks
+from exo.api.serving.model_lookup import card_of, known_model_ids
+from exo.api.serving.prompt_size import check_prompt_size
+from exo.api.serving.request_checks import check_chat_template, check_logit_bias, check_serializable
+from exo.api.wire.errors import (
+    ApiError,
+    GenerationError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    NoCapacityError,
+)
+from exo.shared.constants import INSTANCE_HEADER
+from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
+from exo.shared.types.commands import CancelGeneration, GenerateText, KeepAlive
+from exo.shared.types.common import CommandId, InstanceId
+from exo.shared.types.text_generation import TextGenerationTaskParams
+
+DISCONNECT_POLL_SECONDS = 0.25
+# A generation is sent again at most this many times after its instance became unavailable.
+MAX_RETRIES = 5
+# How long a retried generation waits for a lost model instance to serve again (placed
+# anew and loaded) when no other instance of its model can take it.
+RETRY_WAIT_SECONDS = 120.0
+RETRY_STATE_CHECK_SECONDS = 0.5
+T = TypeVar("T")
+
+ChunkRenderer = Callable[[AsyncIterator[Chunk]], AsyncIterator[str]]
+"""Turns one generation's chunks into the dialect's streamed body pieces (SSE events or
+JSON lines)."""
+
+
+@dataclass(slots=True)
+class Generation:
+    """An accepted generation: its command, and its chunks (the first one already read for
+    streaming requests). Release with `close()` unless handed to `streaming_response` or
+    `collect`, which release it themselves."""
+
+    cluster: ClusterClient
+    command_id: CommandId
+    params: TextGenerationTaskParams
+    chunks: AsyncIterator[Chunk]
+    _resources: ExitStack = field(default_factory=ExitStack)
+    keep_alive: KeepAlive | None = None
+    retries: int = 0
+    """How often it was sent again after its instance became unavailable."""
+    _known_command_id: CommandId | None = None
+    """The first command, which the client's response id names, once sent again."""
+    release_place: Callable[[], None] | None = None
+    """Gives back its place among this node's requests in flight (`exo.api.serving.admission`)."""
+    instance_id: InstanceId | None = None
+    """The instance it was pinned to (`INSTANCE_HEADER`): never sent to another."""
+
+    def cancel(self) -> None:
+        """Ask the cluster to stop this generation on every rank (idempotent)."""
+        self.cluster.send_and_forget(
+            CancelGeneration(command_id=CommandId.new(), target_command_id=self.command_id)
+        )
+
+    def close(self) -> None:
+        self._resources.close()
+        if self.release_place is not None:
+            self.release_place()
+        if self._known_command_id is not None:
+            self.cluster.generation_aliases.pop(self._known_command_id, None)
+
+    def can_retry(self, error: ApiError | Chunk | None) -> bool:
+        """Whether `error` (an error chunk, or the ApiError a collector made of one) says
+        the instance became unavailable, and retries are left."""
+        code = error.error_code if isinstance(error, ErrorChunk) else None
+        if isinstance(error, ApiError):
+            code = error.code
+        pinned = self.instance_id is not None
+        return code == INSTANCE_UNAVAILABLE and self.retries < MAX_RETRIES and not pinned
+
+    async def retry(self, request: Request) -> None:
+        """Send the generation again under a new command (its chunks replace the old
+        ones). When the master has no instance that can serve it (503: its model's
+        instances are unavailable), wait for one, at most `RETRY_WAIT_SECONDS`.
+
+        Raises:
+            NoCapacityError: no instance served again in time, or the master refused.
+            ModelNotFoundError: the model's instances were deleted meanwhile.
+            GenerationError: the client disconnected while waiting.
+        """
+        self.retries += 1
+        self._resources.close()  # the old command's chunk stream
+        known = self._known_command_id = self._known_command_id or self.command_id
+        self._resources = ExitStack()
+        deadline = anyio.current_time() + RETRY_WAIT_SECONDS
+        while True:
+            command = GenerateText(
+                command_id=CommandId.new(), params=self.params, keep_alive=self.keep_alive
+            )
+            chunks = observed_chunks(
+                self._resources.enter_context(self.cluster.chunk_stream(command.command_id))
+            )
+            logger.info(
+                f"api: {known} lost its instance before answering; sent again as "
+                f"{command.command_id} (retry {self.retries})"
+            )
+            self.command_id, self.chunks = command.command_id, chunks
+            self.cluster.generation_aliases[known] = command.command_id
+            try:
+                await _submit(self.cluster, command)
+                return
+            except NoCapacityError:
+                if not self._model_recovering():
+                    raise
+            self._resources.close()
+            self._resources = ExitStack()
+            # Every instance of the model is recovering: wait until one serves again.
+            while self._model_recovering() and not self._model_serving():
+                if anyio.current_time() >= deadline:
+                    raise NoCapacityError(
+                        f"no instance of {self.params.model} served again within "
+                        f"{RETRY_WAIT_SECONDS:.0f} s after its instance was lost"
+                    )
+                if not await _wait_for_state_change(
+                    self.cluster, request, RETRY_STATE_CHECK_SECONDS
+                ):
+                    raise GenerationError("the client disconnected; generation cancelled")
+
+    def _model_serving(self) -> bool:
+        """Whether an instance of the model is not unavailable (it may take requests)."""
+        state = self.cluster.state
+        return any(
+            instance.instance_id not in state.unavailable_instances
+            for instance in state.instances_of_model(self.params.model)
+        )
+
+    def _model_recovering(self) -> bool:
+        """Whether an instance of the model is unavailable now and may serve again."""
+        state = self.cluster.state
+        return any(
+            instance.instance_id in state.unavailable_instances
+            for instance in state.instances_of_model(self.params.model)
+        )
+
+
+async def start_generation(
+    cluster: ClusterClient,
+    request: Request,
+    params: TextGenerationTaskParams,
+    *,
+    command_id: CommandId | None = None,
+    wait_for_first_chunk: bool | None = None,
+    keep_alive: KeepAlive | None = None,
+) -> Generation:
+    """Submit `params` as a `GenerateText` command.
+
+    A model with no instance is first placed and loaded (`exo.api.serving.load_on_request`), and
+    nothing is answered until it is ready. While every instance of the model is running and
+    queueing all it may for this node, the request waits for a place (`exo.api.serving.admission`).
+    `keep_alive` (Ollama's; default this node's `--idle-unload`) becomes the instance's
+    keep-alive. A request with the `INSTANCE_HEADER` header runs on that instance only: it
+    places nothing and is not sent again elsewhere when the instance is lost.
+
+    With `wait_for_first_chunk` (default: `params.stream`) the first chunk is awaited before
+    returning, so that a request the engine refuses (prompt longer than the context) is a
+    plain HTTP error and not an error inside an already-started 200 stream.
+
+    Raises:
+        ModelNotFoundError: the model is unknown, or it has no instance and cannot be
+            placed on request (auto-placement off, files not downloaded) (404).
+        InvalidRequestError: a conversation for a base model (no chat template) (400).
+        NoCapacityError: the master rejected the command, or the model could not be
+            loaded on request (no room, preparation failed, too slow) (503).
+        ModelNotFoundError: the `INSTANCE_HEADER` names no instance (404).
+        InvalidRequestError: the `INSTANCE_HEADER` names an instance of another model (400).
+        QueueFullError: every instance stayed full for the admission wait (503 with
+            `Retry-After`).
+        InvalidRequestError: the request holds text that is not valid Unicode, values
+            nested too deeply or a `logit_bias` for a token outside the model's vocabulary,
+            is too large for the model's context (`exo.api.serving.prompt_size`, checked before
+            anything is placed or sent), or the engine refused it (400).
+        GenerationError: the client disconnected before the first chunk (or while the
+            model was loading).
+    """
+    check_serializable(params)
+    if params.model not in known_model_ids(cluster):
+        raise ModelNotFoundError(f"The model '{params.model}' does not exist")
+    check_chat_template(params, card_of(cluster, params.model))
+    check_logit_bias(params, card_of(cluster, params.model))
+    check_prompt_size(params, card_of(cluster, params.model))
+    keep_alive = default_keep_alive(cluster, keep_alive)
+    pinned = _pinned_instance(cluster, request, params.model)
+    if pinned is None:
+        await ensure_instance(cluster, request, params.model, keep_alive)
+    release_place = await admission_of(request).admit(lambda: cluster.state, request, params.model)
+    command = GenerateText(
+        command_id=command_id or CommandId.new(),
+        params=params,
+        keep_alive=keep_alive,
+        instance_id=pinned,
+    )
+    resources = ExitStack()
+    # Registered before submitting, so no chunk can arrive unheard.
+    chunks = observed_chunks(resources.enter_context(cluster.chunk_stream(command.command_id)))
+    generation = Generation(cluster, command.command_id, params, chunks, resources, keep_alive)
+    generation.release_place = release_place
+    generation.instance_id = command.instance_id
+    try:
+        await _submit(cluster, command)
+        if wait_for_first_chunk if wait_for_first_chunk is not None else params.stream:
+            first = await _first_chunk(request, generation.chunks)
+            while generation.can_retry(first):
+                await generation.retry(request)
+                first = await _first_chunk(request, generation.chunks)
+            if isinstance(first, ErrorChunk) and first.status_code == 400:
+                raise InvalidRequestError(
+                    first.error_message, param="messages", code=first.error_code
+                )
+            generation.chunks = _prepend(first, generation.chunks)
+    except BaseException:
+        generation.cancel()
+        generation.close()
+        raise
+    return generation
+
+
+def _pinned_instance(cluster: ClusterClient, request: Request, model: str) -> InstanceId | None:
+    """The instance the `INSTANCE_HEADER` names (None without the header), checked against
+    this node's view of the state before anything waits on the model (the master checks
+    again when it decides).
+
+    Raises:
+        InvalidRequestError: the header is empty or not an ASCII id, or names an instance
+            of another model (400).
+        ModelNotFoundError: no such instance (404).
+    """
+    value = request.headers.get(INSTANCE_HEADER)
+    if value is None:
+        return None
+    value = value.strip()
+    if not value or not value.isascii() or not value.isprintable():
+        raise InvalidRequestError(
+            f"the {INSTANCE_HEADER} header must be an instance id (see GET /state)",
+            param=INSTANCE_HEADER,
+        )
+    instance_id = InstanceId(value)
+    instance = cluster.state.instances.get(instance_id)
+    if instance is None:
+        raise ModelNotFoundError(
+            f"no instance '{value}'", param=INSTANCE_HEADER, code="no_instance"
+        )
+    if instance.model_id != model:
+        raise InvalidRequestError(
+            f"instance '{value}' serves {instance.model_id}, not {model}", param=INSTANCE_HEADER
+        )
+    return instance_id
+
+
+class _GenerationStreamingResponse(StreamingResponse):
+    """Streams `render(chunks)` and always ends the generation with the response: cancelled
+    unless it streamed to the end, closed (its admission place given back) either way.
+    Starlette never starts the body when the client is gone before the headers are sent,
+    and leaves a body it stopped early to the garbage collector, so the ending is also done
+    when the response is over."""
+
+    def __init__(self, generation: Generation, render: ChunkRenderer, media_type: str) -> None:
+        self._generation = generation
+        self._started = False
+        self._body = self._stream(render)
+        super().__init__(self._body, media_type=media_type)
+
+    async def _stream(self, render: ChunkRenderer) -> AsyncGenerator[str, None]:
+        self._started = True
+        finished = False
+        try:
+            async for piece in render(self._generation.chunks):
+                yield piece
+            finished = True
+        finally:
+            if not finished:
+                self._generation.cancel()
+            self._generation.close()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self._started:
+                self._generation.cancel()
+                self._generation.close()
+            with anyio.CancelScope(shield=True):
+                await self._body.aclose()  # runs `_stream`'s `finally` if it stopped early
+
+
+def streaming_response(
+    generation: Generation, render: ChunkRenderer, media_type: str = "text/event-stream"
+) -> StreamingResponse:
+    """Stream `render(chunks)`; a client that leaves mid-stream (or before the stream
+    starts) cancels the generation and gives back its admission place."""
+    return _GenerationStreamingResponse(generation, render, media_type)
+
+
+async def collect(
+    generation: Generation,
+    request: Request,
+    collector: Callable[[AsyncIterator[Chunk]], Awaitable[T]],
+) -> T:
+    """`await collector(chunks)` unless the client disconnects first (then the generation
+    is cancelled and GenerationError raised). ApiErrors from the collector propagate,
+    except that a generation whose instance became unavailable is sent again (the client
+    has received nothing yet) and collected anew."""
+    result: list[T] = []
+    error: list[ApiError] = []
+    try:
+        while True:
+            async with anyio.create_task_group() as task_group:
+
+                async def run_collector() -> None:
+                    try:
+                        result.append(await collector(generation.chunks))
+                    except ApiError as api_error:
+                        error.append(api_error)
+                    task_group.cancel_scope.cancel()
+
+                task_group.start_soon(run_collector)
+                task_group.start_soon(_cancel_on_disconnect, request, task_group.cancel_scope)
+            if not (error and generation.can_retry(error[0])):
+                break
+            error.clear()
+            await generation.retry(request)
+    finally:
+        generation.close()
+    if error:
+        raise error[0]
+    if not result:
+        generation.cancel()
+        raise GenerationError("the client disconnected; generation cancelled")
+    return result[0]
+
+
+async def serve_generation(
+    cluster: ClusterClient,
+    request: Request,
+    params: TextGenerationTaskParams,
+    *,
+    render: ChunkRenderer,
+    collector: Callable[[AsyncIterator[Chunk]], Awaitable[T]],
+    command_id: CommandId | None = None,
+    keep_alive: KeepAlive | None = None,
+    media_type: str = "text/event-stream",
+) -> T | StreamingResponse:
+    """What a dialect's generation route answers: `start_generation`, then the stream
+    `render(chunks)` when the request asked to stream (`params.stream`), else `await
+    collector(chunks)` (see `streaming_response` and `collect`)."""
+    generation = await start_generation(
+        cluster, request, params, command_id=command_id, keep_alive=keep_alive
+    )
+    if params.stream:
+        return streaming_response(generation, render, media_type)
+    return await collect(generation, request, collector)
+
+
+async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
+    while not await request.is_disconnected():
+        await anyio.sleep(DISCONNECT_POLL_SECONDS)
+    scope.cancel()
+
+
+async def _first_chunk(request: Request, chunks: AsyncIterator[Chunk]) -> Chunk | None:
+    """The first chunk, or None if the stream ended; GenerationError when the client leaves
+    before it comes."""
+    result: list[Chunk | None] = []
+    async with anyio.create_task_group() as task_group:
+
+        async def first() -> None:
+            result.append(await anext(chunks, None))
+            task_group.cancel_scope.cancel()
+
+        task_group.start_soon(first)
+        task_group.start_soon(_cancel_on_disconnect, request, task_group.cancel_scope)
+    if not result:
+        raise GenerationError("the client disconnected; generation cancelled")
+    return result[0]
+
+
+async def _prepend(first: Chunk | None, rest: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    if first is None:
+        return
+    yield first
+    if first.finish_reason is None:
+        async for chunk in rest:
+            yield chunk
+
+
+async def _wait_for_state_change(cluster: ClusterClient, request: Request, timeout: float) -> bool:
+    """Wait until the cluster state changes or `timeout` seconds pass; False when the
+    client disconnected meanwhile."""
+    if await request.is_disconnected():
+        return False
+    with anyio.move_on_after(timeout):
+        await cluster.state_changed.wait()
+    return True
+
+
+async def _submit(cluster: ClusterClient, command: GenerateText) -> None:
+    try:
+        await cluster.submit(command)
+    except CommandRejectedError as error:
+        if error.status_code == 404:
+            raise ModelNotFoundError(error.reason, code="no_instance") from None
+        if error.status_code == 413:
+            raise InvalidRequestError(error.reason, code="context_length_exceeded") from None
+        if error.status_code == 400:  # pinned to an instance of another model
+            raise InvalidRequestError(error.reason, param=INSTANCE_HEADER) from None
+        raise NoCapacityError(error.reason) from None

@@ -1,0 +1,246 @@
+"""Load on request, as Ollama users expect: a request naming a model that has no instance
+places one and waits until it is ready, before anything is sent to the client.
+
+- Only a model whose files are ready somewhere is placed: downloaded on some node (or in
+  this node's models directory), or built in from PyPI (SmolLM2, Gemma 3 270M: any node
+  fetches their wheels). Another model answers 404 with a hint to pull it first.
+- Concurrent requests for the same model on this node share one placement; across API
+  nodes the master refuses a second on-request placement of a model that already has an
+  instance (409), and the losers wait for the winner's instance.
+- The wait is bounded (`LoadOnRequest.ready_timeout_seconds`, default 600 s: a big model
+  loads for minutes on a CPU). A client that leaves while waiting stops only its own wait:
+  the placement goes on, so the next request finds the model loaded.
+"""
+
+from __future__ import annotations
+
+import anyio
+from fastapi import Request
+from loguru import logger
+
+from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError, CommandTimeoutError
+from exo.api.serving.model_lookup import card_of, is_downloaded
+from exo.api.wire.errors import GenerationError, ModelNotFoundError, NoCapacityError
+from exo.master.decisions import no_instance_message
+from exo.master.keep_alive import instance_ready
+from exo.shared.constants import models_dir
+from exo.shared.types.commands import DeleteInstance, KeepAlive, PlaceInstance
+from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
+from exo.shared.types.events import InstanceCreated
+from exo.shared.types.models import ModelCard, PypiGgufPartsSource, PypiGgufSource
+from exo.shared.types.nodes import DownloadFailed, DownloadStatus
+from exo.shared.types.runners import RunnerFailed
+from exo.shared.types.state import State
+
+STATE_CHECK_SECONDS = 0.5
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+def default_keep_alive(cluster: ClusterClient, requested: KeepAlive | None) -> KeepAlive | None:
+    """The keep-alive a request gives the instance it uses: its own, else this node's
+    `--idle-unload`, else None (leave the instance's as it is)."""
+    if requested is not None:
+        return requested
+    seconds = cluster.load_on_request.idle_unload_seconds
+    return KeepAlive(seconds=seconds) if seconds is not None else None
+
+
+def not_downloaded_message(model_id: str) -> str:
+    return (
+        f"model '{model_id}' is not downloaded on any node of the cluster. Download it "
+        f'first with POST /download/start {{"model": "{model_id}"}} or Ollama\'s '
+        f'POST /ollama/api/pull {{"model": "{model_id}"}}, then ask again: it is loaded on '
+        "request."
+    )
+
+
+def is_available(cluster: ClusterClient, card: ModelCard) -> bool:
+    """Whether a node can prepare `card` without a download someone must ask for: its
+    files are ready on some node, or it is built in from PyPI."""
+    if isinstance(card.source, PypiGgufSource | PypiGgufPartsSource):
+        return True
+    return is_downloaded(cluster, card, models_dir())
+
+
+async def ensure_instance(
+    cluster: ClusterClient,
+    request: Request,
+    model_id: ModelId,
+    keep_alive: KeepAlive | None = None,
+) -> None:
+    """Return once `model_id` has an instance: at once when it has one (ready or not),
+    else after placing one (or joining a placement under way) and waiting until it is
+    ready.
+
+    Args:
+        keep_alive: the keep-alive of an instance placed here. A keep-alive of 0 is not
+            given to it (it would be unloaded as soon as it is ready, before the
+            generation reaches it): the generation's own command sets it.
+
+    Raises:
+        ModelNotFoundError: auto-placement is off (`--no-auto-place`), or the model's
+            files are nowhere (404, with a hint).
+        NoCapacityError: no room for the model (the message says how much memory is
+            missing), it could not be prepared or loaded, or it did not load in time (503).
+        GenerationError: the client disconnected while waiting.
+    """
+    if cluster.state.instances_of_model(model_id):
+        return
+    if not cluster.load_on_request.auto_place:
+        raise ModelNotFoundError(no_instance_message(model_id), code="no_instance")
+    card = card_of(cluster, model_id)
+    if card is None or not is_available(cluster, card):
+        raise ModelNotFoundError(not_downloaded_message(model_id), code="model_not_downloaded")
+    if keep_alive is not None and keep_alive.seconds == 0:
+        keep_alive = None  # the generation's own command sets it once it runs
+    timeout = cluster.load_on_request.ready_timeout_seconds
+    outcome: list[BaseException | None] = []
+    async with anyio.create_task_group() as task_group:
+
+        async def load() -> None:
+            try:
+                with anyio.fail_after(timeout):
+                    placed = await _placed_instance(cluster, card, keep_alive)
+                    await _wait_until_ready(cluster, model_id, placed)
+                outcome.append(None)
+            except TimeoutError:
+                outcome.append(
+                    NoCapacityError(
+                        f"{model_id} did not finish loading within {timeout:.0f} s; it is "
+                        "still loading: ask again later"
+                    )
+                )
+            except (ModelNotFoundError, NoCapacityError) as error:
+                outcome.append(error)
+            task_group.cancel_scope.cancel()
+
+        task_group.start_soon(load)
+        task_group.start_soon(_cancel_on_disconnect, request, task_group.cancel_scope)
+    if not outcome:
+        raise GenerationError("the client disconnected while the model was loading")
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+async def _placed_instance(
+    cluster: ClusterClient, card: ModelCard, keep_alive: KeepAlive | None
+) -> InstanceId | None:
+    """Place `card` on request, or wait for the placement another request of this node
+    has under way. Returns the id of the instance this call placed (None when the model
+    was placed by someone else)."""
+    model_id = card.model_id
+    while not cluster.state.instances_of_model(model_id):
+        under_way = cluster.placing.get(model_id)
+        if under_way is not None:
+            await under_way.wait()
+            continue
+        done = anyio.Event()
+        cluster.placing[model_id] = done
+        try:
+            # Shielded: a client leaving must not abandon a command the master may be
+            # carrying out; the other waiters rely on its outcome.
+            with anyio.CancelScope(shield=True):
+                placed = await _place(cluster, card, keep_alive)
+        finally:
+            del cluster.placing[model_id]
+            done.set()
+        if placed is not None:
+            return placed
+        # Placed by another API node first: our replica learns of it shortly.
+        with anyio.move_on_after(STATE_CHECK_SECONDS):
+            await cluster.state_changed.wait()
+    return None
+
+
+async def _place(
+    cluster: ClusterClient, card: ModelCard, keep_alive: KeepAlive | None
+) -> InstanceId | None:
+    """Send the on-request placement; None when the model already had an instance."""
+    await cluster.wait_for_node_reports()
+    command = PlaceInstance(
+        command_id=CommandId.new(), model_id=card.model_id, on_request=True, keep_alive=keep_alive
+    )
+    logger.info(f"api: placing {card.model_id} on request")
+    try:
+        event = await cluster.submit(command)
+    except CommandRejectedError as error:
+        if error.status_code == 409:
+            return None
+        if error.status_code == 404:
+            raise ModelNotFoundError(error.reason) from None
+        raise NoCapacityError(error.reason, code="insufficient_memory") from None
+    except CommandTimeoutError as error:
+        raise NoCapacityError(str(error)) from None
+    assert isinstance(event, InstanceCreated)
+    return event.instance.instance_id
+
+
+async def _wait_until_ready(
+    cluster: ClusterClient, model_id: ModelId, placed: InstanceId | None
+) -> None:
+    """Wait until an instance of `model_id` is ready.
+
+    Raises:
+        NoCapacityError: every instance of the model is gone (its runners failed), or a
+            node cannot prepare its files (then the instance this request placed is
+            deleted, so the next request starts afresh).
+    """
+    last_failure = ""
+    # A node's failure from before this wait (an earlier instance's) does not count: only
+    # a status reported since (a new status object in the state) does.
+    earlier_failures = _preparation_statuses(cluster.state, model_id)
+    while True:
+        state = cluster.state
+        instances = state.instances_of_model(model_id)
+        if not instances:
+            raise NoCapacityError(
+                f"{model_id} was unloaded before it finished loading"
+                + (f": {last_failure}" if last_failure else "")
+            )
+        if any(instance_ready(state, instance) for instance in instances):
+            return
+        last_failure = _runner_failure(state, model_id) or last_failure
+        preparation_failure = _preparation_failure(state, model_id, earlier_failures)
+        if preparation_failure is not None:
+            if placed is not None and placed in state.instances:
+                cluster.send_and_forget(
+                    DeleteInstance(command_id=CommandId.new(), instance_id=placed)
+                )
+            raise NoCapacityError(f"{model_id} cannot be prepared: {preparation_failure}")
+        with anyio.move_on_after(STATE_CHECK_SECONDS):
+            await cluster.state_changed.wait()
+
+
+def _runner_failure(state: State, model_id: ModelId) -> str | None:
+    for instance in state.instances_of_model(model_id):
+        for runner_id in instance.shard_assignments.runner_to_shard:
+            status = state.runners.get(runner_id)
+            if isinstance(status, RunnerFailed):
+                return status.error_message
+    return None
+
+
+def _preparation_statuses(state: State, model_id: ModelId) -> dict[NodeId, DownloadStatus]:
+    """Each node's current preparation status of `model_id` (compared by identity)."""
+    return {
+        node_id: downloads[model_id]
+        for node_id, downloads in state.downloads.items()
+        if model_id in downloads
+    }
+
+
+def _preparation_failure(
+    state: State, model_id: ModelId, earlier: dict[NodeId, DownloadStatus]
+) -> str | None:
+    for instance in state.instances_of_model(model_id):
+        for node_id in instance.shard_assignments.node_to_runner:
+            status = state.downloads.get(node_id, {}).get(model_id)
+            if isinstance(status, DownloadFailed) and earlier.get(node_id) is not status:
+                return status.error_message
+    return None
+
+
+async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
+    while not await request.is_disconnected():
+        await anyio.sleep(DISCONNECT_POLL_SECONDS)
+    scope.cancel()

@@ -1,0 +1,186 @@
+"""Errors the API answers clients with, and OpenAI's JSON shape for them.
+
+The exception classes are dialect-neutral (a message, the offending parameter, an HTTP
+status); each dialect renders them in its own body shape. `openai_error_body` is the shape
+the OpenAI-compatible routes use, both as an HTTP body and as an in-stream SSE error event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+class ApiError(Exception):
+    """An error to answer the client with, carrying its HTTP status and error type.
+
+    Args:
+        message: Human-readable, says what was wrong and, where it helps, what to do.
+        param: The request parameter at fault, in OpenAI's dotted/indexed form
+            (`messages[2].content`), or None when no single parameter is to blame.
+        code: A short machine-readable code (`model_not_found`), or None.
+    """
+
+    status_code: ClassVar[int] = 500
+    error_type: ClassVar[str] = "server_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequestError(ApiError):
+    """The request is well-formed JSON but asks for something we cannot or will not do."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ModelNotFoundError(ApiError):
+    """The requested model is unknown to the cluster (OpenAI answers 404 for this too)."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = "model", code: str | None = None) -> None:
+        super().__init__(message, param, code or "model_not_found")
+
+
+class NoCapacityError(ApiError):
+    """No instance can serve the request right now; the client may retry later."""
+
+    status_code = 503
+    error_type = "service_unavailable_error"
+
+
+class QueueFullError(NoCapacityError):
+    """Every instance of the model is running and queueing as many requests from this node
+    as it may (`exo.api.serving.admission`), and none finished within the wait; answered with a
+    `Retry-After: retry_after_seconds` header."""
+
+    def __init__(self, message: str, retry_after_seconds: int) -> None:
+        super().__init__(message, code="queue_full")
+        self.retry_after_seconds = retry_after_seconds
+
+
+class GenerationError(ApiError):
+    """The generation failed (or was cancelled) after it was accepted."""
+
+    status_code = 500
+    error_type = "server_error"
+
+
+def openai_error_body(
+    message: str, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error JSON: `{"error": {"message", "type", "param", "code"}}`.
+
+    The official clients read `error.message` for the exception text, so it must be a
+    non-empty string.
+    """
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def openai_error_body_for(error: ApiError) -> dict[str, Any]:
+    """The OpenAI error body for one of our `ApiError`s."""
+    return openai_error_body(error.message, error.error_type, error.param, error.code)
+
+
+_ERROR_TYPE_BY_STATUS: Mapping[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    409: "conflict_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+
+
+def error_type_for_status(status_code: int) -> str:
+    """The OpenAI error `type` string for an HTTP status (for errors raised outside our
+    own `ApiError`s, e.g. Starlette's 404/405)."""
+    if status_code in _ERROR_TYPE_BY_STATUS:
+        return _ERROR_TYPE_BY_STATUS[status_code]
+    return "invalid_request_error" if 400 <= status_code < 500 else "server_error"
+
+
+_UNION_BRANCH_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "null"})
+
+
+def param_from_location(location: Sequence[str | int]) -> str | None:
+    """Turn a pydantic error location into OpenAI's parameter notation.
+
+    `("body", "messages", 0, "content")` becomes `messages[0].content`; the leading
+    FastAPI source segment (`body`, `query`, ...) is dropped.
+    """
+    parts = list(location)
+    if parts and parts[0] in ("body", "query", "path", "header"):
+        parts = parts[1:]
+    # Pydantic names the union member it tried (`str`, `list[...]`, `function-after[...]`);
+    # those are not request fields.
+    parts = [
+        part
+        for part in parts
+        if isinstance(part, int) or not (part in _UNION_BRANCH_NAMES or part.endswith("]"))
+    ]
+    param = ""
+    for part in parts:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        else:
+            param += f".{part}" if param else part
+    return param or None
+
+
+def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """Summarise pydantic/FastAPI validation errors as one client-facing message.
+
+    Args:
+        errors: `ValidationError.errors()` / `RequestValidationError.errors()` entries.
+
+    Returns:
+        (message naming every failing parameter, the first failing parameter or None).
+    """
+    descriptions: list[str] = []
+    first_param: str | None = None
+    for error in errors:
+        param = param_from_location(tuple(error.get("loc", ())))
+        if first_param is None:
+            first_param = param
+        message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        descriptions.append(f"{param}: {message}" if param else message)
+    if not descriptions:
+        return "invalid request", None
+    return "; ".join(descriptions), first_param
+
+
+ErrorBodyRenderer = Callable[[int, str, str, "str | None", "str | None"], dict[str, Any]]
+"""(HTTP status, OpenAI-style error type, message, param, code) -> the dialect's JSON body."""
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorDialect:
+    """How the routes under `path_prefixes` shape error bodies. (A body that does not match
+    the schema is a 400 in every dialect, as OpenAI, Anthropic and Ollama answer it.)"""
+
+    name: str
+    path_prefixes: tuple[str, ...]
+    render: ErrorBodyRenderer
+
+    def matches(self, path: str) -> bool:
+        return any(path == prefix or path.startswith(prefix + "/") for prefix in self.path_prefixes)
+
+
+def _render_openai(
+    status_code: int, error_type: str, message: str, param: str | None, code: str | None
+) -> dict[str, Any]:
+    return openai_error_body(message, error_type, param, code)
+
+
+OPENAI_ERRORS = ErrorDialect("openai", (), _render_openai)
+"""The default for every route no other dialect claims."""
