@@ -16,10 +16,12 @@ from exo.master.speed_prediction import DEFAULT_PROMPT_TOKENS
 from exo.shared.constants import models_dir
 from exo.shared.models.cards import UnknownModelError, resolve_card
 from exo.shared.types.commands import DeleteInstance, PlaceInstance
-from exo.shared.types.common import CommandId, InstanceId, NodeId
+from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
 from exo.shared.types.events import InstanceCreated
 from exo.shared.types.instances import Sharding
 from exo.shared.types.models import ModelCard
+from exo.shared.types.runners import RunnerReady, RunnerRunning
+from exo.shared.types.state import State
 
 router = APIRouter()
 
@@ -50,18 +52,43 @@ class PlaceInstanceResponse(BaseModel):
     instance: dict[str, Any]
 
 
+class CatalogCard(ModelCard):
+    """A card as `GET /models` lists it: with `card_mismatches`, every fact of the card that
+    a runner of its model found stated otherwise in the model's files at load (empty when
+    they agree or no runner has loaded it; `exo.shared.models.profile`)."""
+
+    card_mismatches: tuple[str, ...] = ()
+
+
+def card_mismatches_by_model(state: State) -> dict[ModelId, tuple[str, ...]]:
+    """What the ready and running runners of each placed model reported against its card."""
+    found: dict[ModelId, tuple[str, ...]] = {}
+    for instance in state.instances.values():
+        for runner_id in instance.shard_assignments.runner_to_shard:
+            status = state.runners.get(runner_id)
+            if isinstance(status, RunnerReady | RunnerRunning) and status.card_mismatches:
+                found[instance.model_id] = status.card_mismatches
+    return found
+
+
 @router.get("/models")
 async def list_model_cards(
     cluster: Cluster, status: Annotated[Literal["downloaded"] | None, Query()] = None
-) -> list[ModelCard]:
-    """The catalog: every built-in card (shapes, sources, short name, capabilities).
+) -> list[CatalogCard]:
+    """The catalog: every built-in card (shapes, sources, short name, capabilities), with
+    what its model's files contradict once a runner loaded it (`card_mismatches`).
     `?status=downloaded` keeps the models whose files are on some node (a node reported
     the download complete, or this node's models directory holds them)."""
     cards = list(cluster.cards.values())
     if status == "downloaded":
         directory = models_dir()
         cards = [card for card in cards if is_downloaded(cluster, card, directory)]
-    return cards
+    mismatches = card_mismatches_by_model(cluster.state)
+    return [
+        # The card was validated when it was loaded; only the reported lines are added.
+        CatalogCard.model_construct(**dict(card), card_mismatches=mismatches.get(card.model_id, ()))
+        for card in cards
+    ]
 
 
 @router.get("/state")

@@ -215,3 +215,22 @@ def test_ollama_show_lists_what_the_model_can_do(http: TestClient) -> None:
     assert [(model["model"], model["details"]["quantization_level"]) for model in ps] == [
         (SMOLLM2, "INT4")
     ]
+
+
+def test_the_catalog_shows_what_a_runner_found_against_its_card(
+    http: TestClient, cluster: CatalogCluster
+) -> None:
+    """`card_mismatches` of a ready (or running) runner reach its model's card in `/models`;
+    other cards list none."""
+    from exo.shared.types.runners import RunnerReady, RunnerRunning
+
+    instance = make_instance(cluster.node_id)
+    (runner_id,) = instance.shard_assignments.runner_to_shard
+    found = ("num_key_value_heads: card 3, config.json 5",)
+    for status in (RunnerReady(card_mismatches=found), RunnerRunning(card_mismatches=found)):
+        cluster.state = make_state(
+            instances=[instance], runners={runner_id: (cluster.node_id, status)}
+        )
+        catalog = {card["model_id"]: card for card in http.get("/models").json()}
+        assert catalog[SMOLLM2]["card_mismatches"] == list(found)
+        assert all(not c["card_mismatches"] for m, c in catalog.items() if m != SMOLLM2)

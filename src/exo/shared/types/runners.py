@@ -57,12 +57,13 @@ class RunnerReady(FrozenModel):
 
 
 class RunnerRunning(FrozenModel):
-    """Generating for at least one task. `max_concurrent_requests` and `kv_cache_tokens` as
-    in `RunnerReady`."""
+    """Generating for at least one task. `max_concurrent_requests`, `kv_cache_tokens` and
+    `card_mismatches` as in `RunnerReady`."""
 
     kind: Literal["RunnerRunning"] = "RunnerRunning"
     max_concurrent_requests: int = Field(default=1, ge=1)
     kv_cache_tokens: int = Field(default=DEFAULT_KV_CACHE_TOKENS, ge=0)
+    card_mismatches: tuple[str, ...] = ()
 
 
 class RunnerFailed(FrozenModel):

@@ -402,6 +402,7 @@ class Runner:
             RunnerRunning(
                 max_concurrent_requests=self._ready.max_concurrent_requests,
                 kv_cache_tokens=self._ready.kv_cache_tokens,
+                card_mismatches=self._ready.card_mismatches,
             )
             if self._generations
             else self._ready
