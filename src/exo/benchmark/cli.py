@@ -26,12 +26,8 @@ from exo.benchmark.cluster import BenchSetupError, Placement
 from exo.benchmark.engine_runner import EngineRunError
 from exo.benchmark.llama_cpp_runner import LlamaCppMissingError
 from exo.benchmark.plots import PlotsUnavailableError, plot_report, require_matplotlib
-from exo.benchmark.runner import (
-    DEFAULT_SETTLE_SECONDS,
-    BenchConfig,
-    print_ratios,
-    run_bench,
-)
+from exo.benchmark.ratios import print_ratios
+from exo.benchmark.runner import DEFAULT_SETTLE_SECONDS, BenchConfig, run_bench
 from exo.shared.models.memory import PREFILL_ACTIVATIONS
 from exo.utils.cpu_features import default_prefill_activations
 

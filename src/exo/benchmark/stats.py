@@ -12,11 +12,14 @@ import math
 import os
 import statistics
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# Where a bench prints its lines (`print`, or a test's collector).
+Print = Callable[[str], None]
 
 Engine = Literal["exo", "llama.cpp", "exo-engine"]
 

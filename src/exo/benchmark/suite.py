@@ -26,7 +26,8 @@ from pathlib import Path
 
 from exo.benchmark.cluster import Placement
 from exo.benchmark.random_models import QWEN3_0_6B_SHAPE, random_model
-from exo.benchmark.runner import BenchConfig, print_ratios, run_bench
+from exo.benchmark.ratios import print_ratios
+from exo.benchmark.runner import BenchConfig, run_bench
 from exo.benchmark.stats import BenchReport, write_json
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -7,7 +7,7 @@ import pytest
 
 from exo.benchmark.cli import build_parser, config_from_arguments, parse_arguments
 from exo.benchmark.cluster import Placement
-from exo.benchmark.runner import add_ratios
+from exo.benchmark.ratios import add_ratios
 from exo.benchmark.stats import (
     BenchReport,
     CaseResult,

@@ -12,8 +12,6 @@ shard's parallelism's, never tested here.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -22,16 +20,15 @@ from typing import Any
 
 import torch
 from loguru import logger
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from exo.shared.models.memory import (
     DEFAULT_KV_CACHE_TOKENS,
     DEFAULT_PREFILL_ACTIVATIONS,
-    ENGINE_CPU_WEIGHT_FORMAT,
     PrefillActivations,
     kv_geometry_of_config,
 )
-from exo.shared.types.chunks import TokenLogprob, TopLogprob
+from exo.shared.types.chunks import TokenLogprob
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata
@@ -49,32 +46,25 @@ from exo.worker.engines.torch.batching.request_state import (
 )
 from exo.worker.engines.torch.batching.scheduler import BatchScheduler, StepOutput
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
-from exo.worker.engines.torch.decoding.constraints import (
-    TokenConstraint,
-    json_object_constraint,
-    json_schema_constraint,
-    tool_call_constraint,
-)
 from exo.worker.engines.torch.decoding.detokenizer import StreamingDetokenizer
-from exo.worker.engines.torch.decoding.logit_adjustments import LogitBias, TokenPenalties
-from exo.worker.engines.torch.decoding.sampling import Sampler, TokenChooser, step_logprobs
+from exo.worker.engines.torch.decoding.sampling import TokenChooser
 from exo.worker.engines.torch.decoding.sampling_params import (
     SamplingParams,
     resolve_sampling_params,
 )
 from exo.worker.engines.torch.decoding.stop_sequences import StopSequenceMatcher
+from exo.worker.engines.torch.decoding.token_choice import token_chooser_for, token_logprob
 from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary
 from exo.worker.engines.torch.model.families import family_for_architecture
-from exo.worker.engines.torch.model.loading import LayerProgressCallback, load_model
+from exo.worker.engines.torch.model.loading import (
+    LayerProgressCallback,
+    load_parts,
+)
 from exo.worker.engines.torch.parallel.rank_group import RankGroup, check_process_group
 from exo.worker.engines.torch.quant.quantize import WeightDtype
 
 WARMUP_PROMPT = "Say hello."
 WARMUP_TOKENS = 8
-# Weight-only int4 (group 32) decodes a few times faster than float32 on CPU with greedy
-# output close to float32's (figures: docs/benchmarks/engine-design-figures.md#enginepy);
-# CUDA keeps float32 (the quantized kernels used here are the CPU ones).
-DEFAULT_CPU_WEIGHT_DTYPE: WeightDtype = ENGINE_CPU_WEIGHT_FORMAT
 # Requests decoded together in one batch by default (`--max-concurrent-requests`). On CPU a
 # decode step is bound by reading the weights, so a batch of 8 costs little more than one
 # request (bench/bench_concurrency.py); more mostly adds attention work per step.
@@ -94,73 +84,6 @@ class RequestHandle:
 
     request_id: str
     prompt_tokens: int
-
-
-def _configure_cpu_threads() -> None:
-    """Keep torch's default (one intra-op thread per physical core, or OMP_NUM_THREADS) but
-    never more threads than CPUs this process may run on: oversubscribed OpenMP threads
-    spin-wait on each other and decode several times slower."""
-    if "OMP_NUM_THREADS" in os.environ or not hasattr(os, "sched_getaffinity"):
-        return
-    allowed = max(1, len(os.sched_getaffinity(0)))
-    if torch.get_num_threads() > allowed:
-        torch.set_num_threads(allowed)
-
-
-def _eos_token_ids(model_dir: Path, tokenizer: Any, model: PreTrainedModel) -> frozenset[int]:
-    ids: set[int] = set()
-    candidates: list[Any] = [tokenizer.eos_token_id, model.config.get_text_config().eos_token_id]
-    with contextlib.suppress(OSError):  # no generation_config.json
-        candidates.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
-    for candidate in candidates:
-        if isinstance(candidate, int):
-            ids.add(candidate)
-        elif isinstance(candidate, list | tuple):
-            ids.update(int(item) for item in candidate)
-    if not ids:
-        raise ValueError(f"{model_dir}: neither the tokenizer nor the config names an EOS token")
-    return frozenset(ids)
-
-
-@dataclass(slots=True)
-class LoadedParts:
-    """What every engine needs after loading: the (quantized) model and its tokenizer."""
-
-    model: PreTrainedModel
-    tokenizer: Any
-    device: torch.device
-    weight_dtype: WeightDtype
-    eos_token_ids: frozenset[int]
-
-
-def load_parts(
-    model_dir: Path,
-    shard: ShardMetadata,
-    device: str,
-    weight_dtype: WeightDtype | None,
-    on_layer_loaded: LayerProgressCallback | None = None,
-    prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
-) -> LoadedParts:
-    """Load the shard's model (whole or one rank's part; quantized and fused on CPU while
-    loading, see `loading.load_model`) and the tokenizer: what every engine needs.
-
-    Raises:
-        UnsupportedArchitectureError (a ValueError): no family file for the model.
-        ValueError: an unknown `weight_dtype`, a quantized one on a non-CPU device,
-            or missing tensors.
-    """
-    torch_device = torch.device(device)
-    if weight_dtype is None:
-        weight_dtype = DEFAULT_CPU_WEIGHT_DTYPE if torch_device.type == "cpu" else "float32"
-    if torch_device.type == "cpu":
-        _configure_cpu_threads()
-    model = load_model(
-        model_dir, shard, torch_device, weight_dtype, on_layer_loaded, prefill_activations
-    )
-    # A tokenizer without a chat template is a base model's: it serves raw prompts only.
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    eos_token_ids = _eos_token_ids(model_dir, tokenizer, model)
-    return LoadedParts(model, tokenizer, torch_device, weight_dtype, eos_token_ids)
 
 
 class TorchEngine:
@@ -356,58 +279,15 @@ class TorchEngine:
     def token_chooser(
         self, params: TextGenerationTaskParams, sampling: SamplingParams, prompt_ids: list[int]
     ) -> TokenChooser:
-        """The request's penalties, logit bias, constraint and sampler.
-
-        Raises:
-            ValueError: a forced tool call without tools to offer; a logit bias for a
-                token id outside the vocabulary.
-        """
-        penalties: TokenPenalties | None = None
-        if sampling.has_penalties:
-            penalties = TokenPenalties(sampling, self.vocab_size, self.device)
-            penalties.observe_prompt(prompt_ids)
-        bias = (
-            LogitBias(params.logit_bias, self.vocab_size, self.device)
-            if params.logit_bias
-            else None
-        )
-        constraint: TokenConstraint | None = None
-        if params.forces_tool_call:
-            constraint = tool_call_constraint(
-                params.offered_tools, self.vocabulary, self.eos_token_ids
-            )
-        elif params.response_format == "json_object":
-            constraint = json_object_constraint(self.vocabulary, self.eos_token_ids)
-        elif params.response_format == "json_schema":
-            assert params.json_schema is not None  # TextGenerationTaskParams checks it
-            constraint = json_schema_constraint(
-                params.json_schema, self.vocabulary, self.eos_token_ids
-            )
-        return TokenChooser(Sampler(sampling, self.device), penalties, constraint, bias)
+        """The request's penalties, logit bias, constraint and sampler (`token_chooser_for`)."""
+        return token_chooser_for(
+            params, sampling, prompt_ids, self.vocabulary, self.vocab_size, self.eos_token_ids,
+            self.device,
+        )  # fmt: skip
 
     def token_logprob(self, logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogprob:
-        """The chosen token's log probability (and the `top_n` likeliest alternatives).
-
-        Args:
-            logits: `[vocab]` raw scores of the position (before penalties and filters).
-            token_id: the chosen token.
-            top_n: alternatives to report (0: none).
-        """
-        step = step_logprobs(logits, token_id, top_n)
-        vocabulary = self.vocabulary
-        top = tuple(
-            TopLogprob(
-                token=vocabulary.text(candidate),
-                token_id=candidate,
-                logprob=logprob,
-                bytes=tuple(vocabulary.token_bytes[candidate]),
-            )
-            for candidate, logprob in zip(step.top_ids, step.top_logprobs, strict=True)
-        )
-        return TokenLogprob(
-            token=vocabulary.text(token_id), token_id=token_id, logprob=step.logprob,
-            bytes=tuple(vocabulary.token_bytes[token_id]), top_logprobs=top,
-        )  # fmt: skip
+        """The chosen token's log probability and `top_n` alternatives (`token_logprob`)."""
+        return token_logprob(self.vocabulary, logits, token_id, top_n)
 
     @property
     def token_limit(self) -> int:

@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +26,20 @@ import torch
 from loguru import logger
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
-from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
+from exo.shared.models.memory import (
+    DEFAULT_PREFILL_ACTIVATIONS,
+    ENGINE_CPU_WEIGHT_FORMAT,
+    PrefillActivations,
+)
 from exo.shared.models.tensor_names import LAYER_TENSOR
 from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.model.direct_forward import enable_lean_forward
@@ -365,3 +378,76 @@ def _report_prefill_activations(activations: PrefillActivations, linears: int) -
         )
         return
     logger.info(f"prefill rounds activations to {activations} in {linears} linears (decode: int16)")
+
+
+# Weight-only int4 (group 32) decodes a few times faster than float32 on CPU with greedy
+# output close to float32's (figures: docs/benchmarks/engine-design-figures.md#enginepy);
+# CUDA keeps float32 (the quantized kernels used here are the CPU ones).
+DEFAULT_CPU_WEIGHT_DTYPE: WeightDtype = ENGINE_CPU_WEIGHT_FORMAT
+
+
+def _configure_cpu_threads() -> None:
+    """Keep torch's default (one intra-op thread per physical core, or OMP_NUM_THREADS) but
+    never more threads than CPUs this process may run on: oversubscribed OpenMP threads
+    spin-wait on each other and decode several times slower."""
+    if "OMP_NUM_THREADS" in os.environ or not hasattr(os, "sched_getaffinity"):
+        return
+    allowed = max(1, len(os.sched_getaffinity(0)))
+    if torch.get_num_threads() > allowed:
+        torch.set_num_threads(allowed)
+
+
+def _eos_token_ids(model_dir: Path, tokenizer: Any, model: PreTrainedModel) -> frozenset[int]:
+    ids: set[int] = set()
+    candidates: list[Any] = [tokenizer.eos_token_id, model.config.get_text_config().eos_token_id]
+    with contextlib.suppress(OSError):  # no generation_config.json
+        candidates.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    for candidate in candidates:
+        if isinstance(candidate, int):
+            ids.add(candidate)
+        elif isinstance(candidate, list | tuple):
+            ids.update(int(item) for item in candidate)
+    if not ids:
+        raise ValueError(f"{model_dir}: neither the tokenizer nor the config names an EOS token")
+    return frozenset(ids)
+
+
+@dataclass(slots=True)
+class LoadedParts:
+    """What every engine needs after loading: the (quantized) model and its tokenizer."""
+
+    model: PreTrainedModel
+    tokenizer: Any
+    device: torch.device
+    weight_dtype: WeightDtype
+    eos_token_ids: frozenset[int]
+
+
+def load_parts(
+    model_dir: Path,
+    shard: ShardMetadata,
+    device: str,
+    weight_dtype: WeightDtype | None,
+    on_layer_loaded: LayerProgressCallback | None = None,
+    prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
+) -> LoadedParts:
+    """Load the shard's model (whole or one rank's part; quantized and fused on CPU while
+    loading, see `loading.load_model`) and the tokenizer: what every engine needs.
+
+    Raises:
+        UnsupportedArchitectureError (a ValueError): no family file for the model.
+        ValueError: an unknown `weight_dtype`, a quantized one on a non-CPU device,
+            or missing tensors.
+    """
+    torch_device = torch.device(device)
+    if weight_dtype is None:
+        weight_dtype = DEFAULT_CPU_WEIGHT_DTYPE if torch_device.type == "cpu" else "float32"
+    if torch_device.type == "cpu":
+        _configure_cpu_threads()
+    model = load_model(
+        model_dir, shard, torch_device, weight_dtype, on_layer_loaded, prefill_activations
+    )
+    # A tokenizer without a chat template is a base model's: it serves raw prompts only.
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    eos_token_ids = _eos_token_ids(model_dir, tokenizer, model)
+    return LoadedParts(model, tokenizer, torch_device, weight_dtype, eos_token_ids)
