@@ -90,7 +90,7 @@ HEAP_TRIM_INTERVAL_SECONDS = 30.0
 
 
 class _ShutdownRequested(Exception):
-    pass
+    """The supervisor asked this runner to shut down."""
 
 
 class Runner:
@@ -160,8 +160,6 @@ class Runner:
                 with contextlib.suppress(Exception):
                     self._engine.shutdown()  # releases the other ranks
             self._set_status(RunnerShutdown())
-
-    # -- messages --------------------------------------------------------------------
 
     def _send(self, message: RunnerOutbound) -> None:
         """Send `message` now, or with the rest of the step's output while a step runs."""
