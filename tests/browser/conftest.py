@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode, wait_until
+from exo.shared.types.nodes import NodeSpeed
+from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode, seed_speed_cache, wait_until
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page
@@ -89,13 +90,35 @@ def browser() -> Iterator[Browser]:
             chromium.close()
 
 
+# Figures of a 2-core machine in the range the probe measures on the reference machine.
+DASHBOARD_NODE_SPEED = NodeSpeed(
+    threads=2,
+    int4_decode_bytes_per_second=1e10,
+    int8_decode_bytes_per_second=8e9,
+    memory_copy_bytes_per_second=2e10,
+    bf16_matmul_flops=1e11,
+    float32_matmul_flops=5e10,
+    layer_overhead_seconds=1e-4,
+    loopback_round_trip_seconds=5e-5,
+)
+
+
 @pytest.fixture(scope="session")
 def dashboard_node(
     tmp_path_factory: pytest.TempPathFactory, shared_models_dir: Path
 ) -> Iterator[ExoNode]:
     """One node for every browser test, with the default model placed and ready. Its
-    models directory is the default node's, so nothing is converted again."""
-    node = ExoNode(tmp_path_factory.mktemp("exo-dashboard"), models_dir=shared_models_dir)
+    models directory is the default node's, so nothing is converted again. It reports a
+    speed (settled figures written to its probe cache: on a machine busy with tests a
+    measurement never settles), so its previews predict decode rates and TTFT."""
+    home = tmp_path_factory.mktemp("exo-dashboard")
+    speed_cache = home / "speed_probe.json"
+    seed_speed_cache(speed_cache, DASHBOARD_NODE_SPEED)
+    node = ExoNode(
+        home,
+        models_dir=shared_models_dir,
+        env={"EXO_SPEED_PROBE": "1", "EXO_SPEED_PROBE_CACHE": str(speed_cache)},
+    )
     node.start()
     try:
         node.wait_ready(timeout=MODEL_READY_TIMEOUT_SECONDS)

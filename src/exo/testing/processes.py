@@ -18,6 +18,7 @@ import httpx
 import psutil
 
 from exo.master.event_log import decode_record
+from exo.shared.types.nodes import NodeSpeed
 from exo.testing.ports import free_port as free_port  # re-exported for the tests
 from exo.utils.process_title import RUNNER_TITLE_PREFIX
 
@@ -63,6 +64,16 @@ def wait_until(
     raise TimeoutError(
         f"timed out after {timeout:.0f}s waiting for {what} (last error: {last_error})"
     )
+
+
+def seed_speed_cache(path: Path, speed: NodeSpeed) -> None:
+    """Write `speed` as this machine's settled figures to the speed-probe cache `path`, for
+    a test node that must report a speed (`env={"EXO_SPEED_PROBE": "1",
+    "EXO_SPEED_PROBE_CACHE": str(path)}`) without measuring on a machine busy with tests,
+    where no measurement settles."""
+    from exo.utils.speed_probe import ProbeResult, probe_key, runner_threads, write_cache
+
+    write_cache(path, probe_key(runner_threads()), ProbeResult(speed, settled=True))
 
 
 class ExoNode:

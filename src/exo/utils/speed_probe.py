@@ -252,7 +252,7 @@ def _read_cache(path: Path, key: dict[str, Any]) -> ProbeResult | None:
         return None
 
 
-def _write_cache(path: Path, key: dict[str, Any], result: ProbeResult) -> None:
+def write_cache(path: Path, key: dict[str, Any], result: ProbeResult) -> None:
     """Atomically (a temporary file renamed over the cache): never a half-written file."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     record = {"key": key, "speed": result.speed.model_dump(mode="json"), "settled": result.settled}
@@ -319,7 +319,7 @@ def cached_node_speed(remeasure: bool = False, path: Path | None = None) -> Prob
     if cached is not None:
         speed = fastest_of(speed, cached.speed)
     result = ProbeResult(speed, settled)
-    _write_cache(path, key, result)
+    write_cache(path, key, result)
     return result
 
 

@@ -341,7 +341,7 @@ def test_a_decoding_stream_keeps_int16_beside_an_int8_prefill(
     """A mixed step (decode tokens first, then a chunk of another prompt) rounds its decode
     rows to int16: a stream's logprobs do not depend on a prompt prefilled beside it any
     more than with int16 prefill; treating the decode rows as prompt rows changes them."""
-    import exo.worker.engines.torch.quant.quantize as quantize
+    import exo.worker.engines.torch.quant.quantized_linear as quantize
 
     shard = make_shard(tiny_card)
     int16 = TorchEngine.load(
