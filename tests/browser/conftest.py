@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from exo.shared.types.nodes import NodeSpeed
+from exo.testing.builders import make_node_speed
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode, seed_speed_cache, wait_until
 
 if TYPE_CHECKING:
@@ -90,19 +90,6 @@ def browser() -> Iterator[Browser]:
             chromium.close()
 
 
-# Figures of a 2-core machine in the range the probe measures on the reference machine.
-DASHBOARD_NODE_SPEED = NodeSpeed(
-    threads=2,
-    int4_decode_bytes_per_second=1e10,
-    int8_decode_bytes_per_second=8e9,
-    memory_copy_bytes_per_second=2e10,
-    bf16_matmul_flops=1e11,
-    float32_matmul_flops=5e10,
-    layer_overhead_seconds=1e-4,
-    loopback_round_trip_seconds=5e-5,
-)
-
-
 @pytest.fixture(scope="session")
 def dashboard_node(
     tmp_path_factory: pytest.TempPathFactory, shared_models_dir: Path
@@ -113,7 +100,7 @@ def dashboard_node(
     measurement never settles), so its previews predict decode rates and TTFT."""
     home = tmp_path_factory.mktemp("exo-dashboard")
     speed_cache = home / "speed_probe.json"
-    seed_speed_cache(speed_cache, DASHBOARD_NODE_SPEED)
+    seed_speed_cache(speed_cache, make_node_speed(threads=2))
     node = ExoNode(
         home,
         models_dir=shared_models_dir,

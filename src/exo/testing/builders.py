@@ -17,7 +17,7 @@ from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, Runn
 from exo.shared.types.events import Event, IndexedEvent
 from exo.shared.types.instances import Instance, Rendezvous, ShardAssignments, Sharding
 from exo.shared.types.models import ModelCard
-from exo.shared.types.nodes import DownloadStatus, MemoryInfo, NodeInfo
+from exo.shared.types.nodes import DownloadStatus, MemoryInfo, NodeInfo, NodeSpeed
 from exo.shared.types.runners import RunnerStatus
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.state import State
@@ -51,6 +51,21 @@ def make_card(
         update["supports_tensor"] = supports_tensor
     # model_copy does not validate; a JSON round trip does.
     return ModelCard.model_validate_json(smollm2_card().model_copy(update=update).model_dump_json())
+
+
+def make_node_speed(threads: int = 1) -> NodeSpeed:
+    """Measured-looking figures of a small CPU node (the range the speed probe measures on
+    the 2-core reference machine): 10 GB/s int4 decode, 100 GFLOP/s bfloat16 matmuls."""
+    return NodeSpeed(
+        threads=threads,
+        int4_decode_bytes_per_second=1e10,
+        int8_decode_bytes_per_second=8e9,
+        memory_copy_bytes_per_second=2e10,
+        bf16_matmul_flops=1e11,
+        float32_matmul_flops=5e10,
+        layer_overhead_seconds=1e-4,
+        loopback_round_trip_seconds=5e-5,
+    )
 
 
 def make_node_info(available_mb: int, total_mb: int | None = None, name: str = "node") -> NodeInfo:

@@ -14,8 +14,7 @@ from exo.api.app import create_app
 from exo.api.serving import cluster_client as cluster_module
 from exo.shared.types.commands import PlaceInstance
 from exo.shared.types.events import InstanceCreated, NodeGatheredInfo
-from exo.shared.types.nodes import NodeSpeed
-from exo.testing.builders import SMOLLM2, make_node_info, smollm2_card
+from exo.testing.builders import SMOLLM2, make_node_info, make_node_speed, smollm2_card
 from exo.testing.in_process import NODE, InProcessCluster, in_process_cluster
 
 pytestmark = pytest.mark.anyio
@@ -127,16 +126,7 @@ async def test_previews_carry_the_predicted_speed_once_the_node_measured_it(
     unmeasured = await preview(128)
     assert unmeasured["predicted_decode_tokens_per_second"] is None
     assert unmeasured["predicted_ttft_seconds"] is None
-    speed = NodeSpeed(
-        threads=1,
-        int4_decode_bytes_per_second=1e10,
-        int8_decode_bytes_per_second=8e9,
-        memory_copy_bytes_per_second=2e10,
-        bf16_matmul_flops=1e11,
-        float32_matmul_flops=5e10,
-        layer_overhead_seconds=1e-4,
-        loopback_round_trip_seconds=5e-5,
-    )
+    speed = make_node_speed()
     info = make_node_info(4096).model_copy(update={"speed": speed})
     cluster.emit_local(NodeGatheredInfo(node_id=NODE, info=info))
     with anyio.fail_after(DEADLINE_SECONDS):
