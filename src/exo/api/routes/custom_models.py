@@ -27,12 +27,12 @@ from exo.download.custom_cards import (
     search_hub,
 )
 from exo.download.gguf_models import GgufModelError, card_for_gguf
+from exo.shared.models.architectures import ENGINE_ARCHITECTURES
 from exo.shared.models.names import resolve_model_name
 from exo.shared.types.commands import AddCustomModel, DeleteCustomModel
 from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.events import CustomModelAdded
 from exo.shared.types.models import ModelCard
-from exo.worker.engines.torch.model.families import supported_architectures
 
 router = APIRouter()
 # Reading a repository's small files takes a few requests; a Hub that hangs longer is down.
@@ -143,7 +143,7 @@ def _card_for_gguf_file(path: str) -> ModelCard:
 
 
 async def _build_card(cluster: ClusterClient, model_id: str, revision: str) -> ModelCard:
-    supported = supported_architectures()
+    supported = ENGINE_ARCHITECTURES
     trust_remote_code = cluster.trust_remote_code
     try:
         if is_local_path(model_id) and model_id.endswith(".gguf"):
@@ -216,7 +216,7 @@ async def search_models(
         raise NoCapacityError(
             f"the Hub did not answer a search within {ADD_TIMEOUT_SECONDS:.0f}s"
         ) from None
-    supported = set(supported_architectures())
+    supported = set(ENGINE_ARCHITECTURES)
     custom = cluster.state.custom_cards
     catalog = catalog_of(cluster)
     return [

@@ -20,9 +20,9 @@ from exo.shared.types.models import HuggingFaceSource
 from exo.testing.hf_server import HubServer
 from exo.testing.processes import free_port
 from exo.testing.tiny_models import save_tiny_checkout
-from exo.worker.engines.torch.model.families import supported_architectures
+from exo.shared.models.architectures import ENGINE_ARCHITECTURES
 
-SUPPORTED = supported_architectures()
+SUPPORTED = ENGINE_ARCHITECTURES
 REPO = "someone/tiny-llama"
 SHARDED_REPO = "someone/tiny-qwen3-sharded"
 GATED_REPO = "someone/tiny-gated"

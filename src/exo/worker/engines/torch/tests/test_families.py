@@ -15,6 +15,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
+from exo.shared.models.architectures import ENGINE_ARCHITECTURES
 from exo.shared.models.cards import card_from_local_directory
 from exo.shared.models.memory import WeightShare, resident_weight_bytes
 from exo.shared.types.models import ModelCard
@@ -30,6 +31,7 @@ from exo.worker.engines.torch.model.families import (
     UnsupportedArchitectureError,
     family_by_name,
     family_for_architecture,
+    supported_architectures,
 )
 from exo.worker.engines.torch.model.fusion import FusedRMSNorm
 from exo.worker.engines.torch.model.loading import load_model
@@ -104,6 +106,11 @@ def test_registry_names_are_unique_and_cover_every_tiny_model() -> None:
     assert len(set(architectures)) == len(architectures)
     assert family_for_architecture("Gemma3ForConditionalGeneration").name == "gemma3"
     assert family_for_architecture("Mistral3ForConditionalGeneration").name == "mistral"
+
+
+def test_shared_architecture_table_matches_the_family_files() -> None:
+    # The API validates custom models against the shared table without importing the engine.
+    assert ENGINE_ARCHITECTURES == supported_architectures()
 
 
 def test_an_architecture_without_a_family_file_is_named_in_the_error(

@@ -1,0 +1,25 @@
+"""The config `architectures` names the torch engine has a model family file for.
+
+The API checks a custom model's architecture against this table before it asks the
+cluster to add it (`POST /models/add`, `GET /models/search`); the API must not import the
+engine (torch, the family files) to know it. The engine's family registry
+(`exo.worker.engines.torch.model.families.supported_architectures`) is the source of truth:
+`test_families.py::test_shared_architecture_table_matches_the_family_files` fails when a
+family file is added without its names here.
+"""
+
+from __future__ import annotations
+
+ENGINE_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+    "Mistral3ForConditionalGeneration",
+    "Phi3ForCausalLM",
+    "GemmaForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
+)
+"""Every architecture name (text model and `*ForConditionalGeneration` wrapper) that
+some family file covers, in the registry's order."""
