@@ -51,7 +51,7 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
-from exo.worker.engines.prompt import RenderedPrompt
+from exo.chat_protocol.prompt import RenderedPrompt
 from exo.worker.engines.torch.batching.request_state import RequestState
 from exo.worker.engines.torch.engine import TorchEngine
 

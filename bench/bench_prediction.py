@@ -52,7 +52,7 @@ from exo.shared.types.common import ModelId, NodeId
 from exo.shared.types.instances import Sharding
 from exo.shared.types.nodes import NodeSpeed, TopologyEdge
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
-from exo.worker.engines.prompt import RenderedPrompt
+from exo.chat_protocol.prompt import RenderedPrompt
 
 PLACEMENTS: dict[str, tuple[Sharding, int]] = {
     "single": ("pipeline", 1),

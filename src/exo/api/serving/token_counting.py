@@ -26,7 +26,7 @@ from exo.shared.constants import models_dir
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import HuggingFaceSource, LocalDirectorySource, ModelCard
 from exo.shared.types.text_generation import TextGenerationTaskParams
-from exo.worker.engines.prompt import render_prompt
+from exo.chat_protocol.prompt import render_prompt
 
 TokenizerLoader = Callable[[Path], Any]
 

@@ -105,7 +105,7 @@ Capability = Literal["text", "thinking", "tools", "vision"]
 tools, read images."""
 
 ToolCallFormat = Literal["hermes", "llama3_json", "mistral", "generic"]
-"""How a model writes a tool call: the parser names of `worker/engines/tool_call_parsing.py`.
+"""How a model writes a tool call: the parser names of `chat_protocol/tool_call_parsing.py`.
 A card declares the format its model was trained on ("none": not trained to call tools);
 the runner detects it from the tokenizer at load and reports a card that says otherwise
 (`exo.shared.models.profile`)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from exo.shared.types.chunks import FinishReason, TokenLogprob, Usage
 from exo.shared.types.text_generation import TextGenerationTaskParams, ToolCall
-from exo.worker.engines.output_parsing import OutputParser, ParsedOutput
+from exo.chat_protocol.output_parsing import OutputParser, ParsedOutput
 from exo.worker.engines.torch.engine import GeneratedPiece
 
 

@@ -54,7 +54,7 @@ from exo.shared.types.tasks import (
     TextGeneration,
 )
 from exo.utils.heap import HeapTrimmer, freeze_long_lived_objects
-from exo.worker.engines.output_parsing import OutputParser
+from exo.chat_protocol.output_parsing import OutputParser
 from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
 from exo.worker.engines.torch.model.sharding import loaded_parameter_bytes
 from exo.worker.runner.card_check import check_card

@@ -9,7 +9,7 @@ from exo.shared.types.text_generation import (
     TextGenerationTaskParams,
     ToolDefinition,
 )
-from exo.worker.engines.output_parsing import OutputParser
+from exo.chat_protocol.output_parsing import OutputParser
 from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
 from exo.worker.engines.torch.engine import GeneratedPiece
 

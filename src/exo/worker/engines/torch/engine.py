@@ -33,7 +33,7 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
-from exo.worker.engines.prompt import RenderedPrompt, decode_keeping_markers, render_prompt
+from exo.chat_protocol.prompt import RenderedPrompt, decode_keeping_markers, render_prompt
 from exo.worker.engines.torch.batching.batch_attention import (
     attention_layers,
     use_batched_attention,

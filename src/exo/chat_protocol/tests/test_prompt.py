@@ -22,7 +22,7 @@ from exo.shared.types.text_generation import (
     ToolCall,
     ToolDefinition,
 )
-from exo.worker.engines.prompt import (
+from exo.chat_protocol.prompt import (
     decode_keeping_markers,
     detect_tool_call_format,
     render_prompt,

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import pytest
 
 from exo.shared.types.text_generation import ToolDefinition
-from exo.worker.engines.output_parsing import OutputParser, ParsedOutput
-from exo.worker.engines.tool_arguments import coerce_to_schema
-from exo.worker.engines.tool_call_parsing import ToolCallFormat
+from exo.chat_protocol.output_parsing import OutputParser, ParsedOutput
+from exo.chat_protocol.tool_arguments import coerce_to_schema
+from exo.chat_protocol.tool_call_parsing import ToolCallFormat
 
 WEATHER = ToolDefinition(
     name="get_weather",

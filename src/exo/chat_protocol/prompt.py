@@ -20,8 +20,8 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams, ToolDefinition
-from exo.worker.engines.output_parsing import THINK_CLOSE, THINK_OPEN
-from exo.worker.engines.tool_call_parsing import (
+from exo.chat_protocol.output_parsing import THINK_CLOSE, THINK_OPEN
+from exo.chat_protocol.tool_call_parsing import (
     HERMES_CLOSE,
     HERMES_OPEN,
     MISTRAL_ARGS,

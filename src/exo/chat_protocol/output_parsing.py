@@ -2,11 +2,11 @@
 
 Engine-agnostic: it sees decoded text only. Markers the parsers need (`<think>`,
 `<tool_call>`, `[TOOL_CALLS]`, ...) must survive decoding; see
-`exo.worker.engines.prompt.decode_keeping_markers`.
+`exo.chat_protocol.prompt.decode_keeping_markers`.
 
 Reasoning is `<think>...</think>` at the start of the output (DeepSeek-R1, QwQ, Qwen3), or
 everything before `</think>` when the prompt already opened the section. Tool calls are
-found in the formats of `exo.worker.engines.tool_call_parsing` (whose `ToolCallParser`
+found in the formats of `exo.chat_protocol.tool_call_parsing` (whose `ToolCallParser`
 parses what this parser holds back).
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 
 from exo.shared.types.text_generation import ToolCall, ToolDefinition
-from exo.worker.engines.tool_call_parsing import (
+from exo.chat_protocol.tool_call_parsing import (
     HERMES_CLOSE,
     HERMES_OPEN,
     TEXT_MARKERS,

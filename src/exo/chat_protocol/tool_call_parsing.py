@@ -1,8 +1,8 @@
 """Tool calls from generated text, in the format each model family was trained to emit.
 
 Engine-agnostic: it sees decoded text only (the markers must survive decoding; see
-`exo.worker.engines.prompt.decode_keeping_markers`). `ToolCallParser` parses a piece of
-text the streaming parser (`exo.worker.engines.output_parsing.OutputParser`) held back;
+`exo.chat_protocol.prompt.decode_keeping_markers`). `ToolCallParser` parses a piece of
+text the streaming parser (`exo.chat_protocol.output_parsing.OutputParser`) held back;
 `TEXT_MARKERS` are the markers that start a tool call inside answer text.
 
 Formats understood:
@@ -28,7 +28,7 @@ from typing import Any
 
 from exo.shared.types.models import ToolCallFormat
 from exo.shared.types.text_generation import ToolCall, ToolDefinition
-from exo.worker.engines.tool_arguments import coerce_to_schema
+from exo.chat_protocol.tool_arguments import coerce_to_schema
 
 HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"
