@@ -28,7 +28,6 @@ from exo.api.serving.cluster_client import (
     CommandTimeoutError,
     LoadOnRequest,
 )
-from exo.cli import main as cli_main
 from exo.download.gguf_models import ollama_store, ollama_store_cards
 from exo.download.peers import PEER_CREDENTIAL_HEADER, peer_credential
 from exo.master.decisions import events_after_restart
@@ -444,11 +443,6 @@ def configure_logging(level: str) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    """The `exo` command (`exo.cli.main`)."""
-    cli_main(argv)
-
-
 def run_node(options: Options) -> None:
     """Run a node with `options` until it is stopped.
 
@@ -474,7 +468,3 @@ def run_node(options: Options) -> None:
     except NodeStartError as error:
         logger.error(str(error))
         raise SystemExit(1) from None
-
-
-if __name__ == "__main__":
-    main()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from loguru import logger
 
-from exo.main import main
+from exo.cli import main
 from exo.node_options import parse_args
 from exo.routing.cluster_tls import TLS_DIRECTORY_NAME, ClusterSecret, TlsFilesError
 from exo.routing.secret_options import bootstrap_peer_problem, tls_peer_warnings

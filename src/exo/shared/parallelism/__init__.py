@@ -9,15 +9,12 @@ Placement, recovery, downloads, memory accounting and speed prediction ask the d
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from exo.shared.parallelism.base import Parallelism as Parallelism
+from exo.shared.parallelism.base import Sharding as Sharding
 from exo.shared.parallelism.base import StepNetwork as StepNetwork
 from exo.shared.parallelism.pipeline import PipelineParallelism
 from exo.shared.parallelism.tensor import TensorParallelism
-
-if TYPE_CHECKING:
-    from exo.shared.types.shards import Sharding
 
 PARALLELISMS: Mapping[Sharding, Parallelism] = {
     "pipeline": PipelineParallelism(),

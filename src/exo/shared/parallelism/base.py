@@ -13,13 +13,10 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import ClassVar, Literal, Protocol
 
 from exo.shared.models.memory import WeightShare, kv_heads_per_rank
 from exo.shared.types.models import ModelCard
-
-if TYPE_CHECKING:
-    from exo.shared.types.shards import Sharding, ShardMetadata
 
 # `...model.layers.<n>.` (also under `language_model.` / `model.language_model.`).
 _LAYER = re.compile(r"(?:^|\.)(?:model\.)?layers\.(\d+)\.")
@@ -27,6 +24,29 @@ _EMBEDDING = re.compile(r"(?:^|\.)embed_tokens\.")
 _FINAL = re.compile(r"(?:^|\.)(?:lm_head|norm)\.[a-z_]+$")
 
 LayerRange = tuple[int, int]
+
+Sharding = Literal["pipeline", "tensor"]
+"""How a model is split across ranks: pipeline (layer ranges, hidden states pass rank to
+rank) or tensor (a slice of every layer's linears, an all-reduce per block)."""
+
+
+class ShardMetadata(Protocol):
+    """What a description reads of a shard (`exo.shared.types.shards.ShardMetadata` has
+    it): the descriptions sit below the wire type that validates itself with them, so they
+    name its fields instead of importing it."""
+
+    @property
+    def model_card(self) -> ModelCard: ...
+    @property
+    def sharding(self) -> Sharding: ...
+    @property
+    def device_rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def start_layer(self) -> int: ...
+    @property
+    def end_layer(self) -> int: ...
 
 
 class StepNetwork(Protocol):

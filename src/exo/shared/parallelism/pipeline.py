@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-from exo.shared.parallelism.base import LayerRange, Parallelism, StepNetwork
+from exo.shared.parallelism.base import (
+    LayerRange,
+    Parallelism,
+    Sharding,
+    ShardMetadata,
+    StepNetwork,
+)
 from exo.shared.types.models import ModelCard
-
-if TYPE_CHECKING:
-    from exo.shared.types.shards import Sharding, ShardMetadata
 
 # The sampled token's way back to rank 0 (a few bytes).
 TOKEN_BYTES = 8

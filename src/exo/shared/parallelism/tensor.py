@@ -6,14 +6,17 @@ ranks gather the logits."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from exo.shared.models.memory import FLOAT32_BYTES, vocab_share
-from exo.shared.parallelism.base import LayerRange, Parallelism, StepNetwork
+from exo.shared.parallelism.base import (
+    LayerRange,
+    Parallelism,
+    Sharding,
+    ShardMetadata,
+    StepNetwork,
+)
 from exo.shared.types.models import ModelCard
-
-if TYPE_CHECKING:
-    from exo.shared.types.shards import Sharding, ShardMetadata
 
 
 class TensorParallelism(Parallelism):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from loguru import logger
 
-from exo.main import main
+from exo.cli import main
 from exo.shared.home_lock import LOCK_FILE_NAME, HomeInUseError, HomeLock
 
 HOLDER = """

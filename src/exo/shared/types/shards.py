@@ -8,17 +8,13 @@ expert): a tensor rank holds every layer, `[0, n_layers)`.
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field, model_validator
 
-from exo.shared.parallelism import parallelism
+from exo.shared.parallelism import Sharding, parallelism
 from exo.shared.types.common import FrozenModel
 from exo.shared.types.models import ModelCard
 
-Sharding = Literal["pipeline", "tensor"]
-"""How a model is split across ranks: pipeline (layer ranges, hidden states pass rank to
-rank) or tensor (a slice of every layer's linears, an all-reduce per block)."""
+__all__ = ["ShardMetadata", "Sharding"]
 
 
 class ShardMetadata(FrozenModel):
