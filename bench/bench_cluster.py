@@ -37,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from exo.master.event_log import EventLog
+from exo.node.event_log import EventLog
 from exo.shared.types.common import CommandId, NodeId
 from exo.shared.types.events import (
     ClusterHistoryStarted,

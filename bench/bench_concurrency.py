@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 import torch
 
+from exo.chat_protocol.prompt import RenderedPrompt
 from exo.download.pypi_gguf import prepare_model
 from exo.shared.constants import models_dir as default_models_dir
 from exo.shared.models.cards import load_builtin_cards
@@ -51,7 +52,6 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
-from exo.chat_protocol.prompt import RenderedPrompt
 from exo.worker.engines.torch.batching.request_state import RequestState
 from exo.worker.engines.torch.engine import TorchEngine
 

@@ -4,7 +4,7 @@ own core (the `exo bench --pin-cores` setting: two 1-core machines on loopback).
 Usage: PYTHONPATH=src python bench/bench_prediction.py [--prompts 32 128 512]
        [--decode-tokens 48] [--placements single pipeline2 tensor2] [--json PATH]
 
-Each rank runs `exo.utils.speed_probe.measure_node_speed` on its core (what a node pinned
+Each rank runs `exo.node.speed_probe.measure_node_speed` on its core (what a node pinned
 there reports), loads its shard of the model in int4 and serves; rank 0 times one greedy
 stream per prompt length (random prompt tokens, EOS ignored): TTFT = submit -> first token
 (fastest of `--runs`), decode tok/s = tokens after the first / time after the first (median
@@ -43,6 +43,7 @@ import torch.multiprocessing as multiprocessing
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_distributed import DEFAULT_MODEL, make_shard, random_llama
 
+from exo.chat_protocol.prompt import RenderedPrompt
 from exo.download.pypi_gguf import prepare_model
 from exo.master import speed_prediction
 from exo.shared.constants import models_dir as default_models_dir
@@ -52,7 +53,6 @@ from exo.shared.types.common import ModelId, NodeId
 from exo.shared.types.instances import Sharding
 from exo.shared.types.nodes import NodeSpeed, TopologyEdge
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
-from exo.chat_protocol.prompt import RenderedPrompt
 
 PLACEMENTS: dict[str, tuple[Sharding, int]] = {
     "single": ("pipeline", 1),
@@ -99,7 +99,7 @@ def one_stream(engine: Any, prompt_ids: list[int], decode_tokens: int, request_i
 def rank_main(
     rank: int, world_size: int, port: int, mode: str, model_dir: str, args: Any, results: Any
 ) -> None:
-    from exo.utils.speed_probe import measure_node_speed
+    from exo.node.speed_probe import measure_node_speed
     from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
     from exo.worker.engines.torch.engine_factory import load_engine
 

@@ -31,8 +31,14 @@ from exo.api.serving.cluster_client import (
 from exo.download.gguf_models import ollama_store, ollama_store_cards
 from exo.download.peers import PEER_CREDENTIAL_HEADER, peer_credential
 from exo.master.decisions import events_after_restart
-from exo.master.event_log import EventLog, history_summary
 from exo.master.main import Master
+from exo.node.election import Election, ElectionMessage
+from exo.node.event_log import EventLog, history_summary
+from exo.node.home_lock import HomeInUseError, HomeLock
+from exo.node.info_gatherer import InfoGatherer
+from exo.node.replica import Replica
+from exo.node.speed_probe import speed_probe_enabled
+from exo.node.topology import TopologyProber
 from exo.node_options import DEFAULT_MODEL_ID, Options
 from exo.routing.cluster_tls import TlsFilesError
 from exo.routing.secret_options import (
@@ -46,11 +52,8 @@ from exo.shared.constants import (
     models_dir,
     node_id_path,
 )
-from exo.shared.election import Election, ElectionMessage
-from exo.shared.home_lock import HomeInUseError, HomeLock
 from exo.shared.local_events import LocalEventSender
 from exo.shared.models.cards import load_builtin_cards
-from exo.shared.replica import Replica
 from exo.shared.types.commands import (
     AddCustomModel,
     Command,
@@ -62,9 +65,6 @@ from exo.shared.types.common import CommandId, InstanceId, NodeId
 from exo.shared.types.events import RunnerDeleted, RunnerStatusUpdated
 from exo.shared.types.runners import RunnerReady, RunnerRunning
 from exo.utils.heap import trim_heap_periodically
-from exo.utils.info_gatherer import InfoGatherer
-from exo.utils.speed_probe import speed_probe_enabled
-from exo.utils.topology import TopologyProber
 from exo.worker.main import Worker
 from exo.worker.runner.options import RunnerOptions
 

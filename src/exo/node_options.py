@@ -30,9 +30,9 @@ from exo.shared.models.memory import (
     MIN_KV_CACHE_TOKENS,
     PREFILL_ACTIVATIONS,
     PrefillActivations,
+    default_prefill_activations,
 )
 from exo.shared.types.common import ModelId
-from exo.utils.cpu_features import default_prefill_activations
 
 DEFAULT_MODEL_ID = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
 # `--stream-interval-ms`: 30 ms (two frames of a 60 Hz screen) groups four or five tokens of

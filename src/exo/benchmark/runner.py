@@ -24,8 +24,8 @@ from exo.benchmark.llama_cpp_runner import LlamaCppRunner
 from exo.benchmark.prompts import ModelText
 from exo.benchmark.ratios import add_ratios
 from exo.benchmark.stats import BenchReport, CaseResult, Print, RunResult, write_json
-from exo.shared.models.memory import PrefillActivations
-from exo.utils.cpu_features import default_prefill_activations
+from exo.shared.models.memory import PrefillActivations, default_prefill_activations
+from exo.utils.cpu_features import cpu_model
 from exo.utils.heap import freeze_long_lived_objects
 
 # The pause before every run (exo's and each companion's): the run before it may leave
@@ -72,14 +72,8 @@ class BenchConfig:
 def machine_facts() -> dict[str, Any]:
     """The machine the bench ran on (CPU, cores, load at start)."""
     load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
-    cpu_model = platform.processor()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
     return {
-        "cpu": cpu_model,
+        "cpu": cpu_model(),
         "cpus": os.cpu_count(),
         "load_average_at_start": list(load),
         "python": sys.version.split()[0],

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from exo.shared.types.text_generation import ToolCall, ToolDefinition
 from exo.chat_protocol.tool_call_parsing import (
     HERMES_CLOSE,
     HERMES_OPEN,
@@ -25,6 +24,7 @@ from exo.chat_protocol.tool_call_parsing import (
     ToolCallFormat,
     ToolCallParser,
 )
+from exo.shared.types.text_generation import ToolCall, ToolDefinition
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"

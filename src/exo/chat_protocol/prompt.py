@@ -19,7 +19,6 @@ from typing import Any
 
 from jinja2.exceptions import TemplateError
 
-from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams, ToolDefinition
 from exo.chat_protocol.output_parsing import THINK_CLOSE, THINK_OPEN
 from exo.chat_protocol.tool_call_parsing import (
     HERMES_CLOSE,
@@ -30,6 +29,7 @@ from exo.chat_protocol.tool_call_parsing import (
     PYTHON_TAG,
     ToolCallFormat,
 )
+from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams, ToolDefinition
 
 __all__ = [
     "MARKER_TOKENS",

@@ -26,9 +26,9 @@ import string
 from collections.abc import Sequence
 from typing import Any
 
+from exo.chat_protocol.tool_arguments import coerce_to_schema
 from exo.shared.types.models import ToolCallFormat
 from exo.shared.types.text_generation import ToolCall, ToolDefinition
-from exo.chat_protocol.tool_arguments import coerce_to_schema
 
 HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"

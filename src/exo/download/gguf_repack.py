@@ -292,7 +292,7 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    from exo.worker.engines.torch.model.loading import empty_model
+    from exo.shared.models.skeleton import empty_model
 
     started = time.perf_counter()
     gguf_dir, gguf_name = str(gguf_path.parent), gguf_path.name

@@ -10,7 +10,6 @@ import anyio
 from loguru import logger
 
 from exo.master.decisions import events_for_command
-from exo.master.event_log import EventLog, EventLogCorruptError
 from exo.master.keep_alive import idle_instances, usage_after_command, usage_after_local_event
 from exo.master.recovery import (
     ACTIVATION_GRACE_SECONDS,
@@ -18,6 +17,7 @@ from exo.master.recovery import (
     events_after_node_lost,
     replacements_for_waiting,
 )
+from exo.node.event_log import EventLog, EventLogCorruptError
 from exo.routing.connections import ConnectionMessage
 from exo.shared.apply import apply, origin_key
 from exo.shared.types.commands import ForwarderCommand, RequestEventReplay

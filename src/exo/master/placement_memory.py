@@ -126,7 +126,7 @@ def placement_room(state: State, exclude: InstanceId | None = None) -> dict[Node
     """Every known node's memory for a new placement.
 
     A node reports its available memory every few seconds, and only when it moved by
-    256 MiB (`exo.utils.info_gatherer`), while the state knows each placed runner's status.
+    256 MiB (`exo.node.info_gatherer`), while the state knows each placed runner's status.
     So a runner placed on a node promises, beyond that report:
     - until it reports `RunnerReady` / `RunnerRunning` (no status yet, idle, connecting,
       loading, warming up, or failed and about to be started again): all of its

@@ -1,7 +1,7 @@
 """Predicted decode tok/s and time to first token of a placement, before it is placed.
 
 A pure function of the model card, the layout (nodes in rank order and their layers) and
-what the nodes measured: each node's `NodeSpeed` (`exo.utils.speed_probe`) and the links'
+what the nodes measured: each node's `NodeSpeed` (`exo.node.speed_probe`) and the links'
 `TopologyEdge` latency and bandwidth. A node without a measured speed (an old node, or one
 still measuring) gives no prediction (None), never a guessed one.
 

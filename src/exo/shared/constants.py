@@ -19,7 +19,7 @@ elsewhere. For comparing placements of one model side by side (`exo bench`)."""
 PROTOCOL_VERSION = "0.2"
 """The default namespace: nodes of another protocol version never see each other. 0.2: a
 shard and an instance carry `sharding` instead of a class tag (older event logs are
-converted on load, `exo.master.event_log_upgrade`)."""
+converted on load, `exo.node.event_log_upgrade`)."""
 
 
 def exo_home() -> Path:

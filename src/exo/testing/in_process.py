@@ -15,8 +15,8 @@ from pathlib import Path
 import anyio
 
 from exo.api.serving.cluster_client import RESEND_FIRST_SECONDS, ClusterClient, LoadOnRequest
-from exo.master.event_log import EventLog
 from exo.master.main import Master
+from exo.node.event_log import EventLog
 from exo.shared.apply import apply
 from exo.shared.types.chunks import Chunk
 from exo.shared.types.commands import ForwarderCommand

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import psutil
 
-from exo.master.event_log import decode_record
+from exo.node.event_log import decode_record
 from exo.shared.types.nodes import NodeSpeed
 from exo.testing.ports import free_port as free_port  # re-exported for the tests
 from exo.utils.process_title import RUNNER_TITLE_PREFIX
@@ -71,7 +71,7 @@ def seed_speed_cache(path: Path, speed: NodeSpeed) -> None:
     a test node that must report a speed (`env={"EXO_SPEED_PROBE": "1",
     "EXO_SPEED_PROBE_CACHE": str(path)}`) without measuring on a machine busy with tests,
     where no measurement settles."""
-    from exo.utils.speed_probe import ProbeResult, probe_key, runner_threads, write_cache
+    from exo.node.speed_probe import ProbeResult, probe_key, runner_threads, write_cache
 
     write_cache(path, probe_key(runner_threads()), ProbeResult(speed, settled=True))
 

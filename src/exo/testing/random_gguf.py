@@ -151,7 +151,7 @@ def write_random_gguf(
     import gguf
     from gguf.quants import quantize
 
-    from exo.worker.engines.torch.model.loading import empty_model
+    from exo.shared.models.skeleton import empty_model
 
     config = _hf_config(shape)
     skeleton = empty_model(config)

@@ -20,13 +20,13 @@ from exo.api.serving.cluster_client import ClusterClient
 from exo.api.serving.model_lookup import card_of, known_model_ids
 from exo.api.serving.request_checks import check_chat_template, check_serializable
 from exo.api.wire.errors import InvalidRequestError, ModelNotFoundError, NoCapacityError
+from exo.chat_protocol.prompt import render_prompt
 from exo.download.locations import ModelLocations, candidates, directory_name
 from exo.download.pypi_gguf import TOKENIZER_FILES, model_directory_name
 from exo.shared.constants import models_dir
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import HuggingFaceSource, LocalDirectorySource, ModelCard
 from exo.shared.types.text_generation import TextGenerationTaskParams
-from exo.chat_protocol.prompt import render_prompt
 
 TokenizerLoader = Callable[[Path], Any]
 

@@ -12,7 +12,7 @@ import pytest
 
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.master.recovery import events_after_node_lost
-from exo.shared.election import Election
+from exo.node.election import Election
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
 from exo.shared.types.commands import (
     CancelGeneration,

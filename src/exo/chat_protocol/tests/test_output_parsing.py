@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from exo.shared.types.text_generation import ToolDefinition
 from exo.chat_protocol.output_parsing import OutputParser, ParsedOutput
 from exo.chat_protocol.tool_arguments import coerce_to_schema
 from exo.chat_protocol.tool_call_parsing import ToolCallFormat
+from exo.shared.types.text_generation import ToolDefinition
 
 WEATHER = ToolDefinition(
     name="get_weather",

@@ -12,6 +12,11 @@ from typing import Any
 
 import pytest
 
+from exo.chat_protocol.prompt import (
+    decode_keeping_markers,
+    detect_tool_call_format,
+    render_prompt,
+)
 from exo.download.pypi_gguf import prepare_model
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.common import ModelId
@@ -21,11 +26,6 @@ from exo.shared.types.text_generation import (
     TextGenerationTaskParams,
     ToolCall,
     ToolDefinition,
-)
-from exo.chat_protocol.prompt import (
-    decode_keeping_markers,
-    detect_tool_call_format,
-    render_prompt,
 )
 
 # Shared with the engine tests (their conftest prepares the same model there).

@@ -15,12 +15,12 @@ from exo.download.custom_cards import (
     search_hub,
     template_traits,
 )
+from exo.shared.models.architectures import ENGINE_ARCHITECTURES
 from exo.shared.models.cards import card_from_local_directory
 from exo.shared.types.models import HuggingFaceSource
 from exo.testing.hf_server import HubServer
 from exo.testing.processes import free_port
 from exo.testing.tiny_models import save_tiny_checkout
-from exo.shared.models.architectures import ENGINE_ARCHITECTURES
 
 SUPPORTED = ENGINE_ARCHITECTURES
 REPO = "someone/tiny-llama"

@@ -7,8 +7,8 @@ import anyio
 import pytest
 
 from exo.master import main as master_main
-from exo.master.event_log import EventLog
 from exo.master.main import NODE_TIMEOUT_SECONDS, Master
+from exo.node.event_log import EventLog
 from exo.shared.apply import apply_all
 from exo.shared.types.commands import (
     Command,

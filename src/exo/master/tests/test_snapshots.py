@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from exo.master import event_log as event_log_module
-from exo.master.event_log import EventLog, event_digest
 from exo.master.main import Master
+from exo.node import event_log as event_log_module
+from exo.node.event_log import EventLog, event_digest
 from exo.shared.apply import apply, apply_all
 from exo.shared.types.commands import ForwarderCommand
 from exo.shared.types.common import NodeId

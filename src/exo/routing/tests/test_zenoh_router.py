@@ -17,9 +17,9 @@ import zenoh
 from anyio.abc import Process
 from pydantic import TypeAdapter
 
+from exo.node.election import ElectionMessage
 from exo.routing.connections import PeerConnected, PeerDisconnected
 from exo.routing.zenoh_router import NetworkRouter, NetworkTopic
-from exo.shared.election import ElectionMessage
 from exo.shared.types.chunks import TokenChunk
 from exo.shared.types.commands import ForwarderCommand, PlaceInstance
 from exo.shared.types.common import CommandId, ModelId, NodeId, RunnerId

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from exo.shared.types.models import GgufFileSource, ModelCard, PypiGgufPartsSource, PypiGgufSource
+from exo.utils.cpu_features import AMX_BF16_FLAGS, cpu_flags
 
 WeightFormat = Literal["float32", "int8", "int4"]
 WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("float32", "int8", "int4")
@@ -30,13 +31,23 @@ WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("float32", "int8", "int4")
 PrefillActivations = Literal["int16", "int8", "bf16"]
 PREFILL_ACTIVATIONS: tuple[PrefillActivations, ...] = ("int16", "int8", "bf16")
 # The engine's default (a node's is bf16 on AMX-BF16 CPUs, else this:
-# `exo.utils.cpu_features.default_prefill_activations`). Not int8: on SmolLM2-135M (int4)
+# `default_prefill_activations` below). Not int8: on SmolLM2-135M (int4)
 # int8 prefill turns the greedy answer to "What is the capital of France?" from "The
 # capital of France is Paris." into "L'Étoile, la Marseillaise, la femme, ..." (llama.cpp
 # on the same Q4_1 GGUF answers that same text word for word); rounding the prompt's last
 # row to int16 does not bring Paris back.
 DEFAULT_PREFILL_ACTIVATIONS: PrefillActivations = "int16"
 ENGINE_CPU_WEIGHT_FORMAT: WeightFormat = "int4"
+
+
+def default_prefill_activations(flags: frozenset[str] | None = None) -> PrefillActivations:
+    """`--prefill-activations`' default on a CPU with `flags` (default: this one's): "bf16"
+    where AMX-BF16 runs prefill (`AMX_BF16_FLAGS`), else "int16". bf16 multiplied Gemma 3
+    270M's and SmolLM2-135M's 128-512-row int4 products ~2x as fast as int16 on a 2-core
+    Xeon with AMX, for a KL of ~2e-4 from int16's next-token distributions (docs/engine.md,
+    "Prefill activations")."""
+    return "bf16" if (cpu_flags() if flags is None else flags) >= AMX_BF16_FLAGS else "int16"
+
 
 INT4_GROUP_SIZE = 32  # inputs sharing one (scale, zero) pair
 INT4_BLOCK_OUTPUTS = 64  # output channels per block of the CPU int4 packed layout

@@ -6,8 +6,8 @@ from typing import Any, get_args
 import pytest
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from exo.shared import election
-from exo.shared.election import ElectionMessage
+from exo.node import election
+from exo.node.election import ElectionMessage
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PREFILL_ACTIVATIONS
 from exo.shared.types import (

@@ -194,7 +194,7 @@ class StateSnapshot(FrozenModel):
     """The whole cluster state after the event at the carrying `IndexedEvent.idx`.
 
     Never written to the event log: the master sends it to a node that asks for events
-    it has compacted away (`exo.master.event_log`), followed by the events after it, so a
+    it has compacted away (`exo.node.event_log`), followed by the events after it, so a
     node joining a long history applies one snapshot and a short tail."""
 
     kind: Literal["StateSnapshot"] = "StateSnapshot"

@@ -33,7 +33,7 @@ class NetworkInterface(FrozenModel):
 
 
 class NodeSpeed(FrozenModel):
-    """What this node's CPU does per second, measured at start by `exo.utils.speed_probe`
+    """What this node's CPU does per second, measured at start by `exo.node.speed_probe`
     with the torch thread count its runners use (`threads`, within its CPU affinity).
 
     Attributes:
@@ -98,7 +98,7 @@ class NodeInfo(FrozenModel):
     peers probe); `models_disk_free_bytes` (of `models_disk_total_bytes`) is free space
     where models are stored; `cpu_percent` how busy all its cores were over the last
     gather interval, 0-100 (reported when it moves by `CPU_CHANGE_REPORT_PERCENT`, at
-    most every `LOAD_REPORT_SECONDS`: `exo.utils.info_gatherer`); `offline`: started with
+    most every `LOAD_REPORT_SECONDS`: `exo.node.info_gatherer`); `offline`: started with
     `--offline`, it can prepare only files it already holds; `speed`: its measured
     decode and prefill rates (None until measured, and from nodes too old to measure);
     `prefill_activations`: how its runners round prefill's activations

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from exo.chat_protocol.output_parsing import OutputParser, ParsedOutput
 from exo.shared.types.chunks import FinishReason, TokenLogprob, Usage
 from exo.shared.types.text_generation import TextGenerationTaskParams, ToolCall
-from exo.chat_protocol.output_parsing import OutputParser, ParsedOutput
 from exo.worker.engines.torch.engine import GeneratedPiece
 
 

@@ -9,9 +9,9 @@ from typing import Any
 
 from loguru import logger
 
+from exo.chat_protocol.prompt import detect_tool_call_format
 from exo.shared.models.profile import card_mismatches
 from exo.shared.types.models import ModelCard
-from exo.chat_protocol.prompt import detect_tool_call_format
 
 
 def check_card(card: ModelCard, model_dir: Path, tokenizer: Any) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from loguru import logger
 
+from exo.chat_protocol.output_parsing import OutputParser
 from exo.shared.types.chunks import (
     INSTANCE_UNAVAILABLE,
     ErrorChunk,
@@ -54,7 +55,6 @@ from exo.shared.types.tasks import (
     TextGeneration,
 )
 from exo.utils.heap import HeapTrimmer, freeze_long_lived_objects
-from exo.chat_protocol.output_parsing import OutputParser
 from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
 from exo.worker.engines.torch.model.sharding import loaded_parameter_bytes
 from exo.worker.runner.card_check import check_card

@@ -17,13 +17,8 @@ Nothing in `exo.worker.engines` imports the worker above it (`runner/`, `main.py
 
 from __future__ import annotations
 
-import ast
-from collections.abc import Iterator
-from pathlib import Path
+from exo.testing.import_graph import cycles, import_graph
 
-import exo
-
-SOURCE = Path(exo.__file__).parent
 ENGINE = "exo.worker.engines.torch"
 FLOORS = {
     f"{ENGINE}.decoding": 0,
@@ -38,51 +33,6 @@ ENGINES_FLOOR = 4
 SEPARATE = [(f"{ENGINE}.decoding", f"{ENGINE}.comm")]
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(SOURCE.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def modules_under(package: str) -> dict[str, Path]:
-    root = SOURCE.parent / package.replace(".", "/")
-    return {
-        module_name(path): path
-        for path in sorted(root.rglob("*.py"))
-        if "tests" not in path.relative_to(root).parts
-    }
-
-
-def imported_modules(module: str, path: Path, known: set[str]) -> Iterator[str]:
-    """Every exo module `path` imports anywhere in its body (function level included):
-    `from package import name` counts as importing `package.name` where that is a module."""
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                base = ".".join([*anchor, base] if base else anchor)
-            targets = [f"{base}.{alias.name}" for alias in node.names]
-            targets = [t if t in known else base for t in targets]
-        else:
-            continue
-        for target in targets:
-            while target and target not in known:
-                target = target.rpartition(".")[0]
-            if target and target != module:
-                yield target
-
-
-def import_graph(package: str) -> dict[str, set[str]]:
-    modules = modules_under(package)
-    known = set(modules_under("exo"))
-    return {module: set(imported_modules(module, path, known)) for module, path in modules.items()}
-
-
 def floor_of(module: str) -> int | None:
     for package, floor in FLOORS.items():
         if module == package or module.startswith(package + "."):
@@ -90,43 +40,6 @@ def floor_of(module: str) -> int | None:
     if module.startswith(ENGINE + "."):
         return ENGINES_FLOOR
     return None
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan's algorithm)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(node: str) -> None:
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for target in graph.get(node, ()):
-            if target not in graph:
-                continue
-            if target not in index:
-                visit(target)
-                low[node] = min(low[node], low[target])
-            elif target in on_stack:
-                low[node] = min(low[node], index[target])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                member = stack.pop()
-                on_stack.discard(member)
-                component.append(member)
-                if member == node:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-    return found
 
 
 def test_no_import_cycle_in_the_worker() -> None:

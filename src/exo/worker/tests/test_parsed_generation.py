@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from exo.chat_protocol.output_parsing import OutputParser
 from exo.shared.types.chunks import TokenLogprob, Usage
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
@@ -9,7 +10,6 @@ from exo.shared.types.text_generation import (
     TextGenerationTaskParams,
     ToolDefinition,
 )
-from exo.chat_protocol.output_parsing import OutputParser
 from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
 from exo.worker.engines.torch.engine import GeneratedPiece
 

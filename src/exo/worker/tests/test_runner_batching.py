@@ -8,12 +8,12 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any, cast
 
+from exo.chat_protocol.prompt import RenderedPrompt
 from exo.shared.types.chunks import ErrorChunk, TokenChunk, Usage
 from exo.shared.types.common import RunnerId, TaskId
 from exo.shared.types.runners import RunnerReady, RunnerRunning
 from exo.shared.types.tasks import CancelTask, TaskCancelled, TaskComplete, TaskFailed
 from exo.testing.builders import make_shard, make_text_generation_task
-from exo.chat_protocol.prompt import RenderedPrompt
 from exo.worker.engines.torch.engine import GeneratedPiece, RequestHandle
 from exo.worker.runner.messages import (
     ChunkReport,

@@ -8,12 +8,12 @@ from typing import Any, cast
 
 import pytest
 
+from exo.chat_protocol.prompt import RenderedPrompt
 from exo.node_options import parse_args
 from exo.shared.types.chunks import Chunk, TokenChunk, ToolCallChunk, Usage, merged_token_chunks
 from exo.shared.types.common import CommandId, ModelId, RunnerId
 from exo.shared.types.text_generation import ToolDefinition
 from exo.testing.builders import make_params, make_shard, make_text_generation_task
-from exo.chat_protocol.prompt import RenderedPrompt
 from exo.worker.engines.torch.engine import GeneratedPiece, RequestHandle
 from exo.worker.runner.messages import ChunkReport, decode_outbound
 from exo.worker.runner.options import RunnerOptions

@@ -22,6 +22,7 @@ import torch
 from loguru import logger
 from transformers import PreTrainedModel
 
+from exo.chat_protocol.prompt import RenderedPrompt, decode_keeping_markers, render_prompt
 from exo.shared.models.memory import (
     DEFAULT_KV_CACHE_TOKENS,
     DEFAULT_PREFILL_ACTIVATIONS,
@@ -33,7 +34,6 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
-from exo.chat_protocol.prompt import RenderedPrompt, decode_keeping_markers, render_prompt
 from exo.worker.engines.torch.batching.batch_attention import (
     attention_layers,
     use_batched_attention,

@@ -28,10 +28,8 @@ from safetensors import safe_open
 from torch import nn
 from transformers import (
     AutoConfig,
-    AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
-    PretrainedConfig,
     PreTrainedModel,
 )
 
@@ -40,6 +38,7 @@ from exo.shared.models.memory import (
     ENGINE_CPU_WEIGHT_FORMAT,
     PrefillActivations,
 )
+from exo.shared.models.skeleton import empty_model
 from exo.shared.models.tensor_names import LAYER_TENSOR
 from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.model.direct_forward import enable_lean_forward
@@ -93,21 +92,6 @@ def release_freed_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
-
-
-def empty_model(config: PretrainedConfig) -> PreTrainedModel:
-    """The causal LM for `config` (its text config for multimodal checkpoints) with every
-    parameter on the meta device; buffers computed at construction (rotary inverse
-    frequencies, not stored in checkpoints) are real."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights(include_buffers=False):
-        model: PreTrainedModel = AutoModelForCausalLM.from_config(
-            config.get_text_config(), dtype=torch.float32, attn_implementation="sdpa"
-        )
-    # The model built is the text model, whatever wrapped it in the checkpoint.
-    model.config.architectures = [type(model).__name__]
-    return model
 
 
 def _plan_tensors(

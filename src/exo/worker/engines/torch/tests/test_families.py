@@ -110,7 +110,7 @@ def test_registry_names_are_unique_and_cover_every_tiny_model() -> None:
 
 def test_shared_architecture_table_matches_the_family_files() -> None:
     # The API validates custom models against the shared table without importing the engine.
-    assert ENGINE_ARCHITECTURES == supported_architectures()
+    assert supported_architectures() == ENGINE_ARCHITECTURES
 
 
 def test_an_architecture_without_a_family_file_is_named_in_the_error(

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from exo.node_options import parse_args
+from exo.shared.models.memory import default_prefill_activations
 from exo.shared.types.models import ModelCard
 from exo.testing.builders import make_shard
-from exo.utils.cpu_features import default_prefill_activations
 from exo.worker.engines.torch.batching.batch_attention import lean_step_of
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.model.direct_forward_parts import Projection

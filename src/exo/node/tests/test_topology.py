@@ -12,6 +12,13 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Query, Response
 
+from exo.node.topology import (
+    BANDWIDTH_PROBE_BYTES,
+    FAILURES_BEFORE_REMOVAL,
+    TopologyProber,
+    measure_link,
+    worth_reporting,
+)
 from exo.shared.local_events import LocalEventSender
 from exo.shared.types.common import NodeId
 from exo.shared.types.events import ForwarderEvent, TopologyEdgeMeasured, TopologyEdgeRemoved
@@ -19,13 +26,6 @@ from exo.shared.types.nodes import TopologyEdge
 from exo.shared.types.state import State
 from exo.testing.builders import make_node_info
 from exo.utils.channels import Subscription, Topic
-from exo.utils.topology import (
-    BANDWIDTH_PROBE_BYTES,
-    FAILURES_BEFORE_REMOVAL,
-    TopologyProber,
-    measure_link,
-    worth_reporting,
-)
 
 pytestmark = pytest.mark.anyio
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 import socket
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from exo.shared.models.memory import (
 from exo.shared.types.events import NodeGatheredInfo
 from exo.shared.types.nodes import GpuInfo, MemoryInfo, NetworkInterface, NodeInfo, NodeSpeed
 from exo.shared.types.state import State
+from exo.utils.cpu_features import cpu_model
 
 GATHER_INTERVAL_SECONDS = 2.0
 # Memory moves all the time; only a change this large (or the heartbeat) is worth an event.
@@ -68,17 +68,6 @@ def _children_resident_bytes() -> int:
         except psutil.Error:
             continue
     return held
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def gpus() -> tuple[GpuInfo, ...]:
@@ -196,7 +185,7 @@ class InfoGatherer:
     """Reports this node's `NodeInfo` when it changes, when the cluster state lacks it (a
     node timed out after a network blip, a node that joined another history), and every
     `HEARTBEAT_SECONDS`. With `measure_speed` it measures the node's speed once in a worker
-    thread (`exo.utils.speed_probe.cached_node_speed`; `remeasure_speed` ignores the
+    thread (`exo.node.speed_probe.cached_node_speed`; `remeasure_speed` ignores the
     cache) and reports it with the next figures, once settled (`_probe_speed`), with how
     this node's runners round prefill's activations (`prefill_activations`, the node's
     `--prefill-activations`: which of its prefill figures a TTFT prediction reads)."""
@@ -239,7 +228,7 @@ class InfoGatherer:
         figure's best. Only settled figures are reported: a busy machine's can be ~80x too
         low, and previews would predict from them; until then the node reports no speed
         (previews predict nothing for it)."""
-        from exo.utils.speed_probe import cached_node_speed, machine_busy
+        from exo.node.speed_probe import cached_node_speed, machine_busy
 
         remeasure = self._remeasure_speed
         for check in range(1 + SPEED_REMEASURE_CHECKS):

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from exo.master.event_log import EventLog
-from exo.master.event_log_upgrade import needs_upgrade, upgrade_json
+from exo.node.event_log import EventLog
+from exo.node.event_log_upgrade import needs_upgrade, upgrade_json
 from exo.shared.apply import apply_all
 from exo.shared.types.common import NodeId
 from exo.shared.types.events import ClusterHistoryStarted, IndexedEvent, InstanceCreated

@@ -1,6 +1,6 @@
 """The start-up line about the history on disk says what it found in words."""
 
-from exo.master.event_log import history_summary
+from exo.node.event_log import history_summary
 
 
 def test_a_log_without_a_snapshot_says_so_instead_of_naming_event_minus_one() -> None:

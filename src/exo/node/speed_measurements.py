@@ -1,4 +1,4 @@
-"""The figures of a `NodeSpeed`, each measured on its own (`exo.utils.speed_probe` runs
+"""The figures of a `NodeSpeed`, each measured on its own (`exo.node.speed_probe` runs
 them all with the runners' thread count, and caches the result): the engine's int4, int8
 and (where exo's kernels run) 5-bit and int8-block decode kernels as bytes read per second,
 a memory copy, bfloat16 / float32 matmul FLOP/s, (where exo's kernels run) prefill's integer

@@ -15,12 +15,12 @@ import pytest
 from loguru import logger
 
 from exo.cli import main
-from exo.shared.home_lock import LOCK_FILE_NAME, HomeInUseError, HomeLock
+from exo.node.home_lock import LOCK_FILE_NAME, HomeInUseError, HomeLock
 
 HOLDER = """
 import sys, time
 from pathlib import Path
-from exo.shared.home_lock import HomeLock
+from exo.node.home_lock import HomeLock
 lock = HomeLock(Path(sys.argv[1]))
 print("held", flush=True)
 time.sleep(120)

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from exo.master import event_log
-from exo.master.event_log import (
+from exo.node import event_log
+from exo.node.event_log import (
     KEPT_CORRUPT_FILES,
     EventLog,
     EventLogCorruptError,

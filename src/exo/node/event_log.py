@@ -24,7 +24,7 @@ record (checksum, JSON, a torn last line) or an index out of sequence, are set a
 kept, older ones removed, so repeated damage cannot fill the disk) with a WARNING saying
 what was found;
 the log is rewritten with its good prefix. The node then continues from the snapshot plus
-that prefix; a follower fetches the rest from the master (`exo.shared.replica`).
+that prefix; a follower fetches the rest from the master (`exo.node.replica`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import IO
 from loguru import logger
 from pydantic import ValidationError
 
-from exo.master.event_log_upgrade import needs_upgrade, upgrade_json
+from exo.node.event_log_upgrade import needs_upgrade, upgrade_json
 from exo.shared.apply import apply_all
 from exo.shared.types.events import IndexedEvent
 from exo.shared.types.state import State

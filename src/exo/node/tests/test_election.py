@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 import anyio
 import pytest
 
-from exo.routing.connections import ConnectionMessage, PeerConnected, PeerDisconnected
-from exo.shared.election import (
+from exo.node.election import (
     BROADCAST_INTERVAL_SECONDS,
     ROUND_MAX_SECONDS,
     SETTLE_SECONDS,
@@ -18,6 +17,7 @@ from exo.shared.election import (
     ElectionMessage,
     elect,
 )
+from exo.routing.connections import ConnectionMessage, PeerConnected, PeerDisconnected
 from exo.shared.types.common import NodeId
 from exo.shared.types.state import State
 from exo.utils.channels import Subscription, Topic

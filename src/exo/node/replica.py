@@ -6,7 +6,7 @@ the master to replay a gap, persists each event to the node's own log (so any no
 become master and continue from the highest index it holds), and tells the node's
 components after each applied event. A master that compacted the events a node lacks
 sends a `StateSnapshot` first; the replica takes it as its state and snapshot, and
-compacts its own log past the same thresholds (`exo.master.event_log`).
+compacts its own log past the same thresholds (`exo.node.event_log`).
 
 When this node drops its history for the cluster's (a healed split whose other side won
 the election), it reports each instance it still runs (`InstanceReported`) after
@@ -21,9 +21,9 @@ from collections.abc import Callable
 import anyio
 from loguru import logger
 
-from exo.master.event_log import EventLog, EventLogCorruptError, event_digest
+from exo.node.election import Election, ElectionMessage
+from exo.node.event_log import EventLog, EventLogCorruptError, event_digest
 from exo.shared.apply import apply, origin_key
-from exo.shared.election import Election, ElectionMessage
 from exo.shared.local_events import LocalEventSender
 from exo.shared.types.commands import Command, RequestEventReplay
 from exo.shared.types.common import CommandId, NodeId

@@ -10,9 +10,9 @@ from contextlib import asynccontextmanager
 import anyio
 import pytest
 
+from exo.node import election as election_module
+from exo.node.election import Election, ElectionMessage
 from exo.routing.connections import ConnectionMessage
-from exo.shared import election as election_module
-from exo.shared.election import Election, ElectionMessage
 from exo.shared.types.common import NodeId
 from exo.shared.types.state import State
 from exo.utils.channels import Subscription, Topic

@@ -36,7 +36,7 @@ process may run on, as the engine does):
   127.0.0.1 (what a message between two runners on this machine costs at least).
 Each figure is the fastest of timed repetitions after a warm-up (the least disturbed by
 other work, as `timeit` advises): the node's capability, not its load at start. The
-measurements themselves are in `exo.utils.speed_measurements`.
+measurements themselves are in `exo.node.speed_measurements`.
 """
 
 from __future__ import annotations
@@ -52,9 +52,7 @@ import psutil
 from loguru import logger
 from pydantic import ValidationError
 
-from exo.shared.constants import exo_home
-from exo.shared.types.nodes import NodeSpeed
-from exo.utils.speed_measurements import (
+from exo.node.speed_measurements import (
     NativeTinyLayer,
     TinyLayer,
     fastest_seconds,
@@ -67,6 +65,9 @@ from exo.utils.speed_measurements import (
     prefill_gemm_flops,
     torch_threads,
 )
+from exo.shared.constants import exo_home
+from exo.shared.types.nodes import NodeSpeed
+from exo.utils.cpu_features import cpu_model
 
 # Bump when what is measured changes: cached figures of an older probe are measured again.
 # 11: prefill FLOP/s with bf16 activations where AMX-BF16 runs them; 10: 512-bit int16
@@ -123,7 +124,6 @@ def probe_key(threads: int) -> dict[str, Any]:
     """What the cached figures depend on; any change measures again."""
     import torch
 
-    from exo.utils.info_gatherer import cpu_model
     from exo.worker.engines.torch.quant.native_kernels import native_int4_wanted
 
     affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []

@@ -8,9 +8,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from exo.shared.types.nodes import MemoryInfo, NetworkInterface, NodeInfo
-from exo.utils import info_gatherer
-from exo.utils.info_gatherer import (
+from exo.node import info_gatherer
+from exo.node.info_gatherer import (
     CPU_CHANGE_REPORT_PERCENT,
     DISK_CHANGE_REPORT_BYTES,
     HEARTBEAT_SECONDS,
@@ -23,6 +22,7 @@ from exo.utils.info_gatherer import (
     memory_info,
     report_due,
 )
+from exo.shared.types.nodes import MemoryInfo, NetworkInterface, NodeInfo
 
 MIB = 2**20
 INTERFACES = (

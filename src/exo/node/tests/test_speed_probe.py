@@ -9,14 +9,9 @@ import anyio
 import pytest
 import torch
 
-from exo.shared.local_events import LocalEventSender
-from exo.shared.types.common import NodeId
-from exo.shared.types.events import ForwarderEvent, NodeGatheredInfo
-from exo.shared.types.nodes import NodeSpeed
-from exo.utils import speed_measurements, speed_probe
-from exo.utils.channels import Topic
-from exo.utils.info_gatherer import InfoGatherer
-from exo.utils.speed_probe import (
+from exo.node import speed_measurements, speed_probe
+from exo.node.info_gatherer import InfoGatherer
+from exo.node.speed_probe import (
     ProbeResult,
     cached_node_speed,
     fastest_of,
@@ -24,6 +19,11 @@ from exo.utils.speed_probe import (
     probe_key,
     runner_threads,
 )
+from exo.shared.local_events import LocalEventSender
+from exo.shared.types.common import NodeId
+from exo.shared.types.events import ForwarderEvent, NodeGatheredInfo
+from exo.shared.types.nodes import NodeSpeed
+from exo.utils.channels import Topic
 from exo.worker.engines.torch.quant.native_kernels import bf16_prefill_available
 
 SLOW_FIELDS = {"int4_decode_bytes_per_second": 1e9, "layer_overhead_seconds": 1e-3}
@@ -174,11 +174,11 @@ async def test_the_node_reports_its_speed_once_settled(monkeypatch: pytest.Monke
         return next(results)
 
     monkeypatch.setattr(speed_probe, "cached_node_speed", probe)
-    monkeypatch.setattr("exo.utils.info_gatherer.SPEED_REMEASURE_SECONDS", 0.05)
+    monkeypatch.setattr("exo.node.info_gatherer.SPEED_REMEASURE_SECONDS", 0.05)
     # Busy at the first check (no measurement then: a serving node is left alone), then quiet.
     busy = iter([True, False])
     monkeypatch.setattr(speed_probe, "machine_busy", lambda: next(busy))
-    monkeypatch.setattr("exo.utils.info_gatherer.GATHER_INTERVAL_SECONDS", 0.02)
+    monkeypatch.setattr("exo.node.info_gatherer.GATHER_INTERVAL_SECONDS", 0.02)
     topic: Topic[ForwarderEvent] = Topic("local_events")
     outbox = topic.subscribe()
     gatherer = InfoGatherer(

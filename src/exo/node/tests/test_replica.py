@@ -8,12 +8,12 @@ from pathlib import Path
 import anyio
 import pytest
 
-from exo.master.event_log import EventLog, event_digest
+from exo.node.election import Election, ElectionMessage
+from exo.node.event_log import EventLog, event_digest
+from exo.node.replica import REPLAY_RETRY_SECONDS, Replica
 from exo.routing.connections import ConnectionMessage
 from exo.shared.apply import apply_all
-from exo.shared.election import Election, ElectionMessage
 from exo.shared.local_events import LocalEventSender
-from exo.shared.replica import REPLAY_RETRY_SECONDS, Replica
 from exo.shared.types.commands import Command, RequestEventReplay
 from exo.shared.types.common import NodeId, RunnerId
 from exo.shared.types.events import (

@@ -1,0 +1,32 @@
+"""A model's skeleton: transformers' causal LM for a config with no weights in memory.
+
+Used where a checkpoint's tensor names and shapes are needed without reading them: the
+loader plans each rank's tensors against it (`exo.worker.engines.torch.model.loading`) and
+the GGUF repacker names and lays out the tensors it writes (`exo.download.gguf_repack`).
+torch, transformers and accelerate are imported on call, so importing this module costs
+nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+
+def empty_model(config: PretrainedConfig) -> PreTrainedModel:
+    """The causal LM for `config` (its text config for multimodal checkpoints) with every
+    parameter on the meta device; buffers computed at construction (rotary inverse
+    frequencies, not stored in checkpoints) are real. Its `config.architectures` names the
+    text model built, whatever wrapped it in the checkpoint."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(
+            config.get_text_config(), dtype=torch.float32, attn_implementation="sdpa"
+        )
+    model.config.architectures = [type(model).__name__]
+    return model
