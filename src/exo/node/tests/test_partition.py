@@ -10,8 +10,8 @@ import anyio
 
 from exo.master.main import Master
 from exo.node.event_log import EventLog, event_digest
-from exo.shared.apply import apply_all
 from exo.node.tests.test_replica import MASTER, NODE, Harness, make_harness
+from exo.shared.apply import apply_all
 from exo.shared.types.commands import ForwarderCommand
 from exo.shared.types.common import InstanceId, NodeId, RunnerId
 from exo.shared.types.events import (

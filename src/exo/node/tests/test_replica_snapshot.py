@@ -7,9 +7,9 @@ from pathlib import Path
 from exo.master.main import Master
 from exo.master.tests.test_snapshots import make_events, run_history
 from exo.node.event_log import EventLog, event_digest
-from exo.shared.apply import apply_all
 from exo.node.tests.test_partition import drain
 from exo.node.tests.test_replica import MASTER, make_harness
+from exo.shared.apply import apply_all
 from exo.shared.types.commands import ForwarderCommand
 from exo.shared.types.common import RunnerId
 from exo.shared.types.events import (
