@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -228,7 +230,7 @@ class InfoGatherer:
         figure's best. Only settled figures are reported: a busy machine's can be ~80x too
         low, and previews would predict from them; until then the node reports no speed
         (previews predict nothing for it)."""
-        from exo.node.speed_probe import cached_node_speed, machine_busy
+        from exo.node.speed_probe import ProbeStopped, cached_node_speed, machine_busy
 
         remeasure = self._remeasure_speed
         for check in range(1 + SPEED_REMEASURE_CHECKS):
@@ -236,13 +238,21 @@ class InfoGatherer:
                 await anyio.sleep(SPEED_REMEASURE_SECONDS)
                 if machine_busy():
                     continue
+            # A node stopping mid-probe abandons the thread and tells it to stop at its
+            # next figure, so it neither logs nor caches after "exo stopped".
+            stop = threading.Event()
             try:
                 result = await anyio.to_thread.run_sync(
-                    cached_node_speed, remeasure, abandon_on_cancel=True
+                    functools.partial(cached_node_speed, remeasure, stop=stop),
+                    abandon_on_cancel=True,
                 )
+            except ProbeStopped:
+                return
             except Exception as error:  # a failed probe leaves the speed as it was
                 logger.warning(f"speed probe failed: {error!r}")
                 return
+            finally:
+                stop.set()
             remeasure = False
             if result.settled:
                 self._speed = result.speed

@@ -43,10 +43,12 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 from loguru import logger
@@ -68,6 +70,8 @@ from exo.node.speed_measurements import (
 from exo.shared.constants import exo_home
 from exo.shared.types.nodes import NodeSpeed
 from exo.utils.cpu_features import cpu_model
+
+T = TypeVar("T")
 
 # Bump when what is measured changes: cached figures of an older probe are measured again.
 # 11: prefill FLOP/s with bf16 activations where AMX-BF16 runs them; 10: 512-bit int16
@@ -139,37 +143,64 @@ def probe_key(threads: int) -> dict[str, Any]:
     }
 
 
-def measure_node_speed(threads: int | None = None) -> NodeSpeed:
+class ProbeStopped(Exception):
+    """The node stopped while its speed was being measured (`measure_node_speed`'s `stop`)."""
+
+
+def measure_node_speed(
+    threads: int | None = None, stop: threading.Event | None = None
+) -> NodeSpeed:
     """Measure this CPU now with `threads` torch threads (default `runner_threads()`); the
-    process's own thread count is restored afterwards."""
+    process's own thread count is restored afterwards.
+
+    Raises:
+        ProbeStopped: `stop` was set; checked between the figures (each takes well under a
+            second to a few seconds), so a node that stops mid-probe does not leave a
+            measuring thread behind for the whole probe.
+    """
     import torch
 
     threads = threads or runner_threads()
     working_set = max(WORKING_SET_BYTES, LLC_MULTIPLE * _llc_bytes())
     from exo.worker.engines.torch.quant.native_kernels import native_int4_kernel
 
+    def measured(figure: Callable[[], T]) -> T:
+        if stop is not None and stop.is_set():
+            raise ProbeStopped("the node stopped during its speed probe")
+        return figure()
+
     native = native_int4_kernel() is not None
     with torch_threads(threads), torch.inference_mode():
         layer: TinyLayer | NativeTinyLayer = NativeTinyLayer() if native else TinyLayer()
         unmeasured: tuple[float | None, float | None, float | None] = (None, None, None)
-        int4_gemm = prefill_gemm_flops("int4") if native else unmeasured
-        int5_gemm = prefill_gemm_flops("int5") if native else unmeasured
-        int8_block_gemm = prefill_gemm_flops("int8_blocks") if native else unmeasured
+        int4_gemm = measured(lambda: prefill_gemm_flops("int4")) if native else unmeasured
+        int5_gemm = measured(lambda: prefill_gemm_flops("int5")) if native else unmeasured
+        int8_block_gemm = (
+            measured(lambda: prefill_gemm_flops("int8_blocks")) if native else unmeasured
+        )
         return NodeSpeed(
             threads=threads,
-            int4_decode_bytes_per_second=int4_decode_bytes_per_second(working_set),
-            int8_decode_bytes_per_second=int8_decode_bytes_per_second(working_set),
-            memory_copy_bytes_per_second=memory_copy_bytes_per_second(COPY_BYTES),
-            bf16_matmul_flops=matmul_flops("bfloat16"),
-            float32_matmul_flops=matmul_flops("float32"),
-            layer_overhead_seconds=fastest_seconds(layer.forward),
-            loopback_round_trip_seconds=loopback_round_trip_seconds(),
+            int4_decode_bytes_per_second=measured(
+                lambda: int4_decode_bytes_per_second(working_set)
+            ),
+            int8_decode_bytes_per_second=measured(
+                lambda: int8_decode_bytes_per_second(working_set)
+            ),
+            memory_copy_bytes_per_second=measured(lambda: memory_copy_bytes_per_second(COPY_BYTES)),
+            bf16_matmul_flops=measured(lambda: matmul_flops("bfloat16")),
+            float32_matmul_flops=measured(lambda: matmul_flops("float32")),
+            layer_overhead_seconds=measured(lambda: fastest_seconds(layer.forward)),
+            loopback_round_trip_seconds=measured(loopback_round_trip_seconds),
             native_kernels=native,
             int5_decode_bytes_per_second=(
-                native_block_bytes_per_second("int5", working_set) if native else None
+                measured(lambda: native_block_bytes_per_second("int5", working_set))
+                if native
+                else None
             ),
             int8_block_decode_bytes_per_second=(
-                native_block_bytes_per_second("int8_blocks", working_set) if native else None
+                measured(lambda: native_block_bytes_per_second("int8_blocks", working_set))
+                if native
+                else None
             ),
             int4_prefill_int16_flops=int4_gemm[0],
             int4_prefill_int8_flops=int4_gemm[1],
@@ -285,11 +316,18 @@ def threads_contended(speed: NodeSpeed) -> bool:
     return speed.int4_decode_bytes_per_second < one_thread_int4_bytes_per_second()
 
 
-def cached_node_speed(remeasure: bool = False, path: Path | None = None) -> ProbeResult:
+def cached_node_speed(
+    remeasure: bool = False, path: Path | None = None, stop: threading.Event | None = None
+) -> ProbeResult:
     """This node's speed: the cached figures when their key matches and they are settled;
     otherwise measured now (merged with unsettled cached figures by `fastest_of`, unless
     `remeasure`) and cached, settled when the machine was not busy before and after and
-    the threads were not held up (`threads_contended`)."""
+    the threads were not held up (`threads_contended`).
+
+    Raises:
+        ProbeStopped: `stop` was set before the measurement ended (nothing is logged or
+            cached).
+    """
     path = path or cache_path()
     threads = runner_threads()
     key = probe_key(threads)
@@ -298,7 +336,7 @@ def cached_node_speed(remeasure: bool = False, path: Path | None = None) -> Prob
         return cached
     busy_before = machine_busy()
     started = time.perf_counter()
-    speed = measure_node_speed(threads)
+    speed = measure_node_speed(threads, stop)
     contended = threads_contended(speed)
     settled = not (busy_before or contended or machine_busy())
     reason = "threads held up by other work" if contended else "machine busy"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import anyio
@@ -13,6 +14,7 @@ from exo.node import speed_measurements, speed_probe
 from exo.node.info_gatherer import InfoGatherer
 from exo.node.speed_probe import (
     ProbeResult,
+    ProbeStopped,
     cached_node_speed,
     fastest_of,
     measure_node_speed,
@@ -117,7 +119,7 @@ def test_a_cache_from_another_probe_is_measured_again_not_crashed_on(
     )
     calls: list[int | None] = []
 
-    def measured(threads: int | None = None) -> NodeSpeed:
+    def measured(threads: int | None = None, stop: threading.Event | None = None) -> NodeSpeed:
         calls.append(threads)
         return fresh
 
@@ -145,7 +147,7 @@ def test_the_cache_answers_until_the_key_changes_or_a_remeasure(
     assert json.loads(path.read_text())["speed"] == first.model_dump(mode="json")
     calls: list[int] = []
 
-    def counted(threads: int | None = None) -> NodeSpeed:
+    def counted(threads: int | None = None, stop: threading.Event | None = None) -> NodeSpeed:
         calls.append(threads or 0)
         return SPEED
 
@@ -169,7 +171,7 @@ async def test_the_node_reports_its_speed_once_settled(monkeypatch: pytest.Monke
     results = iter([ProbeResult(SLOW, settled=False), ProbeResult(SPEED, settled=True)])
     asked: list[bool] = []
 
-    def probe(remeasure: bool = False) -> ProbeResult:
+    def probe(remeasure: bool = False, stop: threading.Event | None = None) -> ProbeResult:
         asked.append(remeasure)
         return next(results)
 
@@ -219,7 +221,9 @@ def test_figures_from_a_busy_machine_are_measured_again_keeping_the_best(
 ) -> None:
     path = tmp_path / "speed_probe.json"
     measured = iter([SLOW, SPEED.model_copy(update={"bf16_matmul_flops": 5e10})])
-    monkeypatch.setattr(speed_probe, "measure_node_speed", lambda threads=None: next(measured))
+    monkeypatch.setattr(
+        speed_probe, "measure_node_speed", lambda threads=None, stop=None: next(measured)
+    )
     monkeypatch.setattr(speed_probe, "machine_busy", lambda: True)
     busy = cached_node_speed(path=path)
     assert busy == ProbeResult(SLOW, settled=False)
@@ -271,7 +275,9 @@ def test_threads_slower_than_one_thread_leave_the_figures_unsettled(
     two_threads = SPEED.model_copy(update={"threads": 2})  # int4 1e10 B/s
     monkeypatch.setattr(speed_probe, "machine_busy", lambda: False)
     monkeypatch.setattr(speed_probe, "runner_threads", lambda: 2)
-    monkeypatch.setattr(speed_probe, "measure_node_speed", lambda threads=None: two_threads)
+    monkeypatch.setattr(
+        speed_probe, "measure_node_speed", lambda threads=None, stop=None: two_threads
+    )
     monkeypatch.setattr(speed_probe, "one_thread_int4_bytes_per_second", lambda: one_thread)
     result = cached_node_speed(path=tmp_path / "speed_probe.json")
     assert result == ProbeResult(two_threads, settled=settled)
@@ -311,3 +317,58 @@ def test_test_nodes_do_not_probe_and_bench_nodes_do(tmp_path: Path) -> None:
     assert ExoNode(tmp_path / "a").environment()[speed_probe.SPEED_PROBE_ENV] == "0"
     on = ExoNode(tmp_path / "b", env={speed_probe.SPEED_PROBE_ENV: "1"})
     assert on.environment()[speed_probe.SPEED_PROBE_ENV] == "1"
+
+
+@pytest.mark.usefixtures("small_probe")
+def test_a_stopped_probe_measures_no_further_and_caches_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(speed_probe, "machine_busy", lambda: False)
+    stop = threading.Event()
+    matmuls: list[str] = []
+
+    def copy_then_stop(copy_bytes: int) -> float:
+        stop.set()  # the node stops while this figure is measured
+        return 1e10
+
+    def matmul(dtype: str) -> float:
+        matmuls.append(dtype)
+        return 1e11
+
+    monkeypatch.setattr(speed_probe, "memory_copy_bytes_per_second", copy_then_stop)
+    monkeypatch.setattr(speed_probe, "matmul_flops", matmul)
+    path = tmp_path / "speed.json"
+    with pytest.raises(ProbeStopped):
+        cached_node_speed(path=path, stop=stop)
+    assert matmuls == [] and not path.exists()
+
+
+@pytest.mark.anyio
+async def test_a_node_stopping_mid_probe_tells_the_probe_thread_to_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe thread is abandoned on cancellation (shutdown does not wait seconds for
+    it) but told to stop, so it logs and caches nothing after the node has stopped."""
+    started = threading.Event()
+    stopped_seen = threading.Event()
+
+    def probe(remeasure: bool = False, stop: threading.Event | None = None) -> ProbeResult:
+        assert stop is not None
+        started.set()
+        if stop.wait(timeout=20):
+            stopped_seen.set()
+        raise ProbeStopped("stopped")
+
+    monkeypatch.setattr(speed_probe, "cached_node_speed", probe)
+    topic: Topic[ForwarderEvent] = Topic("local_events")
+    gatherer = InfoGatherer(
+        LocalEventSender(NodeId("node"), topic.sender()), api_port=1, measure_speed=True
+    )
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(gatherer.run)
+            while not started.is_set():
+                await anyio.sleep(0.01)
+            tasks.cancel_scope.cancel()
+        await anyio.to_thread.run_sync(stopped_seen.wait, 20)
+    assert stopped_seen.is_set()
