@@ -47,11 +47,12 @@ from exo.worker.engines.torch.batching.request_state import (
 from exo.worker.engines.torch.batching.scheduler import BatchScheduler, StepOutput
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.decoding.detokenizer import StreamingDetokenizer
-from exo.worker.engines.torch.decoding.sampling import TokenChooser
+from exo.worker.engines.torch.decoding.sampling import Sampler, TokenChooser
 from exo.worker.engines.torch.decoding.sampling_params import (
     SamplingParams,
     resolve_sampling_params,
 )
+from exo.worker.engines.torch.decoding.scripted import ScriptedReply
 from exo.worker.engines.torch.decoding.stop_sequences import StopSequenceMatcher
 from exo.worker.engines.torch.decoding.token_choice import token_chooser_for, token_logprob
 from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary
@@ -62,6 +63,7 @@ from exo.worker.engines.torch.model.loading import (
 )
 from exo.worker.engines.torch.parallel.rank_group import RankGroup, check_process_group
 from exo.worker.engines.torch.quant.quantize import WeightDtype
+from exo.worker.engines.torch.testing_seam import TestingSeam, load_testing_seam
 
 WARMUP_PROMPT = "Say hello."
 WARMUP_TOKENS = 8
@@ -133,6 +135,8 @@ class TorchEngine:
         self._decode = decode_keeping_markers(tokenizer)
         self._scheduler: BatchScheduler | None = None
         self.group = group
+        # Set by `load` for a model directory the tests marked (`testing_seam`), else None.
+        self.testing_seam: TestingSeam | None = None
 
     @classmethod
     def load(
@@ -186,6 +190,7 @@ class TorchEngine:
         )  # fmt: skip
         if split:
             engine.group = RankGroup(parts.model, parts.device, engine.vocab_size, shard)
+        engine.testing_seam = load_testing_seam(model_dir)
         logger.info(
             "{}loaded {} ({} weights) in {:.1f} s",
             f"rank {shard.device_rank}/{shard.world_size} " if split else "",
@@ -279,7 +284,16 @@ class TorchEngine:
     def token_chooser(
         self, params: TextGenerationTaskParams, sampling: SamplingParams, prompt_ids: list[int]
     ) -> TokenChooser:
-        """The request's penalties, logit bias, constraint and sampler (`token_chooser_for`)."""
+        """The request's penalties, logit bias, constraint and sampler (`token_chooser_for`);
+        on a model the tests marked, a scripted reply where the seam has one for the prompt
+        (`testing_seam`)."""
+        if self.testing_seam is not None:
+            reply = self.testing_seam.reply_for(self.tokenizer.decode(prompt_ids))
+            if reply is not None:
+                scripted = self.tokenizer.encode(reply, add_special_tokens=False)
+                return TokenChooser(
+                    Sampler(sampling, self.device), constraint=ScriptedReply(scripted)
+                )
         return token_chooser_for(
             params, sampling, prompt_ids, self.vocabulary, self.vocab_size, self.eos_token_ids,
             self.device,
@@ -357,6 +371,12 @@ class TorchEngine:
         return self._scheduler
 
     def _build_scheduler(self) -> BatchScheduler:
+        scheduler = self._new_scheduler()
+        if self.testing_seam is not None:
+            scheduler.prefill_chunk_seconds = self.testing_seam.prefill_chunk_seconds
+        return scheduler
+
+    def _new_scheduler(self) -> BatchScheduler:
         if self.group is not None:
             return self.group.build_scheduler(self.kv_cache_tokens, self.max_concurrent_requests)
         text_config = self.model.config.get_text_config()

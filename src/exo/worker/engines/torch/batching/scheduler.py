@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -160,6 +161,9 @@ class BatchScheduler:
         self._finished: list[_Running] = []
         self._admissions = itertools.count()
         self.preemptions = 0
+        # The engine's test seam only (`testing_seam`): seconds each step with a prefill
+        # chunk sleeps before its forward pass; 0 on every production model.
+        self.prefill_chunk_seconds = 0.0
 
     @property
     def max_running(self) -> int:
@@ -248,6 +252,8 @@ class BatchScheduler:
         decoding, prefill = self._schedule()
         if not decoding and not prefill:
             return False
+        if prefill and self.prefill_chunk_seconds:
+            time.sleep(self.prefill_chunk_seconds)
         input_ids: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []

@@ -16,7 +16,6 @@ from typing import Protocol
 import torch
 
 from exo.shared.types.chunks import MIN_LOGPROB
-from exo.worker.engines.torch.decoding.constraints import TokenConstraint
 from exo.worker.engines.torch.decoding.logit_adjustments import LogitBias, TokenPenalties
 from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
 
@@ -126,11 +125,21 @@ SCAN_BLOCK = 256
 
 
 class TokenFilter(Protocol):
-    """Which tokens may be drawn next (`constrained.TokenConstraint`)."""
+    """Which tokens may be drawn next (`constraints.TokenConstraint`)."""
 
     def allowed(self, token_id: int) -> bool: ...
 
     def allowed_tokens(self) -> list[int]: ...
+
+
+class OutputConstraint(TokenFilter, Protocol):
+    """A filter that follows the generated tokens and can end the generation
+    (`constraints.TokenConstraint`, `scripted.ScriptedReply`)."""
+
+    @property
+    def is_complete(self) -> bool: ...
+
+    def advance(self, token_id: int) -> None: ...
 
 
 class NoAllowedTokenError(RuntimeError):
@@ -309,7 +318,7 @@ class TokenChooser:
         self,
         sampler: Sampler,
         penalties: TokenPenalties | None = None,
-        constraint: TokenConstraint | None = None,
+        constraint: OutputConstraint | None = None,
         bias: LogitBias | None = None,
     ) -> None:
         self.sampler = sampler
