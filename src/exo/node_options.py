@@ -25,7 +25,6 @@ from exo.shared.constants import (
     PROTOCOL_VERSION,
 )
 from exo.shared.models.memory import (
-    DEFAULT_KV_CACHE_TOKENS,
     DEFAULT_PREFILL_ACTIVATIONS,
     MIN_KV_CACHE_TOKENS,
     PREFILL_ACTIVATIONS,
@@ -71,7 +70,7 @@ class Options:
     # How prefill rounds int4 / 5-bit block weights' activations (`--prefill-activations`).
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS
     # Each runner's KV-cache budget in tokens (`--kv-cache-tokens`).
-    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS
+    kv_cache_tokens: int | None = None
 
 
 def package_version() -> str:
@@ -204,10 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--kv-cache-tokens",
         type=int,
-        default=DEFAULT_KV_CACHE_TOKENS,
+        default=None,
         metavar="N",
         help="KV-cache tokens each runner keeps room for, all its requests together "
-        "(default: %(default)s)",
+        "(default: sized from free memory)",
     )
     parser.add_argument(
         "--max-queued-requests",
@@ -249,7 +248,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
             f"--stream-interval-ms must be between 0 and {MAX_STREAM_INTERVAL_MS:g}, "
             f"not {args.stream_interval_ms:g}"
         )
-    if args.kv_cache_tokens < MIN_KV_CACHE_TOKENS:
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < MIN_KV_CACHE_TOKENS:
         parser.error(
             f"--kv-cache-tokens must be >= {MIN_KV_CACHE_TOKENS}, not {args.kv_cache_tokens}"
         )

@@ -7,6 +7,9 @@ Rules (exo's, with its gaps filled):
   the peak of its weights while loading in the engine's format (int4 on CPU, see
   `exo.shared.models.memory`), not the float32 or on-disk size, or of its weights and
   KV-cache budget while serving, plus the runner process's own memory;
+- the KV-cache budget is the node's `--kv-cache-tokens`, else sized from its memory
+  (`memory_sized_kv_cache_tokens`: the default budget plus half of what is left); the ranks
+  of a split instance share one budget, the smallest of theirs (`Instance.kv_cache_tokens`);
 - a node's available memory is what it reported minus what is promised to runners
   already placed on it that its report cannot show yet (`placement_room`), so placements
   in quick succession never share the same free memory;
@@ -36,6 +39,7 @@ from exo.master.layer_split import speed_balanced_split as speed_balanced_split
 from exo.master.placement_memory import MEMORY_OVERHEAD_FRACTION as MEMORY_OVERHEAD_FRACTION
 from exo.master.placement_memory import (
     NodeRoom,
+    memory_sized_kv_cache_tokens,
     placement_room,
     required_memory_bytes,
     share_runner_bytes,
@@ -78,6 +82,9 @@ class PlacementPreview(FrozenModel):
     layer_ranges: tuple[tuple[int, int], ...]
     bytes_per_node: tuple[int, ...]
     error: str | None = None
+    kv_cache_tokens: int | None = None
+    """The KV-cache budget (tokens) its runners would hold (`Instance.kv_cache_tokens`);
+    None when the placement is invalid."""
     predicted_decode_tokens_per_second: float | None = None
     predicted_ttft_seconds: float | None = None
     prediction_prompt_tokens: int = DEFAULT_PROMPT_TOKENS
@@ -91,6 +98,8 @@ class Layout:
     layer_ranges: tuple[tuple[int, int], ...]
     bytes_per_node: tuple[int, ...]
     rendezvous_addresses: dict[NodeId, str]
+    kv_cache_tokens: int
+    """The instance's KV-cache budget (`Instance.kv_cache_tokens`)."""
 
 
 def runner_id_for(instance_id: InstanceId, rank: int, runner_tag: str = "") -> RunnerId:
@@ -170,7 +179,7 @@ def layout(
     world_size = len(order)
     total_available = sum(room[n].available_bytes for n in order)
     # Each further node runs one more runner process.
-    smallest_kv_cache = min(room[n].kv_cache_tokens for n in order)
+    smallest_kv_cache = min(room[n].planned_kv_cache_tokens for n in order)
     needed_total = (
         required_memory_bytes(card, kv_cache_tokens=smallest_kv_cache)
         + (world_size - 1) * RUNNER_PROCESS_OVERHEAD_BYTES
@@ -195,7 +204,7 @@ def layout(
         speeds = [speed for speed in measured if speed is not None]
         if len(speeds) == world_size:
             available = [room[n].available_bytes for n in order]
-            kv_cache_tokens = [room[n].kv_cache_tokens for n in order]
+            kv_cache_tokens = [room[n].planned_kv_cache_tokens for n in order]
             balanced = speed_balanced_split(card, speeds, available, kv_cache_tokens)
             if balanced is not None:
                 return balanced
@@ -206,24 +215,33 @@ def layout(
         return layer_split(card.n_layers, for_layers)
 
     ranges = kind.layer_ranges(card.n_layers, world_size, layer_counts)
-    shares = tuple(
-        share_runner_bytes(
-            card,
-            kind.weight_share(card, rank, world_size, layer_range),
-            room[order[rank]].kv_cache_tokens,
-        )
+    weight_shares = [
+        kind.weight_share(card, rank, world_size, layer_range)
         for rank, layer_range in enumerate(ranges)
-    )
-    for node_id, share in zip(order, shares, strict=True):
-        if share > room[node_id].available_bytes:
+    ]
+    for node_id, weight_share in zip(order, weight_shares, strict=True):
+        planned = share_runner_bytes(card, weight_share, room[node_id].planned_kv_cache_tokens)
+        if planned > room[node_id].available_bytes:
             raise PlacementError(
-                f"node {node_id} would need {share / 2**20:.0f} MiB for its share but has "
+                f"node {node_id} would need {planned / 2**20:.0f} MiB for its share but has "
                 f"{room[node_id].describe()}"
             )
+    # The ranks hold KV for the same tokens: the budget is the smallest any node allows.
+    kv_cache_tokens = min(
+        memory_sized_kv_cache_tokens(
+            card, weight_share, room[node_id].kv_cache_tokens, room[node_id].available_bytes
+        )
+        for node_id, weight_share in zip(order, weight_shares, strict=True)
+    )
+    # A node's own --kv-cache-tokens is what it reserves; a memory-sized node the budget.
+    shares = tuple(
+        share_runner_bytes(card, weight_share, room[node_id].kv_cache_tokens or kv_cache_tokens)
+        for node_id, weight_share in zip(order, weight_shares, strict=True)
+    )
     rank_zero = order[0]
     peer_view = {n: a for n in order[1:] if (a := _edge_address(state, n, rank_zero)) is not None}
     addresses = {rank_zero: _own_address(state, rank_zero, peer_view), **peer_view}
-    return Layout(order, ranges, shares, addresses)
+    return Layout(order, ranges, shares, addresses, kv_cache_tokens)
 
 
 def _holds_files(state: State, card: ModelCard, node_id: NodeId) -> bool:
@@ -373,6 +391,7 @@ def place_instance(
         sharding=sharding,
         shard_assignments=assignments,
         rendezvous=rendezvous,
+        kv_cache_tokens=chosen.kv_cache_tokens,
     )
 
 
@@ -416,6 +435,7 @@ def placement_previews(
                     node_ids=chosen.nodes,
                     layer_ranges=chosen.layer_ranges,
                     bytes_per_node=chosen.bytes_per_node,
+                    kv_cache_tokens=chosen.kv_cache_tokens,
                     predicted_decode_tokens_per_second=(
                         None if prediction is None else prediction.decode_tokens_per_second
                     ),

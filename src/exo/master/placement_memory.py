@@ -15,6 +15,7 @@ from exo.shared.models.memory import (
     ENGINE_CPU_WEIGHT_FORMAT,
     RUNNER_PROCESS_OVERHEAD_BYTES,
     WeightShare,
+    kv_cache_bytes_per_token,
     resident_weight_bytes,
     serving_peak_bytes,
 )
@@ -27,6 +28,45 @@ from exo.shared.types.state import State
 
 # Activations and allocator slack on top of the weights and KV-cache budget.
 MEMORY_OVERHEAD_FRACTION = 0.10
+# A node without `--kv-cache-tokens` sizes each runner's KV-cache budget from its memory:
+# the planned `DEFAULT_KV_CACHE_TOKENS` (what placement checks the node can hold) plus this
+# fraction of the memory left on the node after the runner's weights, process and planned
+# budget, so a later placement still finds the other part...
+KV_CACHE_MEMORY_FRACTION = 0.5
+# ...and never more than this many full contexts (a budget past it would sit unused: one
+# request holds at most a context, and a few contexts cover concurrent requests plus the
+# prefix cache).
+KV_CACHE_MAX_CONTEXTS = 4
+
+
+def planned_kv_cache_tokens(node_tokens: int | None) -> int:
+    """The KV-cache budget placement checks a node can hold for a runner: its
+    `--kv-cache-tokens` (`NodeInfo.kv_cache_tokens`), else `DEFAULT_KV_CACHE_TOKENS`."""
+    return DEFAULT_KV_CACHE_TOKENS if node_tokens is None else node_tokens
+
+
+def memory_sized_kv_cache_tokens(
+    card: ModelCard, share: WeightShare, node_tokens: int | None, available_bytes: int
+) -> int:
+    """The KV-cache budget (tokens) of a runner holding `share` of `card` on a node with
+    `available_bytes` for it (`NodeRoom.available_bytes`).
+
+    A node's `--kv-cache-tokens` (`node_tokens`) is the budget. Without it: the planned
+    budget (`planned_kv_cache_tokens`) plus `KV_CACHE_MEMORY_FRACTION` of what is left
+    after the runner's memory at the planned budget (`share_runner_bytes`), at most
+    `KV_CACHE_MAX_CONTEXTS` model contexts and never below the planned budget. A runner
+    placed on a node that already holds others so takes its fraction of what those left:
+    every placed runner keeps the budget it was given (resizing a loaded runner's KV cache
+    would drop its prefix cache), and the node keeps room for the next one.
+    """
+    planned = planned_kv_cache_tokens(node_tokens)
+    if node_tokens is not None:
+        return node_tokens
+    left = available_bytes - share_runner_bytes(card, share, planned)
+    per_token = kv_cache_bytes_per_token(card, share) * (1 + MEMORY_OVERHEAD_FRACTION)
+    extra = int(KV_CACHE_MEMORY_FRACTION * max(0, left) / per_token) if per_token else 0
+    ceiling = max(planned, KV_CACHE_MAX_CONTEXTS * card.context_length)
+    return min(ceiling, planned + extra)
 
 
 def required_memory_bytes(
@@ -96,14 +136,20 @@ class NodeRoom:
         promised_bytes: memory its placed runners will still take that the report cannot
             show (`placement_room`).
         promised_runners: how many runners that is.
-        kv_cache_tokens: the KV-cache budget of each runner there (`NodeInfo.kv_cache_tokens`),
-            which every share placed on it is sized with.
+        kv_cache_tokens: the node's `--kv-cache-tokens` (`NodeInfo.kv_cache_tokens`), the
+            budget of every runner placed on it; None: each runner's budget is sized from
+            the node's memory (`memory_sized_kv_cache_tokens`).
     """
 
     reported_bytes: int
     promised_bytes: int = 0
     promised_runners: int = 0
-    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS
+    kv_cache_tokens: int | None = None
+
+    @property
+    def planned_kv_cache_tokens(self) -> int:
+        """The budget a share placed here is checked against (`planned_kv_cache_tokens`)."""
+        return planned_kv_cache_tokens(self.kv_cache_tokens)
 
     @property
     def available_bytes(self) -> int:
@@ -136,6 +182,7 @@ def placement_room(state: State, exclude: InstanceId | None = None) -> dict[Node
     - once ready: `runner_unallocated_bytes`, the KV cache it fills later (its weights and
       process are in the node's report from the next one on: a report lagging a runner
       that just became ready, or under 256 MiB, is the error left).
+    Each runner is sized with its instance's KV-cache budget (`Instance.kv_cache_tokens`).
     Instance `exclude` (the one being re-placed) promises nothing, nor does an instance
     waiting for room (it runs nowhere until placed again). Deterministic: a pure function
     of the state, the same on every master.
@@ -150,7 +197,9 @@ def placement_room(state: State, exclude: InstanceId | None = None) -> dict[Node
             shard = assignments.runner_to_shard.get(runner_id)
             if node_id not in promised or shard is None:
                 continue
-            tokens = state.node_info[node_id].kv_cache_tokens
+            tokens = instance.kv_cache_tokens
+            if tokens is None:  # placed before instances carried their budget
+                tokens = planned_kv_cache_tokens(state.node_info[node_id].kv_cache_tokens)
             if isinstance(state.runners.get(runner_id), RunnerReady | RunnerRunning):
                 promised[node_id].append(runner_unallocated_bytes(shard, tokens))
             else:

@@ -16,7 +16,6 @@ from loguru import logger
 
 from exo.shared.local_events import LocalEventSender
 from exo.shared.models.memory import (
-    DEFAULT_KV_CACHE_TOKENS,
     DEFAULT_PREFILL_ACTIVATIONS,
     PrefillActivations,
 )
@@ -128,7 +127,7 @@ def gather_node_info(
     offline: bool = False,
     speed: NodeSpeed | None = None,
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
-    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
+    kv_cache_tokens: int | None = None,
 ) -> NodeInfo:
     interfaces = network_interfaces()
     disk_free, disk_total = disk_usage_bytes(models) if models is not None else (0, 0)
@@ -203,7 +202,7 @@ class InfoGatherer:
         measure_speed: bool = False,
         remeasure_speed: bool = False,
         prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
-        kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
+        kv_cache_tokens: int | None = None,
     ) -> None:
         self._local_events = local_events
         self._prefill_activations: PrefillActivations = prefill_activations

@@ -12,6 +12,7 @@ from typing import Any
 
 from exo.master.placement import runner_id_for
 from exo.shared.models.cards import load_builtin_cards
+from exo.shared.models.memory import DEFAULT_KV_CACHE_TOKENS
 from exo.shared.parallelism import parallelism
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.events import Event, IndexedEvent
@@ -68,12 +69,21 @@ def make_node_speed(threads: int = 1) -> NodeSpeed:
     )
 
 
-def make_node_info(available_mb: int, total_mb: int | None = None, name: str = "node") -> NodeInfo:
-    """A node reporting `available_mb` MiB of available memory."""
+def make_node_info(
+    available_mb: int,
+    total_mb: int | None = None,
+    name: str = "node",
+    kv_cache_tokens: int | None = DEFAULT_KV_CACHE_TOKENS,
+) -> NodeInfo:
+    """A node reporting `available_mb` MiB of available memory, started with
+    `--kv-cache-tokens kv_cache_tokens` (the default budget: placement arithmetic in tests
+    stays independent of memory-sized budgets; None: sized from its memory, as a node
+    started without the option)."""
     total = available_mb if total_mb is None else total_mb
     return NodeInfo(
         friendly_name=name,
         memory=MemoryInfo(total_bytes=total * MIB, available_bytes=available_mb * MIB),
+        kv_cache_tokens=kv_cache_tokens,
     )
 
 

@@ -32,6 +32,7 @@ from exo.shared.types.events import (
     RunnerStatusUpdated,
     TaskStatusUpdated,
 )
+from exo.shared.types.instances import Instance
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import (
     DownloadCompleted,
@@ -230,6 +231,14 @@ class Worker:
             logger.debug(f"worker: {task!r}")
             await self._execute(task)
 
+    def _runner_options_for(self, instance: Instance) -> RunnerOptions:
+        """This node's runner options with the instance's KV-cache budget, which every rank
+        holds (`Instance.kv_cache_tokens`; instances placed before it was carried: the
+        node's `--kv-cache-tokens`)."""
+        if instance.kv_cache_tokens is None:
+            return self._runner_options
+        return self._runner_options.model_copy(update={"kv_cache_tokens": instance.kv_cache_tokens})
+
     async def _execute(self, task: Task) -> None:
         assert self._task_group is not None
         match task:
@@ -244,7 +253,7 @@ class Worker:
                     publish_chunk=self._publish_chunk,
                     on_change=self._notify,
                     log_level=self._log_level,
-                    options=self._runner_options,
+                    options=self._runner_options_for(instance),
                 )
                 supervisor.start()
                 self.runners[runner_id] = supervisor

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from exo.master.placement import layout, place_instance
+from exo.master.placement import PlacementError, layout, place_instance
 from exo.master.placement_memory import (
+    KV_CACHE_MAX_CONTEXTS,
     pipeline_share_bytes,
     placement_room,
     required_memory_bytes,
@@ -21,7 +22,9 @@ from exo.shared.models.memory import (
     kv_geometry,
     whole_model,
 )
-from exo.shared.types.common import InstanceId, NodeId
+from exo.shared.types.common import InstanceId, ModelId, NodeId
+from exo.shared.types.instances import Instance
+from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import NodeInfo, TopologyEdge
 from exo.shared.types.state import State
 from exo.testing.builders import MIB, make_card, make_node_info, make_state
@@ -37,7 +40,7 @@ CARD = make_card(n_layers=12).model_copy(
 SMALL = 1024
 
 
-def node(available_bytes: int, kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS) -> NodeInfo:
+def node(available_bytes: int, kv_cache_tokens: int | None = DEFAULT_KV_CACHE_TOKENS) -> NodeInfo:
     info = make_node_info(-(-available_bytes // MIB))
     return info.model_copy(update={"kv_cache_tokens": kv_cache_tokens})
 
@@ -57,12 +60,12 @@ def linked(nodes: dict[NodeId, NodeInfo]) -> State:
     return state.model_copy(update={"topology": topology})
 
 
-def test_the_option_is_parsed_checked_and_defaults_to_8192() -> None:
-    assert parse_args([]).kv_cache_tokens == DEFAULT_KV_CACHE_TOKENS == 8192
+def test_the_option_is_parsed_checked_and_defaults_to_memory_sized() -> None:
+    assert parse_args([]).kv_cache_tokens is None  # placement sizes it from memory
     assert parse_args(["--kv-cache-tokens", "4096"]).kv_cache_tokens == 4096
     with pytest.raises(SystemExit):
         parse_args(["--kv-cache-tokens", str(MIN_KV_CACHE_TOKENS - 1)])
-    assert RunnerOptions().kv_cache_tokens == DEFAULT_KV_CACHE_TOKENS
+    assert RunnerOptions().kv_cache_tokens is None
 
 
 def test_the_kv_budget_is_sized_from_one_geometry() -> None:
@@ -102,3 +105,87 @@ def test_each_pipeline_share_is_sized_with_its_own_nodes_budget() -> None:
             CARD, end - start, rank == 0, rank == last, budgets[node_id]
         )
         assert share == expected
+
+
+# --- the memory-sized default ------------------------------------------------------------
+
+LONG = CARD.model_copy(update={"context_length": 32_768})
+GIB = 2**30
+
+
+def placed_budget(state: State, card: ModelCard = LONG, instance_id: str = "i") -> Instance:
+    instance = place_instance(card, state, InstanceId(instance_id))
+    assert instance.kv_cache_tokens is not None
+    return instance
+
+
+def test_a_node_with_room_to_spare_gets_four_contexts() -> None:
+    state = make_state(nodes={NODE_A: node(64 * GIB, None)})
+    instance = placed_budget(state)
+    assert instance.kv_cache_tokens == KV_CACHE_MAX_CONTEXTS * LONG.context_length
+    assert layout(LONG, state, "pipeline", [NODE_A]).kv_cache_tokens == instance.kv_cache_tokens
+
+
+def test_a_node_takes_the_planned_budget_plus_half_of_what_is_left() -> None:
+    available = (required_memory_bytes(LONG) // MIB + 256) * MIB  # nodes report whole MiB
+    state = make_state(nodes={NODE_A: node(available, None)})
+    instance = placed_budget(state)
+    (shard,) = instance.shard_assignments.runner_to_shard.values()
+    budget = instance.kv_cache_tokens
+    assert budget is not None
+    assert DEFAULT_KV_CACHE_TOKENS < budget < KV_CACHE_MAX_CONTEXTS * LONG.context_length
+    left = available - runner_bytes(shard, DEFAULT_KV_CACHE_TOKENS)
+    taken = runner_bytes(shard, budget) - runner_bytes(shard, DEFAULT_KV_CACHE_TOKENS)
+    per_token = runner_bytes(shard, budget + 1) - runner_bytes(shard, budget)
+    # Half of what was left, to within a token's bytes (and the rounding of the overhead).
+    assert abs(taken - left // 2) <= 2 * per_token
+    # The node still has the other half for the next placement.
+    placed = state.model_copy(update={"instances": {instance.instance_id: instance}})
+    assert placement_room(placed)[NODE_A].available_bytes >= left // 2 - 2 * per_token
+
+
+def test_a_second_instance_takes_its_fraction_of_what_the_first_left() -> None:
+    # Room for three at the planned budget: the first takes half of what its planned
+    # budget left, the second still fits in the other half (a node with room for only
+    # two refuses the second: `--kv-cache-tokens` keeps the first to the planned budget).
+    available = 3 * required_memory_bytes(LONG)
+    state = make_state(nodes={NODE_A: node(available, None)})
+    first = placed_budget(state)
+    state = state.model_copy(update={"instances": {first.instance_id: first}})
+    other = LONG.model_copy(update={"model_id": ModelId("other/model")})
+    second = placed_budget(state, other, "j")
+    assert first.kv_cache_tokens is not None and second.kv_cache_tokens is not None
+    assert DEFAULT_KV_CACHE_TOKENS <= second.kv_cache_tokens < first.kv_cache_tokens
+    both = state.model_copy(update={"instances": {**state.instances, "j": second}})
+    # Every runner's promise, budgets included, fits in what the node reported.
+    room = placement_room(both)[NODE_A]
+    assert room.promised_runners == 2 and room.promised_bytes <= room.reported_bytes
+
+
+def test_an_explicit_budget_is_kept_and_the_ranks_share_the_smallest() -> None:
+    plenty = 64 * GIB
+    state = make_state(nodes={NODE_A: node(plenty, SMALL)})
+    assert placed_budget(state).kv_cache_tokens == SMALL
+    state = linked({NODE_A: node(plenty, SMALL), NODE_B: node(plenty, None)})
+    chosen = layout(LONG, state, "pipeline", [NODE_A, NODE_B])
+    assert chosen.kv_cache_tokens == SMALL
+    last = len(chosen.nodes) - 1
+    for rank, ((start, end), share) in enumerate(
+        zip(chosen.layer_ranges, chosen.bytes_per_node, strict=True)
+    ):
+        # The memory-sized node reserves the instance's budget, not its own larger one.
+        assert share == pipeline_share_bytes(LONG, end - start, rank == 0, rank == last, SMALL)
+
+
+def test_a_node_too_small_for_the_planned_budget_is_refused_with_its_reason() -> None:
+    available = required_memory_bytes(LONG) - MIB
+    with pytest.raises(PlacementError, match="needs"):
+        place_instance(LONG, make_state(nodes={NODE_A: node(available, None)}), InstanceId("i"))
+
+
+def test_instances_placed_before_budgets_were_carried_promise_their_nodes_budget() -> None:
+    state = make_state(nodes={NODE_A: node(64 * GIB, SMALL)})
+    instance = placed_budget(state).model_copy(update={"kv_cache_tokens": None})
+    (shard,) = instance.shard_assignments.runner_to_shard.values()
+    placed = state.model_copy(update={"instances": {instance.instance_id: instance}})
+    assert placement_room(placed)[NODE_A].promised_bytes == runner_bytes(shard, SMALL)

@@ -280,14 +280,18 @@ def test_previews_list_every_sharding_and_node_count_with_reasons() -> None:
     assert split.error is None
     assert split.node_ids == (NODE_A, NODE_B)
     assert split.layer_ranges == ((0, 7), (7, 12))
+    # Each share with the KV-cache budget placement sized from the nodes' memory.
+    tokens = split.kv_cache_tokens
+    assert tokens is not None and tokens >= DEFAULT_KV_CACHE_TOKENS
     assert split.bytes_per_node == (
-        pipeline_share_bytes(TENSOR_CARD, 7, is_first=True, is_last=False),
-        pipeline_share_bytes(TENSOR_CARD, 5, is_first=False, is_last=True),
+        pipeline_share_bytes(TENSOR_CARD, 7, is_first=True, is_last=False, kv_cache_tokens=tokens),
+        pipeline_share_bytes(TENSOR_CARD, 5, is_first=False, is_last=True, kv_cache_tokens=tokens),
     )
     # A tensor rank holds half of every layer (and the whole embedding and LM head).
-    tensor_share = required_memory_bytes(TENSOR_CARD, world_size=2)
-    assert previews[("tensor", 2)].error is None
-    assert previews[("tensor", 2)].bytes_per_node == (tensor_share, tensor_share)
+    tensor = previews[("tensor", 2)]
+    tensor_share = required_memory_bytes(TENSOR_CARD, 2, tensor.kv_cache_tokens)
+    assert tensor.error is None
+    assert tensor.bytes_per_node == (tensor_share, tensor_share)
     assert "node-b would need" in (
         placement_previews(TENSOR_CARD, state_with(node_a=need, node_b=PROCESS_MIB + model // 3))[
             3

@@ -311,10 +311,11 @@ def loading_peak_bytes(
 
 # Keys and values are held in the activations' dtype: float32 on CPU in every weight format.
 KV_CACHE_VALUE_BYTES = FLOAT32_BYTES
-# Tokens of KV cache a runner keeps room for by default (running requests and the prefix
-# cache together): eight concurrent requests of 1,024 tokens, or one of 8,192. A node's
-# `--kv-cache-tokens` sets its own (`NodeInfo.kv_cache_tokens`), which its runners' engines
-# hold and placement reserves memory for.
+# Tokens of KV cache placement checks a node can hold for a runner (running requests and
+# the prefix cache together): eight concurrent requests of 1,024 tokens, or one of 8,192.
+# A node's `--kv-cache-tokens` replaces it (`NodeInfo.kv_cache_tokens`); without one,
+# placement gives each runner this plus a fraction of the node's memory left
+# (`exo.master.placement_memory.memory_sized_kv_cache_tokens`), in `Instance.kv_cache_tokens`.
 DEFAULT_KV_CACHE_TOKENS = 8_192
 # The smallest budget a node accepts: one request of a few hundred tokens.
 MIN_KV_CACHE_TOKENS = 256

@@ -67,6 +67,11 @@ class Instance(FrozenModel):
     shard_assignments: ShardAssignments
     rendezvous: Rendezvous | None = None
     """None for a single-rank instance."""
+    kv_cache_tokens: int | None = Field(default=None, ge=1)
+    """The KV-cache budget (tokens) every runner's engine holds, running requests and the
+    prefix cache together, chosen at placement (`exo.master.placement`; ranks agree on one
+    budget: the smallest any of their nodes allows). None in instances placed before it
+    was carried: each runner then takes its node's `--kv-cache-tokens` or the default."""
 
     @model_validator(mode="after")
     def _shards_of_its_kind(self) -> Instance:

@@ -7,7 +7,6 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from exo.shared.models.memory import (
-    DEFAULT_KV_CACHE_TOKENS,
     DEFAULT_PREFILL_ACTIVATIONS,
     PrefillActivations,
 )
@@ -105,7 +104,8 @@ class NodeInfo(FrozenModel):
     (`--prefill-activations`), which of its prefill GEMM figures a TTFT prediction reads
     (nodes too old to say: `DEFAULT_PREFILL_ACTIVATIONS`); `kv_cache_tokens`: the KV-cache
     budget of each of its runners in tokens (`--kv-cache-tokens`), which placement reserves
-    memory for on this node."""
+    memory for on this node; None: placement sizes each runner's budget from the node's
+    memory (`exo.master.placement_memory.memory_sized_kv_cache_tokens`)."""
 
     friendly_name: str
     memory: MemoryInfo
@@ -121,7 +121,7 @@ class NodeInfo(FrozenModel):
     offline: bool = False
     speed: NodeSpeed | None = None
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS
-    kv_cache_tokens: int = Field(default=DEFAULT_KV_CACHE_TOKENS, ge=1)
+    kv_cache_tokens: int | None = Field(default=None, ge=1)
 
 
 class TopologyEdge(FrozenModel):

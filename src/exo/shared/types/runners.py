@@ -45,8 +45,8 @@ class RunnerReady(FrozenModel):
     rank's loaded parameters take (its share of the model); `max_concurrent_requests` how
     many generations its engine runs at once in its batch (`--max-concurrent-requests`;
     the API admits that many per instance plus a bounded queue); `kv_cache_tokens` its
-    engine's KV-cache budget in tokens (its node's `--kv-cache-tokens`); `card_mismatches`
-    every fact of the model's card that its loaded files state otherwise
+    engine's KV-cache budget in tokens (its instance's, `Instance.kv_cache_tokens`);
+    `card_mismatches` every fact of the model's card that its loaded files state otherwise
     (`exo.shared.models.profile.card_mismatches`), empty when they agree."""
 
     kind: Literal["RunnerReady"] = "RunnerReady"

@@ -7,9 +7,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from exo.shared.models.memory import (
-    DEFAULT_KV_CACHE_TOKENS,
     DEFAULT_PREFILL_ACTIVATIONS,
-    MIN_KV_CACHE_TOKENS,
     PrefillActivations,
 )
 from exo.shared.types.common import FrozenModel
@@ -23,12 +21,13 @@ class RunnerOptions(FrozenModel):
         together (`--stream-interval-ms`).
     prefill_activations: how prefill rounds quantized weights' activations
         (`--prefill-activations`).
-    kv_cache_tokens: the KV-cache budget of each runner's engine in tokens, running
-        requests and the prefix cache together (`--kv-cache-tokens`); placement reserves
-        memory for the same number (`NodeInfo.kv_cache_tokens`).
+    kv_cache_tokens: the KV-cache budget of the runner's engine in tokens, running
+        requests and the prefix cache together: its instance's (`Instance.kv_cache_tokens`,
+        chosen by placement), else the node's `--kv-cache-tokens`; None:
+        `DEFAULT_KV_CACHE_TOKENS`.
     """
 
     max_concurrent_requests: int | None = Field(default=None, ge=1)
     stream_interval_seconds: float = Field(default=0.0, ge=0)
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS
-    kv_cache_tokens: int = Field(default=DEFAULT_KV_CACHE_TOKENS, ge=MIN_KV_CACHE_TOKENS)
+    kv_cache_tokens: int | None = Field(default=None, ge=1)

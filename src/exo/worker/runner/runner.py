@@ -243,6 +243,7 @@ class Runner:
         raise _ShutdownRequested()
 
     def _load(self, model_dir: Path) -> None:
+        from exo.shared.models.memory import DEFAULT_KV_CACHE_TOKENS
         from exo.worker.engines.torch.engine import DEFAULT_MAX_CONCURRENT_REQUESTS
         from exo.worker.engines.torch.engine_factory import load_engine
 
@@ -259,7 +260,7 @@ class Runner:
                     self._options.max_concurrent_requests or DEFAULT_MAX_CONCURRENT_REQUESTS
                 ),
                 prefill_activations=self._options.prefill_activations,
-                kv_cache_tokens=self._options.kv_cache_tokens,
+                kv_cache_tokens=self._options.kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS,
             )  # fmt: skip
         except Exception as error:
             logger.opt(exception=error).error(f"runner {self.runner_id}: loading failed")
