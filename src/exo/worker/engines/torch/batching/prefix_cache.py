@@ -3,27 +3,54 @@ start with the same tokens (the next turn of a conversation, a shared system pro
 loop), evicted least recently used first.
 
 Each entry is one finished sequence (prompt and generated tokens that have KV) with a copy
-of its KV `[layers, 2, kv_heads, length, head_dim]`. A lookup compares the new prompt with
-every entry's tokens (one vectorised comparison per entry; entries are few: a budget of
-tens of thousands of tokens holds tens of conversations) and returns the longest common
-prefix. An entry that is a prefix of a newly stored one is dropped (the new one covers it).
+of its KV `[layers, 2, kv_heads, length, head_dim]`. Entries are found by hashes of their
+token blocks (`BLOCK_TOKENS` tokens each), chained so that a block's hash stands for every
+token before it too (the scheme of vLLM's automatic prefix caching): a lookup hashes the
+prompt block by block and stops at the first block no entry has, so it costs one dictionary
+probe per block of the prompt's shared part, whatever the number of entries, and then
+compares at most one block of tokens per entry that shares all those blocks. The match is
+checked token by token, so a hash collision can never hand out another sequence's KV. An
+entry that is a prefix of a newly stored one is dropped (the new one covers it).
+
+Layout: per-request slots (`slot_kv_cache`) and copies, not paged blocks shared in place: a
+hit copies the shared positions into the request's slot (one memory copy per layer, where
+recomputing them is a prefill of those positions through every layer), and the native
+decode kernels read one contiguous row per request.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+# Tokens per hashed block. Smaller blocks find a shared prefix more exactly without the
+# final comparison (which covers the last partial block anyway) but cost more probes.
+BLOCK_TOKENS = 16
+
+
+def block_hashes(token_ids: list[int], limit: int | None = None) -> list[int]:
+    """Chained hashes of the full `BLOCK_TOKENS` blocks of `token_ids[:limit]`: hash `i`
+    depends on blocks `0 .. i`, so equal hashes mean (barring a collision, which callers
+    check) equal prefixes of `(i + 1) * BLOCK_TOKENS` tokens."""
+    end = len(token_ids) if limit is None else min(limit, len(token_ids))
+    hashes: list[int] = []
+    previous = 0
+    for start in range(0, end - BLOCK_TOKENS + 1, BLOCK_TOKENS):
+        previous = hash((previous, *token_ids[start : start + BLOCK_TOKENS]))
+        hashes.append(previous)
+    return hashes
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixEntry:
-    """One cached sequence: `tokens` `[length]` int64 and `kv` `[layers, 2, kv_heads,
-    length, head_dim]`."""
+    """One cached sequence: `tokens` `[length]` int64, `kv` `[layers, 2, kv_heads, length,
+    head_dim]` and the chained hashes of its full blocks."""
 
     tokens: torch.Tensor
     kv: torch.Tensor
+    hashes: tuple[int, ...] = field(default=())
 
     @property
     def length(self) -> int:
@@ -39,6 +66,17 @@ class PrefixMatch:
     kv: torch.Tensor
 
 
+def _common_length(entry: PrefixEntry, query: torch.Tensor, start: int) -> int:
+    """Length of the common prefix of `entry.tokens` and `query`, given that the first
+    `start` tokens are known equal and that they differ within the next `BLOCK_TOKENS`
+    (no entry shares the query's next block: `PrefixCache._candidates`)."""
+    common = min(entry.length, int(query.shape[0]), start + BLOCK_TOKENS)
+    if common <= start:
+        return common
+    differs = entry.tokens[start:common] != query[start:common]
+    return start + int(differs.to(torch.int8).argmax().item()) if differs.any() else common
+
+
 class PrefixCache:
     """Finished sequences' KV, least recently used evicted first.
 
@@ -49,11 +87,26 @@ class PrefixCache:
     def __init__(self, capacity_tokens: int) -> None:
         self.capacity_tokens = capacity_tokens
         self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()
+        # Chained block hash -> keys of the entries whose tokens start with those blocks.
+        self._by_block: dict[int, set[int]] = {}
+        # Keys of entries shorter than one block (no hash finds them).
+        self._short: set[int] = set()
         self._next_key = 0
         self.tokens = 0  # held over all entries
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def _candidates(self, hashes: list[int]) -> tuple[int, set[int]]:
+        """How many leading blocks of `hashes` some entry shares (`blocks`), and the keys of
+        the entries sharing that many (every entry when none shares a block)."""
+        blocks, keys = 0, set(self._entries)
+        for index, block_hash in enumerate(hashes):
+            sharing = self._by_block.get(block_hash)
+            if not sharing:
+                break
+            blocks, keys = index + 1, sharing
+        return blocks, keys
 
     def lookup(self, token_ids: list[int], limit: int) -> PrefixMatch | None:
         """The longest cached prefix of `token_ids`, at most `limit` tokens (a request keeps
@@ -62,13 +115,14 @@ class PrefixCache:
         if not self._entries or limit < 1:
             return None
         query = torch.tensor(token_ids[:limit], dtype=torch.long)
+        blocks, keys = self._candidates(block_hashes(token_ids, limit))
+        shared = blocks * BLOCK_TOKENS
         best_key, best_length = -1, 0
-        for key, entry in self._entries.items():
-            common = min(entry.length, query.shape[0])
-            if common <= best_length:
-                continue
-            differs = entry.tokens[:common] != query[:common]
-            length = int(differs.to(torch.int8).argmax().item()) if differs.any() else common
+        for key in sorted(keys):  # deterministic among equal matches
+            entry = self._entries[key]
+            if shared and not torch.equal(entry.tokens[:shared], query[:shared]):
+                continue  # a hash collision: not the same blocks after all
+            length = _common_length(entry, query, shared)
             if length > best_length:
                 best_key, best_length = key, length
         if best_length == 0:
@@ -84,11 +138,23 @@ class PrefixCache:
         if length == 0 or length > self.capacity_tokens:
             return
         tokens = torch.tensor(token_ids, dtype=torch.long)
-        for key, entry in list(self._entries.items()):
+        hashes = block_hashes(token_ids)
+        # An entry this one extends shares every full block of its own: it is among the
+        # entries under one of this sequence's block hashes, or a short one.
+        maybe_covered = set(self._short)
+        for block_hash in hashes:
+            maybe_covered |= self._by_block.get(block_hash, set())
+        for key in sorted(maybe_covered):
+            entry = self._entries[key]
             if entry.length <= length and torch.equal(entry.tokens, tokens[: entry.length]):
                 self._remove(key)
-        self._entries[self._next_key] = PrefixEntry(tokens, kv)
+        key = self._next_key
         self._next_key += 1
+        self._entries[key] = PrefixEntry(tokens, kv, tuple(hashes))
+        for block_hash in hashes:
+            self._by_block.setdefault(block_hash, set()).add(key)
+        if not hashes:
+            self._short.add(key)
         self.tokens += length
         self.evict(self.capacity_tokens)
 
@@ -107,4 +173,10 @@ class PrefixCache:
 
     def _remove(self, key: int) -> None:
         entry = self._entries.pop(key)
+        for block_hash in entry.hashes:
+            sharing = self._by_block[block_hash]
+            sharing.discard(key)
+            if not sharing:
+                del self._by_block[block_hash]
+        self._short.discard(key)
         self.tokens -= entry.length
