@@ -49,6 +49,7 @@ from exo.worker.engines.torch.model.families import (
     family_for_architecture,
 )
 from exo.worker.engines.torch.model.fusion import fuse_rms_norms
+from exo.worker.engines.torch.model.moe import install_routed_experts
 from exo.worker.engines.torch.model.sharding import AbsentModule, model_tensor_name
 from exo.worker.engines.torch.parallel import engine_transform
 from exo.worker.engines.torch.quant.gguf_weights import (
@@ -294,6 +295,8 @@ def load_model(
             f"{architecture}: its text model is {type(model).__name__}, which the "
             f"{family.name} family file does not describe"
         )
+    # MoE blocks hold one linear per expert, named as checkpoints store them (`moe.py`).
+    install_routed_experts(model, family)
     transform = engine_transform(shard.sharding)
     transform.cut(model, family, shard)
     text_config = model.config.get_text_config()
