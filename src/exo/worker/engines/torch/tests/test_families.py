@@ -110,7 +110,7 @@ def test_registry_names_are_unique_and_cover_every_tiny_model() -> None:
 
 def test_shared_architecture_table_matches_the_family_files() -> None:
     # The API validates custom models against the shared table without importing the engine.
-    assert ENGINE_ARCHITECTURES == supported_architectures()
+    assert supported_architectures() == ENGINE_ARCHITECTURES
 
 
 def test_an_architecture_without_a_family_file_is_named_in_the_error(
@@ -128,6 +128,14 @@ def test_an_architecture_without_a_family_file_is_named_in_the_error(
         load_model(directory, whole(card.model_copy(update={"n_layers": 1})), CPU)
 
 
+def _has_module(layer: nn.Module, path: str) -> bool:
+    try:
+        layer.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_spec_names_real_modules_and_transformers_cache_layout(
     name: str, tiny_dirs: dict[str, Path]
@@ -136,11 +144,25 @@ def test_spec_names_real_modules_and_transformers_cache_layout(
     reference = AutoModelForCausalLM.from_pretrained(tiny_dirs[name], dtype=torch.float32)
     assert type(reference).__name__ in family.architectures
     config = reference.config.get_text_config()
+    sparse_layers = 0
+    moe = family.moe
     for layer in reference.model.layers:
-        for path in (*family.column_parallel, *family.row_parallel):
+        paths = [*family.column_parallel, *family.row_parallel]
+        if moe is not None and _has_module(layer, moe.experts):
+            # A MoE layer: the router scores every expert, the experts are the stacked
+            # weights `install_routed_experts` replaces; the dense MLP's linears are absent.
+            sparse_layers += 1
+            routing = moe.routing(config)
+            router = layer.get_submodule(moe.router)
+            assert tuple(router.weight.shape) == (routing.experts, config.hidden_size)
+            assert layer.get_submodule(moe.experts).gate_up_proj.shape[0] == routing.experts
+            paths = [path for path in paths if not path.startswith("mlp.")]
+        for path in paths:
             assert type(layer.get_submodule(path)) is nn.Linear, path
         for path, parts in family.fused_parts.items():
             assert sum(parts(config)) == layer.get_submodule(path).out_features, path
+    # The tiny MoE models mix sparse and dense layers (`mlp_only_layers`).
+    assert (0 < sparse_layers < config.num_hidden_layers) == (moe is not None)
     norms = {type(module) for module in reference.modules() if "RMSNorm" in type(module).__name__}
     assert set(family.rms_norms) <= norms
     # The cache windows the engine reads from the spec are transformers' own cache layout.
@@ -189,7 +211,7 @@ def test_loader_equals_transformers_and_fuses_the_spec_norms(
     assert greedy_tokens(ours) == reference_greedy_tokens(reference)
     fused = sum(isinstance(module, FusedRMSNorm) for module in ours.modules())
     assert fused == (2 * card.n_layers + 1 if family_by_name(name).rms_norms else 0) or (
-        name == "qwen3" and fused == 4 * card.n_layers + 1  # plus per-head q/k norms
+        name in ("qwen3", "qwen3_moe") and fused == 4 * card.n_layers + 1  # + q/k norms
     )
 
 

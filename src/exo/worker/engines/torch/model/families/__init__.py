@@ -17,6 +17,7 @@ from exo.worker.engines.torch.model.families import (
     phi3,
     qwen2,
     qwen3,
+    qwen3_moe,
 )
 from exo.worker.engines.torch.model.families.spec import ModelFamily, UnsupportedArchitectureError
 
@@ -28,6 +29,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     phi3.FAMILY,
     gemma.FAMILY,
     gemma3.FAMILY,
+    qwen3_moe.FAMILY,
 )
 
 
