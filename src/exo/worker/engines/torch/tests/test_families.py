@@ -254,14 +254,16 @@ def non_persistent_buffer_bytes(model: nn.Module) -> int:
 
 
 @pytest.mark.parametrize(
-    ("name", "weight_dtype"), [("llama", "int4"), ("qwen2", "int8"), ("phi3", "int4")]
+    ("name", "weight_dtype"),
+    [("llama", "int4"), ("qwen2", "int8"), ("phi3", "int4"), ("qwen3_moe", "int4")],
 )
 def test_memory_estimate_is_what_loading_holds(
     name: str, weight_dtype: WeightDtype, tmp_path: Path, real_model_dir: Path
 ) -> None:
     """The card-based estimate placement uses equals the bytes of weights the loaded model
     holds, for a whole model, a pipeline rank and a tensor rank. (Every part of Phi-3's
-    fused projections fits int4 here, as in real models; the estimate sizes them by part.)"""
+    fused projections fits int4 here, as in real models; the estimate sizes them by part.
+    Qwen3-MoE's layer 0 is sparse, layer 1 dense: the pipeline rank holds the dense one.)"""
     directory = save_tiny_model(
         tmp_path / name, name, real_model_dir, n_layers=2, vocab_size=512, hidden_size=256,
         intermediate_size=256, tie_word_embeddings=False,
@@ -278,7 +280,7 @@ def test_memory_estimate_is_what_loading_holds(
                 start_layer=1,
                 end_layer=2,
             ),
-            WeightShare(layers=1, holds_embedding=False),
+            WeightShare(layers=1, holds_embedding=False, first_layer=1),
         ),
         (
             ShardMetadata(

@@ -20,6 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from exo.shared.models.cards import card_from_local_directory
 from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.batching.batch_attention import (
     BatchPlan,
@@ -140,6 +141,12 @@ def test_qwen3_moe_equals_transformers(moe_dirs: dict[str, Path], name: str) -> 
     family = family_by_name("qwen3_moe")
     sparse = [i for i, layer in enumerate(model.model.layers) if routed_experts_of(layer, family)]
     assert sparse == SPARSE_LAYERS[name]
+    # The card placement sizes memory with (read from config.json without transformers)
+    # says the same.
+    card = card_from_local_directory(moe_dirs[name])
+    assert card.moe is not None and card.moe.experts == CONFIGS[name]["num_experts"]
+    dense = [i for i in range(card.n_layers) if i not in sparse]
+    assert list(card.moe.dense_layers) == dense
     assert [i for i, layer in enumerate(lean.layers) if layer.moe is not None] == sparse
     assert lean._decode_layer is None
     reference = AutoModelForCausalLM.from_pretrained(moe_dirs[name], dtype=torch.float32).eval()
