@@ -33,6 +33,7 @@ from exo.worker.engines.torch.model.families import family_by_name
 from exo.worker.engines.torch.model.families.spec import Routing, UnsupportedArchitectureError
 from exo.worker.engines.torch.model.loading import load_model
 from exo.worker.engines.torch.model.moe import RoutedExperts, dispatch, route, routed_experts_of
+from exo.worker.engines.torch.quant.int4_groups import Int4Linear
 from exo.worker.engines.torch.tests.lean_steps import new_cache
 from exo.worker.engines.torch.tests.test_distributed import make_shard
 
@@ -325,3 +326,45 @@ def test_routed_experts_keep_a_share_and_load_only_its_tensors() -> None:
     assert sorted(experts.held()) == [1, 3] and experts.reduce
     names = {name for name, _ in experts.named_parameters()}
     assert "1.gate_proj.weight" in names and not any(name.startswith("0.") for name in names)
+
+
+def test_int4_experts_err_as_much_as_a_dense_int4_mlp(tmp_path: Path, real_model_dir: Path) -> None:
+    """Every expert's linears are held in int4 groups like a dense layer's (their shapes fit:
+    outputs a multiple of 64), the router stays float32, so the same rows take the same
+    experts; the MoE block's relative error against float32 is that of int4 weights, of
+    the size a dense MLP's is in the same model."""
+    directory = save_tiny_model(
+        tmp_path / "int4", "qwen3_moe", real_model_dir, n_layers=2, hidden_size=128,
+        head_dim=32, intermediate_size=128,
+    )  # fmt: skip
+    shard = make_shard(directory, "pipeline", 0, 1)
+    float_model, int4_model = (
+        lean_step_of(load_model(directory, shard, CPU, dtype)) for dtype in ("float32", "int4")
+    )
+    assert isinstance(float_model, LeanModel) and isinstance(int4_model, LeanModel)
+    sparse, dense = int4_model.layers  # mlp_only_layers [1]
+    assert sparse.moe is not None and dense.moe is None
+    experts = [expert for expert in sparse.moe.experts if expert is not None]
+    leaves = [part for e in experts for p in (e.gate_up, e.down) for part in p.parts or [p]]  # type: ignore[attr-defined]
+    assert len(experts) == 4 and all(isinstance(leaf.quantized, Int4Linear) for leaf in leaves)
+    rows = torch.nn.functional.rms_norm(
+        torch.randn(64, 128, generator=torch.Generator().manual_seed(0)), (128,)
+    )
+    reference_moe = float_model.layers[0].moe
+    assert reference_moe is not None
+    with torch.inference_mode():
+        expected, got = reference_moe(rows), sparse.moe(rows)
+        moe_error = float((got - expected).norm() / expected.norm())
+        mlp_error = float(
+            (_dense_mlp(dense, rows) - _dense_mlp(float_model.layers[1], rows)).norm()
+        )
+        mlp_error /= float(_dense_mlp(float_model.layers[1], rows).norm())
+    print(f"int4 relative error: MoE block {moe_error:.3g}, dense MLP {mlp_error:.3g}")
+    assert 0 < moe_error < 2 * mlp_error and mlp_error < 0.2
+
+
+def _dense_mlp(layer: Any, rows: torch.Tensor) -> torch.Tensor:
+    gate_up = layer.gate_up(rows.to(layer.gate_up.in_dtype)).float()
+    middle = layer.intermediate
+    activated = layer.activation(gate_up[:, :middle]) * gate_up[:, middle:]
+    return layer.down(activated.to(layer.down.in_dtype)).float()
