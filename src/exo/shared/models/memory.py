@@ -63,6 +63,8 @@ class WeightShare:
         first_layer: the index of the first layer held, where known: a MoE card's layers
             differ (sparse or dense), so a share of known layers is sized exactly; None
             sizes the share's layers as the card's sparse ones first (an upper bound).
+        experts: the routed experts held per MoE layer (an expert-parallel rank's share;
+            None: every one).
     """
 
     layers: int
@@ -70,6 +72,7 @@ class WeightShare:
     holds_embedding: bool = True
     holds_output_layer: bool = True
     first_layer: int | None = None
+    experts: int | None = None
 
     def sparse_layers(self, card: ModelCard) -> int:
         """How many of the share's layers are MoE layers of `card` (0 for a dense card)."""
@@ -189,13 +192,16 @@ def gguf_weight_bytes(gguf_type: str, weights: int, native_kernels: bool = False
     return weights * BFLOAT16_BYTES
 
 
-def _mlp_linears(card: ModelCard, ranks: int, sparse: bool) -> list[tuple[int, int]]:
+def _mlp_linears(
+    card: ModelCard, ranks: int, sparse: bool, experts: int | None = None
+) -> list[tuple[int, int]]:
     """(in, out) of one layer's MLP linears on one tensor rank: the dense gated MLP, or in
-    a sparse layer of a MoE card every expert's gate, up and down."""
+    a sparse layer of a MoE card every expert's (or `experts` experts') gate, up and down."""
     hidden = card.hidden_size
     if sparse and card.moe is not None:
         width = card.moe.expert_intermediate_size // ranks
-        return [(hidden, width), (hidden, width), (width, hidden)] * card.moe.experts
+        held = card.moe.experts if experts is None else experts
+        return [(hidden, width), (hidden, width), (width, hidden)] * held
     width = card.intermediate_size // ranks
     return [(hidden, width), (hidden, width), (width, hidden)]
 
@@ -206,6 +212,7 @@ def decoder_layer_bytes(
     tensor_parallel_ranks: int = 1,
     native_kernels: bool = False,
     sparse: bool = False,
+    experts: int | None = None,
 ) -> int:
     """Bytes of one decoder layer on one tensor rank: the attention and gated-MLP linears
     (column-parallel ones split by rows, row-parallel by columns), their biases and the
@@ -216,14 +223,15 @@ def decoder_layer_bytes(
     stored in: the bytes per weight `gguf_weight_bytes` gives them, averaged over all the
     GGUF's layer weights (a GGUF may store some layers' linears in other types than the
     rest's; `native_kernels`: as a node where exo's AVX2 kernels run holds them).
-    `sparse`: a MoE layer of a card with `moe` (every expert, each split like the dense
-    MLP on tensor ranks, and the router, float32 and whole on every rank)."""
+    `sparse`: a MoE layer of a card with `moe` (every expert, or `experts` of them on an
+    expert-parallel rank; each split like the dense MLP on tensor ranks; and the router,
+    float32 and whole on every rank)."""
     ranks = tensor_parallel_ranks
     hidden = card.hidden_size
     query = card.num_attention_heads * card.attention_head_dim
     key_value = card.num_key_value_heads * card.attention_head_dim
     column = [(hidden, query // ranks), (hidden, key_value // ranks), (hidden, key_value // ranks)]
-    row = [(query // ranks, hidden), *_mlp_linears(card, ranks, sparse)]
+    row = [(query // ranks, hidden), *_mlp_linears(card, ranks, sparse, experts)]
     stored = card.gguf_weight_types
     if weight_format == "int4" and stored is not None:
         held = sum(
@@ -249,7 +257,8 @@ def decoder_layers_bytes(card: ModelCard, weight_format: WeightFormat, share: We
     sparse = share.sparse_layers(card)
     total = (share.layers - sparse) * decoder_layer_bytes(card, weight_format, ranks)
     if sparse:
-        total += sparse * decoder_layer_bytes(card, weight_format, ranks, sparse=True)
+        layer = decoder_layer_bytes(card, weight_format, ranks, sparse=True, experts=share.experts)
+        total += sparse * layer
     return total
 
 
@@ -345,16 +354,16 @@ def loading_peak_bytes(
         widths.append(card.moe.expert_intermediate_size // ranks)
     scratch = 2 * card.hidden_size * max(widths) * FLOAT32_BYTES
     # A layer's tensors are read in float32, then quantized (a MoE layer: every expert).
-    transient = (
-        scratch
-        + max(
-            decoder_layer_bytes(card, "float32", ranks, sparse=kind)
+    held = share.experts
+    largest_layer = max(
+        (
+            decoder_layer_bytes(card, "float32", ranks, sparse=kind, experts=held)
             for kind, present in ((False, dense), (True, sparse))
             if present
-        )
-        if share.layers
-        else scratch
+        ),
+        default=0,
     )
+    transient = scratch + largest_layer
     head_read_in_float32 = not (card.tie_word_embeddings and share.holds_embedding)
     if share.holds_output_layer and head_read_in_float32:
         transient = max(transient, card.vocab_size * card.hidden_size * FLOAT32_BYTES)

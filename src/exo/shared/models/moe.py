@@ -55,3 +55,16 @@ def moe_geometry_of_config(config: Mapping[str, Any]) -> MoeGeometry | None:
         expert_intermediate_size=width,
         dense_layers=dense,
     )
+
+
+def experts_of_rank(experts: int, rank: int, world_size: int) -> range:
+    """The expert ids rank `rank` of `world_size` expert-parallel ranks holds in every MoE
+    layer: a contiguous run, `experts / world_size` each, the later ranks taking one more
+    where it does not divide (4 experts over 3 ranks: [0], [1], [2, 3]).
+
+    Raises:
+        ValueError: more ranks than experts (a rank would hold none).
+    """
+    if not 0 < world_size <= experts:
+        raise ValueError(f"{experts} experts cannot be split over {world_size} ranks")
+    return range(rank * experts // world_size, (rank + 1) * experts // world_size)

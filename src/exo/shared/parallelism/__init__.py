@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from exo.shared.parallelism.base import Parallelism as Parallelism
 from exo.shared.parallelism.base import StepNetwork as StepNetwork
+from exo.shared.parallelism.expert import ExpertParallelism
 from exo.shared.parallelism.pipeline import PipelineParallelism
 from exo.shared.parallelism.tensor import TensorParallelism
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 PARALLELISMS: Mapping[Sharding, Parallelism] = {
     "pipeline": PipelineParallelism(),
     "tensor": TensorParallelism(),
+    "expert": ExpertParallelism(),
 }
 
 

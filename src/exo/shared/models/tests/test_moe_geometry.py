@@ -1,6 +1,7 @@
 """A mixture-of-experts model's card: its geometry read from `config.json`, every expert
 counted in parameters and memory, a pipeline share sized by which of its layers are sparse,
-and a card that misses or misstates the experts reported at load (`card_mismatches`).
+an expert-parallel rank's share (its experts, the rest whole), and a card that misses or
+misstates the experts reported at load (`card_mismatches`).
 
 The config is Qwen3-30B-A3B's (facts of its public `config.json`, Qwen/Qwen3-30B-A3B):
 its model card publishes 30.5B parameters, 29.9B without the embeddings, 3.3B activated.
@@ -8,6 +9,7 @@ its model card publishes 30.5B parameters, 29.9B without the embeddings, 3.3B ac
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -19,11 +21,13 @@ from exo.shared.models.memory import (
     loading_peak_bytes,
     resident_weight_bytes,
 )
-from exo.shared.models.moe import moe_geometry_of_config
+from exo.shared.models.moe import experts_of_rank, moe_geometry_of_config
 from exo.shared.models.parameter_count import active_parameter_count, decoder_parameter_count
 from exo.shared.models.profile import card_mismatches
+from exo.shared.parallelism import parallelism
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import HuggingFaceSource, ModelCard, MoeGeometry
+from exo.shared.types.shards import ShardMetadata
 
 QWEN3_30B_A3B: dict[str, Any] = {
     "architectures": ["Qwen3MoeForCausalLM"],
@@ -165,3 +169,46 @@ def test_a_card_missing_or_misstating_the_experts_is_reported() -> None:
     assert card_mismatches(card_of(QWEN3_30B_A3B, geometry), dense) == (
         "moe: card 128 experts, 8 per token, config.json dense",
     )
+
+
+def test_experts_are_divided_in_contiguous_runs_uneven_allowed() -> None:
+    assert [list(experts_of_rank(4, rank, 3)) for rank in range(3)] == [[0], [1], [2, 3]]
+    assert [len(experts_of_rank(128, rank, 3)) for rank in range(3)] == [42, 43, 43]
+    with pytest.raises(ValueError, match="4 experts cannot be split over 5 ranks"):
+        experts_of_rank(4, 0, 5)
+
+
+def test_an_expert_rank_holds_and_reads_its_experts_only() -> None:
+    card = card_of(QWEN3_30B_A3B, moe_geometry_of_config(QWEN3_30B_A3B))
+    expert = parallelism("expert")
+    assert expert.split_error(card, 3) is None
+    assert "not a mixture-of-experts" in (
+        expert.split_error(card.model_copy(update={"moe": None}), 2) or ""
+    )
+    assert "128 experts per layer" in (expert.split_error(card, 200) or "")
+    shares = [expert.weight_share(card, rank, 3, (0, 48)) for rank in range(3)]
+    assert [share.experts for share in shares] == [42, 43, 43]
+    assert all(share.holds_embedding and share.holds_output_layer for share in shares)
+    whole = resident_weight_bytes(card, "int4")
+    held = [resident_weight_bytes(card, "int4", share) for share in shares]
+    # The experts are divided; attention, router, embedding and LM head are on every rank.
+    replicated = resident_weight_bytes(card, "int4", dataclasses.replace(shares[0], experts=0))
+    assert sum(size - replicated for size in held) == whole - replicated
+    assert held[0] < held[1] == held[2] < whole / 2
+    shard = ShardMetadata(
+        model_card=card, sharding="expert", device_rank=1, world_size=2, start_layer=0,
+        end_layer=48,
+    )  # fmt: skip
+    assert expert.reads_tensor("model.layers.3.mlp.experts.70.down_proj.weight", shard)
+    assert not expert.reads_tensor("model.layers.3.mlp.experts.7.down_proj.weight", shard)
+    assert expert.reads_tensor("model.layers.3.self_attn.q_proj.weight", shard)
+    assert expert.reads_tensor("lm_head.weight", shard)
+
+
+def test_an_expert_shard_of_a_dense_model_is_refused() -> None:
+    card = card_of(QWEN3_30B_A3B, None)
+    with pytest.raises(ValueError, match="not a mixture-of-experts model"):
+        ShardMetadata(
+            model_card=card, sharding="expert", device_rank=0, world_size=2, start_layer=0,
+            end_layer=48,
+        )  # fmt: skip

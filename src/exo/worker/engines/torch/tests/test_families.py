@@ -18,6 +18,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from exo.shared.models.architectures import ENGINE_ARCHITECTURES
 from exo.shared.models.cards import card_from_local_directory
 from exo.shared.models.memory import WeightShare, resident_weight_bytes
+from exo.shared.parallelism import parallelism
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata
 from exo.testing.tiny_models import ARCHITECTURES, WRAPPED_ARCHITECTURES, save_tiny_model
@@ -263,7 +264,8 @@ def test_memory_estimate_is_what_loading_holds(
     """The card-based estimate placement uses equals the bytes of weights the loaded model
     holds, for a whole model, a pipeline rank and a tensor rank. (Every part of Phi-3's
     fused projections fits int4 here, as in real models; the estimate sizes them by part.
-    Qwen3-MoE's layer 0 is sparse, layer 1 dense: the pipeline rank holds the dense one.)"""
+    Qwen3-MoE's layer 0 is sparse, layer 1 dense: the pipeline rank holds the dense one; an
+    expert rank holds its experts only.)"""
     directory = save_tiny_model(
         tmp_path / name, name, real_model_dir, n_layers=2, vocab_size=512, hidden_size=256,
         intermediate_size=256, tie_word_embeddings=False,
@@ -294,6 +296,12 @@ def test_memory_estimate_is_what_loading_holds(
             WeightShare(layers=2, tensor_parallel_ranks=2),
         ),
     ]
+    if family_by_name(name).moe is not None:  # an expert rank: 2 of the 4 experts, 1 of 3
+        expert = ShardMetadata(
+            sharding="expert", model_card=card, device_rank=2, world_size=3, start_layer=0,
+            end_layer=card.n_layers,
+        )  # fmt: skip
+        cases.append((expert, parallelism("expert").shard_weight_share(expert)))
     for shard, share in cases:
         model = load_model(directory, shard, CPU, weight_dtype)
         held = loaded_parameter_bytes(model) - non_persistent_buffer_bytes(model)
