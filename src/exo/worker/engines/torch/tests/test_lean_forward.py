@@ -1,9 +1,9 @@
 """The direct forward (model/direct_forward.py) against transformers' forward, on tiny random
 models of every family: float32 logits within `FLOAT32_TOLERANCE` and the same greedy
-tokens, single rank and sharded (pipeline x2, tensor x2: llama by default, the other
-families under `-m slow`); int4 with bfloat16 activations within `INT4_TOLERANCE` (teacher
-forcing: both paths are fed the same tokens, `lean_steps`); the float32 fallback for CPUs
-without bfloat16, forced.
+tokens, single rank and sharded (pipeline x2, tensor x2, and expert x2 for MoE families:
+llama by default, the other families under `-m slow`); int4 with bfloat16 activations
+within `INT4_TOLERANCE` (teacher forcing: both paths are fed the same tokens,
+`lean_steps`); the float32 fallback for CPUs without bfloat16, forced.
 """
 
 from __future__ import annotations
@@ -398,23 +398,24 @@ def test_mixed_kinds_are_not_fused() -> None:
 # -- sharded: 2 gloo ranks ---------------------------------------------------------------
 
 
-def _rank_main(rank: int, port: int, model_dir: str, results: Any) -> None:
+def _rank_main(rank: int, port: int, model_dir: str, results: Any, modes: tuple[str, ...]) -> None:
     from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
 
     torch.set_num_threads(1)
     try:
         init_group("gloo", rank, 2, "127.0.0.1", port, timeout_s=60)
         tokens = lean_steps.forced_tokens(VOCAB_PROBE)
-        for mode in ("pipeline", "tensor"):
+        for mode in modes:
             shard = make_shard(Path(model_dir), mode, rank, 2)
             model = load_model(Path(model_dir), shard, CPU, "float32")
             assert isinstance(lean_step_of(model), LeanModel), "no lean forward on a rank"
             for lean in (True, False):
                 if mode == "pipeline":
                     logits = lean_steps.run_pipeline_rank(model, tokens, lean, rank, 2)
-                else:
-                    logits = lean_steps.run_single(model, tokens, lean, world_size=2)
-                if logits is not None and (mode == "tensor") == (rank == 0):
+                else:  # tensor ranks split the KV heads, expert ranks hold them all
+                    heads_split = 2 if mode == "tensor" else 1
+                    logits = lean_steps.run_single(model, tokens, lean, world_size=heads_split)
+                if logits is not None and (mode != "pipeline") == (rank == 0):
                     results.put(("logits", (mode, lean), logits.numpy()))  # no shared memory
         results.put(("done", rank, None))
         destroy_group()
@@ -434,11 +435,13 @@ def test_sharded_lean_equals_transformers(tiny_dirs: dict[str, Path], name: str)
     reference = lean_steps.run_single(
         _load(model_dir), lean_steps.forced_tokens(VOCAB_PROBE), False
     )
+    # Mixture-of-experts families are split by their experts too.
+    modes = ("pipeline", "tensor") + (("expert",) if family_by_name(name).moe else ())
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_rank_main, args=(rank, port, str(model_dir), results))
+        context.Process(target=_rank_main, args=(rank, port, str(model_dir), results, modes))
         for rank in range(2)
     ]
     collected: dict[tuple[str, bool], torch.Tensor] = {}
@@ -463,9 +466,7 @@ def test_sharded_lean_equals_transformers(tiny_dirs: dict[str, Path], name: str)
             if process.is_alive():
                 process.kill()
                 process.join(timeout=10)
-    assert set(collected) == {
-        (mode, lean) for mode in ("pipeline", "tensor") for lean in (True, False)
-    }
+    assert set(collected) == {(mode, lean) for mode in modes for lean in (True, False)}
     for (mode, lean), logits in collected.items():
         difference = (logits - reference).abs().max().item()
         assert difference < FLOAT32_TOLERANCE, (mode, lean, difference)
