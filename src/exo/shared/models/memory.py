@@ -334,8 +334,9 @@ def loading_peak_bytes(
     card: ModelCard, weight_format: WeightFormat, share: WeightShare | None = None
 ) -> int:
     """Peak bytes of weights while loading `share`: the resident size plus the largest
-    tensor group held in float32 before it is quantized: one decoder layer (and the scratch
-    copies of quantizing its largest linear), or an LM head
+    tensor group held in float32 before it is quantized: one decoder layer (of a MoE layer,
+    all but its experts and one expert; and the scratch copies of quantizing its largest
+    linear), or an LM head
     read from the checkpoint (untied, or tied to an embedding this node does not keep); a
     tied head quantized from the embedding it shares is converted in small row blocks.
     Float32 loading has no such transient."""
@@ -353,11 +354,11 @@ def loading_peak_bytes(
     if sparse and card.moe is not None:
         widths.append(card.moe.expert_intermediate_size // ranks)
     scratch = 2 * card.hidden_size * max(widths) * FLOAT32_BYTES
-    # A layer's tensors are read in float32, then quantized (a MoE layer: every expert).
-    held = share.experts
+    # A layer's tensors are read in float32, then quantized; a MoE layer's experts are
+    # quantized one by one as they are read (`loading.py`): one expert in float32 at a time.
     largest_layer = max(
         (
-            decoder_layer_bytes(card, "float32", ranks, sparse=kind, experts=held)
+            decoder_layer_bytes(card, "float32", ranks, sparse=kind, experts=1)
             for kind, present in ((False, dense), (True, sparse))
             if present
         ),
