@@ -116,18 +116,33 @@ def dispatch(
     return out
 
 
+# An expert's (gate, up, down) linears' names, as the family's checkpoints store them
+# (`MixtureOfExperts.expert_gate_up` / `expert_down`; Mixtral's are w1, w3, w2).
+ExpertNames = tuple[str, str, str]
+GATED_MLP_NAMES: ExpertNames = ("gate_proj", "up_proj", "down_proj")
+
+
 class ExpertMLP(nn.Module):
     """One expert: `down(act(gate(x)) * up(x))`, its linears named as checkpoints name them."""
 
-    def __init__(self, hidden: int, intermediate: int, act_fn: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        act_fn: Callable[..., Any],
+        names: ExpertNames = GATED_MLP_NAMES,
+    ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, device="meta")
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False, device="meta")
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False, device="meta")
+        self.names = names
+        gate, up, down = names
+        self.add_module(gate, nn.Linear(hidden, intermediate, bias=False, device="meta"))
+        self.add_module(up, nn.Linear(hidden, intermediate, bias=False, device="meta"))
+        self.add_module(down, nn.Linear(intermediate, hidden, bias=False, device="meta"))
         self.act_fn = act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate, up, down = (getattr(self, name) for name in self.names)
+        return down(self.act_fn(gate(x)) * up(x))
 
 
 class RoutedExperts(nn.Module):
@@ -141,15 +156,23 @@ class RoutedExperts(nn.Module):
             output is a partial sum, all-reduced over the group.
     """
 
-    def __init__(self, total: int, hidden: int, intermediate: int, act_fn: Any) -> None:
+    def __init__(
+        self,
+        total: int,
+        hidden: int,
+        intermediate: int,
+        act_fn: Any,
+        names: ExpertNames = GATED_MLP_NAMES,
+    ) -> None:
         super().__init__()
         self.total = total
         self.hidden = hidden
         self.intermediate = intermediate
+        self.names = names
         self._act_fn = (act_fn,)  # in a tuple: not a child (children are the experts)
         self.reduce = False
         for expert in range(total):
-            self.add_module(str(expert), ExpertMLP(hidden, intermediate, act_fn))
+            self.add_module(str(expert), ExpertMLP(hidden, intermediate, act_fn, names))
 
     def held(self) -> dict[int, ExpertMLP]:
         """The experts this rank holds, by id."""
@@ -174,7 +197,7 @@ class RoutedExperts(nn.Module):
             )
         share = self.intermediate // world_size
         for name, _ in list(self.named_children()):
-            self.add_module(name, ExpertMLP(self.hidden, share, self._act_fn[0]))
+            self.add_module(name, ExpertMLP(self.hidden, share, self._act_fn[0], self.names))
         self.reduce = True
 
     def functions(self) -> list[ExpertFunction | None]:
@@ -230,7 +253,13 @@ def install_routed_experts(model: nn.Module, family: ModelFamily) -> int:
                 f"{type(model).__name__}: layer {index}'s experts' gate_up_proj has shape "
                 f"{tuple(gate_up.shape)}, expected {(total, 2 * intermediate, hidden)}"
             )
-        setattr(parent, attribute, RoutedExperts(total, hidden, intermediate, act_fn))
+        names = (*family.moe.expert_gate_up, family.moe.expert_down)
+        if len(names) != 3:
+            raise UnsupportedArchitectureError(
+                f"{family.name}: an expert is gate, up and down linears, not {names}"
+            )
+        routed = RoutedExperts(total, hidden, intermediate, act_fn, (names[0], names[1], names[2]))
+        setattr(parent, attribute, routed)
         replaced += 1
     return replaced
 

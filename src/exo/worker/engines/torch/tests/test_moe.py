@@ -326,6 +326,18 @@ def test_routed_experts_keep_a_share_and_load_only_its_tensors() -> None:
     assert sorted(experts.held()) == [1, 3] and experts.reduce
     names = {name for name, _ in experts.named_parameters()}
     assert "1.gate_proj.weight" in names and not any(name.startswith("0.") for name in names)
+    # Linears named as the family's checkpoints name them (Mixtral: w1 gate, w3 up, w2 down).
+    mixtral = RoutedExperts(total=2, hidden=8, intermediate=4, act_fn=torch.nn.SiLU(),
+                            names=("w1", "w3", "w2"))  # fmt: skip
+    assert {name for name, _ in mixtral.named_parameters()} == {
+        f"{expert}.{linear}.weight" for expert in (0, 1) for linear in ("w1", "w2", "w3")
+    }
+    expert = mixtral.held()[1].to_empty(device="cpu")
+    for name in ("w1", "w2", "w3"):
+        torch.nn.init.normal_(getattr(expert, name).weight)
+    rows = torch.randn(3, 8)
+    expected = expert.w2(torch.nn.functional.silu(expert.w1(rows)) * expert.w3(rows))
+    assert torch.equal(expert(rows), expected)
 
 
 def test_int4_experts_err_as_much_as_a_dense_int4_mlp(tmp_path: Path, real_model_dir: Path) -> None:
