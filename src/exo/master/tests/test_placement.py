@@ -271,7 +271,11 @@ def test_previews_list_every_sharding_and_node_count_with_reasons() -> None:
     model = need - PROCESS_MIB
     state = state_with(node_a=PROCESS_MIB + model * 9 // 10, node_b=PROCESS_MIB + model * 7 // 10)
     previews = {(p.sharding, p.node_count): p for p in placement_previews(TENSOR_CARD, state)}
-    assert set(previews) == {("pipeline", 1), ("pipeline", 2), ("tensor", 1), ("tensor", 2)}
+    assert set(previews) == {
+        (sharding, count) for sharding in ("pipeline", "tensor", "expert") for count in (1, 2)
+    }
+    # A dense model is not split by experts, and the preview says why.
+    assert "not a mixture-of-experts model" in (previews[("expert", 2)].error or "")
     assert previews[("pipeline", 1)].error is not None
     assert f"needs {mib(required_memory_bytes(TENSOR_CARD))}" in (
         previews[("pipeline", 1)].error or ""
@@ -302,7 +306,7 @@ def test_previews_list_every_sharding_and_node_count_with_reasons() -> None:
 
 def test_previews_without_nodes_say_so() -> None:
     previews = placement_previews(CARD, State())
-    assert len(previews) == 2
+    assert len(previews) == 3  # one per parallelism kind
     assert all(p.error is not None for p in previews)
 
 

@@ -20,6 +20,7 @@ ENGINE_ARCHITECTURES: tuple[str, ...] = (
     "GemmaForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
+    "Qwen3MoeForCausalLM",
 )
 """Every architecture name (text model and `*ForConditionalGeneration` wrapper) that
 some family file covers, in the registry's order."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from exo.shared.models.moe import moe_geometry_of_config
 from exo.shared.models.names import resolve_model_name
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import LocalDirectorySource, ModelCard, ModelSource
@@ -204,6 +205,10 @@ def card_from_config(
         text_config, where, "max_position_embeddings", "n_positions", "max_seq_len"
     )
     head_dim = text_config.get("head_dim")
+    try:
+        moe = moe_geometry_of_config(text_config)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from error
     parameter_count, stored_bytes = _weight_totals(safetensors_headers)
     return ModelCard(
         model_id=model_id,
@@ -225,12 +230,15 @@ def card_from_config(
         or _stores_attention_bias(safetensors_headers),
         parameter_count=parameter_count,
         has_chat_template=chat_template,
-        # Tensor parallel splits heads, KV heads and the MLP evenly over 2 ranks at least.
+        # Tensor parallel splits heads, KV heads and the MLP (every expert's) evenly over
+        # 2 ranks at least.
         supports_tensor=(
             num_attention_heads % 2 == 0
             and int(num_key_value_heads) % 2 == 0
             and int(intermediate_size) % 2 == 0
+            and (moe is None or moe.expert_intermediate_size % 2 == 0)
         ),
+        moe=moe,
     )
 
 

@@ -9,6 +9,10 @@ loading is the resident size plus the one tensor group being converted (`loading
 that peak, not the float32 size, is what placement reserves, with the KV-cache budget
 (`serving_peak_bytes`) and the runner process's own memory (`RUNNER_PROCESS_OVERHEAD_BYTES`).
 
+A mixture-of-experts card (`ModelCard.moe`) counts every expert of its sparse layers in
+memory (each expert's gate, up and down linears in the layer's format, the router in
+float32 as the engine holds it), whatever share of them a token reads.
+
 Pure functions of a `ModelCard`; the engine's `quantize.py` uses the same constants.
 """
 
@@ -18,6 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from exo.shared.models.parameter_count import has_qk_norms
 from exo.shared.types.models import GgufFileSource, ModelCard, PypiGgufPartsSource, PypiGgufSource
 from exo.utils.cpu_features import AMX_BF16_FLAGS, cpu_flags
 
@@ -66,12 +71,29 @@ class WeightShare:
             tensor-parallel rank).
         holds_output_layer: the final norm and LM head are here (last pipeline rank, or
             every tensor-parallel rank).
+        first_layer: the index of the first layer held, where known: a MoE card's layers
+            differ (sparse or dense), so a share of known layers is sized exactly; None
+            sizes the share's layers as the card's sparse ones first (an upper bound).
+        experts: the routed experts held per MoE layer (an expert-parallel rank's share;
+            None: every one).
     """
 
     layers: int
     tensor_parallel_ranks: int = 1
     holds_embedding: bool = True
     holds_output_layer: bool = True
+    first_layer: int | None = None
+    experts: int | None = None
+
+    def sparse_layers(self, card: ModelCard) -> int:
+        """How many of the share's layers are MoE layers of `card` (0 for a dense card)."""
+        if card.moe is None:
+            return 0
+        if self.first_layer is None:
+            return min(self.layers, card.moe.sparse_layers(card.n_layers))
+        dense = set(card.moe.dense_layers)
+        held = range(self.first_layer, self.first_layer + self.layers)
+        return sum(1 for layer in held if layer not in dense)
 
     def kv_heads(self, card: ModelCard) -> int:
         """KV heads per layer this share caches: tensor ranks hold their part of the
@@ -145,6 +167,8 @@ def decoder_layer_bytes_by_kernel(
     stored = card.gguf_weight_types
     linears = decoder_layer_bytes(card, "int4", tensor_parallel_ranks, native_kernels)
     linears -= 2 * card.hidden_size * FLOAT32_BYTES
+    if has_qk_norms(card):
+        linears -= 2 * card.attention_head_dim * FLOAT32_BYTES
     if card.attention_bias:
         query = card.num_attention_heads * card.attention_head_dim
         key_value = card.num_key_value_heads * card.attention_head_dim
@@ -179,27 +203,46 @@ def gguf_weight_bytes(gguf_type: str, weights: int, native_kernels: bool = False
     return weights * BFLOAT16_BYTES
 
 
+def _mlp_linears(
+    card: ModelCard, ranks: int, sparse: bool, experts: int | None = None
+) -> list[tuple[int, int]]:
+    """(in, out) of one layer's MLP linears on one tensor rank: the dense gated MLP, or in
+    a sparse layer of a MoE card every expert's (or `experts` experts') gate, up and down."""
+    hidden = card.hidden_size
+    if sparse and card.moe is not None:
+        width = card.moe.expert_intermediate_size // ranks
+        held = card.moe.experts if experts is None else experts
+        return [(hidden, width), (hidden, width), (width, hidden)] * held
+    width = card.intermediate_size // ranks
+    return [(hidden, width), (hidden, width), (width, hidden)]
+
+
 def decoder_layer_bytes(
     card: ModelCard,
     weight_format: WeightFormat,
     tensor_parallel_ranks: int = 1,
     native_kernels: bool = False,
+    sparse: bool = False,
+    experts: int | None = None,
 ) -> int:
     """Bytes of one decoder layer on one tensor rank: the attention and gated-MLP linears
-    (column-parallel ones split by rows, row-parallel by columns), their biases and the two
-    norms (float32). Fused projections (Phi-3's `qkv_proj`) hold the same weights; they
+    (column-parallel ones split by rows, row-parallel by columns), their biases and the
+    norms (float32; per-head q/k norms where the architecture has them). Fused projections
+    (Phi-3's `qkv_proj`) hold the same weights; they
     are sized part by part, exact when each part fits int4 (as in every catalog model).
     In int4, a card with `gguf_weight_types` sizes its linears by the types they are
     stored in: the bytes per weight `gguf_weight_bytes` gives them, averaged over all the
     GGUF's layer weights (a GGUF may store some layers' linears in other types than the
-    rest's; `native_kernels`: as a node where exo's AVX2 kernels run holds them)."""
+    rest's; `native_kernels`: as a node where exo's AVX2 kernels run holds them).
+    `sparse`: a MoE layer of a card with `moe` (every expert, or `experts` of them on an
+    expert-parallel rank; each split like the dense MLP on tensor ranks; and the router,
+    float32 and whole on every rank)."""
     ranks = tensor_parallel_ranks
-    hidden, intermediate = card.hidden_size, card.intermediate_size
+    hidden = card.hidden_size
     query = card.num_attention_heads * card.attention_head_dim
     key_value = card.num_key_value_heads * card.attention_head_dim
     column = [(hidden, query // ranks), (hidden, key_value // ranks), (hidden, key_value // ranks)]
-    column += [(hidden, intermediate // ranks)] * 2
-    row = [(query // ranks, hidden), (intermediate // ranks, hidden)]
+    row = [(query // ranks, hidden), *_mlp_linears(card, ranks, sparse, experts)]
     stored = card.gguf_weight_types
     if weight_format == "int4" and stored is not None:
         held = sum(
@@ -211,7 +254,23 @@ def decoder_layer_bytes(
         total = sum(linear_weight_bytes(i, o, weight_format) for i, o in (*column, *row))
     if card.attention_bias:
         total += (query + 2 * key_value) // ranks * FLOAT32_BYTES
+    if sparse and card.moe is not None:
+        total += card.moe.experts * hidden * FLOAT32_BYTES  # the router
+    if has_qk_norms(card):
+        total += 2 * card.attention_head_dim * FLOAT32_BYTES
     return total + 2 * hidden * FLOAT32_BYTES
+
+
+def decoder_layers_bytes(card: ModelCard, weight_format: WeightFormat, share: WeightShare) -> int:
+    """Bytes of the share's decoder layers (`decoder_layer_bytes` of each, sparse or dense
+    as `WeightShare.sparse_layers` counts them)."""
+    ranks = share.tensor_parallel_ranks
+    sparse = share.sparse_layers(card)
+    total = (share.layers - sparse) * decoder_layer_bytes(card, weight_format, ranks)
+    if sparse:
+        layer = decoder_layer_bytes(card, weight_format, ranks, sparse=True, experts=share.experts)
+        total += sparse * layer
+    return total
 
 
 def output_layer_bytes(
@@ -267,7 +326,7 @@ def resident_weight_bytes(
     """Bytes of the weights a node holds after loading `share` (default: the whole model)
     in `weight_format`. Activations and the KV cache are not included."""
     share = share or whole_model(card)
-    total = share.layers * decoder_layer_bytes(card, weight_format, share.tensor_parallel_ranks)
+    total = decoder_layers_bytes(card, weight_format, share)
     if share.holds_embedding:
         total += embedding_bytes(card)
     if share.holds_output_layer:
@@ -286,8 +345,9 @@ def loading_peak_bytes(
     card: ModelCard, weight_format: WeightFormat, share: WeightShare | None = None
 ) -> int:
     """Peak bytes of weights while loading `share`: the resident size plus the largest
-    tensor group held in float32 before it is quantized: one decoder layer (and the scratch
-    copies of quantizing its largest linear), or an LM head
+    tensor group held in float32 before it is quantized: one decoder layer (of a MoE layer,
+    all but its experts and one expert; and the scratch copies of quantizing its largest
+    linear), or an LM head
     read from the checkpoint (untied, or tied to an embedding this node does not keep); a
     tied head quantized from the embedding it shares is converted in small row blocks.
     Float32 loading has no such transient."""
@@ -296,13 +356,26 @@ def loading_peak_bytes(
     if weight_format == "float32":
         return resident
     ranks = share.tensor_parallel_ranks
+    sparse = share.sparse_layers(card) > 0
+    dense = share.sparse_layers(card) < share.layers
     # Quantizing one linear needs a float32 and an int32 scratch copy of its weight.
-    largest_linear = card.hidden_size * max(
-        card.intermediate_size // ranks,
-        card.num_attention_heads * card.attention_head_dim // ranks,
+    widths = [card.num_attention_heads * card.attention_head_dim // ranks]
+    if dense:
+        widths.append(card.intermediate_size // ranks)
+    if sparse and card.moe is not None:
+        widths.append(card.moe.expert_intermediate_size // ranks)
+    scratch = 2 * card.hidden_size * max(widths) * FLOAT32_BYTES
+    # A layer's tensors are read in float32, then quantized; a MoE layer's experts are
+    # quantized one by one as they are read (`loading.py`): one expert in float32 at a time.
+    largest_layer = max(
+        (
+            decoder_layer_bytes(card, "float32", ranks, sparse=kind, experts=1)
+            for kind, present in ((False, dense), (True, sparse))
+            if present
+        ),
+        default=0,
     )
-    scratch = 2 * largest_linear * FLOAT32_BYTES
-    transient = decoder_layer_bytes(card, "float32", ranks) + scratch
+    transient = scratch + largest_layer
     head_read_in_float32 = not (card.tie_word_embeddings and share.holds_embedding)
     if share.holds_output_layer and head_read_in_float32:
         transient = max(transient, card.vocab_size * card.hidden_size * FLOAT32_BYTES)

@@ -4,7 +4,9 @@ Counts what the checkpoint of a Llama-style decoder holds (Llama, Mistral, Qwen2
 Phi-3, Gemma 3): token embedding, per layer the attention projections (grouped-query: K and
 V have `num_key_value_heads` heads of `head_dim`), their biases where the family has them,
 the gated MLP (gate, up, down), the layer's norms, then the final norm and an untied LM
-head. Fused projections (Phi-3's `qkv_proj`, `gate_up_proj`) hold the same weights.
+head. Fused projections (Phi-3's `qkv_proj`, `gate_up_proj`) hold the same weights. A
+mixture-of-experts card's sparse layers hold every expert's gated MLP and the router instead
+of the dense MLP (`ModelCard.moe`).
 """
 
 from __future__ import annotations
@@ -16,8 +18,18 @@ from exo.shared.types.models import ModelCard
 # attention and MLP and has q_norm/k_norm; Qwen3 has q_norm/k_norm; the rest have two.
 _LAYER_NORMS = {"Gemma3ForCausalLM": 4, "Gemma3ForConditionalGeneration": 4}
 _QK_NORM_ARCHITECTURES = frozenset(
-    {"Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Qwen3ForCausalLM"}
+    {
+        "Gemma3ForCausalLM",
+        "Gemma3ForConditionalGeneration",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+    }
 )
+
+
+def has_qk_norms(card: ModelCard) -> bool:
+    """Whether each layer of the card's architecture has per-head Q/K RMSNorms."""
+    return card.architecture in _QK_NORM_ARCHITECTURES
 
 
 def decoder_parameter_count(card: ModelCard) -> int:
@@ -37,14 +49,31 @@ def decoder_parameter_count(card: ModelCard) -> int:
     attention = hidden * query_width + 2 * hidden * key_value_width + query_width * hidden
     if card.attention_bias:
         attention += query_width + 2 * key_value_width
-    if card.architecture in _QK_NORM_ARCHITECTURES:
+    if has_qk_norms(card):
         attention += 2 * head_dim
     mlp = 3 * hidden * card.intermediate_size
     norms = _LAYER_NORMS.get(card.architecture, 2) * hidden
     per_layer = attention + mlp + norms
     embedding = card.vocab_size * hidden
     lm_head = 0 if card.tie_word_embeddings else card.vocab_size * hidden
-    return embedding + card.n_layers * per_layer + hidden + lm_head
+    layers = card.n_layers * per_layer
+    if card.moe is not None:  # sparse layers: every expert and the router, no dense MLP
+        experts = card.moe.experts * 3 * hidden * card.moe.expert_intermediate_size
+        sparse = card.moe.sparse_layers(card.n_layers)
+        layers += sparse * (experts + card.moe.experts * hidden - mlp)
+    return embedding + layers + hidden + lm_head
+
+
+def active_parameter_count(card: ModelCard) -> int:
+    """Weights one token reads: `decoder_parameter_count` with each sparse layer's routed
+    experts cut to the `experts_per_token` it is routed to (the router whole); the
+    embedding's one row per token is counted whole, as published active counts do."""
+    total = decoder_parameter_count(card)
+    if card.moe is None:
+        return total
+    unread = card.moe.experts - card.moe.experts_per_token
+    per_expert = 3 * card.hidden_size * card.moe.expert_intermediate_size
+    return total - card.moe.sparse_layers(card.n_layers) * unread * per_expert
 
 
 def human_parameter_count(count: int) -> str:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from exo.shared.types.models import ModelCard, ToolCallFormat
+from exo.shared.models.moe import moe_geometry_of_config
+from exo.shared.types.models import ModelCard, MoeGeometry, ToolCallFormat
 
 
 def text_config_of(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -58,6 +59,7 @@ def card_mismatches(
         for name, stated, actual in facts
         if actual is not None and stated != actual
     ]
+    found += _moe_mismatches(card, text)
     positions = text.get("max_position_embeddings")
     if isinstance(positions, int) and card.context_length > positions:
         found.append(
@@ -73,3 +75,29 @@ def card_mismatches(
             f"tool_call_format: card {card.tool_call_format}, chat template {tool_call_format}"
         )
     return tuple(found)
+
+
+def _moe_mismatches(card: ModelCard, text: Mapping[str, Any]) -> list[str]:
+    """The card's MoE geometry against the config's: a card that misses a model's experts
+    sizes its memory as a dense model of `intermediate_size` (Qwen3-30B-A3B: 1/16 of its
+    expert weights), so a missing or different geometry is reported field by field."""
+    try:
+        actual = moe_geometry_of_config(text)
+    except ValueError as error:
+        return [f"moe: config.json {error}"]
+    stated = card.moe
+    if stated is None and actual is None:
+        return []
+    if stated is None or actual is None:
+        return [f"moe: card {_describe(stated)}, config.json {_describe(actual)}"]
+    return [
+        f"moe.{name}: card {getattr(stated, name)}, config.json {getattr(actual, name)}"
+        for name in ("experts", "experts_per_token", "expert_intermediate_size", "dense_layers")
+        if getattr(stated, name) != getattr(actual, name)
+    ]
+
+
+def _describe(geometry: MoeGeometry | None) -> str:
+    if geometry is None:
+        return "dense"
+    return f"{geometry.experts} experts, {geometry.experts_per_token} per token"

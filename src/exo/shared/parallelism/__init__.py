@@ -13,12 +13,14 @@ from collections.abc import Mapping
 from exo.shared.parallelism.base import Parallelism as Parallelism
 from exo.shared.parallelism.base import Sharding as Sharding
 from exo.shared.parallelism.base import StepNetwork as StepNetwork
+from exo.shared.parallelism.expert import ExpertParallelism
 from exo.shared.parallelism.pipeline import PipelineParallelism
 from exo.shared.parallelism.tensor import TensorParallelism
 
 PARALLELISMS: Mapping[Sharding, Parallelism] = {
     "pipeline": PipelineParallelism(),
     "tensor": TensorParallelism(),
+    "expert": ExpertParallelism(),
 }
 
 

@@ -25,9 +25,11 @@ _FINAL = re.compile(r"(?:^|\.)(?:lm_head|norm)\.[a-z_]+$")
 
 LayerRange = tuple[int, int]
 
-Sharding = Literal["pipeline", "tensor"]
+Sharding = Literal["pipeline", "tensor", "expert"]
 """How a model is split across ranks: pipeline (layer ranges, hidden states pass rank to
-rank) or tensor (a slice of every layer's linears, an all-reduce per block)."""
+rank), tensor (a slice of every layer's linears, an all-reduce per block) or expert (a
+mixture-of-experts model's routed experts divided, the rest whole on every rank, an
+all-reduce per MoE block)."""
 
 
 class ShardMetadata(Protocol):

@@ -96,6 +96,7 @@ from exo.shared.types.models import (
     LocalDirectorySource,
     ModelCard,
     ModelSource,
+    MoeGeometry,
     PypiGgufPartsSource,
     PypiGgufSource,
     PypiWheel,
@@ -381,6 +382,10 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
         GgufFileSource(path="/root/.ollama/models/blobs/sha256-ab", sha256="ab" * 32),
     ],
     LocalDirectorySource: [LocalDirectorySource(path="/models/x")],
+    MoeGeometry: [
+        MoeGeometry(experts=128, experts_per_token=8, expert_intermediate_size=768),
+        MoeGeometry(experts=4, experts_per_token=2, expert_intermediate_size=32, dense_layers=(1,)),
+    ],
     GgufWeightTypes: [
         GgufWeightTypes(layer_weights=(("Q4_K", 23592960), ("Q6_K", 11796480)), output_type="Q8_0")
     ],

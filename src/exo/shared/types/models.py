@@ -137,6 +137,40 @@ class GgufWeightTypes(FrozenModel):
     output_type: str = Field(min_length=1)
 
 
+class MoeGeometry(FrozenModel):
+    """The sparse MLP blocks of a mixture-of-experts model, as its `config.json` states them
+    (read by `exo.shared.models.moe.moe_geometry_of_config`). Memory counts every expert
+    (`exo.shared.models.memory`); a token reads only `experts_per_token` of them.
+
+    Attributes:
+        experts: routed experts per MoE layer (`num_experts`, `n_routed_experts`).
+        experts_per_token: experts each token is routed to (`num_experts_per_tok`).
+        expert_intermediate_size: an expert's gated-MLP width (`moe_intermediate_size`).
+        dense_layers: the layers with the dense MLP of the card's `intermediate_size`
+            instead (Qwen3-MoE's `mlp_only_layers` and the layers `decoder_sparse_step`
+            skips); every other layer is sparse.
+    """
+
+    experts: int = Field(gt=0)
+    experts_per_token: int = Field(gt=0)
+    expert_intermediate_size: int = Field(gt=0)
+    dense_layers: tuple[int, ...] = ()
+
+    @model_validator(mode="after")
+    def _check_routing(self) -> MoeGeometry:
+        if self.experts_per_token > self.experts:
+            raise ValueError(
+                f"{self.experts_per_token} experts per token is more than the "
+                f"{self.experts} experts"
+            )
+        return self
+
+    def sparse_layers(self, n_layers: int) -> int:
+        """How many of `n_layers` layers are sparse."""
+        dense = {layer for layer in self.dense_layers if 0 <= layer < n_layers}
+        return n_layers - len(dense)
+
+
 class ModelCard(FrozenModel):
     """Facts about a model that placement and the API need without reading weights.
 
@@ -181,6 +215,9 @@ class ModelCard(FrozenModel):
     gguf_weight_types: GgufWeightTypes | None = None
     """For a GGUF source: the types its weights are stored in (None: not GGUF, or not
     recorded; memory then sizes the decoder layers as the engine's own int4)."""
+    moe: MoeGeometry | None = None
+    """A mixture-of-experts model's sparse blocks (None: every layer has the dense MLP of
+    `intermediate_size`)."""
 
     @property
     def attention_head_dim(self) -> int:

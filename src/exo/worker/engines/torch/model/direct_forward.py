@@ -121,7 +121,7 @@ class LeanModel:
             self._rope_kinds = [None]
             ropes = [0] * len(layers)
         self.layers = [
-            LeanLayer(layer, family, self.bf16, rope)
+            LeanLayer(layer, family, self.bf16, rope, text_config)
             for layer, rope in zip(layers, ropes, strict=True)
         ]
         self._rotary_cache: RotaryCache | None = None
@@ -259,6 +259,8 @@ class LeanModel:
         prompt_rows = rows - len(plan.decode_slots)
         for layer in self.layers:
             for projection in (layer.qkv, layer.output, layer.gate_up, layer.down):
+                if projection is None:  # a MoE layer (no decode layer for those: not reached)
+                    continue
                 activations = projection.prefill_activations
                 if activations == "int8" or (
                     activations == "bf16"
@@ -394,14 +396,19 @@ class LeanModel:
             out = self._norm(out.float(), weight, eps)
         x.add_(out)
         weight, eps = layer.pre_mlp_norm
-        normed = self._norm(x, weight, eps).to(layer.gate_up.in_dtype)
-        gate_up = layer.gate_up(normed)  # [T, 2 * intermediate]
-        middle = layer.intermediate
-        if self._gated_activation is not None and gate_up.dtype == torch.float32:
-            activated = self._gated_activation(gate_up.contiguous(), layer.activation_number)
+        if layer.moe is not None:  # routed experts, grouped by expert (`LeanMoe`)
+            out = layer.moe(self._norm(x, weight, eps))
         else:
-            activated = layer.activation(gate_up[:, :middle]).mul_(gate_up[:, middle:])
-        out = layer.down(activated.to(layer.down.in_dtype))
+            assert layer.gate_up is not None and layer.down is not None
+            assert layer.activation is not None
+            normed = self._norm(x, weight, eps).to(layer.gate_up.in_dtype)
+            gate_up = layer.gate_up(normed)  # [T, 2 * intermediate]
+            middle = layer.intermediate
+            if self._gated_activation is not None and gate_up.dtype == torch.float32:
+                activated = self._gated_activation(gate_up.contiguous(), layer.activation_number)
+            else:
+                activated = layer.activation(gate_up[:, :middle]).mul_(gate_up[:, middle:])
+            out = layer.down(activated.to(layer.down.in_dtype))
         if layer.post_mlp_norm is not None:
             weight, eps = layer.post_mlp_norm
             out = self._norm(out.float(), weight, eps)

@@ -3,10 +3,12 @@ filled layer by layer from safetensors and quantized as each layer arrives.
 
 A single rank is the world-size-1 case of a sharded load. Each decoder layer's tensors are
 read (only this rank's slices), assigned, then its linears are quantized before the next
-layer is read, and each file's memory map is closed after every layer, so a node's peak
-memory while loading stays near the size of the format it holds (int4 on CPU) plus one
-layer in float32 (see `exo.shared.models.memory.loading_peak_bytes`). Weights repacked from
-GGUF (`exo.download.gguf_repack`) are read through the same per-rank slicing and go straight
+layer is read (a MoE layer's experts each as soon as it is read), and each file's memory
+map is closed after every layer (and every expert), so a node's peak memory while loading
+stays near the size of the format it holds (int4 on CPU) plus one layer in float32 (of a
+MoE layer, its parts but the experts, and one expert; see
+`exo.shared.models.memory.loading_peak_bytes`). Weights repacked from GGUF
+(`exo.download.gguf_repack`) are read through the same per-rank slicing and go straight
 into their quantized modules (`gguf_weights.load_repacked`).
 """
 
@@ -15,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import itertools
 import os
+import re
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -48,6 +52,7 @@ from exo.worker.engines.torch.model.families import (
     family_for_architecture,
 )
 from exo.worker.engines.torch.model.fusion import fuse_rms_norms
+from exo.worker.engines.torch.model.moe import install_routed_experts
 from exo.worker.engines.torch.model.sharding import AbsentModule, model_tensor_name
 from exo.worker.engines.torch.parallel import engine_transform
 from exo.worker.engines.torch.quant.gguf_weights import (
@@ -278,6 +283,8 @@ def load_model(
             f"{architecture}: its text model is {type(model).__name__}, which the "
             f"{family.name} family file does not describe"
         )
+    # MoE blocks hold one linear per expert, named as checkpoints store them (`moe.py`).
+    install_routed_experts(model, family)
     transform = engine_transform(shard.sharding)
     transform.cut(model, family, shard)
     text_config = model.config.get_text_config()
@@ -321,9 +328,15 @@ def load_model(
         release_freed_memory()
     set_linears = 0
     for index, layer in enumerate(layers):
-        with _open_files() as handle_for:  # one layer's memory maps at a time
-            for path, name, target in groups.get(index, []):
-                read(handle_for, path, name, target)
+        # One layer's memory maps at a time; in a MoE layer, one expert's, each expert
+        # quantized once read (its float32 copy and its file pages released before the next).
+        planned = sorted(groups.get(index, []), key=_expert_order)
+        for _, batch in itertools.groupby(planned, key=_expert_order):
+            with _open_files() as handle_for:
+                for path, name, target in batch:
+                    read(handle_for, path, name, target)
+            if quantize:
+                _quantize_read_expert(layer, target, weight_dtype)
         _check_loaded(layer, f"decoder layer {index}", model_dir, shard)
         if quantize:
             quantize_linears(layer, weight_dtype)
@@ -341,6 +354,28 @@ def load_model(
     model.requires_grad_(False)
     enable_lean_forward(model, family)
     return model
+
+
+# A routed expert's tensor on this rank: (its module's path in the layer, the expert id).
+_EXPERT_TENSOR = re.compile(r"^model\.layers\.\d+\.((?:.+\.)?experts\.(\d+))\.")
+
+
+def _expert_order(planned: PlannedTensor) -> int:
+    """Sort key: a layer's other tensors first, then each expert's together, by expert id."""
+    match = _EXPERT_TENSOR.match(planned[2])
+    return -1 if match is None else int(match.group(2))
+
+
+def _quantize_read_expert(layer: nn.Module, target: str, weight_dtype: WeightDtype) -> None:
+    """Quantize an expert as soon as its last tensor is read: a MoE layer is then held in
+    float32 one expert at a time, not whole (Qwen3-235B-A22B's 128 experts are 9.7 GB of
+    float32 per layer, one of them 75 MB)."""
+    match = _EXPERT_TENSOR.match(target)
+    if match is None:
+        return
+    expert = layer.get_submodule(match.group(1))
+    if not any(parameter.is_meta for parameter in expert.parameters()):
+        quantize_linears(expert, weight_dtype)
 
 
 def _report_prefill_activations(activations: PrefillActivations, linears: int) -> None:

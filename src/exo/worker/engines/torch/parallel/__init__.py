@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from exo.worker.engines.torch.parallel.base import EngineTransform
+from exo.worker.engines.torch.parallel.expert import ExpertTransform
 from exo.worker.engines.torch.parallel.pipeline import PipelineTransform
 from exo.worker.engines.torch.parallel.tensor import TensorTransform
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 TRANSFORMS: Mapping[Sharding, EngineTransform] = {
     "pipeline": PipelineTransform(),
     "tensor": TensorTransform(),
+    "expert": ExpertTransform(),
 }
 
 

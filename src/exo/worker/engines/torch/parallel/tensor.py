@@ -21,6 +21,7 @@ from exo.worker.engines.torch.batching.batch_attention import BatchPlan, forward
 from exo.worker.engines.torch.comm.parallel_linears import RowParallelLinear
 from exo.worker.engines.torch.comm.process_group import IDLE_WAIT
 from exo.worker.engines.torch.model.families import ModelFamily, UnsupportedArchitectureError
+from exo.worker.engines.torch.model.moe import routed_experts_of
 from exo.worker.engines.torch.model.sharding import (
     TensorReader,
     decoder_layers,
@@ -36,12 +37,16 @@ def check_tensor_parallel(
 ) -> None:
     """Raises UnsupportedArchitectureError / ValueError naming the architecture and field
     when the family refuses tensor parallelism, or attention heads, KV heads, the MLP width
-    or a fused linear's parts do not divide by `world_size`."""
+    (and an expert's, for a MoE family) or a fused linear's parts do not divide by
+    `world_size`."""
     if family.tensor_parallel_note is not None:
         raise UnsupportedArchitectureError(
             f"{architecture}: no tensor parallelism: {family.tensor_parallel_note}"
         )
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    fields = ["num_attention_heads", "num_key_value_heads", "intermediate_size"]
+    if family.moe is not None:
+        fields.append("moe_intermediate_size")
+    for field in fields:
         value = getattr(config, field, None)
         if not isinstance(value, int):
             raise UnsupportedArchitectureError(
@@ -71,10 +76,16 @@ def split_linears(model: PreTrainedModel, family: ModelFamily, world_size: int) 
     architecture = type(model).__name__
     text_config = model.config.get_text_config()
     for index, layer in enumerate(decoder_layers(model)):
+        # A MoE layer: every expert split as a dense MLP, one all-reduce for the block.
+        experts = routed_experts_of(layer, family)
+        if experts is not None:
+            experts.split_for_tensor(world_size)
         for path in (*family.column_parallel, *family.row_parallel):
             block_name, _, linear_name = path.rpartition(".")
             block = layer.get_submodule(block_name) if block_name else layer
             linear = getattr(block, linear_name, None)
+            if linear is None and experts is not None:
+                continue  # the dense MLP's linears: a MoE layer has experts instead
             if type(linear) is not nn.Linear:
                 raise UnsupportedArchitectureError(
                     f"{architecture}: layer {index} has no plain linear {path}; cannot shard "

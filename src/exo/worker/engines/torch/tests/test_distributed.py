@@ -1,6 +1,8 @@
 """Sharded == unsharded: greedy tokens of 2- and 3-rank pipeline and 2-rank tensor parallel
 groups (gloo over 127.0.0.1, spawned processes) equal the single-process engine's, for a tiny
-random-weight model of every model family (the family registry) and the real default model."""
+random-weight model of every model family (the family registry) and the real default model;
+for mixture-of-experts families also 2- and 3-rank expert parallel groups (the tiny models'
+4 experts over 3 ranks: 1, 1 and 2 each)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskPara
 from exo.testing.ports import free_port
 from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
 from exo.worker.engines.torch.engine_factory import load_engine
+from exo.worker.engines.torch.model.families import family_by_name
 from exo.worker.engines.torch.quant.quantize import WeightDtype
 
 GROUP_DEADLINE_S = 240.0
@@ -47,9 +50,9 @@ def split_layers(n_layers: int, world_size: int) -> list[tuple[int, int]]:
 
 def make_shard(model_dir: Path, mode: str, rank: int, world_size: int) -> ShardMetadata:
     card = card_from_local_directory(model_dir)
-    if mode == "tensor":
+    if mode in ("tensor", "expert"):
         return ShardMetadata(
-            sharding="tensor",
+            sharding="tensor" if mode == "tensor" else "expert",
             model_card=card,
             device_rank=rank,
             world_size=world_size,
@@ -189,6 +192,8 @@ def single_process_tokens(
 # Every family runs on 2 ranks; these also on 3 (full attention, per-head norms, sliding
 # windows), to keep the run short.
 THREE_RANK_ARCHITECTURES = ("llama", "qwen3", "gemma3")
+# Families with mixture-of-experts layers, split by experts too.
+MOE_ARCHITECTURES = tuple(name for name in ARCHITECTURES if family_by_name(name).moe is not None)
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +239,10 @@ def two_rank_results(tiny_dirs: dict[str, Path], real_model_dir: Path) -> dict[s
         Job(f"tensor-{architecture}", str(directory), "tensor", (CANCELLED, GREEDY, SEEDED))
         for architecture, directory in tiny_dirs.items()
     ]
+    jobs += [
+        Job(f"expert-{architecture}", str(tiny_dirs[architecture]), "expert", (GREEDY, SEEDED))
+        for architecture in MOE_ARCHITECTURES
+    ]
     jobs.append(Job("pipeline-real", str(real_model_dir), "pipeline"))
     jobs.append(Job("pipeline-real-int4", str(real_model_dir), "pipeline", weight_dtype="int4"))
     jobs.append(Job("tensor-real", str(real_model_dir), "tensor", expect_load_error=True))
@@ -245,6 +254,10 @@ def three_rank_results(tiny_dirs: dict[str, Path]) -> dict[str, JobResult]:
     jobs = [
         Job(f"pipeline-{architecture}", str(tiny_dirs[architecture]), "pipeline", (GREEDY, SEEDED))
         for architecture in THREE_RANK_ARCHITECTURES
+    ]
+    jobs += [
+        Job(f"expert-{architecture}", str(tiny_dirs[architecture]), "expert", (GREEDY, SEEDED))
+        for architecture in MOE_ARCHITECTURES
     ]
     return run_group(3, jobs)
 
@@ -261,6 +274,24 @@ def test_two_rank_tensor_equals_single_process(
     architecture: str, two_rank_results: dict[str, JobResult], reference_tokens: dict[str, Any]
 ) -> None:
     assert two_rank_results[f"tensor-{architecture}"].tokens == reference_tokens[architecture]
+
+
+@pytest.mark.parametrize("architecture", MOE_ARCHITECTURES)
+def test_two_and_three_rank_expert_parallel_equal_single_process(
+    architecture: str,
+    two_rank_results: dict[str, JobResult],
+    three_rank_results: dict[str, JobResult],
+    reference_tokens: dict[str, Any],
+) -> None:
+    expected = reference_tokens[architecture]  # greedy, seeded
+    assert two_rank_results[f"expert-{architecture}"].tokens == expected
+    assert three_rank_results[f"expert-{architecture}"].tokens == expected
+    # Each rank holds its experts only: the 3-rank group's ranks hold 1, 1 and 2 of 4.
+    two, three = (
+        results[f"expert-{architecture}"].parameter_bytes
+        for results in (two_rank_results, three_rank_results)
+    )
+    assert three[0] == three[1] < three[2] == two[0] == two[1]
 
 
 @pytest.mark.parametrize("architecture", THREE_RANK_ARCHITECTURES)

@@ -18,6 +18,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from exo.shared.models.architectures import ENGINE_ARCHITECTURES
 from exo.shared.models.cards import card_from_local_directory
 from exo.shared.models.memory import WeightShare, resident_weight_bytes
+from exo.shared.parallelism import parallelism
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata
 from exo.testing.tiny_models import ARCHITECTURES, WRAPPED_ARCHITECTURES, save_tiny_model
@@ -128,6 +129,14 @@ def test_an_architecture_without_a_family_file_is_named_in_the_error(
         load_model(directory, whole(card.model_copy(update={"n_layers": 1})), CPU)
 
 
+def _has_module(layer: nn.Module, path: str) -> bool:
+    try:
+        layer.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_spec_names_real_modules_and_transformers_cache_layout(
     name: str, tiny_dirs: dict[str, Path]
@@ -136,11 +145,25 @@ def test_spec_names_real_modules_and_transformers_cache_layout(
     reference = AutoModelForCausalLM.from_pretrained(tiny_dirs[name], dtype=torch.float32)
     assert type(reference).__name__ in family.architectures
     config = reference.config.get_text_config()
+    sparse_layers = 0
+    moe = family.moe
     for layer in reference.model.layers:
-        for path in (*family.column_parallel, *family.row_parallel):
+        paths = [*family.column_parallel, *family.row_parallel]
+        if moe is not None and _has_module(layer, moe.experts):
+            # A MoE layer: the router scores every expert, the experts are the stacked
+            # weights `install_routed_experts` replaces; the dense MLP's linears are absent.
+            sparse_layers += 1
+            routing = moe.routing(config)
+            router = layer.get_submodule(moe.router)
+            assert tuple(router.weight.shape) == (routing.experts, config.hidden_size)
+            assert layer.get_submodule(moe.experts).gate_up_proj.shape[0] == routing.experts
+            paths = [path for path in paths if not path.startswith("mlp.")]
+        for path in paths:
             assert type(layer.get_submodule(path)) is nn.Linear, path
         for path, parts in family.fused_parts.items():
             assert sum(parts(config)) == layer.get_submodule(path).out_features, path
+    # The tiny MoE models mix sparse and dense layers (`mlp_only_layers`).
+    assert (0 < sparse_layers < config.num_hidden_layers) == (moe is not None)
     norms = {type(module) for module in reference.modules() if "RMSNorm" in type(module).__name__}
     assert set(family.rms_norms) <= norms
     # The cache windows the engine reads from the spec are transformers' own cache layout.
@@ -189,7 +212,7 @@ def test_loader_equals_transformers_and_fuses_the_spec_norms(
     assert greedy_tokens(ours) == reference_greedy_tokens(reference)
     fused = sum(isinstance(module, FusedRMSNorm) for module in ours.modules())
     assert fused == (2 * card.n_layers + 1 if family_by_name(name).rms_norms else 0) or (
-        name == "qwen3" and fused == 4 * card.n_layers + 1  # plus per-head q/k norms
+        name in ("qwen3", "qwen3_moe") and fused == 4 * card.n_layers + 1  # + q/k norms
     )
 
 
@@ -232,14 +255,17 @@ def non_persistent_buffer_bytes(model: nn.Module) -> int:
 
 
 @pytest.mark.parametrize(
-    ("name", "weight_dtype"), [("llama", "int4"), ("qwen2", "int8"), ("phi3", "int4")]
+    ("name", "weight_dtype"),
+    [("llama", "int4"), ("qwen2", "int8"), ("phi3", "int4"), ("qwen3_moe", "int4")],
 )
 def test_memory_estimate_is_what_loading_holds(
     name: str, weight_dtype: WeightDtype, tmp_path: Path, real_model_dir: Path
 ) -> None:
     """The card-based estimate placement uses equals the bytes of weights the loaded model
     holds, for a whole model, a pipeline rank and a tensor rank. (Every part of Phi-3's
-    fused projections fits int4 here, as in real models; the estimate sizes them by part.)"""
+    fused projections fits int4 here, as in real models; the estimate sizes them by part.
+    Qwen3-MoE's layer 0 is sparse, layer 1 dense: the pipeline rank holds the dense one; an
+    expert rank holds its experts only.)"""
     directory = save_tiny_model(
         tmp_path / name, name, real_model_dir, n_layers=2, vocab_size=512, hidden_size=256,
         intermediate_size=256, tie_word_embeddings=False,
@@ -256,7 +282,7 @@ def test_memory_estimate_is_what_loading_holds(
                 start_layer=1,
                 end_layer=2,
             ),
-            WeightShare(layers=1, holds_embedding=False),
+            WeightShare(layers=1, holds_embedding=False, first_layer=1),
         ),
         (
             ShardMetadata(
@@ -270,6 +296,12 @@ def test_memory_estimate_is_what_loading_holds(
             WeightShare(layers=2, tensor_parallel_ranks=2),
         ),
     ]
+    if family_by_name(name).moe is not None:  # an expert rank: 2 of the 4 experts, 1 of 3
+        expert = ShardMetadata(
+            sharding="expert", model_card=card, device_rank=2, world_size=3, start_layer=0,
+            end_layer=card.n_layers,
+        )  # fmt: skip
+        cases.append((expert, parallelism("expert").shard_weight_share(expert)))
     for shard, share in cases:
         model = load_model(directory, shard, CPU, weight_dtype)
         held = loaded_parameter_bytes(model) - non_persistent_buffer_bytes(model)

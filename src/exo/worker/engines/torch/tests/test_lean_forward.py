@@ -1,9 +1,9 @@
 """The direct forward (model/direct_forward.py) against transformers' forward, on tiny random
 models of every family: float32 logits within `FLOAT32_TOLERANCE` and the same greedy
-tokens, single rank and sharded (pipeline x2, tensor x2: llama by default, the other
-families under `-m slow`); int4 with bfloat16 activations within `INT4_TOLERANCE` (teacher
-forcing: both paths are fed the same tokens, `lean_steps`); the float32 fallback for CPUs
-without bfloat16, forced.
+tokens, single rank and sharded (pipeline x2, tensor x2, and expert x2 for MoE families:
+llama by default, the other families under `-m slow`); int4 with bfloat16 activations
+within `INT4_TOLERANCE` (teacher forcing: both paths are fed the same tokens,
+`lean_steps`); the float32 fallback for CPUs without bfloat16, forced.
 """
 
 from __future__ import annotations
@@ -126,8 +126,12 @@ def test_int4_native_lean_equals_transformers(
     model = _load(tiny_dirs[name], "int4")
     lean = lean_step_of(model)
     assert isinstance(lean, LeanModel)
-    layer = lean.layers[0]
-    projections = [layer.qkv, layer.output, layer.gate_up, layer.down]
+    projections = [
+        projection
+        for layer in lean.layers
+        for projection in (layer.qkv, layer.output, layer.gate_up, layer.down, *_experts(layer))
+        if projection is not None
+    ]
     leaves = [part for projection in projections for part in projection.parts or [projection]]
     int4 = [leaf for leaf in leaves if isinstance(leaf.quantized, Int4Linear)]
     assert int4 and all(leaf.native and leaf.in_dtype == torch.float32 for leaf in int4)
@@ -136,6 +140,19 @@ def test_int4_native_lean_equals_transformers(
     lean_logits = lean_steps.run_single(model, tokens, lean=True)
     assert (lean_logits - reference).abs().max().item() < 1e-2
     assert torch.equal(lean_logits.argmax(-1), reference.argmax(-1))
+
+
+def _experts(layer: Any) -> list[Any]:
+    """A MoE layer's experts' projections (gate/up fused, down), each expert's in turn."""
+    if layer.moe is None:
+        return []
+    held = [expert for expert in layer.moe.experts if expert is not None]
+    return [projection for expert in held for projection in (expert.gate_up, expert.down)]
+
+
+# exo's decode layer (`native/decode_layer.cpp`) has no sparse MLP block: MoE models decode
+# with the lean forward's operators (`test_moe.py` checks they do).
+DENSE_ARCHITECTURES = tuple(name for name in ARCHITECTURES if family_by_name(name).moe is None)
 
 
 def _output_and_down_in_bf16(model: Any, name: str) -> None:
@@ -174,7 +191,7 @@ def _held_as_scaled_int8(model: Any, name: str) -> None:
 
 
 @pytest.mark.parametrize("weights", ["float32", "int8", "int4", "bf16", "int8-blocks"])
-@pytest.mark.parametrize("name", ARCHITECTURES)
+@pytest.mark.parametrize("name", DENSE_ARCHITECTURES)
 def test_native_decode_layer_equals_lean_operators(
     int4_dirs: dict[str, Path], name: str, weights: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -265,6 +282,7 @@ def test_bf16_fallback_forced(tiny_dirs: dict[str, Path], monkeypatch: pytest.Mo
     lean = lean_step_of(model)
     assert isinstance(lean, LeanModel) and not lean.bf16
     layer = lean.layers[0]
+    assert layer.gate_up is not None
     assert layer.qkv.in_dtype == torch.float32 and layer.gate_up.in_dtype == torch.float32
     tokens = lean_steps.forced_tokens(VOCAB_PROBE)
     reference = lean_steps.run_single(model, tokens, lean=False)
@@ -380,23 +398,24 @@ def test_mixed_kinds_are_not_fused() -> None:
 # -- sharded: 2 gloo ranks ---------------------------------------------------------------
 
 
-def _rank_main(rank: int, port: int, model_dir: str, results: Any) -> None:
+def _rank_main(rank: int, port: int, model_dir: str, results: Any, modes: tuple[str, ...]) -> None:
     from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
 
     torch.set_num_threads(1)
     try:
         init_group("gloo", rank, 2, "127.0.0.1", port, timeout_s=60)
         tokens = lean_steps.forced_tokens(VOCAB_PROBE)
-        for mode in ("pipeline", "tensor"):
+        for mode in modes:
             shard = make_shard(Path(model_dir), mode, rank, 2)
             model = load_model(Path(model_dir), shard, CPU, "float32")
             assert isinstance(lean_step_of(model), LeanModel), "no lean forward on a rank"
             for lean in (True, False):
                 if mode == "pipeline":
                     logits = lean_steps.run_pipeline_rank(model, tokens, lean, rank, 2)
-                else:
-                    logits = lean_steps.run_single(model, tokens, lean, world_size=2)
-                if logits is not None and (mode == "tensor") == (rank == 0):
+                else:  # tensor ranks split the KV heads, expert ranks hold them all
+                    heads_split = 2 if mode == "tensor" else 1
+                    logits = lean_steps.run_single(model, tokens, lean, world_size=heads_split)
+                if logits is not None and (mode != "pipeline") == (rank == 0):
                     results.put(("logits", (mode, lean), logits.numpy()))  # no shared memory
         results.put(("done", rank, None))
         destroy_group()
@@ -416,11 +435,13 @@ def test_sharded_lean_equals_transformers(tiny_dirs: dict[str, Path], name: str)
     reference = lean_steps.run_single(
         _load(model_dir), lean_steps.forced_tokens(VOCAB_PROBE), False
     )
+    # Mixture-of-experts families are split by their experts too.
+    modes = ("pipeline", "tensor") + (("expert",) if family_by_name(name).moe else ())
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_rank_main, args=(rank, port, str(model_dir), results))
+        context.Process(target=_rank_main, args=(rank, port, str(model_dir), results, modes))
         for rank in range(2)
     ]
     collected: dict[tuple[str, bool], torch.Tensor] = {}
@@ -445,9 +466,7 @@ def test_sharded_lean_equals_transformers(tiny_dirs: dict[str, Path], name: str)
             if process.is_alive():
                 process.kill()
                 process.join(timeout=10)
-    assert set(collected) == {
-        (mode, lean) for mode in ("pipeline", "tensor") for lean in (True, False)
-    }
+    assert set(collected) == {(mode, lean) for mode in modes for lean in (True, False)}
     for (mode, lean), logits in collected.items():
         difference = (logits - reference).abs().max().item()
         assert difference < FLOAT32_TOLERANCE, (mode, lean, difference)

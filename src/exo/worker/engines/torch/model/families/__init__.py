@@ -1,8 +1,9 @@
 """The model families the engine runs, one file each; `family_for_architecture` finds one.
 
 Adding a family: write `<family>.py` with a `FAMILY = ModelFamily(...)`, list it in
-`FAMILIES`; the registry-driven tests then build its tiny model and check single, pipeline
-and tensor-parallel generation agree.
+`FAMILIES` (and its architecture names in `exo.shared.models.architectures`); the
+registry-driven tests then build its tiny model and check single, pipeline and
+tensor-parallel generation agree (and expert-parallel, for a family with `moe`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from exo.worker.engines.torch.model.families import (
     phi3,
     qwen2,
     qwen3,
+    qwen3_moe,
 )
 from exo.worker.engines.torch.model.families.spec import ModelFamily, UnsupportedArchitectureError
 
@@ -28,6 +30,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     phi3.FAMILY,
     gemma.FAMILY,
     gemma3.FAMILY,
+    qwen3_moe.FAMILY,
 )
 
 

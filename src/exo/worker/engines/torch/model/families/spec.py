@@ -66,6 +66,92 @@ def _layers(config: PretrainedConfig) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class Routing:
+    """How each token picks its experts in one model (values read from its config).
+
+    A token's router logits `[experts]` become scores (`scoring`: softmax over experts, or
+    an independent sigmoid each); the experts chosen are the `experts_per_token` highest
+    scores plus the correction bias where the family has one (DeepSeek-V3's
+    `e_score_correction_bias`: it moves the choice, not the weights), first keeping only
+    the `groups_per_token` best of `groups` equal groups of experts where `groups` > 1
+    (DeepSeek-V3's group-limited routing: a group's score is the sum of its two best).
+    The chosen experts' scores, divided by their sum when `normalize` (Qwen3-MoE's
+    `norm_topk_prob`), times `scaling` (`routed_scaling_factor`), weight their outputs.
+
+    Attributes:
+        experts: routed experts per MoE layer (`num_experts`).
+        experts_per_token: experts each token is sent to (`num_experts_per_tok`).
+    """
+
+    experts: int
+    experts_per_token: int
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    normalize: bool = False
+    scaling: float = 1.0
+    groups: int = 1
+    groups_per_token: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 < self.experts_per_token <= self.experts:
+            raise UnsupportedArchitectureError(
+                f"num_experts_per_tok={self.experts_per_token} must be between 1 and "
+                f"num_experts={self.experts}"
+            )
+        if self.experts % self.groups or not 0 < self.groups_per_token <= self.groups:
+            raise UnsupportedArchitectureError(
+                f"{self.experts} experts cannot be routed as the best {self.groups_per_token} "
+                f"of {self.groups} groups"
+            )
+
+
+# The routing of a model of the family, from its (text) config.
+RoutingOfConfig = Callable[[PretrainedConfig], Routing]
+
+
+@dataclass(frozen=True, slots=True)
+class MixtureOfExperts:
+    """Where a family keeps a sparse MLP block, relative to a decoder layer. Which layers are
+    sparse is transformers' decision when it builds the model (Qwen3-MoE's
+    `decoder_sparse_step` / `mlp_only_layers`): a layer whose `experts` module exists is a
+    MoE layer, any other has the dense MLP of the family's `DecoderLayout`. Placement reads
+    the same facts from the config (`exo.shared.models.moe`).
+
+    At load the experts module transformers builds (Qwen3-MoE's stacked 3-D weights) is
+    replaced by `model.moe.RoutedExperts`: one gated MLP per expert, named as checkpoints
+    name them (`experts.N.gate_proj`), which loads, quantizes and splits like any linear.
+
+    Attributes:
+        routing: the model's `Routing` from its config.
+        router: the linear scoring experts (weight `[experts, hidden]`; held float32).
+        experts: the routed experts module.
+        expert_gate_up / expert_down: an expert's linears, relative to `experts.N`.
+        correction_bias: a `[experts]` bias added to the scores for the choice only.
+        shared_expert: a dense gated MLP (gate_proj, up_proj, down_proj) every token also
+            goes through (DeepSeek-V3, GLM-4.5), None where absent.
+        shared_expert_gate: a `[1, hidden]` linear whose sigmoid scales the shared expert's
+            output (Qwen2-MoE), None where absent.
+    """
+
+    routing: RoutingOfConfig
+    router: str = "mlp.gate"
+    experts: str = "mlp.experts"
+    expert_gate_up: tuple[str, ...] = ("gate_proj", "up_proj")
+    expert_down: str = "down_proj"
+    correction_bias: str | None = None
+    shared_expert: str | None = None
+    shared_expert_gate: str | None = None
+
+    def expert_linear(self, linear_path: str) -> str | None:
+        """The expert-relative name of a layer-relative path inside an expert
+        (`"mlp.experts.3.gate_proj"` → `"gate_proj"`), else None."""
+        head = self.experts + "."
+        if not linear_path.startswith(head):
+            return None
+        index, _, name = linear_path[len(head) :].partition(".")
+        return name if index.isdigit() and name else None
+
+
+@dataclass(frozen=True, slots=True)
 class DecoderLayout:
     """How the lean forward (`model/direct_forward.py`) walks one decoder layer: module paths
     relative to the layer, and the family's variations on the Llama layer.
@@ -128,6 +214,9 @@ class ModelFamily:
             for tests of the wrapped checkpoint layout (None: the family has none).
         layout: how the lean forward walks a decoder layer (None: the family runs on
             transformers' modules only).
+        moe: where the family's sparse MLP blocks are (None: a dense family). Tensor
+            parallelism splits every expert as the dense MLP (gate/up by rows, down by
+            columns; one all-reduce per MoE block).
     """
 
     name: str
@@ -143,6 +232,7 @@ class ModelFamily:
     after_tensor_split: TensorSplitHook | None = None
     tiny_wrapped_config: Callable[[PretrainedConfig], PretrainedConfig] | None = None
     layout: DecoderLayout | None = DecoderLayout()
+    moe: MixtureOfExperts | None = None
 
     def checkpoint_prefix(self, architecture: str) -> str:
         """The prefix of the text model's tensor names in a checkpoint of `architecture`."""
@@ -154,6 +244,12 @@ class ModelFamily:
             return "column"
         if linear_path in self.row_parallel:
             return "row"
+        expert_linear = None if self.moe is None else self.moe.expert_linear(linear_path)
+        if expert_linear is not None and self.moe is not None:
+            if expert_linear in self.moe.expert_gate_up:
+                return "column"
+            if expert_linear == self.moe.expert_down:
+                return "row"
         return None
 
 

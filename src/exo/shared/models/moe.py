@@ -1,0 +1,70 @@
+"""A mixture-of-experts model's geometry from its `config.json`, without transformers: how
+many experts, how many a token uses, how wide each is, and which layers keep a dense MLP.
+Cards (`cards.card_from_config`), the load-time check of a card (`profile.card_mismatches`)
+and memory (`memory.py`) read it; the engine's family files say the same through the
+layers transformers builds (`worker/engines/torch/model/families/spec.MixtureOfExperts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from exo.shared.types.models import MoeGeometry
+
+# Config fields naming the routed experts per layer, by family: Qwen2/3-MoE, Mixtral (and
+# transformers' saved Qwen3-MoE configs), DeepSeek-V3 / GLM-4.5.
+_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def moe_geometry_of_config(config: Mapping[str, Any]) -> MoeGeometry | None:
+    """The sparse blocks a (text) config describes, None for a dense model (no experts
+    field, or 0 experts).
+
+    A layer `i` is dense where `mlp_only_layers` lists it, where `decoder_sparse_step` (>1)
+    skips it (sparse only where `(i + 1) % step == 0`, as transformers' Qwen2/3-MoE decoder
+    layers decide), or below `first_k_dense_replace` (DeepSeek-V3, GLM-4.5). An expert's
+    width is `moe_intermediate_size`, else `intermediate_size` (Mixtral's experts).
+
+    Raises:
+        ValueError: experts without `num_experts_per_tok`, or more per token than experts.
+    """
+    experts = next(
+        (config[name] for name in _EXPERT_FIELDS if isinstance(config.get(name), int)), 0
+    )
+    if experts <= 0:
+        return None
+    per_token = config.get("num_experts_per_tok")
+    if not isinstance(per_token, int):
+        raise ValueError(f"a config with {experts} experts has no num_experts_per_tok")
+    width = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    if not isinstance(width, int):
+        raise ValueError("a MoE config has neither moe_intermediate_size nor intermediate_size")
+    layers = int(config.get("num_hidden_layers") or 0)
+    step = config.get("decoder_sparse_step") or 1
+    only_dense = set(config.get("mlp_only_layers") or ())
+    first_sparse = int(config.get("first_k_dense_replace") or 0)
+    dense = tuple(
+        layer
+        for layer in range(layers)
+        if layer in only_dense or (layer + 1) % int(step) != 0 or layer < first_sparse
+    )
+    return MoeGeometry(
+        experts=experts,
+        experts_per_token=per_token,
+        expert_intermediate_size=width,
+        dense_layers=dense,
+    )
+
+
+def experts_of_rank(experts: int, rank: int, world_size: int) -> range:
+    """The expert ids rank `rank` of `world_size` expert-parallel ranks holds in every MoE
+    layer: a contiguous run, `experts / world_size` each, the later ranks taking one more
+    where it does not divide (4 experts over 3 ranks: [0], [1], [2, 3]).
+
+    Raises:
+        ValueError: more ranks than experts (a rank would hold none).
+    """
+    if not 0 < world_size <= experts:
+        raise ValueError(f"{experts} experts cannot be split over {world_size} ranks")
+    return range(rank * experts // world_size, (rank + 1) * experts // world_size)

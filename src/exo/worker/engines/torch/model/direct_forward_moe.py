@@ -1,0 +1,96 @@
+"""A MoE block as the direct forward holds it (`LeanMoe`): the router's weight, the routing
+rules and, per expert this rank holds, its fused gate/up and down projections (dense or
+quantized, as `Projection` holds any linear), read once from the loaded `RoutedExperts`.
+
+A step's rows are routed and grouped by expert (`moe.dispatch`): each chosen expert's
+weights are read once for all of its rows. A rank holding part of the block (a tensor
+rank's slices of every expert, an expert rank's experts) all-reduces the summed output once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from exo.worker.engines.torch.comm.tcp_mesh import all_reduce_sum
+from exo.worker.engines.torch.model.direct_forward_parts import (
+    Activation,
+    LeanUnsupportedError,
+    Projection,
+    mlp_activation,
+)
+from exo.worker.engines.torch.model.families import ModelFamily
+from exo.worker.engines.torch.model.moe import (
+    ExpertFunction,
+    RoutedExperts,
+    moe_output,
+    router_weight,
+)
+
+
+class LeanExpert:
+    """One expert's `down(act(gate(x)) * up(x))` over `[n, hidden]` float32 rows."""
+
+    __slots__ = ("activation", "down", "gate_up")
+
+    def __init__(self, gate_up: Projection, down: Projection, activation: Activation) -> None:
+        self.gate_up = gate_up
+        self.down = down
+        self.activation = activation
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up(rows.to(self.gate_up.in_dtype))  # [n, 2 * intermediate]
+        middle = gate_up.shape[-1] // 2
+        activated = self.activation(gate_up[:, :middle]).mul_(gate_up[:, middle:])
+        return self.down(activated.to(self.down.in_dtype)).float()
+
+
+class LeanMoe:
+    """One decoder layer's MoE block (`family.moe`), called on the normed `[T, hidden]`
+    float32 rows; returns the block's `[T, hidden]` float32 output (whole: reduced over the
+    group where this rank holds part of it).
+
+    Raises:
+        LeanUnsupportedError: a part of the block the lean forward has no code for yet
+            (shared experts, a correction bias not found).
+    """
+
+    __slots__ = ("correction_bias", "experts", "reduce", "router", "routing")
+
+    def __init__(
+        self, layer: nn.Module, routed: RoutedExperts, family: ModelFamily, config: Any, bf16: bool
+    ) -> None:
+        moe = family.moe
+        assert moe is not None
+        if moe.shared_expert is not None or moe.shared_expert_gate is not None:
+            raise LeanUnsupportedError("shared experts")
+        self.routing = moe.routing(config)
+        if self.routing.experts != routed.total:
+            raise LeanUnsupportedError(
+                f"the config routes over {self.routing.experts} experts, the block has "
+                f"{routed.total}"
+            )
+        self.router = router_weight(layer, family)
+        self.correction_bias: torch.Tensor | None = None
+        if moe.correction_bias is not None:
+            owner, _, name = moe.correction_bias.rpartition(".")
+            bias = getattr(layer.get_submodule(owner) if owner else layer, name, None)
+            if not isinstance(bias, torch.Tensor):
+                raise LeanUnsupportedError(f"no correction bias at {moe.correction_bias}")
+            self.correction_bias = bias.detach().float()
+        self.experts: list[ExpertFunction | None] = [None] * routed.total
+        for expert_id, expert in routed.held().items():
+            gate_up = Projection([expert.get_submodule(p) for p in moe.expert_gate_up], bf16)
+            down = Projection([expert.get_submodule(moe.expert_down)], bf16)
+            if gate_up.reduce or down.reduce:
+                raise LeanUnsupportedError("an expert linear that all-reduces by itself")
+            self.experts[expert_id] = LeanExpert(gate_up, down, mlp_activation(expert))
+        self.reduce = routed.reduce
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        out = moe_output(rows, self.router, self.routing, self.correction_bias, self.experts)
+        if self.reduce:
+            all_reduce_sum(out)
+        return out
