@@ -202,19 +202,15 @@ class ResponseFormat(_WireRequestModel):
     json_schema: JsonSchemaSpec | None = None
 
 
-class ChatCompletionRequest(_WireRequestModel):
-    """The body of `POST /v1/chat/completions`.
-
-    `top_k` and `min_p` are not OpenAI parameters; vLLM and llama.cpp accept them and so do
-    we (`top_k = -1` is vLLM's "disabled" and is accepted as such). Fields marked
-    "compatibility no-ops" are accepted and have no effect (README, "Accepted and ignored").
+class OpenAIGenerationRequest(_WireRequestModel):
+    """The fields the two OpenAI generation requests (Chat Completions and legacy
+    Completions) share, with the same names, ranges and meaning: the model, the sampling
+    settings (`exo.api.wire.sampling.openai_sampling_fields` maps them), streaming, the
+    number of choices (only 1 is served) and `user` (accepted, no effect). The
+    subclasses' docstrings are their OpenAPI descriptions; this one is not published.
     """
 
     model: str = Field(min_length=1)
-    messages: list[RequestMessage] = Field(min_length=1)
-
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: VllmTopK | None = None
@@ -225,7 +221,28 @@ class ChatCompletionRequest(_WireRequestModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=None, ge=1)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    # vLLM's CTRL repetition penalty.
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    # Token id (as a JSON object key) -> bias in [-100, 100], added to the token's logit.
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+
+class ChatCompletionRequest(OpenAIGenerationRequest):
+    """The body of `POST /v1/chat/completions`.
+
+    `top_k` and `min_p` are not OpenAI parameters; vLLM and llama.cpp accept them and so do
+    we (`top_k = -1` is vLLM's "disabled" and is accepted as such). Fields marked
+    "compatibility no-ops" are accepted and have no effect (README, "Accepted and ignored").
+    """
+
+    # The fields it shares with legacy Completions are `OpenAIGenerationRequest`'s.
+    messages: list[RequestMessage] = Field(min_length=1)
+
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
 
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoiceParam | None = None
@@ -236,15 +253,10 @@ class ChatCompletionRequest(_WireRequestModel):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    # vLLM's extensions: CTRL repetition penalty, and keyword arguments for the template.
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    # vLLM's extension: keyword arguments for the template.
     chat_template_kwargs: dict[str, Any] | None = None
     # "none" turns thinking off; the others are passed to the template.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-    # Token id (as a JSON object key) -> bias in [-100, 100], added to the token's logit.
-    logit_bias: dict[str, float] | None = None
 
     # Compatibility no-ops (README, "Accepted and ignored").
     store: bool | None = None
