@@ -20,7 +20,7 @@ clients; response models are what we emit and stay exact.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -346,16 +346,27 @@ class Choice(_WireResponseModel):
     logprobs: ChoiceLogprobs | None = None
 
 
-class ChatCompletionResponse(_WireResponseModel):
-    """The non-streaming answer."""
+ChoiceT = TypeVar("ChoiceT", bound=BaseModel)
+
+
+class CompletionObject(_WireResponseModel, Generic[ChoiceT]):
+    """What OpenAI's completion objects share, answers and streamed chunks of Chat
+    Completions and of legacy Completions alike: the id, the `object` kind (each subclass
+    narrows it to its literal), the creation time, the model, the choices and the usage."""
 
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int = Field(description="Unix time, seconds.")
     model: str
-    choices: list[Choice]
+    choices: list[ChoiceT]
     usage: CompletionUsage | None = None
     system_fingerprint: str | None = None
+
+
+class ChatCompletionResponse(CompletionObject[Choice]):
+    """The non-streaming answer."""
+
+    object: Literal["chat.completion"] = "chat.completion"
 
 
 class DeltaFunctionCall(_WireResponseModel):
@@ -394,18 +405,12 @@ class ChunkChoice(_WireResponseModel):
     logprobs: ChoiceLogprobs | None = None
 
 
-class ChatCompletionChunk(_WireResponseModel):
+class ChatCompletionChunk(CompletionObject[ChunkChoice]):
     """One SSE event of a streamed answer. With `stream_options.include_usage`, every chunk
     carries `usage: null` except one last chunk with no choices and the usage set; without
     it the `usage` key is left out (serialisation is up to the adapter)."""
 
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(description="Unix time, seconds.")
-    model: str
-    choices: list[ChunkChoice]
-    usage: CompletionUsage | None = None
-    system_fingerprint: str | None = None
 
 
 class ModelObject(_WireResponseModel):

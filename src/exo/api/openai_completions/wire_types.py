@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from exo.api.openai_chat.wire_types import CompletionUsage, OpenAIGenerationRequest
+from exo.api.openai_chat.wire_types import CompletionObject, OpenAIGenerationRequest
 from exo.shared.types.text_generation import MAX_TOP_LOGPROBS
 
 # OpenAI's documented default for the legacy endpoint (vLLM keeps it too): a request
@@ -74,14 +74,8 @@ class CompletionChoice(_WireResponseModel):
     finish_reason: CompletionFinishReason | None = None
 
 
-class Completion(_WireResponseModel):
+class Completion(CompletionObject[CompletionChoice]):
     """A whole response, or (streaming) one `text_completion` chunk: then `text` is the new
     piece and `finish_reason` is set on the last chunk only."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(description="Unix time, seconds.")
-    model: str
-    choices: list[CompletionChoice]
-    usage: CompletionUsage | None = None
-    system_fingerprint: str | None = None
