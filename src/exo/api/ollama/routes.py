@@ -188,7 +188,8 @@ async def _answer(
             has_input = bool(body.messages)
             to_params = partial(chat_to_task_params, body)
         case OllamaGenerateRequest():
-            dialect, has_input = "generate", bool(body.prompt)
+            dialect = "generate"
+            has_input = bool(body.prompt)
             to_params = partial(generate_to_task_params, body)
         case _:
             assert_never(body)
