@@ -5,7 +5,8 @@ Failure after the HTTP status has been sent is reported in-band, the way vLLM do
 `data: {"error": {...}}` event in OpenAI's error shape, then `data: [DONE]`. The official
 `openai` client raises `APIError` on any event whose JSON has a truthy `error` key (checked
 in openai 3.57, `_streaming.Stream.__stream__`), before it reaches `[DONE]`; clients that
-ignore unknown events still see a well-terminated stream.
+ignore unknown events still see a well-terminated stream. `OpenAIChunkStream` is the one
+stream both dialects render, each with its own chunk, choice and usage types.
 """
 
 from __future__ import annotations
