@@ -1,8 +1,8 @@
 """Ollama's pull and delete of one model, forced into the interleaving that raced: the
 preparation has returned (the model's file lock is free again) and the pull has not yet
 measured and reported the files when the delete arrives. The preparation is a stand-in
-that writes the files and then waits for the test, so each step happens on an event, never
-on a sleep."""
+that writes the files and then waits for the test; each step waits on an event or on a
+condition with a deadline, never on a fixed sleep."""
 
 from __future__ import annotations
 
