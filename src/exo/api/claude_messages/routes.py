@@ -22,12 +22,10 @@ from exo.api.claude_messages.wire_types import (
     Message,
     MessagesRequest,
 )
-from exo.api.serving.generation import serve_generation
+from exo.api.serving.generation import convert_request
 from exo.api.serving.model_lookup import Cluster, with_resolved_model
-from exo.api.serving.response_ids import response_id
 from exo.api.serving.token_counting import count_prompt_tokens
 from exo.api.wire.errors import ErrorDialect
-from exo.shared.types.common import CommandId
 
 router = APIRouter()
 
@@ -46,17 +44,13 @@ ERROR_DIALECT = ErrorDialect("anthropic", ("/v1/messages",), _render_error)
 async def create_message(
     body: MessagesRequest, request: Request, cluster: Cluster
 ) -> Message | StreamingResponse:
-    # A short name (`qwen3:0.6b`) answers with the catalog id it resolves to, as Anthropic
-    # answers an alias with the model it points to.
-    body = with_resolved_model(cluster, body)
-    params = to_task_params(body)
-    command_id = CommandId.new()
-    message_id = response_id("msg_", command_id)
-    return await serve_generation(
-        cluster, request, params, command_id=command_id,
-        render=lambda chunks: stream_message(chunks, message_id=message_id, model=body.model),
-        collector=lambda chunks: collect_message(chunks, message_id=message_id, model=body.model),
-    )  # fmt: skip
+    converted = convert_request(cluster, body, to_task_params, "msg_")
+    message_id, model = converted.response_id, converted.body.model
+    return await converted.serve(
+        request,
+        render=lambda chunks: stream_message(chunks, message_id=message_id, model=model),
+        collector=lambda chunks: collect_message(chunks, message_id=message_id, model=model),
+    )
 
 
 @router.post("/v1/messages/count_tokens")

@@ -7,6 +7,12 @@ models directory, reports the files to the cluster state and streams Ollama's pr
 objects. `delete` removes the files from this node's models directory, unless an instance
 of the model is placed (409). Errors are Ollama's `{"error": "..."}` (the `/ollama/api`
 error dialect of `exo.api.ollama.routes`).
+
+A pull and a delete of one model through this API never interleave (`model_files_lock`):
+the model's file lock (`exo.download.model_lock`) orders their work on the files, but a
+preparation releases it when it returns, before the pull has measured the files and
+reported them; a delete in that gap would leave the pull measuring vanished files (a
+broken stream, a 500) and the cluster state saying the deleted files were complete.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ from pathlib import Path
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from loguru import logger
+from starlette.datastructures import State
 
 from exo.api.ollama.model_listings import model_digest
 from exo.api.ollama.request import NDJSON_MEDIA_TYPE
@@ -29,10 +36,11 @@ from exo.api.ollama.wire_types import OllamaDeleteRequest, OllamaProgressRespons
 from exo.api.serving.cluster_client import ClusterClient
 from exo.api.serving.model_lookup import Cluster, card_of, resolve_model_id
 from exo.api.wire.errors import ApiError, ModelNotFoundError, NoCapacityError
-from exo.download.locations import delete_downloaded_model
+from exo.download.locations import DELETE_WAIT_SECONDS, delete_downloaded_model
 from exo.download.model_lock import ModelBusyError
 from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.shared.constants import models_dir
+from exo.shared.types.common import ModelId
 from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.models import LocalDirectorySource, ModelCard
 from exo.shared.types.nodes import DownloadCompleted, DownloadPending
@@ -45,9 +53,23 @@ class ModelInUseError(ApiError):
     error_type = "invalid_request_error"
 
 
+def model_files_lock(app_state: State, model_id: ModelId) -> anyio.Lock:
+    """The app's lock on `model_id`'s files on this node. A pull holds it from preparing
+    the files until it has measured them and reported them to the cluster state; a delete
+    while it removes them and reports that. So a delete that arrives while a pull is
+    preparing or reporting waits for the pull (up to `DELETE_WAIT_SECONDS`, then 409), and
+    a pull that arrives during a delete waits for it, then prepares the files anew."""
+    locks: dict[ModelId, anyio.Lock] | None = getattr(app_state, "model_files_locks", None)
+    if locks is None:
+        locks = app_state.model_files_locks = {}
+    if model_id not in locks:
+        locks[model_id] = anyio.Lock()
+    return locks[model_id]
+
+
 @router.post(f"{PREFIX}/api/pull", response_model=None)
 async def pull(
-    body: OllamaPullRequest, cluster: Cluster
+    body: OllamaPullRequest, request: Request, cluster: Cluster
 ) -> StreamingResponse | OllamaProgressResponse:
     """Make the model's files ready on this node. Streams Ollama's progress lines:
     `{"status": "pulling manifest"}`, the preparation's own steps, then the files'
@@ -55,14 +77,15 @@ async def pull(
     `{"status": "success"}`, or a last `{"error": ...}` line. `stream: false` answers
     only the outcome."""
     card = _card(cluster, body.model)
+    files_lock = model_files_lock(request.app.state, card.model_id)
     if not body.stream:
-        await _prepare(cluster, card, None)
+        await _pull_files(cluster, card, files_lock, None)
         return OllamaProgressResponse(status="success")
     send, receive = anyio.create_memory_object_stream[str](64)
 
     async def lines() -> AsyncIterator[str]:
         async with anyio.create_task_group() as task_group:
-            task_group.start_soon(_prepare_and_report, cluster, card, send)
+            task_group.start_soon(_pull_and_report, cluster, card, files_lock, send)
             async with receive:
                 async for line in receive:
                     yield line
@@ -71,7 +94,7 @@ async def pull(
 
 
 @router.delete(f"{PREFIX}/api/delete", response_model=None)
-async def delete(body: OllamaDeleteRequest, cluster: Cluster) -> Response:
+async def delete(body: OllamaDeleteRequest, request: Request, cluster: Cluster) -> Response:
     """Remove the model's files from this node's models directory (200, empty body);
     404 when this node has none there, 409 while an instance of the model is placed or
     its files are still being pulled (after waiting `DELETE_WAIT_SECONDS` for that)."""
@@ -85,22 +108,32 @@ async def delete(body: OllamaDeleteRequest, cluster: Cluster) -> Response:
         )
     if isinstance(card.source, LocalDirectorySource):
         raise ModelNotFoundError(f"model '{body.model}' not found")
-    # The same removal as DELETE /download/{node_id}/{model}: every writable models
-    # directory, never a read-only one or the Hugging Face cache.
+    being_pulled = ModelInUseError(
+        f"model '{body.model}' is being pulled or downloaded on this node; delete it "
+        "when that has finished (or cancel it: POST /download/cancel)",
+        param="model",
+    )
+    files_lock = model_files_lock(request.app.state, card.model_id)
     try:
-        removed = await anyio.to_thread.run_sync(
-            delete_downloaded_model, models_dir(), str(card.model_id)
-        )
-    except ModelBusyError:
-        raise ModelInUseError(
-            f"model '{body.model}' is being pulled or downloaded on this node; delete it "
-            "when that has finished (or cancel it: POST /download/cancel)",
-            param="model",
-        ) from None
-    if not removed:
-        raise ModelNotFoundError(f"model '{body.model}' not found")
-    logger.info(f"deleted the files of {card.model_id} from {', '.join(map(str, removed))}")
-    cluster.record_download(card.model_id, DownloadPending())
+        with anyio.fail_after(DELETE_WAIT_SECONDS):
+            await files_lock.acquire()
+    except TimeoutError:
+        raise being_pulled from None
+    try:
+        # The same removal as DELETE /download/{node_id}/{model}: every writable models
+        # directory, never a read-only one or the Hugging Face cache.
+        try:
+            removed = await anyio.to_thread.run_sync(
+                delete_downloaded_model, models_dir(), str(card.model_id)
+            )
+        except ModelBusyError:  # a download by this node's worker
+            raise being_pulled from None
+        if not removed:
+            raise ModelNotFoundError(f"model '{body.model}' not found")
+        logger.info(f"deleted the files of {card.model_id} from {', '.join(map(str, removed))}")
+        cluster.record_download(card.model_id, DownloadPending())
+    finally:
+        files_lock.release()
     return Response(status_code=200)
 
 
@@ -112,11 +145,40 @@ def _card(cluster: ClusterClient, name: str) -> ModelCard:
     return card
 
 
+async def _pull_files(
+    cluster: ClusterClient,
+    card: ModelCard,
+    files_lock: anyio.Lock,
+    progress: MemoryObjectSendStream[str] | None,
+) -> int:
+    """Prepare `card`'s files (`_prepare`), measure them and report them complete to the
+    cluster state, holding `files_lock` throughout (see `model_files_lock`).
+
+    Returns:
+        The bytes of the files in the model's directory.
+
+    Raises:
+        NoCapacityError: the files could not be fetched, verified or converted (503).
+        ModelNotFoundError: the files vanished once prepared: deleted past this API (by
+            this node's worker, or by another node sharing the models directory) (404).
+    """
+    async with files_lock:
+        path = await _prepare(cluster, card, progress)
+        try:
+            size = sum(file.stat().st_size for file in path.iterdir() if file.is_file())
+        except FileNotFoundError:
+            raise ModelNotFoundError(
+                f"model '{card.model_id}' not found: its files were deleted while it was "
+                "being pulled; pull it again"
+            ) from None
+        cluster.record_download(card.model_id, DownloadCompleted(path=str(path)))
+    return size
+
+
 async def _prepare(
     cluster: ClusterClient, card: ModelCard, progress: MemoryObjectSendStream[str] | None
 ) -> Path:
-    """Prepare `card`'s files in this node's models directory (in a thread) and report
-    them to the cluster state.
+    """Prepare `card`'s files in this node's models directory (in a thread).
 
     Returns:
         The model's directory.
@@ -161,23 +223,24 @@ async def _prepare(
         )
     except ModelPreparationError as error:
         raise NoCapacityError(f"pulling {card.model_id} failed: {error}") from None
-    cluster.record_download(card.model_id, DownloadCompleted(path=str(path)))
     return path
 
 
-async def _prepare_and_report(
-    cluster: ClusterClient, card: ModelCard, send: MemoryObjectSendStream[str]
+async def _pull_and_report(
+    cluster: ClusterClient,
+    card: ModelCard,
+    files_lock: anyio.Lock,
+    send: MemoryObjectSendStream[str],
 ) -> None:
     async with send:
         await send.send(_line(OllamaProgressResponse(status="pulling manifest")))
         try:
-            path = await _prepare(cluster, card, send)
+            size = await _pull_files(cluster, card, files_lock, send)
         except ApiError as error:
             # After the 200 went out, Ollama reports a failure as one error line; the
             # official client raises it.
             await send.send(json.dumps({"error": error.message}) + "\n")
             return
-        size = sum(file.stat().st_size for file in path.iterdir() if file.is_file())
         digest = model_digest(card.model_id)
         await send.send(
             _line(

@@ -28,18 +28,17 @@ from exo.api.ollama.wire_types import (
     OllamaChatRequest,
     OllamaGenerateRequest,
     OllamaMessage,
-    OllamaNamedToolChoice,
     OllamaOptions,
     ThinkSetting,
 )
 from exo.api.serving.request_checks import build_task_params
 from exo.api.wire.errors import InvalidRequestError
 from exo.api.wire.sampling import sampling_fields
+from exo.api.wire.tools import openai_tool_choice, tool_definitions
 from exo.shared.types.commands import KeepAlive
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     ChatMessage,
-    NamedToolChoice,
     ReasoningEffort,
     ResponseFormat,
     TextGenerationTaskParams,
@@ -171,22 +170,8 @@ def chat_to_task_params(
             `tool_choice` naming no offered tool, or option values out of range.
     """
     messages = _chat_messages(request.messages, request.model, capabilities)
-    tools = tuple(
-        ToolDefinition(
-            name=tool.function.name,
-            description=tool.function.description,
-            parameters=tool.function.parameters or {},
-        )
-        for tool in request.tools or ()
-    )
-    match request.tool_choice:
-        case None:
-            tool_choice: ToolChoice = "auto"
-        case OllamaNamedToolChoice():
-            tool_choice = NamedToolChoice(name=request.tool_choice.function.name)
-        case _:
-            tool_choice = request.tool_choice
-    return _task_params(request, model_id, messages, tools, tool_choice)
+    tools = tool_definitions(tool.function for tool in request.tools or ())
+    return _task_params(request, model_id, messages, tools, openai_tool_choice(request.tool_choice))
 
 
 def generate_to_task_params(

@@ -105,7 +105,6 @@ def _line(
     done_reason: str | None = None,
     timings: OllamaTimings | None = None,
 ) -> OllamaChatResponse | OllamaGenerateResponse:
-    statistics = timings.model_dump() if timings is not None else {}
     if dialect == "chat":
         message = OllamaResponseMessage(
             content=text, thinking=thinking or None, tool_calls=tool_calls or None
@@ -116,8 +115,8 @@ def _line(
             message=message,
             done=done_reason is not None,
             done_reason=done_reason,
+            timings=timings,
             logprobs=logprobs or None,
-            **statistics,
         )
     return OllamaGenerateResponse(
         model=model,
@@ -126,8 +125,8 @@ def _line(
         thinking=thinking or None,
         done=done_reason is not None,
         done_reason=done_reason,
+        timings=timings,
         logprobs=logprobs or None,
-        **statistics,
     )
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, assert_never
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
@@ -64,7 +64,6 @@ from exo.shared.types.commands import KeepAlive, SetKeepAlive
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
 from exo.shared.types.models import LocalDirectorySource, ModelCard
 from exo.shared.types.nodes import DownloadCompleted
-from exo.shared.types.text_generation import TextGenerationTaskParams
 
 PREFIX = "/ollama"
 UNIX_EPOCH = "1970-01-01T00:00:00Z"
@@ -110,20 +109,14 @@ async def version() -> OllamaVersionResponse:
 async def ollama_chat(
     body: OllamaChatRequest, request: Request, cluster: Cluster
 ) -> Response | OllamaChatResponse | OllamaGenerateResponse:
-    return await _answer(
-        cluster, request, body, "chat", bool(body.messages),
-        lambda card: chat_to_task_params(body, card.model_id, card.capabilities),
-    )  # fmt: skip
+    return await _answer(cluster, request, body)
 
 
 @router.post(f"{PREFIX}/api/generate", response_model=None)
 async def ollama_generate(
     body: OllamaGenerateRequest, request: Request, cluster: Cluster
 ) -> Response | OllamaChatResponse | OllamaGenerateResponse:
-    return await _answer(
-        cluster, request, body, "generate", bool(body.prompt),
-        lambda card: generate_to_task_params(body, card.model_id, card.capabilities),
-    )  # fmt: skip
+    return await _answer(cluster, request, body)
 
 
 @router.get(f"{PREFIX}/api/tags")
@@ -182,21 +175,27 @@ async def ps(cluster: Cluster) -> OllamaProcessResponse:
 
 
 async def _answer(
-    cluster: ClusterClient,
-    request: Request,
-    body: OllamaChatRequest | OllamaGenerateRequest,
-    dialect: Dialect,
-    has_input: bool,
-    to_params: Callable[[ModelCard], TextGenerationTaskParams],
+    cluster: ClusterClient, request: Request, body: OllamaChatRequest | OllamaGenerateRequest
 ) -> Response | OllamaChatResponse | OllamaGenerateResponse:
-    """A chat or generate request: a load (or unload) request without input, else the
-    generation, streamed as JSON lines or collected."""
+    """A chat or generate request: a load (or unload) request without input (no messages,
+    an empty prompt), else the generation, streamed as JSON lines or collected."""
     started_ns = time.monotonic_ns()
     card = _card_for_request(cluster, body.model)
     keep_alive = parse_keep_alive(body.keep_alive)
+    match body:
+        case OllamaChatRequest():
+            dialect: Dialect = "chat"
+            has_input = bool(body.messages)
+            to_params = partial(chat_to_task_params, body)
+        case OllamaGenerateRequest():
+            dialect = "generate"
+            has_input = bool(body.prompt)
+            to_params = partial(generate_to_task_params, body)
+        case _:
+            assert_never(body)
     if not has_input:
         return await _load_or_unload(cluster, request, card, keep_alive, dialect, body)
-    params, model = to_params(card), body.model
+    params, model = to_params(card.model_id, card.capabilities), body.model
     return await serve_generation(
         cluster, request, params, keep_alive=keep_alive, media_type=NDJSON_MEDIA_TYPE,
         render=lambda chunks: stream_ollama(

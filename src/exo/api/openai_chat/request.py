@@ -19,7 +19,6 @@ from exo.api.openai_chat.wire_types import (
     FileContentPart,
     FunctionMessage,
     ImageContentPart,
-    NamedToolChoiceParam,
     RefusalContentPart,
     RequestMessage,
     SystemMessage,
@@ -32,6 +31,7 @@ from exo.api.serving.request_checks import build_task_params
 from exo.api.wire.conversation import check_tool_results_answer_calls
 from exo.api.wire.errors import InvalidRequestError
 from exo.api.wire.sampling import logit_bias_from_wire, openai_sampling_fields
+from exo.api.wire.tools import openai_tool_choice, tool_definitions
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     ChatMessage,
@@ -41,7 +41,6 @@ from exo.shared.types.text_generation import (
     TextGenerationTaskParams,
     ToolCall,
     ToolChoice,
-    ToolDefinition,
 )
 
 # vLLM joins the text parts of one message with a newline; so do we, so that parts written
@@ -87,7 +86,10 @@ def to_task_params(request: ChatCompletionRequest) -> TextGenerationTaskParams:
         messages=_to_chat_messages(request.messages),
         **openai_sampling_fields(request, max_tokens=_max_tokens(request)),
         stream=request.stream,
-        tools=_tools(request),
+        # The deprecated `functions` are tools too (a request may not send both).
+        tools=tool_definitions(
+            [tool.function for tool in request.tools or ()] + list(request.functions or ())
+        ),
         tool_choice=_tool_choice(request),
         parallel_tool_calls=(
             True if request.parallel_tool_calls is None else request.parallel_tool_calls
@@ -139,33 +141,12 @@ def _json_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
     return {"type": "object"} if schema is None else schema
 
 
-def _tools(request: ChatCompletionRequest) -> tuple[ToolDefinition, ...]:
-    definitions = [tool.function for tool in request.tools or ()] + list(request.functions or ())
-    return tuple(
-        ToolDefinition(
-            name=definition.name,
-            description=definition.description,
-            parameters=definition.parameters or {},
-        )
-        for definition in definitions
-    )
-
-
 def _tool_choice(request: ChatCompletionRequest) -> ToolChoice:
-    choice = request.tool_choice
-    if choice is None and request.function_call is not None:
+    """`tool_choice`, or else its deprecated form `function_call`."""
+    if request.tool_choice is None and request.function_call is not None:
         legacy = request.function_call
         return legacy if isinstance(legacy, str) else NamedToolChoice(name=legacy.name)
-    match choice:
-        case None:
-            return "auto"
-        case NamedToolChoiceParam():
-            return NamedToolChoice(name=choice.function.name)
-        case "none" | "auto" | "required":
-            # "auto" and "none" without tools ask for nothing, as at OpenAI.
-            return choice
-        case _:
-            assert_never(choice)
+    return openai_tool_choice(request.tool_choice)
 
 
 def _thinking(request: ChatCompletionRequest) -> tuple[bool | None, ReasoningEffort | None]:

@@ -9,7 +9,7 @@ first chunk whose `finish_reason` is set. The caller owns the chunk iterator and
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import assert_never
 
 from exo.api.openai_chat.wire_types import (
@@ -32,20 +32,27 @@ from exo.api.openai_chat.wire_types import (
 )
 from exo.api.wire import stream
 from exo.api.wire.logprobs import logprob_entries
-from exo.api.wire.openai_sse import openai_chunk_event, openai_stream_end
+from exo.api.wire.openai_sse import OpenAIChunkStream
 from exo.shared.types.chunks import Chunk, TokenLogprob, Usage
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 # ---------------------------------------------------------------- response
 
 
-def _completion_usage(usage: Usage) -> CompletionUsage:
+def completion_usage(usage: Usage, *, reasoning_tokens: bool = True) -> CompletionUsage:
+    """OpenAI's usage object of the internal usage: token counts, the prompt tokens served
+    from the prefix cache, and (unless `reasoning_tokens` is False, as on legacy
+    Completions, which reports no details of the completion) the thinking tokens."""
     return CompletionUsage(
         prompt_tokens=usage.prompt_tokens,
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
-        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens),
+        completion_tokens_details=(
+            CompletionTokensDetails(reasoning_tokens=usage.reasoning_tokens)
+            if reasoning_tokens
+            else None
+        ),
     )
 
 
@@ -107,28 +114,20 @@ async def stream_chat_completion(
         params: The request; logprobs are reported only when it asked for them.
     """
     want_logprobs = params is not None and params.logprobs
-
-    def event(choices: list[ChunkChoice], usage: CompletionUsage | None = None) -> str:
-        chunk = ChatCompletionChunk(
-            id=completion_id, created=created, model=model, choices=choices, usage=usage
-        )
-        return openai_chunk_event(chunk, include_usage)
-
-    def finish_event(end: stream.Finished) -> str:
-        return event([ChunkChoice(index=0, delta=ChunkDelta(), finish_reason=end.completed_reason)])
-
-    usage_event = (lambda usage: event([], _completion_usage(usage))) if include_usage else None
+    events: OpenAIChunkStream[ChunkChoice] = OpenAIChunkStream(
+        ChatCompletionChunk, completion_usage, completion_id, created, model, include_usage
+    )
 
     def delta_event(delta: ChunkDelta) -> str:
-        return event([ChunkChoice(index=0, delta=delta)])
+        return events.event([ChunkChoice(index=0, delta=delta)])
 
     # The common token (text only, no logprobs) skips the models: see `text_event_renderer`.
     content_event = text_event_renderer(delta_event, "content")
     reasoning_event = text_event_renderer(delta_event, "reasoning_content")
-
-    yield event([ChunkChoice(index=0, delta=ChunkDelta(role="assistant", content=""))])
     tool_call_count = 0
-    async for piece in stream.generation_events(chunks, conversation_param="messages"):
+
+    def render(piece: stream.Text | stream.ToolCalls) -> Iterator[str]:
+        nonlocal tool_call_count
         match piece:
             case stream.Text(text=text, reasoning=reasoning):
                 logprobs = (
@@ -144,7 +143,7 @@ async def stream_chat_completion(
                     delta = ChunkDelta(content=text or None, reasoning_content=reasoning or None)
                     if delta.content is None and delta.reasoning_content is None:
                         delta = ChunkDelta(content="")
-                    yield event([ChunkChoice(index=0, delta=delta, logprobs=logprobs)])
+                    yield events.event([ChunkChoice(index=0, delta=delta, logprobs=logprobs)])
             case stream.ToolCalls():
                 for call in piece.calls:
                     delta_call = DeltaToolCall(
@@ -154,12 +153,19 @@ async def stream_chat_completion(
                         function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
                     )
                     tool_call_count += 1
-                    yield event([ChunkChoice(index=0, delta=ChunkDelta(tool_calls=[delta_call]))])
-            case stream.Finished() | stream.Failed():
-                for line in openai_stream_end(piece, finish_event, usage_event):
-                    yield line
+                    yield delta_event(ChunkDelta(tool_calls=[delta_call]))
             case _:
                 assert_never(piece)
+
+    opening = [delta_event(ChunkDelta(role="assistant", content=""))]
+    async for line in events.events(
+        chunks,
+        "messages",
+        opening,
+        render,
+        lambda end: ChunkChoice(index=0, delta=ChunkDelta(), finish_reason=end.completed_reason),
+    ):
+        yield line
 
 
 async def collect_chat_completion(
@@ -213,5 +219,5 @@ async def collect_chat_completion(
     )
     return ChatCompletionResponse(
         id=completion_id, created=created, model=model, choices=[choice],
-        usage=_completion_usage(generation.finished.final_usage),
+        usage=completion_usage(generation.finished.final_usage),
     )  # fmt: skip

@@ -21,14 +21,9 @@ from exo.api.openai_chat.wire_types import (
     ModelList,
     ModelObject,
 )
-from exo.api.serving.generation import serve_generation
-from exo.api.serving.model_lookup import (
-    Cluster,
-    resolve_model_id,
-    servable_model_ids,
-    with_resolved_model,
-)
-from exo.api.serving.response_ids import command_id_in_response_id, response_id
+from exo.api.serving.generation import convert_request
+from exo.api.serving.model_lookup import Cluster, resolve_model_id, servable_model_ids
+from exo.api.serving.response_ids import command_id_in_response_id
 from exo.api.wire.errors import ApiError, ModelNotFoundError
 from exo.shared.types.commands import CancelGeneration
 from exo.shared.types.common import CommandId
@@ -71,12 +66,11 @@ async def retrieve_model(model_id: str, cluster: Cluster) -> ModelObject:
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, cluster: Cluster
 ) -> ChatCompletionResponse | StreamingResponse:
-    params = to_task_params(with_resolved_model(cluster, body))
-    command_id = CommandId.new()
-    completion_id, created = response_id("chatcmpl-", command_id), int(time.time())
+    converted = convert_request(cluster, body, to_task_params, "chatcmpl-")
+    params, completion_id, created = converted.params, converted.response_id, int(time.time())
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return await serve_generation(
-        cluster, request, params, command_id=command_id,
+    return await converted.serve(
+        request,
         render=lambda chunks: stream_chat_completion(
             chunks, completion_id=completion_id, model=params.model, created=created,
             include_usage=include_usage, params=params,

@@ -20,7 +20,7 @@ clients; response models are what we emit and stay exact.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -202,19 +202,15 @@ class ResponseFormat(_WireRequestModel):
     json_schema: JsonSchemaSpec | None = None
 
 
-class ChatCompletionRequest(_WireRequestModel):
-    """The body of `POST /v1/chat/completions`.
-
-    `top_k` and `min_p` are not OpenAI parameters; vLLM and llama.cpp accept them and so do
-    we (`top_k = -1` is vLLM's "disabled" and is accepted as such). Fields marked
-    "compatibility no-ops" are accepted and have no effect (README, "Accepted and ignored").
+class OpenAIGenerationRequest(_WireRequestModel):
+    """The fields the two OpenAI generation requests (Chat Completions and legacy
+    Completions) share, with the same names, ranges and meaning: the model, the sampling
+    settings (`exo.api.wire.sampling.openai_sampling_fields` maps them), streaming, the
+    number of choices (only 1 is served) and `user` (accepted, no effect). The
+    subclasses' docstrings are their OpenAPI descriptions; this one is not published.
     """
 
     model: str = Field(min_length=1)
-    messages: list[RequestMessage] = Field(min_length=1)
-
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: VllmTopK | None = None
@@ -225,7 +221,28 @@ class ChatCompletionRequest(_WireRequestModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=None, ge=1)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    # vLLM's CTRL repetition penalty.
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    # Token id (as a JSON object key) -> bias in [-100, 100], added to the token's logit.
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+
+class ChatCompletionRequest(OpenAIGenerationRequest):
+    """The body of `POST /v1/chat/completions`.
+
+    `top_k` and `min_p` are not OpenAI parameters; vLLM and llama.cpp accept them and so do
+    we (`top_k = -1` is vLLM's "disabled" and is accepted as such). Fields marked
+    "compatibility no-ops" are accepted and have no effect (README, "Accepted and ignored").
+    """
+
+    # The fields it shares with legacy Completions are `OpenAIGenerationRequest`'s.
+    messages: list[RequestMessage] = Field(min_length=1)
+
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
 
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoiceParam | None = None
@@ -236,15 +253,10 @@ class ChatCompletionRequest(_WireRequestModel):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    # vLLM's extensions: CTRL repetition penalty, and keyword arguments for the template.
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    # vLLM's extension: keyword arguments for the template.
     chat_template_kwargs: dict[str, Any] | None = None
     # "none" turns thinking off; the others are passed to the template.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-    # Token id (as a JSON object key) -> bias in [-100, 100], added to the token's logit.
-    logit_bias: dict[str, float] | None = None
 
     # Compatibility no-ops (README, "Accepted and ignored").
     store: bool | None = None
@@ -334,16 +346,27 @@ class Choice(_WireResponseModel):
     logprobs: ChoiceLogprobs | None = None
 
 
-class ChatCompletionResponse(_WireResponseModel):
-    """The non-streaming answer."""
+ChoiceT = TypeVar("ChoiceT", bound=BaseModel)
+
+
+class CompletionObject(_WireResponseModel, Generic[ChoiceT]):
+    """What OpenAI's completion objects share, answers and streamed chunks of Chat
+    Completions and of legacy Completions alike: the id, the `object` kind (each subclass
+    narrows it to its literal), the creation time, the model, the choices and the usage."""
 
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int = Field(description="Unix time, seconds.")
     model: str
-    choices: list[Choice]
+    choices: list[ChoiceT]
     usage: CompletionUsage | None = None
     system_fingerprint: str | None = None
+
+
+class ChatCompletionResponse(CompletionObject[Choice]):
+    """The non-streaming answer."""
+
+    object: Literal["chat.completion"] = "chat.completion"
 
 
 class DeltaFunctionCall(_WireResponseModel):
@@ -382,18 +405,12 @@ class ChunkChoice(_WireResponseModel):
     logprobs: ChoiceLogprobs | None = None
 
 
-class ChatCompletionChunk(_WireResponseModel):
+class ChatCompletionChunk(CompletionObject[ChunkChoice]):
     """One SSE event of a streamed answer. With `stream_options.include_usage`, every chunk
     carries `usage: null` except one last chunk with no choices and the usage set; without
     it the `usage` key is left out (serialisation is up to the adapter)."""
 
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(description="Unix time, seconds.")
-    model: str
-    choices: list[ChunkChoice]
-    usage: CompletionUsage | None = None
-    system_fingerprint: str | None = None
 
 
 class ModelObject(_WireResponseModel):

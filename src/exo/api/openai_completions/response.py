@@ -9,10 +9,10 @@ first chunk whose `finish_reason` is set. The caller owns the chunk iterator.
 from __future__ import annotations
 
 import codecs
-from collections.abc import AsyncIterator, Sequence
-from typing import assert_never
+from collections.abc import AsyncIterator, Iterator, Sequence
+from functools import partial
 
-from exo.api.openai_chat.wire_types import CompletionUsage, PromptTokensDetails
+from exo.api.openai_chat.response import completion_usage
 from exo.api.openai_completions.wire_types import (
     Completion,
     CompletionChoice,
@@ -21,9 +21,9 @@ from exo.api.openai_completions.wire_types import (
 )
 from exo.api.wire import stream
 from exo.api.wire.logprobs import logprob_token
-from exo.api.wire.openai_sse import openai_chunk_event, openai_stream_end
+from exo.api.wire.openai_sse import OpenAIChunkStream
 from exo.api.wire.stream import CompletedReason
-from exo.shared.types.chunks import Chunk, TokenLogprob, Usage
+from exo.shared.types.chunks import Chunk, TokenLogprob
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 
@@ -90,13 +90,8 @@ def legacy_logprobs(
     )  # fmt: skip
 
 
-def _usage(usage: Usage) -> CompletionUsage:
-    return CompletionUsage(
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        total_tokens=usage.total_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_tokens),
-    )
+# The legacy API's usage reports no details of the completion.
+_usage = partial(completion_usage, reasoning_tokens=False)
 
 
 async def stream_completion(
@@ -127,42 +122,33 @@ async def stream_completion(
         params: The request; logprobs are reported only when it asked for them.
         echo: The prompt to send back before the completion (the request's `echo`), or "".
     """
-
-    def event(choices: list[CompletionChoice], usage: CompletionUsage | None = None) -> str:
-        chunk = Completion(
-            id=completion_id, created=created, model=model, choices=choices, usage=usage
-        )
-        return openai_chunk_event(chunk, include_usage)
-
-    def finish_event(end: stream.Finished) -> str:
-        reason = completion_finish_reason(end.completed_reason)
-        return event([CompletionChoice(text="", finish_reason=reason)])
-
-    usage_event = (lambda usage: event([], _usage(usage))) if include_usage else None
-
-    if echo:
-        yield event([CompletionChoice(text=echo)])
+    events: OpenAIChunkStream[CompletionChoice] = OpenAIChunkStream(
+        Completion, _usage, completion_id, created, model, include_usage
+    )
     text_offset = len(echo)
     decoder = utf8_offset_decoder()
-    async for piece in stream.generation_events(chunks, conversation_param="prompt"):
-        match piece:
-            case stream.Text():
-                text = piece.text + piece.reasoning
-                logprobs = (
-                    legacy_logprobs(piece.logprobs, text_offset, len(text), decoder)
-                    if params.logprobs and piece.logprobs
-                    else None
-                )
-                if text or logprobs is not None:
-                    yield event([CompletionChoice(text=text, logprobs=logprobs)])
-                text_offset += len(text)
-            case stream.ToolCalls():  # cannot happen for a raw prompt; its tokens still count
-                pass
-            case stream.Finished() | stream.Failed():
-                for line in openai_stream_end(piece, finish_event, usage_event):
-                    yield line
-            case _:
-                assert_never(piece)
+
+    def render(piece: stream.Text | stream.ToolCalls) -> Iterator[str]:
+        nonlocal text_offset
+        if isinstance(piece, stream.ToolCalls):  # cannot happen for a raw prompt
+            return
+        text = piece.text + piece.reasoning
+        logprobs = (
+            legacy_logprobs(piece.logprobs, text_offset, len(text), decoder)
+            if params.logprobs and piece.logprobs
+            else None
+        )
+        if text or logprobs is not None:
+            yield events.event([CompletionChoice(text=text, logprobs=logprobs)])
+        text_offset += len(text)
+
+    def finish_choice(end: stream.Finished) -> CompletionChoice:
+        reason = completion_finish_reason(end.completed_reason)
+        return CompletionChoice(text="", finish_reason=reason)
+
+    opening = [events.event([CompletionChoice(text=echo)])] if echo else []
+    async for line in events.events(chunks, "prompt", opening, render, finish_choice):
+        yield line
 
 
 async def collect_completion(

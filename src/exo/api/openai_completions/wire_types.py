@@ -12,21 +12,16 @@ follow the `openai` SDK's `Completion` type (checked against openai 3.57:
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from exo.api.openai_chat.wire_types import MAX_STOP_SEQUENCES, CompletionUsage, StreamOptions
-from exo.api.wire.request_model import VllmTopK, WireRequestModel
+from exo.api.openai_chat.wire_types import CompletionObject, OpenAIGenerationRequest
 from exo.shared.types.text_generation import MAX_TOP_LOGPROBS
 
 # OpenAI's documented default for the legacy endpoint (vLLM keeps it too): a request
 # without `max_tokens` gets at most 16 tokens. An explicit null means "until a stop".
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-
-
-class _WireRequestModel(WireRequestModel):
-    """Unknown fields are ignored and logged at debug level (`exo.api.wire.request_model`)."""
 
 
 class _WireResponseModel(BaseModel):
@@ -39,7 +34,7 @@ CompletionPrompt = str | list[str] | list[TokenIds] | TokenIds
 only one text is served)."""
 
 
-class CompletionRequest(_WireRequestModel):
+class CompletionRequest(OpenAIGenerationRequest):
     """The body of `POST /v1/completions`.
 
     `logprobs` is the legacy integer form: how many most likely alternatives to report
@@ -48,28 +43,13 @@ class CompletionRequest(_WireRequestModel):
     extensions, as on Chat Completions. `user` is accepted and has no effect.
     """
 
-    model: str = Field(min_length=1)
+    # The fields it shares with Chat Completions are `OpenAIGenerationRequest`'s.
     prompt: CompletionPrompt
     suffix: str | None = None
     max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: VllmTopK | None = None
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    # torch generators take seeds in [-2**63, 2**64).
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-    n: int | None = Field(default=None, ge=1)
     best_of: int | None = Field(default=None, ge=1)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
 
 
 CompletionFinishReason = Literal["stop", "length", "content_filter"]
@@ -94,14 +74,8 @@ class CompletionChoice(_WireResponseModel):
     finish_reason: CompletionFinishReason | None = None
 
 
-class Completion(_WireResponseModel):
+class Completion(CompletionObject[CompletionChoice]):
     """A whole response, or (streaming) one `text_completion` chunk: then `text` is the new
     piece and `finish_reason` is set on the last chunk only."""
 
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(description="Unix time, seconds.")
-    model: str
-    choices: list[CompletionChoice]
-    usage: CompletionUsage | None = None
-    system_fingerprint: str | None = None

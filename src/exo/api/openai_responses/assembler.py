@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal, assert_never
+from typing import Literal, TypedDict, assert_never
 
 from exo.api.openai_responses.context import ResponseContext
 from exo.api.openai_responses.response_types import (
@@ -54,18 +54,30 @@ _STATUS_BY_FINISH_REASON: dict[FinishReason, ResponseStatus] = {
 
 
 @dataclass(slots=True)
-class _OpenMessage:
+class _ItemPlace:
+    """Where an output item stands: its index in `output` and its id."""
+
     output_index: int
     item_id: str
+
+
+@dataclass(slots=True)
+class _OpenMessage(_ItemPlace):
     texts: list[str] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
 
 
 @dataclass(slots=True)
-class _OpenReasoning:
-    output_index: int
-    item_id: str
+class _OpenReasoning(_ItemPlace):
     texts: list[str] = field(default_factory=list)
+
+
+class _InItem(TypedDict):
+    """The fields an event inside an output item starts with (`_ItemEvent`'s)."""
+
+    sequence_number: int
+    item_id: str
+    output_index: int
 
 
 class ResponseAssembler:
@@ -93,6 +105,15 @@ class ResponseAssembler:
 
     def _item_id(self, prefix: str) -> str:
         return f"{prefix}{self._context.id_hex}_{len(self._output)}"
+
+    def _in_item(self, place: _ItemPlace) -> _InItem:
+        """The next sequence number and the item's id and output index, for an event
+        inside the item at `place`."""
+        return _InItem(
+            sequence_number=self._next_sequence_number(),
+            item_id=place.item_id,
+            output_index=place.output_index,
+        )
 
     def response(
         self,
@@ -133,12 +154,7 @@ class ResponseAssembler:
         self._open.texts.append(text)
         self._open.logprobs.extend(logprobs)
         yield OutputTextDeltaEvent(
-            sequence_number=self._next_sequence_number(),
-            item_id=self._open.item_id,
-            output_index=self._open.output_index,
-            content_index=0,
-            delta=text,
-            logprobs=logprobs,
+            **self._in_item(self._open), content_index=0, delta=text, logprobs=logprobs
         )
 
     def add_reasoning(self, text: str) -> Iterator[StreamEvent]:
@@ -152,53 +168,42 @@ class ResponseAssembler:
             )
             yield ReasoningSummaryPartEvent(
                 type="response.reasoning_summary_part.added",
-                sequence_number=self._next_sequence_number(),
-                item_id=item_id,
-                output_index=self._open.output_index,
+                **self._in_item(self._open),
                 summary_index=0,
                 part=SummaryText(text=""),
             )
         assert isinstance(self._open, _OpenReasoning)
         self._open.texts.append(text)
         yield ReasoningSummaryTextDeltaEvent(
-            sequence_number=self._next_sequence_number(),
-            item_id=self._open.item_id,
-            output_index=self._open.output_index,
-            summary_index=0,
-            delta=text,
+            **self._in_item(self._open), summary_index=0, delta=text
         )
 
     def add_tool_call(self, call: ToolCall) -> Iterator[StreamEvent]:
         yield from self._close("completed")
-        item_id, output_index = self._item_id("fc_"), len(self._output)
+        place = _ItemPlace(output_index=len(self._output), item_id=self._item_id("fc_"))
         yield self._item_event(
             "response.output_item.added",
             OutputFunctionCall(
-                id=item_id, call_id=call.id, name=call.name, arguments="", status="in_progress"
+                id=place.item_id,
+                call_id=call.id,
+                name=call.name,
+                arguments="",
+                status="in_progress",
             ),
         )
-        yield FunctionCallArgumentsDeltaEvent(
-            sequence_number=self._next_sequence_number(),
-            item_id=item_id,
-            output_index=output_index,
-            delta=call.arguments,
-        )
+        yield FunctionCallArgumentsDeltaEvent(**self._in_item(place), delta=call.arguments)
         yield FunctionCallArgumentsDoneEvent(
-            sequence_number=self._next_sequence_number(),
-            item_id=item_id,
-            output_index=output_index,
-            name=call.name,
-            arguments=call.arguments,
+            **self._in_item(place), name=call.name, arguments=call.arguments
         )
         item = OutputFunctionCall(
-            id=item_id,
+            id=place.item_id,
             call_id=call.id,
             name=call.name,
             arguments=call.arguments,
             status="completed",
         )
         self._output.append(item)
-        yield self._item_event("response.output_item.done", item, output_index)
+        yield self._item_event("response.output_item.done", item, place.output_index)
 
     def finish(self, reason: FinishReason, usage: Usage) -> Iterator[StreamEvent]:
         """Close the open item and end with `response.completed` / `.incomplete` (length,
@@ -283,9 +288,7 @@ class ResponseAssembler:
         )
         yield ContentPartEvent(
             type="response.content_part.added",
-            sequence_number=self._next_sequence_number(),
-            item_id=item_id,
-            output_index=self._open.output_index,
+            **self._in_item(self._open),
             content_index=0,
             part=OutputText(text=""),
         )
@@ -299,18 +302,14 @@ class ResponseAssembler:
                 text = "".join(open_item.texts)
                 part = OutputText(text=text, logprobs=open_item.logprobs)
                 yield OutputTextDoneEvent(
-                    sequence_number=self._next_sequence_number(),
-                    item_id=open_item.item_id,
-                    output_index=open_item.output_index,
+                    **self._in_item(open_item),
                     content_index=0,
                     text=text,
                     logprobs=open_item.logprobs,
                 )
                 yield ContentPartEvent(
                     type="response.content_part.done",
-                    sequence_number=self._next_sequence_number(),
-                    item_id=open_item.item_id,
-                    output_index=open_item.output_index,
+                    **self._in_item(open_item),
                     content_index=0,
                     part=part,
                 )
@@ -320,17 +319,11 @@ class ResponseAssembler:
             case _OpenReasoning():
                 text = "".join(open_item.texts)
                 yield ReasoningSummaryTextDoneEvent(
-                    sequence_number=self._next_sequence_number(),
-                    item_id=open_item.item_id,
-                    output_index=open_item.output_index,
-                    summary_index=0,
-                    text=text,
+                    **self._in_item(open_item), summary_index=0, text=text
                 )
                 yield ReasoningSummaryPartEvent(
                     type="response.reasoning_summary_part.done",
-                    sequence_number=self._next_sequence_number(),
-                    item_id=open_item.item_id,
-                    output_index=open_item.output_index,
+                    **self._in_item(open_item),
                     summary_index=0,
                     part=SummaryText(text=text),
                 )

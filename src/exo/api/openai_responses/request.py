@@ -51,6 +51,7 @@ from exo.api.openai_responses.request_types import (
 from exo.api.serving.request_checks import build_task_params
 from exo.api.wire.errors import InvalidRequestError
 from exo.api.wire.sampling import sampling_fields, vllm_top_k
+from exo.api.wire.tools import tool_definitions
 from exo.shared.types.chunks import ToolCall
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
@@ -60,7 +61,6 @@ from exo.shared.types.text_generation import (
     ResponseFormat,
     TextGenerationTaskParams,
     ToolChoice,
-    ToolDefinition,
 )
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -128,7 +128,7 @@ def to_task_params(request: ResponsesRequest) -> TextGenerationTaskParams:
                 top_k=vllm_top_k(request.top_k),
             ),
             stream=request.stream,
-            tools=tuple(_to_tool_definition(tool) for tool in function_tools(request)),
+            tools=tool_definitions(function_tools(request)),
             tool_choice=_tool_choice(request),
             parallel_tool_calls=(
                 True if request.parallel_tool_calls is None else request.parallel_tool_calls
@@ -191,12 +191,6 @@ def _refuse_unsupported_features(request: ResponsesRequest) -> None:
 
 def function_tools(request: ResponsesRequest) -> list[FunctionToolSpec]:
     return [tool for tool in request.tools or [] if isinstance(tool, FunctionToolSpec)]
-
-
-def _to_tool_definition(tool: FunctionToolSpec) -> ToolDefinition:
-    return ToolDefinition(
-        name=tool.name, description=tool.description, parameters=tool.parameters or {}
-    )
 
 
 def _tool_choice(request: ResponsesRequest) -> ToolChoice:

@@ -197,7 +197,11 @@ class ResponseObject(_WireResponseModel):
 
 
 class _Event(_WireResponseModel):
+    """Every stream event: its place in the stream and its `type` (each event narrows it
+    to its own literal, in this position of the JSON)."""
+
     sequence_number: int = Field(ge=0)
+    type: str
 
 
 class ResponseLifecycleEvent(_Event):
@@ -217,69 +221,66 @@ class OutputItemEvent(_Event):
     item: OutputItem
 
 
-class ContentPartEvent(_Event):
-    type: Literal["response.content_part.added", "response.content_part.done"]
+class _ItemEvent(_Event):
+    """An event inside one output item, which it names by id and output index."""
+
     item_id: str
     output_index: int = Field(ge=0)
+
+
+class _ContentEvent(_ItemEvent):
+    """An event of a message's content part (`content_index`)."""
+
     content_index: int = Field(ge=0)
+
+
+class _SummaryEvent(_ItemEvent):
+    """An event of a reasoning item's summary part (`summary_index`)."""
+
+    summary_index: int = Field(ge=0)
+
+
+class ContentPartEvent(_ContentEvent):
+    type: Literal["response.content_part.added", "response.content_part.done"]
     part: OutputText
 
 
-class OutputTextDeltaEvent(_Event):
+class OutputTextDeltaEvent(_ContentEvent):
     type: Literal["response.output_text.delta"] = "response.output_text.delta"
-    item_id: str
-    output_index: int = Field(ge=0)
-    content_index: int = Field(ge=0)
     delta: str
     logprobs: list[LogprobEntry] = Field(default_factory=list)
 
 
-class OutputTextDoneEvent(_Event):
+class OutputTextDoneEvent(_ContentEvent):
     type: Literal["response.output_text.done"] = "response.output_text.done"
-    item_id: str
-    output_index: int = Field(ge=0)
-    content_index: int = Field(ge=0)
     text: str
     logprobs: list[LogprobEntry] = Field(default_factory=list)
 
 
-class ReasoningSummaryPartEvent(_Event):
+class ReasoningSummaryPartEvent(_SummaryEvent):
     type: Literal["response.reasoning_summary_part.added", "response.reasoning_summary_part.done"]
-    item_id: str
-    output_index: int = Field(ge=0)
-    summary_index: int = Field(ge=0)
     part: SummaryText
 
 
-class ReasoningSummaryTextDeltaEvent(_Event):
+class ReasoningSummaryTextDeltaEvent(_SummaryEvent):
     type: Literal["response.reasoning_summary_text.delta"] = "response.reasoning_summary_text.delta"
-    item_id: str
-    output_index: int = Field(ge=0)
-    summary_index: int = Field(ge=0)
     delta: str
 
 
-class ReasoningSummaryTextDoneEvent(_Event):
+class ReasoningSummaryTextDoneEvent(_SummaryEvent):
     type: Literal["response.reasoning_summary_text.done"] = "response.reasoning_summary_text.done"
-    item_id: str
-    output_index: int = Field(ge=0)
-    summary_index: int = Field(ge=0)
     text: str
 
 
-class FunctionCallArgumentsDeltaEvent(_Event):
+class FunctionCallArgumentsDeltaEvent(_ItemEvent):
     type: Literal["response.function_call_arguments.delta"] = (
         "response.function_call_arguments.delta"
     )
-    item_id: str
-    output_index: int = Field(ge=0)
     delta: str
 
 
-class FunctionCallArgumentsDoneEvent(_Event):
+class FunctionCallArgumentsDoneEvent(_ItemEvent):
     type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
-    item_id: str
-    output_index: int = Field(ge=0)
     name: str
     arguments: str
 

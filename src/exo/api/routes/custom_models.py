@@ -8,6 +8,8 @@ on the model resolves like a catalog model (`with_custom_cards`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, ClassVar
 
@@ -142,10 +144,23 @@ def _card_for_gguf_file(path: str) -> ModelCard:
         raise CustomModelError(str(error), 400) from None
 
 
+@contextlib.contextmanager
+def _hub_errors(timeout_message: str) -> Iterator[None]:
+    """Answer a `CustomModelError` with its status, and the Hub's timeout (TimeoutError,
+    from `anyio.fail_after`) with a 503 saying `timeout_message`."""
+    try:
+        yield
+    except CustomModelError as error:
+        raise api_error(error.message, error.status_code) from None
+    except TimeoutError:
+        raise NoCapacityError(timeout_message) from None
+
+
 async def _build_card(cluster: ClusterClient, model_id: str, revision: str) -> ModelCard:
     supported = ENGINE_ARCHITECTURES
     trust_remote_code = cluster.trust_remote_code
-    try:
+    timeout = f"the Hub did not answer within {ADD_TIMEOUT_SECONDS:.0f}s while reading {model_id}"
+    with _hub_errors(timeout):
         if is_local_path(model_id) and model_id.endswith(".gguf"):
             return _card_for_gguf_file(model_id)
         if is_local_path(model_id):
@@ -171,12 +186,6 @@ async def _build_card(cluster: ClusterClient, model_id: str, revision: str) -> M
                 trust_remote_code,
                 abandon_on_cancel=True,
             )
-    except CustomModelError as error:
-        raise api_error(error.message, error.status_code) from None
-    except TimeoutError:
-        raise NoCapacityError(
-            f"the Hub did not answer within {ADD_TIMEOUT_SECONDS:.0f}s while reading {model_id}"
-        ) from None
 
 
 @router.delete("/models/custom/{model_id:path}")
@@ -207,15 +216,11 @@ async def search_models(
     """The Hub's models matching `query`, each marked with whether the engine supports its
     architecture and whether it is in the catalog or already added. 503 when the Hub
     cannot be reached."""
-    try:
-        with anyio.fail_after(ADD_TIMEOUT_SECONDS):
-            found = await anyio.to_thread.run_sync(search_hub, query, limit, abandon_on_cancel=True)
-    except CustomModelError as error:
-        raise api_error(error.message, error.status_code) from None
-    except TimeoutError:
-        raise NoCapacityError(
-            f"the Hub did not answer a search within {ADD_TIMEOUT_SECONDS:.0f}s"
-        ) from None
+    with (
+        _hub_errors(f"the Hub did not answer a search within {ADD_TIMEOUT_SECONDS:.0f}s"),
+        anyio.fail_after(ADD_TIMEOUT_SECONDS),
+    ):
+        found = await anyio.to_thread.run_sync(search_hub, query, limit, abandon_on_cancel=True)
     supported = set(ENGINE_ARCHITECTURES)
     custom = cluster.state.custom_cards
     catalog = catalog_of(cluster)

@@ -2,8 +2,9 @@
 the command, wait for the first chunk (streaming), render or collect the chunk stream, and
 cancel the generation when the client goes away.
 
-A dialect route is then three lines: convert the request, `start_generation`, and either
-`streaming_response(...)` or `await collect(...)` with the adapter's renderer/collector.
+A dialect route then converts its body with `convert_request` (the model's short name
+resolved, the internal params, the response id naming the command) and answers
+`ConvertedRequest.serve(...)` with the adapter's renderer and collector.
 
 A generation whose instance becomes unavailable (it lost a node or a rank) before the
 client received anything — a stream before its first chunk, any non-streamed answer — is
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import anyio
 from fastapi import Request
@@ -29,9 +30,10 @@ from exo.api.serving.admission import admission_of
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
 from exo.api.serving.metrics import observed_chunks
-from exo.api.serving.model_lookup import card_of, known_model_ids
+from exo.api.serving.model_lookup import RequestBody, card_of, known_model_ids, with_resolved_model
 from exo.api.serving.prompt_size import check_prompt_size
 from exo.api.serving.request_checks import check_chat_template, check_logit_bias, check_serializable
+from exo.api.serving.response_ids import response_id
 from exo.api.wire.errors import (
     ApiError,
     GenerationError,
@@ -382,6 +384,57 @@ async def serve_generation(
     if params.stream:
         return streaming_response(generation, render, media_type)
     return await collect(generation, request, collector)
+
+
+@dataclass(frozen=True, slots=True)
+class ConvertedRequest(Generic[RequestBody]):
+    """A dialect's generation request, ready to serve (`convert_request`): its body (the
+    model's short name resolved), the internal params, the command that will carry them
+    and the response id that names that command."""
+
+    cluster: ClusterClient
+    body: RequestBody
+    params: TextGenerationTaskParams
+    command_id: CommandId
+    response_id: str
+
+    async def serve(
+        self,
+        request: Request,
+        *,
+        render: ChunkRenderer,
+        collector: Callable[[AsyncIterator[Chunk]], Awaitable[T]],
+    ) -> T | StreamingResponse:
+        """`serve_generation` of the params under this request's command."""
+        return await serve_generation(
+            self.cluster,
+            request,
+            self.params,
+            render=render,
+            collector=collector,
+            command_id=self.command_id,
+        )
+
+
+def convert_request(
+    cluster: ClusterClient,
+    body: RequestBody,
+    to_task_params: Callable[[RequestBody], TextGenerationTaskParams],
+    id_prefix: str,
+) -> ConvertedRequest[RequestBody]:
+    """What the generation routes of Chat Completions, legacy Completions, Responses and
+    Claude Messages do first: resolve the body's short model name (`qwen3:0.6b`) to the
+    catalog id (answers name that id, as OpenAI and Anthropic name the model an alias
+    points to), convert the body with `to_task_params`, and give the answer the id
+    `id_prefix` + the new command's id (`response_id`), which any dialect's cancel takes.
+
+    Raises:
+        InvalidRequestError: `to_task_params` refused the body.
+    """
+    body = with_resolved_model(cluster, body)
+    params = to_task_params(body)
+    command_id = CommandId.new()
+    return ConvertedRequest(cluster, body, params, command_id, response_id(id_prefix, command_id))
 
 
 async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:

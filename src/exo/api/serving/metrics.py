@@ -34,7 +34,7 @@ Reported by this node's own runners (node-local, not in the cluster state):
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Protocol
@@ -170,39 +170,37 @@ class StateCollector(Collector):
         for (node, kind), count in sorted(counts.items()):
             runners.add_metric((node, kind), count)
         yield runners
-        downloaded = GaugeMetricFamily(
-            "exo_download_downloaded_bytes",
-            "Bytes downloaded so far of each download in progress",
-            labels=("node", "model"),
+        yield from _gauges(
+            ("node", "model"),
+            (
+                (
+                    "exo_download_downloaded_bytes",
+                    "Bytes downloaded so far of each download in progress",
+                ),
+                ("exo_download_total_bytes", "Bytes in all of each download in progress"),
+            ),
+            (
+                ((node, model), (download.progress.downloaded_bytes, download.progress.total_bytes))
+                for node, models in sorted(state.downloads.items())
+                for model, download in sorted(models.items())
+                if isinstance(download, DownloadOngoing) and download.progress is not None
+            ),
         )
-        total = GaugeMetricFamily(
-            "exo_download_total_bytes",
-            "Bytes in all of each download in progress",
-            labels=("node", "model"),
+        yield from _gauges(
+            ("source", "sink"),
+            (
+                ("exo_link_latency_seconds", "Measured round trip between two nodes' APIs"),
+                (
+                    "exo_link_bandwidth_bytes_per_second",
+                    "Measured bandwidth from a node to another",
+                ),
+            ),
+            (
+                ((source, sink), (edge.latency_ms / 1000, edge.bandwidth_mbps * 1e6 / 8))
+                for source, edges in sorted(state.topology.items())
+                for sink, edge in sorted(edges.items())
+            ),
         )
-        for node, models in sorted(state.downloads.items()):
-            for model, download in sorted(models.items()):
-                if isinstance(download, DownloadOngoing) and download.progress is not None:
-                    downloaded.add_metric((node, model), download.progress.downloaded_bytes)
-                    total.add_metric((node, model), download.progress.total_bytes)
-        yield downloaded
-        yield total
-        latency = GaugeMetricFamily(
-            "exo_link_latency_seconds",
-            "Measured round trip between two nodes' APIs",
-            labels=("source", "sink"),
-        )
-        bandwidth = GaugeMetricFamily(
-            "exo_link_bandwidth_bytes_per_second",
-            "Measured bandwidth from a node to another",
-            labels=("source", "sink"),
-        )
-        for source, edges in sorted(state.topology.items()):
-            for sink, edge in sorted(edges.items()):
-                latency.add_metric((source, sink), edge.latency_ms / 1000)
-                bandwidth.add_metric((source, sink), edge.bandwidth_mbps * 1e6 / 8)
-        yield latency
-        yield bandwidth
         applied = state.last_event_applied_idx
         yield GaugeMetricFamily(
             "exo_event_index", "Index of the last cluster event this node applied", value=applied
@@ -217,24 +215,42 @@ class StateCollector(Collector):
                 )
 
 
+def _gauges(
+    labels: tuple[str, ...],
+    descriptions: Sequence[tuple[str, str]],
+    rows: Iterable[tuple[Sequence[str], Sequence[float]]],
+) -> list[GaugeMetricFamily]:
+    """Gauge families that share their labels, one per (name, help text) of
+    `descriptions`: each row is a set of label values and one value per family, in the
+    order of `descriptions`."""
+    families = [GaugeMetricFamily(name, text, labels=labels) for name, text in descriptions]
+    for label_values, values in rows:
+        for family, value in zip(families, values, strict=True):
+            family.add_metric(label_values, value)
+    return families
+
+
 def _task_gauges(state: State) -> Iterator[Metric]:
-    queued = GaugeMetricFamily(
-        "exo_requests_queued", "Generation tasks waiting for their runner", labels=("model",)
-    )
-    running = GaugeMetricFamily(
-        "exo_requests_running", "Generation tasks running on their runner", labels=("model",)
-    )
     counts: dict[tuple[str, str], int] = {}
     for task in state.tasks.values():
         if isinstance(task.status, TaskPending | TaskRunning):
             key = (task.params.model, task.status.kind)
             counts[key] = counts.get(key, 0) + 1
     models = sorted({model for model, _ in counts} | {i.model_id for i in state.instances.values()})
-    for model in models:
-        queued.add_metric((model,), counts.get((model, "TaskPending"), 0))
-        running.add_metric((model,), counts.get((model, "TaskRunning"), 0))
-    yield queued
-    yield running
+    yield from _gauges(
+        ("model",),
+        (
+            ("exo_requests_queued", "Generation tasks waiting for their runner"),
+            ("exo_requests_running", "Generation tasks running on their runner"),
+        ),
+        (
+            (
+                (model,),
+                (counts.get((model, "TaskPending"), 0), counts.get((model, "TaskRunning"), 0)),
+            )
+            for model in models
+        ),
+    )
 
 
 def _kv_cache_gauges(uses: list[KVCacheUse]) -> Iterator[Metric]:
@@ -257,21 +273,23 @@ def _kv_cache_gauges(uses: list[KVCacheUse]) -> Iterator[Metric]:
 
 
 def _admission_gauges(state: State, admission: AdmissionCounts) -> Iterator[Metric]:
-    admitted = GaugeMetricFamily(
-        "exo_api_admitted_generations",
-        "Generations this node admitted and has not finished (running or queued)",
-        labels=("model",),
+    yield from _gauges(
+        ("model",),
+        (
+            (
+                "exo_api_admitted_generations",
+                "Generations this node admitted and has not finished (running or queued)",
+            ),
+            (
+                "exo_api_waiting_generations",
+                "Generation requests waiting on this node for a place in a full model's queue",
+            ),
+        ),
+        (
+            ((model,), (admission.in_flight(model), admission.waiting(model)))
+            for model in sorted({instance.model_id for instance in state.instances.values()})
+        ),
     )
-    waiting = GaugeMetricFamily(
-        "exo_api_waiting_generations",
-        "Generation requests waiting on this node for a place in a full model's queue",
-        labels=("model",),
-    )
-    for model in sorted({instance.model_id for instance in state.instances.values()}):
-        admitted.add_metric((model,), admission.in_flight(model))
-        waiting.add_metric((model,), admission.waiting(model))
-    yield admitted
-    yield waiting
 
 
 # ------------------------------------------------------------------ per request

@@ -5,21 +5,25 @@ Failure after the HTTP status has been sent is reported in-band, the way vLLM do
 `data: {"error": {...}}` event in OpenAI's error shape, then `data: [DONE]`. The official
 `openai` client raises `APIError` on any event whose JSON has a truthy `error` key (checked
 in openai 3.57, `_streaming.Stream.__stream__`), before it reaches `[DONE]`; clients that
-ignore unknown events still see a well-terminated stream.
+ignore unknown events still see a well-terminated stream. `OpenAIChunkStream` is the one
+stream both dialects render, each with its own chunk, choice and usage types.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import Generic, TypeVar, assert_never
 
 from pydantic import BaseModel
 
 from exo.api.wire.errors import ApiError, openai_error_body_for
-from exo.api.wire.stream import Failed, Finished
-from exo.shared.types.chunks import Usage
+from exo.api.wire.stream import Failed, Finished, Text, ToolCalls, generation_events
+from exo.shared.types.chunks import Chunk, Usage
 
 SSE_DONE = "data: [DONE]\n\n"
+ChoiceT = TypeVar("ChoiceT")
 
 
 def openai_sse(data: str) -> str:
@@ -39,15 +43,70 @@ def openai_error_events(error: ApiError) -> tuple[str, str]:
     return openai_sse(json.dumps(openai_error_body_for(error), ensure_ascii=False)), SSE_DONE
 
 
-def openai_stream_end(
-    end: Finished | Failed,
-    finish_event: Callable[[Finished], str],
-    usage_event: Callable[[Usage], str] | None,
-) -> tuple[str, ...]:
-    """The last events of a stream: `finish_event(end)`, then `usage_event` of the final
-    usage (None: the request did not ask for usage), then `[DONE]`; for a failure the
-    error event and `[DONE]`."""
-    if isinstance(end, Failed):
-        return openai_error_events(end.error)
-    usage = () if usage_event is None else (usage_event(end.final_usage),)
-    return (finish_event(end), *usage, SSE_DONE)
+@dataclass(frozen=True, slots=True)
+class OpenAIChunkStream(Generic[ChoiceT]):
+    """The events of one streamed answer in the OpenAI-shaped dialects (Chat Completions
+    and legacy Completions), which differ only in their chunk and choice types and in how
+    they render a piece of text or a tool call.
+
+    Every chunk repeats the answer's id, creation time and model. After the pieces comes
+    the finish chunk, then (with `include_usage`) a chunk with no choices and the usage,
+    then `[DONE]`; a failure ends the stream with the error event and `[DONE]` instead.
+
+    Args:
+        chunk: The dialect's chunk type, called with `id`, `created`, `model`, `choices`
+            and `usage`.
+        usage: The dialect's usage object of the internal usage.
+        completion_id: Every chunk's `id`.
+        created: Unix time in seconds, the same in every chunk.
+        model: The model name to report.
+        include_usage: The request's `stream_options.include_usage`.
+    """
+
+    chunk: Callable[..., BaseModel]
+    usage: Callable[[Usage], BaseModel]
+    completion_id: str
+    created: int
+    model: str
+    include_usage: bool
+
+    def event(self, choices: list[ChoiceT], usage: Usage | None = None) -> str:
+        """One chunk of `choices` (and the usage, for the usage chunk) as an event."""
+        chunk = self.chunk(
+            id=self.completion_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=None if usage is None else self.usage(usage),
+        )
+        return openai_chunk_event(chunk, self.include_usage)
+
+    async def events(
+        self,
+        chunks: AsyncIterator[Chunk],
+        conversation_param: str,
+        opening: Iterable[str],
+        render: Callable[[Text | ToolCalls], Iterable[str]],
+        finish_choice: Callable[[Finished], ChoiceT],
+    ) -> AsyncIterator[str]:
+        """The whole stream: the `opening` events, the events `render` makes of each text
+        and tool-call piece of `chunks` (read through `generation_events`, a 400 blaming
+        `conversation_param`), then the chunk of `finish_choice(finished)`, the usage
+        chunk and `[DONE]`, or the error event and `[DONE]`."""
+        for line in opening:
+            yield line
+        async for piece in generation_events(chunks, conversation_param=conversation_param):
+            match piece:
+                case Text() | ToolCalls():
+                    for line in render(piece):
+                        yield line
+                case Finished():
+                    yield self.event([finish_choice(piece)])
+                    if self.include_usage:
+                        yield self.event([], piece.final_usage)
+                    yield SSE_DONE
+                case Failed():
+                    for line in openai_error_events(piece.error):
+                        yield line
+                case _:
+                    assert_never(piece)

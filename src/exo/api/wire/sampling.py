@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from exo.api.wire.errors import InvalidRequestError
 
-if TYPE_CHECKING:  # the requests only: the dialects import this module
-    from exo.api.openai_chat.wire_types import ChatCompletionRequest
-    from exo.api.openai_completions.wire_types import CompletionRequest
+if TYPE_CHECKING:  # the request type only: the dialects import this module
+    from exo.api.openai_chat.wire_types import OpenAIGenerationRequest
 
 
 def sampling_fields(
@@ -61,11 +60,11 @@ _OPENAI_SAMPLING_FIELDS = (
 
 
 def openai_sampling_fields(
-    request: ChatCompletionRequest | CompletionRequest, max_tokens: int | None
+    request: OpenAIGenerationRequest, max_tokens: int | None
 ) -> dict[str, Any]:
-    """`sampling_fields` of the two OpenAI-shaped requests that share their sampling fields
-    (vLLM's `top_k`, `min_p` and `repetition_penalty` included); `max_tokens` as the
-    dialect reads it."""
+    """`sampling_fields` of the two OpenAI-shaped requests, whose sampling fields they
+    share (`OpenAIGenerationRequest`, vLLM's `top_k`, `min_p` and `repetition_penalty`
+    included); `max_tokens` as the dialect reads it."""
     shared = {name: getattr(request, name) for name in _OPENAI_SAMPLING_FIELDS}
     return sampling_fields(max_tokens=max_tokens, top_k=vllm_top_k(request.top_k), **shared)
 
