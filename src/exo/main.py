@@ -3,6 +3,7 @@ command line is `exo.node_options`)."""
 
 from __future__ import annotations
 
+import errno
 import signal
 import socket
 import sys
@@ -461,7 +462,13 @@ def run_node(options: Options) -> None:
         logger.error(str(error))
         raise SystemExit(1) from None
     except OSError as error:
-        logger.error(f"cannot listen on {options.host}:{options.api_port}: {error}")
+        hint = (
+            " (another exo or program holds the port: start this node with --api-port and "
+            "--zenoh-port of its own)"
+            if error.errno == errno.EADDRINUSE
+            else ""
+        )
+        logger.error(f"cannot listen on {options.host}:{options.api_port}: {error}{hint}")
         raise SystemExit(1) from None
     try:
         anyio.run(node.run)

@@ -91,9 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="exo",
         description=(
-            "Run an exo node. Nodes on the same network find each other, form one cluster "
-            "and serve its models through the OpenAI-compatible API on port "
-            f"{DEFAULT_API_PORT} of every node."
+            "Run an exo node (`exo bench --help`: measure placements). Nodes on the same "
+            "network find each other, form one cluster and serve its models through the "
+            "OpenAI Chat Completions, Responses, Claude Messages and Ollama APIs and a "
+            f"dashboard on port {DEFAULT_API_PORT} of every node. The node keeps its keys, "
+            "history and models in $EXO_HOME (default ~/.local/share/exo)."
         ),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
@@ -136,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--force-master",
         action="store_true",
-        help="win every master election (default: the senior node wins)",
+        help="win every master election (default: the sitting master stays, then the node with "
+        "the most history)",
     )
     verbosity = parser.add_mutually_exclusive_group()
     verbosity.add_argument(
@@ -168,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="delete instances this node places or serves once idle this long (default: keep "
-        "them until deleted)",
+        help="unload (delete) instances this node places or serves once idle this long (default: "
+        "keep them)",
     )
     parser.add_argument(
         "--trust-remote-code",

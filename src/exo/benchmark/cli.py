@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--suite",
         choices=[SPEED_TARGETS_SUITE, *SUITE_ALIASES],
-        help="run every bench of the project's speed targets; issue14 is its old name (default: "
-        "none)",
+        help="run the standard set of benches (docs/benchmarks); issue14 is a deprecated alias "
+        "(default: none)",
     )
     parser.add_argument(
         "--model",
@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model-dir",
         type=Path,
-        help="the model's tokenizer files here when --api serves a model this machine lacks "
-        "(default: none)",
+        help="read the model's tokenizer from this directory when --api serves a model this "
+        "machine lacks (default: none)",
     )
     parser.add_argument(
         "--placement",

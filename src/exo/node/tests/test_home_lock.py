@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -100,3 +101,26 @@ def test_python_dash_m_exo_runs_the_node_and_is_refused_too(tmp_path: Path) -> N
         held.release()
     assert done.returncode == 1, done.stderr[-2000:]
     assert f"(pid {os.getpid()})" in done.stderr
+
+
+def test_a_taken_api_port_is_refused_with_the_options_to_choose_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EXO_HOME", str(tmp_path))
+    monkeypatch.setattr("exo.main.configure_logging", lambda level: None)
+    logged: list[str] = []
+    sink = logger.add(logged.append, level="INFO", format="{message}")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        try:
+            with pytest.raises(SystemExit) as stopped:
+                main(["--no-default-model", "--offline", "--host", "127.0.0.1",
+                      "--api-port", str(port)])  # fmt: skip
+        finally:
+            logger.remove(sink)
+    assert stopped.value.code == 1
+    assert any(
+        f"cannot listen on 127.0.0.1:{port}" in line and "--api-port" in line for line in logged
+    ), logged
