@@ -225,8 +225,10 @@ def test_placement_routes_and_restart_replay(tmp_path: Path, shared_models_dir: 
         assert {(p["sharding"], p["node_count"]) for p in previews} == {
             ("pipeline", 1),
             ("tensor", 1),
+            ("expert", 1),
         }
-        assert all(p["error"] is None for p in previews)
+        # A dense model cannot be split by experts; the preview says why.
+        assert all((p["error"] is None) == (p["sharding"] != "expert") for p in previews)
         unknown = httpx.get(f"{node.url}/instance/previews", params={"model_id": "no/such"})
         assert unknown.status_code == 404
 

@@ -5,6 +5,7 @@ request; edit and regenerate resend the conversation."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,7 +50,9 @@ def test_launch_from_the_page_reaches_ready_then_delete(
     # The preview of that placement: every layer on this node, with its memory.
     preview = page.locator(".preview[data-sharding='pipeline'][data-node-count='1']")
     preview.wait_for()
-    assert "layers 0–30" in preview.inner_text() and "MB" in preview.inner_text()
+    # Its memory (weights and the KV-cache budget sized from the node's memory) in MB or GB.
+    assert "layers 0–30" in preview.inner_text()
+    assert re.search(r"\d+(\.\d+)? [MG]B", preview.inner_text())
     # Once the node has measured its speed (a few seconds after its start), the preview
     # predicts its decode rate and TTFT.
     prediction = preview.locator(".prediction:has-text('tok/s decode')")
