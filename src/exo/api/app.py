@@ -168,9 +168,14 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> JSONResponse:
+        status_code = error.status_code
+        if isinstance(error, QueueFullError) and error_dialect_for(request.url.path).name == (
+            "anthropic"
+        ):
+            status_code = 529  # Anthropic's "overloaded", which its clients retry
         response = error_response_for_path(
             request.url.path,
-            error.status_code,
+            status_code,
             error.error_type,
             error.message,
             error.param,

@@ -135,7 +135,10 @@ MessageContent = Annotated[
 
 
 class InputMessage(_WireRequestModel):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code's `mid-conversation-system-2026-04-07` beta. Any other role is
+    # refused by the adapter with Anthropic's wording ("Unexpected role ..."), which Claude
+    # Code parses.
+    role: str = Field(json_schema_extra={"enum": ["user", "assistant", "system"]})
     content: MessageContent
 
 

@@ -57,6 +57,7 @@ from exo.api.wire.errors import (
     InvalidRequestError,
     ModelNotFoundError,
     NoCapacityError,
+    context_overflow,
 )
 from exo.download.pypi_gguf import model_directory_name
 from exo.shared.constants import models_dir
@@ -74,6 +75,12 @@ MAX_EXPIRY_SECONDS = 253402300799
 def _render_ollama_error(
     status_code: int, error_type: str, message: str, param: str | None, code: str | None
 ) -> dict[str, Any]:
+    overflow = context_overflow(message, code)
+    if overflow is not None:
+        # Ollama's sentence (with `truncate: false`); exo refuses rather than truncates.
+        message = (
+            f"the input length exceeds the context length ({overflow[0]} tokens > {overflow[1]})"
+        )
     return {"error": message}
 
 
