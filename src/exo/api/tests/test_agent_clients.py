@@ -259,3 +259,206 @@ def test_a_full_queue_is_each_dialects_overloaded_answer(
     assert answer.status_code == status
     assert answer.headers["retry-after"] == "5"
     assert check(answer.json())
+
+
+# ---------------------------------------------------------------- Codex's requests
+
+SHELL = {
+    "type": "function",
+    "name": "shell",
+    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
+}
+NAMESPACE = {
+    "type": "namespace",
+    "name": "mcp__files__",
+    "description": "a file server",
+    "tools": [
+        {"type": "function", "name": "read", "parameters": {"type": "object", "properties": {}}},
+        {"type": "function", "name": "shell", "parameters": {"type": "object"}},
+    ],
+}
+
+
+class NamespacedCallCluster(AgentCluster):
+    """Answers every generation with a call of the model's `mcp__files__read`."""
+
+    async def _answer(self, command_id: CommandId) -> AsyncIterator[Chunk]:
+        call = ToolCall(id="call_7", name="mcp__files__read", arguments="{}")
+        yield ToolCallChunk(
+            command_id=command_id,
+            model=self.last_params.model,
+            tool_calls=(call,),
+            finish_reason="tool_calls",
+            usage=Usage(prompt_tokens=5, completion_tokens=2),
+        )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_namespace_tools_are_offered_as_functions_and_their_calls_named_apart(
+    stream: bool,
+) -> None:
+    cluster = NamespacedCallCluster()
+    with TestClient(create_app(cast(ClusterClient, cluster))) as http:
+        client = openai.OpenAI(
+            base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0
+        )
+        tools = cast(Any, [SHELL, NAMESPACE, {"type": "web_search"}])
+        response: openai.types.responses.Response
+        if stream:
+            with client.responses.stream(model=SMOLLM2, input="read", tools=tools) as events:
+                response = events.get_final_response()
+        else:
+            response = client.responses.create(model=SMOLLM2, input="read", tools=tools)
+    offered = [tool.name for tool in cluster.last_params.tools]
+    assert offered == ["shell", "mcp__files__read", "mcp__files__shell"]
+    (item,) = response.output
+    assert item.type == "function_call" and item.name == "read"
+    assert item.namespace == "mcp__files__"  # the SDK (openai 3.57) knows the field
+
+
+def test_namespace_is_accepted_on_input_items(http: TestClient, cluster: AgentCluster) -> None:
+    body = {
+        "model": SMOLLM2,
+        "tools": [NAMESPACE],
+        "input": [
+            {"role": "user", "content": "read"},
+            {"type": "function_call", "call_id": "c1", "name": "read", "namespace": "mcp__files__",
+             "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "contents"},
+        ],
+    }  # fmt: skip
+    assert http.post("/v1/responses", json=body).status_code == 200
+    assert cluster.last_params.messages[1].tool_calls[0].name == "mcp__files__read"
+
+
+@pytest.mark.parametrize(
+    ("tools", "tool_choice", "status", "header"),
+    [
+        ([SHELL, {"type": "web_search"}, {"type": "file_search"}], None, 200,
+         "web_search, file_search"),
+        ([{"type": "code_interpreter"}, {"type": "image_generation"}, {"type": "mcp"}], None,
+         200, "code_interpreter, image_generation, mcp"),
+        ([SHELL], None, 200, None),
+        ([SHELL, {"type": "web_search"}], {"type": "web_search"}, 400, None),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("stream", [False, True])
+def test_hosted_tools_are_not_offered_and_listed_in_a_header(
+    http: TestClient,
+    cluster: AgentCluster,
+    tools: list[Any],
+    tool_choice: Any,
+    status: int,
+    header: str | None,
+    stream: bool,
+) -> None:
+    body: dict[str, Any] = {"model": SMOLLM2, "input": "hi", "tools": tools, "stream": stream}
+    if tool_choice is not None:
+        body["tool_choice"] = tool_choice
+    answer = http.post("/v1/responses", json=body)
+    assert answer.status_code == status, answer.text
+    assert answer.headers.get("x-exo-tools-not-offered") == header
+    if status == 200:
+        assert [tool.name for tool in cluster.last_params.tools] == [
+            tool["name"] for tool in tools if tool["type"] == "function"
+        ]
+
+
+def test_input_tokens_counts_what_the_model_would_see(
+    http: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from exo.api.openai_responses import routes
+
+    seen: list[Any] = []
+
+    async def count(_cluster: Any, params: Any) -> int:
+        seen.append(params)
+        return 42
+
+    monkeypatch.setattr(routes, "count_prompt_tokens", count)
+    body = {"model": SMOLLM2, "input": "hi", "instructions": "Be brief.", "tools": [NAMESPACE]}
+    answer = http.post("/v1/responses/input_tokens", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"object": "response.input_tokens", "input_tokens": 42}
+    assert [message.role for message in seen[0].messages] == ["system", "user"]
+    assert len(seen[0].tools) == 2
+
+
+# ---------------------------------------------------------------- compressed bodies
+
+
+def _compressed(body: bytes, encoding: str) -> bytes:
+    import gzip
+    import zlib
+
+    import zstandard
+
+    match encoding:
+        case "zstd":
+            return zstandard.ZstdCompressor().compress(body)
+        case "gzip":
+            return gzip.compress(body)
+        case "deflate":
+            return zlib.compress(body)
+        case "gzip, zstd":
+            return zstandard.ZstdCompressor().compress(gzip.compress(body))
+        case _:
+            return body
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/responses", {"input": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}),
+        ("/ollama/api/chat", {"messages": [{"role": "user", "content": "hi"}], "stream": False}),
+    ],
+)
+@pytest.mark.parametrize("encoding", ["zstd", "gzip", "deflate", "gzip, zstd"])
+def test_compressed_bodies_are_decoded_on_every_dialects_routes(
+    cluster: AgentCluster, route: str, body: dict[str, Any], encoding: str
+) -> None:
+    import json
+
+    from exo.api.guards.limits import ApiLimits
+    from exo.api.security import ApiSecurity
+
+    # The node's own guards, where the decoding happens.
+    app = create_app(cast(ClusterClient, cluster), security=ApiSecurity(limits=ApiLimits()))
+    raw = json.dumps({"model": SMOLLM2, **body}).encode()
+    with TestClient(app) as http:
+        answer = http.post(
+            route,
+            content=_compressed(raw, encoding),
+            headers={"content-encoding": encoding, "content-type": "application/json"},
+        )
+    assert answer.status_code == 200, answer.text
+    assert cluster.last_params.messages[-1].content == "hi"
+
+
+@pytest.mark.parametrize(
+    ("encoding", "content", "status"),
+    [("br", b"\x00\x01", 415), ("gzip", b"not gzip", 400), ("zstd", b"not zstd", 400)],
+)
+def test_undecodable_bodies_are_refused(
+    cluster: AgentCluster, encoding: str, content: bytes, status: int
+) -> None:
+    from exo.api.guards.limits import ApiLimits
+    from exo.api.security import ApiSecurity
+
+    app = create_app(cast(ClusterClient, cluster), security=ApiSecurity(limits=ApiLimits()))
+    with TestClient(app) as http:
+        answer = http.post("/v1/messages", content=content, headers={"content-encoding": encoding})
+    assert answer.status_code == status
+    assert answer.json()["type"] == "error"  # Anthropic's shape on its route
+
+
+def test_a_decoded_body_over_the_limit_is_413() -> None:
+    import gzip
+
+    from exo.api.guards.content_encoding import BodyDecodingError, decode_body
+
+    with pytest.raises(BodyDecodingError) as raised:
+        decode_body(gzip.compress(b"x" * 10_000), ["gzip"], limit=1_000)
+    assert raised.value.status == 413
