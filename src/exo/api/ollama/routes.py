@@ -48,6 +48,7 @@ from exo.api.ollama.wire_types import (
 )
 from exo.api.openai_chat import routes as chat
 from exo.api.openai_completions import routes as completions
+from exo.api.openai_responses import routes as responses
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.serving.generation import serve_generation
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
@@ -97,6 +98,10 @@ router.add_api_route(
     f"{PREFIX}/v1/completions", completions.completions, methods=["POST"], response_model=None
 )
 router.add_api_route(f"{PREFIX}/v1/models/{{model_id:path}}", chat.retrieve_model, methods=["GET"])
+# Ollama serves the Responses API under its base path too (`codex --oss` calls it there).
+router.add_api_route(
+    f"{PREFIX}/v1/responses", responses.create_response, methods=["POST"], response_model=None
+)
 
 
 @router.head(PREFIX, response_class=PlainTextResponse, include_in_schema=False)

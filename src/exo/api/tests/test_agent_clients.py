@@ -462,3 +462,111 @@ def test_a_decoded_body_over_the_limit_is_413() -> None:
     with pytest.raises(BodyDecodingError) as raised:
         decode_body(gzip.compress(b"x" * 10_000), ["gzip"], limit=1_000)
     assert raised.value.status == 413
+
+
+# ---------------------------------------------------------------- Ollama at the root
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", "/api/tags", None),
+        ("GET", "/api/version", None),
+        ("GET", "/api/ps", None),
+        ("POST", "/api/show", {"model": SMOLLM2}),
+        ("POST", "/api/chat", {"model": SMOLLM2, "messages": [{"role": "user", "content": "hi"}],
+                               "stream": False}),
+        ("POST", "/api/generate", {"model": SMOLLM2, "prompt": "hi", "stream": False}),
+        ("POST", "/api/chat", {"model": "no-such-model", "messages": []}),
+    ],
+)  # fmt: skip
+def test_the_ollama_api_is_served_at_the_root_exactly_as_under_ollama(
+    http: TestClient, method: str, path: str, body: dict[str, Any] | None
+) -> None:
+    def strip(value: Any) -> Any:  # what differs between two answers: times, durations
+        if isinstance(value, dict):
+            return {
+                key: strip(item)
+                for key, item in value.items()
+                if not key.endswith(("_at", "duration"))
+            }
+        return value
+
+    root = http.request(method, path, json=body)
+    prefixed = http.request(method, "/ollama" + path, json=body)
+    assert root.status_code == prefixed.status_code
+    assert root.headers["content-type"] == prefixed.headers["content-type"]
+    assert strip(root.json()) == strip(prefixed.json())
+
+
+def test_the_ollama_client_works_with_the_node_as_its_host(http: TestClient) -> None:
+    import ollama
+
+    client = ollama.Client(host="http://testserver")
+    client._client = http  # the official client over the in-process app
+    assert client.chat(model=SMOLLM2, messages=[{"role": "user", "content": "hi"}]).message
+    assert [model.model for model in client.list().models] == [SMOLLM2]
+
+
+def test_the_reported_ollama_version_is_the_api_level_served(http: TestClient) -> None:
+    # `codex --oss` needs 0.13.4 (the release serving /v1/responses).
+    for path in ("/api/version", "/ollama/api/version"):
+        assert http.get(path).json() == {"version": "0.13.4"}
+    assert (
+        http.post("/ollama/v1/responses", json={"model": SMOLLM2, "input": "hi"}).json()["status"]
+        == "completed"
+    )
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/", "/api/version", "/api/tags", "/ollama", "/ollama/api/ps", "/v1/models", "/state",
+     "/models", "/node_id", "/openapi.json"],
+)  # fmt: skip
+def test_head_is_answered_on_every_get_route(http: TestClient, path: str) -> None:
+    get = http.get(path)
+    head = http.head(path)
+    assert head.status_code == get.status_code == 200
+    assert head.content == b""
+    assert head.headers["content-type"] == get.headers["content-type"]
+
+
+def test_every_get_route_answers_head() -> None:
+    from fastapi.routing import APIRoute
+
+    app = create_app(cast(ClusterClient, AgentCluster()))
+    get_paths = [
+        route.path
+        for route in app.routes
+        if isinstance(route, APIRoute) and "GET" in route.methods and "{" not in route.path
+    ]
+    with TestClient(app) as http:
+        for path in get_paths:
+            if path == "/events":
+                continue  # needs a live cluster state: the endless stream is checked below
+            assert http.head(path).status_code != 405, path
+
+
+def test_head_on_an_endless_stream_ends_once_its_headers_are_out() -> None:
+    import anyio
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from exo.api.routes.head_requests import HeadAsGetMiddleware
+
+    app = FastAPI()
+
+    @app.get("/forever")
+    async def forever() -> StreamingResponse:
+        async def lines() -> AsyncIterator[str]:
+            while True:
+                yield "tick\n"
+                await anyio.sleep(0.01)
+
+        return StreamingResponse(lines(), media_type="text/event-stream")
+
+    app.add_middleware(HeadAsGetMiddleware)
+    with TestClient(app) as http:
+        answer = http.head("/forever")
+    assert answer.status_code == 200 and answer.content == b""
+    assert answer.headers["content-type"].startswith("text/event-stream")
