@@ -570,3 +570,69 @@ def test_head_on_an_endless_stream_ends_once_its_headers_are_out() -> None:
         answer = http.head("/forever")
     assert answer.status_code == 200 and answer.content == b""
     assert answer.headers["content-type"].startswith("text/event-stream")
+
+
+# ---------------------------------------------------------------- model aliases
+
+
+@pytest.mark.parametrize(
+    ("asked", "served"),
+    [
+        ("claude-sonnet-4-5-20250929", SMOLLM2),  # Claude Code's default
+        ("claude-haiku-4-5", SMOLLM2),  # its small fast model
+        ("gpt-5-codex", SMOLLM2),
+        (SMOLLM2, SMOLLM2),  # a name the cluster knows is never aliased
+        ("llama-3", None),  # no alias matches: the usual 404
+    ],
+)
+def test_model_aliases_map_client_names_to_served_models(
+    cluster: AgentCluster, asked: str, served: str | None
+) -> None:
+    import dataclasses
+
+    from exo.api.serving.model_aliases import parse_model_aliases
+
+    aliases = parse_model_aliases(["claude-*=smollm2-135m", "gpt-?-codex=" + SMOLLM2])
+    cluster.load_on_request = dataclasses.replace(cluster.load_on_request, model_aliases=aliases)
+    with TestClient(create_app(cast(ClusterClient, cluster))) as http:
+        claude = anthropic.Anthropic(
+            base_url="http://testserver", api_key="x", http_client=http, max_retries=0
+        )
+        if served is None:
+            with pytest.raises(anthropic.NotFoundError):
+                claude.messages.create(
+                    model=asked, max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+                )
+            return
+        message = claude.messages.create(
+            model=asked, max_tokens=5, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert cluster.last_params.model == served
+    assert message.model == served
+
+
+@pytest.mark.parametrize(
+    ("argv", "environment", "expected"),
+    [
+        ([], "", ()),
+        (["--model-alias", "claude-*=qwen3:8b"], "", (("claude-*", "qwen3:8b"),)),
+        (["--model-alias", "a=b", "--model-alias", "c*=d"], "", (("a", "b"), ("c*", "d"))),
+        ([], "claude-*=x,gpt-*=y", (("claude-*", "x"), ("gpt-*", "y"))),
+    ],
+)
+def test_the_model_alias_option(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], environment: str, expected: Any
+) -> None:
+    from exo.node_options import parse_args
+
+    monkeypatch.setenv("EXO_MODEL_ALIASES", environment)
+    options = parse_args(argv)
+    assert [(alias.pattern, alias.model) for alias in options.model_aliases] == list(expected)
+
+
+@pytest.mark.parametrize("bad", ["claude-*", "=x", "claude-*="])
+def test_a_model_alias_without_both_sides_is_refused(bad: str) -> None:
+    from exo.node_options import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--model-alias", bad])
