@@ -33,6 +33,7 @@ from exo.api.routes.head_requests import HeadAsGetMiddleware
 from exo.api.security import ApiSecurity, install_client_guards, install_metrics
 from exo.api.serving.admission import Admission
 from exo.api.serving.cluster_client import ClusterClient, CommandTimeoutError
+from exo.api.serving.token_limit import ResponseHeadersMiddleware
 from exo.api.wire.errors import (
     OPENAI_ERRORS,
     ApiError,
@@ -161,6 +162,7 @@ def create_app(
 
     # Added last, so they run first: every guard, route and error handler sees a HEAD as
     # the GET it is served as, and a root `/api/...` as the `/ollama/api/...` it is.
+    app.add_middleware(ResponseHeadersMiddleware)
     app.add_middleware(HeadAsGetMiddleware)
     app.add_middleware(RootOllamaMiddleware)
 

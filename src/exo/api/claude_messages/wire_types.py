@@ -248,7 +248,7 @@ class CountTokensRequest(_WireRequestModel):
 class MessagesRequest(CountTokensRequest):
     """The body of `POST /v1/messages`. Ranges are Anthropic's (temperature 0..1)."""
 
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=1, strict=True)
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)

@@ -264,7 +264,7 @@ class ResponsesRequest(_WireRequestModel):
     input: str | list[InputItem]
     instructions: str | None = None
 
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1, strict=True)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     # Not an OpenAI parameter: vLLM's extension, as on Chat Completions.

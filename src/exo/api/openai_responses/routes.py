@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from loguru import logger
 from pydantic import BaseModel
@@ -24,6 +24,7 @@ from exo.api.openai_responses.response_types import ResponseObject
 from exo.api.serving.generation import convert_request
 from exo.api.serving.model_lookup import Cluster, with_resolved_model
 from exo.api.serving.token_counting import count_prompt_tokens
+from exo.api.serving.token_limit import response_headers
 
 TOOLS_NOT_OFFERED_HEADER = "X-Exo-Tools-Not-Offered"
 
@@ -39,16 +40,11 @@ class InputTokensResponse(BaseModel):
 
 @router.post("/v1/responses", response_model=None)
 async def create_response(
-    body: ResponsesRequest, request: Request, response: Response, cluster: Cluster
+    body: ResponsesRequest, request: Request, cluster: Cluster
 ) -> ResponseObject | StreamingResponse:
     converted = convert_request(cluster, body, to_task_params, "resp_")
     context = response_context(
         converted.body, converted.params, converted.response_id, created_at=int(time.time())
-    )
-    answer = await converted.serve(
-        request,
-        render=lambda chunks: stream_response(chunks, context),
-        collector=lambda chunks: collect_response(chunks, context),
     )
     not_offered = tools_not_offered(body)
     if not_offered:
@@ -56,9 +52,12 @@ async def create_response(
             f"api: {converted.response_id}: hosted tools not offered to the model: "
             f"{', '.join(not_offered)}"
         )
-        headers = answer.headers if isinstance(answer, StreamingResponse) else response.headers
-        headers[TOOLS_NOT_OFFERED_HEADER] = ", ".join(not_offered)
-    return answer
+        response_headers(request)[TOOLS_NOT_OFFERED_HEADER] = ", ".join(not_offered)
+    return await converted.serve(
+        request,
+        render=lambda chunks: stream_response(chunks, context),
+        collector=lambda chunks: collect_response(chunks, context),
+    )
 
 
 @router.post("/v1/responses/input_tokens")

@@ -578,7 +578,7 @@ def test_head_on_an_endless_stream_ends_once_its_headers_are_out() -> None:
 @pytest.mark.parametrize(
     ("asked", "served"),
     [
-        ("claude-sonnet-4-5-20250929", SMOLLM2),  # Claude Code's default
+        ("claude-sonnet-5", SMOLLM2),  # a Claude Code default
         ("claude-haiku-4-5", SMOLLM2),  # its small fast model
         ("gpt-5-codex", SMOLLM2),
         (SMOLLM2, SMOLLM2),  # a name the cluster knows is never aliased
@@ -636,3 +636,60 @@ def test_a_model_alias_without_both_sides_is_refused(bad: str) -> None:
 
     with pytest.raises(SystemExit):
         parse_args(["--model-alias", bad])
+
+
+# ---------------------------------------------------------------- one max_tokens rule
+
+HI = [{"role": "user", "content": "hi"}]
+TOKEN_LIMIT_ROUTES = [
+    ("/v1/chat/completions", "max_tokens", {"messages": HI}),
+    ("/v1/chat/completions", "max_completion_tokens", {"messages": HI}),
+    ("/v1/completions", "max_tokens", {"prompt": "hi"}),
+    ("/v1/responses", "max_output_tokens", {"input": "hi"}),
+    ("/v1/messages", "max_tokens", {"messages": HI}),
+    ("/ollama/api/chat", "options.num_predict", {"messages": HI, "stream": False}),
+    ("/api/generate", "options.num_predict", {"prompt": "hi", "stream": False}),
+]
+
+
+def _with_limit(field: str, value: Any, body: dict[str, Any]) -> dict[str, Any]:
+    if field == "options.num_predict":
+        return {"model": SMOLLM2, **body, "options": {"num_predict": value}}
+    return {"model": SMOLLM2, **body, field: value}
+
+
+@pytest.mark.parametrize(("route", "field", "body"), TOKEN_LIMIT_ROUTES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_limit_over_the_room_left_is_capped_and_said_in_a_header(
+    http: TestClient, cluster: AgentCluster, route: str, field: str, body: dict[str, Any],
+    stream: bool,
+) -> None:  # fmt: skip
+    for limit, header in ((32000, "8187"), (100, None)):  # context 8192, prompt 5 tokens
+        answer = http.post(route, json={**_with_limit(field, limit, body), "stream": stream})
+        assert answer.status_code == 200, answer.text
+        assert answer.headers.get("x-exo-max-tokens-capped") == header
+        assert cluster.last_params.max_tokens == limit  # the engine caps it where it stops
+
+
+@pytest.mark.parametrize(("route", "field", "body"), TOKEN_LIMIT_ROUTES)
+@pytest.mark.parametrize("value", [1.5, 2.0, "10", True, []])
+def test_a_limit_that_is_not_an_integer_is_a_400_naming_the_field(
+    http: TestClient, route: str, field: str, body: dict[str, Any], value: Any
+) -> None:
+    answer = http.post(route, json=_with_limit(field, value, body))
+    assert answer.status_code == 400
+    assert field in answer.text
+
+
+@pytest.mark.parametrize(("route", "field", "body"), TOKEN_LIMIT_ROUTES)
+@pytest.mark.parametrize("value", [0, -1])
+def test_a_limit_below_one_is_a_400_except_ollamas_no_limit(
+    http: TestClient, cluster: AgentCluster, route: str, field: str, body: dict[str, Any],
+    value: int,
+) -> None:  # fmt: skip
+    answer = http.post(route, json=_with_limit(field, value, body))
+    if field == "options.num_predict":
+        # Ollama's own meaning: -1 (and 0 in exo, as no limit) generate until the end.
+        assert answer.status_code == 200 and cluster.last_params.max_tokens is None
+    else:
+        assert answer.status_code == 400 and field in answer.text
