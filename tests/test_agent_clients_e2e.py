@@ -217,3 +217,14 @@ def test_opencode_runs_a_tool_and_sends_its_result_back(served: Served) -> None:
     done = _opencode(served, "use read now")
     assert done.returncode == 0, done.stderr
     assert "All read." in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("base", ["", "/ollama"])
+def test_codex_oss_uses_the_ollama_api(served: Served, base: str) -> None:
+    # `codex --oss` checks the Ollama version (0.13.4 or later) and the model list at the
+    # Ollama base URL, then calls /v1/responses there: the node's root or /ollama.
+    argv = [str(BIN / "codex"), "exec", "--oss", "--local-provider", "ollama", "-m", served.model]
+    argv.append("--skip-git-repo-check")
+    done = _run(served, [*argv, "say pineapple"], {"CODEX_OSS_BASE_URL": f"{served.url}{base}/v1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "pineapple"
