@@ -39,6 +39,7 @@ NODE_DETAILS = {
     "prefill_activations": "engine.md#prefill-activations",
     "max_queued_requests": "api.md#many-users-at-once",
     "cors_origins": "api.md#browsers",
+    "model_alias": "compatibility.md#coding-agents",
     "remeasure_speed": "cluster.md#predicted-speed",
     "api_key": "security.md#api-keys",
     "api_key_file": "security.md#api-keys",
@@ -112,6 +113,11 @@ ENVIRONMENT = (
     EnvironmentVariable("EXO_OFFLINE", "`1` as `--offline`", "models.md#model-files-and-downloads"),
     EnvironmentVariable("EXO_API_KEY", "one more API key, as `--api-key`", "security.md#api-keys"),
     EnvironmentVariable("EXO_CORS_ORIGINS", "as `--cors-origins`", "api.md#browsers"),
+    EnvironmentVariable(
+        "EXO_MODEL_ALIASES",
+        "as `--model-alias`, comma-separated",
+        "compatibility.md#coding-agents",
+    ),
     EnvironmentVariable(
         "EXO_CLUSTER_SECRET",
         "the cluster secret, as `--cluster-secret`",

@@ -179,6 +179,7 @@ class Node:
                 auto_place=options.auto_place,
                 idle_unload_seconds=options.idle_unload_seconds,
                 offline=options.offline,
+                model_aliases=options.model_aliases,
             ),
             record_download=self.worker.record_download,
             local_kv_cache=self.worker.kv_cache_use,

@@ -13,6 +13,7 @@ from exo.api.security import (
     add_security_arguments,
     security_options,
 )
+from exo.api.serving.model_aliases import ModelAlias, parse_model_aliases
 from exo.routing.cluster_tls import ClusterSecret
 from exo.routing.secret_options import (
     add_cluster_secret_arguments,
@@ -57,6 +58,8 @@ class Options:
     offline: bool
     default_model: bool
     cors_origins: tuple[str, ...] = ()
+    # Client model names served by other models (`--model-alias`).
+    model_aliases: tuple[ModelAlias, ...] = ()
     auto_place: bool = True
     idle_unload_seconds: float | None = None
     trust_remote_code: bool = False
@@ -226,6 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: none; env EXO_CORS_ORIGINS)",
     )
     parser.add_argument(
+        "--model-alias",
+        action="append",
+        default=[a for a in [os.environ.get("EXO_MODEL_ALIASES", "")] if a],
+        metavar="PATTERN=MODEL",
+        help="serve client model names matching PATTERN (* wildcards) with MODEL, repeatable "
+        "(default: none; env EXO_MODEL_ALIASES)",
+    )
+    parser.add_argument(
         "--remeasure-speed",
         action="store_true",
         help="measure this node's speed again instead of reading the cached figures "
@@ -267,6 +278,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
         cors_origins = parse_cors_origins(args.cors_origins)
     except ValueError as error:
         parser.error(f"--cors-origins: {error}")
+    try:
+        model_aliases = parse_model_aliases(args.model_alias)
+    except ValueError as error:
+        parser.error(f"--model-alias: {error}")
     log_level = "WARNING" if args.quiet else ("DEBUG" if args.verbose else "INFO")
     return Options(
         host=args.host,
@@ -280,6 +295,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         offline=args.offline,
         default_model=not args.no_default_model,
         cors_origins=cors_origins,
+        model_aliases=model_aliases,
         auto_place=not args.no_auto_place,
         idle_unload_seconds=args.idle_unload,
         trust_remote_code=args.trust_remote_code,

@@ -33,6 +33,7 @@ SNIPPETS = (
     "anthropic-python",
     "claude-code",
     "codex",
+    "opencode",
     "open-webui",
     "ollama-cli",
     "ollama-python",
@@ -163,6 +164,18 @@ def test_codex_settings(rendered: dict[str, str]) -> None:
         model=config["model"], input="Hi", max_output_tokens=16, temperature=0
     )
     assert reply.output_text
+
+
+def test_opencode_settings(rendered: dict[str, str]) -> None:
+    config = json.loads(rendered["opencode"])
+    provider_name, model = config["model"].split("/", 1)
+    options = config["provider"][provider_name]["options"]
+    # opencode's OpenAI-compatible provider posts to baseURL + "/chat/completions".
+    client = openai.OpenAI(base_url=options["baseURL"], api_key="unused")
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
+    )
+    assert reply.choices[0].message.content
 
 
 def test_open_webui_settings(rendered: dict[str, str]) -> None:

@@ -22,15 +22,18 @@ from exo.api.guards.browser_access import (
 )
 from exo.api.ollama import file_routes as ollama_files
 from exo.api.ollama import routes as ollama_routes
+from exo.api.ollama.root_paths import RootOllamaMiddleware
 from exo.api.openai_chat import routes as chat
 from exo.api.openai_completions import routes as completions
 from exo.api.openai_responses import routes as responses_routes
 from exo.api.routes import cluster, custom_models, downloads, peer_files, session
 from exo.api.routes import dashboard as dashboard_routes
 from exo.api.routes import metrics as metrics_routes
+from exo.api.routes.head_requests import HeadAsGetMiddleware
 from exo.api.security import ApiSecurity, install_client_guards, install_metrics
 from exo.api.serving.admission import Admission
 from exo.api.serving.cluster_client import ClusterClient, CommandTimeoutError
+from exo.api.serving.token_limit import ResponseHeadersMiddleware
 from exo.api.wire.errors import (
     OPENAI_ERRORS,
     ApiError,
@@ -157,6 +160,12 @@ def create_app(
         kv_cache=lambda: cluster_client.local_kv_cache(),
     )  # fmt: skip
 
+    # Added last, so they run first: every guard, route and error handler sees a HEAD as
+    # the GET it is served as, and a root `/api/...` as the `/ollama/api/...` it is.
+    app.add_middleware(ResponseHeadersMiddleware)
+    app.add_middleware(HeadAsGetMiddleware)
+    app.add_middleware(RootOllamaMiddleware)
+
     generate_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -168,9 +177,14 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, error: ApiError) -> JSONResponse:
+        status_code = error.status_code
+        if isinstance(error, QueueFullError) and error_dialect_for(request.url.path).name == (
+            "anthropic"
+        ):
+            status_code = 529  # Anthropic's "overloaded", which its clients retry
         response = error_response_for_path(
             request.url.path,
-            error.status_code,
+            status_code,
             error.error_type,
             error.message,
             error.param,

@@ -37,6 +37,7 @@ __all__ = [
     "ToolCallFormat",
     "decode_keeping_markers",
     "detect_tool_call_format",
+    "fold_system_messages",
     "raw_prompt",
     "render_prompt",
 ]
@@ -94,7 +95,9 @@ def render_prompt(tokenizer: Any, params: TextGenerationTaskParams) -> RenderedP
     Args:
         tokenizer: A Hugging Face tokenizer (with a chat template, for a conversation).
         params: The request; `offered_tools`, `enable_thinking` and `reasoning_effort`
-            reach the template (the latter two only when set).
+            reach the template (the latter two only when set). A system message after the
+            first turn is rendered at its place, or folded into the leading system message
+            when the template rejects or drops it there (`fold_system_messages`).
 
     Returns:
         The prompt's text and token ids, and how to parse the model's output.
@@ -106,6 +109,35 @@ def render_prompt(tokenizer: Any, params: TextGenerationTaskParams) -> RenderedP
     """
     if params.prompt is not None:
         return raw_prompt(tokenizer, params.prompt)
+    later_system = [message for message in params.messages[1:] if message.role == "system"]
+    if not later_system:
+        return _render_conversation(tokenizer, params, params.messages)
+    # System turns after the first message (Claude Code's mid-conversation system
+    # messages) are rendered where they are when the template takes a system turn there,
+    # else folded into the leading system message: templates that raise on them, or
+    # that silently drop them, get them folded.
+    try:
+        rendered = _render_conversation(tokenizer, params, params.messages)
+    except ValueError:
+        return _render_conversation(tokenizer, params, fold_system_messages(params.messages))
+    if all(message.content in rendered.text for message in later_system):
+        return rendered
+    return _render_conversation(tokenizer, params, fold_system_messages(params.messages))
+
+
+def fold_system_messages(messages: Sequence[ChatMessage]) -> tuple[ChatMessage, ...]:
+    """`messages` with every system message's text joined, in order, into one leading
+    system message (paragraphs apart)."""
+    system = "\n\n".join(
+        message.content for message in messages if message.role == "system" and message.content
+    )
+    rest = tuple(message for message in messages if message.role != "system")
+    return ((ChatMessage(role="system", content=system),) if system else ()) + rest
+
+
+def _render_conversation(
+    tokenizer: Any, params: TextGenerationTaskParams, messages: Sequence[ChatMessage]
+) -> RenderedPrompt:
     tools = params.offered_tools
     source = _template_source(tokenizer, with_tools=bool(tools))
     tools_in_template = bool(_TOOLS_VARIABLE.search(source))
@@ -118,7 +150,7 @@ def render_prompt(tokenizer: Any, params: TextGenerationTaskParams) -> RenderedP
 
     attempts: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = []
     if tools_in_template:
-        conversation = _native_conversation(params.messages, short_ids)
+        conversation = _native_conversation(messages, short_ids)
         attempts.append((conversation, [_tool_schema(tool) for tool in tools] or None))
     else:
         # Try the most faithful rendering first; fall back to plainer shapes when the
@@ -127,9 +159,7 @@ def render_prompt(tokenizer: Any, params: TextGenerationTaskParams) -> RenderedP
         variants = [(results_as_user_first, False), (True, False), (results_as_user_first, True)]
         variants.append((True, True))
         for results_as_user, tools_in_user in dict.fromkeys(variants):
-            conversation = _fallback_conversation(
-                params.messages, tools, results_as_user, tools_in_user
-            )
+            conversation = _fallback_conversation(messages, tools, results_as_user, tools_in_user)
             attempts.append((conversation, None))
 
     first_error: Exception | None = None

@@ -33,6 +33,7 @@ from exo.api.claude_messages.wire_types import (
     ErrorDetail,
     ErrorResponse,
     ImageBlockParam,
+    InputMessage,
     MessagesRequest,
     OtherBlockParam,
     RedactedThinkingBlockParam,
@@ -71,6 +72,11 @@ from exo.shared.types.text_generation import (
 # Text blocks of one turn are joined with a newline (as the chat completions adapter joins
 # text parts), so blocks written as paragraphs do not run into each other.
 _TEXT_BLOCK_SEPARATOR = "\n"
+
+# Claude Code's first system block: a line that changes with every prompt (a hash of it).
+# Fed to the model it would make every prompt's beginning differ, so no request could reuse
+# the prefix cache of the one before; it means nothing to the model and is left out.
+BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
 
 # How a failed tool run is marked for the model: templates have no field for Anthropic's
 # `is_error`, so it travels in the text.
@@ -128,7 +134,9 @@ def to_task_params(request: MessagesRequest) -> TextGenerationTaskParams:
         request: A schema-valid request.
 
     Returns:
-        The internal params. `system` becomes a leading system turn; `tool_result` blocks
+        The internal params. `system` becomes a leading system turn (less Claude Code's
+        billing line, `BILLING_HEADER_PREFIX`), a `system` message a system turn at its
+        place; `tool_result` blocks
         become `tool` turns, `tool_use` blocks the assistant turn's `tool_calls`, thinking
         blocks its `reasoning_content`. Sampling fields the client left out stay None.
 
@@ -243,8 +251,23 @@ def _conversation(request: CountTokensRequest) -> tuple[ChatMessage, ...]:
         messages.append(ChatMessage(role="system", content=system))
     for index, message in enumerate(request.messages):
         where = f"messages.{index}"
-        if isinstance(message.content, str):
-            messages.append(ChatMessage(role=message.role, content=message.content))
+        if message.role not in ("user", "assistant", "system"):
+            raise InvalidRequestError(
+                f'{where}: Unexpected role "{message.role}". Allowed roles are "user", '
+                '"assistant" and "system".',
+                f"{where}.role",
+            )
+        if message.role == "system":
+            # Rendered where it is, or folded into the system prompt when the model's chat
+            # template takes no system turn there (`exo.chat_protocol.prompt`).
+            messages.append(ChatMessage(role="system", content=_system_turn_text(message, where)))
+        elif isinstance(message.content, str):
+            messages.append(
+                ChatMessage(
+                    role="user" if message.role == "user" else "assistant",
+                    content=message.content,
+                )
+            )
         elif message.role == "user":
             messages.extend(_user_turn(message.content, where))
         else:
@@ -255,8 +278,29 @@ def _conversation(request: CountTokensRequest) -> tuple[ChatMessage, ...]:
 
 def _system_text(system: str | list[TextBlockParam] | None) -> str:
     if system is None or isinstance(system, str):
-        return system or ""
-    return _TEXT_BLOCK_SEPARATOR.join(block.text for block in system)
+        return _without_billing_line(system or "")
+    blocks = list(system)
+    if blocks and blocks[0].text.startswith(BILLING_HEADER_PREFIX):
+        blocks = blocks[1:]
+    return _TEXT_BLOCK_SEPARATOR.join(block.text for block in blocks)
+
+
+def _without_billing_line(text: str) -> str:
+    if not text.startswith(BILLING_HEADER_PREFIX):
+        return text
+    return text.partition("\n")[2].lstrip("\n")
+
+
+def _system_turn_text(message: InputMessage, where: str) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    texts: list[str] = []
+    for block_index, block in enumerate(message.content):
+        if not isinstance(block, TextBlockParam):
+            at = f"{where}.content.{block_index}"
+            raise InvalidRequestError(f"{at}: system messages take text blocks only", at)
+        texts.append(block.text)
+    return _TEXT_BLOCK_SEPARATOR.join(texts)
 
 
 def _user_turn(blocks: Sequence[ContentBlockParam], where: str) -> list[ChatMessage]:

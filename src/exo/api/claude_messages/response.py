@@ -39,6 +39,7 @@ from exo.api.claude_messages.wire_types import (
 from exo.api.wire import stream
 from exo.api.wire.errors import ApiError, GenerationError
 from exo.api.wire.stream import CompletedReason
+from exo.chat_protocol.tool_call_parsing import TOOL_CALL_ID_PREFIX
 from exo.shared.types.chunks import Chunk, TokenChunk, Usage
 from exo.shared.types.text_generation import ToolCall
 
@@ -65,6 +66,11 @@ def _message_usage(usage: Usage) -> MessageUsage:
         output_tokens=usage.completion_tokens,
         output_tokens_details=OutputTokensDetails(thinking_tokens=usage.reasoning_tokens),
     )
+
+
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's spelling of a tool call's id (`toolu_…`; the engine names calls `call_…`)."""
+    return "toolu_" + call_id.removeprefix(TOOL_CALL_ID_PREFIX)
 
 
 def _tool_input(call: ToolCall) -> dict[str, Any]:
@@ -130,7 +136,9 @@ async def message_events(chunks: AsyncIterator[Chunk]) -> AsyncIterator[StreamEv
                     called_tools = True
                     yield ContentBlockStartEvent(
                         index=index,
-                        content_block=ToolUseBlock(id=call.id, name=call.name, input={}),
+                        content_block=ToolUseBlock(
+                            id=tool_use_id(call.id), name=call.name, input={}
+                        ),
                     )
                     yield ContentBlockDeltaEvent(
                         index=index, delta=InputJsonDelta(partial_json=json.dumps(arguments))

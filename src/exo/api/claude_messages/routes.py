@@ -25,15 +25,19 @@ from exo.api.claude_messages.wire_types import (
 from exo.api.serving.generation import convert_request
 from exo.api.serving.model_lookup import Cluster, with_resolved_model
 from exo.api.serving.token_counting import count_prompt_tokens
-from exo.api.wire.errors import ErrorDialect
+from exo.api.wire.errors import ErrorDialect, context_overflow
 
 router = APIRouter()
 
 
 def _render_error(
-    status_code: int, _error_type: str, message: str, _param: str | None, _code: str | None
+    status_code: int, _error_type: str, message: str, _param: str | None, code: str | None
 ) -> dict[str, Any]:
     # Anthropic's body has no param or code; the type follows from the status alone.
+    overflow = context_overflow(message, code)
+    if overflow is not None:
+        # Anthropic's words, which Claude Code matches to compact the conversation.
+        message = f"prompt is too long: {overflow[0]} tokens > {overflow[1]} maximum"
     return error_body(status_code, message)
 
 

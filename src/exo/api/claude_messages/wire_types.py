@@ -135,7 +135,10 @@ MessageContent = Annotated[
 
 
 class InputMessage(_WireRequestModel):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code's `mid-conversation-system-2026-04-07` beta. Any other role is
+    # refused by the adapter with Anthropic's wording ("Unexpected role ..."), which Claude
+    # Code parses.
+    role: str = Field(json_schema_extra={"enum": ["user", "assistant", "system"]})
     content: MessageContent
 
 
@@ -245,7 +248,7 @@ class CountTokensRequest(_WireRequestModel):
 class MessagesRequest(CountTokensRequest):
     """The body of `POST /v1/messages`. Ranges are Anthropic's (temperature 0..1)."""
 
-    max_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=1, strict=True)
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)

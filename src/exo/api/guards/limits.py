@@ -10,6 +10,8 @@ request rate.
   on a kept-alive connection), however slowly it trickles them (slowloris); else it gets a
   408 and is closed. uvicorn 0.54's h11 protocol has no such timeout (its
   `timeout_keep_alive` only runs between requests), so `HeaderTimeoutH11Protocol` adds it.
+- **Compressed bodies** (`Content-Encoding` zstd, gzip, deflate): decoded here, the
+  decoded size within the same limit (`exo.api.guards.content_encoding`).
 - **Body idle timeout** (`--body-timeout`): a body that sends nothing for this long gets a
   408.
 - **Connections** (`--max-connections`): uvicorn's `limit_concurrency` (503 past it).
@@ -37,6 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from exo.api.guards.auth import CLIENT_SCOPE_KEY, ErrorResponder, is_public
+from exo.api.guards.content_encoding import BodyDecodingError, decode_body, encodings
 
 # Anthropic documents 32 MB as the largest Messages API request; OpenAI's chat bodies are
 # of the same order. Text prompts that fill the catalog's longest context (128K tokens, a
@@ -280,7 +283,23 @@ class LimitsMiddleware:
             parts.append(chunk)
             if not message.get("more_body", False):
                 break
-        await self.app(scope, _replay(b"".join(parts), pending, receive), send)
+        body = b"".join(parts)
+        applied = encodings(headers.get(b"content-encoding"))
+        if applied:
+            try:
+                body = decode_body(body, applied, limit)
+            except BodyDecodingError as error:
+                error_type = "invalid_request_error"
+                await self._refuse(scope, receive, send, error.status, error_type, error.message)
+                return
+            kept = [
+                (name, value)
+                for name, value in scope["headers"]
+                if name.lower() not in (b"content-encoding", b"content-length")
+            ]
+            length = str(len(body)).encode()
+            scope = {**scope, "headers": [*kept, (b"content-length", length)]}
+        await self.app(scope, _replay(body, pending, receive), send)
 
 
 def _replay(body: bytes, pending: Message | None, receive: Receive) -> Receive:

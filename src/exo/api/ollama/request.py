@@ -49,8 +49,10 @@ from exo.shared.types.text_generation import (
 
 NDJSON_MEDIA_TYPE = "application/x-ndjson"
 # The version `/api/version` reports: the Ollama API release whose wire format this
-# module follows (clients compare it to enable features).
-OLLAMA_COMPATIBLE_VERSION = "0.6.8"
+# module follows (clients compare it to enable features: `codex --oss` wants 0.13.4, the
+# release that serves `/v1/responses`). What that release has and exo does not is listed in
+# docs/compatibility.md ("Ollama clients").
+OLLAMA_COMPATIBLE_VERSION = "0.13.4"
 # Ollama reports a model kept loaded forever (`keep_alive: -1`) with a far-future expiry;
 # so does exo for an instance without a keep-alive (kept until deleted).
 NEVER_EXPIRES = "9999-12-31T23:59:59Z"

@@ -48,6 +48,7 @@ from exo.api.ollama.wire_types import (
 )
 from exo.api.openai_chat import routes as chat
 from exo.api.openai_completions import routes as completions
+from exo.api.openai_responses import routes as responses
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.serving.generation import serve_generation
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
@@ -57,6 +58,7 @@ from exo.api.wire.errors import (
     InvalidRequestError,
     ModelNotFoundError,
     NoCapacityError,
+    context_overflow,
 )
 from exo.download.pypi_gguf import model_directory_name
 from exo.shared.constants import models_dir
@@ -74,6 +76,12 @@ MAX_EXPIRY_SECONDS = 253402300799
 def _render_ollama_error(
     status_code: int, error_type: str, message: str, param: str | None, code: str | None
 ) -> dict[str, Any]:
+    overflow = context_overflow(message, code)
+    if overflow is not None:
+        # Ollama's sentence (with `truncate: false`); exo refuses rather than truncates.
+        message = (
+            f"the input length exceeds the context length ({overflow[0]} tokens > {overflow[1]})"
+        )
     return {"error": message}
 
 
@@ -90,6 +98,10 @@ router.add_api_route(
     f"{PREFIX}/v1/completions", completions.completions, methods=["POST"], response_model=None
 )
 router.add_api_route(f"{PREFIX}/v1/models/{{model_id:path}}", chat.retrieve_model, methods=["GET"])
+# Ollama serves the Responses API under its base path too (`codex --oss` calls it there).
+router.add_api_route(
+    f"{PREFIX}/v1/responses", responses.create_response, methods=["POST"], response_model=None
+)
 
 
 @router.head(PREFIX, response_class=PlainTextResponse, include_in_schema=False)

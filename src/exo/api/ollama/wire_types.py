@@ -95,7 +95,7 @@ class OllamaOptions(_WireRequestModel):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    num_predict: int | None = None
+    num_predict: int | None = Field(default=None, strict=True)
     stop: list[str] | str | None = None
     repeat_penalty: float | None = None
     presence_penalty: float | None = None

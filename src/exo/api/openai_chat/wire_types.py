@@ -241,8 +241,8 @@ class ChatCompletionRequest(OpenAIGenerationRequest):
     # The fields it shares with legacy Completions are `OpenAIGenerationRequest`'s.
     messages: list[RequestMessage] = Field(min_length=1)
 
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
 
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoiceParam | None = None

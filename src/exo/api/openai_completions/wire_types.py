@@ -46,7 +46,7 @@ class CompletionRequest(OpenAIGenerationRequest):
     # The fields it shares with Chat Completions are `OpenAIGenerationRequest`'s.
     prompt: CompletionPrompt
     suffix: str | None = None
-    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1, strict=True)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)

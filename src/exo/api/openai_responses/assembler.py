@@ -181,24 +181,27 @@ class ResponseAssembler:
     def add_tool_call(self, call: ToolCall) -> Iterator[StreamEvent]:
         yield from self._close("completed")
         place = _ItemPlace(output_index=len(self._output), item_id=self._item_id("fc_"))
+        namespace, name = self._context.client_tool_name(call.name)
         yield self._item_event(
             "response.output_item.added",
             OutputFunctionCall(
                 id=place.item_id,
                 call_id=call.id,
-                name=call.name,
+                name=name,
+                namespace=namespace,
                 arguments="",
                 status="in_progress",
             ),
         )
         yield FunctionCallArgumentsDeltaEvent(**self._in_item(place), delta=call.arguments)
         yield FunctionCallArgumentsDoneEvent(
-            **self._in_item(place), name=call.name, arguments=call.arguments
+            **self._in_item(place), name=name, arguments=call.arguments
         )
         item = OutputFunctionCall(
             id=place.item_id,
             call_id=call.id,
-            name=call.name,
+            name=name,
+            namespace=namespace,
             arguments=call.arguments,
             status="completed",
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from exo.api.openai_responses.request import function_tools
+from exo.api.openai_responses.request import function_tools, tool_names
 from exo.api.openai_responses.request_types import ResponsesRequest
 from exo.api.openai_responses.response_types import (
     FunctionToolChoiceEcho,
@@ -40,6 +40,12 @@ class ResponseContext:
     top_p: float | None
     user: str | None
     metadata: dict[str, str] = field(default_factory=dict)
+    tool_names: dict[str, tuple[str | None, str]] = field(default_factory=dict)
+    """The model's name of each function -> (namespace, name), as the client names it."""
+
+    def client_tool_name(self, model_name: str) -> tuple[str | None, str]:
+        """(namespace or None, name) of the function the model called `model_name`."""
+        return self.tool_names.get(model_name, (None, model_name))
 
     @property
     def id_hex(self) -> str:
@@ -54,7 +60,7 @@ class ResponseContext:
 _ECHOED_FIELDS = tuple(
     entry.name
     for entry in fields(ResponseContext)
-    if entry.name not in ("response_id", "created_at")
+    if entry.name not in ("response_id", "created_at", "tool_names")
 )
 
 
@@ -116,4 +122,5 @@ def response_context(
         top_p=request.top_p,
         user=request.user,
         metadata=dict(request.metadata or {}),
+        tool_names=tool_names(request),
     )

@@ -39,6 +39,7 @@ from exo.api.openai_responses.request_types import (
     InputItem,
     InputTextPart,
     MessageItem,
+    NamespaceToolSpec,
     OutputTextInputPart,
     ReasoningItem,
     RefusalInputPart,
@@ -98,7 +99,8 @@ def to_task_params(request: ResponsesRequest) -> TextGenerationTaskParams:
 
     Raises:
         InvalidRequestError: the request asks for something exo does not do (stored
-            responses or conversations, background mode, hosted tools, image or file input)
+            responses or conversations, background mode, a `tool_choice` forcing a hosted
+            tool, image or file input)
             or is inconsistent (a function call output without its
             call, a tool choice naming an unknown tool, an empty input).
     """
@@ -109,7 +111,7 @@ def to_task_params(request: ResponsesRequest) -> TextGenerationTaskParams:
     if isinstance(request.input, str):
         messages.append(ChatMessage(role="user", content=request.input))
     else:
-        messages.extend(_to_chat_messages(request.input))
+        messages.extend(_to_chat_messages(request, request.input))
     if not any(message.role != "system" for message in messages):
         raise InvalidRequestError(
             "input must contain at least one user, assistant or tool turn", "input"
@@ -174,23 +176,69 @@ def _refuse_unsupported_features(request: ResponsesRequest) -> None:
             "for long generations",
             "background",
         )
-    for index, tool in enumerate(request.tools or []):
-        if isinstance(tool, UnsupportedTool):
-            raise InvalidRequestError(
-                f"tools of type {tool.type!r} {_NOT_SUPPORTED}: exo runs no hosted tools; "
-                "only 'function' tools are",
-                f"tools[{index}]",
-            )
     if isinstance(request.tool_choice, UnsupportedToolChoice):
+        # Forcing a hosted tool cannot be done by leaving it out, unlike offering one.
         raise InvalidRequestError(
-            f"tool_choice of type {request.tool_choice.type!r} {_NOT_SUPPORTED}; use 'auto', "
-            "'none', 'required' or {'type': 'function', 'name': ...}",
+            f"tool_choice of type {request.tool_choice.type!r} {_NOT_SUPPORTED}: exo runs no "
+            "hosted tools; use 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
             "tool_choice",
         )
 
 
+def tools_not_offered(request: ResponsesRequest) -> list[str]:
+    """The types of the request's hosted tools (`web_search`, `mcp`, ...), which the node
+    cannot run and does not show the model, in order, without repeats."""
+    kinds = [tool.type for tool in request.tools or [] if isinstance(tool, UnsupportedTool)]
+    return list(dict.fromkeys(kinds))
+
+
+def namespaced_tool_name(namespace: str, name: str) -> str:
+    """The name the model sees for function `name` of a `namespace` tool: both joined
+    (`mcp__files__` + `read` = `mcp__files__read`, `files` + `read` = `files__read`)."""
+    return f"{namespace}{name}" if namespace.endswith("_") else f"{namespace}__{name}"
+
+
+def tool_names(request: ResponsesRequest) -> dict[str, tuple[str | None, str]]:
+    """The name the model sees for each function tool -> (its namespace or None, its own
+    name), unique: a name taken by an earlier tool gets `_2`, `_3`, ... appended."""
+    names: dict[str, tuple[str | None, str]] = {}
+
+    def add(model_name: str, namespace: str | None, name: str) -> None:
+        unique, suffix = model_name, 2
+        while unique in names:
+            unique, suffix = f"{model_name}_{suffix}", suffix + 1
+        names[unique] = (namespace, name)
+
+    for tool in request.tools or []:
+        if isinstance(tool, FunctionToolSpec):
+            add(tool.name, None, tool.name)
+        elif isinstance(tool, NamespaceToolSpec):
+            for function in tool.tools:
+                add(namespaced_tool_name(tool.name, function.name), tool.name, function.name)
+    return names
+
+
+def _model_tool_name(request: ResponsesRequest, namespace: str | None, name: str) -> str:
+    """The model's name for the function the client names `name` in `namespace`."""
+    for model_name, (tool_namespace, tool_name) in tool_names(request).items():
+        if (tool_namespace, tool_name) == (namespace, name):
+            return model_name
+    return name if namespace is None else namespaced_tool_name(namespace, name)
+
+
 def function_tools(request: ResponsesRequest) -> list[FunctionToolSpec]:
-    return [tool for tool in request.tools or [] if isinstance(tool, FunctionToolSpec)]
+    """Every function the model is offered, under the name it sees (`tool_names`):
+    function tools, and the functions of `namespace` tools."""
+    functions: list[FunctionToolSpec] = []
+    for tool in request.tools or []:
+        if isinstance(tool, FunctionToolSpec):
+            functions.append(tool)
+        elif isinstance(tool, NamespaceToolSpec):
+            functions.extend(tool.tools)
+    return [
+        function.model_copy(update={"name": model_name})
+        for function, model_name in zip(functions, tool_names(request), strict=True)
+    ]
 
 
 def _tool_choice(request: ResponsesRequest) -> ToolChoice:
@@ -203,6 +251,9 @@ def _tool_choice(request: ResponsesRequest) -> ToolChoice:
         case None:
             converted = "auto"
         case FunctionToolChoice():
+            choice = choice.model_copy(
+                update={"name": _model_tool_name(request, choice.namespace, choice.name)}
+            )
             if choice.name not in names:
                 raise InvalidRequestError(
                     f"tool_choice names {choice.name!r}, which is not among the function tools "
@@ -261,7 +312,7 @@ def _thinking(request: ResponsesRequest) -> tuple[bool | None, ReasoningEffort |
             assert_never(effort)
 
 
-def _to_chat_messages(items: list[InputItem]) -> list[ChatMessage]:
+def _to_chat_messages(request: ResponsesRequest, items: list[InputItem]) -> list[ChatMessage]:
     messages: list[ChatMessage] = []
     pending_reasoning: list[str] = []
     call_ids: set[str] = set()
@@ -284,7 +335,8 @@ def _to_chat_messages(items: list[InputItem]) -> list[ChatMessage]:
                 previous_was_assistant = role == "assistant"
             case FunctionCallItem():
                 _check_arguments_object(item.arguments, f"{param}.arguments")
-                call = ToolCall(id=item.call_id, name=item.name, arguments=item.arguments)
+                name = _model_tool_name(request, item.namespace, item.name)
+                call = ToolCall(id=item.call_id, name=name, arguments=item.arguments)
                 call_ids.add(item.call_id)
                 if previous_was_assistant and not pending_reasoning:
                     last = messages[-1]

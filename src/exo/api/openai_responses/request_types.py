@@ -112,6 +112,8 @@ class FunctionCallItem(_WireRequestModel):
     name: str = Field(min_length=1)
     arguments: str
     id: str | None = None
+    namespace: str | None = None
+    """The `namespace` tool the function belongs to (Codex groups MCP tools so)."""
 
 
 class FunctionCallOutputItem(_WireRequestModel):
@@ -174,22 +176,36 @@ class FunctionToolSpec(_WireRequestModel):
     strict: bool | None = None
 
 
+class NamespaceToolSpec(_WireRequestModel):
+    """Function tools grouped under a name (Codex's MCP servers): client-run functions like
+    any other, offered to the model under unique names (`namespaced_tool_name`)."""
+
+    type: Literal["namespace"]
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    tools: list[FunctionToolSpec]
+
+
 class UnsupportedTool(_WireRequestModel):
-    """A hosted tool (`web_search`, `file_search`, `mcp`, ...); refused by the adapter."""
+    """A hosted tool (`web_search`, `file_search`, `mcp`, ...): the node runs none, so it is
+    not offered to the model (listed in the `X-Exo-Tools-Not-Offered` response header)."""
 
     model_config = ConfigDict(frozen=True, extra="allow")
     type: str
 
 
 ToolSpec = Annotated[
-    Annotated[FunctionToolSpec, Tag("function")] | Annotated[UnsupportedTool, Tag("unsupported")],
-    _type_or("unsupported", frozenset({"function"})),
+    Annotated[FunctionToolSpec, Tag("function")]
+    | Annotated[NamespaceToolSpec, Tag("namespace")]
+    | Annotated[UnsupportedTool, Tag("unsupported")],
+    _type_or("unsupported", frozenset({"function", "namespace"})),
 ]
 
 
 class FunctionToolChoice(_WireRequestModel):
     type: Literal["function"]
     name: str = Field(min_length=1)
+    namespace: str | None = None
 
 
 class UnsupportedToolChoice(_WireRequestModel):
@@ -248,7 +264,7 @@ class ResponsesRequest(_WireRequestModel):
     input: str | list[InputItem]
     instructions: str | None = None
 
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1, strict=True)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     # Not an OpenAI parameter: vLLM's extension, as on Chat Completions.

@@ -73,6 +73,8 @@ class OutputFunctionCall(_WireResponseModel):
     name: str
     arguments: str
     status: ItemStatus
+    namespace: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    """The `namespace` tool of the function called (left out for a plain function tool)."""
 
 
 OutputItem = Annotated[

@@ -1,22 +1,41 @@
-"""OpenAI Responses: `POST /v1/responses`. Errors use OpenAI's error shape (the default),
-so this module defines no `ERROR_DIALECT`."""
+"""OpenAI Responses: `POST /v1/responses` and `POST /v1/responses/input_tokens`. Errors use
+OpenAI's error shape (the default), so this module defines no `ERROR_DIALECT`.
+
+Hosted tools (`web_search`, `file_search`, `code_interpreter`, `image_generation`, `mcp`,
+...) are not offered to the model, since the node runs none: the answer lists their types in
+the `TOOLS_NOT_OFFERED_HEADER` header, and the log at debug level.
+"""
 
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from loguru import logger
+from pydantic import BaseModel
 
 from exo.api.openai_responses.context import response_context
-from exo.api.openai_responses.request import to_task_params
+from exo.api.openai_responses.request import to_task_params, tools_not_offered
 from exo.api.openai_responses.request_types import ResponsesRequest
 from exo.api.openai_responses.response import collect_response, stream_response
 from exo.api.openai_responses.response_types import ResponseObject
 from exo.api.serving.generation import convert_request
-from exo.api.serving.model_lookup import Cluster
+from exo.api.serving.model_lookup import Cluster, with_resolved_model
+from exo.api.serving.token_counting import count_prompt_tokens
+from exo.api.serving.token_limit import response_headers
+
+TOOLS_NOT_OFFERED_HEADER = "X-Exo-Tools-Not-Offered"
 
 router = APIRouter()
+
+
+class InputTokensResponse(BaseModel):
+    """The answer of `POST /v1/responses/input_tokens`."""
+
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+    input_tokens: int
 
 
 @router.post("/v1/responses", response_model=None)
@@ -27,8 +46,24 @@ async def create_response(
     context = response_context(
         converted.body, converted.params, converted.response_id, created_at=int(time.time())
     )
+    not_offered = tools_not_offered(body)
+    if not_offered:
+        logger.debug(
+            f"api: {converted.response_id}: hosted tools not offered to the model: "
+            f"{', '.join(not_offered)}"
+        )
+        response_headers(request)[TOOLS_NOT_OFFERED_HEADER] = ", ".join(not_offered)
     return await converted.serve(
         request,
         render=lambda chunks: stream_response(chunks, context),
         collector=lambda chunks: collect_response(chunks, context),
     )
+
+
+@router.post("/v1/responses/input_tokens")
+async def count_input_tokens(body: ResponsesRequest, cluster: Cluster) -> InputTokensResponse:
+    """The prompt tokens `POST /v1/responses` would send the model for this body, counted
+    with the model's own tokenizer and chat template on this node."""
+    body = with_resolved_model(cluster, body)
+    count = await count_prompt_tokens(cluster, to_task_params(body))
+    return InputTokensResponse(input_tokens=count)

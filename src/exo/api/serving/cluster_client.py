@@ -23,6 +23,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from loguru import logger
 
 from exo.api.serving.command_outcomes import answer_from_state
+from exo.api.serving.model_aliases import ModelAlias
 from exo.node.election import Election
 from exo.shared.models.cards import with_custom_cards
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
@@ -75,12 +76,15 @@ class LoadOnRequest:
             None: they stay until deleted.
         ready_timeout_seconds: how long a request waits for the instance it placed to load.
         offline: never download (`--offline`): Ollama's pull only finds files already here.
+        model_aliases: client model names mapped to served models (`--model-alias`,
+            `exo.api.serving.model_aliases`).
     """
 
     auto_place: bool = True
     idle_unload_seconds: float | None = None
     ready_timeout_seconds: float = 600.0
     offline: bool = False
+    model_aliases: tuple[ModelAlias, ...] = ()
 
 
 class CommandRejectedError(Exception):

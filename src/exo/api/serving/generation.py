@@ -34,6 +34,7 @@ from exo.api.serving.model_lookup import RequestBody, card_of, known_model_ids, 
 from exo.api.serving.prompt_size import check_prompt_size
 from exo.api.serving.request_checks import check_chat_template, check_logit_bias, check_serializable
 from exo.api.serving.response_ids import response_id
+from exo.api.serving.token_limit import note_capped_max_tokens
 from exo.api.wire.errors import (
     ApiError,
     GenerationError,
@@ -187,9 +188,11 @@ async def start_generation(
     keep-alive. A request with the `INSTANCE_HEADER` header runs on that instance only: it
     places nothing and is not sent again elsewhere when the instance is lost.
 
-    With `wait_for_first_chunk` (default: `params.stream`) the first chunk is awaited before
+    With `wait_for_first_chunk` (default: True) the first chunk is awaited before
     returning, so that a request the engine refuses (prompt longer than the context) is a
-    plain HTTP error and not an error inside an already-started 200 stream.
+    plain HTTP error and not an error inside an already-started 200 stream, and a
+    `max_tokens` over the room the prompt leaves is said in the answer's head
+    (`exo.api.serving.token_limit`).
 
     Raises:
         ModelNotFoundError: the model is unknown, or it has no instance and cannot be
@@ -233,7 +236,7 @@ async def start_generation(
     generation.instance_id = command.instance_id
     try:
         await _submit(cluster, command)
-        if wait_for_first_chunk if wait_for_first_chunk is not None else params.stream:
+        if wait_for_first_chunk if wait_for_first_chunk is not None else True:
             first = await _first_chunk(request, generation.chunks)
             while generation.can_retry(first):
                 await generation.retry(request)
@@ -242,6 +245,7 @@ async def start_generation(
                 raise InvalidRequestError(
                     first.error_message, param="messages", code=first.error_code
                 )
+            note_capped_max_tokens(cluster, request, params, first)
             generation.chunks = _prepend(first, generation.chunks)
     except BaseException:
         generation.cancel()

@@ -10,6 +10,7 @@ from fastapi import Depends, Request
 from pydantic import BaseModel
 
 from exo.api.serving.cluster_client import ClusterClient
+from exo.api.serving.model_aliases import aliased_model
 from exo.download.locations import ModelLocations, find_local_copy
 from exo.download.pypi_gguf import is_prepared, model_directory_name
 from exo.shared.constants import models_dir
@@ -45,11 +46,19 @@ def known_model_ids(cluster: ClusterClient) -> list[ModelId]:
 
 
 def resolve_model_id(cluster: ClusterClient, name: str) -> ModelId | None:
-    """The model `name` means (catalog id, short name, a custom model's name, or the id of
-    a placed model), or None when the cluster knows no such model."""
-    placed = (instance.model_id for instance in cluster.state.instances.values())
+    """The model `name` means (catalog id, short name, a custom model's name, the id of
+    a placed model, or what `--model-alias` maps it to), or None when the cluster knows no
+    such model."""
+    placed = [instance.model_id for instance in cluster.state.instances.values()]
     custom = cluster.state.custom_cards
-    return resolve_model_name(name, catalog_of(cluster), placed, custom)
+    found = resolve_model_name(name, catalog_of(cluster), placed, custom)
+    if found is not None:
+        return found
+    # A name the cluster does not know may be aliased (`--model-alias`) to one it does.
+    target = aliased_model(cluster.load_on_request.model_aliases, name)
+    if target is None:
+        return None
+    return resolve_model_name(target, catalog_of(cluster), placed, custom)
 
 
 def catalog_of(cluster: ClusterClient) -> Mapping[ModelId, ModelCard]:

@@ -26,6 +26,7 @@ from exo.testing.builders import SMOLLM2
 
 def responses_effects() -> list[Decision]:
     function_tool = {"type": "function", **WEATHER}
+    namespace_tool = {"type": "namespace", "name": "files", "tools": [function_tool]}
     call_item = {
         "type": "function_call",
         "call_id": "call_1",
@@ -235,11 +236,42 @@ def responses_effects() -> list[Decision]:
             "`tools[].strict`",
             {"tools": [function_tool]},
         ),
-        Refused(
+        Shows(
             fields("UnsupportedTool.type"),
             RESPONSES,
             {"tools": [{"type": "web_search"}]},
-            "tools[0]",
+            lambda answer: answer["headers"].get("x-exo-tools-not-offered") == "web_search",
+        ),
+        Effect(
+            fields("NamespaceToolSpec.type", "NamespaceToolSpec.name", "NamespaceToolSpec.tools"),
+            RESPONSES,
+            {"tools": [namespace_tool]},
+            lambda p: [tool.name for tool in p.tools] == ["files__get_weather"],
+        ),
+        NoOp(
+            fields("NamespaceToolSpec.description"),
+            RESPONSES,
+            {"tools": [{**namespace_tool, "description": "weather tools"}]},
+            "namespace tools' `description`",
+            {"tools": [namespace_tool]},
+        ),
+        Effect(
+            fields("FunctionCallItem.namespace"),
+            RESPONSES,
+            {
+                "tools": [namespace_tool],
+                "input": [USER_HI, {**call_item, "namespace": "files"}, output_item],
+            },
+            lambda p: p.messages[1].tool_calls[0].name == "files__get_weather",
+        ),
+        Effect(
+            fields("FunctionToolChoice.namespace"),
+            RESPONSES,
+            {
+                "tools": [namespace_tool],
+                "tool_choice": {"type": "function", "name": "get_weather", "namespace": "files"},
+            },
+            lambda p: p.tool_choice == NamedToolChoice(name="files__get_weather"),
         ),
         Effect(
             fields("ResponsesRequest.tool_choice"),

@@ -262,7 +262,8 @@ async def test_a_full_model_answers_503_with_retry_after_in_the_dialects_shape(
             assert len(cluster.submitted) == 3, "the refused request reached the cluster"
             cluster.finish(3)
     assert [answer.status_code for answer in answers] == [200, 200, 200]
-    assert refused.status_code == 503, refused.text
+    # Anthropic answers an overloaded API with 529, which its clients retry.
+    assert refused.status_code == (529 if dialect == "claude" else 503), refused.text
     assert refused.headers["Retry-After"] == str(admission.retry_after_seconds)
     error = refused.json()
     match dialect:

@@ -144,7 +144,11 @@ def body_of(endpoint: str, changes: dict[str, Any]) -> dict[str, Any]:
 def answer(client: TestClient, endpoint: str, body: dict[str, Any]) -> Answer:
     method = "DELETE" if endpoint == OLLAMA_DELETE else "POST"
     response = client.request(method, endpoint, json=body)
-    result: Answer = {"status": response.status_code, "text": response.text}
+    result: Answer = {
+        "status": response.status_code,
+        "text": response.text,
+        "headers": dict(response.headers),
+    }
     if response.headers.get("content-type", "").startswith("text/event-stream"):
         result["events"] = [
             json.loads(line.removeprefix("data: "))

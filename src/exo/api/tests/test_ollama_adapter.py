@@ -855,7 +855,7 @@ def test_client_errors(client: ollama.Client, cluster: ScriptedCluster, server: 
 
 def test_version_root_and_openai_routes(server: tuple[str, ScriptedCluster], cluster: Any) -> None:
     base = server[0]
-    assert httpx.get(f"{base}/ollama/api/version").json() == {"version": "0.6.8"}
+    assert httpx.get(f"{base}/ollama/api/version").json() == {"version": "0.13.4"}
     assert httpx.head(f"{base}/ollama/api/version").status_code == 200
     assert httpx.get(f"{base}/ollama").text == "Ollama is running"
     openai_client = openai.OpenAI(base_url=f"{base}/ollama/v1", api_key="x", max_retries=0)

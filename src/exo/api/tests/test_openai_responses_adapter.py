@@ -312,11 +312,10 @@ def test_unsupported_input_items_are_refused(item: dict[str, Any], words: str) -
         ({"conversation": "conv_1"}, "conversation", "does not store"),
         ({"background": True}, "background", "does not store"),
         ({"prompt": {"id": "pmpt_1"}}, "prompt", "not supported"),
-        ({"tools": [{"type": "web_search"}]}, "tools[0]", "'web_search'"),
         (
-            {"tools": [{"type": "function", "name": "f"}, {"type": "file_search"}]},
-            "tools[1]",
-            "'file_search'",
+            {"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
+            "tool_choice",
+            "'web_search'",
         ),
         (
             {

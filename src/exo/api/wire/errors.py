@@ -7,6 +7,7 @@ the OpenAI-compatible routes use, both as an HTTP body and as an in-stream SSE e
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -176,9 +177,40 @@ class ErrorDialect:
         return any(path == prefix or path.startswith(prefix + "/") for prefix in self.path_prefixes)
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+# The engine's sentence for a prompt that leaves no room for a reply
+# (`exo.worker.engines.torch.engine.PromptTooLongError`).
+_ENGINE_OVERFLOW = re.compile(
+    r"the prompt is (\d+) tokens; the model's (?:context|KV cache budget) is (\d+) tokens"
+)
+
+
+def context_overflow(message: str, code: str | None) -> tuple[int, int] | None:
+    """(prompt tokens, most tokens the model may hold) of a context-overflow error whose
+    message gives both numbers, else None. Each dialect rewords it as its reference API
+    does, since clients (Claude Code's compaction, LiteLLM's `ContextWindowExceededError`)
+    match those sentences."""
+    if code != CONTEXT_LENGTH_EXCEEDED:
+        return None
+    match = _ENGINE_OVERFLOW.search(message)
+    return None if match is None else (int(match.group(1)), int(match.group(2)))
+
+
+def openai_context_overflow_message(prompt_tokens: int, limit: int) -> str:
+    """OpenAI's sentence for a prompt over the context (chat and legacy completions)."""
+    return (
+        f"This model's maximum context length is {limit} tokens. However, your messages "
+        f"resulted in {prompt_tokens} tokens. Please reduce the length of the messages."
+    )
+
+
 def _render_openai(
     status_code: int, error_type: str, message: str, param: str | None, code: str | None
 ) -> dict[str, Any]:
+    overflow = context_overflow(message, code)
+    if overflow is not None:
+        message = openai_context_overflow_message(*overflow)
     return openai_error_body(message, error_type, param, code)
 
 

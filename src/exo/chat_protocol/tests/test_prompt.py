@@ -15,6 +15,7 @@ import pytest
 from exo.chat_protocol.prompt import (
     decode_keeping_markers,
     detect_tool_call_format,
+    fold_system_messages,
     render_prompt,
 )
 from exo.download.pypi_gguf import prepare_model
@@ -475,3 +476,45 @@ def test_a_conversation_needs_a_chat_template(tokenizer: Any, model_directory: P
         render_prompt(base, make_params(ChatMessage(role="user", content="Hi")))
     raw = TextGenerationTaskParams(model=ModelId("test-model"), prompt="Hi")
     assert render_prompt(base, raw).token_ids == render_prompt(tokenizer, raw).token_ids
+
+
+# -- system messages after the first turn ----------------------------------------------------
+
+
+def _mid_conversation_system() -> TextGenerationTaskParams:
+    return make_params(
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content="Hi"),
+        ChatMessage(role="assistant", content="Hello"),
+        ChatMessage(role="system", content="The user's date is 2026-12-04."),
+        ChatMessage(role="user", content="What day is it?"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        # SmolLM2's own template takes a system turn anywhere: rendered at its place.
+        (
+            None,
+            "<|im_start|>assistant\nHello<|im_end|>\n"
+            "<|im_start|>system\nThe user's date is 2026-12-04.<|im_end|>\n",
+        ),
+        # Roles must alternate (Llama 2, Mistral v1): folded into the system prompt.
+        (ALTERNATING, "[INST] Be brief.\n\nThe user's date is 2026-12-04.\n\nHi [/INST]"),
+        # Drops a system turn after the first (as the Qwen-like template here): folded.
+        (QWEN_LIKE, "Be brief.\n\nThe user's date is 2026-12-04."),
+    ],
+)
+def test_later_system_messages_are_rendered_in_place_or_folded(
+    tokenizer: Any, template: str | None, expected: str
+) -> None:
+    if template is not None:
+        tokenizer.chat_template = template
+    assert expected in render_prompt(tokenizer, _mid_conversation_system()).text
+
+
+def test_fold_system_messages_joins_them_in_order() -> None:
+    folded = fold_system_messages(_mid_conversation_system().messages)
+    assert [message.role for message in folded] == ["system", "user", "assistant", "user"]
+    assert folded[0].content == "Be brief.\n\nThe user's date is 2026-12-04."

@@ -78,7 +78,7 @@ export ANTHROPIC_AUTH_TOKEN="${keysOn ? `$${KEY_VAR}` : "unused"}"
 export ANTHROPIC_MODEL="${model}"
 export ANTHROPIC_DEFAULT_HAIKU_MODEL="${model}"
 claude`,
-      note: "Claude Code speaks the Claude Messages API, which this node serves. A small model follows Claude Code's long tool-heavy prompts poorly; use the largest model the cluster runs.",
+      note: "Claude Code speaks the Claude Messages API, which this node serves (its system-role messages and beta headers included). Its default prompt is ~20k tokens (its tools alone ~15k): use a model with a context of 32k tokens or more, and the largest the cluster runs; small models follow its tool-heavy prompts poorly. Instead of the two model variables, the node can serve every claude-* name: exo --model-alias 'claude-*=<model>'.",
     },
     {
       id: "codex",
@@ -91,7 +91,25 @@ model_provider = "exo"
 name = "exo"
 base_url = "${origin}/v1"
 wire_api = "responses"${keysOn ? `\nenv_key = "${KEY_VAR}"` : ""}`,
-      note: "Current Codex releases accept only wire_api = \"responses\" (the OpenAI Responses API, served here at /v1/responses).",
+      note: "Current Codex releases accept only wire_api = \"responses\" (the OpenAI Responses API, served here at /v1/responses, zstd-compressed bodies and namespace tools included). Its hosted web_search tool is not offered to the model. Codex's prompt with its tools is ~10k tokens: use a model with a context of 32k tokens or more. codex --oss also works: OLLAMA_HOST points it at this node.",
+    },
+    {
+      id: "opencode",
+      title: "opencode (opencode.json)",
+      language: "json",
+      code: `{
+  "$schema": "https://opencode.ai/config.json",
+  "provider": {
+    "exo": {
+      "npm": "@ai-sdk/openai-compatible",
+      "name": "exo",
+      "options": { "baseURL": "${origin}/v1"${keysOn ? `, "apiKey": "{env:${KEY_VAR}}"` : ""} },
+      "models": { "${model}": { "name": "${model}" } }
+    }
+  },
+  "model": "exo/${model}"
+}`,
+      note: "opencode speaks Chat Completions through its OpenAI-compatible provider. Its prompt with tools is ~10k tokens: use a model with a context of 32k tokens or more.",
     },
     {
       id: "open-webui",
@@ -106,9 +124,9 @@ DEFAULT_MODELS="${model}"`,
       id: "ollama-cli",
       title: "Ollama CLI",
       language: "shell",
-      code: `OLLAMA_HOST="${origin}/ollama" ollama run ${model} "Hello!"
-OLLAMA_HOST="${origin}/ollama" ollama list`,
-      note: "The ollama CLI keeps a path in OLLAMA_HOST (its envconfig.Host parses scheme, host, port and path, and requests are joined to that path). Not tried with the CLI itself here; the Python client below is tested against the node. The CLI sends no API key: with keys on, use the Python client or curl.",
+      code: `OLLAMA_HOST="${origin}" ollama run ${model} "Hello!"
+OLLAMA_HOST="${origin}" ollama list`,
+      note: "The node serves Ollama's API at its root (/api/...) as Ollama does, and under /ollama too. Not tried with the CLI itself here; the Python client below is tested against the node. The CLI sends no API key: with keys on, use the Python client or curl.",
     },
     {
       id: "ollama-python",
@@ -116,7 +134,7 @@ OLLAMA_HOST="${origin}/ollama" ollama list`,
       language: "python",
       code: `${keysOn ? "import os\n" : ""}from ollama import Client
 
-client = Client(host="${origin}/ollama"${keysOn ? `, headers={"Authorization": f"Bearer {os.environ['${KEY_VAR}']}"}` : ""})
+client = Client(host="${origin}"${keysOn ? `, headers={"Authorization": f"Bearer {os.environ['${KEY_VAR}']}"}` : ""})
 reply = client.chat(
     model="${model}",
     messages=[{"role": "user", "content": "Hello!"}],
