@@ -64,6 +64,12 @@ def test_create_stream_and_count_tokens_agree(default_node: ExoNode) -> None:
     assert final.stop_reason == message.stop_reason
     assert prompt_tokens(final.usage) == prompt_tokens(message.usage)
     assert final.usage.output_tokens == message.usage.output_tokens
+    # The same prompt again: message_start splits it into cached and uncached tokens as the
+    # final usage does (the runner knows the prefix-cache hit before the first token).
+    cached = final.usage.cache_read_input_tokens or 0
+    assert cached > 0
+    assert start.message.usage.cache_read_input_tokens == cached
+    assert start.message.usage.input_tokens == final.usage.input_tokens
 
     # count_tokens renders the prompt exactly as the engine did.
     counted = client.messages.count_tokens(model=DEFAULT_MODEL_ID, messages=QUESTION)

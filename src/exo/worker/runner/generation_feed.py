@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from exo.shared.types.tasks import (
@@ -32,11 +32,13 @@ class PieceFeed:
 
 @dataclass(eq=False)
 class Generation:
-    """A task the engine is running: its output parser and whether its first chunk (which
-    carries the prompt's size) was sent."""
+    """A task the engine is running: its output parser, whether its first chunk (which
+    carries the prompt's size and its prefix-cached part) was sent, and how to read that
+    cached part once the engine admitted the request (`RequestHandle.cached_tokens`)."""
 
     task: TextGeneration
     prompt_tokens: int
     feed: PieceFeed
     parsed: Iterator[OutputPiece]
     first_sent: bool = field(default=False)
+    cached_tokens: Callable[[], int | None] = field(default=lambda: None)

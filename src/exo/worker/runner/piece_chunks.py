@@ -24,9 +24,13 @@ class PieceChunks:
 
 
 def piece_chunks(
-    task: TextGeneration, piece: OutputPiece, prompt_tokens: int | None
+    task: TextGeneration,
+    piece: OutputPiece,
+    prompt_tokens: int | None,
+    cached_tokens: int | None = None,
 ) -> PieceChunks:
-    """The chunks of `piece` of `task`'s stream (`prompt_tokens`: on its first piece)."""
+    """The chunks of `piece` of `task`'s stream (`prompt_tokens` and, when known, the
+    prefix-cached part of them, `cached_tokens`: on its first piece)."""
     command_id, model = task.command_id, task.params.model
     has_text = bool(piece.text or piece.reasoning_text or piece.token_ids)
     finishes_here = piece.finish_reason is not None and not piece.tool_calls
@@ -43,6 +47,7 @@ def piece_chunks(
             usage=None if piece.tool_calls else piece.usage,
             stop_sequence=None if piece.tool_calls else piece.stop_sequence,
             prompt_tokens=prompt_tokens,
+            cached_tokens=None if prompt_tokens is None else cached_tokens,
         )
     if not piece.tool_calls:
         return PieceChunks(text, ())

@@ -317,7 +317,9 @@ class Runner:
         )
         feed = PieceFeed()
         parsed = parse_generation(feed, parser, task.params)
-        self._generations[str(task.task_id)] = Generation(task, handle.prompt_tokens, feed, parsed)
+        self._generations[str(task.task_id)] = Generation(
+            task, handle.prompt_tokens, feed, parsed, cached_tokens=lambda: handle.cached_tokens
+        )
         self._update_status()
 
     def _run_step(self) -> None:
@@ -365,8 +367,11 @@ class Runner:
                 del self._generations[request_id]
                 self._fail_generation(generation.task, error)
                 continue
-            prompt_tokens = None if generation.first_sent else generation.prompt_tokens
-            self._send_piece(generation.task, piece, prompt_tokens)
+            if generation.first_sent:
+                self._send_piece(generation.task, piece)
+            else:
+                cached = generation.cached_tokens()
+                self._send_piece(generation.task, piece, generation.prompt_tokens, cached)
             generation.first_sent = True
             if piece.finish_reason is not None:
                 del self._generations[request_id]
@@ -430,11 +435,15 @@ class Runner:
             self._handle(self._receive())
 
     def _send_piece(
-        self, task: TextGeneration, piece: OutputPiece, prompt_tokens: int | None = None
+        self,
+        task: TextGeneration,
+        piece: OutputPiece,
+        prompt_tokens: int | None = None,
+        cached_tokens: int | None = None,
     ) -> None:
         """One parsed piece as chunks (`piece_chunks`): its text chunk grouped per stream,
         what follows it (tool calls, then the finish) sent at once."""
-        chunks = piece_chunks(task, piece, prompt_tokens)
+        chunks = piece_chunks(task, piece, prompt_tokens, cached_tokens)
         if chunks.text is not None:
             self._grouper.token_chunk(chunks.text, not piece.tool_calls, self._last_step_seconds)
         elif piece.tool_calls:

@@ -81,11 +81,18 @@ class PromptTooLongError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class RequestHandle:
-    """A submitted request: its id (for `cancel` and in `step`'s output) and its prompt's
-    size in tokens."""
+    """A submitted request: its id (for `cancel` and in `step`'s output), its prompt's
+    size in tokens, and its state while it runs (`cached_tokens`)."""
 
     request_id: str
     prompt_tokens: int
+    state: RequestState | None = None
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens whose KV came from the prefix cache: known once the request is
+        admitted (before its first token), None without a state."""
+        return None if self.state is None else self.state.cached_tokens
 
 
 class TorchEngine:
@@ -417,7 +424,7 @@ class TorchEngine:
             self.group.check_rank_zero()
         state = self.build_request(params, prompt, request_id)
         self.scheduler.add(state)
-        return RequestHandle(state.request_id, len(state.prompt_ids))
+        return RequestHandle(state.request_id, len(state.prompt_ids), state)
 
     def step(self) -> list[StepOutput]:
         """One forward pass over the running batch.
