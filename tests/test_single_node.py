@@ -227,8 +227,8 @@ def test_placement_routes_and_restart_replay(tmp_path: Path, shared_models_dir: 
             ("tensor", 1),
             ("expert", 1),
         }
-        # A dense model cannot be split by experts; the preview says why.
-        assert all((p["error"] is None) == (p["sharding"] != "expert") for p in previews)
+        # On one node every kind is the whole model (a dense model's expert "split" too).
+        assert all(p["error"] is None for p in previews)
         unknown = httpx.get(f"{node.url}/instance/previews", params={"model_id": "no/such"})
         assert unknown.status_code == 404
 

@@ -233,11 +233,14 @@ class Worker:
 
     def _runner_options_for(self, instance: Instance) -> RunnerOptions:
         """This node's runner options with the instance's KV-cache budget, which every rank
-        holds (`Instance.kv_cache_tokens`; instances placed before it was carried: the
-        node's `--kv-cache-tokens`)."""
+        holds (`Instance.kv_cache_tokens`), bounded by this node's `--kv-cache-tokens`
+        (a node restarted with a smaller one holds no more than it, whatever the instance
+        was placed with). Instances placed before budgets were carried: the node's option."""
         if instance.kv_cache_tokens is None:
             return self._runner_options
-        return self._runner_options.model_copy(update={"kv_cache_tokens": instance.kv_cache_tokens})
+        own = self._runner_options.kv_cache_tokens
+        tokens = instance.kv_cache_tokens if own is None else min(own, instance.kv_cache_tokens)
+        return self._runner_options.model_copy(update={"kv_cache_tokens": tokens})
 
     async def _execute(self, task: Task) -> None:
         assert self._task_group is not None

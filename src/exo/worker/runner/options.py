@@ -23,8 +23,8 @@ class RunnerOptions(FrozenModel):
         (`--prefill-activations`).
     kv_cache_tokens: the KV-cache budget of the runner's engine in tokens, running
         requests and the prefix cache together: its instance's (`Instance.kv_cache_tokens`,
-        chosen by placement), else the node's `--kv-cache-tokens`; None:
-        `DEFAULT_KV_CACHE_TOKENS`.
+        chosen by placement) bounded by the node's `--kv-cache-tokens`, else the node's
+        option; None: `DEFAULT_KV_CACHE_TOKENS`.
     """
 
     max_concurrent_requests: int | None = Field(default=None, ge=1)
