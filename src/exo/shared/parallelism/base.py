@@ -156,3 +156,24 @@ class Parallelism(ABC):
         if _FINAL.search(name):
             return self.holds_output_layer(rank, world_size)
         return True
+
+
+class EveryLayerParallelism(Parallelism):
+    """A kind whose every rank holds every decoder layer (tensor, expert): each splits the
+    layers' weights, not the layer range."""
+
+    def layer_ranges(
+        self, n_layers: int, world_size: int, layer_counts: Callable[[], Sequence[int]]
+    ) -> tuple[LayerRange, ...]:
+        return tuple((0, n_layers) for _ in range(world_size))
+
+    def every_layer_error(self, shard: ShardMetadata) -> str | None:
+        """Why `shard` is not a shard of this kind's layout: its range is not every layer."""
+        layers = shard.model_card.n_layers
+        if (shard.start_layer, shard.end_layer) == (0, layers):
+            return None
+        article = "an" if self.sharding[0] in "aeiou" else "a"
+        return (
+            f"{article} {self.sharding} shard holds every layer [0, {layers}), not "
+            f"[{shard.start_layer}, {shard.end_layer})"
+        )

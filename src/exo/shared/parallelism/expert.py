@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import ClassVar
 
 from exo.shared.models.memory import WeightShare
 from exo.shared.models.moe import experts_of_rank
 from exo.shared.parallelism.base import (
+    EveryLayerParallelism,
     LayerRange,
-    Parallelism,
     Sharding,
     ShardMetadata,
     StepNetwork,
@@ -31,7 +31,7 @@ from exo.shared.types.models import ModelCard
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
-class ExpertParallelism(Parallelism):
+class ExpertParallelism(EveryLayerParallelism):
     sharding: ClassVar[Sharding] = "expert"
 
     def tensor_parallel_ranks(self, world_size: int) -> int:
@@ -56,18 +56,10 @@ class ExpertParallelism(Parallelism):
             )
         return None
 
-    def layer_ranges(
-        self, n_layers: int, world_size: int, layer_counts: Callable[[], Sequence[int]]
-    ) -> tuple[LayerRange, ...]:
-        return tuple((0, n_layers) for _ in range(world_size))
-
     def shard_error(self, shard: ShardMetadata) -> str | None:
-        layers = shard.model_card.n_layers
-        if (shard.start_layer, shard.end_layer) != (0, layers):
-            return (
-                f"an expert shard holds every layer [0, {layers}), not "
-                f"[{shard.start_layer}, {shard.end_layer})"
-            )
+        error = self.every_layer_error(shard)
+        if error is not None:
+            return error
         if shard.world_size > 1:
             return self.split_error(shard.model_card, shard.world_size)
         return None

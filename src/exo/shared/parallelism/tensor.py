@@ -5,13 +5,12 @@ ranks gather the logits."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import ClassVar
 
 from exo.shared.models.memory import FLOAT32_BYTES, vocab_share
 from exo.shared.parallelism.base import (
-    LayerRange,
-    Parallelism,
+    EveryLayerParallelism,
     Sharding,
     ShardMetadata,
     StepNetwork,
@@ -19,7 +18,7 @@ from exo.shared.parallelism.base import (
 from exo.shared.types.models import ModelCard
 
 
-class TensorParallelism(Parallelism):
+class TensorParallelism(EveryLayerParallelism):
     sharding: ClassVar[Sharding] = "tensor"
 
     def tensor_parallel_ranks(self, world_size: int) -> int:
@@ -52,19 +51,8 @@ class TensorParallelism(Parallelism):
             return f"{card.model_id} does not support tensor parallelism"
         return None
 
-    def layer_ranges(
-        self, n_layers: int, world_size: int, layer_counts: Callable[[], Sequence[int]]
-    ) -> tuple[LayerRange, ...]:
-        return tuple((0, n_layers) for _ in range(world_size))
-
     def shard_error(self, shard: ShardMetadata) -> str | None:
-        layers = shard.model_card.n_layers
-        if (shard.start_layer, shard.end_layer) != (0, layers):
-            return (
-                f"a tensor shard holds every layer [0, {layers}), not "
-                f"[{shard.start_layer}, {shard.end_layer})"
-            )
-        return None
+        return self.every_layer_error(shard)
 
     def step_seconds(
         self,
