@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 from exo.testing.processes import ExoNode
@@ -93,12 +92,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     try:
         node.launch()
         node.wait_api()
-        added = httpx.post(f"{node.url}/models/add", json={"model_id": str(model_dir)}, timeout=60)
-        assert added.status_code == 200, added.text
-        model = added.json()["model_id"]
-        placed = httpx.post(f"{node.url}/place_instance", json={"model_id": model}, timeout=60)
-        assert placed.status_code == 200, placed.text
-        node.wait_ready(model, timeout=READY_TIMEOUT_SECONDS)
+        model, _ = node.serve_local_model(model_dir, timeout=READY_TIMEOUT_SECONDS)
         home = root / "home"
         home.mkdir()
         yield Served(node.url, model, workdir, home)

@@ -30,12 +30,7 @@ def test_a_prompt_past_8192_tokens_fits_the_default_budget(tmp_path: Path) -> No
     try:
         node.launch()
         node.wait_api()
-        added = httpx.post(f"{node.url}/models/add", json={"model_id": str(model_dir)}, timeout=60)
-        assert added.status_code == 200, added.text
-        model_id = added.json()["model_id"]
-        placed = httpx.post(f"{node.url}/place_instance", json={"model_id": model_id}, timeout=60)
-        assert placed.status_code == 200, placed.text
-        runner_id = node.wait_ready(model_id, timeout=READY_TIMEOUT_SECONDS)
+        model_id, runner_id = node.serve_local_model(model_dir, timeout=READY_TIMEOUT_SECONDS)
         state = node.state()
         (instance,) = state["instances"].values()
         budget = instance["kv_cache_tokens"]

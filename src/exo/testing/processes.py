@@ -226,6 +226,23 @@ class ExoNode:
         )
         return runner_ids[0]
 
+    def serve_local_model(
+        self, model_dir: Path, timeout: float = READY_TIMEOUT_SECONDS
+    ) -> tuple[str, str]:
+        """Add the model in `model_dir` (`POST /models/add` of a local directory), place it
+        and wait until it is ready; its model id and ready runner's id.
+
+        Raises:
+            AssertionError: the node refused to add or place it (its answer in the message).
+            TimeoutError: it was not ready within `timeout` seconds.
+        """
+        added = httpx.post(f"{self.url}/models/add", json={"model_id": str(model_dir)}, timeout=60)
+        assert added.status_code == 200, added.text
+        model_id: str = added.json()["model_id"]
+        placed = httpx.post(f"{self.url}/place_instance", json={"model_id": model_id}, timeout=60)
+        assert placed.status_code == 200, placed.text
+        return model_id, self.wait_ready(model_id, timeout=timeout)
+
     def serving(self, instance_id: str) -> dict[str, Any] | None:
         """The instance (its JSON in `/state`) when every runner of its current placement
         is ready and it is not unavailable (after losing a node); else None."""
