@@ -36,6 +36,7 @@ from exo.api.claude_messages.wire_types import (
     ThinkingDelta,
     ToolUseBlock,
 )
+from exo.api.serving.early_stream import WaitingFrames
 from exo.api.wire import stream
 from exo.api.wire.errors import ApiError, GenerationError
 from exo.api.wire.stream import CompletedReason
@@ -167,12 +168,21 @@ def _sse(event: StreamEvent) -> str:
     return f"event: {event.type}\ndata: {event.model_dump_json()}\n\n"
 
 
+PING_EVENT = 'event: ping\ndata: {"type": "ping"}\n\n'
+"""Anthropic's keep-alive event (its SDKs skip it), sent while the first chunk is awaited."""
+
+
 def error_event(error: ApiError) -> str:
     """An `event: error` SSE event in Anthropic's error shape (the SDK raises on it)."""
     body = ErrorResponse(
         error=ErrorDetail(type=error_type_for_status(error.status_code), message=error.message)
     )
     return _sse(body)
+
+
+WAITING_FRAMES = WaitingFrames(failure=lambda error: (error_event(error),), heartbeat=PING_EVENT)
+"""A Claude stream before its first chunk (`exo.api.serving.early_stream`): `ping` events
+while waiting, one `error` event (the SDK raises it) when the request fails."""
 
 
 async def stream_message(

@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response
 
 from exo.api.claude_messages.request import count_tokens_params, error_body, to_task_params
-from exo.api.claude_messages.response import collect_message, stream_message
+from exo.api.claude_messages.response import WAITING_FRAMES, collect_message, stream_message
 from exo.api.claude_messages.wire_types import (
     CountTokensRequest,
     CountTokensResponse,
@@ -47,13 +47,14 @@ ERROR_DIALECT = ErrorDialect("anthropic", ("/v1/messages",), _render_error)
 @router.post("/v1/messages", response_model=None)
 async def create_message(
     body: MessagesRequest, request: Request, cluster: Cluster
-) -> Message | StreamingResponse:
+) -> Message | Response:
     converted = convert_request(cluster, body, to_task_params, "msg_")
     message_id, model = converted.response_id, converted.body.model
     return await converted.serve(
         request,
         render=lambda chunks: stream_message(chunks, message_id=message_id, model=model),
         collector=lambda chunks: collect_message(chunks, message_id=message_id, model=model),
+        waiting=WAITING_FRAMES,
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response
 
 from exo.api.openai_chat.request import to_task_params
 from exo.api.openai_chat.response import collect_chat_completion, stream_chat_completion
@@ -21,10 +21,12 @@ from exo.api.openai_chat.wire_types import (
     ModelList,
     ModelObject,
 )
+from exo.api.serving.early_stream import WaitingFrames
 from exo.api.serving.generation import convert_request
 from exo.api.serving.model_lookup import Cluster, resolve_model_id, servable_model_ids
 from exo.api.serving.response_ids import command_id_in_response_id
 from exo.api.wire.errors import ApiError, ModelNotFoundError
+from exo.api.wire.openai_sse import openai_error_events
 from exo.shared.types.commands import CancelGeneration
 from exo.shared.types.common import CommandId
 
@@ -65,7 +67,7 @@ async def retrieve_model(model_id: str, cluster: Cluster) -> ModelObject:
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, cluster: Cluster
-) -> ChatCompletionResponse | StreamingResponse:
+) -> ChatCompletionResponse | Response:
     converted = convert_request(cluster, body, to_task_params, "chatcmpl-")
     params, completion_id, created = converted.params, converted.response_id, int(time.time())
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -78,6 +80,7 @@ async def chat_completions(
         collector=lambda chunks: collect_chat_completion(
             chunks, completion_id=completion_id, model=params.model, created=created, params=params
         ),
+        waiting=WaitingFrames(failure=openai_error_events),
     )  # fmt: skip
 
 

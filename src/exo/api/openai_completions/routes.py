@@ -7,13 +7,15 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response
 
 from exo.api.openai_completions.request import COMPLETION_ID_PREFIX, to_task_params
 from exo.api.openai_completions.response import collect_completion, stream_completion
 from exo.api.openai_completions.wire_types import Completion, CompletionRequest
+from exo.api.serving.early_stream import WaitingFrames
 from exo.api.serving.generation import convert_request
 from exo.api.serving.model_lookup import Cluster
+from exo.api.wire.openai_sse import openai_error_events
 
 router = APIRouter()
 
@@ -21,7 +23,7 @@ router = APIRouter()
 @router.post("/v1/completions", response_model=None)
 async def completions(
     body: CompletionRequest, request: Request, cluster: Cluster
-) -> Completion | StreamingResponse:
+) -> Completion | Response:
     converted = convert_request(cluster, body, to_task_params, COMPLETION_ID_PREFIX)
     params, completion_id, created = converted.params, converted.response_id, int(time.time())
     echo = params.prompt if body.echo and params.prompt is not None else ""
@@ -36,4 +38,5 @@ async def completions(
             chunks, completion_id=completion_id, model=params.model, created=created,
             params=params, echo=echo,
         ),
+        waiting=WaitingFrames(failure=openai_error_events),
     )  # fmt: skip

@@ -91,6 +91,7 @@ class ResponseAssembler:
     def __init__(self, context: ResponseContext) -> None:
         self._context = context
         self._sequence_number = 0
+        self._started = False
         self._output: list[OutputItem] = []
         self._open: _OpenMessage | _OpenReasoning | None = None
         self.error: ApiError | None = None
@@ -139,6 +140,11 @@ class ResponseAssembler:
         )
 
     def start(self) -> Iterator[StreamEvent]:
+        """`response.created` and `response.in_progress`, once (a stream whose headers went
+        out before its first chunk sends them early: `exo.api.serving.early_stream`)."""
+        if self._started:
+            return
+        self._started = True
         for kind in ("response.created", "response.in_progress"):
             yield ResponseLifecycleEvent(
                 type=kind,

@@ -21,6 +21,7 @@ from exo.api.openai_responses.response_types import (
     StreamEvent,
     TopLogprobEntry,
 )
+from exo.api.serving.early_stream import WaitingFrames
 from exo.api.wire import stream
 from exo.api.wire.logprobs import logprob_entries
 from exo.shared.types.chunks import Chunk, TokenLogprob
@@ -79,7 +80,9 @@ def _sse(event: StreamEvent) -> str:
 
 
 async def stream_response(
-    chunks: AsyncIterator[Chunk], context: ResponseContext
+    chunks: AsyncIterator[Chunk],
+    context: ResponseContext,
+    assembler: ResponseAssembler | None = None,
 ) -> AsyncIterator[str]:
     """Render one generation as Responses SSE events (`event: <type>\\ndata: <json>`).
 
@@ -96,9 +99,23 @@ async def stream_response(
         chunks: The generation's internal chunks; read up to and including the first one
             with a finish reason.
         context: `response_context(...)` of the request.
+        assembler: the stream's assembler when `waiting_frames(assembler)` may have sent
+            its first events already (None: a new one).
     """
-    async for event in _events(chunks, ResponseAssembler(context)):
+    async for event in _events(chunks, assembler or ResponseAssembler(context)):
         yield _sse(event)
+
+
+def waiting_frames(assembler: ResponseAssembler) -> WaitingFrames:
+    """A Responses stream before its first chunk (`exo.api.serving.early_stream`):
+    `response.created` and `response.in_progress` with the early headers, SSE comments
+    while waiting, and `response.failed` (the error's message) when the request fails."""
+    return WaitingFrames(
+        opening=lambda: [_sse(event) for event in assembler.start()],
+        failure=lambda error: [
+            _sse(event) for event in (*assembler.start(), *assembler.fail(error))
+        ],
+    )
 
 
 async def collect_response(

@@ -12,14 +12,19 @@ import time
 from typing import Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response
 from loguru import logger
 from pydantic import BaseModel
 
+from exo.api.openai_responses.assembler import ResponseAssembler
 from exo.api.openai_responses.context import response_context
 from exo.api.openai_responses.request import to_task_params, tools_not_offered
 from exo.api.openai_responses.request_types import ResponsesRequest
-from exo.api.openai_responses.response import collect_response, stream_response
+from exo.api.openai_responses.response import (
+    collect_response,
+    stream_response,
+    waiting_frames,
+)
 from exo.api.openai_responses.response_types import ResponseObject
 from exo.api.serving.generation import convert_request
 from exo.api.serving.model_lookup import Cluster, with_resolved_model
@@ -41,7 +46,7 @@ class InputTokensResponse(BaseModel):
 @router.post("/v1/responses", response_model=None)
 async def create_response(
     body: ResponsesRequest, request: Request, cluster: Cluster
-) -> ResponseObject | StreamingResponse:
+) -> ResponseObject | Response:
     converted = convert_request(cluster, body, to_task_params, "resp_")
     context = response_context(
         converted.body, converted.params, converted.response_id, created_at=int(time.time())
@@ -53,10 +58,12 @@ async def create_response(
             f"{', '.join(not_offered)}"
         )
         response_headers(request)[TOOLS_NOT_OFFERED_HEADER] = ", ".join(not_offered)
+    assembler = ResponseAssembler(context)
     return await converted.serve(
         request,
-        render=lambda chunks: stream_response(chunks, context),
+        render=lambda chunks: stream_response(chunks, context, assembler),
         collector=lambda chunks: collect_response(chunks, context),
+        waiting=waiting_frames(assembler),
     )
 
 

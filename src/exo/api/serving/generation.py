@@ -22,12 +22,13 @@ from typing import Generic, TypeVar
 
 import anyio
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from loguru import logger
 from starlette.types import Receive, Scope, Send
 
 from exo.api.serving.admission import admission_of
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
+from exo.api.serving.early_stream import ChunkRenderer, EarlyStreamingResponse, WaitingFrames
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
 from exo.api.serving.metrics import observed_chunks
 from exo.api.serving.model_lookup import RequestBody, card_of, known_model_ids, with_resolved_model
@@ -56,10 +57,6 @@ MAX_RETRIES = 5
 RETRY_WAIT_SECONDS = 120.0
 RETRY_STATE_CHECK_SECONDS = 0.5
 T = TypeVar("T")
-
-ChunkRenderer = Callable[[AsyncIterator[Chunk]], AsyncIterator[str]]
-"""Turns one generation's chunks into the dialect's streamed body pieces (SSE events or
-JSON lines)."""
 
 
 @dataclass(slots=True)
@@ -211,12 +208,39 @@ async def start_generation(
         GenerationError: the client disconnected before the first chunk (or while the
             model was loading).
     """
+    check_generation_request(cluster, params)
+    return await _start_checked_generation(
+        cluster,
+        request,
+        params,
+        command_id=command_id,
+        wait_for_first_chunk=wait_for_first_chunk,
+        keep_alive=keep_alive,
+    )
+
+
+def check_generation_request(cluster: ClusterClient, params: TextGenerationTaskParams) -> None:
+    """The checks of a generation request that need no model instance (`start_generation`'s
+    400s and 404s before anything is placed or sent)."""
     check_serializable(params)
     if params.model not in known_model_ids(cluster):
         raise ModelNotFoundError(f"The model '{params.model}' does not exist")
     check_chat_template(params, card_of(cluster, params.model))
     check_logit_bias(params, card_of(cluster, params.model))
     check_prompt_size(params, card_of(cluster, params.model))
+
+
+async def _start_checked_generation(
+    cluster: ClusterClient,
+    request: Request,
+    params: TextGenerationTaskParams,
+    *,
+    command_id: CommandId | None,
+    wait_for_first_chunk: bool | None,
+    keep_alive: KeepAlive | None,
+) -> Generation:
+    """`start_generation` after `check_generation_request`: place and load the model when
+    needed, wait for a place, submit, and (by default) read the first chunk."""
     keep_alive = default_keep_alive(cluster, keep_alive)
     pinned = _pinned_instance(cluster, request, params.model)
     if pinned is None:
@@ -378,10 +402,35 @@ async def serve_generation(
     command_id: CommandId | None = None,
     keep_alive: KeepAlive | None = None,
     media_type: str = "text/event-stream",
-) -> T | StreamingResponse:
+    waiting: WaitingFrames | None = None,
+) -> T | Response:
     """What a dialect's generation route answers: `start_generation`, then the stream
     `render(chunks)` when the request asked to stream (`params.stream`), else `await
-    collector(chunks)` (see `streaming_response` and `collect`)."""
+    collector(chunks)` (see `streaming_response` and `collect`).
+
+    A stream with `waiting` frames sends its headers at its first chunk or after
+    `early_stream.HEADERS_AFTER_SECONDS`, then those frames until the first chunk
+    (`exo.api.serving.early_stream`); its request's checks still answer plain HTTP errors."""
+    if params.stream and waiting is not None:
+        check_generation_request(cluster, params)
+
+        async def start() -> Generation:
+            return await _start_checked_generation(
+                cluster,
+                request,
+                params,
+                command_id=command_id,
+                wait_for_first_chunk=True,
+                keep_alive=keep_alive,
+            )
+
+        return EarlyStreamingResponse(
+            start,
+            lambda generation: streaming_response(generation, render, media_type),
+            render,
+            waiting,
+            media_type,
+        )
     generation = await start_generation(
         cluster, request, params, command_id=command_id, keep_alive=keep_alive
     )
@@ -408,7 +457,8 @@ class ConvertedRequest(Generic[RequestBody]):
         *,
         render: ChunkRenderer,
         collector: Callable[[AsyncIterator[Chunk]], Awaitable[T]],
-    ) -> T | StreamingResponse:
+        waiting: WaitingFrames | None = None,
+    ) -> T | Response:
         """`serve_generation` of the params under this request's command."""
         return await serve_generation(
             self.cluster,
@@ -417,6 +467,7 @@ class ConvertedRequest(Generic[RequestBody]):
             render=render,
             collector=collector,
             command_id=self.command_id,
+            waiting=waiting,
         )
 
 
