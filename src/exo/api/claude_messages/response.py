@@ -41,7 +41,7 @@ from exo.api.wire import stream
 from exo.api.wire.errors import ApiError, GenerationError
 from exo.api.wire.stream import CompletedReason
 from exo.chat_protocol.tool_call_parsing import TOOL_CALL_ID_PREFIX
-from exo.shared.types.chunks import Chunk, TokenChunk, Usage
+from exo.shared.types.chunks import Chunk, PrefillProgressChunk, TokenChunk, Usage
 from exo.shared.types.text_generation import ToolCall
 
 # ---------------------------------------------------------------- response
@@ -191,10 +191,11 @@ async def stream_message(
     """Render one generation as Anthropic's SSE stream.
 
     Yields, each as `event: <type>\\ndata: <json>\\n\\n`: `message_start` (empty content;
-    `input_tokens` from the first chunk's `prompt_tokens`, which is read first — 0 if it
-    has none), the content events of `message_events`, `message_delta` (stop reason and
-    final usage), `message_stop`. On failure the rest is replaced by one `error` event and
-    the stream ends.
+    `input_tokens` and `cache_read_input_tokens` from the first chunk's `prompt_tokens` and
+    `cached_tokens`, which is read first — the engine's admission of the request
+    (`PrefillProgressChunk`) or the first token; 0 if it has none), the content events of
+    `message_events`, `message_delta` (stop reason and final usage), `message_stop`. On
+    failure the rest is replaced by one `error` event and the stream ends.
 
     Args:
         chunks: The generation's internal chunks.
@@ -203,7 +204,7 @@ async def stream_message(
     """
     first = await anext(chunks, None)
     prompt_tokens, cached_tokens = 0, 0
-    if isinstance(first, TokenChunk):
+    if isinstance(first, TokenChunk | PrefillProgressChunk):
         prompt_tokens = first.prompt_tokens or 0
         cached_tokens = min(first.cached_tokens or 0, prompt_tokens)
     start = Message(

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 import anyio
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectSendStream
 from loguru import logger
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -42,6 +44,8 @@ first second")."""
 KEEPALIVE_SECONDS = 5.0
 """The longest gap between two heartbeats before the first chunk; proxies and agents
 commonly give up on 10-60 s of silence."""
+RENDER_BUFFER = 16
+"""Rendered pieces held between the renderer and the response body."""
 SSE_KEEPALIVE = ": keep-alive\n\n"
 """An SSE comment line: every SSE parser skips it (WHATWG HTML, server-sent events)."""
 
@@ -90,8 +94,6 @@ class EarlyStreamingResponse(Response, Generic[G]):
     Args:
         start: starts the generation and returns it with its first chunk read
             (`start_generation` after the request's checks); raises ApiError.
-        respond: the answer for a generation started in time (a streamed response that
-            ends the generation with itself).
         render: the dialect's renderer of the chunks.
         frames: the dialect's waiting frames.
     """
@@ -99,48 +101,48 @@ class EarlyStreamingResponse(Response, Generic[G]):
     def __init__(
         self,
         start: Callable[[], Awaitable[G]],
-        respond: Callable[[G], Response],
         render: ChunkRenderer,
         frames: WaitingFrames,
         media_type: str = "text/event-stream",
     ) -> None:
         super().__init__(media_type=media_type)
         self._start = start
-        self._respond = respond
         self._render = render
         self._frames = frames
         self._outcome: G | BaseException | None = None
         self._started = anyio.Event()
         self._handed_over = False
+        self._rendered: list[BaseException | None] = []  # the renderer's end, once it ended
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        early = False
-        async with anyio.create_task_group() as task_group:
-            task_group.start_soon(self._run_start)
-            with anyio.move_on_after(HEADERS_AFTER_SECONDS):
-                await self._started.wait()
-            if not self._started.is_set():
-                early = True
-                body = self._early_body()
-                try:
-                    await StreamingResponse(body, media_type=self.media_type)(scope, receive, send)
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await body.aclose()
-                    # The client left (or the stream ended) before the start finished.
-                    task_group.cancel_scope.cancel()
-        outcome = self._outcome
-        if early:
-            unsent = outcome is not None and not isinstance(outcome, BaseException)
-            if unsent and not self._handed_over:
-                assert outcome is not None and not isinstance(outcome, BaseException)
+        failed_in_time = False
+        try:
+            async with anyio.create_task_group() as task_group:
+                task_group.start_soon(self._run_start)
+                with anyio.move_on_after(HEADERS_AFTER_SECONDS):
+                    await self._started.wait()
+                failed_in_time = self._started.is_set() and isinstance(self._outcome, BaseException)
+                if not failed_in_time:
+                    body = self._body(task_group)
+                    try:
+                        response = StreamingResponse(body, media_type=self.media_type)
+                        await response(scope, receive, send)
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            await body.aclose()
+                        # The client left or the stream ended: stop the start and renderer.
+                        task_group.cancel_scope.cancel()
+        finally:
+            outcome = self._outcome
+            # Started, but its body never ran (the client left, or the headers failed).
+            if isinstance(outcome, BaseException) or outcome is None or self._handed_over:
+                pass
+            else:
                 outcome.cancel()
                 outcome.close()
-            return
-        if isinstance(outcome, BaseException):
+        if failed_in_time:
+            assert isinstance(outcome, BaseException)
             raise outcome  # before any byte: the app's handlers render it as an HTTP error
-        assert outcome is not None
-        await self._respond(outcome)(scope, receive, send)
 
     async def _run_start(self) -> None:
         try:
@@ -150,9 +152,14 @@ class EarlyStreamingResponse(Response, Generic[G]):
         finally:
             self._started.set()
 
-    async def _early_body(self) -> AsyncGenerator[str, None]:
-        for frame in self._frames.opening():
-            yield frame
+    async def _body(self, task_group: TaskGroup) -> AsyncGenerator[str, None]:
+        """The response body: the early frames while the start is awaited (none when it
+        ended in time), then the rendered chunks, with a heartbeat wherever
+        `KEEPALIVE_SECONDS` pass without a frame (a prefill after the admission chunk, a
+        slow step)."""
+        if not self._started.is_set():
+            for frame in self._frames.opening():
+                yield frame
         while not self._started.is_set():
             with anyio.move_on_after(KEEPALIVE_SECONDS):
                 await self._started.wait()
@@ -169,11 +176,38 @@ class EarlyStreamingResponse(Response, Generic[G]):
         assert outcome is not None
         self._handed_over = True
         finished = False
+        pieces, receiver = anyio.create_memory_object_stream[str](RENDER_BUFFER)
+        task_group.start_soon(self._render_into, outcome, pieces)
         try:
-            async for piece in self._render(outcome.chunks):
-                yield piece
+            with receiver:
+                while True:
+                    piece: str | None = None
+                    with anyio.move_on_after(KEEPALIVE_SECONDS):
+                        try:
+                            piece = await receiver.receive()
+                        except anyio.EndOfStream:
+                            break
+                    yield self._frames.heartbeat if piece is None else piece
+            (error,) = self._rendered
+            if error is not None:
+                raise error
             finished = True
         finally:
             if not finished:
                 outcome.cancel()
             outcome.close()
+
+    async def _render_into(self, generation: G, pieces: MemoryObjectSendStream[str]) -> None:
+        """Render `generation`'s chunks into `pieces`; the renderer's end (None, or what it
+        raised) goes to `_rendered` before `pieces` closes."""
+        error: BaseException | None = None
+        async with pieces:
+            try:
+                async for piece in self._render(generation.chunks):
+                    await pieces.send(piece)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass  # the body stopped reading: the client left
+            except Exception as raised:
+                error = raised
+            finally:
+                self._rendered.append(error)

@@ -424,13 +424,7 @@ async def serve_generation(
                 keep_alive=keep_alive,
             )
 
-        return EarlyStreamingResponse(
-            start,
-            lambda generation: streaming_response(generation, render, media_type),
-            render,
-            waiting,
-            media_type,
-        )
+        return EarlyStreamingResponse(start, render, waiting, media_type)
     generation = await start_generation(
         cluster, request, params, command_id=command_id, keep_alive=keep_alive
     )

@@ -11,6 +11,10 @@ their own counts):
 - `exo_time_to_first_token_seconds{model}`: from the request's arrival to its first token
   reaching the API; `exo_inter_token_latency_seconds{model}`: the gap between tokens as
   they reach the API (a chunk of n tokens counts n gaps of a nth of its wait).
+- `exo_prefill_prompt_tokens{model}` / `exo_prefill_prefilled_tokens{model}`: the prompts of
+  the generations this node serves that the engine admitted and that have no first token
+  yet, and how much of them is prefilled (from the runners' `PrefillProgressChunk`s, at
+  most `runner.PREFILL_PROGRESS_SECONDS` old): a long prompt's progress.
 
 Read from the cluster state at each scrape (the same on every node):
 - `exo_requests_queued{model}` / `exo_requests_running{model}`: generation tasks pending /
@@ -46,7 +50,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exo.api.guards.limits import is_generation
-from exo.shared.types.chunks import Chunk, TokenChunk
+from exo.shared.types.chunks import Chunk, PrefillProgressChunk, TokenChunk
 from exo.shared.types.common import ModelId
 from exo.shared.types.nodes import DownloadOngoing
 from exo.shared.types.runners import KVCacheUse
@@ -124,6 +128,18 @@ class ApiMetrics:
             "From a generation request's arrival to its first token reaching the API",
             ("model",),
             buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.prefill_prompt_tokens = Gauge(
+            "exo_prefill_prompt_tokens",
+            "Prompt tokens of admitted generations this node serves that have no token yet",
+            ("model",),
+            registry=registry,
+        )
+        self.prefill_prefilled_tokens = Gauge(
+            "exo_prefill_prefilled_tokens",
+            "How many of those prompt tokens are prefilled (prefix-cached ones included)",
+            ("model",),
             registry=registry,
         )
         self.inter_token_latency = Histogram(
@@ -317,25 +333,52 @@ def observed_chunks(chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
 async def _observe(chunks: AsyncIterator[Chunk], timing: _RequestTiming) -> AsyncIterator[Chunk]:
     metrics = timing.metrics
     last_token_at: float | None = None
-    async for chunk in chunks:
-        now = time.perf_counter()
-        if isinstance(chunk, TokenChunk) and (
-            chunk.token_ids or chunk.text or chunk.reasoning_text
-        ):
-            if not timing.first_token_seen:
-                timing.first_token_seen = True
-                metrics.time_to_first_token.labels(chunk.model).observe(now - timing.started)
-            elif last_token_at is not None:
-                tokens = max(1, len(chunk.token_ids))
-                histogram = metrics.inter_token_latency.labels(chunk.model)
-                for _ in range(tokens):
-                    histogram.observe((now - last_token_at) / tokens)
-            last_token_at = now
-        usage = getattr(chunk, "usage", None)
-        if usage is not None:
-            metrics.prompt_tokens.labels(chunk.model).inc(usage.prompt_tokens)
-            metrics.generation_tokens.labels(chunk.model).inc(usage.completion_tokens)
-        yield chunk
+    prefill: PrefillProgressChunk | None = None  # counted in the prefill gauges now
+
+    def count_prefill(progress: PrefillProgressChunk, sign: int) -> None:
+        model = progress.model
+        metrics.prefill_prompt_tokens.labels(model).inc(sign * progress.prompt_tokens)
+        metrics.prefill_prefilled_tokens.labels(model).inc(sign * progress.prefilled_tokens)
+
+    try:
+        async for chunk in chunks:
+            if isinstance(chunk, PrefillProgressChunk):
+                if prefill is not None:
+                    count_prefill(prefill, -1)
+                prefill = chunk
+                count_prefill(prefill, 1)
+            elif prefill is not None:
+                count_prefill(prefill, -1)
+                prefill = None
+            last_token_at = _observe_chunk(chunk, timing, last_token_at)
+            yield chunk
+    finally:
+        if prefill is not None:
+            count_prefill(prefill, -1)
+
+
+def _observe_chunk(
+    chunk: Chunk, timing: _RequestTiming, last_token_at: float | None
+) -> float | None:
+    """Count one chunk into TTFT, inter-token latency and token totals; returns the time of
+    the last token seen (`last_token_at`, updated)."""
+    metrics = timing.metrics
+    now = time.perf_counter()
+    if isinstance(chunk, TokenChunk) and (chunk.token_ids or chunk.text or chunk.reasoning_text):
+        if not timing.first_token_seen:
+            timing.first_token_seen = True
+            metrics.time_to_first_token.labels(chunk.model).observe(now - timing.started)
+        elif last_token_at is not None:
+            tokens = max(1, len(chunk.token_ids))
+            histogram = metrics.inter_token_latency.labels(chunk.model)
+            for _ in range(tokens):
+                histogram.observe((now - last_token_at) / tokens)
+        last_token_at = now
+    usage = getattr(chunk, "usage", None)
+    if usage is not None:
+        metrics.prompt_tokens.labels(chunk.model).inc(usage.prompt_tokens)
+        metrics.generation_tokens.labels(chunk.model).inc(usage.completion_tokens)
+    return last_token_at
 
 
 def route_template(routes: Sequence[BaseRoute], scope: Scope) -> str:

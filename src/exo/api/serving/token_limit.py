@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exo.api.serving.cluster_client import ClusterClient
 from exo.api.serving.model_lookup import card_of
-from exo.shared.types.chunks import Chunk, TokenChunk, ToolCallChunk
+from exo.shared.types.chunks import Chunk, PrefillProgressChunk, TokenChunk, ToolCallChunk
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 MAX_TOKENS_CAPPED_HEADER = "X-Exo-Max-Tokens-Capped"
@@ -56,9 +56,13 @@ def note_capped_max_tokens(
 ) -> None:
     """Add `MAX_TOKENS_CAPPED_HEADER` (and log it) when `params.max_tokens` is more than the
     room the prompt, whose size `first` (the generation's first chunk) gives, leaves."""
-    if params.max_tokens is None or not isinstance(first, TokenChunk | ToolCallChunk):
+    if params.max_tokens is None or not isinstance(
+        first, TokenChunk | ToolCallChunk | PrefillProgressChunk
+    ):
         return
-    prompt_tokens = first.prompt_tokens if isinstance(first, TokenChunk) else None
+    prompt_tokens = (
+        first.prompt_tokens if isinstance(first, TokenChunk | PrefillProgressChunk) else None
+    )
     if prompt_tokens is None and first.usage is not None:
         prompt_tokens = first.usage.prompt_tokens
     limit = token_limit(cluster, params)

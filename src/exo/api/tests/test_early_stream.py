@@ -1,8 +1,11 @@
 """Bytes from the first second (`exo.api.serving.early_stream`): a stream whose first chunk
 is late gets its headers, its dialect's opening frames and heartbeats before it (SSE
 comments in Chat, Completions and Responses; `ping` events in Claude Messages), parsed by
-the official SDKs without error; a request that fails after the headers ends in-band with
-the wording of the HTTP error it would have been; a client leaving while it waits cancels
+the official SDKs without error; a stream whose request the engine admitted before its first
+token opens then (Claude's `message_start` with the exact cached / uncached input tokens) and
+keeps sending heartbeats through the prefill, whose progress `/metrics` shows; a request
+that fails after the headers ends in-band with the wording of the HTTP error it would have
+been; a client leaving while it waits cancels
 the generation; a first chunk in time answers exactly as before (no heartbeat).
 
 The stand-in cluster holds each first chunk until the server has sent two heartbeats (an
@@ -12,6 +15,7 @@ machine is; each wait has a deadline.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -22,11 +26,12 @@ import anyio
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exo.api.serving import early_stream
 from exo.api.tests.serving import scripted_app, serving
-from exo.shared.types.chunks import Chunk, ErrorChunk
+from exo.shared.types.chunks import Chunk, ErrorChunk, PrefillProgressChunk
 from exo.shared.types.commands import CancelGeneration
 from exo.shared.types.common import CommandId
 from exo.testing.builders import SMOLLM2
@@ -84,7 +89,7 @@ class HeartbeatCounter:
                     self.release.set()
             await send(message)
 
-        await self.app(scope, receive, send=counting_send)
+        await self.app(scope, receive, counting_send)
 
 
 @pytest.fixture(autouse=True)
@@ -272,3 +277,66 @@ def test_a_client_leaving_while_the_first_chunk_is_awaited_cancels_the_generatio
             time.sleep(0.02)
         (cancel,) = [command for command in cluster.sent if isinstance(command, CancelGeneration)]
         assert cancel.target_command_id == cluster.submitted[-1].command_id
+
+
+class AdmittedCluster(ScriptedCluster):
+    """Every generation: the engine's admission at once (a 40-token prompt, 16 from the
+    prefix cache, 24 prefilled), then the answer once `proceed` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proceed = threading.Event()
+
+    async def _answer(self, command_id: CommandId) -> AsyncIterator[Chunk]:
+        yield PrefillProgressChunk(
+            command_id=command_id,
+            model=self.submitted[-1].params.model,
+            prompt_tokens=40,
+            cached_tokens=16,
+            prefilled_tokens=24,
+        )
+        deadline = time.monotonic() + DEADLINE_SECONDS
+        while not self.proceed.is_set():
+            assert time.monotonic() < deadline, "the test never let the answer go"
+            await anyio.sleep(0.01)
+        async for chunk in super()._answer(command_id):
+            yield chunk
+
+
+def prefill_gauges(base_url: str) -> tuple[float, float]:
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics").text)
+        for sample in family.samples
+        if sample.labels.get("model") == SMOLLM2
+    }
+    return (
+        samples.get("exo_prefill_prompt_tokens", 0.0),
+        samples.get("exo_prefill_prefilled_tokens", 0.0),
+    )
+
+
+def test_claude_opens_at_admission_with_exact_usage_then_pings_through_the_prefill() -> None:
+    cluster = AdmittedCluster()
+    with serving(scripted_app(cluster)) as (base_url, _port):
+        with (
+            httpx.Client(base_url=base_url, timeout=DEADLINE_SECONDS) as client,
+            client.stream("POST", "/v1/messages", json=REQUESTS["messages"][1]) as response,
+        ):
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            assert next(lines) == "event: message_start"
+            start = json.loads(next(lines).removeprefix("data: "))
+            usage = start["message"]["usage"]
+            assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (24, 16)
+            pings = 0
+            for line in lines:
+                pings += line == "event: ping"
+                if pings == 2:
+                    break
+            # The prefill's progress is on this node's /metrics while it lasts.
+            assert prefill_gauges(base_url) == (40.0, 24.0)
+            cluster.proceed.set()
+            rest = "\n".join(lines)
+            assert SCRIPTED_ANSWER in rest and "event: message_stop" in rest
+        assert prefill_gauges(base_url) == (0.0, 0.0)

@@ -18,6 +18,7 @@ from exo.shared.types.chunks import (
     Chunk,
     ErrorChunk,
     FinishReason,
+    PrefillProgressChunk,
     TokenChunk,
     TokenLogprob,
     ToolCallChunk,
@@ -117,6 +118,8 @@ async def generation_events(
             case ErrorChunk():
                 yield Failed(error_chunk_error(chunk, conversation_param))
                 return
+            case PrefillProgressChunk():
+                continue  # no output: read by `/metrics` and as a stream opens
             case _:
                 assert_never(chunk)
         reason = chunk.finish_reason

@@ -28,6 +28,7 @@ from exo.shared.types import (
 from exo.shared.types.chunks import (
     Chunk,
     ErrorChunk,
+    PrefillProgressChunk,
     TokenChunk,
     TokenLogprob,
     ToolCall,
@@ -356,6 +357,15 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
         )
     ],
     ErrorChunk: [ErrorChunk(command_id=COMMAND, model=SMOLLM2, error_message="boom")],
+    PrefillProgressChunk: [
+        PrefillProgressChunk(
+            command_id=COMMAND,
+            model=SMOLLM2,
+            prompt_tokens=40,
+            cached_tokens=16,
+            prefilled_tokens=24,
+        )
+    ],
     # models
     HuggingFaceSource: [HuggingFaceSource(repo_id="org/model", revision="abc123")],
     PypiGgufSource: [

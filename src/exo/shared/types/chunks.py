@@ -7,7 +7,9 @@ the last one (an `ErrorChunk` always has one). Reasoning text (a thinking model'
 complete parsed tool calls travel as `ToolCallChunk`s (in order), and a generation that
 ended by calling tools finishes with `finish_reason="tool_calls"`. The runner always puts
 the finish on a final `TokenChunk` (or an `ErrorChunk`); consumers may still accept a finish
-on any chunk kind.
+on any chunk kind. Before the first token a stream may carry `PrefillProgressChunk`s: the
+request was admitted (its prompt's size and prefix-cached part are final) and how far its
+prompt is prefilled; they never finish a stream.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ __all__ = [
     "Chunk",
     "ErrorChunk",
     "FinishReason",
+    "PrefillProgressChunk",
     "TokenChunk",
     "TokenLogprob",
     "ToolCall",
@@ -183,9 +186,35 @@ class ErrorChunk(FrozenModel):
     error_code: str | None = None
 
 
+class PrefillProgressChunk(FrozenModel):
+    """The engine admitted the request to its batch (sent then), and later how far its
+    prompt's prefill has come (sent at most every `PREFILL_PROGRESS_SECONDS` of the runner),
+    until its first token. Node-local progress for the API node that serves the request (its
+    `/metrics`, the dialects that report usage as the stream opens), never cluster state.
+
+    Attributes:
+        prompt_tokens: the rendered prompt's tokens.
+        cached_tokens: how many of them came from the prefix cache.
+        prefilled_tokens: how many have their KV computed or being computed, the cached ones
+            included (`prompt_tokens` when the last prompt chunk is in the step that will
+            sample the first token).
+    """
+
+    kind: Literal["PrefillProgressChunk"] = "PrefillProgressChunk"
+    command_id: CommandId
+    model: ModelId
+    prompt_tokens: int = Field(ge=0)
+    cached_tokens: int = Field(ge=0)
+    prefilled_tokens: int = Field(ge=0)
+    finish_reason: None = None
+    usage: None = None
+
+
 INSTANCE_UNAVAILABLE = "instance_unavailable"
 """`ErrorChunk.error_code` of a generation whose instance lost a node or rank: the API
 sends it again elsewhere when the client has received nothing yet."""
 
 
-Chunk = Annotated[TokenChunk | ToolCallChunk | ErrorChunk, Field(discriminator="kind")]
+Chunk = Annotated[
+    TokenChunk | ToolCallChunk | ErrorChunk | PrefillProgressChunk, Field(discriminator="kind")
+]

@@ -42,3 +42,8 @@ class Generation:
     parsed: Iterator[OutputPiece]
     first_sent: bool = field(default=False)
     cached_tokens: Callable[[], int | None] = field(default=lambda: None)
+    prefill_progress: Callable[[], tuple[int, int] | None] = field(default=lambda: None)
+    """`(prefilled, prompt)` tokens once admitted (`RequestHandle.prefill_progress`)."""
+    progress_sent: tuple[int, float] | None = field(default=None)
+    """The prefilled tokens last reported in a `PrefillProgressChunk`, and when (monotonic
+    seconds); None before the first report."""

@@ -24,6 +24,7 @@ from exo.chat_protocol.output_parsing import OutputParser
 from exo.shared.types.chunks import (
     INSTANCE_UNAVAILABLE,
     ErrorChunk,
+    PrefillProgressChunk,
     TokenChunk,
 )
 from exo.shared.types.common import RunnerId
@@ -84,6 +85,9 @@ GROUP_TIMEOUT_SECONDS = 60.0
 # The runner's KV-cache use reaches the node's /metrics at most this often while it changes
 # (a scrape every 15 s or so needs no more; each report is one small pipe message).
 KV_REPORT_INTERVAL_S = 1.0
+# A request's prefill progress is reported when the engine admits it, then at most this
+# often until its first token (`PrefillProgressChunk`).
+PREFILL_PROGRESS_SECONDS = 1.0
 # Freed heap memory goes back to the OS at most this often while serving (and on going
 # idle): see `exo.utils.heap` (the soak's runner RSS crept up with heap holes).
 HEAP_TRIM_INTERVAL_SECONDS = 30.0
@@ -318,7 +322,12 @@ class Runner:
         feed = PieceFeed()
         parsed = parse_generation(feed, parser, task.params)
         self._generations[str(task.task_id)] = Generation(
-            task, handle.prompt_tokens, feed, parsed, cached_tokens=lambda: handle.cached_tokens
+            task,
+            handle.prompt_tokens,
+            feed,
+            parsed,
+            cached_tokens=lambda: handle.cached_tokens,
+            prefill_progress=lambda: handle.prefill_progress,
         )
         self._update_status()
 
@@ -377,9 +386,38 @@ class Runner:
                 del self._generations[request_id]
                 self._grouper.forget(generation.task.command_id)  # nothing is held by now
                 self._send(TaskStatusReport(task_id=generation.task.task_id, status=TaskComplete()))
+        self._report_prefill_progress()
         if not isinstance(self._status, RunnerFailed):
             self._update_status()
         self._report_kv_cache(force=not self._generations)
+
+    def _report_prefill_progress(self) -> None:
+        """A `PrefillProgressChunk` for each request still without its first token: once the
+        engine admitted it, then when its prefill advanced and `PREFILL_PROGRESS_SECONDS`
+        passed since the last report."""
+        now = time.monotonic()
+        for generation in self._generations.values():
+            if generation.first_sent:
+                continue
+            progress = generation.prefill_progress()
+            if progress is None:
+                continue
+            prefilled, prompt = progress
+            last = generation.progress_sent
+            if last is not None and (
+                prefilled == last[0] or now - last[1] < PREFILL_PROGRESS_SECONDS
+            ):
+                continue
+            generation.progress_sent = (prefilled, now)
+            task = generation.task
+            chunk = PrefillProgressChunk(
+                command_id=task.command_id,
+                model=task.params.model,
+                prompt_tokens=prompt,
+                cached_tokens=min(generation.cached_tokens() or 0, prompt),
+                prefilled_tokens=prefilled,
+            )
+            self._send(ChunkReport(chunk=chunk))
 
     def _report_kv_cache(self, force: bool = False) -> None:
         """Tell the supervisor the KV cache's use (for the node's `/metrics`) when it changed:

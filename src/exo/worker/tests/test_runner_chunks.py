@@ -1,20 +1,31 @@
 """The chunks a runner sends for one generation: the first carries the prompt's token count
-(Claude's `message_start` reports it), whatever the first piece holds; the others do not."""
+(Claude's `message_start` reports it), whatever the first piece holds; the others do not.
+A prompt whose prefill spans steps is announced when the engine admits it, then its progress
+at most every `PREFILL_PROGRESS_SECONDS` (`PrefillProgressChunk`)."""
 
 from __future__ import annotations
 
 from multiprocessing import Pipe
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
 from exo.chat_protocol.prompt import RenderedPrompt
 from exo.node_options import parse_args
-from exo.shared.types.chunks import Chunk, TokenChunk, ToolCallChunk, Usage, merged_token_chunks
+from exo.shared.types.chunks import (
+    Chunk,
+    PrefillProgressChunk,
+    TokenChunk,
+    ToolCallChunk,
+    Usage,
+    merged_token_chunks,
+)
 from exo.shared.types.common import CommandId, ModelId, RunnerId
 from exo.shared.types.text_generation import ToolDefinition
 from exo.testing.builders import make_params, make_shard, make_text_generation_task
 from exo.worker.engines.torch.engine import GeneratedPiece, RequestHandle
+from exo.worker.runner import runner as runner_module
 from exo.worker.runner.messages import ChunkReport, decode_outbound
 from exo.worker.runner.options import RunnerOptions
 from exo.worker.runner.runner import Runner
@@ -54,24 +65,51 @@ class ScriptedEngine:
         return False
 
 
+class PrefillingEngine(ScriptedEngine):
+    """A `ScriptedEngine` whose request is admitted at the first step and prefills its
+    17-token prompt (3 of them from the prefix cache) over `prefill_steps` empty steps, then
+    returns the pieces."""
+
+    def __init__(self, pieces: list[GeneratedPiece], prefill_steps: int) -> None:
+        super().__init__([*([None] * prefill_steps), *pieces])  # type: ignore[list-item]
+        self.prefill_steps = prefill_steps
+        self.state = SimpleNamespace(
+            prompt_ids=PROMPT_TOKEN_IDS, prefilled_tokens=None, cached_tokens=3
+        )
+        self.steps = 0
+
+    def submit(self, params: Any, prompt: RenderedPrompt, request_id: str) -> RequestHandle:
+        self._request_id = request_id
+        return RequestHandle(request_id, len(prompt.token_ids), cast(Any, self.state))
+
+    def step(self) -> list[tuple[str, GeneratedPiece]]:
+        self.steps += 1
+        prompt = len(PROMPT_TOKEN_IDS)
+        self.state.prefilled_tokens = min(prompt, 3 + self.steps * 5)
+        piece = self._pieces.pop(0) if self._pieces else None
+        return [] if piece is None else [(self._request_id, piece)]
+
+
 def chunks_of_one_generation(
     pieces: list[GeneratedPiece],
     stream_interval: float = 0.0,
     cancel_after: int | None = None,
+    engine: ScriptedEngine | None = None,
     **params: Any,
 ) -> list[Chunk]:
-    """The chunks the runner sends for `pieces` (one per step); with `cancel_after`, the
-    task is cancelled after that many steps."""
+    """The chunks the runner sends for `pieces` (one per step, after the engine's own empty
+    steps); with `cancel_after`, the task is cancelled after that many steps."""
     inbound_reader, _inbound_writer = Pipe(duplex=False)
     outbound_reader, outbound_writer = Pipe(duplex=False)
     runner = Runner(
         RunnerId("runner-1"), make_shard(), inbound_reader, outbound_writer,
         RunnerOptions(stream_interval_seconds=stream_interval),
     )  # fmt: skip
-    runner._engine = cast(Any, ScriptedEngine(pieces))
+    engine = engine or ScriptedEngine(pieces)
+    runner._engine = cast(Any, engine)
     task = make_text_generation_task(params=make_params().model_copy(update=params))
     runner._start_generation(task)
-    for step in range(len(pieces)):
+    for step in range(len(engine._pieces)):
         if step == cancel_after:
             runner._cancel(task.task_id)
             break
@@ -122,6 +160,34 @@ def test_a_generation_that_ends_at_once_still_reports_its_prompt() -> None:
     only = chunks[0]
     assert isinstance(only, TokenChunk) and only.prompt_tokens == 17
     assert only.finish_reason == "stop"
+
+
+PIECES = [GeneratedPiece("Hi", (1,), None, None), GeneratedPiece("", (), "stop", usage(2))]
+
+
+def test_a_prefill_over_several_steps_is_announced_then_reported_as_it_advances(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(runner_module, "PREFILL_PROGRESS_SECONDS", 0.0)
+    chunks = chunks_of_one_generation(PIECES, engine=PrefillingEngine(PIECES, prefill_steps=3))
+    progress = [chunk for chunk in chunks if isinstance(chunk, PrefillProgressChunk)]
+    # One per step before the first token: 8, 13 and 17 of 17 prompt tokens (3 cached).
+    assert [chunk.prefilled_tokens for chunk in progress] == [8, 13, 17]
+    assert {(chunk.prompt_tokens, chunk.cached_tokens) for chunk in progress} == {(17, 3)}
+    assert chunks[: len(progress)] == progress  # all before the first token
+    first_token = chunks[len(progress)]
+    assert isinstance(first_token, TokenChunk) and first_token.text == "Hi"
+    assert first_token.prompt_tokens == 17 and first_token.cached_tokens == 3
+
+
+def test_prefill_progress_is_reported_at_most_every_interval() -> None:
+    # Steps take microseconds here: within one interval only the admission is reported.
+    chunks = chunks_of_one_generation(PIECES, engine=PrefillingEngine(PIECES, prefill_steps=3))
+    progress = [chunk for chunk in chunks if isinstance(chunk, PrefillProgressChunk)]
+    assert [chunk.prefilled_tokens for chunk in progress] == [8]
+    # A prompt whose first token comes in its first step is never announced.
+    chunks = chunks_of_one_generation(PIECES, engine=PrefillingEngine(PIECES, prefill_steps=0))
+    assert [chunk.kind for chunk in chunks] == ["TokenChunk", "TokenChunk"]
 
 
 def test_a_stream_interval_groups_tokens_and_loses_none() -> None:

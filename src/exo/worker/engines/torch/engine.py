@@ -94,6 +94,16 @@ class RequestHandle:
         admitted (before its first token), None without a state."""
         return None if self.state is None else self.state.cached_tokens
 
+    @property
+    def prefill_progress(self) -> tuple[int, int] | None:
+        """`(prefilled, prompt)` tokens of the prompt whose KV is computed or being
+        computed (prefix-cached ones included) and of the whole prompt, once the request is
+        admitted to the batch and until its first token; None before admission."""
+        state = self.state
+        if state is None or state.prefilled_tokens is None:
+            return None
+        return state.prefilled_tokens, len(state.prompt_ids)
+
 
 class TorchEngine:
     """Text generation for one shard of a transformers causal LM: a whole model, or one rank

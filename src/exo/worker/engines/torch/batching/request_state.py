@@ -67,6 +67,8 @@ class RequestState:
         top_logprobs: None without logprobs, else how many alternatives per token.
         generated_ids: every sampled token (EOS included), in order.
         cached_tokens: prompt tokens whose KV came from the prefix cache.
+        prefilled_tokens: prompt tokens whose KV is computed or being computed (the cached
+            ones included); None until the request is first admitted to the batch.
         finished: the final piece was produced.
     """
 
@@ -81,6 +83,7 @@ class RequestState:
     logprob_of: LogprobFunction
     generated_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    prefilled_tokens: int | None = None
     finished: bool = False
     _pending_ids: list[int] = field(default_factory=list)
     _pending_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -305,6 +305,11 @@ class BatchScheduler:
             running.computed += 1
         for running, length in prefill:
             running.computed += length
+        for running in itertools.chain(decoding, (running for running, _ in prefill)):
+            if not running.state.generated_ids:  # the prompt's progress, until its first token
+                running.state.prefilled_tokens = min(
+                    running.computed, len(running.state.prompt_ids)
+                )
         for running in sampled:
             running.awaiting = True
         self._in_flight.append(_Launched(sampled, logits))
@@ -412,6 +417,8 @@ class BatchScheduler:
                 computed = match.length
                 if not state.generated_ids:  # a first admission, not a recompute
                     state.cached_tokens = computed
+            if not state.generated_ids:
+                state.prefilled_tokens = computed
             self._running.append(
                 _Running(state, slot, list(tokens), computed, next(self._admissions))
             )

@@ -24,7 +24,7 @@ from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
 from exo.worker.engines.torch.batching.scheduler import PREFILL_TOKENS_PER_STEP
 from exo.worker.engines.torch.decoding.sampling import TokenChooser
-from exo.worker.engines.torch.engine import TorchEngine
+from exo.worker.engines.torch.engine import RequestHandle, TorchEngine
 
 # Largest |batched - alone| logit difference allowed (measured: float32 tiny models stay
 # below 2e-6, int4 below 2e-2; the bounds leave headroom for other CPUs' kernels).
@@ -358,12 +358,19 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_a_stream_keeps_decoding(
     long_request = engine.build_request(request("word " * 120, max_tokens=1), None, "long")
     prompt_tokens = len(long_request.prompt_ids)
     engine.scheduler.add(long_request)
+    handle = RequestHandle("long", prompt_tokens, long_request)
+    assert handle.prefill_progress is None  # not admitted yet
     steps = 0
     while not long_request.generated_ids:
         before = len(stream.generated_ids)
         engine.step()
         steps += 1
         assert len(stream.generated_ids) == before + 1  # one token every step
+        # The prompt's progress (`PrefillProgressChunk`): a chunk more each step.
+        assert handle.prefill_progress == (
+            min(steps * PREFILL_TOKENS_PER_STEP, prompt_tokens),
+            prompt_tokens,
+        )
     assert steps == -(-prompt_tokens // PREFILL_TOKENS_PER_STEP)
     assert engine.cancel("s")
 
