@@ -49,6 +49,7 @@ from exo.master.speed_prediction import (
     DEFAULT_PROMPT_TOKENS,
     predict_speed,
 )
+from exo.shared.models.architectures import ENGINE_ARCHITECTURES
 from exo.shared.models.memory import RUNNER_PROCESS_OVERHEAD_BYTES
 from exo.shared.parallelism import PARALLELISMS, parallelism
 from exo.shared.types.common import FrozenModel, InstanceId, NodeId, RunnerId
@@ -278,8 +279,15 @@ def best_layout(
     `layout`).
 
     Raises:
-        PlacementError: none is valid (the reason of the most promising group).
+        PlacementError: none is valid (the reason of the most promising group), or the
+            engine has no model family for the card's architecture (a catalog card may
+            precede its family: it would be downloaded and then fail to load).
     """
+    if card.architecture not in ENGINE_ARCHITECTURES:
+        raise PlacementError(
+            f"{card.model_id}: the engine has no model family for {card.architecture} yet "
+            f"(it runs {', '.join(ENGINE_ARCHITECTURES)})"
+        )
     if node_count > len(nodes):
         raise PlacementError(f"needs {node_count} nodes but the cluster has {len(nodes)}")
     if node_count > MAX_GROUP_SIZE:

@@ -325,3 +325,17 @@ def test_a_tensor_refusal_names_the_shape_that_does_not_divide() -> None:
     over_three = tensor_split_error(card, 3)
     assert over_three is not None and "does not support tensor parallelism" in over_three
     assert tensor_split_error(card, 1) is None
+
+
+def test_a_card_whose_architecture_the_engine_does_not_run_is_not_placed() -> None:
+    """A catalog card can precede its engine family (DeepSeek-V3.1's card before the
+    deepseek_v3 family): placing it would download its weights and then fail to load, so it
+    is refused up front, and every preview says why."""
+    card = CARD.model_copy(update={"architecture": "NoSuchFamilyForCausalLM"})
+    state = state_with(node_a=5 * NEED_MIB, node_b=5 * NEED_MIB)
+    with pytest.raises(PlacementError, match="no model family for NoSuchFamilyForCausalLM"):
+        place_instance(card, state, INSTANCE)
+    previews = placement_previews(card, state)
+    assert previews and all("NoSuchFamilyForCausalLM" in (p.error or "") for p in previews)
+    # The same card with an architecture the engine runs is placed.
+    assert place_instance(CARD, state, INSTANCE).model_id == CARD.model_id
