@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from exo.shared.models.cards import card_from_local_directory
@@ -52,6 +53,14 @@ CONFIGS: dict[tuple[str, str], dict[str, Any]] = {
         "n_shared_experts": 2, "use_qk_norm": False, "attention_bias": False,
         "norm_topk_prob": False, "first_k_dense_replace": 0, "routed_scaling_factor": 1.0,
     },
+    ("mixtral", "top-2"): {"sliding_window": None},
+    # Top 3 of 8 with a sliding window shorter than the prompt.
+    ("mixtral", "top-3-window"): {
+        "num_local_experts": 8, "num_experts_per_tok": 3, "sliding_window": 16,
+    },
+    ("minimax_m2", "top-2"): {},
+    # Top 3 of 8, rotary over a quarter of each head.
+    ("minimax_m2", "top-3"): {"num_local_experts": 8, "num_experts_per_tok": 3, "rotary_dim": 4},
 }  # fmt: skip
 
 
@@ -168,7 +177,11 @@ def test_moe_family_equals_transformers(family_dirs: dict[Any, Path], key: Any) 
     assert all(used == set(range(experts)) for used in chosen.values())  # every expert ran
 
 
-@pytest.mark.parametrize("key", list(CONFIGS)[:1], ids=lambda key: "-".join(key))
+# Each family's first variant.
+FIRST_VARIANTS = list({key[0]: key for key in reversed(CONFIGS)}.values())
+
+
+@pytest.mark.parametrize("key", FIRST_VARIANTS, ids=lambda key: "-".join(key))
 def test_moe_family_disjoint_requests_batched_as_alone(
     family_dirs: dict[Any, Path], key: Any
 ) -> None:
@@ -214,3 +227,21 @@ def test_loading_refuses_a_config_the_family_cannot_route(
     shard = make_shard(good, "pipeline", 0, 1)
     with pytest.raises(UnsupportedArchitectureError, match=re.escape(named)):
         load_model(directory, shard, torch.device("cpu"), "float32")
+
+
+def test_mixtral_loads_the_hub_checkpoint_names(family_dirs: dict[Any, Path]) -> None:
+    """Mixtral checkpoints name the block `block_sparse_moe` and an expert's linears w1 / w3
+    / w2 (as the Hub's and transformers' saved ones do); the engine's modules are `mlp`."""
+    directory = family_dirs[("mixtral", "top-2")]
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+    assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in names
+    assert "model.layers.0.block_sparse_moe.gate.weight" in names
+    assert not any(".mlp." in name for name in names)
+    model = _load(directory)
+    expert = model.model.layers[0].get_submodule("mlp.experts.3")
+    assert {name for name, _ in expert.named_parameters()} == {
+        "w1.weight",
+        "w2.weight",
+        "w3.weight",
+    }

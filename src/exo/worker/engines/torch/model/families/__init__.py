@@ -15,7 +15,9 @@ from exo.worker.engines.torch.model.families import (
     gemma3,
     glm4_moe,
     llama,
+    minimax_m2,
     mistral,
+    mixtral,
     phi3,
     qwen2,
     qwen3,
@@ -33,6 +35,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
     gemma3.FAMILY,
     qwen3_moe.FAMILY,
     glm4_moe.FAMILY,
+    mixtral.FAMILY,
+    minimax_m2.FAMILY,
 )
 
 
