@@ -7,6 +7,7 @@ for mixture-of-experts families also 2- and 3-rank expert parallel groups (the t
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import time
 import traceback
@@ -26,6 +27,7 @@ from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskPara
 from exo.testing.ports import free_port
 from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
 from exo.worker.engines.torch.engine_factory import load_engine
+from exo.worker.engines.torch.model.direct_forward import LEAN_ENV
 from exo.worker.engines.torch.model.families import family_by_name
 from exo.worker.engines.torch.quant.quantize import WeightDtype
 
@@ -76,6 +78,7 @@ class Job:
     requests: tuple[dict[str, Any], ...] = (GREEDY,)
     expect_load_error: bool = False
     weight_dtype: str = "float32"
+    lean_forward: bool = True  # False: transformers' modules (the split ones) run the steps
 
 
 @dataclass
@@ -95,6 +98,8 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[Job], results: 
         init_group("gloo", rank, world_size, "127.0.0.1", port, timeout_s=60)
         for job in jobs:
             shard = make_shard(Path(job.model_dir), job.mode, rank, world_size)
+            if not job.lean_forward:
+                os.environ[LEAN_ENV] = "0"  # read once, at load
             try:
                 engine = load_engine(
                     Path(job.model_dir),
@@ -106,6 +111,8 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[Job], results: 
                     raise
                 results.put(("load_error", job.name, rank, str(error)))
                 continue
+            finally:
+                os.environ.pop(LEAN_ENV, None)
             results.put(("bytes", job.name, rank, loaded_parameter_bytes(engine.model)))
             engine.warmup()
             if rank != 0:
@@ -203,6 +210,21 @@ SLOW_SPLIT_ARCHITECTURES = tuple(
 )
 
 
+def _splits_beyond_linears(name: str) -> bool:
+    """The family's tensor split changes more than linears: a shared expert (its down
+    projection reduced with the routed experts') or norms over a whole split projection."""
+    family = family_by_name(name)
+    return bool(family.projection_norms) or (
+        family.moe is not None and family.moe.shared_expert is not None
+    )
+
+
+# Slow families whose tensor split also runs on transformers' modules (the fallback path).
+MODULE_PATH_ARCHITECTURES = tuple(
+    name for name in SLOW_SPLIT_ARCHITECTURES if _splits_beyond_linears(name)
+)
+
+
 def _split_params(architectures: tuple[str, ...]) -> list[Any]:
     """`architectures` as test parameters, those in `SLOW_SPLIT_ARCHITECTURES` marked slow."""
     return [
@@ -278,6 +300,23 @@ def _two_rank_jobs(tiny_dirs: dict[str, Path], architectures: tuple[str, ...]) -
     ]
 
 
+def _module_path_jobs(tiny_dirs: dict[str, Path], architectures: tuple[str, ...]) -> list[Job]:
+    """Tensor splits run by transformers' modules rather than the lean forward, for the
+    families whose split needs more than linears (a shared expert's row-parallel down
+    projection, norms over a whole split projection): the fallback path splits as well."""
+    wanted = [name for name in architectures if name in MODULE_PATH_ARCHITECTURES]
+    return [
+        Job(
+            f"tensor-module-{name}",
+            str(tiny_dirs[name]),
+            "tensor",
+            (GREEDY, SEEDED),
+            lean_forward=False,
+        )
+        for name in wanted
+    ]
+
+
 def _three_rank_jobs(tiny_dirs: dict[str, Path], architectures: tuple[str, ...]) -> list[Job]:
     jobs = [
         Job(f"pipeline-{architecture}", str(tiny_dirs[architecture]), "pipeline", (GREEDY, SEEDED))
@@ -309,7 +348,8 @@ def three_rank_results(tiny_dirs: dict[str, Path]) -> dict[str, JobResult]:
 
 @pytest.fixture(scope="module")
 def slow_two_rank_results(tiny_dirs: dict[str, Path]) -> dict[str, JobResult]:
-    return run_group(2, _two_rank_jobs(tiny_dirs, SLOW_SPLIT_ARCHITECTURES))
+    jobs = _two_rank_jobs(tiny_dirs, SLOW_SPLIT_ARCHITECTURES)
+    return run_group(2, jobs + _module_path_jobs(tiny_dirs, SLOW_SPLIT_ARCHITECTURES))
 
 
 @pytest.fixture(scope="module")
@@ -333,6 +373,17 @@ def test_two_rank_tensor_equals_single_process(
     expected = _results(request, "reference_tokens", architecture)[architecture]
     results = _results(request, "two_rank_results", architecture)
     assert results[f"tensor-{architecture}"].tokens == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture", MODULE_PATH_ARCHITECTURES)
+def test_two_rank_tensor_on_transformers_modules_equals_single_process(
+    architecture: str,
+    slow_two_rank_results: dict[str, JobResult],
+    slow_reference_tokens: dict[str, Any],
+) -> None:
+    expected = slow_reference_tokens[architecture]
+    assert slow_two_rank_results[f"tensor-module-{architecture}"].tokens == expected
 
 
 @pytest.mark.parametrize("architecture", _split_params(MOE_ARCHITECTURES))
