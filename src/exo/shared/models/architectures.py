@@ -21,6 +21,9 @@ ENGINE_ARCHITECTURES: tuple[str, ...] = (
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
     "Qwen3MoeForCausalLM",
+    "Glm4MoeForCausalLM",
+    "MixtralForCausalLM",
+    "MiniMaxM2ForCausalLM",
 )
 """Every architecture name (text model and `*ForConditionalGeneration` wrapper) that
 some family file covers, in the registry's order."""

@@ -207,12 +207,15 @@ def _mlp_linears(
     card: ModelCard, ranks: int, sparse: bool, experts: int | None = None
 ) -> list[tuple[int, int]]:
     """(in, out) of one layer's MLP linears on one tensor rank: the dense gated MLP, or in
-    a sparse layer of a MoE card every expert's (or `experts` experts') gate, up and down."""
+    a sparse layer of a MoE card every expert's (or `experts` experts') gate, up and down,
+    and its shared expert's."""
     hidden = card.hidden_size
     if sparse and card.moe is not None:
         width = card.moe.expert_intermediate_size // ranks
         held = card.moe.experts if experts is None else experts
-        return [(hidden, width), (hidden, width), (width, hidden)] * held
+        shared = card.moe.shared_expert_intermediate_size // ranks  # on every expert rank
+        shared_linears = [(hidden, shared), (hidden, shared), (shared, hidden)] if shared else []
+        return [(hidden, width), (hidden, width), (width, hidden)] * held + shared_linears
     width = card.intermediate_size // ranks
     return [(hidden, width), (hidden, width), (width, hidden)]
 

@@ -12,9 +12,12 @@ from typing import Any
 
 from exo.shared.types.models import MoeGeometry
 
-# Config fields naming the routed experts per layer, by family: Qwen2/3-MoE, Mixtral (and
-# transformers' saved Qwen3-MoE configs), DeepSeek-V3 / GLM-4.5.
+# Config fields naming the routed experts per layer, by family: Qwen2/3-MoE, Mixtral and
+# MiniMax-M2 (and transformers' saved Qwen3-MoE configs), DeepSeek-V3 / GLM-4.5.
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+# Router scoring functions the engine's MoE families compute (`scoring_func`, where a
+# config states one: DeepSeek-V3, MiniMax-M2).
+_SCORING_FUNCTIONS = ("softmax", "sigmoid")
 
 
 def moe_geometry_of_config(config: Mapping[str, Any]) -> MoeGeometry | None:
@@ -24,19 +27,29 @@ def moe_geometry_of_config(config: Mapping[str, Any]) -> MoeGeometry | None:
     A layer `i` is dense where `mlp_only_layers` lists it, where `decoder_sparse_step` (>1)
     skips it (sparse only where `(i + 1) % step == 0`, as transformers' Qwen2/3-MoE decoder
     layers decide), or below `first_k_dense_replace` (DeepSeek-V3, GLM-4.5). An expert's
-    width is `moe_intermediate_size`, else `intermediate_size` (Mixtral's experts).
+    width is `moe_intermediate_size`, else `intermediate_size` (Mixtral's and MiniMax-M2's
+    experts). A shared expert is `n_shared_experts` experts wide (DeepSeek-V3, GLM-4.5), or
+    `shared_expert_intermediate_size` (Qwen2-MoE).
 
     Raises:
-        ValueError: experts without `num_experts_per_tok`, or more per token than experts.
+        ValueError: experts without `num_experts_per_tok`, more per token than experts, or
+            a `scoring_func` no family computes (the message names the field).
     """
-    experts = next(
-        (config[name] for name in _EXPERT_FIELDS if isinstance(config.get(name), int)), 0
-    )
-    if experts <= 0:
+    field = next((name for name in _EXPERT_FIELDS if isinstance(config.get(name), int)), None)
+    experts = 0 if field is None else int(config[field])
+    if field is None or experts <= 0:
         return None
     per_token = config.get("num_experts_per_tok")
     if not isinstance(per_token, int):
         raise ValueError(f"a config with {experts} experts has no num_experts_per_tok")
+    if not 0 < per_token <= experts:
+        raise ValueError(f"num_experts_per_tok={per_token} must be between 1 and {field}={experts}")
+    scoring = config.get("scoring_func")
+    if scoring is not None and scoring not in _SCORING_FUNCTIONS:
+        raise ValueError(
+            f"scoring_func={scoring!r} is no router scoring the engine computes "
+            f"({', '.join(_SCORING_FUNCTIONS)})"
+        )
     width = config.get("moe_intermediate_size") or config.get("intermediate_size")
     if not isinstance(width, int):
         raise ValueError("a MoE config has neither moe_intermediate_size nor intermediate_size")
@@ -49,11 +62,14 @@ def moe_geometry_of_config(config: Mapping[str, Any]) -> MoeGeometry | None:
         for layer in range(layers)
         if layer in only_dense or (layer + 1) % int(step) != 0 or layer < first_sparse
     )
+    shared = int(config.get("n_shared_experts") or 0) * width
+    shared = shared or int(config.get("shared_expert_intermediate_size") or 0)
     return MoeGeometry(
         experts=experts,
         experts_per_token=per_token,
         expert_intermediate_size=width,
         dense_layers=dense,
+        shared_expert_intermediate_size=shared,
     )
 
 

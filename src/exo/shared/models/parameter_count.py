@@ -57,8 +57,9 @@ def decoder_parameter_count(card: ModelCard) -> int:
     embedding = card.vocab_size * hidden
     lm_head = 0 if card.tie_word_embeddings else card.vocab_size * hidden
     layers = card.n_layers * per_layer
-    if card.moe is not None:  # sparse layers: every expert and the router, no dense MLP
+    if card.moe is not None:  # sparse layers: every expert, the shared one and the router
         experts = card.moe.experts * 3 * hidden * card.moe.expert_intermediate_size
+        experts += 3 * hidden * card.moe.shared_expert_intermediate_size
         sparse = card.moe.sparse_layers(card.n_layers)
         layers += sparse * (experts + card.moe.experts * hidden - mlp)
     return embedding + layers + hidden + lm_head

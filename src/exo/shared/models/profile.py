@@ -77,6 +77,15 @@ def card_mismatches(
     return tuple(found)
 
 
+_GEOMETRY_FIELDS = (
+    "experts",
+    "experts_per_token",
+    "expert_intermediate_size",
+    "dense_layers",
+    "shared_expert_intermediate_size",
+)
+
+
 def _moe_mismatches(card: ModelCard, text: Mapping[str, Any]) -> list[str]:
     """The card's MoE geometry against the config's: a card that misses a model's experts
     sizes its memory as a dense model of `intermediate_size` (Qwen3-30B-A3B: 1/16 of its
@@ -92,7 +101,7 @@ def _moe_mismatches(card: ModelCard, text: Mapping[str, Any]) -> list[str]:
         return [f"moe: card {_describe(stated)}, config.json {_describe(actual)}"]
     return [
         f"moe.{name}: card {getattr(stated, name)}, config.json {getattr(actual, name)}"
-        for name in ("experts", "experts_per_token", "expert_intermediate_size", "dense_layers")
+        for name in _GEOMETRY_FIELDS
         if getattr(stated, name) != getattr(actual, name)
     ]
 

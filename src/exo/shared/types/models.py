@@ -149,12 +149,16 @@ class MoeGeometry(FrozenModel):
         dense_layers: the layers with the dense MLP of the card's `intermediate_size`
             instead (Qwen3-MoE's `mlp_only_layers` and the layers `decoder_sparse_step`
             skips); every other layer is sparse.
+        shared_expert_intermediate_size: the width of the gated MLP beside the routed
+            experts that every token goes through in a sparse layer (GLM-4.5 and
+            DeepSeek-V3: `n_shared_experts * moe_intermediate_size`); 0 where none.
     """
 
     experts: int = Field(gt=0)
     experts_per_token: int = Field(gt=0)
     expert_intermediate_size: int = Field(gt=0)
     dense_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _check_routing(self) -> MoeGeometry:

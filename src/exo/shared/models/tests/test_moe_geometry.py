@@ -50,6 +50,52 @@ QWEN3_30B_A3B: dict[str, Any] = {
 }
 
 
+# The MoE fields of GLM-4.5-Air's and MiniMax-M2's `config.json` (zai-org/GLM-4.5-Air,
+# MiniMaxAI/MiniMax-M2) over Qwen3-30B-A3B's other shapes.
+GLM_4_5_AIR: dict[str, Any] = {
+    **{key: value for key, value in QWEN3_30B_A3B.items() if key != "num_experts"},
+    "architectures": ["Glm4MoeForCausalLM"],
+    "n_routed_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408,
+    "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+    "num_hidden_layers": 46,
+}  # fmt: skip
+MINIMAX_M2: dict[str, Any] = {
+    **{key: value for key, value in QWEN3_30B_A3B.items() if "expert" not in key},
+    "moe_intermediate_size": None,
+    "architectures": ["MiniMaxM2ForCausalLM"],
+    "num_local_experts": 256, "num_experts_per_tok": 8, "intermediate_size": 1536,
+    "scoring_func": "sigmoid", "num_hidden_layers": 62,
+}  # fmt: skip
+
+
+def test_geometry_of_glm_and_minimax_configs() -> None:
+    """GLM's routed and shared experts and first dense layer; MiniMax-M2's experts sized
+    by `intermediate_size`, every layer sparse."""
+    glm = moe_geometry_of_config(GLM_4_5_AIR)
+    assert glm == MoeGeometry(
+        experts=128, experts_per_token=8, expert_intermediate_size=1408, dense_layers=(0,),
+        shared_expert_intermediate_size=1408,
+    )  # fmt: skip
+    two_shared = moe_geometry_of_config({**GLM_4_5_AIR, "n_shared_experts": 2})
+    assert two_shared is not None and two_shared.shared_expert_intermediate_size == 2816
+    assert moe_geometry_of_config(MINIMAX_M2) == MoeGeometry(
+        experts=256, experts_per_token=8, expert_intermediate_size=1536
+    )
+    # The shared expert counts in every sparse layer's parameters and memory, read by
+    # every token.
+    assert glm is not None
+    card = card_of(GLM_4_5_AIR, glm)
+    no_shared = glm.model_copy(update={"shared_expert_intermediate_size": 0})
+    alone = card.model_copy(update={"moe": no_shared})
+    shared = 45 * 3 * 2048 * 1408
+    assert decoder_parameter_count(card) - decoder_parameter_count(alone) == shared
+    assert active_parameter_count(card) - active_parameter_count(alone) == shared
+    linears = 2 * linear_weight_bytes(2048, 1408, "int4") + linear_weight_bytes(1408, 2048, "int4")
+    assert (
+        resident_weight_bytes(card, "int4") - resident_weight_bytes(alone, "int4") == 45 * linears
+    )
+
+
 def card_of(config: dict[str, Any], moe: MoeGeometry | None) -> ModelCard:
     return ModelCard(
         model_id=ModelId("Qwen/Qwen3-30B-A3B"),
@@ -90,8 +136,14 @@ def test_dense_layers_follow_mlp_only_layers_and_the_sparse_step() -> None:
 
 
 def test_a_config_routing_more_experts_than_it_has_is_refused() -> None:
-    with pytest.raises(ValueError, match="more than the 4 experts"):
+    with pytest.raises(
+        ValueError, match="num_experts_per_tok=8 must be between 1 and num_experts=4"
+    ):
         moe_geometry_of_config({**QWEN3_30B_A3B, "num_experts": 4})
+    with pytest.raises(ValueError, match="n_routed_experts=4"):
+        moe_geometry_of_config({**GLM_4_5_AIR, "n_routed_experts": 4})
+    with pytest.raises(ValueError, match="scoring_func='relu'"):
+        moe_geometry_of_config({**MINIMAX_M2, "scoring_func": "relu"})
     without = {key: value for key, value in QWEN3_30B_A3B.items() if key != "num_experts_per_tok"}
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         moe_geometry_of_config(without)

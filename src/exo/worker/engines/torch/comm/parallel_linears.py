@@ -48,6 +48,35 @@ class AllReducedLinear(nn.Module):
         return output
 
 
+class SplitWidthRMSNorm(nn.Module):
+    """An RMSNorm over a whole column-parallel projection's output when each tensor rank
+    holds only its columns of it (MiniMax-M2's q/k norms over all heads together): the
+    rank's sum of squares per row is all-reduced, so the mean is over the whole width and
+    the result equals the unsplit norm's columns of this rank.
+
+    Args:
+        local_width / total_width: this rank's columns and the whole projection's.
+        eps: added to the mean square (the norm's `variance_epsilon`).
+
+    `weight` `[local_width]` holds this rank's part of the norm's weight (read like the
+    projection's rows).
+    """
+
+    def __init__(self, local_width: int, total_width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(local_width, device="meta"))
+        self.variance_epsilon = eps
+        self.total_width = total_width
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`[..., local_width]` → the same shape, normalized over the whole width."""
+        rows = hidden_states.float()
+        squares = rows.pow(2).sum(-1, keepdim=True)  # [..., 1]
+        all_reduce_sum(squares)
+        normed = rows * torch.rsqrt(squares / self.total_width + self.variance_epsilon)
+        return self.weight * normed.to(hidden_states.dtype)
+
+
 class VocabParallelHead(nn.Module):
     """A tensor rank's LM head: output rows (vocabulary ids) `[start, start + local
     outputs)` of the full head; the logits are all-reduced into the full vocabulary

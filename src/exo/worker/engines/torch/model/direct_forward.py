@@ -360,6 +360,8 @@ class LeanModel:
         weight, eps = layer.input_norm
         normed = self._norm(x, weight, eps).to(layer.qkv.in_dtype)
         qkv = layer.qkv(normed).to(cache_dtype)  # [T, (heads + 2 kv_heads) * head_dim]
+        if layer.projection_qk_norm is not None:  # norms over all heads (MiniMax-M2)
+            qkv = layer.projection_qk_norm(qkv)
         width = (heads + kv_heads) * head_dim
         cos, sin, perm = table
         if self._qk_norm_rotary is not None and qkv.dtype == torch.float32:

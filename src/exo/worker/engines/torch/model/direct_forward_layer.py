@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from exo.worker.engines.torch.comm.tcp_mesh import all_reduce_sum
 from exo.worker.engines.torch.model.direct_forward_moe import LeanMoe
 from exo.worker.engines.torch.model.direct_forward_parts import (
     Activation,
@@ -39,7 +40,8 @@ class LeanLayer:
     __slots__ = (
         "activation", "activation_number", "decode_arguments", "down", "gate_up", "head_dim",
         "heads", "input_norm", "intermediate", "kv_heads", "moe", "output", "post_attention_norm",
-        "post_mlp_norm", "pre_mlp_norm", "qk_norm", "qkv", "reduced", "rope", "scaling",
+        "post_mlp_norm", "pre_mlp_norm", "projection_qk_norm", "qk_norm", "qkv", "reduced",
+        "rope", "scaling",
     )  # fmt: skip
 
     def __init__(
@@ -93,9 +95,14 @@ class LeanLayer:
         if layout.post_mlp_norm is not None:
             self.post_mlp_norm = norm_weight(layer.get_submodule(layout.post_mlp_norm), offset)
         self.qk_norm: _Norm | None = None
-        if layout.qk_norms is not None:
-            q_weight, eps = norm_weight(layer.get_submodule(layout.qk_norms[0]), offset)
-            k_weight, _ = norm_weight(layer.get_submodule(layout.qk_norms[1]), offset)
+        self.projection_qk_norm: ProjectionNorms | None = None
+        qk_norms = _qk_norm_modules(layer, layout.qk_norms)
+        if qk_norms is not None and not layout.qk_norms_per_head:
+            q_width, k_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            self.projection_qk_norm = ProjectionNorms(*qk_norms, q_width, k_width, offset)
+        elif qk_norms is not None:
+            q_weight, eps = norm_weight(qk_norms[0], offset)
+            k_weight, _ = norm_weight(qk_norms[1], offset)
             weight = torch.cat(
                 [q_weight.expand(self.heads, -1), k_weight.expand(self.kv_heads, -1)]
             )  # [heads + kv_heads, head_dim]
@@ -108,8 +115,8 @@ class LeanLayer:
         """The `linears`, `norms`, `eps` and `activation` arguments of exo's decode layer
         (`native/decode_layer.cpp`), or None where a projection cannot run there (or only
         some of a layer's row-parallel projections are; a MoE layer: the decode layer has
-        no sparse block)."""
-        if self.gate_up is None or self.down is None:
+        no sparse block, nor norms over all heads)."""
+        if self.gate_up is None or self.down is None or self.projection_qk_norm is not None:
             return None
         if self.qkv.reduce or self.gate_up.reduce or self.output.reduce != self.down.reduce:
             return None
@@ -128,6 +135,59 @@ class LeanLayer:
             norms.append(None if norm is None else norm[0].contiguous())
             epsilons.append(0.0 if norm is None else norm[1])
         return linears, norms, epsilons, self.activation_number
+
+
+def _qk_norm_modules(
+    layer: nn.Module, paths: tuple[str, str] | None
+) -> tuple[nn.Module, nn.Module] | None:
+    """The query and key norms at `paths`, None where the family has none or this model's
+    config turns them off (GLM-4.5's `use_qk_norm`: the modules are not built)."""
+    if paths is None:
+        return None
+    try:
+        return layer.get_submodule(paths[0]), layer.get_submodule(paths[1])
+    except AttributeError:
+        return None
+
+
+class ProjectionNorms:
+    """RMSNorms over all of a step's query heads together and all of its key heads
+    together (MiniMax-M2's `q_norm` over `heads * head_dim`), applied to the fused Q/K/V
+    rows before rotary. On a tensor rank (a `SplitWidthRMSNorm`: the rank holds its heads'
+    columns) the sums of squares are all-reduced, one `[T, 2]` tensor for both norms.
+    """
+
+    __slots__ = ("eps", "k_width", "q_width", "reduce", "totals", "weight")
+
+    def __init__(
+        self, query: nn.Module, key: nn.Module, q_width: int, k_width: int, offset: float
+    ) -> None:
+        q_weight, self.eps = norm_weight(query, offset)
+        k_weight, _ = norm_weight(key, offset)
+        if q_weight.numel() != q_width or k_weight.numel() != k_width:
+            raise LeanUnsupportedError("q/k norm widths differ from the projections'")
+        self.weight = torch.cat([q_weight, k_weight])  # [q_width + k_width]
+        totals = [int(getattr(norm, "total_width", width)) for norm, width in
+                  ((query, q_width), (key, k_width))]  # fmt: skip
+        self.reduce = totals != [q_width, k_width]
+        self.totals = torch.tensor(totals, dtype=torch.float32)
+        self.q_width, self.k_width = q_width, k_width
+
+    def __call__(self, qkv: torch.Tensor) -> torch.Tensor:
+        """`qkv` `[T, q + k + v widths]` → the same with queries and keys normalized."""
+        width = self.q_width + self.k_width
+        qk = qkv[:, :width].float()
+        squares = torch.stack(
+            [qk[:, : self.q_width].pow(2).sum(-1), qk[:, self.q_width :].pow(2).sum(-1)], dim=-1
+        )  # [T, 2]
+        if self.reduce:
+            all_reduce_sum(squares)
+        scale = torch.rsqrt(squares / self.totals + self.eps)
+        scales = torch.cat(
+            [scale[:, :1].expand(-1, self.q_width), scale[:, 1:].expand(-1, self.k_width)], dim=-1
+        )
+        normed = (qk * scales * self.weight).to(qkv.dtype)
+        return torch.cat([normed, qkv[:, width:]], dim=-1)
 
 
 def parent_module(layer: nn.Module, path: str) -> nn.Module:

@@ -23,6 +23,7 @@ from exo.worker.engines.torch.model.direct_forward_parts import (
 )
 from exo.worker.engines.torch.model.families import ModelFamily
 from exo.worker.engines.torch.model.moe import (
+    GATED_MLP_NAMES,
     ExpertFunction,
     RoutedExperts,
     moe_output,
@@ -47,6 +48,32 @@ class LeanExpert:
         return self.down(activated.to(self.down.in_dtype)).float()
 
 
+class LeanSharedExpert:
+    """A MoE block's shared expert (`MixtureOfExperts.shared_expert`: a gated MLP every
+    row goes through, DeepSeek-V3's and GLM-4.5's `shared_experts`), over `[T, hidden]`
+    float32 rows. On a tensor rank its down projection gives a partial sum (`partial`),
+    left for the caller to all-reduce with the routed experts' in one collective.
+    """
+
+    __slots__ = ("expert", "partial")
+
+    def __init__(self, mlp: nn.Module, bf16: bool) -> None:
+        gate, up, down_name = GATED_MLP_NAMES
+        gate_up = Projection([mlp.get_submodule(gate), mlp.get_submodule(up)], bf16)
+        down = Projection([mlp.get_submodule(down_name)], bf16)
+        if gate_up.reduce:
+            raise LeanUnsupportedError("a shared expert's gate/up projection that all-reduces")
+        self.partial = down.reduce
+        if down.reduce:
+            if down.bias is not None or down.parts:
+                raise LeanUnsupportedError("a row-parallel shared expert with a bias")
+            down.reduce = False  # summed with the routed part, reduced once (`LeanMoe`)
+        self.expert = LeanExpert(gate_up, down, mlp_activation(mlp))
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.expert(rows)
+
+
 class LeanMoe:
     """One decoder layer's MoE block (`family.moe`), called on the normed `[T, hidden]`
     float32 rows; returns the block's `[T, hidden]` float32 output (whole: reduced over the
@@ -54,18 +81,21 @@ class LeanMoe:
 
     Raises:
         LeanUnsupportedError: a part of the block the lean forward has no code for yet
-            (shared experts, a correction bias not found).
+            (a gated shared expert, a correction bias not found).
     """
 
-    __slots__ = ("correction_bias", "experts", "reduce", "router", "routing")
+    __slots__ = ("correction_bias", "experts", "reduce", "router", "routing", "shared")
 
     def __init__(
         self, layer: nn.Module, routed: RoutedExperts, family: ModelFamily, config: Any, bf16: bool
     ) -> None:
         moe = family.moe
         assert moe is not None
-        if moe.shared_expert is not None or moe.shared_expert_gate is not None:
-            raise LeanUnsupportedError("shared experts")
+        if moe.shared_expert_gate is not None:
+            raise LeanUnsupportedError("a gated shared expert")
+        self.shared: LeanSharedExpert | None = None
+        if moe.shared_expert is not None:
+            self.shared = LeanSharedExpert(layer.get_submodule(moe.shared_expert), bf16)
         self.routing = moe.routing(config)
         if self.routing.experts != routed.total:
             raise LeanUnsupportedError(
@@ -88,9 +118,17 @@ class LeanMoe:
                 raise LeanUnsupportedError("an expert linear that all-reduces by itself")
             self.experts[expert_id] = LeanExpert(gate_up, down, mlp_activation(expert))
         self.reduce = routed.reduce
+        if self.shared is not None and self.shared.partial and not self.reduce:
+            raise LeanUnsupportedError("a tensor-split shared expert beside whole experts")
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         out = moe_output(rows, self.router, self.routing, self.correction_bias, self.experts)
+        shared = None if self.shared is None else self.shared(rows)
+        if shared is not None and self.shared is not None and self.shared.partial:
+            out.add_(shared)  # a tensor rank: both parts partial, one all-reduce
+            shared = None
         if self.reduce:
             all_reduce_sum(out)
+        if shared is not None:  # whole on every rank (expert parallel, or one rank)
+            out.add_(shared)
         return out

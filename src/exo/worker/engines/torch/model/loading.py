@@ -47,6 +47,7 @@ from exo.shared.models.tensor_names import LAYER_TENSOR
 from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.model.direct_forward import enable_lean_forward
 from exo.worker.engines.torch.model.families import (
+    ModelFamily,
     UnsupportedArchitectureError,
     config_architecture,
     family_for_architecture,
@@ -100,10 +101,11 @@ def release_freed_memory() -> None:
 
 
 def _plan_tensors(
-    model_dir: Path, prefix: str, shard: ShardMetadata, wanted: set[str]
+    model_dir: Path, prefix: str, shard: ShardMetadata, wanted: set[str], family: ModelFamily
 ) -> dict[int | None, list[PlannedTensor]]:
     """This rank's tensors grouped by decoder layer index on this rank (None: embedding,
-    final norm, LM head), read from the safetensors headers only."""
+    final norm, LM head), read from the safetensors headers only; checkpoint names the
+    family's modules name otherwise are renamed (`ModelFamily.checkpoint_renames`)."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{model_dir} has no *.safetensors weights")
@@ -117,7 +119,7 @@ def _plan_tensors(
                 if repacked is not None and repacked.companion:
                     continue
                 base = name if repacked is None else repacked.base
-                target = model_tensor_name(base, prefix, shard)
+                target = model_tensor_name(family.model_tensor_name(base), prefix, shard)
                 if target is None or target not in wanted:
                     skipped += 1
                     continue
@@ -175,6 +177,13 @@ def _open_files() -> Iterator[Callable[[Path], Any]]:
 
 def _check_loaded(module: nn.Module, what: str, model_dir: Path, shard: ShardMetadata) -> None:
     missing = [name for name, parameter in module.named_parameters() if parameter.is_meta]
+    # Persistent buffers a checkpoint fills too (a router's correction bias).
+    missing += [
+        f"{owner}.{name}" if owner else name
+        for owner, child in module.named_modules()
+        for name, buffer in child._buffers.items()
+        if buffer is not None and buffer.is_meta and name not in child._non_persistent_buffers_set
+    ]
     if missing:
         raise ValueError(
             f"{model_dir} lacks {len(missing)} tensors rank {shard.device_rank} needs for "
@@ -289,7 +298,7 @@ def load_model(
     transform.cut(model, family, shard)
     text_config = model.config.get_text_config()
     prefix = family.checkpoint_prefix(architecture)
-    groups = _plan_tensors(model_dir, prefix, shard, _model_entries(model))
+    groups = _plan_tensors(model_dir, prefix, shard, _model_entries(model), family)
     if getattr(text_config, "tie_word_embeddings", False):
         _plan_tied_lm_head(model_dir, prefix, model, groups)
     layers: Any = model.model.layers

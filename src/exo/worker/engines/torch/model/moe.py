@@ -219,12 +219,16 @@ def install_routed_experts(model: nn.Module, family: ModelFamily) -> int:
     load into it by name. The number of MoE layers; 0 for a dense family.
 
     Raises:
-        UnsupportedArchitectureError: an experts module whose weights are not the stacked
-            `gate_up_proj` `[experts, 2 * intermediate, hidden]` and `down_proj` `[experts,
-            hidden, intermediate]` this knows.
+        UnsupportedArchitectureError: a config whose routing the family cannot run (the
+            message names the field: `Routing`, `MixtureOfExperts.routing`), or an experts
+            module whose weights are not the stacked `gate_up_proj` `[experts, 2 *
+            intermediate, hidden]` and `down_proj` `[experts, hidden, intermediate]` this
+            knows.
     """
     if family.moe is None:
         return 0
+    config: Any = model.config
+    family.moe.routing(config.get_text_config())  # refuse what the family cannot route
     parent_path, _, attribute = family.moe.experts.rpartition(".")
     layers: Any = model.model.layers  # type: ignore[union-attr]
     replaced = 0

@@ -18,7 +18,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from exo.shared.models.tensor_names import LAYER_TENSOR
 from exo.shared.types.shards import Sharding, ShardMetadata
 from exo.worker.engines.torch.batching.batch_attention import BatchPlan, forward_batch
-from exo.worker.engines.torch.comm.parallel_linears import RowParallelLinear
+from exo.worker.engines.torch.comm.parallel_linears import RowParallelLinear, SplitWidthRMSNorm
 from exo.worker.engines.torch.comm.process_group import IDLE_WAIT
 from exo.worker.engines.torch.model.families import ModelFamily, UnsupportedArchitectureError
 from exo.worker.engines.torch.model.moe import routed_experts_of
@@ -45,7 +45,7 @@ def check_tensor_parallel(
         )
     fields = ["num_attention_heads", "num_key_value_heads", "intermediate_size"]
     if family.moe is not None:
-        fields.append("moe_intermediate_size")
+        fields.append(family.moe.expert_width)
     for field in fields:
         value = getattr(config, field, None)
         if not isinstance(value, int):
@@ -81,6 +81,8 @@ def split_linears(model: PreTrainedModel, family: ModelFamily, world_size: int) 
         if experts is not None:
             experts.split_for_tensor(world_size)
         for path in (*family.column_parallel, *family.row_parallel):
+            if experts is None and _in_shared_expert(family, path):
+                continue  # a dense layer has no shared expert
             block_name, _, linear_name = path.rpartition(".")
             block = layer.get_submodule(block_name) if block_name else layer
             linear = getattr(block, linear_name, None)
@@ -102,8 +104,38 @@ def split_linears(model: PreTrainedModel, family: ModelFamily, world_size: int) 
                     linear.in_features, linear.out_features // world_size, has_bias, "meta"
                 )
             setattr(block, linear_name, replacement)
+        for path in family.projection_norms:
+            _split_projection_norm(layer, path, world_size, architecture, index)
         if family.after_tensor_split is not None:
             family.after_tensor_split(layer, text_config, world_size)
+
+
+def _in_shared_expert(family: ModelFamily, path: str) -> bool:
+    shared = None if family.moe is None else family.moe.shared_expert
+    return shared is not None and path.startswith(shared + ".")
+
+
+def _split_projection_norm(
+    layer: nn.Module, path: str, world_size: int, architecture: str, index: int
+) -> None:
+    """Swap an RMSNorm over a whole column-parallel projection for this rank's
+    `SplitWidthRMSNorm` (its columns of the weight; the sum of squares all-reduced)."""
+    owner_name, _, name = path.rpartition(".")
+    owner = layer.get_submodule(owner_name) if owner_name else layer
+    norm = getattr(owner, name, None)
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float):
+        raise UnsupportedArchitectureError(
+            f"{architecture}: layer {index}'s {path} is not an RMSNorm over a projection"
+        )
+    width = int(weight.shape[0])
+    if width % world_size:
+        raise ValueError(
+            f"{architecture}: {path} over {width} values is not divisible by the tensor "
+            f"parallel world size {world_size}"
+        )
+    setattr(owner, name, SplitWidthRMSNorm(width // world_size, width, eps))
 
 
 def tensor_reader(

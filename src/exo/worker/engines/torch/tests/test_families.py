@@ -149,7 +149,10 @@ def test_spec_names_real_modules_and_transformers_cache_layout(
     moe = family.moe
     for layer in reference.model.layers:
         paths = [*family.column_parallel, *family.row_parallel]
+        shared = None if moe is None else moe.shared_expert
         if moe is not None and _has_module(layer, moe.experts):
+            if shared is not None:  # beside the routed experts (GLM-4.5)
+                assert _has_module(layer, shared)
             # A MoE layer: the router scores every expert, the experts are the stacked
             # weights `install_routed_experts` replaces; the dense MLP's linears are absent.
             sparse_layers += 1
@@ -157,13 +160,20 @@ def test_spec_names_real_modules_and_transformers_cache_layout(
             router = layer.get_submodule(moe.router)
             assert tuple(router.weight.shape) == (routing.experts, config.hidden_size)
             assert layer.get_submodule(moe.experts).gate_up_proj.shape[0] == routing.experts
-            paths = [path for path in paths if not path.startswith("mlp.")]
+            paths = [
+                path
+                for path in paths
+                if not path.startswith("mlp.") or (shared and path.startswith(shared + "."))
+            ]
+        elif shared is not None:  # a dense layer: no shared expert
+            paths = [path for path in paths if not path.startswith(shared + ".")]
         for path in paths:
             assert type(layer.get_submodule(path)) is nn.Linear, path
         for path, parts in family.fused_parts.items():
             assert sum(parts(config)) == layer.get_submodule(path).out_features, path
-    # The tiny MoE models mix sparse and dense layers (`mlp_only_layers`).
-    assert (0 < sparse_layers < config.num_hidden_layers) == (moe is not None)
+    # The tiny MoE models have sparse layers (mixed with dense ones where the family has
+    # those: `mlp_only_layers`, `first_k_dense_replace`).
+    assert (sparse_layers > 0) == (moe is not None)
     norms = {type(module) for module in reference.modules() if "RMSNorm" in type(module).__name__}
     assert set(family.rms_norms) <= norms
     # The cache windows the engine reads from the spec are transformers' own cache layout.
@@ -211,8 +221,11 @@ def test_loader_equals_transformers_and_fuses_the_spec_norms(
     reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     assert greedy_tokens(ours) == reference_greedy_tokens(reference)
     fused = sum(isinstance(module, FusedRMSNorm) for module in ours.modules())
+    # Two per layer and the final norm, plus the q/k norms where the family has them.
+    layout = family_by_name(name).layout
+    qk_norms = layout is not None and layout.qk_norms is not None
     assert fused == (2 * card.n_layers + 1 if family_by_name(name).rms_norms else 0) or (
-        name in ("qwen3", "qwen3_moe") and fused == 4 * card.n_layers + 1  # + q/k norms
+        qk_norms and fused == 4 * card.n_layers + 1
     )
 
 

@@ -13,8 +13,11 @@ from transformers import PretrainedConfig
 from exo.worker.engines.torch.model.families import (
     gemma,
     gemma3,
+    glm4_moe,
     llama,
+    minimax_m2,
     mistral,
+    mixtral,
     phi3,
     qwen2,
     qwen3,
@@ -31,6 +34,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
     gemma.FAMILY,
     gemma3.FAMILY,
     qwen3_moe.FAMILY,
+    glm4_moe.FAMILY,
+    mixtral.FAMILY,
+    minimax_m2.FAMILY,
 )
 
 

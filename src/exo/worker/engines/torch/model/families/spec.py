@@ -108,6 +108,24 @@ class Routing:
 RoutingOfConfig = Callable[[PretrainedConfig], Routing]
 
 
+def config_scoring(
+    config: PretrainedConfig, family: str, scoring: Literal["softmax", "sigmoid"]
+) -> Literal["softmax", "sigmoid"]:
+    """The family's router scoring, checked against the config's `scoring_func` where it
+    states one (DeepSeek-V3 and MiniMax-M2 configs do; transformers' modules of a family
+    implement one function only, whatever the field says).
+
+    Raises:
+        UnsupportedArchitectureError: `scoring_func` names another function.
+    """
+    stated = getattr(config, "scoring_func", None)
+    if stated is not None and stated != scoring:
+        raise UnsupportedArchitectureError(
+            f"scoring_func={stated!r}: the {family} family routes with {scoring} scores only"
+        )
+    return scoring
+
+
 @dataclass(frozen=True, slots=True)
 class MixtureOfExperts:
     """Where a family keeps a sparse MLP block, relative to a decoder layer. Which layers are
@@ -130,6 +148,8 @@ class MixtureOfExperts:
             goes through (DeepSeek-V3, GLM-4.5), None where absent.
         shared_expert_gate: a `[1, hidden]` linear whose sigmoid scales the shared expert's
             output (Qwen2-MoE), None where absent.
+        expert_width: the config field of an expert's width (Mixtral and MiniMax-M2 size
+            their experts by `intermediate_size`).
     """
 
     routing: RoutingOfConfig
@@ -140,6 +160,7 @@ class MixtureOfExperts:
     correction_bias: str | None = None
     shared_expert: str | None = None
     shared_expert_gate: str | None = None
+    expert_width: str = "moe_intermediate_size"
 
     def expert_linear(self, linear_path: str) -> str | None:
         """The expert-relative name of a layer-relative path inside an expert
@@ -165,7 +186,10 @@ class DecoderLayout:
         pre_mlp_norm: the norm before the MLP.
         post_attention_norm / post_mlp_norm: norms of the attention / MLP output before
             the residual add (Gemma 3's "sandwich" norms), None where absent.
-        qk_norms: per-head RMSNorms of queries and keys before rotary (Qwen3, Gemma 3).
+        qk_norms: RMSNorms of queries and keys before rotary (Qwen3, Gemma 3), absent in
+            a model whose config turns them off (GLM-4.5's `use_qk_norm`).
+        qk_norms_per_head: each head normalized alone (Qwen3), or all of a projection's
+            heads together (MiniMax-M2: one RMSNorm over `heads * head_dim`).
         norm_offset: RMSNorms scale by `norm_offset + weight` (Gemma's `1 + weight`: 1.0).
         rope_per_layer_type: the rotary module takes the layer type (Gemma 3: local
             sliding layers use another base frequency).
@@ -182,6 +206,7 @@ class DecoderLayout:
     post_attention_norm: str | None = None
     post_mlp_norm: str | None = None
     qk_norms: tuple[str, str] | None = None
+    qk_norms_per_head: bool = True
     norm_offset: float = 0.0
     rope_per_layer_type: bool = False
 
@@ -217,6 +242,12 @@ class ModelFamily:
         moe: where the family's sparse MLP blocks are (None: a dense family). Tensor
             parallelism splits every expert as the dense MLP (gate/up by rows, down by
             columns; one all-reduce per MoE block).
+        projection_norms: RMSNorms over a whole column-parallel projection's output
+            (MiniMax-M2's q/k norms over all heads): a tensor rank holds its rows of the
+            weight, as of the projection, and all-reduces the sum of squares.
+        checkpoint_renames: (checkpoint text, model text) replaced in layer tensor names
+            where the family's checkpoints name a module otherwise than transformers'
+            modules do (Mixtral's `block_sparse_moe.` for `mlp.`).
     """
 
     name: str
@@ -233,6 +264,14 @@ class ModelFamily:
     tiny_wrapped_config: Callable[[PretrainedConfig], PretrainedConfig] | None = None
     layout: DecoderLayout | None = DecoderLayout()
     moe: MixtureOfExperts | None = None
+    projection_norms: tuple[str, ...] = ()
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+
+    def model_tensor_name(self, checkpoint_name: str) -> str:
+        """The model's name of a checkpoint tensor (`checkpoint_renames` applied)."""
+        for stored, model in self.checkpoint_renames:
+            checkpoint_name = checkpoint_name.replace(stored, model)
+        return checkpoint_name
 
     def checkpoint_prefix(self, architecture: str) -> str:
         """The prefix of the text model's tensor names in a checkpoint of `architecture`."""
@@ -240,7 +279,7 @@ class ModelFamily:
 
     def split_direction(self, linear_path: str) -> Literal["column", "row"] | None:
         """ "column", "row" or None (replicated) for a layer-relative linear path."""
-        if linear_path in self.column_parallel:
+        if linear_path in self.column_parallel or linear_path in self.projection_norms:
             return "column"
         if linear_path in self.row_parallel:
             return "row"
