@@ -1,9 +1,10 @@
 """Every snippet of the Integrations view works against the running node: the values are
 read from the rendered page (its own address and the running model's name) and used with
 the real clients: the Python snippets run as written (openai, anthropic, ollama), the curl
-snippet runs in a shell, and the settings of tools that cannot run here (the OpenAI JS SDK,
-Claude Code, Codex, Open WebUI, the ollama CLI) are used with the client speaking the same
-API with the same URL, headers and model."""
+snippet runs in a shell, Continue's config drives its CLI (when `.ci/run` installed it), and
+the settings of tools that cannot run here (the OpenAI JS SDK, Claude Code, Codex, Open WebUI,
+the ollama CLI) are used with the client speaking the same API with the same URL, headers and
+model."""
 
 from __future__ import annotations
 
@@ -22,11 +23,18 @@ import httpx
 import ollama
 import openai
 import pytest
+import yaml
 from playwright.sync_api import Browser
 
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
 from tests.browser.dashboard_pages import DashboardPage
 
+CONTINUE = (
+    Path(os.environ.get("EXO_AGENT_CLIENTS", Path.home() / ".cache" / "exo-agent-clients"))
+    / "node_modules"
+    / ".bin"
+    / "cn"
+)
 SNIPPETS = (
     "openai-python",
     "openai-js",
@@ -34,6 +42,7 @@ SNIPPETS = (
     "claude-code",
     "codex",
     "opencode",
+    "continue",
     "open-webui",
     "ollama-cli",
     "ollama-python",
@@ -176,6 +185,30 @@ def test_opencode_settings(rendered: dict[str, str]) -> None:
         model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
     )
     assert reply.choices[0].message.content
+
+
+def test_continue_settings(rendered: dict[str, str], tmp_path: Path) -> None:
+    config = yaml.safe_load(rendered["continue"])
+    (model,) = config["models"]
+    assert model["provider"] == "openai"
+    client = openai.OpenAI(base_url=model["apiBase"], api_key="unused")
+    reply = client.chat.completions.create(
+        model=model["model"], messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+    )
+    assert reply.choices[0].message.content is not None
+    if not CONTINUE.exists():
+        return  # its CLI is installed by .ci/run; the settings were checked with the SDK
+    (tmp_path / "config.yaml").write_text(rendered["continue"], encoding="utf-8")
+    turn = subprocess.run(
+        [str(CONTINUE), "-p", "Say hi", "--config", str(tmp_path / "config.yaml")],
+        cwd=tmp_path,
+        env={**os.environ, "HOME": str(tmp_path), "CONTINUE_CLI_ENABLE_TELEMETRY": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+    assert turn.returncode == 0, turn.stdout + turn.stderr
 
 
 def test_open_webui_settings(rendered: dict[str, str]) -> None:

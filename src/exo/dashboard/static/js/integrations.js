@@ -112,6 +112,22 @@ wire_api = "responses"${keysOn ? `\nenv_key = "${KEY_VAR}"` : ""}`,
       note: "opencode speaks Chat Completions through its OpenAI-compatible provider. Its prompt with tools is ~10k tokens: use a model with a context of 32k tokens or more.",
     },
     {
+      id: "continue",
+      title: "Continue (~/.continue/config.yaml)",
+      language: "yaml",
+      code: `name: exo
+version: 1.0.0
+schema: v1
+models:
+  - name: exo
+    provider: openai
+    model: ${model}
+    apiBase: ${origin}/v1
+    apiKey: ${keysOn ? `\${{ secrets.${KEY_VAR} }}` : "unused"}
+    roles: [chat, edit, apply]`,
+      note: "Continue (its VS Code and JetBrains extensions and its cn CLI) speaks Chat Completions through its openai provider. Agent mode sends its tools with every prompt: use a model with a context of 32k tokens or more.",
+    },
+    {
       id: "open-webui",
       title: "Open WebUI",
       language: "shell",
