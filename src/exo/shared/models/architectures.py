@@ -21,6 +21,7 @@ ENGINE_ARCHITECTURES: tuple[str, ...] = (
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
     "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
 )
 """Every architecture name (text model and `*ForConditionalGeneration` wrapper) that
 some family file covers, in the registry's order."""

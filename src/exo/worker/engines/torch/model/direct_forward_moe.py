@@ -22,28 +22,43 @@ from exo.worker.engines.torch.model.direct_forward_parts import (
     mlp_activation,
 )
 from exo.worker.engines.torch.model.families import ModelFamily
+from exo.worker.engines.torch.model.families.spec import ExpertActivation
 from exo.worker.engines.torch.model.moe import (
     ExpertFunction,
     RoutedExperts,
     moe_output,
+    router_bias,
     router_weight,
 )
 
 
 class LeanExpert:
-    """One expert's `down(act(gate(x)) * up(x))` over `[n, hidden]` float32 rows."""
+    """One expert's `down(act(gate(x)) * up(x))` over `[n, hidden]` float32 rows, or
+    `down(gated(gate(x), up(x)))` with the family's gated activation (gpt-oss); biases as
+    the linears have them."""
 
-    __slots__ = ("activation", "down", "gate_up")
+    __slots__ = ("activation", "down", "gate_up", "gated")
 
-    def __init__(self, gate_up: Projection, down: Projection, activation: Activation) -> None:
+    def __init__(
+        self,
+        gate_up: Projection,
+        down: Projection,
+        activation: Activation | None,
+        gated: ExpertActivation | None = None,
+    ) -> None:
         self.gate_up = gate_up
         self.down = down
         self.activation = activation
+        self.gated = gated
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(rows.to(self.gate_up.in_dtype))  # [n, 2 * intermediate]
         middle = gate_up.shape[-1] // 2
-        activated = self.activation(gate_up[:, :middle]).mul_(gate_up[:, middle:])
+        if self.gated is not None:
+            activated = self.gated(gate_up[:, :middle], gate_up[:, middle:])
+        else:
+            assert self.activation is not None
+            activated = self.activation(gate_up[:, :middle]).mul_(gate_up[:, middle:])
         return self.down(activated.to(self.down.in_dtype)).float()
 
 
@@ -57,7 +72,7 @@ class LeanMoe:
             (shared experts, a correction bias not found).
     """
 
-    __slots__ = ("correction_bias", "experts", "reduce", "router", "routing")
+    __slots__ = ("correction_bias", "experts", "reduce", "router", "router_bias", "routing")
 
     def __init__(
         self, layer: nn.Module, routed: RoutedExperts, family: ModelFamily, config: Any, bf16: bool
@@ -73,6 +88,7 @@ class LeanMoe:
                 f"{routed.total}"
             )
         self.router = router_weight(layer, family)
+        self.router_bias = router_bias(layer, family)
         self.correction_bias: torch.Tensor | None = None
         if moe.correction_bias is not None:
             owner, _, name = moe.correction_bias.rpartition(".")
@@ -86,11 +102,15 @@ class LeanMoe:
             down = Projection([expert.get_submodule(moe.expert_down)], bf16)
             if gate_up.reduce or down.reduce:
                 raise LeanUnsupportedError("an expert linear that all-reduces by itself")
-            self.experts[expert_id] = LeanExpert(gate_up, down, mlp_activation(expert))
+            gated = expert.gated
+            activation = None if gated is not None else mlp_activation(expert)
+            self.experts[expert_id] = LeanExpert(gate_up, down, activation, gated)
         self.reduce = routed.reduce
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        out = moe_output(rows, self.router, self.routing, self.correction_bias, self.experts)
+        out = moe_output(
+            rows, self.router, self.routing, self.correction_bias, self.experts, self.router_bias
+        )
         if self.reduce:
             all_reduce_sum(out)
         return out

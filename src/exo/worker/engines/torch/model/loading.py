@@ -51,6 +51,7 @@ from exo.worker.engines.torch.model.families import (
     config_architecture,
     family_for_architecture,
 )
+from exo.worker.engines.torch.model.fused_experts import FusedExperts
 from exo.worker.engines.torch.model.fusion import fuse_rms_norms
 from exo.worker.engines.torch.model.moe import install_routed_experts
 from exo.worker.engines.torch.model.sharding import AbsentModule, model_tensor_name
@@ -100,10 +101,15 @@ def release_freed_memory() -> None:
 
 
 def _plan_tensors(
-    model_dir: Path, prefix: str, shard: ShardMetadata, wanted: set[str]
+    model_dir: Path,
+    prefix: str,
+    shard: ShardMetadata,
+    wanted: set[str],
+    fused: FusedExperts | None = None,
 ) -> dict[int | None, list[PlannedTensor]]:
     """This rank's tensors grouped by decoder layer index on this rank (None: embedding,
-    final norm, LM head), read from the safetensors headers only."""
+    final norm, LM head), read from the safetensors headers only. A stacked expert tensor
+    (`fused`) is planned once per expert linear this rank holds."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{model_dir} has no *.safetensors weights")
@@ -117,12 +123,17 @@ def _plan_tensors(
                 if repacked is not None and repacked.companion:
                     continue
                 base = name if repacked is None else repacked.base
-                target = model_tensor_name(base, prefix, shard)
-                if target is None or target not in wanted:
+                model_name = model_tensor_name(base, prefix, shard)
+                if model_name is None:
                     skipped += 1
                     continue
-                match = LAYER_TENSOR.match(target)
-                groups[int(match.group(1)) if match else None].append((path, name, target))
+                targets = [model_name] if fused is None else fused.targets(model_name)
+                kept = [target for target in targets if target in wanted]
+                if not kept:
+                    skipped += 1
+                for target in kept:
+                    match = LAYER_TENSOR.match(target)
+                    groups[int(match.group(1)) if match else None].append((path, name, target))
     logger.debug("{}: {} checkpoint tensors are not on this rank", model_dir, skipped)
     return groups
 
@@ -289,7 +300,10 @@ def load_model(
     transform.cut(model, family, shard)
     text_config = model.config.get_text_config()
     prefix = family.checkpoint_prefix(architecture)
-    groups = _plan_tensors(model_dir, prefix, shard, _model_entries(model))
+    fused: FusedExperts | None = None
+    if family.moe is not None and family.moe.fused_checkpoint is not None:
+        fused = FusedExperts(family.moe, family.moe.routing(text_config).experts)
+    groups = _plan_tensors(model_dir, prefix, shard, _model_entries(model), fused)
     if getattr(text_config, "tie_word_embeddings", False):
         _plan_tied_lm_head(model_dir, prefix, model, groups)
     layers: Any = model.model.layers
@@ -306,7 +320,10 @@ def load_model(
                 return
             tensor = loaded
         else:
-            tensor = reader(handle_for(path).get_slice(name))
+            stored = handle_for(path).get_slice(name)
+            if fused is not None and target != model_tensor_name(name, prefix, shard):
+                stored = fused.cut(name, target, stored)  # one expert of a stacked tensor
+            tensor = reader(stored)
         # A copy: a view would keep the file's whole memory map alive (and resident).
         _assign_tensor(model, target, tensor.to(device=device, dtype=torch.float32, copy=True))
 

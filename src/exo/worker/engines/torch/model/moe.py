@@ -27,6 +27,7 @@ from torch import nn
 
 from exo.worker.engines.torch.comm.tcp_mesh import all_reduce_sum
 from exo.worker.engines.torch.model.families.spec import (
+    ExpertActivation,
     ModelFamily,
     Routing,
     UnsupportedArchitectureError,
@@ -123,7 +124,9 @@ GATED_MLP_NAMES: ExpertNames = ("gate_proj", "up_proj", "down_proj")
 
 
 class ExpertMLP(nn.Module):
-    """One expert: `down(act(gate(x)) * up(x))`, its linears named as checkpoints name them."""
+    """One expert: `down(act(gate(x)) * up(x))`, its linears named as checkpoints name them;
+    with `gated`, `down(gated(gate(x), up(x)))` (gpt-oss's clamped SwiGLU), and with `bias`
+    biased linears."""
 
     def __init__(
         self,
@@ -131,17 +134,22 @@ class ExpertMLP(nn.Module):
         intermediate: int,
         act_fn: Callable[..., Any],
         names: ExpertNames = GATED_MLP_NAMES,
+        bias: bool = False,
+        gated: ExpertActivation | None = None,
     ) -> None:
         super().__init__()
         self.names = names
         gate, up, down = names
-        self.add_module(gate, nn.Linear(hidden, intermediate, bias=False, device="meta"))
-        self.add_module(up, nn.Linear(hidden, intermediate, bias=False, device="meta"))
-        self.add_module(down, nn.Linear(intermediate, hidden, bias=False, device="meta"))
+        self.add_module(gate, nn.Linear(hidden, intermediate, bias=bias, device="meta"))
+        self.add_module(up, nn.Linear(hidden, intermediate, bias=bias, device="meta"))
+        self.add_module(down, nn.Linear(intermediate, hidden, bias=bias, device="meta"))
         self.act_fn = act_fn
+        self.gated = gated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, name) for name in self.names)
+        if self.gated is not None:
+            return down(self.gated(gate(x), up(x)))
         return down(self.act_fn(gate(x)) * up(x))
 
 
@@ -154,6 +162,7 @@ class RoutedExperts(nn.Module):
         total: experts of the block over every rank.
         reduce: this rank holds part of the block (tensor slices or some experts): its
             output is a partial sum, all-reduced over the group.
+        bias / gated: the experts' biased linears and gated activation (`ExpertMLP`).
     """
 
     def __init__(
@@ -163,16 +172,23 @@ class RoutedExperts(nn.Module):
         intermediate: int,
         act_fn: Any,
         names: ExpertNames = GATED_MLP_NAMES,
+        bias: bool = False,
+        gated: ExpertActivation | None = None,
     ) -> None:
         super().__init__()
         self.total = total
         self.hidden = hidden
         self.intermediate = intermediate
         self.names = names
-        self._act_fn = (act_fn,)  # in a tuple: not a child (children are the experts)
+        self.bias = bias
+        self._act_fn = (act_fn, gated)  # in a tuple: not children (children are the experts)
         self.reduce = False
         for expert in range(total):
-            self.add_module(str(expert), ExpertMLP(hidden, intermediate, act_fn, names))
+            self.add_module(str(expert), self._expert(intermediate))
+
+    def _expert(self, intermediate: int) -> ExpertMLP:
+        act_fn, gated = self._act_fn
+        return ExpertMLP(self.hidden, intermediate, act_fn, self.names, self.bias, gated)
 
     def held(self) -> dict[int, ExpertMLP]:
         """The experts this rank holds, by id."""
@@ -197,7 +213,7 @@ class RoutedExperts(nn.Module):
             )
         share = self.intermediate // world_size
         for name, _ in list(self.named_children()):
-            self.add_module(name, ExpertMLP(self.hidden, share, self._act_fn[0], self.names))
+            self.add_module(name, self._expert(share))
         self.reduce = True
 
     def functions(self) -> list[ExpertFunction | None]:
@@ -216,17 +232,24 @@ class RoutedExperts(nn.Module):
 def install_routed_experts(model: nn.Module, family: ModelFamily) -> int:
     """Replace every MoE block's experts module (transformers' stacked weights, on the meta
     device) by a `RoutedExperts` of the same shapes, so checkpoints' per-expert tensors
-    load into it by name. The number of MoE layers; 0 for a dense family.
+    load into it by name (fused checkpoints: cut per expert, `model/fused_experts.py`).
+    The number of MoE layers; 0 for a dense family.
 
     Raises:
         UnsupportedArchitectureError: an experts module whose weights are not the stacked
             `gate_up_proj` `[experts, 2 * intermediate, hidden]` and `down_proj` `[experts,
-            hidden, intermediate]` this knows.
+            hidden, intermediate]` this knows (input-major `[experts, hidden, 2 *
+            intermediate]` and `[experts, intermediate, hidden]` for a family with
+            `fused_checkpoint`: gpt-oss).
     """
-    if family.moe is None:
+    moe = family.moe
+    if moe is None:
         return 0
-    parent_path, _, attribute = family.moe.experts.rpartition(".")
+    parent_path, _, attribute = moe.experts.rpartition(".")
     layers: Any = model.model.layers  # type: ignore[union-attr]
+    config: Any = model.config.get_text_config()  # type: ignore[union-attr,operator]
+    gated = None if moe.expert_activation is None else moe.expert_activation(config)
+    input_major = moe.fused_checkpoint is not None
     replaced = 0
     for index, layer in enumerate(layers):
         parent = layer.get_submodule(parent_path) if parent_path else layer
@@ -241,24 +264,32 @@ def install_routed_experts(model: nn.Module, family: ModelFamily) -> int:
             or not isinstance(down, torch.Tensor)
             or gate_up.dim() != 3
             or down.dim() != 3
-            or act_fn is None
+            or (act_fn is None and gated is None)
         ):
             raise UnsupportedArchitectureError(
                 f"{type(model).__name__}: layer {index}'s {type(experts).__name__} is not "
                 "the stacked gate_up_proj / down_proj experts module the engine replaces"
             )
-        total, hidden, intermediate = down.shape
-        if tuple(gate_up.shape) != (total, 2 * intermediate, hidden):
+        if input_major:
+            total, intermediate, hidden = down.shape
+            expected = (total, hidden, 2 * intermediate)
+        else:
+            total, hidden, intermediate = down.shape
+            expected = (total, 2 * intermediate, hidden)
+        if tuple(gate_up.shape) != expected:
             raise UnsupportedArchitectureError(
                 f"{type(model).__name__}: layer {index}'s experts' gate_up_proj has shape "
-                f"{tuple(gate_up.shape)}, expected {(total, 2 * intermediate, hidden)}"
+                f"{tuple(gate_up.shape)}, expected {expected}"
             )
-        names = (*family.moe.expert_gate_up, family.moe.expert_down)
+        names = (*moe.expert_gate_up, moe.expert_down)
         if len(names) != 3:
             raise UnsupportedArchitectureError(
                 f"{family.name}: an expert is gate, up and down linears, not {names}"
             )
-        routed = RoutedExperts(total, hidden, intermediate, act_fn, (names[0], names[1], names[2]))
+        routed = RoutedExperts(
+            total, hidden, intermediate, act_fn, (names[0], names[1], names[2]),
+            moe.expert_bias, gated,
+        )  # fmt: skip
         setattr(parent, attribute, routed)
         replaced += 1
     return replaced
@@ -285,14 +316,25 @@ def router_weight(layer: nn.Module, family: ModelFamily) -> torch.Tensor:
     return weight.detach().float()
 
 
+def router_bias(layer: nn.Module, family: ModelFamily) -> torch.Tensor | None:
+    """The layer's router bias `[experts]` float32 (gpt-oss's), None where it has none."""
+    assert family.moe is not None
+    bias = getattr(layer.get_submodule(family.moe.router), "bias", None)
+    return bias.detach().float() if isinstance(bias, torch.Tensor) else None
+
+
 def moe_output(
     rows: torch.Tensor,
     router: torch.Tensor,
     routing: Routing,
     correction_bias: torch.Tensor | None,
     functions: Sequence[ExpertFunction | None],
+    router_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Route `rows` `[T, hidden]` float32 and sum their experts' weighted outputs (this
-    rank's part; the caller all-reduces a partial one). `[T, hidden]` float32."""
-    weights, experts = route(F.linear(rows, router), routing, correction_bias)
+    rank's part; the caller all-reduces a partial one). `[T, hidden]` float32.
+
+    `router_bias` `[experts]` is added to the router logits (gpt-oss's router is a biased
+    linear)."""
+    weights, experts = route(F.linear(rows, router, router_bias), routing, correction_bias)
     return dispatch(rows, experts, weights, functions)

@@ -44,8 +44,8 @@ def check_tensor_parallel(
             f"{architecture}: no tensor parallelism: {family.tensor_parallel_note}"
         )
     fields = ["num_attention_heads", "num_key_value_heads", "intermediate_size"]
-    if family.moe is not None:
-        fields.append("moe_intermediate_size")
+    if family.moe is not None and hasattr(config, "moe_intermediate_size"):
+        fields.append("moe_intermediate_size")  # else the experts are intermediate_size wide
     for field in fields:
         value = getattr(config, field, None)
         if not isinstance(value, int):
@@ -102,6 +102,12 @@ def split_linears(model: PreTrainedModel, family: ModelFamily, world_size: int) 
                     linear.in_features, linear.out_features // world_size, has_bias, "meta"
                 )
             setattr(block, linear_name, replacement)
+        for name in family.per_head_parameters:  # a [heads] vector: this rank's heads
+            owner_path, _, attribute = name.rpartition(".")
+            owner = layer.get_submodule(owner_path) if owner_path else layer
+            whole = getattr(owner, attribute)
+            share = torch.empty(whole.shape[0] // world_size, device="meta")
+            setattr(owner, attribute, nn.Parameter(share, requires_grad=False))
         if family.after_tensor_split is not None:
             family.after_tensor_split(layer, text_config, world_size)
 
@@ -110,8 +116,10 @@ def tensor_reader(
     family: ModelFamily, config: PretrainedConfig, model_name: str, shard: ShardMetadata
 ) -> TensorReader:
     """How rank `shard.device_rank` reads model tensor `model_name`: the rank's rows of
-    column-parallel weights and biases (part by part for fused linears), its columns of
-    row-parallel weights, everything else whole."""
+    column-parallel weights and biases (part by part for fused linears) and of per-head
+    vectors (`ModelFamily.per_head_parameters`), its columns of row-parallel weights,
+    everything else whole. An expert's down-projection bias is read by rank 0 only (zeros
+    elsewhere): the experts' partial sums are all-reduced once per block, bias included."""
     if shard.world_size == 1:
         return read_whole
     match = LAYER_TENSOR.match(model_name)
@@ -120,6 +128,16 @@ def tensor_reader(
     path, _, kind = match.group(2).rpartition(".")
     direction = family.split_direction(path)
     rank, world_size = shard.device_rank, shard.world_size
+    if match.group(2) in family.per_head_parameters:
+        direction = "column"
+    expert_linear = None if family.moe is None else family.moe.expert_linear(path)
+    if expert_linear == getattr(family.moe, "expert_down", None) and kind == "bias":
+
+        def rank_zero_only(tensor_slice: Any) -> torch.Tensor:
+            whole: torch.Tensor = tensor_slice[:]
+            return whole if rank == 0 else torch.zeros_like(whole)
+
+        return rank_zero_only
     if direction == "column":
         parts_of = family.fused_parts.get(path)
         parts = parts_of(config) if parts_of is not None else None

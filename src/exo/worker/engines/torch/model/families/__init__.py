@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 from exo.worker.engines.torch.model.families import (
     gemma,
     gemma3,
+    gpt_oss,
     llama,
     mistral,
     phi3,
@@ -31,6 +32,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     gemma.FAMILY,
     gemma3.FAMILY,
     qwen3_moe.FAMILY,
+    gpt_oss.FAMILY,
 )
 
 

@@ -27,6 +27,9 @@ TinyModelBuilder = Callable[[dict[str, Any]], PreTrainedModel]
 # Adjusts one decoder layer after its linears were split over `world_size` tensor ranks,
 # for attention code that reads head counts from somewhere other than tensor shapes.
 TensorSplitHook = Callable[[nn.Module, PretrainedConfig, int], None]
+# An expert's gated activation from its gate and up projections' outputs (`[n, intermediate]`
+# each) to the down projection's input, for a family whose experts are not `act(gate) * up`.
+ExpertActivation = Callable[[Any, Any], Any]
 
 # `*ForConditionalGeneration` checkpoints (Gemma 3 4B+, Mistral-Small 3.1) keep the text
 # model under this prefix, next to the vision tower the text engine does not load.
@@ -106,6 +109,28 @@ class Routing:
 
 # The routing of a model of the family, from its (text) config.
 RoutingOfConfig = Callable[[PretrainedConfig], Routing]
+# The experts' gated activation of a model of the family, from its (text) config.
+ExpertActivationOfConfig = Callable[[PretrainedConfig], ExpertActivation]
+
+
+@dataclass(frozen=True, slots=True)
+class FusedExpertTensors:
+    """A checkpoint that stores each MoE layer's experts stacked in a few tensors (gpt-oss)
+    instead of one per expert and linear; the loader cuts each expert's linears out of them
+    (`model/fused_experts.py`), an expert-parallel rank reading only its experts' slices.
+
+    Names are relative to the experts module (`mlp.experts.gate_up_proj`):
+        gate_up: `[experts, hidden, 2 * intermediate]` (input-major), gate and up
+            interleaved along the last dimension (gate at even, up at odd columns);
+        down: `[experts, intermediate, hidden]` (input-major);
+        each with a `<name>_bias` `[experts, out]` where the experts have biases.
+    Quantized as MXFP4 (`quantization_config.quant_method = "mxfp4"`), the same tensors are
+    `<name>_blocks` `[experts, out, in / 32, 16]` uint8 and `<name>_scales` `[experts, out,
+    in / 32]` (output-major; gate and up interleaved by rows).
+    """
+
+    gate_up: str = "gate_up_proj"
+    down: str = "down_proj"
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +155,13 @@ class MixtureOfExperts:
             goes through (DeepSeek-V3, GLM-4.5), None where absent.
         shared_expert_gate: a `[1, hidden]` linear whose sigmoid scales the shared expert's
             output (Qwen2-MoE), None where absent.
+        expert_bias: the experts' linears have biases (gpt-oss); the router's bias, where
+            the router module has one, is read whatever this says.
+        expert_activation: the experts' gated activation from the config (gpt-oss's clamped
+            SwiGLU), None for `act_fn(gate) * up` with the experts module's `act_fn`.
+        fused_checkpoint: how a checkpoint stacks the experts (None: one tensor per expert
+            and linear, `experts.N.gate_proj.weight`). Transformers' skeleton then holds
+            them input-major (`gate_up_proj` `[experts, hidden, 2 * intermediate]`).
     """
 
     routing: RoutingOfConfig
@@ -140,6 +172,9 @@ class MixtureOfExperts:
     correction_bias: str | None = None
     shared_expert: str | None = None
     shared_expert_gate: str | None = None
+    expert_bias: bool = False
+    expert_activation: ExpertActivationOfConfig | None = None
+    fused_checkpoint: FusedExpertTensors | None = None
 
     def expert_linear(self, linear_path: str) -> str | None:
         """The expert-relative name of a layer-relative path inside an expert
@@ -169,6 +204,10 @@ class DecoderLayout:
         norm_offset: RMSNorms scale by `norm_offset + weight` (Gemma's `1 + weight`: 1.0).
         rope_per_layer_type: the rotary module takes the layer type (Gemma 3: local
             sliding layers use another base frequency).
+        rotary_per_frequency: the rotary module gives cos / sin once per frequency
+            (`[T, head_dim / 2]`, applied to both halves of a head: gpt-oss), not per value.
+        attention_sinks: a learned `[heads]` logit per head that joins each query's softmax
+            denominator and attends to nothing (gpt-oss's `self_attn.sinks`), None where absent.
     The activation is read from the MLP module; the embedding's scale (Gemma's
     `sqrt(hidden)`) is inside the model's embedding module, which the lean forward calls.
     """
@@ -184,6 +223,8 @@ class DecoderLayout:
     qk_norms: tuple[str, str] | None = None
     norm_offset: float = 0.0
     rope_per_layer_type: bool = False
+    rotary_per_frequency: bool = False
+    attention_sinks: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +258,8 @@ class ModelFamily:
         moe: where the family's sparse MLP blocks are (None: a dense family). Tensor
             parallelism splits every expert as the dense MLP (gate/up by rows, down by
             columns; one all-reduce per MoE block).
+        per_head_parameters: layer-relative names of `[heads]` tensors that belong to the
+            query heads (gpt-oss's `self_attn.sinks`): a tensor rank holds its heads' share.
     """
 
     name: str
@@ -233,6 +276,7 @@ class ModelFamily:
     tiny_wrapped_config: Callable[[PretrainedConfig], PretrainedConfig] | None = None
     layout: DecoderLayout | None = DecoderLayout()
     moe: MixtureOfExperts | None = None
+    per_head_parameters: tuple[str, ...] = ()
 
     def checkpoint_prefix(self, architecture: str) -> str:
         """The prefix of the text model's tensor names in a checkpoint of `architecture`."""
