@@ -63,6 +63,11 @@ class FusedExperts:
             stored[f"{fused.down}_bias"] = (down,)
         return stored
 
+    def stacks(self, name: str) -> bool:
+        """Whether checkpoint (or model) tensor `name` is a stacked expert tensor."""
+        _, found, stored = name.rpartition(f".{self.moe.experts}.")
+        return bool(found) and stored in self._stored()
+
     def targets(self, name: str) -> list[str]:
         """The model tensors cut from model-named tensor `name` (layers already renumbered
         to this rank's), or `[name]` for a tensor that is not a stacked expert tensor.

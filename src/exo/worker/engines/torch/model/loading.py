@@ -321,7 +321,7 @@ def load_model(
             tensor = loaded
         else:
             stored = handle_for(path).get_slice(name)
-            if fused is not None and target != model_tensor_name(name, prefix, shard):
+            if fused is not None and fused.stacks(name):
                 stored = fused.cut(name, target, stored)  # one expert of a stacked tensor
             tensor = reader(stored)
         # A copy: a view would keep the file's whole memory map alive (and resident).

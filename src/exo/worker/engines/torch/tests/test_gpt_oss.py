@@ -253,3 +253,29 @@ def test_fused_expert_tensors_cut_per_expert() -> None:
     assert torch.equal(up[:], stacked[1, :, 1::2].T) and read == [slice(1, 2)]
     gate = fused.cut("x.gate_up_proj", "model.layers.2.mlp.experts.2.gate_proj.weight", Stored())
     assert torch.equal(gate[:], stacked[2, :, 0::2].T)
+
+
+def test_tiny_model_clamps_bind(reference: Any) -> None:
+    """Some gate / up values of the tiny model pass `swiglu_limit`, so the equality test
+    checks the clamps too."""
+    limit = float(reference.config.swiglu_limit)
+    largest: list[float] = []
+    experts = [layer.mlp.experts for layer in reference.model.layers]
+    originals = [module._apply_gate for module in experts]
+
+    def recording(original: Any) -> Any:
+        def apply_gate(gate_up: torch.Tensor) -> torch.Tensor:
+            largest.append(float(gate_up.abs().max()))
+            return original(gate_up)
+
+        return apply_gate
+
+    try:
+        for module, original in zip(experts, originals, strict=True):
+            module._apply_gate = recording(original)
+        with torch.no_grad():
+            reference(input_ids=torch.tensor([_prompt()]))
+    finally:
+        for module, original in zip(experts, originals, strict=True):
+            module._apply_gate = original
+    assert max(largest) > limit

@@ -62,13 +62,17 @@ def clamped_swiglu(config: PretrainedConfig) -> ExpertActivation:
 def tiny_model(settings: dict[str, Any]) -> PreTrainedModel:
     """Top 2 of 4 experts; sliding and full attention layers alternating (gpt-oss's own
     pattern, sliding first) with the tiny `sliding_window`; gpt-oss's YaRN scaled to the
-    tiny context."""
+    tiny context; a SwiGLU clamp that binds (`swiglu_limit` 2)."""
     layers = int(settings["num_hidden_layers"])
     positions = int(settings.get("max_position_embeddings", 512))
     defaults: dict[str, Any] = {
         "head_dim": 16,
         "num_local_experts": 4,
         "num_experts_per_tok": 2,
+        # Weights 5x the default width and a lower clamp, so the experts' clamps bind on
+        # some values and the logits are not nearly flat (seeded sampling stays stable).
+        "initializer_range": 0.1,
+        "swiglu_limit": 2.0,
         "layer_types": ["sliding_attention", "full_attention"] * (layers // 2)
         + ["sliding_attention"] * (layers % 2),
         # gpt-oss's YaRN (factor 32 over the pre-YaRN context), scaled to the tiny context.
