@@ -32,6 +32,7 @@ from exo.worker.engines.torch.model.families.spec import (
 # they take a visible share of each softmax (trained gpt-oss sinks are of order 1).
 TINY_ROUTER_STD = 0.5
 TINY_SINK_STD = 1.0
+TINY_FINAL_NORM = 3.0
 
 
 def routing(config: PretrainedConfig) -> Routing:
@@ -62,17 +63,15 @@ def clamped_swiglu(config: PretrainedConfig) -> ExpertActivation:
 def tiny_model(settings: dict[str, Any]) -> PreTrainedModel:
     """Top 2 of 4 experts; sliding and full attention layers alternating (gpt-oss's own
     pattern, sliding first) with the tiny `sliding_window`; gpt-oss's YaRN scaled to the
-    tiny context; a SwiGLU clamp that binds (`swiglu_limit` 2)."""
+    tiny context; a SwiGLU clamp that binds (`swiglu_limit` 0.5)."""
     layers = int(settings["num_hidden_layers"])
     positions = int(settings.get("max_position_embeddings", 512))
     defaults: dict[str, Any] = {
         "head_dim": 16,
         "num_local_experts": 4,
         "num_experts_per_tok": 2,
-        # Weights 5x the default width and a lower clamp, so the experts' clamps bind on
-        # some values and the logits are not nearly flat (seeded sampling stays stable).
-        "initializer_range": 0.1,
-        "swiglu_limit": 2.0,
+        # A clamp the tiny experts' values reach (theirs stay below 1), so it binds.
+        "swiglu_limit": 0.5,
         "layer_types": ["sliding_attention", "full_attention"] * (layers // 2)
         + ["sliding_attention"] * (layers % 2),
         # gpt-oss's YaRN (factor 32 over the pre-YaRN context), scaled to the tiny context.
@@ -89,6 +88,9 @@ def tiny_model(settings: dict[str, Any]) -> PreTrainedModel:
                 parameter.normal_(0.0, TINY_ROUTER_STD)
             elif name.endswith("self_attn.sinks"):
                 parameter.normal_(0.0, TINY_SINK_STD)
+        # Logits TINY_FINAL_NORM times as wide as the random head gives: not nearly flat
+        # over the vocabulary, where seeded sampling would hang on last-bit differences.
+        model.model.norm.weight.fill_(TINY_FINAL_NORM)
     return model
 
 
