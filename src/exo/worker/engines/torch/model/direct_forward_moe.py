@@ -30,6 +30,7 @@ from exo.worker.engines.torch.model.moe import (
     router_bias,
     router_weight,
 )
+from exo.worker.engines.torch.quant.mxfp4 import Mxfp4Linear, Mxfp4Projection
 
 
 class LeanExpert:
@@ -41,8 +42,8 @@ class LeanExpert:
 
     def __init__(
         self,
-        gate_up: Projection,
-        down: Projection,
+        gate_up: Projection | Mxfp4Projection,
+        down: Projection | Mxfp4Projection,
         activation: Activation | None,
         gated: ExpertActivation | None = None,
     ) -> None:
@@ -60,6 +61,20 @@ class LeanExpert:
             assert self.activation is not None
             activated = self.activation(gate_up[:, :middle]).mul_(gate_up[:, middle:])
         return self.down(activated.to(self.down.in_dtype)).float()
+
+
+def _expert_projections(
+    expert: nn.Module, family: ModelFamily, bf16: bool
+) -> tuple[Projection | Mxfp4Projection, Projection | Mxfp4Projection]:
+    """An expert's fused gate/up and its down projection: `Projection`s over its linears,
+    or `Mxfp4Projection`s where they are held as MXFP4."""
+    moe = family.moe
+    assert moe is not None
+    gate_up = [expert.get_submodule(path) for path in moe.expert_gate_up]
+    down = expert.get_submodule(moe.expert_down)
+    if all(isinstance(linear, Mxfp4Linear) for linear in (*gate_up, down)):
+        return Mxfp4Projection(gate_up), Mxfp4Projection([down])  # type: ignore[arg-type]
+    return Projection(gate_up, bf16), Projection([down], bf16)
 
 
 class LeanMoe:
@@ -98,8 +113,7 @@ class LeanMoe:
             self.correction_bias = bias.detach().float()
         self.experts: list[ExpertFunction | None] = [None] * routed.total
         for expert_id, expert in routed.held().items():
-            gate_up = Projection([expert.get_submodule(p) for p in moe.expert_gate_up], bf16)
-            down = Projection([expert.get_submodule(moe.expert_down)], bf16)
+            gate_up, down = _expert_projections(expert, family, bf16)
             if gate_up.reduce or down.reduce:
                 raise LeanUnsupportedError("an expert linear that all-reduces by itself")
             gated = expert.gated

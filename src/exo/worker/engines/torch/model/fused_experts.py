@@ -23,7 +23,9 @@ import torch
 from exo.worker.engines.torch.model.families.spec import MixtureOfExperts
 
 # An expert's tensor in the model: (experts module path, expert id, linear, weight|bias).
-_EXPERT_TARGET = re.compile(r"^(model\.layers\.\d+\..+)\.(\d+)\.([^.]+)\.(weight|bias)$")
+_EXPERT_TARGET = re.compile(
+    r"^(model\.layers\.\d+\..+)\.(\d+)\.([^.]+)\.(weight|bias|blocks|scales)$"
+)
 
 
 class TensorSlice:
@@ -45,10 +47,13 @@ class TensorSlice:
 @dataclass(frozen=True, slots=True)
 class FusedExperts:
     """One model's fused expert layout: its family's `MixtureOfExperts` (with
-    `fused_checkpoint`) and the number of routed experts per MoE layer."""
+    `fused_checkpoint`), the number of routed experts per MoE layer, and whether the
+    checkpoint stores them as MXFP4 (`<name>_blocks` / `<name>_scales`, output-major,
+    read into `Mxfp4Linear`s' `blocks` / `scales`) instead of float."""
 
     moe: MixtureOfExperts
     experts: int
+    mxfp4: bool = False
 
     def _stored(self) -> dict[str, tuple[str, ...]]:
         """Stored tensor name (relative to the experts module) -> the expert linears cut
@@ -57,7 +62,13 @@ class FusedExperts:
         assert fused is not None
         gate, up = self.moe.expert_gate_up
         down = self.moe.expert_down
-        stored = {fused.gate_up: (gate, up), fused.down: (down,)}
+        stored: dict[str, tuple[str, ...]] = {}
+        if self.mxfp4:
+            for suffix in ("_blocks", "_scales"):
+                stored[fused.gate_up + suffix] = (gate, up)
+                stored[fused.down + suffix] = (down,)
+        else:
+            stored = {fused.gate_up: (gate, up), fused.down: (down,)}
         if self.moe.expert_bias:
             stored[f"{fused.gate_up}_bias"] = (gate, up)
             stored[f"{fused.down}_bias"] = (down,)
@@ -79,7 +90,10 @@ class FusedExperts:
         linears = self._stored().get(stored) if found else None
         if linears is None or not owner.startswith("model.layers."):
             return [name]
-        kind = "bias" if stored.endswith("_bias") else "weight"
+        kind = "weight"
+        for suffix in ("bias", "blocks", "scales"):
+            if stored.endswith(f"_{suffix}"):
+                kind = suffix
         base = f"{owner}{head}"
         return [
             f"{base}{expert}.{linear}.{kind}"
@@ -92,7 +106,8 @@ class FusedExperts:
         (`stored`: its safetensors slice; only the expert's rows are read).
 
         Returns:
-            The expert linear's weight `[out, in]` or bias `[out]`, as a `TensorSlice`.
+            The expert linear's weight `[out, in]`, bias `[out]`, or MXFP4 blocks `[out,
+            in / 32, 16]` / scales `[out, in / 32]`, as a `TensorSlice`.
 
         Raises:
             ValueError: `target` is not an expert tensor, or the stored tensor's shape is
@@ -101,7 +116,7 @@ class FusedExperts:
         match = _EXPERT_TARGET.match(target)
         if match is None:
             raise ValueError(f"{target} is not an expert's tensor (cut from {stored_name})")
-        expert, linear = int(match.group(2)), match.group(3)
+        expert, linear, kind = int(match.group(2)), match.group(3), match.group(4)
         shape = list(stored.get_shape())
         if not shape or shape[0] <= expert:
             raise ValueError(
@@ -110,9 +125,10 @@ class FusedExperts:
             )
         part: torch.Tensor = stored[expert : expert + 1][0]
         gate, up = self.moe.expert_gate_up
+        output_major = kind in ("blocks", "scales")  # MXFP4: [out, groups, ...]
         if linear in (gate, up):  # gate at even, up at odd outputs
             start = 0 if linear == gate else 1
-            part = part[..., start::2]
-        if part.dim() == 2:
+            part = part[start::2] if output_major else part[..., start::2]
+        if kind == "weight":
             part = part.transpose(0, 1)  # input-major → [out, in]
         return TensorSlice(part.contiguous())

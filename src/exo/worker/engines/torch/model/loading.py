@@ -47,13 +47,14 @@ from exo.shared.models.tensor_names import LAYER_TENSOR
 from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.model.direct_forward import enable_lean_forward
 from exo.worker.engines.torch.model.families import (
+    ModelFamily,
     UnsupportedArchitectureError,
     config_architecture,
     family_for_architecture,
 )
 from exo.worker.engines.torch.model.fused_experts import FusedExperts
 from exo.worker.engines.torch.model.fusion import fuse_rms_norms
-from exo.worker.engines.torch.model.moe import install_routed_experts
+from exo.worker.engines.torch.model.moe import ExpertFormat, install_routed_experts
 from exo.worker.engines.torch.model.sharding import AbsentModule, model_tensor_name
 from exo.worker.engines.torch.parallel import engine_transform
 from exo.worker.engines.torch.quant.gguf_weights import (
@@ -294,15 +295,18 @@ def load_model(
             f"{architecture}: its text model is {type(model).__name__}, which the "
             f"{family.name} family file does not describe"
         )
-    # MoE blocks hold one linear per expert, named as checkpoints store them (`moe.py`).
-    install_routed_experts(model, family)
+    # MoE blocks hold one linear per expert, named as checkpoints store them (`moe.py`);
+    # MXFP4 experts stay MXFP4 (`quant/mxfp4.py`).
+    expert_format = _expert_format(config, family)
+    install_routed_experts(model, family, expert_format)
     transform = engine_transform(shard.sharding)
     transform.cut(model, family, shard)
     text_config = model.config.get_text_config()
     prefix = family.checkpoint_prefix(architecture)
     fused: FusedExperts | None = None
     if family.moe is not None and family.moe.fused_checkpoint is not None:
-        fused = FusedExperts(family.moe, family.moe.routing(text_config).experts)
+        experts = family.moe.routing(text_config).experts
+        fused = FusedExperts(family.moe, experts, mxfp4=expert_format == "mxfp4")
     groups = _plan_tensors(model_dir, prefix, shard, _model_entries(model), fused)
     if getattr(text_config, "tie_word_embeddings", False):
         _plan_tied_lm_head(model_dir, prefix, model, groups)
@@ -325,7 +329,9 @@ def load_model(
                 stored = fused.cut(name, target, stored)  # one expert of a stacked tensor
             tensor = reader(stored)
         # A copy: a view would keep the file's whole memory map alive (and resident).
-        _assign_tensor(model, target, tensor.to(device=device, dtype=torch.float32, copy=True))
+        # Float tensors as float32; integer ones (MXFP4 blocks and scales) as stored.
+        dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
+        _assign_tensor(model, target, tensor.to(device=device, dtype=dtype, copy=True))
 
     unlayered = groups.get(None, [])
     embedding_here = not isinstance(getattr(model.model, "embed_tokens", None), AbsentModule)
@@ -371,6 +377,35 @@ def load_model(
     model.requires_grad_(False)
     enable_lean_forward(model, family)
     return model
+
+
+def _expert_format(config: Any, family: ModelFamily) -> ExpertFormat:
+    """ "mxfp4" for a checkpoint whose `quantization_config.quant_method` is "mxfp4" (gpt-oss:
+    its experts stored as MXFP4 blocks), else "float".
+
+    Raises:
+        UnsupportedArchitectureError: MXFP4 for a family whose checkpoints do not stack
+            their experts.
+    """
+    quantization = getattr(config.get_text_config(), "quantization_config", None) or getattr(
+        config, "quantization_config", None
+    )
+    if quantization is None:
+        return "float"
+    method = (
+        quantization.get("quant_method")
+        if isinstance(quantization, dict)
+        else getattr(quantization, "quant_method", None)
+    )
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    if method != "mxfp4":
+        return "float"  # other methods are read (or refused) where their tensors are
+    if family.moe is None or family.moe.fused_checkpoint is None:
+        raise UnsupportedArchitectureError(
+            f"quantization_config.quant_method='mxfp4' for the {family.name} family, whose "
+            "checkpoints have no MXFP4 experts"
+        )
+    return "mxfp4"
 
 
 # A routed expert's tensor on this rank: (its module's path in the layer, the expert id).

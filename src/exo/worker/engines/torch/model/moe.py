@@ -19,7 +19,7 @@ whole experts) sums its part and all-reduces once per MoE block (`RoutedExperts.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,8 @@ from exo.worker.engines.torch.model.families.spec import (
     Routing,
     UnsupportedArchitectureError,
 )
+from exo.worker.engines.torch.quant.mxfp4 import BLOCK as MXFP4_BLOCK
+from exo.worker.engines.torch.quant.mxfp4 import Mxfp4Linear
 
 # One expert's computation over its rows: `[n, hidden]` float32 → `[n, hidden]` float32.
 ExpertFunction = Callable[[torch.Tensor], torch.Tensor]
@@ -117,6 +119,19 @@ def dispatch(
     return out
 
 
+# How the experts' weights are held: float (loaded as float32, then quantized like any
+# linear), or MXFP4 as the checkpoint stores them (`quant/mxfp4.py`).
+ExpertFormat = Literal["float", "mxfp4"]
+
+
+def _expert_linear(
+    in_features: int, out_features: int, bias: bool, expert_format: ExpertFormat
+) -> nn.Module:
+    if expert_format == "mxfp4":
+        return Mxfp4Linear(in_features, out_features, bias)
+    return nn.Linear(in_features, out_features, bias=bias, device="meta")
+
+
 # An expert's (gate, up, down) linears' names, as the family's checkpoints store them
 # (`MixtureOfExperts.expert_gate_up` / `expert_down`; Mixtral's are w1, w3, w2).
 ExpertNames = tuple[str, str, str]
@@ -126,7 +141,7 @@ GATED_MLP_NAMES: ExpertNames = ("gate_proj", "up_proj", "down_proj")
 class ExpertMLP(nn.Module):
     """One expert: `down(act(gate(x)) * up(x))`, its linears named as checkpoints name them;
     with `gated`, `down(gated(gate(x), up(x)))` (gpt-oss's clamped SwiGLU), and with `bias`
-    biased linears."""
+    biased linears; `expert_format` "mxfp4": `Mxfp4Linear`s."""
 
     def __init__(
         self,
@@ -136,13 +151,14 @@ class ExpertMLP(nn.Module):
         names: ExpertNames = GATED_MLP_NAMES,
         bias: bool = False,
         gated: ExpertActivation | None = None,
+        expert_format: ExpertFormat = "float",
     ) -> None:
         super().__init__()
         self.names = names
         gate, up, down = names
-        self.add_module(gate, nn.Linear(hidden, intermediate, bias=bias, device="meta"))
-        self.add_module(up, nn.Linear(hidden, intermediate, bias=bias, device="meta"))
-        self.add_module(down, nn.Linear(intermediate, hidden, bias=bias, device="meta"))
+        self.add_module(gate, _expert_linear(hidden, intermediate, bias, expert_format))
+        self.add_module(up, _expert_linear(hidden, intermediate, bias, expert_format))
+        self.add_module(down, _expert_linear(intermediate, hidden, bias, expert_format))
         self.act_fn = act_fn
         self.gated = gated
 
@@ -163,6 +179,7 @@ class RoutedExperts(nn.Module):
         reduce: this rank holds part of the block (tensor slices or some experts): its
             output is a partial sum, all-reduced over the group.
         bias / gated: the experts' biased linears and gated activation (`ExpertMLP`).
+        expert_format: how the experts' weights are held (`ExpertFormat`).
     """
 
     def __init__(
@@ -174,9 +191,11 @@ class RoutedExperts(nn.Module):
         names: ExpertNames = GATED_MLP_NAMES,
         bias: bool = False,
         gated: ExpertActivation | None = None,
+        expert_format: ExpertFormat = "float",
     ) -> None:
         super().__init__()
         self.total = total
+        self.expert_format: ExpertFormat = expert_format
         self.hidden = hidden
         self.intermediate = intermediate
         self.names = names
@@ -188,7 +207,9 @@ class RoutedExperts(nn.Module):
 
     def _expert(self, intermediate: int) -> ExpertMLP:
         act_fn, gated = self._act_fn
-        return ExpertMLP(self.hidden, intermediate, act_fn, self.names, self.bias, gated)
+        return ExpertMLP(
+            self.hidden, intermediate, act_fn, self.names, self.bias, gated, self.expert_format
+        )
 
     def held(self) -> dict[int, ExpertMLP]:
         """The experts this rank holds, by id."""
@@ -212,6 +233,11 @@ class RoutedExperts(nn.Module):
                 f"parallel world size {world_size}"
             )
         share = self.intermediate // world_size
+        if self.expert_format == "mxfp4" and share % MXFP4_BLOCK:
+            raise ValueError(
+                f"an expert's {self.intermediate} MXFP4 inputs split {world_size} ways are not "
+                f"whole blocks of {MXFP4_BLOCK}"
+            )
         for name, _ in list(self.named_children()):
             self.add_module(name, self._expert(share))
         self.reduce = True
@@ -229,11 +255,13 @@ class RoutedExperts(nn.Module):
         return out.to(hidden_states.dtype)
 
 
-def install_routed_experts(model: nn.Module, family: ModelFamily) -> int:
+def install_routed_experts(
+    model: nn.Module, family: ModelFamily, expert_format: ExpertFormat = "float"
+) -> int:
     """Replace every MoE block's experts module (transformers' stacked weights, on the meta
     device) by a `RoutedExperts` of the same shapes, so checkpoints' per-expert tensors
-    load into it by name (fused checkpoints: cut per expert, `model/fused_experts.py`).
-    The number of MoE layers; 0 for a dense family.
+    load into it by name (fused checkpoints: cut per expert, `model/fused_experts.py`),
+    held as `expert_format` says. The number of MoE layers; 0 for a dense family.
 
     Raises:
         UnsupportedArchitectureError: an experts module whose weights are not the stacked
@@ -288,7 +316,7 @@ def install_routed_experts(model: nn.Module, family: ModelFamily) -> int:
             )
         routed = RoutedExperts(
             total, hidden, intermediate, act_fn, (names[0], names[1], names[2]),
-            moe.expert_bias, gated,
+            moe.expert_bias, gated, expert_format,
         )  # fmt: skip
         setattr(parent, attribute, routed)
         replaced += 1

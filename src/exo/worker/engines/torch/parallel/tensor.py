@@ -154,7 +154,7 @@ def tensor_reader(
             return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
         return rows
-    if direction == "row" and kind == "weight":
+    if direction == "row" and kind in ("weight", "blocks", "scales"):  # MXFP4: block columns
 
         def columns(tensor_slice: Any) -> torch.Tensor:
             share = tensor_slice.get_shape()[1] // world_size

@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from exo.testing.tiny_models import save_tiny_model
+from exo.testing.tiny_models import save_mxfp4_twin, save_tiny_model
 from exo.worker.engines.torch.batching.batch_attention import (
     attach_lean_step,
     lean_step_of,
@@ -31,6 +31,7 @@ from exo.worker.engines.torch.model.families.gpt_oss import clamped_swiglu
 from exo.worker.engines.torch.model.fused_experts import FusedExperts
 from exo.worker.engines.torch.model.loading import load_model
 from exo.worker.engines.torch.model.moe import routed_experts_of
+from exo.worker.engines.torch.quant.mxfp4 import Mxfp4Linear, dequantize_mxfp4, quantize_mxfp4
 from exo.worker.engines.torch.tests.test_distributed import make_shard
 from exo.worker.engines.torch.tests.test_moe import (
     FLOAT32_TOLERANCE,
@@ -44,6 +45,10 @@ from exo.worker.engines.torch.tests.test_moe import (
 CPU = torch.device("cpu")
 FAMILY = family_by_name("gpt_oss")
 LAYERS = 4  # sliding, full, sliding, full
+# Largest relative error of a MoE block's output with MXFP4 experts against the float
+# experts they were quantized from (E2M1 values, one power-of-two scale per 32 inputs:
+# about 0.1 per weight; measured on the tiny model: see the test's output).
+MXFP4_BLOCK_ERROR = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +126,17 @@ def _experts_of_repeated_tokens(reference: Any, tokens: int) -> dict[int, dict[i
 
 @pytest.mark.parametrize("path", ["lean", "transformers"])
 def test_gpt_oss_equals_transformers(gpt_oss_dir: Path, reference: Any, path: str) -> None:
-    model = _load(gpt_oss_dir)
+    config = reference.config
+    assert config.layer_types == ["sliding_attention", "full_attention"] * (LAYERS // 2)
+    assert config.rope_parameters["rope_type"] == "yarn"
+    assert config.sliding_window < PROMPT_LENGTH  # the window cuts the prompt
+    _assert_equals_transformers(_load(gpt_oss_dir), reference, path)
+
+
+def _assert_equals_transformers(model: Any, reference: Any, path: str) -> None:
+    """The engine's step on `model` (its lean forward, or transformers' modules with the
+    engine's experts and attention) gives `reference`'s float32 logits within the
+    tolerance over the prompt and the greedy steps, with no routing decision near a tie."""
     lean = lean_step_of(model)
     assert isinstance(lean, LeanModel)
     assert all(layer.moe is not None and layer.sinks is not None for layer in lean.layers)
@@ -129,9 +144,6 @@ def test_gpt_oss_equals_transformers(gpt_oss_dir: Path, reference: Any, path: st
     if path == "transformers":  # transformers' modules, the engine's experts and attention
         attach_lean_step(model, None)
     config = reference.config
-    assert config.layer_types == ["sliding_attention", "full_attention"] * (LAYERS // 2)
-    assert config.rope_parameters["rope_type"] == "yarn"
-    assert config.sliding_window < PROMPT_LENGTH  # the window cuts the prompt
     prompt = _prompt()
     ours, tokens = engine_greedy(model, prompt)
     with torch.no_grad():
@@ -279,3 +291,77 @@ def test_tiny_model_clamps_bind(reference: Any) -> None:
         for module, original in zip(experts, originals, strict=True):
             module._apply_gate = original
     assert max(largest) > limit
+
+
+# -- MXFP4 experts (the checkpoint's `quantization_config.quant_method = "mxfp4"`) -----------
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dir(tmp_path_factory: pytest.TempPathFactory, gpt_oss_dir: Path) -> Path:
+    return save_mxfp4_twin(gpt_oss_dir, tmp_path_factory.mktemp("gpt-oss-mxfp4"))
+
+
+@pytest.mark.parametrize("path", ["lean", "transformers"])
+def test_mxfp4_experts_equal_transformers_dequantized(mxfp4_dir: Path, path: str) -> None:
+    """The experts held as MXFP4 (uint8 blocks and scales, widened per expert per call)
+    give transformers' logits for the same checkpoint dequantized at load (its own MXFP4
+    reader, `Mxfp4Config(dequantize=True)`) within the float32 tolerance: MXFP4 values are
+    exact in float32, so only the order of float32 operations differs."""
+    from transformers import Mxfp4Config
+
+    model = _load(mxfp4_dir)
+    for layer in model.model.layers:
+        experts = routed_experts_of(layer, FAMILY)
+        assert experts is not None and experts.expert_format == "mxfp4"
+        for expert in experts.held().values():
+            for linear in (expert.gate_proj, expert.up_proj, expert.down_proj):
+                assert isinstance(linear, Mxfp4Linear)
+                assert linear.blocks.dtype == linear.scales.dtype == torch.uint8
+    reference = AutoModelForCausalLM.from_pretrained(
+        mxfp4_dir, dtype=torch.float32, attn_implementation="eager",
+        quantization_config=Mxfp4Config(dequantize=True),
+    ).eval()  # fmt: skip
+    _assert_equals_transformers(model, reference, path)
+
+
+def test_mxfp4_moe_block_relative_error(gpt_oss_dir: Path, mxfp4_dir: Path) -> None:
+    """A MoE block with MXFP4 experts against the float experts they were quantized from
+    (the same routing: the router stays float32), on RMS-normed random rows; and the
+    experts' bytes held (4.25 bits per weight plus float32 biases)."""
+    float_moe, mxfp4_moe = (lean_step_of(_load(d)).layers[0].moe for d in (gpt_oss_dir, mxfp4_dir))  # type: ignore[union-attr]
+    assert float_moe is not None and mxfp4_moe is not None
+    rows = torch.nn.functional.rms_norm(
+        torch.randn(256, 64, generator=torch.Generator().manual_seed(0)), (64,)
+    )
+    with torch.inference_mode():
+        expected, got = float_moe(rows), mxfp4_moe(rows)
+    error = float((got - expected).norm() / expected.norm())
+    print(f"MXFP4 MoE block relative error {error:.3g}")
+    assert 0 < error < MXFP4_BLOCK_ERROR
+
+
+def test_mxfp4_expert_rank_holds_only_its_experts(mxfp4_dir: Path) -> None:
+    """Rank 1 of 2 expert-parallel ranks loads experts 2 and 3 of each layer, as MXFP4,
+    equal to the checkpoint's (each cut from the stacked tensors' rows)."""
+    from safetensors.torch import load_file
+
+    model = load_model(mxfp4_dir, make_shard(mxfp4_dir, "expert", 1, 2), CPU, "float32")
+    stored = load_file(str(mxfp4_dir / "model.safetensors"))
+    for index, layer in enumerate(model.model.layers):
+        experts = routed_experts_of(layer, FAMILY)
+        assert experts is not None and sorted(experts.held()) == [2, 3]
+        name = f"model.layers.{index}.mlp.experts.gate_up_proj"
+        up = experts.held()[3].up_proj
+        assert torch.equal(up.blocks, stored[f"{name}_blocks"][3, 1::2])
+        assert torch.equal(up.scales, stored[f"{name}_scales"][3, 1::2])
+
+
+def test_mxfp4_round_trip() -> None:
+    """`quantize_mxfp4` then `dequantize_mxfp4`: exact for values already on the MXFP4
+    grid, and within E2M1's rounding for random ones (relative error about 0.1)."""
+    grid = torch.tensor([0.5, -1.5, 6.0, 3.0] * 8) * 2.0**-3  # one block
+    blocks, scales = quantize_mxfp4(grid[None])
+    assert torch.equal(dequantize_mxfp4(blocks, scales)[0], grid)
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
+    error = dequantize_mxfp4(*quantize_mxfp4(weight)) - weight
+    assert float(error.norm() / weight.norm()) < 0.15
