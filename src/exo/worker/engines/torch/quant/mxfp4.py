@@ -8,10 +8,12 @@ in the low nibble (the layout of gpt-oss checkpoints and of transformers' `integ
 mxfp4.py`). Blocks `[out, in / 32, 16]` uint8, scales `[out, in / 32]` uint8: 4.25 bits per
 weight.
 
-This first kernel widens the weight of an expert when the expert runs (`dequantize`: one
-byte-pair table lookup and one scale product over the expert's `[out, in]`), then one dense
-matmul; only routed experts run, so a step reads the MXFP4 bytes of its routed experts only,
-and no float copy of the experts is kept. Every MXFP4 value is exact in bfloat16 and float32,
+This first kernel widens the weight of an expert when the expert runs, 512 output rows at a
+time (`mxfp4_linear`: one byte-pair table gather and one scale product, then a dense matmul
+of those rows); only routed experts run, so a step reads the MXFP4 bytes of its routed
+experts only, and no float copy of the experts is kept. It is slower than a float32 matmul
+of the same expert (about 4x at decode on this machine: docs/benchmarks/gpt-oss-mxfp4.md);
+a fused kernel reading the blocks in the product is the next step. Every MXFP4 value is exact in bfloat16 and float32,
 so a widened weight equals the checkpoint's dequantized weight bit for bit.
 """
 
@@ -43,20 +45,41 @@ FP4_VALUES = (
     -6.0,
 )
 _FP4 = torch.tensor(FP4_VALUES, dtype=torch.float32)
-# Byte -> its two values (low nibble first), so one gather widens a byte.
+# Byte -> its two values (low nibble first) as two bfloat16 bit patterns in one int32 (the
+# low half first on little-endian machines), so one int32 gather widens a byte.
 _BYTE_PAIRS = torch.stack([_FP4[torch.arange(256) & 0x0F], _FP4[torch.arange(256) >> 4]], dim=1)
+_BYTE_PAIR_BITS = _BYTE_PAIRS.to(torch.bfloat16).contiguous().view(torch.int32).flatten()
+# Output rows widened at a time in `mxfp4_linear`: the widened rows stay in cache between
+# their widening and their matmul (8x faster than widening a 5760 x 2880 expert at once on
+# this machine's CPU; figures: docs/benchmarks/gpt-oss-mxfp4.md).
+WIDEN_ROWS = 512
 
 
 def dequantize_mxfp4(
     blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """MXFP4 blocks `[..., groups, 16]` uint8 and scales `[..., groups]` uint8 → the
-    weight `[..., groups * 32]` in `dtype` (exact in float32 and bfloat16)."""
-    pairs = _BYTE_PAIRS.to(device=blocks.device, dtype=dtype)
-    values = pairs[blocks.long()]  # [..., groups, 16, 2]
-    scale = torch.exp2(scales.float() - SCALE_BIAS).to(dtype)  # powers of two: exact
-    widened = values.flatten(-2) * scale.unsqueeze(-1)  # [..., groups, 32]
-    return widened.flatten(-2)
+    weight `[..., groups * 32]` in `dtype` (exact in float32 and bfloat16: an E2M1 value
+    times a power of two is a bfloat16)."""
+    table = _BYTE_PAIR_BITS.to(blocks.device)
+    bits = table.index_select(0, blocks.reshape(-1).to(torch.int32))
+    values = bits.view(torch.bfloat16).view(*scales.shape, BLOCK)
+    scale = torch.exp2(scales.float() - SCALE_BIAS).to(torch.bfloat16)
+    widened = values * scale.unsqueeze(-1)  # [..., groups, 32]
+    return widened.flatten(-2).to(dtype)
+
+
+def mxfp4_linear(rows: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`rows` `[T, in]` times an MXFP4 weight (`blocks` `[out, in / 32, 16]`, `scales`
+    `[out, in / 32]`) transposed: `[T, out]` in the rows' dtype, widening `WIDEN_ROWS`
+    output rows of the weight at a time (no whole float copy of the weight)."""
+    total = blocks.shape[0]
+    out = rows.new_empty(rows.shape[0], total)
+    for start in range(0, total, WIDEN_ROWS):
+        end = min(total, start + WIDEN_ROWS)
+        weight = dequantize_mxfp4(blocks[start:end], scales[start:end], rows.dtype)
+        out[:, start:end] = F.linear(rows, weight)
+    return out
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,8 +135,11 @@ class Mxfp4Linear(nn.Module):
         return dequantize_mxfp4(self.blocks, self.scales, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantize(x.dtype), bias)
+        rows = x.reshape(-1, self.in_features)
+        out = mxfp4_linear(rows, self.blocks, self.scales)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mxfp4"
@@ -141,6 +167,7 @@ class Mxfp4Projection:
         )
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        weights = [module.dequantize(torch.float32) for module in self.modules]
-        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
-        return F.linear(rows.float(), weight, self.bias)
+        rows = rows.float()
+        parts = [mxfp4_linear(rows, module.blocks, module.scales) for module in self.modules]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return out if self.bias is None else out + self.bias
