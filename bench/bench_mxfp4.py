@@ -49,9 +49,9 @@ def main() -> None:
     down, down_float = _mxfp4_linear(INTERMEDIATE, HIDDEN)
     for rows in (1, 32):
         x = torch.randn(rows, HIDDEN)
-        held = _milliseconds(lambda: down(gate_up(x)[:, :INTERMEDIATE]), options.runs)
+        held = _milliseconds(lambda x=x: down(gate_up(x)[:, :INTERMEDIATE]), options.runs)
         dense = _milliseconds(
-            lambda: F.linear(F.linear(x, gate_up_float)[:, :INTERMEDIATE], down_float),
+            lambda x=x: F.linear(F.linear(x, gate_up_float)[:, :INTERMEDIATE], down_float),
             options.runs,
         )
         print(f"{rows:3d} rows: MXFP4 {held:7.2f} ms, float32 {dense:7.2f} ms per expert")

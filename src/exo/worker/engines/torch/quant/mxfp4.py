@@ -13,8 +13,9 @@ time (`mxfp4_linear`: one byte-pair table gather and one scale product, then a d
 of those rows); only routed experts run, so a step reads the MXFP4 bytes of its routed
 experts only, and no float copy of the experts is kept. It is slower than a float32 matmul
 of the same expert (about 4x at decode on this machine: docs/benchmarks/gpt-oss-mxfp4.md);
-a fused kernel reading the blocks in the product is the next step. Every MXFP4 value is exact in bfloat16 and float32,
-so a widened weight equals the checkpoint's dequantized weight bit for bit.
+a fused kernel reading the blocks in the product is the next step. Every MXFP4 value is
+exact in bfloat16 and float32, so a widened weight equals the checkpoint's dequantized
+weight bit for bit.
 """
 
 from __future__ import annotations
