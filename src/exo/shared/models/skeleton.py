@@ -28,7 +28,7 @@ def empty_model(config: PretrainedConfig) -> PreTrainedModel:
     # SDPA where transformers offers it; eager for models it refuses SDPA (gpt-oss: its
     # attention sinks). The engine switches either to its own batched attention.
     implementation = "sdpa"
-    model_class = AutoModelForCausalLM._model_mapping.get(type(text_config), None)  # type: ignore[attr-defined]
+    model_class = AutoModelForCausalLM._model_mapping.get(type(text_config), None)
     if model_class is not None and not getattr(model_class, "_supports_sdpa", True):
         implementation = "eager"
     with init_empty_weights(include_buffers=False):

@@ -198,12 +198,14 @@ def attend(
             full = query.new_zeros(occupied, *queries.shape[1:])
             full[plan.decode_index] = queries
             queries = full
-        attention = F.scaled_dot_product_attention if sinks is None else sink_attention
-        extra = {} if sinks is None else {"sinks": sinks}
-        attended = attention(
-            queries, keys[:occupied, :, :max_len], values[:occupied, :, :max_len],
-            attn_mask=mask, scale=scaling, enable_gqa=True, **extra,
-        )  # fmt: skip  # [S, heads, 1, dim]
+        keys_read, values_read = keys[:occupied, :, :max_len], values[:occupied, :, :max_len]
+        if sinks is None:
+            attended = F.scaled_dot_product_attention(
+                queries, keys_read, values_read, attn_mask=mask, scale=scaling, enable_gqa=True
+            )
+        else:
+            attended = sink_attention(queries, keys_read, values_read, mask, scaling, sinks=sinks)
+        # attended: [S, heads, 1, dim]
         if not plan.all_slots_decode:
             attended = attended[plan.decode_index]
         output[0, :decoding] = attended[:, :, 0]

@@ -72,8 +72,9 @@ def _expert_projections(
     assert moe is not None
     gate_up = [expert.get_submodule(path) for path in moe.expert_gate_up]
     down = expert.get_submodule(moe.expert_down)
-    if all(isinstance(linear, Mxfp4Linear) for linear in (*gate_up, down)):
-        return Mxfp4Projection(gate_up), Mxfp4Projection([down])  # type: ignore[arg-type]
+    held = [linear for linear in (*gate_up, down) if isinstance(linear, Mxfp4Linear)]
+    if len(held) == len(gate_up) + 1:
+        return Mxfp4Projection(held[:-1]), Mxfp4Projection(held[-1:])
     return Projection(gate_up, bf16), Projection([down], bf16)
 
 

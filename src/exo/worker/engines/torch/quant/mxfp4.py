@@ -12,10 +12,10 @@ This first kernel widens the weight of an expert when the expert runs, 512 outpu
 time (`mxfp4_linear`: one byte-pair table gather and one scale product, then a dense matmul
 of those rows); only routed experts run, so a step reads the MXFP4 bytes of its routed
 experts only, and no float copy of the experts is kept. It is slower than a float32 matmul
-of the same expert (about 4x at decode on this machine: docs/benchmarks/gpt-oss-mxfp4.md);
-a fused kernel reading the blocks in the product is the next step. Every MXFP4 value is
-exact in bfloat16 and float32, so a widened weight equals the checkpoint's dequantized
-weight bit for bit.
+of the same expert (about 4x at decode on this machine:
+docs/benchmarks/2026-12-04-gpt-oss-mxfp4.md); a fused kernel reading the blocks in the
+product is the next step. Every MXFP4 value is exact in bfloat16 and float32, so a widened
+weight equals the checkpoint's dequantized weight bit for bit.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ _BYTE_PAIRS = torch.stack([_FP4[torch.arange(256) & 0x0F], _FP4[torch.arange(256
 _BYTE_PAIR_BITS = _BYTE_PAIRS.to(torch.bfloat16).contiguous().view(torch.int32).flatten()
 # Output rows widened at a time in `mxfp4_linear`: the widened rows stay in cache between
 # their widening and their matmul (8x faster than widening a 5760 x 2880 expert at once on
-# this machine's CPU; figures: docs/benchmarks/gpt-oss-mxfp4.md).
+# this machine's CPU; figures: docs/benchmarks/2026-12-04-gpt-oss-mxfp4.md).
 WIDEN_ROWS = 512
 
 

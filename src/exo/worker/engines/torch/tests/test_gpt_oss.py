@@ -307,7 +307,7 @@ def test_mxfp4_experts_equal_transformers_dequantized(mxfp4_dir: Path, path: str
     give transformers' logits for the same checkpoint dequantized at load (its own MXFP4
     reader, `Mxfp4Config(dequantize=True)`) within the float32 tolerance: MXFP4 values are
     exact in float32, so only the order of float32 operations differs."""
-    from transformers import Mxfp4Config
+    from transformers.utils.quantization_config import Mxfp4Config
 
     model = _load(mxfp4_dir)
     for layer in model.model.layers:
@@ -351,7 +351,7 @@ def test_mxfp4_expert_rank_holds_only_its_experts(mxfp4_dir: Path) -> None:
         experts = routed_experts_of(layer, FAMILY)
         assert experts is not None and sorted(experts.held()) == [2, 3]
         name = f"model.layers.{index}.mlp.experts.gate_up_proj"
-        up = experts.held()[3].up_proj
+        up: Any = experts.held()[3].up_proj
         assert torch.equal(up.blocks, stored[f"{name}_blocks"][3, 1::2])
         assert torch.equal(up.scales, stored[f"{name}_scales"][3, 1::2])
 
@@ -365,3 +365,28 @@ def test_mxfp4_round_trip() -> None:
     weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
     error = dequantize_mxfp4(*quantize_mxfp4(weight)) - weight
     assert float(error.norm() / weight.norm()) < 0.15
+
+
+@pytest.mark.slow
+def test_mxfp4_tensor_and_expert_splits_equal_single_process(mxfp4_dir: Path) -> None:
+    """MXFP4 experts split by tensor ranks (whole blocks of each expert's down projection's
+    inputs) and by expert ranks (2 of 4 experts each) give the single process's greedy and
+    seeded tokens."""
+    from exo.worker.engines.torch.tests.test_distributed import (
+        GREEDY,
+        SEEDED,
+        Job,
+        run_group,
+        single_process_tokens,
+    )
+
+    expected = single_process_tokens(mxfp4_dir, (GREEDY, SEEDED))
+    results = run_group(
+        2,
+        [
+            Job("tensor", str(mxfp4_dir), "tensor", (GREEDY, SEEDED)),
+            Job("expert", str(mxfp4_dir), "expert", (GREEDY, SEEDED)),
+        ],
+    )
+    assert results["tensor"].tokens == expected
+    assert results["expert"].tokens == expected
