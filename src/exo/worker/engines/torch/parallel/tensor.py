@@ -130,8 +130,8 @@ def tensor_reader(
     rank, world_size = shard.device_rank, shard.world_size
     if match.group(2) in family.per_head_parameters:
         direction = "column"
-    expert_linear = None if family.moe is None else family.moe.expert_linear(path)
-    if expert_linear == getattr(family.moe, "expert_down", None) and kind == "bias":
+    moe = family.moe
+    if moe is not None and moe.expert_linear(path) == moe.expert_down and kind == "bias":
 
         def rank_zero_only(tensor_slice: Any) -> torch.Tensor:
             whole: torch.Tensor = tensor_slice[:]
