@@ -48,6 +48,10 @@ BATCHED_ATTENTION = "exo_batched"
 # scores; in blocks of 128 it computes 62.5% of them, faster at 512 tokens and no slower
 # at 128 or 1024 (figures: docs/benchmarks/engine-design-figures.md#batch_attentionpy).
 PREFILL_QUERY_BLOCK = 128
+# The most attention scores (queries x heads x keys) one `sink_attention` call of a prompt
+# chunk holds (64 MiB of float32): a long prompt's chunk then attends in smaller query
+# blocks (gpt-oss-20b's 64 heads over 32k keys: 8 queries per block).
+SINK_SCORE_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,11 +322,15 @@ def prefill_attention(
             start - first, window, scaling,
         )  # fmt: skip
         return rounded.to(queries.dtype)
-    if count <= PREFILL_QUERY_BLOCK:
+    block = PREFILL_QUERY_BLOCK
+    if sinks is not None:  # `sink_attention` holds its scores: bound them per block
+        seen = start + count if window is None else min(start + count, window + block)
+        block = max(1, min(block, SINK_SCORE_ELEMENTS // (queries.shape[1] * seen)))
+    if count <= block:
         return _block_attention(queries, keys, values, start, window, scaling, sinks)
     output = queries.new_empty(queries.shape)
-    for offset in range(0, count, PREFILL_QUERY_BLOCK):
-        rows = slice(offset, min(count, offset + PREFILL_QUERY_BLOCK))
+    for offset in range(0, count, block):
+        rows = slice(offset, min(count, offset + block))
         output[:, :, rows] = _block_attention(
             queries[:, :, rows], keys, values, start + offset, window, scaling, sinks
         )

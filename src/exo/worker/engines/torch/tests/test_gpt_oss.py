@@ -220,6 +220,29 @@ def test_sink_attention_equals_transformers_eager() -> None:
     assert torch.allclose(ours.transpose(1, 2), theirs, atol=1e-6)
 
 
+def test_prefill_with_sinks_in_small_query_blocks_equals_one_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prompt chunk whose scores would pass `SINK_SCORE_ELEMENTS` attends in smaller
+    query blocks, with the same result (sliding window and full)."""
+    from exo.worker.engines.torch.batching import batch_attention
+
+    generator = torch.Generator().manual_seed(0)
+    queries = torch.randn(1, 4, 40, 8, generator=generator)
+    keys, values = (torch.randn(1, 2, 50, 8, generator=generator) for _ in range(2))
+    sinks = torch.tensor([-1.0, 0.0, 1.0, 2.0])
+    for window in (None, 6):
+        whole = batch_attention.prefill_attention(
+            queries, keys, values, 10, window, 0.3, None, sinks
+        )
+        monkeypatch.setattr(batch_attention, "SINK_SCORE_ELEMENTS", 4 * 50 * 3)  # 3 queries
+        blocks = batch_attention.prefill_attention(
+            queries, keys, values, 10, window, 0.3, None, sinks
+        )
+        monkeypatch.undo()
+        assert torch.allclose(blocks, whole, atol=1e-6)
+
+
 def test_clamped_swiglu_equals_transformers_experts() -> None:
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
