@@ -162,3 +162,37 @@ def save_tiny_checkout(
         index_content = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (directory / "model.safetensors.index.json").write_text(json.dumps(index_content))
     return directory
+
+
+def save_mxfp4_twin(float_directory: Path, directory: Path) -> Path:
+    """The tiny gpt-oss model in `float_directory` as an MXFP4 checkpoint, laid out as
+    gpt-oss's own: each stacked expert weight (`mlp.experts.gate_up_proj` `[experts, hidden,
+    2 * intermediate]`, `down_proj` `[experts, intermediate, hidden]`) replaced by its
+    output-major MXFP4 `<name>_blocks` / `<name>_scales` (`quant.mxfp4.quantize_mxfp4`),
+    every other tensor as it was, and `quantization_config.quant_method = "mxfp4"`."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from exo.worker.engines.torch.quant.mxfp4 import quantize_mxfp4
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(float_directory / "model.safetensors"))
+    quantized: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2).contiguous())
+            quantized[f"{name}_blocks"], quantized[f"{name}_scales"] = blocks, scales
+        else:
+            quantized[name] = tensor
+    save_file(quantized, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((float_directory / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"],
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    for path in float_directory.iterdir():
+        if path.name not in ("config.json", "model.safetensors") and path.is_file():
+            shutil.copy(path, directory / path.name)
+    return directory

@@ -24,9 +24,16 @@ def empty_model(config: PretrainedConfig) -> PreTrainedModel:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    text_config = config.get_text_config()
+    # SDPA where transformers offers it; eager for models it refuses SDPA (gpt-oss: its
+    # attention sinks). The engine switches either to its own batched attention.
+    implementation = "sdpa"
+    model_class = AutoModelForCausalLM._model_mapping.get(type(text_config), None)
+    if model_class is not None and not getattr(model_class, "_supports_sdpa", True):
+        implementation = "eager"
     with init_empty_weights(include_buffers=False):
         model: PreTrainedModel = AutoModelForCausalLM.from_config(
-            config.get_text_config(), dtype=torch.float32, attn_implementation="sdpa"
+            text_config, dtype=torch.float32, attn_implementation=implementation
         )
     model.config.architectures = [type(model).__name__]
     return model

@@ -48,6 +48,10 @@ BATCHED_ATTENTION = "exo_batched"
 # scores; in blocks of 128 it computes 62.5% of them, faster at 512 tokens and no slower
 # at 128 or 1024 (figures: docs/benchmarks/engine-design-figures.md#batch_attentionpy).
 PREFILL_QUERY_BLOCK = 128
+# The most attention scores (queries x heads x keys) one `sink_attention` call of a prompt
+# chunk holds (64 MiB of float32): a long prompt's chunk then attends in smaller query
+# blocks (gpt-oss-20b's 64 heads over 32k keys: 8 queries per block).
+SINK_SCORE_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,11 +142,15 @@ def batched_attention_forward(
         `[1, T, heads, head_dim]` attention output, and no weights.
     """
     plan = _active_plan
+    sinks = kwargs.pop("s_aux", None)  # gpt-oss's attention sinks, `[heads]`
     if plan is None:
+        if sinks is not None:
+            raise NotImplementedError("attention sinks outside a batched step")
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    return attend(plan, plan.layer_of[id(module)], query, key, value, scaling), None
+    layer = plan.layer_of[id(module)]
+    return attend(plan, layer, query, key, value, scaling, sinks=sinks), None
 
 
 def attend(
@@ -153,6 +161,7 @@ def attend(
     value: torch.Tensor,
     scaling: float | None,
     prefill_dtype: torch.dtype | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write the step's new keys/values of decoder layer `layer` into the plan's slots and
     attend each request's queries to its own keys.
@@ -163,6 +172,8 @@ def attend(
         scaling: the softmax scale (None: `head_dim ** -0.5`).
         prefill_dtype: the dtype prompt chunks attend in (`prefill_attention`; None: the
             cache's). Decode rows always attend in the cache's.
+        sinks: `[heads]` learned logits joining each query's softmax denominator
+            (gpt-oss; `sink_attention`), None for plain attention.
 
     Returns:
         `[1, T, heads, head_dim]` attention output.
@@ -191,10 +202,14 @@ def attend(
             full = query.new_zeros(occupied, *queries.shape[1:])
             full[plan.decode_index] = queries
             queries = full
-        attended = F.scaled_dot_product_attention(
-            queries, keys[:occupied, :, :max_len], values[:occupied, :, :max_len],
-            attn_mask=mask, scale=scaling, enable_gqa=True,
-        )  # fmt: skip  # [S, heads, 1, dim]
+        keys_read, values_read = keys[:occupied, :, :max_len], values[:occupied, :, :max_len]
+        if sinks is None:
+            attended = F.scaled_dot_product_attention(
+                queries, keys_read, values_read, attn_mask=mask, scale=scaling, enable_gqa=True
+            )
+        else:
+            attended = sink_attention(queries, keys_read, values_read, mask, scaling, sinks=sinks)
+        # attended: [S, heads, 1, dim]
         if not plan.all_slots_decode:
             attended = attended[plan.decode_index]
         output[0, :decoding] = attended[:, :, 0]
@@ -210,10 +225,59 @@ def attend(
             segment.start,
             window,
             scaling,
-            prefill_dtype,
+            None if sinks is not None else prefill_dtype,
+            sinks,
         )
         output[0, rows] = attended[0].transpose(0, 1)
     return output
+
+
+def sink_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    enable_gqa: bool = True,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` (grouped-query) with a learned logit per head in
+    each softmax's denominator that attends to nothing: `softmax([q·k * scale..., sink])`
+    without the sink's column (gpt-oss's attention sinks, as transformers' gpt-oss eager
+    attention computes them; the sink enters after the max, so no large logit overflows).
+
+    Args:
+        query: `[B, heads, n, dim]`; key / value: `[B, kv_heads, L, dim]`.
+        attn_mask: bool `[B or 1, 1, n, L]` (True: visible), or None.
+        is_causal: query i sees keys 0..i + L - n (with `attn_mask` None).
+        sinks: `[heads]` float32 logits.
+
+    Returns:
+        `[B, heads, n, dim]` in the query's dtype.
+    """
+    assert sinks is not None and enable_gqa
+    batch, heads, count, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    scale = dim**-0.5 if scale is None else scale
+    # Query head h reads KV head h // group: [B, kv_heads, group * n, dim] against [L, dim].
+    grouped = query.reshape(batch, kv_heads, group * count, dim)
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).mul_(scale)
+    scores = scores.view(batch, heads, count, length)
+    if is_causal:
+        attn_mask = torch.ones(count, length, dtype=torch.bool, device=query.device).tril_(
+            length - count
+        )
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, heads, 1, 1)
+    peak = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+    weights = (scores - peak).exp_()
+    denominator = weights.sum(dim=-1, keepdim=True) + (sink - peak).exp()
+    weights = weights.div_(denominator).to(value.dtype)
+    out = torch.matmul(weights.view(batch, kv_heads, group * count, length), value)
+    return out.view(batch, heads, count, dim)
 
 
 def prefill_attention(
@@ -224,6 +288,7 @@ def prefill_attention(
     window: int | None,
     scaling: float | None,
     dtype: torch.dtype | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a request's prompt chunk to the keys each position may see: causal,
     within the layer's sliding window, in blocks of `PREFILL_QUERY_BLOCK` queries (each
@@ -243,6 +308,7 @@ def prefill_attention(
             on AMX tiles, faster casts included; figures:
             docs/benchmarks/engine-design-figures.md#batch_attentionpy); the output comes
             back in the queries' dtype.
+        sinks: `[heads]` attention-sink logits (`sink_attention`), or None.
 
     Returns:
         `[1, heads, n, dim]`.
@@ -256,13 +322,17 @@ def prefill_attention(
             start - first, window, scaling,
         )  # fmt: skip
         return rounded.to(queries.dtype)
-    if count <= PREFILL_QUERY_BLOCK:
-        return _block_attention(queries, keys, values, start, window, scaling)
+    block = PREFILL_QUERY_BLOCK
+    if sinks is not None:  # `sink_attention` holds its scores: bound them per block
+        seen = start + count if window is None else min(start + count, window + block)
+        block = max(1, min(block, SINK_SCORE_ELEMENTS // (queries.shape[1] * seen)))
+    if count <= block:
+        return _block_attention(queries, keys, values, start, window, scaling, sinks)
     output = queries.new_empty(queries.shape)
-    for offset in range(0, count, PREFILL_QUERY_BLOCK):
-        rows = slice(offset, min(count, offset + PREFILL_QUERY_BLOCK))
+    for offset in range(0, count, block):
+        rows = slice(offset, min(count, offset + block))
         output[:, :, rows] = _block_attention(
-            queries[:, :, rows], keys, values, start + offset, window, scaling
+            queries[:, :, rows], keys, values, start + offset, window, scaling, sinks
         )
     return output
 
@@ -274,11 +344,19 @@ def _block_attention(
     start: int,
     window: int | None,
     scaling: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`prefill_attention` of one block, in one SDPA call."""
+    """`prefill_attention` of one block, in one SDPA call (`sink_attention` with sinks)."""
     end = start + queries.shape[2]
     first = 0 if window is None else max(0, start - window + 1)
     block_keys, block_values = keys[:, :, first:end], values[:, :, first:end]
+    if sinks is not None:
+        query_positions = torch.arange(start, end, device=queries.device)[:, None]
+        key_positions = torch.arange(first, end, device=queries.device)[None, :]
+        visible = key_positions <= query_positions
+        if window is not None:
+            visible &= key_positions > query_positions - window
+        return sink_attention(queries, block_keys, block_values, visible, scaling, sinks=sinks)
     if start == 0 and (window is None or end <= window):  # plain causal: no mask to build
         return F.scaled_dot_product_attention(
             queries, block_keys, block_values, is_causal=True, scale=scaling, enable_gqa=True

@@ -113,6 +113,7 @@ class LeanModel:
         config: Any = model.config
         text_config: Any = config.get_text_config()
         self._rotary: nn.Module = inner.rotary_emb
+        self._per_frequency = family.layout.rotary_per_frequency
         layer_types = getattr(text_config, "layer_types", None)
         if family.layout.rope_per_layer_type and isinstance(layer_types, list | tuple):
             self._rope_kinds: list[str | None] = sorted(set(layer_types))
@@ -241,7 +242,10 @@ class LeanModel:
                 cos, sin = self._rotary(probe, positions)
             else:
                 cos, sin = self._rotary(probe, positions, kind)
-            tables.append(rotary_tables(cos[0], sin[0], head_dim))
+            cos, sin = cos[0], sin[0]
+            if self._per_frequency:  # one value per frequency: both halves of a head
+                cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+            tables.append(rotary_tables(cos, sin, head_dim))
         return tables
 
     def _native_step(self, plan: BatchPlan, rows: int) -> bool:
@@ -391,7 +395,7 @@ class LeanModel:
             and layer.qkv.prefill_activations == "bf16"
             else None
         )
-        attended = attend(plan, index, query, key, value, layer.scaling, prefill_dtype)
+        attended = attend(plan, index, query, key, value, layer.scaling, prefill_dtype, layer.sinks)
         out = layer.output(attended.view(rows, heads * head_dim).to(layer.output.in_dtype))
         if layer.post_attention_norm is not None:
             weight, eps = layer.post_attention_norm

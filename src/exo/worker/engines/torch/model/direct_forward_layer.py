@@ -33,6 +33,7 @@ class LeanLayer:
     Attributes:
         heads / kv_heads / head_dim: this rank's query and KV heads, and their width.
         rope: index of the layer's rotary tables in the step (0 unless Gemma 3 local).
+        sinks: this rank's heads' attention-sink logits `[heads]` float32 (gpt-oss), or None.
         gate_up / down: the dense MLP's projections (None in a MoE layer).
         moe: the layer's sparse MLP block (None in a dense layer).
     """
@@ -41,7 +42,7 @@ class LeanLayer:
         "activation", "activation_number", "decode_arguments", "down", "gate_up", "head_dim",
         "heads", "input_norm", "intermediate", "kv_heads", "moe", "output", "post_attention_norm",
         "post_mlp_norm", "pre_mlp_norm", "projection_qk_norm", "qk_norm", "qkv", "reduced",
-        "rope", "scaling",
+        "rope", "scaling", "sinks",
     )  # fmt: skip
 
     def __init__(
@@ -107,6 +108,15 @@ class LeanLayer:
                 [q_weight.expand(self.heads, -1), k_weight.expand(self.kv_heads, -1)]
             )  # [heads + kv_heads, head_dim]
             self.qk_norm = (weight, eps)
+        self.sinks: torch.Tensor | None = None
+        if layout.attention_sinks is not None:
+            owner, _, name = layout.attention_sinks.rpartition(".")
+            sinks = getattr(layer.get_submodule(owner) if owner else layer, name, None)
+            if not isinstance(sinks, torch.Tensor) or sinks.shape != (self.heads,):
+                raise LeanUnsupportedError(
+                    f"no [heads] attention sinks at {layout.attention_sinks}"
+                )
+            self.sinks = sinks.detach().float()
         # A tensor rank: the output and down projections' partial sums are all-reduced.
         self.reduced = self.output.reduce and (self.down is None or self.down.reduce)
         self.decode_arguments = self._decode_arguments()
@@ -115,8 +125,14 @@ class LeanLayer:
         """The `linears`, `norms`, `eps` and `activation` arguments of exo's decode layer
         (`native/decode_layer.cpp`), or None where a projection cannot run there (or only
         some of a layer's row-parallel projections are; a MoE layer: the decode layer has
-        no sparse block, nor norms over all heads)."""
-        if self.gate_up is None or self.down is None or self.projection_qk_norm is not None:
+        no sparse block, nor norms over all heads; attention sinks: its attention has
+        none)."""
+        if (
+            self.gate_up is None
+            or self.down is None
+            or self.projection_qk_norm is not None
+            or self.sinks is not None
+        ):
             return None
         if self.qkv.reduce or self.gate_up.reduce or self.output.reduce != self.down.reduce:
             return None

@@ -22,29 +22,45 @@ from exo.worker.engines.torch.model.direct_forward_parts import (
     mlp_activation,
 )
 from exo.worker.engines.torch.model.families import ModelFamily
+from exo.worker.engines.torch.model.families.spec import ExpertActivation
 from exo.worker.engines.torch.model.moe import (
     GATED_MLP_NAMES,
     ExpertFunction,
     RoutedExperts,
     moe_output,
+    router_bias,
     router_weight,
 )
+from exo.worker.engines.torch.quant.mxfp4 import Mxfp4Linear, Mxfp4Projection
 
 
 class LeanExpert:
-    """One expert's `down(act(gate(x)) * up(x))` over `[n, hidden]` float32 rows."""
+    """One expert's `down(act(gate(x)) * up(x))` over `[n, hidden]` float32 rows, or
+    `down(gated(gate(x), up(x)))` with the family's gated activation (gpt-oss); biases as
+    the linears have them."""
 
-    __slots__ = ("activation", "down", "gate_up")
+    __slots__ = ("activation", "down", "gate_up", "gated")
 
-    def __init__(self, gate_up: Projection, down: Projection, activation: Activation) -> None:
+    def __init__(
+        self,
+        gate_up: Projection | Mxfp4Projection,
+        down: Projection | Mxfp4Projection,
+        activation: Activation | None,
+        gated: ExpertActivation | None = None,
+    ) -> None:
         self.gate_up = gate_up
         self.down = down
         self.activation = activation
+        self.gated = gated
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(rows.to(self.gate_up.in_dtype))  # [n, 2 * intermediate]
         middle = gate_up.shape[-1] // 2
-        activated = self.activation(gate_up[:, :middle]).mul_(gate_up[:, middle:])
+        if self.gated is not None:
+            activated = self.gated(gate_up[:, :middle], gate_up[:, middle:])
+        else:
+            assert self.activation is not None
+            activated = self.activation(gate_up[:, :middle]).mul_(gate_up[:, middle:])
         return self.down(activated.to(self.down.in_dtype)).float()
 
 
@@ -74,6 +90,21 @@ class LeanSharedExpert:
         return self.expert(rows)
 
 
+def _expert_projections(
+    expert: nn.Module, family: ModelFamily, bf16: bool
+) -> tuple[Projection | Mxfp4Projection, Projection | Mxfp4Projection]:
+    """An expert's fused gate/up and its down projection: `Projection`s over its linears,
+    or `Mxfp4Projection`s where they are held as MXFP4."""
+    moe = family.moe
+    assert moe is not None
+    gate_up = [expert.get_submodule(path) for path in moe.expert_gate_up]
+    down = expert.get_submodule(moe.expert_down)
+    held = [linear for linear in (*gate_up, down) if isinstance(linear, Mxfp4Linear)]
+    if len(held) == len(gate_up) + 1:
+        return Mxfp4Projection(held[:-1]), Mxfp4Projection(held[-1:])
+    return Projection(gate_up, bf16), Projection([down], bf16)
+
+
 class LeanMoe:
     """One decoder layer's MoE block (`family.moe`), called on the normed `[T, hidden]`
     float32 rows; returns the block's `[T, hidden]` float32 output (whole: reduced over the
@@ -84,7 +115,9 @@ class LeanMoe:
             (a gated shared expert, a correction bias not found).
     """
 
-    __slots__ = ("correction_bias", "experts", "reduce", "router", "routing", "shared")
+    __slots__ = (
+        "correction_bias", "experts", "reduce", "router", "router_bias", "routing", "shared",
+    )  # fmt: skip
 
     def __init__(
         self, layer: nn.Module, routed: RoutedExperts, family: ModelFamily, config: Any, bf16: bool
@@ -103,6 +136,7 @@ class LeanMoe:
                 f"{routed.total}"
             )
         self.router = router_weight(layer, family)
+        self.router_bias = router_bias(layer, family)
         self.correction_bias: torch.Tensor | None = None
         if moe.correction_bias is not None:
             owner, _, name = moe.correction_bias.rpartition(".")
@@ -112,17 +146,20 @@ class LeanMoe:
             self.correction_bias = bias.detach().float()
         self.experts: list[ExpertFunction | None] = [None] * routed.total
         for expert_id, expert in routed.held().items():
-            gate_up = Projection([expert.get_submodule(p) for p in moe.expert_gate_up], bf16)
-            down = Projection([expert.get_submodule(moe.expert_down)], bf16)
+            gate_up, down = _expert_projections(expert, family, bf16)
             if gate_up.reduce or down.reduce:
                 raise LeanUnsupportedError("an expert linear that all-reduces by itself")
-            self.experts[expert_id] = LeanExpert(gate_up, down, mlp_activation(expert))
+            gated = expert.gated
+            activation = None if gated is not None else mlp_activation(expert)
+            self.experts[expert_id] = LeanExpert(gate_up, down, activation, gated)
         self.reduce = routed.reduce
         if self.shared is not None and self.shared.partial and not self.reduce:
             raise LeanUnsupportedError("a tensor-split shared expert beside whole experts")
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        out = moe_output(rows, self.router, self.routing, self.correction_bias, self.experts)
+        out = moe_output(
+            rows, self.router, self.routing, self.correction_bias, self.experts, self.router_bias
+        )
         shared = None if self.shared is None else self.shared(rows)
         if shared is not None and self.shared is not None and self.shared.partial:
             out.add_(shared)  # a tensor rank: both parts partial, one all-reduce

@@ -52,8 +52,9 @@ from exo.worker.engines.torch.model.families import (
     config_architecture,
     family_for_architecture,
 )
+from exo.worker.engines.torch.model.fused_experts import FusedExperts
 from exo.worker.engines.torch.model.fusion import fuse_rms_norms
-from exo.worker.engines.torch.model.moe import install_routed_experts
+from exo.worker.engines.torch.model.moe import ExpertFormat, install_routed_experts
 from exo.worker.engines.torch.model.sharding import AbsentModule, model_tensor_name
 from exo.worker.engines.torch.parallel import engine_transform
 from exo.worker.engines.torch.quant.gguf_weights import (
@@ -101,11 +102,17 @@ def release_freed_memory() -> None:
 
 
 def _plan_tensors(
-    model_dir: Path, prefix: str, shard: ShardMetadata, wanted: set[str], family: ModelFamily
+    model_dir: Path,
+    prefix: str,
+    shard: ShardMetadata,
+    wanted: set[str],
+    family: ModelFamily,
+    fused: FusedExperts | None = None,
 ) -> dict[int | None, list[PlannedTensor]]:
     """This rank's tensors grouped by decoder layer index on this rank (None: embedding,
     final norm, LM head), read from the safetensors headers only; checkpoint names the
-    family's modules name otherwise are renamed (`ModelFamily.checkpoint_renames`)."""
+    family's modules name otherwise are renamed (`ModelFamily.checkpoint_renames`). A
+    stacked expert tensor (`fused`) is planned once per expert linear this rank holds."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{model_dir} has no *.safetensors weights")
@@ -119,12 +126,17 @@ def _plan_tensors(
                 if repacked is not None and repacked.companion:
                     continue
                 base = name if repacked is None else repacked.base
-                target = model_tensor_name(family.model_tensor_name(base), prefix, shard)
-                if target is None or target not in wanted:
+                model_name = model_tensor_name(family.model_tensor_name(base), prefix, shard)
+                if model_name is None:
                     skipped += 1
                     continue
-                match = LAYER_TENSOR.match(target)
-                groups[int(match.group(1)) if match else None].append((path, name, target))
+                targets = [model_name] if fused is None else fused.targets(model_name)
+                kept = [target for target in targets if target in wanted]
+                if not kept:
+                    skipped += 1
+                for target in kept:
+                    match = LAYER_TENSOR.match(target)
+                    groups[int(match.group(1)) if match else None].append((path, name, target))
     logger.debug("{}: {} checkpoint tensors are not on this rank", model_dir, skipped)
     return groups
 
@@ -292,13 +304,19 @@ def load_model(
             f"{architecture}: its text model is {type(model).__name__}, which the "
             f"{family.name} family file does not describe"
         )
-    # MoE blocks hold one linear per expert, named as checkpoints store them (`moe.py`).
-    install_routed_experts(model, family)
+    # MoE blocks hold one linear per expert, named as checkpoints store them (`moe.py`);
+    # MXFP4 experts stay MXFP4 (`quant/mxfp4.py`).
+    expert_format = _expert_format(config, family)
+    install_routed_experts(model, family, expert_format)
     transform = engine_transform(shard.sharding)
     transform.cut(model, family, shard)
     text_config = model.config.get_text_config()
     prefix = family.checkpoint_prefix(architecture)
-    groups = _plan_tensors(model_dir, prefix, shard, _model_entries(model), family)
+    fused: FusedExperts | None = None
+    if family.moe is not None and family.moe.fused_checkpoint is not None:
+        experts = family.moe.routing(text_config).experts
+        fused = FusedExperts(family.moe, experts, mxfp4=expert_format == "mxfp4")
+    groups = _plan_tensors(model_dir, prefix, shard, _model_entries(model), family, fused)
     if getattr(text_config, "tie_word_embeddings", False):
         _plan_tied_lm_head(model_dir, prefix, model, groups)
     layers: Any = model.model.layers
@@ -315,9 +333,14 @@ def load_model(
                 return
             tensor = loaded
         else:
-            tensor = reader(handle_for(path).get_slice(name))
+            stored = handle_for(path).get_slice(name)
+            if fused is not None and fused.stacks(name):
+                stored = fused.cut(name, target, stored)  # one expert of a stacked tensor
+            tensor = reader(stored)
         # A copy: a view would keep the file's whole memory map alive (and resident).
-        _assign_tensor(model, target, tensor.to(device=device, dtype=torch.float32, copy=True))
+        # Float tensors as float32; integer ones (MXFP4 blocks and scales) as stored.
+        dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
+        _assign_tensor(model, target, tensor.to(device=device, dtype=dtype, copy=True))
 
     unlayered = groups.get(None, [])
     embedding_here = not isinstance(getattr(model.model, "embed_tokens", None), AbsentModule)
@@ -363,6 +386,35 @@ def load_model(
     model.requires_grad_(False)
     enable_lean_forward(model, family)
     return model
+
+
+def _expert_format(config: Any, family: ModelFamily) -> ExpertFormat:
+    """ "mxfp4" for a checkpoint whose `quantization_config.quant_method` is "mxfp4" (gpt-oss:
+    its experts stored as MXFP4 blocks), else "float".
+
+    Raises:
+        UnsupportedArchitectureError: MXFP4 for a family whose checkpoints do not stack
+            their experts.
+    """
+    quantization = getattr(config.get_text_config(), "quantization_config", None) or getattr(
+        config, "quantization_config", None
+    )
+    if quantization is None:
+        return "float"
+    method = (
+        quantization.get("quant_method")
+        if isinstance(quantization, dict)
+        else getattr(quantization, "quant_method", None)
+    )
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    if method != "mxfp4":
+        return "float"  # other methods are read (or refused) where their tensors are
+    if family.moe is None or family.moe.fused_checkpoint is None:
+        raise UnsupportedArchitectureError(
+            f"quantization_config.quant_method='mxfp4' for the {family.name} family, whose "
+            "checkpoints have no MXFP4 experts"
+        )
+    return "mxfp4"
 
 
 # A routed expert's tensor on this rank: (its module's path in the layer, the expert id).

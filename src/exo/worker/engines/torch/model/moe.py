@@ -19,7 +19,7 @@ whole experts) sums its part and all-reduces once per MoE block (`RoutedExperts.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +27,13 @@ from torch import nn
 
 from exo.worker.engines.torch.comm.tcp_mesh import all_reduce_sum
 from exo.worker.engines.torch.model.families.spec import (
+    ExpertActivation,
     ModelFamily,
     Routing,
     UnsupportedArchitectureError,
 )
+from exo.worker.engines.torch.quant.mxfp4 import BLOCK as MXFP4_BLOCK
+from exo.worker.engines.torch.quant.mxfp4 import Mxfp4Linear
 
 # One expert's computation over its rows: `[n, hidden]` float32 → `[n, hidden]` float32.
 ExpertFunction = Callable[[torch.Tensor], torch.Tensor]
@@ -116,6 +119,19 @@ def dispatch(
     return out
 
 
+# How the experts' weights are held: float (loaded as float32, then quantized like any
+# linear), or MXFP4 as the checkpoint stores them (`quant/mxfp4.py`).
+ExpertFormat = Literal["float", "mxfp4"]
+
+
+def _expert_linear(
+    in_features: int, out_features: int, bias: bool, expert_format: ExpertFormat
+) -> nn.Module:
+    if expert_format == "mxfp4":
+        return Mxfp4Linear(in_features, out_features, bias)
+    return nn.Linear(in_features, out_features, bias=bias, device="meta")
+
+
 # An expert's (gate, up, down) linears' names, as the family's checkpoints store them
 # (`MixtureOfExperts.expert_gate_up` / `expert_down`; Mixtral's are w1, w3, w2).
 ExpertNames = tuple[str, str, str]
@@ -123,7 +139,9 @@ GATED_MLP_NAMES: ExpertNames = ("gate_proj", "up_proj", "down_proj")
 
 
 class ExpertMLP(nn.Module):
-    """One expert: `down(act(gate(x)) * up(x))`, its linears named as checkpoints name them."""
+    """One expert: `down(act(gate(x)) * up(x))`, its linears named as checkpoints name them;
+    with `gated`, `down(gated(gate(x), up(x)))` (gpt-oss's clamped SwiGLU), and with `bias`
+    biased linears; `expert_format` "mxfp4": `Mxfp4Linear`s."""
 
     def __init__(
         self,
@@ -131,17 +149,23 @@ class ExpertMLP(nn.Module):
         intermediate: int,
         act_fn: Callable[..., Any],
         names: ExpertNames = GATED_MLP_NAMES,
+        bias: bool = False,
+        gated: ExpertActivation | None = None,
+        expert_format: ExpertFormat = "float",
     ) -> None:
         super().__init__()
         self.names = names
         gate, up, down = names
-        self.add_module(gate, nn.Linear(hidden, intermediate, bias=False, device="meta"))
-        self.add_module(up, nn.Linear(hidden, intermediate, bias=False, device="meta"))
-        self.add_module(down, nn.Linear(intermediate, hidden, bias=False, device="meta"))
+        self.add_module(gate, _expert_linear(hidden, intermediate, bias, expert_format))
+        self.add_module(up, _expert_linear(hidden, intermediate, bias, expert_format))
+        self.add_module(down, _expert_linear(intermediate, hidden, bias, expert_format))
         self.act_fn = act_fn
+        self.gated = gated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, name) for name in self.names)
+        if self.gated is not None:
+            return down(self.gated(gate(x), up(x)))
         return down(self.act_fn(gate(x)) * up(x))
 
 
@@ -154,6 +178,8 @@ class RoutedExperts(nn.Module):
         total: experts of the block over every rank.
         reduce: this rank holds part of the block (tensor slices or some experts): its
             output is a partial sum, all-reduced over the group.
+        bias / gated: the experts' biased linears and gated activation (`ExpertMLP`).
+        expert_format: how the experts' weights are held (`ExpertFormat`).
     """
 
     def __init__(
@@ -163,16 +189,27 @@ class RoutedExperts(nn.Module):
         intermediate: int,
         act_fn: Any,
         names: ExpertNames = GATED_MLP_NAMES,
+        bias: bool = False,
+        gated: ExpertActivation | None = None,
+        expert_format: ExpertFormat = "float",
     ) -> None:
         super().__init__()
         self.total = total
+        self.expert_format: ExpertFormat = expert_format
         self.hidden = hidden
         self.intermediate = intermediate
         self.names = names
-        self._act_fn = (act_fn,)  # in a tuple: not a child (children are the experts)
+        self.bias = bias
+        self._act_fn = (act_fn, gated)  # in a tuple: not children (children are the experts)
         self.reduce = False
         for expert in range(total):
-            self.add_module(str(expert), ExpertMLP(hidden, intermediate, act_fn, names))
+            self.add_module(str(expert), self._expert(intermediate))
+
+    def _expert(self, intermediate: int) -> ExpertMLP:
+        act_fn, gated = self._act_fn
+        return ExpertMLP(
+            self.hidden, intermediate, act_fn, self.names, self.bias, gated, self.expert_format
+        )
 
     def held(self) -> dict[int, ExpertMLP]:
         """The experts this rank holds, by id."""
@@ -196,8 +233,13 @@ class RoutedExperts(nn.Module):
                 f"parallel world size {world_size}"
             )
         share = self.intermediate // world_size
+        if self.expert_format == "mxfp4" and share % MXFP4_BLOCK:
+            raise ValueError(
+                f"an expert's {self.intermediate} MXFP4 inputs split {world_size} ways are not "
+                f"whole blocks of {MXFP4_BLOCK}"
+            )
         for name, _ in list(self.named_children()):
-            self.add_module(name, ExpertMLP(self.hidden, share, self._act_fn[0], self.names))
+            self.add_module(name, self._expert(share))
         self.reduce = True
 
     def functions(self) -> list[ExpertFunction | None]:
@@ -213,24 +255,31 @@ class RoutedExperts(nn.Module):
         return out.to(hidden_states.dtype)
 
 
-def install_routed_experts(model: nn.Module, family: ModelFamily) -> int:
+def install_routed_experts(
+    model: nn.Module, family: ModelFamily, expert_format: ExpertFormat = "float"
+) -> int:
     """Replace every MoE block's experts module (transformers' stacked weights, on the meta
     device) by a `RoutedExperts` of the same shapes, so checkpoints' per-expert tensors
-    load into it by name. The number of MoE layers; 0 for a dense family.
+    load into it by name (fused checkpoints: cut per expert, `model/fused_experts.py`),
+    held as `expert_format` says. The number of MoE layers; 0 for a dense family.
 
     Raises:
         UnsupportedArchitectureError: a config whose routing the family cannot run (the
             message names the field: `Routing`, `MixtureOfExperts.routing`), or an experts
             module whose weights are not the stacked `gate_up_proj` `[experts, 2 *
             intermediate, hidden]` and `down_proj` `[experts, hidden, intermediate]` this
-            knows.
+            knows (input-major `[experts, hidden, 2 * intermediate]` and `[experts,
+            intermediate, hidden]` for a family with `fused_checkpoint`: gpt-oss).
     """
-    if family.moe is None:
+    moe = family.moe
+    if moe is None:
         return 0
-    config: Any = model.config
-    family.moe.routing(config.get_text_config())  # refuse what the family cannot route
-    parent_path, _, attribute = family.moe.experts.rpartition(".")
+    parent_path, _, attribute = moe.experts.rpartition(".")
     layers: Any = model.model.layers  # type: ignore[union-attr]
+    config: Any = model.config.get_text_config()  # type: ignore[union-attr,operator]
+    moe.routing(config)  # refuse what the family cannot route
+    gated = None if moe.expert_activation is None else moe.expert_activation(config)
+    input_major = moe.fused_checkpoint is not None
     replaced = 0
     for index, layer in enumerate(layers):
         parent = layer.get_submodule(parent_path) if parent_path else layer
@@ -245,24 +294,32 @@ def install_routed_experts(model: nn.Module, family: ModelFamily) -> int:
             or not isinstance(down, torch.Tensor)
             or gate_up.dim() != 3
             or down.dim() != 3
-            or act_fn is None
+            or (act_fn is None and gated is None)
         ):
             raise UnsupportedArchitectureError(
                 f"{type(model).__name__}: layer {index}'s {type(experts).__name__} is not "
                 "the stacked gate_up_proj / down_proj experts module the engine replaces"
             )
-        total, hidden, intermediate = down.shape
-        if tuple(gate_up.shape) != (total, 2 * intermediate, hidden):
+        if input_major:
+            total, intermediate, hidden = down.shape
+            expected = (total, hidden, 2 * intermediate)
+        else:
+            total, hidden, intermediate = down.shape
+            expected = (total, 2 * intermediate, hidden)
+        if tuple(gate_up.shape) != expected:
             raise UnsupportedArchitectureError(
                 f"{type(model).__name__}: layer {index}'s experts' gate_up_proj has shape "
-                f"{tuple(gate_up.shape)}, expected {(total, 2 * intermediate, hidden)}"
+                f"{tuple(gate_up.shape)}, expected {expected}"
             )
-        names = (*family.moe.expert_gate_up, family.moe.expert_down)
+        names = (*moe.expert_gate_up, moe.expert_down)
         if len(names) != 3:
             raise UnsupportedArchitectureError(
                 f"{family.name}: an expert is gate, up and down linears, not {names}"
             )
-        routed = RoutedExperts(total, hidden, intermediate, act_fn, (names[0], names[1], names[2]))
+        routed = RoutedExperts(
+            total, hidden, intermediate, act_fn, (names[0], names[1], names[2]),
+            moe.expert_bias, gated, expert_format,
+        )  # fmt: skip
         setattr(parent, attribute, routed)
         replaced += 1
     return replaced
@@ -289,14 +346,25 @@ def router_weight(layer: nn.Module, family: ModelFamily) -> torch.Tensor:
     return weight.detach().float()
 
 
+def router_bias(layer: nn.Module, family: ModelFamily) -> torch.Tensor | None:
+    """The layer's router bias `[experts]` float32 (gpt-oss's), None where it has none."""
+    assert family.moe is not None
+    bias = getattr(layer.get_submodule(family.moe.router), "bias", None)
+    return bias.detach().float() if isinstance(bias, torch.Tensor) else None
+
+
 def moe_output(
     rows: torch.Tensor,
     router: torch.Tensor,
     routing: Routing,
     correction_bias: torch.Tensor | None,
     functions: Sequence[ExpertFunction | None],
+    router_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Route `rows` `[T, hidden]` float32 and sum their experts' weighted outputs (this
-    rank's part; the caller all-reduces a partial one). `[T, hidden]` float32."""
-    weights, experts = route(F.linear(rows, router), routing, correction_bias)
+    rank's part; the caller all-reduces a partial one). `[T, hidden]` float32.
+
+    `router_bias` `[experts]` is added to the router logits (gpt-oss's router is a biased
+    linear)."""
+    weights, experts = route(F.linear(rows, router, router_bias), routing, correction_bias)
     return dispatch(rows, experts, weights, functions)

@@ -106,6 +106,12 @@ def split_linears(model: PreTrainedModel, family: ModelFamily, world_size: int) 
             setattr(block, linear_name, replacement)
         for path in family.projection_norms:
             _split_projection_norm(layer, path, world_size, architecture, index)
+        for name in family.per_head_parameters:  # a [heads] vector: this rank's heads
+            owner_path, _, attribute = name.rpartition(".")
+            owner = layer.get_submodule(owner_path) if owner_path else layer
+            whole = getattr(owner, attribute)
+            share = torch.empty(whole.shape[0] // world_size, device="meta")
+            setattr(owner, attribute, nn.Parameter(share, requires_grad=False))
         if family.after_tensor_split is not None:
             family.after_tensor_split(layer, text_config, world_size)
 
@@ -142,8 +148,10 @@ def tensor_reader(
     family: ModelFamily, config: PretrainedConfig, model_name: str, shard: ShardMetadata
 ) -> TensorReader:
     """How rank `shard.device_rank` reads model tensor `model_name`: the rank's rows of
-    column-parallel weights and biases (part by part for fused linears), its columns of
-    row-parallel weights, everything else whole."""
+    column-parallel weights and biases (part by part for fused linears) and of per-head
+    vectors (`ModelFamily.per_head_parameters`), its columns of row-parallel weights,
+    everything else whole. An expert's down-projection bias is read by rank 0 only (zeros
+    elsewhere): the experts' partial sums are all-reduced once per block, bias included."""
     if shard.world_size == 1:
         return read_whole
     match = LAYER_TENSOR.match(model_name)
@@ -152,6 +160,16 @@ def tensor_reader(
     path, _, kind = match.group(2).rpartition(".")
     direction = family.split_direction(path)
     rank, world_size = shard.device_rank, shard.world_size
+    if match.group(2) in family.per_head_parameters:
+        direction = "column"
+    moe = family.moe
+    if moe is not None and moe.expert_linear(path) == moe.expert_down and kind == "bias":
+
+        def rank_zero_only(tensor_slice: Any) -> torch.Tensor:
+            whole: torch.Tensor = tensor_slice[:]
+            return whole if rank == 0 else torch.zeros_like(whole)
+
+        return rank_zero_only
     if direction == "column":
         parts_of = family.fused_parts.get(path)
         parts = parts_of(config) if parts_of is not None else None
@@ -168,7 +186,7 @@ def tensor_reader(
             return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
         return rows
-    if direction == "row" and kind == "weight":
+    if direction == "row" and kind in ("weight", "blocks", "scales"):  # MXFP4: block columns
 
         def columns(tensor_slice: Any) -> torch.Tensor:
             share = tensor_slice.get_shape()[1] // world_size

@@ -171,8 +171,9 @@ def test_spec_names_real_modules_and_transformers_cache_layout(
             assert type(layer.get_submodule(path)) is nn.Linear, path
         for path, parts in family.fused_parts.items():
             assert sum(parts(config)) == layer.get_submodule(path).out_features, path
-    # The tiny MoE models have sparse layers (mixed with dense ones where the family has
-    # those: `mlp_only_layers`, `first_k_dense_replace`).
+    # A MoE family's tiny model has sparse layers (mixed with dense ones where the family
+    # has those: `mlp_only_layers`, `first_k_dense_replace`; gpt-oss's are all sparse); a
+    # dense family's none.
     assert (sparse_layers > 0) == (moe is not None)
     norms = {type(module) for module in reference.modules() if "RMSNorm" in type(module).__name__}
     assert set(family.rms_norms) <= norms

@@ -14,6 +14,7 @@ from exo.worker.engines.torch.model.families import (
     gemma,
     gemma3,
     glm4_moe,
+    gpt_oss,
     llama,
     minimax_m2,
     mistral,
@@ -37,6 +38,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     glm4_moe.FAMILY,
     mixtral.FAMILY,
     minimax_m2.FAMILY,
+    gpt_oss.FAMILY,
 )
 
 

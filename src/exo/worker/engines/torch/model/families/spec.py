@@ -27,6 +27,9 @@ TinyModelBuilder = Callable[[dict[str, Any]], PreTrainedModel]
 # Adjusts one decoder layer after its linears were split over `world_size` tensor ranks,
 # for attention code that reads head counts from somewhere other than tensor shapes.
 TensorSplitHook = Callable[[nn.Module, PretrainedConfig, int], None]
+# An expert's gated activation from its gate and up projections' outputs (`[n, intermediate]`
+# each) to the down projection's input, for a family whose experts are not `act(gate) * up`.
+ExpertActivation = Callable[[Any, Any], Any]
 
 # `*ForConditionalGeneration` checkpoints (Gemma 3 4B+, Mistral-Small 3.1) keep the text
 # model under this prefix, next to the vision tower the text engine does not load.
@@ -106,6 +109,28 @@ class Routing:
 
 # The routing of a model of the family, from its (text) config.
 RoutingOfConfig = Callable[[PretrainedConfig], Routing]
+# The experts' gated activation of a model of the family, from its (text) config.
+ExpertActivationOfConfig = Callable[[PretrainedConfig], ExpertActivation]
+
+
+@dataclass(frozen=True, slots=True)
+class FusedExpertTensors:
+    """A checkpoint that stores each MoE layer's experts stacked in a few tensors (gpt-oss)
+    instead of one per expert and linear; the loader cuts each expert's linears out of them
+    (`model/fused_experts.py`), an expert-parallel rank reading only its experts' slices.
+
+    Names are relative to the experts module (`mlp.experts.gate_up_proj`):
+        gate_up: `[experts, hidden, 2 * intermediate]` (input-major), gate and up
+            interleaved along the last dimension (gate at even, up at odd columns);
+        down: `[experts, intermediate, hidden]` (input-major);
+        each with a `<name>_bias` `[experts, out]` where the experts have biases.
+    Quantized as MXFP4 (`quantization_config.quant_method = "mxfp4"`), the same tensors are
+    `<name>_blocks` `[experts, out, in / 32, 16]` uint8 and `<name>_scales` `[experts, out,
+    in / 32]` (output-major; gate and up interleaved by rows).
+    """
+
+    gate_up: str = "gate_up_proj"
+    down: str = "down_proj"
 
 
 def config_scoring(
@@ -150,6 +175,13 @@ class MixtureOfExperts:
             output (Qwen2-MoE), None where absent.
         expert_width: the config field of an expert's width (Mixtral and MiniMax-M2 size
             their experts by `intermediate_size`).
+        expert_bias: the experts' linears have biases (gpt-oss); the router's bias, where
+            the router module has one, is read whatever this says.
+        expert_activation: the experts' gated activation from the config (gpt-oss's clamped
+            SwiGLU), None for `act_fn(gate) * up` with the experts module's `act_fn`.
+        fused_checkpoint: how a checkpoint stacks the experts (None: one tensor per expert
+            and linear, `experts.N.gate_proj.weight`). Transformers' skeleton then holds
+            them input-major (`gate_up_proj` `[experts, hidden, 2 * intermediate]`).
     """
 
     routing: RoutingOfConfig
@@ -161,6 +193,9 @@ class MixtureOfExperts:
     shared_expert: str | None = None
     shared_expert_gate: str | None = None
     expert_width: str = "moe_intermediate_size"
+    expert_bias: bool = False
+    expert_activation: ExpertActivationOfConfig | None = None
+    fused_checkpoint: FusedExpertTensors | None = None
 
     def expert_linear(self, linear_path: str) -> str | None:
         """The expert-relative name of a layer-relative path inside an expert
@@ -193,6 +228,10 @@ class DecoderLayout:
         norm_offset: RMSNorms scale by `norm_offset + weight` (Gemma's `1 + weight`: 1.0).
         rope_per_layer_type: the rotary module takes the layer type (Gemma 3: local
             sliding layers use another base frequency).
+        rotary_per_frequency: the rotary module gives cos / sin once per frequency
+            (`[T, head_dim / 2]`, applied to both halves of a head: gpt-oss), not per value.
+        attention_sinks: a learned `[heads]` logit per head that joins each query's softmax
+            denominator and attends to nothing (gpt-oss's `self_attn.sinks`), None where absent.
     The activation is read from the MLP module; the embedding's scale (Gemma's
     `sqrt(hidden)`) is inside the model's embedding module, which the lean forward calls.
     """
@@ -209,6 +248,8 @@ class DecoderLayout:
     qk_norms_per_head: bool = True
     norm_offset: float = 0.0
     rope_per_layer_type: bool = False
+    rotary_per_frequency: bool = False
+    attention_sinks: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +289,8 @@ class ModelFamily:
         checkpoint_renames: (checkpoint text, model text) replaced in layer tensor names
             where the family's checkpoints name a module otherwise than transformers'
             modules do (Mixtral's `block_sparse_moe.` for `mlp.`).
+        per_head_parameters: layer-relative names of `[heads]` tensors that belong to the
+            query heads (gpt-oss's `self_attn.sinks`): a tensor rank holds its heads' share.
     """
 
     name: str
@@ -272,6 +315,8 @@ class ModelFamily:
         for stored, model in self.checkpoint_renames:
             checkpoint_name = checkpoint_name.replace(stored, model)
         return checkpoint_name
+
+    per_head_parameters: tuple[str, ...] = ()
 
     def checkpoint_prefix(self, architecture: str) -> str:
         """The prefix of the text model's tensor names in a checkpoint of `architecture`."""
