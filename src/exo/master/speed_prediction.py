@@ -12,6 +12,10 @@ smaller block forms, `NodeSpeed.native_kernels`):
 
 decode, seconds per token (one stream, `context` tokens in the KV cache):
     stage(s) = layer bytes(s) / int4 bytes/s + LM head bytes(s) / int8 bytes/s
+               (a MoE layer's bytes: what one token reads, its attention, router, shared
+               expert and the routed experts it is expected to choose on this rank,
+               `memory.moe_layer_read_bytes`; prefill's FLOPs likewise count a token's
+               top-k and shared experts only)
                (a GGUF card's layer bytes on a node running exo's kernels: each kernel's
                share at its own measured rate, `NodeSpeed.int5_decode_bytes_per_second` ...)
                + ENGINE_KV_READ_FACTOR × 2 × KV bytes(s, context) / copy bytes/s
@@ -70,10 +74,12 @@ from exo.shared.models.memory import (
     GGUF_SPLIT_TYPES,
     PrefillActivations,
     WeightShare,
+    active_linear_params_per_layer,
     decoder_layer_bytes,
     decoder_layer_bytes_by_kernel,
     gguf_kernel,
     kv_cache_bytes_per_token,
+    moe_layer_read_bytes,
     output_layer_bytes,
     vocab_share,
 )
@@ -163,11 +169,12 @@ def _transfer_seconds(link: _Link, size: float) -> float:
     return link.one_way_seconds + size / link.bytes_per_second
 
 
-def _linear_params_per_layer(card: ModelCard) -> int:
-    query = card.num_attention_heads * card.attention_head_dim
-    key_value = card.num_key_value_heads * card.attention_head_dim
-    return card.hidden_size * (2 * query + 2 * key_value) + 3 * card.hidden_size * (
-        card.intermediate_size
+def _linear_params(card: ModelCard, share: WeightShare) -> int:
+    """Weights of the share's decoder-layer linears one prompt token is multiplied by, over
+    its tensor ranks together (a MoE layer's routed top-k and shared experts only)."""
+    sparse = share.sparse_layers(card)
+    return (share.layers - sparse) * active_linear_params_per_layer(card, False) + (
+        sparse * active_linear_params_per_layer(card, True)
     )
 
 
@@ -222,7 +229,13 @@ def decode_stage_seconds(
 ) -> float:
     """Seconds one rank holding `share` spends on one decode step of a single stream with
     `context_tokens` in its KV cache (the module docstring's stage(s))."""
-    seconds = share.layers * _layer_read_seconds(card, speed, share.tensor_parallel_ranks)
+    sparse = share.sparse_layers(card)
+    dense = share.layers - sparse
+    seconds = dense * _layer_read_seconds(card, speed, share.tensor_parallel_ranks)
+    if sparse:  # the experts a token is routed to, not every expert held
+        ranks = share.tensor_parallel_ranks
+        read = moe_layer_read_bytes(card, "int4", ranks, share.experts)
+        seconds += sparse * read / speed.int4_decode_bytes_per_second
     if share.holds_output_layer:
         seconds += _lm_head_seconds(card, speed, share)
     kv = kv_cache_bytes_per_token(card, share) * context_tokens
@@ -317,7 +330,7 @@ def prefill_stage_seconds(
     docstring's TTFT stage(s)) with its runners rounding prefill's activations as
     `activations` (`NodeInfo.prefill_activations`)."""
     ranks = share.tensor_parallel_ranks
-    params = share.layers * _linear_params_per_layer(card) / ranks
+    params = _linear_params(card, share) / ranks
     query_width = card.num_attention_heads * card.attention_head_dim / ranks
     flops = 2 * (params * prompt_tokens + share.layers * prompt_tokens**2 * query_width)
     seconds = ENGINE_PREFILL_FACTOR * flops / speed.float32_matmul_flops

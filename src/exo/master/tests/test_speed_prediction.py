@@ -9,6 +9,7 @@ from exo.master.placement_memory import pipeline_share_bytes
 from exo.master.speed_prediction import (
     DEFAULT_PROMPT_TOKENS,
     ENGINE_KV_READ_FACTOR,
+    ENGINE_LAYER_OVERHEAD_FACTOR,
     ENGINE_PREFILL_FACTOR_ACTIVATIONS,
     decode_stage_seconds,
     predict_speed,
@@ -18,13 +19,18 @@ from exo.shared.models.memory import (
     PREFILL_ACTIVATIONS,
     PrefillActivations,
     WeightShare,
+    active_linear_params_per_layer,
+    decode_read_bytes,
     decoder_layer_bytes,
     decoder_layer_bytes_by_kernel,
+    decoder_layers_bytes,
+    expected_experts_read,
     kv_cache_bytes_per_token,
+    moe_layer_read_bytes,
     output_layer_bytes,
 )
 from exo.shared.types.common import NodeId
-from exo.shared.types.models import GgufWeightTypes, ModelCard
+from exo.shared.types.models import GgufWeightTypes, ModelCard, MoeGeometry
 from exo.shared.types.nodes import NodeSpeed, TopologyEdge
 from exo.testing.builders import make_card, make_node_info, make_state
 
@@ -483,3 +489,63 @@ def test_placement_balances_measured_nodes_and_splits_unmeasured_ones_by_memory(
     )
     previews = {(p.sharding, p.node_count): p for p in placement_previews(card, unmeasured, 128)}
     assert [end - start for start, end in previews[("pipeline", 2)].layer_ranges] == [6, 6]
+
+
+# A MoE card: 12 layers, layer 0 dense, the others 16 experts of width 128, top 2, and a
+# shared expert of width 128 (every width divides by 2 and fits int4).
+MOE_CARD = CARD.model_copy(
+    update={
+        "moe": MoeGeometry(
+            experts=16,
+            experts_per_token=2,
+            expert_intermediate_size=128,
+            dense_layers=(0,),
+            shared_expert_intermediate_size=128,
+        )
+    }
+)
+
+
+def test_expected_experts_read_is_the_union_of_the_rows_choices() -> None:
+    moe = MOE_CARD.moe
+    assert moe is not None
+    assert expected_experts_read(moe, 16) == pytest.approx(2.0)  # one row: its top 2
+    assert expected_experts_read(moe, 8) == pytest.approx(1.0)  # an expert rank's half
+    assert expected_experts_read(moe, 16, streams=4) == pytest.approx(16 * (1 - (7 / 8) ** 4))
+    assert 15.9 < expected_experts_read(moe, 16, streams=64) <= 16  # nearly every expert
+    with pytest.raises(ValueError, match="streams"):
+        expected_experts_read(moe, 16, streams=0)
+
+
+def test_a_moe_layer_decodes_at_the_bytes_of_the_experts_a_token_reads() -> None:
+    share = WeightShare(layers=12, first_layer=0)
+    seconds = decode_stage_seconds(MOE_CARD, speed(), share, 512)
+    dense = decoder_layer_bytes(MOE_CARD, "int4")
+    held = decoder_layer_bytes(MOE_CARD, "int4", sparse=True)
+    without = decoder_layer_bytes(MOE_CARD, "int4", sparse=True, experts=0)
+    read = without + 2 * (held - without) / 16  # top 2 of 16 experts
+    assert moe_layer_read_bytes(MOE_CARD, "int4") == pytest.approx(read)
+    kv = ENGINE_KV_READ_FACTOR * 2 * 512 * kv_cache_bytes_per_token(MOE_CARD) / (20 * GB)
+    norm = MOE_CARD.hidden_size * 4
+    head = (output_layer_bytes(MOE_CARD, "int4", shares_embedding=False) - norm) / (8 * GB)
+    overhead = 12 * 100e-6 * ENGINE_LAYER_OVERHEAD_FACTOR
+    expected = (dense + 11 * read) / (10 * GB) + kv + head + overhead
+    assert seconds == pytest.approx(expected, rel=1e-9)
+    # Memory counts every expert; the step reads an eighth of the routed ones.
+    assert decode_read_bytes(MOE_CARD, "int4", share) < 0.5 * decoder_layers_bytes(
+        MOE_CARD, "int4", share
+    )
+    # An expert-parallel rank holding half the experts reads half as many routed ones.
+    half = moe_layer_read_bytes(MOE_CARD, "int4", experts=8)
+    assert half == pytest.approx(without + (held - without) / 16)
+
+
+def test_moe_prefill_counts_a_tokens_top_k_and_shared_experts() -> None:
+    hidden, head = MOE_CARD.hidden_size, MOE_CARD.attention_head_dim
+    attention = hidden * (2 * 8 * head + 2 * 4 * head)  # 8 query and 4 KV heads
+    assert active_linear_params_per_layer(MOE_CARD, sparse=True) == attention + 3 * hidden * (
+        2 * 128 + 128
+    )
+    assert active_linear_params_per_layer(MOE_CARD, sparse=False) == attention + 3 * hidden * (
+        MOE_CARD.intermediate_size
+    )
