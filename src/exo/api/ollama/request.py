@@ -9,8 +9,11 @@ object; the last has `done: true`, a `done_reason` and the statistics, durations
 nanoseconds. A failure after the 200 went out is one `{"error": "..."}` line, which the
 official client raises as `ResponseError` (ollama-python 0.6, `Client._request`).
 
-Deliberate differences, each also said in a docstring below: `options.num_ctx` is accepted
-and ignored (the context is the model card's); `context` is never returned (and a
+`options.num_ctx` bounds the request's prompt and reply together (`context_tokens`), below
+the model's own context and KV budget (a larger value changes nothing: Ollama would stretch
+the window past what the model was trained on); a prompt over it is refused as any over the
+context is. Deliberate differences, each also said in a docstring below: `context` is never
+returned (and a
 non-empty one is refused); `load_duration` is 0 (a generation only runs on a loaded
 instance); `digest` is the SHA-256 of the model id, not of a blob.
 """
@@ -247,6 +250,7 @@ def _task_params(
                 frequency_penalty=options.frequency_penalty,
                 repetition_penalty=options.repeat_penalty,
             ),
+            context_tokens=_context_tokens(options.num_ctx),
             tools=tools,
             tool_choice=tool_choice,
             response_format=_response_format(request.format),
@@ -273,6 +277,13 @@ def _max_tokens(num_predict: int | None) -> int | None:
     if num_predict is None or num_predict <= 0:
         return None
     return num_predict
+
+
+def _context_tokens(num_ctx: int | None) -> int | None:
+    # The request's context window; 0 or a negative value leaves the model's own.
+    if num_ctx is None or num_ctx <= 0:
+        return None
+    return num_ctx
 
 
 def _thinking(think: ThinkSetting | None) -> tuple[bool | None, ReasoningEffort | None]:

@@ -87,8 +87,8 @@ class OllamaNamedToolChoice(_WireRequestModel):
 
 class OllamaOptions(_WireRequestModel):
     """The Modelfile parameters a request may set. Ones not named here (`typical_p`,
-    `mirostat`, `num_thread`, ...) are accepted and ignored; `num_ctx` is accepted and
-    ignored too (the context length is the model card's)."""
+    `mirostat`, `num_thread`, ...) are accepted and ignored. `num_ctx` bounds prompt and
+    reply together, below the model's own context (`TextGenerationTaskParams.context_tokens`)."""
 
     temperature: float | None = None
     top_p: float | None = None

@@ -175,11 +175,11 @@ def ollama_effects() -> list[Decision]:
                 ("frequency_penalty", 0.25, lambda p: p.frequency_penalty == 0.25),
             )
         ),
-        NoOp(
+        Effect(
             fields("OllamaOptions.num_ctx"),
             OLLAMA_CHAT,
             {"options": {**options, "num_ctx": 2048}},
-            "`options.num_ctx`",
+            lambda p: p.context_tokens == 2048,
         ),
         Effect(
             fields("OllamaGenerateRequest.prompt"),

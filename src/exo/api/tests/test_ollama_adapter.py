@@ -247,7 +247,7 @@ def test_options_map_to_internal_fields() -> None:
         "repeat_penalty": 1.1,
         "presence_penalty": 0.5,
         "frequency_penalty": -0.5,
-        "num_ctx": 4096,  # accepted and ignored
+        "num_ctx": 4096,  # the request's context window
         "mirostat": 2,  # unknown to us: ignored
     }
     params = chat_to_task_params(chat_request(options=options, stream=False), ModelId(MODEL))
@@ -259,6 +259,7 @@ def test_options_map_to_internal_fields() -> None:
         -0.5,
     )
     assert params.stream is False
+    assert params.context_tokens == 4096
 
 
 @pytest.mark.parametrize("num_predict", [-1, -2, 0])

@@ -102,6 +102,9 @@ class TextGenerationTaskParams(FrozenModel):
     messages: tuple[ChatMessage, ...] = ()
     prompt: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
+    context_tokens: int | None = Field(default=None, ge=1)
+    """The most tokens, prompt and reply together, the request may hold (Ollama's
+    `options.num_ctx`), below the model's context and KV budget; None: those alone."""
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)

@@ -338,11 +338,13 @@ class TorchEngine:
         """
         prompt_ids = (prompt or self.render_prompt(params)).token_ids
         limit = self.token_limit
+        what = "model's context" if limit == self.context_length else "model's KV cache budget"
+        if params.context_tokens is not None and params.context_tokens < limit:
+            limit, what = params.context_tokens, "request's context"  # Ollama's num_ctx
         room = limit - len(prompt_ids)
         if room < 1:
-            what = "context" if limit == self.context_length else "KV cache budget"
             raise PromptTooLongError(
-                f"the prompt is {len(prompt_ids)} tokens; the model's {what} is "
+                f"the prompt is {len(prompt_ids)} tokens; the {what} is "
                 f"{limit} tokens, leaving no room for a reply"
             )
         return prompt_ids, room if params.max_tokens is None else min(params.max_tokens, room)

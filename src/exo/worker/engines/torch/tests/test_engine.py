@@ -96,6 +96,21 @@ def test_tiny_context_limit_gives_length(tiny_engine: TorchEngine) -> None:
     assert final.usage.prompt_tokens == prompt_tokens
 
 
+def test_a_requests_context_bounds_prompt_and_reply(tiny_engine: TorchEngine) -> None:
+    # Ollama's num_ctx (`context_tokens`): below the model's 256 tokens it is the limit.
+    tiny_engine.eos_token_ids = frozenset({-1})
+    params = request("Fill the context", temperature=0.0, context_tokens=40)
+    final = list(tiny_engine.generate(params))[-1]
+    assert final.finish_reason == "length" and final.usage is not None
+    assert final.usage.prompt_tokens + final.usage.completion_tokens == 40
+    with pytest.raises(PromptTooLongError, match="the request's context is 4 tokens"):
+        next(tiny_engine.generate(request("word " * 10, context_tokens=4)))
+    # Above the model's context it changes nothing.
+    final = list(tiny_engine.generate(request("Fill", temperature=0.0, context_tokens=9999)))[-1]
+    assert final.usage is not None
+    assert final.usage.prompt_tokens + final.usage.completion_tokens == 256
+
+
 def test_tiny_prompt_too_long(tiny_engine: TorchEngine) -> None:
     with pytest.raises(PromptTooLongError, match="context is 256 tokens"):
         next(tiny_engine.generate(request("word " * 400)))
