@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from exo.download.locations import ModelLocations, candidates
 from exo.shared.models.cards import (
     TOKENIZER_FILES,
     SafetensorsHeader,
@@ -241,6 +242,44 @@ def card_for_local_directory(
         stored = files.tokenizer_config.get("chat_template")
         template = json.dumps(stored) if stored else None
     return with_traits(card, template, files.generation_config, gated=False)
+
+
+def card_for_cached_repository(
+    repo_id: str,
+    revision: str,
+    locations: ModelLocations,
+    supported: Collection[str],
+    trust_remote_code: bool,
+) -> ModelCard | None:
+    """The card of Hub repository `repo_id` built from a copy already on this machine, for
+    an `--offline` node: the first of `locations.candidates` (a models directory's
+    `<org>--<name>` or `<org>/<name>`, then the Hugging Face cache's snapshot of `revision`)
+    holding its config.json, safetensors weights and tokenizer. The card names the
+    repository (its source pinned to the snapshot's commit where the copy is one), so the
+    download step finds the same copy and uses it in place. None when no copy is whole.
+
+    Raises:
+        CustomModelError: 400 for a copy whose model `refuse_unsupported` refuses.
+    """
+    for directory in candidates(locations, repo_id, repo_id, revision):
+        whole = (
+            (directory / CONFIG_FILE).is_file()
+            and any(directory.glob("*.safetensors"))
+            and any((directory / name).is_file() for name in TOKENIZER_FILES)
+        )
+        if not whole:
+            continue  # not here, or an incomplete copy: look further
+        local = card_for_local_directory(str(directory), supported, trust_remote_code)
+        snapshot = directory.parent.name == "snapshots"
+        commit = directory.name if snapshot else revision
+        card = local.model_copy(
+            update={
+                "model_id": ModelId(repo_id),
+                "source": HuggingFaceSource(repo_id=repo_id, revision=commit),
+            }
+        )
+        return ModelCard.model_validate_json(card.model_dump_json())
+    return None
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

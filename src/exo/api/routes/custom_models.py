@@ -23,12 +23,15 @@ from exo.api.wire.errors import ApiError, InvalidRequestError, ModelNotFoundErro
 from exo.download.custom_cards import (
     REPO_ID,
     CustomModelError,
+    card_for_cached_repository,
     card_for_hub_repository,
     card_for_local_directory,
     is_local_path,
     search_hub,
 )
 from exo.download.gguf_models import GgufModelError, card_for_gguf
+from exo.download.locations import ModelLocations
+from exo.shared.constants import models_dir
 from exo.shared.models.architectures import ENGINE_ARCHITECTURES
 from exo.shared.models.names import resolve_model_name
 from exo.shared.types.commands import AddCustomModel, DeleteCustomModel
@@ -172,9 +175,23 @@ async def _build_card(cluster: ClusterClient, model_id: str, revision: str) -> M
                 400,
             )
         if cluster.load_on_request.offline:
+            locations = ModelLocations.from_environment(models_dir())
+            cached = await anyio.to_thread.run_sync(
+                card_for_cached_repository,
+                model_id,
+                revision,
+                locations,
+                supported,
+                trust_remote_code,
+            )
+            if cached is not None:
+                return cached
+            searched = [*locations.writable, *locations.read_only, locations.hub_cache]
             raise CustomModelError(
-                f"this node runs --offline: it cannot read {model_id} from the Hub "
-                "(add a local directory instead)",
+                f"this node runs --offline: it cannot read {model_id} from the Hub, and no "
+                f"whole copy of it (config.json, safetensors weights, a tokenizer) is in "
+                f"{', '.join(str(place) for place in searched)} (add a local directory "
+                "instead)",
                 400,
             )
         with anyio.fail_after(ADD_TIMEOUT_SECONDS):

@@ -213,6 +213,55 @@ async def test_an_offline_node_adds_no_hub_model(tmp_path: Path, hub: HubServer)
     assert "--offline" in openai_error(response, 400, "invalid_request_error")
 
 
+def hub_cache_copy(cache: Path, repo_id: str, checkout: Path, commit: str) -> Path:
+    """`checkout` laid out as the Hugging Face cache keeps `repo_id` at `commit`: blobs,
+    a snapshot of links to them, and `refs/main` naming the commit."""
+    repository = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repository / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repository / "blobs").mkdir()
+    for path in checkout.iterdir():
+        blob = repository / "blobs" / f"{path.name}.blob"
+        blob.write_bytes(path.read_bytes())
+        (snapshot / path.name).symlink_to(blob)
+    (repository / "refs").mkdir()
+    (repository / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+async def test_an_offline_node_adds_a_hub_model_it_has_on_disk(
+    tmp_path: Path, checkouts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    cache = tmp_path / "hf-cache"
+    hub_cache_copy(cache, REPO, checkouts[REPO], commit)
+    models = tmp_path / "models"
+    incomplete = models / FOREIGN_REPO.replace("/", "--")  # config.json only: not a copy
+    incomplete.mkdir(parents=True)
+    (incomplete / "config.json").write_bytes((checkouts[REPO] / "config.json").read_bytes())
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("EXO_MODELS_DIRS", str(models))
+    offline = LoadOnRequest(offline=True)
+    async with (
+        in_process_cluster(tmp_path / "node", load_on_request=offline) as running,
+        http_client(running) as client,
+    ):
+        response = await client.post("/models/add", json={"model_id": REPO})
+        assert response.status_code == 200, response.text
+        card = running.client.state.custom_cards[ModelId(REPO)]
+        # Named as the repository, pinned to the cached commit: the download step finds
+        # the same snapshot and uses it in place.
+        assert card.source.model_dump() == {
+            "kind": "HuggingFaceSource",
+            "repo_id": REPO,
+            "revision": commit,
+        }
+        assert card.architecture == "LlamaForCausalLM" and card.storage_size_bytes > 0
+        missing = await client.post("/models/add", json={"model_id": FOREIGN_REPO})
+        message = openai_error(missing, 400, "invalid_request_error")
+        assert "--offline" in message and "no whole copy" in message and str(cache) in message
+
+
 async def test_delete_refusals(cluster: InProcessCluster) -> None:
     async with http_client(cluster) as client:
         assert (await client.post("/models/add", json={"model_id": REPO})).status_code == 200
