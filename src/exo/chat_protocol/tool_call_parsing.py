@@ -13,8 +13,25 @@ Formats understood:
   `<|python_tag|>`, several separated by `;` (Llama 3.1 model card: JSON tool calling).
 - "mistral": `[TOOL_CALLS]` then a JSON list `[{"name": ..., "arguments": {...}}]`
   (Mistral tokenizer v3) or `name[ARGS]{...}` per call (Mistral tokenizer v11 and later).
+- "qwen3_coder": `<tool_call><function=NAME><parameter=KEY>value</parameter>...</function>
+  </tool_call>` (Qwen3-Coder chat template); values typed by the tool's JSON Schema.
+- "glm45": `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>value</arg_value>...</tool_call>`
+  (GLM-4.5 / 4.6 chat templates); values typed by the schema.
+- "deepseek_v3": `<｜tool▁calls▁begin｜>` then per call `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>
+  {json}<｜tool▁call▁end｜>` (DeepSeek-V3.1) or `...function<｜tool▁sep｜>NAME` and a ```json
+  fence (DeepSeek-V3 / R1), then `<｜tool▁calls▁end｜>` (fullwidth bars, U+2581 spaces).
+- "kimi_k2": `<|tool_calls_section_begin|>` then per call `<|tool_call_begin|>functions.NAME:IDX
+  <|tool_call_argument_begin|>{json}<|tool_call_end|>`, then `<|tool_calls_section_end|>`.
+- "minimax_m2": `<minimax:tool_call><invoke name="NAME"><parameter name="KEY">value
+  </parameter>...</invoke>...</minimax:tool_call>` (MiniMax-M2); values typed by the schema.
+- "harmony": gpt-oss's channels (`exo.chat_protocol.harmony`); a call's message body is its
+  JSON arguments.
 - "generic": the whole output is a JSON object (or list of them) naming a known tool, bare
   or in a ```json fence; tried at the end for every format.
+
+The `<tool_call>` bodies of "hermes", "qwen3_coder" and "glm45" are told apart by their
+shape (JSON object, `<function=`, or a name), so a model prompted in one of them and
+answering in another is still understood.
 """
 
 from __future__ import annotations
@@ -23,7 +40,8 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from exo.chat_protocol.tool_arguments import coerce_to_schema
@@ -37,16 +55,96 @@ MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
 MISTRAL_ARGS = "[ARGS]"
 MISTRAL_CALL_ID = "[CALL_ID]"
 
+DEEPSEEK_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+DEEPSEEK_CALLS_END = "<｜tool▁calls▁end｜>"
+DEEPSEEK_CALL_BEGIN = "<｜tool▁call▁begin｜>"
+DEEPSEEK_CALL_END = "<｜tool▁call▁end｜>"
+DEEPSEEK_SEP = "<｜tool▁sep｜>"
+KIMI_SECTION_BEGIN = "<|tool_calls_section_begin|>"
+KIMI_SECTION_END = "<|tool_calls_section_end|>"
+KIMI_CALL_BEGIN = "<|tool_call_begin|>"
+KIMI_ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
+KIMI_CALL_END = "<|tool_call_end|>"
+MINIMAX_OPEN = "<minimax:tool_call>"
+MINIMAX_CLOSE = "</minimax:tool_call>"
+QWEN3_CODER_FUNCTION = "<function="
+GLM_ARG_KEY = "<arg_key>"
+GLM_ARG_VALUE = "<arg_value>"
+
 TOOL_CALL_ID_PREFIX = "call_"
 TOOL_CALL_ID_LENGTH = 24
 _ID_ALPHABET = string.ascii_letters + string.digits
 
-# Markers that, once seen in answer text, start a tool call (per format).
-TEXT_MARKERS: dict[ToolCallFormat, tuple[str, ...]] = {
-    "hermes": (HERMES_OPEN,),
+
+@dataclass(frozen=True, slots=True)
+class CallBlock:
+    """Markup that encloses tool calls inside answer text: `open`, the format's body, `close`.
+    `close_optional`: the block holds whole calls, each with its own end marker, so a block
+    the model ended at EOS without `close` still counts when its calls are complete."""
+
+    open: str
+    close: str
+    close_optional: bool = False
+
+
+_TOOL_CALL_BLOCK = CallBlock(HERMES_OPEN, HERMES_CLOSE)
+_DEEPSEEK_BLOCK = CallBlock(DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END, close_optional=True)
+_KIMI_BLOCK = CallBlock(KIMI_SECTION_BEGIN, KIMI_SECTION_END, close_optional=True)
+_MINIMAX_BLOCK = CallBlock(MINIMAX_OPEN, MINIMAX_CLOSE, close_optional=True)
+
+# Blocks that, once opened in answer text, hold tool calls (per format).
+CALL_BLOCKS: dict[ToolCallFormat, tuple[CallBlock, ...]] = {
+    "hermes": (_TOOL_CALL_BLOCK,),
+    "qwen3_coder": (_TOOL_CALL_BLOCK,),
+    "glm45": (_TOOL_CALL_BLOCK,),
+    "deepseek_v3": (_DEEPSEEK_BLOCK,),
+    "kimi_k2": (_KIMI_BLOCK,),
+    "minimax_m2": (_MINIMAX_BLOCK,),
+}
+_ALL_BLOCKS = (_TOOL_CALL_BLOCK, _DEEPSEEK_BLOCK, _KIMI_BLOCK, _MINIMAX_BLOCK)
+
+# Markers after which the rest of the output is tool calls (per format).
+TRAILING_CALL_MARKERS: dict[ToolCallFormat, tuple[str, ...]] = {
     "llama3_json": (PYTHON_TAG,),
     "mistral": (MISTRAL_TOOL_CALLS,),
-    "generic": (),
+}
+
+# Markers that, once seen in answer text, start a tool call (per format).
+TEXT_MARKERS: dict[ToolCallFormat, tuple[str, ...]] = {
+    name: tuple(block.open for block in CALL_BLOCKS.get(name, ()))
+    + TRAILING_CALL_MARKERS.get(name, ())
+    for name in (
+        "hermes",
+        "llama3_json",
+        "mistral",
+        "harmony",
+        "qwen3_coder",
+        "deepseek_v3",
+        "kimi_k2",
+        "glm45",
+        "minimax_m2",
+        "generic",
+    )
+}
+
+# Special tokens each format's parser reads, kept when decoding (`decode_keeping_markers`).
+FORMAT_TOKENS: dict[ToolCallFormat, tuple[str, ...]] = {
+    "deepseek_v3": (
+        DEEPSEEK_CALLS_BEGIN,
+        DEEPSEEK_CALLS_END,
+        DEEPSEEK_CALL_BEGIN,
+        DEEPSEEK_CALL_END,
+        DEEPSEEK_SEP,
+    ),
+    "kimi_k2": (
+        KIMI_SECTION_BEGIN,
+        KIMI_SECTION_END,
+        KIMI_CALL_BEGIN,
+        KIMI_ARGUMENT_BEGIN,
+        KIMI_CALL_END,
+    ),
+    "glm45": ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+    "minimax_m2": (MINIMAX_OPEN, MINIMAX_CLOSE),
 }
 _FENCE_WHOLE = re.compile(r"\A```[ \t]*(?:json)?[ \t]*\r?\n(?P<body>.*?)\n?[ \t]*```\s*\Z", re.S)
 
@@ -89,8 +187,9 @@ class ToolCallParser:
             call = self.parse_call_object(stripped, require_arguments=False)
             if call is not None:
                 return [call]
-        if stripped.startswith(HERMES_OPEN):
-            return self._parse_hermes_blocks(stripped)
+        for block in _ALL_BLOCKS:
+            if stripped.startswith(block.open):
+                return self._parse_blocks(stripped, block)
         if stripped.startswith(MISTRAL_TOOL_CALLS):
             return self._parse_mistral(stripped)
         if stripped.startswith(PYTHON_TAG):
@@ -101,24 +200,173 @@ class ToolCallParser:
                 return calls
         return self._parse_generic(stripped)
 
-    def _parse_hermes_blocks(self, text: str) -> list[ToolCall] | None:
-        """Calls from an output made only of `<tool_call>...</tool_call>` blocks."""
+    def _parse_blocks(self, text: str, block: CallBlock) -> list[ToolCall] | None:
+        """Calls from an output made only of `block`s (the last one may lack its close
+        marker where the block allows it)."""
         calls: list[ToolCall] = []
         position = 0
         while position < len(text):
-            if not text.startswith(HERMES_OPEN, position):
+            if not text.startswith(block.open, position):
                 return None
-            end = text.find(HERMES_CLOSE, position)
+            end = text.find(block.close, position)
+            body_start = position + len(block.open)
+            if end == -1 and not block.close_optional:
+                return None
+            found = self.parse_block(block, text[body_start : end if end != -1 else len(text)])
+            if found is None:
+                return None
+            calls.extend(found)
             if end == -1:
-                return None
-            call = self.parse_call_object(
-                text[position + len(HERMES_OPEN) : end], require_arguments=False
+                break
+            position = _skip_whitespace(text, end + len(block.close))
+        return calls or None
+
+    def parse_block(self, block: CallBlock, body: str) -> list[ToolCall] | None:
+        """The calls inside one block (the text between its markers); None when it is not
+        made only of calls of known tools."""
+        if block.open == HERMES_OPEN:
+            call = self._parse_tool_call_body(body)
+            return None if call is None else [call]
+        if block.open == DEEPSEEK_CALLS_BEGIN:
+            return self._parse_marked_calls(
+                body, DEEPSEEK_CALL_BEGIN, DEEPSEEK_CALL_END, self._deepseek_call
             )
+        if block.open == KIMI_SECTION_BEGIN:
+            return self._parse_marked_calls(body, KIMI_CALL_BEGIN, KIMI_CALL_END, self._kimi_call)
+        if block.open == MINIMAX_OPEN:
+            return self._parse_minimax(body)
+        return None
+
+    def _parse_tool_call_body(self, body: str) -> ToolCall | None:
+        """A `<tool_call>` body: Hermes JSON, Qwen3-Coder `<function=...>` or GLM's
+        name and `<arg_key>`/`<arg_value>` pairs."""
+        stripped = body.strip()
+        if stripped.startswith("{"):
+            return self.parse_call_object(stripped, require_arguments=False)
+        if stripped.startswith(QWEN3_CODER_FUNCTION):
+            return self._parse_qwen3_coder(stripped)
+        return self._parse_glm(stripped)
+
+    def _parse_qwen3_coder(self, text: str) -> ToolCall | None:
+        match = _QWEN3_CODER_CALL.fullmatch(text)
+        if match is None:
+            return None
+        name = match.group("name").strip()
+        tool = self._tools.get(name)
+        if tool is None:
+            return None
+        arguments: dict[str, Any] = {}
+        for parameter in _QWEN3_CODER_PARAMETER.finditer(match.group("body")):
+            value = _strip_one_newline(parameter.group("value"))
+            key = parameter.group("key").strip()
+            arguments[key] = _typed_value(value, _property_schema(tool.parameters, key))
+        return self._make_call(name, arguments)
+
+    def _parse_glm(self, text: str) -> ToolCall | None:
+        key_index = text.find(GLM_ARG_KEY)
+        name = (text if key_index == -1 else text[:key_index]).strip()
+        tool = self._tools.get(name)
+        if tool is None:
+            return None
+        rest = "" if key_index == -1 else text[key_index:]
+        arguments: dict[str, Any] = {}
+        position = 0
+        for pair in _GLM_PAIR.finditer(rest):
+            if rest[position : pair.start()].strip():
+                return None
+            key = pair.group("key").strip()
+            schema = _property_schema(tool.parameters, key)
+            arguments[key] = _typed_value(pair.group("value"), schema)
+            position = pair.end()
+        if rest[position:].strip():
+            return None
+        return self._make_call(name, arguments)
+
+    def _parse_marked_calls(
+        self, body: str, begin: str, end: str, parse_one: Any
+    ) -> list[ToolCall] | None:
+        """Calls each between `begin` and `end`, only whitespace around them."""
+        calls: list[ToolCall] = []
+        position = _skip_whitespace(body, 0)
+        while position < len(body):
+            if not body.startswith(begin, position):
+                return None
+            close = body.find(end, position)
+            if close == -1:
+                return None
+            call = parse_one(body[position + len(begin) : close])
             if call is None:
                 return None
             calls.append(call)
-            position = _skip_whitespace(text, end + len(HERMES_CLOSE))
+            position = _skip_whitespace(body, close + len(end))
         return calls or None
+
+    def _deepseek_call(self, text: str) -> ToolCall | None:
+        """`NAME<｜tool▁sep｜>{json}` (V3.1) or `function<｜tool▁sep｜>NAME\n```json ...```
+        (V3 / R1)."""
+        name, separator, rest = text.partition(DEEPSEEK_SEP)
+        if not separator:
+            return None
+        name = name.strip()
+        if name == "function" and name not in self._tools:
+            name, _, rest = rest.partition("\n")
+            fence = _FENCE_WHOLE.match(rest.strip())
+            rest = fence.group("body") if fence is not None else rest
+        return self.parse_named_call(name.strip(), rest)
+
+    def _kimi_call(self, text: str) -> ToolCall | None:
+        """`functions.NAME:IDX<|tool_call_argument_begin|>{json}`."""
+        identifier, separator, rest = text.partition(KIMI_ARGUMENT_BEGIN)
+        if not separator:
+            return None
+        name = identifier.strip().removeprefix("functions.")
+        head, colon, index = name.rpartition(":")
+        if colon and index.isdigit():
+            name = head
+        return self.parse_named_call(name, rest)
+
+    def _parse_minimax(self, body: str) -> list[ToolCall] | None:
+        calls: list[ToolCall] = []
+        position = 0
+        for invoke in _MINIMAX_INVOKE.finditer(body):
+            if body[position : invoke.start()].strip():
+                return None
+            name = invoke.group("name")
+            tool = self._tools.get(name)
+            if tool is None:
+                return None
+            arguments: dict[str, Any] = {}
+            inner = invoke.group("body")
+            inner_position = 0
+            for parameter in _MINIMAX_PARAMETER.finditer(inner):
+                if inner[inner_position : parameter.start()].strip():
+                    return None
+                key = parameter.group("key")
+                value = _strip_one_newline(parameter.group("value"))
+                arguments[key] = _typed_value(value, _property_schema(tool.parameters, key))
+                inner_position = parameter.end()
+            if inner[inner_position:].strip():
+                return None
+            call = self._make_call(name, arguments)
+            if call is None:
+                return None
+            calls.append(call)
+            position = invoke.end()
+        if body[position:].strip():
+            return None
+        return calls or None
+
+    def parse_named_call(self, name: str, arguments_text: str) -> ToolCall | None:
+        """A call of tool `name` whose arguments are the JSON object `arguments_text`
+        (empty: no arguments); None for an unknown tool or arguments that are no object."""
+        stripped = arguments_text.strip()
+        if not stripped:
+            return self._make_call(name, {})
+        try:
+            arguments = json.loads(stripped)
+        except ValueError:
+            return None
+        return self._make_call(name, arguments)
 
     def _parse_generic(self, text: str) -> list[ToolCall] | None:
         fence = _FENCE_WHOLE.match(text)
@@ -239,6 +487,62 @@ class ToolCallParser:
         coerced = coerce_to_schema(arguments, tool.parameters)
         text = json.dumps(coerced, ensure_ascii=False, separators=(",", ":"))
         return ToolCall(id=new_tool_call_id(), name=name, arguments=text)
+
+
+_QWEN3_CODER_CALL = re.compile(
+    r"<function=(?P<name>[^>\n]+)>(?P<body>.*?)(?:</function>)?\s*", re.S
+)
+_QWEN3_CODER_PARAMETER = re.compile(
+    r"<parameter=(?P<key>[^>\n]+)>(?P<value>.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S
+)
+_GLM_PAIR = re.compile(
+    r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>", re.S
+)
+_MINIMAX_INVOKE = re.compile(r"<invoke name=\"(?P<name>[^\"]*)\">(?P<body>.*?)</invoke>", re.S)
+_MINIMAX_PARAMETER = re.compile(
+    r"<parameter name=\"(?P<key>[^\"]*)\">(?P<value>.*?)</parameter>", re.S
+)
+
+
+def _property_schema(parameters: Any, key: str) -> Any:
+    """The JSON Schema of argument `key` in a tool's parameters schema (None: unknown)."""
+    if not isinstance(parameters, Mapping):
+        return None
+    properties = parameters.get("properties")
+    return properties.get(key) if isinstance(properties, Mapping) else None
+
+
+def _typed_value(text: str, schema: Any) -> Any:
+    """An XML-style argument value as its schema's type: the text itself for a string (or
+    an argument the schema does not describe), else the JSON it spells when it is JSON
+    (numbers, booleans, objects, arrays, null), else the text (coercion follows)."""
+    if not isinstance(schema, Mapping) or _declares_string(schema):
+        return text
+    try:
+        return json.loads(text.strip())
+    except ValueError:
+        return text
+
+
+def _declares_string(schema: Mapping[str, Any]) -> bool:
+    declared = schema.get("type")
+    if declared == "string":
+        return True
+    if isinstance(declared, list):
+        return "string" in declared and not {"object", "array", "integer", "number"} & {
+            str(kind) for kind in declared
+        }
+    return False
+
+
+def _strip_one_newline(value: str) -> str:
+    """`value` without the one newline the templates put after the opening and before the
+    closing tag."""
+    if value.startswith("\n"):
+        value = value[1:]
+    if value.endswith("\n"):
+        value = value[:-1]
+    return value
 
 
 def _skip_whitespace(text: str, position: int) -> int:
