@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from enum import Enum, auto
+from typing import Any
 
 from exo.chat_protocol.parsed_output import ParsedOutput, find_first, partial_marker_length
 from exo.chat_protocol.tool_call_parsing import ToolCallParser
@@ -212,3 +213,47 @@ class HarmonyParser:
             output.text += self._header + text
         else:
             output.tool_calls.append(call)
+
+
+def harmony_conversation(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`conversation` as gpt-oss's template takes it: reasoning as `thinking`; an assistant
+    message with calls holds one call, its analysis in `thinking` alone (the template refuses
+    content beside thinking there, and renders content as analysis anyway); several calls
+    become one assistant message per call, each followed by its results, since the template
+    names a tool result after the latest call."""
+    result: list[dict[str, Any]] = []
+    index = 0
+    while index < len(conversation):
+        entry = conversation[index]
+        index += 1
+        if entry["role"] != "assistant":
+            result.append(entry)
+            continue
+        entry = dict(entry)
+        thinking = entry.pop("reasoning_content", None)
+        calls = entry.get("tool_calls") or []
+        if calls and entry.get("content"):
+            thinking = "\n\n".join(part for part in (thinking, entry["content"]) if part)
+            entry["content"] = ""
+        if thinking is not None:
+            entry["thinking"] = thinking
+        if len(calls) <= 1:
+            result.append(entry)
+            continue
+        results: list[dict[str, Any]] = []
+        while index < len(conversation) and conversation[index]["role"] == "tool":
+            results.append(conversation[index])
+            index += 1
+        for position, call in enumerate(calls):
+            single = {**entry, "tool_calls": [call]}
+            if position > 0:
+                single.pop("thinking", None)
+            result.append(single)
+            answers = [item for item in results if item.get("tool_call_id") == call["id"]]
+            result.extend(answers)
+        result.extend(
+            item
+            for item in results
+            if item.get("tool_call_id") not in {call["id"] for call in calls}
+        )
+    return result
