@@ -4,7 +4,9 @@ tool calls (OpenAI, "OpenAI Harmony Response Format", gpt-oss model card).
 The prompt ends with `<|start|>assistant`, so the output begins with the first message's
 header. Each message is `[<|start|>assistant][ to=RECIPIENT]<|channel|>CHANNEL[ to=RECIPIENT]
 [ json | <|constrain|>json]<|message|>BODY` ended by `<|end|>` (more messages follow),
-`<|return|>` (the answer is done) or `<|call|>` (a tool call; the turn ends). Channels:
+`<|return|>` (the answer is done) or `<|call|>` (a tool call; the turn ends: anything
+written after either is dropped, such as a tool result the model goes on to imagine when
+generation does not stop there). Channels:
 `analysis` is reasoning, `final` the answer, `commentary` without a recipient a preamble
 shown as answer text. A message to `functions.NAME` is a call of tool NAME whose body is
 its JSON arguments. `<|return|>` and `<|call|>` are end-of-sequence tokens, so they usually
@@ -49,6 +51,7 @@ class _State(Enum):
     HEADER = auto()  # inside a header, up to `<|message|>`
     BODY = auto()  # inside a message body
     BETWEEN = auto()  # after a message: whitespace, or stray text
+    DONE = auto()  # after `<|return|>` or `<|call|>`: the turn is over
 
 
 class _Body(Enum):
@@ -91,6 +94,8 @@ class HarmonyParser:
             pass
         buffer, self._buffer = self._buffer, ""
         match self._state:
+            case _State.DONE:
+                pass
             case _State.OPENING | _State.BETWEEN:
                 if buffer.strip():
                     output.text += buffer
@@ -112,6 +117,9 @@ class HarmonyParser:
                 return self._step_body(output, finished)
             case _State.BETWEEN:
                 return self._step_between(output, finished)
+            case _State.DONE:
+                self._buffer = ""  # what a model writes after its turn ended is no answer
+                return False
 
     def _step_opening(self, finished: bool) -> bool:
         stripped = self._buffer.lstrip()
@@ -157,11 +165,13 @@ class HarmonyParser:
         index, marker = find_first(self._buffer, _BODY_ENDS)
         if index != -1:
             self._end_body(self._buffer[:index], output)
+            self._state = _State.BETWEEN
             if marker == START:
                 self._buffer = self._buffer[index:]  # a new message without an end marker
             else:
                 self._buffer = self._buffer[index + len(marker) :]
-            self._state = _State.BETWEEN
+                if marker in (RETURN, CALL):
+                    self._state = _State.DONE
             return True
         if self._body is _Body.CALL or finished:
             return False  # a call is held whole; at the end `finish` takes the rest

@@ -69,19 +69,28 @@ CASES: list[Case] = [
         "",
         [("get_weather", {"city": "Paris", "days": 2})],
     ),
-    # gpt-oss: the recipient before the channel (how its template renders history), with
-    # `<|call|>` decoded and a second call after it.
+    # gpt-oss: the recipient before the channel (how its template renders history), and
+    # arguments typed by the schema.
     (
         "harmony",
-        "<|channel|>analysis<|message|>Two.<|end|>"
-        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
-        '{"city": "Paris"}<|call|>'
+        "<|channel|>analysis<|message|>Edit.<|end|>"
         "<|start|>assistant to=functions.edit_file<|channel|>commentary json<|message|>"
         '{"path": 42, "line": "7", "ratio": "0.5", "dry_run": "true", '
-        '"options": "{\\"mode\\": \\"fast\\"}", "tags": ["a", "b"]}<|call|>',
-        "Two.",
+        '"options": "{\\"mode\\": \\"fast\\"}", "tags": ["a", "b"]}',
+        "Edit.",
         "",
-        [("get_weather", {"city": "Paris"}), ("edit_file", TYPED)],
+        [("edit_file", TYPED)],
+    ),
+    # gpt-oss: `<|call|>` decoded (not an EOS here) ends the turn: what follows, an
+    # imagined tool result, is dropped.
+    (
+        "harmony",
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+        '{"city": "Paris"}<|call|><|start|>functions.get_weather to=assistant'
+        '<|channel|>commentary<|message|>"Sunny"<|end|>',
+        "",
+        "",
+        [("get_weather", {"city": "Paris"})],
     ),
     # gpt-oss: a commentary preamble without recipient is answer text.
     (
