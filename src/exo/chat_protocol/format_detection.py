@@ -9,7 +9,7 @@ from typing import Any
 
 from exo.chat_protocol.harmony import CHANNEL, HARMONY_TOKENS
 from exo.chat_protocol.output_parsing import THINK_CLOSE, THINK_OPEN
-from exo.chat_protocol.tool_call_parsing import (
+from exo.chat_protocol.tool_call_markup import (
     DEEPSEEK_CALLS_BEGIN,
     DEEPSEEK_SEP,
     FORMAT_TOKENS,
@@ -24,8 +24,8 @@ from exo.chat_protocol.tool_call_parsing import (
     MISTRAL_TOOL_CALLS,
     PYTHON_TAG,
     QWEN3_CODER_FUNCTION,
-    ToolCallFormat,
 )
+from exo.chat_protocol.tool_call_parsing import ToolCallFormat
 
 # Special tokens the output parsers read whatever the format; a format's own tokens
 # (`_FORMAT_MARKER_TOKENS`) are kept too; every other special token is dropped on decode.

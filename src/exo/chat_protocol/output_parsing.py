@@ -20,13 +20,8 @@ from enum import Enum, auto
 
 from exo.chat_protocol.harmony import HarmonyParser
 from exo.chat_protocol.parsed_output import ParsedOutput, find_first, partial_marker_length
-from exo.chat_protocol.tool_call_parsing import (
-    CALL_BLOCKS,
-    TEXT_MARKERS,
-    CallBlock,
-    ToolCallFormat,
-    ToolCallParser,
-)
+from exo.chat_protocol.tool_call_markup import CALL_BLOCKS, TEXT_MARKERS, CallBlock
+from exo.chat_protocol.tool_call_parsing import ToolCallFormat, ToolCallParser
 from exo.shared.types.text_generation import ToolDefinition
 
 THINK_OPEN = "<think>"

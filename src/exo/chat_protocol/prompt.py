@@ -29,7 +29,8 @@ from exo.chat_protocol.format_detection import (
 )
 from exo.chat_protocol.harmony import harmony_conversation
 from exo.chat_protocol.output_parsing import THINK_OPEN
-from exo.chat_protocol.tool_call_parsing import HERMES_CLOSE, HERMES_OPEN, ToolCallFormat
+from exo.chat_protocol.tool_call_markup import HERMES_CLOSE, HERMES_OPEN
+from exo.chat_protocol.tool_call_parsing import ToolCallFormat
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams, ToolDefinition
 
 __all__ = [

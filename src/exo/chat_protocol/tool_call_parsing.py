@@ -40,112 +40,45 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from exo.chat_protocol.tool_arguments import coerce_to_schema
+from exo.chat_protocol.tool_call_markup import (
+    ALL_BLOCKS,
+    DEEPSEEK_CALL_BEGIN,
+    DEEPSEEK_CALL_END,
+    DEEPSEEK_CALLS_BEGIN,
+    DEEPSEEK_SEP,
+    GLM_ARG_KEY,
+    GLM_PAIR,
+    HERMES_OPEN,
+    KIMI_ARGUMENT_BEGIN,
+    KIMI_CALL_BEGIN,
+    KIMI_CALL_END,
+    KIMI_SECTION_BEGIN,
+    MINIMAX_INVOKE,
+    MINIMAX_OPEN,
+    MINIMAX_PARAMETER,
+    MISTRAL_ARGS,
+    MISTRAL_CALL_ID,
+    MISTRAL_TOOL_CALLS,
+    PYTHON_TAG,
+    QWEN3_CODER_CALL,
+    QWEN3_CODER_FUNCTION,
+    QWEN3_CODER_PARAMETER,
+    CallBlock,
+    property_schema,
+    strip_one_newline,
+    typed_value,
+)
 from exo.shared.types.models import ToolCallFormat
 from exo.shared.types.text_generation import ToolCall, ToolDefinition
-
-HERMES_OPEN = "<tool_call>"
-HERMES_CLOSE = "</tool_call>"
-PYTHON_TAG = "<|python_tag|>"
-MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
-MISTRAL_ARGS = "[ARGS]"
-MISTRAL_CALL_ID = "[CALL_ID]"
-
-DEEPSEEK_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
-DEEPSEEK_CALLS_END = "<｜tool▁calls▁end｜>"
-DEEPSEEK_CALL_BEGIN = "<｜tool▁call▁begin｜>"
-DEEPSEEK_CALL_END = "<｜tool▁call▁end｜>"
-DEEPSEEK_SEP = "<｜tool▁sep｜>"
-KIMI_SECTION_BEGIN = "<|tool_calls_section_begin|>"
-KIMI_SECTION_END = "<|tool_calls_section_end|>"
-KIMI_CALL_BEGIN = "<|tool_call_begin|>"
-KIMI_ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
-KIMI_CALL_END = "<|tool_call_end|>"
-MINIMAX_OPEN = "<minimax:tool_call>"
-MINIMAX_CLOSE = "</minimax:tool_call>"
-QWEN3_CODER_FUNCTION = "<function="
-GLM_ARG_KEY = "<arg_key>"
-GLM_ARG_VALUE = "<arg_value>"
 
 TOOL_CALL_ID_PREFIX = "call_"
 TOOL_CALL_ID_LENGTH = 24
 _ID_ALPHABET = string.ascii_letters + string.digits
 
-
-@dataclass(frozen=True, slots=True)
-class CallBlock:
-    """Markup that encloses tool calls inside answer text: `open`, the format's body, `close`.
-    `close_optional`: the block holds whole calls, each with its own end marker, so a block
-    the model ended at EOS without `close` still counts when its calls are complete."""
-
-    open: str
-    close: str
-    close_optional: bool = False
-
-
-_TOOL_CALL_BLOCK = CallBlock(HERMES_OPEN, HERMES_CLOSE)
-_DEEPSEEK_BLOCK = CallBlock(DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END, close_optional=True)
-_KIMI_BLOCK = CallBlock(KIMI_SECTION_BEGIN, KIMI_SECTION_END, close_optional=True)
-_MINIMAX_BLOCK = CallBlock(MINIMAX_OPEN, MINIMAX_CLOSE, close_optional=True)
-
-# Blocks that, once opened in answer text, hold tool calls (per format).
-CALL_BLOCKS: dict[ToolCallFormat, tuple[CallBlock, ...]] = {
-    "hermes": (_TOOL_CALL_BLOCK,),
-    "qwen3_coder": (_TOOL_CALL_BLOCK,),
-    "glm45": (_TOOL_CALL_BLOCK,),
-    "deepseek_v3": (_DEEPSEEK_BLOCK,),
-    "kimi_k2": (_KIMI_BLOCK,),
-    "minimax_m2": (_MINIMAX_BLOCK,),
-}
-_ALL_BLOCKS = (_TOOL_CALL_BLOCK, _DEEPSEEK_BLOCK, _KIMI_BLOCK, _MINIMAX_BLOCK)
-
-# Markers after which the rest of the output is tool calls (per format).
-TRAILING_CALL_MARKERS: dict[ToolCallFormat, tuple[str, ...]] = {
-    "llama3_json": (PYTHON_TAG,),
-    "mistral": (MISTRAL_TOOL_CALLS,),
-}
-
-# Markers that, once seen in answer text, start a tool call (per format).
-TEXT_MARKERS: dict[ToolCallFormat, tuple[str, ...]] = {
-    name: tuple(block.open for block in CALL_BLOCKS.get(name, ()))
-    + TRAILING_CALL_MARKERS.get(name, ())
-    for name in (
-        "hermes",
-        "llama3_json",
-        "mistral",
-        "harmony",
-        "qwen3_coder",
-        "deepseek_v3",
-        "kimi_k2",
-        "glm45",
-        "minimax_m2",
-        "generic",
-    )
-}
-
-# Special tokens each format's parser reads, kept when decoding (`decode_keeping_markers`).
-FORMAT_TOKENS: dict[ToolCallFormat, tuple[str, ...]] = {
-    "deepseek_v3": (
-        DEEPSEEK_CALLS_BEGIN,
-        DEEPSEEK_CALLS_END,
-        DEEPSEEK_CALL_BEGIN,
-        DEEPSEEK_CALL_END,
-        DEEPSEEK_SEP,
-    ),
-    "kimi_k2": (
-        KIMI_SECTION_BEGIN,
-        KIMI_SECTION_END,
-        KIMI_CALL_BEGIN,
-        KIMI_ARGUMENT_BEGIN,
-        KIMI_CALL_END,
-    ),
-    "glm45": ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
-    "minimax_m2": (MINIMAX_OPEN, MINIMAX_CLOSE),
-}
 _FENCE_WHOLE = re.compile(r"\A```[ \t]*(?:json)?[ \t]*\r?\n(?P<body>.*?)\n?[ \t]*```\s*\Z", re.S)
 
 
@@ -187,7 +120,7 @@ class ToolCallParser:
             call = self.parse_call_object(stripped, require_arguments=False)
             if call is not None:
                 return [call]
-        for block in _ALL_BLOCKS:
+        for block in ALL_BLOCKS:
             if stripped.startswith(block.open):
                 return self._parse_blocks(stripped, block)
         if stripped.startswith(MISTRAL_TOOL_CALLS):
@@ -248,7 +181,7 @@ class ToolCallParser:
         return self._parse_glm(stripped)
 
     def _parse_qwen3_coder(self, text: str) -> ToolCall | None:
-        match = _QWEN3_CODER_CALL.fullmatch(text)
+        match = QWEN3_CODER_CALL.fullmatch(text)
         if match is None:
             return None
         name = match.group("name").strip()
@@ -256,10 +189,10 @@ class ToolCallParser:
         if tool is None:
             return None
         arguments: dict[str, Any] = {}
-        for parameter in _QWEN3_CODER_PARAMETER.finditer(match.group("body")):
-            value = _strip_one_newline(parameter.group("value"))
+        for parameter in QWEN3_CODER_PARAMETER.finditer(match.group("body")):
+            value = strip_one_newline(parameter.group("value"))
             key = parameter.group("key").strip()
-            arguments[key] = _typed_value(value, _property_schema(tool.parameters, key))
+            arguments[key] = typed_value(value, property_schema(tool.parameters, key))
         return self._make_call(name, arguments)
 
     def _parse_glm(self, text: str) -> ToolCall | None:
@@ -271,19 +204,19 @@ class ToolCallParser:
         rest = "" if key_index == -1 else text[key_index:]
         arguments: dict[str, Any] = {}
         position = 0
-        for pair in _GLM_PAIR.finditer(rest):
+        for pair in GLM_PAIR.finditer(rest):
             if rest[position : pair.start()].strip():
                 return None
             key = pair.group("key").strip()
-            schema = _property_schema(tool.parameters, key)
-            arguments[key] = _typed_value(pair.group("value"), schema)
+            schema = property_schema(tool.parameters, key)
+            arguments[key] = typed_value(pair.group("value"), schema)
             position = pair.end()
         if rest[position:].strip():
             return None
         return self._make_call(name, arguments)
 
     def _parse_marked_calls(
-        self, body: str, begin: str, end: str, parse_one: Any
+        self, body: str, begin: str, end: str, parse_one: Callable[[str], ToolCall | None]
     ) -> list[ToolCall] | None:
         """Calls each between `begin` and `end`, only whitespace around them."""
         calls: list[ToolCall] = []
@@ -328,7 +261,7 @@ class ToolCallParser:
     def _parse_minimax(self, body: str) -> list[ToolCall] | None:
         calls: list[ToolCall] = []
         position = 0
-        for invoke in _MINIMAX_INVOKE.finditer(body):
+        for invoke in MINIMAX_INVOKE.finditer(body):
             if body[position : invoke.start()].strip():
                 return None
             name = invoke.group("name")
@@ -338,12 +271,12 @@ class ToolCallParser:
             arguments: dict[str, Any] = {}
             inner = invoke.group("body")
             inner_position = 0
-            for parameter in _MINIMAX_PARAMETER.finditer(inner):
+            for parameter in MINIMAX_PARAMETER.finditer(inner):
                 if inner[inner_position : parameter.start()].strip():
                     return None
                 key = parameter.group("key")
-                value = _strip_one_newline(parameter.group("value"))
-                arguments[key] = _typed_value(value, _property_schema(tool.parameters, key))
+                value = strip_one_newline(parameter.group("value"))
+                arguments[key] = typed_value(value, property_schema(tool.parameters, key))
                 inner_position = parameter.end()
             if inner[inner_position:].strip():
                 return None
@@ -487,62 +420,6 @@ class ToolCallParser:
         coerced = coerce_to_schema(arguments, tool.parameters)
         text = json.dumps(coerced, ensure_ascii=False, separators=(",", ":"))
         return ToolCall(id=new_tool_call_id(), name=name, arguments=text)
-
-
-_QWEN3_CODER_CALL = re.compile(
-    r"<function=(?P<name>[^>\n]+)>(?P<body>.*?)(?:</function>)?\s*", re.S
-)
-_QWEN3_CODER_PARAMETER = re.compile(
-    r"<parameter=(?P<key>[^>\n]+)>(?P<value>.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S
-)
-_GLM_PAIR = re.compile(
-    r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>", re.S
-)
-_MINIMAX_INVOKE = re.compile(r"<invoke name=\"(?P<name>[^\"]*)\">(?P<body>.*?)</invoke>", re.S)
-_MINIMAX_PARAMETER = re.compile(
-    r"<parameter name=\"(?P<key>[^\"]*)\">(?P<value>.*?)</parameter>", re.S
-)
-
-
-def _property_schema(parameters: Any, key: str) -> Any:
-    """The JSON Schema of argument `key` in a tool's parameters schema (None: unknown)."""
-    if not isinstance(parameters, Mapping):
-        return None
-    properties = parameters.get("properties")
-    return properties.get(key) if isinstance(properties, Mapping) else None
-
-
-def _typed_value(text: str, schema: Any) -> Any:
-    """An XML-style argument value as its schema's type: the text itself for a string (or
-    an argument the schema does not describe), else the JSON it spells when it is JSON
-    (numbers, booleans, objects, arrays, null), else the text (coercion follows)."""
-    if not isinstance(schema, Mapping) or _declares_string(schema):
-        return text
-    try:
-        return json.loads(text.strip())
-    except ValueError:
-        return text
-
-
-def _declares_string(schema: Mapping[str, Any]) -> bool:
-    declared = schema.get("type")
-    if declared == "string":
-        return True
-    if isinstance(declared, list):
-        return "string" in declared and not {"object", "array", "integer", "number"} & {
-            str(kind) for kind in declared
-        }
-    return False
-
-
-def _strip_one_newline(value: str) -> str:
-    """`value` without the one newline the templates put after the opening and before the
-    closing tag."""
-    if value.startswith("\n"):
-        value = value[1:]
-    if value.endswith("\n"):
-        value = value[:-1]
-    return value
 
 
 def _skip_whitespace(text: str, position: int) -> int:

@@ -21,7 +21,8 @@ from exo.chat_protocol.harmony import HARMONY_TOKENS
 from exo.chat_protocol.output_parsing import OutputParser
 from exo.chat_protocol.prompt import decode_keeping_markers, detect_tool_call_format
 from exo.chat_protocol.tests.test_tool_formats import TOOLS, TYPED
-from exo.chat_protocol.tool_call_parsing import FORMAT_TOKENS, ToolCallFormat
+from exo.chat_protocol.tool_call_markup import FORMAT_TOKENS
+from exo.chat_protocol.tool_call_parsing import ToolCallFormat
 from exo.shared.types.chunks import Chunk, Usage
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, TaskId
 from exo.shared.types.tasks import TextGeneration

@@ -13,7 +13,8 @@ import pytest
 from exo.chat_protocol.harmony import HARMONY_TOKENS
 from exo.chat_protocol.output_parsing import OutputParser
 from exo.chat_protocol.prompt import decode_keeping_markers, detect_tool_call_format, render_prompt
-from exo.chat_protocol.tool_call_parsing import FORMAT_TOKENS, ToolCallFormat
+from exo.chat_protocol.tool_call_markup import FORMAT_TOKENS
+from exo.chat_protocol.tool_call_parsing import ToolCallFormat
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     ChatMessage,

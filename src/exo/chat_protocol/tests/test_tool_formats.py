@@ -11,7 +11,8 @@ import pytest
 from exo.chat_protocol.harmony import HARMONY_TOKENS
 from exo.chat_protocol.output_parsing import OutputParser
 from exo.chat_protocol.tests.test_output_parsing import WEATHER, run, run_every_split
-from exo.chat_protocol.tool_call_parsing import FORMAT_TOKENS, ToolCallFormat
+from exo.chat_protocol.tool_call_markup import FORMAT_TOKENS
+from exo.chat_protocol.tool_call_parsing import ToolCallFormat
 from exo.shared.types.text_generation import ToolDefinition
 
 EDIT = ToolDefinition(
