@@ -228,3 +228,21 @@ def test_minimax_keeps_the_thinking_of_earlier_turns_in_the_history() -> None:
     rendered = render_prompt(tokenizer, make_params(USER, history, USER))
     assert "<think>Look it up.</think>Sunny." in rendered.text
     assert rendered.thinking_open and rendered.tool_call_format == "minimax_m2"
+
+
+@pytest.mark.parametrize(
+    ("token", "tool_call_format"),
+    [
+        ("<|tool_calls_section_begin|>", "kimi_k2"),
+        ("<｜tool▁calls▁begin｜>", "deepseek_v3"),
+        ("<minimax:tool_call>", "minimax_m2"),
+        ("<|channel|>", "harmony"),
+    ],
+)
+def test_format_detected_from_vocabulary_when_the_template_shows_none(
+    token: str, tool_call_format: ToolCallFormat
+) -> None:
+    tokenizer = byte_tokenizer(
+        [token], "{{ tools }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    assert detect_tool_call_format(tokenizer) == tool_call_format
