@@ -197,13 +197,12 @@ class HarmonyParser:
             return True
         if finished:
             return False
+        # Whitespace alone is held: it is no answer if another message follows.
         keep = partial_marker_length(self._buffer, _MESSAGE_STARTS)
         release = len(self._buffer) - keep
         if self._buffer[:release].strip():
             output.text += self._buffer[:release]
             self._buffer = self._buffer[release:]
-        elif keep == 0:
-            pass  # only whitespace so far: held (it may lead to another message)
         return False
 
     # -- helpers ---------------------------------------------------------------------------

@@ -115,9 +115,11 @@ QWEN3_CODER_PARAMETER = re.compile(
 GLM_PAIR = re.compile(
     r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>", re.S
 )
-MINIMAX_INVOKE = re.compile(r"<invoke name=\"(?P<name>[^\"]*)\">(?P<body>.*?)</invoke>", re.S)
+MINIMAX_INVOKE = re.compile(
+    r"<invoke name=[\"']?(?P<name>[^\"'>]*)[\"']?>(?P<body>.*?)</invoke>", re.S
+)
 MINIMAX_PARAMETER = re.compile(
-    r"<parameter name=\"(?P<key>[^\"]*)\">(?P<value>.*?)</parameter>", re.S
+    r"<parameter name=[\"']?(?P<key>[^\"'>]*)[\"']?>(?P<value>.*?)</parameter>", re.S
 )
 
 

@@ -187,6 +187,15 @@ CASES: list[Case] = [
         "On it.\n",
         [("get_weather", {"city": "Cairo"}), ("edit_file", TYPED)],
     ),
+    # MiniMax-M2: names without quotes are still read.
+    (
+        "minimax_m2",
+        "<minimax:tool_call><invoke name=get_weather><parameter name=city>Oslo</parameter>"
+        "</invoke></minimax:tool_call>",
+        "",
+        "",
+        [("get_weather", {"city": "Oslo"})],
+    ),
 ]
 
 
