@@ -257,30 +257,53 @@ class OutputParser:
     def _step_call_block(self, output: ParsedOutput) -> bool:
         block = self._block
         assert block is not None
+        if block.call_end is not None:
+            return self._step_call_section(block, output)
         index = self._buffer.find(block.close, self._search_from)
         if index == -1:
             self._search_from = max(len(block.open), len(self._buffer) - len(block.close) + 1)
             return False
         end = index + len(block.close)
         raw = self._buffer[:end]
-        self._take_block_calls(block, raw, raw[len(block.open) : index], output)
+        self._take_calls(block, raw, raw[len(block.open) : index], output)
+        self._buffer = self._buffer[end:]
+        self._state = _State.TEXT
+        return True
+
+    def _step_call_section(self, block: CallBlock, output: ParsedOutput) -> bool:
+        """A section of calls: each call is released when its end marker arrives (a bad one
+        as raw text); the section ends at its close marker. `_search_from` is where the
+        next call starts (after the open marker, or after the last call released)."""
+        assert block.call_end is not None
+        start = self._search_from
+        call_end = self._buffer.find(block.call_end, start)
+        close = self._buffer.find(block.close, start)
+        if call_end != -1 and (close == -1 or call_end < close):
+            end = call_end + len(block.call_end)
+            self._take_calls(block, self._buffer[:end], self._buffer[start:end], output)
+            self._buffer = self._buffer[end:]
+            self._search_from = 0
+            return True
+        if close == -1:
+            return False
+        end = close + len(block.close)
+        if self._buffer[start:close].strip():  # an unfinished call before the close
+            output.text += self._buffer[:end]
         self._buffer = self._buffer[end:]
         self._state = _State.TEXT
         return True
 
     def _finish_block(self, buffer: str, output: ParsedOutput) -> None:
-        """A block still open at the end: its calls count where the block holds whole
-        calls (each closed by its own marker); otherwise it is raw text, markers included."""
+        """A block still open at the end is raw text, markers included; a section left open
+        (its close cut by EOS) has released its complete calls, and only what follows them
+        is text."""
         block = self._block
         assert block is not None
-        if block.close_optional:
-            self._take_block_calls(block, buffer, buffer[len(block.open) :], output)
-        else:
-            output.text += buffer
+        if block.call_end is not None and not buffer[self._search_from :].strip():
+            return
+        output.text += buffer
 
-    def _take_block_calls(
-        self, block: CallBlock, raw: str, body: str, output: ParsedOutput
-    ) -> None:
+    def _take_calls(self, block: CallBlock, raw: str, body: str, output: ParsedOutput) -> None:
         calls = self._tool_calls.parse_block(block, body)
         if calls is None:
             output.text += raw

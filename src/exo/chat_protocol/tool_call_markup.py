@@ -39,18 +39,19 @@ GLM_ARG_VALUE = "<arg_value>"
 @dataclass(frozen=True, slots=True)
 class CallBlock:
     """Markup that encloses tool calls inside answer text: `open`, the format's body, `close`.
-    `close_optional`: the block holds whole calls, each with its own end marker, so a block
-    the model ended at EOS without `close` still counts when its calls are complete."""
+    `call_end`: the block is a section of calls each ended by this marker, so each call is
+    released as soon as it ends, and a section the model ended at EOS without `close`
+    still holds its complete calls."""
 
     open: str
     close: str
-    close_optional: bool = False
+    call_end: str | None = None
 
 
 _TOOL_CALL_BLOCK = CallBlock(HERMES_OPEN, HERMES_CLOSE)
-_DEEPSEEK_BLOCK = CallBlock(DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END, close_optional=True)
-_KIMI_BLOCK = CallBlock(KIMI_SECTION_BEGIN, KIMI_SECTION_END, close_optional=True)
-_MINIMAX_BLOCK = CallBlock(MINIMAX_OPEN, MINIMAX_CLOSE, close_optional=True)
+_DEEPSEEK_BLOCK = CallBlock(DEEPSEEK_CALLS_BEGIN, DEEPSEEK_CALLS_END, DEEPSEEK_CALL_END)
+_KIMI_BLOCK = CallBlock(KIMI_SECTION_BEGIN, KIMI_SECTION_END, KIMI_CALL_END)
+_MINIMAX_BLOCK = CallBlock(MINIMAX_OPEN, MINIMAX_CLOSE, "</invoke>")
 
 # Blocks that, once opened in answer text, hold tool calls (per format).
 CALL_BLOCKS: dict[ToolCallFormat, tuple[CallBlock, ...]] = {

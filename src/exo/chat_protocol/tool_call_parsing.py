@@ -29,9 +29,10 @@ Formats understood:
 - "generic": the whole output is a JSON object (or list of them) naming a known tool, bare
   or in a ```json fence; tried at the end for every format.
 
-The `<tool_call>` bodies of "hermes", "qwen3_coder" and "glm45" are told apart by their
-shape (JSON object, `<function=`, or a name), so a model prompted in one of them and
-answering in another is still understood.
+In the section formats (DeepSeek, Kimi K2, MiniMax-M2) each call is released as soon as its
+own end marker arrives, before the section closes. The `<tool_call>` bodies of "hermes",
+"qwen3_coder" and "glm45" are told apart by their shape (JSON object, `<function=`, or a
+name), so a model prompted in one of them and answering in another is still understood.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class ToolCallParser:
                 return None
             end = text.find(block.close, position)
             body_start = position + len(block.open)
-            if end == -1 and not block.close_optional:
+            if end == -1 and block.call_end is None:
                 return None
             found = self.parse_block(block, text[body_start : end if end != -1 else len(text)])
             if found is None:

@@ -314,3 +314,52 @@ def test_an_unclosed_qwen3_coder_call_is_text() -> None:
     output = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>"
     result = run_every_split(output, tools=TOOLS, tool_call_format="qwen3_coder")
     assert (result.text, result.calls) == (output, [])
+
+
+@pytest.mark.parametrize(
+    ("tool_call_format", "first", "second"),
+    [
+        (
+            "deepseek_v3",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+            '{"city": "Oslo"}<｜tool▁call▁end｜>',
+            '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Rome"}'
+            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        ),
+        (
+            "kimi_k2",
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+            '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|>',
+            '<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{"city": '
+            '"Rome"}<|tool_call_end|><|tool_calls_section_end|>',
+        ),
+        (
+            "minimax_m2",
+            '<minimax:tool_call>\n<invoke name="get_weather"><parameter name="city">Oslo'
+            "</parameter></invoke>",
+            '\n<invoke name="get_weather"><parameter name="city">Rome</parameter></invoke>\n'
+            "</minimax:tool_call>",
+        ),
+    ],
+)
+def test_each_call_of_a_section_is_released_when_it_ends(
+    tool_call_format: ToolCallFormat, first: str, second: str
+) -> None:
+    parser = OutputParser(TOOLS, tool_call_format, thinking_open=False, forced_tool_call=False)
+    assert parser.feed("Two.").text == "Two."
+    released = parser.feed(first)
+    assert [call.arguments for call in released.tool_calls] == ['{"city":"Oslo"}']
+    assert released.text == ""
+    released = parser.feed(second + " Done.")
+    assert [call.arguments for call in released.tool_calls] == ['{"city":"Rome"}']
+    assert released.text == " Done."
+    assert parser.finish().is_empty()
+
+
+def test_a_bad_call_in_a_section_is_text_beside_the_good_one() -> None:
+    good = '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "A"}'
+    bad = "<|tool_call_begin|>functions.nope:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
+    output = f"<|tool_calls_section_begin|>{good}<|tool_call_end|>{bad}<|tool_calls_section_end|>"
+    result = run_every_split(output, tools=TOOLS, tool_call_format="kimi_k2")
+    assert result.calls == [("get_weather", {"city": "A"})]
+    assert result.text == bad
