@@ -4,8 +4,10 @@ Engine-agnostic: it sees decoded text only. Markers the parsers need (`<think>`,
 `<tool_call>`, `[TOOL_CALLS]`, ...) must survive decoding; see
 `exo.chat_protocol.prompt.decode_keeping_markers`.
 
-Reasoning is `<think>...</think>` at the start of the output (DeepSeek-R1, QwQ, Qwen3), or
-everything before `</think>` when the prompt already opened the section. Tool calls are
+gpt-oss's harmony channels are read by `exo.chat_protocol.harmony.HarmonyParser`, to which
+this parser hands the text. Otherwise reasoning is `<think>...</think>` at the start of the
+output (DeepSeek-R1, QwQ, Qwen3), or everything before `</think>` when the prompt already
+opened the section. Tool calls are
 found in the formats of `exo.chat_protocol.tool_call_parsing` (whose `ToolCallParser`
 parses what this parser holds back).
 """
@@ -14,17 +16,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from exo.chat_protocol.tool_call_parsing import (
-    HERMES_CLOSE,
-    HERMES_OPEN,
-    TEXT_MARKERS,
-    ToolCallFormat,
-    ToolCallParser,
-)
-from exo.shared.types.text_generation import ToolCall, ToolDefinition
+from exo.chat_protocol.harmony import HarmonyParser
+from exo.chat_protocol.parsed_output import ParsedOutput, find_first, partial_marker_length
+from exo.chat_protocol.tool_call_markup import CALL_BLOCKS, TEXT_MARKERS, CallBlock
+from exo.chat_protocol.tool_call_parsing import ToolCallFormat, ToolCallParser
+from exo.shared.types.text_generation import ToolDefinition
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -34,48 +32,13 @@ _FENCE_START = re.compile(r"```[ \t]*(?:json)?[ \t]*\r?\n?\s*")
 _FENCE_OPENING_PREFIX = re.compile(r"[ \t]*(?:j(?:s(?:o(?:n)?)?)?)?[ \t]*\r?\n?\s*")
 
 
-@dataclass(slots=True)
-class ParsedOutput:
-    """What one `feed`/`finish` call releases: answer text and reasoning text to stream
-    now, and the tool calls completed by this piece (in order)."""
-
-    text: str = ""
-    reasoning_text: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-
-    def is_empty(self) -> bool:
-        """True when this piece releases nothing."""
-        return not (self.text or self.reasoning_text or self.tool_calls)
-
-
 class _State(Enum):
     REASONING_START = auto()  # may still open with <think>
     REASONING = auto()  # inside <think> ... </think>
     ANSWER_START = auto()  # deciding whether the answer is a whole-output tool call
     TEXT = auto()  # streaming answer text, watching for tool-call markers
-    HERMES_CALL = auto()  # inside <tool_call> ... </tool_call>
+    CALL_BLOCK = auto()  # inside a call block: <tool_call> ... </tool_call> and the like
     HOLD = auto()  # keeping everything until finish (whole-output tool calls)
-
-
-def _partial_marker_length(buffer: str, markers: Sequence[str]) -> int:
-    """Length of the longest suffix of `buffer` that is a proper prefix of a marker."""
-    longest = 0
-    for marker in markers:
-        for length in range(min(len(marker) - 1, len(buffer)), longest, -1):
-            if buffer.endswith(marker[:length]):
-                longest = length
-                break
-    return longest
-
-
-def _find_first(buffer: str, markers: Sequence[str], start: int = 0) -> tuple[int, str]:
-    """Index and text of the earliest marker in `buffer[start:]`; (-1, "") if none."""
-    best_index, best_marker = -1, ""
-    for marker in markers:
-        index = buffer.find(marker, start)
-        if index != -1 and (best_index == -1 or index < best_index):
-            best_index, best_marker = index, marker
-    return best_index, best_marker
 
 
 class OutputParser:
@@ -111,11 +74,19 @@ class OutputParser:
         self._tool_calls = ToolCallParser(tools, tool_call_format, forced_tool_call)
         self._forced = forced_tool_call
         self._markers = TEXT_MARKERS[tool_call_format] if self._has_tools else ()
+        self._blocks = {block.open: block for block in CALL_BLOCKS.get(tool_call_format, ())}
+        self._block: CallBlock | None = None
         self._buffer = ""
         self._search_from = 0
         self._strip_answer_start = False
         self._after_tool_call = False
         self._finished = False
+        # gpt-oss's channels replace `<think>` and call blocks (a forced call is bare JSON).
+        self._harmony = (
+            HarmonyParser(self._tool_calls, parse_reasoning)
+            if tool_call_format == "harmony" and not forced_tool_call
+            else None
+        )
         # With the section already open, a re-emitted `<think>` is still dropped.
         self._thinking_open = thinking_open
         self._state = _State.REASONING_START if parse_reasoning else _State.ANSWER_START
@@ -134,6 +105,8 @@ class OutputParser:
         """
         if self._finished:
             raise RuntimeError("OutputParser.feed called after finish")
+        if self._harmony is not None:
+            return self._harmony.feed(text)
         self._buffer += text
         output = ParsedOutput()
         self._advance(output)
@@ -151,6 +124,8 @@ class OutputParser:
         if self._finished:
             raise RuntimeError("OutputParser.finish called twice")
         self._finished = True
+        if self._harmony is not None:
+            return self._harmony.finish()
         output = ParsedOutput()
         self._advance(output)
         buffer, self._buffer = self._buffer, ""
@@ -162,8 +137,8 @@ class OutputParser:
             case _State.TEXT:
                 if not (self._after_tool_call and not buffer.strip()):
                     output.text += buffer
-            case _State.HERMES_CALL:
-                output.text += buffer  # unclosed: raw, `<tool_call>` included
+            case _State.CALL_BLOCK:
+                self._finish_block(buffer, output)
             case _State.ANSWER_START | _State.HOLD:
                 self._finish_held(buffer, output)
         return output
@@ -182,8 +157,8 @@ class OutputParser:
                     progressed = self._step_answer_start()
                 case _State.TEXT:
                     progressed = self._step_text(output)
-                case _State.HERMES_CALL:
-                    progressed = self._step_hermes_call(output)
+                case _State.CALL_BLOCK:
+                    progressed = self._step_call_block(output)
                 case _State.HOLD:
                     progressed = False
             if not progressed:
@@ -208,7 +183,7 @@ class OutputParser:
             self._strip_answer_start = True
             self._state = _State.ANSWER_START
             return True
-        keep = 0 if self._finished else _partial_marker_length(self._buffer, (THINK_CLOSE,))
+        keep = 0 if self._finished else partial_marker_length(self._buffer, (THINK_CLOSE,))
         release = len(self._buffer) - keep
         output.reasoning_text += self._buffer[:release]
         self._buffer = self._buffer[release:]
@@ -253,18 +228,20 @@ class OutputParser:
         return True
 
     def _step_text(self, output: ParsedOutput) -> bool:
-        index, marker = _find_first(self._buffer, self._markers)
+        index, marker = find_first(self._buffer, self._markers)
         if index != -1:
             self._release_text(self._buffer[:index], output)
-            if marker == HERMES_OPEN:
+            block = self._blocks.get(marker)
+            if block is not None:
                 self._buffer = self._buffer[index:]
-                self._search_from = len(HERMES_OPEN)
-                self._state = _State.HERMES_CALL
+                self._search_from = len(block.open)
+                self._block = block
+                self._state = _State.CALL_BLOCK
             else:  # `[TOOL_CALLS]` / `<|python_tag|>`: the calls run to the end
                 self._buffer = self._buffer[index:]
                 self._state = _State.HOLD
             return True
-        keep = _partial_marker_length(self._buffer, self._markers)
+        keep = partial_marker_length(self._buffer, self._markers)
         release = len(self._buffer) - keep
         if self._after_tool_call and not self._buffer[:release].strip():
             return False  # whitespace between or after tool calls is not answer text
@@ -277,24 +254,62 @@ class OutputParser:
             return
         output.text += text
 
-    def _step_hermes_call(self, output: ParsedOutput) -> bool:
-        index = self._buffer.find(HERMES_CLOSE, self._search_from)
+    def _step_call_block(self, output: ParsedOutput) -> bool:
+        block = self._block
+        assert block is not None
+        if block.call_end is not None:
+            return self._step_call_section(block, output)
+        index = self._buffer.find(block.close, self._search_from)
         if index == -1:
-            self._search_from = max(len(HERMES_OPEN), len(self._buffer) - len(HERMES_CLOSE) + 1)
+            self._search_from = max(len(block.open), len(self._buffer) - len(block.close) + 1)
             return False
-        end = index + len(HERMES_CLOSE)
+        end = index + len(block.close)
         raw = self._buffer[:end]
-        call = self._tool_calls.parse_call_object(
-            raw[len(HERMES_OPEN) : index], require_arguments=False
-        )
-        if call is None:
-            output.text += raw
-        else:
-            output.tool_calls.append(call)
-            self._after_tool_call = True
+        self._take_calls(block, raw, raw[len(block.open) : index], output)
         self._buffer = self._buffer[end:]
         self._state = _State.TEXT
         return True
+
+    def _step_call_section(self, block: CallBlock, output: ParsedOutput) -> bool:
+        """A section of calls: each call is released when its end marker arrives (a bad one
+        as raw text); the section ends at its close marker. `_search_from` is where the
+        next call starts (after the open marker, or after the last call released)."""
+        assert block.call_end is not None
+        start = self._search_from
+        call_end = self._buffer.find(block.call_end, start)
+        close = self._buffer.find(block.close, start)
+        if call_end != -1 and (close == -1 or call_end < close):
+            end = call_end + len(block.call_end)
+            self._take_calls(block, self._buffer[:end], self._buffer[start:end], output)
+            self._buffer = self._buffer[end:]
+            self._search_from = 0
+            return True
+        if close == -1:
+            return False
+        end = close + len(block.close)
+        if self._buffer[start:close].strip():  # an unfinished call before the close
+            output.text += self._buffer[:end]
+        self._buffer = self._buffer[end:]
+        self._state = _State.TEXT
+        return True
+
+    def _finish_block(self, buffer: str, output: ParsedOutput) -> None:
+        """A block still open at the end is raw text, markers included; a section left open
+        (its close cut by EOS) has released its complete calls, and only what follows them
+        is text."""
+        block = self._block
+        assert block is not None
+        if block.call_end is not None and not buffer[self._search_from :].strip():
+            return
+        output.text += buffer
+
+    def _take_calls(self, block: CallBlock, raw: str, body: str, output: ParsedOutput) -> None:
+        calls = self._tool_calls.parse_block(block, body)
+        if calls is None:
+            output.text += raw
+        else:
+            output.tool_calls.extend(calls)
+            self._after_tool_call = True
 
     # -- held output ---------------------------------------------------------------------
 

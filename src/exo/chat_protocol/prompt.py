@@ -13,22 +13,24 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from jinja2.exceptions import TemplateError
 
-from exo.chat_protocol.output_parsing import THINK_CLOSE, THINK_OPEN
-from exo.chat_protocol.tool_call_parsing import (
-    HERMES_CLOSE,
-    HERMES_OPEN,
-    MISTRAL_ARGS,
-    MISTRAL_CALL_ID,
-    MISTRAL_TOOL_CALLS,
-    PYTHON_TAG,
-    ToolCallFormat,
+from exo.chat_protocol.format_detection import (
+    MARKER_TOKENS,
+    TOOLS_VARIABLE,
+    decode_keeping_markers,
+    detect_tool_call_format,
+    template_source,
+    template_tool_call_format,
 )
+from exo.chat_protocol.harmony import harmony_conversation
+from exo.chat_protocol.output_parsing import THINK_OPEN
+from exo.chat_protocol.tool_call_markup import HERMES_CLOSE, HERMES_OPEN
+from exo.chat_protocol.tool_call_parsing import ToolCallFormat
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams, ToolDefinition
 
 __all__ = [
@@ -40,21 +42,9 @@ __all__ = [
     "fold_system_messages",
     "raw_prompt",
     "render_prompt",
+    "template_tool_call_format",
 ]
 
-# Special tokens the output parsers read; every other special token is dropped on decode.
-MARKER_TOKENS = (
-    MISTRAL_TOOL_CALLS,
-    MISTRAL_ARGS,
-    MISTRAL_CALL_ID,
-    PYTHON_TAG,
-    THINK_OPEN,
-    THINK_CLOSE,
-    HERMES_OPEN,
-    HERMES_CLOSE,
-)
-_LLAMA3_HEADER = "<|start_header_id|>"
-_TOOLS_VARIABLE = re.compile(r"\btools\b")
 _TOOL_ROLE = re.compile(r"""['"]tool['"]""")
 # Mistral's templates reject tool call ids that are not 9 letters/digits.
 _NINE_CHARACTER_IDS = re.compile(r"length\s*(?:!=|==)\s*9|length 9")
@@ -139,18 +129,15 @@ def _render_conversation(
     tokenizer: Any, params: TextGenerationTaskParams, messages: Sequence[ChatMessage]
 ) -> RenderedPrompt:
     tools = params.offered_tools
-    source = _template_source(tokenizer, with_tools=bool(tools))
-    tools_in_template = bool(_TOOLS_VARIABLE.search(source))
-    template_kwargs: dict[str, Any] = {}
-    if params.enable_thinking is not None:
-        template_kwargs["enable_thinking"] = params.enable_thinking
-    if params.reasoning_effort is not None:
-        template_kwargs["reasoning_effort"] = params.reasoning_effort
+    source = template_source(tokenizer, with_tools=bool(tools))
+    tools_in_template = bool(TOOLS_VARIABLE.search(source))
+    tool_call_format = detect_tool_call_format(tokenizer)
+    template_kwargs = _template_kwargs(params, tool_call_format)
     short_ids = bool(_NINE_CHARACTER_IDS.search(source))
 
     attempts: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = []
     if tools_in_template:
-        conversation = _native_conversation(messages, short_ids)
+        conversation = _native_conversation(messages, short_ids, tool_call_format)
         attempts.append((conversation, [_tool_schema(tool) for tool in tools] or None))
     else:
         # Try the most faithful rendering first; fall back to plainer shapes when the
@@ -173,7 +160,7 @@ def _render_conversation(
         return RenderedPrompt(
             token_ids=token_ids,
             text=text,
-            tool_call_format=detect_tool_call_format(tokenizer),
+            tool_call_format=tool_call_format,
             thinking_open=text.rstrip().endswith(THINK_OPEN),
             tools_in_template=tools_in_template,
         )
@@ -207,90 +194,7 @@ def raw_prompt(tokenizer: Any, prompt: str) -> RenderedPrompt:
     )
 
 
-def detect_tool_call_format(tokenizer: Any) -> ToolCallFormat:
-    """The tool-call format the model was trained on, from its chat template and vocabulary.
-
-    `<tool_call>` in the template: "hermes" (Hermes function-calling format, NousResearch;
-    Qwen2.5/Qwen3). `[TOOL_CALLS]`: "mistral" (Mistral tokenizer v3 and later).
-    `<|python_tag|>`, or Llama 3 header tokens with tools: "llama3_json" (Llama 3.1 model
-    card: JSON tool calling). A template without tools: "hermes", the format exo's fallback
-    system message asks for. Anything else: "generic".
-
-    Args:
-        tokenizer: A Hugging Face tokenizer.
-
-    Returns:
-        The format name.
-    """
-    try:
-        source = _template_source(tokenizer, with_tools=True)
-    except ValueError:
-        return "generic"
-    tools_in_template = bool(_TOOLS_VARIABLE.search(source))
-    if HERMES_OPEN in source:
-        return "hermes"
-    if MISTRAL_TOOL_CALLS in source:
-        return "mistral"
-    if PYTHON_TAG in source or (tools_in_template and _LLAMA3_HEADER in source):
-        return "llama3_json"
-    if not tools_in_template:
-        return "hermes"
-    if _token_id(tokenizer, MISTRAL_TOOL_CALLS) is not None:
-        return "mistral"
-    if _token_id(tokenizer, HERMES_OPEN) is not None:
-        return "hermes"
-    if _token_id(tokenizer, PYTHON_TAG) is not None:
-        return "llama3_json"
-    return "generic"
-
-
-def decode_keeping_markers(tokenizer: Any) -> Callable[[Sequence[int]], str]:
-    """A decoder that drops special tokens except the markers the output parsers read.
-
-    `skip_special_tokens=True` would also drop e.g. Mistral's special `[TOOL_CALLS]` or a
-    special `<think>`, so the parser would never see them. The set of ids to drop is
-    computed once here; the returned function is called per token on a small window.
-
-    Args:
-        tokenizer: A Hugging Face tokenizer.
-
-    Returns:
-        A function from token ids to text, keeping the vocabulary's `MARKER_TOKENS`.
-    """
-    special_ids = set(getattr(tokenizer, "all_special_ids", ()))
-    added_tokens: dict[int, Any] = getattr(tokenizer, "added_tokens_decoder", {})
-    special_ids.update(
-        token_id for token_id, token in added_tokens.items() if getattr(token, "special", False)
-    )
-    marker_ids = {_token_id(tokenizer, marker) for marker in MARKER_TOKENS}
-    dropped = frozenset(special_ids - marker_ids)
-
-    def decode(token_ids: Sequence[int]) -> str:
-        kept = [token_id for token_id in token_ids if token_id not in dropped]
-        text: str = tokenizer.decode(
-            kept, skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
-        return text
-
-    return decode
-
-
 # -- helpers -----------------------------------------------------------------------------------
-
-
-def _template_source(tokenizer: Any, with_tools: bool) -> str:
-    """The template text Hugging Face would use (a "tool_use" variant when tools are given).
-
-    Raises:
-        ValueError: the tokenizer has no chat template.
-    """
-    try:
-        source = tokenizer.get_chat_template(None, [{}] if with_tools else None)
-    except ValueError as error:
-        raise ValueError(f"the model has no chat template: {error}") from error
-    if not isinstance(source, str):
-        raise ValueError("the model has no chat template")
-    return source
 
 
 def _apply_template(
@@ -336,14 +240,6 @@ def _apply_template(
     return text
 
 
-def _token_id(tokenizer: Any, token: str) -> int | None:
-    """The id of `token` when it is one token of the vocabulary, else None."""
-    token_id = tokenizer.convert_tokens_to_ids(token)
-    if not isinstance(token_id, int) or token_id < 0:
-        return None
-    return token_id if tokenizer.convert_ids_to_tokens(token_id) == token else None
-
-
 def _tool_schema(tool: ToolDefinition) -> dict[str, Any]:
     function: dict[str, Any] = {"name": tool.name}
     if tool.description is not None:
@@ -373,8 +269,33 @@ def _nine_character_id(call_id: str) -> str:
     return "".join(characters)
 
 
-def _native_conversation(messages: Sequence[ChatMessage], short_ids: bool) -> list[dict[str, Any]]:
-    """Messages in Hugging Face's chat format, tool calls and results included."""
+def _template_kwargs(
+    params: TextGenerationTaskParams, tool_call_format: ToolCallFormat
+) -> dict[str, Any]:
+    """The request's thinking switches as the template's variables: `enable_thinking` and
+    `reasoning_effort` when set. gpt-oss knows the efforts low / medium / high only and
+    always reasons ("minimal", or thinking turned off, is "low"); DeepSeek-V3.1's template
+    reads `thinking` instead of `enable_thinking`."""
+    template_kwargs: dict[str, Any] = {}
+    enable_thinking, effort = params.enable_thinking, params.reasoning_effort
+    if enable_thinking is not None:
+        template_kwargs["enable_thinking"] = enable_thinking
+        if tool_call_format == "deepseek_v3":
+            template_kwargs["thinking"] = enable_thinking
+    if tool_call_format == "harmony" and (effort == "minimal" or enable_thinking is False):
+        effort = "low"
+    if effort is not None:
+        template_kwargs["reasoning_effort"] = effort
+    return template_kwargs
+
+
+def _native_conversation(
+    messages: Sequence[ChatMessage], short_ids: bool, tool_call_format: ToolCallFormat
+) -> list[dict[str, Any]]:
+    """Messages in Hugging Face's chat format, tool calls and results included, with the
+    fields and ids the model's own template expects (gpt-oss: `thinking`, one call per
+    assistant message; Kimi K2: `functions.NAME:IDX` ids; Mistral: 9-character ids)."""
+    call_ids = _call_id_renaming(messages, short_ids, tool_call_format)
     call_names: dict[str, str] = {}
     conversation: list[dict[str, Any]] = []
     for message in messages:
@@ -386,7 +307,7 @@ def _native_conversation(messages: Sequence[ChatMessage], short_ids: bool) -> li
         if message.tool_calls:
             entry["tool_calls"] = [
                 {
-                    "id": _nine_character_id(call.id) if short_ids else call.id,
+                    "id": call_ids.get(call.id, call.id),
                     "type": "function",
                     "function": {"name": call.name, "arguments": _parsed_arguments(call.arguments)},
                 }
@@ -395,11 +316,33 @@ def _native_conversation(messages: Sequence[ChatMessage], short_ids: bool) -> li
             call_names.update((call.id, call.name) for call in message.tool_calls)
         if message.tool_call_id is not None:
             call_id = message.tool_call_id
-            entry["tool_call_id"] = _nine_character_id(call_id) if short_ids else call_id
+            entry["tool_call_id"] = call_ids.get(call_id, call_id)
             if message.role == "tool" and message.name is None and call_id in call_names:
                 entry["name"] = call_names[call_id]
         conversation.append(entry)
+    if tool_call_format == "harmony":
+        return harmony_conversation(conversation)
     return conversation
+
+
+def _call_id_renaming(
+    messages: Sequence[ChatMessage], short_ids: bool, tool_call_format: ToolCallFormat
+) -> dict[str, str]:
+    """The id each history call gets in the prompt: Kimi K2 was trained on
+    `functions.NAME:IDX` ids counted over the conversation; Mistral's templates require 9
+    letters/digits; others keep theirs."""
+    renamed: dict[str, str] = {}
+    calls = [call for message in messages for call in message.tool_calls]
+    for index, call in enumerate(calls):
+        if tool_call_format == "kimi_k2":
+            renamed.setdefault(call.id, f"functions.{call.name}:{index}")
+        elif short_ids:
+            renamed[call.id] = _nine_character_id(call.id)
+    if short_ids:
+        for message in messages:
+            if message.tool_call_id is not None:
+                renamed.setdefault(message.tool_call_id, _nine_character_id(message.tool_call_id))
+    return renamed
 
 
 def _fallback_conversation(

@@ -13,8 +13,26 @@ Formats understood:
   `<|python_tag|>`, several separated by `;` (Llama 3.1 model card: JSON tool calling).
 - "mistral": `[TOOL_CALLS]` then a JSON list `[{"name": ..., "arguments": {...}}]`
   (Mistral tokenizer v3) or `name[ARGS]{...}` per call (Mistral tokenizer v11 and later).
+- "qwen3_coder": `<tool_call><function=NAME><parameter=KEY>value</parameter>...</function>
+  </tool_call>` (Qwen3-Coder chat template); values typed by the tool's JSON Schema.
+- "glm45": `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>value</arg_value>...</tool_call>`
+  (GLM-4.5 / 4.6 chat templates); values typed by the schema.
+- "deepseek_v3": `<｜tool▁calls▁begin｜>` then per call `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>
+  {json}<｜tool▁call▁end｜>` (DeepSeek-V3.1) or `...function<｜tool▁sep｜>NAME` and a ```json
+  fence (DeepSeek-V3 / R1), then `<｜tool▁calls▁end｜>` (fullwidth bars, U+2581 spaces).
+- "kimi_k2": `<|tool_calls_section_begin|>` then per call `<|tool_call_begin|>functions.NAME:IDX
+  <|tool_call_argument_begin|>{json}<|tool_call_end|>`, then `<|tool_calls_section_end|>`.
+- "minimax_m2": `<minimax:tool_call><invoke name="NAME"><parameter name="KEY">value
+  </parameter>...</invoke>...</minimax:tool_call>` (MiniMax-M2); values typed by the schema.
+- "harmony": gpt-oss's channels (`exo.chat_protocol.harmony`); a call's message body is its
+  JSON arguments.
 - "generic": the whole output is a JSON object (or list of them) naming a known tool, bare
   or in a ```json fence; tried at the end for every format.
+
+In the section formats (DeepSeek, Kimi K2, MiniMax-M2) each call is released as soon as its
+own end marker arrives, before the section closes. The `<tool_call>` bodies of "hermes",
+"qwen3_coder" and "glm45" are told apart by their shape (JSON object, `<function=`, or a
+name), so a model prompted in one of them and answering in another is still understood.
 """
 
 from __future__ import annotations
@@ -23,31 +41,45 @@ import json
 import re
 import secrets
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from exo.chat_protocol.tool_arguments import coerce_to_schema
+from exo.chat_protocol.tool_call_markup import (
+    ALL_BLOCKS,
+    DEEPSEEK_CALL_BEGIN,
+    DEEPSEEK_CALL_END,
+    DEEPSEEK_CALLS_BEGIN,
+    DEEPSEEK_SEP,
+    GLM_ARG_KEY,
+    GLM_PAIR,
+    HERMES_OPEN,
+    KIMI_ARGUMENT_BEGIN,
+    KIMI_CALL_BEGIN,
+    KIMI_CALL_END,
+    KIMI_SECTION_BEGIN,
+    MINIMAX_INVOKE,
+    MINIMAX_OPEN,
+    MINIMAX_PARAMETER,
+    MISTRAL_ARGS,
+    MISTRAL_CALL_ID,
+    MISTRAL_TOOL_CALLS,
+    PYTHON_TAG,
+    QWEN3_CODER_CALL,
+    QWEN3_CODER_FUNCTION,
+    QWEN3_CODER_PARAMETER,
+    CallBlock,
+    property_schema,
+    strip_one_newline,
+    typed_value,
+)
 from exo.shared.types.models import ToolCallFormat
 from exo.shared.types.text_generation import ToolCall, ToolDefinition
-
-HERMES_OPEN = "<tool_call>"
-HERMES_CLOSE = "</tool_call>"
-PYTHON_TAG = "<|python_tag|>"
-MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
-MISTRAL_ARGS = "[ARGS]"
-MISTRAL_CALL_ID = "[CALL_ID]"
 
 TOOL_CALL_ID_PREFIX = "call_"
 TOOL_CALL_ID_LENGTH = 24
 _ID_ALPHABET = string.ascii_letters + string.digits
 
-# Markers that, once seen in answer text, start a tool call (per format).
-TEXT_MARKERS: dict[ToolCallFormat, tuple[str, ...]] = {
-    "hermes": (HERMES_OPEN,),
-    "llama3_json": (PYTHON_TAG,),
-    "mistral": (MISTRAL_TOOL_CALLS,),
-    "generic": (),
-}
 _FENCE_WHOLE = re.compile(r"\A```[ \t]*(?:json)?[ \t]*\r?\n(?P<body>.*?)\n?[ \t]*```\s*\Z", re.S)
 
 
@@ -89,8 +121,9 @@ class ToolCallParser:
             call = self.parse_call_object(stripped, require_arguments=False)
             if call is not None:
                 return [call]
-        if stripped.startswith(HERMES_OPEN):
-            return self._parse_hermes_blocks(stripped)
+        for block in ALL_BLOCKS:
+            if stripped.startswith(block.open):
+                return self._parse_blocks(stripped, block)
         if stripped.startswith(MISTRAL_TOOL_CALLS):
             return self._parse_mistral(stripped)
         if stripped.startswith(PYTHON_TAG):
@@ -101,24 +134,173 @@ class ToolCallParser:
                 return calls
         return self._parse_generic(stripped)
 
-    def _parse_hermes_blocks(self, text: str) -> list[ToolCall] | None:
-        """Calls from an output made only of `<tool_call>...</tool_call>` blocks."""
+    def _parse_blocks(self, text: str, block: CallBlock) -> list[ToolCall] | None:
+        """Calls from an output made only of `block`s (the last one may lack its close
+        marker where the block allows it)."""
         calls: list[ToolCall] = []
         position = 0
         while position < len(text):
-            if not text.startswith(HERMES_OPEN, position):
+            if not text.startswith(block.open, position):
                 return None
-            end = text.find(HERMES_CLOSE, position)
+            end = text.find(block.close, position)
+            body_start = position + len(block.open)
+            if end == -1 and block.call_end is None:
+                return None
+            found = self.parse_block(block, text[body_start : end if end != -1 else len(text)])
+            if found is None:
+                return None
+            calls.extend(found)
             if end == -1:
-                return None
-            call = self.parse_call_object(
-                text[position + len(HERMES_OPEN) : end], require_arguments=False
+                break
+            position = _skip_whitespace(text, end + len(block.close))
+        return calls or None
+
+    def parse_block(self, block: CallBlock, body: str) -> list[ToolCall] | None:
+        """The calls inside one block (the text between its markers); None when it is not
+        made only of calls of known tools."""
+        if block.open == HERMES_OPEN:
+            call = self._parse_tool_call_body(body)
+            return None if call is None else [call]
+        if block.open == DEEPSEEK_CALLS_BEGIN:
+            return self._parse_marked_calls(
+                body, DEEPSEEK_CALL_BEGIN, DEEPSEEK_CALL_END, self._deepseek_call
             )
+        if block.open == KIMI_SECTION_BEGIN:
+            return self._parse_marked_calls(body, KIMI_CALL_BEGIN, KIMI_CALL_END, self._kimi_call)
+        if block.open == MINIMAX_OPEN:
+            return self._parse_minimax(body)
+        return None
+
+    def _parse_tool_call_body(self, body: str) -> ToolCall | None:
+        """A `<tool_call>` body: Hermes JSON, Qwen3-Coder `<function=...>` or GLM's
+        name and `<arg_key>`/`<arg_value>` pairs."""
+        stripped = body.strip()
+        if stripped.startswith("{"):
+            return self.parse_call_object(stripped, require_arguments=False)
+        if stripped.startswith(QWEN3_CODER_FUNCTION):
+            return self._parse_qwen3_coder(stripped)
+        return self._parse_glm(stripped)
+
+    def _parse_qwen3_coder(self, text: str) -> ToolCall | None:
+        match = QWEN3_CODER_CALL.fullmatch(text)
+        if match is None:
+            return None
+        name = match.group("name").strip()
+        tool = self._tools.get(name)
+        if tool is None:
+            return None
+        arguments: dict[str, Any] = {}
+        for parameter in QWEN3_CODER_PARAMETER.finditer(match.group("body")):
+            value = strip_one_newline(parameter.group("value"))
+            key = parameter.group("key").strip()
+            arguments[key] = typed_value(value, property_schema(tool.parameters, key))
+        return self._make_call(name, arguments)
+
+    def _parse_glm(self, text: str) -> ToolCall | None:
+        key_index = text.find(GLM_ARG_KEY)
+        name = (text if key_index == -1 else text[:key_index]).strip()
+        tool = self._tools.get(name)
+        if tool is None:
+            return None
+        rest = "" if key_index == -1 else text[key_index:]
+        arguments: dict[str, Any] = {}
+        position = 0
+        for pair in GLM_PAIR.finditer(rest):
+            if rest[position : pair.start()].strip():
+                return None
+            key = pair.group("key").strip()
+            schema = property_schema(tool.parameters, key)
+            arguments[key] = typed_value(pair.group("value"), schema)
+            position = pair.end()
+        if rest[position:].strip():
+            return None
+        return self._make_call(name, arguments)
+
+    def _parse_marked_calls(
+        self, body: str, begin: str, end: str, parse_one: Callable[[str], ToolCall | None]
+    ) -> list[ToolCall] | None:
+        """Calls each between `begin` and `end`, only whitespace around them."""
+        calls: list[ToolCall] = []
+        position = _skip_whitespace(body, 0)
+        while position < len(body):
+            if not body.startswith(begin, position):
+                return None
+            close = body.find(end, position)
+            if close == -1:
+                return None
+            call = parse_one(body[position + len(begin) : close])
             if call is None:
                 return None
             calls.append(call)
-            position = _skip_whitespace(text, end + len(HERMES_CLOSE))
+            position = _skip_whitespace(body, close + len(end))
         return calls or None
+
+    def _deepseek_call(self, text: str) -> ToolCall | None:
+        """`NAME<｜tool▁sep｜>{json}` (V3.1) or `function<｜tool▁sep｜>NAME\n```json ...```
+        (V3 / R1)."""
+        name, separator, rest = text.partition(DEEPSEEK_SEP)
+        if not separator:
+            return None
+        name = name.strip()
+        if name == "function" and name not in self._tools:
+            name, _, rest = rest.partition("\n")
+            fence = _FENCE_WHOLE.match(rest.strip())
+            rest = fence.group("body") if fence is not None else rest
+        return self.parse_named_call(name.strip(), rest)
+
+    def _kimi_call(self, text: str) -> ToolCall | None:
+        """`functions.NAME:IDX<|tool_call_argument_begin|>{json}`."""
+        identifier, separator, rest = text.partition(KIMI_ARGUMENT_BEGIN)
+        if not separator:
+            return None
+        name = identifier.strip().removeprefix("functions.")
+        head, colon, index = name.rpartition(":")
+        if colon and index.isdigit():
+            name = head
+        return self.parse_named_call(name, rest)
+
+    def _parse_minimax(self, body: str) -> list[ToolCall] | None:
+        calls: list[ToolCall] = []
+        position = 0
+        for invoke in MINIMAX_INVOKE.finditer(body):
+            if body[position : invoke.start()].strip():
+                return None
+            name = invoke.group("name")
+            tool = self._tools.get(name)
+            if tool is None:
+                return None
+            arguments: dict[str, Any] = {}
+            inner = invoke.group("body")
+            inner_position = 0
+            for parameter in MINIMAX_PARAMETER.finditer(inner):
+                if inner[inner_position : parameter.start()].strip():
+                    return None
+                key = parameter.group("key")
+                value = strip_one_newline(parameter.group("value"))
+                arguments[key] = typed_value(value, property_schema(tool.parameters, key))
+                inner_position = parameter.end()
+            if inner[inner_position:].strip():
+                return None
+            call = self._make_call(name, arguments)
+            if call is None:
+                return None
+            calls.append(call)
+            position = invoke.end()
+        if body[position:].strip():
+            return None
+        return calls or None
+
+    def parse_named_call(self, name: str, arguments_text: str) -> ToolCall | None:
+        """A call of tool `name` whose arguments are the JSON object `arguments_text`
+        (empty: no arguments); None for an unknown tool or arguments that are no object."""
+        stripped = arguments_text.strip()
+        if not stripped:
+            return self._make_call(name, {})
+        try:
+            arguments = json.loads(stripped)
+        except ValueError:
+            return None
+        return self._make_call(name, arguments)
 
     def _parse_generic(self, text: str) -> list[ToolCall] | None:
         fence = _FENCE_WHOLE.match(text)

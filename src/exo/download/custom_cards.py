@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from exo.chat_protocol.format_detection import template_tool_call_format
 from exo.download.locations import ModelLocations, candidates
 from exo.shared.models.cards import (
     TOKENIZER_FILES,
@@ -127,21 +128,17 @@ def refuse_unsupported(
 def template_traits(
     template: str,
 ) -> tuple[tuple[Capability, ...], CardToolCallFormat]:
-    """Capabilities and tool-call format a chat template shows: `<think>` for thinking;
-    Hermes `<tool_call>`, Mistral `[TOOL_CALLS]` or Llama 3's `<|python_tag|>` / ipython
-    role for tools. A template with none of them gets text only and the generic format's
-    fallback parsing."""
+    """Capabilities and tool-call format a chat template shows: `<think>` (or gpt-oss's
+    analysis channel) for thinking; the tool markup `template_tool_call_format` reads, or
+    Llama 3's ipython role, for tools. A template with none of them gets text only and the
+    generic format's fallback parsing."""
     capabilities: list[Capability] = ["text"]
-    tool_call_format: CardToolCallFormat = "none"
-    if "<tool_call>" in template:
-        tool_call_format = "hermes"
-    elif "[TOOL_CALLS]" in template:
-        tool_call_format = "mistral"
-    elif "<|python_tag|>" in template or "ipython" in template:
+    tool_call_format: CardToolCallFormat = template_tool_call_format(template) or "none"
+    if tool_call_format == "none" and "ipython" in template:
         tool_call_format = "llama3_json"
     if tool_call_format != "none":
         capabilities.append("tools")
-    if "<think>" in template:
+    if "<think>" in template or tool_call_format == "harmony":
         capabilities.append("thinking")
     return tuple(capabilities), tool_call_format
 

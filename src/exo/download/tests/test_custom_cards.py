@@ -215,6 +215,18 @@ def test_search_reports_each_models_architecture(hub_env: HubServer) -> None:
         ("[TOOL_CALLS]", ("text", "tools"), "mistral"),
         ("<|python_tag|>", ("text", "tools"), "llama3_json"),
         ("<think>", ("text", "thinking"), "none"),
+        ("<|start|>assistant<|channel|>analysis", ("text", "tools", "thinking"), "harmony"),
+        ("{{ tools }}<tool_call><function=x>", ("text", "tools"), "qwen3_coder"),
+        (
+            "{{ tools }}<tool_call>x<arg_key>k</arg_key><think>",
+            ("text", "tools", "thinking"),
+            "glm45",
+        ),
+        ("{{ tools }}<minimax:tool_call><think>", ("text", "tools", "thinking"), "minimax_m2"),
+        ("{{ tools }}<|tool_calls_section_begin|>", ("text", "tools"), "kimi_k2"),
+        ("{{ tools }}<｜tool▁calls▁begin｜><think>", ("text", "tools", "thinking"), "deepseek_v3"),
+        # DeepSeek-R1's template writes its markup in history but takes no tools.
+        ("<｜tool▁calls▁begin｜><think>", ("text", "thinking"), "none"),
     ],
 )
 def test_template_traits(

@@ -104,7 +104,18 @@ Capability = Literal["text", "thinking", "tools", "vision"]
 """What a model can do: read and write text, reason in a separate thinking block, call
 tools, read images."""
 
-ToolCallFormat = Literal["hermes", "llama3_json", "mistral", "generic"]
+ToolCallFormat = Literal[
+    "hermes",
+    "llama3_json",
+    "mistral",
+    "harmony",
+    "qwen3_coder",
+    "deepseek_v3",
+    "kimi_k2",
+    "glm45",
+    "minimax_m2",
+    "generic",
+]
 """How a model writes a tool call: the parser names of `chat_protocol/tool_call_parsing.py`.
 A card declares the format its model was trained on ("none": not trained to call tools);
 the runner detects it from the tokenizer at load and reports a card that says otherwise
