@@ -24,6 +24,7 @@ ENGINE_ARCHITECTURES: tuple[str, ...] = (
     "Glm4MoeForCausalLM",
     "MixtralForCausalLM",
     "MiniMaxM2ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 """Every architecture name (text model and `*ForConditionalGeneration` wrapper) that
 some family file covers, in the registry's order."""

@@ -407,12 +407,34 @@ class KVGeometry:
     layers: int
     kv_heads: int
     head_dim: int
+    latent_values: int = 0
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token takes: layers × KV heads × head dim × 2 (a key and a value) ×
-        `KV_CACHE_VALUE_BYTES`."""
-        return self.layers * self.kv_heads * self.head_dim * 2 * KV_CACHE_VALUE_BYTES
+        `KV_CACHE_VALUE_BYTES`; with multi-head latent attention (`latent_values` > 0: the
+        values are the first `latent_values` of each key) the key alone."""
+        kinds = 1 if self.latent_values else 2
+        return self.layers * self.kv_heads * self.head_dim * kinds * KV_CACHE_VALUE_BYTES
+
+
+def latent_kv_geometry(text_config: Any, layers: int) -> KVGeometry | None:
+    """The KV geometry of multi-head latent attention (DeepSeek-V2/V3, Kimi-K2: a config
+    with `kv_lora_rank`), duck-typed over a transformers config or a config.json mapping:
+    per layer and token one compressed "head" of `kv_lora_rank + qk_rope_head_dim` values
+    (the normed latent, the rotated rope key), whose first `kv_lora_rank` values serve as
+    the values. The same on every tensor rank (the latent is shared by all heads). None
+    for other attention. Source: DeepSeek-V2 paper (arXiv:2405.04434), section 2.1."""
+    read = (
+        text_config.get
+        if isinstance(text_config, dict)
+        else (lambda name: getattr(text_config, name, None))
+    )
+    rank = read("kv_lora_rank")
+    if not rank:
+        return None
+    rope = int(read("qk_rope_head_dim") or 0)
+    return KVGeometry(layers, 1, int(rank) + rope, latent_values=int(rank))
 
 
 def kv_heads_per_rank(kv_heads: int, tensor_parallel_ranks: int) -> int:
@@ -443,6 +465,9 @@ def kv_geometry_of_config(
         layers: decoder layers this rank holds.
         tensor_parallel_ranks: ranks the KV heads are split over.
     """
+    latent = latent_kv_geometry(text_config, layers)
+    if latent is not None:
+        return latent
     heads = int(text_config.num_attention_heads)
     kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)

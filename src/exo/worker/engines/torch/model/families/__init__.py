@@ -11,6 +11,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from exo.worker.engines.torch.model.families import (
+    deepseek_v3,
     gemma,
     gemma3,
     glm4_moe,
@@ -37,6 +38,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     glm4_moe.FAMILY,
     mixtral.FAMILY,
     minimax_m2.FAMILY,
+    deepseek_v3.FAMILY,
 )
 
 

@@ -193,6 +193,9 @@ class DecoderLayout:
         norm_offset: RMSNorms scale by `norm_offset + weight` (Gemma's `1 + weight`: 1.0).
         rope_per_layer_type: the rotary module takes the layer type (Gemma 3: local
             sliding layers use another base frequency).
+        latent_attention: multi-head latent attention (DeepSeek-V3's `self_attn` with
+            `kv_a_proj_with_mqa` / `kv_b_proj`; `direct_forward_mla`) in place of `qkv`,
+            over a KV cache of one compressed head per token.
     The activation is read from the MLP module; the embedding's scale (Gemma's
     `sqrt(hidden)`) is inside the model's embedding module, which the lean forward calls.
     """
@@ -209,6 +212,7 @@ class DecoderLayout:
     qk_norms_per_head: bool = True
     norm_offset: float = 0.0
     rope_per_layer_type: bool = False
+    latent_attention: bool = False
 
 
 @dataclass(frozen=True, slots=True)
