@@ -67,7 +67,7 @@ class LeanLatentAttention:
     """
 
     __slots__ = (
-        "heads", "interleave", "key_up", "kv_down", "kv_norm", "latent", "nope", "output",
+        "heads", "interleave", "key_up", "kv_down", "kv_norm", "latent", "latent_dtype", "nope", "output",
         "query_down", "query_norm", "query_up", "rope", "scaling", "value", "value_up",
     )  # fmt: skip
 
@@ -93,6 +93,9 @@ class LeanLatentAttention:
             if projection is not None and projection.reduce:
                 raise LeanUnsupportedError("an MLA projection before the heads that all-reduces")
         weight = dense_weight(attention.kv_b_proj, self.latent)  # [heads * (nope + v), latent]
+        # The dtype kv_b_proj reads the latent in (bfloat16 around quantized kernels): the
+        # cached latent is rounded to it, as transformers' expansion rounds its input.
+        self.latent_dtype = Projection([attention.kv_b_proj], bf16).in_dtype
         self.heads = weight.shape[0] // (self.nope + self.value)
         if self.query_up.out_features != self.heads * (self.nope + self.rope):
             raise LeanUnsupportedError("MLA query and kv_b_proj head counts differ")
@@ -128,6 +131,7 @@ class LeanLatentAttention:
         compressed = self.kv_down(normed.to(self.kv_down.in_dtype)).float()  # [T, latent+rope]
         weight, eps = self.kv_norm
         content = F.rms_norm(compressed[:, :latent], (latent,), weight, eps)  # [T, latent]
+        content = content.to(self.latent_dtype).float()
         # Rotary over the queries' rope parts and the shared rope key together.
         rotary = torch.cat([query[:, :, nope:], compressed[:, None, latent:]], dim=1)
         if self.interleave:  # pairs (x0, x1), (x2, x3)...: evens then odds, as transformers

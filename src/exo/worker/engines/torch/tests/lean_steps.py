@@ -106,6 +106,8 @@ def run_single(
         attached.enabled = lean
     try:
         cache, windows, layer_of = new_cache(model, world_size)
+        if not lean and cache.latent_values:  # MLA: transformers' forward cannot use it
+            return whole_sequence_logits(model, tokens)
         logits = []
         for decode_slots, decode_positions, prefill, ids, positions, rows in steps(tokens):
             for segment in prefill:
@@ -125,6 +127,22 @@ def run_single(
     finally:
         if attached is not None:
             attached.enabled = True
+
+
+@torch.inference_mode()
+def whole_sequence_logits(model: Any, tokens: list[list[int]]) -> torch.Tensor:
+    """`run_single`'s logit rows from transformers' own forward over each request's whole
+    token list (no plan: SDPA with its causal mask), for models whose slot cache holds
+    what transformers' attention does not give the attention function (MLA's latents).
+    The rows come in `steps`' order, so they compare row by row with `run_single`'s."""
+    full = [model(input_ids=torch.tensor([ids])).logits[0].float() for ids in tokens]
+    a, b, c = full
+    rows = [a[PROMPT_A_LENGTH - 1], b[PROMPT_B_LENGTH - 1]]
+    for step in range(DECODE_STEPS):
+        rows += [a[PROMPT_A_LENGTH + step], b[PROMPT_B_LENGTH + step]]
+        if step == DECODE_STEPS - 1:
+            rows.append(c[PROMPT_C_LENGTH - 1])
+    return torch.stack(rows)
 
 
 def run_pipeline_rank(

@@ -54,8 +54,9 @@ def routing(config: PretrainedConfig) -> Routing:
 
 def tiny_model(settings: dict[str, Any]) -> PreTrainedModel:
     """Top 2 of 8 experts in the best of 2 groups beside a shared one, layer 0 dense,
-    low-rank queries and a latent of 32 (+ a rope key of 8) per token, DeepSeek-V3's
-    interleaved rotary and scaling factor."""
+    low-rank queries (32) and a latent of 64 (+ a rope key of 8) per token, DeepSeek-V3's
+    interleaved rotary and scaling factor. The ranks are multiples of 32, as the real
+    models' (torch's int8 kernel, `Int8Linear`'s fallback, crashes on 24 input columns)."""
     settings = {key: value for key, value in settings.items() if key != "sliding_window"}
     hidden = int(settings["hidden_size"])
     heads = int(settings["num_attention_heads"])
@@ -69,8 +70,8 @@ def tiny_model(settings: dict[str, Any]) -> PreTrainedModel:
         "first_k_dense_replace": 1,
         "norm_topk_prob": True,
         "routed_scaling_factor": 2.5,
-        "q_lora_rank": 24,
-        "kv_lora_rank": 32,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 64,
         "qk_rope_head_dim": 8,
         "qk_nope_head_dim": 16,
         "v_head_dim": 16,
