@@ -67,8 +67,8 @@ class LeanLatentAttention:
     """
 
     __slots__ = (
-        "heads", "interleave", "key_up", "kv_down", "kv_norm", "latent", "latent_dtype", "nope", "output",
-        "query_down", "query_norm", "query_up", "rope", "scaling", "value", "value_up",
+        "heads", "interleave", "key_up", "kv_down", "kv_norm", "latent", "latent_dtype", "nope",
+        "output", "query_down", "query_norm", "query_up", "rope", "scaling", "value", "value_up",
     )  # fmt: skip
 
     def __init__(self, attention: Any, bf16: bool) -> None:
