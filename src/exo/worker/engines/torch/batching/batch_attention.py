@@ -142,6 +142,8 @@ def batched_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    if plan.cache.latent_values:
+        raise RuntimeError("a latent (MLA) KV cache is written by the lean forward only")
     return attend(plan, plan.layer_of[id(module)], query, key, value, scaling), None
 
 

@@ -451,13 +451,26 @@ def enable_lean_forward(
 ) -> LeanModel | None:
     """Build the model's `LeanModel` (fusing its Q/K/V and gate/up linears) and attach it
     so `forward_batch` runs it; None (transformers' forward stays, with a log line naming
-    the reason) when `LEAN_ENV` is "0" or the model has a part without lean code."""
-    if os.environ.get(LEAN_ENV) == "0":
+    the reason) when `LEAN_ENV` is "0" or the model has a part without lean code.
+
+    Raises:
+        UnsupportedArchitectureError: a multi-head latent attention family
+            (`DecoderLayout.latent_attention`) the lean forward cannot run: its KV cache
+            holds latents, which transformers' attention does not give the batched
+            attention (`LEAN_ENV` does not turn such a family's lean forward off).
+    """
+    latent = family.layout is not None and family.layout.latent_attention
+    if os.environ.get(LEAN_ENV) == "0" and not latent:
         logger.info("lean forward off ({}=0): batched steps run transformers' forward", LEAN_ENV)
         return None
     try:
         lean = LeanModel(model, family, bf16)
     except (LeanUnsupportedError, UnsupportedArchitectureError) as error:
+        if latent:  # transformers' MLA expands keys and values: no use of a latent cache
+            raise UnsupportedArchitectureError(
+                f"the {family.name} family runs on the lean forward only, which cannot run "
+                f"this model: {error}"
+            ) from error
         logger.warning(
             "no lean forward for {}: {}; using transformers' forward", family.name, error
         )

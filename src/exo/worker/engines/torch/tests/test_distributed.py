@@ -219,9 +219,17 @@ def _splits_beyond_linears(name: str) -> bool:
     )
 
 
-# Slow families whose tensor split also runs on transformers' modules (the fallback path).
+def _latent_attention(name: str) -> bool:
+    layout = family_by_name(name).layout
+    return layout is not None and layout.latent_attention
+
+
+# Slow families whose tensor split also runs on transformers' modules (the fallback path;
+# not MLA, which runs on the lean forward only: its cache holds latents).
 MODULE_PATH_ARCHITECTURES = tuple(
-    name for name in SLOW_SPLIT_ARCHITECTURES if _splits_beyond_linears(name)
+    name
+    for name in SLOW_SPLIT_ARCHITECTURES
+    if _splits_beyond_linears(name) and not _latent_attention(name)
 )
 
 
