@@ -108,6 +108,20 @@ def test_the_kv_cache_holds_the_latent_and_the_rope_key(model_dir: Path) -> None
     assert torch.allclose(cached[:, rank:].norm(dim=-1), raw_rope.norm(dim=-1), atol=1e-5)
     assert not torch.allclose(cached[1:, rank:], raw_rope[1:], atol=1e-3)
     assert float(cache.keys[0][slot, 0, len(prompt) :].abs().max()) == 0.0
+    # The prefix cache's copy holds the keys only; written back (after the slot moved and
+    # the buffers grew) the latents and their value views are the same.
+    length = len(prompt)
+    copy = cache.read(slot, length)
+    assert copy.shape == (LAYERS, 1, 1, length, rank + rope)
+    other = cache.allocate()
+    cache.free(slot)  # `other` moves into `slot`
+    cache.reserve(2 * cache.capacity)
+    cache.write(slot, copy, length)
+    for layer in range(LAYERS):
+        assert torch.equal(cache.keys[layer][slot, :, :length], copy[layer, 0])
+        assert torch.equal(cache.values[layer][slot, :, :length], copy[layer, 0, ..., :rank])
+        assert cache.values[layer].data_ptr() == cache.keys[layer].data_ptr()
+    assert other == 1
 
 
 def test_kimi_k2_model_type_loads_as_deepseek_v3_without_its_mtp_layer(
