@@ -25,6 +25,7 @@ ENGINE_ARCHITECTURES: tuple[str, ...] = (
     "MixtralForCausalLM",
     "MiniMaxM2ForCausalLM",
     "GptOssForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 """Every architecture name (text model and `*ForConditionalGeneration` wrapper) that
 some family file covers, in the registry's order."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from exo.shared.models.latent_attention import latent_attention_of_config
 from exo.shared.models.moe import moe_geometry_of_config
 from exo.shared.models.names import resolve_model_name
 from exo.shared.types.common import ModelId
@@ -207,6 +208,7 @@ def card_from_config(
     head_dim = text_config.get("head_dim")
     try:
         moe = moe_geometry_of_config(text_config)
+        latent_attention = latent_attention_of_config(text_config)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from error
     parameter_count, stored_bytes = _weight_totals(safetensors_headers)
@@ -239,6 +241,7 @@ def card_from_config(
             and (moe is None or moe.expert_intermediate_size % 2 == 0)
         ),
         moe=moe,
+        latent_attention=latent_attention,
     )
 
 

@@ -25,6 +25,7 @@ from typing import Any, Literal
 from exo.shared.models.parameter_count import has_qk_norms
 from exo.shared.types.models import (
     GgufFileSource,
+    LatentAttention,
     ModelCard,
     MoeGeometry,
     PypiGgufPartsSource,
@@ -163,6 +164,22 @@ def gguf_kernel(gguf_type: str, native_kernels: bool) -> str:
     return "int4"
 
 
+def _latent_attention_linears(
+    latent: LatentAttention, card: ModelCard, ranks: int
+) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """(in, out) of an MLA layer's linears before the heads' output (the low-rank ones
+    whole on every tensor rank, those producing heads split), and of `o_proj`."""
+    hidden, heads = card.hidden_size, card.num_attention_heads
+    query = heads * (latent.qk_nope_head_dim + latent.qk_rope_head_dim) // ranks
+    rank = latent.q_lora_rank
+    linears = [(hidden, rank), (rank, query)] if rank else [(hidden, query)]
+    linears.append((hidden, latent.kv_lora_rank + latent.qk_rope_head_dim))
+    linears.append(
+        (latent.kv_lora_rank, heads * (latent.qk_nope_head_dim + latent.v_head_dim) // ranks)
+    )
+    return linears, (heads * latent.v_head_dim // ranks, hidden)
+
+
 def decoder_layer_bytes_by_kernel(
     card: ModelCard, tensor_parallel_ranks: int = 1, native_kernels: bool = False
 ) -> dict[str, int]:
@@ -252,6 +269,9 @@ def decoder_layer_bytes(
     key_value = card.num_key_value_heads * card.attention_head_dim
     column = [(hidden, query // ranks), (hidden, key_value // ranks), (hidden, key_value // ranks)]
     row = [(query // ranks, hidden), *_mlp_linears(card, ranks, sparse, experts)]
+    if card.latent_attention is not None:
+        column, output = _latent_attention_linears(card.latent_attention, card, ranks)
+        row = [output, *_mlp_linears(card, ranks, sparse, experts)]
     stored = card.gguf_weight_types
     if weight_format == "int4" and stored is not None:
         held = sum(
@@ -478,12 +498,29 @@ class KVGeometry:
     layers: int
     kv_heads: int
     head_dim: int
+    latent_values: int = 0
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token takes: layers × KV heads × head dim × 2 (a key and a value) ×
-        `KV_CACHE_VALUE_BYTES`."""
-        return self.layers * self.kv_heads * self.head_dim * 2 * KV_CACHE_VALUE_BYTES
+        `KV_CACHE_VALUE_BYTES`; with multi-head latent attention (`latent_values` > 0: the
+        values are the first `latent_values` of each key) the key alone."""
+        kinds = 1 if self.latent_values else 2
+        return self.layers * self.kv_heads * self.head_dim * kinds * KV_CACHE_VALUE_BYTES
+
+
+def latent_kv_geometry(text_config: Any, layers: int) -> KVGeometry | None:
+    """The KV geometry of multi-head latent attention (a config with `kv_lora_rank`:
+    DeepSeek-V2/V3, Kimi-K2), duck-typed over a transformers config: per layer and token one
+    compressed "head" of `kv_lora_rank + qk_rope_head_dim` values (the normed latent, the
+    rotated rope key), whose first `kv_lora_rank` values serve as the values; the same on
+    every tensor rank (all heads share the latent). None for other attention. Source:
+    DeepSeek-V2 paper (arXiv:2405.04434), section 2.1."""
+    rank = getattr(text_config, "kv_lora_rank", None)
+    if not rank:
+        return None
+    rope = int(getattr(text_config, "qk_rope_head_dim", 0) or 0)
+    return KVGeometry(layers, 1, int(rank) + rope, latent_values=int(rank))
 
 
 def kv_heads_per_rank(kv_heads: int, tensor_parallel_ranks: int) -> int:
@@ -493,8 +530,13 @@ def kv_heads_per_rank(kv_heads: int, tensor_parallel_ranks: int) -> int:
 
 def kv_geometry(card: ModelCard, share: WeightShare | None = None) -> KVGeometry:
     """The KV geometry of a node holding `share` of `card`'s model (the whole model when
-    None): its layers, its part of the KV heads."""
+    None): its layers, its part of the KV heads (multi-head latent attention: one latent
+    head, whole on every tensor rank; `latent_kv_geometry`)."""
     share = share or whole_model(card)
+    latent = card.latent_attention
+    if latent is not None:  # MLA: one latent + rope key per layer, on every tensor rank
+        width = latent.kv_lora_rank + latent.qk_rope_head_dim
+        return KVGeometry(share.layers, 1, width, latent_values=latent.kv_lora_rank)
     return KVGeometry(
         layers=share.layers,
         kv_heads=share.kv_heads(card),
@@ -514,6 +556,9 @@ def kv_geometry_of_config(
         layers: decoder layers this rank holds.
         tensor_parallel_ranks: ranks the KV heads are split over.
     """
+    latent = latent_kv_geometry(text_config, layers)
+    if latent is not None:
+        return latent
     heads = int(text_config.num_attention_heads)
     kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)

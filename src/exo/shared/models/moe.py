@@ -70,6 +70,7 @@ def moe_geometry_of_config(config: Mapping[str, Any]) -> MoeGeometry | None:
         expert_intermediate_size=width,
         dense_layers=dense,
         shared_expert_intermediate_size=shared,
+        correction_bias=config.get("topk_method") == "noaux_tc",
     )
 
 

@@ -11,6 +11,7 @@ of the dense MLP (`ModelCard.moe`).
 
 from __future__ import annotations
 
+from exo.shared.models.latent_attention import latent_attention_parameters
 from exo.shared.types.models import ModelCard
 
 # Norm vectors per decoder layer and whether each layer has per-head Q/K norms, by
@@ -47,6 +48,10 @@ def decoder_parameter_count(card: ModelCard) -> int:
     query_width = card.num_attention_heads * head_dim
     key_value_width = card.num_key_value_heads * head_dim
     attention = hidden * query_width + 2 * hidden * key_value_width + query_width * hidden
+    if card.latent_attention is not None:
+        attention = latent_attention_parameters(
+            card.latent_attention, hidden, card.num_attention_heads
+        )
     if card.attention_bias:
         attention += query_width + 2 * key_value_width
     if has_qk_norms(card):
@@ -61,7 +66,8 @@ def decoder_parameter_count(card: ModelCard) -> int:
         experts = card.moe.experts * 3 * hidden * card.moe.expert_intermediate_size
         experts += 3 * hidden * card.moe.shared_expert_intermediate_size
         sparse = card.moe.sparse_layers(card.n_layers)
-        layers += sparse * (experts + card.moe.experts * hidden - mlp)
+        router = card.moe.experts * hidden + (card.moe.experts if card.moe.correction_bias else 0)
+        layers += sparse * (experts + router - mlp)
     return embedding + layers + hidden + lm_head
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from exo.shared.models.latent_attention import latent_attention_of_config
 from exo.shared.models.moe import moe_geometry_of_config
 from exo.shared.types.models import ModelCard, MoeGeometry, ToolCallFormat
 
@@ -60,6 +61,7 @@ def card_mismatches(
         if actual is not None and stated != actual
     ]
     found += _moe_mismatches(card, text)
+    found += _latent_attention_mismatches(card, text)
     positions = text.get("max_position_embeddings")
     if isinstance(positions, int) and card.context_length > positions:
         found.append(
@@ -83,6 +85,7 @@ _GEOMETRY_FIELDS = (
     "expert_intermediate_size",
     "dense_layers",
     "shared_expert_intermediate_size",
+    "correction_bias",
 )
 
 
@@ -110,3 +113,15 @@ def _describe(geometry: MoeGeometry | None) -> str:
     if geometry is None:
         return "dense"
     return f"{geometry.experts} experts, {geometry.experts_per_token} per token"
+
+
+def _latent_attention_mismatches(card: ModelCard, text: Mapping[str, Any]) -> list[str]:
+    """The card's MLA ranks against the config's (a card without them sizes the KV cache
+    as full keys and values of every head: DeepSeek-V3's 70x its latent)."""
+    try:
+        actual = latent_attention_of_config(text)
+    except ValueError as error:
+        return [f"latent_attention: config.json {error}"]
+    if card.latent_attention != actual:
+        return [f"latent_attention: card {card.latent_attention}, config.json {actual}"]
+    return []

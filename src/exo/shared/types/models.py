@@ -148,6 +148,28 @@ class GgufWeightTypes(FrozenModel):
     output_type: str = Field(min_length=1)
 
 
+class LatentAttention(FrozenModel):
+    """Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi-K2), as its `config.json`
+    states it (read by `exo.shared.models.memory.latent_attention_of_config`): queries
+    through a `q_lora_rank` bottleneck (None: one `q_proj`), keys and values from one
+    `kv_lora_rank` latent per token plus one shared rope key of `qk_rope_head_dim`. The KV
+    cache holds the latent and the rope key only (`kv_lora_rank + qk_rope_head_dim` values
+    per layer and token, the same on every tensor rank).
+
+    Attributes:
+        kv_lora_rank: the latent's width.
+        qk_rope_head_dim / qk_nope_head_dim: a query/key head's rotary and other values.
+        v_head_dim: a value head's width.
+        q_lora_rank: the query bottleneck's width, None where the query is one projection.
+    """
+
+    kv_lora_rank: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    qk_nope_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0)
+    q_lora_rank: int | None = Field(default=None, gt=0)
+
+
 class MoeGeometry(FrozenModel):
     """The sparse MLP blocks of a mixture-of-experts model, as its `config.json` states them
     (read by `exo.shared.models.moe.moe_geometry_of_config`). Memory counts every expert
@@ -163,6 +185,8 @@ class MoeGeometry(FrozenModel):
         shared_expert_intermediate_size: the width of the gated MLP beside the routed
             experts that every token goes through in a sparse layer (GLM-4.5 and
             DeepSeek-V3: `n_shared_experts * moe_intermediate_size`); 0 where none.
+        correction_bias: each sparse layer's router holds an `[experts]`
+            `e_score_correction_bias` (DeepSeek-V3's `topk_method: noaux_tc`).
     """
 
     experts: int = Field(gt=0)
@@ -170,6 +194,7 @@ class MoeGeometry(FrozenModel):
     expert_intermediate_size: int = Field(gt=0)
     dense_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = Field(default=0, ge=0)
+    correction_bias: bool = False
 
     @model_validator(mode="after")
     def _check_routing(self) -> MoeGeometry:
@@ -233,6 +258,9 @@ class ModelCard(FrozenModel):
     moe: MoeGeometry | None = None
     """A mixture-of-experts model's sparse blocks (None: every layer has the dense MLP of
     `intermediate_size`)."""
+    latent_attention: LatentAttention | None = None
+    """Multi-head latent attention's ranks (None: grouped-query attention of
+    `num_key_value_heads` x `attention_head_dim`)."""
 
     @property
     def attention_head_dim(self) -> int:

@@ -60,17 +60,6 @@ KNOWN_GAPS: dict[str, str] = {
 # Checks whose shared code (`exo.shared.models.memory` / `parameter_count`) does not yet know an
 # architecture's layout, by model: (line prefix of `disagreements`, what is missing). The
 # difference must still occur (a listed one that disappears fails: remove it from here).
-_MLA_KV = (
-    "KV bytes per token",
-    "memory.kv_geometry caches num_key_value_heads x head_dim keys and values per layer; "
-    "multi-head latent attention caches one kv_lora_rank + qk_rope_head_dim latent per layer",
-)
-_MLA_COUNT = (
-    "decoder parameters vs config",
-    "parameter_count.decoder_parameter_count counts grouped-query q/k/v/o projections and no "
-    "shared expert; DeepSeek-V3's attention is low-rank (q_lora_rank, kv_lora_rank) and each "
-    "MoE layer adds n_shared_experts experts and the router's correction bias",
-)
 _SLIDING_KV = (
     "KV bytes per token",
     "memory.kv_geometry counts every layer; the sliding_attention layers of layer_types keep at "
@@ -82,8 +71,6 @@ _GPT_OSS_COUNT = (
     "or router bias (gpt-oss has all four)",
 )
 KNOWN_LIMITATIONS: dict[str, dict[str, str]] = {
-    "deepseek-ai/DeepSeek-V3.1": dict([_MLA_KV, _MLA_COUNT]),
-    "moonshotai/Kimi-K2-Instruct": dict([_MLA_KV, _MLA_COUNT]),
     "openai/gpt-oss-20b": dict([_SLIDING_KV, _GPT_OSS_COUNT]),
     "openai/gpt-oss-120b": dict([_SLIDING_KV, _GPT_OSS_COUNT]),
 }

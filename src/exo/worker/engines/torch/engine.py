@@ -406,7 +406,7 @@ class TorchEngine:
         use_batched_attention(self.model)
         cache = SlotKVCache(
             geometry.layers, geometry.kv_heads, geometry.head_dim, dtype, self.device,
-            self.max_concurrent_requests,
+            self.max_concurrent_requests, geometry.latent_values,
         )  # fmt: skip
         return BatchScheduler(
             self.model, cache, windows, attention_layers(self.model), self.kv_cache_tokens,

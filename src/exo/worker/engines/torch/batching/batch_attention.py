@@ -149,6 +149,8 @@ def batched_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    if plan.cache.latent_values:
+        raise RuntimeError("a latent (MLA) KV cache is written by the lean forward only")
     layer = plan.layer_of[id(module)]
     return attend(plan, layer, query, key, value, scaling, sinks=sinks), None
 
@@ -168,7 +170,9 @@ def attend(
 
     Args:
         query: `[1, heads, T, head_dim]` (rotary applied; any strides).
-        key / value: `[1, kv_heads, T, head_dim]` the step's new rows, in the cache's dtype.
+        key / value: `[1, kv_heads, T, head_dim]` the step's new rows, in the cache's dtype
+            (with the cache's `latent_values`, values are the keys' first values and are
+            not written: `value` is read for its width only).
         scaling: the softmax scale (None: `head_dim ** -0.5`).
         prefill_dtype: the dtype prompt chunks attend in (`prefill_attention`; None: the
             cache's). Decode rows always attend in the cache's.
@@ -176,11 +180,12 @@ def attend(
             (gpt-oss; `sink_attention`), None for plain attention.
 
     Returns:
-        `[1, T, heads, head_dim]` attention output.
+        `[1, T, heads, value head_dim]` attention output.
     """
     window = plan.windows[layer]
     keys, values = plan.cache.keys[layer], plan.cache.values[layer]
-    output = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+    write_values = not plan.cache.latent_values
+    output = query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[3])
     decoding = len(plan.decode_slots)
     if decoding:
         assert plan.decode_index is not None and plan.decode_pos is not None
@@ -188,12 +193,14 @@ def attend(
         if decoding == 1:  # a plain copy, not an indexed write
             slot, position = plan.decode_slots[0], plan.decode_positions[0]
             keys[slot, :, position] = key[0, :, 0]
-            values[slot, :, position] = value[0, :, 0]
+            if write_values:
+                values[slot, :, position] = value[0, :, 0]
         else:
             new_keys = key[0, :, :decoding].transpose(0, 1)  # [D, kv_heads, head_dim]
-            new_values = value[0, :, :decoding].transpose(0, 1)
             keys[plan.decode_index, :, plan.decode_pos] = new_keys
-            values[plan.decode_index, :, plan.decode_pos] = new_values
+            if write_values:
+                new_values = value[0, :, :decoding].transpose(0, 1)
+                values[plan.decode_index, :, plan.decode_pos] = new_values
         mask = plan.masks[window]  # [S, 1, 1, max_len] or None (all visible)
         max_len = plan.max_len
         occupied = plan.cache.occupied
@@ -217,7 +224,8 @@ def attend(
         rows = slice(segment.offset, segment.offset + segment.length)
         end = segment.start + segment.length
         keys[segment.slot, :, segment.start : end] = key[0, :, rows]
-        values[segment.slot, :, segment.start : end] = value[0, :, rows]
+        if write_values:
+            values[segment.slot, :, segment.start : end] = value[0, :, rows]
         attended = prefill_attention(
             query[:, :, rows],
             keys[segment.slot : segment.slot + 1],

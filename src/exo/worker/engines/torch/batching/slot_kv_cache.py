@@ -32,6 +32,8 @@ class SlotKVCache:
         dtype: dtype of the keys and values (the model's activations).
         device: where they live.
         slots: most requests held at once.
+        latent_values: 0 for keys and values of their own; else the width of the values
+            inside each key (MLA's `kv_lora_rank`).
     """
 
     def __init__(
@@ -42,14 +44,27 @@ class SlotKVCache:
         dtype: torch.dtype,
         device: torch.device,
         slots: int,
+        latent_values: int = 0,
     ) -> None:
         self.slots = slots
         self.capacity = INITIAL_SLOT_CAPACITY
+        self.latent_values = latent_values
         shape = (slots, kv_heads, self.capacity, head_dim)
         self.keys = [zeroed_kv_buffer(shape, dtype, device) for _ in range(layers)]
-        self.values = [zeroed_kv_buffer(shape, dtype, device) for _ in range(layers)]
+        self.values: list[torch.Tensor] = []
+        if latent_values:
+            self._latent_value_views()
+        else:
+            self.values = [zeroed_kv_buffer(shape, dtype, device) for _ in range(layers)]
         self.lengths = [0] * slots
         self.occupied = 0
+
+    def _latent_value_views(self) -> None:
+        self.values = [keys[..., : self.latent_values] for keys in self.keys]
+
+    def _buffers(self) -> tuple[list[torch.Tensor], ...]:
+        """The buffers that own memory: keys, and values unless they are views of keys."""
+        return (self.keys,) if self.latent_values else (self.keys, self.values)
 
     def allocate(self) -> int:
         """A free slot (length 0).
@@ -78,7 +93,7 @@ class SlotKVCache:
             self.lengths[slot] = 0
             return None
         length = self.lengths[last]
-        for tensors in (self.keys, self.values):
+        for tensors in self._buffers():
             for layer in tensors:
                 layer[slot, :, :length].copy_(layer[last, :, :length])
         self._release(slot, length)
@@ -88,7 +103,7 @@ class SlotKVCache:
 
     def _release(self, slot: int, start: int) -> None:
         """Give back the memory of `slot`'s positions `start ..` (they read as zeros)."""
-        for tensors in (self.keys, self.values):
+        for tensors in self._buffers():
             for layer in tensors:
                 release_positions(layer, slot, start)
 
@@ -98,7 +113,7 @@ class SlotKVCache:
         if tokens <= self.capacity:
             return
         capacity = max(tokens, 2 * self.capacity)
-        for tensors in (self.keys, self.values):
+        for tensors in self._buffers():
             for index, old in enumerate(tensors):
                 new = zeroed_kv_buffer(
                     (old.shape[0], old.shape[1], capacity, old.shape[3]), old.dtype, old.device
@@ -107,26 +122,31 @@ class SlotKVCache:
                     length = self.lengths[slot]
                     new[slot, :, :length].copy_(old[slot, :, :length])
                 tensors[index] = new
+        if self.latent_values:
+            self._latent_value_views()
         self.capacity = capacity
 
     def read(self, slot: int, length: int) -> torch.Tensor:
         """A copy of the slot's first `length` positions as `[layers, 2, kv_heads, length,
-        head_dim]` (for the prefix cache)."""
+        head_dim]` (for the prefix cache; `[layers, 1, ...]`, the keys only, with
+        `latent_values`)."""
         first = self.keys[0]
+        buffers = self._buffers()
         # Its own mapping (`zeroed_kv_buffer`): evicting the entry unmaps it, where heap
         # blocks of many sizes coming and going would stay with the allocator (fragmented).
         copy = zeroed_kv_buffer(
-            (len(self.keys), 2, first.shape[1], length, first.shape[3]), first.dtype, first.device
-        )
-        for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
-            copy[layer, 0].copy_(keys[slot, :, :length])
-            copy[layer, 1].copy_(values[slot, :, :length])
+            (len(self.keys), len(buffers), first.shape[1], length, first.shape[3]),
+            first.dtype, first.device,
+        )  # fmt: skip
+        for kind, tensors in enumerate(buffers):
+            for layer, buffer in enumerate(tensors):
+                copy[layer, kind].copy_(buffer[slot, :, :length])
         return copy
 
     def write(self, slot: int, kv: torch.Tensor, length: int) -> None:
         """Fill the slot's first `length` positions from `read`'s layout."""
         self.reserve(length)
-        for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
-            keys[slot, :, :length].copy_(kv[layer, 0, :, :length])
-            values[slot, :, :length].copy_(kv[layer, 1, :, :length])
+        for kind, tensors in enumerate(self._buffers()):
+            for layer, buffer in enumerate(tensors):
+                buffer[slot, :, :length].copy_(kv[layer, kind, :, :length])
         self.lengths[slot] = length

@@ -263,7 +263,7 @@ class LeanModel:
         prompt_rows = rows - len(plan.decode_slots)
         for layer in self.layers:
             for projection in (layer.qkv, layer.output, layer.gate_up, layer.down):
-                if projection is None:  # a MoE layer (no decode layer for those: not reached)
+                if projection is None:  # MoE / MLA (no decode layer for those: not reached)
                     continue
                 activations = projection.prefill_activations
                 if activations == "int8" or (
@@ -359,8 +359,38 @@ class LeanModel:
         cache_dtype: torch.dtype,
     ) -> None:
         """Layer `index` over the residual stream `x` `[T, hidden]` float32, in place."""
+        weight, eps = layer.input_norm
+        if layer.latent is not None:  # MLA over the compressed cache (`direct_forward_mla`)
+            normed = self._norm(x, weight, eps)
+
+            def attend_latent(
+                query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+            ) -> torch.Tensor:
+                return attend(plan, index, query, key, value, scaling)
+
+            out = layer.latent(normed, table, attend_latent, cache_dtype)
+        else:
+            out = self._attention(plan, index, layer, x, table, cache_dtype)
+        if layer.post_attention_norm is not None:
+            weight, eps = layer.post_attention_norm
+            out = self._norm(out.float(), weight, eps)
+        x.add_(out)
+        self._mlp(layer, x)
+
+    def _attention(
+        self,
+        plan: BatchPlan,
+        index: int,
+        layer: LeanLayer,
+        x: torch.Tensor,
+        table: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        cache_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """Layer `index`'s Q/K/V attention over `x` `[T, hidden]` float32: its output
+        projection's `[T, hidden]` rows."""
         rows = x.shape[0]
         heads, kv_heads, head_dim = layer.heads, layer.kv_heads, layer.head_dim
+        assert layer.qkv is not None
         weight, eps = layer.input_norm
         normed = self._norm(x, weight, eps).to(layer.qkv.in_dtype)
         qkv = layer.qkv(normed).to(cache_dtype)  # [T, (heads + 2 kv_heads) * head_dim]
@@ -396,11 +426,10 @@ class LeanModel:
             else None
         )
         attended = attend(plan, index, query, key, value, layer.scaling, prefill_dtype, layer.sinks)
-        out = layer.output(attended.view(rows, heads * head_dim).to(layer.output.in_dtype))
-        if layer.post_attention_norm is not None:
-            weight, eps = layer.post_attention_norm
-            out = self._norm(out.float(), weight, eps)
-        x.add_(out)
+        return layer.output(attended.view(rows, heads * head_dim).to(layer.output.in_dtype))
+
+    def _mlp(self, layer: LeanLayer, x: torch.Tensor) -> None:
+        """The layer's MLP (dense or sparse) over `x` `[T, hidden]` float32, added in place."""
         weight, eps = layer.pre_mlp_norm
         if layer.moe is not None:  # routed experts, grouped by expert (`LeanMoe`)
             out = layer.moe(self._norm(x, weight, eps))
@@ -426,13 +455,26 @@ def enable_lean_forward(
 ) -> LeanModel | None:
     """Build the model's `LeanModel` (fusing its Q/K/V and gate/up linears) and attach it
     so `forward_batch` runs it; None (transformers' forward stays, with a log line naming
-    the reason) when `LEAN_ENV` is "0" or the model has a part without lean code."""
-    if os.environ.get(LEAN_ENV) == "0":
+    the reason) when `LEAN_ENV` is "0" or the model has a part without lean code.
+
+    Raises:
+        UnsupportedArchitectureError: a multi-head latent attention family
+            (`DecoderLayout.latent_attention`) the lean forward cannot run: its KV cache
+            holds latents, which transformers' attention does not give the batched
+            attention (`LEAN_ENV` does not turn such a family's lean forward off).
+    """
+    latent = family.layout is not None and family.layout.latent_attention
+    if os.environ.get(LEAN_ENV) == "0" and not latent:
         logger.info("lean forward off ({}=0): batched steps run transformers' forward", LEAN_ENV)
         return None
     try:
         lean = LeanModel(model, family, bf16)
     except (LeanUnsupportedError, UnsupportedArchitectureError) as error:
+        if latent:  # transformers' MLA expands keys and values: no use of a latent cache
+            raise UnsupportedArchitectureError(
+                f"the {family.name} family runs on the lean forward only, which cannot run "
+                f"this model: {error}"
+            ) from error
         logger.warning(
             "no lean forward for {}: {}; using transformers' forward", family.name, error
         )

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from exo.worker.engines.torch.comm.tcp_mesh import all_reduce_sum
+from exo.worker.engines.torch.model.direct_forward_mla import LeanLatentAttention
 from exo.worker.engines.torch.model.direct_forward_moe import LeanMoe
 from exo.worker.engines.torch.model.direct_forward_parts import (
     Activation,
@@ -34,13 +35,16 @@ class LeanLayer:
         heads / kv_heads / head_dim: this rank's query and KV heads, and their width.
         rope: index of the layer's rotary tables in the step (0 unless Gemma 3 local).
         sinks: this rank's heads' attention-sink logits `[heads]` float32 (gpt-oss), or None.
+        qkv: the fused Q/K/V projection (None in an MLA layer).
+        latent: the layer's multi-head latent attention (None: Q/K/V attention).
         gate_up / down: the dense MLP's projections (None in a MoE layer).
         moe: the layer's sparse MLP block (None in a dense layer).
     """
 
     __slots__ = (
         "activation", "activation_number", "decode_arguments", "down", "gate_up", "head_dim",
-        "heads", "input_norm", "intermediate", "kv_heads", "moe", "output", "post_attention_norm",
+        "heads", "input_norm", "intermediate", "kv_heads", "latent", "layout", "moe", "output",
+        "post_attention_norm",
         "post_mlp_norm", "pre_mlp_norm", "projection_qk_norm", "qk_norm", "qkv", "reduced",
         "rope", "scaling", "sinks",
     )  # fmt: skip
@@ -50,12 +54,27 @@ class LeanLayer:
     ) -> None:
         layout = family.layout
         assert layout is not None
+        self.layout = layout
         attention: Any = layer.get_submodule("self_attn")
         if getattr(attention, "attn_logit_softcapping", None) is not None:
             raise LeanUnsupportedError("attention logit soft-capping")
+        self.rope = rope
+        self.latent: LeanLatentAttention | None = None
+        self.qkv: Projection | None = None
+        if layout.latent_attention:  # MLA: its own projections and compressed cache
+            self.latent = LeanLatentAttention(attention, bf16)
+            self.head_dim = self.latent.rope  # the rotary tables' width
+            self.scaling = self.latent.scaling
+            self.heads, self.kv_heads = self.latent.heads, 1
+            self.output = self.latent.output
+        else:
+            self._standard_attention(layer, attention, bf16)
+        self._mlp_and_norms(layer, family, bf16, config)
+
+    def _standard_attention(self, layer: nn.Module, attention: Any, bf16: bool) -> None:
+        layout = self.layout
         self.head_dim = int(attention.head_dim)
         self.scaling = float(attention.scaling)
-        self.rope = rope
         self.qkv = Projection([layer.get_submodule(path) for path in layout.qkv], bf16)
         if len(layout.qkv) == 3:
             query: Any = layer.get_submodule(layout.qkv[0])
@@ -70,6 +89,11 @@ class LeanLayer:
         if (self.heads + 2 * self.kv_heads) * self.head_dim != self.qkv.out_features:
             raise LeanUnsupportedError("Q/K/V widths do not match the head counts")
         self.output = Projection([layer.get_submodule(layout.output)], bf16)
+
+    def _mlp_and_norms(
+        self, layer: nn.Module, family: ModelFamily, bf16: bool, config: Any
+    ) -> None:
+        layout = self.layout
         self.gate_up: Projection | None = None
         self.down: Projection | None = None
         self.moe: LeanMoe | None = None
@@ -133,6 +157,8 @@ class LeanLayer:
             or self.projection_qk_norm is not None
             or self.sinks is not None
         ):
+            return None
+        if self.qkv is None:  # MLA: no decode-layer code for it
             return None
         if self.qkv.reduce or self.gate_up.reduce or self.output.reduce != self.down.reduce:
             return None

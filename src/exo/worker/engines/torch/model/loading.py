@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import functools
 import itertools
+import json
 import os
 import re
 from collections import defaultdict
@@ -37,6 +38,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from exo.shared.models.latent_attention import latent_attention_of_config
 from exo.shared.models.memory import (
     DEFAULT_PREFILL_ACTIVATIONS,
     ENGINE_CPU_WEIGHT_FORMAT,
@@ -257,6 +259,34 @@ def _plan_tied_lm_head(
                     return
 
 
+# Config model types transformers has no class for, read as the model type whose
+# architecture they declare: Kimi-K2's `kimi_k2` (custom code in its repository) is
+# DeepseekV3ForCausalLM's `deepseek_v3` with other sizes.
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
+def model_config(model_dir: Path) -> Any:
+    """The checkpoint's transformers config, without running code from the repository
+    (`MODEL_TYPE_ALIASES`), its multi-head latent attention checked first (transformers'
+    strict config classes would reject a missing rank with their own wording).
+
+    Raises:
+        UnsupportedArchitectureError: an MLA config without a usable `kv_lora_rank` (or
+            head widths); the message names the field.
+    """
+    raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    text = {**raw, **(raw.get("text_config") or {})}
+    try:
+        latent_attention_of_config(text)
+    except ValueError as error:
+        raise UnsupportedArchitectureError(f"{model_dir.name}: {error}") from error
+    alias = MODEL_TYPE_ALIASES.get(str(raw.get("model_type")))
+    if alias is None:
+        return AutoConfig.from_pretrained(model_dir)
+    fields = {key: value for key, value in raw.items() if key not in ("model_type", "auto_map")}
+    return AutoConfig.for_model(alias, **fields)
+
+
 def load_model(
     model_dir: Path,
     shard: ShardMetadata,
@@ -295,7 +325,7 @@ def load_model(
         raise ValueError(f"unknown weight dtype {weight_dtype!r}; expected one of {WEIGHT_DTYPES}")
     if weight_dtype != "float32" and device.type != "cpu":
         raise ValueError(f"weight dtype {weight_dtype} is only supported on CPU")
-    config = AutoConfig.from_pretrained(model_dir)
+    config = model_config(model_dir)
     architecture = config_architecture(config)
     family = family_for_architecture(architecture)
     model = empty_model(config)

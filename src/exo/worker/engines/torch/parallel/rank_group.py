@@ -104,7 +104,12 @@ class RankGroup:
         """This rank's KV slots: its layers, its KV heads (`EngineTransform.kv_heads`)."""
         text_config = self.model.config.get_text_config()
         geometry = kv_geometry_of_config(text_config, len(self._windows))
-        kv_heads = self.transform.kv_heads(geometry.kv_heads, self.shard)
+        # A latent (MLA) cache is one shared head, whole on every tensor rank.
+        kv_heads = (
+            geometry.kv_heads
+            if geometry.latent_values
+            else self.transform.kv_heads(geometry.kv_heads, self.shard)
+        )
         dtype = next(self.model.parameters()).dtype
         use_batched_attention(self.model)
         # A family may give a tensor rank's attention modules a config of their own (with
@@ -121,6 +126,7 @@ class RankGroup:
             dtype,
             self.device,
             max_concurrent_requests,
+            geometry.latent_values,
         )
 
     def build_scheduler(self, kv_cache_tokens: int, max_concurrent_requests: int) -> BatchScheduler:

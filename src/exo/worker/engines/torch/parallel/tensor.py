@@ -88,6 +88,8 @@ def split_linears(model: PreTrainedModel, family: ModelFamily, world_size: int) 
             linear = getattr(block, linear_name, None)
             if linear is None and experts is not None:
                 continue  # the dense MLP's linears: a MoE layer has experts instead
+            if linear is None and hasattr(block, linear_name):
+                continue  # an alternative the config does not build (DeepSeek-V3's q_proj)
             if type(linear) is not nn.Linear:
                 raise UnsupportedArchitectureError(
                     f"{architecture}: layer {index} has no plain linear {path}; cannot shard "

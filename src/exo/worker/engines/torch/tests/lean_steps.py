@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from exo.shared.models.memory import kv_geometry_of_config
 from exo.worker.engines.torch.batching.batch_attention import (
     BatchPlan,
     PrefillSegment,
@@ -47,15 +48,17 @@ def new_cache(model: nn.Module, world_size: int = 1) -> tuple[SlotKVCache, Any, 
     config: Any = model.config
     text_config: Any = config.get_text_config()
     windows = family_for_architecture(type(model).__name__).attention_windows(text_config)
-    heads = int(text_config.num_attention_heads)
-    kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads) // world_size
-    head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
+    geometry = kv_geometry_of_config(text_config, len(windows))
+    kv_heads = geometry.kv_heads if geometry.latent_values else geometry.kv_heads // world_size
     use_batched_attention(model)  # type: ignore[arg-type]
     for layer in model.model.layers:  # type: ignore[union-attr]
         own = getattr(layer.self_attn, "config", None)
         if own is not None and own is not text_config:
             own._attn_implementation = text_config._attn_implementation
-    cache = SlotKVCache(len(windows), kv_heads, head_dim, torch.float32, torch.device("cpu"), 3)
+    cache = SlotKVCache(
+        len(windows), kv_heads, geometry.head_dim, torch.float32, torch.device("cpu"), 3,
+        geometry.latent_values,
+    )  # fmt: skip
     return cache, windows, attention_layers(model)  # type: ignore[arg-type]
 
 
@@ -103,6 +106,8 @@ def run_single(
         attached.enabled = lean
     try:
         cache, windows, layer_of = new_cache(model, world_size)
+        if not lean and cache.latent_values:  # MLA: transformers' forward cannot use it
+            return whole_sequence_logits(model, tokens)
         logits = []
         for decode_slots, decode_positions, prefill, ids, positions, rows in steps(tokens):
             for segment in prefill:
@@ -122,6 +127,22 @@ def run_single(
     finally:
         if attached is not None:
             attached.enabled = True
+
+
+@torch.inference_mode()
+def whole_sequence_logits(model: Any, tokens: list[list[int]]) -> torch.Tensor:
+    """`run_single`'s logit rows from transformers' own forward over each request's whole
+    token list (no plan: SDPA with its causal mask), for models whose slot cache holds
+    what transformers' attention does not give the attention function (MLA's latents).
+    The rows come in `steps`' order, so they compare row by row with `run_single`'s."""
+    full = [model(input_ids=torch.tensor([ids])).logits[0].float() for ids in tokens]
+    a, b, c = full
+    rows = [a[PROMPT_A_LENGTH - 1], b[PROMPT_B_LENGTH - 1]]
+    for step in range(DECODE_STEPS):
+        rows += [a[PROMPT_A_LENGTH + step], b[PROMPT_B_LENGTH + step]]
+        if step == DECODE_STEPS - 1:
+            rows.append(c[PROMPT_C_LENGTH - 1])
+    return torch.stack(rows)
 
 
 def run_pipeline_rank(

@@ -21,6 +21,7 @@ import torch
 import torch.multiprocessing as multiprocessing
 
 from exo.shared.models.cards import card_from_local_directory
+from exo.shared.models.moe import experts_of_rank
 from exo.shared.types.common import ModelId
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
@@ -219,9 +220,17 @@ def _splits_beyond_linears(name: str) -> bool:
     )
 
 
-# Slow families whose tensor split also runs on transformers' modules (the fallback path).
+def _latent_attention(name: str) -> bool:
+    layout = family_by_name(name).layout
+    return layout is not None and layout.latent_attention
+
+
+# Slow families whose tensor split also runs on transformers' modules (the fallback path;
+# not MLA, which runs on the lean forward only: its cache holds latents).
 MODULE_PATH_ARCHITECTURES = tuple(
-    name for name in SLOW_SPLIT_ARCHITECTURES if _splits_beyond_linears(name)
+    name
+    for name in SLOW_SPLIT_ARCHITECTURES
+    if _splits_beyond_linears(name) and not _latent_attention(name)
 )
 
 
@@ -395,12 +404,24 @@ def test_two_and_three_rank_expert_parallel_equal_single_process(
     three_rank_results = _results(request, "three_rank_results", architecture)
     assert two_rank_results[f"expert-{architecture}"].tokens == expected
     assert three_rank_results[f"expert-{architecture}"].tokens == expected
-    # Each rank holds its experts only: the 3-rank group's ranks hold 1, 1 and 2 of 4.
+    # Each rank holds its experts only (of 4: the 3-rank group's ranks hold 1, 1 and 2):
+    # ranks holding as many experts hold as many bytes, more experts more bytes.
     two, three = (
         results[f"expert-{architecture}"].parameter_bytes
         for results in (two_rank_results, three_rank_results)
     )
-    assert three[0] == three[1] < three[2] == two[0] == two[1]
+    tiny_dir = request.getfixturevalue("tiny_dirs")[architecture]
+    card = card_from_local_directory(tiny_dir)
+    assert card.moe is not None
+    held = [
+        (len(experts_of_rank(card.moe.experts, rank, world)), parameters[rank])
+        for world, parameters in ((2, two), (3, three))
+        for rank in range(world)
+    ]
+    assert len({count for count, _ in held}) > 1  # uneven over 3 ranks
+    for (count, size), (other_count, other_size) in itertools.combinations(held, 2):
+        assert (count > other_count) == (size > other_size)
+        assert (count == other_count) == (size == other_size)
 
 
 @pytest.mark.parametrize("architecture", THREE_RANK_ARCHITECTURES)

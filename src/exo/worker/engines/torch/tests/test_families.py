@@ -168,6 +168,10 @@ def test_spec_names_real_modules_and_transformers_cache_layout(
         elif shared is not None:  # a dense layer: no shared expert
             paths = [path for path in paths if not path.startswith(shared + ".")]
         for path in paths:
+            owner, _, leaf = path.rpartition(".")
+            block = layer.get_submodule(owner) if owner else layer
+            if hasattr(block, leaf) and getattr(block, leaf) is None:
+                continue  # one of two alternatives (DeepSeek-V3: q_proj or q_a/q_b_proj)
             assert type(layer.get_submodule(path)) is nn.Linear, path
         for path, parts in family.fused_parts.items():
             assert sum(parts(config)) == layer.get_submodule(path).out_features, path
@@ -222,9 +226,10 @@ def test_loader_equals_transformers_and_fuses_the_spec_norms(
     reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     assert greedy_tokens(ours) == reference_greedy_tokens(reference)
     fused = sum(isinstance(module, FusedRMSNorm) for module in ours.modules())
-    # Two per layer and the final norm, plus the q/k norms where the family has them.
+    # Two per layer and the final norm, plus the q/k norms where the family has them (or
+    # MLA's q_a_layernorm and kv_a_layernorm).
     layout = family_by_name(name).layout
-    qk_norms = layout is not None and layout.qk_norms is not None
+    qk_norms = layout is not None and (layout.qk_norms is not None or layout.latent_attention)
     assert fused == (2 * card.n_layers + 1 if family_by_name(name).rms_norms else 0) or (
         qk_norms and fused == 4 * card.n_layers + 1
     )

@@ -282,7 +282,7 @@ def test_bf16_fallback_forced(tiny_dirs: dict[str, Path], monkeypatch: pytest.Mo
     lean = lean_step_of(model)
     assert isinstance(lean, LeanModel) and not lean.bf16
     layer = lean.layers[0]
-    assert layer.gate_up is not None
+    assert layer.gate_up is not None and layer.qkv is not None
     assert layer.qkv.in_dtype == torch.float32 and layer.gate_up.in_dtype == torch.float32
     tokens = lean_steps.forced_tokens(VOCAB_PROBE)
     reference = lean_steps.run_single(model, tokens, lean=False)

@@ -61,6 +61,20 @@ CONFIGS: dict[tuple[str, str], dict[str, Any]] = {
     ("minimax_m2", "top-2"): {},
     # Top 3 of 8, rotary over a quarter of each head.
     ("minimax_m2", "top-3"): {"num_local_experts": 8, "num_experts_per_tok": 3, "rotary_dim": 4},
+    # Low-rank queries, top 2 of 8 in the best of 2 groups, a shared expert, layer 0 dense.
+    ("deepseek_v3", "q-lora"): {},
+    # One q_proj (q_lora_rank null, as DeepSeek-V2-Lite), the best 3 of 4 groups, top 3,
+    # rotary not interleaved, YaRN scaling (Kimi-K2's rope_scaling: the softmax scale takes
+    # its mscale), two shared experts' width.
+    ("deepseek_v3", "q-proj-yarn"): {
+        "q_lora_rank": None, "n_group": 4, "topk_group": 3, "num_experts_per_tok": 3,
+        "rope_interleave": False, "n_shared_experts": 2,
+        "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "beta_fast": 1.0,
+            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 16,
+        },
+    },
 }  # fmt: skip
 
 

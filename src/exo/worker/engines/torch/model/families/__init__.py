@@ -11,6 +11,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from exo.worker.engines.torch.model.families import (
+    deepseek_v3,
     gemma,
     gemma3,
     glm4_moe,
@@ -39,6 +40,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     mixtral.FAMILY,
     minimax_m2.FAMILY,
     gpt_oss.FAMILY,
+    deepseek_v3.FAMILY,
 )
 
 

@@ -232,6 +232,9 @@ class DecoderLayout:
             (`[T, head_dim / 2]`, applied to both halves of a head: gpt-oss), not per value.
         attention_sinks: a learned `[heads]` logit per head that joins each query's softmax
             denominator and attends to nothing (gpt-oss's `self_attn.sinks`), None where absent.
+        latent_attention: multi-head latent attention (DeepSeek-V3's `self_attn` with
+            `kv_a_proj_with_mqa` / `kv_b_proj`; `direct_forward_mla`) in place of `qkv`,
+            over a KV cache of one compressed head per token.
     The activation is read from the MLP module; the embedding's scale (Gemma's
     `sqrt(hidden)`) is inside the model's embedding module, which the lean forward calls.
     """
@@ -250,6 +253,7 @@ class DecoderLayout:
     rope_per_layer_type: bool = False
     rotary_per_frequency: bool = False
     attention_sinks: str | None = None
+    latent_attention: bool = False
 
 
 @dataclass(frozen=True, slots=True)
