@@ -283,6 +283,8 @@ def best_layout(
             engine has no model family for the card's architecture (a catalog card may
             precede its family: it would be downloaded and then fail to load).
     """
+    if card.cannot_serve is not None:
+        raise PlacementError(f"{card.model_id}: {card.cannot_serve}")
     if card.architecture not in ENGINE_ARCHITECTURES:
         raise PlacementError(
             f"{card.model_id}: the engine has no model family for {card.architecture} yet "

@@ -15,6 +15,7 @@ from exo.master.placement import (
     required_memory_bytes,
     tensor_split_error,
 )
+from exo.shared.models.cards import load_builtin_cards
 from exo.shared.models.memory import (
     DEFAULT_KV_CACHE_TOKENS,
     RUNNER_PROCESS_OVERHEAD_BYTES,
@@ -339,3 +340,15 @@ def test_a_card_whose_architecture_the_engine_does_not_run_is_not_placed() -> No
     assert previews and all("NoSuchFamilyForCausalLM" in (p.error or "") for p in previews)
     # The same card with an architecture the engine runs is placed.
     assert place_instance(CARD, state, INSTANCE).model_id == CARD.model_id
+
+
+def test_a_card_the_engine_cannot_serve_yet_is_refused_with_its_reason() -> None:
+    """Kimi-K2's weights load with the deepseek_v3 family, but its tokenizer needs its
+    repository's code: its card says so (`cannot_serve`) and placement refuses it."""
+    (kimi,) = [card for card in load_builtin_cards().values() if "Kimi-K2" in card.model_id]
+    assert kimi.cannot_serve is not None and "tokenizer" in kimi.cannot_serve
+    state = state_with(node_a=5 * NEED_MIB, node_b=5 * NEED_MIB)
+    blocked = CARD.model_copy(update={"cannot_serve": kimi.cannot_serve})
+    with pytest.raises(PlacementError, match="TikToken tokenizer"):
+        place_instance(blocked, state, INSTANCE)
+    assert all("TikToken" in (p.error or "") for p in placement_previews(blocked, state))

@@ -251,6 +251,10 @@ class ModelCard(FrozenModel):
     )
     tool_call_format: CardToolCallFormat = "none"
     gated: bool = False
+    cannot_serve: str | None = None
+    """Why the engine cannot serve this catalog model yet, though its family loads the
+    weights (Kimi-K2's tokenizer needs its repository's code); placement refuses it with
+    this reason. None: it can."""
     sources: tuple[str, ...] = ()
     gguf_weight_types: GgufWeightTypes | None = None
     """For a GGUF source: the types its weights are stored in (None: not GGUF, or not
