@@ -194,7 +194,8 @@ ENVIRONMENT = (
     ),
     EnvironmentVariable(
         "OLLAMA_MODELS",
-        "Ollama's model store, whose models join the node's (default `~/.ollama/models`)",
+        "Ollama's model store, whose models join the node's (default `~/.ollama/models`, else the "
+        "Linux service's `/usr/share/ollama/.ollama/models`)",
         "models.md#ollamas-store",
     ),
     EnvironmentVariable(

@@ -30,6 +30,8 @@ from exo.api.serving.cluster_client import (
     LoadOnRequest,
 )
 from exo.download.gguf_models import ollama_store, ollama_store_cards
+from exo.download.locations import ModelLocations
+from exo.download.on_disk import RESCAN_SECONDS, catalog_copies, download_reports
 from exo.download.peers import PEER_CREDENTIAL_HEADER, peer_credential
 from exo.master.decisions import events_after_restart
 from exo.master.main import Master
@@ -259,7 +261,7 @@ class Node:
                     self._announce,
                     self._announce_ready_models,
                     self._clean_up_after_restart,
-                    self._add_ollama_store_models,
+                    self._report_models_on_disk,
                 ):
                     task_group.start_soon(component)
                 task_group.start_soon(reload_keys_on_sighup, self.api_auth)
@@ -332,6 +334,25 @@ class Node:
         for line in banner_lines(self.api_auth, self._generated_api_key, exo_home()):
             console.print(line, soft_wrap=True)
         console.rule()
+
+    async def _report_models_on_disk(self) -> None:
+        """Models whose files are already on this machine join without a download: Ollama's
+        store's become custom models, then every card whose model is whole here (a models
+        directory, the Hugging Face cache, an Ollama blob) is reported downloaded on this
+        node, the event a download ends with, at start and every `RESCAN_SECONDS`."""
+        await self._add_ollama_store_models()
+        if not await self._caught_up(timeout=60):
+            return
+        while True:
+            locations = ModelLocations.from_environment(models_dir())
+            cards = dict(self.cluster.cards)
+            copies = await anyio.to_thread.run_sync(
+                catalog_copies, locations, cards, abandon_on_cancel=True
+            )
+            for event in download_reports(self.node_id, self.cluster.state, copies):
+                logger.info(f"{event.model_id} is whole on this node: {copies[event.model_id]}")
+                self.local_events.emit(event)
+            await anyio.sleep(RESCAN_SECONDS)
 
     async def _add_ollama_store_models(self) -> None:
         """Models in Ollama's store on this machine become custom models of the cluster,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from exo.shared.types.models import GgufFileSource, GgufWeightTypes, ModelCard
 if TYPE_CHECKING:
     from exo.download.gguf_tensors import GgufDirectory
 
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 OLLAMA_MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
 DEFAULT_REGISTRY = "registry.ollama.ai"
 DEFAULT_NAMESPACE = "library"
@@ -48,10 +50,50 @@ class GgufModelError(ValueError):
     """A GGUF file that is no model this engine can use (named)."""
 
 
-def ollama_store(environment: Mapping[str, str] | None = None) -> Path:
+# Where Ollama's Linux service (the `ollama` user of its install script) keeps its store.
+LINUX_SERVICE_STORE = Path("/usr/share/ollama/.ollama/models")
+# Manifests read from one store at most (a store holds one per pulled model and tag).
+MAX_OLLAMA_MANIFESTS = 2000
+
+
+def ollama_store(
+    environment: Mapping[str, str] | None = None, service_store: Path = LINUX_SERVICE_STORE
+) -> Path:
+    """`OLLAMA_MODELS`, else `~/.ollama/models`, else (when only it exists) the Linux
+    service's `/usr/share/ollama/.ollama/models`."""
     env = os.environ if environment is None else environment
     configured = env.get("OLLAMA_MODELS")
-    return Path(configured).expanduser() if configured else Path.home() / ".ollama" / "models"
+    if configured:
+        return Path(configured).expanduser()
+    own = Path.home() / ".ollama" / "models"
+    if not own.is_dir() and service_store.is_dir():
+        return service_store
+    return own
+
+
+def _manifest_files(manifests: Path) -> list[Path]:
+    """`<registry>/<namespace>/<name>/<tag>` files under `manifests`, depth 4 exactly, no
+    symbolic link followed, at most `MAX_OLLAMA_MANIFESTS`."""
+    level = [manifests]
+    for depth in range(4):
+        following: list[Path] = []
+        for directory in level:
+            try:
+                with os.scandir(directory) as entries:
+                    for entry in entries:
+                        if len(following) >= MAX_OLLAMA_MANIFESTS:
+                            break
+                        wanted = (
+                            entry.is_file(follow_symlinks=False)
+                            if depth == 3
+                            else entry.is_dir(follow_symlinks=False)
+                        )
+                        if wanted:
+                            following.append(Path(entry.path))
+            except OSError:
+                continue
+        level = following
+    return sorted(level)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,13 +112,8 @@ def ollama_store_models(store: Path) -> list[OllamaStoreModel]:
     if not manifests.is_dir():
         return []
     found: list[OllamaStoreModel] = []
-    for manifest in sorted(manifests.rglob("*")):
-        if not manifest.is_file():
-            continue
-        parts = manifest.relative_to(manifests).parts
-        if len(parts) != 4:
-            continue
-        registry, namespace, name, tag = parts
+    for manifest in _manifest_files(manifests):
+        registry, namespace, name, tag = manifest.relative_to(manifests).parts
         try:
             content = json.loads(manifest.read_text())
         except (OSError, ValueError):
@@ -87,16 +124,25 @@ def ollama_store_models(store: Path) -> list[OllamaStoreModel]:
             for layer in layers or ()
             if isinstance(layer, dict) and layer.get("mediaType") == OLLAMA_MODEL_MEDIA_TYPE
         ]
-        if len(model_layers) != 1 or not str(model_layers[0].get("digest", "")).startswith(
-            "sha256:"
-        ):
-            continue
-        sha256 = str(model_layers[0]["digest"]).removeprefix("sha256:")
+        digest = str(model_layers[0].get("digest", "")) if len(model_layers) == 1 else ""
+        sha256 = digest.removeprefix("sha256:")
+        if not digest.startswith("sha256:") or _SHA256.match(sha256) is None:
+            continue  # also keeps a crafted digest (`../`) from naming a path
         blob = store / "blobs" / f"sha256-{sha256}"
-        if not blob.is_file():
-            continue
+        if blob.is_symlink() or not blob.is_file():
+            continue  # a link could lead out of the store
         found.append(OllamaStoreModel(_ollama_name(registry, namespace, name, tag), blob, sha256))
     return found
+
+
+def find_ollama_model(store: Path, name: str) -> OllamaStoreModel | None:
+    """The store's model called `name` as Ollama names it (`mytiny:latest`; without a tag,
+    `:latest`), or None."""
+    wanted = name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+    for model in ollama_store_models(store):
+        if model.name == wanted:
+            return model
+    return None
 
 
 def _ollama_name(registry: str, namespace: str, name: str, tag: str) -> str:

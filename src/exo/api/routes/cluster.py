@@ -20,6 +20,7 @@ from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
 from exo.shared.types.events import InstanceCreated
 from exo.shared.types.instances import Sharding
 from exo.shared.types.models import ModelCard
+from exo.shared.types.nodes import DownloadCompleted
 from exo.shared.types.runners import RunnerReady, RunnerRunning
 from exo.shared.types.state import State
 
@@ -58,6 +59,19 @@ class CatalogCard(ModelCard):
     they agree or no runner has loaded it; `exo.shared.models.profile`)."""
 
     card_mismatches: tuple[str, ...] = ()
+    downloaded_on: tuple[str, ...] = ()
+    """The nodes that reported the model's files complete: downloaded by exo, or found
+    whole on their disk at start (models directories, the Hugging Face cache, Ollama's
+    store; `exo.download.on_disk`)."""
+
+
+def downloaded_on_by_model(state: State) -> dict[ModelId, tuple[str, ...]]:
+    found: dict[ModelId, list[str]] = {}
+    for node_id, downloads in sorted(state.downloads.items()):
+        for model_id, status in downloads.items():
+            if isinstance(status, DownloadCompleted):
+                found.setdefault(model_id, []).append(str(node_id))
+    return {model_id: tuple(nodes) for model_id, nodes in found.items()}
 
 
 def card_mismatches_by_model(state: State) -> dict[ModelId, tuple[str, ...]]:
@@ -76,7 +90,8 @@ async def list_model_cards(
     cluster: Cluster, status: Annotated[Literal["downloaded"] | None, Query()] = None
 ) -> list[CatalogCard]:
     """The catalog: every built-in card (shapes, sources, short name, capabilities), with
-    what its model's files contradict once a runner loaded it (`card_mismatches`).
+    what its model's files contradict once a runner loaded it (`card_mismatches`) and the
+    nodes holding its files (`downloaded_on`).
     `?status=downloaded` keeps the models whose files are on some node (a node reported
     the download complete, or this node's models directory holds them)."""
     cards = list(cluster.cards.values())
@@ -84,9 +99,14 @@ async def list_model_cards(
         directory = models_dir()
         cards = [card for card in cards if is_downloaded(cluster, card, directory)]
     mismatches = card_mismatches_by_model(cluster.state)
+    downloaded_on = downloaded_on_by_model(cluster.state)
     return [
         # The card was validated when it was loaded; only the reported lines are added.
-        CatalogCard.model_construct(**dict(card), card_mismatches=mismatches.get(card.model_id, ()))
+        CatalogCard.model_construct(
+            **dict(card),
+            card_mismatches=mismatches.get(card.model_id, ()),
+            downloaded_on=downloaded_on.get(card.model_id, ()),
+        )
         for card in cards
     ]
 

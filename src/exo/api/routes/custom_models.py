@@ -1,5 +1,5 @@
-"""Models outside the catalog: add one from the Hub or a local directory, delete it, search
-the Hub.
+"""Models outside the catalog: add one from the Hub, a local directory, a GGUF file or
+Ollama's store, delete it, search the Hub, list what this node holds on disk unadded.
 
 The card is built once, here, by the node that was asked (`exo.download.custom_cards`),
 and sent to the master, whose `CustomModelAdded` puts it into every node's state; from then
@@ -9,9 +9,9 @@ on the model resolves like a catalog model (`with_custom_cards`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import anyio
 from fastapi import APIRouter, Query
@@ -29,8 +29,15 @@ from exo.download.custom_cards import (
     is_local_path,
     search_hub,
 )
-from exo.download.gguf_models import GgufModelError, card_for_gguf
+from exo.download.gguf_models import (
+    GgufModelError,
+    card_for_gguf,
+    find_ollama_model,
+    ollama_store,
+    ollama_store_models,
+)
 from exo.download.locations import ModelLocations
+from exo.download.on_disk import ScanBudget, known_repositories, scan_on_disk
 from exo.shared.constants import models_dir
 from exo.shared.models.architectures import ENGINE_ARCHITECTURES
 from exo.shared.models.names import resolve_model_name
@@ -43,6 +50,8 @@ router = APIRouter()
 # Reading a repository's small files takes a few requests; a Hub that hangs longer is down.
 ADD_TIMEOUT_SECONDS = 120.0
 MAX_SEARCH_RESULTS = 100
+# `POST /models/add` takes a model of this node's Ollama store as `ollama:<name>[:<tag>]`.
+OLLAMA_PREFIX = "ollama:"
 
 
 class HubAuthenticationError(ApiError):
@@ -81,7 +90,8 @@ class AddModelRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_id: str = Field(min_length=1)
-    """A Hub repository (`org/name`) or a local HF-format directory (`/…`, `~/…`, `./…`)."""
+    """A Hub repository (`org/name`), a local HF-format directory or `.gguf` file (`/…`,
+    `~/…`, `./…`), or a model of this node's Ollama store (`ollama:<name>[:<tag>]`)."""
     revision: str = Field(default="main", min_length=1)
     """The Hub branch, tag or commit; the card pins the commit it resolves to."""
 
@@ -111,6 +121,71 @@ class SearchResult(BaseModel):
     likes: int
 
 
+class OnDiskModelEntry(BaseModel):
+    model_id: str
+    """What `POST /models/add` takes to add it (a repository id, or `ollama:<name>:<tag>`)."""
+    place: Literal["models_dir", "hf_cache", "ollama"]
+    path: str
+    """Its directory (a models directory's copy, a cache snapshot) or GGUF blob."""
+    architecture: str | None
+    supported: bool
+    """Whether the engine runs it; an unsupported one is listed so it is not a mystery."""
+    reason: str | None = None
+    """Why it cannot be added (unsupported ones only)."""
+
+
+@router.get("/models/on_disk")
+async def list_models_on_disk(cluster: Cluster) -> list[OnDiskModelEntry]:
+    """Models on this node's disk that no card names yet: whole HF-format copies in its
+    models directories and the Hugging Face cache, and models of its Ollama store. Catalog
+    models found on disk are not here: `GET /models` marks them downloaded on this node.
+    Each scan is bounded (`exo.download.on_disk`)."""
+    cards = dict(cluster.cards)
+    return await anyio.to_thread.run_sync(_models_on_disk, cards, catalog_of(cluster))
+
+
+def _models_on_disk(
+    cards: Mapping[ModelId, ModelCard], catalog: Mapping[ModelId, ModelCard]
+) -> list[OnDiskModelEntry]:
+    budget = ScanBudget.start()
+    supported = set(ENGINE_ARCHITECTURES)
+    locations = ModelLocations.from_environment(models_dir())
+    entries = [
+        OnDiskModelEntry(
+            model_id=found.repo_id,
+            place=found.place,
+            path=str(found.path),
+            architecture=found.architecture,
+            supported=found.supported,
+            reason=None
+            if found.supported
+            else f"{found.architecture} has no model family file in this engine",
+        )
+        for found in scan_on_disk(locations, known_repositories(cards), supported, budget)
+    ]
+    for model in ollama_store_models(ollama_store()):
+        if model.name in cards or resolve_model_name(model.name, catalog) is not None:
+            continue
+        if not budget.spend():
+            break
+        try:
+            card = card_for_gguf(model.gguf_path, model.name, model.sha256)
+            architecture, reason = card.architecture, None
+        except GgufModelError as error:
+            architecture, reason = None, str(error)
+        entries.append(
+            OnDiskModelEntry(
+                model_id=f"{OLLAMA_PREFIX}{model.name}",
+                place="ollama",
+                path=str(model.gguf_path),
+                architecture=architecture,
+                supported=reason is None and architecture in supported,
+                reason=reason,
+            )
+        )
+    return entries
+
+
 @router.post("/models/add")
 async def add_model(body: AddModelRequest, cluster: Cluster) -> AddModelResponse:
     """Build the model's card from its repository's small files and share it with every node.
@@ -120,7 +195,7 @@ async def add_model(body: AddModelRequest, cluster: Cluster) -> AddModelResponse
     node has no access to; 404 for an unknown repository or directory; 409 for a catalog
     model; 503 when the Hub cannot be reached."""
     model_id = body.model_id.strip()
-    catalog_id = resolve_model_name(model_id, catalog_of(cluster))
+    catalog_id = resolve_model_name(model_id.removeprefix(OLLAMA_PREFIX), catalog_of(cluster))
     if catalog_id is not None:
         raise ModelConflictError(
             f"{model_id} is the catalog model {catalog_id}: it needs no adding",
@@ -147,6 +222,27 @@ def _card_for_gguf_file(path: str) -> ModelCard:
         raise CustomModelError(str(error), 400) from None
 
 
+def _card_for_ollama_model(name: str) -> ModelCard:
+    """The card of a model of this node's Ollama store, named as Ollama names it; its
+    GGUF blob is read in place (converted once when first placed, as any GGUF). 404 when
+    the store has no such model, 400 when it is no model the engine runs."""
+    store = ollama_store()
+    model = find_ollama_model(store, name)
+    if model is None:
+        raise CustomModelError(f"no model {name!r} in the Ollama store {store} on this node", 404)
+    try:
+        card = card_for_gguf(model.gguf_path, model.name, model.sha256)
+    except GgufModelError as error:
+        raise CustomModelError(str(error), 400) from None
+    if card.architecture not in ENGINE_ARCHITECTURES:
+        raise CustomModelError(
+            f"{name} is a {card.architecture} model, an architecture with no model family "
+            "file in this engine",
+            400,
+        )
+    return card
+
+
 @contextlib.contextmanager
 def _hub_errors(timeout_message: str) -> Iterator[None]:
     """Answer a `CustomModelError` with its status, and the Hub's timeout (TimeoutError,
@@ -164,6 +260,10 @@ async def _build_card(cluster: ClusterClient, model_id: str, revision: str) -> M
     trust_remote_code = cluster.trust_remote_code
     timeout = f"the Hub did not answer within {ADD_TIMEOUT_SECONDS:.0f}s while reading {model_id}"
     with _hub_errors(timeout):
+        if model_id.startswith(OLLAMA_PREFIX):
+            return await anyio.to_thread.run_sync(
+                _card_for_ollama_model, model_id.removeprefix(OLLAMA_PREFIX)
+            )
         if is_local_path(model_id) and model_id.endswith(".gguf"):
             return _card_for_gguf_file(model_id)
         if is_local_path(model_id):
