@@ -230,6 +230,28 @@ def test_card_counts_fp8_weights_and_their_bytes(odd_twins: tuple[Path, Path]) -
     assert fp8_card.storage_size_bytes < twin_card.storage_size_bytes
 
 
+@pytest.mark.parametrize(("mode", "rank"), [("pipeline", 1), ("expert", 1)])
+def test_a_rank_downloads_the_scales_of_the_weights_it_reads(
+    odd_twins: tuple[Path, Path], mode: str, rank: int
+) -> None:
+    """With every tensor in a file of its own, the files a rank fetches hold each FP8
+    weight it reads with its scales, and no scales of weights it does not read."""
+    from exo.download.shard_files import weight_files_for_shard
+
+    fp8_dir, _ = odd_twins
+    names = list(load_file(str(fp8_dir / "model.safetensors")))
+    index = {"weight_map": {name: f"{name}.safetensors" for name in names}}
+    files = [f"{name}.safetensors" for name in names]
+    shard = make_shard(fp8_dir, mode, rank, 2)
+    fetched = {
+        file.removesuffix(".safetensors") for file in weight_files_for_shard(files, index, shard)
+    }
+    scales = {name for name in fetched if name.endswith("_scale_inv")}
+    assert scales  # this rank reads FP8 weights
+    assert scales == {f"{name}_scale_inv" for name in fetched if f"{name}_scale_inv" in names}
+    assert len(fetched) < len(names)  # not everything
+
+
 @pytest.mark.slow
 def test_fp8_tensor_split_equals_single_process(odd_twins: tuple[Path, Path]) -> None:
     """Two tensor ranks on the FP8 checkpoint (blocks cut inside) give the single
