@@ -196,3 +196,53 @@ def save_mxfp4_twin(float_directory: Path, directory: Path) -> Path:
         if path.name not in ("config.json", "model.safetensors") and path.is_file():
             shutil.copy(path, directory / path.name)
     return directory
+
+
+def save_fp8_twins(
+    float_directory: Path, fp8_directory: Path, dequantized_directory: Path, block: tuple[int, int]
+) -> tuple[Path, Path]:
+    """The tiny model in `float_directory` as an FP8 block checkpoint laid out as
+    DeepSeek-V3's (`quant.fp8_blocks`): every decoder-layer projection weight (`*proj.weight`
+    under `model.layers.`, experts included) as float8_e4m3fn with its `weight_scale_inv`
+    on the `block` grid, everything else (embedding, norms, routers, LM head) as it was, and
+    `quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
+    "dynamic", "weight_block_size": block}`; and its float twin: the same checkpoint with
+    each FP8 weight dequantized to float32 and no quantization config.
+
+    Returns:
+        (`fp8_directory`, `dequantized_directory`).
+    """
+    from safetensors.torch import load_file, save_file
+
+    from exo.worker.engines.torch.quant.fp8_blocks import (
+        SCALE_SUFFIX,
+        dequantize_fp8_blocks,
+        quantize_fp8_blocks,
+    )
+
+    tensors = load_file(str(float_directory / "model.safetensors"))
+    quantized: dict[str, Any] = {}
+    dequantized: dict[str, Any] = {}
+    for name, tensor in tensors.items():
+        if name.startswith("model.layers.") and name.endswith("proj.weight") and tensor.ndim == 2:
+            weight, scale_inv = quantize_fp8_blocks(tensor, block)
+            quantized[name], quantized[f"{name}{SCALE_SUFFIX}"] = weight, scale_inv
+            dequantized[name] = dequantize_fp8_blocks(weight, scale_inv, block)
+        else:
+            quantized[name] = dequantized[name] = tensor
+    config = json.loads((float_directory / "config.json").read_text())
+    for directory, content, quantization in (
+        (fp8_directory, quantized, {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(block),
+        }),
+        (dequantized_directory, dequantized, None),
+    ):  # fmt: skip
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(content, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        written = {**config, "quantization_config": quantization} if quantization else config
+        (directory / "config.json").write_text(json.dumps(written, indent=2))
+        for path in float_directory.iterdir():
+            if path.name not in ("config.json", "model.safetensors") and path.is_file():
+                shutil.copy(path, directory / path.name)
+    return fp8_directory, dequantized_directory

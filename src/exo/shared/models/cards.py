@@ -94,10 +94,11 @@ SafetensorsHeader = Mapping[str, Any]
 def _weight_elements(name: str, count: int) -> int:
     """The weights a stored tensor of `count` elements holds: a weight repacked from GGUF
     (`exo.download.gguf_repack`) holds two per packed byte, none in its scales and zeros,
-    and a GGML block's values per block of raw bytes."""
+    and a GGML block's values per block of raw bytes; an FP8 block checkpoint's
+    `*_scale_inv` (one float per block of its weight) holds none."""
     if name.endswith(".int4_packed"):
         return 2 * count
-    if name.endswith((".int4_scales", ".int4_zeros")):
+    if name.endswith((".int4_scales", ".int4_zeros", "_scale_inv")):
         return 0
     _, marker, type_name = name.rpartition(".gguf_")
     if marker:

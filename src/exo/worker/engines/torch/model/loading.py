@@ -54,6 +54,7 @@ from exo.worker.engines.torch.model.families import (
     config_architecture,
     family_for_architecture,
 )
+from exo.worker.engines.torch.model.fp8_checkpoint import Fp8Checkpoint
 from exo.worker.engines.torch.model.fused_experts import FusedExperts
 from exo.worker.engines.torch.model.fusion import fuse_rms_norms
 from exo.worker.engines.torch.model.moe import ExpertFormat, install_routed_experts
@@ -347,6 +348,7 @@ def load_model(
         experts = family.moe.routing(text_config).experts
         fused = FusedExperts(family.moe, experts, mxfp4=expert_format == "mxfp4")
     groups = _plan_tensors(model_dir, prefix, shard, _model_entries(model), family, fused)
+    fp8 = Fp8Checkpoint.of(config, model_dir)  # FP8 block weights widen as they are read
     if getattr(text_config, "tie_word_embeddings", False):
         _plan_tied_lm_head(model_dir, prefix, model, groups)
     layers: Any = model.model.layers
@@ -363,7 +365,7 @@ def load_model(
                 return
             tensor = loaded
         else:
-            stored = handle_for(path).get_slice(name)
+            stored = fp8.widen(handle_for, name, handle_for(path).get_slice(name))
             if fused is not None and fused.stacks(name):
                 stored = fused.cut(name, target, stored)  # one expert of a stacked tensor
             tensor = reader(stored)
