@@ -176,15 +176,7 @@ def main() -> None:
     gguf_path = _cached_gguf(args.cache_dir, shape)
     model_dir = _cached_conversion(gguf_path)
 
-    card = card_from_local_directory(model_dir)
-    shard = ShardMetadata(
-        sharding="pipeline", model_card=card, device_rank=0, world_size=1,
-        start_layer=0, end_layer=card.n_layers,
-    )  # fmt: skip
-    started = time.perf_counter()
-    engine = TorchEngine.load(model_dir, shard, weight_dtype="int4", kv_cache_tokens=2048)
-    engine.warmup()
-    print(f"exo loaded in {time.perf_counter() - started:.0f} s")
+    # llama.cpp first: it loads in seconds, or says at once why not.
     llama: LlamaCppRunner | None = None
     llama_missing = ""
     try:
@@ -194,6 +186,18 @@ def main() -> None:
     except LlamaCppMissingError as error:
         llama_missing = str(error)
         print(f"llama.cpp is missing: {error}")
+    except ValueError as error:  # the binding's "Failed to load model"
+        llama_missing = f"llama.cpp could not load {gguf_path}: {error}"
+        print(llama_missing)
+    card = card_from_local_directory(model_dir)
+    shard = ShardMetadata(
+        sharding="pipeline", model_card=card, device_rank=0, world_size=1,
+        start_layer=0, end_layer=card.n_layers,
+    )  # fmt: skip
+    started = time.perf_counter()
+    engine = TorchEngine.load(model_dir, shard, weight_dtype="int4", kv_cache_tokens=2048)
+    engine.warmup()
+    print(f"exo loaded in {time.perf_counter() - started:.0f} s")
     model_text = ModelText.load(model_dir)
 
     results: dict[str, dict[int, dict[str, list[float]]]] = {"exo": {}, "llama.cpp": {}}

@@ -26,6 +26,7 @@ from exo.testing.random_gguf import _vocabulary  # pyright: ignore[reportPrivate
 
 _Q4_K_BYTES, _Q6_K_BYTES, _SUPER_BLOCK = 144, 210, 256
 _BOS, _EOS = 1, 2
+_FIRST_FILLER = 3 + 256  # after the specials and the byte symbols (`random_gguf._vocabulary`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,12 +181,17 @@ def write_random_moe_gguf(
     writer.add_expert_feed_forward_length(shape.expert_intermediate_size)
     writer.add_vocab_size(shape.vocab_size)
     tokens = _vocabulary(shape.vocab_size)
+    # llama.cpp refuses a BPE vocabulary without merges: one merge, of two byte symbols
+    # into the first filler token.
+    merges = ["a b"] if len(tokens) > _FIRST_FILLER else []
+    if merges:
+        tokens[_FIRST_FILLER] = "ab"
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types([3 if index < 3 else 1 for index in range(len(tokens))])
     writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_merges([])
+    writer.add_token_merges(merges)
     writer.add_bos_token_id(_BOS)
     writer.add_eos_token_id(_EOS)
     writer.add_add_bos_token(False)
