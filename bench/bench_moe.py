@@ -222,7 +222,11 @@ def main() -> None:
             if round_index % 2:
                 runs.reverse()
             for name, run in runs:
-                result = run()
+                try:
+                    result = run()
+                except RuntimeError as error:  # llama.cpp's "llama_decode returned -1"
+                    print(f"  round {round_index + 1} prompt {length:4d} {name}: failed: {error}")
+                    continue
                 figures = results[name].setdefault(length, {"prefill": [], "decode": []})
                 figures["prefill"].append(result.prefill_tok_s)
                 figures["decode"].append(result.decode_tok_s)
