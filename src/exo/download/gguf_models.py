@@ -43,6 +43,7 @@ GGUF_ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",  # experts read by `exo.download.gguf_experts`
 }
 
 
@@ -154,12 +155,13 @@ def _ollama_name(registry: str, namespace: str, name: str, tag: str) -> str:
 
 
 def gguf_weight_types(directory: GgufDirectory) -> GgufWeightTypes | None:
-    """The types a GGUF stores its decoder-layer linears (2-d tensors under `blk.`) and LM
-    head (`output.weight`, else the tied `token_embd.weight`) in; None without either."""
+    """The types a GGUF stores its decoder-layer linears (2-d tensors and 3-d stacked experts
+    under `blk.`) and LM head (`output.weight`, else the tied `token_embd.weight`) in; None
+    without either."""
     layer_weights: dict[str, int] = {}
     by_name = {tensor.name: tensor for tensor in directory.tensors}
     for tensor in directory.tensors:
-        if tensor.name.startswith("blk.") and len(tensor.shape) == 2:
+        if tensor.name.startswith("blk.") and len(tensor.shape) in (2, 3):  # 3: stacked experts
             count = layer_weights.get(tensor.type_name, 0)
             layer_weights[tensor.type_name] = count + math.prod(tensor.shape)
     head = by_name.get("output.weight") or by_name.get("token_embd.weight")
@@ -172,17 +174,22 @@ def gguf_weight_types(directory: GgufDirectory) -> GgufWeightTypes | None:
 
 def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> ModelCard:
     """A card from the GGUF's metadata: architecture, shapes, context length, whether it
-    has a chat template; `storage_size_bytes` is the file's size, `parameter_count` the
-    elements of its tensors, `gguf_weight_types` the types of its layers and head.
+    has a chat template, a MoE model's experts; `storage_size_bytes` is the file's size (of
+    every part, for a split model whose first part `path` is: `gguf_tensors.gguf_parts`),
+    `parameter_count` the elements of its tensors, `gguf_weight_types` the types of its
+    layers and head.
 
     Raises:
         GgufModelError: not a GGUF file, an architecture the engine has no family for, or
             metadata it lacks (named).
     """
-    from exo.download.gguf_tensors import GgufArray, read_gguf_tensors
+    from exo.download.gguf_experts import gguf_moe_fields
+    from exo.download.gguf_tensors import GgufArray, gguf_parts, read_gguf_model
+    from exo.shared.models.moe import moe_geometry_of_config
 
     try:
-        directory = read_gguf_tensors(path)
+        directory = read_gguf_model(path)
+        storage_size = sum(part.stat().st_size for part in gguf_parts(path))
     except (OSError, ValueError) as error:
         raise GgufModelError(f"{path} is not a readable GGUF file: {error}") from None
 
@@ -208,6 +215,10 @@ def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> Model
     head_dim = value(f"{architecture}.attention.key_length")
     hidden_size = required("embedding_length")
     tensor_names = {tensor.name for tensor in directory.tensors}
+    try:
+        moe = moe_geometry_of_config(gguf_moe_fields(directory))
+    except ValueError as error:
+        raise GgufModelError(f"{path}: {error}") from None
     return ModelCard(
         model_id=ModelId(model_id),
         source=GgufFileSource(path=str(path), sha256=sha256),
@@ -218,13 +229,14 @@ def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> Model
         num_key_value_heads=int(value(f"{architecture}.attention.head_count_kv") or heads),
         intermediate_size=required("feed_forward_length"),
         vocab_size=tokens.count,
-        storage_size_bytes=path.stat().st_size,
+        storage_size_bytes=storage_size,
         context_length=required("context_length"),
         has_chat_template=value("tokenizer.chat_template") is not None,
         head_dim=int(head_dim) if head_dim and int(head_dim) != hidden_size // heads else None,
         tie_word_embeddings="output.weight" not in tensor_names,
         parameter_count=sum(math.prod(tensor.shape) for tensor in directory.tensors) or None,
         gguf_weight_types=gguf_weight_types(directory),
+        moe=moe,
     )
 
 

@@ -1,8 +1,10 @@
 """GGUF weights repacked for the engine with integer operations on the raw block bytes.
 
 `convert_gguf` writes an HF-format directory (config.json, tokenizer, generation config,
-model.safetensors) whose weights are the GGUF's own quantized values, never dequantized to
-float32 and quantized again:
+safetensors files of about `SHARD_BYTES`) whose weights are the GGUF's own quantized values,
+never dequantized to float32 and quantized again. A MoE GGUF's stacked expert tensors become
+one weight per expert, each repacked as below (`gguf_experts`); a split GGUF
+(`-0000i-of-0000N`) is read as one (`gguf_tensors.read_gguf_model`).
 
 - **Q4_0, Q4_1, Q4_K** become the engine's int4 groups of 32 (`INT4_GROUP_SIZE`, the layout of
   `int4_groups.Int4Linear`: `w = (q - 8) * scale + zero` per group). The 4-bit values are moved
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import resource
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from exo.download.gguf_tensors import GgufTensor, read_gguf_tensors
+from exo.download.gguf_experts import (
+    GGUF_EXPERT_LAYOUTS,
+    StackedExperts,
+    check_experts,
+    configure_experts,
+    expert_slices,
+    stacked_kind,
+)
+from exo.download.gguf_tensors import GgufTensor, read_gguf_model
 from exo.shared.models.memory import INT4_GROUP_SIZE
 from exo.shared.models.tensor_names import INT4_PACKED, INT4_SCALES, INT4_ZEROS
 
@@ -224,71 +234,154 @@ def _processed(processor: Any, array: np.ndarray, gguf_name: str) -> np.ndarray:
     return np.ascontiguousarray(result)
 
 
-def repacked_tensors(
-    tensors: Sequence[GgufTensor], processor: Any, name_map: Mapping[str, str]
-) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-    """Every mapped tensor of the GGUF, in its stored form (see the module docstring).
+def _store(
+    stored: dict[str, torch.Tensor],
+    counts: dict[str, int],
+    name: str,
+    gguf_name: str,
+    type_name: str,
+    shape: tuple[int, ...],
+    data: np.ndarray,
+    processor: Any,
+) -> None:
+    """Put weight `name` (GGUF tensor `gguf_name`, `[out, in]` `shape`, raw bytes `data`) into
+    `stored` in its stored form (the module docstring), after the family's correction
+    (`processor`; None: none)."""
+
+    def corrected(array: np.ndarray) -> np.ndarray:
+        return array if processor is None else _processed(processor, array, gguf_name)
+
+    if type_name in _FLOATS:
+        values = data.view(_FLOATS[type_name]).reshape(shape)
+        if processor is not None:
+            values = processor.process(weights=values, name=gguf_name).weights
+        processed = np.array(values)
+        if processed.shape != shape:
+            raise GgufRepackError(f"{gguf_name}: a correction changed its shape")
+        stored[name] = torch.from_numpy(processed)
+        if type_name == "BF16":
+            stored[name] = stored[name].view(torch.bfloat16)
+        counts["float"] += 1
+        return
+    if len(shape) != 2:
+        raise GgufRepackError(f"{gguf_name}: a quantized tensor of shape {shape}")
+    rows = shape[0]
+    data = data.reshape(rows, -1)
+    if type_name in INT4_TYPES and shape[1] % INT4_GROUP_SIZE == 0:
+        groups = repack_int4(type_name, data, rows)
+        stored[name + INT4_PACKED] = torch.from_numpy(corrected(groups.packed))
+        for suffix, part in ((INT4_SCALES, groups.scales), (INT4_ZEROS, groups.zeros)):
+            stored[name + suffix] = torch.from_numpy(corrected(part))
+        counts["int4"] += 1
+    else:
+        stored[f"{name}{GGUF_BLOCKS}{type_name}"] = torch.from_numpy(
+            np.array(corrected(data), copy=True)
+        )
+        counts["gguf_blocks"] += 1
+
+
+def repacked_tensor_groups(
+    tensors: Sequence[GgufTensor],
+    processor: Any,
+    name_map: Mapping[str, str],
+    experts: StackedExperts | None = None,
+    counts: dict[str, int] | None = None,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Every mapped tensor of the GGUF in its stored form (the module docstring), one GGUF
+    tensor at a time; a stacked expert tensor (`experts`' kinds) as one weight per expert
+    (`gguf_experts.expert_slices`), uncorrected.
 
     Args:
-        tensors: the file's tensors (`gguf_tensors.read_gguf_tensors`).
+        tensors: the file's tensors (`gguf_tensors.read_gguf_model`).
         processor: transformers' tensor processor for the file's architecture.
         name_map: GGUF tensor name → checkpoint name (tensors not in it are skipped).
+        experts: the architecture's stacked expert layout, None for a dense one.
+        counts: incremented per stored form ("int4", "gguf_blocks", "float").
 
-    Returns:
-        The tensors by stored name, and counts per form ("int4", "gguf_blocks", "float").
+    Yields:
+        The stored tensors of one GGUF tensor, by stored name.
 
     Raises:
-        GgufRepackError: a quantized tensor that is not 2-D.
+        GgufRepackError: a quantized tensor that is not 2-D (nor a stacked expert tensor).
     """
-    stored: dict[str, torch.Tensor] = {}
-    counts = {"int4": 0, "gguf_blocks": 0, "float": 0}
+    counts = {"int4": 0, "gguf_blocks": 0, "float": 0} if counts is None else counts
     for tensor in tensors:
+        stored: dict[str, torch.Tensor] = {}
+        if experts is not None and stacked_kind(tensor.name, experts) is not None:
+            for expert_name, data, rows_columns in expert_slices(tensor, experts):
+                _store(
+                    stored, counts, expert_name, tensor.name, tensor.type_name, rows_columns,
+                    data, None,
+                )  # fmt: skip
+            yield stored
+            continue
         name = name_map.get(tensor.name)
         if name is None:
             continue
-        type_name = tensor.type_name
         shape = tuple(reversed(tensor.shape))  # [out, in]
-        if type_name in _FLOATS:
-            data = tensor.data.view(_FLOATS[type_name]).reshape(shape)
-            processed = np.array(processor.process(weights=data, name=tensor.name).weights)
-            if processed.shape != shape:
-                raise GgufRepackError(f"{tensor.name}: a correction changed its shape")
-            stored[name] = torch.from_numpy(processed)
-            if type_name == "BF16":
-                stored[name] = stored[name].view(torch.bfloat16)
-            counts["float"] += 1
-            continue
-        if len(shape) != 2:
-            raise GgufRepackError(f"{tensor.name}: a quantized tensor of shape {shape}")
-        rows = shape[0]
-        data = tensor.data.reshape(rows, -1)
-        if type_name in INT4_TYPES and shape[1] % INT4_GROUP_SIZE == 0:
-            groups = repack_int4(type_name, data, rows)
-            stored[name + INT4_PACKED] = torch.from_numpy(
-                _processed(processor, groups.packed, tensor.name)
-            )
-            for suffix, part in ((INT4_SCALES, groups.scales), (INT4_ZEROS, groups.zeros)):
-                stored[name + suffix] = torch.from_numpy(_processed(processor, part, tensor.name))
-            counts["int4"] += 1
-        else:
-            stored[f"{name}{GGUF_BLOCKS}{type_name}"] = torch.from_numpy(
-                _processed(processor, data, tensor.name).copy()
-            )
-            counts["gguf_blocks"] += 1
+        _store(stored, counts, name, tensor.name, tensor.type_name, shape, tensor.data, processor)
+        yield stored
+
+
+def repacked_tensors(
+    tensors: Sequence[GgufTensor], processor: Any, name_map: Mapping[str, str]
+) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """`repacked_tensor_groups` of a dense GGUF gathered into one dict, with the counts."""
+    counts = {"int4": 0, "gguf_blocks": 0, "float": 0}
+    stored: dict[str, torch.Tensor] = {}
+    for group in repacked_tensor_groups(tensors, processor, name_map, None, counts):
+        stored.update(group)
     return stored, counts
 
 
+# Bytes of repacked tensors per safetensors file written: bounds the conversion's memory to
+# about this plus one GGUF tensor (a 30B MoE GGUF is ~17 GB).
+SHARD_BYTES = 1 << 30
+
+
+def _write_shards(groups: Iterator[dict[str, torch.Tensor]], output_dir: Path) -> None:
+    """Write the tensors `groups` yields into `model-0000i.safetensors` files of about
+    `SHARD_BYTES` each (one file: `model.safetensors`)."""
+    from safetensors.torch import save_file
+
+    metadata = {"format": "pt", "format_exo": REPACK_FORMAT}
+    written: list[Path] = []
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = 0
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes
+        path = output_dir / f"model-{len(written) + 1:05d}.safetensors"
+        save_file(pending, str(path), metadata=metadata)
+        written.append(path)
+        pending, pending_bytes = {}, 0
+
+    for group in groups:
+        pending.update(group)
+        pending_bytes += sum(tensor.nbytes for tensor in group.values())
+        if pending_bytes >= SHARD_BYTES:
+            flush()
+    if pending or not written:
+        flush()
+    if len(written) == 1:
+        written[0].rename(output_dir / "model.safetensors")
+
+
 def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
-    """Write the GGUF at `gguf_path` into `output_dir` (which must exist) as config.json,
-    generation_config.json, tokenizer files (with chat template) and one model.safetensors
-    of repacked weights, read by `exo.worker.engines.torch.model.loading.load_model`.
+    """Write the GGUF at `gguf_path` (a single file, or the first part of a split one:
+    `gguf_tensors.gguf_parts`) into `output_dir` (which must exist) as config.json,
+    generation_config.json, tokenizer files (with chat template) and safetensors files of
+    repacked weights (`model.safetensors`, or `model-0000i.safetensors` of about
+    `SHARD_BYTES` each), read by `exo.worker.engines.torch.model.loading.load_model`. A MoE
+    architecture's stacked experts become one weight per expert (`gguf_experts`).
 
     Raises:
         GgufRepackError: a tensor that cannot be repacked.
+        GgufExpertsError: a MoE GGUF's expert tensor missing or mis-shaped, or its metadata
+            lacking a key its layout needs (named).
         ValueError / OSError: from transformers or gguf for a file they cannot read
             (not GGUF, an architecture transformers has no GGUF support for).
     """
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
@@ -296,27 +389,30 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
 
     started = time.perf_counter()
     gguf_dir, gguf_name = str(gguf_path.parent), gguf_path.name
+    directory = read_gguf_model(gguf_path)
+    # The metadata (and tokenizer) are in the first part of a split model.
     config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_name)
     text_config = config.get_text_config()
+    # transformers decides from the first part's tensors alone.
+    text_config.tie_word_embeddings = all(t.name != "output.weight" for t in directory.tensors)
+    architecture = directory.architecture
+    experts = GGUF_EXPERT_LAYOUTS.get(architecture)
+    if experts is not None:
+        configure_experts(text_config, directory, experts)
+        check_experts(directory, experts, text_config)
     skeleton = empty_model(config)
     checkpoint_names = list(skeleton.state_dict())
     del skeleton
-    directory = read_gguf_tensors(gguf_path)
-    architecture = directory.architecture
     name_map = gguf_name_map(architecture, checkpoint_names, text_config.num_hidden_layers)
     heads = {
         "num_attention_heads": text_config.num_attention_heads,
         "num_key_value_heads": text_config.num_key_value_heads,
     }
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=heads)
-    tensors, counts = repacked_tensors(directory.tensors, processor, name_map)
+    counts = {"int4": 0, "gguf_blocks": 0, "float": 0}
+    groups = repacked_tensor_groups(directory.tensors, processor, name_map, experts, counts)
+    _write_shards(groups, output_dir)
     del directory
-    save_file(
-        tensors,
-        str(output_dir / "model.safetensors"),
-        metadata={"format": "pt", "format_exo": REPACK_FORMAT},
-    )
-    del tensors
     config.architectures = [_architecture_name(config)]
     config.dtype = torch.float32
     config.save_pretrained(output_dir)

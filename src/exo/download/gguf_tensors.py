@@ -10,10 +10,15 @@ u64 metadata count; each metadata entry a string key, a u32 value type and the v
 info a string name, u32 dimension count, u64 dimensions (fastest first), u32 GGML type, u64
 offset into the data section, which starts at the next multiple of `general.alignment`
 (default 32). All little-endian.
+
+A model may be split over several files (`<name>-00001-of-00003.gguf`, llama.cpp's
+`gguf-split` and gguf-py's writer): the first holds the metadata, every part holds its own
+tensors and the `split.no` / `split.count` keys. `read_gguf_model` reads them as one.
 """
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +42,8 @@ _SCALARS = {
     12: "d",
 }
 _STRING, _ARRAY = 8, 9
+# A split GGUF's part name (gguf-py's `SHARD_NAME_FORMAT`, llama.cpp's `llama_split_path`).
+_SPLIT_PART = re.compile(r"^(?P<stem>.+)-(?P<number>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
 class GgufFormatError(ValueError):
@@ -161,3 +168,58 @@ def read_gguf_tensors(path: Path) -> GgufDirectory:
             raise GgufFormatError(f"{path}: tensor {name} runs past the end of the file")
         tensors.append(GgufTensor(name, type_name, shape, file_map[begin : begin + size]))
     return GgufDirectory(architecture, tuple(tensors), metadata)
+
+
+def gguf_parts(path: Path) -> list[Path]:
+    """Every file of the model whose file (or first part) is at `path`, in order: `[path]` for
+    a single file, else the `-0000i-of-0000N` siblings of a split one.
+
+    Raises:
+        GgufFormatError: a part of a split model that is not its first, or a missing part.
+    """
+    match = _SPLIT_PART.match(path.name)
+    if match is None:
+        return [path]
+    count = int(match.group("count"))
+    if int(match.group("number")) != 1:
+        raise GgufFormatError(
+            f"{path} is part {int(match.group('number'))} of {count}: name part 1"
+        )
+    parts = [
+        path.with_name(f"{match.group('stem')}-{number:05d}-of-{count:05d}.gguf")
+        for number in range(1, count + 1)
+    ]
+    missing = [part.name for part in parts if not part.is_file()]
+    if missing:
+        raise GgufFormatError(f"{path} is split in {count} files; missing: {', '.join(missing)}")
+    return parts
+
+
+def read_gguf_model(path: Path) -> GgufDirectory:
+    """The directory of the whole model at `path`: its own for a single file; for a split
+    one (`gguf_parts`) the first part's metadata and every part's tensors, in part order.
+
+    Raises:
+        GgufFormatError: as `read_gguf_tensors` and `gguf_parts`, a part whose `split.no` is
+            not its place or whose `split.count` differs, or a tensor in two parts.
+    """
+    parts = gguf_parts(path)
+    if len(parts) == 1:
+        return read_gguf_tensors(path)
+    directories = [read_gguf_tensors(part) for part in parts]
+    tensors: list[GgufTensor] = []
+    names: set[str] = set()
+    for index, (part, directory) in enumerate(zip(parts, directories, strict=True)):
+        number, count = directory.metadata.get("split.no"), directory.metadata.get("split.count")
+        if number != index or count != len(parts):
+            raise GgufFormatError(
+                f"{part}: split.no {number!r} / split.count {count!r}, expected "
+                f"{index} / {len(parts)}"
+            )
+        for tensor in directory.tensors:
+            if tensor.name in names:
+                raise GgufFormatError(f"{part}: tensor {tensor.name} is in an earlier part too")
+            names.add(tensor.name)
+            tensors.append(tensor)
+    first = directories[0]
+    return GgufDirectory(first.architecture, tuple(tensors), first.metadata)

@@ -1,0 +1,223 @@
+"""Random-weight Qwen3-MoE GGUF files (GGUF architecture `qwen3moe`), written as llama.cpp's
+converter lays them out, for tests and benchmarks.
+
+The tensors are llama.cpp's (`llm_build_qwen3moe`): per layer the attention (`attn_q`,
+`attn_k`, `attn_v`, `attn_output`, the per-head `attn_q_norm` / `attn_k_norm`), the norms,
+the router `ffn_gate_inp` (F32, as llama.cpp's quantizations keep it) and the experts
+stacked in `ffn_gate_exps` / `ffn_up_exps` (GGUF shape `[hidden, expert width, experts]`)
+and `ffn_down_exps` (`[expert width, hidden, experts]`); metadata `qwen3moe.expert_count`,
+`expert_used_count`, `expert_feed_forward_length` beside the dense keys. The linears are
+Q4_K blocks of random bytes (gguf-py cannot quantize to Q4_K) with their fp16 `d` and `dmin`
+set so the values centre on zero, or Q8_0 / F32 from Gaussian weights (`gguf.quants`); the
+LM head Q6_K as llama.cpp's Q4_K_M keeps it. Tensors are written one at a time (no whole
+model in memory: a Qwen3-30B-A3B layer's experts are 113 MB of Q4_K), optionally split
+into several files (`-0000i-of-0000N.gguf`). The vocabulary is `random_gguf`'s byte-level one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from exo.testing.random_gguf import _vocabulary  # pyright: ignore[reportPrivateUsage]
+
+_Q4_K_BYTES, _Q6_K_BYTES, _SUPER_BLOCK = 144, 210, 256
+_BOS, _EOS = 1, 2
+_FIRST_FILLER = 3 + 256  # after the specials and the byte symbols (`random_gguf._vocabulary`)
+
+
+@dataclass(frozen=True, slots=True)
+class MoeGgufShape:
+    """A Qwen3-MoE model's shape (its config.json's fields)."""
+
+    hidden_size: int = 256
+    n_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    experts: int = 4
+    experts_per_token: int = 2
+    expert_intermediate_size: int = 256
+    intermediate_size: int = 512  # the dense MLP width the metadata states (no layer uses it)
+    vocab_size: int = 320
+    context_length: int = 4096
+    rope_theta: float = 1_000_000.0
+
+
+# Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B on the Hub): 48 layers; a bench writes
+# fewer (`dataclasses.replace(QWEN3_30B_A3B, n_layers=...)`).
+QWEN3_30B_A3B = MoeGgufShape(
+    hidden_size=2048,
+    n_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    experts=128,
+    experts_per_token=8,
+    expert_intermediate_size=768,
+    intermediate_size=6144,
+    vocab_size=151936,
+    context_length=40960,
+)
+
+
+def random_q4_k(shape: tuple[int, ...], rng: np.random.Generator, scale: float) -> np.ndarray:
+    """Q4_K blocks of random nibbles and 6-bit sub-block scales / mins for weights of
+    `shape` (`[..., rows, in]`, `in` a multiple of 256): uint8 `[..., rows, in / 256 * 144]`.
+    `d` is `scale` and `dmin` 7.5 `scale` (the mean of `d sc q` is `d` x 31.5 x 7.5, of
+    `dmin m` `dmin` x 31.5), so the values centre on zero within ~`scale` x 945."""
+    *leading, columns = shape
+    blocks = rng.integers(0, 256, (*leading, columns // _SUPER_BLOCK, _Q4_K_BYTES), np.uint8)
+    blocks[..., 0:2] = np.full(blocks.shape[:-1], scale, np.float16)[..., None].view(np.uint8)
+    dmin = np.full(blocks.shape[:-1], 7.5 * scale, np.float16)
+    blocks[..., 2:4] = dmin[..., None].view(np.uint8)
+    return blocks.reshape(*leading, -1)
+
+
+def random_q6_k(shape: tuple[int, ...], rng: np.random.Generator, scale: float) -> np.ndarray:
+    """Q6_K blocks (random 6-bit values and int8 sub-block scales, fp16 `d` = `scale`) for
+    weights of `shape` (`[rows, in]`, `in` a multiple of 256)."""
+    *leading, columns = shape
+    blocks = rng.integers(0, 256, (*leading, columns // _SUPER_BLOCK, _Q6_K_BYTES), np.uint8)
+    d = np.full(blocks.shape[:-1], scale, np.float16)
+    blocks[..., 208:210] = d[..., None].view(np.uint8)
+    return blocks.reshape(*leading, -1)
+
+
+# A tensor to write: (GGUF name, GGML type name, weights shape `[..., out, in]`).
+_Planned = tuple[str, str, tuple[int, ...]]
+
+
+def _plan(shape: MoeGgufShape, tensor_type: str) -> list[_Planned]:
+    hidden, width = shape.hidden_size, shape.expert_intermediate_size
+    query, key_value = shape.num_attention_heads, shape.num_key_value_heads
+    planned: list[_Planned] = [
+        ("token_embd.weight", tensor_type, (shape.vocab_size, hidden)),
+        ("output_norm.weight", "F32", (hidden,)),
+        ("output.weight", "Q6_K" if tensor_type == "Q4_K" else tensor_type,
+         (shape.vocab_size, hidden)),
+    ]  # fmt: skip
+    for layer in range(shape.n_layers):
+        block = f"blk.{layer}."
+        planned += [
+            (block + "attn_norm.weight", "F32", (hidden,)),
+            (block + "attn_q.weight", tensor_type, (query * shape.head_dim, hidden)),
+            (block + "attn_k.weight", tensor_type, (key_value * shape.head_dim, hidden)),
+            (block + "attn_v.weight", tensor_type, (key_value * shape.head_dim, hidden)),
+            (block + "attn_output.weight", tensor_type, (hidden, query * shape.head_dim)),
+            (block + "attn_q_norm.weight", "F32", (shape.head_dim,)),
+            (block + "attn_k_norm.weight", "F32", (shape.head_dim,)),
+            (block + "ffn_norm.weight", "F32", (hidden,)),
+            (block + "ffn_gate_inp.weight", "F32", (shape.experts, hidden)),
+            (block + "ffn_gate_exps.weight", tensor_type, (shape.experts, width, hidden)),
+            (block + "ffn_up_exps.weight", tensor_type, (shape.experts, width, hidden)),
+            (block + "ffn_down_exps.weight", tensor_type, (shape.experts, hidden, width)),
+        ]
+    return planned
+
+
+def _values(
+    name: str, type_name: str, weights_shape: tuple[int, ...], rng: np.random.Generator
+) -> np.ndarray:
+    """The stored array of one tensor: F32 values, or the blocks' bytes (uint8)."""
+    import gguf
+    from gguf.quants import quantize
+
+    if len(weights_shape) == 1:  # a norm: around 1
+        return (1.0 + 0.1 * rng.standard_normal(weights_shape)).astype(np.float32)
+    if name.endswith("ffn_gate_inp.weight"):  # the router: wide, so choices have margins
+        return (rng.standard_normal(weights_shape) * 0.5).astype(np.float32)
+    if type_name == "Q4_K":
+        return random_q4_k(weights_shape, rng, 2e-4)
+    if type_name == "Q6_K":
+        return random_q6_k(weights_shape, rng, 1.5e-5)
+    weights = (rng.standard_normal(weights_shape) * 0.05).astype(np.float32)
+    if type_name == "F32":
+        return weights
+    return quantize(weights, gguf.GGMLQuantizationType[type_name])
+
+
+def write_random_moe_gguf(
+    path: Path,
+    shape: MoeGgufShape = MoeGgufShape(),
+    tensor_type: str = "Q4_K",
+    seed: int = 0,
+    split_max_tensors: int = 0,
+    on_tensor: Callable[[int, int], None] | None = None,
+) -> list[Path]:
+    """Write a random-weight Qwen3-MoE GGUF of `shape` at `path`.
+
+    Args:
+        tensor_type: GGML type of the linears and the embedding: "Q4_K" (random blocks; the
+            LM head Q6_K), "Q8_0" or "F32" (from Gaussian weights; the head the same).
+        seed: the weights' random seed.
+        split_max_tensors: at most this many tensors per file (0: one file); split files
+            are named `<stem>-0000i-of-0000N.gguf` beside `path`.
+        on_tensor: called as (tensors written, tensors) after each tensor.
+
+    Returns:
+        The files written, first part first.
+    """
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(path, "qwen3moe", split_max_tensors=split_max_tensors)
+    writer.add_name("random qwen3moe")
+    writer.add_context_length(shape.context_length)
+    writer.add_embedding_length(shape.hidden_size)
+    writer.add_block_count(shape.n_layers)
+    writer.add_feed_forward_length(shape.intermediate_size)
+    writer.add_head_count(shape.num_attention_heads)
+    writer.add_head_count_kv(shape.num_key_value_heads)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_expert_count(shape.experts)
+    writer.add_expert_used_count(shape.experts_per_token)
+    writer.add_expert_feed_forward_length(shape.expert_intermediate_size)
+    writer.add_vocab_size(shape.vocab_size)
+    tokens = _vocabulary(shape.vocab_size)
+    # llama.cpp refuses a BPE vocabulary without merges: one merge, of two byte symbols
+    # into the first filler token.
+    merges = ["a b"] if len(tokens) > _FIRST_FILLER else []
+    if merges:
+        tokens[_FIRST_FILLER] = "ab"
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if index < 3 else 1 for index in range(len(tokens))])
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(_BOS)
+    writer.add_eos_token_id(_EOS)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    planned = _plan(shape, tensor_type)
+    for name, type_name, weights_shape in planned:
+        qtype = gguf.GGMLQuantizationType[type_name]
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        *leading, columns = weights_shape
+        nbytes = int(np.prod(leading)) * columns // block_size * type_size
+        dtype = np.dtype(np.float32) if type_name == "F32" else np.dtype(np.uint8)
+        raw = None if type_name == "F32" else qtype
+        byte_shape = (*leading, columns // block_size * type_size)
+        writer.add_tensor_info(
+            name, weights_shape if raw is None else byte_shape, dtype, nbytes, raw
+        )
+    files = writer.format_shard_names(path)
+    writer.write_header_to_file(path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for index, (name, type_name, weights_shape) in enumerate(planned):
+        writer.write_tensor_data(_values(name, type_name, weights_shape, rng))
+        if on_tensor is not None:
+            on_tensor(index + 1, len(planned))
+    writer.close()
+    return files
