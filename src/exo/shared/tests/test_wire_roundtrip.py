@@ -94,6 +94,7 @@ from exo.shared.types.models import (
     GgufFileSource,
     GgufWeightTypes,
     HuggingFaceSource,
+    LatentAttention,
     LocalDirectorySource,
     ModelCard,
     ModelSource,
@@ -392,6 +393,18 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
         GgufFileSource(path="/root/.ollama/models/blobs/sha256-ab", sha256="ab" * 32),
     ],
     LocalDirectorySource: [LocalDirectorySource(path="/models/x")],
+    LatentAttention: [
+        LatentAttention(
+            kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128
+        ),
+        LatentAttention(
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
+            q_lora_rank=1536,
+        ),
+    ],
     MoeGeometry: [
         MoeGeometry(experts=128, experts_per_token=8, expert_intermediate_size=768),
         MoeGeometry(experts=4, experts_per_token=2, expert_intermediate_size=32, dense_layers=(1,)),
