@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm
 
@@ -26,6 +25,7 @@ from exo.worker.engines.torch.model.families.spec import (
     Routing,
     config_scoring,
     standard_attention_and_mlp,
+    widen_tiny_routers,
 )
 
 # Router weights of the tiny model: sigmoid scores compare best where the logits are a few
@@ -52,13 +52,7 @@ def routing(config: PretrainedConfig) -> Routing:
 def draw_tiny_router(model: PreTrainedModel, weight_suffix: str, bias_suffix: str) -> None:
     """Draw the routers' weights `TINY_ROUTER_STD` wide and their correction biases
     `TINY_CORRECTION_BIAS_STD` wide (transformers initializes the biases to zero)."""
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(weight_suffix):
-                parameter.normal_(0.0, TINY_ROUTER_STD)
-        for name, buffer in model.named_buffers():
-            if name.endswith(bias_suffix):
-                buffer.normal_(0.0, TINY_CORRECTION_BIAS_STD)
+    widen_tiny_routers(model, weight_suffix, TINY_ROUTER_STD, bias_suffix, TINY_CORRECTION_BIAS_STD)
 
 
 def tiny_model(settings: dict[str, Any]) -> PreTrainedModel:

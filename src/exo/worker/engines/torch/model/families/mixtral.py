@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from transformers import MixtralConfig, MixtralForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.mixtral.modeling_mixtral import MixtralRMSNorm
 
@@ -22,6 +21,7 @@ from exo.worker.engines.torch.model.families.spec import (
     Routing,
     config_scoring,
     standard_attention_and_mlp,
+    widen_tiny_routers,
 )
 
 
@@ -39,10 +39,7 @@ def tiny_model(settings: dict[str, Any]) -> PreTrainedModel:
     settings give one."""
     defaults: dict[str, Any] = {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2}
     model = MixtralForCausalLM(MixtralConfig(**{**defaults, **settings}))
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                parameter.normal_(0.0, TINY_ROUTER_STD)
+    widen_tiny_routers(model, "mlp.gate.weight", TINY_ROUTER_STD)
     return model
 
 

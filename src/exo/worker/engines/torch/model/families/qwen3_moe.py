@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from transformers import PretrainedConfig, PreTrainedModel, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
@@ -21,6 +20,7 @@ from exo.worker.engines.torch.model.families.spec import (
     Routing,
     attention_windows_from_layer_types,
     standard_attention_and_mlp,
+    widen_tiny_routers,
 )
 
 # The tiny model's router weights are drawn this wide (the hidden rows it scores are
@@ -52,10 +52,7 @@ def tiny_model(settings: dict[str, Any]) -> PreTrainedModel:
         "mlp_only_layers": [1] if int(settings["num_hidden_layers"]) > 1 else [],
     }
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**defaults, **settings}))
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                parameter.normal_(0.0, TINY_ROUTER_STD)
+    widen_tiny_routers(model, "mlp.gate.weight", TINY_ROUTER_STD)
     return model
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -339,6 +340,28 @@ class ModelFamily:
             if expert_linear == self.moe.expert_down:
                 return "row"
         return None
+
+
+def widen_tiny_routers(
+    model: PreTrainedModel,
+    weight_suffix: str,
+    std: float,
+    bias_suffix: str | None = None,
+    bias_std: float = 0.0,
+) -> None:
+    """Draw a tiny test model's router weights (parameters named `...weight_suffix`) `std`
+    wide, and its correction biases (buffers named `...bias_suffix`) `bias_std` wide:
+    transformers' initialization leaves routers near zero, where expert choices are near
+    ties that float rounding could flip; trained routers decide by clear margins."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(weight_suffix):
+                parameter.normal_(0.0, std)
+        if bias_suffix is None:
+            return
+        for name, buffer in model.named_buffers():
+            if name.endswith(bias_suffix):
+                buffer.normal_(0.0, bias_std)
 
 
 def standard_attention_and_mlp() -> tuple[tuple[str, ...], tuple[str, ...]]:
