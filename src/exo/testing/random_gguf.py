@@ -111,15 +111,32 @@ def _permute_rows(array: np.ndarray, heads: int) -> np.ndarray:
     return permuted
 
 
-def _random_q6_k(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """Q6_K blocks (ggml's `block_q6_K`: 128 bytes of low nibbles, 64 of high bit pairs, 16
-    int8 sub-block scales, fp16 `d`) of random values for a `[rows, in]` weight, `d` set so
-    the weights stay below ~0.06 like the Gaussian ones (`in` a multiple of 256)."""
-    rows, columns = shape
-    blocks = rng.integers(0, 256, (rows, columns // 256, 210), dtype=np.uint8)
-    d = np.full((rows, columns // 256, 1), 1.5e-5, dtype=np.float16)
-    blocks[..., 208:210] = d.view(np.uint8)
-    return blocks.reshape(rows, -1)
+_Q4_K_BYTES, _Q6_K_BYTES, _SUPER_BLOCK = 144, 210, 256
+# The Q6_K `d` of `write_random_gguf`'s blocks: weights below ~0.06, like its Gaussian ones.
+_Q6_K_SCALE = 1.5e-5
+
+
+def random_q4_k(shape: tuple[int, ...], rng: np.random.Generator, scale: float) -> np.ndarray:
+    """Q4_K blocks of random nibbles and 6-bit sub-block scales / mins for weights of
+    `shape` (`[..., rows, in]`, `in` a multiple of 256): uint8 `[..., rows, in / 256 * 144]`.
+    `d` is `scale` and `dmin` 7.5 `scale` (the mean of `d sc q` is `d` x 31.5 x 7.5, of
+    `dmin m` `dmin` x 31.5), so the values centre on zero within ~`scale` x 945."""
+    *leading, columns = shape
+    blocks = rng.integers(0, 256, (*leading, columns // _SUPER_BLOCK, _Q4_K_BYTES), np.uint8)
+    blocks[..., 0:2] = np.full(blocks.shape[:-1], scale, np.float16)[..., None].view(np.uint8)
+    dmin = np.full(blocks.shape[:-1], 7.5 * scale, np.float16)
+    blocks[..., 2:4] = dmin[..., None].view(np.uint8)
+    return blocks.reshape(*leading, -1)
+
+
+def random_q6_k(shape: tuple[int, ...], rng: np.random.Generator, scale: float) -> np.ndarray:
+    """Q6_K blocks (random 6-bit values and int8 sub-block scales, fp16 `d` = `scale`) for
+    weights of `shape` (`[rows, in]`, `in` a multiple of 256)."""
+    *leading, columns = shape
+    blocks = rng.integers(0, 256, (*leading, columns // _SUPER_BLOCK, _Q6_K_BYTES), np.uint8)
+    d = np.full(blocks.shape[:-1], scale, np.float16)
+    blocks[..., 208:210] = d[..., None].view(np.uint8)
+    return blocks.reshape(*leading, -1)
 
 
 def write_random_gguf(
@@ -208,7 +225,8 @@ def write_random_gguf(
         type_name = (types or {}).get(kind or "", type_name)
         qtype = gguf.GGMLQuantizationType[type_name]
         if qtype == gguf.GGMLQuantizationType.Q6_K:
-            writer.add_tensor(gguf_name, _random_q6_k(tensor_shape, rng), raw_dtype=qtype)
+            blocks = random_q6_k(tensor_shape, rng, _Q6_K_SCALE)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
         elif qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, weights)
         elif qtype == gguf.GGMLQuantizationType.F16:

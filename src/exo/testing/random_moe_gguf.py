@@ -22,9 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-from exo.testing.random_gguf import _vocabulary  # pyright: ignore[reportPrivateUsage]
+from exo.testing.random_gguf import (  # pyright: ignore[reportPrivateUsage]
+    _vocabulary,
+    random_q4_k,
+    random_q6_k,
+)
 
-_Q4_K_BYTES, _Q6_K_BYTES, _SUPER_BLOCK = 144, 210, 256
 _BOS, _EOS = 1, 2
 _FIRST_FILLER = 3 + 256  # after the specials and the byte symbols (`random_gguf._vocabulary`)
 
@@ -62,29 +65,6 @@ QWEN3_30B_A3B = MoeGgufShape(
     vocab_size=151936,
     context_length=40960,
 )
-
-
-def random_q4_k(shape: tuple[int, ...], rng: np.random.Generator, scale: float) -> np.ndarray:
-    """Q4_K blocks of random nibbles and 6-bit sub-block scales / mins for weights of
-    `shape` (`[..., rows, in]`, `in` a multiple of 256): uint8 `[..., rows, in / 256 * 144]`.
-    `d` is `scale` and `dmin` 7.5 `scale` (the mean of `d sc q` is `d` x 31.5 x 7.5, of
-    `dmin m` `dmin` x 31.5), so the values centre on zero within ~`scale` x 945."""
-    *leading, columns = shape
-    blocks = rng.integers(0, 256, (*leading, columns // _SUPER_BLOCK, _Q4_K_BYTES), np.uint8)
-    blocks[..., 0:2] = np.full(blocks.shape[:-1], scale, np.float16)[..., None].view(np.uint8)
-    dmin = np.full(blocks.shape[:-1], 7.5 * scale, np.float16)
-    blocks[..., 2:4] = dmin[..., None].view(np.uint8)
-    return blocks.reshape(*leading, -1)
-
-
-def random_q6_k(shape: tuple[int, ...], rng: np.random.Generator, scale: float) -> np.ndarray:
-    """Q6_K blocks (random 6-bit values and int8 sub-block scales, fp16 `d` = `scale`) for
-    weights of `shape` (`[rows, in]`, `in` a multiple of 256)."""
-    *leading, columns = shape
-    blocks = rng.integers(0, 256, (*leading, columns // _SUPER_BLOCK, _Q6_K_BYTES), np.uint8)
-    d = np.full(blocks.shape[:-1], scale, np.float16)
-    blocks[..., 208:210] = d[..., None].view(np.uint8)
-    return blocks.reshape(*leading, -1)
 
 
 # A tensor to write: (GGUF name, GGML type name, weights shape `[..., out, in]`).
