@@ -8,7 +8,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 from exo.shared.types.models import ToolCallFormat
 
@@ -74,18 +74,7 @@ TRAILING_CALL_MARKERS: dict[ToolCallFormat, tuple[str, ...]] = {
 TEXT_MARKERS: dict[ToolCallFormat, tuple[str, ...]] = {
     name: tuple(block.open for block in CALL_BLOCKS.get(name, ()))
     + TRAILING_CALL_MARKERS.get(name, ())
-    for name in (
-        "hermes",
-        "llama3_json",
-        "mistral",
-        "harmony",
-        "qwen3_coder",
-        "deepseek_v3",
-        "kimi_k2",
-        "glm45",
-        "minimax_m2",
-        "generic",
-    )
+    for name in get_args(ToolCallFormat)
 }
 
 # Special tokens each format's parser reads, kept when decoding (`decode_keeping_markers`).
