@@ -125,6 +125,7 @@ def save_tiny_checkout(
     config_update: dict[str, Any] | None = None,
     shards: int = 1,
     n_layers: int = 2,
+    **overrides: Any,
 ) -> Path:
     """A tiny random model laid out like a Hub repository: config.json, safetensors weights
     (one file, or `shards` files with `model.safetensors.index.json`), a small word-level
@@ -133,13 +134,17 @@ def save_tiny_checkout(
     Args:
         config_update: fields merged into the saved config.json (e.g. `auto_map`, or another
             `architectures`), as a repository with custom code would have them.
+        overrides: config fields the model is built with (`save_tiny_model`'s), e.g.
+            `tie_word_embeddings=False` for an LM head of its own.
     """
     from safetensors.torch import load_file, save_file
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
 
     vocabulary = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(61)}}
-    save_tiny_model(directory, architecture, None, n_layers=n_layers, vocab_size=len(vocabulary))
+    save_tiny_model(
+        directory, architecture, None, n_layers=n_layers, vocab_size=len(vocabulary), **overrides
+    )
     Tokenizer(WordLevel(vocabulary, unk_token="<unk>")).save(str(directory / "tokenizer.json"))
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"}
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))

@@ -407,11 +407,13 @@ def embedding_bytes(card: ModelCard) -> int:
 def vocab_share(vocab: int, ranks: int) -> int:
     """Rows of the LM head a tensor rank holds (`sharding.split_head_by_vocab`): the
     vocabulary split evenly, rounded up to a multiple of 64 (the int4 layouts pack outputs
-    in 64s); the last rank may hold fewer."""
+    in 64s); the last rank may hold fewer. The whole vocabulary (no split) where a rank
+    would hold none: 64 ids over 2 ranks, 200 over 3."""
     if ranks <= 1:
         return vocab
     per_rank = -(-vocab // ranks)
-    return min(vocab, -(-per_rank // 64) * 64)
+    share = -(-per_rank // 64) * 64
+    return vocab if (ranks - 1) * share >= vocab else share
 
 
 def resident_weight_bytes(

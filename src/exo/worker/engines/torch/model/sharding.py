@@ -41,8 +41,14 @@ class AbsentModule(nn.Module):
 
 def split_head_by_vocab(model: nn.Module, rank: int, world_size: int) -> bool:
     """Keep only this tensor rank's rows of the model's LM head (`VocabParallelHead`);
-    False (the head stays whole) for a head kind this cannot slice by rows, or a float32
-    head tied to the embedding (it costs no memory of its own)."""
+    False (the head stays whole) for a head kind this cannot slice by rows, a float32
+    head tied to the embedding (it costs no memory of its own), or a vocabulary too small
+    for every rank to hold rows (`vocab_share`: 64 ids over 2 ranks in shares of 64 would
+    leave rank 1 none).
+
+    Every rank of the group decides the same way from the same inputs: a rank with a split
+    head all-gathers its logits, so a rank that kept its head whole while another split
+    would leave the ranks one collective out of step."""
     from exo.worker.engines.torch.quant.int4_groups import Int4Linear
     from exo.worker.engines.torch.quant.int4_planes import SplitInt4Linear
     from exo.worker.engines.torch.quant.int8_blocks import ScaledInt8Linear
@@ -59,9 +65,9 @@ def split_head_by_vocab(model: nn.Module, rank: int, world_size: int) -> bool:
     if dense and isinstance(weight, torch.Tensor) and head.weight.data_ptr() == weight.data_ptr():
         return False  # tied to the embedding every rank holds: rows would cost memory
     share = vocab_share(vocab, world_size)  # a multiple of 64: int4 layouts pack outputs in 64s
-    start, end = min(vocab, rank * share), min(vocab, (rank + 1) * share)
-    if end <= start:
+    if share >= vocab:  # some rank would hold no rows
         return False
+    start, end = rank * share, min(vocab, (rank + 1) * share)
     rows = slice(start, end)
     bias = None if head.bias is None else head.bias.detach()[rows].clone()
     local: nn.Module

@@ -26,7 +26,7 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.testing.ports import free_port
-from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
+from exo.testing.tiny_models import ARCHITECTURES, save_tiny_checkout, save_tiny_model
 from exo.worker.engines.torch.engine_factory import load_engine
 from exo.worker.engines.torch.model.direct_forward import LEAN_ENV
 from exo.worker.engines.torch.model.families import family_by_name
@@ -340,12 +340,22 @@ def _three_rank_jobs(tiny_dirs: dict[str, Path], architectures: tuple[str, ...])
 
 
 @pytest.fixture(scope="module")
-def two_rank_results(tiny_dirs: dict[str, Path], real_model_dir: Path) -> dict[str, JobResult]:
+def small_vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama with 64 token ids and an LM head of its own (not tied): the head's
+    vocabulary shares, rounded up to 64 ids, would leave rank 1 of 2 none."""
+    return save_tiny_checkout(tmp_path_factory.mktemp("vocab-64"), tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(
+    tiny_dirs: dict[str, Path], real_model_dir: Path, small_vocab_dir: Path
+) -> dict[str, JobResult]:
     default = tuple(name for name in ARCHITECTURES if name not in SLOW_SPLIT_ARCHITECTURES)
     jobs = _two_rank_jobs(tiny_dirs, default)
     jobs.append(Job("pipeline-real", str(real_model_dir), "pipeline"))
     jobs.append(Job("pipeline-real-int4", str(real_model_dir), "pipeline", weight_dtype="int4"))
     jobs.append(Job("tensor-real", str(real_model_dir), "tensor", expect_load_error=True))
+    jobs.append(Job("tensor-vocab-64", str(small_vocab_dir), "tensor"))
     return run_group(2, jobs)
 
 
@@ -443,6 +453,17 @@ def test_real_model_int4_two_rank_pipeline_equals_single_process(
 ) -> None:
     # Weight-only quantization is per layer, so splitting by layers keeps it identical.
     assert two_rank_results["pipeline-real-int4"].tokens == reference_tokens["real-int4"]
+
+
+def test_tensor_split_of_a_vocabulary_too_small_to_share_keeps_the_ranks_in_step(
+    two_rank_results: dict[str, JobResult], small_vocab_dir: Path
+) -> None:
+    """Every rank keeps the whole LM head when one rank's share would be empty (before,
+    rank 0 split it and all-gathered logits that rank 1 never sent: the group's first step
+    failed with the ranks one collective apart)."""
+    assert two_rank_results["tensor-vocab-64"].tokens == single_process_tokens(
+        small_vocab_dir, (GREEDY,)
+    )
 
 
 def test_real_model_tensor_parallel_names_indivisible_heads(

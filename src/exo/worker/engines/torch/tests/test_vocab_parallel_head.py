@@ -112,3 +112,16 @@ def test_logits_gathered_over_rank_links_are_the_whole_heads(
         gathered = list(pool.map(gather, range(2)))
     for logits in gathered:
         torch.testing.assert_close(logits, whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("vocab", "world_size"), [(64, 2), (200, 3)])
+def test_a_vocabulary_too_small_for_every_rank_stays_whole_on_every_rank(
+    vocab: int, world_size: int
+) -> None:
+    """Shares are multiples of 64 ids: 64 ids over 2 ranks (200 over 3) would leave the
+    last rank none, so no rank splits (one that did would all-gather alone)."""
+    head = nn.Linear(HIDDEN, vocab, bias=False)
+    for rank in range(world_size):
+        model = _Model(head)
+        assert not split_head_by_vocab(model, rank, world_size)
+        assert model.lm_head is head
