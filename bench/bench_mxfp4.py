@@ -1,7 +1,9 @@
 """One gpt-oss-20b expert (gate/up 2880 -> 2 x 2880, down 2880 -> 2880; random weights)
-through `Mxfp4Linear` (MXFP4 held, widened per call, `quant/mxfp4.py`) against the same
-weights as float32 `F.linear`: milliseconds per expert per call for 1 row (decode) and
-32 rows, on one thread, and the bytes each holds.
+through `Mxfp4Linear` (MXFP4 held, `quant/mxfp4.py`) two ways: exo's fused kernel
+(`native/mxfp4.cpp`, the blocks read inside the product) and the weight widened 512 output
+rows at a time then multiplied; against the same weights as float32 `F.linear`:
+milliseconds per expert per call for 1, 4, 32 and 64 rows (decode, and an expert's rows of
+a prompt chunk), on one thread, interleaved per run; and the bytes each holds.
 
 Usage: python bench/bench_mxfp4.py [--threads 1] [--runs 5]
 """
@@ -9,6 +11,7 @@ Usage: python bench/bench_mxfp4.py [--threads 1] [--runs 5]
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -16,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from exo.worker.engines.torch.quant.mxfp4 import Mxfp4Linear, quantize_mxfp4
+from exo.worker.engines.torch.quant.native_kernels import NATIVE_INT4_ENV, native_int4_kernel
 
 HIDDEN = INTERMEDIATE = 2880  # gpt-oss-20b's config.json
 
@@ -28,14 +32,19 @@ def _mxfp4_linear(inputs: int, outputs: int) -> tuple[Mxfp4Linear, torch.Tensor]
     return linear, linear.dequantize()
 
 
-def _milliseconds(function: object, runs: int) -> float:
+def _milliseconds(function: object, runs: int, native: bool) -> float:
+    """Median milliseconds of `function` with exo's fused kernel on or off."""
     assert callable(function)
-    function()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
+    os.environ[NATIVE_INT4_ENV] = "1" if native else "0"
+    try:
         function()
-        times.append(time.perf_counter() - start)
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            function()
+            times.append(time.perf_counter() - start)
+    finally:
+        os.environ.pop(NATIVE_INT4_ENV, None)
     return statistics.median(times) * 1e3
 
 
@@ -47,14 +56,25 @@ def main() -> None:
     torch.set_num_threads(options.threads)
     gate_up, gate_up_float = _mxfp4_linear(HIDDEN, 2 * INTERMEDIATE)
     down, down_float = _mxfp4_linear(INTERMEDIATE, HIDDEN)
-    for rows in (1, 32):
+    fused = native_int4_kernel() is not None
+    state = "built" if fused else "not available here"
+    print(f"fused kernel: {state}; {options.threads} thread(s)")
+    for rows in (1, 4, 32, 64):
         x = torch.randn(rows, HIDDEN)
-        held = _milliseconds(lambda x=x: down(gate_up(x)[:, :INTERMEDIATE]), options.runs)
-        dense = _milliseconds(
-            lambda x=x: F.linear(F.linear(x, gate_up_float)[:, :INTERMEDIATE], down_float),
-            options.runs,
+
+        def expert(x: torch.Tensor = x) -> torch.Tensor:
+            return down(gate_up(x)[:, :INTERMEDIATE])
+
+        def dense(x: torch.Tensor = x) -> torch.Tensor:
+            return F.linear(F.linear(x, gate_up_float)[:, :INTERMEDIATE], down_float)
+
+        native = _milliseconds(expert, options.runs, True) if fused else float("nan")
+        widened = _milliseconds(expert, options.runs, False)
+        float32 = _milliseconds(dense, options.runs, False)
+        print(
+            f"{rows:3d} rows: MXFP4 fused {native:7.2f} ms, MXFP4 widened {widened:7.2f} ms, "
+            f"float32 {float32:7.2f} ms per expert"
         )
-        print(f"{rows:3d} rows: MXFP4 {held:7.2f} ms, float32 {dense:7.2f} ms per expert")
     mxfp4_bytes = sum(p.numel() for p in (*gate_up.parameters(), *down.parameters()))
     float_bytes = 4 * (gate_up_float.numel() + down_float.numel())
     print(f"bytes per expert: MXFP4 {mxfp4_bytes}, float32 {float_bytes}")

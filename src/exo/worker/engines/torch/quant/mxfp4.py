@@ -8,14 +8,16 @@ in the low nibble (the layout of gpt-oss checkpoints and of transformers' `integ
 mxfp4.py`). Blocks `[out, in / 32, 16]` uint8, scales `[out, in / 32]` uint8: 4.25 bits per
 weight.
 
-This first kernel widens the weight of an expert when the expert runs, 512 output rows at a
-time (`mxfp4_linear`: one byte-pair table gather and one scale product, then a dense matmul
-of those rows); only routed experts run, so a step reads the MXFP4 bytes of its routed
-experts only, and no float copy of the experts is kept. It is slower than a float32 matmul
-of the same expert (about 4x at decode on this machine:
-docs/benchmarks/2026-12-04-gpt-oss-mxfp4.md); a fused kernel reading the blocks in the
-product is the next step. Every MXFP4 value is exact in bfloat16 and float32, so a widened
-weight equals the checkpoint's dequantized weight bit for bit.
+`mxfp4_linear` multiplies rows by such a weight without a float copy of it: up to
+`NATIVE_MAX_ROWS` rows (decode, and the few rows an expert gets in a prompt chunk) by exo's
+fused kernel (`native/mxfp4.cpp`: the blocks read inside the product, activations rounded
+to int16 per block of 32 as exo's int4/int8 kernels do, so within ~1e-5 relative of the
+exact product), more rows (or where exo's kernels do not run) by widening the weight 512
+output rows at a time (one byte-pair table gather and one scale product, then a dense
+matmul of those rows; exact). Only routed experts run, so a step reads the MXFP4 bytes of
+its routed experts only. Figures: docs/benchmarks/2026-12-04-gpt-oss-mxfp4.md. Every MXFP4
+value is exact in bfloat16 and float32, so a widened weight equals the checkpoint's
+dequantized weight bit for bit.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from exo.worker.engines.torch.quant.native_kernels import native_int4_kernel
 
 BLOCK = 32  # inputs sharing one scale
 SCALE_BIAS = 127  # e8m0's exponent bias
@@ -54,6 +58,11 @@ _BYTE_PAIR_BITS = _BYTE_PAIRS.to(torch.bfloat16).contiguous().view(torch.int32).
 # their widening and their matmul (8x faster than widening a 5760 x 2880 expert at once on
 # this machine's CPU; figures: docs/benchmarks/2026-12-04-gpt-oss-mxfp4.md).
 WIDEN_ROWS = 512
+# Rows up to which the fused kernel runs: it reads the blocks once per 4 rows and does the
+# products in integers, so its time grows with the rows, while widening costs a fixed
+# ~100 ms per gpt-oss-20b expert before matmuls that are cheap per row: the fused kernel
+# was faster at 32 rows, slower at 64 (docs/benchmarks/2026-12-04-gpt-oss-mxfp4.md).
+NATIVE_MAX_ROWS = 32
 
 
 def dequantize_mxfp4(
@@ -72,8 +81,20 @@ def dequantize_mxfp4(
 
 def mxfp4_linear(rows: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """`rows` `[T, in]` times an MXFP4 weight (`blocks` `[out, in / 32, 16]`, `scales`
-    `[out, in / 32]`) transposed: `[T, out]` in the rows' dtype, widening `WIDEN_ROWS`
-    output rows of the weight at a time (no whole float copy of the weight)."""
+    `[out, in / 32]`) transposed: `[T, out]` in the rows' dtype. exo's fused kernel for
+    float32 rows up to `NATIVE_MAX_ROWS` where it runs (`native_int4_kernel`), else
+    widening `WIDEN_ROWS` output rows of the weight at a time (no whole float copy of the
+    weight)."""
+    if (
+        rows.dtype == torch.float32
+        and rows.shape[0] <= NATIVE_MAX_ROWS
+        and rows.device.type == "cpu"
+        and native_int4_kernel() is not None
+    ):
+        product: torch.Tensor = torch.ops.exo_native.mxfp4_gemv(
+            rows.contiguous(), blocks.contiguous(), scales.contiguous()
+        )
+        return product
     total = blocks.shape[0]
     out = rows.new_empty(rows.shape[0], total)
     for start in range(0, total, WIDEN_ROWS):

@@ -1,7 +1,7 @@
 """exo's own CPU kernels (`native/*.cpp`) for x86 CPUs with AVX2 + FMA: decode products
 for int4 blocks, int8 per channel and bfloat16 weights (`int4_gemv.cpp`), int8 blocks with
 (scale, zero) pairs or symmetric scales per 16 or 32 inputs (`int8_blocks.cpp`), GGUF Q5_0's
-5-bit blocks (`int5_blocks.cpp`),
+5-bit blocks (`int5_blocks.cpp`), MXFP4 blocks read inside the product (`mxfp4.cpp`),
 prefill products (`prefill.cpp`), prefill's gated activation and q/k norm + rotary
 (`prefill_ops.cpp`), a one-pass RMSNorm, and a whole decoder layer's decode step
 (`decode_layer.cpp`, called by `direct_forward.LeanModel` for decode steps, a short prompt
@@ -57,6 +57,7 @@ _SOURCES = tuple(
         "int4_gemv.cpp",
         "int8_blocks.cpp",
         "int5_blocks.cpp",
+        "mxfp4.cpp",
         "decode_layer.cpp",
         "decode_attention.cpp",
         "prefill.cpp",

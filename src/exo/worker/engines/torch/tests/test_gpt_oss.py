@@ -31,7 +31,19 @@ from exo.worker.engines.torch.model.families.gpt_oss import clamped_swiglu
 from exo.worker.engines.torch.model.fused_experts import FusedExperts
 from exo.worker.engines.torch.model.loading import load_model
 from exo.worker.engines.torch.model.moe import routed_experts_of
-from exo.worker.engines.torch.quant.mxfp4 import Mxfp4Linear, dequantize_mxfp4, quantize_mxfp4
+from exo.worker.engines.torch.quant.mxfp4 import (
+    NATIVE_MAX_ROWS,
+    Mxfp4Linear,
+    dequantize_mxfp4,
+    mxfp4_linear,
+    quantize_mxfp4,
+)
+from exo.worker.engines.torch.quant.native_kernels import (
+    NATIVE_INT4_ENV,
+    ROUNDS_ACTIVATIONS,
+    native_int4_kernel,
+    rounded_activations,
+)
 from exo.worker.engines.torch.tests.test_distributed import make_shard
 from exo.worker.engines.torch.tests.test_moe import (
     FLOAT32_TOLERANCE,
@@ -325,12 +337,18 @@ def mxfp4_dir(tmp_path_factory: pytest.TempPathFactory, gpt_oss_dir: Path) -> Pa
 
 
 @pytest.mark.parametrize("path", ["lean", "transformers"])
-def test_mxfp4_experts_equal_transformers_dequantized(mxfp4_dir: Path, path: str) -> None:
-    """The experts held as MXFP4 (uint8 blocks and scales, widened per expert per call)
-    give transformers' logits for the same checkpoint dequantized at load (its own MXFP4
-    reader, `Mxfp4Config(dequantize=True)`) within the float32 tolerance: MXFP4 values are
-    exact in float32, so only the order of float32 operations differs."""
+def test_mxfp4_experts_equal_transformers_dequantized(
+    mxfp4_dir: Path, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The experts held as MXFP4 (uint8 blocks and scales, widened per expert per call:
+    exo's fused kernel, which rounds activations to int16 blocks, is turned off here and
+    checked on its own below) give transformers' logits for the same checkpoint
+    dequantized at load (its own MXFP4 reader, `Mxfp4Config(dequantize=True)`) within the
+    float32 tolerance: MXFP4 values are exact in float32, so only the order of float32
+    operations differs."""
     from transformers.utils.quantization_config import Mxfp4Config
+
+    monkeypatch.setenv(NATIVE_INT4_ENV, "0")
 
     model = _load(mxfp4_dir)
     for layer in model.model.layers:
@@ -377,6 +395,42 @@ def test_mxfp4_expert_rank_holds_only_its_experts(mxfp4_dir: Path) -> None:
         up: Any = experts.held()[3].up_proj
         assert torch.equal(up.blocks, stored[f"{name}_blocks"][3, 1::2])
         assert torch.equal(up.scales, stored[f"{name}_scales"][3, 1::2])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, NATIVE_MAX_ROWS])
+@pytest.mark.parametrize(("outputs", "inputs"), [(7, 96), (64, 64), (130, 2880)])
+def test_fused_mxfp4_kernel_equals_the_product_of_its_rounded_activations(
+    rows: int, outputs: int, inputs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """exo's fused MXFP4 kernel (`native/mxfp4.cpp`, forced on) against the exact product
+    of the dequantized weight: on x86 with AVX2 it rounds the activations to int16 per block
+    of 32 (`rounded_activations`) and sums the products exactly, so it equals the float32
+    product of those rounded rows up to float32 summation order; the portable loop equals
+    the product of the rows themselves. Row counts cover the kernel's register tiles of 4,
+    3, 2 and 1 rows and odd output counts its tiles of output rows."""
+    monkeypatch.setenv(NATIVE_INT4_ENV, "1")
+    if native_int4_kernel() is None:
+        pytest.skip("exo's native kernels could not be built here")
+    generator = torch.Generator().manual_seed(rows * 1000 + outputs)
+    blocks, scales = quantize_mxfp4(torch.randn(outputs, inputs, generator=generator) * 0.02)
+    x = torch.randn(rows, inputs, generator=generator)
+    got = mxfp4_linear(x, blocks, scales)
+    read = rounded_activations(x) if ROUNDS_ACTIVATIONS else x
+    expected = read.double() @ dequantize_mxfp4(blocks, scales).double().T
+    scale = float(expected.abs().max())
+    assert float((got.double() - expected).abs().max()) <= 1e-6 * scale
+    # And within the activations' rounding of the exact product (relative, ~1e-5).
+    exact = x.double() @ dequantize_mxfp4(blocks, scales).double().T
+    assert float((got.double() - exact).abs().max()) <= 1e-4 * scale
+
+
+def test_fused_mxfp4_kernel_names_a_wrong_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(NATIVE_INT4_ENV, "1")
+    if native_int4_kernel() is None:
+        pytest.skip("exo's native kernels could not be built here")
+    blocks, scales = quantize_mxfp4(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="x has 32 inputs, blocks 64"):
+        torch.ops.exo_native.mxfp4_gemv(torch.randn(1, 32), blocks, scales)
 
 
 def test_mxfp4_round_trip() -> None:

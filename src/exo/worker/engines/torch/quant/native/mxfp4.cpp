@@ -1,0 +1,176 @@
+// exo's decode product for MXFP4 weights (gpt-oss's experts, ../mxfp4.py): the blocks are
+// read inside the product, never widened into a float copy of the weight.
+//
+// MXFP4 (OCP Microscaling v1.0): per output row, each block of 32 inputs holds 32 E2M1
+// codes (16 bytes, the even-indexed input in the low nibble) and one e8m0 scale byte s
+// (2 ** (s - 127)). Twice every E2M1 value is an integer in [-12, 12], so a block is
+// w = v * 2 ** (s - 128) with v the int8 "doubled" value: the same shape as the symmetric
+// int8 blocks of int8_blocks.cpp (int8 values, one float scale per 32 inputs), and the same
+// scheme: activations rounded to int16 per block of 32 (block_rows.h), products summed
+// exactly in int32 (|v| <= 12, so a pair of multiply-adds stays far inside int32), one
+// float multiply-add per block and output row. A byte table lookup (`pshufb` on the codes)
+// turns 16 bytes into the block's 32 int8 values in input order.
+//
+// 4.25 bits per weight are read per token, against 32 for the widened float32 weight.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "block_rows.h"
+
+namespace {
+
+using namespace exo_native::block_rows;
+
+constexpr int64_t kBlockBytes = kBlock / 2;
+// Twice each E2M1 value, by 4-bit code (sign bit 3, then exponent and mantissa).
+constexpr int8_t kDoubled[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// The weight of a doubled value of a block with scale byte s: 2 ** (s - 127) / 2, by byte
+// (a table: one libm call per block would cost more than the block's products).
+struct DoubledScales {
+  float by_byte[256];
+  DoubledScales() {
+    for (int s = 0; s < 256; ++s) by_byte[s] = std::ldexp(1.0f, s - 128);
+  }
+};
+const DoubledScales kScales;
+
+inline float doubled_scale(uint8_t s) { return kScales.by_byte[s]; }
+
+#ifdef EXO_AVX2
+// A block's 16 bytes as its 32 doubled values (int8), in input order.
+inline __m256i block_values(const uint8_t* bytes, __m128i table, __m128i nibble) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  const __m128i low = _mm_shuffle_epi8(table, _mm_and_si128(packed, nibble));
+  const __m128i high = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(packed, 4), nibble));
+  // Input 2j is byte j's low nibble, 2j + 1 its high one.
+  return _mm256_set_m128i(_mm_unpackhi_epi8(low, high), _mm_unpacklo_epi8(low, high));
+}
+
+// NR output rows from n, ROWS activation rows (int16 values in even/odd order per block,
+// as `reorder_even_odd` leaves them, and their per-block scales).
+template <int ROWS, int NR>
+void tile_avx2_mxfp4(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* blocks,
+                     const uint8_t* scale_bytes, float* y, int64_t n_total, int64_t n,
+                     float* scales) {
+  const int64_t groups = k / kBlock;
+  for (int i = 0; i < NR; ++i)
+    for (int64_t g = 0; g < groups; ++g)
+      scales[i * groups + g] = doubled_scale(scale_bytes[(n + i) * groups + g]);
+  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kDoubled));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  __m256 acc[NR][ROWS];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < groups; ++b) {
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* block = blocks + ((n + i) * groups + b) * kBlockBytes;
+      prefetch_ahead(block);
+      const __m256i values = block_values(block, table, nibble);
+      const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(values, 8), 8);
+      const __m256i odd = _mm256_srai_epi16(values, 8);
+      const __m256 weight_scale = _mm256_broadcast_ss(scales + i * groups + b);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
+        const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_loadu_si256(xv)),
+                                              _mm256_madd_epi16(odd, _mm256_loadu_si256(xv + 1)));
+        acc[i][r] = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(sums),
+            _mm256_mul_ps(_mm256_broadcast_ss(x_scales + r * groups + b), weight_scale),
+            acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r) y[r * n_total + n + i] = horizontal_sum(acc[i][r]);
+}
+
+template <int ROWS>
+void rows_avx2_mxfp4(const int16_t* xq, const float* xs, int64_t k, const uint8_t* blocks,
+                     const uint8_t* scale_bytes, float* y, int64_t n_total, int64_t n0,
+                     int64_t n1) {
+  constexpr int kTile = int8_tile_rows<ROWS>();
+  std::vector<float> scales(static_cast<size_t>(kTile * (k / kBlock)));
+  int64_t n = n0;
+  for (; n + kTile <= n1; n += kTile)
+    tile_avx2_mxfp4<ROWS, kTile>(xq, xs, k, blocks, scale_bytes, y, n_total, n, scales.data());
+  for (; n < n1; ++n)
+    tile_avx2_mxfp4<ROWS, 1>(xq, xs, k, blocks, scale_bytes, y, n_total, n, scales.data());
+}
+#endif
+
+// y[rows, n] = x[rows, k] W^T for W held as MXFP4 (blocks [n, k / 32, 16], scales [n, k / 32]).
+void mxfp4_product(const float* xp, int64_t rows, int64_t k, const uint8_t* blocks,
+                   const uint8_t* scale_bytes, int64_t n, float* yp) {
+  if (rows == 0 || n == 0) return;
+  const int64_t groups = k / kBlock;
+  const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / std::max<int64_t>(k, 1));
+#ifdef EXO_AVX2
+  thread_local std::vector<int16_t> quantized;
+  thread_local std::vector<float> x_scales, block_sums;
+  quantized.resize(static_cast<size_t>(rows * k));
+  x_scales.resize(static_cast<size_t>(rows * groups));
+  block_sums.resize(static_cast<size_t>(rows * groups));  // unused: no zero term
+  int16_t* xq = quantized.data();
+  float* xs = x_scales.data();
+  quantize_rows(xp, rows, k, kBlock, xq, xs, block_sums.data());
+  reorder_even_odd(xq, rows * k);
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    for_row_groups(rows, [&](auto count, int64_t r) {
+      rows_avx2_mxfp4<decltype(count)::value>(xq + r * k, xs + r * groups, k, blocks,
+                                              scale_bytes, yp + r * n, n, n0, n1);
+    });
+  });
+#else  // exact float32 sums of the widened values
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t o = n0; o < n1; ++o)
+      for (int64_t r = 0; r < rows; ++r) {
+        float total = 0.0f;
+        for (int64_t b = 0; b < groups; ++b) {
+          const uint8_t* block = blocks + (o * groups + b) * kBlockBytes;
+          const float* x = xp + r * k + b * kBlock;
+          float dot = 0.0f;
+          for (int64_t j = 0; j < kBlockBytes; ++j) {
+            dot += static_cast<float>(kDoubled[block[j] & 0x0F]) * x[2 * j];
+            dot += static_cast<float>(kDoubled[block[j] >> 4]) * x[2 * j + 1];
+          }
+          total += doubled_scale(scale_bytes[o * groups + b]) * dot;
+        }
+        yp[r * n + o] = total;
+      }
+  });
+#endif
+}
+
+at::Tensor mxfp4_gemv(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "mxfp4_gemv: x must be a contiguous float32 [rows, in] tensor");
+  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == kBlockBytes &&
+                  blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "mxfp4_gemv: blocks must be a contiguous uint8 [out, in / 32, 16] tensor");
+  const int64_t rows = x.size(0), k = x.size(1), n = blocks.size(0);
+  TORCH_CHECK(blocks.size(1) * kBlock == k, "mxfp4_gemv: x has ", k, " inputs, blocks ",
+              blocks.size(1) * kBlock);
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == n && scales.size(1) == k / kBlock &&
+                  scales.scalar_type() == at::kByte && scales.is_contiguous(),
+              "mxfp4_gemv: scales must be a contiguous uint8 [out, in / 32] tensor");
+  at::Tensor y = at::empty({rows, n}, x.options());
+  mxfp4_product(x.data_ptr<float>(), rows, k, blocks.data_ptr<uint8_t>(),
+                scales.data_ptr<uint8_t>(), n, y.data_ptr<float>());
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(exo_native, m) {
+  m.def("mxfp4_gemv(Tensor x, Tensor blocks, Tensor scales) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(exo_native, CPU, m) { m.impl("mxfp4_gemv", &mxfp4_gemv); }
