@@ -283,8 +283,18 @@ def decoder_layer_bytes(
         total = sum(linear_weight_bytes(i, o, weight_format) for i, o in (*column, *row))
     if card.attention_bias:
         total += (query + 2 * key_value) // ranks * FLOAT32_BYTES
+    if card.latent_attention is not None:
+        # The lean forward's absorbed attention holds kv_b_proj's rows again, as float32
+        # (`direct_forward_mla.LatentAttention`'s key_up / value_up): [heads, nope + v,
+        # kv_lora_rank] per layer (~67 MB a layer for DeepSeek-V3's 128 heads).
+        (latent_in, latent_out) = column[-1]
+        total += latent_in * latent_out * FLOAT32_BYTES
+        latent = card.latent_attention  # and its float32 norms of the low-rank projections
+        total += (latent.kv_lora_rank + (latent.q_lora_rank or 0)) * FLOAT32_BYTES
     if sparse and card.moe is not None:
         total += card.moe.experts * hidden * FLOAT32_BYTES  # the router
+        if card.moe.correction_bias:  # its [experts] e_score_correction_bias
+            total += card.moe.experts * FLOAT32_BYTES
     if has_qk_norms(card):
         total += 2 * card.attention_head_dim * FLOAT32_BYTES
     return total + 2 * hidden * FLOAT32_BYTES

@@ -70,7 +70,22 @@ def moe_geometry_of_config(config: Mapping[str, Any]) -> MoeGeometry | None:
         expert_intermediate_size=width,
         dense_layers=dense,
         shared_expert_intermediate_size=shared,
-        correction_bias=config.get("topk_method") == "noaux_tc",
+        correction_bias=_has_correction_bias(config),
+    )
+
+
+# Model types whose router always holds an `e_score_correction_bias`, whatever
+# `topk_method` says (transformers' DeepseekV3TopkRouter, Glm4MoeTopkRouter,
+# MiniMaxM2SparseMoeBlock).
+_ROUTER_BIAS_MODEL_TYPES = frozenset({"deepseek_v3", "kimi_k2", "glm4_moe", "minimax_m2"})
+
+
+def _has_correction_bias(config: Mapping[str, Any]) -> bool:
+    """Whether each sparse layer's router holds an `[experts]` correction bias: DeepSeek's
+    `topk_method: noaux_tc`, or a model type whose router always has one."""
+    return (
+        config.get("topk_method") == "noaux_tc"
+        or config.get("model_type") in _ROUTER_BIAS_MODEL_TYPES
     )
 
 

@@ -26,6 +26,7 @@ from exo.worker.engines.torch.batching.batch_attention import (
     BatchPlan,
     PrefillSegment,
     forward_batch,
+    lean_step_of,
 )
 from exo.worker.engines.torch.model.families import (
     FAMILIES,
@@ -275,8 +276,11 @@ def non_persistent_buffer_bytes(model: nn.Module) -> int:
 
 @pytest.mark.parametrize(
     ("name", "weight_dtype"),
-    [("llama", "int4"), ("qwen2", "int8"), ("phi3", "int4"), ("qwen3_moe", "int4")],
-)
+    [
+        ("llama", "int4"), ("qwen2", "int8"), ("phi3", "int4"), ("qwen3_moe", "int4"),
+        ("deepseek_v3", "int4"),
+    ],
+)  # fmt: skip
 def test_memory_estimate_is_what_loading_holds(
     name: str, weight_dtype: WeightDtype, tmp_path: Path, real_model_dir: Path
 ) -> None:
@@ -284,7 +288,8 @@ def test_memory_estimate_is_what_loading_holds(
     holds, for a whole model, a pipeline rank and a tensor rank. (Every part of Phi-3's
     fused projections fits int4 here, as in real models; the estimate sizes them by part.
     Qwen3-MoE's layer 0 is sparse, layer 1 dense: the pipeline rank holds the dense one; an
-    expert rank holds its experts only.)"""
+    expert rank holds its experts only. DeepSeek-V3's lean forward also holds kv_b_proj's
+    rows as float32 for its absorbed attention: counted.)"""
     directory = save_tiny_model(
         tmp_path / name, name, real_model_dir, n_layers=2, vocab_size=512, hidden_size=256,
         intermediate_size=256, tie_word_embeddings=False,
@@ -324,4 +329,9 @@ def test_memory_estimate_is_what_loading_holds(
     for shard, share in cases:
         model = load_model(directory, shard, CPU, weight_dtype)
         held = loaded_parameter_bytes(model) - non_persistent_buffer_bytes(model)
+        lean = lean_step_of(model)
+        for layer in getattr(lean, "layers", ()):
+            latent = getattr(layer, "latent", None)
+            if latent is not None:  # MLA's absorbed copies of kv_b_proj
+                held += sum(t.numel() * t.element_size() for t in (latent.key_up, latent.value_up))
         assert held == resident_weight_bytes(card, weight_dtype, share), shard
