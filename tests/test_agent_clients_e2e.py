@@ -10,7 +10,9 @@ default prompts are 10-20k tokens), marked with the engine's test seam so that c
 prompts get chosen replies (`exo.testing.seam`).
 
 The clients are installed by `.ci/run` (`npm install --prefix $EXO_AGENT_CLIENTS`, versions
-pinned in `AGENT_CLIENTS` there); without them the tests are skipped.
+pinned in `AGENT_CLIENTS` there); without them the tests are skipped. Part of the default
+run (about two minutes on a quiet 2-core machine, four under heavy contention): they are
+the acceptance of the agent clients issue.
 """
 
 from __future__ import annotations
@@ -27,8 +29,6 @@ import pytest
 from exo.testing.processes import ExoNode
 from exo.testing.seam import mark_model_dir
 from exo.testing.tiny_models import save_tiny_model
-
-pytestmark = pytest.mark.slow
 
 CLIENTS = Path(os.environ.get("EXO_AGENT_CLIENTS", Path.home() / ".cache" / "exo-agent-clients"))
 BIN = CLIENTS / "node_modules" / ".bin"
