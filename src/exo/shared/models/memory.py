@@ -186,10 +186,12 @@ def decoder_layer_bytes_by_kernel(
     """The linears' bytes of one decoder layer (int4 format) by the kernel that reads
     them (`gguf_kernel`; everything "int4" for a card without `gguf_weight_types`), on
     one tensor rank: the GGUF's types in proportion over the layer's weights, as
-    `decoder_layer_bytes` sizes them. Norms and biases are not included."""
+    `decoder_layer_bytes` sizes them. Norms, biases and MLA's float32 absorbed copies are
+    not included."""
     stored = card.gguf_weight_types
     linears = decoder_layer_bytes(card, "int4", tensor_parallel_ranks, native_kernels)
     linears -= 2 * card.hidden_size * FLOAT32_BYTES
+    linears -= _latent_attention_extra_bytes(card, tensor_parallel_ranks)
     if has_qk_norms(card):
         linears -= 2 * card.attention_head_dim * FLOAT32_BYTES
     if card.attention_bias:
@@ -243,6 +245,20 @@ def _mlp_linears(
     return [(hidden, width), (hidden, width), (width, hidden)]
 
 
+def _latent_attention_extra_bytes(card: ModelCard, ranks: int) -> int:
+    """Bytes an MLA layer holds beyond its linears, on one tensor rank (0 for other
+    attention): the lean forward's absorbed attention holds kv_b_proj's rows again as
+    float32 (`direct_forward_mla.LatentAttention`'s key_up / value_up: [heads, nope + v,
+    kv_lora_rank], ~67 MB a layer for DeepSeek-V3's 128 heads), read every decode step,
+    and the float32 norms of the low-rank projections."""
+    latent = card.latent_attention
+    if latent is None:
+        return 0
+    heads = card.num_attention_heads // ranks
+    absorbed = heads * (latent.qk_nope_head_dim + latent.v_head_dim) * latent.kv_lora_rank
+    return (absorbed + latent.kv_lora_rank + (latent.q_lora_rank or 0)) * FLOAT32_BYTES
+
+
 def decoder_layer_bytes(
     card: ModelCard,
     weight_format: WeightFormat,
@@ -283,14 +299,7 @@ def decoder_layer_bytes(
         total = sum(linear_weight_bytes(i, o, weight_format) for i, o in (*column, *row))
     if card.attention_bias:
         total += (query + 2 * key_value) // ranks * FLOAT32_BYTES
-    if card.latent_attention is not None:
-        # The lean forward's absorbed attention holds kv_b_proj's rows again, as float32
-        # (`direct_forward_mla.LatentAttention`'s key_up / value_up): [heads, nope + v,
-        # kv_lora_rank] per layer (~67 MB a layer for DeepSeek-V3's 128 heads).
-        (latent_in, latent_out) = column[-1]
-        total += latent_in * latent_out * FLOAT32_BYTES
-        latent = card.latent_attention  # and its float32 norms of the low-rank projections
-        total += (latent.kv_lora_rank + (latent.q_lora_rank or 0)) * FLOAT32_BYTES
+    total += _latent_attention_extra_bytes(card, ranks)
     if sparse and card.moe is not None:
         total += card.moe.experts * hidden * FLOAT32_BYTES  # the router
         if card.moe.correction_bias:  # its [experts] e_score_correction_bias
