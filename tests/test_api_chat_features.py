@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
+from exo.worker.engines.torch.batching.scheduler import PREFILL_TOKENS_PER_IDLE_STEP
 
 WEATHER_TOOL = {
     "type": "function",
@@ -173,3 +174,40 @@ def test_cancel_by_response_id(default_node: ExoNode) -> None:
     unknown = httpx.post(f"{default_node.url}/v1/cancel/chatcmpl-{'0' * 32}", timeout=10)
     assert unknown.status_code == 404
     assert unknown.json()["error"]["code"] == "generation_not_found"
+
+
+def test_a_stream_reports_its_prefill_before_the_first_token(default_node: ExoNode) -> None:
+    """A prompt that takes more than one prefill step is reported after each step until
+    its first token: the stream carries those reports as `: prefill {...}` comment lines
+    (what the dashboard's chat shows) before the first token. (The official client skips
+    them: `src/exo/api/tests/test_chat_completions_adapter.py`.)"""
+    long_question = "Summarise this: " + "the cat sat on the mat. " * 90
+    body = {
+        "model": DEFAULT_MODEL_ID,
+        "messages": [{"role": "user", "content": long_question}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream(
+        "POST", f"{default_node.url}/v1/chat/completions", json=body, timeout=120
+    ) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    events = [
+        json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")
+    ]
+    usage = events[-1]["usage"]
+    assert usage["prompt_tokens"] > PREFILL_TOKENS_PER_IDLE_STEP  # two steps at least
+    comments = [line for line in lines if line.startswith(": prefill ")]
+    assert comments, lines[:5]
+    progress = [json.loads(line.removeprefix(": prefill ")) for line in comments]
+    assert {report["prompt_tokens"] for report in progress} == {usage["prompt_tokens"]}
+    assert all(0 <= report["prefilled_tokens"] <= usage["prompt_tokens"] for report in progress)
+    first_token = next(
+        index
+        for index, line in enumerate(lines)
+        if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line
+    )
+    assert lines.index(comments[0]) < first_token

@@ -100,6 +100,16 @@ def test_refusals_name_the_field(default_node: ExoNode) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=DEFAULT_MODEL_ID, prompt="x", n=2)
     assert caught.value.param == "n"
+    # The prompt's logprobs (echo with logprobs) are not computed; usage options on an
+    # answer that does not stream are OpenAI's own 400.
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=DEFAULT_MODEL_ID, prompt="x", echo=True, logprobs=0)
+    assert caught.value.param == "echo"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(
+            model=DEFAULT_MODEL_ID, prompt="x", stream_options={"include_usage": True}
+        )
+    assert caught.value.param == "stream_options"
 
 
 def test_ollama_raw_generate_matches_the_completion(default_node: ExoNode) -> None:
@@ -115,3 +125,14 @@ def test_ollama_raw_generate_matches_the_completion(default_node: ExoNode) -> No
     )
     assert generated.response == completion.choices[0].text
     assert generated.prompt_eval_count == completion.usage.prompt_tokens  # type: ignore[union-attr]
+    # The options listed as no-ops change nothing; sampling exo does not have is a 400.
+    no_ops = {
+        "temperature": 0, "num_predict": 8, "num_thread": 1, "num_batch": 64,
+        "use_mmap": False, "num_keep": 2, "repeat_last_n": -1, "typical_p": 1.0,
+        "mirostat": 0, "penalize_newline": True,
+    }  # fmt: skip
+    again = client.generate(model=DEFAULT_MODEL_ID, prompt=PROMPT, raw=True, options=no_ops)
+    assert again.response == generated.response
+    with pytest.raises(ollama.ResponseError) as raised:
+        client.generate(model=DEFAULT_MODEL_ID, prompt=PROMPT, raw=True, options={"mirostat": 2})
+    assert raised.value.status_code == 400 and "options.mirostat" in raised.value.error

@@ -227,6 +227,7 @@ def _task_params(
     prompt: str | None = None,
 ) -> TextGenerationTaskParams:
     options = request.options or OllamaOptions()
+    _refuse_unsupported_options(options)
     enable_thinking, reasoning_effort = _thinking(request.think)
     if request.top_logprobs and not request.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs: true", "top_logprobs")
@@ -248,7 +249,8 @@ def _task_params(
                 stop=options.stop,
                 presence_penalty=options.presence_penalty,
                 frequency_penalty=options.frequency_penalty,
-                repetition_penalty=options.repeat_penalty,
+                # Ollama's `repeat_last_n: 0` switches the repeat penalty off.
+                repetition_penalty=1.0 if options.repeat_last_n == 0 else options.repeat_penalty,
             ),
             context_tokens=_context_tokens(options.num_ctx),
             tools=tools,
@@ -262,6 +264,35 @@ def _task_params(
         )
     except InvalidRequestError as error:
         raise _in_ollama_terms(error) from None
+
+
+def _refuse_unsupported_options(options: OllamaOptions) -> None:
+    """A 400 naming the first option asking for sampling exo does not do; neutral values
+    (Ollama's "off") pass. The repeat penalty's window is the whole prompt and reply, which
+    is Ollama's `repeat_last_n: -1`; 0 (off) is honoured by the caller.
+
+    Raises:
+        InvalidRequestError: `typical_p` or `tfs_z` below 1, `mirostat` other than 0,
+            `penalize_newline: false`, or a `repeat_last_n` other than -1 or 0.
+    """
+    window = options.repeat_last_n
+    refusals = (
+        (options.typical_p is not None and options.typical_p < 1.0, "typical_p",
+         "locally typical sampling is not supported; leave typical_p at 1 (off)"),
+        (options.tfs_z is not None and options.tfs_z < 1.0, "tfs_z",
+         "tail-free sampling is not supported; leave tfs_z at 1 (off)"),
+        (options.mirostat not in (None, 0), "mirostat",
+         "mirostat sampling is not supported; use mirostat 0 (off) with temperature, "
+         "top_k, top_p or min_p"),
+        (options.penalize_newline is False, "penalize_newline",
+         "newlines are penalized like every other token; leave penalize_newline out"),
+        (window not in (None, -1, 0), "repeat_last_n",
+         f"a repeat penalty window of {window} tokens is not supported: repeat_penalty "
+         "looks back over the whole prompt and reply (repeat_last_n -1) or is off (0)"),
+    )  # fmt: skip
+    for refused, name, message in refusals:
+        if refused:
+            raise InvalidRequestError(f"options.{name}: {message}", f"options.{name}")
 
 
 def _in_ollama_terms(error: InvalidRequestError) -> InvalidRequestError:

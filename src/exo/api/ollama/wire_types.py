@@ -86,9 +86,19 @@ class OllamaNamedToolChoice(_WireRequestModel):
 
 
 class OllamaOptions(_WireRequestModel):
-    """The Modelfile parameters a request may set. Ones not named here (`typical_p`,
-    `mirostat`, `num_thread`, ...) are accepted and ignored. `num_ctx` bounds prompt and
-    reply together, below the model's own context (`TextGenerationTaskParams.context_tokens`)."""
+    """The Modelfile parameters a request may set: every option the `ollama` client
+    declares (ollama-python 0.6 `Options`). `num_ctx` bounds prompt and reply together,
+    below the model's own context (`TextGenerationTaskParams.context_tokens`).
+
+    What each does here (`exo.api.ollama.request._sampling_options`): the sampling
+    options and `num_predict` reach the engine; `repeat_last_n` -1 is exo's window (the
+    whole context), 0 turns `repeat_penalty` off, any other window is refused; sampling
+    methods exo does not have (`typical_p` below 1, `tfs_z` below 1, `mirostat` 1 or 2,
+    `penalize_newline: false`) are refused; `mirostat_tau` / `mirostat_eta` (read only by
+    mirostat), `num_keep` (exo never shifts the context) and the load-time options
+    (threads, GPUs, batch size, memory mapping: placement and the engine decide) are
+    accepted and change nothing (README, "Accepted and ignored").
+    """
 
     temperature: float | None = None
     top_p: float | None = None
@@ -101,6 +111,27 @@ class OllamaOptions(_WireRequestModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     num_ctx: int | None = None
+    repeat_last_n: int | None = None
+    typical_p: float | None = None
+    tfs_z: float | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    penalize_newline: bool | None = None
+    num_keep: int | None = None
+    # Load-time options: compatibility no-ops (README, "Accepted and ignored").
+    numa: bool | None = None
+    num_batch: int | None = None
+    num_gpu: int | None = None
+    main_gpu: int | None = None
+    low_vram: bool | None = None
+    f16_kv: bool | None = None
+    logits_all: bool | None = None
+    vocab_only: bool | None = None
+    use_mmap: bool | None = None
+    use_mlock: bool | None = None
+    embedding_only: bool | None = None
+    num_thread: int | None = None
 
 
 class _GenerationRequest(_WireRequestModel):

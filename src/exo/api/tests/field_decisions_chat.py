@@ -223,6 +223,12 @@ def chat_effects() -> list[Decision]:
                 event.get("usage") and not event.get("choices") for event in answer["events"]
             ),
         ),
+        Refused(
+            fields("ChatCompletionRequest.stream_options"),
+            CHAT,
+            {"stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
         Refused(fields("ChatCompletionRequest.n"), CHAT, {"n": 2}, "n"),
         Effect(
             fields(

@@ -64,6 +64,18 @@ def completions_effects() -> list[Decision]:
                 event.get("usage") and not event.get("choices") for event in answer["events"]
             ),
         ),
+        Refused(
+            fields("CompletionRequest.stream_options"),
+            COMPLETIONS,
+            {"stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+        Refused(
+            fields("CompletionRequest.echo", "CompletionRequest.logprobs"),
+            COMPLETIONS,
+            {"echo": True, "logprobs": 0},
+            "echo",
+        ),
         Effect(
             fields("CompletionRequest.logprobs"),
             COMPLETIONS,

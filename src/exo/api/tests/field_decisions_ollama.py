@@ -182,6 +182,69 @@ def ollama_effects() -> list[Decision]:
             lambda p: p.context_tokens == 2048,
         ),
         Effect(
+            fields("OllamaOptions.repeat_last_n"),
+            OLLAMA_GENERATE,
+            {"options": {**options, "repeat_penalty": 1.3, "repeat_last_n": 0}},
+            lambda p: p.repetition_penalty == 1.0,
+        ),
+        NoOp(
+            fields("OllamaOptions.repeat_last_n"),
+            OLLAMA_GENERATE,
+            {"options": {**options, "repeat_penalty": 1.3, "repeat_last_n": -1}},
+            "`repeat_last_n` -1",
+            {"options": {**options, "repeat_penalty": 1.3}},
+        ),
+        Refused(
+            fields("OllamaOptions.repeat_last_n"),
+            OLLAMA_GENERATE,
+            {"options": {**options, "repeat_last_n": 64}},
+            "options.repeat_last_n",
+        ),
+        *(
+            Refused(
+                fields(f"OllamaOptions.{name}"),
+                OLLAMA_GENERATE,
+                {"options": {**options, name: value}},
+                f"options.{name}",
+            )
+            for name, value in (
+                ("typical_p", 0.7),
+                ("tfs_z", 0.9),
+                ("mirostat", 2),
+                ("penalize_newline", False),
+            )
+        ),
+        *(
+            NoOp(
+                fields(f"OllamaOptions.{name}"),
+                OLLAMA_GENERATE,
+                {"options": {**options, name: value}},
+                f"`{name}`",
+                {"options": options},
+            )
+            for name, value in (
+                ("typical_p", 1.0),
+                ("tfs_z", 1.0),
+                ("mirostat", 0),
+                ("mirostat_tau", 4.0),
+                ("mirostat_eta", 0.2),
+                ("penalize_newline", True),
+                ("num_keep", 5),
+                ("numa", True),
+                ("num_batch", 256),
+                ("num_gpu", 1),
+                ("main_gpu", 0),
+                ("low_vram", True),
+                ("f16_kv", True),
+                ("logits_all", True),
+                ("vocab_only", False),
+                ("use_mmap", False),
+                ("use_mlock", True),
+                ("embedding_only", False),
+                ("num_thread", 2),
+            )
+        ),
+        Effect(
             fields("OllamaGenerateRequest.prompt"),
             OLLAMA_GENERATE,
             {"prompt": "Tell me"},

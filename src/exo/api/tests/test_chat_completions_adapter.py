@@ -41,6 +41,7 @@ from exo.shared.types.chunks import (
     Chunk,
     ErrorChunk,
     FinishReason,
+    PrefillProgressChunk,
     TokenChunk,
     TokenLogprob,
     ToolCallChunk,
@@ -102,6 +103,16 @@ def finish(
 
 def error_chunk(message: str = "runner crashed") -> ErrorChunk:
     return ErrorChunk(command_id=COMMAND_ID, model=ModelId(MODEL), error_message=message)
+
+
+def prefill(prefilled_tokens: int, prompt_tokens: int = 2048) -> PrefillProgressChunk:
+    return PrefillProgressChunk(
+        command_id=COMMAND_ID,
+        model=ModelId(MODEL),
+        prompt_tokens=prompt_tokens,
+        cached_tokens=256,
+        prefilled_tokens=prefilled_tokens,
+    )
 
 
 async def stream_events(
@@ -907,6 +918,7 @@ def test_validation_errors_name_the_parameter() -> None:
 SCRIPTED_CHUNKS: dict[str, list[Chunk]] = {
     "hello": [token("Hel"), token("lo"), token(""), finish(" world", prompt_tokens=7)],
     "crash": [token("partial"), error_chunk("runner crashed")],
+    "long prompt": [prefill(256), prefill(1024), prefill(2048), token("Hi"), finish()],
     "tools": [
         reasoning("hmm"),
         calls(("get_weather", '{"city": "Paris"}'), finish_reason="tool_calls"),
@@ -1004,6 +1016,36 @@ def test_openai_client_non_streaming(client: openai.OpenAI) -> None:
     assert completion.usage is not None
     assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (7, 3)
     assert completion.usage.total_tokens == 10
+
+
+@pytest.mark.anyio
+async def test_prefill_progress_is_a_comment_line_before_the_first_token() -> None:
+    chunks: list[Chunk] = [prefill(256), prefill(1024), token("Hi"), prefill(2048), finish()]
+    lines = [
+        line
+        async for line in stream_chat_completion(
+            ChunkSource(chunks), completion_id="chatcmpl-1", model=MODEL, created=1700,
+            include_usage=False, params=None,
+        )
+    ]  # fmt: skip
+    comments = [line for line in lines if line.startswith(":")]
+    first_token = next(index for index, line in enumerate(lines) if '"content":"Hi"' in line)
+    assert lines[1:3] == comments[:2]  # after the opening role chunk, before the token
+    assert first_token == 3
+    assert [json.loads(line.removeprefix(": prefill ")) for line in comments] == [
+        {"prompt_tokens": 2048, "cached_tokens": 256, "prefilled_tokens": done}
+        for done in (256, 1024, 2048)
+    ]
+    assert all(line.endswith("\n\n") and line.count("\n") == 2 for line in comments)
+    data = [line for line in lines if line.startswith("data: ")]
+    assert len(data) + len(comments) == len(lines)
+
+
+def test_openai_client_skips_prefill_progress(client: openai.OpenAI) -> None:
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=user_says("long prompt"), stream=True)
+    )
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == "Hi"
 
 
 def test_openai_client_streaming_with_usage(client: openai.OpenAI) -> None:

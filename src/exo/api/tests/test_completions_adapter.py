@@ -442,6 +442,18 @@ def test_openai_client_gets_the_refusals(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="suffix") as caught:
         client.completions.create(model=GEMMA, prompt="def f(", suffix="return 1")
     assert caught.value.param == "suffix"
+    # OpenAI's own 400s, with its parameter names: usage options on an unstreamed answer,
+    # and the prompt's log probabilities (echo with logprobs), which exo does not compute.
+    refused: list[tuple[dict[str, Any], str]] = [
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"n": 2}, "n"),
+        ({"best_of": 3}, "best_of"),
+    ]
+    for fields, param in refused:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=GEMMA, prompt="x", **fields)
+        assert caught.value.param == param and caught.value.status_code == 400
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no/such-model", prompt="x")
 

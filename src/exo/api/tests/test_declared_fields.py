@@ -34,6 +34,8 @@ from pydantic import BaseModel
 from exo.api.app import ROUTE_MODULES, create_app
 from exo.api.claude_messages.request import count_tokens_params
 from exo.api.claude_messages.wire_types import CountTokensRequest
+from exo.api.ollama.wire_types import OllamaGenerateRequest, OllamaOptions
+from exo.api.openai_completions.wire_types import CompletionRequest
 from exo.api.serving.cluster_client import ClusterClient
 from exo.api.tests.field_decisions import (
     BASE_BODIES,
@@ -263,3 +265,38 @@ def test_unknown_fields_are_ignored_and_logged_at_debug_level(
     assert params == params_for(app, CHAT, BASE_BODIES[CHAT])
     assert any("of ChatCompletionRequest: prediction" in message for message in messages)
     assert any("of UserMessage: x_trace" in message for message in messages)
+
+
+# ---------------------------------------------------------------- the docs' field tables
+
+COMPATIBILITY = README.parent / "docs" / "compatibility.md"
+
+
+def _table_section(title: str) -> str:
+    text = COMPATIBILITY.read_text(encoding="utf-8")
+    start = text.index(f"### {title}")
+    end = text.find("\n#", start + 1)
+    return text[start : end if end >= 0 else None]
+
+
+@pytest.mark.parametrize(
+    ("title", "models"),
+    [
+        ("Completions (`POST /v1/completions`)", (CompletionRequest,)),
+        ("Ollama generate (`POST /api/generate`", (OllamaGenerateRequest, OllamaOptions)),
+    ],
+)
+def test_every_declared_field_has_a_row_in_the_docs(
+    title: str, models: tuple[type[BaseModel], ...]
+) -> None:
+    """docs/compatibility.md's table of a route names every field its request declares
+    (an option by its own name in the `options.` rows)."""
+    section = _table_section(title)
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    missing = [
+        f"{model.__name__}.{name}"
+        for model in models
+        for name in model.model_fields
+        if not any(f"`{name}`" in row or f"`options.{name}`" in row for row in rows)
+    ]
+    assert missing == []

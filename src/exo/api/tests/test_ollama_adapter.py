@@ -248,7 +248,8 @@ def test_options_map_to_internal_fields() -> None:
         "presence_penalty": 0.5,
         "frequency_penalty": -0.5,
         "num_ctx": 4096,  # the request's context window
-        "mirostat": 2,  # unknown to us: ignored
+        "mirostat": 0,  # off: accepted
+        "num_thread": 4,  # a load-time option: accepted, placement decides
     }
     params = chat_to_task_params(chat_request(options=options, stream=False), ModelId(MODEL))
     assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.5, 0.8, 20, 0.05)
@@ -260,6 +261,34 @@ def test_options_map_to_internal_fields() -> None:
     )
     assert params.stream is False
     assert params.context_tokens == 4096
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("typical_p", 0.9),
+        ("tfs_z", 0.95),
+        ("mirostat", 1),
+        ("penalize_newline", False),
+        ("repeat_last_n", 64),
+        ("repeat_last_n", -2),
+    ],
+)
+def test_sampling_options_exo_does_not_have_are_refused_by_name(option: str, value: Any) -> None:
+    with pytest.raises(InvalidRequestError) as raised:
+        chat_to_task_params(chat_request(options={option: value}), ModelId(MODEL))
+    assert raised.value.param == f"options.{option}"
+    assert raised.value.message.startswith(f"options.{option}: ")
+
+
+def test_repeat_last_n_zero_turns_the_repeat_penalty_off() -> None:
+    on = chat_to_task_params(
+        chat_request(options={"repeat_penalty": 1.3, "repeat_last_n": -1}), ModelId(MODEL)
+    )
+    off = chat_to_task_params(
+        chat_request(options={"repeat_penalty": 1.3, "repeat_last_n": 0}), ModelId(MODEL)
+    )
+    assert (on.repetition_penalty, off.repetition_penalty) == (1.3, 1.0)
 
 
 @pytest.mark.parametrize("num_predict", [-1, -2, 0])
@@ -825,6 +854,31 @@ def test_client_generate_list_show_ps(client: ollama.Client, cluster: ScriptedCl
     running = client.ps()
     assert [m.model for m in running.models] == [SMOLLM2]
     assert running.models[0].size_vram == 0
+
+
+def test_client_generate_with_every_option_the_client_declares(
+    client: ollama.Client, cluster: ScriptedCluster
+) -> None:
+    """The `ollama` client's `Options` in full: each has its effect, is accepted as a
+    documented no-op (neutral values, load-time options), or is a 400 naming it."""
+    accepted = ollama.Options(
+        numa=False, num_ctx=2048, num_batch=512, num_gpu=0, main_gpu=0, low_vram=False,
+        f16_kv=True, logits_all=False, vocab_only=False, use_mmap=True, use_mlock=False,
+        embedding_only=False, num_thread=2, num_keep=4, seed=7, num_predict=5, top_k=20,
+        top_p=0.9, tfs_z=1.0, typical_p=1.0, repeat_last_n=-1, temperature=0.2,
+        repeat_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.2, mirostat=0,
+        mirostat_tau=5.0, mirostat_eta=0.1, penalize_newline=True, stop=["END"],
+    )  # fmt: skip
+    generated = client.generate(model=SMOLLM2, prompt="hi", options=accepted)
+    assert generated.response == "Paris"
+    params = cluster.submitted[-1].params
+    assert (params.context_tokens, params.seed, params.max_tokens, params.top_k) == (2048, 7, 5, 20)
+    assert (params.repetition_penalty, params.stop) == (1.1, ("END",))
+    for refused in ({"mirostat": 2}, {"typical_p": 0.5}, {"repeat_last_n": 64}):
+        with pytest.raises(ollama.ResponseError) as raised:
+            client.generate(model=SMOLLM2, prompt="hi", options=ollama.Options(**refused))
+        (name,) = refused
+        assert raised.value.status_code == 400 and f"options.{name}" in raised.value.error
 
 
 def test_client_errors(client: ollama.Client, cluster: ScriptedCluster, server: Any) -> None:

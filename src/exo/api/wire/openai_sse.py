@@ -19,10 +19,19 @@ from typing import Generic, TypeVar, assert_never
 from pydantic import BaseModel
 
 from exo.api.wire.errors import ApiError, openai_error_body_for
-from exo.api.wire.stream import Failed, Finished, Text, ToolCalls, generation_events
+from exo.api.wire.stream import (
+    Failed,
+    Finished,
+    Prefilling,
+    Text,
+    ToolCalls,
+    generation_events,
+)
 from exo.shared.types.chunks import Chunk, Usage
 
 SSE_DONE = "data: [DONE]\n\n"
+PREFILL_COMMENT = ": prefill "
+"""How a prefill-progress comment line begins (`prefill_progress_comment`)."""
 ChoiceT = TypeVar("ChoiceT")
 
 
@@ -36,6 +45,18 @@ def openai_chunk_event(chunk: BaseModel, include_usage: bool) -> str:
     only when usage was asked for (`stream_options.include_usage`)."""
     excluded = {"system_fingerprint"} if include_usage else {"system_fingerprint", "usage"}
     return openai_sse(chunk.model_dump_json(exclude=excluded))
+
+
+def prefill_progress_comment(progress: Prefilling) -> str:
+    """A long prompt's prefill progress as an SSE comment line, which every SSE parser
+    (the `openai` SDKs included) skips and the dashboard's chat reads:
+    `: prefill {"prompt_tokens": P, "cached_tokens": C, "prefilled_tokens": D}`."""
+    fields = {
+        "prompt_tokens": progress.prompt_tokens,
+        "cached_tokens": progress.cached_tokens,
+        "prefilled_tokens": progress.prefilled_tokens,
+    }
+    return f"{PREFILL_COMMENT}{json.dumps(fields)}\n\n"
 
 
 def openai_error_events(error: ApiError) -> tuple[str, str]:
@@ -92,11 +113,16 @@ class OpenAIChunkStream(Generic[ChoiceT]):
         """The whole stream: the `opening` events, the events `render` makes of each text
         and tool-call piece of `chunks` (read through `generation_events`, a 400 blaming
         `conversation_param`), then the chunk of `finish_choice(finished)`, the usage
-        chunk and `[DONE]`, or the error event and `[DONE]`."""
+        chunk and `[DONE]`, or the error event and `[DONE]`. Before the first piece, each
+        prefill-progress report of the runner is a comment line
+        (`prefill_progress_comment`)."""
         for line in opening:
             yield line
-        async for piece in generation_events(chunks, conversation_param=conversation_param):
+        pieces = generation_events(chunks, conversation_param=conversation_param, progress=True)
+        async for piece in pieces:
             match piece:
+                case Prefilling():
+                    yield prefill_progress_comment(piece)
                 case Text() | ToolCalls():
                     for line in render(piece):
                         yield line

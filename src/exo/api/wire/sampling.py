@@ -64,7 +64,17 @@ def openai_sampling_fields(
 ) -> dict[str, Any]:
     """`sampling_fields` of the two OpenAI-shaped requests, whose sampling fields they
     share (`OpenAIGenerationRequest`, vLLM's `top_k`, `min_p` and `repetition_penalty`
-    included); `max_tokens` as the dialect reads it."""
+    included); `max_tokens` as the dialect reads it.
+
+    Raises:
+        InvalidRequestError: `stream_options` on a request that does not stream (OpenAI
+            answers it with this 400 and wording rather than ignoring it).
+    """
+    if request.stream_options is not None and not request.stream:
+        raise InvalidRequestError(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            "stream_options",
+        )
     shared = {name: getattr(request, name) for name in _OPENAI_SAMPLING_FIELDS}
     return sampling_fields(max_tokens=max_tokens, top_k=vllm_top_k(request.top_k), **shared)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Literal, assert_never
+from typing import Literal, assert_never, overload
 
 from exo.api.wire.errors import ApiError, GenerationError, InvalidRequestError, NoCapacityError
 from exo.shared.types.chunks import (
@@ -90,9 +90,44 @@ class Failed:
 GenerationEvent = Text | ToolCalls | Finished | Failed
 
 
+@dataclass(frozen=True, slots=True)
+class Prefilling:
+    """One `PrefillProgressChunk`, for a dialect that shows prefill progress
+    (`generation_events(progress=True)`): the prompt's tokens, how many came from the
+    prefix cache, and how many are prefilled so far (the cached ones included)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    prefilled_tokens: int
+
+
+@overload
+def generation_events(
+    chunks: AsyncIterator[Chunk],
+    *,
+    conversation_param: str | None,
+    fail_unfinished: bool = True,
+    progress: Literal[False] = False,
+) -> AsyncIterator[GenerationEvent]: ...
+
+
+@overload
+def generation_events(
+    chunks: AsyncIterator[Chunk],
+    *,
+    conversation_param: str | None,
+    fail_unfinished: bool = True,
+    progress: Literal[True],
+) -> AsyncIterator[GenerationEvent | Prefilling]: ...
+
+
 async def generation_events(
-    chunks: AsyncIterator[Chunk], *, conversation_param: str | None, fail_unfinished: bool = True
-) -> AsyncIterator[GenerationEvent]:
+    chunks: AsyncIterator[Chunk],
+    *,
+    conversation_param: str | None,
+    fail_unfinished: bool = True,
+    progress: bool = False,
+) -> AsyncIterator[GenerationEvent | Prefilling]:
     """One event per chunk (`Text` or `ToolCalls`), then `Finished` after the chunk that
     sets a finish reason; `Failed` in place of the rest on failure.
 
@@ -103,6 +138,9 @@ async def generation_events(
         fail_unfinished: A finish reason of "error" or "cancelled" is a `Failed` (the
             dialect has no value for it, and a normal finish would make a truncated answer
             look complete); False: a `Finished` like any other.
+        progress: A `Prefilling` event per `PrefillProgressChunk` (the runner's reports
+            while a prompt is prefilled, at most one a second, until the first token);
+            False: those chunks make no event.
     """
     counted_completion_tokens = 0
     async for chunk in chunks:
@@ -119,7 +157,12 @@ async def generation_events(
                 yield Failed(error_chunk_error(chunk, conversation_param))
                 return
             case PrefillProgressChunk():
-                continue  # no output: read by `/metrics` and as a stream opens
+                # Read by `/metrics` and as a stream opens; shown only where asked for.
+                if progress:
+                    yield Prefilling(
+                        chunk.prompt_tokens, chunk.cached_tokens, chunk.prefilled_tokens
+                    )
+                continue
             case _:
                 assert_never(chunk)
         reason = chunk.finish_reason

@@ -66,5 +66,21 @@ export function fillAssistant(bubble, message) {
   renderMarkdown(answer, separated.answer);
   bubble.append(answer);
   if (message.error) bubble.append(el("div", { class: "error-text", role: "alert", text: message.error }));
-  if (message.streaming && !message.content && !message.reasoning) answer.textContent = "…";
+  if (message.streaming && !message.content && !message.reasoning) {
+    if (message.prefill) answer.replaceChildren(prefillView(message.prefill));
+    else answer.textContent = "…";
+  }
+}
+
+/** A long prompt's prefill while the first token is awaited: tokens done of the prompt's
+ * (prefix-cached ones counted as done) and a bar. */
+export function prefillView({ prompt, cached, done }) {
+  const percent = Math.floor((100 * done) / prompt);
+  const cachedText = cached ? `, ${cached.toLocaleString("en-US")} cached` : "";
+  return el(
+    "div",
+    { class: "prefill-progress", role: "status" },
+    el("span", { class: "prefill-text", text: `Reading the prompt: ${done.toLocaleString("en-US")} / ${prompt.toLocaleString("en-US")} tokens${cachedText} (${percent} %)` }),
+    el("progress", { class: "prefill-bar", max: String(prompt), value: String(done), "aria-label": "Prompt prefill progress" }),
+  );
 }

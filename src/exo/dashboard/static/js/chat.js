@@ -283,7 +283,7 @@ export function mountChat(section) {
     setRunning({ controller, id: null, conversationId: conversation.id });
     let frame = 0;
     const update = (result) => {
-      Object.assign(message, { content: result.content, reasoning: result.reasoning, toolCalls: result.toolCalls });
+      Object.assign(message, { content: result.content, reasoning: result.reasoning, toolCalls: result.toolCalls, prefill: result.prefill });
       message.stats = { ttftMs: result.ttftMs, tokensPerSecond: result.tokensPerSecond, completionTokens: result.usage?.completion_tokens, finishReason: result.finishReason };
       if (frame) return;
       frame = requestAnimationFrame(() => {
@@ -308,6 +308,7 @@ export function mountChat(section) {
     } finally {
       cancelAnimationFrame(frame);
       message.streaming = false;
+      delete message.prefill;
       setRunning(null);
       if (active?.id === conversation.id) renderMessages();
       persist();

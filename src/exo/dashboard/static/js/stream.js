@@ -1,6 +1,7 @@
 // One streamed Chat Completions request: fetch + ReadableStream over the SSE body,
-// accumulating content, reasoning (`reasoning_content`), tool calls and usage, and timing
-// time to first token (TTFT) and decode speed.
+// accumulating content, reasoning (`reasoning_content`), tool calls and usage, timing
+// time to first token (TTFT) and decode speed, and following a long prompt's prefill
+// (the node's `: prefill {...}` comment lines before the first token).
 
 import { apiFetch, errorMessage } from "./api.js";
 
@@ -12,8 +13,28 @@ export function splitThinking(content) {
   return { thinking: match[1].trim(), answer: match[3].replace(/^\s+/, "") };
 }
 
-/** Yields the `data:` payloads of an SSE body. */
-async function* sseData(body) {
+const PREFILL_COMMENT = "prefill ";
+
+/** The prefill progress a comment line's text (after its `:`) reports, or null:
+ * `{prompt, cached, done}` in tokens, from the node's
+ * `: prefill {"prompt_tokens", "cached_tokens", "prefilled_tokens"}` lines. */
+export function prefillProgress(comment) {
+  const text = comment.replace(/^ /, "");
+  if (!text.startsWith(PREFILL_COMMENT)) return null;
+  try {
+    const fields = JSON.parse(text.slice(PREFILL_COMMENT.length));
+    const prompt = Number(fields.prompt_tokens);
+    const done = Number(fields.prefilled_tokens);
+    if (!Number.isFinite(prompt) || !Number.isFinite(done) || prompt <= 0) return null;
+    return { prompt, cached: Number(fields.cached_tokens) || 0, done: Math.min(done, prompt) };
+  } catch {
+    return null;
+  }
+}
+
+/** Yields each SSE event of a body as `{data}` (its `data:` lines joined) and each
+ * comment line as `{comment}` (the text after its `:`). */
+async function* sseEvents(body) {
   const reader = body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
   for (;;) {
@@ -24,12 +45,15 @@ async function* sseData(body) {
     while ((end = buffer.search(/\r?\n\r?\n/)) >= 0) {
       const block = buffer.slice(0, end);
       buffer = buffer.slice(end).replace(/^\r?\n\r?\n/, "");
-      const data = block
-        .split(/\r?\n/)
+      const lines = block.split(/\r?\n/);
+      for (const line of lines) {
+        if (line.startsWith(":")) yield { comment: line.slice(1) };
+      }
+      const data = lines
         .filter((line) => line.startsWith("data:"))
         .map((line) => line.slice(5).replace(/^ /, ""))
         .join("\n");
-      if (data) yield data;
+      if (data) yield { data };
     }
   }
 }
@@ -37,8 +61,9 @@ async function* sseData(body) {
 /**
  * Sends `body` (stream forced on) and calls `onUpdate(result)` as chunks arrive.
  * result: {id, content, reasoning, toolCalls: [{id, name, arguments}], usage, finishReason,
- * ttftMs, tokensPerSecond}. Throws on an HTTP error (the message of the error body) and
- * lets an AbortError through when `signal` aborts.
+ * ttftMs, tokensPerSecond, prefill}; `prefill` is the prompt's prefill progress
+ * (`prefillProgress`) until the first token, then null. Throws on an HTTP error (the
+ * message of the error body) and lets an AbortError through when `signal` aborts.
  */
 export async function streamChat(body, { signal, onUpdate, onId }) {
   const started = performance.now();
@@ -58,11 +83,20 @@ export async function streamChat(body, { signal, onUpdate, onId }) {
     finishReason: null,
     ttftMs: null,
     tokensPerSecond: null,
+    prefill: null,
   };
   let firstAt = null;
   let lastAt = null;
   let pieces = 0;
-  for await (const data of sseData(response.body)) {
+  for await (const { data, comment } of sseEvents(response.body)) {
+    if (comment !== undefined) {
+      const progress = firstAt === null ? prefillProgress(comment) : null;
+      if (progress) {
+        result.prefill = progress;
+        onUpdate?.(result);
+      }
+      continue;
+    }
     if (data === "[DONE]") break;
     const chunk = JSON.parse(data);
     if (chunk.error) throw new Error(chunk.error.message || JSON.stringify(chunk.error));
@@ -87,6 +121,7 @@ export async function streamChat(body, { signal, onUpdate, onId }) {
         const now = performance.now();
         firstAt ??= now;
         lastAt = now;
+        result.prefill = null;
         pieces += 1;
         result.ttftMs = firstAt - started;
       }
