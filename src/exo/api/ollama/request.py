@@ -252,6 +252,12 @@ def _task_params(
                 # Ollama's `repeat_last_n: 0` switches the repeat penalty off.
                 repetition_penalty=1.0 if options.repeat_last_n == 0 else options.repeat_penalty,
             ),
+            # Its window: the last N tokens; -1 (and unset) the whole context.
+            repetition_window=(
+                options.repeat_last_n
+                if options.repeat_last_n is not None and options.repeat_last_n > 0
+                else None
+            ),
             context_tokens=_context_tokens(options.num_ctx),
             tools=tools,
             tool_choice=tool_choice,
@@ -268,12 +274,12 @@ def _task_params(
 
 def _refuse_unsupported_options(options: OllamaOptions) -> None:
     """A 400 naming the first option asking for sampling exo does not do; neutral values
-    (Ollama's "off") pass. The repeat penalty's window is the whole prompt and reply, which
-    is Ollama's `repeat_last_n: -1`; 0 (off) is honoured by the caller.
+    (Ollama's "off") pass. (`repeat_last_n` is honoured by the caller: N > 0 the last N
+    tokens, -1 the whole context, 0 off; below -1 Ollama has no meaning for it.)
 
     Raises:
         InvalidRequestError: `typical_p` or `tfs_z` below 1, `mirostat` other than 0,
-            `penalize_newline: false`, or a `repeat_last_n` other than -1 or 0.
+            `penalize_newline: false`, or a `repeat_last_n` below -1.
     """
     window = options.repeat_last_n
     refusals = (
@@ -286,9 +292,9 @@ def _refuse_unsupported_options(options: OllamaOptions) -> None:
          "top_k, top_p or min_p"),
         (options.penalize_newline is False, "penalize_newline",
          "newlines are penalized like every other token; leave penalize_newline out"),
-        (window not in (None, -1, 0), "repeat_last_n",
-         f"a repeat penalty window of {window} tokens is not supported: repeat_penalty "
-         "looks back over the whole prompt and reply (repeat_last_n -1) or is off (0)"),
+        (window is not None and window < -1, "repeat_last_n",
+         f"{window} is no repeat penalty window: use N > 0 (the last N tokens), -1 (the "
+         "whole context) or 0 (off)"),
     )  # fmt: skip
     for refused, name, message in refusals:
         if refused:

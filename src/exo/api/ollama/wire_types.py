@@ -91,8 +91,8 @@ class OllamaOptions(_WireRequestModel):
     below the model's own context (`TextGenerationTaskParams.context_tokens`).
 
     What each does here (`exo.api.ollama.request._sampling_options`): the sampling
-    options and `num_predict` reach the engine; `repeat_last_n` -1 is exo's window (the
-    whole context), 0 turns `repeat_penalty` off, any other window is refused; sampling
+    options and `num_predict` reach the engine; `repeat_last_n` N > 0 limits
+    `repeat_penalty` to the last N tokens, -1 to the whole context, 0 turns it off; sampling
     methods exo does not have (`typical_p` below 1, `tfs_z` below 1, `mirostat` 1 or 2,
     `penalize_newline: false`) are refused; `mirostat_tau` / `mirostat_eta` (read only by
     mirostat), `num_keep` (exo never shifts the context) and the load-time options

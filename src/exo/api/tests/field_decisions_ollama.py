@@ -194,10 +194,16 @@ def ollama_effects() -> list[Decision]:
             "`repeat_last_n` -1",
             {"options": {**options, "repeat_penalty": 1.3}},
         ),
+        Effect(
+            fields("OllamaOptions.repeat_last_n"),
+            OLLAMA_GENERATE,
+            {"options": {**options, "repeat_penalty": 1.3, "repeat_last_n": 64}},
+            lambda p: p.repetition_window == 64 and p.repetition_penalty == 1.3,
+        ),
         Refused(
             fields("OllamaOptions.repeat_last_n"),
             OLLAMA_GENERATE,
-            {"options": {**options, "repeat_last_n": 64}},
+            {"options": {**options, "repeat_last_n": -2}},
             "options.repeat_last_n",
         ),
         *(

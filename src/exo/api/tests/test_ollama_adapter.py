@@ -270,7 +270,6 @@ def test_options_map_to_internal_fields() -> None:
         ("tfs_z", 0.95),
         ("mirostat", 1),
         ("penalize_newline", False),
-        ("repeat_last_n", 64),
         ("repeat_last_n", -2),
     ],
 )
@@ -289,6 +288,15 @@ def test_repeat_last_n_zero_turns_the_repeat_penalty_off() -> None:
         chat_request(options={"repeat_penalty": 1.3, "repeat_last_n": 0}), ModelId(MODEL)
     )
     assert (on.repetition_penalty, off.repetition_penalty) == (1.3, 1.0)
+
+
+def test_repeat_last_n_limits_the_repeat_penalty_to_a_window() -> None:
+    windowed = chat_to_task_params(
+        chat_request(options={"repeat_penalty": 1.3, "repeat_last_n": 64}), ModelId(MODEL)
+    )
+    whole = chat_to_task_params(chat_request(options={"repeat_last_n": -1}), ModelId(MODEL))
+    assert (windowed.repetition_penalty, windowed.repetition_window) == (1.3, 64)
+    assert whole.repetition_window is None
 
 
 @pytest.mark.parametrize("num_predict", [-1, -2, 0])
@@ -874,7 +882,7 @@ def test_client_generate_with_every_option_the_client_declares(
     params = cluster.submitted[-1].params
     assert (params.context_tokens, params.seed, params.max_tokens, params.top_k) == (2048, 7, 5, 20)
     assert (params.repetition_penalty, params.stop) == (1.1, ("END",))
-    for refused in ({"mirostat": 2}, {"typical_p": 0.5}, {"repeat_last_n": 64}):
+    for refused in ({"mirostat": 2}, {"typical_p": 0.5}, {"repeat_last_n": -2}):
         with pytest.raises(ollama.ResponseError) as raised:
             client.generate(model=SMOLLM2, prompt="hi", options=ollama.Options(**refused))
         (name,) = refused

@@ -115,6 +115,9 @@ class TextGenerationTaskParams(FrozenModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    repetition_window: int | None = Field(default=None, ge=1)
+    """The repetition penalty's window: the last this many tokens of prompt and reply
+    (Ollama's and llama.cpp's `repeat_last_n`); None: the whole prompt and reply."""
     tools: tuple[ToolDefinition, ...] = ()
     tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True

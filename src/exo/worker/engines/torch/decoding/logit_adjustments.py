@@ -4,6 +4,7 @@ penalties over the tokens a request has seen, and per-token logit bias (OpenAI's
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -22,6 +23,8 @@ class TokenPenalties:
     - repetition (Keskar et al. 2019, "CTRL", section 4.1, as transformers'
       `RepetitionPenaltyLogitsProcessor` applies it): every token seen in the prompt or the
       output has a positive logit divided by the penalty, a negative one multiplied by it.
+      With `repetition_window` N, only the last N tokens of prompt and output count (as
+      llama.cpp's and Ollama's `repeat_last_n`): a count per token id over a sliding window.
 
     Repetition is applied first, then presence/frequency (the order vLLM uses).
 
@@ -36,8 +39,11 @@ class TokenPenalties:
         "_frequency",
         "_generated_seen",
         "_presence",
+        "_recent",
         "_repetition",
         "_seen",
+        "_window",
+        "_window_counts",
     )
 
     def __init__(
@@ -51,20 +57,49 @@ class TokenPenalties:
         # Token ids seen in prompt + output (the repetition penalty's set).
         self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [vocab]
         self._generated_seen: set[int] = set()
+        # With a window: the window's token ids in order, and how often each id is in it.
+        self._window = params.repetition_window
+        self._recent: deque[int] = deque()
+        self._window_counts: dict[int, int] = {}
 
     def observe_prompt(self, token_ids: Iterable[int]) -> None:
         """Record the prompt's tokens (they count for the repetition penalty only)."""
         if self._repetition == 1.0:
             return
+        if self._window is not None:
+            for token_id in list(token_ids)[-self._window :]:
+                self._enter_window(token_id)
+            return
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self._seen.device)
         ids = ids[(ids >= 0) & (ids < self._seen.shape[0])]
         self._seen[ids] = True
 
-    def observe(self, token_id: int) -> None:
-        """Record one generated token."""
+    def _enter_window(self, token_id: int) -> None:
+        """Slide the repetition window over one more token (an id outside the vocabulary
+        takes a place in the window but marks nothing)."""
+        assert self._window is not None
+        self._recent.append(token_id)
+        self._count(token_id, 1)
+        if len(self._recent) > self._window:
+            self._count(self._recent.popleft(), -1)
+
+    def _count(self, token_id: int, change: int) -> None:
         if not 0 <= token_id < self._seen.shape[0]:
             return
-        if self._repetition != 1.0:
+        count = self._window_counts.get(token_id, 0) + change
+        if count:
+            self._window_counts[token_id] = count
+        else:
+            self._window_counts.pop(token_id, None)
+        self._seen[token_id] = count > 0
+
+    def observe(self, token_id: int) -> None:
+        """Record one generated token."""
+        if self._repetition != 1.0 and self._window is not None:
+            self._enter_window(token_id)
+        if not 0 <= token_id < self._seen.shape[0]:
+            return
+        if self._repetition != 1.0 and self._window is None:
             self._seen[token_id] = True
         if self._presence != 0.0 or self._frequency != 0.0:
             increment = self._frequency

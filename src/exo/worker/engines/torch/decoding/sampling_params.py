@@ -25,6 +25,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    repetition_window: int | None = None  # the last N tokens; None: all of them
 
     @property
     def is_greedy(self) -> bool:
@@ -54,4 +55,5 @@ def resolve_sampling_params(
         repetition_penalty=(
             1.0 if params.repetition_penalty is None else params.repetition_penalty
         ),
+        repetition_window=params.repetition_window,
     )

@@ -82,6 +82,26 @@ def test_repetition_penalty_divides_positive_multiplies_negative() -> None:
     assert scores.tolist() == [2.0, -2.0, 3.0, -4.0]
 
 
+def test_a_repetition_window_counts_only_the_last_tokens_of_prompt_and_reply() -> None:
+    """`repetition_window` 2 (Ollama's `repeat_last_n`): a token leaves the penalised set
+    once two later tokens pushed it out, and a token twice in the window stays until both
+    copies left."""
+    logits = torch.tensor([4.0, 4.0, 4.0, 4.0])
+    state = penalties(repetition_penalty=2.0, repetition_window=2)
+    state.observe_prompt([0, 1, 2])  # the window holds 1, 2
+    assert state.apply(logits).tolist() == [4.0, 2.0, 2.0, 4.0]
+    state.observe(2)  # 2, 2
+    assert state.apply(logits).tolist() == [4.0, 4.0, 2.0, 4.0]
+    state.observe(3)  # 2, 3
+    assert state.apply(logits).tolist() == [4.0, 4.0, 2.0, 2.0]
+    state.observe(9)  # 3 and an id outside the vocabulary
+    assert state.apply(logits).tolist() == [4.0, 4.0, 4.0, 2.0]
+    whole = penalties(repetition_penalty=2.0)
+    whole.observe_prompt([0, 1, 2])
+    whole.observe(3)
+    assert whole.apply(logits).tolist() == [2.0, 2.0, 2.0, 2.0]
+
+
 def test_repetition_penalty_below_one_favours_repeats() -> None:
     state = penalties(repetition_penalty=0.5)
     state.observe(0)
