@@ -52,7 +52,14 @@ from exo.download.gguf_experts import (
     expert_slices,
     stacked_kind,
 )
-from exo.download.gguf_tensors import GgufTensor, read_gguf_model
+from exo.download.gguf_gptoss import (
+    GPT_OSS,
+    gptoss_config,
+    gptoss_tokenizer,
+    harmony_stop_ids,
+    repack_mxfp4,
+)
+from exo.download.gguf_tensors import GgufDirectory, GgufTensor, read_gguf_model
 from exo.shared.models.memory import INT4_GROUP_SIZE
 from exo.shared.models.tensor_names import INT4_PACKED, INT4_SCALES, INT4_ZEROS
 
@@ -219,6 +226,8 @@ def gguf_name_map(architecture: str, checkpoint_names: list[str], layers: int) -
         gguf_name = name_map.get_name(base)
         if gguf_name is not None:
             mapping.setdefault(f"{gguf_name}{dot}{suffix}", name)
+            if not dot:  # a bare parameter (gpt-oss's sinks): llama.cpp appends ".weight"
+                mapping.setdefault(f"{gguf_name}.weight", name)
     return mapping
 
 
@@ -308,11 +317,17 @@ def repacked_tensor_groups(
     for tensor in tensors:
         stored: dict[str, torch.Tensor] = {}
         if experts is not None and stacked_kind(tensor.name, experts) is not None:
-            for expert_name, data, rows_columns in expert_slices(tensor, experts):
+            for expert_name, data, shape in expert_slices(tensor, experts):
+                if tensor.type_name == "MXFP4":  # exo's MXFP4 (`Mxfp4Linear`), not a float
+                    blocks, scales = repack_mxfp4(data, shape[0])
+                    linear = expert_name.removesuffix(".weight")
+                    stored[f"{linear}.blocks"] = torch.from_numpy(blocks)
+                    stored[f"{linear}.scales"] = torch.from_numpy(scales)
+                    counts["gguf_blocks"] += 1
+                    continue
                 _store(
-                    stored, counts, expert_name, tensor.name, tensor.type_name, rows_columns,
-                    data, None,
-                )  # fmt: skip
+                    stored, counts, expert_name, tensor.name, tensor.type_name, shape, data, None
+                )
             yield stored
             continue
         name = name_map.get(tensor.name)
@@ -390,13 +405,15 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
     started = time.perf_counter()
     gguf_dir, gguf_name = str(gguf_path.parent), gguf_path.name
     directory = read_gguf_model(gguf_path)
-    # The metadata (and tokenizer) are in the first part of a split model.
-    config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    architecture = directory.architecture
+    experts = GGUF_EXPERT_LAYOUTS.get(architecture)
+    if architecture == GPT_OSS:  # transformers' GGUF config reader fails on it
+        config = gptoss_config(directory, _mxfp4_experts(directory, experts))
+    else:  # the metadata (and tokenizer) are in the first part of a split model
+        config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_name)
     text_config = config.get_text_config()
     # transformers decides from the first part's tensors alone.
     text_config.tie_word_embeddings = all(t.name != "output.weight" for t in directory.tensors)
-    architecture = directory.architecture
-    experts = GGUF_EXPERT_LAYOUTS.get(architecture)
     if experts is not None:
         configure_experts(text_config, directory, experts)
         check_experts(directory, experts, text_config)
@@ -416,8 +433,16 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
     config.architectures = [_architecture_name(config)]
     config.dtype = torch.float32
     config.save_pretrained(output_dir)
-    GenerationConfig.from_model_config(config).save_pretrained(output_dir)
-    AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name).save_pretrained(output_dir)
+    generation = GenerationConfig.from_model_config(config)
+    if architecture == GPT_OSS:
+        tokenizer = gptoss_tokenizer(gguf_path)
+        generation.eos_token_id = harmony_stop_ids(
+            tokenizer, config.eos_token_id, config.vocab_size
+        )
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    generation.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
     written = sum(path.stat().st_size for path in output_dir.iterdir() if path.is_file())
     return GgufConversion(
         seconds=time.perf_counter() - started,
@@ -427,6 +452,24 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
         gguf_block_tensors=counts["gguf_blocks"],
         float_tensors=counts["float"],
     )
+
+
+def _mxfp4_experts(directory: GgufDirectory, experts: StackedExperts | None) -> bool:
+    """Whether the stacked expert weights are MXFP4 (all of them; False: none is).
+
+    Raises:
+        GgufRepackError: some are MXFP4 and some not (the engine holds one format).
+    """
+    types = {
+        tensor.type_name
+        for tensor in directory.tensors
+        if experts is not None
+        and tensor.name.endswith(".weight")
+        and stacked_kind(tensor.name, experts) is not None
+    }
+    if "MXFP4" in types and len(types) > 1:
+        raise GgufRepackError(f"expert weights in MXFP4 and {sorted(types - {'MXFP4'})} mixed")
+    return "MXFP4" in types
 
 
 def _architecture_name(config: Any) -> str:

@@ -42,6 +42,10 @@ _SCALARS = {
     12: "d",
 }
 _STRING, _ARRAY = 8, 9
+# The retired GGML type id (Q4_2) Ollama's first gpt-oss blobs store MXFP4 under (Ollama's
+# `fs/ggml/type.go` at its gpt-oss commit fa7776f: blocks of a scale byte + 16 bytes in
+# Hugging Face's nibble order, converted to ggml's MXFP4 when Ollama loads them).
+_OLLAMA_MXFP4 = 4
 # A split GGUF's part name (gguf-py's `SHARD_NAME_FORMAT`, llama.cpp's `llama_split_path`).
 _SPLIT_PART = re.compile(r"^(?P<stem>.+)-(?P<number>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -156,6 +160,12 @@ def read_gguf_tensors(path: Path) -> GgufDirectory:
         try:
             qtype = GGMLQuantizationType(type_id)
         except ValueError:
+            if type_id == _OLLAMA_MXFP4:
+                raise GgufFormatError(
+                    f"{path}: tensor {name} has type 4, the MXFP4 of Ollama's first gpt-oss "
+                    "blobs (arch gptoss), which is not read; a gpt-oss GGUF with ggml's "
+                    "MXFP4 (type 39, arch gpt-oss) is"
+                ) from None
             raise GgufFormatError(f"{path}: tensor {name} has unknown type {type_id}") from None
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         elements = int(np.prod(shape)) if shape else 1
