@@ -59,6 +59,9 @@ class StackedExperts:
         width_field / count_field: the config fields of an expert's width and of the
             number of experts.
         biases: each stacked weight has a stacked `.bias` `[out, experts]` (gpt-oss).
+        interleaved: a kind whose rows alternate two linears (gate at even, up at odd) →
+            those linears, filling `{linear}` in its path (Ollama's first gpt-oss blobs'
+            `ffn_gate_up_exps`); its rows are twice the expert width.
     """
 
     tensors: Mapping[str, str]
@@ -67,6 +70,7 @@ class StackedExperts:
     width_field: str = "moe_intermediate_size"
     count_field: str = "num_experts"
     biases: bool = False
+    interleaved: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
 
 # llama.cpp's qwen3moe graph (`llm_build_qwen3moe`): every layer sparse, softmax top-k
@@ -94,6 +98,20 @@ GGUF_EXPERT_LAYOUTS: dict[str, StackedExperts] = {
         width_field="intermediate_size",
         count_field="num_local_experts",
         biases=True,
+    ),
+    # Ollama's first gpt-oss blobs (its converter at fa7776f, from OpenAI's original
+    # checkpoint): gate and up in one tensor, rows interleaved as in that checkpoint; no
+    # `expert_feed_forward_length` key. `gguf_gptoss` reads the rest.
+    "gptoss": StackedExperts(
+        tensors={
+            "ffn_gate_up_exps": "mlp.experts.{expert}.{linear}",
+            "ffn_down_exps": "mlp.experts.{expert}.down_proj",
+        },
+        config_fields={"feed_forward_length": "intermediate_size"},
+        width_field="intermediate_size",
+        count_field="num_local_experts",
+        biases=True,
+        interleaved={"ffn_gate_up_exps": ("gate_proj", "up_proj")},
     ),
 }
 
@@ -127,16 +145,19 @@ def expert_slices(
         raise GgufExpertsError(f"{tensor.name} is no stacked expert tensor, shape {tensor.shape}")
     layer, kind = parsed
     template = f"model.layers.{layer}.{layout.tensors[kind]}.{'bias' if bias else 'weight'}"
-    if bias:
-        rows, experts = tensor.shape
-        biases = tensor.data.reshape(experts, -1)
-        for expert in range(experts):
-            yield template.format(expert=expert), biases[expert], (rows,)
-        return
-    columns, rows, experts = tensor.shape
+    rows, experts = tensor.shape[-2:] if not bias else tensor.shape
+    linears = layout.interleaved.get(kind, ("",))
+    step = len(linears)  # 2: the linears' rows alternate
+    # [experts, rows, bytes per row] (a bias: bytes per element)
     per_expert = tensor.data.reshape(experts, rows, -1)
     for expert in range(experts):
-        yield template.format(expert=expert), per_expert[expert], (rows, columns)
+        for start, linear in enumerate(linears):
+            name = template.format(expert=expert, linear=linear)
+            part = per_expert[expert, start::step]
+            if bias:
+                yield name, np.ascontiguousarray(part).reshape(-1), (rows // step,)
+            else:
+                yield name, part, (rows // step, tensor.shape[0])
 
 
 def check_experts(directory: GgufDirectory, layout: StackedExperts, config: Any) -> None:
@@ -153,7 +174,8 @@ def check_experts(directory: GgufDirectory, layout: StackedExperts, config: Any)
     by_name = {tensor.name: tensor for tensor in directory.tensors}
     for layer in range(int(config.num_hidden_layers)):
         for kind in layout.tensors:
-            weight = (width, hidden) if "down" in kind else (hidden, width)
+            rows = width * (2 if kind in layout.interleaved else 1)
+            weight = (width, hidden) if "down" in kind else (hidden, rows)
             expected: dict[str, tuple[int, ...]] = {
                 f"blk.{layer}.{kind}.weight": (*weight, experts)
             }

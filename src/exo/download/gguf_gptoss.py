@@ -29,9 +29,18 @@ directly (`AutoTokenizer` would read the config first, and fail as above). It do
 the file's `eos_token_id` plus harmony's `<|return|>` / `<|call|>` / `<|endoftext|>` where the
 vocabulary has them (`harmony_stop_ids`).
 
-Ollama's first gpt-oss blobs (arch `gptoss`, from OpenAI's original checkpoint: fused
-`attn_qkv`, `ffn_gate_up_exps`, MXFP4 under the retired type 4 with Hugging Face's nibble
-order) are not read: `gguf` knows no type 4, and the file is refused naming it.
+**Ollama's first gpt-oss blobs** (arch `gptoss`; what its converter wrote at its gpt-oss
+commit fa7776f, from OpenAI's original checkpoint, and what `ollama pull gpt-oss:20b` /
+`:120b` gave then): the keys under `gptoss.` (no `rope.scaling.type`: YaRN whenever
+`rope.scaling.factor` is there; no `expert_feed_forward_length`; no `tokenizer.ggml.pre`, so
+the o200k split is set here), tensors named after the original checkpoint (`attn_qkv`:
+query, key and value rows in that order; `attn_out`; `attn_sinks` without `.weight`;
+`ffn_norm` the post-attention norm; `ffn_gate_up_exps` with gate and up rows interleaved, as
+gpt-oss's `gate_up_proj`), and MXFP4 under the retired type 4 (`gguf_tensors.OLLAMA_MXFP4`):
+blocks of a scale byte + 16 bytes already in Hugging Face's nibble order, so exo's blocks
+are those bytes as they are (`repack_ollama_mxfp4`). This reading follows Ollama's converter
+and model code (`convert/convert_gptoss.go`, `model/models/gptoss/model.go` at fa7776f); no
+real blob was at hand to check it.
 """
 
 from __future__ import annotations
@@ -43,6 +52,8 @@ import numpy as np
 from exo.download.gguf_tensors import GgufArray, GgufDirectory
 
 GPT_OSS = "gpt-oss"  # its `general.architecture`
+OLLAMA_GPTOSS = "gptoss"  # Ollama's first blobs' `general.architecture`
+ARCHITECTURES = (GPT_OSS, OLLAMA_GPTOSS)
 MXFP4_BLOCK_BYTES = 17  # e8m0 scale, 16 bytes of nibbles
 MXFP4_BLOCK = 32
 # llama.cpp's fixed gpt-oss choices (see the module docstring).
@@ -73,6 +84,61 @@ def repack_mxfp4(data: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(packed), np.ascontiguousarray(blocks[..., 0])
 
 
+def repack_ollama_mxfp4(data: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ollama's first MXFP4 blocks (type 4: the scale byte, then 16 bytes in exo's own
+    nibble order) of a `[rows, in]` weight as exo's blocks `[rows, in / 32, 16]` and scales
+    `[rows, in / 32]` (copies of the bytes).
+
+    Raises:
+        GgufGptOssError: bytes that are no whole blocks.
+    """
+    raw = np.asarray(data, dtype=np.uint8).reshape(rows, -1)
+    if raw.shape[1] % MXFP4_BLOCK_BYTES:
+        raise GgufGptOssError(f"MXFP4: {raw.shape[1]} bytes per row is no whole block count")
+    blocks = raw.reshape(rows, -1, MXFP4_BLOCK_BYTES)
+    return np.ascontiguousarray(blocks[..., 1:]), np.ascontiguousarray(blocks[..., 0])
+
+
+def ollama_first_names(layers: int) -> dict[str, str]:
+    """GGUF tensor name → checkpoint name for Ollama's first gpt-oss blobs, but the fused
+    `attn_qkv` (`ollama_first_row_splits`) and the experts (`gguf_experts`)."""
+    names = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    for layer in range(layers):
+        block, model = f"blk.{layer}.", f"model.layers.{layer}."
+        names[block + "attn_norm.weight"] = model + "input_layernorm.weight"
+        names[block + "attn_sinks"] = model + "self_attn.sinks"
+        names[block + "attn_sinks.weight"] = model + "self_attn.sinks"
+        names[block + "ffn_norm.weight"] = model + "post_attention_layernorm.weight"
+        for part in ("weight", "bias"):
+            names[f"{block}attn_out.{part}"] = f"{model}self_attn.o_proj.{part}"
+            names[f"{block}ffn_gate_inp.{part}"] = f"{model}mlp.router.{part}"
+    return names
+
+
+def ollama_first_row_splits(config: Any) -> dict[str, list[tuple[str, int, int]]]:
+    """`blk.N.attn_qkv.weight` / `.bias` → (checkpoint name, first row, end row) of the
+    query, key and value projections in it."""
+    query = int(config.num_attention_heads) * int(config.head_dim)
+    key_value = int(config.num_key_value_heads) * int(config.head_dim)
+    bounds = {
+        "q_proj": (0, query),
+        "k_proj": (query, query + key_value),
+        "v_proj": (query + key_value, query + 2 * key_value),
+    }
+    return {
+        f"blk.{layer}.attn_qkv.{part}": [
+            (f"model.layers.{layer}.self_attn.{linear}.{part}", start, end)
+            for linear, (start, end) in bounds.items()
+        ]
+        for layer in range(int(config.num_hidden_layers))
+        for part in ("weight", "bias")
+    }
+
+
 def dequantize_exo_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """exo's MXFP4 (`repack_mxfp4`'s layout) as float32 `[rows, in]`, in numpy (a check
     of the repacking against `gguf`'s own dequantizer)."""
@@ -86,9 +152,10 @@ def dequantize_exo_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 def _metadata(directory: GgufDirectory, key: str, required: bool = True) -> Any:
-    value = directory.metadata.get(f"{GPT_OSS}.{key}")
+    prefix = directory.architecture  # "gpt-oss" or Ollama's first "gptoss"
+    value = directory.metadata.get(f"{prefix}.{key}")
     if value is None and required:
-        raise GgufGptOssError(f"the GGUF has no {GPT_OSS}.{key} in its metadata")
+        raise GgufGptOssError(f"the GGUF has no {prefix}.{key} in its metadata")
     return value
 
 
@@ -101,11 +168,14 @@ def rope_parameters(directory: GgufDirectory) -> dict[str, Any]:
     """
     theta = float(_metadata(directory, "rope.freq_base"))
     scaling = _metadata(directory, "rope.scaling.type", required=False)
+    if scaling is None and _metadata(directory, "rope.scaling.factor", required=False):
+        scaling = "yarn"  # Ollama's first blobs state the factor only
     if scaling in (None, "none"):
         return {"rope_type": "default", "rope_theta": theta}
     if scaling != "yarn":
         raise GgufGptOssError(
-            f"{GPT_OSS}.rope.scaling.type={scaling!r}: gpt-oss is read with yarn only"
+            f"{directory.architecture}.rope.scaling.type={scaling!r}: gpt-oss is read with "
+            "yarn only"
         )
     beta_fast = _metadata(directory, "rope.scaling.yarn_beta_fast", required=False)
     beta_slow = _metadata(directory, "rope.scaling.yarn_beta_slow", required=False)
@@ -158,7 +228,7 @@ def gptoss_config(directory: GgufDirectory, mxfp4_experts: bool) -> Any:
         "num_experts_per_tok": int(_metadata(directory, "expert_used_count")),
         "rope_parameters": rope_parameters(directory),
         "swiglu_limit": SWIGLU_LIMIT,
-        "attention_bias": "blk.0.attn_q.bias" in names,
+        "attention_bias": bool({"blk.0.attn_q.bias", "blk.0.attn_qkv.bias"} & names),
         "tie_word_embeddings": "output.weight" not in names,
         "architectures": ["GptOssForCausalLM"],
         "dtype": "float32",
@@ -177,11 +247,19 @@ def gptoss_config(directory: GgufDirectory, mxfp4_experts: bool) -> Any:
     return GptOssConfig(**settings)
 
 
-def gptoss_tokenizer(gguf_path: Any) -> Any:
-    """The GGUF's tokenizer (module docstring)."""
+def gptoss_tokenizer(gguf_path: Any, pre_tokenizer: object) -> Any:
+    """The GGUF's tokenizer (module docstring): o200k's split where the file names no
+    pre-tokenizer (Ollama's first blobs), transformers' split for `tokenizer.ggml.pre`
+    otherwise (`pre_tokenizer`: the file's `tokenizer.ggml.pre`)."""
     from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import set_split_regex
 
-    return PreTrainedTokenizerFast.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name
+    )
+    if pre_tokenizer is None:
+        set_split_regex(tokenizer, {"pre_tokenizer_type": "gpt-4o"})
+    return tokenizer
 
 
 def harmony_stop_ids(tokenizer: Any, eos_token_id: int | None, vocab_size: int) -> list[int]:

@@ -45,6 +45,7 @@ GGUF_ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",  # experts read by `exo.download.gguf_experts`
     "gpt-oss": "GptOssForCausalLM",  # config, MXFP4 experts: `exo.download.gguf_gptoss`
+    "gptoss": "GptOssForCausalLM",  # Ollama's first gpt-oss blobs (`gguf_gptoss`)
 }
 
 
@@ -181,7 +182,8 @@ def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> Model
     """A card from the GGUF's metadata: architecture, shapes, context length, whether it
     has a chat template and the capabilities and tool-call format it shows
     (`custom_cards.template_traits`, as for a Hugging Face directory), attention biases
-    (`blk.0.attn_q.bias`), a MoE model's experts; `storage_size_bytes` is the file's size (of
+    (`blk.0.attn_q.bias`, or a fused `attn_qkv.bias`), a MoE model's experts;
+    `storage_size_bytes` is the file's size (of
     every part, for a split model whose first part `path` is: `gguf_tensors.gguf_parts`),
     `parameter_count` the elements of its tensors, `gguf_weight_types` the types of its
     layers and head.
@@ -244,7 +246,7 @@ def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> Model
         has_chat_template=template is not None,
         capabilities=capabilities,
         tool_call_format=tool_call_format,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        attention_bias=bool({"blk.0.attn_q.bias", "blk.0.attn_qkv.bias"} & tensor_names),
         head_dim=int(head_dim) if head_dim and int(head_dim) != hidden_size // heads else None,
         tie_word_embeddings="output.weight" not in tensor_names,
         parameter_count=sum(math.prod(tensor.shape) for tensor in directory.tensors) or None,

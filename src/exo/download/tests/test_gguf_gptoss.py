@@ -27,12 +27,16 @@ from safetensors.torch import save_file
 
 from exo.download.gguf_experts import GgufExpertsError
 from exo.download.gguf_gptoss import dequantize_exo_mxfp4, repack_mxfp4
-from exo.download.gguf_models import GgufModelError, card_for_gguf, ollama_store_cards
+from exo.download.gguf_models import card_for_gguf, ollama_store_cards
 from exo.download.gguf_repack import convert_gguf
 from exo.download.gguf_tensors import read_gguf_model
 from exo.shared.models.memory import decoder_layer_bytes
 from exo.shared.models.moe import experts_of_rank
-from exo.testing.random_gptoss_gguf import GptOssGgufShape, write_random_gptoss_gguf
+from exo.testing.random_gptoss_gguf import (
+    GptOssGgufShape,
+    write_ollama_first_gptoss_gguf,
+    write_random_gptoss_gguf,
+)
 from exo.worker.engines.torch.model.loading import load_model
 from exo.worker.engines.torch.model.moe import RoutedExperts
 from exo.worker.engines.torch.quant.mxfp4 import Mxfp4Linear
@@ -264,17 +268,39 @@ def test_gptoss_gguf_without_an_expert_bias_is_refused_naming_it(
         convert_gguf(broken, tmp_path / "out")
 
 
-def test_ollama_first_gptoss_blob_type_is_refused_naming_it(
-    gguf_path: Path, tmp_path: Path
+def test_ollama_first_gptoss_blob_converts_to_the_same_tensors(
+    gguf_path: Path, converted: Path, tmp_path: Path
 ) -> None:
-    """A blob whose experts have type 4 (Ollama's first MXFP4) is no card, and the reason
-    says which type and tensor."""
-    data = bytearray(gguf_path.read_bytes())
-    name = b"blk.0.ffn_gate_exps.weight"
-    type_at = data.index(name) + len(name) + 4 + 3 * 8  # after u32 dims and 3 u64 sizes
-    assert int.from_bytes(data[type_at : type_at + 4], "little") == GGMLQuantizationType.MXFP4
-    data[type_at : type_at + 4] = (4).to_bytes(4, "little")
-    blob = tmp_path / "old.gguf"
-    blob.write_bytes(bytes(data))
-    with pytest.raises(GgufModelError, match=r"blk\.0\.ffn_gate_exps\.weight has type 4"):
-        card_for_gguf(blob, "gpt-oss:old")
+    """The same weights laid out as Ollama's first gpt-oss blobs (arch `gptoss`, fused
+    `attn_qkv`, interleaved `ffn_gate_up_exps`, MXFP4 as type 4 in Hugging Face's nibble
+    order, no YaRN type or pre-tokenizer keys) give the same config, every stored tensor
+    equal, and the same tokenizer split."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    blob = write_ollama_first_gptoss_gguf(tmp_path / "old.gguf", SHAPE)
+    assert {t.type_name for t in read_gguf_model(blob).tensors} >= {"OLLAMA_MXFP4"}
+    card = card_for_gguf(blob, "gpt-oss:old")
+    assert card.architecture == "GptOssForCausalLM" and card.attention_bias
+    assert card.moe is not None and card.moe.expert_intermediate_size == SHAPE.intermediate_size
+    assert card.gguf_weight_types is not None
+    new = card_for_gguf(gguf_path, "new").gguf_weight_types
+    assert new is not None
+    old_types = dict(card.gguf_weight_types.layer_weights)
+    assert old_types.pop("OLLAMA_MXFP4") == dict(new.layer_weights).pop("MXFP4")
+    assert decoder_layer_bytes(card, "int4", sparse=True) == decoder_layer_bytes(
+        card_for_gguf(gguf_path, "new"), "int4", sparse=True
+    )
+    directory = tmp_path / "old"
+    directory.mkdir()
+    convert_gguf(blob, directory)
+    config, expected_config = (
+        json.loads((d / "config.json").read_text()) for d in (directory, converted)
+    )
+    assert config == expected_config
+    ours, expected = (load_file(str(d / "model.safetensors")) for d in (directory, converted))
+    assert ours.keys() == expected.keys()
+    assert all(torch.equal(ours[name], expected[name]) for name in expected)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    pieces = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str("abc 12345")
+    assert [piece for piece, _ in pieces] == ["abc", "Ġ", "123", "45"]

@@ -221,7 +221,7 @@ def gguf_weight_bytes(gguf_type: str, weights: int, native_kernels: bool = False
     planes (1.25 bytes) and any other quantized type as bfloat16 (2 bytes). The second is
     never smaller: placement's memory uses it (a node's kernels are not known there).
     MXFP4 (gpt-oss's experts) as stored, 17 bytes per 32 weights."""
-    if gguf_type == "MXFP4":
+    if gguf_type in ("MXFP4", "OLLAMA_MXFP4"):  # the latter: Ollama's first gpt-oss blobs
         return math.ceil(weights * GGUF_MXFP4_BYTES_PER_WEIGHT)
     if gguf_type in GGUF_INT4_TYPES or gguf_type in GGUF_FLOAT_TYPES:
         return weights // 2 + weights // INT4_GROUP_SIZE * 2 * BFLOAT16_BYTES
