@@ -24,6 +24,8 @@ gpt-oss (`gpt-oss`, llama.cpp's `GptOssModel` converter) stacks the same three k
 checkpoint's interleaved `gate_up_proj` already split into gate and up, each with a stacked
 bias `blk.N.ffn_*_exps.bias` (GGUF shape `[out, experts]`) cut the same way; its expert
 weights are GGML type MXFP4, repacked into exo's MXFP4 layout (`gguf_gptoss.repack_mxfp4`).
+Ollama's first gpt-oss blobs (`gptoss`) keep gate and up in one tensor, rows interleaved
+(`StackedExperts.interleaved`), cut into the two linears per expert.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ engine's step, gives the logits of its twin — every tensor dequantized by `ggu
 written as a Hugging Face gpt-oss checkpoint (stacked `gate_up_proj` with gate / up
 interleaved) read by the existing gpt_oss path — within `TWIN_TOLERANCE`, its experts held
 as MXFP4; its card has the MoE geometry and sizes the experts at MXFP4's 17 bytes per 32
-weights; it is found in an Ollama store; a GGUF lacking an expert bias is refused naming
-it.
+weights; it is found in an Ollama store and prepared from there; the same weights laid out
+as Ollama's first gpt-oss blobs (arch `gptoss`) convert to the same tensors; a GGUF lacking
+an expert bias is refused naming it.
 """
 
 from __future__ import annotations
