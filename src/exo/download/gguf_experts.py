@@ -19,6 +19,13 @@ architecture joins by adding its entry: shared experts (`ffn_*_shexp`, 2-D, mapp
 `TensorNameMap` once the family's skeleton has them), a routing bias (`exp_probs_b`) and
 attention sinks (`attn_sinks`) are ordinary tensors too; only fused expert tensors
 (`ffn_gate_up_exps`) would need a split along `out` (see `StackedExperts.tensors`).
+
+gpt-oss (`gpt-oss`, llama.cpp's `GptOssModel` converter) stacks the same three kinds, the
+checkpoint's interleaved `gate_up_proj` already split into gate and up, each with a stacked
+bias `blk.N.ffn_*_exps.bias` (GGUF shape `[out, experts]`) cut the same way; its expert
+weights are GGML type MXFP4, repacked into exo's MXFP4 layout (`gguf_gptoss.repack_mxfp4`).
+Ollama's first gpt-oss blobs (`gptoss`) keep gate and up in one tensor, rows interleaved
+(`StackedExperts.interleaved`), cut into the two linears per expert.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import numpy as np
 
 from exo.download.gguf_tensors import GgufDirectory, GgufTensor
 
-_STACKED = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<kind>[a-z_]+)\.weight$")
+_STACKED = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<kind>[a-z_]+)\.(?P<part>weight|bias)$")
 
 
 class GgufExpertsError(ValueError):
@@ -44,17 +51,28 @@ class StackedExperts:
     """One GGUF architecture's routed experts.
 
     Attributes:
-        tensors: stacked tensor kind (`ffn_gate_exps`) → the per-expert checkpoint name in
-            a decoder layer, `{expert}` standing for the expert id.
+        tensors: stacked tensor kind (`ffn_gate_exps`) → the per-expert linear's path in
+            a decoder layer (`.weight` / `.bias` appended), `{expert}` standing for the
+            expert id.
         config_fields: GGUF metadata key without the `<arch>.` prefix → the config field it
             sets (values transformers' GGUF reader leaves out).
         config_values: config fields with the value llama.cpp always uses for the
             architecture (the GGUF does not store them).
+        width_field / count_field: the config fields of an expert's width and of the
+            number of experts.
+        biases: each stacked weight has a stacked `.bias` `[out, experts]` (gpt-oss).
+        interleaved: a kind whose rows alternate two linears (gate at even, up at odd) →
+            those linears, filling `{linear}` in its path (Ollama's first gpt-oss blobs'
+            `ffn_gate_up_exps`); its rows are twice the expert width.
     """
 
     tensors: Mapping[str, str]
     config_fields: Mapping[str, str] = field(default_factory=dict)
     config_values: Mapping[str, Any] = field(default_factory=dict)
+    width_field: str = "moe_intermediate_size"
+    count_field: str = "num_experts"
+    biases: bool = False
+    interleaved: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
 
 # llama.cpp's qwen3moe graph (`llm_build_qwen3moe`): every layer sparse, softmax top-k
@@ -62,68 +80,118 @@ class StackedExperts:
 GGUF_EXPERT_LAYOUTS: dict[str, StackedExperts] = {
     "qwen3moe": StackedExperts(
         tensors={
-            "ffn_gate_exps": "mlp.experts.{expert}.gate_proj.weight",
-            "ffn_up_exps": "mlp.experts.{expert}.up_proj.weight",
-            "ffn_down_exps": "mlp.experts.{expert}.down_proj.weight",
+            "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
+            "ffn_up_exps": "mlp.experts.{expert}.up_proj",
+            "ffn_down_exps": "mlp.experts.{expert}.down_proj",
         },
         config_fields={"expert_feed_forward_length": "moe_intermediate_size"},
         config_values={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    ),
+    # llama.cpp's gpt-oss graph (`llm_build_openai_moe_iswa`): every layer sparse, softmax
+    # over the top-k router logits (router bias `ffn_gate_inp.bias`), biased experts; its
+    # config is built by `gguf_gptoss.gptoss_config` (transformers' reader fails on it).
+    "gpt-oss": StackedExperts(
+        tensors={
+            "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
+            "ffn_up_exps": "mlp.experts.{expert}.up_proj",
+            "ffn_down_exps": "mlp.experts.{expert}.down_proj",
+        },
+        config_fields={"expert_feed_forward_length": "intermediate_size"},
+        width_field="intermediate_size",
+        count_field="num_local_experts",
+        biases=True,
+    ),
+    # Ollama's first gpt-oss blobs (its converter at fa7776f, from OpenAI's original
+    # checkpoint): gate and up in one tensor, rows interleaved as in that checkpoint; no
+    # `expert_feed_forward_length` key. `gguf_gptoss` reads the rest.
+    "gptoss": StackedExperts(
+        tensors={
+            "ffn_gate_up_exps": "mlp.experts.{expert}.{linear}",
+            "ffn_down_exps": "mlp.experts.{expert}.down_proj",
+        },
+        config_fields={"feed_forward_length": "intermediate_size"},
+        width_field="intermediate_size",
+        count_field="num_local_experts",
+        biases=True,
+        interleaved={"ffn_gate_up_exps": ("gate_proj", "up_proj")},
     ),
 }
 
 
 def stacked_kind(tensor_name: str, layout: StackedExperts) -> tuple[int, str] | None:
-    """(layer, kind) of a stacked expert tensor of `layout`, None for any other tensor."""
+    """(layer, kind) of a stacked expert weight (or, where `layout.biases`, bias) of
+    `layout`, None for any other tensor."""
     match = _STACKED.match(tensor_name)
     if match is None or match.group("kind") not in layout.tensors:
+        return None
+    if match.group("part") == "bias" and not layout.biases:
         return None
     return int(match.group("layer")), match.group("kind")
 
 
 def expert_slices(
     tensor: GgufTensor, layout: StackedExperts
-) -> Iterator[tuple[str, np.ndarray, tuple[int, int]]]:
-    """Each expert's part of a stacked tensor: (checkpoint name, its bytes, `[out, in]`).
+) -> Iterator[tuple[str, np.ndarray, tuple[int, ...]]]:
+    """Each expert's part of a stacked tensor: (checkpoint name, its bytes, its shape:
+    `[out, in]` for a weight, `[out]` for a bias).
 
-    The bytes are a view of `tensor.data` (`[out, bytes per row]`, nothing copied).
+    The bytes are a view of `tensor.data` (`[out, bytes per row]` or `[bytes]`, nothing
+    copied).
 
     Raises:
-        GgufExpertsError: not a 3-D tensor of `layout`'s kinds.
+        GgufExpertsError: not a 3-D weight (2-D bias) of `layout`'s kinds.
     """
     parsed = stacked_kind(tensor.name, layout)
-    if parsed is None or len(tensor.shape) != 3:
+    bias = tensor.name.endswith(".bias")
+    if parsed is None or len(tensor.shape) != (2 if bias else 3):
         raise GgufExpertsError(f"{tensor.name} is no stacked expert tensor, shape {tensor.shape}")
     layer, kind = parsed
-    columns, rows, experts = tensor.shape
+    template = f"model.layers.{layer}.{layout.tensors[kind]}.{'bias' if bias else 'weight'}"
+    rows, experts = tensor.shape[-2:] if not bias else tensor.shape
+    linears = layout.interleaved.get(kind, ("",))
+    step = len(linears)  # 2: the linears' rows alternate
+    # [experts, rows, bytes per row] (a bias: bytes per element)
     per_expert = tensor.data.reshape(experts, rows, -1)
-    template = f"model.layers.{layer}.{layout.tensors[kind]}"
     for expert in range(experts):
-        yield template.format(expert=expert), per_expert[expert], (rows, columns)
+        for start, linear in enumerate(linears):
+            name = template.format(expert=expert, linear=linear)
+            part = per_expert[expert, start::step]
+            if bias:
+                yield name, np.ascontiguousarray(part).reshape(-1), (rows // step,)
+            else:
+                yield name, part, (rows // step, tensor.shape[0])
 
 
 def check_experts(directory: GgufDirectory, layout: StackedExperts, config: Any) -> None:
     """Check every decoder layer has each stacked tensor with the config's shape
-    (`[hidden, moe_intermediate_size, num_experts]` for gate / up, the first two swapped
-    for down, GGUF order).
+    (`[hidden, width, experts]` for gate / up, the first two swapped for down, GGUF order;
+    width and experts the layout's `width_field` / `count_field`), and where the layout has
+    biases each stacked `.bias` `[out, experts]`.
 
     Raises:
         GgufExpertsError: naming the missing or mis-shaped tensor.
     """
-    hidden, width = int(config.hidden_size), int(config.moe_intermediate_size)
-    experts = int(config.num_experts)
+    hidden, width = int(config.hidden_size), int(getattr(config, layout.width_field))
+    experts = int(getattr(config, layout.count_field))
     by_name = {tensor.name: tensor for tensor in directory.tensors}
     for layer in range(int(config.num_hidden_layers)):
         for kind in layout.tensors:
-            name = f"blk.{layer}.{kind}.weight"
-            tensor = by_name.get(name)
-            if tensor is None:
-                raise GgufExpertsError(f"the GGUF has no {name} (every layer is sparse)")
-            expected = (width, hidden) if "down" in kind else (hidden, width)
-            if tensor.shape != (*expected, experts):
-                raise GgufExpertsError(
-                    f"{name} has shape {tensor.shape}, expected {(*expected, experts)} "
-                    "(GGUF order: in, out, experts)"
-                )
+            rows = width * (2 if kind in layout.interleaved else 1)
+            weight = (width, hidden) if "down" in kind else (hidden, rows)
+            expected: dict[str, tuple[int, ...]] = {
+                f"blk.{layer}.{kind}.weight": (*weight, experts)
+            }
+            if layout.biases:
+                expected[f"blk.{layer}.{kind}.bias"] = (weight[1], experts)
+            for name, shape in expected.items():
+                tensor = by_name.get(name)
+                if tensor is None:
+                    raise GgufExpertsError(f"the GGUF has no {name} (every layer is sparse)")
+                if tensor.shape != shape:
+                    raise GgufExpertsError(
+                        f"{name} has shape {tensor.shape}, expected {shape} "
+                        "(GGUF order: in, out, experts)"
+                    )
 
 
 def configure_experts(config: Any, directory: GgufDirectory, layout: StackedExperts) -> None:

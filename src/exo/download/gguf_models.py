@@ -44,6 +44,8 @@ GGUF_ARCHITECTURES = {
     "gemma": "GemmaForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",  # experts read by `exo.download.gguf_experts`
+    "gpt-oss": "GptOssForCausalLM",  # config, MXFP4 experts: `exo.download.gguf_gptoss`
+    "gptoss": "GptOssForCausalLM",  # Ollama's first gpt-oss blobs (`gguf_gptoss`)
 }
 
 
@@ -155,13 +157,17 @@ def _ollama_name(registry: str, namespace: str, name: str, tag: str) -> str:
 
 
 def gguf_weight_types(directory: GgufDirectory) -> GgufWeightTypes | None:
-    """The types a GGUF stores its decoder-layer linears (2-d tensors and 3-d stacked experts
-    under `blk.`) and LM head (`output.weight`, else the tied `token_embd.weight`) in; None
-    without either."""
+    """The types a GGUF stores its decoder-layer linears (2-d weights and 3-d stacked experts
+    under `blk.`; not the stacked experts' 2-d biases) and LM head (`output.weight`, else the
+    tied `token_embd.weight`) in; None without either."""
     layer_weights: dict[str, int] = {}
     by_name = {tensor.name: tensor for tensor in directory.tensors}
     for tensor in directory.tensors:
-        if tensor.name.startswith("blk.") and len(tensor.shape) in (2, 3):  # 3: stacked experts
+        if (
+            tensor.name.startswith("blk.")
+            and tensor.name.endswith(".weight")
+            and len(tensor.shape) in (2, 3)  # 3: stacked experts
+        ):
             count = layer_weights.get(tensor.type_name, 0)
             layer_weights[tensor.type_name] = count + math.prod(tensor.shape)
     head = by_name.get("output.weight") or by_name.get("token_embd.weight")
@@ -174,7 +180,10 @@ def gguf_weight_types(directory: GgufDirectory) -> GgufWeightTypes | None:
 
 def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> ModelCard:
     """A card from the GGUF's metadata: architecture, shapes, context length, whether it
-    has a chat template, a MoE model's experts; `storage_size_bytes` is the file's size (of
+    has a chat template and the capabilities and tool-call format it shows
+    (`custom_cards.template_traits`, as for a Hugging Face directory), attention biases
+    (`blk.0.attn_q.bias`, or a fused `attn_qkv.bias`), a MoE model's experts;
+    `storage_size_bytes` is the file's size (of
     every part, for a split model whose first part `path` is: `gguf_tensors.gguf_parts`),
     `parameter_count` the elements of its tensors, `gguf_weight_types` the types of its
     layers and head.
@@ -183,6 +192,7 @@ def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> Model
         GgufModelError: not a GGUF file, an architecture the engine has no family for, or
             metadata it lacks (named).
     """
+    from exo.download.custom_cards import template_traits
     from exo.download.gguf_experts import gguf_moe_fields
     from exo.download.gguf_tensors import GgufArray, gguf_parts, read_gguf_model
     from exo.shared.models.moe import moe_geometry_of_config
@@ -219,6 +229,8 @@ def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> Model
         moe = moe_geometry_of_config(gguf_moe_fields(directory))
     except ValueError as error:
         raise GgufModelError(f"{path}: {error}") from None
+    template = value("tokenizer.chat_template")
+    capabilities, tool_call_format = template_traits(template if isinstance(template, str) else "")
     return ModelCard(
         model_id=ModelId(model_id),
         source=GgufFileSource(path=str(path), sha256=sha256),
@@ -231,7 +243,10 @@ def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> Model
         vocab_size=tokens.count,
         storage_size_bytes=storage_size,
         context_length=required("context_length"),
-        has_chat_template=value("tokenizer.chat_template") is not None,
+        has_chat_template=template is not None,
+        capabilities=capabilities,
+        tool_call_format=tool_call_format,
+        attention_bias=bool({"blk.0.attn_q.bias", "blk.0.attn_qkv.bias"} & tensor_names),
         head_dim=int(head_dim) if head_dim and int(head_dim) != hidden_size // heads else None,
         tie_word_embeddings="output.weight" not in tensor_names,
         parameter_count=sum(math.prod(tensor.shape) for tensor in directory.tensors) or None,

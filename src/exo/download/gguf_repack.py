@@ -52,7 +52,20 @@ from exo.download.gguf_experts import (
     expert_slices,
     stacked_kind,
 )
-from exo.download.gguf_tensors import GgufTensor, read_gguf_model
+from exo.download.gguf_gptoss import (
+    ARCHITECTURES as GPT_OSS_ARCHITECTURES,
+)
+from exo.download.gguf_gptoss import (
+    OLLAMA_GPTOSS,
+    gptoss_config,
+    gptoss_tokenizer,
+    harmony_stop_ids,
+    ollama_first_names,
+    ollama_first_row_splits,
+    repack_mxfp4,
+    repack_ollama_mxfp4,
+)
+from exo.download.gguf_tensors import OLLAMA_MXFP4, GgufDirectory, GgufTensor, read_gguf_model
 from exo.shared.models.memory import INT4_GROUP_SIZE
 from exo.shared.models.tensor_names import INT4_PACKED, INT4_SCALES, INT4_ZEROS
 
@@ -219,6 +232,8 @@ def gguf_name_map(architecture: str, checkpoint_names: list[str], layers: int) -
         gguf_name = name_map.get_name(base)
         if gguf_name is not None:
             mapping.setdefault(f"{gguf_name}{dot}{suffix}", name)
+            if not dot:  # a bare parameter (gpt-oss's sinks): llama.cpp appends ".weight"
+                mapping.setdefault(f"{gguf_name}.weight", name)
     return mapping
 
 
@@ -286,6 +301,7 @@ def repacked_tensor_groups(
     name_map: Mapping[str, str],
     experts: StackedExperts | None = None,
     counts: dict[str, int] | None = None,
+    row_splits: Mapping[str, Sequence[tuple[str, int, int]]] | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Every mapped tensor of the GGUF in its stored form (the module docstring), one GGUF
     tensor at a time; a stacked expert tensor (`experts`' kinds) as one weight per expert
@@ -297,6 +313,9 @@ def repacked_tensor_groups(
         name_map: GGUF tensor name → checkpoint name (tensors not in it are skipped).
         experts: the architecture's stacked expert layout, None for a dense one.
         counts: incremented per stored form ("int4", "gguf_blocks", "float").
+        row_splits: a GGUF tensor holding several checkpoint tensors' rows (Ollama's first
+            gpt-oss blobs' `attn_qkv`) → (checkpoint name, first row, end row) of each,
+            stored uncorrected.
 
     Yields:
         The stored tensors of one GGUF tensor, by stored name.
@@ -308,11 +327,27 @@ def repacked_tensor_groups(
     for tensor in tensors:
         stored: dict[str, torch.Tensor] = {}
         if experts is not None and stacked_kind(tensor.name, experts) is not None:
-            for expert_name, data, rows_columns in expert_slices(tensor, experts):
+            for expert_name, data, shape in expert_slices(tensor, experts):
+                if tensor.type_name in _MXFP4_TYPES:  # exo's MXFP4 (`Mxfp4Linear`)
+                    blocks, scales = _MXFP4_TYPES[tensor.type_name](data, shape[0])
+                    linear = expert_name.removesuffix(".weight")
+                    stored[f"{linear}.blocks"] = torch.from_numpy(blocks)
+                    stored[f"{linear}.scales"] = torch.from_numpy(scales)
+                    counts["gguf_blocks"] += 1
+                    continue
                 _store(
-                    stored, counts, expert_name, tensor.name, tensor.type_name, rows_columns,
-                    data, None,
-                )  # fmt: skip
+                    stored, counts, expert_name, tensor.name, tensor.type_name, shape, data, None
+                )
+            yield stored
+            continue
+        if row_splits is not None and tensor.name in row_splits:
+            shape = tuple(reversed(tensor.shape))  # [out, in] or [out]
+            rows = tensor.data.reshape(shape[0], -1)
+            for part_name, start, end in row_splits[tensor.name]:
+                part_shape = (end - start, *shape[1:])
+                part = np.ascontiguousarray(rows[start:end]).reshape(-1)
+                type_name = tensor.type_name
+                _store(stored, counts, part_name, tensor.name, type_name, part_shape, part, None)
             yield stored
             continue
         name = name_map.get(tensor.name)
@@ -333,6 +368,9 @@ def repacked_tensors(
         stored.update(group)
     return stored, counts
 
+
+# GGUF MXFP4 types → their repacking into exo's MXFP4 blocks and scales (`gguf_gptoss`).
+_MXFP4_TYPES = {"MXFP4": repack_mxfp4, OLLAMA_MXFP4: repack_ollama_mxfp4}
 
 # Bytes of repacked tensors per safetensors file written: bounds the conversion's memory to
 # about this plus one GGUF tensor (a 30B MoE GGUF is ~17 GB).
@@ -390,34 +428,53 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
     started = time.perf_counter()
     gguf_dir, gguf_name = str(gguf_path.parent), gguf_path.name
     directory = read_gguf_model(gguf_path)
-    # The metadata (and tokenizer) are in the first part of a split model.
-    config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    architecture = directory.architecture
+    experts = GGUF_EXPERT_LAYOUTS.get(architecture)
+    if architecture in GPT_OSS_ARCHITECTURES:  # transformers' GGUF config reader fails
+        config = gptoss_config(directory, _mxfp4_experts(directory, experts))
+    else:  # the metadata (and tokenizer) are in the first part of a split model
+        config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_name)
     text_config = config.get_text_config()
     # transformers decides from the first part's tensors alone.
     text_config.tie_word_embeddings = all(t.name != "output.weight" for t in directory.tensors)
-    architecture = directory.architecture
-    experts = GGUF_EXPERT_LAYOUTS.get(architecture)
     if experts is not None:
         configure_experts(text_config, directory, experts)
         check_experts(directory, experts, text_config)
     skeleton = empty_model(config)
     checkpoint_names = list(skeleton.state_dict())
     del skeleton
-    name_map = gguf_name_map(architecture, checkpoint_names, text_config.num_hidden_layers)
+    layers = text_config.num_hidden_layers
+    row_splits = None
+    if architecture == OLLAMA_GPTOSS:  # gguf-py has no names for it
+        name_map = ollama_first_names(layers)
+        row_splits = ollama_first_row_splits(text_config)
+    else:
+        name_map = gguf_name_map(architecture, checkpoint_names, layers)
     heads = {
         "num_attention_heads": text_config.num_attention_heads,
         "num_key_value_heads": text_config.num_key_value_heads,
     }
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=heads)
     counts = {"int4": 0, "gguf_blocks": 0, "float": 0}
-    groups = repacked_tensor_groups(directory.tensors, processor, name_map, experts, counts)
+    groups = repacked_tensor_groups(
+        directory.tensors, processor, name_map, experts, counts, row_splits
+    )
     _write_shards(groups, output_dir)
+    pre_tokenizer = directory.metadata.get("tokenizer.ggml.pre")
     del directory
     config.architectures = [_architecture_name(config)]
     config.dtype = torch.float32
     config.save_pretrained(output_dir)
-    GenerationConfig.from_model_config(config).save_pretrained(output_dir)
-    AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name).save_pretrained(output_dir)
+    generation = GenerationConfig.from_model_config(config)
+    if architecture in GPT_OSS_ARCHITECTURES:
+        tokenizer = gptoss_tokenizer(gguf_path, pre_tokenizer)
+        generation.eos_token_id = harmony_stop_ids(
+            tokenizer, config.eos_token_id, config.vocab_size
+        )
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    generation.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
     written = sum(path.stat().st_size for path in output_dir.iterdir() if path.is_file())
     return GgufConversion(
         seconds=time.perf_counter() - started,
@@ -427,6 +484,25 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
         gguf_block_tensors=counts["gguf_blocks"],
         float_tensors=counts["float"],
     )
+
+
+def _mxfp4_experts(directory: GgufDirectory, experts: StackedExperts | None) -> bool:
+    """Whether the stacked expert weights are MXFP4 (all of them; False: none is).
+
+    Raises:
+        GgufRepackError: some are MXFP4 and some not (the engine holds one format).
+    """
+    types = {
+        tensor.type_name
+        for tensor in directory.tensors
+        if experts is not None
+        and tensor.name.endswith(".weight")
+        and stacked_kind(tensor.name, experts) is not None
+    }
+    mxfp4 = types & set(_MXFP4_TYPES)
+    if mxfp4 and types - mxfp4:
+        raise GgufRepackError(f"expert weights in MXFP4 and {sorted(types - mxfp4)} mixed")
+    return bool(mxfp4)
 
 
 def _architecture_name(config: Any) -> str:

@@ -42,6 +42,12 @@ _SCALARS = {
     12: "d",
 }
 _STRING, _ARRAY = 8, 9
+# The retired GGML type id (Q4_2) Ollama's first gpt-oss blobs store MXFP4 under (Ollama's
+# `fs/ggml/type.go` at its gpt-oss commit fa7776f: blocks of 32 as a scale byte + 16 bytes in
+# Hugging Face's nibble order, which Ollama's loader turns into ggml's MXFP4), read under
+# the type name `OLLAMA_MXFP4` (`gguf_gptoss`).
+_OLLAMA_MXFP4 = 4
+OLLAMA_MXFP4 = "OLLAMA_MXFP4"
 # A split GGUF's part name (gguf-py's `SHARD_NAME_FORMAT`, llama.cpp's `llama_split_path`).
 _SPLIT_PART = re.compile(r"^(?P<stem>.+)-(?P<number>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -153,13 +159,19 @@ def read_gguf_tensors(path: Path) -> GgufDirectory:
         shape = tuple(int(cursor.unpack("Q")) for _ in range(dimensions))
         type_id = int(cursor.unpack("I"))
         offset = int(cursor.unpack("Q"))
-        try:
-            qtype = GGMLQuantizationType(type_id)
-        except ValueError:
-            raise GgufFormatError(f"{path}: tensor {name} has unknown type {type_id}") from None
-        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        if type_id == _OLLAMA_MXFP4:
+            type_name, (block_size, type_size) = (
+                OLLAMA_MXFP4,
+                GGML_QUANT_SIZES[GGMLQuantizationType.MXFP4],
+            )
+        else:
+            try:
+                qtype = GGMLQuantizationType(type_id)
+            except ValueError:
+                raise GgufFormatError(f"{path}: tensor {name} has unknown type {type_id}") from None
+            type_name, (block_size, type_size) = qtype.name, GGML_QUANT_SIZES[qtype]
         elements = int(np.prod(shape)) if shape else 1
-        infos.append((name, qtype.name, shape, offset, elements // block_size * type_size))
+        infos.append((name, type_name, shape, offset, elements // block_size * type_size))
     start = -(-cursor.offset // alignment) * alignment
     tensors = []
     for name, type_name, shape, offset, size in infos:

@@ -151,6 +151,9 @@ GGUF_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 # Q8_0 / Q5_1 as int8 blocks with a (scale, zero) pair per 32 (`quant/int4_planes.py`), Q6_K as
 # int8 blocks with a scale per 16 (`int8_blocks.py`).
 _NATIVE_BYTES_PER_WEIGHT = {"Q5_0": 24 / 32, "Q8_0": 36 / 32, "Q5_1": 36 / 32, "Q6_K": 18 / 16}
+# GGUF MXFP4 (gpt-oss's experts) is held as stored (`quant/mxfp4.py`): 16 bytes of nibbles
+# and one e8m0 scale byte per 32 weights, on every node.
+GGUF_MXFP4_BYTES_PER_WEIGHT = 17 / 32
 
 
 def gguf_kernel(gguf_type: str, native_kernels: bool) -> str:
@@ -218,7 +221,10 @@ def gguf_weight_bytes(gguf_type: str, weights: int, native_kernels: bool = False
     `native_kernels` (a node where exo's AVX2 kernels run) Q5_0 / Q8_0 / Q5_1 / Q6_K in their
     smaller block forms (`_NATIVE_BYTES_PER_WEIGHT`); else Q8_0 / Q5_0 / Q5_1 as two int4
     planes (1.25 bytes) and any other quantized type as bfloat16 (2 bytes). The second is
-    never smaller: placement's memory uses it (a node's kernels are not known there)."""
+    never smaller: placement's memory uses it (a node's kernels are not known there).
+    MXFP4 (gpt-oss's experts) as stored, 17 bytes per 32 weights."""
+    if gguf_type in ("MXFP4", "OLLAMA_MXFP4"):  # the latter: Ollama's first gpt-oss blobs
+        return math.ceil(weights * GGUF_MXFP4_BYTES_PER_WEIGHT)
     if gguf_type in GGUF_INT4_TYPES or gguf_type in GGUF_FLOAT_TYPES:
         return weights // 2 + weights // INT4_GROUP_SIZE * 2 * BFLOAT16_BYTES
     if native_kernels and gguf_type in _NATIVE_BYTES_PER_WEIGHT:
