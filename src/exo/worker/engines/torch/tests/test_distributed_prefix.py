@@ -101,6 +101,7 @@ def test_another_rank_replays_rank_zeros_prefix_decisions() -> None:
         rank_zero.free(slot)
         replay()
         assert sorted(mirror.entries) == sorted(prefix._entries)  # sequence 0 evicted
+        assert mirror.tokens == prefix.tokens
     assert len(mirror.entries) == 2
     # A hit on sequence 1, whose entry is then evicted to make room, and copied anyway.
     match = prefix.lookup(sequences[1] + [7, 7], limit=21)
