@@ -47,7 +47,7 @@ from exo.worker.engines.torch.batching.request_state import (
 from exo.worker.engines.torch.batching.scheduler import BatchScheduler, StepOutput
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.decoding.detokenizer import StreamingDetokenizer
-from exo.worker.engines.torch.decoding.sampling import Sampler, TokenChooser
+from exo.worker.engines.torch.decoding.sampling import Sampler, StepLogprobs, TokenChooser
 from exo.worker.engines.torch.decoding.sampling_params import (
     SamplingParams,
     resolve_sampling_params,
@@ -316,7 +316,9 @@ class TorchEngine:
             self.device,
         )  # fmt: skip
 
-    def token_logprob(self, logits: torch.Tensor, token_id: int, top_n: int) -> TokenLogprob:
+    def token_logprob(
+        self, logits: torch.Tensor | StepLogprobs, token_id: int, top_n: int
+    ) -> TokenLogprob:
         """The chosen token's log probability and `top_n` alternatives (`token_logprob`)."""
         return token_logprob(self.vocabulary, logits, token_id, top_n)
 

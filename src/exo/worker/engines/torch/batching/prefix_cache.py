@@ -21,6 +21,7 @@ decode kernels read one contiguous row per request.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -59,11 +60,13 @@ class PrefixEntry:
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """The longest cached prefix of a prompt: its `length` in tokens and the KV of the
-    entry holding it (positions `0 .. length - 1` are the shared ones)."""
+    """The longest cached prefix of a prompt: its `length` in tokens, the KV of the entry
+    holding it (positions `0 .. length - 1` are the shared ones) and the entry's `key`
+    (`PrefixCache.insert`'s)."""
 
     length: int
     kv: torch.Tensor
+    key: int = -1
 
 
 def _common_length(entry: PrefixEntry, query: torch.Tensor, start: int) -> int:
@@ -82,10 +85,16 @@ class PrefixCache:
 
     Args:
         capacity_tokens: most tokens held over all entries (0 disables the cache).
+        on_remove: called with an entry's key when it leaves the cache (evicted, or covered
+            by a longer entry): a split instance's rank 0 tells the other ranks
+            (`parallel/rank_steps.py`).
     """
 
-    def __init__(self, capacity_tokens: int) -> None:
+    def __init__(
+        self, capacity_tokens: int, on_remove: Callable[[int], None] | None = None
+    ) -> None:
         self.capacity_tokens = capacity_tokens
+        self._on_remove = on_remove
         self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()
         # Chained block hash -> keys of the entries whose tokens start with those blocks.
         self._by_block: dict[int, set[int]] = {}
@@ -128,15 +137,20 @@ class PrefixCache:
         if best_length == 0:
             return None
         self._entries.move_to_end(best_key)
-        return PrefixMatch(best_length, self._entries[best_key].kv)
+        return PrefixMatch(best_length, self._entries[best_key].kv, best_key)
 
-    def insert(self, token_ids: list[int], kv: torch.Tensor) -> None:
+    def insert(self, token_ids: list[int], kv: torch.Tensor) -> int | None:
         """Store a finished sequence (`kv` as `PrefixEntry.kv`, owned by the cache from
         now on); entries it extends are dropped, then the least recently used are evicted
-        down to `capacity_tokens`. A sequence longer than the capacity is not stored."""
+        down to `capacity_tokens`. A sequence longer than the capacity is not stored.
+
+        Returns:
+            The new entry's key (keys count up from 0, never reused), or None when the
+            sequence was not stored.
+        """
         length = len(token_ids)
         if length == 0 or length > self.capacity_tokens:
-            return
+            return None
         tokens = torch.tensor(token_ids, dtype=torch.long)
         hashes = block_hashes(token_ids)
         # An entry this one extends shares every full block of its own: it is among the
@@ -157,6 +171,7 @@ class PrefixCache:
             self._short.add(key)
         self.tokens += length
         self.evict(self.capacity_tokens)
+        return key
 
     def evict(self, keep_tokens: int) -> int:
         """Evict least recently used entries until at most `keep_tokens` tokens are held.
@@ -180,3 +195,5 @@ class PrefixCache:
                 del self._by_block[block_hash]
         self._short.discard(key)
         self.tokens -= entry.length
+        if self._on_remove is not None:
+            self._on_remove(key)

@@ -21,7 +21,7 @@ from exo.worker.engines.torch.decoding.detokenizer import (
     StreamingDetokenizer,
     without_incomplete_end,
 )
-from exo.worker.engines.torch.decoding.sampling import TokenChooser
+from exo.worker.engines.torch.decoding.sampling import SampledToken, StepLogprobs, TokenChooser
 from exo.worker.engines.torch.decoding.stop_sequences import StopSequenceMatcher
 
 _request_numbers = itertools.count(1)
@@ -50,8 +50,9 @@ class GeneratedPiece:
     stop_sequence: str | None = None
 
 
-# The chosen token's logprob entry from the step's raw `[vocab]` logits (engine's vocabulary).
-LogprobFunction = Callable[[torch.Tensor, int, int], TokenLogprob]
+# The chosen token's logprob entry from the step's raw `[vocab]` logits, or from the
+# logprobs another rank computed from them (engine's vocabulary).
+LogprobFunction = Callable[[torch.Tensor | StepLogprobs, int, int], TokenLogprob]
 
 
 @dataclass(slots=True, eq=False)
@@ -98,12 +99,13 @@ class RequestState:
         last generated token has no KV yet; feeding it gives the next token's logits)."""
         return self.prompt_ids + self.generated_ids
 
-    def accept(self, logits: torch.Tensor) -> list[GeneratedPiece]:
+    def accept(self, logits: torch.Tensor | SampledToken) -> list[GeneratedPiece]:
         """Choose the next token from this step's logits and advance the request.
 
         Args:
-            logits: `[vocab]` raw scores of the request's last position (on a pipeline head
-                whose last rank sampled: the 0-d sampled token, see `ForwardedTokenSampler`).
+            logits: `[vocab]` raw scores of the request's last position, or the token a
+                pipeline's last rank chose from them (with its logprobs when asked;
+                `parallel/last_rank_sampling.py`).
 
         Returns:
             The pieces to stream, in order: none when the token's text is held back (an
@@ -121,7 +123,9 @@ class RequestState:
         self.chooser.observe(token)
         self._pending_ids.append(token)
         if self.top_logprobs is not None:
-            self._pending_logprobs.append(self.logprob_of(logits, token, self.top_logprobs))
+            scores = logits.logprobs if isinstance(logits, SampledToken) else logits
+            assert scores is not None, "a token chosen elsewhere came without its logprobs"
+            self._pending_logprobs.append(self.logprob_of(scores, token, self.top_logprobs))
         pieces: list[GeneratedPiece] = []
         text = self.detokenizer.add_token(token)
         if text:

@@ -51,6 +51,7 @@ from exo.worker.engines.torch.batching.batch_attention import (
 from exo.worker.engines.torch.batching.prefix_cache import PrefixCache
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
+from exo.worker.engines.torch.decoding.sampling import SampledToken
 
 # Prompt tokens prefilled per step, over all prefilling requests, while other requests are
 # decoding. A step then costs one decode step plus the chunk's prefill. 8 kept a running
@@ -73,12 +74,14 @@ StepOutput = tuple[str, GeneratedPiece | Exception]
 BatchForward = Callable[
     [PreTrainedModel, BatchPlan, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 ]
-# The same arguments; starts the forward pass and returns the function that waits for its
-# [R, vocab] float32 logits (a pipeline's rank 0: its layers run before it returns, the
-# other ranks' after).
+# Per logit row, its [vocab] logits, or the token another rank chose (`SampledToken`).
+StepLogits = torch.Tensor | Sequence[torch.Tensor | SampledToken]
+# The same arguments and the request of each logit row; starts the forward pass and returns
+# the function that waits for its logits (a pipeline's rank 0: its layers run before it
+# returns, the other ranks' after; its last rank may choose a row's token itself).
 BatchLaunch = Callable[
-    [PreTrainedModel, BatchPlan, torch.Tensor, torch.Tensor, torch.Tensor],
-    Callable[[], torch.Tensor],
+    [PreTrainedModel, BatchPlan, torch.Tensor, torch.Tensor, torch.Tensor, list[RequestState]],
+    Callable[[], StepLogits],
 ]
 
 
@@ -107,7 +110,7 @@ class _Launched:
     """A step whose forward pass has started: `sampled[i]` takes logits row i."""
 
     sampled: list[_Running]
-    logits: Callable[[], torch.Tensor]
+    logits: Callable[[], StepLogits]
 
 
 class BatchScheduler:
@@ -292,8 +295,9 @@ class BatchScheduler:
             torch.tensor(logit_rows, dtype=torch.long, device=device),
         )
         try:
+            logits: Callable[[], StepLogits]
             if self.launch is not None:
-                logits = self.launch(*arguments)
+                logits = self.launch(*arguments, [running.state for running in sampled])
             else:
                 computed = (self._forward or forward_batch)(*arguments)
                 logits = lambda: computed  # noqa: E731

@@ -146,6 +146,37 @@ class NoAllowedTokenError(RuntimeError):
     """A constraint rejected every token of the vocabulary."""
 
 
+def draw_index(probs: torch.Tensor, uniform: torch.Tensor | float) -> int:
+    """The index whose share of `probs` `[n]` (summing to ~1) holds `uniform` (in [0, 1)):
+    the cumulative sum (float64) inverted at `uniform` times its total. O(n), where
+    `torch.multinomial` drew one exponential number per entry (figures:
+    docs/benchmarks/engine-design-figures.md#samplingpy)."""
+    cumulative = torch.cumsum(probs.double(), dim=-1)
+    point = torch.as_tensor(uniform, dtype=torch.float64, device=cumulative.device)
+    point = point * cumulative[-1]
+    # The first index whose cumulative mass exceeds the point: never a zero-mass entry.
+    index = int(torch.searchsorted(cumulative, point, right=True))
+    return min(index, probs.shape[-1] - 1)
+
+
+def sample_unconstrained(
+    logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor | float
+) -> int:
+    """The token an unconstrained `Sampler.sample` picks: the argmax when greedy, else the
+    draw at `uniform` from the tokens `sampling_candidates` leaves (a pipeline's last rank
+    calls it with the uniform number rank 0's `Sampler.uniform` drew, so both pick alike).
+
+    Args:
+        logits: `[vocab]` scores of the last position.
+        uniform: in [0, 1); unused when greedy.
+    """
+    if params.is_greedy:
+        return argmax_token(logits)
+    ids, kept = sampling_candidates(logits, params)
+    drawn = draw_index(torch.softmax(kept, dim=-1), uniform)
+    return drawn if ids is None else int(ids[drawn])
+
+
 class Sampler:
     """Draws tokens for one request with its own random generator, so a seed reproduces the
     same tokens regardless of other requests.
@@ -155,13 +186,29 @@ class Sampler:
         device: where the logits live (the generator must be on the same device).
     """
 
-    __slots__ = ("_generator", "params", "seed")
+    __slots__ = ("_generator", "_pending", "params", "seed")
 
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
         self.params = params
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(self.seed)
+        # A uniform number drawn ahead (`uniform`) and not yet used by a draw.
+        self._pending: torch.Tensor | None = None
+
+    def uniform(self) -> torch.Tensor:
+        """The 0-d float64 number in [0, 1) the next draw uses: drawn from the request's
+        generator once and kept until a draw uses it (`_draw`, `forwarded`), so handing it
+        to another process for a step that is then skipped (the request pre-empted) leaves
+        the sequence of draws as it would have been."""
+        if self._pending is None:
+            self._pending = torch.rand((), dtype=torch.float64, generator=self._generator)
+        return self._pending
+
+    def forwarded(self) -> None:
+        """Another process drew this step's token with `uniform` (when not greedy)."""
+        if not self.params.is_greedy:
+            self._pending = None
 
     def sample(self, logits: torch.Tensor, constraint: TokenFilter | None = None) -> int:
         """Pick the next token.
@@ -190,23 +237,19 @@ class Sampler:
         if constraint is None:
             if self.params.is_greedy:
                 return argmax_token(logits)
-            ids, kept = sampling_candidates(logits, self.params)
-            drawn = self._draw(torch.softmax(kept, dim=-1))
-            return drawn if ids is None else int(ids[drawn])
+            token = sample_unconstrained(logits, self.params, self.uniform())
+            self._pending = None
+            return token
         if self.params.is_greedy:
             return self._constrained_greedy(logits, constraint)
         return self._constrained_sample(logits, constraint)
 
     def _draw(self, probs: torch.Tensor) -> int:
-        """An index drawn with probabilities `probs` `[n]` (summing to ~1) by inverting
-        their cumulative sum (float64) at one uniform number of the request's generator:
-        O(n), where `torch.multinomial` drew one exponential number per entry (figures:
-        docs/benchmarks/engine-design-figures.md#samplingpy)."""
-        cumulative = torch.cumsum(probs.double(), dim=-1)
-        point = torch.rand((), dtype=torch.float64, generator=self._generator) * cumulative[-1]
-        # The first index whose cumulative mass exceeds the point: never a zero-mass entry.
-        index = int(torch.searchsorted(cumulative, point, right=True))
-        return min(index, probs.shape[-1] - 1)
+        """An index drawn with probabilities `probs` `[n]` at the next uniform number of
+        the request's generator (`draw_index`)."""
+        index = draw_index(probs, self.uniform())
+        self._pending = None
+        return index
 
     def _constrained_greedy(self, logits: torch.Tensor, constraint: TokenFilter) -> int:
         scores = logits.float().clone()  # [vocab]
@@ -280,6 +323,16 @@ class StepLogprobs:
     top_logprobs: tuple[float, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """A token chosen from a step's logits by another process (a pipeline's last rank, from
+    the request's sampling settings and `Sampler.uniform`), in place of the logits: the
+    token and, when the request asked for them, its logprobs (`step_logprobs`)."""
+
+    token_id: int
+    logprobs: StepLogprobs | None = None
+
+
 def step_logprobs(logits: torch.Tensor, token_id: int, top_n: int) -> StepLogprobs:
     """Log probabilities of the model's distribution (raw logits: before penalties, filters
     and constraints, as OpenAI and vLLM report them).
@@ -337,11 +390,12 @@ class TokenChooser:
         """The constraint's document is complete (generation must stop)."""
         return self.constraint is not None and self.constraint.is_complete
 
-    def choose(self, logits: torch.Tensor) -> int:
+    def choose(self, logits: torch.Tensor | SampledToken) -> int:
         """Pick the next token.
 
         Args:
-            logits: `[vocab]` raw scores of the last position.
+            logits: `[vocab]` raw scores of the last position, or the token a pipeline's
+                last rank chose (only for a chooser without penalties, bias or constraint).
 
         Returns:
             The token id.
@@ -349,6 +403,10 @@ class TokenChooser:
         Raises:
             NoAllowedTokenError: the constraint allows no token.
         """
+        if isinstance(logits, SampledToken):
+            assert not self.needs_logits, "a token chosen elsewhere skipped this chooser's rules"
+            self.sampler.forwarded()
+            return logits.token_id
         scores = logits if self.penalties is None else self.penalties.apply(logits)
         if self.bias is not None:
             scores = self.bias.apply(scores)

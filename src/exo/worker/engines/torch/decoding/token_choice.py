@@ -17,6 +17,7 @@ from exo.worker.engines.torch.decoding.constraints import (
 from exo.worker.engines.torch.decoding.logit_adjustments import LogitBias, TokenPenalties
 from exo.worker.engines.torch.decoding.sampling import (
     Sampler,
+    StepLogprobs,
     TokenChooser,
     step_logprobs,
 )
@@ -59,16 +60,17 @@ def token_chooser_for(
 
 
 def token_logprob(
-    vocabulary: TokenVocabulary, logits: torch.Tensor, token_id: int, top_n: int
+    vocabulary: TokenVocabulary, logits: torch.Tensor | StepLogprobs, token_id: int, top_n: int
 ) -> TokenLogprob:
     """The chosen token's log probability (and the `top_n` likeliest alternatives).
 
     Args:
-        logits: `[vocab]` raw scores of the position (before penalties and filters).
+        logits: `[vocab]` raw scores of the position (before penalties and filters), or
+            their `step_logprobs` computed elsewhere (a pipeline's last rank).
         token_id: the chosen token.
         top_n: alternatives to report (0: none).
     """
-    step = step_logprobs(logits, token_id, top_n)
+    step = logits if isinstance(logits, StepLogprobs) else step_logprobs(logits, token_id, top_n)
     top = tuple(
         TopLogprob(
             token=vocabulary.text(candidate),

@@ -23,7 +23,8 @@ from exo.worker.engines.torch.batching.batch_attention import BatchPlan
 from exo.worker.engines.torch.batching.scheduler import BatchForward, BatchLaunch
 from exo.worker.engines.torch.model.families import ModelFamily
 from exo.worker.engines.torch.model.sharding import TensorReader
-from exo.worker.engines.torch.parallel.rank_steps import StepHeader
+from exo.worker.engines.torch.parallel.last_rank_sampling import PipelineTraffic
+from exo.worker.engines.torch.parallel.rank_steps import CacheOp, StepHeader
 
 
 class RankEngine(Protocol):
@@ -33,6 +34,8 @@ class RankEngine(Protocol):
     device: torch.device
     rank: int
     world_size: int
+    # Rank 0 of a pipeline: what came back from the last rank (`last_rank_sampling`).
+    traffic: PipelineTraffic
 
     @property
     def vocab_size(self) -> int: ...
@@ -43,8 +46,8 @@ class RankEngine(Protocol):
     @property
     def is_last_rank(self) -> bool: ...
 
-    def take_cache_ops(self) -> tuple[tuple[int, int], ...]:
-        """Rank 0's KV-slot operations since the last step (for the next header)."""
+    def take_cache_ops(self) -> tuple[CacheOp, ...]:
+        """Rank 0's KV operations since the last step (for the next header)."""
         ...
 
 

@@ -7,18 +7,21 @@ samples step t when its logits come back). A step of at least `MICRO_BATCH_MIN_R
 (prefill) is also split into up to `world_size` micro-batches of requests
 (`micro_batch_count`; a decode step stays whole). For each, rank 0 runs its layers and
 sends the header and `[1, T, hidden]` float32 hidden states to rank 1 (which runs its
-layers while rank 0 computes the next micro-batch), and so on; the last rank sends the
-micro-batch's `[R, vocab]` float32 logits to rank 0 (rank 0 posts that receive before
-sending the micro-batch, so no send waits on a rank that is itself sending). Per
-micro-batch and hop: two messages (the header with its length, the hidden states), over the
-group's `comm/tcp_mesh.py` TCP links when it has them (else gloo).
+layers while rank 0 computes the next micro-batch), and so on; the last rank sends rank 0
+its answer for the micro-batch's logit rows (rank 0 posts that receive before sending the
+micro-batch, so no send waits on a rank that is itself sending): per row the token it chose
+(and its logprobs, only when asked), or the row's `[vocab]` float32 logits for a request
+whose penalties, logit bias or constraint rank 0 applies (`last_rank_sampling.py`: what
+each row's request needs travels in the header). Per micro-batch and hop: two messages (the
+header with its length, the hidden states), over the group's `comm/tcp_mesh.py` TCP links
+when it has them (else gloo).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -27,7 +30,10 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from exo.shared.types.shards import Sharding, ShardMetadata
 from exo.worker.engines.torch.batching.batch_attention import BatchPlan
+from exo.worker.engines.torch.batching.request_state import RequestState
+from exo.worker.engines.torch.batching.scheduler import StepLogits
 from exo.worker.engines.torch.comm.process_group import post_receive, receive_tensor, send_tensor
+from exo.worker.engines.torch.decoding.sampling import SampledToken
 from exo.worker.engines.torch.model.families import ModelFamily
 from exo.worker.engines.torch.model.sharding import (
     AbsentModule,
@@ -36,7 +42,13 @@ from exo.worker.engines.torch.model.sharding import (
     read_whole,
 )
 from exo.worker.engines.torch.parallel.base import EngineTransform, RankEngine, SchedulerHooks
+from exo.worker.engines.torch.parallel.last_rank_sampling import (
+    RowSampling,
+    answer_rows,
+    read_answer,
+)
 from exo.worker.engines.torch.parallel.rank_steps import (
+    MicroBatch,
     StepHeader,
     micro_batch_count,
     receive_step,
@@ -103,8 +115,10 @@ class PipelineTransform(EngineTransform):
             input_ids: torch.Tensor,
             position_ids: torch.Tensor,
             logit_rows: torch.Tensor,
-        ) -> Callable[[], torch.Tensor]:
-            return _launch(engine, model, plan, input_ids, position_ids, logit_rows)
+            requests: list[RequestState],
+        ) -> Callable[[], StepLogits]:
+            samplings = tuple(RowSampling.of(state) for state in requests)
+            return _launch(engine, model, plan, input_ids, position_ids, logit_rows, samplings)
 
         # One step in flight per rank (see scheduler.py).
         return SchedulerHooks(launch=launch, max_in_flight=engine.world_size)
@@ -138,7 +152,8 @@ class PipelineTransform(EngineTransform):
             send_step(header, rank + 1)
             send_tensor(output.cpu().contiguous(), rank + 1)
         elif header.logit_rows:
-            send_tensor(output.float().cpu().contiguous(), 0)
+            answer = answer_rows(output, header.row_samplings)
+            send_tensor(answer.contiguous(), 0)
 
 
 def _launch(
@@ -148,32 +163,46 @@ def _launch(
     input_ids: torch.Tensor,
     position_ids: torch.Tensor,
     logit_rows: torch.Tensor,
-) -> Callable[[], torch.Tensor]:
+    samplings: tuple[RowSampling, ...],
+) -> Callable[[], StepLogits]:
     """Rank 0's part of a pipeline step: its layers for each micro-batch in turn, sent on as
-    soon as done (the receive of the last rank's logits posted first); returns the function
-    that waits for every micro-batch's logits and puts them in order."""
-    step = StepHeader.from_plan(plan, input_ids, position_ids, logit_rows, engine.take_cache_ops())
+    soon as done (the receive of the last rank's answer posted first); returns the function
+    that waits for every micro-batch's answer and puts its rows in order (a row's `[vocab]`
+    logits or the `SampledToken` the last rank chose)."""
+    step = StepHeader.from_plan(
+        plan, input_ids, position_ids, logit_rows, engine.take_cache_ops(), samplings
+    )
     last = engine.world_size - 1
     vocab_size, device = engine.vocab_size, engine.device
-    answers: list[tuple[Callable[[], None] | None, torch.Tensor, tuple[int, ...]]] = []
+    answers: list[tuple[Callable[[], None] | None, torch.Tensor, MicroBatch]] = []
     for micro_batch in split_micro_batches(step, micro_batch_count(step, engine.world_size)):
         header = micro_batch.header
-        logits = torch.empty((len(header.logit_rows), vocab_size), dtype=torch.float32)
-        wait = post_receive(logits, last) if header.logit_rows else None
+        samplings = header.row_samplings
+        size = sum(sampling.answer_size(vocab_size) for sampling in samplings)
+        answer = torch.empty(size, dtype=torch.float32)
+        wait = post_receive(answer, last) if header.logit_rows else None
+        engine.traffic.count(samplings, vocab_size)
         micro_plan = header.plan(plan.cache, plan.windows, plan.layer_of)
         hidden = stage_forward_batch(
             model, micro_plan, header, hidden=None, is_last=False, device=device
         )
         send_step(header, 1)
         send_tensor(hidden.cpu().contiguous(), 1)
-        answers.append((wait, logits, micro_batch.logit_order))
+        answers.append((wait, answer, micro_batch))
 
-    def collect() -> torch.Tensor:
-        result = torch.empty((len(step.logit_rows), vocab_size), dtype=torch.float32)
-        for wait, logits, order in answers:
-            if wait is not None:
-                wait()
-                result[list(order)] = logits
-        return result.to(device)
+    def collect() -> StepLogits:
+        rows: list[torch.Tensor | SampledToken | None] = [None] * len(step.logit_rows)
+        for wait, answer, micro_batch in answers:
+            if wait is None:
+                continue
+            wait()
+            for order, row in zip(
+                micro_batch.logit_order,
+                read_answer(answer, micro_batch.header.row_samplings, vocab_size),
+                strict=True,
+            ):
+                rows[order] = row.to(device) if isinstance(row, torch.Tensor) else row
+        assert all(row is not None for row in rows)
+        return cast(list[torch.Tensor | SampledToken], rows)
 
     return collect

@@ -2,14 +2,20 @@
 several ranks (the process group must exist).
 
 Rank 0 runs the engine contract (`submit` / `step` / `cancel`) over the single-rank
-`BatchScheduler` (continuous batching, chunked prefill, pre-emption; no prefix cache, whose
-KV would be rank 0's part only). Its scheduler's forward pass is the group's: each step,
-rank 0 tells the other ranks the step as a `StepHeader` (`rank_steps.py`: the KV-slot
-operations since the last step, so admissions, finishes, cancels and pre-emptions free the
-same slots on every rank, and the step's batch plan), then every rank runs its part of the
-same batched forward. Rank 0 samples every request (`RequestState`): seeded generators,
-penalties, logit bias, logprobs and constraints live in one place, and the next step's
-header carries the chosen tokens, so no extra message is needed for them.
+`BatchScheduler` (continuous batching, chunked prefill, pre-emption, prefix cache). Its
+scheduler's forward pass is the group's: each step, rank 0 tells the other ranks the step
+as a `StepHeader` (`rank_steps.py`: the KV operations since the last step, so admissions,
+finishes, cancels and pre-emptions free the same slots on every rank and a prefix hit
+copies the same cached entry into the same slot on every rank, each rank its own part of
+the KV; and the step's batch plan), then every rank runs its part of the same batched
+forward. Rank 0's prefix cache (`RecordingPrefixCache`) decides hits and evictions; each
+other rank keeps its part of the same entries (`PrefixMirror`), so a hit saves the
+prefill on every rank and the cached-token count rank 0 reports is the group's.
+
+Rank 0 keeps every request's state (`RequestState`): seeded generators, penalties, logit
+bias, logprobs and constraints live in one place, and the next step's header carries the
+chosen tokens, so no extra message is needed for them. A pipeline's last rank may choose
+a request's token itself (`pipeline.py`) from what rank 0 puts in the header.
 
 How a step travels (a broadcast to every rank in lockstep, or rank to rank with several
 steps in flight) is the shard's parallelism's: `<kind>.py` here, looked up by the shard's
@@ -39,10 +45,15 @@ from exo.worker.engines.torch.batching.scheduler import BatchScheduler
 from exo.worker.engines.torch.comm.process_group import IDLE_WAIT
 from exo.worker.engines.torch.model.families import family_for_architecture
 from exo.worker.engines.torch.parallel import engine_transform
+from exo.worker.engines.torch.parallel.last_rank_sampling import PipelineTraffic
 from exo.worker.engines.torch.parallel.rank_steps import (
     SHUTDOWN,
     STEP,
     WARMUP_DONE,
+    CacheOp,
+    CacheOpLog,
+    PrefixMirror,
+    RecordingPrefixCache,
     RecordingSlotKVCache,
     StepHeader,
     replay_cache_ops,
@@ -76,8 +87,11 @@ class RankGroup:
         self.world_size = shard.world_size
         self.transform = engine_transform(shard.sharding)
         self.shut_down = False
+        self.traffic = PipelineTraffic()
         # This rank's KV slots (rank 0's is its scheduler's, built with it).
         self._slots: SlotKVCache | None = None
+        # Ranks > 0: their part of rank 0's prefix-cache entries.
+        self._mirror = PrefixMirror()
         text_config = model.config.get_text_config()
         self._windows = family_for_architecture(type(model).__name__).attention_windows(
             text_config
@@ -93,14 +107,20 @@ class RankGroup:
     def is_last_rank(self) -> bool:
         return self.rank == self.world_size - 1
 
-    def take_cache_ops(self) -> tuple[tuple[int, int], ...]:
-        """Rank 0's KV-slot operations since the last step (for the next step's header)."""
+    def take_cache_ops(self) -> tuple[CacheOp, ...]:
+        """Rank 0's KV operations since the last step (for the next step's header)."""
         assert isinstance(self._slots, RecordingSlotKVCache)
-        return self._slots.take_ops()
+        return self._slots.log.take()
+
+    @property
+    def prefix_mirror(self) -> PrefixMirror:
+        """Ranks > 0: this rank's part of rank 0's prefix-cache entries."""
+        return self._mirror
 
     def _new_slot_cache(
-        self, cache_class: type[SlotKVCache], max_concurrent_requests: int
+        self, max_concurrent_requests: int, log: CacheOpLog | None = None
     ) -> SlotKVCache:
+        """This rank's KV slots (recording into `log` on rank 0)."""
         """This rank's KV slots: its layers, its KV heads (`EngineTransform.kv_heads`)."""
         text_config = self.model.config.get_text_config()
         geometry = kv_geometry_of_config(text_config, len(self._windows))
@@ -119,24 +139,26 @@ class RankGroup:
             own_config = getattr(layer.self_attn, "config", None)
             if own_config is not None and own_config is not text_config:
                 own_config._attn_implementation = BATCHED_ATTENTION
-        return cache_class(
-            geometry.layers,
-            kv_heads,
-            geometry.head_dim,
-            dtype,
-            self.device,
-            max_concurrent_requests,
-            geometry.latent_values,
-        )
+        arguments = (
+            geometry.layers, kv_heads, geometry.head_dim, dtype, self.device,
+            max_concurrent_requests, geometry.latent_values,
+        )  # fmt: skip
+        if log is None:
+            return SlotKVCache(*arguments)
+        return RecordingSlotKVCache(*arguments, log=log)
 
     def build_scheduler(self, kv_cache_tokens: int, max_concurrent_requests: int) -> BatchScheduler:
-        """Rank 0's scheduler, its steps run across the group."""
+        """Rank 0's scheduler, its steps run across the group, with the group's prefix
+        cache (`RecordingPrefixCache`)."""
         self.check_rank_zero()
-        cache = self._new_slot_cache(RecordingSlotKVCache, max_concurrent_requests)
+        log = CacheOpLog()
+        cache = self._new_slot_cache(max_concurrent_requests, log)
+        assert isinstance(cache, RecordingSlotKVCache)
+        cache.prefix = RecordingPrefixCache(kv_cache_tokens, log)
         self._slots = cache
         hooks = self.transform.scheduler_hooks(self)
         return BatchScheduler(
-            self.model, cache, self._windows, self._layer_of, kv_cache_tokens, None,
+            self.model, cache, self._windows, self._layer_of, kv_cache_tokens, cache.prefix,
             self.device, forward=hooks.forward, launch=hooks.launch,
             max_in_flight=hooks.max_in_flight,
         )  # fmt: skip
@@ -193,12 +215,12 @@ class RankGroup:
         """Run rank 0's steps until a control command (`WARMUP_DONE`, `SHUTDOWN`); return
         it (passed on first to the ranks that still need it)."""
         if self._slots is None:
-            self._slots = self._new_slot_cache(SlotKVCache, max_concurrent_requests)
+            self._slots = self._new_slot_cache(max_concurrent_requests)
         while True:
             header = self.transform.receive_header(self, IDLE_WAIT)
             if header.command != STEP:
                 self.transform.pass_on_control(self, header)
                 return header.command
-            replay_cache_ops(self._slots, header.cache_ops)
+            replay_cache_ops(self._slots, header.cache_ops, self._mirror)
             plan = header.plan(self._slots, self._windows, self._layer_of)
             self.transform.serve_step(self, header, plan)

@@ -1,10 +1,12 @@
 """What the ranks of a split instance exchange to run one batched step together.
 
 Rank 0 runs the single-rank `BatchScheduler` (admission, chunked prefill, pre-emption,
-sampling) over its part of the model. Each step it sends the other ranks a `StepHeader`: the
-KV-slot operations it made since the last step (`allocate` / `free` / `reserve` of
-`SlotKVCache`, recorded by `RecordingSlotKVCache`, replayed in the same order by
-`replay_cache_ops`, so every rank's slot `s` holds the same request's KV) and the step's
+prefix cache, sampling) over its part of the model. Each step it sends the other ranks a
+`StepHeader`: the KV operations it made since the last step (`allocate` / `free` /
+`reserve` / `read` / `write` of `SlotKVCache` and the prefix cache's stores and drops,
+recorded by `RecordingSlotKVCache` and `RecordingPrefixCache` into one `CacheOpLog`,
+replayed in the same order by `replay_cache_ops`, so every rank's slot `s` holds the same
+request's KV and every rank's prefix entry `k` the same sequence's) and the step's
 `BatchPlan` (decoding slots and positions, prefill segments), its token ids, positions and
 logit rows. The header is one int64 tensor, sent as its length then its values (one
 message over the links of `comm/tcp_mesh.py`, or two gloo sends without them).
@@ -18,7 +20,7 @@ the backward pass).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any, cast
@@ -33,75 +35,177 @@ from exo.worker.engines.torch.batching.batch_attention import (
     forward_batch,
     lean_step_of,
 )
+from exo.worker.engines.torch.batching.prefix_cache import PrefixCache, PrefixMatch
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.comm.process_group import (
     broadcast_message,
     receive_message,
     send_message,
 )
+from exo.worker.engines.torch.parallel.last_rank_sampling import FULL_ROW, RowSampling
 
 # StepHeader.command
 STEP = 1  # run the step the header describes
 WARMUP_DONE = 2  # rank 0 finished its warm-up generation
 SHUTDOWN = 3  # rank 0 is shutting down: the other ranks return
 
-# Cache operations (kind, argument) in StepHeader.cache_ops
-CACHE_ALLOCATE = 1  # argument: the slot rank 0 got (checked on replay)
-CACHE_FREE = 2  # argument: the freed slot (the last occupied slot moves into it)
-CACHE_RESERVE = 3  # argument: tokens per slot to make room for
+# Cache operations (kind, a, b, c) in StepHeader.cache_ops (unused arguments 0).
+CACHE_ALLOCATE = 1  # a: the slot rank 0 got (checked on replay)
+CACHE_FREE = 2  # a: the freed slot (the last occupied slot moves into it)
+CACHE_RESERVE = 3  # a: tokens per slot to make room for
+CACHE_READ = 4  # a: slot, b: length: copy the slot's first b positions (for CACHE_STORE)
+CACHE_STORE = 5  # a: prefix entry key (-1: none): the last CACHE_READ's copy becomes it
+CACHE_LOAD = 6  # a: slot, b: entry key, c: length: the entry's first c positions into a
+CACHE_DROP = 7  # a: entry key: the entry left rank 0's prefix cache
+
+CacheOp = tuple[int, int, int, int]
 
 
-class RecordingSlotKVCache(SlotKVCache):
-    """Rank 0's `SlotKVCache`: records every slot operation for the other ranks to replay.
+class CacheOpLog:
+    """Rank 0's KV operations (slots and prefix cache) since the last step, in order."""
 
-    A multi-rank engine keeps no prefix cache (rank 0 holds only its own part of the KV), so
-    `write` is refused.
-    """
+    def __init__(self) -> None:
+        self._ops: list[CacheOp] = []
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._ops: list[tuple[int, int]] = []
+    def record(self, kind: int, a: int = 0, b: int = 0, c: int = 0) -> None:
+        self._ops.append((kind, a, b, c))
 
-    def allocate(self) -> int:
-        slot = super().allocate()
-        self._ops.append((CACHE_ALLOCATE, slot))
-        return slot
-
-    def free(self, slot: int) -> int | None:
-        self._ops.append((CACHE_FREE, slot))
-        return super().free(slot)
-
-    def reserve(self, tokens: int) -> None:
-        if tokens > self.capacity:
-            self._ops.append((CACHE_RESERVE, tokens))
-        super().reserve(tokens)
-
-    def write(self, slot: int, kv: torch.Tensor, length: int) -> None:
-        raise RuntimeError("a multi-rank engine keeps no prefix cache")
-
-    def take_ops(self) -> tuple[tuple[int, int], ...]:
+    def take(self) -> tuple[CacheOp, ...]:
         """The operations since the last call, in order (and forget them)."""
         ops, self._ops = tuple(self._ops), []
         return ops
 
 
-def replay_cache_ops(cache: SlotKVCache, ops: tuple[tuple[int, int], ...]) -> None:
-    """Apply rank 0's slot operations to this rank's cache.
+class RecordingPrefixCache(PrefixCache):
+    """Rank 0's prefix cache of a split instance: rank 0 alone decides hits, insertions and
+    evictions (it holds the only token lists and the LRU order) and records each as a
+    `CACHE_*` operation; every other rank keeps the same entries of its own part of the KV
+    (`PrefixMirror`), keyed by rank 0's entry keys.
+
+    Rank 0 decides rather than every rank mirroring the decisions from the same inputs:
+    the ranks > 0 never see the requests' token lists (only each step's rows), and one
+    decider cannot drift (a mirror that ran its own LRU would diverge at the first
+    difference, e.g. a lookup rank 0 made for a request it then did not admit)."""
+
+    def __init__(self, capacity_tokens: int, log: CacheOpLog) -> None:
+        super().__init__(capacity_tokens, on_remove=lambda key: log.record(CACHE_DROP, key))
+        self._log = log
+        # The last match `lookup` handed out: the scheduler copies it into a slot next
+        # (`RecordingSlotKVCache.write` names its entry to the other ranks).
+        self.last_match: PrefixMatch | None = None
+
+    def lookup(self, token_ids: list[int], limit: int) -> PrefixMatch | None:
+        self.last_match = super().lookup(token_ids, limit)
+        return self.last_match
+
+    def insert(self, token_ids: list[int], kv: torch.Tensor) -> int | None:
+        key = super().insert(token_ids, kv)
+        self._log.record(CACHE_STORE, -1 if key is None else key)
+        return key
+
+
+class RecordingSlotKVCache(SlotKVCache):
+    """Rank 0's `SlotKVCache`: records every slot operation for the other ranks to replay
+    (into `log`, shared with its `RecordingPrefixCache`, set as `prefix`): a `read` (the
+    KV of a finished request, for the prefix cache) and a `write` (a prefix hit copied
+    into a slot) included."""
+
+    def __init__(self, *args: Any, log: CacheOpLog, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log = log
+        self.prefix: RecordingPrefixCache | None = None
+
+    def allocate(self) -> int:
+        slot = super().allocate()
+        self.log.record(CACHE_ALLOCATE, slot)
+        return slot
+
+    def free(self, slot: int) -> int | None:
+        self.log.record(CACHE_FREE, slot)
+        return super().free(slot)
+
+    def reserve(self, tokens: int) -> None:
+        if tokens > self.capacity:
+            self.log.record(CACHE_RESERVE, tokens)
+        super().reserve(tokens)
+
+    def read(self, slot: int, length: int) -> torch.Tensor:
+        self.log.record(CACHE_READ, slot, length)
+        return super().read(slot, length)
+
+    def write(self, slot: int, kv: torch.Tensor, length: int) -> None:
+        """Copy a prefix hit into `slot`: only the prefix cache's last match may be written
+        (the other ranks copy the same entry of theirs).
+
+        Raises:
+            RuntimeError: `kv` is not the prefix cache's last match.
+        """
+        match = None if self.prefix is None else self.prefix.last_match
+        if match is None or match.kv is not kv:
+            raise RuntimeError("a split instance writes a KV slot only from a prefix hit")
+        self.log.record(CACHE_LOAD, slot, match.key, length)
+        super().write(slot, kv, length)
+
+
+@dataclass(slots=True)
+class PrefixMirror:
+    """A rank > 0's prefix entries: its own part of the KV of each entry of rank 0's
+    `RecordingPrefixCache`, under rank 0's key (`[layers, 2, kv_heads, length, head_dim]`
+    of this rank's layers and heads, as `SlotKVCache.read` gives)."""
+
+    entries: dict[int, torch.Tensor] = field(default_factory=dict)
+    # The last CACHE_READ's copy, until CACHE_STORE names it.
+    pending: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(kv.shape[3]) for kv in self.entries.values())
+
+
+def replay_cache_ops(
+    cache: SlotKVCache, ops: tuple[CacheOp, ...], mirror: PrefixMirror | None = None
+) -> None:
+    """Apply rank 0's KV operations to this rank's slots and prefix entries, in order.
+    Entries rank 0 dropped leave after the whole list: rank 0 may evict a hit's entry to
+    make room for the request it is admitting, then copy it (its tensor still held), in
+    the same step's operations.
 
     Raises:
-        RuntimeError: an allocation got another slot than rank 0's (the caches diverged).
+        RuntimeError: an allocation got another slot than rank 0's, or an entry is unknown
+            (the ranks diverged).
     """
-    for kind, argument in ops:
+    mirror = mirror if mirror is not None else PrefixMirror()
+    dropped: list[int] = []
+    for kind, a, b, c in ops:
         if kind == CACHE_ALLOCATE:
             slot = cache.allocate()
-            if slot != argument:
-                raise RuntimeError(f"KV slot {slot} allocated where rank 0 got {argument}")
+            if slot != a:
+                raise RuntimeError(f"KV slot {slot} allocated where rank 0 got {a}")
         elif kind == CACHE_FREE:
-            cache.free(argument)
+            cache.free(a)
         elif kind == CACHE_RESERVE:
-            cache.reserve(argument)
+            cache.reserve(a)
+        elif kind == CACHE_READ:
+            mirror.pending = cache.read(a, b)
+        elif kind == CACHE_STORE:
+            if mirror.pending is None:
+                raise RuntimeError("prefix entry stored with no KV read before it")
+            if a >= 0:
+                mirror.entries[a] = mirror.pending
+            mirror.pending = None
+        elif kind == CACHE_LOAD:
+            kv = mirror.entries.get(b)
+            if kv is None:
+                raise RuntimeError(f"rank 0 copied prefix entry {b}, which this rank lacks")
+            cache.write(a, kv, c)
+        elif kind == CACHE_DROP:
+            if a not in mirror.entries:
+                raise RuntimeError(f"rank 0 dropped prefix entry {a}, which this rank lacks")
+            dropped.append(a)
         else:
             raise RuntimeError(f"unknown KV cache operation {kind}")
+    for key in dropped:
+        del mirror.entries[key]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,21 +214,25 @@ class StepHeader:
 
     Attributes:
         command: `STEP`, `WARMUP_DONE` or `SHUTDOWN` (the other fields empty for the last two).
-        cache_ops: slot operations to replay before the step (`CACHE_*`, argument).
+        cache_ops: KV operations to replay before the step (`CACHE_*`, a, b, c).
         decode_slots / decode_positions: one row per decoding request (`BatchPlan`).
         prefill: prefill segments following the decode rows.
         input_ids / position_ids: `[T]` the step's flattened tokens and their positions.
-        logit_rows: `[R]` rows whose logits are wanted (the last rank sends `[R, vocab]`).
+        logit_rows: `[R]` rows whose logits are wanted.
+        samplings: a pipeline step's, one per logit row: what the last rank sends back for
+            it (`last_rank_sampling.RowSampling`); empty: `[R, vocab]` logits (tensor
+            and expert ranks never send logits).
     """
 
     command: int
-    cache_ops: tuple[tuple[int, int], ...] = ()
+    cache_ops: tuple[CacheOp, ...] = ()
     decode_slots: tuple[int, ...] = ()
     decode_positions: tuple[int, ...] = ()
     prefill: tuple[PrefillSegment, ...] = ()
     input_ids: tuple[int, ...] = ()
     position_ids: tuple[int, ...] = ()
     logit_rows: tuple[int, ...] = ()
+    samplings: tuple[RowSampling, ...] = ()
 
     @classmethod
     def from_plan(
@@ -133,19 +241,25 @@ class StepHeader:
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         logit_rows: torch.Tensor,
-        cache_ops: tuple[tuple[int, int], ...],
+        cache_ops: tuple[CacheOp, ...],
+        samplings: tuple[RowSampling, ...] = (),
     ) -> StepHeader:
         """The header of a step `forward_batch` would run (`input_ids` / `position_ids`
         `[1, T]`, `logit_rows` `[R]`)."""
         return cls(
             STEP, cache_ops, tuple(plan.decode_slots), tuple(plan.decode_positions),
             tuple(plan.prefill), tuple(input_ids[0].tolist()), tuple(position_ids[0].tolist()),
-            tuple(logit_rows.tolist()),
+            tuple(logit_rows.tolist()), samplings,
         )  # fmt: skip
 
     @property
     def rows(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def row_samplings(self) -> tuple[RowSampling, ...]:
+        """One per logit row: `samplings`, or whole logits for every row without them."""
+        return self.samplings or (FULL_ROW,) * len(self.logit_rows)
 
     def plan(self, cache: SlotKVCache, windows: Any, layer_of: dict[int, int]) -> BatchPlan:
         """This rank's `BatchPlan` of the step (over this rank's cache and layers)."""
@@ -166,14 +280,17 @@ class StepHeader:
     def encode(self) -> torch.Tensor:
         """The header as one int64 vector (counts first, then each list)."""
         values = [self.command, len(self.cache_ops)]
-        for kind, argument in self.cache_ops:
-            values += [kind, argument]
+        for op in self.cache_ops:
+            values += op
         values += [len(self.decode_slots), *self.decode_slots, *self.decode_positions]
         values.append(len(self.prefill))
         for segment in self.prefill:
             values += [segment.slot, segment.start, segment.offset, segment.length]
         values += [len(self.input_ids), *self.input_ids, *self.position_ids]
         values += [len(self.logit_rows), *self.logit_rows]
+        values.append(len(self.samplings))
+        for sampling in self.samplings:
+            values += sampling.encode()
         return torch.tensor(values, dtype=torch.int64)
 
     @classmethod
@@ -189,8 +306,11 @@ class StepHeader:
             return taken
 
         command, op_count = take(2)
-        flat_ops = take(2 * op_count)
-        ops = tuple((flat_ops[i], flat_ops[i + 1]) for i in range(0, len(flat_ops), 2))
+        flat_ops = take(4 * op_count)
+        ops = tuple(
+            (flat_ops[i], flat_ops[i + 1], flat_ops[i + 2], flat_ops[i + 3])
+            for i in range(0, len(flat_ops), 4)
+        )
         (decoding,) = take(1)
         slots, positions = tuple(take(decoding)), tuple(take(decoding))
         (segment_count,) = take(1)
@@ -202,9 +322,19 @@ class StepHeader:
         input_ids, position_ids = tuple(take(rows)), tuple(take(rows))
         (logit_count,) = take(1)
         logit_rows = tuple(take(logit_count))
+        (sampling_count,) = take(1)
+        width = RowSampling.WIDTH
+        flat_samplings = take(width * sampling_count)
+        samplings = tuple(
+            RowSampling.decode(flat_samplings[i : i + width])
+            for i in range(0, len(flat_samplings), width)
+        )
         if cursor != len(values):
             raise RuntimeError(f"malformed step header ({len(values)} values, read {cursor})")
-        return cls(command, ops, slots, positions, segments, input_ids, position_ids, logit_rows)
+        return cls(
+            command, ops, slots, positions, segments, input_ids, position_ids, logit_rows,
+            samplings,
+        )  # fmt: skip
 
 
 def broadcast_step(header: StepHeader | None, idle_wait: timedelta) -> StepHeader:
@@ -301,6 +431,11 @@ def split_micro_batches(step: StepHeader, parts: int) -> list[MicroBatch]:
                 )
             rows.extend(step_rows)
         local_logits = [local for local, row in enumerate(rows) if row in logit_index]
+        samplings = (
+            tuple(step.samplings[logit_index[rows[local]]] for local in local_logits)
+            if step.samplings
+            else ()
+        )
         header = StepHeader(
             STEP,
             step.cache_ops if not micro_batches else (),
@@ -310,6 +445,7 @@ def split_micro_batches(step: StepHeader, parts: int) -> list[MicroBatch]:
             tuple(step.input_ids[row] for row in rows),
             tuple(step.position_ids[row] for row in rows),
             tuple(local_logits),
+            samplings,
         )
         order = tuple(logit_index[rows[local]] for local in local_logits)
         micro_batches.append(MicroBatch(header, order))

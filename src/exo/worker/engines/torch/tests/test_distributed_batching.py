@@ -79,6 +79,10 @@ class RecordingChooser:
         self._forced = forced
         self._log = log
 
+    @property
+    def needs_logits(self) -> bool:
+        return True  # it records them (a pipeline's last rank then sends them)
+
     def choose(self, logits: torch.Tensor) -> int:
         self._log.append(logits.detach().float().cpu().clone())
         token = int(self._inner.choose(logits))

@@ -1,10 +1,15 @@
-"""Sharded == unsharded for requests that need the logits on rank 0 (logprobs, penalties, a
-logit bias, a JSON or JSON-schema constraint): a 2-rank pipeline (the last rank then sends
-logits instead of a token) and a 2-rank tensor group give the single process's tokens and
-logprobs."""
+"""Sharded == unsharded for requests beyond plain sampling (logprobs, penalties, a logit
+bias, a JSON or JSON-schema constraint) and for a conversation's second turn served from the
+prefix cache: a 2-rank pipeline and a 2-rank tensor group (gloo over 127.0.0.1, spawned
+processes, a tiny random float32 llama) give the single process's tokens, logprobs and
+cached token counts. On the pipeline the last rank chooses the tokens of the requests
+without penalties, bias or constraint (with their logprobs when asked) and sends the
+others' logits (`parallel/last_rank_sampling.py`): the rows it answered each way are
+counted."""
 
 from __future__ import annotations
 
+import json
 import math
 import queue
 import time
@@ -22,11 +27,13 @@ from exo.testing.ports import free_port
 from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.engine_factory import load_engine
+from exo.worker.engines.torch.parallel.last_rank_sampling import PipelineTraffic
 from exo.worker.engines.torch.tests.test_distributed import (
     GROUP_DEADLINE_S,
     make_shard,
     request,
 )
+from exo.worker.engines.torch.tests.test_distributed_prefix import Turn, conversation
 
 # A token the logit bias forces (an ordinary one of the tiny model's SmolLM2 vocabulary).
 BIASED_TOKEN = 314
@@ -53,6 +60,9 @@ REQUESTS: tuple[dict[str, Any], ...] = (
 
 # One result per request: the tokens, and per token (id, logprob, top ids, top logprobs).
 Outcome = tuple[list[int], list[tuple[int, float, list[int], list[float]]]]
+# A group's (or the single process's): every request's outcome, the conversation's turns
+# (`test_distributed_prefix.conversation`), and rank 0's pipeline traffic.
+GroupOutcome = tuple[list[Outcome], list[Turn], PipelineTraffic | None]
 
 
 def generate_all(engine: TorchEngine) -> list[Outcome]:
@@ -86,7 +96,9 @@ def _rank_main(
         engine = load_engine(Path(model_dir), shard, weight_dtype="float32")
         engine.warmup()
         if rank == 0:
-            results.put(("outcomes", rank, generate_all(engine)))
+            outcomes, turns = generate_all(engine), conversation(engine)
+            traffic = engine.group.traffic if engine.group is not None else None
+            results.put(("outcomes", rank, (outcomes, turns, traffic)))
             engine.shutdown()
         else:
             engine.serve_forever()
@@ -96,7 +108,7 @@ def _rank_main(
         results.put(("error", rank, traceback.format_exc()))
 
 
-def run_group(model_dir: Path, mode: str, world_size: int = 2) -> list[Outcome]:
+def run_group(model_dir: Path, mode: str, world_size: int = 2) -> GroupOutcome:
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = free_port()
@@ -106,7 +118,7 @@ def run_group(model_dir: Path, mode: str, world_size: int = 2) -> list[Outcome]:
         )
         for rank in range(world_size)
     ]
-    outcomes: list[Outcome] = []
+    outcomes: GroupOutcome | None = None
     try:
         for process in processes:
             process.start()
@@ -128,6 +140,7 @@ def run_group(model_dir: Path, mode: str, world_size: int = 2) -> list[Outcome]:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=10)
+    assert outcomes is not None
     return outcomes
 
 
@@ -139,7 +152,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> 
 
 
 @pytest.fixture(scope="module")
-def single_process(tiny_dir: Path) -> list[Outcome]:
+def single_process(tiny_dir: Path) -> GroupOutcome:
     card = card_from_local_directory(tiny_dir)
     shard = ShardMetadata(
         sharding="pipeline",
@@ -149,7 +162,14 @@ def single_process(tiny_dir: Path) -> list[Outcome]:
         start_layer=0,
         end_layer=card.n_layers,
     )
-    return generate_all(load_engine(tiny_dir, shard, weight_dtype="float32"))
+    engine = load_engine(tiny_dir, shard, weight_dtype="float32")
+    return generate_all(engine), conversation(engine), None
+
+
+@pytest.fixture(scope="module", params=["pipeline", "tensor"])
+def sharded(request: pytest.FixtureRequest, tiny_dir: Path) -> tuple[str, GroupOutcome]:
+    """One 2-rank group per mode, shared by the tests below."""
+    return request.param, run_group(tiny_dir, request.param)
 
 
 def assert_same(sharded: list[Outcome], single: list[Outcome]) -> None:
@@ -171,15 +191,39 @@ def assert_same(sharded: list[Outcome], single: list[Outcome]) -> None:
                 assert math.isclose(top_value, e_top_value, abs_tol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
 def test_two_ranks_equal_single_process_with_logits_features(
-    tiny_dir: Path, single_process: list[Outcome], mode: str
+    sharded: tuple[str, GroupOutcome], single_process: GroupOutcome, tiny_dir: Path
 ) -> None:
-    assert any(tokens for tokens, _logprobs in single_process)
+    single = single_process[0]
+    assert any(tokens for tokens, _logprobs in single)
     # The bias is visible: +100 makes its token the greedy choice at every step.
-    biased_tokens, _ = single_process[REQUESTS.index(BIASED_REQUEST)]
+    biased_tokens, _ = single[REQUESTS.index(BIASED_REQUEST)]
     assert biased_tokens == [BIASED_TOKEN] * BIASED_REQUEST["max_tokens"]
-    assert_same(run_group(tiny_dir, mode), single_process)
+    mode, (outcomes, _turns, traffic) = sharded
+    assert_same(outcomes, single)
+    if mode != "pipeline":
+        return
+    # The last rank sent the logits of the requests with penalties, a bias or a constraint
+    # only; for the others one token (and its logprobs, for the first request's 3 top).
+    assert traffic is not None and traffic.lean_rows > 0 and traffic.full_rows > 0
+    vocab_size = json.loads((tiny_dir / "config.json").read_text())["vocab_size"]
+    full_values = traffic.full_rows * vocab_size
+    assert traffic.lean_rows <= traffic.values - full_values <= (3 + 2 * 3) * traffic.lean_rows
+
+
+def test_two_ranks_reuse_a_cached_prefix_like_the_single_process(
+    sharded: tuple[str, GroupOutcome], single_process: GroupOutcome
+) -> None:
+    """The second turn of a conversation hits the first turn's cached prefix (every rank
+    copies its part of the same entry), with the single process's cached count and the
+    cold answer's tokens."""
+    single = single_process[1]
+    (_, first_cached), (warm_tokens, warm_cached), (cold_tokens, cold_cached) = single
+    assert first_cached == 0 and cold_cached == 0
+    assert warm_cached > 64  # the first turn's long prompt, from the cache
+    assert warm_tokens == cold_tokens
+    mode, (_outcomes, turns, _traffic) = sharded
+    assert turns == single, mode
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,195 @@
+"""A pipeline's last rank chooses tokens itself instead of shipping whole logits rows.
+
+Each logit row of a pipeline step carries a `RowSampling` in the step header (rank 0 fills
+it from the row's request): what the last rank sends back to rank 0 for that row.
+
+- A lean row (a request whose `TokenChooser` has no penalties, logit bias or constraint:
+  `needs_logits` False) travels with its sampling settings (temperature, top-k, top-p,
+  min-p) and, when it samples, the uniform number rank 0 drew from the request's seeded
+  generator (`Sampler.uniform`). The last rank picks the token with the same function rank
+  0 would (`sampling.sample_unconstrained`), so sharded == single holds for greedy and
+  seeded requests, and sends back the token id, plus its logprob and `top_logprobs`
+  alternatives (`step_logprobs`) only when the request asked for logprobs: 1, or
+  3 + 2 x top_logprobs, float32 values instead of `vocab`.
+- A full row (penalties, logit bias, a JSON / JSON-schema / tool-call constraint, or the
+  test seam's scripted reply) still gets its whole `[vocab]` float32 logits: their state
+  (token counts, the grammar's position, the constraint's vocabulary) lives with the
+  request on rank 0, which applies them as on a single node. Moving them to the last rank
+  would mean mirroring that state there (penalty counts and grammar state advanced with
+  every token); not done.
+
+The generator stays on rank 0 (one place for a request's state, which pre-emption and
+cancellation already handle); a uniform drawn for a step whose row is then skipped (the
+request pre-empted meanwhile) is kept for the next draw, so the sequence of draws is the
+single node's.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from exo.worker.engines.torch.batching.request_state import RequestState
+from exo.worker.engines.torch.decoding.sampling import (
+    SampledToken,
+    StepLogprobs,
+    sample_unconstrained,
+    step_logprobs,
+)
+from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
+
+# Token ids travel as float32 values in the answer: exact below 2**24.
+LARGEST_EXACT_ID = 1 << 24
+
+
+def _float_bits(value: float) -> int:
+    """The float64 `value`'s bits as an int64 (the step header is int64)."""
+    (bits,) = struct.unpack("<q", struct.pack("<d", value))
+    return int(bits)
+
+
+def _bits_float(bits: int) -> float:
+    (value,) = struct.unpack("<d", struct.pack("<q", bits))
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class RowSampling:
+    """What the last rank answers for one logit row (see the module docstring).
+
+    Attributes:
+        lean: False: the row's `[vocab]` logits; True: the token the settings below pick.
+        top_logprobs: -1: no logprobs; else the token's logprob and this many alternatives
+            (sent as: token, logprob, count, count ids, count logprobs).
+        temperature / top_k / top_p / min_p: the request's `SamplingParams` filters.
+        uniform: the draw's number in [0, 1) (`Sampler.uniform`; 0 when greedy).
+    """
+
+    lean: bool
+    top_logprobs: int = -1
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    uniform: float = 0.0
+
+    WIDTH: ClassVar[int] = 7  # int64 values per row in the header
+
+    @classmethod
+    def of(cls, state: RequestState) -> RowSampling:
+        """Rank 0: the row of `state`'s next token (draws its uniform number when lean and
+        not greedy)."""
+        chooser = state.chooser
+        if chooser.needs_logits:
+            return FULL_ROW
+        params = chooser.sampler.params
+        uniform = 0.0 if params.is_greedy else float(chooser.sampler.uniform())
+        top = -1 if state.top_logprobs is None else state.top_logprobs
+        return cls(True, top, params.temperature, params.top_k, params.top_p, params.min_p, uniform)
+
+    def encode(self) -> list[int]:
+        return [
+            int(self.lean), self.top_logprobs, self.top_k, _float_bits(self.temperature),
+            _float_bits(self.top_p), _float_bits(self.min_p), _float_bits(self.uniform),
+        ]  # fmt: skip
+
+    @classmethod
+    def decode(cls, values: Sequence[int]) -> RowSampling:
+        lean, top, top_k, temperature, top_p, min_p, uniform = values
+        return cls(
+            bool(lean), top, _bits_float(temperature), top_k, _bits_float(top_p),
+            _bits_float(min_p), _bits_float(uniform),
+        )  # fmt: skip
+
+    def answer_size(self, vocab_size: int) -> int:
+        """float32 values the last rank sends for this row."""
+        if not self.lean:
+            return vocab_size
+        return 1 if self.top_logprobs < 0 else 3 + 2 * min(self.top_logprobs, vocab_size)
+
+
+FULL_ROW = RowSampling(False)
+
+
+def answer_rows(logits: torch.Tensor, samplings: Sequence[RowSampling]) -> torch.Tensor:
+    """The last rank: its answer for a (micro-)batch's logit rows, one float32 vector of
+    every row's values in order (`RowSampling.answer_size`).
+
+    Args:
+        logits: `[R, vocab]` the rows' logits (float32 or the model's dtype).
+        samplings: one per row.
+
+    Raises:
+        ValueError: a vocabulary too large for token ids in float32.
+    """
+    vocab_size = int(logits.shape[-1])
+    if vocab_size > LARGEST_EXACT_ID:
+        raise ValueError(f"a vocabulary of {vocab_size} ids does not fit float32 token ids")
+    parts: list[torch.Tensor] = []
+    for row, sampling in enumerate(samplings):
+        scores = logits[row].float()
+        if not sampling.lean:
+            parts.append(scores.cpu())
+            continue
+        params = SamplingParams(
+            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+            min_p=sampling.min_p,
+        )  # fmt: skip
+        token = sample_unconstrained(scores, params, sampling.uniform)
+        values = [float(token)]
+        if sampling.top_logprobs >= 0:
+            step = step_logprobs(scores, token, sampling.top_logprobs)
+            values += [step.logprob, float(len(step.top_ids))]
+            values += [float(token_id) for token_id in step.top_ids] + list(step.top_logprobs)
+        parts.append(torch.tensor(values, dtype=torch.float32))
+    if not parts:
+        return torch.empty(0, dtype=torch.float32)
+    return torch.cat(parts)
+
+
+def read_answer(
+    answer: torch.Tensor, samplings: Sequence[RowSampling], vocab_size: int
+) -> list[torch.Tensor | SampledToken]:
+    """Rank 0: `answer_rows`'s vector back into one entry per row: a full row's `[vocab]`
+    logits, a lean row's `SampledToken`."""
+    rows: list[torch.Tensor | SampledToken] = []
+    cursor = 0
+    for sampling in samplings:
+        size = sampling.answer_size(vocab_size)
+        values = answer[cursor : cursor + size]
+        cursor += size
+        if not sampling.lean:
+            rows.append(values)
+            continue
+        token = int(values[0].item())
+        logprobs = None
+        if sampling.top_logprobs >= 0:
+            listed = values.tolist()
+            count = int(listed[2])
+            ids = tuple(int(value) for value in listed[3 : 3 + count])
+            top = tuple(listed[3 + count : 3 + 2 * count])
+            logprobs = StepLogprobs(token, listed[1], ids, top)
+        rows.append(SampledToken(token, logprobs))
+    return rows
+
+
+@dataclass(slots=True)
+class PipelineTraffic:
+    """Rank 0's count of what came back from the last rank: logit rows answered whole and
+    lean, and float32 values received."""
+
+    full_rows: int = 0
+    lean_rows: int = 0
+    values: int = 0
+
+    def count(self, samplings: Sequence[RowSampling], vocab_size: int) -> None:
+        for sampling in samplings:
+            if sampling.lean:
+                self.lean_rows += 1
+            else:
+                self.full_rows += 1
+            self.values += sampling.answer_size(vocab_size)
