@@ -32,8 +32,8 @@ from exo.worker.engines.torch.model.direct_forward import LEAN_ENV
 from exo.worker.engines.torch.model.families import family_by_name
 from exo.worker.engines.torch.quant.quantize import WeightDtype
 
-# A bound against a hung group, not a speed check: the default 2-rank group took 170 s at
-# load 9 on 2 cores (about 60 s quiet).
+# A bound against a hung group, not a speed check: the default 2-rank group took 170 s on
+# 2 cores at load average 9.
 GROUP_DEADLINE_S = 600.0
 PROMPT = "Name three colours and say why the sky is blue."
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 12}
