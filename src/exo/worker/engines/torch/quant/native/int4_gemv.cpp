@@ -1,4 +1,5 @@
-// exo's int4 decode kernel for x86 CPUs without AVX512 (see ../native_kernels.py).
+// exo's int4 decode kernels for x86 CPUs: 256-bit (AVX2), and 512-bit where built with AVX512BW
+// (see ../native_kernels.py and EXO_INT4_AVX512 below).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (decode), where
 //   w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g],  g = k / group_size,
