@@ -379,6 +379,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_a_stream_keeps_decoding(
             assert chunk == min(PREFILL_TOKENS_PER_STEP, prompt_tokens)
         done = progress[0]
     assert done == prompt_tokens
+    # The chunks were sized from this engine's measured steps (one decode row each).
+    assert engine.scheduler.chunk_sizer.decode_seconds(1) is not None
     assert engine.cancel("s")
 
 
