@@ -16,7 +16,9 @@ rows (the nearest measured D where this one has none); `token_seconds` one of a 
 step's time beyond the decode-only time, per prompt token. The per-token cost falls as
 chunks grow (fewer, larger matrix products) and rises with the prompt's position (its
 attention), so the size follows the measurements: it may at most double from one step to
-the next, and until both costs are measured it is `initial`. This is Sarathi-Serve's token
+the next, and until both costs are measured it is `initial`. Where no decode-only step has
+been measured yet (a prompt arrived as the first stream began), the first call returns 0:
+one step without prompt tokens, to measure the decode rows alone. This is Sarathi-Serve's token
 budget per step (Agrawal et al. 2024), set from a latency target instead of a constant.
 """
 
@@ -50,6 +52,7 @@ class PrefillChunkSizer:
     _decode_seconds: dict[int, float] = field(default_factory=dict)
     _token_seconds: float | None = None
     _last_chunk: int = 0
+    _probed: bool = False
 
     def __post_init__(self) -> None:
         if self.maximum < 1 or self.initial < 1:
@@ -88,8 +91,12 @@ class PrefillChunkSizer:
         )
 
     def chunk(self, decode_rows: int) -> int:
-        """Prompt tokens for the next step beside `decode_rows` decode rows (1..maximum)."""
+        """Prompt tokens for the next step beside `decode_rows` decode rows (1..maximum), or
+        0 once while no decode-only step has been measured (a step to measure one)."""
         base = self.decode_seconds(decode_rows)
+        if base is None and decode_rows > 0 and not self._probed:
+            self._probed = True
+            return 0
         if base is None or self._token_seconds is None:
             size = self.initial
         elif self._token_seconds <= 0.0:

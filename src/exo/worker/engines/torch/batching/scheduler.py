@@ -382,7 +382,12 @@ class BatchScheduler:
             )
             room = PREFILL_TOKENS_PER_IDLE_STEP
             if streaming and prefilling:
-                room = self.chunk_sizer.chunk(len(decoding))
+                # Launched steps are not timed: the sizer would never learn their costs.
+                room = (
+                    self.chunk_sizer.chunk(len(decoding))
+                    if self.launch is None and decoding
+                    else PREFILL_TOKENS_PER_STEP
+                )
             for running in prefilling:
                 if room <= 0:
                     break

@@ -369,14 +369,18 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_a_stream_keeps_decoding(
         engine.step()
         steps += 1
         assert len(stream.generated_ids) == before + 1  # one token every step
-        # The prompt's progress (`PrefillProgressChunk`): a chunk more each step, the first
-        # the initial chunk (no prompt token's cost measured yet), then as measured.
+        # The prompt's progress (`PrefillProgressChunk`): first one step without prompt
+        # tokens (the stream's decode step measured alone), then the initial chunk (no prompt
+        # token's cost measured yet), then a chunk as measured each step.
         progress = handle.prefill_progress
         assert progress is not None and progress[1] == prompt_tokens
         chunk = progress[0] - done
-        assert 1 <= chunk <= PREFILL_TOKENS_PER_IDLE_STEP
         if steps == 1:
+            assert chunk == 0
+        elif steps == 2:
             assert chunk == min(PREFILL_TOKENS_PER_STEP, prompt_tokens)
+        else:
+            assert 1 <= chunk <= PREFILL_TOKENS_PER_IDLE_STEP
         done = progress[0]
     assert done == prompt_tokens
     # The chunks were sized from this engine's measured steps (one decode row each).

@@ -8,12 +8,21 @@ import pytest
 from exo.worker.engines.torch.batching.chunk_sizer import PrefillChunkSizer
 
 
+def test_one_step_without_prompt_tokens_measures_the_decode_rows_alone() -> None:
+    sizer = PrefillChunkSizer(maximum=512, initial=8)
+    assert sizer.chunk(0) == 8  # no decode rows: nothing to measure
+    assert sizer.chunk(2) == 0  # the probe, once
+    assert sizer.chunk(2) == 8  # not measured yet (say, the probe step failed): no second
+    sizer.observe(2, 0, 0.004)
+    assert sizer.decode_seconds(2) == pytest.approx(0.004)
+
+
 def test_the_initial_chunk_until_both_costs_are_measured() -> None:
     sizer = PrefillChunkSizer(maximum=512, initial=8)
+    sizer.observe(1, 0, 0.004)
     assert sizer.chunk(1) == 8
     sizer.observe(1, 8, 0.010)  # a chunk step before any decode-only one: no base to subtract
     assert sizer.chunk(1) == 8
-    sizer.observe(1, 0, 0.004)
     assert sizer.decode_seconds(1) == pytest.approx(0.004)
     assert sizer.chunk(1) == 8  # still no per-token cost
 
