@@ -1,7 +1,8 @@
 """Many requests at once: continuous batching, chunked prefill and the prefix cache.
 
 Usage: PYTHONPATH=src python bench/bench_concurrency.py [--json PATH] [--decode-tokens 64]
-       [--concurrency 1 2 4 8] [--models-dir DIR]
+       [--concurrency 1 2 4 8] [--models-dir DIR] [--fixed-chunk N]
+       [--engine-parts aggregate gap second-turn]
 
 Engine section (the default model in this process, the engine's default weights):
 - aggregate decode tok/s with 1, 2, 4, 8 requests decoding together (greedy, EOS ignored,
@@ -23,6 +24,12 @@ API section (a node started on loopback with the default model, or `--api URL`):
 - TTFT p50 / p95: request sent -> first content chunk, over every stream of every round
   (nearest-rank percentiles).
 `--sections api` measures the API alone (`--sections engine` the engine alone).
+
+A/B runs (engine section): `--fixed-chunk N` prefills N prompt tokens per step beside
+decodes instead of the measured chunk size (`batching/chunk_sizer.py`; 8 was the fixed size
+before it); `EXO_NATIVE_AVX512=0` in the environment takes the 256-bit int4 decode kernel
+where the 512-bit one is built; `--engine-parts` picks among the aggregate tok/s, the gap
+during a long prefill and the second turn's TTFT (all by default).
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from exo.worker.engines.torch.batching.request_state import RequestState
 from exo.worker.engines.torch.engine import TorchEngine
 
 DEFAULT_MODEL = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
+ENGINE_PARTS = ("aggregate", "gap", "second-turn")
 
 
 def random_prompt(engine: TorchEngine, tokens: int, seed: int) -> list[int]:
@@ -144,6 +152,7 @@ def engine_gap_during_long_prefill(
         "gap_during_prefill_ms_max": max(during) * 1000,
         "gap_ratio_median": statistics.median(during) / statistics.median(idle),
         "long_prompt_ttft_s": long_ttft,
+        "prefill_steps": len(during),
     }
 
 
@@ -181,25 +190,56 @@ def engine_second_turn_ttft(
     }
 
 
-def engine_section(engine: TorchEngine, concurrency: list[int], decode_tokens: int) -> dict:
+class FixedChunk:
+    """The scheduler's chunk sizer replaced by a fixed prompt chunk per step (A/B runs)."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+
+    def observe(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
+        pass
+
+    def chunk(self, decode_rows: int) -> int:
+        return self.tokens
+
+
+def engine_section(
+    engine: TorchEngine, concurrency: list[int], decode_tokens: int,
+    fixed_chunk: int | None = None, parts: tuple[str, ...] = ENGINE_PARTS,
+) -> dict:  # fmt: skip
     """Every engine measurement, printed as it completes."""
     engine.eos_token_ids = frozenset({-1})  # every request decodes its whole budget
+    if fixed_chunk is not None:
+        engine.scheduler.chunk_sizer = FixedChunk(fixed_chunk)  # type: ignore[assignment]
     results: dict[str, Any] = {"aggregate": []}
-    for count in concurrency:
+    for count in concurrency if "aggregate" in parts else []:
         row = engine_aggregate_decode(engine, count, decode_tokens)
         results["aggregate"].append(row)
         print(f"engine: {count} concurrent: {row['aggregate_tok_s']:.1f} tok/s aggregate")
-    one = results["aggregate"][0]["aggregate_tok_s"]
     for row in results["aggregate"]:
-        row["speedup_over_one"] = row["aggregate_tok_s"] / one
+        row["speedup_over_one"] = (
+            row["aggregate_tok_s"] / results["aggregate"][0]["aggregate_tok_s"]
+        )
+    if results["aggregate"]:
+        print(
+            "engine: aggregate over one: "
+            + ", ".join(
+                f"{row['concurrency']}: {row['speedup_over_one']:.2f}x"
+                for row in results["aggregate"]
+            )
+        )
+    if "gap" not in parts:
+        return results
     gap = engine_gap_during_long_prefill(engine)
     results["gap_during_long_prefill"] = gap
     print(
         f"engine: gap idle {gap['idle_gap_ms_median']:.1f} ms, during a 2,000-token prefill "
         f"{gap['gap_during_prefill_ms_median']:.1f} ms median "
         f"({gap['gap_ratio_median']:.2f}x), {gap['gap_during_prefill_ms_max']:.1f} ms max; "
-        f"long prompt TTFT {gap['long_prompt_ttft_s']:.2f} s"
+        f"long prompt TTFT {gap['long_prompt_ttft_s']:.2f} s in {gap['prefill_steps']} steps"
     )
+    if "second-turn" not in parts:
+        return results
     turn = engine_second_turn_ttft(engine)
     results["second_turn"] = turn
     print(
@@ -357,11 +397,18 @@ def main() -> int:
     )
     parser.add_argument("--api", metavar="URL", help="measure this running node's API")
     parser.add_argument("--api-rounds", type=int, default=3)
+    parser.add_argument("--fixed-chunk", type=int, default=None, metavar="TOKENS")
+    parser.add_argument(
+        "--engine-parts", nargs="+", choices=ENGINE_PARTS, default=list(ENGINE_PARTS)
+    )
     arguments = parser.parse_args()
     results: dict[str, Any] = {"threads": torch.get_num_threads()}
     if "engine" in arguments.sections:
         engine = load_default_engine(arguments.models_dir)
-        results["engine"] = engine_section(engine, arguments.concurrency, arguments.decode_tokens)
+        results["engine"] = engine_section(
+            engine, arguments.concurrency, arguments.decode_tokens, arguments.fixed_chunk,
+            tuple(arguments.engine_parts),
+        )  # fmt: skip
         del engine  # its memory and threads are not the node's to share
     if "api" in arguments.sections:
         with contextlib.ExitStack() as stack:

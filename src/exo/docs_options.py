@@ -162,6 +162,16 @@ ENVIRONMENT = (
         "engine.md#exos-kernels",
     ),
     EnvironmentVariable(
+        "EXO_NATIVE_AVX512",
+        "`0` runs the 256-bit (AVX2) int4 decode kernel where the 512-bit one is built",
+        "engine.md#exos-kernels",
+    ),
+    EnvironmentVariable(
+        "EXO_DECODE_GEMM_MIN_ROWS",
+        "rows of a decode step from which block weights take the integer GEMM",
+        "engine.md#exos-kernels",
+    ),
+    EnvironmentVariable(
         "EXO_NATIVE_DECODE",
         "`0` runs a decode step's layers as torch operators, not one C++ call",
         "engine.md#exos-kernels",

@@ -1,9 +1,12 @@
 """Continuous batching on one rank: which requests run in each step, and the step itself.
 
 Every `step()` runs ONE forward pass (`batch_attention.forward_batch`) over one new token of
-each decoding request plus chunks of at most `PREFILL_TOKENS_PER_STEP` prompt tokens of the
-requests still prefilling, so a long new prompt never stalls the running streams (chunked
-prefill, as in Agrawal et al. 2024, "Sarathi-Serve"); with no request streaming tokens yet
+each decoding request plus a chunk of prompt tokens of the requests still prefilling, so a
+long new prompt never stalls the running streams (chunked prefill, as in Agrawal et al. 2024,
+"Sarathi-Serve"). The chunk is sized from measured step times (`chunk_sizer`: the most prompt
+tokens that keep a step within a multiple of a decode-only step; `PREFILL_TOKENS_PER_STEP`
+until steps have been measured, and always where steps are launched rather than run, whose
+times are not measured); with no request streaming tokens yet
 (nothing decoding, or only requests awaiting their first token from a step in flight),
 prompts are prefilled `PREFILL_TOKENS_PER_IDLE_STEP` tokens at a time. Requests join at any
 step and leave when they finish or are cancelled (iteration-level scheduling, Yu et al. 2022,
@@ -48,19 +51,20 @@ from exo.worker.engines.torch.batching.batch_attention import (
     PrefillSegment,
     forward_batch,
 )
+from exo.worker.engines.torch.batching.chunk_sizer import (
+    DEFAULT_INITIAL_CHUNK,
+    PrefillChunkSizer,
+)
 from exo.worker.engines.torch.batching.prefix_cache import PrefixCache
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.decoding.sampling import SampledToken
 
 # Prompt tokens prefilled per step, over all prefilling requests, while other requests are
-# decoding. A step then costs one decode step plus the chunk's prefill. 8 kept a running
-# stream's median gap within the speed issue's bound (3x idle) while a long prompt was
-# admitted, where 16 did not, when it was chosen (bench/bench_concurrency.py); it also
-# stays within the int4 layers' fused-kernel rows (`Int4Linear.fused_max_rows` = 64) beside
-# a batch of decodes. Decode steps have since got faster than a chunk's step, so the gap
-# ratio is larger now (figures: docs/benchmarks/engine-design-figures.md#schedulerpy).
-PREFILL_TOKENS_PER_STEP = 8
+# decoding, until step times have been measured (then `PrefillChunkSizer` sizes the chunk).
+# 8 kept a running stream's median gap within the speed issue's bound (3x idle) when it was
+# chosen (figures: docs/benchmarks/engine-design-figures.md#schedulerpy).
+PREFILL_TOKENS_PER_STEP = DEFAULT_INITIAL_CHUNK
 # With no request decoding there is no stream to protect: larger chunks prefill faster
 # (fewer steps, better matmul shapes) while bounding activation memory ([chunk,
 # intermediate] MLP activations, [heads, chunk, keys] attention scores).
@@ -167,6 +171,10 @@ class BatchScheduler:
         # The engine's test seam only (`testing_seam`): seconds each step with a prefill
         # chunk sleeps before its forward pass; 0 on every production model.
         self.prefill_chunk_seconds = 0.0
+        # Prompt tokens per step beside decodes, from the measured forward passes.
+        self.chunk_sizer = PrefillChunkSizer(
+            maximum=PREFILL_TOKENS_PER_IDLE_STEP, initial=PREFILL_TOKENS_PER_STEP
+        )
 
     @property
     def max_running(self) -> int:
@@ -299,7 +307,12 @@ class BatchScheduler:
             if self.launch is not None:
                 logits = self.launch(*arguments, [running.state for running in sampled])
             else:
+                started = time.perf_counter()
                 computed = (self._forward or forward_batch)(*arguments)
+                self.chunk_sizer.observe(
+                    len(decoding), sum(length for _, length in prefill),
+                    time.perf_counter() - started,
+                )  # fmt: skip
                 logits = lambda: computed  # noqa: E731
         except Exception:
             self._drop_everything()
@@ -367,11 +380,19 @@ class BatchScheduler:
             # Small chunks protect the gaps of streams that already stream tokens; one
             # awaiting its first token (in flight) has no gap yet.
             streaming = any(running.state.generated_ids for running in streams)
-            room = PREFILL_TOKENS_PER_STEP if streaming else PREFILL_TOKENS_PER_IDLE_STEP
-            for running in sorted(
+            prefilling = sorted(
                 (running for running in self._running if running.prefilling),
                 key=lambda running: running.admitted,
-            ):
+            )
+            room = PREFILL_TOKENS_PER_IDLE_STEP
+            if streaming and prefilling:
+                # Launched steps are not timed: the sizer would never learn their costs.
+                room = (
+                    self.chunk_sizer.chunk(len(decoding))
+                    if self.launch is None and decoding
+                    else PREFILL_TOKENS_PER_STEP
+                )
+            for running in prefilling:
                 if room <= 0:
                     break
                 length = min(room, len(running.tokens) - running.computed)

@@ -22,7 +22,10 @@ from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
-from exo.worker.engines.torch.batching.scheduler import PREFILL_TOKENS_PER_STEP
+from exo.worker.engines.torch.batching.scheduler import (
+    PREFILL_TOKENS_PER_IDLE_STEP,
+    PREFILL_TOKENS_PER_STEP,
+)
 from exo.worker.engines.torch.decoding.sampling import TokenChooser
 from exo.worker.engines.torch.engine import RequestHandle, TorchEngine
 
@@ -360,18 +363,28 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_a_stream_keeps_decoding(
     engine.scheduler.add(long_request)
     handle = RequestHandle("long", prompt_tokens, long_request)
     assert handle.prefill_progress is None  # not admitted yet
-    steps = 0
+    steps, done = 0, 0
     while not long_request.generated_ids:
         before = len(stream.generated_ids)
         engine.step()
         steps += 1
         assert len(stream.generated_ids) == before + 1  # one token every step
-        # The prompt's progress (`PrefillProgressChunk`): a chunk more each step.
-        assert handle.prefill_progress == (
-            min(steps * PREFILL_TOKENS_PER_STEP, prompt_tokens),
-            prompt_tokens,
-        )
-    assert steps == -(-prompt_tokens // PREFILL_TOKENS_PER_STEP)
+        # The prompt's progress (`PrefillProgressChunk`): first one step without prompt
+        # tokens (the stream's decode step measured alone), then the initial chunk (no prompt
+        # token's cost measured yet), then a chunk as measured each step.
+        progress = handle.prefill_progress
+        assert progress is not None and progress[1] == prompt_tokens
+        chunk = progress[0] - done
+        if steps == 1:
+            assert chunk == 0
+        elif steps == 2:
+            assert chunk == min(PREFILL_TOKENS_PER_STEP, prompt_tokens)
+        else:
+            assert 1 <= chunk <= PREFILL_TOKENS_PER_IDLE_STEP
+        done = progress[0]
+    assert done == prompt_tokens
+    # The chunks were sized from this engine's measured steps (one decode row each).
+    assert engine.scheduler.chunk_sizer.decode_seconds(1) is not None
     assert engine.cancel("s")
 
 

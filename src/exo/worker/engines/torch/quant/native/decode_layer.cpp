@@ -42,6 +42,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -147,13 +148,29 @@ void add_bias_rows(const Linear& linear, int64_t rows, float* y) {
 // beside them (model/direct_forward.py). At 8 rows the two took the same time, above it the
 // GEMM is faster (figures: docs/benchmarks/engine-design-figures.md#decode_layercpp).
 constexpr int64_t kGemmMinRows = 8;
+// The same for an int4 weight where the 512-bit int4 decode kernel runs (int4_gemv.cpp): it
+// does a step over 8-16 requests without the GEMM's unpacking of the whole weight to int16
+// per call, which took most of an 8-row step's time
+// (figures: docs/benchmarks/2026-12-05-batching.md). `EXO_DECODE_GEMM_MIN_ROWS` (read once)
+// overrides both bounds, to measure the crossover.
+constexpr int64_t kGemmMinRowsInt4Avx512 = 17;
+
+int64_t gemm_min_rows(bool int4) {
+  static const int64_t forced = [] {
+    const char* value = std::getenv("EXO_DECODE_GEMM_MIN_ROWS");
+    return value == nullptr ? int64_t{0} : std::max<int64_t>(1, std::atoll(value));
+  }();
+  if (forced > 0) return forced;
+  return int4 && exo_native::int4_decode_bits() == 512 ? kGemmMinRowsInt4Avx512 : kGemmMinRows;
+}
 
 // y[rows, out] = x[rows, in] W^T (+ bias when add_bias).
 void apply_linear(const Linear& linear, const float* x, int64_t rows, float* y,
                   bool add_bias = true) {
   const auto kind = linear.weight.scalar_type();
   const bool blocks = (kind == at::kByte || kind == at::kChar) && linear.scale_zero.dim() >= 2;
-  if (blocks && rows >= kGemmMinRows) {
+  const bool int4 = kind == at::kByte && linear.scale_zero.dim() == 3;
+  if (blocks && rows >= gemm_min_rows(int4)) {
     exo_native::block_matmul(x, rows, linear.in, linear.weight, linear.scale_zero, y);
   } else if (kind == at::kByte && linear.scale_zero.dim() == 2) {
     exo_native::int5_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);

@@ -1,4 +1,5 @@
-// exo's int4 decode kernel for x86 CPUs without AVX512 (see ../native_kernels.py).
+// exo's int4 decode kernels for x86 CPUs: 256-bit (AVX2), and 512-bit where built with AVX512BW
+// (see ../native_kernels.py and EXO_INT4_AVX512 below).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (decode), where
 //   w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g],  g = k / group_size,
@@ -38,7 +39,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -158,6 +161,198 @@ void rows_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
 }
 #endif
 
+#if defined(EXO_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define EXO_INT4_AVX512 1
+// The 512-bit kernel (CPUs with AVX512BW; built with it by native_kernels._flags): the same
+// exact int32 block sums as the 256-bit one, twice the inputs per instruction. Each 64-byte
+// load is two pairs of blocks (128 inputs, blocks 4c..4c+3); its int16 lanes 0-15 are the
+// first pair's, 16-31 the second's, so the activations of each full 128 inputs are
+// reordered to match (`interleave_chunks`): for j = 0..3, inputs 16 j..16 j + 15 then
+// 64 + 16 j..64 + 16 j + 15. Each block's two scales are multiplied together once per tile
+// (`combined`, vectorized) instead of once per block and activation row inside the loop,
+// and with AVX512-VNNI each multiply-add and its int32 add are one vpdpwssd: the per-row
+// work per 128 weights is 4 vpdpwssd, 2 conversions, 2 permutes (a block's scale to its
+// 8 lanes) and 2 FMAs, against about twice that for the 256-bit kernel, which is what a
+// decode step over many requests (one weight read for all rows) is bound by
+// (figures: docs/benchmarks/2026-12-05-batching.md). A last odd pair and an odd last block
+// take 256-bit code in the activations' natural order.
+
+inline __m512i multiply_add(__m512i acc, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+constexpr int64_t kChunk = 128;  // inputs per 64-byte load: two pairs of blocks
+
+// Every full chunk of 128 rounded activations of each row in the 512-bit kernel's order.
+inline void interleave_chunks(int16_t* values, int64_t rows, int64_t k) {
+  int16_t chunk[kChunk];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t start = r * k; start + kChunk <= (r + 1) * k; start += kChunk) {
+      for (int j = 0; j < 4; ++j) {
+        std::memcpy(chunk + 32 * j, values + start + 16 * j, 16 * sizeof(int16_t));
+        std::memcpy(chunk + 32 * j + 16, values + start + 64 + 16 * j, 16 * sizeof(int16_t));
+      }
+      std::memcpy(values + start, chunk, sizeof(chunk));
+    }
+}
+
+// NR output rows from n for ROWS activation rows (xq: each row's k values, full chunks
+// interleaved; x_scales [ROWS, blocks]; offset_sums [ROWS, groups]). `scales` holds NR x
+// groups floats, `combined` NR x ROWS x blocks.
+template <int ROWS, int NR>
+void tile_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
+                 const uint16_t* scale_zero, int64_t groups, int64_t group_size,
+                 const float* offset_sums, float* y, int64_t n_total, int64_t n, float* scales,
+                 float* combined) {
+  const int64_t blocks = k / kBlock;
+  const int64_t blocks_per_group = group_size / kBlock;
+  float offset_acc[NR][ROWS];
+  unpack_scales<ROWS, NR>(scale_zero + n * groups * 2, groups, offset_sums, scales, offset_acc);
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r) {
+      float* out = combined + (i * ROWS + r) * blocks;
+      const float* row_scales = x_scales + r * blocks;
+      const float* weight_scales = scales + i * groups;
+      if (blocks_per_group == 1) {
+        int64_t b = 0;
+        for (; b + 16 <= blocks; b += 16)
+          _mm512_storeu_ps(out + b, _mm512_mul_ps(_mm512_loadu_ps(row_scales + b),
+                                                  _mm512_loadu_ps(weight_scales + b)));
+        for (; b < blocks; ++b) out[b] = row_scales[b] * weight_scales[b];
+      } else {
+        for (int64_t b = 0; b < blocks; ++b)
+          out[b] = row_scales[b] * weight_scales[b / blocks_per_group];
+      }
+    }
+  __m512 acc[NR][ROWS];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi16(0x000F);
+  const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+  const __m512i second = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+  const int64_t chunks = k / kChunk;
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* bytes = q + (n + i) * (k / 2) + c * 64;
+      const __m512i lanes = _mm512_loadu_si512(bytes);
+      prefetch_ahead(bytes);
+      const __m512i w0 = _mm512_and_si512(lanes, nibble);
+      const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(lanes, 4), nibble);
+      const __m512i w2 = _mm512_and_si512(_mm512_srli_epi16(lanes, 8), nibble);
+      const __m512i w3 = _mm512_srli_epi16(lanes, 12);
+      for (int r = 0; r < ROWS; ++r) {
+        const int16_t* xv = xq + r * k + c * kChunk;
+        const __m512i zero = _mm512_setzero_si512();
+        // Blocks 4c and 4c + 2 (lanes 0-7, 8-15), then 4c + 1 and 4c + 3.
+        const __m512i sums0 = multiply_add(multiply_add(zero, w0, _mm512_loadu_si512(xv)), w1,
+                                           _mm512_loadu_si512(xv + 32));
+        const __m512i sums1 = multiply_add(multiply_add(zero, w2, _mm512_loadu_si512(xv + 64)),
+                                           w3, _mm512_loadu_si512(xv + 96));
+        const __m512 four = _mm512_castps128_ps512(
+            _mm_loadu_ps(combined + (i * ROWS + r) * blocks + 4 * c));
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums0),
+                                    _mm512_permutexvar_ps(first, four), acc[i][r]);
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums1),
+                                    _mm512_permutexvar_ps(second, four), acc[i][r]);
+      }
+    }
+  }
+  // The rest in natural order, in the low 256 bits (the high ones zero): one pair of blocks
+  // (k % 128 >= 64), then an odd block (k % 64, GGUF's byte order).
+  const int64_t pairs = blocks / 2;
+  for (int64_t p = 2 * chunks; p < pairs; ++p) {
+    const int64_t b = 2 * p;
+    for (int i = 0; i < NR; ++i) {
+      const __m512i lanes = _mm512_zextsi256_si512(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (n + i) * (k / 2) + p * 32)));
+      const __m512i w0 = _mm512_and_si512(lanes, nibble);
+      const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(lanes, 4), nibble);
+      const __m512i w2 = _mm512_and_si512(_mm512_srli_epi16(lanes, 8), nibble);
+      const __m512i w3 = _mm512_srli_epi16(lanes, 12);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
+        const __m512i zero = _mm512_setzero_si512();
+        const __m512i sums0 = multiply_add(
+            multiply_add(zero, w0, _mm512_zextsi256_si512(_mm256_loadu_si256(xv))), w1,
+            _mm512_zextsi256_si512(_mm256_loadu_si256(xv + 1)));
+        const __m512i sums1 = multiply_add(
+            multiply_add(zero, w2, _mm512_zextsi256_si512(_mm256_loadu_si256(xv + 2))), w3,
+            _mm512_zextsi256_si512(_mm256_loadu_si256(xv + 3)));
+        const float* scale = combined + (i * ROWS + r) * blocks + b;
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums0), _mm512_set1_ps(scale[0]),
+                                    acc[i][r]);
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums1), _mm512_set1_ps(scale[1]),
+                                    acc[i][r]);
+      }
+    }
+  }
+  if (blocks % 2) {
+    const int64_t b = blocks - 1;
+    const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+    for (int i = 0; i < NR; ++i) {
+      const __m128i bytes =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (n + i) * (k / 2) + pairs * 32));
+      const __m512i w0 =
+          _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(bytes, low_nibbles)));
+      const __m512i w1 = _mm512_zextsi256_si512(
+          _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles)));
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
+        const __m512i sums = multiply_add(
+            multiply_add(_mm512_setzero_si512(), w0,
+                         _mm512_zextsi256_si512(_mm256_loadu_si256(xv))),
+            w1, _mm512_zextsi256_si512(_mm256_loadu_si256(xv + 1)));
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
+                                    _mm512_set1_ps(combined[(i * ROWS + r) * blocks + b]),
+                                    acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r)
+      y[r * n_total + n + i] = _mm512_reduce_add_ps(acc[i][r]) + offset_acc[i][r];
+}
+
+// Output rows [n0, n1) for ROWS activation rows (1-8): tiles of 4 output rows (2 for more
+// than 4 activation rows: 16 accumulators of the 32 registers), then one at a time.
+template <int ROWS>
+void rows_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
+                 const uint16_t* scale_zero, int64_t groups, int64_t group_size,
+                 const float* offset_sums, float* y, int64_t n_total, int64_t n0, int64_t n1,
+                 float* scales, float* combined) {
+  constexpr int kTile = ROWS <= 4 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + kTile <= n1; n += kTile)
+    tile_avx512<ROWS, kTile>(xq, x_scales, k, q, scale_zero, groups, group_size, offset_sums, y,
+                             n_total, n, scales, combined);
+  for (; n < n1; ++n)
+    tile_avx512<ROWS, 1>(xq, x_scales, k, q, scale_zero, groups, group_size, offset_sums, y,
+                         n_total, n, scales, combined);
+}
+// Calls body(std::integral_constant<int, R>{}, r) for the activation rows in groups of
+// R = 8 starting at row r, then once for the 1-7 rows left: a weight row is unpacked once
+// for up to 8 activation rows.
+template <typename Body>
+void for_row_groups_of_8(int64_t rows, Body&& body) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) body(std::integral_constant<int, 8>{}, r);
+  switch (rows - r) {
+    case 7: body(std::integral_constant<int, 7>{}, r); break;
+    case 6: body(std::integral_constant<int, 6>{}, r); break;
+    case 5: body(std::integral_constant<int, 5>{}, r); break;
+    case 4: body(std::integral_constant<int, 4>{}, r); break;
+    case 3: body(std::integral_constant<int, 3>{}, r); break;
+    case 2: body(std::integral_constant<int, 2>{}, r); break;
+    case 1: body(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
+}
+#endif  // EXO_AVX2 && __AVX512F__ && __AVX512BW__
+
 // The same product without vector intrinsics (CPUs without AVX2 + FMA).
 // The int4 value of input j in a row held as described at the top of this file.
 inline int nibble_at(const uint8_t* row, int64_t j, int64_t pairs) {
@@ -226,6 +421,22 @@ void rows_at(const int16_t* xq, const float* xs, int64_t k, const uint8_t* q, co
 
 namespace exo_native {
 
+int64_t int4_decode_bits() {
+#ifdef EXO_INT4_AVX512
+  // EXO_NATIVE_AVX512, read once: "0" takes the 256-bit (AVX2) kernel where the 512-bit
+  // one is built (to test and compare both on one machine).
+  static const int64_t bits = [] {
+    const char* value = std::getenv("EXO_NATIVE_AVX512");
+    return value != nullptr && std::string(value) == "0" ? int64_t{256} : int64_t{512};
+  }();
+  return bits;
+#elif defined(EXO_AVX2)
+  return 256;
+#else
+  return 0;
+#endif
+}
+
 void int4_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& qweight,
                   const at::Tensor& scale_zero, float* yp) {
   const int64_t n = qweight.size(0);
@@ -251,6 +462,23 @@ void int4_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& qw
   int16_t* xq = quantized.data();
   float* xs = x_scales.data();
   quantize_rows(xp, rows, k, group_size, xq, xs, sums);
+#ifdef EXO_INT4_AVX512
+  // One activation row keeps the 256-bit kernel's folded scales: as fast or faster there.
+  if (rows > 1 && int4_decode_bits() == 512) {
+    interleave_chunks(xq, rows, k);
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      thread_local std::vector<float> scales, combined;
+      scales.resize(static_cast<size_t>(4 * groups));
+      combined.resize(static_cast<size_t>(4 * 8 * blocks));
+      for_row_groups_of_8(rows, [&](auto count, int64_t r) {
+        rows_avx512<decltype(count)::value>(xq + r * k, xs + r * blocks, k, qp, sz, groups,
+                                            group_size, sums + r * groups, yp + r * n, n, n0,
+                                            n1, scales.data(), combined.data());
+      });
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     float scratch[4 * 512];  // four rows' scales, up to 512 groups (16,384 inputs)
     std::vector<float> large;
@@ -537,6 +765,7 @@ TORCH_LIBRARY(exo_native, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("int8_channel_gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def("bf16_gemv(Tensor x, Tensor weight) -> Tensor");
+  m.def("int4_decode_bits() -> int", [] { return exo_native::int4_decode_bits(); });
 }
 
 TORCH_LIBRARY_IMPL(exo_native, CPU, m) {

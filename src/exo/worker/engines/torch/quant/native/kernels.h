@@ -73,6 +73,10 @@ inline float round_block(const float* block, int16_t* values) {
 }
 #endif
 
+// The width in bits of the int4 decode kernel that runs (int4_gemv.cpp): 512 where built
+// with AVX512BW and not `EXO_NATIVE_AVX512=0`, 256 with AVX2, 0 for the portable loop.
+int64_t int4_decode_bits();
+
 // y[rows, out] = x[rows, k] times the int4 weight (qweight uint8 [out, k / 2] in blocks of
 // 32, scale_zero bfloat16 [out, groups, 2]); see int4_gemv.cpp. Splits outputs across
 // torch's intra-op threads.
