@@ -290,6 +290,10 @@ def best_layout(
             f"{card.model_id}: the engine has no model family for {card.architecture} yet "
             f"(it runs {', '.join(ENGINE_ARCHITECTURES)})"
         )
+    # A refusal no group changes (a dense model split by experts), before any memory figure.
+    whole_model_error = parallelism(sharding).split_error(card, 1)
+    if whole_model_error is not None:
+        raise PlacementError(whole_model_error)
     if node_count > len(nodes):
         raise PlacementError(f"needs {node_count} nodes but the cluster has {len(nodes)}")
     if node_count > MAX_GROUP_SIZE:
