@@ -3,6 +3,7 @@ the same greedy output as one node."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,10 +66,16 @@ def tiny_models(
 ) -> dict[str, str]:
     tokenizer_source = shared_models_dir / "HuggingFaceTB--SmolLM2-135M-Instruct"
     root = tmp_path_factory.mktemp("tiny-models")
-    return {
+    models = {
         name: str(save_tiny_model(root / name, name, tokenizer_source))
-        for name in ("qwen3", "gemma3")
+        for name in ("qwen3", "gemma3", "qwen3_moe", "gpt_oss")
     }
+    # The MoE models' copies: the same checkpoint under other ids, placed beside it.
+    for name in ("qwen3_moe", "gpt_oss"):
+        for sharding in ("expert", "tensor"):
+            copy = shutil.copytree(root / name, root / f"{name}-{sharding}")
+            models[f"{name}-{sharding}"] = str(copy)
+    return models
 
 
 def place(node: ExoNode, model_id: str, sharding: str, node_ids: list[str]) -> httpx.Response:
@@ -160,6 +167,64 @@ def test_tiny_models_split_every_way_equal_single_node(
     assert run_placement(nodes, model_id, "pipeline", 2)[:2] == reference
     assert run_placement(nodes, model_id, "pipeline", 3)[:2] == reference
     assert run_placement(nodes, model_id, "tensor", 2)[:2] == reference
+
+
+def run_placements_at_once(
+    nodes: list[ExoNode], placements: list[tuple[str, str, list[ExoNode]]]
+) -> list[tuple[str, int]]:
+    """Place every `(model_id, sharding, on)` together (the runners start and load side by
+    side: what a placement mostly waits on), ask each model once all are ready through a
+    node holding none of its ranks, delete them all. The model ids must differ: a request
+    names a model, not an instance."""
+    assert len({model_id for model_id, _, _ in placements}) == len(placements)
+    instance_ids: list[str] = []
+    answers: list[tuple[str, int]] = []
+    try:
+        for model_id, sharding, on in placements:
+            response = place(nodes[0], model_id, sharding, [node.node_id() for node in on])
+            assert response.status_code == 200, response.text
+            instance_ids.append(response.json()["instance_id"])
+        for instance_id, (model_id, sharding, on) in zip(instance_ids, placements, strict=True):
+            wait_until(
+                lambda instance_id=instance_id: ready_statuses(nodes[0], instance_id),
+                READY_TIMEOUT_SECONDS,
+                interval=0.5,
+                what=f"{sharding} x{len(on)} of {model_id} ready",
+            )
+        for model_id, _, on in placements:
+            asker = next(node for node in nodes if node not in on)
+            answers.append(greedy_answer(asker, model_id))
+    finally:
+        for instance_id in instance_ids:
+            httpx.delete(f"{nodes[0].url}/instance/{instance_id}", timeout=60)
+        wait_until(
+            lambda: not any(node.runner_processes() for node in nodes),
+            60,
+            what="every runner stopped",
+        )
+    return answers
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "gpt_oss"])
+def test_tiny_moe_models_split_by_experts_and_tensors_equal_single_node(
+    nodes: list[ExoNode], tiny_models: dict[str, str], architecture: str
+) -> None:
+    """Mixture-of-experts families over live loopback nodes: expert x2 (each node half of
+    every MoE layer's experts, one all-reduce per MoE layer) and tensor x2 give the single
+    node's greedy answer and token count, each asked through a node holding none of its
+    ranks. Three copies of one checkpoint (three model ids), placed at once."""
+    a, b, c = nodes
+    single, by_experts, by_tensors = run_placements_at_once(
+        nodes,
+        [
+            (tiny_models[architecture], "pipeline", [c]),
+            (tiny_models[f"{architecture}-expert"], "expert", [a, b]),
+            (tiny_models[f"{architecture}-tensor"], "tensor", [b, c]),
+        ],
+    )
+    assert single[1] > 0
+    assert by_experts == single
+    assert by_tensors == single
 
 
 def test_bad_placements_are_400_with_the_reason(nodes: list[ExoNode]) -> None:

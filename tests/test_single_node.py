@@ -227,8 +227,17 @@ def test_placement_routes_and_restart_replay(tmp_path: Path, shared_models_dir: 
             ("tensor", 1),
             ("expert", 1),
         }
-        # On one node every kind is the whole model (a dense model's expert "split" too).
-        assert all(p["error"] is None for p in previews)
+        # On one node every kind is the whole model, but a dense model has no experts to
+        # split, on one node or more (docs/cluster.md).
+        errors = {p["sharding"]: p["error"] for p in previews}
+        assert errors["pipeline"] is None and errors["tensor"] is None
+        assert "not a mixture-of-experts model" in errors["expert"]
+        by_experts = httpx.post(
+            f"{node.url}/place_instance",
+            json={"model_id": DEFAULT_MODEL_ID, "sharding": "expert", "min_nodes": 1},
+        )
+        assert by_experts.status_code == 400
+        assert "not a mixture-of-experts model" in by_experts.json()["error"]["message"]
         unknown = httpx.get(f"{node.url}/instance/previews", params={"model_id": "no/such"})
         assert unknown.status_code == 404
 

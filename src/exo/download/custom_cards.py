@@ -258,25 +258,35 @@ def card_for_cached_repository(
     Raises:
         CustomModelError: 400 for a copy whose model `refuse_unsupported` refuses.
     """
+    directory = whole_local_copy(repo_id, revision, locations)
+    if directory is None:
+        return None
+    local = card_for_local_directory(str(directory), supported, trust_remote_code)
+    snapshot = directory.parent.name == "snapshots"
+    commit = directory.name if snapshot else revision
+    card = local.model_copy(
+        update={
+            "model_id": ModelId(repo_id),
+            "source": HuggingFaceSource(repo_id=repo_id, revision=commit),
+        }
+    )
+    return ModelCard.model_validate_json(card.model_dump_json())
+
+
+def whole_local_copy(repo_id: str, revision: str, locations: ModelLocations) -> Path | None:
+    """The first of `locations.candidates` for Hub repository `repo_id` at `revision` that
+    holds a whole copy (config.json, safetensors weights and a tokenizer), or None: what
+    an `--offline` node builds the card from (`card_for_cached_repository`), and what an
+    online node that cannot reach the Hub points to."""
     for directory in candidates(locations, repo_id, repo_id, revision):
         whole = (
             (directory / CONFIG_FILE).is_file()
             and any(directory.glob("*.safetensors"))
             and any((directory / name).is_file() for name in TOKENIZER_FILES)
         )
-        if not whole:
-            continue  # not here, or an incomplete copy: look further
-        local = card_for_local_directory(str(directory), supported, trust_remote_code)
-        snapshot = directory.parent.name == "snapshots"
-        commit = directory.name if snapshot else revision
-        card = local.model_copy(
-            update={
-                "model_id": ModelId(repo_id),
-                "source": HuggingFaceSource(repo_id=repo_id, revision=commit),
-            }
-        )
-        return ModelCard.model_validate_json(card.model_dump_json())
-    return None
+        if whole:
+            return directory
+    return None  # not anywhere, or only incomplete copies
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

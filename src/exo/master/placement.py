@@ -180,7 +180,7 @@ def layout(
     world_size = len(order)
     total_available = sum(room[n].available_bytes for n in order)
     # Each further node runs one more runner process.
-    smallest_kv_cache = min(room[n].planned_kv_cache_tokens for n in order)
+    smallest_kv_cache = min(room[n].planned_kv_cache_tokens(card) for n in order)
     needed_total = (
         required_memory_bytes(card, kv_cache_tokens=smallest_kv_cache)
         + (world_size - 1) * RUNNER_PROCESS_OVERHEAD_BYTES
@@ -205,7 +205,7 @@ def layout(
         speeds = [speed for speed in measured if speed is not None]
         if len(speeds) == world_size:
             available = [room[n].available_bytes for n in order]
-            kv_cache_tokens = [room[n].planned_kv_cache_tokens for n in order]
+            kv_cache_tokens = [room[n].planned_kv_cache_tokens(card) for n in order]
             balanced = speed_balanced_split(card, speeds, available, kv_cache_tokens)
             if balanced is not None:
                 return balanced
@@ -221,7 +221,9 @@ def layout(
         for rank, layer_range in enumerate(ranges)
     ]
     for node_id, weight_share in zip(order, weight_shares, strict=True):
-        planned = share_runner_bytes(card, weight_share, room[node_id].planned_kv_cache_tokens)
+        planned = share_runner_bytes(
+            card, weight_share, room[node_id].planned_kv_cache_tokens(card)
+        )
         if planned > room[node_id].available_bytes:
             raise PlacementError(
                 f"node {node_id} would need {planned / 2**20:.0f} MiB for its share but has "
@@ -290,6 +292,10 @@ def best_layout(
             f"{card.model_id}: the engine has no model family for {card.architecture} yet "
             f"(it runs {', '.join(ENGINE_ARCHITECTURES)})"
         )
+    # A refusal no group changes (a dense model split by experts), before any memory figure.
+    whole_model_error = parallelism(sharding).split_error(card, 1)
+    if whole_model_error is not None:
+        raise PlacementError(whole_model_error)
     if node_count > len(nodes):
         raise PlacementError(f"needs {node_count} nodes but the cluster has {len(nodes)}")
     if node_count > MAX_GROUP_SIZE:

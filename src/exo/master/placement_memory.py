@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from exo.shared.models.memory import (
     DEFAULT_KV_CACHE_TOKENS,
     ENGINE_CPU_WEIGHT_FORMAT,
+    MIN_KV_CACHE_TOKENS,
     RUNNER_PROCESS_OVERHEAD_BYTES,
     WeightShare,
     kv_cache_bytes_per_token,
@@ -39,10 +40,15 @@ KV_CACHE_MEMORY_FRACTION = 0.5
 KV_CACHE_MAX_CONTEXTS = 4
 
 
-def planned_kv_cache_tokens(node_tokens: int | None) -> int:
-    """The KV-cache budget placement checks a node can hold for a runner: its
-    `--kv-cache-tokens` (`NodeInfo.kv_cache_tokens`), else `DEFAULT_KV_CACHE_TOKENS`."""
-    return DEFAULT_KV_CACHE_TOKENS if node_tokens is None else node_tokens
+def planned_kv_cache_tokens(node_tokens: int | None, card: ModelCard) -> int:
+    """The KV-cache budget placement checks a node can hold for a runner of `card`: its
+    `--kv-cache-tokens` (`NodeInfo.kv_cache_tokens`), else `DEFAULT_KV_CACHE_TOKENS` but
+    no more than `KV_CACHE_MAX_CONTEXTS` of the model's contexts (a 512-token model gets
+    2,048, not 8,192 it could never fill) nor less than `MIN_KV_CACHE_TOKENS`."""
+    if node_tokens is not None:
+        return node_tokens
+    contexts = max(MIN_KV_CACHE_TOKENS, KV_CACHE_MAX_CONTEXTS * card.context_length)
+    return min(DEFAULT_KV_CACHE_TOKENS, contexts)
 
 
 def memory_sized_kv_cache_tokens(
@@ -52,14 +58,16 @@ def memory_sized_kv_cache_tokens(
     `available_bytes` for it (`NodeRoom.available_bytes`).
 
     A node's `--kv-cache-tokens` (`node_tokens`) is the budget. Without it: the planned
-    budget (`planned_kv_cache_tokens`) plus `KV_CACHE_MEMORY_FRACTION` of what is left
-    after the runner's memory at the planned budget (`share_runner_bytes`), at most
-    `KV_CACHE_MAX_CONTEXTS` model contexts and never below the planned budget. A runner
+    budget (`planned_kv_cache_tokens`, itself at most `KV_CACHE_MAX_CONTEXTS` contexts)
+    plus `KV_CACHE_MEMORY_FRACTION` of what is left after the runner's memory at the
+    planned budget (`share_runner_bytes`), at most `KV_CACHE_MAX_CONTEXTS` model contexts
+    (what one request may hold, `engine.token_limit`, is one context: a budget past a
+    few would sit unused) and never below the planned budget. A runner
     placed on a node that already holds others so takes its fraction of what those left:
     every placed runner keeps the budget it was given (resizing a loaded runner's KV cache
     would drop its prefix cache), and the node keeps room for the next one.
     """
-    planned = planned_kv_cache_tokens(node_tokens)
+    planned = planned_kv_cache_tokens(node_tokens, card)
     if node_tokens is not None:
         return node_tokens
     left = available_bytes - share_runner_bytes(card, share, planned)
@@ -146,10 +154,10 @@ class NodeRoom:
     promised_runners: int = 0
     kv_cache_tokens: int | None = None
 
-    @property
-    def planned_kv_cache_tokens(self) -> int:
-        """The budget a share placed here is checked against (`planned_kv_cache_tokens`)."""
-        return planned_kv_cache_tokens(self.kv_cache_tokens)
+    def planned_kv_cache_tokens(self, card: ModelCard) -> int:
+        """The budget a share of `card` placed here is checked against
+        (`planned_kv_cache_tokens`)."""
+        return planned_kv_cache_tokens(self.kv_cache_tokens, card)
 
     @property
     def available_bytes(self) -> int:
@@ -199,7 +207,9 @@ def placement_room(state: State, exclude: InstanceId | None = None) -> dict[Node
                 continue
             tokens = instance.kv_cache_tokens
             if tokens is None:  # placed before instances carried their budget
-                tokens = planned_kv_cache_tokens(state.node_info[node_id].kv_cache_tokens)
+                tokens = planned_kv_cache_tokens(
+                    state.node_info[node_id].kv_cache_tokens, shard.model_card
+                )
             if isinstance(state.runners.get(runner_id), RunnerReady | RunnerRunning):
                 promised[node_id].append(runner_unallocated_bytes(shard, tokens))
             else:

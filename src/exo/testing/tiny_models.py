@@ -131,6 +131,10 @@ def save_tiny_checkout(
     (one file, or `shards` files with `model.safetensors.index.json`), a small word-level
     `tokenizer.json`, `tokenizer_config.json` and, unless None, `chat_template.jinja`.
 
+    The tokenizer's 64 ids are `<unk>` 0, `<s>` 1 (the config's bos), `</s>` 2 (its eos)
+    and the words `w0`..`w60`; text is split at whitespace and punctuation (each word one
+    id, any other word `<unk>`) and decoded words are joined with spaces.
+
     Args:
         config_update: fields merged into the saved config.json (e.g. `auto_map`, or another
             `architectures`), as a repository with custom code would have them.
@@ -138,14 +142,22 @@ def save_tiny_checkout(
             `tie_word_embeddings=False` for an LM head of its own.
     """
     from safetensors.torch import load_file, save_file
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import WordLevel
 
     vocabulary = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(61)}}
+    # The family's own special ids (MiniMax-M2's ~200,000) would lie outside the vocabulary.
+    special_ids = {"bos_token_id": vocabulary["<s>"], "eos_token_id": vocabulary["</s>"]}
     save_tiny_model(
-        directory, architecture, None, n_layers=n_layers, vocab_size=len(vocabulary), **overrides
-    )
-    Tokenizer(WordLevel(vocabulary, unk_token="<unk>")).save(str(directory / "tokenizer.json"))
+        directory, architecture, None, n_layers=n_layers, vocab_size=len(vocabulary),
+        **{**special_ids, **overrides},
+    )  # fmt: skip
+    tokenizer = Tokenizer(WordLevel(vocabulary, unk_token="<unk>"))
+    # Without a pre-tokenizer a whole prompt is one word, i.e. one `<unk>`.
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    # WordPiece's decoder joins the words with spaces (no word has its `##` prefix).
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer.save(str(directory / "tokenizer.json"))
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"}
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     if chat_template is not None:

@@ -28,6 +28,7 @@ from exo.download.custom_cards import (
     card_for_local_directory,
     is_local_path,
     search_hub,
+    whole_local_copy,
 )
 from exo.download.gguf_models import (
     GgufModelError,
@@ -294,15 +295,29 @@ async def _build_card(cluster: ClusterClient, model_id: str, revision: str) -> M
                 "instead)",
                 400,
             )
-        with anyio.fail_after(ADD_TIMEOUT_SECONDS):
-            return await anyio.to_thread.run_sync(
-                card_for_hub_repository,
-                model_id,
-                revision,
-                supported,
-                trust_remote_code,
-                abandon_on_cancel=True,
-            )
+        try:
+            with anyio.fail_after(ADD_TIMEOUT_SECONDS):
+                return await anyio.to_thread.run_sync(
+                    card_for_hub_repository,
+                    model_id,
+                    revision,
+                    supported,
+                    trust_remote_code,
+                    abandon_on_cancel=True,
+                )
+        except (CustomModelError, TimeoutError) as error:
+            unreachable = error.message if isinstance(error, CustomModelError) else timeout
+            if isinstance(error, CustomModelError) and error.status_code != 503:
+                raise
+            locations = ModelLocations.from_environment(models_dir())
+            copy = await anyio.to_thread.run_sync(whole_local_copy, model_id, revision, locations)
+            if copy is None:
+                raise
+            raise CustomModelError(
+                f"{unreachable}. A whole copy of {model_id} is on this node at {copy}: "
+                "restart the node with --offline to add it from there without the Hub",
+                503,
+            ) from None
 
 
 @router.delete("/models/custom/{model_id:path}")

@@ -262,6 +262,26 @@ async def test_an_offline_node_adds_a_hub_model_it_has_on_disk(
         assert "--offline" in message and "no whole copy" in message and str(cache) in message
 
 
+async def test_a_node_without_the_hub_points_to_offline_when_it_has_a_copy(
+    tmp_path: Path, checkouts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not `--offline`, no Hub: a 503 either way, which names `--offline` and the copy's
+    place only when a whole copy of the repository is on the node."""
+    cache = tmp_path / "hf-cache"
+    snapshot = hub_cache_copy(cache, REPO, checkouts[REPO], "0123456789abcdef" * 2 + "01234567")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("EXO_MODELS_DIRS", str(tmp_path / "models"))
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    async with in_process_cluster(tmp_path / "node") as running, http_client(running) as client:
+        cached = await client.post("/models/add", json={"model_id": REPO})
+        absent = await client.post("/models/add", json={"model_id": FOREIGN_REPO})
+    message = openai_error(cached, 503, "service_unavailable_error")
+    assert "cannot reach" in message and "--offline" in message and str(snapshot) in message
+    other = openai_error(absent, 503, "service_unavailable_error")
+    assert "cannot reach" in other and "--offline" not in other
+
+
 async def test_delete_refusals(cluster: InProcessCluster) -> None:
     async with http_client(cluster) as client:
         assert (await client.post("/models/add", json={"model_id": REPO})).status_code == 200

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from exo.master.placement import PlacementError, layout, place_instance
+from exo.master.placement import PlacementError, layout, place_instance, placement_previews
 from exo.master.placement_memory import (
     KV_CACHE_MAX_CONTEXTS,
     pipeline_share_bytes,
@@ -124,6 +124,27 @@ def test_a_node_with_room_to_spare_gets_four_contexts() -> None:
     instance = placed_budget(state)
     assert instance.kv_cache_tokens == KV_CACHE_MAX_CONTEXTS * LONG.context_length
     assert layout(LONG, state, "pipeline", [NODE_A]).kv_cache_tokens == instance.kv_cache_tokens
+
+
+def test_a_short_context_model_gets_no_more_than_four_contexts() -> None:
+    """A 512-token model's budget is four of its contexts, not the 8,192 default it could
+    never fill, in the instance, its preview and the memory placement checks."""
+    short = CARD.model_copy(update={"context_length": 512})
+    budget = KV_CACHE_MAX_CONTEXTS * short.context_length
+    assert budget < DEFAULT_KV_CACHE_TOKENS
+    # Room for the runner at that budget, not at the default one.
+    available = required_memory_bytes(short, 1, budget) + MIB
+    assert available < required_memory_bytes(short)
+    state = make_state(nodes={NODE_A: node(available, None)})
+    assert placed_budget(state, short).kv_cache_tokens == budget
+    (preview,) = [
+        p for p in placement_previews(short, state) if (p.sharding, p.node_count) == ("pipeline", 1)
+    ]
+    assert preview.error is None and preview.kv_cache_tokens == budget
+    # A node's own --kv-cache-tokens stays what it said.
+    assert placed_budget(make_state(nodes={NODE_A: node(64 * GIB)}), short).kv_cache_tokens == (
+        DEFAULT_KV_CACHE_TOKENS
+    )
 
 
 def test_a_node_takes_the_planned_budget_plus_half_of_what_is_left() -> None:

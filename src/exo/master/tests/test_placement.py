@@ -258,6 +258,20 @@ def test_tensor_sharding_needs_support_and_divisible_heads() -> None:
         place_instance(nine_heads, state, INSTANCE, sharding="tensor", min_nodes=2)
 
 
+def test_a_dense_model_split_by_experts_is_refused_whatever_min_nodes() -> None:
+    # Room for the whole model on one node: the refusal is not about memory.
+    state = state_with(node_a=9 * NEED_MIB, node_b=9 * NEED_MIB)
+    for min_nodes in (1, 2):
+        with pytest.raises(PlacementError, match="not a mixture-of-experts model"):
+            place_instance(CARD, state, INSTANCE, sharding="expert", min_nodes=min_nodes)
+    # Also where no node has room: the reason is the model, not a memory figure.
+    with pytest.raises(PlacementError, match="not a mixture-of-experts model"):
+        place_instance(CARD, state_with(node_a=1), INSTANCE, sharding="expert")
+    previews = {(p.sharding, p.node_count): p for p in placement_previews(CARD, state)}
+    assert "not a mixture-of-experts model" in (previews[("expert", 1)].error or "")
+    assert previews[("pipeline", 1)].error is None
+
+
 def test_all_cuda_nodes_use_nccl() -> None:
     gpu = (GpuInfo(name="H200", total_memory_bytes=140 * 2**30),)
     state = state_with(node_a=NEED_MIB, node_b=NEED_MIB)

@@ -371,7 +371,7 @@ def test_previews_carry_the_prediction_for_the_prompt_asked() -> None:
         update={"node_info": {A: measured, B: measured.model_copy(update={"friendly_name": "b"})}}
     )
     for preview in placement_previews(CARD, both, 128):
-        if (preview.sharding, preview.node_count) == ("expert", 2):
+        if preview.sharding == "expert":
             assert preview.error is not None  # a dense model: no experts to split
             continue
         assert preview.error is None

@@ -15,6 +15,18 @@ from exo.shared.types.models import MoeGeometry
 # Config fields naming the routed experts per layer, by family: Qwen2/3-MoE, Mixtral and
 # MiniMax-M2 (and transformers' saved Qwen3-MoE configs), DeepSeek-V3 / GLM-4.5.
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+# The field each MoE architecture's own checkpoints name their experts with (refusals name
+# it: transformers 5 saves a Qwen3-MoE config's `num_experts` as `num_local_experts`, an
+# alias its config class maps back). The family files name the same (`Routing.experts_field`).
+_OWN_EXPERT_FIELD = {
+    "Qwen2MoeForCausalLM": "num_experts",
+    "Qwen3MoeForCausalLM": "num_experts",
+    "MixtralForCausalLM": "num_local_experts",
+    "GptOssForCausalLM": "num_local_experts",
+    "MiniMaxM2ForCausalLM": "num_local_experts",
+    "DeepseekV3ForCausalLM": "n_routed_experts",
+    "Glm4MoeForCausalLM": "n_routed_experts",
+}
 # Router scoring functions the engine's MoE families compute (`scoring_func`, where a
 # config states one: DeepSeek-V3, MiniMax-M2).
 _SCORING_FUNCTIONS = ("softmax", "sigmoid")
@@ -43,7 +55,10 @@ def moe_geometry_of_config(config: Mapping[str, Any]) -> MoeGeometry | None:
     if not isinstance(per_token, int):
         raise ValueError(f"a config with {experts} experts has no num_experts_per_tok")
     if not 0 < per_token <= experts:
-        raise ValueError(f"num_experts_per_tok={per_token} must be between 1 and {field}={experts}")
+        raise ValueError(
+            f"num_experts_per_tok={per_token} must be between 1 and "
+            f"{_expert_field_named(config, field, experts)}"
+        )
     scoring = config.get("scoring_func")
     if scoring is not None and scoring not in _SCORING_FUNCTIONS:
         raise ValueError(
@@ -87,6 +102,17 @@ def _has_correction_bias(config: Mapping[str, Any]) -> bool:
         config.get("topk_method") == "noaux_tc"
         or config.get("model_type") in _ROUTER_BIAS_MODEL_TYPES
     )
+
+
+def _expert_field_named(config: Mapping[str, Any], field: str, experts: int) -> str:
+    """`<field>=<experts>` with the field as the model's own checkpoints spell it, and the
+    spelling this config used where that differs (`num_experts=4 (num_local_experts in
+    this config)`)."""
+    architectures = config.get("architectures")
+    architecture = architectures[0] if isinstance(architectures, list) and architectures else None
+    own = _OWN_EXPERT_FIELD.get(str(architecture), field)
+    named = f"{own}={experts}"
+    return named if own == field else f"{named} ({field} in this config)"
 
 
 def experts_of_rank(experts: int, rank: int, world_size: int) -> range:

@@ -44,9 +44,9 @@ class ExpertParallelism(EveryLayerParallelism):
         return True
 
     def split_error(self, card: ModelCard, world_size: int) -> str | None:
-        """The card is a mixture-of-experts model with at least one expert per node."""
-        if world_size == 1:
-            return None
+        """The card is a mixture-of-experts model (whatever the node count: a dense model
+        asked for by experts is refused, as docs/cluster.md says, even on one node) with at
+        least one expert per node."""
         if card.moe is None:
             return f"{card.model_id} cannot be expert-split: it is not a mixture-of-experts model"
         if card.moe.experts < world_size:

@@ -142,6 +142,16 @@ def test_a_config_routing_more_experts_than_it_has_is_refused() -> None:
         moe_geometry_of_config({**QWEN3_30B_A3B, "num_experts": 4})
     with pytest.raises(ValueError, match="n_routed_experts=4"):
         moe_geometry_of_config({**GLM_4_5_AIR, "n_routed_experts": 4})
+    # A Qwen3-MoE config as transformers 5 saves it (`num_local_experts`, the alias its
+    # config class maps to `num_experts`): the refusal names Qwen3's own field.
+    saved = {key: value for key, value in QWEN3_30B_A3B.items() if key != "num_experts"}
+    with pytest.raises(
+        ValueError,
+        match=r"between 1 and num_experts=4 \(num_local_experts in this config\)$",
+    ):
+        moe_geometry_of_config({**saved, "num_local_experts": 4})
+    with pytest.raises(ValueError, match=r"between 1 and num_local_experts=4$"):
+        moe_geometry_of_config({**MINIMAX_M2, "num_local_experts": 4})
     with pytest.raises(ValueError, match="scoring_func='relu'"):
         moe_geometry_of_config({**MINIMAX_M2, "scoring_func": "relu"})
     without = {key: value for key, value in QWEN3_30B_A3B.items() if key != "num_experts_per_tok"}

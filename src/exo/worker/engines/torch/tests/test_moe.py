@@ -286,6 +286,9 @@ def test_group_limited_sigmoid_routing_equals_deepseek_v3_router() -> None:
 def test_routing_refuses_impossible_configs() -> None:
     with pytest.raises(UnsupportedArchitectureError, match="num_experts_per_tok=9"):
         Routing(experts=8, experts_per_token=9)
+    # The refusal names the experts field as the family's checkpoints do (Mixtral's).
+    with pytest.raises(UnsupportedArchitectureError, match=r"and num_local_experts=8$"):
+        Routing(experts=8, experts_per_token=9, experts_field="num_local_experts")
     with pytest.raises(UnsupportedArchitectureError, match="groups"):
         Routing(experts=8, experts_per_token=2, groups=3)
 

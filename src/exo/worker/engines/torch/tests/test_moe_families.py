@@ -223,7 +223,8 @@ def test_moe_family_disjoint_requests_batched_as_alone(
 @pytest.mark.parametrize(
     ("field", "value", "named"),
     [
-        ("num_experts_per_tok", 5, "num_experts_per_tok=5"),
+        # GLM-4.5's experts field is its own: n_routed_experts.
+        ("num_experts_per_tok", 5, "num_experts_per_tok=5 must be between 1 and n_routed_experts="),
         ("scoring_func", "softmax", "scoring_func='softmax'"),
     ],
 )

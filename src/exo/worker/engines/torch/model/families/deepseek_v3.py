@@ -43,6 +43,7 @@ def routing(config: PretrainedConfig) -> Routing:
     """DeepSeek-V3's router (`noaux_tc`: sigmoid, correction bias, groups)."""
     return Routing(
         experts=int(config.n_routed_experts),
+        experts_field="n_routed_experts",
         experts_per_token=int(config.num_experts_per_tok),
         scoring=config_scoring(config, "deepseek_v3", "sigmoid"),
         normalize=bool(config.norm_topk_prob),

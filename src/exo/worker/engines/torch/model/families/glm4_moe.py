@@ -40,6 +40,7 @@ SHARED_EXPERT = "mlp.shared_experts"
 def routing(config: PretrainedConfig) -> Routing:
     return Routing(
         experts=int(config.n_routed_experts),
+        experts_field="n_routed_experts",
         experts_per_token=int(config.num_experts_per_tok),
         scoring=config_scoring(config, "glm4_moe", "sigmoid"),
         normalize=bool(config.norm_topk_prob),

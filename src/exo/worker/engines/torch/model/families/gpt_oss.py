@@ -40,6 +40,7 @@ def routing(config: PretrainedConfig) -> Routing:
     over every expert renormalized over the chosen (`normalize`)."""
     return Routing(
         experts=int(config.num_local_experts),
+        experts_field="num_local_experts",
         experts_per_token=int(config.num_experts_per_tok),
         normalize=True,
     )

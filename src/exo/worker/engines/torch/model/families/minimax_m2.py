@@ -33,6 +33,7 @@ QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 def routing(config: PretrainedConfig) -> Routing:
     return Routing(
         experts=int(config.num_local_experts),
+        experts_field="num_local_experts",
         experts_per_token=int(config.num_experts_per_tok),
         scoring=config_scoring(config, "minimax_m2", "sigmoid"),
         normalize=True,

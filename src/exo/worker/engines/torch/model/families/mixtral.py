@@ -28,6 +28,7 @@ from exo.worker.engines.torch.model.families.spec import (
 def routing(config: PretrainedConfig) -> Routing:
     return Routing(
         experts=int(config.num_local_experts),
+        experts_field="num_local_experts",
         experts_per_token=int(config.num_experts_per_tok),
         scoring=config_scoring(config, "mixtral", "softmax"),
         normalize=True,

@@ -83,8 +83,11 @@ class Routing:
     `norm_topk_prob`), times `scaling` (`routed_scaling_factor`), weight their outputs.
 
     Attributes:
-        experts: routed experts per MoE layer (`num_experts`).
+        experts: routed experts per MoE layer (the config's `experts_field`).
         experts_per_token: experts each token is sent to (`num_experts_per_tok`).
+        experts_field: the config field the family's checkpoints name `experts` with
+            (Qwen3-MoE `num_experts`, Mixtral `num_local_experts`, DeepSeek-V3
+            `n_routed_experts`), for refusals.
     """
 
     experts: int
@@ -94,12 +97,13 @@ class Routing:
     scaling: float = 1.0
     groups: int = 1
     groups_per_token: int = 1
+    experts_field: str = "num_experts"
 
     def __post_init__(self) -> None:
         if not 0 < self.experts_per_token <= self.experts:
             raise UnsupportedArchitectureError(
                 f"num_experts_per_tok={self.experts_per_token} must be between 1 and "
-                f"num_experts={self.experts}"
+                f"{self.experts_field}={self.experts}"
             )
         if self.experts % self.groups or not 0 < self.groups_per_token <= self.groups:
             raise UnsupportedArchitectureError(
