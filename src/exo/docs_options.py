@@ -32,6 +32,7 @@ NODE_DETAILS = {
     "no_default_model": "models.md#built-in-models-from-pypi",
     "no_auto_place": "api.md#load-on-request",
     "kv_cache_tokens": "api.md#many-users-at-once",
+    "kv_cache_dtype": "engine.md#kv-cache-dtype",
     "idle_unload": "api.md#keep-alive-and-idle-unload",
     "trust_remote_code": "models.md#custom-models",
     "max_concurrent_requests": "api.md#many-users-at-once",

@@ -19,6 +19,7 @@ from exo.download.model_lock import ModelBusyError
 from exo.download.peers import HUB_ASSUMED_MBPS, peers_holding
 from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.shared.local_events import LocalEventSender
+from exo.shared.models.memory import kv_cache_tokens_for_dtype
 from exo.shared.types.chunks import Chunk
 from exo.shared.types.common import ModelId, NodeId, RunnerId
 from exo.shared.types.downloads import DownloadProgress
@@ -235,11 +236,17 @@ class Worker:
         """This node's runner options with the instance's KV-cache budget, which every rank
         holds (`Instance.kv_cache_tokens`), bounded by this node's `--kv-cache-tokens`
         (a node restarted with a smaller one holds no more than it, whatever the instance
-        was placed with). Instances placed before budgets were carried: the node's option."""
+        was placed with). Instances placed before budgets were carried: the node's option.
+        Placement counts the budget in the default KV dtype's bytes: a node storing float32
+        KV (`--kv-cache-dtype`) holds the tokens that fit the same bytes
+        (`kv_cache_tokens_for_dtype`)."""
         if instance.kv_cache_tokens is None:
             return self._runner_options
         own = self._runner_options.kv_cache_tokens
-        tokens = instance.kv_cache_tokens if own is None else min(own, instance.kv_cache_tokens)
+        placed = kv_cache_tokens_for_dtype(
+            instance.kv_cache_tokens, self._runner_options.kv_cache_dtype
+        )
+        tokens = placed if own is None else min(own, placed)
         return self._runner_options.model_copy(update={"kv_cache_tokens": tokens})
 
     async def _execute(self, task: Task) -> None:
