@@ -168,6 +168,12 @@ ENVIRONMENT = (
         "engine.md#exos-kernels",
     ),
     EnvironmentVariable(
+        "EXO_KV_CACHE_DTYPE",
+        "`float32` / `bfloat16`: the KV dtype of engines started without `--kv-cache-dtype` "
+        "(tests comparing with transformers use `float32`)",
+        "engine.md#kv-cache-dtype",
+    ),
+    EnvironmentVariable(
         "OVERRIDE_MEMORY_MB",
         "memory this node reports as available, less what its runners hold",
         "troubleshooting.md#memory",

@@ -223,8 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default=None,
-        help="how runners store keys and values; float32 holds half the tokens in the same "
-        f"memory (default: {DEFAULT_KV_CACHE_DTYPE} on CPU, the model's dtype elsewhere)",
+        help="how runners store keys and values (default: "
+        f"{DEFAULT_KV_CACHE_DTYPE} on CPU, the model's dtype elsewhere)",
     )
     parser.add_argument(
         "--max-queued-requests",
