@@ -501,6 +501,7 @@ def kv_cache_tokens_for_dtype(tokens: int, dtype: KVCacheDtype | None) -> int:
         return tokens
     return max(1, tokens * KV_CACHE_VALUE_BYTES // KV_CACHE_DTYPE_BYTES[dtype])
 
+
 # Tokens of KV cache placement checks a node can hold for a runner (running requests and
 # the prefix cache together): eight concurrent requests of 1,024 tokens, or one of 8,192.
 # A node's `--kv-cache-tokens` replaces it (`NodeInfo.kv_cache_tokens`); without one,

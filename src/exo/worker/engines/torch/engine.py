@@ -147,9 +147,7 @@ class TorchEngine:
         self.eos_token_ids = eos_token_ids
         self.max_concurrent_requests = max_concurrent_requests
         self.kv_cache_tokens = kv_cache_tokens
-        self.kv_dtype = kv_cache_torch_dtype(
-            kv_cache_dtype, device, next(model.parameters()).dtype
-        )
+        self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, device, next(model.parameters()).dtype)
         text_config = model.config.get_text_config()
         configured_context = getattr(text_config, "max_position_embeddings", None)
         self.context_length = min(card.context_length, configured_context or card.context_length)

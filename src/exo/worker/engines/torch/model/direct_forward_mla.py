@@ -117,8 +117,8 @@ class LeanLatentAttention:
         attention_dtype: torch.dtype,
     ) -> torch.Tensor:
         """`normed` `[T, hidden]`, `table` the step's rotary `(cos, sin, perm)` over
-        `qk_rope_head_dim` → `[T, hidden]` float32. Attention runs in `attention_dtype` (float32 over a
-        bfloat16 cache, which stores the latents rounded)."""
+        `qk_rope_head_dim` → `[T, hidden]` float32. Attention runs in `attention_dtype`
+        (float32 over a bfloat16 cache, which stores the latents rounded)."""
         rows = normed.shape[0]
         heads, nope, latent = self.heads, self.nope, self.latent
         if self.query_down is not None and self.query_norm is not None:

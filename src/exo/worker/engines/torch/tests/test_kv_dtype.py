@@ -97,9 +97,7 @@ def teacher_forced_kl(exact: torch.Tensor, rounded: torch.Tensor) -> torch.Tenso
 
 
 @pytest.mark.parametrize("name", FAMILY_PARAMS)
-def test_bf16_kv_within_bound_of_float32_kv(
-    kv_dirs: TinyDirs, name: str, native: None
-) -> None:
+def test_bf16_kv_within_bound_of_float32_kv(kv_dirs: TinyDirs, name: str, native: None) -> None:
     model = _load(kv_dirs[name])
     lean = lean_step_of(model)
     assert isinstance(lean, LeanModel)
