@@ -7,8 +7,10 @@ and values and once with bfloat16 ones, on the same weights.
 Usage: PYTHONPATH=src python bench/bench_kv_quality.py [--models M1 M2] [--tokens 2048]
        [--decode-tokens 256] [--text FILE] [--models-dir DIR]
 
-Prints, per model, the teacher-forced KL(float32 KV || bfloat16 KV) over the prefill
-positions and over the decode positions (mean, 99th percentile, largest, in nats), the
+Prints, per model, the teacher-forced KL(float32 KV || bfloat16 KV) over the prefill's
+last `--decode-tokens` positions (only those rows' logits are kept: a 262k vocabulary times
+2k positions would be gigabytes) and over the decode positions (mean, 99th percentile,
+largest, in nats), the
 share of positions whose most likely token changed, and the KV bytes per token of each
 dtype. The models must be prepared already (`exo` serves them, or the engine tests
 fetched them into ~/.cache/exo-test-models); the text defaults to this repository's docs,
@@ -48,10 +50,12 @@ TEST_MODELS_DIR = Path.home() / ".cache" / "exo-test-models"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def forced_logits(model: Any, ids: list[int], prefill: int, dtype: torch.dtype) -> torch.Tensor:
-    """`[len(ids), vocab]` float64 logits: positions `0 .. prefill - 1` from one prefill of
-    an empty cache of `dtype`, then each later position from one decode step fed the
-    text's own token (teacher forcing)."""
+def forced_logits(
+    model: Any, ids: list[int], prefill: int, dtype: torch.dtype, prefill_rows: int
+) -> torch.Tensor:
+    """`[prefill_rows + len(ids) - prefill, vocab]` float32 logits: the last `prefill_rows`
+    positions of one prefill of `ids[:prefill]` into an empty cache of `dtype`, then each
+    later position from one decode step fed the text's own token (teacher forcing)."""
     text_config: Any = model.config.get_text_config()
     windows = family_for_architecture(type(model).__name__).attention_windows(text_config)
     geometry = kv_geometry_of_config(text_config, len(windows))
@@ -71,8 +75,8 @@ def forced_logits(model: Any, ids: list[int], prefill: int, dtype: torch.dtype) 
         rows.append(
             forward_batch(
                 model, plan, torch.tensor([ids[:prefill]]), torch.tensor([positions]),
-                torch.tensor(positions),
-            ).double()
+                torch.tensor(positions[-prefill_rows:]),
+            )
         )  # fmt: skip
         for position in range(prefill, len(ids)):
             plan = BatchPlan(cache, windows, [slot], [position], [], layer_of)
@@ -80,15 +84,21 @@ def forced_logits(model: Any, ids: list[int], prefill: int, dtype: torch.dtype) 
                 forward_batch(
                     model, plan, torch.tensor([[ids[position]]]), torch.tensor([[position]]),
                     torch.tensor([0]),
-                ).double()
+                )
             )  # fmt: skip
     return torch.cat(rows)
 
 
 def summary(name: str, reference: torch.Tensor, rounded: torch.Tensor) -> str:
-    log_p = torch.log_softmax(reference, dim=-1)
-    log_q = torch.log_softmax(rounded, dim=-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+    """KL(softmax(reference) || softmax(rounded)) of `[rows, vocab]` logits, row by row in
+    float64, and how often the most likely token differs."""
+    kl = torch.cat([
+        (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+        for log_p, log_q in (
+            (torch.log_softmax(p.double(), -1), torch.log_softmax(q.double(), -1))
+            for p, q in zip(reference.split(64), rounded.split(64), strict=True)
+        )
+    ])  # fmt: skip
     changed = (reference.argmax(-1) != rounded.argmax(-1)).double().mean()
     return (
         f"  {name:7s} ({kl.numel():5d} positions): KL mean {float(kl.mean()):.2e}, "
@@ -136,10 +146,11 @@ def main() -> int:
         engine = TorchEngine.load(model_dir, shard)
         ids = engine.tokenizer(text)["input_ids"][: arguments.tokens]
         prefill = max(1, len(ids) - arguments.decode_tokens)
+        rows = min(prefill, arguments.decode_tokens)  # the prefill's last positions compared
         logits = {}
         for name, dtype in DTYPES.items():
             started = time.perf_counter()
-            logits[name] = forced_logits(engine.model, ids, prefill, dtype)
+            logits[name] = forced_logits(engine.model, ids, prefill, dtype, rows)
             print(f"  {name} KV: {time.perf_counter() - started:.0f} s", file=sys.stderr)
         text_config: Any = engine.model.config.get_text_config()
         windows = family_for_architecture(type(engine.model).__name__).attention_windows(
@@ -152,11 +163,12 @@ def main() -> int:
         )
         print(
             f"{model_id} ({engine.weight_dtype} weights): {len(ids)} tokens, the first "
-            f"{prefill} in one prefill, then one decode step each; KV bytes per token: {sizes}"
+            f"{prefill} in one prefill (its last {rows} compared), then one decode step each; "
+            f"KV bytes per token: {sizes}"
         )
         reference, rounded = logits["float32"], logits["bfloat16"]
-        print(summary("prefill", reference[:prefill], rounded[:prefill]))
-        print(summary("decode", reference[prefill:], rounded[prefill:]))
+        print(summary("prefill", reference[:rows], rounded[:rows]))
+        print(summary("decode", reference[rows:], rounded[rows:]))
         print(summary("all", reference, rounded))
         del engine
     return 0

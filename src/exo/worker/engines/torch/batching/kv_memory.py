@@ -77,7 +77,7 @@ def kv_cache_torch_dtype(
             raise ValueError(
                 f"{KV_CACHE_DTYPE_ENV}={configured!r}: expected one of {', '.join(KV_CACHE_DTYPES)}"
             )
-        return _TORCH_KV_DTYPES[configured]  # type: ignore[index]
+        return _TORCH_KV_DTYPES[configured]
     return torch.bfloat16 if device.type == "cpu" else model_dtype
 
 

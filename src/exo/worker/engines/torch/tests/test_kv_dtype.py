@@ -86,7 +86,7 @@ def native(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def _load(model_dir: Path) -> Any:
-    return load_model(model_dir, make_shard(model_dir, "pipeline", 0, 1), CPU, "float32")  # type: ignore[arg-type]
+    return load_model(model_dir, make_shard(model_dir, "pipeline", 0, 1), CPU, "float32")
 
 
 def teacher_forced_kl(exact: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
