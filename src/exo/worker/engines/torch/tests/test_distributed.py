@@ -32,6 +32,9 @@ from exo.worker.engines.torch.model.direct_forward import LEAN_ENV
 from exo.worker.engines.torch.model.families import family_by_name
 from exo.worker.engines.torch.quant.quantize import WeightDtype
 
+# Split and single runs compare token for token: float32 KV (`float32_kv`).
+pytestmark = pytest.mark.usefixtures("float32_kv")
+
 GROUP_DEADLINE_S = 240.0
 PROMPT = "Name three colours and say why the sky is blue."
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 12}
