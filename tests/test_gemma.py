@@ -101,7 +101,8 @@ def test_greedy_tokens_equal_transformers_on_the_same_gguf(
         sharding="pipeline", model_card=gemma_card, device_rank=0, world_size=1, start_layer=0,
         end_layer=gemma_card.n_layers,
     )  # fmt: skip
-    engine = TorchEngine.load(gemma_dir, shard, weight_dtype="float32")
+    # float32 weights and KV: token for token what transformers' float32 forward gives.
+    engine = TorchEngine.load(gemma_dir, shard, weight_dtype="float32", kv_cache_dtype="float32")
     params = TextGenerationTaskParams(
         model=GEMMA, prompt=PROMPT, max_tokens=COMPARED_TOKENS, temperature=0.0
     )

@@ -32,6 +32,7 @@ NODE_DETAILS = {
     "no_default_model": "models.md#built-in-models-from-pypi",
     "no_auto_place": "api.md#load-on-request",
     "kv_cache_tokens": "api.md#many-users-at-once",
+    "kv_cache_dtype": "engine.md#kv-cache-dtype",
     "idle_unload": "api.md#keep-alive-and-idle-unload",
     "trust_remote_code": "models.md#custom-models",
     "max_concurrent_requests": "api.md#many-users-at-once",
@@ -175,6 +176,12 @@ ENVIRONMENT = (
         "EXO_NATIVE_DECODE",
         "`0` runs a decode step's layers as torch operators, not one C++ call",
         "engine.md#exos-kernels",
+    ),
+    EnvironmentVariable(
+        "EXO_KV_CACHE_DTYPE",
+        "`float32` / `bfloat16`: the KV dtype of engines started without `--kv-cache-dtype` "
+        "(tests comparing with transformers use `float32`)",
+        "engine.md#kv-cache-dtype",
     ),
     EnvironmentVariable(
         "OVERRIDE_MEMORY_MB",

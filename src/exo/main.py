@@ -165,6 +165,7 @@ class Node:
                 stream_interval_seconds=options.stream_interval_seconds,
                 prefill_activations=options.prefill_activations,
                 kv_cache_tokens=options.kv_cache_tokens,
+                kv_cache_dtype=options.kv_cache_dtype,
             ),
             peer_credential=peer_credential(options.namespace, secret),
         )

@@ -26,9 +26,12 @@ from exo.shared.constants import (
     PROTOCOL_VERSION,
 )
 from exo.shared.models.memory import (
+    DEFAULT_KV_CACHE_DTYPE,
     DEFAULT_PREFILL_ACTIVATIONS,
+    KV_CACHE_DTYPES,
     MIN_KV_CACHE_TOKENS,
     PREFILL_ACTIVATIONS,
+    KVCacheDtype,
     PrefillActivations,
     default_prefill_activations,
 )
@@ -74,6 +77,8 @@ class Options:
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS
     # Each runner's KV-cache budget in tokens (`--kv-cache-tokens`).
     kv_cache_tokens: int | None = None
+    # How runners store keys and values on CPU (`--kv-cache-dtype`).
+    kv_cache_dtype: KVCacheDtype | None = None
 
 
 def package_version() -> str:
@@ -215,6 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: sized from free memory)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=None,
+        help="how runners store keys and values (default: "
+        f"{DEFAULT_KV_CACHE_DTYPE} on CPU, the model's dtype elsewhere)",
+    )
+    parser.add_argument(
         "--max-queued-requests",
         type=int,
         default=None,
@@ -305,6 +317,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         stream_interval_seconds=args.stream_interval_ms / 1000,
         prefill_activations=args.prefill_activations,
         kv_cache_tokens=args.kv_cache_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
         remeasure_speed=args.remeasure_speed,
         cluster_secret=cluster_secret_option(args, parser, peers),
     )

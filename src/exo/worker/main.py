@@ -19,6 +19,7 @@ from exo.download.model_lock import ModelBusyError
 from exo.download.peers import HUB_ASSUMED_MBPS, peers_holding
 from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.shared.local_events import LocalEventSender
+from exo.shared.models.memory import kv_cache_tokens_for_dtype
 from exo.shared.types.chunks import Chunk
 from exo.shared.types.common import ModelId, NodeId, RunnerId
 from exo.shared.types.downloads import DownloadProgress
@@ -232,15 +233,8 @@ class Worker:
             await self._execute(task)
 
     def _runner_options_for(self, instance: Instance) -> RunnerOptions:
-        """This node's runner options with the instance's KV-cache budget, which every rank
-        holds (`Instance.kv_cache_tokens`), bounded by this node's `--kv-cache-tokens`
-        (a node restarted with a smaller one holds no more than it, whatever the instance
-        was placed with). Instances placed before budgets were carried: the node's option."""
-        if instance.kv_cache_tokens is None:
-            return self._runner_options
-        own = self._runner_options.kv_cache_tokens
-        tokens = instance.kv_cache_tokens if own is None else min(own, instance.kv_cache_tokens)
-        return self._runner_options.model_copy(update={"kv_cache_tokens": tokens})
+        """This node's runner options for a runner of `instance` (`runner_options_for`)."""
+        return runner_options_for(self._runner_options, instance.kv_cache_tokens)
 
     async def _execute(self, task: Task) -> None:
         assert self._task_group is not None
@@ -436,3 +430,19 @@ class Worker:
             NodeDownloadProgress(node_id=self.node_id, model_id=model_id, status=status)
         )
         self._notify()
+
+
+def runner_options_for(options: RunnerOptions, instance_tokens: int | None) -> RunnerOptions:
+    """A node's runner `options` with its instance's KV-cache budget (`instance_tokens`,
+    `Instance.kv_cache_tokens`), which every rank holds, bounded by the node's
+    `--kv-cache-tokens` (a node restarted with a smaller one holds no more than it, whatever
+    the instance was placed with). Instances placed before budgets were carried (None): the
+    node's options. Placement counts the budget in the default KV dtype's bytes: a node
+    storing float32 KV (`--kv-cache-dtype`) holds the tokens that fit the same bytes
+    (`kv_cache_tokens_for_dtype`)."""
+    if instance_tokens is None:
+        return options
+    placed = kv_cache_tokens_for_dtype(instance_tokens, options.kv_cache_dtype)
+    own = options.kv_cache_tokens
+    tokens = placed if own is None else min(own, placed)
+    return options.model_copy(update={"kv_cache_tokens": tokens})

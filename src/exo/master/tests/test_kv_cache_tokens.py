@@ -70,7 +70,8 @@ def test_the_option_is_parsed_checked_and_defaults_to_memory_sized() -> None:
 
 def test_the_kv_budget_is_sized_from_one_geometry() -> None:
     geometry = kv_geometry(CARD, whole_model(CARD))
-    assert geometry.bytes_per_token == 12 * 9 * CARD.attention_head_dim * 2 * 4
+    # A key and a value per layer and KV head, bfloat16.
+    assert geometry.bytes_per_token == 12 * 9 * CARD.attention_head_dim * 2 * 2
     assert kv_cache_budget_bytes(CARD, tokens=SMALL) == SMALL * geometry.bytes_per_token
     # The KV budget is what differs between the two sizes.
     difference = required_memory_bytes(CARD) - required_memory_bytes(CARD, 1, SMALL)

@@ -83,8 +83,8 @@ def test_required_memory_is_the_int4_serving_peak_plus_overhead() -> None:
     process = RUNNER_PROCESS_OVERHEAD_BYTES
     assert required_memory_bytes(CARD) == int(max(peak, serving) * 1.1) + process
     assert process == 320 * MIB  # bench/bench_runner_memory.py: USS 299 MiB warmed up
-    # The KV-cache budget: layers x KV heads x head dim x (key, value) x float32 per token.
-    assert kv_cache_budget_bytes(CARD, whole) == DEFAULT_KV_CACHE_TOKENS * 12 * 3 * 64 * 2 * 4
+    # The KV-cache budget: layers x KV heads x head dim x (key, value) x bfloat16 per token.
+    assert kv_cache_budget_bytes(CARD, whole) == DEFAULT_KV_CACHE_TOKENS * 12 * 3 * 64 * 2 * 2
     # Far below the float32 weights plus that budget: placement reserves what the engine holds.
     real = smollm2_card()
     kv = kv_cache_budget_bytes(real)

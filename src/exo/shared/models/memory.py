@@ -503,8 +503,30 @@ def loading_peak_bytes(
     return resident + transient
 
 
-# Keys and values are held in the activations' dtype: float32 on CPU in every weight format.
-KV_CACHE_VALUE_BYTES = FLOAT32_BYTES
+# How a runner stores keys and values (`--kv-cache-dtype`): bfloat16 by default on CPU (half
+# the bytes per token of float32; products and sums stay float32, only the stored values are
+# rounded: the cost, teacher-forced against float32 KV, is in
+# docs/benchmarks/2026-12-05-kv-bf16.md), float32 where a test or the user asks; on other
+# devices the model's dtype (`kv_cache_torch_dtype`).
+KVCacheDtype = Literal["bfloat16", "float32"]
+KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("bfloat16", "float32")
+DEFAULT_KV_CACHE_DTYPE: KVCacheDtype = "bfloat16"
+KV_CACHE_DTYPE_BYTES: dict[KVCacheDtype, int] = {"bfloat16": 2, "float32": FLOAT32_BYTES}
+# Bytes of one stored key or value placement sizes the KV cache with (the default dtype's;
+# a node storing float32 keeps to the same bytes with half the tokens:
+# `kv_cache_tokens_for_dtype`).
+KV_CACHE_VALUE_BYTES = KV_CACHE_DTYPE_BYTES[DEFAULT_KV_CACHE_DTYPE]
+
+
+def kv_cache_tokens_for_dtype(tokens: int, dtype: KVCacheDtype | None) -> int:
+    """The tokens a KV budget of `tokens` at `KV_CACHE_VALUE_BYTES` per value (what placement
+    reserved) holds in `dtype`'s bytes (None: the default dtype): the same memory, fewer
+    tokens for a wider dtype (at least 1)."""
+    if dtype is None:
+        return tokens
+    return max(1, tokens * KV_CACHE_VALUE_BYTES // KV_CACHE_DTYPE_BYTES[dtype])
+
+
 # Tokens of KV cache placement checks a node can hold for a runner (running requests and
 # the prefix cache together): eight concurrent requests of 1,024 tokens, or one of 8,192.
 # A node's `--kv-cache-tokens` replaces it (`NodeInfo.kv_cache_tokens`); without one,
@@ -526,14 +548,16 @@ class KVGeometry:
     kv_heads: int
     head_dim: int
     latent_values: int = 0
+    value_bytes: int = KV_CACHE_VALUE_BYTES
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token takes: layers × KV heads × head dim × 2 (a key and a value) ×
-        `KV_CACHE_VALUE_BYTES`; with multi-head latent attention (`latent_values` > 0: the
-        values are the first `latent_values` of each key) the key alone."""
+        `value_bytes` (default `KV_CACHE_VALUE_BYTES`); with multi-head latent attention
+        (`latent_values` > 0: the values are the first `latent_values` of each key) the key
+        alone."""
         kinds = 1 if self.latent_values else 2
-        return self.layers * self.kv_heads * self.head_dim * kinds * KV_CACHE_VALUE_BYTES
+        return self.layers * self.kv_heads * self.head_dim * kinds * self.value_bytes
 
 
 def latent_kv_geometry(text_config: Any, layers: int) -> KVGeometry | None:

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from exo.shared.models.memory import (
     DEFAULT_PREFILL_ACTIVATIONS,
+    KVCacheDtype,
     PrefillActivations,
 )
 from exo.shared.types.common import FrozenModel
@@ -24,10 +25,14 @@ class RunnerOptions(FrozenModel):
     kv_cache_tokens: the KV-cache budget of the runner's engine in tokens, running
         requests and the prefix cache together: its instance's (`Instance.kv_cache_tokens`,
         chosen by placement) bounded by the node's `--kv-cache-tokens`, else the node's
-        option; None: `DEFAULT_KV_CACHE_TOKENS`.
+        option; None: `DEFAULT_KV_CACHE_TOKENS`. Counted in the default KV dtype's bytes
+        (placement's); a float32 runner holds `kv_cache_tokens_for_dtype` of them.
+    kv_cache_dtype: how the runner's engine stores keys and values on CPU
+        (`--kv-cache-dtype`; None: `kv_memory.kv_cache_torch_dtype`'s default).
     """
 
     max_concurrent_requests: int | None = Field(default=None, ge=1)
     stream_interval_seconds: float = Field(default=0.0, ge=0)
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS
     kv_cache_tokens: int | None = Field(default=None, ge=1)
+    kv_cache_dtype: KVCacheDtype | None = None

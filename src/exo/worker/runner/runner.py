@@ -265,6 +265,7 @@ class Runner:
                 ),
                 prefill_activations=self._options.prefill_activations,
                 kv_cache_tokens=self._options.kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS,
+                kv_cache_dtype=self._options.kv_cache_dtype,
             )  # fmt: skip
         except Exception as error:
             logger.opt(exception=error).error(f"runner {self.runner_id}: loading failed")

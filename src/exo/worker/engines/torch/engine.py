@@ -26,6 +26,7 @@ from exo.chat_protocol.prompt import RenderedPrompt, decode_keeping_markers, ren
 from exo.shared.models.memory import (
     DEFAULT_KV_CACHE_TOKENS,
     DEFAULT_PREFILL_ACTIVATIONS,
+    KVCacheDtype,
     PrefillActivations,
     kv_geometry_of_config,
 )
@@ -38,6 +39,7 @@ from exo.worker.engines.torch.batching.batch_attention import (
     attention_layers,
     use_batched_attention,
 )
+from exo.worker.engines.torch.batching.kv_memory import kv_cache_torch_dtype
 from exo.worker.engines.torch.batching.prefix_cache import PrefixCache
 from exo.worker.engines.torch.batching.request_state import (
     GeneratedPiece,
@@ -118,6 +120,8 @@ class TorchEngine:
         kv_cache_tokens: the KV-cache budget in tokens, shared by running requests and the
             prefix cache (`exo.shared.models.memory.kv_cache_budget_bytes` sizes it in
             bytes); also caps one request's prompt plus output.
+        kv_cache_dtype: how keys and values are stored (`kv_memory.kv_cache_torch_dtype`;
+            None: bfloat16 on CPU unless `EXO_KV_CACHE_DTYPE` says otherwise).
     """
 
     def __init__(
@@ -131,6 +135,7 @@ class TorchEngine:
         max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
         kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
         group: RankGroup | None = None,
+        kv_cache_dtype: KVCacheDtype | None = None,
     ) -> None:
         if max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be at least 1")
@@ -142,6 +147,7 @@ class TorchEngine:
         self.eos_token_ids = eos_token_ids
         self.max_concurrent_requests = max_concurrent_requests
         self.kv_cache_tokens = kv_cache_tokens
+        self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, device, next(model.parameters()).dtype)
         text_config = model.config.get_text_config()
         configured_context = getattr(text_config, "max_position_embeddings", None)
         self.context_length = min(card.context_length, configured_context or card.context_length)
@@ -166,6 +172,7 @@ class TorchEngine:
         max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
         kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
         prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
+        kv_cache_dtype: KVCacheDtype | None = None,
     ) -> TorchEngine:
         """Load a shard's weights (a multi-rank shard: this rank's part, after
         `init_group`) and the tokenizer from an HF-format directory.
@@ -187,6 +194,7 @@ class TorchEngine:
                 (llama.cpp's precision: faster prefill, a less exact prompt); "bf16"
                 rounds them and the dequantized weights to bfloat16 for AMX tiles (CPUs
                 with AMX-BF16, else int16); "int16" as decode (`load_model`).
+            kv_cache_dtype: how keys and values are stored (see the class).
 
         Raises:
             UnsupportedArchitectureError (a ValueError): no family file for the model.
@@ -204,9 +212,12 @@ class TorchEngine:
         engine = cls(
             parts.model, parts.tokenizer, shard.model_card, parts.device,
             parts.eos_token_ids, parts.weight_dtype, max_concurrent_requests, kv_cache_tokens,
+            kv_cache_dtype=kv_cache_dtype,
         )  # fmt: skip
         if split:
-            engine.group = RankGroup(parts.model, parts.device, engine.vocab_size, shard)
+            engine.group = RankGroup(
+                parts.model, parts.device, engine.vocab_size, shard, engine.kv_dtype
+            )
         engine.testing_seam = load_testing_seam(model_dir)
         logger.info(
             "{}loaded {} ({} weights) in {:.1f} s",
@@ -404,10 +415,9 @@ class TorchEngine:
         family = family_for_architecture(type(self.model).__name__)
         windows = family.attention_windows(text_config)
         geometry = kv_geometry_of_config(text_config, len(windows))
-        dtype = next(self.model.parameters()).dtype
         use_batched_attention(self.model)
         cache = SlotKVCache(
-            geometry.layers, geometry.kv_heads, geometry.head_dim, dtype, self.device,
+            geometry.layers, geometry.kv_heads, geometry.head_dim, self.kv_dtype, self.device,
             self.max_concurrent_requests, geometry.latent_values,
         )  # fmt: skip
         return BatchScheduler(

@@ -8,6 +8,7 @@ from pathlib import Path
 from exo.shared.models.memory import (
     DEFAULT_KV_CACHE_TOKENS,
     DEFAULT_PREFILL_ACTIVATIONS,
+    KVCacheDtype,
     PrefillActivations,
 )
 from exo.shared.types.shards import ShardMetadata
@@ -25,6 +26,7 @@ def load_engine(
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
     kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
+    kv_cache_dtype: KVCacheDtype | None = None,
 ) -> TorchEngine:
     """Load the engine for `shard` (arguments as `TorchEngine.load`).
 
@@ -38,4 +40,5 @@ def load_engine(
     return TorchEngine.load(
         model_dir, shard, device, on_layer_loaded, weight_dtype, max_concurrent_requests,
         kv_cache_tokens=kv_cache_tokens, prefill_activations=prefill_activations,
+        kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip

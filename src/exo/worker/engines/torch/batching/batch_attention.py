@@ -170,12 +170,14 @@ def attend(
 
     Args:
         query: `[1, heads, T, head_dim]` (rotary applied; any strides).
-        key / value: `[1, kv_heads, T, head_dim]` the step's new rows, in the cache's dtype
-            (with the cache's `latent_values`, values are the keys' first values and are
-            not written: `value` is read for its width only).
+        key / value: `[1, kv_heads, T, head_dim]` the step's new rows, in the queries'
+            dtype: written rounded to the cache's where it is narrower (a bfloat16 cache;
+            the keys and values read are widened back, so products and sums stay in the
+            queries' dtype) (with the cache's `latent_values`, values are the keys' first
+            values and are not written: `value` is read for its width only).
         scaling: the softmax scale (None: `head_dim ** -0.5`).
         prefill_dtype: the dtype prompt chunks attend in (`prefill_attention`; None: the
-            cache's). Decode rows always attend in the cache's.
+            queries'). Decode rows always attend in the queries'.
         sinks: `[heads]` learned logits joining each query's softmax denominator
             (gpt-oss; `sink_attention`), None for plain attention.
 
@@ -185,6 +187,8 @@ def attend(
     window = plan.windows[layer]
     keys, values = plan.cache.keys[layer], plan.cache.values[layer]
     write_values = not plan.cache.latent_values
+    if key.dtype != keys.dtype:  # a bfloat16 cache: store rounded, read widened
+        key, value = key.to(keys.dtype), value.to(keys.dtype)
     output = query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[3])
     decoding = len(plan.decode_slots)
     if decoding:
@@ -210,6 +214,8 @@ def attend(
             full[plan.decode_index] = queries
             queries = full
         keys_read, values_read = keys[:occupied, :, :max_len], values[:occupied, :, :max_len]
+        if keys_read.dtype != queries.dtype:
+            keys_read, values_read = keys_read.to(queries.dtype), values_read.to(queries.dtype)
         if sinks is None:
             attended = F.scaled_dot_product_attention(
                 queries, keys_read, values_read, attn_mask=mask, scale=scaling, enable_gqa=True
@@ -226,11 +232,20 @@ def attend(
         keys[segment.slot, :, segment.start : end] = key[0, :, rows]
         if write_values:
             values[segment.slot, :, segment.start : end] = value[0, :, rows]
+        slot_keys = keys[segment.slot : segment.slot + 1]
+        slot_values = values[segment.slot : segment.slot + 1]
+        start = segment.start
+        if slot_keys.dtype != query.dtype and (prefill_dtype is None or sinks is not None):
+            # A bfloat16 cache: the positions this chunk sees, widened to the queries' dtype.
+            first = 0 if window is None else max(0, start - window + 1)
+            slot_keys = slot_keys[:, :, first:end].to(query.dtype)
+            slot_values = slot_values[:, :, first:end].to(query.dtype)
+            start -= first
         attended = prefill_attention(
             query[:, :, rows],
-            keys[segment.slot : segment.slot + 1],
-            values[segment.slot : segment.slot + 1],
-            segment.start,
+            slot_keys,
+            slot_values,
+            start,
             window,
             scaling,
             None if sinks is not None else prefill_dtype,

@@ -13,6 +13,9 @@ until written, and `release` hands a range's whole pages back with `madvise(MADV
 (the range reads as zeros again; Linux `madvise(2)`). Resident KV memory then follows the
 positions written since each slot's last release, which the scheduler keeps within budget.
 Elsewhere (another OS, a GPU) buffers are `torch.zeros` and `release` zeroes the range.
+
+The buffers' dtype is the runner's KV dtype (`kv_cache_torch_dtype`: bfloat16 on CPU by
+default, half float32's bytes per token; `--kv-cache-dtype`).
 """
 
 from __future__ import annotations
@@ -20,9 +23,21 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
+import os
 import sys
 
 import torch
+
+from exo.shared.models.memory import KV_CACHE_DTYPES, KVCacheDtype
+
+# "float32" / "bfloat16": the KV dtype of engines built without one (`kv_cache_torch_dtype`):
+# how tests that compare with transformers' float32 forward opt into float32 KV, in this
+# process and the nodes it starts.
+KV_CACHE_DTYPE_ENV = "EXO_KV_CACHE_DTYPE"
+_TORCH_KV_DTYPES: dict[KVCacheDtype, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
 
 _MADV_DONTNEED = 4  # <sys/mman.h> on Linux
 _PAGE = mmap.PAGESIZE
@@ -42,6 +57,28 @@ def _load_madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 _madvise = _load_madvise()
+
+
+def kv_cache_torch_dtype(
+    requested: KVCacheDtype | None, device: torch.device, model_dtype: torch.dtype
+) -> torch.dtype:
+    """The dtype a runner stores keys and values in: `requested` (`--kv-cache-dtype`), else
+    `KV_CACHE_DTYPE_ENV`, else bfloat16 on CPU (attention still multiplies and sums in
+    float32: decode_attention.cpp, `batch_attention.attend`) and the model's dtype elsewhere.
+
+    Raises:
+        ValueError: `KV_CACHE_DTYPE_ENV` names no KV dtype.
+    """
+    if requested is not None:
+        return _TORCH_KV_DTYPES[requested]
+    configured = os.environ.get(KV_CACHE_DTYPE_ENV)
+    if configured:
+        if configured not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"{KV_CACHE_DTYPE_ENV}={configured!r}: expected one of {', '.join(KV_CACHE_DTYPES)}"
+            )
+        return _TORCH_KV_DTYPES[configured]
+    return torch.bfloat16 if device.type == "cpu" else model_dtype
 
 
 def zeroed_kv_buffer(

@@ -29,7 +29,9 @@ class SlotKVCache:
         layers: decoder layers of this shard.
         kv_heads: key/value heads per layer (this rank's).
         head_dim: width of one head.
-        dtype: dtype of the keys and values (the model's activations).
+        dtype: dtype of the keys and values (`kv_memory.kv_cache_torch_dtype`: bfloat16 on
+            CPU by default; the step's attention writes its float32 keys rounded to it and
+            reads them widened back).
         device: where they live.
         slots: most requests held at once.
         latent_values: 0 for keys and values of their own; else the width of the values

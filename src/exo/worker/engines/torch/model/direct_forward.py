@@ -32,7 +32,9 @@ docs/benchmarks/engine-design-figures.md#direct_forwardpy).
 Dtypes: the residual stream stays float32. With quantized linears on a CPU with native
 bfloat16 (`direct_forward_parts.bf16_activations_wanted`), a norm's output is cast to bfloat16 once
 and the int4/int8 kernels take and give bfloat16 directly (the MLP stays bfloat16 from the
-gate/up matmul to the down matmul); attention runs in the KV cache's dtype (float32). Without
+gate/up matmul to the down matmul); attention runs in float32, the KV cache storing its keys
+and values in bfloat16 (the default on CPU: rounded on store, widened on load) or float32
+(`--kv-cache-dtype`; exo's decode layer reads either). Without
 native bfloat16 every activation is float32 and the quantized modules cast around their kernel
 (what they did before), except exo's own int4 kernel (AVX2 CPUs), which takes float32
 rows. Fusing Q/K/V and gate/up follows gpt-fast (`wqkv`, `w1`/`w3`) and vLLM
@@ -188,12 +190,14 @@ class LeanModel:
             assert hidden is not None
             x = hidden.float().clone()
         cache_dtype = plan.cache.keys[0].dtype if plan.cache.keys else torch.float32
-        tables = self._rotary_tables(x, position_ids, cache_dtype)
-        if cache_dtype == torch.float32 and self._native_step(plan, x.shape[0]):
+        # A bfloat16 cache only stores keys and values rounded: attention computes in float32.
+        attention_dtype = torch.float32 if cache_dtype == torch.bfloat16 else cache_dtype
+        tables = self._rotary_tables(x, position_ids, attention_dtype)
+        if attention_dtype == torch.float32 and self._native_step(plan, x.shape[0]):
             self._decode_layers(plan, x, tables)
         else:
             for index, layer in enumerate(self.layers):
-                self._layer(plan, index, layer, x, tables[layer.rope], cache_dtype)
+                self._layer(plan, index, layer, x, tables[layer.rope], attention_dtype)
         if logit_rows is None:
             return x
         assert self._head is not None and self._final_norm is not None
@@ -356,7 +360,7 @@ class LeanModel:
         layer: LeanLayer,
         x: torch.Tensor,
         table: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        cache_dtype: torch.dtype,
+        attention_dtype: torch.dtype,
     ) -> None:
         """Layer `index` over the residual stream `x` `[T, hidden]` float32, in place."""
         weight, eps = layer.input_norm
@@ -368,9 +372,9 @@ class LeanModel:
             ) -> torch.Tensor:
                 return attend(plan, index, query, key, value, scaling)
 
-            out = layer.latent(normed, table, attend_latent, cache_dtype)
+            out = layer.latent(normed, table, attend_latent, attention_dtype)
         else:
-            out = self._attention(plan, index, layer, x, table, cache_dtype)
+            out = self._attention(plan, index, layer, x, table, attention_dtype)
         if layer.post_attention_norm is not None:
             weight, eps = layer.post_attention_norm
             out = self._norm(out.float(), weight, eps)
@@ -384,7 +388,7 @@ class LeanModel:
         layer: LeanLayer,
         x: torch.Tensor,
         table: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        cache_dtype: torch.dtype,
+        attention_dtype: torch.dtype,
     ) -> torch.Tensor:
         """Layer `index`'s Q/K/V attention over `x` `[T, hidden]` float32: its output
         projection's `[T, hidden]` rows."""
@@ -393,7 +397,7 @@ class LeanModel:
         assert layer.qkv is not None
         weight, eps = layer.input_norm
         normed = self._norm(x, weight, eps).to(layer.qkv.in_dtype)
-        qkv = layer.qkv(normed).to(cache_dtype)  # [T, (heads + 2 kv_heads) * head_dim]
+        qkv = layer.qkv(normed).to(attention_dtype)  # [T, (heads + 2 kv_heads) * head_dim]
         if layer.projection_qk_norm is not None:  # norms over all heads (MiniMax-M2)
             qkv = layer.projection_qk_norm(qkv)
         width = (heads + kv_heads) * head_dim

@@ -114,10 +114,11 @@ class LeanLatentAttention:
         normed: torch.Tensor,
         table: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         attend: Attend,
-        cache_dtype: torch.dtype,
+        attention_dtype: torch.dtype,
     ) -> torch.Tensor:
         """`normed` `[T, hidden]`, `table` the step's rotary `(cos, sin, perm)` over
-        `qk_rope_head_dim` → `[T, hidden]` float32. Attention runs in `cache_dtype`."""
+        `qk_rope_head_dim` → `[T, hidden]` float32. Attention runs in `attention_dtype`
+        (float32 over a bfloat16 cache, which stores the latents rounded)."""
         rows = normed.shape[0]
         heads, nope, latent = self.heads, self.nope, self.latent
         if self.query_down is not None and self.query_norm is not None:
@@ -141,8 +142,8 @@ class LeanLatentAttention:
         absorbed = torch.einsum("thn,hnl->thl", query[:, :, :nope], self.key_up)
         queries = torch.cat([absorbed, rotary[:, :heads]], dim=-1)  # [T, heads, latent+rope]
         key = torch.cat([content, rotary[:, heads]], dim=-1)  # [T, latent + rope]
-        keys = key.view(1, 1, rows, self.cache_width).to(cache_dtype)
-        queries = queries.transpose(0, 1).unsqueeze(0).to(cache_dtype)
+        keys = key.view(1, 1, rows, self.cache_width).to(attention_dtype)
+        queries = queries.transpose(0, 1).unsqueeze(0).to(attention_dtype)
         attended = attend(queries, keys, keys[..., :latent], self.scaling)  # [1, T, heads, latent]
         values = torch.einsum("thl,hvl->thv", attended[0].float(), self.value_up)  # [T, heads, v]
         out = self.output(values.reshape(rows, heads * self.value).to(self.output.in_dtype))

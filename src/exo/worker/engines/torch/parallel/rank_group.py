@@ -41,6 +41,7 @@ from exo.worker.engines.torch.batching.batch_attention import (
     attention_layers,
     use_batched_attention,
 )
+from exo.worker.engines.torch.batching.kv_memory import kv_cache_torch_dtype
 from exo.worker.engines.torch.batching.scheduler import BatchScheduler
 from exo.worker.engines.torch.comm.process_group import IDLE_WAIT
 from exo.worker.engines.torch.model.families import family_for_architecture
@@ -77,9 +78,19 @@ class RankGroup:
     ranks (its parallelism's `EngineTransform`), and serving rank 0's steps on ranks > 0."""
 
     def __init__(
-        self, model: PreTrainedModel, device: torch.device, vocab_size: int, shard: ShardMetadata
+        self,
+        model: PreTrainedModel,
+        device: torch.device,
+        vocab_size: int,
+        shard: ShardMetadata,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
+        # This rank's KV dtype (its node's `--kv-cache-dtype`; None: `kv_cache_torch_dtype`'s
+        # default).
+        self.kv_dtype = kv_dtype or kv_cache_torch_dtype(
+            None, device, next(model.parameters()).dtype
+        )
         self.device = device
         self.vocab_size = vocab_size
         self.shard = shard
@@ -120,8 +131,8 @@ class RankGroup:
     def _new_slot_cache(
         self, max_concurrent_requests: int, log: CacheOpLog | None = None
     ) -> SlotKVCache:
-        """This rank's KV slots (recording into `log` on rank 0)."""
-        """This rank's KV slots: its layers, its KV heads (`EngineTransform.kv_heads`)."""
+        """This rank's KV slots: its layers, its KV heads (`EngineTransform.kv_heads`), in
+        the group's KV dtype (recording into `log` on rank 0)."""
         text_config = self.model.config.get_text_config()
         geometry = kv_geometry_of_config(text_config, len(self._windows))
         # A latent (MLA) cache is one shared head, whole on every tensor rank.
@@ -130,7 +141,6 @@ class RankGroup:
             if geometry.latent_values
             else self.transform.kv_heads(geometry.kv_heads, self.shard)
         )
-        dtype = next(self.model.parameters()).dtype
         use_batched_attention(self.model)
         # A family may give a tensor rank's attention modules a config of their own (with
         # this rank's head counts, e.g. Phi-3): it must use the batched attention too.
@@ -140,7 +150,7 @@ class RankGroup:
             if own_config is not None and own_config is not text_config:
                 own_config._attn_implementation = BATCHED_ATTENTION
         arguments = (
-            geometry.layers, kv_heads, geometry.head_dim, dtype, self.device,
+            geometry.layers, kv_heads, geometry.head_dim, self.kv_dtype, self.device,
             max_concurrent_requests, geometry.latent_values,
         )  # fmt: skip
         if log is None:

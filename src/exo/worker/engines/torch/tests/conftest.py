@@ -21,6 +21,7 @@ from exo.shared.models.cards import card_from_local_directory, load_builtin_card
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata
+from exo.worker.engines.torch.batching.kv_memory import KV_CACHE_DTYPE_ENV
 from exo.worker.engines.torch.comm.tcp_mesh import RankLinks
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.quant.native_kernels import NATIVE_INT4_ENV, built_int4_kernel
@@ -28,6 +29,17 @@ from exo.worker.engines.torch.quant.native_kernels import NATIVE_INT4_ENV, built
 TEST_MODELS_DIR = Path.home() / ".cache" / "exo-test-models"
 DEFAULT_MODEL_ID = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="module")
+def float32_kv() -> Iterator[None]:
+    """Engines built in this module (and the processes it spawns) store float32 KV: for
+    tests that compare token for token with transformers' float32 forward or across
+    splits, where a bfloat16 rounding of a key can flip a near-tie of a tiny random model's
+    logits (bfloat16 KV against float32: test_kv_dtype.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(KV_CACHE_DTYPE_ENV, "float32")
+        yield
 
 
 @pytest.fixture(scope="session")

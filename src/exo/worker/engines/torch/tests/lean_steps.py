@@ -44,7 +44,9 @@ def forced_tokens(vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-def new_cache(model: nn.Module, world_size: int = 1) -> tuple[SlotKVCache, Any, dict[int, int]]:
+def new_cache(
+    model: nn.Module, world_size: int = 1, kv_dtype: torch.dtype = torch.float32
+) -> tuple[SlotKVCache, Any, dict[int, int]]:
     config: Any = model.config
     text_config: Any = config.get_text_config()
     windows = family_for_architecture(type(model).__name__).attention_windows(text_config)
@@ -56,7 +58,7 @@ def new_cache(model: nn.Module, world_size: int = 1) -> tuple[SlotKVCache, Any, 
         if own is not None and own is not text_config:
             own._attn_implementation = text_config._attn_implementation
     cache = SlotKVCache(
-        len(windows), kv_heads, geometry.head_dim, torch.float32, torch.device("cpu"), 3,
+        len(windows), kv_heads, geometry.head_dim, kv_dtype, torch.device("cpu"), 3,
         geometry.latent_values,
     )  # fmt: skip
     return cache, windows, attention_layers(model)  # type: ignore[arg-type]
@@ -94,10 +96,15 @@ def steps(
 
 
 def run_single(
-    model: Any, tokens: list[list[int]], lean: bool, world_size: int = 1
+    model: Any,
+    tokens: list[list[int]],
+    lean: bool,
+    world_size: int = 1,
+    kv_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Every step through `forward_batch` (a whole model or a tensor rank's; collective on
-    tensor ranks). Returns the logits of every step's logit rows, `[rows, vocab]`."""
+    tensor ranks), keys and values stored in `kv_dtype`. Returns the logits of every step's
+    logit rows, `[rows, vocab]`."""
     step_fn = lean_step_of(model) if lean else None
     attached = model.__dict__.get("_exo_lean_step")
     if lean and step_fn is None:
@@ -105,7 +112,7 @@ def run_single(
     if attached is not None:
         attached.enabled = lean
     try:
-        cache, windows, layer_of = new_cache(model, world_size)
+        cache, windows, layer_of = new_cache(model, world_size, kv_dtype)
         if not lean and cache.latent_values:  # MLA: transformers' forward cannot use it
             return whole_sequence_logits(model, tokens)
         logits = []

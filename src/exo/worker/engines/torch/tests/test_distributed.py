@@ -32,6 +32,9 @@ from exo.worker.engines.torch.model.direct_forward import LEAN_ENV
 from exo.worker.engines.torch.model.families import family_by_name
 from exo.worker.engines.torch.quant.quantize import WeightDtype
 
+# Split and single runs compare token for token: float32 KV (`float32_kv`).
+pytestmark = pytest.mark.usefixtures("float32_kv")
+
 # A bound against a hung group, not a speed check: the default 2-rank group took 170 s on
 # 2 cores at load average 9.
 GROUP_DEADLINE_S = 600.0

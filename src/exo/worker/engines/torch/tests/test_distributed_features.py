@@ -35,6 +35,9 @@ from exo.worker.engines.torch.tests.test_distributed import (
 )
 from exo.worker.engines.torch.tests.test_distributed_prefix import Turn, conversation
 
+# Split and single runs compare token for token: float32 KV (`float32_kv`).
+pytestmark = pytest.mark.usefixtures("float32_kv")
+
 # A token the logit bias forces (an ordinary one of the tiny model's SmolLM2 vocabulary).
 BIASED_TOKEN = 314
 BIASED_REQUEST: dict[str, Any] = {

@@ -21,6 +21,9 @@ from exo.worker.engines.torch.decoding.constraints import JsonRecognizer, parse_
 from exo.worker.engines.torch.engine import GeneratedPiece, TorchEngine
 from exo.worker.engines.torch.tests.test_engine import check_stream_shape, request
 
+# Logprobs and penalised tokens compare with transformers' float32 forward: float32 KV.
+pytestmark = pytest.mark.usefixtures("float32_kv")
+
 TOOLS = (ToolDefinition(name="get_weather"), ToolDefinition(name="search"))
 PROMPT = "Hello there"
 

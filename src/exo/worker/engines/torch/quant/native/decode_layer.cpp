@@ -9,7 +9,9 @@
 // are written before any row attends; decode_attention.cpp), so a short chunk joining
 // decodes runs here too (model/direct_forward.py).
 //
-// Per layer (row-major float32 throughout; the residual stream x is updated in place):
+// Per layer (row-major float32 throughout, the KV cache float32 or bfloat16, stored rounded
+// and read widened to float32: decode_attention.cpp; the residual stream x is updated in
+// place):
 //   h  = rms_norm(x, input_norm)                         [D, hidden]
 //   qkv = h W_qkv^T (+ bias)                             [D, (heads + 2 kv_heads) head_dim]
 //   q, k = rotary(qk_norm(q), qk_norm(k))                per head, "rotate half" convention
@@ -36,6 +38,7 @@
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/linear.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -196,6 +199,18 @@ void apply_linear(const Linear& linear, const float* x, int64_t rows, float* y,
   if (add_bias) add_bias_rows(linear, rows, y);
 }
 
+// cache[at .. at + n) = source (float32), rounded to nearest even where the cache is
+// bfloat16 (as torch's float32 -> bfloat16 cast rounds: both paths store the same bits).
+void store_kv(const float* source, void* cache, at::ScalarType cache_type, int64_t at,
+              int64_t n) {
+  if (cache_type == at::kFloat) {
+    std::memcpy(static_cast<float*>(cache) + at, source, sizeof(float) * n);
+    return;
+  }
+  c10::BFloat16* target = static_cast<c10::BFloat16*>(cache) + at;
+  for (int64_t i = 0; i < n; ++i) target[i] = c10::BFloat16(source[i]);
+}
+
 // x[rows, hidden] += out (normed in place by `post_norm` first, where given: Gemma 3's
 // post-attention and post-MLP norms).
 void add_residual(float* x, float* out, int64_t rows, int64_t hidden, const float* post_norm,
@@ -235,11 +250,13 @@ void run_layer(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& linear
               "decode_layer: 5 norm entries and 5 epsilons expected per layer");
   TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0,
               "decode_layer: heads must be a multiple of kv_heads");
-  TORCH_CHECK(keys.dim() == 4 && keys.scalar_type() == at::kFloat && keys.is_contiguous() &&
-                  keys.sizes() == values.sizes() && values.scalar_type() == at::kFloat &&
-                  values.is_contiguous() && keys.size(1) == kv_heads && keys.size(3) == head_dim,
-              "decode_layer: keys / values must be contiguous float32 [slots, kv_heads, "
-              "capacity, head_dim]");
+  const at::ScalarType cache_type = keys.scalar_type();
+  TORCH_CHECK(keys.dim() == 4 && (cache_type == at::kFloat || cache_type == at::kBFloat16) &&
+                  keys.is_contiguous() && keys.sizes() == values.sizes() &&
+                  values.scalar_type() == cache_type && values.is_contiguous() &&
+                  keys.size(1) == kv_heads && keys.size(3) == head_dim,
+              "decode_layer: keys / values must be contiguous float32 or bfloat16 [slots, "
+              "kv_heads, capacity, head_dim] of one dtype");
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == rows && cos.size(1) == head_dim &&
                   cos.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat &&
@@ -302,8 +319,8 @@ void run_layer(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& linear
     const float* cos_p = cos.data_ptr<float>();
     const float* sin_p = sin.data_ptr<float>();
     const int64_t* perm_p = perm.data_ptr<int64_t>();
-    float* key_cache = keys.data_ptr<float>();
-    float* value_cache = values.data_ptr<float>();
+    void* key_cache = keys.data_ptr();
+    void* value_cache = values.data_ptr();
     std::vector<float> head_copy(static_cast<size_t>(head_dim));
     for (int64_t r = 0; r < rows; ++r) {
       float* row = qkv_out + r * qkv_width;
@@ -314,14 +331,14 @@ void run_layer(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& linear
       for (int64_t h = 0; h < kv_heads; ++h) {
         const int64_t at_position =
             ((slots[r] * kv_heads + h) * capacity + positions[r]) * head_dim;
-        const size_t bytes = sizeof(float) * head_dim;
-        std::memcpy(key_cache + at_position, row + q_width + h * head_dim, bytes);
-        std::memcpy(value_cache + at_position, row + q_width + kv_width + h * head_dim, bytes);
+        store_kv(row + q_width + h * head_dim, key_cache, cache_type, at_position, head_dim);
+        store_kv(row + q_width + kv_width + h * head_dim, value_cache, cache_type, at_position,
+                 head_dim);
       }
     }
-    exo_native::decode_attention(qkv_out, rows, qkv_width, key_cache, value_cache, capacity,
-                                 slots, positions, heads, kv_heads, head_dim, window, scaling,
-                                 attended);
+    exo_native::decode_attention(qkv_out, rows, qkv_width, key_cache, value_cache, cache_type,
+                                 capacity, slots, positions, heads, kv_heads, head_dim, window,
+                                 scaling, attended);
     apply_linear(output, attended, rows, out, /*add_bias=*/stage == 0);
     if (stage == 1) return;  // the caller all-reduces `partial`, then runs stage 2
   }

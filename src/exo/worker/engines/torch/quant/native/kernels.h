@@ -142,13 +142,15 @@ void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
                   int64_t int16_rows = 0, bool bf16 = false);
 
 // attended[rows, heads * head_dim] = each row's query heads (qkv[rows, qkv_width], queries
-// first) attending to its slot's keys / values (float32 [slots, kv_heads, capacity,
-// head_dim], this step's rows written) from the window's start (window 0: none) up to its
-// own position, softmax scaled by `scaling`; see decode_attention.cpp.
-void decode_attention(float* qkv, int64_t rows, int64_t qkv_width, const float* key_cache,
-                      const float* value_cache, int64_t capacity, at::IntArrayRef slots,
-                      at::IntArrayRef positions, int64_t heads, int64_t kv_heads,
-                      int64_t head_dim, int64_t window, double scaling, float* attended);
+// first) attending to its slot's keys / values ([slots, kv_heads, capacity, head_dim] of
+// `cache_type`, float32 or bfloat16, this step's rows written) from the window's start
+// (window 0: none) up to its own position, softmax scaled by `scaling`, summed in float32;
+// see decode_attention.cpp.
+void decode_attention(float* qkv, int64_t rows, int64_t qkv_width, const void* key_cache,
+                      const void* value_cache, at::ScalarType cache_type, int64_t capacity,
+                      at::IntArrayRef slots, at::IntArrayRef positions, int64_t heads,
+                      int64_t kv_heads, int64_t head_dim, int64_t window, double scaling,
+                      float* attended);
 
 // out[hidden] = row / sqrt(mean(row^2) + eps) * weight (weight nullptr: no weight).
 void rms_norm_row(const float* row, const float* weight, int64_t hidden, float eps, float* out);
