@@ -23,6 +23,7 @@ instead of transformers' forward; it calls `attend` directly.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -304,10 +305,12 @@ def prefill_attention(
     On the CPU, where no window cuts the chunk's view (full attention, or a window that
     still holds every key up to the chunk's end), in two mask-free flash-attention calls
     merged by their log-sum-exps (`_split_attention`): the whole chunk to the keys before
-    it, and the chunk to itself, causal. Otherwise (a window that cuts, attention sinks,
-    values narrower than the keys as multi-head latent attention's, another device) in
-    blocks of `PREFILL_QUERY_BLOCK` queries, each to the keys up to its own last position
-    under a `[block, keys]` mask. Neither holds a prompt x prompt score
+    it, and the chunk to itself, causal. Where a window cuts and the chunk is no longer
+    than the window, in one flash-attention call over the window's keys under one additive
+    mask (`_window_attention`). Otherwise (a chunk longer than a cutting window, attention
+    sinks, values narrower than the keys as multi-head latent attention's, another device)
+    in blocks of `PREFILL_QUERY_BLOCK` queries, each to the keys up to its own last
+    position under a `[block, keys]` mask. Neither holds a prompt x prompt score
     matrix: torch's CPU flash attention walks the keys in blocks with an online softmax
     (Dao et al. 2022, "FlashAttention"), so a 32k-token prompt's chunk holds its
     queries, outputs and per-thread score tiles, not `[heads, chunk, 32k]` scores.
@@ -342,8 +345,11 @@ def prefill_attention(
         return rounded.to(queries.dtype)
     uncut = window is None or start + count <= window
     same_width = values.shape[3] == queries.shape[3]  # torch's flash kernel needs it
-    if sinks is None and uncut and same_width and queries.device.type == "cpu":
-        return _split_attention(queries, keys, values, start, scaling)
+    if sinks is None and same_width and queries.device.type == "cpu":
+        if uncut:
+            return _split_attention(queries, keys, values, start, scaling)
+        if window is not None and count <= window:
+            return _window_attention(queries, keys, values, start, window, scaling)
     block = PREFILL_QUERY_BLOCK
     if sinks is not None:  # `sink_attention` holds its scores: bound them per block
         seen = start + count if window is None else min(start + count, window + block)
@@ -360,6 +366,60 @@ def prefill_attention(
 
 
 _cpu_flash_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+@functools.lru_cache(maxsize=4)
+def _window_mask(
+    start: int, count: int, first: int, window: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """`[count, start + count - first]` additive mask (0 visible, -inf hidden) of queries at
+    positions `start ..` to keys at `first ..`: key j visible to query i when
+    `i - window < j <= i`. Cached: every sliding-window layer of a step's chunk reads the
+    same one (read-only)."""
+    query_positions = torch.arange(start, start + count, device=device)[:, None]
+    key_positions = torch.arange(first, start + count, device=device)[None, :]
+    hidden = (key_positions > query_positions) | (key_positions <= query_positions - window)
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(hidden, float("-inf"))
+
+
+def _window_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    window: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """`prefill_attention` of a chunk (no longer than the window) whose sliding window
+    cuts the earlier keys (CPU): the chunk's queries to keys `start - window + 1 .. start +
+    n - 1` in one call of torch's CPU flash attention under `_window_mask` (the query heads
+    of a KV head as a batch over a stride-0 view of it: nothing copied).
+
+    One call per layer and chunk, the mask built once per chunk for all sliding layers,
+    where blocks of 128 queries built four masks in every layer (each mask operator, like
+    every parallel operator, costs a wake-up of the threads; on a shared 2-core machine
+    ~20 ms each: docs/benchmarks/2026-12-05-long-prompt.md). It computes every score of
+    the `[n, window + n - 1]` rectangle, ~1.6x the visible ones at n = window (the blocks:
+    ~1.0x); at Gemma 3's 512-token window a small share of a chunk's work.
+
+    Args / Returns: as `prefill_attention` (queries in the keys' dtype).
+    """
+    heads, count, dim = queries.shape[1], queries.shape[2], queries.shape[3]
+    kv_heads, value_dim = keys.shape[1], values.shape[3]
+    group = heads // kv_heads
+    first = max(0, start - window + 1)
+    end = start + count
+    span = end - first
+    mask = _window_mask(start, count, first, window, queries.dtype, queries.device)
+    grouped = queries[0].unflatten(0, (kv_heads, group))  # [kv_heads, group, n, dim]
+    window_keys = keys[0, :, first:end].unsqueeze(1).expand(kv_heads, group, span, dim)
+    window_values = values[0, :, first:end].unsqueeze(1)
+    window_values = window_values.expand(kv_heads, group, span, value_dim)
+    attended, _ = _cpu_flash_attention(
+        grouped, window_keys, window_values, attn_mask=mask, scale=scaling
+    )
+    return attended.reshape(1, heads, count, value_dim)
 
 
 def _flash_tasks(batch_heads: int, rows: int) -> int:

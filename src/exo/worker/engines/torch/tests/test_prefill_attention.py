@@ -37,7 +37,7 @@ def reference(
 @pytest.mark.parametrize(
     ("start", "count"),
     [(0, 5), (0, PREFILL_QUERY_BLOCK), (0, PREFILL_QUERY_BLOCK + 1), (0, 300), (37, 300),
-     (300, 1), (130, PREFILL_QUERY_BLOCK)],
+     (300, 1), (130, PREFILL_QUERY_BLOCK), (300, 64), (500, 100)],
 )  # fmt: skip
 def test_prefill_attention_equals_attention_by_its_definition(
     start: int, count: int, window: int | None
