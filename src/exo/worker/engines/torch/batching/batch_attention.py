@@ -43,11 +43,13 @@ from exo.worker.engines.torch.quant.quantized_linear import DECODE_ROWS
 
 BATCHED_ATTENTION = "exo_batched"
 
-# Queries of one prompt chunk attend in blocks of this many positions, each to the keys up
-# to its own last position. torch's CPU flash attention skips keys past the causal diagonal
-# only in blocks of 512 keys, so one call over a 512-token chunk computes all 512 x 512
-# scores; in blocks of 128 it computes 62.5% of them, faster at 512 tokens and no slower
-# at 128 or 1024 (figures: docs/benchmarks/engine-design-figures.md#batch_attentionpy).
+# Queries of a prompt's first chunk, or of a chunk whose sliding window cuts its keys, attend
+# in blocks of this many positions, each to the keys up to its own last position (a later
+# chunk of full attention splits its keys instead: `prefill_attention`). torch's CPU flash
+# attention skips keys past the causal diagonal only in blocks of 512 keys, so one call over
+# a 512-token chunk computes all 512 x 512 scores; in blocks of 128 it computes 62.5% of
+# them, faster at 512 tokens and no slower at 128 or 1024 (figures:
+# docs/benchmarks/engine-design-figures.md#batch_attentionpy).
 PREFILL_QUERY_BLOCK = 128
 # The most attention scores (queries x heads x keys) one `sink_attention` call of a prompt
 # chunk holds (64 MiB of float32): a long prompt's chunk then attends in smaller query
@@ -305,12 +307,12 @@ def prefill_attention(
     On the CPU, where no window cuts the chunk's view (full attention, or a window that
     still holds every key up to the chunk's end), in two mask-free flash-attention calls
     merged by their log-sum-exps (`_split_attention`): the whole chunk to the keys before
-    it, and the chunk to itself, causal. Where a window cuts and the chunk is no longer
-    than the window, in one flash-attention call over the window's keys under one additive
-    mask (`_window_attention`). Otherwise (a chunk longer than a cutting window, attention
-    sinks, values narrower than the keys as multi-head latent attention's, another device)
-    in blocks of `PREFILL_QUERY_BLOCK` queries, each to the keys up to its own last
-    position under a `[block, keys]` mask. Neither holds a prompt x prompt score
+    it, and the chunk to itself, causal. Where a window cuts, and for a prompt's first
+    chunk (longer than a block), in blocks of `PREFILL_QUERY_BLOCK` queries, each to the
+    keys up to its own last position under an additive mask built once per chunk for
+    every layer (`_cached_mask_blocks`). Otherwise (attention sinks, values narrower than
+    the keys as multi-head latent attention's, another device) in the same blocks under
+    boolean masks built per call (`_block_attention`). Neither holds a prompt x prompt score
     matrix: torch's CPU flash attention walks the keys in blocks with an online softmax
     (Dao et al. 2022, "FlashAttention"), so a 32k-token prompt's chunk holds its
     queries, outputs and per-thread score tiles, not `[heads, chunk, 32k]` scores.
@@ -346,10 +348,9 @@ def prefill_attention(
     uncut = window is None or start + count <= window
     same_width = values.shape[3] == queries.shape[3]  # torch's flash kernel needs it
     if sinks is None and same_width and queries.device.type == "cpu":
-        if uncut:
+        if uncut and (start > 0 or count <= PREFILL_QUERY_BLOCK):
             return _split_attention(queries, keys, values, start, scaling)
-        if window is not None and count <= window:
-            return _window_attention(queries, keys, values, start, window, scaling)
+        return _cached_mask_blocks(queries, keys, values, start, window, scaling)
     block = PREFILL_QUERY_BLOCK
     if sinks is not None:  # `sink_attention` holds its scores: bound them per block
         seen = start + count if window is None else min(start + count, window + block)
@@ -368,58 +369,72 @@ def prefill_attention(
 _cpu_flash_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
-@functools.lru_cache(maxsize=4)
-def _window_mask(
-    start: int, count: int, first: int, window: int, dtype: torch.dtype, device: torch.device
+@functools.lru_cache(maxsize=16)
+def _block_mask(
+    start: int,
+    count: int,
+    first: int,
+    window: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> torch.Tensor:
     """`[count, start + count - first]` additive mask (0 visible, -inf hidden) of queries at
-    positions `start ..` to keys at `first ..`: key j visible to query i when
-    `i - window < j <= i`. Cached: every sliding-window layer of a step's chunk reads the
-    same one (read-only)."""
+    positions `start ..` to keys at `first ..`: key j visible to query i when `j <= i` and,
+    with a window, `j > i - window`. Cached: every layer of a step reads the same blocks'
+    masks (read-only); a chunk of 512 tokens has four."""
     query_positions = torch.arange(start, start + count, device=device)[:, None]
     key_positions = torch.arange(first, start + count, device=device)[None, :]
-    hidden = (key_positions > query_positions) | (key_positions <= query_positions - window)
+    hidden = key_positions > query_positions
+    if window is not None:
+        hidden |= key_positions <= query_positions - window
     mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
     return mask.masked_fill_(hidden, float("-inf"))
 
 
-def _window_attention(
+def _cached_mask_blocks(
     queries: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     start: int,
-    window: int,
+    window: int | None,
     scaling: float | None,
 ) -> torch.Tensor:
-    """`prefill_attention` of a chunk (no longer than the window) whose sliding window
-    cuts the earlier keys (CPU): the chunk's queries to keys `start - window + 1 .. start +
-    n - 1` in one call of torch's CPU flash attention under `_window_mask` (the query heads
-    of a KV head as a batch over a stride-0 view of it: nothing copied).
+    """`prefill_attention` in blocks of `PREFILL_QUERY_BLOCK` queries (CPU), each in one
+    call of torch's CPU flash attention to the keys from its window's start to its own
+    last position, under `_block_mask` (the query heads of a KV head as a batch over a
+    stride-0 view of it: nothing copied).
 
-    One call per layer and chunk, the mask built once per chunk for all sliding layers,
-    where blocks of 128 queries built four masks in every layer (each mask operator, like
-    every parallel operator, costs a wake-up of the threads; on a shared 2-core machine
-    ~20 ms each: docs/benchmarks/2026-12-05-long-prompt.md). It computes every score of
-    the `[n, window + n - 1]` rectangle, ~1.6x the visible ones at n = window (the blocks:
-    ~1.0x); at Gemma 3's 512-token window a small share of a chunk's work.
+    The same blocks as `_block_attention`, so the same scores computed (a sliding layer's
+    chunk ~1.0x its visible ones; torch skips keys past the diagonal only in blocks of 512
+    keys, so one call over a 512-token chunk would compute all of them), but each block's
+    mask is built once per chunk for every layer, where `_block_attention` built it (and
+    SDPA converted it) in every layer: on Gemma 3 270M 60 mask operators per 512-token
+    chunk, each a wake-up of the threads, ~20 ms apiece on a shared 2-core machine
+    (docs/benchmarks/2026-12-05-long-prompt.md).
 
     Args / Returns: as `prefill_attention` (queries in the keys' dtype).
     """
     heads, count, dim = queries.shape[1], queries.shape[2], queries.shape[3]
     kv_heads, value_dim = keys.shape[1], values.shape[3]
     group = heads // kv_heads
-    first = max(0, start - window + 1)
-    end = start + count
-    span = end - first
-    mask = _window_mask(start, count, first, window, queries.dtype, queries.device)
-    grouped = queries[0].unflatten(0, (kv_heads, group))  # [kv_heads, group, n, dim]
-    window_keys = keys[0, :, first:end].unsqueeze(1).expand(kv_heads, group, span, dim)
-    window_values = values[0, :, first:end].unsqueeze(1)
-    window_values = window_values.expand(kv_heads, group, span, value_dim)
-    attended, _ = _cpu_flash_attention(
-        grouped, window_keys, window_values, attn_mask=mask, scale=scaling
-    )
-    return attended.reshape(1, heads, count, value_dim)
+    output = queries.new_empty(1, heads, count, value_dim)
+    for offset in range(0, count, PREFILL_QUERY_BLOCK):
+        rows = slice(offset, min(count, offset + PREFILL_QUERY_BLOCK))
+        position = start + offset
+        length = rows.stop - offset
+        end = position + length
+        first = 0 if window is None else max(0, position - window + 1)
+        span = end - first
+        mask = _block_mask(position, length, first, window, queries.dtype, queries.device)
+        grouped = queries[0, :, rows].unflatten(0, (kv_heads, group))  # [kv, group, m, dim]
+        block_keys = keys[0, :, first:end].unsqueeze(1).expand(kv_heads, group, span, dim)
+        block_values = values[0, :, first:end].unsqueeze(1)
+        block_values = block_values.expand(kv_heads, group, span, value_dim)
+        attended, _ = _cpu_flash_attention(
+            grouped, block_keys, block_values, attn_mask=mask, scale=scaling
+        )
+        output[:, :, rows] = attended.reshape(1, heads, length, value_dim)
+    return output
 
 
 def _flash_tasks(batch_heads: int, rows: int) -> int:
