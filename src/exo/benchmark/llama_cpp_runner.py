@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +41,15 @@ def _model_params_without_extra_buffer_types(binding: Any) -> Iterator[None]:
 class LlamaCppRunner:
     """One llama.cpp model on the CPU, `threads` threads for prefill and decode."""
 
-    def __init__(self, gguf_path: Path, threads: int, context_tokens: int) -> None:
-        """Load the GGUF.
+    def __init__(
+        self,
+        gguf_path: Path,
+        threads: int,
+        context_tokens: int,
+        settings: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Load the GGUF. `settings`: other `llama_cpp.Llama` arguments, or these replaced
+        (`flash_attn`, `type_k`, `n_batch`, ...).
 
         Raises:
             LlamaCppMissingError: llama-cpp-python is not installed.
@@ -57,16 +64,17 @@ class LlamaCppRunner:
             ) from None
         self.threads = threads
         with _model_params_without_extra_buffer_types(binding):
-            self.model = llama_cpp.Llama(
-                model_path=str(gguf_path),
-                n_ctx=context_tokens,
-                n_batch=min(512, context_tokens),
-                n_threads=threads,
-                n_threads_batch=threads,
-                n_gpu_layers=0,
-                logits_all=False,
-                verbose=False,
-            )
+            arguments: dict[str, Any] = {
+                "n_ctx": context_tokens,
+                "n_batch": min(512, context_tokens),
+                "n_threads": threads,
+                "n_threads_batch": threads,
+                "n_gpu_layers": 0,
+                "logits_all": False,
+                "verbose": False,
+            }
+            arguments.update(settings or {})
+            self.model = llama_cpp.Llama(model_path=str(gguf_path), **arguments)
         self.vocab_size = int(self.model.n_vocab())
         eos = {int(self.model.token_eos())}
         with contextlib.suppress(AttributeError):

@@ -54,6 +54,7 @@ GEMMA3_270M = RandomGgufShape(
 )
 
 _BOS, _EOS = 1, 2
+_FIRST_FILLER = 3 + 256  # after the specials and the byte symbols (`_vocabulary`)
 
 
 def _byte_symbols() -> list[str]:
@@ -146,6 +147,7 @@ def write_random_gguf(
     embedding_type: str = "Q8_0",
     seed: int = 0,
     types: Mapping[str, str] | None = None,
+    one_merge: bool = False,
 ) -> Path:
     """Write a random-weight GGUF of `shape` at `path`.
 
@@ -158,6 +160,8 @@ def write_random_gguf(
             "attn_v": "Q8_0"}`), as llama.cpp's Q4_K_M files keep some; "Q6_K" (which
             `gguf` cannot quantize to) writes random 6-bit values and sub-block scales
             (inputs a multiple of 256).
+        one_merge: give the vocabulary one BPE merge ("a b" into the first filler token,
+            as `random_moe_gguf` does): llama.cpp refuses a BPE vocabulary without merges.
 
     Returns:
         `path`.
@@ -194,12 +198,15 @@ def write_random_gguf(
         writer.add_sliding_window(shape.sliding_window)
     writer.add_vocab_size(shape.vocab_size)
     tokens = _vocabulary(shape.vocab_size)
+    merges = ["a b"] if one_merge and len(tokens) > _FIRST_FILLER else []
+    if merges:
+        tokens[_FIRST_FILLER] = "ab"
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types([3 if index < 3 else 1 for index in range(len(tokens))])
     writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_merges([])
+    writer.add_token_merges(merges)
     writer.add_bos_token_id(_BOS)
     writer.add_eos_token_id(_EOS)
     writer.add_add_bos_token(False)

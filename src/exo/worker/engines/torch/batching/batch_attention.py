@@ -23,6 +23,7 @@ instead of transformers' forward; it calls `attend` directly.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -42,11 +43,13 @@ from exo.worker.engines.torch.quant.quantized_linear import DECODE_ROWS
 
 BATCHED_ATTENTION = "exo_batched"
 
-# Queries of one prompt chunk attend in blocks of this many positions, each to the keys up
-# to its own last position. torch's CPU flash attention skips keys past the causal diagonal
-# only in blocks of 512 keys, so one call over a 512-token chunk computes all 512 x 512
-# scores; in blocks of 128 it computes 62.5% of them, faster at 512 tokens and no slower
-# at 128 or 1024 (figures: docs/benchmarks/engine-design-figures.md#batch_attentionpy).
+# Queries of a prompt's first chunk, or of a chunk whose sliding window cuts its keys, attend
+# in blocks of this many positions, each to the keys up to its own last position (a later
+# chunk of full attention splits its keys instead: `prefill_attention`). torch's CPU flash
+# attention skips keys past the causal diagonal only in blocks of 512 keys, so one call over
+# a 512-token chunk computes all 512 x 512 scores; in blocks of 128 it computes 62.5% of
+# them, faster at 512 tokens and no slower at 128 or 1024 (figures:
+# docs/benchmarks/engine-design-figures.md#batch_attentionpy).
 PREFILL_QUERY_BLOCK = 128
 # The most attention scores (queries x heads x keys) one `sink_attention` call of a prompt
 # chunk holds (64 MiB of float32): a long prompt's chunk then attends in smaller query
@@ -314,8 +317,20 @@ def prefill_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a request's prompt chunk to the keys each position may see: causal,
-    within the layer's sliding window, in blocks of `PREFILL_QUERY_BLOCK` queries (each
-    block to the keys up to its own last position).
+    within the layer's sliding window.
+
+    On the CPU, where no window cuts the chunk's view (full attention, or a window that
+    still holds every key up to the chunk's end), in two mask-free flash-attention calls
+    merged by their log-sum-exps (`_split_attention`): the whole chunk to the keys before
+    it, and the chunk to itself, causal. Where a window cuts, and for a prompt's first
+    chunk (longer than a block), in blocks of `PREFILL_QUERY_BLOCK` queries, each to the
+    keys up to its own last position under an additive mask built once per chunk for
+    every layer (`_cached_mask_blocks`). Otherwise (attention sinks, values narrower than
+    the keys as multi-head latent attention's, another device) in the same blocks under
+    boolean masks built per call (`_block_attention`). Neither holds a prompt x prompt score
+    matrix: torch's CPU flash attention walks the keys in blocks with an online softmax
+    (Dao et al. 2022, "FlashAttention"), so a 32k-token prompt's chunk holds its
+    queries, outputs and per-thread score tiles, not `[heads, chunk, 32k]` scores.
 
     Args:
         queries: `[1, heads, n, dim]`, the queries of positions `start .. start + n - 1`.
@@ -345,6 +360,12 @@ def prefill_attention(
             start - first, window, scaling,
         )  # fmt: skip
         return rounded.to(queries.dtype)
+    uncut = window is None or start + count <= window
+    same_width = values.shape[3] == queries.shape[3]  # torch's flash kernel needs it
+    if sinks is None and same_width and queries.device.type == "cpu":
+        if uncut and (start > 0 or count <= PREFILL_QUERY_BLOCK):
+            return _split_attention(queries, keys, values, start, scaling)
+        return _cached_mask_blocks(queries, keys, values, start, window, scaling)
     block = PREFILL_QUERY_BLOCK
     if sinks is not None:  # `sink_attention` holds its scores: bound them per block
         seen = start + count if window is None else min(start + count, window + block)
@@ -358,6 +379,148 @@ def prefill_attention(
             queries[:, :, rows], keys, values, start + offset, window, scaling, sinks
         )
     return output
+
+
+_cpu_flash_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+@functools.lru_cache(maxsize=16)
+def _block_mask(
+    start: int,
+    count: int,
+    first: int,
+    window: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """`[count, start + count - first]` additive mask (0 visible, -inf hidden) of queries at
+    positions `start ..` to keys at `first ..`: key j visible to query i when `j <= i` and,
+    with a window, `j > i - window`. Cached: every layer of a step reads the same blocks'
+    masks (read-only); a chunk of 512 tokens has four."""
+    query_positions = torch.arange(start, start + count, device=device)[:, None]
+    key_positions = torch.arange(first, start + count, device=device)[None, :]
+    hidden = key_positions > query_positions
+    if window is not None:
+        hidden |= key_positions <= query_positions - window
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(hidden, float("-inf"))
+
+
+def _cached_mask_blocks(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    window: int | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """`prefill_attention` in blocks of `PREFILL_QUERY_BLOCK` queries (CPU), each in one
+    call of torch's CPU flash attention to the keys from its window's start to its own
+    last position, under `_block_mask` (the query heads of a KV head as a batch over a
+    stride-0 view of it: nothing copied).
+
+    The same blocks as `_block_attention`, so the same scores computed (a sliding layer's
+    chunk ~1.0x its visible ones; torch skips keys past the diagonal only in blocks of 512
+    keys, so one call over a 512-token chunk would compute all of them), but each block's
+    mask is built once per chunk for every layer, where `_block_attention` built it (and
+    SDPA converted it) in every layer: on Gemma 3 270M 60 mask operators per 512-token
+    chunk, each a wake-up of the threads, ~20 ms apiece on a shared 2-core machine
+    (docs/benchmarks/2026-12-05-long-prompt.md).
+
+    Args / Returns: as `prefill_attention` (queries in the keys' dtype).
+    """
+    heads, count, dim = queries.shape[1], queries.shape[2], queries.shape[3]
+    kv_heads, value_dim = keys.shape[1], values.shape[3]
+    group = heads // kv_heads
+    output = queries.new_empty(1, heads, count, value_dim)
+    for offset in range(0, count, PREFILL_QUERY_BLOCK):
+        rows = slice(offset, min(count, offset + PREFILL_QUERY_BLOCK))
+        position = start + offset
+        length = rows.stop - offset
+        end = position + length
+        first = 0 if window is None else max(0, position - window + 1)
+        span = end - first
+        mask = _block_mask(position, length, first, window, queries.dtype, queries.device)
+        grouped = queries[0, :, rows].unflatten(0, (kv_heads, group))  # [kv, group, m, dim]
+        block_keys = keys[0, :, first:end].unsqueeze(1).expand(kv_heads, group, span, dim)
+        block_values = values[0, :, first:end].unsqueeze(1)
+        block_values = block_values.expand(kv_heads, group, span, value_dim)
+        attended, _ = _cpu_flash_attention(
+            grouped, block_keys, block_values, attn_mask=mask, scale=scaling
+        )
+        output[:, :, rows] = attended.reshape(1, heads, length, value_dim)
+    return output
+
+
+def _flash_tasks(batch_heads: int, rows: int) -> int:
+    """How many parallel tasks torch's CPU flash attention splits a call into: batch x
+    heads x query blocks, the blocks 256 rows from 768 rows, 64 from 192, else 32
+    (`aten/src/ATen/native/cpu/FlashAttentionKernel.cpp`, torch 2.13)."""
+    split = 256 if rows >= 768 else 64 if rows >= 192 else 32
+    return batch_heads * -(-rows // split)
+
+
+def _split_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """`prefill_attention` of a chunk that sees every key before it (CPU): the chunk's
+    queries to keys `0 .. start - 1` (all visible: no mask; the heads sharing a KV head
+    stacked as one `[group x n]` query block, so the keys are read once per KV head and
+    nothing is copied into query heads), and to keys `start .. start + n - 1` (the chunk
+    itself: a square, so torch's `is_causal` is exactly this causality), each in one call
+    of torch's CPU flash attention, which also returns each row's log-sum-exp `l`. The two
+    partial softmaxes are merged as `o = o1 exp(l1 - l) + o2 exp(l2 - l)` with `l =
+    logaddexp(l1, l2)` (the split-key softmax of FlashAttention-2's and flash-decoding's
+    reductions), in float32.
+
+    Compared with blocks of 128 queries under masks (the other path), this makes two calls
+    per layer and chunk, builds no `[block, keys]` masks, and reads the earlier keys once
+    per chunk rather than once per block; it computes the chunk's whole `n x n` diagonal
+    square (torch skips keys past the diagonal only in blocks of 512 keys), a small share
+    once the prefix is long. Figures: docs/benchmarks/2026-12-05-long-prompt.md.
+
+    Args / Returns: as `prefill_attention` (queries in the keys' dtype).
+    """
+    heads, count, dim = queries.shape[1], queries.shape[2], queries.shape[3]
+    kv_heads, value_dim = keys.shape[1], values.shape[3]
+    group = heads // kv_heads
+    end = start + count
+    # The chunk to itself: batch = KV heads, heads = the group's query heads, the KV head
+    # broadcast over its group by a stride-0 view (no copy).
+    chunk_keys = keys[0, :, start:end].unsqueeze(1).expand(kv_heads, group, count, dim)
+    chunk_values = values[0, :, start:end].unsqueeze(1)
+    chunk_values = chunk_values.expand(kv_heads, group, count, value_dim)
+    grouped = queries[0].unflatten(0, (kv_heads, group))  # [kv_heads, group, n, dim]
+    diagonal, diagonal_lse = _cpu_flash_attention(
+        grouped, chunk_keys, chunk_values, is_causal=True, scale=scaling
+    )
+    diagonal = diagonal.reshape(1, heads, count, value_dim)
+    if start == 0:
+        return diagonal
+    if _flash_tasks(kv_heads, group * count) >= min(torch.get_num_threads(), heads):
+        # query head h = (kv, g): the group's rows one block, the keys read once per KV head
+        stacked = queries.reshape(1, kv_heads, group * count, dim)
+        before, before_lse = _cpu_flash_attention(
+            stacked, keys[:, :, :start], values[:, :, :start], scale=scaling
+        )
+    else:  # a few rows (a chunk beside decodes): one task per query head keeps threads busy
+        before_keys = keys[0, :, :start].unsqueeze(1).expand(kv_heads, group, start, dim)
+        before_values = values[0, :, :start].unsqueeze(1)
+        before_values = before_values.expand(kv_heads, group, start, value_dim)
+        before, before_lse = _cpu_flash_attention(
+            grouped, before_keys, before_values, scale=scaling
+        )
+    before = before.reshape(1, heads, count, value_dim).float()
+    before_lse = before_lse.reshape(1, heads, count, 1)
+    diagonal_lse = diagonal_lse.reshape(1, heads, count, 1)
+    total = torch.logaddexp(before_lse, diagonal_lse)
+    merged = before.mul_((before_lse - total).exp_())
+    merged.addcmul_(diagonal.float(), (diagonal_lse - total).exp_())
+    return merged.to(queries.dtype)
 
 
 def _block_attention(
