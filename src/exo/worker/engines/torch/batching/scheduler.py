@@ -202,14 +202,19 @@ class BatchScheduler:
         self._waiting.append(state)
 
     def cancel(self, request_id: str) -> bool:
-        """Drop a waiting or running request and free its KV; False if unknown."""
+        """Drop a waiting or running request and free its slot; False if unknown. A running
+        request's KV so far (its prompt as far as prefilled, the tokens it generated) goes
+        into the prefix cache first, as a finished request's does: a client that stops a
+        reply and asks again (a dashboard's Stop, then Regenerate) does not prefill the
+        whole prompt again."""
         for state in self._waiting:
             if state.request_id == request_id:
                 self._waiting.remove(state)
                 return True
         for running in self._running:
             if running.state.request_id == request_id:
-                self._release(running, keep_prefix=False)
+                self._release(running, keep_prefix=True)
+                self.store_finished()
                 return True
         return False
 

@@ -258,19 +258,30 @@ def test_cancelling_one_request_leaves_the_others_and_frees_its_kv(
     full = run_batch(engine, states(), join_at=[0, 0, 0])
     held: list[int] = []
 
+    cached: list[int] = []
+
     def cancel_middle(step: int) -> None:
         if step == 4:
+            assert engine.scheduler.prefix_cache is not None
             held.append(engine.scheduler.kv_tokens())
+            cached.append(engine.scheduler.prefix_cache.tokens)
             assert engine.cancel("r1")
             held.append(engine.scheduler.kv_tokens())
+            cached.append(engine.scheduler.prefix_cache.tokens)
 
     cut = run_batch(engine, states(), join_at=[0, 0, 0], on_step=cancel_middle)
     assert outcome(cut["r0"]) == outcome(full["r0"])
     assert outcome(cut["r2"]) == outcome(full["r2"])
     assert cut["r1"] == full["r1"][: len(cut["r1"])] and cut["r1"][-1].finish_reason is None
-    # Its KV (prompt and the tokens so far) left the running set at once.
-    assert held[0] - held[1] > len(engine.render_prompt(params[1]).token_ids)
+    # Its KV (prompt and the tokens so far) left the running set at once, into the prefix
+    # cache: the same request again reuses its prompt.
+    prompt_tokens = len(engine.render_prompt(params[1]).token_ids)
+    assert held[0] - held[1] > prompt_tokens
+    assert cached[1] - cached[0] == held[0] - held[1]
     assert engine.scheduler.running_ids == [] and not engine.cancel("r1")
+    again = list(engine.generate(params[1]))
+    usage = again[-1].usage
+    assert usage is not None and usage.cached_tokens == prompt_tokens - 1
 
 
 def teacher_forced(
