@@ -139,18 +139,6 @@ def ollama_first_row_splits(config: Any) -> dict[str, list[tuple[str, int, int]]
     }
 
 
-def dequantize_exo_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """exo's MXFP4 (`repack_mxfp4`'s layout) as float32 `[rows, in]`, in numpy (a check
-    of the repacking against `gguf`'s own dequantizer)."""
-    from exo.worker.engines.torch.quant.mxfp4 import FP4_VALUES, SCALE_BIAS
-
-    table = np.array(FP4_VALUES, dtype=np.float32)
-    codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(*scales.shape, MXFP4_BLOCK)
-    scale = np.exp2(scales.astype(np.float32) - SCALE_BIAS)[..., None]
-    values: np.ndarray = (table[codes] * scale).reshape(scales.shape[0], -1)
-    return values
-
-
 def _metadata(directory: GgufDirectory, key: str, required: bool = True) -> Any:
     prefix = directory.architecture  # "gpt-oss" or Ollama's first "gptoss"
     value = directory.metadata.get(f"{prefix}.{key}")

@@ -27,7 +27,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from exo.download.gguf_experts import GgufExpertsError
-from exo.download.gguf_gptoss import dequantize_exo_mxfp4, repack_mxfp4
+from exo.download.gguf_gptoss import MXFP4_BLOCK, repack_mxfp4
 from exo.download.gguf_models import card_for_gguf, ollama_store_cards
 from exo.download.gguf_repack import convert_gguf
 from exo.download.gguf_tensors import read_gguf_model
@@ -40,7 +40,7 @@ from exo.testing.random_gptoss_gguf import (
 )
 from exo.worker.engines.torch.model.loading import load_model
 from exo.worker.engines.torch.model.moe import RoutedExperts
-from exo.worker.engines.torch.quant.mxfp4 import Mxfp4Linear
+from exo.worker.engines.torch.quant.mxfp4 import FP4_VALUES, SCALE_BIAS, Mxfp4Linear
 from exo.worker.engines.torch.quant.native_kernels import NATIVE_INT4_ENV, native_int4_kernel
 from exo.worker.engines.torch.tests.test_distributed import make_shard
 from exo.worker.engines.torch.tests.test_moe import engine_greedy
@@ -132,6 +132,16 @@ def converted(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     directory = tmp_path_factory.mktemp("gptoss-converted")
     convert_gguf(gguf_path, directory)
     return directory
+
+
+def dequantize_exo_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """exo's MXFP4 (`repack_mxfp4`'s layout) as float32 `[rows, in]`, in numpy (to check
+    the repacking against `gguf`'s own dequantizer)."""
+    table = np.array(FP4_VALUES, dtype=np.float32)
+    codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(*scales.shape, MXFP4_BLOCK)
+    scale = np.exp2(scales.astype(np.float32) - SCALE_BIAS)[..., None]
+    values: np.ndarray = (table[codes] * scale).reshape(scales.shape[0], -1)
+    return values
 
 
 def test_mxfp4_repacking_moves_nibbles_to_gguf_dequantized_values(gguf_path: Path) -> None:

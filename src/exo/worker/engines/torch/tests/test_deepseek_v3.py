@@ -65,6 +65,7 @@ def _prefill_logits(model: Any, prompt: list[int]) -> torch.Tensor:
     return forward_batch(model, plan, torch.tensor([prompt]), rows[None], rows)
 
 
+@pytest.mark.usefixtures("float32_kv")  # the latent compared with transformers' float32
 def test_the_kv_cache_holds_the_latent_and_the_rope_key(model_dir: Path) -> None:
     """The engine's own slot cache: one head of kv_lora_rank + qk_rope_head_dim per layer
     (values a view of the keys' latent, no memory of their own), and after a prefill its
@@ -80,7 +81,7 @@ def test_the_kv_cache_holds_the_latent_and_the_rope_key(model_dir: Path) -> None
         assert values.shape == (slots, 1, capacity, rank)
         assert values.data_ptr() == keys.data_ptr()  # a view: no value buffer
     per_token = sum(keys[0, :, 0].numel() * keys.element_size() for keys in cache.keys)
-    assert per_token == LAYERS * (rank + rope) * 4  # float32 here
+    assert per_token == LAYERS * (rank + rope) * 4  # float32 here (`float32_kv`)
     card = card_from_local_directory(model_dir)
     assert kv_cache_bytes_per_token(card) == LAYERS * (rank + rope) * KV_CACHE_VALUE_BYTES
     # Fill a slot and read the latent back.
