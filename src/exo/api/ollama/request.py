@@ -252,12 +252,7 @@ def _task_params(
                 # Ollama's `repeat_last_n: 0` switches the repeat penalty off.
                 repetition_penalty=1.0 if options.repeat_last_n == 0 else options.repeat_penalty,
             ),
-            # Its window: the last N tokens; -1 (and unset) the whole context.
-            repetition_window=(
-                options.repeat_last_n
-                if options.repeat_last_n is not None and options.repeat_last_n > 0
-                else None
-            ),
+            repetition_window=_repetition_window(options.repeat_last_n),
             context_tokens=_context_tokens(options.num_ctx),
             tools=tools,
             tool_choice=tool_choice,
@@ -270,6 +265,21 @@ def _task_params(
         )
     except InvalidRequestError as error:
         raise _in_ollama_terms(error) from None
+
+
+# Ollama's default `repeat_last_n` (its `api.DefaultOptions`): the repeat penalty counts the
+# last 64 tokens when a request does not say.
+OLLAMA_DEFAULT_REPEAT_LAST_N = 64
+
+
+def _repetition_window(repeat_last_n: int | None) -> int | None:
+    """The repeat penalty's window in tokens for Ollama's `repeat_last_n`: N > 0 the last N
+    tokens, unset Ollama's default (`OLLAMA_DEFAULT_REPEAT_LAST_N`), -1 the whole context
+    (None; 0 turns the penalty off, which the caller does; below -1 is refused by
+    `_refuse_unsupported_options`)."""
+    if repeat_last_n is None:
+        return OLLAMA_DEFAULT_REPEAT_LAST_N
+    return repeat_last_n if repeat_last_n > 0 else None
 
 
 def _refuse_unsupported_options(options: OllamaOptions) -> None:

@@ -90,9 +90,10 @@ class OllamaOptions(_WireRequestModel):
     declares (ollama-python 0.6 `Options`). `num_ctx` bounds prompt and reply together,
     below the model's own context (`TextGenerationTaskParams.context_tokens`).
 
-    What each does here (`exo.api.ollama.request._sampling_options`): the sampling
+    What each does here (`exo.api.ollama.request._task_params`): the sampling
     options and `num_predict` reach the engine; `repeat_last_n` N > 0 limits
-    `repeat_penalty` to the last N tokens, -1 to the whole context, 0 turns it off; sampling
+    `repeat_penalty` to the last N tokens (unset: Ollama's 64), -1 to the whole context, 0
+    turns it off; sampling
     methods exo does not have (`typical_p` below 1, `tfs_z` below 1, `mirostat` 1 or 2,
     `penalize_newline: false`) are refused; `mirostat_tau` / `mirostat_eta` (read only by
     mirostat), `num_keep` (exo never shifts the context) and the load-time options

@@ -190,15 +190,21 @@ def ollama_effects() -> list[Decision]:
         NoOp(
             fields("OllamaOptions.repeat_last_n"),
             OLLAMA_GENERATE,
-            {"options": {**options, "repeat_penalty": 1.3, "repeat_last_n": -1}},
-            "`repeat_last_n` -1",
+            {"options": {**options, "repeat_penalty": 1.3, "repeat_last_n": 64}},
+            "`repeat_last_n` 64 (Ollama's default, as without it)",
             {"options": {**options, "repeat_penalty": 1.3}},
         ),
         Effect(
             fields("OllamaOptions.repeat_last_n"),
             OLLAMA_GENERATE,
-            {"options": {**options, "repeat_penalty": 1.3, "repeat_last_n": 64}},
-            lambda p: p.repetition_window == 64 and p.repetition_penalty == 1.3,
+            {"options": {**options, "repeat_penalty": 1.3, "repeat_last_n": 8}},
+            lambda p: p.repetition_window == 8 and p.repetition_penalty == 1.3,
+        ),
+        Effect(
+            fields("OllamaOptions.repeat_last_n"),
+            OLLAMA_GENERATE,
+            {"options": {**options, "repeat_penalty": 1.3, "repeat_last_n": -1}},
+            lambda p: p.repetition_window is None and p.repetition_penalty == 1.3,
         ),
         Refused(
             fields("OllamaOptions.repeat_last_n"),

@@ -294,9 +294,18 @@ def test_repeat_last_n_limits_the_repeat_penalty_to_a_window() -> None:
     windowed = chat_to_task_params(
         chat_request(options={"repeat_penalty": 1.3, "repeat_last_n": 64}), ModelId(MODEL)
     )
+    short = chat_to_task_params(
+        chat_request(options={"repeat_penalty": 1.3, "repeat_last_n": 8}), ModelId(MODEL)
+    )
     whole = chat_to_task_params(chat_request(options={"repeat_last_n": -1}), ModelId(MODEL))
     assert (windowed.repetition_penalty, windowed.repetition_window) == (1.3, 64)
+    assert short.repetition_window == 8
     assert whole.repetition_window is None
+
+
+def test_unset_repeat_last_n_is_ollamas_default_window() -> None:
+    params = chat_to_task_params(chat_request(options={"repeat_penalty": 1.3}), ModelId(MODEL))
+    assert (params.repetition_penalty, params.repetition_window) == (1.3, 64)
 
 
 @pytest.mark.parametrize("num_predict", [-1, -2, 0])
