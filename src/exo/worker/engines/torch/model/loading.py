@@ -33,11 +33,11 @@ from safetensors import safe_open
 from torch import nn
 from transformers import (
     AutoConfig,
-    AutoTokenizer,
     GenerationConfig,
     PreTrainedModel,
 )
 
+from exo.chat_protocol.tokenizer_loading import load_tokenizer
 from exo.shared.models.latent_attention import latent_attention_of_config
 from exo.shared.models.memory import (
     DEFAULT_PREFILL_ACTIVATIONS,
@@ -560,6 +560,7 @@ def load_parts(
         model_dir, shard, torch_device, weight_dtype, on_layer_loaded, prefill_activations
     )
     # A tokenizer without a chat template is a base model's: it serves raw prompts only.
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # Kimi's TikToken tokenizer is built from its data files, never its code.
+    tokenizer = load_tokenizer(model_dir)
     eos_token_ids = _eos_token_ids(model_dir, tokenizer, model)
     return LoadedParts(model, tokenizer, torch_device, weight_dtype, eos_token_ids)
