@@ -38,6 +38,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,19 +87,26 @@ def load_tokenizer(directory: Path) -> Any:
 
 def is_kimi_tiktoken(directory: Path) -> bool:
     """Whether `directory` holds a Kimi TikToken tokenizer and no `tokenizer.json`: a
-    `tiktoken.model`, and a `tokenizer_config.json` whose `tokenizer_class` is
-    `TikTokenTokenizer` from `tokenization_kimi` (its `auto_map`), the code whose pattern
-    and special-token numbering `load_kimi_tiktoken` reproduces."""
+    `tiktoken.model` and a `tokenizer_config.json` that `names_kimi_tokenizer`."""
     if (directory / "tokenizer.json").is_file() or not (directory / TIKTOKEN_FILE).is_file():
         return False
     try:
         config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    if not isinstance(config, dict) or config.get("tokenizer_class") != TIKTOKEN_TOKENIZER_CLASS:
+    return names_kimi_tokenizer(config)
+
+
+def names_kimi_tokenizer(tokenizer_config: Any) -> bool:
+    """Whether a `tokenizer_config.json`'s content names `TikTokenTokenizer` from
+    `tokenization_kimi` (its `tokenizer_class` and `auto_map`): the code whose pattern and
+    special-token numbering `load_kimi_tiktoken` reproduces."""
+    if not isinstance(tokenizer_config, Mapping):
         return False
-    auto_map = config.get("auto_map")
-    entry = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
+    if tokenizer_config.get("tokenizer_class") != TIKTOKEN_TOKENIZER_CLASS:
+        return False
+    auto_map = tokenizer_config.get("auto_map")
+    entry = auto_map.get("AutoTokenizer") if isinstance(auto_map, Mapping) else None
     names = entry if isinstance(entry, list) else [entry]
     return any(
         isinstance(name, str) and name.split(".")[0] == KIMI_TOKENIZER_MODULE for name in names

@@ -38,6 +38,7 @@ from transformers import (
 )
 
 from exo.chat_protocol.tokenizer_loading import load_tokenizer
+from exo.shared.models.architectures import MODEL_TYPE_ALIASES
 from exo.shared.models.latent_attention import latent_attention_of_config
 from exo.shared.models.memory import (
     DEFAULT_PREFILL_ACTIVATIONS,
@@ -258,12 +259,6 @@ def _plan_tied_lm_head(
                 ):
                     groups[None].append((path, name, EMBEDDING))
                     return
-
-
-# Config model types transformers has no class for, read as the model type whose
-# architecture they declare: Kimi-K2's `kimi_k2` (custom code in its repository) is
-# DeepseekV3ForCausalLM's `deepseek_v3` with other sizes.
-MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
 def model_config(model_dir: Path) -> Any:
