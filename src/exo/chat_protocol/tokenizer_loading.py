@@ -157,8 +157,9 @@ def load_kimi_tiktoken(directory: Path) -> Any:
 
     Raises:
         ValueError: an unreadable ranks file, an `added_tokens_decoder` id outside the
-            258 special ids, past the embedding or without `content`, or a `bos_token` /
-            `eos_token` / `unk_token` / `pad_token` that is not one of the special tokens.
+            258 special ids, past the embedding, without `content` or spelled as a BPE
+            token, or a `bos_token` / `eos_token` / `unk_token` / `pad_token` that is not
+            one of the special tokens.
     """
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
@@ -191,9 +192,14 @@ def load_kimi_tiktoken(directory: Path) -> Any:
             for entry in special_tokens
         ]
     )
-    # Ids are given in order after the ranks; the contents are distinct (checked above).
+    # Ids are given in order after the ranks (the contents are distinct, checked above),
+    # unless a special token's text is already a BPE token's.
     for token_id, entry in enumerate(special_tokens, start=len(ranks)):
-        assert backend_tokenizer.token_to_id(str(entry["content"])) == token_id
+        if backend_tokenizer.token_to_id(str(entry["content"])) != token_id:
+            raise ValueError(
+                f"tokenizer_config.json: special token {entry['content']!r} ({token_id}) is "
+                f"also a token of {TIKTOKEN_FILE}"
+            )
     names = {str(entry["content"]) for entry in special_tokens}
     roles: dict[str, str] = {}
     for role, default in (

@@ -272,3 +272,11 @@ def test_no_special_id_is_made_past_the_models_embedding(tmp_path: Path) -> None
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": base + 200}}))
     with pytest.raises(ValueError, match=r"id \d+ is past the model's embedding"):
         load_tokenizer(tmp_path)
+
+
+def test_a_special_token_spelled_as_a_bpe_token_is_refused(tmp_path: Path) -> None:
+    ranks = {bytes([value]): value for value in range(256)}
+    ranks[b"[BOS]"] = 256  # "[BOS]" in the byte-level alphabet is itself
+    write_tiny_kimi_tokenizer(tmp_path, ranks=ranks)
+    with pytest.raises(ValueError, match=r"special token '\[BOS\]' \(257\) is also a token"):
+        load_tokenizer(tmp_path)
