@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from exo.chat_protocol.tokenizer_loading import load_tokenizer
+
 # Prompts are re-tokenised a few times until decode(encode(text)) is stable at the length.
 PROMPT_FIT_ROUNDS = 4
 EOS_BIAS = -100.0
@@ -35,9 +37,7 @@ class ModelText:
         Raises:
             ValueError: no EOS id is named anywhere.
         """
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = load_tokenizer(model_dir)
         ids: set[int] = set()
         candidates: list[Any] = [tokenizer.eos_token_id]
         for name in ("config.json", "generation_config.json"):

@@ -26,7 +26,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from exo.chat_protocol.format_detection import template_tool_call_format
+from exo.chat_protocol.tokenizer_loading import names_kimi_tokenizer
 from exo.download.locations import ModelLocations, candidates
+from exo.shared.models.architectures import MODEL_TYPE_ALIASES
 from exo.shared.models.cards import (
     TOKENIZER_FILES,
     SafetensorsHeader,
@@ -92,16 +94,22 @@ def refuse_unsupported(
 
     Raises:
         CustomModelError (400): its config or tokenizer asks for custom code (`auto_map`)
-            and the flag is off; or its architecture has no family file (named, with the
-            supported ones).
+            other than Kimi-K2's, which exo reads without it, and the flag is off; or its
+            architecture has no family file (named, with the supported ones).
     """
+    # Kimi-K2's model type and TikToken tokenizer name custom code that exo reads
+    # without it (`MODEL_TYPE_ALIASES`, `tokenizer_loading`).
+    read_without_code = {
+        "config.json": files.config.get("model_type") in MODEL_TYPE_ALIASES,
+        "tokenizer_config.json": names_kimi_tokenizer(files.tokenizer_config),
+    }
     custom_code = [
         name
         for name, content in (
             ("config.json", files.config),
             ("tokenizer_config.json", files.tokenizer_config),
         )
-        if isinstance(content, Mapping) and content.get("auto_map")
+        if isinstance(content, Mapping) and content.get("auto_map") and not read_without_code[name]
     ]
     if custom_code and not trust_remote_code:
         raise CustomModelError(

@@ -32,7 +32,8 @@ from exo.download.model_lock import model_lock
 from exo.download.shard_files import INDEX_FILE
 from exo.shared.types.shards import ShardMetadata
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# A TikToken `tiktoken.model` is Kimi's (`exo.chat_protocol.tokenizer_loading`).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model")
 # How long a delete waits for a download or conversion of the model to finish.
 DELETE_WAIT_SECONDS = 10.0
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")

@@ -61,7 +61,8 @@ COMPLETION_MARKER = ".exo-complete"
 # (`gguf_repack`: int4 groups, raw blocks), which the engine loads with less loss, less
 # memory and less time. A directory converted in an older layout is converted again.
 CONVERSION_FORMAT = 2
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# A TikToken `tiktoken.model` is Kimi's (`exo.chat_protocol.tokenizer_loading`).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model")
 
 ProgressCallback = Callable[[str], None]
 

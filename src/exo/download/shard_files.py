@@ -30,6 +30,7 @@ SMALL_FILE_PATTERNS = (
     "chat_template.json",
     "vocab.json",
     "merges.txt",
+    "tiktoken.model",
     INDEX_FILE,
 )
 _NOT_TEXT = ("vision", "multi_modal_projector", "audio")

@@ -10,9 +10,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from exo.chat_protocol.tokenizer_loading import load_tokenizer
 from exo.worker.engines.torch.model.families import FAMILIES, family_by_name
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tiktoken.model",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
 ARCHITECTURES = tuple(family.name for family in FAMILIES)
 # Families whose file describes a `*ForConditionalGeneration` checkpoint layout.
 WRAPPED_ARCHITECTURES = tuple(
@@ -64,9 +70,7 @@ def save_tiny_model(
         "sliding_window": sliding_window,
     }
     if tokenizer_source is not None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+        tokenizer = load_tokenizer(tokenizer_source)
         settings["vocab_size"] = len(tokenizer)
         settings["eos_token_id"] = tokenizer.eos_token_id
         settings["bos_token_id"] = tokenizer.bos_token_id

@@ -20,6 +20,7 @@ from exo.api.serving.cluster_client import ClusterClient
 from exo.api.serving.model_lookup import card_of, known_model_ids
 from exo.api.serving.request_checks import check_chat_template, check_serializable
 from exo.api.wire.errors import InvalidRequestError, ModelNotFoundError, NoCapacityError
+from exo.chat_protocol import tokenizer_loading
 from exo.chat_protocol.prompt import render_prompt
 from exo.download.locations import ModelLocations, candidates, directory_name
 from exo.download.pypi_gguf import TOKENIZER_FILES, model_directory_name
@@ -32,10 +33,9 @@ TokenizerLoader = Callable[[Path], Any]
 
 
 def load_tokenizer(directory: Path) -> Any:
-    """The Hugging Face tokenizer in `directory` (the engine loads it the same way)."""
-    from transformers import AutoTokenizer  # heavy import, only when first needed
-
-    return AutoTokenizer.from_pretrained(str(directory))
+    """The tokenizer in `directory`, loaded as the engine loads it (`tokenizer_loading`:
+    Kimi's TikToken files included)."""
+    return tokenizer_loading.load_tokenizer(directory)
 
 
 def model_files_directory(

@@ -3,6 +3,8 @@ server), and every refusal."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from exo.shared.models.cards import card_from_local_directory
 from exo.shared.types.models import HuggingFaceSource
 from exo.testing.hf_server import HubServer
 from exo.testing.processes import free_port
+from exo.testing.tiny_kimi import save_tiny_kimi_checkout
 from exo.testing.tiny_models import save_tiny_checkout
 
 SUPPORTED = ENGINE_ARCHITECTURES
@@ -28,13 +31,16 @@ SHARDED_REPO = "someone/tiny-qwen3-sharded"
 GATED_REPO = "someone/tiny-gated"
 CUSTOM_CODE_REPO = "someone/tiny-custom-code"
 FOREIGN_REPO = "someone/tiny-foreign"
+KIMI_REPO = "someone/tiny-kimi-k2"
 TOKEN = "hf_test_token"
 
 
 @pytest.fixture(scope="module")
 def checkouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("checkouts")
+    save_tiny_kimi_checkout(root / "kimi")
     return {
+        KIMI_REPO: root / "kimi",
         REPO: save_tiny_checkout(root / "llama"),
         SHARDED_REPO: save_tiny_checkout(
             root / "qwen3", "qwen3", chat_template=None, shards=2, n_layers=3
@@ -150,6 +156,30 @@ def test_custom_code_is_refused_without_the_flag(
     assert card.architecture == "LlamaForCausalLM"
 
 
+def test_kimi_k2s_custom_code_is_read_without_it(
+    hub_env: HubServer, checkouts: dict[str, Path], tmp_path: Path
+) -> None:
+    """Kimi-K2's config (`kimi_k2`) and TikToken tokenizer (`tokenization_kimi`) name code
+    in `auto_map` that exo reads without (`MODEL_TYPE_ALIASES`, `tokenizer_loading`): no
+    flag is needed, on the Hub or on disk. Another tokenizer code still needs it."""
+    directory = checkouts[KIMI_REPO]
+    for card in (
+        card_for_hub_repository(KIMI_REPO, "main", SUPPORTED, trust_remote_code=False),
+        card_for_local_directory(str(directory), SUPPORTED, trust_remote_code=False),
+    ):
+        assert card.architecture == "DeepseekV3ForCausalLM"
+        assert card.tool_call_format == "kimi_k2" and "tools" in card.capabilities
+        assert card.latent_attention is not None
+    other = tmp_path / "other"
+    shutil.copytree(directory, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_other.Tokenizer", None]}
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    error = refusal(card_for_local_directory, str(other), SUPPORTED, False)
+    assert error.status_code == 400
+    assert "tokenizer_config.json name custom code" in error.message
+
+
 def test_an_architecture_without_a_family_file_is_named(hub_env: HubServer) -> None:
     for trust in (False, True):
         error = refusal(card_for_hub_repository, FOREIGN_REPO, "main", SUPPORTED, trust)
@@ -200,7 +230,10 @@ def test_a_hub_that_does_not_answer_is_503(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_search_reports_each_models_architecture(hub_env: HubServer) -> None:
     results = {result.model_id: result for result in search_hub("tiny", 10)}
-    assert set(results) == {REPO, SHARDED_REPO, GATED_REPO, CUSTOM_CODE_REPO, FOREIGN_REPO}
+    assert set(results) == {
+        REPO, SHARDED_REPO, GATED_REPO, CUSTOM_CODE_REPO, FOREIGN_REPO, KIMI_REPO,
+    }  # fmt: skip
+    assert results[KIMI_REPO].architecture == "DeepseekV3ForCausalLM"
     assert results[FOREIGN_REPO].architecture == "FalconForCausalLM"
     assert results[SHARDED_REPO].architecture == "Qwen3ForCausalLM"
     assert results[GATED_REPO].gated

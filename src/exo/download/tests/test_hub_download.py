@@ -276,3 +276,15 @@ def test_weight_files_without_an_index_and_with_a_broken_one() -> None:
         weight_files_for_shard(files, {"metadata": {}}, None)
     with pytest.raises(ValueError, match=r"lacks: other\.safetensors"):
         weight_files_for_shard(files, {"weight_map": {"lm_head.weight": "other.safetensors"}}, None)
+
+
+def test_a_kimi_checkout_fetches_its_tiktoken_ranks_but_not_its_code() -> None:
+    """Kimi-K2's tokenizer is `tiktoken.model` plus `tokenizer_config.json` (exo builds it
+    from them); its Python files are never fetched, as exo never runs them."""
+    files = [
+        "config.json", "tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py",
+        "modeling_deepseek.py", "chat_template.jinja", "model-00001-of-00002.safetensors",
+    ]  # fmt: skip
+    assert small_files(files) == (
+        "chat_template.jinja", "config.json", "tiktoken.model", "tokenizer_config.json",
+    )  # fmt: skip

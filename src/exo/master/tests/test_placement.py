@@ -357,12 +357,21 @@ def test_a_card_whose_architecture_the_engine_does_not_run_is_not_placed() -> No
 
 
 def test_a_card_the_engine_cannot_serve_yet_is_refused_with_its_reason() -> None:
-    """Kimi-K2's weights load with the deepseek_v3 family, but its tokenizer needs its
-    repository's code: its card says so (`cannot_serve`) and placement refuses it."""
-    (kimi,) = [card for card in load_builtin_cards().values() if "Kimi-K2" in card.model_id]
-    assert kimi.cannot_serve is not None and "tokenizer" in kimi.cannot_serve
+    """A card saying why the engine cannot serve it (`cannot_serve`) is refused with that
+    reason, in placement and in every preview."""
     state = state_with(node_a=5 * NEED_MIB, node_b=5 * NEED_MIB)
-    blocked = CARD.model_copy(update={"cannot_serve": kimi.cannot_serve})
-    with pytest.raises(PlacementError, match="TikToken tokenizer"):
+    blocked = CARD.model_copy(update={"cannot_serve": "its tokenizer needs custom code"})
+    with pytest.raises(PlacementError, match="its tokenizer needs custom code"):
         place_instance(blocked, state, INSTANCE)
-    assert all("TikToken" in (p.error or "") for p in placement_previews(blocked, state))
+    assert all("custom code" in (p.error or "") for p in placement_previews(blocked, state))
+
+
+def test_kimi_k2_is_placed_across_nodes_that_hold_it() -> None:
+    """Kimi-K2's TikToken tokenizer is built from its files (`tokenizer_loading`), so its
+    card says nothing against serving it; 1 TB of weights split over three 512 GiB nodes."""
+    (kimi,) = [card for card in load_builtin_cards().values() if "Kimi-K2" in card.model_id]
+    assert kimi.cannot_serve is None
+    state = state_with(node_a=512 * 1024, node_b=512 * 1024, node_c=512 * 1024)
+    instance = place_instance(kimi, state, INSTANCE)
+    assert instance.model_id == kimi.model_id
+    assert instance.shard_assignments.world_size >= 2

@@ -29,3 +29,10 @@ ENGINE_ARCHITECTURES: tuple[str, ...] = (
 )
 """Every architecture name (text model and `*ForConditionalGeneration` wrapper) that
 some family file covers, in the registry's order."""
+
+MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
+"""Config model types transformers has no class for, read as the model type whose
+architecture they declare: Kimi-K2's `kimi_k2` (custom code in its repository) is
+DeepseekV3ForCausalLM's `deepseek_v3` with other sizes. The engine loads such a config
+without the repository's code, so `POST /models/add` does not ask for
+`--trust-remote-code` for it."""

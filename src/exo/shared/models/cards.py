@@ -20,7 +20,8 @@ from exo.shared.types.models import LocalDirectorySource, ModelCard, ModelSource
 
 CARDS_PACKAGE = "exo.resources"
 CARDS_SUBDIRECTORY = "model_cards"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# A TikToken `tiktoken.model` is Kimi's (`exo.chat_protocol.tokenizer_loading`).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model")
 # Bytes per element of each safetensors dtype (safetensors format spec).
 SAFETENSORS_DTYPE_BYTES = {
     "F64": 8, "I64": 8, "U64": 8,

@@ -253,7 +253,7 @@ class ModelCard(FrozenModel):
     gated: bool = False
     cannot_serve: str | None = None
     """Why the engine cannot serve this catalog model yet, though its family loads the
-    weights (Kimi-K2's tokenizer needs its repository's code); placement refuses it with
+    weights (e.g. a tokenizer only its repository's code reads); placement refuses it with
     this reason. None: it can."""
     sources: tuple[str, ...] = ()
     gguf_weight_types: GgufWeightTypes | None = None

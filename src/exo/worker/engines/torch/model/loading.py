@@ -33,11 +33,12 @@ from safetensors import safe_open
 from torch import nn
 from transformers import (
     AutoConfig,
-    AutoTokenizer,
     GenerationConfig,
     PreTrainedModel,
 )
 
+from exo.chat_protocol.tokenizer_loading import load_tokenizer
+from exo.shared.models.architectures import MODEL_TYPE_ALIASES
 from exo.shared.models.latent_attention import latent_attention_of_config
 from exo.shared.models.memory import (
     DEFAULT_PREFILL_ACTIVATIONS,
@@ -258,12 +259,6 @@ def _plan_tied_lm_head(
                 ):
                     groups[None].append((path, name, EMBEDDING))
                     return
-
-
-# Config model types transformers has no class for, read as the model type whose
-# architecture they declare: Kimi-K2's `kimi_k2` (custom code in its repository) is
-# DeepseekV3ForCausalLM's `deepseek_v3` with other sizes.
-MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
 def model_config(model_dir: Path) -> Any:
@@ -560,6 +555,7 @@ def load_parts(
         model_dir, shard, torch_device, weight_dtype, on_layer_loaded, prefill_activations
     )
     # A tokenizer without a chat template is a base model's: it serves raw prompts only.
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # Kimi's TikToken tokenizer is built from its data files, never its code.
+    tokenizer = load_tokenizer(model_dir)
     eos_token_ids = _eos_token_ids(model_dir, tokenizer, model)
     return LoadedParts(model, tokenizer, torch_device, weight_dtype, eos_token_ids)
