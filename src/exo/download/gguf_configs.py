@@ -2,7 +2,7 @@
 (5.25 has no `deepseek2` nor `glm4moe`), built from the metadata llama.cpp's converter
 (`convert_hf_to_gguf.py`: `DeepseekV2Model`, `Glm4MoeModel`, `TextModel`) writes.
 
-**deepseek2** (DeepSeek-V3 / V3.1 / R1, Kimi-K2, GLM-4.7-Flash: every `DeepseekV2Model`
+**deepseek2** (DeepSeek-V3 / V3.1 / R1 and Kimi-K2, `DeepseekV2Model`
 conversion) becomes a `DeepseekV3Config` (the `deepseek_v3` family). The converter writes
 the MLA heads as MQA: files since llama.cpp split `kv_b_proj` into `attn_k_b` / `attn_v_b`
 state `attention.head_count_kv` 1, `key_length` = `kv_lora_rank + qk_rope_head_dim`,
@@ -122,13 +122,21 @@ def _common(directory: GgufDirectory) -> dict[str, Any]:
         "max_position_embeddings": int(_value(directory, "context_length")),
         "tie_word_embeddings": "output.weight" not in names,
         "dtype": "float32",
+        **special_token_ids(directory),
     }
+    return fields
+
+
+def special_token_ids(directory: GgufDirectory) -> dict[str, int]:
+    """The config's `bos_token_id` / `eos_token_id` / `pad_token_id` the file states
+    (`tokenizer.ggml.*`)."""
+    found: dict[str, int] = {}
     for key, field in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                        ("padding_token_id", "pad_token_id")):  # fmt: skip
         value = directory.metadata.get(f"tokenizer.ggml.{key}")
         if isinstance(value, int):
-            fields[field] = value
-    return fields
+            found[field] = value
+    return found
 
 
 def _rope_parameters(directory: GgufDirectory, theta: float) -> dict[str, Any]:

@@ -27,9 +27,10 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
+from exo.download.gguf_configs import GgufConfigError
 from exo.download.gguf_experts import GgufExpertsError
 from exo.download.gguf_mla import GgufMlaError
-from exo.download.gguf_models import card_for_gguf
+from exo.download.gguf_models import GgufModelError, card_for_gguf
 from exo.download.gguf_repack import convert_gguf
 from exo.download.gguf_tensors import read_gguf_model
 from exo.download.pypi_gguf import prepare_model
@@ -279,4 +280,22 @@ def test_mla_moe_gguf_with_a_mis_shaped_expert_tensor_is_refused_naming_it(
     path.write_bytes(bytes(data))
     (tmp_path / "out").mkdir()
     with pytest.raises(GgufExpertsError, match=r"blk\.1\.ffn_gate_exps\.weight has shape"):
+        convert_gguf(path, tmp_path / "out")
+
+
+def test_deepseek2_gguf_with_softmax_routing_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """DeepSeek-V2's softmax router (`expert_gating_func` 1) is no routing the deepseek_v3
+    family computes: the card (what `POST /models/add` answers 400 with) and the conversion
+    both name the key."""
+    path = write_random_mla_moe_gguf(tmp_path / "ds.gguf", DEEPSEEK2_SHAPE, "F32")[0]
+    data = bytearray(path.read_bytes())
+    key = b"deepseek2.expert_gating_func"
+    at = data.index(key) + len(key) + 4  # the key, then its u32 value type
+    assert int.from_bytes(data[at : at + 4], "little") == 2  # sigmoid
+    data[at : at + 4] = (1).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(GgufModelError, match=r"deepseek2\.expert_gating_func is 1 \(softmax\)"):
+        card_for_gguf(path, "random-v2")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(GgufConfigError, match=r"deepseek2\.expert_gating_func"):
         convert_gguf(path, tmp_path / "out")
