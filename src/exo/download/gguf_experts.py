@@ -16,9 +16,17 @@ A layout says which stacked tensors an architecture has, the per-expert name eac
 and which config fields come from which metadata keys (transformers' GGUF config reader
 knows `expert_count` and `expert_used_count` but not an expert's width). Another MoE
 architecture joins by adding its entry: shared experts (`ffn_*_shexp`, 2-D, mapped by
-`TensorNameMap` once the family's skeleton has them), a routing bias (`exp_probs_b`) and
-attention sinks (`attn_sinks`) are ordinary tensors too; only fused expert tensors
-(`ffn_gate_up_exps`) would need a split along `out` (see `StackedExperts.tensors`).
+`TensorNameMap` once the family's skeleton has them), a routing bias (`exp_probs_b.bias`,
+the converter's rename of `e_score_correction_bias`) and attention sinks (`attn_sinks`) are
+ordinary tensors too, checked with the experts where the layout has them
+(`expected_expert_tensors`).
+
+DeepSeek-V3-style files (`deepseek2`: DeepSeek-V3 / V3.1 / R1, Kimi-K2; `glm4moe`: GLM-4.5
+to 4.7) stack the same three kinds in their sparse layers only, the layers from
+`leading_dense_block_count` on, beside shared experts and the correction bias; their
+configs come from the metadata (`gguf_configs`), a deepseek2 file's split MLA
+up-projection is joined back (`gguf_mla`), and GLM's MTP layers (after the decoder
+layers) are left out.
 
 gpt-oss (`gpt-oss`, llama.cpp's `GptOssModel` converter) stacks the same three kinds, the
 checkpoint's interleaved `gate_up_proj` already split into gate and up, each with a stacked
@@ -64,6 +72,11 @@ class StackedExperts:
         interleaved: a kind whose rows alternate two linears (gate at even, up at odd) →
             those linears, filling `{linear}` in its path (Ollama's first gpt-oss blobs'
             `ffn_gate_up_exps`); its rows are twice the expert width.
+        first_sparse_field: the config field of the dense layers before the first sparse
+            one (None: every layer is sparse).
+        shared_field: the config field of the shared experts' count, each as wide as a
+            routed one (`ffn_{gate,up,down}_shexp`; None: none).
+        correction_bias: each sparse layer has `exp_probs_b.bias` `[experts]`.
     """
 
     tensors: Mapping[str, str]
@@ -73,17 +86,36 @@ class StackedExperts:
     count_field: str = "num_experts"
     biases: bool = False
     interleaved: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    first_sparse_field: str | None = None
+    shared_field: str | None = None
+    correction_bias: bool = False
 
+
+# The stacked gate / up / down experts of llama.cpp's converter (`ffn_*_exps`), each the
+# checkpoint's `experts.N.{gate,up,down}_proj`: every architecture here but Ollama's first
+# gpt-oss blobs.
+_GATE_UP_DOWN = {
+    "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{expert}.up_proj",
+    "ffn_down_exps": "mlp.experts.{expert}.down_proj",
+}
+# DeepSeek-V3-style sparse layers (llama.cpp's `llm_build_deepseek2`, `llm_build_glm4_moe`):
+# the first `leading_dense_block_count` layers dense, every later one sigmoid-routed with a
+# correction bias (`exp_probs_b.bias`) beside shared experts (`ffn_*_shexp`, 2-D, mapped by
+# name); the config is built from the metadata (`gguf_configs`).
+_DEEPSEEK_STYLE = StackedExperts(
+    tensors=_GATE_UP_DOWN,
+    count_field="n_routed_experts",
+    first_sparse_field="first_k_dense_replace",
+    shared_field="n_shared_experts",
+    correction_bias=True,
+)
 
 # llama.cpp's qwen3moe graph (`llm_build_qwen3moe`): every layer sparse, softmax top-k
 # renormalized over the chosen experts (`norm_w = true`), SiLU-gated experts.
 GGUF_EXPERT_LAYOUTS: dict[str, StackedExperts] = {
     "qwen3moe": StackedExperts(
-        tensors={
-            "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
-            "ffn_up_exps": "mlp.experts.{expert}.up_proj",
-            "ffn_down_exps": "mlp.experts.{expert}.down_proj",
-        },
+        tensors=_GATE_UP_DOWN,
         config_fields={"expert_feed_forward_length": "moe_intermediate_size"},
         config_values={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
     ),
@@ -91,11 +123,7 @@ GGUF_EXPERT_LAYOUTS: dict[str, StackedExperts] = {
     # over the top-k router logits (router bias `ffn_gate_inp.bias`), biased experts; its
     # config is built by `gguf_gptoss.gptoss_config` (transformers' reader fails on it).
     "gpt-oss": StackedExperts(
-        tensors={
-            "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
-            "ffn_up_exps": "mlp.experts.{expert}.up_proj",
-            "ffn_down_exps": "mlp.experts.{expert}.down_proj",
-        },
+        tensors=_GATE_UP_DOWN,
         config_fields={"expert_feed_forward_length": "intermediate_size"},
         width_field="intermediate_size",
         count_field="num_local_experts",
@@ -115,6 +143,10 @@ GGUF_EXPERT_LAYOUTS: dict[str, StackedExperts] = {
         biases=True,
         interleaved={"ffn_gate_up_exps": ("gate_proj", "up_proj")},
     ),
+    # DeepSeek-V3 / V3.1 / R1, Kimi-K2 (`gguf_configs`, MLA: `gguf_mla`).
+    "deepseek2": _DEEPSEEK_STYLE,
+    # GLM-4.5 / 4.6 / 4.7 (`gguf_configs`); its MTP layers are left out.
+    "glm4moe": _DEEPSEEK_STYLE,
 }
 
 
@@ -162,36 +194,52 @@ def expert_slices(
                 yield name, part, (rows // step, tensor.shape[0])
 
 
+def expected_expert_tensors(layout: StackedExperts, config: Any) -> dict[str, tuple[int, ...]]:
+    """GGUF name → GGUF shape of every tensor the sparse layers must have: each stacked
+    kind (`[hidden, width, experts]` for gate / up, the first two swapped for down; width
+    and experts the layout's `width_field` / `count_field`), its `.bias` `[out, experts]`
+    where the layout has biases, the router `ffn_gate_inp` `[hidden, experts]`, and where
+    the layout has them the correction bias `exp_probs_b.bias` `[experts]` and the shared
+    experts `ffn_*_shexp` (`shared_field` experts wide)."""
+    hidden, width = int(config.hidden_size), int(getattr(config, layout.width_field))
+    experts = int(getattr(config, layout.count_field))
+    first = int(getattr(config, layout.first_sparse_field) or 0) if layout.first_sparse_field else 0
+    shared = int(getattr(config, layout.shared_field) or 0) * width if layout.shared_field else 0
+    expected: dict[str, tuple[int, ...]] = {}
+    for layer in range(first, int(config.num_hidden_layers)):
+        block = f"blk.{layer}."
+        for kind in layout.tensors:
+            rows = width * (2 if kind in layout.interleaved else 1)
+            weight = (width, hidden) if "down" in kind else (hidden, rows)
+            expected[f"{block}{kind}.weight"] = (*weight, experts)
+            if layout.biases:
+                expected[f"{block}{kind}.bias"] = (weight[1], experts)
+        expected[f"{block}ffn_gate_inp.weight"] = (hidden, experts)
+        if layout.correction_bias:
+            expected[f"{block}exp_probs_b.bias"] = (experts,)
+        if shared:
+            for kind in ("ffn_gate_shexp", "ffn_up_shexp"):
+                expected[f"{block}{kind}.weight"] = (hidden, shared)
+            expected[f"{block}ffn_down_shexp.weight"] = (shared, hidden)
+    return expected
+
+
 def check_experts(directory: GgufDirectory, layout: StackedExperts, config: Any) -> None:
-    """Check every decoder layer has each stacked tensor with the config's shape
-    (`[hidden, width, experts]` for gate / up, the first two swapped for down, GGUF order;
-    width and experts the layout's `width_field` / `count_field`), and where the layout has
-    biases each stacked `.bias` `[out, experts]`.
+    """Check every sparse layer has the tensors `expected_expert_tensors` names, with
+    those shapes.
 
     Raises:
         GgufExpertsError: naming the missing or mis-shaped tensor.
     """
-    hidden, width = int(config.hidden_size), int(getattr(config, layout.width_field))
-    experts = int(getattr(config, layout.count_field))
     by_name = {tensor.name: tensor for tensor in directory.tensors}
-    for layer in range(int(config.num_hidden_layers)):
-        for kind in layout.tensors:
-            rows = width * (2 if kind in layout.interleaved else 1)
-            weight = (width, hidden) if "down" in kind else (hidden, rows)
-            expected: dict[str, tuple[int, ...]] = {
-                f"blk.{layer}.{kind}.weight": (*weight, experts)
-            }
-            if layout.biases:
-                expected[f"blk.{layer}.{kind}.bias"] = (weight[1], experts)
-            for name, shape in expected.items():
-                tensor = by_name.get(name)
-                if tensor is None:
-                    raise GgufExpertsError(f"the GGUF has no {name} (every layer is sparse)")
-                if tensor.shape != shape:
-                    raise GgufExpertsError(
-                        f"{name} has shape {tensor.shape}, expected {shape} "
-                        "(GGUF order: in, out, experts)"
-                    )
+    for name, shape in expected_expert_tensors(layout, config).items():
+        tensor = by_name.get(name)
+        if tensor is None:
+            raise GgufExpertsError(f"the GGUF has no {name} (a sparse layer's tensor)")
+        if tensor.shape != shape:
+            raise GgufExpertsError(
+                f"{name} has shape {tensor.shape}, expected {shape} (GGUF order: in, out, experts)"
+            )
 
 
 def configure_experts(config: Any, directory: GgufDirectory, layout: StackedExperts) -> None:
@@ -212,13 +260,22 @@ def configure_experts(config: Any, directory: GgufDirectory, layout: StackedExpe
 
 def gguf_moe_fields(directory: GgufDirectory) -> dict[str, Any]:
     """The MoE config fields of a GGUF (`num_experts`, `num_experts_per_tok`, the layout's
-    own), as `exo.shared.models.moe.moe_geometry_of_config` reads them; empty for a dense
-    architecture or a file without `<arch>.expert_count`."""
+    own; for an architecture whose config is built from metadata, `gguf_configs`' fields),
+    as `exo.shared.models.moe.moe_geometry_of_config` reads them; empty for a dense
+    architecture or a file without `<arch>.expert_count`.
+
+    Raises:
+        GgufConfigError: a metadata-built config's key is missing (named).
+    """
+    from exo.download.gguf_configs import METADATA_CONFIGS
+
     layout = GGUF_EXPERT_LAYOUTS.get(directory.architecture)
     architecture = directory.architecture
     experts = directory.metadata.get(f"{architecture}.expert_count")
     if layout is None or not experts:
         return {}
+    if architecture in METADATA_CONFIGS:
+        return METADATA_CONFIGS[architecture](directory)
     fields: dict[str, Any] = {
         "num_experts": experts,
         "num_experts_per_tok": directory.metadata.get(f"{architecture}.expert_used_count"),

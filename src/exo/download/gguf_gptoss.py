@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from exo.download.gguf_configs import special_token_ids
 from exo.download.gguf_tensors import GgufArray, GgufDirectory
 
 GPT_OSS = "gpt-oss"  # its `general.architecture`
@@ -220,12 +221,8 @@ def gptoss_config(directory: GgufDirectory, mxfp4_experts: bool) -> Any:
         "tie_word_embeddings": "output.weight" not in names,
         "architectures": ["GptOssForCausalLM"],
         "dtype": "float32",
+        **special_token_ids(directory),
     }
-    for key, field in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                       ("padding_token_id", "pad_token_id")):  # fmt: skip
-        value = directory.metadata.get(f"tokenizer.ggml.{key}")
-        if isinstance(value, int):
-            settings[field] = value
     if mxfp4_experts:
         settings["quantization_config"] = {
             "quant_method": "mxfp4",

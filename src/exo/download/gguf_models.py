@@ -46,6 +46,9 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",  # experts read by `exo.download.gguf_experts`
     "gpt-oss": "GptOssForCausalLM",  # config, MXFP4 experts: `exo.download.gguf_gptoss`
     "gptoss": "GptOssForCausalLM",  # Ollama's first gpt-oss blobs (`gguf_gptoss`)
+    # config from the metadata: `exo.download.gguf_configs`
+    "deepseek2": "DeepseekV3ForCausalLM",  # DeepSeek-V3 / V3.1 / R1, Kimi-K2
+    "glm4moe": "Glm4MoeForCausalLM",  # GLM-4.5 to 4.7
 }
 
 
@@ -182,7 +185,9 @@ def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> Model
     """A card from the GGUF's metadata: architecture, shapes, context length, whether it
     has a chat template and the capabilities and tool-call format it shows
     (`custom_cards.template_traits`, as for a Hugging Face directory), attention biases
-    (`blk.0.attn_q.bias`, or a fused `attn_qkv.bias`), a MoE model's experts;
+    (`blk.0.attn_q.bias`, or a fused `attn_qkv.bias`), a MoE model's experts, an MLA
+    model's ranks (layers, KV heads and head width as the converted config states them for
+    `gguf_configs`' architectures: MTP layers left out, MLA's heads not llama.cpp's MQA);
     `storage_size_bytes` is the file's size (of
     every part, for a split model whose first part `path` is: `gguf_tensors.gguf_parts`),
     `parameter_count` the elements of its tensors, `gguf_weight_types` the types of its
@@ -193,8 +198,10 @@ def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> Model
             metadata it lacks (named).
     """
     from exo.download.custom_cards import template_traits
+    from exo.download.gguf_configs import METADATA_CONFIGS
     from exo.download.gguf_experts import gguf_moe_fields
     from exo.download.gguf_tensors import GgufArray, gguf_parts, read_gguf_model
+    from exo.shared.models.latent_attention import latent_attention_of_config
     from exo.shared.models.moe import moe_geometry_of_config
 
     try:
@@ -224,21 +231,31 @@ def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> Model
         raise GgufModelError(f"{path} has no tokenizer.ggml.tokens (no tokenizer)")
     head_dim = value(f"{architecture}.attention.key_length")
     hidden_size = required("embedding_length")
+    layers = required("block_count")
+    key_value_heads = int(value(f"{architecture}.attention.head_count_kv") or heads)
     tensor_names = {tensor.name for tensor in directory.tensors}
     try:
+        # a config built from the metadata says what the converted model's will
+        fields = (
+            METADATA_CONFIGS[architecture](directory) if architecture in METADATA_CONFIGS else {}
+        )
         moe = moe_geometry_of_config(gguf_moe_fields(directory))
+        latent_attention = latent_attention_of_config(fields)
     except ValueError as error:
         raise GgufModelError(f"{path}: {error}") from None
+    if fields:
+        layers, head_dim = fields["num_hidden_layers"], fields["head_dim"]
+        key_value_heads = fields["num_key_value_heads"]
     template = value("tokenizer.chat_template")
     capabilities, tool_call_format = template_traits(template if isinstance(template, str) else "")
     return ModelCard(
         model_id=ModelId(model_id),
         source=GgufFileSource(path=str(path), sha256=sha256),
         architecture=GGUF_ARCHITECTURES[architecture],
-        n_layers=required("block_count"),
+        n_layers=layers,
         hidden_size=hidden_size,
         num_attention_heads=heads,
-        num_key_value_heads=int(value(f"{architecture}.attention.head_count_kv") or heads),
+        num_key_value_heads=key_value_heads,
         intermediate_size=required("feed_forward_length"),
         vocab_size=tokens.count,
         storage_size_bytes=storage_size,
@@ -252,6 +269,7 @@ def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> Model
         parameter_count=sum(math.prod(tensor.shape) for tensor in directory.tensors) or None,
         gguf_weight_types=gguf_weight_types(directory),
         moe=moe,
+        latent_attention=latent_attention,
     )
 
 

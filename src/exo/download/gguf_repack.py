@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import resource
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from exo.download.gguf_configs import DEEPSEEK2, METADATA_CONFIGS, metadata_config
 from exo.download.gguf_experts import (
     GGUF_EXPERT_LAYOUTS,
     StackedExperts,
@@ -65,7 +66,14 @@ from exo.download.gguf_gptoss import (
     repack_mxfp4,
     repack_ollama_mxfp4,
 )
-from exo.download.gguf_tensors import OLLAMA_MXFP4, GgufDirectory, GgufTensor, read_gguf_model
+from exo.download.gguf_mla import with_joined_kv_b
+from exo.download.gguf_tensors import (
+    OLLAMA_MXFP4,
+    GgufDirectory,
+    GgufTensor,
+    decoder_tensors,
+    read_gguf_model,
+)
 from exo.shared.models.memory import INT4_GROUP_SIZE
 from exo.shared.models.tensor_names import INT4_PACKED, INT4_SCALES, INT4_ZEROS
 
@@ -230,6 +238,10 @@ def gguf_name_map(architecture: str, checkpoint_names: list[str], layers: int) -
         if suffix not in ("weight", "bias"):
             base, dot, suffix = name, "", ""
         gguf_name = name_map.get_name(base)
+        if gguf_name is None and not dot and base.endswith("_bias"):
+            # llama.cpp renames `e_score_correction_bias` to `e_score_correction.bias`
+            gguf_name = name_map.get_name(base.removesuffix("_bias"))
+            dot, suffix = (".", "bias") if gguf_name is not None else ("", "")
         if gguf_name is not None:
             mapping.setdefault(f"{gguf_name}{dot}{suffix}", name)
             if not dot:  # a bare parameter (gpt-oss's sinks): llama.cpp appends ".weight"
@@ -296,7 +308,7 @@ def _store(
 
 
 def repacked_tensor_groups(
-    tensors: Sequence[GgufTensor],
+    tensors: Iterable[GgufTensor],
     processor: Any,
     name_map: Mapping[str, str],
     experts: StackedExperts | None = None,
@@ -308,7 +320,7 @@ def repacked_tensor_groups(
     (`gguf_experts.expert_slices`), uncorrected.
 
     Args:
-        tensors: the file's tensors (`gguf_tensors.read_gguf_model`).
+        tensors: the file's tensors (`gguf_tensors.read_gguf_model`), read once.
         processor: transformers' tensor processor for the file's architecture.
         name_map: GGUF tensor name → checkpoint name (tensors not in it are skipped).
         experts: the architecture's stacked expert layout, None for a dense one.
@@ -411,16 +423,20 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
     generation_config.json, tokenizer files (with chat template) and safetensors files of
     repacked weights (`model.safetensors`, or `model-0000i.safetensors` of about
     `SHARD_BYTES` each), read by `exo.worker.engines.torch.model.loading.load_model`. A MoE
-    architecture's stacked experts become one weight per expert (`gguf_experts`).
+    architecture's stacked experts become one weight per expert (`gguf_experts`); the
+    `deepseek2` and `glm4moe` configs are built from the metadata (`gguf_configs`).
 
     Raises:
         GgufRepackError: a tensor that cannot be repacked.
         GgufExpertsError: a MoE GGUF's expert tensor missing or mis-shaped, or its metadata
             lacking a key its layout needs (named).
+        GgufConfigError: a `deepseek2` / `glm4moe` GGUF whose metadata lacks a key or
+            states a router the family does not compute (`gguf_configs`, named).
+        GgufMlaError: a `deepseek2` GGUF's `attn_k_b` / `attn_v_b` unpaired or mis-shaped.
         ValueError / OSError: from transformers or gguf for a file they cannot read
             (not GGUF, an architecture transformers has no GGUF support for).
     """
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     from exo.shared.models.skeleton import empty_model
@@ -432,6 +448,8 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
     experts = GGUF_EXPERT_LAYOUTS.get(architecture)
     if architecture in GPT_OSS_ARCHITECTURES:  # transformers' GGUF config reader fails
         config = gptoss_config(directory, _mxfp4_experts(directory, experts))
+    elif architecture in METADATA_CONFIGS:  # transformers' GGUF reader lacks them
+        config = metadata_config(directory)
     else:  # the metadata (and tokenizer) are in the first part of a split model
         config = AutoConfig.from_pretrained(gguf_dir, gguf_file=gguf_name)
     text_config = config.get_text_config()
@@ -456,9 +474,10 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
     }
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=heads)
     counts = {"int4": 0, "gguf_blocks": 0, "float": 0}
-    groups = repacked_tensor_groups(
-        directory.tensors, processor, name_map, experts, counts, row_splits
-    )
+    tensors: Iterable[GgufTensor] = decoder_tensors(directory.tensors, layers)
+    if architecture == DEEPSEEK2:
+        tensors = with_joined_kv_b(tensors, text_config)
+    groups = repacked_tensor_groups(tensors, processor, name_map, experts, counts, row_splits)
     _write_shards(groups, output_dir)
     pre_tokenizer = directory.metadata.get("tokenizer.ggml.pre")
     del directory
@@ -471,6 +490,8 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
         generation.eos_token_id = harmony_stop_ids(
             tokenizer, config.eos_token_id, config.vocab_size
         )
+    elif architecture in METADATA_CONFIGS:  # AutoTokenizer would read the config first
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf_dir, gguf_file=gguf_name)
     else:
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
     generation.save_pretrained(output_dir)

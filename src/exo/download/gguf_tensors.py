@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,8 @@ _STRING, _ARRAY = 8, 9
 # the type name `OLLAMA_MXFP4` (`gguf_gptoss`).
 _OLLAMA_MXFP4 = 4
 OLLAMA_MXFP4 = "OLLAMA_MXFP4"
+# A decoder layer's tensor (`blk.N.`).
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
 # A split GGUF's part name (gguf-py's `SHARD_NAME_FORMAT`, llama.cpp's `llama_split_path`).
 _SPLIT_PART = re.compile(r"^(?P<stem>.+)-(?P<number>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -235,3 +238,12 @@ def read_gguf_model(path: Path) -> GgufDirectory:
             tensors.append(tensor)
     first = directories[0]
     return GgufDirectory(first.architecture, tuple(tensors), first.metadata)
+
+
+def decoder_tensors(tensors: Iterable[GgufTensor], layers: int) -> Iterator[GgufTensor]:
+    """`tensors` but those of blocks from `layers` on (`blk.N.` with N >= layers: the MTP
+    layers GLM's files keep after the decoder layers)."""
+    for tensor in tensors:
+        block = _BLOCK.match(tensor.name)
+        if block is None or int(block.group(1)) < layers:
+            yield tensor

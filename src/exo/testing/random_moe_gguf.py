@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -99,10 +100,12 @@ def _plan(shape: MoeGgufShape, tensor_type: str) -> list[_Planned]:
     return planned
 
 
-def _values(
+def random_values(
     name: str, type_name: str, weights_shape: tuple[int, ...], rng: np.random.Generator
 ) -> np.ndarray:
-    """The stored array of one tensor: F32 values, or the blocks' bytes (uint8)."""
+    """The stored array of one tensor: F32 values (norms around 1, a wide router, other
+    weights Gaussian), or the blocks' bytes (uint8: Q4_K / Q6_K random blocks, other types
+    quantized by `gguf.quants`)."""
     import gguf
     from gguf.quants import quantize
 
@@ -143,7 +146,6 @@ def write_random_moe_gguf(
     """
     import gguf
 
-    rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, "qwen3moe", split_max_tensors=split_max_tensors)
     writer.add_name("random qwen3moe")
     writer.add_context_length(shape.context_length)
@@ -159,12 +161,20 @@ def write_random_moe_gguf(
     writer.add_expert_count(shape.experts)
     writer.add_expert_used_count(shape.experts_per_token)
     writer.add_expert_feed_forward_length(shape.expert_intermediate_size)
-    writer.add_vocab_size(shape.vocab_size)
-    tokens = _vocabulary(shape.vocab_size)
-    # llama.cpp refuses a BPE vocabulary without merges: one merge, of two byte symbols
-    # into the first filler token.
+    add_byte_vocabulary(writer, shape.vocab_size)
+    files = write_planned_tensors(
+        writer, path, _plan(shape, tensor_type), np.random.default_rng(seed), on_tensor
+    )
+    return files
+
+
+def add_byte_vocabulary(writer: Any, vocab_size: int) -> None:
+    """`random_gguf`'s byte-level vocabulary of `vocab_size` tokens (one BPE merge: llama.cpp
+    refuses a BPE vocabulary without merges), BOS 1, EOS 2, and a plain chat template."""
+    writer.add_vocab_size(vocab_size)
+    tokens = _vocabulary(vocab_size)
     merges = ["a b"] if len(tokens) > _FIRST_FILLER else []
-    if merges:
+    if merges:  # two byte symbols merged into the first filler token
         tokens[_FIRST_FILLER] = "ab"
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -179,7 +189,26 @@ def write_random_moe_gguf(
         "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
-    planned = _plan(shape, tensor_type)
+
+
+def write_planned_tensors(
+    writer: Any,
+    path: Path,
+    planned: list[_Planned],
+    rng: np.random.Generator,
+    on_tensor: Callable[[int, int], None] | None = None,
+    values: Callable[[str, str, tuple[int, ...], np.random.Generator], np.ndarray] | None = None,
+) -> list[Path]:
+    """Write the `planned` tensors (random values: `values`, default `random_values`, drawn
+    from `rng` in plan order, one tensor at a time) and the metadata already added, then
+    close `writer` (a `gguf.GGUFWriter` for `path`).
+
+    Returns:
+        The files written, first part first.
+    """
+    import gguf
+
+    values = random_values if values is None else values
     for name, type_name, weights_shape in planned:
         qtype = gguf.GGMLQuantizationType[type_name]
         block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -191,12 +220,12 @@ def write_random_moe_gguf(
         writer.add_tensor_info(
             name, weights_shape if raw is None else byte_shape, dtype, nbytes, raw
         )
-    files = writer.format_shard_names(path)
+    files: list[Path] = writer.format_shard_names(path)
     writer.write_header_to_file(path)
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for index, (name, type_name, weights_shape) in enumerate(planned):
-        writer.write_tensor_data(_values(name, type_name, weights_shape, rng))
+        writer.write_tensor_data(values(name, type_name, weights_shape, rng))
         if on_tensor is not None:
             on_tensor(index + 1, len(planned))
     writer.close()
