@@ -181,4 +181,27 @@ void for_row_groups(int64_t rows, Body&& body) {
 }
 #endif  // EXO_AVX2
 
+// Weight bytes of one span of `for_weight_spans`: well inside any AVX2 core's L2 (256 KiB
+// and up), with room for the activations and the prefetched bytes ahead.
+constexpr int64_t kWeightSpanBytes = 64 * 1024;
+
+// Calls span(s0, s1) over the output rows [n0, n1) of a weight whose rows take
+// `weight_row_bytes` each: once over all of them when the `rows` activation rows fit one
+// register tile of `group_rows` (the weight is streamed once), else in spans of about
+// `kWeightSpanBytes` (a multiple of 8 rows), so that the caller, running every group of
+// activation rows over a span before the next, reads the weight from memory once and the
+// later groups read it from cache. Without spans each group streamed the whole weight: 8
+// decoding requests read an LM head twice (4-row tiles), 16 four times.
+template <typename Span>
+void for_weight_spans(int64_t rows, int64_t group_rows, int64_t n0, int64_t n1,
+                      int64_t weight_row_bytes, Span&& span) {
+  if (rows <= group_rows) {
+    span(n0, n1);
+    return;
+  }
+  const int64_t fit = kWeightSpanBytes / std::max<int64_t>(weight_row_bytes, 1);
+  const int64_t step = std::max<int64_t>(8, fit / 8 * 8);
+  for (int64_t s0 = n0; s0 < n1; s0 += step) span(s0, std::min(n1, s0 + step));
+}
+
 }  // namespace exo_native::block_rows

@@ -470,10 +470,12 @@ void int4_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& qw
       thread_local std::vector<float> scales, combined;
       scales.resize(static_cast<size_t>(4 * groups));
       combined.resize(static_cast<size_t>(4 * 8 * blocks));
-      for_row_groups_of_8(rows, [&](auto count, int64_t r) {
-        rows_avx512<decltype(count)::value>(xq + r * k, xs + r * blocks, k, qp, sz, groups,
-                                            group_size, sums + r * groups, yp + r * n, n, n0,
-                                            n1, scales.data(), combined.data());
+      for_weight_spans(rows, 8, n0, n1, k / 2, [&](int64_t s0, int64_t s1) {
+        for_row_groups_of_8(rows, [&](auto count, int64_t r) {
+          rows_avx512<decltype(count)::value>(xq + r * k, xs + r * blocks, k, qp, sz, groups,
+                                              group_size, sums + r * groups, yp + r * n, n, s0,
+                                              s1, scales.data(), combined.data());
+        });
       });
     });
     return;
@@ -487,9 +489,12 @@ void int4_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& qw
       large.resize(static_cast<size_t>(4 * groups));
       tmp = large.data();
     }
-    for_row_groups(rows, [&](auto count, int64_t r) {
-      rows_at<decltype(count)::value>(xq + r * k, xs + r * blocks, k, qp, sz, groups, group_size,
-                                      sums + r * groups, yp + r * n, n, n0, n1, tmp);
+    for_weight_spans(rows, 4, n0, n1, k / 2, [&](int64_t s0, int64_t s1) {
+      for_row_groups(rows, [&](auto count, int64_t r) {
+        rows_at<decltype(count)::value>(xq + r * k, xs + r * blocks, k, qp, sz, groups,
+                                        group_size, sums + r * groups, yp + r * n, n, s0, s1,
+                                        tmp);
+      });
     });
   });
 #else
@@ -643,9 +648,11 @@ void int8_channel_product(const float* xp, int64_t rows, int64_t k, const at::Te
   const int16_t* xq = rounded.data();
   const float* xs = x_scales.data();
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    for_row_groups(rows, [&](auto count, int64_t r) {
-      rows_avx2_int8_channel<decltype(count)::value>(xq + r * k, xs + r * blocks, k, vp, sp,
-                                                     yp + r * n, n, n0, n1);
+    for_weight_spans(rows, 4, n0, n1, k, [&](int64_t s0, int64_t s1) {
+      for_row_groups(rows, [&](auto count, int64_t r) {
+        rows_avx2_int8_channel<decltype(count)::value>(xq + r * k, xs + r * blocks, k, vp, sp,
+                                                       yp + r * n, n, s0, s1);
+      });
     });
   });
 #else

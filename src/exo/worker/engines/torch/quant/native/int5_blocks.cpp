@@ -160,10 +160,11 @@ void int5_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& pa
                            _mm256_madd_epi16(minus16, _mm256_loadu_si256(block + 1)));
     }
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    for_row_groups(rows, [&](auto count, int64_t r) {
-      rows_avx2_int5<decltype(count)::value>(xq + r * k, xs + r * blocks,
-                                             xo + r * blocks, k, wp, sc,
-                                             yp + r * n, n, n0, n1);
+    for_weight_spans(rows, 4, n0, n1, k * 5 / 8, [&](int64_t s0, int64_t s1) {
+      for_row_groups(rows, [&](auto count, int64_t r) {
+        rows_avx2_int5<decltype(count)::value>(xq + r * k, xs + r * blocks, xo + r * blocks, k,
+                                               wp, sc, yp + r * n, n, s0, s1);
+      });
     });
   });
 #else

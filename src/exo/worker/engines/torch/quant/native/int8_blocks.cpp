@@ -160,9 +160,11 @@ void int8_block_product(const float* xp, int64_t rows, int64_t k, const at::Tens
   quantize_rows(xp, rows, k, kBlock, xq, xs, sums);
   reorder_even_odd(xq, rows * k);
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    for_row_groups(rows, [&](auto count, int64_t r) {
-      rows_avx2_int8<decltype(count)::value>(xq + r * k, xs + r * blocks, sums + r * blocks, k,
-                                             vp, so, yp + r * n, n, n0, n1);
+    for_weight_spans(rows, 4, n0, n1, k, [&](int64_t s0, int64_t s1) {
+      for_row_groups(rows, [&](auto count, int64_t r) {
+        rows_avx2_int8<decltype(count)::value>(xq + r * k, xs + r * blocks, sums + r * blocks,
+                                               k, vp, so, yp + r * n, n, s0, s1);
+      });
     });
   });
 #else
@@ -207,12 +209,14 @@ void int8_scaled_product(const float* xp, int64_t rows, int64_t k, const at::Ten
   quantize_rows(xp, rows, k, kBlock, xq, xs, block_sums.data());
   reorder_even_odd(xq, rows * k);
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    for_row_groups(rows, [&](auto count, int64_t r) {
-      constexpr int R = decltype(count)::value;
-      if (block == 16)
-        rows_avx2_scaled<R, 2>(xq + r * k, xs + r * blocks, k, vp, sc, yp + r * n, n, n0, n1);
-      else
-        rows_avx2_scaled<R, 1>(xq + r * k, xs + r * blocks, k, vp, sc, yp + r * n, n, n0, n1);
+    for_weight_spans(rows, 4, n0, n1, k, [&](int64_t s0, int64_t s1) {
+      for_row_groups(rows, [&](auto count, int64_t r) {
+        constexpr int R = decltype(count)::value;
+        if (block == 16)
+          rows_avx2_scaled<R, 2>(xq + r * k, xs + r * blocks, k, vp, sc, yp + r * n, n, s0, s1);
+        else
+          rows_avx2_scaled<R, 1>(xq + r * k, xs + r * blocks, k, vp, sc, yp + r * n, n, s0, s1);
+      });
     });
   });
 #else

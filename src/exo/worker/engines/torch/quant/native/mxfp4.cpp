@@ -123,9 +123,11 @@ void mxfp4_product(const float* xp, int64_t rows, int64_t k, const uint8_t* bloc
   quantize_rows(xp, rows, k, kBlock, xq, xs, block_sums.data());
   reorder_even_odd(xq, rows * k);
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    for_row_groups(rows, [&](auto count, int64_t r) {
-      rows_avx2_mxfp4<decltype(count)::value>(xq + r * k, xs + r * groups, k, blocks,
-                                              scale_bytes, yp + r * n, n, n0, n1);
+    for_weight_spans(rows, 4, n0, n1, k * 17 / 32, [&](int64_t s0, int64_t s1) {
+      for_row_groups(rows, [&](auto count, int64_t r) {
+        rows_avx2_mxfp4<decltype(count)::value>(xq + r * k, xs + r * groups, k, blocks,
+                                                scale_bytes, yp + r * n, n, s0, s1);
+      });
     });
   });
 #else  // exact float32 sums of the widened values
