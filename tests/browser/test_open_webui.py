@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, ConsoleMessage, Page
+from playwright.sync_api import Browser, ConsoleMessage, Page, expect
 
 from exo.testing.ports import free_port
 from exo.testing.processes import ExoNode, wait_until
@@ -226,7 +226,7 @@ def listed_models(page: Page) -> set[str]:
     """The model ids Open WebUI's model selector offers (it stays open)."""
     page.locator("#model-selector-model-button").click()
     options = page.locator("#model-selector-list [role=option]")
-    options.first.wait_for()
+    expect(options.first).to_be_visible()
     return {
         options.nth(index).get_attribute("data-value") or "" for index in range(options.count())
     }
@@ -235,8 +235,9 @@ def listed_models(page: Page) -> set[str]:
 def choose_model(page: Page, model_id: str) -> None:
     page.locator("#model-selector-model-button").click()
     page.locator(f"#model-selector-list [role=option][data-value='{model_id}']").click()
-    selected = page.locator("#model-selector-model-button")
-    assert selected.get_attribute("aria-label") == f"Selected model: {model_id}"
+    expect(page.locator("#model-selector-model-button")).to_have_attribute(
+        "aria-label", f"Selected model: {model_id}"
+    )
 
 
 def ask(page: Page, question: str) -> str:
@@ -258,6 +259,7 @@ def test_model_list_shows_the_node_model_from_both_connections(
     errors: list[str] = []
     page = open_chat(browser, served.open_webui_url, errors)
     try:
+        # Both connections' lists arrive before the page offers any model.
         listed = listed_models(page)
     finally:
         page.context.close()
