@@ -4,7 +4,7 @@ the real clients: the Python snippets run as written (openai, anthropic, ollama)
 snippet runs in a shell, Continue's config drives its CLI (when `.ci/run` installed it), and
 the settings of tools that cannot run here (the OpenAI JS SDK, Claude Code, Codex, Open WebUI,
 the ollama CLI) are used with the client speaking the same API with the same URL, headers and
-model."""
+model. (Open WebUI itself is driven in chromium by the slow `test_open_webui.py`.)"""
 
 from __future__ import annotations
 

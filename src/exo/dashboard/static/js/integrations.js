@@ -134,7 +134,7 @@ models:
       code: `OPENAI_API_BASE_URL="${origin}/v1"
 OPENAI_API_KEY="${keysOn ? `$${KEY_VAR}` : "unused"}"
 DEFAULT_MODELS="${model}"`,
-      note: "Set these in Open WebUI's environment, or under Admin Settings → Connections → OpenAI API. Open WebUI in Docker reaches this machine at host.docker.internal, not localhost.",
+      note: `Set these in Open WebUI's environment before its first start, later under Admin Settings → Connections → OpenAI API; OFFLINE_MODE=True without internet. For its Ollama connection, OLLAMA_BASE_URL="${origin}" (both at once: give each a prefix_id, see the docs). Its chats carry ~7k tokens of built-in tools: use a model with a context of 8k tokens or more. Open WebUI in Docker reaches this machine at host.docker.internal, not localhost.`,
     },
     {
       id: "ollama-cli",
