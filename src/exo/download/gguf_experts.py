@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from exo.download.gguf_tensors import GgufDirectory, GgufTensor
+from exo.shared.models.memory import GGUF_MXFP4_TYPES
 
 _STACKED = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<kind>[a-z_]+)\.(?P<part>weight|bias)$")
 
@@ -260,8 +261,9 @@ def configure_experts(config: Any, directory: GgufDirectory, layout: StackedExpe
 
 def gguf_moe_fields(directory: GgufDirectory) -> dict[str, Any]:
     """The MoE config fields of a GGUF (`num_experts`, `num_experts_per_tok`, the layout's
-    own; for an architecture whose config is built from metadata, `gguf_configs`' fields),
-    as `exo.shared.models.moe.moe_geometry_of_config` reads them; empty for a dense
+    own, and `quantization_config` "mxfp4" where its stacked expert weights are MXFP4; for an
+    architecture whose config is built from metadata, `gguf_configs`' fields), as
+    `exo.shared.models.moe.moe_geometry_of_config` reads them; empty for a dense
     architecture or a file without `<arch>.expert_count`.
 
     Raises:
@@ -284,4 +286,9 @@ def gguf_moe_fields(directory: GgufDirectory) -> dict[str, Any]:
     for key, field_name in layout.config_fields.items():
         fields[field_name] = directory.metadata.get(f"{architecture}.{key}")
     fields.update(layout.config_values)
+    if any(
+        tensor.type_name in GGUF_MXFP4_TYPES and stacked_kind(tensor.name, layout) is not None
+        for tensor in directory.tensors
+    ):  # as the converted config states it (`gguf_gptoss.gptoss_config`)
+        fields["quantization_config"] = {"quant_method": "mxfp4"}
     return fields

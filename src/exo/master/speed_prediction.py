@@ -14,8 +14,10 @@ decode, seconds per token (one stream, `context` tokens in the KV cache):
     stage(s) = layer bytes(s) / int4 bytes/s + LM head bytes(s) / int8 bytes/s
                (a MoE layer's bytes: what one token reads, its attention, router, shared
                expert and the routed experts it is expected to choose on this rank,
-               `memory.moe_layer_read_bytes`; prefill's FLOPs likewise count a token's
-               top-k and shared experts only)
+               `memory.moe_layer_read_bytes`; MXFP4 experts (gpt-oss) at their stored
+               17 bytes per 32 weights, read at the int4 rate, the probe measuring no
+               MXFP4 kernel; prefill's FLOPs likewise count a token's top-k and shared
+               experts only)
                (a GGUF card's layer bytes on a node running exo's kernels: each kernel's
                share at its own measured rate, `NodeSpeed.int5_decode_bytes_per_second` ...)
                + ENGINE_KV_READ_FACTOR × 2 × KV bytes(s, context) / copy bytes/s

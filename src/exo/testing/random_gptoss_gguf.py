@@ -13,10 +13,17 @@ Metadata: the dense keys, `expert_count`, `expert_used_count`, `expert_feed_forw
 `attention.sliding_window` and the YaRN keys (`rope.scaling.type` "yarn", `.factor`,
 `.original_context_length`). Linears and the embedding are Q8_0 (or F32), norms and biases
 F32. The vocabulary is `random_gguf`'s byte-level one.
+
+`write_random_block_gptoss_gguf` writes the same layout at a real model's size
+(`GPT_OSS_20B`) for benchmarks: every block of random bytes (MXFP4 with a fixed e8m0 scale,
+Q8_0 with a fixed fp16 `d`) instead of quantized Gaussian weights, one tensor at a time, so
+no whole model (nor a float32 copy of one tensor: gpt-oss-20b's embedding is 2.3 GB in
+float32) is ever in memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +55,27 @@ class GptOssGgufShape:
     rope_factor: float = 32.0
     original_context_length: int = 16
 
+
+# gpt-oss-20b's config.json (openai/gpt-oss-20b on the Hub; the copy named in
+# `exo/resources/model_cards/gpt-oss-20b.toml`): 24 layers, even ones sliding (window 128),
+# odd ones full; YaRN factor 32 over 4,096 positions. A bench writes fewer layers
+# (`dataclasses.replace(GPT_OSS_20B, n_layers=...)`).
+GPT_OSS_20B = GptOssGgufShape(
+    hidden_size=2880,
+    n_layers=24,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    experts=32,
+    experts_per_token=4,
+    intermediate_size=2880,
+    vocab_size=201088,
+    context_length=131072,
+    sliding_window=128,
+    rope_theta=150000.0,
+    rope_factor=32.0,
+    original_context_length=4096,
+)
 
 # (GGUF name, GGML type name, weights shape `[..., out, in]`).
 _Planned = tuple[str, str, tuple[int, ...]]
@@ -169,6 +197,92 @@ def _add_metadata(writer: Any, shape: GptOssGgufShape, ollama_first: bool) -> No
         "<|channel|>final{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
         "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
     )
+
+
+# Random blocks' scales: MXFP4's e8m0 byte 120 (values 2^-7 x E2M1 codes, RMS ~0.023) and
+# Q8_0's fp16 `d` (RMS ~0.02): about 1/sqrt(in) at gpt-oss-20b's widths, so activations
+# neither vanish nor blow up over a few layers.
+RANDOM_MXFP4_SCALE_BYTE = 120
+RANDOM_Q8_0_D = 2.7e-4
+_Q8_0_BLOCK_BYTES = 34  # fp16 d, 32 int8 values
+
+
+def random_mxfp4(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """MXFP4 blocks (GGML type 39) of random E2M1 codes with the e8m0 scale byte
+    `RANDOM_MXFP4_SCALE_BYTE`, for weights of `shape` (`[..., rows, in]`, `in` a multiple of
+    32): uint8 `[..., rows, in / 32 * 17]`."""
+    *leading, columns = shape
+    blocks = rng.integers(0, 256, (*leading, columns // 32, 17), np.uint8)
+    blocks[..., 0] = RANDOM_MXFP4_SCALE_BYTE
+    return blocks.reshape(*leading, -1)
+
+
+def random_q8_0(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Q8_0 blocks of random int8 values with fp16 `d` = `RANDOM_Q8_0_D`, for weights of
+    `shape` (`[..., rows, in]`, `in` a multiple of 32): uint8 `[..., rows, in / 32 * 34]`."""
+    *leading, columns = shape
+    blocks = rng.integers(0, 256, (*leading, columns // 32, _Q8_0_BLOCK_BYTES), np.uint8)
+    d = np.full(blocks.shape[:-1], RANDOM_Q8_0_D, np.float16)
+    blocks[..., 0:2] = d[..., None].view(np.uint8)
+    return blocks.reshape(*leading, -1)
+
+
+def _random_block_values(
+    name: str, type_name: str, weights_shape: tuple[int, ...], rng: np.random.Generator
+) -> np.ndarray:
+    """One tensor's stored array for `write_random_block_gptoss_gguf`: random MXFP4 or
+    Q8_0 blocks, F32 as `_values` makes them."""
+    if type_name == "MXFP4":
+        return random_mxfp4(weights_shape, rng)
+    if type_name == "Q8_0":
+        return random_q8_0(weights_shape, rng)
+    return _values(name, type_name, weights_shape, rng)
+
+
+def write_random_block_gptoss_gguf(
+    path: Path,
+    shape: GptOssGgufShape = GPT_OSS_20B,
+    seed: int = 0,
+    on_tensor: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Write a random-block gpt-oss GGUF of `shape` at `path` (one file; the module
+    docstring): `write_random_gptoss_gguf`'s tensors and metadata with Q8_0 linears,
+    embedding and LM head and MXFP4 experts of random block bytes, written one tensor at a
+    time.
+
+    Args:
+        seed: the blocks' random seed.
+        on_tensor: called as (tensors written, tensors) after each tensor.
+
+    Returns:
+        `path`.
+    """
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(path, "gpt-oss")
+    _add_metadata(writer, shape, ollama_first=False)
+    planned = _plan(shape, "Q8_0")
+    for name, type_name, weights_shape in planned:
+        qtype = gguf.GGMLQuantizationType[type_name]
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        *leading, columns = weights_shape
+        nbytes = int(np.prod(leading)) * columns // block_size * type_size
+        raw = None if type_name == "F32" else qtype
+        dtype = np.dtype(np.float32) if raw is None else np.dtype(np.uint8)
+        byte_shape = (*leading, columns // block_size * type_size)
+        writer.add_tensor_info(
+            name, weights_shape if raw is None else byte_shape, dtype, nbytes, raw
+        )
+    writer.write_header_to_file(path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for index, (name, type_name, weights_shape) in enumerate(planned):
+        writer.write_tensor_data(_random_block_values(name, type_name, weights_shape, rng))
+        if on_tensor is not None:
+            on_tensor(index + 1, len(planned))
+    writer.close()
+    return path
 
 
 def _write(path: Path, architecture: str, shape: GptOssGgufShape,

@@ -31,6 +31,7 @@ from exo.download.gguf_gptoss import MXFP4_BLOCK, repack_mxfp4
 from exo.download.gguf_models import card_for_gguf, ollama_store_cards
 from exo.download.gguf_repack import convert_gguf
 from exo.download.gguf_tensors import read_gguf_model
+from exo.shared.models.cards import card_from_local_directory
 from exo.shared.models.memory import decoder_layer_bytes
 from exo.shared.models.moe import experts_of_rank
 from exo.testing.random_gptoss_gguf import (
@@ -210,7 +211,9 @@ def test_gptoss_gguf_tokenizer_and_stop_tokens(converted: Path) -> None:
     assert generation["eos_token_id"] == [2]
 
 
-def test_gptoss_gguf_card_sizes_mxfp4_experts(gguf_path: Path, tmp_path: Path) -> None:
+def test_gptoss_gguf_card_sizes_mxfp4_experts(
+    gguf_path: Path, converted: Path, tmp_path: Path
+) -> None:
     card = card_for_gguf(gguf_path, "tiny-gptoss")
     assert card.architecture == "GptOssForCausalLM" and card.attention_bias
     assert card.moe is not None and (card.moe.experts, card.moe.experts_per_token) == (4, 2)
@@ -220,9 +223,14 @@ def test_gptoss_gguf_card_sizes_mxfp4_experts(gguf_path: Path, tmp_path: Path) -
     stored = dict(card.gguf_weight_types.layer_weights)
     expert_weights = 3 * SHAPE.experts * SHAPE.hidden_size * SHAPE.intermediate_size
     assert stored["MXFP4"] == SHAPE.n_layers * expert_weights
-    # A MoE layer's bytes: its expert weights at 17 / 32 bytes, not as bfloat16 (2 bytes).
+    # A MoE layer's bytes: its expert weights at 17 / 32 bytes, not as bfloat16 (2 bytes)
+    # nor as int4 groups (20 / 32), the Q8_0 attention beside them at its own size.
+    assert card.moe.mxfp4_experts
     layer = decoder_layer_bytes(card, "int4", sparse=True)
-    assert expert_weights * 17 / 32 < layer < expert_weights
+    without = decoder_layer_bytes(card, "int4", sparse=True, experts=0)
+    assert layer - without == pytest.approx(expert_weights * 17 / 32, abs=1)
+    # The converted directory's card (its config's quantization_config) says the same.
+    assert card_from_local_directory(converted).moe == card.moe
 
 
 def test_gptoss_expert_rank_holds_only_its_mxfp4_experts(converted: Path) -> None:

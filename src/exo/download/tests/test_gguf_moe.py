@@ -138,6 +138,7 @@ def test_moe_gguf_card_and_expert_rank_reading_its_experts(tmp_path: Path) -> No
     assert card.storage_size_bytes == sum(path.stat().st_size for path in files)
     assert card.moe is not None and (card.moe.experts, card.moe.experts_per_token) == (4, 2)
     assert card.moe.expert_intermediate_size == SHAPE.expert_intermediate_size
+    assert not card.moe.mxfp4_experts  # Q4_K experts: the engine's int4 groups
     model_dir = converted(files[0], tmp_path / "converted")
     whole: Any = load_model(model_dir, make_shard(model_dir, "pipeline", 0, 1), CPU)
     rank: Any = load_model(model_dir, make_shard(model_dir, "expert", 1, 2), CPU)

@@ -18,6 +18,7 @@ from exo.shared.models.memory import (
     DEFAULT_PREFILL_ACTIVATIONS,
     PREFILL_ACTIVATIONS,
     PrefillActivations,
+    WeightFormat,
     WeightShare,
     active_linear_params_per_layer,
     decode_read_bytes,
@@ -549,3 +550,48 @@ def test_moe_prefill_counts_a_tokens_top_k_and_shared_experts() -> None:
     assert active_linear_params_per_layer(MOE_CARD, sparse=False) == attention + 3 * hidden * (
         MOE_CARD.intermediate_size
     )
+
+
+def test_mxfp4_experts_are_sized_and_read_at_17_bytes_per_32_weights() -> None:
+    """The engine holds MXFP4 experts (gpt-oss) as stored, 17 bytes per 32 weights, in every
+    weight format, not as its int4 groups (20 per 32): memory and the bytes a decode step
+    reads count them so, for a card whose geometry says so and for a GGUF storing MXFP4
+    (whose other types are then averaged without it), and the rest of the layer as before."""
+    assert MOE_CARD.moe is not None
+    mxfp4 = MOE_CARD.model_copy(
+        update={"moe": MOE_CARD.moe.model_copy(update={"mxfp4_experts": True})}
+    )
+    expert = 3 * MOE_CARD.hidden_size * 128  # one expert's gate, up and down weights
+    int4, stored = expert * 0.625, expert * 17 / 32
+
+    def experts_bytes(card: ModelCard, weight_format: WeightFormat = "int4") -> float:
+        whole = decoder_layer_bytes(card, weight_format, sparse=True)
+        return whole - decoder_layer_bytes(card, weight_format, sparse=True, experts=0)
+
+    assert experts_bytes(MOE_CARD) == pytest.approx(16 * int4)
+    assert experts_bytes(mxfp4) == pytest.approx(16 * stored, abs=1)
+    assert experts_bytes(mxfp4, "float32") == pytest.approx(16 * stored, abs=1)
+    without = decoder_layer_bytes(mxfp4, "int4", sparse=True, experts=0)
+    assert without == decoder_layer_bytes(MOE_CARD, "int4", sparse=True, experts=0)
+    assert moe_layer_read_bytes(mxfp4, "int4") == pytest.approx(without + 2 * stored, abs=1)
+    share = WeightShare(layers=12, first_layer=0)
+    saved = decode_stage_seconds(MOE_CARD, speed(), share, 512) - decode_stage_seconds(
+        mxfp4, speed(), share, 512
+    )
+    assert saved == pytest.approx(11 * 2 * (int4 - stored) / (10 * GB), rel=1e-6)
+    # A GGUF with Q8_0 attention and shared expert and MXFP4 experts (its geometry silent):
+    # the experts at 17 / 32, the Q8_0 weights at two int4 planes' 1.25, not all at an average.
+    hidden, head = MOE_CARD.hidden_size, MOE_CARD.attention_head_dim
+    other = hidden * (2 * 8 * head + 2 * 4 * head) + 3 * hidden * 128  # attention, shared
+    gguf = MOE_CARD.model_copy(
+        update={
+            "gguf_weight_types": GgufWeightTypes(
+                layer_weights=(("Q8_0", 12 * other), ("MXFP4", 11 * 16 * expert)),
+                output_type="Q8_0",
+            )
+        }
+    )
+    assert experts_bytes(gguf) == pytest.approx(16 * stored, abs=1)
+    assert decoder_layer_bytes(gguf, "int4", sparse=True, experts=0) - decoder_layer_bytes(
+        MOE_CARD, "int4", sparse=True, experts=0
+    ) == pytest.approx(other * (1.25 - 0.625), abs=1)

@@ -154,6 +154,8 @@ _NATIVE_BYTES_PER_WEIGHT = {"Q5_0": 24 / 32, "Q8_0": 36 / 32, "Q5_1": 36 / 32, "
 # GGUF MXFP4 (gpt-oss's experts) is held as stored (`quant/mxfp4.py`): 16 bytes of nibbles
 # and one e8m0 scale byte per 32 weights, on every node.
 GGUF_MXFP4_BYTES_PER_WEIGHT = 17 / 32
+# The GGUF type names of MXFP4 (GGML's type 39; Ollama's first gpt-oss blobs' type 4).
+GGUF_MXFP4_TYPES = frozenset({"MXFP4", "OLLAMA_MXFP4"})
 
 
 def gguf_kernel(gguf_type: str, native_kernels: bool) -> str:
@@ -223,7 +225,7 @@ def gguf_weight_bytes(gguf_type: str, weights: int, native_kernels: bool = False
     planes (1.25 bytes) and any other quantized type as bfloat16 (2 bytes). The second is
     never smaller: placement's memory uses it (a node's kernels are not known there).
     MXFP4 (gpt-oss's experts) as stored, 17 bytes per 32 weights."""
-    if gguf_type in ("MXFP4", "OLLAMA_MXFP4"):  # the latter: Ollama's first gpt-oss blobs
+    if gguf_type in GGUF_MXFP4_TYPES:
         return math.ceil(weights * GGUF_MXFP4_BYTES_PER_WEIGHT)
     if gguf_type in GGUF_INT4_TYPES or gguf_type in GGUF_FLOAT_TYPES:
         return weights // 2 + weights // INT4_GROUP_SIZE * 2 * BFLOAT16_BYTES
@@ -249,6 +251,18 @@ def _mlp_linears(
         return [(hidden, width), (hidden, width), (width, hidden)] * held + shared_linears
     width = card.intermediate_size // ranks
     return [(hidden, width), (hidden, width), (width, hidden)]
+
+
+def mxfp4_experts(card: ModelCard) -> bool:
+    """Whether the engine holds `card`'s routed experts as MXFP4 (17 bytes per 32 weights
+    in every weight format): its MoE geometry says so (`MoeGeometry.mxfp4_experts`), or it
+    is a GGUF whose layers store MXFP4 weights (only experts are: `gguf_gptoss`)."""
+    if card.moe is None:
+        return False
+    stored = card.gguf_weight_types
+    return card.moe.mxfp4_experts or (
+        stored is not None and any(kind in GGUF_MXFP4_TYPES for kind, _ in stored.layer_weights)
+    )
 
 
 def _latent_attention_extra_bytes(card: ModelCard, ranks: int) -> int:
@@ -284,25 +298,38 @@ def decoder_layer_bytes(
     rest's; `native_kernels`: as a node where exo's AVX2 kernels run holds them).
     `sparse`: a MoE layer of a card with `moe` (every expert, or `experts` of them on an
     expert-parallel rank; each split like the dense MLP on tensor ranks; and the router,
-    float32 and whole on every rank)."""
+    float32 and whole on every rank). Routed experts held as MXFP4 (`mxfp4_experts`) are
+    17 bytes per 32 weights in every format, and a GGUF's other types are averaged without
+    them."""
     ranks = tensor_parallel_ranks
     hidden = card.hidden_size
     query = card.num_attention_heads * card.attention_head_dim
     key_value = card.num_key_value_heads * card.attention_head_dim
     column = [(hidden, query // ranks), (hidden, key_value // ranks), (hidden, key_value // ranks)]
-    row = [(query // ranks, hidden), *_mlp_linears(card, ranks, sparse, experts)]
+    mlp = _mlp_linears(card, ranks, sparse, experts)
+    mxfp4_weights = 0
+    mxfp4 = sparse and card.moe is not None and mxfp4_experts(card)
+    if mxfp4 and card.moe is not None:
+        routed = 3 * (card.moe.experts if experts is None else experts)  # before the shared
+        mxfp4_weights = sum(i * o for i, o in mlp[:routed])
+        mlp = mlp[routed:]
+    row = [(query // ranks, hidden), *mlp]
     if card.latent_attention is not None:
         column, output = _latent_attention_linears(card.latent_attention, card, ranks)
-        row = [output, *_mlp_linears(card, ranks, sparse, experts)]
+        row = [output, *mlp]
     stored = card.gguf_weight_types
-    if weight_format == "int4" and stored is not None:
-        held = sum(
-            gguf_weight_bytes(kind, count, native_kernels) for kind, count in stored.layer_weights
-        )
-        weights = sum(count for _, count in stored.layer_weights)
+    other_kinds = [
+        (kind, count)
+        for kind, count in (stored.layer_weights if stored is not None else ())
+        if not (mxfp4 and kind in GGUF_MXFP4_TYPES)
+    ]
+    if weight_format == "int4" and other_kinds:
+        held = sum(gguf_weight_bytes(kind, count, native_kernels) for kind, count in other_kinds)
+        weights = sum(count for _, count in other_kinds)
         total = math.ceil(sum(i * o for i, o in (*column, *row)) * held / weights)
     else:
         total = sum(linear_weight_bytes(i, o, weight_format) for i, o in (*column, *row))
+    total += math.ceil(mxfp4_weights * GGUF_MXFP4_BYTES_PER_WEIGHT)
     if card.attention_bias:
         total += (query + 2 * key_value) // ranks * FLOAT32_BYTES
     total += _latent_attention_extra_bytes(card, ranks)

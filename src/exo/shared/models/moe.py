@@ -41,7 +41,8 @@ def moe_geometry_of_config(config: Mapping[str, Any]) -> MoeGeometry | None:
     layers decide), or below `first_k_dense_replace` (DeepSeek-V3, GLM-4.5). An expert's
     width is `moe_intermediate_size`, else `intermediate_size` (Mixtral's and MiniMax-M2's
     experts). A shared expert is `n_shared_experts` experts wide (DeepSeek-V3, GLM-4.5), or
-    `shared_expert_intermediate_size` (Qwen2-MoE).
+    `shared_expert_intermediate_size` (Qwen2-MoE). Experts are MXFP4 where
+    `quantization_config.quant_method` is "mxfp4".
 
     Raises:
         ValueError: experts without `num_experts_per_tok`, more per token than experts, or
@@ -86,7 +87,15 @@ def moe_geometry_of_config(config: Mapping[str, Any]) -> MoeGeometry | None:
         dense_layers=dense,
         shared_expert_intermediate_size=shared,
         correction_bias=_has_correction_bias(config),
+        mxfp4_experts=_has_mxfp4_experts(config),
     )
+
+
+def _has_mxfp4_experts(config: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint stores its experts as MXFP4: `quantization_config.quant_method`
+    "mxfp4" (gpt-oss; the engine's loader reads the same field, `model.loading`)."""
+    quantization = config.get("quantization_config")
+    return isinstance(quantization, Mapping) and quantization.get("quant_method") == "mxfp4"
 
 
 # Model types whose router always holds an `e_score_correction_bias`, whatever

@@ -86,6 +86,7 @@ _GEOMETRY_FIELDS = (
     "dense_layers",
     "shared_expert_intermediate_size",
     "correction_bias",
+    "mxfp4_experts",
 )
 
 

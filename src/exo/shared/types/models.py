@@ -187,6 +187,10 @@ class MoeGeometry(FrozenModel):
             DeepSeek-V3: `n_shared_experts * moe_intermediate_size`); 0 where none.
         correction_bias: each sparse layer's router holds an `[experts]`
             `e_score_correction_bias` (DeepSeek-V3's `topk_method: noaux_tc`).
+        mxfp4_experts: the routed experts are stored as MXFP4 (gpt-oss's checkpoints,
+            `quantization_config.quant_method: mxfp4`) and held so by the engine whatever
+            the other weights' format: 17 bytes per 32 weights in memory and in what a
+            decode step reads (`exo.shared.models.memory`).
     """
 
     experts: int = Field(gt=0)
@@ -195,6 +199,7 @@ class MoeGeometry(FrozenModel):
     dense_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = Field(default=0, ge=0)
     correction_bias: bool = False
+    mxfp4_experts: bool = False
 
     @model_validator(mode="after")
     def _check_routing(self) -> MoeGeometry:

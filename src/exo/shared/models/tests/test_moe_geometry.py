@@ -126,6 +126,21 @@ def test_geometry_of_the_qwen3_moe_config() -> None:
     assert moe_geometry_of_config(dense_config) is None
 
 
+def test_mxfp4_experts_are_read_from_the_quantization_config() -> None:
+    """gpt-oss's checkpoints say `quantization_config.quant_method: mxfp4` (its public
+    config.json); a card that misstates it is reported (its memory would be off by 18%)."""
+    mxfp4 = {**QWEN3_30B_A3B, "quantization_config": {"quant_method": "mxfp4"}}
+    geometry = moe_geometry_of_config(mxfp4)
+    assert geometry is not None and geometry.mxfp4_experts
+    assert not moe_geometry_of_config(QWEN3_30B_A3B).mxfp4_experts  # type: ignore[union-attr]
+    fp8 = {**QWEN3_30B_A3B, "quantization_config": {"quant_method": "fp8"}}
+    assert not moe_geometry_of_config(fp8).mxfp4_experts  # type: ignore[union-attr]
+    stated = geometry.model_copy(update={"mxfp4_experts": False})
+    assert card_mismatches(card_of(mxfp4, stated), mxfp4) == (
+        "moe.mxfp4_experts: card False, config.json True",
+    )
+
+
 def test_dense_layers_follow_mlp_only_layers_and_the_sparse_step() -> None:
     config = {**QWEN3_30B_A3B, "num_hidden_layers": 6, "decoder_sparse_step": 2}
     assert moe_geometry_of_config({**config, "mlp_only_layers": [1]}).dense_layers == (0, 1, 2, 4)  # type: ignore[union-attr]
