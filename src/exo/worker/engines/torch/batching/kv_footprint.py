@@ -30,11 +30,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from exo.shared.models.memory import SLIDING_WINDOW_TRIM_CHUNK, SLIDING_WINDOW_TRIM_SLACK
+from exo.shared.types.models import ModelCard
+
 # Positions a windowed layer's KV is released by at once (a multiple of a page for every
-# head width from 64 bfloat16 values up).
-TRIM_CHUNK = 64
+# head width from 64 bfloat16 values up); placement counts the same (`exo.shared.models.
+# memory.kv_budget_tokens_of_length`).
+TRIM_CHUNK = SLIDING_WINDOW_TRIM_CHUNK
 # Positions a windowed layer keeps beyond its window (see the module docstring).
-TRIM_SLACK = 128
+TRIM_SLACK = SLIDING_WINDOW_TRIM_SLACK
 
 
 def held_start(
@@ -122,3 +126,15 @@ class KVFootprint:
             else:
                 high = middle - 1
         return low
+
+
+def card_footprint(card: ModelCard, layers: int) -> KVFootprint | None:
+    """The footprint of `card`'s whole model from its `sliding_window` (which layers slide
+    does not change the count), None where the card states no sliding layers. For a
+    pipeline's rank 0, which holds `layers` of them only and would otherwise count every
+    layer whole; None too where the card's layer count is not the model's."""
+    sliding = card.sliding_window
+    if sliding is None or sliding.layers > card.n_layers or layers > card.n_layers:
+        return None
+    full = card.n_layers - sliding.layers
+    return KVFootprint((sliding.window,) * sliding.layers + (None,) * full)

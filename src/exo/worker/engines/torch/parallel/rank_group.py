@@ -41,7 +41,7 @@ from exo.worker.engines.torch.batching.batch_attention import (
     attention_layers,
     use_batched_attention,
 )
-from exo.worker.engines.torch.batching.kv_footprint import KVFootprint
+from exo.worker.engines.torch.batching.kv_footprint import KVFootprint, card_footprint
 from exo.worker.engines.torch.batching.kv_memory import kv_cache_torch_dtype
 from exo.worker.engines.torch.batching.scheduler import BatchScheduler
 from exo.worker.engines.torch.comm.process_group import IDLE_WAIT
@@ -178,17 +178,21 @@ class RankGroup:
 
     def _budget_windows(self) -> tuple[KVFootprint | None, tuple[int | None, ...]]:
         """How rank 0's scheduler counts the budget and checks prefix hits: where this
-        rank holds every layer (tensor, expert), by its own windows; a pipeline stage's
-        rank 0 sees its own layers only, so it counts every layer as full (the budget
-        as without trimming; the other stages trim their slots all the same) and checks
-        hits against the model's sliding window too (`sliding_window` of the config:
-        every family's windowed layers use it, `families/spec.py`)."""
-        if len(self._windows) == self.shard.model_card.n_layers:
+        rank holds every layer (tensor, expert), by its own windows. A pipeline stage's
+        rank 0 sees its own layers only: it counts by the card's sliding layers
+        (`card_footprint`), else every layer whole (the budget as without trimming; every
+        stage trims its slots all the same), and checks hits against the model's sliding
+        window too (`sliding_window` of the config: every family's windowed layers use it,
+        `families/spec.py`)."""
+        card = self.shard.model_card
+        if len(self._windows) == card.n_layers:
             return None, self._windows
-        full = KVFootprint((None,) * len(self._windows))
+        footprint = card_footprint(card, len(self._windows))
+        if footprint is None:
+            footprint = KVFootprint((None,) * len(self._windows))
         window = getattr(self.model.config.get_text_config(), "sliding_window", None)
         extra = (window,) if isinstance(window, int) and window > 0 else ()
-        return full, (*self._windows, *extra)
+        return footprint, (*self._windows, *extra)
 
     def agree_on_slots(self, max_concurrent_requests: int) -> int:
         """Collective: rank 0's `max_concurrent_requests` (each node may be started with its

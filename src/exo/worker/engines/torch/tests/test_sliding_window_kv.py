@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from exo.shared.models.cards import card_from_local_directory
+from exo.shared.models.memory import longest_length_in_kv_budget
 from exo.shared.types.common import ModelId
+from exo.shared.types.models import SlidingWindow
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.testing.tiny_models import save_tiny_model
@@ -287,6 +289,11 @@ def test_the_budget_fits_a_prompt_longer_than_its_tokens(model_dirs: dict[str, P
     params = _long_request(110, max_tokens=4)
     prompt = len(engine.render_prompt(params).token_ids)
     assert prompt > 300 and engine.token_limit > prompt
+    # The card says which layers slide (`config.json`'s `layer_types`), and placement and
+    # the API count them as the engine does.
+    card = card_from_local_directory(model_dirs["gemma3"])
+    assert card.sliding_window == SlidingWindow(window=WINDOW, layers=2)
+    assert engine.token_limit == longest_length_in_kv_budget(card, 300)
     _recorder, _most, _cached = _greedy(engine, params, "long")
     usage = engine.kv_cache_usage()
     assert usage is not None and 0 < usage[1] <= usage[2] == 300  # the entry fits the budget
