@@ -301,3 +301,113 @@ def test_the_budget_fits_a_prompt_longer_than_its_tokens(model_dirs: dict[str, P
         untrimmed = _engine(model_dirs["gemma3"], kv_cache_tokens=300)
         untrimmed.scheduler.footprint = KVFootprint((None,) * 4)
         untrimmed.build_request(params)
+
+
+# --- split instances ------------------------------------------------------------------------
+
+SplitTurns = list[tuple[list[int], int]]
+
+
+def _conversation(engine: TorchEngine) -> SplitTurns:
+    """A first turn several windows long, the next turn (a hit past the window), and the
+    next turn again cold: (tokens, cached tokens) of each."""
+    engine.clear_prefix_cache()
+    first = _long_request(130, max_tokens=8)
+    turns: SplitTurns = []
+    texts: list[str] = []
+    for params in (first, None, None):
+        if params is None:
+            messages = (
+                *first.messages,
+                ChatMessage(role="assistant", content=texts[0]),
+                ChatMessage(role="user", content="and then"),
+            )
+            params = first.model_copy(update={"messages": messages})
+            if len(turns) == 2:
+                engine.clear_prefix_cache()
+        pieces = list(engine.generate(params))
+        usage = pieces[-1].usage
+        assert usage is not None
+        turns.append(
+            ([token for piece in pieces for token in piece.token_ids], usage.cached_tokens)
+        )
+        texts.append("".join(piece.text for piece in pieces))
+    return turns
+
+
+def _split_rank(
+    rank: int, world_size: int, port: int, model_dir: str, mode: str, results: Any
+) -> None:
+    import os
+    import traceback
+
+    from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
+    from exo.worker.engines.torch.engine_factory import load_engine
+    from exo.worker.engines.torch.tests.test_distributed import make_shard
+
+    os.environ[KV_CACHE_DTYPE_ENV] = "float32"
+    torch.set_num_threads(1)
+    try:
+        init_group("gloo", rank, world_size, "127.0.0.1", port, timeout_s=60)
+        shard = make_shard(Path(model_dir), mode, rank, world_size)
+        engine = load_engine(Path(model_dir), shard, weight_dtype="float32")
+        engine.eos_token_ids = frozenset({-1})
+        if rank == 0:
+            results.put(("turns", rank, _conversation(engine)))
+            engine.shutdown()
+        else:
+            engine.serve_forever()
+        results.put(("done", rank, None))
+        destroy_group()
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_split_ranks_trim_alike_and_a_long_hit_answers_as_the_single_process(
+    model_dirs: dict[str, Path], mode: str
+) -> None:
+    import queue
+    import time
+
+    import torch.multiprocessing as multiprocessing
+
+    from exo.testing.ports import free_port
+    from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S
+
+    single = _conversation(_engine(model_dirs["gemma3"]))
+    (_, first_cached), (warm_tokens, warm_cached), (cold_tokens, cold_cached) = single
+    assert first_cached == cold_cached == 0 and warm_cached > 20 * WINDOW
+    assert warm_tokens == cold_tokens
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(
+            target=_split_rank, args=(rank, 2, port, str(model_dirs["gemma3"]), mode, results)
+        )
+        for rank in range(2)
+    ]
+    turns = None
+    try:
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + GROUP_DEADLINE_S
+        done = 0
+        while done < 2:
+            try:
+                kind, rank, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"the group did not finish in {GROUP_DEADLINE_S} s")
+            if kind == "error":
+                pytest.fail(f"rank {rank} failed:\n{value}")
+            turns = value if kind == "turns" else turns
+            done += kind == "done"
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+    assert turns == single
