@@ -16,6 +16,7 @@ from exo.shared.models.memory import (
     MIN_KV_CACHE_TOKENS,
     RUNNER_PROCESS_OVERHEAD_BYTES,
     WeightShare,
+    kv_budget_tokens_of_length,
     kv_cache_bytes_per_token,
     resident_weight_bytes,
     serving_peak_bytes,
@@ -44,11 +45,18 @@ def planned_kv_cache_tokens(node_tokens: int | None, card: ModelCard) -> int:
     """The KV-cache budget placement checks a node can hold for a runner of `card`: its
     `--kv-cache-tokens` (`NodeInfo.kv_cache_tokens`), else `DEFAULT_KV_CACHE_TOKENS` but
     no more than `KV_CACHE_MAX_CONTEXTS` of the model's contexts (a 512-token model gets
-    2,048, not 8,192 it could never fill) nor less than `MIN_KV_CACHE_TOKENS`."""
+    2,048, not 8,192 it could never fill; a context counted as `kv_budget_tokens_of_length`:
+    less where sliding-window layers keep only their window) nor less than
+    `MIN_KV_CACHE_TOKENS`."""
     if node_tokens is not None:
         return node_tokens
-    contexts = max(MIN_KV_CACHE_TOKENS, KV_CACHE_MAX_CONTEXTS * card.context_length)
+    contexts = max(MIN_KV_CACHE_TOKENS, KV_CACHE_MAX_CONTEXTS * _context_tokens(card))
     return min(DEFAULT_KV_CACHE_TOKENS, contexts)
+
+
+def _context_tokens(card: ModelCard) -> int:
+    """Budget tokens one full context of `card` holds (`kv_budget_tokens_of_length`)."""
+    return kv_budget_tokens_of_length(card, card.context_length)
 
 
 def memory_sized_kv_cache_tokens(
@@ -73,7 +81,7 @@ def memory_sized_kv_cache_tokens(
     left = available_bytes - share_runner_bytes(card, share, planned)
     per_token = kv_cache_bytes_per_token(card, share) * (1 + MEMORY_OVERHEAD_FRACTION)
     extra = int(KV_CACHE_MEMORY_FRACTION * max(0, left) / per_token) if per_token else 0
-    ceiling = max(planned, KV_CACHE_MAX_CONTEXTS * card.context_length)
+    ceiling = max(planned, KV_CACHE_MAX_CONTEXTS * _context_tokens(card))
     return min(ceiling, planned + extra)
 
 

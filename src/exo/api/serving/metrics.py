@@ -30,7 +30,8 @@ Read from the cluster state at each scrape (the same on every node):
 
 Reported by this node's own runners (node-local, not in the cluster state):
 - `exo_kv_cache_tokens{runner, model, holder}`: KV-cache tokens held by running requests
-  (`holder="running"`) and by the prefix cache (`"prefix_cache"`);
+  (`holder="running"`) and by the prefix cache (`"prefix_cache"`), in the budget's tokens
+  (a sliding-window layer counts the positions it keeps: `batching/kv_footprint.py`);
   `exo_kv_cache_budget_tokens{runner, model}`: the budget they share. A runner appears once
   it has served a request; figures are at most `runner.KV_REPORT_INTERVAL_S` old.
 """

@@ -20,7 +20,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exo.api.serving.cluster_client import ClusterClient
 from exo.api.serving.model_lookup import card_of
+from exo.shared.models.memory import longest_length_in_kv_budget
 from exo.shared.types.chunks import Chunk, PrefillProgressChunk, TokenChunk, ToolCallChunk
+from exo.shared.types.models import ModelCard
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 MAX_TOKENS_CAPPED_HEADER = "X-Exo-Max-Tokens-Capped"
@@ -36,8 +38,9 @@ def response_headers(request: Request) -> dict[str, str]:
 
 def token_limit(cluster: ClusterClient, params: TextGenerationTaskParams) -> int | None:
     """Most tokens, prompt and answer together, one request for `params.model` may hold: the
-    model's context, and no more than the largest KV-cache budget of its instances (None
-    when neither is known)."""
+    model's context, and no more than fit the largest KV-cache budget of its instances
+    (`longest_length_in_kv_budget`: more than the budget where the card's sliding-window
+    layers keep only their window; None when neither is known)."""
     card = card_of(cluster, params.model)
     budgets = [
         instance.kv_cache_tokens
@@ -46,9 +49,13 @@ def token_limit(cluster: ClusterClient, params: TextGenerationTaskParams) -> int
     ]
     limits = [
         *([card.context_length] if card is not None else []),
-        *([max(budgets)] if budgets else []),
+        *([_fits(card, max(budgets))] if budgets else []),
     ]
     return min(limits) if limits else None
+
+
+def _fits(card: ModelCard | None, budget_tokens: int) -> int:
+    return budget_tokens if card is None else longest_length_in_kv_budget(card, budget_tokens)
 
 
 def note_capped_max_tokens(

@@ -18,13 +18,16 @@ from exo.node_options import parse_args
 from exo.shared.models.memory import (
     DEFAULT_KV_CACHE_TOKENS,
     MIN_KV_CACHE_TOKENS,
+    SLIDING_WINDOW_EXTRA_POSITIONS,
+    kv_budget_tokens_of_length,
     kv_cache_budget_bytes,
     kv_geometry,
+    longest_length_in_kv_budget,
     whole_model,
 )
 from exo.shared.types.common import InstanceId, ModelId, NodeId
 from exo.shared.types.instances import Instance
-from exo.shared.types.models import ModelCard
+from exo.shared.types.models import ModelCard, SlidingWindow
 from exo.shared.types.nodes import NodeInfo, TopologyEdge
 from exo.shared.types.state import State
 from exo.testing.builders import MIB, make_card, make_node_info, make_state
@@ -211,3 +214,24 @@ def test_instances_placed_before_budgets_were_carried_promise_their_nodes_budget
     (shard,) = instance.shard_assignments.runner_to_shard.values()
     placed = state.model_copy(update={"instances": {instance.instance_id: instance}})
     assert placement_room(placed)[NODE_A].promised_bytes == runner_bytes(shard, SMALL)
+
+
+def test_sliding_window_layers_count_their_window_in_the_budget() -> None:
+    """A card whose layers mostly slide (Gemma 3's five in six): a context costs fewer
+    budget tokens, so four contexts are a smaller budget and memory, and a budget fits a
+    longer request than its tokens (the API's limit and the engine's agree)."""
+    sliding = LONG.model_copy(update={"sliding_window": SlidingWindow(window=512, layers=10)})
+    context = kv_budget_tokens_of_length(sliding, sliding.context_length)
+    kept = 512 + SLIDING_WINDOW_EXTRA_POSITIONS
+    assert context == -(-(2 * 32_768 + 10 * kept) // 12)
+    assert kv_budget_tokens_of_length(sliding, 300) == 300  # within the window: every layer
+    for budget in (300, 8_192, context):
+        longest = longest_length_in_kv_budget(sliding, budget)
+        assert kv_budget_tokens_of_length(sliding, longest) <= budget
+        assert kv_budget_tokens_of_length(sliding, longest + 1) > budget
+    assert longest_length_in_kv_budget(sliding, context) >= sliding.context_length
+    state = make_state(nodes={NODE_A: node(64 * GIB, None)})
+    assert placed_budget(state, sliding).kv_cache_tokens == KV_CACHE_MAX_CONTEXTS * context
+    assert required_memory_bytes(sliding, 1, KV_CACHE_MAX_CONTEXTS * context) < (
+        required_memory_bytes(LONG, 1, KV_CACHE_MAX_CONTEXTS * LONG.context_length)
+    )

@@ -16,7 +16,7 @@ from exo.shared.models.latent_attention import latent_attention_of_config
 from exo.shared.models.moe import moe_geometry_of_config
 from exo.shared.models.names import resolve_model_name
 from exo.shared.types.common import ModelId
-from exo.shared.types.models import LocalDirectorySource, ModelCard, ModelSource
+from exo.shared.types.models import LocalDirectorySource, ModelCard, ModelSource, SlidingWindow
 
 CARDS_PACKAGE = "exo.resources"
 CARDS_SUBDIRECTORY = "model_cards"
@@ -214,6 +214,7 @@ def card_from_config(
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from error
     parameter_count, stored_bytes = _weight_totals(safetensors_headers)
+    sliding_window = sliding_window_of_config(text_config)
     return ModelCard(
         model_id=model_id,
         source=source,
@@ -244,7 +245,24 @@ def card_from_config(
         ),
         moe=moe,
         latent_attention=latent_attention,
+        sliding_window=sliding_window,
     )
+
+
+def sliding_window_of_config(config: Mapping[str, Any]) -> SlidingWindow | None:
+    """The sliding-window layers a (text) config lists in `layer_types`
+    ("sliding_attention" layers with an integer `sliding_window`: Gemma 3, gpt-oss), None
+    when it lists none. A config without `layer_types` gives None even where its family
+    slides every layer (Mistral 7B v0.1): placement then sizes those layers whole, which
+    only over-reserves."""
+    window = config.get("sliding_window")
+    layer_types = config.get("layer_types")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    if not isinstance(layer_types, list):
+        return None
+    layers = sum(1 for kind in layer_types if kind == "sliding_attention")
+    return SlidingWindow(window=window, layers=layers) if layers else None
 
 
 def card_from_local_directory(path: Path) -> ModelCard:

@@ -648,6 +648,42 @@ def kv_cache_bytes_per_token(card: ModelCard, share: WeightShare | None = None) 
     return kv_geometry(card, share).bytes_per_token
 
 
+# A sliding-window layer keeps, beyond its window, up to this many positions of a sequence
+# (the engine releases the ones its window no longer sees `SLIDING_WINDOW_TRIM_CHUNK` at a
+# time, `SLIDING_WINDOW_TRIM_SLACK` behind the window: worker/engines/torch/batching/
+# kv_footprint.py, which says why).
+SLIDING_WINDOW_TRIM_SLACK = 128
+SLIDING_WINDOW_TRIM_CHUNK = 64
+SLIDING_WINDOW_EXTRA_POSITIONS = SLIDING_WINDOW_TRIM_SLACK + SLIDING_WINDOW_TRIM_CHUNK - 1
+
+
+def kv_budget_tokens_of_length(card: ModelCard, length: int) -> int:
+    """KV budget tokens (tokens of every layer: `kv_cache_bytes_per_token` bytes each) one
+    sequence of `length` tokens holds: `ceil((F x length + S x min(length, window +
+    SLIDING_WINDOW_EXTRA_POSITIONS)) / layers)` with `S` the card's sliding-window layers
+    and `F` the others; `length` for a card without them."""
+    sliding = card.sliding_window
+    if sliding is None:
+        return length
+    layers = card.n_layers
+    kept = min(length, sliding.window + SLIDING_WINDOW_EXTRA_POSITIONS)
+    return -(-((layers - sliding.layers) * length + sliding.layers * kept) // layers)
+
+
+def longest_length_in_kv_budget(card: ModelCard, budget_tokens: int) -> int:
+    """The longest sequence whose `kv_budget_tokens_of_length` fits `budget_tokens`
+    (`budget_tokens` itself for a card without sliding-window layers; a card whose every
+    layer slides fits any length past its window: `budget_tokens x layers` then)."""
+    sliding = card.sliding_window
+    kept = 0 if sliding is None else sliding.window + SLIDING_WINDOW_EXTRA_POSITIONS
+    if sliding is None or budget_tokens <= kept:
+        return max(0, budget_tokens)
+    full = card.n_layers - sliding.layers
+    if full <= 0:
+        return budget_tokens * card.n_layers
+    return (card.n_layers * budget_tokens - sliding.layers * kept) // full
+
+
 def kv_cache_budget_bytes(
     card: ModelCard, share: WeightShare | None = None, tokens: int | None = None
 ) -> int:

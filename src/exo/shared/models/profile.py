@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from exo.shared.models.cards import sliding_window_of_config
 from exo.shared.models.latent_attention import latent_attention_of_config
 from exo.shared.models.moe import moe_geometry_of_config
 from exo.shared.types.models import ModelCard, MoeGeometry, ToolCallFormat
@@ -62,6 +63,11 @@ def card_mismatches(
     ]
     found += _moe_mismatches(card, text)
     found += _latent_attention_mismatches(card, text)
+    sliding = sliding_window_of_config(text)
+    # Only where both say (a card without it sizes every layer whole: over-reserving).
+    states_layers = isinstance(text.get("layer_types"), list)
+    if states_layers and card.sliding_window is not None and card.sliding_window != sliding:
+        found.append(f"sliding_window: card {card.sliding_window}, config.json {sliding}")
     positions = text.get("max_position_embeddings")
     if isinstance(positions, int) and card.context_length > positions:
         found.append(

@@ -170,6 +170,21 @@ class LatentAttention(FrozenModel):
     q_lora_rank: int | None = Field(default=None, gt=0)
 
 
+class SlidingWindow(FrozenModel):
+    """Decoder layers that attend within a sliding window (Gemma 3's local layers,
+    gpt-oss's alternate layers), as `config.json`'s `layer_types` and `sliding_window`
+    state them: the KV cache holds about `window` positions of each sequence in those
+    layers, whatever its length (`exo.shared.models.memory.kv_budget_tokens_of_length`).
+
+    Attributes:
+        window: keys a query sees, itself included.
+        layers: how many of the model's decoder layers use it.
+    """
+
+    window: int = Field(gt=0)
+    layers: int = Field(gt=0)
+
+
 class MoeGeometry(FrozenModel):
     """The sparse MLP blocks of a mixture-of-experts model, as its `config.json` states them
     (read by `exo.shared.models.moe.moe_geometry_of_config`). Memory counts every expert
@@ -270,6 +285,9 @@ class ModelCard(FrozenModel):
     latent_attention: LatentAttention | None = None
     """Multi-head latent attention's ranks (None: grouped-query attention of
     `num_key_value_heads` x `attention_head_dim`)."""
+    sliding_window: SlidingWindow | None = None
+    """Layers attending within a sliding window (None: every layer attends to the whole
+    context, or the card does not say; placement then sizes every layer's KV whole)."""
 
     @property
     def attention_head_dim(self) -> int:

@@ -39,9 +39,11 @@ class TaskStatusReport(FrozenModel):
 
 
 class KVCacheReport(FrozenModel):
-    """The runner's KV cache now, in tokens: held by running requests, by the prefix cache,
-    and the budget they share (`BatchScheduler.budget_tokens`). Sent after engine steps, at
-    most every `KV_REPORT_INTERVAL_S` while it changes; stays on the node (`/metrics`)."""
+    """The runner's KV cache now, in budget tokens (`kv_footprint.KVFootprint`: a
+    sliding-window layer counts the positions it keeps): held by running requests, by the
+    prefix cache, and the budget they share (`BatchScheduler.budget_tokens`). Sent after
+    engine steps, at most every `KV_REPORT_INTERVAL_S` while it changes; stays on the node
+    (`/metrics`)."""
 
     kind: Literal["KVCacheReport"] = "KVCacheReport"
     running_tokens: int = Field(ge=0)

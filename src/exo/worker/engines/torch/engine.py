@@ -336,8 +336,9 @@ class TorchEngine:
     @property
     def token_limit(self) -> int:
         """Most tokens (prompt and output) one request may hold: the model's context, and
-        no more than the KV budget."""
-        return min(self.context_length, self.kv_cache_tokens)
+        no more than fit the KV budget (`KVFootprint.longest`: the budget itself, more
+        where sliding-window layers hold only their windows)."""
+        return min(self.context_length, self.scheduler.footprint.longest(self.kv_cache_tokens))
 
     def _prompt_and_budget(
         self, params: TextGenerationTaskParams, prompt: RenderedPrompt | None
@@ -418,7 +419,7 @@ class TorchEngine:
         use_batched_attention(self.model)
         cache = SlotKVCache(
             geometry.layers, geometry.kv_heads, geometry.head_dim, self.kv_dtype, self.device,
-            self.max_concurrent_requests, geometry.latent_values,
+            self.max_concurrent_requests, geometry.latent_values, windows,
         )  # fmt: skip
         return BatchScheduler(
             self.model, cache, windows, attention_layers(self.model), self.kv_cache_tokens,

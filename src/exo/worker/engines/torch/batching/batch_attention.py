@@ -616,11 +616,12 @@ def forward_batch(
 
 
 def commit_lengths(plan: BatchPlan) -> None:
-    """After a step: every slot it wrote holds its new positions."""
+    """After a step: every slot it wrote holds its new positions (`SlotKVCache.commit`:
+    its windowed layers drop what their windows no longer see)."""
     for segment in plan.prefill:
-        plan.cache.lengths[segment.slot] = segment.start + segment.length
+        plan.cache.commit(segment.slot, segment.start + segment.length)
     for slot, position in zip(plan.decode_slots, plan.decode_positions, strict=True):
-        plan.cache.lengths[slot] = position + 1
+        plan.cache.commit(slot, position + 1)
 
 
 class LeanStep(Protocol):

@@ -130,13 +130,14 @@ def release(region: torch.Tensor) -> None:
     flat[flat.numel() - (end - page_end) // item :].zero_()
 
 
-def release_positions(buffer: torch.Tensor, slot: int, start: int) -> None:
-    """Release positions `start ..` of `slot` in a `[slots, kv_heads, capacity, head_dim]`
-    buffer (one contiguous run per head)."""
-    if start >= buffer.shape[2]:
+def release_positions(buffer: torch.Tensor, slot: int, start: int, end: int | None = None) -> None:
+    """Release positions `start .. end - 1` (None: to the capacity) of `slot` in a `[slots,
+    kv_heads, capacity, head_dim]` buffer (one contiguous run per head)."""
+    stop = buffer.shape[2] if end is None else min(end, buffer.shape[2])
+    if start >= stop:
         return
-    if start == 0 and buffer.is_contiguous():
+    if start == 0 and stop == buffer.shape[2] and buffer.is_contiguous():
         release(buffer[slot])
         return
     for head in range(buffer.shape[1]):
-        release(buffer[slot, head, start:])
+        release(buffer[slot, head, start:stop])

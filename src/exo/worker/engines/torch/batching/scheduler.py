@@ -13,7 +13,10 @@ step and leave when they finish or are cancelled (iteration-level scheduling, Yu
 "Orca").
 
 Memory: the KV of running requests and of the prefix cache share one budget in tokens
-(`budget_tokens`, from the KV-cache memory budget). A waiting request is admitted, first
+(`budget_tokens`, from the KV-cache memory budget), each sequence counted by the positions
+its layers hold (`kv_footprint.KVFootprint`: a sliding-window layer holds about its window,
+so on such a model a token costs less than one budget token once a sequence outgrows the
+window). A waiting request is admitted, first
 come first served, when a slot is free (`max_running`) and its known tokens fit beside the
 running ones (the prefix cache gives way). When the running requests outgrow the budget
 mid-decode, the most recently admitted one is pre-empted: its KV is dropped and it goes back
@@ -55,6 +58,7 @@ from exo.worker.engines.torch.batching.chunk_sizer import (
     DEFAULT_INITIAL_CHUNK,
     PrefillChunkSizer,
 )
+from exo.worker.engines.torch.batching.kv_footprint import KVFootprint, first_hit_length
 from exo.worker.engines.torch.batching.prefix_cache import PrefixCache
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
@@ -133,6 +137,10 @@ class BatchScheduler:
         launch: starts one step's forward pass instead (overrides `forward`).
         max_in_flight: steps launched and not yet sampled, at most (1: each `step` runs
             its forward pass to the end).
+        footprint: how the budget counts a sequence (None: `windows`, the cache's trim).
+            A pipeline's rank 0 holds some layers only and counts every layer as full.
+        prefix_windows: the windows a prefix hit must respect, over the whole model's
+            layers (None: `windows`; a pipeline's rank 0 adds the other stages' window).
     """
 
     def __init__(
@@ -147,9 +155,17 @@ class BatchScheduler:
         forward: BatchForward | None = None,
         launch: BatchLaunch | None = None,
         max_in_flight: int = 1,
+        footprint: KVFootprint | None = None,
+        prefix_windows: Sequence[int | None] | None = None,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
+        self.footprint = footprint or KVFootprint(
+            tuple(windows), cache.trim_slack, cache.trim_chunk
+        )
+        self._prefix_windows = tuple(windows if prefix_windows is None else prefix_windows)
+        if prefix_cache is not None and prefix_cache.cost is None:
+            prefix_cache.cost = self.footprint.entry_tokens
         self._model = model
         self._cache = cache
         self._windows = windows
@@ -219,9 +235,12 @@ class BatchScheduler:
         return False
 
     def kv_tokens(self) -> int:
-        """Tokens of KV held now by running requests and by finished ones waiting for
-        `store_finished` (the prefix cache not counted)."""
-        return sum(running.computed for running in itertools.chain(self._running, self._finished))
+        """Budget tokens of KV held now by running requests and by finished ones waiting
+        for `store_finished` (`KVFootprint.tokens`; the prefix cache not counted)."""
+        tokens = self.footprint.tokens
+        return sum(
+            tokens(running.computed) for running in itertools.chain(self._running, self._finished)
+        )
 
     def store_finished(self) -> int:
         """Copy the KV of the requests that finished in the last step into the prefix cache
@@ -234,7 +253,12 @@ class BatchScheduler:
             running = self._finished.pop(0)
             assert self.prefix_cache is not None
             kv = self._cache.read(running.slot, running.computed)
-            self.prefix_cache.insert(running.tokens[: running.computed], kv)
+            reached = self._cache.reached[running.slot]
+            cache = self._cache
+            first_hit = first_hit_length(
+                reached, self._prefix_windows, cache.trim_slack, cache.trim_chunk
+            )
+            self.prefix_cache.insert(running.tokens[: running.computed], kv, reached, first_hit)
             self._free(running)
         return stored
 
@@ -403,7 +427,14 @@ class BatchScheduler:
                 length = min(room, len(running.tokens) - running.computed)
                 prefill.append((running, length))
                 room -= length
-            needed = self.kv_tokens() + len(decoding) + sum(length for _, length in prefill)
+            added = {id(running): 1 for running in decoding}
+            for running, length in prefill:
+                added[id(running)] = length
+            tokens = self.footprint.tokens
+            needed = sum(
+                tokens(running.computed + added.get(id(running), 0))
+                for running in itertools.chain(self._running, self._finished)
+            )
             if self._make_room(needed):
                 return decoding, prefill
             self._preempt_latest()
@@ -437,13 +468,13 @@ class BatchScheduler:
             if self.prefix_cache is not None:  # first: a hit is then the last one evicted
                 match = self.prefix_cache.lookup(tokens, limit=len(tokens) - 1)
             # Room for its known tokens and one more beside what runs now.
-            if not self._make_room(self.kv_tokens() + len(tokens) + 1):
+            if not self._make_room(self.kv_tokens() + self.footprint.tokens(len(tokens) + 1)):
                 return
             self._waiting.popleft()
             slot = self._cache.allocate()
             computed = 0
             if match is not None:
-                self._cache.write(slot, match.kv, match.length)
+                self._cache.write(slot, match.kv, match.length, match.reached)
                 computed = match.length
                 if not state.generated_ids:  # a first admission, not a recompute
                     state.cached_tokens = computed

@@ -1,10 +1,14 @@
 """Per-request slots of KV cache for batched steps: every request holds one slot (a row of
-the per-layer key/value buffers), written position by position and freed when it ends."""
+the per-layer key/value buffers), written position by position and freed when it ends;
+sliding-window layers keep only the positions their window still sees."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from exo.worker.engines.torch.batching.kv_footprint import TRIM_CHUNK, TRIM_SLACK, held_start
 from exo.worker.engines.torch.batching.kv_memory import release_positions, zeroed_kv_buffer
 
 # Initial per-slot capacity in tokens; buffers double when a request outgrows them.
@@ -25,6 +29,18 @@ class SlotKVCache:
     resident KV memory follows the positions the running requests hold (the scheduler's
     budget), not `slots x capacity`.
 
+    Sliding-window layers (`windows`): as a slot grows (`commit`), a windowed layer's
+    positions below `kv_footprint.held_start(reached, window)` are released, a
+    `TRIM_CHUNK` run at a time, `reached` being the longest the slot has been; its copies
+    (`read`, `write`, `free`'s move, `reserve`'s growth) copy only the positions held. Every
+    position stays at its own index (released ones read as zeros and no attention reads
+    them: windowed attention starts at `position - window + 1`), so the attention code and
+    the native decode kernels read the slots as before. A ring buffer of `window` positions
+    per windowed layer would hold slightly less, but every reader (SDPA decode over a view
+    of all slots, the prefill paths, the native kernels) would have to map positions to
+    ring indices, and a prefix copy would need unrolling; releasing pages keeps them
+    unchanged and costs one `madvise` per head and layer every `TRIM_CHUNK` tokens.
+
     Args:
         layers: decoder layers of this shard.
         kv_heads: key/value heads per layer (this rank's).
@@ -36,6 +52,8 @@ class SlotKVCache:
         slots: most requests held at once.
         latent_values: 0 for keys and values of their own; else the width of the values
             inside each key (MLA's `kv_lora_rank`).
+        windows: per layer, its sliding window in tokens or None (None: no windows).
+        trim_slack / trim_chunk: `kv_footprint.held_start`'s (tests make them small).
     """
 
     def __init__(
@@ -47,8 +65,21 @@ class SlotKVCache:
         device: torch.device,
         slots: int,
         latent_values: int = 0,
+        windows: Sequence[int | None] | None = None,
+        trim_slack: int = TRIM_SLACK,
+        trim_chunk: int = TRIM_CHUNK,
     ) -> None:
+        if windows is not None and len(windows) != layers:
+            raise ValueError(f"{len(windows)} windows for {layers} layers")
         self.slots = slots
+        self.windows: tuple[int | None, ...] = tuple(windows or (None,) * layers)
+        self.trim_slack = trim_slack
+        self.trim_chunk = trim_chunk
+        # window -> the layers of that window
+        self._windowed: dict[int, list[int]] = {}
+        for layer, window in enumerate(self.windows):
+            if window is not None:
+                self._windowed.setdefault(window, []).append(layer)
         self.capacity = INITIAL_SLOT_CAPACITY
         self.latent_values = latent_values
         shape = (slots, kv_heads, self.capacity, head_dim)
@@ -59,6 +90,10 @@ class SlotKVCache:
         else:
             self.values = [zeroed_kv_buffer(shape, dtype, device) for _ in range(layers)]
         self.lengths = [0] * slots
+        # Per slot: the longest it has been (its windowed layers are trimmed to it), and
+        # the length its windowed layers were last released at.
+        self.reached = [0] * slots
+        self._released_at = [0] * slots
         self.occupied = 0
 
     def _latent_value_views(self) -> None:
@@ -79,7 +114,35 @@ class SlotKVCache:
         slot = self.occupied
         self.occupied += 1
         self.lengths[slot] = 0
+        self.reached[slot] = self._released_at[slot] = 0
         return slot
+
+    def held_from(self, slot: int, layer: int) -> int:
+        """The first position `layer` holds of `slot` (0 but for a trimmed windowed layer)."""
+        return held_start(self.reached[slot], self.windows[layer], self.trim_slack, self.trim_chunk)
+
+    def held_positions(self, slot: int) -> list[int]:
+        """Positions of `slot` each layer holds."""
+        length = self.lengths[slot]
+        layers = range(len(self.keys))
+        return [length - min(length, self.held_from(slot, layer)) for layer in layers]
+
+    def commit(self, slot: int, length: int) -> None:
+        """`slot` now holds positions `0 .. length - 1` (a step wrote them); its windowed
+        layers release the positions their window no longer sees."""
+        self.lengths[slot] = length
+        if length <= self.reached[slot]:
+            return
+        self.reached[slot] = length
+        before, after = self._released_at[slot], length
+        self._released_at[slot] = after
+        for window, layers in self._windowed.items():
+            start = held_start(before, window, self.trim_slack, self.trim_chunk)
+            end = held_start(after, window, self.trim_slack, self.trim_chunk)
+            if end > start:
+                for tensors in self._buffers():
+                    for layer in layers:
+                        release_positions(tensors[layer], slot, start, end)
 
     def free(self, slot: int) -> int | None:
         """Release `slot`; the last occupied slot moves into it.
@@ -96,11 +159,15 @@ class SlotKVCache:
             return None
         length = self.lengths[last]
         for tensors in self._buffers():
-            for layer in tensors:
-                layer[slot, :, :length].copy_(layer[last, :, :length])
+            for index, layer in enumerate(tensors):
+                start = min(length, self.held_from(last, index))
+                release_positions(layer, slot, 0, start)  # the freed request's, if any
+                layer[slot, :, start:length].copy_(layer[last, :, start:length])
         self._release(slot, length)
         self._release(last, 0)
         self.lengths[slot], self.lengths[last] = length, 0
+        self.reached[slot], self.reached[last] = self.reached[last], 0
+        self._released_at[slot], self._released_at[last] = self._released_at[last], 0
         return last
 
     def _release(self, slot: int, start: int) -> None:
@@ -122,7 +189,8 @@ class SlotKVCache:
                 )
                 for slot in range(self.occupied):
                     length = self.lengths[slot]
-                    new[slot, :, :length].copy_(old[slot, :, :length])
+                    start = min(length, self.held_from(slot, index))
+                    new[slot, :, start:length].copy_(old[slot, :, start:length])
                 tensors[index] = new
         if self.latent_values:
             self._latent_value_views()
@@ -131,7 +199,8 @@ class SlotKVCache:
     def read(self, slot: int, length: int) -> torch.Tensor:
         """A copy of the slot's first `length` positions as `[layers, 2, kv_heads, length,
         head_dim]` (for the prefix cache; `[layers, 1, ...]`, the keys only, with
-        `latent_values`)."""
+        `latent_values`); a windowed layer's positions the slot no longer holds are zeros
+        and take no memory (`write` with the slot's `reached` copies it back)."""
         first = self.keys[0]
         buffers = self._buffers()
         # Its own mapping (`zeroed_kv_buffer`): evicting the entry unmaps it, where heap
@@ -142,13 +211,19 @@ class SlotKVCache:
         )  # fmt: skip
         for kind, tensors in enumerate(buffers):
             for layer, buffer in enumerate(tensors):
-                copy[layer, kind].copy_(buffer[slot, :, :length])
+                start = min(length, self.held_from(slot, layer))
+                copy[layer, kind, :, start:].copy_(buffer[slot, :, start:length])
         return copy
 
-    def write(self, slot: int, kv: torch.Tensor, length: int) -> None:
-        """Fill the slot's first `length` positions from `read`'s layout."""
+    def write(self, slot: int, kv: torch.Tensor, length: int, reached: int | None = None) -> None:
+        """Fill a newly allocated slot's first `length` positions from `read`'s layout, of a
+        sequence whose windowed layers were trimmed at `reached` (None: `length`): only the
+        positions those hold are copied, and the slot keeps that trim (the caller checks
+        that `length` needs no position below it: `kv_footprint.first_hit_length`)."""
         self.reserve(length)
+        self.reached[slot] = self._released_at[slot] = max(length, reached or 0)
         for kind, tensors in enumerate(self._buffers()):
             for layer, buffer in enumerate(tensors):
-                buffer[slot, :, :length].copy_(kv[layer, kind, :, :length])
+                start = min(length, self.held_from(slot, layer))
+                buffer[slot, :, start:length].copy_(kv[layer, kind, :, start:length])
         self.lengths[slot] = length

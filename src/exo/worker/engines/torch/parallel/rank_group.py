@@ -41,6 +41,7 @@ from exo.worker.engines.torch.batching.batch_attention import (
     attention_layers,
     use_batched_attention,
 )
+from exo.worker.engines.torch.batching.kv_footprint import KVFootprint, card_footprint
 from exo.worker.engines.torch.batching.kv_memory import kv_cache_torch_dtype
 from exo.worker.engines.torch.batching.scheduler import BatchScheduler
 from exo.worker.engines.torch.comm.process_group import IDLE_WAIT
@@ -151,7 +152,7 @@ class RankGroup:
                 own_config._attn_implementation = BATCHED_ATTENTION
         arguments = (
             geometry.layers, kv_heads, geometry.head_dim, self.kv_dtype, self.device,
-            max_concurrent_requests, geometry.latent_values,
+            max_concurrent_requests, geometry.latent_values, self._windows,
         )  # fmt: skip
         if log is None:
             return SlotKVCache(*arguments)
@@ -167,11 +168,31 @@ class RankGroup:
         cache.prefix = RecordingPrefixCache(kv_cache_tokens, log)
         self._slots = cache
         hooks = self.transform.scheduler_hooks(self)
+        footprint, prefix_windows = self._budget_windows()
         return BatchScheduler(
             self.model, cache, self._windows, self._layer_of, kv_cache_tokens, cache.prefix,
             self.device, forward=hooks.forward, launch=hooks.launch,
-            max_in_flight=hooks.max_in_flight,
+            max_in_flight=hooks.max_in_flight, footprint=footprint,
+            prefix_windows=prefix_windows,
         )  # fmt: skip
+
+    def _budget_windows(self) -> tuple[KVFootprint | None, tuple[int | None, ...]]:
+        """How rank 0's scheduler counts the budget and checks prefix hits: where this
+        rank holds every layer (tensor, expert), by its own windows. A pipeline stage's
+        rank 0 sees its own layers only: it counts by the card's sliding layers
+        (`card_footprint`), else every layer whole (the budget as without trimming; every
+        stage trims its slots all the same), and checks hits against the model's sliding
+        window too (`sliding_window` of the config: every family's windowed layers use it,
+        `families/spec.py`)."""
+        card = self.shard.model_card
+        if len(self._windows) == card.n_layers:
+            return None, self._windows
+        footprint = card_footprint(card, len(self._windows))
+        if footprint is None:
+            footprint = KVFootprint((None,) * len(self._windows))
+        window = getattr(self.model.config.get_text_config(), "sliding_window", None)
+        extra = (window,) if isinstance(window, int) and window > 0 else ()
+        return footprint, (*self._windows, *extra)
 
     def agree_on_slots(self, max_concurrent_requests: int) -> int:
         """Collective: rank 0's `max_concurrent_requests` (each node may be started with its

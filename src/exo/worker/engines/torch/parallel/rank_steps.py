@@ -98,8 +98,14 @@ class RecordingPrefixCache(PrefixCache):
         self.last_match = super().lookup(token_ids, limit)
         return self.last_match
 
-    def insert(self, token_ids: list[int], kv: torch.Tensor) -> int | None:
-        key = super().insert(token_ids, kv)
+    def insert(
+        self,
+        token_ids: list[int],
+        kv: torch.Tensor,
+        reached: int | None = None,
+        first_hit: int = 0,
+    ) -> int | None:
+        key = super().insert(token_ids, kv, reached, first_hit)
         self._log.record(CACHE_STORE, -1 if key is None else key)
         return key
 
@@ -133,9 +139,10 @@ class RecordingSlotKVCache(SlotKVCache):
         self.log.record(CACHE_READ, slot, length)
         return super().read(slot, length)
 
-    def write(self, slot: int, kv: torch.Tensor, length: int) -> None:
+    def write(self, slot: int, kv: torch.Tensor, length: int, reached: int | None = None) -> None:
         """Copy a prefix hit into `slot`: only the prefix cache's last match may be written
-        (the other ranks copy the same entry of theirs).
+        (the other ranks copy the same entry of theirs, with the trim their own slot had:
+        every rank's slots reach the same lengths).
 
         Raises:
             RuntimeError: `kv` is not the prefix cache's last match.
@@ -144,22 +151,24 @@ class RecordingSlotKVCache(SlotKVCache):
         if match is None or match.kv is not kv:
             raise RuntimeError("a split instance writes a KV slot only from a prefix hit")
         self.log.record(CACHE_LOAD, slot, match.key, length)
-        super().write(slot, kv, length)
+        super().write(slot, kv, length, reached)
 
 
 @dataclass(slots=True)
 class PrefixMirror:
     """A rank > 0's prefix entries: its own part of the KV of each entry of rank 0's
     `RecordingPrefixCache`, under rank 0's key (`[layers, 2, kv_heads, length, head_dim]`
-    of this rank's layers and heads, as `SlotKVCache.read` gives)."""
+    of this rank's layers and heads, as `SlotKVCache.read` gives), with the length its
+    slot's windowed layers were trimmed at (`SlotKVCache.reached`)."""
 
-    entries: dict[int, torch.Tensor] = field(default_factory=dict)
-    # The last CACHE_READ's copy, until CACHE_STORE names it.
-    pending: torch.Tensor | None = None
+    entries: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    # The last CACHE_READ's copy and trim, until CACHE_STORE names it.
+    pending: tuple[torch.Tensor, int] | None = None
 
     @property
     def tokens(self) -> int:
-        return sum(int(kv.shape[3]) for kv in self.entries.values())
+        """Positions of the entries (every layer counted whole)."""
+        return sum(int(kv.shape[3]) for kv, _ in self.entries.values())
 
 
 def replay_cache_ops(
@@ -186,7 +195,7 @@ def replay_cache_ops(
         elif kind == CACHE_RESERVE:
             cache.reserve(a)
         elif kind == CACHE_READ:
-            mirror.pending = cache.read(a, b)
+            mirror.pending = (cache.read(a, b), cache.reached[a])
         elif kind == CACHE_STORE:
             if mirror.pending is None:
                 raise RuntimeError("prefix entry stored with no KV read before it")
@@ -194,10 +203,10 @@ def replay_cache_ops(
                 mirror.entries[a] = mirror.pending
             mirror.pending = None
         elif kind == CACHE_LOAD:
-            kv = mirror.entries.get(b)
-            if kv is None:
+            entry = mirror.entries.get(b)
+            if entry is None:
                 raise RuntimeError(f"rank 0 copied prefix entry {b}, which this rank lacks")
-            cache.write(a, kv, c)
+            cache.write(a, entry[0], c, entry[1])
         elif kind == CACHE_DROP:
             if a not in mirror.entries:
                 raise RuntimeError(f"rank 0 dropped prefix entry {a}, which this rank lacks")
