@@ -103,6 +103,7 @@ from exo.shared.types.models import (
     PypiGgufSource,
     PypiWheel,
     SamplingDefaults,
+    SlidingWindow,
     WheelMember,
 )
 from exo.shared.types.nodes import (
@@ -408,7 +409,11 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     MoeGeometry: [
         MoeGeometry(experts=128, experts_per_token=8, expert_intermediate_size=768),
         MoeGeometry(experts=4, experts_per_token=2, expert_intermediate_size=32, dense_layers=(1,)),
+        MoeGeometry(
+            experts=32, experts_per_token=4, expert_intermediate_size=2880, mxfp4_experts=True
+        ),
     ],
+    SlidingWindow: [SlidingWindow(window=512, layers=15), SlidingWindow(window=128, layers=12)],
     GgufWeightTypes: [
         GgufWeightTypes(layer_weights=(("Q4_K", 23592960), ("Q6_K", 11796480)), output_type="Q8_0")
     ],
