@@ -22,7 +22,10 @@ from exo.api.serving.cluster_client import ClusterClient
 from exo.api.serving.model_lookup import card_of
 from exo.shared.models.memory import longest_length_in_kv_budget
 from exo.shared.types.chunks import Chunk, PrefillProgressChunk, TokenChunk, ToolCallChunk
+from exo.shared.types.instances import Instance
 from exo.shared.types.models import ModelCard
+from exo.shared.types.runners import RunnerReady, RunnerRunning
+from exo.shared.types.state import State
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 MAX_TOKENS_CAPPED_HEADER = "X-Exo-Max-Tokens-Capped"
@@ -43,15 +46,31 @@ def token_limit(cluster: ClusterClient, params: TextGenerationTaskParams) -> int
     layers keep only their window; None when neither is known)."""
     card = card_of(cluster, params.model)
     budgets = [
-        instance.kv_cache_tokens
+        budget
         for instance in cluster.state.instances_of_model(params.model)
-        if instance.kv_cache_tokens is not None
+        if (budget := held_kv_cache_tokens(cluster.state, instance)) is not None
     ]
     limits = [
         *([card.context_length] if card is not None else []),
         *([_fits(card, max(budgets))] if budgets else []),
     ]
     return min(limits) if limits else None
+
+
+def held_kv_cache_tokens(state: State, instance: Instance) -> int | None:
+    """The KV-cache budget (tokens) `instance`'s requests really have: the smallest its
+    loaded runners report (`RunnerReady` / `RunnerRunning.kv_cache_tokens`) once every
+    runner has, else what placement gave it (`Instance.kv_cache_tokens`). They differ where
+    a node holds less than placed: a float32 KV node keeps the placed bytes, so half the
+    tokens (`kv_cache_tokens_for_dtype`), and a node's own smaller `--kv-cache-tokens`
+    bounds it (`runner_options_for`)."""
+    held: list[int] = []
+    for runner_id in instance.shard_assignments.runner_to_shard:
+        status = state.runners.get(runner_id)
+        if not isinstance(status, RunnerReady | RunnerRunning):
+            return instance.kv_cache_tokens
+        held.append(status.kv_cache_tokens)
+    return min(held) if held else instance.kv_cache_tokens
 
 
 def _fits(card: ModelCard | None, budget_tokens: int) -> int:
