@@ -1,9 +1,11 @@
 """One gpt-oss-20b expert (gate/up 2880 -> 2 x 2880, down 2880 -> 2880; random weights)
-through `Mxfp4Linear` (MXFP4 held, `quant/mxfp4.py`) two ways: exo's fused kernel
-(`native/mxfp4.cpp`, the blocks read inside the product) and the weight widened 512 output
-rows at a time then multiplied; against the same weights as float32 `F.linear`:
-milliseconds per expert per call for 1, 4, 32 and 64 rows (decode, and an expert's rows of
-a prompt chunk), on one thread, interleaved per run; and the bytes each holds.
+through `Mxfp4Linear` (MXFP4 held, `quant/mxfp4.py`) two ways: exo's kernels (up to
+`NATIVE_MAX_ROWS` rows the fused one, `native/mxfp4.cpp`, the blocks read inside the
+product; more rows the blocks re-expressed as int8 blocks for exo's prefill GEMM) and the
+weight widened 512 output rows at a time then multiplied; against the same weights as
+float32 `F.linear`: milliseconds per expert per call for 1, 4, 32, 64, 128 and 512 rows
+(decode, and an expert's rows of a prompt chunk), on one thread, interleaved per run; and
+the bytes each holds.
 
 Usage: python bench/bench_mxfp4.py [--threads 1] [--runs 5]
 """
@@ -59,7 +61,7 @@ def main() -> None:
     fused = native_int4_kernel() is not None
     state = "built" if fused else "not available here"
     print(f"fused kernel: {state}; {options.threads} thread(s)")
-    for rows in (1, 4, 32, 64):
+    for rows in (1, 4, 32, 64, 128, 512):
         x = torch.randn(rows, HIDDEN)
 
         def expert(x: torch.Tensor = x) -> torch.Tensor:
@@ -72,7 +74,7 @@ def main() -> None:
         widened = _milliseconds(expert, options.runs, False)
         float32 = _milliseconds(dense, options.runs, False)
         print(
-            f"{rows:3d} rows: MXFP4 fused {native:7.2f} ms, MXFP4 widened {widened:7.2f} ms, "
+            f"{rows:3d} rows: MXFP4 exo kernels {native:7.2f} ms, MXFP4 widened {widened:7.2f} ms, "
             f"float32 {float32:7.2f} ms per expert"
         )
     mxfp4_bytes = sum(p.numel() for p in (*gate_up.parameters(), *down.parameters()))

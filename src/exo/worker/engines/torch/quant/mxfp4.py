@@ -12,9 +12,11 @@ weight.
 `NATIVE_MAX_ROWS` rows (decode, and the few rows an expert gets in a prompt chunk) by exo's
 fused kernel (`native/mxfp4.cpp`: the blocks read inside the product, activations rounded
 to int16 per block of 32 as exo's int4/int8 kernels do, so within ~1e-5 relative of the
-exact product), more rows (or where exo's kernels do not run) by widening the weight 512
-output rows at a time (one byte-pair table gather and one scale product, then a dense
-matmul of those rows; exact). Only routed experts run, so a step reads the MXFP4 bytes of
+exact product), more rows (an expert's share of a prompt chunk) by exo's prefill GEMM on
+the blocks re-expressed exactly as int8 blocks (`mxfp4_int8_blocks`, a table gather per
+call; the same rounding of the activations), and where exo's kernels do not run by
+widening the weight 512 output rows at a time (one byte-pair table gather and one scale
+product, then a dense matmul of those rows; exact). Only routed experts run, so a step reads the MXFP4 bytes of
 its routed experts only. Figures: docs/benchmarks/2026-12-04-gpt-oss-mxfp4.md. Every MXFP4
 value is exact in bfloat16 and float32, so a widened weight equals the checkpoint's
 dequantized weight bit for bit.
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from exo.worker.engines.torch.quant.native_kernels import native_int4_kernel
+from exo.worker.engines.torch.quant.quantized_linear import prefill_product
 
 BLOCK = 32  # inputs sharing one scale
 SCALE_BIAS = 127  # e8m0's exponent bias
@@ -54,6 +57,9 @@ _FP4 = torch.tensor(FP4_VALUES, dtype=torch.float32)
 # low half first on little-endian machines), so one int32 gather widens a byte.
 _BYTE_PAIRS = torch.stack([_FP4[torch.arange(256) & 0x0F], _FP4[torch.arange(256) >> 4]], dim=1)
 _BYTE_PAIR_BITS = _BYTE_PAIRS.to(torch.bfloat16).contiguous().view(torch.int32).flatten()
+# Byte -> its two values doubled (low nibble first) as two int8 in one int16: 2 x E2M1 is an
+# integer in [-12, 12], so a block of 32 is exactly 32 int8 times `2 ** (s - 128)`.
+_BYTE_PAIR_INT8 = (2 * _BYTE_PAIRS).to(torch.int8).contiguous().view(torch.int16).flatten()
 # Output rows widened at a time in `mxfp4_linear`: the widened rows stay in cache between
 # their widening and their matmul (8x faster than widening a 5760 x 2880 expert at once on
 # this machine's CPU; figures: docs/benchmarks/2026-12-04-gpt-oss-mxfp4.md).
@@ -61,7 +67,9 @@ WIDEN_ROWS = 512
 # Rows up to which the fused kernel runs: it reads the blocks once per 4 rows and does the
 # products in integers, so its time grows with the rows, while widening costs a fixed
 # ~100 ms per gpt-oss-20b expert before matmuls that are cheap per row: the fused kernel
-# was faster at 32 rows, slower at 64 (docs/benchmarks/2026-12-04-gpt-oss-mxfp4.md).
+# was faster at 32 rows, slower at 64 (docs/benchmarks/2026-12-04-gpt-oss-mxfp4.md). More
+# rows take the int8-block GEMM (1.6-1.9x the widened path at 64-128 rows, even at 512:
+# docs/benchmarks/2026-12-05-moe-gpt-oss-20b-shapes.md).
 NATIVE_MAX_ROWS = 32
 
 
@@ -85,16 +93,15 @@ def mxfp4_linear(rows: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor)
     float32 rows up to `NATIVE_MAX_ROWS` where it runs (`native_int4_kernel`), else
     widening `WIDEN_ROWS` output rows of the weight at a time (no whole float copy of the
     weight)."""
-    if (
-        rows.dtype == torch.float32
-        and rows.shape[0] <= NATIVE_MAX_ROWS
-        and rows.device.type == "cpu"
-        and native_int4_kernel() is not None
-    ):
-        product: torch.Tensor = torch.ops.exo_native.mxfp4_gemv(
-            rows.contiguous(), blocks.contiguous(), scales.contiguous()
-        )
-        return product
+    if rows.device.type == "cpu" and native_int4_kernel() is not None:
+        if rows.dtype == torch.float32 and rows.shape[0] <= NATIVE_MAX_ROWS:
+            product: torch.Tensor = torch.ops.exo_native.mxfp4_gemv(
+                rows.contiguous(), blocks.contiguous(), scales.contiguous()
+            )
+            return product
+        values, block_scales = mxfp4_int8_blocks(blocks, scales)
+        product = prefill_product(rows.float().contiguous(), values, block_scales, "int16")
+        return product.to(rows.dtype)
     total = blocks.shape[0]
     out = rows.new_empty(rows.shape[0], total)
     for start in range(0, total, WIDEN_ROWS):
@@ -102,6 +109,22 @@ def mxfp4_linear(rows: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor)
         weight = dequantize_mxfp4(blocks[start:end], scales[start:end], rows.dtype)
         out[:, start:end] = F.linear(rows, weight)
     return out
+
+
+def mxfp4_int8_blocks(
+    blocks: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 blocks `[out, in / 32, 16]` and scales `[out, in / 32]` (uint8) as symmetric
+    int8 blocks of 32 (`ScaledInt8Linear`'s layout): values `[out, in]` int8, each E2M1
+    value doubled (integers in [-12, 12]), and scales `[out, in / 32]` bfloat16 `2 ** (s -
+    128)` (a power of two, exact in bfloat16 down to its subnormals). Exact: values times
+    scales are the MXFP4 weight bit for bit. One table gather per byte; the int8 copy takes
+    twice the MXFP4 bytes."""
+    table = _BYTE_PAIR_INT8.to(blocks.device)
+    pairs = table.index_select(0, blocks.reshape(-1).to(torch.int32))
+    values = pairs.view(torch.int8).view(blocks.shape[0], -1)
+    block_scales = torch.exp2(scales.float() - (SCALE_BIAS + 1)).to(torch.bfloat16)
+    return values, block_scales.contiguous()
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,6 +35,7 @@ from exo.worker.engines.torch.quant.mxfp4 import (
     NATIVE_MAX_ROWS,
     Mxfp4Linear,
     dequantize_mxfp4,
+    mxfp4_int8_blocks,
     mxfp4_linear,
     quantize_mxfp4,
 )
@@ -422,6 +423,40 @@ def test_fused_mxfp4_kernel_equals_the_product_of_its_rounded_activations(
     # And within the activations' rounding of the exact product (relative, ~1e-5).
     exact = x.double() @ dequantize_mxfp4(blocks, scales).double().T
     assert float((got.double() - exact).abs().max()) <= 1e-4 * scale
+
+
+def test_mxfp4_as_int8_blocks_is_the_same_weight() -> None:
+    """`mxfp4_int8_blocks`: doubled E2M1 integers times `2 ** (s - 128)` are the MXFP4
+    weight bit for bit, scales at both ends of e8m0's range included."""
+    generator = torch.Generator().manual_seed(3)
+    blocks, scales = quantize_mxfp4(torch.randn(16, 96, generator=generator))
+    scales[0, 0], scales[1, 1] = 0, 254  # 2**-127 and 2**127
+    values, block_scales = mxfp4_int8_blocks(blocks, scales)
+    assert values.dtype == torch.int8 and int(values.abs().max()) <= 12
+    widened = values.float().view(16, 3, 32) * block_scales.float().unsqueeze(-1)
+    assert torch.equal(widened.view(16, 96), dequantize_mxfp4(blocks, scales))
+
+
+@pytest.mark.parametrize("rows", [NATIVE_MAX_ROWS + 1, 96])
+def test_many_rows_take_the_int8_block_product_of_the_rounded_activations(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past `NATIVE_MAX_ROWS` (an expert's rows of a prompt chunk) the blocks go to exo's
+    prefill GEMM as int8 blocks: the product of the int16-rounded rows with the exact
+    weight, as the fused kernel's."""
+    monkeypatch.setenv(NATIVE_INT4_ENV, "1")
+    if native_int4_kernel() is None:
+        pytest.skip("exo's native kernels could not be built here")
+    generator = torch.Generator().manual_seed(rows)
+    blocks, scales = quantize_mxfp4(torch.randn(130, 2880, generator=generator) * 0.02)
+    x = torch.randn(rows, 2880, generator=generator)
+    got = mxfp4_linear(x, blocks, scales)
+    weight = dequantize_mxfp4(blocks, scales).double()
+    exact = x.double() @ weight.T
+    scale = float(exact.abs().max())
+    assert float((got.double() - exact).abs().max()) <= 1e-4 * scale
+    read = rounded_activations(x) if ROUNDS_ACTIVATIONS else x
+    assert float((got.double() - read.double() @ weight.T).abs().max()) <= 1e-5 * scale
 
 
 def test_fused_mxfp4_kernel_names_a_wrong_shape(monkeypatch: pytest.MonkeyPatch) -> None:
