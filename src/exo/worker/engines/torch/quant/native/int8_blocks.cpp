@@ -38,14 +38,13 @@ struct Int8PairBlocks {
   const int8_t* v;
   const uint16_t* scale_zero;
   const float* block_sums;
-  int64_t k;
 
   template <int ROWS, int NR>
-  void unpack(int64_t n, float* scales, float (&zero_terms)[NR][ROWS]) const {
+  void unpack(int64_t n, int64_t k, float* scales, float (&zero_terms)[NR][ROWS]) const {
     const int64_t blocks = k / kBlock;
     unpack_scales<ROWS, NR>(scale_zero + n * blocks * 2, blocks, block_sums, scales, zero_terms);
   }
-  const int8_t* block(int64_t row, int64_t b) const { return v + row * k + b * kBlock; }
+  const int8_t* block(int64_t row, int64_t b, int64_t k) const { return v + row * k + b * kBlock; }
   __m256i values(const int8_t* block) const {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
   }
@@ -60,15 +59,16 @@ struct Int8PairBlocks {
 struct ScaledInt8Blocks {
   static constexpr bool kZeroTerm = false;
   const int8_t* v;              // [n, k]
-  const uint16_t* scales_bf16;  // [n, per_row]
-  int64_t k, per_row;
+  const uint16_t* scales_bf16;  // [n, k / 32 * per_block]
+  int64_t per_block;            // scales per block of 32: 1 or 2
 
   template <int ROWS, int NR>
-  void unpack(int64_t n, float* scales, float (&)[NR][ROWS]) const {
+  void unpack(int64_t n, int64_t k, float* scales, float (&)[NR][ROWS]) const {
+    const int64_t per_row = k / kBlock * per_block;
     for (int i = 0; i < NR; ++i)
       unpack_bf16(scales_bf16 + (n + i) * per_row, per_row, scales + i * per_row);
   }
-  const int8_t* block(int64_t row, int64_t b) const { return v + row * k + b * kBlock; }
+  const int8_t* block(int64_t row, int64_t b, int64_t k) const { return v + row * k + b * kBlock; }
   __m256i values(const int8_t* block) const {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
   }
@@ -102,7 +102,7 @@ void int8_block_product(const float* xp, int64_t rows, int64_t k, const at::Tens
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     for_row_groups(rows, [&](auto count, int64_t r) {
       int8_tile::rows_avx2<decltype(count)::value, 1>(
-          xq + r * k, xs + r * blocks, k, Int8PairBlocks{vp, so, sums + r * blocks, k},
+          xq + r * k, xs + r * blocks, k, Int8PairBlocks{vp, so, sums + r * blocks},
           yp + r * n, n, n0, n1);
     });
   });
@@ -150,7 +150,7 @@ void int8_scaled_product(const float* xp, int64_t rows, int64_t k, const at::Ten
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     for_row_groups(rows, [&](auto count, int64_t r) {
       constexpr int R = decltype(count)::value;
-      const ScaledInt8Blocks weights{vp, sc, k, k / block};
+      const ScaledInt8Blocks weights{vp, sc, kBlock / block};
       if (block == 16)
         int8_tile::rows_avx2<R, 2>(xq + r * k, xs + r * blocks, k, weights, yp + r * n, n, n0, n1);
       else

@@ -17,13 +17,14 @@
 // What differs between the formats is given by a `Blocks` policy (a small struct, passed by
 // value so its members stay in registers):
 //   kZeroTerm           whether `unpack` computes zero terms;
-//   unpack<ROWS, NR>(n, scales, zero_terms)
+//   unpack<ROWS, NR>(n, k, scales, zero_terms)
 //                       output rows n..n + NR - 1's scales as float32 into
 //                       scales[NR, k / 32 * HALVES] and, with kZeroTerm, each output and
 //                       activation row's zero term into zero_terms[NR][ROWS];
-//   block(row, b)       where output row `row`'s block b is held (read once, prefetched
+//   block(row, b, k)    where output row `row`'s block b is held (read once, prefetched
 //                       `kPrefetchBytes` ahead);
 //   values(block)       that block's 32 int8 values, in input order, as one __m256i.
+// k (the inputs) is the tile's argument, not a policy member, so the loop holds it once.
 #pragma once
 
 #include <cstdint>
@@ -36,20 +37,23 @@ namespace exo_native::int8_tile {
 #ifdef EXO_AVX2
 // NR output rows from n for ROWS activation rows (xq: each row's k int16 values in even/odd
 // order per block; x_scales [ROWS, k / 32]) into y[ROWS, n_total]; `scales` holds
-// NR x (k / 32 * HALVES) floats.
+// NR x (k / 32 * HALVES) floats. Never inlined: inlined into the row-group dispatch, GCC 12
+// spilled loop values to the stack and left the block loops of 1-3 activation rows
+// unaligned, which made MXFP4 slower (figures: docs/benchmarks/2026-12-05-int8-tile.md).
 template <int ROWS, int NR, int HALVES, typename Blocks>
-void tile_avx2(const int16_t* xq, const float* x_scales, int64_t k, Blocks weights, float* y,
-               int64_t n_total, int64_t n, float* scales) {
+[[gnu::noinline]] void tile_avx2(const int16_t* xq, const float* x_scales, int64_t k,
+                                Blocks weights, float* y, int64_t n_total, int64_t n,
+                                float* scales) {
   using block_rows::kBlock;
   const int64_t blocks = k / kBlock, per_row = blocks * HALVES;
   float zero_terms[NR][ROWS];
-  weights.template unpack<ROWS, NR>(n, scales, zero_terms);
+  weights.template unpack<ROWS, NR>(n, k, scales, zero_terms);
   __m256 acc[NR][ROWS];
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     for (int i = 0; i < NR; ++i) {
-      const auto* block = weights.block(n + i, b);
+      const auto* block = weights.block(n + i, b, k);
       block_rows::prefetch_ahead(block);
       const __m256i values = weights.values(block);
       const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(values, 8), 8);

@@ -63,16 +63,16 @@ struct Mxfp4Blocks {
   static constexpr bool kZeroTerm = false;
   const uint8_t* blocks;
   const uint8_t* scale_bytes;
-  int64_t groups;
   __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kDoubled));
   __m128i nibble = _mm_set1_epi8(0x0F);
 
-  const uint8_t* block(int64_t row, int64_t b) const {
-    return blocks + (row * groups + b) * kBlockBytes;
+  const uint8_t* block(int64_t row, int64_t b, int64_t k) const {
+    return blocks + (row * (k / kBlock) + b) * kBlockBytes;
   }
   __m256i values(const uint8_t* block) const { return block_values(block, table, nibble); }
   template <int ROWS, int NR>
-  void unpack(int64_t n, float* scales, float (&)[NR][ROWS]) const {
+  void unpack(int64_t n, int64_t k, float* scales, float (&)[NR][ROWS]) const {
+    const int64_t groups = k / kBlock;
     for (int i = 0; i < NR; ++i)
       for (int64_t g = 0; g < groups; ++g)
         scales[i * groups + g] = doubled_scale(scale_bytes[(n + i) * groups + g]);
@@ -99,7 +99,7 @@ void mxfp4_product(const float* xp, int64_t rows, int64_t k, const uint8_t* bloc
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     for_row_groups(rows, [&](auto count, int64_t r) {
       int8_tile::rows_avx2<decltype(count)::value, 1>(
-          xq + r * k, xs + r * groups, k, Mxfp4Blocks{blocks, scale_bytes, groups}, yp + r * n, n,
+          xq + r * k, xs + r * groups, k, Mxfp4Blocks{blocks, scale_bytes}, yp + r * n, n,
           n0, n1);
     });
   });
