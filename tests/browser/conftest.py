@@ -26,6 +26,8 @@ from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode, seed_speed_cache, w
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page
 
+    from tests.browser.dashboard_pages import DashboardPage
+
 CHROMIUM = os.environ.get("EXO_TEST_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = (
     "--headless",
@@ -112,6 +114,19 @@ def dashboard_node(
         yield node
     finally:
         node.stop()
+
+
+@pytest.fixture
+def dashboard(browser: Browser, dashboard_node: ExoNode) -> Iterator[DashboardPage]:
+    """A desktop page on the dashboard node (`DashboardPage`: it records console errors,
+    uncaught exceptions and CSP violations), closed at the end of the test."""
+    from tests.browser.dashboard_pages import DashboardPage  # imports playwright
+
+    page = DashboardPage(browser, dashboard_node)
+    try:
+        yield page
+    finally:
+        page.close()
 
 
 @contextmanager

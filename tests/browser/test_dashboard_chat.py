@@ -6,11 +6,10 @@ request; edit and regenerate resend the conversation."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import Browser, Page
+from playwright.sync_api import Page
 
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode, wait_until
 from tests.browser.dashboard_pages import DashboardPage
@@ -22,15 +21,6 @@ LONG_QUESTION = "Write a very long story about a dragon and a knight."
 def screenshots(screenshot_dir: Path) -> Path:
     """The session's screenshot folder (tests/browser/conftest.py), named in the summary."""
     return screenshot_dir
-
-
-@pytest.fixture
-def dashboard(browser: Browser, dashboard_node: ExoNode) -> Iterator[DashboardPage]:
-    page = DashboardPage(browser, dashboard_node)
-    try:
-        yield page
-    finally:
-        page.close()
 
 
 def _instance_ids(node: ExoNode) -> set[str]:

@@ -6,7 +6,6 @@ phone, light and dark) into the pytest tmp dir."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +20,6 @@ from tests.browser.dashboard_pages import PHONE, VIEWS, DashboardPage
 def screenshots(screenshot_dir: Path) -> Path:
     """The session's screenshot folder (tests/browser/conftest.py), named in the summary."""
     return screenshot_dir
-
-
-@pytest.fixture
-def dashboard(browser: Browser, dashboard_node: ExoNode) -> Iterator[DashboardPage]:
-    page = DashboardPage(browser, dashboard_node)
-    try:
-        yield page
-    finally:
-        page.close()
 
 
 def test_page_loads_and_shows_the_node(dashboard: DashboardPage, screenshots: Path) -> None:

@@ -12,15 +12,11 @@ lines, SDKs skip them) is `src/exo/api/tests/test_chat_completions_adapter.py`.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
-from playwright.sync_api import Browser
 
 from exo.api.wire.openai_sse import prefill_progress_comment
 from exo.api.wire.stream import Prefilling
-from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
+from exo.testing.processes import DEFAULT_MODEL_ID
 from tests.browser.dashboard_pages import DashboardPage
 
 ANSWER = "Done reading."
@@ -58,15 +54,6 @@ def held_chat_stream(lines: list[str]) -> str:
   };
 })();
 """.replace("LINES", json.dumps(lines)).replace("ANSWER", json.dumps(ANSWER))
-
-
-@pytest.fixture
-def dashboard(browser: Browser, dashboard_node: ExoNode) -> Iterator[DashboardPage]:
-    page = DashboardPage(browser, dashboard_node)
-    try:
-        yield page
-    finally:
-        page.close()
 
 
 def test_chat_shows_prefill_progress_until_the_first_token(

@@ -1,8 +1,8 @@
 // Helpers shared by exo's block kernels (int4_gemv.cpp, int8_blocks.cpp, int5_blocks.cpp, and
 // prefill.cpp for the 5-bit blocks' values): activations rounded to int16 per block of 32,
 // horizontal sums, software prefetch, bfloat16 scales and (scale, zero) pairs unpacked per
-// tile of output rows, 5-bit lanes unpacked to int16, and the dispatch of activation rows
-// to register tiles of 4, 3, 2 or 1 rows.
+// tile of output rows, 5-bit lanes unpacked to int16, the dispatch of activation rows
+// to register tiles of 4, 3, 2 or 1 rows, and of output rows to tiles of a few rows.
 #pragma once
 
 #include <algorithm>
@@ -178,6 +178,16 @@ void for_row_groups(int64_t rows, Body&& body) {
   if (rows - r == 3) body(std::integral_constant<int, 3>{}, r);
   if (rows - r == 2) body(std::integral_constant<int, 2>{}, r);
   if (rows - r == 1) body(std::integral_constant<int, 1>{}, r);
+}
+
+// Calls tile(std::integral_constant<int, NR>{}, n) for the output rows [n0, n1) in register
+// tiles of NR = TILE rows starting at row n, then NR = 1 for each row left (the kernels'
+// tiles are templated on their output row count).
+template <int TILE, typename Tile>
+void for_output_tiles(int64_t n0, int64_t n1, Tile&& tile) {
+  int64_t n = n0;
+  for (; n + TILE <= n1; n += TILE) tile(std::integral_constant<int, TILE>{}, n);
+  for (; n < n1; ++n) tile(std::integral_constant<int, 1>{}, n);
 }
 #endif  // EXO_AVX2
 

@@ -51,6 +51,44 @@ using exo_native::bf16_to_float;
 using namespace exo_native::block_rows;
 
 #ifdef EXO_AVX2
+// An accumulator's lanes summed: 256 bits here, 512 in the AVX512 kernel below.
+inline float lane_sum(__m256 v) { return horizontal_sum(v); }
+#if defined(__AVX512F__)
+inline float lane_sum(__m512 v) { return _mm512_reduce_add_ps(v); }
+#endif
+
+// What both kernels' tiles do with the weight's (scale, zero) pairs: unpacked once per tile
+// of NR output rows (block_rows.h's `unpack_scales`: the scales as float32 into
+// scales[NR, groups], each times its activation block's scale where `x_scales` is given,
+// and per output and activation row the zero term), the zero term added when the tile
+// stores its sums into y[ROWS, n_total].
+template <int ROWS, int NR>
+struct TileScales {
+  float offset_acc[NR][ROWS];
+
+  TileScales(const uint16_t* scale_zero, int64_t n, int64_t groups, const float* offset_sums,
+             float* scales, const float* x_scales = nullptr) {
+    unpack_scales<ROWS, NR>(scale_zero + n * groups * 2, groups, offset_sums, scales, offset_acc,
+                            x_scales);
+  }
+
+  template <typename Vector>
+  void store(const Vector (&acc)[NR][ROWS], float* y, int64_t n_total, int64_t n) const {
+    for (int i = 0; i < NR; ++i)
+      for (int r = 0; r < ROWS; ++r)
+        y[r * n_total + n + i] = lane_sum(acc[i][r]) + offset_acc[i][r];
+  }
+};
+
+// An odd last block of 32 (GGUF's byte order: byte j holds inputs j and j + 16) as two
+// vectors of 16 int16 values, inputs 0-15 and 16-31.
+inline void gguf_block_values(const uint8_t* block, __m256i& w0, __m256i& w1) {
+  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
+  w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, low_nibbles));
+  w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles));
+}
+
 // NR output rows at once (independent accumulators, each activation block loaded once for
 // all of them) for ROWS activation rows. FOLDED (one activation row, groups of 32): the
 // unpacked weight scales already hold the activation blocks' scales (`unpack_scales`), which
@@ -64,9 +102,8 @@ void tile_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
   static_assert(!FOLDED || ROWS == 1, "folded scales are for one activation row");
   const int64_t blocks = k / kBlock;
   const int64_t blocks_per_group = group_size / kBlock;
-  float offset_acc[NR][ROWS];
-  unpack_scales<ROWS, NR>(scale_zero + n * groups * 2, groups, offset_sums, scales, offset_acc,
-                          FOLDED ? x_scales : nullptr);
+  const TileScales<ROWS, NR> tile_scales(scale_zero, n, groups, offset_sums, scales,
+                                         FOLDED ? x_scales : nullptr);
   __m256 acc[NR][ROWS];
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm256_setzero_ps();
@@ -109,13 +146,9 @@ void tile_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
   }
   if (blocks % 2) {  // an odd last block in GGUF's byte order
     const int64_t b = blocks - 1;
-    const __m128i low_nibbles = _mm_set1_epi8(0x0F);
     for (int i = 0; i < NR; ++i) {
-      const uint8_t* block = q + (n + i) * (k / 2) + pairs * 32;
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
-      const __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, low_nibbles));
-      const __m256i w1 =
-          _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles));
+      __m256i w0, w1;
+      gguf_block_values(q + (n + i) * (k / 2) + pairs * 32, w0, w1);
       const __m256 scale = _mm256_broadcast_ss(scales + i * groups + b / blocks_per_group);
       for (int r = 0; r < ROWS; ++r) {
         const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
@@ -127,9 +160,7 @@ void tile_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
       }
     }
   }
-  for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < ROWS; ++r)
-      y[r * n_total + n + i] = horizontal_sum(acc[i][r]) + offset_acc[i][r];
+  tile_scales.store(acc, y, n_total, n);
 }
 
 // Output rows [n0, n1) for ROWS activation rows: tiles of 4 output rows (2 for 3-4
@@ -140,24 +171,20 @@ void rows_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
                   const float* offset_sums, float* y, int64_t n_total, int64_t n0, int64_t n1,
                   float* scratch) {
   constexpr int kTile = ROWS <= 2 ? 4 : 2;
-  int64_t n = n0;
   if constexpr (ROWS == 1) {
     if (group_size == kBlock) {
-      for (; n + kTile <= n1; n += kTile)
-        tile_avx2_q8<1, kTile, true>(xq, x_scales, k, q, scale_zero, groups, group_size,
-                                     offset_sums, y, n_total, n, scratch);
-      for (; n < n1; ++n)
-        tile_avx2_q8<1, 1, true>(xq, x_scales, k, q, scale_zero, groups, group_size, offset_sums,
-                                 y, n_total, n, scratch);
+      for_output_tiles<kTile>(n0, n1, [&](auto nr, int64_t n) {
+        tile_avx2_q8<1, decltype(nr)::value, true>(xq, x_scales, k, q, scale_zero, groups,
+                                                   group_size, offset_sums, y, n_total, n,
+                                                   scratch);
+      });
       return;
     }
   }
-  for (; n + kTile <= n1; n += kTile)
-    tile_avx2_q8<ROWS, kTile>(xq, x_scales, k, q, scale_zero, groups, group_size, offset_sums,
-                              y, n_total, n, scratch);
-  for (; n < n1; ++n)
-    tile_avx2_q8<ROWS, 1>(xq, x_scales, k, q, scale_zero, groups, group_size, offset_sums, y,
-                          n_total, n, scratch);
+  for_output_tiles<kTile>(n0, n1, [&](auto nr, int64_t n) {
+    tile_avx2_q8<ROWS, decltype(nr)::value>(xq, x_scales, k, q, scale_zero, groups, group_size,
+                                            offset_sums, y, n_total, n, scratch);
+  });
 }
 #endif
 
@@ -210,8 +237,7 @@ void tile_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint
                  float* combined) {
   const int64_t blocks = k / kBlock;
   const int64_t blocks_per_group = group_size / kBlock;
-  float offset_acc[NR][ROWS];
-  unpack_scales<ROWS, NR>(scale_zero + n * groups * 2, groups, offset_sums, scales, offset_acc);
+  const TileScales<ROWS, NR> tile_scales(scale_zero, n, groups, offset_sums, scales);
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < ROWS; ++r) {
       float* out = combined + (i * ROWS + r) * blocks;
@@ -292,14 +318,11 @@ void tile_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint
   }
   if (blocks % 2) {
     const int64_t b = blocks - 1;
-    const __m128i low_nibbles = _mm_set1_epi8(0x0F);
     for (int i = 0; i < NR; ++i) {
-      const __m128i bytes =
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (n + i) * (k / 2) + pairs * 32));
-      const __m512i w0 =
-          _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(bytes, low_nibbles)));
-      const __m512i w1 = _mm512_zextsi256_si512(
-          _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles)));
+      __m256i low, high;
+      gguf_block_values(q + (n + i) * (k / 2) + pairs * 32, low, high);
+      const __m512i w0 = _mm512_zextsi256_si512(low);
+      const __m512i w1 = _mm512_zextsi256_si512(high);
       for (int r = 0; r < ROWS; ++r) {
         const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
         const __m512i sums = multiply_add(
@@ -312,9 +335,7 @@ void tile_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint
       }
     }
   }
-  for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < ROWS; ++r)
-      y[r * n_total + n + i] = _mm512_reduce_add_ps(acc[i][r]) + offset_acc[i][r];
+  tile_scales.store(acc, y, n_total, n);
 }
 
 // Output rows [n0, n1) for ROWS activation rows (1-8): tiles of 4 output rows (2 for more
@@ -325,13 +346,10 @@ void rows_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint
                  const float* offset_sums, float* y, int64_t n_total, int64_t n0, int64_t n1,
                  float* scales, float* combined) {
   constexpr int kTile = ROWS <= 4 ? 4 : 2;
-  int64_t n = n0;
-  for (; n + kTile <= n1; n += kTile)
-    tile_avx512<ROWS, kTile>(xq, x_scales, k, q, scale_zero, groups, group_size, offset_sums, y,
-                             n_total, n, scales, combined);
-  for (; n < n1; ++n)
-    tile_avx512<ROWS, 1>(xq, x_scales, k, q, scale_zero, groups, group_size, offset_sums, y,
-                         n_total, n, scales, combined);
+  for_output_tiles<kTile>(n0, n1, [&](auto nr, int64_t n) {
+    tile_avx512<ROWS, decltype(nr)::value>(xq, x_scales, k, q, scale_zero, groups, group_size,
+                                           offset_sums, y, n_total, n, scales, combined);
+  });
 }
 // Calls body(std::integral_constant<int, R>{}, r) for the activation rows in groups of
 // R = 8 starting at row r, then once for the 1-7 rows left: a weight row is unpacked once

@@ -4,7 +4,8 @@
 //   int8_scaled_gemv: symmetric int8 values with one bfloat16 scale per block of 16 or 32
 //     inputs (GGUF Q6_K, Q8_0).
 // Both round the activations as the int4 kernel does (int16 per block of 32, block_rows.h)
-// and sum the products exactly in int32.
+// and sum the products exactly in int32, in int8_tile.h's register tile (shared with
+// mxfp4.cpp); the policies below say how each format's scales and values are read.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -15,11 +16,13 @@
 #include <vector>
 
 #include "block_rows.h"
+#include "int8_tile.h"
 
 namespace {
 
 using exo_native::bf16_to_float;
 using namespace exo_native::block_rows;
+namespace int8_tile = exo_native::int8_tile;
 
 // GGUF's 8- and 5-bit blocks (Q8_0, Q5_0, Q5_1): w[n, k] = (v[n, k] - 8) * scale[n, b] +
 // zero[n, b] per block b of 32 inputs (the int4 convention; GGUF's d * v + m is scale d,
@@ -28,111 +31,48 @@ using namespace exo_native::block_rows;
 // int4 planes at 1.25 and twice the work). Same scheme as int4_gemv: int16 activations per
 // block, int32 products, (zero - 8 scale) times the block's sum of rounded activations.
 #ifdef EXO_AVX2
-template <int ROWS, int NR>
-void tile_avx2_int8(const int16_t* xq, const float* x_scales, const float* block_sums,
-                    int64_t k, const int8_t* v, const uint16_t* scale_zero, float* y,
-                    int64_t n_total, int64_t n, float* scales) {
-  const int64_t blocks = k / kBlock;
-  float offset_acc[NR][ROWS];
-  unpack_scales<ROWS, NR>(scale_zero + n * blocks * 2, blocks, block_sums, scales, offset_acc);
-  __m256 acc[NR][ROWS];
-  for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int i = 0; i < NR; ++i) {
-      const __m256i bytes =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (n + i) * k + b * kBlock));
-      prefetch_ahead(v + (n + i) * k + b * kBlock);
-      const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 8);
-      const __m256i odd = _mm256_srai_epi16(bytes, 8);
-      const __m256 weight_scale = _mm256_broadcast_ss(scales + i * blocks + b);
-      for (int r = 0; r < ROWS; ++r) {
-        const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
-        const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_loadu_si256(xv)),
-                                              _mm256_madd_epi16(odd, _mm256_loadu_si256(xv + 1)));
-        acc[i][r] = _mm256_fmadd_ps(
-            _mm256_cvtepi32_ps(sums),
-            _mm256_mul_ps(_mm256_broadcast_ss(x_scales + r * blocks + b), weight_scale),
-            acc[i][r]);
-      }
-    }
-  }
-  for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < ROWS; ++r)
-      y[r * n_total + n + i] = horizontal_sum(acc[i][r]) + offset_acc[i][r];
-}
+// Values v [n, k] as int8, the block's bfloat16 (scale, zero) pairs [n, k / 32, 2]; the
+// activations' sums per block ([ROWS, k / 32], `quantize_rows`) for the zero term.
+struct Int8PairBlocks {
+  static constexpr bool kZeroTerm = true;
+  const int8_t* v;
+  const uint16_t* scale_zero;
+  const float* block_sums;
 
-template <int ROWS>
-void rows_avx2_int8(const int16_t* xq, const float* xs, const float* sums, int64_t k,
-                    const int8_t* v, const uint16_t* so, float* y, int64_t n_total, int64_t n0,
-                    int64_t n1) {
-  constexpr int kTile = int8_tile_rows<ROWS>();
-  std::vector<float> scales(static_cast<size_t>(kTile * (k / kBlock)));
-  int64_t n = n0;
-  for (; n + kTile <= n1; n += kTile)
-    tile_avx2_int8<ROWS, kTile>(xq, xs, sums, k, v, so, y, n_total, n, scales.data());
-  for (; n < n1; ++n) tile_avx2_int8<ROWS, 1>(xq, xs, sums, k, v, so, y, n_total, n, scales.data());
-}
+  template <int ROWS, int NR>
+  void unpack(int64_t n, int64_t k, float* scales, float (&zero_terms)[NR][ROWS]) const {
+    const int64_t blocks = k / kBlock;
+    unpack_scales<ROWS, NR>(scale_zero + n * blocks * 2, blocks, block_sums, scales, zero_terms);
+  }
+  const int8_t* block(int64_t row, int64_t b, int64_t k) const { return v + row * k + b * kBlock; }
+  __m256i values(const int8_t* block) const {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
+  }
+};
 #endif
 
 // Symmetric int8 blocks (GGUF Q8_0, Q6_K): w[n, k] = v[n, k] * scale[n, k / S], one bfloat16
 // scale per block of S = 32 inputs (Q8_0's d) or S = 16 (Q6_K's d times its sub-block's
-// scale): 1 + 2 / S bytes per weight (1.0625, 1.125), no zero term. In the even/odd order of
-// a block's activations, 32-bit lane l of the two multiply-adds sums inputs 4l..4l+3, so
-// lanes 0-3 hold the block's first 16 inputs and lanes 4-7 its last 16: with S = 16
-// (HALVES 2) each 128-bit half of the weight's scale vector is one block of 16's scale.
+// scale): 1 + 2 / S bytes per weight (1.0625, 1.125), no zero term (HALVES 2 for S = 16 in
+// int8_tile.h's tile).
 #ifdef EXO_AVX2
-template <int ROWS, int NR, int HALVES>
-void tile_avx2_scaled(const int16_t* xq, const float* x_scales, int64_t k, const int8_t* v,
-                      const uint16_t* scales_bf16, float* y, int64_t n_total, int64_t n,
-                      float* scales) {
-  const int64_t blocks = k / kBlock, per_row = blocks * HALVES;
-  for (int i = 0; i < NR; ++i)  // the tile's scales as float32
-    unpack_bf16(scales_bf16 + (n + i) * per_row, per_row, scales + i * per_row);
-  __m256 acc[NR][ROWS];
-  for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int i = 0; i < NR; ++i) {
-      const int8_t* block = v + (n + i) * k + b * kBlock;
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
-      prefetch_ahead(block);
-      const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 8);
-      const __m256i odd = _mm256_srai_epi16(bytes, 8);
-      const float* scale = scales + i * per_row + b * HALVES;
-      __m256 weight_scale;
-      if constexpr (HALVES == 1) {
-        weight_scale = _mm256_broadcast_ss(scale);
-      } else {
-        weight_scale = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(scale)),
-                                            _mm_broadcast_ss(scale + 1), 1);
-      }
-      for (int r = 0; r < ROWS; ++r) {
-        const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
-        const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_loadu_si256(xv)),
-                                              _mm256_madd_epi16(odd, _mm256_loadu_si256(xv + 1)));
-        acc[i][r] = _mm256_fmadd_ps(
-            _mm256_cvtepi32_ps(sums),
-            _mm256_mul_ps(_mm256_broadcast_ss(x_scales + r * blocks + b), weight_scale),
-            acc[i][r]);
-      }
-    }
-  }
-  for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < ROWS; ++r) y[r * n_total + n + i] = horizontal_sum(acc[i][r]);
-}
+struct ScaledInt8Blocks {
+  static constexpr bool kZeroTerm = false;
+  const int8_t* v;              // [n, k]
+  const uint16_t* scales_bf16;  // [n, k / 32 * per_block]
+  int64_t per_block;            // scales per block of 32: 1 or 2
 
-template <int ROWS, int HALVES>
-void rows_avx2_scaled(const int16_t* xq, const float* xs, int64_t k, const int8_t* v,
-                      const uint16_t* sc, float* y, int64_t n_total, int64_t n0, int64_t n1) {
-  constexpr int kTile = int8_tile_rows<ROWS>();
-  std::vector<float> scales(static_cast<size_t>(kTile * (k / kBlock) * HALVES));
-  int64_t n = n0;
-  for (; n + kTile <= n1; n += kTile)
-    tile_avx2_scaled<ROWS, kTile, HALVES>(xq, xs, k, v, sc, y, n_total, n, scales.data());
-  for (; n < n1; ++n)
-    tile_avx2_scaled<ROWS, 1, HALVES>(xq, xs, k, v, sc, y, n_total, n, scales.data());
-}
+  template <int ROWS, int NR>
+  void unpack(int64_t n, int64_t k, float* scales, float (&)[NR][ROWS]) const {
+    const int64_t per_row = k / kBlock * per_block;
+    for (int i = 0; i < NR; ++i)
+      unpack_bf16(scales_bf16 + (n + i) * per_row, per_row, scales + i * per_row);
+  }
+  const int8_t* block(int64_t row, int64_t b, int64_t k) const { return v + row * k + b * kBlock; }
+  __m256i values(const int8_t* block) const {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
+  }
+};
 #endif
 
 }  // namespace
@@ -162,8 +102,9 @@ void int8_block_product(const float* xp, int64_t rows, int64_t k, const at::Tens
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     for_weight_spans(rows, 4, n0, n1, k, [&](int64_t s0, int64_t s1) {
       for_row_groups(rows, [&](auto count, int64_t r) {
-        rows_avx2_int8<decltype(count)::value>(xq + r * k, xs + r * blocks, sums + r * blocks,
-                                               k, vp, so, yp + r * n, n, s0, s1);
+        int8_tile::rows_avx2<decltype(count)::value, 1>(
+            xq + r * k, xs + r * blocks, k, Int8PairBlocks{vp, so, sums + r * blocks},
+            yp + r * n, n, s0, s1);
       });
     });
   });
@@ -212,10 +153,13 @@ void int8_scaled_product(const float* xp, int64_t rows, int64_t k, const at::Ten
     for_weight_spans(rows, 4, n0, n1, k, [&](int64_t s0, int64_t s1) {
       for_row_groups(rows, [&](auto count, int64_t r) {
         constexpr int R = decltype(count)::value;
+        const ScaledInt8Blocks weights{vp, sc, kBlock / block};
         if (block == 16)
-          rows_avx2_scaled<R, 2>(xq + r * k, xs + r * blocks, k, vp, sc, yp + r * n, n, s0, s1);
+          int8_tile::rows_avx2<R, 2>(xq + r * k, xs + r * blocks, k, weights, yp + r * n, n, s0,
+                                     s1);
         else
-          rows_avx2_scaled<R, 1>(xq + r * k, xs + r * blocks, k, vp, sc, yp + r * n, n, s0, s1);
+          int8_tile::rows_avx2<R, 1>(xq + r * k, xs + r * blocks, k, weights, yp + r * n, n, s0,
+                                     s1);
       });
     });
   });

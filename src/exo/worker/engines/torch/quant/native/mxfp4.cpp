@@ -6,10 +6,11 @@
 // (2 ** (s - 127)). Twice every E2M1 value is an integer in [-12, 12], so a block is
 // w = v * 2 ** (s - 128) with v the int8 "doubled" value: the same shape as the symmetric
 // int8 blocks of int8_blocks.cpp (int8 values, one float scale per 32 inputs), and the same
-// scheme: activations rounded to int16 per block of 32 (block_rows.h), products summed
-// exactly in int32 (|v| <= 12, so a pair of multiply-adds stays far inside int32), one
-// float multiply-add per block and output row. A byte table lookup (`pshufb` on the codes)
-// turns 16 bytes into the block's 32 int8 values in input order.
+// register tile (int8_tile.h): activations rounded to int16 per block of 32
+// (block_rows.h), products summed exactly in int32 (|v| <= 12, so a pair of multiply-adds
+// stays far inside int32), one float multiply-add per block and output row. A byte table
+// lookup (`pshufb` on the codes) turns 16 bytes into the block's 32 int8 values in input
+// order; that and the e8m0 scales are all that differ from int8_blocks.cpp's symmetric int8.
 //
 // 4.25 bits per weight are read per token, against 32 for the widened float32 weight.
 
@@ -23,10 +24,12 @@
 #include <vector>
 
 #include "block_rows.h"
+#include "int8_tile.h"
 
 namespace {
 
 using namespace exo_native::block_rows;
+namespace int8_tile = exo_native::int8_tile;
 
 constexpr int64_t kBlockBytes = kBlock / 2;
 // Twice each E2M1 value, by 4-bit code (sign bit 3, then exponent and mantissa).
@@ -54,56 +57,27 @@ inline __m256i block_values(const uint8_t* bytes, __m128i table, __m128i nibble)
   return _mm256_set_m128i(_mm_unpackhi_epi8(low, high), _mm_unpacklo_epi8(low, high));
 }
 
-// NR output rows from n, ROWS activation rows (int16 values in even/odd order per block,
-// as `reorder_even_odd` leaves them, and their per-block scales).
-template <int ROWS, int NR>
-void tile_avx2_mxfp4(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* blocks,
-                     const uint8_t* scale_bytes, float* y, int64_t n_total, int64_t n,
-                     float* scales) {
-  const int64_t groups = k / kBlock;
-  for (int i = 0; i < NR; ++i)
-    for (int64_t g = 0; g < groups; ++g)
-      scales[i * groups + g] = doubled_scale(scale_bytes[(n + i) * groups + g]);
-  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kDoubled));
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  __m256 acc[NR][ROWS];
-  for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < groups; ++b) {
-    for (int i = 0; i < NR; ++i) {
-      const uint8_t* block = blocks + ((n + i) * groups + b) * kBlockBytes;
-      prefetch_ahead(block);
-      const __m256i values = block_values(block, table, nibble);
-      const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(values, 8), 8);
-      const __m256i odd = _mm256_srai_epi16(values, 8);
-      const __m256 weight_scale = _mm256_broadcast_ss(scales + i * groups + b);
-      for (int r = 0; r < ROWS; ++r) {
-        const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
-        const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_loadu_si256(xv)),
-                                              _mm256_madd_epi16(odd, _mm256_loadu_si256(xv + 1)));
-        acc[i][r] = _mm256_fmadd_ps(
-            _mm256_cvtepi32_ps(sums),
-            _mm256_mul_ps(_mm256_broadcast_ss(x_scales + r * groups + b), weight_scale),
-            acc[i][r]);
-      }
-    }
-  }
-  for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < ROWS; ++r) y[r * n_total + n + i] = horizontal_sum(acc[i][r]);
-}
+// MXFP4 blocks [n, k / 32, 16] and scale bytes [n, k / 32] as int8_tile.h's policy: the
+// doubled values by `block_values`, the scales by `doubled_scale`, no zero term.
+struct Mxfp4Blocks {
+  static constexpr bool kZeroTerm = false;
+  const uint8_t* blocks;
+  const uint8_t* scale_bytes;
+  __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kDoubled));
+  __m128i nibble = _mm_set1_epi8(0x0F);
 
-template <int ROWS>
-void rows_avx2_mxfp4(const int16_t* xq, const float* xs, int64_t k, const uint8_t* blocks,
-                     const uint8_t* scale_bytes, float* y, int64_t n_total, int64_t n0,
-                     int64_t n1) {
-  constexpr int kTile = int8_tile_rows<ROWS>();
-  std::vector<float> scales(static_cast<size_t>(kTile * (k / kBlock)));
-  int64_t n = n0;
-  for (; n + kTile <= n1; n += kTile)
-    tile_avx2_mxfp4<ROWS, kTile>(xq, xs, k, blocks, scale_bytes, y, n_total, n, scales.data());
-  for (; n < n1; ++n)
-    tile_avx2_mxfp4<ROWS, 1>(xq, xs, k, blocks, scale_bytes, y, n_total, n, scales.data());
-}
+  const uint8_t* block(int64_t row, int64_t b, int64_t k) const {
+    return blocks + (row * (k / kBlock) + b) * kBlockBytes;
+  }
+  __m256i values(const uint8_t* block) const { return block_values(block, table, nibble); }
+  template <int ROWS, int NR>
+  void unpack(int64_t n, int64_t k, float* scales, float (&)[NR][ROWS]) const {
+    const int64_t groups = k / kBlock;
+    for (int i = 0; i < NR; ++i)
+      for (int64_t g = 0; g < groups; ++g)
+        scales[i * groups + g] = doubled_scale(scale_bytes[(n + i) * groups + g]);
+  }
+};
 #endif
 
 // y[rows, n] = x[rows, k] W^T for W held as MXFP4 (blocks [n, k / 32, 16], scales [n, k / 32]).
@@ -125,8 +99,9 @@ void mxfp4_product(const float* xp, int64_t rows, int64_t k, const uint8_t* bloc
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     for_weight_spans(rows, 4, n0, n1, k * 17 / 32, [&](int64_t s0, int64_t s1) {
       for_row_groups(rows, [&](auto count, int64_t r) {
-        rows_avx2_mxfp4<decltype(count)::value>(xq + r * k, xs + r * groups, k, blocks,
-                                                scale_bytes, yp + r * n, n, s0, s1);
+        int8_tile::rows_avx2<decltype(count)::value, 1>(
+            xq + r * k, xs + r * groups, k, Mxfp4Blocks{blocks, scale_bytes}, yp + r * n, n,
+            s0, s1);
       });
     });
   });
