@@ -16,10 +16,10 @@ exact product), more rows (an expert's share of a prompt chunk) by exo's prefill
 the blocks re-expressed exactly as int8 blocks (`mxfp4_int8_blocks`, a table gather per
 call; the same rounding of the activations), and where exo's kernels do not run by
 widening the weight 512 output rows at a time (one byte-pair table gather and one scale
-product, then a dense matmul of those rows; exact). Only routed experts run, so a step reads the MXFP4 bytes of
-its routed experts only. Figures: docs/benchmarks/2026-12-04-gpt-oss-mxfp4.md. Every MXFP4
-value is exact in bfloat16 and float32, so a widened weight equals the checkpoint's
-dequantized weight bit for bit.
+product, then a dense matmul of those rows; exact). Only routed experts run, so a step
+reads the MXFP4 bytes of its routed experts only. Figures:
+docs/benchmarks/2026-12-04-gpt-oss-mxfp4.md. Every MXFP4 value is exact in bfloat16 and
+float32, so a widened weight equals the checkpoint's dequantized weight bit for bit.
 """
 
 from __future__ import annotations
