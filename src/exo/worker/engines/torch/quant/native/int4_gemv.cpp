@@ -643,6 +643,70 @@ void rows_avx2_int8_channel(const int16_t* xq, const float* xs, int64_t k, const
 }
 #endif
 
+#ifdef EXO_INT4_AVX512
+// The same product on 512 bits, for several activation rows (a decode step over many
+// requests: the LM head's int8 rows are read once for all of them, so its cost per row is
+// the arithmetic): each 64-byte load is one pair of blocks, whose int16 lanes 0-15 are the
+// first block's; the activations of each pair are reordered to its 32 even inputs then its
+// 32 odd ones (`reorder_pairs_even_odd`), so the shifts give the matching weights, and
+// with AVX512-VNNI a block pair's products and their sums are two vpdpwssd per row. Each
+// pair's two activation scales are expanded once per call to the 16 int32 lanes they
+// scale (`pair_scales`, 8 lanes each), one load and one FMA per row and pair.
+inline void reorder_pairs_even_odd(int16_t* values, int64_t count) {
+  int16_t pair[2 * kBlock];
+  for (int64_t start = 0; start + 2 * kBlock <= count; start += 2 * kBlock) {
+    for (int i = 0; i < kBlock; ++i) {
+      pair[i] = values[start + 2 * i];
+      pair[kBlock + i] = values[start + 2 * i + 1];
+    }
+    std::memcpy(values + start, pair, sizeof(pair));
+  }
+}
+
+template <int ROWS, int NR>
+void tile_avx512_int8_channel(const int16_t* xq, const float* pair_scales, int64_t k,
+                              const int8_t* v, const uint16_t* scales, float* y,
+                              int64_t n_total, int64_t n) {
+  const int64_t pairs = k / (2 * kBlock);
+  __m512 acc[NR][ROWS];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int i = 0; i < NR; ++i) {
+      const int8_t* bytes = v + (n + i) * k + p * 2 * kBlock;
+      const __m512i lanes = _mm512_loadu_si512(bytes);
+      prefetch_ahead(bytes);
+      const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(lanes, 8), 8);
+      const __m512i odd = _mm512_srai_epi16(lanes, 8);
+      for (int r = 0; r < ROWS; ++r) {
+        const int16_t* xv = xq + r * k + p * 2 * kBlock;
+        const __m512i sums =
+            multiply_add(multiply_add(_mm512_setzero_si512(), even, _mm512_loadu_si512(xv)),
+                         odd, _mm512_loadu_si512(xv + kBlock));
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
+                                    _mm512_loadu_ps(pair_scales + (r * pairs + p) * 16),
+                                    acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r)
+      y[r * n_total + n + i] = _mm512_reduce_add_ps(acc[i][r]) * bf16_to_float(scales[n + i]);
+}
+
+template <int ROWS>
+void rows_avx512_int8_channel(const int16_t* xq, const float* pair_scales, int64_t k,
+                              const int8_t* v, const uint16_t* scales, float* y,
+                              int64_t n_total, int64_t n0, int64_t n1) {
+  constexpr int kTile = ROWS <= 2 ? 1 : 2;
+  int64_t n = n0;
+  for (; n + kTile <= n1; n += kTile)
+    tile_avx512_int8_channel<ROWS, kTile>(xq, pair_scales, k, v, scales, y, n_total, n);
+  for (; n < n1; ++n)
+    tile_avx512_int8_channel<ROWS, 1>(xq, pair_scales, k, v, scales, y, n_total, n);
+}
+#endif
+
 }  // namespace
 
 namespace exo_native {
@@ -662,6 +726,30 @@ void int8_channel_product(const float* xp, int64_t rows, int64_t k, const at::Te
   x_scales.resize(static_cast<size_t>(rows * blocks));
   block_sums.resize(static_cast<size_t>(rows * blocks));
   quantize_rows(xp, rows, k, kBlock, rounded.data(), x_scales.data(), block_sums.data());
+#ifdef EXO_INT4_AVX512
+  // One row keeps the 256-bit tile (bound by reading the weight either way).
+  if (rows > 1 && k % (2 * kBlock) == 0 && int4_decode_bits() == 512) {
+    reorder_pairs_even_odd(rounded.data(), rows * k);
+    const int64_t pairs = blocks / 2;
+    thread_local std::vector<float> pair_scales;
+    pair_scales.resize(static_cast<size_t>(rows * pairs * 16));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t p = 0; p < pairs; ++p)
+        for (int lane = 0; lane < 16; ++lane)
+          pair_scales[(r * pairs + p) * 16 + lane] = x_scales[r * blocks + 2 * p + lane / 8];
+    const int16_t* xq = rounded.data();
+    const float* ps = pair_scales.data();
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      for_weight_spans(rows, 8, n0, n1, k, [&](int64_t s0, int64_t s1) {
+        for_row_groups_of_8(rows, [&](auto count, int64_t r) {
+          rows_avx512_int8_channel<decltype(count)::value>(
+              xq + r * k, ps + r * pairs * 16, k, vp, sp, yp + r * n, n, s0, s1);
+        });
+      });
+    });
+    return;
+  }
+#endif
   reorder_even_odd(rounded.data(), rows * k);
   const int16_t* xq = rounded.data();
   const float* xs = x_scales.data();
