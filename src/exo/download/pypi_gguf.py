@@ -194,15 +194,43 @@ def _write_marker(path: Path, source_description: Mapping[str, Any]) -> None:
     (path / COMPLETION_MARKER).write_text(json.dumps(content, indent=2) + "\n")
 
 
-def _publish(staging: Path, target: Path) -> None:
+def gguf_file_identity(path: Path) -> dict[str, int] | None:
+    """What tells a GGUF file's version apart without reading it: its size in bytes and
+    modification time in nanoseconds (None when it is not there). A conversion records the
+    identity of the file it came from (`_converted_from`)."""
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    return {"size": status.st_size, "mtime_ns": status.st_mtime_ns}
+
+
+def _converted_from(candidate: Path, gguf_path: Path, identity: dict[str, int] | None) -> bool:
+    """Whether the conversion at `candidate` (its completion marker) was made from the file
+    at `gguf_path` as it is now: the same path (two paths can share a directory name:
+    `/a/b--c.gguf` and `/a/b/c.gguf`), and, while the file is there, the same
+    `gguf_file_identity` (a file replaced in place is converted again; a conversion
+    recorded without an identity, by an older exo, is too). A file that is gone leaves its
+    conversion usable."""
+    try:
+        content = json.loads((candidate / COMPLETION_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(content, dict) or content.get("gguf") != str(gguf_path):
+        return False
+    return identity is None or content.get("gguf_identity") == identity
+
+
+def _publish(staging: Path, target: Path, replace_current: bool = False) -> None:
     """Atomically move a finished staging directory into place. If another process won the
-    race and `target` is already complete in the current format, keep theirs and drop ours;
-    a conversion in an older format is moved aside and deleted (a runner still reading its
-    files keeps them open)."""
+    race and `target` is already complete in the current format, keep theirs and drop ours
+    (unless `replace_current`: `target` holds another source's conversion, which ours
+    replaces); a conversion in an older format is moved aside and deleted (a runner still
+    reading its files keeps them open)."""
     try:
         staging.rename(target)
     except OSError:
-        if conversion_is_current(target):
+        if conversion_is_current(target) and not replace_current:
             shutil.rmtree(staging, ignore_errors=True)
             return
         if is_prepared(target):
@@ -340,14 +368,17 @@ def _prepare_gguf_file(
     from exo.download.locations import ModelLocations, choose_download_directory, directory_name
 
     locations = ModelLocations.from_environment(models_dir)
+    gguf_path = Path(source.path)
+    identity = gguf_file_identity(gguf_path)
     older: Path | None = None  # a conversion by an older exo, used if this one cannot be
     for root in (*locations.writable, *locations.read_only):
         candidate = root / directory_name(str(card.model_id))
+        if not _converted_from(candidate, gguf_path, identity):
+            continue  # another file's conversion under the same name, or an older copy
         if conversion_is_current(candidate):
             return candidate
         if older is None and is_prepared(candidate):
             older = candidate
-    gguf_path = Path(source.path)
     if not gguf_path.is_file():
         if older is not None:
             logger.warning(f"{older} is an older conversion and {gguf_path} is gone: using it")
@@ -375,9 +406,14 @@ def _prepare_gguf_file(
         validate_model_directory(staging)
         _write_marker(
             staging,
-            {"model_id": str(card.model_id), "gguf": str(gguf_path), "sha256": source.sha256},
+            {
+                "model_id": str(card.model_id),
+                "gguf": str(gguf_path),
+                "sha256": source.sha256,
+                "gguf_identity": identity,
+            },
         )
-        _publish(staging, target)
+        _publish(staging, target, replace_current=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -150,3 +150,44 @@ async def test_a_store_model_is_listed_and_addressed_by_its_ollama_name(
             assert by_path.status_code == 200, by_path.text
             assert by_path.json()["card"]["source"]["kind"] == "GgufFileSource"
             assert str(tiny_gguf) in cluster.state.custom_cards
+
+
+def _converted_embedding(directory: Path) -> np.ndarray:
+    converted = load_file(str(directory / "model.safetensors"))
+    return next(tensor for name, tensor in converted.items() if "embed_tokens" in name)
+
+
+def test_two_paths_sharing_a_directory_name_get_their_own_weights(tmp_path: Path) -> None:
+    """`/m/a--b.gguf` and `/m--a/b.gguf` map to one directory name (`/` becomes `--`): each
+    is served from a conversion of itself, never of the other (the marker's source path is
+    checked), the second replacing the first's conversion."""
+    shape = RandomGgufShape()
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m--a").mkdir()
+    first = write_random_gguf(tmp_path / "m" / "a--b.gguf", shape, seed=1)
+    second = write_random_gguf(tmp_path / "m--a" / "b.gguf", shape, seed=2)
+    cards = [card_for_gguf(path, str(path)) for path in (first, second)]
+    models = tmp_path / "models"
+    one = _converted_embedding(prepare_model(cards[0], models, offline=True))
+    two = _converted_embedding(prepare_model(cards[1], models, offline=True))
+    assert not np.array_equal(one, two)
+    assert np.array_equal(_converted_embedding(prepare_model(cards[0], models, offline=True)), one)
+
+
+def test_a_gguf_replaced_in_place_is_converted_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shape = RandomGgufShape()
+    path = write_random_gguf(tmp_path / "tiny.gguf", shape, seed=1)
+    card = card_for_gguf(path, str(path))
+    models = tmp_path / "models"
+    before = _converted_embedding(prepare_model(card, models, offline=True))
+    write_random_gguf(path, shape, seed=2)
+    after = _converted_embedding(prepare_model(card, models, offline=True))
+    assert not np.array_equal(before, after)
+
+    def no_third_conversion(*_args: object) -> None:
+        raise AssertionError("an unchanged file converted again")
+
+    monkeypatch.setattr(pypi_gguf, "convert_gguf_to_safetensors", no_third_conversion)
+    assert np.array_equal(_converted_embedding(prepare_model(card, models, offline=True)), after)
