@@ -88,16 +88,33 @@ def requantized_layers(model: nn.Module, fmt: str) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument(
         "--models",
         nargs="+",
         default=["HuggingFaceTB/SmolLM2-135M-Instruct", "google/gemma-3-270m"],
+        help="catalog ids of prepared real models (default: both)",
     )
-    parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--decode-tokens", type=int, default=128)
-    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
-    parser.add_argument("--models-dir", type=Path, default=None)
+    parser.add_argument(
+        "--tokens", type=int, default=1024, help="text tokens teacher-forced (default 1024)"
+    )
+    parser.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=128,
+        help="of them, decoded one step each; as many prefill positions compared (default 128)",
+    )
+    parser.add_argument(
+        "--formats", nargs="+", choices=FORMATS, default=list(FORMATS), help="(default: all)"
+    )
+    parser.add_argument(
+        "--models-dir",
+        type=Path,
+        default=None,
+        help="where the models are (default: ~/.cache/exo-test-models, else exo's models dir)",
+    )
     arguments = parser.parse_args()
     repository = Path(__file__).parents[1]
     pages = [repository / "README.md", *sorted((repository / "docs").glob("*.md"))]

@@ -209,6 +209,11 @@ async def place_instance(body: PlaceInstanceRequest, cluster: Cluster) -> PlaceI
         node_ids=tuple(NodeId(n) for n in body.node_ids) if body.node_ids is not None else None,
         keep_alive=default_keep_alive(cluster, None),
     )
+    if command.node_ids == ():
+        raise InvalidRequestError(
+            "node_ids is empty: name at least one node, or leave it out to place on any",
+            param="node_ids",
+        )
     try:
         event = await cluster.submit(command)
     except CommandRejectedError as error:
@@ -228,7 +233,7 @@ def _param_of(reason: str) -> str | None:
         return "min_nodes"
     if "node id" in reason:
         return "node_ids"
-    if "tensor" in reason or "divisible" in reason:
+    if "tensor" in reason or "divisible" in reason or "expert-split" in reason:
         return "sharding"
     return None
 

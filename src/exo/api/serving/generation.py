@@ -267,7 +267,9 @@ async def _start_checked_generation(
                 first = await _first_chunk(request, generation.chunks)
             if isinstance(first, ErrorChunk) and first.status_code == 400:
                 raise InvalidRequestError(
-                    first.error_message, param="messages", code=first.error_code
+                    first.error_message,
+                    param=conversation_param(request, params),
+                    code=first.error_code,
                 )
             note_capped_max_tokens(cluster, request, params, first)
             generation.chunks = _prepend(first, generation.chunks)
@@ -276,6 +278,15 @@ async def _start_checked_generation(
         generation.close()
         raise
     return generation
+
+
+def conversation_param(request: Request, params: TextGenerationTaskParams) -> str:
+    """The request field that holds the conversation, which an error about the prompt
+    (over the context) names: `prompt` (legacy completions, Ollama's generate), `input`
+    (Responses), else `messages`."""
+    if params.prompt is not None:
+        return "prompt"
+    return "input" if request.url.path.rstrip("/").endswith("/responses") else "messages"
 
 
 def _pinned_instance(cluster: ClusterClient, request: Request, model: str) -> InstanceId | None:

@@ -213,19 +213,26 @@ def test_context_overflow_is_worded_as_each_reference_api_words_it(
     client = openai.OpenAI(
         base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0
     )
-    for create in (
-        lambda: client.chat.completions.create(
-            model=SMOLLM2, messages=[{"role": "user", "content": "hi"}]
+    for create, param in (
+        (
+            lambda: client.chat.completions.create(
+                model=SMOLLM2, messages=[{"role": "user", "content": "hi"}]
+            ),
+            "messages",
         ),
-        lambda: client.chat.completions.create(
-            model=SMOLLM2, messages=[{"role": "user", "content": "hi"}], stream=True
+        (
+            lambda: client.chat.completions.create(
+                model=SMOLLM2, messages=[{"role": "user", "content": "hi"}], stream=True
+            ),
+            "messages",
         ),
-        lambda: client.responses.create(model=SMOLLM2, input="hi"),
-        lambda: client.completions.create(model=SMOLLM2, prompt="hi"),
+        (lambda: client.responses.create(model=SMOLLM2, input="hi"), "input"),
+        (lambda: client.completions.create(model=SMOLLM2, prompt="hi"), "prompt"),
     ):
         with pytest.raises(openai.BadRequestError) as openai_error:
             create()
         assert openai_error.value.code == "context_length_exceeded"
+        assert openai_error.value.param == param
         assert openai_error.value.body["message"].startswith(  # type: ignore[index]
             "This model's maximum context length is 8192 tokens. However, your messages "
             "resulted in 9000 tokens."

@@ -70,6 +70,26 @@ async def test_unknown_sharding_is_refused_naming_the_field(cluster: InProcessCl
         sent.receive_nowait()  # refused at the boundary: no command was sent
 
 
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"node_ids": []}, "node_ids", "node_ids is empty"),
+        ({"sharding": "expert"}, "sharding", "not a mixture-of-experts model"),
+    ],
+)
+async def test_placement_refusals_name_their_field(
+    cluster: InProcessCluster, body: dict[str, object], param: str, words: str
+) -> None:
+    cluster.report_node()
+    async with http_client(cluster) as http:
+        with anyio.fail_after(DEADLINE_SECONDS):
+            response = await http.post("/place_instance", json={"model_id": SMOLLM2, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], words in error["message"]) == (param, True), error
+    assert cluster.state.instances == {}
+
+
 async def test_placement_sent_before_the_node_reported_waits_for_its_report(
     cluster: InProcessCluster,
 ) -> None:
