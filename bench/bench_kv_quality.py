@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from exo.shared.constants import models_dir
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.models.memory import KV_CACHE_DTYPE_BYTES, kv_geometry_of_config
 from exo.shared.types.common import ModelId
+from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.batching.batch_attention import (
     BatchPlan,
@@ -107,6 +109,26 @@ def summary(name: str, reference: torch.Tensor, rounded: torch.Tensor) -> str:
     )
 
 
+def prepared_whole_model(
+    cards: Mapping[ModelId, ModelCard], model_id: str, directory: Path | None
+) -> tuple[Path, ShardMetadata] | None:
+    """The prepared directory of catalog model `model_id` (in `directory`, else the engine
+    tests' cache when it holds it, else exo's models directory; no download) and a shard of
+    the whole model; None when the catalog has no such model."""
+    card = cards.get(ModelId(model_id))
+    if card is None:
+        return None
+    directory = directory or (
+        TEST_MODELS_DIR if (TEST_MODELS_DIR / model_id.replace("/", "--")).is_dir()
+        else models_dir()
+    )  # fmt: skip
+    shard = ShardMetadata(
+        sharding="pipeline", model_card=card, device_rank=0, world_size=1, start_layer=0,
+        end_layer=card.n_layers,
+    )  # fmt: skip
+    return prepare_model(card, directory, offline=True), shard
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -130,19 +152,11 @@ def main() -> int:
         f"teacher-forced KL(float32 KV || bfloat16 KV), same weights (the engine's default)"
     )
     for model_id in arguments.models:
-        card = cards.get(ModelId(model_id))
-        if card is None:
+        prepared = prepared_whole_model(cards, model_id, arguments.models_dir)
+        if prepared is None:
             print(f"{model_id} is not in the catalog", file=sys.stderr)
             return 2
-        directory = arguments.models_dir or (
-            TEST_MODELS_DIR if (TEST_MODELS_DIR / model_id.replace("/", "--")).is_dir()
-            else models_dir()
-        )  # fmt: skip
-        model_dir = prepare_model(card, directory, offline=True)
-        shard = ShardMetadata(
-            sharding="pipeline", model_card=card, device_rank=0, world_size=1, start_layer=0,
-            end_layer=card.n_layers,
-        )  # fmt: skip
+        model_dir, shard = prepared
         engine = TorchEngine.load(model_dir, shard)
         ids = engine.tokenizer(text)["input_ids"][: arguments.tokens]
         prefill = max(1, len(ids) - arguments.decode_tokens)

@@ -37,13 +37,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kv_quality import TEST_MODELS_DIR, forced_logits, summary
+from bench_kv_quality import forced_logits, prepared_whole_model, summary
 
-from exo.download.pypi_gguf import prepare_model
-from exo.shared.constants import models_dir
 from exo.shared.models.cards import load_builtin_cards
-from exo.shared.types.common import ModelId
-from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.model.direct_forward import LEAN_ENV
 from exo.worker.engines.torch.quant.int4_groups import Int4Linear, int4_supported
@@ -125,19 +121,11 @@ def main() -> int:
         "KL(float32 weights || format), float32 KV, LM head float32 but in `held`"
     )
     for model_id in arguments.models:
-        card = cards.get(ModelId(model_id))
-        if card is None:
+        prepared = prepared_whole_model(cards, model_id, arguments.models_dir)
+        if prepared is None:
             print(f"{model_id} is not in the catalog", file=sys.stderr)
             return 2
-        directory = arguments.models_dir or (
-            TEST_MODELS_DIR if (TEST_MODELS_DIR / model_id.replace("/", "--")).is_dir()
-            else models_dir()
-        )  # fmt: skip
-        model_dir = prepare_model(card, directory, offline=True)
-        shard = ShardMetadata(
-            sharding="pipeline", model_card=card, device_rank=0, world_size=1, start_layer=0,
-            end_layer=card.n_layers,
-        )  # fmt: skip
+        model_dir, shard = prepared
         reference_engine = TorchEngine.load(model_dir, shard, weight_dtype="float32")
         ids = reference_engine.tokenizer(text)["input_ids"][: arguments.tokens]
         prefill = max(1, len(ids) - arguments.decode_tokens)
