@@ -12,7 +12,7 @@ file loads in llama.cpp and in exo (`exo.download.gguf_models.card_for_gguf` the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,13 @@ GEMMA3_270M = RandomGgufShape(
 
 _BOS, _EOS = 1, 2
 _FIRST_FILLER = 3 + 256  # after the specials and the byte symbols (`_vocabulary`)
+PLAIN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+# A tensor to write: (GGUF name, GGML type name, weights shape `[..., out, in]`).
+Planned = tuple[str, str, tuple[int, ...]]
 
 
 def _byte_symbols() -> list[str]:
@@ -196,24 +203,7 @@ def write_random_gguf(
     writer.add_rope_freq_base(10000.0)
     if arch == "gemma3":
         writer.add_sliding_window(shape.sliding_window)
-    writer.add_vocab_size(shape.vocab_size)
-    tokens = _vocabulary(shape.vocab_size)
-    merges = ["a b"] if one_merge and len(tokens) > _FIRST_FILLER else []
-    if merges:
-        tokens[_FIRST_FILLER] = "ab"
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if index < 3 else 1 for index in range(len(tokens))])
-    writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(_BOS)
-    writer.add_eos_token_id(_EOS)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(
-        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
+    add_byte_vocabulary(writer, shape.vocab_size, one_merge=one_merge)
     for gguf_name, hf_name in sorted(names.items()):
         if hf_name == "lm_head.weight":
             continue
@@ -245,3 +235,79 @@ def write_random_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def add_byte_vocabulary(
+    writer: Any,
+    vocab_size: int,
+    *,
+    one_merge: bool = True,
+    pre: str | None = "default",
+    chat_template: str = PLAIN_CHAT_TEMPLATE,
+) -> None:
+    """The byte-level vocabulary of `vocab_size` tokens (`_vocabulary`) on a
+    `gguf.GGUFWriter`: BOS 1, EOS 2, no BOS added, `chat_template`.
+
+    Args:
+        one_merge: give it one BPE merge (two byte symbols into the first filler token):
+            llama.cpp and transformers refuse a BPE vocabulary without merges.
+        pre: `tokenizer.ggml.pre` (None: the key left out, as Ollama's first gpt-oss
+            blobs do).
+    """
+    writer.add_vocab_size(vocab_size)
+    tokens = _vocabulary(vocab_size)
+    merges = ["a b"] if one_merge and len(tokens) > _FIRST_FILLER else []
+    if merges:
+        tokens[_FIRST_FILLER] = "ab"
+    writer.add_tokenizer_model("gpt2")
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if index < 3 else 1 for index in range(len(tokens))])
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(_BOS)
+    writer.add_eos_token_id(_EOS)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(chat_template)
+
+
+def write_planned_tensors(
+    writer: Any,
+    path: Path,
+    planned: list[Planned],
+    rng: np.random.Generator,
+    on_tensor: Callable[[int, int], None] | None,
+    values: Callable[[str, str, tuple[int, ...], np.random.Generator], np.ndarray],
+) -> list[Path]:
+    """Write the `planned` tensors and the metadata already added, then close `writer` (a
+    `gguf.GGUFWriter` for `path`, maybe split): each tensor's stored array is
+    `values(name, type name, weights shape, rng)`, drawn in plan order one tensor at a time
+    (no whole model in memory); `on_tensor(written, total)` after each.
+
+    Returns:
+        The files written, first part first.
+    """
+    import gguf
+
+    for name, type_name, weights_shape in planned:
+        qtype = gguf.GGMLQuantizationType[type_name]
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        *leading, columns = weights_shape
+        nbytes = int(np.prod(leading)) * columns // block_size * type_size
+        dtype = np.dtype(np.float32) if type_name == "F32" else np.dtype(np.uint8)
+        raw = None if type_name == "F32" else qtype
+        byte_shape = (*leading, columns // block_size * type_size)
+        writer.add_tensor_info(
+            name, weights_shape if raw is None else byte_shape, dtype, nbytes, raw
+        )
+    files: list[Path] = writer.format_shard_names(path)
+    writer.write_header_to_file(path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for index, (name, type_name, weights_shape) in enumerate(planned):
+        writer.write_tensor_data(values(name, type_name, weights_shape, rng))
+        if on_tensor is not None:
+            on_tensor(index + 1, len(planned))
+    writer.close()
+    return files

@@ -30,10 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from exo.testing.random_gguf import _vocabulary  # pyright: ignore[reportPrivateUsage]
-
-_BOS, _EOS = 1, 2
-_FIRST_FILLER = 3 + 256  # after the specials and the byte symbols (`random_gguf._vocabulary`)
+from exo.testing.random_gguf import Planned, add_byte_vocabulary, write_planned_tensors
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,15 +74,12 @@ GPT_OSS_20B = GptOssGgufShape(
     original_context_length=4096,
 )
 
-# (GGUF name, GGML type name, weights shape `[..., out, in]`).
-_Planned = tuple[str, str, tuple[int, ...]]
 
-
-def _plan(shape: GptOssGgufShape, tensor_type: str) -> list[_Planned]:
+def _plan(shape: GptOssGgufShape, tensor_type: str) -> list[Planned]:
     hidden, width, experts = shape.hidden_size, shape.intermediate_size, shape.experts
     query = shape.num_attention_heads * shape.head_dim
     key_value = shape.num_key_value_heads * shape.head_dim
-    planned: list[_Planned] = [
+    planned: list[Planned] = [
         ("token_embd.weight", tensor_type, (shape.vocab_size, hidden)),
         ("output_norm.weight", "F32", (hidden,)),
         ("output.weight", tensor_type, (shape.vocab_size, hidden)),
@@ -176,26 +170,16 @@ def _add_metadata(writer: Any, shape: GptOssGgufShape, ollama_first: bool) -> No
     writer.add_sliding_window(shape.sliding_window)
     writer.add_expert_count(shape.experts)
     writer.add_expert_used_count(shape.experts_per_token)
-    writer.add_vocab_size(shape.vocab_size)
-    tokens = _vocabulary(shape.vocab_size)
-    # One merge (two byte symbols into the first filler token): transformers and llama.cpp
-    # want a BPE vocabulary with merges.
-    tokens[_FIRST_FILLER] = "ab"
-    writer.add_tokenizer_model("gpt2")
-    if not ollama_first:
-        writer.add_tokenizer_pre("gpt-4o")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if index < 3 else 1 for index in range(len(tokens))])
-    writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_merges(["a b"])
-    writer.add_bos_token_id(_BOS)
-    writer.add_eos_token_id(_EOS)
-    writer.add_add_bos_token(False)
     # Harmony's shape, shortened (the real template also renders tools and reasoning).
-    writer.add_chat_template(
-        "{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}"
-        "<|channel|>final{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
-        "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+    add_byte_vocabulary(
+        writer,
+        shape.vocab_size,
+        pre=None if ollama_first else "gpt-4o",
+        chat_template=(
+            "{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}"
+            "<|channel|>final{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+        ),
     )
 
 
@@ -259,29 +243,11 @@ def write_random_block_gptoss_gguf(
     """
     import gguf
 
-    rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, "gpt-oss")
     _add_metadata(writer, shape, ollama_first=False)
     planned = _plan(shape, "Q8_0")
-    for name, type_name, weights_shape in planned:
-        qtype = gguf.GGMLQuantizationType[type_name]
-        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        *leading, columns = weights_shape
-        nbytes = int(np.prod(leading)) * columns // block_size * type_size
-        raw = None if type_name == "F32" else qtype
-        dtype = np.dtype(np.float32) if raw is None else np.dtype(np.uint8)
-        byte_shape = (*leading, columns // block_size * type_size)
-        writer.add_tensor_info(
-            name, weights_shape if raw is None else byte_shape, dtype, nbytes, raw
-        )
-    writer.write_header_to_file(path)
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for index, (name, type_name, weights_shape) in enumerate(planned):
-        writer.write_tensor_data(_random_block_values(name, type_name, weights_shape, rng))
-        if on_tensor is not None:
-            on_tensor(index + 1, len(planned))
-    writer.close()
+    rng = np.random.default_rng(seed)
+    write_planned_tensors(writer, path, planned, rng, on_tensor, values=_random_block_values)
     return path
 
 

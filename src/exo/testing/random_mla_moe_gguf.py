@@ -37,11 +37,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from exo.testing.random_moe_gguf import (
-    add_byte_vocabulary,
-    random_values,
-    write_planned_tensors,
-)
+from exo.testing.random_gguf import add_byte_vocabulary, write_planned_tensors
+from exo.testing.random_moe_gguf import random_values
 
 _Planned = tuple[str, str, tuple[int, ...]]
 
@@ -285,7 +282,7 @@ def write_random_mla_moe_gguf(
     writer.add_expert_group_used_count(shape.expert_groups_per_token)
     add_byte_vocabulary(writer, shape.vocab_size)
     planned = _plan(shape, tensor_type, kv_b_layout)
-    return write_planned_tensors(writer, path, planned, np.random.default_rng(seed), values=_values)
+    return write_planned_tensors(writer, path, planned, np.random.default_rng(seed), None, _values)
 
 
 def _add_mla_metadata(gguf_writer: Any, shape: MlaMoeGgufShape, kv_b_layout: str) -> None:

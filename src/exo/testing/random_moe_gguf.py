@@ -19,18 +19,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from exo.testing.random_gguf import (  # pyright: ignore[reportPrivateUsage]
-    _vocabulary,
+from exo.testing.random_gguf import (
+    Planned,
+    add_byte_vocabulary,
     random_q4_k,
     random_q6_k,
+    write_planned_tensors,
 )
-
-_BOS, _EOS = 1, 2
-_FIRST_FILLER = 3 + 256  # after the specials and the byte symbols (`random_gguf._vocabulary`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,14 +66,10 @@ QWEN3_30B_A3B = MoeGgufShape(
 )
 
 
-# A tensor to write: (GGUF name, GGML type name, weights shape `[..., out, in]`).
-_Planned = tuple[str, str, tuple[int, ...]]
-
-
-def _plan(shape: MoeGgufShape, tensor_type: str) -> list[_Planned]:
+def _plan(shape: MoeGgufShape, tensor_type: str) -> list[Planned]:
     hidden, width = shape.hidden_size, shape.expert_intermediate_size
     query, key_value = shape.num_attention_heads, shape.num_key_value_heads
-    planned: list[_Planned] = [
+    planned: list[Planned] = [
         ("token_embd.weight", tensor_type, (shape.vocab_size, hidden)),
         ("output_norm.weight", "F32", (hidden,)),
         ("output.weight", "Q6_K" if tensor_type == "Q4_K" else tensor_type,
@@ -163,70 +157,11 @@ def write_random_moe_gguf(
     writer.add_expert_feed_forward_length(shape.expert_intermediate_size)
     add_byte_vocabulary(writer, shape.vocab_size)
     files = write_planned_tensors(
-        writer, path, _plan(shape, tensor_type), np.random.default_rng(seed), on_tensor
+        writer,
+        path,
+        _plan(shape, tensor_type),
+        np.random.default_rng(seed),
+        on_tensor,
+        random_values,
     )
-    return files
-
-
-def add_byte_vocabulary(writer: Any, vocab_size: int) -> None:
-    """`random_gguf`'s byte-level vocabulary of `vocab_size` tokens (one BPE merge: llama.cpp
-    refuses a BPE vocabulary without merges), BOS 1, EOS 2, and a plain chat template."""
-    writer.add_vocab_size(vocab_size)
-    tokens = _vocabulary(vocab_size)
-    merges = ["a b"] if len(tokens) > _FIRST_FILLER else []
-    if merges:  # two byte symbols merged into the first filler token
-        tokens[_FIRST_FILLER] = "ab"
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if index < 3 else 1 for index in range(len(tokens))])
-    writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(_BOS)
-    writer.add_eos_token_id(_EOS)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(
-        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
-
-
-def write_planned_tensors(
-    writer: Any,
-    path: Path,
-    planned: list[_Planned],
-    rng: np.random.Generator,
-    on_tensor: Callable[[int, int], None] | None = None,
-    values: Callable[[str, str, tuple[int, ...], np.random.Generator], np.ndarray] | None = None,
-) -> list[Path]:
-    """Write the `planned` tensors (random values: `values`, default `random_values`, drawn
-    from `rng` in plan order, one tensor at a time) and the metadata already added, then
-    close `writer` (a `gguf.GGUFWriter` for `path`).
-
-    Returns:
-        The files written, first part first.
-    """
-    import gguf
-
-    values = random_values if values is None else values
-    for name, type_name, weights_shape in planned:
-        qtype = gguf.GGMLQuantizationType[type_name]
-        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        *leading, columns = weights_shape
-        nbytes = int(np.prod(leading)) * columns // block_size * type_size
-        dtype = np.dtype(np.float32) if type_name == "F32" else np.dtype(np.uint8)
-        raw = None if type_name == "F32" else qtype
-        byte_shape = (*leading, columns // block_size * type_size)
-        writer.add_tensor_info(
-            name, weights_shape if raw is None else byte_shape, dtype, nbytes, raw
-        )
-    files: list[Path] = writer.format_shard_names(path)
-    writer.write_header_to_file(path)
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for index, (name, type_name, weights_shape) in enumerate(planned):
-        writer.write_tensor_data(values(name, type_name, weights_shape, rng))
-        if on_tensor is not None:
-            on_tensor(index + 1, len(planned))
-    writer.close()
     return files
