@@ -35,6 +35,7 @@ from exo.api.ollama.wire_types import (
 )
 from exo.api.serving.cluster_client import ClusterClient, LoadOnRequest
 from exo.api.wire.errors import GenerationError, InvalidRequestError
+from exo.api.wire.images import ImagePolicy
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.chunks import (
     Chunk,
@@ -751,6 +752,7 @@ class ScriptedCluster:
         self.script: list[Chunk] = []
         self.submitted: list[GenerateText] = []
         self.load_on_request = LoadOnRequest()
+        self.image_policy = ImagePolicy()
 
     @contextmanager
     def chunk_stream(self, command_id: CommandId) -> Iterator[AsyncIterator[Chunk]]:
