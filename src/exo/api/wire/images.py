@@ -6,10 +6,11 @@ and put `IMAGE_MARKER` at its place in the turn's text. The reader knows the mod
 without the "vision" capability gets no reader that reads: the adapter answers its
 dialect's refusal) and this node's `ImagePolicy`:
 
-- **Size**: at most `max_bytes` of image file (`--image-max-bytes`, default 20 MiB, as
-  OpenAI's and Anthropic's per-image limits), at most `max_pixels` pixels
-  (`--image-max-pixels`, default 7680 x 4320 = 8K UHD); Pillow's own decompression-bomb
-  check stops anything far larger before it is decoded.
+- **Size**: at most `max_bytes` of image file (`--image-max-bytes`, default 16 MiB: one
+  image that large still fits, as base64, in the 24 MiB a generation may carry through the
+  cluster, `MAX_GENERATION_BYTES`; OpenAI and Anthropic take up to 20 MB), at most
+  `max_pixels` pixels (`--image-max-pixels`, default 7680 x 4320 = 8K UHD); Pillow's own
+  decompression-bomb check stops anything far larger before it is decoded.
 - **Decoding**: Pillow opens the bytes (PNG, JPEG, WebP, GIF, BMP), checks them
   (`verify`) and decodes them whole (`load`), so a truncated or corrupt file is a 400 here
   and never a failure in the runner. The format Pillow found decides `media_type`; a type
@@ -24,7 +25,8 @@ dialect's refusal) and this node's `ImagePolicy`:
   checked (the URL's host only names it for TLS and `Host`), so a second DNS answer cannot
   swap in another one.
 
-Every failure is an `InvalidRequestError` naming the request part (`param`), which each
+Every failure is an `InvalidRequestError` naming the request part (`param`, and at the
+head of the message, since the Claude and Ollama error shapes have no `param`), which each
 dialect answers in its own error shape with status 400.
 
 Fetching and decoding block (network, CPU): `exo.api.serving.generation.convert_request`
@@ -52,8 +54,9 @@ from PIL import Image, UnidentifiedImageError
 from exo.api.wire.errors import InvalidRequestError
 from exo.shared.types.text_generation import ImageInput
 
-# OpenAI and Anthropic both document 20 MB as the largest image they take.
-DEFAULT_IMAGE_MAX_BYTES = 20 * 2**20
+# One image this large is 21.3 MiB as base64, within the 24 MiB of `MAX_GENERATION_BYTES`
+# (a generation's request travels in the cluster's event log); OpenAI and Anthropic take 20 MB.
+DEFAULT_IMAGE_MAX_BYTES = 16 * 2**20
 # 8K UHD (7680 x 4320): larger than any camera photo a chat client sends, far below what
 # would take seconds to decode. Vision models downscale to a few megapixels anyway.
 DEFAULT_IMAGE_MAX_PIXELS = 7680 * 4320
@@ -67,6 +70,10 @@ _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 
 # Carrier-grade NAT (RFC 6598): not `is_private` in Python, and no public host's address.
 _SHARED_ADDRESS_SPACE = ipaddress.ip_network("100.64.0.0/10")
+
+
+def _refusal(message: str, param: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{param}: {message}", param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,13 +167,13 @@ class ImageReader:
         if scheme == "data":
             header, comma, payload = url.partition(",")
             if not comma or not header.lower().endswith(";base64"):
-                raise InvalidRequestError(
+                raise _refusal(
                     "an image data URL must be base64: data:<media type>;base64,<data>", param
                 )
             return self.read_base64(payload, param)
         if scheme in ("http", "https"):
             return self._decode(self._fetch(url, param), param)
-        raise InvalidRequestError(
+        raise _refusal(
             "an image URL must be an http(s) URL or a base64 data URL "
             f"(got {url[:40]!r}{'...' if len(url) > 40 else ''})",
             param,
@@ -189,7 +196,7 @@ class ImageReader:
         try:
             data = base64.b64decode(compact + "=" * (-len(compact) % 4), alphabet, validate=True)
         except (binascii.Error, ValueError):
-            raise InvalidRequestError("the image is not valid base64", param) from None
+            raise _refusal("the image is not valid base64", param) from None
         return self._decode(data, param)
 
     def read_bytes(self, data: bytes, param: str) -> ImageInput:
@@ -204,7 +211,7 @@ class ImageReader:
             raise ImagesDeferred
 
     def _too_large(self, param: str) -> InvalidRequestError:
-        return InvalidRequestError(
+        return _refusal(
             f"the image is larger than this node accepts ({self.policy.max_bytes} bytes; "
             "--image-max-bytes)",
             param,
@@ -212,7 +219,7 @@ class ImageReader:
 
     def _decode(self, data: bytes, param: str) -> ImageInput:
         if not data:
-            raise InvalidRequestError("the image is empty", param)
+            raise _refusal("the image is empty", param)
         if len(data) > self.policy.max_bytes:
             raise self._too_large(param)
         try:
@@ -223,7 +230,7 @@ class ImageReader:
                     image_format, (width, height) = image.format, image.size
                     self._check_pixels(width, height, param)
                     if image_format not in ACCEPTED_FORMATS:
-                        raise InvalidRequestError(
+                        raise _refusal(
                             f"image format {image_format} is not accepted; send PNG, JPEG, "
                             "WebP, GIF or BMP",
                             param,
@@ -235,7 +242,7 @@ class ImageReader:
             raise self._too_many_pixels(param) from None
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError) as error:
             reason = "not an image" if isinstance(error, UnidentifiedImageError) else "corrupt"
-            raise InvalidRequestError(
+            raise _refusal(
                 f"the image cannot be decoded ({reason}); send a PNG, JPEG, WebP, GIF or BMP file",
                 param,
             ) from None
@@ -253,7 +260,7 @@ class ImageReader:
             raise self._too_many_pixels(param, f" ({width} x {height})")
 
     def _too_many_pixels(self, param: str, size: str = "") -> InvalidRequestError:
-        return InvalidRequestError(
+        return _refusal(
             f"the image has more pixels{size} than this node accepts "
             f"({self.policy.max_pixels}; --image-max-pixels)",
             param,
@@ -270,47 +277,45 @@ class ImageReader:
                 try:
                     response = client.send(request, stream=True)
                 except httpx.HTTPError as error:
-                    raise InvalidRequestError(
+                    raise _refusal(
                         f"the image URL could not be fetched: {type(error).__name__}", param
                     ) from None
-                with response:
+                try:
                     if response.status_code in _REDIRECT_STATUSES:
                         location = response.headers.get("location")
                         if not location:
-                            raise InvalidRequestError(
-                                "the image URL redirects nowhere (no Location)", param
-                            )
+                            raise _refusal("the image URL redirects nowhere (no Location)", param)
                         url = urljoin(url, location)
                         continue
                     if response.status_code != 200:
-                        raise InvalidRequestError(
+                        raise _refusal(
                             f"fetching the image URL answered HTTP {response.status_code}", param
                         )
                     return self._read_body(response, deadline, param)
-        raise InvalidRequestError(f"the image URL redirects more than {MAX_REDIRECTS} times", param)
+                finally:
+                    response.close()
+        raise _refusal(f"the image URL redirects more than {MAX_REDIRECTS} times", param)
 
     def _pinned_request(self, client: httpx.Client, url: str, param: str) -> httpx.Request:
         """A GET of `url` sent to an address of its host that passed the check."""
         parts = urlsplit(url)
         if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-            raise InvalidRequestError(
+            raise _refusal(
                 "an image URL (or its redirect) must be an http(s) URL with a host", param
             )
         host = parts.hostname
         try:
             port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
         except ValueError:
-            raise InvalidRequestError("the image URL has an invalid port", param) from None
+            raise _refusal("the image URL has an invalid port", param) from None
         try:
             addresses = self._resolve(host, port)
         except OSError:
-            raise InvalidRequestError(
-                f"the image URL's host {host!r} could not be resolved", param
-            ) from None
+            raise _refusal(f"the image URL's host {host!r} could not be resolved", param) from None
         if not addresses:
-            raise InvalidRequestError(f"the image URL's host {host!r} has no address", param)
+            raise _refusal(f"the image URL's host {host!r} has no address", param)
         if not self.policy.allow_private_urls and any(map(is_forbidden_address, addresses)):
-            raise InvalidRequestError(
+            raise _refusal(
                 f"the image URL's host {host!r} is a loopback, private or link-local address, "
                 "which this node does not fetch (--image-allow-private-urls)",
                 param,
@@ -335,13 +340,13 @@ class ImageReader:
                 if len(body) > self.policy.max_bytes:
                     raise self._too_large(param)
                 if time.monotonic() > deadline:
-                    raise InvalidRequestError(
+                    raise _refusal(
                         "fetching the image URL took longer than "
                         f"{self.policy.fetch_timeout_seconds:g} s (--image-fetch-timeout)",
                         param,
                     )
         except httpx.HTTPError as error:
-            raise InvalidRequestError(
+            raise _refusal(
                 f"the image URL could not be fetched: {type(error).__name__}", param
             ) from None
         return bytes(body)
@@ -356,7 +361,7 @@ def add_image_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_IMAGE_MAX_BYTES,
         metavar="BYTES",
         help="largest image file a request may send or link, larger gets 400 (default "
-        "%(default)s: 20 MiB)",
+        "%(default)s: 16 MiB)",
     )
     group.add_argument(
         "--image-max-pixels",
