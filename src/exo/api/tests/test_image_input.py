@@ -21,6 +21,7 @@ import openai
 import pytest
 from PIL import Image
 
+from exo.api.serving.prompt_size import MAX_PROMPT_BYTES_PER_TOKEN, check_prompt_size
 from exo.api.tests.serving import scripted_app, serving
 from exo.api.wire.errors import InvalidRequestError
 from exo.api.wire.images import (
@@ -29,7 +30,13 @@ from exo.api.wire.images import (
     ImagesDeferred,
     is_forbidden_address,
 )
-from exo.shared.types.text_generation import IMAGE_MARKER, ChatMessage
+from exo.shared.types.commands import MAX_GENERATION_BYTES
+from exo.shared.types.text_generation import (
+    IMAGE_MARKER,
+    ChatMessage,
+    ImageInput,
+    TextGenerationTaskParams,
+)
 from exo.testing.builders import SMOLLM2, smollm2_card
 from exo.testing.scripted_cluster import ScriptedCluster
 
@@ -389,3 +396,34 @@ def test_ollama_images_reach_the_command(vision: ScriptedCluster, base_url: str)
     assert raised.value.status_code == 400
     show = httpx.post(f"{base_url}/ollama/api/show", json={"model": SMOLLM2}).json()
     assert "vision" in show["capabilities"]
+
+
+def test_the_prompt_size_bound_leaves_images_out_but_not_the_cluster_cap() -> None:
+    card = smollm2_card()
+    over_the_text_bound = card.context_length * MAX_PROMPT_BYTES_PER_TOKEN + 1
+
+    def params_with_image(size: int) -> TextGenerationTaskParams:
+        data = bytes(size)
+        image = ImageInput(
+            data=data,
+            media_type="image/png",
+            width=1,
+            height=1,
+            sha256=hashlib.sha256(data).hexdigest(),
+        )
+        message = ChatMessage(role="user", content=IMAGE_MARKER, images=(image,))
+        return TextGenerationTaskParams(model=SMOLLM2, messages=(message,))
+
+    check_prompt_size(params_with_image(over_the_text_bound), card)
+    with pytest.raises(InvalidRequestError, match="send fewer or smaller images") as raised:
+        check_prompt_size(params_with_image(MAX_GENERATION_BYTES * 3 // 4 + 1), card)
+    assert raised.value.code == "request_too_large"
+    # Text past the bound is refused as before, images or not.
+    long_text = ChatMessage(role="user", content="x" * over_the_text_bound)
+    with pytest.raises(InvalidRequestError, match="shorten the prompt"):
+        check_prompt_size(
+            params_with_image(10).model_copy(
+                update={"messages": (*params_with_image(10).messages, long_text)}
+            ),
+            card,
+        )
