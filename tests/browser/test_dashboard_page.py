@@ -209,6 +209,7 @@ def test_chat_attaches_an_image_for_a_vision_model(
     expect(page.locator("#image-button")).to_be_hidden()
     page.route(lambda url: urlsplit(url).path == "/models", vision_catalog)
     page.route("**/v1/chat/completions", answer)
+    page.reload()  # the page asks for the catalog again, now through the route
     dashboard.open("chat")
     page.wait_for_selector(f"#chat-model option[value='{DEFAULT_MODEL_ID}']", state="attached")
     page.select_option("#chat-model", DEFAULT_MODEL_ID)

@@ -129,12 +129,14 @@ def test_private_loopback_and_link_local_addresses_are_forbidden(
 
 
 class ImageHandler(BaseHTTPRequestHandler):
-    """/image.png: a PNG; /redirect: to it; /big: a body past 4 KiB; else 404."""
+    """/image.png: a PNG; /redirect: to it; /to-file: to a file: URL; /loop: to itself;
+    /big: a body past 4 KiB; else 404."""
 
     def do_GET(self) -> None:
-        if self.path == "/redirect":
+        targets = {"/redirect": "/image.png", "/to-file": "file:///etc/passwd", "/loop": "/loop"}
+        if self.path in targets:
             self.send_response(302)
-            self.send_header("Location", "/image.png")
+            self.send_header("Location", targets[self.path])
             self.end_headers()
             return
         body = {"/image.png": PNG, "/big": b"x" * 10_000}.get(self.path)
@@ -173,6 +175,11 @@ def test_an_http_image_is_fetched_when_private_urls_are_allowed(image_server: st
         reader.read_url(f"{image_server}/big", "p")
     with pytest.raises(InvalidRequestError, match="HTTP 404"):
         reader.read_url(f"{image_server}/missing.png", "p")
+    # Every redirect's target is checked again.
+    with pytest.raises(InvalidRequestError, match=r"its redirect\) must be an http\(s\) URL"):
+        reader.read_url(f"{image_server}/to-file", "p")
+    with pytest.raises(InvalidRequestError, match="redirects more than 5 times"):
+        reader.read_url(f"{image_server}/loop", "p")
 
 
 def test_a_loopback_image_url_is_refused_by_default(image_server: str) -> None:

@@ -320,11 +320,16 @@ class ImageReader:
                 "which this node does not fetch (--image-allow-private-urls)",
                 param,
             )
-        address = addresses[0]
-        literal = f"[{address}]" if ":" in address else address
-        pinned = httpx.URL(url).copy_with(host=literal.strip("[]"))
+        pinned = httpx.URL(url).copy_with(host=addresses[0].split("%", 1)[0])
         request = client.build_request(
-            "GET", pinned, headers={"Host": parts.netloc.rpartition("@")[2], "Accept": "image/*"}
+            "GET",
+            pinned,
+            headers={
+                "Host": parts.netloc.rpartition("@")[2],
+                "Accept": "image/*",
+                # A compressed body could expand past the size cap between two checks.
+                "Accept-Encoding": "identity",
+            },
         )
         request.extensions["sni_hostname"] = host
         return request
