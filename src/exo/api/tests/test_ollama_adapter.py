@@ -715,9 +715,9 @@ def test_show_capabilities_follow_the_card() -> None:
         "tools",
         "thinking",
     ]
-    # Gemma 3 4B reads images, but exo refuses image input: not advertised.
+    # Gemma 3 4B's card says it reads images.
     gemma = show_response(cards[ModelId("google/gemma-3-4b-it")], "", "x", "INT4")
-    assert gemma.capabilities == ["completion", "tools"]
+    assert gemma.capabilities == ["completion", "tools", "vision"]
     assert gemma.details.parameter_size == "4.3B" and gemma.details.family == "gemma3"
     assert gemma.model_info["gemma3.attention.key_length"] == 256
 
