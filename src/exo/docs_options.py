@@ -51,6 +51,10 @@ NODE_DETAILS = {
     "max_connections": "security.md#limits-on-clients",
     "max_generations_per_client": "security.md#limits-on-clients",
     "rate_limit": "security.md#limits-on-clients",
+    "image_max_bytes": "api.md#images",
+    "image_max_pixels": "api.md#images",
+    "image_fetch_timeout": "api.md#images",
+    "image_allow_private_urls": "api.md#images",
     "cluster_secret": "security.md#cluster-secret",
     "cluster_secret_file": "security.md#cluster-secret",
 }

@@ -187,6 +187,7 @@ class Node:
             record_download=self.worker.record_download,
             local_kv_cache=self.worker.kv_cache_use,
             trust_remote_code=options.trust_remote_code,
+            image_policy=options.image_policy,
         )
         self.info_gatherer = InfoGatherer(
             self.local_events,

@@ -14,6 +14,7 @@ from exo.api.security import (
     security_options,
 )
 from exo.api.serving.model_aliases import ModelAlias, parse_model_aliases
+from exo.api.wire.images import ImagePolicy, add_image_arguments, image_policy_from_args
 from exo.routing.cluster_tls import ClusterSecret
 from exo.routing.secret_options import (
     add_cluster_secret_arguments,
@@ -79,6 +80,8 @@ class Options:
     kv_cache_tokens: int | None = None
     # How runners store keys and values on CPU (`--kv-cache-dtype`).
     kv_cache_dtype: KVCacheDtype | None = None
+    # Limits on image input and image URL fetching (`--image-*`).
+    image_policy: ImagePolicy = field(default_factory=ImagePolicy)
 
 
 def package_version() -> str:
@@ -255,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: use the cache)",
     )
     add_security_arguments(parser)
+    add_image_arguments(parser)
     add_cluster_secret_arguments(parser)
     return parser
 
@@ -312,6 +316,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         idle_unload_seconds=args.idle_unload,
         trust_remote_code=args.trust_remote_code,
         security=security_options(args, parser),
+        image_policy=image_policy_from_args(args, parser),
         max_queued_requests=args.max_queued_requests,
         max_concurrent_requests=args.max_concurrent_requests,
         stream_interval_seconds=args.stream_interval_ms / 1000,

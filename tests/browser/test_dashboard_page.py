@@ -5,9 +5,11 @@ phone, light and dark) into the pytest tmp dir."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from playwright.sync_api import Browser, Route, expect
@@ -171,6 +173,62 @@ def test_model_html_is_shown_as_text(dashboard: DashboardPage, screenshots: Path
     assert "<b>hard</b>" in (thinking.text_content() or "")
     assert "get_weather" in reply.locator("details.tool-call summary").inner_text()
     page.screenshot(path=screenshots / "chat-hostile-answer.png")
+    assert dashboard.errors == []
+
+
+# A 1 x 1 PNG (a red dot), as a file picked in the chat.
+DOT_PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+)
+
+
+def test_chat_attaches_an_image_for_a_vision_model(
+    dashboard: DashboardPage, screenshots: Path
+) -> None:
+    """The Image button shows only for a model whose card has vision (the catalog answer is
+    intercepted to give the served model vision: this tests the page, not a vision model);
+    the picture goes out as a data: URL in an `image_url` part after the text."""
+    page = dashboard.page
+    sent: list[Any] = []
+
+    def vision_catalog(route: Route) -> None:
+        response = route.fetch()
+        cards = response.json()
+        for card in cards:
+            if card["model_id"] == DEFAULT_MODEL_ID:
+                card["capabilities"] = [*card["capabilities"], "vision"]
+        route.fulfill(response=response, json=cards)
+
+    def answer(route: Route) -> None:
+        sent.append(route.request.post_data_json)
+        chunk = {"id": "chatcmpl-test", "choices": [{"index": 0, "delta": {"content": "A dot."}}]}
+        route.fulfill(status=200, headers={"content-type": "text/event-stream"}, body=_sse([chunk]))
+
+    dashboard.open("chat")
+    page.wait_for_selector(f"#chat-model option[value='{DEFAULT_MODEL_ID}']", state="attached")
+    expect(page.locator("#image-button")).to_be_hidden()
+    page.route(lambda url: urlsplit(url).path == "/models", vision_catalog)
+    page.route("**/v1/chat/completions", answer)
+    page.reload()  # the page asks for the catalog again, now through the route
+    dashboard.open("chat")
+    page.wait_for_selector(f"#chat-model option[value='{DEFAULT_MODEL_ID}']", state="attached")
+    page.select_option("#chat-model", DEFAULT_MODEL_ID)
+    expect(page.locator("#image-button")).to_be_visible()
+    page.set_input_files(
+        "#chat-attach-image",
+        files=[{"name": "dot.png", "mimeType": "image/png", "buffer": DOT_PNG}],
+    )
+    page.locator(".attachment:has-text('dot.png')").wait_for()
+    page.fill("#chat-input", "What is this?")
+    page.press("#chat-input", "Enter")
+    page.locator(".message.assistant .answer:has-text('A dot.')").wait_for()
+    data_url = "data:image/png;base64," + base64.b64encode(DOT_PNG).decode()
+    assert sent[-1]["messages"][-1]["content"] == [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": data_url}},
+    ]
+    assert page.locator(".message.user img.attachment-image").get_attribute("src") == data_url
+    page.screenshot(path=screenshots / "chat-image.png")
     assert dashboard.errors == []
 
 

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import anyio
 
 from exo.api.serving.cluster_client import LoadOnRequest
+from exo.api.wire.images import ImagePolicy
 from exo.shared.types.chunks import Chunk, TokenChunk, Usage
 from exo.shared.types.commands import Command, GenerateText
 from exo.shared.types.common import CommandId, NodeId
@@ -47,6 +48,7 @@ class ScriptedCluster:
         self.downloads_recorded: list[tuple[str, DownloadStatus]] = []
         self.generation_aliases: dict[CommandId, CommandId] = {}
         self.kv_cache: list[KVCacheUse] = []  # what `local_kv_cache` reports
+        self.image_policy = ImagePolicy()  # tests replace it (`allow_private_urls`)
 
     def local_kv_cache(self) -> list[KVCacheUse]:
         return list(self.kv_cache)

@@ -57,10 +57,13 @@ from exo.api.claude_messages.wire_types import (
 from exo.api.serving.request_checks import build_task_params
 from exo.api.wire.conversation import check_tool_results_answer_calls
 from exo.api.wire.errors import InvalidRequestError
+from exo.api.wire.images import NO_VISION, ImageReader
 from exo.api.wire.sampling import sampling_fields
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
+    IMAGE_MARKER,
     ChatMessage,
+    ImageInput,
     NamedToolChoice,
     ReasoningEffort,
     TextGenerationTaskParams,
@@ -127,11 +130,16 @@ def error_body(status_code: int, message: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- request
 
 
-def to_task_params(request: MessagesRequest) -> TextGenerationTaskParams:
+def to_task_params(
+    request: MessagesRequest, images: ImageReader = NO_VISION
+) -> TextGenerationTaskParams:
     """Convert a Messages request into the internal generation request.
 
     Args:
         request: A schema-valid request.
+        images: Reads `image` blocks (sources `base64` and `url`) of user turns and of
+            `tool_result` contents, for a model with vision; without vision they are
+            refused.
 
     Returns:
         The internal params. `system` becomes a leading system turn (less Claude Code's
@@ -141,7 +149,8 @@ def to_task_params(request: MessagesRequest) -> TextGenerationTaskParams:
         blocks its `reasoning_content`. Sampling fields the client left out stay None.
 
     Raises:
-        InvalidRequestError: image or document input, server tools, block types exo does
+        InvalidRequestError: document input, image input for a model without vision or
+            an image that cannot be read, server tools, block types exo does
             not model, blocks in the wrong role, or fields that contradict each other (a
             `tool_choice` naming a tool not in `tools`, `output_config.format` with a
             forced tool call).
@@ -156,7 +165,7 @@ def to_task_params(request: MessagesRequest) -> TextGenerationTaskParams:
             "output_config.format",
         )
     return build_task_params(
-        **_prompt_fields(request),
+        **_prompt_fields(request, images),
         stream=request.stream,
         response_format="text" if output_format is None else "json_schema",
         json_schema=None if output_format is None else output_format.schema_,
@@ -170,17 +179,19 @@ def to_task_params(request: MessagesRequest) -> TextGenerationTaskParams:
     )
 
 
-def count_tokens_params(request: CountTokensRequest) -> TextGenerationTaskParams:
+def count_tokens_params(
+    request: CountTokensRequest, images: ImageReader = NO_VISION
+) -> TextGenerationTaskParams:
     """The internal params whose prompt `count_tokens` measures (see `to_task_params`)."""
-    return build_task_params(**_prompt_fields(request))
+    return build_task_params(**_prompt_fields(request, images))
 
 
-def _prompt_fields(request: CountTokensRequest) -> dict[str, Any]:
+def _prompt_fields(request: CountTokensRequest, images: ImageReader) -> dict[str, Any]:
     tool_choice, parallel_tool_calls = _tool_choice(request.tool_choice)
     effort = request.output_config.effort if request.output_config is not None else None
     return {
         "model": ModelId(request.model),
-        "messages": _conversation(request),
+        "messages": _conversation(request, images),
         "tools": tuple(
             _tool_definition(tool, index) for index, tool in enumerate(request.tools or ())
         ),
@@ -244,7 +255,7 @@ def _enable_thinking(thinking: ThinkingParam | None) -> bool | None:
             assert_never(thinking)
 
 
-def _conversation(request: CountTokensRequest) -> tuple[ChatMessage, ...]:
+def _conversation(request: CountTokensRequest, images: ImageReader) -> tuple[ChatMessage, ...]:
     messages: list[ChatMessage] = []
     system = _system_text(request.system)
     if system:
@@ -269,7 +280,7 @@ def _conversation(request: CountTokensRequest) -> tuple[ChatMessage, ...]:
                 )
             )
         elif message.role == "user":
-            messages.extend(_user_turn(message.content, where))
+            messages.extend(_user_turn(message.content, where, images))
         else:
             messages.append(_assistant_turn(message.content, where))
     check_tool_results_answer_calls(messages, "messages")
@@ -303,15 +314,21 @@ def _system_turn_text(message: InputMessage, where: str) -> str:
     return _TEXT_BLOCK_SEPARATOR.join(texts)
 
 
-def _user_turn(blocks: Sequence[ContentBlockParam], where: str) -> list[ChatMessage]:
-    """A user turn's text, and one `tool` turn per `tool_result`, in the blocks' order."""
+def _user_turn(
+    blocks: Sequence[ContentBlockParam], where: str, images: ImageReader
+) -> list[ChatMessage]:
+    """A user turn's text (`IMAGE_MARKER` at each image's place) and images, and one
+    `tool` turn per `tool_result`, in the blocks' order."""
     messages: list[ChatMessage] = []
     texts: list[str] = []
+    read: list[ImageInput] = []
 
     def flush_texts() -> None:
         if texts:
-            messages.append(ChatMessage(role="user", content=_TEXT_BLOCK_SEPARATOR.join(texts)))
+            content = _TEXT_BLOCK_SEPARATOR.join(texts)
+            messages.append(ChatMessage(role="user", content=content, images=tuple(read)))
             texts.clear()
+            read.clear()
 
     for block_index, block in enumerate(blocks):
         at = f"{where}.content.{block_index}"
@@ -320,14 +337,19 @@ def _user_turn(blocks: Sequence[ContentBlockParam], where: str) -> list[ChatMess
                 texts.append(block.text)
             case ToolResultBlockParam():
                 flush_texts()
+                content, result_images = _tool_result_content(block, at, images)
                 messages.append(
                     ChatMessage(
                         role="tool",
-                        content=_tool_result_text(block, at),
+                        content=content,
                         tool_call_id=block.tool_use_id,
+                        images=result_images,
                     )
                 )
-            case ImageBlockParam() | DocumentBlockParam():
+            case ImageBlockParam():
+                read.append(_image(block, at, images))
+                texts.append(IMAGE_MARKER)
+            case DocumentBlockParam():
                 raise _unsupported_input(block, at)
             case ThinkingBlockParam() | RedactedThinkingBlockParam() | ToolUseBlockParam():
                 raise InvalidRequestError(
@@ -376,7 +398,11 @@ def _assistant_turn(blocks: Sequence[ContentBlockParam], where: str) -> ChatMess
     )
 
 
-def _tool_result_text(block: ToolResultBlockParam, at: str) -> str:
+def _tool_result_content(
+    block: ToolResultBlockParam, at: str, images: ImageReader
+) -> tuple[str, tuple[ImageInput, ...]]:
+    """A tool result's text (`IMAGE_MARKER` at each image's place) and images."""
+    read: list[ImageInput] = []
     if isinstance(block.content, str):
         text = block.content
     else:
@@ -386,14 +412,60 @@ def _tool_result_text(block: ToolResultBlockParam, at: str) -> str:
             match part:
                 case TextBlockParam():
                     texts.append(part.text)
-                case ImageBlockParam() | DocumentBlockParam():
+                case ImageBlockParam():
+                    read.append(_image(part, part_at, images))
+                    texts.append(IMAGE_MARKER)
+                case DocumentBlockParam():
                     raise _unsupported_input(part, part_at)
                 case OtherBlockParam():
                     raise _unsupported_block(part.type, part_at)
                 case _:
                     assert_never(part)
         text = _TEXT_BLOCK_SEPARATOR.join(texts)
-    return TOOL_ERROR_PREFIX + text if block.is_error else text
+    return (TOOL_ERROR_PREFIX + text if block.is_error else text), tuple(read)
+
+
+# The media types Anthropic accepts in a base64 image source.
+_CLAUDE_IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+
+
+def _image(block: ImageBlockParam, at: str, images: ImageReader) -> ImageInput:
+    """An `image` block's image: a `base64` source (`media_type` and `data`) or a `url`
+    one. The declared media type must be one Anthropic accepts; the bytes decide the one
+    the runner is told."""
+    if not images.vision:
+        raise _unsupported_input(block, at)
+    source, source_at = block.source, f"{at}.source"
+    match source.get("type"):
+        case "base64":
+            media_type, data = source.get("media_type"), source.get("data")
+            if media_type not in _CLAUDE_IMAGE_TYPES:
+                raise InvalidRequestError(
+                    f"{source_at}.media_type: Input should be "
+                    f"{', '.join(repr(name) for name in _CLAUDE_IMAGE_TYPES)}",
+                    f"{source_at}.media_type",
+                )
+            if not isinstance(data, str):
+                raise InvalidRequestError(
+                    f"{source_at}.data: Field required (base64 text)", f"{source_at}.data"
+                )
+            return images.read_base64(data, source_at)
+        case "url":
+            url = source.get("url")
+            if not isinstance(url, str):
+                raise InvalidRequestError(f"{source_at}.url: Field required", f"{source_at}.url")
+            return images.read_url(url, source_at)
+        case "file":
+            raise InvalidRequestError(
+                f"{source_at}: image sources of type 'file' are not supported: exo stores no "
+                "files; send a base64 or url source",
+                f"{source_at}.type",
+            )
+        case other:
+            raise InvalidRequestError(
+                f"{source_at}.type: Input should be 'base64' or 'url' (got {other!r})",
+                f"{source_at}.type",
+            )
 
 
 def _unsupported_input(

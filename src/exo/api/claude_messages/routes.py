@@ -23,6 +23,7 @@ from exo.api.claude_messages.wire_types import (
     MessagesRequest,
 )
 from exo.api.serving.generation import convert_request
+from exo.api.serving.image_input import convert_with_images
 from exo.api.serving.model_lookup import Cluster, with_resolved_model
 from exo.api.serving.token_counting import count_prompt_tokens
 from exo.api.wire.errors import ErrorDialect, context_overflow
@@ -48,7 +49,7 @@ ERROR_DIALECT = ErrorDialect("anthropic", ("/v1/messages",), _render_error)
 async def create_message(
     body: MessagesRequest, request: Request, cluster: Cluster
 ) -> Message | Response:
-    converted = convert_request(cluster, body, to_task_params, "msg_")
+    converted = await convert_request(cluster, body, to_task_params, "msg_")
     message_id, model = converted.response_id, converted.body.model
     return await converted.serve(
         request,
@@ -61,5 +62,6 @@ async def create_message(
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, cluster: Cluster) -> CountTokensResponse:
     body = with_resolved_model(cluster, body)
-    count = await count_prompt_tokens(cluster, count_tokens_params(body))
+    params = await convert_with_images(cluster, body, body.model, count_tokens_params)
+    count = await count_prompt_tokens(cluster, params)
     return CountTokensResponse(input_tokens=count)

@@ -40,7 +40,9 @@ class TextBlockParam(_WireRequestModel):
 
 
 class ImageBlockParam(_WireRequestModel):
-    """Accepted by the schema so the adapter can refuse it with a clear 400."""
+    """An image (`source`: `base64` or `url`), read for a model with vision; refused with a
+    clear 400 for any other model. The source is checked by the adapter, which names the
+    field at fault."""
 
     type: Literal["image"]
     source: dict[str, Any]

@@ -43,7 +43,8 @@ from exo.api.guards.content_encoding import BodyDecodingError, decode_body, enco
 
 # Anthropic documents 32 MB as the largest Messages API request; OpenAI's chat bodies are
 # of the same order. Text prompts that fill the catalog's longest context (128K tokens, a
-# few bytes each, JSON-escaped) stay far below it, and exo refuses image input.
+# few bytes each, JSON-escaped) stay far below it, and so does an image at
+# `--image-max-bytes`' default (16 MiB, 21.3 MiB as base64).
 DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 # A client sends its headers in one packet, within milliseconds; 10 s (Go servers' common
 # ReadHeaderTimeout) leaves room for a slow mobile link and frees a slowloris's slot soon.

@@ -97,13 +97,14 @@ def model_capabilities(card: ModelCard, template: str) -> list[str]:
     """Ollama's capability names: "completion" always; "tools" for every model with a chat
     template (exo parses the model's own tool-call format, and asks a model trained on none
     for hermes blocks); "thinking" when the card says so or the chat template reads a
-    thinking switch. "vision" is never listed: exo refuses image input for now, and a
-    client that saw it would send images to a 400."""
+    thinking switch; "vision" when the card says so (such a model reads `images`)."""
     capabilities = ["completion"]
     if getattr(card, "has_chat_template", True):
         capabilities.append("tools")
     if "thinking" in card.capabilities or "enable_thinking" in template:
         capabilities.append("thinking")
+    if "vision" in card.capabilities:
+        capabilities.append("vision")
     return capabilities
 
 

@@ -36,12 +36,15 @@ from exo.api.ollama.wire_types import (
 )
 from exo.api.serving.request_checks import build_task_params
 from exo.api.wire.errors import InvalidRequestError
+from exo.api.wire.images import NO_VISION, ImageReader
 from exo.api.wire.sampling import sampling_fields
 from exo.api.wire.tools import openai_tool_choice, tool_definitions
 from exo.shared.types.commands import KeepAlive
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
+    IMAGE_MARKER,
     ChatMessage,
+    ImageInput,
     ReasoningEffort,
     ResponseFormat,
     TextGenerationTaskParams,
@@ -158,7 +161,10 @@ def _go_duration_seconds(text: str) -> float:
 
 
 def chat_to_task_params(
-    request: OllamaChatRequest, model_id: ModelId, capabilities: Sequence[str] = ("text",)
+    request: OllamaChatRequest,
+    model_id: ModelId,
+    capabilities: Sequence[str] = ("text",),
+    images: ImageReader = NO_VISION,
 ) -> TextGenerationTaskParams:
     """Convert an `/api/chat` body (with at least one message) into the internal request.
 
@@ -166,36 +172,46 @@ def chat_to_task_params(
         request: A schema-valid body.
         model_id: The known model its `model` names (`resolve_model_name`).
         capabilities: The model card's capabilities (decides the wording of an image refusal).
+        images: Reads a user or tool message's `images` (base64 strings) for a model with
+            vision: they come before the message's text, as Ollama places them.
 
     `tool_choice` is an exo extension (Ollama cannot force a tool call); it takes
     OpenAI's forms.
 
     Raises:
-        InvalidRequestError: images, malformed replayed tool-call arguments, a
+        InvalidRequestError: images for a model without vision (or that cannot be read),
+            malformed replayed tool-call arguments, a
             `tool_choice` naming no offered tool, or option values out of range.
     """
-    messages = _chat_messages(request.messages, request.model, capabilities)
+    messages = _chat_messages(request.messages, request.model, capabilities, images)
     tools = tool_definitions(tool.function for tool in request.tools or ())
     return _task_params(request, model_id, messages, tools, openai_tool_choice(request.tool_choice))
 
 
 def generate_to_task_params(
-    request: OllamaGenerateRequest, model_id: ModelId, capabilities: Sequence[str] = ("text",)
+    request: OllamaGenerateRequest,
+    model_id: ModelId,
+    capabilities: Sequence[str] = ("text",),
+    images: ImageReader = NO_VISION,
 ) -> TextGenerationTaskParams:
     """Convert an `/api/generate` body with a non-empty prompt into the internal request:
     `system` (if any) and `prompt` become a system and a user turn of the chat template;
     with `raw: true` the prompt reaches the model as it is (no template), which is how a
-    base model (no chat template) is served.
+    base model (no chat template) is served. `images` (base64 strings) join the user turn,
+    before the prompt, for a model with vision (`images` reads them).
 
     Raises:
         InvalidRequestError: `suffix` (fill-in-the-middle), a `template` override, a
-            non-empty `context`, images, `system` or `think` with `raw` (a raw prompt has
+            non-empty `context`, images for a model without vision (or that cannot be read)
+            or with `raw`, `system` or `think` with `raw` (a raw prompt has
             no turns to put them in; Ollama refuses `system` with `raw` too), or option
             values out of range.
     """
-    if request.images:
+    if request.images and not images.vision:
         raise InvalidRequestError(_no_vision_message(request.model, capabilities), "images")
     refusals = (
+        (request.raw and request.images, "images", "raw mode does not support images: an "
+         "image takes its place through the chat template, which a raw prompt skips"),
         (request.suffix, "suffix", "suffix (fill-in-the-middle) is not supported yet"),
         (request.template, "template", "a template override is not supported yet; the "
          "model's own chat template is used"),
@@ -214,7 +230,8 @@ def generate_to_task_params(
     messages: list[ChatMessage] = []
     if request.system:
         messages.append(ChatMessage(role="system", content=request.system))
-    messages.append(ChatMessage(role="user", content=request.prompt or ""))
+    content, prompt_images = _with_images(request.prompt or "", request.images, "images", images)
+    messages.append(ChatMessage(role="user", content=content, images=prompt_images))
     return _task_params(request, model_id, tuple(messages), (), "auto")
 
 
@@ -366,22 +383,43 @@ def _no_vision_message(model: str, capabilities: Sequence[str]) -> str:
     )
 
 
+def _with_images(
+    text: str, encoded: Sequence[str] | None, param: str, images: ImageReader
+) -> tuple[str, tuple[ImageInput, ...]]:
+    """`text` after one `IMAGE_MARKER` per image (Ollama puts a message's images before its
+    text), and the images read from their base64 strings."""
+    read = tuple(
+        images.read_base64(data, f"{param}[{index}]") for index, data in enumerate(encoded or ())
+    )
+    if not read:
+        return text, ()
+    return "\n".join([IMAGE_MARKER] * len(read) + ([text] if text else [])), read
+
+
 def _chat_messages(
-    messages: Sequence[OllamaMessage], model: str, capabilities: Sequence[str]
+    messages: Sequence[OllamaMessage],
+    model: str,
+    capabilities: Sequence[str],
+    images: ImageReader,
 ) -> tuple[ChatMessage, ...]:
     converted: list[ChatMessage] = []
     # Calls made by the assistant that no tool message has answered yet: Ollama's tool
     # messages name the tool (`tool_name`), ours tie to a call id.
     unanswered: list[ToolCall] = []
     for index, message in enumerate(messages):
-        if message.images:
+        param = f"messages[{index}].images"
+        if message.images and not images.vision:
+            raise InvalidRequestError(_no_vision_message(model, capabilities), param)
+        if message.images and message.role not in ("user", "tool"):
             raise InvalidRequestError(
-                _no_vision_message(model, capabilities), f"messages[{index}].images"
+                f"images belong in user and tool messages, not {message.role} messages", param
             )
-        content = message.content or ""
+        content, message_images = _with_images(message.content or "", message.images, param, images)
         match message.role:
             case "system" | "user":
-                converted.append(ChatMessage(role=message.role, content=content))
+                converted.append(
+                    ChatMessage(role=message.role, content=content, images=message_images)
+                )
             case "assistant":
                 calls = tuple(
                     ToolCall(
@@ -411,6 +449,7 @@ def _chat_messages(
                         content=content,
                         name=message.tool_name or (call.name if call else None),
                         tool_call_id=message.tool_call_id or (call.id if call else None),
+                        images=message_images,
                     )
                 )
             case _:

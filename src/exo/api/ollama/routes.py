@@ -51,6 +51,7 @@ from exo.api.openai_completions import routes as completions
 from exo.api.openai_responses import routes as responses
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.serving.generation import serve_generation
+from exo.api.serving.image_input import convert_with_images
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
 from exo.api.serving.model_lookup import Cluster, card_of, resolve_model_id, servable_model_ids
 from exo.api.wire.errors import (
@@ -207,7 +208,13 @@ async def _answer(
             assert_never(body)
     if not has_input:
         return await _load_or_unload(cluster, request, card, keep_alive, dialect, body)
-    params, model = to_params(card.model_id, card.capabilities), body.model
+    params = await convert_with_images(
+        cluster,
+        body,
+        card.model_id,
+        lambda _body, images: to_params(card.model_id, card.capabilities, images),
+    )
+    model = body.model
     return await serve_generation(
         cluster, request, params, keep_alive=keep_alive, media_type=NDJSON_MEDIA_TYPE,
         render=lambda chunks: stream_ollama(

@@ -30,11 +30,14 @@ from exo.api.openai_chat.wire_types import (
 from exo.api.serving.request_checks import build_task_params
 from exo.api.wire.conversation import check_tool_results_answer_calls
 from exo.api.wire.errors import InvalidRequestError
+from exo.api.wire.images import NO_VISION, ImageReader
 from exo.api.wire.sampling import logit_bias_from_wire, openai_sampling_fields
 from exo.api.wire.tools import openai_tool_choice, tool_definitions
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
+    IMAGE_MARKER,
     ChatMessage,
+    ImageInput,
     NamedToolChoice,
     ReasoningEffort,
     ResponseFormat,
@@ -60,11 +63,16 @@ def new_completion_id() -> str:
 # ---------------------------------------------------------------- request
 
 
-def to_task_params(request: ChatCompletionRequest) -> TextGenerationTaskParams:
+def to_task_params(
+    request: ChatCompletionRequest, images: ImageReader = NO_VISION
+) -> TextGenerationTaskParams:
     """Convert a Chat Completions request into the internal generation request.
 
     Args:
         request: A schema-valid request.
+        images: Reads a user turn's `image_url` parts (data: and http(s) URLs) for a model
+            with vision; `detail` is accepted and has no effect (the model's own processor
+            decides the resolution). Without vision an image part is refused.
 
     Returns:
         The internal params; sampling fields the client left out stay None (model card
@@ -73,9 +81,10 @@ def to_task_params(request: ChatCompletionRequest) -> TextGenerationTaskParams:
 
     Raises:
         InvalidRequestError: the request asks for something exo does not do (n > 1,
-            image/audio/file input, template keyword arguments other than
-            `enable_thinking`), holds a malformed value (a `logit_bias` key that is not a
-            token id, a bias outside [-100, 100]) or its fields contradict each other
+            image input for a model without vision, audio/file input, template keyword
+            arguments other than `enable_thinking`), an image that cannot be read, holds a
+            malformed value (a `logit_bias` key that is not a token id, a bias outside
+            [-100, 100]) or its fields contradict each other
             (`max_tokens` != `max_completion_tokens`, both `tools` and `functions`,
             `top_logprobs` without `logprobs`, a tool choice naming no given tool).
     """
@@ -83,7 +92,7 @@ def to_task_params(request: ChatCompletionRequest) -> TextGenerationTaskParams:
     enable_thinking, reasoning_effort = _thinking(request)
     return build_task_params(
         model=ModelId(request.model),
-        messages=_to_chat_messages(request.messages),
+        messages=_to_chat_messages(request.messages, images),
         **openai_sampling_fields(request, max_tokens=_max_tokens(request)),
         stream=request.stream,
         # The deprecated `functions` are tools too (a request may not send both).
@@ -191,7 +200,9 @@ def _max_tokens(request: ChatCompletionRequest) -> int | None:
     return current if current is not None else legacy
 
 
-def _to_chat_messages(messages: list[RequestMessage]) -> tuple[ChatMessage, ...]:
+def _to_chat_messages(
+    messages: list[RequestMessage], images: ImageReader
+) -> tuple[ChatMessage, ...]:
     converted: list[ChatMessage] = []
     # Ids of legacy `function_call`s, so a `function` message can name its call.
     legacy_call_ids: dict[str, str] = {}
@@ -205,11 +216,10 @@ def _to_chat_messages(messages: list[RequestMessage]) -> tuple[ChatMessage, ...]
                     )
                 )
             case UserMessage():
+                content, message_images = _user_content(message.content, param, images)
                 converted.append(
                     ChatMessage(
-                        role="user",
-                        content=_user_content(message.content, param),
-                        name=message.name,
+                        role="user", content=content, name=message.name, images=message_images
                     )
                 )
             case AssistantMessage():
@@ -288,27 +298,34 @@ def _text_content(content: str | list[TextContentPart] | None) -> str:
     return _TEXT_PART_SEPARATOR.join(part.text for part in content)
 
 
-def _user_content(content: str | list[UserContentPart] | None, param: str) -> str:
+def _user_content(
+    content: str | list[UserContentPart] | None, param: str, images: ImageReader
+) -> tuple[str, tuple[ImageInput, ...]]:
+    """A user turn's text, with `IMAGE_MARKER` at each image's place, and its images."""
     if content is None or isinstance(content, str):
-        return content or ""
+        return content or "", ()
     texts: list[str] = []
+    read: list[ImageInput] = []
     for part_index, part in enumerate(content):
         part_param = f"{param}.content[{part_index}]"
         match part:
             case TextContentPart():
                 texts.append(part.text)
             case ImageContentPart():
-                raise InvalidRequestError(
-                    f"image input {_NOT_SUPPORTED_YET}; send text content parts only",
-                    part_param,
-                )
+                if not images.vision:
+                    raise InvalidRequestError(
+                        f"image input {_NOT_SUPPORTED_YET}; send text content parts only",
+                        part_param,
+                    )
+                read.append(images.read_url(part.image_url.url, f"{part_param}.image_url"))
+                texts.append(IMAGE_MARKER)
             case AudioContentPart():
                 raise InvalidRequestError(f"audio input {_NOT_SUPPORTED_YET}", part_param)
             case FileContentPart():
                 raise InvalidRequestError(f"file input {_NOT_SUPPORTED_YET}", part_param)
             case _:
                 assert_never(part)
-    return _TEXT_PART_SEPARATOR.join(texts)
+    return _TEXT_PART_SEPARATOR.join(texts), tuple(read)
 
 
 def _assistant_content(

@@ -68,7 +68,7 @@ async def retrieve_model(model_id: str, cluster: Cluster) -> ModelObject:
 async def chat_completions(
     body: ChatCompletionRequest, request: Request, cluster: Cluster
 ) -> ChatCompletionResponse | Response:
-    converted = convert_request(cluster, body, to_task_params, "chatcmpl-")
+    converted = await convert_request(cluster, body, to_task_params, "chatcmpl-")
     params, completion_id, created = converted.params, converted.response_id, int(time.time())
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await converted.serve(

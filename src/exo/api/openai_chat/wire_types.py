@@ -9,8 +9,8 @@ Unknown request fields are ignored rather than refused. OpenAI's own server answ
 for an unknown parameter, but clients written for other OpenAI-compatible servers send
 extras (`repetition_penalty`, `chat_template_kwargs`, ...) and breaking them over a knob we
 would not honour anyway helps nobody. Known fields whose *value* we cannot honour (`n > 1`,
-image input) are refused, never silently dropped; the few accepted and ignored ones are
-listed in the README ("Accepted and ignored").
+image input to a model without vision) are refused, never silently dropped; the few
+accepted and ignored ones are listed in the README ("Accepted and ignored").
 Extensions other OpenAI-compatible servers define and we honour: `top_k`, `min_p`,
 `repetition_penalty` and `chat_template_kwargs.enable_thinking` (vLLM).
 
@@ -53,8 +53,8 @@ class ImageUrl(_WireRequestModel):
 
 
 class ImageContentPart(_WireRequestModel):
-    """Accepted by the schema so the adapter can refuse it with a clear 400 instead of a
-    generic schema error."""
+    """An image (`image_url.url`: a data: or http(s) URL), read for a model with vision
+    (`exo.api.wire.images`); refused with a clear 400 for any other model."""
 
     type: Literal["image_url"]
     image_url: ImageUrl

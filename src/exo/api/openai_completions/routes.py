@@ -24,7 +24,9 @@ router = APIRouter()
 async def completions(
     body: CompletionRequest, request: Request, cluster: Cluster
 ) -> Completion | Response:
-    converted = convert_request(cluster, body, to_task_params, COMPLETION_ID_PREFIX)
+    converted = await convert_request(
+        cluster, body, lambda body, _images: to_task_params(body), COMPLETION_ID_PREFIX
+    )
     params, completion_id, created = converted.params, converted.response_id, int(time.time())
     echo = params.prompt if body.echo and params.prompt is not None else ""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -51,12 +51,15 @@ from exo.api.openai_responses.request_types import (
 )
 from exo.api.serving.request_checks import build_task_params
 from exo.api.wire.errors import InvalidRequestError
+from exo.api.wire.images import NO_VISION, ImageReader
 from exo.api.wire.sampling import sampling_fields, vllm_top_k
 from exo.api.wire.tools import tool_definitions
 from exo.shared.types.chunks import ToolCall
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
+    IMAGE_MARKER,
     ChatMessage,
+    ImageInput,
     NamedToolChoice,
     ReasoningEffort,
     ResponseFormat,
@@ -83,7 +86,9 @@ _PARAM_NAMES = {
 # ---------------------------------------------------------------- request
 
 
-def to_task_params(request: ResponsesRequest) -> TextGenerationTaskParams:
+def to_task_params(
+    request: ResponsesRequest, images: ImageReader = NO_VISION
+) -> TextGenerationTaskParams:
     """Convert a Responses request into the internal generation request.
 
     `instructions` becomes a leading system message; input items become chat turns
@@ -92,6 +97,10 @@ def to_task_params(request: ResponsesRequest) -> TextGenerationTaskParams:
 
     Args:
         request: A schema-valid request.
+        images: Reads `input_image` parts (an `image_url`: data: or http(s) URL) of user
+            messages and function call outputs, for a model with vision; `detail` has no
+            effect. Without vision an image part is refused; a `file_id` always is (exo
+            stores no files).
 
     Returns:
         The internal params; sampling fields the client left out stay None (model card
@@ -100,7 +109,7 @@ def to_task_params(request: ResponsesRequest) -> TextGenerationTaskParams:
     Raises:
         InvalidRequestError: the request asks for something exo does not do (stored
             responses or conversations, background mode, a `tool_choice` forcing a hosted
-            tool, image or file input)
+            tool, file input, image input for a model without vision)
             or is inconsistent (a function call output without its
             call, a tool choice naming an unknown tool, an empty input).
     """
@@ -111,7 +120,7 @@ def to_task_params(request: ResponsesRequest) -> TextGenerationTaskParams:
     if isinstance(request.input, str):
         messages.append(ChatMessage(role="user", content=request.input))
     else:
-        messages.extend(_to_chat_messages(request, request.input))
+        messages.extend(_to_chat_messages(request, request.input, images))
     if not any(message.role != "system" for message in messages):
         raise InvalidRequestError(
             "input must contain at least one user, assistant or tool turn", "input"
@@ -312,7 +321,9 @@ def _thinking(request: ResponsesRequest) -> tuple[bool | None, ReasoningEffort |
             assert_never(effort)
 
 
-def _to_chat_messages(request: ResponsesRequest, items: list[InputItem]) -> list[ChatMessage]:
+def _to_chat_messages(
+    request: ResponsesRequest, items: list[InputItem], images: ImageReader
+) -> list[ChatMessage]:
     messages: list[ChatMessage] = []
     pending_reasoning: list[str] = []
     call_ids: set[str] = set()
@@ -324,13 +335,20 @@ def _to_chat_messages(request: ResponsesRequest, items: list[InputItem]) -> list
         match item:
             case MessageItem():
                 role = "system" if item.role == "developer" else item.role
-                content = _message_text(item, param)
+                content, message_images = _parts_content(
+                    item.content, f"{param}.content", images, image_turn=role == "user"
+                )
                 reasoning = None
                 if role == "assistant" and pending_reasoning:
                     reasoning = _TEXT_PART_SEPARATOR.join(pending_reasoning)
                     pending_reasoning.clear()
                 messages.append(
-                    ChatMessage(role=role, content=content, reasoning_content=reasoning)
+                    ChatMessage(
+                        role=role,
+                        content=content,
+                        reasoning_content=reasoning,
+                        images=message_images,
+                    )
                 )
                 previous_was_assistant = role == "assistant"
             case FunctionCallItem():
@@ -363,11 +381,15 @@ def _to_chat_messages(request: ResponsesRequest, items: list[InputItem]) -> list
                         "in `input` too",
                         f"{param}.call_id",
                     )
+                content, message_images = _parts_content(
+                    item.output, f"{param}.output", images, image_turn=True
+                )
                 messages.append(
                     ChatMessage(
                         role="tool",
-                        content=_parts_text(item.output, f"{param}.output"),
+                        content=content,
                         tool_call_id=item.call_id,
+                        images=message_images,
                     )
                 )
                 previous_was_assistant = False
@@ -409,14 +431,15 @@ def _unsupported_item_message(kind: str) -> str:
     )
 
 
-def _message_text(item: MessageItem, param: str) -> str:
-    return _parts_text(item.content, f"{param}.content")
-
-
-def _parts_text(content: str | list[ContentPart], param: str) -> str:
+def _parts_content(
+    content: str | list[ContentPart], param: str, images: ImageReader, *, image_turn: bool
+) -> tuple[str, tuple[ImageInput, ...]]:
+    """A message's (or function output's) text, with `IMAGE_MARKER` at each image's place,
+    and its images. `image_turn` False: a turn that cannot hold images (system, assistant)."""
     if isinstance(content, str):
-        return content
+        return content, ()
     texts: list[str] = []
+    read: list[ImageInput] = []
     for index, part in enumerate(content):
         match part:
             case InputTextPart() | OutputTextInputPart():
@@ -425,11 +448,8 @@ def _parts_text(content: str | list[ContentPart], param: str) -> str:
                 # A replayed refusal is what the assistant said.
                 texts.append(part.refusal)
             case InputImagePart():
-                raise InvalidRequestError(
-                    "image input is not supported: the model has no vision; send "
-                    "input_text parts only",
-                    f"{param}[{index}]",
-                )
+                read.append(_input_image(part, f"{param}[{index}]", images, image_turn))
+                texts.append(IMAGE_MARKER)
             case UnsupportedPart():
                 raise InvalidRequestError(
                     f"content parts of type {part.type!r} {_NOT_SUPPORTED}; send input_text parts",
@@ -437,4 +457,27 @@ def _parts_text(content: str | list[ContentPart], param: str) -> str:
                 )
             case _:
                 assert_never(part)
-    return _TEXT_PART_SEPARATOR.join(texts)
+    return _TEXT_PART_SEPARATOR.join(texts), tuple(read)
+
+
+def _input_image(
+    part: InputImagePart, param: str, images: ImageReader, image_turn: bool
+) -> ImageInput:
+    if not images.vision:
+        raise InvalidRequestError(
+            "image input is not supported: the model has no vision; send input_text parts only",
+            param,
+        )
+    if not image_turn:
+        raise InvalidRequestError(
+            "input_image parts belong in user messages and function call outputs", param
+        )
+    if part.file_id is not None:
+        raise InvalidRequestError(
+            "input_image with a file_id is not supported: exo stores no files; send the image "
+            "as image_url (a data: or http(s) URL)",
+            f"{param}.file_id",
+        )
+    if part.image_url is None:
+        raise InvalidRequestError("an input_image needs an image_url", f"{param}.image_url")
+    return images.read_url(part.image_url, f"{param}.image_url")

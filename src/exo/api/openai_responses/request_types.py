@@ -66,7 +66,8 @@ class RefusalInputPart(_WireRequestModel):
 
 
 class InputImagePart(_WireRequestModel):
-    """Accepted by the schema so the adapter can refuse it with a clear 400."""
+    """An image (`image_url`: a data: or http(s) URL), read for a model with vision; a
+    `file_id` and any image for a model without vision are refused with a clear 400."""
 
     type: Literal["input_image"]
     image_url: str | None = None

@@ -27,6 +27,7 @@ from exo.api.openai_responses.response import (
 )
 from exo.api.openai_responses.response_types import ResponseObject
 from exo.api.serving.generation import convert_request
+from exo.api.serving.image_input import convert_with_images
 from exo.api.serving.model_lookup import Cluster, with_resolved_model
 from exo.api.serving.token_counting import count_prompt_tokens
 from exo.api.serving.token_limit import response_headers
@@ -47,7 +48,7 @@ class InputTokensResponse(BaseModel):
 async def create_response(
     body: ResponsesRequest, request: Request, cluster: Cluster
 ) -> ResponseObject | Response:
-    converted = convert_request(cluster, body, to_task_params, "resp_")
+    converted = await convert_request(cluster, body, to_task_params, "resp_")
     context = response_context(
         converted.body, converted.params, converted.response_id, created_at=int(time.time())
     )
@@ -72,5 +73,6 @@ async def count_input_tokens(body: ResponsesRequest, cluster: Cluster) -> InputT
     """The prompt tokens `POST /v1/responses` would send the model for this body, counted
     with the model's own tokenizer and chat template on this node."""
     body = with_resolved_model(cluster, body)
-    count = await count_prompt_tokens(cluster, to_task_params(body))
+    params = await convert_with_images(cluster, body, body.model, to_task_params)
+    count = await count_prompt_tokens(cluster, params)
     return InputTokensResponse(input_tokens=count)

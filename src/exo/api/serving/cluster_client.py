@@ -24,6 +24,7 @@ from loguru import logger
 
 from exo.api.serving.command_outcomes import answer_from_state
 from exo.api.serving.model_aliases import ModelAlias
+from exo.api.wire.images import ImagePolicy
 from exo.node.election import Election
 from exo.shared.models.cards import with_custom_cards
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
@@ -117,6 +118,8 @@ class ClusterClient:
         clock: monotonic seconds.
         trust_remote_code: `POST /models/add` accepts repositories whose config asks for
             custom code (`--trust-remote-code`); the engine still runs only its families.
+        image_policy: this node's limits on image input and image URL fetching
+            (`--image-*`, `exo.api.wire.images`).
     """
 
     def __init__(
@@ -135,6 +138,7 @@ class ClusterClient:
         record_download: Callable[[ModelId, DownloadStatus], None] | None = None,
         trust_remote_code: bool = False,
         local_kv_cache: Callable[[], list[KVCacheUse]] = list,
+        image_policy: ImagePolicy | None = None,
     ) -> None:
         self.node_id = node_id
         self.load_on_request = load_on_request or LoadOnRequest()
@@ -145,6 +149,7 @@ class ClusterClient:
         self._current_state = current_state
         self.catalog = cards
         self.trust_remote_code = trust_remote_code
+        self.image_policy = image_policy or ImagePolicy()
         self._applied_events = applied_events
         self._election = election
         self.current_peers = current_peers

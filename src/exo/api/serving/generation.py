@@ -29,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 from exo.api.serving.admission import admission_of
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.serving.early_stream import ChunkRenderer, EarlyStreamingResponse, WaitingFrames
+from exo.api.serving.image_input import convert_with_images
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
 from exo.api.serving.metrics import observed_chunks
 from exo.api.serving.model_lookup import RequestBody, card_of, known_model_ids, with_resolved_model
@@ -43,6 +44,7 @@ from exo.api.wire.errors import (
     ModelNotFoundError,
     NoCapacityError,
 )
+from exo.api.wire.images import ImageReader
 from exo.shared.constants import INSTANCE_HEADER
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
 from exo.shared.types.commands import CancelGeneration, GenerateText, KeepAlive
@@ -476,23 +478,26 @@ class ConvertedRequest(Generic[RequestBody]):
         )
 
 
-def convert_request(
+async def convert_request(
     cluster: ClusterClient,
     body: RequestBody,
-    to_task_params: Callable[[RequestBody], TextGenerationTaskParams],
+    to_task_params: Callable[[RequestBody, ImageReader], TextGenerationTaskParams],
     id_prefix: str,
 ) -> ConvertedRequest[RequestBody]:
     """What the generation routes of Chat Completions, legacy Completions, Responses and
     Claude Messages do first: resolve the body's short model name (`qwen3:0.6b`) to the
     catalog id (answers name that id, as OpenAI and Anthropic name the model an alias
-    points to), convert the body with `to_task_params`, and give the answer the id
-    `id_prefix` + the new command's id (`response_id`), which any dialect's cancel takes.
+    points to), convert the body with `to_task_params` and the model's image reader (in a
+    worker thread when the body holds images: `exo.api.serving.image_input`), and give
+    the answer the id `id_prefix` + the new command's id (`response_id`), which any
+    dialect's cancel takes.
 
     Raises:
         InvalidRequestError: `to_task_params` refused the body.
     """
     body = with_resolved_model(cluster, body)
-    params = to_task_params(body)
+    model = getattr(body, "model", "")
+    params = await convert_with_images(cluster, body, str(model), to_task_params)
     command_id = CommandId.new()
     return ConvertedRequest(cluster, body, params, command_id, response_id(id_prefix, command_id))
 

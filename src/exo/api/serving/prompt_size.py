@@ -14,6 +14,12 @@ per token, CJK text about 3 (one character, 3 UTF-8 bytes, per token), and JSON 
 most doubles code; 32 bytes per token leaves room for tokenizers whose tokens are long runs
 of whitespace or punctuation. Prompts between the real limit and this bound still reach the
 engine, which counts their tokens exactly and refuses them (400) as before.
+
+Images (`ChatMessage.images`, base64 in the JSON) are left out of the per-token bound: the
+cards give no tokens-per-image figure, so an image counts as no tokens here, and the engine,
+which knows how many tokens each image becomes, refuses a prompt its images overfill. They
+count in the absolute `MAX_GENERATION_BYTES`, which they would otherwise push past the
+master's own refusal (an image at `--image-max-bytes`' default fits it).
 """
 
 from __future__ import annotations
@@ -35,6 +41,13 @@ def prompt_byte_limit(card: ModelCard | None) -> int:
     return min(MAX_GENERATION_BYTES, card.context_length * MAX_PROMPT_BYTES_PER_TOKEN)
 
 
+def image_json_bytes(params: TextGenerationTaskParams) -> int:
+    """Bytes the request's images take in its JSON (base64: 4 characters per 3 bytes)."""
+    return sum(
+        4 * -(-len(image.data) // 3) for message in params.messages for image in message.images
+    )
+
+
 def check_prompt_size(params: TextGenerationTaskParams, card: ModelCard | None) -> None:
     """Refuse a request too large to fit the model's context (see the module docstring).
 
@@ -44,6 +57,16 @@ def check_prompt_size(params: TextGenerationTaskParams, card: ModelCard | None) 
     """
     limit = prompt_byte_limit(card)
     size = len(params.__pydantic_serializer__.to_json(params))
+    image_bytes = image_json_bytes(params)
+    if image_bytes and size > MAX_GENERATION_BYTES:
+        raise InvalidRequestError(
+            f"the request is {size} bytes with its images ({image_bytes} bytes of them as "
+            f"base64); a generation carries at most {MAX_GENERATION_BYTES} bytes through "
+            "the cluster: send fewer or smaller images",
+            param="prompt" if params.prompt is not None else "messages",
+            code="request_too_large",
+        )
+    size -= image_bytes
     if size <= limit:
         return
     context = f"a context of {card.context_length} tokens" if card is not None else "a context"

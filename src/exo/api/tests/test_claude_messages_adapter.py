@@ -43,6 +43,7 @@ from exo.api.serving.token_counting import (
     model_files_directory,
 )
 from exo.api.wire.errors import ApiError, InvalidRequestError, ModelNotFoundError, NoCapacityError
+from exo.api.wire.images import ImagePolicy
 from exo.shared.types.chunks import (
     Chunk,
     ErrorChunk,
@@ -839,6 +840,7 @@ class FakeCluster:
         self.cards = cards
         self.state = State()
         self.load_on_request = LoadOnRequest()
+        self.image_policy = ImagePolicy()
 
 
 def card(model_id: str, source: Any) -> ModelCard:

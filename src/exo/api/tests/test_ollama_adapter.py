@@ -35,6 +35,7 @@ from exo.api.ollama.wire_types import (
 )
 from exo.api.serving.cluster_client import ClusterClient, LoadOnRequest
 from exo.api.wire.errors import GenerationError, InvalidRequestError
+from exo.api.wire.images import ImagePolicy
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.chunks import (
     Chunk,
@@ -714,9 +715,9 @@ def test_show_capabilities_follow_the_card() -> None:
         "tools",
         "thinking",
     ]
-    # Gemma 3 4B reads images, but exo refuses image input: not advertised.
+    # Gemma 3 4B's card says it reads images.
     gemma = show_response(cards[ModelId("google/gemma-3-4b-it")], "", "x", "INT4")
-    assert gemma.capabilities == ["completion", "tools"]
+    assert gemma.capabilities == ["completion", "tools", "vision"]
     assert gemma.details.parameter_size == "4.3B" and gemma.details.family == "gemma3"
     assert gemma.model_info["gemma3.attention.key_length"] == 256
 
@@ -751,6 +752,7 @@ class ScriptedCluster:
         self.script: list[Chunk] = []
         self.submitted: list[GenerateText] = []
         self.load_on_request = LoadOnRequest()
+        self.image_policy = ImagePolicy()
 
     @contextmanager
     def chunk_stream(self, command_id: CommandId) -> Iterator[AsyncIterator[Chunk]]:

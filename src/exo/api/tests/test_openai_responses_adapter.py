@@ -29,6 +29,7 @@ from exo.api.openai_responses.response_types import ResponseObject
 from exo.api.serving.cluster_client import ClusterClient, LoadOnRequest
 from exo.api.serving.response_ids import command_id_in_response_id, response_id
 from exo.api.wire.errors import ApiError, GenerationError, InvalidRequestError
+from exo.api.wire.images import ImagePolicy
 from exo.shared.types.chunks import (
     Chunk,
     ErrorChunk,
@@ -916,6 +917,7 @@ class FakeCluster:
         self.commands: list[GenerateText] = []
         self.cancelled: list[CommandId] = []
         self.load_on_request = LoadOnRequest()
+        self.image_policy = ImagePolicy()
 
     @contextmanager
     def chunk_stream(self, command_id: CommandId) -> Iterator[AsyncIterator[Chunk]]:

@@ -1,5 +1,7 @@
 """Every wire type survives JSON: same class, same values, same id types."""
 
+import base64
+import hashlib
 import json
 from typing import Any, get_args
 
@@ -152,7 +154,9 @@ from exo.shared.types.tasks import (
     TextGeneration,
 )
 from exo.shared.types.text_generation import (
+    IMAGE_MARKER,
     ChatMessage,
+    ImageInput,
     NamedToolChoice,
     TextGenerationTaskParams,
     ToolDefinition,
@@ -201,12 +205,27 @@ DOWNLOAD_PROGRESS = DownloadProgress(
     eta_seconds=2.0,
     files=(FILE_PROGRESS,),
 )
+# Bytes of every value, so that any base64 alphabet difference (+/ against -_) would show.
+IMAGE_BYTES = bytes(range(256)) * 3
+IMAGE = ImageInput(
+    data=IMAGE_BYTES,
+    media_type="image/png",
+    width=3,
+    height=2,
+    sha256=hashlib.sha256(IMAGE_BYTES).hexdigest(),
+)
+IMAGE_MESSAGE = ChatMessage(
+    role="user",
+    content=f"{IMAGE_MARKER}\nWhat differs between these?\n{IMAGE_MARKER}",
+    images=(IMAGE, IMAGE.model_copy(update={"media_type": "image/jpeg", "width": 640})),
+)
 PARAMS = TextGenerationTaskParams(
     model=SMOLLM2,
     messages=(
         ChatMessage(role="system", content="Be brief."),
         ChatMessage(role="user", content="Hi é 日本"),
         ChatMessage(role="tool", content="42", name="calc", tool_call_id="call-1"),
+        IMAGE_MESSAGE,
     ),
     max_tokens=16,
     temperature=0.0,
@@ -307,7 +326,10 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
             reasoning_content="thought",
         ),
         ChatMessage(role="tool", content='{"ok": true}', tool_call_id="call-1"),
+        IMAGE_MESSAGE,
+        ChatMessage(role="tool", content=IMAGE_MARKER, tool_call_id="call-2", images=(IMAGE,)),
     ],
+    ImageInput: [IMAGE],
     TextGenerationTaskParams: [
         PARAMS,
         make_params(),
@@ -788,6 +810,15 @@ def test_repr_truncates_a_long_prompt() -> None:
     nested = repr(GenerateText(command_id=COMMAND, params=make_params(prompt)))
     assert len(nested) < len(prompt)
     assert prompt[:80] in nested
+
+
+def test_an_image_travels_as_base64_and_logs_as_its_size() -> None:
+    text = GenerateText(command_id=COMMAND, params=PARAMS).model_dump_json()
+    assert base64.urlsafe_b64encode(IMAGE_BYTES).decode() in text
+    restored = GenerateText.model_validate_json(text)
+    assert restored.params.messages[-1].images[0].data == IMAGE_BYTES
+    assert f"data='<{len(IMAGE_BYTES)} bytes>'" in repr(IMAGE)
+    assert "\\x00" not in repr(IMAGE_MESSAGE)
 
 
 def test_repr_keeps_short_strings_whole() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from exo.shared.types.common import FrozenModel, ModelId
 
@@ -47,12 +47,46 @@ ResponseFormat = Literal["text", "json_object", "json_schema"]
 ReasoningEffort = Literal["minimal", "low", "medium", "high"]
 
 
+IMAGE_MARKER = "<__exo_image__>"
+"""Stands for one image in `ChatMessage.content`, at the image's place among the text: the
+runner's prompt rendering turns each into the chat template's image part (and the model's
+image tokens), in the order of `ChatMessage.images`."""
+
+
+class ImageInput(FrozenModel):
+    """One image of a request, decoded and checked by the API node (`exo.api.wire.images`).
+
+    `data` is the image file's bytes as the client sent them (PNG, JPEG, WebP, GIF: its
+    first frame is the image, BMP), base64 (URL-safe alphabet) in JSON; `media_type` is
+    the format Pillow found in them (`image/png`, ...), not what the client declared;
+    `width` and `height` are pixels; `sha256` is the hex digest of `data`, which the prefix
+    cache keys on.
+    """
+
+    model_config = ConfigDict(
+        frozen=True, strict=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64"
+    )
+
+    data: bytes = Field(min_length=1)
+    media_type: str = Field(pattern=r"^image/[a-z0-9.+-]+$")
+    width: int = Field(gt=0)
+    height: int = Field(gt=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+    def __repr_args__(self) -> Any:
+        # A log line names the image, never its (megabytes of) bytes.
+        for name, value in super().__repr_args__():
+            yield (name, f"<{len(value)} bytes>") if isinstance(value, bytes) else (name, value)
+
+
 class ChatMessage(FrozenModel):
     """One turn of the conversation.
 
     `tool_calls` are an assistant turn's calls (replayed history); `tool_call_id` ties a
     `tool` turn's result to its call; `reasoning_content` is an assistant turn's thinking,
-    passed to templates that render it.
+    passed to templates that render it. `images` are the turn's images (a user turn's, or
+    a tool result's), in order: `content` holds one `IMAGE_MARKER` at each one's place.
+    Only models with the "vision" capability get any (the API refuses them for others).
     """
 
     role: Role
@@ -61,6 +95,7 @@ class ChatMessage(FrozenModel):
     tool_call_id: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     reasoning_content: str | None = None
+    images: tuple[ImageInput, ...] = ()
 
 
 class TextGenerationTaskParams(FrozenModel):

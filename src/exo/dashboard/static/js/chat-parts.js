@@ -5,17 +5,21 @@ import { renderMarkdown } from "./markdown.js";
 import { splitThinking } from "./stream.js";
 import { el } from "./ui.js";
 
-/** The messages the API gets: the system prompt, then each turn's text (attachments
- * appended to their message as fenced blocks). */
+/** The messages the API gets: the system prompt, then each turn's text (text attachments
+ * appended to their message as fenced blocks; images as OpenAI `image_url` parts with
+ * data: URLs after the text). */
 export function apiMessages(conversation, upTo = conversation.messages.length) {
   const messages = [];
   if (conversation.system.trim()) messages.push({ role: "system", content: conversation.system });
   for (const message of conversation.messages.slice(0, upTo)) {
     if (message.role === "assistant" && message.error) continue;
     let content = message.content;
+    const images = [];
     for (const file of message.attachments ?? []) {
-      content += `\n\n${file.name}:\n\`\`\`\n${file.text}\n\`\`\``;
+      if (file.image) images.push({ type: "image_url", image_url: { url: file.image } });
+      else content += `\n\n${file.name}:\n\`\`\`\n${file.text}\n\`\`\``;
     }
+    if (images.length) content = [...(content ? [{ type: "text", text: content }] : []), ...images];
     messages.push({ role: message.role, content });
   }
   return messages;

@@ -1,6 +1,7 @@
 // Chat view: conversations (localStorage), a model picker over the served models, system
 // prompt and sampling settings, streamed answers rendered as safe Markdown, thinking and
-// tool calls collapsed, stop / regenerate / edit, text attachments, TTFT and tok/s.
+// tool calls collapsed, stop / regenerate / edit, text attachments, images for models with
+// vision (sent as data: URLs in image_url parts), TTFT and tok/s.
 
 import { apiFetch, apiJson } from "./api.js";
 import { loadConversations, newConversation, saveConversations, titleFrom } from "./conversations.js";
@@ -11,6 +12,8 @@ import { streamChat } from "./stream.js";
 import { apiMessages, fillAssistant, samplingFields, statsLine } from "./chat-parts.js";
 
 const MAX_ATTACHMENT_BYTES = 256 * 1024;
+// Images are kept with the conversation in localStorage (about 5 MB per origin).
+const MAX_IMAGE_BYTES = 3 * 1024 * 1024;
 const ACTIVE_KEY = "exo.activeConversation";
 
 export function mountChat(section) {
@@ -68,6 +71,8 @@ export function mountChat(section) {
   });
   const fileInput = el("input", { type: "file", id: "chat-attach", multiple: true, hidden: true, accept: "text/*,.md,.py,.js,.ts,.json,.toml,.yaml,.yml,.csv,.log,.rs,.go,.c,.h,.cpp,.java,.sh" });
   const attachButton = el("button", { type: "button", id: "attach-button", text: "Attach", "aria-label": "Attach text files", onclick: () => fileInput.click() });
+  const imageInput = el("input", { type: "file", id: "chat-attach-image", multiple: true, hidden: true, accept: "image/png,image/jpeg,image/webp,image/gif" });
+  const imageButton = el("button", { type: "button", id: "image-button", text: "Image", "aria-label": "Attach images", hidden: true, onclick: () => imageInput.click() });
   const sendButton = el("button", { type: "button", class: "primary", id: "send-button", text: "Send", onclick: () => send() });
   const stopButton = el("button", { type: "button", class: "danger", id: "stop-button", text: "Stop", hidden: true, onclick: () => stop() });
   const attachmentList = el("div", { class: "attachments", id: "attachments" });
@@ -75,9 +80,10 @@ export function mountChat(section) {
     "div",
     { class: "composer" },
     attachmentList,
-    el("div", { class: "composer-row" }, attachButton, input, sendButton, stopButton),
+    el("div", { class: "composer-row" }, attachButton, imageButton, input, sendButton, stopButton),
     el("div", { class: "hint hide-phone", text: "Enter sends · Shift+Enter new line · Esc stops · Attach adds text files" }),
     fileInput,
+    imageInput,
   );
   root.append(
     sidebar,
@@ -131,6 +137,7 @@ export function mountChat(section) {
     });
   }
   modelSelect.addEventListener("change", () => {
+    showImageButton();
     if (active) {
       active.model = modelSelect.value;
       persist();
@@ -184,7 +191,13 @@ export function mountChat(section) {
     if (message.role === "user") {
       bubble.append(el("div", { class: "user-text", text: message.content }));
       if (message.attachments?.length) {
-        bubble.append(el("div", { class: "attachments" }, message.attachments.map((f) => el("span", { class: "attachment", text: `📄 ${f.name}` }))));
+        bubble.append(
+          el(
+            "div",
+            { class: "attachments" },
+            message.attachments.map((f) => (f.image ? el("img", { class: "attachment-image", src: f.image, alt: f.name, title: f.name }) : el("span", { class: "attachment", text: `📄 ${f.name}` }))),
+          ),
+        );
       }
       node.append(el("div", { class: "meta" }, el("button", { type: "button", class: "edit-button", text: "Edit", onclick: () => editMessage(node, index) })));
       return node;
@@ -339,7 +352,7 @@ export function mountChat(section) {
         el(
           "span",
           { class: "attachment" },
-          `📄 ${file.name} `,
+          `${file.image ? "🖼" : "📄"} ${file.name} `,
           el("button", {
             type: "button",
             class: "conv-delete",
@@ -371,6 +384,34 @@ export function mountChat(section) {
     fileInput.value = "";
     renderAttachments();
   });
+
+  imageInput.addEventListener("change", async () => {
+    for (const file of imageInput.files) {
+      if (file.size > MAX_IMAGE_BYTES) {
+        toast(`${file.name} is larger than ${MAX_IMAGE_BYTES / 1024 / 1024} MB`, "error");
+        continue;
+      }
+      attachments.push({ name: file.name, image: await dataUrl(file) });
+    }
+    imageInput.value = "";
+    renderAttachments();
+  });
+
+  function dataUrl(file) {
+    return new Promise((resolve, reject) => {
+      const reader = new FileReader();
+      reader.onload = () => resolve(reader.result);
+      reader.onerror = () => reject(reader.error);
+      reader.readAsDataURL(file);
+    });
+  }
+
+  // The Image button shows for models whose card has the "vision" capability (GET /models).
+  let visionModels = new Set();
+
+  function showImageButton() {
+    imageButton.hidden = !visionModels.has(modelSelect.value);
+  }
 
   input.addEventListener("keydown", (event) => {
     if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
@@ -413,14 +454,17 @@ export function mountChat(section) {
       ids.map((id) => el("option", { value: id, text: placed.has(id) ? `${id} (${placed.get(id)})` : `${id} (loads on request)` })),
     );
     if (wanted && ids.includes(wanted)) modelSelect.value = wanted;
+    showImageButton();
   }
 
   async function refreshServed() {
     try {
       const models = await apiJson("/v1/models");
       servedIds = models.data.map((m) => m.id);
+      const cards = await apiJson("/models");
+      visionModels = new Set(cards.filter((card) => card.capabilities.includes("vision")).map((card) => card.model_id));
     } catch (error) {
-      console.warn("GET /v1/models failed", error);
+      console.warn("GET /v1/models or /models failed", error);
     }
     renderModels();
   }
