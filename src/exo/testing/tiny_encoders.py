@@ -26,10 +26,13 @@ _SPECIAL = {
     "xlm-roberta": (("<s>", "<pad>", "</s>", "<unk>"), "<s>", "</s>", "<pad>", "<unk>"),
     "embeddinggemma": (("<pad>", "<eos>", "<bos>", "<unk>"), "<bos>", "<eos>", "<pad>", "<unk>"),
 }
-_SMALL = {
+_SMALL: dict[str, Any] = {
     "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
     "intermediate_size": 48, "vocab_size": 4 + WORDS, "hidden_dropout_prob": 0.0,
     "attention_probs_dropout_prob": 0.0,
+    # Wider than the default 0.02: different inputs then pool (CLS too) to clearly different
+    # vectors, and pairs score apart by more than the tests' tolerances.
+    "initializer_range": 0.2,
 }  # fmt: skip
 
 
@@ -85,11 +88,11 @@ def _transformers_model(family: str, seed: int) -> Any:
         case "nomic_bert":
             return NomicBertModel(NomicBertConfig(**_SMALL, pad_token_id=0))
         case "xlm-roberta":
-            config = XLMRobertaConfig(
+            roberta = XLMRobertaConfig(
                 **_SMALL, pad_token_id=1, bos_token_id=0, eos_token_id=2,
                 max_position_embeddings=40, type_vocab_size=1,
             )  # fmt: skip
-            return XLMRobertaModel(config, add_pooling_layer=False)
+            return XLMRobertaModel(roberta, add_pooling_layer=False)
         case "embeddinggemma":
             config = Gemma3TextConfig(
                 vocab_size=4 + WORDS, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
@@ -147,6 +150,9 @@ def save_tiny_embedding_model(directory: Path, family: str, seed: int = 0) -> Pa
     return directory
 
 
+_ONE_LABEL: dict[str, Any] = {"num_labels": 1}
+
+
 def save_tiny_reranker(directory: Path, seed: int = 0) -> Path:
     """A bge-reranker-v2-m3-shaped cross-encoder: `XLMRobertaForSequenceClassification` with
     one label, its config, weights and tokenizer (saved by transformers).
@@ -160,9 +166,7 @@ def save_tiny_reranker(directory: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = XLMRobertaConfig(
         **_SMALL, pad_token_id=1, bos_token_id=0, eos_token_id=2, max_position_embeddings=40,
-        type_vocab_size=1, num_labels=1,
-        # Wider than the default 0.02, so that the pairs' scores differ by more than 1e-4.
-        initializer_range=0.3,
+        type_vocab_size=1, **_ONE_LABEL,
     )  # fmt: skip
     directory.mkdir(parents=True, exist_ok=True)
     XLMRobertaForSequenceClassification(config).save_pretrained(str(directory))

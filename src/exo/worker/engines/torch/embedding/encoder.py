@@ -187,7 +187,9 @@ class Encoder:
         self.inverse_frequencies = 1.0 / (geometry.rope_base**exponents)
 
     @classmethod
-    def from_tensors(cls, geometry: EncoderGeometry, tensors: Mapping[str, torch.Tensor]) -> Encoder:
+    def from_tensors(
+        cls, geometry: EncoderGeometry, tensors: Mapping[str, torch.Tensor]
+    ) -> Encoder:
         """The encoder whose weights are `tensors` (a checkpoint's names, any prefix).
 
         Raises:
@@ -283,7 +285,9 @@ class Encoder:
             positions = torch.cumsum(real, dim=1) * real + geometry.pad_token_id
             hidden = hidden + self.position[positions]
         else:
-            angles = torch.outer(torch.arange(length, dtype=torch.float32), self.inverse_frequencies)
+            angles = torch.outer(
+                torch.arange(length, dtype=torch.float32), self.inverse_frequencies
+            )
             angles = torch.cat([angles, angles], dim=-1)  # [S, head_dim]
             rotation = (angles.cos(), angles.sin())
         hidden = _layer_norm(hidden, self.embedding_norm, geometry.layer_norm_eps)

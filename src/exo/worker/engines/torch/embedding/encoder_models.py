@@ -88,7 +88,9 @@ class EncoderEmbeddingModel:
         return [list(ids) for ids in encoded]
 
     def _hidden_batches(
-        self, token_ids: Sequence[Sequence[int]], reduce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+        self,
+        token_ids: Sequence[Sequence[int]],
+        reduce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """`reduce(hidden, mask)` over length-sorted groups of inputs, in input order."""
         if not token_ids:
@@ -106,12 +108,12 @@ class EncoderEmbeddingModel:
             for start in range(0, len(order), _BATCH_ROWS):
                 group = order[start : start + _BATCH_ROWS]
                 length = max(len(token_ids[i]) for i in group)
-                ids = torch.zeros(len(group), length, dtype=torch.long)
+                batch_ids = torch.zeros(len(group), length, dtype=torch.long)
                 mask = torch.zeros(len(group), length, dtype=torch.bool)
                 for row, i in enumerate(group):
-                    ids[row, : len(token_ids[i])] = torch.tensor(list(token_ids[i]))
+                    batch_ids[row, : len(token_ids[i])] = torch.tensor(list(token_ids[i]))
                     mask[row, : len(token_ids[i])] = True
-                reduced = reduce(self._forward(ids, mask), mask)
+                reduced = reduce(self._forward(batch_ids, mask), mask)
                 for row, i in enumerate(group):
                     results[i] = reduced[row]
         return torch.stack(results).float()

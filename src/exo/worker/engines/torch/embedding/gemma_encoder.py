@@ -51,7 +51,9 @@ def gemma_config(config: Mapping[str, Any], origin: str) -> Any:
     from transformers import Gemma3TextConfig
 
     if config.get("model_type") != GEMMA_MODEL_TYPE:
-        raise EmbeddingModelError(f"{origin}: model_type {config.get('model_type')!r} is not gemma3_text")
+        raise EmbeddingModelError(
+            f"{origin}: model_type {config.get('model_type')!r} is not gemma3_text"
+        )
     if not config.get("use_bidirectional_attention"):
         raise EmbeddingModelError(f"{origin}: use_bidirectional_attention is not true")
     if config.get("attn_logit_softcapping") is not None:
@@ -82,6 +84,7 @@ class GemmaEncoder:
         EmbeddingModelError: a tensor is missing."""
         prefix = weight_prefix(tensors, "embed_tokens.weight")
         self.config = config
+        assert GEMMA3.layout is not None  # the gemma3 family states its layout
         self.norm_offset = GEMMA3.layout.norm_offset
         self.embed = take(tensors, prefix + "embed_tokens.weight")
         self.final_norm = take(tensors, prefix + "norm.weight")

@@ -95,7 +95,9 @@ def _pooling_mode(directory: Path) -> str:
             raise EmbeddingModelError(f"{directory}/config.json: pooling modes {chosen}, not one")
         mode = chosen[0]
     if mode not in POOLING_MODES:
-        raise EmbeddingModelError(f"{directory}/config.json: pooling mode {mode!r} is not supported")
+        raise EmbeddingModelError(
+            f"{directory}/config.json: pooling mode {mode!r} is not supported"
+        )
     if config.get("include_prompt") is False:
         raise EmbeddingModelError(f"{directory}/config.json: include_prompt false is not supported")
     return str(mode)
@@ -115,7 +117,9 @@ def _dense(directory: Path) -> DenseProjection:
         raise EmbeddingModelError(f"{directory}: no linear.weight")
     expected = (int(config["out_features"]), int(config["in_features"]))
     if tuple(weight.shape) != expected:
-        raise EmbeddingModelError(f"{directory}: linear.weight is {tuple(weight.shape)}, not {expected}")
+        raise EmbeddingModelError(
+            f"{directory}: linear.weight is {tuple(weight.shape)}, not {expected}"
+        )
     return DenseProjection(weight, tensors.get("linear.bias"), kind)
 
 
