@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -164,3 +165,81 @@ def test_what_is_not_computed_is_refused_by_name(tmp_path: Path) -> None:
     (directory / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     with pytest.raises(EmbeddingModelError, match="model_type 'llama'"):
         load_encoder_model(directory)
+
+
+def test_the_embedding_cards_count_what_transformers_builds() -> None:
+    """Each embedding card's `parameter_count` equals the weights of transformers' model built
+    (on the meta device) with the card's shapes and the positions, token types and pooler its
+    config states, and the shared `encoder_parameter_count` leaves out exactly those."""
+    from transformers import (
+        BertConfig,
+        BertModel,
+        Gemma3TextConfig,
+        Gemma3TextModel,
+        NomicBertConfig,
+        NomicBertModel,
+        XLMRobertaConfig,
+        XLMRobertaForSequenceClassification,
+        XLMRobertaModel,
+    )
+
+    from exo.shared.models.cards import load_builtin_cards
+    from exo.shared.models.parameter_count import decoder_parameter_count
+    from exo.shared.types.common import ModelId
+
+    cards = load_builtin_cards()
+
+    def shapes(model_id: str) -> dict[str, Any]:
+        card = cards[ModelId(model_id)]
+        return {
+            "hidden_size": card.hidden_size, "num_hidden_layers": card.n_layers,
+            "num_attention_heads": card.num_attention_heads, "vocab_size": card.vocab_size,
+            "intermediate_size": card.intermediate_size,
+        }  # fmt: skip
+
+    one_label: dict[str, Any] = {"num_labels": 1}
+    roberta: dict[str, Any] = {
+        "max_position_embeddings": 8194,
+        "type_vocab_size": 1,
+        "pad_token_id": 1,
+    }
+    gemma = cards[ModelId("google/embeddinggemma-300m")]
+    with torch.device("meta"):
+        built = {
+            # (model, weights the card's shapes do not give: positions, token types, pooler)
+            "sentence-transformers/all-MiniLM-L6-v2": (
+                BertModel(BertConfig(**shapes("sentence-transformers/all-MiniLM-L6-v2"))),
+                512 * 384 + 2 * 384 + 384 * 384 + 384,
+            ),
+            "BAAI/bge-m3": (
+                XLMRobertaModel(XLMRobertaConfig(**shapes("BAAI/bge-m3"), **roberta)),
+                8194 * 1024 + 1024 + 1024 * 1024 + 1024,
+            ),
+            "BAAI/bge-reranker-v2-m3": (
+                XLMRobertaForSequenceClassification(
+                    XLMRobertaConfig(**shapes("BAAI/bge-reranker-v2-m3"), **roberta, **one_label)
+                ),
+                8194 * 1024 + 1024,
+            ),
+            "nomic-ai/nomic-embed-text-v1.5": (
+                NomicBertModel(NomicBertConfig(**shapes("nomic-ai/nomic-embed-text-v1.5"))),
+                2 * 768,
+            ),
+            "google/embeddinggemma-300m": (
+                Gemma3TextModel(
+                    Gemma3TextConfig(
+                        **shapes("google/embeddinggemma-300m"),
+                        num_key_value_heads=gemma.num_key_value_heads,
+                        head_dim=gemma.attention_head_dim,
+                    )
+                ),
+                0,
+            ),
+        }
+    for model_id, (model, unstated) in built.items():
+        weights = sum(parameter.numel() for parameter in model.parameters())
+        card = cards[ModelId(model_id)]
+        dense = 2 * 768 * 3072 if model_id == "google/embeddinggemma-300m" else 0
+        assert card.parameter_count == weights + dense, model_id
+        assert decoder_parameter_count(card) == weights - unstated, model_id
+        assert "embedding" in card.capabilities or "rerank" in card.capabilities
