@@ -155,6 +155,71 @@ def test_which_files_a_sentence_transformers_repository_needs() -> None:
     assert small_files(["config.json", "1_Pooling/config.json"]) == ("config.json",)
 
 
+def _rewrite_json(path: Path, change: dict[str, Any], drop: tuple[str, ...] = ()) -> None:
+    content = json.loads(path.read_text())
+    content = {key: value for key, value in content.items() if key not in drop}
+    path.write_text(json.dumps({**content, **change}))
+
+
+def test_the_published_layouts_of_the_files_load_alike(tmp_path: Path) -> None:
+    """The Hub's files are older than sentence-transformers 6 and transformers 5: NomicBERT's
+    custom-code config names (`n_embd`, `rotary_emb_base`, ...), sentence-transformers 2-5's
+    pooling flags and module paths, Gemma 3's `rope_theta` / `rope_local_base_freq`. Each,
+    rewritten into a tiny folder, embeds exactly as the folder sentence-transformers 6 saved
+    (which the family tests hold to the reference)."""
+    texts = TEXTS[:3]
+
+    def embedded(directory: Path) -> torch.Tensor:
+        model = load_encoder_model(directory)
+        return model.embed(model.tokenize(texts))
+
+    nomic = save_tiny_embedding_model(tmp_path / "nomic", "nomic_bert")
+    before = embedded(nomic)
+    _rewrite_json(
+        nomic / "config.json",
+        {
+            "n_embd": 32, "n_head": 4, "n_layer": 2, "n_inner": 48, "n_positions": 8192,
+            "max_trained_positions": 2048, "layer_norm_epsilon": 1e-12, "rotary_emb_base": 1000,
+            "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False, "prenorm": False,
+            "activation_function": "swiglu", "qkv_proj_bias": False, "mlp_fc1_bias": False,
+        },
+        drop=(
+            "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+            "layer_norm_eps", "rope_parameters", "max_position_embeddings", "hidden_act",
+        ),
+    )  # fmt: skip
+    assert load_encoder_model(nomic).max_input_tokens == 2048
+    assert torch.equal(embedded(nomic), before)
+
+    bert = save_tiny_embedding_model(tmp_path / "bert", "bert")
+    before = embedded(bert)
+    modules = json.loads((bert / "modules.json").read_text())
+    for entry in modules:
+        entry["type"] = "sentence_transformers.models." + entry["type"].rsplit(".", 1)[-1]
+    (bert / "modules.json").write_text(json.dumps(modules))
+    _rewrite_json(
+        bert / "1_Pooling" / "config.json",
+        {
+            "word_embedding_dimension": 32, "pooling_mode_cls_token": False,
+            "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
+            "pooling_mode_mean_sqrt_len_tokens": False,
+        },
+        drop=("embedding_dimension", "pooling_mode"),
+    )  # fmt: skip
+    (bert / "sentence_bert_config.json").write_text('{"max_seq_length": 20}')
+    assert load_encoder_model(bert).max_input_tokens == 20
+    assert torch.equal(embedded(bert), before)
+
+    gemma = save_tiny_embedding_model(tmp_path / "gemma", "embeddinggemma")
+    before = embedded(gemma)
+    _rewrite_json(
+        gemma / "config.json",
+        {"rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": None},
+        drop=("rope_parameters",),
+    )
+    assert torch.equal(embedded(gemma), before)
+
+
 def test_what_is_not_computed_is_refused_by_name(tmp_path: Path) -> None:
     directory = save_tiny_embedding_model(tmp_path / "bert", "bert")
     pooling = directory / "1_Pooling" / "config.json"
