@@ -70,8 +70,10 @@ class EncoderEmbeddingModel:
         dimensions: int,
         matryoshka_dimensions: tuple[int, ...] | None,
         classifier: ClassificationHead | None,
+        vocab_size: int,
     ) -> None:
         self._forward = forward
+        self._vocab_size = vocab_size
         self._head = head
         self._tokenizer = tokenizer
         self._classifier = classifier
@@ -102,6 +104,10 @@ class EncoderEmbeddingModel:
                 raise ValueError(
                     f"input {index} has {len(ids)} tokens, over the model's {self.max_input_tokens}"
                 )
+            if min(ids) < 0 or max(ids) >= self._vocab_size:
+                raise ValueError(
+                    f"input {index} has a token id outside the vocabulary [0, {self._vocab_size})"
+                )
         order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]))
         results: list[torch.Tensor] = [torch.empty(0)] * len(token_ids)
         with torch.inference_mode():
@@ -122,7 +128,8 @@ class EncoderEmbeddingModel:
         """`[B, dimensions]` float32: pooled (and projected), not normalized.
 
         Raises:
-            ValueError: no inputs, an empty input, or one over `max_input_tokens`.
+            ValueError: no inputs, an empty input, one over `max_input_tokens`, or a token id
+                outside the vocabulary (named by its index).
         """
         return self._hidden_batches(token_ids, self._head)
 
@@ -163,12 +170,14 @@ def load_encoder_model(
     forward: Forward
     if model_type == GEMMA_MODEL_TYPE:
         parsed = gemma_config(config, origin)
-        forward = GemmaEncoder(parsed, tensors, origin).forward
+        gemma = GemmaEncoder(parsed, tensors, origin)
+        forward, vocab_size = gemma.forward, int(gemma.embed.shape[0])
         hidden_size = int(parsed.hidden_size)
         max_positions = int(parsed.max_position_embeddings)
     elif model_type in ENCODER_MODEL_TYPES:
         geometry = encoder_geometry(config, origin)
-        forward = Encoder.from_tensors(geometry, tensors).forward
+        encoder = Encoder.from_tensors(geometry, tensors)
+        forward, vocab_size = encoder.forward, int(encoder.word.shape[0])
         hidden_size, max_positions = geometry.hidden_size, geometry.max_positions
     else:
         raise EmbeddingModelError(
@@ -190,5 +199,5 @@ def load_encoder_model(
     limit = min(head.max_seq_length or max_positions, max_positions)
     return EncoderEmbeddingModel(
         forward, head, load_tokenizer(directory), limit, dimensions, matryoshka_dimensions,
-        classifier,
+        classifier, vocab_size,
     )  # fmt: skip

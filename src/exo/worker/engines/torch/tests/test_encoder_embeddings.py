@@ -81,6 +81,10 @@ def test_the_backend_states_its_shapes_and_special_tokens(tmp_path: Path) -> Non
         gemma.embed([[2, 1], [4] * 257])
     with pytest.raises(ValueError, match="input 0 has no tokens"):
         gemma.embed([[]])
+    with pytest.raises(
+        ValueError, match=r"input 1 has a token id outside the vocabulary \[0, 44\)"
+    ):
+        gemma.embed([[2, 1], [2, 44, 1]])
     with pytest.raises(EmbeddingModelError, match="do not fit"):
         load_encoder_model(tmp_path / "gemma", matryoshka_dimensions=(64,))
 
