@@ -43,8 +43,11 @@ MATRYOSHKA_DIMENSIONS: dict[str, tuple[int, ...]] = {
     "nomic-ai/nomic-embed-text-v1.5": (768, 512, 256, 128, 64),
     "google/embeddinggemma-300m": (768, 512, 256, 128),
 }
-# Inputs of one forward: sorted by length so that few pad tokens are computed.
-_BATCH_ROWS = 32
+# One forward's inputs: sorted by length (few pad tokens computed), at most this many rows and
+# padded tokens (rows x longest), so that a batch of long inputs does not hold every
+# activation at once; a single input longer than the token bound is one forward of its own.
+_BATCH_ROWS = 64
+_BATCH_TOKENS = 16384
 _DEFAULT_POOLING = {GEMMA_MODEL_TYPE: "mean", "xlm-roberta": "cls"}
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -108,12 +111,10 @@ class EncoderEmbeddingModel:
                 raise ValueError(
                     f"input {index} has a token id outside the vocabulary [0, {self._vocab_size})"
                 )
-        order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]))
         results: list[torch.Tensor] = [torch.empty(0)] * len(token_ids)
         with torch.inference_mode():
-            for start in range(0, len(order), _BATCH_ROWS):
-                group = order[start : start + _BATCH_ROWS]
-                length = max(len(token_ids[i]) for i in group)
+            for group in _length_groups([len(ids) for ids in token_ids]):
+                length = len(token_ids[group[-1]])
                 batch_ids = torch.zeros(len(group), length, dtype=torch.long)
                 mask = torch.zeros(len(group), length, dtype=torch.bool)
                 for row, i in enumerate(group):
@@ -148,6 +149,24 @@ class EncoderEmbeddingModel:
             queries, documents, truncation=True, max_length=self.max_input_tokens
         )["input_ids"]
         return self._hidden_batches(encoded, lambda hidden, _mask: classifier.logits(hidden))
+
+
+def _length_groups(lengths: Sequence[int]) -> list[list[int]]:
+    """Input indices grouped for one forward each: ascending length, each group at most
+    `_BATCH_ROWS` rows and `_BATCH_TOKENS` padded tokens (its last, longest input's length
+    times its rows), a lone input exceeding that on its own."""
+    groups: list[list[int]] = []
+    for index in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        group = groups[-1] if groups else None
+        if (
+            group is None
+            or len(group) >= _BATCH_ROWS
+            or (len(group) + 1) * lengths[index] > _BATCH_TOKENS
+        ):
+            groups.append([index])
+        else:
+            group.append(index)
+    return groups
 
 
 def load_encoder_model(

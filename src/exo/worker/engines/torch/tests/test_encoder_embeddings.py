@@ -89,6 +89,19 @@ def test_the_backend_states_its_shapes_and_special_tokens(tmp_path: Path) -> Non
         load_encoder_model(tmp_path / "gemma", matryoshka_dimensions=(64,))
 
 
+def test_inputs_are_grouped_by_length_within_the_bounds() -> None:
+    from exo.worker.engines.torch.embedding.encoder_models import _length_groups
+
+    lengths = [5, 3, 9000, 8000, 4, 70] + [10] * 70
+    groups = _length_groups(lengths)
+    assert sorted(index for group in groups for index in group) == list(range(len(lengths)))
+    for group in groups:
+        longest = max(lengths[i] for i in group)
+        assert len(group) <= 64 and (len(group) * longest <= 16384 or len(group) == 1)
+        assert lengths[group[-1]] == longest
+    assert [2] in groups and [3] in groups  # each long input alone
+
+
 def test_the_reranker_scores_as_transformers_does(tmp_path: Path) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
