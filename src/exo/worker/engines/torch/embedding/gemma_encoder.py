@@ -46,7 +46,8 @@ def gemma_config(config: Mapping[str, Any], origin: str) -> Any:
 
     Raises:
         EmbeddingModelError: not `gemma3_text`, not bidirectional (a causal Gemma 3 is a chat
-            model: its embeddings are the decoder engine's), or with attention-logit softcapping.
+            model: its embeddings are the decoder engine's), with attention-logit softcapping or
+            an MLP activation other than GELU-tanh.
     """
     from transformers import Gemma3TextConfig
 
@@ -58,6 +59,9 @@ def gemma_config(config: Mapping[str, Any], origin: str) -> Any:
         raise EmbeddingModelError(f"{origin}: use_bidirectional_attention is not true")
     if config.get("attn_logit_softcapping") is not None:
         raise EmbeddingModelError(f"{origin}: attn_logit_softcapping is not supported")
+    activation = config.get("hidden_activation", "gelu_pytorch_tanh")
+    if activation != "gelu_pytorch_tanh":
+        raise EmbeddingModelError(f"{origin}: hidden_activation {activation!r} is not supported")
     fields = {key: value for key, value in config.items() if key not in ("architectures",)}
     return Gemma3TextConfig.from_dict(fields)
 
