@@ -1,7 +1,12 @@
 """Which files of a Hugging Face checkpoint one shard needs (pure).
 
 A node loads only its shard, so it fetches only: the config and tokenizer files, the
-safetensors index, and the weight files that hold a tensor of its shard. Which tensors a
+safetensors index, and the weight files that hold a tensor of its shard. A
+sentence-transformers model (a `modules.json` at the top) adds its module list and settings and
+each numbered module folder's `config.json` and safetensors (`1_Pooling/config.json`,
+EmbeddingGemma's `2_Dense/model.safetensors`, ...): the pooling and projections after the
+transformer. Its `onnx/` or `openvino/` exports and bge-m3's `colbert_linear.pt` /
+`sparse_linear.pt` are not fetched (exo reads neither ONNX nor pickles). Which tensors a
 rank reads is its parallelism's (`Parallelism.reads_tensor`, `exo.shared.parallelism`): a
 pipeline rank its decoder layers `[start_layer, end_layer)`, the first rank also the
 embedding, the last the final norm and the LM head (and the embedding when the head is tied
@@ -12,6 +17,7 @@ tower or a multimodal projector are never loaded by the text engine.
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Iterable, Mapping
 
 from exo.shared.parallelism import parallelism
@@ -32,18 +38,30 @@ SMALL_FILE_PATTERNS = (
     "merges.txt",
     "tiktoken.model",
     INDEX_FILE,
+    # A sentence-transformers model: its module list, the transformer's and the model's settings.
+    "modules.json",
+    "sentence_bert_config.json",
+    "config_sentence_transformers.json",
 )
+# A sentence-transformers module folder (`1_Pooling`, `2_Dense`) and the files read from it.
+_MODULE_FOLDER = re.compile(r"^[0-9]+_[A-Za-z]+/(config\.json|[^/]*\.safetensors)$")
 _NOT_TEXT = ("vision", "multi_modal_projector", "audio")
 
 
 def small_files(repository_files: Iterable[str]) -> tuple[str, ...]:
-    """The repository's top-level config, tokenizer and index files."""
+    """The repository's top-level config, tokenizer and index files, and, when it is a
+    sentence-transformers model (has `modules.json`), its module folders' configs and weights."""
+    files = list(repository_files)
+    modules = "modules.json" in files
     return tuple(
         sorted(
             path
-            for path in repository_files
-            if "/" not in path
-            and any(fnmatch.fnmatchcase(path, pattern) for pattern in SMALL_FILE_PATTERNS)
+            for path in files
+            if (
+                "/" not in path
+                and any(fnmatch.fnmatchcase(path, pattern) for pattern in SMALL_FILE_PATTERNS)
+            )
+            or (modules and _MODULE_FOLDER.match(path) is not None)
         )
     )
 

@@ -6,7 +6,8 @@ V have `num_key_value_heads` heads of `head_dim`), their biases where the family
 the gated MLP (gate, up, down), the layer's norms, then the final norm and an untied LM
 head. Fused projections (Phi-3's `qkv_proj`, `gate_up_proj`) hold the same weights. A
 mixture-of-experts card's sparse layers hold every expert's gated MLP and the router instead
-of the dense MLP (`ModelCard.moe`).
+of the dense MLP (`ModelCard.moe`). An encoder card (BERT, XLM-RoBERTa, NomicBERT: no decoder)
+is counted by `encoder_parameter_count`.
 """
 
 from __future__ import annotations
@@ -17,11 +18,15 @@ from exo.shared.types.models import ModelCard
 # Norm vectors per decoder layer and whether each layer has per-head Q/K norms, by
 # architecture (transformers' modeling files): Gemma 3 normalises before and after both
 # attention and MLP and has q_norm/k_norm; Qwen3 has q_norm/k_norm; the rest have two.
-_LAYER_NORMS = {"Gemma3ForCausalLM": 4, "Gemma3ForConditionalGeneration": 4}
+# EmbeddingGemma (`Gemma3TextModel`) is the Gemma 3 text model without an LM head.
+_LAYER_NORMS = {
+    "Gemma3ForCausalLM": 4, "Gemma3ForConditionalGeneration": 4, "Gemma3TextModel": 4,
+}  # fmt: skip
 _QK_NORM_ARCHITECTURES = frozenset(
     {
         "Gemma3ForCausalLM",
         "Gemma3ForConditionalGeneration",
+        "Gemma3TextModel",
         "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM",
     }
@@ -33,8 +38,40 @@ def has_qk_norms(card: ModelCard) -> bool:
     return card.architecture in _QK_NORM_ARCHITECTURES
 
 
+# Post-norm encoders (transformers' `modeling_bert`, `modeling_xlm_roberta`, `modeling_nomic_bert`):
+# whether the MLP is gated (NomicBERT's SwiGLU: 3 matrices, no biases) and whether the
+# projections have biases; a sequence-classification head adds `dense` and a one-logit `out_proj`.
+_ENCODERS = {
+    "BertModel": (False, True),
+    "XLMRobertaModel": (False, True),
+    "XLMRobertaForSequenceClassification": (False, True),
+    "NomicBertModel": (True, False),
+}
+
+
+def is_encoder(card: ModelCard) -> bool:
+    """Whether the card is a BERT-style encoder (no decoder, no KV cache)."""
+    return card.architecture in _ENCODERS
+
+
+def encoder_parameter_count(card: ModelCard) -> int:
+    """Weights of a BERT-style encoder from the card's shapes: the token embedding, its
+    LayerNorm, per layer Q/K/V/O, the MLP and two LayerNorms (biases where the family has
+    them), and a classification head. Not counted, as the card does not state their sizes:
+    the position table (BERT, XLM-RoBERTa), the token-type rows and the pooler, together under
+    2 % of all-MiniLM-L6-v2's and bge-m3's published counts."""
+    gated, biased = _ENCODERS[card.architecture]
+    hidden, inner = card.hidden_size, card.intermediate_size
+    attention = 4 * hidden * hidden + (4 * hidden if biased else 0)
+    mlp = (3 if gated else 2) * hidden * inner + ((inner + hidden) if biased else 0)
+    per_layer = attention + mlp + 4 * hidden  # two LayerNorms' weights and biases
+    head = hidden * hidden + 2 * hidden + 1 if "Classification" in card.architecture else 0
+    return card.vocab_size * hidden + 2 * hidden + card.n_layers * per_layer + head
+
+
 def decoder_parameter_count(card: ModelCard) -> int:
-    """Weights of the card's text decoder, computed from its shapes.
+    """Weights of the card's text decoder, computed from its shapes (an encoder card's:
+    `encoder_parameter_count`).
 
     Args:
         card: A card with the decoder's shapes (a multimodal card's vision tower is not
@@ -43,6 +80,8 @@ def decoder_parameter_count(card: ModelCard) -> int:
     Returns:
         The number of parameters (elements, not bytes).
     """
+    if is_encoder(card):
+        return encoder_parameter_count(card)
     hidden = card.hidden_size
     head_dim = card.attention_head_dim
     query_width = card.num_attention_heads * head_dim

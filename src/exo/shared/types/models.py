@@ -100,9 +100,10 @@ ModelSource = Annotated[
 ]
 
 
-Capability = Literal["text", "thinking", "tools", "vision"]
+Capability = Literal["text", "thinking", "tools", "vision", "embedding", "rerank"]
 """What a model can do: read and write text, reason in a separate thinking block, call
-tools, read images."""
+tools, read images, embed texts (`/v1/embeddings`), score (query, document) pairs
+(`/v1/rerank`). An embedding or reranker model without "text" is not served chat."""
 
 ToolCallFormat = Literal[
     "hermes",

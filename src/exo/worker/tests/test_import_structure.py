@@ -11,6 +11,8 @@ the ones below, never one above:
 3. `model/` (families, loading, sharding, fusion, direct forward) and `parallel/` (each
    parallelism's cut, tensor reads and step travel, the messages of a step between ranks),
    which `model/loading.py` calls;
+   `embedding/` (the embedding backend protocol, encoder and EmbeddingGemma forwards) sits
+   on this floor too and reads the gemma3 family's pieces from `model/`;
 4. the engine and its factory (`engine.py`, `engine_factory.py`).
 Nothing in `exo.worker.engines` imports the worker above it (`runner/`, `main.py`, `plan.py`).
 """
@@ -27,6 +29,7 @@ FLOORS = {
     f"{ENGINE}.batching": 2,
     f"{ENGINE}.model": 3,
     f"{ENGINE}.parallel": 3,
+    f"{ENGINE}.embedding": 3,
 }
 ENGINES_FLOOR = 4
 # Packages on one floor that must not import each other.
