@@ -405,9 +405,13 @@ def _prepare_gguf_file(
             convert_gguf_to_safetensors(gguf_path, staging)
         except Exception as error:
             raise ModelPreparationError(
-                f"converting {gguf_path} failed: {type(error).__name__}: {error}"
+                f"converting {gguf_path} failed: {type(error).__name__}: {error}",
+                permanent=True,
             ) from error
-        validate_model_directory(staging)
+        try:
+            validate_model_directory(staging)
+        except ModelPreparationError as error:
+            raise ModelPreparationError(f"converting {gguf_path}: {error}", True) from error
         _write_marker(
             staging,
             {

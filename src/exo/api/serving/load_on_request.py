@@ -110,7 +110,7 @@ async def ensure_instance(
                         "still loading: ask again later"
                     )
                 )
-            except (ModelNotFoundError, NoCapacityError) as error:
+            except (ModelNotFoundError, NoCapacityError, GenerationError) as error:
                 outcome.append(error)
             task_group.cancel_scope.cancel()
 
@@ -184,6 +184,9 @@ async def _wait_until_ready(
         NoCapacityError: every instance of the model is gone (its runners failed), or a
             node cannot prepare its files (then the instance this request placed is
             deleted, so the next request starts afresh).
+        GenerationError: a node cannot prepare its files for good (`DownloadFailed.permanent`,
+            a GGUF that does not convert): a 500, which clients do not retry; the instance
+            this request placed is deleted as above.
     """
     last_failure = ""
     # A node's failure from before this wait (an earlier instance's) does not count: only
@@ -206,7 +209,10 @@ async def _wait_until_ready(
                 cluster.send_and_forget(
                     DeleteInstance(command_id=CommandId.new(), instance_id=placed)
                 )
-            raise NoCapacityError(f"{model_id} cannot be prepared: {preparation_failure}")
+            message = f"{model_id} cannot be prepared: {preparation_failure.error_message}"
+            if preparation_failure.permanent:
+                raise GenerationError(message)
+            raise NoCapacityError(message)
         with anyio.move_on_after(STATE_CHECK_SECONDS):
             await cluster.state_changed.wait()
 
@@ -231,12 +237,12 @@ def _preparation_statuses(state: State, model_id: ModelId) -> dict[NodeId, Downl
 
 def _preparation_failure(
     state: State, model_id: ModelId, earlier: dict[NodeId, DownloadStatus]
-) -> str | None:
+) -> DownloadFailed | None:
     for instance in state.instances_of_model(model_id):
         for node_id in instance.shard_assignments.node_to_runner:
             status = state.downloads.get(node_id, {}).get(model_id)
             if isinstance(status, DownloadFailed) and earlier.get(node_id) is not status:
-                return status.error_message
+                return status
     return None
 
 
