@@ -45,7 +45,18 @@ def default_keep_alive(cluster: ClusterClient, requested: KeepAlive | None) -> K
     return KeepAlive(seconds=seconds) if seconds is not None else None
 
 
-def not_downloaded_message(model_id: str) -> str:
+def not_downloaded_message(model_id: str, offline: bool = False) -> str:
+    """Why `model_id` is not loaded on request and what to do: download it first, or, on a
+    node that runs `--offline` (which downloads nothing, so neither route would help), put
+    its files on the node."""
+    if offline:
+        return (
+            f"model '{model_id}' is not on any node of the cluster, and this node runs "
+            "--offline: it downloads nothing. Put the model's files on a node (a models "
+            "directory's <org>--<name>, EXO_MODELS_DIRS, or the Hugging Face cache) or add a "
+            'local directory or .gguf file with POST /models/add {"model_id": "/path"}, '
+            "then ask again: it is loaded on request."
+        )
     return (
         f"model '{model_id}' is not downloaded on any node of the cluster. Download it "
         f'first with POST /download/start {{"model": "{model_id}"}} or Ollama\'s '
@@ -90,7 +101,8 @@ async def ensure_instance(
         raise ModelNotFoundError(no_instance_message(model_id), code="no_instance")
     card = card_of(cluster, model_id)
     if card is None or not is_available(cluster, card):
-        raise ModelNotFoundError(not_downloaded_message(model_id), code="model_not_downloaded")
+        message = not_downloaded_message(model_id, cluster.load_on_request.offline)
+        raise ModelNotFoundError(message, code="model_not_downloaded")
     if keep_alive is not None and keep_alive.seconds == 0:
         keep_alive = None  # the generation's own command sets it once it runs
     timeout = cluster.load_on_request.ready_timeout_seconds

@@ -213,6 +213,20 @@ async def test_a_model_not_downloaded_answers_404_with_a_pull_hint(tmp_path: Pat
         assert placements(cluster) == []
 
 
+async def test_an_offline_node_says_what_works_offline(tmp_path: Path) -> None:
+    """An `--offline` node downloads nothing: its 404 points to the files and a path, not
+    to the download routes."""
+    async with running(tmp_path, LoadOnRequest(offline=True)) as (cluster, http, _loaded):
+        response = await http.post(
+            "/v1/chat/completions", json={"model": QWEN3, "messages": [USER_HI]}
+        )
+        assert response.status_code == 404
+        message = response.json()["error"]["message"]
+        assert "--offline" in message and "/models/add" in message
+        assert "/download/start" not in message and "/ollama/api/pull" not in message
+        assert placements(cluster) == []
+
+
 async def test_too_little_memory_answers_503_saying_how_much_is_missing(tmp_path: Path) -> None:
     async with running(tmp_path, available_mb=50) as (cluster, http, _loaded):
         response = await http.post(
