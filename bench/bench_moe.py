@@ -407,18 +407,58 @@ def bench_model(model: BenchModel, args: argparse.Namespace) -> tuple[dict[str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=list(MODELS))
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=tuple(MODELS),
+        default=list(MODELS),
+        help="the model shapes to measure, in this order (default: both)",
+    )
     parser.add_argument("--layers", type=int, default=48, help="at most this many layers")
-    parser.add_argument("--memory-budget-gib", type=float, default=10.0,
-                        help="exo and llama.cpp together, weights and runtime")  # fmt: skip
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[128, 512])
-    parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--expert-streams", type=int, default=4)
-    parser.add_argument("--no-expert-case", action="store_true")
-    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "exo-bench-moe")
-    parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--memory-budget-gib",
+        type=float,
+        default=10.0,
+        help="exo and llama.cpp together, weights and runtime",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=2, help="CPU threads of exo's engine and of llama.cpp alike"
+    )
+    parser.add_argument(
+        "--prompt-lengths",
+        type=int,
+        nargs="+",
+        default=[128, 512],
+        help="prompt lengths in tokens; one request of each per round",
+    )
+    parser.add_argument(
+        "--decode-tokens", type=int, default=32, help="tokens generated per request"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="rounds of exo / llama.cpp pairs, the order alternating",
+    )
+    parser.add_argument(
+        "--expert-streams",
+        type=int,
+        default=4,
+        help="concurrent requests of the expert x2 against one node case",
+    )
+    parser.add_argument(
+        "--no-expert-case",
+        action="store_true",
+        help="skip the expert x2 on two pinned 1-core nodes case",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=Path.home() / ".cache" / "exo-bench-moe",
+        help="where the random GGUFs and their conversions are kept and reused",
+    )
+    parser.add_argument("--json", type=Path,
+                        help="also write the figures as JSON to this file")  # fmt: skip
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
 

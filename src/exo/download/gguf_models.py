@@ -239,13 +239,18 @@ def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> Model
         fields = (
             METADATA_CONFIGS[architecture](directory) if architecture in METADATA_CONFIGS else {}
         )
-        moe = moe_geometry_of_config(gguf_moe_fields(directory))
+        moe_fields = gguf_moe_fields(directory)
+        moe = moe_geometry_of_config(moe_fields)
         latent_attention = latent_attention_of_config(fields)
     except ValueError as error:
         raise GgufModelError(f"{path}: {error}") from None
     if fields:
         layers, head_dim = fields["num_hidden_layers"], fields["head_dim"]
         key_value_heads = fields["num_key_value_heads"]
+    try:
+        check_tensor_index(directory, hidden_size, layers, moe_fields)
+    except ValueError as error:
+        raise GgufModelError(f"{path}: {error}") from None
     template = value("tokenizer.chat_template")
     capabilities, tool_call_format = template_traits(template if isinstance(template, str) else "")
     return ModelCard(
@@ -271,6 +276,43 @@ def card_for_gguf(path: Path, model_id: str, sha256: str | None = None) -> Model
         moe=moe,
         latent_attention=latent_attention,
     )
+
+
+def check_tensor_index(
+    directory: GgufDirectory, hidden_size: int, layers: int, moe_fields: Mapping[str, Any]
+) -> None:
+    """Check, from the file's tensor index alone (no weight read), that it has what the
+    conversion (`gguf_repack.convert_gguf`) reads before it reaches a layer: the token
+    embedding, a tensor in each of the `layers` decoder layers, and for a MoE
+    architecture every sparse layer's expert tensors at their shapes
+    (`gguf_experts.check_experts`; `moe_fields` from `gguf_moe_fields`, empty for a dense
+    model). So a file missing one is refused when it is added, not when its first request
+    converts it.
+
+    Raises:
+        GgufExpertsError: naming the first missing or mis-shaped tensor.
+    """
+    from types import SimpleNamespace
+
+    from exo.download.gguf_experts import GGUF_EXPERT_LAYOUTS, GgufExpertsError, check_experts
+
+    names = {tensor.name for tensor in directory.tensors}
+    if "token_embd.weight" not in names:
+        raise GgufExpertsError("the GGUF has no token_embd.weight (the token embedding)")
+    holding = {name.split(".")[1] for name in names if name.startswith("blk.")}
+    for layer in range(layers):
+        if str(layer) not in holding:
+            raise GgufExpertsError(f"the GGUF has no blk.{layer}.* tensor (decoder layer {layer})")
+    layout = GGUF_EXPERT_LAYOUTS.get(directory.architecture)
+    if layout is None or not moe_fields:
+        return
+    fields = {"hidden_size": hidden_size, **moe_fields}
+    fields.setdefault(layout.count_field, moe_fields.get("num_experts"))
+    fields["num_hidden_layers"] = layers
+    for needed in (layout.width_field, layout.count_field):
+        if fields.get(needed) is None:
+            raise GgufExpertsError(f"the GGUF's metadata gives no {needed} for its experts")
+    check_experts(directory, layout, SimpleNamespace(**fields))
 
 
 def ollama_store_cards(

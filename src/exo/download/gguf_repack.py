@@ -74,6 +74,7 @@ from exo.download.gguf_tensors import (
     decoder_tensors,
     read_gguf_model,
 )
+from exo.download.gguf_tokenizers import load_gguf_tokenizer
 from exo.shared.models.memory import INT4_GROUP_SIZE
 from exo.shared.models.tensor_names import INT4_PACKED, INT4_SCALES, INT4_ZEROS
 
@@ -436,7 +437,7 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
         ValueError / OSError: from transformers or gguf for a file they cannot read
             (not GGUF, an architecture transformers has no GGUF support for).
     """
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
+    from transformers import AutoConfig, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     from exo.shared.models.skeleton import empty_model
@@ -490,10 +491,9 @@ def convert_gguf(gguf_path: Path, output_dir: Path) -> GgufConversion:
         generation.eos_token_id = harmony_stop_ids(
             tokenizer, config.eos_token_id, config.vocab_size
         )
-    elif architecture in METADATA_CONFIGS:  # AutoTokenizer would read the config first
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    else:  # AutoTokenizer would read the config first, which fails for METADATA_CONFIGS
+        read_config = architecture not in METADATA_CONFIGS
+        tokenizer = load_gguf_tokenizer(gguf_path, pre_tokenizer, read_config)
     generation.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
     written = sum(path.stat().st_size for path in output_dir.iterdir() if path.is_file())

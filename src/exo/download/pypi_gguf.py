@@ -264,10 +264,14 @@ def dequantize_gguf_to_safetensors(gguf_path: Path, output_dir: Path) -> None:
     tensors by then, so the quantiser and `quantization_config` are dropped before saving.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from exo.download.gguf_tensors import read_gguf_tensors
+    from exo.download.gguf_tokenizers import load_gguf_tokenizer
 
     gguf_dir, gguf_name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    pre_tokenizer = read_gguf_tensors(gguf_path).metadata.get("tokenizer.ggml.pre")
+    tokenizer = load_gguf_tokenizer(gguf_path, pre_tokenizer, read_config=True)
     model: Any = AutoModelForCausalLM.from_pretrained(
         gguf_dir, gguf_file=gguf_name, dtype=torch.float32
     )
@@ -401,9 +405,13 @@ def _prepare_gguf_file(
             convert_gguf_to_safetensors(gguf_path, staging)
         except Exception as error:
             raise ModelPreparationError(
-                f"converting {gguf_path} failed: {type(error).__name__}: {error}"
+                f"converting {gguf_path} failed: {type(error).__name__}: {error}",
+                permanent=True,
             ) from error
-        validate_model_directory(staging)
+        try:
+            validate_model_directory(staging)
+        except ModelPreparationError as error:
+            raise ModelPreparationError(f"converting {gguf_path}: {error}", True) from error
         _write_marker(
             staging,
             {

@@ -29,7 +29,18 @@ ProgressCallback = Callable[[str], None]
 
 
 class ModelPreparationError(RuntimeError):
-    """The model's files could not be made available (download, verification, conversion)."""
+    """The model's files could not be made available (download, verification, conversion).
+
+    Attributes:
+        permanent: the files are there but cannot be made into a model the engine loads (a
+            GGUF conversion that failed): preparing the same files again fails the same way,
+            so the node does not retry it on its own and a request gets a server error, not
+            "try again later".
+    """
+
+    def __init__(self, message: str, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.permanent = permanent
 
 
 def sha256_of_file(path: Path) -> str:

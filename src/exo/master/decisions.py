@@ -183,7 +183,8 @@ def events_for_command(
                 return [_reject(command.command_id, origin, no_instance_message(params.model), 404)]
             failed = _failed_preparation(state, chosen)
             if failed is not None:
-                return [_reject(command.command_id, origin, failed, 503)]
+                reason, permanent = failed
+                return [_reject(command.command_id, origin, reason, 500 if permanent else 503)]
             task = TextGeneration(
                 task_id=new_task_id(),
                 command_id=command.command_id,
@@ -253,16 +254,18 @@ def _custom_model_refusal(
     return None
 
 
-def _failed_preparation(state: State, instance: Instance) -> str | None:
-    """Why `instance` cannot become ready: a node failed to prepare its model (it retries
-    with backoff, but a request should not wait on that)."""
+def _failed_preparation(state: State, instance: Instance) -> tuple[str, bool] | None:
+    """Why `instance` cannot become ready, and whether for good: a node failed to prepare
+    its model (it retries with backoff, but a request should not wait on that), or failed
+    permanently (`DownloadFailed.permanent`: a 500, which clients do not retry, not a 503)."""
     rank_zero = instance.shard_assignments.rank_zero_runner()
     if isinstance(state.runners.get(rank_zero), RunnerReady | RunnerRunning):
         return None
     for node_id in instance.shard_assignments.node_to_runner:
         status = state.downloads.get(node_id, {}).get(instance.model_id)
         if isinstance(status, DownloadFailed):
-            return f"model {instance.model_id} cannot be prepared: {status.error_message}"
+            reason = f"model {instance.model_id} cannot be prepared: {status.error_message}"
+            return reason, status.permanent
     return None
 
 

@@ -21,7 +21,7 @@ from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.shared.local_events import LocalEventSender
 from exo.shared.models.memory import kv_cache_tokens_for_dtype
 from exo.shared.types.chunks import Chunk
-from exo.shared.types.common import ModelId, NodeId, RunnerId
+from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId
 from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.events import (
     DownloadControlled,
@@ -117,6 +117,9 @@ class Worker:
         self._console_progress = ConsoleProgress() if sys.stderr.isatty() else None
         self._failures: dict[str, int] = {}
         self._retry_after: dict[str, float] = {}
+        # Models whose preparation failed for good (`DownloadFailed.permanent`) → the
+        # instances of the model then: not retried until another instance of it is placed.
+        self._given_up: dict[ModelId, frozenset[InstanceId]] = {}
         self._changed = anyio.Event()
         self._task_group: TaskGroup | None = None
         # A node that restarts from its own log must not act on it (start a runner for
@@ -212,6 +215,7 @@ class Worker:
                 with anyio.move_on_after(PLAN_IDLE_WAKE_SECONDS):
                     await self._changed.wait()
                 continue
+            self._retry_given_up_for_new_instances()
             task = plan(
                 self.node_id,
                 self.state,
@@ -336,6 +340,21 @@ class Worker:
         self._retry_after[key] = self._clock() + delay
         logger.warning(f"worker: {key} failed {failures} time(s); retrying in {delay:.0f}s")
 
+    def _give_up(self, model_id: ModelId) -> None:
+        """Stop retrying `model_id`'s preparation (a permanent failure) for the instances
+        placed now; a later instance of it tries once more (the file may be fixed)."""
+        self._given_up[model_id] = frozenset(
+            instance.instance_id for instance in self.state.instances_of_model(model_id)
+        )
+        self._retry_after[model_id] = float("inf")
+
+    def _retry_given_up_for_new_instances(self) -> None:
+        for model_id, instance_ids in list(self._given_up.items()):
+            current = {instance.instance_id for instance in self.state.instances_of_model(model_id)}
+            if current - instance_ids:
+                del self._given_up[model_id]
+                self._retry_after.pop(model_id, None)
+
     def _fail_waiting_tasks(self, model_id: ModelId, message: str) -> None:
         """Requests for instances of `model_id` that this node must serve (rank 0 here)
         cannot start until the model is ready: fail them now rather than leave them
@@ -419,8 +438,12 @@ class Worker:
                 logger.error(f"preparing {model_id} failed: {error}")
             else:
                 logger.opt(exception=error).error(f"preparing {model_id} failed")
-            status: DownloadStatus = DownloadFailed(error_message=str(error))
-            self._record_failure(model_id)
+            permanent = isinstance(error, ModelPreparationError) and error.permanent
+            status: DownloadStatus = DownloadFailed(error_message=str(error), permanent=permanent)
+            if permanent:
+                self._give_up(model_id)
+            else:
+                self._record_failure(model_id)
             self._fail_waiting_tasks(model_id, f"model {model_id} cannot be prepared: {error}")
         else:
             status = DownloadCompleted(path=str(path))

@@ -53,6 +53,8 @@ ADD_TIMEOUT_SECONDS = 120.0
 MAX_SEARCH_RESULTS = 100
 # `POST /models/add` takes a model of this node's Ollama store as `ollama:<name>[:<tag>]`.
 OLLAMA_PREFIX = "ollama:"
+# The first four bytes of every GGUF file.
+GGUF_MAGIC = b"GGUF"
 
 
 class HubAuthenticationError(ApiError):
@@ -94,7 +96,8 @@ class AddModelRequest(BaseModel):
     """A Hub repository (`org/name`), a local HF-format directory or `.gguf` file (`/…`,
     `~/…`, `./…`), or a model of this node's Ollama store (`ollama:<name>[:<tag>]`)."""
     revision: str = Field(default="main", min_length=1)
-    """The Hub branch, tag or commit; the card pins the commit it resolves to."""
+    """The Hub branch, tag or commit; the card pins the commit it resolves to. Only for a
+    Hub repository: a 400 with a path or an Ollama model."""
 
 
 class AddModelResponse(BaseModel):
@@ -202,6 +205,14 @@ async def add_model(body: AddModelRequest, cluster: Cluster) -> AddModelResponse
             f"{model_id} is the catalog model {catalog_id}: it needs no adding",
             param="model_id",
         )
+    if "revision" in body.model_fields_set and (
+        is_local_path(model_id) or model_id.startswith(OLLAMA_PREFIX)
+    ):
+        raise InvalidRequestError(
+            f"revision names a Hub branch, tag or commit; {model_id} is not a Hub repository "
+            "(a path or an Ollama model is added as it is on disk): leave revision out",
+            param="revision",
+        )
     card = await _build_card(cluster, model_id, body.revision)
     try:
         event = await cluster.submit(AddCustomModel(command_id=CommandId.new(), card=card))
@@ -213,8 +224,22 @@ async def add_model(body: AddModelRequest, cluster: Cluster) -> AddModelResponse
 
 def _card_for_gguf_file(path: str) -> ModelCard:
     """The card of a GGUF file on this node (its id is the absolute path); converted once
-    when first placed. 404 when absent, 400 when it is no model the engine runs."""
+    when first placed. 404 when absent, 400 when it is a directory or no model the engine
+    runs."""
     gguf_path = Path(path).expanduser().resolve()
+    if gguf_path.is_dir():
+        inside = sorted(child.name for child in gguf_path.glob("*.gguf") if child.is_file())
+        hint = (
+            f"; it holds {', '.join(inside)}: add the first part's path"
+            if inside
+            else "; a model directory (config.json, safetensors weights, a tokenizer) is "
+            "added by a path that does not end in .gguf"
+        )
+        raise CustomModelError(
+            f"{gguf_path} is a directory, not a GGUF file: a path ending in .gguf must be "
+            f"a GGUF file{hint}",
+            400,
+        )
     if not gguf_path.is_file():
         raise CustomModelError(f"no GGUF file {gguf_path} on this node", 404)
     try:
@@ -244,6 +269,26 @@ def _card_for_ollama_model(name: str) -> ModelCard:
     return card
 
 
+def _refuse_unnamed_gguf(path: str) -> None:
+    """A local path that is a file, not a model directory: a 400 saying what it is (a GGUF
+    file without the extension, or another file) and what a path must name."""
+    local = Path(path).expanduser().resolve()
+    if not local.is_file():
+        return  # a directory, or nothing (`card_for_local_directory` says which)
+    try:
+        with local.open("rb") as handle:
+            is_gguf = handle.read(4) == GGUF_MAGIC
+    except OSError:
+        is_gguf = False
+    found = "a GGUF file without the .gguf extension" if is_gguf else "a file, not a directory"
+    raise CustomModelError(
+        f"{local} is {found}: a local path must name a model directory (config.json, "
+        "safetensors weights, a tokenizer) or a GGUF file whose name ends in .gguf"
+        + (" (rename it, or link it under such a name)" if is_gguf else ""),
+        400,
+    )
+
+
 @contextlib.contextmanager
 def _hub_errors(timeout_message: str) -> Iterator[None]:
     """Answer a `CustomModelError` with its status, and the Hub's timeout (TimeoutError,
@@ -268,6 +313,7 @@ async def _build_card(cluster: ClusterClient, model_id: str, revision: str) -> M
         if is_local_path(model_id) and model_id.endswith(".gguf"):
             return _card_for_gguf_file(model_id)
         if is_local_path(model_id):
+            _refuse_unnamed_gguf(model_id)
             return card_for_local_directory(model_id, supported, trust_remote_code)
         if REPO_ID.match(model_id) is None:
             raise CustomModelError(

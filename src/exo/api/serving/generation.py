@@ -554,4 +554,6 @@ async def _submit(cluster: ClusterClient, command: GenerateText) -> None:
             raise InvalidRequestError(error.reason, code="context_length_exceeded") from None
         if error.status_code == 400:  # pinned to an instance of another model
             raise InvalidRequestError(error.reason, param=INSTANCE_HEADER) from None
+        if error.status_code == 500:  # its model failed to prepare for good
+            raise GenerationError(error.reason) from None
         raise NoCapacityError(error.reason) from None

@@ -45,7 +45,18 @@ def default_keep_alive(cluster: ClusterClient, requested: KeepAlive | None) -> K
     return KeepAlive(seconds=seconds) if seconds is not None else None
 
 
-def not_downloaded_message(model_id: str) -> str:
+def not_downloaded_message(model_id: str, offline: bool = False) -> str:
+    """Why `model_id` is not loaded on request and what to do: download it first, or, on a
+    node that runs `--offline` (which downloads nothing, so neither route would help), put
+    its files on the node."""
+    if offline:
+        return (
+            f"model '{model_id}' is not on any node of the cluster, and this node runs "
+            "--offline: it downloads nothing. Put the model's files on a node (a models "
+            "directory's <org>--<name>, EXO_MODELS_DIRS, or the Hugging Face cache) or add a "
+            'local directory or .gguf file with POST /models/add {"model_id": "/path"}, '
+            "then ask again: it is loaded on request."
+        )
     return (
         f"model '{model_id}' is not downloaded on any node of the cluster. Download it "
         f'first with POST /download/start {{"model": "{model_id}"}} or Ollama\'s '
@@ -90,7 +101,8 @@ async def ensure_instance(
         raise ModelNotFoundError(no_instance_message(model_id), code="no_instance")
     card = card_of(cluster, model_id)
     if card is None or not is_available(cluster, card):
-        raise ModelNotFoundError(not_downloaded_message(model_id), code="model_not_downloaded")
+        message = not_downloaded_message(model_id, cluster.load_on_request.offline)
+        raise ModelNotFoundError(message, code="model_not_downloaded")
     if keep_alive is not None and keep_alive.seconds == 0:
         keep_alive = None  # the generation's own command sets it once it runs
     timeout = cluster.load_on_request.ready_timeout_seconds
@@ -110,7 +122,7 @@ async def ensure_instance(
                         "still loading: ask again later"
                     )
                 )
-            except (ModelNotFoundError, NoCapacityError) as error:
+            except (ModelNotFoundError, NoCapacityError, GenerationError) as error:
                 outcome.append(error)
             task_group.cancel_scope.cancel()
 
@@ -184,6 +196,9 @@ async def _wait_until_ready(
         NoCapacityError: every instance of the model is gone (its runners failed), or a
             node cannot prepare its files (then the instance this request placed is
             deleted, so the next request starts afresh).
+        GenerationError: a node cannot prepare its files for good (`DownloadFailed.permanent`,
+            a GGUF that does not convert): a 500, which clients do not retry; the instance
+            this request placed is deleted as above.
     """
     last_failure = ""
     # A node's failure from before this wait (an earlier instance's) does not count: only
@@ -206,7 +221,10 @@ async def _wait_until_ready(
                 cluster.send_and_forget(
                     DeleteInstance(command_id=CommandId.new(), instance_id=placed)
                 )
-            raise NoCapacityError(f"{model_id} cannot be prepared: {preparation_failure}")
+            message = f"{model_id} cannot be prepared: {preparation_failure.error_message}"
+            if preparation_failure.permanent:
+                raise GenerationError(message)
+            raise NoCapacityError(message)
         with anyio.move_on_after(STATE_CHECK_SECONDS):
             await cluster.state_changed.wait()
 
@@ -231,12 +249,12 @@ def _preparation_statuses(state: State, model_id: ModelId) -> dict[NodeId, Downl
 
 def _preparation_failure(
     state: State, model_id: ModelId, earlier: dict[NodeId, DownloadStatus]
-) -> str | None:
+) -> DownloadFailed | None:
     for instance in state.instances_of_model(model_id):
         for node_id in instance.shard_assignments.node_to_runner:
             status = state.downloads.get(node_id, {}).get(model_id)
             if isinstance(status, DownloadFailed) and earlier.get(node_id) is not status:
-                return status.error_message
+                return status
     return None
 
 

@@ -20,6 +20,8 @@ from exo.testing.builders import SMOLLM2, make_instance
 from exo.testing.hf_server import HubServer
 from exo.testing.in_process import NODE, InProcessCluster, in_process_cluster
 from exo.testing.processes import free_port
+from exo.testing.random_moe_gguf import MoeGgufShape, write_random_moe_gguf
+from exo.testing.tiny_gguf import save_tiny_gguf
 from exo.testing.tiny_models import save_tiny_checkout
 
 pytestmark = pytest.mark.anyio
@@ -353,3 +355,40 @@ async def test_search_without_a_hub_is_503(
 def test_the_trust_remote_code_flag() -> None:
     assert parse_args(["--trust-remote-code"]).trust_remote_code
     assert not parse_args([]).trust_remote_code
+
+
+async def test_local_path_refusals_say_what_was_found(
+    cluster: InProcessCluster, checkouts: dict[str, Path], tmp_path: Path
+) -> None:
+    """A revision with a path, a GGUF without its extension, a directory named `*.gguf` and a
+    MoE GGUF missing an expert tensor: each a 400 that says what it found."""
+    gguf = save_tiny_gguf(tmp_path / "tiny.gguf")
+    unnamed = tmp_path / "tiny-model"
+    unnamed.write_bytes(gguf.read_bytes())
+    folder = tmp_path / "folder.gguf"
+    folder.mkdir()
+    moe = write_random_moe_gguf(tmp_path / "moe.gguf", MoeGgufShape(), "F32")[0]
+    moe.write_bytes(moe.read_bytes().replace(b"blk.1.ffn_up_exps", b"blk.1.ffn_up_expx"))
+    async with http_client(cluster) as client:
+        add = "/models/add"
+        for path in (str(checkouts[REPO]), str(gguf)):
+            response = await client.post(add, json={"model_id": path, "revision": "main"})
+            message = openai_error(response, 400, "invalid_request_error")
+            assert response.json()["error"]["param"] == "revision"
+            assert "not a Hub repository" in message
+        message = openai_error(
+            await client.post(add, json={"model_id": str(unnamed)}), 400, "invalid_request_error"
+        )
+        assert "GGUF file without the .gguf extension" in message
+        message = openai_error(
+            await client.post(add, json={"model_id": str(folder)}), 400, "invalid_request_error"
+        )
+        assert "is a directory, not a GGUF file" in message
+        message = openai_error(
+            await client.post(add, json={"model_id": str(moe)}), 400, "invalid_request_error"
+        )
+        assert "blk.1.ffn_up_exps.weight" in message
+        # The whole GGUF is added as before.
+        added = await client.post(add, json={"model_id": str(gguf)})
+        assert added.status_code == 200, added.text
+    assert list(cluster.state.custom_cards) == [ModelId(str(gguf))]

@@ -24,7 +24,13 @@ from exo.download.pypi_gguf import COMPLETION_MARKER, model_directory_name
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.chunks import TokenChunk, Usage
 from exo.shared.types.common import ModelId, RunnerId, TaskId
-from exo.shared.types.events import InstanceCreated, RunnerStatusUpdated, TaskStatusUpdated
+from exo.shared.types.events import (
+    InstanceCreated,
+    NodeDownloadProgress,
+    RunnerStatusUpdated,
+    TaskStatusUpdated,
+)
+from exo.shared.types.nodes import DownloadFailed
 from exo.shared.types.runners import RunnerReady
 from exo.shared.types.tasks import TaskComplete
 from exo.testing.builders import SMOLLM2
@@ -207,6 +213,20 @@ async def test_a_model_not_downloaded_answers_404_with_a_pull_hint(tmp_path: Pat
         assert placements(cluster) == []
 
 
+async def test_an_offline_node_says_what_works_offline(tmp_path: Path) -> None:
+    """An `--offline` node downloads nothing: its 404 points to the files and a path, not
+    to the download routes."""
+    async with running(tmp_path, LoadOnRequest(offline=True)) as (cluster, http, _loaded):
+        response = await http.post(
+            "/v1/chat/completions", json={"model": QWEN3, "messages": [USER_HI]}
+        )
+        assert response.status_code == 404
+        message = response.json()["error"]["message"]
+        assert "--offline" in message and "/models/add" in message
+        assert "/download/start" not in message and "/ollama/api/pull" not in message
+        assert placements(cluster) == []
+
+
 async def test_too_little_memory_answers_503_saying_how_much_is_missing(tmp_path: Path) -> None:
     async with running(tmp_path, available_mb=50) as (cluster, http, _loaded):
         response = await http.post(
@@ -384,3 +404,40 @@ async def test_delete_removes_the_files_unless_the_model_is_in_use(
             in_use = await http.request("DELETE", "/ollama/api/delete", json={"model": SMOLLM2})
             assert in_use.status_code == 409 and "in use" in in_use.json()["error"]
             assert (directory / COMPLETION_MARKER).is_file()
+
+
+@pytest.mark.parametrize("permanent", [True, False])
+async def test_a_preparation_failure_is_500_when_permanent_else_503(
+    tmp_path: Path, permanent: bool
+) -> None:
+    """A node that cannot prepare the model: a permanent failure (a GGUF that does not
+    convert) is a 500 (Claude `api_error`, which SDKs do not retry), a passing one a 503
+    (`overloaded_error`), both while the request waits for the placement it made and when
+    the instance was placed beforehand."""
+    expected = (500, "api_error") if permanent else (503, "overloaded_error")
+
+    def fail_preparation() -> None:
+        failed = DownloadFailed(error_message="no blk.1.ffn_up_exps.weight", permanent=permanent)
+        cluster.emit_local(NodeDownloadProgress(node_id=NODE, model_id=SMOLLM2, status=failed))
+
+    async def fail_once_placed(count: int) -> None:
+        await wait_for(lambda: len(placements(cluster)) == count, "a placement")
+        fail_preparation()
+
+    async with running(tmp_path, loaded_at_once=False) as (cluster, http, _loaded):
+        request = DIALECT_REQUESTS["/v1/messages"]
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(fail_once_placed, 1)
+            with anyio.fail_after(DEADLINE_SECONDS):
+                response = await http.post("/v1/messages", json=request)
+        assert response.status_code == expected[0], response.text
+        assert response.json()["error"]["type"] == expected[1]
+        assert "blk.1.ffn_up_exps.weight" in response.json()["error"]["message"]
+        placed = await http.post("/place_instance", json={"model_id": SMOLLM2})
+        assert placed.status_code == 200, placed.text
+        await fail_once_placed(2)
+        await wait_for(lambda: cluster.state.downloads[NODE][SMOLLM2].kind == "DownloadFailed", "")
+        with anyio.fail_after(DEADLINE_SECONDS):
+            response = await http.post("/v1/messages", json=request)
+        assert response.status_code == expected[0], response.text
+        assert response.json()["error"]["type"] == expected[1]

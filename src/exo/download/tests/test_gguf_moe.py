@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,10 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from exo.download.gguf_experts import GgufExpertsError
-from exo.download.gguf_models import card_for_gguf
+from exo.download.gguf_models import GgufModelError, card_for_gguf
 from exo.download.gguf_repack import convert_gguf
 from exo.download.gguf_tensors import read_gguf_model
+from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.shared.models.moe import experts_of_rank
 from exo.testing.random_moe_gguf import MoeGgufShape, write_random_moe_gguf
 from exo.worker.engines.torch.model.loading import load_model
@@ -151,6 +153,19 @@ def test_moe_gguf_card_and_expert_rank_reading_its_experts(tmp_path: Path) -> No
                 assert torch.equal(weight, all_experts.held()[expert].state_dict()[name])
 
 
+def test_moe_gguf_with_a_mis_shaped_expert_tensor_has_no_card(tmp_path: Path) -> None:
+    """The metadata says 4 experts of width 256; the file's stacked tensors hold 3."""
+    path = tmp_path / "moe.gguf"
+    write_random_moe_gguf(path, replace(SHAPE, experts=3), "F32")
+    # The key, its type (uint32, 4) and its value, little-endian: 3 becomes 4.
+    key = b"qwen3moe.expert_count" + (4).to_bytes(4, "little")
+    data = path.read_bytes()
+    assert data.count(key + (3).to_bytes(4, "little")) == 1
+    path.write_bytes(data.replace(key + (3).to_bytes(4, "little"), key + (4).to_bytes(4, "little")))
+    with pytest.raises(GgufModelError, match=r"blk\.0\.ffn_gate_exps\.weight has shape"):
+        card_for_gguf(path, "random-moe")
+
+
 def test_moe_gguf_without_an_expert_tensor_is_refused_naming_it(tmp_path: Path) -> None:
     files = write_random_moe_gguf(tmp_path / "moe.gguf", SHAPE, "F32", split_max_tensors=9)
     # The last part with blk.1's down experts: rename it so the layer lacks that tensor.
@@ -158,3 +173,21 @@ def test_moe_gguf_without_an_expert_tensor_is_refused_naming_it(tmp_path: Path) 
     files[-1].write_bytes(last)
     with pytest.raises(GgufExpertsError, match=r"blk\.1\.ffn_down_exps\.weight"):
         converted(files[0], tmp_path / "converted")
+    # Refused when its card is built (`POST /models/add`), from the tensor index alone.
+    with pytest.raises(GgufModelError, match=r"no blk\.1\.ffn_down_exps\.weight"):
+        card_for_gguf(files[0], "random-moe")
+
+
+def test_a_gguf_that_fails_to_convert_is_a_permanent_preparation_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The card was built while the file was whole; it lost a tensor since: preparing it
+    fails naming the tensor, marked permanent (the node does not retry the same file)."""
+    for name in ("EXO_MODELS_DIRS", "EXO_MODELS_READ_ONLY_DIRS"):
+        monkeypatch.delenv(name, raising=False)
+    path = write_random_moe_gguf(tmp_path / "moe.gguf", SHAPE, "F32")[0]
+    card = card_for_gguf(path, "random-moe")
+    path.write_bytes(path.read_bytes().replace(b"blk.1.ffn_down_exps", b"blk.1.ffn_down_expx"))
+    with pytest.raises(ModelPreparationError, match=r"blk\.1\.ffn_down_exps\.weight") as raised:
+        prepare_model(card, tmp_path / "models", offline=True)
+    assert raised.value.permanent

@@ -153,8 +153,14 @@ class DownloadCompleted(FrozenModel):
 
 
 class DownloadFailed(FrozenModel):
+    """A node could not prepare the model's files. `permanent`: the files are there but
+    cannot become a model the engine loads (a GGUF conversion failed); the node does not
+    retry them until a new instance of the model asks, and requests get a server error
+    (500), not 503."""
+
     kind: Literal["DownloadFailed"] = "DownloadFailed"
     error_message: str
+    permanent: bool = False
 
 
 DownloadStatus = Annotated[

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import queue
 import time
 import traceback
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.testing.ports import free_port
+from exo.testing.rank_processes import run_rank_processes
 from exo.testing.tiny_models import ARCHITECTURES, save_tiny_checkout, save_tiny_model
 from exo.worker.engines.torch.engine_factory import load_engine
 from exo.worker.engines.torch.model.direct_forward import LEAN_ENV
@@ -94,7 +94,7 @@ class JobResult:
     load_error: str | None = None
 
 
-def _rank_main(rank: int, world_size: int, port: int, jobs: list[Job], results: Any) -> None:
+def _rank_main(rank: int, world_size: int, port: int, results: Any, jobs: list[Job]) -> None:
     """A spawned rank: join the group, then load/warm up/generate (rank 0) or serve each job."""
     from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
     from exo.worker.engines.torch.model.sharding import loaded_parameter_bytes
@@ -145,41 +145,17 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[Job], results: 
 
 def run_group(world_size: int, jobs: list[Job]) -> dict[str, JobResult]:
     """Spawn `world_size` ranks running `jobs`; every wait bounded, every process ended."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(target=_rank_main, args=(rank, world_size, port, jobs, results))
-        for rank in range(world_size)
-    ]
     collected = {job.name: JobResult() for job in jobs}
-    try:
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + GROUP_DEADLINE_S
-        done = 0
-        while done < world_size:
-            try:
-                kind, name, rank, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"the {world_size}-rank group did not finish in {GROUP_DEADLINE_S} s")
-            match kind:
-                case "error":
-                    pytest.fail(f"rank {rank} failed:\n{value}")
-                case "done":
-                    done += 1
-                case "tokens":
-                    collected[name].tokens.append(value)
-                case "bytes":
-                    collected[name].parameter_bytes[rank] = value
-                case "load_error":
-                    collected[name].load_error = value
-    finally:
-        for process in processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
+    for kind, name, rank, value in run_rank_processes(
+        _rank_main, (jobs,), world_size, GROUP_DEADLINE_S
+    ):
+        match kind:
+            case "tokens":
+                collected[name].tokens.append(value)
+            case "bytes":
+                collected[name].parameter_bytes[rank] = value
+            case "load_error":
+                collected[name].load_error = value
     return collected
 
 

@@ -10,8 +10,6 @@ with fewer slots than rank 0 (and takes rank 0's at warm-up). Both modes run in 
 
 from __future__ import annotations
 
-import queue
-import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +17,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as multiprocessing
 
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
-from exo.testing.ports import free_port
+from exo.testing.rank_processes import run_rank_processes
 from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
 from exo.worker.engines.torch.engine import GeneratedPiece, TorchEngine
 from exo.worker.engines.torch.engine_factory import load_engine
@@ -201,7 +198,7 @@ def check_batching(engine: TorchEngine) -> Outcome:
     )  # fmt: skip
 
 
-def _rank_main(rank: int, port: int, model_dir: str, results: Any) -> None:
+def _rank_main(rank: int, world_size: int, port: int, results: Any, model_dir: str) -> None:
     from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
 
     torch.set_num_threads(1)
@@ -246,36 +243,8 @@ def outcomes(
         tmp_path_factory.mktemp(f"tiny-{architecture}-batching"), architecture, real_model_dir,
         n_layers=4,
     )  # fmt: skip
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(target=_rank_main, args=(rank, port, str(model_dir), results))
-        for rank in range(2)
-    ]
-    collected: dict[str, Outcome] = {}
-    try:
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + GROUP_DEADLINE_S
-        done = 0
-        while done < 2:
-            try:
-                kind, key, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"the 2-rank group did not finish in {GROUP_DEADLINE_S} s")
-            if kind == "error":
-                pytest.fail(f"rank {key} failed:\n{value}")
-            if kind == "outcome":
-                collected[key] = value
-            done += kind == "done"
-    finally:
-        for process in processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
-    return collected
+    reports = run_rank_processes(_rank_main, (str(model_dir),), 2, GROUP_DEADLINE_S)
+    return {key: value for kind, key, value in reports if kind == "outcome"}
 
 
 @pytest.mark.parametrize("mode", ["pipeline", "tensor"])

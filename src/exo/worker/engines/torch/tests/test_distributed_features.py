@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import json
 import math
-import queue
-import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as multiprocessing
 
 from exo.shared.models.cards import card_from_local_directory
 from exo.shared.types.shards import ShardMetadata
-from exo.testing.ports import free_port
+from exo.testing.rank_processes import run_rank_processes
 from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.engine_factory import load_engine
@@ -88,7 +85,7 @@ def generate_all(engine: TorchEngine) -> list[Outcome]:
 
 
 def _rank_main(
-    rank: int, world_size: int, port: int, model_dir: str, mode: str, results: Any
+    rank: int, world_size: int, port: int, results: Any, model_dir: str, mode: str
 ) -> None:
     from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
 
@@ -112,38 +109,8 @@ def _rank_main(
 
 
 def run_group(model_dir: Path, mode: str, world_size: int = 2) -> GroupOutcome:
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(
-            target=_rank_main, args=(rank, world_size, port, str(model_dir), mode, results)
-        )
-        for rank in range(world_size)
-    ]
-    outcomes: GroupOutcome | None = None
-    try:
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + GROUP_DEADLINE_S
-        done = 0
-        while done < world_size:
-            try:
-                kind, rank, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"the {world_size}-rank group did not finish in {GROUP_DEADLINE_S} s")
-            if kind == "error":
-                pytest.fail(f"rank {rank} failed:\n{value}")
-            if kind == "outcomes":
-                outcomes = value
-            done += kind == "done"
-    finally:
-        for process in processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
-    assert outcomes is not None
+    reports = run_rank_processes(_rank_main, (str(model_dir), mode), world_size, GROUP_DEADLINE_S)
+    [outcomes] = [value for kind, _rank, value in reports if kind == "outcomes"]
     return outcomes
 
 

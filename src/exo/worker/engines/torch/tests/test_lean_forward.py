@@ -9,18 +9,15 @@ within `INT4_TOLERANCE` (teacher forcing: both paths are fed the same tokens,
 from __future__ import annotations
 
 import dataclasses
-import queue
-import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as multiprocessing
 from torch import nn
 
-from exo.testing.ports import free_port
+from exo.testing.rank_processes import run_rank_processes
 from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
 from exo.worker.engines.torch.batching.batch_attention import (
     BatchPlan,
@@ -398,7 +395,9 @@ def test_mixed_kinds_are_not_fused() -> None:
 # -- sharded: 2 gloo ranks ---------------------------------------------------------------
 
 
-def _rank_main(rank: int, port: int, model_dir: str, results: Any, modes: tuple[str, ...]) -> None:
+def _rank_main(
+    rank: int, world_size: int, port: int, results: Any, model_dir: str, modes: tuple[str, ...]
+) -> None:
     from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
 
     torch.set_num_threads(1)
@@ -437,35 +436,10 @@ def test_sharded_lean_equals_transformers(tiny_dirs: dict[str, Path], name: str)
     )
     # Mixture-of-experts families are split by their experts too.
     modes = ("pipeline", "tensor") + (("expert",) if family_by_name(name).moe else ())
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(target=_rank_main, args=(rank, port, str(model_dir), results, modes))
-        for rank in range(2)
-    ]
-    collected: dict[tuple[str, bool], torch.Tensor] = {}
-    try:
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + GROUP_DEADLINE_S
-        done = 0
-        while done < 2:
-            try:
-                kind, key, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"the 2-rank group did not finish in {GROUP_DEADLINE_S} s")
-            if kind == "error":
-                pytest.fail(f"rank {key} failed:\n{value}")
-            if kind == "logits":
-                collected[key] = torch.from_numpy(value)
-            done += kind == "done"
-    finally:
-        for process in processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
+    reports = run_rank_processes(_rank_main, (str(model_dir), modes), 2, GROUP_DEADLINE_S)
+    collected: dict[tuple[str, bool], torch.Tensor] = {
+        key: torch.from_numpy(value) for kind, key, value in reports if kind == "logits"
+    }
     assert set(collected) == {(mode, lean) for mode in modes for lean in (True, False)}
     for (mode, lean), logits in collected.items():
         difference = (logits - reference).abs().max().item()

@@ -336,7 +336,7 @@ def _conversation(engine: TorchEngine) -> SplitTurns:
 
 
 def _split_rank(
-    rank: int, world_size: int, port: int, model_dir: str, mode: str, results: Any
+    rank: int, world_size: int, port: int, results: Any, model_dir: str, mode: str
 ) -> None:
     import os
     import traceback
@@ -368,46 +368,15 @@ def _split_rank(
 def test_split_ranks_trim_alike_and_a_long_hit_answers_as_the_single_process(
     model_dirs: dict[str, Path], mode: str
 ) -> None:
-    import queue
-    import time
-
-    import torch.multiprocessing as multiprocessing
-
-    from exo.testing.ports import free_port
+    from exo.testing.rank_processes import run_rank_processes
     from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S
 
     single = _conversation(_engine(model_dirs["gemma3"]))
     (_, first_cached), (warm_tokens, warm_cached), (cold_tokens, cold_cached) = single
     assert first_cached == cold_cached == 0 and warm_cached > 20 * WINDOW
     assert warm_tokens == cold_tokens
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(
-            target=_split_rank, args=(rank, 2, port, str(model_dirs["gemma3"]), mode, results)
-        )
-        for rank in range(2)
-    ]
-    turns = None
-    try:
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + GROUP_DEADLINE_S
-        done = 0
-        while done < 2:
-            try:
-                kind, rank, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"the group did not finish in {GROUP_DEADLINE_S} s")
-            if kind == "error":
-                pytest.fail(f"rank {rank} failed:\n{value}")
-            turns = value if kind == "turns" else turns
-            done += kind == "done"
-    finally:
-        for process in processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
+    reports = run_rank_processes(
+        _split_rank, (str(model_dirs["gemma3"]), mode), 2, GROUP_DEADLINE_S
+    )
+    [turns] = [value for kind, _rank, value in reports if kind == "turns"]
     assert turns == single

@@ -1,0 +1,75 @@
+"""Run the ranks of one process group as spawned processes and collect what they report,
+for the multi-process engine tests (sharded == unsharded and its kin).
+
+Each rank runs `target(rank, world_size, port, results, *args)`: `port` a free loopback
+port for the group's rendezvous, `results` a queue on which it puts tuples whose first
+item is a kind. A rank ends with `("done", ...)` (counted, not returned) or, on any
+exception, `("error", ..., rank, traceback)`; every other tuple is returned in arrival
+order for the test to read.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+
+from exo.testing.ports import free_port
+
+# How long a finished rank's process gets to exit before it is killed (seconds).
+JOIN_SECONDS = 10.0
+
+
+def run_rank_processes(
+    target: Callable[..., None], args: Sequence[Any], world_size: int, deadline: float
+) -> list[tuple[Any, ...]]:
+    """Spawn `world_size` ranks of `target` and return their reports (module docstring).
+
+    Args:
+        deadline: seconds the whole group may take, from the first start to the last
+            `done`.
+
+    Returns:
+        Every report other than `done`, in arrival order.
+
+    Raises:
+        pytest.fail: a rank reported an error (its traceback in the message), or the group
+            did not finish within `deadline`. Every process is joined, or killed, either way.
+    """
+    import torch.multiprocessing as multiprocessing  # heavy: only where ranks are spawned
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=target, args=(rank, world_size, port, results, *args))
+        for rank in range(world_size)
+    ]
+    reports: list[tuple[Any, ...]] = []
+    try:
+        for process in processes:
+            process.start()
+        ends_at = time.monotonic() + deadline
+        done = 0
+        while done < world_size:
+            try:
+                report = results.get(timeout=max(0.1, ends_at - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"the {world_size}-rank group did not finish in {deadline:.0f} s")
+            match report[0]:
+                case "error":
+                    pytest.fail(f"rank {report[-2]} failed:\n{report[-1]}")
+                case "done":
+                    done += 1
+                case _:
+                    reports.append(report)
+    finally:
+        for process in processes:
+            process.join(timeout=JOIN_SECONDS)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=JOIN_SECONDS)
+    return reports
