@@ -100,9 +100,15 @@ ModelSource = Annotated[
 ]
 
 
-Capability = Literal["text", "thinking", "tools", "vision"]
+Capability = Literal["text", "thinking", "tools", "vision", "embedding", "rerank"]
 """What a model can do: read and write text, reason in a separate thinking block, call
-tools, read images."""
+tools, read images, embed text (`/v1/embeddings`), score documents against a query
+(`/v1/rerank`). A card without "text" serves no chat or completion."""
+
+EmbeddingPooling = Literal["last", "mean"]
+"""How a decoder's final-norm hidden states become one vector: the last token's
+(Qwen3-Embedding), or the mean over the input's tokens (any chat model asked for
+embeddings, as llama-server pools by default)."""
 
 ToolCallFormat = Literal[
     "hermes",
@@ -285,6 +291,11 @@ class ModelCard(FrozenModel):
     latent_attention: LatentAttention | None = None
     """Multi-head latent attention's ranks (None: grouped-query attention of
     `num_key_value_heads` x `attention_head_dim`)."""
+    embedding_pooling: EmbeddingPooling | None = None
+    """An embedding model's pooling (None: "mean", for a chat model asked for embeddings)."""
+    matryoshka_dimensions: tuple[int, ...] | None = None
+    """Widths a Matryoshka-trained embedding model's vectors may be cut to (any width from
+    the smallest up to `hidden_size` is accepted); None: `dimensions` is refused."""
     sliding_window: SlidingWindow | None = None
     """Layers attending within a sliding window (None: every layer attends to the whole
     context, or the card does not say; placement then sizes every layer's KV whole)."""

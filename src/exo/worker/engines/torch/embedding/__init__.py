@@ -1,0 +1,1 @@
+"""Embeddings and rerank scores from a loaded model (`backend.EmbeddingBackend`)."""
