@@ -70,6 +70,7 @@ def tag_model(card: ModelCard, modified_at: str, quantization: QuantizationLevel
         size=card.storage_size_bytes,
         digest=model_digest(card.model_id),
         details=model_details(card, quantization),
+        capabilities=model_capabilities(card, ""),
     )
 
 
@@ -98,12 +99,16 @@ def model_capabilities(card: ModelCard, template: str) -> list[str]:
     template (exo parses the model's own tool-call format, and asks a model trained on none
     for hermes blocks); "thinking" when the card says so or the chat template reads a
     thinking switch. "vision" is never listed: exo refuses image input for now, and a
-    client that saw it would send images to a 400."""
-    capabilities = ["completion"]
-    if getattr(card, "has_chat_template", True):
-        capabilities.append("tools")
-    if "thinking" in card.capabilities or "enable_thinking" in template:
-        capabilities.append("thinking")
+    client that saw it would send images to a 400. "completion" and the rest only for a
+    card with "text"; "embedding" (Ollama's name) and "rerank" as the card says."""
+    capabilities: list[str] = []
+    if "text" in card.capabilities:
+        capabilities.append("completion")
+        if getattr(card, "has_chat_template", True):
+            capabilities.append("tools")
+        if "thinking" in card.capabilities or "enable_thinking" in template:
+            capabilities.append("thinking")
+    capabilities += [name for name in ("embedding", "rerank") if name in card.capabilities]
     return capabilities
 
 
