@@ -33,7 +33,7 @@ class EmbeddingCluster(ScriptedCluster):
         super().__init__()
         cards = load_builtin_cards()
         node = NodeId("node-a")
-        for index, model in enumerate((EMBEDDER, RERANKER)):
+        for model in (EMBEDDER, RERANKER):
             self.cards[model] = cards[model]
         self.state = make_state(
             instances=[
