@@ -5,8 +5,6 @@ inputs, a chat request to an embedding-only model."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
 from typing import cast
 
 from fastapi.testclient import TestClient
@@ -14,67 +12,22 @@ from fastapi.testclient import TestClient
 from exo.api.app import create_app
 from exo.api.serving.cluster_client import ClusterClient
 from exo.shared.models.cards import load_builtin_cards
-from exo.shared.types.chunks import Chunk, EmbeddingChunk
-from exo.shared.types.commands import ComputeEmbeddings
-from exo.shared.types.common import CommandId, ModelId, NodeId
-from exo.testing.builders import make_instance, make_state
+from exo.shared.types.common import ModelId
 from exo.testing.scripted_cluster import ScriptedCluster
 
 EMBEDDER = ModelId("Qwen/Qwen3-Embedding-0.6B")
 RERANKER = ModelId("Qwen/Qwen3-Reranker-0.6B")
-SCORES = (0.2, 0.9, 0.5)
 
 
 class EmbeddingCluster(ScriptedCluster):
-    """SmolLM2, Qwen3-Embedding-0.6B and Qwen3-Reranker-0.6B placed; an embedding command
-    is answered with unit vectors `[i, 0, ...]`-like rows, a rerank with `SCORES`."""
+    """SmolLM2, Qwen3-Embedding-0.6B and Qwen3-Reranker-0.6B placed (answers: the scripted
+    cluster's unit vectors and `rerank_scores`)."""
 
     def __init__(self) -> None:
         super().__init__()
         cards = load_builtin_cards()
-        node = NodeId("node-a")
         for model in (EMBEDDER, RERANKER):
-            self.cards[model] = cards[model]
-        self.state = make_state(
-            instances=[
-                make_instance(node),
-                make_instance(node, cards[EMBEDDER], instance_id="instance-2"),
-                make_instance(node, cards[RERANKER], instance_id="instance-3"),
-            ]
-        )
-        self.embedding_commands: list[ComputeEmbeddings] = []
-
-    async def submit(self, command, timeout: float = 0.0) -> None:  # type: ignore[no-untyped-def]
-        if isinstance(command, ComputeEmbeddings):
-            self.embedding_commands.append(command)
-        else:
-            await super().submit(command, timeout)
-
-    @contextmanager
-    def chunk_stream(self, command_id: CommandId) -> Iterator[AsyncIterator[Chunk]]:
-        yield self._embedding_answer(command_id)  # read once the command was submitted
-
-    async def _embedding_answer(self, command_id: CommandId) -> AsyncIterator[Chunk]:
-        found = [item for item in self.embedding_commands if item.command_id == command_id]
-        if not found:
-            async for chunk in self._answer(command_id):
-                yield chunk
-            return
-        (command,) = found
-        params = command.params
-        if params.kind == "rerank":
-            yield EmbeddingChunk(
-                command_id=command_id, model=params.model, scores=SCORES, prompt_tokens=30
-            )
-            return
-        width = params.dimensions or 4
-        vectors = tuple(
-            tuple(1.0 if column == row % width else 0.0 for column in range(width))
-            for row in range(len(params.inputs))
-        )
-        yield EmbeddingChunk(
-            command_id=command_id, model=params.model, vectors=vectors, prompt_tokens=7
-        )
+            self.add_model(cards[model])
 
 
 def _client(cluster: EmbeddingCluster) -> TestClient:
