@@ -46,6 +46,13 @@ KNOWN_GAPS: dict[str, str] = {
     # Only references to its config.json (and a few of its vision_config values) were found; the
     # text_config the card states was not.
     "mistralai/Mistral-Small-3.1-24B-Instruct-2503": "no copy of its text_config found",
+    # Qwen3 embedding / reranker checkpoints (issue 42): the index holds copies of
+    # Qwen3-Embedding-0.6B's config.json quoted in code without a repository to cite, and the
+    # README's table (layers, context, width); their other shapes are their Qwen3 base's.
+    "Qwen/Qwen3-Embedding-0.6B": "no citable copy of its config.json",
+    "Qwen/Qwen3-Embedding-4B": "no citable copy of its config.json",
+    "Qwen/Qwen3-Embedding-8B": "no citable copy of its config.json",
+    "Qwen/Qwen3-Reranker-0.6B": "no citable copy of its config.json",
 }
 
 # Issue 39's catalog models that have no card yet, because no public copy of their own

@@ -41,7 +41,12 @@ def test_card_shapes_fit_together(card: ModelCard) -> None:
     assert card.context_length >= 2048
     assert card.sources, "every card names the source of its numbers"
     assert card.short_name is not None
-    assert "text" in card.capabilities
+    # A chat model, or one that only embeds (pooled) or reranks.
+    assert {"text", "embedding", "rerank"} & set(card.capabilities)
+    if "embedding" in card.capabilities and "text" not in card.capabilities:
+        assert card.embedding_pooling is not None, "an embedding model names its pooling"
+    if card.matryoshka_dimensions:
+        assert max(card.matryoshka_dimensions) <= card.hidden_size
     if card.vision_parameter_count:
         assert "vision" in card.capabilities
     # A model trained on a tool format says so, and one with a format has the capability.
