@@ -107,3 +107,32 @@ def test_qwen3_reranker_scores_equal_transformers_yes_no_softmax(qwen3_dir: Path
     # A model that is not a reranker scores nothing.
     plain = card.model_copy(update={"capabilities": ("embedding",)})
     assert _engine(qwen3_dir, plain).embedding_backend().score_pairs([(query, "x")]) is None
+
+
+def test_a_bare_decoder_checkpoint_loads_as_its_causal_lm(qwen3_dir: Path, tmp_path: Path) -> None:
+    """sentence-transformers saves Qwen3-Embedding as the bare decoder (`layers.0...`, no
+    `model.` and no LM head): it loads, and embeds as the full checkpoint does."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bare = tmp_path / "bare"
+    shutil.copytree(qwen3_dir, bare)
+    (checkpoint,) = bare.glob("*.safetensors")
+    tensors = load_file(checkpoint)
+    save_file(
+        {
+            name.removeprefix("model."): tensor
+            for name, tensor in tensors.items()
+            if not name.startswith("lm_head.")
+        },
+        checkpoint,
+        metadata={"format": "pt"},
+    )
+    card = card_from_local_directory(qwen3_dir).model_copy(
+        update={"capabilities": ("embedding",), "embedding_pooling": "last"}
+    )
+    full = _engine(qwen3_dir, card).embedding_backend()
+    headless = _engine(bare, card).embedding_backend()
+    ids = full.tokenize(TEXTS)
+    torch.testing.assert_close(headless.embed(ids), full.embed(ids), atol=1e-6, rtol=1e-6)
