@@ -137,8 +137,10 @@ async def compute_embeddings(
         case EmbeddingChunk():
             return chunk
         case ErrorChunk(status_code=400):
-            field = (chunk.error_code or "").removeprefix("invalid_") or "input"
-            raise InvalidRequestError(chunk.error_message, param=field)
+            code = chunk.error_code or ""
+            if code.startswith("invalid_"):
+                raise InvalidRequestError(chunk.error_message, param=code.removeprefix("invalid_"))
+            raise InvalidRequestError(chunk.error_message, param="input", code=code or None)
         case ErrorChunk(status_code=503):
             raise NoCapacityError(chunk.error_message)
         case ErrorChunk():

@@ -20,13 +20,19 @@ from exo.shared.types.embeddings import EmbeddingTaskParams
 from exo.shared.types.tasks import Embedding
 from exo.worker.engines.torch.embedding.backend import EmbeddingBackend
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""The error code of an input over the context (`exo.api.wire.errors`: each dialect words it
+as its reference API does)."""
+
 
 class EmbeddingRequestError(ValueError):
-    """The request itself is at fault (a 400 naming `field`)."""
+    """The request itself is at fault (a 400 naming `field`; `code` overrides the chunk's
+    `invalid_<field>` error code)."""
 
-    def __init__(self, message: str, field: str) -> None:
+    def __init__(self, message: str, field: str, code: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+        self.code = code or f"invalid_{field}"
 
 
 def answer_embeddings(backend: EmbeddingBackend, tasks: Sequence[Embedding]) -> list[Chunk]:
@@ -42,7 +48,7 @@ def answer_embeddings(backend: EmbeddingBackend, tasks: Sequence[Embedding]) -> 
                 continue
             rows = _embedding_rows(backend, task.params)
         except EmbeddingRequestError as error:
-            answers[index] = _error(task, str(error), 400, error.field)
+            answers[index] = _error(task, str(error), 400, error.code)
             continue
         except Exception as error:
             logger.opt(exception=error).warning("rerank failed")
@@ -103,9 +109,10 @@ def _embedding_rows(backend: EmbeddingBackend, params: EmbeddingTaskParams) -> l
         if len(ids) > limit:
             if not params.truncate:
                 raise EmbeddingRequestError(
-                    f"input[{position}] is {len(ids)} tokens; the model's context holds "
-                    f"{limit} (ask for truncation to cut it)",
+                    f"input[{position}]: the prompt is {len(ids)} tokens; the model's context "
+                    f"is {limit} tokens (ask for truncation to cut it)",
                     "input",
+                    CONTEXT_LENGTH_EXCEEDED,
                 )
             ids = ids[:limit]
         rows.append(ids)
@@ -129,11 +136,11 @@ def _rerank(backend: EmbeddingBackend, task: Embedding) -> Chunk:
     )
 
 
-def _error(task: Embedding, message: str, status_code: int, field: str | None = None) -> Chunk:
+def _error(task: Embedding, message: str, status_code: int, code: str | None = None) -> Chunk:
     return ErrorChunk(
         command_id=task.command_id,
         model=task.params.model,
         error_message=message,
         status_code=status_code,
-        error_code=None if field is None else f"invalid_{field}",
+        error_code=code,
     )

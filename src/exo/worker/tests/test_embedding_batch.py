@@ -69,7 +69,10 @@ def test_over_context_fails_alone_unless_truncation_is_asked() -> None:
     answers = answer_embeddings(backend, [too_long, cut, fine])
     refused = answers[0]
     assert isinstance(refused, ErrorChunk) and refused.status_code == 400
-    assert refused.error_code == "invalid_input" and "input[0] is 7 tokens" in refused.error_message
+    assert refused.error_code == "context_length_exceeded"
+    assert "input[0]: the prompt is 7 tokens; the model's context is 5 tokens" in (
+        refused.error_message
+    )
     assert backend.calls == [[[97, 98, 99, 100, 101], [111, 107]]]
     assert isinstance(answers[1], EmbeddingChunk) and answers[1].prompt_tokens == 5
     assert isinstance(answers[2], EmbeddingChunk)
