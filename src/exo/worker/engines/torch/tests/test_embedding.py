@@ -6,6 +6,7 @@ softmax; a batch equals its inputs run alone."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -136,3 +137,11 @@ def test_a_bare_decoder_checkpoint_loads_as_its_causal_lm(qwen3_dir: Path, tmp_p
     headless = _engine(bare, card).embedding_backend()
     ids = full.tokenize(TEXTS)
     torch.testing.assert_close(headless.embed(ids), full.embed(ids), atol=1e-6, rtol=1e-6)
+
+
+def test_a_rank_of_a_split_instance_refuses_embeddings(tiny_engine: TorchEngine) -> None:
+    """Pooling needs the final norm's states of the whole model on one rank: a split
+    instance's rank 0 refuses (the runner answers the request with a 400)."""
+    tiny_engine.group = cast(Any, object())
+    with pytest.raises(ValueError, match="split across nodes"):
+        tiny_engine.embedding_backend()
