@@ -5,14 +5,20 @@ its `dimensions` and normalized; a request at fault fails alone with a 400 namin
 from __future__ import annotations
 
 from collections.abc import Sequence
+from multiprocessing import Pipe
+from typing import Any, cast
 
 import torch
 
 from exo.shared.types.chunks import EmbeddingChunk, ErrorChunk
-from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, TaskId
+from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.embeddings import EmbeddingInput, EmbeddingTaskParams
-from exo.shared.types.tasks import Embedding
+from exo.shared.types.runners import RunnerReady
+from exo.shared.types.tasks import Embedding, TaskComplete
+from exo.testing.builders import make_shard
 from exo.worker.runner.embedding_batch import answer_embeddings
+from exo.worker.runner.messages import ChunkReport, TaskStatusReport, decode_outbound
+from exo.worker.runner.runner import Runner
 
 MODEL = ModelId("some/embedder")
 
@@ -92,3 +98,39 @@ def test_dimensions_and_rerank_refusals_name_their_field() -> None:
         "invalid_model",
     ]
     assert backend.calls == []
+
+
+class BackendEngine:
+    """The engine side a runner needs for embeddings."""
+
+    def __init__(self, backend: FakeBackend) -> None:
+        self.backend = backend
+
+    def embedding_backend(self) -> FakeBackend:
+        return self.backend
+
+
+def test_a_runner_answers_the_tasks_waiting_in_its_pipe_in_one_batch() -> None:
+    backend = FakeBackend()
+    inbound_reader, inbound_writer = Pipe(duplex=False)
+    outbound_reader, outbound_writer = Pipe(duplex=False)
+    runner = Runner(RunnerId("runner-1"), make_shard(), inbound_reader, outbound_writer)
+    runner._engine = cast(Any, BackendEngine(backend))
+    runner._status = runner._ready = RunnerReady()
+    first, second = _task("ab"), _task("xyz", (1, 2))
+    runner._handle(first)
+    inbound_writer.send_bytes(second.model_dump_json().encode())  # still in the pipe
+    runner._run_embeddings()
+    assert backend.calls == [[[97, 98], [120, 121, 122], [1, 2]]]  # one forward for both
+    sent = []
+    while outbound_reader.poll(0):
+        sent.extend(decode_outbound(outbound_reader.recv_bytes()))
+    chunks = [message.chunk for message in sent if isinstance(message, ChunkReport)]
+    assert [chunk.command_id for chunk in chunks] == [first.command_id, second.command_id]
+    assert all(isinstance(chunk, EmbeddingChunk) for chunk in chunks)
+    finals = [
+        message.status
+        for message in sent
+        if isinstance(message, TaskStatusReport) and message.status.kind != "TaskRunning"
+    ]
+    assert finals == [TaskComplete(), TaskComplete()]
