@@ -94,7 +94,8 @@ class DecoderEmbeddingBackend:
             raise ValueError("an input has no tokens")
         out = torch.empty(len(token_ids), self.dimensions, dtype=torch.float32)
         for rows in _sub_batches(token_ids):
-            states, lengths = self._final_states([token_ids[row] for row in rows])
+            on_device, lengths = self._final_states([token_ids[row] for row in rows])
+            states = on_device.float().cpu()
             if self.pooling == "last":
                 pooled = states[torch.arange(len(rows)), lengths - 1]
             else:
@@ -122,7 +123,8 @@ class DecoderEmbeddingBackend:
         no, yes = self._yes_no
         for batch in _sub_batches(rows):
             states, lengths = self._final_states([rows[row] for row in batch])
-            last = states[torch.arange(len(batch)), lengths - 1]  # [b, hidden]
+            rows_here = torch.arange(len(batch), device=states.device)
+            last = states[rows_here, (lengths - 1).to(states.device)]  # [b, hidden]
             logits = self._model.lm_head(last.unsqueeze(1))[:, 0].float()  # [b, vocab]
             pair = torch.stack([logits[:, no], logits[:, yes]], dim=-1)
             scores[torch.tensor(batch)] = torch.softmax(pair, dim=-1)[:, 1].cpu()
@@ -131,19 +133,22 @@ class DecoderEmbeddingBackend:
     def _final_states(
         self, token_ids: Sequence[Sequence[int]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`([b, L, hidden], [b])`: the final norm's states of right-padded inputs and
-        their lengths."""
+        """`([b, L, hidden], [b])`: the final norm's states of right-padded inputs (on the
+        model's device, in its dtype) and their lengths (CPU)."""
         lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.long)
         width = int(lengths.max())
         input_ids = torch.zeros(len(token_ids), width, dtype=torch.long)
         for row, ids in enumerate(token_ids):
             input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        mask = _valid_mask(lengths, width).long()
+        # Rows of one length need no padding mask: plain causal attention, whose kernels
+        # never hold a [length, length] score matrix (a long input runs alone).
+        mask = None if bool((lengths == width).all()) else _valid_mask(lengths, width).long()
         output = self._model.model(
-            input_ids=input_ids.to(self._device), attention_mask=mask.to(self._device),
+            input_ids=input_ids.to(self._device),
+            attention_mask=None if mask is None else mask.to(self._device),
             use_cache=False,
-        )  # fmt: skip
-        return output.last_hidden_state.float().cpu(), lengths
+        )
+        return output.last_hidden_state, lengths
 
 
 def _valid_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
