@@ -15,6 +15,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from exo.api.claude_messages import routes as claude_messages_routes
+from exo.api.embeddings import routes as embeddings_routes
 from exo.api.guards.browser_access import (
     LOOPBACK_ORIGIN_PATTERN,
     BrowserAccess,
@@ -57,6 +58,7 @@ ROUTE_MODULES: tuple[ModuleType, ...] = (
     responses_routes,
     ollama_routes,
     ollama_files,
+    embeddings_routes,
     metrics_routes,
     session,
 )

@@ -16,6 +16,7 @@ from exo.shared.types.commands import (
     AddCustomModel,
     CancelGeneration,
     Command,
+    ComputeEmbeddings,
     ControlDownload,
     DeleteCustomModel,
     DeleteInstance,
@@ -42,7 +43,7 @@ from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import DownloadFailed
 from exo.shared.types.runners import RunnerReady, RunnerRunning
 from exo.shared.types.state import State
-from exo.shared.types.tasks import TaskCancelled, TaskFailed, TextGeneration
+from exo.shared.types.tasks import Embedding, TaskCancelled, TaskFailed, TextGeneration
 
 
 def no_instance_message(model_id: str) -> str:
@@ -162,7 +163,7 @@ def events_for_command(
             if instance_id not in state.instances:
                 return [_reject(command.command_id, origin, f"no instance '{instance_id}'", 404)]
             return [InstanceDeleted(instance_id=instance_id, command_id=command.command_id)]
-        case GenerateText(params=params):
+        case GenerateText(params=params) | ComputeEmbeddings(params=params):
             size = len(params.__pydantic_serializer__.to_json(params))
             if size > MAX_GENERATION_BYTES:
                 reason = f"the request is {size} bytes; at most {MAX_GENERATION_BYTES} are accepted"
@@ -185,13 +186,23 @@ def events_for_command(
             if failed is not None:
                 reason, permanent = failed
                 return [_reject(command.command_id, origin, reason, 500 if permanent else 503)]
-            task = TextGeneration(
-                task_id=new_task_id(),
-                command_id=command.command_id,
-                instance_id=chosen.instance_id,
-                origin_node_id=origin,
-                params=params,
-            )
+            task: TextGeneration | Embedding
+            if isinstance(command, ComputeEmbeddings):
+                task = Embedding(
+                    task_id=new_task_id(),
+                    command_id=command.command_id,
+                    instance_id=chosen.instance_id,
+                    origin_node_id=origin,
+                    params=command.params,
+                )
+            else:
+                task = TextGeneration(
+                    task_id=new_task_id(),
+                    command_id=command.command_id,
+                    instance_id=chosen.instance_id,
+                    origin_node_id=origin,
+                    params=command.params,
+                )
             return [TaskCreated(task=task)]
         case RequestEventReplay():
             return []  # served from the log by the master, nothing new happens

@@ -17,7 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from exo.shared.types.commands import Command, GenerateText, KeepAlive, PlaceInstance, SetKeepAlive
+from exo.shared.types.commands import (
+    Command,
+    ComputeEmbeddings,
+    GenerateText,
+    KeepAlive,
+    PlaceInstance,
+    SetKeepAlive,
+)
 from exo.shared.types.common import CommandId, InstanceId
 from exo.shared.types.events import (
     Event,
@@ -64,7 +71,11 @@ def usage_after_command(
                 keep_alive = command.keep_alive if isinstance(command, PlaceInstance) else None
                 used += _tracked_use(state, instance.instance_id, now, _seconds(keep_alive))
             case TaskCreated(task=task):
-                keep_alive = command.keep_alive if isinstance(command, GenerateText) else None
+                keep_alive = (
+                    command.keep_alive
+                    if isinstance(command, GenerateText | ComputeEmbeddings)
+                    else None
+                )
                 seconds = (
                     keep_alive.seconds
                     if keep_alive is not None

@@ -1,6 +1,7 @@
 """A stand-in for `ClusterClient` behind the real FastAPI app: one placed SmolLM2 instance
 whose every generation answers with the same short text, and a record of the
-`TextGenerationTaskParams` each dialect produced.
+`TextGenerationTaskParams` each dialect produced (and of each embeddings / rerank command,
+answered with made-up vectors and scores).
 
 For in-process tests of the routes, adapters and error handlers (`create_app(cluster)` with
 starlette's `TestClient`), where a real node would cost a model load.
@@ -15,8 +16,8 @@ import anyio
 
 from exo.api.serving.cluster_client import LoadOnRequest
 from exo.api.wire.images import ImagePolicy
-from exo.shared.types.chunks import Chunk, TokenChunk, Usage
-from exo.shared.types.commands import Command, GenerateText
+from exo.shared.types.chunks import Chunk, EmbeddingChunk, TokenChunk, Usage
+from exo.shared.types.commands import Command, ComputeEmbeddings, GenerateText
 from exo.shared.types.common import CommandId, NodeId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import DownloadStatus
@@ -49,6 +50,18 @@ class ScriptedCluster:
         self.generation_aliases: dict[CommandId, CommandId] = {}
         self.kv_cache: list[KVCacheUse] = []  # what `local_kv_cache` reports
         self.image_policy = ImagePolicy()  # tests replace it (`allow_private_urls`)
+        self.embedding_commands: list[ComputeEmbeddings] = []
+        self.rerank_scores: tuple[float, ...] = (0.2, 0.9, 0.5)
+        """Document i's score is `rerank_scores[i % len]`."""
+
+    def add_model(self, card: ModelCard) -> None:
+        """Know `card` and place an instance of it on this node."""
+        self.cards[card.model_id] = card
+        instances = list(self.state.instances.values())
+        instance_id = f"instance-{len(instances) + 1}"
+        self.state = make_state(
+            instances=[*instances, make_instance(self.node_id, card, instance_id=instance_id)]
+        )
 
     def local_kv_cache(self) -> list[KVCacheUse]:
         return list(self.kv_cache)
@@ -61,8 +74,11 @@ class ScriptedCluster:
         """The params of the most recent accepted generation."""
         return self.submitted[-1].params
 
-    async def submit(self, command: GenerateText, timeout: float = 0.0) -> None:
-        self.submitted.append(command)
+    async def submit(self, command: GenerateText | ComputeEmbeddings, timeout: float = 0.0) -> None:
+        if isinstance(command, ComputeEmbeddings):
+            self.embedding_commands.append(command)
+        else:
+            self.submitted.append(command)
 
     def send_and_forget(self, command: Command) -> None:
         self.sent.append(command)
@@ -72,6 +88,10 @@ class ScriptedCluster:
         yield self._answer(command_id)
 
     async def _answer(self, command_id: CommandId) -> AsyncIterator[Chunk]:
+        embedding = [item for item in self.embedding_commands if item.command_id == command_id]
+        if embedding:
+            yield self._embedding_answer(embedding[0])
+            return
         (command,) = [item for item in self.submitted if item.command_id == command_id]
         yield TokenChunk(
             command_id=command_id,
@@ -80,4 +100,23 @@ class ScriptedCluster:
             token_ids=(1, 2),
             finish_reason="stop",
             usage=Usage(prompt_tokens=5, completion_tokens=2),
+        )
+
+    def _embedding_answer(self, command: ComputeEmbeddings) -> EmbeddingChunk:
+        """Input i's vector is the unit vector along axis `i % width` (width: the request's
+        `dimensions`, else 4); a rerank's scores are `rerank_scores`; 7 prompt tokens."""
+        params = command.params
+        count = len(params.inputs)
+        if params.kind == "rerank":
+            scores = tuple(self.rerank_scores[i % len(self.rerank_scores)] for i in range(count))
+            return EmbeddingChunk(
+                command_id=command.command_id, model=params.model, scores=scores, prompt_tokens=7
+            )
+        width = params.dimensions or 4
+        vectors = tuple(
+            tuple(1.0 if column == row % width else 0.0 for column in range(width))
+            for row in range(count)
+        )
+        return EmbeddingChunk(
+            command_id=command.command_id, model=params.model, vectors=vectors, prompt_tokens=7
         )

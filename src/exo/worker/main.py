@@ -50,6 +50,7 @@ from exo.shared.types.tasks import (
     ConnectToGroup,
     CreateRunner,
     DownloadModel,
+    Embedding,
     LoadModel,
     Shutdown,
     StartWarmup,
@@ -269,7 +270,7 @@ class Worker:
                 | StartWarmup(runner_id=runner_id)
             ):
                 self.runners[runner_id].send(task)
-            case TextGeneration(instance_id=instance_id):
+            case TextGeneration(instance_id=instance_id) | Embedding(instance_id=instance_id):
                 instance = self.state.instances[instance_id]
                 runner_id = instance.shard_assignments.rank_zero_runner()
                 self.runners[runner_id].send(task)

@@ -70,6 +70,7 @@ def tag_model(card: ModelCard, modified_at: str, quantization: QuantizationLevel
         size=card.storage_size_bytes,
         digest=model_digest(card.model_id),
         details=model_details(card, quantization),
+        capabilities=model_capabilities(card, ""),
     )
 
 
@@ -97,14 +98,18 @@ def model_capabilities(card: ModelCard, template: str) -> list[str]:
     """Ollama's capability names: "completion" always; "tools" for every model with a chat
     template (exo parses the model's own tool-call format, and asks a model trained on none
     for hermes blocks); "thinking" when the card says so or the chat template reads a
-    thinking switch; "vision" when the card says so (such a model reads `images`)."""
-    capabilities = ["completion"]
-    if getattr(card, "has_chat_template", True):
-        capabilities.append("tools")
-    if "thinking" in card.capabilities or "enable_thinking" in template:
-        capabilities.append("thinking")
-    if "vision" in card.capabilities:
-        capabilities.append("vision")
+    thinking switch, "vision" when the card says so (such a model reads `images`): these
+    only for a card with "text"; "embedding" (Ollama's name) and "rerank" as the card says."""
+    capabilities: list[str] = []
+    if "text" in card.capabilities:
+        capabilities.append("completion")
+        if getattr(card, "has_chat_template", True):
+            capabilities.append("tools")
+        if "thinking" in card.capabilities or "enable_thinking" in template:
+            capabilities.append("thinking")
+        if "vision" in card.capabilities:
+            capabilities.append("vision")
+    capabilities += [name for name in ("embedding", "rerank") if name in card.capabilities]
     return capabilities
 
 

@@ -325,6 +325,9 @@ class OllamaTagModel(_WireResponseModel):
     size: int = Field(ge=0, description="Bytes.")
     digest: str
     details: OllamaModelDetails
+    capabilities: list[str] = Field(
+        default_factory=list, description="As `/api/show` lists them (exo's extension)."
+    )
 
 
 class OllamaTagsResponse(_WireResponseModel):

@@ -21,14 +21,20 @@ from exo.api.openai_chat.wire_types import (
     ModelList,
     ModelObject,
 )
+from exo.api.serving.cluster_client import ClusterClient
 from exo.api.serving.early_stream import WaitingFrames
 from exo.api.serving.generation import convert_request
-from exo.api.serving.model_lookup import Cluster, resolve_model_id, servable_model_ids
+from exo.api.serving.model_lookup import (
+    Cluster,
+    card_of,
+    resolve_model_id,
+    servable_model_ids,
+)
 from exo.api.serving.response_ids import command_id_in_response_id
 from exo.api.wire.errors import ApiError, ModelNotFoundError
 from exo.api.wire.openai_sse import openai_error_events
 from exo.shared.types.commands import CancelGeneration
-from exo.shared.types.common import CommandId
+from exo.shared.types.common import CommandId, ModelId
 
 router = APIRouter()
 
@@ -38,16 +44,20 @@ class GenerationNotFoundError(ApiError):
     error_type = "invalid_request_error"
 
 
-def _model_object(model_id: str) -> ModelObject:
+def _model_object(cluster: ClusterClient, model_id: str) -> ModelObject:
     # exo does not know when a model was published; 0 is the Unix epoch.
-    return ModelObject(id=model_id, created=0, owned_by="exo")
+    card = card_of(cluster, ModelId(model_id))
+    capabilities = list(card.capabilities) if card is not None else None
+    return ModelObject(id=model_id, created=0, owned_by="exo", capabilities=capabilities)
 
 
 @router.get("/v1/models")
 async def list_models(cluster: Cluster) -> ModelList:
     """Models the cluster can serve now: placed ones, then downloaded catalog models (the
     whole catalog is `GET /models`)."""
-    return ModelList(data=[_model_object(model_id) for model_id in servable_model_ids(cluster)])
+    return ModelList(
+        data=[_model_object(cluster, model_id) for model_id in servable_model_ids(cluster)]
+    )
 
 
 @router.get("/v1/models/{model_id:path}")
@@ -61,7 +71,7 @@ async def retrieve_model(model_id: str, cluster: Cluster) -> ModelObject:
         resolved = resolve_model_id(cluster, f"/{model_id}")
     if resolved is None:
         raise ModelNotFoundError(f"The model '{model_id}' does not exist", code="model_not_found")
-    return _model_object(resolved)
+    return _model_object(cluster, resolved)
 
 
 @router.post("/v1/chat/completions", response_model=None)

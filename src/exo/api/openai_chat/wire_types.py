@@ -418,6 +418,10 @@ class ModelObject(_WireResponseModel):
     object: Literal["model"] = "model"
     created: int = Field(description="Unix time, seconds.")
     owned_by: str
+    capabilities: list[str] | None = Field(
+        default=None,
+        description='exo\'s extension: what the model does ("text", "embedding", "rerank", ...)',
+    )
 
 
 class ModelList(_WireResponseModel):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from exo.shared.types.commands import (
     AddCustomModel,
     Command,
+    ComputeEmbeddings,
     ControlDownload,
     DeleteCustomModel,
     GenerateText,
@@ -30,7 +31,7 @@ from exo.shared.types.events import (
     TaskCreated,
 )
 from exo.shared.types.state import CommandOutcome, State
-from exo.shared.types.tasks import TaskComplete, TextGeneration
+from exo.shared.types.tasks import Embedding, TaskComplete, TextGeneration
 
 
 def answer_from_state(
@@ -73,6 +74,21 @@ def answer_from_state(
                     instance_id=outcome.instance_id,
                     origin_node_id=node_id,
                     params=params,
+                    status=TaskComplete(),
+                )
+            )
+        case "TaskCreated", ComputeEmbeddings(params=embedding_params):
+            if outcome.task_id is not None and outcome.task_id in state.tasks:
+                return TaskCreated(task=state.tasks[outcome.task_id])
+            if outcome.task_id is None or outcome.instance_id is None:
+                return gone("the embedding's task is unknown")
+            return TaskCreated(
+                task=Embedding(
+                    task_id=outcome.task_id,
+                    command_id=command_id,
+                    instance_id=outcome.instance_id,
+                    origin_node_id=node_id,
+                    params=embedding_params,
                     status=TaskComplete(),
                 )
             )

@@ -29,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 from exo.api.serving.admission import admission_of
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.serving.early_stream import ChunkRenderer, EarlyStreamingResponse, WaitingFrames
+from exo.api.serving.embedding import refuse_non_chat_model
 from exo.api.serving.image_input import convert_with_images
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
 from exo.api.serving.metrics import observed_chunks
@@ -227,6 +228,7 @@ def check_generation_request(cluster: ClusterClient, params: TextGenerationTaskP
     check_serializable(params)
     if params.model not in known_model_ids(cluster):
         raise ModelNotFoundError(f"The model '{params.model}' does not exist")
+    refuse_non_chat_model(card_of(cluster, params.model), params.model)
     check_chat_template(params, card_of(cluster, params.model))
     check_logit_bias(params, card_of(cluster, params.model))
     check_prompt_size(params, card_of(cluster, params.model))

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 from pydantic_core import PydanticSerializationError
 
 from exo.api.wire.errors import InvalidRequestError, describe_validation_errors
+from exo.shared.types.embeddings import EmbeddingTaskParams
 from exo.shared.types.models import ModelCard
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
@@ -46,7 +47,7 @@ def check_chat_template(params: TextGenerationTaskParams, card: ModelCard | None
     )
 
 
-def check_serializable(params: TextGenerationTaskParams) -> None:
+def check_serializable(params: TextGenerationTaskParams | EmbeddingTaskParams) -> None:
     """Refuse what cannot travel to the runner: strings with lone UTF-16 surrogates (JSON
     text from a client may hold `\ud800`, which UTF-8 cannot encode) and tool schemas
     nested deeper than the serializer allows.

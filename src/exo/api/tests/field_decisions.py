@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from exo.shared.types.commands import GenerateText
+from exo.shared.types.commands import ComputeEmbeddings, GenerateText
+from exo.shared.types.embeddings import EmbeddingTaskParams
 from exo.shared.types.text_generation import (
     ChatMessage,
     TextGenerationTaskParams,
@@ -30,6 +31,13 @@ OLLAMA_GENERATE = "/ollama/api/generate"
 OLLAMA_SHOW = "/ollama/api/show"
 OLLAMA_PULL = "/ollama/api/pull"
 OLLAMA_DELETE = "/ollama/api/delete"
+EMBEDDINGS = "/v1/embeddings"
+OLLAMA_EMBED = "/ollama/api/embed"
+OLLAMA_EMBEDDINGS = "/ollama/api/embeddings"
+RERANK = "/v1/rerank"
+EMBEDDING_ENDPOINTS = (EMBEDDINGS, OLLAMA_EMBED, OLLAMA_EMBEDDINGS, RERANK)
+RERANKER = "Qwen/Qwen3-Reranker-0.6B"
+"""The reranker the test app has placed beside SmolLM2."""
 
 USER_HI = {"role": "user", "content": "hi"}
 BASE_BODIES: dict[str, dict[str, Any]] = {
@@ -54,6 +62,10 @@ BASE_BODIES: dict[str, dict[str, Any]] = {
     # The test app's models directory holds a prepared SmolLM2 (and nothing else).
     OLLAMA_PULL: {"model": SMOLLM2},
     OLLAMA_DELETE: {"model": "no-such-model"},
+    EMBEDDINGS: {"model": SMOLLM2, "input": "hi"},
+    OLLAMA_EMBED: {"model": SMOLLM2, "input": "hi"},
+    OLLAMA_EMBEDDINGS: {"model": SMOLLM2, "prompt": "hi"},
+    RERANK: {"model": RERANKER, "query": "q", "documents": ["a", "b", "c"]},
 }
 # The README line of each dialect's no-ops starts with its name in bold.
 DIALECT_OF_ENDPOINT = {
@@ -67,6 +79,10 @@ DIALECT_OF_ENDPOINT = {
     OLLAMA_SHOW: "Ollama",
     OLLAMA_PULL: "Ollama",
     OLLAMA_DELETE: "Ollama",
+    EMBEDDINGS: "Embeddings",
+    OLLAMA_EMBED: "Embeddings",
+    OLLAMA_EMBEDDINGS: "Embeddings",
+    RERANK: "Embeddings",
 }
 
 Params = TextGenerationTaskParams
@@ -104,7 +120,13 @@ class Sends:
     fields: tuple[str, ...]
     endpoint: str
     body: dict[str, Any]
-    check: Callable[[GenerateText], bool]
+    check: Callable[[GenerateText | ComputeEmbeddings], bool]
+
+
+def embedding_params(command: GenerateText | ComputeEmbeddings) -> EmbeddingTaskParams:
+    """The params of an embeddings / rerank command (AssertionError for a generation)."""
+    assert isinstance(command, ComputeEmbeddings)
+    return command.params
 
 
 @dataclass(frozen=True)

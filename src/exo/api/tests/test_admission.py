@@ -23,7 +23,7 @@ from exo.api.serving.admission import DEFAULT_MIN_QUEUE, DEFAULT_QUEUE_BATCHES, 
 from exo.api.wire.errors import GenerationError, QueueFullError
 from exo.master.placement import runner_id_for
 from exo.shared.types.chunks import Chunk, TokenChunk, Usage
-from exo.shared.types.commands import CancelGeneration, GenerateText
+from exo.shared.types.commands import CancelGeneration, ComputeEmbeddings, GenerateText
 from exo.shared.types.common import CommandId, NodeId
 from exo.shared.types.runners import RunnerLoading, RunnerReady, RunnerRunning, RunnerStatus
 from exo.shared.types.state import InstanceUnavailable, State
@@ -77,7 +77,7 @@ class HeldCluster(ScriptedCluster):
         for gate in waiting[:count]:
             gate.set()
 
-    async def submit(self, command: GenerateText, timeout: float = 0.0) -> None:
+    async def submit(self, command: GenerateText | ComputeEmbeddings, timeout: float = 0.0) -> None:
         self.gates[command.command_id] = anyio.Event()
         await super().submit(command, timeout)
 

@@ -42,10 +42,12 @@ from exo.api.tests.field_decisions import (
     CHAT,
     COUNT_TOKENS,
     DIALECT_OF_ENDPOINT,
+    EMBEDDING_ENDPOINTS,
     NO_OP_SECTION,
     OLLAMA_DELETE,
     OLLAMA_SHOW,
     README,
+    RERANKER,
     Answer,
     Decision,
     Effect,
@@ -58,10 +60,13 @@ from exo.api.tests.field_decisions import (
 from exo.api.tests.field_decisions_chat import chat_effects
 from exo.api.tests.field_decisions_claude import claude_effects
 from exo.api.tests.field_decisions_completions import completions_effects
+from exo.api.tests.field_decisions_embeddings import embeddings_effects
 from exo.api.tests.field_decisions_ollama import ollama_effects
 from exo.api.tests.field_decisions_responses import responses_effects
 from exo.download.pypi_gguf import COMPLETION_MARKER, model_directory_name
-from exo.shared.types.commands import GenerateText
+from exo.shared.models.cards import load_builtin_cards
+from exo.shared.types.commands import ComputeEmbeddings, GenerateText
+from exo.shared.types.common import ModelId
 from exo.testing.builders import SMOLLM2
 from exo.testing.scripted_cluster import ScriptedCluster
 
@@ -71,6 +76,7 @@ DECISIONS: list[Decision] = [
     *responses_effects(),
     *claude_effects(),
     *ollama_effects(),
+    *embeddings_effects(),
 ]
 
 
@@ -126,6 +132,7 @@ def app(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[TestClient, ScriptedCluster]]:
     cluster = ScriptedCluster()
+    cluster.add_model(load_builtin_cards()[ModelId(RERANKER)])
     # A prepared SmolLM2 (its completion marker only), so Ollama's pull finds it at once.
     models = tmp_path_factory.mktemp("models")
     prepared = models / model_directory_name(SMOLLM2)
@@ -177,9 +184,22 @@ def params_for(
     return cluster.last_params
 
 
+def embedding_command_for(
+    app: tuple[TestClient, ScriptedCluster], endpoint: str, body: dict[str, Any]
+) -> ComputeEmbeddings:
+    client, cluster = app
+    sent = len(cluster.embedding_commands)
+    result = answer(client, endpoint, body)
+    assert result["status"] == 200, result["text"]
+    assert len(cluster.embedding_commands) == sent + 1
+    return cluster.embedding_commands[-1]
+
+
 def command_for(
     app: tuple[TestClient, ScriptedCluster], endpoint: str, body: dict[str, Any]
-) -> GenerateText:
+) -> GenerateText | ComputeEmbeddings:
+    if endpoint in EMBEDDING_ENDPOINTS:
+        return embedding_command_for(app, endpoint, body)
     params_for(app, endpoint, body)
     return app[1].submitted[-1]
 
@@ -240,7 +260,12 @@ def test_decision_holds(decision: Decision, app: tuple[TestClient, ScriptedClust
             assert decision.listed_as in no_op_line(DIALECT_OF_ENDPOINT[endpoint])
             with_field = body_of(endpoint, decision.body)
             without = body_of(endpoint, decision.without)
-            if endpoint == OLLAMA_SHOW:
+            if endpoint in EMBEDDING_ENDPOINTS:
+                assert (
+                    embedding_command_for(app, endpoint, with_field).params
+                    == embedding_command_for(app, endpoint, without).params
+                )
+            elif endpoint == OLLAMA_SHOW:
                 assert (
                     answer(client, endpoint, with_field)["json"]
                     == answer(client, endpoint, without)["json"]

@@ -15,7 +15,7 @@ from exo.api.app import create_app
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.serving.generation import MAX_RETRIES
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
-from exo.shared.types.commands import GenerateText
+from exo.shared.types.commands import ComputeEmbeddings, GenerateText
 from exo.shared.types.common import CommandId
 from exo.shared.types.state import InstanceUnavailable, State
 from exo.testing.builders import SMOLLM2
@@ -136,7 +136,7 @@ class RecoveringCluster(LosingCluster):
     def state(self, value: State) -> None:
         self._serving_state = value
 
-    async def submit(self, command: GenerateText, timeout: float = 0.0) -> None:
+    async def submit(self, command: GenerateText | ComputeEmbeddings, timeout: float = 0.0) -> None:
         if len(self.submitted) == 1 and self.rejected == 0:
             self.rejected += 1
             raise CommandRejectedError("instance i-1 is unavailable: node n-1 left", 503)

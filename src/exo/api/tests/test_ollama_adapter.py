@@ -682,6 +682,7 @@ def test_tag_entry_from_card() -> None:
             "parameter_size": "135M",
             "quantization_level": "INT4",
         },
+        "capabilities": ["completion", "tools"],
     }
     assert len(entry["digest"]) == 64 and entry["digest"] == model_digest(SMOLLM2)
     assert model_digest("a") != model_digest("b")

@@ -14,7 +14,7 @@ from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.tests.test_instance_loss_retry import LOST, LosingCluster
 from exo.master.decisions import events_for_command
 from exo.shared.constants import INSTANCE_HEADER
-from exo.shared.types.commands import GenerateText
+from exo.shared.types.commands import ComputeEmbeddings, GenerateText
 from exo.shared.types.common import InstanceId
 from exo.shared.types.events import CommandRejected
 from exo.testing.builders import SMOLLM2, make_card, make_instance, make_state
@@ -39,7 +39,7 @@ class DecidingCluster(ScriptedCluster):
             ]
         )
 
-    async def submit(self, command: GenerateText, timeout: float = 0.0) -> None:
+    async def submit(self, command: GenerateText | ComputeEmbeddings, timeout: float = 0.0) -> None:
         events = events_for_command(self.state, self.node_id, command, cast(Any, self.cards))
         if isinstance(events[0], CommandRejected):
             raise CommandRejectedError(events[0].reason, events[0].status_code)

@@ -16,6 +16,7 @@ from typing import Literal, assert_never, overload
 from exo.api.wire.errors import ApiError, GenerationError, InvalidRequestError, NoCapacityError
 from exo.shared.types.chunks import (
     Chunk,
+    EmbeddingChunk,
     ErrorChunk,
     FinishReason,
     PrefillProgressChunk,
@@ -163,6 +164,9 @@ async def generation_events(
                         chunk.prompt_tokens, chunk.cached_tokens, chunk.prefilled_tokens
                     )
                 continue
+            case EmbeddingChunk():  # an embedding's answer never reaches a generation
+                yield Failed(GenerationError("the runner answered with embeddings"))
+                return
             case _:
                 assert_never(chunk)
         reason = chunk.finish_reason

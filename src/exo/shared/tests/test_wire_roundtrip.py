@@ -17,6 +17,7 @@ from exo.shared.types import (
     commands,
     common,
     downloads,
+    embeddings,
     events,
     instances,
     models,
@@ -29,6 +30,7 @@ from exo.shared.types import (
 )
 from exo.shared.types.chunks import (
     Chunk,
+    EmbeddingChunk,
     ErrorChunk,
     PrefillProgressChunk,
     TokenChunk,
@@ -42,6 +44,7 @@ from exo.shared.types.commands import (
     AddCustomModel,
     CancelGeneration,
     Command,
+    ComputeEmbeddings,
     ControlDownload,
     DeleteCustomModel,
     DeleteInstance,
@@ -63,6 +66,7 @@ from exo.shared.types.common import (
     truncate_for_repr,
 )
 from exo.shared.types.downloads import DownloadProgress, FileProgress
+from exo.shared.types.embeddings import EmbeddingTaskParams
 from exo.shared.types.events import (
     ClusterHistoryStarted,
     CommandRejected,
@@ -141,6 +145,7 @@ from exo.shared.types.tasks import (
     ConnectToGroup,
     CreateRunner,
     DownloadModel,
+    Embedding,
     LoadModel,
     Shutdown,
     StartWarmup,
@@ -184,8 +189,8 @@ from exo.worker.runner.messages import (
 )
 
 WIRE_MODULES = (
-    chunks, commands, common, downloads, events, instances, models, nodes, runners, shards,
-    state, tasks,
+    chunks, commands, common, downloads, embeddings, events, instances, models, nodes,
+    runners, shards, state, tasks,
     text_generation, messages, election,
 )  # fmt: skip
 
@@ -268,6 +273,16 @@ TENSOR = make_instance(
     [NODE, NodeId("node-b")], make_card(supports_tensor=True), "tensor", "instance-2"
 )
 GENERATION = make_text_generation_task(status=TaskRunning(), params=PARAMS)
+EMBED_PARAMS = EmbeddingTaskParams(
+    model=SMOLLM2, inputs=("hello", (1, 2, 3)), truncate=True, dimensions=64
+)
+RERANK_PARAMS = EmbeddingTaskParams(
+    kind="rerank", model=SMOLLM2, inputs=("doc a", "doc b"), query="which?"
+)
+EMBEDDING_TASK = Embedding(
+    task_id=TASK, command_id=COMMAND, instance_id=INSTANCE_ID, origin_node_id=NODE,
+    params=EMBED_PARAMS,
+)  # fmt: skip
 USAGE = Usage(prompt_tokens=10, completion_tokens=3)
 TOKEN_CHUNK = TokenChunk(
     command_id=COMMAND,
@@ -515,6 +530,21 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     ],
     StartWarmup: [StartWarmup(instance_id=INSTANCE_ID, runner_id=RUNNER)],
     TextGeneration: [GENERATION],
+    Embedding: [EMBEDDING_TASK, EMBEDDING_TASK.model_copy(update={"params": RERANK_PARAMS})],
+    EmbeddingTaskParams: [EMBED_PARAMS, RERANK_PARAMS],
+    ComputeEmbeddings: [
+        ComputeEmbeddings(command_id=COMMAND, params=EMBED_PARAMS),
+        ComputeEmbeddings(
+            command_id=COMMAND,
+            params=RERANK_PARAMS,
+            keep_alive=KeepAlive(seconds=5.0),
+            instance_id=INSTANCE_ID,
+        ),
+    ],
+    EmbeddingChunk: [
+        EmbeddingChunk(command_id=COMMAND, model=SMOLLM2, vectors=((0.6, 0.8),), prompt_tokens=3),
+        EmbeddingChunk(command_id=COMMAND, model=SMOLLM2, scores=(0.25, 0.75), prompt_tokens=9),
+    ],
     CancelTask: [CancelTask(runner_id=RUNNER, task_id=TASK)],
     Shutdown: [Shutdown(runner_id=RUNNER)],
     # commands

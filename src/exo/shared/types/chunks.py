@@ -23,6 +23,7 @@ from exo.shared.types.text_generation import ToolCall
 
 __all__ = [
     "Chunk",
+    "EmbeddingChunk",
     "ErrorChunk",
     "FinishReason",
     "PrefillProgressChunk",
@@ -210,11 +211,27 @@ class PrefillProgressChunk(FrozenModel):
     usage: None = None
 
 
+class EmbeddingChunk(FrozenModel):
+    """The whole answer of an `Embedding` task (never streamed): `vectors[i]` is input
+    `i`'s L2-normalized embedding (kind "embed"), `scores[i]` document `i`'s relevance
+    (kind "rerank"); `prompt_tokens` the tokens read, over all inputs, after truncation."""
+
+    kind: Literal["EmbeddingChunk"] = "EmbeddingChunk"
+    command_id: CommandId
+    model: ModelId
+    vectors: tuple[tuple[float, ...], ...] = ()
+    scores: tuple[float, ...] = ()
+    prompt_tokens: int = Field(ge=0)
+    finish_reason: FinishReason = "stop"
+    usage: None = None
+
+
 INSTANCE_UNAVAILABLE = "instance_unavailable"
 """`ErrorChunk.error_code` of a generation whose instance lost a node or rank: the API
 sends it again elsewhere when the client has received nothing yet."""
 
 
 Chunk = Annotated[
-    TokenChunk | ToolCallChunk | ErrorChunk | PrefillProgressChunk, Field(discriminator="kind")
+    TokenChunk | ToolCallChunk | ErrorChunk | PrefillProgressChunk | EmbeddingChunk,
+    Field(discriminator="kind"),
 ]

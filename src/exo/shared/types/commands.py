@@ -8,6 +8,7 @@ from pydantic import Field
 
 from exo.shared.types.common import CommandId, FrozenModel, InstanceId, ModelId, NodeId
 from exo.shared.types.downloads import DownloadAction
+from exo.shared.types.embeddings import EmbeddingTaskParams
 from exo.shared.types.instances import Sharding
 from exo.shared.types.models import ModelCard
 from exo.shared.types.text_generation import TextGenerationTaskParams
@@ -60,6 +61,17 @@ class GenerateText(FrozenModel):
     instance_id: InstanceId | None = None
     """The instance that must run it (the API's `X-Exo-Instance` header); None: the master
     chooses among the model's instances (`exo.master.decisions.choose_instance`)."""
+
+
+class ComputeEmbeddings(FrozenModel):
+    """Embed or rerank `params` on an instance of its model (`GenerateText`'s sibling: the
+    same choice of instance, refusals and keep-alive); answered in one `EmbeddingChunk`."""
+
+    kind: Literal["ComputeEmbeddings"] = "ComputeEmbeddings"
+    command_id: CommandId
+    params: EmbeddingTaskParams
+    keep_alive: KeepAlive | None = None
+    instance_id: InstanceId | None = None
 
 
 class SetKeepAlive(FrozenModel):
@@ -124,6 +136,7 @@ Command = Annotated[
     PlaceInstance
     | DeleteInstance
     | GenerateText
+    | ComputeEmbeddings
     | SetKeepAlive
     | CancelGeneration
     | RequestEventReplay

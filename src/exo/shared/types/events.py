@@ -22,7 +22,7 @@ from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import DownloadStatus, NodeInfo, TopologyEdge
 from exo.shared.types.runners import RunnerStatus
 from exo.shared.types.state import InstanceUsage, State
-from exo.shared.types.tasks import TaskStatus, TextGeneration
+from exo.shared.types.tasks import ModelTask, TaskStatus
 
 
 class InstanceCreated(FrozenModel):
@@ -54,7 +54,7 @@ class InstanceUsed(FrozenModel):
 
 class TaskCreated(FrozenModel):
     kind: Literal["TaskCreated"] = "TaskCreated"
-    task: TextGeneration
+    task: ModelTask
 
 
 class TaskStatusUpdated(FrozenModel):

@@ -105,6 +105,11 @@ Capability = Literal["text", "thinking", "tools", "vision", "embedding", "rerank
 tools, read images, embed texts (`/v1/embeddings`), score (query, document) pairs
 (`/v1/rerank`). An embedding or reranker model without "text" is not served chat."""
 
+EmbeddingPooling = Literal["last", "mean"]
+"""How a decoder's final-norm hidden states become one vector: the last token's
+(Qwen3-Embedding), or the mean over the input's tokens (any chat model asked for
+embeddings, as llama-server pools by default)."""
+
 ToolCallFormat = Literal[
     "hermes",
     "llama3_json",
@@ -286,6 +291,11 @@ class ModelCard(FrozenModel):
     latent_attention: LatentAttention | None = None
     """Multi-head latent attention's ranks (None: grouped-query attention of
     `num_key_value_heads` x `attention_head_dim`)."""
+    embedding_pooling: EmbeddingPooling | None = None
+    """An embedding model's pooling (None: "mean", for a chat model asked for embeddings)."""
+    matryoshka_dimensions: tuple[int, ...] | None = None
+    """Widths a Matryoshka-trained embedding model's vectors may be cut to (any width from
+    the smallest up to `hidden_size` is accepted); None: `dimensions` is refused."""
     sliding_window: SlidingWindow | None = None
     """Layers attending within a sliding window (None: every layer attends to the whole
     context, or the card does not say; placement then sizes every layer's KV whole)."""

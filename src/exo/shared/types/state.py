@@ -17,7 +17,7 @@ from exo.shared.types.instances import Instance
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import DownloadStatus, NodeInfo, TopologyEdge
 from exo.shared.types.runners import RunnerStatus
-from exo.shared.types.tasks import TextGeneration
+from exo.shared.types.tasks import ModelTask
 
 
 class InstanceUsage(FrozenModel):
@@ -73,7 +73,7 @@ class State(FrozenModel):
     instances: dict[InstanceId, Instance] = {}
     runners: dict[RunnerId, RunnerStatus] = {}
     runner_nodes: dict[RunnerId, NodeId] = {}
-    tasks: dict[TaskId, TextGeneration] = {}
+    tasks: dict[TaskId, ModelTask] = {}
     node_info: dict[NodeId, NodeInfo] = {}
     downloads: dict[NodeId, dict[ModelId, DownloadStatus]] = {}
     topology: dict[NodeId, dict[NodeId, TopologyEdge]] = {}

@@ -1,5 +1,6 @@
 """Tasks: what a worker's `plan()` decides to do next, and generation tasks the master
-creates from API commands. Only `TextGeneration` tasks live in the cluster state."""
+creates from API commands. Only `TextGeneration` and `Embedding` tasks (`ModelTask`) live in
+the cluster state."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from exo.shared.types.common import CommandId, FrozenModel, InstanceId, NodeId, RunnerId, TaskId
+from exo.shared.types.embeddings import EmbeddingTaskParams
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
@@ -96,6 +98,23 @@ class TextGeneration(FrozenModel):
     status: TaskStatus = TaskPending()
 
 
+class Embedding(FrozenModel):
+    """Embed or rerank for one API command (`ComputeEmbeddings`): answered in one
+    `EmbeddingChunk`. Created by the master, forwarded by workers like `TextGeneration`."""
+
+    kind: Literal["Embedding"] = "Embedding"
+    task_id: TaskId
+    command_id: CommandId
+    instance_id: InstanceId
+    origin_node_id: NodeId
+    params: EmbeddingTaskParams
+    status: TaskStatus = TaskPending()
+
+
+ModelTask = Annotated[TextGeneration | Embedding, Field(discriminator="kind")]
+"""A request a model instance serves: the tasks the cluster state holds."""
+
+
 class CancelTask(FrozenModel):
     """Stop a generation that the runner is running or holds queued."""
 
@@ -118,6 +137,7 @@ Task = Annotated[
     | LoadModel
     | StartWarmup
     | TextGeneration
+    | Embedding
     | CancelTask
     | Shutdown,
     Field(discriminator="kind"),

@@ -19,6 +19,7 @@ from exo.shared.types.runners import RunnerStatus
 from exo.shared.types.tasks import (
     CancelTask,
     ConnectToGroup,
+    Embedding,
     LoadModel,
     Shutdown,
     StartWarmup,
@@ -61,7 +62,7 @@ RunnerOutbound = Annotated[
     Field(discriminator="kind"),
 ]
 RunnerInbound = Annotated[
-    ConnectToGroup | LoadModel | StartWarmup | TextGeneration | CancelTask | Shutdown,
+    ConnectToGroup | LoadModel | StartWarmup | TextGeneration | Embedding | CancelTask | Shutdown,
     Field(discriminator="kind"),
 ]
 

@@ -23,6 +23,7 @@ from loguru import logger
 from exo.chat_protocol.output_parsing import OutputParser
 from exo.shared.types.chunks import (
     INSTANCE_UNAVAILABLE,
+    Chunk,
     ErrorChunk,
     PrefillProgressChunk,
     TokenChunk,
@@ -45,6 +46,7 @@ from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.tasks import (
     CancelTask,
     ConnectToGroup,
+    Embedding,
     LoadModel,
     Shutdown,
     StartWarmup,
@@ -112,6 +114,7 @@ class Runner:
         self._outbound = outbound
         self._engine: TorchEngine | None = None
         self._queue: deque[TextGeneration] = deque()  # arrived before the engine was ready
+        self._embeddings: list[Embedding] = []  # answered together at the next turn
         self._generations: dict[str, Generation] = {}  # by task id (the engine's request id)
         self._status: RunnerStatus = RunnerIdle()
         self._ready = RunnerReady()
@@ -148,6 +151,9 @@ class Runner:
                 if self._queue and isinstance(self._status, RunnerReady | RunnerRunning):
                     self._start_generation(self._queue.popleft())
                     continue
+                if self._embeddings and isinstance(self._status, RunnerReady | RunnerRunning):
+                    self._run_embeddings()
+                    continue
                 if self._generations:
                     self._run_step()
                     self._heap_trimmer.maybe_trim()
@@ -160,6 +166,8 @@ class Runner:
             self._generations.clear()
             for task in self._queue:
                 self._end_task(task, TaskCancelled())
+            for waiting in self._embeddings:
+                self._end_task(waiting, TaskCancelled())
             if self._engine is not None and self.shard.world_size > 1 and not self._is_follower:
                 with contextlib.suppress(Exception):
                     self._engine.shutdown()  # releases the other ranks
@@ -201,6 +209,8 @@ class Runner:
                     self._start_generation(message)
                 else:
                     self._queue.append(message)
+            case Embedding():
+                self._embeddings.append(message)
             case CancelTask(task_id=task_id):
                 self._cancel(task_id)
             case Shutdown():
@@ -332,6 +342,44 @@ class Runner:
         )
         self._update_status()
 
+    def _run_embeddings(self) -> None:
+        """Answer every embedding task waiting (those in the pipe included) as one batch
+        (`embedding_batch.answer_embeddings`); each gets one final chunk."""
+        from exo.worker.runner.embedding_batch import answer_embeddings
+
+        assert self._engine is not None, "embeddings are only answered when ready"
+        self._holding = True
+        try:
+            self._handle_waiting_messages()
+            tasks, self._embeddings = self._embeddings, []
+            for task in tasks:
+                self._send(TaskStatusReport(task_id=task.task_id, status=TaskRunning()))
+            try:
+                backend = self._engine.embedding_backend()
+            except ValueError as error:  # a split instance: no pooled states on one rank
+                chunks: list[Chunk] = [
+                    ErrorChunk(
+                        command_id=task.command_id,
+                        model=task.params.model,
+                        error_message=str(error),
+                        status_code=400,
+                    )
+                    for task in tasks
+                ]
+            else:
+                chunks = answer_embeddings(backend, tasks)
+            for task, chunk in zip(tasks, chunks, strict=True):
+                self._send(ChunkReport(chunk=chunk))
+                status: TaskStatus = (
+                    TaskFailed(error_message=chunk.error_message)
+                    if isinstance(chunk, ErrorChunk)
+                    else TaskComplete()
+                )
+                self._send(TaskStatusReport(task_id=task.task_id, status=status))
+        finally:
+            self._holding = False
+            self._flush()
+
     def _run_step(self) -> None:
         """Take the messages that arrived, then run one step; everything both produce (for
         every request) leaves as one pipe message at the end. Then the KV of the requests
@@ -459,6 +507,10 @@ class Runner:
             if task.task_id == task_id:
                 self._queue.remove(task)
                 self._end_task(task, TaskCancelled())
+        for waiting in list(self._embeddings):
+            if waiting.task_id == task_id:
+                self._embeddings.remove(waiting)
+                self._end_task(waiting, TaskCancelled())
         generation = self._generations.pop(str(task_id), None)
         if generation is not None:
             if self._engine is not None:
@@ -532,7 +584,7 @@ class Runner:
         if self.shard.world_size > 1 and not bad_request:
             self._set_status(RunnerFailed(error_message=f"process group failed: {error}"))
 
-    def _end_task(self, task: TextGeneration, status: TaskStatus) -> None:
+    def _end_task(self, task: TextGeneration | Embedding, status: TaskStatus) -> None:
         """End a task that did not run to completion; its stream gets a final chunk."""
         self._grouper.forget(task.command_id)
         self._send(

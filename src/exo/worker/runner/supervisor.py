@@ -33,6 +33,7 @@ from exo.shared.types.tasks import (
     TERMINAL_TASK_STATUSES,
     CancelTask,
     ConnectToGroup,
+    Embedding,
     LoadModel,
     Shutdown,
     StartWarmup,
@@ -82,7 +83,7 @@ class RunnerSupervisor:
         self.instance_id = instance_id
         self.shard = shard
         self.status: RunnerStatus = RunnerIdle()
-        self.in_flight: dict[TaskId, TextGeneration] = {}
+        self.in_flight: dict[TaskId, TextGeneration | Embedding] = {}
         self.busy_loading = False
         self.kv_cache: KVCacheReport | None = None  # the runner's last report
         self._emit_event = emit_event
@@ -137,7 +138,7 @@ class RunnerSupervisor:
         """Hand a task to the runner. A dead runner's failure is reported by `run()`."""
         assert self._to_runner is not None, "send() before start()"
         match task:
-            case TextGeneration():
+            case TextGeneration() | Embedding():
                 self.in_flight[task.task_id] = task
                 self._task_commands[task.task_id] = task.command_id
                 self._chunk_owners[task.command_id] = task.origin_node_id

@@ -47,6 +47,8 @@ def test_card_shapes_fit_together(card: ModelCard) -> None:
         assert not card.has_chat_template
     else:
         assert "text" in card.capabilities and card.context_length >= 2048
+    if card.matryoshka_dimensions:
+        assert max(card.matryoshka_dimensions) <= card.hidden_size
     if card.vision_parameter_count:
         assert "vision" in card.capabilities
     # A model trained on a tool format says so, and one with a format has the capability.

@@ -58,6 +58,7 @@ from exo.worker.engines.torch.decoding.scripted import ScriptedReply
 from exo.worker.engines.torch.decoding.stop_sequences import StopSequenceMatcher
 from exo.worker.engines.torch.decoding.token_choice import token_chooser_for, token_logprob
 from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary
+from exo.worker.engines.torch.embedding.decoder import DecoderEmbeddingBackend
 from exo.worker.engines.torch.model.families import family_for_architecture
 from exo.worker.engines.torch.model.loading import (
     LayerProgressCallback,
@@ -158,6 +159,7 @@ class TorchEngine:
         self._decode = decode_keeping_markers(tokenizer)
         self._scheduler: BatchScheduler | None = None
         self.group = group
+        self._embedding_backend: DecoderEmbeddingBackend | None = None
         # Set by `load` for a model directory the tests marked (`testing_seam`), else None.
         self.testing_seam: TestingSeam | None = None
 
@@ -297,6 +299,29 @@ class TorchEngine:
             model=ModelId(self.card.model_id), messages=tuple(messages)
         )
         return self.render_prompt(params).token_ids
+
+    def embedding_backend(self) -> DecoderEmbeddingBackend:
+        """This shard as an embedding model (built once): the card's pooling ("mean" for
+        a chat model), and Qwen3-Reranker's yes/no scoring when the card says "rerank".
+
+        Raises:
+            ValueError: a rank of a split instance (pooling needs the whole model's final
+                states on one rank), or a reranker tokenizer without "yes"/"no" tokens.
+        """
+        if self.group is not None:
+            raise ValueError(
+                f"embeddings and rerank need {self.card.model_id} placed whole on one node; "
+                "this instance is split across nodes"
+            )
+        if self._embedding_backend is None:
+            self._embedding_backend = DecoderEmbeddingBackend(
+                self.model, self.tokenizer, self.device,
+                pooling=self.card.embedding_pooling or "mean",
+                context_length=self.context_length,
+                matryoshka_dimensions=self.card.matryoshka_dimensions,
+                reranker="rerank" in self.card.capabilities,
+            )  # fmt: skip
+        return self._embedding_backend
 
     def count_prompt_tokens(self, params: TextGenerationTaskParams) -> int:
         """Number of prompt tokens the request becomes."""

@@ -1,9 +1,11 @@
-"""The one interface the runner calls for embeddings and reranking (issue 42): implemented by
-the decoder engine's pooled hidden states and by the encoder models of this package.
+"""The protocol every embedding model implements for the runner: decoder models pooled
+(`decoder.DecoderEmbeddingBackend`) and encoder models alike.
 
-The runner tokenizes with `tokenize` (token-id inputs skip it), checks each input against
-`max_input_tokens`, calls `embed`, truncates to a requested Matryoshka width and then
-L2-normalizes; `score_pairs` answers rerank requests."""
+The runner tokenizes text inputs through `tokenize` (token-id inputs skip it), checks
+each input against `max_input_tokens` (truncating or refusing), calls `embed` once per
+batch of requests, then cuts each vector to the request's `dimensions` and L2-normalizes
+it. Rerankers answer `score_pairs`.
+"""
 
 from __future__ import annotations
 

@@ -105,6 +105,11 @@ def release_freed_memory() -> None:
         trim(0)
 
 
+HEADLESS_PREFIX = "model."
+"""What a causal LM's decoder tensors are named under, which a checkpoint of the bare
+decoder leaves out."""
+
+
 def _plan_tensors(
     model_dir: Path,
     prefix: str,
@@ -122,6 +127,7 @@ def _plan_tensors(
         raise ValueError(f"{model_dir} has no *.safetensors weights")
     groups: dict[int | None, list[PlannedTensor]] = defaultdict(list)
     skipped = 0
+    headless = not prefix and _is_headless(files)
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -130,6 +136,8 @@ def _plan_tensors(
                 if repacked is not None and repacked.companion:
                     continue
                 base = name if repacked is None else repacked.base
+                if headless and not base.startswith("lm_head."):
+                    base = HEADLESS_PREFIX + base
                 model_name = model_tensor_name(family.model_tensor_name(base), prefix, shard)
                 if model_name is None:
                     skipped += 1
@@ -143,6 +151,20 @@ def _plan_tensors(
                     groups[int(match.group(1)) if match else None].append((path, name, target))
     logger.debug("{}: {} checkpoint tensors are not on this rank", model_dir, skipped)
     return groups
+
+
+def _is_headless(files: list[Path]) -> bool:
+    """Whether the checkpoint holds a bare decoder: its layers named `layers.N...`, not
+    `model.layers.N...` (sentence-transformers saves Qwen3-Embedding so); its tensors are
+    then read as `model.` + name."""
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if name.startswith(HEADLESS_PREFIX + "layers."):
+                    return False
+                if name.startswith("layers."):
+                    return True
+    return False
 
 
 def _model_entries(model: nn.Module) -> set[str]:

@@ -1,0 +1,126 @@
+"""Request and response bodies of the embeddings and rerank routes, as the reference APIs
+define them (OpenAI's embeddings, Ollama's embed and legacy embeddings, Jina's and Cohere's
+rerank)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from exo.api.wire.request_model import WireRequestModel
+
+
+class _WireResponseModel(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# ---------------------------------------------------------------- OpenAI
+
+
+class EmbeddingRequest(WireRequestModel):
+    """The body of `POST /v1/embeddings`. `input`: a string, a list of strings, an array
+    of token ids or a list of them. `user` is accepted and unused."""
+
+    model: str = Field(min_length=1)
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+
+class EmbeddingObject(_WireResponseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str = Field(
+        description="floats, or base64 of their little-endian float32 bytes"
+    )
+
+
+class EmbeddingUsage(_WireResponseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_WireResponseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingObject]
+    model: str
+    usage: EmbeddingUsage
+
+
+# ---------------------------------------------------------------- Ollama
+
+
+class OllamaEmbedRequest(WireRequestModel):
+    """The body of `POST /api/embed`. `truncate` (default true, as Ollama) cuts inputs
+    longer than the context; `options` are accepted and unused (no sampling happens)."""
+
+    model: str = Field(min_length=1)
+    input: str | list[str]
+    truncate: bool = True
+    dimensions: int | None = Field(default=None, ge=1)
+    keep_alive: str | float | int | None = None
+    options: dict[str, Any] | None = None
+
+
+class OllamaEmbedResponse(_WireResponseModel):
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int = Field(description="Nanoseconds.")
+    load_duration: int = Field(description="Nanoseconds.")
+    prompt_eval_count: int
+
+
+class OllamaEmbeddingsRequest(WireRequestModel):
+    """The body of the legacy `POST /api/embeddings` (one `prompt`, one vector)."""
+
+    model: str = Field(min_length=1)
+    prompt: str
+    keep_alive: str | float | int | None = None
+    options: dict[str, Any] | None = None
+
+
+class OllamaEmbeddingsResponse(_WireResponseModel):
+    embedding: list[float]
+
+
+# ---------------------------------------------------------------- rerank
+
+
+class RerankDocument(WireRequestModel):
+    text: str
+
+
+class RerankRequest(WireRequestModel):
+    """The body of `POST /v1/rerank` (Jina's and Cohere's shape). `documents`: strings or
+    `{"text": ...}` objects; `top_n`: how many results (all when absent);
+    `return_documents`: echo each result's document (default true, as Jina)."""
+
+    model: str = Field(min_length=1)
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = True
+
+
+class RerankResultDocument(_WireResponseModel):
+    text: str
+
+
+class RerankResult(_WireResponseModel):
+    index: int
+    relevance_score: float
+    document: RerankResultDocument | None = None
+
+
+class RerankUsage(_WireResponseModel):
+    total_tokens: int
+    prompt_tokens: int
+
+
+class RerankResponse(_WireResponseModel):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage

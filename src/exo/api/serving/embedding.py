@@ -1,0 +1,170 @@
+"""What every embeddings and rerank route does around its adapter: check the model and
+its capability, place it on request, wait for a place, submit a `ComputeEmbeddings`
+command and wait for its one chunk.
+
+Which model may answer which request (`check_embedding_request`): embeddings from a card
+with the "embedding" capability (its own pooling) or "text" (a chat model, mean-pooled);
+rerank only from a card with "rerank". Chat and completions refuse a card without "text"
+(`refuse_non_chat_model`). Each is a 400 naming the capability.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import ExitStack
+
+import anyio
+from fastapi import Request
+
+from exo.api.serving.admission import admission_of
+from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
+from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
+from exo.api.serving.model_lookup import card_of, known_model_ids
+from exo.api.serving.request_checks import check_serializable
+from exo.api.wire.errors import (
+    GenerationError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    NoCapacityError,
+)
+from exo.shared.types.chunks import Chunk, EmbeddingChunk, ErrorChunk
+from exo.shared.types.commands import CancelGeneration, ComputeEmbeddings, KeepAlive
+from exo.shared.types.common import CommandId
+from exo.shared.types.embeddings import EmbeddingTaskParams
+from exo.shared.types.models import ModelCard
+
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+def check_embedding_request(cluster: ClusterClient, params: EmbeddingTaskParams) -> ModelCard:
+    """The checks that need no instance: a known model with the capability asked for, a
+    `dimensions` it can cut to.
+
+    Raises:
+        ModelNotFoundError: an unknown model (404).
+        InvalidRequestError: no such capability (param `model`), a `dimensions` other than
+            the full width for a model that is not Matryoshka-trained or outside its range
+            (param `dimensions`), text that is not valid Unicode (400).
+    """
+    check_serializable(params)
+    card = card_of(cluster, params.model) if params.model in known_model_ids(cluster) else None
+    if card is None:
+        raise ModelNotFoundError(f"The model '{params.model}' does not exist", param="model")
+    if params.kind == "rerank" and "rerank" not in card.capabilities:
+        raise InvalidRequestError(
+            f'"{params.model}" does not support rerank (it lacks the "rerank" capability)',
+            param="model",
+        )
+    if params.kind == "embed" and not {"embedding", "text"} & set(card.capabilities):
+        raise InvalidRequestError(
+            f'"{params.model}" does not support embeddings (it lacks the "embedding" capability)',
+            param="model",
+        )
+    if params.dimensions is not None and params.dimensions != card.hidden_size:
+        allowed = card.matryoshka_dimensions
+        if not allowed:
+            raise InvalidRequestError(
+                f"{params.model} does not support dimensions other than {card.hidden_size}",
+                param="dimensions",
+            )
+        if not min(allowed) <= params.dimensions <= card.hidden_size:
+            raise InvalidRequestError(
+                f"dimensions must be between {min(allowed)} and {card.hidden_size} "
+                f"for {params.model}",
+                param="dimensions",
+            )
+    return card
+
+
+def refuse_non_chat_model(card: ModelCard | None, model: str) -> None:
+    """A generation request for a model that only embeds or reranks is a 400.
+
+    Raises:
+        InvalidRequestError: the card lacks the "text" capability (param `model`).
+    """
+    if card is not None and "text" not in card.capabilities:
+        offered = ", ".join(card.capabilities)
+        raise InvalidRequestError(
+            f'"{model}" does not support chat or completions (it lacks the "text" '
+            f"capability; it has: {offered})",
+            param="model",
+        )
+
+
+async def compute_embeddings(
+    cluster: ClusterClient,
+    request: Request,
+    params: EmbeddingTaskParams,
+    keep_alive: KeepAlive | None = None,
+) -> EmbeddingChunk:
+    """Run `params` on an instance of its model (placed and loaded on request first) and
+    return its answer.
+
+    Raises:
+        ModelNotFoundError, InvalidRequestError: as `check_embedding_request`; a 400 from
+            the runner names its field as `param` (`input`, `dimensions`, `model`).
+        NoCapacityError: the model cannot be placed, or the runner failed (503 / 500).
+        GenerationError: the client disconnected first, or the runner failed.
+    """
+    check_embedding_request(cluster, params)
+    keep_alive = default_keep_alive(cluster, keep_alive)
+    await ensure_instance(cluster, request, params.model, keep_alive)
+    release = await admission_of(request).admit(lambda: cluster.state, request, params.model)
+    command = ComputeEmbeddings(command_id=CommandId.new(), params=params, keep_alive=keep_alive)
+    with ExitStack() as resources:
+        chunks = resources.enter_context(cluster.chunk_stream(command.command_id))
+        answered = False
+        try:
+            try:
+                await cluster.submit(command)
+            except CommandRejectedError as error:
+                if error.status_code == 404:
+                    raise ModelNotFoundError(error.reason, code="no_instance") from None
+                if error.status_code == 413:
+                    raise InvalidRequestError(error.reason, param="input") from None
+                raise NoCapacityError(error.reason) from None
+            chunk = await _first_chunk(request, chunks)
+            answered = True
+        finally:
+            release()
+            if not answered:
+                cluster.send_and_forget(
+                    CancelGeneration(
+                        command_id=CommandId.new(), target_command_id=command.command_id
+                    )
+                )
+    match chunk:
+        case EmbeddingChunk():
+            return chunk
+        case ErrorChunk(status_code=400):
+            code = chunk.error_code or ""
+            if code.startswith("invalid_"):
+                raise InvalidRequestError(chunk.error_message, param=code.removeprefix("invalid_"))
+            raise InvalidRequestError(chunk.error_message, param="input", code=code or None)
+        case ErrorChunk(status_code=503):
+            raise NoCapacityError(chunk.error_message)
+        case ErrorChunk():
+            raise GenerationError(chunk.error_message)
+        case _:
+            raise GenerationError(f"the embedding of {params.model} ended without an answer")
+
+
+async def _first_chunk(request: Request, chunks: AsyncIterator[Chunk]) -> Chunk | None:
+    """The command's first chunk; GenerationError when the client leaves before it."""
+    result: list[Chunk | None] = []
+    async with anyio.create_task_group() as task_group:
+
+        async def first() -> None:
+            result.append(await anext(chunks, None))
+            task_group.cancel_scope.cancel()
+
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await anyio.sleep(DISCONNECT_POLL_SECONDS)
+            task_group.cancel_scope.cancel()
+
+        task_group.start_soon(first)
+        task_group.start_soon(watch)
+    if not result:
+        raise GenerationError("the client disconnected; embedding cancelled")
+    return result[0]

@@ -1,0 +1,164 @@
+"""The embeddings and rerank routes over a stand-in cluster: what each dialect sends to the
+cluster and how it renders the one chunk back (rerank's sorting, `top_n`,
+`return_documents`), and the 400s that need no model: capabilities, `dimensions`, empty
+inputs, a chat request to an embedding-only model."""
+
+from __future__ import annotations
+
+from typing import cast
+
+from fastapi.testclient import TestClient
+
+from exo.api.app import create_app
+from exo.api.serving.cluster_client import ClusterClient
+from exo.shared.models.cards import load_builtin_cards
+from exo.shared.types.common import ModelId
+from exo.testing.scripted_cluster import ScriptedCluster
+
+EMBEDDER = ModelId("Qwen/Qwen3-Embedding-0.6B")
+RERANKER = ModelId("Qwen/Qwen3-Reranker-0.6B")
+
+
+class EmbeddingCluster(ScriptedCluster):
+    """SmolLM2, Qwen3-Embedding-0.6B and Qwen3-Reranker-0.6B placed (answers: the scripted
+    cluster's unit vectors and `rerank_scores`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        cards = load_builtin_cards()
+        for model in (EMBEDDER, RERANKER):
+            self.add_model(cards[model])
+
+
+def _client(cluster: EmbeddingCluster) -> TestClient:
+    return TestClient(create_app(cast(ClusterClient, cluster)))
+
+
+def test_openai_embeddings_inputs_dimensions_and_base64() -> None:
+    cluster = EmbeddingCluster()
+    with _client(cluster) as http:
+        answer = http.post(
+            "/v1/embeddings", json={"model": "qwen3-embedding:0.6b", "input": ["a", "b"]}
+        )
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert [item["index"] for item in body["data"]] == [0, 1]
+        assert body["data"][1]["embedding"] == [0.0, 1.0, 0.0, 0.0]
+        assert body["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
+        tokens = http.post(
+            "/v1/embeddings",
+            json={"model": EMBEDDER, "input": [[1, 2], [3]], "dimensions": 64},
+        )
+        assert tokens.status_code == 200, tokens.text
+        assert cluster.embedding_commands[-1].params.inputs == ((1, 2), (3,))
+        assert cluster.embedding_commands[-1].params.dimensions == 64
+        encoded = http.post(
+            "/v1/embeddings",
+            json={"model": EMBEDDER, "input": "a", "encoding_format": "base64"},
+        )
+        assert encoded.json()["data"][0]["embedding"] == "AACAPwAAAAAAAAAAAAAAAA=="
+        same = http.post("/ollama/v1/embeddings", json={"model": EMBEDDER, "input": "a"})
+        assert same.status_code == 200
+
+
+def test_openai_embeddings_bad_inputs_are_400s_naming_the_field() -> None:
+    cluster = EmbeddingCluster()
+    with _client(cluster) as http:
+        for body, param in [
+            ({"model": EMBEDDER, "input": []}, "input"),
+            ({"model": EMBEDDER, "input": ""}, "input"),
+            ({"model": EMBEDDER, "input": ["a", ""]}, "input"),
+            ({"model": EMBEDDER, "input": "a", "dimensions": 16}, "dimensions"),
+            ({"model": EMBEDDER, "input": "a", "dimensions": 2048}, "dimensions"),
+            ({"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "input": "a", "dimensions": 8},
+             "dimensions"),
+            ({"model": RERANKER, "input": "a"}, "model"),
+        ]:  # fmt: skip
+            answer = http.post("/v1/embeddings", json=body)
+            assert answer.status_code == 400, (body, answer.text)
+            error = answer.json()["error"]
+            assert error["type"] == "invalid_request_error" and error["param"] == param, body
+        unknown = http.post("/v1/embeddings", json={"model": "no/such", "input": "a"})
+        assert unknown.status_code == 404
+    assert cluster.embedding_commands == []
+
+
+def test_ollama_embed_and_legacy_embeddings() -> None:
+    cluster = EmbeddingCluster()
+    with _client(cluster) as http:
+        answer = http.post(
+            "/api/embed", json={"model": EMBEDDER, "input": ["a", "b", "c"], "keep_alive": "5m"}
+        )
+        assert answer.status_code == 200, answer.text
+        assert len(answer.json()["embeddings"]) == 3
+        assert answer.json()["prompt_eval_count"] == 7
+        params = cluster.embedding_commands[-1].params
+        assert params.truncate is True  # Ollama's default
+        assert cluster.embedding_commands[-1].keep_alive is not None
+        http.post("/ollama/api/embed", json={"model": EMBEDDER, "input": "a", "truncate": False})
+        assert cluster.embedding_commands[-1].params.truncate is False
+        legacy = http.post("/api/embeddings", json={"model": EMBEDDER, "prompt": "a"})
+        assert legacy.json() == {"embedding": [1.0, 0.0, 0.0, 0.0]}
+        refused = http.post("/api/embed", json={"model": RERANKER, "input": "a"})
+        assert refused.status_code == 400
+        assert "embedding" in refused.json()["error"] and set(refused.json()) == {"error"}
+
+
+def test_rerank_sorts_keeps_indices_and_cuts_to_top_n() -> None:
+    cluster = EmbeddingCluster()
+    with _client(cluster) as http:
+        for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+            answer = http.post(
+                path,
+                json={
+                    "model": RERANKER, "query": "q",
+                    "documents": ["low", {"text": "high"}, "mid"], "top_n": 2,
+                },
+            )  # fmt: skip
+            assert answer.status_code == 200, answer.text
+            results = answer.json()["results"]
+            assert [result["index"] for result in results] == [1, 2]
+            assert [result["relevance_score"] for result in results] == [0.9, 0.5]
+            assert results[0]["document"] == {"text": "high"}
+        params = cluster.embedding_commands[-1].params
+        assert params.kind == "rerank" and params.query == "q"
+        assert params.inputs == ("low", "high", "mid")
+        bare = http.post(
+            "/v1/rerank",
+            json={"model": RERANKER, "query": "q", "documents": ["a", "b", "c"],
+                  "return_documents": False},
+        )  # fmt: skip
+        assert all(result["document"] is None for result in bare.json()["results"])
+        not_reranker = http.post(
+            "/v1/rerank", json={"model": EMBEDDER, "query": "q", "documents": ["a"]}
+        )
+        assert not_reranker.status_code == 400
+        assert "rerank" in not_reranker.json()["error"]["message"]
+        empty = http.post("/v1/rerank", json={"model": RERANKER, "query": "q", "documents": []})
+        assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents"
+
+
+def test_chat_to_an_embedding_only_model_is_a_400_naming_the_capability() -> None:
+    cluster = EmbeddingCluster()
+    with _client(cluster) as http:
+        chat = http.post(
+            "/v1/chat/completions",
+            json={"model": EMBEDDER, "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert chat.status_code == 400
+        assert '"text" capability' in chat.json()["error"]["message"]
+        assert chat.json()["error"]["param"] == "model"
+        ollama = http.post("/api/generate", json={"model": EMBEDDER, "prompt": "hi"})
+        assert ollama.status_code == 400 and "capability" in ollama.json()["error"]
+        listed = {
+            item["id"]: item["capabilities"] for item in http.get("/v1/models").json()["data"]
+        }
+        assert listed[EMBEDDER] == ["embedding"] and listed[RERANKER] == ["rerank"]
+        tags = {
+            item["name"]: item["capabilities"] for item in http.get("/api/tags").json()["models"]
+        }
+        assert tags[EMBEDDER] == ["embedding"]
+        assert "completion" in tags["HuggingFaceTB/SmolLM2-135M-Instruct"]
+        shown = http.post("/api/show", json={"model": EMBEDDER}).json()
+        assert shown["capabilities"] == ["embedding"]
+    assert cluster.submitted == []
