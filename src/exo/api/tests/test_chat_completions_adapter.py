@@ -884,13 +884,23 @@ def test_response_types_round_trip_through_json() -> None:
             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
         }
     )
-    models = ModelList(data=[ModelObject(id=MODEL, created=1, owned_by="exo")])
+    models = ModelList(
+        data=[ModelObject(id=MODEL, created=1, owned_by="exo", capabilities=["text"])]
+    )
     error = ErrorResponse.model_validate(openai_error_body("bad", "invalid_request_error", "n"))
     for value in (response, models, error):
         assert type(value).model_validate_json(value.model_dump_json()) == value
     assert json.loads(models.model_dump_json()) == {
         "object": "list",
-        "data": [{"id": MODEL, "object": "model", "created": 1, "owned_by": "exo"}],
+        "data": [
+            {
+                "id": MODEL,
+                "object": "model",
+                "created": 1,
+                "owned_by": "exo",
+                "capabilities": ["text"],
+            }
+        ],
     }
 
 
