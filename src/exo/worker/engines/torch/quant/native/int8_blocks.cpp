@@ -5,7 +5,9 @@
 //     inputs (GGUF Q6_K, Q8_0).
 // Both round the activations as the int4 kernel does (int16 per block of 32, block_rows.h)
 // and sum the products exactly in int32, in int8_tile.h's register tile (shared with
-// mxfp4.cpp); the policies below say how each format's scales and values are read.
+// mxfp4.cpp), or for 2+ activation rows over whole pairs of blocks its 512-bit tile (8
+// activation rows per weight read; where built with AVX512BW and not EXO_NATIVE_AVX512=0);
+// the policies below say how each format's scales and values are read.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
