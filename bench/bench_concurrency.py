@@ -27,9 +27,9 @@ API section (a node started on loopback with the default model, or `--api URL`):
 
 A/B runs (engine section): `--fixed-chunk N` prefills N prompt tokens per step beside
 decodes instead of the measured chunk size (`batching/chunk_sizer.py`; 8 was the fixed size
-before it); `EXO_NATIVE_AVX512=0` in the environment takes the 256-bit int4 decode kernel
-where the 512-bit one is built; `--engine-parts` picks among the aggregate tok/s, the gap
-during a long prefill and the second turn's TTFT (all by default).
+before it); `EXO_NATIVE_AVX512=0` in the environment takes the 256-bit int4 and int8-block
+decode tiles where the 512-bit ones are built; `--engine-parts` picks among the aggregate
+tok/s, the gap during a long prefill and the second turn's TTFT (all by default).
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ from exo.worker.engines.torch.quant.native_kernels import (
     native_int4_kernel,
 )
 from exo.worker.engines.torch.quant.quantized_linear import (
-    NATIVE_BLOCK_MAX_ROWS,
     QuantizedLinear,
+    native_int8_block_max_rows,
     prefill_product,
 )
 
@@ -252,7 +252,7 @@ class SplitInt4Linear(QuantizedLinear):
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self._native:  # the kernel for decode; prefill: the same sums by block_matmul
-            if rows.shape[0] <= NATIVE_BLOCK_MAX_ROWS:
+            if rows.shape[0] <= native_int8_block_max_rows():
                 return self._native_matmul(rows)
             out = prefill_product(
                 rows.float().contiguous(), self.values, self.scale_zero,

@@ -29,8 +29,8 @@ import torch
 
 from exo.worker.engines.torch.quant.native_kernels import built_int8_scaled_kernel
 from exo.worker.engines.torch.quant.quantized_linear import (
-    NATIVE_BLOCK_MAX_ROWS,
     QuantizedLinear,
+    native_int8_block_max_rows,
     prefill_product,
 )
 
@@ -172,9 +172,9 @@ class ScaledInt8Linear(QuantizedLinear):
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """`[rows, in]` → `[rows, out]` in the rows' dtype: the decode kernel up to
-        `NATIVE_BLOCK_MAX_ROWS` rows, else the integer GEMM (the same block sums)."""
+        `native_int8_block_max_rows()` rows, else the integer GEMM (the same block sums)."""
         x = rows.float().contiguous()
-        if rows.shape[0] <= NATIVE_BLOCK_MAX_ROWS:
+        if rows.shape[0] <= native_int8_block_max_rows():
             out: torch.Tensor = torch.ops.exo_native.int8_scaled_gemv(
                 x, self.values, self.block_scales
             )

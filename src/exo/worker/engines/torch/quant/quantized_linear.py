@@ -5,6 +5,7 @@ product of exo's block weights."""
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Sequence
 from contextvars import ContextVar
 
@@ -23,6 +24,25 @@ NATIVE_MAX_ROWS = 16
 # GEMM (`block_matmul`, native/prefill.cpp). Between the measured crossovers of an int4 and
 # an int8-block weight (figures: docs/benchmarks/engine-design-figures.md#quantized_linearpy).
 NATIVE_BLOCK_MAX_ROWS = 7
+
+# The same bound for int8 blocks (symmetric, as `ScaledInt8Linear`, or with (scale, zero)
+# pairs) where exo's 512-bit int8 tile runs (`native_int8_block_max_rows`): it reads each
+# weight row once for 8 activation rows; on a 49,152 x 576 LM head it took about half the
+# GEMM's time at 8 and 12 rows and about as long at 16
+# (figures: docs/benchmarks/2026-12-05-batching-vnni.md).
+NATIVE_INT8_BLOCK_MAX_ROWS_AVX512 = 15
+
+
+@functools.cache
+def native_int8_block_max_rows() -> int:
+    """Rows up to which an int8-block weight takes exo's decode kernel rather than the
+    integer GEMM: `NATIVE_INT8_BLOCK_MAX_ROWS_AVX512` where the 512-bit tiles run (the
+    library built with AVX512BW and not `EXO_NATIVE_AVX512=0`: `int4_decode_bits() == 512`),
+    else `NATIVE_BLOCK_MAX_ROWS`. Only called where exo's kernels are loaded."""
+    if int(torch.ops.exo_native.int4_decode_bits()) == 512:
+        return NATIVE_INT8_BLOCK_MAX_ROWS_AVX512
+    return NATIVE_BLOCK_MAX_ROWS
+
 
 # How many rows at the start of a batched step's activations are decode tokens (one per
 # running request: `batch_attention.BatchPlan` puts them first; set by its `prepare`). With

@@ -1,7 +1,7 @@
-"""The int4 decode kernel's multi-row products (a decode step over many requests) on both
-of its widths: the 256-bit (AVX2) kernel and, where the library is built with AVX512BW, the
-512-bit one (`EXO_NATIVE_AVX512=0` forces the 256-bit kernel; read once per process, so
-each width runs in a child process)."""
+"""The int4 and int8-block decode kernels' multi-row products (a decode step over many
+requests) on both of their widths: the 256-bit (AVX2) tiles and, where the library is built
+with AVX512BW, the 512-bit ones (`EXO_NATIVE_AVX512=0` forces the 256-bit tiles; read once
+per process, so each width runs in one child process, which computes every case)."""
 
 from __future__ import annotations
 
@@ -48,15 +48,46 @@ for outputs, inputs, group in shapes:
             [kernel(x[row:row + 1].contiguous(), qweight, scale_zero) for row in range(len(x))]
         )
     cases.append((values, scale_zero, group, x, products))
-torch.save(cases, sys.argv[1])
+int8_cases = []
+for outputs, inputs, block, kind in json.loads(sys.argv[3]):
+    values = torch.randint(-128, 128, (outputs, inputs), generator=g, dtype=torch.int8)
+    if kind == "scaled":
+        scales = (torch.rand(outputs, inputs // block, generator=g) * 0.02).to(torch.bfloat16)
+        op = torch.ops.exo_native.int8_scaled_gemv
+    else:
+        scales = (torch.randn(outputs, inputs // 32, 2, generator=g) * 0.02).to(torch.bfloat16)
+        op = torch.ops.exo_native.int8_block_gemv
+    x = torch.randn(max(counts), inputs, generator=g)
+    products = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for rows in counts:
+            products[threads, rows] = op(x[:rows].contiguous(), values, scales)
+    int8_cases.append((kind, block, values, scales, x, products))
+torch.save((cases, int8_cases), sys.argv[1])
 print(torch.ops.exo_native.int4_decode_bits())
 """
 
+# int8 block weights (outputs, inputs, inputs per scale, "scaled": symmetric blocks as
+# int8_scaled_gemv, "pairs": (scale, zero) pairs as int8_block_gemv): whole pairs of blocks
+# (the 512-bit tile), a lone last block (the 256-bit tile at every row count), odd output
+# counts (tiles of 2 output rows, then one).
+INT8_SHAPES = (
+    (37, 576, 32, "scaled"),
+    (23, 640, 16, "scaled"),
+    (19, 608, 32, "scaled"),
+    (29, 576, 32, "pairs"),
+    (13, 96, 32, "pairs"),
+)
+# Every row count of the 512-bit tiles' groups of 8 and their remainders, up to two groups.
+INT8_ROWS = tuple(range(1, 18))
 
-def _products(tmp_path: Path, avx512: str) -> tuple[int, list]:
-    path = tmp_path / f"{avx512}.pt"
+
+def _products(directory: Path, avx512: str) -> tuple[int, tuple[list, list]]:
+    path = directory / f"{avx512}.pt"
     done = subprocess.run(
-        [sys.executable, "-c", _PRODUCTS_SCRIPT, str(path), json.dumps([SHAPES, ROWS])],
+        [sys.executable, "-c", _PRODUCTS_SCRIPT, str(path), json.dumps([SHAPES, ROWS]),
+         json.dumps(list(INT8_SHAPES))],
         capture_output=True, text=True, timeout=600, check=False,
         env={**os.environ, "EXO_NATIVE_AVX512": avx512},
     )  # fmt: skip
@@ -64,19 +95,30 @@ def _products(tmp_path: Path, avx512: str) -> tuple[int, list]:
     return int(done.stdout.strip().splitlines()[-1]), torch.load(path)
 
 
-def test_multi_row_products_equal_single_rows_on_both_widths(tmp_path: Path) -> None:
+Widths = tuple[int, tuple[list, list], tuple[list, list]]
+
+
+@pytest.fixture(scope="module")
+def widths(tmp_path_factory: pytest.TempPathFactory) -> Widths:
+    """(the default width's bits, its int4 and int8 cases, the 256-bit width's cases)."""
+    if built_int4_kernel() is None or not ROUNDS_ACTIVATIONS:
+        pytest.skip("no AVX2 kernels on this machine")
+    directory = tmp_path_factory.mktemp("widths")
+    wide_bits, wide = _products(directory, "1")
+    narrow_bits, narrow = _products(directory, "0")
+    assert narrow_bits == 256
+    return wide_bits, wide, narrow
+
+
+def test_multi_row_products_equal_single_rows_on_both_widths(widths: Widths) -> None:
     """For 1-17 activation rows on one and two threads (70 outputs: tiles of 4 and 2 output
     rows, then single ones), each width's product is the
     documented one (the rounded activations times the dequantized weight, to float32
     summation) and each row of a multi-row call equals that row's single-row call within
     float32 rounding; the 512-bit kernel equals the 256-bit one to the same tolerance."""
-    if built_int4_kernel() is None or not ROUNDS_ACTIVATIONS:
-        pytest.skip("no AVX2 int4 kernel on this machine")
-    wide_bits, wide = _products(tmp_path, "1")
-    narrow_bits, narrow = _products(tmp_path, "0")
-    assert narrow_bits == 256
-    widths = [narrow] + ([wide] if wide_bits == 512 else [])
-    for cases in widths:
+    wide_bits, (wide, _), (narrow, _) = widths
+    sides = [narrow] + ([wide] if wide_bits == 512 else [])
+    for cases in sides:
         for values, scale_zero, group, x, products in cases:
             outputs, inputs = values.shape
             weight = (values.double().reshape(outputs, -1, group) - 8) * scale_zero[..., :1]
@@ -100,3 +142,36 @@ def test_multi_row_products_equal_single_rows_on_both_widths(tmp_path: Path) -> 
     for wide_case, narrow_case in zip(wide, narrow, strict=True):
         for key, product in wide_case[4].items():
             torch.testing.assert_close(product, narrow_case[4][key], rtol=1e-5, atol=1e-4)
+
+
+def test_int8_block_products_on_both_widths(widths: Widths) -> None:
+    """int8_scaled_gemv (symmetric blocks, a scale per 16 or 32 inputs) and int8_block_gemv
+    ((scale, zero) pairs per 32) for every row count 1-17 on one and two threads: each
+    width's product is the documented one (the rounded activations times the exact
+    dequantized weight, to float32 summation: block sums exact in int32, scaled in float32),
+    and the 512-bit tiles (groups of 8 activation rows, whole pairs of blocks) equal the
+    256-bit ones to the same tolerance. A broken lane-to-scale mapping (a block's sums
+    scaled by its neighbour's scale) or a dropped remainder row fails both."""
+    wide_bits, (_, wide), (_, narrow) = widths
+    sides = [narrow] + ([wide] if wide_bits == 512 else [])
+    for cases in sides:
+        for kind, block, values, scales, x, products in cases:
+            outputs, inputs = values.shape
+            if kind == "scaled":
+                weight = values.double() * scales.double().repeat_interleave(block, dim=1)
+            else:
+                pairs = scales.double()
+                shaped = values.double().reshape(outputs, -1, 32) - 8
+                weight = (shaped * pairs[..., :1] + pairs[..., 1:]).reshape(outputs, inputs)
+            expected = rounded_activations(x).double() @ weight.t()
+            for (threads, rows), product in products.items():
+                assert product.shape == (rows, outputs)
+                torch.testing.assert_close(
+                    product.double(), expected[:rows], rtol=1e-5, atol=1e-4,
+                    msg=f"{kind} {outputs}x{inputs} per {block}, {rows} rows, {threads} threads",
+                )  # fmt: skip
+    if wide_bits != 512:
+        pytest.skip(f"no 512-bit decode tiles here ({wide_bits} bits)")
+    for wide_case, narrow_case in zip(wide, narrow, strict=True):
+        for key, product in wide_case[5].items():
+            torch.testing.assert_close(product, narrow_case[5][key], rtol=1e-5, atol=1e-4)

@@ -221,8 +221,9 @@ def test_native_decode_layer_equals_lean_operators(
     monkeypatch.setattr(lean, "_decode_layers", counted)
     native = lean_steps.run_single(model, tokens, lean=True)
     # Every decode step ran natively, the last two with request C's prompt chunks beside A
-    # and B (9 and 8 rows: the block weights' integer GEMM; the second chunk's later rows
-    # past the sliding window); the prompt-only first step did not.
+    # and B (9 and 8 rows: the block weights' 512-bit tiles where built, else their integer
+    # GEMM: decode_layer.cpp's bounds; the second chunk's later rows past the sliding
+    # window); the prompt-only first step did not.
     first_chunk = lean_steps.PROMPT_C_FIRST_CHUNK
     assert native_rows == [2] * (lean_steps.DECODE_STEPS - 2) + [
         2 + first_chunk,

@@ -180,6 +180,40 @@ void for_row_groups(int64_t rows, Body&& body) {
   if (rows - r == 1) body(std::integral_constant<int, 1>{}, r);
 }
 
+// Calls body(std::integral_constant<int, R>{}, r) for the activation rows in groups of
+// R = 8 starting at row r, then once for the 1-7 rows left: the 512-bit tiles read a weight
+// row once for up to 8 activation rows.
+template <typename Body>
+void for_row_groups_of_8(int64_t rows, Body&& body) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) body(std::integral_constant<int, 8>{}, r);
+  switch (rows - r) {
+    case 7: body(std::integral_constant<int, 7>{}, r); break;
+    case 6: body(std::integral_constant<int, 6>{}, r); break;
+    case 5: body(std::integral_constant<int, 5>{}, r); break;
+    case 4: body(std::integral_constant<int, 4>{}, r); break;
+    case 3: body(std::integral_constant<int, 3>{}, r); break;
+    case 2: body(std::integral_constant<int, 2>{}, r); break;
+    case 1: body(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
+}
+
+// Each pair of blocks (64 rounded activations) reordered to its 32 even inputs, then its 32
+// odd ones: the order in which the 512-bit int8 tiles' shifts sign-extend a 64-byte load of
+// weights (int16 lane i of the load holds inputs 2i and 2i + 1 of the pair). A last lone
+// block (count % 64 == 32) is left as it is.
+inline void reorder_pairs_even_odd(int16_t* values, int64_t count) {
+  int16_t pair[2 * kBlock];
+  for (int64_t start = 0; start + 2 * kBlock <= count; start += 2 * kBlock) {
+    for (int i = 0; i < kBlock; ++i) {
+      pair[i] = values[start + 2 * i];
+      pair[kBlock + i] = values[start + 2 * i + 1];
+    }
+    std::memcpy(values + start, pair, sizeof(pair));
+  }
+}
+
 // Calls tile(std::integral_constant<int, NR>{}, n) for the output rows [n0, n1) in register
 // tiles of NR = TILE rows starting at row n, then NR = 1 for each row left (the kernels'
 // tiles are templated on their output row count).
@@ -190,6 +224,23 @@ void for_output_tiles(int64_t n0, int64_t n1, Tile&& tile) {
   for (; n < n1; ++n) tile(std::integral_constant<int, 1>{}, n);
 }
 #endif  // EXO_AVX2
+
+#if defined(EXO_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
+// The 512-bit decode tiles (int4_gemv.cpp's int4 and per-channel int8, int8_tile.h's int8
+// blocks) are built where the compiler targets AVX512BW (native_kernels._flags); which
+// width runs is `int4_decode_bits()` (kernels.h; `EXO_NATIVE_AVX512=0` forces 256 bits).
+#define EXO_AVX512_TILES 1
+
+// acc + the int16 pair products of a and b summed into int32 lanes: one vpdpwssd with
+// AVX512-VNNI, else a vpmaddwd and an add.
+inline __m512i multiply_add(__m512i acc, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+#endif
 
 // Weight bytes of one span of `for_weight_spans`: well inside any AVX2 core's L2 (256 KiB
 // and up), with room for the activations and the prefetched bytes ahead.

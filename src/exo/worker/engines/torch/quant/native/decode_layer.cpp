@@ -157,14 +157,25 @@ constexpr int64_t kGemmMinRows = 8;
 // (figures: docs/benchmarks/2026-12-05-batching.md). `EXO_DECODE_GEMM_MIN_ROWS` (read once)
 // overrides both bounds, to measure the crossover.
 constexpr int64_t kGemmMinRowsInt4Avx512 = 17;
+// The same for int8 blocks (symmetric or with (scale, zero) pairs) where their 512-bit tile
+// runs (int8_tile.h: whole pairs of blocks): on a 49,152 x 576 weight it took about half
+// the GEMM's time at 8 and 12 rows and about as long at 16 (quantized_linear.py's
+// NATIVE_INT8_BLOCK_MAX_ROWS_AVX512 + 1; figures: docs/benchmarks/2026-12-05-batching-vnni.md).
+constexpr int64_t kGemmMinRowsInt8Avx512 = 16;
 
-int64_t gemm_min_rows(bool int4) {
+// What a block weight's decode product runs on, for `gemm_min_rows`.
+enum class BlockTile { kOther, kInt4, kInt8 };
+
+int64_t gemm_min_rows(BlockTile tile) {
   static const int64_t forced = [] {
     const char* value = std::getenv("EXO_DECODE_GEMM_MIN_ROWS");
     return value == nullptr ? int64_t{0} : std::max<int64_t>(1, std::atoll(value));
   }();
   if (forced > 0) return forced;
-  return int4 && exo_native::int4_decode_bits() == 512 ? kGemmMinRowsInt4Avx512 : kGemmMinRows;
+  if (exo_native::int4_decode_bits() != 512) return kGemmMinRows;
+  if (tile == BlockTile::kInt4) return kGemmMinRowsInt4Avx512;
+  if (tile == BlockTile::kInt8) return kGemmMinRowsInt8Avx512;
+  return kGemmMinRows;
 }
 
 // y[rows, out] = x[rows, in] W^T (+ bias when add_bias).
@@ -172,8 +183,10 @@ void apply_linear(const Linear& linear, const float* x, int64_t rows, float* y,
                   bool add_bias = true) {
   const auto kind = linear.weight.scalar_type();
   const bool blocks = (kind == at::kByte || kind == at::kChar) && linear.scale_zero.dim() >= 2;
-  const bool int4 = kind == at::kByte && linear.scale_zero.dim() == 3;
-  if (blocks && rows >= gemm_min_rows(int4)) {
+  const BlockTile tile = kind == at::kByte && linear.scale_zero.dim() == 3 ? BlockTile::kInt4
+                         : kind == at::kChar && linear.in % 64 == 0     ? BlockTile::kInt8
+                                                                        : BlockTile::kOther;
+  if (blocks && rows >= gemm_min_rows(tile)) {
     exo_native::block_matmul(x, rows, linear.in, linear.weight, linear.scale_zero, y);
   } else if (kind == at::kByte && linear.scale_zero.dim() == 2) {
     exo_native::int5_product(x, rows, linear.in, linear.weight, linear.scale_zero, y);

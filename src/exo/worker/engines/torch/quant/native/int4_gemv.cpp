@@ -204,14 +204,6 @@ void rows_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
 // (figures: docs/benchmarks/2026-12-05-batching.md). A last odd pair and an odd last block
 // take 256-bit code in the activations' natural order.
 
-inline __m512i multiply_add(__m512i acc, __m512i a, __m512i b) {
-#ifdef __AVX512VNNI__
-  return _mm512_dpwssd_epi32(acc, a, b);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
-#endif
-}
-
 constexpr int64_t kChunk = 128;  // inputs per 64-byte load: two pairs of blocks
 
 // Every full chunk of 128 rounded activations of each row in the 512-bit kernel's order.
@@ -350,24 +342,6 @@ void rows_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint
     tile_avx512<ROWS, decltype(nr)::value>(xq, x_scales, k, q, scale_zero, groups, group_size,
                                            offset_sums, y, n_total, n, scales, combined);
   });
-}
-// Calls body(std::integral_constant<int, R>{}, r) for the activation rows in groups of
-// R = 8 starting at row r, then once for the 1-7 rows left: a weight row is unpacked once
-// for up to 8 activation rows.
-template <typename Body>
-void for_row_groups_of_8(int64_t rows, Body&& body) {
-  int64_t r = 0;
-  for (; r + 8 <= rows; r += 8) body(std::integral_constant<int, 8>{}, r);
-  switch (rows - r) {
-    case 7: body(std::integral_constant<int, 7>{}, r); break;
-    case 6: body(std::integral_constant<int, 6>{}, r); break;
-    case 5: body(std::integral_constant<int, 5>{}, r); break;
-    case 4: body(std::integral_constant<int, 4>{}, r); break;
-    case 3: body(std::integral_constant<int, 3>{}, r); break;
-    case 2: body(std::integral_constant<int, 2>{}, r); break;
-    case 1: body(std::integral_constant<int, 1>{}, r); break;
-    default: break;
-  }
 }
 #endif  // EXO_AVX2 && __AVX512F__ && __AVX512BW__
 
@@ -652,17 +626,6 @@ void rows_avx2_int8_channel(const int16_t* xq, const float* xs, int64_t k, const
 // with AVX512-VNNI a block pair's products and their sums are two vpdpwssd per row. Each
 // pair's two activation scales are expanded once per call to the 16 int32 lanes they
 // scale (`pair_scales`, 8 lanes each), one load and one FMA per row and pair.
-inline void reorder_pairs_even_odd(int16_t* values, int64_t count) {
-  int16_t pair[2 * kBlock];
-  for (int64_t start = 0; start + 2 * kBlock <= count; start += 2 * kBlock) {
-    for (int i = 0; i < kBlock; ++i) {
-      pair[i] = values[start + 2 * i];
-      pair[kBlock + i] = values[start + 2 * i + 1];
-    }
-    std::memcpy(values + start, pair, sizeof(pair));
-  }
-}
-
 template <int ROWS, int NR>
 void tile_avx512_int8_channel(const int16_t* xq, const float* pair_scales, int64_t k,
                               const int8_t* v, const uint16_t* scales, float* y,

@@ -5,7 +5,9 @@
 //     inputs (GGUF Q6_K, Q8_0).
 // Both round the activations as the int4 kernel does (int16 per block of 32, block_rows.h)
 // and sum the products exactly in int32, in int8_tile.h's register tile (shared with
-// mxfp4.cpp); the policies below say how each format's scales and values are read.
+// mxfp4.cpp), or for 2+ activation rows over whole pairs of blocks its 512-bit tile (8
+// activation rows per weight read; where built with AVX512BW and not EXO_NATIVE_AVX512=0);
+// the policies below say how each format's scales and values are read.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -48,6 +50,9 @@ struct Int8PairBlocks {
   __m256i values(const int8_t* block) const {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
   }
+#ifdef EXO_AVX512_TILES
+  __m512i values512(const int8_t* block) const { return _mm512_loadu_si512(block); }
+#endif
 };
 #endif
 
@@ -72,6 +77,9 @@ struct ScaledInt8Blocks {
   __m256i values(const int8_t* block) const {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
   }
+#ifdef EXO_AVX512_TILES
+  __m512i values512(const int8_t* block) const { return _mm512_loadu_si512(block); }
+#endif
 };
 #endif
 
@@ -98,6 +106,24 @@ void int8_block_product(const float* xp, int64_t rows, int64_t k, const at::Tens
   int16_t* xq = quantized.data();
   float* xs = x_scales.data();
   quantize_rows(xp, rows, k, kBlock, xq, xs, sums);
+#ifdef EXO_AVX512_TILES
+  if (int8_tile::use_avx512(rows, k)) {
+    thread_local std::vector<float> pair_scales;
+    int8_tile::prepare_avx512(xq, xs, rows, k, pair_scales);
+    const float* ps = pair_scales.data();
+    const int64_t pairs = k / (2 * kBlock);
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      for_weight_spans(rows, 8, n0, n1, k, [&](int64_t s0, int64_t s1) {
+        for_row_groups_of_8(rows, [&](auto count, int64_t r) {
+          int8_tile::rows_avx512<decltype(count)::value, 1>(
+              xq + r * k, ps + r * pairs * 16, k, Int8PairBlocks{vp, so, sums + r * blocks},
+              yp + r * n, n, s0, s1);
+        });
+      });
+    });
+    return;
+  }
+#endif
   reorder_even_odd(xq, rows * k);
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     for_weight_spans(rows, 4, n0, n1, k, [&](int64_t s0, int64_t s1) {
@@ -148,6 +174,29 @@ void int8_scaled_product(const float* xp, int64_t rows, int64_t k, const at::Ten
   int16_t* xq = quantized.data();
   float* xs = x_scales.data();
   quantize_rows(xp, rows, k, kBlock, xq, xs, block_sums.data());
+#ifdef EXO_AVX512_TILES
+  if (int8_tile::use_avx512(rows, k)) {
+    thread_local std::vector<float> pair_scales;
+    int8_tile::prepare_avx512(xq, xs, rows, k, pair_scales);
+    const float* ps = pair_scales.data();
+    const int64_t pairs = k / (2 * kBlock);
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      for_weight_spans(rows, 8, n0, n1, k, [&](int64_t s0, int64_t s1) {
+        for_row_groups_of_8(rows, [&](auto count, int64_t r) {
+          constexpr int R = decltype(count)::value;
+          const ScaledInt8Blocks weights{vp, sc, kBlock / block};
+          if (block == 16)
+            int8_tile::rows_avx512<R, 2>(xq + r * k, ps + r * pairs * 16, k, weights, yp + r * n,
+                                         n, s0, s1);
+          else
+            int8_tile::rows_avx512<R, 1>(xq + r * k, ps + r * pairs * 16, k, weights, yp + r * n,
+                                         n, s0, s1);
+        });
+      });
+    });
+    return;
+  }
+#endif
   reorder_even_odd(xq, rows * k);
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     for_weight_spans(rows, 4, n0, n1, k, [&](int64_t s0, int64_t s1) {
