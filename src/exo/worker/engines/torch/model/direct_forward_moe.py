@@ -291,7 +291,7 @@ class LeanMoe:
             raise LeanUnsupportedError("a tensor-split shared expert beside whole experts")
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(rows, self.router, self.router_bias)
+        logits = F.linear(rows, self.router, self.router_bias)  # gpt-oss: a biased router
         weights, experts = route(logits, self.routing, self.correction_bias)
         if self.native is not None:
             out = self.native(rows, experts, weights)

@@ -8,7 +8,7 @@
 // caller's activation rounding; the activation is torch's own operator on the same slices
 // and the weighted outputs are added into each row in ascending expert order, as
 // moe.dispatch's index_add_ adds them. So the result is bit for bit the per-expert path's
-// (tested: model/tests/test_moe_native.py). What it saves is the ~20 torch operators a
+// (tested: ../../tests/test_moe_native.py). What it saves is the ~20 torch operators a
 // Python expert call dispatches (gathers, casts, slices, scaling), per expert per layer: a
 // decode step of Qwen3-30B-A3B calls 8 experts in each of 48 layers.
 
