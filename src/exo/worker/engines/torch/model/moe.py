@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from exo.worker.engines.torch.comm.tcp_mesh import all_reduce_sum
@@ -360,20 +359,3 @@ def router_bias(layer: nn.Module, family: ModelFamily) -> torch.Tensor | None:
     assert family.moe is not None
     bias = getattr(layer.get_submodule(family.moe.router), "bias", None)
     return bias.detach().float() if isinstance(bias, torch.Tensor) else None
-
-
-def moe_output(
-    rows: torch.Tensor,
-    router: torch.Tensor,
-    routing: Routing,
-    correction_bias: torch.Tensor | None,
-    functions: Sequence[ExpertFunction | None],
-    router_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Route `rows` `[T, hidden]` float32 and sum their experts' weighted outputs (this
-    rank's part; the caller all-reduces a partial one). `[T, hidden]` float32.
-
-    `router_bias` `[experts]` is added to the router logits (gpt-oss's router is a biased
-    linear)."""
-    weights, experts = route(F.linear(rows, router, router_bias), routing, correction_bias)
-    return dispatch(rows, experts, weights, functions)
