@@ -1,0 +1,190 @@
+"""Gemma 3's image input (`Gemma3ForConditionalGeneration`, 4B and up): preprocessing, the
+image tokens of a prompt, and the vision tower with its projector, loaded beside the text
+model.
+
+Facts taken from transformers' Gemma 3 processor and model (the code here is exo's own):
+- an image becomes `mm_tokens_per_image` soft tokens: where the prompt has a begin-of-image
+  token the processor writes "\\n\\n" + begin + soft token x N + end-of-image + "\\n\\n"
+  (`Gemma3Processor.full_image_sequence`);
+- pixels: RGB, resized to the image size of `preprocessor_config.json` (896 x 896 on the
+  published checkpoints; bilinear), rescaled by 1/255, normalized by its mean and std (0.5);
+  pan-and-scan (extra crops of wide images) is not done here: one view per image;
+- the SigLIP tower's last hidden state `[n, patches, vision hidden]` is average-pooled to
+  `mm_tokens_per_image` tokens, RMS-normed (`1 + weight`) and projected to the text hidden
+  size (`Gemma3MultiModalProjector`); those rows replace the soft tokens' embeddings,
+  unscaled (the text embeddings carry `sqrt(hidden)`, the image rows do not).
+
+The tower and projector are transformers' modules (`SiglipVisionModel`,
+`Gemma3MultiModalProjector`) filled from the checkpoint's `vision_tower.` and
+`multi_modal_projector.` tensors; they run once per image, on the first rank, before the
+prompt's prefill, in float32.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from safetensors import safe_open
+from torch import nn
+
+# Gemma3ImageProcessor's defaults where a checkpoint has no preprocessor_config.json.
+DEFAULT_MEAN = (0.5, 0.5, 0.5)
+DEFAULT_STD = (0.5, 0.5, 0.5)
+DEFAULT_RESCALE = 1 / 255
+_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePreprocessing:
+    """How an image's file bytes become pixel values (`preprocessor_config.json`).
+
+    Attributes:
+        height / width: pixels after resizing.
+        mean / std: per RGB channel, applied after rescaling.
+        rescale: factor from 0..255 to the normalized range's input (1/255).
+        resample: Pillow's resampling filter number (2: bilinear).
+    """
+
+    height: int
+    width: int
+    mean: tuple[float, float, float] = DEFAULT_MEAN
+    std: tuple[float, float, float] = DEFAULT_STD
+    rescale: float = DEFAULT_RESCALE
+    resample: int = 2
+
+    @classmethod
+    def of_model(cls, model_dir: Path, image_size: int) -> ImagePreprocessing:
+        """The checkpoint's preprocessing; `image_size` (the tower's) where its
+        `preprocessor_config.json` is absent or names no size."""
+        path = model_dir / "preprocessor_config.json"
+        settings: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+        size = settings.get("size") or {}
+        return cls(
+            height=int(size.get("height", image_size)),
+            width=int(size.get("width", image_size)),
+            mean=tuple(settings.get("image_mean", DEFAULT_MEAN)),  # type: ignore[arg-type]
+            std=tuple(settings.get("image_std", DEFAULT_STD)),  # type: ignore[arg-type]
+            rescale=float(settings.get("rescale_factor", DEFAULT_RESCALE)),
+            resample=int(settings.get("resample", 2)),
+        )
+
+    def pixel_values(self, data: bytes) -> torch.Tensor:
+        """One image file's (PNG, JPEG, WebP, GIF: the first frame) pixel values
+        `[3, height, width]` float32.
+
+        Raises:
+            ValueError: bytes Pillow cannot decode.
+        """
+        try:
+            with Image.open(io.BytesIO(data)) as opened:
+                image = opened.convert("RGB")
+        except (OSError, Image.DecompressionBombError) as error:
+            raise ValueError(f"undecodable image: {error}") from error
+        image = image.resize((self.width, self.height), Image.Resampling(self.resample))
+        pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+        values = pixels.view(self.height, self.width, 3).permute(2, 0, 1).float()
+        mean = torch.tensor(self.mean).view(3, 1, 1)
+        std = torch.tensor(self.std).view(3, 1, 1)
+        return (values * self.rescale - mean) / std
+
+
+@dataclass(frozen=True, slots=True)
+class ImageTokens:
+    """The token ids around and of an image (`Gemma3Config` and its tokenizer).
+
+    Attributes:
+        begin / soft / end: begin-of-image, image soft token, end-of-image ids.
+        newlines: the ids of "\\n\\n" (written before the begin and after the end token).
+        per_image: soft tokens per image (`mm_tokens_per_image`).
+    """
+
+    begin: int
+    soft: int
+    end: int
+    newlines: tuple[int, ...]
+    per_image: int
+
+    def expand(self, token_ids: Sequence[int], images: int) -> tuple[list[int], list[int]]:
+        """Each begin-of-image token of `token_ids` expanded to the image's full sequence.
+
+        Returns:
+            `(ids, starts)`: the expanded ids and each image's first soft-token position.
+
+        Raises:
+            ValueError: the prompt's begin-of-image tokens are not `images` in number.
+        """
+        ids: list[int] = []
+        starts: list[int] = []
+        for token in token_ids:
+            if token != self.begin:
+                ids.append(token)
+                continue
+            ids += [*self.newlines, self.begin]
+            starts.append(len(ids))
+            ids += [self.soft] * self.per_image + [self.end, *self.newlines]
+        if len(starts) != images:
+            raise ValueError(f"the prompt places {len(starts)} images, the request has {images}")
+        return ids, starts
+
+
+class Gemma3VisionEncoder(nn.Module):
+    """The SigLIP tower and the multimodal projector: pixel values to the rows that replace
+    an image's soft tokens.
+
+    Args:
+        config: the checkpoint's `Gemma3Config`.
+        vision_tower / projector: transformers' modules (weights loaded or random).
+    """
+
+    def __init__(self, config: Any, vision_tower: nn.Module, projector: nn.Module) -> None:
+        super().__init__()
+        self.config = config
+        self.vision_tower = vision_tower
+        self.multi_modal_projector = projector
+
+    @classmethod
+    def from_config(cls, config: Any) -> Gemma3VisionEncoder:
+        """Random-weight modules of `config`'s shapes (float32, eval mode)."""
+        from transformers import AutoModel
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+        tower = AutoModel.from_config(config.vision_config)
+        return cls(config, tower, Gemma3MultiModalProjector(config)).float().eval()
+
+    @classmethod
+    def load(cls, model_dir: Path, config: Any) -> Gemma3VisionEncoder:
+        """The tower and projector of the checkpoint in `model_dir`, float32 (the published
+        bfloat16 weights widened: the tower is ~0.4B parameters, run once per image).
+
+        Raises:
+            ValueError: a tensor of the tower or projector missing from the checkpoint.
+        """
+        encoder = cls.from_config(config)
+        expected = set(encoder.state_dict())
+        found: dict[str, torch.Tensor] = {}
+        for path in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    # Published `vision_tower.…`; recent transformers save `model.vision_tower.…`.
+                    local = name.removeprefix("model.")
+                    if local.startswith(_PREFIXES) and local in expected:
+                        found[local] = handle.get_tensor(name).float()
+        missing = sorted(expected - set(found))
+        if missing:
+            raise ValueError(f"{model_dir}: vision tensors missing, e.g. {missing[0]}")
+        encoder.load_state_dict(found)
+        return encoder
+
+    @torch.inference_mode()
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """`pixel_values` `[n, 3, height, width]` → `[n, mm_tokens_per_image, text hidden]`
+        float32."""
+        states = self.vision_tower(pixel_values=pixel_values.float()).last_hidden_state
+        return self.multi_modal_projector(states).float()
