@@ -34,6 +34,8 @@ from PIL import Image
 from safetensors import safe_open
 from torch import nn
 
+from exo.worker.engines.torch.batching.prompt_images import PromptImage
+
 # Gemma3ImageProcessor's defaults where a checkpoint has no preprocessor_config.json.
 DEFAULT_MEAN = (0.5, 0.5, 0.5)
 DEFAULT_STD = (0.5, 0.5, 0.5)
@@ -69,8 +71,8 @@ class ImagePreprocessing:
         return cls(
             height=int(size.get("height", image_size)),
             width=int(size.get("width", image_size)),
-            mean=tuple(settings.get("image_mean", DEFAULT_MEAN)),  # type: ignore[arg-type]
-            std=tuple(settings.get("image_std", DEFAULT_STD)),  # type: ignore[arg-type]
+            mean=tuple(settings.get("image_mean", DEFAULT_MEAN)),
+            std=tuple(settings.get("image_std", DEFAULT_STD)),
             rescale=float(settings.get("rescale_factor", DEFAULT_RESCALE)),
             resample=int(settings.get("resample", 2)),
         )
@@ -188,3 +190,82 @@ class Gemma3VisionEncoder(nn.Module):
         float32."""
         states = self.vision_tower(pixel_values=pixel_values.float()).last_hidden_state
         return self.multi_modal_projector(states).float()
+
+
+class Gemma3Images:
+    """A loaded Gemma 3 model's image input, for the engine's prompt rendering and requests.
+
+    Args:
+        encoder: the vision tower and projector.
+        tokens: the image token ids.
+        preprocessing: pixel preparation.
+        begin_text: the begin-of-image token's text, written where a message's
+            `IMAGE_MARKER` was (what Gemma 3's chat template writes for an image part).
+    """
+
+    def __init__(
+        self,
+        encoder: Gemma3VisionEncoder,
+        tokens: ImageTokens,
+        preprocessing: ImagePreprocessing,
+        begin_text: str,
+    ) -> None:
+        self.encoder = encoder
+        self.tokens = tokens
+        self.preprocessing = preprocessing
+        self.begin_text = begin_text
+
+    @classmethod
+    def of_model(cls, model_dir: Path, config: Any, tokenizer: Any) -> Gemma3Images | None:
+        """The image input of a `Gemma3ForConditionalGeneration` checkpoint (None: a
+        text-only config, without `vision_config`).
+
+        Raises:
+            ValueError: vision tensors missing from the checkpoint.
+        """
+        if getattr(config, "vision_config", None) is None:
+            return None
+        tokens = ImageTokens(
+            begin=int(config.boi_token_index),
+            soft=int(config.image_token_index),
+            end=int(config.eoi_token_index),
+            newlines=tuple(tokenizer.encode("\n\n", add_special_tokens=False)),
+            per_image=int(config.mm_tokens_per_image),
+        )
+        preprocessing = ImagePreprocessing.of_model(model_dir, int(config.vision_config.image_size))
+        begin_text = str(tokenizer.convert_ids_to_tokens(tokens.begin))
+        return cls(Gemma3VisionEncoder.load(model_dir, config), tokens, preprocessing, begin_text)
+
+    def template_content(self, content: str, marker: str) -> str:
+        """A message's text with each image marker as the begin-of-image token's text."""
+        return content.replace(marker, self.begin_text)
+
+    def prompt_images(
+        self, token_ids: Sequence[int], images: Sequence[tuple[bytes, str]]
+    ) -> tuple[PromptImage, ...]:
+        """Run the tower once per image of an expanded prompt.
+
+        Args:
+            token_ids: the prompt with its images expanded (`ImageTokens.expand`).
+            images: each image's `(file bytes, sha256 hex)`, in prompt order.
+
+        Raises:
+            ValueError: an undecodable image; image sequences not `len(images)` in number.
+        """
+        starts = [
+            index
+            for index in range(1, len(token_ids))
+            if token_ids[index] == self.tokens.soft and token_ids[index - 1] == self.tokens.begin
+        ]
+        if len(starts) != len(images):
+            raise ValueError(
+                f"the prompt places {len(starts)} images, the request has {len(images)}"
+            )
+        if not images:
+            return ()
+        pixels = torch.stack([self.preprocessing.pixel_values(data) for data, _ in images])
+        embeddings = self.encoder(pixels)  # [n, per_image, hidden]
+        return tuple(
+            PromptImage(start, rows, sha256)
+            for start, rows, (_, sha256) in zip(starts, embeddings, images, strict=True)
+        )

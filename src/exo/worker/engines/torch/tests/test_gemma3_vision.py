@@ -7,14 +7,25 @@ from __future__ import annotations
 
 import hashlib
 import io
-from typing import Any
+import json
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
 from PIL import Image
 from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 
+from exo.shared.models.cards import card_from_local_directory
 from exo.shared.models.memory import kv_geometry_of_config
+from exo.shared.types.common import ModelId
+from exo.shared.types.shards import ShardMetadata
+from exo.shared.types.text_generation import (
+    IMAGE_MARKER,
+    ChatMessage,
+    ImageInput,
+    TextGenerationTaskParams,
+)
 from exo.worker.engines.torch.batching.batch_attention import (
     attention_layers,
     use_batched_attention,
@@ -28,6 +39,7 @@ from exo.worker.engines.torch.decoding.detokenizer import StreamingDetokenizer
 from exo.worker.engines.torch.decoding.sampling import Sampler, TokenChooser
 from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
 from exo.worker.engines.torch.decoding.stop_sequences import StopSequenceMatcher
+from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.model.direct_forward import enable_lean_forward
 from exo.worker.engines.torch.model.families import family_by_name
 from exo.worker.engines.torch.model.gemma3_vision import (
@@ -72,7 +84,7 @@ def models() -> tuple[Any, Any, Gemma3VisionEncoder]:
     # transformers starts the projection at zero: random, so images move the logits.
     with torch.no_grad():
         reference.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.5)
-    text = Gemma3ForCausalLM(config.text_config).float().eval()
+    text = Gemma3ForCausalLM(cast(Any, config.text_config)).float().eval()
     text.model.load_state_dict(reference.model.language_model.state_dict())
     text.lm_head.weight = text.model.embed_tokens.weight
     encoder = Gemma3VisionEncoder(
@@ -109,7 +121,7 @@ def _request(prompt: list[int], images: tuple[PromptImage, ...], name: str) -> R
         detokenizer=StreamingDetokenizer(lambda ids: "", prompt),
         stop_matcher=StopSequenceMatcher(()),
         eos_token_ids=frozenset(),
-        logprob_of=lambda *_: None,  # type: ignore[arg-type,return-value]
+        logprob_of=lambda *_: None,  # type: ignore[arg-type]
         images=images,
     )
 
@@ -219,3 +231,98 @@ def test_prefix_cache_keys_on_image_bytes(models: tuple[Any, Any, Gemma3VisionEn
     again = _request(ids, images, "again")
     _run(scheduler, [again])
     assert again.cached_tokens > images[-1].end
+
+
+def _save_checkout(directory: Path, text: Any, encoder: Gemma3VisionEncoder) -> Path:
+    """A Gemma 3 4B-style checkout of the tiny model: text tensors under `language_model.`,
+    the tower's and projector's at the top, a word-level tokenizer whose image tokens have
+    the config's ids, and a template writing each message's content."""
+    from safetensors.torch import save_file
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        f"language_model.{name}": tensor.detach().clone().contiguous()
+        for name, tensor in text.state_dict().items()
+        if name != "lm_head.weight"  # tied
+    }
+    tensors.update(
+        {
+            name: tensor.detach().clone().contiguous()
+            for name, tensor in encoder.state_dict().items()
+        }
+    )
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = encoder.config.to_dict()
+    config["architectures"] = ["Gemma3ForConditionalGeneration"]
+    config["text_config"].update({"bos_token_id": 1, "eos_token_id": 2})
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    specials = {"<start_of_image>": BEGIN, "<end_of_image>": END, "<image_soft_token>": SOFT}
+    vocabulary = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(61)}}
+    tokenizer = Tokenizer(WordLevel({**vocabulary, **specials}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in specials])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    template = "<s>{% for message in messages %}{{ message.content }} {% endfor %}"
+    (directory / "chat_template.jinja").write_text(template)
+    return directory
+
+
+def _image_input(data: bytes) -> ImageInput:
+    with Image.open(io.BytesIO(data)) as image:
+        width, height = image.size
+    return ImageInput(
+        data=data, media_type="image/png", width=width, height=height,
+        sha256=hashlib.sha256(data).hexdigest(),
+    )  # fmt: skip
+
+
+def test_engine_loads_the_tower_and_renders_image_markers(
+    models: tuple[Any, Any, Gemma3VisionEncoder], tmp_path: Path, float32_kv: None
+) -> None:
+    """A Gemma3ForConditionalGeneration checkout with a "vision" card: the engine loads
+    the tower from the checkpoint, turns each `IMAGE_MARKER` into the image's tokens,
+    counts them in usage and the token count, and generates transformers' greedy tokens."""
+    reference, text, encoder = models
+    directory = _save_checkout(tmp_path / "gemma3-vision", text, encoder)
+    card = card_from_local_directory(directory).model_copy(
+        update={"capabilities": ("text", "vision")}
+    )
+    shard = ShardMetadata(
+        sharding="pipeline", model_card=card, device_rank=0, world_size=1, start_layer=0,
+        end_layer=card.n_layers,
+    )  # fmt: skip
+    engine = TorchEngine.load(directory, shard, weight_dtype="float32")
+    assert engine.images is not None
+    pictures = [_png(40, 24, seed=1), _png(17, 50, seed=2)]
+    message = ChatMessage(
+        role="user",
+        content=f"w1 w2 {IMAGE_MARKER} w3 w4 w5 {IMAGE_MARKER} w6",
+        images=tuple(_image_input(picture) for picture in pictures),
+    )
+    params = TextGenerationTaskParams(
+        model=ModelId(card.model_id), messages=(message,), max_tokens=STEPS, temperature=0.0
+    )
+    prompt_ids = engine.render_prompt(params).token_ids
+    assert prompt_ids.count(SOFT) == 2 * 4 and prompt_ids.count(BEGIN) == 2
+    assert engine.count_prompt_tokens(params) == len(prompt_ids)
+    pieces = list(engine.generate(params))
+    usage = pieces[-1].usage
+    assert usage is not None and usage.prompt_tokens == len(prompt_ids)
+    generated = [token for piece in pieces for token in piece.token_ids]
+    preprocessing = ImagePreprocessing(32, 32)
+    pixels = torch.stack([preprocessing.pixel_values(picture) for picture in pictures])
+    expected = _reference_logits(reference, prompt_ids + generated[:-1], pixels)
+    assert generated == expected[len(prompt_ids) - 1 :].argmax(-1).tolist()
+    # A model whose card lacks "vision" gets no tower and refuses images (a ValueError: 400).
+    text_only = TorchEngine.load(
+        directory, shard.model_copy(update={"model_card": card.model_copy(
+            update={"capabilities": ("text",)})}), weight_dtype="float32",
+    )  # fmt: skip
+    assert text_only.images is None
+    with pytest.raises(ValueError, match="takes no images"):
+        text_only.render_prompt(params)
