@@ -12,7 +12,6 @@ shard's parallelism's, never tested here.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -36,7 +35,6 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import (
-    IMAGE_MARKER,
     ChatMessage,
     ImageInput,
     TextGenerationTaskParams,
@@ -313,16 +311,7 @@ class TorchEngine:
                 f"{self.card.model_id} takes no images on this instance (vision towers run "
                 "on single-rank instances of vision models only)"
             )
-        vision = self.images
-        messages = tuple(
-            message.model_copy(
-                update={"content": vision.template_content(message.content, IMAGE_MARKER)}
-            )
-            for message in params.messages
-        )
-        rendered = render_prompt(self.tokenizer, params.model_copy(update={"messages": messages}))
-        token_ids, _ = vision.tokens.expand(rendered.token_ids, len(images))
-        return dataclasses.replace(rendered, token_ids=token_ids)
+        return render_prompt(self.tokenizer, params, self.images.tokens)
 
     def encode_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
         """Token ids of a plain chat-templated conversation (no tools), ending with the

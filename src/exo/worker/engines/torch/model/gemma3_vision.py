@@ -34,6 +34,7 @@ from PIL import Image
 from safetensors import safe_open
 from torch import nn
 
+from exo.chat_protocol.image_tokens import ImageTokens
 from exo.worker.engines.torch.batching.prompt_images import PromptImage
 
 # Gemma3ImageProcessor's defaults where a checkpoint has no preprocessor_config.json.
@@ -95,45 +96,6 @@ class ImagePreprocessing:
         mean = torch.tensor(self.mean).view(3, 1, 1)
         std = torch.tensor(self.std).view(3, 1, 1)
         return (values * self.rescale - mean) / std
-
-
-@dataclass(frozen=True, slots=True)
-class ImageTokens:
-    """The token ids around and of an image (`Gemma3Config` and its tokenizer).
-
-    Attributes:
-        begin / soft / end: begin-of-image, image soft token, end-of-image ids.
-        newlines: the ids of "\\n\\n" (written before the begin and after the end token).
-        per_image: soft tokens per image (`mm_tokens_per_image`).
-    """
-
-    begin: int
-    soft: int
-    end: int
-    newlines: tuple[int, ...]
-    per_image: int
-
-    def expand(self, token_ids: Sequence[int], images: int) -> tuple[list[int], list[int]]:
-        """Each begin-of-image token of `token_ids` expanded to the image's full sequence.
-
-        Returns:
-            `(ids, starts)`: the expanded ids and each image's first soft-token position.
-
-        Raises:
-            ValueError: the prompt's begin-of-image tokens are not `images` in number.
-        """
-        ids: list[int] = []
-        starts: list[int] = []
-        for token in token_ids:
-            if token != self.begin:
-                ids.append(token)
-                continue
-            ids += [*self.newlines, self.begin]
-            starts.append(len(ids))
-            ids += [self.soft] * self.per_image + [self.end, *self.newlines]
-        if len(starts) != images:
-            raise ValueError(f"the prompt places {len(starts)} images, the request has {images}")
-        return ids, starts
 
 
 class Gemma3VisionEncoder(nn.Module):
@@ -199,8 +161,6 @@ class Gemma3Images:
         encoder: the vision tower and projector.
         tokens: the image token ids.
         preprocessing: pixel preparation.
-        begin_text: the begin-of-image token's text, written where a message's
-            `IMAGE_MARKER` was (what Gemma 3's chat template writes for an image part).
     """
 
     def __init__(
@@ -208,12 +168,10 @@ class Gemma3Images:
         encoder: Gemma3VisionEncoder,
         tokens: ImageTokens,
         preprocessing: ImagePreprocessing,
-        begin_text: str,
     ) -> None:
         self.encoder = encoder
         self.tokens = tokens
         self.preprocessing = preprocessing
-        self.begin_text = begin_text
 
     @classmethod
     def of_model(cls, model_dir: Path, config: Any, tokenizer: Any) -> Gemma3Images | None:
@@ -223,22 +181,11 @@ class Gemma3Images:
         Raises:
             ValueError: vision tensors missing from the checkpoint.
         """
-        if getattr(config, "vision_config", None) is None:
+        tokens = ImageTokens.of_config(config, tokenizer)
+        if tokens is None:
             return None
-        tokens = ImageTokens(
-            begin=int(config.boi_token_index),
-            soft=int(config.image_token_index),
-            end=int(config.eoi_token_index),
-            newlines=tuple(tokenizer.encode("\n\n", add_special_tokens=False)),
-            per_image=int(config.mm_tokens_per_image),
-        )
         preprocessing = ImagePreprocessing.of_model(model_dir, int(config.vision_config.image_size))
-        begin_text = str(tokenizer.convert_ids_to_tokens(tokens.begin))
-        return cls(Gemma3VisionEncoder.load(model_dir, config), tokens, preprocessing, begin_text)
-
-    def template_content(self, content: str, marker: str) -> str:
-        """A message's text with each image marker as the begin-of-image token's text."""
-        return content.replace(marker, self.begin_text)
+        return cls(Gemma3VisionEncoder.load(model_dir, config), tokens, preprocessing)
 
     def prompt_images(
         self, token_ids: Sequence[int], images: Sequence[tuple[bytes, str]]

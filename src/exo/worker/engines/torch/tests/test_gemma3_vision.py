@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 
+from exo.chat_protocol.image_tokens import ImageTokens
 from exo.shared.models.cards import card_from_local_directory
 from exo.shared.models.memory import kv_geometry_of_config
 from exo.shared.types.common import ModelId
@@ -42,11 +43,7 @@ from exo.worker.engines.torch.decoding.stop_sequences import StopSequenceMatcher
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.model.direct_forward import enable_lean_forward
 from exo.worker.engines.torch.model.families import family_by_name
-from exo.worker.engines.torch.model.gemma3_vision import (
-    Gemma3VisionEncoder,
-    ImagePreprocessing,
-    ImageTokens,
-)
+from exo.worker.engines.torch.model.gemma3_vision import Gemma3VisionEncoder, ImagePreprocessing
 
 TOLERANCE = 1e-4  # float32 logits, as the other families' lean-forward tests
 VOCAB = 300
@@ -131,7 +128,7 @@ def _prompt(
 ) -> tuple[list[int], tuple[PromptImage, ...], torch.Tensor]:
     """Text, image, text, image, text: (expanded ids, images, pixel values [n, 3, 32, 32])."""
     text = [2, 10, 11, 12, BEGIN, 13, 14, 15, 16, 17, BEGIN, 18, 19, 20]
-    tokens = ImageTokens(BEGIN, SOFT, END, NEWLINES, 4)
+    tokens = ImageTokens(BEGIN, SOFT, END, NEWLINES, 4, "<start_of_image>")
     ids, starts = tokens.expand(text, len(pictures))
     preprocessing = ImagePreprocessing(32, 32)
     pixels = torch.stack([preprocessing.pixel_values(picture) for picture in pictures])
