@@ -232,7 +232,7 @@ class TorchEngine:
         if vision and not split and type(parts.model).__name__ == "Gemma3ForCausalLM":
             # A Gemma3ForConditionalGeneration checkpoint's tower (None for text-only ones).
             engine.images = Gemma3Images.of_model(
-                model_dir, model_config(model_dir), parts.tokenizer
+                model_dir, model_config(model_dir), parts.tokenizer, parts.device
             )
         logger.info(
             "{}loaded {} ({} weights) in {:.1f} s",

@@ -174,9 +174,11 @@ class Gemma3Images:
         self.preprocessing = preprocessing
 
     @classmethod
-    def of_model(cls, model_dir: Path, config: Any, tokenizer: Any) -> Gemma3Images | None:
-        """The image input of a `Gemma3ForConditionalGeneration` checkpoint (None: a
-        text-only config, without `vision_config`).
+    def of_model(
+        cls, model_dir: Path, config: Any, tokenizer: Any, device: torch.device | None = None
+    ) -> Gemma3Images | None:
+        """The image input of a `Gemma3ForConditionalGeneration` checkpoint, its tower on
+        `device` (default CPU); None for a text-only config (no `vision_config`).
 
         Raises:
             ValueError: vision tensors missing from the checkpoint.
@@ -185,7 +187,8 @@ class Gemma3Images:
         if tokens is None:
             return None
         preprocessing = ImagePreprocessing.of_model(model_dir, int(config.vision_config.image_size))
-        return cls(Gemma3VisionEncoder.load(model_dir, config), tokens, preprocessing)
+        encoder = Gemma3VisionEncoder.load(model_dir, config).to(device or torch.device("cpu"))
+        return cls(encoder, tokens, preprocessing)
 
     def prompt_images(
         self, token_ids: Sequence[int], images: Sequence[tuple[bytes, str]]
@@ -211,7 +214,8 @@ class Gemma3Images:
         if not images:
             return ()
         pixels = torch.stack([self.preprocessing.pixel_values(data) for data, _ in images])
-        embeddings = self.encoder(pixels)  # [n, per_image, hidden]
+        device = next(self.encoder.parameters()).device  # the engine's (`Gemma3Images.of_model`)
+        embeddings = self.encoder(pixels.to(device))  # [n, per_image, hidden]
         return tuple(
             PromptImage(start, rows, sha256)
             for start, rows, (_, sha256) in zip(starts, embeddings, images, strict=True)
