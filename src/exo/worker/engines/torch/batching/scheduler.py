@@ -437,8 +437,6 @@ class BatchScheduler:
                 length = min(room, len(running.tokens) - running.computed)
                 # Never end a chunk inside an image (its tokens attend both ways).
                 length = align_chunk(running.computed, length, running.state.images)
-                if length <= 0:
-                    break
                 prefill.append((running, length))
                 room -= length
             added = {id(running): 1 for running in decoding}
