@@ -10,6 +10,7 @@ that format's text.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -28,6 +29,7 @@ from exo.chat_protocol.format_detection import (
     template_tool_call_format,
 )
 from exo.chat_protocol.harmony import harmony_conversation
+from exo.chat_protocol.image_tokens import ImageTokens
 from exo.chat_protocol.output_parsing import THINK_OPEN
 from exo.chat_protocol.tool_call_markup import HERMES_CLOSE, HERMES_OPEN
 from exo.chat_protocol.tool_call_parsing import ToolCallFormat
@@ -78,7 +80,9 @@ class RenderedPrompt:
     tools_in_template: bool
 
 
-def render_prompt(tokenizer: Any, params: TextGenerationTaskParams) -> RenderedPrompt:
+def render_prompt(
+    tokenizer: Any, params: TextGenerationTaskParams, image_tokens: ImageTokens | None = None
+) -> RenderedPrompt:
     """Render `params`' conversation (with its offered tools) ending in the assistant's turn,
     or tokenize its raw prompt as it is (`raw_prompt`).
 
@@ -88,6 +92,9 @@ def render_prompt(tokenizer: Any, params: TextGenerationTaskParams) -> RenderedP
             reach the template (the latter two only when set). A system message after the
             first turn is rendered at its place, or folded into the leading system message
             when the template rejects or drops it there (`fold_system_messages`).
+        image_tokens: a vision model's image tokens: each message's `IMAGE_MARKER` becomes
+            the template's image part, then the image's whole token sequence (the text
+            keeps the template's part). None: markers are text (a model without them).
 
     Returns:
         The prompt's text and token ids, and how to parse the model's output.
@@ -99,6 +106,12 @@ def render_prompt(tokenizer: Any, params: TextGenerationTaskParams) -> RenderedP
     """
     if params.prompt is not None:
         return raw_prompt(tokenizer, params.prompt)
+    images = sum(len(message.images) for message in params.messages)
+    if images and image_tokens is not None:
+        messages = image_tokens.template_messages(params.messages)
+        rendered = render_prompt(tokenizer, params.model_copy(update={"messages": messages}))
+        token_ids, _ = image_tokens.expand(rendered.token_ids, images)
+        return dataclasses.replace(rendered, token_ids=token_ids)
     later_system = [message for message in params.messages[1:] if message.role == "system"]
     if not later_system:
         return _render_conversation(tokenizer, params, params.messages)

@@ -21,6 +21,7 @@ from exo.api.serving.model_lookup import card_of, known_model_ids
 from exo.api.serving.request_checks import check_chat_template, check_serializable
 from exo.api.wire.errors import InvalidRequestError, ModelNotFoundError, NoCapacityError
 from exo.chat_protocol import tokenizer_loading
+from exo.chat_protocol.image_tokens import ImageTokens
 from exo.chat_protocol.prompt import render_prompt
 from exo.download.locations import ModelLocations, candidates, directory_name
 from exo.download.pypi_gguf import TOKENIZER_FILES, model_directory_name
@@ -147,7 +148,9 @@ async def count_prompt_tokens(
     )
     tokenizer = await tokenizers.get(params.model, directory)
     try:
-        rendered = await anyio.to_thread.run_sync(render_prompt, tokenizer, params)
+        # A vision model's images count as its image tokens (None: no config.json here).
+        image_tokens = ImageTokens.of_model(directory, tokenizer)
+        rendered = await anyio.to_thread.run_sync(render_prompt, tokenizer, params, image_tokens)
     except ValueError as error:
         raise InvalidRequestError(str(error), param="messages") from None
     return len(rendered.token_ids)

@@ -34,13 +34,18 @@ from exo.shared.types.chunks import TokenLogprob
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata
-from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+from exo.shared.types.text_generation import (
+    ChatMessage,
+    ImageInput,
+    TextGenerationTaskParams,
+)
 from exo.worker.engines.torch.batching.batch_attention import (
     attention_layers,
     use_batched_attention,
 )
 from exo.worker.engines.torch.batching.kv_memory import kv_cache_torch_dtype
 from exo.worker.engines.torch.batching.prefix_cache import PrefixCache
+from exo.worker.engines.torch.batching.prompt_images import PromptImage
 from exo.worker.engines.torch.batching.request_state import (
     GeneratedPiece,
     RequestState,
@@ -60,9 +65,11 @@ from exo.worker.engines.torch.decoding.token_choice import token_chooser_for, to
 from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary
 from exo.worker.engines.torch.embedding.decoder import DecoderEmbeddingBackend
 from exo.worker.engines.torch.model.families import family_for_architecture
+from exo.worker.engines.torch.model.gemma3_vision import Gemma3Images
 from exo.worker.engines.torch.model.loading import (
     LayerProgressCallback,
     load_parts,
+    model_config,
 )
 from exo.worker.engines.torch.parallel.rank_group import RankGroup, check_process_group
 from exo.worker.engines.torch.quant.quantize import WeightDtype
@@ -162,6 +169,8 @@ class TorchEngine:
         self._embedding_backend: DecoderEmbeddingBackend | None = None
         # Set by `load` for a model directory the tests marked (`testing_seam`), else None.
         self.testing_seam: TestingSeam | None = None
+        # Set by `load` for a single-rank vision model (Gemma 3 4B+), else None.
+        self.images: Gemma3Images | None = None
 
     @classmethod
     def load(
@@ -221,6 +230,12 @@ class TorchEngine:
                 parts.model, parts.device, engine.vocab_size, shard, engine.kv_dtype
             )
         engine.testing_seam = load_testing_seam(model_dir)
+        vision = "vision" in shard.model_card.capabilities
+        if vision and not split and type(parts.model).__name__ == "Gemma3ForCausalLM":
+            # A Gemma3ForConditionalGeneration checkpoint's tower (None for text-only ones).
+            engine.images = Gemma3Images.of_model(
+                model_dir, model_config(model_dir), parts.tokenizer, parts.device
+            )
         logger.info(
             "{}loaded {} ({} weights) in {:.1f} s",
             f"rank {shard.device_rank}/{shard.world_size} " if split else "",
@@ -290,7 +305,15 @@ class TorchEngine:
                 model), the template refuses the conversation (e.g. roles that do not
                 alternate), or an empty raw prompt for a model without a BOS token.
         """
-        return render_prompt(self.tokenizer, params)
+        images = _request_images(params)
+        if not images:
+            return render_prompt(self.tokenizer, params)
+        if self.images is None:
+            raise ValueError(
+                f"{self.card.model_id} takes no images on this instance (vision towers run "
+                "on single-rank instances of vision models only)"
+            )
+        return render_prompt(self.tokenizer, params, self.images.tokens)
 
     def encode_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
         """Token ids of a plain chat-templated conversation (no tools), ending with the
@@ -405,6 +428,13 @@ class TorchEngine:
                 tools; a logit bias outside the vocabulary.
         """
         prompt_ids, max_new_tokens = self._prompt_and_budget(params, prompt)
+        images = _request_images(params)
+        prompt_images: tuple[PromptImage, ...] = ()
+        if images:  # the tower runs here, once per image, before the prompt's prefill
+            if self.images is None:
+                raise ValueError(f"{self.card.model_id} takes no images on this instance")
+            pairs = [(image.data, image.sha256) for image in images]
+            prompt_images = self.images.prompt_images(prompt_ids, pairs)
         if sampling is None:
             sampling = resolve_sampling_params(params, self.card.sampling_defaults)
         return RequestState(
@@ -417,6 +447,7 @@ class TorchEngine:
             stop_matcher=StopSequenceMatcher(params.stop),
             eos_token_ids=self.eos_token_ids,
             logprob_of=self.token_logprob,
+            images=prompt_images,
         )
 
     # -- the stepping contract ----------------------------------------------------------
@@ -571,3 +602,8 @@ class TorchEngine:
             if not finished:
                 self.cancel(handle.request_id)
             self.store_finished()
+
+
+def _request_images(params: TextGenerationTaskParams) -> list[ImageInput]:
+    """The request's images in prompt order (each message's, message by message)."""
+    return [image for message in params.messages for image in message.images]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -60,12 +60,15 @@ SINK_SCORE_ELEMENTS = 1 << 24
 @dataclass(frozen=True, slots=True)
 class PrefillSegment:
     """A chunk of one request's prompt in the flattened step: rows `offset .. offset + n`
-    go to positions `start .. start + n` of `slot`."""
+    go to positions `start .. start + n` of `slot`. `image_blocks`: the `(first, end)`
+    position spans of the images the chunk overlaps, whose tokens attend to each other in
+    both directions (`prompt_images`)."""
 
     slot: int
     start: int
     offset: int
     length: int
+    image_blocks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -89,6 +92,9 @@ class BatchPlan:
     masks: dict[int | None, torch.Tensor | None] | None = None
     max_len: int = 0  # keys the decode rows attend over (the longest decoding slot's)
     all_slots_decode: bool = False
+    # (row, [n, hidden] float32): embeddings that replace those of rows row .. row + n - 1
+    # (an image's projected vision features; read by the first rank's embedding step).
+    row_embeddings: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     def prepare(self, device: torch.device) -> None:
         """Index tensors and the decode masks, once per step (shared by every layer); the
@@ -238,6 +244,13 @@ def attend(
         slot_keys = keys[segment.slot : segment.slot + 1]
         slot_values = values[segment.slot : segment.slot + 1]
         start = segment.start
+        if segment.image_blocks:
+            attended = image_prefill_attention(
+                query[:, :, rows], slot_keys[:, :, :end], slot_values[:, :, :end], start,
+                window, scaling, segment.image_blocks, sinks,
+            )  # fmt: skip
+            output[0, rows] = attended[0].transpose(0, 1)
+            continue
         if slot_keys.dtype != query.dtype and (prefill_dtype is None or sinks is not None):
             # A bfloat16 cache: the positions this chunk sees, widened to the queries' dtype.
             first = 0 if window is None else max(0, start - window + 1)
@@ -304,6 +317,54 @@ def sink_attention(
     weights = weights.div_(denominator).to(value.dtype)
     out = torch.matmul(weights.view(batch, kv_heads, group * count, length), value)
     return out.view(batch, heads, count, dim)
+
+
+def image_prefill_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    window: int | None,
+    scaling: float | None,
+    blocks: tuple[tuple[int, int], ...],
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A prompt chunk holding image tokens: causal attention, except that the positions of
+    one image block see each other both ways, then cut to the sliding window where the
+    layer has one (transformers' Gemma 3 masks: full layers `causal OR block`, sliding
+    layers `window AND (causal OR block)`). One explicit boolean mask `[n, start + n]` and
+    one SDPA call in the queries' dtype: image chunks are short next to long text prompts.
+
+    Args:
+        queries: `[1, heads, n, dim]`, positions `start .. start + n - 1`.
+        keys / values: `[1, kv_heads, start + n, dim]`, the slot's positions up to the
+            chunk's end (widened to the queries' dtype here when the cache is narrower).
+        blocks: `(first, end)` position spans of the image blocks the chunk overlaps.
+
+    Raises:
+        ValueError: attention sinks (no family with image blocks has them).
+
+    Returns:
+        `[1, heads, n, dim]`.
+    """
+    if sinks is not None:
+        raise ValueError("image blocks with attention sinks are not supported")
+    count = queries.shape[2]
+    device = queries.device
+    query_positions = torch.arange(start, start + count, device=device)[:, None]
+    key_positions = torch.arange(0, start + count, device=device)[None, :]
+    visible = key_positions <= query_positions
+    for first, end in blocks:
+        visible |= (
+            (query_positions >= first) & (query_positions < end)
+            & (key_positions >= first) & (key_positions < end)
+        )  # fmt: skip
+    if window is not None:
+        visible &= key_positions > query_positions - window
+    keys, values = keys.to(queries.dtype), values.to(queries.dtype)
+    return F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=visible, scale=scaling, enable_gqa=True
+    )
 
 
 def prefill_attention(
@@ -602,6 +663,8 @@ def forward_batch(
         logits = lean(plan, input_ids[0], None, position_ids[0], logit_rows)
         commit_lengths(plan)
         return logits
+    if plan.row_embeddings or any(segment.image_blocks for segment in plan.prefill):
+        raise RuntimeError("image tokens need the direct forward (transformers' forward is on)")
     _active_plan = plan
     try:
         output = model(

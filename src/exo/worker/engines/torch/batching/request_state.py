@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from exo.shared.types.chunks import FinishReason, TokenLogprob, Usage
+from exo.worker.engines.torch.batching.prompt_images import PromptImage
 from exo.worker.engines.torch.decoding.detokenizer import (
     StreamingDetokenizer,
     without_incomplete_end,
@@ -71,6 +72,8 @@ class RequestState:
         prefilled_tokens: prompt tokens whose KV is computed or being computed (the cached
             ones included); None until the request is first admitted to the batch.
         finished: the final piece was produced.
+        images: the prompt's images (`prompt_images`), in prompt order; their tokens count
+            among `prompt_ids` (and so in usage).
     """
 
     request_id: str
@@ -86,6 +89,7 @@ class RequestState:
     cached_tokens: int = 0
     prefilled_tokens: int | None = None
     finished: bool = False
+    images: tuple[PromptImage, ...] = ()
     _pending_ids: list[int] = field(default_factory=list)
     _pending_logprobs: list[TokenLogprob] = field(default_factory=list)
 

@@ -60,6 +60,11 @@ from exo.worker.engines.torch.batching.chunk_sizer import (
 )
 from exo.worker.engines.torch.batching.kv_footprint import KVFootprint, first_hit_length
 from exo.worker.engines.torch.batching.prefix_cache import PrefixCache
+from exo.worker.engines.torch.batching.prompt_images import (
+    align_chunk,
+    cache_key_tokens,
+    segment_images,
+)
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.decoding.sampling import SampledToken
@@ -258,7 +263,8 @@ class BatchScheduler:
             first_hit = first_hit_length(
                 reached, self._prefix_windows, cache.trim_slack, cache.trim_chunk
             )
-            self.prefix_cache.insert(running.tokens[: running.computed], kv, reached, first_hit)
+            keyed = cache_key_tokens(running.tokens[: running.computed], running.state.images)
+            self.prefix_cache.insert(keyed, kv, reached, first_hit)
             self._free(running)
         return stored
 
@@ -304,9 +310,12 @@ class BatchScheduler:
             positions.append(running.computed)
             sampled.append(running)
         segments: list[PrefillSegment] = []
+        row_embeddings: list[tuple[int, torch.Tensor]] = []
         for running, length in prefill:
             start = running.computed
-            segments.append(PrefillSegment(running.slot, start, len(input_ids), length))
+            blocks, rows = segment_images(start, length, running.state.images)
+            row_embeddings += [(len(input_ids) + row, embeddings) for row, embeddings in rows]
+            segments.append(PrefillSegment(running.slot, start, len(input_ids), length, blocks))
             input_ids.extend(running.tokens[start : start + length])
             positions.extend(range(start, start + length))
             if start + length == len(running.tokens):
@@ -322,6 +331,7 @@ class BatchScheduler:
             decode_positions=[running.computed for running in decoding],
             prefill=segments,
             layer_of=self._layer_of,
+            row_embeddings=row_embeddings,
         )
         device = self._device
         arguments = (
@@ -425,6 +435,8 @@ class BatchScheduler:
                 if room <= 0:
                     break
                 length = min(room, len(running.tokens) - running.computed)
+                # Never end a chunk inside an image (its tokens attend both ways).
+                length = align_chunk(running.computed, length, running.state.images)
                 prefill.append((running, length))
                 room -= length
             added = {id(running): 1 for running in decoding}
@@ -466,7 +478,8 @@ class BatchScheduler:
             tokens = state.known_tokens
             match = None
             if self.prefix_cache is not None:  # first: a hit is then the last one evicted
-                match = self.prefix_cache.lookup(tokens, limit=len(tokens) - 1)
+                keyed = cache_key_tokens(tokens, state.images)  # images by their bytes
+                match = self.prefix_cache.lookup(keyed, limit=len(tokens) - 1)
             # Room for its known tokens and one more beside what runs now.
             if not self._make_room(self.kv_tokens() + self.footprint.tokens(len(tokens) + 1)):
                 return

@@ -5,8 +5,10 @@ with a `DecoderLayout`, with no transformers Python per token.
 `LeanModel` attached to a model (`enable_lean_forward`, done at load) instead of the
 transformers model. One step, over the plan's flattened rows `[T]`:
 
-1. embed (the model's embedding module, which carries Gemma's `sqrt(hidden)` scale), or take
-   the previous pipeline rank's hidden states;
+1. embed (the model's embedding module, which carries Gemma's `sqrt(hidden)` scale), the
+   plan's `row_embeddings` (an image's projected vision features, unscaled as transformers'
+   Gemma 3 merges them) replacing their rows; or take the previous pipeline rank's hidden
+   states;
 2. rotary cos/sin once per step (the model's rotary module, once per rope kind; Gemma 3
    has a local one for sliding layers), as whole-head tables (`direct_forward_parts.rotary_tables`);
 3. per decoder layer: RMSNorm (one `F.rms_norm` call, or exo's one-pass kernel where its
@@ -186,6 +188,8 @@ class LeanModel:
             if self._embedding is None:
                 raise RuntimeError("the token embedding is not on this pipeline rank")
             x = self._embedding(input_ids).float()
+            for row, embeddings in plan.row_embeddings:  # image tokens: vision features
+                x[row : row + embeddings.shape[0]] = embeddings
         else:
             assert hidden is not None
             x = hidden.float().clone()

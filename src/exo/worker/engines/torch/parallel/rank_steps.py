@@ -323,9 +323,10 @@ class StepHeader:
         (decoding,) = take(1)
         slots, positions = tuple(take(decoding)), tuple(take(decoding))
         (segment_count,) = take(1)
-        flat_segments = take(4 * segment_count)
+        flat = take(4 * segment_count)  # slot, start, offset, length of each segment
         segments = tuple(
-            PrefillSegment(*flat_segments[i : i + 4]) for i in range(0, len(flat_segments), 4)
+            PrefillSegment(flat[i], flat[i + 1], flat[i + 2], flat[i + 3])
+            for i in range(0, len(flat), 4)
         )
         (rows,) = take(1)
         input_ids, position_ids = tuple(take(rows)), tuple(take(rows))

@@ -1,0 +1,96 @@
+"""A prompt's images as the batch sees them: where each image's tokens sit in the prompt,
+the embeddings that replace those tokens' own, and the key the prefix cache sees for them.
+
+Gemma 3 (and other vision decoders) lets the tokens of one image attend to each other in
+both directions inside the otherwise causal prompt (transformers' `Gemma3Model`: blocks of
+consecutive image tokens, `token_type_ids == 1`). The scheduler therefore never ends a prompt
+chunk inside an image (`align_chunk`), and each prompt segment carries the blocks it
+overlaps (`PrefillSegment.image_blocks`) for its attention mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PromptImage:
+    """One image of a prompt.
+
+    Attributes:
+        start: prompt position of the image's first token (its first soft token; the
+            begin/end-of-image tokens around it are ordinary text tokens).
+        embeddings: `[length, hidden]` float32, the projected vision features that replace
+            the embeddings of positions `start .. start + length - 1`.
+        sha256: hex digest of the image's file bytes (the prefix cache keys on it).
+    """
+
+    start: int
+    embeddings: torch.Tensor
+    sha256: str
+
+    @property
+    def length(self) -> int:
+        return int(self.embeddings.shape[0])
+
+    @property
+    def end(self) -> int:
+        """One past the image's last position."""
+        return self.start + self.length
+
+    @property
+    def cache_token(self) -> int:
+        """The id the prefix cache sees at each of the image's positions: negative (no
+        vocabulary id is), from the first 60 bits of the image's sha256, so prompts with
+        the same text but different images share KV only up to the first image token."""
+        return -1 - int(self.sha256[:15], 16)
+
+
+def cache_key_tokens(tokens: list[int], images: tuple[PromptImage, ...]) -> list[int]:
+    """`tokens` with each image's positions replaced by its `cache_token` (a copy; `tokens`
+    itself when there are no images)."""
+    if not images:
+        return tokens
+    keyed = list(tokens)
+    for image in images:
+        end = min(image.end, len(keyed))
+        keyed[image.start : end] = [image.cache_token] * max(0, end - image.start)
+    return keyed
+
+
+def align_chunk(start: int, length: int, images: tuple[PromptImage, ...]) -> int:
+    """The length of a prompt chunk from position `start` that ends outside every image:
+    cut before an image the chunk would end inside, or (when the chunk starts at or
+    inside that image) stretched to the image's end, so an image's bidirectional block is
+    always attended to within one chunk (the simplest correct choice; a chunk may then
+    exceed its token budget by up to one image's tokens)."""
+    end = start + length
+    for image in images:
+        if image.start < end < image.end:
+            return image.start - start if image.start > start else image.end - start
+    return length
+
+
+def segment_images(
+    start: int, length: int, images: tuple[PromptImage, ...]
+) -> tuple[tuple[tuple[int, int], ...], list[tuple[int, torch.Tensor]]]:
+    """The images a prompt chunk of positions `start .. start + length - 1` overlaps.
+
+    Returns:
+        `(blocks, rows)`: each overlapped image's whole span `(first, end)` in prompt
+        positions (for the attention mask), and `(chunk row, embeddings [n, hidden])` for
+        the chunk's rows that hold image tokens (a chunk starting inside an image, after a
+        prefix-cache hit, takes the image's remaining rows).
+    """
+    blocks: list[tuple[int, int]] = []
+    rows: list[tuple[int, torch.Tensor]] = []
+    end = start + length
+    for image in images:
+        first, last = max(image.start, start), min(image.end, end)
+        if first >= last:
+            continue
+        blocks.append((image.start, image.end))
+        rows.append((first - start, image.embeddings[first - image.start : last - image.start]))
+    return tuple(blocks), rows

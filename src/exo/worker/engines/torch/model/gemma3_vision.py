@@ -1,0 +1,222 @@
+"""Gemma 3's image input (`Gemma3ForConditionalGeneration`, 4B and up): preprocessing, the
+image tokens of a prompt, and the vision tower with its projector, loaded beside the text
+model.
+
+Facts taken from transformers' Gemma 3 processor and model (the code here is exo's own):
+- an image becomes `mm_tokens_per_image` soft tokens: where the prompt has a begin-of-image
+  token the processor writes "\\n\\n" + begin + soft token x N + end-of-image + "\\n\\n"
+  (`Gemma3Processor.full_image_sequence`);
+- pixels: RGB, resized to the image size of `preprocessor_config.json` (896 x 896 on the
+  published checkpoints; bilinear), rescaled by 1/255, normalized by its mean and std (0.5);
+  pan-and-scan (extra crops of wide images) is not done here: one view per image;
+- the SigLIP tower's last hidden state `[n, patches, vision hidden]` is average-pooled to
+  `mm_tokens_per_image` tokens, RMS-normed (`1 + weight`) and projected to the text hidden
+  size (`Gemma3MultiModalProjector`); those rows replace the soft tokens' embeddings,
+  unscaled (the text embeddings carry `sqrt(hidden)`, the image rows do not).
+
+The tower and projector are transformers' modules (`SiglipVisionModel`,
+`Gemma3MultiModalProjector`) filled from the checkpoint's `vision_tower.` and
+`multi_modal_projector.` tensors; they run once per image, on the first rank, before the
+prompt's prefill, in float32.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from safetensors import safe_open
+from torch import nn
+
+from exo.chat_protocol.image_tokens import ImageTokens
+from exo.worker.engines.torch.batching.prompt_images import PromptImage
+
+# Gemma3ImageProcessor's defaults where a checkpoint has no preprocessor_config.json.
+DEFAULT_MEAN = (0.5, 0.5, 0.5)
+DEFAULT_STD = (0.5, 0.5, 0.5)
+DEFAULT_RESCALE = 1 / 255
+_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePreprocessing:
+    """How an image's file bytes become pixel values (`preprocessor_config.json`).
+
+    Attributes:
+        height / width: pixels after resizing.
+        mean / std: per RGB channel, applied after rescaling.
+        rescale: factor from 0..255 to the normalized range's input (1/255).
+        resample: Pillow's resampling filter number (2: bilinear).
+    """
+
+    height: int
+    width: int
+    mean: tuple[float, float, float] = DEFAULT_MEAN
+    std: tuple[float, float, float] = DEFAULT_STD
+    rescale: float = DEFAULT_RESCALE
+    resample: int = 2
+
+    @classmethod
+    def of_model(cls, model_dir: Path, image_size: int) -> ImagePreprocessing:
+        """The checkpoint's preprocessing; `image_size` (the tower's) where its
+        `preprocessor_config.json` is absent or names no size."""
+        path = model_dir / "preprocessor_config.json"
+        settings: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+        size = settings.get("size") or {}
+        return cls(
+            height=int(size.get("height", image_size)),
+            width=int(size.get("width", image_size)),
+            mean=tuple(settings.get("image_mean", DEFAULT_MEAN)),
+            std=tuple(settings.get("image_std", DEFAULT_STD)),
+            rescale=float(settings.get("rescale_factor", DEFAULT_RESCALE)),
+            resample=int(settings.get("resample", 2)),
+        )
+
+    def pixel_values(self, data: bytes) -> torch.Tensor:
+        """One image file's (PNG, JPEG, WebP, GIF: the first frame) pixel values
+        `[3, height, width]` float32.
+
+        Raises:
+            ValueError: bytes Pillow cannot decode.
+        """
+        try:
+            with Image.open(io.BytesIO(data)) as opened:
+                image = opened.convert("RGB")
+        except (OSError, Image.DecompressionBombError) as error:
+            raise ValueError(f"undecodable image: {error}") from error
+        image = image.resize((self.width, self.height), Image.Resampling(self.resample))
+        pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+        values = pixels.view(self.height, self.width, 3).permute(2, 0, 1).float()
+        mean = torch.tensor(self.mean).view(3, 1, 1)
+        std = torch.tensor(self.std).view(3, 1, 1)
+        return (values * self.rescale - mean) / std
+
+
+class Gemma3VisionEncoder(nn.Module):
+    """The SigLIP tower and the multimodal projector: pixel values to the rows that replace
+    an image's soft tokens.
+
+    Args:
+        config: the checkpoint's `Gemma3Config`.
+        vision_tower / projector: transformers' modules (weights loaded or random).
+    """
+
+    def __init__(self, config: Any, vision_tower: nn.Module, projector: nn.Module) -> None:
+        super().__init__()
+        self.config = config
+        self.vision_tower = vision_tower
+        self.multi_modal_projector = projector
+
+    @classmethod
+    def from_config(cls, config: Any) -> Gemma3VisionEncoder:
+        """Random-weight modules of `config`'s shapes (float32, eval mode)."""
+        from transformers import AutoModel
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+        tower = AutoModel.from_config(config.vision_config)
+        return cls(config, tower, Gemma3MultiModalProjector(config)).float().eval()
+
+    @classmethod
+    def load(cls, model_dir: Path, config: Any) -> Gemma3VisionEncoder:
+        """The tower and projector of the checkpoint in `model_dir`, float32 (the published
+        bfloat16 weights widened: the tower is ~0.4B parameters, run once per image).
+
+        Raises:
+            ValueError: a tensor of the tower or projector missing from the checkpoint.
+        """
+        encoder = cls.from_config(config)
+        expected = set(encoder.state_dict())
+        found: dict[str, torch.Tensor] = {}
+        for path in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    # Published `vision_tower.…`; recent transformers save `model.vision_tower.…`.
+                    local = name.removeprefix("model.")
+                    if local.startswith(_PREFIXES) and local in expected:
+                        found[local] = handle.get_tensor(name).float()
+        missing = sorted(expected - set(found))
+        if missing:
+            raise ValueError(f"{model_dir}: vision tensors missing, e.g. {missing[0]}")
+        encoder.load_state_dict(found)
+        return encoder
+
+    @torch.inference_mode()
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """`pixel_values` `[n, 3, height, width]` → `[n, mm_tokens_per_image, text hidden]`
+        float32."""
+        states = self.vision_tower(pixel_values=pixel_values.float()).last_hidden_state
+        return self.multi_modal_projector(states).float()
+
+
+class Gemma3Images:
+    """A loaded Gemma 3 model's image input, for the engine's prompt rendering and requests.
+
+    Args:
+        encoder: the vision tower and projector.
+        tokens: the image token ids.
+        preprocessing: pixel preparation.
+    """
+
+    def __init__(
+        self,
+        encoder: Gemma3VisionEncoder,
+        tokens: ImageTokens,
+        preprocessing: ImagePreprocessing,
+    ) -> None:
+        self.encoder = encoder
+        self.tokens = tokens
+        self.preprocessing = preprocessing
+
+    @classmethod
+    def of_model(
+        cls, model_dir: Path, config: Any, tokenizer: Any, device: torch.device | None = None
+    ) -> Gemma3Images | None:
+        """The image input of a `Gemma3ForConditionalGeneration` checkpoint, its tower on
+        `device` (default CPU); None for a text-only config (no `vision_config`).
+
+        Raises:
+            ValueError: vision tensors missing from the checkpoint.
+        """
+        tokens = ImageTokens.of_config(config, tokenizer)
+        if tokens is None:
+            return None
+        preprocessing = ImagePreprocessing.of_model(model_dir, int(config.vision_config.image_size))
+        encoder = Gemma3VisionEncoder.load(model_dir, config).to(device or torch.device("cpu"))
+        return cls(encoder, tokens, preprocessing)
+
+    def prompt_images(
+        self, token_ids: Sequence[int], images: Sequence[tuple[bytes, str]]
+    ) -> tuple[PromptImage, ...]:
+        """Run the tower once per image of an expanded prompt.
+
+        Args:
+            token_ids: the prompt with its images expanded (`ImageTokens.expand`).
+            images: each image's `(file bytes, sha256 hex)`, in prompt order.
+
+        Raises:
+            ValueError: an undecodable image; image sequences not `len(images)` in number.
+        """
+        starts = [
+            index
+            for index in range(1, len(token_ids))
+            if token_ids[index] == self.tokens.soft and token_ids[index - 1] == self.tokens.begin
+        ]
+        if len(starts) != len(images):
+            raise ValueError(
+                f"the prompt places {len(starts)} images, the request has {len(images)}"
+            )
+        if not images:
+            return ()
+        pixels = torch.stack([self.preprocessing.pixel_values(data) for data, _ in images])
+        device = next(self.encoder.parameters()).device  # the engine's (`Gemma3Images.of_model`)
+        embeddings = self.encoder(pixels.to(device))  # [n, per_image, hidden]
+        return tuple(
+            PromptImage(start, rows, sha256)
+            for start, rows, (_, sha256) in zip(starts, embeddings, images, strict=True)
+        )
