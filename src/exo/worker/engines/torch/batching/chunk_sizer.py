@@ -12,7 +12,7 @@ time with its decode rows and prompt tokens (`observe`); the sizer models a step
 and `chunk` returns the most prompt tokens whose predicted step time stays within
 `gap_ratio` times a decode-only step with as many decode rows:
 
-    chunk = floor((gap_ratio - 1) * decode_seconds(D) - fixed_seconds) / token_seconds)
+    chunk = floor(((gap_ratio - 1) * decode_seconds(D) - fixed_seconds) / token_seconds)
 
 at least one token (a prompt beside streams always advances), at most `maximum`, and at most
 double the previous chunk. This is the rule that brings the joining prompt's TTFT as close
@@ -25,10 +25,12 @@ are the intercept and slope of a least-squares line through the last `COST_WINDO
 steps' (prompt tokens, time beyond the decode-only time): a chunk step has costs that do
 not grow with its chunk (the chunk's attention setup per layer), and the per-token cost
 rises with the prompt's position (its attention over the prompt so far), which a recent
-window follows. Charging every second of a chunk step to its tokens (the rule before this
-one: an average cost per token) let a fixed part shrink the chunk, which raised the
-average again, down to one token a step. Where the window's chunks are all one size (no
-slope to fit) the time is charged to the tokens, as before. Until both costs are measured
+window follows. The rule before this one charged every second of a chunk step to its
+tokens (an averaged cost per token). It settles on the same chunk where costs are linear,
+but only after a series of steps that each over- or undershoot, through the average's lag.
+The fitted line predicts it from two chunk sizes. Where the window's chunks are all one
+size (no slope to fit), or the fit has a negative intercept (costs not linear in the
+chunk), the time is charged to the tokens, as before. Until both costs are measured
 the chunk is `initial`; where no decode-only step has been measured yet (a prompt arrived
 as the first stream began), the first call returns 0: one step without prompt tokens, to
 measure the decode rows alone. This is Sarathi-Serve's token budget per step (Agrawal et al.
