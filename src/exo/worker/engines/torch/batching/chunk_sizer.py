@@ -4,26 +4,43 @@ A step that carries a prompt chunk beside the decode rows delays every running s
 token by the chunk's cost. A fixed chunk (8 tokens, chosen once) was right for one machine
 and one kernel set; when decode steps got faster the same chunk tripled the running streams'
 gaps, and on a fast machine it prefills a long prompt needlessly slowly. So the chunk is
-sized from what steps cost here and now: the scheduler reports each step's forward-pass
-time with its decode rows and prompt tokens (`observe`), and `chunk` returns the most
-prompt tokens whose predicted step time stays within `gap_ratio` times a decode-only step
-with as many decode rows:
+sized from what steps cost here and now. The scheduler reports each step's forward-pass
+time with its decode rows and prompt tokens (`observe`); the sizer models a step's time as
 
-    decode_seconds(D) + chunk * token_seconds <= gap_ratio * decode_seconds(D)
+    step_seconds(D, chunk) = decode_seconds(D) + fixed_seconds + chunk * token_seconds
+
+and `chunk` returns the most prompt tokens whose predicted step time stays within
+`gap_ratio` times a decode-only step with as many decode rows:
+
+    chunk = floor(((gap_ratio - 1) * decode_seconds(D) - fixed_seconds) / token_seconds)
+
+at least one token (a prompt beside streams always advances), at most `maximum`, and at most
+double the previous chunk. This is the rule that brings the joining prompt's TTFT as close
+to its alone TTFT as the gap target allows: a step's time grows with its chunk, so the
+largest chunk within the gap bound prefills the prompt in the fewest steps of bounded gap.
 
 `decode_seconds(D)` is an exponential moving average of decode-only steps with D decode
-rows (the nearest measured D where this one has none); `token_seconds` one of a chunk
-step's time beyond the decode-only time, per prompt token. The per-token cost falls as
-chunks grow (fewer, larger matrix products) and rises with the prompt's position (its
-attention), so the size follows the measurements: it may at most double from one step to
-the next, and until both costs are measured it is `initial`. Where no decode-only step has
-been measured yet (a prompt arrived as the first stream began), the first call returns 0:
-one step without prompt tokens, to measure the decode rows alone. This is Sarathi-Serve's token
-budget per step (Agrawal et al. 2024), set from a latency target instead of a constant.
+rows (the nearest measured D where this one has none). `fixed_seconds` and `token_seconds`
+are the intercept and slope of a least-squares line through the last `COST_WINDOW` chunk
+steps' (prompt tokens, time beyond the decode-only time): a chunk step has costs that do
+not grow with its chunk (the chunk's attention setup per layer), and the per-token cost
+rises with the prompt's position (its attention over the prompt so far), which a recent
+window follows. The rule before this one charged every second of a chunk step to its
+tokens (an averaged cost per token). It settles on the same chunk where costs are linear,
+but only after a series of steps that each over- or undershoot, through the average's lag.
+The fitted line predicts it from two chunk sizes. Where the window's chunks are all one
+size (no slope to fit), or the fit has a negative intercept (costs not linear in the
+chunk), the time is charged to the tokens, as before. Until both costs are measured
+the chunk is `initial`; where no decode-only step has been measured yet (a prompt arrived
+as the first stream began), the first call returns 0: one step without prompt tokens, to
+measure the decode rows alone. This is Sarathi-Serve's token budget per step (Agrawal et al.
+2024), set from a latency target instead of a constant; figures:
+docs/benchmarks/2026-12-05-mixed-steps.md.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 # The running streams' gap target while a prompt is prefilled beside them is 3x their idle
@@ -32,8 +49,11 @@ from dataclasses import dataclass, field
 DEFAULT_GAP_RATIO = 2.5
 # The chunk before any step has been measured (the old fixed chunk).
 DEFAULT_INITIAL_CHUNK = 8
-# Weight of the newest measurement in the moving averages.
+# Weight of the newest measurement in the decode-only moving averages.
 SMOOTHING = 0.25
+# Chunk steps the fixed and per-token costs are fitted over (recent ones: the per-token
+# cost grows with the prompt's position).
+COST_WINDOW = 12
 
 
 @dataclass(slots=True)
@@ -50,7 +70,10 @@ class PrefillChunkSizer:
     gap_ratio: float = DEFAULT_GAP_RATIO
     initial: int = DEFAULT_INITIAL_CHUNK
     _decode_seconds: dict[int, float] = field(default_factory=dict)
-    _token_seconds: float | None = None
+    # (prompt tokens, seconds beyond the decode-only step) of recent chunk steps.
+    _chunk_steps: deque[tuple[int, float]] = field(
+        default_factory=lambda: deque(maxlen=COST_WINDOW)
+    )
     _last_chunk: int = 0
     _probed: bool = False
 
@@ -82,13 +105,28 @@ class PrefillChunkSizer:
         base = self.decode_seconds(decode_rows)
         if base is None:
             return
-        per_token = max(seconds - base, 0.0) / prompt_tokens
-        previous_token = self._token_seconds
-        self._token_seconds = (
-            per_token
-            if previous_token is None
-            else previous_token + SMOOTHING * (per_token - previous_token)
-        )
+        self._chunk_steps.append((prompt_tokens, max(seconds - base, 0.0)))
+
+    def costs(self) -> tuple[float, float] | None:
+        """`(fixed_seconds, token_seconds)` of a chunk step beyond its decode rows, fitted
+        over the recent chunk steps (see the module docstring); None before any."""
+        steps = self._chunk_steps
+        if not steps:
+            return None
+        count = len(steps)
+        mean_tokens = sum(tokens for tokens, _ in steps) / count
+        mean_seconds = sum(seconds for _, seconds in steps) / count
+        spread = sum((tokens - mean_tokens) ** 2 for tokens, _ in steps)
+        if spread > 0.0:
+            slope = (
+                sum((tokens - mean_tokens) * (seconds - mean_seconds) for tokens, seconds in steps)
+                / spread
+            )
+            fixed = mean_seconds - slope * mean_tokens
+            if slope > 0.0 and fixed >= 0.0:
+                return fixed, slope
+        # One chunk size, or a fit outside the model (noise): every second to the tokens.
+        return 0.0, mean_seconds / mean_tokens
 
     def chunk(self, decode_rows: int) -> int:
         """Prompt tokens for the next step beside `decode_rows` decode rows (1..maximum), or
@@ -97,13 +135,15 @@ class PrefillChunkSizer:
         if base is None and decode_rows > 0 and not self._probed:
             self._probed = True
             return 0
-        if base is None or self._token_seconds is None:
+        costs = self.costs()
+        if base is None or costs is None:
             size = self.initial
-        elif self._token_seconds <= 0.0:
+        elif costs[1] <= 0.0:
             size = self.maximum
         else:
+            fixed, per_token = costs
             # (the tiny factor keeps a whole quotient whole through float rounding)
-            size = int((self.gap_ratio - 1.0) * base / self._token_seconds * (1.0 + 1e-9))
+            size = int(((self.gap_ratio - 1.0) * base - fixed) / per_token * (1.0 + 1e-9))
         if self._last_chunk:
             size = min(size, 2 * self._last_chunk)
         size = max(1, min(size, self.maximum))

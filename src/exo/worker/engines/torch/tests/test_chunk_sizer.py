@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from exo.worker.engines.torch.batching.chunk_sizer import PrefillChunkSizer
+from exo.worker.engines.torch.batching.chunk_sizer import COST_WINDOW, PrefillChunkSizer
 
 
 def test_one_step_without_prompt_tokens_measures_the_decode_rows_alone() -> None:
@@ -75,3 +75,39 @@ def test_bad_settings_are_refused() -> None:
         PrefillChunkSizer(maximum=8, gap_ratio=1.0)
     with pytest.raises(ValueError, match="at least one token"):
         PrefillChunkSizer(maximum=0)
+
+
+def test_a_fixed_cost_per_chunk_step_is_fitted_apart_from_the_per_token_cost() -> None:
+    # Decode-only steps of 10 ms; a chunk step costs 6 ms more whatever its size, plus 1 ms
+    # per prompt token. At 2.5x the step may take 25 ms: 15 ms beyond decode, 6 of them
+    # fixed, so 9 tokens.
+    sizer = PrefillChunkSizer(maximum=512, gap_ratio=2.5, initial=4)
+    sizer.observe(1, 0, 0.010)
+    assert sizer.chunk(1) == 4
+    sizer.observe(1, 4, 0.010 + 0.006 + 4 * 0.001)
+    # One chunk size so far: no slope to fit, every second charged to the tokens
+    # (2.5 ms a token: 6 tokens).
+    assert sizer.costs() == pytest.approx((0.0, 0.0025))
+    assert sizer.chunk(1) == 6
+    sizer.observe(1, 6, 0.010 + 0.006 + 6 * 0.001)
+    fixed, per_token = sizer.costs() or (0.0, 0.0)
+    assert fixed == pytest.approx(0.006) and per_token == pytest.approx(0.001)
+    assert sizer.chunk(1) == 9
+    sizer.observe(1, 9, 0.010 + 0.006 + 9 * 0.001)
+    assert sizer.chunk(1) == 9
+
+
+def test_the_fit_follows_recent_chunk_steps_and_rejects_a_negative_fixed_cost() -> None:
+    sizer = PrefillChunkSizer(maximum=512, gap_ratio=3.0, initial=8)
+    sizer.observe(1, 0, 0.010)
+    for tokens in (2, 4, 8):  # early in a prompt: 1 ms a token
+        sizer.observe(1, tokens, 0.010 + tokens * 0.001)
+    assert sizer.costs() == pytest.approx((0.0, 0.001))
+    for _ in range(COST_WINDOW):  # later: 2 ms a token, one chunk size
+        sizer.observe(1, 5, 0.010 + 5 * 0.002)
+    assert sizer.costs() == pytest.approx((0.0, 0.002))
+    assert sizer.chunk(1) == 10
+    # Costs falling faster than the tokens (a negative intercept): charged to the tokens.
+    sizer.observe(1, 20, 0.010 + 0.001)
+    fixed, per_token = sizer.costs() or (1.0, 1.0)
+    assert fixed == 0.0 and per_token > 0.0

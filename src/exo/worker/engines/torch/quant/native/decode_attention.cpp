@@ -197,7 +197,10 @@ void attend_chunk(const Chunk& chunk, int64_t start, int64_t window, float* qkv,
 }
 
 // The decode rows (those outside `in_chunk`): one task per (row, query head), a dot product
-// per visible key, a softmax and a weighted sum of the values, in float32.
+// per visible key, a softmax and a weighted sum of the values, in float32. Tasks run head
+// by head (every row's head 0, then head 1, ...), so the threads' contiguous task ranges each
+// hold a share of every row: in row order one long row (a prompt token beside short decode
+// rows) put all its heads on one thread (figures: docs/benchmarks/2026-12-05-mixed-steps.md).
 template <typename T>
 void attend_rows(const float* qkv, int64_t rows, int64_t qkv_width, const T* key_cache,
                  const T* value_cache, int64_t capacity, at::IntArrayRef slots,
@@ -214,7 +217,7 @@ void attend_rows(const float* qkv, int64_t rows, int64_t qkv_width, const T* key
   at::parallel_for(0, rows * heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / heads, h = task % heads;
+      const int64_t h = task / rows, r = task % rows;
       if (in_chunk[r]) continue;
       const int64_t position = positions[r];
       const int64_t first = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
