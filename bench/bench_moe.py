@@ -363,7 +363,10 @@ def bench_model(model: BenchModel, args: argparse.Namespace) -> tuple[dict[str, 
         start_layer=0, end_layer=card.n_layers,
     )  # fmt: skip
     started = time.perf_counter()
-    engine = TorchEngine.load(model_dir, shard, weight_dtype="int4", kv_cache_tokens=CONTEXT_TOKENS)
+    engine = TorchEngine.load(
+        model_dir, shard, weight_dtype="int4", kv_cache_tokens=CONTEXT_TOKENS,
+        prefill_activations=args.prefill_activations,
+    )  # fmt: skip
     engine.warmup()
     print(f"exo loaded in {time.perf_counter() - started:.0f} s", flush=True)
     results = _run_rounds(engine, llama, ModelText.load(model_dir), args)
@@ -397,6 +400,7 @@ def bench_model(model: BenchModel, args: argparse.Namespace) -> tuple[dict[str, 
     gc.collect()
     summary = {
         "model": model.name, "layers": layers, "threads": args.threads,
+        "prefill_activations": args.prefill_activations,
         "decode_tokens": args.decode_tokens, "rounds": args.rounds,
         "bandwidth_bytes_per_s": bandwidths, "exo_bytes_per_token": exo_bytes,
         "gguf_bytes_per_token": gguf_bytes, "llama_cpp_missing": llama_missing or None,
@@ -457,6 +461,13 @@ def main() -> None:
         default=Path.home() / ".cache" / "exo-bench-moe",
         help="where the random GGUFs and their conversions are kept and reused",
     )
+    parser.add_argument(
+        "--prefill-activations",
+        choices=("int16", "int8", "bf16"),
+        default="int16",
+        help="how exo rounds a prompt's activations for its integer products (the node's "
+        "--prefill-activations; int16 is the default, int8 multiplies as llama.cpp does)",
+    )
     parser.add_argument("--json", type=Path,
                         help="also write the figures as JSON to this file")  # fmt: skip
     args = parser.parse_args()
@@ -466,7 +477,10 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
-    print(f"CPUs: {os.cpu_count()}, threads: {args.threads}")
+    print(
+        f"CPUs: {os.cpu_count()}, threads: {args.threads}, "
+        f"exo prefill activations: {args.prefill_activations}"
+    )
     summaries = []
     model_dir: Path | None = None
     for key in args.models:
