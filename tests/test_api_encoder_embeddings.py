@@ -3,7 +3,10 @@ loaded as a user's would be (catalog cards, the real download path with the
 sentence-transformers module folders): a tiny BERT (all-MiniLM-L6-v2's card) through the
 `openai` and `ollama` clients equal to sentence-transformers, a tiny bge cross-encoder
 through `/v1/rerank` equal to the sigmoid of transformers' logit, and Matryoshka `dimensions`
-on a tiny NomicBERT (nomic-embed-text-v1.5's card, 768 wide as its widths need)."""
+on a tiny NomicBERT (nomic-embed-text-v1.5's card, 768 wide as its widths need).
+
+The node starts with the BERT placed (the default run's encoder check, ~40 s contended); the
+slow tests place their model on the same node when they run."""
 
 from __future__ import annotations
 
@@ -39,9 +42,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def node(
-    tmp_path_factory: pytest.TempPathFactory, folders: dict[str, Path]
-) -> Iterator[ExoNode]:
+def node(tmp_path_factory: pytest.TempPathFactory, folders: dict[str, Path]) -> Iterator[ExoNode]:
     home = tmp_path_factory.mktemp("encoder-node")
     with HubServer() as hub:
         for repo_id, folder in folders.items():
@@ -56,16 +57,19 @@ def node(
         exo = ExoNode(home / "node", home / "models", ("--no-default-model",), env=env)
         try:
             exo.start()
-            for repo_id in folders:
-                placed = httpx.post(
-                    f"{exo.url}/place_instance", json={"model_id": repo_id}, timeout=60
-                )
-                assert placed.status_code == 200, placed.text
-            for repo_id in folders:
-                exo.wait_ready(repo_id, timeout=READY_TIMEOUT_SECONDS)
+            _serve(exo, BERT)
             yield exo
         finally:
             exo.stop()
+
+
+def _serve(node: ExoNode, repo_id: str) -> None:
+    """Place `repo_id` on `node` (downloaded from the loopback Hub) unless it is, and wait
+    until it is ready."""
+    if not node.ready_runner_ids(repo_id):
+        placed = httpx.post(f"{node.url}/place_instance", json={"model_id": repo_id}, timeout=60)
+        assert placed.status_code == 200, placed.text
+    node.wait_ready(repo_id, timeout=READY_TIMEOUT_SECONDS)
 
 
 def _cosine(a: object, b: object) -> float:
@@ -106,11 +110,13 @@ def test_bert_through_openai_and_ollama_equals_sentence_transformers(
     assert ready and all(status["kv_cache_tokens"] == 0 for status in ready)
 
 
+@pytest.mark.slow  # a second runner (~20 s); the backend's check is test_encoder_embeddings.py
 def test_cross_encoder_rerank_sorted_sigmoid_of_transformers(
     node: ExoNode, folders: dict[str, Path]
 ) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    _serve(node, RERANKER)
     query, documents = "w1 w2", ["w3 w4 w5", "w1 w2", "w9 w10 w11 w12", "w6"]
     answer = httpx.post(
         f"{node.url}/v1/rerank",
@@ -133,7 +139,9 @@ def test_cross_encoder_rerank_sorted_sigmoid_of_transformers(
     assert max(expected) - min(expected) > 1e-3  # the order checked is not a tie
 
 
+@pytest.mark.slow  # a second runner (~20 s); the cut itself: worker/tests/test_embedding_batch.py
 def test_nomic_matryoshka_dimensions(node: ExoNode, folders: dict[str, Path]) -> None:
+    _serve(node, NOMIC)
     reference = _reference_embeddings(folders[NOMIC], TEXTS[:1])[0]
     client = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", timeout=60)
     full = client.embeddings.create(model=NOMIC, input=TEXTS[0], encoding_format="float")
