@@ -42,25 +42,30 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory, folders: dict[str, Path]) -> Iterator[ExoNode]:
-    home = tmp_path_factory.mktemp("encoder-node")
-    with HubServer() as hub:
+def hub(folders: dict[str, Path]) -> Iterator[HubServer]:
+    with HubServer() as server:
         for repo_id, folder in folders.items():
-            hub.add_directory(repo_id, folder)
-        env = {
-            "HF_ENDPOINT": hub.url,
-            "HF_HUB_DISABLE_TELEMETRY": "1",
-            "HF_HUB_OFFLINE": "0",
-            "HF_HUB_CACHE": str(home / "hf-cache"),
-            "OLLAMA_MODELS": str(home / "no-ollama"),
-        }
-        exo = ExoNode(home / "node", home / "models", ("--no-default-model",), env=env)
-        try:
-            exo.start()
-            _serve(exo, BERT)
-            yield exo
-        finally:
-            exo.stop()
+            server.add_directory(repo_id, folder)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory, hub: HubServer) -> Iterator[ExoNode]:
+    home = tmp_path_factory.mktemp("encoder-node")
+    env = {
+        "HF_ENDPOINT": hub.url,
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_CACHE": str(home / "hf-cache"),
+        "OLLAMA_MODELS": str(home / "no-ollama"),
+    }
+    exo = ExoNode(home / "node", home / "models", ("--no-default-model",), env=env)
+    try:
+        exo.start()
+        _serve(exo, BERT)
+        yield exo
+    finally:
+        exo.stop()
 
 
 def _serve(node: ExoNode, repo_id: str) -> None:
@@ -85,8 +90,11 @@ def _reference_embeddings(folder: Path, texts: list[str]) -> np.ndarray:
 
 
 def test_bert_through_openai_and_ollama_equals_sentence_transformers(
-    node: ExoNode, folders: dict[str, Path]
+    node: ExoNode, hub: HubServer, folders: dict[str, Path]
 ) -> None:
+    # The real download path fetched the sentence-transformers modules with the weights.
+    fetched = hub.files_downloaded(BERT)
+    assert {"modules.json", "1_Pooling/config.json", "model.safetensors"} <= fetched, fetched
     reference = _reference_embeddings(folders[BERT], TEXTS)
     client = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", timeout=60)
     answer = client.embeddings.create(model=BERT, input=TEXTS)  # base64, decoded by the SDK
