@@ -1,7 +1,7 @@
 """`engine_factory.load_serving_engine` picks `EncoderEngine` for an encoder card and
 `TorchEngine` otherwise; the encoder engine embeds as its backend does, reports no KV cache,
 refuses generation with a ValueError naming the capability (the runner's 400) and refuses a
-split shard."""
+split shard; the runner's card check runs on an encoder folder."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from exo.testing.builders import make_params, make_shard
 from exo.testing.tiny_encoders import save_tiny_embedding_model
 from exo.worker.engines.torch.encoder_engine import EncoderEngine
 from exo.worker.engines.torch.engine_factory import load_serving_engine
+from exo.worker.runner.card_check import check_card
 
 MINILM = ModelId("sentence-transformers/all-MiniLM-L6-v2")
 
@@ -42,6 +43,10 @@ def test_an_encoder_card_gets_the_encoder_engine(tmp_path: Path) -> None:
         engine.render_prompt(make_params(model=MINILM))
     with pytest.raises(ValueError, match="embedding capability only"):
         engine.submit(make_params(model=MINILM))
+    # The runner's card check reads an encoder's config and tokenizer without failing: the
+    # tiny model's shapes are reported as what the card states otherwise.
+    mismatches = check_card(card, folder, engine.tokenizer)
+    assert any("hidden" in line for line in mismatches), mismatches
 
 
 def test_a_split_encoder_shard_is_refused(tmp_path: Path) -> None:
