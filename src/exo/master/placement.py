@@ -49,7 +49,11 @@ from exo.master.speed_prediction import (
     DEFAULT_PROMPT_TOKENS,
     predict_speed,
 )
-from exo.shared.models.architectures import ENGINE_ARCHITECTURES
+from exo.shared.models.architectures import (
+    ENCODER_ARCHITECTURES,
+    ENGINE_ARCHITECTURES,
+    is_encoder_architecture,
+)
 from exo.shared.models.memory import RUNNER_PROCESS_OVERHEAD_BYTES
 from exo.shared.parallelism import PARALLELISMS, parallelism
 from exo.shared.types.common import FrozenModel, InstanceId, NodeId, RunnerId
@@ -287,10 +291,15 @@ def best_layout(
     """
     if card.cannot_serve is not None:
         raise PlacementError(f"{card.model_id}: {card.cannot_serve}")
-    if card.architecture not in ENGINE_ARCHITECTURES:
+    if card.architecture not in ENGINE_ARCHITECTURES + ENCODER_ARCHITECTURES:
         raise PlacementError(
             f"{card.model_id}: the engine has no model family for {card.architecture} yet "
-            f"(it runs {', '.join(ENGINE_ARCHITECTURES)})"
+            f"(it runs {', '.join(ENGINE_ARCHITECTURES + ENCODER_ARCHITECTURES)})"
+        )
+    if is_encoder_architecture(card.architecture) and node_count > 1:
+        raise PlacementError(
+            f"{card.model_id} is an encoder model ({card.architecture}): it is placed whole "
+            "on one node, never split"
         )
     # A refusal no group changes (a dense model split by experts), before any memory figure.
     whole_model_error = parallelism(sharding).split_error(card, 1)
@@ -377,7 +386,10 @@ def place_instance(
     room = placement_room(state, exclude=instance_id)
     chosen: Layout | None = None
     last_error: str | None = None
-    for node_count in range(min_nodes, min(len(candidates), MAX_GROUP_SIZE) + 1):
+    # An encoder is never split: past one node, only its refusal would be learnt.
+    largest = 1 if is_encoder_architecture(card.architecture) else MAX_GROUP_SIZE
+    last = max(min_nodes, min(len(candidates), largest, MAX_GROUP_SIZE))
+    for node_count in range(min_nodes, last + 1):
         try:
             chosen = best_layout(card, state, sharding, node_count, candidates, room)
             break

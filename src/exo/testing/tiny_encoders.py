@@ -68,7 +68,7 @@ def save_tokenizer(directory: Path, family: str) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
-def _transformers_model(family: str, seed: int) -> Any:
+def _transformers_model(family: str, seed: int, hidden_size: int = 32) -> Any:
     import torch
     from transformers import (
         BertConfig,
@@ -82,11 +82,12 @@ def _transformers_model(family: str, seed: int) -> Any:
     )
 
     torch.manual_seed(seed)
+    small = {**_SMALL, "hidden_size": hidden_size}
     match family:
         case "bert":
-            return BertModel(BertConfig(**_SMALL, pad_token_id=0), add_pooling_layer=False)
+            return BertModel(BertConfig(**small, pad_token_id=0), add_pooling_layer=False)
         case "nomic_bert":
-            return NomicBertModel(NomicBertConfig(**_SMALL, pad_token_id=0))
+            return NomicBertModel(NomicBertConfig(**small, pad_token_id=0))
         case "xlm-roberta":
             roberta = XLMRobertaConfig(
                 **_SMALL, pad_token_id=1, bos_token_id=0, eos_token_id=2,
@@ -112,9 +113,12 @@ def _transformers_model(family: str, seed: int) -> Any:
     raise ValueError(f"unknown family {family}")
 
 
-def save_tiny_embedding_model(directory: Path, family: str, seed: int = 0) -> Path:
+def save_tiny_embedding_model(
+    directory: Path, family: str, seed: int = 0, hidden_size: int = 32
+) -> Path:
     """A sentence-transformers model folder of `family` (one of `FAMILIES`) with random
-    weights, saved by sentence-transformers itself.
+    weights, saved by sentence-transformers itself. `hidden_size` (BERT and NomicBERT only)
+    widens the model, e.g. to the 768 of nomic-embed-text's Matryoshka widths.
 
     Returns:
         `directory`.
@@ -130,12 +134,14 @@ def save_tiny_embedding_model(directory: Path, family: str, seed: int = 0) -> Pa
 
     base = directory / "base"
     base.mkdir(parents=True, exist_ok=True)
-    model = _transformers_model(family, seed)
+    if hidden_size != 32 and family not in ("bert", "nomic_bert"):
+        raise ValueError(f"hidden_size applies to bert and nomic_bert, not {family}")
+    model = _transformers_model(family, seed, hidden_size)
     model.save_pretrained(str(base))
     save_tokenizer(base, family)
     transformer = Transformer(str(base), max_seq_length=128)
     modes = {"xlm-roberta": "cls"}
-    modules: list[Any] = [transformer, Pooling(32, modes.get(family, "mean"))]
+    modules: list[Any] = [transformer, Pooling(hidden_size, modes.get(family, "mean"))]
     if family == "embeddinggemma":
         modules += [
             Dense(32, 64, bias=False, activation_function=torch.nn.Identity()),

@@ -375,3 +375,21 @@ def test_kimi_k2_is_placed_across_nodes_that_hold_it() -> None:
     instance = place_instance(kimi, state, INSTANCE)
     assert instance.model_id == kimi.model_id
     assert instance.shard_assignments.world_size >= 2
+
+
+def test_an_encoder_card_reserves_no_kv_budget_and_is_never_split() -> None:
+    """An encoder (embedding-only) card: its float32 weights and no KV cache are what a
+    runner needs (no chat KV budget), and it is placed whole on one node: a request for
+    more nodes is refused saying so."""
+    card = load_builtin_cards()[ModelId("BAAI/bge-m3")]
+    assert kv_cache_budget_bytes(card) == 0
+    weights = resident_weight_bytes(card, "int4")
+    assert weights == resident_weight_bytes(card, "float32") == card.storage_size_bytes
+    assert loading_peak_bytes(card, "int4") == weights
+    expected = int(weights * (1 + MEMORY_OVERHEAD_FRACTION)) + RUNNER_PROCESS_OVERHEAD_BYTES
+    assert required_memory_bytes(card) == expected
+    state = state_with(node_a=5000, node_b=5000)
+    instance = place_instance(card, state, INSTANCE)
+    assert instance.shard_assignments.world_size == 1
+    with pytest.raises(PlacementError, match=r"encoder model .* never split"):
+        place_instance(card, state, INSTANCE, min_nodes=2)

@@ -30,6 +30,25 @@ ENGINE_ARCHITECTURES: tuple[str, ...] = (
 """Every architecture name (text model and `*ForConditionalGeneration` wrapper) that
 some family file covers, in the registry's order."""
 
+ENCODER_ARCHITECTURES: tuple[str, ...] = (
+    "BertModel",
+    "XLMRobertaModel",
+    "XLMRobertaForSequenceClassification",
+    "NomicBertModel",
+    "Gemma3TextModel",
+)
+"""Architectures the engine serves with its own encoder forward
+(`exo.worker.engines.torch.embedding.encoder_models`, `EncoderEngine`): BERT-style encoders
+(all-MiniLM, bge-m3, nomic-embed-text, the bge cross-encoder reranker) and EmbeddingGemma
+(Gemma 3 text with bidirectional attention). Embedding or reranking only: no decoding, no
+KV cache, the whole model on one node."""
+
+
+def is_encoder_architecture(architecture: str) -> bool:
+    """Whether the encoder engine serves a card of `architecture` (`ENCODER_ARCHITECTURES`)."""
+    return architecture in ENCODER_ARCHITECTURES
+
+
 MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 """Config model types transformers has no class for, read as the model type whose
 architecture they declare: Kimi-K2's `kimi_k2` (custom code in its repository) is

@@ -13,6 +13,11 @@ A mixture-of-experts card (`ModelCard.moe`) counts every expert of its sparse la
 memory (each expert's gate, up and down linears in the layer's format, the router in
 float32 as the engine holds it), whatever share of them a token reads.
 
+An encoder card (`architectures.is_encoder_architecture`: BERT-style encoders, EmbeddingGemma)
+is held whole on one node in float32 (`encoder_models.load_encoder_model` reads it so, in every
+format) and has no KV cache: its weight bytes are its parameters times 4 and its KV bytes per
+token 0, so an embedding-only card reserves no chat KV budget.
+
 Pure functions of a `ModelCard`; the engine's `quantize.py` uses the same constants.
 """
 
@@ -22,7 +27,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from exo.shared.models.parameter_count import has_qk_norms
+from exo.shared.models.architectures import is_encoder_architecture
+from exo.shared.models.parameter_count import decoder_parameter_count, has_qk_norms
 from exo.shared.types.models import (
     GgufFileSource,
     LatentAttention,
@@ -456,6 +462,12 @@ def embedding_bytes(card: ModelCard) -> int:
     return card.vocab_size * card.hidden_size * FLOAT32_BYTES
 
 
+def encoder_weight_bytes(card: ModelCard) -> int:
+    """An encoder card's weights as the encoder engine holds them: every parameter (the
+    card's `parameter_count`, else computed from its shapes) in float32."""
+    return (card.parameter_count or decoder_parameter_count(card)) * FLOAT32_BYTES
+
+
 def vocab_share(vocab: int, ranks: int) -> int:
     """Rows of the LM head a tensor rank holds (`sharding.split_head_by_vocab`): the
     vocabulary split evenly, rounded up to a multiple of 64 (the int4 layouts pack outputs
@@ -472,7 +484,10 @@ def resident_weight_bytes(
     card: ModelCard, weight_format: WeightFormat, share: WeightShare | None = None
 ) -> int:
     """Bytes of the weights a node holds after loading `share` (default: the whole model)
-    in `weight_format`. Activations and the KV cache are not included."""
+    in `weight_format`. Activations and the KV cache are not included. An encoder card:
+    `encoder_weight_bytes` in every format."""
+    if is_encoder_architecture(card.architecture):
+        return encoder_weight_bytes(card)
     share = share or whole_model(card)
     total = decoder_layers_bytes(card, weight_format, share)
     if share.holds_embedding:
@@ -498,10 +513,10 @@ def loading_peak_bytes(
     linear), or an LM head
     read from the checkpoint (untied, or tied to an embedding this node does not keep); a
     tied head quantized from the embedding it shares is converted in small row blocks.
-    Float32 loading has no such transient."""
+    Float32 loading (and an encoder card, read in float32) has no such transient."""
     share = share or whole_model(card)
     resident = resident_weight_bytes(card, weight_format, share)
-    if weight_format == "float32":
+    if weight_format == "float32" or is_encoder_architecture(card.architecture):
         return resident
     ranks = share.tensor_parallel_ranks
     sparse = share.sparse_layers(card) > 0
@@ -644,7 +659,10 @@ def kv_geometry_of_config(
 
 
 def kv_cache_bytes_per_token(card: ModelCard, share: WeightShare | None = None) -> int:
-    """Bytes of KV cache one token takes on a node holding `share` (`KVGeometry`)."""
+    """Bytes of KV cache one token takes on a node holding `share` (`KVGeometry`); 0 for
+    an encoder card (no KV cache: every input is one bidirectional forward)."""
+    if is_encoder_architecture(card.architecture):
+        return 0
     return kv_geometry(card, share).bytes_per_token
 
 

@@ -59,7 +59,6 @@ from exo.shared.types.tasks import (
 )
 from exo.utils.heap import HeapTrimmer, freeze_long_lived_objects
 from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
-from exo.worker.engines.torch.model.sharding import loaded_parameter_bytes
 from exo.worker.runner.card_check import check_card
 from exo.worker.runner.failures import error_code_of, peer_failure
 from exo.worker.runner.generation_feed import Generation, PieceFeed
@@ -78,7 +77,7 @@ from exo.worker.runner.piece_chunks import piece_chunks
 from exo.worker.runner.stream_grouping import ChunkGrouper
 
 if TYPE_CHECKING:
-    from exo.worker.engines.torch.engine import TorchEngine
+    from exo.worker.engines.torch.engine_factory import Engine
 
 
 # Bounds every collective: a rank that vanished without closing its sockets (a machine
@@ -112,7 +111,7 @@ class Runner:
         self.shard = shard
         self._inbound = inbound
         self._outbound = outbound
-        self._engine: TorchEngine | None = None
+        self._engine: Engine | None = None
         self._queue: deque[TextGeneration] = deque()  # arrived before the engine was ready
         self._embeddings: list[Embedding] = []  # answered together at the next turn
         self._generations: dict[str, Generation] = {}  # by task id (the engine's request id)
@@ -259,7 +258,7 @@ class Runner:
     def _load(self, model_dir: Path) -> None:
         from exo.shared.models.memory import DEFAULT_KV_CACHE_TOKENS
         from exo.worker.engines.torch.engine import DEFAULT_MAX_CONCURRENT_REQUESTS
-        from exo.worker.engines.torch.engine_factory import load_engine
+        from exo.worker.engines.torch.engine_factory import load_serving_engine
 
         total_layers = self.shard.model_card.n_layers
         self._set_status(RunnerLoading(layers_loaded=0, total_layers=total_layers))
@@ -268,7 +267,7 @@ class Runner:
             self._set_status(RunnerLoading(layers_loaded=loaded, total_layers=total))
 
         try:
-            self._engine = load_engine(
+            self._engine = load_serving_engine(
                 model_dir, self.shard, on_layer_loaded=on_layer_loaded,
                 max_concurrent_requests=(
                     self._options.max_concurrent_requests or DEFAULT_MAX_CONCURRENT_REQUESTS
@@ -299,7 +298,7 @@ class Runner:
         logger.info(f"runner {self.runner_id}: warmed up in {time.perf_counter() - started:.1f}s")
         freeze_long_lived_objects()  # the model: no full collection walks it mid-decode
         self._ready = RunnerReady(
-            weight_bytes=loaded_parameter_bytes(self._engine.model),
+            weight_bytes=self._engine.weight_bytes(),
             max_concurrent_requests=self._engine.max_concurrent_requests,
             kv_cache_tokens=self._engine.kv_cache_tokens,
             card_mismatches=self._card_mismatches,

@@ -71,6 +71,7 @@ from exo.worker.engines.torch.model.loading import (
     load_parts,
     model_config,
 )
+from exo.worker.engines.torch.model.sharding import loaded_parameter_bytes
 from exo.worker.engines.torch.parallel.rank_group import RankGroup, check_process_group
 from exo.worker.engines.torch.quant.quantize import WeightDtype
 from exo.worker.engines.torch.testing_seam import TestingSeam, load_testing_seam
@@ -345,6 +346,10 @@ class TorchEngine:
                 reranker="rerank" in self.card.capabilities,
             )  # fmt: skip
         return self._embedding_backend
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's loaded parameters and buffers (quantized weights included)."""
+        return loaded_parameter_bytes(self.model)
 
     def count_prompt_tokens(self, params: TextGenerationTaskParams) -> int:
         """Number of prompt tokens the request becomes."""

@@ -1,10 +1,13 @@
 """Which engine serves a shard: `TorchEngine` for a whole model on one rank and for a rank
-of a split (pipeline or tensor) instance, which composes a `RankGroup`."""
+of a split (pipeline or tensor) instance, which composes a `RankGroup`; `EncoderEngine` for
+an encoder card (`exo.shared.models.architectures.ENCODER_ARCHITECTURES`: embedding and
+reranking only). The runner loads through `load_serving_engine`, which picks."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from exo.shared.models.architectures import is_encoder_architecture
 from exo.shared.models.memory import (
     DEFAULT_KV_CACHE_TOKENS,
     DEFAULT_PREFILL_ACTIVATIONS,
@@ -12,9 +15,14 @@ from exo.shared.models.memory import (
     PrefillActivations,
 )
 from exo.shared.types.shards import ShardMetadata
+from exo.worker.engines.torch.encoder_engine import EncoderEngine
 from exo.worker.engines.torch.engine import DEFAULT_MAX_CONCURRENT_REQUESTS, TorchEngine
 from exo.worker.engines.torch.model.loading import LayerProgressCallback
 from exo.worker.engines.torch.quant.quantize import WeightDtype
+
+Engine = TorchEngine | EncoderEngine
+"""What a runner drives: generation and pooled embeddings (`TorchEngine`), or an encoder's
+embeddings and rerank scores alone (`EncoderEngine`)."""
 
 
 def load_engine(
@@ -40,5 +48,36 @@ def load_engine(
     return TorchEngine.load(
         model_dir, shard, device, on_layer_loaded, weight_dtype, max_concurrent_requests,
         kv_cache_tokens=kv_cache_tokens, prefill_activations=prefill_activations,
+        kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
+
+
+def load_serving_engine(
+    model_dir: Path,
+    shard: ShardMetadata,
+    on_layer_loaded: LayerProgressCallback | None = None,
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+    prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
+    kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
+    kv_cache_dtype: KVCacheDtype | None = None,
+) -> Engine:
+    """The engine a runner serves `shard` with: `EncoderEngine` for an encoder card (its
+    weights are read whole in float32; the KV, weight-format and prefill options do not
+    apply), else `load_engine` on the default device.
+
+    Raises:
+        ValueError: as `EncoderEngine.load` or `load_engine`.
+        RuntimeError: as `load_engine`.
+    """
+    if is_encoder_architecture(shard.model_card.architecture):
+        engine = EncoderEngine.load(model_dir, shard, max_concurrent_requests)
+        if on_layer_loaded is not None:
+            layers = shard.model_card.n_layers
+            on_layer_loaded(layers, layers)
+        return engine
+    return load_engine(
+        model_dir, shard, on_layer_loaded=on_layer_loaded,
+        max_concurrent_requests=max_concurrent_requests,
+        prefill_activations=prefill_activations, kv_cache_tokens=kv_cache_tokens,
         kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip

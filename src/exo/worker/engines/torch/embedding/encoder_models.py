@@ -36,13 +36,6 @@ from exo.worker.engines.torch.embedding.weights import (
     read_safetensors,
 )
 
-# Truncated widths each model was trained for (Matryoshka representation learning), from the
-# models' Hub READMEs: nomic-embed-text-v1.5 "768, 512, 256, 128, 64"; EmbeddingGemma "768, 512,
-# 256 or 128". Keyed by model id: nothing in the checkpoints' files states them.
-MATRYOSHKA_DIMENSIONS: dict[str, tuple[int, ...]] = {
-    "nomic-ai/nomic-embed-text-v1.5": (768, 512, 256, 128, 64),
-    "google/embeddinggemma-300m": (768, 512, 256, 128),
-}
 # One forward's inputs: sorted by length (few pad tokens computed), at most this many rows and
 # padded tokens (rows x longest), so that a batch of long inputs does not hold every
 # activation at once; a single input longer than the token bound is one forward of its own.
@@ -62,6 +55,8 @@ class EncoderEmbeddingModel:
             model's positions).
         dimensions: width of `embed`'s vectors (the last dense projection's, else hidden).
         matryoshka_dimensions: truncations the model supports, else None.
+        tokenizer: the folder's tokenizer (transformers).
+        weight_bytes: bytes of every tensor held (float32), for the runner's report.
     """
 
     def __init__(
@@ -74,11 +69,13 @@ class EncoderEmbeddingModel:
         matryoshka_dimensions: tuple[int, ...] | None,
         classifier: ClassificationHead | None,
         vocab_size: int,
+        weight_bytes: int = 0,
     ) -> None:
         self._forward = forward
+        self.weight_bytes = weight_bytes
         self._vocab_size = vocab_size
         self._head = head
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
         self._classifier = classifier
         self.max_input_tokens = max_input_tokens
         self.dimensions = dimensions
@@ -89,7 +86,7 @@ class EncoderEmbeddingModel:
         `<s> .. </s>`, Gemma `<bos> .. <eos>`); never truncated (the runner decides)."""
         if not texts:
             return []
-        encoded = self._tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+        encoded = self.tokenizer(list(texts), add_special_tokens=True)["input_ids"]
         return [list(ids) for ids in encoded]
 
     def _hidden_batches(
@@ -135,9 +132,14 @@ class EncoderEmbeddingModel:
         return self._hidden_batches(token_ids, self._head)
 
     def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> torch.Tensor | None:
-        """`[B]` float32 logits of the classification head over each `(query, document)`
-        tokenized as a pair (truncated longest-first to `max_input_tokens`, as
-        sentence-transformers' CrossEncoder does); None when the model has no such head."""
+        """`[B]` float32 relevance in (0, 1): the sigmoid of the classification head's one
+        logit over each `(query, document)` tokenized as a pair (truncated longest-first to
+        `max_input_tokens`); None when the model has no such head.
+
+        The sigmoid is what sentence-transformers' CrossEncoder applies to a one-label model
+        and what Hugging Face TEI's `/rerank` returns unless `raw_scores` is asked, and it puts
+        the scores on the 0..1 scale Jina's and Cohere's `relevance_score` use (and exo's
+        Qwen3-Reranker scoring)."""
         if self._classifier is None:
             return None
         if not pairs:
@@ -145,10 +147,11 @@ class EncoderEmbeddingModel:
         classifier = self._classifier
         queries = [query for query, _ in pairs]
         documents = [document for _, document in pairs]
-        encoded = self._tokenizer(
+        encoded = self.tokenizer(
             queries, documents, truncation=True, max_length=self.max_input_tokens
         )["input_ids"]
-        return self._hidden_batches(encoded, lambda hidden, _mask: classifier.logits(hidden))
+        logits = self._hidden_batches(encoded, lambda hidden, _mask: classifier.logits(hidden))
+        return torch.sigmoid(logits)
 
 
 def _length_groups(lengths: Sequence[int]) -> list[list[int]]:
@@ -216,7 +219,8 @@ def load_encoder_model(
             f"matryoshka dimensions {matryoshka_dimensions} do not fit the model's {dimensions}"
         )
     limit = min(head.max_seq_length or max_positions, max_positions)
+    weight_bytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
     return EncoderEmbeddingModel(
         forward, head, load_tokenizer(directory), limit, dimensions, matryoshka_dimensions,
-        classifier, vocab_size,
+        classifier, vocab_size, weight_bytes,
     )  # fmt: skip

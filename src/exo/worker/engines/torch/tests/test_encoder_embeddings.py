@@ -103,6 +103,7 @@ def test_inputs_are_grouped_by_length_within_the_bounds() -> None:
 
 
 def test_the_reranker_scores_as_transformers_does(tmp_path: Path) -> None:
+    """Scores are the sigmoid of transformers' one logit (CrossEncoder's and TEI's scale)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     directory = save_tiny_reranker(tmp_path / "reranker")
@@ -120,7 +121,7 @@ def test_the_reranker_scores_as_transformers_does(tmp_path: Path) -> None:
         padding=True, return_tensors="pt",
     )  # fmt: skip
     with torch.no_grad():
-        reference = reference_model(**features).logits[:, 0]
+        reference = torch.sigmoid(reference_model(**features).logits[:, 0])
     assert torch.allclose(scores, reference, atol=1e-4), (scores, reference)
     assert (scores.max() - scores.min()).item() > 1e-2  # distinct pairs score apart
 
