@@ -1,0 +1,437 @@
+"""Embedding throughput (inputs/s) of exo's encoder against llama.cpp's embedding mode on the
+same random weights of nomic-embed-text-v1.5's shape, batches of 1 / 8 / 64 short texts.
+
+Usage: PYTHONPATH=src python bench/bench_embeddings.py [--batches 1 8 64] [--rounds 5]
+       [--threads 2] [--min-tokens 24] [--max-tokens 40] [--gguf-type f16]
+       [--cache-dir DIR] [--json OUT.json]
+
+The model: NomicBERT at nomic-embed-text-v1.5's shape (its config.json: 12 layers, hidden
+768, 12 heads, SwiGLU MLP of 3072, rotary positions with base 1000, no biases, vocabulary
+30,528, mean pooling), Gaussian weights (std 0.02, LayerNorms near 1) from a fixed seed,
+rounded to float16 once and written twice with the same values: as the safetensors folder
+exo loads (`exo.worker.engines.torch.embedding.encoder_models.load_encoder_model`, NomicBERT's
+own tensor names, float32) and as a GGUF of llama.cpp's `nomic-bert` architecture
+(`write_nomic_gguf`: tensor names from gguf-py's tensor map, matrices in `--gguf-type`,
+norms and the token-type rows in float32, a WordPiece vocabulary of placeholder words),
+both cached in `--cache-dir`.
+
+Inputs are token ids, the same for both engines: `[CLS]`, random word ids, `[SEP]`, each
+input's length drawn uniformly from `--min-tokens`..`--max-tokens` (special tokens
+included); tokenizing is outside the timing on both sides. exo: `EncoderEmbeddingModel.embed`
+(length-sorted, right-padded groups of up to 64 rows, float32). llama.cpp: llama-cpp-python
+0.3.x with `embedding=True`, mean pooling, every input one sequence of one `llama_decode`
+while their tokens fit `n_batch` (as its `Llama.embed` batches them), `n_batch` =
+`n_ubatch` = `--llama-batch` (512, llama.cpp's default micro-batch: its attention over one
+decode is `[tokens, tokens]` across every sequence in it, masked, so a larger one costs more).
+Before timing, the pooled vectors of the largest batch are compared (cosine printed, with
+the cosine of neighbouring inputs for scale) and every batch size runs once untimed.
+Each round runs every batch size on exo and on llama.cpp, alternating which goes first;
+inputs/s is the batch size over the median time. `torch.set_num_threads(--threads)` and the
+same thread count for llama.cpp.
+
+Not measured here: Qwen3-Embedding-0.6B's shape. exo has no decoder-embedding path (pooled
+hidden states of a decoder through the runner) on this branch yet; see the dated page in
+docs/benchmarks/ for what was and was not timed. On a shared machine other work slows both
+sides: the load average is printed, and only ratios within one run mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_CACHE = Path.home() / ".cache" / "exo-bench-embeddings"
+# llama.cpp's pooling enum (`LLAMA_POOLING_TYPE_MEAN`).
+LLAMA_POOLING_MEAN = 1
+# bert-base-uncased's special token ids, which nomic-embed-text's vocabulary keeps.
+PAD_ID, UNKNOWN_ID, CLS_ID, SEP_ID, MASK_ID = 0, 100, 101, 102, 103
+
+
+@dataclass(frozen=True, slots=True)
+class NomicShape:
+    """A NomicBERT encoder's shape (defaults: nomic-embed-text-v1.5's config.json)."""
+
+    hidden_size: int = 768
+    layers: int = 12
+    heads: int = 12
+    intermediate_size: int = 3072
+    vocab_size: int = 30528
+    max_positions: int = 2048
+    rope_base: float = 1000.0
+    layer_norm_eps: float = 1e-12
+
+    def key(self) -> str:
+        return (
+            f"nomic-h{self.hidden_size}-l{self.layers}-a{self.heads}-f{self.intermediate_size}"
+            f"-v{self.vocab_size}"
+        )
+
+
+def random_nomic_tensors(shape: NomicShape, seed: int = 0) -> dict[str, np.ndarray]:
+    """NomicBERT's tensors by their checkpoint names, float16-representable float32 values.
+
+    Returns:
+        name -> array; matrices `[out, in]` as torch stores them.
+    """
+    rng = np.random.default_rng(seed)
+    hidden, inner = shape.hidden_size, shape.intermediate_size
+
+    def matrix(rows: int, columns: int, scale: float = 0.02) -> np.ndarray:
+        values = rng.standard_normal((rows, columns), dtype=np.float32) * scale
+        return values.astype(np.float16).astype(np.float32)
+
+    def norm() -> tuple[np.ndarray, np.ndarray]:
+        weight = 1.0 + 0.1 * rng.standard_normal(hidden, dtype=np.float32)
+        bias = 0.02 * rng.standard_normal(hidden, dtype=np.float32)
+        return weight.astype(np.float32), bias.astype(np.float32)
+
+    tensors: dict[str, np.ndarray] = {
+        "embeddings.word_embeddings.weight": matrix(shape.vocab_size, hidden, 0.5),
+        "embeddings.token_type_embeddings.weight": matrix(2, hidden, 0.5),
+    }
+    tensors["emb_ln.weight"], tensors["emb_ln.bias"] = norm()
+    for index in range(shape.layers):
+        at = f"encoder.layers.{index}."
+        tensors[at + "attn.Wqkv.weight"] = matrix(3 * hidden, hidden)
+        tensors[at + "attn.out_proj.weight"] = matrix(hidden, hidden)
+        tensors[at + "mlp.fc11.weight"] = matrix(inner, hidden)
+        tensors[at + "mlp.fc12.weight"] = matrix(inner, hidden)
+        tensors[at + "mlp.fc2.weight"] = matrix(hidden, inner)
+        tensors[at + "norm1.weight"], tensors[at + "norm1.bias"] = norm()
+        tensors[at + "norm2.weight"], tensors[at + "norm2.bias"] = norm()
+    return tensors
+
+
+def _placeholder_vocabulary(size: int) -> list[str]:
+    """BERT-style specials at their bert-base ids, then unused words (llama.cpp's WordPiece
+    vocabulary marks a word start with U+2581, as its converter writes BERT vocabularies)."""
+    tokens = [f"\u2581w{index}" for index in range(size)]
+    for index, special in (
+        (PAD_ID, "[PAD]"), (UNKNOWN_ID, "[UNK]"), (CLS_ID, "[CLS]"), (SEP_ID, "[SEP]"),
+        (MASK_ID, "[MASK]"),
+    ):  # fmt: skip
+        tokens[index] = special
+    return tokens
+
+
+def write_nomic_gguf(
+    path: Path, shape: NomicShape, tensors: dict[str, np.ndarray], tensor_type: str = "f16"
+) -> Path:
+    """A GGUF of llama.cpp's `nomic-bert` architecture holding `tensors`.
+
+    Tensor names come from gguf-py's `TensorNameMap` for `MODEL_ARCH.NOMIC_BERT`
+    (`mlp.fc11` -> `ffn_up`, `mlp.fc12` -> `ffn_gate`, so llama.cpp computes
+    `silu(gate) * up` as NomicBERT does); metadata: the shape, `attention.causal` false,
+    `pooling_type` mean, `rope.freq_base`, a `bert` tokenizer with two token types.
+
+    Args:
+        tensor_type: "f16" or "f32" for the matrices; 1-D tensors are always float32.
+
+    Returns:
+        `path`.
+    """
+    import gguf
+
+    if tensor_type not in ("f16", "f32"):
+        raise ValueError(f"tensor_type {tensor_type!r}: f16 or f32")
+    architecture = gguf.MODEL_ARCH.NOMIC_BERT
+    names = gguf.get_tensor_name_map(architecture, shape.layers)
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[architecture])
+    writer.add_name("random nomic-embed-text-v1.5 shape")
+    writer.add_context_length(shape.max_positions)
+    writer.add_embedding_length(shape.hidden_size)
+    writer.add_feed_forward_length(shape.intermediate_size)
+    writer.add_block_count(shape.layers)
+    writer.add_head_count(shape.heads)
+    writer.add_layer_norm_eps(shape.layer_norm_eps)
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(gguf.PoolingType.MEAN)
+    writer.add_rope_freq_base(shape.rope_base)
+    writer.add_file_type(
+        gguf.LlamaFileType.MOSTLY_F16 if tensor_type == "f16" else gguf.LlamaFileType.ALL_F32
+    )
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(_placeholder_vocabulary(shape.vocab_size))
+    token_types = [gguf.TokenType.NORMAL] * shape.vocab_size
+    for special in (PAD_ID, UNKNOWN_ID, CLS_ID, SEP_ID, MASK_ID):
+        token_types[special] = gguf.TokenType.CONTROL
+    writer.add_token_types(token_types)
+    writer.add_token_type_count(2)
+    # gguf-py keeps BERT's [CLS] as the BOS id and [SEP] as both separator and EOS.
+    writer.add_bos_token_id(CLS_ID)
+    writer.add_eos_token_id(SEP_ID)
+    writer.add_sep_token_id(SEP_ID)
+    writer.add_pad_token_id(PAD_ID)
+    writer.add_unk_token_id(UNKNOWN_ID)
+    writer.add_mask_token_id(MASK_ID)
+    for name, values in tensors.items():
+        stem, _, suffix = name.rpartition(".")
+        mapped = names.get_name(stem)
+        if mapped is None:
+            raise ValueError(f"no GGUF name for {name}")
+        # llama.cpp adds the token-type row to float32 activations: it stays float32, as
+        # its converter keeps it.
+        matrix = values.ndim == 2 and tensor_type == "f16" and mapped != "token_types"
+        writer.add_tensor(f"{mapped}.{suffix}", values.astype(np.float16 if matrix else np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_nomic_folder(directory: Path, shape: NomicShape, tensors: dict[str, np.ndarray]) -> Path:
+    """The model folder exo's encoder loads: NomicBERT's custom-code `config.json`,
+    `model.safetensors` (float32) and a placeholder word-level tokenizer (the bench feeds token
+    ids; no `modules.json`, so pooling is exo's default for the family, mean).
+
+    Returns:
+        `directory`.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from exo.testing.tiny_encoders import save_tokenizer
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "model_type": "nomic_bert", "architectures": ["NomicBertModel"],
+        "n_embd": shape.hidden_size, "n_layer": shape.layers, "n_head": shape.heads,
+        "n_inner": shape.intermediate_size, "vocab_size": shape.vocab_size,
+        "activation_function": "swiglu", "rotary_emb_base": shape.rope_base,
+        "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False, "prenorm": False,
+        "layer_norm_epsilon": shape.layer_norm_eps, "max_trained_positions": shape.max_positions,
+        "n_positions": shape.max_positions, "type_vocab_size": 2, "pad_token_id": PAD_ID,
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(
+        {name: torch.from_numpy(values).contiguous() for name, values in tensors.items()},
+        str(directory / "model.safetensors"),
+    )
+    save_tokenizer(directory, "nomic_bert")
+    return directory
+
+
+def prepare_nomic(cache_dir: Path, shape: NomicShape, gguf_type: str) -> tuple[Path, Path]:
+    """`(exo folder, GGUF)` for `shape`, written once into `cache_dir` (a `.done` marker
+    guards against a half-written cache)."""
+    base = cache_dir / shape.key()
+    folder, gguf_path = base / "exo", base / f"model-{gguf_type}.gguf"
+    marker = base / f".done-{gguf_type}"
+    if not marker.is_file():
+        base.mkdir(parents=True, exist_ok=True)
+        tensors = random_nomic_tensors(shape)
+        write_nomic_folder(folder, shape, tensors)
+        write_nomic_gguf(gguf_path, shape, tensors, gguf_type)
+        marker.write_text("ok\n")
+    return folder, gguf_path
+
+
+def random_inputs(
+    count: int, min_tokens: int, max_tokens: int, vocab_size: int, seed: int
+) -> list[list[int]]:
+    """`count` inputs of `[CLS] words.. [SEP]`, lengths uniform in `min_tokens..max_tokens`
+    (special tokens included), word ids above the specials."""
+    rng = np.random.default_rng(seed)
+    inputs = []
+    for _ in range(count):
+        length = int(rng.integers(min_tokens, max_tokens + 1))
+        words = rng.integers(MASK_ID + 1, vocab_size, size=length - 2).tolist()
+        inputs.append([CLS_ID, *words, SEP_ID])
+    return inputs
+
+
+class LlamaCppEmbedder:
+    """llama.cpp's embedding mode on a GGUF: each input one sequence, one `llama_decode` per
+    call, pooled vectors read with `llama_get_embeddings_seq` (llama-cpp-python's
+    `Llama.embed` loop, from token ids instead of text)."""
+
+    def __init__(self, gguf_path: Path, threads: int, batch_tokens: int) -> None:
+        """Load the GGUF; `batch_tokens`: context, `n_batch` and `n_ubatch` (a non-causal
+        model's batch must fit one micro-batch). llama-cpp-python sets the sequence count itself
+        (`min(n_batch, llama_max_parallel_sequences())`, 256 in 0.3.x) in embedding mode."""
+        import llama_cpp
+
+        self._binding = llama_cpp
+        self.model = llama_cpp.Llama(
+            model_path=str(gguf_path), embedding=True, pooling_type=LLAMA_POOLING_MEAN,
+            n_ctx=batch_tokens, n_batch=batch_tokens, n_ubatch=batch_tokens,
+            n_threads=threads, n_threads_batch=threads, n_gpu_layers=0,
+            verbose=False,
+        )  # fmt: skip
+        self.width = int(self.model.n_embd())
+        self.batch_tokens = batch_tokens
+
+    def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        """`[B, hidden]` float32 mean-pooled vectors, not normalized; consecutive inputs
+        share one `llama_decode` while their tokens fit `n_batch` (as `Llama.embed`)."""
+        rows: list[np.ndarray] = []
+        pending: list[list[int]] = []
+        for ids in inputs:
+            if len(ids) > self.batch_tokens:
+                raise ValueError(f"an input of {len(ids)} tokens is over n_batch")
+            if sum(map(len, pending)) + len(ids) > self.batch_tokens:
+                rows += self._decode(pending)
+                pending = []
+            pending.append(ids)
+        rows += self._decode(pending)
+        return np.stack(rows)
+
+    def _decode(self, inputs: list[list[int]]) -> list[np.ndarray]:
+        model = self.model
+        model._batch.reset()
+        for sequence, ids in enumerate(inputs):
+            model._batch.add_sequence(ids, sequence, True)
+        model._ctx.kv_cache_clear()
+        model._ctx.decode(model._batch)
+        model._batch.reset()
+        rows = []
+        for sequence in range(len(inputs)):
+            pointer = self._binding.llama_get_embeddings_seq(model._ctx.ctx, sequence)
+            rows.append(np.ctypeslib.as_array(pointer, shape=(self.width,)).copy())
+        return rows
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def cosines(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """Row-wise cosine similarity of two `[B, D]` arrays."""
+    first = first / np.linalg.norm(first, axis=1, keepdims=True)
+    second = second / np.linalg.norm(second, axis=1, keepdims=True)
+    return np.sum(first * second, axis=1)
+
+
+def _timed(call: Any) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--batches", type=int, nargs="+", default=[1, 8, 64], help="inputs per call, each timed"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per batch size")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="CPU threads for each engine (torch and llama.cpp)"
+    )
+    parser.add_argument(
+        "--min-tokens", type=int, default=24, help="shortest input, special tokens included"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=40, help="longest input, special tokens included"
+    )
+    parser.add_argument(
+        "--gguf-type", choices=("f16", "f32"), default="f16", help="GGUF matrix type for llama.cpp"
+    )
+    parser.add_argument(
+        "--llama-batch",
+        type=int,
+        default=512,
+        help="llama.cpp n_batch = n_ubatch = context in tokens (512: its defaults' n_ubatch)",
+    )
+    parser.add_argument(
+        "--layers", type=int, default=12, help="encoder layers (12: nomic-embed-text-v1.5)"
+    )
+    parser.add_argument(
+        "--cache-dir", type=Path, default=DEFAULT_CACHE, help="where the random models are kept"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    arguments = parser.parse_args(argv)
+    if arguments.min_tokens < 3 or arguments.max_tokens < arguments.min_tokens:
+        parser.error("--min-tokens must be >= 3 and <= --max-tokens")
+
+    import torch
+
+    from exo.worker.engines.torch.embedding.encoder_models import load_encoder_model
+
+    torch.set_num_threads(arguments.threads)
+    shape = NomicShape(layers=arguments.layers)
+    folder, gguf_path = prepare_nomic(arguments.cache_dir, shape, arguments.gguf_type)
+    largest = max(arguments.batches)
+    batch_tokens = arguments.llama_batch
+    exo_model = load_encoder_model(folder)
+    llama = LlamaCppEmbedder(gguf_path, arguments.threads, batch_tokens)
+    print(f"load average before: {os.getloadavg()}", flush=True)
+    print(
+        f"model {shape.key()} ({arguments.gguf_type} GGUF for llama.cpp, float32 in exo), "
+        f"inputs {arguments.min_tokens}..{arguments.max_tokens} tokens, "
+        f"{arguments.threads} threads, llama.cpp n_batch = n_ubatch = {batch_tokens}"
+    )
+    inputs = {
+        size: random_inputs(
+            size, arguments.min_tokens, arguments.max_tokens, shape.vocab_size, seed=size
+        )
+        for size in arguments.batches
+    }
+    check = inputs[largest]
+    exo_vectors = exo_model.embed(check).numpy()
+    agreement = cosines(exo_vectors, llama.embed(check))
+    # Different inputs' vectors, for scale: agreement near 1 means little unless these are not.
+    apart = cosines(exo_vectors[:-1], exo_vectors[1:])
+    print(
+        f"cosine exo vs llama.cpp over {len(check)} inputs: min {agreement.min():.8f}, "
+        f"largest 1 - cosine {float(1 - agreement.min()):.1e} "
+        f"(neighbouring inputs in exo: mean {apart.mean():.3f})",
+        flush=True,
+    )
+    for size in arguments.batches:  # warm-up: first-call allocations stay out of the timing
+        exo_model.embed(inputs[size])
+        llama.embed(inputs[size])
+    times: dict[int, dict[str, list[float]]] = {
+        size: {"exo": [], "llama.cpp": []} for size in arguments.batches
+    }
+    for round_index in range(arguments.rounds):
+        for size in arguments.batches:
+            batch = inputs[size]
+            calls = [
+                ("exo", lambda batch=batch: exo_model.embed(batch)),
+                ("llama.cpp", lambda batch=batch: llama.embed(batch)),
+            ]
+            if round_index % 2:
+                calls.reverse()
+            for engine, call in calls:
+                times[size][engine].append(_timed(call))
+    llama.close()
+    print(f"load average after: {os.getloadavg()}")
+    print(f"{'batch':>5} {'tokens':>7} {'exo in/s':>10} {'llama.cpp in/s':>15} {'exo/llama':>10}")
+    results = []
+    for size in arguments.batches:
+        exo_rate = size / statistics.median(times[size]["exo"])
+        llama_rate = size / statistics.median(times[size]["llama.cpp"])
+        tokens = sum(len(ids) for ids in inputs[size])
+        print(f"{size:>5} {tokens:>7} {exo_rate:>10.1f} {llama_rate:>15.1f} "
+              f"{exo_rate / llama_rate:>9.2f}x")  # fmt: skip
+        results.append({"batch": size, "tokens": tokens, "exo_inputs_per_s": exo_rate,
+                        "llama_cpp_inputs_per_s": llama_rate, "times_s": times[size]})  # fmt: skip
+    if arguments.json is not None:
+        arguments.json.write_text(
+            json.dumps(
+                {
+                    "model": shape.key(),
+                    "cosine_min": float(agreement.min()),
+                    "threads": arguments.threads,
+                    "results": results,
+                },
+                indent=2,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
