@@ -93,6 +93,7 @@ class RunnerSupervisor:
         self._options = options or RunnerOptions()
         self._process: BaseProcess | None = None
         self._to_runner: Connection | None = None
+        self._writer: PipeWriter | None = None
         self._from_runner: Connection | None = None
         self._stopping = False
         # Where each running command's chunks go (the node whose API owns it), kept until
@@ -135,8 +136,11 @@ class RunnerSupervisor:
         logger.info(f"runner {self.runner_id} started (pid {process.pid})")
 
     def send(self, task: RunnerInbound) -> None:
-        """Hand a task to the runner. A dead runner's failure is reported by `run()`."""
-        assert self._to_runner is not None, "send() before start()"
+        """Hand a task to the runner, never blocking the event loop (`PipeWriter`). A dead
+        runner's failure is reported by `run()`."""
+        if self._writer is None:
+            assert self._to_runner is not None, "send() before start()"
+            self._writer = PipeWriter(self._to_runner.fileno())
         match task:
             case TextGeneration() | Embedding():
                 self.in_flight[task.task_id] = task
@@ -147,7 +151,7 @@ class RunnerSupervisor:
             case CancelTask() | Shutdown():
                 pass
         try:
-            self._to_runner.send_bytes(task.model_dump_json().encode())
+            self._writer.write(task.model_dump_json().encode())
         except (BrokenPipeError, OSError) as error:
             logger.warning(f"runner {self.runner_id}: could not send {task.kind}: {error}")
 
@@ -286,6 +290,8 @@ class RunnerSupervisor:
         if process.is_alive():
             process.kill()
         process.join(1.0)
+        if self._writer is not None:
+            self._writer.close()
         if self._to_runner is not None:
             self._to_runner.close()
 
@@ -293,6 +299,101 @@ class RunnerSupervisor:
         """Last-resort cleanup for interpreter exit: no waiting, no messages."""
         if self._process is not None and self._process.is_alive():
             self._process.kill()
+
+
+def _framed(data: bytes) -> bytes:
+    """`data` with `multiprocessing.Connection`'s length header (what `recv_bytes` reads)."""
+    if len(data) > 0x7FFFFFFF:
+        return _LENGTH.pack(-1) + _LONG_LENGTH.pack(len(data)) + data
+    return _LENGTH.pack(len(data)) + data
+
+
+class PipeWriter:
+    """Messages to a `multiprocessing` connection's pipe, in its framing, written without
+    ever blocking the event loop: what the pipe does not take now waits here, in order,
+    and leaves when the loop sees the pipe writable again (`add_writer`). Puts the
+    descriptor in non-blocking mode.
+
+    Why: the runner writes its answers with a blocking `send_bytes` and reads its tasks
+    only between steps. A blocking write here, while the runner was itself blocked writing
+    a large answer (an embedding batch's vectors) into the other full pipe, stopped the
+    loop that reads that pipe: node and runner waited on each other for good (each pipe
+    holds 64 KiB on Linux). With nothing blocking, the loop keeps reading the runner.
+
+    A caller without a running event loop (a synchronous test) gets a blocking write.
+    """
+
+    def __init__(self, descriptor: int) -> None:
+        os.set_blocking(descriptor, False)
+        self._descriptor = descriptor
+        self._pending = bytearray()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes accepted by `write` that the pipe has not taken yet."""
+        return len(self._pending)
+
+    def write(self, data: bytes) -> None:
+        """Queue one message; as much of it as the pipe takes now is written at once.
+
+        Raises:
+            OSError: the pipe is broken (the runner is gone) or closed here.
+        """
+        if self._closed:
+            raise OSError("the runner's pipe is closed")
+        frame = _framed(data)
+        if self._pending:  # earlier messages still wait: keep the order
+            self._pending += frame
+            return
+        written = self._write_now(frame)
+        if written == len(frame):
+            return
+        self._pending += frame[written:]
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop to wait with: finish the write blocking
+            self._write_blocking()
+            return
+        self._loop = loop
+        loop.add_writer(self._descriptor, self._drain)
+
+    def close(self) -> None:
+        """Drop what is still waiting and stop watching the pipe (the runner is gone)."""
+        self._closed = True
+        self._pending.clear()
+        self._stop_watching()
+
+    def _write_now(self, data: bytes | bytearray) -> int:
+        try:
+            return os.write(self._descriptor, data)
+        except (BlockingIOError, InterruptedError):
+            return 0
+
+    def _write_blocking(self) -> None:
+        os.set_blocking(self._descriptor, True)
+        try:
+            while self._pending:
+                del self._pending[: os.write(self._descriptor, self._pending)]
+        finally:
+            os.set_blocking(self._descriptor, False)
+
+    def _drain(self) -> None:  # on the loop, whenever the pipe can take more
+        try:
+            written = self._write_now(self._pending)
+        except OSError as error:  # the runner is gone: `run()` reports how it ended
+            logger.warning(f"could not write to a runner: {error}")
+            self._pending.clear()
+            written = 0
+        del self._pending[:written]
+        if not self._pending:
+            self._stop_watching()
+
+    def _stop_watching(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_writer(self._descriptor)
+            self._loop = None
 
 
 class PipeFrames:

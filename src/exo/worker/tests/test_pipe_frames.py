@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from multiprocessing import Pipe
 
-from exo.worker.runner.supervisor import PipeFrames
+from exo.worker.runner.supervisor import PipeFrames, PipeWriter
 
 SIZES = (0, 1, 10, 4095, 4096, 16384, 16385, 70_000, 300_000, 3, 2)
 
@@ -66,3 +66,65 @@ def test_a_message_split_across_reads_waits_for_its_end() -> None:
         assert not closed
     write.close()
     read.close()
+
+
+# The other direction (`PipeWriter`): the node's tasks to a runner that is not reading.
+
+
+def test_a_write_to_a_full_pipe_returns_at_once_and_arrives_whole_later() -> None:
+    """The node's loop never blocks on a runner that is busy writing (the embedding
+    deadlock): messages larger than the pipe's buffer wait in the writer while nobody
+    reads, the loop keeps running, and a `recv_bytes` reader then gets every one whole
+    and in order."""
+    import asyncio
+    import time
+
+    read, write = Pipe(duplex=False)
+    payloads = [bytes([index % 251]) * size for index, size in enumerate(SIZES)]
+    received: list[bytes] = []
+    waiting: list[int] = []
+
+    async def node() -> None:
+        writer = PipeWriter(write.fileno())
+        for payload in payloads:
+            writer.write(payload)  # a blocking write would never return: nobody reads
+        waiting.append(writer.pending_bytes)
+        reader = threading.Thread(
+            target=lambda: received.extend(read.recv_bytes() for _ in payloads)
+        )
+        reader.start()
+        deadline = time.monotonic() + 30
+        while writer.pending_bytes and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # the loop runs: `add_writer` drains the rest
+        reader.join(timeout=30)
+
+    loop_thread = threading.Thread(target=lambda: asyncio.run(node()), daemon=True)
+    loop_thread.start()
+    loop_thread.join(timeout=60)
+    assert not loop_thread.is_alive(), "write() blocked on a full pipe"
+    assert waiting and waiting[0] > 0, "the payloads were meant to overfill the pipe"
+    assert received == payloads
+    read.close()
+    write.close()
+
+
+def test_without_an_event_loop_a_write_finishes_blocking() -> None:
+    read, write = Pipe(duplex=False)
+    payload = b"x" * 300_000
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(read.recv_bytes()))
+    reader.start()
+    writer = PipeWriter(write.fileno())
+    writer.write(payload)
+    assert writer.pending_bytes == 0
+    reader.join(timeout=30)
+    assert received == [payload]
+    writer.close()
+    try:
+        writer.write(b"late")
+    except OSError:
+        pass
+    else:
+        raise AssertionError("a closed writer accepted a message")
+    read.close()
+    write.close()
