@@ -384,7 +384,11 @@ def _assistant_turn(blocks: Sequence[ContentBlockParam], where: str) -> ChatMess
                 raise InvalidRequestError(
                     f"{at}: tool_result blocks belong in user turns, not assistant turns", at
                 )
-            case ImageBlockParam() | DocumentBlockParam():
+            case ImageBlockParam():
+                raise InvalidRequestError(
+                    f"{at}: image blocks belong in user turns, not assistant turns", at
+                )
+            case DocumentBlockParam():
                 raise _unsupported_input(block, at)
             case OtherBlockParam():
                 raise _unsupported_block(block.type, at)
@@ -471,10 +475,12 @@ def _image(block: ImageBlockParam, at: str, images: ImageReader) -> ImageInput:
 def _unsupported_input(
     block: ImageBlockParam | DocumentBlockParam | ToolResultContentBlock, at: str
 ) -> InvalidRequestError:
+    if isinstance(block, ImageBlockParam):
+        reason = "the model has no vision capability"
+    else:
+        reason = "exo reads no documents"
     return InvalidRequestError(
-        f"{at}: {block.type} input is not supported: the models exo serves read text only; "
-        "send text blocks",
-        at,
+        f"{at}: {block.type} input is not supported: {reason}; send text blocks", at
     )
 
 

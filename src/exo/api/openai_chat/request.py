@@ -314,7 +314,8 @@ def _user_content(
             case ImageContentPart():
                 if not images.vision:
                     raise InvalidRequestError(
-                        f"image input {_NOT_SUPPORTED_YET}; send text content parts only",
+                        "image input: the model has no vision capability; send text content "
+                        "parts only",
                         part_param,
                     )
                 read.append(images.read_url(part.image_url.url, f"{part_param}.image_url"))

@@ -44,7 +44,8 @@ def check_embedding_request(cluster: ClusterClient, params: EmbeddingTaskParams)
         ModelNotFoundError: an unknown model (404).
         InvalidRequestError: no such capability (param `model`), a `dimensions` other than
             the full width for a model that is not Matryoshka-trained or outside its range
-            (param `dimensions`), text that is not valid Unicode (400).
+            (param `dimensions`), a token id outside the model's vocabulary (param
+            `input`), text that is not valid Unicode (400).
     """
     check_serializable(params)
     card = card_of(cluster, params.model) if params.model in known_model_ids(cluster) else None
@@ -60,6 +61,13 @@ def check_embedding_request(cluster: ClusterClient, params: EmbeddingTaskParams)
             f'"{params.model}" does not support embeddings (it lacks the "embedding" capability)',
             param="model",
         )
+    for index, item in enumerate(params.inputs):
+        if isinstance(item, tuple) and not all(0 <= token < card.vocab_size for token in item):
+            raise InvalidRequestError(
+                f"input[{index}] holds a token id outside the vocabulary of {params.model} "
+                f"(ids 0 to {card.vocab_size - 1})",
+                param="input",
+            )
     if params.dimensions is not None and params.dimensions != card.hidden_size:
         allowed = card.matryoshka_dimensions
         if not allowed:

@@ -278,7 +278,7 @@ def test_image_part_is_refused_naming_the_part() -> None:
             },
         ]
     )
-    with pytest.raises(InvalidRequestError, match="image input is not supported") as caught:
+    with pytest.raises(InvalidRequestError, match="no vision capability") as caught:
         to_task_params(request)
     assert caught.value.param == "messages[1].content[1]"
     assert caught.value.status_code == 400

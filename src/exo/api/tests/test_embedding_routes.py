@@ -73,6 +73,8 @@ def test_openai_embeddings_bad_inputs_are_400s_naming_the_field() -> None:
             ({"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "input": "a", "dimensions": 8},
              "dimensions"),
             ({"model": RERANKER, "input": "a"}, "model"),
+            ({"model": EMBEDDER, "input": [[-1]]}, "input"),
+            ({"model": EMBEDDER, "input": [[1, 10**9]]}, "input"),
         ]:  # fmt: skip
             answer = http.post("/v1/embeddings", json=body)
             assert answer.status_code == 400, (body, answer.text)
@@ -99,6 +101,10 @@ def test_ollama_embed_and_legacy_embeddings() -> None:
         assert cluster.embedding_commands[-1].params.truncate is False
         legacy = http.post("/api/embeddings", json={"model": EMBEDDER, "prompt": "a"})
         assert legacy.json() == {"embedding": [1.0, 0.0, 0.0, 0.0]}
+        gap = http.post("/api/embed", json={"model": EMBEDDER, "input": ["a", "", "b"]})
+        assert gap.status_code == 400 and "input[1]" in gap.json()["error"], gap.text
+        only_empty = http.post("/api/embed", json={"model": EMBEDDER, "input": ["", ""]})
+        assert only_empty.status_code == 200 and only_empty.json()["embeddings"] == []
         refused = http.post("/api/embed", json={"model": RERANKER, "input": "a"})
         assert refused.status_code == 400
         assert "embedding" in refused.json()["error"] and set(refused.json()) == {"error"}
