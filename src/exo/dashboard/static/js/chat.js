@@ -408,6 +408,8 @@ export function mountChat(section) {
 
   // The Image button shows for models whose card has the "vision" capability (GET /models).
   let visionModels = new Set();
+  // Embedding and rerank models (cards without "text") answer no chat: not offered here.
+  let nonChatModels = new Set();
 
   function showImageButton() {
     imageButton.hidden = !visionModels.has(modelSelect.value);
@@ -446,8 +448,8 @@ export function mountChat(section) {
       const status = instanceStatus(state, instance);
       if (placed.get(model) !== "ready") placed.set(model, status);
     }
-    const ids = [...placed.keys()].sort((a, b) => (placed.get(a) === "ready" ? 0 : 1) - (placed.get(b) === "ready" ? 0 : 1));
-    for (const id of servedIds) if (!placed.has(id)) ids.push(id);
+    const ids = [...placed.keys()].filter((id) => !nonChatModels.has(id)).sort((a, b) => (placed.get(a) === "ready" ? 0 : 1) - (placed.get(b) === "ready" ? 0 : 1));
+    for (const id of servedIds) if (!placed.has(id) && !nonChatModels.has(id)) ids.push(id);
     replace(
       modelSelect,
       ids.length ? null : el("option", { value: "", text: "No model served: launch one" }),
@@ -463,6 +465,7 @@ export function mountChat(section) {
       servedIds = models.data.map((m) => m.id);
       const cards = await apiJson("/models");
       visionModels = new Set(cards.filter((card) => card.capabilities.includes("vision")).map((card) => card.model_id));
+      nonChatModels = new Set(cards.filter((card) => !card.capabilities.includes("text")).map((card) => card.model_id));
     } catch (error) {
       console.warn("GET /v1/models or /models failed", error);
     }
