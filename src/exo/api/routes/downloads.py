@@ -85,6 +85,13 @@ async def _control(
 ) -> DownloadControlResponse:
     card = _card(cluster, name)
     target = NodeId(node_id) if node_id else cluster.node_id
+    if action == "start" and target == cluster.node_id and cluster.load_on_request.offline:
+        raise _refusal(
+            f"this node runs with --offline and downloads nothing: put {card.model_id}'s "
+            "files in one of its models directories, or add a local path with "
+            "POST /models/add",
+            409,
+        )
     command = ControlDownload(command_id=CommandId.new(), node_id=target, card=card, action=action)
     try:
         event = await cluster.submit(command)

@@ -225,6 +225,9 @@ async def test_an_offline_node_says_what_works_offline(tmp_path: Path) -> None:
         assert "--offline" in message and "/models/add" in message
         assert "/download/start" not in message and "/ollama/api/pull" not in message
         assert placements(cluster) == []
+        started = await http.post("/download/start", json={"model": QWEN3})
+        assert started.status_code == 409, started.text
+        assert "--offline" in started.json()["error"]["message"]
 
 
 async def test_too_little_memory_answers_503_saying_how_much_is_missing(tmp_path: Path) -> None:

@@ -277,6 +277,21 @@ export function mountChat(section) {
     await generate();
   }
 
+  // A request the node refused as invalid (400: an undecodable image, an image for a
+  // model without vision, ...) was never answered: its user turn goes back into the
+  // composer, text and attachments, instead of staying in the history where every later
+  // request would repeat it.
+  function unsend(conversation, message) {
+    const at = conversation.messages.indexOf(message);
+    const turn = conversation.messages[at - 1];
+    if (at !== conversation.messages.length - 1 || turn?.role !== "user") return false;
+    conversation.messages.splice(at - 1, 2);
+    input.value = turn.content;
+    attachments = turn.attachments ?? [];
+    renderAttachments();
+    return true;
+  }
+
   async function generate() {
     const conversation = active;
     let body;
@@ -317,6 +332,7 @@ export function mountChat(section) {
       });
     } catch (error) {
       if (error.name === "AbortError") message.stopped = true;
+      else if (error.status === 400 && unsend(conversation, message)) toast(error.message, "error");
       else message.error = error.message;
     } finally {
       cancelAnimationFrame(frame);

@@ -3,7 +3,7 @@
 // time to first token (TTFT) and decode speed, and following a long prompt's prefill
 // (the node's `: prefill {...}` comment lines before the first token).
 
-import { apiFetch, errorMessage } from "./api.js";
+import { ApiError, apiFetch, errorMessage } from "./api.js";
 
 /** Splits a `<think>…</think>` prefix out of content (models whose thinking the server did
  * not separate). An unclosed `<think>` is all thinking so far. */
@@ -73,7 +73,7 @@ export async function streamChat(body, { signal, onUpdate, onId }) {
     body: JSON.stringify({ ...body, stream: true, stream_options: { include_usage: true } }),
     signal,
   });
-  if (!response.ok) throw new Error(await errorMessage(response));
+  if (!response.ok) throw new ApiError(await errorMessage(response), response.status, null);
   const result = {
     id: null,
     content: "",
