@@ -59,6 +59,7 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
+from exo.worker.engines.torch.batching.chunk_sizer import FixedChunkSizer
 from exo.worker.engines.torch.batching.request_state import RequestState
 from exo.worker.engines.torch.engine import TorchEngine
 
@@ -190,19 +191,6 @@ def engine_second_turn_ttft(
     }
 
 
-class FixedChunk:
-    """The scheduler's chunk sizer replaced by a fixed prompt chunk per step (A/B runs)."""
-
-    def __init__(self, tokens: int) -> None:
-        self.tokens = tokens
-
-    def observe(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
-        pass
-
-    def chunk(self, decode_rows: int) -> int:
-        return self.tokens
-
-
 def engine_section(
     engine: TorchEngine, concurrency: list[int], decode_tokens: int,
     fixed_chunk: int | None = None, parts: tuple[str, ...] = ENGINE_PARTS,
@@ -210,7 +198,7 @@ def engine_section(
     """Every engine measurement, printed as it completes."""
     engine.eos_token_ids = frozenset({-1})  # every request decodes its whole budget
     if fixed_chunk is not None:
-        engine.scheduler.chunk_sizer = FixedChunk(fixed_chunk)  # type: ignore[assignment]
+        engine.scheduler.chunk_sizer = FixedChunkSizer(fixed_chunk)
     results: dict[str, Any] = {"aggregate": []}
     for count in concurrency if "aggregate" in parts else []:
         row = engine_aggregate_decode(engine, count, decode_tokens)

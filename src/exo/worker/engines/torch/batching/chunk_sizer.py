@@ -149,3 +149,19 @@ class PrefillChunkSizer:
         size = max(1, min(size, self.maximum))
         self._last_chunk = size
         return size
+
+
+@dataclass(slots=True)
+class FixedChunkSizer:
+    """A prompt chunk of `tokens` per step whatever the steps cost: `PrefillChunkSizer`'s
+    interface for A/B benchmarks and for tests whose steps must not depend on the
+    machine's speed (the measured sizer picks chunks from wall-clock step times)."""
+
+    tokens: int
+
+    def observe(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
+        """Nothing to learn: the chunk is fixed."""
+
+    def chunk(self, decode_rows: int) -> int:
+        """`tokens`, for any number of decode rows."""
+        return self.tokens

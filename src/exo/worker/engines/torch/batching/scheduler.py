@@ -56,6 +56,7 @@ from exo.worker.engines.torch.batching.batch_attention import (
 )
 from exo.worker.engines.torch.batching.chunk_sizer import (
     DEFAULT_INITIAL_CHUNK,
+    FixedChunkSizer,
     PrefillChunkSizer,
 )
 from exo.worker.engines.torch.batching.kv_footprint import KVFootprint, first_hit_length
@@ -192,8 +193,9 @@ class BatchScheduler:
         # The engine's test seam only (`testing_seam`): seconds each step with a prefill
         # chunk sleeps before its forward pass; 0 on every production model.
         self.prefill_chunk_seconds = 0.0
-        # Prompt tokens per step beside decodes, from the measured forward passes.
-        self.chunk_sizer = PrefillChunkSizer(
+        # Prompt tokens per step beside decodes, from the measured forward passes (a fixed
+        # chunk where a benchmark or test sets one).
+        self.chunk_sizer: PrefillChunkSizer | FixedChunkSizer = PrefillChunkSizer(
             maximum=PREFILL_TOKENS_PER_IDLE_STEP, initial=PREFILL_TOKENS_PER_STEP
         )
 

@@ -21,6 +21,7 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
+from exo.worker.engines.torch.batching.chunk_sizer import PrefillChunkSizer
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
 from exo.worker.engines.torch.batching.scheduler import (
     PREFILL_TOKENS_PER_IDLE_STEP,
@@ -395,7 +396,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_a_stream_keeps_decoding(
         done = progress[0]
     assert done == prompt_tokens
     # The chunks were sized from this engine's measured steps (one decode row each).
-    assert engine.scheduler.chunk_sizer.decode_seconds(1) is not None
+    sizer = engine.scheduler.chunk_sizer
+    assert isinstance(sizer, PrefillChunkSizer) and sizer.decode_seconds(1) is not None
     assert engine.cancel("s")
 
 

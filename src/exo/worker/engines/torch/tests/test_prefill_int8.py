@@ -302,12 +302,17 @@ def _decode_beside_a_prefill(engine: TorchEngine) -> float:
     in chunks next to A's decode steps: the largest change over A's tokens."""
     from exo.shared.types.common import ModelId
     from exo.shared.types.text_generation import TextGenerationTaskParams
+    from exo.worker.engines.torch.batching.chunk_sizer import FixedChunkSizer
 
     def params(prompt: str, tokens: int) -> TextGenerationTaskParams:
         return TextGenerationTaskParams(
             model=ModelId("m"), prompt=prompt, max_tokens=tokens, temperature=0.0,
             logprobs=True, logit_bias={token: -100.0 for token in engine.eos_token_ids},
         )  # fmt: skip
+
+    # Chunks of a fixed size: the measured sizer's choice follows the machine's load, and
+    # with it which of B's prompt rows share a step with A's decode rows.
+    engine.scheduler.chunk_sizer = FixedChunkSizer(8)
 
     def run(beside: bool) -> list[tuple[int, float]]:
         engine.clear_prefix_cache()
