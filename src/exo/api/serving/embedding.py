@@ -130,6 +130,8 @@ async def compute_embeddings(
                     raise ModelNotFoundError(error.reason, code="no_instance") from None
                 if error.status_code == 413:
                     raise InvalidRequestError(error.reason, param="input") from None
+                if error.status_code == 500:  # its model failed to prepare for good
+                    raise GenerationError(error.reason) from None
                 raise NoCapacityError(error.reason) from None
             chunk = await _first_chunk(request, chunks)
             answered = True

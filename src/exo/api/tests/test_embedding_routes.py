@@ -168,3 +168,26 @@ def test_chat_to_an_embedding_only_model_is_a_400_naming_the_capability() -> Non
         shown = http.post("/api/show", json={"model": EMBEDDER}).json()
         assert shown["capabilities"] == ["embedding"]
     assert cluster.submitted == []
+
+
+def test_a_model_that_failed_to_prepare_for_good_is_a_500_else_a_503() -> None:
+    """As for generations: a permanent preparation failure (a GGUF that cannot be
+    converted) is not worth retrying (500), a passing one is (503)."""
+    from exo.api.serving.cluster_client import CommandRejectedError
+    from exo.shared.types.commands import ComputeEmbeddings, GenerateText
+
+    class Refusing(EmbeddingCluster):
+        status = 500
+
+        async def submit(
+            self, command: GenerateText | ComputeEmbeddings, timeout: float = 0.0
+        ) -> None:
+            raise CommandRejectedError("could not prepare the model", self.status)
+
+    for status, expected in ((500, 500), (503, 503)):
+        cluster = Refusing()
+        cluster.status = status
+        with _client(cluster) as http:
+            answer = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": "a"})
+        assert answer.status_code == expected, answer.text
+        assert "could not prepare" in answer.json()["error"]["message"]
