@@ -72,6 +72,7 @@ from exo.worker.engines.torch.model.loading import (
     model_config,
 )
 from exo.worker.engines.torch.model.sharding import loaded_parameter_bytes
+from exo.worker.engines.torch.parallel import engine_transform
 from exo.worker.engines.torch.parallel.rank_group import RankGroup, check_process_group
 from exo.worker.engines.torch.quant.quantize import WeightDtype
 from exo.worker.engines.torch.testing_seam import TestingSeam, load_testing_seam
@@ -170,7 +171,8 @@ class TorchEngine:
         self._embedding_backend: DecoderEmbeddingBackend | None = None
         # Set by `load` for a model directory the tests marked (`testing_seam`), else None.
         self.testing_seam: TestingSeam | None = None
-        # Set by `load` for a single-rank vision model (Gemma 3 4B+), else None.
+        # Set by `load` for a vision model (Gemma 3 4B+) on a single rank or rank 0 of a
+        # split instance whose parallelism carries images (`runs_vision_tower`), else None.
         self.images: Gemma3Images | None = None
 
     @classmethod
@@ -232,7 +234,10 @@ class TorchEngine:
             )
         engine.testing_seam = load_testing_seam(model_dir)
         vision = "vision" in shard.model_card.capabilities
-        if vision and not split and type(parts.model).__name__ == "Gemma3ForCausalLM":
+        # A split instance's tower: on rank 0 only, where its parallelism carries the
+        # images' blocks and rows to the other ranks (`runs_vision_tower`).
+        towered = engine_transform(shard.sharding).runs_vision_tower(shard)
+        if vision and towered and type(parts.model).__name__ == "Gemma3ForCausalLM":
             # A Gemma3ForConditionalGeneration checkpoint's tower (None for text-only ones).
             engine.images = Gemma3Images.of_model(
                 model_dir, model_config(model_dir), parts.tokenizer, parts.device
@@ -311,8 +316,8 @@ class TorchEngine:
             return render_prompt(self.tokenizer, params)
         if self.images is None:
             raise ValueError(
-                f"{self.card.model_id} takes no images on this instance (vision towers run "
-                "on single-rank instances of vision models only)"
+                f"{self.card.model_id} takes no images on this instance (it has no vision "
+                "tower: a model without vision, or a split that carries no images)"
             )
         return render_prompt(self.tokenizer, params, self.images.tokens)
 

@@ -95,6 +95,13 @@ class EngineTransform(ABC):
         """KV heads per layer this rank caches, of a model with `kv_heads`."""
         return self.description.kv_heads_per_rank(kv_heads, shard.world_size)
 
+    def runs_vision_tower(self, shard: ShardMetadata) -> bool:
+        """Whether rank `shard.device_rank` of a vision model loads and runs its image
+        tower: a whole model's rank; of a split one, rank 0 only where its steps carry the
+        images' blocks and rows to the other ranks (`rank_steps.py`), else none (the
+        instance then refuses images)."""
+        return shard.world_size == 1
+
     # -- how a step travels -------------------------------------------------------------
 
     @abstractmethod

@@ -15,6 +15,10 @@ whose penalties, logit bias or constraint rank 0 applies (`last_rank_sampling.py
 each row's request needs travels in the header). Per micro-batch and hop: two messages (the
 header with its length, the hidden states), over the group's `comm/tcp_mesh.py` TCP links
 when it has them (else gloo).
+
+A vision model's images: the first rank alone holds the embedding, so it alone runs the
+vision tower and puts the image rows into the hidden states it sends on; the header's
+prefill segments carry their image blocks for every rank's attention (`rank_steps.py`).
 """
 
 from __future__ import annotations
@@ -108,6 +112,9 @@ class PipelineTransform(EngineTransform):
     def split_output_layer(self, model: PreTrainedModel, shard: ShardMetadata) -> bool:
         return False  # the last rank holds the whole head
 
+    def runs_vision_tower(self, shard: ShardMetadata) -> bool:
+        return shard.is_first_rank  # the rank with the token embedding
+
     def scheduler_hooks(self, engine: RankEngine) -> SchedulerHooks:
         def launch(
             model: PreTrainedModel,
@@ -183,6 +190,9 @@ def _launch(
         wait = post_receive(answer, last) if header.logit_rows else None
         engine.traffic.count(samplings, vocab_size)
         micro_plan = header.plan(plan.cache, plan.windows, plan.layer_of)
+        # Image tokens: rank 0 embeds them with the tower's rows (the later ranks get them
+        # in the hidden states; every rank reads the segments' image blocks).
+        micro_plan.row_embeddings = micro_batch.row_embeddings(plan.row_embeddings)
         hidden = stage_forward_batch(
             model, micro_plan, header, hidden=None, is_last=False, device=device
         )

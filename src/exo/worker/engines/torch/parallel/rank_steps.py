@@ -11,6 +11,15 @@ request's KV and every rank's prefix entry `k` the same sequence's) and the step
 logit rows. The header is one int64 tensor, sent as its length then its values (one
 message over the links of `comm/tcp_mesh.py`, or two gloo sends without them).
 
+A prompt with images (a vision model's, `batching/prompt_images.py`): the vision tower runs
+on rank 0 only, before the prompt's prefill. The header carries each prefill segment's
+image blocks (`PrefillSegment.image_blocks`: every rank's attention mask needs them, in
+every layer, in every chunk) and the rows whose embeddings rank 0 replaces with an image's
+features (`image_rows`); the features themselves travel only where another rank embeds the
+tokens too (tensor parallel: `tensor.py` sends them after the header), never the pixels. A
+pipeline's first rank alone embeds: the later ranks get the image rows inside its hidden
+states.
+
 A pipeline step with enough rows (`micro_batch_count`) is split into micro-batches
 (`split_micro_batches`): rank 0 computes its layers for micro-batch A and sends it on, then
 computes micro-batch B while rank 1 computes A (as in Huang et al. 2019, "GPipe", without
@@ -228,6 +237,8 @@ class StepHeader:
         prefill: prefill segments following the decode rows.
         input_ids / position_ids: `[T]` the step's flattened tokens and their positions.
         logit_rows: `[R]` rows whose logits are wanted.
+        image_rows: `(row, count)` per run of rows whose embeddings rank 0 replaces with
+            an image's projected features (`BatchPlan.row_embeddings`), in row order.
         samplings: a pipeline step's, one per logit row: what the last rank sends back for
             it (`last_rank_sampling.RowSampling`); empty: `[R, vocab]` logits (tensor
             and expert ranks never send logits).
@@ -242,6 +253,7 @@ class StepHeader:
     position_ids: tuple[int, ...] = ()
     logit_rows: tuple[int, ...] = ()
     samplings: tuple[RowSampling, ...] = ()
+    image_rows: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_plan(
@@ -255,10 +267,13 @@ class StepHeader:
     ) -> StepHeader:
         """The header of a step `forward_batch` would run (`input_ids` / `position_ids`
         `[1, T]`, `logit_rows` `[R]`)."""
+        image_rows = tuple(
+            (row, int(embeddings.shape[0])) for row, embeddings in plan.row_embeddings
+        )
         return cls(
             STEP, cache_ops, tuple(plan.decode_slots), tuple(plan.decode_positions),
             tuple(plan.prefill), tuple(input_ids[0].tolist()), tuple(position_ids[0].tolist()),
-            tuple(logit_rows.tolist()), samplings,
+            tuple(logit_rows.tolist()), samplings, image_rows,
         )  # fmt: skip
 
     @property
@@ -295,11 +310,17 @@ class StepHeader:
         values.append(len(self.prefill))
         for segment in self.prefill:
             values += [segment.slot, segment.start, segment.offset, segment.length]
+            values.append(len(segment.image_blocks))
+            for first, end in segment.image_blocks:
+                values += [first, end]
         values += [len(self.input_ids), *self.input_ids, *self.position_ids]
         values += [len(self.logit_rows), *self.logit_rows]
         values.append(len(self.samplings))
         for sampling in self.samplings:
             values += sampling.encode()
+        values.append(len(self.image_rows))
+        for row, count in self.image_rows:
+            values += [row, count]
         return torch.tensor(values, dtype=torch.int64)
 
     @classmethod
@@ -323,11 +344,13 @@ class StepHeader:
         (decoding,) = take(1)
         slots, positions = tuple(take(decoding)), tuple(take(decoding))
         (segment_count,) = take(1)
-        flat = take(4 * segment_count)  # slot, start, offset, length of each segment
-        segments = tuple(
-            PrefillSegment(flat[i], flat[i + 1], flat[i + 2], flat[i + 3])
-            for i in range(0, len(flat), 4)
-        )
+        segments_read: list[PrefillSegment] = []
+        for _ in range(segment_count):
+            slot, start, offset, length, block_count = take(5)
+            flat = take(2 * block_count)
+            blocks = tuple((flat[i], flat[i + 1]) for i in range(0, len(flat), 2))
+            segments_read.append(PrefillSegment(slot, start, offset, length, blocks))
+        segments = tuple(segments_read)
         (rows,) = take(1)
         input_ids, position_ids = tuple(take(rows)), tuple(take(rows))
         (logit_count,) = take(1)
@@ -339,11 +362,16 @@ class StepHeader:
             RowSampling.decode(flat_samplings[i : i + width])
             for i in range(0, len(flat_samplings), width)
         )
+        (image_count,) = take(1)
+        flat_images = take(2 * image_count)
+        image_rows = tuple(
+            (flat_images[i], flat_images[i + 1]) for i in range(0, len(flat_images), 2)
+        )
         if cursor != len(values):
             raise RuntimeError(f"malformed step header ({len(values)} values, read {cursor})")
         return cls(
             command, ops, slots, positions, segments, input_ids, position_ids, logit_rows,
-            samplings,
+            samplings, image_rows,
         )  # fmt: skip
 
 
@@ -386,18 +414,30 @@ def micro_batch_count(step: StepHeader, world_size: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class MicroBatch:
-    """One micro-batch of a pipeline step: its own header (rows renumbered from 0) and, per
-    logit row of it, the index of that row in the whole step's `logit_rows`."""
+    """One micro-batch of a pipeline step: its own header (rows renumbered from 0), per
+    logit row of it the index of that row in the whole step's `logit_rows`, and per row of
+    it the row of the whole step (`step_rows`)."""
 
     header: StepHeader
     logit_order: tuple[int, ...]
+    step_rows: tuple[int, ...] = ()
+
+    def row_embeddings(
+        self, step_embeddings: list[tuple[int, torch.Tensor]]
+    ) -> list[tuple[int, torch.Tensor]]:
+        """The step's `BatchPlan.row_embeddings` that fall in this micro-batch, renumbered
+        to its rows (a run of image rows lies in one prefill segment, whole in one
+        micro-batch)."""
+        local = {row: index for index, row in enumerate(self.step_rows)}
+        return [(local[row], embeddings) for row, embeddings in step_embeddings if row in local]
 
 
 def split_micro_batches(step: StepHeader, parts: int) -> list[MicroBatch]:
     """Split a step's requests (a decoding request's row, a prefill segment's rows) into at
     most `parts` micro-batches of about equal rows (longest first to the least loaded, the
     LPT rule of Graham 1969). The step's cache operations go with the first micro-batch; the
-    order of rows inside a micro-batch follows the step's (decode rows first).
+    order of rows inside a micro-batch follows the step's (decode rows first); a prefill
+    segment keeps its image blocks, and its image rows go with it.
 
     Raises:
         ValueError: `parts` < 1.
@@ -437,14 +477,21 @@ def split_micro_batches(step: StepHeader, parts: int) -> list[MicroBatch]:
             else:
                 assert segment is not None
                 segments.append(
-                    PrefillSegment(segment.slot, segment.start, len(rows), segment.length)
-                )
+                    PrefillSegment(
+                        segment.slot, segment.start, len(rows), segment.length,
+                        segment.image_blocks,
+                    )
+                )  # fmt: skip
             rows.extend(step_rows)
         local_logits = [local for local, row in enumerate(rows) if row in logit_index]
         samplings = (
             tuple(step.samplings[logit_index[rows[local]]] for local in local_logits)
             if step.samplings
             else ()
+        )
+        local_row = {row: local for local, row in enumerate(rows)}
+        image_rows = tuple(
+            (local_row[row], count) for row, count in step.image_rows if row in local_row
         )
         header = StepHeader(
             STEP,
@@ -456,9 +503,10 @@ def split_micro_batches(step: StepHeader, parts: int) -> list[MicroBatch]:
             tuple(step.position_ids[row] for row in rows),
             tuple(local_logits),
             samplings,
+            image_rows,
         )
         order = tuple(logit_index[rows[local]] for local in local_logits)
-        micro_batches.append(MicroBatch(header, order))
+        micro_batches.append(MicroBatch(header, order, tuple(rows)))
         del part
     return micro_batches
 

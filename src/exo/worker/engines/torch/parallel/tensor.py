@@ -3,6 +3,10 @@ column- and row-parallel linear (the family file says which), its KV heads and i
 the LM head; every rank runs the whole batched step in lockstep (the row-parallel linears
 all-reduce, so every rank computes the same logits; ranks > 0 drop theirs). One broadcast
 of the step header per step (one message per rank).
+
+A vision model's images: rank 0 alone runs the tower; every rank embeds the tokens, so a
+step with image rows (`StepHeader.image_rows`) is followed by their features, `[rows,
+hidden]` float32, sent from rank 0 to each other rank (`send_image_rows`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from exo.shared.models.tensor_names import LAYER_TENSOR
 from exo.shared.types.shards import Sharding, ShardMetadata
 from exo.worker.engines.torch.batching.batch_attention import BatchPlan, forward_batch
 from exo.worker.engines.torch.comm.parallel_linears import RowParallelLinear, SplitWidthRMSNorm
-from exo.worker.engines.torch.comm.process_group import IDLE_WAIT
+from exo.worker.engines.torch.comm.process_group import IDLE_WAIT, receive_tensor, send_tensor
 from exo.worker.engines.torch.model.families import ModelFamily, UnsupportedArchitectureError
 from exo.worker.engines.torch.model.moe import routed_experts_of
 from exo.worker.engines.torch.model.sharding import (
@@ -217,6 +221,9 @@ class TensorTransform(EngineTransform):
     def split_output_layer(self, model: PreTrainedModel, shard: ShardMetadata) -> bool:
         return split_head_by_vocab(model, shard.device_rank, shard.world_size)
 
+    def runs_vision_tower(self, shard: ShardMetadata) -> bool:
+        return shard.is_first_rank  # the image rows follow the header (`send_image_rows`)
+
     def scheduler_hooks(self, engine: RankEngine) -> SchedulerHooks:
         def forward(
             model: PreTrainedModel,
@@ -230,6 +237,8 @@ class TensorTransform(EngineTransform):
                 plan, input_ids, position_ids, logit_rows, engine.take_cache_ops()
             )
             broadcast_step(header, IDLE_WAIT)
+            if plan.row_embeddings:
+                send_image_rows(plan.row_embeddings, engine.world_size)
             return forward_batch(model, plan, input_ids, position_ids, logit_rows)
 
         return SchedulerHooks(forward=forward)
@@ -250,4 +259,32 @@ class TensorTransform(EngineTransform):
         input_ids, position_ids, logit_rows = (
             tensor.to(engine.device) for tensor in header.tensors()
         )
+        if header.image_rows:
+            plan.row_embeddings = receive_image_rows(header.image_rows, engine.hidden_size)
         forward_batch(engine.model, plan, input_ids, position_ids, logit_rows)
+
+
+def send_image_rows(row_embeddings: list[tuple[int, torch.Tensor]], world_size: int) -> None:
+    """Rank 0: a step's image features (`BatchPlan.row_embeddings`, each `[n, hidden]`),
+    concatenated in row order into one `[rows, hidden]` float32 message to every other
+    rank (after the step's header, which says where they go)."""
+    rows = torch.cat([embeddings for _, embeddings in row_embeddings]).float().cpu()
+    rows = rows.contiguous()
+    for rank in range(1, world_size):
+        send_tensor(rows, rank)
+
+
+def receive_image_rows(
+    image_rows: tuple[tuple[int, int], ...], hidden_size: int
+) -> list[tuple[int, torch.Tensor]]:
+    """Ranks > 0: rank 0's `send_image_rows` for a header's `image_rows`, as the plan's
+    `row_embeddings` (`(row, [count, hidden])` float32, views of one buffer).
+
+    Raises:
+        torch.distributed.DistError (or the links' error): rank 0 sent nothing in time.
+    """
+    counts = [count for _, count in image_rows]
+    rows = torch.empty((sum(counts), hidden_size), dtype=torch.float32)
+    receive_tensor(rows, 0)
+    pieces = torch.split(rows, counts)
+    return [(row, piece) for (row, _), piece in zip(image_rows, pieces, strict=True)]
