@@ -260,7 +260,9 @@ class TensorTransform(EngineTransform):
             tensor.to(engine.device) for tensor in header.tensors()
         )
         if header.image_rows:
-            plan.row_embeddings = receive_image_rows(header.image_rows, engine.hidden_size)
+            plan.row_embeddings = receive_image_rows(
+                header.image_rows, engine.hidden_size, engine.device
+            )
         forward_batch(engine.model, plan, input_ids, position_ids, logit_rows)
 
 
@@ -275,10 +277,10 @@ def send_image_rows(row_embeddings: list[tuple[int, torch.Tensor]], world_size: 
 
 
 def receive_image_rows(
-    image_rows: tuple[tuple[int, int], ...], hidden_size: int
+    image_rows: tuple[tuple[int, int], ...], hidden_size: int, device: torch.device
 ) -> list[tuple[int, torch.Tensor]]:
     """Ranks > 0: rank 0's `send_image_rows` for a header's `image_rows`, as the plan's
-    `row_embeddings` (`(row, [count, hidden])` float32, views of one buffer).
+    `row_embeddings` (`(row, [count, hidden])` float32 on `device`).
 
     Raises:
         torch.distributed.DistError (or the links' error): rank 0 sent nothing in time.
@@ -286,5 +288,5 @@ def receive_image_rows(
     counts = [count for _, count in image_rows]
     rows = torch.empty((sum(counts), hidden_size), dtype=torch.float32)
     receive_tensor(rows, 0)
-    pieces = torch.split(rows, counts)
+    pieces = torch.split(rows.to(device), counts)
     return [(row, piece) for (row, _), piece in zip(image_rows, pieces, strict=True)]
