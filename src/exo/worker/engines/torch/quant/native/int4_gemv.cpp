@@ -94,7 +94,10 @@ inline void gguf_block_values(const uint8_t* block, __m256i& w0, __m256i& w1) {
 // unpacked weight scales already hold the activation blocks' scales (`unpack_scales`), which
 // spares two broadcasts and two multiplies per 64 weights of an instruction-bound loop
 // (the same float32 products, so the same sums).
+// Never inlined, as prefill.cpp's gemm_tile: inlined into the row dispatch, GCC 12 spilled
+// the accumulators of several activation rows (figures: docs/benchmarks/2026-12-05-avx2-tiles.md).
 template <int ROWS, int NR, bool FOLDED = false>
+[[gnu::noinline]]
 void tile_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
                   const uint16_t* scale_zero, int64_t groups, int64_t group_size,
                   const float* offset_sums, float* y, int64_t n_total, int64_t n,
@@ -578,6 +581,7 @@ namespace {
 // 2i + 1 of the block in its low and high bytes); no byte-to-word widening.
 #ifdef EXO_AVX2
 template <int ROWS, int NR>
+[[gnu::noinline]]
 void tile_avx2_int8_channel(const int16_t* xq, const float* x_scales, int64_t k, const int8_t* v,
                             const uint16_t* scales, float* y, int64_t n_total, int64_t n) {
   const int64_t blocks = k / kBlock;
@@ -768,6 +772,7 @@ namespace {
 // bfloat16 arithmetic (figures: docs/benchmarks/engine-design-figures.md#int4_gemvcpp).
 #ifdef EXO_AVX2
 template <int NR>
+[[gnu::noinline]]
 void tile_avx2_bf16(const float* x, int64_t rows, int64_t k, const uint16_t* w, float* y,
                     int64_t n_total, int64_t n) {
   for (int64_t r = 0; r < rows; ++r) {

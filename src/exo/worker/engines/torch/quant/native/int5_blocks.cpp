@@ -74,6 +74,7 @@ inline void group_avx2_int5(const uint8_t* group, const int16_t* xq, int64_t k,
 // NR output rows from n at once for ROWS activation rows. `scratch` holds NR * ROWS * blocks
 // floats.
 template <int ROWS, int NR>
+[[gnu::noinline]]
 void tile_avx2_int5(const int16_t* xq, const float* x_scales, const __m256i* x_offsets,
                     int64_t k, const uint8_t* w, const uint16_t* scales_bf16, float* y,
                     int64_t n_total, int64_t n, float* scratch) {

@@ -195,7 +195,12 @@ void pack_slab(const uint8_t* bytes, int64_t row_bytes, Held held, int64_t k, in
 // `packed_tile`): each block's int32 sums, then its scales, into `acc` [ROWS][16].
 // With HALVES 2 (symmetric blocks of 16: zero offsets) each half of a block (input pairs
 // 0-7, 8-15) is summed and scaled on its own, `blocks_per_group` then counting halves.
+// Never inlined: inlined into int16_slab_product's row-group dispatch, GCC 12 kept the tile's
+// int32 block sums on the stack (a store and a reload around each vpaddd); alone it holds
+// them in registers, 1.4x faster on a Zen 3 core
+// (figures: docs/benchmarks/2026-12-05-avx2-tiles.md).
 template <int ROWS, int HALVES>
+[[gnu::noinline]]
 void gemm_tile(const int16_t* xq, const float* x_scales, const float* x_sums, int64_t k,
                const int32_t* packed_tile, const float* scales, const float* offsets,
                int64_t padded, int64_t blocks_per_group, float* acc) {

@@ -63,6 +63,7 @@ inline int32_t horizontal_sum_epi32(__m256i v) {
 // rounded activations from `x_sums` [ROWS][k / 16] (else [ROWS][k / 32]), and
 // `blocks_per_group` counts halves.
 template <int ROWS, int STEPS, int HALVES>
+[[gnu::noinline]]
 void gemm_tile_u8(const int8_t* xq, const float* x_scales, const float* x_sums, int64_t k,
                   const int32_t* tile, const float* scales, const float* offsets,
                   int64_t padded, int64_t blocks_per_group, float* acc) {

@@ -1,0 +1,67 @@
+"""exo's int4 products per activation row, as a step calls them (`Int4Linear.matmul`: the
+decode kernel for up to 7 rows, prefill's `block_matmul` above), on one thread, for a range
+of row counts: how the cost of a row falls as rows share one read of the weight.
+
+Usage: PYTHONPATH=src python bench/bench_int4_rows.py [--shapes 1536x2048 2048x768]
+       [--rows 1 2 4 8 16 32 128 512] [--calls-rows 2048] [--repeats 7]
+
+Each shape is OUTxIN (outputs x inputs) of one random int4 linear (groups as `Int4Linear`
+quantizes them). Each figure is the median over `--repeats` of the thread CPU time
+(`time.thread_time`) of a loop of calls over about `--calls-rows` rows in all, divided by
+the calls: on a machine shared with other work that moves far less than wall time. Prints
+per row count the time per call, per row, the multiple of the one-row call's time, and
+GOP/s (2 x outputs x inputs x rows per second). The defaults are Qwen3-30B-A3B's expert
+shapes (fused gate/up 1536x2048, down 2048x768). Numbers only; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main() -> None:
+    import torch
+    from torch import nn
+
+    from exo.worker.engines.torch.quant.int4_groups import Int4Linear
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["1536x2048", "2048x768"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128, 512])
+    parser.add_argument("--calls-rows", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    for shape in args.shapes:
+        outputs, inputs = (int(part) for part in shape.split("x"))
+        linear = nn.Linear(inputs, outputs, bias=False)
+        nn.init.normal_(linear.weight, std=0.02)
+        quantized = Int4Linear(linear)
+        print(f"{shape}: native {quantized.native}, prefill activations "
+              f"{quantized.prefill_activations}")  # fmt: skip
+        first: float | None = None
+        for rows in args.rows:
+            x = torch.randn(rows, inputs)
+            calls = max(1, args.calls_rows // rows)
+            for _ in range(3):
+                quantized.matmul(x)
+            times = []
+            for _ in range(args.repeats):
+                started = time.thread_time()
+                for _ in range(calls):
+                    quantized.matmul(x)
+                times.append((time.thread_time() - started) / calls)
+            call = statistics.median(times)
+            first = first or call
+            print(
+                f"  rows {rows:4d}: {call * 1e3:8.3f} ms/call {call / rows * 1e6:8.2f} us/row "
+                f"x{call / first:6.2f} of the first  "
+                f"{2 * outputs * inputs * rows / call / 1e9:6.1f} GOP/s"
+            )
+
+
+if __name__ == "__main__":
+    main()
