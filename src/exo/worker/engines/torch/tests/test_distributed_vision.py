@@ -302,15 +302,12 @@ def single_outcomes(vision_dir: Path) -> dict[str, list[Outcome]]:
     return outcomes
 
 
-@pytest.fixture(scope="module")
-def split_reports(vision_dir: Path) -> dict[str, Any]:
-    """One 2-rank group that loads the checkout pipeline-split, then tensor-split: which
-    ranks loaded the tower, and rank 0's outcomes, per mode."""
-    reports = run_rank_processes(
-        _vision_rank_main, (str(vision_dir), list(MODES)), 2, GROUP_DEADLINE_S
-    )
-    towers = {(mode, rank): loaded for kind, mode, rank, loaded in reports if kind == "tower"}
-    outcomes = {mode: value for kind, mode, _, value in reports if kind == "outcomes"}
+def _split_reports(vision_dir: Path, mode: str) -> dict[str, Any]:
+    """One 2-rank group that loads the checkout split by `mode`: which ranks loaded the
+    tower, and rank 0's outcomes."""
+    reports = run_rank_processes(_vision_rank_main, (str(vision_dir), [mode]), 2, GROUP_DEADLINE_S)
+    towers = {rank: loaded for kind, _, rank, loaded in reports if kind == "tower"}
+    [outcomes] = [value for kind, _, _, value in reports if kind == "outcomes"]
     return {"towers": towers, "outcomes": outcomes}
 
 
@@ -326,12 +323,15 @@ def _check_equal(single: dict[str, list[Outcome]], split: dict[str, list[Outcome
             assert difference < LOGPROB_TOLERANCE, (name, difference)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "mode",
+    [pytest.param(mode, marks=[pytest.mark.slow] if mode == "tensor" else []) for mode in MODES],
+)
 def test_split_takes_images_as_single(
-    mode: str, split_reports: dict[str, Any], single_outcomes: dict[str, list[Outcome]]
+    mode: str, vision_dir: Path, single_outcomes: dict[str, list[Outcome]]
 ) -> None:
-    """2-rank pipeline and tensor groups: the tower on rank 0 only; every scenario's
-    tokens, logprobs and cached counts as the single process's."""
-    towers = split_reports["towers"]
-    assert (towers[(mode, 0)], towers[(mode, 1)]) == (True, False)
-    _check_equal(single_outcomes, split_reports["outcomes"][mode])
+    """2-rank pipeline (and, slow, tensor) groups: the tower on rank 0 only; every
+    scenario's tokens, logprobs and cached counts as the single process's."""
+    reports = _split_reports(vision_dir, mode)
+    assert (reports["towers"][0], reports["towers"][1]) == (True, False)
+    _check_equal(single_outcomes, reports["outcomes"])
