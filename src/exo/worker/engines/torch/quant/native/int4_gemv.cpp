@@ -112,8 +112,16 @@ void tile_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
     for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm256_setzero_ps();
   const __m256i nibble = _mm256_set1_epi16(0x000F);
   const int64_t pairs = blocks / 2;
+  // A block's group: a shift where groups hold a power of two of blocks (every format exo
+  // makes), found once: a 64-bit division per pair of blocks was a hot spot of the loop.
+  const bool pow2 = (blocks_per_group & (blocks_per_group - 1)) == 0;
+  const int shift = pow2 ? __builtin_ctzll(static_cast<uint64_t>(blocks_per_group)) : 0;
+  const auto group_of = [&](int64_t block) {
+    return FOLDED ? block : pow2 ? block >> shift : block / blocks_per_group;
+  };
   for (int64_t p = 0; p < pairs; ++p) {  // two blocks: 32 bytes, 16 lanes of four nibbles
     const int64_t b = 2 * p;
+    const int64_t g0 = group_of(b), g1 = group_of(b + 1);
     for (int i = 0; i < NR; ++i) {
       const uint8_t* pair = q + (n + i) * (k / 2) + p * 32;
       const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
@@ -122,9 +130,8 @@ void tile_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
       const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(lanes, 4), nibble);
       const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(lanes, 8), nibble);
       const __m256i w3 = _mm256_srli_epi16(lanes, 12);  // q[48..63]
-      const __m256 scale0 = _mm256_broadcast_ss(scales + i * groups + b / blocks_per_group);
-      const __m256 scale1 =
-          _mm256_broadcast_ss(scales + i * groups + (b + 1) / blocks_per_group);
+      const __m256 scale0 = _mm256_broadcast_ss(scales + i * groups + g0);
+      const __m256 scale1 = _mm256_broadcast_ss(scales + i * groups + g1);
       for (int r = 0; r < ROWS; ++r) {
         const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock);
         const __m256i sums0 = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xv)),
