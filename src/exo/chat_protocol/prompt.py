@@ -93,8 +93,9 @@ def render_prompt(
             first turn is rendered at its place, or folded into the leading system message
             when the template rejects or drops it there (`fold_system_messages`).
         image_tokens: a vision model's image tokens: each message's `IMAGE_MARKER` becomes
-            the template's image part, then the image's whole token sequence (the text
-            keeps the template's part). None: markers are text (a model without them).
+            the template's image part, then the image's whole token sequence for its
+            width and height (the text keeps the template's part). None: markers are
+            text (a model without them).
 
     Returns:
         The prompt's text and token ids, and how to parse the model's output.
@@ -106,11 +107,11 @@ def render_prompt(
     """
     if params.prompt is not None:
         return raw_prompt(tokenizer, params.prompt)
-    images = sum(len(message.images) for message in params.messages)
-    if images and image_tokens is not None:
+    sizes = [(image.width, image.height) for message in params.messages for image in message.images]
+    if sizes and image_tokens is not None:
         messages = image_tokens.template_messages(params.messages)
         rendered = render_prompt(tokenizer, params.model_copy(update={"messages": messages}))
-        token_ids, _ = image_tokens.expand(rendered.token_ids, images)
+        token_ids, _ = image_tokens.expand(rendered.token_ids, sizes)
         return dataclasses.replace(rendered, token_ids=token_ids)
     later_system = [message for message in params.messages[1:] if message.role == "system"]
     if not later_system:

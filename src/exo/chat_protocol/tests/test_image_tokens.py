@@ -12,7 +12,7 @@ from tokenizers import AddedToken, Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from exo.chat_protocol.image_tokens import ImageTokens
+from exo.chat_protocol.image_tokens import Gemma3ImageTokens, ImageTokens
 from exo.chat_protocol.prompt import render_prompt
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
@@ -80,7 +80,7 @@ def test_of_model_reads_config_json(tmp_path: Path) -> None:
     assert ImageTokens.of_model(tmp_path, tokenizer) is None  # no config.json
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     tokens = ImageTokens.of_model(tmp_path, tokenizer)
-    assert tokens is not None and (tokens.begin, tokens.per_image) == (BEGIN, 3)
+    assert isinstance(tokens, Gemma3ImageTokens) and (tokens.begin, tokens.per_image) == (BEGIN, 3)
     assert tokens.begin_text == "<start_of_image>"
     (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "vision_config": None}))
     assert ImageTokens.of_model(tmp_path, tokenizer) is None  # a text-only Gemma 3

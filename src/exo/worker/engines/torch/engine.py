@@ -65,13 +65,13 @@ from exo.worker.engines.torch.decoding.token_choice import token_chooser_for, to
 from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary
 from exo.worker.engines.torch.embedding.decoder import DecoderEmbeddingBackend
 from exo.worker.engines.torch.model.families import family_for_architecture
-from exo.worker.engines.torch.model.gemma3_vision import Gemma3Images
 from exo.worker.engines.torch.model.loading import (
     LayerProgressCallback,
     load_parts,
     model_config,
 )
 from exo.worker.engines.torch.model.sharding import loaded_parameter_bytes
+from exo.worker.engines.torch.model.vision_input import VisionInput
 from exo.worker.engines.torch.parallel.rank_group import RankGroup, check_process_group
 from exo.worker.engines.torch.quant.quantize import WeightDtype
 from exo.worker.engines.torch.testing_seam import TestingSeam, load_testing_seam
@@ -170,8 +170,8 @@ class TorchEngine:
         self._embedding_backend: DecoderEmbeddingBackend | None = None
         # Set by `load` for a model directory the tests marked (`testing_seam`), else None.
         self.testing_seam: TestingSeam | None = None
-        # Set by `load` for a single-rank vision model (Gemma 3 4B+), else None.
-        self.images: Gemma3Images | None = None
+        # Set by `load` for a single-rank vision model (`VisionInput.of_model`), else None.
+        self.images: VisionInput | None = None
 
     @classmethod
     def load(
@@ -232,9 +232,9 @@ class TorchEngine:
             )
         engine.testing_seam = load_testing_seam(model_dir)
         vision = "vision" in shard.model_card.capabilities
-        if vision and not split and type(parts.model).__name__ == "Gemma3ForCausalLM":
-            # A Gemma3ForConditionalGeneration checkpoint's tower (None for text-only ones).
-            engine.images = Gemma3Images.of_model(
+        if vision and not split:
+            # The checkpoint's tower, by its config (None for text-only ones).
+            engine.images = VisionInput.of_model(
                 model_dir, model_config(model_dir), parts.tokenizer, parts.device
             )
         logger.info(
@@ -438,8 +438,7 @@ class TorchEngine:
         if images:  # the tower runs here, once per image, before the prompt's prefill
             if self.images is None:
                 raise ValueError(f"{self.card.model_id} takes no images on this instance")
-            pairs = [(image.data, image.sha256) for image in images]
-            prompt_images = self.images.prompt_images(prompt_ids, pairs)
+            prompt_images = self.images.prompt_images(prompt_ids, images)
         if sampling is None:
             sampling = resolve_sampling_params(params, self.card.sampling_defaults)
         return RequestState(
