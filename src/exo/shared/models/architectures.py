@@ -12,6 +12,7 @@ from __future__ import annotations
 
 ENGINE_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
+    "Idefics3ForConditionalGeneration",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
