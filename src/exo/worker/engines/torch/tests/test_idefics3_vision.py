@@ -40,7 +40,12 @@ SPECIALS = [
     *[f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)],
 ]  # fmt: skip
 IMAGE_ID = 45  # "<image>": after 43 words, "\n" and `<fake_token_around_image>`
-TEMPLATE = "<s>{% for message in messages %}{{ message.content }} {% endfor %}"
+# Content parts only, as SmolVLM's template reads them (a string content renders as nothing).
+TEMPLATE = (
+    "<s>{% for message in messages %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %} <end_of_utterance> {% endfor %}"
+)
 
 
 def _png(width: int, height: int, seed: int) -> bytes:
@@ -175,9 +180,11 @@ def test_two_images_equal_transformers(
         model=ModelId(engine.card.model_id), messages=(message,), max_tokens=STEPS,
         temperature=0.0,
     )  # fmt: skip
-    prompt_ids = engine.render_prompt(params).token_ids
+    rendered = engine.render_prompt(params)
+    assert rendered.text == "<s>w1 w2 <image> w3 w4 <image> w5 <end_of_utterance> "
+    prompt_ids = rendered.token_ids
     images = [Image.open(io.BytesIO(picture)).convert("RGB") for picture in pictures]
-    text = "<s>w1 w2 <image> w3 w4 <image> w5 "
+    text = "<s>w1 w2 <image> w3 w4 <image> w5 <end_of_utterance> "
     inputs = processor(text=text, images=images, return_tensors="pt")
     assert prompt_ids == inputs["input_ids"][0].tolist()
     image = processor.image_token_id
@@ -313,6 +320,7 @@ def test_chunks_cut_inside_tiles_equal_one_prefill(
     prompt_ids = engine.render_prompt(params).token_ids
     generated = [token for piece in engine.generate(params) for token in piece.token_ids]
     image = Image.open(io.BytesIO(picture)).convert("RGB")
-    inputs = processor(text="<s>w1 <image> w2 ", images=[image], return_tensors="pt")
+    text = "<s>w1 <image> w2 <end_of_utterance> "
+    inputs = processor(text=text, images=[image], return_tensors="pt")
     expected = _reference_logits(reference, prompt_ids + generated[:-1], inputs)
     assert (torch.stack(chooser.rows) - expected[len(prompt_ids) - 1 :]).abs().max() < TOLERANCE
