@@ -2,7 +2,8 @@
 shared with the API node's token counts) and a tower that turns a request's images into the
 rows that replace their soft tokens (`ImageEncoder`), chosen by the checkpoint's config.
 
-Families: Gemma 3 (`gemma3_vision.py`) and Idefics3 / SmolVLM (`idefics3_vision.py`). Adding
+Families: Gemma 3 (`gemma3_vision.py`), Idefics3 / SmolVLM (`idefics3_vision.py`) and
+Mistral 3 with Pixtral's tower (`mistral3_vision.py`). Adding
 one: its `ImageTokens` subclass (`exo.chat_protocol.image_tokens`), an encoder here, and a
 case in `VisionInput.of_model`.
 """
@@ -16,11 +17,17 @@ from typing import Any, Protocol
 
 import torch
 
-from exo.chat_protocol.image_tokens import Gemma3ImageTokens, Idefics3ImageTokens, ImageTokens
+from exo.chat_protocol.image_tokens import (
+    Gemma3ImageTokens,
+    Idefics3ImageTokens,
+    ImageTokens,
+    PixtralImageTokens,
+)
 from exo.shared.types.text_generation import ImageInput
 from exo.worker.engines.torch.batching.prompt_images import PromptImage
 from exo.worker.engines.torch.model.gemma3_vision import Gemma3ImageEncoder
 from exo.worker.engines.torch.model.idefics3_vision import Idefics3ImageEncoder
+from exo.worker.engines.torch.model.mistral3_vision import Mistral3ImageEncoder
 
 
 class ImageEncoder(Protocol):
@@ -69,6 +76,8 @@ class VisionInput:
                 encoder = Gemma3ImageEncoder.load(model_dir, config, device)
             case Idefics3ImageTokens():
                 encoder = Idefics3ImageEncoder.load(model_dir, config, device)
+            case PixtralImageTokens():
+                encoder = Mistral3ImageEncoder.load(model_dir, config, tokens, device)
             case _:
                 return None
         return cls(tokens, encoder)
