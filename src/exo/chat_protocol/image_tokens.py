@@ -11,8 +11,10 @@ One subclass per vision family, chosen by the checkpoint's `config.json` (`model
   and the processor writes "\\n\\n" + `<start_of_image>` + the image soft token x
   `mm_tokens_per_image` + `<end_of_image>` + "\\n\\n" in its place, whatever the image's size.
   The image's soft tokens attend to each other in both directions.
-- Idefics3 / SmolVLM (`Idefics3ForConditionalGeneration`; facts from transformers'
-  `Idefics3Processor` and `Idefics3ImageProcessor`): the template writes `<image>`; the image
+- Idefics3 / SmolVLM (`Idefics3ForConditionalGeneration`, and SmolVLM2's
+  `SmolVLMForConditionalGeneration`, whose processor lays images out the same way; facts
+  from transformers' `Idefics3Processor` and `Idefics3ImageProcessor`): the template writes
+  `<image>`; the image
   is resized so its longest edge is `size.longest_edge`, then up to multiples of the tile
   size (`max_image_size.longest_edge`) and cut into `rows x cols` tiles plus a global view of
   the whole image at tile size (one view and no tiles when it is a single tile). Each tile
@@ -110,7 +112,7 @@ class ImageTokens(ABC):
         model_type = config.get("model_type")
         if model_type == "gemma3":
             return Gemma3ImageTokens.from_config(config, tokenizer)
-        if model_type == "idefics3":
+        if model_type in ("idefics3", "smolvlm"):
             return Idefics3ImageTokens.from_config(config, tokenizer, preprocessor or {})
         if model_type == "mistral3":
             return PixtralImageTokens.from_config(config, tokenizer, preprocessor or {})

@@ -1,5 +1,6 @@
-"""Idefics3's image input (`Idefics3ForConditionalGeneration`: SmolVLM, Idefics3): tiling and
-pixels, and the vision tower with its connector, loaded beside the Llama text model.
+"""Idefics3's image input (`Idefics3ForConditionalGeneration`: SmolVLM, Idefics3; and SmolVLM2's
+`SmolVLMForConditionalGeneration`, the same design): tiling and pixels, and the vision tower
+with its connector, loaded beside the Llama text model.
 
 Facts taken from transformers' Idefics3 image processor and model (the code here is exo's
 own; the token layout and the tiling arithmetic are `exo.chat_protocol.image_tokens`):
@@ -125,14 +126,18 @@ class Idefics3VisionEncoder(nn.Module):
 
     @classmethod
     def from_config(cls, config: Any) -> Idefics3VisionEncoder:
-        """Random-weight modules of `config`'s shapes (float32, eval mode)."""
-        from transformers.models.idefics3.modeling_idefics3 import (
-            Idefics3Connector,
-            Idefics3VisionTransformer,
-        )
+        """Random-weight modules of `config`'s shapes (float32, eval mode): Idefics3's, or
+        SmolVLM2's (`model_type` "smolvlm": the same tower and connector under its names)."""
+        from transformers.models.idefics3 import modeling_idefics3
+        from transformers.models.smolvlm import modeling_smolvlm
 
-        tower = Idefics3VisionTransformer(config.vision_config)
-        return cls(config, tower, Idefics3Connector(config)).float().eval()
+        if config.model_type == "smolvlm":
+            tower: nn.Module = modeling_smolvlm.SmolVLMVisionTransformer(config.vision_config)
+            connector: nn.Module = modeling_smolvlm.SmolVLMConnector(config)
+        else:
+            tower = modeling_idefics3.Idefics3VisionTransformer(config.vision_config)
+            connector = modeling_idefics3.Idefics3Connector(config)
+        return cls(config, tower, connector).float().eval()
 
     @classmethod
     def load(cls, model_dir: Path, config: Any) -> Idefics3VisionEncoder:
