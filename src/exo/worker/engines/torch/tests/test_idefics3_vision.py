@@ -195,6 +195,8 @@ def _check_two_images(checkout: tuple[Path, Any, Any], monkeypatch: pytest.Monke
     directory, reference, processor = checkout
     engine = _engine(directory)
     assert engine.images is not None
+    # The API node reads the layout from the files (`token_counting`): the runner's own.
+    assert engine.images.tokens == ImageTokens.of_model(directory, engine.tokenizer)
     pictures = [_png(60, 40, seed=1), _png(70, 20, seed=2)]
     message = ChatMessage(
         role="user",

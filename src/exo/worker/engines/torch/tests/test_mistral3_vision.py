@@ -185,6 +185,8 @@ def test_two_images_equal_transformers(
     directory, reference, processor = checkout
     engine = _engine(directory)
     assert engine.images is not None
+    # The API node reads the layout from the files (`token_counting`): the runner's own.
+    assert engine.images.tokens == ImageTokens.of_model(directory, engine.tokenizer)
     pictures = [_png(60, 40, seed=1), _png(100, 30, seed=2)]
     message = ChatMessage(
         role="user",
