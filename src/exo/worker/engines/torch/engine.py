@@ -172,6 +172,7 @@ class TorchEngine:
         self.testing_seam: TestingSeam | None = None
         # Set by `load` for a single-rank vision model (`VisionInput.of_model`), else None.
         self.images: VisionInput | None = None
+        self.images_refusal = "vision towers run on single-rank instances of vision models only"
 
     @classmethod
     def load(
@@ -233,10 +234,16 @@ class TorchEngine:
         engine.testing_seam = load_testing_seam(model_dir)
         vision = "vision" in shard.model_card.capabilities
         if vision and not split:
-            # The checkpoint's tower, by its config (None for text-only ones).
-            engine.images = VisionInput.of_model(
-                model_dir, model_config(model_dir), parts.tokenizer, parts.device
-            )
+            # The checkpoint's tower, by its config (None for text-only ones). Without its
+            # tensors (weight files holding only the tower are not downloaded for a text
+            # shard) the model still serves text, and refuses images saying why.
+            try:
+                engine.images = VisionInput.of_model(
+                    model_dir, model_config(model_dir), parts.tokenizer, parts.device
+                )
+            except ValueError as error:
+                engine.images_refusal = "the weights of its vision tower are not on this node"
+                logger.warning("{}: images refused: {}", shard.model_card.model_id, error)
         logger.info(
             "{}loaded {} ({} weights) in {:.1f} s",
             f"rank {shard.device_rank}/{shard.world_size} " if split else "",
@@ -311,8 +318,7 @@ class TorchEngine:
             return render_prompt(self.tokenizer, params)
         if self.images is None:
             raise ValueError(
-                f"{self.card.model_id} takes no images on this instance (vision towers run "
-                "on single-rank instances of vision models only)"
+                f"{self.card.model_id} takes no images on this instance ({self.images_refusal})"
             )
         return render_prompt(self.tokenizer, params, self.images.tokens)
 

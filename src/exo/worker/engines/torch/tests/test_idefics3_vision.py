@@ -351,3 +351,32 @@ def test_chunks_cut_inside_tiles_equal_one_prefill(
     inputs = processor(text=text, images=[image], return_tensors="pt")
     expected = _reference_logits(reference, prompt_ids + generated[:-1], inputs)
     assert (torch.stack(chooser.rows) - expected[len(prompt_ids) - 1 :]).abs().max() < TOLERANCE
+
+
+def test_a_checkout_without_the_tower_serves_text_and_refuses_images(
+    checkout: tuple[Path, Any, Any], tmp_path: Path
+) -> None:
+    """Weight files without the tower's tensors (a download that skipped them): the model
+    loads and chats; an image is a ValueError (400) saying the tower's weights are missing."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, _, _ = checkout
+    directory = tmp_path / "no-tower"
+    shutil.copytree(source, directory)
+    tensors = load_file(str(directory / "model.safetensors"))
+    text = {name: tensor for name, tensor in tensors.items() if "vision_model" not in name}
+    save_file(text, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    engine = _engine(directory)
+    assert engine.images is None
+    chat = ChatMessage(role="user", content="w1 w2")
+    params = TextGenerationTaskParams(
+        model=ModelId(engine.card.model_id), messages=(chat,), max_tokens=2, temperature=0.0
+    )
+    assert [piece for piece in engine.generate(params)][-1].finish_reason is not None
+    image = ChatMessage(
+        role="user", content=f"w1 {IMAGE_MARKER}", images=(_image_input(_png(60, 40, seed=1)),)
+    )
+    with pytest.raises(ValueError, match="weights of its vision tower are not on this node"):
+        engine.render_prompt(params.model_copy(update={"messages": (image,)}))
