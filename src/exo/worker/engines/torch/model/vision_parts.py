@@ -16,16 +16,22 @@ from torch import nn
 
 
 def decode_rgb(data: bytes) -> Image.Image:
-    """One image file (PNG, JPEG, WebP, GIF: its first frame, BMP) as an RGB Pillow image.
+    """One image file (PNG, JPEG, WebP, GIF: its first frame, BMP) as an RGB Pillow image;
+    a transparent one is laid over white first, as transformers' image processors do
+    (`convert_to_rgb`), so its transparent pixels are white rather than their hidden color.
 
     Raises:
         ValueError: bytes Pillow cannot decode.
     """
     try:
         with Image.open(io.BytesIO(data)) as opened:
-            return opened.convert("RGB")
+            if "A" not in opened.getbands() and opened.info.get("transparency") is None:
+                return opened.convert("RGB")
+            image = opened.convert("RGBA")
     except (OSError, Image.DecompressionBombError) as error:
         raise ValueError(f"undecodable image: {error}") from error
+    white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, image).convert("RGB")
 
 
 def normalized_pixels(

@@ -250,6 +250,21 @@ def test_views_equal_transformers_image_processor(checkout: tuple[Path, Any, Any
         assert (got - expected["pixel_values"][0]).abs().max().item() < 1e-5
 
 
+def test_transparent_image_views_equal_transformers(checkout: tuple[Path, Any, Any]) -> None:
+    """A half-transparent RGBA PNG: laid over white as transformers' processor does."""
+    directory, _, processor = checkout
+    config = json.loads((directory / "config.json").read_text())
+    preprocessing = Idefics3Preprocessing.of_model(directory, config["vision_config"]["image_size"])
+    generator = torch.Generator().manual_seed(7)
+    pixels = torch.randint(0, 256, (40, 60, 4), dtype=torch.uint8, generator=generator)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels.numpy(), mode="RGBA").save(buffer, format="PNG")
+    image = Image.open(io.BytesIO(buffer.getvalue()))
+    expected = processor.image_processor(images=[image], return_tensors="pt")["pixel_values"][0]
+    got = preprocessing.views(buffer.getvalue())
+    assert (got - expected).abs().max().item() < 1e-5
+
+
 def test_layout_follows_the_processor_for_many_sizes(checkout: tuple[Path, Any, Any]) -> None:
     """The image token sequence from the width and height alone (what the API node counts)
     is the processor's, for wide, tall, tiny and square images, split into tiles or (with
