@@ -33,7 +33,12 @@ from exo.chat_protocol.image_tokens import ImageTokens
 from exo.chat_protocol.output_parsing import THINK_OPEN
 from exo.chat_protocol.tool_call_markup import HERMES_CLOSE, HERMES_OPEN
 from exo.chat_protocol.tool_call_parsing import ToolCallFormat
-from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams, ToolDefinition
+from exo.shared.types.text_generation import (
+    IMAGE_MARKER,
+    ChatMessage,
+    TextGenerationTaskParams,
+    ToolDefinition,
+)
 
 __all__ = [
     "MARKER_TOKENS",
@@ -93,8 +98,9 @@ def render_prompt(
             first turn is rendered at its place, or folded into the leading system message
             when the template rejects or drops it there (`fold_system_messages`).
         image_tokens: a vision model's image tokens: each message's `IMAGE_MARKER` becomes
-            the template's image part, then the image's whole token sequence (the text
-            keeps the template's part). None: markers are text (a model without them).
+            the template's image part, then the image's whole token sequence for its
+            width and height (the text keeps the template's part). None: markers are
+            text (a model without them).
 
     Returns:
         The prompt's text and token ids, and how to parse the model's output.
@@ -106,11 +112,14 @@ def render_prompt(
     """
     if params.prompt is not None:
         return raw_prompt(tokenizer, params.prompt)
-    images = sum(len(message.images) for message in params.messages)
-    if images and image_tokens is not None:
-        messages = image_tokens.template_messages(params.messages)
+    sizes = [(image.width, image.height) for message in params.messages for image in message.images]
+    if sizes and image_tokens is not None:
+        # A template of content parts writes its own image part for each image part.
+        source = template_source(tokenizer, with_tools=bool(params.offered_tools))
+        parts = reads_content_parts(tokenizer, source)
+        messages = params.messages if parts else image_tokens.template_messages(params.messages)
         rendered = render_prompt(tokenizer, params.model_copy(update={"messages": messages}))
-        token_ids, _ = image_tokens.expand(rendered.token_ids, images)
+        token_ids, _ = image_tokens.expand(rendered.token_ids, sizes)
         return dataclasses.replace(rendered, token_ids=token_ids)
     later_system = [message for message in params.messages[1:] if message.role == "system"]
     if not later_system:
@@ -226,6 +235,8 @@ def _apply_template(
         and bool(last["content"].strip())
         and not last.get("tool_calls")
     )
+    if reads_content_parts(tokenizer, source):
+        conversation = [_with_content_parts(entry) for entry in conversation]
     try:
         text = tokenizer.apply_chat_template(
             conversation,
@@ -251,6 +262,44 @@ def _apply_template(
         )
     assert isinstance(text, str)
     return text
+
+
+_CONTENT_PROBE = "exo-content-probe"
+_READS_CONTENT_PARTS: dict[str, bool] = {}
+
+
+def reads_content_parts(tokenizer: Any, source: str) -> bool:
+    """Whether the chat template `source` reads a message's content only as a list of
+    parts (`{"type": "text", "text": ...}`, `{"type": "image"}`), as Idefics2/3's and
+    SmolVLM's do: a plain string there renders as nothing. Found once per template by
+    rendering a probe message as a string."""
+    known = _READS_CONTENT_PARTS.get(source)
+    if known is None:
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": _CONTENT_PROBE}], chat_template=source,
+                add_generation_prompt=True, tokenize=False,
+            )  # fmt: skip
+        except (TemplateError, ValueError, TypeError):
+            text = _CONTENT_PROBE  # a template that needs more than a user turn: as before
+        known = _CONTENT_PROBE not in str(text)
+        _READS_CONTENT_PARTS[source] = known
+    return known
+
+
+def _with_content_parts(entry: dict[str, Any]) -> dict[str, Any]:
+    """A template message whose string content is a list of parts: text, and an image
+    part at each `IMAGE_MARKER` (an empty content is one empty text part)."""
+    content = entry.get("content")
+    if not isinstance(content, str):
+        return entry
+    parts: list[dict[str, Any]] = []
+    for index, text in enumerate(content.split(IMAGE_MARKER)):
+        if index:
+            parts.append({"type": "image"})
+        if text:
+            parts.append({"type": "text", "text": text})
+    return {**entry, "content": parts or [{"type": "text", "text": ""}]}
 
 
 def _tool_schema(tool: ToolDefinition) -> dict[str, Any]:

@@ -148,7 +148,8 @@ async def count_prompt_tokens(
     )
     tokenizer = await tokenizers.get(params.model, directory)
     try:
-        # A vision model's images count as its image tokens (None: no config.json here).
+        # A vision model's images count as its image tokens, by each image's width and
+        # height (config.json and preprocessor_config.json; None: no config.json here).
         image_tokens = ImageTokens.of_model(directory, tokenizer)
         rendered = await anyio.to_thread.run_sync(render_prompt, tokenizer, params, image_tokens)
     except ValueError as error:

@@ -12,8 +12,8 @@ from tokenizers import AddedToken, Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from exo.chat_protocol.image_tokens import ImageTokens
-from exo.chat_protocol.prompt import render_prompt
+from exo.chat_protocol.image_tokens import Gemma3ImageTokens, ImageTokens
+from exo.chat_protocol.prompt import reads_content_parts, render_prompt
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     IMAGE_MARKER,
@@ -80,7 +80,26 @@ def test_of_model_reads_config_json(tmp_path: Path) -> None:
     assert ImageTokens.of_model(tmp_path, tokenizer) is None  # no config.json
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     tokens = ImageTokens.of_model(tmp_path, tokenizer)
-    assert tokens is not None and (tokens.begin, tokens.per_image) == (BEGIN, 3)
+    assert isinstance(tokens, Gemma3ImageTokens) and (tokens.begin, tokens.per_image) == (BEGIN, 3)
     assert tokens.begin_text == "<start_of_image>"
     (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "vision_config": None}))
     assert ImageTokens.of_model(tmp_path, tokenizer) is None  # a text-only Gemma 3
+
+
+def test_a_template_of_content_parts_gets_parts() -> None:
+    """A template that reads content only as parts (SmolVLM's, Idefics2/3's) gets each
+    message as text parts with an image part at each marker, and writes its own image
+    part there; a template of strings keeps getting strings."""
+    tokenizer = _tokenizer()
+    assert not reads_content_parts(tokenizer, tokenizer.chat_template)
+    strings = render_prompt(tokenizer, _params(2), ImageTokens.of_config(CONFIG, tokenizer))
+    tokenizer.chat_template = (
+        "{% for message in messages %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'image' %}<start_of_image>{% else %}{{ part['text'] }}"
+        "{% endif %}{% endfor %} {% endfor %}"
+    )
+    assert reads_content_parts(tokenizer, tokenizer.chat_template)
+    parts = render_prompt(tokenizer, _params(2), ImageTokens.of_config(CONFIG, tokenizer))
+    assert parts.token_ids == strings.token_ids
+    # Text-only chat too: the words are rendered, not dropped.
+    assert render_prompt(tokenizer, _params(0)).token_ids == [2, 4]

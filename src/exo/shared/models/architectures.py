@@ -12,6 +12,8 @@ from __future__ import annotations
 
 ENGINE_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
+    "Idefics3ForConditionalGeneration",
+    "SmolVLMForConditionalGeneration",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",

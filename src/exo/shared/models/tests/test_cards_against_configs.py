@@ -51,6 +51,10 @@ KNOWN_GAPS: dict[str, str] = {
     # Python test fixtures with its n_embd / n_layer fields); its card cites transformers'
     # NomicBertConfig, whose defaults are this model's.
     "nomic-ai/nomic-embed-text-v1.5": "no citable copy of its config.json",
+    # SmolVLM-256M (issue 42, vision): its nested Idefics3 config.json is quoted in a Rust
+    # test fixture the index holds without a repository to cite; the shapes agree with its
+    # README's base models (SmolLM2-135M, SigLIP base patch-16/512) and its name's 256M.
+    "HuggingFaceTB/SmolVLM-256M-Instruct": "no citable copy of its config.json",
     # Qwen3 embedding / reranker checkpoints (issue 42): the index holds copies of
     # Qwen3-Embedding-0.6B's config.json quoted in code without a repository to cite, and the
     # README's table (layers, context, width); their other shapes are their Qwen3 base's.

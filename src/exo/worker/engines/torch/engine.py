@@ -65,13 +65,13 @@ from exo.worker.engines.torch.decoding.token_choice import token_chooser_for, to
 from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary
 from exo.worker.engines.torch.embedding.decoder import DecoderEmbeddingBackend
 from exo.worker.engines.torch.model.families import family_for_architecture
-from exo.worker.engines.torch.model.gemma3_vision import Gemma3Images
 from exo.worker.engines.torch.model.loading import (
     LayerProgressCallback,
     load_parts,
     model_config,
 )
 from exo.worker.engines.torch.model.sharding import loaded_parameter_bytes
+from exo.worker.engines.torch.model.vision_input import VisionInput
 from exo.worker.engines.torch.parallel import engine_transform
 from exo.worker.engines.torch.parallel.rank_group import RankGroup, check_process_group
 from exo.worker.engines.torch.quant.quantize import WeightDtype
@@ -171,9 +171,12 @@ class TorchEngine:
         self._embedding_backend: DecoderEmbeddingBackend | None = None
         # Set by `load` for a model directory the tests marked (`testing_seam`), else None.
         self.testing_seam: TestingSeam | None = None
-        # Set by `load` for a vision model (Gemma 3 4B+) on a single rank or rank 0 of a
-        # split instance whose parallelism carries images (`runs_vision_tower`), else None.
-        self.images: Gemma3Images | None = None
+        # Set by `load` for a vision model (`VisionInput.of_model`) on a single rank or rank 0
+        # of a split instance whose parallelism carries images (`runs_vision_tower`), else None.
+        self.images: VisionInput | None = None
+        self.images_refusal = (
+            "it has no vision tower: a model without vision, or a split that carries no images"
+        )
 
     @classmethod
     def load(
@@ -237,11 +240,17 @@ class TorchEngine:
         # A split instance's tower: on rank 0 only, where its parallelism carries the
         # images' blocks and rows to the other ranks (`runs_vision_tower`).
         towered = engine_transform(shard.sharding).runs_vision_tower(shard)
-        if vision and towered and type(parts.model).__name__ == "Gemma3ForCausalLM":
-            # A Gemma3ForConditionalGeneration checkpoint's tower (None for text-only ones).
-            engine.images = Gemma3Images.of_model(
-                model_dir, model_config(model_dir), parts.tokenizer, parts.device
-            )
+        if vision and towered:
+            # The checkpoint's tower, by its config (None for text-only ones). Without its
+            # tensors (weight files holding only the tower are not downloaded for a text
+            # shard) the model still serves text, and refuses images saying why.
+            try:
+                engine.images = VisionInput.of_model(
+                    model_dir, model_config(model_dir), parts.tokenizer, parts.device
+                )
+            except ValueError as error:
+                engine.images_refusal = "the weights of its vision tower are not on this node"
+                logger.warning("{}: images refused: {}", shard.model_card.model_id, error)
         logger.info(
             "{}loaded {} ({} weights) in {:.1f} s",
             f"rank {shard.device_rank}/{shard.world_size} " if split else "",
@@ -316,8 +325,7 @@ class TorchEngine:
             return render_prompt(self.tokenizer, params)
         if self.images is None:
             raise ValueError(
-                f"{self.card.model_id} takes no images on this instance (it has no vision "
-                "tower: a model without vision, or a split that carries no images)"
+                f"{self.card.model_id} takes no images on this instance ({self.images_refusal})"
             )
         return render_prompt(self.tokenizer, params, self.images.tokens)
 
@@ -443,8 +451,7 @@ class TorchEngine:
         if images:  # the tower runs here, once per image, before the prompt's prefill
             if self.images is None:
                 raise ValueError(f"{self.card.model_id} takes no images on this instance")
-            pairs = [(image.data, image.sha256) for image in images]
-            prompt_images = self.images.prompt_images(prompt_ids, pairs)
+            prompt_images = self.images.prompt_images(prompt_ids, images)
         if sampling is None:
             sampling = resolve_sampling_params(params, self.card.sampling_defaults)
         return RequestState(

@@ -1,11 +1,14 @@
 """A prompt's images as the batch sees them: where each image's tokens sit in the prompt,
 the embeddings that replace those tokens' own, and the key the prefix cache sees for them.
+An image whose soft tokens come in several runs (Idefics3's tiles, between their marker
+tokens) is one `PromptImage` per run.
 
-Gemma 3 (and other vision decoders) lets the tokens of one image attend to each other in
-both directions inside the otherwise causal prompt (transformers' `Gemma3Model`: blocks of
-consecutive image tokens, `token_type_ids == 1`). The scheduler therefore never ends a prompt
-chunk inside an image (`align_chunk`), and each prompt segment carries the blocks it
-overlaps (`PrefillSegment.image_blocks`) for its attention mask.
+Gemma 3 lets the tokens of one image attend to each other in both directions inside the
+otherwise causal prompt (transformers' `Gemma3Model`: blocks of consecutive image tokens,
+`token_type_ids == 1`); such an image is `bidirectional`. The scheduler therefore never ends
+a prompt chunk inside one (`align_chunk`), and each prompt segment carries the blocks it
+overlaps (`PrefillSegment.image_blocks`) for its attention mask. Other families (Idefics3)
+attend causally over image tokens as over text: their images only replace embeddings.
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ class PromptImage:
         embeddings: `[length, hidden]` float32, the projected vision features that replace
             the embeddings of positions `start .. start + length - 1`.
         sha256: hex digest of the image's file bytes (the prefix cache keys on it).
+        bidirectional: the image's tokens attend to each other in both directions (Gemma
+            3); False: causally, as text.
     """
 
     start: int
     embeddings: torch.Tensor
     sha256: str
+    bidirectional: bool = True
 
     @property
     def length(self) -> int:
@@ -65,10 +71,10 @@ def align_chunk(start: int, length: int, images: tuple[PromptImage, ...]) -> int
     cut before an image the chunk would end inside, or (when the chunk starts at or
     inside that image) stretched to the image's end, so an image's bidirectional block is
     always attended to within one chunk (the simplest correct choice; a chunk may then
-    exceed its token budget by up to one image's tokens)."""
+    exceed its token budget by up to one image's tokens). Causal images may be cut."""
     end = start + length
     for image in images:
-        if image.start < end < image.end:
+        if image.bidirectional and image.start < end < image.end:
             return image.start - start if image.start > start else image.end - start
     return length
 
@@ -79,8 +85,8 @@ def segment_images(
     """The images a prompt chunk of positions `start .. start + length - 1` overlaps.
 
     Returns:
-        `(blocks, rows)`: each overlapped image's whole span `(first, end)` in prompt
-        positions (for the attention mask), and `(chunk row, embeddings [n, hidden])` for
+        `(blocks, rows)`: each overlapped bidirectional image's whole span `(first, end)`
+        in prompt positions (for the attention mask), and `(chunk row, embeddings [n, hidden])` for
         the chunk's rows that hold image tokens (a chunk starting inside an image, after a
         prefix-cache hit, takes the image's remaining rows).
     """
@@ -91,6 +97,7 @@ def segment_images(
         first, last = max(image.start, start), min(image.end, end)
         if first >= last:
             continue
-        blocks.append((image.start, image.end))
+        if image.bidirectional:
+            blocks.append((image.start, image.end))
         rows.append((first - start, image.embeddings[first - image.start : last - image.start]))
     return tuple(blocks), rows

@@ -22,7 +22,6 @@ prompt's prefill, in float32.
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,11 +30,13 @@ from typing import Any
 
 import torch
 from PIL import Image
-from safetensors import safe_open
 from torch import nn
 
-from exo.chat_protocol.image_tokens import ImageTokens
-from exo.worker.engines.torch.batching.prompt_images import PromptImage
+from exo.worker.engines.torch.model.vision_parts import (
+    decode_rgb,
+    load_vision_tensors,
+    normalized_pixels,
+)
 
 # Gemma3ImageProcessor's defaults where a checkpoint has no preprocessor_config.json.
 DEFAULT_MEAN = (0.5, 0.5, 0.5)
@@ -85,17 +86,8 @@ class ImagePreprocessing:
         Raises:
             ValueError: bytes Pillow cannot decode.
         """
-        try:
-            with Image.open(io.BytesIO(data)) as opened:
-                image = opened.convert("RGB")
-        except (OSError, Image.DecompressionBombError) as error:
-            raise ValueError(f"undecodable image: {error}") from error
-        image = image.resize((self.width, self.height), Image.Resampling(self.resample))
-        pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
-        values = pixels.view(self.height, self.width, 3).permute(2, 0, 1).float()
-        mean = torch.tensor(self.mean).view(3, 1, 1)
-        std = torch.tensor(self.std).view(3, 1, 1)
-        return (values * self.rescale - mean) / std
+        image = decode_rgb(data).resize((self.width, self.height), Image.Resampling(self.resample))
+        return normalized_pixels(image, self.rescale, self.mean, self.std)
 
 
 class Gemma3VisionEncoder(nn.Module):
@@ -131,19 +123,7 @@ class Gemma3VisionEncoder(nn.Module):
             ValueError: a tensor of the tower or projector missing from the checkpoint.
         """
         encoder = cls.from_config(config)
-        expected = set(encoder.state_dict())
-        found: dict[str, torch.Tensor] = {}
-        for path in sorted(model_dir.glob("*.safetensors")):
-            with safe_open(str(path), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    # Published `vision_tower.…`; recent transformers save `model.vision_tower.…`.
-                    local = name.removeprefix("model.")
-                    if local.startswith(_PREFIXES) and local in expected:
-                        found[local] = handle.get_tensor(name).float()
-        missing = sorted(expected - set(found))
-        if missing:
-            raise ValueError(f"{model_dir}: vision tensors missing, e.g. {missing[0]}")
-        encoder.load_state_dict(found)
+        load_vision_tensors(encoder, model_dir, _PREFIXES)
         return encoder
 
     @torch.inference_mode()
@@ -154,69 +134,37 @@ class Gemma3VisionEncoder(nn.Module):
         return self.multi_modal_projector(states).float()
 
 
-class Gemma3Images:
-    """A loaded Gemma 3 model's image input, for the engine's prompt rendering and requests.
+class Gemma3ImageEncoder:
+    """A loaded Gemma 3 model's images to their soft tokens' rows (`vision_input.ImageEncoder`).
 
     Args:
         encoder: the vision tower and projector.
-        tokens: the image token ids.
         preprocessing: pixel preparation.
     """
 
-    def __init__(
-        self,
-        encoder: Gemma3VisionEncoder,
-        tokens: ImageTokens,
-        preprocessing: ImagePreprocessing,
-    ) -> None:
+    def __init__(self, encoder: Gemma3VisionEncoder, preprocessing: ImagePreprocessing) -> None:
         self.encoder = encoder
-        self.tokens = tokens
         self.preprocessing = preprocessing
 
     @classmethod
-    def of_model(
-        cls, model_dir: Path, config: Any, tokenizer: Any, device: torch.device | None = None
-    ) -> Gemma3Images | None:
-        """The image input of a `Gemma3ForConditionalGeneration` checkpoint, its tower on
-        `device` (default CPU); None for a text-only config (no `vision_config`).
+    def load(cls, model_dir: Path, config: Any, device: torch.device) -> Gemma3ImageEncoder:
+        """The tower of a `Gemma3ForConditionalGeneration` checkpoint, on `device`.
 
         Raises:
             ValueError: vision tensors missing from the checkpoint.
         """
-        tokens = ImageTokens.of_config(config, tokenizer)
-        if tokens is None:
-            return None
         preprocessing = ImagePreprocessing.of_model(model_dir, int(config.vision_config.image_size))
-        encoder = Gemma3VisionEncoder.load(model_dir, config).to(device or torch.device("cpu"))
-        return cls(encoder, tokens, preprocessing)
+        return cls(Gemma3VisionEncoder.load(model_dir, config).to(device), preprocessing)
 
-    def prompt_images(
-        self, token_ids: Sequence[int], images: Sequence[tuple[bytes, str]]
-    ) -> tuple[PromptImage, ...]:
-        """Run the tower once per image of an expanded prompt.
-
-        Args:
-            token_ids: the prompt with its images expanded (`ImageTokens.expand`).
-            images: each image's `(file bytes, sha256 hex)`, in prompt order.
+    def encode(self, images: Sequence[bytes]) -> list[torch.Tensor]:
+        """Each image file's `[mm_tokens_per_image, text hidden]` float32 rows (one batch
+        through the tower).
 
         Raises:
-            ValueError: an undecodable image; image sequences not `len(images)` in number.
+            ValueError: an undecodable image.
         """
-        starts = [
-            index
-            for index in range(1, len(token_ids))
-            if token_ids[index] == self.tokens.soft and token_ids[index - 1] == self.tokens.begin
-        ]
-        if len(starts) != len(images):
-            raise ValueError(
-                f"the prompt places {len(starts)} images, the request has {len(images)}"
-            )
         if not images:
-            return ()
-        pixels = torch.stack([self.preprocessing.pixel_values(data) for data, _ in images])
-        device = next(self.encoder.parameters()).device  # the engine's (`Gemma3Images.of_model`)
-        embeddings = self.encoder(pixels.to(device))  # [n, per_image, hidden]
-        return tuple(
-            PromptImage(start, rows, sha256)
-            for start, rows, (_, sha256) in zip(starts, embeddings, images, strict=True)
-        )
+            return []
+        pixels = torch.stack([self.preprocessing.pixel_values(data) for data in images])
+        device = next(self.encoder.parameters()).device
+        return list(self.encoder(pixels.to(device)))  # [n, per_image, hidden]

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 
-from exo.chat_protocol.image_tokens import ImageTokens
+from exo.chat_protocol.image_tokens import Gemma3ImageTokens
 from exo.shared.models.cards import card_from_local_directory
 from exo.shared.models.memory import kv_geometry_of_config
 from exo.shared.types.common import ModelId
@@ -128,8 +128,9 @@ def _prompt(
 ) -> tuple[list[int], tuple[PromptImage, ...], torch.Tensor]:
     """Text, image, text, image, text: (expanded ids, images, pixel values [n, 3, 32, 32])."""
     text = [2, 10, 11, 12, BEGIN, 13, 14, 15, 16, 17, BEGIN, 18, 19, 20]
-    tokens = ImageTokens(BEGIN, SOFT, END, NEWLINES, 4, "<start_of_image>")
-    ids, starts = tokens.expand(text, len(pictures))
+    tokens = Gemma3ImageTokens(BEGIN, SOFT, END, NEWLINES, 4, "<start_of_image>")
+    ids, spans = tokens.expand(text, [(32, 32)] * len(pictures))  # one sequence for any size
+    starts = [start for [(start, _)] in spans]
     preprocessing = ImagePreprocessing(32, 32)
     pixels = torch.stack([preprocessing.pixel_values(picture) for picture in pictures])
     embeddings = encoder(pixels)

@@ -276,6 +276,9 @@ class ModelFamily:
             at the top level (`model.layers.N...`, `lm_head`).
         wrapped_architectures: `*ForConditionalGeneration` names whose checkpoints hold it
             under `LANGUAGE_MODEL_PREFIX`; the text model is built from `text_config`.
+        wrapped_prefixes: a wrapped architecture's text-model prefix where it is not
+            `LANGUAGE_MODEL_PREFIX` ("": top-level names, which `checkpoint_renames` make
+            the text model's, as Idefics3's `model.text_model.` beside `lm_head.`).
         column_parallel / row_parallel: the decoder layer's linears by split direction.
         fused_parts: part sizes of fused column-parallel linears.
         rms_norms: RMSNorm classes computing `weight * normalize(x)` (fusable into one
@@ -309,6 +312,7 @@ class ModelFamily:
     rms_norms: tuple[type[nn.Module], ...]
     tiny_model: TinyModelBuilder
     wrapped_architectures: tuple[str, ...] = ()
+    wrapped_prefixes: Mapping[str, str] = field(default_factory=dict)
     fused_parts: Mapping[str, FusedParts] = field(default_factory=dict)
     attention_windows: AttentionWindows = uniform_attention_windows
     tensor_parallel_note: str | None = None
@@ -329,7 +333,9 @@ class ModelFamily:
 
     def checkpoint_prefix(self, architecture: str) -> str:
         """The prefix of the text model's tensor names in a checkpoint of `architecture`."""
-        return LANGUAGE_MODEL_PREFIX if architecture in self.wrapped_architectures else ""
+        if architecture not in self.wrapped_architectures:
+            return ""
+        return self.wrapped_prefixes.get(architecture, LANGUAGE_MODEL_PREFIX)
 
     def split_direction(self, linear_path: str) -> Literal["column", "row"] | None:
         """ "column", "row" or None (replicated) for a layer-relative linear path."""

@@ -1,0 +1,113 @@
+"""A vision model's image input, family-neutral: the prompt's image tokens (`ImageTokens`,
+shared with the API node's token counts) and a tower that turns a request's images into the
+rows that replace their soft tokens (`ImageEncoder`), chosen by the checkpoint's config.
+
+Families: Gemma 3 (`gemma3_vision.py`), Idefics3 / SmolVLM (`idefics3_vision.py`) and
+Mistral 3 with Pixtral's tower (`mistral3_vision.py`). Adding
+one: its `ImageTokens` subclass (`exo.chat_protocol.image_tokens`), an encoder here, and a
+case in `VisionInput.of_model`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from exo.chat_protocol.image_tokens import (
+    Gemma3ImageTokens,
+    Idefics3ImageTokens,
+    ImageTokens,
+    PixtralImageTokens,
+)
+from exo.shared.types.text_generation import ImageInput
+from exo.worker.engines.torch.batching.prompt_images import PromptImage
+from exo.worker.engines.torch.model.gemma3_vision import Gemma3ImageEncoder
+from exo.worker.engines.torch.model.idefics3_vision import Idefics3ImageEncoder
+from exo.worker.engines.torch.model.mistral3_vision import Mistral3ImageEncoder
+
+
+class ImageEncoder(Protocol):
+    """A family's vision tower and projector with its pixel preparation."""
+
+    def encode(self, images: Sequence[bytes]) -> list[torch.Tensor]:
+        """Each image file's rows `[soft tokens of the image, text hidden]` float32, in
+        the order its soft tokens come in the prompt (`ImageTokens.sequence`).
+
+        Raises:
+            ValueError: an undecodable image.
+        """
+        ...
+
+
+class VisionInput:
+    """A loaded vision model's image input, for the engine's prompt rendering and requests.
+
+    Args:
+        tokens: how images are written into the prompt.
+        encoder: the tower.
+    """
+
+    def __init__(self, tokens: ImageTokens, encoder: ImageEncoder) -> None:
+        self.tokens = tokens
+        self.encoder = encoder
+
+    @classmethod
+    def of_model(
+        cls, model_dir: Path, config: Any, tokenizer: Any, device: torch.device | None = None
+    ) -> VisionInput | None:
+        """The image input of the checkpoint in `model_dir` (`config`: its transformers
+        config), its tower on `device` (default CPU); None for a model without one (a
+        text-only config, or a vision family this engine has no tower for).
+
+        Raises:
+            ValueError: vision tensors missing from the checkpoint.
+        """
+        path = model_dir / "preprocessor_config.json"
+        preprocessor = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+        tokens = ImageTokens.of_config(config, tokenizer, preprocessor)
+        device = device or torch.device("cpu")
+        encoder: ImageEncoder
+        match tokens:
+            case Gemma3ImageTokens():
+                encoder = Gemma3ImageEncoder.load(model_dir, config, device)
+            case Idefics3ImageTokens():
+                encoder = Idefics3ImageEncoder.load(model_dir, config, device)
+            case PixtralImageTokens():
+                encoder = Mistral3ImageEncoder.load(model_dir, config, tokens, device)
+            case _:
+                return None
+        return cls(tokens, encoder)
+
+    def prompt_images(
+        self, token_ids: Sequence[int], images: Sequence[ImageInput]
+    ) -> tuple[PromptImage, ...]:
+        """Run the tower once over the images of an expanded prompt (`render_prompt` with
+        these `tokens`): one `PromptImage` per run of soft tokens, in prompt order.
+
+        Raises:
+            ValueError: an undecodable image; the prompt's image tokens are not those of
+                `images` (their number or their sizes).
+        """
+        spans = self.tokens.spans(token_ids, [(image.width, image.height) for image in images])
+        if not images:
+            return ()
+        rows = self.encoder.encode([image.data for image in images])
+        prompt_images: list[PromptImage] = []
+        bidirectional = self.tokens.bidirectional
+        for image, image_spans, image_rows in zip(images, spans, rows, strict=True):
+            if sum(length for _, length in image_spans) != image_rows.shape[0]:
+                raise ValueError(
+                    f"an image of {image.width}x{image.height} pixels gave "
+                    f"{image_rows.shape[0]} rows for its "
+                    f"{sum(length for _, length in image_spans)} image tokens"
+                )
+            offset = 0
+            for start, length in image_spans:
+                embeddings = image_rows[offset : offset + length]
+                prompt_images.append(PromptImage(start, embeddings, image.sha256, bidirectional))
+                offset += length
+        return tuple(prompt_images)
