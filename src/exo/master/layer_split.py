@@ -66,7 +66,10 @@ def speed_balanced_split(
 
     def stage(rank: int, layers: int) -> float:
         share = WeightShare(
-            layers=layers, holds_embedding=rank == 0, holds_output_layer=rank == last
+            layers=layers,
+            holds_embedding=rank == 0,
+            holds_output_layer=rank == last,
+            holds_vision_tower=rank == 0,
         )
         return decode_stage_seconds(card, speeds[rank], share, DEFAULT_PROMPT_TOKENS)
 

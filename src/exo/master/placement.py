@@ -6,7 +6,8 @@ Rules (exo's, with its gaps filled):
 - a group must hold the model in its total available memory, and each node its share:
   the peak of its weights while loading in the engine's format (int4 on CPU, see
   `exo.shared.models.memory`), not the float32 or on-disk size, or of its weights and
-  KV-cache budget while serving, plus the runner process's own memory;
+  KV-cache budget while serving, plus the runner process's own memory; a vision card's
+  float32 tower counts on the rank that runs it (rank 0: `Parallelism.runs_vision_tower`);
 - the KV-cache budget is the node's `--kv-cache-tokens`, else sized from its memory
   (`memory_sized_kv_cache_tokens`: the default budget plus half of what is left); the ranks
   of a split instance share one budget, the smallest of theirs (`Instance.kv_cache_tokens`);
@@ -19,7 +20,8 @@ Rules (exo's, with its gaps filled):
   memory allows (`speed_balanced_split`): a pipeline serving several streams runs as fast
   as its slowest stage, and one stream gains when a faster node holds more layers; without
   every speed, in proportion to each node's available memory beyond its runner process
-  (largest-remainder rounding, exo's rule); at least one layer per node either way;
+  and rank 0's vision tower (largest-remainder rounding, exo's rule); at least one layer
+  per node either way;
 - tensor sharding needs the card's tensor support and attention heads, KV heads and MLP
   size divisible by the node count;
 - prefer the fewest nodes that fit, then nodes that already hold the model's files, then
@@ -54,7 +56,7 @@ from exo.shared.models.architectures import (
     ENGINE_ARCHITECTURES,
     is_encoder_architecture,
 )
-from exo.shared.models.memory import RUNNER_PROCESS_OVERHEAD_BYTES
+from exo.shared.models.memory import RUNNER_PROCESS_OVERHEAD_BYTES, vision_tower_bytes
 from exo.shared.parallelism import PARALLELISMS, parallelism
 from exo.shared.types.common import FrozenModel, InstanceId, NodeId, RunnerId
 from exo.shared.types.instances import Instance, Rendezvous, ShardAssignments, Sharding
@@ -213,9 +215,17 @@ def layout(
             balanced = speed_balanced_split(card, speeds, available, kv_cache_tokens)
             if balanced is not None:
                 return balanced
-        # In proportion to the memory left for layers beside each runner process.
+        # In proportion to the memory left for layers beside each runner process (and
+        # the vision tower of the rank that runs it).
+        tower = vision_tower_bytes(card)
         for_layers = [
-            max(0, room[n].available_bytes - RUNNER_PROCESS_OVERHEAD_BYTES) for n in order
+            max(
+                0,
+                room[n].available_bytes
+                - RUNNER_PROCESS_OVERHEAD_BYTES
+                - (tower if kind.runs_vision_tower(rank, world_size) else 0),
+            )
+            for rank, n in enumerate(order)
         ]
         return layer_split(card.n_layers, for_layers)
 

@@ -2,8 +2,9 @@
 new placement once the runners already placed on it are counted (`placement_room`).
 
 Sizes come from `exo.shared.models.memory` (the engine's CPU format: int4 layers, int8 LM
-head, float32 embedding) plus `MEMORY_OVERHEAD_FRACTION` and the runner process's own
-memory (`RUNNER_PROCESS_OVERHEAD_BYTES`).
+head, float32 embedding; a vision card's float32 tower on the rank that runs it) plus
+`MEMORY_OVERHEAD_FRACTION` and the runner process's own memory
+(`RUNNER_PROCESS_OVERHEAD_BYTES`).
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def required_memory_bytes(
 ) -> int:
     """Bytes one tensor-parallel rank of `world_size` (or a whole single node) needs: the
     peak of its weights while loading in the engine's CPU format (int4 layers, int8 LM head,
-    float32 embedding; `exo.shared.models.memory`) or of its weights and KV-cache budget
+    float32 embedding, and a vision card's float32 tower: rank 0's, the largest share;
+    `exo.shared.models.memory`) or of its weights and KV-cache budget
     (`kv_cache_tokens`, its node's `--kv-cache-tokens`; None: the default) while serving,
     whichever is larger, plus the overhead fraction, plus the runner process's own memory
     (`RUNNER_PROCESS_OVERHEAD_BYTES`)."""
@@ -105,11 +107,16 @@ def pipeline_share_bytes(
     is_last: bool = True,
     kv_cache_tokens: int | None = None,
 ) -> int:
-    """Bytes a pipeline rank holding `n_layers` layers (and the embedding on the first
-    rank, the LM head on the last) needs while loading or serving (its layers' KV-cache
-    budget of `kv_cache_tokens`), plus the overhead fraction, plus the runner process's
-    own memory."""
-    share = WeightShare(layers=n_layers, holds_embedding=is_first, holds_output_layer=is_last)
+    """Bytes a pipeline rank holding `n_layers` layers (and the embedding and a vision
+    card's tower on the first rank, the LM head on the last) needs while loading or serving
+    (its layers' KV-cache budget of `kv_cache_tokens`), plus the overhead fraction, plus the
+    runner process's own memory."""
+    share = WeightShare(
+        layers=n_layers,
+        holds_embedding=is_first,
+        holds_output_layer=is_last,
+        holds_vision_tower=is_first,
+    )
     return share_runner_bytes(card, share, kv_cache_tokens)
 
 

@@ -18,6 +18,13 @@ is held whole on one node in float32 (`encoder_models.load_encoder_model` reads 
 format) and has no KV cache: its weight bytes are its parameters times 4 and its KV bytes per
 token 0, so an embedding-only card reserves no chat KV budget.
 
+A card with the "vision" capability adds its vision tower and projector
+(`ModelCard.vision_parameter_count` weights, float32 as the engine holds them:
+`vision_tower_bytes`, ~1.7 GB for Gemma 3's 0.4B tower) on the one rank that runs them
+(`WeightShare.holds_vision_tower`: a single node, or rank 0 of a split instance). The tower
+loads after the text model, read into a float32 copy before it fills the tower's own
+tensors, so that rank's loading peak holds it twice for a moment (`loading_peak_bytes`).
+
 Pure functions of a `ModelCard`; the engine's `quantize.py` uses the same constants.
 """
 
@@ -89,6 +96,9 @@ class WeightShare:
             sizes the share's layers as the card's sparse ones first (an upper bound).
         experts: the routed experts held per MoE layer (an expert-parallel rank's share;
             None: every one).
+        holds_vision_tower: the vision tower and projector are here (a vision card's
+            single node, or rank 0 of a split instance: `Parallelism.runs_vision_tower`);
+            sized by `vision_tower_bytes`, 0 for a card without the "vision" capability.
     """
 
     layers: int
@@ -97,6 +107,7 @@ class WeightShare:
     holds_output_layer: bool = True
     first_layer: int | None = None
     experts: int | None = None
+    holds_vision_tower: bool = True
 
     def sparse_layers(self, card: ModelCard) -> int:
         """How many of the share's layers are MoE layers of `card` (0 for a dense card)."""
@@ -462,6 +473,17 @@ def embedding_bytes(card: ModelCard) -> int:
     return card.vocab_size * card.hidden_size * FLOAT32_BYTES
 
 
+def vision_tower_bytes(card: ModelCard) -> int:
+    """A vision card's tower and projector as the engine holds them: its
+    `vision_parameter_count` weights in float32 (`vision_parts.load_vision_tensors` widens
+    the published bfloat16 ones; towers run once per image, so they are not quantized), in
+    every weight format. 0 for a card without the "vision" capability (the engine loads no
+    tower for it, whatever its checkpoint holds)."""
+    if "vision" not in card.capabilities:
+        return 0
+    return card.vision_parameter_count * FLOAT32_BYTES
+
+
 def encoder_weight_bytes(card: ModelCard) -> int:
     """An encoder card's weights as the encoder engine holds them: every parameter (the
     card's `parameter_count`, else computed from its shapes) in float32."""
@@ -484,12 +506,15 @@ def resident_weight_bytes(
     card: ModelCard, weight_format: WeightFormat, share: WeightShare | None = None
 ) -> int:
     """Bytes of the weights a node holds after loading `share` (default: the whole model)
-    in `weight_format`. Activations and the KV cache are not included. An encoder card:
-    `encoder_weight_bytes` in every format."""
+    in `weight_format`, the vision tower's where the share holds it (`vision_tower_bytes`).
+    Activations and the KV cache are not included. An encoder card: `encoder_weight_bytes`
+    in every format."""
     if is_encoder_architecture(card.architecture):
         return encoder_weight_bytes(card)
     share = share or whole_model(card)
     total = decoder_layers_bytes(card, weight_format, share)
+    if share.holds_vision_tower:
+        total += vision_tower_bytes(card)
     if share.holds_embedding:
         total += embedding_bytes(card)
     if share.holds_output_layer:
@@ -513,11 +538,19 @@ def loading_peak_bytes(
     linear), or an LM head
     read from the checkpoint (untied, or tied to an embedding this node does not keep); a
     tied head quantized from the embedding it shares is converted in small row blocks.
-    Float32 loading (and an encoder card, read in float32) has no such transient."""
+    Float32 loading (and an encoder card, read in float32) has no such transient.
+
+    A share holding a vision tower loads it after the text model: the tower's float32
+    copy read from the checkpoint beside the tower itself, so that phase peaks at the
+    resident size plus `vision_tower_bytes` (the text phase, before the tower exists, at
+    the resident size less the tower plus its own transient); the larger of the two."""
     share = share or whole_model(card)
     resident = resident_weight_bytes(card, weight_format, share)
-    if weight_format == "float32" or is_encoder_architecture(card.architecture):
+    tower = vision_tower_bytes(card) if share.holds_vision_tower else 0
+    if is_encoder_architecture(card.architecture):
         return resident
+    if weight_format == "float32":
+        return resident + tower
     ranks = share.tensor_parallel_ranks
     sparse = share.sparse_layers(card) > 0
     dense = share.sparse_layers(card) < share.layers
@@ -542,7 +575,7 @@ def loading_peak_bytes(
     head_read_in_float32 = not (card.tie_word_embeddings and share.holds_embedding)
     if share.holds_output_layer and head_read_in_float32:
         transient = max(transient, card.vocab_size * card.hidden_size * FLOAT32_BYTES)
-    return resident + transient
+    return resident + max(transient - tower, tower)
 
 
 # How a runner stores keys and values (`--kv-cache-dtype`): bfloat16 by default on CPU (half

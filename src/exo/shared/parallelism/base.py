@@ -88,6 +88,14 @@ class Parallelism(ABC):
     def holds_output_layer(self, rank: int, world_size: int) -> bool:
         """Whether rank `rank` holds the final norm and the LM head."""
 
+    def runs_vision_tower(self, rank: int, world_size: int) -> bool:
+        """Whether rank `rank` of a model with the "vision" capability loads and runs its
+        vision tower and projector (float32, `WeightShare.holds_vision_tower`): one rank
+        per instance, rank 0 (a single node's, or the split instance's rank that receives
+        the requests and sends the images' rows on with its steps; the engine's side is
+        `EngineTransform.runs_vision_tower`)."""
+        return rank == 0
+
     @abstractmethod
     def split_error(self, card: ModelCard, world_size: int) -> str | None:
         """Why `card` cannot be split this way over `world_size` nodes, or None."""
@@ -119,13 +127,16 @@ class Parallelism(ABC):
         self, card: ModelCard, rank: int, world_size: int, layer_range: LayerRange
     ) -> WeightShare:
         """The part of `card` rank `rank` holds: its layers, split over this kind's
-        tensor-parallel ranks, with the embedding / LM head where this kind keeps them."""
+        tensor-parallel ranks, with the embedding / LM head where this kind keeps them and
+        the vision tower where it runs (`runs_vision_tower`; sized only for a card with
+        the "vision" capability)."""
         start, end = layer_range
         return WeightShare(
             layers=end - start,
             tensor_parallel_ranks=self.tensor_parallel_ranks(world_size),
             holds_embedding=self.holds_embedding(rank, world_size),
             holds_output_layer=self.holds_output_layer(rank, world_size),
+            holds_vision_tower=self.runs_vision_tower(rank, world_size),
         )
 
     def shard_weight_share(self, shard: ShardMetadata) -> WeightShare:

@@ -30,8 +30,15 @@ def test_a_pipeline_rank_holds_its_layers_the_first_the_embedding_the_last_the_h
     shares = [pipeline.weight_share(CARD, rank, 3, ranges[rank]) for rank in range(3)]
     assert shares == [
         WeightShare(layers=10, holds_embedding=True, holds_output_layer=False),
-        WeightShare(layers=10, holds_embedding=False, holds_output_layer=False),
-        WeightShare(layers=LAYERS - 20, holds_embedding=False, holds_output_layer=True),
+        WeightShare(
+            layers=10, holds_embedding=False, holds_output_layer=False, holds_vision_tower=False
+        ),
+        WeightShare(
+            layers=LAYERS - 20,
+            holds_embedding=False,
+            holds_output_layer=True,
+            holds_vision_tower=False,
+        ),
     ]
     middle = make_shard(CARD, "pipeline", 1, 3)
     assert not pipeline.reads_tensor("model.embed_tokens.weight", middle)
@@ -44,7 +51,9 @@ def test_a_tensor_rank_holds_every_layer_a_slice_of_each_and_the_whole_model_par
     ranges = tensor.layer_ranges(LAYERS, 3, lambda: pytest.fail("tensor splits no layers"))
     assert ranges == ((0, LAYERS),) * 3
     share = tensor.weight_share(CARD, 1, 3, ranges[1])
-    assert share == WeightShare(layers=LAYERS, tensor_parallel_ranks=3)
+    # Every rank holds the embedding; only rank 0 runs a vision card's tower.
+    assert share == WeightShare(layers=LAYERS, tensor_parallel_ranks=3, holds_vision_tower=False)
+    assert tensor.weight_share(CARD, 0, 3, ranges[0]).holds_vision_tower
     middle = make_shard(CARD, "tensor", 1, 3)
     assert tensor.reads_tensor("model.embed_tokens.weight", middle)
     assert tensor.reads_tensor("lm_head.weight", middle)
