@@ -20,8 +20,8 @@ Rules (exo's, with its gaps filled):
   memory allows (`speed_balanced_split`): a pipeline serving several streams runs as fast
   as its slowest stage, and one stream gains when a faster node holds more layers; without
   every speed, in proportion to each node's available memory beyond its runner process
-  and rank 0's vision tower (largest-remainder rounding, exo's rule); at least one layer
-  per node either way;
+  and rank 0's vision tower at its loading peak (largest-remainder rounding, exo's rule);
+  at least one layer per node either way;
 - tensor sharding needs the card's tensor support and attention heads, KV heads and MLP
   size divisible by the node count;
 - prefer the fewest nodes that fit, then nodes that already hold the model's files, then
@@ -56,7 +56,7 @@ from exo.shared.models.architectures import (
     ENGINE_ARCHITECTURES,
     is_encoder_architecture,
 )
-from exo.shared.models.memory import RUNNER_PROCESS_OVERHEAD_BYTES, vision_tower_bytes
+from exo.shared.models.memory import RUNNER_PROCESS_OVERHEAD_BYTES, vision_tower_loading_bytes
 from exo.shared.parallelism import PARALLELISMS, parallelism
 from exo.shared.types.common import FrozenModel, InstanceId, NodeId, RunnerId
 from exo.shared.types.instances import Instance, Rendezvous, ShardAssignments, Sharding
@@ -216,8 +216,8 @@ def layout(
             if balanced is not None:
                 return balanced
         # In proportion to the memory left for layers beside each runner process (and
-        # the vision tower of the rank that runs it).
-        tower = vision_tower_bytes(card)
+        # the vision tower of the rank that runs it, at its loading peak).
+        tower = vision_tower_loading_bytes(card)
         for_layers = [
             max(
                 0,

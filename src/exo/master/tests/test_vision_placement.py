@@ -12,6 +12,7 @@ from exo.master.placement import (
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.models.memory import (
     FLOAT32_BYTES,
+    VISION_TOWER_LOADING_EXTRA_COPIES,
     WeightShare,
     loading_peak_bytes,
     resident_weight_bytes,
@@ -73,12 +74,12 @@ def test_a_pipeline_split_counts_the_tower_on_rank_0_only() -> None:
     )
     assert same
     # What placement reserves per rank (the peak, its overhead fraction): rank 0 grows by
-    # the tower at least (twice while it loads, less the text model's own transient).
+    # the tower at least (three times while it loads, less the text model's transient).
     reserved = pipeline_share_bytes(VISION, 17, True, False) - pipeline_share_bytes(
         TEXT, 17, True, False
     )
     overhead = 1 + MEMORY_OVERHEAD_FRACTION
-    assert TOWER * overhead <= reserved <= 2 * TOWER * overhead
+    assert TOWER * overhead <= reserved <= 3 * TOWER * overhead
     assert pipeline_share_bytes(VISION, 17, False, True) == pipeline_share_bytes(
         TEXT, 17, False, True
     )
@@ -93,14 +94,18 @@ def test_a_tensor_split_counts_the_tower_on_rank_0_only() -> None:
     assert sizes[0] - sizes[1] == TOWER
 
 
-def test_loading_the_tower_peaks_at_a_second_float32_copy() -> None:
-    """The tower loads after the text model, its checkpoint tensors read in float32 beside
-    the module they fill: that moment holds the tower twice."""
+def test_loading_the_tower_peaks_at_three_float32_copies() -> None:
+    """The tower loads after the text model, its checkpoint tensors read into float32
+    copies beside the module they fill: that moment holds the tower three times (measured
+    2.7-3.1x, `VISION_TOWER_LOADING_EXTRA_COPIES`)."""
     whole = whole_model(VISION)
-    assert loading_peak_bytes(VISION, "float32") == resident_weight_bytes(VISION, "float32") + TOWER
+    assert VISION_TOWER_LOADING_EXTRA_COPIES == 2
+    float32 = loading_peak_bytes(VISION, "float32")
+    assert float32 == resident_weight_bytes(VISION, "float32") + 2 * TOWER
     text_phase = loading_peak_bytes(TEXT, "int4") - resident_weight_bytes(TEXT, "int4")
     peak = loading_peak_bytes(VISION, "int4", whole)
-    assert peak == resident_weight_bytes(VISION, "int4") + max(text_phase - TOWER, TOWER)
+    assert text_phase < 2 * TOWER  # Gemma 3 4B: the tower's phase is the peak
+    assert peak == resident_weight_bytes(VISION, "int4") + 2 * TOWER
     no_tower = WeightShare(layers=34, holds_vision_tower=False)
     assert loading_peak_bytes(VISION, "int4", no_tower) == loading_peak_bytes(TEXT, "int4")
 
@@ -108,14 +113,14 @@ def test_loading_the_tower_peaks_at_a_second_float32_copy() -> None:
 def test_one_node_needs_room_for_the_tower() -> None:
     grown = required_memory_bytes(VISION) - required_memory_bytes(TEXT)
     overhead = 1 + MEMORY_OVERHEAD_FRACTION
-    assert TOWER * overhead <= grown <= 2 * TOWER * overhead
+    assert TOWER * overhead <= grown <= 3 * TOWER * overhead
 
 
 def test_previews_put_the_tower_on_rank_0_of_each_split() -> None:
-    """Two nodes of 8,200 MiB (the whole model needs ~9,400): the memory split gives rank 0
-    fewer layers (it keeps the tower), and each preview's rank-0 bytes carry the tower,
-    rank 1's not."""
-    state = two_nodes(8200)
+    """Two nodes of 10,000 MiB (the whole model needs ~11,200 at its loading peak): the
+    memory split gives rank 0 fewer layers (it keeps the tower), and each preview's rank-0
+    bytes carry the tower, rank 1's not."""
+    state = two_nodes(10_000)
     by_kind = {(p.sharding, p.node_count): p for p in placement_previews(VISION, state)}
     text = {(p.sharding, p.node_count): p for p in placement_previews(TEXT, state)}
     pipeline, text_pipeline = by_kind[("pipeline", 2)], text[("pipeline", 2)]
@@ -132,5 +137,5 @@ def test_previews_put_the_tower_on_rank_0_of_each_split() -> None:
     assert tensor.error is None and text_tensor.error is None
     grown = [v - t for v, t in zip(tensor.bytes_per_node, text_tensor.bytes_per_node, strict=True)]
     overhead = 1 + MEMORY_OVERHEAD_FRACTION
-    assert TOWER * overhead <= grown[0] <= 2 * TOWER * overhead
+    assert TOWER * overhead <= grown[0] <= 3 * TOWER * overhead
     assert grown[1] == 0

@@ -22,8 +22,8 @@ A card with the "vision" capability adds its vision tower and projector
 (`ModelCard.vision_parameter_count` weights, float32 as the engine holds them:
 `vision_tower_bytes`, ~1.7 GB for Gemma 3's 0.4B tower) on the one rank that runs them
 (`WeightShare.holds_vision_tower`: a single node, or rank 0 of a split instance). The tower
-loads after the text model, read into a float32 copy before it fills the tower's own
-tensors, so that rank's loading peak holds it twice for a moment (`loading_peak_bytes`).
+loads after the text model and, while it loads, holds about three times its float32 bytes
+(`VISION_TOWER_LOADING_EXTRA_COPIES`, `loading_peak_bytes`).
 
 Pure functions of a `ModelCard`; the engine's `quantize.py` uses the same constants.
 """
@@ -473,6 +473,18 @@ def embedding_bytes(card: ModelCard) -> int:
     return card.vocab_size * card.hidden_size * FLOAT32_BYTES
 
 
+# Float32 copies of a vision tower beyond the tower itself at the peak of loading it: the
+# engine builds the tower's modules from the config (random weights; transformers'
+# initialization leaves ~0.2-0.6x more behind), then reads every checkpoint tensor into a
+# float32 copy (1x) from the memory-mapped bfloat16 file (~0.5x of pages) before filling
+# the modules (`vision_parts.load_vision_tensors`). Measured 2026-12-05 (Linux x86-64,
+# torch 2.13.0, transformers' SigLIP tower of Gemma 3 from a bfloat16 safetensors file,
+# RSS sampled every millisecond): a 201M-parameter tower (hidden 1152, 12 layers;
+# 805 MB float32) peaked at +2,178 MB (2.7x), a 65M one (hidden 768, 8 layers; 259 MB) at
+# +806 MB (3.1x). 2 extra copies: 3x in all.
+VISION_TOWER_LOADING_EXTRA_COPIES = 2
+
+
 def vision_tower_bytes(card: ModelCard) -> int:
     """A vision card's tower and projector as the engine holds them: its
     `vision_parameter_count` weights in float32 (`vision_parts.load_vision_tensors` widens
@@ -482,6 +494,12 @@ def vision_tower_bytes(card: ModelCard) -> int:
     if "vision" not in card.capabilities:
         return 0
     return card.vision_parameter_count * FLOAT32_BYTES
+
+
+def vision_tower_loading_bytes(card: ModelCard) -> int:
+    """A vision card's tower at the peak of loading it: `vision_tower_bytes` and its
+    `VISION_TOWER_LOADING_EXTRA_COPIES` (0 without the "vision" capability)."""
+    return (1 + VISION_TOWER_LOADING_EXTRA_COPIES) * vision_tower_bytes(card)
 
 
 def encoder_weight_bytes(card: ModelCard) -> int:
@@ -540,17 +558,18 @@ def loading_peak_bytes(
     tied head quantized from the embedding it shares is converted in small row blocks.
     Float32 loading (and an encoder card, read in float32) has no such transient.
 
-    A share holding a vision tower loads it after the text model: the tower's float32
-    copy read from the checkpoint beside the tower itself, so that phase peaks at the
-    resident size plus `vision_tower_bytes` (the text phase, before the tower exists, at
-    the resident size less the tower plus its own transient); the larger of the two."""
+    A share holding a vision tower loads it after the text model, and that phase peaks at
+    the resident size plus `VISION_TOWER_LOADING_EXTRA_COPIES` x `vision_tower_bytes`
+    (the text phase, before the tower exists, at the resident size less the tower plus
+    its own transient); the larger of the two."""
     share = share or whole_model(card)
     resident = resident_weight_bytes(card, weight_format, share)
     tower = vision_tower_bytes(card) if share.holds_vision_tower else 0
+    tower_loading = VISION_TOWER_LOADING_EXTRA_COPIES * tower
     if is_encoder_architecture(card.architecture):
         return resident
     if weight_format == "float32":
-        return resident + tower
+        return resident + tower_loading
     ranks = share.tensor_parallel_ranks
     sparse = share.sparse_layers(card) > 0
     dense = share.sparse_layers(card) < share.layers
@@ -575,7 +594,7 @@ def loading_peak_bytes(
     head_read_in_float32 = not (card.tie_word_embeddings and share.holds_embedding)
     if share.holds_output_layer and head_read_in_float32:
         transient = max(transient, card.vocab_size * card.hidden_size * FLOAT32_BYTES)
-    return resident + max(transient - tower, tower)
+    return resident + max(transient - tower, tower_loading)
 
 
 # How a runner stores keys and values (`--kv-cache-dtype`): bfloat16 by default on CPU (half
