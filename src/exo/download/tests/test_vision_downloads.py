@@ -189,3 +189,83 @@ def test_which_tensors_are_the_vision_towers(name: str, vision: bool) -> None:
         assert tensor_on_shard(name, shard(0, 2))
         assert not tensor_on_shard(name, shard(1, 2))
         assert not tensor_on_shard(name, shard(0, 2, card=TEXT_CARD))
+
+
+def test_rank_0s_files_load_a_gemma3_tower_and_rank_1s_do_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's own tower loader on what each rank of a two-rank pipeline downloaded
+    from a Gemma 3 checkout whose tower and projector sit in a file of their own."""
+    from safetensors.torch import save_file
+    from transformers import Gemma3Config
+
+    from exo.worker.engines.torch.model.gemma3_vision import Gemma3VisionEncoder
+    from exo.worker.engines.torch.model.loading import model_config
+
+    torch.manual_seed(0)
+    config = Gemma3Config(
+        text_config={
+            "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 16,
+        },
+        vision_config={
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "image_size": 32, "patch_size": 8,
+        },
+        mm_tokens_per_image=4,
+    )  # fmt: skip
+    tower = Gemma3VisionEncoder.from_config(config)
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    # The text model's names as the 4B+ checkpoints publish them (only their names matter
+    # here: which file each rank fetches), one file per layer; the tower's in its own.
+    text = {
+        "language_model.model.embed_tokens.weight": torch.zeros(64, 32),
+        "language_model.model.layers.0.mlp.up_proj.weight": torch.zeros(48, 32),
+        "language_model.model.layers.1.mlp.up_proj.weight": torch.zeros(48, 32),
+        "language_model.model.norm.weight": torch.zeros(32),
+    }
+    files = {
+        "model-00001-of-00003.safetensors": dict(list(text.items())[:2]),
+        "model-00002-of-00003.safetensors": dict(list(text.items())[2:]),
+        "model-00003-of-00003.safetensors": {
+            name: tensor.detach().clone().contiguous()
+            for name, tensor in tower.state_dict().items()
+        },
+    }
+    weight_map: dict[str, str] = {}
+    for file_name, tensors in files.items():
+        save_file(tensors, str(checkout / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file_name))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (checkout / "model.safetensors.index.json").write_text(json.dumps(index))
+    saved = config.to_dict() | {"architectures": ["Gemma3ForConditionalGeneration"]}
+    (checkout / "config.json").write_text(json.dumps(saved))
+    (checkout / "preprocessor_config.json").write_text(json.dumps({"size": {"height": 32}}))
+    card = ModelCard.model_validate_json(
+        make_card(n_layers=2, model_id="someone/tiny-gemma3-vision")
+        .model_copy(update={"capabilities": ("text", "vision")})
+        .model_dump_json()
+    )
+    with HubServer() as server:
+        server.add_directory(str(card.model_id), checkout)
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_TOKEN_PATH", "/nonexistent/exo-test-token")
+        for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE"):
+            monkeypatch.delenv(name, raising=False)
+        directories = []
+        for rank in range(2):
+            download = HubDownload(
+                str(card.model_id), str(card.model_id), "main",
+                make_shard(card, "pipeline", device_rank=rank, world_size=2),
+                tmp_path / f"rank{rank}",
+            )  # fmt: skip
+            directories.append(download_from_hub(download, policy=NO_WAIT))
+    first, second = directories
+    loaded = Gemma3VisionEncoder.load(first, model_config(first))
+    for name, tensor in tower.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    assert (second / "preprocessor_config.json").exists()
+    with pytest.raises(ValueError, match="vision tensors missing"):
+        Gemma3VisionEncoder.load(second, model_config(second))
