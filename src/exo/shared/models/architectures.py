@@ -15,6 +15,7 @@ ENGINE_ARCHITECTURES: tuple[str, ...] = (
     "Idefics3ForConditionalGeneration",
     "SmolVLMForConditionalGeneration",
     "Qwen2ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
     "Mistral3ForConditionalGeneration",

@@ -30,6 +30,8 @@ def empty_model(config: PretrainedConfig) -> PreTrainedModel:
     alias = TEXT_MODEL_TYPE_ALIASES.get(str(getattr(text_config, "model_type", "")))
     if alias is not None:  # a multimodal text model transformers has no causal LM for
         fields = {k: v for k, v in text_config.to_dict().items() if k != "model_type"}
+        # Qwen2.5-VL's text config has no tying flag: the wrapper's config ties the head.
+        fields.setdefault("tie_word_embeddings", bool(getattr(config, "tie_word_embeddings", 0)))
         text_config = AutoConfig.for_model(alias, **fields)
     # SDPA where transformers offers it; eager for models it refuses SDPA (gpt-oss: its
     # attention sinks). The engine switches either to its own batched attention.

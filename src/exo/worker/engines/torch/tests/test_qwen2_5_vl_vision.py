@@ -1,9 +1,10 @@
 """Qwen2.5-VL images through the engine's real path (`model/qwen2_5_vl_vision.py`,
 `chat_protocol/image_tokens.py`, multimodal rotary positions in the batch and the direct
 forward): a tiny random `Qwen2_5_VLForConditionalGeneration` saved in the published layout
-(text model as Qwen2's `model.`, tower under `visual.`), loaded by `TorchEngine.load` (Qwen2
-text model on the direct forward, tower beside it), against transformers' own model fed by
-transformers' own processor (its patches, grids and `<|image_pad|>` expansion), float32."""
+(flat config.json; text model as Qwen2's `model.`, tower under `visual.`, the head tied),
+loaded by `TorchEngine.load` (Qwen2 text model on the direct forward, tower beside it),
+against transformers' own model fed by transformers' own image processor (its patches and
+grids; its `<|image_pad|>` expansion rebuilt from the grids), float32."""
 
 from __future__ import annotations
 
@@ -16,11 +17,7 @@ from typing import Any
 import pytest
 import torch
 from PIL import Image
-from transformers import (
-    PreTrainedTokenizerFast,
-    Qwen2_5_VLConfig,
-    Qwen2_5_VLForConditionalGeneration,
-)
+from transformers import AutoConfig, PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGeneration
 
 from exo.chat_protocol.image_tokens import ImageTokens, QwenVLImageTokens
 from exo.shared.models.cards import card_from_local_directory
@@ -101,38 +98,41 @@ def checkout(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
     directory = tmp_path_factory.mktemp("qwen2_5_vl")
     tokenizer = _save_tokenizer(directory)
     assert tokenizer.encode("<|image_pad|>", add_special_tokens=False) == [IMAGE_ID]
+    # The published config.json's layout (Qwen2.5-VL-3B-Instruct): text fields at the top,
+    # `rope_scaling` with its mrope sections, the head tied to the embedding (no `lm_head`
+    # tensor in the files).
+    published = {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+        "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "hidden_act": "silu", "sliding_window": 32768, "use_sliding_window": False,
+        "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": 1,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "image_token_id": IMAGE_ID, "video_token_id": VIDEO_ID,
+        "vision_start_token_id": START_ID, "vision_end_token_id": END_ID,
+        "vision_config": {
+            "depth": 2, "hidden_act": "silu", "hidden_size": 32, "intermediate_size": 64,
+            "num_heads": 2, "in_chans": 3, "out_hidden_size": 64, "patch_size": PATCH,
+            "spatial_merge_size": MERGE, "temporal_patch_size": 2, "window_size": 32,
+            "fullatt_block_indexes": [1], "tokens_per_second": 2,
+        },
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(published))
     torch.manual_seed(0)
-    config = Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 96,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "max_position_embeddings": 512, "bos_token_id": None, "eos_token_id": 1,
-            "tie_word_embeddings": False,
-            "rope_parameters": {
-                "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-            },
-        },
-        vision_config={
-            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
-            "out_hidden_size": 64, "patch_size": PATCH, "spatial_merge_size": MERGE,
-            "temporal_patch_size": 2, "window_size": 32, "fullatt_block_indexes": [1],
-        },
-        image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, vision_start_token_id=START_ID,
-        vision_end_token_id=END_ID, tie_word_embeddings=False,
-    )  # fmt: skip
-    reference = Qwen2_5_VLForConditionalGeneration(config).float().eval()
+    reference = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(directory))
+    reference = reference.float().eval()
     with torch.no_grad():  # fresh norms are exactly 1 and biases 0: let every weight matter
         for parameter in reference.parameters():
             parameter.add_(torch.randn_like(parameter) * 0.05)
         reference.lm_head.weight[1] = 0.0  # "</s>" never wins: every test runs `STEPS`
+    assert reference.lm_head.weight is reference.model.get_input_embeddings().weight
     tensors = {
         _published_name(name): tensor.detach().clone().contiguous()
         for name, tensor in reference.state_dict().items()
+        if not name.startswith("lm_head.")
     }
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    saved = config.to_dict()
-    saved["architectures"] = ["Qwen2_5_VLForConditionalGeneration"]
-    (directory / "config.json").write_text(json.dumps(saved))
     processor = Qwen2VLImageProcessorPil(
         patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2,
         size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
@@ -342,3 +342,43 @@ def test_layout_and_patches_follow_the_processor(checkout: tuple[Path, Any, Any]
         assert (patches - inputs["pixel_values"]).abs().max().item() < 1e-5, (width, height)
     with pytest.raises(ValueError, match="200 times"):
         tokens.sequence((2, 500))
+
+
+def test_prefix_cache_reuses_positions_after_an_image(
+    checkout: tuple[Path, Any, Any], float32_kv: None
+) -> None:
+    """A second request with the same image and a longer text reuses the KV past the image
+    (whose keys were rotated at multimodal positions) and continues at the right positions;
+    one with another image of the same size shares KV only before it. Each gives a fresh
+    engine's tokens and logprobs."""
+    directory = checkout[0]
+    engine = _engine(directory)
+    first, other = _png(40, 100, seed=3), _png(40, 100, seed=6)
+
+    def params(picture: bytes, tail: str) -> TextGenerationTaskParams:
+        return _params(engine, f"w1 w2 {IMAGE_MARKER} w3 {tail}", [picture]).model_copy(
+            update={"logprobs": True, "top_logprobs": 1}
+        )
+
+    list(engine.generate(params(first, "w4")))
+    for request, shared in ((params(first, "w4 w5 w6"), True), (params(other, "w4"), False)):
+        handle = engine.submit(request)
+        pieces: list[Any] = []
+        while engine.has_work:
+            pieces += [output for _, output in engine.step()]
+        prompt_ids = engine.render_prompt(request).token_ids
+        first_image = prompt_ids.index(IMAGE_ID)
+        last_image = len(prompt_ids) - 1 - prompt_ids[::-1].index(IMAGE_ID)
+        assert handle.cached_tokens is not None
+        if shared:
+            assert handle.cached_tokens > last_image
+        else:
+            assert 0 < handle.cached_tokens <= first_image
+        fresh = list(_engine(directory).generate(request))
+        assert [piece.token_ids for piece in pieces] == [piece.token_ids for piece in fresh]
+        pairs = zip(
+            [e.logprob for p in pieces for e in p.logprobs or ()],
+            [e.logprob for p in fresh for e in p.logprobs or ()],
+            strict=True,
+        )
+        assert max(abs(a - b) for a, b in pairs) < 1e-4
