@@ -11,6 +11,9 @@ transformers model. One step, over the plan's flattened rows `[T]`:
    states;
 2. rotary cos/sin once per step (the model's rotary module, once per rope kind; Gemma 3
    has a local one for sliding layers), as whole-head tables (`direct_forward_parts.rotary_tables`);
+   a step whose plan carries multimodal positions (Qwen2.5-VL prompts with images:
+   `BatchPlan.rotary_positions`) mixes the tables of its three position rows per frequency
+   section (`direct_forward_parts.multimodal_rotary_tables`);
 3. per decoder layer: RMSNorm (one `F.rms_norm` call, or exo's one-pass kernel where its
    int4 kernels run (`native_kernels`); Gemma's `1 + weight` folded into the weight at build
    time), ONE fused Q/K/V matmul, per-head q/k norms (Qwen3, Gemma 3) and
