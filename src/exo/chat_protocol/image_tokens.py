@@ -29,6 +29,14 @@ One subclass per vision family, chosen by the checkpoint's `config.json` (`model
   down), then each side is rounded up to whole merged patches (`patch_size x
   spatial_merge_size` pixels); each row of merged patches is written as `[IMG]` per merged
   patch + `[IMG_BREAK]`, the last row's `[IMG_BREAK]` being `[IMG_END]`. Causal attention.
+- Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`; facts from transformers'
+  `Qwen2VLImageProcessor` `smart_resize` and `Qwen2VLProcessor`): the template writes
+  `<|vision_start|><|image_pad|><|vision_end|>`; the image is resized so each side is a
+  multiple of `patch_size x merge_size` pixels (each side rounded to the nearest multiple,
+  then the whole scaled down when the area passes `max_pixels`, or up when it is under
+  `min_pixels`), and `<|image_pad|>` becomes one `<|image_pad|>` per merged patch.
+  Causal attention; the text model places the image's tokens by row and column
+  (multimodal rotary positions: `exo.worker.engines.torch.model.qwen2_5_vl_vision`).
 
 The markers around the image tokens are tokenized as transformers tokenizes the processor's
 text: each piece on its own (special tokens split the text there anyway).
@@ -116,6 +124,8 @@ class ImageTokens(ABC):
             return Idefics3ImageTokens.from_config(config, tokenizer, preprocessor or {})
         if model_type == "mistral3":
             return PixtralImageTokens.from_config(config, tokenizer, preprocessor or {})
+        if model_type == "qwen2_5_vl":
+            return QwenVLImageTokens.from_config(config, tokenizer, preprocessor or {})
         return None
 
     def template_messages(self, messages: Sequence[ChatMessage]) -> tuple[ChatMessage, ...]:
@@ -475,3 +485,107 @@ class PixtralImageTokens(ImageTokens):
             ids += [self.image] * cols
             ids += self.image_end if row == rows - 1 else self.image_break
         return ids
+
+
+QWEN_VL_MAX_ASPECT = 200
+"""transformers' Qwen2-VL image processor refuses images longer than this many times their
+width (or wider than their height)."""
+
+
+@dataclass(frozen=True, slots=True)
+class QwenVLImageTokens(ImageTokens):
+    """Qwen2.5-VL's image tokens: `<|image_pad|>` once per merged patch of the resized
+    image, between the template's `<|vision_start|>` and `<|vision_end|>`.
+
+    Attributes:
+        image: the `<|image_pad|>` id (placeholder and soft token alike).
+        vision_start / vision_end: the ids of `<|vision_start|>` and `<|vision_end|>`.
+        patch: a patch's side in pixels (`patch_size`).
+        merge: patches per merged patch along each side (`spatial_merge_size`).
+        min_pixels / max_pixels: the resized image's area bounds (`size.shortest_edge` /
+            `size.longest_edge`, or the older `min_pixels` / `max_pixels`).
+        text: the template's image part.
+    """
+
+    bidirectional: ClassVar[bool] = False
+
+    image: int
+    vision_start: int
+    vision_end: int
+    patch: int
+    merge: int
+    min_pixels: int
+    max_pixels: int
+    text: str
+
+    @classmethod
+    def from_config(
+        cls, config: Mapping[str, Any], tokenizer: Any, preprocessor: Mapping[str, Any]
+    ) -> QwenVLImageTokens:
+        """From a Qwen2.5-VL `config.json` and `preprocessor_config.json` (the published
+        ids and transformers' processor defaults where absent)."""
+        vision = config["vision_config"]
+        size = preprocessor.get("size") or {}
+        image = int(config.get("image_token_id", 151655))
+        start = int(config.get("vision_start_token_id", 151652))
+        end = int(config.get("vision_end_token_id", 151653))
+        parts = tokenizer.convert_ids_to_tokens([start, image, end])
+        return cls(
+            image=image,
+            vision_start=start,
+            vision_end=end,
+            patch=int(preprocessor.get("patch_size", vision.get("patch_size", 14))),
+            merge=int(preprocessor.get("merge_size", vision.get("spatial_merge_size", 2))),
+            min_pixels=int(size.get("shortest_edge", preprocessor.get("min_pixels", 56 * 56))),
+            max_pixels=int(
+                size.get("longest_edge", preprocessor.get("max_pixels", 28 * 28 * 1280))
+            ),
+            text="".join(str(part) for part in parts),
+        )
+
+    @property
+    def placeholder(self) -> int:
+        return self.image
+
+    @property
+    def placeholder_text(self) -> str:
+        return self.text
+
+    @property
+    def soft(self) -> int:
+        return self.image
+
+    def resized(self, size: ImageSize) -> ImageSize:
+        """`(width, height)` in pixels the image is resized to (transformers'
+        `smart_resize`): whole merged patches, the area within `min_pixels .. max_pixels`.
+
+        Raises:
+            ValueError: a side longer than `QWEN_VL_MAX_ASPECT` times the other.
+        """
+        width, height = size
+        if max(width, height) > QWEN_VL_MAX_ASPECT * min(width, height):
+            raise ValueError(
+                f"an image of {width}x{height} pixels is more than {QWEN_VL_MAX_ASPECT} "
+                "times longer than wide"
+            )
+        factor = self.patch * self.merge
+        rows, cols = round(height / factor) * factor, round(width / factor) * factor
+        if rows * cols > self.max_pixels:
+            scale = math.sqrt(height * width / self.max_pixels)
+            rows = max(factor, math.floor(height / scale / factor) * factor)
+            cols = max(factor, math.floor(width / scale / factor) * factor)
+        elif rows * cols < self.min_pixels:
+            scale = math.sqrt(self.min_pixels / (height * width))
+            rows = math.ceil(height * scale / factor) * factor
+            cols = math.ceil(width * scale / factor) * factor
+        return cols, rows
+
+    def grid(self, size: ImageSize) -> tuple[int, int]:
+        """`(rows, cols)` of merged patches of an image of `size` (as sent)."""
+        width, height = self.resized(size)
+        factor = self.patch * self.merge
+        return height // factor, width // factor
+
+    def sequence(self, size: ImageSize) -> list[int]:
+        rows, cols = self.grid(size)
+        return [self.image] * (rows * cols)

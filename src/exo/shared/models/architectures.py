@@ -15,6 +15,7 @@ ENGINE_ARCHITECTURES: tuple[str, ...] = (
     "Idefics3ForConditionalGeneration",
     "SmolVLMForConditionalGeneration",
     "Qwen2ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration",
     "Qwen3ForCausalLM",
     "MistralForCausalLM",
     "Mistral3ForConditionalGeneration",
@@ -57,3 +58,11 @@ architecture they declare: Kimi-K2's `kimi_k2` (custom code in its repository) i
 DeepseekV3ForCausalLM's `deepseek_v3` with other sizes. The engine loads such a config
 without the repository's code, so `POST /models/add` does not ask for
 `--trust-remote-code` for it."""
+
+
+TEXT_MODEL_TYPE_ALIASES: dict[str, str] = {"qwen2_5_vl_text": "qwen2"}
+"""Text configs of multimodal checkpoints that transformers builds no causal LM for, read
+as the text model type they are: Qwen2.5-VL's text model is Qwen2's decoder (q/k/v
+biases, the same tensor names) whose rotary positions are multimodal (`mrope_section` in
+its `rope_parameters`, kept in the aliased config; the engine's direct forward applies
+them: `exo.worker.engines.torch.model.qwen2_5_vl_vision`)."""

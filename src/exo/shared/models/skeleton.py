@@ -22,9 +22,17 @@ def empty_model(config: PretrainedConfig) -> PreTrainedModel:
     text model built, whatever wrapped it in the checkpoint."""
     import torch
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from exo.shared.models.architectures import TEXT_MODEL_TYPE_ALIASES
 
     text_config = config.get_text_config()
+    alias = TEXT_MODEL_TYPE_ALIASES.get(str(getattr(text_config, "model_type", "")))
+    if alias is not None:  # a multimodal text model transformers has no causal LM for
+        fields = {k: v for k, v in text_config.to_dict().items() if k != "model_type"}
+        # Qwen2.5-VL's text config has no tying flag: the wrapper's config ties the head.
+        fields.setdefault("tie_word_embeddings", bool(getattr(config, "tie_word_embeddings", 0)))
+        text_config = AutoConfig.for_model(alias, **fields)
     # SDPA where transformers offers it; eager for models it refuses SDPA (gpt-oss: its
     # attention sinks). The engine switches either to its own batched attention.
     implementation = "sdpa"

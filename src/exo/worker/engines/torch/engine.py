@@ -45,7 +45,7 @@ from exo.worker.engines.torch.batching.batch_attention import (
 )
 from exo.worker.engines.torch.batching.kv_memory import kv_cache_torch_dtype
 from exo.worker.engines.torch.batching.prefix_cache import PrefixCache
-from exo.worker.engines.torch.batching.prompt_images import PromptImage
+from exo.worker.engines.torch.batching.prompt_images import MultimodalPositions, PromptImage
 from exo.worker.engines.torch.batching.request_state import (
     GeneratedPiece,
     RequestState,
@@ -251,6 +251,12 @@ class TorchEngine:
             except ValueError as error:
                 engine.images_refusal = "the weights of its vision tower are not on this node"
                 logger.warning("{}: images refused: {}", shard.model_card.model_id, error)
+            if split and engine.images is not None and engine.images.multimodal_rotary:
+                # The ranks' steps carry 1-D positions only (`parallel/rank_steps.py`).
+                engine.images = None
+                engine.images_refusal = (
+                    "a split instance does not carry this model's multimodal rotary positions"
+                )
         logger.info(
             "{}loaded {} ({} weights) in {:.1f} s",
             f"rank {shard.device_rank}/{shard.world_size} " if split else "",
@@ -448,10 +454,12 @@ class TorchEngine:
         prompt_ids, max_new_tokens = self._prompt_and_budget(params, prompt)
         images = _request_images(params)
         prompt_images: tuple[PromptImage, ...] = ()
+        positions: MultimodalPositions | None = None
         if images:  # the tower runs here, once per image, before the prompt's prefill
             if self.images is None:
                 raise ValueError(f"{self.card.model_id} takes no images on this instance")
             prompt_images = self.images.prompt_images(prompt_ids, images)
+            positions = self.images.multimodal_positions(prompt_ids, images)
         if sampling is None:
             sampling = resolve_sampling_params(params, self.card.sampling_defaults)
         return RequestState(
@@ -465,6 +473,7 @@ class TorchEngine:
             eos_token_ids=self.eos_token_ids,
             logprob_of=self.token_logprob,
             images=prompt_images,
+            positions=positions,
         )
 
     # -- the stepping contract ----------------------------------------------------------

@@ -95,6 +95,10 @@ class BatchPlan:
     # (row, [n, hidden] float32): embeddings that replace those of rows row .. row + n - 1
     # (an image's projected vision features; read by the first rank's embedding step).
     row_embeddings: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # [3, T] int64: each row's multimodal rotary positions (temporal, height, width) where
+    # some request of the step has them (`prompt_images.MultimodalPositions`; the others'
+    # rows repeat their position), else None: rotary positions are the cache positions.
+    rotary_positions: torch.Tensor | None = None
 
     def prepare(self, device: torch.device) -> None:
         """Index tensors and the decode masks, once per step (shared by every layer); the
@@ -663,7 +667,8 @@ def forward_batch(
         logits = lean(plan, input_ids[0], None, position_ids[0], logit_rows)
         commit_lengths(plan)
         return logits
-    if plan.row_embeddings or any(segment.image_blocks for segment in plan.prefill):
+    images = plan.row_embeddings or any(segment.image_blocks for segment in plan.prefill)
+    if images or plan.rotary_positions is not None:  # (multimodal positions: decode too)
         raise RuntimeError("image tokens need the direct forward (transformers' forward is on)")
     _active_plan = plan
     try:

@@ -9,6 +9,10 @@ otherwise causal prompt (transformers' `Gemma3Model`: blocks of consecutive imag
 a prompt chunk inside one (`align_chunk`), and each prompt segment carries the blocks it
 overlaps (`PrefillSegment.image_blocks`) for its attention mask. Other families (Idefics3)
 attend causally over image tokens as over text: their images only replace embeddings.
+
+Qwen2.5-VL also places an image's tokens by their row and column in the rotary positions
+(`MultimodalPositions`): a request with images carries its prompt's 3-D positions, and the
+batch gives them to the direct forward in place of the cache positions for rotary.
 """
 
 from __future__ import annotations
@@ -101,3 +105,61 @@ def segment_images(
             blocks.append((image.start, image.end))
         rows.append((first - start, image.embeddings[first - image.start : last - image.start]))
     return tuple(blocks), rows
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MultimodalPositions:
+    """A request's multimodal rotary positions (Qwen2-VL's "mrope"; facts from
+    transformers' `Qwen2_5_VLModel.get_rope_index`): three position ids per token
+    (temporal, height, width). A text token has the same id in all three, one past the
+    previous token's largest; an image's tokens, row by row over its merged patches, have
+    temporal id `s`, height id `s + row` and width id `s + col` (`s`: the next id when the
+    image starts), and the text after it goes on from `s + max(rows, cols)`. Positions are
+    therefore not token indices, and the KV cache keeps its token indices.
+
+    Attributes:
+        prompt: `[3, prompt tokens]` int64, every prompt token's ids.
+        delta: added to a token index past the prompt (a generated token) for its id in
+            all three (the prompt's largest id + 1 - its length).
+    """
+
+    prompt: torch.Tensor
+    delta: int
+
+    @classmethod
+    def of_prompt(cls, length: int, images: list[tuple[int, int, int]]) -> MultimodalPositions:
+        """The positions of a prompt of `length` tokens whose images are `(start, rows,
+        cols)`: the first image token's index and the image's merged-patch grid (its
+        `rows * cols` tokens follow in row order), in prompt order, not overlapping.
+
+        Raises:
+            ValueError: an image past the prompt's end or overlapping the previous one.
+        """
+        pieces: list[torch.Tensor] = []
+        index = 0  # the next token index
+        current = 0  # the next position id
+        for start, rows, cols in images:
+            if start < index or start + rows * cols > length:
+                raise ValueError(f"an image at token {start} of {rows}x{cols} does not fit")
+            text = start - index
+            pieces.append(torch.arange(current, current + text).expand(3, -1))
+            current += text
+            grid_rows = torch.arange(rows).repeat_interleave(cols)
+            grid_cols = torch.arange(cols).repeat(rows)
+            grid = torch.stack([torch.zeros_like(grid_rows), grid_rows, grid_cols])
+            pieces.append(grid + current)
+            current += max(rows, cols)
+            index = start + rows * cols
+        pieces.append(torch.arange(current, current + length - index).expand(3, -1))
+        prompt = torch.cat(pieces, dim=1).to(torch.int64)
+        largest = int(prompt.max()) if prompt.numel() else -1
+        return cls(prompt.contiguous(), largest + 1 - length)
+
+    def rows(self, start: int, length: int) -> torch.Tensor:
+        """`[3, length]` int64: the ids of token indices `start .. start + length - 1`
+        (prompt tokens from `prompt`, later ones their index + `delta`)."""
+        end = start + length
+        inside = self.prompt[:, start : min(end, self.prompt.shape[1])]
+        prompt_end = self.prompt.shape[1]
+        after = torch.arange(max(start, prompt_end), max(end, prompt_end)) + self.delta
+        return torch.cat([inside, after.expand(3, -1)], dim=1)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from exo.shared.types.chunks import FinishReason, TokenLogprob, Usage
-from exo.worker.engines.torch.batching.prompt_images import PromptImage
+from exo.worker.engines.torch.batching.prompt_images import MultimodalPositions, PromptImage
 from exo.worker.engines.torch.decoding.detokenizer import (
     StreamingDetokenizer,
     without_incomplete_end,
@@ -74,6 +74,8 @@ class RequestState:
         finished: the final piece was produced.
         images: the prompt's images (`prompt_images`), in prompt order; their tokens count
             among `prompt_ids` (and so in usage).
+        positions: the multimodal rotary positions of a prompt with images (Qwen2.5-VL;
+            `MultimodalPositions`); None: rotary positions are the token indices.
     """
 
     request_id: str
@@ -90,6 +92,7 @@ class RequestState:
     prefilled_tokens: int | None = None
     finished: bool = False
     images: tuple[PromptImage, ...] = ()
+    positions: MultimodalPositions | None = None
     _pending_ids: list[int] = field(default_factory=list)
     _pending_logprobs: list[TokenLogprob] = field(default_factory=list)
 

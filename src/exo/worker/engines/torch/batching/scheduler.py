@@ -323,6 +323,10 @@ class BatchScheduler:
             if start + length == len(running.tokens):
                 logit_rows.append(len(input_ids) - 1)
                 sampled.append(running)
+        rotary_positions = None
+        stepping = [*decoding, *(running for running, _ in prefill)]
+        if any(running.state.positions is not None for running in stepping):
+            rotary_positions = _multimodal_rows(decoding, prefill)
         ends = [running.computed + 1 for running in decoding]
         ends += [running.computed + length for running, length in prefill]
         self._cache.reserve(max(ends))
@@ -334,6 +338,7 @@ class BatchScheduler:
             prefill=segments,
             layer_of=self._layer_of,
             row_embeddings=row_embeddings,
+            rotary_positions=rotary_positions,
         )
         device = self._device
         arguments = (
@@ -517,3 +522,19 @@ class BatchScheduler:
                 if other.slot == moved:
                     other.slot = running.slot
                     break
+
+
+def _multimodal_rows(decoding: list[_Running], prefill: list[tuple[_Running, int]]) -> torch.Tensor:
+    """`[3, T]` int64: the step's rows' multimodal rotary positions (`BatchPlan.
+    rotary_positions`), decode rows then prompt chunks as the step lays them out; a
+    request without multimodal positions repeats its token index in all three."""
+
+    def rows(running: _Running, start: int, length: int) -> torch.Tensor:
+        positions = running.state.positions
+        if positions is None:
+            return torch.arange(start, start + length).expand(3, -1)
+        return positions.rows(start, length)
+
+    pieces = [rows(running, running.computed, 1) for running in decoding]
+    pieces += [rows(running, running.computed, length) for running, length in prefill]
+    return torch.cat(pieces, dim=1)

@@ -11,6 +11,9 @@ transformers model. One step, over the plan's flattened rows `[T]`:
    states;
 2. rotary cos/sin once per step (the model's rotary module, once per rope kind; Gemma 3
    has a local one for sliding layers), as whole-head tables (`direct_forward_parts.rotary_tables`);
+   a step whose plan carries multimodal positions (Qwen2.5-VL prompts with images:
+   `BatchPlan.rotary_positions`) mixes the tables of its three position rows per frequency
+   section (`direct_forward_parts.multimodal_rotary_tables`);
 3. per decoder layer: RMSNorm (one `F.rms_norm` call, or exo's one-pass kernel where its
    int4 kernels run (`native_kernels`); Gemma's `1 + weight` folded into the weight at build
    time), ONE fused Q/K/V matmul, per-head q/k norms (Qwen3, Gemma 3) and
@@ -64,6 +67,7 @@ from exo.worker.engines.torch.model.direct_forward_parts import (
     RotaryCache,
     RotaryTables,
     bf16_activations_wanted,
+    multimodal_rotary_tables,
     norm_weight,
     rotary_tables,
     static_rope,
@@ -129,6 +133,10 @@ class LeanModel:
             LeanLayer(layer, family, self.bf16, rope, text_config)
             for layer, rope in zip(layers, ropes, strict=True)
         ]
+        # Qwen2.5-VL's frequencies per multimodal position row (None: 1-D rotary only).
+        rope_parameters = getattr(text_config, "rope_parameters", None) or {}
+        sections = rope_parameters.get("mrope_section")
+        self._mrope_section: list[int] | None = list(sections) if sections else None
         self._rotary_cache: RotaryCache | None = None
         if static_rope(self._rotary, self._rope_kinds):
             self._rotary_cache = RotaryCache(self._computed_rotary_tables)
@@ -196,7 +204,10 @@ class LeanModel:
         cache_dtype = plan.cache.keys[0].dtype if plan.cache.keys else torch.float32
         # A bfloat16 cache only stores keys and values rounded: attention computes in float32.
         attention_dtype = torch.float32 if cache_dtype == torch.bfloat16 else cache_dtype
-        tables = self._rotary_tables(x, position_ids, attention_dtype)
+        if plan.rotary_positions is not None:
+            tables = self._multimodal_tables(x, plan.rotary_positions, attention_dtype)
+        else:
+            tables = self._rotary_tables(x, position_ids, attention_dtype)
         if attention_dtype == torch.float32 and self._native_step(plan, x.shape[0]):
             self._decode_layers(plan, x, tables)
         else:
@@ -236,6 +247,25 @@ class LeanModel:
         if self._rotary_cache is not None:
             return self._rotary_cache.tables(position_ids, dtype, x.device)
         return self._computed_rotary_tables(position_ids, dtype, x.device)
+
+    def _multimodal_tables(
+        self, x: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    ) -> RotaryTables:
+        """Each rope kind's whole-head tables for multimodal positions `[3, T]` (temporal,
+        height, width; `BatchPlan.rotary_positions`): the 1-D tables of each row, their
+        frequencies picked per `mrope_section` (`multimodal_rotary_tables`).
+
+        Raises:
+            ValueError: the model has no `mrope_section` (its rotary is 1-D).
+        """
+        if self._mrope_section is None:
+            raise ValueError("multimodal rotary positions for a model without mrope_section")
+        positions = positions.to(x.device)
+        per_row = [self._rotary_tables(x, positions[row], dtype) for row in range(3)]
+        return [
+            multimodal_rotary_tables([tables[kind] for tables in per_row], self._mrope_section)
+            for kind in range(len(per_row[0]))
+        ]
 
     def _computed_rotary_tables(
         self, position_ids: torch.Tensor, dtype: torch.dtype, device: torch.device

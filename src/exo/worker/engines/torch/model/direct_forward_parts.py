@@ -288,6 +288,45 @@ def rotary_tables(
     return cos_full[:, None], sin_full[:, None], perm
 
 
+def multimodal_rotary_tables(
+    tables: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], sections: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One whole-head rotary table (`direct_forward_parts.rotary_tables`) for multimodal
+    positions, from the tables of each of the three position rows (temporal, height,
+    width): a head's frequencies are cut into `sections` (`mrope_section`, summing to half
+    the rotary width) and the i-th section's values come from row `i % 3`'s table, in both
+    halves of the head (transformers' `Qwen2_5_VLRotaryEmbedding`). Values past the
+    rotary width (none for Qwen2.5-VL) are the temporal table's.
+
+    Args:
+        tables: three `(cos [T, 1, head_dim], sin [T, 1, head_dim], perm [head_dim])`.
+        sections: frequencies per section.
+
+    Returns:
+        `(cos, sin, perm)` as one of `tables`.
+
+    Raises:
+        ValueError: not three tables, or sections wider than half a head.
+    """
+    if len(tables) != 3:
+        raise ValueError(f"multimodal rotary takes three position rows, got {len(tables)}")
+    half = sum(sections)
+    head_dim = tables[0][0].shape[-1]
+    if 2 * half > head_dim:
+        raise ValueError(f"mrope sections {list(sections)} are wider than half a {head_dim} head")
+    source = torch.zeros(head_dim, dtype=torch.long)
+    first = 0
+    for index, width in enumerate(sections):
+        source[first : first + width] = index % 3
+        source[half + first : half + first + width] = index % 3
+        first += width
+    source = source.to(tables[0][0].device)
+    cos = torch.stack([table[0] for table in tables])  # [3, T, 1, head_dim]
+    sin = torch.stack([table[1] for table in tables])
+    pick = source.view(1, 1, 1, head_dim).expand(1, *cos.shape[1:])
+    return cos.gather(0, pick)[0], sin.gather(0, pick)[0], tables[0][2]
+
+
 RotaryTables = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 # Positions per block of cached rotary tables, and the widest span of positions kept.
 ROTARY_BLOCK = 256

@@ -2,8 +2,10 @@
 shared with the API node's token counts) and a tower that turns a request's images into the
 rows that replace their soft tokens (`ImageEncoder`), chosen by the checkpoint's config.
 
-Families: Gemma 3 (`gemma3_vision.py`), Idefics3 / SmolVLM (`idefics3_vision.py`) and
-Mistral 3 with Pixtral's tower (`mistral3_vision.py`). Adding
+Families: Gemma 3 (`gemma3_vision.py`), Idefics3 / SmolVLM (`idefics3_vision.py`),
+Mistral 3 with Pixtral's tower (`mistral3_vision.py`) and Qwen2.5-VL
+(`qwen2_5_vl_vision.py`, whose prompts also carry multimodal rotary positions:
+`multimodal_positions`). Adding
 one: its `ImageTokens` subclass (`exo.chat_protocol.image_tokens`), an encoder here, and a
 case in `VisionInput.of_model`.
 """
@@ -22,12 +24,14 @@ from exo.chat_protocol.image_tokens import (
     Idefics3ImageTokens,
     ImageTokens,
     PixtralImageTokens,
+    QwenVLImageTokens,
 )
 from exo.shared.types.text_generation import ImageInput
-from exo.worker.engines.torch.batching.prompt_images import PromptImage
+from exo.worker.engines.torch.batching.prompt_images import MultimodalPositions, PromptImage
 from exo.worker.engines.torch.model.gemma3_vision import Gemma3ImageEncoder
 from exo.worker.engines.torch.model.idefics3_vision import Idefics3ImageEncoder
 from exo.worker.engines.torch.model.mistral3_vision import Mistral3ImageEncoder
+from exo.worker.engines.torch.model.qwen2_5_vl_vision import QwenVLImageEncoder, prompt_positions
 
 
 class ImageEncoder(Protocol):
@@ -78,6 +82,8 @@ class VisionInput:
                 encoder = Idefics3ImageEncoder.load(model_dir, config, device)
             case PixtralImageTokens():
                 encoder = Mistral3ImageEncoder.load(model_dir, config, tokens, device)
+            case QwenVLImageTokens():
+                encoder = QwenVLImageEncoder.load(model_dir, config, tokens, device)
             case _:
                 return None
         return cls(tokens, encoder)
@@ -111,3 +117,25 @@ class VisionInput:
                 prompt_images.append(PromptImage(start, embeddings, image.sha256, bidirectional))
                 offset += length
         return tuple(prompt_images)
+
+    @property
+    def multimodal_rotary(self) -> bool:
+        """Whether the text model places image tokens by multimodal rotary positions
+        (Qwen2.5-VL): a prompt with images then needs `multimodal_positions`."""
+        return isinstance(self.tokens, QwenVLImageTokens)
+
+    def multimodal_positions(
+        self, token_ids: Sequence[int], images: Sequence[ImageInput]
+    ) -> MultimodalPositions | None:
+        """The rotary positions of an expanded prompt with `images` where the family
+        places image tokens by row and column (`multimodal_rotary`); None otherwise, or
+        without images (text positions are then the token indices).
+
+        Raises:
+            ValueError: the prompt's image tokens are not those of `images`.
+        """
+        if not images or not isinstance(self.tokens, QwenVLImageTokens):
+            return None
+        sizes = [(image.width, image.height) for image in images]
+        spans = self.tokens.spans(token_ids, sizes)
+        return prompt_positions(self.tokens, len(token_ids), spans, sizes)

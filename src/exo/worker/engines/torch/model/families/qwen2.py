@@ -1,5 +1,8 @@
 """Qwen2: Qwen2.5, Qwen2.5-Coder, DeepSeek-R1-Distill-Qwen (`Qwen2ForCausalLM`; biases on
-q/k/v, which split with their rows)."""
+q/k/v, which split with their rows), and the text model of Qwen2.5-VL
+(`Qwen2_5_VLForConditionalGeneration`: its published tensors are named as Qwen2's,
+`model.layers.N...` beside the tower's `visual.`; its multimodal rotary positions are the
+direct forward's, `qwen2_5_vl_vision.py`)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ _COLUMN, _ROW = standard_attention_and_mlp()
 FAMILY = ModelFamily(
     name="qwen2",
     architectures=("Qwen2ForCausalLM",),
+    wrapped_architectures=("Qwen2_5_VLForConditionalGeneration",),
+    wrapped_prefixes={"Qwen2_5_VLForConditionalGeneration": ""},
     column_parallel=_COLUMN,
     row_parallel=_ROW,
     rms_norms=(Qwen2RMSNorm,),
