@@ -30,9 +30,12 @@ from exo.worker.engines.torch.batching.scheduler import (
 from exo.worker.engines.torch.decoding.sampling import TokenChooser
 from exo.worker.engines.torch.engine import RequestHandle, TorchEngine
 
-# Largest |batched - alone| logit difference allowed (measured: float32 tiny models stay
-# below 2e-6, int4 below 2e-2; the bounds leave headroom for other CPUs' kernels).
-FLOAT32_TOLERANCE = 1e-4
+# Largest |batched - alone| logit difference allowed. Measured on float32 tiny models (logits
+# up to ~4): below 2e-6 on a 2-core AVX512 Xeon; up to 1.06e-4 on an AVX2 Zen 3 (gemma3 on
+# two threads, gpt_oss on one or two; transformers' own forward differs as much there: its
+# float32 matmuls sum in an order that follows the row and thread counts). int4 below 2e-2.
+# A batching bug (a wrong row, mask or position) moves logits by far more.
+FLOAT32_TOLERANCE = 5e-4
 INT4_TOLERANCE = 0.1
 
 PROMPTS = ("Hi", "Tell me a story about a dragon and a knight", "Count: one two three four")

@@ -6,6 +6,7 @@ for mixture-of-experts families also 2- and 3-rank expert parallel groups (the t
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -172,6 +173,12 @@ def single_process_tokens(
         end_layer=card.n_layers,
     )
     engine = load_engine(model_dir, shard, weight_dtype=weight_dtype)
+    # Warmed up as each rank's engine is (`_rank_main`): the warm-up's prompt leaves its KV
+    # in the prefix cache, so a request sharing its chat-template prefix prefills only the
+    # rest. Without it the reference prefilled all 41 prompt rows where rank 0 prefilled 33
+    # beside 8 cached: attention over other row counts sums in another order, and on an AVX2
+    # Zen 3 the int4 real model's greedy tokens parted at the fifth token (float32 KV).
+    engine.warmup()
     return [
         [token for piece in engine.generate(request(**fields)) for token in piece.token_ids]
         for fields in requests
@@ -223,6 +230,19 @@ def _split_params(architectures: tuple[str, ...]) -> list[Any]:
     ]
 
 
+def _greedy(tokens: list[list[int]]) -> list[int]:
+    """The greedy request's tokens (`GREEDY`, the first of each job's requests).
+
+    Tensor and expert splits sum each row-parallel product (and the routed experts) in
+    another order than one process, so logits move in the last bits: greedy tokens must not
+    move (the issue's bar: single = each split's greedy tokens in float32), while the seeded
+    request's sample can, where a draw falls within that distance of a boundary of the
+    cumulative distribution (seen for gpt_oss on an AVX2 Zen 3). Pipeline splits compute
+    exactly what one process does and are compared on both requests.
+    """
+    return tokens[0]
+
+
 def _results(request: pytest.FixtureRequest, fixture: str, architecture: str) -> Any:
     """The default run's group results, or the slow families' (their own groups, started
     only when a slow test asks)."""
@@ -246,30 +266,39 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) ->
 
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_dirs: dict[str, Path], real_model_dir: Path) -> dict[str, Any]:
-    references = {
-        architecture: single_process_tokens(directory, (GREEDY, SEEDED))
-        for architecture, directory in tiny_dirs.items()
-        if architecture not in SLOW_SPLIT_ARCHITECTURES
-    }
-    references["real"] = single_process_tokens(real_model_dir, (GREEDY,))
-    # One thread, as each rank runs: the prefill's float32 matmuls sum in another order on
-    # two, and int4 kernels that round activations to int8 blocks (exo's, on AVX2) can
-    # turn that last-bit difference into another greedy token.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    # One thread, as each rank runs: float32 matmuls sum in another order on two (on an
+    # AVX2 Zen 3, enough to move a seeded sample of a tiny MoE model), and int4 kernels
+    # that round activations to int8 blocks (exo's, on AVX2) can turn that last-bit
+    # difference into another greedy token.
+    with torch_threads(1):
+        references = {
+            architecture: single_process_tokens(directory, (GREEDY, SEEDED))
+            for architecture, directory in tiny_dirs.items()
+            if architecture not in SLOW_SPLIT_ARCHITECTURES
+        }
+        references["real"] = single_process_tokens(real_model_dir, (GREEDY,))
         references["real-int4"] = single_process_tokens(real_model_dir, (GREEDY,), "int4")
+    return references
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to `count` inside the block, restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
     finally:
         torch.set_num_threads(threads)
-    return references
 
 
 @pytest.fixture(scope="module")
 def slow_reference_tokens(tiny_dirs: dict[str, Path]) -> dict[str, Any]:
-    return {
-        architecture: single_process_tokens(tiny_dirs[architecture], (GREEDY, SEEDED))
-        for architecture in SLOW_SPLIT_ARCHITECTURES
-    }
+    with torch_threads(1):
+        return {
+            architecture: single_process_tokens(tiny_dirs[architecture], (GREEDY, SEEDED))
+            for architecture in SLOW_SPLIT_ARCHITECTURES
+        }
 
 
 def _two_rank_jobs(tiny_dirs: dict[str, Path], architectures: tuple[str, ...]) -> list[Job]:
@@ -372,7 +401,7 @@ def test_two_rank_tensor_equals_single_process(
 ) -> None:
     expected = _results(request, "reference_tokens", architecture)[architecture]
     results = _results(request, "two_rank_results", architecture)
-    assert results[f"tensor-{architecture}"].tokens == expected
+    assert _greedy(results[f"tensor-{architecture}"].tokens) == _greedy(expected)
 
 
 @pytest.mark.slow
@@ -393,8 +422,8 @@ def test_two_and_three_rank_expert_parallel_equal_single_process(
     expected = _results(request, "reference_tokens", architecture)[architecture]  # greedy, seeded
     two_rank_results = _results(request, "two_rank_results", architecture)
     three_rank_results = _results(request, "three_rank_results", architecture)
-    assert two_rank_results[f"expert-{architecture}"].tokens == expected
-    assert three_rank_results[f"expert-{architecture}"].tokens == expected
+    assert _greedy(two_rank_results[f"expert-{architecture}"].tokens) == _greedy(expected)
+    assert _greedy(three_rank_results[f"expert-{architecture}"].tokens) == _greedy(expected)
     # Each rank holds its experts only (of 4: the 3-rank group's ranks hold 1, 1 and 2):
     # ranks holding as many experts hold as many bytes, more experts more bytes.
     two, three = (
