@@ -266,10 +266,11 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) ->
 
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_dirs: dict[str, Path], real_model_dir: Path) -> dict[str, Any]:
-    # One thread, as each rank runs: float32 matmuls sum in another order on two (on an
-    # AVX2 Zen 3, enough to move a seeded sample of a tiny MoE model), and int4 kernels
-    # that round activations to int8 blocks (exo's, on AVX2) can turn that last-bit
-    # difference into another greedy token.
+    # One thread, as each rank runs: float32 matmuls may sum in another order on two, and
+    # a last-bit difference can move a seeded sample or an int4 model's near-tie greedy
+    # token. (On an AVX2 Zen 3 the qwen3_moe and gpt_oss seeded samples and the int4 real
+    # model's greedy tokens parted from the splits' before the references were also warmed
+    # up, `single_process_tokens`; which of the two changes each needed was not separated.)
     with torch_threads(1):
         references = {
             architecture: single_process_tokens(directory, (GREEDY, SEEDED))
