@@ -14,6 +14,13 @@ longest, head_dim]` float32 buffer pair serves every layer: a segment starting a
 0 attends only to the keys its own layer just wrote for it, so layer `l + 1` may overwrite
 what layer `l` wrote (the memory is that of one layer, not of all of them). Keys and values
 stay float32 (attention in float32, as transformers' float32 forward computes it).
+
+An input is never cut into chunks (as a generation's long prompt is): a chunk after the
+first reads every earlier position's keys in every layer, which would need a cache of all
+layers. Whole, a long input's activations grow with it (the caller's `BATCH_TOKENS` bounds
+the rest), while its keys and values stay one layer's: at Qwen3-Embedding-0.6B's shape
+(28 layers, 8 KV heads of 128) a 32k-token input's all-layer float32 cache would be
+7.5 GB, more than its largest activation (the `[T, 2 x 3072]` gate/up product, 0.8 GB).
 """
 
 from __future__ import annotations

@@ -190,17 +190,27 @@ def _card(directory: Path, **update: Any) -> ModelCard:
     return card_from_local_directory(directory).model_copy(update=update)
 
 
-@pytest.mark.parametrize("pooling", ["last", "mean"])
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> Path:
+    """Gemma 3: sliding-window layers (a window of 8 tokens, shorter than some inputs), the
+    `1 + weight` final norm and the scaled embedding."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3", real_model_dir, 2)
+
+
+@pytest.mark.parametrize(
+    ("family", "pooling"), [("qwen3", "last"), ("qwen3", "mean"), ("gemma3", "mean")]
+)
 def test_exo_forward_equals_the_transformers_forward_path(
-    qwen3_dir: Path, pooling: str, monkeypatch: pytest.MonkeyPatch
+    request: pytest.FixtureRequest, family: str, pooling: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The lean step (exo's forward) against transformers' forward over the same loaded
     modules (`EXO_LEAN_FORWARD=0`, the fallback), float32: each input alone and a ragged
     batch, cosine within 1e-5."""
-    card = _card(qwen3_dir, capabilities=("embedding",), embedding_pooling=pooling)
-    ours = _engine(qwen3_dir, card).embedding_backend()
+    directory: Path = request.getfixturevalue(f"{family}_dir")
+    card = _card(directory, capabilities=("embedding",), embedding_pooling=pooling)
+    ours = _engine(directory, card).embedding_backend()
     monkeypatch.setenv(LEAN_ENV, "0")
-    fallback = _engine(qwen3_dir, card).embedding_backend()
+    fallback = _engine(directory, card).embedding_backend()
     assert ours.runs_exo_forward and not fallback.runs_exo_forward
     batch = ours.embed(RAGGED)
     expected = fallback.embed(RAGGED)
