@@ -7,10 +7,13 @@ the input only, as `batch_attention.attend` runs a prompt's first chunk), no dec
 no logits (`logit_rows=None`: the residual stream after the last decoder layer, before the
 final norm). The final norm is applied here, to the rows the pooling reads.
 
-The keys and values live in a scratch `SlotKVCache` built for the call and dropped after
-it, never in the serving cache: running generations' slots, lengths and prefix cache are
-untouched, and nothing of an embedding input stays behind. Its one `[inputs, kv_heads,
-longest, head_dim]` float32 buffer pair serves every layer: a segment starting at position
+Several short inputs attend in one padded call per layer (`batching/whole_inputs.py`,
+nothing written to a cache); otherwise, and in a sliding-window layer whose window cuts an
+input, segment by segment as `attend` runs prompts. Their keys and values then live in a
+scratch `SlotKVCache` built for the call and dropped after it, never in the serving
+cache: running generations' slots, lengths and prefix cache are untouched, and nothing of
+an embedding input stays behind. Its one `[inputs, kv_heads, longest, head_dim]` float32
+buffer pair serves every layer: a segment starting at position
 0 attends only to the keys its own layer just wrote for it, so layer `l + 1` may overwrite
 what layer `l` wrote (the memory is that of one layer, not of all of them). Keys and values
 stay float32 (attention in float32, as transformers' float32 forward computes it).
@@ -40,11 +43,17 @@ from exo.worker.engines.torch.batching.batch_attention import (
     lean_step_of,
 )
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
+from exo.worker.engines.torch.batching.whole_inputs import WholeInputs
 from exo.worker.engines.torch.model.direct_forward_parts import LeanUnsupportedError, norm_weight
 from exo.worker.engines.torch.model.families import (
     UnsupportedArchitectureError,
     family_for_architecture,
 )
+
+# Inputs up to this many tokens attend in one padded call per layer (`whole_inputs`: its
+# `[inputs, longest, longest]` mask and padded rows stay small); longer ones, and a lone
+# input, segment by segment through the scratch cache (a handful per step).
+WHOLE_INPUTS_LONGEST = 512
 
 
 class LeanFinalStates:
@@ -104,6 +113,8 @@ class LeanFinalStates:
             cache=cache, windows=self._windows, decode_slots=[], decode_positions=[],
             prefill=segments, layer_of={},
         )  # fmt: skip
+        if len(lengths) > 1 and max(lengths) <= WHOLE_INPUTS_LONGEST:
+            plan.whole_inputs = WholeInputs.of_lengths(lengths, self._device)
         plan.prepare(self._device)
         hidden = self._step(
             plan, flat.to(self._device), None, positions.to(self._device), None

@@ -29,6 +29,7 @@ from exo.worker.engines.torch.batching.batch_attention import (
     lean_step_of,
 )
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
+from exo.worker.engines.torch.embedding import lean_states
 from exo.worker.engines.torch.embedding.decoder import (
     RERANK_INSTRUCTION,
     RERANK_PREFIX,
@@ -219,6 +220,9 @@ def test_exo_forward_equals_the_transformers_forward_path(
     alone = torch.cat([ours.embed([row]) for row in RAGGED])
     assert _cosine(alone, expected) > 1 - 1e-5
     torch.testing.assert_close(batch, alone, atol=1e-5, rtol=1e-5)
+    # Segment by segment through the scratch cache (long inputs' path) as in one padded call.
+    monkeypatch.setattr(lean_states, "WHOLE_INPUTS_LONGEST", 0)
+    torch.testing.assert_close(ours.embed(RAGGED), batch, atol=1e-5, rtol=1e-5)
     # Different inputs differ: the agreement above is not one of a degenerate model.
     assert _cosine(batch[:1], batch[1:2]) < 0.999
 
