@@ -46,7 +46,8 @@ Qwen3-Embedding's tokenizer ends every text; llama.cpp pools the last token
 (`LLAMA_POOLING_TYPE_LAST`), otherwise as for nomic. The agreement printed is then the
 two 4-bit roundings' (neighbouring inputs' cosine for scale).
 
-On a shared machine other work slows both sides: the load average is printed, and only ratios within one run mean anything.
+On a shared machine other work slows both sides: the load average is printed, and only
+ratios within one run mean anything.
 """
 
 from __future__ import annotations
