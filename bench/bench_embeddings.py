@@ -1,8 +1,11 @@
-"""Embedding throughput (inputs/s) of exo's encoder against llama.cpp's embedding mode on the
-same random weights of nomic-embed-text-v1.5's shape, batches of 1 / 8 / 64 short texts.
+"""Embedding throughput (inputs/s) of exo against llama.cpp's embedding mode on the same
+random weights, batches of 1 / 8 / 64 short texts: nomic-embed-text-v1.5's shape on exo's
+encoder (`--model nomic`, the default) or Qwen3-Embedding-0.6B's on exo's decoder engine
+(`--model qwen3`).
 
-Usage: PYTHONPATH=src python bench/bench_embeddings.py [--batches 1 8 64] [--rounds 5]
-       [--threads 2] [--min-tokens 24] [--max-tokens 40] [--gguf-type f16]
+Usage: PYTHONPATH=src python bench/bench_embeddings.py [--model nomic|qwen3]
+       [--batches 1 8 64] [--rounds 5] [--threads 2] [--min-tokens 24] [--max-tokens 40]
+       [--gguf-type f16] [--layers N] [--weight-dtype int4] [--qwen-gguf-type q4_1]
        [--cache-dir DIR] [--json OUT.json]
 
 The model: NomicBERT at nomic-embed-text-v1.5's shape (its config.json: 12 layers, hidden
@@ -29,10 +32,22 @@ Each round runs every batch size on exo and on llama.cpp, alternating which goes
 inputs/s is the batch size over the median time. `torch.set_num_threads(--threads)` and the
 same thread count for llama.cpp.
 
-Not measured here: Qwen3-Embedding-0.6B's shape. exo has no decoder-embedding path (pooled
-hidden states of a decoder through the runner) on this branch yet; see the dated page in
-docs/benchmarks/ for what was and was not timed. On a shared machine other work slows both
-sides: the load average is printed, and only ratios within one run mean anything.
+`--model qwen3`: Qwen3 at Qwen3-Embedding-0.6B's shape (28 layers, hidden 1024, 16 heads
+of 128, 8 KV heads, MLP 3072, vocabulary 151,669, rope theta 1e6, tied embeddings;
+`--layers` cuts the depth), Gaussian weights (std 0.02, embeddings 0.5, norms near 1) from
+a fixed seed rounded to float16, written as the safetensors folder exo's engine loads
+(`TorchEngine.load` in `--weight-dtype`, int4 by default as on any CPU node; then
+`embedding_backend()`, last-token pooling: exo's own forward where the model has a lean
+step, `EXO_LEAN_FORWARD=0` for transformers' forward) and as a llama.cpp `qwen3` GGUF
+(`write_qwen_gguf`, matrices in `--qwen-gguf-type`: q4_1 by default, the block format of
+exo's int4 groups; block types quantized by gguf-py, each engine thus rounding the same
+float16 values its own way). Inputs: random word ids ending with the end token, as
+Qwen3-Embedding's tokenizer ends every text; llama.cpp pools the last token
+(`LLAMA_POOLING_TYPE_LAST`), otherwise as for nomic. The agreement printed is then the
+two 4-bit roundings' (neighbouring inputs' cosine for scale).
+
+On a shared machine other work slows both sides: the load average is printed, and only
+ratios within one run mean anything.
 """
 
 from __future__ import annotations
@@ -51,7 +66,7 @@ import numpy as np
 
 DEFAULT_CACHE = Path.home() / ".cache" / "exo-bench-embeddings"
 # llama.cpp's pooling enum (`LLAMA_POOLING_TYPE_MEAN`).
-LLAMA_POOLING_MEAN = 1
+LLAMA_POOLING_MEAN, LLAMA_POOLING_LAST = 1, 3
 # bert-base-uncased's special token ids, which nomic-embed-text's vocabulary keeps.
 PAD_ID, UNKNOWN_ID, CLS_ID, SEP_ID, MASK_ID = 0, 100, 101, 102, 103
 
@@ -236,6 +251,249 @@ def prepare_nomic(cache_dir: Path, shape: NomicShape, gguf_type: str) -> tuple[P
     return folder, gguf_path
 
 
+@dataclass(frozen=True, slots=True)
+class QwenShape:
+    """A Qwen3 decoder's shape (defaults: Qwen3-Embedding-0.6B's config.json, numbers from
+    issue 42: 28 layers, hidden 1024, 16 heads of 128, 8 KV heads, MLP 3072, vocabulary
+    151,669, rope theta 1e6, RMSNorm eps 1e-6, tied embeddings, last-token pooling)."""
+
+    hidden_size: int = 1024
+    layers: int = 28
+    heads: int = 16
+    kv_heads: int = 8
+    head_dim: int = 128
+    intermediate_size: int = 3072
+    vocab_size: int = 151669
+    max_positions: int = 32768
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+
+    def key(self) -> str:
+        return (
+            f"qwen3-h{self.hidden_size}-l{self.layers}-a{self.heads}-kv{self.kv_heads}"
+            f"-d{self.head_dim}-f{self.intermediate_size}-v{self.vocab_size}"
+        )
+
+
+def random_qwen_tensors(shape: QwenShape, seed: int = 0) -> dict[str, np.ndarray]:
+    """Qwen3's tensors by their transformers names (`model.` prefix, no `lm_head`: tied),
+    float16-representable float32 values; matrices `[out, in]`."""
+    rng = np.random.default_rng(seed)
+    hidden, inner, head = shape.hidden_size, shape.intermediate_size, shape.head_dim
+
+    def matrix(rows: int, columns: int, scale: float = 0.02) -> np.ndarray:
+        values = rng.standard_normal((rows, columns), dtype=np.float32) * scale
+        return values.astype(np.float16).astype(np.float32)
+
+    def norm(width: int) -> np.ndarray:
+        weight = 1.0 + 0.1 * rng.standard_normal(width, dtype=np.float32)
+        return weight.astype(np.float16).astype(np.float32)
+
+    tensors = {"model.embed_tokens.weight": matrix(shape.vocab_size, hidden, 0.5)}
+    for index in range(shape.layers):
+        at = f"model.layers.{index}."
+        tensors[at + "input_layernorm.weight"] = norm(hidden)
+        tensors[at + "self_attn.q_proj.weight"] = matrix(shape.heads * head, hidden)
+        tensors[at + "self_attn.k_proj.weight"] = matrix(shape.kv_heads * head, hidden)
+        tensors[at + "self_attn.v_proj.weight"] = matrix(shape.kv_heads * head, hidden)
+        tensors[at + "self_attn.o_proj.weight"] = matrix(hidden, shape.heads * head)
+        tensors[at + "self_attn.q_norm.weight"] = norm(head)
+        tensors[at + "self_attn.k_norm.weight"] = norm(head)
+        tensors[at + "post_attention_layernorm.weight"] = norm(hidden)
+        tensors[at + "mlp.gate_proj.weight"] = matrix(inner, hidden)
+        tensors[at + "mlp.up_proj.weight"] = matrix(inner, hidden)
+        tensors[at + "mlp.down_proj.weight"] = matrix(hidden, inner)
+    tensors["model.norm.weight"] = norm(hidden)
+    return tensors
+
+
+# GGUF types the Qwen3 file's matrices may take: gguf-py quantizes the block types in numpy.
+QWEN_GGUF_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
+# A placeholder SentencePiece vocabulary: `<unk>`, `<s>`, `</s>` (the end of every input),
+# the 256 byte tokens llama.cpp's SPM vocabulary looks up (its newline), then words.
+QWEN_END_ID = 2
+QWEN_FIRST_WORD = 3 + 256
+
+
+def _placeholder_spm_vocabulary(size: int) -> tuple[list[str], list[float], list[int]]:
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{byte:02X}>" for byte in range(256)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    types += [gguf.TokenType.BYTE] * 256
+    tokens += [f"\u2581w{index}" for index in range(size - len(tokens))]
+    types += [gguf.TokenType.NORMAL] * (size - len(types))
+    return tokens, [0.0] * size, [int(kind) for kind in types]
+
+
+def write_qwen_gguf(
+    path: Path, shape: QwenShape, tensors: dict[str, np.ndarray], tensor_type: str = "q4_1"
+) -> Path:
+    """A GGUF of llama.cpp's `qwen3` architecture holding `tensors` (tied embeddings: no
+    `output.weight`), last-token pooling.
+
+    Tensor names from gguf-py's `TensorNameMap` for `MODEL_ARCH.QWEN3` (no Q/K permutation:
+    llama.cpp rotates Qwen3 NeoX-style, as transformers' `rotate_half`); metadata: the
+    shape, `attention.key_length` / `value_length` (Qwen3's head_dim is not hidden /
+    heads), `pooling_type` last, a placeholder SentencePiece vocabulary (the bench feeds
+    token ids). Matrices in `tensor_type` (block types quantized by gguf-py's numpy code),
+    1-D tensors float32.
+
+    Returns:
+        `path`.
+    """
+    import gguf
+
+    if tensor_type not in QWEN_GGUF_TYPES:
+        raise ValueError(f"tensor_type {tensor_type!r}: one of {QWEN_GGUF_TYPES}")
+    quant = {
+        "f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+        "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+        "q4_1": gguf.GGMLQuantizationType.Q4_1,
+    }[tensor_type]  # fmt: skip
+    file_type = {
+        "f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+        "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    }[tensor_type]  # fmt: skip
+    architecture = gguf.MODEL_ARCH.QWEN3
+    names = gguf.get_tensor_name_map(architecture, shape.layers)
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[architecture])
+    writer.add_name("random Qwen3-Embedding-0.6B shape")
+    writer.add_context_length(shape.max_positions)
+    writer.add_embedding_length(shape.hidden_size)
+    writer.add_feed_forward_length(shape.intermediate_size)
+    writer.add_block_count(shape.layers)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_pooling_type(gguf.PoolingType.LAST)
+    writer.add_file_type(file_type)
+    tokens, scores, types = _placeholder_spm_vocabulary(shape.vocab_size)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(QWEN_END_ID)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(False)
+    for name, values in tensors.items():
+        stem, _, suffix = name.rpartition(".")
+        mapped = names.get_name(stem)
+        if mapped is None:
+            raise ValueError(f"no GGUF name for {name}")
+        if values.ndim == 1 or tensor_type == "f32":
+            writer.add_tensor(f"{mapped}.{suffix}", values.astype(np.float32))
+        elif tensor_type == "f16":
+            writer.add_tensor(f"{mapped}.{suffix}", values.astype(np.float16))
+        else:
+            blocks = gguf.quants.quantize(values, quant)
+            writer.add_tensor(f"{mapped}.{suffix}", blocks, raw_dtype=quant)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_qwen_folder(directory: Path, shape: QwenShape, tensors: dict[str, np.ndarray]) -> Path:
+    """The model folder exo's engine loads: a `Qwen3ForCausalLM` `config.json` (tied
+    embeddings), `model.safetensors` (float32) and a word-level placeholder tokenizer whose
+    `</s>` is id `QWEN_END_ID` (the EOS; "last" pooling's end token: the bench's inputs end
+    with it, so the backend appends nothing).
+
+    Returns:
+        `directory`.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "hidden_size": shape.hidden_size, "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim, "intermediate_size": shape.intermediate_size,
+        "vocab_size": shape.vocab_size, "max_position_embeddings": shape.max_positions,
+        "rope_theta": shape.rope_theta, "rms_norm_eps": shape.rms_norm_eps,
+        "hidden_act": "silu", "tie_word_embeddings": True, "attention_bias": False,
+        "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": QWEN_END_ID,
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(
+        {name: torch.from_numpy(values).contiguous() for name, values in tensors.items()},
+        str(directory / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    vocabulary = {"<unk>": 0, "<s>": 1, "</s>": QWEN_END_ID}
+    vocabulary.update({f"w{index}": QWEN_FIRST_WORD + index for index in range(64)})
+    Tokenizer(WordLevel(vocabulary, unk_token="<unk>")).save(str(directory / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>",
+        "bos_token": "<s>", "eos_token": "</s>", "model_max_length": shape.max_positions,
+    }  # fmt: skip
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return directory
+
+
+def prepare_qwen(cache_dir: Path, shape: QwenShape, gguf_type: str) -> tuple[Path, Path]:
+    """`(exo folder, GGUF)` for `shape`, written once into `cache_dir` (`.done` markers)."""
+    base = cache_dir / shape.key()
+    folder, gguf_path = base / "exo", base / f"model-{gguf_type}.gguf"
+    folder_marker, gguf_marker = base / ".done-exo", base / f".done-{gguf_type}"
+    if not (folder_marker.is_file() and gguf_marker.is_file()):
+        base.mkdir(parents=True, exist_ok=True)
+        tensors = random_qwen_tensors(shape)
+        if not folder_marker.is_file():
+            write_qwen_folder(folder, shape, tensors)
+            folder_marker.write_text("ok\n")
+        if not gguf_marker.is_file():
+            write_qwen_gguf(gguf_path, shape, tensors, gguf_type)
+            gguf_marker.write_text("ok\n")
+    return folder, gguf_path
+
+
+def random_qwen_inputs(
+    count: int, min_tokens: int, max_tokens: int, vocab_size: int, seed: int
+) -> list[list[int]]:
+    """`count` inputs of random word ids ending with `QWEN_END_ID` (Qwen3-Embedding's
+    `<|endoftext|>` end), lengths uniform in `min_tokens..max_tokens` (the end included)."""
+    rng = np.random.default_rng(seed)
+    inputs = []
+    for _ in range(count):
+        length = int(rng.integers(min_tokens, max_tokens + 1))
+        words = rng.integers(QWEN_FIRST_WORD, vocab_size, size=length - 1).tolist()
+        inputs.append([*words, QWEN_END_ID])
+    return inputs
+
+
+def load_exo_qwen(folder: Path, weight_dtype: str) -> Any:
+    """exo's decoder embedding backend over `folder` (`TorchEngine.load`, then
+    `embedding_backend()`, last-token pooling as Qwen3-Embedding's card says)."""
+    from typing import cast
+
+    from exo.shared.models.cards import card_from_local_directory
+    from exo.shared.types.shards import ShardMetadata
+    from exo.worker.engines.torch.engine import TorchEngine
+    from exo.worker.engines.torch.quant.quantize import WeightDtype
+
+    card = card_from_local_directory(folder).model_copy(
+        update={"capabilities": ("embedding",), "embedding_pooling": "last"}
+    )
+    shard = ShardMetadata(
+        sharding="pipeline", model_card=card, device_rank=0, world_size=1, start_layer=0,
+        end_layer=card.n_layers,
+    )  # fmt: skip
+    engine = TorchEngine.load(folder, shard, weight_dtype=cast(WeightDtype, weight_dtype))
+    return engine.embedding_backend()
+
+
 def random_inputs(
     count: int, min_tokens: int, max_tokens: int, vocab_size: int, seed: int
 ) -> list[list[int]]:
@@ -255,15 +513,18 @@ class LlamaCppEmbedder:
     call, pooled vectors read with `llama_get_embeddings_seq` (llama-cpp-python's
     `Llama.embed` loop, from token ids instead of text)."""
 
-    def __init__(self, gguf_path: Path, threads: int, batch_tokens: int) -> None:
+    def __init__(
+        self, gguf_path: Path, threads: int, batch_tokens: int, pooling: int = LLAMA_POOLING_MEAN
+    ) -> None:
         """Load the GGUF; `batch_tokens`: context, `n_batch` and `n_ubatch` (a non-causal
         model's batch must fit one micro-batch). llama-cpp-python sets the sequence count itself
-        (`min(n_batch, llama_max_parallel_sequences())`, 256 in 0.3.x) in embedding mode."""
+        (`min(n_batch, llama_max_parallel_sequences())`, 256 in 0.3.x) in embedding mode.
+        `pooling`: llama.cpp's pooling type (mean; last for Qwen3-Embedding)."""
         import llama_cpp
 
         self._binding = llama_cpp
         self.model = llama_cpp.Llama(
-            model_path=str(gguf_path), embedding=True, pooling_type=LLAMA_POOLING_MEAN,
+            model_path=str(gguf_path), embedding=True, pooling_type=pooling,
             n_ctx=batch_tokens, n_batch=batch_tokens, n_ubatch=batch_tokens,
             n_threads=threads, n_threads_batch=threads, n_gpu_layers=0,
             verbose=False,
@@ -345,7 +606,31 @@ def main(argv: list[str] | None = None) -> int:
         help="llama.cpp n_batch = n_ubatch = context in tokens (512: its defaults' n_ubatch)",
     )
     parser.add_argument(
-        "--layers", type=int, default=12, help="encoder layers (12: nomic-embed-text-v1.5)"
+        "--model",
+        choices=("nomic", "qwen3"),
+        default="nomic",
+        help="nomic: nomic-embed-text-v1.5's shape on exo's encoder; qwen3: "
+        "Qwen3-Embedding-0.6B's shape on exo's decoder engine (last-token pooling)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="layers (default: the model's, 12 for nomic-embed-text-v1.5, 28 for "
+        "Qwen3-Embedding-0.6B)",
+    )
+    parser.add_argument(
+        "--weight-dtype",
+        choices=("int4", "int8", "float32"),
+        default="int4",
+        help="qwen3: how exo holds the linear weights (int4: its CPU default, groups of 32 "
+        "with a scale and zero, as GGUF's Q4_1)",
+    )
+    parser.add_argument(
+        "--qwen-gguf-type",
+        choices=QWEN_GGUF_TYPES,
+        default="q4_1",
+        help="qwen3: the GGUF's matrix type for llama.cpp",
     )
     parser.add_argument(
         "--cache-dir", type=Path, default=DEFAULT_CACHE, help="where the random models are kept"
@@ -357,23 +642,38 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from exo.worker.engines.torch.embedding.encoder_models import load_encoder_model
-
     torch.set_num_threads(arguments.threads)
-    shape = NomicShape(layers=arguments.layers)
-    folder, gguf_path = prepare_nomic(arguments.cache_dir, shape, arguments.gguf_type)
     largest = max(arguments.batches)
     batch_tokens = arguments.llama_batch
-    exo_model = load_encoder_model(folder)
-    llama = LlamaCppEmbedder(gguf_path, arguments.threads, batch_tokens)
+    exo_model: Any
+    shape: NomicShape | QwenShape
+    if arguments.model == "nomic":
+        from exo.worker.engines.torch.embedding.encoder_models import load_encoder_model
+
+        shape = NomicShape() if arguments.layers is None else NomicShape(layers=arguments.layers)
+        folder, gguf_path = prepare_nomic(arguments.cache_dir, shape, arguments.gguf_type)
+        exo_model = load_encoder_model(folder)
+        llama = LlamaCppEmbedder(gguf_path, arguments.threads, batch_tokens)
+        formats = f"{arguments.gguf_type} GGUF for llama.cpp, float32 in exo"
+        make_inputs = random_inputs
+    else:
+        shape = QwenShape() if arguments.layers is None else QwenShape(layers=arguments.layers)
+        folder, gguf_path = prepare_qwen(arguments.cache_dir, shape, arguments.qwen_gguf_type)
+        exo_model = load_exo_qwen(folder, arguments.weight_dtype)
+        llama = LlamaCppEmbedder(gguf_path, arguments.threads, batch_tokens, LLAMA_POOLING_LAST)
+        formats = (
+            f"{arguments.qwen_gguf_type} GGUF for llama.cpp, {arguments.weight_dtype} in exo "
+            f"({'its own forward' if exo_model.runs_exo_forward else 'transformers forward'})"
+        )
+        make_inputs = random_qwen_inputs
     print(f"load average before: {os.getloadavg()}", flush=True)
     print(
-        f"model {shape.key()} ({arguments.gguf_type} GGUF for llama.cpp, float32 in exo), "
+        f"model {shape.key()} ({formats}), "
         f"inputs {arguments.min_tokens}..{arguments.max_tokens} tokens, "
         f"{arguments.threads} threads, llama.cpp n_batch = n_ubatch = {batch_tokens}"
     )
     inputs = {
-        size: random_inputs(
+        size: make_inputs(
             size, arguments.min_tokens, arguments.max_tokens, shape.vocab_size, seed=size
         )
         for size in arguments.batches
@@ -423,6 +723,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(
                 {
                     "model": shape.key(),
+                    "formats": formats,
                     "cosine_min": float(agreement.min()),
                     "threads": arguments.threads,
                     "results": results,

@@ -55,3 +55,39 @@ def test_gguf_writer_loads_in_llama_cpp_and_matches_exo(tmp_path: Path, tensor_t
     apart = bench.cosines(exo_vectors[:-1], exo_vectors[1:])
     assert float(1 - apart.max()) > 100 * COSINE_BOUND, apart
     assert np.all(np.isfinite(llama_vectors))
+
+
+@pytest.mark.parametrize("tensor_type", ["f16", "f32"])
+def test_qwen3_gguf_writer_loads_in_llama_cpp_and_matches_exo(
+    tmp_path: Path, tensor_type: str
+) -> None:
+    """The Qwen3 GGUF (llama.cpp's `qwen3`, last-token pooling) against exo's decoder
+    embedding backend (its own forward, float32 weights) over the folder written from the
+    same values; a head width that is not hidden / heads, as Qwen3-Embedding's."""
+    pytest.importorskip("llama_cpp")
+    bench = _bench()
+    shape = bench.QwenShape(
+        hidden_size=64, layers=2, heads=4, kv_heads=2, head_dim=32, intermediate_size=128,
+        vocab_size=400, max_positions=128,
+    )  # fmt: skip
+    folder, gguf_path = bench.prepare_qwen(tmp_path, shape, tensor_type)
+    inputs = bench.random_qwen_inputs(6, 5, 30, shape.vocab_size, seed=1)
+    backend = bench.load_exo_qwen(folder, "float32")
+    assert backend.runs_exo_forward
+    exo_vectors = backend.embed(inputs).numpy()
+    llama = bench.LlamaCppEmbedder(
+        gguf_path, threads=1, batch_tokens=64, pooling=bench.LLAMA_POOLING_LAST
+    )
+    try:
+        llama_vectors = llama.embed(inputs)
+    finally:
+        llama.close()
+    assert llama_vectors.shape == exo_vectors.shape == (6, 64)
+    agreement = bench.cosines(exo_vectors, llama_vectors)
+    assert float(1 - agreement.min()) < COSINE_BOUND, agreement
+    # Every input ends with the same token, whose embedding dominates a 2-layer random
+    # model's last state: different inputs are only ~1e-3 apart (measured), the engines
+    # ~1e-7 (float32 rounding), so the agreement still separates inputs by 1000x.
+    apart = bench.cosines(exo_vectors[:-1], exo_vectors[1:])
+    disagreement = max(float(1 - agreement.min()), 1e-7)
+    assert float(1 - apart.max()) > 1000 * disagreement, (apart, agreement)

@@ -39,6 +39,7 @@ from transformers.masking_utils import (
 )
 
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
+from exo.worker.engines.torch.batching.whole_inputs import WholeInputs, whole_input_attention
 from exo.worker.engines.torch.quant.quantized_linear import DECODE_ROWS
 
 BATCHED_ATTENTION = "exo_batched"
@@ -99,6 +100,9 @@ class BatchPlan:
     # some request of the step has them (`prompt_images.MultimodalPositions`; the others'
     # rows repeat their position), else None: rotary positions are the cache positions.
     rotary_positions: torch.Tensor | None = None
+    # Set where the prefill segments are independent whole inputs from position 0 whose
+    # keys no later step reads (embeddings): `attend` then runs `whole_input_attention`.
+    whole_inputs: WholeInputs | None = None
 
     def prepare(self, device: torch.device) -> None:
         """Index tensors and the decode masks, once per step (shared by every layer); the
@@ -179,7 +183,8 @@ def attend(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write the step's new keys/values of decoder layer `layer` into the plan's slots and
-    attend each request's queries to its own keys.
+    attend each request's queries to its own keys (a plan of `whole_inputs`, where the
+    layer's window, if any, cuts none of them: one padded call, nothing written).
 
     Args:
         query: `[1, heads, T, head_dim]` (rotary applied; any strides).
@@ -198,6 +203,14 @@ def attend(
         `[1, T, heads, value head_dim]` attention output.
     """
     window = plan.windows[layer]
+    whole = plan.whole_inputs
+    if (
+        whole is not None
+        and (window is None or whole.longest <= window)
+        and sinks is None
+        and not plan.cache.latent_values
+    ):  # independent whole inputs: one padded call, nothing written (`whole_inputs`)
+        return whole_input_attention(whole, query, key, value, scaling)
     keys, values = plan.cache.keys[layer], plan.cache.values[layer]
     write_values = not plan.cache.latent_values
     if key.dtype != keys.dtype:  # a bfloat16 cache: store rounded, read widened

@@ -10,9 +10,14 @@ Reranking (`yes_no`): Qwen3-Reranker's documented prompt (system line, `<Instruc
 `<Query>`, `<Document>`, an empty thinking section) and score = softmax over the logits
 of "no" and "yes" at the last position, taking "yes" (the model card's usage example).
 
-Inputs of one batch are right-padded to the longest (a causal model's states at real
-positions never see the padding after them) and run in sub-batches of at most
-`BATCH_TOKENS` padded tokens, longest first, so one long input does not pad many short ones.
+The forward is exo's own (`lean_states.LeanFinalStates`: the lean step a generation's
+prefill runs, over a scratch KV cache, each input causal on its own) wherever the model has
+a lean step; elsewhere (`EXO_LEAN_FORWARD=0`, a part the lean forward does not run)
+transformers' forward over the loaded modules (`model.model(...)`), inputs right-padded to
+the longest (a causal model's states at real positions never see the padding after them).
+Either way inputs run in sub-batches of at most `BATCH_TOKENS` padded tokens, longest first,
+so one long input does not pad many short ones (the lean step packs them unpadded, and the
+bound holds its scratch cache, one slot of the longest input's length per input).
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ from typing import Any
 import torch
 
 from exo.shared.types.models import EmbeddingPooling
+from exo.worker.engines.torch.embedding.lean_states import LeanFinalStates, lean_final_states
 
 # Padded tokens in one forward pass of an embedding batch: bounds its activations
-# (a [BATCH_TOKENS, hidden] float32 state per layer) while keeping short texts batched.
+# (a [BATCH_TOKENS, hidden] float32 state per layer; the lean step's scratch keys and
+# values) while keeping short texts batched.
 BATCH_TOKENS = 8192
 
 RERANK_SYSTEM = (
@@ -71,8 +78,16 @@ class DecoderEmbeddingBackend:
         self.matryoshka_dimensions = matryoshka_dimensions
         self._end_token = _end_of_text_token(tokenizer) if pooling == "last" else None
         self._yes_no: tuple[int, int] | None = None
+        # exo's forward where the model has a lean step, else None: transformers' forward.
+        self._lean: LeanFinalStates | None = lean_final_states(model, device)
         if reranker:
             self._yes_no = (_single_token(tokenizer, "no"), _single_token(tokenizer, "yes"))
+
+    @property
+    def runs_exo_forward(self) -> bool:
+        """True where inputs run through exo's own forward (the lean step), False where
+        through transformers' forward over the loaded modules."""
+        return self._lean is not None
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids with the tokenizer's own special tokens; "last" pooling ends each
@@ -94,14 +109,7 @@ class DecoderEmbeddingBackend:
             raise ValueError("an input has no tokens")
         out = torch.empty(len(token_ids), self.dimensions, dtype=torch.float32)
         for rows in _sub_batches(token_ids):
-            on_device, lengths = self._final_states([token_ids[row] for row in rows])
-            states = on_device.float().cpu()
-            if self.pooling == "last":
-                pooled = states[torch.arange(len(rows)), lengths - 1]
-            else:
-                valid = _valid_mask(lengths, states.shape[1]).unsqueeze(-1)
-                pooled = (states * valid).sum(dim=1) / lengths.unsqueeze(-1)
-            out[torch.tensor(rows)] = pooled.float().cpu()
+            out[torch.tensor(rows)] = self._pooled([token_ids[row] for row in rows]).cpu()
         return out
 
     @torch.inference_mode()
@@ -121,20 +129,51 @@ class DecoderEmbeddingBackend:
             rows.append([*prefix, *ids, *suffix])
         scores = torch.empty(len(rows), dtype=torch.float32)
         no, yes = self._yes_no
+        head: Any = self._model.lm_head
+        weight = getattr(head, "weight", None)
+        head_dtype = weight.dtype if isinstance(weight, torch.Tensor) else None
         for batch in _sub_batches(rows):
-            states, lengths = self._final_states([rows[row] for row in batch])
-            rows_here = torch.arange(len(batch), device=states.device)
-            last = states[rows_here, (lengths - 1).to(states.device)]  # [b, hidden]
-            logits = self._model.lm_head(last.unsqueeze(1))[:, 0].float()  # [b, vocab]
+            last = self._last_states([rows[row] for row in batch])  # [b, hidden]
+            if head_dtype is not None and head_dtype.is_floating_point:
+                last = last.to(head_dtype)
+            logits = head(last.unsqueeze(1))[:, 0].float()  # [b, vocab]
             pair = torch.stack([logits[:, no], logits[:, yes]], dim=-1)
             scores[torch.tensor(batch)] = torch.softmax(pair, dim=-1)[:, 1].cpu()
         return scores
 
+    def _pooled(self, token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """`[b, hidden]` the pooling's vectors of one sub-batch (on the model's device)."""
+        if self.pooling == "last":
+            return self._last_states(token_ids).float()
+        if self._lean is not None:
+            residual, offsets = self._lean.residual(token_ids)
+            states = self._lean.norm(residual)  # [T, hidden]
+            lengths = offsets.diff()
+            owner = torch.repeat_interleave(torch.arange(len(token_ids)), lengths)
+            sums = states.new_zeros(len(token_ids), states.shape[1])
+            sums.index_add_(0, owner.to(states.device), states)
+            return sums / lengths.to(states.device, torch.float32).unsqueeze(-1)
+        padded, lengths = self._final_states(token_ids)
+        states = padded.float()
+        valid = _valid_mask(lengths, states.shape[1]).unsqueeze(-1).to(states.device)
+        return (states * valid).sum(dim=1) / lengths.to(states.device).unsqueeze(-1)
+
+    def _last_states(self, token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+        """`[b, hidden]` the final norm's state at each input's last token (on the model's
+        device; float32 from the lean step, the model's dtype from transformers')."""
+        if self._lean is not None:
+            residual, offsets = self._lean.residual(token_ids)
+            return self._lean.norm(residual[(offsets[1:] - 1).to(residual.device)])
+        states, lengths = self._final_states(token_ids)
+        rows = torch.arange(len(token_ids), device=states.device)
+        return states[rows, (lengths - 1).to(states.device)]
+
     def _final_states(
         self, token_ids: Sequence[Sequence[int]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`([b, L, hidden], [b])`: the final norm's states of right-padded inputs (on the
-        model's device, in its dtype) and their lengths (CPU)."""
+        """Transformers' forward (where the model has no lean step): `([b, L, hidden],
+        [b])`, the final norm's states of right-padded inputs (on the model's device, in
+        its dtype) and their lengths (CPU)."""
         lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.long)
         width = int(lengths.max())
         input_ids = torch.zeros(len(token_ids), width, dtype=torch.long)
