@@ -81,11 +81,12 @@ class EmbeddingResponse(_WireResponseModel):
 
 
 class OllamaEmbedRequest(WireRequestModel):
-    """The body of `POST /api/embed`. `truncate` (default true, as Ollama) cuts inputs
-    longer than the context; `options` are accepted and unused (no sampling happens)."""
+    """The body of `POST /api/embed`. `input` absent is an empty input (Ollama's: it only
+    loads the model); `truncate` (default true, as Ollama) cuts inputs longer than the
+    context; `options` are accepted and unused (no sampling happens)."""
 
     model: str = Field(min_length=1)
-    input: str | list[str]
+    input: str | list[str] = ""
     truncate: bool = True
     dimensions: int | None = Field(default=None, ge=1)
     keep_alive: str | float | int | None = None

@@ -126,6 +126,10 @@ def test_ollama_embed_and_legacy_embeddings() -> None:
         assert gap.status_code == 400 and "input[1]" in gap.json()["error"], gap.text
         only_empty = http.post("/api/embed", json={"model": EMBEDDER, "input": ["", ""]})
         assert only_empty.status_code == 200 and only_empty.json()["embeddings"] == []
+        commands = len(cluster.embedding_commands)
+        absent = http.post("/api/embed", json={"model": EMBEDDER})  # Ollama: a load request
+        assert absent.status_code == 200 and absent.json()["embeddings"] == [], absent.text
+        assert len(cluster.embedding_commands) == commands
         refused = http.post("/api/embed", json={"model": RERANKER, "input": "a"})
         assert refused.status_code == 400
         assert "embedding" in refused.json()["error"] and set(refused.json()) == {"error"}
