@@ -111,7 +111,7 @@ async def ollama_embed(
     body: OllamaEmbedRequest, request: Request, cluster: Cluster
 ) -> OllamaEmbedResponse:
     """Ollama's embed: `truncate` defaults to true (inputs cut to the context); an empty
-    input (`""`, `[]`, or only empty strings) only loads the model (Ollama's behaviour) and
+    input (`""`, `[]`, only empty strings, or none) only loads the model (Ollama's behaviour) and
     answers no embeddings. An empty string among others is a 400 naming `input`: dropping
     it would shift every later vector against its input."""
     started = time.monotonic_ns()

@@ -6,7 +6,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from exo.api.wire.request_model import WireRequestModel
 
@@ -23,10 +32,29 @@ class EmbeddingRequest(WireRequestModel):
     of token ids or a list of them. `user` is accepted and unused."""
 
     model: str = Field(min_length=1)
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
+
+    @field_validator("input", mode="wrap")
+    @classmethod
+    def _one_input_error(
+        cls, value: object, handler: ValidatorFunctionWrapHandler
+    ) -> str | list[str] | list[int] | list[list[int]]:
+        """One error for an `input` of none of the four shapes, worded as OpenAI words
+        it, instead of pydantic's error for each branch of the union (a `null`, a float
+        or boolean token id, strings mixed with token arrays). Token ids are strict
+        integers: `true` or `2.0` is not token 1 or 2."""
+        try:
+            parsed: str | list[str] | list[int] | list[list[int]] = handler(value)
+        except ValidationError:
+            raise PydanticCustomError(
+                "invalid_input",
+                "it must be a string, an array of strings, an array of token ids "
+                "(integers) or an array of such arrays",
+            ) from None
+        return parsed
 
 
 class EmbeddingObject(_WireResponseModel):
@@ -53,11 +81,12 @@ class EmbeddingResponse(_WireResponseModel):
 
 
 class OllamaEmbedRequest(WireRequestModel):
-    """The body of `POST /api/embed`. `truncate` (default true, as Ollama) cuts inputs
-    longer than the context; `options` are accepted and unused (no sampling happens)."""
+    """The body of `POST /api/embed`. `input` absent is an empty input (Ollama's: it only
+    loads the model); `truncate` (default true, as Ollama) cuts inputs longer than the
+    context; `options` are accepted and unused (no sampling happens)."""
 
     model: str = Field(min_length=1)
-    input: str | list[str]
+    input: str | list[str] = ""
     truncate: bool = True
     dimensions: int | None = Field(default=None, ge=1)
     keep_alive: str | float | int | None = None

@@ -85,6 +85,27 @@ def test_openai_embeddings_bad_inputs_are_400s_naming_the_field() -> None:
     assert cluster.embedding_commands == []
 
 
+def test_openai_embeddings_input_of_no_known_shape_is_one_clear_400() -> None:
+    """An `input` that is none of OpenAI's four shapes is one 400 naming `input` that says
+    which shapes it takes (not pydantic's error for every branch of the union), and a
+    boolean or float token id is refused, not read as token 1 or 2."""
+    cluster = EmbeddingCluster()
+    with _client(cluster) as http:
+        for value in [None, [1.5, 2], ["a", [1, 2]], {"text": "a"}, [True], [[2.0]], 7]:
+            answer = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": value})
+            assert answer.status_code == 400, (value, answer.text)
+            error = answer.json()["error"]
+            assert error["param"] == "input", value
+            assert error["message"] == (
+                "input: it must be a string, an array of strings, an array of token ids "
+                "(integers) or an array of such arrays"
+            ), value
+        assert cluster.embedding_commands == []
+        ids = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": [[1, 2], [3]]})
+        assert ids.status_code == 200, ids.text
+        assert cluster.embedding_commands[-1].params.inputs == ((1, 2), (3,))
+
+
 def test_ollama_embed_and_legacy_embeddings() -> None:
     cluster = EmbeddingCluster()
     with _client(cluster) as http:
@@ -105,6 +126,10 @@ def test_ollama_embed_and_legacy_embeddings() -> None:
         assert gap.status_code == 400 and "input[1]" in gap.json()["error"], gap.text
         only_empty = http.post("/api/embed", json={"model": EMBEDDER, "input": ["", ""]})
         assert only_empty.status_code == 200 and only_empty.json()["embeddings"] == []
+        commands = len(cluster.embedding_commands)
+        absent = http.post("/api/embed", json={"model": EMBEDDER})  # Ollama: a load request
+        assert absent.status_code == 200 and absent.json()["embeddings"] == [], absent.text
+        assert len(cluster.embedding_commands) == commands
         refused = http.post("/api/embed", json={"model": RERANKER, "input": "a"})
         assert refused.status_code == 400
         assert "embedding" in refused.json()["error"] and set(refused.json()) == {"error"}
