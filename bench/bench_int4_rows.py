@@ -4,6 +4,7 @@ of row counts: how the cost of a row falls as rows share one read of the weight.
 
 Usage: PYTHONPATH=src python bench/bench_int4_rows.py [--shapes 1536x2048 2048x768]
        [--rows 1 2 4 8 16 32 128 512] [--calls-rows 2048] [--repeats 7]
+       [--decode-activations int16 int8]
 
 Each shape is OUTxIN (outputs x inputs) of one random int4 linear (groups as `Int4Linear`
 quantizes them). Each figure is the median over `--repeats` of the thread CPU time
@@ -26,12 +27,21 @@ def main() -> None:
     from torch import nn
 
     from exo.worker.engines.torch.quant.int4_groups import Int4Linear
+    from exo.worker.engines.torch.quant.native_kernels import set_decode_activations
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["1536x2048", "2048x768"])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128, 512])
     parser.add_argument("--calls-rows", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--decode-activations",
+        nargs="+",
+        choices=("int16", "int8"),
+        default=["int16"],
+        help="the int4 products' activation rounding (the node's --decode-activations); "
+        "several: interleaved repeat by repeat, each printed",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -42,25 +52,32 @@ def main() -> None:
         quantized = Int4Linear(linear)
         print(f"{shape}: native {quantized.native}, prefill activations "
               f"{quantized.prefill_activations}")  # fmt: skip
-        first: float | None = None
+        first: dict[str, float] = {}
         for rows in args.rows:
             x = torch.randn(rows, inputs)
             calls = max(1, args.calls_rows // rows)
-            for _ in range(3):
-                quantized.matmul(x)
-            times = []
-            for _ in range(args.repeats):
-                started = time.thread_time()
-                for _ in range(calls):
+            for activations in args.decode_activations:
+                set_decode_activations(activations)
+                for _ in range(3):
                     quantized.matmul(x)
-                times.append((time.thread_time() - started) / calls)
-            call = statistics.median(times)
-            first = first or call
-            print(
-                f"  rows {rows:4d}: {call * 1e3:8.3f} ms/call {call / rows * 1e6:8.2f} us/row "
-                f"x{call / first:6.2f} of the first  "
-                f"{2 * outputs * inputs * rows / call / 1e9:6.1f} GOP/s"
-            )
+            times: dict[str, list[float]] = {value: [] for value in args.decode_activations}
+            for _ in range(args.repeats):  # the settings interleaved repeat by repeat
+                for activations in args.decode_activations:
+                    set_decode_activations(activations)
+                    started = time.thread_time()
+                    for _ in range(calls):
+                        quantized.matmul(x)
+                    times[activations].append((time.thread_time() - started) / calls)
+            for activations in args.decode_activations:
+                call = statistics.median(times[activations])
+                first.setdefault(activations, call)
+                print(
+                    f"  rows {rows:4d} {activations:5s}: {call * 1e3:8.3f} ms/call "
+                    f"{call / rows * 1e6:8.2f} us/row "
+                    f"x{call / first[activations]:6.2f} of the first  "
+                    f"{2 * outputs * inputs * rows / call / 1e9:6.1f} GOP/s"
+                )
+    set_decode_activations("int16")
 
 
 if __name__ == "__main__":

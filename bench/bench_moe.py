@@ -240,21 +240,41 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def exo_names(args: argparse.Namespace) -> dict[str, str]:
+    """The exo cases' names (as the table prints them) → their `--decode-activations`:
+    "exo" alone where one value was asked for, else "exo int16", "exo int8"."""
+    values: list[str] = args.decode_activations
+    if len(values) == 1:
+        return {"exo": values[0]}
+    return {f"exo {value}": value for value in values}
+
+
 def _run_rounds(engine: Any, llama: Any, model_text: Any, args: argparse.Namespace) -> dict:
     """Both engines, interleaved: engine name → prompt length → prefill / decode tok/s."""
     from exo.benchmark.engine_runner import run_engine
+    from exo.worker.engines.torch.quant.native_kernels import set_decode_activations
 
-    results: dict[str, dict[int, dict[str, list[float]]]] = {"exo": {}, "llama.cpp": {}}
+    def exo_run(activations: str, prompt: str) -> Any:
+        set_decode_activations(activations)  # type: ignore[arg-type]
+        return run_engine(engine, [prompt], args.decode_tokens, model_text)
+
+    names = exo_names(args)
+    results: dict[str, dict[int, dict[str, list[float]]]] = {name: {} for name in names}
+    results["llama.cpp"] = {}
     for round_index in range(args.rounds):
         for length in args.prompt_lengths:
             seed = 1000 * round_index + length
             prompt = model_text.random_prompt(length, seed)[0]
             prompt_ids = model_text.random_token_ids(length, seed)
+            # Each exo case its own prompt: the same one would hit the first's prefix cache.
+            prompts = [prompt] + [
+                model_text.random_prompt(length, seed + 500_000 * index)[0]
+                for index in range(1, len(names))
+            ]
             runs: list[tuple[str, Any]] = [
-                ("exo", functools.partial(
-                    run_engine, engine, [prompt], args.decode_tokens, model_text
-                )),
-            ]  # fmt: skip
+                (name, functools.partial(exo_run, activations, case_prompt))
+                for (name, activations), case_prompt in zip(names.items(), prompts, strict=True)
+            ]
             if llama is not None:
                 runs.append(
                     ("llama.cpp", functools.partial(llama.run, prompt_ids, args.decode_tokens))
@@ -305,10 +325,14 @@ def _print_table(
                  "best_decode_tok_s": best_decode, "best_bound_share": share,
                  "runs": measured}
             )  # fmt: skip
-        if results["llama.cpp"].get(length) and results["exo"].get(length):
-            ours, theirs = results["exo"][length], results["llama.cpp"][length]
+        for name in bytes_per_token:
+            if name == "llama.cpp" or not (
+                results["llama.cpp"].get(length) and results[name].get(length)
+            ):
+                continue
+            ours, theirs = results[name][length], results["llama.cpp"][length]
             print(
-                f"{'':6} exo / llama.cpp, median (best): prefill "
+                f"{'':6} {name} / llama.cpp, median (best): prefill "
                 f"{_median(ours['prefill']) / _median(theirs['prefill']):.2f}x "
                 f"({max(ours['prefill']) / max(theirs['prefill']):.2f}x), decode "
                 f"{_median(ours['decode']) / _median(theirs['decode']):.2f}x "
@@ -388,9 +412,8 @@ def bench_model(model: BenchModel, args: argparse.Namespace) -> tuple[dict[str, 
         f"{bandwidth / exo_bytes:.2f} tok/s), llama.cpp {gguf_bytes / 1e6:.1f} MB (bound "
         f"{bandwidth / gguf_bytes:.2f} tok/s)"
     )
-    cases = _print_table(
-        results, args.prompt_lengths, {"exo": exo_bytes, "llama.cpp": gguf_bytes}, bandwidth
-    )
+    read = {name: exo_bytes for name in exo_names(args)} | {"llama.cpp": gguf_bytes}
+    cases = _print_table(results, args.prompt_lengths, read, bandwidth)
     if llama_missing:
         print(f"llama.cpp: missing ({llama_missing})")
     print(f"load average after: {load_after}", flush=True)
@@ -401,6 +424,7 @@ def bench_model(model: BenchModel, args: argparse.Namespace) -> tuple[dict[str, 
     summary = {
         "model": model.name, "layers": layers, "threads": args.threads,
         "prefill_activations": args.prefill_activations,
+        "decode_activations": args.decode_activations,
         "decode_tokens": args.decode_tokens, "rounds": args.rounds,
         "bandwidth_bytes_per_s": bandwidths, "exo_bytes_per_token": exo_bytes,
         "gguf_bytes_per_token": gguf_bytes, "llama_cpp_missing": llama_missing or None,
@@ -468,6 +492,15 @@ def main() -> None:
         help="how exo rounds a prompt's activations for its integer products (the node's "
         "--prefill-activations; int16 is the default, int8 multiplies as llama.cpp does)",
     )
+    parser.add_argument(
+        "--decode-activations",
+        nargs="+",
+        choices=("int16", "int8"),
+        default=["int16"],
+        help="how exo rounds int4 products' activations (the node's --decode-activations); "
+        "several values: each an exo case of its own, interleaved in every round on one "
+        "loaded engine (the setting changes no weight)",
+    )
     parser.add_argument("--json", type=Path,
                         help="also write the figures as JSON to this file")  # fmt: skip
     args = parser.parse_args()
@@ -479,7 +512,8 @@ def main() -> None:
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     print(
         f"CPUs: {os.cpu_count()}, threads: {args.threads}, "
-        f"exo prefill activations: {args.prefill_activations}"
+        f"exo prefill activations: {args.prefill_activations}, decode activations: "
+        f"{' '.join(args.decode_activations)}"
     )
     summaries = []
     model_dir: Path | None = None

@@ -1,7 +1,8 @@
 """How much prefill's activation rounding moves a model's next-token distributions: a text is
 teacher-forced through the engine's batched step in one prefill (every position's logits),
 once per `--prefill-activations` value, each from its own engine load, against int16 (the
-decode kernels' exact integer sums).
+decode kernels' exact integer sums). "decode-int8" is a node with `--decode-activations
+int8` (every int4 product's rows rounded to int8, other weights' prompt rows int16).
 
 Usage: PYTHONPATH=src python bench/bench_prefill_rounding.py [--model MODEL_ID]
        [--tokens 400] [--roundings int8 bf16] [--text FILE]
@@ -37,7 +38,12 @@ from exo.worker.engines.torch.batching.batch_attention import (
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.model.families import family_for_architecture
-from exo.worker.engines.torch.quant.native_kernels import bf16_prefill_available
+from exo.worker.engines.torch.quant.native_kernels import (
+    bf16_prefill_available,
+    set_decode_activations,
+)
+
+DECODE_INT8 = "decode-int8"
 
 
 def all_logits(model: Any, ids: list[int]) -> torch.Tensor:
@@ -67,7 +73,10 @@ def main() -> int:
     parser.add_argument("--model", default="google/gemma-3-270m")
     parser.add_argument("--tokens", type=int, default=400)
     parser.add_argument(
-        "--roundings", nargs="+", default=["int8", "bf16"], choices=PREFILL_ACTIVATIONS
+        "--roundings",
+        nargs="+",
+        default=["int8", "bf16"],
+        choices=[*PREFILL_ACTIVATIONS, DECODE_INT8],
     )
     parser.add_argument("--text", type=Path, default=Path(__file__).parents[1] / "README.md")
     arguments = parser.parse_args()
@@ -87,10 +96,14 @@ def main() -> int:
     logits: dict[str, torch.Tensor] = {}
     ids: list[int] = []
     for rounding in ["int16", *arguments.roundings]:
-        engine = TorchEngine.load(model_dir, shard, prefill_activations=rounding)  # type: ignore[arg-type]
+        if rounding == DECODE_INT8:
+            engine = TorchEngine.load(model_dir, shard, decode_activations="int8")
+        else:
+            engine = TorchEngine.load(model_dir, shard, prefill_activations=rounding)  # type: ignore[arg-type]
         if not ids:
             ids = engine.tokenizer(arguments.text.read_text())["input_ids"][: arguments.tokens]
         logits[rounding] = all_logits(engine.model, ids)
+        set_decode_activations("int16")
         del engine
     reference = torch.log_softmax(logits["int16"], dim=-1)
     print(f"{arguments.model}: {len(ids)} teacher-forced positions, against int16")
@@ -104,7 +117,7 @@ def main() -> int:
             else ""
         )
         print(
-            f"{rounding:5s} KL mean {float(kl.mean()):.2e} max {float(kl.max()):.2e}, "
+            f"{rounding:11s} KL mean {float(kl.mean()):.2e} max {float(kl.max()):.2e}, "
             f"most likely token changed at {100 * float(changed):.2f}% of positions{note}"
         )
     return 0

@@ -38,6 +38,7 @@ NODE_DETAILS = {
     "max_concurrent_requests": "api.md#many-users-at-once",
     "stream_interval_ms": "api.md#streaming-interval",
     "prefill_activations": "engine.md#prefill-activations",
+    "decode_activations": "engine.md#decode-activations",
     "max_queued_requests": "api.md#many-users-at-once",
     "cors_origins": "api.md#browsers",
     "model_alias": "compatibility.md#coding-agents",

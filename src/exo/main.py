@@ -164,6 +164,7 @@ class Node:
                 max_concurrent_requests=options.max_concurrent_requests,
                 stream_interval_seconds=options.stream_interval_seconds,
                 prefill_activations=options.prefill_activations,
+                decode_activations=options.decode_activations,
                 kv_cache_tokens=options.kv_cache_tokens,
                 kv_cache_dtype=options.kv_cache_dtype,
             ),

@@ -27,11 +27,14 @@ from exo.shared.constants import (
     PROTOCOL_VERSION,
 )
 from exo.shared.models.memory import (
+    DECODE_ACTIVATIONS,
+    DEFAULT_DECODE_ACTIVATIONS,
     DEFAULT_KV_CACHE_DTYPE,
     DEFAULT_PREFILL_ACTIVATIONS,
     KV_CACHE_DTYPES,
     MIN_KV_CACHE_TOKENS,
     PREFILL_ACTIVATIONS,
+    DecodeActivations,
     KVCacheDtype,
     PrefillActivations,
     default_prefill_activations,
@@ -76,6 +79,8 @@ class Options:
     cluster_secret: ClusterSecret | None = None
     # How prefill rounds int4 / 5-bit block weights' activations (`--prefill-activations`).
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS
+    # How int4 weights' products round activations (`--decode-activations`).
+    decode_activations: DecodeActivations = DEFAULT_DECODE_ACTIVATIONS
     # Each runner's KV-cache budget in tokens (`--kv-cache-tokens`).
     kv_cache_tokens: int | None = None
     # How runners store keys and values on CPU (`--kv-cache-dtype`).
@@ -215,6 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: bf16 with AMX-BF16, else int16)",
     )
     parser.add_argument(
+        "--decode-activations",
+        choices=DECODE_ACTIVATIONS,
+        default=DEFAULT_DECODE_ACTIVATIONS,
+        help="how runners round activations for int4 weights on AVX2 CPUs: int8 is "
+        "llama.cpp's precision, faster decode where the CPU has no VNNI, a less exact "
+        "answer; it covers a prompt's int4 products too (default: int16)",
+    )
+    parser.add_argument(
         "--kv-cache-tokens",
         type=int,
         default=None,
@@ -321,6 +334,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         max_concurrent_requests=args.max_concurrent_requests,
         stream_interval_seconds=args.stream_interval_ms / 1000,
         prefill_activations=args.prefill_activations,
+        decode_activations=args.decode_activations,
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
         remeasure_speed=args.remeasure_speed,

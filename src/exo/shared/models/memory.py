@@ -62,6 +62,15 @@ PREFILL_ACTIVATIONS: tuple[PrefillActivations, ...] = ("int16", "int8", "bf16")
 # on the same Q4_1 GGUF answers that same text word for word); rounding the prompt's last
 # row to int16 does not bring Paris back.
 DEFAULT_PREFILL_ACTIVATIONS: PrefillActivations = "int16"
+# How int4 weights' decode products round activations (`--decode-activations`): "int16" per
+# block of 32 (the default: below float16's precision), or "int8" per block of 32
+# (llama.cpp's precision, native/int4_decode_int8.cpp: 1.2-1.6x the int4 decode products on
+# AVX2 CPUs without VNNI, for the KL docs/engine.md's "Decode activations" gives). With
+# int8, every row of an int4 product takes int8, prompt rows too, so a stream's tokens do
+# not depend on which kernel its step's row count picks.
+DecodeActivations = Literal["int16", "int8"]
+DECODE_ACTIVATIONS: tuple[DecodeActivations, ...] = ("int16", "int8")
+DEFAULT_DECODE_ACTIVATIONS: DecodeActivations = "int16"
 ENGINE_CPU_WEIGHT_FORMAT: WeightFormat = "int4"
 
 

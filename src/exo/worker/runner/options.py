@@ -7,7 +7,9 @@ from __future__ import annotations
 from pydantic import Field
 
 from exo.shared.models.memory import (
+    DEFAULT_DECODE_ACTIVATIONS,
     DEFAULT_PREFILL_ACTIVATIONS,
+    DecodeActivations,
     KVCacheDtype,
     PrefillActivations,
 )
@@ -22,6 +24,8 @@ class RunnerOptions(FrozenModel):
         together (`--stream-interval-ms`).
     prefill_activations: how prefill rounds quantized weights' activations
         (`--prefill-activations`).
+    decode_activations: how int4 weights' products round activations
+        (`--decode-activations`; int8 covers a prompt's rows too).
     kv_cache_tokens: the KV-cache budget of the runner's engine in tokens, running
         requests and the prefix cache together: its instance's (`Instance.kv_cache_tokens`,
         chosen by placement) bounded by the node's `--kv-cache-tokens`, else the node's
@@ -34,5 +38,6 @@ class RunnerOptions(FrozenModel):
     max_concurrent_requests: int | None = Field(default=None, ge=1)
     stream_interval_seconds: float = Field(default=0.0, ge=0)
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS
+    decode_activations: DecodeActivations = DEFAULT_DECODE_ACTIVATIONS
     kv_cache_tokens: int | None = Field(default=None, ge=1)
     kv_cache_dtype: KVCacheDtype | None = None

@@ -273,6 +273,7 @@ class Runner:
                     self._options.max_concurrent_requests or DEFAULT_MAX_CONCURRENT_REQUESTS
                 ),
                 prefill_activations=self._options.prefill_activations,
+                decode_activations=self._options.decode_activations,
                 kv_cache_tokens=self._options.kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS,
                 kv_cache_dtype=self._options.kv_cache_dtype,
             )  # fmt: skip

@@ -24,8 +24,10 @@ from transformers import PreTrainedModel
 
 from exo.chat_protocol.prompt import RenderedPrompt, decode_keeping_markers, render_prompt
 from exo.shared.models.memory import (
+    DEFAULT_DECODE_ACTIVATIONS,
     DEFAULT_KV_CACHE_TOKENS,
     DEFAULT_PREFILL_ACTIVATIONS,
+    DecodeActivations,
     KVCacheDtype,
     PrefillActivations,
     kv_geometry_of_config,
@@ -74,6 +76,7 @@ from exo.worker.engines.torch.model.sharding import loaded_parameter_bytes
 from exo.worker.engines.torch.model.vision_input import VisionInput
 from exo.worker.engines.torch.parallel import engine_transform
 from exo.worker.engines.torch.parallel.rank_group import RankGroup, check_process_group
+from exo.worker.engines.torch.quant.native_kernels import set_decode_activations
 from exo.worker.engines.torch.quant.quantize import WeightDtype
 from exo.worker.engines.torch.testing_seam import TestingSeam, load_testing_seam
 
@@ -190,6 +193,7 @@ class TorchEngine:
         kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
         prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
         kv_cache_dtype: KVCacheDtype | None = None,
+        decode_activations: DecodeActivations = DEFAULT_DECODE_ACTIVATIONS,
     ) -> TorchEngine:
         """Load a shard's weights (a multi-rank shard: this rank's part, after
         `init_group`) and the tokenizer from an HF-format directory.
@@ -212,6 +216,10 @@ class TorchEngine:
                 rounds them and the dequantized weights to bfloat16 for AMX tiles (CPUs
                 with AMX-BF16, else int16); "int16" as decode (`load_model`).
             kv_cache_dtype: how keys and values are stored (see the class).
+            decode_activations: "int8" rounds every int4 product's activations to int8 per
+                block of 32 (llama.cpp's precision: faster decode on AVX2 CPUs, a less
+                exact answer), "int16" as today; process-wide
+                (`native_kernels.set_decode_activations`).
 
         Raises:
             UnsupportedArchitectureError (a ValueError): no family file for the model.
@@ -222,6 +230,7 @@ class TorchEngine:
         split = shard.world_size > 1
         if split:
             check_process_group(shard)
+        set_decode_activations(decode_activations)
         started = time.perf_counter()
         parts = load_parts(
             model_dir, shard, device, weight_dtype, on_layer_loaded, prefill_activations

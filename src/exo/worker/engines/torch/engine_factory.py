@@ -9,8 +9,10 @@ from pathlib import Path
 
 from exo.shared.models.architectures import is_encoder_architecture
 from exo.shared.models.memory import (
+    DEFAULT_DECODE_ACTIVATIONS,
     DEFAULT_KV_CACHE_TOKENS,
     DEFAULT_PREFILL_ACTIVATIONS,
+    DecodeActivations,
     KVCacheDtype,
     PrefillActivations,
 )
@@ -35,6 +37,7 @@ def load_engine(
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
     kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
     kv_cache_dtype: KVCacheDtype | None = None,
+    decode_activations: DecodeActivations = DEFAULT_DECODE_ACTIVATIONS,
 ) -> TorchEngine:
     """Load the engine for `shard` (arguments as `TorchEngine.load`).
 
@@ -48,7 +51,7 @@ def load_engine(
     return TorchEngine.load(
         model_dir, shard, device, on_layer_loaded, weight_dtype, max_concurrent_requests,
         kv_cache_tokens=kv_cache_tokens, prefill_activations=prefill_activations,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, decode_activations=decode_activations,
     )  # fmt: skip
 
 
@@ -60,6 +63,7 @@ def load_serving_engine(
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
     kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
     kv_cache_dtype: KVCacheDtype | None = None,
+    decode_activations: DecodeActivations = DEFAULT_DECODE_ACTIVATIONS,
 ) -> Engine:
     """The engine a runner serves `shard` with: `EncoderEngine` for an encoder card (its
     weights are read whole in float32; the KV, weight-format and prefill options do not
@@ -79,5 +83,5 @@ def load_serving_engine(
         model_dir, shard, on_layer_loaded=on_layer_loaded,
         max_concurrent_requests=max_concurrent_requests,
         prefill_activations=prefill_activations, kv_cache_tokens=kv_cache_tokens,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, decode_activations=decode_activations,
     )  # fmt: skip

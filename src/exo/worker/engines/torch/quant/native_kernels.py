@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 from loguru import logger
 
+from exo.shared.models.memory import DecodeActivations
 from exo.utils.cpu_features import AMX_BF16_FLAGS, cpu_flags
 
 NATIVE_INT4_ENV = "EXO_NATIVE_INT4"
@@ -56,6 +57,7 @@ _SOURCES = tuple(
     _NATIVE / name
     for name in (
         "int4_gemv.cpp",
+        "int4_decode_int8.cpp",
         "int8_blocks.cpp",
         "int5_blocks.cpp",
         "mxfp4.cpp",
@@ -99,6 +101,22 @@ def rounded_activations(rows: torch.Tensor) -> torch.Tensor:
     scales = blocks.abs().amax(dim=-1, keepdim=True) / 32767.0
     values = torch.where(scales > 0, blocks / scales, 0.0).round_()
     return (values * scales).reshape(rows.shape)
+
+
+def set_decode_activations(activations: DecodeActivations) -> None:
+    """Round int4 products' activations as `activations` says from now on, in this process
+    (exo's kernels' `set_decode_activation_bits`: one setting per process, which a runner's
+    one engine sets at load; `memory.DecodeActivations`). "int16" is a no-op where exo's
+    kernels are not built; "int8" there raises RuntimeError (it would silently not apply)."""
+    kernel = built_int4_kernel() if native_int4_wanted() else None
+    if kernel is None:
+        if activations == "int8":
+            raise RuntimeError(
+                "--decode-activations int8 needs exo's native kernels (an x86 CPU with "
+                "AVX2 + FMA), which are not available here"
+            )
+        return
+    torch.ops.exo_native.set_decode_activation_bits(8 if activations == "int8" else 16)
 
 
 def native_int4_wanted() -> bool:

@@ -37,6 +37,7 @@
 #include "block_rows.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -439,8 +440,26 @@ int64_t int4_decode_bits() {
 #endif
 }
 
+namespace {
+std::atomic<int64_t> activation_bits{16};
+}  // namespace
+
+int64_t decode_activation_bits() { return activation_bits.load(std::memory_order_relaxed); }
+
+void set_decode_activation_bits(int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 16, "decode activations are rounded to 8 or 16 bits, not ",
+              bits);
+  activation_bits.store(bits, std::memory_order_relaxed);
+}
+
 void int4_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& qweight,
                   const at::Tensor& scale_zero, float* yp) {
+#ifdef EXO_AVX2
+  if (decode_activation_bits() == 8) {
+    int4_product_int8(xp, rows, k, qweight, scale_zero, yp);
+    return;
+  }
+#endif
   const int64_t n = qweight.size(0);
   const int64_t groups = scale_zero.size(1);
   const int64_t group_size = k / groups;
@@ -854,6 +873,9 @@ TORCH_LIBRARY(exo_native, m) {
   m.def("int8_channel_gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def("bf16_gemv(Tensor x, Tensor weight) -> Tensor");
   m.def("int4_decode_bits() -> int", [] { return exo_native::int4_decode_bits(); });
+  m.def("decode_activation_bits() -> int", [] { return exo_native::decode_activation_bits(); });
+  m.def("set_decode_activation_bits(int bits) -> ()",
+        [](int64_t bits) { exo_native::set_decode_activation_bits(bits); });
 }
 
 TORCH_LIBRARY_IMPL(exo_native, CPU, m) {

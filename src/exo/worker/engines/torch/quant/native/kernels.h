@@ -83,6 +83,16 @@ int64_t int4_decode_bits();
 void int4_product(const float* x, int64_t rows, int64_t k, const at::Tensor& qweight,
                   const at::Tensor& scale_zero, float* y);
 
+// The same product with the activations rounded to int8 per block of 32 (AVX2 builds only;
+// int4_decode_int8.cpp), which `int4_product` runs while `decode_activation_bits()` is 8.
+void int4_product_int8(const float* x, int64_t rows, int64_t k, const at::Tensor& qweight,
+                       const at::Tensor& scale_zero, float* y);
+
+// How the int4 decode products round their activations per block of 32: 16 (int16, the
+// default) or 8 (int8, `--decode-activations int8`); process-wide, set once by the runner.
+int64_t decode_activation_bits();
+void set_decode_activation_bits(int64_t bits);
+
 // y[rows, out] = x[rows, k] times the int8-block weight (values int8 [out, k], scale_zero
 // bfloat16 [out, k / 32, 2]); see int8_blocks.cpp.
 void int8_block_product(const float* x, int64_t rows, int64_t k, const at::Tensor& values,

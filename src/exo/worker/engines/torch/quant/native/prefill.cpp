@@ -535,6 +535,16 @@ void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
   const bool bytes = weight.scalar_type() == at::kByte;
   const Held held = !bytes ? Held::kInt8 : scale_zero.dim() == 2 ? Held::kInt5 : Held::kInt4;
   const int64_t group_size = k / scale_zero.size(1);
+#ifdef EXO_AVX2
+  // With int8 decode activations (`decode_activation_bits`, int4_decode_int8.cpp) every row
+  // of an int4 weight takes int8, the decode kernel's rounding: a stream's rows then round
+  // alike whether its step's rows go through the decode kernel or this GEMM.
+  if (held == Held::kInt4 && decode_activation_bits() == 8) {
+    activation_bits = 8;
+    int16_rows = 0;
+    bf16 = false;
+  }
+#endif
   const int64_t leading = std::clamp<int64_t>(int16_rows, 0, rows);
   // A step with decode rows and a short prompt chunk beside them takes int16 for all.
   const bool short_chunk = leading > 0 && rows - leading < prefill::kBf16MinRows;

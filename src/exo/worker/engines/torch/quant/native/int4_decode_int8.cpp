@@ -1,0 +1,221 @@
+// exo's int4 decode product with the activations rounded to int8 per block of 32 (llama.cpp's
+// activation precision), for AVX2 CPUs without VNNI: the opt-in behind
+// `--decode-activations int8` (int4_gemv.cpp's header and
+// docs/benchmarks/engine-design-figures.md#int4_decode_int8cpp give what it costs).
+//
+// Same weights and sum as int4_gemv.cpp's int16 kernel:
+//   y[m, n] = sum_b x_scale[m, b] * (scale[n, g] * sum_j xq[m, j] q[n, j])
+//           + sum_g (zero - 8 scale)[n, g] * (sum over the group of x_scale * xq),
+// with xq the activations rounded per block of 32 to -127..127 (prefill_int8.cpp's
+// `round_row_int8`). The weight's 4-bit integers (0..15) are the unsigned operand of
+// `vpmaddubsw`, the rounded activations the signed one: one instruction multiplies 32 pairs
+// and sums them two by two into int16 (|sum| <= 2 * 15 * 127), where int16 activations take
+// two `vpmaddwd` and an add for the same 32 products. Two such sums still fit int16 before a
+// `vpmaddwd` by ones widens them, so a pair of blocks (64 inputs) costs per activation row
+// 2 vpmaddubsw, 1 vpaddw, 1 vpmaddwd, 1 conversion and 1 FMA (int16: 4 vpmaddwd, 2 vpaddd,
+// 2 conversions, 2 FMAs), and per output row the weight's unpacking is 1 shuffle, 2 ANDs
+// and a shift (int16: 4 ANDs, 3 shifts).
+//
+// The weight is held as int4_gemv.cpp holds it (a pair of blocks as 32 bytes: block 0's GGUF
+// byte j at 2j, block 1's at 2j + 1; GGUF byte j = q[j] | q[j + 16] << 4). `vpmaddubsw` sums
+// neighbouring bytes, which there belong to different blocks (different scales), so one
+// in-lane byte shuffle (`kPairShuffle`) regroups each 128-bit lane into runs of four bytes
+// of one block, alternating blocks: low lane [block 0 bytes 0-3, block 1 bytes 0-3, block 0
+// bytes 4-7, block 1 bytes 4-7], high lane the same for bytes 8-15. Its low nibbles are then
+// q[0..15] of both blocks and its high nibbles q[16..31], and each 32-bit lane of the
+// widened sums holds one block's products: lanes 0, 2, 4, 6 block 0, lanes 1, 3, 5, 7
+// block 1, scaled by one 64-bit broadcast of the two blocks' adjacent combined scales
+// (weight scale x activation scale). The activations of each pair are rounded once per call
+// into the matching order (`arrange_pair`). An odd last block (k % 64 == 32) is held in
+// GGUF's order and multiplied in its natural order.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include "block_rows.h"
+#include "prefill_pack.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef EXO_AVX2
+
+namespace {
+
+using namespace exo_native::block_rows;
+
+// Bytes of an interleaved pair regrouped per 128-bit lane into runs of four of one block.
+inline __m256i pair_shuffle() {
+  return _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,  //
+                          0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+}
+
+// A pair of blocks' 64 rounded activations (natural order: block 0's 32, block 1's 32) into
+// the order the shuffled weight's nibbles take: 16 runs of four, run c (v = c / 8, lane =
+// c % 8 / 4, pos = c % 4) holding inputs 32 (pos % 2) + 16 v + 8 lane + 4 (pos / 2) + 0..3.
+inline void arrange_pair(const int8_t* natural, int8_t* arranged) {
+  for (int c = 0; c < 16; ++c) {
+    const int v = c / 8, lane = c % 8 / 4, pos = c % 4;
+    std::memcpy(arranged + 4 * c, natural + 32 * (pos % 2) + 16 * v + 8 * lane + 4 * (pos / 2),
+                4);
+  }
+}
+
+// NR output rows from n for ROWS activation rows (xq [ROWS, k], pairs arranged; `combined`
+// [NR, ROWS, blocks]: weight scale x activation scale per block), the zero terms from
+// `tile_scales`.
+template <int ROWS, int NR>
+[[gnu::noinline]]
+void tile_avx2_int8(const int8_t* xq, int64_t k, const uint8_t* q, const float* combined,
+                    const float (&offset_acc)[NR][ROWS], float* y, int64_t n_total, int64_t n) {
+  const int64_t blocks = k / kBlock;
+  const int64_t pairs = blocks / 2;
+  __m256 acc[NR][ROWS];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm256_setzero_ps();
+  const __m256i shuffle = pair_shuffle();
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* pair = q + (n + i) * (k / 2) + p * 32;
+      const __m256i bytes = _mm256_shuffle_epi8(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair)), shuffle);
+      prefetch_ahead(pair);
+      const __m256i low = _mm256_and_si256(bytes, nibble);  // q[0..15] of both blocks
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + p * 64);
+        const __m256i products =
+            _mm256_add_epi16(_mm256_maddubs_epi16(low, _mm256_loadu_si256(xv)),
+                             _mm256_maddubs_epi16(high, _mm256_loadu_si256(xv + 1)));
+        const __m256i sums = _mm256_madd_epi16(products, ones);
+        const __m256 scales = _mm256_castpd_ps(_mm256_broadcast_sd(
+            reinterpret_cast<const double*>(combined + (i * ROWS + r) * blocks + 2 * p)));
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scales, acc[i][r]);
+      }
+    }
+  }
+  if (blocks % 2) {  // an odd last block in GGUF's byte order
+    const int64_t b = blocks - 1;
+    const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+    for (int i = 0; i < NR; ++i) {
+      const __m128i held =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (n + i) * (k / 2) + pairs * 32));
+      const __m256i values =
+          _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(held, 4), low_nibbles),
+                           _mm_and_si128(held, low_nibbles));  // q[0..15], q[16..31]
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i x =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock));
+        const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(values, x), ones);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                                    _mm256_broadcast_ss(combined + (i * ROWS + r) * blocks + b),
+                                    acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r)
+      y[r * n_total + n + i] = horizontal_sum(acc[i][r]) + offset_acc[i][r];
+}
+
+// Output rows [n0, n1) for ROWS activation rows: tiles of 4 output rows (2 for 3-4
+// activation rows, keeping the accumulators in registers), then one at a time; each tile's
+// scales unpacked and combined with the activations' into `scratch` first.
+template <int ROWS>
+void rows_avx2_int8(const int8_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
+                    const uint16_t* scale_zero, int64_t groups, int64_t group_size,
+                    const float* offset_sums, float* y, int64_t n_total, int64_t n0, int64_t n1,
+                    float* scales, float* combined) {
+  constexpr int kTile = ROWS <= 2 ? 4 : 2;
+  const int64_t blocks = k / kBlock;
+  const int64_t blocks_per_group = group_size / kBlock;
+  for_output_tiles<kTile>(n0, n1, [&](auto nr, int64_t n) {
+    constexpr int NR = decltype(nr)::value;
+    float offset_acc[NR][ROWS];
+    unpack_scales<ROWS, NR>(scale_zero + n * groups * 2, groups, offset_sums, scales,
+                            offset_acc);
+    for (int i = 0; i < NR; ++i)
+      for (int r = 0; r < ROWS; ++r) {
+        float* out = combined + (i * ROWS + r) * blocks;
+        const float* row_scales = x_scales + r * blocks;
+        const float* weight_scales = scales + i * groups;
+        if (blocks_per_group == 1) {
+          int64_t b = 0;
+          for (; b + 8 <= blocks; b += 8)
+            _mm256_storeu_ps(out + b, _mm256_mul_ps(_mm256_loadu_ps(row_scales + b),
+                                                    _mm256_loadu_ps(weight_scales + b)));
+          for (; b < blocks; ++b) out[b] = row_scales[b] * weight_scales[b];
+        } else {
+          for (int64_t b = 0; b < blocks; ++b)
+            out[b] = row_scales[b] * weight_scales[b / blocks_per_group];
+        }
+      }
+    tile_avx2_int8<ROWS, NR>(xq, k, q, combined, offset_acc, y, n_total, n);
+  });
+}
+
+}  // namespace
+
+namespace exo_native {
+
+void int4_product_int8(const float* xp, int64_t rows, int64_t k, const at::Tensor& qweight,
+                       const at::Tensor& scale_zero, float* yp) {
+  const int64_t n = qweight.size(0);
+  const int64_t groups = scale_zero.size(1);
+  const int64_t group_size = k / groups;
+  if (rows == 0 || n == 0) return;
+  const uint8_t* qp = qweight.data_ptr<uint8_t>();
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>());
+  const int64_t blocks = k / kBlock;
+  const int64_t blocks_per_group = group_size / kBlock;
+  // The activations rounded once per call (thread-local scratch, no allocation per step),
+  // each pair of blocks arranged for the tile, and per group the sum of x_scale * xq.
+  thread_local std::vector<int8_t> rounded;
+  thread_local std::vector<float> x_scales, block_sums, half_sums, group_sums;
+  rounded.resize(static_cast<size_t>(rows * k));
+  x_scales.resize(static_cast<size_t>(rows * blocks));
+  block_sums.resize(static_cast<size_t>(blocks));
+  half_sums.resize(static_cast<size_t>(2 * blocks));
+  group_sums.resize(static_cast<size_t>(rows * groups));
+  int8_t natural[2 * kBlock];
+  for (int64_t r = 0; r < rows; ++r) {
+    int8_t* row = rounded.data() + r * k;
+    float* row_scales = x_scales.data() + r * blocks;
+    prefill::round_row_int8(xp + r * k, k, row, row_scales, block_sums.data(),
+                            half_sums.data());
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.0f;
+      for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b)
+        sum += block_sums[b] * row_scales[b];
+      group_sums[r * groups + g] = sum;
+    }
+    for (int64_t p = 0; p < blocks / 2; ++p) {
+      std::memcpy(natural, row + p * 64, sizeof(natural));
+      arrange_pair(natural, row + p * 64);
+    }
+  }
+  const int8_t* xq = rounded.data();
+  const float* xs = x_scales.data();
+  const float* sums = group_sums.data();
+  const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 17) / std::max<int64_t>(k, 1));
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    thread_local std::vector<float> scales, combined;
+    scales.resize(static_cast<size_t>(4 * groups));
+    combined.resize(static_cast<size_t>(4 * 4 * blocks));
+    for_weight_spans(rows, 4, n0, n1, k / 2, [&](int64_t s0, int64_t s1) {
+      for_row_groups(rows, [&](auto count, int64_t r) {
+        rows_avx2_int8<decltype(count)::value>(xq + r * k, xs + r * blocks, k, qp, sz, groups,
+                                               group_size, sums + r * groups, yp + r * n, n,
+                                               s0, s1, scales.data(), combined.data());
+      });
+    });
+  });
+}
+
+}  // namespace exo_native
+
+#endif  // EXO_AVX2
