@@ -320,10 +320,12 @@ def api_concurrency(url: str, concurrency: int, max_tokens: int, rounds: int) ->
 
 
 @contextlib.contextmanager
-def api_node(models_dir: Path | None) -> Iterator[str]:
-    """A node on loopback serving the default model (placed at start); its URL."""
+def api_node(models_dir: Path | None, decode_activations: str = "int16") -> Iterator[str]:
+    """A node on loopback serving the default model (placed at start), its runners rounding
+    int4 products' activations as `decode_activations` says; its URL."""
     with tempfile.TemporaryDirectory(prefix="exo-bench-concurrency-") as home:
-        node = ExoNode(Path(home), models_dir or default_models_dir(), ("-q",))
+        options = ("-q", "--decode-activations", decode_activations)
+        node = ExoNode(Path(home), models_dir or default_models_dir(), options)
         node.start()
         try:
             node.wait_ready()
@@ -355,7 +357,7 @@ def api_section(url: str, concurrency: list[int], max_tokens: int, rounds: int) 
     return {"url": url, "rounds": rounds, "max_tokens": max_tokens, "concurrency": rows}
 
 
-def load_default_engine(models_dir: Path | None) -> TorchEngine:
+def load_default_engine(models_dir: Path | None, decode_activations: str = "int16") -> TorchEngine:
     card = load_builtin_cards()[DEFAULT_MODEL]
     model_dir = prepare_model(
         card, models_dir or default_models_dir(), offline=False,
@@ -369,7 +371,7 @@ def load_default_engine(models_dir: Path | None) -> TorchEngine:
         start_layer=0,
         end_layer=card.n_layers,
     )
-    engine = TorchEngine.load(model_dir, shard)
+    engine = TorchEngine.load(model_dir, shard, decode_activations=decode_activations)  # type: ignore[arg-type]
     engine.warmup()
     return engine
 
@@ -389,10 +391,20 @@ def main() -> int:
     parser.add_argument(
         "--engine-parts", nargs="+", choices=ENGINE_PARTS, default=list(ENGINE_PARTS)
     )
+    parser.add_argument(
+        "--decode-activations",
+        choices=("int16", "int8"),
+        default="int16",
+        help="how int4 products round activations (the node's --decode-activations)",
+    )
     arguments = parser.parse_args()
-    results: dict[str, Any] = {"threads": torch.get_num_threads()}
+    results: dict[str, Any] = {
+        "threads": torch.get_num_threads(),
+        "decode_activations": arguments.decode_activations,
+    }
+    print(f"decode activations: {arguments.decode_activations}")
     if "engine" in arguments.sections:
-        engine = load_default_engine(arguments.models_dir)
+        engine = load_default_engine(arguments.models_dir, arguments.decode_activations)
         results["engine"] = engine_section(
             engine, arguments.concurrency, arguments.decode_tokens, arguments.fixed_chunk,
             tuple(arguments.engine_parts),
@@ -400,7 +412,9 @@ def main() -> int:
         del engine  # its memory and threads are not the node's to share
     if "api" in arguments.sections:
         with contextlib.ExitStack() as stack:
-            url = arguments.api or stack.enter_context(api_node(arguments.models_dir))
+            url = arguments.api or stack.enter_context(
+                api_node(arguments.models_dir, arguments.decode_activations)
+            )
             results["api"] = api_section(
                 url, arguments.concurrency, arguments.decode_tokens, arguments.api_rounds
             )

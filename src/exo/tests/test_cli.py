@@ -39,3 +39,16 @@ def test_version_prints_the_installed_package_version() -> None:
     )
     assert finished.returncode == 0, finished.stderr
     assert finished.stdout == f"exo {importlib.metadata.version('exo')}\n"
+
+
+def test_decode_activations_reach_the_runners_options() -> None:
+    """`--decode-activations` parses to the node's options (int16 by default) and refuses
+    other values; main.py hands it to every runner (`RunnerOptions.decode_activations`)."""
+    from exo.node_options import parse_args
+    from exo.worker.runner.options import RunnerOptions
+
+    assert parse_args([]).decode_activations == "int16"
+    assert parse_args(["--decode-activations", "int8"]).decode_activations == "int8"
+    with pytest.raises(SystemExit):
+        parse_args(["--decode-activations", "int4"])
+    assert RunnerOptions(decode_activations="int8").decode_activations == "int8"
