@@ -169,7 +169,10 @@ class LeanModel:
         if (
             os.environ.get(NATIVE_DECODE_ENV) != "0"
             and native_int4_kernel() is not None
-            and all(layer.decode_arguments is not None for layer in self.layers)
+            and all(
+                layer.decode_arguments is not None or layer.attention_arguments is not None
+                for layer in self.layers
+            )
         ):
             self._decode_layer = torch.ops.exo_native.decode_layer
         # Every layer's decode arguments concatenated, for one `decode_layers` call per
@@ -336,7 +339,8 @@ class LeanModel:
         if len(slots) != rows:
             raise ValueError(f"the plan places {len(slots)} rows, the step has {rows}")
         cache = plan.cache
-        if not any(layer.reduced for layer in self.layers):  # one call for every layer
+        if not any(layer.reduced or layer.decode_arguments is None for layer in self.layers):
+            # One call for every layer.
             linears, norms, epsilons, ropes, shapes, scalings = self._stacked_arguments()
             windows = plan.windows
             for index in range(len(self.layers)):
@@ -349,10 +353,23 @@ class LeanModel:
             return
         partial = torch.empty_like(x)  # a tensor rank's projections' partial sums
         for index, layer in enumerate(self.layers):
-            assert layer.decode_arguments is not None
-            linears, norms, epsilons, activation = layer.decode_arguments
             cos, sin, perm = flat[layer.rope]
             window = plan.windows[index]
+            if layer.decode_arguments is None:  # a MoE layer: its attention, then its experts
+                assert layer.attention_arguments is not None
+                linears, norms, epsilons, activation = layer.attention_arguments
+                self._decode_layer(
+                    x, linears, norms, epsilons, cache.keys[index], cache.values[index], slots,
+                    positions, cos, sin, perm, layer.heads, layer.kv_heads, layer.head_dim,
+                    activation, window or 0, layer.scaling, partial, 1,
+                )  # fmt: skip
+                if layer.output.reduce:
+                    all_reduce_sum(partial)
+                self._finish_attention(layer, x, partial)
+                self._mlp(layer, x)
+                continue
+            assert layer.decode_arguments is not None
+            linears, norms, epsilons, activation = layer.decode_arguments
             # The whole layer (stage 0), or on a tensor rank stages 1-3 with the two
             # all-reduces between them (see decode_layer.cpp).
             for stage in (1, 2, 3) if layer.reduced else (0,):
@@ -465,6 +482,17 @@ class LeanModel:
         )
         attended = attend(plan, index, query, key, value, layer.scaling, prefill_dtype, layer.sinks)
         return layer.output(attended.view(rows, heads * head_dim).to(layer.output.in_dtype))
+
+    def _finish_attention(self, layer: LeanLayer, x: torch.Tensor, out: torch.Tensor) -> None:
+        """The attention's residual over `x` in place, from its output projection's rows
+        `out` `[T, hidden]` float32 without the bias (the decode layer's stage 1, summed
+        over the ranks): as `_layer` finishes it, the bias, post-attention norm and add."""
+        if layer.output.bias is not None:
+            out.add_(layer.output.bias.float())
+        if layer.post_attention_norm is not None:
+            weight, eps = layer.post_attention_norm
+            out = self._norm(out, weight, eps)
+        x.add_(out)
 
     def _mlp(self, layer: LeanLayer, x: torch.Tensor) -> None:
         """The layer's MLP (dense or sparse) over `x` `[T, hidden]` float32, added in place."""

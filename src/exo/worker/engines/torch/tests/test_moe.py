@@ -138,7 +138,9 @@ def test_qwen3_moe_equals_transformers(moe_dirs: dict[str, Path], name: str) -> 
     model = _load(moe_dirs[name])
     lean = lean_step_of(model)
     assert isinstance(lean, LeanModel)
-    # Sparse layers where transformers put them, the rest dense; no native decode layer.
+    # Sparse layers where transformers put them, the rest dense; decode steps run every
+    # layer's attention in exo's decode layer (a sparse layer's up to its output projection,
+    # its experts after), so the comparison below covers that path too.
     family = family_by_name("qwen3_moe")
     sparse = [i for i, layer in enumerate(model.model.layers) if routed_experts_of(layer, family)]
     assert sparse == SPARSE_LAYERS[name]
@@ -149,7 +151,12 @@ def test_qwen3_moe_equals_transformers(moe_dirs: dict[str, Path], name: str) -> 
     dense = [i for i in range(card.n_layers) if i not in sparse]
     assert list(card.moe.dense_layers) == dense
     assert [i for i, layer in enumerate(lean.layers) if layer.moe is not None] == sparse
-    assert lean._decode_layer is None
+    assert lean._decode_layer is not None
+    assert all(
+        (layer.attention_arguments is not None) == (layer.moe is not None)
+        and (layer.decode_arguments is None) == (layer.moe is not None)
+        for layer in lean.layers
+    )
     reference = AutoModelForCausalLM.from_pretrained(moe_dirs[name], dtype=torch.float32).eval()
     prompt = _prompt()
     ours, tokens = engine_greedy(model, prompt)

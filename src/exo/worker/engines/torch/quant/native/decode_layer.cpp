@@ -30,6 +30,9 @@
 // stops after the down projection (again into `partial`); after the second all-reduce, 3
 // adds the down bias and finishes the MLP's residual. Where no layer all-reduces (one
 // process, or a pipeline rank) `decode_layers` runs every layer of the step in one call.
+// A layer with no gate/up and down entries (a mixture-of-experts layer, whose routed
+// experts the caller runs: moe_experts.cpp) takes stage 1 only: its attention block up to
+// the output projection, into `partial`.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/List.h>
@@ -279,8 +282,12 @@ void run_layer(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& linear
               "decode_layer: perm must be int64 [head_dim]");
   const Linear qkv = read_linear(linears, linear_base, kQkv);
   const Linear output = read_linear(linears, linear_base, kOutput);
-  const Linear gate_up = read_linear(linears, linear_base, kGateUp);
-  const Linear down = read_linear(linears, linear_base, kDown);
+  // No MLP entries: the attention block alone (stage 1), the caller's experts after it.
+  const bool attention_only = !linears.get(linear_base + 3 * kGateUp).has_value();
+  TORCH_CHECK(!attention_only || stage == 1,
+              "decode_layer: a layer without gate/up and down projections runs stage 1 only");
+  const Linear gate_up = attention_only ? Linear{} : read_linear(linears, linear_base, kGateUp);
+  const Linear down = attention_only ? Linear{} : read_linear(linears, linear_base, kDown);
   const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
   const int64_t qkv_width = q_width + 2 * kv_width;
   const int64_t intermediate = gate_up.out / 2;
@@ -288,8 +295,8 @@ void run_layer(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& linear
               "x", qkv.in, ", expected ", qkv_width, "x", hidden);
   TORCH_CHECK(output.in == q_width && output.out == hidden,
               "decode_layer: the output projection does not map the heads to hidden");
-  TORCH_CHECK(gate_up.in == hidden && gate_up.out % 2 == 0 && down.in == intermediate &&
-                  down.out == hidden,
+  TORCH_CHECK(attention_only || (gate_up.in == hidden && gate_up.out % 2 == 0 &&
+                                 down.in == intermediate && down.out == hidden),
               "decode_layer: gate/up and down projections do not fit hidden");
   const int64_t slot_count = keys.size(0), capacity = keys.size(2);
   for (int64_t r = 0; r < rows; ++r)
@@ -307,7 +314,7 @@ void run_layer(at::Tensor& x, const c10::List<std::optional<at::Tensor>>& linear
                 "decode_layer: norm ", i, " must be float32 with ", width, " values");
     norm[i] = weight->data_ptr<float>();
   }
-  TORCH_CHECK(norm[kInputNorm] != nullptr && norm[kPreMlpNorm] != nullptr,
+  TORCH_CHECK(norm[kInputNorm] != nullptr && (attention_only || norm[kPreMlpNorm] != nullptr),
               "decode_layer: the input and pre-MLP norms are required");
 
   // Scratch kept by the calling thread: no allocation per call once warm.
