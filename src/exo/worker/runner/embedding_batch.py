@@ -54,6 +54,13 @@ length (`embedding/lean_states.py`)."""
 # An embedding piece's tokens while no stream decodes: no gap to bound, but a cancel waits
 # for the piece and its activations grow with it (the idle prefill chunk).
 IDLE_PIECE_TOKENS = PREFILL_TOKENS_PER_IDLE_STEP
+# A stream's gap while an embedding runs beside it, as a multiple of its decode-only step.
+# A prompt chunk rides in the streams' own step (2.5, `chunk_sizer.DEFAULT_GAP_RATIO`); a
+# piece is a forward pass of its own whose fixed cost (reading the weights) is about one
+# decode step, so at 2.5 a piece is mostly that fixed cost: Gemma 3 270M on 2 cores got
+# pieces of ~1 token and a 6,000-token input took 11x its time alone. At 5 a piece's
+# tokens cost at least 3x its fixed cost (figures: docs/benchmarks/2026-12-06-embedding-stall.md).
+PIECE_GAP_RATIO = 5.0
 
 
 class EmbeddingPacer:
@@ -61,10 +68,11 @@ class EmbeddingPacer:
 
     Beside decoding streams a piece delays each stream's next token as a prompt chunk in
     their step would, so it is sized by the same rule (`chunk_sizer.PrefillChunkSizer`:
-    the most tokens that keep the streams' step plus the piece within `gap_ratio` times
-    their decode-only step), fed the decode-only steps' times (`observe_step`) and each
-    piece's time as the part of the gap beyond that step (`observe_piece`). With no stream
-    decoding: `IDLE_PIECE_TOKENS`.
+    the most tokens that keep the streams' step plus the piece within `PIECE_GAP_RATIO`
+    times their decode-only step), fed the decode-only steps' times (`observe_step`) and
+    each piece's time as the part of the gap beyond that step (`observe_piece`); the
+    sizer's fitted fixed cost per piece is then the piece's own forward pass. With no
+    stream decoding: `IDLE_PIECE_TOKENS`.
 
     Args:
         sizer: the rule (tests pass a `FixedChunkSizer`, whose pieces do not depend on the
@@ -73,7 +81,7 @@ class EmbeddingPacer:
 
     def __init__(self, sizer: PrefillChunkSizer | FixedChunkSizer | None = None) -> None:
         self.sizer = sizer or PrefillChunkSizer(
-            maximum=IDLE_PIECE_TOKENS, initial=PREFILL_TOKENS_PER_STEP
+            maximum=IDLE_PIECE_TOKENS, gap_ratio=PIECE_GAP_RATIO, initial=PREFILL_TOKENS_PER_STEP
         )
 
     def piece_tokens(self, decoding: int) -> int:

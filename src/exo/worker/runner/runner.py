@@ -7,10 +7,10 @@ rest). What a step produces for all its requests (chunks, ended tasks, status) g
 supervisor as one pipe message. Between steps it reads its inbound pipe without blocking,
 so a new request joins and a cancel or shutdown takes effect at the next step. Embedding
 and rerank tasks are answered a piece of work at a time (`embedding_batch.EmbeddingJob`),
-one piece between two steps of the running streams, each piece sized by the same rule as a
-prompt chunk beside decodes (`chunk_sizer.PrefillChunkSizer`, fed the pieces' measured
-times), so a long embedding input delays a stream's next token by a bounded piece, not by
-its whole forward; a cancel stops it between pieces. A request
+one piece between two steps of the running streams, each piece sized by the rule that
+sizes a prompt chunk beside decodes, fed the pieces' measured times
+(`embedding_batch.EmbeddingPacer`), so a long embedding input delays a stream's next token
+by a bounded piece, not by its whole forward; a cancel stops it between pieces. A request
 that fails alone (the request was at fault) fails only itself. A crash here never takes
 the node down: the supervisor sees the pipe close."""
 
@@ -366,7 +366,6 @@ class Runner:
     def _start_embeddings(self) -> None:
         """Take every embedding task waiting (those in the pipe included) into one job
         (`embedding_batch.EmbeddingJob`); the refused ones are answered at once."""
-
         assert self._engine is not None, "embeddings are only answered when ready"
         self._holding = True
         try:
@@ -460,7 +459,7 @@ class Runner:
                 self._update_status()
             return
         self._last_step_seconds = time.monotonic() - started
-        if decode_only:  # the base of the embedding pieces' gap (`_observe_embedding_piece`)
+        if decode_only:  # the base of an embedding piece's gap (`EmbeddingPacer`)
             self._embedding_pacer.observe_step(rows, self._last_step_seconds)
         for request_id, output in outputs:
             generation = self._generations.get(request_id)

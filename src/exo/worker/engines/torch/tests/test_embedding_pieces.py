@@ -3,7 +3,8 @@ decode steps, against the same inputs run whole (`embed`, pieces of no bound), f
 through the engine's real loading path on tiny random-weight checkpoints: groups of short
 inputs within the budget, and an input longer than the budget prefilled chunk by chunk
 over its own all-layer scratch cache (Gemma 3's sliding window of 8 tokens cut by the
-chunks); rerank scores alike. A dropped input's scratch cache is freed at once."""
+chunks); rerank scores alike. A dropped input's scratch cache is freed at once, also when
+the runner's job cancels its request."""
 
 from __future__ import annotations
 
@@ -16,10 +17,15 @@ import pytest
 import torch
 
 from exo.shared.models.cards import card_from_local_directory
+from exo.shared.types.chunks import EmbeddingChunk
+from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, TaskId
+from exo.shared.types.embeddings import EmbeddingTaskParams
 from exo.shared.types.shards import ShardMetadata
+from exo.shared.types.tasks import Embedding
 from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.embedding.decoder import DecoderEmbeddingBackend, DecoderWork
 from exo.worker.engines.torch.engine import TorchEngine
+from exo.worker.runner.embedding_batch import EmbeddingJob
 
 # Short ragged inputs and two longer than every budget below (token ids: exact lengths).
 INPUTS = [
@@ -80,6 +86,7 @@ def test_pieces_equal_the_inputs_run_whole(
     attends in two calls merged by their log-sum-exps, and the matmuls run over other row
     counts, so sums are ordered differently."""
     backend: DecoderEmbeddingBackend = _backend(request.getfixturevalue(f"{family}_dir"), pooling)
+    assert backend.runs_exo_forward  # the lean step: long inputs are chunked
     whole = backend.embed(INPUTS)
     result, pieces = _in_pieces(backend.start_embedding(INPUTS), budget)
     assert max(pieces) <= budget and sum(pieces) == sum(len(ids) for ids in INPUTS)
@@ -120,3 +127,39 @@ def test_a_dropped_input_frees_its_scratch_cache_and_the_rest_still_finish(
     assert sum(pieces) == sum(len(ids) for ids in INPUTS) - 70
     kept = [0, 1, 3, 4, 5]
     assert _cosine(result[kept], whole[kept]) > 1 - 1e-6
+
+
+def test_a_cancelled_request_frees_its_chunked_input_and_the_job_answers_the_rest(
+    qwen3_dir: Path,
+) -> None:
+    """Through the runner's `EmbeddingJob`: a cancel between pieces drops the long input
+    being chunked (its scratch cache freed at once, no answer for it), and the other
+    request sharing the work gets the vector it gets alone."""
+    backend = _backend(qwen3_dir, "mean")
+    long, short = (
+        Embedding(
+            task_id=TaskId(name),
+            command_id=CommandId(name),
+            instance_id=InstanceId("i"),
+            origin_node_id=NodeId("n"),
+            params=EmbeddingTaskParams(model=ModelId("m"), inputs=(tuple(ids),)),
+        )
+        for name, ids in (("long", INPUTS[2]), ("short", INPUTS[1]))
+    )
+    job = EmbeddingJob(backend, [long, short])
+    assert job.run_piece(16) == 16  # the long input's first chunk
+    work = job._works[0].work
+    assert isinstance(work, DecoderWork) and work._chunked is not None
+    cache = weakref.ref(work._chunked[1]._cache)
+    assert job.cancel(TaskId("long")) is long
+    gc.collect()
+    assert cache() is None
+    for _ in range(10):
+        if job.done:
+            break
+        job.run_piece(16)
+    ((task, answer),) = job.take_answers()
+    assert task is short and isinstance(answer, EmbeddingChunk)
+    alone = torch.nn.functional.normalize(backend.embed([INPUTS[1]]), dim=-1)
+    assert _cosine(torch.tensor(answer.vectors), alone) > 1 - 1e-6
+    assert job.cancel(TaskId("short")) is None  # answered: nothing to cancel
