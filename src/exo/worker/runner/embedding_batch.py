@@ -6,8 +6,9 @@ share forward passes; each vector is then cut to its request's `dimensions` (Mat
 and L2-normalized. Each "rerank" task is a work of its own (`start_scoring`). The runner
 runs an `EmbeddingJob` one piece per turn (`run_piece`, at most a token budget), with the
 decode steps of the streams running on the instance between pieces, so a long input never
-silences them for its whole forward; a task cancelled between pieces (`cancel`) gets no
-answer and its rows are dropped from the work (a chunked input's scratch cache with them).
+silences them for its whole forward; tasks that arrive meanwhile join the job, and its
+works take pieces in turn; a task cancelled between pieces (`cancel`) gets no answer and
+its rows are dropped from the work (a chunked input's scratch cache with them).
 
 A task at fault fails alone, at once, with a 400 naming the field: an input over the
 context without `truncate`, a request over `MAX_REQUEST_TOKENS` in all, a `dimensions` the
@@ -125,25 +126,35 @@ class _Pending:
 
 
 class EmbeddingJob:
-    """The embedding and rerank tasks that reached a runner together (see the module
-    docstring). Answers leave through `take_answers` as they are ready: a refusal at once,
-    a work's tasks when its last piece ran.
-
-    Raises (constructor): nothing; a task at fault is answered with its 400.
+    """The embedding and rerank tasks a runner is answering (see the module docstring).
+    Tasks join with `add` (those that reached the runner together share one work); the
+    works take pieces in turn (round robin), so a short request arriving while a long one
+    runs is answered after a few pieces, not after the long one. Answers leave through
+    `take_answers` as they are ready: a refusal at once, a work's tasks when its last
+    piece ran.
     """
 
-    def __init__(self, backend: EmbeddingBackend, tasks: Sequence[Embedding]) -> None:
+    def __init__(self, backend: EmbeddingBackend, tasks: Sequence[Embedding] = ()) -> None:
         self._backend = backend
         self._answers: list[tuple[Embedding, Chunk]] = []
         self._works: deque[_Pending] = deque()
+        self.add(tasks)
+
+    def add(self, tasks: Sequence[Embedding]) -> None:
+        """Take `tasks` in: their embed tasks' inputs as one work, each rerank task a work of
+        its own, next in turn (before the works already here, which have had turns); a task
+        at fault is answered at once (its 400, or a 500 where its work could not be
+        built)."""
+        backend = self._backend
         batch: list[list[int]] = []
         spans: dict[TaskId, tuple[int, int]] = {}
         embedded: dict[TaskId, Embedding] = {}
         counted: dict[TaskId, int] = {}
+        reranks: list[_Pending] = []
         for task in tasks:
             try:
                 if task.params.kind == "rerank":
-                    self._works.append(_rerank_work(backend, task))
+                    reranks.append(_rerank_work(backend, task))
                     continue
                 rows = _embedding_rows(backend, task.params)
             except EmbeddingRequestError as error:
@@ -157,6 +168,7 @@ class EmbeddingJob:
             embedded[task.task_id] = task
             counted[task.task_id] = sum(len(row) for row in rows)
             batch.extend(rows)
+        works: list[_Pending] = []
         if embedded:
             try:
                 work = backend.start_embedding(batch)
@@ -165,7 +177,9 @@ class EmbeddingJob:
                 for task in embedded.values():
                     self._answers.append((task, _error(task, f"embedding failed: {error}", 500)))
             else:
-                self._works.appendleft(_Pending(work, spans, embedded, False, counted))
+                works.append(_Pending(work, spans, embedded, False, counted))
+        # Ahead of the works here: those have had turns (the last to run is at the end).
+        self._works.extendleft(reversed([*works, *reranks]))
 
     @property
     def done(self) -> bool:
@@ -180,19 +194,19 @@ class EmbeddingJob:
         return answers
 
     def run_piece(self, budget: int | None) -> int:
-        """Run one piece of the first work, at most `budget` tokens (None: no bound);
-        answer its tasks when it is done. Returns the tokens computed."""
+        """Run one piece of the next work in turn, at most `budget` tokens (None: no
+        bound); answer its tasks when it is done. Returns the tokens computed."""
         if not self._works:
             return 0
-        pending = self._works[0]
+        pending = self._works.popleft()
         try:
             computed = pending.work.run_piece(budget)
             if pending.work.done:
-                self._works.popleft()
                 self._answers.extend(_answers_of(pending))
+            else:
+                self._works.append(pending)  # the next work's turn
         except Exception as error:
             logger.opt(exception=error).warning("embedding forward failed")
-            self._works.popleft()
             what = "rerank" if pending.rerank else "embedding"
             for task in pending.tasks.values():
                 self._answers.append((task, _error(task, f"{what} failed: {error}", 500)))

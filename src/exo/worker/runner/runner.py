@@ -158,12 +158,8 @@ class Runner:
                 if self._queue and isinstance(self._status, RunnerReady | RunnerRunning):
                     self._start_generation(self._queue.popleft())
                     continue
-                if (
-                    self._embeddings
-                    and self._embedding_job is None
-                    and isinstance(self._status, RunnerReady | RunnerRunning)
-                ):
-                    self._start_embeddings()
+                if self._embeddings and isinstance(self._status, RunnerReady | RunnerRunning):
+                    self._take_embeddings()
                     continue
                 if self._embedding_job is not None:
                     self._run_embedding_piece()
@@ -363,9 +359,10 @@ class Runner:
         )
         self._update_status()
 
-    def _start_embeddings(self) -> None:
-        """Take every embedding task waiting (those in the pipe included) into one job
-        (`embedding_batch.EmbeddingJob`); the refused ones are answered at once."""
+    def _take_embeddings(self) -> None:
+        """Take every embedding task waiting (those in the pipe included) into the job
+        (`embedding_batch.EmbeddingJob`: started here, or joined while it runs); the
+        refused ones are answered at once."""
         assert self._engine is not None, "embeddings are only answered when ready"
         self._holding = True
         try:
@@ -385,7 +382,8 @@ class Runner:
                     )
                     self._send_embedding_answer(task, chunk)
                 return
-            job = EmbeddingJob(backend, tasks)
+            job = self._embedding_job or EmbeddingJob(backend)
+            job.add(tasks)
             self._send_embedding_answers(job)
             self._embedding_job = None if job.done else job
         finally:

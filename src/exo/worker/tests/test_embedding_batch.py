@@ -152,7 +152,7 @@ def test_a_runner_answers_the_tasks_waiting_in_its_pipe_in_one_batch() -> None:
     first, second = _task("ab"), _task("xyz", (1, 2))
     runner._handle(first)
     inbound_writer.send_bytes(second.model_dump_json().encode())  # still in the pipe
-    runner._start_embeddings()
+    runner._take_embeddings()
     while runner._embedding_job is not None:
         runner._run_embedding_piece()
     assert backend.calls == [[[97, 98], [120, 121, 122], [1, 2]]]  # one forward for both

@@ -2,7 +2,8 @@
 real loop (`Runner.run` in a thread, fed through its pipes): a running stream gets one step
 between two pieces of a long embedding; a cancel arriving while a piece runs stops the work
 before the next piece, no answer is sent for it, and the runner answers the next request;
-a request over `MAX_REQUEST_TOKENS` is a 400 naming its field before any forward pass.
+a short request arriving during a long one is answered first (the works take turns); a
+request over `MAX_REQUEST_TOKENS` is a 400 naming its field before any forward pass.
 Steps and pieces are counted in the order they ran, never timed."""
 
 from __future__ import annotations
@@ -246,6 +247,33 @@ def test_a_cancel_stops_the_embedding_before_its_next_piece_and_the_runner_serve
         isinstance(m, TaskStatusReport) and m.task_id == "embed-2" and m.status == TaskComplete()
         for m in sent
     )
+
+
+def test_a_short_request_arriving_during_a_long_one_is_answered_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The works take pieces in turn: the short request, arriving while the long one's
+    first piece runs, is answered after its own one piece, long before the long one."""
+    engine = ServingEngine(length=60)
+    running = RunningRunner(engine, monkeypatch)
+    backend = engine.backend
+    short = _embedding("short", "z" * 7)
+    pending = [short]  # sent once, while the long input's first piece runs
+    backend.on_piece = lambda piece: running.send(pending.pop()) if pending else None
+    running.send(make_text_generation_task(task_id="task-a"))
+    running.send(_embedding("long", "x" * 95))
+    running.thread.start()
+    sent = running.until(_ended({"long", "short", "task-a"}))
+    running.stop()
+    answered = [
+        m.chunk.command_id
+        for m in sent
+        if isinstance(m, ChunkReport) and isinstance(m.chunk, EmbeddingChunk)
+    ]
+    assert answered == ["command-short", "command-long"]
+    # The long input's first piece, the short one whole, then the long one's other nine.
+    pieces = [event for event in engine.log if event.startswith("piece")]
+    assert pieces == ["piece 10", "piece 7"] + ["piece 10"] * 8 + ["piece 5"]
 
 
 @pytest.mark.parametrize(("kind", "field"), [("embed", "input"), ("rerank", "documents")])
