@@ -25,6 +25,7 @@ from exo.shared.types.tasks import Embedding
 from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.embedding.decoder import DecoderEmbeddingBackend, DecoderWork
 from exo.worker.engines.torch.engine import TorchEngine
+from exo.worker.engines.torch.model.direct_forward import LEAN_ENV
 from exo.worker.runner.embedding_batch import EmbeddingJob
 
 # Short ragged inputs and two longer than every budget below (token ids: exact lengths).
@@ -163,3 +164,18 @@ def test_a_cancelled_request_frees_its_chunked_input_and_the_job_answers_the_res
     alone = torch.nn.functional.normalize(backend.embed([INPUTS[1]]), dim=-1)
     assert _cosine(torch.tensor(answer.vectors), alone) > 1 - 1e-6
     assert job.cancel(TaskId("short")) is None  # answered: nothing to cancel
+
+
+def test_transformers_forward_runs_a_long_input_whole_in_its_own_piece(
+    qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the lean step (`EXO_LEAN_FORWARD=0`) an input longer than the budget cannot
+    be chunked: it is one piece of its own; the short ones still go in groups within the
+    budget (padded), and the vectors equal the whole run's."""
+    monkeypatch.setenv(LEAN_ENV, "0")
+    backend = _backend(qwen3_dir, "last")
+    assert not backend.runs_exo_forward
+    whole = backend.embed(INPUTS)
+    result, pieces = _in_pieces(backend.start_embedding(INPUTS), 16)
+    assert pieces == [70, 45, 40, 7 + 3, 1]  # the inputs over 16 tokens whole, one each
+    assert _cosine(result, whole) > 1 - 1e-6
