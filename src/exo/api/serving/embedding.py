@@ -110,7 +110,10 @@ async def compute_embeddings(
 
     Raises:
         ModelNotFoundError, InvalidRequestError: as `check_embedding_request`; a 400 from
-            the runner names its field as `param` (`input`, `dimensions`, `model`).
+            the runner names its field as `param` (`input` / rerank's `documents`,
+            `dimensions`, `model`; an input over the context, code
+            `context_length_exceeded`, or a request over the runner's cap on its tokens
+            summed, code `max_tokens_per_request`).
         NoCapacityError: the model cannot be placed, or the runner failed (503 / 500).
         GenerationError: the client disconnected first, or the runner failed.
     """
@@ -150,7 +153,9 @@ async def compute_embeddings(
             code = chunk.error_code or ""
             if code.startswith("invalid_"):
                 raise InvalidRequestError(chunk.error_message, param=code.removeprefix("invalid_"))
-            raise InvalidRequestError(chunk.error_message, param="input", code=code or None)
+            # An input over the context, a request over the runner's token cap: the inputs.
+            inputs = "documents" if params.kind == "rerank" else "input"
+            raise InvalidRequestError(chunk.error_message, param=inputs, code=code or None)
         case ErrorChunk(status_code=503):
             raise NoCapacityError(chunk.error_message)
         case ErrorChunk():

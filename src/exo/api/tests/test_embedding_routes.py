@@ -1,12 +1,15 @@
 """The embeddings and rerank routes over a stand-in cluster: what each dialect sends to the
 cluster and how it renders the one chunk back (rerank's sorting, `top_n`,
 `return_documents`), and the 400s that need no model: capabilities, `dimensions`, empty
-inputs, a chat request to an embedding-only model."""
+inputs, a chat request to an embedding-only model; the runner's 400 for a request over its
+token cap in each dialect."""
 
 from __future__ import annotations
 
-from typing import cast
+from types import SimpleNamespace
+from typing import Any, cast
 
+import pytest
 from fastapi.testclient import TestClient
 
 from exo.api.app import create_app
@@ -216,3 +219,64 @@ def test_a_model_that_failed_to_prepare_for_good_is_a_500_else_a_503() -> None:
             answer = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": "a"})
         assert answer.status_code == expected, answer.text
         assert "could not prepare" in answer.json()["error"]["message"]
+
+
+def test_a_request_over_the_runners_token_cap_is_a_400_in_each_dialect(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The runner's refusal (`embedding_batch.MAX_REQUEST_TOKENS`, here 20 tokens, one per
+    character) reaches each dialect as its 400 naming the field: OpenAI's envelope with
+    `param` `input` and code `max_tokens_per_request`, Ollama's `{"error": ...}`, rerank's
+    `param` `documents`."""
+    from exo.shared.types.chunks import ErrorChunk
+    from exo.shared.types.commands import ComputeEmbeddings
+    from exo.shared.types.common import InstanceId, NodeId, TaskId
+    from exo.shared.types.tasks import Embedding
+    from exo.worker.runner import embedding_batch
+
+    monkeypatch.setattr(embedding_batch, "MAX_REQUEST_TOKENS", 20)
+
+    class CharacterBackend:
+        max_input_tokens = 100
+        dimensions = 4
+        matryoshka_dimensions = None
+
+        def tokenize(self, texts: list[str]) -> list[list[int]]:
+            return [[ord(character) for character in text] for text in texts]
+
+        def start_embedding(self, token_ids: list[list[int]]) -> None:
+            raise AssertionError("a refused request starts no work")
+
+        def start_scoring(self, pairs: list[tuple[str, str]]) -> Any:
+            return SimpleNamespace(rows=len(pairs), tokens=sum(len(q + d) for q, d in pairs))
+
+    class CappedCluster(EmbeddingCluster):
+        def _embedding_answer(self, command: ComputeEmbeddings) -> Any:
+            task = Embedding(
+                task_id=TaskId("t"), command_id=command.command_id, instance_id=InstanceId("i"),
+                origin_node_id=NodeId("n"), params=command.params,
+            )  # fmt: skip
+            job = embedding_batch.EmbeddingJob(cast(Any, CharacterBackend()), [task])
+            ((_, answer),) = job.take_answers()
+            assert isinstance(answer, ErrorChunk)
+            return answer
+
+    with _client(CappedCluster()) as http:
+        openai = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": ["a" * 15, "b" * 6]})
+        assert openai.status_code == 400, openai.text
+        error = openai.json()["error"]
+        assert error["param"] == "input" and error["code"] == "max_tokens_per_request"
+        assert error["type"] == "invalid_request_error"
+        assert error["message"] == (
+            "'$.input' is too long: requested 21 tokens, max 20 tokens per request"
+        )
+        ollama = http.post("/api/embed", json={"model": EMBEDDER, "input": ["a" * 21]})
+        assert ollama.status_code == 400, ollama.text
+        assert set(ollama.json()) == {"error"} and "'$.input' is too long" in ollama.json()["error"]
+        rerank = http.post(
+            "/v1/rerank", json={"model": RERANKER, "query": "q", "documents": ["a" * 10] * 2}
+        )
+        assert rerank.status_code == 400, rerank.text
+        assert rerank.json()["error"]["param"] == "documents"
+        assert rerank.json()["error"]["code"] == "max_tokens_per_request"
+        assert "requested 22 tokens" in rerank.json()["error"]["message"]

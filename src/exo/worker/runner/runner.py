@@ -5,7 +5,12 @@ Once ready it hands every generation task to the engine at once (`submit`) and l
 batching: a single-rank engine runs up to `max_concurrent_requests` at once, queueing the
 rest). What a step produces for all its requests (chunks, ended tasks, status) goes to the
 supervisor as one pipe message. Between steps it reads its inbound pipe without blocking,
-so a new request joins and a cancel or shutdown takes effect at the next step. A request
+so a new request joins and a cancel or shutdown takes effect at the next step. Embedding
+and rerank tasks are answered a piece of work at a time (`embedding_batch.EmbeddingJob`),
+one piece between two steps of the running streams, each piece sized by the rule that
+sizes a prompt chunk beside decodes, fed the pieces' measured times
+(`embedding_batch.EmbeddingPacer`), so a long embedding input delays a stream's next token
+by a bounded piece, not by its whole forward; a cancel stops it between pieces. A request
 that fails alone (the request was at fault) fails only itself. A crash here never takes
 the node down: the supervisor sees the pipe close."""
 
@@ -28,7 +33,7 @@ from exo.shared.types.chunks import (
     PrefillProgressChunk,
     TokenChunk,
 )
-from exo.shared.types.common import RunnerId
+from exo.shared.types.common import RunnerId, TaskId
 from exo.shared.types.runners import (
     RunnerConnected,
     RunnerConnecting,
@@ -60,6 +65,7 @@ from exo.shared.types.tasks import (
 from exo.utils.heap import HeapTrimmer, freeze_long_lived_objects
 from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
 from exo.worker.runner.card_check import check_card
+from exo.worker.runner.embedding_batch import EmbeddingJob, EmbeddingPacer
 from exo.worker.runner.failures import error_code_of, peer_failure
 from exo.worker.runner.generation_feed import Generation, PieceFeed
 from exo.worker.runner.messages import (
@@ -114,6 +120,8 @@ class Runner:
         self._engine: Engine | None = None
         self._queue: deque[TextGeneration] = deque()  # arrived before the engine was ready
         self._embeddings: list[Embedding] = []  # answered together at the next turn
+        self._embedding_job: EmbeddingJob | None = None  # the one being answered
+        self._embedding_pacer = EmbeddingPacer()  # each piece's tokens
         self._generations: dict[str, Generation] = {}  # by task id (the engine's request id)
         self._status: RunnerStatus = RunnerIdle()
         self._ready = RunnerReady()
@@ -151,7 +159,13 @@ class Runner:
                     self._start_generation(self._queue.popleft())
                     continue
                 if self._embeddings and isinstance(self._status, RunnerReady | RunnerRunning):
-                    self._run_embeddings()
+                    self._take_embeddings()
+                    continue
+                if self._embedding_job is not None:
+                    self._run_embedding_piece()
+                    if self._generations:  # the running streams' step between two pieces
+                        self._run_step()
+                        self._heap_trimmer.maybe_trim()
                     continue
                 if self._generations:
                     self._run_step()
@@ -167,6 +181,10 @@ class Runner:
                 self._end_task(task, TaskCancelled())
             for waiting in self._embeddings:
                 self._end_task(waiting, TaskCancelled())
+            if self._embedding_job is not None:
+                for waiting in self._embedding_job.cancel_all():
+                    self._end_task(waiting, TaskCancelled())
+                self._embedding_job = None
             if self._engine is not None and self.shard.world_size > 1 and not self._is_follower:
                 with contextlib.suppress(Exception):
                     self._engine.shutdown()  # releases the other ranks
@@ -342,11 +360,10 @@ class Runner:
         )
         self._update_status()
 
-    def _run_embeddings(self) -> None:
-        """Answer every embedding task waiting (those in the pipe included) as one batch
-        (`embedding_batch.answer_embeddings`); each gets one final chunk."""
-        from exo.worker.runner.embedding_batch import answer_embeddings
-
+    def _take_embeddings(self) -> None:
+        """Take every embedding task waiting (those in the pipe included) into the job
+        (`embedding_batch.EmbeddingJob`: started here, or joined while it runs); the
+        refused ones are answered at once."""
         assert self._engine is not None, "embeddings are only answered when ready"
         self._holding = True
         try:
@@ -357,28 +374,58 @@ class Runner:
             try:
                 backend = self._engine.embedding_backend()
             except ValueError as error:  # a split instance: no pooled states on one rank
-                chunks: list[Chunk] = [
-                    ErrorChunk(
+                for task in tasks:
+                    chunk = ErrorChunk(
                         command_id=task.command_id,
                         model=task.params.model,
                         error_message=str(error),
                         status_code=400,
                     )
-                    for task in tasks
-                ]
-            else:
-                chunks = answer_embeddings(backend, tasks)
-            for task, chunk in zip(tasks, chunks, strict=True):
-                self._send(ChunkReport(chunk=chunk))
-                status: TaskStatus = (
-                    TaskFailed(error_message=chunk.error_message)
-                    if isinstance(chunk, ErrorChunk)
-                    else TaskComplete()
-                )
-                self._send(TaskStatusReport(task_id=task.task_id, status=status))
+                    self._send_embedding_answer(task, chunk)
+                return
+            job = self._embedding_job or EmbeddingJob(backend)
+            job.add(tasks)
+            self._send_embedding_answers(job)
+            self._embedding_job = None if job.done else job
         finally:
             self._holding = False
             self._flush()
+
+    def _run_embedding_piece(self) -> None:
+        """Take the messages that arrived (a cancel among them), then run one piece of the
+        embedding job, as many tokens as the pacer allows, and send the answers it
+        completed."""
+        self._holding = True
+        try:
+            self._handle_waiting_messages()
+            job = self._embedding_job
+            if job is None:
+                return  # cancelled whole
+            decoding = len(self._generations)
+            budget = self._embedding_pacer.piece_tokens(decoding)
+            if budget > 0:
+                started = time.monotonic()
+                computed = job.run_piece(budget)
+                self._embedding_pacer.observe_piece(decoding, computed, time.monotonic() - started)
+            self._send_embedding_answers(job)
+            if job.done:
+                self._embedding_job = None
+        finally:
+            self._holding = False
+            self._flush()
+
+    def _send_embedding_answers(self, job: EmbeddingJob) -> None:
+        for task, chunk in job.take_answers():
+            self._send_embedding_answer(task, chunk)
+
+    def _send_embedding_answer(self, task: Embedding, chunk: Chunk) -> None:
+        self._send(ChunkReport(chunk=chunk))
+        status: TaskStatus = (
+            TaskFailed(error_message=chunk.error_message)
+            if isinstance(chunk, ErrorChunk)
+            else TaskComplete()
+        )
+        self._send(TaskStatusReport(task_id=task.task_id, status=status))
 
     def _run_step(self) -> None:
         """Take the messages that arrived, then run one step; everything both produce (for
@@ -398,6 +445,8 @@ class Runner:
     def _step(self) -> None:
         """One engine step; stream each request's pieces, end the finished ones."""
         assert self._engine is not None
+        rows = len(self._generations)
+        decode_only = all(generation.first_sent for generation in self._generations.values())
         started = time.monotonic()
         try:
             outputs = self._engine.step()
@@ -409,6 +458,8 @@ class Runner:
                 self._update_status()
             return
         self._last_step_seconds = time.monotonic() - started
+        if decode_only:  # the base of an embedding piece's gap (`EmbeddingPacer`)
+            self._embedding_pacer.observe_step(rows, self._last_step_seconds)
         for request_id, output in outputs:
             generation = self._generations.get(request_id)
             if generation is None:
@@ -511,6 +562,12 @@ class Runner:
             if waiting.task_id == task_id:
                 self._embeddings.remove(waiting)
                 self._end_task(waiting, TaskCancelled())
+        if self._embedding_job is not None:
+            running = self._embedding_job.cancel(TaskId(task_id))
+            if running is not None:  # dropped from its work: no answer follows
+                self._end_task(running, TaskCancelled())
+                if self._embedding_job.done:
+                    self._embedding_job = None  # its works (and scratch memory) go with it
         generation = self._generations.pop(str(task_id), None)
         if generation is not None:
             if self._engine is not None:

@@ -43,6 +43,38 @@ class FakeBackend:
     def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> torch.Tensor | None:
         return None
 
+    def start_embedding(self, token_ids: Sequence[Sequence[int]]) -> FakeWork:
+        return FakeWork(self, token_ids)
+
+    def start_scoring(self, pairs: Sequence[tuple[str, str]]) -> None:
+        return None
+
+
+class FakeWork:
+    """All rows in one `embed` call, at the first piece."""
+
+    def __init__(self, backend: FakeBackend, token_ids: Sequence[Sequence[int]]) -> None:
+        self._backend = backend
+        self._inputs = [list(row) for row in token_ids]
+        self.rows = len(self._inputs)
+        self.tokens = sum(len(row) for row in self._inputs)
+        self._result: torch.Tensor | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    def run_piece(self, budget: int | None) -> int:
+        self._result = self._backend.embed(self._inputs)
+        return self.tokens
+
+    def drop(self, rows: object) -> None:
+        pass
+
+    def result(self) -> torch.Tensor:
+        assert self._result is not None
+        return self._result
+
 
 def _task(*inputs: EmbeddingInput, **fields: object) -> Embedding:
     return Embedding(
@@ -120,7 +152,9 @@ def test_a_runner_answers_the_tasks_waiting_in_its_pipe_in_one_batch() -> None:
     first, second = _task("ab"), _task("xyz", (1, 2))
     runner._handle(first)
     inbound_writer.send_bytes(second.model_dump_json().encode())  # still in the pipe
-    runner._run_embeddings()
+    runner._take_embeddings()
+    while runner._embedding_job is not None:
+        runner._run_embedding_piece()
     assert backend.calls == [[[97, 98], [120, 121, 122], [1, 2]]]  # one forward for both
     sent = []
     while outbound_reader.poll(0):

@@ -18,22 +18,37 @@ the longest (a causal model's states at real positions never see the padding aft
 Either way inputs run in sub-batches of at most `BATCH_TOKENS` padded tokens, longest first,
 so one long input does not pad many short ones (the lean step packs them unpadded, and the
 bound holds its scratch cache, one slot of the longest input's length per input).
+
+The runner runs that work a piece at a time (`DecoderWork`, the `EmbeddingWork` protocol)
+so that streams decoding on the same instance keep their pace: a piece is a group of
+whole inputs within the piece's token budget, or, for an input longer than the budget,
+its next chunk, prefilled over its own scratch cache as a generation's long prompt is
+(`lean_states.ChunkedInput`; transformers' forward runs such an input whole). A work run
+in pieces of no bound (`embed`, `score_pairs`) groups inputs exactly as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from exo.shared.types.models import EmbeddingPooling
-from exo.worker.engines.torch.embedding.lean_states import LeanFinalStates, lean_final_states
+from exo.worker.engines.torch.embedding.backend import run_to_end
+from exo.worker.engines.torch.embedding.lean_states import (
+    ChunkedInput,
+    LeanFinalStates,
+    lean_final_states,
+)
 
 # Padded tokens in one forward pass of an embedding batch: bounds its activations
 # (a [BATCH_TOKENS, hidden] float32 state per layer; the lean step's scratch keys and
 # values) while keeping short texts batched.
 BATCH_TOKENS = 8192
+# Reranked documents whose yes/no logits one LM-head call computes (`[rows, vocab]` float32).
+HEAD_ROWS = 64
 
 RERANK_SYSTEM = (
     "Judge whether the Document meets the requirements based on the Query and the "
@@ -98,25 +113,25 @@ class DecoderEmbeddingBackend:
                        for ids in encoded]  # fmt: skip
         return encoded
 
-    @torch.inference_mode()
+    def start_embedding(self, token_ids: Sequence[Sequence[int]]) -> DecoderWork:
+        """The pooling's work over `token_ids` (`DecoderWork`).
+
+        Raises:
+            ValueError: an empty input.
+        """
+        return DecoderWork(self, token_ids, self.pooling)
+
     def embed(self, token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
         """`[B, hidden]` float32 pooled final-norm states, not normalized.
 
         Raises:
             ValueError: an empty input.
         """
-        if any(len(ids) == 0 for ids in token_ids):
-            raise ValueError("an input has no tokens")
-        out = torch.empty(len(token_ids), self.dimensions, dtype=torch.float32)
-        for rows in _sub_batches(token_ids):
-            out[torch.tensor(rows)] = self._pooled([token_ids[row] for row in rows]).cpu()
-        return out
+        return run_to_end(self.start_embedding(token_ids))
 
-    @torch.inference_mode()
-    def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> torch.Tensor | None:
-        """`[B]` float32 P("yes") of each (query, document) under Qwen3-Reranker's prompt;
-        None when this model is no reranker. A document too long for the context is cut
-        (its end dropped) so the prompt's suffix still fits."""
+    def start_scoring(self, pairs: Sequence[tuple[str, str]]) -> DecoderWork | None:
+        """The work of `score_pairs` (last-token states, then the yes/no softmax), or None
+        when this model is no reranker."""
         if self._yes_no is None:
             return None
         prefix = self._tokenizer.encode(RERANK_PREFIX, add_special_tokens=False)
@@ -127,23 +142,46 @@ class DecoderEmbeddingBackend:
             body = f"<Instruct>: {RERANK_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
             ids = self._tokenizer.encode(body, add_special_tokens=False)[: max(room, 1)]
             rows.append([*prefix, *ids, *suffix])
-        scores = torch.empty(len(rows), dtype=torch.float32)
+        return DecoderWork(self, rows, "last", finish=self._yes_probability)
+
+    def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> torch.Tensor | None:
+        """`[B]` float32 P("yes") of each (query, document) under Qwen3-Reranker's prompt;
+        None when this model is no reranker. A document too long for the context is cut
+        (its end dropped) so the prompt's suffix still fits."""
+        work = self.start_scoring(pairs)
+        return None if work is None else run_to_end(work)
+
+    @torch.inference_mode()
+    def _yes_probability(self, last: torch.Tensor) -> torch.Tensor:
+        """`[b]` P("yes") from `[b, hidden]` float32 last-token final-norm states: the LM
+        head's "no" and "yes" logits, softmaxed (`HEAD_ROWS` rows at a time: a
+        `[rows, vocab]` logits matrix each)."""
+        assert self._yes_no is not None
         no, yes = self._yes_no
         head: Any = self._model.lm_head
         weight = getattr(head, "weight", None)
         head_dtype = weight.dtype if isinstance(weight, torch.Tensor) else None
-        for batch in _sub_batches(rows):
-            last = self._last_states([rows[row] for row in batch])  # [b, hidden]
+        scores = torch.empty(last.shape[0], dtype=torch.float32)
+        for start in range(0, last.shape[0], HEAD_ROWS):
+            rows = last[start : start + HEAD_ROWS].to(self._device)
             if head_dtype is not None and head_dtype.is_floating_point:
-                last = last.to(head_dtype)
-            logits = head(last.unsqueeze(1))[:, 0].float()  # [b, vocab]
+                rows = rows.to(head_dtype)
+            logits = head(rows.unsqueeze(1))[:, 0].float()  # [rows, vocab]
             pair = torch.stack([logits[:, no], logits[:, yes]], dim=-1)
-            scores[torch.tensor(batch)] = torch.softmax(pair, dim=-1)[:, 1].cpu()
+            scores[start : start + HEAD_ROWS] = torch.softmax(pair, dim=-1)[:, 1].cpu()
         return scores
 
-    def _pooled(self, token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+    def _chunked(self, token_ids: Sequence[int], pooling: EmbeddingPooling) -> ChunkedInput | None:
+        """One input to prefill in chunks, or None where inputs run whole (transformers'
+        forward)."""
+        return None if self._lean is None else self._lean.chunked(token_ids, pooling)
+
+    @torch.inference_mode()
+    def _pooled(
+        self, token_ids: Sequence[Sequence[int]], pooling: EmbeddingPooling
+    ) -> torch.Tensor:
         """`[b, hidden]` the pooling's vectors of one sub-batch (on the model's device)."""
-        if self.pooling == "last":
+        if pooling == "last":
             return self._last_states(token_ids).float()
         if self._lean is not None:
             residual, offsets = self._lean.residual(token_ids)
@@ -195,17 +233,95 @@ def _valid_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     return torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
 
 
-def _sub_batches(token_ids: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Row indices grouped longest first, each group's padded size within `BATCH_TOKENS`
-    (a longer single input runs alone)."""
-    order = sorted(range(len(token_ids)), key=lambda row: -len(token_ids[row]))
-    groups: list[list[int]] = []
-    for row in order:
-        if groups and len(token_ids[groups[-1][0]]) * (len(groups[-1]) + 1) <= BATCH_TOKENS:
-            groups[-1].append(row)
-        else:
-            groups.append([row])
-    return groups
+class DecoderWork:
+    """`EmbeddingWork` over a decoder: the inputs longest first, in groups of whole inputs
+    whose padded tokens stay within `BATCH_TOKENS` and the piece's budget, an input longer
+    than the budget prefilled in chunks (`lean_states.ChunkedInput`) where the backend runs
+    exo's forward.
+
+    Args:
+        backend: the model.
+        token_ids: the inputs (each non-empty).
+        pooling: "mean" or "last".
+        finish: applied to the `[rows, hidden]` pooled states by `result` (a reranker's
+            scores), None: they are the result.
+
+    Raises:
+        ValueError: an empty input.
+    """
+
+    def __init__(
+        self,
+        backend: DecoderEmbeddingBackend,
+        token_ids: Sequence[Sequence[int]],
+        pooling: EmbeddingPooling,
+        finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        if any(len(ids) == 0 for ids in token_ids):
+            raise ValueError("an input has no tokens")
+        self._backend = backend
+        self._inputs = [list(ids) for ids in token_ids]
+        self._pooling: EmbeddingPooling = pooling
+        self._finish = finish
+        self.rows = len(self._inputs)
+        self.tokens = sum(len(ids) for ids in self._inputs)
+        self._out = torch.zeros(self.rows, backend.dimensions, dtype=torch.float32)
+        # Rows not yet started, longest first (a stable sort: ties keep their order).
+        self._waiting = deque(sorted(range(self.rows), key=lambda row: -len(self._inputs[row])))
+        self._dropped: set[int] = set()
+        self._chunked: tuple[int, ChunkedInput] | None = None  # the input being chunked
+
+    @property
+    def done(self) -> bool:
+        return self._chunked is None and not self._waiting
+
+    def run_piece(self, budget: int | None) -> int:
+        """See `EmbeddingWork.run_piece`."""
+        if self._chunked is not None:
+            return self._advance_chunked(budget)
+        while self._waiting and self._waiting[0] in self._dropped:
+            self._waiting.popleft()
+        if not self._waiting:
+            return 0
+        longest = len(self._inputs[self._waiting[0]])
+        if budget is not None and longest > max(budget, 1):
+            row = self._waiting[0]
+            chunked = self._backend._chunked(self._inputs[row], self._pooling)
+            if chunked is not None:
+                self._waiting.popleft()
+                self._chunked = (row, chunked)
+                return self._advance_chunked(budget)
+        limit = BATCH_TOKENS if budget is None else max(min(budget, BATCH_TOKENS), 1)
+        group = [self._waiting.popleft()]
+        while self._waiting and longest * (len(group) + 1) <= limit:
+            row = self._waiting.popleft()
+            if row not in self._dropped:
+                group.append(row)
+        states = self._backend._pooled([self._inputs[row] for row in group], self._pooling)
+        self._out[torch.tensor(group)] = states.float().cpu()
+        return sum(len(self._inputs[row]) for row in group)
+
+    def _advance_chunked(self, budget: int | None) -> int:
+        assert self._chunked is not None
+        row, chunked = self._chunked
+        computed = chunked.advance(chunked.length if budget is None else budget)
+        if chunked.done:
+            self._out[row] = chunked.pooled().float().cpu()
+            self._chunked = None
+        return computed
+
+    def drop(self, rows: Iterable[int]) -> None:
+        """See `EmbeddingWork.drop`."""
+        self._dropped.update(rows)
+        if self._chunked is not None and self._chunked[0] in self._dropped:
+            self._chunked = None  # its scratch cache goes with it
+        self._waiting = deque(row for row in self._waiting if row not in self._dropped)
+
+    def result(self) -> torch.Tensor:
+        """See `EmbeddingWork.result`."""
+        if not self.done:
+            raise RuntimeError("the embedding work is not done")
+        return self._out if self._finish is None else self._finish(self._out)
 
 
 def _single_token(tokenizer: Any, text: str) -> int:

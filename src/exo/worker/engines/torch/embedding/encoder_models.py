@@ -11,13 +11,15 @@ only its dense CLS embedding is computed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from exo.chat_protocol.tokenizer_loading import load_tokenizer
+from exo.worker.engines.torch.embedding.backend import run_to_end
 from exo.worker.engines.torch.embedding.encoder import (
     ENCODER_MODEL_TYPES,
     ClassificationHead,
@@ -89,12 +91,9 @@ class EncoderEmbeddingModel:
         encoded = self.tokenizer(list(texts), add_special_tokens=True)["input_ids"]
         return [list(ids) for ids in encoded]
 
-    def _hidden_batches(
-        self,
-        token_ids: Sequence[Sequence[int]],
-        reduce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    ) -> torch.Tensor:
-        """`reduce(hidden, mask)` over length-sorted groups of inputs, in input order."""
+    def _check(self, token_ids: Sequence[Sequence[int]]) -> None:
+        """Raises ValueError: no inputs, an empty input, one over `max_input_tokens`, or a
+        token id outside the vocabulary (named by its index)."""
         if not token_ids:
             raise ValueError("no inputs")
         for index, ids in enumerate(token_ids):
@@ -108,19 +107,15 @@ class EncoderEmbeddingModel:
                 raise ValueError(
                     f"input {index} has a token id outside the vocabulary [0, {self._vocab_size})"
                 )
-        results: list[torch.Tensor] = [torch.empty(0)] * len(token_ids)
-        with torch.inference_mode():
-            for group in _length_groups([len(ids) for ids in token_ids]):
-                length = len(token_ids[group[-1]])
-                batch_ids = torch.zeros(len(group), length, dtype=torch.long)
-                mask = torch.zeros(len(group), length, dtype=torch.bool)
-                for row, i in enumerate(group):
-                    batch_ids[row, : len(token_ids[i])] = torch.tensor(list(token_ids[i]))
-                    mask[row, : len(token_ids[i])] = True
-                reduced = reduce(self._forward(batch_ids, mask), mask)
-                for row, i in enumerate(group):
-                    results[i] = reduced[row]
-        return torch.stack(results).float()
+
+    def start_embedding(self, token_ids: Sequence[Sequence[int]]) -> EncoderWork:
+        """`embed`'s work, one length group per piece (`EncoderWork`).
+
+        Raises:
+            ValueError: as `embed`.
+        """
+        self._check(token_ids)
+        return EncoderWork(self._forward, token_ids, self._head)
 
     def embed(self, token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
         """`[B, dimensions]` float32: pooled (and projected), not normalized.
@@ -129,7 +124,24 @@ class EncoderEmbeddingModel:
             ValueError: no inputs, an empty input, one over `max_input_tokens`, or a token id
                 outside the vocabulary (named by its index).
         """
-        return self._hidden_batches(token_ids, self._head)
+        return run_to_end(self.start_embedding(token_ids))
+
+    def start_scoring(self, pairs: Sequence[tuple[str, str]]) -> EncoderWork | None:
+        """`score_pairs`'s work (None when the model has no classification head)."""
+        if self._classifier is None:
+            return None
+        classifier = self._classifier
+        encoded: list[list[int]] = []
+        if pairs:
+            queries = [query for query, _ in pairs]
+            documents = [document for _, document in pairs]
+            encoded = self.tokenizer(
+                queries, documents, truncation=True, max_length=self.max_input_tokens
+            )["input_ids"]
+            self._check(encoded)
+        return EncoderWork(
+            self._forward, encoded, lambda hidden, _mask: classifier.logits(hidden), torch.sigmoid
+        )
 
     def score_pairs(self, pairs: Sequence[tuple[str, str]]) -> torch.Tensor | None:
         """`[B]` float32 relevance in (0, 1): the sigmoid of the classification head's one
@@ -140,18 +152,78 @@ class EncoderEmbeddingModel:
         and what Hugging Face TEI's `/rerank` returns unless `raw_scores` is asked, and it puts
         the scores on the 0..1 scale Jina's and Cohere's `relevance_score` use (and exo's
         Qwen3-Reranker scoring)."""
-        if self._classifier is None:
-            return None
-        if not pairs:
+        work = self.start_scoring(pairs)
+        return None if work is None else run_to_end(work)
+
+
+class EncoderWork:
+    """`EmbeddingWork` over an encoder: one length group (`_length_groups`) per piece,
+    whatever the budget (bidirectional attention: an input is never cut); `finish` maps the
+    stacked results (a reranker's sigmoid).
+
+    Args:
+        reduce: `(hidden [b, S, hidden], mask [b, S]) -> [b, ...]` per group (the sentence
+            head's pooling, a classifier's logit).
+    """
+
+    def __init__(
+        self,
+        forward: Forward,
+        token_ids: Sequence[Sequence[int]],
+        reduce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self._forward = forward
+        self._inputs = [list(ids) for ids in token_ids]
+        self._reduce = reduce
+        self._finish = finish
+        self.rows = len(self._inputs)
+        self.tokens = sum(len(ids) for ids in self._inputs)
+        self._groups = deque(_length_groups([len(ids) for ids in self._inputs]))
+        self._results: list[torch.Tensor | None] = [None] * self.rows
+        self._dropped: set[int] = set()
+
+    @property
+    def done(self) -> bool:
+        return not self._groups
+
+    def run_piece(self, budget: int | None) -> int:
+        """See `EmbeddingWork.run_piece` (`budget` is not read: one group per piece)."""
+        while self._groups:
+            group = [index for index in self._groups.popleft() if index not in self._dropped]
+            if group:
+                return self._run_group(group)
+        return 0
+
+    @torch.inference_mode()
+    def _run_group(self, group: list[int]) -> int:
+        length = len(self._inputs[group[-1]])
+        batch_ids = torch.zeros(len(group), length, dtype=torch.long)
+        mask = torch.zeros(len(group), length, dtype=torch.bool)
+        for row, index in enumerate(group):
+            ids = self._inputs[index]
+            batch_ids[row, : len(ids)] = torch.tensor(ids)
+            mask[row, : len(ids)] = True
+        reduced = self._reduce(self._forward(batch_ids, mask), mask)
+        for row, index in enumerate(group):
+            self._results[index] = reduced[row]
+        return sum(len(self._inputs[index]) for index in group)
+
+    def drop(self, rows: Iterable[int]) -> None:
+        """See `EmbeddingWork.drop`."""
+        self._dropped.update(rows)
+
+    def result(self) -> torch.Tensor:
+        """See `EmbeddingWork.result` (no rows: an empty tensor)."""
+        if not self.done:
+            raise RuntimeError("the embedding work is not done")
+        template = next((result for result in self._results if result is not None), None)
+        if template is None:  # no rows, or every row dropped
             return torch.empty(0)
-        classifier = self._classifier
-        queries = [query for query, _ in pairs]
-        documents = [document for _, document in pairs]
-        encoded = self.tokenizer(
-            queries, documents, truncation=True, max_length=self.max_input_tokens
-        )["input_ids"]
-        logits = self._hidden_batches(encoded, lambda hidden, _mask: classifier.logits(hidden))
-        return torch.sigmoid(logits)
+        stacked = torch.stack(
+            [torch.zeros_like(template) if result is None else result for result in self._results]
+        ).float()
+        return stacked if self._finish is None else self._finish(stacked)
 
 
 def _length_groups(lengths: Sequence[int]) -> list[list[int]]:

@@ -18,18 +18,24 @@ buffer pair serves every layer: a segment starting at position
 what layer `l` wrote (the memory is that of one layer, not of all of them). Keys and values
 stay float32 (attention in float32, as transformers' float32 forward computes it).
 
-An input is never cut into chunks (as a generation's long prompt is): a chunk after the
-first reads every earlier position's keys in every layer, which would need a cache of all
-layers. Whole, a long input's activations grow with it (the caller's `BATCH_TOKENS` bounds
-the rest), while its keys and values stay one layer's: at Qwen3-Embedding-0.6B's shape
-(28 layers, 8 KV heads of 128) a 32k-token input's all-layer float32 cache would be
-7.5 GB, more than its largest activation (the `[T, 2 x 3072]` gate/up product, 0.8 GB).
+A whole input's activations grow with it; so does the time the runner spends on it between
+two decode steps of running streams. An input longer than the runner's piece of work
+(`runner/embedding_batch.py`) is therefore prefilled in chunks, exactly as a generation's
+long prompt is (`ChunkedInput`): each chunk is one step of one `PrefillSegment` starting
+where the last one ended, over a scratch cache of its own that holds every layer's keys and
+values (a chunk after the first reads every earlier position's keys in every layer),
+float32, with the model's sliding windows (a windowed layer releases the positions its
+window no longer sees: `SlotKVCache.commit`). That cache is the price of chunking: per
+token `layers x 2 x kv_heads x head_dim x 4` bytes, less the released windowed positions
+(Gemma 3 270M: 36 KiB per token before the windows, 6 KiB after; Qwen3-Embedding-0.6B,
+no windows: 224 KiB, 7.3 GB for a 32k-token input); it is dropped when the input ends or
+is cancelled.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +60,8 @@ from exo.worker.engines.torch.model.families import (
 # `[inputs, longest, longest]` mask and padded rows stay small); longer ones, and a lone
 # input, segment by segment through the scratch cache (a handful per step).
 WHOLE_INPUTS_LONGEST = 512
+
+Pooling = Literal["mean", "last"]
 
 
 class LeanFinalStates:
@@ -81,12 +89,12 @@ class LeanFinalStates:
         device: torch.device,
     ) -> None:
         self._step = step
-        self._windows = tuple(windows)
+        self.windows = tuple(windows)
         self._kv_heads = kv_heads
         self._head_dim = head_dim
         self._latent_values = latent_values
         self._norm_weight, self._norm_eps = final_norm
-        self._device = device
+        self.device = device
 
     @torch.inference_mode()
     def residual(self, token_ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,16 +118,38 @@ class LeanFinalStates:
             for offset, length in zip(offsets[:-1].tolist(), lengths, strict=True)
         ]
         plan = BatchPlan(
-            cache=cache, windows=self._windows, decode_slots=[], decode_positions=[],
+            cache=cache, windows=self.windows, decode_slots=[], decode_positions=[],
             prefill=segments, layer_of={},
         )  # fmt: skip
         if len(lengths) > 1 and max(lengths) <= WHOLE_INPUTS_LONGEST:
-            plan.whole_inputs = WholeInputs.of_lengths(lengths, self._device)
-        plan.prepare(self._device)
+            plan.whole_inputs = WholeInputs.of_lengths(lengths, self.device)
+        plan.prepare(self.device)
         hidden = self._step(
-            plan, flat.to(self._device), None, positions.to(self._device), None
+            plan, flat.to(self.device), None, positions.to(self.device), None
         )  # [T, hidden] float32
         return hidden, offsets
+
+    def chunked(self, token_ids: Sequence[int], pooling: Pooling) -> ChunkedInput:
+        """One input to prefill chunk by chunk (`ChunkedInput`), pooled by `pooling`.
+
+        Raises:
+            ValueError: an empty input.
+        """
+        if not token_ids:
+            raise ValueError("an input has no tokens")
+        cache = SlotKVCache(
+            len(self.windows), self._kv_heads, self._head_dim, torch.float32, self.device,
+            1, self._latent_values, self.windows,
+        )  # fmt: skip
+        cache.reserve(len(token_ids))
+        return ChunkedInput(self, cache, list(token_ids), pooling)
+
+    def step(
+        self, plan: BatchPlan, token_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The lean step over a prepared plan (`[T]` ids and positions on the model's
+        device): `[T, hidden]` float32 residual rows after the last decoder layer."""
+        return self._step(plan, token_ids, None, positions, None)
 
     def norm(self, rows: torch.Tensor) -> torch.Tensor:
         """The final RMSNorm of `[N, hidden]` residual rows, float32."""
@@ -129,14 +159,84 @@ class LeanFinalStates:
         """A cache of one slot per input, `longest` positions, float32, whose one layer's
         buffers every layer shares (module docstring)."""
         cache = SlotKVCache(
-            1, self._kv_heads, self._head_dim, torch.float32, self._device, inputs,
+            1, self._kv_heads, self._head_dim, torch.float32, self.device, inputs,
             self._latent_values,
         )  # fmt: skip
         cache.reserve(longest)
-        layers = len(self._windows)
+        layers = len(self.windows)
         cache.keys = cache.keys * layers
         cache.values = cache.values * layers
         return cache
+
+
+class ChunkedInput:
+    """One input prefilled in chunks over its own all-layer scratch cache (module
+    docstring), pooled as the chunks go: "mean" sums the final norm's states, "last" keeps
+    the last position's. Build with `LeanFinalStates.chunked`; `advance` until `done`,
+    then read `pooled`. Dropping the object frees its cache.
+
+    The chunks' states equal those of the input run whole up to summation order (the same
+    kernels; a later chunk's attention splits its keys at the chunk's start,
+    `batch_attention.prefill_attention`), not bit for bit.
+    """
+
+    def __init__(
+        self, states: LeanFinalStates, cache: SlotKVCache, token_ids: list[int], pooling: Pooling
+    ) -> None:
+        self._states = states
+        self._cache = cache
+        self._slot = cache.allocate()
+        self._ids = torch.tensor(token_ids, dtype=torch.long)
+        self._pooling: Pooling = pooling
+        self.position = 0
+        """Tokens prefilled so far."""
+        self.length = len(token_ids)
+        self._pooled: torch.Tensor | None = None  # the sum of states so far, or the last one
+
+    @property
+    def done(self) -> bool:
+        return self.position >= self.length
+
+    @torch.inference_mode()
+    def advance(self, tokens: int) -> int:
+        """Prefill the next `tokens` (at least 1) positions, at most those left.
+
+        Returns:
+            The tokens prefilled (0 once `done`).
+        """
+        count = min(max(tokens, 1), self.length - self.position)
+        if count <= 0:
+            return 0
+        start, end = self.position, self.position + count
+        device = self._states.device
+        plan = BatchPlan(
+            cache=self._cache, windows=self._states.windows, decode_slots=[],
+            decode_positions=[], prefill=[PrefillSegment(self._slot, start, 0, count)],
+            layer_of={},
+        )  # fmt: skip
+        plan.prepare(device)
+        positions = torch.arange(start, end, dtype=torch.long)
+        residual = self._states.step(plan, self._ids[start:end].to(device), positions.to(device))
+        self._cache.commit(self._slot, end)
+        if self._pooling == "last":
+            if end == self.length:
+                self._pooled = self._states.norm(residual[-1:])[0]
+        else:
+            total = self._states.norm(residual).sum(dim=0)  # [hidden]
+            self._pooled = total if self._pooled is None else self._pooled + total
+        self.position = end
+        return count
+
+    def pooled(self) -> torch.Tensor:
+        """`[hidden]` float32 (on the model's device): the mean of the final norm's states
+        ("mean") or the last position's ("last").
+
+        Raises:
+            RuntimeError: the input is not fully prefilled.
+        """
+        if not self.done or self._pooled is None:
+            raise RuntimeError("the input is not fully prefilled")
+        return self._pooled / self.length if self._pooling == "mean" else self._pooled
 
 
 def lean_final_states(model: nn.Module, device: torch.device) -> LeanFinalStates | None:
