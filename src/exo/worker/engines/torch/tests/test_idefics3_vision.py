@@ -1,5 +1,5 @@
 """Idefics3 / SmolVLM images through the engine's real path (`model/idefics3_vision.py`,
-`chat_protocol/image_tokens.py`): a tiny random `Idefics3ForConditionalGeneration` saved by
+`chat_protocol/image_tokens/`): a tiny random `Idefics3ForConditionalGeneration` saved by
 transformers, loaded by `TorchEngine.load` (Llama text model on the direct forward, tower
 beside it), against transformers' own model fed by transformers' own processor (its image
 processor's pixel values and its prompt expansion), float32."""

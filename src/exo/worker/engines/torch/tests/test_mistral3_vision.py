@@ -1,5 +1,5 @@
 """Mistral 3 images (Pixtral's tower) through the engine's real path
-(`model/mistral3_vision.py`, `chat_protocol/image_tokens.py`): a tiny random
+(`model/mistral3_vision.py`, `chat_protocol/image_tokens/`): a tiny random
 `Mistral3ForConditionalGeneration` saved in the published layout (text under
 `language_model.`, tower and projector at the top), loaded by `TorchEngine.load` (Mistral
 text model on the direct forward, tower beside it), against transformers' own model fed by

@@ -1,5 +1,5 @@
 """Qwen2.5-VL images through the engine's real path (`model/qwen2_5_vl_vision.py`,
-`chat_protocol/image_tokens.py`, multimodal rotary positions in the batch and the direct
+`chat_protocol/image_tokens/`, multimodal rotary positions in the batch and the direct
 forward): a tiny random `Qwen2_5_VLForConditionalGeneration` saved in the published layout
 (flat config.json; text model as Qwen2's `model.`, tower under `visual.`, the head tied),
 loaded by `TorchEngine.load` (Qwen2 text model on the direct forward, tower beside it),
