@@ -8,8 +8,8 @@ height, which `ImageInput` carries).
 soft-token runs again, the choice of family by `config.json`'s `model_type`); one module
 per family holds its layout, with the facts it follows:
 `gemma3.py` (Gemma 3), `idefics3.py` (Idefics3 / SmolVLM, tiled), `pixtral.py` (Mistral 3,
-Pixtral's rows of merged patches), `qwen_vl.py` (Qwen2.5-VL, merged patches after a smart
-resize). Importing this package registers every family.
+Pixtral's rows of merged patches), `qwen_vl.py` (Qwen2.5-VL and Qwen3-VL, merged patches
+after a smart resize). Importing this package registers every family.
 
 The markers around the image tokens are tokenized as transformers tokenizes the processor's
 text: each piece on its own (special tokens split the text there anyway).
@@ -24,7 +24,11 @@ from exo.chat_protocol.image_tokens.idefics3 import (
     Idefics3Tiling,
 )
 from exo.chat_protocol.image_tokens.pixtral import PixtralImageTokens
-from exo.chat_protocol.image_tokens.qwen_vl import QWEN_VL_MAX_ASPECT, QwenVLImageTokens
+from exo.chat_protocol.image_tokens.qwen_vl import (
+    QWEN_VL_MAX_ASPECT,
+    Qwen3VLImageTokens,
+    QwenVLImageTokens,
+)
 
 __all__ = [
     "MAX_IMAGE_SIDE",
@@ -37,6 +41,7 @@ __all__ = [
     "ImageTokens",
     "OneTokenImages",
     "PixtralImageTokens",
+    "Qwen3VLImageTokens",
     "QwenVLImageTokens",
     "TokenSpan",
 ]

@@ -1,11 +1,14 @@
-"""Qwen2.5-VL's image tokens (`Qwen2_5_VLForConditionalGeneration`; facts from transformers'
-`Qwen2VLImageProcessor` `smart_resize` and `Qwen2VLProcessor`): the template writes
+"""Qwen2.5-VL's and Qwen3-VL's image tokens (`Qwen2_5_VLForConditionalGeneration`,
+`Qwen3VLForConditionalGeneration`; facts from transformers' `Qwen2VLImageProcessor`
+`smart_resize`, which both use, `Qwen2VLProcessor` and `Qwen3VLProcessor`, which expand an
+image alike): the template writes
 `<|vision_start|><|image_pad|><|vision_end|>`; the image is resized so each side is a
 multiple of `patch_size x merge_size` pixels (each side rounded to the nearest multiple,
 then the whole scaled down when the area passes `max_pixels`, or up when it is under
 `min_pixels`), and `<|image_pad|>` becomes one `<|image_pad|>` per merged patch. Causal
 attention; the text model places the image's tokens by row and column (multimodal rotary
-positions: `exo.worker.engines.torch.model.qwen2_5_vl_vision`)."""
+positions: `exo.worker.engines.torch.model.qwen2_5_vl_vision`). Qwen3-VL's patches are 16
+pixels where Qwen2.5-VL's are 14 (32- and 28-pixel merged patches), read from its config."""
 
 from __future__ import annotations
 
@@ -105,3 +108,11 @@ class QwenVLImageTokens(OneTokenImages):
     def sequence(self, size: ImageSize) -> list[int]:
         rows, cols = self.grid(size)
         return [self.image] * (rows * cols)
+
+
+@dataclass(frozen=True, slots=True)
+class Qwen3VLImageTokens(QwenVLImageTokens):
+    """Qwen3-VL's image tokens: Qwen2.5-VL's layout (its own class so the engine picks
+    Qwen3-VL's tower, whose rows also carry the deepstack features)."""
+
+    model_types: ClassVar[tuple[str, ...]] = ("qwen3_vl",)
