@@ -26,30 +26,24 @@ prefill, in float32.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from exo.chat_protocol.image_tokens import Qwen3VLImageTokens
-from exo.worker.engines.torch.model.qwen2_5_vl_vision import QwenVLPreprocessing
-from exo.worker.engines.torch.model.vision_parts import TowerImageEncoder, VisionTower
+from exo.worker.engines.torch.model.qwen2_5_vl_vision import (
+    QwenVLImageEncoder,
+    QwenVLVisionEncoder,
+)
 
 
-class Qwen3VLVisionEncoder(VisionTower):
+class Qwen3VLVisionEncoder(QwenVLVisionEncoder):
     """The Qwen3-VL vision tower with its mergers: patch rows to the rows that replace an
-    image's `<|image_pad|>` tokens, with their deepstack features.
+    image's `<|image_pad|>` tokens, with their deepstack features (Qwen2.5-VL's wrapper,
+    checkpoint names and inputs; another tower and output).
 
     Args:
         visual: transformers' `Qwen3VLVisionModel` (weights loaded or random).
     """
-
-    checkpoint_prefixes = ("visual.",)
-
-    def __init__(self, visual: torch.nn.Module) -> None:
-        super().__init__()
-        self.visual = visual
 
     @classmethod
     def from_config(cls, config: Any) -> Qwen3VLVisionEncoder:
@@ -68,27 +62,9 @@ class Qwen3VLVisionEncoder(VisionTower):
         return torch.cat([output.pooler_output, *output.deepstack_features], dim=-1).float()
 
 
-class Qwen3VLImageEncoder(TowerImageEncoder[Qwen3VLVisionEncoder, QwenVLPreprocessing]):
+class Qwen3VLImageEncoder(QwenVLImageEncoder):
     """A loaded Qwen3-VL model's images to their `<|image_pad|>` tokens' rows with their
-    deepstack features (`vision_input.ImageEncoder`)."""
+    deepstack features, `[merged patches, text hidden x (1 + deepstack layers)]` each
+    (`vision_input.ImageEncoder`; Qwen2.5-VL's preprocessing and loop over images)."""
 
     tower_class = Qwen3VLVisionEncoder
-
-    @classmethod
-    def preprocessing_of(
-        cls, model_dir: Path, config: Any, tokens: Qwen3VLImageTokens
-    ) -> QwenVLPreprocessing:
-        return QwenVLPreprocessing.of_model(model_dir, config, tokens)
-
-    def encode(self, images: Sequence[bytes]) -> list[torch.Tensor]:
-        """Each image file's `[merged patches, text hidden x (1 + deepstack layers)]` float32
-        rows (each image through the tower at its own size).
-
-        Raises:
-            ValueError: an undecodable image, or one too long for its width.
-        """
-        rows = []
-        for data in images:
-            patches, grid = self.preprocessing.patches(data)
-            rows.append(self.encoder(patches.to(self.device), grid))
-        return rows

@@ -8,29 +8,36 @@ grids; its `<|image_pad|>` expansion rebuilt from the grids), float32."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from transformers import AutoConfig, PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGeneration
+from transformers import PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGeneration
 
 from exo.chat_protocol.image_tokens import ImageTokens, QwenVLImageTokens
 from exo.shared.models.cards import card_from_local_directory
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import IMAGE_MARKER, TextGenerationTaskParams
 from exo.testing.vision_checkpoints import (
+    QWEN_VL_END,
+    QWEN_VL_IMAGE,
+    QWEN_VL_IMAGE_TEXT,
+    QWEN_VL_START,
+    QWEN_VL_VIDEO,
     TOLERANCE,
     assert_greedy_equals_reference,
+    assert_layout_and_patches_follow,
+    assert_positions_equal_rope_index,
     assert_same_tokens_and_logprobs,
-    image_input,
     image_params,
-    perturb_weights,
     png,
-    rgb_images,
-    save_renamed_tensors,
-    save_word_tokenizer,
+    qwen_vl_expected_ids,
+    qwen_vl_image_processor,
+    qwen_vl_processed,
+    qwen_vl_reference_logits,
+    save_qwen_vl_checkout,
+    save_qwen_vl_tokenizer,
     vision_engine,
 )
 from exo.worker.engines.torch.engine import TorchEngine
@@ -39,18 +46,8 @@ from exo.worker.engines.torch.model.qwen2_5_vl_vision import QwenVLPreprocessing
 STEPS = 6
 PATCH, MERGE = 8, 2  # merged patches of 16 pixels
 MIN_PIXELS, MAX_PIXELS = 32 * 32, 64 * 96
-SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-START_ID, END_ID, IMAGE_ID, VIDEO_ID = 43, 44, 45, 46  # after 41 words, <unk> and </s>
-IMAGE_TEXT = "<|vision_start|><|image_pad|><|vision_end|>"
-TEMPLATE = "{% for message in messages %}{{ message.content }} {% endfor %}"
-
-
-def _save_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
-    tokenizer = save_word_tokenizer(
-        directory, words=41, specials=SPECIALS, template=TEMPLATE, begin_token=False
-    )
-    tokenizer.image_token, tokenizer.video_token = "<|image_pad|>", "<|video_pad|>"
-    return tokenizer
+START_ID, END_ID, IMAGE_ID, VIDEO_ID = QWEN_VL_START, QWEN_VL_END, QWEN_VL_IMAGE, QWEN_VL_VIDEO
+IMAGE_TEXT = QWEN_VL_IMAGE_TEXT
 
 
 def _published_name(name: str) -> str | None:
@@ -66,13 +63,8 @@ def _published_name(name: str) -> str | None:
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
     """(the saved checkout, transformers' model, transformers' image processor)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
     directory = tmp_path_factory.mktemp("qwen2_5_vl")
-    tokenizer = _save_tokenizer(directory)
-    assert tokenizer.encode("<|image_pad|>", add_special_tokens=False) == [IMAGE_ID]
+    tokenizer = save_qwen_vl_tokenizer(directory)
     # The published config.json's layout (Qwen2.5-VL-3B-Instruct): text fields at the top,
     # `rope_scaling` with its mrope sections, the head tied to the embedding (no `lm_head`
     # tensor in the files).
@@ -93,45 +85,15 @@ def checkout(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
             "fullatt_block_indexes": [1], "tokens_per_second": 2,
         },
     }  # fmt: skip
-    (directory / "config.json").write_text(json.dumps(published))
-    torch.manual_seed(0)
-    reference = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(directory))
-    reference = reference.float().eval()
-    perturb_weights(reference)
-    with torch.no_grad():
-        reference.lm_head.weight[1] = 0.0  # "</s>" never wins: every test runs `STEPS`
-    assert reference.lm_head.weight is reference.model.get_input_embeddings().weight
-    save_renamed_tensors(reference, directory / "model.safetensors", _published_name)
-    processor = Qwen2VLImageProcessorPil(
-        patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2,
-        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-    )  # fmt: skip
-    processor.save_pretrained(directory)
+    processor = qwen_vl_image_processor(PATCH, MERGE, MIN_PIXELS, MAX_PIXELS)
+    reference = save_qwen_vl_checkout(
+        directory, published, Qwen2_5_VLForConditionalGeneration, _published_name, processor
+    )
     return directory, reference, processor
 
 
-def _processed(processor: Any, pictures: list[bytes]) -> Any:
-    return processor(images=rgb_images(pictures), return_tensors="pt")
-
-
 def _expected_ids(text_ids: list[int], grids: torch.Tensor) -> list[int]:
-    """The processor's expansion: each `<|image_pad|>` → one per merged patch."""
-    counts = iter((grids.prod(-1) // MERGE**2).tolist())
-    ids: list[int] = []
-    for token in text_ids:
-        ids += [IMAGE_ID] * next(counts) if token == IMAGE_ID else [token]
-    return ids
-
-
-def _reference_logits(reference: Any, ids: list[int], inputs: Any) -> torch.Tensor:
-    input_ids = torch.tensor([ids])
-    with torch.inference_mode():
-        output = reference(
-            input_ids=input_ids, pixel_values=inputs["pixel_values"],
-            image_grid_thw=inputs["image_grid_thw"],
-            mm_token_type_ids=(input_ids == IMAGE_ID).int(), use_cache=False,
-        )  # fmt: skip
-    return output.logits[0].float()
+    return qwen_vl_expected_ids(text_ids, grids, MERGE)
 
 
 def _params(engine: TorchEngine, content: str, pictures: list[bytes]) -> TextGenerationTaskParams:
@@ -148,13 +110,13 @@ def _check_against_transformers(
     pictures = [png(60, 40, seed=1), png(40, 100, seed=2)]
     params = _params(engine, f"w1 w2 {IMAGE_MARKER} w3 w4 {IMAGE_MARKER} w5", pictures)
     prompt_ids = engine.render_prompt(params).token_ids
-    inputs = _processed(processor, pictures)
+    inputs = qwen_vl_processed(processor, pictures)
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 8], [1, 12, 4]]
     text = f"w1 w2 {IMAGE_TEXT} w3 w4 {IMAGE_TEXT} w5 "
     assert prompt_ids == _expected_ids(engine.tokenizer.encode(text), inputs["image_grid_thw"])
     assert engine.count_prompt_tokens(params) == len(prompt_ids)
     assert_greedy_equals_reference(
-        engine, params, lambda ids: _reference_logits(reference, ids, inputs), monkeypatch
+        engine, params, lambda ids: qwen_vl_reference_logits(reference, ids, inputs), monkeypatch
     )
 
 
@@ -171,13 +133,15 @@ def test_two_images_equal_transformers(
     _check_against_transformers(engine, checkout, monkeypatch)
     # Without the images' features, or with 1-D positions, the last prompt row differs.
     pictures = [png(60, 40, seed=1), png(40, 100, seed=2)]
-    inputs = _processed(processor, pictures)
+    inputs = qwen_vl_processed(processor, pictures)
     ids = _expected_ids(
         engine.tokenizer.encode(f"w1 {IMAGE_TEXT} w2 {IMAGE_TEXT} w3"), inputs["image_grid_thw"]
     )
-    real = _reference_logits(reference, ids, inputs)[-1]
+    real = qwen_vl_reference_logits(reference, ids, inputs)[-1]
     blank = {**inputs, "pixel_values": torch.zeros_like(inputs["pixel_values"])}
-    assert (_reference_logits(reference, ids, blank)[-1] - real).abs().max() > 100 * TOLERANCE
+    assert (
+        qwen_vl_reference_logits(reference, ids, blank)[-1] - real
+    ).abs().max() > 100 * TOLERANCE
     with torch.inference_mode():
         flat = reference(
             input_ids=torch.tensor([ids]), pixel_values=inputs["pixel_values"],
@@ -228,20 +192,7 @@ def test_positions_equal_transformers_rope_index(checkout: tuple[Path, Any, Any]
     `get_rope_index` (images of several shapes, text between and after)."""
     directory, reference, processor = checkout
     engine = vision_engine(directory)
-    assert engine.images is not None
-    pictures = [png(60, 40, seed=1), png(40, 100, seed=2), png(200, 150, seed=4)]
-    inputs = _processed(processor, pictures)
-    content = f"w1 {IMAGE_MARKER}{IMAGE_MARKER} w2 w3 {IMAGE_MARKER} w4 w5 w6"
-    params = _params(engine, content, pictures)
-    ids = engine.render_prompt(params).token_ids
-    positions = engine.images.multimodal_positions(ids, [image_input(p) for p in pictures])
-    assert positions is not None
-    input_ids = torch.tensor([ids])
-    expected, deltas = reference.model.get_rope_index(
-        input_ids, (input_ids == IMAGE_ID).int(), image_grid_thw=inputs["image_grid_thw"]
-    )
-    assert torch.equal(positions.prompt, expected[:, 0])
-    assert positions.delta == int(deltas[0, 0])
+    ids, positions = assert_positions_equal_rope_index(engine, reference, processor, STEPS)
     assert torch.equal(positions.rows(len(ids) - 1, 3)[:, 1:], positions.rows(len(ids), 2))
 
 
@@ -254,15 +205,7 @@ def test_layout_and_patches_follow_the_processor(checkout: tuple[Path, Any, Any]
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"))
     tokens = ImageTokens.of_model(directory, tokenizer)
     assert isinstance(tokens, QwenVLImageTokens)
-    preprocessing = QwenVLPreprocessing(tokens)
-    for width, height in ((1, 1), (16, 16), (17, 33), (60, 40), (65, 64), (200, 41), (30, 500)):
-        picture = png(width, height, seed=3)
-        inputs = _processed(processor, [picture])
-        grid = inputs["image_grid_thw"][0]
-        assert len(tokens.sequence((width, height))) == int(grid.prod()) // MERGE**2
-        patches, exo_grid = preprocessing.patches(picture)
-        assert list(exo_grid) == grid.tolist(), (width, height)
-        assert (patches - inputs["pixel_values"]).abs().max().item() < 1e-5, (width, height)
+    assert_layout_and_patches_follow(tokens, QwenVLPreprocessing(tokens), processor, MERGE)
     with pytest.raises(ValueError, match="200 times"):
         tokens.sequence((2, 500))
 

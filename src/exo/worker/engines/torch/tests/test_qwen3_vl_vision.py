@@ -11,7 +11,6 @@ grids), float32, 16 greedy steps."""
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +21,23 @@ from transformers import AutoConfig, PreTrainedTokenizerFast, Qwen3VLForConditio
 from exo.chat_protocol.image_tokens import ImageTokens, Qwen3VLImageTokens
 from exo.shared.types.text_generation import IMAGE_MARKER
 from exo.testing.vision_checkpoints import (
+    QWEN_VL_END,
+    QWEN_VL_IMAGE,
+    QWEN_VL_IMAGE_TEXT,
+    QWEN_VL_START,
+    QWEN_VL_VIDEO,
     TOLERANCE,
     assert_greedy_equals_reference,
-    image_input,
+    assert_layout_and_patches_follow,
+    assert_positions_equal_rope_index,
     image_params,
-    perturb_weights,
     png,
-    rgb_images,
-    save_renamed_tensors,
-    save_word_tokenizer,
+    qwen_vl_expected_ids,
+    qwen_vl_image_processor,
+    qwen_vl_processed,
+    qwen_vl_reference_logits,
+    save_qwen_vl_checkout,
+    save_qwen_vl_tokenizer,
     vision_engine,
 )
 from exo.worker.engines.torch.model.qwen2_5_vl_vision import QwenVLPreprocessing
@@ -38,10 +45,8 @@ from exo.worker.engines.torch.model.qwen2_5_vl_vision import QwenVLPreprocessing
 STEPS = 16
 PATCH, MERGE = 8, 2  # merged patches of 16 pixels
 MIN_PIXELS, MAX_PIXELS = 32 * 32, 64 * 96
-SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-START_ID, END_ID, IMAGE_ID, VIDEO_ID = 43, 44, 45, 46  # after 41 words, <unk> and </s>
-IMAGE_TEXT = "<|vision_start|><|image_pad|><|vision_end|>"
-TEMPLATE = "{% for message in messages %}{{ message.content }} {% endfor %}"
+START_ID, END_ID, IMAGE_ID, VIDEO_ID = QWEN_VL_START, QWEN_VL_END, QWEN_VL_IMAGE, QWEN_VL_VIDEO
+IMAGE_TEXT = QWEN_VL_IMAGE_TEXT
 DEEPSTACK_LAYERS = (0, 1)  # tower blocks whose features go to text layers 0 and 1
 
 
@@ -54,15 +59,8 @@ def _published_name(name: str) -> str | None:
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
     """(the saved checkout, transformers' model, transformers' image processor)."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
     directory = tmp_path_factory.mktemp("qwen3_vl")
-    tokenizer = save_word_tokenizer(
-        directory, words=41, specials=SPECIALS, template=TEMPLATE, begin_token=False
-    )
-    assert tokenizer.encode("<|image_pad|>", add_special_tokens=False) == [IMAGE_ID]
+    tokenizer = save_qwen_vl_tokenizer(directory)
     # The published config.json's layout (Qwen3-VL-4B-Instruct, see the card's sources):
     # nested text and vision configs, `rope_scaling` with interleaved mrope sections, the
     # head tied to the embedding (no `lm_head` tensor in the files), deepstack layers.
@@ -90,50 +88,17 @@ def checkout(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
             "deepstack_visual_indexes": list(DEEPSTACK_LAYERS),
         },
     }  # fmt: skip
-    (directory / "config.json").write_text(json.dumps(published))
-    torch.manual_seed(0)
-    reference = Qwen3VLForConditionalGeneration(AutoConfig.from_pretrained(directory))
-    reference = reference.float().eval()
-    perturb_weights(reference)
-    with torch.no_grad():
-        reference.lm_head.weight[1] = 0.0  # "</s>" never wins: every test runs `STEPS`
-    assert reference.lm_head.weight is reference.model.get_input_embeddings().weight
-    save_renamed_tensors(reference, directory / "model.safetensors", _published_name)
-    processor = Qwen2VLImageProcessorPil(
-        patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2,
-        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
-    )  # fmt: skip
-    processor.save_pretrained(directory)
+    processor = qwen_vl_image_processor(
+        PATCH, MERGE, MIN_PIXELS, MAX_PIXELS, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]
+    )
+    reference = save_qwen_vl_checkout(
+        directory, published, Qwen3VLForConditionalGeneration, _published_name, processor
+    )
     return directory, reference, processor
 
 
-def _processed(processor: Any, pictures: list[bytes]) -> Any:
-    return processor(images=rgb_images(pictures), return_tensors="pt")
-
-
 def _expected_ids(text_ids: list[int], grids: torch.Tensor) -> list[int]:
-    """The processor's expansion: each `<|image_pad|>` → one per merged patch."""
-    counts = iter((grids.prod(-1) // MERGE**2).tolist())
-    ids: list[int] = []
-    for token in text_ids:
-        ids += [IMAGE_ID] * next(counts) if token == IMAGE_ID else [token]
-    return ids
-
-
-def _reference_logits(reference: Any, ids: list[int], inputs: Any | None) -> torch.Tensor:
-    """transformers' logits `[len(ids), vocab]` float32 over `ids`, with the processed
-    images of `inputs` (None: a text-only prompt)."""
-    input_ids = torch.tensor([ids])
-    images: dict[str, Any] = {}
-    if inputs is not None:
-        images = {
-            "pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"],
-            "mm_token_type_ids": (input_ids == IMAGE_ID).int(),
-        }  # fmt: skip
-    with torch.inference_mode():
-        output = reference(input_ids=input_ids, use_cache=False, **images)
-    return output.logits[0].float()
+    return qwen_vl_expected_ids(text_ids, grids, MERGE)
 
 
 def test_text_only_equals_transformers(
@@ -145,7 +110,7 @@ def test_text_only_equals_transformers(
     engine = vision_engine(directory)
     params = image_params(engine, "w1 w2 w3 w4 w5 w6", [], STEPS)
     assert_greedy_equals_reference(
-        engine, params, lambda ids: _reference_logits(reference, ids, None), monkeypatch
+        engine, params, lambda ids: qwen_vl_reference_logits(reference, ids, None), monkeypatch
     )
 
 
@@ -166,13 +131,13 @@ def test_two_images_equal_transformers(
     pictures = [png(60, 40, seed=1), png(40, 100, seed=2)]
     params = image_params(engine, f"w1 w2 {IMAGE_MARKER} w3 w4 {IMAGE_MARKER} w5", pictures, STEPS)
     prompt_ids = engine.render_prompt(params).token_ids
-    inputs = _processed(processor, pictures)
+    inputs = qwen_vl_processed(processor, pictures)
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 8], [1, 12, 4]]
     text = f"w1 w2 {IMAGE_TEXT} w3 w4 {IMAGE_TEXT} w5 "
     assert prompt_ids == _expected_ids(engine.tokenizer.encode(text), inputs["image_grid_thw"])
     assert engine.count_prompt_tokens(params) == len(prompt_ids)
     expected = assert_greedy_equals_reference(
-        engine, params, lambda ids: _reference_logits(reference, ids, inputs), monkeypatch
+        engine, params, lambda ids: qwen_vl_reference_logits(reference, ids, inputs), monkeypatch
     )
 
     shallow = copy.deepcopy(reference)
@@ -180,7 +145,7 @@ def test_two_images_equal_transformers(
         for merger in shallow.model.visual.deepstack_merger_list:
             merger.linear_fc2.weight.zero_()
             merger.linear_fc2.bias.zero_()
-    without = _reference_logits(shallow, prompt_ids, inputs)[-1]
+    without = qwen_vl_reference_logits(shallow, prompt_ids, inputs)[-1]
     assert (without - expected[0]).abs().max().item() > 100 * TOLERANCE
     with torch.inference_mode():
         flat = reference(
@@ -203,9 +168,9 @@ def test_chunked_prefill_equals_transformers(
     engine = vision_engine(directory)
     pictures = [png(60, 40, seed=3)]
     params = image_params(engine, f"w1 {IMAGE_MARKER} w2 w3", pictures, 4)
-    inputs = _processed(processor, pictures)
+    inputs = qwen_vl_processed(processor, pictures)
     assert_greedy_equals_reference(
-        engine, params, lambda ids: _reference_logits(reference, ids, inputs), monkeypatch
+        engine, params, lambda ids: qwen_vl_reference_logits(reference, ids, inputs), monkeypatch
     )
 
 
@@ -214,19 +179,7 @@ def test_positions_equal_transformers_rope_index(checkout: tuple[Path, Any, Any]
     `get_rope_index` for Qwen3-VL (images of several shapes, text between and after)."""
     directory, reference, processor = checkout
     engine = vision_engine(directory)
-    assert engine.images is not None
-    pictures = [png(60, 40, seed=1), png(40, 100, seed=2), png(200, 150, seed=4)]
-    inputs = _processed(processor, pictures)
-    content = f"w1 {IMAGE_MARKER}{IMAGE_MARKER} w2 w3 {IMAGE_MARKER} w4 w5 w6"
-    ids = engine.render_prompt(image_params(engine, content, pictures, STEPS)).token_ids
-    positions = engine.images.multimodal_positions(ids, [image_input(p) for p in pictures])
-    assert positions is not None
-    input_ids = torch.tensor([ids])
-    expected, deltas = reference.model.get_rope_index(
-        input_ids, (input_ids == IMAGE_ID).int(), image_grid_thw=inputs["image_grid_thw"]
-    )
-    assert torch.equal(positions.prompt, expected[:, 0])
-    assert positions.delta == int(deltas[0, 0])
+    assert_positions_equal_rope_index(engine, reference, processor, STEPS)
 
 
 def test_layout_and_patches_follow_the_processor(checkout: tuple[Path, Any, Any]) -> None:
@@ -240,14 +193,7 @@ def test_layout_and_patches_follow_the_processor(checkout: tuple[Path, Any, Any]
     config = AutoConfig.from_pretrained(directory)
     preprocessing = QwenVLPreprocessing.of_model(directory, config, tokens)
     assert preprocessing.pixels.mean == (0.5, 0.5, 0.5)
-    for width, height in ((1, 1), (17, 33), (60, 40), (200, 41), (30, 500)):
-        picture = png(width, height, seed=3)
-        inputs = _processed(processor, [picture])
-        grid = inputs["image_grid_thw"][0]
-        assert len(tokens.sequence((width, height))) == int(grid.prod()) // MERGE**2
-        patches, exo_grid = preprocessing.patches(picture)
-        assert list(exo_grid) == grid.tolist(), (width, height)
-        assert (patches - inputs["pixel_values"]).abs().max().item() < 1e-5, (width, height)
+    assert_layout_and_patches_follow(tokens, preprocessing, processor, MERGE)
 
 
 def test_text_model_interleaves_whatever_the_config_says(checkout: tuple[Path, Any, Any]) -> None:
