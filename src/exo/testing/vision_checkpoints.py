@@ -428,3 +428,78 @@ def assert_layout_and_patches_follow(
         patches, exo_grid = preprocessing.patches(picture)
         assert list(exo_grid) == grid.tolist(), (width, height)
         assert (patches - inputs["pixel_values"]).abs().max().item() < 1e-5, (width, height)
+
+
+def split_vision_rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    results: Any,
+    model_dir: str,
+    layers: Sequence[tuple[int, int]],
+    max_tokens: int,
+) -> None:
+    """A spawned rank of a pipeline over a vision checkout (`run_rank_processes`), rank
+    `rank` holding decoder layers `layers[rank]` `(start, end)`: rank 0 reports
+    `("rank 0", whether it keeps no tower, why it refuses an image (empty: it does not),
+    its `max_tokens` greedy tokens for "w1 w2 w3")`; every rank reports `("done", ...)` or
+    `("error", ..., traceback)`."""
+    import traceback
+
+    from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
+    from exo.worker.engines.torch.engine_factory import load_engine
+
+    torch.set_num_threads(1)
+    try:
+        init_group("gloo", rank, world_size, "127.0.0.1", port, timeout_s=60)
+        directory = Path(model_dir)
+        card = card_from_local_directory(directory).model_copy(
+            update={"capabilities": ("text", "vision")}
+        )
+        start, end = layers[rank]
+        shard = ShardMetadata(
+            sharding="pipeline", model_card=card, device_rank=rank, world_size=world_size,
+            start_layer=start, end_layer=end,
+        )  # fmt: skip
+        engine = load_engine(directory, shard, weight_dtype="float32")
+        if rank != 0:
+            engine.serve_forever()
+        else:
+            refusal = ""
+            try:
+                picture = png(60, 40, 1)
+                engine.render_prompt(
+                    image_params(engine, f"w1 {IMAGE_MARKER}", [picture], max_tokens)
+                )
+            except ValueError as error:
+                refusal = str(error)
+            text = image_params(engine, "w1 w2 w3", [], max_tokens)
+            tokens = [t for p in engine.generate(text) for t in p.token_ids]
+            results.put(("rank 0", engine.images is None, refusal, tokens))
+            engine.shutdown()
+        results.put(("done", "", rank, None))
+    except BaseException:
+        results.put(("error", "", rank, traceback.format_exc()))
+    finally:
+        destroy_group()
+
+
+def assert_split_pipeline_refuses_images(
+    directory: Path, layers: Sequence[tuple[int, int]], max_tokens: int, deadline_s: float
+) -> None:
+    """A pipeline of `len(layers)` spawned ranks over the checkout in `directory` whose
+    family places image tokens by multimodal rotary positions (which the ranks' steps do
+    not carry): rank 0 keeps no tower and refuses images (a ValueError: 400) saying why,
+    and text gives the single process's greedy tokens."""
+    from exo.testing.rank_processes import run_rank_processes
+
+    single = vision_engine(directory)
+    text = image_params(single, "w1 w2 w3", [], max_tokens)
+    expected = [t for p in single.generate(text) for t in p.token_ids]
+    reports = run_rank_processes(
+        split_vision_rank_main, (str(directory), layers, max_tokens), len(layers), deadline_s
+    )
+    [(_, no_tower, refusal, tokens)] = [report for report in reports if report[0] == "rank 0"]
+    assert no_tower
+    assert "multimodal rotary positions" in refusal
+    assert tokens == expected

@@ -16,8 +16,6 @@ import torch
 from transformers import PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGeneration
 
 from exo.chat_protocol.image_tokens import ImageTokens, QwenVLImageTokens
-from exo.shared.models.cards import card_from_local_directory
-from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import IMAGE_MARKER, TextGenerationTaskParams
 from exo.testing.vision_checkpoints import (
     QWEN_VL_END,
@@ -30,6 +28,7 @@ from exo.testing.vision_checkpoints import (
     assert_layout_and_patches_follow,
     assert_positions_equal_rope_index,
     assert_same_tokens_and_logprobs,
+    assert_split_pipeline_refuses_images,
     image_params,
     png,
     qwen_vl_expected_ids,
@@ -243,48 +242,6 @@ def test_prefix_cache_reuses_positions_after_an_image(
         assert_same_tokens_and_logprobs(pieces, list(vision_engine(directory).generate(request)))
 
 
-def _split_rank_main(rank: int, world_size: int, port: int, results: Any, model_dir: str) -> None:
-    """A spawned rank of a 2-rank pipeline over the checkout: rank 0 reports whether it
-    took the tower, why it refuses images, and its greedy text tokens."""
-    import traceback
-
-    from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
-    from exo.worker.engines.torch.engine_factory import load_engine
-    from exo.worker.engines.torch.tests.test_distributed import split_layers
-
-    torch.set_num_threads(1)
-    try:
-        init_group("gloo", rank, world_size, "127.0.0.1", port, timeout_s=60)
-        directory = Path(model_dir)
-        card = card_from_local_directory(directory).model_copy(
-            update={"capabilities": ("text", "vision")}
-        )
-        start, end = split_layers(card.n_layers, world_size)[rank]
-        shard = ShardMetadata(
-            sharding="pipeline", model_card=card, device_rank=rank, world_size=world_size,
-            start_layer=start, end_layer=end,
-        )  # fmt: skip
-        engine = load_engine(directory, shard, weight_dtype="float32")
-        if rank != 0:
-            engine.serve_forever()
-        else:
-            refusal = ""
-            try:
-                engine.render_prompt(_params(engine, f"w1 {IMAGE_MARKER}", [png(60, 40, 1)]))
-            except ValueError as error:
-                refusal = str(error)
-            tokens = [
-                t for p in engine.generate(_params(engine, "w1 w2 w3", [])) for t in p.token_ids
-            ]
-            results.put(("rank 0", engine.images is None, refusal, tokens))
-            engine.shutdown()
-        results.put(("done", "", rank, None))
-    except BaseException:
-        results.put(("error", "", rank, traceback.format_exc()))
-    finally:
-        destroy_group()
-
-
 @pytest.mark.slow  # two spawned ranks: ~25 s
 def test_a_split_instance_serves_text_and_refuses_images(
     checkout: tuple[Path, Any, Any],
@@ -292,14 +249,8 @@ def test_a_split_instance_serves_text_and_refuses_images(
     """A 2-rank pipeline: its ranks' steps carry 1-D positions only, so rank 0 keeps no
     tower and refuses images (a ValueError: 400) saying why; text gives the single
     process's greedy tokens."""
-    from exo.testing.rank_processes import run_rank_processes
-    from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S
+    from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S, split_layers
 
     directory = checkout[0]
-    single = vision_engine(directory)
-    expected = [t for p in single.generate(_params(single, "w1 w2 w3", [])) for t in p.token_ids]
-    reports = run_rank_processes(_split_rank_main, (str(directory),), 2, GROUP_DEADLINE_S)
-    [(_, no_tower, refusal, tokens)] = [report for report in reports if report[0] == "rank 0"]
-    assert no_tower
-    assert "multimodal rotary positions" in refusal
-    assert tokens == expected
+    layers = split_layers(vision_engine(directory).card.n_layers, 2)
+    assert_split_pipeline_refuses_images(directory, layers, STEPS, GROUP_DEADLINE_S)

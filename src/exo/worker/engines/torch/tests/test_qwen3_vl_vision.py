@@ -30,6 +30,7 @@ from exo.testing.vision_checkpoints import (
     assert_greedy_equals_reference,
     assert_layout_and_patches_follow,
     assert_positions_equal_rope_index,
+    assert_split_pipeline_refuses_images,
     image_params,
     png,
     qwen_vl_expected_ids,
@@ -207,3 +208,17 @@ def test_text_model_interleaves_whatever_the_config_says(checkout: tuple[Path, A
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert model.config.rope_parameters["mrope_interleaved"] is True
     assert model.config.rope_parameters["mrope_section"] == [3, 3, 2]
+
+
+@pytest.mark.slow  # two spawned ranks: ~25 s
+def test_a_split_instance_serves_text_and_refuses_images(
+    checkout: tuple[Path, Any, Any],
+) -> None:
+    """A 2-rank pipeline over the published layout (`model.language_model.` read by each
+    rank for its layers): its steps carry 1-D positions only, so rank 0 keeps no tower and
+    refuses images saying why; text gives the single process's greedy tokens."""
+    from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S, split_layers
+
+    directory = checkout[0]
+    layers = split_layers(vision_engine(directory).card.n_layers, 2)
+    assert_split_pipeline_refuses_images(directory, layers, STEPS, GROUP_DEADLINE_S)
