@@ -17,26 +17,28 @@ from transformers import PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGenera
 
 from exo.chat_protocol.image_tokens import ImageTokens, QwenVLImageTokens
 from exo.shared.types.text_generation import IMAGE_MARKER, TextGenerationTaskParams
-from exo.testing.vision_checkpoints import (
+from exo.testing.qwen_vl_checkpoints import (
     QWEN_VL_END,
     QWEN_VL_IMAGE,
     QWEN_VL_IMAGE_TEXT,
     QWEN_VL_START,
     QWEN_VL_VIDEO,
-    TOLERANCE,
-    assert_greedy_equals_reference,
     assert_layout_and_patches_follow,
     assert_positions_equal_rope_index,
-    assert_same_tokens_and_logprobs,
     assert_split_pipeline_refuses_images,
-    image_params,
-    png,
     qwen_vl_expected_ids,
     qwen_vl_image_processor,
     qwen_vl_processed,
     qwen_vl_reference_logits,
     save_qwen_vl_checkout,
     save_qwen_vl_tokenizer,
+)
+from exo.testing.vision_checkpoints import (
+    TOLERANCE,
+    assert_greedy_equals_reference,
+    assert_same_tokens_and_logprobs,
+    image_params,
+    png,
     vision_engine,
 )
 from exo.worker.engines.torch.engine import TorchEngine
