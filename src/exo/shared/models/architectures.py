@@ -17,6 +17,7 @@ ENGINE_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3ForCausalLM",
+    "Qwen3VLForConditionalGeneration",
     "MistralForCausalLM",
     "Mistral3ForConditionalGeneration",
     "Phi3ForCausalLM",
@@ -60,9 +61,15 @@ without the repository's code, so `POST /models/add` does not ask for
 `--trust-remote-code` for it."""
 
 
-TEXT_MODEL_TYPE_ALIASES: dict[str, str] = {"qwen2_5_vl_text": "qwen2"}
+TEXT_MODEL_TYPE_ALIASES: dict[str, str] = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
 """Text configs of multimodal checkpoints that transformers builds no causal LM for, read
 as the text model type they are: Qwen2.5-VL's text model is Qwen2's decoder (q/k/v
 biases, the same tensor names) whose rotary positions are multimodal (`mrope_section` in
 its `rope_parameters`, kept in the aliased config; the engine's direct forward applies
-them: `exo.worker.engines.torch.model.qwen2_5_vl_vision`)."""
+them: `exo.worker.engines.torch.model.qwen2_5_vl_vision`); Qwen3-VL's is Qwen3's decoder
+(per-head q/k norms), its multimodal rotary interleaved (`qwen3_vl_vision`)."""
+
+MROPE_INTERLEAVED_TEXT_MODEL_TYPES: frozenset[str] = frozenset({"qwen3_vl_text"})
+"""Aliased text model types whose multimodal rotary frequencies interleave the three
+position rows: transformers' Qwen3-VL always does, whatever `mrope_interleaved` its config
+says, so the aliased config says it (`rope_parameters["mrope_interleaved"]`)."""

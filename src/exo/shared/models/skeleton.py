@@ -24,12 +24,19 @@ def empty_model(config: PretrainedConfig) -> PreTrainedModel:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from exo.shared.models.architectures import TEXT_MODEL_TYPE_ALIASES
+    from exo.shared.models.architectures import (
+        MROPE_INTERLEAVED_TEXT_MODEL_TYPES,
+        TEXT_MODEL_TYPE_ALIASES,
+    )
 
     text_config = config.get_text_config()
-    alias = TEXT_MODEL_TYPE_ALIASES.get(str(getattr(text_config, "model_type", "")))
+    model_type = str(getattr(text_config, "model_type", ""))
+    alias = TEXT_MODEL_TYPE_ALIASES.get(model_type)
     if alias is not None:  # a multimodal text model transformers has no causal LM for
         fields = {k: v for k, v in text_config.to_dict().items() if k != "model_type"}
+        if model_type in MROPE_INTERLEAVED_TEXT_MODEL_TYPES:
+            rope = dict(fields.get("rope_parameters") or {})
+            fields["rope_parameters"] = {**rope, "mrope_interleaved": True}
         # Qwen2.5-VL's text config has no tying flag: the wrapper's config ties the head.
         fields.setdefault("tie_word_embeddings", bool(getattr(config, "tie_word_embeddings", 0)))
         text_config = AutoConfig.for_model(alias, **fields)

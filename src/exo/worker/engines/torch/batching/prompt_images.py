@@ -30,7 +30,9 @@ class PromptImage:
         start: prompt position of the image's first token (its first soft token; the
             begin/end-of-image tokens around it are ordinary text tokens).
         embeddings: `[length, hidden]` float32, the projected vision features that replace
-            the embeddings of positions `start .. start + length - 1`.
+            the embeddings of positions `start .. start + length - 1`; Qwen3-VL's are
+            `[length, hidden x (1 + deepstack layers)]`, the replacement followed by each
+            deepstack layer's addition (`model.qwen3_vl_vision`).
         sha256: hex digest of the image's file bytes (the prefix cache keys on it).
         bidirectional: the image's tokens attend to each other in both directions (Gemma
             3); False: causally, as text.

@@ -8,12 +8,14 @@ transformers model. One step, over the plan's flattened rows `[T]`:
 1. embed (the model's embedding module, which carries Gemma's `sqrt(hidden)` scale), the
    plan's `row_embeddings` (an image's projected vision features, unscaled as transformers'
    Gemma 3 merges them) replacing their rows; or take the previous pipeline rank's hidden
-   states;
+   states. Rows wider than the hidden size carry Qwen3-VL's deepstack features after the
+   embedding (`PromptImage.embeddings`): the k-th is added to those rows after decoder
+   layer k (such a step runs its layers one by one, never in exo's decode layer);
 2. rotary cos/sin once per step (the model's rotary module, once per rope kind; Gemma 3
    has a local one for sliding layers), as whole-head tables (`direct_forward_parts.rotary_tables`);
-   a step whose plan carries multimodal positions (Qwen2.5-VL prompts with images:
-   `BatchPlan.rotary_positions`) mixes the tables of its three position rows per frequency
-   section (`direct_forward_parts.multimodal_rotary_tables`);
+   a step whose plan carries multimodal positions (Qwen2.5-VL and Qwen3-VL prompts with
+   images: `BatchPlan.rotary_positions`) mixes the tables of its three position rows per
+   frequency section, or interleaved (`direct_forward_parts.multimodal_rotary_tables`);
 3. per decoder layer: RMSNorm (one `F.rms_norm` call, or exo's one-pass kernel where its
    int4 kernels run (`native_kernels`); Gemma's `1 + weight` folded into the weight at build
    time), ONE fused Q/K/V matmul, per-head q/k norms (Qwen3, Gemma 3) and
@@ -133,10 +135,12 @@ class LeanModel:
             LeanLayer(layer, family, self.bf16, rope, text_config)
             for layer, rope in zip(layers, ropes, strict=True)
         ]
-        # Qwen2.5-VL's frequencies per multimodal position row (None: 1-D rotary only).
+        # Qwen2.5-VL's / Qwen3-VL's frequencies per multimodal position row (None: 1-D
+        # rotary only); Qwen3-VL's interleave the rows (`mrope_interleaved`).
         rope_parameters = getattr(text_config, "rope_parameters", None) or {}
         sections = rope_parameters.get("mrope_section")
         self._mrope_section: list[int] | None = list(sections) if sections else None
+        self._mrope_interleaved = bool(rope_parameters.get("mrope_interleaved", False))
         self._rotary_cache: RotaryCache | None = None
         if static_rope(self._rotary, self._rope_kinds):
             self._rotary_cache = RotaryCache(self._computed_rotary_tables)
@@ -199,11 +203,11 @@ class LeanModel:
             if self._embedding is None:
                 raise RuntimeError("the token embedding is not on this pipeline rank")
             x = self._embedding(input_ids).float()
-            for row, embeddings in plan.row_embeddings:  # image tokens: vision features
-                x[row : row + embeddings.shape[0]] = embeddings
+            deepstack = self._place_image_rows(plan, x)
         else:
             assert hidden is not None
             x = hidden.float().clone()
+            deepstack = []
         cache_dtype = plan.cache.keys[0].dtype if plan.cache.keys else torch.float32
         # A bfloat16 cache only stores keys and values rounded: attention computes in float32.
         attention_dtype = torch.float32 if cache_dtype == torch.bfloat16 else cache_dtype
@@ -211,11 +215,18 @@ class LeanModel:
             tables = self._multimodal_tables(x, plan.rotary_positions, attention_dtype)
         else:
             tables = self._rotary_tables(x, position_ids, attention_dtype)
-        if attention_dtype == torch.float32 and self._native_step(plan, x.shape[0]):
+        if (
+            not deepstack
+            and attention_dtype == torch.float32
+            and self._native_step(plan, x.shape[0])
+        ):
             self._decode_layers(plan, x, tables)
         else:
             for index, layer in enumerate(self.layers):
                 self._layer(plan, index, layer, x, tables[layer.rope], attention_dtype)
+                for row, features in deepstack:  # Qwen3-VL: after layer k, feature k
+                    if index < features.shape[1]:
+                        x[row : row + features.shape[0]] += features[:, index]
         if logit_rows is None:
             return x
         assert self._head is not None and self._final_norm is not None
@@ -228,6 +239,29 @@ class LeanModel:
         if self._softcap is not None:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits
+
+    def _place_image_rows(self, plan: BatchPlan, x: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """The plan's image rows (`BatchPlan.row_embeddings`) written over their rows of
+        the embedded `x` `[T, hidden]`, in place.
+
+        Returns:
+            `(row, features [n, layers, hidden])` for the image rows that carry deepstack
+            features (rows `[n, hidden x (1 + layers)]`: Qwen3-VL), to add after the first
+            `layers` decoder layers.
+
+        Raises:
+            ValueError: image rows whose width is not a whole number of hidden sizes.
+        """
+        hidden = self._hidden_size
+        deepstack = []
+        for row, embeddings in plan.row_embeddings:  # image tokens: vision features
+            count, width = embeddings.shape
+            if width % hidden:
+                raise ValueError(f"image rows of width {width} for a hidden size of {hidden}")
+            x[row : row + count] = embeddings[:, :hidden]
+            if width > hidden:
+                deepstack.append((row, embeddings[:, hidden:].reshape(count, -1, hidden)))
+        return deepstack
 
     def _norm(self, rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of float32 rows `[T, hidden]` (exo's one-pass kernel where its int4
@@ -266,7 +300,11 @@ class LeanModel:
         positions = positions.to(x.device)
         per_row = [self._rotary_tables(x, positions[row], dtype) for row in range(3)]
         return [
-            multimodal_rotary_tables([tables[kind] for tables in per_row], self._mrope_section)
+            multimodal_rotary_tables(
+                [tables[kind] for tables in per_row],
+                self._mrope_section,
+                interleaved=self._mrope_interleaved,
+            )
             for kind in range(len(per_row[0]))
         ]
 

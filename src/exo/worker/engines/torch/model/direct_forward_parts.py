@@ -289,18 +289,25 @@ def rotary_tables(
 
 
 def multimodal_rotary_tables(
-    tables: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], sections: Sequence[int]
+    tables: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    sections: Sequence[int],
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One whole-head rotary table (`direct_forward_parts.rotary_tables`) for multimodal
     positions, from the tables of each of the three position rows (temporal, height,
-    width): a head's frequencies are cut into `sections` (`mrope_section`, summing to half
-    the rotary width) and the i-th section's values come from row `i % 3`'s table, in both
-    halves of the head (transformers' `Qwen2_5_VLRotaryEmbedding`). Values past the
-    rotary width (none for Qwen2.5-VL) are the temporal table's.
+    width), in both halves of the head alike:
+    - in sections (Qwen2.5-VL, transformers' `Qwen2_5_VLRotaryEmbedding`): a head's
+      frequencies are cut into `sections` (`mrope_section`, summing to half the rotary
+      width) and the i-th section's values come from row `i % 3`'s table;
+    - interleaved (Qwen3-VL, transformers' `Qwen3VLTextRotaryEmbedding`): frequency `f`
+      comes from the height row where `f % 3 == 1` and `f < 3 x sections[1]`, from the
+      width row where `f % 3 == 2` and `f < 3 x sections[2]`, else from the temporal row.
+    Values past the rotary width (none for either) are the temporal table's.
 
     Args:
         tables: three `(cos [T, 1, head_dim], sin [T, 1, head_dim], perm [head_dim])`.
-        sections: frequencies per section.
+        sections: frequencies per position row.
+        interleaved: Qwen3-VL's layout instead of sections.
 
     Returns:
         `(cos, sin, perm)` as one of `tables`.
@@ -315,11 +322,16 @@ def multimodal_rotary_tables(
     if 2 * half > head_dim:
         raise ValueError(f"mrope sections {list(sections)} are wider than half a {head_dim} head")
     source = torch.zeros(head_dim, dtype=torch.long)
-    first = 0
-    for index, width in enumerate(sections):
-        source[first : first + width] = index % 3
-        source[half + first : half + first + width] = index % 3
-        first += width
+    if interleaved:
+        for row in (1, 2):
+            source[row : min(3 * sections[row], half) : 3] = row
+        source[half : 2 * half] = source[:half]
+    else:
+        first = 0
+        for index, width in enumerate(sections):
+            source[first : first + width] = index % 3
+            source[half + first : half + first + width] = index % 3
+            first += width
     source = source.to(tables[0][0].device)
     cos = torch.stack([table[0] for table in tables])  # [3, T, 1, head_dim]
     sin = torch.stack([table[1] for table in tables])

@@ -22,27 +22,24 @@ prompt's prefill, in float32.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
-from torch import nn
 
 from exo.worker.engines.torch.model.vision_parts import (
+    PixelSettings,
+    TowerImageEncoder,
+    VisionTower,
     decode_rgb,
-    load_vision_tensors,
-    normalized_pixels,
+    preprocessor_settings,
 )
 
-# Gemma3ImageProcessor's defaults where a checkpoint has no preprocessor_config.json.
-DEFAULT_MEAN = (0.5, 0.5, 0.5)
-DEFAULT_STD = (0.5, 0.5, 0.5)
-DEFAULT_RESCALE = 1 / 255
-_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+DEFAULT_PIXELS = PixelSettings(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), resample=2)
+"""Gemma3ImageProcessor's defaults where a checkpoint has no preprocessor_config.json
+(bilinear)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,32 +48,23 @@ class ImagePreprocessing:
 
     Attributes:
         height / width: pixels after resizing.
-        mean / std: per RGB channel, applied after rescaling.
-        rescale: factor from 0..255 to the normalized range's input (1/255).
-        resample: Pillow's resampling filter number (2: bilinear).
+        pixels: resampling filter and normalization.
     """
 
     height: int
     width: int
-    mean: tuple[float, float, float] = DEFAULT_MEAN
-    std: tuple[float, float, float] = DEFAULT_STD
-    rescale: float = DEFAULT_RESCALE
-    resample: int = 2
+    pixels: PixelSettings = DEFAULT_PIXELS
 
     @classmethod
     def of_model(cls, model_dir: Path, image_size: int) -> ImagePreprocessing:
         """The checkpoint's preprocessing; `image_size` (the tower's) where its
         `preprocessor_config.json` is absent or names no size."""
-        path = model_dir / "preprocessor_config.json"
-        settings: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+        settings = preprocessor_settings(model_dir)
         size = settings.get("size") or {}
         return cls(
             height=int(size.get("height", image_size)),
             width=int(size.get("width", image_size)),
-            mean=tuple(settings.get("image_mean", DEFAULT_MEAN)),
-            std=tuple(settings.get("image_std", DEFAULT_STD)),
-            rescale=float(settings.get("rescale_factor", DEFAULT_RESCALE)),
-            resample=int(settings.get("resample", 2)),
+            pixels=DEFAULT_PIXELS.of_settings(settings),
         )
 
     def pixel_values(self, data: bytes) -> torch.Tensor:
@@ -86,11 +74,11 @@ class ImagePreprocessing:
         Raises:
             ValueError: bytes Pillow cannot decode.
         """
-        image = decode_rgb(data).resize((self.width, self.height), Image.Resampling(self.resample))
-        return normalized_pixels(image, self.rescale, self.mean, self.std)
+        image = self.pixels.resized(decode_rgb(data), (self.width, self.height))
+        return self.pixels.normalized(image)
 
 
-class Gemma3VisionEncoder(nn.Module):
+class Gemma3VisionEncoder(VisionTower):
     """The SigLIP tower and the multimodal projector: pixel values to the rows that replace
     an image's soft tokens.
 
@@ -99,7 +87,9 @@ class Gemma3VisionEncoder(nn.Module):
         vision_tower / projector: transformers' modules (weights loaded or random).
     """
 
-    def __init__(self, config: Any, vision_tower: nn.Module, projector: nn.Module) -> None:
+    checkpoint_prefixes = ("vision_tower.", "multi_modal_projector.")
+
+    def __init__(self, config: Any, vision_tower: torch.nn.Module, projector: torch.nn.Module):
         super().__init__()
         self.config = config
         self.vision_tower = vision_tower
@@ -114,18 +104,6 @@ class Gemma3VisionEncoder(nn.Module):
         tower = AutoModel.from_config(config.vision_config)
         return cls(config, tower, Gemma3MultiModalProjector(config)).float().eval()
 
-    @classmethod
-    def load(cls, model_dir: Path, config: Any) -> Gemma3VisionEncoder:
-        """The tower and projector of the checkpoint in `model_dir`, float32 (the published
-        bfloat16 weights widened: the tower is ~0.4B parameters, run once per image).
-
-        Raises:
-            ValueError: a tensor of the tower or projector missing from the checkpoint.
-        """
-        encoder = cls.from_config(config)
-        load_vision_tensors(encoder, model_dir, _PREFIXES)
-        return encoder
-
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """`pixel_values` `[n, 3, height, width]` → `[n, mm_tokens_per_image, text hidden]`
@@ -134,27 +112,14 @@ class Gemma3VisionEncoder(nn.Module):
         return self.multi_modal_projector(states).float()
 
 
-class Gemma3ImageEncoder:
-    """A loaded Gemma 3 model's images to their soft tokens' rows (`vision_input.ImageEncoder`).
+class Gemma3ImageEncoder(TowerImageEncoder[Gemma3VisionEncoder, ImagePreprocessing]):
+    """A loaded Gemma 3 model's images to their soft tokens' rows (`vision_input.ImageEncoder`)."""
 
-    Args:
-        encoder: the vision tower and projector.
-        preprocessing: pixel preparation.
-    """
-
-    def __init__(self, encoder: Gemma3VisionEncoder, preprocessing: ImagePreprocessing) -> None:
-        self.encoder = encoder
-        self.preprocessing = preprocessing
+    tower_class = Gemma3VisionEncoder
 
     @classmethod
-    def load(cls, model_dir: Path, config: Any, device: torch.device) -> Gemma3ImageEncoder:
-        """The tower of a `Gemma3ForConditionalGeneration` checkpoint, on `device`.
-
-        Raises:
-            ValueError: vision tensors missing from the checkpoint.
-        """
-        preprocessing = ImagePreprocessing.of_model(model_dir, int(config.vision_config.image_size))
-        return cls(Gemma3VisionEncoder.load(model_dir, config).to(device), preprocessing)
+    def preprocessing_of(cls, model_dir: Path, config: Any, tokens: Any) -> ImagePreprocessing:
+        return ImagePreprocessing.of_model(model_dir, int(config.vision_config.image_size))
 
     def encode(self, images: Sequence[bytes]) -> list[torch.Tensor]:
         """Each image file's `[mm_tokens_per_image, text hidden]` float32 rows (one batch
@@ -166,5 +131,4 @@ class Gemma3ImageEncoder:
         if not images:
             return []
         pixels = torch.stack([self.preprocessing.pixel_values(data) for data in images])
-        device = next(self.encoder.parameters()).device
-        return list(self.encoder(pixels.to(device)))  # [n, per_image, hidden]
+        return list(self.encoder(pixels.to(self.device)))  # [n, per_image, hidden]

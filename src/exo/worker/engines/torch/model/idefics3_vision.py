@@ -23,29 +23,24 @@ first rank, before the prompt's prefill, in float32.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
-from torch import nn
 
 from exo.chat_protocol.image_tokens import Idefics3Tiling
 from exo.worker.engines.torch.model.vision_parts import (
+    PixelSettings,
+    TowerImageEncoder,
+    VisionTower,
     decode_rgb,
-    load_vision_tensors,
-    normalized_pixels,
+    preprocessor_settings,
 )
 
-# Idefics3ImageProcessor's defaults where `preprocessor_config.json` names none.
-DEFAULT_MEAN = (0.5, 0.5, 0.5)
-DEFAULT_STD = (0.5, 0.5, 0.5)
-DEFAULT_RESCALE = 1 / 255
-DEFAULT_RESAMPLE = 1  # Pillow's Lanczos
-_PREFIXES = ("vision_model.", "connector.")
+DEFAULT_PIXELS = PixelSettings(mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), resample=1)
+"""Idefics3ImageProcessor's defaults where `preprocessor_config.json` names none (Lanczos)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,29 +49,20 @@ class Idefics3Preprocessing:
 
     Attributes:
         tiling: resizing and cutting (shared with the prompt's token layout).
-        mean / std: per RGB channel, applied after rescaling.
-        rescale: factor from 0..255 to the normalized range's input (1/255).
-        resample: Pillow's resampling filter number (1: Lanczos).
+        pixels: resampling filter and normalization.
     """
 
     tiling: Idefics3Tiling
-    mean: tuple[float, float, float] = DEFAULT_MEAN
-    std: tuple[float, float, float] = DEFAULT_STD
-    rescale: float = DEFAULT_RESCALE
-    resample: int = DEFAULT_RESAMPLE
+    pixels: PixelSettings = DEFAULT_PIXELS
 
     @classmethod
     def of_model(cls, model_dir: Path, image_size: int) -> Idefics3Preprocessing:
         """The checkpoint's preprocessing; the tower's `image_size` as the tile where its
         `preprocessor_config.json` is absent or names none."""
-        path = model_dir / "preprocessor_config.json"
-        settings: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+        settings = preprocessor_settings(model_dir)
         return cls(
             tiling=Idefics3Tiling.of_preprocessor(settings, image_size),
-            mean=tuple(settings.get("image_mean", DEFAULT_MEAN)),
-            std=tuple(settings.get("image_std", DEFAULT_STD)),
-            rescale=float(settings.get("rescale_factor", DEFAULT_RESCALE)),
-            resample=int(settings.get("resample", DEFAULT_RESAMPLE)),
+            pixels=DEFAULT_PIXELS.of_settings(settings),
         )
 
     def views(self, data: bytes) -> torch.Tensor:
@@ -87,14 +73,14 @@ class Idefics3Preprocessing:
             ValueError: bytes Pillow cannot decode.
         """
         image = decode_rgb(data)
-        tiling, resample = self.tiling, Image.Resampling(self.resample)
+        tiling, pixels = self.tiling, self.pixels
         tile = tiling.tile
         if tiling.longest_edge is not None:
-            image = image.resize(tiling.resized(image.size), resample)
+            image = pixels.resized(image, tiling.resized(image.size))
         if not tiling.split:
-            views = [image.resize((tile, tile), resample)]
+            views = [pixels.resized(image, (tile, tile))]
         else:
-            image = image.resize(tiling.tiled(image.size), resample)
+            image = pixels.resized(image, tiling.tiled(image.size))
             width, height = image.size
             if width <= tile and height <= tile:
                 views = [image]
@@ -104,13 +90,11 @@ class Idefics3Preprocessing:
                     for top in range(0, height, tile)
                     for left in range(0, width, tile)
                 ]
-                views.append(image.resize((tile, tile), resample))
-        return torch.stack(
-            [normalized_pixels(view, self.rescale, self.mean, self.std) for view in views]
-        )
+                views.append(pixels.resized(image, (tile, tile)))
+        return torch.stack([pixels.normalized(view) for view in views])
 
 
-class Idefics3VisionEncoder(nn.Module):
+class Idefics3VisionEncoder(VisionTower):
     """The vision tower and the connector: views to the rows that replace `<image>` tokens.
 
     Args:
@@ -118,7 +102,9 @@ class Idefics3VisionEncoder(nn.Module):
         vision_model / connector: transformers' modules (weights loaded or random).
     """
 
-    def __init__(self, config: Any, vision_model: nn.Module, connector: nn.Module) -> None:
+    checkpoint_prefixes = ("vision_model.", "connector.")
+
+    def __init__(self, config: Any, vision_model: torch.nn.Module, connector: torch.nn.Module):
         super().__init__()
         self.config = config
         self.vision_model = vision_model
@@ -132,23 +118,12 @@ class Idefics3VisionEncoder(nn.Module):
         from transformers.models.smolvlm import modeling_smolvlm
 
         if config.model_type == "smolvlm":
-            tower: nn.Module = modeling_smolvlm.SmolVLMVisionTransformer(config.vision_config)
-            connector: nn.Module = modeling_smolvlm.SmolVLMConnector(config)
+            tower: torch.nn.Module = modeling_smolvlm.SmolVLMVisionTransformer(config.vision_config)
+            connector: torch.nn.Module = modeling_smolvlm.SmolVLMConnector(config)
         else:
             tower = modeling_idefics3.Idefics3VisionTransformer(config.vision_config)
             connector = modeling_idefics3.Idefics3Connector(config)
         return cls(config, tower, connector).float().eval()
-
-    @classmethod
-    def load(cls, model_dir: Path, config: Any) -> Idefics3VisionEncoder:
-        """The tower and connector of the checkpoint in `model_dir`, float32.
-
-        Raises:
-            ValueError: a tensor of the tower or connector missing from the checkpoint.
-        """
-        encoder = cls.from_config(config)
-        load_vision_tensors(encoder, model_dir, _PREFIXES)
-        return encoder
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -165,29 +140,15 @@ class Idefics3VisionEncoder(nn.Module):
         return self.connector(states).float()
 
 
-class Idefics3ImageEncoder:
+class Idefics3ImageEncoder(TowerImageEncoder[Idefics3VisionEncoder, Idefics3Preprocessing]):
     """A loaded Idefics3 model's images to their `<image>` tokens' rows
-    (`vision_input.ImageEncoder`).
+    (`vision_input.ImageEncoder`)."""
 
-    Args:
-        encoder: the vision tower and connector.
-        preprocessing: tiling and pixel preparation.
-    """
-
-    def __init__(self, encoder: Idefics3VisionEncoder, preprocessing: Idefics3Preprocessing):
-        self.encoder = encoder
-        self.preprocessing = preprocessing
+    tower_class = Idefics3VisionEncoder
 
     @classmethod
-    def load(cls, model_dir: Path, config: Any, device: torch.device) -> Idefics3ImageEncoder:
-        """The tower of an `Idefics3ForConditionalGeneration` checkpoint, on `device`.
-
-        Raises:
-            ValueError: vision tensors missing from the checkpoint.
-        """
-        image_size = int(config.vision_config.image_size)
-        preprocessing = Idefics3Preprocessing.of_model(model_dir, image_size)
-        return cls(Idefics3VisionEncoder.load(model_dir, config).to(device), preprocessing)
+    def preprocessing_of(cls, model_dir: Path, config: Any, tokens: Any) -> Idefics3Preprocessing:
+        return Idefics3Preprocessing.of_model(model_dir, int(config.vision_config.image_size))
 
     def encode(self, images: Sequence[bytes]) -> list[torch.Tensor]:
         """Each image file's `[views * image_seq_len, text hidden]` float32 rows, its
@@ -200,7 +161,6 @@ class Idefics3ImageEncoder:
         if not images:
             return []
         views = [self.preprocessing.views(data) for data in images]
-        device = next(self.encoder.parameters()).device
-        rows = self.encoder(torch.cat(views).to(device))  # [views, image_seq_len, hidden]
+        rows = self.encoder(torch.cat(views).to(self.device))  # [views, image_seq_len, hidden]
         counts = [len(image_views) for image_views in views]
         return [part.reshape(-1, part.shape[-1]) for part in rows.split(counts)]

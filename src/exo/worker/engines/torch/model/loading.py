@@ -264,10 +264,16 @@ def _stored_head(model: PreTrainedModel, unlayered: list[PlannedTensor]) -> tupl
 
 
 def _plan_tied_lm_head(
-    model_dir: Path, prefix: str, model: PreTrainedModel, groups: dict[int | None, Any]
+    model_dir: Path,
+    prefix: str,
+    model: PreTrainedModel,
+    groups: dict[int | None, Any],
+    family: ModelFamily,
 ) -> None:
     """A last pipeline rank with a tied LM head needs the embedding tensor it does not keep
-    as an embedding (`_fill_tied_lm_head` reads it into the LM head)."""
+    as an embedding (`_fill_tied_lm_head` reads it into the LM head); its stored name is
+    matched as `_plan_tensors` matches names (`ModelFamily.checkpoint_renames` applied:
+    Qwen3-VL's `model.language_model.embed_tokens.weight`)."""
     embedding = getattr(model.model, "embed_tokens", None)
     if not isinstance(embedding, AbsentModule) or isinstance(model.lm_head, AbsentModule):
         return
@@ -276,9 +282,10 @@ def _plan_tied_lm_head(
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 repacked = split_repacked_name(name)
-                if name == wanted or (
-                    repacked is not None and not repacked.companion and repacked.base == wanted
-                ):
+                if repacked is not None and repacked.companion:
+                    continue
+                base = name if repacked is None else repacked.base
+                if family.model_tensor_name(base) == wanted:
                     groups[None].append((path, name, EMBEDDING))
                     return
 
@@ -367,7 +374,7 @@ def load_model(
     groups = _plan_tensors(model_dir, prefix, shard, _model_entries(model), family, fused)
     fp8 = Fp8Checkpoint.of(config, model_dir)  # FP8 block weights widen as they are read
     if getattr(text_config, "tie_word_embeddings", False):
-        _plan_tied_lm_head(model_dir, prefix, model, groups)
+        _plan_tied_lm_head(model_dir, prefix, model, groups, family)
     layers: Any = model.model.layers
     quantize = device.type == "cpu" and weight_dtype != "float32"
     if on_layer_loaded is not None:

@@ -22,29 +22,22 @@ prompt's prefill, in float32.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
-from torch import nn
 
 from exo.chat_protocol.image_tokens import PixtralImageTokens
 from exo.worker.engines.torch.model.vision_parts import (
+    CLIP_PIXELS,
+    PixelSettings,
+    TowerImageEncoder,
+    VisionTower,
     decode_rgb,
-    load_vision_tensors,
-    normalized_pixels,
+    preprocessor_settings,
 )
-
-# PixtralImageProcessor's defaults where `preprocessor_config.json` names none (CLIP's).
-DEFAULT_MEAN = (0.48145466, 0.4578275, 0.40821073)
-DEFAULT_STD = (0.26862954, 0.26130258, 0.27577711)
-DEFAULT_RESCALE = 1 / 255
-DEFAULT_RESAMPLE = 3  # Pillow's bicubic
-_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,30 +46,18 @@ class PixtralPreprocessing:
 
     Attributes:
         tokens: the image token layout (its grid sizes the image).
-        mean / std: per RGB channel, applied after rescaling.
-        rescale: factor from 0..255 to the normalized range's input (1/255).
-        resample: Pillow's resampling filter number (3: bicubic).
+        pixels: resampling filter and normalization (PixtralImageProcessor's defaults:
+            CLIP's, bicubic).
     """
 
     tokens: PixtralImageTokens
-    mean: tuple[float, float, float] = DEFAULT_MEAN
-    std: tuple[float, float, float] = DEFAULT_STD
-    rescale: float = DEFAULT_RESCALE
-    resample: int = DEFAULT_RESAMPLE
+    pixels: PixelSettings = CLIP_PIXELS
 
     @classmethod
     def of_model(cls, model_dir: Path, tokens: PixtralImageTokens) -> PixtralPreprocessing:
         """The checkpoint's preprocessing (defaults where `preprocessor_config.json` is
         absent or names none)."""
-        path = model_dir / "preprocessor_config.json"
-        settings: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
-        return cls(
-            tokens=tokens,
-            mean=tuple(settings.get("image_mean", DEFAULT_MEAN)),
-            std=tuple(settings.get("image_std", DEFAULT_STD)),
-            rescale=float(settings.get("rescale_factor", DEFAULT_RESCALE)),
-            resample=int(settings.get("resample", DEFAULT_RESAMPLE)),
-        )
+        return cls(tokens=tokens, pixels=CLIP_PIXELS.of_settings(preprocessor_settings(model_dir)))
 
     def pixel_values(self, data: bytes) -> torch.Tensor:
         """One image file's pixels `[3, rows x merged patch, cols x merged patch]` float32.
@@ -89,11 +70,11 @@ class PixtralPreprocessing:
         if rows < 1 or cols < 1:
             raise ValueError(f"an image of {image.width}x{image.height} pixels is too thin")
         side = self.tokens.patch
-        image = image.resize((cols * side, rows * side), Image.Resampling(self.resample))
-        return normalized_pixels(image, self.rescale, self.mean, self.std)
+        image = self.pixels.resized(image, (cols * side, rows * side))
+        return self.pixels.normalized(image)
 
 
-class Mistral3VisionEncoder(nn.Module):
+class Mistral3VisionEncoder(VisionTower):
     """The Pixtral tower and the multimodal projector: pixels to the rows that replace an
     image's `[IMG]` tokens.
 
@@ -102,7 +83,9 @@ class Mistral3VisionEncoder(nn.Module):
         vision_tower / projector: transformers' modules (weights loaded or random).
     """
 
-    def __init__(self, config: Any, vision_tower: nn.Module, projector: nn.Module) -> None:
+    checkpoint_prefixes = ("vision_tower.", "multi_modal_projector.")
+
+    def __init__(self, config: Any, vision_tower: torch.nn.Module, projector: torch.nn.Module):
         super().__init__()
         self.config = config
         self.vision_tower = vision_tower
@@ -116,18 +99,6 @@ class Mistral3VisionEncoder(nn.Module):
 
         tower = PixtralVisionModel(config.vision_config)
         return cls(config, tower, Mistral3MultiModalProjector(config)).float().eval()
-
-    @classmethod
-    def load(cls, model_dir: Path, config: Any) -> Mistral3VisionEncoder:
-        """The tower and projector of the checkpoint in `model_dir`, float32 (the
-        published bfloat16 weights widened).
-
-        Raises:
-            ValueError: a tensor of the tower or projector missing from the checkpoint.
-        """
-        encoder = cls.from_config(config)
-        load_vision_tensors(encoder, model_dir, _PREFIXES)
-        return encoder
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -143,30 +114,17 @@ class Mistral3VisionEncoder(nn.Module):
         return self.multi_modal_projector(states.squeeze(0), size).float()
 
 
-class Mistral3ImageEncoder:
+class Mistral3ImageEncoder(TowerImageEncoder[Mistral3VisionEncoder, PixtralPreprocessing]):
     """A loaded Mistral 3 model's images to their `[IMG]` tokens' rows
-    (`vision_input.ImageEncoder`).
+    (`vision_input.ImageEncoder`)."""
 
-    Args:
-        encoder: the vision tower and projector.
-        preprocessing: pixel preparation.
-    """
-
-    def __init__(self, encoder: Mistral3VisionEncoder, preprocessing: PixtralPreprocessing):
-        self.encoder = encoder
-        self.preprocessing = preprocessing
+    tower_class = Mistral3VisionEncoder
 
     @classmethod
-    def load(
-        cls, model_dir: Path, config: Any, tokens: PixtralImageTokens, device: torch.device
-    ) -> Mistral3ImageEncoder:
-        """The tower of a `Mistral3ForConditionalGeneration` checkpoint, on `device`.
-
-        Raises:
-            ValueError: vision tensors missing from the checkpoint.
-        """
-        preprocessing = PixtralPreprocessing.of_model(model_dir, tokens)
-        return cls(Mistral3VisionEncoder.load(model_dir, config).to(device), preprocessing)
+    def preprocessing_of(
+        cls, model_dir: Path, config: Any, tokens: PixtralImageTokens
+    ) -> PixtralPreprocessing:
+        return PixtralPreprocessing.of_model(model_dir, tokens)
 
     def encode(self, images: Sequence[bytes]) -> list[torch.Tensor]:
         """Each image file's `[merged patches, text hidden]` float32 rows (each image
@@ -176,5 +134,4 @@ class Mistral3ImageEncoder:
             ValueError: an undecodable or too thin image.
         """
         pixels = [self.preprocessing.pixel_values(data) for data in images]
-        device = next(self.encoder.parameters()).device
-        return [self.encoder(image.to(device)) for image in pixels]
+        return [self.encoder(image.to(self.device)) for image in pixels]

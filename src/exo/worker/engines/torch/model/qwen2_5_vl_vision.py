@@ -24,31 +24,25 @@ once per request, on the first rank, before the prompt's prefill, in float32.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
-from torch import nn
 
 from exo.chat_protocol.image_tokens import QwenVLImageTokens
 from exo.worker.engines.torch.batching.prompt_images import MultimodalPositions
 from exo.worker.engines.torch.model.vision_parts import (
+    CLIP_PIXELS,
+    PixelSettings,
+    TowerImageEncoder,
+    VisionTower,
     decode_rgb,
-    load_vision_tensors,
-    normalized_pixels,
+    preprocessor_settings,
 )
 
-# Qwen2VLImageProcessor's defaults where `preprocessor_config.json` names none (CLIP's).
-DEFAULT_MEAN = (0.48145466, 0.4578275, 0.40821073)
-DEFAULT_STD = (0.26862954, 0.26130258, 0.27577711)
-DEFAULT_RESCALE = 1 / 255
-DEFAULT_RESAMPLE = 3  # Pillow's bicubic
 DEFAULT_TEMPORAL_PATCH = 2
-_PREFIXES = ("visual.",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,17 +51,13 @@ class QwenVLPreprocessing:
 
     Attributes:
         tokens: the image token layout (its resize sizes the image).
-        mean / std: per RGB channel, applied after rescaling.
-        rescale: factor from 0..255 to the normalized range's input (1/255).
-        resample: Pillow's resampling filter number (3: bicubic).
+        pixels: resampling filter and normalization (Qwen2VLImageProcessor's defaults:
+            CLIP's, bicubic).
         temporal_patch: frames per patch (`temporal_patch_size`; a still image repeated).
     """
 
     tokens: QwenVLImageTokens
-    mean: tuple[float, float, float] = DEFAULT_MEAN
-    std: tuple[float, float, float] = DEFAULT_STD
-    rescale: float = DEFAULT_RESCALE
-    resample: int = DEFAULT_RESAMPLE
+    pixels: PixelSettings = CLIP_PIXELS
     temporal_patch: int = DEFAULT_TEMPORAL_PATCH
 
     @classmethod
@@ -76,15 +66,11 @@ class QwenVLPreprocessing:
     ) -> QwenVLPreprocessing:
         """The checkpoint's preprocessing (defaults where `preprocessor_config.json` is
         absent or names none)."""
-        path = model_dir / "preprocessor_config.json"
-        settings: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+        settings = preprocessor_settings(model_dir)
         temporal = getattr(config.vision_config, "temporal_patch_size", DEFAULT_TEMPORAL_PATCH)
         return cls(
             tokens=tokens,
-            mean=tuple(settings.get("image_mean", DEFAULT_MEAN)),
-            std=tuple(settings.get("image_std", DEFAULT_STD)),
-            rescale=float(settings.get("rescale_factor", DEFAULT_RESCALE)),
-            resample=int(settings.get("resample", DEFAULT_RESAMPLE)),
+            pixels=CLIP_PIXELS.of_settings(settings),
             temporal_patch=int(settings.get("temporal_patch_size", temporal)),
         )
 
@@ -97,8 +83,7 @@ class QwenVLPreprocessing:
         """
         image = decode_rgb(data)
         width, height = self.tokens.resized(image.size)
-        image = image.resize((width, height), Image.Resampling(self.resample))
-        pixels = normalized_pixels(image, self.rescale, self.mean, self.std)
+        pixels = self.pixels.normalized(self.pixels.resized(image, (width, height)))
         side, merge, frames = self.tokens.patch, self.tokens.merge, self.temporal_patch
         rows, cols = height // side, width // side
         grid = pixels.view(3, rows // merge, merge, side, cols // merge, merge, side)
@@ -108,7 +93,7 @@ class QwenVLPreprocessing:
         return grid.reshape(rows * cols, 3 * frames * side * side), (1, rows, cols)
 
 
-class QwenVLVisionEncoder(nn.Module):
+class QwenVLVisionEncoder(VisionTower):
     """The Qwen2.5-VL vision tower with its merger: patch rows to the rows that replace an
     image's `<|image_pad|>` tokens.
 
@@ -117,7 +102,9 @@ class QwenVLVisionEncoder(nn.Module):
             or random).
     """
 
-    def __init__(self, visual: nn.Module) -> None:
+    checkpoint_prefixes = ("visual.",)
+
+    def __init__(self, visual: torch.nn.Module) -> None:
         super().__init__()
         self.visual = visual
 
@@ -131,18 +118,6 @@ class QwenVLVisionEncoder(nn.Module):
         visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config)
         return cls(visual).float().eval()
 
-    @classmethod
-    def load(cls, model_dir: Path, config: Any) -> QwenVLVisionEncoder:
-        """The tower of the checkpoint in `model_dir`, float32 (the published bfloat16
-        weights widened).
-
-        Raises:
-            ValueError: a tensor of the tower missing from the checkpoint.
-        """
-        encoder = cls.from_config(config)
-        load_vision_tensors(encoder, model_dir, _PREFIXES)
-        return encoder
-
     @torch.inference_mode()
     def forward(self, patches: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """One image's `patches` (`QwenVLPreprocessing.patches`) and grid →
@@ -152,30 +127,17 @@ class QwenVLVisionEncoder(nn.Module):
         return output.pooler_output.float()
 
 
-class QwenVLImageEncoder:
+class QwenVLImageEncoder(TowerImageEncoder[QwenVLVisionEncoder, QwenVLPreprocessing]):
     """A loaded Qwen2.5-VL model's images to their `<|image_pad|>` tokens' rows
-    (`vision_input.ImageEncoder`).
+    (`vision_input.ImageEncoder`)."""
 
-    Args:
-        encoder: the vision tower and merger.
-        preprocessing: pixel preparation.
-    """
-
-    def __init__(self, encoder: QwenVLVisionEncoder, preprocessing: QwenVLPreprocessing):
-        self.encoder = encoder
-        self.preprocessing = preprocessing
+    tower_class = QwenVLVisionEncoder
 
     @classmethod
-    def load(
-        cls, model_dir: Path, config: Any, tokens: QwenVLImageTokens, device: torch.device
-    ) -> QwenVLImageEncoder:
-        """The tower of a `Qwen2_5_VLForConditionalGeneration` checkpoint, on `device`.
-
-        Raises:
-            ValueError: vision tensors missing from the checkpoint.
-        """
-        preprocessing = QwenVLPreprocessing.of_model(model_dir, config, tokens)
-        return cls(QwenVLVisionEncoder.load(model_dir, config).to(device), preprocessing)
+    def preprocessing_of(
+        cls, model_dir: Path, config: Any, tokens: QwenVLImageTokens
+    ) -> QwenVLPreprocessing:
+        return QwenVLPreprocessing.of_model(model_dir, config, tokens)
 
     def encode(self, images: Sequence[bytes]) -> list[torch.Tensor]:
         """Each image file's `[merged patches, text hidden]` float32 rows (each image
@@ -184,11 +146,10 @@ class QwenVLImageEncoder:
         Raises:
             ValueError: an undecodable image, or one too long for its width.
         """
-        device = next(self.encoder.parameters()).device
         rows = []
         for data in images:
             patches, grid = self.preprocessing.patches(data)
-            rows.append(self.encoder(patches.to(device), grid))
+            rows.append(self.encoder(patches.to(self.device), grid))
         return rows
 
 

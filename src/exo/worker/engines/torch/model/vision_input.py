@@ -3,11 +3,13 @@ shared with the API node's token counts) and a tower that turns a request's imag
 rows that replace their soft tokens (`ImageEncoder`), chosen by the checkpoint's config.
 
 Families: Gemma 3 (`gemma3_vision.py`), Idefics3 / SmolVLM (`idefics3_vision.py`),
-Mistral 3 with Pixtral's tower (`mistral3_vision.py`) and Qwen2.5-VL
-(`qwen2_5_vl_vision.py`, whose prompts also carry multimodal rotary positions:
-`multimodal_positions`). Adding
-one: its `ImageTokens` subclass (`exo.chat_protocol.image_tokens`), an encoder here, and a
-case in `VisionInput.of_model`.
+Mistral 3 with Pixtral's tower (`mistral3_vision.py`), Qwen2.5-VL (`qwen2_5_vl_vision.py`,
+whose prompts also carry multimodal rotary positions: `multimodal_positions`) and Qwen3-VL
+(`qwen3_vl_vision.py`: the same positions, and deepstack features beside each image row's
+embedding). Adding
+one: its `ImageTokens` subclass (a module of `exo.chat_protocol.image_tokens`), its tower
+and encoder (`vision_parts.VisionTower`, `vision_parts.TowerImageEncoder`), and an entry in
+`ENCODERS`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from exo.chat_protocol.image_tokens import (
     Idefics3ImageTokens,
     ImageTokens,
     PixtralImageTokens,
+    Qwen3VLImageTokens,
     QwenVLImageTokens,
 )
 from exo.shared.types.text_generation import ImageInput
@@ -32,6 +35,8 @@ from exo.worker.engines.torch.model.gemma3_vision import Gemma3ImageEncoder
 from exo.worker.engines.torch.model.idefics3_vision import Idefics3ImageEncoder
 from exo.worker.engines.torch.model.mistral3_vision import Mistral3ImageEncoder
 from exo.worker.engines.torch.model.qwen2_5_vl_vision import QwenVLImageEncoder, prompt_positions
+from exo.worker.engines.torch.model.qwen3_vl_vision import Qwen3VLImageEncoder
+from exo.worker.engines.torch.model.vision_parts import TowerImageEncoder
 
 
 class ImageEncoder(Protocol):
@@ -45,6 +50,16 @@ class ImageEncoder(Protocol):
             ValueError: an undecodable image.
         """
         ...
+
+
+ENCODERS: dict[type[ImageTokens], type[TowerImageEncoder[Any, Any]]] = {
+    Gemma3ImageTokens: Gemma3ImageEncoder,
+    Idefics3ImageTokens: Idefics3ImageEncoder,
+    PixtralImageTokens: Mistral3ImageEncoder,
+    QwenVLImageTokens: QwenVLImageEncoder,
+    Qwen3VLImageTokens: Qwen3VLImageEncoder,
+}
+"""Each family's image encoder, by its `ImageTokens` class."""
 
 
 class VisionInput:
@@ -73,20 +88,11 @@ class VisionInput:
         path = model_dir / "preprocessor_config.json"
         preprocessor = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
         tokens = ImageTokens.of_config(config, tokenizer, preprocessor)
+        encoder_class = None if tokens is None else ENCODERS.get(type(tokens))
+        if tokens is None or encoder_class is None:
+            return None
         device = device or torch.device("cpu")
-        encoder: ImageEncoder
-        match tokens:
-            case Gemma3ImageTokens():
-                encoder = Gemma3ImageEncoder.load(model_dir, config, device)
-            case Idefics3ImageTokens():
-                encoder = Idefics3ImageEncoder.load(model_dir, config, device)
-            case PixtralImageTokens():
-                encoder = Mistral3ImageEncoder.load(model_dir, config, tokens, device)
-            case QwenVLImageTokens():
-                encoder = QwenVLImageEncoder.load(model_dir, config, tokens, device)
-            case _:
-                return None
-        return cls(tokens, encoder)
+        return cls(tokens, encoder_class.load(model_dir, config, tokens, device))
 
     def prompt_images(
         self, token_ids: Sequence[int], images: Sequence[ImageInput]
@@ -121,7 +127,7 @@ class VisionInput:
     @property
     def multimodal_rotary(self) -> bool:
         """Whether the text model places image tokens by multimodal rotary positions
-        (Qwen2.5-VL): a prompt with images then needs `multimodal_positions`."""
+        (Qwen2.5-VL, Qwen3-VL): a prompt with images then needs `multimodal_positions`."""
         return isinstance(self.tokens, QwenVLImageTokens)
 
     def multimodal_positions(

@@ -14,35 +14,32 @@ from __future__ import annotations
 
 import traceback
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import torch
-from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 
 from exo.shared.models.cards import card_from_local_directory
 from exo.shared.types.common import ModelId
 from exo.shared.types.shards import Sharding, ShardMetadata
 from exo.shared.types.text_generation import IMAGE_MARKER, ChatMessage, TextGenerationTaskParams
 from exo.testing.rank_processes import run_rank_processes
+from exo.testing.vision_checkpoints import (
+    GEMMA3_BEGIN,
+    GEMMA3_SOFT,
+    image_input,
+    png,
+    save_gemma3_checkout,
+    tiny_gemma3_vision,
+)
 from exo.worker.engines.torch.batching.batch_attention import PrefillSegment
 from exo.worker.engines.torch.engine import TorchEngine
-from exo.worker.engines.torch.model.gemma3_vision import Gemma3VisionEncoder
 from exo.worker.engines.torch.parallel.rank_steps import (
     STEP,
     StepHeader,
     split_micro_batches,
 )
 from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S, split_layers
-from exo.worker.engines.torch.tests.test_gemma3_vision import (
-    BEGIN,
-    END,
-    SOFT,
-    VOCAB,
-    _image_input,
-    _png,
-    _save_checkout,
-)
 
 # Split and single runs compare token for token: float32 KV (`float32_kv`).
 pytestmark = pytest.mark.usefixtures("float32_kv")
@@ -117,31 +114,8 @@ def test_micro_batches_keep_each_segments_images() -> None:
 def _checkout(directory: Path) -> Path:
     """A tiny Gemma 3 vision checkout (as `test_gemma3_vision`: 4 text layers, a 2-layer
     SigLIP tower, 4 tokens per image, a random projection so images move the logits)."""
-    torch.manual_seed(0)
-    config = Gemma3Config(
-        text_config={
-            "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
-            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 16, "sliding_window": 24, "max_position_embeddings": 512,
-            "layer_types": ["sliding_attention", "full_attention"] * 2,
-        },
-        vision_config={
-            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "image_size": 32, "patch_size": 8,
-        },
-        mm_tokens_per_image=4, boi_token_index=BEGIN, eoi_token_index=END,
-        image_token_index=SOFT,
-    )  # fmt: skip
-    reference = Gemma3ForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        reference.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.5)
-    text = Gemma3ForCausalLM(cast(Any, config.text_config)).float().eval()
-    text.model.load_state_dict(reference.model.language_model.state_dict())
-    text.lm_head.weight = text.model.embed_tokens.weight
-    encoder = Gemma3VisionEncoder(
-        config, reference.model.vision_tower, reference.model.multi_modal_projector
-    )
-    return _save_checkout(directory, text, encoder)
+    _, text, encoder = tiny_gemma3_vision()
+    return save_gemma3_checkout(directory, text, encoder)
 
 
 def _shard(model_dir: Path, mode: str, rank: int, world_size: int) -> ShardMetadata:
@@ -159,7 +133,7 @@ def _shard(model_dir: Path, mode: str, rank: int, world_size: int) -> ShardMetad
 
 
 def _message(text: str, pictures: tuple[tuple[int, int, int], ...]) -> ChatMessage:
-    images = tuple(_image_input(_png(width, height, seed)) for width, height, seed in pictures)
+    images = tuple(image_input(png(width, height, seed)) for width, height, seed in pictures)
     return ChatMessage(role="user", content=text, images=images)
 
 
@@ -221,7 +195,7 @@ def scenarios(engine: TorchEngine) -> dict[str, list[Outcome]]:
     engine.clear_prefix_cache()
     first = _params((_first_turn(),))
     prompt_ids = engine.render_prompt(first).token_ids
-    image_starts = [i for i in range(1, len(prompt_ids)) if prompt_ids[i - 1] == BEGIN]
+    image_starts = [i for i in range(1, len(prompt_ids)) if prompt_ids[i - 1] == GEMMA3_BEGIN]
     outcomes: dict[str, list[Outcome]] = {"two images": [_generate(engine, first)]}
     # A conversation's second turn: its prefix (both images included) from the cache.
     second = _params(
@@ -291,7 +265,7 @@ def single_outcomes(vision_dir: Path) -> dict[str, list[Outcome]]:
     assert engine.images is not None
     outcomes = scenarios(engine)
     prompt_ids = engine.render_prompt(_params((_first_turn(),))).token_ids
-    last_image_end = max(i for i, token in enumerate(prompt_ids) if token == SOFT) + 1
+    last_image_end = max(i for i, token in enumerate(prompt_ids) if token == GEMMA3_SOFT) + 1
     [(first_tokens, _, _)] = outcomes["two images"]
     [(_, _, cached)] = outcomes["second turn"]
     assert cached > last_image_end

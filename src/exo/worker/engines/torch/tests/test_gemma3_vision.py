@@ -6,26 +6,27 @@ forward over the same pixel values (exo's own preprocessing feeds both)."""
 from __future__ import annotations
 
 import hashlib
-import io
-import json
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import torch
-from PIL import Image
-from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 
 from exo.chat_protocol.image_tokens import Gemma3ImageTokens
-from exo.shared.models.cards import card_from_local_directory
 from exo.shared.models.memory import kv_geometry_of_config
-from exo.shared.types.common import ModelId
-from exo.shared.types.shards import ShardMetadata
-from exo.shared.types.text_generation import (
-    IMAGE_MARKER,
-    ChatMessage,
-    ImageInput,
-    TextGenerationTaskParams,
+from exo.shared.types.text_generation import IMAGE_MARKER
+from exo.testing.vision_checkpoints import (
+    GEMMA3_BEGIN,
+    GEMMA3_END,
+    GEMMA3_NEWLINES,
+    GEMMA3_SOFT,
+    TOLERANCE,
+    RecordingChooser,
+    image_params,
+    png,
+    save_gemma3_checkout,
+    tiny_gemma3_vision,
+    vision_engine,
 )
 from exo.worker.engines.torch.batching.batch_attention import (
     attention_layers,
@@ -37,58 +38,20 @@ from exo.worker.engines.torch.batching.request_state import RequestState
 from exo.worker.engines.torch.batching.scheduler import BatchScheduler
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.decoding.detokenizer import StreamingDetokenizer
-from exo.worker.engines.torch.decoding.sampling import Sampler, TokenChooser
-from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
 from exo.worker.engines.torch.decoding.stop_sequences import StopSequenceMatcher
-from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.model.direct_forward import enable_lean_forward
 from exo.worker.engines.torch.model.families import family_by_name
 from exo.worker.engines.torch.model.gemma3_vision import Gemma3VisionEncoder, ImagePreprocessing
 
-TOLERANCE = 1e-4  # float32 logits, as the other families' lean-forward tests
-VOCAB = 300
-BEGIN, END, SOFT, NEWLINES = 290, 291, 292, (108,)
+BEGIN, END, SOFT, NEWLINES = GEMMA3_BEGIN, GEMMA3_END, GEMMA3_SOFT, GEMMA3_NEWLINES
 STEPS = 16
-
-
-def _png(width: int, height: int, seed: int) -> bytes:
-    generator = torch.Generator().manual_seed(seed)
-    pixels = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=generator)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels.numpy()).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 @pytest.fixture(scope="module")
 def models() -> tuple[Any, Any, Gemma3VisionEncoder]:
     """(transformers' multimodal model, exo's text model with the direct forward, encoder)."""
-    torch.manual_seed(0)
-    config = Gemma3Config(
-        text_config={
-            "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
-            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 16, "sliding_window": 24, "max_position_embeddings": 512,
-            "layer_types": ["sliding_attention", "full_attention"] * 2,
-        },
-        vision_config={
-            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "image_size": 32, "patch_size": 8,
-        },
-        mm_tokens_per_image=4, boi_token_index=BEGIN, eoi_token_index=END,
-        image_token_index=SOFT,
-    )  # fmt: skip
-    reference = Gemma3ForConditionalGeneration(config).float().eval()
-    # transformers starts the projection at zero: random, so images move the logits.
-    with torch.no_grad():
-        reference.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.5)
-    text = Gemma3ForCausalLM(cast(Any, config.text_config)).float().eval()
-    text.model.load_state_dict(reference.model.language_model.state_dict())
-    text.lm_head.weight = text.model.embed_tokens.weight
-    encoder = Gemma3VisionEncoder(
-        config, reference.model.vision_tower, reference.model.multi_modal_projector
-    )
-    family = family_by_name("gemma3")
-    assert enable_lean_forward(text, family) is not None
+    reference, text, encoder = tiny_gemma3_vision()
+    assert enable_lean_forward(text, family_by_name("gemma3")) is not None
     return reference, text, encoder
 
 
@@ -113,7 +76,7 @@ def _request(prompt: list[int], images: tuple[PromptImage, ...], name: str) -> R
         request_id=name,
         prompt_ids=prompt,
         max_new_tokens=STEPS,
-        chooser=_RecordingChooser(),
+        chooser=RecordingChooser(),
         top_logprobs=None,
         detokenizer=StreamingDetokenizer(lambda ids: "", prompt),
         stop_matcher=StopSequenceMatcher(()),
@@ -139,18 +102,6 @@ def _prompt(
         for start, rows, picture in zip(starts, embeddings, pictures, strict=True)
     )
     return ids, images, pixels
-
-
-class _RecordingChooser(TokenChooser):
-    """Greedy, keeping every row of logits it chose from."""
-
-    def __init__(self) -> None:
-        super().__init__(Sampler(SamplingParams()))
-        self.rows: list[torch.Tensor] = []
-
-    def choose(self, logits: Any) -> int:
-        self.rows.append(logits.detach().clone().reshape(-1))
-        return super().choose(logits)
 
 
 def _run(scheduler: BatchScheduler, requests: list[RequestState]) -> list[list[torch.Tensor]]:
@@ -180,7 +131,7 @@ def test_two_images_equal_transformers(models: tuple[Any, Any, Gemma3VisionEncod
     steps: every step's logits within `TOLERANCE` of transformers' (teacher-forced on exo's
     tokens, one forward over prompt and reply) and usage counting the image tokens."""
     reference, text, encoder = models
-    pictures = [_png(40, 24, seed=1), _png(17, 50, seed=2)]
+    pictures = [png(40, 24, seed=1), png(17, 50, seed=2)]
     ids, images, pixels = _prompt(encoder, pictures)
     request = _request(ids, images, "two-images")
     [rows] = _run(_scheduler(text), [request])
@@ -202,7 +153,7 @@ def test_chunked_prefill_equals_unchunked(
 ) -> None:
     """Prefill in chunks smaller than an image (never ending inside one) = one chunk."""
     _, text, encoder = models
-    pictures = [_png(40, 24, seed=1), _png(17, 50, seed=2)]
+    pictures = [png(40, 24, seed=1), png(17, 50, seed=2)]
     ids, images, _ = _prompt(encoder, pictures)
     [whole] = _run(_scheduler(text), [_request(ids, images, "whole")])
     import exo.worker.engines.torch.batching.scheduler as scheduler_module
@@ -217,9 +168,9 @@ def test_prefix_cache_keys_on_image_bytes(models: tuple[Any, Any, Gemma3VisionEn
     image token; the same image again shares the whole prompt but its last token."""
     _, text, encoder = models
     scheduler = _scheduler(text)
-    ids, images, _ = _prompt(encoder, [_png(40, 24, seed=1), _png(17, 50, seed=2)])
+    ids, images, _ = _prompt(encoder, [png(40, 24, seed=1), png(17, 50, seed=2)])
     _run(scheduler, [_request(ids, images, "first")])
-    other_ids, other_images, _ = _prompt(encoder, [_png(40, 24, seed=3), _png(17, 50, seed=2)])
+    other_ids, other_images, _ = _prompt(encoder, [png(40, 24, seed=3), png(17, 50, seed=2)])
     assert other_ids == ids
     other = _request(other_ids, other_images, "other")
     [other_rows] = _run(scheduler, [other])
@@ -231,54 +182,6 @@ def test_prefix_cache_keys_on_image_bytes(models: tuple[Any, Any, Gemma3VisionEn
     assert again.cached_tokens > images[-1].end
 
 
-def _save_checkout(directory: Path, text: Any, encoder: Gemma3VisionEncoder) -> Path:
-    """A Gemma 3 4B-style checkout of the tiny model: text tensors under `language_model.`,
-    the tower's and projector's at the top, a word-level tokenizer whose image tokens have
-    the config's ids, and a template writing each message's content."""
-    from safetensors.torch import save_file
-    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import WordLevel
-
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        f"language_model.{name}": tensor.detach().clone().contiguous()
-        for name, tensor in text.state_dict().items()
-        if name != "lm_head.weight"  # tied
-    }
-    tensors.update(
-        {
-            name: tensor.detach().clone().contiguous()
-            for name, tensor in encoder.state_dict().items()
-        }
-    )
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    config = encoder.config.to_dict()
-    config["architectures"] = ["Gemma3ForConditionalGeneration"]
-    config["text_config"].update({"bos_token_id": 1, "eos_token_id": 2})
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    specials = {"<start_of_image>": BEGIN, "<end_of_image>": END, "<image_soft_token>": SOFT}
-    vocabulary = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(61)}}
-    tokenizer = Tokenizer(WordLevel({**vocabulary, **specials}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in specials])
-    tokenizer.save(str(directory / "tokenizer.json"))
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"}
-    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    template = "<s>{% for message in messages %}{{ message.content }} {% endfor %}"
-    (directory / "chat_template.jinja").write_text(template)
-    return directory
-
-
-def _image_input(data: bytes) -> ImageInput:
-    with Image.open(io.BytesIO(data)) as image:
-        width, height = image.size
-    return ImageInput(
-        data=data, media_type="image/png", width=width, height=height,
-        sha256=hashlib.sha256(data).hexdigest(),
-    )  # fmt: skip
-
-
 def test_engine_loads_the_tower_and_renders_image_markers(
     models: tuple[Any, Any, Gemma3VisionEncoder], tmp_path: Path, float32_kv: None
 ) -> None:
@@ -286,25 +189,12 @@ def test_engine_loads_the_tower_and_renders_image_markers(
     the tower from the checkpoint, turns each `IMAGE_MARKER` into the image's tokens,
     counts them in usage and the token count, and generates transformers' greedy tokens."""
     reference, text, encoder = models
-    directory = _save_checkout(tmp_path / "gemma3-vision", text, encoder)
-    card = card_from_local_directory(directory).model_copy(
-        update={"capabilities": ("text", "vision")}
-    )
-    shard = ShardMetadata(
-        sharding="pipeline", model_card=card, device_rank=0, world_size=1, start_layer=0,
-        end_layer=card.n_layers,
-    )  # fmt: skip
-    engine = TorchEngine.load(directory, shard, weight_dtype="float32")
+    directory = save_gemma3_checkout(tmp_path / "gemma3-vision", text, encoder)
+    engine = vision_engine(directory)
     assert engine.images is not None
-    pictures = [_png(40, 24, seed=1), _png(17, 50, seed=2)]
-    message = ChatMessage(
-        role="user",
-        content=f"w1 w2 {IMAGE_MARKER} w3 w4 w5 {IMAGE_MARKER} w6",
-        images=tuple(_image_input(picture) for picture in pictures),
-    )
-    params = TextGenerationTaskParams(
-        model=ModelId(card.model_id), messages=(message,), max_tokens=STEPS, temperature=0.0
-    )
+    pictures = [png(40, 24, seed=1), png(17, 50, seed=2)]
+    content = f"w1 w2 {IMAGE_MARKER} w3 w4 w5 {IMAGE_MARKER} w6"
+    params = image_params(engine, content, pictures, STEPS)
     prompt_ids = engine.render_prompt(params).token_ids
     assert prompt_ids.count(SOFT) == 2 * 4 and prompt_ids.count(BEGIN) == 2
     assert engine.count_prompt_tokens(params) == len(prompt_ids)
@@ -317,10 +207,7 @@ def test_engine_loads_the_tower_and_renders_image_markers(
     expected = _reference_logits(reference, prompt_ids + generated[:-1], pixels)
     assert generated == expected[len(prompt_ids) - 1 :].argmax(-1).tolist()
     # A model whose card lacks "vision" gets no tower and refuses images (a ValueError: 400).
-    text_only = TorchEngine.load(
-        directory, shard.model_copy(update={"model_card": card.model_copy(
-            update={"capabilities": ("text",)})}), weight_dtype="float32",
-    )  # fmt: skip
+    text_only = vision_engine(directory, ("text",))
     assert text_only.images is None
     with pytest.raises(ValueError, match="takes no images"):
         text_only.render_prompt(params)

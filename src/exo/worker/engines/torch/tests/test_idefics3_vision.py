@@ -1,12 +1,11 @@
 """Idefics3 / SmolVLM images through the engine's real path (`model/idefics3_vision.py`,
-`chat_protocol/image_tokens.py`): a tiny random `Idefics3ForConditionalGeneration` saved by
+`chat_protocol/image_tokens/`): a tiny random `Idefics3ForConditionalGeneration` saved by
 transformers, loaded by `TorchEngine.load` (Llama text model on the direct forward, tower
 beside it), against transformers' own model fed by transformers' own processor (its image
 processor's pixel values and its prompt expansion), float32."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 from pathlib import Path
@@ -18,21 +17,21 @@ from PIL import Image
 from transformers import Idefics3Config, Idefics3ForConditionalGeneration, PreTrainedTokenizerFast
 
 from exo.chat_protocol.image_tokens import Idefics3ImageTokens, Idefics3Tiling, ImageTokens
-from exo.shared.models.cards import card_from_local_directory
-from exo.shared.types.common import ModelId
-from exo.shared.types.shards import ShardMetadata
-from exo.shared.types.text_generation import (
-    IMAGE_MARKER,
-    ChatMessage,
-    ImageInput,
-    TextGenerationTaskParams,
+from exo.shared.types.text_generation import IMAGE_MARKER, TextGenerationTaskParams
+from exo.testing.vision_checkpoints import (
+    TOLERANCE,
+    RecordingChooser,
+    assert_greedy_equals_reference,
+    assert_same_tokens_and_logprobs,
+    image_params,
+    perturb_weights,
+    png,
+    rgb_images,
+    save_word_tokenizer,
+    vision_engine,
 )
-from exo.worker.engines.torch.decoding.sampling import Sampler, TokenChooser
-from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
-from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.model.idefics3_vision import Idefics3Preprocessing
 
-TOLERANCE = 1e-4  # float32 logits, as the other families' tests
 STEPS = 8
 TILE, LONGEST_EDGE, PATCH = 32, 64, 8  # 16 patches per view, 4 rows after the 2 x 2 shuffle
 SPECIALS = [
@@ -48,44 +47,12 @@ TEMPLATE = (
 )
 
 
-def _png(width: int, height: int, seed: int) -> bytes:
-    generator = torch.Generator().manual_seed(seed)
-    pixels = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=generator)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels.numpy()).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def _image_input(data: bytes) -> ImageInput:
-    with Image.open(io.BytesIO(data)) as image:
-        width, height = image.size
-    return ImageInput(
-        data=data, media_type="image/png", width=width, height=height,
-        sha256=hashlib.sha256(data).hexdigest(),
-    )  # fmt: skip
-
-
 def _save_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
     """A word-level tokenizer with SmolVLM's image tokens (special) and "\\n" (a token of
     its own, as in SmolVLM's vocabulary)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import WordLevel
-
-    vocabulary = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(40)}}
-    added = {
-        "\n": len(vocabulary),
-        **{token: len(vocabulary) + 1 + i for i, token in enumerate(SPECIALS)},
-    }
-    tokenizer = Tokenizer(WordLevel({**vocabulary, **added}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    tokenizer.add_tokens([AddedToken("\n", normalized=False)])
-    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in SPECIALS])
-    tokenizer.save(str(directory / "tokenizer.json"))
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"}
-    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    (directory / "chat_template.jinja").write_text(TEMPLATE)
-    return PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"))
+    return save_word_tokenizer(
+        directory, words=40, specials=SPECIALS, template=TEMPLATE, newline=True
+    )
 
 
 def _image_processor() -> Any:
@@ -125,9 +92,7 @@ def _save_checkout(directory: Path, family: str) -> tuple[Path, Any, Any]:
         scale_factor=2, image_token_id=IMAGE_ID,
     )  # fmt: skip
     reference = model_class(config).float().eval()
-    with torch.no_grad():  # fresh norms are exactly 1 and biases 0: let every weight matter
-        for parameter in reference.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.05)
+    perturb_weights(reference)
     reference.save_pretrained(directory)
     image_processor = _image_processor()
     image_processor.save_pretrained(directory)
@@ -139,27 +104,6 @@ def _save_checkout(directory: Path, family: str) -> tuple[Path, Any, Any]:
 def checkout(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
     """(the saved Idefics3 checkout, transformers' model, transformers' processor)."""
     return _save_checkout(tmp_path_factory.mktemp("idefics3"), "idefics3")
-
-
-def _engine(directory: Path, capabilities: tuple[str, ...] = ("text", "vision")) -> TorchEngine:
-    card = card_from_local_directory(directory).model_copy(update={"capabilities": capabilities})
-    shard = ShardMetadata(
-        sharding="pipeline", model_card=card, device_rank=0, world_size=1, start_layer=0,
-        end_layer=card.n_layers,
-    )  # fmt: skip
-    return TorchEngine.load(directory, shard, weight_dtype="float32")
-
-
-class _RecordingChooser(TokenChooser):
-    """Greedy, keeping every row of logits it chose from."""
-
-    def __init__(self) -> None:
-        super().__init__(Sampler(SamplingParams()))
-        self.rows: list[torch.Tensor] = []
-
-    def choose(self, logits: Any) -> int:
-        self.rows.append(logits.detach().clone().reshape(-1))
-        return super().choose(logits)
 
 
 def _reference_logits(reference: Any, ids: list[int], inputs: Any) -> torch.Tensor:
@@ -193,42 +137,25 @@ def test_smolvlm2_two_images_equal_transformers(
 
 def _check_two_images(checkout: tuple[Path, Any, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     directory, reference, processor = checkout
-    engine = _engine(directory)
+    engine = vision_engine(directory)
     assert engine.images is not None
     # The API node reads the layout from the files (`token_counting`): the runner's own.
     assert engine.images.tokens == ImageTokens.of_model(directory, engine.tokenizer)
-    pictures = [_png(60, 40, seed=1), _png(70, 20, seed=2)]
-    message = ChatMessage(
-        role="user",
-        content=f"w1 w2 {IMAGE_MARKER} w3 w4 {IMAGE_MARKER} w5",
-        images=tuple(_image_input(picture) for picture in pictures),
-    )
-    params = TextGenerationTaskParams(
-        model=ModelId(engine.card.model_id), messages=(message,), max_tokens=STEPS,
-        temperature=0.0,
-    )  # fmt: skip
+    pictures = [png(60, 40, seed=1), png(70, 20, seed=2)]
+    params = image_params(engine, f"w1 w2 {IMAGE_MARKER} w3 w4 {IMAGE_MARKER} w5", pictures, STEPS)
     rendered = engine.render_prompt(params)
     assert rendered.text == "<s>w1 w2 <image> w3 w4 <image> w5 <end_of_utterance> "
     prompt_ids = rendered.token_ids
-    images = [Image.open(io.BytesIO(picture)).convert("RGB") for picture in pictures]
     text = "<s>w1 w2 <image> w3 w4 <image> w5 <end_of_utterance> "
-    inputs = processor(text=text, images=images, return_tensors="pt")
+    inputs = processor(text=text, images=rgb_images(pictures), return_tensors="pt")
     assert prompt_ids == inputs["input_ids"][0].tolist()
     image = processor.image_token_id
     assert prompt_ids.count(image) == (2 * 2 + 1) * 4 + (1 * 2 + 1) * 4  # 4 per view
     assert engine.count_prompt_tokens(params) == len(prompt_ids)
 
-    chooser = _RecordingChooser()
-    monkeypatch.setattr(engine, "token_chooser", lambda *_: chooser)
-    pieces = list(engine.generate(params))
-    usage = pieces[-1].usage
-    assert usage is not None and usage.prompt_tokens == len(prompt_ids)
-    generated = [token for piece in pieces for token in piece.token_ids]
-    assert len(generated) == STEPS == len(chooser.rows)
-    expected = _reference_logits(reference, prompt_ids + generated[:-1], inputs)
-    expected = expected[len(prompt_ids) - 1 :]
-    assert (torch.stack(chooser.rows) - expected).abs().max().item() < TOLERANCE
-    assert generated == expected.argmax(-1).tolist()
+    expected = assert_greedy_equals_reference(
+        engine, params, lambda ids: _reference_logits(reference, ids, inputs), monkeypatch
+    )
     # The images matter: without their features the first token's logits differ.
     blank = {**inputs, "pixel_values": torch.zeros_like(inputs["pixel_values"]) + 0.5}
     plain = _reference_logits(reference, prompt_ids, blank)[-1]
@@ -242,7 +169,7 @@ def test_views_equal_transformers_image_processor(checkout: tuple[Path, Any, Any
     config = json.loads((directory / "config.json").read_text())
     preprocessing = Idefics3Preprocessing.of_model(directory, config["vision_config"]["image_size"])
     for width, height, views in ((60, 40, 5), (20, 14, 5), (24, 60, 3), (70, 20, 3)):
-        picture = _png(width, height, seed=width)
+        picture = png(width, height, seed=width)
         image = Image.open(io.BytesIO(picture)).convert("RGB")
         expected = processor.image_processor(images=[image], return_tensors="pt")
         got = preprocessing.views(picture)
@@ -279,7 +206,7 @@ def test_layout_follows_the_processor_for_many_sizes(checkout: tuple[Path, Any, 
         config, tokenizer, {**settings, "do_image_splitting": False}
     )
     for width, height in ((1, 1), (33, 32), (64, 64), (100, 7), (7, 100), (61, 33), (31, 90)):
-        image = Image.open(io.BytesIO(_png(width, height, seed=3))).convert("RGB")
+        image = Image.open(io.BytesIO(png(width, height, seed=3))).convert("RGB")
         inputs = processor(text="<image>", images=[image])
         assert tokens.sequence((width, height)) == inputs["input_ids"][0], (width, height)
         inputs = processor(text="<image>", images=[image], do_image_splitting=False)
@@ -307,23 +234,18 @@ def test_text_only_card_refuses_images_and_prefix_cache_keys_on_bytes(
     it, a second request with the same text and another image shares KV only before the
     image's first tile, and its logits equal a fresh engine's."""
     directory, _, _ = checkout
-    text_only = _engine(directory, ("text",))
+    text_only = vision_engine(directory, ("text",))
     assert text_only.images is None
 
     def params(picture: bytes) -> TextGenerationTaskParams:
-        message = ChatMessage(
-            role="user", content=f"w1 w2 w3 {IMAGE_MARKER} w4", images=(_image_input(picture),)
-        )
-        return TextGenerationTaskParams(
-            model=ModelId(text_only.card.model_id), messages=(message,), max_tokens=3,
-            temperature=0.0, logprobs=True, top_logprobs=1,
-        )  # fmt: skip
+        request = image_params(text_only, f"w1 w2 w3 {IMAGE_MARKER} w4", [picture], 3)
+        return request.model_copy(update={"logprobs": True, "top_logprobs": 1})
 
     with pytest.raises(ValueError, match="takes no images"):
-        text_only.render_prompt(params(_png(60, 40, seed=1)))
-    engine = _engine(directory)
-    list(engine.generate(params(_png(60, 40, seed=1))))
-    other = params(_png(60, 40, seed=5))
+        text_only.render_prompt(params(png(60, 40, seed=1)))
+    engine = vision_engine(directory)
+    list(engine.generate(params(png(60, 40, seed=1))))
+    other = params(png(60, 40, seed=5))
     handle = engine.submit(other)
     pieces: list[Any] = []
     while engine.has_work:
@@ -331,13 +253,7 @@ def test_text_only_card_refuses_images_and_prefix_cache_keys_on_bytes(
     prompt_ids = engine.render_prompt(other).token_ids
     first_image = prompt_ids.index(engine.images.tokens.soft) if engine.images else -1
     assert handle.cached_tokens is not None and 0 < handle.cached_tokens <= first_image
-    fresh = list(_engine(directory).generate(other))
-
-    def logprobs(outputs: list[Any]) -> list[float]:
-        return [entry.logprob for piece in outputs for entry in piece.logprobs or ()]
-
-    assert [piece.token_ids for piece in pieces] == [piece.token_ids for piece in fresh]
-    assert max(abs(a - b) for a, b in zip(logprobs(pieces), logprobs(fresh), strict=True)) < 1e-4
+    assert_same_tokens_and_logprobs(pieces, list(vision_engine(directory).generate(other)))
 
 
 def test_chunks_cut_inside_tiles_equal_one_prefill(
@@ -349,21 +265,15 @@ def test_chunks_cut_inside_tiles_equal_one_prefill(
 
     directory, reference, processor = checkout
     monkeypatch.setattr(scheduler_module, "PREFILL_TOKENS_PER_IDLE_STEP", 7)
-    engine = _engine(directory)
-    picture = _png(60, 40, seed=1)
-    message = ChatMessage(
-        role="user", content=f"w1 {IMAGE_MARKER} w2", images=(_image_input(picture),)
-    )
-    params = TextGenerationTaskParams(
-        model=ModelId(engine.card.model_id), messages=(message,), max_tokens=2, temperature=0.0
-    )
-    chooser = _RecordingChooser()
+    engine = vision_engine(directory)
+    picture = png(60, 40, seed=1)
+    params = image_params(engine, f"w1 {IMAGE_MARKER} w2", [picture], 2)
+    chooser = RecordingChooser()
     monkeypatch.setattr(engine, "token_chooser", lambda *_: chooser)
     prompt_ids = engine.render_prompt(params).token_ids
     generated = [token for piece in engine.generate(params) for token in piece.token_ids]
-    image = Image.open(io.BytesIO(picture)).convert("RGB")
     text = "<s>w1 <image> w2 <end_of_utterance> "
-    inputs = processor(text=text, images=[image], return_tensors="pt")
+    inputs = processor(text=text, images=rgb_images([picture]), return_tensors="pt")
     expected = _reference_logits(reference, prompt_ids + generated[:-1], inputs)
     assert (torch.stack(chooser.rows) - expected[len(prompt_ids) - 1 :]).abs().max() < TOLERANCE
 
@@ -383,15 +293,10 @@ def test_a_checkout_without_the_tower_serves_text_and_refuses_images(
     tensors = load_file(str(directory / "model.safetensors"))
     text = {name: tensor for name, tensor in tensors.items() if "vision_model" not in name}
     save_file(text, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    engine = _engine(directory)
+    engine = vision_engine(directory)
     assert engine.images is None
-    chat = ChatMessage(role="user", content="w1 w2")
-    params = TextGenerationTaskParams(
-        model=ModelId(engine.card.model_id), messages=(chat,), max_tokens=2, temperature=0.0
-    )
+    params = image_params(engine, "w1 w2", [], 2)
     assert [piece for piece in engine.generate(params)][-1].finish_reason is not None
-    image = ChatMessage(
-        role="user", content=f"w1 {IMAGE_MARKER}", images=(_image_input(_png(60, 40, seed=1)),)
-    )
+    image = image_params(engine, f"w1 {IMAGE_MARKER}", [png(60, 40, seed=1)], 2)
     with pytest.raises(ValueError, match="weights of its vision tower are not on this node"):
-        engine.render_prompt(params.model_copy(update={"messages": (image,)}))
+        engine.render_prompt(image)

@@ -1,5 +1,5 @@
 """Qwen2.5-VL images through the engine's real path (`model/qwen2_5_vl_vision.py`,
-`chat_protocol/image_tokens.py`, multimodal rotary positions in the batch and the direct
+`chat_protocol/image_tokens/`, multimodal rotary positions in the batch and the direct
 forward): a tiny random `Qwen2_5_VLForConditionalGeneration` saved in the published layout
 (flat config.json; text model as Qwen2's `model.`, tower under `visual.`, the head tied),
 loaded by `TorchEngine.load` (Qwen2 text model on the direct forward, tower beside it),
@@ -8,96 +8,64 @@ grids; its `<|image_pad|>` expansion rebuilt from the grids), float32."""
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from PIL import Image
-from transformers import AutoConfig, PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGeneration
+from transformers import PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGeneration
 
 from exo.chat_protocol.image_tokens import ImageTokens, QwenVLImageTokens
-from exo.shared.models.cards import card_from_local_directory
-from exo.shared.types.common import ModelId
-from exo.shared.types.shards import ShardMetadata
-from exo.shared.types.text_generation import (
-    IMAGE_MARKER,
-    ChatMessage,
-    ImageInput,
-    TextGenerationTaskParams,
+from exo.shared.types.text_generation import IMAGE_MARKER, TextGenerationTaskParams
+from exo.testing.qwen_vl_checkpoints import (
+    QWEN_VL_END,
+    QWEN_VL_IMAGE,
+    QWEN_VL_IMAGE_TEXT,
+    QWEN_VL_START,
+    QWEN_VL_VIDEO,
+    assert_layout_and_patches_follow,
+    assert_positions_equal_rope_index,
+    assert_split_pipeline_refuses_images,
+    qwen_vl_expected_ids,
+    qwen_vl_image_processor,
+    qwen_vl_processed,
+    qwen_vl_reference_logits,
+    save_qwen_vl_checkout,
+    save_qwen_vl_tokenizer,
 )
-from exo.worker.engines.torch.decoding.sampling import Sampler, TokenChooser
-from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
+from exo.testing.vision_checkpoints import (
+    TOLERANCE,
+    assert_greedy_equals_reference,
+    assert_same_tokens_and_logprobs,
+    image_params,
+    png,
+    vision_engine,
+)
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.model.qwen2_5_vl_vision import QwenVLPreprocessing
 
-TOLERANCE = 1e-4  # float32 logits, as the other families' tests
 STEPS = 6
 PATCH, MERGE = 8, 2  # merged patches of 16 pixels
 MIN_PIXELS, MAX_PIXELS = 32 * 32, 64 * 96
-SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-START_ID, END_ID, IMAGE_ID, VIDEO_ID = 43, 44, 45, 46  # after 41 words, <unk> and </s>
-IMAGE_TEXT = "<|vision_start|><|image_pad|><|vision_end|>"
-TEMPLATE = "{% for message in messages %}{{ message.content }} {% endfor %}"
+START_ID, END_ID, IMAGE_ID, VIDEO_ID = QWEN_VL_START, QWEN_VL_END, QWEN_VL_IMAGE, QWEN_VL_VIDEO
+IMAGE_TEXT = QWEN_VL_IMAGE_TEXT
 
 
-def _png(width: int, height: int, seed: int) -> bytes:
-    generator = torch.Generator().manual_seed(seed)
-    pixels = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=generator)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels.numpy()).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def _image_input(data: bytes) -> ImageInput:
-    with Image.open(io.BytesIO(data)) as image:
-        width, height = image.size
-    return ImageInput(
-        data=data, media_type="image/png", width=width, height=height,
-        sha256=hashlib.sha256(data).hexdigest(),
-    )  # fmt: skip
-
-
-def _save_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
-    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import WordLevel
-
-    vocabulary = {"<unk>": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(41)}}
-    added = {token: len(vocabulary) + i for i, token in enumerate(SPECIALS)}
-    tokenizer = Tokenizer(WordLevel({**vocabulary, **added}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in SPECIALS])
-    tokenizer.save(str(directory / "tokenizer.json"))
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"}
-    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    (directory / "chat_template.jinja").write_text(TEMPLATE)
-    fast = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"))
-    fast.image_token, fast.video_token = "<|image_pad|>", "<|video_pad|>"
-    return fast
-
-
-def _published_name(name: str) -> str:
-    """transformers' saved name → the published Qwen2.5-VL checkpoint's."""
+def _published_name(name: str) -> str | None:
+    """transformers' saved name → the published Qwen2.5-VL checkpoint's (None for the tied
+    head, which the files leave out)."""
+    if name.startswith("lm_head."):
+        return None
     if name.startswith("model.language_model."):
         return "model." + name.removeprefix("model.language_model.")
-    return name.removeprefix("model.")  # model.visual.… → visual.…; lm_head.… stays
+    return name.removeprefix("model.")  # model.visual.… → visual.…
 
 
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
     """(the saved checkout, transformers' model, transformers' image processor)."""
-    from safetensors.torch import save_file
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
     directory = tmp_path_factory.mktemp("qwen2_5_vl")
-    tokenizer = _save_tokenizer(directory)
-    assert tokenizer.encode("<|image_pad|>", add_special_tokens=False) == [IMAGE_ID]
+    tokenizer = save_qwen_vl_tokenizer(directory)
     # The published config.json's layout (Qwen2.5-VL-3B-Instruct): text fields at the top,
     # `rope_scaling` with its mrope sections, the head tied to the embedding (no `lm_head`
     # tensor in the files).
@@ -118,85 +86,19 @@ def checkout(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
             "fullatt_block_indexes": [1], "tokens_per_second": 2,
         },
     }  # fmt: skip
-    (directory / "config.json").write_text(json.dumps(published))
-    torch.manual_seed(0)
-    reference = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(directory))
-    reference = reference.float().eval()
-    with torch.no_grad():  # fresh norms are exactly 1 and biases 0: let every weight matter
-        for parameter in reference.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.05)
-        reference.lm_head.weight[1] = 0.0  # "</s>" never wins: every test runs `STEPS`
-    assert reference.lm_head.weight is reference.model.get_input_embeddings().weight
-    tensors = {
-        _published_name(name): tensor.detach().clone().contiguous()
-        for name, tensor in reference.state_dict().items()
-        if not name.startswith("lm_head.")
-    }
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    processor = Qwen2VLImageProcessorPil(
-        patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2,
-        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-    )  # fmt: skip
-    processor.save_pretrained(directory)
+    processor = qwen_vl_image_processor(PATCH, MERGE, MIN_PIXELS, MAX_PIXELS)
+    reference = save_qwen_vl_checkout(
+        directory, published, Qwen2_5_VLForConditionalGeneration, _published_name, processor
+    )
     return directory, reference, processor
 
 
-def _engine(directory: Path) -> TorchEngine:
-    card = card_from_local_directory(directory).model_copy(
-        update={"capabilities": ("text", "vision")}
-    )
-    shard = ShardMetadata(
-        sharding="pipeline", model_card=card, device_rank=0, world_size=1, start_layer=0,
-        end_layer=card.n_layers,
-    )  # fmt: skip
-    return TorchEngine.load(directory, shard, weight_dtype="float32")
-
-
-class _RecordingChooser(TokenChooser):
-    """Greedy, keeping every row of logits it chose from."""
-
-    def __init__(self) -> None:
-        super().__init__(Sampler(SamplingParams()))
-        self.rows: list[torch.Tensor] = []
-
-    def choose(self, logits: Any) -> int:
-        self.rows.append(logits.detach().clone().reshape(-1))
-        return super().choose(logits)
-
-
-def _processed(processor: Any, pictures: list[bytes]) -> Any:
-    images = [Image.open(io.BytesIO(picture)).convert("RGB") for picture in pictures]
-    return processor(images=images, return_tensors="pt")
-
-
 def _expected_ids(text_ids: list[int], grids: torch.Tensor) -> list[int]:
-    """The processor's expansion: each `<|image_pad|>` → one per merged patch."""
-    counts = iter((grids.prod(-1) // MERGE**2).tolist())
-    ids: list[int] = []
-    for token in text_ids:
-        ids += [IMAGE_ID] * next(counts) if token == IMAGE_ID else [token]
-    return ids
-
-
-def _reference_logits(reference: Any, ids: list[int], inputs: Any) -> torch.Tensor:
-    input_ids = torch.tensor([ids])
-    with torch.inference_mode():
-        output = reference(
-            input_ids=input_ids, pixel_values=inputs["pixel_values"],
-            image_grid_thw=inputs["image_grid_thw"],
-            mm_token_type_ids=(input_ids == IMAGE_ID).int(), use_cache=False,
-        )  # fmt: skip
-    return output.logits[0].float()
+    return qwen_vl_expected_ids(text_ids, grids, MERGE)
 
 
 def _params(engine: TorchEngine, content: str, pictures: list[bytes]) -> TextGenerationTaskParams:
-    message = ChatMessage(
-        role="user", content=content, images=tuple(_image_input(p) for p in pictures)
-    )
-    return TextGenerationTaskParams(
-        model=ModelId(engine.card.model_id), messages=(message,), max_tokens=STEPS,
-        temperature=0.0,
-    )  # fmt: skip
+    return image_params(engine, content, pictures, STEPS)
 
 
 def _check_against_transformers(
@@ -206,26 +108,17 @@ def _check_against_transformers(
     engine's prompt is the processor's, every step's logits within `TOLERANCE` of
     transformers' (teacher-forced on exo's tokens), its greedy tokens transformers'."""
     _, reference, processor = checkout
-    pictures = [_png(60, 40, seed=1), _png(40, 100, seed=2)]
+    pictures = [png(60, 40, seed=1), png(40, 100, seed=2)]
     params = _params(engine, f"w1 w2 {IMAGE_MARKER} w3 w4 {IMAGE_MARKER} w5", pictures)
     prompt_ids = engine.render_prompt(params).token_ids
-    inputs = _processed(processor, pictures)
+    inputs = qwen_vl_processed(processor, pictures)
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 8], [1, 12, 4]]
     text = f"w1 w2 {IMAGE_TEXT} w3 w4 {IMAGE_TEXT} w5 "
     assert prompt_ids == _expected_ids(engine.tokenizer.encode(text), inputs["image_grid_thw"])
     assert engine.count_prompt_tokens(params) == len(prompt_ids)
-
-    chooser = _RecordingChooser()
-    monkeypatch.setattr(engine, "token_chooser", lambda *_: chooser)
-    pieces = list(engine.generate(params))
-    usage = pieces[-1].usage
-    assert usage is not None and usage.prompt_tokens == len(prompt_ids)
-    generated = [token for piece in pieces for token in piece.token_ids]
-    assert len(generated) == STEPS == len(chooser.rows)
-    expected = _reference_logits(reference, prompt_ids + generated[:-1], inputs)
-    expected = expected[len(prompt_ids) - 1 :]
-    assert (torch.stack(chooser.rows) - expected).abs().max().item() < TOLERANCE
-    assert generated == expected.argmax(-1).tolist()
+    assert_greedy_equals_reference(
+        engine, params, lambda ids: qwen_vl_reference_logits(reference, ids, inputs), monkeypatch
+    )
 
 
 def test_two_images_equal_transformers(
@@ -234,20 +127,22 @@ def test_two_images_equal_transformers(
     """One prefill, then decode steps after the images (their positions: the prompt's
     largest + 1 on); the images and their positions matter."""
     directory, reference, processor = checkout
-    engine = _engine(directory)
+    engine = vision_engine(directory)
     assert engine.images is not None and engine.images.multimodal_rotary
     # The API node reads the layout from the files (`token_counting`): the runner's own.
     assert engine.images.tokens == ImageTokens.of_model(directory, engine.tokenizer)
     _check_against_transformers(engine, checkout, monkeypatch)
     # Without the images' features, or with 1-D positions, the last prompt row differs.
-    pictures = [_png(60, 40, seed=1), _png(40, 100, seed=2)]
-    inputs = _processed(processor, pictures)
+    pictures = [png(60, 40, seed=1), png(40, 100, seed=2)]
+    inputs = qwen_vl_processed(processor, pictures)
     ids = _expected_ids(
         engine.tokenizer.encode(f"w1 {IMAGE_TEXT} w2 {IMAGE_TEXT} w3"), inputs["image_grid_thw"]
     )
-    real = _reference_logits(reference, ids, inputs)[-1]
+    real = qwen_vl_reference_logits(reference, ids, inputs)[-1]
     blank = {**inputs, "pixel_values": torch.zeros_like(inputs["pixel_values"])}
-    assert (_reference_logits(reference, ids, blank)[-1] - real).abs().max() > 100 * TOLERANCE
+    assert (
+        qwen_vl_reference_logits(reference, ids, blank)[-1] - real
+    ).abs().max() > 100 * TOLERANCE
     with torch.inference_mode():
         flat = reference(
             input_ids=torch.tensor([ids]), pixel_values=inputs["pixel_values"],
@@ -265,7 +160,7 @@ def test_chunked_prefill_equals_transformers(
     import exo.worker.engines.torch.batching.scheduler as scheduler_module
 
     monkeypatch.setattr(scheduler_module, "PREFILL_TOKENS_PER_IDLE_STEP", 5)
-    _check_against_transformers(_engine(checkout[0]), checkout, monkeypatch)
+    _check_against_transformers(vision_engine(checkout[0]), checkout, monkeypatch)
 
 
 def test_text_and_image_requests_share_steps(
@@ -273,11 +168,11 @@ def test_text_and_image_requests_share_steps(
 ) -> None:
     """A text-only request and an image request decoding in the same steps (one with
     multimodal positions, one without): each gives the tokens and logprobs it gives alone."""
-    engine = _engine(checkout[0])
+    engine = vision_engine(checkout[0])
     text = _params(engine, "w1 w2 w3 w4", []).model_copy(
         update={"logprobs": True, "top_logprobs": 1}
     )
-    image = _params(engine, f"w5 {IMAGE_MARKER} w6", [_png(40, 100, seed=3)]).model_copy(
+    image = _params(engine, f"w5 {IMAGE_MARKER} w6", [png(40, 100, seed=3)]).model_copy(
         update={"logprobs": True, "top_logprobs": 1}
     )
     alone = [list(engine.generate(params)) for params in (text, image)]
@@ -290,35 +185,15 @@ def test_text_and_image_requests_share_steps(
             outputs[request_id].append(piece)
     assert not engine.has_work
     for handle, solo in zip(handles, alone, strict=True):
-        together = outputs[handle.request_id]
-        assert [p.token_ids for p in together] == [p.token_ids for p in solo]
-        pairs = zip(
-            [e.logprob for p in together for e in p.logprobs or ()],
-            [e.logprob for p in solo for e in p.logprobs or ()],
-            strict=True,
-        )
-        assert max(abs(a - b) for a, b in pairs) < 1e-4
+        assert_same_tokens_and_logprobs(outputs[handle.request_id], solo)
 
 
 def test_positions_equal_transformers_rope_index(checkout: tuple[Path, Any, Any]) -> None:
     """The request's multimodal positions and decode offset are transformers'
     `get_rope_index` (images of several shapes, text between and after)."""
     directory, reference, processor = checkout
-    engine = _engine(directory)
-    assert engine.images is not None
-    pictures = [_png(60, 40, seed=1), _png(40, 100, seed=2), _png(200, 150, seed=4)]
-    inputs = _processed(processor, pictures)
-    content = f"w1 {IMAGE_MARKER}{IMAGE_MARKER} w2 w3 {IMAGE_MARKER} w4 w5 w6"
-    params = _params(engine, content, pictures)
-    ids = engine.render_prompt(params).token_ids
-    positions = engine.images.multimodal_positions(ids, [_image_input(p) for p in pictures])
-    assert positions is not None
-    input_ids = torch.tensor([ids])
-    expected, deltas = reference.model.get_rope_index(
-        input_ids, (input_ids == IMAGE_ID).int(), image_grid_thw=inputs["image_grid_thw"]
-    )
-    assert torch.equal(positions.prompt, expected[:, 0])
-    assert positions.delta == int(deltas[0, 0])
+    engine = vision_engine(directory)
+    ids, positions = assert_positions_equal_rope_index(engine, reference, processor, STEPS)
     assert torch.equal(positions.rows(len(ids) - 1, 3)[:, 1:], positions.rows(len(ids), 2))
 
 
@@ -331,15 +206,7 @@ def test_layout_and_patches_follow_the_processor(checkout: tuple[Path, Any, Any]
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"))
     tokens = ImageTokens.of_model(directory, tokenizer)
     assert isinstance(tokens, QwenVLImageTokens)
-    preprocessing = QwenVLPreprocessing(tokens)
-    for width, height in ((1, 1), (16, 16), (17, 33), (60, 40), (65, 64), (200, 41), (30, 500)):
-        picture = _png(width, height, seed=3)
-        inputs = _processed(processor, [picture])
-        grid = inputs["image_grid_thw"][0]
-        assert len(tokens.sequence((width, height))) == int(grid.prod()) // MERGE**2
-        patches, exo_grid = preprocessing.patches(picture)
-        assert list(exo_grid) == grid.tolist(), (width, height)
-        assert (patches - inputs["pixel_values"]).abs().max().item() < 1e-5, (width, height)
+    assert_layout_and_patches_follow(tokens, QwenVLPreprocessing(tokens), processor, MERGE)
     with pytest.raises(ValueError, match="200 times"):
         tokens.sequence((2, 500))
 
@@ -352,8 +219,8 @@ def test_prefix_cache_reuses_positions_after_an_image(
     one with another image of the same size shares KV only before it. Each gives a fresh
     engine's tokens and logprobs."""
     directory = checkout[0]
-    engine = _engine(directory)
-    first, other = _png(40, 100, seed=3), _png(40, 100, seed=6)
+    engine = vision_engine(directory)
+    first, other = png(40, 100, seed=3), png(40, 100, seed=6)
 
     def params(picture: bytes, tail: str) -> TextGenerationTaskParams:
         return _params(engine, f"w1 w2 {IMAGE_MARKER} w3 {tail}", [picture]).model_copy(
@@ -374,56 +241,7 @@ def test_prefix_cache_reuses_positions_after_an_image(
             assert handle.cached_tokens > last_image
         else:
             assert 0 < handle.cached_tokens <= first_image
-        fresh = list(_engine(directory).generate(request))
-        assert [piece.token_ids for piece in pieces] == [piece.token_ids for piece in fresh]
-        pairs = zip(
-            [e.logprob for p in pieces for e in p.logprobs or ()],
-            [e.logprob for p in fresh for e in p.logprobs or ()],
-            strict=True,
-        )
-        assert max(abs(a - b) for a, b in pairs) < 1e-4
-
-
-def _split_rank_main(rank: int, world_size: int, port: int, results: Any, model_dir: str) -> None:
-    """A spawned rank of a 2-rank pipeline over the checkout: rank 0 reports whether it
-    took the tower, why it refuses images, and its greedy text tokens."""
-    import traceback
-
-    from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
-    from exo.worker.engines.torch.engine_factory import load_engine
-    from exo.worker.engines.torch.tests.test_distributed import split_layers
-
-    torch.set_num_threads(1)
-    try:
-        init_group("gloo", rank, world_size, "127.0.0.1", port, timeout_s=60)
-        directory = Path(model_dir)
-        card = card_from_local_directory(directory).model_copy(
-            update={"capabilities": ("text", "vision")}
-        )
-        start, end = split_layers(card.n_layers, world_size)[rank]
-        shard = ShardMetadata(
-            sharding="pipeline", model_card=card, device_rank=rank, world_size=world_size,
-            start_layer=start, end_layer=end,
-        )  # fmt: skip
-        engine = load_engine(directory, shard, weight_dtype="float32")
-        if rank != 0:
-            engine.serve_forever()
-        else:
-            refusal = ""
-            try:
-                engine.render_prompt(_params(engine, f"w1 {IMAGE_MARKER}", [_png(60, 40, 1)]))
-            except ValueError as error:
-                refusal = str(error)
-            tokens = [
-                t for p in engine.generate(_params(engine, "w1 w2 w3", [])) for t in p.token_ids
-            ]
-            results.put(("rank 0", engine.images is None, refusal, tokens))
-            engine.shutdown()
-        results.put(("done", "", rank, None))
-    except BaseException:
-        results.put(("error", "", rank, traceback.format_exc()))
-    finally:
-        destroy_group()
+        assert_same_tokens_and_logprobs(pieces, list(vision_engine(directory).generate(request)))
 
 
 @pytest.mark.slow  # two spawned ranks: ~25 s
@@ -433,14 +251,8 @@ def test_a_split_instance_serves_text_and_refuses_images(
     """A 2-rank pipeline: its ranks' steps carry 1-D positions only, so rank 0 keeps no
     tower and refuses images (a ValueError: 400) saying why; text gives the single
     process's greedy tokens."""
-    from exo.testing.rank_processes import run_rank_processes
-    from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S
+    from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S, split_layers
 
     directory = checkout[0]
-    single = _engine(directory)
-    expected = [t for p in single.generate(_params(single, "w1 w2 w3", [])) for t in p.token_ids]
-    reports = run_rank_processes(_split_rank_main, (str(directory),), 2, GROUP_DEADLINE_S)
-    [(_, no_tower, refusal, tokens)] = [report for report in reports if report[0] == "rank 0"]
-    assert no_tower
-    assert "multimodal rotary positions" in refusal
-    assert tokens == expected
+    layers = split_layers(vision_engine(directory).card.n_layers, 2)
+    assert_split_pipeline_refuses_images(directory, layers, STEPS, GROUP_DEADLINE_S)

@@ -1,4 +1,8 @@
-"""Qwen3 dense models (`Qwen3ForCausalLM`; per-head q/k norms, explicit `head_dim`)."""
+"""Qwen3 dense models (`Qwen3ForCausalLM`; per-head q/k norms, explicit `head_dim`), and the
+text model of Qwen3-VL (`Qwen3VLForConditionalGeneration`: the decoder under
+`model.language_model.`, the head at the top or tied, the tower under `model.visual.`; its
+interleaved multimodal rotary positions and deepstack features are the direct forward's,
+`qwen3_vl_vision.py`)."""
 
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ _COLUMN, _ROW = standard_attention_and_mlp()
 FAMILY = ModelFamily(
     name="qwen3",
     architectures=("Qwen3ForCausalLM",),
+    wrapped_architectures=("Qwen3VLForConditionalGeneration",),
+    wrapped_prefixes={"Qwen3VLForConditionalGeneration": ""},
+    checkpoint_renames=(("model.language_model.", "model."),),
     column_parallel=_COLUMN,
     row_parallel=_ROW,
     rms_norms=(Qwen3RMSNorm,),
