@@ -40,7 +40,6 @@ from exo.api.wire.errors import (
     ApiError,
     ErrorDialect,
     QueueFullError,
-    describe_validation_errors,
     error_type_for_status,
 )
 from exo.api.wire.openapi import with_bad_request_responses
@@ -216,10 +215,9 @@ def create_app(
                 "invalid_request_error",
                 f"the request body is not valid JSON: {detail}",
             )
-        message, param = describe_validation_errors(errors)
-        return error_response_for_path(
-            request.url.path, 400, "invalid_request_error", message, param
-        )
+        path = request.url.path
+        message, param, code = error_dialect_for(path).describe(path, errors)
+        return error_response_for_path(path, 400, "invalid_request_error", message, param, code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:

@@ -45,6 +45,7 @@ from exo.api.guards.limits import (
     ApiLimits,
     LimitsMiddleware,
 )
+from exo.api.guards.throttle import DEFAULT_MAX_AUTH_FAILURES, AuthThrottle
 from exo.api.serving.metrics import AdmissionCounts, ApiMetrics, MetricsMiddleware
 from exo.shared.types.runners import KVCacheUse
 from exo.shared.types.state import State
@@ -59,14 +60,18 @@ class ApiSecurity:
 
     Args:
         auth: who may call the API (default: everyone, as in-process test apps need).
-        limits: body size, timeouts, connections, generations per client, rate.
+        limits: body size, timeouts, connections, generations per client, rate, failed
+            keys, trusted proxies.
         master_event_index: the last event index the elected master announced, for the
             replay-lag metric (None: no such metric).
+        auth_throttle: the brute-force throttle (None: one with `limits.max_auth_failures`
+            and the default policy; tests pass one with their own clock).
     """
 
     auth: ApiAuth = field(default_factory=ApiAuth.open)
     limits: ApiLimits = field(default_factory=ApiLimits)
     master_event_index: Callable[[], int | None] | None = None
+    auth_throttle: AuthThrottle | None = None
 
 
 def responder(error_response: ErrorResponseFactory) -> ErrorResponder:
@@ -86,12 +91,17 @@ def responder(error_response: ErrorResponseFactory) -> ErrorResponder:
 def install_client_guards(
     app: FastAPI, security: ApiSecurity, error_response: ErrorResponseFactory
 ) -> None:
-    """Add the key check and the limits; call right after the innermost middleware (the
-    JSON body normalisation), before CORS."""
+    """Add the key check (with the brute-force throttle, `app.state.auth_throttle`) and the
+    limits; call right after the innermost middleware (the JSON body normalisation), before
+    CORS."""
     respond = responder(error_response)
+    throttle = security.auth_throttle
+    if throttle is None:
+        throttle = AuthThrottle(security.limits.max_auth_failures)
     app.state.auth = security.auth
+    app.state.auth_throttle = throttle
     app.add_middleware(LimitsMiddleware, limits=security.limits, respond=respond)
-    app.add_middleware(AuthMiddleware, auth=security.auth, respond=respond)
+    app.add_middleware(AuthMiddleware, auth=security.auth, respond=respond, throttle=throttle)
 
 
 def install_metrics(
@@ -103,7 +113,13 @@ def install_metrics(
 ) -> None:
     """Add the metrics (`app.state.metrics`, served at `GET /metrics`); call after every
     other middleware, so that it runs first. `kv_cache`: this node's runners' KV use."""
-    metrics = ApiMetrics(current_state, security.master_event_index, admission, kv_cache)
+    metrics = ApiMetrics(
+        current_state,
+        security.master_event_index,
+        admission,
+        kv_cache,
+        auth_throttle=getattr(app.state, "auth_throttle", None),
+    )
     app.state.metrics = metrics
     flattened: list[BaseRoute] = []
 
@@ -196,6 +212,23 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="requests per minute per client, past it 429 (default: no limit)",
     )
+    group.add_argument(
+        "--max-auth-failures",
+        type=int,
+        default=DEFAULT_MAX_AUTH_FAILURES,
+        metavar="N",
+        help="API keys that are not valid an address may send within 10 minutes, then it "
+        "gets 429 for a lockout that doubles each time, 1 min to 1 h (default %(default)s; "
+        "0: no lockout)",
+    )
+    group.add_argument(
+        "--trusted-proxy",
+        action="append",
+        default=[],
+        metavar="ADDRESS",
+        help="a reverse proxy's IP address or network (CIDR) whose X-Forwarded-For names "
+        "the client, repeatable (default: none, the header is ignored)",
+    )
 
 
 def security_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> SecurityOptions:
@@ -220,6 +253,8 @@ def security_options(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             max_connections=args.max_connections,
             max_generations_per_client=args.max_generations_per_client,
             rate_limit_per_minute=args.rate_limit,
+            max_auth_failures=args.max_auth_failures,
+            trusted_proxies=tuple(args.trusted_proxy),
         )
     except ValueError as error:
         parser.error(str(error))

@@ -13,7 +13,8 @@ A client presents a key as `Authorization: Bearer KEY` (OpenAI's and Ollama's cl
 `POST /auth/session` (EventSource cannot send headers). The cookie is an HMAC of the key
 with this node's session secret, never the key itself; it stops working when its key is
 revoked. Keys are compared in constant time against every key (`hmac.compare_digest`), and
-never logged: refusals name the client's address and the path only.
+never logged: refusals name the client's address and the path only. An address that keeps
+presenting keys that are not valid is locked out for a while (429): `exo.api.guards.throttle`.
 
 Requests between nodes (topology probes, model file transfers) carry the cluster's peer
 credential (`exo.download.peers`) instead of a key; it opens only `NODE_PATHS`.
@@ -34,6 +35,7 @@ from typing import Literal
 from loguru import logger
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from exo.api.guards.throttle import AuthThrottle
 from exo.download.peers import PEER_CREDENTIAL_HEADER, PEER_FILES_PREFIX
 
 AuthMode = Literal["keys", "generated", "open"]
@@ -351,6 +353,14 @@ class ApiAuth:
             return address
         return None
 
+    def guesses_matter(self, client_host: str | None) -> bool:
+        """Whether a client at `client_host` would gain anything by guessing a key: not in
+        open mode, nor from loopback in generated mode (such clients need no key), so the
+        brute-force throttle (`exo.api.guards.throttle`) leaves them alone."""
+        if self.mode == "open":
+            return False
+        return not (self.mode == "generated" and is_loopback(client_host))
+
     def describe(self) -> str:
         """One line for the start banner (never a configured key)."""
         if self.mode == "open":
@@ -375,12 +385,24 @@ WWW_AUTHENTICATE = 'Bearer realm="exo"'
 class AuthMiddleware:
     """Refuse (401 with `WWW-Authenticate`, in the dialect's error shape) every request
     `ApiAuth.client_identity` does not accept; put the identity of the others into the
-    scope under `CLIENT_SCOPE_KEY`."""
+    scope under `CLIENT_SCOPE_KEY`.
 
-    def __init__(self, app: ASGIApp, auth: ApiAuth, respond: ErrorResponder) -> None:
+    With a `throttle`, a refusal for a credential that is not valid counts against the
+    client's address, and a locked-out address gets 429 with `Retry-After` on every request
+    but the dashboard's page and files, before any credential is compared.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        auth: ApiAuth,
+        respond: ErrorResponder,
+        throttle: AuthThrottle | None = None,
+    ) -> None:
         self.app = app
         self.auth = auth
         self.respond = respond
+        self.throttle = throttle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -390,12 +412,24 @@ class AuthMiddleware:
         path: str = scope["path"]
         client = scope.get("client")
         host = client[0] if client else None
+        throttle = self.throttle
+        if throttle is not None and (not throttle.enabled or not self.auth.guesses_matter(host)):
+            throttle = None
+        if throttle is not None and not (is_public(method, path) and path != SESSION_PATH):
+            wait = throttle.refuse(host)
+            if wait is not None:
+                await self._locked_out(scope, receive, send, wait)
+                return
         credentials = Credentials.from_headers(scope["headers"])
         identity = self.auth.client_identity(method, path, host, credentials)
         if identity is not None:
             await self.app({**scope, CLIENT_SCOPE_KEY: identity}, receive, send)
             return
         presented = bool(credentials.keys or credentials.session)
+        if throttle is not None and (
+            presented or (credentials.peer is not None and is_node_path(method, path))
+        ):
+            throttle.record_failure(host)
         # The key itself is never logged, nor echoed back.
         logger.debug(
             f"api: refused {method} {path} from {host}: "
@@ -419,3 +453,22 @@ class AuthMiddleware:
             path, 401, "authentication_error", message, {"WWW-Authenticate": WWW_AUTHENTICATE}
         )
         await response(scope, receive, send)
+
+    async def _locked_out(self, scope: Scope, receive: Receive, send: Send, wait: int) -> None:
+        logger.debug(f"api: {scope['path']}: client locked out after failed API keys")
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        response = self.respond(
+            scope["path"], 429, "rate_limit_error", locked_out_message(wait),
+            {"Retry-After": str(wait)},
+        )  # fmt: skip
+        await response(scope, receive, send)
+
+
+def locked_out_message(wait: int) -> str:
+    """The 429 message for an address locked out after failed keys (`wait` in seconds)."""
+    return (
+        f"too many requests with an API key that is not valid from this address; retry "
+        f"after {wait} s"
+    )

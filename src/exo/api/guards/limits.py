@@ -20,11 +20,20 @@ request rate.
   address); past it, 429 with `Retry-After`.
 - **Rate** (`--rate-limit N`, off by default): requests per minute per client, a token
   bucket holding up to N requests; past it, 429 with `Retry-After`.
+- **Failed keys** (`--max-auth-failures N`): an address that presents N credentials that
+  are not valid is locked out for a while (`exo.api.guards.throttle`, run by the auth
+  middleware).
+- **Trusted proxies** (`--trusted-proxy ADDRESS`, none by default): whose
+  `X-Forwarded-For` / `X-Forwarded-Proto` name the client (uvicorn's proxy-headers
+  middleware, which takes the nearest address in the chain that is not a trusted proxy).
+  Without one those headers are ignored, so a client cannot pick the address that the
+  throttle, the limits and the loopback exemption of generated keys see.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import math
 import time
 from collections.abc import Callable
@@ -40,6 +49,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from exo.api.guards.auth import CLIENT_SCOPE_KEY, ErrorResponder, is_public
 from exo.api.guards.content_encoding import BodyDecodingError, decode_body, encodings
+from exo.api.guards.throttle import DEFAULT_MAX_AUTH_FAILURES
 
 # Anthropic documents 32 MB as the largest Messages API request; OpenAI's chat bodies are
 # of the same order. Text prompts that fill the catalog's longest context (128K tokens, a
@@ -86,6 +96,10 @@ class ApiLimits:
     """0: no limit."""
     rate_limit_per_minute: int | None = None
     """None: no limit."""
+    max_auth_failures: int = DEFAULT_MAX_AUTH_FAILURES
+    """Failed credentials per address before a lockout; 0: no lockout."""
+    trusted_proxies: tuple[str, ...] = ()
+    """IP addresses or networks (CIDR) whose forwarded headers are believed."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1 or self.max_connections < 1:
@@ -96,6 +110,15 @@ class ApiLimits:
             raise ValueError("the generations per client must be >= 0")
         if self.rate_limit_per_minute is not None and self.rate_limit_per_minute < 1:
             raise ValueError("the rate limit must be at least 1 request per minute")
+        if self.max_auth_failures < 0:
+            raise ValueError("the failed API keys before a lockout must be >= 0")
+        for proxy in self.trusted_proxies:
+            try:
+                ipaddress.ip_network(proxy, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"--trusted-proxy {proxy!r} is not an IP address or network (CIDR)"
+                ) from None
 
 
 def is_generation(method: str, path: str) -> bool:
@@ -387,7 +410,9 @@ def with_header_timeout(seconds: float) -> type[HeaderTimeoutH11Protocol]:
 def server_config(app: ASGIApp, log_level: str, limits: ApiLimits) -> uvicorn.Config:
     """The node's uvicorn configuration: h11 with `limits.header_timeout_seconds` for each
     request's headers, uvicorn's keep-alive timeout (5 s) between requests,
-    `limits.max_connections` as its `limit_concurrency`, access log at `exo -v`.
+    `limits.max_connections` as its `limit_concurrency`, access log at `exo -v`, forwarded
+    headers believed only from `limits.trusted_proxies` (uvicorn believes loopback's by
+    default).
 
     Args:
         log_level: the node's (`DEBUG`, `INFO`, `WARNING`).
@@ -401,4 +426,6 @@ def server_config(app: ASGIApp, log_level: str, limits: ApiLimits) -> uvicorn.Co
         http=with_header_timeout(limits.header_timeout_seconds),
         limit_concurrency=limits.max_connections,
         lifespan="off",
+        proxy_headers=bool(limits.trusted_proxies),
+        forwarded_allow_ips=list(limits.trusted_proxies) or None,
     )

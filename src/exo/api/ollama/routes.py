@@ -35,6 +35,7 @@ from exo.api.ollama.request import (
     rfc3339_nano,
 )
 from exo.api.ollama.response import collect_ollama, load_response, stream_ollama
+from exo.api.ollama.validation import describe_ollama_validation_errors
 from exo.api.ollama.wire_types import (
     OllamaChatRequest,
     OllamaChatResponse,
@@ -86,7 +87,9 @@ def _render_ollama_error(
     return {"error": message}
 
 
-ERROR_DIALECT = ErrorDialect("ollama", (f"{PREFIX}/api",), _render_ollama_error)
+ERROR_DIALECT = ErrorDialect(
+    "ollama", (f"{PREFIX}/api",), _render_ollama_error, describe_ollama_validation_errors
+)
 
 router = APIRouter()
 

@@ -9,10 +9,12 @@ with optional fields left out of the JSON rather than sent as null (Ollama's `om
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
@@ -28,6 +30,25 @@ ThinkSetting = bool | Literal["low", "medium", "high"]
 
 class _WireRequestModel(WireRequestModel):
     """Unknown fields are ignored and logged at debug level (`exo.api.wire.request_model`)."""
+
+
+_INT64_LIMIT = 2.0**63
+
+
+def _truncated_number(value: object) -> object:
+    """A JSON number with a fraction as Ollama reads it into an integer option: `options`
+    is decoded into a map, where every number is a float64, and `Options.FromMap` converts
+    it with Go's `int64()`, dropping the fraction (40.7 is 40). Booleans and strings stay
+    refused (the field is strict), as in Ollama."""
+    if not isinstance(value, float):
+        return value
+    if not (math.isfinite(value) and -_INT64_LIMIT <= value < _INT64_LIMIT):
+        raise ValueError("Input should be a finite number within 64-bit integer range")
+    return math.trunc(value)
+
+
+OptionInteger = Annotated[int, BeforeValidator(_truncated_number)]
+"""An integer option of Ollama's `options`: any JSON number, its fraction dropped."""
 
 
 class _WireResponseModel(BaseModel):
@@ -99,32 +120,37 @@ class OllamaOptions(_WireRequestModel):
     mirostat), `num_keep` (exo never shifts the context) and the load-time options
     (threads, GPUs, batch size, memory mapping: placement and the engine decide) are
     accepted and change nothing (README, "Accepted and ignored").
+
+    Types as Ollama checks them: numbers for numeric options (a fraction dropped for an
+    integer one, `OptionInteger`), booleans for boolean ones, never a string for either.
+    `num_predict` alone takes integers only: the token-limit rule every dialect shares
+    (`exo.api.serving.token_limit`) refuses `2.0`.
     """
 
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: OptionInteger | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: OptionInteger | None = None
     num_predict: int | None = Field(default=None, strict=True)
     stop: list[str] | str | None = None
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    num_ctx: int | None = None
-    repeat_last_n: int | None = None
+    num_ctx: OptionInteger | None = None
+    repeat_last_n: OptionInteger | None = None
     typical_p: float | None = None
     tfs_z: float | None = None
-    mirostat: int | None = None
+    mirostat: OptionInteger | None = None
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
     penalize_newline: bool | None = None
-    num_keep: int | None = None
+    num_keep: OptionInteger | None = None
     # Load-time options: compatibility no-ops (README, "Accepted and ignored").
     numa: bool | None = None
-    num_batch: int | None = None
-    num_gpu: int | None = None
-    main_gpu: int | None = None
+    num_batch: OptionInteger | None = None
+    num_gpu: OptionInteger | None = None
+    main_gpu: OptionInteger | None = None
     low_vram: bool | None = None
     f16_kv: bool | None = None
     logits_all: bool | None = None
@@ -132,7 +158,7 @@ class OllamaOptions(_WireRequestModel):
     use_mmap: bool | None = None
     use_mlock: bool | None = None
     embedding_only: bool | None = None
-    num_thread: int | None = None
+    num_thread: OptionInteger | None = None
 
 
 class _GenerationRequest(_WireRequestModel):

@@ -1,6 +1,8 @@
 """Dashboard sessions: `POST /auth/session {"api_key"}` checks the key and sets the session
 cookie (HttpOnly, SameSite=Strict: an `EventSource` sends it, page scripts cannot read it,
 other sites cannot make the browser send it); `DELETE /auth/session` clears it.
+A key that is not valid counts against the client's address like one in a header
+(`exo.api.guards.throttle`); a locked-out address gets 429 before this route runs.
 
 The cookie holds an HMAC of the key with the node's session secret (`exo.api.guards.auth`), never
 the key; it stops working when the key is revoked. Both routes need no key themselves.
@@ -12,6 +14,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, SecretStr
 
 from exo.api.guards.auth import SESSION_COOKIE, SESSION_PATH, ApiAuth
+from exo.api.guards.throttle import AuthThrottle
 from exo.api.wire.errors import ApiError
 
 router = APIRouter()
@@ -41,6 +44,10 @@ async def sign_in(body: SessionRequest, request: Request) -> Response:
         return response
     cookie = auth.session_cookie(body.api_key.get_secret_value())
     if cookie is None:
+        throttle: AuthThrottle | None = getattr(request.app.state, "auth_throttle", None)
+        host = request.client.host if request.client else None
+        if throttle is not None and auth.guesses_matter(host):
+            throttle.record_failure(host)
         raise InvalidApiKeyError("the API key is not valid")
     response.set_cookie(
         SESSION_COOKIE,

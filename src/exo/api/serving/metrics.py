@@ -28,6 +28,14 @@ Read from the cluster state at each scrape (the same on every node):
 - `exo_event_index`: the last cluster event this node applied; `exo_event_replay_lag`:
   events the elected master holds that this node has not applied yet.
 
+Kept by this node's brute-force throttle (`exo.api.guards.throttle`):
+- `exo_auth_failures_total`: requests refused for a credential that is not valid (API key,
+  session cookie, peer credential, `POST /auth/session`'s key), from addresses that need a
+  key; `exo_auth_lockouts_total`: lockouts begun; `exo_auth_throttled_requests_total`:
+  requests answered 429 because their address was locked out.
+- `exo_auth_locked_addresses`: addresses locked out now; `exo_auth_tracked_addresses`:
+  addresses with failures on record (at most `MAX_TRACKED_ADDRESSES`).
+
 Reported by this node's own runners (node-local, not in the cluster state):
 - `exo_kv_cache_tokens{runner, model, holder}`: KV-cache tokens held by running requests
   (`holder="running"`) and by the prefix cache (`"prefix_cache"`), in the budget's tokens
@@ -45,12 +53,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exo.api.guards.limits import is_generation
+from exo.api.guards.throttle import AuthThrottle
 from exo.shared.types.chunks import Chunk, PrefillProgressChunk, TokenChunk
 from exo.shared.types.common import ModelId
 from exo.shared.types.nodes import DownloadOngoing
@@ -83,6 +92,7 @@ class ApiMetrics:
         master_event_index: the last event index the elected master announced (None while
             unknown); None: no replay-lag metric.
         admission: this node's admission, for its in-flight and waiting counts per model.
+        auth_throttle: the brute-force throttle whose counts to export (None: none).
     """
 
     def __init__(
@@ -91,6 +101,7 @@ class ApiMetrics:
         master_event_index: Callable[[], int | None] | None = None,
         admission: AdmissionCounts | None = None,
         kv_cache: Callable[[], list[KVCacheUse]] = list,
+        auth_throttle: AuthThrottle | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
@@ -151,6 +162,43 @@ class ApiMetrics:
             registry=registry,
         )
         registry.register(StateCollector(current_state, master_event_index, admission, kv_cache))
+        if auth_throttle is not None:
+            registry.register(AuthThrottleCollector(auth_throttle))
+
+
+class AuthThrottleCollector(Collector):
+    """The brute-force throttle's counts, read at each scrape."""
+
+    def __init__(self, throttle: AuthThrottle) -> None:
+        self._throttle = throttle
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        throttle = self._throttle
+        counters = (
+            ("exo_auth_failures", "Requests refused for a credential that is not valid",
+             throttle.failures_total),
+            ("exo_auth_lockouts", "Addresses locked out after repeated failed credentials",
+             throttle.lockouts_total),
+            ("exo_auth_throttled_requests", "Requests answered 429 during a lockout",
+             throttle.refusals_total),
+        )  # fmt: skip
+        for name, documentation, value in counters:
+            counter = CounterMetricFamily(name, documentation)
+            counter.add_metric((), value)
+            yield counter
+        yield GaugeMetricFamily(
+            "exo_auth_locked_addresses",
+            "Client addresses locked out now after failed credentials",
+            value=throttle.locked_addresses(),
+        )
+        yield GaugeMetricFamily(
+            "exo_auth_tracked_addresses",
+            "Client addresses with failed credentials on record",
+            value=throttle.tracked_addresses,
+        )
 
 
 class StateCollector(Collector):

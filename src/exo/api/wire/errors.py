@@ -160,18 +160,105 @@ def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str
     return "; ".join(descriptions), first_param
 
 
+SCALAR_TYPE_ERRORS = frozenset({"int_type", "float_type", "bool_type", "string_type"})
+"""pydantic's error types for a value of the wrong JSON type where a number, boolean or
+string belongs. Request models are strict (`exo.api.wire.request_model`), so `"12"`,
+`true` or `12.0` for an integer, `"0.5"` for a number and `"yes"` or `1` for a boolean
+all end up here."""
+
+
+def first_scalar_type_error(
+    errors: Sequence[Mapping[str, Any]],
+) -> tuple[tuple[str | int, ...], str, Any] | None:
+    """(location without FastAPI's source segment, pydantic error type, the value sent)
+    when the first failing field failed only for being of the wrong scalar type, else None.
+    A field that is a union of several types (each branch its own error) is not one."""
+    if not errors:
+        return None
+    location = tuple(errors[0].get("loc", ()))
+    same_field = [error for error in errors if tuple(error.get("loc", ())) == location]
+    if len(same_field) != 1 or same_field[0].get("type") not in SCALAR_TYPE_ERRORS:
+        return None
+    if location and location[0] in ("body", "query", "path", "header"):
+        location = location[1:]
+    return location, str(same_field[0]["type"]), same_field[0].get("input")
+
+
+_OPENAI_EXPECTED = {
+    "int_type": "an integer",
+    "float_type": "a decimal",
+    "bool_type": "a boolean",
+    "string_type": "a string",
+}
+
+
+def _openai_kind(value: Any) -> str:
+    match value:
+        case None:
+            return "null"
+        case bool():
+            return "a boolean"
+        case int():
+            return "an integer"
+        case float():
+            return "a decimal number"
+        case str():
+            return "a string"
+        case list():
+            return "an array"
+        case _:
+            return "an object"
+
+
+def describe_openai_validation_errors(
+    path: str, errors: Sequence[Mapping[str, Any]]
+) -> tuple[str, str | None, str | None]:
+    """OpenAI's wording for a value of the wrong type (code `invalid_type`): "Invalid type
+    for 'max_tokens': expected an integer, but got a string instead." (OpenAI names the
+    first such field only); `describe_validation_errors` for everything else.
+
+    Returns:
+        (message, param, code).
+    """
+    mismatch = first_scalar_type_error(errors)
+    if mismatch is None:
+        return (*describe_validation_errors(errors), None)
+    location, error_type, value = mismatch
+    param = param_from_location(location)
+    message = (
+        f"Invalid type for '{param}': expected {_OPENAI_EXPECTED[error_type]}, but got "
+        f"{_openai_kind(value)} instead."
+    )
+    return message, param, "invalid_type"
+
+
+def describe_plain_validation_errors(
+    path: str, errors: Sequence[Mapping[str, Any]]
+) -> tuple[str, str | None, str | None]:
+    """`describe_validation_errors` with no code: pydantic's own sentences, which are
+    Anthropic's too ("max_tokens: Input should be a valid integer")."""
+    return (*describe_validation_errors(errors), None)
+
+
 ErrorBodyRenderer = Callable[[int, str, str, "str | None", "str | None"], dict[str, Any]]
 """(HTTP status, OpenAI-style error type, message, param, code) -> the dialect's JSON body."""
+ValidationDescriber = Callable[
+    [str, Sequence[Mapping[str, Any]]], tuple[str, "str | None", "str | None"]
+]
+"""(request path, pydantic errors of the body) -> (message, param, code), worded as the
+dialect's reference API words a body that does not match its schema."""
 
 
 @dataclass(frozen=True, slots=True)
 class ErrorDialect:
-    """How the routes under `path_prefixes` shape error bodies. (A body that does not match
-    the schema is a 400 in every dialect, as OpenAI, Anthropic and Ollama answer it.)"""
+    """How the routes under `path_prefixes` shape error bodies and word a body that does
+    not match the schema (a 400 in every dialect, as OpenAI, Anthropic and Ollama answer
+    it)."""
 
     name: str
     path_prefixes: tuple[str, ...]
     render: ErrorBodyRenderer
+    describe: ValidationDescriber = describe_plain_validation_errors
 
     def matches(self, path: str) -> bool:
         return any(path == prefix or path.startswith(prefix + "/") for prefix in self.path_prefixes)
@@ -215,5 +302,5 @@ def _render_openai(
     return openai_error_body(message, error_type, param, code)
 
 
-OPENAI_ERRORS = ErrorDialect("openai", (), _render_openai)
+OPENAI_ERRORS = ErrorDialect("openai", (), _render_openai, describe_openai_validation_errors)
 """The default for every route no other dialect claims."""

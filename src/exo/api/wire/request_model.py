@@ -5,6 +5,13 @@ Open WebUI send fields a local model has no use for. A field a request model doe
 declare is therefore ignored rather than refused, and logged at debug level (run `exo -v`
 to see which), so that a field that silently changes nothing is at least visible. Declared
 fields each have an effect, a 400, or a place on the README's list of compatibility no-ops.
+
+Declared fields are strict (pydantic's strict mode), as OpenAI's, Anthropic's and Ollama's
+servers are: no string is read as a number or boolean (`"max_tokens": "12"`, `"stream":
+"yes"`), no boolean or decimal number as an integer (`true`, `2.0`), no number as a
+boolean. An integer is still a valid number. Each dialect words the refusal as its
+reference API does (`ErrorDialect.describe`); where a reference API converts (Ollama's
+integer `options`), the field says so with its own type.
 """
 
 from __future__ import annotations
@@ -32,10 +39,10 @@ def _known_names(model: type[BaseModel]) -> frozenset[str]:
 
 
 class WireRequestModel(BaseModel):
-    """Frozen; unknown fields are ignored and logged at debug level (see the module
-    docstring). Models that keep unknown fields (`extra="allow"`) log nothing."""
+    """Frozen and strict; unknown fields are ignored and logged at debug level (see the
+    module docstring). Models that keep unknown fields (`extra="allow"`) log nothing."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,89 @@
+"""How Ollama words a request body of the wrong types, so that its clients read the same
+sentence from exo.
+
+Ollama decodes a body with Go's `encoding/json` into its request structs (`api/types.go`),
+which refuses a JSON value of another type than the field's ("json: cannot unmarshal string
+into Go struct field ChatRequest.stream of type bool"), and reads `options` into a map first,
+then converts each entry with its own check (`Options.FromMap`: `option "top_k" must be of
+type integer`). exo's request models are strict in the same places; this module only words
+their errors. (Facts from Ollama's source; no code taken.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from exo.api.wire.errors import (
+    describe_validation_errors,
+    first_scalar_type_error,
+)
+
+# The Go struct each route decodes into (the name Go's error gives).
+_STRUCTS = {
+    "/api/chat": "ChatRequest",
+    "/api/generate": "GenerateRequest",
+    "/api/embed": "EmbedRequest",
+    "/api/embeddings": "EmbeddingRequest",
+    "/api/show": "ShowRequest",
+    "/api/pull": "PullRequest",
+    "/api/delete": "DeleteRequest",
+}
+_GO_TYPES = {
+    "int_type": "int",
+    "float_type": "float64",
+    "bool_type": "bool",
+    "string_type": "string",
+}
+_OPTION_TYPES = {
+    "int_type": "integer",
+    "float_type": "float32",
+    "bool_type": "boolean",
+    "string_type": "string",
+}
+
+
+def _go_kind(value: Any) -> str:
+    match value:
+        case bool():
+            return "bool"
+        case int() | float():
+            return f"number {value!r}"
+        case str():
+            return "string"
+        case list():
+            return "array"
+        case _:
+            return "object"
+
+
+def describe_ollama_validation_errors(
+    path: str, errors: Sequence[Mapping[str, Any]]
+) -> tuple[str, str | None, str | None]:
+    """Go's sentence for a field of the wrong type, `Options.FromMap`'s for an option of
+    the wrong type, else pydantic's sentences (`describe_validation_errors`).
+
+    Args:
+        path: the request's path (`/ollama/api/chat`), which names the Go struct.
+
+    Returns:
+        (message, the field at fault in dotted form, None).
+    """
+    mismatch = first_scalar_type_error(errors)
+    if mismatch is None:
+        return (*describe_validation_errors(errors), None)
+    location, error_type, value = mismatch
+    names = [str(part) for part in location if isinstance(part, str)]
+    param = ".".join(names) or None
+    if len(names) == 2 and names[0] == "options":
+        if error_type == "int_type" and isinstance(value, float):
+            # Only `num_predict` refuses a number with a fraction (the token-limit rule,
+            # not Ollama's): no Ollama sentence says so.
+            return (*describe_validation_errors(errors), None)
+        return f'option "{names[1]}" must be of type {_OPTION_TYPES[error_type]}', param, None
+    struct = next((name for suffix, name in _STRUCTS.items() if path.endswith(suffix)), "Request")
+    message = (
+        f"json: cannot unmarshal {_go_kind(value)} into Go struct field {struct}.{param} of "
+        f"type {_GO_TYPES[error_type]}"
+    )
+    return message, param, None
