@@ -10,13 +10,18 @@
 // integers and scales as mxfp4.py's mxfp4_int8_blocks) with int16 activations. The
 // activation is torch's own operators on tensors of the same shapes, in the same order as
 // families/gpt_oss.py's ClampedSwiglu (`(clamp(up, -limit, limit) + 1) * (g * sigmoid(g *
-// alpha))`, g = min(gate, limit); transformers' GptOssExperts), and the weighted outputs are added into each row in ascending expert
-// order, as moe.dispatch's index_add_ adds them. So the result is bit for bit the
-// per-expert path's (tested: ../../tests/test_moe_mxfp4_native.py). What it saves is the
-// ~25 torch operators (two mxfp4_linear calls, a concatenation, the bias, the activation's
-// six, the down product and its bias, the gather, weighting and scatter) a Python expert
-// call dispatches, per expert per layer: a decode step of gpt-oss-20b chooses 4 experts in
-// each of its 24 layers (figures: docs/benchmarks/2026-12-06-mxfp4-experts.md).
+// alpha))`, g = min(gate, limit); transformers' GptOssExperts), and the weighted outputs
+// are added into each row in ascending expert order, as moe.dispatch's index_add_ adds
+// them. So the result is bit for bit the per-expert path's (tested:
+// ../../tests/test_moe_mxfp4_native.py).
+//
+// What it saves is the ~25 torch operators a Python expert call dispatches per expert per
+// layer (two mxfp4_linear calls, a concatenation, the bias, the activation's six, the down
+// product and its bias, the gather, weighting and scatter): a decode step of gpt-oss-20b
+// chooses 4 experts in each of its 24 layers. At its shapes that was about a tenth of a
+// decode step's MoE-block CPU time, and the call sits at the cost of its products alone;
+// past decode_max_rows the int8 blocks come from byte shuffles (mxfp4.cpp), faster than
+// mxfp4.py's table gather (figures: docs/benchmarks/2026-12-06-mxfp4-experts.md).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

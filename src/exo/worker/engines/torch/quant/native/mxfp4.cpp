@@ -148,10 +148,18 @@ std::pair<at::Tensor, at::Tensor> mxfp4_int8_blocks(const at::Tensor& blocks,
   uint16_t* scale_bits = reinterpret_cast<uint16_t*>(block_scales.data_ptr<at::BFloat16>());
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(groups, 1));
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+#ifdef EXO_AVX2  // a block's 32 values by two byte shuffles (a byte loop took 2x torch's gather)
+    const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kDoubled));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    for (int64_t b = n0 * groups; b < n1 * groups; ++b)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(value + b * kBlock),
+                          block_values(bytes + b * kBlockBytes, table, nibble));
+#else
     for (int64_t i = n0 * groups * kBlockBytes; i < n1 * groups * kBlockBytes; ++i) {
       value[2 * i] = kDoubled[bytes[i] & 0x0F];
       value[2 * i + 1] = kDoubled[bytes[i] >> 4];
     }
+#endif
     for (int64_t i = n0 * groups; i < n1 * groups; ++i) {
       const float scale = doubled_scale(scale_bytes[i]);
       uint32_t bits;
