@@ -6,9 +6,10 @@ A step's rows are routed and grouped by expert (`moe.dispatch`): each chosen exp
 weights are read once for all of its rows. Where every held expert is a plain gated MLP of
 exo's native int4 linears (Qwen3-MoE, Mixtral, ... quantized to int4), all of a step's
 chosen experts run in one native call (`NativeInt4Experts`, `native/moe_experts.cpp`), the
-same products bit for bit without a Python call per expert. A rank holding part of the
-block (a tensor rank's slices of every expert, an expert rank's experts) all-reduces the
-summed output once.
+same products bit for bit without a Python call per expert; gpt-oss's MXFP4 experts
+(biased, clamped SwiGLU) likewise (`NativeMxfp4Experts`, `native/moe_mxfp4_experts.cpp`).
+A rank holding part of the block (a tensor rank's slices of every expert, an expert rank's
+experts) all-reduces the summed output once.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from exo.worker.engines.torch.model.direct_forward_parts import (
     mlp_activation,
 )
 from exo.worker.engines.torch.model.families import ModelFamily
+from exo.worker.engines.torch.model.families.gpt_oss import ClampedSwiglu
 from exo.worker.engines.torch.model.families.spec import ExpertActivation
 from exo.worker.engines.torch.model.moe import (
     GATED_MLP_NAMES,
@@ -39,8 +41,8 @@ from exo.worker.engines.torch.model.moe import (
     router_weight,
 )
 from exo.worker.engines.torch.quant.int4_groups import Int4Linear
-from exo.worker.engines.torch.quant.mxfp4 import Mxfp4Linear, Mxfp4Projection
-from exo.worker.engines.torch.quant.native_kernels import built_int4_kernel
+from exo.worker.engines.torch.quant.mxfp4 import NATIVE_MAX_ROWS, Mxfp4Linear, Mxfp4Projection
+from exo.worker.engines.torch.quant.native_kernels import built_int4_kernel, native_int4_kernel
 from exo.worker.engines.torch.quant.quantized_linear import DECODE_ROWS
 
 
@@ -222,6 +224,124 @@ class NativeInt4Experts:
         return out
 
 
+# One MXFP4 expert as `moe_mxfp4_experts` takes it: its gate, up and down linears' blocks,
+# scales and float32 biases (empty: none), in that order.
+_Mxfp4Weights = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
+_NO_BIAS = torch.empty(0)
+
+
+def _mxfp4_weights(expert: LeanExpert) -> _Mxfp4Weights | None:
+    """`expert`'s MXFP4 weights as the native call takes them, None where it is not a gate
+    and an up `Mxfp4Linear` of one width and a down one back, contiguous. The biases are
+    the ones its `Mxfp4Projection`s add (gate and up: both or neither)."""
+    gate_up, down = expert.gate_up, expert.down
+    if not isinstance(gate_up, Mxfp4Projection) or not isinstance(down, Mxfp4Projection):
+        return None
+    if len(gate_up.modules) != 2 or len(down.modules) != 1:
+        return None
+    (gate, up), (down_linear,) = gate_up.modules, down.modules
+    width = gate.out_features
+    if up.out_features != width or down_linear.in_features != width:
+        return None
+    linears = (gate, up, down_linear)
+    if not all(
+        linear.blocks.is_contiguous() and linear.scales.is_contiguous() for linear in linears
+    ):
+        return None
+    gate_bias = up_bias = _NO_BIAS
+    if gate_up.bias is not None:
+        gate_bias, up_bias = gate_up.bias[:width].contiguous(), gate_up.bias[width:].contiguous()
+    down_bias = _NO_BIAS if down.bias is None else down.bias.contiguous()
+    return (
+        tuple(linear.blocks.detach() for linear in linears),
+        tuple(linear.scales.detach() for linear in linears),
+        (gate_bias, up_bias, down_bias),
+    )
+
+
+class NativeMxfp4Experts:
+    """A MoE block's routed experts held as MXFP4 with gpt-oss's clamped SwiGLU (each a
+    gate and an up `Mxfp4Linear` `[I, hidden]` and a down one `[hidden, I]`, biased or
+    not), run by one native call per step (`torch.ops.exo_native.moe_mxfp4_experts`,
+    `native/moe_mxfp4_experts.cpp`) instead of one `LeanExpert` call per chosen expert:
+    the same products (`mxfp4_linear`'s), activation operators and summation order, so the
+    output is `moe.dispatch`'s bit for bit, without ~25 torch operators dispatched from
+    Python per expert per layer (figures: docs/benchmarks/2026-12-06-mxfp4-experts.md).
+    """
+
+    __slots__ = ("activation", "weights")
+
+    def __init__(self, activation: ClampedSwiglu, weights: list[_Mxfp4Weights | None]) -> None:
+        self.activation = activation
+        self.weights = weights
+
+    @classmethod
+    def of(cls, experts: list[ExpertFunction | None]) -> NativeMxfp4Experts | None:
+        """The native form of `experts` (per expert id, a `LeanExpert` or None where this
+        rank does not hold it), or None where some held expert is not an MXFP4 gate / up /
+        down with one `ClampedSwiglu`, or the per-expert path would not take exo's MXFP4
+        kernels (`mxfp4_linear`: `native_int4_kernel`)."""
+        weights: list[_Mxfp4Weights | None] = []
+        activations: set[ClampedSwiglu] = set()
+        for expert in experts:
+            if expert is None:
+                weights.append(None)
+                continue
+            if not isinstance(expert, LeanExpert) or not isinstance(expert.gated, ClampedSwiglu):
+                return None
+            held = _mxfp4_weights(expert)
+            if held is None:
+                return None
+            weights.append(held)
+            activations.add(expert.gated)
+        if len(activations) != 1 or native_int4_kernel() is None:
+            return None
+        if not hasattr(torch.ops.exo_native, "moe_mxfp4_experts"):
+            return None
+        return cls(activations.pop(), weights)
+
+    def __call__(
+        self, rows: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """`moe.dispatch(rows, experts, weights, ...)` for these experts.
+
+        Args:
+            rows: `[T, hidden]` float32.
+            experts / weights: `route`'s `[T, k]` choices (int64) and weights (float32).
+
+        Returns:
+            `[T, hidden]` float32: the sum over each row's held experts of weight × output.
+        """
+        count, per_token = experts.shape
+        flat = experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # choices grouped by expert, rows ascending
+        row_of = order // per_token
+        weight_of = weights.reshape(-1).float().index_select(0, order)
+        counts = torch.bincount(flat, minlength=len(self.weights)).tolist()
+        spans: list[int] = []
+        blocks: list[torch.Tensor] = []
+        scales: list[torch.Tensor] = []
+        biases: list[torch.Tensor] = []
+        start = 0
+        for expert, routed in enumerate(counts):
+            if routed == 0:
+                continue
+            held = self.weights[expert]
+            if held is not None:
+                spans += (start, start + routed)
+                blocks += held[0]
+                scales += held[1]
+                biases += held[2]
+            start += routed
+        if not spans:
+            return torch.zeros(count, rows.shape[-1], dtype=torch.float32)
+        out: torch.Tensor = torch.ops.exo_native.moe_mxfp4_experts(
+            rows.float().contiguous(), row_of, weight_of.contiguous(), spans, blocks, scales,
+            biases, self.activation.alpha, self.activation.limit, NATIVE_MAX_ROWS,
+        )  # fmt: skip
+        return out
+
+
 def _expert_projections(
     expert: nn.Module, family: ModelFamily, bf16: bool
 ) -> tuple[Projection | Mxfp4Projection, Projection | Mxfp4Projection]:
@@ -285,7 +405,9 @@ class LeanMoe:
             gated = expert.gated
             activation = None if gated is not None else mlp_activation(expert)
             self.experts[expert_id] = LeanExpert(gate_up, down, activation, gated)
-        self.native = NativeInt4Experts.of(self.experts)
+        self.native: NativeInt4Experts | NativeMxfp4Experts | None = NativeInt4Experts.of(
+            self.experts
+        ) or NativeMxfp4Experts.of(self.experts)
         self.reduce = routed.reduce
         if self.shared is not None and self.shared.partial and not self.reduce:
             raise LeanUnsupportedError("a tensor-split shared expert beside whole experts")

@@ -92,7 +92,9 @@ def mxfp4_linear(rows: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor)
     `[out, in / 32]`) transposed: `[T, out]` in the rows' dtype. exo's fused kernel for
     float32 rows up to `NATIVE_MAX_ROWS` where it runs (`native_int4_kernel`), else
     widening `WIDEN_ROWS` output rows of the weight at a time (no whole float copy of the
-    weight)."""
+    weight). A MoE block's experts make the same choices in one native call
+    (`native/moe_mxfp4_experts.cpp`, bit for bit this function's products): change both
+    together (test_moe_mxfp4_native.py checks them equal)."""
     if rows.device.type == "cpu" and native_int4_kernel() is not None:
         if rows.dtype == torch.float32 and rows.shape[0] <= NATIVE_MAX_ROWS:
             product: torch.Tensor = torch.ops.exo_native.mxfp4_gemv(

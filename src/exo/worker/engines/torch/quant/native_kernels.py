@@ -6,7 +6,7 @@ prefill products (`prefill.cpp`), prefill's gated activation and q/k norm + rota
 (`prefill_ops.cpp`), a one-pass RMSNorm, and a whole decoder layer's decode step
 (`decode_layer.cpp`, called by `direct_forward.LeanModel` for decode steps, a short prompt
 chunk beside the decode rows included) and a MoE block's int4 routed experts in one call
-(`moe_experts.cpp`).
+(`moe_experts.cpp`; MXFP4 ones: `moe_mxfp4_experts.cpp`).
 
 torch's `aten._weight_int4pack_mm_for_cpu` is fast where torch dispatches to AVX512 (its
 tiled kernel reads the packed weights at memory speed) but on AVX2-only CPUs (AMD Zen 1-3,
@@ -69,6 +69,7 @@ _SOURCES = tuple(
         "prefill_bf16.cpp",
         "prefill_ops.cpp",
         "moe_experts.cpp",
+        "moe_mxfp4_experts.cpp",
     )
 )
 _HEADERS = (

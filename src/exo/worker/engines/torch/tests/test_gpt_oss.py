@@ -26,6 +26,7 @@ from exo.worker.engines.torch.batching.batch_attention import (
     sink_attention,
 )
 from exo.worker.engines.torch.model.direct_forward import LeanModel
+from exo.worker.engines.torch.model.direct_forward_moe import NativeMxfp4Experts
 from exo.worker.engines.torch.model.families import family_by_name
 from exo.worker.engines.torch.model.families.gpt_oss import clamped_swiglu
 from exo.worker.engines.torch.model.fused_experts import FusedExperts
@@ -380,6 +381,25 @@ def test_mxfp4_moe_block_relative_error(gpt_oss_dir: Path, mxfp4_dir: Path) -> N
     error = float((got - expected).norm() / expected.norm())
     print(f"MXFP4 MoE block relative error {error:.3g}")
     assert 0 < error < MXFP4_BLOCK_ERROR
+
+
+def test_mxfp4_moe_block_runs_its_experts_in_one_native_call(mxfp4_dir: Path) -> None:
+    """Where exo's kernels run, the lean forward's MoE block of the MXFP4 checkpoint takes
+    the native experts call (`NativeMxfp4Experts`), the per-expert path's output bit for
+    bit (decode rows and a prompt's; the call itself: test_moe_mxfp4_native.py)."""
+    if native_int4_kernel() is None:
+        pytest.skip("exo's native kernels are not built here")
+    moe = lean_step_of(_load(mxfp4_dir)).layers[0].moe  # type: ignore[union-attr]
+    assert moe is not None and isinstance(moe.native, NativeMxfp4Experts)
+    native = moe.native
+    generator = torch.Generator().manual_seed(1)
+    for count in (1, 200):
+        rows = torch.nn.functional.rms_norm(torch.randn(count, 64, generator=generator), (64,))
+        moe.native = native
+        with torch.inference_mode():
+            got = moe(rows)
+            moe.native = None
+            assert torch.equal(got, moe(rows))
 
 
 def test_mxfp4_expert_rank_holds_only_its_experts(mxfp4_dir: Path) -> None:

@@ -10,6 +10,7 @@ transformers' `modeling_gpt_oss.py` (5.25) defines them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,19 +47,29 @@ def routing(config: PretrainedConfig) -> Routing:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ClampedSwiglu:
+    """gpt-oss's expert activation: the gate clamped above at `limit`, the up projection to
+    ±`limit`, `(up + 1) * gate * sigmoid(alpha * gate)` (transformers'
+    `GptOssExperts._apply_gate`). A value, not a closure, so the native MXFP4 experts call
+    (`direct_forward_moe.NativeMxfp4Experts`) can read `alpha` and `limit`; it repeats
+    these operators in this order, so change both together."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 def clamped_swiglu(config: PretrainedConfig) -> ExpertActivation:
-    """gpt-oss's expert activation: the gate clamped above at `swiglu_limit`, the up
-    projection to ±`swiglu_limit`, `(up + 1) * gate * sigmoid(swiglu_alpha * gate)`
-    (transformers' `GptOssExperts._apply_gate`; alpha 1.702, limit 7.0 by default)."""
-    alpha = float(getattr(config, "swiglu_alpha", 1.702))
-    limit = float(config.swiglu_limit)
-
-    def gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-
-    return gated
+    """The config's `ClampedSwiglu` (`swiglu_alpha`, default 1.702; `swiglu_limit`, 7.0
+    in gpt-oss's configs)."""
+    return ClampedSwiglu(
+        alpha=float(getattr(config, "swiglu_alpha", 1.702)), limit=float(config.swiglu_limit)
+    )
 
 
 def tiny_model(settings: dict[str, Any]) -> PreTrainedModel:

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -102,6 +103,16 @@ void int8_block_product(const float* x, int64_t rows, int64_t k, const at::Tenso
 // bfloat16 [out, k / S], S = 16 or 32); see int8_blocks.cpp.
 void int8_scaled_product(const float* x, int64_t rows, int64_t k, const at::Tensor& values,
                          const at::Tensor& scales, float* y);
+
+// y[rows, out] = x[rows, k] times an MXFP4 weight (blocks uint8 [out, k / 32, 16], scale
+// bytes uint8 [out, k / 32]); see mxfp4.cpp.
+void mxfp4_product(const float* x, int64_t rows, int64_t k, const uint8_t* blocks,
+                   const uint8_t* scale_bytes, int64_t out, float* y);
+
+// The same MXFP4 weight as symmetric int8 blocks of 32 (values int8 [out, k], scales
+// bfloat16 [out, k / 32]) for `block_matmul`, bit for bit the weight; see mxfp4.cpp.
+std::pair<at::Tensor, at::Tensor> mxfp4_int8_blocks(const at::Tensor& blocks,
+                                                    const at::Tensor& scales);
 
 // 5-bit lanes (int5_blocks.cpp): a row of k inputs (k / 32 blocks) is held in groups of 3
 // blocks of 64 bytes, the last group zero-padded: its bytes.

@@ -21,6 +21,9 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "block_rows.h"
@@ -80,9 +83,14 @@ struct Mxfp4Blocks {
 };
 #endif
 
+}  // namespace
+
+namespace exo_native {
+
 // y[rows, n] = x[rows, k] W^T for W held as MXFP4 (blocks [n, k / 32, 16], scales [n, k / 32]).
 void mxfp4_product(const float* xp, int64_t rows, int64_t k, const uint8_t* blocks,
                    const uint8_t* scale_bytes, int64_t n, float* yp) {
+  using namespace block_rows;
   if (rows == 0 || n == 0) return;
   const int64_t groups = k / kBlock;
   const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / std::max<int64_t>(k, 1));
@@ -126,6 +134,63 @@ void mxfp4_product(const float* xp, int64_t rows, int64_t k, const uint8_t* bloc
 #endif
 }
 
+// The doubled values as int8 [n, k] and the scales as bfloat16 2 ** (s - 128) [n, k / 32]
+// (powers of two down to 2 ** -128, a bfloat16 subnormal: exact), the weight bit for bit.
+std::pair<at::Tensor, at::Tensor> mxfp4_int8_blocks(const at::Tensor& blocks,
+                                                    const at::Tensor& scales) {
+  using block_rows::kBlock;
+  const int64_t n = blocks.size(0), groups = blocks.size(1);
+  at::Tensor values = at::empty({n, groups * kBlock}, blocks.options().dtype(at::kChar));
+  at::Tensor block_scales = at::empty({n, groups}, blocks.options().dtype(at::kBFloat16));
+  const uint8_t* bytes = blocks.data_ptr<uint8_t>();
+  const uint8_t* scale_bytes = scales.data_ptr<uint8_t>();
+  int8_t* value = values.data_ptr<int8_t>();
+  uint16_t* scale_bits = reinterpret_cast<uint16_t*>(block_scales.data_ptr<at::BFloat16>());
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(groups, 1));
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+#ifdef EXO_AVX2  // a block's 32 values by two byte shuffles (a byte loop took 2x torch's gather)
+    const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kDoubled));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    for (int64_t b = n0 * groups; b < n1 * groups; ++b)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(value + b * kBlock),
+                          block_values(bytes + b * kBlockBytes, table, nibble));
+#else
+    for (int64_t i = n0 * groups * kBlockBytes; i < n1 * groups * kBlockBytes; ++i) {
+      value[2 * i] = kDoubled[bytes[i] & 0x0F];
+      value[2 * i + 1] = kDoubled[bytes[i] >> 4];
+    }
+#endif
+    for (int64_t i = n0 * groups; i < n1 * groups; ++i) {
+      const float scale = doubled_scale(scale_bytes[i]);
+      uint32_t bits;
+      std::memcpy(&bits, &scale, sizeof(bits));
+      scale_bits[i] = static_cast<uint16_t>(bits >> 16);  // the low half is zero
+    }
+  });
+  return {values, block_scales};
+}
+
+}  // namespace exo_native
+
+namespace {
+
+void check_mxfp4(const at::Tensor& blocks, const at::Tensor& scales, const char* op) {
+  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == kBlockBytes &&
+                  blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              op, ": blocks must be a contiguous uint8 [out, in / 32, 16] tensor");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == blocks.size(0) &&
+                  scales.size(1) == blocks.size(1) && scales.scalar_type() == at::kByte &&
+                  scales.is_contiguous(),
+              op, ": scales must be a contiguous uint8 [out, in / 32] tensor");
+}
+
+std::tuple<at::Tensor, at::Tensor> mxfp4_int8_blocks_op(const at::Tensor& blocks,
+                                                        const at::Tensor& scales) {
+  check_mxfp4(blocks, scales, "mxfp4_int8_blocks");
+  auto [values, block_scales] = exo_native::mxfp4_int8_blocks(blocks, scales);
+  return {values, block_scales};
+}
+
 at::Tensor mxfp4_gemv(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "mxfp4_gemv: x must be a contiguous float32 [rows, in] tensor");
@@ -139,7 +204,7 @@ at::Tensor mxfp4_gemv(const at::Tensor& x, const at::Tensor& blocks, const at::T
                   scales.scalar_type() == at::kByte && scales.is_contiguous(),
               "mxfp4_gemv: scales must be a contiguous uint8 [out, in / 32] tensor");
   at::Tensor y = at::empty({rows, n}, x.options());
-  mxfp4_product(x.data_ptr<float>(), rows, k, blocks.data_ptr<uint8_t>(),
+  exo_native::mxfp4_product(x.data_ptr<float>(), rows, k, blocks.data_ptr<uint8_t>(),
                 scales.data_ptr<uint8_t>(), n, y.data_ptr<float>());
   return y;
 }
@@ -148,6 +213,10 @@ at::Tensor mxfp4_gemv(const at::Tensor& x, const at::Tensor& blocks, const at::T
 
 TORCH_LIBRARY_FRAGMENT(exo_native, m) {
   m.def("mxfp4_gemv(Tensor x, Tensor blocks, Tensor scales) -> Tensor");
+  m.def("mxfp4_int8_blocks(Tensor blocks, Tensor scales) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(exo_native, CPU, m) { m.impl("mxfp4_gemv", &mxfp4_gemv); }
+TORCH_LIBRARY_IMPL(exo_native, CPU, m) {
+  m.impl("mxfp4_gemv", &mxfp4_gemv);
+  m.impl("mxfp4_int8_blocks", &mxfp4_int8_blocks_op);
+}
