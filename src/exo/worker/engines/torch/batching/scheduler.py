@@ -34,6 +34,20 @@ steps (at most ceil(decoding / max_in_flight) rows each), and a prompt's next ch
 while its previous one is in flight (every rank runs the steps in launch order, so its KV is
 written first). Cache operations (admissions, releases) are recorded in that same order, so
 every rank applies them between the same two steps.
+
+Speculative decoding (`decoding/speculative_drafts.py`, `speculative_policy.py`): on a
+single rank (`launch` None, one step in flight) a decoding request may carry a draft of k
+guessed tokens from the `draft_source`. Its step then holds k + 1 decode rows, the fed token
+and the draft tokens at the next positions, laid out from the last position down: every one
+is a decode row to the attention (`BatchPlan.repeated_slots`; the native decode layer takes
+a run of one slot's ascending positions for a prompt chunk, attended by another kernel),
+so each position's logits come from the same kernels as a plain decode step's. The step's
+rows stay within `max_decode_rows` (the quantized linears switch kernel above it), drafts
+go only into steps without prompt rows, and drafts are dropped before anything is
+pre-empted for their KV. The request verifies its rows in order (`RequestState.
+accept_drafts`); the KV of rejected positions is rolled back by committing only the
+accepted length (`SlotKVCache.commit`; later steps overwrite those positions), so the
+prefix cache stores only verified tokens.
 """
 
 from __future__ import annotations
@@ -69,6 +83,14 @@ from exo.worker.engines.torch.batching.prompt_images import (
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.decoding.sampling import SampledToken
+from exo.worker.engines.torch.decoding.speculative_drafts import DraftRequest, DraftSource
+from exo.worker.engines.torch.decoding.speculative_policy import (
+    AutoSwitch,
+    DraftLength,
+    SpeculationCounters,
+    SpeculationSettings,
+)
+from exo.worker.engines.torch.quant.quantized_linear import NATIVE_BLOCK_MAX_ROWS
 
 # Prompt tokens prefilled per step, over all prefilling requests, while other requests are
 # decoding, until step times have been measured (then `PrefillChunkSizer` sizes the chunk).
@@ -112,6 +134,8 @@ class _Running:
     admitted: int  # admission order (pre-emption takes the latest)
     # A launched step will sample this request's next token (it waits out later steps).
     awaiting: bool = False
+    # Its adaptive draft length where the scheduler speculates.
+    draft_length: DraftLength | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -121,10 +145,17 @@ class _Running:
 
 @dataclass(eq=False, slots=True)
 class _Launched:
-    """A step whose forward pass has started: `sampled[i]` takes logits row i."""
+    """A step whose forward pass has started: `sampled[i]` takes the next
+    `len(drafts[i]) + 1` logits rows (one without a draft). The first `decoding` of
+    `sampled` were decoding; `seconds` is the forward pass's time where it was run here
+    (None: launched) and `decode_only` whether the step had no prompt rows."""
 
     sampled: list[_Running]
     logits: Callable[[], StepLogits]
+    drafts: list[tuple[int, ...]]
+    decoding: int = 0
+    seconds: float | None = None
+    decode_only: bool = False
 
 
 class BatchScheduler:
@@ -147,6 +178,9 @@ class BatchScheduler:
             A pipeline's rank 0 holds some layers only and counts every layer as full.
         prefix_windows: the windows a prefix hit must respect, over the whole model's
             layers (None: `windows`; a pipeline's rank 0 adds the other stages' window).
+        speculation: the node's speculative-decoding settings (None: no speculation).
+        draft_source: where drafts come from (None: no speculation). Used only with one
+            step in flight and no `launch` (a single rank).
     """
 
     def __init__(
@@ -163,6 +197,8 @@ class BatchScheduler:
         max_in_flight: int = 1,
         footprint: KVFootprint | None = None,
         prefix_windows: Sequence[int | None] | None = None,
+        speculation: SpeculationSettings | None = None,
+        draft_source: DraftSource | None = None,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
@@ -198,6 +234,16 @@ class BatchScheduler:
         self.chunk_sizer: PrefillChunkSizer | FixedChunkSizer = PrefillChunkSizer(
             maximum=PREFILL_TOKENS_PER_IDLE_STEP, initial=PREFILL_TOKENS_PER_STEP
         )
+        self.speculation = speculation
+        self.draft_source = draft_source if launch is None and max_in_flight == 1 else None
+        # The most decode rows a step with drafts holds: up to this many rows a block
+        # weight's product is its decode kernel (`quantized_linear.NATIVE_BLOCK_MAX_ROWS`,
+        # native/decode_layer.cpp's `kGemmMinRows` - 1); with more it is the integer GEMM,
+        # whose sums round in another order, so a draft row would not be computed as the
+        # plain decode row it stands for.
+        self.max_decode_rows = NATIVE_BLOCK_MAX_ROWS
+        self.auto_switch = AutoSwitch()
+        self.speculation_counters = SpeculationCounters()
 
     @property
     def max_running(self) -> int:
@@ -297,7 +343,7 @@ class BatchScheduler:
         """Start one step's forward pass; False if no request can take part."""
         if not self._running:
             return False
-        decoding, prefill = self._schedule()
+        decoding, prefill, drafts = self._schedule()
         if not decoding and not prefill:
             return False
         if prefill and self.prefill_chunk_seconds:
@@ -306,11 +352,22 @@ class BatchScheduler:
         positions: list[int] = []
         logit_rows: list[int] = []
         sampled: list[_Running] = []
+        decode_slots: list[int] = []
+        launched_drafts: list[tuple[int, ...]] = []
         for running in decoding:
-            logit_rows.append(len(input_ids))
-            input_ids.append(running.tokens[-1])
-            positions.append(running.computed)
+            draft = drafts.get(id(running), ())
+            # The fed token and the draft at the next positions, last position first (see
+            # the module docstring); logits rows in position order.
+            first = len(input_ids)
+            fed = [running.tokens[-1], *draft]
+            for offset in range(len(draft), -1, -1):
+                input_ids.append(fed[offset])
+                positions.append(running.computed + offset)
+                decode_slots.append(running.slot)
+            logit_rows.extend(first + len(draft) - offset for offset in range(len(draft) + 1))
             sampled.append(running)
+            launched_drafts.append(draft)
+        decode_positions = list(positions)
         segments: list[PrefillSegment] = []
         row_embeddings: list[tuple[int, torch.Tensor]] = []
         for running, length in prefill:
@@ -323,18 +380,19 @@ class BatchScheduler:
             if start + length == len(running.tokens):
                 logit_rows.append(len(input_ids) - 1)
                 sampled.append(running)
+                launched_drafts.append(())
         rotary_positions = None
         stepping = [*decoding, *(running for running, _ in prefill)]
         if any(running.state.positions is not None for running in stepping):
             rotary_positions = _multimodal_rows(decoding, prefill)
-        ends = [running.computed + 1 for running in decoding]
+        ends = [running.computed + 1 + len(drafts.get(id(running), ())) for running in decoding]
         ends += [running.computed + length for running, length in prefill]
         self._cache.reserve(max(ends))
         plan = BatchPlan(
             cache=self._cache,
             windows=self._windows,
-            decode_slots=[running.slot for running in decoding],
-            decode_positions=[running.computed for running in decoding],
+            decode_slots=decode_slots,
+            decode_positions=decode_positions,
             prefill=segments,
             layer_of=self._layer_of,
             row_embeddings=row_embeddings,
@@ -348,6 +406,7 @@ class BatchScheduler:
             torch.tensor([positions], dtype=torch.long, device=device),
             torch.tensor(logit_rows, dtype=torch.long, device=device),
         )
+        seconds: float | None = None
         try:
             logits: Callable[[], StepLogits]
             if self.launch is not None:
@@ -355,10 +414,10 @@ class BatchScheduler:
             else:
                 started = time.perf_counter()
                 computed = (self._forward or forward_batch)(*arguments)
+                seconds = time.perf_counter() - started
                 self.chunk_sizer.observe(
-                    len(decoding), sum(length for _, length in prefill),
-                    time.perf_counter() - started,
-                )  # fmt: skip
+                    len(decode_slots), sum(length for _, length in prefill), seconds
+                )
                 logits = lambda: computed  # noqa: E731
         except Exception:
             self._drop_everything()
@@ -375,7 +434,9 @@ class BatchScheduler:
                 )
         for running in sampled:
             running.awaiting = True
-        self._in_flight.append(_Launched(sampled, logits))
+        self._in_flight.append(
+            _Launched(sampled, logits, launched_drafts, len(decoding), seconds, not prefill)
+        )
         return True
 
     def _complete_step(self, launched: _Launched) -> list[StepOutput]:
@@ -386,22 +447,48 @@ class BatchScheduler:
             self._drop_everything()
             raise
         outputs: list[StepOutput] = []
-        for row, running in enumerate(launched.sampled):
+        counters = self.speculation_counters
+        emitted_by_decoding = 0
+        row = 0
+        for index, running in enumerate(launched.sampled):
+            draft = launched.drafts[index]
+            first, row = row, row + len(draft) + 1
             running.awaiting = False
             if running not in self._running:
                 continue
             state = running.state
+            before = len(state.generated_ids)
             try:
-                pieces = state.accept(logits[row])
+                if draft:
+                    assert isinstance(logits, torch.Tensor), "drafts need this rank's logits"
+                    pieces, accepted = state.accept_drafts(logits[first:row], draft)
+                else:
+                    pieces, accepted = state.accept(logits[first]), 0
             except Exception as error:  # this request's own failure (its constraint)
                 self._release(running, keep_prefix=False)
                 outputs.append((state.request_id, error))
                 continue
+            emitted = len(state.generated_ids) - before
+            running.tokens.extend(state.generated_ids[before:])
+            if draft:
+                # The fed token's KV was counted at launch; the accepted drafts' is kept,
+                # the rejected positions' is dropped (overwritten by later steps).
+                running.computed += emitted - 1
+                self._cache.commit(running.slot, running.computed)
+                if running.draft_length is not None:
+                    running.draft_length.update(len(draft), accepted)
+                counters.verify_rounds += 1
+                counters.drafted_tokens += len(draft)
+                counters.accepted_tokens += accepted
+            if index < launched.decoding:
+                counters.decode_rounds += 1
+                counters.decode_tokens += emitted
+                emitted_by_decoding += emitted
             outputs.extend((state.request_id, piece) for piece in pieces)
             if state.finished:
                 self._release(running, keep_prefix=True)
-            else:
-                running.tokens.append(state.generated_ids[-1])
+        if launched.decode_only and launched.seconds is not None and self.draft_source:
+            self.auto_switch.observe(launched.decoding, row, emitted_by_decoding, launched.seconds)
         return outputs
 
     def _drop_everything(self) -> None:
@@ -411,11 +498,15 @@ class BatchScheduler:
         for running in list(self._running):
             self._release(running, keep_prefix=False)
 
-    def _schedule(self) -> tuple[list[_Running], list[tuple[_Running, int]]]:
-        """This step's decoding requests (slot order) and prefill chunks, within the KV
-        budget (evicting prefix-cache entries, then pre-empting, to make room). Requests
-        awaiting a token from a step in flight take no part; the decoding ones are spread
-        over `max_in_flight` steps."""
+    def _schedule(
+        self,
+    ) -> tuple[list[_Running], list[tuple[_Running, int]], dict[int, tuple[int, ...]]]:
+        """This step's decoding requests (slot order), prefill chunks and drafts (by
+        `id` of the decoding request), within the KV budget (evicting prefix-cache entries,
+        then dropping the drafts, then pre-empting, to make room). Requests awaiting a
+        token from a step in flight take no part; the decoding ones are spread over
+        `max_in_flight` steps."""
+        auto_allowed: bool | None = None
         while True:
             streams = [running for running in self._running if not running.prefilling]
             decoding = sorted(
@@ -446,17 +537,76 @@ class BatchScheduler:
                 length = align_chunk(running.computed, length, running.state.images)
                 prefill.append((running, length))
                 room -= length
-            added = {id(running): 1 for running in decoding}
-            for running, length in prefill:
-                added[id(running)] = length
+            drafts: dict[int, tuple[int, ...]] = {}
+            if decoding and not prefill and self.draft_source is not None:
+                if auto_allowed is None:
+                    auto_allowed = self._auto_allowed()
+                drafts = self._drafts(decoding, auto_allowed)
             tokens = self.footprint.tokens
-            needed = sum(
-                tokens(running.computed + added.get(id(running), 0))
-                for running in itertools.chain(self._running, self._finished)
-            )
-            if self._make_room(needed):
-                return decoding, prefill
+            while True:
+                added = {id(running): 1 + len(drafts.get(id(running), ())) for running in decoding}
+                for running, length in prefill:
+                    added[id(running)] = length
+                needed = sum(
+                    tokens(running.computed + added.get(id(running), 0))
+                    for running in itertools.chain(self._running, self._finished)
+                )
+                if self._make_room(needed):
+                    return decoding, prefill, drafts
+                if not drafts:
+                    break
+                drafts = {}  # the drafts' KV does not fit: plain decoding first
             self._preempt_latest()
+
+    def _auto_allowed(self) -> bool:
+        """Whether requests in "auto" mode draft this step (`AutoSwitch.allows`, asked
+        only where some running request is in "auto" mode, so probes count its steps)."""
+        assert self.speculation is not None
+        modes = (self.speculation.mode_of(running.state.speculative) for running in self._running)
+        return any(mode == "auto" for mode in modes) and self.auto_switch.allows()
+
+    def _drafts(self, decoding: list[_Running], auto_allowed: bool) -> dict[int, tuple[int, ...]]:
+        """Drafts for this step's decoding requests that speculate (by `id` of the
+        request): each at most its adaptive length and its remaining token budget less
+        one, the rows beyond one per request shared out evenly within
+        `max_decode_rows`; drafts shorter than the settings' `draft_min` are dropped."""
+        settings, source = self.speculation, self.draft_source
+        if settings is None or source is None:
+            return {}
+        room = self.max_decode_rows - len(decoding)
+        wanted: list[tuple[_Running, int]] = []
+        for running in decoding:
+            mode = settings.mode_of(running.state.speculative)
+            if mode is False or (mode == "auto" and not auto_allowed):
+                continue
+            state = running.state
+            if running.draft_length is None:
+                running.draft_length = DraftLength(settings.draft_min, settings.draft_max)
+            limit = min(
+                running.draft_length.current,
+                state.max_new_tokens - state.completion_tokens - 1,
+            )
+            if limit >= settings.draft_min:
+                wanted.append((running, limit))
+        requests: list[DraftRequest] = []
+        for index, (running, limit) in enumerate(wanted):
+            share = min(limit, -(-room // (len(wanted) - index)) if room > 0 else 0)
+            if share < settings.draft_min:
+                continue
+            room -= share
+            state = running.state
+            requests.append(DraftRequest(state.request_id, running.tokens, share))
+        if not requests:
+            return {}
+        by_id = {running.state.request_id: running for running, _ in wanted}
+        drafts: dict[int, tuple[int, ...]] = {}
+        for request, draft in zip(requests, source.propose(requests), strict=True):
+            if draft.probabilities is not None:
+                raise NotImplementedError("drafts with their own distribution (a draft model)")
+            tokens = draft.tokens[: request.max_tokens]
+            if len(tokens) >= settings.draft_min:
+                drafts[id(by_id[request.request_id])] = tokens
+        return drafts
 
     def _make_room(self, needed_tokens: int) -> bool:
         """Whether `needed_tokens` of running KV fit the budget, evicting prefix-cache
@@ -508,6 +658,8 @@ class BatchScheduler:
         """Take the request out of the batch and free its slot; with `keep_prefix` (and a
         prefix cache) the slot is kept for `store_finished` to copy its KV first."""
         self._running.remove(running)
+        if self.draft_source is not None:
+            self.draft_source.forget(running.state.request_id)
         if keep_prefix and self.prefix_cache is not None and running.computed > 0:
             self._finished.append(running)
             return

@@ -1,0 +1,196 @@
+"""When a request speculates and how far: the node's settings, the per-request draft length,
+the per-instance automatic switch, and the counters `/metrics` and `/state` report.
+
+A request asks with its `speculative` field: True always drafts (where a draft is found),
+False never, "auto" (or None: the node's default, `--speculative`) follows the instance's
+`AutoSwitch`, which compares measured throughput with and without drafts. Each draft row
+costs step time whether or not it is accepted: on a 4-core CPU a 0.8B draft model made a 4B
+target 1.48x slower (issue 43), so speculation must be on only where it is measured to help.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from exo.shared.types.text_generation import SpeculativeMode
+
+# The draft length's bounds by default (tokens per request per step). llama-server's
+# defaults are 16 / 0 for a draft model; on a CPU the rows of a step must also stay within
+# the decode kernels' row bound (`BatchScheduler.max_decode_rows`), which caps a single
+# stream's draft at 6 anyway.
+DEFAULT_DRAFT_MAX = 6
+DEFAULT_DRAFT_MIN = 1
+# The draft length's steps (Hugging Face transformers' assisted generation's heuristic for
+# `num_assistant_tokens`: +2 after a round whose draft was all accepted, -1 otherwise).
+GROW_ON_FULL_ACCEPT = 2
+SHRINK_ON_REJECT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationSettings:
+    """A node's speculative-decoding settings (`--speculative`, `--draft-min`,
+    `--draft-max`).
+
+    Attributes:
+        default: what a request without a `speculative` field does.
+        draft_min: drafts shorter than this are not verified (a guess of one token rarely
+            pays for its row on a model whose step grows with its rows); also the adaptive
+            length's floor.
+        draft_max: the adaptive length's ceiling (tokens per request per step).
+
+    Raises:
+        ValueError: bounds below 1 or out of order.
+    """
+
+    default: SpeculativeMode = "auto"
+    draft_min: int = DEFAULT_DRAFT_MIN
+    draft_max: int = DEFAULT_DRAFT_MAX
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.draft_min <= self.draft_max:
+            raise ValueError(
+                f"draft length bounds {self.draft_min}..{self.draft_max}: need 1 <= min <= max"
+            )
+
+    def mode_of(self, requested: SpeculativeMode | None) -> SpeculativeMode:
+        """A request's mode: its own, else the node's default."""
+        return self.default if requested is None else requested
+
+
+@dataclass(slots=True)
+class DraftLength:
+    """One request's adaptive draft length within `[minimum, maximum]`: longer after a round
+    whose every draft token was accepted, shorter after a rejection."""
+
+    minimum: int
+    maximum: int
+    current: int = 0
+
+    def __post_init__(self) -> None:
+        if self.current == 0:
+            self.current = self.maximum
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """After a verified round of `drafted` tokens of which `accepted` were taken."""
+        if drafted <= 0:
+            return
+        if accepted >= drafted:
+            self.current = min(self.maximum, self.current + GROW_ON_FULL_ACCEPT)
+        else:
+            self.current = max(self.minimum, self.current - SHRINK_ON_REJECT)
+
+
+# Weight of the newest measurement in the switch's moving averages.
+SWITCH_SMOOTHING = 0.2
+# Speculation turns off when drafting measured below this gain, on again above the other
+# (a band, so measurement noise does not flip it every few steps).
+SWITCH_OFF_BELOW = 0.98
+SWITCH_ON_ABOVE = 1.02
+# While off, every this many decode steps, drafts are tried for `PROBE_STEPS` steps (the
+# text may have turned into a copy; the machine's load may have changed).
+PROBE_INTERVAL = 64
+PROBE_STEPS = 6
+
+
+@dataclass(slots=True)
+class AutoSwitch:
+    """Per instance: whether requests in "auto" mode draft now.
+
+    A decode-only step's time is, on a CPU, a function of its row count (weights read once,
+    plus a cost per row). The switch keeps the moving average of that time per row count,
+    and for each step with drafts the gain
+
+        gain = (tokens emitted / t(rows with drafts)) / (requests / t(requests))
+
+    the tokens per second of that step over those of a plain step of the same requests
+    (t(n): the averaged time of a decode-only step of n rows, the nearest measured n where
+    none of n was). It is on while the gain's moving average is above the band, off below
+    it; while off it probes now and then. On at start: a request with no draft found costs
+    nothing, so the first drafts measure their own worth.
+    """
+
+    enabled: bool = True
+    gain: float | None = None
+    _step_seconds: dict[int, float] = field(default_factory=dict)
+    _steps_off: int = 0
+    _probing: int = 0
+
+    def allows(self) -> bool:
+        """Whether "auto" requests draft this step (counts the step for probing)."""
+        if self.enabled:
+            return True
+        if self._probing > 0:
+            self._probing -= 1
+            return True
+        self._steps_off += 1
+        if self._steps_off >= PROBE_INTERVAL:
+            self._steps_off = 0
+            self._probing = PROBE_STEPS - 1
+            return True
+        return False
+
+    def step_seconds(self, rows: int) -> float | None:
+        """The averaged time of a decode-only step of `rows` rows (or the nearest measured
+        count's); None before any."""
+        if not self._step_seconds:
+            return None
+        nearest = min(self._step_seconds, key=lambda measured: (abs(measured - rows), measured))
+        return self._step_seconds[nearest]
+
+    def observe(self, requests: int, rows: int, emitted: int, seconds: float) -> None:
+        """Record a decode-only step (no prompt rows) of `requests` requests laid out in
+        `rows` rows (more than `requests` where some drafted) that emitted `emitted` tokens
+        in `seconds` (its forward pass)."""
+        if requests <= 0 or seconds <= 0.0:
+            return
+        previous = self._step_seconds.get(rows)
+        self._step_seconds[rows] = (
+            seconds if previous is None else previous + SWITCH_SMOOTHING * (seconds - previous)
+        )
+        if rows == requests:
+            return
+        plain = self.step_seconds(requests)
+        if plain is None or requests not in self._step_seconds:
+            return  # no plain step of these requests measured yet
+        gain = (emitted / self._step_seconds[rows]) / (requests / plain)
+        self.gain = gain if self.gain is None else self.gain + SWITCH_SMOOTHING * (gain - self.gain)
+        if self.enabled and self.gain < SWITCH_OFF_BELOW:
+            self.enabled = False
+            self._steps_off = 0
+        elif not self.enabled and self.gain > SWITCH_ON_ABOVE:
+            self.enabled = True
+
+
+@dataclass(slots=True)
+class SpeculationCounters:
+    """What speculation did on an instance, for `/metrics` and `/state`.
+
+    Attributes:
+        decode_rounds: (request, step) pairs in which a decoding request took part, with or
+            without a draft.
+        decode_tokens: tokens those rounds emitted.
+        verify_rounds: the rounds that carried a draft.
+        drafted_tokens: draft tokens verified.
+        accepted_tokens: draft tokens accepted.
+    """
+
+    decode_rounds: int = 0
+    decode_tokens: int = 0
+    verify_rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over drafted tokens; None before any draft."""
+        if not self.drafted_tokens:
+            return None
+        return self.accepted_tokens / self.drafted_tokens
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Tokens a decoding request gained per step, drafts or not (1 without
+        speculation); None before any decode step."""
+        if not self.decode_rounds:
+            return None
+        return self.decode_tokens / self.decode_rounds
