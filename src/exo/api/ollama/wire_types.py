@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from exo.api.wire.request_model import WireRequestModel
+from exo.api.wire.request_model import Speculative, WireRequestModel
 
 OllamaRole = Literal["system", "user", "assistant", "tool"]
 ThinkSetting = bool | Literal["low", "medium", "high"]
@@ -98,7 +98,8 @@ class OllamaOptions(_WireRequestModel):
     `penalize_newline: false`) are refused; `mirostat_tau` / `mirostat_eta` (read only by
     mirostat), `num_keep` (exo never shifts the context) and the load-time options
     (threads, GPUs, batch size, memory mapping: placement and the engine decide) are
-    accepted and change nothing (README, "Accepted and ignored").
+    accepted and change nothing (README, "Accepted and ignored"). `speculative` is exo's
+    extension (true / false / "auto"), as the other dialects' top-level field.
     """
 
     temperature: float | None = None
@@ -120,6 +121,8 @@ class OllamaOptions(_WireRequestModel):
     mirostat_eta: float | None = None
     penalize_newline: bool | None = None
     num_keep: int | None = None
+    # exo's extension: speculative decoding on (true), off (false) or as measured ("auto").
+    speculative: Speculative | None = None
     # Load-time options: compatibility no-ops (README, "Accepted and ignored").
     numa: bool | None = None
     num_batch: int | None = None

@@ -10,7 +10,7 @@ fields each have an effect, a 400, or a place on the README's list of compatibil
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from loguru import logger
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -19,6 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # no `top_k`; vLLM's extension, which we follow, keeps the k most likely tokens for k >= 1,
 # and takes 0 or -1 as "no top-k filter" (vLLM refuses anything below -1, and so do we).
 VllmTopK = Annotated[int, Field(ge=-1)]
+
+# exo's `speculative` extension, the same in every dialect (Ollama's under `options`):
+# true / false / "auto" (`TextGenerationTaskParams.speculative`); absent: the node's default.
+# Strict: a JSON boolean or the string "auto", nothing a lax bool would read as one.
+Speculative = Annotated[bool, Field(strict=True)] | Literal["auto"]
 
 
 @functools.cache

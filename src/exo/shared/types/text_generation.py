@@ -47,6 +47,12 @@ ResponseFormat = Literal["text", "json_object", "json_schema"]
 ReasoningEffort = Literal["minimal", "low", "medium", "high"]
 # A request's or a node's speculative decoding: on, off, or as measured per instance.
 SpeculativeMode = bool | Literal["auto"]
+# The draft length's bounds by default (tokens per request per step; `--draft-min`,
+# `--draft-max`). llama-server's defaults for a draft model are 0 / 16; on a CPU a step's
+# rows must also stay within the decode kernels' row bound (the scheduler's
+# `max_decode_rows`, 7), which caps a lone stream's draft at 6 anyway.
+DEFAULT_DRAFT_MIN = 1
+DEFAULT_DRAFT_MAX = 6
 
 
 IMAGE_MARKER = "<__exo_image__>"

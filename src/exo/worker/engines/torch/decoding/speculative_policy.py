@@ -12,14 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from exo.shared.types.text_generation import SpeculativeMode
+from exo.shared.types.text_generation import (
+    DEFAULT_DRAFT_MAX,
+    DEFAULT_DRAFT_MIN,
+    SpeculativeMode,
+)
 
-# The draft length's bounds by default (tokens per request per step). llama-server's
-# defaults are 16 / 0 for a draft model; on a CPU the rows of a step must also stay within
-# the decode kernels' row bound (`BatchScheduler.max_decode_rows`), which caps a single
-# stream's draft at 6 anyway.
-DEFAULT_DRAFT_MAX = 6
-DEFAULT_DRAFT_MIN = 1
 # The draft length's steps (Hugging Face transformers' assisted generation's heuristic for
 # `num_assistant_tokens`: +2 after a round whose draft was all accepted, -1 otherwise).
 GROW_ON_FULL_ACCEPT = 2

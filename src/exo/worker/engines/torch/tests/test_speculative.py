@@ -597,11 +597,43 @@ def test_verify_rows_are_computed_bit_for_bit_as_decode_rows(
         run(engine, [state], [0])
         reference["r0"] = state.prompt_ids + state.generated_ids
         recorded.append(recorder.logits)
-    plain, speculative = recorded
+    plain_logits, speculative_logits = recorded
     assert engine.scheduler.speculation_counters.accepted_tokens >= 5
-    assert len(plain) == len(speculative)
-    for index, (expected, got) in enumerate(zip(plain, speculative, strict=True)):
+    assert len(plain_logits) == len(speculative_logits)
+    for index, (expected, got) in enumerate(zip(plain_logits, speculative_logits, strict=True)):
         if weights == "int4":
             assert torch.equal(expected, got), index
         else:  # torch's float32 matmul sums in an order that follows the row count
             torch.testing.assert_close(got, expected, atol=FLOAT32_TOLERANCE, rtol=0)
+
+
+# --- the default model, n-gram drafts --------------------------------------------------------
+
+PASSAGE = (
+    "The old lighthouse stood at the edge of the cliff, its white paint peeling after decades "
+    "of salt and wind. Every night the keeper climbed the spiral stairs, one hundred and "
+    "twelve steps, to light the great lamp. Ships passing in the dark relied on its steady "
+    "beam to steer clear of the rocks below."
+)
+REPEAT = f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}"
+
+
+def test_the_default_model_copies_a_passage_in_fewer_steps_with_the_same_text(
+    real_engine: TorchEngine,
+) -> None:
+    """The default model (int4 weights, exo's kernels) repeats a passage greedily: with
+    n-gram drafts it writes the same text, in fewer steps (tokens per step > 1), most
+    drafts accepted."""
+    texts = []
+    for speculative in (False, True):
+        before = dataclasses.replace(real_engine.scheduler.speculation_counters)
+        params = request(REPEAT, temperature=0.0, max_tokens=80, speculative=speculative)
+        texts.append("".join(piece.text for piece in real_engine.generate(params)))
+        after = real_engine.scheduler.speculation_counters
+    assert texts[1] == texts[0] and PASSAGE[:60] in texts[0]
+    rounds = after.decode_rounds - before.decode_rounds
+    tokens = after.decode_tokens - before.decode_tokens
+    drafted = after.drafted_tokens - before.drafted_tokens
+    accepted = after.accepted_tokens - before.accepted_tokens
+    assert tokens / rounds > 1.5, (tokens, rounds)
+    assert drafted > 0 and accepted / drafted >= 0.6, (accepted, drafted)
