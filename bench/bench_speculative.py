@@ -1,7 +1,7 @@
 """Speculative decoding with n-gram (prompt lookup) drafts against plain decoding.
 
 Usage: PYTHONPATH=src python bench/bench_speculative.py [--rounds 5] [--tasks copy chat]
-       [--modes off on auto] [--models-dir DIR] [--json PATH]
+       [--modes off on auto] [--models-dir DIR] [--threads N] [--json PATH]
 
 The default model (SmolLM2-135M-Instruct, the engine's default int4 weights) in this
 process, greedy, one request at a time:
@@ -15,7 +15,9 @@ median and spread (min-max) over the rounds, the median over rounds of the ratio
 same round's plain run, tokens per step and the acceptance rate of the drafts, and whether
 the text equals plain decoding's (it must, greedy). Modes: `off` (plain), `on` (drafts
 wherever found), `auto` (the instance's switch: drafts while measured to help). Targets
-(issue 43): copy-edit >= 1.8x plain, chat >= 0.97x plain with `auto`.
+(issue 43): copy-edit >= 1.8x plain, chat >= 0.97x plain with `auto`. `--threads` sets
+torch's threads (on a machine other processes keep busy, one thread avoids OpenMP's
+barrier waits, which inflate every step's cost and so favour fewer, wider steps).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from exo.download.pypi_gguf import prepare_model
 from exo.shared.constants import models_dir as default_models_dir
 from exo.shared.models.cards import load_builtin_cards
@@ -38,6 +42,7 @@ from exo.shared.types.text_generation import (
     SpeculativeMode,
     TextGenerationTaskParams,
 )
+from exo.worker.engines.torch.batching.speculation import Speculation
 from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
 from exo.worker.engines.torch.engine import TorchEngine
 
@@ -75,6 +80,13 @@ TASKS = {
 }
 
 
+def speculation(engine: TorchEngine) -> Speculation:
+    """The engine's single-rank speculation (drafts, counters, switch)."""
+    found = engine.scheduler.speculation
+    assert found is not None
+    return found
+
+
 def load_engine(models_dir: Path) -> TorchEngine:
     card = load_builtin_cards()[MODEL]
     directory = prepare_model(card, models_dir, offline=False)
@@ -93,7 +105,7 @@ def run_once(engine: TorchEngine, prompt: str, max_tokens: int, mode: str) -> di
         model=MODEL, messages=(ChatMessage(role="user", content=prompt),),
         max_tokens=max_tokens, temperature=0.0, speculative=MODES[mode],
     )  # fmt: skip
-    before = dataclasses.replace(engine.scheduler.speculation_counters)
+    before = dataclasses.replace(speculation(engine).counters)
     times: list[float] = []
     text = ""
     completion = 0
@@ -102,7 +114,7 @@ def run_once(engine: TorchEngine, prompt: str, max_tokens: int, mode: str) -> di
         text += piece.text
         if piece.usage is not None:
             completion = piece.usage.completion_tokens
-    after = engine.scheduler.speculation_counters
+    after = speculation(engine).counters
     rounds = after.decode_rounds - before.decode_rounds
     drafted = after.drafted_tokens - before.drafted_tokens
     return {
@@ -113,7 +125,7 @@ def run_once(engine: TorchEngine, prompt: str, max_tokens: int, mode: str) -> di
         "acceptance": (after.accepted_tokens - before.accepted_tokens) / drafted
         if drafted
         else None,
-        "auto_enabled": engine.scheduler.auto_switch.enabled,
+        "auto_enabled": speculation(engine).auto_switch.enabled,
     }
 
 
@@ -123,8 +135,11 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=["copy", "chat"])
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--models-dir", type=Path, default=default_models_dir())
+    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     modes = ["off", *(mode for mode in args.modes if mode != "off")]
     engine = load_engine(args.models_dir)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {

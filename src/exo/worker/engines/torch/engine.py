@@ -53,6 +53,7 @@ from exo.worker.engines.torch.batching.request_state import (
 )
 from exo.worker.engines.torch.batching.scheduler import BatchScheduler, StepOutput
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
+from exo.worker.engines.torch.batching.speculation import Speculation
 from exo.worker.engines.torch.decoding.detokenizer import StreamingDetokenizer
 from exo.worker.engines.torch.decoding.sampling import Sampler, StepLogprobs, TokenChooser
 from exo.worker.engines.torch.decoding.sampling_params import (
@@ -518,8 +519,8 @@ class TorchEngine:
         )  # fmt: skip
         return BatchScheduler(
             self.model, cache, windows, attention_layers(self.model), self.kv_cache_tokens,
-            PrefixCache(self.kv_cache_tokens), self.device, speculation=self.speculation,
-            draft_source=NgramDraftSource(),
+            PrefixCache(self.kv_cache_tokens), self.device,
+            speculation=Speculation(self.speculation, NgramDraftSource()),
         )  # fmt: skip
 
     def submit(
@@ -596,10 +597,10 @@ class TorchEngine:
         """What speculative decoding did here (`SpeculationCounters`, cumulative) and
         whether its automatic switch is on now; None before the first request built the
         scheduler or where it does not speculate (a split instance)."""
-        scheduler = self._scheduler
-        if scheduler is None or scheduler.draft_source is None:
+        speculation = self._scheduler.speculation if self._scheduler is not None else None
+        if speculation is None:
             return None
-        return scheduler.speculation_counters, scheduler.auto_switch.enabled
+        return speculation.counters, speculation.auto_switch.enabled
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached prefix (the next requests prefill their whole prompts)."""

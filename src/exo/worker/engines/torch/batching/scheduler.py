@@ -35,16 +35,16 @@ while its previous one is in flight (every rank runs the steps in launch order, 
 written first). Cache operations (admissions, releases) are recorded in that same order, so
 every rank applies them between the same two steps.
 
-Speculative decoding (`decoding/speculative_drafts.py`, `speculative_policy.py`): on a
-single rank (`launch` None, one step in flight) a decoding request may carry a draft of k
-guessed tokens from the `draft_source`. Its step then holds k + 1 decode rows, the fed token
-and the draft tokens at the next positions, laid out from the last position down: every one
-is a decode row to the attention (`BatchPlan.repeated_slots`; the native decode layer takes
-a run of one slot's ascending positions for a prompt chunk, attended by another kernel),
-so each position's logits come from the same kernels as a plain decode step's. The step's
-rows stay within `max_decode_rows` (the quantized linears switch kernel above it), drafts
-go only into steps without prompt rows, and drafts are dropped before anything is
-pre-empted for their KV. The request verifies its rows in order (`RequestState.
+Speculative decoding (`speculation.py`, `decoding/speculative_drafts.py`): on a single rank
+(`launch` None, one step in flight) a decoding request may carry a draft of k guessed
+tokens. Its step then holds k + 1 decode rows, the fed token and the draft tokens at the
+next positions, laid out from the last position down: every one is a decode row to the
+attention (`BatchPlan.repeated_slots`; the native decode layer takes a run of one slot's
+ascending positions for a prompt chunk, attended by another kernel), so each position's
+logits come from the same kernels as a plain decode step's. The step's rows stay within
+`Speculation.max_decode_rows` (the quantized linears switch kernel above it), drafts go
+only into steps without prompt rows, and drafts are dropped before anything is pre-empted
+for their KV. The request verifies its rows in order (`RequestState.
 accept_drafts`); the KV of rejected positions is rolled back by committing only the
 accepted length (`SlotKVCache.commit`; later steps overwrite those positions), so the
 prefix cache stores only verified tokens.
@@ -82,15 +82,8 @@ from exo.worker.engines.torch.batching.prompt_images import (
 )
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
+from exo.worker.engines.torch.batching.speculation import Speculation
 from exo.worker.engines.torch.decoding.sampling import SampledToken
-from exo.worker.engines.torch.decoding.speculative_drafts import DraftRequest, DraftSource
-from exo.worker.engines.torch.decoding.speculative_policy import (
-    AutoSwitch,
-    DraftLength,
-    SpeculationCounters,
-    SpeculationSettings,
-)
-from exo.worker.engines.torch.quant.quantized_linear import NATIVE_BLOCK_MAX_ROWS
 
 # Prompt tokens prefilled per step, over all prefilling requests, while other requests are
 # decoding, until step times have been measured (then `PrefillChunkSizer` sizes the chunk).
@@ -134,8 +127,6 @@ class _Running:
     admitted: int  # admission order (pre-emption takes the latest)
     # A launched step will sample this request's next token (it waits out later steps).
     awaiting: bool = False
-    # Its adaptive draft length where the scheduler speculates.
-    draft_length: DraftLength | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -178,9 +169,8 @@ class BatchScheduler:
             A pipeline's rank 0 holds some layers only and counts every layer as full.
         prefix_windows: the windows a prefix hit must respect, over the whole model's
             layers (None: `windows`; a pipeline's rank 0 adds the other stages' window).
-        speculation: the node's speculative-decoding settings (None: no speculation).
-        draft_source: where drafts come from (None: no speculation). Used only with one
-            step in flight and no `launch` (a single rank).
+        speculation: drafts and their bookkeeping (None: no speculation). Used only with
+            one step in flight and no `launch` (a single rank).
     """
 
     def __init__(
@@ -197,8 +187,7 @@ class BatchScheduler:
         max_in_flight: int = 1,
         footprint: KVFootprint | None = None,
         prefix_windows: Sequence[int | None] | None = None,
-        speculation: SpeculationSettings | None = None,
-        draft_source: DraftSource | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
@@ -234,16 +223,7 @@ class BatchScheduler:
         self.chunk_sizer: PrefillChunkSizer | FixedChunkSizer = PrefillChunkSizer(
             maximum=PREFILL_TOKENS_PER_IDLE_STEP, initial=PREFILL_TOKENS_PER_STEP
         )
-        self.speculation = speculation
-        self.draft_source = draft_source if launch is None and max_in_flight == 1 else None
-        # The most decode rows a step with drafts holds: up to this many rows a block
-        # weight's product is its decode kernel (`quantized_linear.NATIVE_BLOCK_MAX_ROWS`,
-        # native/decode_layer.cpp's `kGemmMinRows` - 1); with more it is the integer GEMM,
-        # whose sums round in another order, so a draft row would not be computed as the
-        # plain decode row it stands for.
-        self.max_decode_rows = NATIVE_BLOCK_MAX_ROWS
-        self.auto_switch = AutoSwitch()
-        self.speculation_counters = SpeculationCounters()
+        self.speculation = speculation if launch is None and max_in_flight == 1 else None
 
     @property
     def max_running(self) -> int:
@@ -447,7 +427,7 @@ class BatchScheduler:
             self._drop_everything()
             raise
         outputs: list[StepOutput] = []
-        counters = self.speculation_counters
+        speculation = self.speculation
         emitted_by_decoding = 0
         row = 0
         for index, running in enumerate(launched.sampled):
@@ -475,20 +455,17 @@ class BatchScheduler:
                 # the rejected positions' is dropped (overwritten by later steps).
                 running.computed += emitted - 1
                 self._cache.commit(running.slot, running.computed)
-                if running.draft_length is not None:
-                    running.draft_length.update(len(draft), accepted)
-                counters.verify_rounds += 1
-                counters.drafted_tokens += len(draft)
-                counters.accepted_tokens += accepted
+                assert speculation is not None
+                speculation.verified(state.request_id, len(draft), accepted)
             if index < launched.decoding:
-                counters.decode_rounds += 1
-                counters.decode_tokens += emitted
                 emitted_by_decoding += emitted
+                if speculation is not None:
+                    speculation.decoded(emitted)
             outputs.extend((state.request_id, piece) for piece in pieces)
             if state.finished:
                 self._release(running, keep_prefix=True)
-        if launched.decode_only and launched.seconds is not None and self.draft_source:
-            self.auto_switch.observe(launched.decoding, row, emitted_by_decoding, launched.seconds)
+        if speculation is not None and launched.decode_only and launched.seconds is not None:
+            speculation.step_measured(launched.decoding, row, emitted_by_decoding, launched.seconds)
         return outputs
 
     def _drop_everything(self) -> None:
@@ -538,9 +515,10 @@ class BatchScheduler:
                 prefill.append((running, length))
                 room -= length
             drafts: dict[int, tuple[int, ...]] = {}
-            if decoding and not prefill and self.draft_source is not None:
+            if decoding and not prefill and self.speculation is not None:
                 if auto_allowed is None:
-                    auto_allowed = self._auto_allowed()
+                    states = [running.state for running in self._running]
+                    auto_allowed = self.speculation.auto_allowed(states)
                 drafts = self._drafts(decoding, auto_allowed)
             tokens = self.footprint.tokens
             while True:
@@ -558,55 +536,18 @@ class BatchScheduler:
                 drafts = {}  # the drafts' KV does not fit: plain decoding first
             self._preempt_latest()
 
-    def _auto_allowed(self) -> bool:
-        """Whether requests in "auto" mode draft this step (`AutoSwitch.allows`, asked
-        only where some running request is in "auto" mode, so probes count its steps)."""
-        assert self.speculation is not None
-        modes = (self.speculation.mode_of(running.state.speculative) for running in self._running)
-        return any(mode == "auto" for mode in modes) and self.auto_switch.allows()
-
     def _drafts(self, decoding: list[_Running], auto_allowed: bool) -> dict[int, tuple[int, ...]]:
-        """Drafts for this step's decoding requests that speculate (by `id` of the
-        request): each at most its adaptive length and its remaining token budget less
-        one, the rows beyond one per request shared out evenly within
-        `max_decode_rows`; drafts shorter than the settings' `draft_min` are dropped."""
-        settings, source = self.speculation, self.draft_source
-        if settings is None or source is None:
+        """`Speculation.drafts` of the decoding requests, by `id` of the request (none in
+        a step where a request with multimodal rotary positions decodes: those rows are
+        laid out one per decoding request)."""
+        assert self.speculation is not None
+        if any(running.state.positions is not None for running in decoding):
             return {}
-        room = self.max_decode_rows - len(decoding)
-        wanted: list[tuple[_Running, int]] = []
-        for running in decoding:
-            mode = settings.mode_of(running.state.speculative)
-            if mode is False or (mode == "auto" and not auto_allowed):
-                continue
-            state = running.state
-            if running.draft_length is None:
-                running.draft_length = DraftLength(settings.draft_min, settings.draft_max)
-            limit = min(
-                running.draft_length.current,
-                state.max_new_tokens - state.completion_tokens - 1,
-            )
-            if limit >= settings.draft_min:
-                wanted.append((running, limit))
-        requests: list[DraftRequest] = []
-        for index, (running, limit) in enumerate(wanted):
-            share = min(limit, -(-room // (len(wanted) - index)) if room > 0 else 0)
-            if share < settings.draft_min:
-                continue
-            room -= share
-            state = running.state
-            requests.append(DraftRequest(state.request_id, running.tokens, share))
-        if not requests:
-            return {}
-        by_id = {running.state.request_id: running for running, _ in wanted}
-        drafts: dict[int, tuple[int, ...]] = {}
-        for request, draft in zip(requests, source.propose(requests), strict=True):
-            if draft.probabilities is not None:
-                raise NotImplementedError("drafts with their own distribution (a draft model)")
-            tokens = draft.tokens[: request.max_tokens]
-            if len(tokens) >= settings.draft_min:
-                drafts[id(by_id[request.request_id])] = tokens
-        return drafts
+        pairs = [(running.state, running.tokens) for running in decoding]
+        drafts = self.speculation.drafts(pairs, auto_allowed)
+        return {
+            id(running): draft for running, draft in zip(decoding, drafts, strict=True) if draft
+        }
 
     def _make_room(self, needed_tokens: int) -> bool:
         """Whether `needed_tokens` of running KV fit the budget, evicting prefix-cache
@@ -658,8 +599,8 @@ class BatchScheduler:
         """Take the request out of the batch and free its slot; with `keep_prefix` (and a
         prefix cache) the slot is kept for `store_finished` to copy its KV first."""
         self._running.remove(running)
-        if self.draft_source is not None:
-            self.draft_source.forget(running.state.request_id)
+        if self.speculation is not None:
+            self.speculation.forget(running.state.request_id)
         if keep_prefix and self.prefix_cache is not None and running.computed > 0:
             self._finished.append(running)
             return

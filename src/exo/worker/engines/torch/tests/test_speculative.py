@@ -31,6 +31,7 @@ from exo.worker.engines.torch.batching.batch_attention import (
     lean_step_of,
 )
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
+from exo.worker.engines.torch.batching.speculation import Speculation
 from exo.worker.engines.torch.decoding.detokenizer import StreamingDetokenizer
 from exo.worker.engines.torch.decoding.sampling import Sampler, TokenChooser, step_logprobs
 from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
@@ -58,6 +59,13 @@ PROMPTS = ("Tell me a story about a dragon", "Hi", "Count: one two three four fi
 FAMILIES = ("llama", "qwen3", "gemma3")
 # |speculative - plain| logits of float32 weights (as test_batching.py's batched - alone).
 FLOAT32_TOLERANCE = 5e-4
+
+
+def speculation(engine: TorchEngine) -> Speculation:
+    """The engine's single-rank speculation (drafts, counters, switch)."""
+    found = engine.scheduler.speculation
+    assert found is not None
+    return found
 
 
 def request(content: str, **fields: Any) -> TextGenerationTaskParams:
@@ -333,12 +341,12 @@ def test_greedy_output_is_identical_with_drafts_batched_with_plain_requests(
     ]
     reference = plain_references(engine, params)
     drafts = ScriptedDrafts(reference, engine.vocab_size)
-    engine.scheduler.draft_source = drafts
+    speculation(engine).source = drafts
     states = [engine.build_request(one, None, f"r{index}") for index, one in enumerate(params)]
     run(engine, states, join_at=[0, 2, 5])
     for index, state in enumerate(states):
         assert state.prompt_ids + state.generated_ids == reference[f"r{index}"], index
-    counters = engine.scheduler.speculation_counters
+    counters = speculation(engine).counters
     assert counters.verify_rounds >= 6 and 0 < counters.accepted_tokens < counters.drafted_tokens
     assert counters.tokens_per_step is not None and counters.tokens_per_step > 1.2
     assert {"r0", "r2"} <= set(drafts.forgotten)
@@ -372,12 +380,12 @@ def test_seeded_sampling_with_penalties_and_bias_is_identical_with_drafts(
         ),
     ]
     reference = plain_references(engine, params)
-    engine.scheduler.draft_source = ScriptedDrafts(reference, engine.vocab_size)
+    speculation(engine).source = ScriptedDrafts(reference, engine.vocab_size)
     states = [engine.build_request(one, None, f"r{index}") for index, one in enumerate(params)]
     run(engine, states, join_at=[0, 0])
     for index, state in enumerate(states):
         assert state.prompt_ids + state.generated_ids == reference[f"r{index}"], index
-    assert engine.scheduler.speculation_counters.accepted_tokens > 0
+    assert speculation(engine).counters.accepted_tokens > 0
 
 
 def test_stop_string_logprobs_and_usage_are_those_of_plain_decoding(
@@ -395,7 +403,7 @@ def test_stop_string_logprobs_and_usage_are_those_of_plain_decoding(
         engine.clear_prefix_cache()
         params = plain_params.model_copy(update={"stop": (stop,), "speculative": speculative})
         if speculative:
-            engine.scheduler.draft_source = ScriptedDrafts(
+            speculation(engine).source = ScriptedDrafts(
                 {"r0": plain.prompt_ids + plain.generated_ids}, engine.vocab_size
             )
         state = engine.build_request(params, None, "r0")
@@ -415,7 +423,7 @@ def test_stop_string_logprobs_and_usage_are_those_of_plain_decoding(
     for got, expected in zip(logprobs, plain_logprobs, strict=True):
         assert got.token == expected.token
         assert got.logprob == pytest.approx(expected.logprob, abs=1e-3)
-    assert engine.scheduler.speculation_counters.verify_rounds > 0
+    assert speculation(engine).counters.verify_rounds > 0
 
 
 def test_kv_after_a_rejection_equals_plain_decodings_and_the_slot_is_rolled_back(
@@ -430,18 +438,18 @@ def test_kv_after_a_rejection_equals_plain_decodings_and_the_slot_is_rolled_back
     plain_kv = engine.scheduler.prefix_cache.lookup(reference["r0"], limit=len(reference["r0"]))
     assert plain_kv is not None and plain_kv.length == len(reference["r0"]) - 1
     engine.clear_prefix_cache()
-    engine.scheduler.draft_source = ScriptedDrafts(reference, engine.vocab_size)
+    speculation(engine).source = ScriptedDrafts(reference, engine.vocab_size)
     state = engine.build_request(params, None, "r0")
     engine.scheduler.add(state)
     scheduler = engine.scheduler
     checked = 0
     while engine.has_work:
-        drafted = scheduler.speculation_counters.drafted_tokens
-        accepted = scheduler.speculation_counters.accepted_tokens
+        drafted = speculation(engine).counters.drafted_tokens
+        accepted = speculation(engine).counters.accepted_tokens
         engine.step()
         if state.finished:
             break
-        counters = scheduler.speculation_counters
+        counters = speculation(engine).counters
         rejected = (counters.drafted_tokens - drafted) > (counters.accepted_tokens - accepted)
         (running,) = scheduler._running
         cache = scheduler._cache
@@ -475,11 +483,11 @@ def test_a_constraint_rejects_draft_tokens_its_grammar_forbids(
         def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
             return [Draft(tuple(prose[: wanted.max_tokens])) for wanted in requests]
 
-    engine.scheduler.draft_source = ProseDrafts(reference, engine.vocab_size)
+    speculation(engine).source = ProseDrafts(reference, engine.vocab_size)
     state = engine.build_request(params.model_copy(update={"speculative": True}), None, "r0")
     run(engine, [state], [0])
     assert state.prompt_ids + state.generated_ids == reference["r0"]
-    counters = engine.scheduler.speculation_counters
+    counters = speculation(engine).counters
     assert counters.drafted_tokens > 0 and counters.accepted_tokens == 0
 
 
@@ -511,11 +519,11 @@ def test_drafts_never_exceed_the_decode_row_bound_nor_the_token_budget(
         return logits
 
     scheduler = engine.scheduler
-    scheduler.draft_source = Watching(reference, engine.vocab_size)
+    speculation(engine).source = Watching(reference, engine.vocab_size)
     scheduler._forward = watched_forward
     states = [engine.build_request(one, None, f"r{index}") for index, one in enumerate(params)]
     run(engine, states, join_at=[0, 0, 0])
-    assert rows and max(rows) == scheduler.max_decode_rows
+    assert rows and max(rows) == speculation(engine).max_decode_rows
     for index, state in enumerate(states):
         assert state.prompt_ids + state.generated_ids == reference[f"r{index}"]
 
@@ -525,13 +533,13 @@ def test_requests_off_or_auto_off_never_draft(tiny_model_dir: Path) -> None:
     params = [request(PROMPTS[0], temperature=0.0, max_tokens=8)]
     reference = plain_references(engine, params)
     drafts = ScriptedDrafts(reference, engine.vocab_size)
-    engine.scheduler.draft_source = drafts
-    engine.scheduler.auto_switch.enabled = False
-    engine.scheduler.auto_switch._steps_off = -10_000  # no probe within this test
+    speculation(engine).source = drafts
+    speculation(engine).auto_switch.enabled = False
+    speculation(engine).auto_switch._steps_off = -10_000  # no probe within this test
     state = engine.build_request(params[0], None, "r0")
     run(engine, [state], [0])
     assert drafts.rounds == 0
-    engine.scheduler.auto_switch.enabled = True
+    speculation(engine).auto_switch.enabled = True
     state = engine.build_request(params[0].model_copy(update={"speculative": False}), None, "r1")
     drafts.reference["r1"] = reference["r0"]
     run(engine, [state], [0])
@@ -589,7 +597,7 @@ def test_verify_rows_are_computed_bit_for_bit_as_decode_rows(
     for speculative in (False, True):
         engine.clear_prefix_cache()
         if speculative:
-            engine.scheduler.draft_source = ScriptedDrafts(reference, engine.vocab_size)
+            speculation(engine).source = ScriptedDrafts(reference, engine.vocab_size)
         state = engine.build_request(params.model_copy(update={"speculative": speculative}),
                                      None, "r0")  # fmt: skip
         recorder = Recording(state.chooser)
@@ -598,7 +606,7 @@ def test_verify_rows_are_computed_bit_for_bit_as_decode_rows(
         reference["r0"] = state.prompt_ids + state.generated_ids
         recorded.append(recorder.logits)
     plain_logits, speculative_logits = recorded
-    assert engine.scheduler.speculation_counters.accepted_tokens >= 5
+    assert speculation(engine).counters.accepted_tokens >= 5
     assert len(plain_logits) == len(speculative_logits)
     for index, (expected, got) in enumerate(zip(plain_logits, speculative_logits, strict=True)):
         if weights == "int4":
@@ -626,10 +634,10 @@ def test_the_default_model_copies_a_passage_in_fewer_steps_with_the_same_text(
     drafts accepted."""
     texts = []
     for speculative in (False, True):
-        before = dataclasses.replace(real_engine.scheduler.speculation_counters)
+        before = dataclasses.replace(speculation(real_engine).counters)
         params = request(REPEAT, temperature=0.0, max_tokens=80, speculative=speculative)
         texts.append("".join(piece.text for piece in real_engine.generate(params)))
-        after = real_engine.scheduler.speculation_counters
+        after = speculation(real_engine).counters
     assert texts[1] == texts[0] and PASSAGE[:60] in texts[0]
     rounds = after.decode_rounds - before.decode_rounds
     tokens = after.decode_tokens - before.decode_tokens
