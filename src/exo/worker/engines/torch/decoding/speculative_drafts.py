@@ -18,8 +18,9 @@ Sources:
   answers from retrieved text) and proposes nothing otherwise.
 - A draft model (a small model with the target's tokenizer, on this node or another) plugs
   in through the same protocol: `propose` takes every speculating request of a step at once
-  (one batched forward of the draft model), and a `Draft` may carry the draft's own
-  distribution (`probabilities`) for the general rejection rule. Not built yet.
+  (one batched forward of the draft model), `forget` frees a request's state (its draft
+  KV), and a `Draft` may carry the draft's own distribution (`probabilities`) for the
+  general rejection rule. Not built yet.
 """
 
 from __future__ import annotations
@@ -62,8 +63,10 @@ class Draft:
         tokens: the guesses, in order (empty: no guess; the request decodes plainly).
         probabilities: None for a deterministic guess (n-gram: the draft distribution is one
             token with probability 1), else `[len(tokens), vocab]` float32, the draft
-            model's distribution at each guess (for the general acceptance rule
-            `min(1, p / q)`; `speculative_verification.accept_or_resample`).
+            model's distribution at each guess, for the general acceptance rule (accept
+            with probability `min(1, p / q)`, else draw from `max(0, p - q)` renormalised).
+            That rule comes with the draft model; until then the scheduler refuses such a
+            draft (`NotImplementedError`).
     """
 
     tokens: tuple[int, ...] = ()
