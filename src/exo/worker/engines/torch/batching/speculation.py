@@ -12,7 +12,7 @@ requests that draft.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from exo.worker.engines.torch.batching.request_state import RequestState
 from exo.worker.engines.torch.decoding.speculative_drafts import DraftRequest, DraftSource
@@ -21,6 +21,7 @@ from exo.worker.engines.torch.decoding.speculative_policy import (
     DraftLength,
     SpeculationCounters,
     SpeculationSettings,
+    best_draft_length,
 )
 from exo.worker.engines.torch.quant.quantized_linear import NATIVE_BLOCK_MAX_ROWS
 
@@ -38,6 +39,8 @@ class Speculation:
         max_decode_rows: the most decode rows of a step with drafts (see the module).
         auto_switch: the instance's switch for "auto" requests.
         counters: what speculation did, for `/metrics` and `/state`.
+        step_cost: a decode-only step's time in seconds by its rows, None where unknown
+            (the switch's measurements; a test fixes it so drafts do not follow the clock).
     """
 
     def __init__(self, settings: SpeculationSettings, source: DraftSource) -> None:
@@ -46,6 +49,7 @@ class Speculation:
         self.max_decode_rows = NATIVE_BLOCK_MAX_ROWS
         self.auto_switch = AutoSwitch()
         self.counters = SpeculationCounters()
+        self.step_cost: Callable[[int], float | None] = self.auto_switch.step_seconds
         self._lengths: dict[str, DraftLength] = {}
 
     def auto_allowed(self, states: Sequence[RequestState]) -> bool:
@@ -58,9 +62,10 @@ class Speculation:
         self, decoding: Sequence[tuple[RequestState, Sequence[int]]], auto_allowed: bool
     ) -> list[Draft]:
         """One draft per decoding request of a step without prompt rows, in order (empty
-        where it does not draft): each at most its adaptive length and its remaining token
-        budget less one, within `max_decode_rows`; drafts shorter than `draft_min` are
-        dropped.
+        where it does not draft): each at most its adaptive length, its remaining token
+        budget less one, and the length whose expected tokens per second of measured step
+        time are the most (`best_draft_length`, from its acceptance so far), within
+        `max_decode_rows`; drafts shorter than `draft_min` are dropped.
 
         Args:
             decoding: each decoding request's state and its prompt and generated tokens.
@@ -79,6 +84,9 @@ class Speculation:
                     settings.draft_min, settings.draft_max
                 )
             limit = min(length.current, state.max_new_tokens - state.completion_tokens - 1)
+            if length.acceptance is not None and limit > 0:  # what pays for its rows here
+                cost = self.step_cost
+                limit = best_draft_length(length.acceptance, limit, len(decoding), cost)
             if limit >= settings.draft_min:
                 wanted.append((index, limit))
         requests: list[tuple[int, DraftRequest]] = []

@@ -10,6 +10,7 @@ target 1.48x slower (issue 43), so speculation must be on only where it is measu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from exo.shared.types.text_generation import (
@@ -55,27 +56,75 @@ class SpeculationSettings:
         return self.default if requested is None else requested
 
 
+# Weight kept of the earlier rounds in a request's acceptance estimate, per round.
+ACCEPTANCE_DECAY = 0.9
+
+
 @dataclass(slots=True)
 class DraftLength:
     """One request's adaptive draft length within `[minimum, maximum]`: longer after a round
-    whose every draft token was accepted, shorter after a rejection."""
+    whose every draft token was accepted, shorter after a rejection; and its estimated
+    per-token acceptance probability (`acceptance`)."""
 
     minimum: int
     maximum: int
     current: int = 0
+    # Decayed counts of accepted draft tokens and of rejected ones (at most one per round:
+    # verification stops at the first), over the request's rounds.
+    _accepted: float = 0.0
+    _rejected: float = 0.0
 
     def __post_init__(self) -> None:
         if self.current == 0:
             self.current = self.maximum
 
+    @property
+    def acceptance(self) -> float | None:
+        """The probability that a draft token is accepted, estimated as accepted over
+        verified tokens (the maximum-likelihood estimate of a geometric run's success
+        probability); None before any round."""
+        verified = self._accepted + self._rejected
+        return self._accepted / verified if verified > 0 else None
+
     def update(self, drafted: int, accepted: int) -> None:
         """After a verified round of `drafted` tokens of which `accepted` were taken."""
         if drafted <= 0:
             return
+        self._accepted = ACCEPTANCE_DECAY * self._accepted + accepted
+        self._rejected = ACCEPTANCE_DECAY * self._rejected + (1 if accepted < drafted else 0)
         if accepted >= drafted:
             self.current = min(self.maximum, self.current + GROW_ON_FULL_ACCEPT)
         else:
             self.current = max(self.minimum, self.current - SHRINK_ON_REJECT)
+
+
+def expected_tokens(acceptance: float, draft: int) -> float:
+    """Tokens a round with a draft of `draft` tokens emits on average, each draft token
+    accepted with probability `acceptance` independently until the first rejection, plus
+    the correction or bonus token: (1 - a^(k+1)) / (1 - a) (Leviathan et al. 2023, eq. 1)."""
+    if acceptance >= 1.0:
+        return draft + 1.0
+    return (1.0 - acceptance ** (draft + 1)) / (1.0 - acceptance)
+
+
+def best_draft_length(
+    acceptance: float, limit: int, plain_rows: int, step_seconds: Callable[[int], float | None]
+) -> int:
+    """The draft length in `0 .. limit` with the most expected tokens per second of step
+    time: `expected_tokens(acceptance, k) / t(plain_rows + k)`, t a decode-only step's
+    measured time by its rows (`AutoSwitch.step_seconds`, the nearest measured row count's
+    for one not measured yet: such a length is tried and so measured). On a CPU a step's
+    time grows with its rows (each row's products and attention), so a long draft of
+    uncertain tokens can cost more than it brings. `limit` where nothing is measured."""
+    best, best_rate = limit, 0.0
+    for draft in range(limit + 1):
+        seconds = step_seconds(plain_rows + draft)
+        if seconds is None or seconds <= 0.0:
+            return limit
+        rate = expected_tokens(acceptance, draft) / seconds
+        if rate > best_rate:
+            best, best_rate = draft, rate
+    return best
 
 
 # Weight of the newest measurement in the switch's moving averages.

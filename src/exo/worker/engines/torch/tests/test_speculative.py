@@ -47,6 +47,8 @@ from exo.worker.engines.torch.decoding.speculative_policy import (
     AutoSwitch,
     DraftLength,
     SpeculationSettings,
+    best_draft_length,
+    expected_tokens,
 )
 from exo.worker.engines.torch.decoding.stop_sequences import StopSequenceMatcher
 from exo.worker.engines.torch.engine import TorchEngine
@@ -143,6 +145,43 @@ def test_auto_switch_turns_off_where_drafts_cost_more_than_they_gain_and_probes(
     for _ in range(20):
         switch.observe(requests=1, rows=7, emitted=5, seconds=0.015)
     assert switch.enabled and switch.allows()
+
+
+def test_the_draft_length_is_the_one_with_the_most_tokens_per_second_of_step_time() -> None:
+    assert expected_tokens(0.5, 0) == 1.0 and expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 4) == 5.0
+
+    def linear(rows: int) -> float:  # a step costs 10 ms, and 5 ms more per row
+        return 0.010 + 0.005 * rows
+
+    # Likely drafts pay for long rows; unlikely ones for none.
+    assert best_draft_length(0.95, 6, 1, linear) == 6
+    assert best_draft_length(0.2, 6, 1, linear) == 0
+    assert 0 < best_draft_length(0.6, 6, 1, linear) < 6
+    assert best_draft_length(0.2, 6, 1, lambda rows: None) == 6  # nothing measured: try
+    length = DraftLength(minimum=1, maximum=6)
+    assert length.acceptance is None
+    length.update(drafted=4, accepted=4)
+    length.update(drafted=4, accepted=2)
+    assert length.acceptance == pytest.approx((0.9 * 4 + 2) / (0.9 * 4 + 2 + 1))
+
+
+def test_drafting_stops_where_its_rows_cost_more_than_they_bring(
+    tiny_model_dir: Path, float32_kv: None
+) -> None:
+    engine = load(tiny_model_dir)
+    params = [request(PROMPTS[0], temperature=0.0, max_tokens=24, speculative=True)]
+    reference = plain_references(engine, params)
+    drafts = ScriptedDrafts(reference, engine.vocab_size)  # about half the tokens wrong
+    speculation(engine).source = drafts
+    # A step's time grows faster than its rows: no draft, even one always accepted (the
+    # first round's), brings tokens as fast as plain steps.
+    speculation(engine).step_cost = lambda rows: float(rows) ** 1.5
+    state = engine.build_request(params[0], None, "r0")
+    run(engine, [state], [0])
+    assert state.prompt_ids + state.generated_ids == reference["r0"]
+    # The first draft (no acceptance known yet) is verified, then none.
+    assert drafts.rounds == 1
 
 
 # --- exact verification, one request's state alone ----------------------------------------
@@ -312,6 +351,7 @@ def load(directory: Path, **options: Any) -> TorchEngine:
     options.setdefault("weight_dtype", "float32")
     engine = TorchEngine.load(directory, shard, **options)
     engine.eos_token_ids = frozenset({-1})  # random weights: stop by length or stop string
+    speculation(engine).step_cost = lambda rows: None  # draft lengths never follow the clock
     return engine
 
 
