@@ -62,10 +62,13 @@ class Speculation:
         self, decoding: Sequence[tuple[RequestState, Sequence[int]]], auto_allowed: bool
     ) -> list[Draft]:
         """One draft per decoding request of a step without prompt rows, in order (empty
-        where it does not draft): each at most its adaptive length, its remaining token
-        budget less one, and the length whose expected tokens per second of measured step
-        time are the most (`best_draft_length`, from its acceptance so far), within
-        `max_decode_rows`; drafts shorter than `draft_min` are dropped.
+        where it does not draft): each at most its adaptive length and its remaining token
+        budget less one, within `max_decode_rows`; drafts shorter than `draft_min` are
+        dropped. An "auto" request's is also at most the length whose expected tokens per
+        second of measured step time are the most (`best_draft_length`, from its
+        acceptance so far), except in the switch's probes (which measure every length's
+        steps again); a request that asked for speculation (True) drafts at its adaptive
+        length whatever the costs.
 
         Args:
             decoding: each decoding request's state and its prompt and generated tokens.
@@ -84,9 +87,10 @@ class Speculation:
                     settings.draft_min, settings.draft_max
                 )
             limit = min(length.current, state.max_new_tokens - state.completion_tokens - 1)
-            if length.acceptance is not None and limit > 0:  # what pays for its rows here
-                cost = self.step_cost
-                limit = best_draft_length(length.acceptance, limit, len(decoding), cost)
+            acceptance = length.acceptance
+            if mode == "auto" and acceptance is not None and not self.auto_switch.probing:
+                # The length that pays for its rows here.
+                limit = best_draft_length(acceptance, limit, len(decoding), self.step_cost)
             if limit >= settings.draft_min:
                 wanted.append((index, limit))
         requests: list[tuple[int, DraftRequest]] = []

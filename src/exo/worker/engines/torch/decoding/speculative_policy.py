@@ -158,21 +158,27 @@ class AutoSwitch:
 
     enabled: bool = True
     gain: float | None = None
+    # The last `allows` said yes for a probe (drafts at their adaptive lengths, uncapped by
+    # the measured costs, so every row count's time is measured again).
+    probing: bool = False
     _step_seconds: dict[int, float] = field(default_factory=dict)
     _steps_off: int = 0
     _probing: int = 0
 
     def allows(self) -> bool:
         """Whether "auto" requests draft this step (counts the step for probing)."""
+        self.probing = False
         if self.enabled:
             return True
         if self._probing > 0:
             self._probing -= 1
+            self.probing = True
             return True
         self._steps_off += 1
         if self._steps_off >= PROBE_INTERVAL:
             self._steps_off = 0
             self._probing = PROBE_STEPS - 1
+            self.probing = True
             return True
         return False
 

@@ -147,7 +147,7 @@ def test_auto_switch_turns_off_where_drafts_cost_more_than_they_gain_and_probes(
     # The probes find the text copyable now: 5 tokens per 1.5x step.
     for _ in range(20):
         switch.observe(requests=1, rows=7, emitted=5, seconds=0.015)
-    assert switch.enabled and switch.allows()
+    assert switch.enabled and switch.allows() and not switch.probing
 
 
 def test_the_draft_length_is_the_one_with_the_most_tokens_per_second_of_step_time() -> None:
@@ -173,9 +173,9 @@ def test_drafting_stops_where_its_rows_cost_more_than_they_bring(
     tiny_model_dir: Path, float32_kv: None
 ) -> None:
     engine = load(tiny_model_dir)
-    params = [request(PROMPTS[0], temperature=0.0, max_tokens=24, speculative=True)]
+    params = [request(PROMPTS[0], temperature=0.0, max_tokens=24, speculative="auto")]
     reference = plain_references(engine, params)
-    drafts = ScriptedDrafts(reference, engine.vocab_size)  # about half the tokens wrong
+    drafts = ScriptedDrafts(reference, engine.vocab_size)
     speculation(engine).source = drafts
     # A step's time grows faster than its rows: no draft, even one always accepted (the
     # first round's), brings tokens as fast as plain steps.
@@ -185,6 +185,11 @@ def test_drafting_stops_where_its_rows_cost_more_than_they_bring(
     assert state.prompt_ids + state.generated_ids == reference["r0"]
     # The first draft (no acceptance known yet) is verified, then none.
     assert drafts.rounds == 1
+    # A request that asks for speculation drafts whatever the costs.
+    forced = engine.build_request(params[0].model_copy(update={"speculative": True}), None, "r1")
+    drafts.reference["r1"] = reference["r0"]
+    run(engine, [forced], [0])
+    assert forced.generated_ids == state.generated_ids and drafts.rounds > 4
 
 
 # --- exact verification, one request's state alone ----------------------------------------
