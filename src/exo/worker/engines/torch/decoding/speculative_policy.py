@@ -153,34 +153,25 @@ class AutoSwitch:
     (t(n): the averaged time of a decode-only step of n rows, the nearest measured n where
     none of n was). It is on while the gain's moving average is above the band, off below
     it; while off it probes now and then. On at start: a request with no draft found costs
-    nothing, so the first drafts measure their own worth.
+    nothing, so the first drafts measure their own worth. Its probes also lift the cost cap
+    on draft lengths (`best_draft_length`), which would otherwise never measure again a row
+    count it had judged too dear.
     """
 
     enabled: bool = True
     gain: float | None = None
-    # The last `allows` said yes for a probe (drafts at their adaptive lengths, uncapped by
-    # the measured costs, so every row count's time is measured again).
+    # The last `allows` fell in a probe: drafts at their adaptive lengths, uncapped by the
+    # measured costs, so every row count's time is measured again (on or off).
     probing: bool = False
     _step_seconds: dict[int, float] = field(default_factory=dict)
-    _steps_off: int = 0
-    _probing: int = 0
+    _steps: int = 0
 
     def allows(self) -> bool:
-        """Whether "auto" requests draft this step (counts the step for probing)."""
-        self.probing = False
-        if self.enabled:
-            return True
-        if self._probing > 0:
-            self._probing -= 1
-            self.probing = True
-            return True
-        self._steps_off += 1
-        if self._steps_off >= PROBE_INTERVAL:
-            self._steps_off = 0
-            self._probing = PROBE_STEPS - 1
-            self.probing = True
-            return True
-        return False
+        """Whether "auto" requests draft this step: while on, and in probes (the first
+        `PROBE_STEPS` of every `PROBE_INTERVAL` steps asked about) while off."""
+        self.probing = self._steps % PROBE_INTERVAL < PROBE_STEPS
+        self._steps += 1
+        return self.enabled or self.probing
 
     def step_seconds(self, rows: int) -> float | None:
         """The averaged time of a decode-only step of `rows` rows (or the nearest measured
@@ -209,7 +200,6 @@ class AutoSwitch:
         self.gain = gain if self.gain is None else self.gain + SWITCH_SMOOTHING * (gain - self.gain)
         if self.enabled and self.gain < SWITCH_OFF_BELOW:
             self.enabled = False
-            self._steps_off = 0
         elif not self.enabled and self.gain > SWITCH_ON_ABOVE:
             self.enabled = True
 

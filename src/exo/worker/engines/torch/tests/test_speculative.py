@@ -135,19 +135,19 @@ def test_draft_length_grows_after_full_acceptance_and_shrinks_after_a_rejection(
 
 def test_auto_switch_turns_off_where_drafts_cost_more_than_they_gain_and_probes() -> None:
     switch = AutoSwitch()
-    assert switch.allows()
+    assert switch.allows() and switch.probing  # the first steps probe
     switch.observe(requests=1, rows=1, emitted=1, seconds=0.010)  # a plain step: 100 tok/s
     # Drafts of 6: the step costs 1.5x and yields 1.2 tokens: 80 tok/s.
     for _ in range(20):
         switch.observe(requests=1, rows=7, emitted=1, seconds=0.015)
     assert not switch.enabled and switch.gain is not None and switch.gain < 1
-    allowed = [switch.allows() for _ in range(PROBE_INTERVAL - 1 + PROBE_STEPS)]
-    # Off: a probe of PROBE_STEPS steps from the PROBE_INTERVAL-th step on.
-    assert allowed.count(True) == PROBE_STEPS and allowed[-PROBE_STEPS:] == [True] * PROBE_STEPS
+    # Off: PROBE_STEPS steps of every PROBE_INTERVAL draft.
+    allowed = [switch.allows() for _ in range(2 * PROBE_INTERVAL)]
+    assert allowed.count(True) == 2 * PROBE_STEPS
     # The probes find the text copyable now: 5 tokens per 1.5x step.
     for _ in range(20):
         switch.observe(requests=1, rows=7, emitted=5, seconds=0.015)
-    assert switch.enabled and switch.allows() and not switch.probing
+    assert switch.enabled and switch.allows()
 
 
 def test_the_draft_length_is_the_one_with_the_most_tokens_per_second_of_step_time() -> None:
@@ -180,6 +180,7 @@ def test_drafting_stops_where_its_rows_cost_more_than_they_bring(
     # A step's time grows faster than its rows: no draft, even one always accepted (the
     # first round's), brings tokens as fast as plain steps.
     speculation(engine).step_cost = lambda rows: float(rows) ** 1.5
+    speculation(engine).auto_switch._steps = PROBE_STEPS  # past the first probe: none here
     state = engine.build_request(params[0], None, "r0")
     run(engine, [state], [0])
     assert state.prompt_ids + state.generated_ids == reference["r0"]
@@ -583,7 +584,7 @@ def test_requests_off_or_auto_off_never_draft(tiny_model_dir: Path) -> None:
     drafts = ScriptedDrafts(reference, engine.vocab_size)
     speculation(engine).source = drafts
     speculation(engine).auto_switch.enabled = False
-    speculation(engine).auto_switch._steps_off = -10_000  # no probe within this test
+    speculation(engine).auto_switch._steps = PROBE_STEPS  # past the first probe: none here
     state = engine.build_request(params[0], None, "r0")
     run(engine, [state], [0])
     assert drafts.rounds == 0
