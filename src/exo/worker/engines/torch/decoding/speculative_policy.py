@@ -1,11 +1,14 @@
 """When a request speculates and how far: the node's settings, the per-request draft length,
 the per-instance automatic switch, and the counters `/metrics` and `/state` report.
 
-A request asks with its `speculative` field: True always drafts (where a draft is found),
-False never, "auto" (or None: the node's default, `--speculative`) follows the instance's
-`AutoSwitch`, which compares measured throughput with and without drafts. Each draft row
-costs step time whether or not it is accepted: on a 4-core CPU a 0.8B draft model made a 4B
-target 1.48x slower (issue 43), so speculation must be on only where it is measured to help.
+A request asks with its `speculative` field: True always drafts (where a draft is found,
+at its adaptive length), False never, "auto" (or None: the node's default, `--speculative`)
+follows the instance's `AutoSwitch`, which compares measured throughput with and without
+drafts, and its drafts are cut to the length that pays for its rows (`best_draft_length`).
+Each draft row costs step time whether or not it is accepted: on a 4-core CPU a 0.8B draft
+model made a 4B target 1.48x slower (issue 43), and on a 2-core CPU a step of the default
+model over 7 rows took about 4x one over a single row (docs/benchmarks/
+2026-12-06-speculative.md), so speculation must be on only where it is measured to help.
 """
 
 from __future__ import annotations
@@ -32,9 +35,8 @@ class SpeculationSettings:
 
     Attributes:
         default: what a request without a `speculative` field does.
-        draft_min: drafts shorter than this are not verified (a guess of one token rarely
-            pays for its row on a model whose step grows with its rows); also the adaptive
-            length's floor.
+        draft_min: drafts shorter than this are not verified (as llama-server's
+            `--draft-min`); also the adaptive length's floor.
         draft_max: the adaptive length's ceiling (tokens per request per step).
 
     Raises:
