@@ -167,6 +167,9 @@ class Node:
                 decode_activations=options.decode_activations,
                 kv_cache_tokens=options.kv_cache_tokens,
                 kv_cache_dtype=options.kv_cache_dtype,
+                speculative=options.speculative,
+                draft_min=options.draft_min,
+                draft_max=options.draft_max,
             ),
             peer_credential=peer_credential(options.namespace, secret),
         )

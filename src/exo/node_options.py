@@ -40,8 +40,15 @@ from exo.shared.models.memory import (
     default_prefill_activations,
 )
 from exo.shared.types.common import ModelId
+from exo.shared.types.text_generation import (
+    DEFAULT_DRAFT_MAX,
+    DEFAULT_DRAFT_MIN,
+    SpeculativeMode,
+)
 
 DEFAULT_MODEL_ID = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
+# `--speculative`'s choices and the mode each sets (`TextGenerationTaskParams.speculative`).
+SPECULATIVE_CHOICES: dict[str, SpeculativeMode] = {"auto": "auto", "on": True, "off": False}
 # `--stream-interval-ms`: 30 ms (two frames of a 60 Hz screen) groups four or five tokens of
 # a ~150 tok/s decode and none of a decode slower than ~33 tok/s. Measured on the 2-core
 # reference machine (SmolLM2-135M, 190 tok/s, the runner's step period over 1,300 tokens
@@ -85,6 +92,11 @@ class Options:
     kv_cache_tokens: int | None = None
     # How runners store keys and values on CPU (`--kv-cache-dtype`).
     kv_cache_dtype: KVCacheDtype | None = None
+    # Speculative decoding for requests that do not say, and its draft length's bounds
+    # (`--speculative`, `--draft-min`, `--draft-max`).
+    speculative: SpeculativeMode = "auto"
+    draft_min: int = DEFAULT_DRAFT_MIN
+    draft_max: int = DEFAULT_DRAFT_MAX
     # Limits on image input and image URL fetching (`--image-*`).
     image_policy: ImagePolicy = field(default_factory=ImagePolicy)
 
@@ -243,6 +255,28 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_KV_CACHE_DTYPE} on CPU, the model's dtype elsewhere)",
     )
     parser.add_argument(
+        "--speculative",
+        choices=tuple(SPECULATIVE_CHOICES),
+        default="auto",
+        help="speculative decoding for requests that do not say: on, off, or where "
+        "measured to help (default: auto)",
+    )
+    parser.add_argument(
+        "--draft-min",
+        type=int,
+        default=DEFAULT_DRAFT_MIN,
+        metavar="N",
+        help=f"shortest draft verified, in tokens (default: {DEFAULT_DRAFT_MIN})",
+    )
+    parser.add_argument(
+        "--draft-max",
+        type=int,
+        default=DEFAULT_DRAFT_MAX,
+        metavar="N",
+        help="longest draft per request and step, in tokens; the length adapts between the "
+        f"two (default: {DEFAULT_DRAFT_MAX})",
+    )
+    parser.add_argument(
         "--max-queued-requests",
         type=int,
         default=None,
@@ -297,6 +331,11 @@ def parse_args(argv: list[str] | None = None) -> Options:
         )
     if args.max_queued_requests is not None and args.max_queued_requests < 0:
         parser.error(f"--max-queued-requests must be >= 0, not {args.max_queued_requests}")
+    if not 1 <= args.draft_min <= args.draft_max:
+        parser.error(
+            f"--draft-min and --draft-max need 1 <= min <= max, not {args.draft_min} and "
+            f"{args.draft_max}"
+        )
     if args.idle_unload is not None and not 0 <= args.idle_unload < float("inf"):
         parser.error(f"--idle-unload must be a number of seconds >= 0, not {args.idle_unload}")
     peers = tuple(p.strip() for p in args.bootstrap_peers.split(",") if p.strip())
@@ -337,6 +376,9 @@ def parse_args(argv: list[str] | None = None) -> Options:
         decode_activations=args.decode_activations,
         kv_cache_tokens=args.kv_cache_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
+        speculative=SPECULATIVE_CHOICES[args.speculative],
+        draft_min=args.draft_min,
+        draft_max=args.draft_max,
         remeasure_speed=args.remeasure_speed,
         cluster_secret=cluster_secret_option(args, parser, peers),
     )

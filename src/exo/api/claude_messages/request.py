@@ -175,6 +175,7 @@ def to_task_params(
             top_p=request.top_p,
             top_k=request.top_k,
             stop=request.stop_sequences,
+            speculative=request.speculative,
         ),
     )
 

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from exo.api.wire.request_model import WireRequestModel
+from exo.api.wire.request_model import Speculative, WireRequestModel
 
 
 class _WireRequestModel(WireRequestModel):
@@ -256,6 +256,8 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
+    # exo's extension: speculative decoding on (true), off (false) or as measured ("auto").
+    speculative: Speculative | None = None
 
 
 # ---------------------------------------------------------------- response

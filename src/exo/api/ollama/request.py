@@ -268,6 +268,7 @@ def _task_params(
                 frequency_penalty=options.frequency_penalty,
                 # Ollama's `repeat_last_n: 0` switches the repeat penalty off.
                 repetition_penalty=1.0 if options.repeat_last_n == 0 else options.repeat_penalty,
+                speculative=options.speculative,
             ),
             repetition_window=_repetition_window(options.repeat_last_n),
             context_tokens=_context_tokens(options.num_ctx),

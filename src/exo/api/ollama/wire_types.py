@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from exo.api.wire.request_model import WireRequestModel
+from exo.api.wire.request_model import Speculative, WireRequestModel
 
 OllamaRole = Literal["system", "user", "assistant", "tool"]
 ThinkSetting = bool | Literal["low", "medium", "high"]
@@ -119,7 +119,8 @@ class OllamaOptions(_WireRequestModel):
     `penalize_newline: false`) are refused; `mirostat_tau` / `mirostat_eta` (read only by
     mirostat), `num_keep` (exo never shifts the context) and the load-time options
     (threads, GPUs, batch size, memory mapping: placement and the engine decide) are
-    accepted and change nothing (README, "Accepted and ignored").
+    accepted and change nothing (README, "Accepted and ignored"). `speculative` is exo's
+    extension (true / false / "auto"), as the other dialects' top-level field.
 
     Types as Ollama checks them: numbers for numeric options (a fraction dropped for an
     integer one, `OptionInteger`), booleans for boolean ones, never a string for either.
@@ -146,6 +147,8 @@ class OllamaOptions(_WireRequestModel):
     mirostat_eta: float | None = None
     penalize_newline: bool | None = None
     num_keep: OptionInteger | None = None
+    # exo's extension: speculative decoding on (true), off (false) or as measured ("auto").
+    speculative: Speculative | None = None
     # Load-time options: compatibility no-ops (README, "Accepted and ignored").
     numa: bool | None = None
     num_batch: OptionInteger | None = None

@@ -12,7 +12,8 @@ would not honour anyway helps nobody. Known fields whose *value* we cannot honou
 image input to a model without vision) are refused, never silently dropped; the few
 accepted and ignored ones are listed in the README ("Accepted and ignored").
 Extensions other OpenAI-compatible servers define and we honour: `top_k`, `min_p`,
-`repetition_penalty` and `chat_template_kwargs.enable_thinking` (vLLM).
+`repetition_penalty` and `chat_template_kwargs.enable_thinking` (vLLM); exo's own:
+`speculative` (true / false / "auto": speculative decoding, as in every dialect).
 
 Request models are lax (JSON `1` is a valid temperature) because they face arbitrary HTTP
 clients; response models are what we emit and stay exact.
@@ -24,7 +25,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from exo.api.wire.request_model import VllmTopK, WireRequestModel
+from exo.api.wire.request_model import Speculative, VllmTopK, WireRequestModel
 
 # The OpenAI API allows at most 4 stop sequences; llama.cpp and vLLM accept more, and so
 # do we, up to a bound that keeps stop-string matching cheap.
@@ -228,6 +229,8 @@ class OpenAIGenerationRequest(_WireRequestModel):
     # Token id (as a JSON object key) -> bias in [-100, 100], added to the token's logit.
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # exo's extension: speculative decoding on (true), off (false) or as measured ("auto").
+    speculative: Speculative | None = None
 
 
 class ChatCompletionRequest(OpenAIGenerationRequest):

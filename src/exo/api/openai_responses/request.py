@@ -137,6 +137,7 @@ def to_task_params(
                 temperature=request.temperature,
                 top_p=request.top_p,
                 top_k=vllm_top_k(request.top_k),
+                speculative=request.speculative,
             ),
             stream=request.stream,
             tools=tool_definitions(function_tools(request)),

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Tag
 
-from exo.api.wire.request_model import VllmTopK, WireRequestModel
+from exo.api.wire.request_model import Speculative, VllmTopK, WireRequestModel
 
 # OpenAI caps top_logprobs at 20.
 MAX_TOP_LOGPROBS = 20
@@ -270,6 +270,8 @@ class ResponsesRequest(_WireRequestModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     # Not an OpenAI parameter: vLLM's extension, as on Chat Completions.
     top_k: VllmTopK | None = None
+    # exo's extension: speculative decoding on (true), off (false) or as measured ("auto").
+    speculative: Speculative | None = None
     tools: list[ToolSpec] | None = None
     tool_choice: ToolChoiceSpec | None = None
     parallel_tool_calls: bool | None = None

@@ -63,7 +63,7 @@ from exo.api.guards.throttle import AuthThrottle
 from exo.shared.types.chunks import Chunk, PrefillProgressChunk, TokenChunk
 from exo.shared.types.common import ModelId
 from exo.shared.types.nodes import DownloadOngoing
-from exo.shared.types.runners import KVCacheUse
+from exo.shared.types.runners import KVCacheUse, RunnerReady, RunnerRunning, SpeculationStats
 from exo.shared.types.state import State
 from exo.shared.types.tasks import TaskPending, TaskRunning
 
@@ -225,6 +225,7 @@ class StateCollector(Collector):
         if self._admission is not None:
             yield from _admission_gauges(state, self._admission)
         yield from _kv_cache_gauges(self._kv_cache())
+        yield from _speculation_gauges(state)
         runners = GaugeMetricFamily(
             "exo_runners", "Runners by node and status", labels=("node", "status")
         )
@@ -335,6 +336,47 @@ def _kv_cache_gauges(uses: list[KVCacheUse]) -> Iterator[Metric]:
         budget.add_metric((use.runner_id, use.model_id), use.budget_tokens)
     yield held
     yield budget
+
+
+def _speculation_gauges(state: State) -> Iterator[Metric]:
+    """Each runner's speculative decoding, from its status in the state
+    (`SpeculationStats`; runners that have not measured a value are left out)."""
+    models = {
+        runner_id: str(instance.shard_assignments.model_id)
+        for instance in state.instances.values()
+        for runner_id in instance.shard_assignments.runner_to_shard
+    }
+    rows: list[tuple[tuple[str, str], SpeculationStats]] = []
+    for runner_id, status in sorted(state.runners.items()):
+        if isinstance(status, RunnerReady | RunnerRunning) and status.speculation is not None:
+            rows.append(((str(runner_id), models.get(runner_id, "")), status.speculation))
+    rates = [
+        (labels, stats.acceptance_rate, stats.tokens_per_step)
+        for labels, stats in rows
+        if stats.acceptance_rate is not None and stats.tokens_per_step is not None
+    ]
+    yield from _gauges(
+        ("runner", "model"),
+        (
+            (
+                "exo_speculative_acceptance_rate",
+                "Share of the draft tokens a runner verified that it accepted",
+            ),
+            (
+                "exo_speculative_tokens_per_step",
+                "Tokens a decoding request gained per step on a runner, drafts or not (1 without)",
+            ),
+        ),
+        ((labels, (acceptance, per_step)) for labels, acceptance, per_step in rates),
+    )
+    yield from _gauges(
+        ("runner", "model"),
+        (
+            ("exo_speculative_drafted_tokens", "Draft tokens a runner verified"),
+            ("exo_speculative_accepted_tokens", "Draft tokens a runner accepted"),
+        ),
+        ((labels, (stats.drafted_tokens, stats.accepted_tokens)) for labels, stats in rows),
+    )
 
 
 def _admission_gauges(state: State, admission: AdmissionCounts) -> Iterator[Metric]:

@@ -206,7 +206,14 @@ def chat_effects() -> list[Decision]:
                 "presence_penalty": 0.5,
                 "frequency_penalty": 0.25,
                 "repetition_penalty": 1.2,
+                "speculative": "auto",
             },
+        ),
+        Refused(
+            fields("ChatCompletionRequest.speculative"),
+            CHAT,
+            {"speculative": "sometimes"},
+            "speculative",
         ),
         Effect(
             fields("ChatCompletionRequest.stop"),

@@ -62,7 +62,9 @@ def claude_effects() -> list[Decision]:
             lambda p: p.max_tokens == 7,
         ),
         *sampling_effects(
-            CLAUDE, "MessagesRequest", {"temperature": 0.3, "top_p": 0.5, "top_k": 7}
+            CLAUDE,
+            "MessagesRequest",
+            {"temperature": 0.3, "top_p": 0.5, "top_k": 7, "speculative": True},
         ),
         Effect(
             fields("MessagesRequest.stop_sequences"),

@@ -45,6 +45,7 @@ def completions_effects() -> list[Decision]:
                 "presence_penalty": 0.5,
                 "frequency_penalty": 0.25,
                 "repetition_penalty": 1.2,
+                "speculative": True,
             },
         ),
         Effect(

@@ -173,6 +173,7 @@ def ollama_effects() -> list[Decision]:
                 ("repeat_penalty", 1.2, lambda p: p.repetition_penalty == 1.2),
                 ("presence_penalty", 0.5, lambda p: p.presence_penalty == 0.5),
                 ("frequency_penalty", 0.25, lambda p: p.frequency_penalty == 0.25),
+                ("speculative", True, lambda p: p.speculative is True),
             )
         ),
         Effect(

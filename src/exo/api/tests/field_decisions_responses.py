@@ -212,7 +212,9 @@ def responses_effects() -> list[Decision]:
             lambda p: p.max_tokens == 7,
         ),
         *sampling_effects(
-            RESPONSES, "ResponsesRequest", {"temperature": 0.3, "top_p": 0.5, "top_k": 7}
+            RESPONSES,
+            "ResponsesRequest",
+            {"temperature": 0.3, "top_p": 0.5, "top_k": 7, "speculative": False},
         ),
         Effect(
             fields(

@@ -14,7 +14,13 @@ from exo.shared.types.chunks import Chunk, TokenChunk, Usage
 from exo.shared.types.common import CommandId, NodeId, RunnerId
 from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.nodes import DownloadOngoing, TopologyEdge
-from exo.shared.types.runners import KVCacheUse, RunnerLoading, RunnerReady
+from exo.shared.types.runners import (
+    KVCacheUse,
+    RunnerLoading,
+    RunnerReady,
+    RunnerRunning,
+    SpeculationStats,
+)
 from exo.testing.builders import SMOLLM2, make_instance, make_state
 from exo.testing.scripted_cluster import ScriptedCluster
 
@@ -135,6 +141,28 @@ def test_state_gauges_follow_the_cluster_state() -> None:
     assert value(samples, "exo_event_index") == 41
     assert value(samples, "exo_requests_queued", model=SMOLLM2) == 0
     assert value(samples, "exo_api_admitted_generations", model=SMOLLM2) == 0
+
+
+def test_speculation_gauges_show_each_runners_counts_from_the_state() -> None:
+    cluster = ScriptedCluster()
+    instance = make_instance(NodeId("node-a"))
+    (runner_id,) = instance.shard_assignments.runner_to_shard
+    stats = SpeculationStats(
+        decode_rounds=40, decode_tokens=100, verify_rounds=20, drafted_tokens=80,
+        accepted_tokens=60, acceptance_rate=0.75, tokens_per_step=2.5,
+    )  # fmt: skip
+    cluster.state = make_state(instances=[instance]).model_copy(
+        update={"runners": {runner_id: RunnerRunning(speculation=stats)}}
+    )
+    samples = scrape(TestClient(scripted_app(cluster)))
+    labels = {"runner": str(runner_id), "model": SMOLLM2}
+    assert value(samples, "exo_speculative_acceptance_rate", **labels) == 0.75
+    assert value(samples, "exo_speculative_tokens_per_step", **labels) == 2.5
+    assert value(samples, "exo_speculative_drafted_tokens", **labels) == 80
+    assert value(samples, "exo_speculative_accepted_tokens", **labels) == 60
+    cluster.state = cluster.state.model_copy(update={"runners": {runner_id: RunnerReady()}})
+    samples = scrape(TestClient(scripted_app(cluster)))
+    assert not any(name.startswith("exo_speculative") for name, _ in samples)
 
 
 def test_kv_cache_gauges_show_this_nodes_runners() -> None:

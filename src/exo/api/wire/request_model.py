@@ -17,7 +17,7 @@ integer `options`), the field says so with its own type.
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from loguru import logger
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -26,6 +26,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # no `top_k`; vLLM's extension, which we follow, keeps the k most likely tokens for k >= 1,
 # and takes 0 or -1 as "no top-k filter" (vLLM refuses anything below -1, and so do we).
 VllmTopK = Annotated[int, Field(ge=-1)]
+
+# exo's `speculative` extension, the same in every dialect (Ollama's under `options`):
+# true / false / "auto" (`TextGenerationTaskParams.speculative`); absent: the node's default.
+# Strict: a JSON boolean or the string "auto", nothing a lax bool would read as one.
+Speculative = Annotated[bool, Field(strict=True)] | Literal["auto"]
 
 
 @functools.cache

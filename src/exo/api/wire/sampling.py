@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from exo.api.wire.errors import InvalidRequestError
 
@@ -30,12 +30,14 @@ def sampling_fields(
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
     repetition_penalty: float | None = None,
+    speculative: bool | Literal["auto"] | None = None,
 ) -> dict[str, Any]:
     """The `TextGenerationTaskParams` fields of a request's sampling settings.
 
     Fields the client left out stay None (the model card's defaults apply); penalties it
     left out are 0. An empty stop string would match before the first token; clients send
-    `""` to mean "no stop", so it is dropped rather than refused.
+    `""` to mean "no stop", so it is dropped rather than refused. `speculative` is exo's
+    extension of every dialect (None: the node's default).
     """
     sequences = [stop] if isinstance(stop, str) else (stop or ())
     return {
@@ -49,13 +51,14 @@ def sampling_fields(
         "presence_penalty": presence_penalty or 0.0,
         "frequency_penalty": frequency_penalty or 0.0,
         "repetition_penalty": repetition_penalty,
+        "speculative": speculative,
     }
 
 
 # Fields the two OpenAI-shaped requests name as the internal request does.
 _OPENAI_SAMPLING_FIELDS = (
     "temperature", "top_p", "min_p", "seed", "stop", "presence_penalty", "frequency_penalty",
-    "repetition_penalty",
+    "repetition_penalty", "speculative",
 )  # fmt: skip
 
 

@@ -137,6 +137,7 @@ from exo.shared.types.runners import (
     RunnerShutdown,
     RunnerStatus,
     RunnerWarmingUp,
+    SpeculationStats,
 )
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.state import CommandOutcome, InstanceUnavailable, InstanceUsage, State
@@ -198,6 +199,10 @@ NODE = NodeId("node-a")
 COMMAND = CommandId("command-1")
 INSTANCE_ID = InstanceId("instance-1")
 RUNNER = RunnerId("instance-1-rank0")
+SPECULATION = SpeculationStats(
+    decode_rounds=40, decode_tokens=100, verify_rounds=20, drafted_tokens=80, accepted_tokens=60,
+    acceptance_rate=0.75, tokens_per_step=2.5, auto_enabled=False,
+)  # fmt: skip
 TASK = TaskId("task-1")
 CARD = make_card()
 FILE_PROGRESS = FileProgress(
@@ -358,10 +363,16 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
                 "repetition_penalty": 1.1,
                 "enable_thinking": True,
                 "reasoning_effort": "low",
+                "speculative": "auto",
             }
         ),
         TextGenerationTaskParams(
-            model=SMOLLM2, prompt="Once upon a time", max_tokens=8, logprobs=True, stop=(".",)
+            model=SMOLLM2,
+            prompt="Once upon a time",
+            max_tokens=8,
+            logprobs=True,
+            stop=(".",),
+            speculative=True,
         ),
     ],
     ToolDefinition: [WEATHER_TOOL, ToolDefinition(name="noop")],
@@ -502,8 +513,9 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     ],
     RunnerLoaded: [RunnerLoaded()],
     RunnerWarmingUp: [RunnerWarmingUp()],
-    RunnerReady: [RunnerReady()],
-    RunnerRunning: [RunnerRunning()],
+    RunnerReady: [RunnerReady(), RunnerReady(speculation=SPECULATION)],
+    RunnerRunning: [RunnerRunning(), RunnerRunning(speculation=SPECULATION)],
+    SpeculationStats: [SPECULATION],
     RunnerFailed: [RunnerFailed(error_message="segfault")],
     RunnerShutdown: [RunnerShutdown()],
     # shards and instances

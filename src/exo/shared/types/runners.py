@@ -40,6 +40,27 @@ class RunnerWarmingUp(FrozenModel):
     kind: Literal["RunnerWarmingUp"] = "RunnerWarmingUp"
 
 
+class SpeculationStats(FrozenModel):
+    """What speculative decoding did on a runner since it loaded (cumulative counts).
+
+    `decode_rounds`: (request, step) pairs in which a decoding request took part, with or
+    without a draft; `decode_tokens`: the tokens they emitted; `verify_rounds`: those that
+    verified a draft; `drafted_tokens` / `accepted_tokens`: draft tokens verified and
+    accepted. `acceptance_rate` is accepted over drafted (None before any draft),
+    `tokens_per_step` decode tokens over decode rounds (1 without speculation; None before
+    any); `auto_enabled` whether the instance's automatic switch drafts for "auto" requests
+    now."""
+
+    decode_rounds: int = Field(ge=0)
+    decode_tokens: int = Field(ge=0)
+    verify_rounds: int = Field(ge=0)
+    drafted_tokens: int = Field(ge=0)
+    accepted_tokens: int = Field(ge=0)
+    acceptance_rate: float | None = None
+    tokens_per_step: float | None = None
+    auto_enabled: bool = True
+
+
 class RunnerReady(FrozenModel):
     """Loaded and warmed up, waiting for a generation task. `weight_bytes` is what this
     rank's loaded parameters take (its share of the model); `max_concurrent_requests` how
@@ -47,23 +68,28 @@ class RunnerReady(FrozenModel):
     the API admits that many per instance plus a bounded queue); `kv_cache_tokens` its
     engine's KV-cache budget in tokens (its instance's, `Instance.kv_cache_tokens`);
     `card_mismatches` every fact of the model's card that its loaded files state otherwise
-    (`exo.shared.models.profile.card_mismatches`), empty when they agree."""
+    (`exo.shared.models.profile.card_mismatches`), empty when they agree; `speculation`
+    what speculative decoding did on it (None before a request ran, or where it does not
+    speculate: a split instance)."""
 
     kind: Literal["RunnerReady"] = "RunnerReady"
     weight_bytes: int = Field(default=0, ge=0)
     max_concurrent_requests: int = Field(default=1, ge=1)
     kv_cache_tokens: int = Field(default=DEFAULT_KV_CACHE_TOKENS, ge=0)
     card_mismatches: tuple[str, ...] = ()
+    speculation: SpeculationStats | None = None
 
 
 class RunnerRunning(FrozenModel):
-    """Generating for at least one task. `max_concurrent_requests`, `kv_cache_tokens` and
-    `card_mismatches` as in `RunnerReady`."""
+    """Generating for at least one task. `max_concurrent_requests`, `kv_cache_tokens`,
+    `card_mismatches` and `speculation` as in `RunnerReady` (`speculation` updated at most
+    every `SPECULATION_REPORT_INTERVAL_S` while it runs)."""
 
     kind: Literal["RunnerRunning"] = "RunnerRunning"
     max_concurrent_requests: int = Field(default=1, ge=1)
     kv_cache_tokens: int = Field(default=DEFAULT_KV_CACHE_TOKENS, ge=0)
     card_mismatches: tuple[str, ...] = ()
+    speculation: SpeculationStats | None = None
 
 
 class RunnerFailed(FrozenModel):

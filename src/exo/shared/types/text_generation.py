@@ -45,6 +45,14 @@ class NamedToolChoice(FrozenModel):
 ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
 ResponseFormat = Literal["text", "json_object", "json_schema"]
 ReasoningEffort = Literal["minimal", "low", "medium", "high"]
+# A request's or a node's speculative decoding: on, off, or as measured per instance.
+SpeculativeMode = bool | Literal["auto"]
+# The draft length's bounds by default (tokens per request per step; `--draft-min`,
+# `--draft-max`). llama-server's defaults for a draft model are 0 / 16; on a CPU a step's
+# rows must also stay within the decode kernels' row bound (the scheduler's
+# `max_decode_rows`, 7), which caps a lone stream's draft at 6 anyway.
+DEFAULT_DRAFT_MIN = 1
+DEFAULT_DRAFT_MAX = 6
 
 
 IMAGE_MARKER = "<__exo_image__>"
@@ -163,6 +171,12 @@ class TextGenerationTaskParams(FrozenModel):
     top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     enable_thinking: bool | None = None
     reasoning_effort: ReasoningEffort | None = None
+    speculative: SpeculativeMode | None = None
+    """Speculative decoding for this request (exo's extension, the same name in every
+    dialect): True verifies draft tokens wherever a draft is found, False never, "auto"
+    as the instance measures it to help; None: the node's `--speculative`. The output is
+    the same either way (greedy: token for token; sampled: the same distribution, and the
+    same tokens for one seed)."""
 
     @model_validator(mode="after")
     def _check_input(self) -> TextGenerationTaskParams:

@@ -4,7 +4,7 @@ runner process as one value."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from exo.shared.models.memory import (
     DEFAULT_DECODE_ACTIVATIONS,
@@ -14,6 +14,11 @@ from exo.shared.models.memory import (
     PrefillActivations,
 )
 from exo.shared.types.common import FrozenModel
+from exo.shared.types.text_generation import (
+    DEFAULT_DRAFT_MAX,
+    DEFAULT_DRAFT_MIN,
+    SpeculativeMode,
+)
 
 
 class RunnerOptions(FrozenModel):
@@ -33,6 +38,9 @@ class RunnerOptions(FrozenModel):
         (placement's); a float32 runner holds `kv_cache_tokens_for_dtype` of them.
     kv_cache_dtype: how the runner's engine stores keys and values on CPU
         (`--kv-cache-dtype`; None: `kv_memory.kv_cache_torch_dtype`'s default).
+    speculative: speculative decoding for requests that do not say (`--speculative`).
+    draft_min / draft_max: the draft length's bounds in tokens (`--draft-min`,
+        `--draft-max`; `speculative_policy.SpeculationSettings`).
     """
 
     max_concurrent_requests: int | None = Field(default=None, ge=1)
@@ -41,3 +49,12 @@ class RunnerOptions(FrozenModel):
     decode_activations: DecodeActivations = DEFAULT_DECODE_ACTIVATIONS
     kv_cache_tokens: int | None = Field(default=None, ge=1)
     kv_cache_dtype: KVCacheDtype | None = None
+    speculative: SpeculativeMode = "auto"
+    draft_min: int = Field(default=DEFAULT_DRAFT_MIN, ge=1)
+    draft_max: int = Field(default=DEFAULT_DRAFT_MAX, ge=1)
+
+    @model_validator(mode="after")
+    def _check_draft_bounds(self) -> RunnerOptions:
+        if self.draft_min > self.draft_max:
+            raise ValueError(f"draft_min {self.draft_min} is above draft_max {self.draft_max}")
+        return self

@@ -46,6 +46,7 @@ from exo.shared.types.runners import (
     RunnerShutdown,
     RunnerStatus,
     RunnerWarmingUp,
+    SpeculationStats,
 )
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.tasks import (
@@ -92,6 +93,9 @@ GROUP_TIMEOUT_SECONDS = 60.0
 # The runner's KV-cache use reaches the node's /metrics at most this often while it changes
 # (a scrape every 15 s or so needs no more; each report is one small pipe message).
 KV_REPORT_INTERVAL_S = 1.0
+# While a runner generates, its speculative-decoding counts reach the cluster state (a
+# status event through the master's log) at most this often; at once when its batch empties.
+SPECULATION_REPORT_INTERVAL_S = 10.0
 # A request's prefill progress is reported when the engine admits it, then at most this
 # often until its first token (`PrefillProgressChunk`).
 PREFILL_PROGRESS_SECONDS = 1.0
@@ -129,6 +133,7 @@ class Runner:
         self._card_mismatches: tuple[str, ...] = ()  # what the loaded model's files contradict
         self._kv_reported: tuple[int, int, int] | None = None
         self._kv_reported_at = float("-inf")
+        self._speculation_reported_at = float("-inf")
         # Messages held while a step runs (`_holding`), sent together when it ends.
         self._unsent: list[RunnerOutbound] = []
         self._holding = False
@@ -275,6 +280,7 @@ class Runner:
 
     def _load(self, model_dir: Path) -> None:
         from exo.shared.models.memory import DEFAULT_KV_CACHE_TOKENS
+        from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
         from exo.worker.engines.torch.engine import DEFAULT_MAX_CONCURRENT_REQUESTS
         from exo.worker.engines.torch.engine_factory import load_serving_engine
 
@@ -294,6 +300,9 @@ class Runner:
                 decode_activations=self._options.decode_activations,
                 kv_cache_tokens=self._options.kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS,
                 kv_cache_dtype=self._options.kv_cache_dtype,
+                speculation=SpeculationSettings(
+                    self._options.speculative, self._options.draft_min, self._options.draft_max
+                ),
             )  # fmt: skip
         except Exception as error:
             logger.opt(exception=error).error(f"runner {self.runner_id}: loading failed")
@@ -535,22 +544,52 @@ class Runner:
         )
 
     def _update_status(self) -> None:
-        """RunnerRunning while any generation runs, else ready (reported on change)."""
+        """RunnerRunning while any generation runs, else ready (reported on change), with
+        the speculative-decoding counts (`_speculation`; while running at most every
+        `SPECULATION_REPORT_INTERVAL_S`)."""
         if isinstance(self._status, RunnerFailed):
             return
-        if self._generations and isinstance(self._status, RunnerRunning):
+        now = time.monotonic()
+        if (
+            self._generations
+            and isinstance(self._status, RunnerRunning)
+            and now - self._speculation_reported_at < SPECULATION_REPORT_INTERVAL_S
+        ):
             return  # unchanged (a step's common case: no status built and compared)
+        self._speculation_reported_at = now
+        speculation = self._speculation()
+        if speculation != self._ready.speculation:
+            self._ready = self._ready.model_copy(update={"speculation": speculation})
         status: RunnerStatus = (
             RunnerRunning(
                 max_concurrent_requests=self._ready.max_concurrent_requests,
                 kv_cache_tokens=self._ready.kv_cache_tokens,
                 card_mismatches=self._ready.card_mismatches,
+                speculation=speculation,
             )
             if self._generations
             else self._ready
         )
         if status != self._status:
             self._set_status(status)
+
+    def _speculation(self) -> SpeculationStats | None:
+        """The engine's speculative-decoding counts (None where it does not speculate)."""
+        counters = getattr(self._engine, "speculation_counters", None)
+        measured = counters() if counters is not None else None
+        if measured is None:
+            return None
+        counts, auto_enabled = measured
+        return SpeculationStats(
+            decode_rounds=counts.decode_rounds,
+            decode_tokens=counts.decode_tokens,
+            verify_rounds=counts.verify_rounds,
+            drafted_tokens=counts.drafted_tokens,
+            accepted_tokens=counts.accepted_tokens,
+            acceptance_rate=counts.acceptance_rate,
+            tokens_per_step=counts.tokens_per_step,
+            auto_enabled=auto_enabled,
+        )
 
     def _cancel(self, task_id: str) -> None:
         """End a queued or running task with a final "cancelled" chunk."""

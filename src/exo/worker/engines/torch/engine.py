@@ -55,6 +55,7 @@ from exo.worker.engines.torch.batching.request_state import (
 )
 from exo.worker.engines.torch.batching.scheduler import BatchScheduler, StepOutput
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
+from exo.worker.engines.torch.batching.speculation import Speculation
 from exo.worker.engines.torch.decoding.detokenizer import StreamingDetokenizer
 from exo.worker.engines.torch.decoding.sampling import Sampler, StepLogprobs, TokenChooser
 from exo.worker.engines.torch.decoding.sampling_params import (
@@ -62,6 +63,11 @@ from exo.worker.engines.torch.decoding.sampling_params import (
     resolve_sampling_params,
 )
 from exo.worker.engines.torch.decoding.scripted import ScriptedReply
+from exo.worker.engines.torch.decoding.speculative_drafts import NgramDraftSource
+from exo.worker.engines.torch.decoding.speculative_policy import (
+    SpeculationCounters,
+    SpeculationSettings,
+)
 from exo.worker.engines.torch.decoding.stop_sequences import StopSequenceMatcher
 from exo.worker.engines.torch.decoding.token_choice import token_chooser_for, token_logprob
 from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary
@@ -135,6 +141,9 @@ class TorchEngine:
             bytes); also caps one request's prompt plus output.
         kv_cache_dtype: how keys and values are stored (`kv_memory.kv_cache_torch_dtype`;
             None: bfloat16 on CPU unless `EXO_KV_CACHE_DTYPE` says otherwise).
+        speculation: speculative decoding's settings (`speculative_policy`; None: off
+            unless a request asks, with the default draft bounds). Single-rank engines
+            only: a split instance's requests decode plainly.
     """
 
     def __init__(
@@ -149,6 +158,7 @@ class TorchEngine:
         kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
         group: RankGroup | None = None,
         kv_cache_dtype: KVCacheDtype | None = None,
+        speculation: SpeculationSettings | None = None,
     ) -> None:
         if max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be at least 1")
@@ -160,6 +170,7 @@ class TorchEngine:
         self.eos_token_ids = eos_token_ids
         self.max_concurrent_requests = max_concurrent_requests
         self.kv_cache_tokens = kv_cache_tokens
+        self.speculation = speculation or SpeculationSettings(default=False)
         self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, device, next(model.parameters()).dtype)
         text_config = model.config.get_text_config()
         configured_context = getattr(text_config, "max_position_embeddings", None)
@@ -194,6 +205,7 @@ class TorchEngine:
         prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
         kv_cache_dtype: KVCacheDtype | None = None,
         decode_activations: DecodeActivations = DEFAULT_DECODE_ACTIVATIONS,
+        speculation: SpeculationSettings | None = None,
     ) -> TorchEngine:
         """Load a shard's weights (a multi-rank shard: this rank's part, after
         `init_group`) and the tokenizer from an HF-format directory.
@@ -220,6 +232,7 @@ class TorchEngine:
                 block of 32 (llama.cpp's precision: faster decode on AVX2 CPUs, a less
                 exact answer), "int16" as today; process-wide
                 (`native_kernels.set_decode_activations`).
+            speculation: speculative decoding's settings (see the class).
 
         Raises:
             UnsupportedArchitectureError (a ValueError): no family file for the model.
@@ -238,7 +251,7 @@ class TorchEngine:
         engine = cls(
             parts.model, parts.tokenizer, shard.model_card, parts.device,
             parts.eos_token_ids, parts.weight_dtype, max_concurrent_requests, kv_cache_tokens,
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype=kv_cache_dtype, speculation=speculation,
         )  # fmt: skip
         if split:
             engine.group = RankGroup(
@@ -483,6 +496,7 @@ class TorchEngine:
             logprob_of=self.token_logprob,
             images=prompt_images,
             positions=positions,
+            speculative=params.speculative,
         )
 
     # -- the stepping contract ----------------------------------------------------------
@@ -515,6 +529,7 @@ class TorchEngine:
         return BatchScheduler(
             self.model, cache, windows, attention_layers(self.model), self.kv_cache_tokens,
             PrefixCache(self.kv_cache_tokens), self.device,
+            speculation=Speculation(self.speculation, NgramDraftSource()),
         )  # fmt: skip
 
     def submit(
@@ -586,6 +601,15 @@ class TorchEngine:
             cache.tokens if cache is not None else 0,
             self._scheduler.budget_tokens,
         )
+
+    def speculation_counters(self) -> tuple[SpeculationCounters, bool] | None:
+        """What speculative decoding did here (`SpeculationCounters`, cumulative) and
+        whether its automatic switch is on now; None before the first request built the
+        scheduler or where it does not speculate (a split instance)."""
+        speculation = self._scheduler.speculation if self._scheduler is not None else None
+        if speculation is None:
+            return None
+        return speculation.counters, speculation.auto_switch.enabled
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached prefix (the next requests prefill their whole prompts)."""

@@ -17,6 +17,7 @@ from exo.shared.models.memory import (
     PrefillActivations,
 )
 from exo.shared.types.shards import ShardMetadata
+from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
 from exo.worker.engines.torch.encoder_engine import EncoderEngine
 from exo.worker.engines.torch.engine import DEFAULT_MAX_CONCURRENT_REQUESTS, TorchEngine
 from exo.worker.engines.torch.model.loading import LayerProgressCallback
@@ -38,6 +39,7 @@ def load_engine(
     kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
     kv_cache_dtype: KVCacheDtype | None = None,
     decode_activations: DecodeActivations = DEFAULT_DECODE_ACTIVATIONS,
+    speculation: SpeculationSettings | None = None,
 ) -> TorchEngine:
     """Load the engine for `shard` (arguments as `TorchEngine.load`).
 
@@ -52,6 +54,7 @@ def load_engine(
         model_dir, shard, device, on_layer_loaded, weight_dtype, max_concurrent_requests,
         kv_cache_tokens=kv_cache_tokens, prefill_activations=prefill_activations,
         kv_cache_dtype=kv_cache_dtype, decode_activations=decode_activations,
+        speculation=speculation,
     )  # fmt: skip
 
 
@@ -64,6 +67,7 @@ def load_serving_engine(
     kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
     kv_cache_dtype: KVCacheDtype | None = None,
     decode_activations: DecodeActivations = DEFAULT_DECODE_ACTIVATIONS,
+    speculation: SpeculationSettings | None = None,
 ) -> Engine:
     """The engine a runner serves `shard` with: `EncoderEngine` for an encoder card (its
     weights are read whole in float32; the KV, weight-format and prefill options do not
@@ -84,4 +88,5 @@ def load_serving_engine(
         max_concurrent_requests=max_concurrent_requests,
         prefill_activations=prefill_activations, kv_cache_tokens=kv_cache_tokens,
         kv_cache_dtype=kv_cache_dtype, decode_activations=decode_activations,
+        speculation=speculation,
     )  # fmt: skip

@@ -76,8 +76,12 @@ class PrefillSegment:
 class BatchPlan:
     """Where each row of the flattened step goes.
 
-    Rows `0 .. len(decode_slots) - 1` are one token of each decoding request (slots in
-    ascending order, position `decode_positions[i]`); prefill segments follow.
+    Rows `0 .. len(decode_slots) - 1` are decode rows, one token each at position
+    `decode_positions[i]` of slot `decode_slots[i]`: one per decoding request (slots in
+    ascending order), except that a request verifying a speculative draft has a row per
+    draft position and one more (`repeated_slots`; the scheduler lays them out from the
+    last position down). Every decode row attends, as a decode row, to its slot's keys up
+    to its own position (the step's keys written first). Prefill segments follow.
     """
 
     cache: SlotKVCache
@@ -93,6 +97,9 @@ class BatchPlan:
     masks: dict[int | None, torch.Tensor | None] | None = None
     max_len: int = 0  # keys the decode rows attend over (the longest decoding slot's)
     all_slots_decode: bool = False
+    # Some slot has several decode rows (a speculative draft's): `masks` are then per
+    # decode row, `[D, 1, 1, max_len]`, and the rows read their slots' keys by index.
+    repeated_slots: bool = False
     # (row, [n, hidden] float32): embeddings that replace those of rows row .. row + n - 1
     # (an image's projected vision features; read by the first rank's embedding step).
     row_embeddings: list[tuple[int, torch.Tensor]] = field(default_factory=list)
@@ -113,6 +120,10 @@ class BatchPlan:
         self.decode_index = torch.tensor(self.decode_slots, dtype=torch.long, device=device)
         self.decode_pos = torch.tensor(self.decode_positions, dtype=torch.long, device=device)
         occupied = self.cache.occupied
+        self.repeated_slots = len(set(self.decode_slots)) < len(self.decode_slots)
+        if self.repeated_slots:
+            self._prepare_row_masks(device)
+            return
         self.all_slots_decode = self.decode_slots == list(range(occupied))
         # Key positions visible to each slot's new token: those written so far, this one
         # included; other slots' rows are never read.
@@ -130,6 +141,21 @@ class BatchPlan:
                 self.masks[window] = None
                 continue
             visible = keys[None, :] < ends[:, None]  # [S, max_len]
+            if window is not None:
+                visible &= keys[None, :] > ends[:, None] - 1 - window
+            self.masks[window] = visible[:, None, None, :]
+
+    def _prepare_row_masks(self, device: torch.device) -> None:
+        """`masks` per decode row (`repeated_slots`): row i sees its slot's keys up to
+        `decode_positions[i]`, within each window."""
+        assert self.decode_pos is not None
+        ends = self.decode_pos + 1  # [D]
+        self.max_len = int(ends.max().item())
+        self.all_slots_decode = False
+        keys = torch.arange(self.max_len, device=device)
+        self.masks = {}
+        for window in set(self.windows):
+            visible = keys[None, :] < ends[:, None]  # [D, max_len]
             if window is not None:
                 visible &= keys[None, :] > ends[:, None] - 1 - window
             self.masks[window] = visible[:, None, None, :]
@@ -231,15 +257,20 @@ def attend(
             if write_values:
                 new_values = value[0, :, :decoding].transpose(0, 1)
                 values[plan.decode_index, :, plan.decode_pos] = new_values
-        mask = plan.masks[window]  # [S, 1, 1, max_len] or None (all visible)
+        mask = plan.masks[window]  # [S or D, 1, 1, max_len] or None (all visible)
         max_len = plan.max_len
         occupied = plan.cache.occupied
         queries = query[0, :, :decoding].transpose(0, 1).unsqueeze(2)  # [D, heads, 1, dim]
-        if not plan.all_slots_decode:  # a prefilling request holds a slot between them
-            full = query.new_zeros(occupied, *queries.shape[1:])
-            full[plan.decode_index] = queries
-            queries = full
-        keys_read, values_read = keys[:occupied, :, :max_len], values[:occupied, :, :max_len]
+        if plan.repeated_slots:  # a draft's rows: each row its slot's keys (gathered)
+            keys_read = keys[plan.decode_index, :, :max_len]  # [D, kv_heads, max_len, dim]
+            values_read = values[plan.decode_index, :, :max_len]
+        else:
+            if not plan.all_slots_decode:  # a prefilling request holds a slot between them
+                full = query.new_zeros(occupied, *queries.shape[1:])
+                full[plan.decode_index] = queries
+                queries = full
+            keys_read = keys[:occupied, :, :max_len]
+            values_read = values[:occupied, :, :max_len]
         if keys_read.dtype != queries.dtype:
             keys_read, values_read = keys_read.to(queries.dtype), values_read.to(queries.dtype)
         if sinks is None:
@@ -248,8 +279,8 @@ def attend(
             )
         else:
             attended = sink_attention(queries, keys_read, values_read, mask, scaling, sinks=sinks)
-        # attended: [S, heads, 1, dim]
-        if not plan.all_slots_decode:
+        # attended: [S or D, heads, 1, dim]
+        if not plan.all_slots_decode and not plan.repeated_slots:
             attended = attended[plan.decode_index]
         output[0, :decoding] = attended[:, :, 0]
     for segment in plan.prefill:
@@ -698,10 +729,16 @@ def forward_batch(
 
 def commit_lengths(plan: BatchPlan) -> None:
     """After a step: every slot it wrote holds its new positions (`SlotKVCache.commit`:
-    its windowed layers drop what their windows no longer see)."""
+    its windowed layers drop what their windows no longer see). A slot with several decode
+    rows (a speculative draft's) holds only its first row's position: the draft's are
+    committed once verified (the scheduler's `SlotKVCache.commit` of the accepted ones),
+    so a rejected position never counts as held nor moves a window's trim."""
     for segment in plan.prefill:
         plan.cache.commit(segment.slot, segment.start + segment.length)
+    first: dict[int, int] = {}
     for slot, position in zip(plan.decode_slots, plan.decode_positions, strict=True):
+        first[slot] = min(position, first.get(slot, position))
+    for slot, position in first.items():
         plan.cache.commit(slot, position + 1)
 
 

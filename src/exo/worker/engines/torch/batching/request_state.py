@@ -11,12 +11,13 @@ with `accept`; neither repeats the finishing rules.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from exo.shared.types.chunks import FinishReason, TokenLogprob, Usage
+from exo.shared.types.text_generation import SpeculativeMode
 from exo.worker.engines.torch.batching.prompt_images import MultimodalPositions, PromptImage
 from exo.worker.engines.torch.decoding.detokenizer import (
     StreamingDetokenizer,
@@ -76,6 +77,8 @@ class RequestState:
             among `prompt_ids` (and so in usage).
         positions: the multimodal rotary positions of a prompt with images (Qwen2.5-VL;
             `MultimodalPositions`); None: rotary positions are the token indices.
+        speculative: whether the request verifies draft tokens (`speculative_policy`;
+            None: the engine's default).
     """
 
     request_id: str
@@ -93,6 +96,7 @@ class RequestState:
     finished: bool = False
     images: tuple[PromptImage, ...] = ()
     positions: MultimodalPositions | None = None
+    speculative: SpeculativeMode | None = None
     _pending_ids: list[int] = field(default_factory=list)
     _pending_logprobs: list[TokenLogprob] = field(default_factory=list)
 
@@ -148,6 +152,57 @@ class RequestState:
             final_text, stop = _finish_text(self.detokenizer, self.stop_matcher)
             pieces.append(self._final(final_text, stop, eos=self.chooser.is_complete))
         return pieces
+
+    def accept_drafts(
+        self, logits: torch.Tensor, draft: Sequence[int]
+    ) -> tuple[list[GeneratedPiece], int]:
+        """Verify a deterministic draft (n-gram) against the target's logits and advance the
+        request by the tokens it keeps.
+
+        Row i of `logits` is the target's distribution after the request's text plus the
+        first i draft tokens. Each row goes through `accept`, in order, exactly as plain
+        decoding feeds it one step at a time: the chooser's penalties, logit bias,
+        constraint and seeded sampler see the text as it stands at that row, and stop
+        strings, `max_tokens`, usage and logprobs (from the row's raw logits) follow. The
+        loop stops after the first row whose chosen token differs from the draft's (that
+        token is the correction), when the request finishes, or after the last row (the
+        bonus token).
+
+        This is the rejection sampling of Leviathan et al. 2023 / Chen et al. 2023 for a
+        draft distribution q that puts all its mass on the draft token t: accept t with
+        probability min(1, p(t) / q(t)) = p(t), else draw from max(0, p - q) renormalised,
+        which is p with t removed and renormalised. Drawing x ~ p with the uniform number
+        plain decoding would use (inverse CDF: `sampling.draw_index`) and accepting iff
+        x == t does both at once: P(x = t) = p(t), and x given x != t follows p without t.
+        So the output is distributed as the target's and, for one seed, is the very
+        sequence plain decoding gives from the same logits (greedy: argmax == draft). A
+        constrained request never chooses a token its grammar forbids, so such a draft
+        token is rejected.
+
+        Args:
+            logits: `[len(draft) + 1, vocab]` raw scores, row i at the position after the
+                i-th draft token (row 0: after the fed token).
+            draft: the draft tokens.
+
+        Returns:
+            The pieces to stream (as `accept`'s, in order), and how many draft tokens were
+            accepted (tokens emitted: that many plus one, or that many where the request
+            finished on an accepted one).
+
+        Raises:
+            NoAllowedTokenError: the constraint allows no token.
+        """
+        assert logits.shape[0] == len(draft) + 1, "one logits row per draft token and one more"
+        pieces: list[GeneratedPiece] = []
+        accepted = 0
+        for row in range(len(draft) + 1):
+            pieces += self.accept(logits[row])
+            if row == len(draft) or self.generated_ids[-1] != draft[row]:
+                break
+            accepted += 1
+            if self.finished:
+                break
+        return pieces, accepted
 
     def _final(self, text: str, stop: str | None, eos: bool = False) -> GeneratedPiece:
         """The last piece: "stop" at EOS, a stop string or a complete constrained document,

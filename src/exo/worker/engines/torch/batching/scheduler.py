@@ -34,6 +34,20 @@ steps (at most ceil(decoding / max_in_flight) rows each), and a prompt's next ch
 while its previous one is in flight (every rank runs the steps in launch order, so its KV is
 written first). Cache operations (admissions, releases) are recorded in that same order, so
 every rank applies them between the same two steps.
+
+Speculative decoding (`speculation.py`, `decoding/speculative_drafts.py`): on a single rank
+(`launch` None, one step in flight) a decoding request may carry a draft of k guessed
+tokens. Its step then holds k + 1 decode rows, the fed token and the draft tokens at the
+next positions, laid out from the last position down: every one is a decode row to the
+attention (`BatchPlan.repeated_slots`; the native decode layer takes a run of one slot's
+ascending positions for a prompt chunk, attended by another kernel), so each position's
+logits come from the same kernels as a plain decode step's. The step's rows stay within
+`Speculation.max_decode_rows` (the quantized linears switch kernel above it), drafts go
+only into steps without prompt rows, and drafts are dropped before anything is pre-empted
+for their KV. The request verifies its rows in order (`RequestState.
+accept_drafts`); the KV of rejected positions is rolled back by committing only the
+accepted length (`SlotKVCache.commit`; later steps overwrite those positions), so the
+prefix cache stores only verified tokens.
 """
 
 from __future__ import annotations
@@ -68,6 +82,7 @@ from exo.worker.engines.torch.batching.prompt_images import (
 )
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
+from exo.worker.engines.torch.batching.speculation import Speculation
 from exo.worker.engines.torch.decoding.sampling import SampledToken
 
 # Prompt tokens prefilled per step, over all prefilling requests, while other requests are
@@ -121,10 +136,17 @@ class _Running:
 
 @dataclass(eq=False, slots=True)
 class _Launched:
-    """A step whose forward pass has started: `sampled[i]` takes logits row i."""
+    """A step whose forward pass has started: `sampled[i]` takes the next
+    `len(drafts[i]) + 1` logits rows (one without a draft). The first `decoding` of
+    `sampled` were decoding; `seconds` is the forward pass's time where it was run here
+    (None: launched) and `decode_only` whether the step had no prompt rows."""
 
     sampled: list[_Running]
     logits: Callable[[], StepLogits]
+    drafts: list[tuple[int, ...]]
+    decoding: int = 0
+    seconds: float | None = None
+    decode_only: bool = False
 
 
 class BatchScheduler:
@@ -147,6 +169,8 @@ class BatchScheduler:
             A pipeline's rank 0 holds some layers only and counts every layer as full.
         prefix_windows: the windows a prefix hit must respect, over the whole model's
             layers (None: `windows`; a pipeline's rank 0 adds the other stages' window).
+        speculation: drafts and their bookkeeping (None: no speculation). Used only with
+            one step in flight and no `launch` (a single rank).
     """
 
     def __init__(
@@ -163,6 +187,7 @@ class BatchScheduler:
         max_in_flight: int = 1,
         footprint: KVFootprint | None = None,
         prefix_windows: Sequence[int | None] | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
@@ -198,6 +223,7 @@ class BatchScheduler:
         self.chunk_sizer: PrefillChunkSizer | FixedChunkSizer = PrefillChunkSizer(
             maximum=PREFILL_TOKENS_PER_IDLE_STEP, initial=PREFILL_TOKENS_PER_STEP
         )
+        self.speculation = speculation if launch is None and max_in_flight == 1 else None
 
     @property
     def max_running(self) -> int:
@@ -297,7 +323,7 @@ class BatchScheduler:
         """Start one step's forward pass; False if no request can take part."""
         if not self._running:
             return False
-        decoding, prefill = self._schedule()
+        decoding, prefill, drafts = self._schedule()
         if not decoding and not prefill:
             return False
         if prefill and self.prefill_chunk_seconds:
@@ -306,11 +332,22 @@ class BatchScheduler:
         positions: list[int] = []
         logit_rows: list[int] = []
         sampled: list[_Running] = []
+        decode_slots: list[int] = []
+        launched_drafts: list[tuple[int, ...]] = []
         for running in decoding:
-            logit_rows.append(len(input_ids))
-            input_ids.append(running.tokens[-1])
-            positions.append(running.computed)
+            draft = drafts.get(id(running), ())
+            # The fed token and the draft at the next positions, last position first (see
+            # the module docstring); logits rows in position order.
+            first = len(input_ids)
+            fed = [running.tokens[-1], *draft]
+            for offset in range(len(draft), -1, -1):
+                input_ids.append(fed[offset])
+                positions.append(running.computed + offset)
+                decode_slots.append(running.slot)
+            logit_rows.extend(first + len(draft) - offset for offset in range(len(draft) + 1))
             sampled.append(running)
+            launched_drafts.append(draft)
+        decode_positions = list(positions)
         segments: list[PrefillSegment] = []
         row_embeddings: list[tuple[int, torch.Tensor]] = []
         for running, length in prefill:
@@ -323,18 +360,19 @@ class BatchScheduler:
             if start + length == len(running.tokens):
                 logit_rows.append(len(input_ids) - 1)
                 sampled.append(running)
+                launched_drafts.append(())
         rotary_positions = None
         stepping = [*decoding, *(running for running, _ in prefill)]
         if any(running.state.positions is not None for running in stepping):
             rotary_positions = _multimodal_rows(decoding, prefill)
-        ends = [running.computed + 1 for running in decoding]
+        ends = [running.computed + 1 + len(drafts.get(id(running), ())) for running in decoding]
         ends += [running.computed + length for running, length in prefill]
         self._cache.reserve(max(ends))
         plan = BatchPlan(
             cache=self._cache,
             windows=self._windows,
-            decode_slots=[running.slot for running in decoding],
-            decode_positions=[running.computed for running in decoding],
+            decode_slots=decode_slots,
+            decode_positions=decode_positions,
             prefill=segments,
             layer_of=self._layer_of,
             row_embeddings=row_embeddings,
@@ -348,6 +386,7 @@ class BatchScheduler:
             torch.tensor([positions], dtype=torch.long, device=device),
             torch.tensor(logit_rows, dtype=torch.long, device=device),
         )
+        seconds: float | None = None
         try:
             logits: Callable[[], StepLogits]
             if self.launch is not None:
@@ -355,10 +394,10 @@ class BatchScheduler:
             else:
                 started = time.perf_counter()
                 computed = (self._forward or forward_batch)(*arguments)
+                seconds = time.perf_counter() - started
                 self.chunk_sizer.observe(
-                    len(decoding), sum(length for _, length in prefill),
-                    time.perf_counter() - started,
-                )  # fmt: skip
+                    len(decode_slots), sum(length for _, length in prefill), seconds
+                )
                 logits = lambda: computed  # noqa: E731
         except Exception:
             self._drop_everything()
@@ -375,7 +414,9 @@ class BatchScheduler:
                 )
         for running in sampled:
             running.awaiting = True
-        self._in_flight.append(_Launched(sampled, logits))
+        self._in_flight.append(
+            _Launched(sampled, logits, launched_drafts, len(decoding), seconds, not prefill)
+        )
         return True
 
     def _complete_step(self, launched: _Launched) -> list[StepOutput]:
@@ -386,22 +427,45 @@ class BatchScheduler:
             self._drop_everything()
             raise
         outputs: list[StepOutput] = []
-        for row, running in enumerate(launched.sampled):
+        speculation = self.speculation
+        emitted_by_decoding = 0
+        row = 0
+        for index, running in enumerate(launched.sampled):
+            draft = launched.drafts[index]
+            first, row = row, row + len(draft) + 1
             running.awaiting = False
             if running not in self._running:
                 continue
             state = running.state
+            before = len(state.generated_ids)
             try:
-                pieces = state.accept(logits[row])
+                if draft:
+                    assert isinstance(logits, torch.Tensor), "drafts need this rank's logits"
+                    pieces, accepted = state.accept_drafts(logits[first:row], draft)
+                else:
+                    pieces, accepted = state.accept(logits[first]), 0
             except Exception as error:  # this request's own failure (its constraint)
                 self._release(running, keep_prefix=False)
                 outputs.append((state.request_id, error))
                 continue
+            emitted = len(state.generated_ids) - before
+            running.tokens.extend(state.generated_ids[before:])
+            if draft:
+                # The fed token's KV was counted at launch; the accepted drafts' is kept,
+                # the rejected positions' is dropped (overwritten by later steps).
+                running.computed += emitted - 1
+                self._cache.commit(running.slot, running.computed)
+                assert speculation is not None
+                speculation.verified(state.request_id, len(draft), accepted)
+            if index < launched.decoding:
+                emitted_by_decoding += emitted
+                if speculation is not None:
+                    speculation.decoded(emitted)
             outputs.extend((state.request_id, piece) for piece in pieces)
             if state.finished:
                 self._release(running, keep_prefix=True)
-            else:
-                running.tokens.append(state.generated_ids[-1])
+        if speculation is not None and launched.decode_only and launched.seconds is not None:
+            speculation.step_measured(launched.decoding, row, emitted_by_decoding, launched.seconds)
         return outputs
 
     def _drop_everything(self) -> None:
@@ -411,11 +475,15 @@ class BatchScheduler:
         for running in list(self._running):
             self._release(running, keep_prefix=False)
 
-    def _schedule(self) -> tuple[list[_Running], list[tuple[_Running, int]]]:
-        """This step's decoding requests (slot order) and prefill chunks, within the KV
-        budget (evicting prefix-cache entries, then pre-empting, to make room). Requests
-        awaiting a token from a step in flight take no part; the decoding ones are spread
-        over `max_in_flight` steps."""
+    def _schedule(
+        self,
+    ) -> tuple[list[_Running], list[tuple[_Running, int]], dict[int, tuple[int, ...]]]:
+        """This step's decoding requests (slot order), prefill chunks and drafts (by
+        `id` of the decoding request), within the KV budget (evicting prefix-cache entries,
+        then dropping the drafts, then pre-empting, to make room). Requests awaiting a
+        token from a step in flight take no part; the decoding ones are spread over
+        `max_in_flight` steps."""
+        auto_allowed: bool | None = None
         while True:
             streams = [running for running in self._running if not running.prefilling]
             decoding = sorted(
@@ -446,17 +514,40 @@ class BatchScheduler:
                 length = align_chunk(running.computed, length, running.state.images)
                 prefill.append((running, length))
                 room -= length
-            added = {id(running): 1 for running in decoding}
-            for running, length in prefill:
-                added[id(running)] = length
+            drafts: dict[int, tuple[int, ...]] = {}
+            if decoding and not prefill and self.speculation is not None:
+                if auto_allowed is None:
+                    states = [running.state for running in self._running]
+                    auto_allowed = self.speculation.auto_allowed(states)
+                drafts = self._drafts(decoding, auto_allowed)
             tokens = self.footprint.tokens
-            needed = sum(
-                tokens(running.computed + added.get(id(running), 0))
-                for running in itertools.chain(self._running, self._finished)
-            )
-            if self._make_room(needed):
-                return decoding, prefill
+            while True:
+                added = {id(running): 1 + len(drafts.get(id(running), ())) for running in decoding}
+                for running, length in prefill:
+                    added[id(running)] = length
+                needed = sum(
+                    tokens(running.computed + added.get(id(running), 0))
+                    for running in itertools.chain(self._running, self._finished)
+                )
+                if self._make_room(needed):
+                    return decoding, prefill, drafts
+                if not drafts:
+                    break
+                drafts = {}  # the drafts' KV does not fit: plain decoding first
             self._preempt_latest()
+
+    def _drafts(self, decoding: list[_Running], auto_allowed: bool) -> dict[int, tuple[int, ...]]:
+        """`Speculation.drafts` of the decoding requests, by `id` of the request (none in
+        a step where a request with multimodal rotary positions decodes: those rows are
+        laid out one per decoding request)."""
+        assert self.speculation is not None
+        if any(running.state.positions is not None for running in decoding):
+            return {}
+        pairs = [(running.state, running.tokens) for running in decoding]
+        drafts = self.speculation.drafts(pairs, auto_allowed)
+        return {
+            id(running): draft for running, draft in zip(decoding, drafts, strict=True) if draft
+        }
 
     def _make_room(self, needed_tokens: int) -> bool:
         """Whether `needed_tokens` of running KV fit the budget, evicting prefix-cache
@@ -508,6 +599,8 @@ class BatchScheduler:
         """Take the request out of the batch and free its slot; with `keep_prefix` (and a
         prefix cache) the slot is kept for `store_finished` to copy its KV first."""
         self._running.remove(running)
+        if self.speculation is not None:
+            self.speculation.forget(running.state.request_id)
         if keep_prefix and self.prefix_cache is not None and running.computed > 0:
             self._finished.append(running)
             return

@@ -1,0 +1,198 @@
+"""Speculative decoding with n-gram (prompt lookup) drafts against plain decoding.
+
+Usage: PYTHONPATH=src python bench/bench_speculative.py [--rounds 5] [--tasks copy chat]
+       [--modes off on auto] [--models-dir DIR] [--threads N] [--json PATH]
+
+The default model (SmolLM2-135M-Instruct, the engine's default int4 weights) in this
+process, greedy, one request at a time:
+- copy-edit: the model rewrites a ~400-token passage with one change (a name replaced):
+  a reply that copies its prompt, where drafts from the prompt should be accepted;
+- chat: a free-form request (a story), where prompt lookup finds few drafts.
+Each round runs every mode once per task, in turn (interleaved: the machine's load drifts
+alike over all of them); `--rounds` rounds. Per task and mode: decode tok/s ((completion
+tokens - 1) / (last piece - first piece), the prefill excluded, the same in every mode), its
+median and spread (min-max) over the rounds, the median over rounds of the ratio to the
+same round's plain run, tokens per step and the acceptance rate of the drafts, and whether
+the text equals plain decoding's (it must, greedy). Modes: `off` (plain), `on` (drafts
+wherever found), `auto` (the instance's switch: drafts while measured to help). Targets
+(issue 43): copy-edit >= 1.8x plain, chat >= 0.97x plain with `auto`. `--threads` sets
+torch's threads (on a machine other processes keep busy, one thread avoids OpenMP's
+barrier waits, which inflate every step's cost and so favour fewer, wider steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from exo.download.pypi_gguf import prepare_model
+from exo.shared.constants import models_dir as default_models_dir
+from exo.shared.models.cards import load_builtin_cards
+from exo.shared.types.common import ModelId
+from exo.shared.types.shards import ShardMetadata
+from exo.shared.types.text_generation import (
+    ChatMessage,
+    SpeculativeMode,
+    TextGenerationTaskParams,
+)
+from exo.worker.engines.torch.batching.speculation import Speculation
+from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
+from exo.worker.engines.torch.engine import TorchEngine
+
+MODEL = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
+MODES: dict[str, SpeculativeMode] = {"off": False, "on": True, "auto": "auto"}
+
+PASSAGE = (
+    "Margaret Hale had lived in the village of Helstone for most of her childhood, and she "
+    "knew every lane and hedgerow that wound between the parsonage and the forest. In the "
+    "spring the banks were thick with primroses and violets, and the air smelled of damp "
+    "earth and woodsmoke. Her father, the vicar, walked the same path each morning to the "
+    "church, nodding to the labourers who were already in the fields. The cottages were "
+    "small and their thatched roofs sagged, but the gardens in front of them were bright "
+    "with hollyhocks and sweet peas. Margaret often stopped to talk with old Betty Higgins, "
+    "who sat at her door knitting stockings for her grandchildren and told stories of the "
+    "great storm that had flattened the mill forty years before. When autumn came the "
+    "beech trees turned to copper and gold, and the children gathered nuts and blackberries "
+    "along the edge of the common. In the evenings the family sat by the fire in the small "
+    "drawing room, her mother sewing, her father reading aloud from a book of sermons or a "
+    "volume of poetry, and Margaret listening with her chin in her hands. She could not "
+    "imagine a life anywhere else. Then one winter evening her father came home pale and "
+    "silent, and after supper he told them that he had resigned his living and that they "
+    "would be leaving Helstone for Milton, a manufacturing town in the north, where the "
+    "air was thick with smoke from the cotton mills and the streets were crowded with "
+    "workers. Her mother wept, and Margaret sat very still, watching the fire burn down to "
+    "ashes while the wind moved in the trees outside the window."
+)
+TASKS = {
+    "copy": (
+        "Rewrite the following passage exactly as it is, word for word, except that the "
+        f"name Margaret becomes Eleanor everywhere:\n\n{PASSAGE}",
+        520,
+    ),
+    "chat": ("Write a short story about a fox who learns to play the violin.", 200),
+}
+
+
+def speculation(engine: TorchEngine) -> Speculation:
+    """The engine's single-rank speculation (drafts, counters, switch)."""
+    found = engine.scheduler.speculation
+    assert found is not None
+    return found
+
+
+def load_engine(models_dir: Path) -> TorchEngine:
+    card = load_builtin_cards()[MODEL]
+    directory = prepare_model(card, models_dir, offline=False)
+    shard = ShardMetadata(
+        sharding="pipeline", model_card=card, device_rank=0, world_size=1, start_layer=0,
+        end_layer=card.n_layers,
+    )  # fmt: skip
+    engine = TorchEngine.load(directory, shard, speculation=SpeculationSettings(default="auto"))
+    engine.warmup()
+    return engine
+
+
+def run_once(engine: TorchEngine, prompt: str, max_tokens: int, mode: str) -> dict[str, Any]:
+    """One greedy request: its text, decode tok/s and what its drafts did."""
+    params = TextGenerationTaskParams(
+        model=MODEL, messages=(ChatMessage(role="user", content=prompt),),
+        max_tokens=max_tokens, temperature=0.0, speculative=MODES[mode],
+    )  # fmt: skip
+    before = dataclasses.replace(speculation(engine).counters)
+    times: list[float] = []
+    text = ""
+    completion = 0
+    for piece in engine.generate(params):
+        times.append(time.perf_counter())
+        text += piece.text
+        if piece.usage is not None:
+            completion = piece.usage.completion_tokens
+    after = speculation(engine).counters
+    rounds = after.decode_rounds - before.decode_rounds
+    drafted = after.drafted_tokens - before.drafted_tokens
+    return {
+        "text": text,
+        "completion_tokens": completion,
+        "decode_tok_s": (completion - 1) / (times[-1] - times[0]),
+        "tokens_per_step": (after.decode_tokens - before.decode_tokens) / max(rounds, 1),
+        "acceptance": (after.accepted_tokens - before.accepted_tokens) / drafted
+        if drafted
+        else None,
+        "auto_enabled": speculation(engine).auto_switch.enabled,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=["copy", "chat"])
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--models-dir", type=Path, default=default_models_dir())
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    modes = ["off", *(mode for mode in args.modes if mode != "off")]
+    engine = load_engine(args.models_dir)
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {
+        task: {mode: [] for mode in modes} for task in args.tasks
+    }
+    for round_index in range(args.rounds):
+        for task in args.tasks:
+            prompt, max_tokens = TASKS[task]
+            for mode in modes:
+                result = run_once(engine, prompt, max_tokens, mode)
+                results[task][mode].append(result)
+                print(
+                    f"round {round_index + 1} {task:5s} {mode:4s} "
+                    f"{result['decode_tok_s']:7.1f} tok/s  {result['completion_tokens']} tokens "
+                    f"{result['tokens_per_step']:.2f} tok/step",
+                    flush=True,
+                )
+    summary: dict[str, Any] = {}
+    print(
+        f"\n{'task':6s} {'mode':5s} {'tok/s median':>12s} {'spread':>15s} {'x plain':>8s} "
+        f"{'tok/step':>8s} {'accepted':>8s} same-text"
+    )
+    for task in args.tasks:
+        plain = results[task]["off"]
+        for mode in modes:
+            runs = results[task][mode]
+            speeds = [run["decode_tok_s"] for run in runs]
+            ratios = [
+                run["decode_tok_s"] / base["decode_tok_s"]
+                for run, base in zip(runs, plain, strict=True)
+            ]
+            acceptances = [run["acceptance"] for run in runs if run["acceptance"] is not None]
+            same = all(run["text"] == base["text"] for run, base in zip(runs, plain, strict=True))
+            row = {
+                "median_tok_s": statistics.median(speeds),
+                "min_tok_s": min(speeds),
+                "max_tok_s": max(speeds),
+                "median_ratio": statistics.median(ratios),
+                "ratio_spread": (min(ratios), max(ratios)),
+                "tokens_per_step": statistics.median(run["tokens_per_step"] for run in runs),
+                "acceptance": statistics.median(acceptances) if acceptances else None,
+                "same_text": same,
+            }
+            summary[f"{task}/{mode}"] = row
+            accepted = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
+            print(
+                f"{task:6s} {mode:5s} {row['median_tok_s']:12.1f} "
+                f"{row['min_tok_s']:7.1f}-{row['max_tok_s']:<7.1f} {row['median_ratio']:8.2f} "
+                f"{row['tokens_per_step']:8.2f} {accepted:>8s} {same}"
+            )
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

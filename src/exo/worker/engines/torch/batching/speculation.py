@@ -1,0 +1,137 @@
+"""A single-rank scheduler's speculative decoding: which decoding requests draft in a step and
+how many tokens, and what their verification did (`scheduler.py` lays the rows out and
+verifies them; `decoding/speculative_drafts.py` proposes, `speculative_policy.py` decides).
+
+A step's drafts stay within `max_decode_rows` decode rows in all: up to that many rows a
+block weight's product runs its decode kernel (`quantized_linear.NATIVE_BLOCK_MAX_ROWS`,
+native/decode_layer.cpp's `kGemmMinRows` - 1); with more it is the integer GEMM, whose sums
+round in another order, so a draft row would no longer be computed as the plain decode row
+it stands for. The rows beyond one per decoding request are shared out evenly among the
+requests that draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from exo.worker.engines.torch.batching.request_state import RequestState
+from exo.worker.engines.torch.decoding.speculative_drafts import DraftRequest, DraftSource
+from exo.worker.engines.torch.decoding.speculative_policy import (
+    AutoSwitch,
+    DraftLength,
+    SpeculationCounters,
+    SpeculationSettings,
+    best_draft_length,
+)
+from exo.worker.engines.torch.quant.quantized_linear import NATIVE_BLOCK_MAX_ROWS
+
+Draft = tuple[int, ...]
+
+
+class Speculation:
+    """Drafts and their bookkeeping for one single-rank scheduler.
+
+    Args:
+        settings: the node's settings (each request's mode, the draft length's bounds).
+        source: where drafts come from.
+
+    Attributes:
+        max_decode_rows: the most decode rows of a step with drafts (see the module).
+        auto_switch: the instance's switch for "auto" requests.
+        counters: what speculation did, for `/metrics` and `/state`.
+        step_cost: a decode-only step's time in seconds by its rows, None where unknown
+            (the switch's measurements; a test fixes it so drafts do not follow the clock).
+    """
+
+    def __init__(self, settings: SpeculationSettings, source: DraftSource) -> None:
+        self.settings = settings
+        self.source = source
+        self.max_decode_rows = NATIVE_BLOCK_MAX_ROWS
+        self.auto_switch = AutoSwitch()
+        self.counters = SpeculationCounters()
+        self.step_cost: Callable[[int], float | None] = self.auto_switch.step_seconds
+        self._lengths: dict[str, DraftLength] = {}
+
+    def auto_allowed(self, states: Sequence[RequestState]) -> bool:
+        """Whether requests in "auto" mode draft this step (`AutoSwitch.allows`, asked only
+        where one of `states` is in "auto" mode, so probes count its steps)."""
+        modes = (self.settings.mode_of(state.speculative) for state in states)
+        return any(mode == "auto" for mode in modes) and self.auto_switch.allows()
+
+    def drafts(
+        self, decoding: Sequence[tuple[RequestState, Sequence[int]]], auto_allowed: bool
+    ) -> list[Draft]:
+        """One draft per decoding request of a step without prompt rows, in order (empty
+        where it does not draft): each at most its adaptive length and its remaining token
+        budget less one, within `max_decode_rows`; drafts shorter than `draft_min` are
+        dropped. An "auto" request's is also at most the length whose expected tokens per
+        second of measured step time are the most (`best_draft_length`, from its
+        acceptance so far), except in the switch's probes (which measure every length's
+        steps again); a request that asked for speculation (True) drafts at its adaptive
+        length whatever the costs.
+
+        Args:
+            decoding: each decoding request's state and its prompt and generated tokens.
+            auto_allowed: `auto_allowed`'s answer for this step.
+        """
+        settings = self.settings
+        room = self.max_decode_rows - len(decoding)
+        wanted: list[tuple[int, int]] = []  # (index in `decoding`, most tokens)
+        for index, (state, _tokens) in enumerate(decoding):
+            mode = settings.mode_of(state.speculative)
+            if mode is False or (mode == "auto" and not auto_allowed):
+                continue
+            length = self._lengths.get(state.request_id)
+            if length is None:
+                length = self._lengths[state.request_id] = DraftLength(
+                    settings.draft_min, settings.draft_max
+                )
+            limit = min(length.current, state.max_new_tokens - state.completion_tokens - 1)
+            acceptance = length.acceptance
+            if mode == "auto" and acceptance is not None and not self.auto_switch.probing:
+                # The length that pays for its rows here.
+                limit = best_draft_length(acceptance, limit, len(decoding), self.step_cost)
+            if limit >= settings.draft_min:
+                wanted.append((index, limit))
+        requests: list[tuple[int, DraftRequest]] = []
+        for order, (index, limit) in enumerate(wanted):
+            share = min(limit, -(-room // (len(wanted) - order)) if room > 0 else 0)
+            if share < settings.draft_min:
+                continue
+            room -= share
+            state, tokens = decoding[index]
+            requests.append((index, DraftRequest(state.request_id, tokens, share)))
+        drafts: list[Draft] = [()] * len(decoding)
+        if not requests:
+            return drafts
+        proposed = self.source.propose([request for _, request in requests])
+        for (index, request), draft in zip(requests, proposed, strict=True):
+            if draft.probabilities is not None:
+                raise NotImplementedError("drafts with their own distribution (a draft model)")
+            tokens = draft.tokens[: request.max_tokens]
+            if len(tokens) >= settings.draft_min:
+                drafts[index] = tokens
+        return drafts
+
+    def verified(self, request_id: str, drafted: int, accepted: int) -> None:
+        """A request verified a draft of `drafted` tokens, `accepted` of them taken."""
+        length = self._lengths.get(request_id)
+        if length is not None:
+            length.update(drafted, accepted)
+        self.counters.verify_rounds += 1
+        self.counters.drafted_tokens += drafted
+        self.counters.accepted_tokens += accepted
+
+    def decoded(self, emitted: int) -> None:
+        """A decoding request emitted `emitted` tokens in a step (with or without a draft)."""
+        self.counters.decode_rounds += 1
+        self.counters.decode_tokens += emitted
+
+    def step_measured(self, requests: int, rows: int, emitted: int, seconds: float) -> None:
+        """A decode-only step's forward pass (`AutoSwitch.observe`)."""
+        self.auto_switch.observe(requests, rows, emitted, seconds)
+
+    def forget(self, request_id: str) -> None:
+        """The request left the batch."""
+        self._lengths.pop(request_id, None)
+        self.source.forget(request_id)

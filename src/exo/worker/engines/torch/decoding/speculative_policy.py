@@ -1,0 +1,241 @@
+"""When a request speculates and how far: the node's settings, the per-request draft length,
+the per-instance automatic switch, and the counters `/metrics` and `/state` report.
+
+A request asks with its `speculative` field: True always drafts (where a draft is found,
+at its adaptive length), False never, "auto" (or None: the node's default, `--speculative`)
+follows the instance's `AutoSwitch`, which compares measured throughput with and without
+drafts, and its drafts are cut to the length that pays for its rows (`best_draft_length`).
+Each draft row costs step time whether or not it is accepted: on a 4-core CPU a 0.8B draft
+model made a 4B target 1.48x slower (issue 43), and on a 2-core CPU a step of the default
+model over 7 rows took about 4x one over a single row (docs/benchmarks/
+2026-12-06-speculative.md), so speculation must be on only where it is measured to help.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from exo.shared.types.text_generation import (
+    DEFAULT_DRAFT_MAX,
+    DEFAULT_DRAFT_MIN,
+    SpeculativeMode,
+)
+
+# The draft length's steps (Hugging Face transformers' assisted generation's heuristic for
+# `num_assistant_tokens`: +2 after a round whose draft was all accepted, -1 otherwise).
+GROW_ON_FULL_ACCEPT = 2
+SHRINK_ON_REJECT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationSettings:
+    """A node's speculative-decoding settings (`--speculative`, `--draft-min`,
+    `--draft-max`).
+
+    Attributes:
+        default: what a request without a `speculative` field does.
+        draft_min: drafts shorter than this are not verified (as llama-server's
+            `--draft-min`); also the adaptive length's floor.
+        draft_max: the adaptive length's ceiling (tokens per request per step).
+
+    Raises:
+        ValueError: bounds below 1 or out of order.
+    """
+
+    default: SpeculativeMode = "auto"
+    draft_min: int = DEFAULT_DRAFT_MIN
+    draft_max: int = DEFAULT_DRAFT_MAX
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.draft_min <= self.draft_max:
+            raise ValueError(
+                f"draft length bounds {self.draft_min}..{self.draft_max}: need 1 <= min <= max"
+            )
+
+    def mode_of(self, requested: SpeculativeMode | None) -> SpeculativeMode:
+        """A request's mode: its own, else the node's default."""
+        return self.default if requested is None else requested
+
+
+# Weight kept of the earlier rounds in a request's acceptance estimate, per round.
+ACCEPTANCE_DECAY = 0.9
+
+
+@dataclass(slots=True)
+class DraftLength:
+    """One request's adaptive draft length within `[minimum, maximum]`: longer after a round
+    whose every draft token was accepted, shorter after a rejection; and its estimated
+    per-token acceptance probability (`acceptance`)."""
+
+    minimum: int
+    maximum: int
+    current: int = 0
+    # Decayed counts of accepted draft tokens and of rejected ones (at most one per round:
+    # verification stops at the first), over the request's rounds.
+    _accepted: float = 0.0
+    _rejected: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.current == 0:
+            self.current = self.maximum
+
+    @property
+    def acceptance(self) -> float | None:
+        """The probability that a draft token is accepted, estimated as accepted over
+        verified tokens (the maximum-likelihood estimate of a geometric run's success
+        probability); None before any round."""
+        verified = self._accepted + self._rejected
+        return self._accepted / verified if verified > 0 else None
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """After a verified round of `drafted` tokens of which `accepted` were taken."""
+        if drafted <= 0:
+            return
+        self._accepted = ACCEPTANCE_DECAY * self._accepted + accepted
+        self._rejected = ACCEPTANCE_DECAY * self._rejected + (1 if accepted < drafted else 0)
+        if accepted >= drafted:
+            self.current = min(self.maximum, self.current + GROW_ON_FULL_ACCEPT)
+        else:
+            self.current = max(self.minimum, self.current - SHRINK_ON_REJECT)
+
+
+def expected_tokens(acceptance: float, draft: int) -> float:
+    """Tokens a round with a draft of `draft` tokens emits on average, each draft token
+    accepted with probability `acceptance` independently until the first rejection, plus
+    the correction or bonus token: (1 - a^(k+1)) / (1 - a) (Leviathan et al. 2023, eq. 1)."""
+    if acceptance >= 1.0:
+        return draft + 1.0
+    return (1.0 - acceptance ** (draft + 1)) / (1.0 - acceptance)
+
+
+def best_draft_length(
+    acceptance: float, limit: int, plain_rows: int, step_seconds: Callable[[int], float | None]
+) -> int:
+    """The draft length in `0 .. limit` with the most expected tokens per second of step
+    time: `expected_tokens(acceptance, k) / t(plain_rows + k)`, t a decode-only step's
+    measured time by its rows (`AutoSwitch.step_seconds`, the nearest measured row count's
+    for one not measured yet: such a length is tried and so measured). On a CPU a step's
+    time grows with its rows (each row's products and attention), so a long draft of
+    uncertain tokens can cost more than it brings. `limit` where nothing is measured."""
+    best, best_rate = limit, 0.0
+    for draft in range(limit + 1):
+        seconds = step_seconds(plain_rows + draft)
+        if seconds is None or seconds <= 0.0:
+            return limit
+        rate = expected_tokens(acceptance, draft) / seconds
+        if rate > best_rate:
+            best, best_rate = draft, rate
+    return best
+
+
+# Weight of the newest measurement in the switch's moving averages.
+SWITCH_SMOOTHING = 0.2
+# Speculation turns off when drafting measured below this gain, on again above the other
+# (a band, so measurement noise does not flip it every few steps).
+SWITCH_OFF_BELOW = 0.98
+SWITCH_ON_ABOVE = 1.02
+# While off, every this many decode steps, drafts are tried for `PROBE_STEPS` steps (the
+# text may have turned into a copy; the machine's load may have changed).
+PROBE_INTERVAL = 64
+PROBE_STEPS = 6
+
+
+@dataclass(slots=True)
+class AutoSwitch:
+    """Per instance: whether requests in "auto" mode draft now.
+
+    A decode-only step's time is, on a CPU, a function of its row count (weights read once,
+    plus a cost per row). The switch keeps the moving average of that time per row count,
+    and for each step with drafts the gain
+
+        gain = (tokens emitted / t(rows with drafts)) / (requests / t(requests))
+
+    the tokens per second of that step over those of a plain step of the same requests
+    (t(n): the averaged time of a decode-only step of n rows, the nearest measured n where
+    none of n was). It is on while the gain's moving average is above the band, off below
+    it; while off it probes now and then. On at start: a request with no draft found costs
+    nothing, so the first drafts measure their own worth. Its probes also lift the cost cap
+    on draft lengths (`best_draft_length`), which would otherwise never measure again a row
+    count it had judged too dear.
+    """
+
+    enabled: bool = True
+    gain: float | None = None
+    # The last `allows` fell in a probe: drafts at their adaptive lengths, uncapped by the
+    # measured costs, so every row count's time is measured again (on or off).
+    probing: bool = False
+    _step_seconds: dict[int, float] = field(default_factory=dict)
+    _steps: int = 0
+
+    def allows(self) -> bool:
+        """Whether "auto" requests draft this step: while on, and in probes (the first
+        `PROBE_STEPS` of every `PROBE_INTERVAL` steps asked about) while off."""
+        self.probing = self._steps % PROBE_INTERVAL < PROBE_STEPS
+        self._steps += 1
+        return self.enabled or self.probing
+
+    def step_seconds(self, rows: int) -> float | None:
+        """The averaged time of a decode-only step of `rows` rows (or the nearest measured
+        count's); None before any."""
+        if not self._step_seconds:
+            return None
+        nearest = min(self._step_seconds, key=lambda measured: (abs(measured - rows), measured))
+        return self._step_seconds[nearest]
+
+    def observe(self, requests: int, rows: int, emitted: int, seconds: float) -> None:
+        """Record a decode-only step (no prompt rows) of `requests` requests laid out in
+        `rows` rows (more than `requests` where some drafted) that emitted `emitted` tokens
+        in `seconds` (its forward pass)."""
+        if requests <= 0 or seconds <= 0.0:
+            return
+        previous = self._step_seconds.get(rows)
+        self._step_seconds[rows] = (
+            seconds if previous is None else previous + SWITCH_SMOOTHING * (seconds - previous)
+        )
+        if rows == requests:
+            return
+        plain = self.step_seconds(requests)
+        if plain is None or requests not in self._step_seconds:
+            return  # no plain step of these requests measured yet
+        gain = (emitted / self._step_seconds[rows]) / (requests / plain)
+        self.gain = gain if self.gain is None else self.gain + SWITCH_SMOOTHING * (gain - self.gain)
+        if self.enabled and self.gain < SWITCH_OFF_BELOW:
+            self.enabled = False
+        elif not self.enabled and self.gain > SWITCH_ON_ABOVE:
+            self.enabled = True
+
+
+@dataclass(slots=True)
+class SpeculationCounters:
+    """What speculation did on an instance, for `/metrics` and `/state`.
+
+    Attributes:
+        decode_rounds: (request, step) pairs in which a decoding request took part, with or
+            without a draft.
+        decode_tokens: tokens those rounds emitted.
+        verify_rounds: the rounds that carried a draft.
+        drafted_tokens: draft tokens verified.
+        accepted_tokens: draft tokens accepted.
+    """
+
+    decode_rounds: int = 0
+    decode_tokens: int = 0
+    verify_rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over drafted tokens; None before any draft."""
+        if not self.drafted_tokens:
+            return None
+        return self.accepted_tokens / self.drafted_tokens
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Tokens a decoding request gained per step, drafts or not (1 without
+        speculation); None before any decode step."""
+        if not self.decode_rounds:
+            return None
+        return self.decode_tokens / self.decode_rounds
