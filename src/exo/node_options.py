@@ -235,9 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-activations",
         choices=DECODE_ACTIVATIONS,
         default=DEFAULT_DECODE_ACTIVATIONS,
-        help="how runners round activations for int4 weights on AVX2 CPUs: int8 is "
-        "llama.cpp's precision, faster decode where the CPU has no VNNI, a less exact "
-        "answer; it covers a prompt's int4 products too (default: int16)",
+        help="how runners round int4 weights' activations on AVX2 CPUs (int8: llama.cpp's, "
+        "faster, less exact; default: int16)",
     )
     parser.add_argument(
         "--kv-cache-tokens",
