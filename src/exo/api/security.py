@@ -217,17 +217,16 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MAX_AUTH_FAILURES,
         metavar="N",
-        help="API keys that are not valid an address may send within 10 minutes, then it "
-        "gets 429 for a lockout that doubles each time, 1 min to 1 h (default %(default)s; "
-        "0: no lockout)",
+        help="failed API keys per address in 10 minutes before a 429 lockout (default "
+        "%(default)s; 0: none)",
     )
     group.add_argument(
         "--trusted-proxy",
         action="append",
         default=[],
         metavar="ADDRESS",
-        help="a reverse proxy's IP address or network (CIDR) whose X-Forwarded-For names "
-        "the client, repeatable (default: none, the header is ignored)",
+        help="a reverse proxy (IP or CIDR) whose X-Forwarded-For names the client, "
+        "repeatable (default: none)",
     )
 
 
