@@ -342,7 +342,7 @@ class LeanModel:
         prompt_rows = rows - len(plan.decode_slots)
         for layer in self.layers:
             for projection in (layer.qkv, layer.output, layer.gate_up, layer.down):
-                if projection is None:  # MoE / MLA (no decode layer for those: not reached)
+                if projection is None:  # a MoE layer's MLP (its experts run outside)
                     continue
                 activations = projection.prefill_activations
                 if activations == "int8" or (
