@@ -104,9 +104,10 @@ HUB_OPERATIONS = {("GET", "/models/search")}
 
 
 def _above_one(bound: Any) -> bool:
-    """A number above 1, or a string the API's lax integer parsing reads as one (the first
-    20,000-body run sent `"max_tokens": "8198623"`: a generation to the end of the context,
-    past the client's timeout)."""
+    """A number above 1, or a string that reads as one. The first 20,000-body run sent
+    `"max_tokens": "8198623"`, which the API then parsed leniently (a generation to the end
+    of the context, past the client's timeout); strict input now refuses such strings with a
+    400, and capping them too keeps the fuzz fast whatever the API decides."""
     if isinstance(bound, str):
         try:
             bound = float(bound)
