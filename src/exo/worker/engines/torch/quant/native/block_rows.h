@@ -89,6 +89,31 @@ void unpack_scales(const uint16_t* scale_zero, int64_t groups, const float* offs
   }
 }
 
+// Per output row i < NR and activation row r < ROWS, each block's weight scale (`scales`
+// [NR, groups], as `unpack_scales` leaves them) times its activation scale (`x_scales`
+// [ROWS, blocks]), into combined[NR, ROWS, blocks]: the product a tile would otherwise form
+// per block and row in its loop (the same float32 products).
+template <int ROWS, int NR>
+void combine_scales(const float* x_scales, const float* scales, int64_t groups, int64_t blocks,
+                    int64_t blocks_per_group, float* combined) {
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r) {
+      float* out = combined + (i * ROWS + r) * blocks;
+      const float* row_scales = x_scales + r * blocks;
+      const float* weight_scales = scales + i * groups;
+      if (blocks_per_group == 1) {
+        int64_t b = 0;
+        for (; b + 8 <= blocks; b += 8)
+          _mm256_storeu_ps(out + b, _mm256_mul_ps(_mm256_loadu_ps(row_scales + b),
+                                                  _mm256_loadu_ps(weight_scales + b)));
+        for (; b < blocks; ++b) out[b] = row_scales[b] * weight_scales[b];
+      } else {
+        for (int64_t b = 0; b < blocks; ++b)
+          out[b] = row_scales[b] * weight_scales[b / blocks_per_group];
+      }
+    }
+}
+
 // `count` bfloat16 scales as float32 (8 at a time: a bfloat16 shifted up 16 bits is its
 // float32).
 inline void unpack_bf16(const uint16_t* values, int64_t count, float* out) {

@@ -138,22 +138,7 @@ void rows_avx2_int8(const int8_t* xq, const float* x_scales, int64_t k, const ui
     float offset_acc[NR][ROWS];
     unpack_scales<ROWS, NR>(scale_zero + n * groups * 2, groups, offset_sums, scales,
                             offset_acc);
-    for (int i = 0; i < NR; ++i)
-      for (int r = 0; r < ROWS; ++r) {
-        float* out = combined + (i * ROWS + r) * blocks;
-        const float* row_scales = x_scales + r * blocks;
-        const float* weight_scales = scales + i * groups;
-        if (blocks_per_group == 1) {
-          int64_t b = 0;
-          for (; b + 8 <= blocks; b += 8)
-            _mm256_storeu_ps(out + b, _mm256_mul_ps(_mm256_loadu_ps(row_scales + b),
-                                                    _mm256_loadu_ps(weight_scales + b)));
-          for (; b < blocks; ++b) out[b] = row_scales[b] * weight_scales[b];
-        } else {
-          for (int64_t b = 0; b < blocks; ++b)
-            out[b] = row_scales[b] * weight_scales[b / blocks_per_group];
-        }
-      }
+    combine_scales<ROWS, NR>(x_scales, scales, groups, blocks, blocks_per_group, combined);
     tile_avx2_int8<ROWS, NR>(xq, k, q, combined, offset_acc, y, n_total, n);
   });
 }

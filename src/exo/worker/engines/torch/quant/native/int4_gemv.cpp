@@ -241,22 +241,7 @@ void tile_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint
   const int64_t blocks = k / kBlock;
   const int64_t blocks_per_group = group_size / kBlock;
   const TileScales<ROWS, NR> tile_scales(scale_zero, n, groups, offset_sums, scales);
-  for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < ROWS; ++r) {
-      float* out = combined + (i * ROWS + r) * blocks;
-      const float* row_scales = x_scales + r * blocks;
-      const float* weight_scales = scales + i * groups;
-      if (blocks_per_group == 1) {
-        int64_t b = 0;
-        for (; b + 16 <= blocks; b += 16)
-          _mm512_storeu_ps(out + b, _mm512_mul_ps(_mm512_loadu_ps(row_scales + b),
-                                                  _mm512_loadu_ps(weight_scales + b)));
-        for (; b < blocks; ++b) out[b] = row_scales[b] * weight_scales[b];
-      } else {
-        for (int64_t b = 0; b < blocks; ++b)
-          out[b] = row_scales[b] * weight_scales[b / blocks_per_group];
-      }
-    }
+  combine_scales<ROWS, NR>(x_scales, scales, groups, blocks, blocks_per_group, combined);
   __m512 acc[NR][ROWS];
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm512_setzero_ps();
