@@ -121,6 +121,24 @@ def _product_mode(linear: Int4Linear) -> list[int]:
     return [8 if activations == "int8" else 16, decode_rows, int(activations == "bf16")]
 
 
+def grouped_choices(
+    experts: torch.Tensor, weights: torch.Tensor, expert_count: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """A step's routing choices grouped by expert, as the native expert calls take them:
+    each choice's row (int64) and weight (float32) in expert order, rows ascending within
+    an expert (a stable sort), and the number of choices per expert (`expert_count` long).
+
+    Args:
+        experts / weights: `route`'s `[T, k]` choices (int64) and weights."""
+    per_token = experts.shape[1]
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    row_of = order // per_token
+    weight_of = weights.reshape(-1).float().index_select(0, order)
+    counts = torch.bincount(flat, minlength=expert_count).tolist()
+    return row_of, weight_of, counts
+
+
 class NativeInt4Experts:
     """A MoE block's routed experts, each a gated MLP of exo's native int4 linears (fused
     gate/up `[2 I, hidden]`, down `[hidden, I]`, no biases), run by one native call per
@@ -188,12 +206,8 @@ class NativeInt4Experts:
         Returns:
             `[T, hidden]` float32: the sum over each row's held experts of weight × output.
         """
-        count, per_token = experts.shape
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # choices grouped by expert, rows ascending
-        row_of = order // per_token
-        weight_of = weights.reshape(-1).float().index_select(0, order)
-        counts = torch.bincount(flat, minlength=len(self.linears)).tolist()
+        count = experts.shape[0]
+        row_of, weight_of, counts = grouped_choices(experts, weights, len(self.linears))
         spans: list[int] = []
         gate_up: list[torch.Tensor] = []
         gate_up_scales: list[torch.Tensor] = []
@@ -312,12 +326,8 @@ class NativeMxfp4Experts:
         Returns:
             `[T, hidden]` float32: the sum over each row's held experts of weight × output.
         """
-        count, per_token = experts.shape
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # choices grouped by expert, rows ascending
-        row_of = order // per_token
-        weight_of = weights.reshape(-1).float().index_select(0, order)
-        counts = torch.bincount(flat, minlength=len(self.weights)).tolist()
+        count = experts.shape[0]
+        row_of, weight_of, counts = grouped_choices(experts, weights, len(self.weights))
         spans: list[int] = []
         blocks: list[torch.Tensor] = []
         scales: list[torch.Tensor] = []
