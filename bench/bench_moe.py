@@ -13,9 +13,10 @@ Usage: PYTHONPATH=src python bench/bench_moe.py [--models qwen3-30b-a3b gpt-oss-
 
 Each model's GGUF is written once under `--cache-dir` and converted once for exo
 (`exo.download.gguf_repack.convert_gguf`); both are reused by later runs (the largest cached
-one that fits). Qwen3-30B-A3B's (`exo.testing.random_moe_gguf`): Q4_K random blocks, F32
-router and norms, a Q6_K LM head, as llama.cpp's Q4_K_M of the model; exo repacks each
-expert's Q4_K blocks as int4 groups. gpt-oss-20b's
+one that fits, if it has at least 80 % of the layers that fit). Qwen3-30B-A3B's
+(`exo.testing.random_moe_gguf`): Q4_K random blocks, F32 router and norms, a Q6_K LM head,
+as llama.cpp's Q4_K_M of the model; exo repacks each expert's Q4_K blocks as int4 groups.
+gpt-oss-20b's
 (`exo.testing.random_gptoss_gguf.write_random_block_gptoss_gguf`, llama.cpp's `gpt-oss`
 layout): MXFP4 experts (GGML type 39) with F32 biases, Q8_0 attention, embedding and head,
 F32 norms, sinks and biased router; exo holds the experts as the MXFP4 blocks they are and
@@ -61,6 +62,8 @@ RUNTIME_BYTES = 1 * GIB
 # Left to the rest of the machine out of the memory available when the layers are chosen.
 MACHINE_MARGIN_BYTES = 1 * GIB
 CONTEXT_TOKENS = 2048
+# The least share of the layers that fit now with which a cached GGUF is reused.
+CACHED_LAYERS_KEPT = 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,7 +358,14 @@ def bench_model(model: BenchModel, args: argparse.Namespace) -> tuple[dict[str, 
     bandwidths = [memory_copy_bytes_per_second(BANDWIDTH_BYTES)]
     most = min(args.layers, model.shape.n_layers)
     fitting = choose_layers(model, most, int(args.memory_budget_gib * GIB))
-    cached = [count for count in model.cached_layers(args.cache_dir) if count <= fitting]
+    # A cached GGUF is reused when it has at least CACHED_LAYERS_KEPT of the layers that fit
+    # (the memory free moves a little between runs; each new size writes GiBs), else the
+    # size that fits is written: a small cached one must not stand in for `--layers 18`.
+    cached = [
+        count
+        for count in model.cached_layers(args.cache_dir)
+        if CACHED_LAYERS_KEPT * fitting <= count <= fitting
+    ]
     layers = max(cached, default=fitting)
     shape = dataclasses.replace(model.shape, n_layers=layers)
     gguf_layer, exo_layer = model.layer_bytes
