@@ -1,7 +1,8 @@
 """Tiny random-weight Qwen-VL checkouts (Qwen2.5-VL, Qwen3-VL) and the checks their tests
 share: a word tokenizer with the Qwen-VL image tokens, the published-layout checkout from a
-config.json, transformers' image processor and logits, and the positions, layout and split
-instance checks (`exo.testing.vision_checkpoints` holds what every vision family shares)."""
+config.json (`save_tiny_qwen2_5_vl`, `save_tiny_qwen3_vl`), transformers' image processor
+and logits, and the positions and layout checks (`exo.testing.vision_checkpoints` holds
+what every vision family shares)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from exo.shared.models.cards import card_from_local_directory
-from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import IMAGE_MARKER
 from exo.testing.vision_checkpoints import (
     image_input,
@@ -24,7 +23,6 @@ from exo.testing.vision_checkpoints import (
     rgb_images,
     save_renamed_tensors,
     save_word_tokenizer,
-    vision_engine,
 )
 from exo.worker.engines.torch.engine import TorchEngine
 
@@ -34,6 +32,12 @@ QWEN_VL_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|vi
 QWEN_VL_START, QWEN_VL_END, QWEN_VL_IMAGE, QWEN_VL_VIDEO = 43, 44, 45, 46
 QWEN_VL_IMAGE_TEXT = "<|vision_start|><|image_pad|><|vision_end|>"
 QWEN_VL_TEMPLATE = "{% for message in messages %}{{ message.content }} {% endfor %}"
+# The tiny checkouts' image geometry: patches of 8 pixels merged 2 x 2 (16-pixel merged
+# patches), resized areas within 32 x 32 .. 64 x 96 pixels.
+QWEN_VL_PATCH, QWEN_VL_MERGE = 8, 2
+QWEN_VL_MIN_PIXELS, QWEN_VL_MAX_PIXELS = 32 * 32, 64 * 96
+# The tiny Qwen3-VL's tower blocks whose features go to text layers 0 and 1 (deepstack).
+QWEN3_VL_DEEPSTACK_LAYERS = (0, 1)
 
 
 def save_qwen_vl_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
@@ -169,76 +173,104 @@ def assert_layout_and_patches_follow(
         assert (patches - inputs["pixel_values"]).abs().max().item() < 1e-5, (width, height)
 
 
-def split_vision_rank_main(
-    rank: int,
-    world_size: int,
-    port: int,
-    results: Any,
-    model_dir: str,
-    layers: Sequence[tuple[int, int]],
-    max_tokens: int,
-) -> None:
-    """A spawned rank of a pipeline over a vision checkout (`run_rank_processes`), rank
-    `rank` holding decoder layers `layers[rank]` `(start, end)`: rank 0 reports
-    `("rank 0", whether it keeps no tower, why it refuses an image (empty: it does not),
-    its `max_tokens` greedy tokens for "w1 w2 w3")`; every rank reports `("done", ...)` or
-    `("error", ..., traceback)`."""
-    import traceback
-
-    from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
-    from exo.worker.engines.torch.engine_factory import load_engine
-
-    torch.set_num_threads(1)
-    try:
-        init_group("gloo", rank, world_size, "127.0.0.1", port, timeout_s=60)
-        directory = Path(model_dir)
-        card = card_from_local_directory(directory).model_copy(
-            update={"capabilities": ("text", "vision")}
-        )
-        start, end = layers[rank]
-        shard = ShardMetadata(
-            sharding="pipeline", model_card=card, device_rank=rank, world_size=world_size,
-            start_layer=start, end_layer=end,
-        )  # fmt: skip
-        engine = load_engine(directory, shard, weight_dtype="float32")
-        if rank != 0:
-            engine.serve_forever()
-        else:
-            refusal = ""
-            try:
-                picture = png(60, 40, 1)
-                engine.render_prompt(
-                    image_params(engine, f"w1 {IMAGE_MARKER}", [picture], max_tokens)
-                )
-            except ValueError as error:
-                refusal = str(error)
-            text = image_params(engine, "w1 w2 w3", [], max_tokens)
-            tokens = [t for p in engine.generate(text) for t in p.token_ids]
-            results.put(("rank 0", engine.images is None, refusal, tokens))
-            engine.shutdown()
-        results.put(("done", "", rank, None))
-    except BaseException:
-        results.put(("error", "", rank, traceback.format_exc()))
-    finally:
-        destroy_group()
+def _qwen2_5_vl_published_name(name: str) -> str | None:
+    """transformers' saved name → the published Qwen2.5-VL checkpoint's (None for the tied
+    head, which the files leave out)."""
+    if name.startswith("lm_head."):
+        return None
+    if name.startswith("model.language_model."):
+        return "model." + name.removeprefix("model.language_model.")
+    return name.removeprefix("model.")  # model.visual.… → visual.…
 
 
-def assert_split_pipeline_refuses_images(
-    directory: Path, layers: Sequence[tuple[int, int]], max_tokens: int, deadline_s: float
-) -> None:
-    """A pipeline of `len(layers)` spawned ranks over the checkout in `directory` whose
-    family places image tokens by multimodal rotary positions (which the ranks' steps do
-    not carry): rank 0 keeps no tower and refuses images (a ValueError: 400) saying why,
-    and text gives the single process's greedy tokens."""
-    from exo.testing.rank_processes import run_rank_processes
+def save_tiny_qwen2_5_vl(directory: Path) -> tuple[Any, Any]:
+    """A tiny Qwen2.5-VL checkout in `directory` in the published layout (Qwen2.5-VL-3B-
+    Instruct's config.json: text fields at the top, `rope_scaling` with its mrope sections,
+    the head tied to the embedding, no `lm_head` tensor in the files; 2 text layers of 64, a
+    2-block tower).
 
-    single = vision_engine(directory)
-    text = image_params(single, "w1 w2 w3", [], max_tokens)
-    expected = [t for p in single.generate(text) for t in p.token_ids]
-    reports = run_rank_processes(
-        split_vision_rank_main, (str(directory), layers, max_tokens), len(layers), deadline_s
+    Returns:
+        (transformers' model, transformers' image processor).
+    """
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = save_qwen_vl_tokenizer(directory)
+    published = {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+        "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "hidden_act": "silu", "sliding_window": 32768, "use_sliding_window": False,
+        "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": 1,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "image_token_id": QWEN_VL_IMAGE, "video_token_id": QWEN_VL_VIDEO,
+        "vision_start_token_id": QWEN_VL_START, "vision_end_token_id": QWEN_VL_END,
+        "vision_config": {
+            "depth": 2, "hidden_act": "silu", "hidden_size": 32, "intermediate_size": 64,
+            "num_heads": 2, "in_chans": 3, "out_hidden_size": 64, "patch_size": QWEN_VL_PATCH,
+            "spatial_merge_size": QWEN_VL_MERGE, "temporal_patch_size": 2, "window_size": 32,
+            "fullatt_block_indexes": [1], "tokens_per_second": 2,
+        },
+    }  # fmt: skip
+    processor = qwen_vl_image_processor(
+        QWEN_VL_PATCH, QWEN_VL_MERGE, QWEN_VL_MIN_PIXELS, QWEN_VL_MAX_PIXELS
     )
-    [(_, no_tower, refusal, tokens)] = [report for report in reports if report[0] == "rank 0"]
-    assert no_tower
-    assert "multimodal rotary positions" in refusal
-    assert tokens == expected
+    reference = save_qwen_vl_checkout(
+        directory, published, Qwen2_5_VLForConditionalGeneration, _qwen2_5_vl_published_name,
+        processor,
+    )  # fmt: skip
+    return reference, processor
+
+
+def _qwen3_vl_published_name(name: str) -> str | None:
+    """transformers' saved name is the published Qwen3-VL checkpoint's; the tied head is
+    left out of the files, as published."""
+    return None if name.startswith("lm_head.") else name
+
+
+def save_tiny_qwen3_vl(directory: Path) -> tuple[Any, Any]:
+    """A tiny Qwen3-VL checkout in `directory` in the published layout (Qwen3-VL-4B-
+    Instruct's config.json: nested text and vision configs, `rope_scaling` with interleaved
+    mrope sections, the head tied to the embedding, no `lm_head` tensor in the files; 3
+    text layers of 64, a 3-block tower whose blocks `QWEN3_VL_DEEPSTACK_LAYERS` feed text
+    layers 0 and 1).
+
+    Returns:
+        (transformers' model, transformers' image processor).
+    """
+    from transformers import Qwen3VLForConditionalGeneration
+
+    tokenizer = save_qwen_vl_tokenizer(directory)
+    published = {
+        "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+        "image_token_id": QWEN_VL_IMAGE, "video_token_id": QWEN_VL_VIDEO,
+        "vision_start_token_id": QWEN_VL_START, "vision_end_token_id": QWEN_VL_END,
+        "tie_word_embeddings": True,
+        "text_config": {
+            "model_type": "qwen3_vl_text", "vocab_size": len(tokenizer), "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False,
+            "rope_theta": 5000000, "tie_word_embeddings": True, "bos_token_id": None,
+            "eos_token_id": 1,
+            "rope_scaling": {
+                "mrope_interleaved": True, "mrope_section": [3, 3, 2], "rope_type": "default",
+            },
+        },
+        "vision_config": {
+            "model_type": "qwen3_vl", "depth": 3, "hidden_size": 32, "intermediate_size": 64,
+            "num_heads": 2, "in_channels": 3, "out_hidden_size": 64, "patch_size": QWEN_VL_PATCH,
+            "spatial_merge_size": QWEN_VL_MERGE, "temporal_patch_size": 2,
+            "num_position_embeddings": 16, "hidden_act": "gelu_pytorch_tanh",
+            "deepstack_visual_indexes": list(QWEN3_VL_DEEPSTACK_LAYERS),
+        },
+    }  # fmt: skip
+    processor = qwen_vl_image_processor(
+        QWEN_VL_PATCH, QWEN_VL_MERGE, QWEN_VL_MIN_PIXELS, QWEN_VL_MAX_PIXELS,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )  # fmt: skip
+    reference = save_qwen_vl_checkout(
+        directory, published, Qwen3VLForConditionalGeneration, _qwen3_vl_published_name,
+        processor,
+    )  # fmt: skip
+    return reference, processor

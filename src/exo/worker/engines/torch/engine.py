@@ -273,12 +273,6 @@ class TorchEngine:
             except ValueError as error:
                 engine.images_refusal = "the weights of its vision tower are not on this node"
                 logger.warning("{}: images refused: {}", shard.model_card.model_id, error)
-            if split and engine.images is not None and engine.images.multimodal_rotary:
-                # The ranks' steps carry 1-D positions only (`parallel/rank_steps.py`).
-                engine.images = None
-                engine.images_refusal = (
-                    "a split instance does not carry this model's multimodal rotary positions"
-                )
         logger.info(
             "{}loaded {} ({} weights) in {:.1f} s",
             f"rank {shard.device_rank}/{shard.world_size} " if split else "",

@@ -83,6 +83,9 @@ from exo.worker.engines.torch.quant.quantized_linear import QuantizedLinear
 LEAN_ENV = "EXO_LEAN_FORWARD"
 # "0": decode steps run the lean forward's torch operators instead of exo's decode layer.
 NATIVE_DECODE_ENV = "EXO_NATIVE_DECODE"
+# The attribute of `model.model` holding the global index of its first decoder layer, set
+# where a pipeline stage keeps only some (`parallel/pipeline.py`); absent: 0.
+FIRST_LAYER_ATTRIBUTE = "exo_first_layer"
 
 
 class LeanModel:
@@ -148,6 +151,9 @@ class LeanModel:
         if isinstance(self._embedding, AbsentModule):
             self._embedding = None
         self._hidden_size = int(text_config.hidden_size)
+        # The global index of this model's first decoder layer (a later pipeline rank's is
+        # its stage's first: Qwen3-VL's deepstack feature k goes after global layer k).
+        self._first_layer = int(getattr(inner, FIRST_LAYER_ATTRIBUTE, 0))
         head: Any = getattr(model, "lm_head", None)
         self._head: Projection | None = None
         self._vocab_split: VocabParallelHead | None = None  # a tensor rank's head rows
@@ -203,11 +209,11 @@ class LeanModel:
             if self._embedding is None:
                 raise RuntimeError("the token embedding is not on this pipeline rank")
             x = self._embedding(input_ids).float()
-            deepstack = self._place_image_rows(plan, x)
+            self._place_image_rows(plan, x)
         else:
             assert hidden is not None
-            x = hidden.float().clone()
-            deepstack = []
+            x = hidden.float().clone()  # (image rows in place: a later pipeline rank)
+        deepstack = self._deepstack(plan)
         cache_dtype = plan.cache.keys[0].dtype if plan.cache.keys else torch.float32
         # A bfloat16 cache only stores keys and values rounded: attention computes in float32.
         attention_dtype = torch.float32 if cache_dtype == torch.bfloat16 else cache_dtype
@@ -224,9 +230,10 @@ class LeanModel:
         else:
             for index, layer in enumerate(self.layers):
                 self._layer(plan, index, layer, x, tables[layer.rope], attention_dtype)
+                after = self._first_layer + index  # the layer's global index
                 for row, features in deepstack:  # Qwen3-VL: after layer k, feature k
-                    if index < features.shape[1]:
-                        x[row : row + features.shape[0]] += features[:, index]
+                    if after < features.shape[1]:
+                        x[row : row + features.shape[0]] += features[:, after]
         if logit_rows is None:
             return x
         assert self._head is not None and self._final_norm is not None
@@ -240,28 +247,30 @@ class LeanModel:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits
 
-    def _place_image_rows(self, plan: BatchPlan, x: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-        """The plan's image rows (`BatchPlan.row_embeddings`) written over their rows of
-        the embedded `x` `[T, hidden]`, in place.
-
-        Returns:
-            `(row, features [n, layers, hidden])` for the image rows that carry deepstack
-            features (rows `[n, hidden x (1 + layers)]`: Qwen3-VL), to add after the first
-            `layers` decoder layers.
+    def _place_image_rows(self, plan: BatchPlan, x: torch.Tensor) -> None:
+        """The plan's image rows (`BatchPlan.row_embeddings`: their first `hidden` columns)
+        written over their rows of the embedded `x` `[T, hidden]`, in place.
 
         Raises:
             ValueError: image rows whose width is not a whole number of hidden sizes.
         """
         hidden = self._hidden_size
-        deepstack = []
         for row, embeddings in plan.row_embeddings:  # image tokens: vision features
             count, width = embeddings.shape
             if width % hidden:
                 raise ValueError(f"image rows of width {width} for a hidden size of {hidden}")
             x[row : row + count] = embeddings[:, :hidden]
-            if width > hidden:
-                deepstack.append((row, embeddings[:, hidden:].reshape(count, -1, hidden)))
-        return deepstack
+
+    def _deepstack(self, plan: BatchPlan) -> list[tuple[int, torch.Tensor]]:
+        """`(row, features [n, layers, hidden])` for the plan's image rows that carry
+        deepstack features (rows `[n, hidden x (1 + layers)]`: Qwen3-VL), feature k to add
+        after global decoder layer k; empty without them."""
+        hidden = self._hidden_size
+        return [
+            (row, embeddings[:, hidden:].reshape(embeddings.shape[0], -1, hidden))
+            for row, embeddings in plan.row_embeddings
+            if embeddings.shape[1] > hidden
+        ]
 
     def _norm(self, rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of float32 rows `[T, hidden]` (exo's one-pass kernel where its int4

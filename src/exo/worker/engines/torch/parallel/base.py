@@ -46,6 +46,11 @@ class RankEngine(Protocol):
     @property
     def is_last_rank(self) -> bool: ...
 
+    @property
+    def layer_range(self) -> tuple[int, int]:
+        """The model's decoder layers `[start, end)` this rank holds (global indices)."""
+        ...
+
     def take_cache_ops(self) -> tuple[CacheOp, ...]:
         """Rank 0's KV operations since the last step (for the next header)."""
         ...

@@ -18,7 +18,10 @@ when it has them (else gloo).
 
 A vision model's images: the first rank alone holds the embedding, so it alone runs the
 vision tower and puts the image rows into the hidden states it sends on; the header's
-prefill segments carry their image blocks for every rank's attention (`rank_steps.py`).
+prefill segments carry their image blocks for every rank's attention, and Qwen-VL's
+multimodal rotary positions (`rank_steps.py`). Qwen3-VL's deepstack features (added to the
+image rows after the first few decoder layers) follow the hidden states, as a third message
+(`send_image_rows`), to each next rank that holds such a layer (`_deepstack_after`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from exo.worker.engines.torch.batching.request_state import RequestState
 from exo.worker.engines.torch.batching.scheduler import StepLogits
 from exo.worker.engines.torch.comm.process_group import post_receive, receive_tensor, send_tensor
 from exo.worker.engines.torch.decoding.sampling import SampledToken
+from exo.worker.engines.torch.model.direct_forward import FIRST_LAYER_ATTRIBUTE
 from exo.worker.engines.torch.model.families import ModelFamily
 from exo.worker.engines.torch.model.sharding import (
     AbsentModule,
@@ -55,11 +59,22 @@ from exo.worker.engines.torch.parallel.rank_steps import (
     MicroBatch,
     StepHeader,
     micro_batch_count,
+    receive_image_rows,
     receive_step,
+    send_image_rows,
     send_step,
     split_micro_batches,
     stage_forward_batch,
 )
+
+
+def _deepstack_after(header: StepHeader, hidden_size: int, layer: int) -> bool:
+    """Whether the step's image rows carry deepstack features for a decoder layer at or
+    after global index `layer` (rows of `image_width` = hidden x (1 + deepstack layers),
+    feature k added after layer k: Qwen3-VL), which a pipeline rank from that layer on needs."""
+    if not header.image_rows or header.image_width <= hidden_size:
+        return False
+    return header.image_width // hidden_size - 1 > layer
 
 
 def cut_to_pipeline_stage(model: PreTrainedModel, shard: ShardMetadata) -> None:
@@ -79,6 +94,9 @@ def cut_to_pipeline_stage(model: PreTrainedModel, shard: ShardMetadata) -> None:
         return
     kept = list(layers)[shard.start_layer : shard.end_layer]
     inner.layers = nn.ModuleList(kept)
+    # The global index of the first kept layer (`direct_forward.FIRST_LAYER_ATTRIBUTE`: the
+    # lean forward adds Qwen3-VL's deepstack feature k after global layer k).
+    setattr(inner, FIRST_LAYER_ATTRIBUTE, shard.start_layer)
     for layer in kept:
         for module in layer.modules():
             layer_index = getattr(module, "layer_idx", None)
@@ -152,12 +170,20 @@ class PipelineTransform(EngineTransform):
         received = torch.empty((1, header.rows, engine.hidden_size), dtype=torch.float32)
         receive_tensor(received, rank - 1)
         hidden = received.to(device=device, dtype=dtype)
+        start, end = engine.layer_range
+        if _deepstack_after(header, engine.hidden_size, start):
+            # Deepstack features for this rank's layers (the image rows are in `hidden`).
+            plan.row_embeddings = receive_image_rows(
+                header.image_rows, header.image_width, device, source=rank - 1
+            )
         output = stage_forward_batch(
             model, plan, header, hidden=hidden, is_last=engine.is_last_rank, device=device
         )
         if not engine.is_last_rank:
             send_step(header, rank + 1)
             send_tensor(output.cpu().contiguous(), rank + 1)
+            if _deepstack_after(header, engine.hidden_size, end):
+                send_image_rows(plan.row_embeddings, (rank + 1,))
         elif header.logit_rows:
             answer = answer_rows(output, header.row_samplings)
             send_tensor(answer.contiguous(), 0)
@@ -198,6 +224,8 @@ def _launch(
         )
         send_step(header, 1)
         send_tensor(hidden.cpu().contiguous(), 1)
+        if _deepstack_after(header, engine.hidden_size, engine.layer_range[1]):
+            send_image_rows(micro_plan.row_embeddings, (1,))
         answers.append((wait, answer, micro_batch))
 
     def collect() -> StepLogits:

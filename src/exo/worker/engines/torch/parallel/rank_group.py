@@ -119,6 +119,10 @@ class RankGroup:
     def is_last_rank(self) -> bool:
         return self.rank == self.world_size - 1
 
+    @property
+    def layer_range(self) -> tuple[int, int]:
+        return self.shard.start_layer, self.shard.end_layer
+
     def take_cache_ops(self) -> tuple[CacheOp, ...]:
         """Rank 0's KV operations since the last step (for the next step's header)."""
         assert isinstance(self._slots, RecordingSlotKVCache)

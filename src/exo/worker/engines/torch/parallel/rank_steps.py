@@ -15,10 +15,14 @@ A prompt with images (a vision model's, `batching/prompt_images.py`): the vision
 on rank 0 only, before the prompt's prefill. The header carries each prefill segment's
 image blocks (`PrefillSegment.image_blocks`: every rank's attention mask needs them, in
 every layer, in every chunk) and the rows whose embeddings rank 0 replaces with an image's
-features (`image_rows`); the features themselves travel only where another rank embeds the
-tokens too (tensor parallel: `tensor.py` sends them after the header), never the pixels. A
-pipeline's first rank alone embeds: the later ranks get the image rows inside its hidden
-states.
+features (`image_rows`, of `image_width` columns); the features themselves travel only where
+another rank embeds the tokens too (tensor parallel: `tensor.py` sends them after the
+header), never the pixels. A pipeline's first rank alone embeds: the later ranks get the
+image rows inside its hidden states, and Qwen3-VL's deepstack features (added after the
+first decoder layers: rows wider than the hidden size) after them where a later rank holds
+such a layer (`pipeline.py`). A model that places image tokens by row and column (Qwen-VL's
+multimodal rotary positions, `BatchPlan.rotary_positions`) has the step's three position
+rows in the header (`rotary_positions`), in decode steps too.
 
 A pipeline step with enough rows (`micro_batch_count`) is split into micro-batches
 (`split_micro_batches`): rank 0 computes its layers for micro-batch A and sends it on, then
@@ -29,6 +33,7 @@ the backward pass).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import SimpleNamespace
@@ -49,7 +54,9 @@ from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.comm.process_group import (
     broadcast_message,
     receive_message,
+    receive_tensor,
     send_message,
+    send_tensor,
 )
 from exo.worker.engines.torch.parallel.last_rank_sampling import FULL_ROW, RowSampling
 
@@ -239,6 +246,10 @@ class StepHeader:
         logit_rows: `[R]` rows whose logits are wanted.
         image_rows: `(row, count)` per run of rows whose embeddings rank 0 replaces with
             an image's projected features (`BatchPlan.row_embeddings`), in row order.
+        image_width: the width of those features' rows (the hidden size, or a multiple of
+            it where deepstack features follow: Qwen3-VL); 0 without image rows.
+        rotary_positions: `[3, T]` flattened row by row: the step's multimodal rotary
+            positions (`BatchPlan.rotary_positions`), empty when the plan has none.
         samplings: a pipeline step's, one per logit row: what the last rank sends back for
             it (`last_rank_sampling.RowSampling`); empty: `[R, vocab]` logits (tensor
             and expert ranks never send logits).
@@ -254,6 +265,8 @@ class StepHeader:
     logit_rows: tuple[int, ...] = ()
     samplings: tuple[RowSampling, ...] = ()
     image_rows: tuple[tuple[int, int], ...] = ()
+    image_width: int = 0
+    rotary_positions: tuple[int, ...] = ()
 
     @classmethod
     def from_plan(
@@ -270,10 +283,15 @@ class StepHeader:
         image_rows = tuple(
             (row, int(embeddings.shape[0])) for row, embeddings in plan.row_embeddings
         )
+        widths = {int(embeddings.shape[1]) for _, embeddings in plan.row_embeddings}
+        if len(widths) > 1:
+            raise ValueError(f"image rows of several widths in one step: {sorted(widths)}")
+        rotary = plan.rotary_positions
         return cls(
             STEP, cache_ops, tuple(plan.decode_slots), tuple(plan.decode_positions),
             tuple(plan.prefill), tuple(input_ids[0].tolist()), tuple(position_ids[0].tolist()),
-            tuple(logit_rows.tolist()), samplings, image_rows,
+            tuple(logit_rows.tolist()), samplings, image_rows, widths.pop() if widths else 0,
+            () if rotary is None else tuple(rotary.reshape(-1).tolist()),
         )  # fmt: skip
 
     @property
@@ -287,10 +305,13 @@ class StepHeader:
 
     def plan(self, cache: SlotKVCache, windows: Any, layer_of: dict[int, int]) -> BatchPlan:
         """This rank's `BatchPlan` of the step (over this rank's cache and layers)."""
+        rotary = None
+        if self.rotary_positions:
+            rotary = torch.tensor(self.rotary_positions, dtype=torch.long).view(3, self.rows)
         return BatchPlan(
             cache=cache, windows=windows, decode_slots=list(self.decode_slots),
             decode_positions=list(self.decode_positions), prefill=list(self.prefill),
-            layer_of=layer_of,
+            layer_of=layer_of, rotary_positions=rotary,
         )  # fmt: skip
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -321,6 +342,7 @@ class StepHeader:
         values.append(len(self.image_rows))
         for row, count in self.image_rows:
             values += [row, count]
+        values += [self.image_width, len(self.rotary_positions), *self.rotary_positions]
         return torch.tensor(values, dtype=torch.int64)
 
     @classmethod
@@ -367,11 +389,13 @@ class StepHeader:
         image_rows = tuple(
             (flat_images[i], flat_images[i + 1]) for i in range(0, len(flat_images), 2)
         )
+        image_width, rotary_count = take(2)
+        rotary_positions = tuple(take(rotary_count))
         if cursor != len(values):
             raise RuntimeError(f"malformed step header ({len(values)} values, read {cursor})")
         return cls(
             command, ops, slots, positions, segments, input_ids, position_ids, logit_rows,
-            samplings, image_rows,
+            samplings, image_rows, image_width, rotary_positions,
         )  # fmt: skip
 
 
@@ -394,6 +418,35 @@ def receive_step(source: int, idle_wait: timedelta) -> StepHeader:
     """Pipeline: receive a header from the previous rank, waiting up to `idle_wait` for it
     to start, then the group's timeout."""
     return StepHeader.decode(receive_message(source, idle_wait))
+
+
+def send_image_rows(
+    row_embeddings: list[tuple[int, torch.Tensor]], destinations: Iterable[int]
+) -> None:
+    """A step's image features (`BatchPlan.row_embeddings`, each `[n, width]`), concatenated
+    in row order into one `[rows, width]` float32 message to each rank of `destinations`
+    (after the step's header, which says where they go and how wide they are): from rank 0
+    to every other rank of a tensor group, along a pipeline for deepstack features."""
+    rows = torch.cat([embeddings for _, embeddings in row_embeddings]).float().cpu()
+    rows = rows.contiguous()
+    for rank in destinations:
+        send_tensor(rows, rank)
+
+
+def receive_image_rows(
+    image_rows: tuple[tuple[int, int], ...], width: int, device: torch.device, source: int
+) -> list[tuple[int, torch.Tensor]]:
+    """Rank `source`'s `send_image_rows` for a header's `image_rows` (of `image_width`
+    columns), as the plan's `row_embeddings` (`(row, [count, width])` float32 on `device`).
+
+    Raises:
+        torch.distributed.DistError (or the links' error): `source` sent nothing in time.
+    """
+    counts = [count for _, count in image_rows]
+    rows = torch.empty((sum(counts), width), dtype=torch.float32)
+    receive_tensor(rows, source)
+    pieces = torch.split(rows.to(device), counts)
+    return [(row, piece) for (row, _), piece in zip(image_rows, pieces, strict=True)]
 
 
 # A pipeline step is split into micro-batches only from this many rows (tokens) on. A
@@ -437,7 +490,8 @@ def split_micro_batches(step: StepHeader, parts: int) -> list[MicroBatch]:
     most `parts` micro-batches of about equal rows (longest first to the least loaded, the
     LPT rule of Graham 1969). The step's cache operations go with the first micro-batch; the
     order of rows inside a micro-batch follows the step's (decode rows first); a prefill
-    segment keeps its image blocks, and its image rows go with it.
+    segment keeps its image blocks, and its image rows and multimodal rotary positions go
+    with it.
 
     Raises:
         ValueError: `parts` < 1.
@@ -493,6 +547,11 @@ def split_micro_batches(step: StepHeader, parts: int) -> list[MicroBatch]:
         image_rows = tuple(
             (local_row[row], count) for row, count in step.image_rows if row in local_row
         )
+        rotary: tuple[int, ...] = ()
+        if step.rotary_positions:  # each of the three position rows, at this batch's rows
+            rotary = tuple(
+                step.rotary_positions[axis * step.rows + row] for axis in range(3) for row in rows
+            )
         header = StepHeader(
             STEP,
             step.cache_ops if not micro_batches else (),
@@ -504,6 +563,8 @@ def split_micro_batches(step: StepHeader, parts: int) -> list[MicroBatch]:
             tuple(local_logits),
             samplings,
             image_rows,
+            step.image_width if image_rows else 0,
+            rotary,
         )
         order = tuple(logit_index[rows[local]] for local in local_logits)
         micro_batches.append(MicroBatch(header, order, tuple(rows)))

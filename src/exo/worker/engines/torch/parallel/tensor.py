@@ -6,7 +6,9 @@ of the step header per step (one message per rank).
 
 A vision model's images: rank 0 alone runs the tower; every rank embeds the tokens, so a
 step with image rows (`StepHeader.image_rows`) is followed by their features, `[rows,
-hidden]` float32, sent from rank 0 to each other rank (`send_image_rows`).
+image_width]` float32 (the hidden size, or a multiple of it with Qwen3-VL's deepstack
+features), sent from rank 0 to each other rank (`send_image_rows`); the header carries
+Qwen-VL's multimodal rotary positions.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from exo.shared.models.tensor_names import LAYER_TENSOR
 from exo.shared.types.shards import Sharding, ShardMetadata
 from exo.worker.engines.torch.batching.batch_attention import BatchPlan, forward_batch
 from exo.worker.engines.torch.comm.parallel_linears import RowParallelLinear, SplitWidthRMSNorm
-from exo.worker.engines.torch.comm.process_group import IDLE_WAIT, receive_tensor, send_tensor
+from exo.worker.engines.torch.comm.process_group import IDLE_WAIT
 from exo.worker.engines.torch.model.families import ModelFamily, UnsupportedArchitectureError
 from exo.worker.engines.torch.model.moe import routed_experts_of
 from exo.worker.engines.torch.model.sharding import (
@@ -33,7 +35,12 @@ from exo.worker.engines.torch.model.sharding import (
     split_head_by_vocab,
 )
 from exo.worker.engines.torch.parallel.base import EngineTransform, RankEngine, SchedulerHooks
-from exo.worker.engines.torch.parallel.rank_steps import StepHeader, broadcast_step
+from exo.worker.engines.torch.parallel.rank_steps import (
+    StepHeader,
+    broadcast_step,
+    receive_image_rows,
+    send_image_rows,
+)
 
 
 def check_tensor_parallel(
@@ -238,7 +245,7 @@ class TensorTransform(EngineTransform):
             )
             broadcast_step(header, IDLE_WAIT)
             if plan.row_embeddings:
-                send_image_rows(plan.row_embeddings, engine.world_size)
+                send_image_rows(plan.row_embeddings, range(1, engine.world_size))
             return forward_batch(model, plan, input_ids, position_ids, logit_rows)
 
         return SchedulerHooks(forward=forward)
@@ -261,32 +268,6 @@ class TensorTransform(EngineTransform):
         )
         if header.image_rows:
             plan.row_embeddings = receive_image_rows(
-                header.image_rows, engine.hidden_size, engine.device
+                header.image_rows, header.image_width, engine.device, source=0
             )
         forward_batch(engine.model, plan, input_ids, position_ids, logit_rows)
-
-
-def send_image_rows(row_embeddings: list[tuple[int, torch.Tensor]], world_size: int) -> None:
-    """Rank 0: a step's image features (`BatchPlan.row_embeddings`, each `[n, hidden]`),
-    concatenated in row order into one `[rows, hidden]` float32 message to every other
-    rank (after the step's header, which says where they go)."""
-    rows = torch.cat([embeddings for _, embeddings in row_embeddings]).float().cpu()
-    rows = rows.contiguous()
-    for rank in range(1, world_size):
-        send_tensor(rows, rank)
-
-
-def receive_image_rows(
-    image_rows: tuple[tuple[int, int], ...], hidden_size: int, device: torch.device
-) -> list[tuple[int, torch.Tensor]]:
-    """Ranks > 0: rank 0's `send_image_rows` for a header's `image_rows`, as the plan's
-    `row_embeddings` (`(row, [count, hidden])` float32 on `device`).
-
-    Raises:
-        torch.distributed.DistError (or the links' error): rank 0 sent nothing in time.
-    """
-    counts = [count for _, count in image_rows]
-    rows = torch.empty((sum(counts), hidden_size), dtype=torch.float32)
-    receive_tensor(rows, 0)
-    pieces = torch.split(rows.to(device), counts)
-    return [(row, piece) for (row, _), piece in zip(image_rows, pieces, strict=True)]

@@ -1,17 +1,22 @@
-"""Images on split instances of a vision model (Gemma 3, `model/gemma3_vision.py`): the tower
-runs on rank 0 only; the step header carries each prefill segment's image blocks and the
-image rows (`parallel/rank_steps.py`), a tensor step also the rows' features.
+"""Images on split instances of a vision model (Gemma 3, Idefics3, Mistral 3, Qwen2.5-VL,
+Qwen3-VL): the tower runs on rank 0 only; the step header carries each prefill segment's
+image blocks, the image rows and Qwen-VL's multimodal rotary positions
+(`parallel/rank_steps.py`), a tensor step also the rows' features, a pipeline step
+Qwen3-VL's deepstack features to a later rank holding a layer they feed.
 
 Without processes: the header's encoding and the pipeline's micro-batch split keep the
-blocks and rows. With processes (gloo over 127.0.0.1, a tiny random float32 Gemma 3 vision
-checkout): a 2-rank pipeline (and, marked slow, a 2-rank tensor group) gives the single
-process's greedy tokens and logprobs for a prompt with two images, for chunked prefills whose
-chunk boundaries fall near and inside the images, for two image prompts prefilled together
-(one step split into two micro-batches), and for a second turn that hits the prefix cache
-past the image."""
+blocks, rows and positions. With processes (gloo over 127.0.0.1, tiny random float32 vision
+checkouts): a 2-rank pipeline (and, marked slow, a 2-rank tensor group) gives the single
+process's greedy tokens and logprobs for a prompt with two images of different sizes, for
+chunked prefills whose chunk boundaries fall near and inside the images, for two image
+prompts prefilled together (one step split into two micro-batches), and for a second turn
+that hits the prefix cache past the image. Gemma 3's and Qwen3-VL's pipelines run by
+default (Qwen3-VL's split after text layer 0, so rank 1's layer 1 takes its deepstack
+feature from rank 0), the rest marked slow."""
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from pathlib import Path
 from typing import Any
@@ -23,9 +28,13 @@ from exo.shared.models.cards import card_from_local_directory
 from exo.shared.types.common import ModelId
 from exo.shared.types.shards import Sharding, ShardMetadata
 from exo.shared.types.text_generation import IMAGE_MARKER, ChatMessage, TextGenerationTaskParams
+from exo.testing.qwen_vl_checkpoints import (
+    QWEN_VL_IMAGE,
+    save_tiny_qwen2_5_vl,
+    save_tiny_qwen3_vl,
+)
 from exo.testing.rank_processes import run_rank_processes
 from exo.testing.vision_checkpoints import (
-    GEMMA3_BEGIN,
     GEMMA3_SOFT,
     image_input,
     png,
@@ -59,7 +68,8 @@ Outcome = tuple[list[int], list[float], int]
 
 
 def test_header_keeps_image_blocks_and_rows() -> None:
-    """Segments' image blocks and the image rows survive the header's encoding."""
+    """Segments' image blocks, the image rows and their width and the multimodal rotary
+    positions survive the header's encoding."""
     header = StepHeader(
         STEP,
         decode_slots=(0,),
@@ -69,6 +79,8 @@ def test_header_keeps_image_blocks_and_rows() -> None:
         position_ids=(40, *range(12), *range(8, 14)),
         logit_rows=(0, 12),
         image_rows=((6, 4),),
+        image_width=192,
+        rotary_positions=tuple(range(3 * 19)),
     )
     assert StepHeader.decode(header.encode()) == header
     two_blocks = PrefillSegment(3, 4, 0, 20, ((6, 10), (14, 18)))
@@ -90,6 +102,9 @@ def test_micro_batches_keep_each_segments_images() -> None:
         input_ids=tuple(range(71)), position_ids=(50, *range(40), *range(3, 33)),
         logit_rows=(0, 40, 70), image_rows=((11, 4), (43, 4), (58, 4)),
     )  # fmt: skip
+    step = dataclasses.replace(
+        step, image_width=8, rotary_positions=tuple(range(3 * 71))
+    )  # position row a of step row r: 71 a + r
     features = [(row, torch.full((4, 8), float(row))) for row, _ in step.image_rows]
     micro_batches = split_micro_batches(step, 2)
     assert len(micro_batches) == 2
@@ -100,6 +115,11 @@ def test_micro_batches_keep_each_segments_images() -> None:
             seen[(segment.slot, segment.start)] = segment.image_blocks
         embeddings = batch.row_embeddings(features)
         assert [(row, int(rows.shape[0])) for row, rows in embeddings] == list(header.image_rows)
+        assert header.image_width == 8
+        rotary = torch.tensor(header.rotary_positions).view(3, header.rows)
+        assert torch.equal(
+            rotary, torch.tensor([[71 * a + r for r in batch.step_rows] for a in range(3)])
+        )
         for local, rows in embeddings:
             step_row = batch.step_rows[local]
             assert header.input_ids[local] == step.input_ids[step_row]
@@ -111,11 +131,51 @@ def test_micro_batches_keep_each_segments_images() -> None:
 # -- with processes ---------------------------------------------------------------------
 
 
-def _checkout(directory: Path) -> Path:
+def _gemma3_checkout(directory: Path) -> Path:
     """A tiny Gemma 3 vision checkout (as `test_gemma3_vision`: 4 text layers, a 2-layer
     SigLIP tower, 4 tokens per image, a random projection so images move the logits)."""
     _, text, encoder = tiny_gemma3_vision()
     return save_gemma3_checkout(directory, text, encoder)
+
+
+def _qwen_checkout(save: Any) -> Any:
+    def build(directory: Path) -> Path:
+        directory.mkdir(parents=True)
+        save(directory)
+        return directory
+
+    return build
+
+
+def _idefics3_checkout(directory: Path) -> Path:
+    from exo.worker.engines.torch.tests.test_idefics3_vision import _save_checkout
+
+    directory.mkdir(parents=True)
+    return _save_checkout(directory, "idefics3")[0]
+
+
+def _mistral3_checkout(directory: Path) -> Path:
+    from exo.worker.engines.torch.tests.test_mistral3_vision import save_checkout
+
+    directory.mkdir(parents=True)
+    return save_checkout(directory)[0]
+
+
+# family -> (checkout builder, its image token id, the 2-rank pipeline's layers or None for
+# `split_layers`'). Qwen3-VL's 3 text layers split after layer 0: its deepstack features
+# feed layers 0 and 1, so rank 1 needs the second one from rank 0.
+FAMILIES: dict[str, tuple[Any, int, list[tuple[int, int]] | None]] = {
+    "gemma3": (_gemma3_checkout, GEMMA3_SOFT, None),
+    "idefics3": (_idefics3_checkout, 45, None),  # "<image>" (test_idefics3_vision.IMAGE_ID)
+    "mistral3": (_mistral3_checkout, 44, None),  # "[IMG]" (test_mistral3_vision.IMAGE_ID)
+    "qwen2_5_vl": (_qwen_checkout(save_tiny_qwen2_5_vl), QWEN_VL_IMAGE, None),
+    "qwen3_vl": (_qwen_checkout(save_tiny_qwen3_vl), QWEN_VL_IMAGE, [(0, 1), (1, 3)]),
+}
+DEFAULT_RUNS = {("gemma3", "pipeline"), ("qwen3_vl", "pipeline")}
+
+
+def _family_of(model_dir: Path) -> str:
+    return model_dir.parent.name.split("-")[0]
 
 
 def _shard(model_dir: Path, mode: str, rank: int, world_size: int) -> ShardMetadata:
@@ -123,8 +183,9 @@ def _shard(model_dir: Path, mode: str, rank: int, world_size: int) -> ShardMetad
         update={"capabilities": ("text", "vision")}
     )
     start, end = (0, card.n_layers)
-    if mode == "pipeline":
-        start, end = split_layers(card.n_layers, world_size)[rank]
+    if mode == "pipeline" and world_size > 1:
+        layers = FAMILIES[_family_of(model_dir)][2] or split_layers(card.n_layers, world_size)
+        start, end = layers[rank]
     sharding: Sharding = "pipeline" if mode == "pipeline" else "tensor"
     return ShardMetadata(
         sharding=sharding, model_card=card, device_rank=rank, world_size=world_size,
@@ -190,12 +251,15 @@ def _together(engine: TorchEngine, requests: list[TextGenerationTaskParams]) -> 
     return [_outcome(pieces[handle.request_id]) for handle in handles]
 
 
-def scenarios(engine: TorchEngine) -> dict[str, list[Outcome]]:
-    """Every scenario's outcomes on `engine` (a single process or a group's rank 0)."""
+def scenarios(engine: TorchEngine, image: int) -> dict[str, list[Outcome]]:
+    """Every scenario's outcomes on `engine` (a single process or a group's rank 0) of a
+    model whose image token id is `image`."""
     engine.clear_prefix_cache()
     first = _params((_first_turn(),))
     prompt_ids = engine.render_prompt(first).token_ids
-    image_starts = [i for i in range(1, len(prompt_ids)) if prompt_ids[i - 1] == GEMMA3_BEGIN]
+    image_starts = [
+        i for i in range(1, len(prompt_ids)) if prompt_ids[i] == image != prompt_ids[i - 1]
+    ]
     outcomes: dict[str, list[Outcome]] = {"two images": [_generate(engine, first)]}
     # A conversation's second turn: its prefix (both images included) from the cache.
     second = _params(
@@ -241,7 +305,8 @@ def _vision_rank_main(
             if rank != 0:
                 engine.serve_forever()
                 continue
-            results.put(("outcomes", mode, rank, scenarios(engine)))
+            image = FAMILIES[_family_of(Path(model_dir))][1]
+            results.put(("outcomes", mode, rank, scenarios(engine, image)))
             engine.shutdown()
         results.put(("done", "", rank, None))
     except BaseException:
@@ -251,8 +316,11 @@ def _vision_rank_main(
 
 
 @pytest.fixture(scope="module")
-def vision_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _checkout(tmp_path_factory.mktemp("gemma3-vision") / "checkout")
+def vision_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkout of the family the test names (indirect parameter), in a directory
+    named after the family (`_family_of`)."""
+    family = request.param
+    return FAMILIES[family][0](tmp_path_factory.mktemp(f"{family}-vision") / "checkout")
 
 
 @pytest.fixture(scope="module")
@@ -263,9 +331,10 @@ def single_outcomes(vision_dir: Path) -> dict[str, list[Outcome]]:
     shard = _shard(vision_dir, "pipeline", 0, 1)
     engine = TorchEngine.load(vision_dir, shard, weight_dtype="float32")
     assert engine.images is not None
-    outcomes = scenarios(engine)
+    image = FAMILIES[_family_of(vision_dir)][1]
+    outcomes = scenarios(engine, image)
     prompt_ids = engine.render_prompt(_params((_first_turn(),))).token_ids
-    last_image_end = max(i for i, token in enumerate(prompt_ids) if token == GEMMA3_SOFT) + 1
+    last_image_end = max(i for i, token in enumerate(prompt_ids) if token == image) + 1
     [(first_tokens, _, _)] = outcomes["two images"]
     [(_, _, cached)] = outcomes["second turn"]
     assert cached > last_image_end
@@ -298,14 +367,21 @@ def _check_equal(single: dict[str, list[Outcome]], split: dict[str, list[Outcome
 
 
 @pytest.mark.parametrize(
-    "mode",
-    [pytest.param(mode, marks=[pytest.mark.slow] if mode == "tensor" else []) for mode in MODES],
+    ("vision_dir", "mode"),
+    [
+        pytest.param(
+            family, mode, marks=[] if (family, mode) in DEFAULT_RUNS else [pytest.mark.slow]
+        )
+        for family in FAMILIES
+        for mode in MODES
+    ],
+    indirect=["vision_dir"],
 )
 def test_split_takes_images_as_single(
-    mode: str, vision_dir: Path, single_outcomes: dict[str, list[Outcome]]
+    vision_dir: Path, mode: str, single_outcomes: dict[str, list[Outcome]]
 ) -> None:
-    """2-rank pipeline (and, slow, tensor) groups: the tower on rank 0 only; every
-    scenario's tokens, logprobs and cached counts as the single process's."""
+    """2-rank pipeline and tensor groups: the tower on rank 0 only; every scenario's
+    tokens, logprobs and cached counts as the single process's."""
     reports = _split_reports(vision_dir, mode)
     assert (reports["towers"][0], reports["towers"][1]) == (True, False)
     _check_equal(single_outcomes, reports["outcomes"])

@@ -50,6 +50,12 @@ def _published_name(name: str) -> str:
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
     """(the saved checkout, transformers' model, transformers' processor)."""
+    return save_checkout(tmp_path_factory.mktemp("mistral3"))
+
+
+def save_checkout(directory: Path) -> tuple[Path, Any, Any]:
+    """A tiny random Mistral 3 checkout in `directory` (2 text layers of 64, a 2-layer
+    Pixtral tower): (the directory, transformers' model, transformers' processor)."""
     from transformers.models.pixtral import image_processing_pil_pixtral
     from transformers.models.pixtral.image_processing_pil_pixtral import (
         PixtralImageProcessorPil,
@@ -64,7 +70,6 @@ def checkout(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
         )  # fmt: skip
         from transformers.models.pixtral.processing_pixtral import PixtralProcessor
 
-    directory = tmp_path_factory.mktemp("mistral3")
     tokenizer = save_word_tokenizer(directory, words=41, specials=SPECIALS, template=TEMPLATE)
     assert tokenizer.encode("[IMG]", add_special_tokens=False) == [IMAGE_ID]
     torch.manual_seed(0)

@@ -13,25 +13,20 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGeneration
+from transformers import PreTrainedTokenizerFast
 
 from exo.chat_protocol.image_tokens import ImageTokens, QwenVLImageTokens
 from exo.shared.types.text_generation import IMAGE_MARKER, TextGenerationTaskParams
 from exo.testing.qwen_vl_checkpoints import (
-    QWEN_VL_END,
     QWEN_VL_IMAGE,
     QWEN_VL_IMAGE_TEXT,
-    QWEN_VL_START,
-    QWEN_VL_VIDEO,
+    QWEN_VL_MERGE,
     assert_layout_and_patches_follow,
     assert_positions_equal_rope_index,
-    assert_split_pipeline_refuses_images,
     qwen_vl_expected_ids,
-    qwen_vl_image_processor,
     qwen_vl_processed,
     qwen_vl_reference_logits,
-    save_qwen_vl_checkout,
-    save_qwen_vl_tokenizer,
+    save_tiny_qwen2_5_vl,
 )
 from exo.testing.vision_checkpoints import (
     TOLERANCE,
@@ -45,51 +40,15 @@ from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.model.qwen2_5_vl_vision import QwenVLPreprocessing
 
 STEPS = 6
-PATCH, MERGE = 8, 2  # merged patches of 16 pixels
-MIN_PIXELS, MAX_PIXELS = 32 * 32, 64 * 96
-START_ID, END_ID, IMAGE_ID, VIDEO_ID = QWEN_VL_START, QWEN_VL_END, QWEN_VL_IMAGE, QWEN_VL_VIDEO
+MERGE = QWEN_VL_MERGE  # merged patches of 16 pixels
 IMAGE_TEXT = QWEN_VL_IMAGE_TEXT
-
-
-def _published_name(name: str) -> str | None:
-    """transformers' saved name → the published Qwen2.5-VL checkpoint's (None for the tied
-    head, which the files leave out)."""
-    if name.startswith("lm_head."):
-        return None
-    if name.startswith("model.language_model."):
-        return "model." + name.removeprefix("model.language_model.")
-    return name.removeprefix("model.")  # model.visual.… → visual.…
 
 
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
     """(the saved checkout, transformers' model, transformers' image processor)."""
     directory = tmp_path_factory.mktemp("qwen2_5_vl")
-    tokenizer = save_qwen_vl_tokenizer(directory)
-    # The published config.json's layout (Qwen2.5-VL-3B-Instruct): text fields at the top,
-    # `rope_scaling` with its mrope sections, the head tied to the embedding (no `lm_head`
-    # tensor in the files).
-    published = {
-        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
-        "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 96,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 512, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
-        "hidden_act": "silu", "sliding_window": 32768, "use_sliding_window": False,
-        "tie_word_embeddings": True, "bos_token_id": None, "eos_token_id": 1,
-        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-        "image_token_id": IMAGE_ID, "video_token_id": VIDEO_ID,
-        "vision_start_token_id": START_ID, "vision_end_token_id": END_ID,
-        "vision_config": {
-            "depth": 2, "hidden_act": "silu", "hidden_size": 32, "intermediate_size": 64,
-            "num_heads": 2, "in_chans": 3, "out_hidden_size": 64, "patch_size": PATCH,
-            "spatial_merge_size": MERGE, "temporal_patch_size": 2, "window_size": 32,
-            "fullatt_block_indexes": [1], "tokens_per_second": 2,
-        },
-    }  # fmt: skip
-    processor = qwen_vl_image_processor(PATCH, MERGE, MIN_PIXELS, MAX_PIXELS)
-    reference = save_qwen_vl_checkout(
-        directory, published, Qwen2_5_VLForConditionalGeneration, _published_name, processor
-    )
+    reference, processor = save_tiny_qwen2_5_vl(directory)
     return directory, reference, processor
 
 
@@ -234,25 +193,11 @@ def test_prefix_cache_reuses_positions_after_an_image(
         while engine.has_work:
             pieces += [output for _, output in engine.step()]
         prompt_ids = engine.render_prompt(request).token_ids
-        first_image = prompt_ids.index(IMAGE_ID)
-        last_image = len(prompt_ids) - 1 - prompt_ids[::-1].index(IMAGE_ID)
+        first_image = prompt_ids.index(QWEN_VL_IMAGE)
+        last_image = len(prompt_ids) - 1 - prompt_ids[::-1].index(QWEN_VL_IMAGE)
         assert handle.cached_tokens is not None
         if shared:
             assert handle.cached_tokens > last_image
         else:
             assert 0 < handle.cached_tokens <= first_image
         assert_same_tokens_and_logprobs(pieces, list(vision_engine(directory).generate(request)))
-
-
-@pytest.mark.slow  # two spawned ranks: ~25 s
-def test_a_split_instance_serves_text_and_refuses_images(
-    checkout: tuple[Path, Any, Any],
-) -> None:
-    """A 2-rank pipeline: its ranks' steps carry 1-D positions only, so rank 0 keeps no
-    tower and refuses images (a ValueError: 400) saying why; text gives the single
-    process's greedy tokens."""
-    from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S, split_layers
-
-    directory = checkout[0]
-    layers = split_layers(vision_engine(directory).card.n_layers, 2)
-    assert_split_pipeline_refuses_images(directory, layers, STEPS, GROUP_DEADLINE_S)

@@ -16,25 +16,19 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoConfig, PreTrainedTokenizerFast, Qwen3VLForConditionalGeneration
+from transformers import AutoConfig, PreTrainedTokenizerFast
 
 from exo.chat_protocol.image_tokens import ImageTokens, Qwen3VLImageTokens
 from exo.shared.types.text_generation import IMAGE_MARKER
 from exo.testing.qwen_vl_checkpoints import (
-    QWEN_VL_END,
-    QWEN_VL_IMAGE,
     QWEN_VL_IMAGE_TEXT,
-    QWEN_VL_START,
-    QWEN_VL_VIDEO,
+    QWEN_VL_MERGE,
     assert_layout_and_patches_follow,
     assert_positions_equal_rope_index,
-    assert_split_pipeline_refuses_images,
     qwen_vl_expected_ids,
-    qwen_vl_image_processor,
     qwen_vl_processed,
     qwen_vl_reference_logits,
-    save_qwen_vl_checkout,
-    save_qwen_vl_tokenizer,
+    save_tiny_qwen3_vl,
 )
 from exo.testing.vision_checkpoints import (
     TOLERANCE,
@@ -46,57 +40,15 @@ from exo.testing.vision_checkpoints import (
 from exo.worker.engines.torch.model.qwen2_5_vl_vision import QwenVLPreprocessing
 
 STEPS = 16
-PATCH, MERGE = 8, 2  # merged patches of 16 pixels
-MIN_PIXELS, MAX_PIXELS = 32 * 32, 64 * 96
-START_ID, END_ID, IMAGE_ID, VIDEO_ID = QWEN_VL_START, QWEN_VL_END, QWEN_VL_IMAGE, QWEN_VL_VIDEO
+MERGE = QWEN_VL_MERGE  # merged patches of 16 pixels
 IMAGE_TEXT = QWEN_VL_IMAGE_TEXT
-DEEPSTACK_LAYERS = (0, 1)  # tower blocks whose features go to text layers 0 and 1
-
-
-def _published_name(name: str) -> str | None:
-    """transformers' saved name is the published Qwen3-VL checkpoint's; the tied head is
-    left out of the files, as published."""
-    return None if name.startswith("lm_head.") else name
 
 
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
     """(the saved checkout, transformers' model, transformers' image processor)."""
     directory = tmp_path_factory.mktemp("qwen3_vl")
-    tokenizer = save_qwen_vl_tokenizer(directory)
-    # The published config.json's layout (Qwen3-VL-4B-Instruct, see the card's sources):
-    # nested text and vision configs, `rope_scaling` with interleaved mrope sections, the
-    # head tied to the embedding (no `lm_head` tensor in the files), deepstack layers.
-    published = {
-        "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
-        "image_token_id": IMAGE_ID, "video_token_id": VIDEO_ID,
-        "vision_start_token_id": START_ID, "vision_end_token_id": END_ID,
-        "tie_word_embeddings": True,
-        "text_config": {
-            "model_type": "qwen3_vl_text", "vocab_size": len(tokenizer), "hidden_size": 64,
-            "intermediate_size": 96, "num_hidden_layers": 3, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
-            "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False,
-            "rope_theta": 5000000, "tie_word_embeddings": True, "bos_token_id": None,
-            "eos_token_id": 1,
-            "rope_scaling": {
-                "mrope_interleaved": True, "mrope_section": [3, 3, 2], "rope_type": "default",
-            },
-        },
-        "vision_config": {
-            "model_type": "qwen3_vl", "depth": 3, "hidden_size": 32, "intermediate_size": 64,
-            "num_heads": 2, "in_channels": 3, "out_hidden_size": 64, "patch_size": PATCH,
-            "spatial_merge_size": MERGE, "temporal_patch_size": 2,
-            "num_position_embeddings": 16, "hidden_act": "gelu_pytorch_tanh",
-            "deepstack_visual_indexes": list(DEEPSTACK_LAYERS),
-        },
-    }  # fmt: skip
-    processor = qwen_vl_image_processor(
-        PATCH, MERGE, MIN_PIXELS, MAX_PIXELS, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]
-    )
-    reference = save_qwen_vl_checkout(
-        directory, published, Qwen3VLForConditionalGeneration, _published_name, processor
-    )
+    reference, processor = save_tiny_qwen3_vl(directory)
     return directory, reference, processor
 
 
@@ -210,17 +162,3 @@ def test_text_model_interleaves_whatever_the_config_says(checkout: tuple[Path, A
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert model.config.rope_parameters["mrope_interleaved"] is True
     assert model.config.rope_parameters["mrope_section"] == [3, 3, 2]
-
-
-@pytest.mark.slow  # two spawned ranks: ~25 s
-def test_a_split_instance_serves_text_and_refuses_images(
-    checkout: tuple[Path, Any, Any],
-) -> None:
-    """A 2-rank pipeline over the published layout (`model.language_model.` read by each
-    rank for its layers): its steps carry 1-D positions only, so rank 0 keeps no tower and
-    refuses images saying why; text gives the single process's greedy tokens."""
-    from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S, split_layers
-
-    directory = checkout[0]
-    layers = split_layers(vision_engine(directory).card.n_layers, 2)
-    assert_split_pipeline_refuses_images(directory, layers, STEPS, GROUP_DEADLINE_S)
