@@ -244,6 +244,9 @@ def test_a_request_over_the_runners_token_cap_is_a_400_in_each_dialect(
         def tokenize(self, texts: list[str]) -> list[list[int]]:
             return [[ord(character) for character in text] for text in texts]
 
+        def scratch_bytes(self, tokens: int) -> int:
+            return 0
+
         def start_embedding(self, token_ids: list[list[int]]) -> None:
             raise AssertionError("a refused request starts no work")
 

@@ -34,7 +34,12 @@ from exo.worker.engines.torch.batching.scheduler import (
     PREFILL_TOKENS_PER_IDLE_STEP,
     PREFILL_TOKENS_PER_STEP,
 )
-from exo.worker.engines.torch.embedding.backend import EmbeddingBackend, EmbeddingWork
+from exo.worker.engines.torch.embedding.backend import (
+    EmbeddingBackend,
+    EmbeddingWork,
+    ScratchMemoryError,
+    check_scratch_memory,
+)
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 """The error code of an input over the context (`exo.api.wire.errors`: each dialect words it
@@ -195,7 +200,9 @@ class EmbeddingJob:
 
     def run_piece(self, budget: int | None) -> int:
         """Run one piece of the next work in turn, at most `budget` tokens (None: no
-        bound); answer its tasks when it is done. Returns the tokens computed."""
+        bound); answer its tasks when it is done (a 503 where a chunked input's scratch
+        cache no longer fits the memory free, a 500 where the forward failed). Returns the
+        tokens computed."""
         if not self._works:
             return 0
         pending = self._works.popleft()
@@ -205,6 +212,13 @@ class EmbeddingJob:
                 self._answers.extend(_answers_of(pending))
             else:
                 self._works.append(pending)  # the next work's turn
+        except ScratchMemoryError as error:  # the memory went to other work since admission
+            what = "rerank" if pending.rerank else "embedding"
+            for task in pending.tasks.values():
+                self._answers.append(
+                    (task, _error(task, f"{what} refused: {error}", 503, "overloaded"))
+                )
+            return 0
         except Exception as error:
             logger.opt(exception=error).warning("embedding forward failed")
             what = "rerank" if pending.rerank else "embedding"
@@ -276,7 +290,8 @@ def check_request_tokens(tokens: int, field: str) -> None:
 
 def _embedding_rows(backend: EmbeddingBackend, params: EmbeddingTaskParams) -> list[list[int]]:
     """The token ids of each input, cut to the context when `truncate`; the request's sum
-    within `MAX_REQUEST_TOKENS`."""
+    within `MAX_REQUEST_TOKENS`; each input's scratch memory within the memory free now
+    (`EmbeddingBackend.scratch_bytes`; checked again when a chunked input starts)."""
     check_dimensions(backend, params.dimensions)
     texts = [item for item in params.inputs if isinstance(item, str)]
     tokenized = iter(backend.tokenize(texts) if texts else [])
@@ -295,6 +310,10 @@ def _embedding_rows(backend: EmbeddingBackend, params: EmbeddingTaskParams) -> l
                     CONTEXT_LENGTH_EXCEEDED,
                 )
             ids = ids[:limit]
+        try:  # an input whose scratch memory the node cannot hold: refused before any work
+            check_scratch_memory(backend.scratch_bytes(len(ids)), len(ids))
+        except ScratchMemoryError as error:
+            raise EmbeddingRequestError(f"input[{position}]: {error}", "input") from None
         rows.append(ids)
     check_request_tokens(sum(len(ids) for ids in rows), "input")
     return rows

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from multiprocessing import Pipe
 from typing import Any, cast
 
+import pytest
 import torch
 
 from exo.shared.types.chunks import EmbeddingChunk, ErrorChunk
@@ -30,8 +31,12 @@ class FakeBackend:
     dimensions = 4
     matryoshka_dimensions: tuple[int, ...] | None = (2, 4)
 
-    def __init__(self) -> None:
+    def __init__(self, scratch_bytes_per_token: int = 0) -> None:
         self.calls: list[list[list[int]]] = []
+        self.scratch_bytes_per_token = scratch_bytes_per_token
+
+    def scratch_bytes(self, tokens: int) -> int:
+        return tokens * self.scratch_bytes_per_token
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         return [[ord(character) for character in text] for text in texts]
@@ -130,6 +135,46 @@ def test_dimensions_and_rerank_refusals_name_their_field() -> None:
         "invalid_model",
     ]
     assert backend.calls == []
+
+
+def test_an_input_whose_scratch_memory_is_not_free_is_refused_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With 1 GiB per token of scratch and 3.6 GiB free (0.5 GiB kept back): a 4-token
+    input makes its request a 400 naming `input[1]` and both sizes, before any forward;
+    another request's 3-token input is embedded."""
+    import exo.worker.engines.torch.embedding.backend as backend_module
+
+    monkeypatch.setattr(backend_module, "free_memory_bytes", lambda: int(3.6 * 2**30))
+    backend = FakeBackend(scratch_bytes_per_token=2**30)
+    too_big, fine = _task("abc", "wxyz"), _task("def")
+    answers = answer_embeddings(backend, [too_big, fine])
+    refused = answers[0]
+    assert isinstance(refused, ErrorChunk) and refused.status_code == 400
+    assert refused.error_code == "invalid_input"
+    assert refused.error_message.startswith("input[1]: an input of 4 tokens needs 4.00 GiB")
+    assert "3.60 GiB of memory is free on this node" in refused.error_message
+    assert backend.calls == [[[100, 101, 102]]]
+    assert isinstance(answers[1], EmbeddingChunk)
+
+
+def test_scratch_memory_gone_when_the_chunks_start_is_a_503(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Admitted (memory was free), but the work's first piece finds too little memory for
+    its chunked input's scratch cache: its request gets a 503 `overloaded`, not a 500."""
+    from exo.worker.engines.torch.embedding.backend import ScratchMemoryError
+
+    def short_of_memory(self: FakeWork, budget: int | None) -> int:
+        raise ScratchMemoryError("an input of 4 tokens needs 4.00 GiB of scratch KV cache")
+
+    monkeypatch.setattr(FakeWork, "run_piece", short_of_memory)
+    [answer] = answer_embeddings(FakeBackend(), [_task("wxyz")])
+    assert isinstance(answer, ErrorChunk) and answer.status_code == 503
+    assert answer.error_code == "overloaded"
+    assert answer.error_message == (
+        "embedding refused: an input of 4 tokens needs 4.00 GiB of scratch KV cache"
+    )
 
 
 class BackendEngine:

@@ -100,6 +100,9 @@ class PieceBackend:
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         return [[ord(character) for character in text] for text in texts]
 
+    def scratch_bytes(self, tokens: int) -> int:
+        return 0
+
     def start_embedding(self, token_ids: Sequence[Sequence[int]]) -> PieceWork:
         self.works.append(PieceWork(self.log, [len(ids) for ids in token_ids], self.on_piece))
         return self.works[-1]

@@ -378,7 +378,7 @@ class TorchEngine:
                 pooling=self.card.embedding_pooling or "mean",
                 context_length=self.context_length,
                 matryoshka_dimensions=self.card.matryoshka_dimensions,
-                reranker="rerank" in self.card.capabilities,
+                reranker="rerank" in self.card.capabilities, kv_dtype=self.kv_dtype,
             )  # fmt: skip
         return self._embedding_backend
 

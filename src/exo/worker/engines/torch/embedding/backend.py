@@ -58,6 +58,35 @@ class EmbeddingWork(Protocol):
         ...
 
 
+# Memory left to the rest of the node when an input's scratch memory is checked against the
+# memory free now (`check_scratch_memory`): the runner's own activations for a piece, the
+# tokenizer, other processes' growth meanwhile.
+SCRATCH_MEMORY_MARGIN_BYTES = 512 * 1024 * 1024
+
+
+class ScratchMemoryError(ValueError):
+    """An input whose scratch memory (`EmbeddingBackend.scratch_bytes`) would not fit the
+    memory free on the node; the message says how much it needs and how much is free."""
+
+
+def free_memory_bytes() -> int:
+    """Memory the node can give now without swapping (`psutil`'s `available`), in bytes."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_scratch_memory(needed: int, tokens: int) -> None:
+    """Raises ScratchMemoryError when an input of `tokens` whose embedding holds `needed`
+    bytes would leave less than `SCRATCH_MEMORY_MARGIN_BYTES` of the memory free now."""
+    free = free_memory_bytes()
+    if needed > free - SCRATCH_MEMORY_MARGIN_BYTES:
+        raise ScratchMemoryError(
+            f"an input of {tokens} tokens needs {needed / 2**30:.2f} GiB of scratch KV cache "
+            f"to embed in chunks; {free / 2**30:.2f} GiB of memory is free on this node"
+        )
+
+
 class EmbeddingBackend(Protocol):
     max_input_tokens: int
     """The model's context for one input, in tokens (special tokens included)."""
@@ -68,6 +97,12 @@ class EmbeddingBackend(Protocol):
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Each text's token ids, with the model's own special tokens; never truncated."""
+        ...
+
+    def scratch_bytes(self, tokens: int) -> int:
+        """Bytes of memory beyond the weights that embedding one input of `tokens` holds
+        across its pieces (a decoder's chunked prefill: its scratch KV cache), 0 where
+        nothing grows with the input between pieces."""
         ...
 
     def start_embedding(self, token_ids: Sequence[Sequence[int]]) -> EmbeddingWork:

@@ -69,6 +69,7 @@ class DecoderEmbeddingBackend:
         context_length: the model's context in tokens (`max_input_tokens`).
         matryoshka_dimensions: the card's Matryoshka widths, or None.
         reranker: score pairs Qwen3-Reranker's way (`score_pairs`); False: None.
+        kv_dtype: a chunked input's scratch KV cache's dtype (`lean_states`; the runner's).
 
     Raises:
         ValueError: a reranker whose tokenizer has no single "yes" and "no" tokens.
@@ -83,6 +84,7 @@ class DecoderEmbeddingBackend:
         context_length: int,
         matryoshka_dimensions: tuple[int, ...] | None = None,
         reranker: bool = False,
+        kv_dtype: torch.dtype = torch.float32,
     ) -> None:
         self._model = model
         self._tokenizer = tokenizer
@@ -94,7 +96,7 @@ class DecoderEmbeddingBackend:
         self._end_token = _end_of_text_token(tokenizer) if pooling == "last" else None
         self._yes_no: tuple[int, int] | None = None
         # exo's forward where the model has a lean step, else None: transformers' forward.
-        self._lean: LeanFinalStates | None = lean_final_states(model, device)
+        self._lean: LeanFinalStates | None = lean_final_states(model, device, kv_dtype)
         if reranker:
             self._yes_no = (_single_token(tokenizer, "no"), _single_token(tokenizer, "yes"))
 
@@ -112,6 +114,12 @@ class DecoderEmbeddingBackend:
             encoded = [ids if ids and ids[-1] == self._end_token else [*ids, self._end_token]
                        for ids in encoded]  # fmt: skip
         return encoded
+
+    def scratch_bytes(self, tokens: int) -> int:
+        """See `EmbeddingBackend.scratch_bytes`: a chunked input's scratch KV cache
+        (`LeanFinalStates.scratch_bytes`); 0 on transformers' forward, which runs an input
+        whole and keeps nothing between pieces."""
+        return 0 if self._lean is None else self._lean.scratch_bytes(tokens)
 
     def start_embedding(self, token_ids: Sequence[Sequence[int]]) -> DecoderWork:
         """The pooling's work over `token_ids` (`DecoderWork`).

@@ -108,6 +108,11 @@ class EncoderEmbeddingModel:
                     f"input {index} has a token id outside the vocabulary [0, {self._vocab_size})"
                 )
 
+    def scratch_bytes(self, tokens: int) -> int:
+        """See `EmbeddingBackend.scratch_bytes`: 0, an encoder runs each input whole
+        within its context in one piece and keeps nothing between pieces."""
+        return 0
+
     def start_embedding(self, token_ids: Sequence[Sequence[int]]) -> EncoderWork:
         """`embed`'s work, one length group per piece (`EncoderWork`).
 

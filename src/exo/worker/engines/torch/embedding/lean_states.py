@@ -23,13 +23,16 @@ two decode steps of running streams. An input longer than the runner's piece of 
 (`runner/embedding_batch.py`) is therefore prefilled in chunks, exactly as a generation's
 long prompt is (`ChunkedInput`): each chunk is one step of one `PrefillSegment` starting
 where the last one ended, over a scratch cache of its own that holds every layer's keys and
-values (a chunk after the first reads every earlier position's keys in every layer),
-float32, with the model's sliding windows (a windowed layer releases the positions its
-window no longer sees: `SlotKVCache.commit`). That cache is the price of chunking: per
-token `layers x 2 x kv_heads x head_dim x 4` bytes, less the released windowed positions
-(Gemma 3 270M: 36 KiB per token before the windows, 6 KiB after; Qwen3-Embedding-0.6B,
-no windows: 224 KiB, 7.3 GB for a 32k-token input); it is dropped when the input ends or
-is cancelled.
+values (a chunk after the first reads every earlier position's keys in every layer), in the
+runner's KV dtype (bfloat16 by default on CPU, as a generation's KV: attention still
+computes in float32), with the model's sliding windows (a windowed layer releases the
+positions its window no longer sees: `SlotKVCache.commit`). That cache is the price of
+chunking: per token `layers x 2 x kv_heads x head_dim x` the dtype's bytes, less the
+released windowed positions (`scratch_bytes`; Qwen3-Embedding-0.6B, no windows: 112 KiB
+per token in bfloat16, 3.7 GB for a 32k-token input, twice that in float32). It is dropped
+when the input ends or is cancelled, and an input whose cache would not fit the memory free
+on the node now is refused before it starts (`backend.check_scratch_memory`), not left to
+the kernel's out-of-memory killer.
 """
 
 from __future__ import annotations
@@ -48,8 +51,10 @@ from exo.worker.engines.torch.batching.batch_attention import (
     PrefillSegment,
     lean_step_of,
 )
+from exo.worker.engines.torch.batching.kv_footprint import KVFootprint
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.batching.whole_inputs import WholeInputs
+from exo.worker.engines.torch.embedding.backend import check_scratch_memory
 from exo.worker.engines.torch.model.direct_forward_parts import LeanUnsupportedError, norm_weight
 from exo.worker.engines.torch.model.families import (
     UnsupportedArchitectureError,
@@ -76,6 +81,7 @@ class LeanFinalStates:
             (`kv_geometry_of_config`; `latent_values` > 0 for an MLA cache).
         final_norm: the final RMSNorm's `offset + weight` `[hidden]` float32 and epsilon.
         device: where the model runs.
+        kv_dtype: the chunked inputs' scratch cache's dtype (the runner's KV dtype).
     """
 
     def __init__(
@@ -87,6 +93,7 @@ class LeanFinalStates:
         latent_values: int,
         final_norm: tuple[torch.Tensor, float],
         device: torch.device,
+        kv_dtype: torch.dtype = torch.float32,
     ) -> None:
         self._step = step
         self.windows = tuple(windows)
@@ -95,6 +102,7 @@ class LeanFinalStates:
         self._latent_values = latent_values
         self._norm_weight, self._norm_eps = final_norm
         self.device = device
+        self.kv_dtype = kv_dtype
 
     @torch.inference_mode()
     def residual(self, token_ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,15 +142,27 @@ class LeanFinalStates:
 
         Raises:
             ValueError: an empty input.
+            ScratchMemoryError: its scratch cache would not fit the memory free now.
         """
         if not token_ids:
             raise ValueError("an input has no tokens")
+        check_scratch_memory(self.scratch_bytes(len(token_ids)), len(token_ids))
         cache = SlotKVCache(
-            len(self.windows), self._kv_heads, self._head_dim, torch.float32, self.device,
+            len(self.windows), self._kv_heads, self._head_dim, self.kv_dtype, self.device,
             1, self._latent_values, self.windows,
         )  # fmt: skip
         cache.reserve(len(token_ids))
         return ChunkedInput(self, cache, list(token_ids), pooling)
+
+    def scratch_bytes(self, tokens: int) -> int:
+        """Bytes the scratch cache of an input of `tokens` chunked (`chunked`) holds at most:
+        every full layer's keys and values for all of them, a windowed layer's for at most
+        its window and the release's slack (`KVFootprint.tokens`), in `kv_dtype` (an MLA
+        cache: its keys alone, which hold the latent values)."""
+        element = torch.empty((), dtype=self.kv_dtype).element_size()
+        width = (1 if self._latent_values else 2) * self._kv_heads * self._head_dim
+        layers = len(self.windows)
+        return KVFootprint(self.windows).tokens(tokens) * layers * width * element
 
     def step(
         self, plan: BatchPlan, token_ids: torch.Tensor, positions: torch.Tensor
@@ -239,8 +259,11 @@ class ChunkedInput:
         return self._pooled / self.length if self._pooling == "mean" else self._pooled
 
 
-def lean_final_states(model: nn.Module, device: torch.device) -> LeanFinalStates | None:
-    """`LeanFinalStates` over `model` (a loaded, whole `*ForCausalLM`), or None where it has
+def lean_final_states(
+    model: nn.Module, device: torch.device, kv_dtype: torch.dtype = torch.float32
+) -> LeanFinalStates | None:
+    """`LeanFinalStates` over `model` (a loaded, whole `*ForCausalLM`; chunked inputs' scratch
+    cache in `kv_dtype`), or None where it has
     no lean step attached (`EXO_LEAN_FORWARD=0`, a part the lean forward does not run) or
     its final norm is no RMSNorm the lean forward reads: the caller then keeps
     transformers' forward."""
@@ -261,5 +284,5 @@ def lean_final_states(model: nn.Module, device: torch.device) -> LeanFinalStates
     geometry = kv_geometry_of_config(text_config, len(windows))
     return LeanFinalStates(
         step, windows, geometry.kv_heads, geometry.head_dim, geometry.latent_values,
-        (final_norm[0].to(device), final_norm[1]), device,
+        (final_norm[0].to(device), final_norm[1]), device, kv_dtype,
     )  # fmt: skip

@@ -4,7 +4,9 @@ through the engine's real loading path on tiny random-weight checkpoints: groups
 inputs within the budget, and an input longer than the budget prefilled chunk by chunk
 over its own all-layer scratch cache (Gemma 3's sliding window of 8 tokens cut by the
 chunks); rerank scores alike. A dropped input's scratch cache is freed at once, also when
-the runner's job cancels its request."""
+the runner's job cancels its request. The comparisons hold the scratch cache in float32
+(`float32_kv`); the default bfloat16 one is checked on its own bound, and an input whose
+scratch cache would not fit the memory free is refused before it starts."""
 
 from __future__ import annotations
 
@@ -23,10 +25,18 @@ from exo.shared.types.embeddings import EmbeddingTaskParams
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.tasks import Embedding
 from exo.testing.tiny_models import save_tiny_model
+from exo.worker.engines.torch.batching.kv_memory import KV_CACHE_DTYPE_ENV
+from exo.worker.engines.torch.embedding.backend import (
+    SCRATCH_MEMORY_MARGIN_BYTES,
+    ScratchMemoryError,
+)
 from exo.worker.engines.torch.embedding.decoder import DecoderEmbeddingBackend, DecoderWork
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.model.direct_forward import LEAN_ENV
 from exo.worker.runner.embedding_batch import EmbeddingJob
+
+# Chunked against whole inputs in float32 (a chunk's keys and values kept as computed).
+pytestmark = pytest.mark.usefixtures("float32_kv")
 
 # Short ragged inputs and two longer than every budget below (token ids: exact lengths).
 INPUTS = [
@@ -179,3 +189,44 @@ def test_transformers_forward_runs_a_long_input_whole_in_its_own_piece(
     result, pieces = _in_pieces(backend.start_embedding(INPUTS), 16)
     assert pieces == [70, 45, 40, 7 + 3, 1]  # the inputs over 16 tokens whole, one each
     assert _cosine(result, whole) > 1 - 1e-6
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_a_bfloat16_scratch_cache_stays_within_its_bound(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, family: str
+) -> None:
+    """The runner's default KV dtype on CPU, bfloat16, for the chunked inputs' scratch
+    cache: half of float32's bytes (`scratch_bytes`), and the chunked results within 1e-4
+    cosine of the whole inputs' (measured: ~2e-6 on these tiny models)."""
+    monkeypatch.setenv(KV_CACHE_DTYPE_ENV, "bfloat16")
+    backend: DecoderEmbeddingBackend = _backend(request.getfixturevalue(f"{family}_dir"), "mean")
+    assert backend._lean is not None and backend._lean.kv_dtype == torch.bfloat16
+    whole = backend.embed(INPUTS)
+    result, _ = _in_pieces(backend.start_embedding(INPUTS), 16)
+    assert _cosine(result, whole) > 1 - 1e-4
+    monkeypatch.setenv(KV_CACHE_DTYPE_ENV, "float32")
+    float32 = _backend(request.getfixturevalue(f"{family}_dir"), "mean")
+    assert float32.scratch_bytes(4096) == 2 * backend.scratch_bytes(4096)
+
+
+def test_a_chunked_input_the_free_memory_cannot_hold_is_refused(
+    qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`scratch_bytes` grows with the input (every layer's keys and values per token on a
+    model without windows); with less memory free than a 70-token input's cache and the
+    margin, starting its chunks raises ScratchMemoryError saying both sizes, and the work
+    holds no scratch cache."""
+    import exo.worker.engines.torch.embedding.backend as backend_module
+
+    backend: DecoderEmbeddingBackend = _backend(qwen3_dir, "mean")
+    per_token = backend.scratch_bytes(1)
+    assert per_token > 0 and backend.scratch_bytes(70) == 70 * per_token
+    free = SCRATCH_MEMORY_MARGIN_BYTES + 69 * per_token
+    monkeypatch.setattr(backend_module, "free_memory_bytes", lambda: free)
+    work = backend.start_embedding([INPUTS[2]])  # 70 tokens, chunked at a budget of 16
+    with pytest.raises(ScratchMemoryError, match="an input of 70 tokens needs"):
+        work.run_piece(16)
+    assert work._chunked is None
+    monkeypatch.setattr(backend_module, "free_memory_bytes", lambda: free + per_token)
+    result, _ = _in_pieces(backend.start_embedding([INPUTS[2]]), 16)
+    assert _cosine(result, backend.embed([INPUTS[2]])) > 1 - 1e-6
