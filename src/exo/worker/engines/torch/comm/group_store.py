@@ -5,8 +5,8 @@ every interface and lets anyone who reaches it read and write every key (gloo's 
 rank links' addresses among them).
 
 Rank 0 listens on the address the other ranks reach it at (the group's `master_addr`),
-not on every interface. Each accepted connection runs on its own thread: its handshake
-within `HANDSHAKE_SECONDS`, then requests until it closes; at most
+not on every interface (`open_group_store`). Each accepted connection runs on its own
+thread: its handshake within `HANDSHAKE_SECONDS`, then requests until it closes; at most
 `MAX_PENDING_HANDSHAKES` connections may be in their handshake at once (more are closed
 unread), so strangers cost a bounded number of threads and stall no rank.
 
@@ -22,6 +22,7 @@ status byte (`_OK`, `_TIMEOUT`) and fields the same way.
 from __future__ import annotations
 
 import contextlib
+import errno
 import socket
 import struct
 import threading
@@ -474,7 +475,25 @@ def open_group_store(
     timeout_s: float,
 ) -> GroupStore:
     """This rank's store: rank 0 serves it on `master_addr:master_port`, the others
-    connect there (see `GroupStore.serve` / `connect`)."""
+    connect there (see `GroupStore.serve` / `connect`).
+
+    Rank 0 listens on `master_addr` alone, the address placement measured a peer reaching
+    it at: every rank already has to reach that address, since rank 0's gloo listens on
+    the interface holding it (`process_group.configure_gloo_interface`). Only when it is
+    not an address of this machine does the store listen on every interface.
+    """
     if rank == 0:
-        return GroupStore.serve(master_addr, master_port, credentials, world_size, timeout_s)
+        try:
+            return GroupStore.serve(master_addr, master_port, credentials, world_size, timeout_s)
+        except OSError as error:
+            if error.errno != errno.EADDRNOTAVAIL:
+                raise
+        # Not an address of this machine (behind NAT, say): every interface, as torch's
+        # store listens; the handshake still guards every connection.
+        logger.warning(
+            f"rendezvous address {master_addr} is not this machine's: the authenticated "
+            f"store listens on every interface, port {master_port}"
+        )
+        wildcard = "::" if ":" in master_addr else "0.0.0.0"
+        return GroupStore.serve(wildcard, master_port, credentials, world_size, timeout_s)
     return GroupStore.connect(master_addr, master_port, credentials, rank, timeout_s)
