@@ -158,10 +158,10 @@ def test_a_replayed_client_transcript_is_refused() -> None:
         connection.sendall(transcript[41:])  # the old proof
         return connection.recv(1)
 
-    client, server = _both(replay, _server(CREDENTIALS))
+    replayer, second_server = _both(replay, _server(CREDENTIALS))
     with pytest.raises(AuthenticationError, match="lacks the group key"):
-        server.result(timeout=10)
-    assert client.result(timeout=10) == b""
+        second_server.result(timeout=10)
+    assert replayer.result(timeout=10) == b""
 
 
 def test_a_replayed_server_challenge_is_refused_by_the_client() -> None:
