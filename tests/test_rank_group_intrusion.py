@@ -120,9 +120,9 @@ class Visit:
 
 
 def _visit(address: str, port: int, visit: Visit, rendezvous: bool) -> None:
-    """Connect to one port as a stranger: the group handshake with another key (as the
-    store and as a link), garbage, torch's store client (at the `rendezvous` port), and a
-    silent connection left open."""
+    """Connect to one port as a stranger: a silent connection left open, the group
+    handshake with another key (as the store and as a link), garbage, and torch's store
+    client (at the `rendezvous` port)."""
     import torch.distributed as dist
 
     from exo.worker.engines.torch.comm.group_auth import (
@@ -132,6 +132,8 @@ def _visit(address: str, port: int, visit: Visit, rendezvous: bool) -> None:
         authenticate_client,
     )
 
+    # First the silent one, so that its deadline runs while the rest goes on.
+    visit.silent.append(((address, port), socket.create_connection((address, port), timeout=5)))
     stranger = GroupCredentials(STRANGER_KEY, INSTANCE_ID)
     for purpose in (Purpose.STORE, Purpose.LINK):
         with socket.create_connection((address, port), timeout=5) as connection:
@@ -157,7 +159,6 @@ def _visit(address: str, port: int, visit: Visit, rendezvous: bool) -> None:
             visit.received[(address, port)] = client.get("exo_links/token")
         except (RuntimeError, dist.DistError) as error:
             visit.refused.append(f"{address}:{port} TCPStore client: {str(error)[:60]}")
-    visit.silent.append(((address, port), socket.create_connection((address, port), timeout=5)))
 
 
 @pytest.fixture(scope="module")
