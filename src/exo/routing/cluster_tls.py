@@ -23,7 +23,9 @@ sees that member's leaf certificate (TLS 1.3 sends it before asking for the clie
 learns only that an exo cluster member listens there.
 
 The API's peer credential (`X-Exo-Peer-Credential`, `exo.download.peers`) is also derived
-from the root: HMAC-SHA256(HKDF(root, info="exo peer credential v1"), namespace).
+from the root: HMAC-SHA256(HKDF(root, info="exo peer credential v1"), namespace). So is the
+key split instances' ranks authenticate each other with (rendezvous store, gloo pairs, rank
+links: `exo.worker.engines.torch.comm.group_auth`): HKDF(root, info="exo rank group key v1").
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ SCRYPT_P = 1
 _SCRYPT_SALT = b"exo cluster secret v1"
 _CA_INFO = b"exo cluster CA key v1"
 _CREDENTIAL_INFO = b"exo peer credential v1"
+_RANK_GROUP_INFO = b"exo rank group key v1"
 # The CA certificate's validity: fixed, so that it never depends on a node's clock.
 _CA_NOT_BEFORE = datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC)
 _CA_NOT_AFTER = datetime.datetime(2999, 12, 31, tzinfo=datetime.UTC)
@@ -114,6 +117,11 @@ class ClusterSecret:
         """The credential members of `namespace` present to each other's API (hex)."""
         key = self._expand(_CREDENTIAL_INFO, 32)
         return hmac.new(key, namespace.encode(), hashlib.sha256).hexdigest()
+
+    def rank_group_key(self) -> bytes:
+        """The 32-byte key split instances' ranks prove membership with (the same on every
+        node with this secret; `comm/group_auth.py`)."""
+        return self._expand(_RANK_GROUP_INFO, 32)
 
     def write_tls_files(self, home: Path) -> TlsFiles:
         """Write the CA certificate, a fresh leaf key and its certificate under

@@ -24,13 +24,19 @@ JOIN_SECONDS = 10.0
 
 
 def run_rank_processes(
-    target: Callable[..., None], args: Sequence[Any], world_size: int, deadline: float
+    target: Callable[..., None],
+    args: Sequence[Any],
+    world_size: int,
+    deadline: float,
+    on_report: Callable[[tuple[Any, ...]], None] | None = None,
 ) -> list[tuple[Any, ...]]:
     """Spawn `world_size` ranks of `target` and return their reports (module docstring).
 
     Args:
         deadline: seconds the whole group may take, from the first start to the last
             `done`.
+        on_report: called with each report other than `done` as it arrives, on the calling
+            thread (for tests that act while the ranks run); its exceptions end the group.
 
     Returns:
         Every report other than `done`, in arrival order.
@@ -66,6 +72,8 @@ def run_rank_processes(
                     done += 1
                 case _:
                     reports.append(report)
+                    if on_report is not None:
+                        on_report(report)
     finally:
         for process in processes:
             process.join(timeout=JOIN_SECONDS)

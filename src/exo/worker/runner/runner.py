@@ -241,9 +241,11 @@ class Runner:
     # -- lifecycle -------------------------------------------------------------------
 
     def _connect(self, task: ConnectToGroup) -> None:
+        from exo.worker.engines.torch.comm.group_auth import GroupCredentials
         from exo.worker.engines.torch.comm.process_group import init_group
 
         self._set_status(RunnerConnecting())
+        key = self._options.rank_group_key
         try:
             init_group(
                 task.backend,
@@ -252,6 +254,9 @@ class Runner:
                 task.master_addr,
                 task.master_port,
                 timeout_s=GROUP_TIMEOUT_SECONDS,
+                credentials=(
+                    None if key is None else GroupCredentials(bytes.fromhex(key), task.instance_id)
+                ),
             )
         except Exception as error:
             logger.opt(exception=error).error(f"runner {self.runner_id}: joining the group failed")

@@ -9,9 +9,12 @@ are unbounded: a closed connection still makes them raise at once.
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import os
+import secrets
 import socket
+import struct
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FuturesTimeout
 from datetime import timedelta
@@ -21,6 +24,13 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from exo.worker.engines.torch.comm.group_auth import (
+    NONCE_BYTES,
+    TAG_BYTES,
+    AuthenticationError,
+    GroupCredentials,
+)
+from exo.worker.engines.torch.comm.group_store import GroupStore, open_group_store
 from exo.worker.engines.torch.comm.tcp_mesh import (
     LinkError,
     RankLinks,
@@ -33,6 +43,9 @@ from exo.worker.engines.torch.comm.tcp_mesh import (
 IDLE_WAIT = timedelta(days=30)
 # The bound on waits for another rank's compute, set by `init_group`.
 _group_timeout = timedelta(seconds=60)
+# The authenticated rendezvous store of the current group (None: none, or torch's TCPStore).
+_group_store: GroupStore | None = None
+_GLOO_PROOF_LABEL = b"exo gloo pair v1"
 
 
 def group_timeout() -> timedelta:
@@ -88,6 +101,7 @@ def init_group(
     master_addr: str,
     master_port: int,
     timeout_s: float = 60,
+    credentials: GroupCredentials | None = None,
 ) -> None:
     """Join the default process group of one model instance (blocks until every rank joined).
 
@@ -98,42 +112,118 @@ def init_group(
         master_addr: address of rank 0's rendezvous store.
         master_port: TCP port of that store.
         timeout_s: bound on every collective and send/receive, seconds.
+        credentials: the group key and instance id when the cluster has a secret. Then the
+            rendezvous is `comm/group_store.py`'s authenticated store, which rank 0 serves
+            on `master_addr` only; gloo's pairs must prove the key before any other
+            message crosses them (`prove_gloo_pairs`); the links authenticate too.
+            None: torch's `TCPStore` (every interface, no authentication), as before.
 
     With gloo and more than one rank, the ranks also connect their `links.RankLinks`
     (unless `EXO_RANK_LINKS=0`): the decode hot path's messages and small all-reduces.
 
     Raises:
-        torch.distributed.DistError: a rank did not join (or link) within `timeout_s`.
+        torch.distributed.DistError: a rank did not join (or link) within `timeout_s`, or
+            (with `credentials`) a peer did not prove the group key.
     """
-    global _group_timeout
+    global _group_timeout, _group_store
     _group_timeout = timedelta(seconds=timeout_s)
     if backend == "gloo":
         configure_gloo_interface(master_addr)
-    host = f"[{master_addr}]" if ":" in master_addr else master_addr
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{host}:{master_port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    set_links(None)
-    local_address = local_address_for(master_addr)
-    if backend == "gloo" and world_size > 1 and links_enabled() and local_address is not None:
-        store = dist.distributed_c10d._get_default_store()
+    timeout = timedelta(seconds=timeout_s)
+    store: GroupStore | None = None
+    if credentials is None:
+        host = f"[{master_addr}]" if ":" in master_addr else master_addr
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{host}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+    else:
+        store = open_group_store(rank, world_size, master_addr, master_port, credentials, timeout_s)
         try:
-            links = RankLinks.connect(store, rank, world_size, local_address, timeout_s)
+            dist.init_process_group(
+                backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
         except BaseException:
-            dist.destroy_process_group()
+            store.close()
             raise
-        set_links(links)
+    _group_store = store
+    set_links(None)
+    try:
+        if store is not None and backend == "gloo" and world_size > 1:
+            prove_gloo_pairs(store, credentials, rank, world_size, timeout_s)  # type: ignore[arg-type]
+        local_address = local_address_for(master_addr)
+        if backend == "gloo" and world_size > 1 and links_enabled() and local_address is not None:
+            links_store = store if store is not None else dist.distributed_c10d._get_default_store()
+            set_links(
+                RankLinks.connect(
+                    links_store, rank, world_size, local_address, timeout_s, credentials
+                )
+            )
+    except BaseException:
+        destroy_group()
+        raise
+
+
+def prove_gloo_pairs(
+    store: Any, credentials: GroupCredentials, rank: int, world_size: int, timeout_s: float
+) -> None:
+    """Check, before anything else crosses them, that each of this rank's gloo pairs is
+    connected to the rank it should be, which must prove the group key over it.
+
+    Why: gloo's listener hands an incoming connection to whichever pair waits for the
+    sequence number it sends first, and sequence numbers are small counters; a stranger
+    who connects in the moment the group forms can take a pair's place. Each rank puts a
+    fresh nonce in the (authenticated) store; each rank sends every other rank, over
+    gloo, `HMAC(key, "exo gloo pair v1" | instance | sender | receiver | receiver's
+    nonce)` and checks the tag it receives from each. A pair taken by a stranger then
+    delivers no valid tag (the stranger lacks the key; the real peer's tag went to the
+    stranger's place), the check fails within `timeout_s` and the group is not used.
+
+    Raises:
+        AuthenticationError: a pair delivered a wrong tag.
+        torch.distributed.DistError: a pair delivered nothing within `timeout_s`.
+    """
+    own_nonce = secrets.token_bytes(NONCE_BYTES)
+    store.set(f"exo_gloo_proof/{rank}", own_nonce.hex())
+    others = [other for other in range(world_size) if other != rank]
+    received = {other: torch.zeros(TAG_BYTES, dtype=torch.uint8) for other in others}
+    receives = {other: dist.irecv(received[other], src=other) for other in others}
+    sends = []
+    for other in others:
+        nonce = bytes.fromhex(store.get(f"exo_gloo_proof/{other}").decode())
+        tag = _gloo_tag(credentials, rank, other, nonce)
+        sends.append(dist.isend(torch.frombuffer(bytearray(tag), dtype=torch.uint8), dst=other))
+    wait = timedelta(seconds=timeout_s)
+    for other, work in receives.items():
+        assert work is not None
+        work.wait(wait)
+        expected = _gloo_tag(credentials, other, rank, own_nonce)
+        if not hmac.compare_digest(bytes(received[other].numpy()), expected):
+            raise AuthenticationError(
+                f"rank {rank}: the gloo pair to rank {other} did not prove the group key"
+            )
+    for work in sends:
+        assert work is not None
+        work.wait(wait)
+
+
+def _gloo_tag(credentials: GroupCredentials, sender: int, receiver: int, nonce: bytes) -> bytes:
+    return credentials.tag(_GLOO_PROOF_LABEL, struct.pack("!II", sender, receiver), nonce)
 
 
 def destroy_group() -> None:
-    """Leave the default process group and close its links (no-op if none)."""
+    """Leave the default process group, close its links and its rendezvous store (no-op
+    if none)."""
+    global _group_store
     set_links(None)
     if dist.is_initialized():
         dist.destroy_process_group()
+    if _group_store is not None:
+        _group_store.close()
+        _group_store = None
 
 
 def _default_group() -> Any:

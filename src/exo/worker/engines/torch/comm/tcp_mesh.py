@@ -13,28 +13,43 @@ rendezvous, the one-off agreements, and collectives too large for `SMALL_BYTES`.
 
 Set-up (`RankLinks.connect`): every rank listens on the local address it uses to reach the
 rendezvous host, publishes `host:port` in the group's rendezvous store, then connects to
-every lower rank and accepts every higher one; each connection starts with a hello naming
-the connecting rank and a token only members of this group read from the store.
+every lower rank and accepts every higher one; the listener closes once the mesh is built.
+With a cluster secret each connection opens with the group handshake (`comm/group_auth.py`:
+both ends prove the key derived from the secret, bound to the instance, the two ranks and
+a token rank 0 puts in the store); without one, with a hello naming the connecting rank and
+that token (which keeps out strays and stale ranks, not anyone who can read the store).
 
 Errors: a closed connection, a reset, or a wait past the group's timeout raise `LinkError`, a
 `torch.distributed.DistNetworkError`, so callers treat it as they treat gloo's failures.
-The links carry no authentication beyond the store's token: whoever can reach the
-rendezvous port can read it (see the README's note on the group's ports).
+Authentication happens once, at connect: the per-message path is the same with or without
+a secret, and carries no encryption (docs/security.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import os
+import queue
 import secrets
 import socket
 import struct
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from exo.worker.engines.torch.comm import group_auth
+from exo.worker.engines.torch.comm.group_auth import (
+    AuthenticationError,
+    GroupCredentials,
+    Purpose,
+    authenticate_client,
+    authenticate_server,
+)
 
 # Collectives of at most this many bytes per rank go over the links; larger ones (long
 # prefills) over gloo, whose ring moves bulk data well. Two ranks both `sendall` this much
@@ -46,6 +61,8 @@ _HELLO = struct.Struct("!II16s")  # magic, rank, group token
 _MAGIC = 0x65786F4C  # "exoL"
 _LENGTH = struct.Struct("!q")
 DEFAULT_SPIN_US = 1000
+# Connections in their hello or handshake at once while the mesh forms; more are closed.
+MAX_PENDING_HANDSHAKES = 32
 
 
 class LinkError(dist.DistNetworkError):
@@ -90,50 +107,47 @@ class RankLinks:
 
     @classmethod
     def connect(
-        cls, store: Any, rank: int, world_size: int, host: str, timeout_s: float
+        cls,
+        store: Any,
+        rank: int,
+        world_size: int,
+        host: str,
+        timeout_s: float,
+        credentials: GroupCredentials | None = None,
     ) -> RankLinks:
         """Build the mesh through the group's rendezvous `store` (a `torch.distributed.Store`
         every rank shares); `host` is the local address the other ranks can reach.
 
+        With `credentials` (the cluster has a secret) each connection opens with the group
+        handshake (`comm/group_auth.py`) bound to this group's token, both ends proving the
+        key; without, with the hello carrying the token. Accepted connections are checked
+        on threads of their own, each within `HANDSHAKE_SECONDS`, so a stranger that
+        connects and stays silent delays no rank.
+
         Raises:
-            LinkError: a rank did not connect within `timeout_s`, or a stranger connected.
+            LinkError: a rank did not connect within `timeout_s`, or a lower rank did not
+                prove the group key.
         """
         deadline = time.monotonic() + timeout_s
         listener = socket.create_server((host, 0), family=_family(host), backlog=world_size)
-        listener.settimeout(timeout_s)
         try:
             address, port = listener.getsockname()[:2]
             if rank == 0:
                 store.set("exo_links/token", secrets.token_bytes(16).hex())
             store.set(f"exo_links/{rank}", f"{port} {address}")
             token = bytes.fromhex(store.get("exo_links/token").decode())
+            acceptor = _Acceptor(listener, rank, world_size, token, credentials)
             peers: dict[int, socket.socket] = {}
-            for other in range(rank):
-                other_port, other_address = store.get(f"exo_links/{other}").decode().split(" ")
-                remaining = max(0.1, deadline - time.monotonic())
-                connection = socket.create_connection(
-                    (other_address, int(other_port)), timeout=remaining
-                )
-                connection.sendall(_HELLO.pack(_MAGIC, rank, token))
-                peers[other] = connection
-            while len(peers) < world_size - 1:
-                listener.settimeout(max(0.1, deadline - time.monotonic()))
-                try:
-                    connection, _ = listener.accept()
-                except TimeoutError as error:
-                    raise LinkError(f"rank {rank}: not every rank connected its link") from error
-                connection.settimeout(max(0.1, deadline - time.monotonic()))
-                hello = bytearray(_HELLO.size)
-                try:
-                    _receive_exactly(connection, memoryview(hello))
-                    magic, other, their_token = _HELLO.unpack(hello)
-                except (OSError, LinkError):
+            try:
+                for other in range(rank):
+                    peers[other] = _connect_to(store, rank, other, token, credentials, deadline)
+                peers.update(acceptor.collect(deadline))
+            except BaseException:
+                for connection in peers.values():
                     connection.close()
-                    continue
-                if magic != _MAGIC or their_token != token or not rank < other < world_size:
-                    connection.close()  # a stranger, or a stale rank of an earlier group
-                    continue
-                peers[other] = connection
+                raise
+            finally:
+                acceptor.stop()
         except OSError as error:
             raise LinkError(f"rank {rank}: setting up the links failed: {error}") from error
         finally:
@@ -327,6 +341,153 @@ class RankLinks:
                     self.send_message(payload, other)
             return payload
         return self.recv_message(src, timeout_s)
+
+
+def _connect_to(
+    store: Any,
+    rank: int,
+    other: int,
+    token: bytes,
+    credentials: GroupCredentials | None,
+    deadline: float,
+) -> socket.socket:
+    """Open this rank's link to the lower rank `other` (its address from the store) and
+    identify: the group handshake with `credentials`, else the token hello."""
+    other_port, other_address = store.get(f"exo_links/{other}").decode().split(" ")
+    connection = socket.create_connection(
+        (other_address, int(other_port)), timeout=max(0.1, deadline - time.monotonic())
+    )
+    try:
+        if credentials is None:
+            connection.sendall(_HELLO.pack(_MAGIC, rank, token))
+        else:
+            authenticate_client(
+                connection, credentials, Purpose.LINK, rank, other, context=token,
+                deadline_s=max(0.1, min(group_auth.HANDSHAKE_SECONDS, deadline - time.monotonic())),
+            )  # fmt: skip
+    except AuthenticationError as error:
+        connection.close()
+        raise LinkError(f"rank {rank}: the link to rank {other} failed: {error}") from error
+    except BaseException:
+        connection.close()
+        raise
+    return connection
+
+
+class _Acceptor:
+    """Accepts the higher ranks' links on a thread, checking each connection on a thread of
+    its own (at most `MAX_PENDING_HANDSHAKES` at once; more are closed unread), and hands
+    the checked ones to `collect`."""
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        rank: int,
+        world_size: int,
+        token: bytes,
+        credentials: GroupCredentials | None,
+    ) -> None:
+        self._listener = listener
+        self._rank = rank
+        self._world_size = world_size
+        self._token = token
+        self._credentials = credentials
+        self._checked: queue.Queue[tuple[int, socket.socket]] = queue.Queue()
+        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self._stopped = threading.Event()
+        self.refused = 0
+        self._thread: threading.Thread | None = None
+        if rank < world_size - 1:
+            self._thread = threading.Thread(
+                target=self._accept, name=f"exo-link-accept-{rank}", daemon=True
+            )
+            self._thread.start()
+
+    def _accept(self) -> None:
+        self._listener.settimeout(0.2)  # to notice `stop`
+        while not self._stopped.is_set():
+            try:
+                connection, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not self._pending.acquire(blocking=False):
+                connection.close()
+                continue
+            threading.Thread(target=self._check, args=(connection,), daemon=True).start()
+
+    def _accepts(self, other: int) -> bool:
+        return self._rank < other < self._world_size
+
+    def _check(self, connection: socket.socket) -> None:
+        try:
+            other = self._identify(connection)
+        except (OSError, LinkError, AuthenticationError):
+            self.refused += 1
+            connection.close()  # a stranger, a stale rank of an earlier group, or silence
+            return
+        finally:
+            self._pending.release()
+        if self._stopped.is_set():
+            connection.close()
+            return
+        self._checked.put((other, connection))
+
+    def _identify(self, connection: socket.socket) -> int:
+        if self._credentials is not None:
+            return authenticate_server(
+                connection, self._credentials, Purpose.LINK, self._rank, self._accepts,
+                context=self._token,
+            )  # fmt: skip
+        connection.settimeout(group_auth.HANDSHAKE_SECONDS)
+        hello = bytearray(_HELLO.size)
+        _receive_exactly(connection, memoryview(hello))
+        magic, other, their_token = _HELLO.unpack(hello)
+        if magic != _MAGIC or not hmac.compare_digest(their_token, self._token):
+            raise LinkError("not a rank of this group")
+        if not self._accepts(other):
+            raise LinkError(f"rank {other} may not connect to rank {self._rank}")
+        return int(other)
+
+    def collect(self, deadline: float) -> dict[int, socket.socket]:
+        """Every higher rank's checked connection, waiting until `deadline` (monotonic).
+
+        Raises:
+            LinkError: not every higher rank connected by then.
+        """
+        peers: dict[int, socket.socket] = {}
+        try:
+            while len(peers) < self._world_size - 1 - self._rank:
+                try:
+                    other, connection = self._checked.get(
+                        timeout=max(0.0, deadline - time.monotonic())
+                    )
+                except queue.Empty:
+                    raise LinkError(
+                        f"rank {self._rank}: not every rank connected its link"
+                    ) from None
+                if other in peers:
+                    connection.close()  # a second connection claiming one rank
+                    continue
+                peers[other] = connection
+        except BaseException:
+            for connection in peers.values():
+                connection.close()
+            raise
+        return peers
+
+    def stop(self) -> None:
+        """Stop accepting; connections checked from now on are closed."""
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+        while True:
+            try:
+                _other, connection = self._checked.get_nowait()
+            except queue.Empty:
+                return
+            connection.close()
 
 
 def _family(host: str) -> socket.AddressFamily:
