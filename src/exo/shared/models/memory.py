@@ -22,7 +22,7 @@ A card with the "vision" capability adds its vision tower and projector
 (`ModelCard.vision_parameter_count` weights, float32 as the engine holds them:
 `vision_tower_bytes`, ~1.7 GB for Gemma 3's 0.4B tower) on the one rank that runs them
 (`WeightShare.holds_vision_tower`: a single node, or rank 0 of a split instance). The tower
-loads after the text model and, while it loads, holds about three times its float32 bytes
+loads after the text model and, while it loads, holds about twice its float32 bytes
 (`VISION_TOWER_LOADING_EXTRA_COPIES`, `loading_peak_bytes`).
 
 Pure functions of a `ModelCard`; the engine's `quantize.py` uses the same constants.
@@ -483,15 +483,14 @@ def embedding_bytes(card: ModelCard) -> int:
 
 
 # Float32 copies of a vision tower beyond the tower itself at the peak of loading it: the
-# engine builds the tower's modules from the config (random weights; transformers'
-# initialization leaves ~0.2-0.6x more behind), then reads every checkpoint tensor into a
-# float32 copy (1x) from the memory-mapped bfloat16 file (~0.5x of pages) before filling
-# the modules (`vision_parts.load_vision_tensors`). Measured 2026-12-05 (Linux x86-64,
-# torch 2.13.0, transformers' SigLIP tower of Gemma 3 from a bfloat16 safetensors file,
-# RSS sampled every millisecond): a 201M-parameter tower (hidden 1152, 12 layers;
-# 805 MB float32) peaked at +2,178 MB (2.7x), a 65M one (hidden 768, 8 layers; 259 MB) at
-# +806 MB (3.1x). 2 extra copies: 3x in all.
-VISION_TOWER_LOADING_EXTRA_COPIES = 2
+# engine builds the tower's modules from the config without initializing them, then copies
+# each checkpoint tensor into its module as it reads it from the memory-mapped bfloat16
+# file (whose pages, ~0.5x, count while they are mapped; `vision_parts.load_vision_tensors`).
+# Measured 1.69x (a 204M-parameter SigLIP tower) and 2.08x (65M, the modeling code imported
+# during the load included), against 2.7x and 3.1x for the earlier loader
+# (docs/benchmarks/2026-12-06-vision-tower-loading.md, `bench/bench_tower_loading.py`).
+# 1 extra copy: 2x in all.
+VISION_TOWER_LOADING_EXTRA_COPIES = 1
 
 
 def vision_tower_bytes(card: ModelCard) -> int:

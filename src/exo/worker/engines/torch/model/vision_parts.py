@@ -57,23 +57,40 @@ def load_vision_tensors(module: nn.Module, model_dir: Path, prefixes: tuple[str,
     Checkpoint names are matched with a leading `model.` removed (Gemma 3's published
     `vision_tower.…` and recent transformers' `model.vision_tower.…`; Idefics3's
     `model.vision_model.…`), and only those starting with one of `prefixes` are read.
+    Each tensor is copied into the module's own as it is read (widened from the file's
+    dtype in the copy) and dropped, so loading holds one checkpoint tensor beside the
+    module, not a float32 copy of the whole tower (`memory.VISION_TOWER_LOADING_EXTRA_COPIES`).
 
     Raises:
-        ValueError: a tensor of `module` missing from the checkpoint (the message names
-            one).
+        ValueError: a tensor of `module` missing from the checkpoint, or one whose shape
+            differs from the module's (the message names one).
     """
-    expected = set(module.state_dict())
-    found: dict[str, torch.Tensor] = {}
+    targets = module.state_dict()
+    located: dict[str, tuple[Path, str]] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 local = name.removeprefix("model.")
-                if local.startswith(prefixes) and local in expected:
-                    found[local] = handle.get_tensor(name).float()
-    missing = sorted(expected - set(found))
+                if local.startswith(prefixes) and local in targets:
+                    located[local] = (path, name)
+    missing = sorted(set(targets) - set(located))
     if missing:
         raise ValueError(f"{model_dir}: vision tensors missing, e.g. {missing[0]}")
-    module.load_state_dict(found)
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for local, (path, name) in located.items():
+        by_file.setdefault(path, []).append((local, name))
+    with torch.no_grad():
+        for path, names in by_file.items():
+            with safe_open(str(path), framework="pt") as handle:
+                for local, name in names:
+                    target = targets[local]
+                    shape = tuple(handle.get_slice(name).get_shape())
+                    if shape != tuple(target.shape):
+                        raise ValueError(
+                            f"{model_dir}: vision tensor {name} has shape {list(shape)}, "
+                            f"the model expects {list(target.shape)}"
+                        )
+                    target.copy_(handle.get_tensor(name))
 
 
 def preprocessor_settings(model_dir: Path) -> dict[str, Any]:
@@ -142,7 +159,12 @@ class VisionTower(nn.Module):
         Raises:
             ValueError: a tensor of the tower missing from the checkpoint.
         """
-        tower = cls.from_config(config)
+        from transformers.initialization import no_init_weights
+
+        # Every tensor of the state dict comes from the checkpoint: the modules' random
+        # initialization would only add time and the allocator's leftovers to the peak.
+        with no_init_weights():
+            tower = cls.from_config(config)
         load_vision_tensors(tower, model_dir, cls.checkpoint_prefixes)
         return tower
 
