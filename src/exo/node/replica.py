@@ -11,6 +11,13 @@ compacts its own log past the same thresholds (`exo.node.event_log`).
 When this node drops its history for the cluster's (a healed split whose other side won
 the election), it reports each instance it still runs (`InstanceReported`) after
 re-sending its own events, so the winner's history keeps what still exists.
+
+Only the master this node's election follows is listened to: every copy a master
+publishes names it (`IndexedEvent.published_by`), and others' copies are dropped. When a
+split heals, both masters act until the new round reaches them, and a node that took the
+other side's events or snapshot into its state (its log and its own master keeping their
+history) never converged again. A newly followed master's events are applied only once
+its history is known to continue this node's, compared at this node's last event.
 """
 
 from __future__ import annotations
@@ -61,11 +68,31 @@ class Replica:
         self._ahead: dict[int, IndexedEvent] = {}
         self._replay_requested_at = -1.0e9
         self._replay_requested_from = -1
+        self._following: NodeId | None = None
+        """The master whose copies this node applies (the one its election follows)."""
+        self._continues_master = False
+        """Whether `_following`'s history is known to continue this node's: compared at
+        this node's last event (a replay's first event, a snapshot, or the master's
+        election message), or this node holds no history. Until then events are kept
+        aside, not applied: a node on a healed split's losing side holds a fork whose
+        last index the winner's next live event may happen to follow."""
         self.resyncing = False
         """From a reset (this node dropped its history) until it holds the master's again:
         the worker keeps its runners as they are meanwhile."""
 
     def receive(self, indexed_event: IndexedEvent) -> None:
+        """Apply an event (or snapshot) the master this node follows sent, in index order.
+
+        A copy another master sent is dropped: while a healed split's two masters both
+        still act, or a deposed master's last events are in flight, its events would
+        fork this node's state from its log (the state then never converged with the
+        cluster's). What the followed master holds and this node lacks is replayed.
+        """
+        master = self._election.master
+        if master is None or indexed_event.published_by != master:
+            return
+        self._follow(master)
+        indexed_event = indexed_event.model_copy(update={"published_by": None})
         if isinstance(indexed_event.event, StateSnapshot):
             self._install(indexed_event.idx, indexed_event.event)
             return
@@ -73,12 +100,32 @@ class Replica:
             # Replays overlap what we hold by one event: a different event there means
             # this node's history forked (it ran as a lone master) and must start over.
             mine = self._event_log.digest_at(indexed_event.idx)
-            if mine is None or mine == event_digest(indexed_event):
+            if mine is not None and mine != event_digest(indexed_event):
+                self._reset(f"this node's event {indexed_event.idx} differs from the master's")
+            else:
+                if indexed_event.idx == self.state.last_event_applied_idx:
+                    self._continues_master = True
+                self._apply_ahead()
                 return
-            self._reset(f"this node's event {indexed_event.idx} differs from the master's")
         self._ahead[indexed_event.idx] = indexed_event
+        self._apply_ahead()
+
+    def _follow(self, master: NodeId) -> None:
+        """Note the master this node follows; a new one's history is not known to
+        continue this node's until they are compared at this node's last event."""
+        if master == self._following:
+            return
+        self._following = master
+        self._ahead.clear()
+        self._continues_master = master == self.node_id or self.state.last_event_applied_idx < 0
+
+    def _apply_ahead(self) -> None:
+        """Apply the buffered events that continue the state, once the master's history is
+        known to continue this node's; ask for a replay while a gap (or that check) remains."""
         applied_any = False
-        while (next_idx := self.state.last_event_applied_idx + 1) in self._ahead:
+        while self._continues_master and (next_idx := self.state.last_event_applied_idx + 1) in (
+            self._ahead
+        ):
             event = self._ahead.pop(next_idx)
             self.state = apply(self.state, event)
             self._persist(event)
@@ -109,6 +156,9 @@ class Replica:
         if idx <= self.state.last_event_applied_idx:
             mine = self._event_log.digest_at(idx)
             if mine is None or snapshot.last_event_digest in (None, mine):
+                if idx == self.state.last_event_applied_idx:
+                    self._continues_master = True
+                    self._apply_ahead()
                 return
             self._reset(f"this node's event {idx} differs from the master's snapshot")
         logger.info(f"replica: took the master's snapshot at event {idx}")
@@ -139,10 +189,11 @@ class Replica:
             self._local_events.acknowledge_through(progress)
         for stale in [i for i in self._ahead if i <= idx]:
             del self._ahead[stale]
+        # The state is now the master's own.
+        self._continues_master = True
         self.applied.publish(IndexedEvent(idx=idx, event=snapshot))
         self._notify()
-        if self._ahead:
-            self.receive(self._ahead.pop(min(self._ahead)))
+        self._apply_ahead()
 
     def _notify(self) -> None:
         self.changed.set()
@@ -175,7 +226,14 @@ class Replica:
             self.resyncing = False
             self._notify()
         master = self._election.master_message
-        if master is None or master.node_id == self.node_id:
+        if master is None or self._election.master is None:
+            return
+        self._follow(self._election.master)
+        if master.node_id == self.node_id:
+            # Events this node's master sent during an election round were dropped; its
+            # log holds them.
+            if self._event_log.last_idx > self.state.last_event_applied_idx:
+                self._request_replay()
             return
         if (
             master.history_id is not None
@@ -188,7 +246,15 @@ class Replica:
                 f"this node's event {master.last_event_idx} differs from the master's "
                 "(the cluster was split and this side's events were not kept)"
             )
-        if self._ahead or self.behind_master():
+        elif (
+            not self._continues_master
+            and master.last_event_idx == self.state.last_event_applied_idx
+            and master.last_event_digest is not None
+            and master.last_event_digest == self.last_event_digest()
+        ):
+            self._continues_master = True
+            self._apply_ahead()
+        if self._ahead or self.behind_master() or not self._continues_master:
             self._request_replay()
 
     def _diverged_from(self, master: ElectionMessage) -> bool:
@@ -209,6 +275,7 @@ class Replica:
         )
         self.state = State()
         self._ahead.clear()
+        self._continues_master = True
         self.resyncing = True
         # Our events indexed in the discarded history never reached the cluster's; the
         # instances this node runs are reported after them so the cluster keeps them.

@@ -77,7 +77,10 @@ class Harness:
         )
 
     def receive(self, *events: IndexedEvent) -> None:
+        """Deliver `events`; a copy not stamped by a master comes from `MASTER`."""
         for event in events:
+            if event.published_by is None:
+                event = event.model_copy(update={"published_by": MASTER})
             self.replica.receive(event)
 
     def replays(self) -> list[int]:
@@ -214,8 +217,9 @@ async def test_no_replay_is_asked_without_a_master(tmp_path: Path) -> None:
 
 
 async def test_a_replica_behind_the_master_asks_for_what_it_lacks(tmp_path: Path) -> None:
-    harness = make_harness(tmp_path, held=history(2))
-    harness.follow(last_event_idx=1)
+    held = history(2)
+    harness = make_harness(tmp_path, held=held)
+    harness.follow(last_event_idx=1, last_event_digest=event_digest(held[1]))
     harness.replica.check()
     assert harness.replays() == []
     harness.follow(last_event_idx=6)
@@ -286,8 +290,10 @@ async def test_a_matching_event_at_the_masters_index_is_kept(tmp_path: Path) -> 
 
 
 async def test_own_local_events_are_acknowledged_when_applied(tmp_path: Path) -> None:
-    harness = make_harness(tmp_path, held=history(1))
+    held = history(1)
+    harness = make_harness(tmp_path, held=held)
     harness.follow()
+    harness.receive(held[0])  # a replay's first event: the master continues this history
     sender = harness.local_events
     sender.emit(RunnerDeleted(runner_id=RunnerId("mine-0")))
     sender.emit(RunnerDeleted(runner_id=RunnerId("mine-1")))
@@ -319,7 +325,7 @@ async def test_a_node_is_caught_up_only_once_it_holds_the_masters_history(tmp_pa
     assert not harness.replica.caught_up()
     harness.follow(last_event_idx=4, last_event_digest=event_digest(held[4]))
     assert not harness.replica.caught_up()  # behind: event 4 is missing
-    harness.receive(held[4])
+    harness.receive(held[3], held[4])  # the replay from the last event it holds
     assert harness.replica.caught_up()
     # Same index, another event there: a history that forked is not the master's.
     harness.follow(last_event_idx=4, last_event_digest="another event")
