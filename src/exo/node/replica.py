@@ -43,6 +43,14 @@ CHECK_INTERVAL_SECONDS = 0.5
 
 
 class Replica:
+    """This node's copy of the cluster history (module docstring).
+
+    Args:
+        history_dropped: called when this node gives up (part of) its history for the
+            master's: a reset, or a snapshot that skips past what it held. The API sends
+            its acknowledged commands again (`ClusterClient.history_dropped`).
+    """
+
     def __init__(
         self,
         node_id: NodeId,
@@ -53,8 +61,10 @@ class Replica:
         election: Election,
         local_events: LocalEventSender,
         clock: Callable[[], float] = time.monotonic,
+        history_dropped: Callable[[], None] = lambda: None,
     ) -> None:
         self.node_id = node_id
+        self._history_dropped = history_dropped
         self.state = state
         self.applied: Topic[IndexedEvent] = Topic("applied_events")
         """Every event this node applied, in index order (in-process)."""
@@ -185,6 +195,7 @@ class Replica:
             )
             self.resyncing = True
             self._local_events.restart_session(then=missing)
+            self._history_dropped()
         elif (progress := self.state.local_event_progress.get(key)) is not None:
             self._local_events.acknowledge_through(progress)
         for stale in [i for i in self._ahead if i <= idx]:
@@ -281,6 +292,7 @@ class Replica:
         # instances this node runs are reported after them so the cluster keeps them.
         self._local_events.restart_session(then=reports)
         self._replay_requested_at = -1.0e9
+        self._history_dropped()
         self._notify()
 
     def instance_reports(self, state: State) -> list[InstanceReported]:

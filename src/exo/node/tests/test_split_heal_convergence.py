@@ -91,7 +91,12 @@ class Node:
         self.sender.emit(NodeGatheredInfo(node_id=self.node_id, info=make_node_info(memory_mib)))
 
 
-def make_node(tmp_path: Path, node_id: NodeId, clock: FakeClock) -> Node:
+def make_node(
+    tmp_path: Path,
+    node_id: NodeId,
+    clock: FakeClock,
+    history_dropped: Callable[[], None] = lambda: None,
+) -> Node:
     log = EventLog(tmp_path / node_id / "event_log.jsonl")
     state = log.load()
     holder: list[Replica] = []
@@ -117,6 +122,7 @@ def make_node(tmp_path: Path, node_id: NodeId, clock: FakeClock) -> Node:
         election=election,
         local_events=sender,
         clock=clock,
+        history_dropped=history_dropped,
     )
     holder.append(replica)
     global_events: Topic[IndexedEvent] = Topic("global_events")
