@@ -39,6 +39,8 @@ from exo.shared.types.state import State
 from exo.utils.channels import Subscription, Topic
 
 REPLAY_RETRY_SECONDS = 1.0
+# Events the master's own node applies from its log per check when it missed their copies.
+OWN_LOG_BATCH = 500
 CHECK_INTERVAL_SECONDS = 0.5
 
 
@@ -241,10 +243,12 @@ class Replica:
             return
         self._follow(self._election.master)
         if master.node_id == self.node_id:
-            # Events this node's master sent during an election round were dropped; its
-            # log holds them.
-            if self._event_log.last_idx > self.state.last_event_applied_idx:
-                self._request_replay()
+            # Copies this node's master sent during an election round were dropped; its
+            # log (the master's own history) holds them.
+            first = self.state.last_event_applied_idx + 1
+            for indexed_event in self._event_log.events_from(first, OWN_LOG_BATCH):
+                self._ahead.setdefault(indexed_event.idx, indexed_event)
+            self._apply_ahead()
             return
         if (
             master.history_id is not None
