@@ -134,7 +134,7 @@ class Node:
             send_command=self._send_command,
             election=self.election,
             local_events=self.local_events,
-            history_dropped=lambda: self.cluster.history_dropped(),
+            history_dropped=lambda lost: self.cluster.history_dropped(lost),
         )
         self.master = Master(
             node_id=self.node_id,

@@ -23,19 +23,20 @@ its history is known to continue this node's, compared at this node's last event
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 import anyio
 from loguru import logger
 
 from exo.node.election import Election, ElectionMessage
 from exo.node.event_log import EventLog, EventLogCorruptError, event_digest
-from exo.shared.apply import apply, origin_key
+from exo.shared.apply import apply, command_outcome, origin_key
 from exo.shared.local_events import LocalEventSender
 from exo.shared.types.commands import Command, RequestEventReplay
 from exo.shared.types.common import CommandId, NodeId
 from exo.shared.types.events import Event, IndexedEvent, InstanceReported, StateSnapshot
-from exo.shared.types.state import State
+from exo.shared.types.state import CommandOutcome, State
 from exo.utils.channels import Subscription, Topic
 
 REPLAY_RETRY_SECONDS = 1.0
@@ -44,13 +45,43 @@ OWN_LOG_BATCH = 500
 CHECK_INTERVAL_SECONDS = 0.5
 
 
+@dataclass(frozen=True, slots=True)
+class DroppedHistory:
+    """What a dropped history answered: the commands its state recorded (the latest
+    `MAX_COMMAND_OUTCOMES`) and the digests of the events that answered them, where the
+    log still held those events."""
+
+    outcomes: dict[CommandId, CommandOutcome]
+    digests: dict[int, str]
+
+    def lost_in(self, kept: State, kept_log: EventLog) -> list[CommandId]:
+        """The commands this history carried out that the kept history lacks: neither
+        answered there (its outcomes, its log) nor answered by the same event at the same
+        index (the two histories' common part). Rejections are left out."""
+        answered = set(kept.command_outcomes)
+        for indexed_event in kept_log.events:
+            if (answer := command_outcome(indexed_event)) is not None:
+                answered.add(answer[0])
+        lost: list[CommandId] = []
+        for command_id, outcome in self.outcomes.items():
+            if command_id in answered or outcome.kind == "CommandRejected":
+                continue
+            digest = self.digests.get(outcome.event_idx)
+            if digest is not None and digest == kept_log.digest_at(outcome.event_idx):
+                continue
+            lost.append(command_id)
+        return lost
+
+
 class Replica:
     """This node's copy of the cluster history (module docstring).
 
     Args:
-        history_dropped: called when this node gives up (part of) its history for the
-            master's: a reset, or a snapshot that skips past what it held. The API sends
-            its acknowledged commands again (`ClusterClient.history_dropped`).
+        history_dropped: called once this node, having given up (part of) its history
+            for the master's (a reset, or a snapshot that skips past what it held), holds
+            the master's: with the commands the dropped part carried out that the kept
+            history lacks. The API sends those it was answered for again
+            (`ClusterClient.history_dropped`).
     """
 
     def __init__(
@@ -63,7 +94,7 @@ class Replica:
         election: Election,
         local_events: LocalEventSender,
         clock: Callable[[], float] = time.monotonic,
-        history_dropped: Callable[[], None] = lambda: None,
+        history_dropped: Callable[[Collection[CommandId]], None] = lambda lost: None,
     ) -> None:
         self.node_id = node_id
         self._history_dropped = history_dropped
@@ -88,6 +119,8 @@ class Replica:
         election message), or this node holds no history. Until then events are kept
         aside, not applied: a node on a healed split's losing side holds a fork whose
         last index the winner's next live event may happen to follow."""
+        self._dropped: list[DroppedHistory] = []
+        """Histories dropped since this node last held the master's (`check`)."""
         self.resyncing = False
         """From a reset (this node dropped its history) until it holds the master's again:
         the worker keeps its runners as they are meanwhile."""
@@ -175,6 +208,7 @@ class Replica:
             self._reset(f"this node's event {idx} differs from the master's snapshot")
         logger.info(f"replica: took the master's snapshot at event {idx}")
         before = self.state
+        dropping = self._record_dropped(before)
         key = origin_key(self.node_id, self._local_events.session)
         self.state = snapshot.state
         self._event_log.write_snapshot(self.state, snapshot.last_event_digest)
@@ -197,7 +231,7 @@ class Replica:
             )
             self.resyncing = True
             self._local_events.restart_session(then=missing)
-            self._history_dropped()
+            self._dropped.append(dropping)
         elif (progress := self.state.local_event_progress.get(key)) is not None:
             self._local_events.acknowledge_through(progress)
         for stale in [i for i in self._ahead if i <= idx]:
@@ -237,6 +271,14 @@ class Replica:
         """Start over on another history; ask for what the master has and we lack."""
         if self.resyncing and self.caught_up():
             self.resyncing = False
+            if self._dropped:
+                lost = {
+                    command_id
+                    for dropped in self._dropped
+                    for command_id in dropped.lost_in(self.state, self._event_log)
+                }
+                self._dropped = []
+                self._history_dropped(lost)
             self._notify()
         master = self._election.master_message
         if master is None or self._election.master is None:
@@ -281,8 +323,18 @@ class Replica:
     def last_event_digest(self) -> str | None:
         return self._event_log.digest_at(self.state.last_event_applied_idx)
 
+    def _record_dropped(self, state: State) -> DroppedHistory:
+        """What `state` (this node's history, with its log) answered, before it goes."""
+        digests = {
+            outcome.event_idx: digest
+            for outcome in state.command_outcomes.values()
+            if (digest := self._event_log.digest_at(outcome.event_idx)) is not None
+        }
+        return DroppedHistory(outcomes=dict(state.command_outcomes), digests=digests)
+
     def _reset(self, reason: str) -> None:
         reports: list[Event] = list(self.instance_reports(self.state))
+        self._dropped.append(self._record_dropped(self.state))
         archive = self._event_log.reset()
         logger.warning(
             f"{reason}; starting over from the master's history (old log kept at {archive}); "
@@ -296,7 +348,6 @@ class Replica:
         # instances this node runs are reported after them so the cluster keeps them.
         self._local_events.restart_session(then=reports)
         self._replay_requested_at = -1.0e9
-        self._history_dropped()
         self._notify()
 
     def instance_reports(self, state: State) -> list[InstanceReported]:

@@ -14,8 +14,9 @@ it out is applied on this node, that is, written (fsynced) to the log of the mas
 node follows and to this node's own. Such a command survives any election and split:
 either the history the cluster keeps holds that event, or this node drops its history
 for the cluster's (a healed split's losing side, a forced master that lacks it), and then
-sends its acknowledged state-changing commands again (`history_dropped`); the master
-carries out each command id at most once, so each takes effect exactly once. Placements
+sends again its acknowledged state-changing commands that the cluster's history lacks
+(`history_dropped`); the master carries out each command id at most once, so each takes
+effect exactly once. Placements
 come back through the instances the node reports (`exo.node.replica`), so they are not
 sent again (they would place a second instance); generations and embeddings are not
 state and are not repeated.
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -392,19 +393,23 @@ class ClusterClient:
         while len(self._acknowledged) > ACKNOWLEDGED_KEPT:
             del self._acknowledged[next(iter(self._acknowledged))]
 
-    def history_dropped(self) -> None:
-        """This node dropped its history for the cluster's: send every acknowledged
-        state-changing command again, until the cluster's history holds its outcome
-        (the master carries out those it lacks, once each)."""
-        if not self._acknowledged:
+    def history_dropped(self, lost: Collection[CommandId]) -> None:
+        """This node dropped its history for the cluster's, which lacks the outcomes of
+        the commands `lost`: send those this API was answered for again, until the
+        cluster's history holds their outcome (the master carries out each once)."""
+        again = [
+            command
+            for command_id, command in self._acknowledged.items()
+            if command_id in lost and command_id not in self._unanswered
+        ]
+        if not again:
             return
         logger.warning(
-            f"api: this node's history was dropped; sending its {len(self._acknowledged)} "
-            "acknowledged commands again"
+            f"api: this node's history was dropped; sending its {len(again)} acknowledged "
+            "commands the cluster's history lacks again"
         )
-        for command in self._acknowledged.values():
-            if command.command_id not in self._unanswered:
-                self._track(command)
+        for command in again:
+            self._track(command)
 
     async def wait_until_caught_up(self, timeout: float = CATCH_UP_WAIT_SECONDS) -> bool:
         """Wait until this node holds the elected master's history (at once when it

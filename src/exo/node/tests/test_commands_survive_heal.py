@@ -35,6 +35,7 @@ from exo.testing.builders import make_instance
 from exo.utils.channels import Subscription, Topic
 
 INSTANCE = InstanceId("instance-x")
+EARLIER = InstanceId("instance-y")
 
 
 class ApiOfB:
@@ -46,6 +47,8 @@ class ApiOfB:
         self.node = node
         self.sent: Subscription[ForwarderCommand] = commands.subscribe()
         self.applied = node.replica.applied.subscribe()
+        self.sent_ids: list[CommandId] = []
+        """Every command id the client sent (and sent again), in order."""
         self.client = ClusterClient(
             node_id=node.node_id,
             current_state=lambda: node.replica.state,
@@ -66,6 +69,7 @@ class ApiOfB:
             except anyio.WouldBlock:
                 break
             self.node.commands.append(forwarded.command)
+            self.sent_ids.append(forwarded.command.command_id)
         while True:
             try:
                 indexed_event: IndexedEvent = self.applied.receive_nowait()
@@ -89,7 +93,9 @@ def test_an_acknowledged_command_is_applied_exactly_once_after_the_heal(
     clock = FakeClock()
     api: list[ApiOfB] = []
     a = make_node(tmp_path, A, clock)
-    b = make_node(tmp_path, B, clock, history_dropped=lambda: api[0].client.history_dropped())
+    b = make_node(
+        tmp_path, B, clock, history_dropped=lambda lost: api[0].client.history_dropped(lost)
+    )
     api.append(ApiOfB(b, clock))
     link = Link([a, b], clock)
 
@@ -101,11 +107,16 @@ def test_an_acknowledged_command_is_applied_exactly_once_after_the_heal(
     a.follow(a, round_number=1)
     b.follow(a, round_number=1)
     assert a.master._check_active()
-    a.master.emit([InstanceCreated(instance=make_instance(A, instance_id=INSTANCE))])
+    for instance_id in (INSTANCE, EARLIER):
+        a.master.emit([InstanceCreated(instance=make_instance(A, instance_id=instance_id))])
     a.report(8192)
+    # Acknowledged before the split: in both sides' history, never sent again.
+    earlier = DeleteInstance(command_id=CommandId("delete-y"), instance_id=EARLIER)
+    api[0].client.send_and_forget(earlier)
     for _ in range(3):
         second()
-    assert INSTANCE in b.replica.state.instances
+    assert INSTANCE in b.replica.state.instances and EARLIER not in b.replica.state.instances
+    assert api[0].client.unanswered_command_ids == []
 
     link.up = False
     if fault == "split":
@@ -135,6 +146,7 @@ def test_an_acknowledged_command_is_applied_exactly_once_after_the_heal(
     link.up = True
     a.follow(a, round_number=3)
     a.report(2048)
+    sent_before_heal = len(api[0].sent_ids)
     for _ in range(MAX_ROUNDS):
         second()
         b.follow(a, round_number=3)
@@ -150,6 +162,9 @@ def test_an_acknowledged_command_is_applied_exactly_once_after_the_heal(
     # Sent again after the drop (and resent until B saw the outcome), carried out once.
     assert deletions(a, delete.command_id) == 1
     assert deletions(b, delete.command_id) == 1
+    # Only what the kept history lacked went again.
+    assert set(api[0].sent_ids[sent_before_heal:]) == {delete.command_id}
+    assert deletions(a, earlier.command_id) == 1
     assert isinstance(
         next(e.event for e in a.log.events if command_id_of(e.event) == delete.command_id),
         InstanceDeleted,

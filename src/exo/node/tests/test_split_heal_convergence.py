@@ -11,7 +11,7 @@ kept its own history, and the sides differed in `local_event_progress` for ever.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -25,7 +25,7 @@ from exo.node.replica import Replica
 from exo.routing.connections import ConnectionMessage
 from exo.shared.local_events import LocalEventSender
 from exo.shared.types.commands import Command, ForwarderCommand
-from exo.shared.types.common import NodeId
+from exo.shared.types.common import CommandId, NodeId
 from exo.shared.types.events import ForwarderEvent, IndexedEvent, NodeGatheredInfo
 from exo.testing.builders import make_node_info
 from exo.utils.channels import Subscription, Topic
@@ -95,7 +95,7 @@ def make_node(
     tmp_path: Path,
     node_id: NodeId,
     clock: FakeClock,
-    history_dropped: Callable[[], None] = lambda: None,
+    history_dropped: Callable[[Collection[CommandId]], None] = lambda lost: None,
 ) -> Node:
     log = EventLog(tmp_path / node_id / "event_log.jsonl")
     state = log.load()
