@@ -16,10 +16,11 @@ either the history the cluster keeps holds that event, or this node drops its hi
 for the cluster's (a healed split's losing side, a forced master that lacks it), and then
 sends again its acknowledged state-changing commands that the cluster's history lacks
 (`history_dropped`); the master carries out each command id at most once, so each takes
-effect exactly once. Placements
-come back through the instances the node reports (`exo.node.replica`), so they are not
-sent again (they would place a second instance); generations and embeddings are not
-state and are not repeated.
+effect exactly once. Placements come back through the instances the node reports
+(`exo.node.replica`), so they are not sent again (they would place a second instance);
+generations and embeddings are not state and are not repeated. Bounds: the latest
+`ACKNOWLEDGED_KEPT` commands, kept in memory (a node restarted between the answer and the
+heal has forgotten them).
 """
 
 from __future__ import annotations
