@@ -1,7 +1,8 @@
 """A network split between two real `exo` processes on loopback (their only link runs
 through a relay the test cuts and restores): each side elects its own master and places
 an instance; once the link is back the cluster holds ONE history with both instances, and
-the losing side's runner was never restarted."""
+the losing side's runner was never restarted. A model added through the losing side
+during the split (acknowledged there) is in that history, added exactly once."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from exo.node.event_log import EventLog
+from exo.shared.types.events import CustomModelAdded
 from exo.testing.link_proxy import LinkProxy
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode, wait_until
 from tests.test_cluster import FORM_TIMEOUT_SECONDS, identical_states, place_on, running
 
 READY_SECONDS = 300.0
+LOCAL_COPY = "HuggingFaceTB--SmolLM2-135M-Instruct"  # the default model's converted directory
 HEAL_SECONDS = 120.0
 
 
@@ -64,12 +68,22 @@ def test_a_healed_split_keeps_the_instances_of_both_sides(
             runners_of_b = {process.pid for process in b.runner_processes()}
             assert len(runners_of_b) == 1
             assert on_a not in b.state()["instances"] and on_b not in a.state()["instances"]
+            added = httpx.post(
+                f"{b.url}/models/add",
+                json={"model_id": str(shared_models_dir / LOCAL_COPY)},
+                timeout=60,
+            )
+            assert added.status_code == 200, added.text  # acknowledged by B's side
+            custom = added.json()["model_id"]
+            assert custom in b.state()["custom_cards"]
+            assert custom not in a.state()["custom_cards"]
 
             link.restore()
             healed = time.monotonic()
             state = wait_until(
                 lambda: (s := identical_states([a, b])) and on_a in s["instances"]
-                and on_b in s["instances"] and a.serving(on_b) and s,
+                and on_b in s["instances"] and custom in s["custom_cards"]
+                and a.serving(on_b) and s,
                 HEAL_SECONDS,
                 interval=0.5,
                 what="one state holding both sides' instances",
@@ -82,5 +96,13 @@ def test_a_healed_split_keeps_the_instances_of_both_sides(
             assert "reporting the 1 instances this node runs" in b.log_path.read_text()
             for node in (a, b):
                 assert chat(node).status_code == 200
+            # B's side's addition was sent again to A's master after B dropped its
+            # history, and carried out once.
+            history = EventLog(a.home / "event_log.jsonl").read_all()
+            additions = [
+                e for e in history
+                if isinstance(e.event, CustomModelAdded) and e.event.card.model_id == custom
+            ]  # fmt: skip
+            assert len(additions) == 1
     finally:
         link.close()

@@ -134,6 +134,7 @@ class Node:
             send_command=self._send_command,
             election=self.election,
             local_events=self.local_events,
+            history_dropped=lambda lost: self.cluster.history_dropped(lost),
         )
         self.master = Master(
             node_id=self.node_id,
@@ -193,6 +194,7 @@ class Node:
             local_kv_cache=self.worker.kv_cache_use,
             trust_remote_code=options.trust_remote_code,
             image_policy=options.image_policy,
+            caught_up=lambda: self.replica.caught_up(),
         )
         self.info_gatherer = InfoGatherer(
             self.local_events,

@@ -149,7 +149,7 @@ class Master:
             command_id = command_id_of(indexed_event.event)
             if command_id is not None:
                 self._done_commands.add(command_id)
-            self._global_events.publish(indexed_event)
+            self._publish(indexed_event)
             _log_recovery(indexed_event.event)
 
     def _check_active(self) -> bool:
@@ -251,7 +251,7 @@ class Master:
         # snapshot's own event gets the snapshot too (it only checks that it agrees).
         if from_idx <= log.base_idx and log.snapshot is not None:
             snapshot = log.snapshot
-            self._global_events.publish(
+            self._publish(
                 IndexedEvent(
                     idx=snapshot.idx,
                     event=StateSnapshot(
@@ -260,7 +260,12 @@ class Master:
                 )
             )
         for indexed_event in log.events_from(from_idx, REPLAY_BATCH):
-            self._global_events.publish(indexed_event)
+            self._publish(indexed_event)
+
+    def _publish(self, indexed_event: IndexedEvent) -> None:
+        """Send a copy stamped with this master's node: nodes that follow another master
+        (a healed split's winner, one elected after this one) drop it."""
+        self._global_events.publish(indexed_event.model_copy(update={"published_by": self.node_id}))
 
     def handle_local_event(self, forwarded: ForwarderEvent) -> None:
         key = origin_key(forwarded.origin, forwarded.origin_session)

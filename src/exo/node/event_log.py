@@ -56,10 +56,15 @@ KEPT_OLD_LOGS = 3
 KEPT_CORRUPT_FILES = 3
 
 
+# Which master sent a copy of an event is not part of the history.
+NOT_HISTORY = frozenset({"published_by"})
+
+
 def event_digest(indexed_event: IndexedEvent) -> str:
     """A short fingerprint of one indexed event; two nodes whose events at the same index
-    differ hold different histories."""
-    return hashlib.sha256(indexed_event.model_dump_json().encode()).hexdigest()[:16]
+    differ hold different histories (whoever published their copies)."""
+    body = indexed_event.model_dump_json(exclude=set(NOT_HISTORY))
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
 def history_summary(events_after_snapshot: int, snapshot_idx: int, last_idx: int) -> str:
@@ -97,7 +102,7 @@ class Snapshot:
 
 def encode_record(event: IndexedEvent) -> bytes:
     """One log line (with its newline) for `event`."""
-    body = event.model_dump_json().encode()
+    body = event.model_dump_json(exclude=set(NOT_HISTORY)).encode()
     return f"{zlib.crc32(body):08x} ".encode() + body + b"\n"
 
 

@@ -54,6 +54,10 @@ class ScriptedCluster:
         self.rerank_scores: tuple[float, ...] = (0.2, 0.9, 0.5)
         """Document i's score is `rerank_scores[i % len]`."""
 
+    async def wait_until_caught_up(self, timeout: float = 0.0) -> bool:
+        """Always caught up: the state is what the test set."""
+        return True
+
     def add_model(self, card: ModelCard) -> None:
         """Know `card` and place an instance of it on this node."""
         self.cards[card.model_id] = card

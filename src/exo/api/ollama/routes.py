@@ -50,6 +50,7 @@ from exo.api.ollama.wire_types import (
 from exo.api.openai_chat import routes as chat
 from exo.api.openai_completions import routes as completions
 from exo.api.openai_responses import routes as responses
+from exo.api.serving.catch_up import catch_up_for
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.serving.generation import serve_generation
 from exo.api.serving.image_input import convert_with_images
@@ -196,6 +197,7 @@ async def _answer(
     """A chat or generate request: a load (or unload) request without input (no messages,
     an empty prompt), else the generation, streamed as JSON lines or collected."""
     started_ns = time.monotonic_ns()
+    await catch_up_for(cluster, body.model)  # a model this node has not heard of yet
     card = _card_for_request(cluster, body.model)
     keep_alive = parse_keep_alive(body.keep_alive)
     match body:

@@ -8,13 +8,26 @@ to a master that dies before answering. So the client keeps every unanswered com
 and sends it again — at once to a newly elected master, and with backoff while
 unanswered — until the event that carries it out (or rejects it) comes back; the
 master ignores a command id its history already holds (`master.main.Master`).
+
+Acknowledged: a command is answered to its client (2xx) only once the event that carries
+it out is applied on this node, that is, written (fsynced) to the log of the master this
+node follows and to this node's own. Such a command survives any election and split:
+either the history the cluster keeps holds that event, or this node drops its history
+for the cluster's (a healed split's losing side, a forced master that lacks it), and then
+sends again its acknowledged state-changing commands that the cluster's history lacks
+(`history_dropped`); the master carries out each command id at most once, so each takes
+effect exactly once. Placements come back through the instances the node reports
+(`exo.node.replica`), so they are not sent again (they would place a second instance);
+generations and embeddings are not state and are not repeated. Bounds: the latest
+`ACKNOWLEDGED_KEPT` commands, kept in memory (a node restarted between the answer and the
+heal has forgotten them).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -28,7 +41,16 @@ from exo.api.wire.images import ImagePolicy
 from exo.node.election import Election
 from exo.shared.models.cards import with_custom_cards
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
-from exo.shared.types.commands import CancelGeneration, Command, DeleteInstance, ForwarderCommand
+from exo.shared.types.commands import (
+    AddCustomModel,
+    CancelGeneration,
+    Command,
+    ControlDownload,
+    DeleteCustomModel,
+    DeleteInstance,
+    ForwarderCommand,
+    SetKeepAlive,
+)
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, TaskId
 from exo.shared.types.events import (
     CommandRejected,
@@ -47,7 +69,7 @@ from exo.shared.types.events import (
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import DownloadStatus
 from exo.shared.types.runners import KVCacheUse
-from exo.shared.types.state import State
+from exo.shared.types.state import MAX_COMMAND_OUTCOMES, State
 from exo.shared.types.tasks import TaskCancelled, TaskComplete, TaskFailed
 from exo.utils.channels import Publisher, Subscription
 
@@ -63,6 +85,22 @@ RESEND_MAX_SECONDS = 4.0
 CANCEL_RESEND_SECONDS = 30.0
 NODE_REPORTS_TIMEOUT_SECONDS = 30.0
 NODE_REPORTS_CHECK_SECONDS = 0.5
+CATCH_UP_WAIT_SECONDS = 15.0
+"""How long a request naming a model or instance this node does not know waits for the
+node to catch up with the master's history (a node that just joined, restarted or healed
+from a split) before it is answered as unknown (404). Bounded so an unknown name on a
+node that cannot catch up (no master) still gets its answer."""
+CATCH_UP_CHECK_SECONDS = 0.1
+# The acknowledged commands kept to send again if this node drops its history: as many
+# as the state keeps the outcomes of (the master's record of what it carried out).
+ACKNOWLEDGED_KEPT = MAX_COMMAND_OUTCOMES
+RESENT_AFTER_HISTORY_DROPPED = (
+    DeleteInstance,
+    SetKeepAlive,
+    AddCustomModel,
+    DeleteCustomModel,
+    ControlDownload,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +158,8 @@ class ClusterClient:
             custom code (`--trust-remote-code`); the engine still runs only its families.
         image_policy: this node's limits on image input and image URL fetching
             (`--image-*`, `exo.api.wire.images`).
+        caught_up: whether this node holds the elected master's history up to the
+            event the master last announced (`Replica.caught_up`).
     """
 
     def __init__(
@@ -139,8 +179,12 @@ class ClusterClient:
         trust_remote_code: bool = False,
         local_kv_cache: Callable[[], list[KVCacheUse]] = list,
         image_policy: ImagePolicy | None = None,
+        caught_up: Callable[[], bool] = lambda: True,
     ) -> None:
         self.node_id = node_id
+        self._caught_up = caught_up
+        # State-changing commands carried out and answered, oldest first (module docstring).
+        self._acknowledged: dict[CommandId, Command] = {}
         self.load_on_request = load_on_request or LoadOnRequest()
         self._record_download = record_download
         self.local_kv_cache = local_kv_cache  # this node's runners' KV use (`/metrics`)
@@ -261,8 +305,18 @@ class ClusterClient:
                 return target not in self._unanswered and not any(
                     task.command_id == target for task in self.state.tasks.values()
                 )
-            case _:
-                return False
+            case command:
+                # Sent without a waiter (again after this node dropped its history, or
+                # `send_and_forget`) and carried out in the history this node holds: the
+                # state has its outcome, maybe before its event reached this loop.
+                if command.command_id in self._result_waiters:
+                    return False
+                outcome = self.state.command_outcomes.get(command.command_id)
+                if outcome is None:
+                    return False
+                if outcome.kind != "CommandRejected":
+                    self._acknowledge(command)
+                return True
 
     def _track(self, command: Command) -> None:
         now = self._now()
@@ -327,9 +381,47 @@ class ClusterClient:
             self._deliver(command_id, event)
 
     def _deliver(self, command_id: CommandId, event: Event) -> None:
-        self._unanswered.pop(command_id, None)
+        unanswered = self._unanswered.pop(command_id, None)
+        if unanswered is not None and not isinstance(event, CommandRejected):
+            self._acknowledge(unanswered.command)
         if command_id in self._result_waiters:
             self._result_waiters.pop(command_id).send_nowait(event)
+
+    def _acknowledge(self, command: Command) -> None:
+        if not isinstance(command, RESENT_AFTER_HISTORY_DROPPED):
+            return
+        self._acknowledged[command.command_id] = command
+        while len(self._acknowledged) > ACKNOWLEDGED_KEPT:
+            del self._acknowledged[next(iter(self._acknowledged))]
+
+    def history_dropped(self, lost: Collection[CommandId]) -> None:
+        """This node dropped its history for the cluster's, which lacks the outcomes of
+        the commands `lost`: send those this API was answered for again, until the
+        cluster's history holds their outcome (the master carries out each once)."""
+        again = [
+            command
+            for command_id, command in self._acknowledged.items()
+            if command_id in lost and command_id not in self._unanswered
+        ]
+        if not again:
+            return
+        logger.warning(
+            f"api: this node's history was dropped; sending its {len(again)} acknowledged "
+            "commands the cluster's history lacks again"
+        )
+        for command in again:
+            self._track(command)
+
+    async def wait_until_caught_up(self, timeout: float = CATCH_UP_WAIT_SECONDS) -> bool:
+        """Wait until this node holds the elected master's history (at once when it
+        does), at most `timeout` seconds. Returns whether it does."""
+        with anyio.move_on_after(timeout):
+            while not self._caught_up():
+                # Catching up shows in the state or in the master's heartbeat: look again.
+                with anyio.move_on_after(CATCH_UP_CHECK_SECONDS):
+                    await self.state_changed.wait()
+            return True
+        return False
 
     def _answer_from_snapshot(self, state: State) -> None:
         """Answer the commands whose answering events a snapshot stands in for (this node

@@ -27,6 +27,7 @@ from loguru import logger
 from starlette.types import Receive, Scope, Send
 
 from exo.api.serving.admission import admission_of
+from exo.api.serving.catch_up import catch_up_for
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.serving.early_stream import ChunkRenderer, EarlyStreamingResponse, WaitingFrames
 from exo.api.serving.embedding import refuse_non_chat_model
@@ -425,7 +426,10 @@ async def serve_generation(
 
     A stream with `waiting` frames sends its headers at its first chunk or after
     `early_stream.HEADERS_AFTER_SECONDS`, then those frames until the first chunk
-    (`exo.api.serving.early_stream`); its request's checks still answer plain HTTP errors."""
+    (`exo.api.serving.early_stream`); its request's checks still answer plain HTTP errors.
+    A model or pinned instance this node does not know yet is first waited for
+    (`exo.api.serving.catch_up`)."""
+    await catch_up_for(cluster, params.model, request.headers.get(INSTANCE_HEADER))
     if params.stream and waiting is not None:
         check_generation_request(cluster, params)
 
@@ -497,6 +501,9 @@ async def convert_request(
     Raises:
         InvalidRequestError: `to_task_params` refused the body.
     """
+    name = getattr(body, "model", None)
+    if isinstance(name, str):
+        await catch_up_for(cluster, name)  # a model this node has not heard of yet
     body = with_resolved_model(cluster, body)
     model = getattr(body, "model", "")
     params = await convert_with_images(cluster, body, str(model), to_task_params)

@@ -77,8 +77,12 @@ class Cluster:
         self.send_event(origin, origin_idx, RunnerDeleted(runner_id=RunnerId(runner)), session)
 
     async def receive(self, count: int) -> list[IndexedEvent]:
+        """The next `count` published copies, checked to be stamped by this master and
+        returned without the stamp (as the log holds them)."""
         with anyio.fail_after(DEADLINE_S):
-            return [await self.global_events.receive() for _ in range(count)]
+            copies = [await self.global_events.receive() for _ in range(count)]
+        assert {copy.published_by for copy in copies} <= {self.master.node_id}
+        return [copy.model_copy(update={"published_by": None}) for copy in copies]
 
     async def receive_history_started(self) -> IndexedEvent:
         [started] = await self.receive(1)

@@ -11,7 +11,13 @@ from exo.node.event_log import (
     event_digest,
 )
 from exo.shared.types.common import NodeId, RunnerId
-from exo.shared.types.events import IndexedEvent, NodeGatheredInfo, RunnerDeleted, TaskCreated
+from exo.shared.types.events import (
+    ClusterHistoryStarted,
+    IndexedEvent,
+    NodeGatheredInfo,
+    RunnerDeleted,
+    TaskCreated,
+)
 from exo.testing.builders import indexed, make_node_info, make_params, make_text_generation_task
 
 EVENTS = indexed(
@@ -244,3 +250,15 @@ def test_the_digest_of_an_event_is_computed_once(
     assert log.digest_at(3) == event_digest(log.read_all()[3])
     assert computed == [2, 1, 3]
     log.close()
+
+
+def test_the_publishing_master_is_not_part_of_the_history(tmp_path: Path) -> None:
+    # Copies of one event sent by two masters (live, then replayed) are the same event.
+    event = IndexedEvent(idx=0, event=ClusterHistoryStarted(history_id="h", master=NodeId("m")))
+    copy = event.model_copy(update={"published_by": NodeId("another-master")})
+    assert event_digest(copy) == event_digest(event)
+    log = EventLog(tmp_path / "events.jsonl")
+    log.append([copy])
+    log.close()
+    assert b"published_by" not in log.path.read_bytes()
+    assert EventLog(log.path).read_all() == [event]

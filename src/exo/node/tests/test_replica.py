@@ -77,7 +77,10 @@ class Harness:
         )
 
     def receive(self, *events: IndexedEvent) -> None:
+        """Deliver `events`; a copy not stamped by a master comes from `MASTER`."""
         for event in events:
+            if event.published_by is None:
+                event = event.model_copy(update={"published_by": MASTER})
             self.replica.receive(event)
 
     def replays(self) -> list[int]:
@@ -214,8 +217,9 @@ async def test_no_replay_is_asked_without_a_master(tmp_path: Path) -> None:
 
 
 async def test_a_replica_behind_the_master_asks_for_what_it_lacks(tmp_path: Path) -> None:
-    harness = make_harness(tmp_path, held=history(2))
-    harness.follow(last_event_idx=1)
+    held = history(2)
+    harness = make_harness(tmp_path, held=held)
+    harness.follow(last_event_idx=1, last_event_digest=event_digest(held[1]))
     harness.replica.check()
     assert harness.replays() == []
     harness.follow(last_event_idx=6)
@@ -286,8 +290,10 @@ async def test_a_matching_event_at_the_masters_index_is_kept(tmp_path: Path) -> 
 
 
 async def test_own_local_events_are_acknowledged_when_applied(tmp_path: Path) -> None:
-    harness = make_harness(tmp_path, held=history(1))
+    held = history(1)
+    harness = make_harness(tmp_path, held=held)
     harness.follow()
+    harness.receive(held[0])  # a replay's first event: the master continues this history
     sender = harness.local_events
     sender.emit(RunnerDeleted(runner_id=RunnerId("mine-0")))
     sender.emit(RunnerDeleted(runner_id=RunnerId("mine-1")))
@@ -319,10 +325,68 @@ async def test_a_node_is_caught_up_only_once_it_holds_the_masters_history(tmp_pa
     assert not harness.replica.caught_up()
     harness.follow(last_event_idx=4, last_event_digest=event_digest(held[4]))
     assert not harness.replica.caught_up()  # behind: event 4 is missing
-    harness.receive(held[4])
+    harness.receive(held[3], held[4])  # the replay from the last event it holds
     assert harness.replica.caught_up()
     # Same index, another event there: a history that forked is not the master's.
     harness.follow(last_event_idx=4, last_event_digest="another event")
     assert not harness.replica.caught_up()
     harness.follow(last_event_idx=4, history_id="history-2")
     assert not harness.replica.caught_up()
+
+
+async def test_copies_from_a_master_this_node_does_not_follow_are_dropped(tmp_path: Path) -> None:
+    harness = make_harness(tmp_path)
+    events = history(3)
+    # During a round (no master) and from another master: nothing is applied.
+    harness.receive(events[0])
+    harness.follow(last_event_idx=2)
+    other = NodeId("node-other")
+    harness.receive(*[event.model_copy(update={"published_by": other}) for event in events])
+    assert harness.replica.state == State()
+    harness.receive(*events)  # the followed master's copies
+    assert harness.replica.state == apply_all(State(), events)
+    # What was applied and persisted carries no sender: it is history.
+    assert [event.published_by for event in harness.drain_applied()] == [None] * 3
+    assert harness.log.events == events
+
+
+async def test_a_new_master_s_next_event_waits_until_its_history_is_known_to_continue(
+    tmp_path: Path,
+) -> None:
+    held = history(3)
+    harness = make_harness(tmp_path, held=held)
+    harness.follow(last_event_idx=3)
+    # The master's next event: not applied on faith (a fork's next index looks the
+    # same); the master is asked from our last event.
+    next_event = history(4)[3]
+    harness.receive(next_event)
+    assert harness.replica.state == apply_all(State(), held)
+    assert harness.replays() == [2]
+    # The replay's first event is ours: the master continues this history.
+    harness.receive(held[2])
+    assert harness.replica.state == apply_all(State(), [*held, next_event])
+
+
+async def test_a_new_master_s_replay_that_differs_at_our_last_event_starts_over(
+    tmp_path: Path,
+) -> None:
+    held = history(3)
+    harness = make_harness(tmp_path, held=held)
+    harness.follow(last_event_idx=3)
+    theirs = [*held[:2], IndexedEvent(idx=2, event=RunnerDeleted(runner_id=RunnerId("theirs")))]
+    harness.receive(history(4)[3])
+    harness.receive(theirs[2])
+    assert harness.replica.state == State()
+    assert harness.replica.resyncing
+
+
+async def test_the_master_s_own_node_applies_from_its_log_what_it_missed(tmp_path: Path) -> None:
+    events = history(4)
+    harness = make_harness(tmp_path, held=events[:2])
+    # This node's master wrote events 2 and 3 while its copies were dropped (a round).
+    harness.log.append(events[2:])
+    harness.election.master = NODE
+    harness.election.master_message = harness.election.own_message()
+    harness.replica.check()
+    assert harness.replica.state == apply_all(State(), events)
+    assert harness.replays() == []

@@ -667,6 +667,7 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
             origin_session="session-1",
             origin_idx=2,
         ),
+        IndexedEvent(idx=6, event=NodeTimedOut(node_id=NODE), published_by=NODE),
     ],
     # election
     ElectionMessage: [

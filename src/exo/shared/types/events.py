@@ -265,3 +265,7 @@ class IndexedEvent(FrozenModel):
     origin: NodeId | None = None
     origin_session: str | None = None
     origin_idx: int | None = None
+    published_by: NodeId | None = None
+    """The master that sent this copy (live or replayed), stamped as it is published so
+    a node applies only what the master it follows sends (`exo.node.replica`). Not part
+    of the history: the event log and `event_digest` leave it out."""
