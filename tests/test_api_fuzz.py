@@ -9,7 +9,8 @@ finish quickly), only replaced by values of the wrong kind.
 Every body a fuzz run ever answered with a 500 is kept in `FOUND_BY_FUZZING` and replayed
 first (as hypothesis `@example`s, and in process against the app without a node). The
 default run is derandomized (hypothesis is pinned in pyproject.toml, so a fresh install
-generates the same examples); `-m slow` runs a longer random fuzz that also sets the
+generates the same examples): `EXAMPLES` bodies against a live node and `IN_PROCESS_BODIES`
+against the app in process; `-m slow` runs a longer random fuzz that also sets the
 declared fields of each dialect's request model to arbitrary values, in process and
 against a live node.
 """
@@ -38,6 +39,8 @@ from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
 from exo.testing.scripted_cluster import ScriptedCluster
 
 EXAMPLES = 200
+# The default run's in-process fuzz (`test_two_thousand_derandomized_bodies_in_process`).
+IN_PROCESS_BODIES = 2000
 REQUEST_TIMEOUT_SECONDS = 60.0
 # Small enough that a still-valid mutated request finishes in well under a second.
 MAX_TOKENS = 4
@@ -413,6 +416,35 @@ def test_bodies_found_by_fuzzing_are_refused_in_process(endpoint: str, body: byt
         response = client.post(endpoint, content=body)
     assert 400 <= response.status_code < 500, response.text
     assert "type" in response.text  # the message names the field at fault
+
+
+def test_two_thousand_derandomized_bodies_in_process() -> None:
+    """The default run's short fuzz of every dialect's routes: `IN_PROCESS_BODIES`
+    derandomized bodies (declared fields set to arbitrary values, and the mutations of the
+    live test) against the app over a scripted cluster; none answered with a 5xx, and both
+    refused and accepted bodies reached every endpoint (neither kind vacuous)."""
+    statuses: list[tuple[str, int]] = []
+    with _in_process_client() as client:
+
+        @settings(
+            max_examples=IN_PROCESS_BODIES,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(case=declared_field_bodies() | mutated_bodies())
+        def check(case: tuple[str, bytes]) -> None:
+            endpoint, body = case
+            status = _in_process_status(client, endpoint, body)
+            assert status < 500, f"{endpoint} answered {status} to {body[:500]!r}"
+            statuses.append((endpoint, status))
+
+        check()
+    assert len(statuses) >= IN_PROCESS_BODIES
+    assert {endpoint for endpoint, _ in statuses} == set(VALID_BODIES)
+    assert any(status == 200 for _, status in statuses)
+    assert any(400 <= status < 500 for _, status in statuses)
 
 
 @pytest.mark.slow
