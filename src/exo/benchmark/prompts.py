@@ -28,6 +28,8 @@ class ModelText:
     tokenizer: Any
     eos_token_ids: frozenset[int]
     vocab_size: int
+    """Token ids below this are ones both the tokenizer and the model's embedding hold (a
+    tokenizer may name more ids than the embedding has rows: those are never drawn)."""
 
     @classmethod
     def load(cls, model_dir: Path) -> ModelText:
@@ -40,11 +42,15 @@ class ModelText:
         tokenizer = load_tokenizer(model_dir)
         ids: set[int] = set()
         candidates: list[Any] = [tokenizer.eos_token_id]
+        vocab_size = len(tokenizer)
         for name in ("config.json", "generation_config.json"):
             with contextlib.suppress(OSError, ValueError):
                 config = json.loads((model_dir / name).read_text())
                 candidates.append(config.get("eos_token_id"))
                 candidates.append(config.get("text_config", {}).get("eos_token_id"))
+                rows = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+                if isinstance(rows, int):
+                    vocab_size = min(vocab_size, rows)
         for candidate in candidates:
             if isinstance(candidate, int):
                 ids.add(candidate)
@@ -52,7 +58,7 @@ class ModelText:
                 ids.update(int(item) for item in candidate)
         if not ids:
             raise ValueError(f"{model_dir}: no EOS token id in its config or tokenizer")
-        return cls(tokenizer, frozenset(ids), len(tokenizer))
+        return cls(tokenizer, frozenset(ids), vocab_size)
 
     def logit_bias(self) -> dict[str, float]:
         """The request's `logit_bias` banning every EOS id (JSON keys are strings)."""

@@ -43,6 +43,20 @@ def test_eos_ids_come_from_config_and_generation_config_too(tmp_path: Path) -> N
     assert ModelText.load(directory).eos_token_ids == frozenset({2, 7})
 
 
+def test_random_ids_stay_within_the_embedding_when_the_tokenizer_names_more(
+    tmp_path: Path,
+) -> None:
+    """A tokenizer of 1,000 ids over a model whose embedding has 600 rows (a bench GGUF's
+    tokenizer had one id past its vocabulary; llama.cpp refused the prompt that drew it):
+    random ids are drawn below 600 only."""
+    save_word_tokenizer(tmp_path, 1000)
+    (tmp_path / "config.json").write_text('{"vocab_size": 600, "eos_token_id": 2}')
+    text = ModelText.load(tmp_path)
+    assert text.vocab_size == 600
+    ids = [token for seed in range(20) for token in text.random_token_ids(100, seed)]
+    assert max(ids) < 600 and max(ids) > 500
+
+
 def test_random_model_is_built_once_per_shape(tmp_path: Path) -> None:
     directory = random_model(tmp_path / "model", "llama", TINY_LLAMA)
     weights = directory / "model.safetensors"
