@@ -1,12 +1,12 @@
 """exo's own CPU kernels (`native/*.cpp`) for x86 CPUs with AVX2 + FMA: decode products
-for int4 blocks, int8 per channel and bfloat16 weights (`int4_gemv.cpp`), int8 blocks with
-(scale, zero) pairs or symmetric scales per 16 or 32 inputs (`int8_blocks.cpp`), GGUF Q5_0's
-5-bit blocks (`int5_blocks.cpp`), MXFP4 blocks read inside the product (`mxfp4.cpp`),
-prefill products (`prefill.cpp`), prefill's gated activation and q/k norm + rotary
-(`prefill_ops.cpp`), a one-pass RMSNorm, and a whole decoder layer's decode step
-(`decode_layer.cpp`, called by `direct_forward.LeanModel` for decode steps, a short prompt
-chunk beside the decode rows included) and a MoE block's int4 routed experts in one call
-(`moe_experts.cpp`; MXFP4 ones: `moe_mxfp4_experts.cpp`).
+for int4 blocks (`int4_gemv.cpp`), int8 per channel (`int8_channel.cpp`) and bfloat16
+weights (`bf16_product.cpp`), int8 blocks with (scale, zero) pairs or symmetric scales per
+16 or 32 inputs (`int8_blocks.cpp`), GGUF Q5_0's 5-bit blocks (`int5_blocks.cpp`), MXFP4
+blocks read inside the product (`mxfp4.cpp`), prefill products (`prefill.cpp`), prefill's
+gated activation and q/k norm + rotary (`prefill_ops.cpp`), a one-pass RMSNorm, and a
+whole decoder layer's decode step (`decode_layer.cpp`, called by `direct_forward.LeanModel`
+for decode steps, a short prompt chunk beside the decode rows included) and a MoE block's
+int4 routed experts in one call (`moe_experts.cpp`; MXFP4 ones: `moe_mxfp4_experts.cpp`).
 
 torch's `aten._weight_int4pack_mm_for_cpu` is fast where torch dispatches to AVX512 (its
 tiled kernel reads the packed weights at memory speed) but on AVX2-only CPUs (AMD Zen 1-3,
@@ -58,6 +58,8 @@ _SOURCES = tuple(
     for name in (
         "int4_gemv.cpp",
         "int4_decode_int8.cpp",
+        "int8_channel.cpp",
+        "bf16_product.cpp",
         "int8_blocks.cpp",
         "int5_blocks.cpp",
         "mxfp4.cpp",
