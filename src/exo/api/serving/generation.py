@@ -10,7 +10,8 @@ A generation whose instance becomes unavailable (it lost a node or a rank) befor
 client received anything — a stream before its first chunk, any non-streamed answer — is
 sent again under a new command: the master routes it to another healthy instance, or,
 when the model has none, it waits until the lost instance serves again (placed anew on
-the remaining nodes) for at most `RETRY_WAIT_SECONDS`.
+the remaining nodes) for at most `RETRY_WAIT_SECONDS`. A stream that loses its instance
+after it began continues on another one in the same response (`exo.api.serving.failover`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from exo.api.serving.admission import admission_of
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.serving.early_stream import ChunkRenderer, EarlyStreamingResponse, WaitingFrames
 from exo.api.serving.embedding import refuse_non_chat_model
+from exo.api.serving.failover import with_failover
 from exo.api.serving.image_input import convert_with_images
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
 from exo.api.serving.metrics import observed_chunks
@@ -116,26 +118,57 @@ class Generation:
             GenerationError: the client disconnected while waiting.
         """
         self.retries += 1
+        deadline = anyio.current_time() + RETRY_WAIT_SECONDS
+        self.chunks = await self._resubmit(request, self.params, deadline, "before answering")
+
+    async def fail_over(
+        self, request: Request, forced_token_ids: tuple[int, ...], deadline: float
+    ) -> AsyncIterator[Chunk]:
+        """Send the streamed generation again, mid-stream, to continue after the
+        `forced_token_ids` its client already got (`exo.api.serving.failover`); waits for
+        an instance of the model at most until `deadline` (anyio clock seconds).
+
+        Returns:
+            The new command's chunks.
+
+        Raises:
+            NoCapacityError, ModelNotFoundError, GenerationError: as `retry`.
+        """
+        params = self.params.model_copy(update={"forced_token_ids": forced_token_ids})
+        return await self._resubmit(
+            request, params, deadline, f"after {len(forced_token_ids)} streamed tokens"
+        )
+
+    async def _resubmit(
+        self,
+        request: Request,
+        params: TextGenerationTaskParams,
+        deadline: float,
+        when: str,
+    ) -> AsyncIterator[Chunk]:
+        """Send `params` under a new command (its chunk stream replaces the old one, which
+        is closed); when the master has no instance that can serve it (503: its model's
+        instances are unavailable), wait for one until `deadline`. The new command is this
+        generation's from before it is sent, so a cancel reaches it."""
         self._resources.close()  # the old command's chunk stream
         known = self._known_command_id = self._known_command_id or self.command_id
         self._resources = ExitStack()
-        deadline = anyio.current_time() + RETRY_WAIT_SECONDS
         while True:
             command = GenerateText(
-                command_id=CommandId.new(), params=self.params, keep_alive=self.keep_alive
+                command_id=CommandId.new(), params=params, keep_alive=self.keep_alive
             )
             chunks = observed_chunks(
                 self._resources.enter_context(self.cluster.chunk_stream(command.command_id))
             )
             logger.info(
-                f"api: {known} lost its instance before answering; sent again as "
+                f"api: {known} lost its instance {when}; sent again as "
                 f"{command.command_id} (retry {self.retries})"
             )
-            self.command_id, self.chunks = command.command_id, chunks
+            self.command_id = command.command_id
             self.cluster.generation_aliases[known] = command.command_id
             try:
                 await _submit(self.cluster, command)
-                return
+                return chunks
             except NoCapacityError:
                 if not self._model_recovering():
                     raise
@@ -145,8 +178,8 @@ class Generation:
             while self._model_recovering() and not self._model_serving():
                 if anyio.current_time() >= deadline:
                     raise NoCapacityError(
-                        f"no instance of {self.params.model} served again within "
-                        f"{RETRY_WAIT_SECONDS:.0f} s after its instance was lost"
+                        f"no instance of {self.params.model} served again in time "
+                        "after its instance was lost"
                     )
                 if not await _wait_for_state_change(
                     self.cluster, request, RETRY_STATE_CHECK_SECONDS
@@ -277,6 +310,8 @@ async def _start_checked_generation(
                 )
             note_capped_max_tokens(cluster, request, params, first)
             generation.chunks = _prepend(first, generation.chunks)
+            if params.stream and generation.instance_id is None:
+                generation.chunks = _continued_on_loss(generation, request)
     except BaseException:
         generation.cancel()
         generation.close()
@@ -534,6 +569,19 @@ async def _prepend(first: Chunk | None, rest: AsyncIterator[Chunk]) -> AsyncIter
     if first.finish_reason is None:
         async for chunk in rest:
             yield chunk
+
+
+def _continued_on_loss(generation: Generation, request: Request) -> AsyncIterator[Chunk]:
+    """`generation`'s chunks, continued on another instance when its instance is lost
+    mid-stream (`exo.api.serving.failover`)."""
+
+    async def resubmit(forced_token_ids: tuple[int, ...], deadline: float) -> AsyncIterator[Chunk]:
+        return await generation.fail_over(request, forced_token_ids, deadline)
+
+    async def state_changed() -> None:
+        await generation.cluster.state_changed.wait()
+
+    return with_failover(generation.chunks, resubmit, state_changed=state_changed)
 
 
 async def _wait_for_state_change(cluster: ClusterClient, request: Request, timeout: float) -> bool:
