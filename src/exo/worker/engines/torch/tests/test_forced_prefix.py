@@ -137,7 +137,5 @@ def test_forced_tokens_that_end_the_request_or_leave_the_vocabulary_are_refused(
         engine.submit(request(forced_token_ids=(engine.vocab_size,)))
     letter = engine.tokenizer.encode("hello", add_special_tokens=False)[0]
     with pytest.raises(ValueError, match="output constraint"):
-        engine.submit(
-            request(response_format="json_object", forced_token_ids=(letter,))
-        )
+        engine.submit(request(response_format="json_object", forced_token_ids=(letter,)))
     assert not engine.has_work
