@@ -515,6 +515,7 @@ class TorchEngine:
         scheduler = self._new_scheduler()
         if self.testing_seam is not None:
             scheduler.prefill_chunk_seconds = self.testing_seam.prefill_chunk_seconds
+            scheduler.decode_step_seconds = self.testing_seam.decode_step_seconds
         return scheduler
 
     def _new_scheduler(self) -> BatchScheduler:
