@@ -63,6 +63,11 @@ FAILOVER_DEADLINE_SECONDS = 30.0
 node within a few seconds (zenoh liveliness, `master.recovery`), and a small model placed
 again loads within this; agents and proxies commonly give up on 60 s of silence, so the
 wait stays well inside it."""
+CONTINUATION_FIRST_CHUNK_SECONDS = 120.0
+"""How long a re-submission may take to send its first chunk (its prompt + forced tokens
+prefilled on a CPU, or the instance's runner loading again after it died) before the
+stream is given up and the re-submission cancelled: as long as a request lost before its
+first chunk waits for its model to serve again (`generation.RETRY_WAIT_SECONDS`)."""
 RESUBMIT_PAUSE_SECONDS = 0.5
 """Before a second or later re-submission for the same loss: at most this long waiting for
 the cluster state to change (the master to mark the lost instance), so a re-submission that
@@ -154,6 +159,7 @@ async def with_failover(
     resubmit: Resubmit,
     *,
     state_changed: Callable[[], Awaitable[None]],
+    cancel: Callable[[], None],
     clock: Callable[[], float] = anyio.current_time,
 ) -> AsyncIterator[Chunk]:
     """`chunks`, continued on another instance whenever the stream loses its instance (the
@@ -165,6 +171,8 @@ async def with_failover(
             given deadline.
         state_changed: returns when the cluster state next changes (awaited at most
             `RESUBMIT_PAUSE_SECONDS` before a repeated re-submission).
+        cancel: cancels the command running now (a re-submission whose first chunk did
+            not come within `CONTINUATION_FIRST_CHUNK_SECONDS`).
         clock: monotonic seconds.
 
     Yields:
@@ -175,9 +183,25 @@ async def with_failover(
     failovers = 0
     deadline = 0.0
     given_at_resume = 0
+    lost: ErrorChunk | None = None
     while True:
-        lost: ErrorChunk | None = None
-        async for chunk in chunks:
+        first_by = clock() + CONTINUATION_FIRST_CHUNK_SECONDS if progress.continued else None
+        while True:
+            if first_by is None:
+                chunk = await anext(chunks, None)
+            else:
+                waited: list[Chunk | None] = []
+                with anyio.move_on_after(max(0.0, first_by - clock())):
+                    waited.append(await anext(chunks, None))
+                if not waited:
+                    logger.warning("api: a continued stream sent nothing in time; giving up")
+                    cancel()
+                    assert lost is not None
+                    yield lost
+                    return
+                chunk, first_by = waited[0], None
+            if chunk is None:
+                return
             if is_instance_loss(chunk):
                 assert isinstance(chunk, ErrorChunk)
                 lost = chunk
@@ -186,8 +210,7 @@ async def with_failover(
             if adapted is not None:
                 progress.given(adapted)
                 yield adapted
-        if lost is None:
-            return
+        assert lost is not None
         # A re-submission that lost its instance before giving anything continues the
         # same loss (routed before the master saw it): its deadline, after a pause.
         if not (progress.continued and progress.chunks_given == given_at_resume):

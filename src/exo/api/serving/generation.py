@@ -52,6 +52,8 @@ from exo.shared.constants import INSTANCE_HEADER
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
 from exo.shared.types.commands import CancelGeneration, GenerateText, KeepAlive
 from exo.shared.types.common import CommandId, InstanceId
+from exo.shared.types.instances import Instance
+from exo.shared.types.runners import RunnerReady, RunnerRunning
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 DISCONNECT_POLL_SECONDS = 0.25
@@ -131,9 +133,23 @@ class Generation:
         Returns:
             The new command's chunks.
 
+        It waits first for a healthy instance (`_healthy_instance`) other than the lost one
+        as it was (the same instance placed again on other nodes is another).
+
         Raises:
-            NoCapacityError, ModelNotFoundError, GenerationError: as `retry`.
+            NoCapacityError: no healthy instance by `deadline`, or as `retry`.
+            ModelNotFoundError, GenerationError: as `retry`.
         """
+        lost = self.cluster.routed_instance(self.command_id)
+        lost_instance = self.cluster.state.instances.get(lost) if lost is not None else None
+        while not self._healthy_instance(lost_instance):
+            if anyio.current_time() >= deadline or not self._instance_may_come(lost_instance):
+                raise NoCapacityError(
+                    f"no healthy instance of {self.params.model} to continue the stream on"
+                )
+            wait = min(RETRY_STATE_CHECK_SECONDS, max(0.0, deadline - anyio.current_time()))
+            if not await _wait_for_state_change(self.cluster, request, wait):
+                raise GenerationError("the client disconnected; generation cancelled")
         params = self.params.model_copy(update={"forced_token_ids": forced_token_ids})
         return await self._resubmit(
             request, params, deadline, f"after {len(forced_token_ids)} streamed tokens"
@@ -185,6 +201,38 @@ class Generation:
                     self.cluster, request, RETRY_STATE_CHECK_SECONDS
                 ):
                     raise GenerationError("the client disconnected; generation cancelled")
+
+    def _healthy_instance(self, lost: Instance | None) -> bool:
+        """Whether an instance of the model can take the generation now: not unavailable,
+        none of its nodes lost, every runner of its placement ready or running, and not
+        `lost` as it was when it lost the generation (same placement)."""
+        state = self.cluster.state
+        for instance in state.instances_of_model(self.params.model):
+            assignments = instance.shard_assignments
+            if (
+                instance.instance_id in state.unavailable_instances
+                or any(node in state.lost_nodes for node in assignments.node_to_runner)
+                or (lost is not None and assignments == lost.shard_assignments)
+            ):
+                continue
+            if all(
+                isinstance(state.runners.get(runner_id), RunnerReady | RunnerRunning)
+                for runner_id in assignments.runner_to_shard
+            ):
+                return True
+        return False
+
+    def _instance_may_come(self, lost: Instance | None) -> bool:
+        """Whether a healthy instance other than `lost` as it was may still appear: another
+        instance of the model exists, or `lost` is unavailable (it will be placed again on
+        the nodes that remain). Not after a lone instance's runner died."""
+        state = self.cluster.state
+        return any(
+            lost is None
+            or instance.shard_assignments != lost.shard_assignments
+            or instance.instance_id in state.unavailable_instances
+            for instance in state.instances_of_model(self.params.model)
+        )
 
     def _model_serving(self) -> bool:
         """Whether an instance of the model is not unavailable (it may take requests)."""
@@ -581,7 +629,9 @@ def _continued_on_loss(generation: Generation, request: Request) -> AsyncIterato
     async def state_changed() -> None:
         await generation.cluster.state_changed.wait()
 
-    return with_failover(generation.chunks, resubmit, state_changed=state_changed)
+    return with_failover(
+        generation.chunks, resubmit, state_changed=state_changed, cancel=generation.cancel
+    )
 
 
 async def _wait_for_state_change(cluster: ClusterClient, request: Request, timeout: float) -> bool:

@@ -39,7 +39,8 @@ from exo.shared.types.chunks import (
 )
 from exo.shared.types.commands import CancelGeneration, GenerateText
 from exo.shared.types.common import CommandId, ModelId
-from exo.testing.builders import SMOLLM2
+from exo.shared.types.runners import RunnerReady
+from exo.testing.builders import SMOLLM2, make_state
 from exo.testing.scripted_cluster import ScriptedCluster
 
 DEADLINE_SECONDS = 20.0
@@ -78,14 +79,29 @@ class FailingOverCluster(ScriptedCluster):
         lose_at_once: bool = False,
         refuse_resubmissions: bool = False,
         hold_resubmissions: bool = False,
+        silent_continuations: bool = False,
+        known_route: bool = False,
     ) -> None:
         super().__init__()
         self.losses = losses
         self.lose_at_once = lose_at_once
         self.refuse_resubmissions = refuse_resubmissions
         self.hold_resubmissions = hold_resubmissions
+        self.silent_continuations = silent_continuations
+        self.known_route = known_route
         self.held = threading.Event()
         self.state_changed = anyio.Event()
+        (instance,) = self.state.instances.values()
+        runners = {
+            runner_id: (self.node_id, RunnerReady())
+            for runner_id in instance.shard_assignments.runner_to_shard
+        }
+        self.state = make_state(instances=[instance], runners=runners)
+
+    def routed_instance(self, command_id: CommandId) -> str | None:
+        """The one instance when `known_route` (its runner died: no other may continue),
+        else unknown (any healthy instance may)."""
+        return next(iter(self.state.instances)) if self.known_route else None
 
     async def submit(self, command: Any, timeout: float = 0.0) -> None:
         await super().submit(command, timeout)
@@ -102,6 +118,8 @@ class FailingOverCluster(ScriptedCluster):
         start = len(command.params.forced_token_ids)
         assert command.params.forced_token_ids == TOKENS[:start]
         continued = position > 0
+        if continued and self.silent_continuations:
+            await anyio.sleep(DEADLINE_SECONDS)
         if continued:  # a runner reports its (new) prefill before the first token
             yield PrefillProgressChunk(
                 command_id=command_id, model=model, prompt_tokens=PROMPT_TOKENS,
@@ -328,6 +346,37 @@ def test_a_client_leaving_during_the_failover_cancels_the_new_command() -> None:
             assert time.monotonic() < deadline, "the new command was not cancelled"
             time.sleep(0.02)
     assert len(cluster.submitted) == 2
+
+
+def test_a_lone_instance_whose_runner_died_ends_the_stream_at_once() -> None:
+    cluster = FailingOverCluster(known_route=True)
+    for base_url in node(cluster):
+        started = time.monotonic()
+        events = sse_events(
+            base_url,
+            "/v1/chat/completions",
+            {"model": SMOLLM2, "messages": MESSAGES, "stream": True},
+        )
+        assert time.monotonic() - started < failover.FAILOVER_DEADLINE_SECONDS / 2
+    assert events[-1]["error"]["message"] == LOST
+    assert len(cluster.submitted) == 1  # no instance could take it: nothing sent again
+
+
+def test_a_continuation_silent_too_long_is_cancelled_and_ends_with_the_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(failover, "CONTINUATION_FIRST_CHUNK_SECONDS", 0.5)
+    cluster = FailingOverCluster(silent_continuations=True)
+    for base_url in node(cluster):
+        events = sse_events(
+            base_url,
+            "/v1/chat/completions",
+            {"model": SMOLLM2, "messages": MESSAGES, "stream": True},
+        )
+    assert events[-1]["error"]["message"] == LOST
+    assert len(cluster.submitted) == 2
+    cancels = [command for command in cluster.sent if isinstance(command, CancelGeneration)]
+    assert [cancel.target_command_id for cancel in cancels] == [cluster.submitted[1].command_id]
 
 
 # -- StreamProgress, without a server -------------------------------------------------------
