@@ -6,12 +6,13 @@ Messages, raw NDJSON on Ollama — gets one unbroken answer: the scripted text, 
 once, with the usage of the original request. With no healthy instance left a stream ends
 with the dialect's in-band error, within the failover's deadline.
 
-One cluster (A: master and API node; B, C) serves both cases. The five streams of the first
-run at once on B's instance (the model's only one when they start); C's is placed while
-they stream, then B is killed. The model is a tiny random one whose answer the engine's
-test seam scripts (`exo.testing.seam`) and streams one token per `DECODE_STEP_SECONDS`, so
-the kill lands mid-stream whatever this machine's speed, and the text is known. Waits have
-deadlines; every process is stopped however the module ends.
+One cluster (A: master and API node; B and C, one instance each) serves both cases. The
+five streams of the first run at once on B's instance: C's is made the busier first by
+five streams pinned to it (`X-Exo-Instance`), so the master routes the five to B; then B
+is killed. The model is a tiny random one whose answer the engine's test seam scripts
+(`exo.testing.seam`) and streams one token per `DECODE_STEP_SECONDS`, so the kill lands
+mid-stream whatever this machine's speed, and the text is known. Waits have deadlines;
+every process is stopped however the module ends.
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ from exo.testing.tiny_models import save_tiny_checkout
 from tests.test_cluster import FORM_TIMEOUT_SECONDS, make_cluster, running, same_master
 
 KILL_AFTER_CHUNKS = 5
-# Five streams of 200 steps: 40 s, of which placing C's instance while they run takes about
-# 13 s on this 2-core machine when it is busy (12.6 s measured on 2026-12-06).
-DECODE_STEP_SECONDS = 0.2
-REPLY = " ".join(f"w{1 + index % 60}" for index in range(200))
+# 100 steps of 0.1 s: every stream reaches its fifth chunk within a second or two of the
+# first, so the kill lands with most of each answer still to come.
+DECODE_STEP_SECONDS = 0.1
+REPLY = " ".join(f"w{1 + index % 60}" for index in range(100))
+STREAMS = 5
+# Ten streams at once on C after the failover (its five pinned ones and the five moved).
+MAX_CONCURRENT_REQUESTS = 2 * STREAMS
 PROMPT = "w0 w7 w9"
 PLAIN_TEMPLATE = "{% for message in messages %}{{ message.content }} {% endfor %}"
 READY_SECONDS = 120.0
@@ -60,8 +64,8 @@ class Cluster:
             if instance["shard_assignments"]["model_id"] == self.model_id
         }
 
-    def place_and_wait(self, node: ExoNode) -> str:
-        """Place an instance on `node` alone and wait until it serves; its id."""
+    def place(self, node: ExoNode) -> str:
+        """Place an instance on `node` alone; its id."""
         response = httpx.post(
             f"{self.a.url}/place_instance",
             json={"model_id": self.model_id, "node_ids": [node.node_id()]},
@@ -69,21 +73,26 @@ class Cluster:
         )
         assert response.status_code == 200, response.text
         instance_id: str = response.json()["instance_id"]
-        wait_until(lambda: self.a.serving(instance_id), READY_SECONDS, 0.2, what="serving")
         return instance_id
 
-    def delete_all(self) -> None:
-        for instance_id in self.instances():
+    def on(self, node: ExoNode) -> str:
+        """The id of the model's instance on `node`."""
+        node_id = node.node_id()
+        return next(iter(i for i, nodes in self.instances().items() if nodes == {node_id}))
+
+    def delete(self, instance_ids: list[str]) -> None:
+        for instance_id in instance_ids:
             response = httpx.delete(f"{self.a.url}/instance/{instance_id}", timeout=60)
             assert response.status_code in (200, 404), response.text
-        wait_until(lambda: not self.instances(), 60, what="no instance left")
+        wait_until(lambda: not set(instance_ids) & set(self.instances()), 60, what="deleted")
 
-    def unfinished_tasks(self) -> list[dict[str, Any]]:
-        return [
-            task
+    def unfinished_tasks(self, instance_id: str) -> int:
+        return sum(
+            1
             for task in self.a.state()["tasks"].values()
             if task["status"]["kind"] in ("TaskPending", "TaskRunning")
-        ]
+            and task["instance_id"] == instance_id
+        )
 
 
 @pytest.fixture(scope="module")
@@ -91,13 +100,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("failover")
     model_dir = save_tiny_checkout(root / "models" / "scripted", chat_template=PLAIN_TEMPLATE)
     mark_model_dir(model_dir, decode_step_seconds=DECODE_STEP_SECONDS, replies=[("w0", REPLY)])
-    nodes = make_cluster(root, root / "models", 3, first_args=("--force-master",))
+    # Ten streams from this one client at once through A.
+    api_args = ("--force-master", "--max-generations-per-client", str(2 * STREAMS))
+    nodes = make_cluster(root, root / "models", 3, first_args=api_args)
+    for node in nodes[1:]:
+        node.extra_args += ("--max-concurrent-requests", str(MAX_CONCURRENT_REQUESTS))
     with running(nodes):
         a, b, c = nodes
         wait_until(lambda: same_master(nodes), FORM_TIMEOUT_SECONDS, what="one master")
         added = httpx.post(f"{a.url}/models/add", json={"model_id": str(model_dir)}, timeout=60)
         assert added.status_code == 200, added.text
-        yield Cluster(a, b, c, added.json()["model_id"])
+        cluster = Cluster(a, b, c, added.json()["model_id"])
+        placed = [cluster.place(b), cluster.place(c)]  # loading side by side
+        for instance_id in placed:
+            wait_until(lambda i=instance_id: a.serving(i), READY_SECONDS, 0.2, what="serving")  # type: ignore[misc]
+        yield cluster
 
 
 @dataclass
@@ -131,6 +148,20 @@ class Stream:
 
 def messages() -> Any:  # the SDKs' typed params
     return [{"role": "user", "content": PROMPT}]
+
+
+def pinned(cluster: Cluster, instance_id: str) -> Callable[[Stream], str]:
+    """A stream that runs on `instance_id` only (read to its end, whatever it says)."""
+
+    def read(stream: Stream) -> str:
+        body = {"model": cluster.model_id, "messages": messages(), "stream": True}
+        with httpx.stream(
+            "POST", f"{cluster.a.url}/v1/chat/completions", json=body,
+            headers={"X-Exo-Instance": instance_id}, timeout=CLIENT_TIMEOUT_SECONDS,
+        ) as response:  # fmt: skip
+            return "".join(chat_text([event]) for event in sse_data(response, stream))
+
+    return read
 
 
 def sse_data(response: httpx.Response, stream: Stream) -> Iterator[dict[str, Any]]:
@@ -259,8 +290,8 @@ def raw_ollama(cluster: Cluster) -> Callable[[Stream], str]:
 def test_every_dialect_gets_one_unbroken_answer_after_its_node_is_killed(
     cluster: Cluster,
 ) -> None:
-    cluster.delete_all()
-    on_b = cluster.place_and_wait(cluster.b)
+    on_b, on_c = cluster.on(cluster.b), cluster.on(cluster.c)
+    busy = [Stream(f"pinned to C {index}", pinned(cluster, on_c)) for index in range(STREAMS)]
     streams = [
         Stream(name, make(cluster))
         for name, make in (
@@ -271,30 +302,22 @@ def test_every_dialect_gets_one_unbroken_answer_after_its_node_is_killed(
             ("ollama NDJSON", raw_ollama),
         )
     ]
-    threads = [stream.start() for stream in streams]
+    threads = [stream.start() for stream in busy]
     try:
-        # All five run on B's instance (the only one), then C's joins as a healthy one.
-        wait_until(
-            lambda: (
-                len(cluster.unfinished_tasks()) == len(streams)
-                and all(task["instance_id"] == on_b for task in cluster.unfinished_tasks())
-            ),
-            CLIENT_TIMEOUT_SECONDS,
-            0.1,
-            what="every stream running on B",
-        )
-        placing = time.monotonic()
-        cluster.place_and_wait(cluster.c)
-        print(f"C's instance served {time.monotonic() - placing:.1f} s after it was placed")
+        wait_until(lambda: cluster.unfinished_tasks(on_c) == STREAMS, 30, 0.05, what="C busy")
+        # The least busy instance takes each new request: B, five times.
+        threads += [stream.start() for stream in streams]
+        wait_until(lambda: cluster.unfinished_tasks(on_b) == STREAMS, 30, 0.05, what="five on B")
         wait_until(
             lambda: all(stream.chunks >= KILL_AFTER_CHUNKS for stream in streams),
             CLIENT_TIMEOUT_SECONDS,
-            0.05,
+            0.02,
             what=f"{KILL_AFTER_CHUNKS} chunks on every stream",
         )
         ended = [(stream.name, stream.chunks, stream.error) for stream in streams if stream.done]
         assert not ended, f"streams ended before the kill: {ended}"
         cluster.b.kill()
+        print(f"B killed with {[stream.chunks for stream in streams]} chunks read")
     finally:
         for thread in threads:
             thread.join(timeout=CLIENT_TIMEOUT_SECONDS + 10)
@@ -310,8 +333,15 @@ def test_every_dialect_gets_one_unbroken_answer_after_its_node_is_killed(
 def test_with_no_healthy_instance_the_stream_ends_with_the_dialects_error(
     cluster: Cluster,
 ) -> None:
-    cluster.delete_all()
-    cluster.place_and_wait(cluster.c)
+    """After the first case: B is gone and its instance placed again on A or C; only C's
+    node may serve the stream (A's instance, if any, is deleted: A is the API node)."""
+    a_id, c_id = cluster.a.node_id(), cluster.c.node_id()
+    cluster.delete([i for i, nodes in cluster.instances().items() if a_id in nodes])
+    wait_until(
+        lambda: any(cluster.a.serving(i) for i in cluster.instances()), READY_SECONDS, 0.2,
+        what="an instance on C serving",
+    )  # fmt: skip
+    assert all(nodes == {c_id} for nodes in cluster.instances().values())
     events: list[dict[str, Any]] = []
     stream = Stream("chat", lambda stream: "")
     body = {"model": cluster.model_id, "messages": messages(), "stream": True}
@@ -324,7 +354,7 @@ def test_with_no_healthy_instance_the_stream_ends_with_the_dialects_error(
             if stream.chunks == KILL_AFTER_CHUNKS:
                 # C goes with the only instance, which is not placed again.
                 cluster.c.kill()
-                cluster.delete_all()
+                cluster.delete(list(cluster.instances()))
                 lost_at = time.monotonic()
         ended = time.monotonic()
     assert stream.chunks > KILL_AFTER_CHUNKS, "the stream ended before C was killed"
