@@ -38,9 +38,9 @@ from exo.shared.types.chunks import (
     Usage,
 )
 from exo.shared.types.commands import CancelGeneration, GenerateText
-from exo.shared.types.common import CommandId, ModelId
-from exo.shared.types.runners import RunnerReady
-from exo.testing.builders import SMOLLM2, make_state
+from exo.shared.types.common import CommandId, ModelId, NodeId
+from exo.shared.types.runners import RunnerLoading, RunnerReady
+from exo.testing.builders import SMOLLM2, make_instance, make_state
 from exo.testing.scripted_cluster import ScriptedCluster
 
 DEADLINE_SECONDS = 20.0
@@ -91,6 +91,7 @@ class FailingOverCluster(ScriptedCluster):
         self.known_route = known_route
         self.held = threading.Event()
         self.state_changed = anyio.Event()
+        self.resubmitted_at: list[float] = []
         (instance,) = self.state.instances.values()
         runners = {
             runner_id: (self.node_id, RunnerReady())
@@ -105,6 +106,8 @@ class FailingOverCluster(ScriptedCluster):
 
     async def submit(self, command: Any, timeout: float = 0.0) -> None:
         await super().submit(command, timeout)
+        if len(self.submitted) > 1:
+            self.resubmitted_at.append(time.monotonic())
         if len(self.submitted) > 1 and self.refuse_resubmissions:
             raise CommandRejectedError("no instance of the model can take it", 503)
         if len(self.submitted) > 1 and self.hold_resubmissions:
@@ -377,6 +380,45 @@ def test_a_continuation_silent_too_long_is_cancelled_and_ends_with_the_error(
     assert len(cluster.submitted) == 2
     cancels = [command for command in cluster.sent if isinstance(command, CancelGeneration)]
     assert [cancel.target_command_id for cancel in cancels] == [cluster.submitted[1].command_id]
+
+
+def test_the_failover_waits_for_another_instance_to_be_healthy() -> None:
+    """The lost instance (its runner died, same placement) never takes the continuation;
+    a second instance still loading does, once its runner is ready."""
+    cluster = FailingOverCluster(known_route=True)
+    (lost,) = cluster.state.instances.values()
+    other = make_instance(NodeId("node-b"), instance_id="instance-2")
+    (other_runner,) = other.shard_assignments.runner_to_shard
+    lost_runners = {
+        runner_id: (cluster.node_id, RunnerReady())
+        for runner_id in lost.shard_assignments.runner_to_shard
+    }
+
+    def state_with(status: Any) -> Any:
+        runners = {**lost_runners, other_runner: (NodeId("node-b"), status)}
+        return make_state(instances=[lost, other], runners=runners)
+
+    cluster.state = state_with(RunnerLoading(layers_loaded=1, total_layers=30))
+    ready_at: list[float] = []
+
+    def become_ready() -> None:
+        time.sleep(0.6)  # the first stream is lost well before (after six chunks)
+        ready_at.append(time.monotonic())
+        cluster.state = state_with(RunnerReady())
+
+    for base_url in node(cluster):
+        helper = threading.Thread(target=become_ready, daemon=True)
+        helper.start()
+        events = sse_events(
+            base_url,
+            "/v1/chat/completions",
+            {"model": SMOLLM2, "messages": MESSAGES, "stream": True},
+        )
+        helper.join(timeout=DEADLINE_SECONDS)
+    check_continued(cluster)
+    assert cluster.resubmitted_at and ready_at and cluster.resubmitted_at[0] >= ready_at[0]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert text == ANSWER
 
 
 # -- StreamProgress, without a server -------------------------------------------------------
