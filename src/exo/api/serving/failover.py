@@ -27,9 +27,15 @@ held-back text never matter: the forced tokens are always whole streamed pieces)
   same distribution, not the same tokens. Unseeded sampling: a sample from the same
   distribution.
 
-Bounded: at most `MAX_FAILOVERS` re-submissions per stream, and each loss is given up after
-`FAILOVER_DEADLINE_SECONDS` without a new stream; then the client gets the error of today
-(the lost stream's 503 in the dialect's in-band error shape). A client that leaves during
+Where: a healthy instance of the model (not unavailable, no node lost, every runner ready)
+other than the lost one as it was — the lost instance placed again on other nodes counts,
+the same placement whose runner died does not (`Generation.fail_over`); when none can
+appear (a lone instance's runner died) the error goes out at once.
+
+Bounded: at most `MAX_FAILOVERS` re-submissions per stream; each loss is given up after
+`FAILOVER_DEADLINE_SECONDS` without an instance taking the request, and a re-submission
+silent for `CONTINUATION_FIRST_CHUNK_SECONDS` is cancelled; then the client gets the error
+of today (the lost stream's 503 in the dialect's in-band error shape). A client that leaves during
 the failover cancels the new command (the response's cancel names the command running
 now). A request pinned to an instance (`INSTANCE_HEADER`) never moves.
 """
