@@ -29,7 +29,7 @@ held-back text never matter: the forced tokens are always whole streamed pieces)
 
 Where: a healthy instance of the model (not unavailable, no node lost, every runner ready)
 other than the lost one as it was — the lost instance placed again on other nodes counts,
-the same placement whose runner died does not (`Generation.fail_over`); when none can
+the same placement whose runner died does not (`healthy_instance_exists`); when none can
 appear (a lone instance's runner died) the error goes out at once.
 
 Bounded: at most `MAX_FAILOVERS` re-submissions per stream; each loss is given up after
@@ -58,6 +58,10 @@ from exo.shared.types.chunks import (
     ToolCallChunk,
     Usage,
 )
+from exo.shared.types.common import ModelId
+from exo.shared.types.instances import Instance
+from exo.shared.types.runners import RunnerReady, RunnerRunning
+from exo.shared.types.state import State
 
 MAX_FAILOVERS = 4
 """Re-submissions one stream may make after losing its instance. A node loss takes one; a
@@ -147,6 +151,39 @@ class StreamProgress:
         return usage.model_copy(
             update={"cached_tokens": min(self.cached_tokens, usage.prompt_tokens)}
         )
+
+
+def healthy_instance_exists(state: State, model: ModelId, lost: Instance | None) -> bool:
+    """Whether an instance of `model` can continue a stream now: not unavailable, none of its
+    nodes lost, every runner of its placement ready or running, and not `lost` as it was
+    when the stream lost it (the same placement; placed again on other nodes, it is
+    another)."""
+    for instance in state.instances_of_model(model):
+        assignments = instance.shard_assignments
+        if (
+            instance.instance_id in state.unavailable_instances
+            or any(node in state.lost_nodes for node in assignments.node_to_runner)
+            or (lost is not None and assignments == lost.shard_assignments)
+        ):
+            continue
+        if all(
+            isinstance(state.runners.get(runner_id), RunnerReady | RunnerRunning)
+            for runner_id in assignments.runner_to_shard
+        ):
+            return True
+    return False
+
+
+def instance_may_come(state: State, model: ModelId, lost: Instance | None) -> bool:
+    """Whether a healthy instance other than `lost` as it was may still appear: another
+    instance of `model` exists, or `lost` is unavailable (it will be placed again on the
+    nodes that remain). False after a lone instance's runner died."""
+    return any(
+        lost is None
+        or instance.shard_assignments != lost.shard_assignments
+        or instance.instance_id in state.unavailable_instances
+        for instance in state.instances_of_model(model)
+    )
 
 
 Resubmit = Callable[[tuple[int, ...], float], Awaitable[AsyncIterator[Chunk]]]

@@ -31,7 +31,7 @@ from exo.api.serving.admission import admission_of
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.serving.early_stream import ChunkRenderer, EarlyStreamingResponse, WaitingFrames
 from exo.api.serving.embedding import refuse_non_chat_model
-from exo.api.serving.failover import with_failover
+from exo.api.serving.failover import healthy_instance_exists, instance_may_come, with_failover
 from exo.api.serving.image_input import convert_with_images
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
 from exo.api.serving.metrics import observed_chunks
@@ -52,8 +52,6 @@ from exo.shared.constants import INSTANCE_HEADER
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
 from exo.shared.types.commands import CancelGeneration, GenerateText, KeepAlive
 from exo.shared.types.common import CommandId, InstanceId
-from exo.shared.types.instances import Instance
-from exo.shared.types.runners import RunnerReady, RunnerRunning
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 DISCONNECT_POLL_SECONDS = 0.25
@@ -128,13 +126,12 @@ class Generation:
     ) -> AsyncIterator[Chunk]:
         """Send the streamed generation again, mid-stream, to continue after the
         `forced_token_ids` its client already got (`exo.api.serving.failover`); waits for
-        an instance of the model at most until `deadline` (anyio clock seconds).
+        an instance of the model at most until `deadline` (anyio clock seconds): a healthy
+        one other than the lost one as it was (`failover.healthy_instance_exists`; the same
+        instance placed again on other nodes is another).
 
         Returns:
             The new command's chunks.
-
-        It waits first for a healthy instance (`_healthy_instance`) other than the lost one
-        as it was (the same instance placed again on other nodes is another).
 
         Raises:
             NoCapacityError: no healthy instance by `deadline`, or as `retry`.
@@ -142,14 +139,18 @@ class Generation:
         """
         lost = self.cluster.routed_instance(self.command_id)
         lost_instance = self.cluster.state.instances.get(lost) if lost is not None else None
-        while not self._healthy_instance(lost_instance):
-            if anyio.current_time() >= deadline or not self._instance_may_come(lost_instance):
+        state, model = self.cluster.state, self.params.model
+        while not healthy_instance_exists(state, model, lost_instance):
+            if anyio.current_time() >= deadline or not instance_may_come(
+                state, model, lost_instance
+            ):
                 raise NoCapacityError(
                     f"no healthy instance of {self.params.model} to continue the stream on"
                 )
             wait = min(RETRY_STATE_CHECK_SECONDS, max(0.0, deadline - anyio.current_time()))
             if not await _wait_for_state_change(self.cluster, request, wait):
                 raise GenerationError("the client disconnected; generation cancelled")
+            state = self.cluster.state
         params = self.params.model_copy(update={"forced_token_ids": forced_token_ids})
         return await self._resubmit(
             request, params, deadline, f"after {len(forced_token_ids)} streamed tokens"
@@ -201,38 +202,6 @@ class Generation:
                     self.cluster, request, RETRY_STATE_CHECK_SECONDS
                 ):
                     raise GenerationError("the client disconnected; generation cancelled")
-
-    def _healthy_instance(self, lost: Instance | None) -> bool:
-        """Whether an instance of the model can take the generation now: not unavailable,
-        none of its nodes lost, every runner of its placement ready or running, and not
-        `lost` as it was when it lost the generation (same placement)."""
-        state = self.cluster.state
-        for instance in state.instances_of_model(self.params.model):
-            assignments = instance.shard_assignments
-            if (
-                instance.instance_id in state.unavailable_instances
-                or any(node in state.lost_nodes for node in assignments.node_to_runner)
-                or (lost is not None and assignments == lost.shard_assignments)
-            ):
-                continue
-            if all(
-                isinstance(state.runners.get(runner_id), RunnerReady | RunnerRunning)
-                for runner_id in assignments.runner_to_shard
-            ):
-                return True
-        return False
-
-    def _instance_may_come(self, lost: Instance | None) -> bool:
-        """Whether a healthy instance other than `lost` as it was may still appear: another
-        instance of the model exists, or `lost` is unavailable (it will be placed again on
-        the nodes that remain). Not after a lone instance's runner died."""
-        state = self.cluster.state
-        return any(
-            lost is None
-            or instance.shard_assignments != lost.shard_assignments
-            or instance.instance_id in state.unavailable_instances
-            for instance in state.instances_of_model(self.params.model)
-        )
 
     def _model_serving(self) -> bool:
         """Whether an instance of the model is not unavailable (it may take requests)."""

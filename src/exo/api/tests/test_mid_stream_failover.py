@@ -27,7 +27,12 @@ import pytest
 
 from exo.api.serving import failover
 from exo.api.serving.cluster_client import CommandRejectedError
-from exo.api.serving.failover import MAX_FAILOVERS, StreamProgress
+from exo.api.serving.failover import (
+    MAX_FAILOVERS,
+    StreamProgress,
+    healthy_instance_exists,
+    instance_may_come,
+)
 from exo.api.tests.serving import scripted_app, serving
 from exo.shared.types.chunks import (
     INSTANCE_UNAVAILABLE,
@@ -40,6 +45,7 @@ from exo.shared.types.chunks import (
 from exo.shared.types.commands import CancelGeneration, GenerateText
 from exo.shared.types.common import CommandId, ModelId, NodeId
 from exo.shared.types.runners import RunnerLoading, RunnerReady
+from exo.shared.types.state import InstanceUnavailable
 from exo.testing.builders import SMOLLM2, make_instance, make_state
 from exo.testing.scripted_cluster import ScriptedCluster
 
@@ -419,6 +425,43 @@ def test_the_failover_waits_for_another_instance_to_be_healthy() -> None:
     assert cluster.resubmitted_at and ready_at and cluster.resubmitted_at[0] >= ready_at[0]
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
     assert text == ANSWER
+
+
+# -- pure decisions, without a server ------------------------------------------------------
+
+
+def test_a_healthy_instance_is_ready_on_live_nodes_and_not_the_lost_placement() -> None:
+    first = make_instance(NodeId("node-a"), instance_id="instance-1")
+    second = make_instance(NodeId("node-b"), instance_id="instance-2")
+    ready = {
+        runner_id: (node_id, RunnerReady())
+        for instance in (first, second)
+        for node_id, runner_id in instance.shard_assignments.node_to_runner.items()
+    }
+    both = make_state(instances=[first, second], runners=ready)
+    assert healthy_instance_exists(both, SMOLLM2, lost=first)
+    assert healthy_instance_exists(both, SMOLLM2, lost=None)
+    alone = make_state(instances=[first], runners=ready)
+    # Its runner died and it keeps its placement: nothing else can come.
+    assert not healthy_instance_exists(alone, SMOLLM2, lost=first)
+    assert not instance_may_come(alone, SMOLLM2, lost=first)
+    # Unavailable (its node left), it will be placed again: worth waiting for.
+    recovering = alone.model_copy(
+        update={"unavailable_instances": {first.instance_id: InstanceUnavailable(reason="x")}}
+    )
+    assert instance_may_come(recovering, SMOLLM2, lost=first)
+    # Placed again on another node (new runners): healthy once they are ready.
+    moved = make_instance(NodeId("node-c"), instance_id="instance-1", runner_tag="again")
+    (moved_runner,) = moved.shard_assignments.runner_to_shard
+    on_c = NodeId("node-c")
+    loading_status = RunnerLoading(layers_loaded=1, total_layers=30)
+    loading = make_state(instances=[moved], runners={moved_runner: (on_c, loading_status)})
+    assert not healthy_instance_exists(loading, SMOLLM2, lost=first)
+    served = make_state(instances=[moved], runners={moved_runner: (on_c, RunnerReady())})
+    assert healthy_instance_exists(served, SMOLLM2, lost=first)
+    # A node of the other instance is lost: not healthy.
+    lost_node = both.model_copy(update={"lost_nodes": (NodeId("node-b"),)})
+    assert not healthy_instance_exists(lost_node, SMOLLM2, lost=first)
 
 
 # -- StreamProgress, without a server -------------------------------------------------------
