@@ -20,16 +20,19 @@ def mark_model_dir(
     model_dir: Path,
     *,
     prefill_chunk_seconds: float = 0.0,
+    decode_step_seconds: float = 0.0,
     replies: Sequence[tuple[str, str]] = (),
 ) -> Path:
     """Write the seam's marker into `model_dir` (replacing any earlier one); the path written.
 
     Args:
         prefill_chunk_seconds: each step that prefills a prompt chunk sleeps this long.
+        decode_step_seconds: each step that decodes sleeps this long.
         replies: `(prompt_contains, reply)` rules, the first match deciding.
     """
     seam = TestingSeam(
         prefill_chunk_seconds=prefill_chunk_seconds,
+        decode_step_seconds=decode_step_seconds,
         replies=tuple(ScriptedRule(prompt_contains=key, reply=text) for key, text in replies),
     )
     path = model_dir / SEAM_FILE

@@ -208,6 +208,8 @@ class ClusterClient:
         self._result_waiters: dict[CommandId, MemoryObjectSendStream[Event]] = {}
         self._chunk_streams: dict[CommandId, MemoryObjectSendStream[Chunk]] = {}
         self._command_instance: dict[CommandId, InstanceId] = {}
+        # The instance each request with a chunk stream was sent to (kept after a loss).
+        self._routed: dict[CommandId, InstanceId] = {}
         # Set when a request's instance becomes known, to wake `_watch_lost_nodes`.
         self._request_routed = anyio.Event()
         self._task_commands: dict[TaskId, CommandId] = {}
@@ -355,6 +357,7 @@ class ClusterClient:
                 command_id = task.command_id
                 if task.command_id in self._chunk_streams:
                     self._command_instance[task.command_id] = task.instance_id
+                    self._routed[task.command_id] = task.instance_id
                     self._request_routed.set()
                     self._task_commands[task.task_id] = task.command_id
                     # Sent to an instance that lost a node since: no chunk will come.
@@ -533,6 +536,11 @@ class ClusterClient:
         if self._record_download is not None:
             self._record_download(model_id, status)
 
+    def routed_instance(self, command_id: CommandId) -> InstanceId | None:
+        """The instance a request this node is streaming was sent to (None before the
+        master routed it), also after that instance was lost."""
+        return self._routed.get(command_id)
+
     @property
     def unanswered_command_ids(self) -> list[CommandId]:
         """Commands sent and not carried out yet (sent again until they are)."""
@@ -581,6 +589,7 @@ class ClusterClient:
         finally:
             self._chunk_streams.pop(command_id, None)
             self._command_instance.pop(command_id, None)
+            self._routed.pop(command_id, None)
             send.close()
             receive.close()
 

@@ -10,7 +10,8 @@ A generation whose instance becomes unavailable (it lost a node or a rank) befor
 client received anything — a stream before its first chunk, any non-streamed answer — is
 sent again under a new command: the master routes it to another healthy instance, or,
 when the model has none, it waits until the lost instance serves again (placed anew on
-the remaining nodes) for at most `RETRY_WAIT_SECONDS`.
+the remaining nodes) for at most `RETRY_WAIT_SECONDS`. A stream that loses its instance
+after it began continues on another one in the same response (`exo.api.serving.failover`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from exo.api.serving.catch_up import catch_up_for
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.serving.early_stream import ChunkRenderer, EarlyStreamingResponse, WaitingFrames
 from exo.api.serving.embedding import refuse_non_chat_model
+from exo.api.serving.failover import healthy_instance_exists, instance_may_come, with_failover
 from exo.api.serving.image_input import convert_with_images
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
 from exo.api.serving.metrics import observed_chunks
@@ -117,26 +119,74 @@ class Generation:
             GenerationError: the client disconnected while waiting.
         """
         self.retries += 1
+        deadline = anyio.current_time() + RETRY_WAIT_SECONDS
+        self.chunks = await self._resubmit(request, self.params, deadline, "before answering")
+
+    async def fail_over(
+        self, request: Request, forced_token_ids: tuple[int, ...], deadline: float
+    ) -> AsyncIterator[Chunk]:
+        """Send the streamed generation again, mid-stream, to continue after the
+        `forced_token_ids` its client already got (`exo.api.serving.failover`); waits for
+        an instance of the model at most until `deadline` (anyio clock seconds): a healthy
+        one other than the lost one as it was (`failover.healthy_instance_exists`; the same
+        instance placed again on other nodes is another).
+
+        Returns:
+            The new command's chunks.
+
+        Raises:
+            NoCapacityError: no healthy instance by `deadline`, or as `retry`.
+            ModelNotFoundError, GenerationError: as `retry`.
+        """
+        lost = self.cluster.routed_instance(self.command_id)
+        lost_instance = self.cluster.state.instances.get(lost) if lost is not None else None
+        state, model = self.cluster.state, self.params.model
+        while not healthy_instance_exists(state, model, lost_instance):
+            if anyio.current_time() >= deadline or not instance_may_come(
+                state, model, lost_instance
+            ):
+                raise NoCapacityError(
+                    f"no healthy instance of {self.params.model} to continue the stream on"
+                )
+            wait = min(RETRY_STATE_CHECK_SECONDS, max(0.0, deadline - anyio.current_time()))
+            if not await _wait_for_state_change(self.cluster, request, wait):
+                raise GenerationError("the client disconnected; generation cancelled")
+            state = self.cluster.state
+        params = self.params.model_copy(update={"forced_token_ids": forced_token_ids})
+        return await self._resubmit(
+            request, params, deadline, f"after {len(forced_token_ids)} streamed tokens"
+        )
+
+    async def _resubmit(
+        self,
+        request: Request,
+        params: TextGenerationTaskParams,
+        deadline: float,
+        when: str,
+    ) -> AsyncIterator[Chunk]:
+        """Send `params` under a new command (its chunk stream replaces the old one, which
+        is closed); when the master has no instance that can serve it (503: its model's
+        instances are unavailable), wait for one until `deadline`. The new command is this
+        generation's from before it is sent, so a cancel reaches it."""
         self._resources.close()  # the old command's chunk stream
         known = self._known_command_id = self._known_command_id or self.command_id
         self._resources = ExitStack()
-        deadline = anyio.current_time() + RETRY_WAIT_SECONDS
         while True:
             command = GenerateText(
-                command_id=CommandId.new(), params=self.params, keep_alive=self.keep_alive
+                command_id=CommandId.new(), params=params, keep_alive=self.keep_alive
             )
             chunks = observed_chunks(
                 self._resources.enter_context(self.cluster.chunk_stream(command.command_id))
             )
             logger.info(
-                f"api: {known} lost its instance before answering; sent again as "
+                f"api: {known} lost its instance {when}; sent again as "
                 f"{command.command_id} (retry {self.retries})"
             )
-            self.command_id, self.chunks = command.command_id, chunks
+            self.command_id = command.command_id
             self.cluster.generation_aliases[known] = command.command_id
             try:
                 await _submit(self.cluster, command)
-                return
+                return chunks
             except NoCapacityError:
                 if not self._model_recovering():
                     raise
@@ -146,8 +196,8 @@ class Generation:
             while self._model_recovering() and not self._model_serving():
                 if anyio.current_time() >= deadline:
                     raise NoCapacityError(
-                        f"no instance of {self.params.model} served again within "
-                        f"{RETRY_WAIT_SECONDS:.0f} s after its instance was lost"
+                        f"no instance of {self.params.model} served again in time "
+                        "after its instance was lost"
                     )
                 if not await _wait_for_state_change(
                     self.cluster, request, RETRY_STATE_CHECK_SECONDS
@@ -278,6 +328,8 @@ async def _start_checked_generation(
                 )
             note_capped_max_tokens(cluster, request, params, first)
             generation.chunks = _prepend(first, generation.chunks)
+            if params.stream and generation.instance_id is None:
+                generation.chunks = _continued_on_loss(generation, request)
     except BaseException:
         generation.cancel()
         generation.close()
@@ -541,6 +593,21 @@ async def _prepend(first: Chunk | None, rest: AsyncIterator[Chunk]) -> AsyncIter
     if first.finish_reason is None:
         async for chunk in rest:
             yield chunk
+
+
+def _continued_on_loss(generation: Generation, request: Request) -> AsyncIterator[Chunk]:
+    """`generation`'s chunks, continued on another instance when its instance is lost
+    mid-stream (`exo.api.serving.failover`)."""
+
+    async def resubmit(forced_token_ids: tuple[int, ...], deadline: float) -> AsyncIterator[Chunk]:
+        return await generation.fail_over(request, forced_token_ids, deadline)
+
+    async def state_changed() -> None:
+        await generation.cluster.state_changed.wait()
+
+    return with_failover(
+        generation.chunks, resubmit, state_changed=state_changed, cancel=generation.cancel
+    )
 
 
 async def _wait_for_state_change(cluster: ClusterClient, request: Request, timeout: float) -> bool:

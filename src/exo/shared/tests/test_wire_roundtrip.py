@@ -374,6 +374,7 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
             stop=(".",),
             speculative=True,
         ),
+        make_params().model_copy(update={"forced_token_ids": (1, 2, 3)}),
     ],
     ToolDefinition: [WEATHER_TOOL, ToolDefinition(name="noop")],
     NamedToolChoice: [NamedToolChoice(name="get_weather")],

@@ -177,6 +177,19 @@ class TextGenerationTaskParams(FrozenModel):
     as the instance measures it to help; None: the node's `--speculative`. The output is
     the same either way (greedy: token for token; sampled: the same distribution, and the
     same tokens for one seed)."""
+    forced_token_ids: tuple[int, ...] = ()
+    """Tokens this request already generated and streamed elsewhere (mid-stream failover,
+    `exo.api.serving.failover`): the engine prefills them after the prompt as its own
+    output — the stop matcher, parsers, penalties, grammar and seeded sampler advanced over
+    them, nothing streamed for them — and decodes on from there. They count among the
+    completion tokens and `max_tokens`. Set by the API node only; no dialect exposes it."""
+
+    @field_validator("forced_token_ids")
+    @classmethod
+    def _check_forced_token_ids(cls, token_ids: tuple[int, ...]) -> tuple[int, ...]:
+        if any(token_id < 0 for token_id in token_ids):
+            raise ValueError("forced token ids start at 0")
+        return token_ids
 
     @model_validator(mode="after")
     def _check_input(self) -> TextGenerationTaskParams:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from exo.shared.types.tasks import (
@@ -28,6 +28,23 @@ class PieceFeed:
         if piece is None:
             raise StopIteration
         return piece
+
+
+def replay_forced_pieces(
+    feed: PieceFeed, parsed: Iterator[OutputPiece], pieces: Iterable[GeneratedPiece]
+) -> None:
+    """Feed a continued generation's forced pieces (`RequestHandle.forced_pieces`) through
+    its output parser and drop what comes out: the run it continues streamed that already.
+    The parser (thinking section, tool call being written, reasoning-token count, calls so
+    far) then stands where that run's stood after those tokens.
+
+    Raises:
+        ValueError: a forced piece finishes the generation.
+    """
+    for piece in pieces:
+        feed.piece = piece
+        if next(parsed).finish_reason is not None:
+            raise ValueError("a forced piece finished the generation")
 
 
 @dataclass(eq=False)

@@ -68,7 +68,7 @@ from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
 from exo.worker.runner.card_check import check_card
 from exo.worker.runner.embedding_batch import EmbeddingJob, EmbeddingPacer
 from exo.worker.runner.failures import error_code_of, peer_failure
-from exo.worker.runner.generation_feed import Generation, PieceFeed
+from exo.worker.runner.generation_feed import Generation, PieceFeed, replay_forced_pieces
 from exo.worker.runner.messages import (
     ChunkReport,
     KVCacheReport,
@@ -364,6 +364,13 @@ class Runner:
         )
         feed = PieceFeed()
         parsed = parse_generation(feed, parser, task.params)
+        try:
+            replay_forced_pieces(feed, parsed, handle.forced_pieces)
+        except Exception as error:
+            self._engine.cancel(handle.request_id)
+            self._fail_generation(task, ValueError(f"the forced tokens do not parse: {error}"))
+            self._update_status()
+            return
         self._generations[str(task.task_id)] = Generation(
             task,
             handle.prompt_tokens,

@@ -15,7 +15,7 @@ from multiprocessing.process import BaseProcess
 import anyio
 from loguru import logger
 
-from exo.shared.types.chunks import Chunk, ErrorChunk
+from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
 from exo.shared.types.common import CommandId, InstanceId, NodeId, RunnerId, TaskId
 from exo.shared.types.events import Event, RunnerStatusUpdated, TaskStatusUpdated
 from exo.shared.types.runners import (
@@ -238,6 +238,7 @@ class RunnerSupervisor:
         if process is not None:
             await anyio.to_thread.run_sync(process.join, 2.0)
             exit_code = process.exitcode
+        crashed = False
         if self._stopping or isinstance(self.status, RunnerShutdown):
             message = "runner shut down"
         elif isinstance(self.status, RunnerFailed):
@@ -245,7 +246,8 @@ class RunnerSupervisor:
         else:
             message = f"runner process exited unexpectedly (exit code {exit_code})"
             logger.error(f"runner {self.runner_id}: {message}")
-        self._fail_in_flight(message)
+            crashed = True
+        self._fail_in_flight(message, unavailable=crashed)
         if not isinstance(self.status, RunnerShutdown | RunnerFailed):
             status: RunnerStatus = (
                 RunnerShutdown() if self._stopping else RunnerFailed(error_message=message)
@@ -257,12 +259,19 @@ class RunnerSupervisor:
         self.busy_loading = False
         self._on_change()
 
-    def _fail_in_flight(self, message: str) -> None:
+    def _fail_in_flight(self, message: str, unavailable: bool = False) -> None:
+        """End the in-flight tasks' streams and tasks; `unavailable`: the runner died without
+        saying why (killed, crashed), so its instance cannot serve them — a 503
+        `INSTANCE_UNAVAILABLE` the API may send elsewhere (mid-stream failover included)."""
         for task in list(self.in_flight.values()):
             self._publish_chunk(
                 task.origin_node_id,
                 ErrorChunk(
-                    command_id=task.command_id, model=task.params.model, error_message=message
+                    command_id=task.command_id,
+                    model=task.params.model,
+                    error_message=message,
+                    status_code=503 if unavailable else 500,
+                    error_code=INSTANCE_UNAVAILABLE if unavailable else None,
                 ),
             )
             self._emit_event(

@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import pytest
 
-from exo.shared.types.chunks import Chunk, ErrorChunk, TokenChunk
+from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk, TokenChunk
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.events import TaskStatusUpdated
 from exo.shared.types.tasks import TaskComplete, TaskFailed
@@ -97,6 +97,9 @@ async def test_each_step_s_chunks_reach_their_owners_in_order() -> None:
             texts.setdefault(owner, []).append(chunk.text)
         else:
             assert isinstance(chunk, ErrorChunk)
+            # A runner that ended without saying why: its instance cannot serve the
+            # request, which the API may continue elsewhere (mid-stream failover).
+            assert (chunk.status_code, chunk.error_code) == (503, INSTANCE_UNAVAILABLE)
             texts.setdefault(owner, []).append("error")
     assert texts[NodeId("api-a")] == [f"a{step} " for step in range(STEPS)]
     assert texts[NodeId("api-b")] == [f"b{step} " for step in range(STEPS)] + ["error"]

@@ -108,6 +108,9 @@ class RequestHandle:
     request_id: str
     prompt_tokens: int
     state: RequestState | None = None
+    forced_pieces: tuple[GeneratedPiece, ...] = ()
+    """The pieces the request's forced tokens made (`RequestState.force`): already streamed
+    by the run it continues; the runner feeds them to its output parser only."""
 
     @property
     def cached_tokens(self) -> int | None:
@@ -506,6 +509,7 @@ class TorchEngine:
         scheduler = self._new_scheduler()
         if self.testing_seam is not None:
             scheduler.prefill_chunk_seconds = self.testing_seam.prefill_chunk_seconds
+            scheduler.decode_step_seconds = self.testing_seam.decode_step_seconds
         return scheduler
 
     def _new_scheduler(self) -> BatchScheduler:
@@ -542,14 +546,23 @@ class TorchEngine:
 
         Raises:
             PromptTooLongError: the prompt leaves no room for a generated token.
-            ValueError: the request is at fault (see `build_request`).
+            ValueError: the request is at fault (see `build_request`), or its
+                `forced_token_ids` cannot continue it (`RequestState.force`).
             RuntimeError: not rank 0, or the engine was shut down.
         """
         if self.group is not None:
             self.group.check_rank_zero()
         state = self.build_request(params, prompt, request_id)
+        forced: list[GeneratedPiece] = []
+        if params.forced_token_ids:
+            outside = [token for token in params.forced_token_ids if token >= self.vocab_size]
+            if outside:
+                raise ValueError(
+                    f"forced token {outside[0]} is outside the vocabulary ({self.vocab_size})"
+                )
+            forced = state.force(params.forced_token_ids)
         self.scheduler.add(state)
-        return RequestHandle(state.request_id, len(state.prompt_ids), state)
+        return RequestHandle(state.request_id, len(state.prompt_ids), state, tuple(forced))
 
     def step(self) -> list[StepOutput]:
         """One forward pass over the running batch.

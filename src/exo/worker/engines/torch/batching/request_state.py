@@ -127,13 +127,57 @@ class RequestState:
             NoAllowedTokenError: the constraint allows no token.
         """
         assert not self.finished, "a finished request takes no more tokens"
-        token = self.chooser.choose(logits)
+        return self._advance(self.chooser.choose(logits), logits)
+
+    def force(self, token_ids: Sequence[int]) -> list[GeneratedPiece]:
+        """Advance the request over tokens it generated before, elsewhere, without choosing
+        them (mid-stream failover: `TextGenerationTaskParams.forced_token_ids`).
+
+        Each token goes through what `accept` does after its choice — the detokenizer, stop
+        matcher, penalties and constraint see it, it counts as generated — and the seeded
+        sampler skips the draw it took (`Sampler.skip_draw`). The state afterwards is the
+        one the unbroken run had after the same tokens: every later piece equals that run's
+        given the same logits. The pieces returned are what was streamed for these tokens
+        already (the runner feeds them to its output parser and drops them); tokens whose
+        text is still held back at the end are taken as streamed too (the API sends only
+        the tokens of whole pieces, so none normally are), keeping `logprobs` one per
+        streamed token.
+
+        Args:
+            token_ids: the tokens, in generation order; the scheduler prefills them after the
+                prompt (`known_tokens`) as it does a pre-empted request's.
+
+        Returns:
+            The pieces the tokens made, in order (no final one).
+
+        Raises:
+            ValueError: the tokens end the request (EOS, a stop string, the token budget or
+                a complete constrained document), or one lies outside the chooser's rules
+                (a constraint that forbids it).
+        """
+        pieces: list[GeneratedPiece] = []
+        for token in token_ids:
+            constraint = self.chooser.constraint
+            if constraint is not None and not constraint.allowed(token):
+                raise ValueError(f"forced token {token} breaks the request's output constraint")
+            self.chooser.sampler.skip_draw()
+            pieces += self._advance(token, None)
+            if self.finished:
+                raise ValueError("the forced tokens end the request; nothing is left to generate")
+        self._pending_ids, self._pending_logprobs = [], []
+        return pieces
+
+    def _advance(
+        self, token: int, logits: torch.Tensor | SampledToken | None
+    ) -> list[GeneratedPiece]:
+        """Take `token` as the next generated token (`logits`: where it was chosen from, for
+        its logprobs; None for a forced token, which has none)."""
         self.generated_ids.append(token)
         if token in self.eos_token_ids:
             return [self._final(*_finish_text(self.detokenizer, self.stop_matcher), eos=True)]
         self.chooser.observe(token)
         self._pending_ids.append(token)
-        if self.top_logprobs is not None:
+        if self.top_logprobs is not None and logits is not None:
             scores = logits.logprobs if isinstance(logits, SampledToken) else logits
             assert scores is not None, "a token chosen elsewhere came without its logprobs"
             self._pending_logprobs.append(self.logprob_of(scores, token, self.top_logprobs))

@@ -218,6 +218,7 @@ class BatchScheduler:
         # The engine's test seam only (`testing_seam`): seconds each step with a prefill
         # chunk sleeps before its forward pass; 0 on every production model.
         self.prefill_chunk_seconds = 0.0
+        self.decode_step_seconds = 0.0  # the test seam's (`testing_seam`), as the above
         # Prompt tokens per step beside decodes, from the measured forward passes (a fixed
         # chunk where a benchmark or test sets one).
         self.chunk_sizer: PrefillChunkSizer | FixedChunkSizer = PrefillChunkSizer(
@@ -328,6 +329,8 @@ class BatchScheduler:
             return False
         if prefill and self.prefill_chunk_seconds:
             time.sleep(self.prefill_chunk_seconds)
+        if decoding and self.decode_step_seconds:
+            time.sleep(self.decode_step_seconds)
         input_ids: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []

@@ -210,6 +210,17 @@ class Sampler:
         if not self.params.is_greedy:
             self._pending = None
 
+    def skip_draw(self) -> None:
+        """Use up the uniform number one step's draw takes, for a token that was not drawn
+        here (a forced token, `RequestState.force`): an unconstrained seeded request then
+        draws its next tokens with the numbers the unbroken run would have used. A
+        constrained draw may take more than one number (rejections), which a skip cannot
+        know; its later draws then differ from the unbroken run's (still drawn from the same
+        distribution)."""
+        if not self.params.is_greedy:
+            self.uniform()
+            self._pending = None
+
     def sample(self, logits: torch.Tensor, constraint: TokenFilter | None = None) -> int:
         """Pick the next token.
 

@@ -1,11 +1,11 @@
-"""Sharded == unsharded for requests beyond plain sampling (logprobs, penalties, a logit
-bias, a JSON or JSON-schema constraint) and for a conversation's second turn served from the
-prefix cache: a 2-rank pipeline and a 2-rank tensor group (gloo over 127.0.0.1, spawned
-processes, a tiny random float32 llama) give the single process's tokens, logprobs and
-cached token counts. On the pipeline the last rank chooses the tokens of the requests
-without penalties, bias or constraint (with their logprobs when asked) and sends the
-others' logits (`parallel/last_rank_sampling.py`): the rows it answered each way are
-counted."""
+"""Sharded == unsharded for requests beyond plain sampling (logprobs, penalties, a logit bias,
+a JSON or JSON-schema constraint, forced tokens to continue after) and for a conversation's
+second turn served from the prefix cache: a 2-rank pipeline and a 2-rank tensor group (gloo
+over 127.0.0.1, spawned processes, a tiny random float32 llama) give the single process's
+tokens, logprobs and cached token counts. On the pipeline the last rank chooses the tokens
+of the requests without penalties, bias or constraint (with their logprobs when asked) and
+sends the others' logits (`parallel/last_rank_sampling.py`): the rows it answered each way
+are counted."""
 
 from __future__ import annotations
 
@@ -43,6 +43,9 @@ BIASED_REQUEST: dict[str, Any] = {
     "logit_bias": {BIASED_TOKEN: 100.0},
 }
 
+# Tokens a continued request already generated (ordinary ones of the SmolLM2 vocabulary).
+FORCED = (314, 2000, 42)
+
 REQUESTS: tuple[dict[str, Any], ...] = (
     {"temperature": 0.0, "max_tokens": 10, "logprobs": True, "top_logprobs": 3},
     {"temperature": 0.9, "seed": 5, "max_tokens": 10, "logprobs": True, "presence_penalty": 1.0},
@@ -56,6 +59,10 @@ REQUESTS: tuple[dict[str, Any], ...] = (
         "json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}},
     },
     {"temperature": 0.0, "max_tokens": 10},  # the fast path again after the others
+    # Continued after tokens streamed elsewhere (mid-stream failover): prefilled over the
+    # ranks after the prompt, the seeded draw and the penalties advanced over them.
+    {"temperature": 0.9, "seed": 5, "max_tokens": 10, "forced_token_ids": FORCED},
+    {"temperature": 0.0, "max_tokens": 10, "repetition_penalty": 1.3, "forced_token_ids": FORCED},
 )
 
 # One result per request: the tokens, and per token (id, logprob, top ids, top logprobs).

@@ -1,0 +1,513 @@
+"""Mid-stream failover (`exo.api.serving.failover`) behind the real app and a real server:
+a stream whose instance is lost after the client got chunks continues under a new command
+with the streamed tokens forced, and the client of every dialect — raw SSE and the official
+SDKs — sees one unbroken answer (no text twice or missing, Responses / Claude indices and
+ids going on, usage of the original request); a loss with no instance to go to, or one loss
+too many, ends the stream with the lost stream's error in the dialect's shape; a client
+that leaves during the failover cancels the new command.
+
+The stand-in cluster streams one token per chunk and loses the first commands' instance
+after `LOST_AFTER` chunks; a continued command starts where its forced tokens end (what a
+runner does, `test_forced_prefix.py` checks the engine side). Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import anthropic
+import anyio
+import httpx
+import openai
+import pytest
+
+from exo.api.serving import failover
+from exo.api.serving.cluster_client import CommandRejectedError
+from exo.api.serving.failover import (
+    MAX_FAILOVERS,
+    StreamProgress,
+    healthy_instance_exists,
+    instance_may_come,
+)
+from exo.api.tests.serving import scripted_app, serving
+from exo.shared.types.chunks import (
+    INSTANCE_UNAVAILABLE,
+    Chunk,
+    ErrorChunk,
+    PrefillProgressChunk,
+    TokenChunk,
+    Usage,
+)
+from exo.shared.types.commands import CancelGeneration, GenerateText
+from exo.shared.types.common import CommandId, ModelId, NodeId
+from exo.shared.types.runners import RunnerLoading, RunnerReady
+from exo.shared.types.state import InstanceUnavailable
+from exo.testing.builders import SMOLLM2, make_instance, make_state
+from exo.testing.scripted_cluster import ScriptedCluster
+
+DEADLINE_SECONDS = 20.0
+WORDS = (
+    "Once",
+    " upon",
+    " a",
+    " time",
+    ",",
+    " a",
+    " keeper",
+    " watched",
+    " the",
+    " sea",
+    " all",
+    ".",
+)
+TOKENS = tuple(range(101, 101 + len(WORDS)))
+ANSWER = "".join(WORDS)
+LOST_AFTER = 6
+PROMPT_TOKENS = 5
+CACHED_TOKENS = 3
+LOST = "instance i-1 of SmolLM2 is unavailable: node n-1 left; re-placing"
+
+
+class FailingOverCluster(ScriptedCluster):
+    """Streams `WORDS`, one token per chunk, from where a command's forced tokens end; the
+    first `losses` commands lose their instance after `LOST_AFTER` chunks of the answer
+    (`lose_at_once`: a continued one before any). `refuse_resubmissions`: the master has
+    no instance for a re-submission (503, none recovering). `hold_resubmissions`: a
+    re-submission is never answered (`held` is set when it is sent)."""
+
+    def __init__(
+        self,
+        losses: int = 1,
+        lose_at_once: bool = False,
+        refuse_resubmissions: bool = False,
+        hold_resubmissions: bool = False,
+        silent_continuations: bool = False,
+        known_route: bool = False,
+    ) -> None:
+        super().__init__()
+        self.losses = losses
+        self.lose_at_once = lose_at_once
+        self.refuse_resubmissions = refuse_resubmissions
+        self.hold_resubmissions = hold_resubmissions
+        self.silent_continuations = silent_continuations
+        self.known_route = known_route
+        self.held = threading.Event()
+        self.state_changed = anyio.Event()
+        self.resubmitted_at: list[float] = []
+        (instance,) = self.state.instances.values()
+        runners = {
+            runner_id: (self.node_id, RunnerReady())
+            for runner_id in instance.shard_assignments.runner_to_shard
+        }
+        self.state = make_state(instances=[instance], runners=runners)
+
+    def routed_instance(self, command_id: CommandId) -> str | None:
+        """The one instance when `known_route` (its runner died: no other may continue),
+        else unknown (any healthy instance may)."""
+        return next(iter(self.state.instances)) if self.known_route else None
+
+    async def submit(self, command: Any, timeout: float = 0.0) -> None:
+        await super().submit(command, timeout)
+        if len(self.submitted) > 1:
+            self.resubmitted_at.append(time.monotonic())
+        if len(self.submitted) > 1 and self.refuse_resubmissions:
+            raise CommandRejectedError("no instance of the model can take it", 503)
+        if len(self.submitted) > 1 and self.hold_resubmissions:
+            self.held.set()
+            await anyio.sleep(DEADLINE_SECONDS)
+
+    async def _answer(self, command_id: CommandId) -> AsyncIterator[Chunk]:
+        position = [item.command_id for item in self.submitted].index(command_id)
+        command: GenerateText = self.submitted[position]
+        model = command.params.model
+        start = len(command.params.forced_token_ids)
+        assert command.params.forced_token_ids == TOKENS[:start]
+        continued = position > 0
+        if continued and self.silent_continuations:
+            await anyio.sleep(DEADLINE_SECONDS)
+        if continued:  # a runner reports its (new) prefill before the first token
+            yield PrefillProgressChunk(
+                command_id=command_id, model=model, prompt_tokens=PROMPT_TOKENS,
+                cached_tokens=0, prefilled_tokens=PROMPT_TOKENS,
+            )  # fmt: skip
+        lost_after = 0 if continued and self.lose_at_once else LOST_AFTER
+        for sent, index in enumerate(range(start, len(WORDS))):
+            if position < self.losses and sent == lost_after:
+                yield ErrorChunk(
+                    command_id=command_id, model=model, error_message=LOST, status_code=503,
+                    error_code=INSTANCE_UNAVAILABLE,
+                )  # fmt: skip
+                return
+            last = index == len(WORDS) - 1
+            yield TokenChunk(
+                command_id=command_id,
+                model=model,
+                text=WORDS[index],
+                token_ids=(TOKENS[index],),
+                finish_reason="stop" if last else None,
+                usage=Usage(
+                    prompt_tokens=PROMPT_TOKENS,
+                    completion_tokens=len(WORDS),
+                    cached_tokens=0 if continued else CACHED_TOKENS,
+                )
+                if last
+                else None,
+                prompt_tokens=PROMPT_TOKENS if sent == 0 else None,
+                cached_tokens=(0 if continued else CACHED_TOKENS) if sent == 0 else None,
+            )
+            await anyio.sleep(0.001)
+
+
+@pytest.fixture(autouse=True)
+def quick_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(failover, "RESUBMIT_PAUSE_SECONDS", 0.05)
+
+
+def node(cluster: FailingOverCluster) -> Iterator[str]:
+    with serving(scripted_app(cluster)) as (base_url, _port):
+        yield base_url
+
+
+MESSAGES: Any = [{"role": "user", "content": "Tell me a story"}]  # the SDKs' typed params
+
+
+def sse_events(base_url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON of every `data:` line of a streamed answer (`[DONE]` left out)."""
+    with (
+        httpx.Client(base_url=base_url, timeout=DEADLINE_SECONDS) as client,
+        client.stream("POST", path, json=body) as response,
+    ):
+        assert response.status_code == 200
+        return [
+            json.loads(line.removeprefix("data: "))
+            for line in response.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+
+
+def check_continued(cluster: FailingOverCluster, failovers: int = 1) -> None:
+    """The first command, then `failovers` re-submissions forcing what the client got."""
+    assert len(cluster.submitted) == 1 + failovers
+    assert cluster.submitted[0].params.forced_token_ids == ()
+    assert cluster.submitted[-1].params.forced_token_ids == TOKENS[:LOST_AFTER]
+    assert len({command.command_id for command in cluster.submitted}) == 1 + failovers
+
+
+def test_chat_raw_sse_continues_as_one_unbroken_answer() -> None:
+    cluster = FailingOverCluster()
+    for base_url in node(cluster):
+        body = {"model": SMOLLM2, "messages": MESSAGES, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        events = sse_events(base_url, "/v1/chat/completions", body)
+    check_continued(cluster)
+    text = "".join(
+        event["choices"][0]["delta"].get("content") or "" for event in events if event["choices"]
+    )
+    assert text == ANSWER
+    assert len({event["id"] for event in events}) == 1
+    finishes = [
+        choice["finish_reason"]
+        for event in events
+        for choice in event["choices"]
+        if choice["finish_reason"]
+    ]
+    assert finishes == ["stop"]
+    (usage,) = [event["usage"] for event in events if event.get("usage")]
+    assert usage["prompt_tokens"] == PROMPT_TOKENS
+    assert usage["completion_tokens"] == len(WORDS)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == CACHED_TOKENS
+    assert cluster.generation_aliases == {}
+
+
+def test_the_official_sdks_read_one_unbroken_answer() -> None:
+    for dialect in ("chat", "responses", "messages"):
+        cluster = FailingOverCluster()
+        for base_url in node(cluster):
+            client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0)
+            if dialect == "chat":
+                stream = client.chat.completions.create(
+                    model=SMOLLM2, messages=MESSAGES, stream=True
+                )
+                text = "".join(
+                    event.choices[0].delta.content or "" for event in stream if event.choices
+                )
+            elif dialect == "responses":
+                events = list(client.responses.create(model=SMOLLM2, input="Hi", stream=True))
+                assert events[-1].type == "response.completed"
+                text = events[-1].response.output_text
+                usage = events[-1].response.usage
+                assert usage is not None and usage.output_tokens == len(WORDS)
+                assert usage.input_tokens == PROMPT_TOKENS
+                numbers = [event.sequence_number for event in events]
+                assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+                deltas = [event for event in events if event.type == "response.output_text.delta"]
+                assert "".join(event.delta for event in deltas) == ANSWER
+                assert {(e.item_id, e.output_index, e.content_index) for e in deltas} == {
+                    (deltas[0].item_id, 0, 0)
+                }
+                assert [event.type for event in events].count("response.created") == 1
+            else:
+                claude = anthropic.Anthropic(base_url=base_url, api_key="x", max_retries=0)
+                with claude.messages.stream(
+                    model=SMOLLM2, max_tokens=64, messages=MESSAGES
+                ) as claude_stream:
+                    events_seen = list(claude_stream)
+                    message = claude_stream.get_final_message()
+                kinds = [event.type for event in events_seen]
+                assert kinds.count("message_start") == 1
+                assert kinds.count("content_block_start") == 1
+                assert message.usage.output_tokens == len(WORDS)
+                assert (
+                    message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+                    == PROMPT_TOKENS
+                )
+                text = "".join(block.text for block in message.content if block.type == "text")
+            assert text == ANSWER, dialect
+        check_continued(cluster)
+
+
+def test_ollama_ndjson_continues_as_one_unbroken_answer() -> None:
+    cluster = FailingOverCluster()
+    for base_url in node(cluster):
+        with (
+            httpx.Client(base_url=base_url, timeout=DEADLINE_SECONDS) as client,
+            client.stream(
+                "POST", "/ollama/api/chat", json={"model": SMOLLM2, "messages": MESSAGES}
+            ) as response,
+        ):
+            assert response.status_code == 200
+            lines = [json.loads(line) for line in response.iter_lines() if line]
+    check_continued(cluster)
+    assert "".join(line["message"]["content"] for line in lines) == ANSWER
+    assert [line["done"] for line in lines].count(True) == 1
+    assert lines[-1]["done"] and lines[-1]["eval_count"] == len(WORDS)
+    assert lines[-1]["prompt_eval_count"] == PROMPT_TOKENS
+
+
+def test_a_resubmission_lost_at_once_is_sent_again() -> None:
+    cluster = FailingOverCluster(losses=3, lose_at_once=True)
+    for base_url in node(cluster):
+        events = sse_events(
+            base_url,
+            "/v1/chat/completions",
+            {"model": SMOLLM2, "messages": MESSAGES, "stream": True},
+        )
+    check_continued(cluster, failovers=3)
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert text == ANSWER
+
+
+@pytest.mark.parametrize(
+    "cluster",
+    [
+        FailingOverCluster(losses=100, lose_at_once=True),
+        FailingOverCluster(refuse_resubmissions=True),
+    ],
+    ids=["every-instance-lost", "no-healthy-instance"],
+)
+def test_a_failover_with_nowhere_to_go_ends_with_todays_error(
+    cluster: FailingOverCluster,
+) -> None:
+    for base_url in node(cluster):
+        events = sse_events(
+            base_url,
+            "/v1/chat/completions",
+            {"model": SMOLLM2, "messages": MESSAGES, "stream": True},
+        )
+    text = "".join(
+        event["choices"][0]["delta"].get("content") or ""
+        for event in events
+        if event.get("choices")
+    )
+    assert text == "".join(WORDS[:LOST_AFTER])
+    assert events[-1]["error"]["message"] == LOST
+    expected = 1 + (MAX_FAILOVERS if cluster.losses == 100 else 1)
+    assert len(cluster.submitted) == expected
+
+
+def test_a_client_leaving_during_the_failover_cancels_the_new_command() -> None:
+    cluster = FailingOverCluster(hold_resubmissions=True)
+    for base_url in node(cluster):
+        with (
+            httpx.Client(base_url=base_url, timeout=DEADLINE_SECONDS) as client,
+            client.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={"model": SMOLLM2, "messages": MESSAGES, "stream": True},
+            ) as response,
+        ):
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if cluster.held.is_set():
+                    break
+                assert line != "data: [DONE]"
+            assert cluster.held.wait(DEADLINE_SECONDS)
+        deadline = time.monotonic() + DEADLINE_SECONDS
+        target = cluster.submitted[-1].command_id
+        while not any(
+            isinstance(command, CancelGeneration) and command.target_command_id == target
+            for command in cluster.sent
+        ):
+            assert time.monotonic() < deadline, "the new command was not cancelled"
+            time.sleep(0.02)
+    assert len(cluster.submitted) == 2
+
+
+def test_a_lone_instance_whose_runner_died_ends_the_stream_at_once() -> None:
+    cluster = FailingOverCluster(known_route=True)
+    for base_url in node(cluster):
+        started = time.monotonic()
+        events = sse_events(
+            base_url,
+            "/v1/chat/completions",
+            {"model": SMOLLM2, "messages": MESSAGES, "stream": True},
+        )
+        assert time.monotonic() - started < failover.FAILOVER_DEADLINE_SECONDS / 2
+    assert events[-1]["error"]["message"] == LOST
+    assert len(cluster.submitted) == 1  # no instance could take it: nothing sent again
+
+
+def test_a_continuation_silent_too_long_is_cancelled_and_ends_with_the_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(failover, "CONTINUATION_FIRST_CHUNK_SECONDS", 0.5)
+    cluster = FailingOverCluster(silent_continuations=True)
+    for base_url in node(cluster):
+        events = sse_events(
+            base_url,
+            "/v1/chat/completions",
+            {"model": SMOLLM2, "messages": MESSAGES, "stream": True},
+        )
+    assert events[-1]["error"]["message"] == LOST
+    assert len(cluster.submitted) == 2
+    cancels = [command for command in cluster.sent if isinstance(command, CancelGeneration)]
+    assert [cancel.target_command_id for cancel in cancels] == [cluster.submitted[1].command_id]
+
+
+def test_the_failover_waits_for_another_instance_to_be_healthy() -> None:
+    """The lost instance (its runner died, same placement) never takes the continuation;
+    a second instance still loading does, once its runner is ready."""
+    cluster = FailingOverCluster(known_route=True)
+    (lost,) = cluster.state.instances.values()
+    other = make_instance(NodeId("node-b"), instance_id="instance-2")
+    (other_runner,) = other.shard_assignments.runner_to_shard
+    lost_runners = {
+        runner_id: (cluster.node_id, RunnerReady())
+        for runner_id in lost.shard_assignments.runner_to_shard
+    }
+
+    def state_with(status: Any) -> Any:
+        runners = {**lost_runners, other_runner: (NodeId("node-b"), status)}
+        return make_state(instances=[lost, other], runners=runners)
+
+    cluster.state = state_with(RunnerLoading(layers_loaded=1, total_layers=30))
+    ready_at: list[float] = []
+
+    def become_ready() -> None:
+        time.sleep(0.6)  # the first stream is lost well before (after six chunks)
+        ready_at.append(time.monotonic())
+        cluster.state = state_with(RunnerReady())
+
+    for base_url in node(cluster):
+        helper = threading.Thread(target=become_ready, daemon=True)
+        helper.start()
+        events = sse_events(
+            base_url,
+            "/v1/chat/completions",
+            {"model": SMOLLM2, "messages": MESSAGES, "stream": True},
+        )
+        helper.join(timeout=DEADLINE_SECONDS)
+    check_continued(cluster)
+    assert cluster.resubmitted_at and ready_at and cluster.resubmitted_at[0] >= ready_at[0]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert text == ANSWER
+
+
+# -- pure decisions, without a server ------------------------------------------------------
+
+
+def test_a_healthy_instance_is_ready_on_live_nodes_and_not_the_lost_placement() -> None:
+    first = make_instance(NodeId("node-a"), instance_id="instance-1")
+    second = make_instance(NodeId("node-b"), instance_id="instance-2")
+    ready = {
+        runner_id: (node_id, RunnerReady())
+        for instance in (first, second)
+        for node_id, runner_id in instance.shard_assignments.node_to_runner.items()
+    }
+    both = make_state(instances=[first, second], runners=ready)
+    assert healthy_instance_exists(both, SMOLLM2, lost=first)
+    assert healthy_instance_exists(both, SMOLLM2, lost=None)
+    alone = make_state(instances=[first], runners=ready)
+    # Its runner died and it keeps its placement: nothing else can come.
+    assert not healthy_instance_exists(alone, SMOLLM2, lost=first)
+    assert not instance_may_come(alone, SMOLLM2, lost=first)
+    # Unavailable (its node left), it will be placed again: worth waiting for.
+    recovering = alone.model_copy(
+        update={"unavailable_instances": {first.instance_id: InstanceUnavailable(reason="x")}}
+    )
+    assert instance_may_come(recovering, SMOLLM2, lost=first)
+    # Placed again on another node (new runners): healthy once they are ready.
+    moved = make_instance(NodeId("node-c"), instance_id="instance-1", runner_tag="again")
+    (moved_runner,) = moved.shard_assignments.runner_to_shard
+    on_c = NodeId("node-c")
+    loading_status = RunnerLoading(layers_loaded=1, total_layers=30)
+    loading = make_state(instances=[moved], runners={moved_runner: (on_c, loading_status)})
+    assert not healthy_instance_exists(loading, SMOLLM2, lost=first)
+    served = make_state(instances=[moved], runners={moved_runner: (on_c, RunnerReady())})
+    assert healthy_instance_exists(served, SMOLLM2, lost=first)
+    # A node of the other instance is lost: not healthy.
+    lost_node = both.model_copy(update={"lost_nodes": (NodeId("node-b"),)})
+    assert not healthy_instance_exists(lost_node, SMOLLM2, lost=first)
+
+
+# -- StreamProgress, without a server -------------------------------------------------------
+
+
+def token(text: str, ids: tuple[int, ...], **fields: Any) -> TokenChunk:
+    return TokenChunk(
+        command_id=CommandId("c"), model=ModelId("m"), text=text, token_ids=ids, **fields
+    )
+
+
+def test_a_continued_stream_keeps_what_the_client_was_told_when_it_opened() -> None:
+    progress = StreamProgress()
+    first = token("a", (1,), prompt_tokens=9, cached_tokens=4)
+    assert progress.adapt(first) is first  # nothing changes before a failover
+    progress.given(first)
+    progress.given(token("b", (2, 3)))
+    assert progress.token_ids == [1, 2, 3]
+    progress.continued = True
+    admitted = PrefillProgressChunk(
+        command_id=CommandId("d"), model=ModelId("m"), prompt_tokens=9, cached_tokens=0,
+        prefilled_tokens=0,
+    )  # fmt: skip
+    assert progress.adapt(admitted) is None
+    again = progress.adapt(token("c", (4,), prompt_tokens=9, cached_tokens=0))
+    assert isinstance(again, TokenChunk)
+    assert again.prompt_tokens is None and again.cached_tokens is None and again.text == "c"
+    final = progress.adapt(
+        token("", (), finish_reason="stop", usage=Usage(prompt_tokens=9, completion_tokens=4))
+    )
+    assert isinstance(final, TokenChunk) and final.usage is not None
+    assert final.usage == Usage(prompt_tokens=9, completion_tokens=4, cached_tokens=4)
+
+
+def test_a_stream_lost_before_it_opened_keeps_its_first_report() -> None:
+    progress = StreamProgress()
+    progress.given(
+        PrefillProgressChunk(
+            command_id=CommandId("c"),
+            model=ModelId("m"),
+            prompt_tokens=9,
+            cached_tokens=0,
+            prefilled_tokens=3,
+        )
+    )
+    progress.continued = True
+    assert progress.token_ids == [] and not progress.opened
+    first = token("a", (1,), prompt_tokens=9, cached_tokens=2)
+    assert progress.adapt(first) == first  # the client still needs the prompt's size
