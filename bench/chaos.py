@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 
 from tests.chaos.harness import Row, format_table
-from tests.chaos.test_chaos import ROOT_SCENARIOS, SCENARIOS
+from tests.chaos.test_chaos import LONG, ROOT_LONG, ROOT_SHORT, SHORT
 
 from exo.shared.constants import models_dir as default_models_dir
 
@@ -34,7 +34,7 @@ def main() -> int:
     arguments = parser.parse_args()
     models = arguments.models_dir or default_models_dir()
     rows: list[Row] = []
-    for scenario in [*SCENARIOS, *ROOT_SCENARIOS]:
+    for scenario in [*SHORT, *LONG, *ROOT_SHORT, *ROOT_LONG]:
         if arguments.only and scenario.__name__ not in arguments.only:
             continue
         print(f"== {scenario.__name__}", flush=True)

@@ -94,7 +94,9 @@ def master_killed_mid_stream(root: Path, models: Path) -> Row:
 
 def pipeline_rank_node_killed(root: Path, models: Path) -> Row:
     """SIGKILL the node holding one rank of a two-node pipeline instance mid-stream: the
-    stream fails cleanly, the instance is placed again on the survivor and serves."""
+    instance is placed again on the survivor and serves; the stream in flight either goes
+    on there (mid-stream failover, `api/serving/failover.py`, once the new instance is
+    ready within its deadline) or fails cleanly, never uncleanly."""
     row = Row("SIGKILL a pipeline rank's node")
     nodes = _master_pair(root, models)
     a, b = nodes
@@ -125,7 +127,13 @@ def pipeline_rank_node_killed(root: Path, models: Path) -> Row:
         finally:
             load.stop()
         _check_load(row, load, fault_at)
-        assert load.count("failed", fault_at) >= 1, "the stream in flight did not fail"
+        in_flight = [e for e in load.ended if e.sent < fault_at <= e.sent + e.seconds]
+        assert in_flight, "no stream was in flight at the kill"
+        continued = sum(e.kind == "ok" for e in in_flight)
+        row.note(
+            f"in flight at the kill: {continued} continued on the re-placed instance, "
+            f"{len(in_flight) - continued} failed cleanly"
+        )
     return row
 
 

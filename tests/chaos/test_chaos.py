@@ -1,7 +1,9 @@
-"""The chaos suite (`pytest -m chaos`, not in the default run; `bench/chaos.py` runs the same
-scenarios and prints their table). Each test injects one fault into real nodes under load;
-see tests/chaos/scenarios.py for what each checks. Runs for tens of minutes on a loaded
-2-core machine."""
+"""The chaos suite: each test injects one fault into real nodes under load; see
+tests/chaos/scenarios.py for what each checks (`bench/chaos.py` runs the same scenarios and
+prints their table). The short set (SIGKILL a runner, the master, a pipeline rank's node
+mid-stream; cut a node's link in a network namespace and restore it: ~4-5 minutes on a
+loaded 2-core machine) runs in the default run; the long ones (a node stopped for 40 s, a
+truncated event log, a full models disk) with `pytest -m chaos`."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,22 +23,35 @@ needs_root = pytest.mark.skipif(
     reason="needs root, iproute2 and mount (network namespaces, a tmpfs)",
 )
 
-SCENARIOS: list[Callable[[Path, Path], Row]] = [
+SHORT: list[Callable[[Path, Path], Row]] = [
     scenarios.runner_killed_mid_stream,
     scenarios.master_killed_mid_stream,
     scenarios.pipeline_rank_node_killed,
+]
+LONG: list[Callable[[Path, Path], Row]] = [
     scenarios.node_stopped_40_s,
     scenarios.event_log_truncated_while_stopped,
 ]
-ROOT_SCENARIOS: list[Callable[[Path, Path], Row]] = [
-    disk.models_disk_full_during_download,
-    partition.link_cut_and_restored,
-]
-
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800)]
+ROOT_SHORT: list[Callable[[Path, Path], Row]] = [partition.link_cut_and_restored]
+ROOT_LONG: list[Callable[[Path, Path], Row]] = [disk.models_disk_full_during_download]
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.__name__)
+def _cases(
+    short: list[Callable[[Path, Path], Row]], long: list[Callable[[Path, Path], Row]]
+) -> list[Any]:
+    """The short scenarios as they are (default run), the long ones marked `chaos`."""
+    return [pytest.param(scenario, id=scenario.__name__) for scenario in short] + [
+        pytest.param(scenario, id=scenario.__name__, marks=pytest.mark.chaos) for scenario in long
+    ]
+
+
+SCENARIOS = _cases(SHORT, LONG)
+ROOT_SCENARIOS = _cases(ROOT_SHORT, ROOT_LONG)
+
+pytestmark = [pytest.mark.timeout(1800)]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
 def test_fault(
     scenario: Callable[[Path, Path], Row], tmp_path: Path, shared_models_dir: Path
 ) -> None:
@@ -45,7 +61,7 @@ def test_fault(
 
 
 @needs_root
-@pytest.mark.parametrize("scenario", ROOT_SCENARIOS, ids=lambda s: s.__name__)
+@pytest.mark.parametrize("scenario", ROOT_SCENARIOS)
 def test_fault_needing_root(
     scenario: Callable[[Path, Path], Row], tmp_path: Path, shared_models_dir: Path
 ) -> None:
