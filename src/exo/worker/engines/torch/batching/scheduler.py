@@ -84,6 +84,7 @@ from exo.worker.engines.torch.batching.request_state import GeneratedPiece, Requ
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.batching.speculation import Speculation
 from exo.worker.engines.torch.decoding.sampling import SampledToken
+from exo.worker.engines.torch.decoding.speculative_drafts import NO_DRAFT, Draft
 
 # Prompt tokens prefilled per step, over all prefilling requests, while other requests are
 # decoding, until step times have been measured (then `PrefillChunkSizer` sizes the chunk).
@@ -143,7 +144,7 @@ class _Launched:
 
     sampled: list[_Running]
     logits: Callable[[], StepLogits]
-    drafts: list[tuple[int, ...]]
+    drafts: list[Draft]
     decoding: int = 0
     seconds: float | None = None
     decode_only: bool = False
@@ -333,9 +334,10 @@ class BatchScheduler:
         logit_rows: list[int] = []
         sampled: list[_Running] = []
         decode_slots: list[int] = []
-        launched_drafts: list[tuple[int, ...]] = []
+        launched_drafts: list[Draft] = []
         for running in decoding:
-            draft = drafts.get(id(running), ())
+            drafted = drafts.get(id(running), NO_DRAFT)
+            draft = drafted.tokens
             # The fed token and the draft at the next positions, last position first (see
             # the module docstring); logits rows in position order.
             first = len(input_ids)
@@ -346,7 +348,7 @@ class BatchScheduler:
                 decode_slots.append(running.slot)
             logit_rows.extend(first + len(draft) - offset for offset in range(len(draft) + 1))
             sampled.append(running)
-            launched_drafts.append(draft)
+            launched_drafts.append(drafted)
         decode_positions = list(positions)
         segments: list[PrefillSegment] = []
         row_embeddings: list[tuple[int, torch.Tensor]] = []
@@ -360,12 +362,15 @@ class BatchScheduler:
             if start + length == len(running.tokens):
                 logit_rows.append(len(input_ids) - 1)
                 sampled.append(running)
-                launched_drafts.append(())
+                launched_drafts.append(NO_DRAFT)
         rotary_positions = None
         stepping = [*decoding, *(running for running, _ in prefill)]
         if any(running.state.positions is not None for running in stepping):
             rotary_positions = _multimodal_rows(decoding, prefill)
-        ends = [running.computed + 1 + len(drafts.get(id(running), ())) for running in decoding]
+        ends = [
+            running.computed + 1 + len(drafts.get(id(running), NO_DRAFT).tokens)
+            for running in decoding
+        ]
         ends += [running.computed + length for running, length in prefill]
         self._cache.reserve(max(ends))
         plan = BatchPlan(
@@ -431,7 +436,8 @@ class BatchScheduler:
         emitted_by_decoding = 0
         row = 0
         for index, running in enumerate(launched.sampled):
-            draft = launched.drafts[index]
+            drafted = launched.drafts[index]
+            draft = drafted.tokens
             first, row = row, row + len(draft) + 1
             running.awaiting = False
             if running not in self._running:
@@ -441,7 +447,9 @@ class BatchScheduler:
             try:
                 if draft:
                     assert isinstance(logits, torch.Tensor), "drafts need this rank's logits"
-                    pieces, accepted = state.accept_drafts(logits[first:row], draft)
+                    pieces, accepted = state.accept_drafts(
+                        logits[first:row], draft, drafted.probabilities
+                    )
                 else:
                     pieces, accepted = state.accept(logits[first]), 0
             except Exception as error:  # this request's own failure (its constraint)
@@ -477,7 +485,7 @@ class BatchScheduler:
 
     def _schedule(
         self,
-    ) -> tuple[list[_Running], list[tuple[_Running, int]], dict[int, tuple[int, ...]]]:
+    ) -> tuple[list[_Running], list[tuple[_Running, int]], dict[int, Draft]]:
         """This step's decoding requests (slot order), prefill chunks and drafts (by
         `id` of the decoding request), within the KV budget (evicting prefix-cache entries,
         then dropping the drafts, then pre-empting, to make room). Requests awaiting a
@@ -514,7 +522,7 @@ class BatchScheduler:
                 length = align_chunk(running.computed, length, running.state.images)
                 prefill.append((running, length))
                 room -= length
-            drafts: dict[int, tuple[int, ...]] = {}
+            drafts: dict[int, Draft] = {}
             if decoding and not prefill and self.speculation is not None:
                 if auto_allowed is None:
                     states = [running.state for running in self._running]
@@ -522,7 +530,10 @@ class BatchScheduler:
                 drafts = self._drafts(decoding, auto_allowed)
             tokens = self.footprint.tokens
             while True:
-                added = {id(running): 1 + len(drafts.get(id(running), ())) for running in decoding}
+                added = {
+                    id(running): 1 + len(drafts.get(id(running), NO_DRAFT).tokens)
+                    for running in decoding
+                }
                 for running, length in prefill:
                     added[id(running)] = length
                 needed = sum(
@@ -536,7 +547,7 @@ class BatchScheduler:
                 drafts = {}  # the drafts' KV does not fit: plain decoding first
             self._preempt_latest()
 
-    def _drafts(self, decoding: list[_Running], auto_allowed: bool) -> dict[int, tuple[int, ...]]:
+    def _drafts(self, decoding: list[_Running], auto_allowed: bool) -> dict[int, Draft]:
         """`Speculation.drafts` of the decoding requests, by `id` of the request (none in
         a step where a request with multimodal rotary positions decodes: those rows are
         laid out one per decoding request)."""
@@ -546,7 +557,9 @@ class BatchScheduler:
         pairs = [(running.state, running.tokens) for running in decoding]
         drafts = self.speculation.drafts(pairs, auto_allowed)
         return {
-            id(running): draft for running, draft in zip(decoding, drafts, strict=True) if draft
+            id(running): draft
+            for running, draft in zip(decoding, drafts, strict=True)
+            if draft.tokens
         }
 
     def _make_room(self, needed_tokens: int) -> bool:

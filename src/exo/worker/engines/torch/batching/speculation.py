@@ -15,7 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from exo.worker.engines.torch.batching.request_state import RequestState
-from exo.worker.engines.torch.decoding.speculative_drafts import DraftRequest, DraftSource
+from exo.worker.engines.torch.decoding.speculative_drafts import (
+    NO_DRAFT,
+    Draft,
+    DraftRequest,
+    DraftSource,
+)
 from exo.worker.engines.torch.decoding.speculative_policy import (
     AutoSwitch,
     DraftLength,
@@ -24,8 +29,6 @@ from exo.worker.engines.torch.decoding.speculative_policy import (
     best_draft_length,
 )
 from exo.worker.engines.torch.quant.quantized_linear import NATIVE_BLOCK_MAX_ROWS
-
-Draft = tuple[int, ...]
 
 
 class Speculation:
@@ -61,7 +64,7 @@ class Speculation:
     def drafts(
         self, decoding: Sequence[tuple[RequestState, Sequence[int]]], auto_allowed: bool
     ) -> list[Draft]:
-        """One draft per decoding request of a step without prompt rows, in order (empty
+        """One draft per decoding request of a step without prompt rows, in order (`NO_DRAFT`
         where it does not draft): each at most its adaptive length and its remaining token
         budget less one, within `max_decode_rows`; drafts shorter than `draft_min` are
         dropped. An "auto" request's is also at most the length whose expected tokens per
@@ -100,17 +103,22 @@ class Speculation:
                 continue
             room -= share
             state, tokens = decoding[index]
-            requests.append((index, DraftRequest(state.request_id, tokens, share)))
-        drafts: list[Draft] = [()] * len(decoding)
+            sampler = state.chooser.sampler
+            requests.append(
+                (index, DraftRequest(state.request_id, tokens, share, sampler.params, sampler.seed))
+            )
+        drafts: list[Draft] = [NO_DRAFT] * len(decoding)
         if not requests:
             return drafts
         proposed = self.source.propose([request for _, request in requests])
         for (index, request), draft in zip(requests, proposed, strict=True):
-            if draft.probabilities is not None:
-                raise NotImplementedError("drafts with their own distribution (a draft model)")
-            tokens = draft.tokens[: request.max_tokens]
-            if len(tokens) >= settings.draft_min:
-                drafts[index] = tokens
+            drafted_length = min(len(draft.tokens), request.max_tokens)
+            if drafted_length >= settings.draft_min:
+                probabilities = draft.probabilities
+                drafts[index] = Draft(
+                    draft.tokens[:drafted_length],
+                    None if probabilities is None else probabilities[:drafted_length],
+                )
         return drafts
 
     def verified(self, request_id: str, drafted: int, accepted: int) -> None:
