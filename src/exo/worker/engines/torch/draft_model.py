@@ -33,7 +33,8 @@ import torch
 from loguru import logger
 from transformers import PreTrainedModel
 
-from exo.shared.models.cards import card_from_local_directory
+from exo.download.pypi_gguf import prepare_model
+from exo.shared.models.cards import card_from_local_directory, load_builtin_cards, resolve_card
 from exo.shared.models.memory import kv_geometry_of_config
 from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.batching.batch_attention import (
@@ -324,3 +325,16 @@ def load_draft_model(
     logger.info("draft model {} loaded ({} weights) for {}", model_dir, parts.weight_dtype,
                 target_name)  # fmt: skip
     return DraftModelSource(parts.model, cache, windows, vocab_size, card.model_id, parts.device)
+
+
+def draft_model_directory(name: str, models_directory: Path) -> Path:
+    """The directory of the draft model `name` (`--draft-model`): a catalog model by any of
+    its names, or a local model directory, resolved as a requested model is
+    (`resolve_card`) and found among this node's models without downloading
+    (`prepare_model` offline: a catalog model must already be on the node).
+
+    Raises:
+        UnknownModelError (a ValueError): neither a catalog model nor a directory.
+        ModelPreparationError: the model's files are not on this node.
+    """
+    return prepare_model(resolve_card(name, load_builtin_cards()), models_directory, offline=True)

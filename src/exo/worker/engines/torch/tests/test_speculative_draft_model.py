@@ -319,3 +319,35 @@ def test_a_draft_model_with_another_vocabulary_is_refused_at_load(
         )  # fmt: skip
     assert str(other) in str(refused.value) and "the-target" in str(refused.value)
     assert "2 tokens with other ids" in str(refused.value)
+
+
+def test_draft_model_option_reaches_the_engine_through_the_runners_loading_path(
+    model_dirs: dict[str, Path],
+) -> None:
+    """`--draft-model` parses to the node's options and the runner's; the runner's loading
+    entry resolves it as a requested model (a local directory here) and the engine drafts
+    from it; a split instance's ranks load none."""
+    from exo.node_options import parse_args
+    from exo.shared.models.cards import card_from_local_directory
+    from exo.shared.types.shards import ShardMetadata
+    from exo.worker.engines.torch.engine_factory import load_serving_engine
+    from exo.worker.runner.options import RunnerOptions
+
+    draft = str(model_dirs["smaller"])
+    assert parse_args([]).draft_model is None
+    assert parse_args(["--draft-model", draft]).draft_model == draft
+    assert RunnerOptions(draft_model=draft).draft_model == draft
+    card = card_from_local_directory(model_dirs["target"])
+    shard = ShardMetadata(
+        sharding="pipeline", model_card=card, device_rank=0, world_size=1, start_layer=0,
+        end_layer=card.n_layers,
+    )  # fmt: skip
+    engine = load_serving_engine(model_dirs["target"], shard, draft_model=draft)
+    assert isinstance(engine, TorchEngine)
+    assert isinstance(engine.draft_source, DraftModelSource)
+    assert engine.draft_source.name == draft
+    assert draft_source(engine) is engine.draft_source
+    plain = load_serving_engine(model_dirs["target"], shard)
+    assert isinstance(plain, TorchEngine) and plain.draft_source is None
+    with pytest.raises(ValueError, match="unknown model"):
+        load_serving_engine(model_dirs["target"], shard, draft_model="no/such-model")
