@@ -35,19 +35,19 @@ while its previous one is in flight (every rank runs the steps in launch order, 
 written first). Cache operations (admissions, releases) are recorded in that same order, so
 every rank applies them between the same two steps.
 
-Speculative decoding (`speculation.py`, `decoding/speculative_drafts.py`): on a single rank
-(`launch` None, one step in flight) a decoding request may carry a draft of k guessed
-tokens. Its step then holds k + 1 decode rows, the fed token and the draft tokens at the
-next positions, laid out from the last position down: every one is a decode row to the
-attention (`BatchPlan.repeated_slots`; the native decode layer takes a run of one slot's
-ascending positions for a prompt chunk, attended by another kernel), so each position's
-logits come from the same kernels as a plain decode step's. The step's rows stay within
-`Speculation.max_decode_rows` (the quantized linears switch kernel above it), drafts go
-only into steps without prompt rows, and drafts are dropped before anything is pre-empted
-for their KV. The request verifies its rows in order (`RequestState.
-accept_drafts`); the KV of rejected positions is rolled back by committing only the
-accepted length (`SlotKVCache.commit`; later steps overwrite those positions), so the
-prefix cache stores only verified tokens.
+Speculative decoding (`speculation.py`, `decoding/speculative_drafts.py`, a draft model's
+`draft_model.py`): on a single rank (`launch` None, one step in flight) a decoding request
+may carry a draft of k guessed tokens. Its step then holds k + 1 decode rows, the fed token
+and the draft tokens at the next positions, laid out from the last position down: every one
+is a decode row to the attention (`BatchPlan.repeated_slots`; the native decode layer takes
+a run of one slot's ascending positions for a prompt chunk, attended by another kernel), so
+each position's logits come from the same kernels as a plain decode step's. The step's rows
+stay within `Speculation.max_decode_rows` (the quantized linears switch kernel above it),
+drafts go only into steps without prompt rows, and drafts are dropped before anything is
+pre-empted for their KV. The request verifies its rows in order (`RequestState.
+accept_drafts`); the KV of rejected positions is rolled back by committing only the accepted
+length (`SlotKVCache.commit`; later steps overwrite those positions), so the prefix cache
+stores only verified tokens.
 """
 
 from __future__ import annotations
@@ -139,8 +139,9 @@ class _Running:
 class _Launched:
     """A step whose forward pass has started: `sampled[i]` takes the next
     `len(drafts[i]) + 1` logits rows (one without a draft). The first `decoding` of
-    `sampled` were decoding; `seconds` is the forward pass's time where it was run here
-    (None: launched) and `decode_only` whether the step had no prompt rows."""
+    `sampled` were decoding; `seconds` is the time of the forward pass and of its drafts'
+    proposal where it was run here (None: launched) and `decode_only` whether the step had
+    no prompt rows."""
 
     sampled: list[_Running]
     logits: Callable[[], StepLogits]
@@ -417,6 +418,9 @@ class BatchScheduler:
                 running.state.prefilled_tokens = min(
                     running.computed, len(running.state.prompt_ids)
                 )
+        if seconds is not None and self.speculation is not None:
+            # A draft model's forward passes are part of the step's cost (n-gram: ~0).
+            seconds += self.speculation.take_draft_seconds()
         for running in sampled:
             running.awaiting = True
         self._in_flight.append(

@@ -12,6 +12,7 @@ requests that draft.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 from exo.worker.engines.torch.batching.request_state import RequestState
@@ -54,6 +55,9 @@ class Speculation:
         self.counters = SpeculationCounters()
         self.step_cost: Callable[[int], float | None] = self.auto_switch.step_seconds
         self._lengths: dict[str, DraftLength] = {}
+        # Seconds spent proposing since the last `take_draft_seconds` (a draft model's
+        # forward passes: part of a speculating step's cost, for the switch and lengths).
+        self._draft_seconds = 0.0
 
     def auto_allowed(self, states: Sequence[RequestState]) -> bool:
         """Whether requests in "auto" mode draft this step (`AutoSwitch.allows`, asked only
@@ -110,7 +114,9 @@ class Speculation:
         drafts: list[Draft] = [NO_DRAFT] * len(decoding)
         if not requests:
             return drafts
+        started = time.perf_counter()
         proposed = self.source.propose([request for _, request in requests])
+        self._draft_seconds += time.perf_counter() - started
         for (index, request), draft in zip(requests, proposed, strict=True):
             drafted_length = min(len(draft.tokens), request.max_tokens)
             if drafted_length >= settings.draft_min:
@@ -120,6 +126,12 @@ class Speculation:
                     None if probabilities is None else probabilities[:drafted_length],
                 )
         return drafts
+
+    def take_draft_seconds(self) -> float:
+        """The seconds spent proposing since the last call (the step's drafting time,
+        added to its forward pass's in `step_measured`)."""
+        seconds, self._draft_seconds = self._draft_seconds, 0.0
+        return seconds
 
     def verified(self, request_id: str, drafted: int, accepted: int) -> None:
         """A request verified a draft of `drafted` tokens, `accepted` of them taken."""
