@@ -9,7 +9,8 @@ the target chose otherwise) and computes what it has not seen (the whole prompt 
 then the accepted tokens and the target's own token). The speculating requests of a step
 are drafted together: one batched forward pass of the draft model per draft position
 (`batch_attention.forward_batch`, the lean step where the family has one), the first also
-prefilling what each request's slot lacks.
+prefilling what each request's slot lacks (a text longer than `DRAFT_PREFILL_CHUNK` is
+prefilled in chunks of it first, one request at a time).
 
 A greedy request's draft is the draft model's likeliest tokens (deterministic: the target
 accepts a draft token iff it is its own argmax, so the output is plain decoding's token for
@@ -52,6 +53,9 @@ from exo.worker.engines.torch.model.families import family_for_architecture
 from exo.worker.engines.torch.model.loading import load_parts
 from exo.worker.engines.torch.quant.quantize import WeightDtype
 
+# Most tokens of one request the draft model prefills in one forward pass (its activations
+# are [tokens, intermediate]: as the target's idle prefill chunk, `PREFILL_TOKENS_PER_IDLE_STEP`).
+DRAFT_PREFILL_CHUNK = 512
 # Mixed into a request's seed for its draft draws, so they are not the target's own
 # sequence of uniform numbers (any fixed value would do).
 DRAFT_SEED_SALT = 0x5EED_D4AF
@@ -138,6 +142,12 @@ class DraftModelSource:
         # Per request: tokens still to feed (what its slot lacks, then each new draft token).
         feeds = [list(request.tokens[len(sequence.tokens) :]) for request, sequence in
                  zip(requests, sequences, strict=True)]  # fmt: skip
+        for index, sequence in enumerate(sequences):  # long texts first, a chunk at a time
+            feed = feeds[index]
+            while len(feed) > DRAFT_PREFILL_CHUNK:
+                self._forward([sequence], [feed[:DRAFT_PREFILL_CHUNK]])
+                sequence.tokens.extend(feed[:DRAFT_PREFILL_CHUNK])
+                del feed[:DRAFT_PREFILL_CHUNK]
         tokens: list[list[int]] = [[] for _ in requests]
         distributions: list[list[torch.Tensor]] = [[] for _ in requests]
         active = list(range(len(requests)))

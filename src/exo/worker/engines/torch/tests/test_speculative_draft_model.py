@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from exo.testing.tiny_models import save_tiny_model
+from exo.worker.engines.torch import draft_model
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.decoding.sampling import Sampler, SamplingParams, TokenChooser
 from exo.worker.engines.torch.decoding.speculative_drafts import DraftRequest
@@ -45,6 +46,10 @@ from exo.worker.engines.torch.tests.test_speculative import (
     speculation,
 )
 
+PASSAGE = (
+    "The old lighthouse stood at the edge of the cliff, its white paint peeling after decades "
+    "of salt and wind. Every night the keeper climbed the spiral stairs to light the lamp."
+)
 # Noise (standard deviation) added to every weight of the target for the draft: with it the
 # tiny draft's greedy tokens agree with the target's about a third of the time.
 DRAFT_NOISE = 0.003
@@ -141,6 +146,24 @@ def test_a_smaller_draft_model_keeps_greedy_output_exact(
     assert speculation(engine).counters.verify_rounds > 0
 
 
+def test_int4_target_and_draft_keep_greedy_output_exact(
+    model_dirs: dict[str, Path], module_float32_kv: None
+) -> None:
+    """The draft model is held in the target's weight format; verify rows stay decode rows
+    on int4 weights, so greedy output is plain decoding's there too."""
+    engine = load(model_dirs["target"], draft_model=model_dirs["draft"], weight_dtype="int4")
+    assert engine.weight_dtype == "int4"
+    assert type(draft_source(engine).model.model.layers[0].mlp.up_proj).__name__ == "Int4Linear"
+    params = [request(prompt, temperature=0.0, max_tokens=16, speculative=index != 1)
+              for index, prompt in enumerate(PROMPTS)]  # fmt: skip
+    reference = plain_references(engine, params)
+    states = [engine.build_request(one, None, f"r{index}") for index, one in enumerate(params)]
+    run(engine, states, join_at=[0, 1, 2])
+    for index, state in enumerate(states):
+        assert state.prompt_ids + state.generated_ids == reference[f"r{index}"], index
+    assert speculation(engine).counters.accepted_tokens > 0
+
+
 def test_kv_after_a_rejection_equals_plain_decodings_for_target_and_draft(
     engine: TorchEngine,
 ) -> None:
@@ -195,6 +218,37 @@ def test_kv_after_a_rejection_equals_plain_decodings_for_target_and_draft(
     assert rejections >= 2
     assert state.prompt_ids + state.generated_ids == text
     engine.store_finished()
+
+
+def test_a_long_text_is_prefilled_in_chunks_with_the_kv_of_one_prefill(
+    engine: TorchEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = draft_source(engine)
+    whole = DraftModelSource(
+        source.model, _empty_like(source), source._windows, source.vocab_size, "whole",
+        source._device,
+    )  # fmt: skip
+    text = engine.tokenizer.encode(PASSAGE)
+    assert len(text) > 33
+    # Two requests, one long and one short: the long one in chunks of 16 first.
+    wanted = [DraftRequest("long", text, 3), DraftRequest("short", text[:9], 2)]
+    expected = whole.propose(wanted)
+    passes = source.forward_passes
+    monkeypatch.setattr(draft_model, "DRAFT_PREFILL_CHUNK", 16)
+    got = source.propose(wanted)
+    assert [draft.tokens for draft in got] == [draft.tokens for draft in expected]
+    assert source.forward_passes - passes == len(text) // 16 + 3  # chunks, then 3 positions
+    for request_id in ("long", "short"):
+        held = source.held_tokens(request_id)
+        assert held == whole.held_tokens(request_id)
+        torch.testing.assert_close(
+            source.cache.read(source._sequences[request_id].slot, len(held)),
+            whole.cache.read(whole._sequences[request_id].slot, len(held)),
+            atol=1e-5,
+            rtol=1e-5,
+        )
+        source.forget(request_id)
+    assert source.cache.occupied == 0
 
 
 def _empty_like(source: DraftModelSource) -> SlotKVCache:
