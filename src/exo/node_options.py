@@ -281,9 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-model",
         default=None,
         metavar="MODEL",
-        help="draft model for speculative decoding on single-node instances: a model id or "
-        "local directory already on this node, with the served model's tokenizer "
-        "(default: none, drafts from n-gram prompt lookup)",
+        help="draft model of speculative decoding, on this node with the served model's "
+        "tokenizer (default: none, n-gram drafts)",
     )
     parser.add_argument(
         "--max-queued-requests",
