@@ -15,6 +15,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from loguru import logger
+
 from exo.worker.engines.torch.batching.request_state import RequestState
 from exo.worker.engines.torch.decoding.speculative_drafts import (
     NO_DRAFT,
@@ -75,7 +77,8 @@ class Speculation:
         second of measured step time are the most (`best_draft_length`, from its
         acceptance so far), except in the switch's probes (which measure every length's
         steps again); a request that asked for speculation (True) drafts at its adaptive
-        length whatever the costs.
+        length whatever the costs. A source that raises gives no drafts this step and
+        forgets these requests (a draft model starts them afresh): decoding goes on.
 
         Args:
             decoding: each decoding request's state and its prompt and generated tokens.
@@ -115,8 +118,17 @@ class Speculation:
         if not requests:
             return drafts
         started = time.perf_counter()
-        proposed = self.source.propose([request for _, request in requests])
-        self._draft_seconds += time.perf_counter() - started
+        try:
+            proposed = self.source.propose([request for _, request in requests])
+        except Exception as error:  # a draft model's failure: this step decodes plainly
+            logger.opt(exception=error).warning(
+                "draft source {} failed; the step decodes without drafts", self.source.name
+            )
+            for _, request in requests:  # its state for them may be half-updated
+                self.source.forget(request.request_id)
+            return drafts
+        finally:
+            self._draft_seconds += time.perf_counter() - started
         for (index, request), draft in zip(requests, proposed, strict=True):
             drafted_length = min(len(draft.tokens), request.max_tokens)
             if drafted_length >= settings.draft_min:

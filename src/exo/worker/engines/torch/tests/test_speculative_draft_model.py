@@ -16,7 +16,7 @@ import dataclasses
 import json
 import math
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -27,7 +27,7 @@ from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch import draft_model
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.decoding.sampling import Sampler, SamplingParams, TokenChooser
-from exo.worker.engines.torch.decoding.speculative_drafts import DraftRequest
+from exo.worker.engines.torch.decoding.speculative_drafts import Draft, DraftRequest
 from exo.worker.engines.torch.draft_model import (
     DraftModelSource,
     VocabularyMismatchError,
@@ -249,6 +249,31 @@ def test_a_long_text_is_prefilled_in_chunks_with_the_kv_of_one_prefill(
         )
         source.forget(request_id)
     assert source.cache.occupied == 0
+
+
+def test_a_failing_draft_source_leaves_decoding_plain(engine: TorchEngine) -> None:
+    source = draft_source(engine)
+    forgotten: list[str] = []
+
+    class Failing:
+        name = "failing"
+
+        def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+            raise RuntimeError("the draft model broke")
+
+        def forget(self, request_id: str) -> None:
+            forgotten.append(request_id)
+
+    params = request(PROMPTS[0], temperature=0.0, max_tokens=10, speculative=True)
+    reference = plain_references(engine, [params])
+    speculation(engine).source = Failing()
+    try:
+        state = engine.build_request(params, None, "r0")
+        run(engine, [state], [0])
+    finally:
+        speculation(engine).source = source
+    assert state.prompt_ids + state.generated_ids == reference["r0"]
+    assert forgotten.count("r0") >= 9  # every step's proposal failed, then the release
 
 
 def _empty_like(source: DraftModelSource) -> SlotKVCache:
