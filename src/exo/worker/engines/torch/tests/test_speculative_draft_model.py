@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import shutil
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -274,6 +275,43 @@ def test_a_failing_draft_source_leaves_decoding_plain(engine: TorchEngine) -> No
         speculation(engine).source = source
     assert state.prompt_ids + state.generated_ids == reference["r0"]
     assert forgotten.count("r0") >= 9  # every step's proposal failed, then the release
+
+
+def test_the_drafting_time_counts_in_the_step_time_the_switch_measures(
+    engine: TorchEngine,
+) -> None:
+    """A draft model's forward passes are part of a speculating step's cost: the step time
+    the automatic switch observes includes the proposal's."""
+    source = draft_source(engine)
+    observed: list[tuple[int, float]] = []
+    spec = speculation(engine)
+
+    class Slow:
+        name = "slow"
+
+        def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+            time.sleep(0.05)  # at least 50 ms, whatever the machine
+            return source.propose(requests)
+
+        def forget(self, request_id: str) -> None:
+            source.forget(request_id)
+
+    def step_measured(requests: int, rows: int, emitted: int, seconds: float) -> None:
+        observed.append((rows, seconds))
+
+    spec.source = Slow()
+    spec.step_measured = step_measured  # type: ignore[method-assign]
+    try:
+        state = engine.build_request(
+            request(PROMPTS[1], temperature=0.0, max_tokens=6, speculative=True), None, "t0"
+        )
+        run(engine, [state], [0])
+    finally:
+        spec.source = source
+        del spec.step_measured
+    drafted = [seconds for rows, seconds in observed if rows > 1]
+    assert drafted and all(seconds >= 0.05 for seconds in drafted)
+    assert spec.take_draft_seconds() == 0.0  # each step took its own
 
 
 def _empty_like(source: DraftModelSource) -> SlotKVCache:
