@@ -132,6 +132,7 @@ def test_greedy_with_a_draft_model_is_plain_decoding_batched_with_plain_requests
     assert source.cache.occupied == 0 and source.held_tokens("r0") == []  # all forgotten
 
 
+@pytest.mark.slow
 def test_a_smaller_draft_model_keeps_greedy_output_exact(
     model_dirs: dict[str, Path], module_float32_kv: None
 ) -> None:
