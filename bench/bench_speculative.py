@@ -2,6 +2,8 @@
 
 Usage: PYTHONPATH=src python bench/bench_speculative.py [--rounds 5] [--tasks copy chat]
        [--modes off on auto] [--models-dir DIR] [--threads N] [--json PATH]
+       PYTHONPATH=src python bench/bench_speculative.py --draft-pair [--acceptance 0.5 0.8]
+       [--pair-layers N] [--pair-tokens 64] [--rounds 5]
 
 The default model (SmolLM2-135M-Instruct, the engine's default int4 weights) in this
 process, greedy, one request at a time:
@@ -18,6 +20,15 @@ wherever found), `auto` (the instance's switch: drafts while measured to help). 
 (issue 43): copy-edit >= 1.8x plain, chat >= 0.97x plain with `auto`. `--threads` sets
 torch's threads (on a machine other processes keep busy, one thread avoids OpenMP's
 barrier waits, which inflate every step's cost and so favour fewer, wider steps).
+
+`--draft-pair` measures a draft model's mechanism instead: random-weight models of
+SmolLM2-135M's (draft) and SmolLM2-1.7B's (target) shapes, int4 like the engine's default,
+the draft loaded beside the target (`--draft-model`'s path). Its drafts are computed (every
+draft forward pass runs) and then forced to a chosen acceptance rate (`--acceptance`): each
+draft token is the target's own greedy token with that probability, else a wrong one, so
+the cost of the mechanism is measured apart from a draft's quality (random models agree on
+nothing). `--pair-layers N` cuts both to N layers (a smoke run; the full pair writes ~7.5 GB
+of float32 weights to a temporary directory first).
 """
 
 from __future__ import annotations
@@ -25,8 +36,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import random
 import statistics
+import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +48,7 @@ import torch
 
 from exo.download.pypi_gguf import prepare_model
 from exo.shared.constants import models_dir as default_models_dir
-from exo.shared.models.cards import load_builtin_cards
+from exo.shared.models.cards import card_from_local_directory, load_builtin_cards
 from exo.shared.types.common import ModelId
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import (
@@ -42,7 +56,9 @@ from exo.shared.types.text_generation import (
     SpeculativeMode,
     TextGenerationTaskParams,
 )
+from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.batching.speculation import Speculation
+from exo.worker.engines.torch.decoding.speculative_drafts import Draft, DraftRequest
 from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
 from exo.worker.engines.torch.engine import TorchEngine
 
@@ -129,6 +145,119 @@ def run_once(engine: TorchEngine, prompt: str, max_tokens: int, mode: str) -> di
     }
 
 
+# SmolLM2's shapes (their config.json files): hidden, MLP, layers, heads, KV heads.
+PAIR_SHAPES = {
+    "draft": {"hidden_size": 576, "intermediate_size": 1536, "n_layers": 30,
+              "num_attention_heads": 9, "num_key_value_heads": 3},
+    "target": {"hidden_size": 2048, "intermediate_size": 8192, "n_layers": 24,
+               "num_attention_heads": 32, "num_key_value_heads": 32},
+}  # fmt: skip
+
+
+class ForcedAcceptance:
+    """Wraps a draft source: its drafts are computed, then each token is replaced by the
+    request's next token of plain greedy decoding (`reference`) with probability
+    `acceptance` (a seeded draw), else by another token."""
+
+    def __init__(self, inner: Any, reference: list[int], acceptance: float, vocab: int) -> None:
+        self.inner = inner
+        self.reference = reference
+        self.acceptance = acceptance
+        self.vocab = vocab
+        self.random = random.Random(0)
+
+    @property
+    def name(self) -> str:
+        return f"forced-{self.acceptance}"
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        drafts = []
+        for request, draft in zip(requests, self.inner.propose(requests), strict=True):
+            start = len(request.tokens)
+            tokens = []
+            for offset in range(len(draft.tokens)):
+                right = (
+                    self.reference[start + offset] if start + offset < len(self.reference) else 0
+                )
+                keep = self.random.random() < self.acceptance
+                tokens.append(right if keep else (right + 1) % self.vocab)
+            drafts.append(Draft(tuple(tokens)))
+        return drafts
+
+    def forget(self, request_id: str) -> None:
+        self.inner.forget(request_id)
+
+
+def draft_pair(args: argparse.Namespace) -> None:
+    """`--draft-pair` (see the module docstring)."""
+    card = load_builtin_cards()[MODEL]
+    tokenizer_dir = prepare_model(card, args.models_dir, offline=False)
+    with tempfile.TemporaryDirectory(prefix="exo-draft-pair-") as scratch:
+        directories = {}
+        for role, shape in PAIR_SHAPES.items():
+            overrides = dict(shape)
+            layers = int(overrides.pop("n_layers"))
+            directories[role] = save_tiny_model(
+                Path(scratch) / role, "llama", tokenizer_dir, n_layers=args.pair_layers or layers,
+                max_position_embeddings=2048, **overrides,
+            )  # fmt: skip
+        target_card = card_from_local_directory(directories["target"])
+        shard = ShardMetadata(
+            sharding="pipeline", model_card=target_card, device_rank=0, world_size=1,
+            start_layer=0, end_layer=target_card.n_layers,
+        )  # fmt: skip
+        engine = TorchEngine.load(
+            directories["target"], shard, speculation=SpeculationSettings(default=True),
+            draft_model=directories["draft"],
+        )  # fmt: skip
+        engine.eos_token_ids = frozenset({-1})  # random weights: the length ends the reply
+        engine.warmup()
+        source = engine.draft_source
+        assert source is not None
+        prompt, max_tokens = TASKS["chat"][0], args.pair_tokens
+        plain = run_once(engine, prompt, max_tokens, "off")
+        state = engine.build_request(
+            TextGenerationTaskParams(
+                model=MODEL,
+                messages=(ChatMessage(role="user", content=prompt),),
+                max_tokens=max_tokens,
+                temperature=0.0,
+                speculative=False,
+            )
+        )
+        engine.scheduler.add(state)
+        while engine.has_work:
+            engine.step()
+        engine.store_finished()
+        tokens = state.prompt_ids + state.generated_ids
+        speeds: dict[str, list[float]] = {"off": []}
+        speeds |= {f"draft@{rate}": [] for rate in args.acceptance}
+        for round_index in range(args.rounds):
+            for mode in speeds:
+                if mode == "off":
+                    result = run_once(engine, prompt, max_tokens, "off")
+                else:
+                    rate = float(mode.split("@")[1])
+                    forced = ForcedAcceptance(source, tokens, rate, engine.vocab_size)
+                    speculation(engine).source = forced
+                    result = run_once(engine, prompt, max_tokens, "on")
+                    speculation(engine).source = source
+                    assert result["text"] == plain["text"], "greedy output changed"
+                speeds[mode].append(result["decode_tok_s"])
+                print(
+                    f"round {round_index + 1} {mode:10s} {result['decode_tok_s']:7.1f} tok/s "
+                    f"{result['tokens_per_step']:.2f} tok/step",
+                    flush=True,
+                )
+        print(f"\n{'mode':10s} {'tok/s median':>12s} {'spread':>15s} {'x plain':>8s}")
+        for mode, values in speeds.items():
+            ratios = [value / base for value, base in zip(values, speeds["off"], strict=True)]
+            print(
+                f"{mode:10s} {statistics.median(values):12.1f} "
+                f"{min(values):7.1f}-{max(values):<7.1f} {statistics.median(ratios):8.2f}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -137,9 +266,16 @@ def main() -> None:
     parser.add_argument("--models-dir", type=Path, default=default_models_dir())
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--draft-pair", action="store_true")
+    parser.add_argument("--acceptance", type=float, nargs="+", default=[0.5, 0.8])
+    parser.add_argument("--pair-layers", type=int, default=None)
+    parser.add_argument("--pair-tokens", type=int, default=64)
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.draft_pair:
+        draft_pair(args)
+        return
     modes = ["off", *(mode for mode in args.modes if mode != "off")]
     engine = load_engine(args.models_dir)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {

@@ -36,6 +36,7 @@ NODE_DETAILS = {
     "speculative": "api.md#speculative-decoding",
     "draft_min": "api.md#speculative-decoding",
     "draft_max": "api.md#speculative-decoding",
+    "draft_model": "api.md#speculative-decoding",
     "idle_unload": "api.md#keep-alive-and-idle-unload",
     "trust_remote_code": "models.md#custom-models",
     "max_concurrent_requests": "api.md#many-users-at-once",

@@ -171,6 +171,7 @@ class Node:
                 speculative=options.speculative,
                 draft_min=options.draft_min,
                 draft_max=options.draft_max,
+                draft_model=options.draft_model,
                 rank_group_key=secret.rank_group_key().hex() if secret is not None else None,
             ),
             peer_credential=peer_credential(options.namespace, secret),

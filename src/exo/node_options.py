@@ -97,6 +97,8 @@ class Options:
     speculative: SpeculativeMode = "auto"
     draft_min: int = DEFAULT_DRAFT_MIN
     draft_max: int = DEFAULT_DRAFT_MAX
+    # The draft model of speculative decoding (`--draft-model`; None: n-gram drafts).
+    draft_model: str | None = None
     # Limits on image input and image URL fetching (`--image-*`).
     image_policy: ImagePolicy = field(default_factory=ImagePolicy)
 
@@ -276,6 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"two (default: {DEFAULT_DRAFT_MAX})",
     )
     parser.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="MODEL",
+        help="draft model of speculative decoding, on this node with the served model's "
+        "tokenizer (default: none, n-gram drafts)",
+    )
+    parser.add_argument(
         "--max-queued-requests",
         type=int,
         default=None,
@@ -378,6 +387,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         speculative=SPECULATIVE_CHOICES[args.speculative],
         draft_min=args.draft_min,
         draft_max=args.draft_max,
+        draft_model=args.draft_model,
         remeasure_speed=args.remeasure_speed,
         cluster_secret=cluster_secret_option(args, parser, peers),
     )

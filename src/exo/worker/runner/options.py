@@ -41,6 +41,8 @@ class RunnerOptions(FrozenModel):
     speculative: speculative decoding for requests that do not say (`--speculative`).
     draft_min / draft_max: the draft length's bounds in tokens (`--draft-min`,
         `--draft-max`; `speculative_policy.SpeculationSettings`).
+    draft_model: the draft model of speculative decoding (`--draft-model`: a model id or
+        local directory already on this node; None: n-gram drafts).
     rank_group_key: hex of the key split instances' ranks authenticate each other with
         (`ClusterSecret.rank_group_key`); None without a cluster secret. Kept out of reprs.
     """
@@ -54,6 +56,7 @@ class RunnerOptions(FrozenModel):
     speculative: SpeculativeMode = "auto"
     draft_min: int = Field(default=DEFAULT_DRAFT_MIN, ge=1)
     draft_max: int = Field(default=DEFAULT_DRAFT_MAX, ge=1)
+    draft_model: str | None = None
     rank_group_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$", repr=False)
 
     @model_validator(mode="after")

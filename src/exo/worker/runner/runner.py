@@ -308,6 +308,7 @@ class Runner:
                 speculation=SpeculationSettings(
                     self._options.speculative, self._options.draft_min, self._options.draft_max
                 ),
+                draft_model=self._options.draft_model,
             )  # fmt: skip
         except Exception as error:
             logger.opt(exception=error).error(f"runner {self.runner_id}: loading failed")

@@ -71,6 +71,7 @@ from exo.worker.engines.torch.decoding.speculative_policy import (
 from exo.worker.engines.torch.decoding.stop_sequences import StopSequenceMatcher
 from exo.worker.engines.torch.decoding.token_choice import token_chooser_for, token_logprob
 from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary
+from exo.worker.engines.torch.draft_model import DraftModelSource, load_draft_model
 from exo.worker.engines.torch.embedding.decoder import DecoderEmbeddingBackend
 from exo.worker.engines.torch.model.families import family_for_architecture
 from exo.worker.engines.torch.model.loading import (
@@ -186,6 +187,8 @@ class TorchEngine:
         self._scheduler: BatchScheduler | None = None
         self.group = group
         self._embedding_backend: DecoderEmbeddingBackend | None = None
+        # Where drafts come from (`load`'s draft model; None: n-gram prompt lookup).
+        self.draft_source: DraftModelSource | None = None
         # Set by `load` for a model directory the tests marked (`testing_seam`), else None.
         self.testing_seam: TestingSeam | None = None
         # Set by `load` for a vision model (`VisionInput.of_model`) on a single rank or rank 0
@@ -209,6 +212,7 @@ class TorchEngine:
         kv_cache_dtype: KVCacheDtype | None = None,
         decode_activations: DecodeActivations = DEFAULT_DECODE_ACTIVATIONS,
         speculation: SpeculationSettings | None = None,
+        draft_model: Path | None = None,
     ) -> TorchEngine:
         """Load a shard's weights (a multi-rank shard: this rank's part, after
         `init_group`) and the tokenizer from an HF-format directory.
@@ -236,11 +240,16 @@ class TorchEngine:
                 exact answer), "int16" as today; process-wide
                 (`native_kernels.set_decode_activations`).
             speculation: speculative decoding's settings (see the class).
+            draft_model: the directory of a draft model for speculative decoding (the
+                target's tokenizer; loaded here with the target's weight format,
+                `draft_model.load_draft_model`); None: n-gram drafts. A split instance
+                does not speculate and loads none.
 
         Raises:
             UnsupportedArchitectureError (a ValueError): no family file for the model.
             ValueError: the directory lacks tensors, a tokenizer or an EOS token; an unknown
-                `weight_dtype`, or a quantized one on a non-CPU device.
+                `weight_dtype`, or a quantized one on a non-CPU device; a draft model
+                whose vocabulary is not the target's (`VocabularyMismatchError`).
             RuntimeError: a multi-rank shard without a matching process group.
         """
         split = shard.world_size > 1
@@ -261,6 +270,15 @@ class TorchEngine:
                 parts.model, parts.device, engine.vocab_size, shard, engine.kv_dtype
             )
         engine.testing_seam = load_testing_seam(model_dir)
+        if draft_model is not None and split:
+            logger.warning(
+                "draft model {} unused: a split instance does not speculate", draft_model
+            )
+        elif draft_model is not None:
+            engine.draft_source = load_draft_model(
+                draft_model, parts.tokenizer, shard.model_card.model_id, engine.vocab_size,
+                max_concurrent_requests, engine.kv_dtype, device, parts.weight_dtype,
+            )  # fmt: skip
         vision = "vision" in shard.model_card.capabilities
         # A split instance's tower: on rank 0 only, where its parallelism carries the
         # images' blocks and rows to the other ranks (`runs_vision_tower`).
@@ -527,7 +545,7 @@ class TorchEngine:
         return BatchScheduler(
             self.model, cache, windows, attention_layers(self.model), self.kv_cache_tokens,
             PrefixCache(self.kv_cache_tokens), self.device,
-            speculation=Speculation(self.speculation, NgramDraftSource()),
+            speculation=Speculation(self.speculation, self.draft_source or NgramDraftSource()),
         )  # fmt: skip
 
     def submit(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from exo.shared.constants import models_dir
 from exo.shared.models.architectures import is_encoder_architecture
 from exo.shared.models.memory import (
     DEFAULT_DECODE_ACTIVATIONS,
@@ -18,6 +19,7 @@ from exo.shared.models.memory import (
 )
 from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
+from exo.worker.engines.torch.draft_model import draft_model_directory
 from exo.worker.engines.torch.encoder_engine import EncoderEngine
 from exo.worker.engines.torch.engine import DEFAULT_MAX_CONCURRENT_REQUESTS, TorchEngine
 from exo.worker.engines.torch.model.loading import LayerProgressCallback
@@ -40,6 +42,7 @@ def load_engine(
     kv_cache_dtype: KVCacheDtype | None = None,
     decode_activations: DecodeActivations = DEFAULT_DECODE_ACTIVATIONS,
     speculation: SpeculationSettings | None = None,
+    draft_model: Path | None = None,
 ) -> TorchEngine:
     """Load the engine for `shard` (arguments as `TorchEngine.load`).
 
@@ -54,7 +57,7 @@ def load_engine(
         model_dir, shard, device, on_layer_loaded, weight_dtype, max_concurrent_requests,
         kv_cache_tokens=kv_cache_tokens, prefill_activations=prefill_activations,
         kv_cache_dtype=kv_cache_dtype, decode_activations=decode_activations,
-        speculation=speculation,
+        speculation=speculation, draft_model=draft_model,
     )  # fmt: skip
 
 
@@ -68,14 +71,17 @@ def load_serving_engine(
     kv_cache_dtype: KVCacheDtype | None = None,
     decode_activations: DecodeActivations = DEFAULT_DECODE_ACTIVATIONS,
     speculation: SpeculationSettings | None = None,
+    draft_model: str | None = None,
 ) -> Engine:
     """The engine a runner serves `shard` with: `EncoderEngine` for an encoder card (its
     weights are read whole in float32; the KV, weight-format and prefill options do not
-    apply), else `load_engine` on the default device.
+    apply), else `load_engine` on the default device, with the draft model `draft_model`
+    names (`--draft-model`; `draft_model.draft_model_directory`) where one is set.
 
     Raises:
-        ValueError: as `EncoderEngine.load` or `load_engine`.
+        ValueError: as `EncoderEngine.load` or `load_engine`; an unknown draft model.
         RuntimeError: as `load_engine`.
+        ModelPreparationError: the draft model's files are not on this node.
     """
     if is_encoder_architecture(shard.model_card.architecture):
         engine = EncoderEngine.load(model_dir, shard, max_concurrent_requests)
@@ -83,10 +89,14 @@ def load_serving_engine(
             layers = shard.model_card.n_layers
             on_layer_loaded(layers, layers)
         return engine
+    draft_dir = None
+    if draft_model is not None and shard.world_size == 1:  # a split instance drafts nothing
+        draft_dir = draft_model_directory(draft_model, models_dir())
     return load_engine(
         model_dir, shard, on_layer_loaded=on_layer_loaded,
         max_concurrent_requests=max_concurrent_requests,
         prefill_activations=prefill_activations, kv_cache_tokens=kv_cache_tokens,
         kv_cache_dtype=kv_cache_dtype, decode_activations=decode_activations,
         speculation=speculation,
+        draft_model=draft_dir,
     )  # fmt: skip

@@ -198,10 +198,14 @@ class RequestState:
         return pieces
 
     def accept_drafts(
-        self, logits: torch.Tensor, draft: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        draft: Sequence[int],
+        probabilities: torch.Tensor | None = None,
     ) -> tuple[list[GeneratedPiece], int]:
-        """Verify a deterministic draft (n-gram) against the target's logits and advance the
-        request by the tokens it keeps.
+        """Verify a draft against the target's logits and advance the request by the tokens
+        it keeps: a deterministic draft (n-gram, or any draft of a greedy request) as below,
+        a drawn one with its draft distribution `probabilities` by `_accept_drawn_draft`.
 
         Row i of `logits` is the target's distribution after the request's text plus the
         first i draft tokens. Each row goes through `accept`, in order, exactly as plain
@@ -227,6 +231,8 @@ class RequestState:
             logits: `[len(draft) + 1, vocab]` raw scores, row i at the position after the
                 i-th draft token (row 0: after the fed token).
             draft: the draft tokens.
+            probabilities: None, or `[len(draft), vocab]` the draft's distribution each
+                token was drawn from (a draft model's; `speculative_drafts.Draft`).
 
         Returns:
             The pieces to stream (as `accept`'s, in order), and how many draft tokens were
@@ -237,11 +243,65 @@ class RequestState:
             NoAllowedTokenError: the constraint allows no token.
         """
         assert logits.shape[0] == len(draft) + 1, "one logits row per draft token and one more"
+        if probabilities is not None and not self.chooser.sampler.params.is_greedy:
+            return self._accept_drawn_draft(logits, draft, probabilities)
         pieces: list[GeneratedPiece] = []
         accepted = 0
         for row in range(len(draft) + 1):
             pieces += self.accept(logits[row])
             if row == len(draft) or self.generated_ids[-1] != draft[row]:
+                break
+            accepted += 1
+            if self.finished:
+                break
+        return pieces, accepted
+
+    def _accept_drawn_draft(
+        self, logits: torch.Tensor, draft: Sequence[int], probabilities: torch.Tensor
+    ) -> tuple[list[GeneratedPiece], int]:
+        """The general rejection sampling of Leviathan et al. 2023 (Algorithm 1) / Chen et
+        al. 2023 for draft tokens drawn from a distribution q (a draft model's), for a
+        sampling request.
+
+        Row by row, p is the distribution plain decoding would draw the token from at that
+        row (`TokenChooser.distribution`: penalties, bias, temperature, top-k / top-p /
+        min-p and the constraint applied to the text as it stands there). Draft token t is
+        accepted with probability min(1, p(t) / q(t)) (a uniform u of the request's seeded
+        generator, accepted iff u q(t) < p(t)); else the row's token is drawn from
+        max(0, p - q) renormalised and the loop stops; after every draft token is accepted
+        the last row's bonus token is drawn from p. The tokens kept are then distributed as
+        the target's (the papers' theorem), and a seed and the same drafts give the same
+        output. A token the grammar forbids has p(t) = 0 and is always rejected. Each kept
+        token goes through `_advance` as in `accept` (stop strings, budget, logprobs from
+        the row's raw logits).
+
+        Args:
+            logits: `[len(draft) + 1, vocab]` raw scores (see `accept_drafts`).
+            draft: the draft tokens.
+            probabilities: `[len(draft), vocab]` q at each draft token.
+
+        Returns:
+            As `accept_drafts`.
+        """
+        assert not self.finished, "a finished request takes no more tokens"
+        sampler = self.chooser.sampler
+        pieces: list[GeneratedPiece] = []
+        accepted = 0
+        for row in range(len(draft) + 1):
+            target = self.chooser.distribution(logits[row])  # [vocab] float64, p
+            if row == len(draft):
+                token = sampler.draw(target)
+            else:
+                guess = draft[row]
+                proposal = probabilities[row].to(torch.float64)  # [vocab], q
+                if sampler.next_uniform() * float(proposal[guess]) < float(target[guess]):
+                    token = guess
+                else:
+                    residual = (target - proposal[: target.shape[0]]).clamp_min_(0.0)
+                    # p - q has mass wherever a rejection is possible (q(t) > p(t) somewhere).
+                    token = sampler.draw(residual if float(residual.sum()) > 0.0 else target)
+            pieces += self._advance(token, logits[row])
+            if row == len(draft) or token != draft[row]:
                 break
             accepted += 1
             if self.finished:

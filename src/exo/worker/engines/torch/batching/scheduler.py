@@ -35,19 +35,19 @@ while its previous one is in flight (every rank runs the steps in launch order, 
 written first). Cache operations (admissions, releases) are recorded in that same order, so
 every rank applies them between the same two steps.
 
-Speculative decoding (`speculation.py`, `decoding/speculative_drafts.py`): on a single rank
-(`launch` None, one step in flight) a decoding request may carry a draft of k guessed
-tokens. Its step then holds k + 1 decode rows, the fed token and the draft tokens at the
-next positions, laid out from the last position down: every one is a decode row to the
-attention (`BatchPlan.repeated_slots`; the native decode layer takes a run of one slot's
-ascending positions for a prompt chunk, attended by another kernel), so each position's
-logits come from the same kernels as a plain decode step's. The step's rows stay within
-`Speculation.max_decode_rows` (the quantized linears switch kernel above it), drafts go
-only into steps without prompt rows, and drafts are dropped before anything is pre-empted
-for their KV. The request verifies its rows in order (`RequestState.
-accept_drafts`); the KV of rejected positions is rolled back by committing only the
-accepted length (`SlotKVCache.commit`; later steps overwrite those positions), so the
-prefix cache stores only verified tokens.
+Speculative decoding (`speculation.py`, `decoding/speculative_drafts.py`, a draft model's
+`draft_model.py`): on a single rank (`launch` None, one step in flight) a decoding request
+may carry a draft of k guessed tokens. Its step then holds k + 1 decode rows, the fed token
+and the draft tokens at the next positions, laid out from the last position down: every one
+is a decode row to the attention (`BatchPlan.repeated_slots`; the native decode layer takes
+a run of one slot's ascending positions for a prompt chunk, attended by another kernel), so
+each position's logits come from the same kernels as a plain decode step's. The step's rows
+stay within `Speculation.max_decode_rows` (the quantized linears switch kernel above it),
+drafts go only into steps without prompt rows, and drafts are dropped before anything is
+pre-empted for their KV. The request verifies its rows in order (`RequestState.
+accept_drafts`); the KV of rejected positions is rolled back by committing only the accepted
+length (`SlotKVCache.commit`; later steps overwrite those positions), so the prefix cache
+stores only verified tokens.
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ from exo.worker.engines.torch.batching.request_state import GeneratedPiece, Requ
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.batching.speculation import Speculation
 from exo.worker.engines.torch.decoding.sampling import SampledToken
+from exo.worker.engines.torch.decoding.speculative_drafts import NO_DRAFT, Draft
 
 # Prompt tokens prefilled per step, over all prefilling requests, while other requests are
 # decoding, until step times have been measured (then `PrefillChunkSizer` sizes the chunk).
@@ -138,12 +139,13 @@ class _Running:
 class _Launched:
     """A step whose forward pass has started: `sampled[i]` takes the next
     `len(drafts[i]) + 1` logits rows (one without a draft). The first `decoding` of
-    `sampled` were decoding; `seconds` is the forward pass's time where it was run here
-    (None: launched) and `decode_only` whether the step had no prompt rows."""
+    `sampled` were decoding; `seconds` is the time of the forward pass and of its drafts'
+    proposal where it was run here (None: launched) and `decode_only` whether the step had
+    no prompt rows."""
 
     sampled: list[_Running]
     logits: Callable[[], StepLogits]
-    drafts: list[tuple[int, ...]]
+    drafts: list[Draft]
     decoding: int = 0
     seconds: float | None = None
     decode_only: bool = False
@@ -336,9 +338,10 @@ class BatchScheduler:
         logit_rows: list[int] = []
         sampled: list[_Running] = []
         decode_slots: list[int] = []
-        launched_drafts: list[tuple[int, ...]] = []
+        launched_drafts: list[Draft] = []
         for running in decoding:
-            draft = drafts.get(id(running), ())
+            drafted = drafts.get(id(running), NO_DRAFT)
+            draft = drafted.tokens
             # The fed token and the draft at the next positions, last position first (see
             # the module docstring); logits rows in position order.
             first = len(input_ids)
@@ -349,7 +352,7 @@ class BatchScheduler:
                 decode_slots.append(running.slot)
             logit_rows.extend(first + len(draft) - offset for offset in range(len(draft) + 1))
             sampled.append(running)
-            launched_drafts.append(draft)
+            launched_drafts.append(drafted)
         decode_positions = list(positions)
         segments: list[PrefillSegment] = []
         row_embeddings: list[tuple[int, torch.Tensor]] = []
@@ -363,12 +366,15 @@ class BatchScheduler:
             if start + length == len(running.tokens):
                 logit_rows.append(len(input_ids) - 1)
                 sampled.append(running)
-                launched_drafts.append(())
+                launched_drafts.append(NO_DRAFT)
         rotary_positions = None
         stepping = [*decoding, *(running for running, _ in prefill)]
         if any(running.state.positions is not None for running in stepping):
             rotary_positions = _multimodal_rows(decoding, prefill)
-        ends = [running.computed + 1 + len(drafts.get(id(running), ())) for running in decoding]
+        ends = [
+            running.computed + 1 + len(drafts.get(id(running), NO_DRAFT).tokens)
+            for running in decoding
+        ]
         ends += [running.computed + length for running, length in prefill]
         self._cache.reserve(max(ends))
         plan = BatchPlan(
@@ -415,6 +421,9 @@ class BatchScheduler:
                 running.state.prefilled_tokens = min(
                     running.computed, len(running.state.prompt_ids)
                 )
+        if seconds is not None and self.speculation is not None:
+            # A draft model's forward passes are part of the step's cost (n-gram: ~0).
+            seconds += self.speculation.take_draft_seconds()
         for running in sampled:
             running.awaiting = True
         self._in_flight.append(
@@ -434,7 +443,8 @@ class BatchScheduler:
         emitted_by_decoding = 0
         row = 0
         for index, running in enumerate(launched.sampled):
-            draft = launched.drafts[index]
+            drafted = launched.drafts[index]
+            draft = drafted.tokens
             first, row = row, row + len(draft) + 1
             running.awaiting = False
             if running not in self._running:
@@ -444,7 +454,9 @@ class BatchScheduler:
             try:
                 if draft:
                     assert isinstance(logits, torch.Tensor), "drafts need this rank's logits"
-                    pieces, accepted = state.accept_drafts(logits[first:row], draft)
+                    pieces, accepted = state.accept_drafts(
+                        logits[first:row], draft, drafted.probabilities
+                    )
                 else:
                     pieces, accepted = state.accept(logits[first]), 0
             except Exception as error:  # this request's own failure (its constraint)
@@ -480,7 +492,7 @@ class BatchScheduler:
 
     def _schedule(
         self,
-    ) -> tuple[list[_Running], list[tuple[_Running, int]], dict[int, tuple[int, ...]]]:
+    ) -> tuple[list[_Running], list[tuple[_Running, int]], dict[int, Draft]]:
         """This step's decoding requests (slot order), prefill chunks and drafts (by
         `id` of the decoding request), within the KV budget (evicting prefix-cache entries,
         then dropping the drafts, then pre-empting, to make room). Requests awaiting a
@@ -517,7 +529,7 @@ class BatchScheduler:
                 length = align_chunk(running.computed, length, running.state.images)
                 prefill.append((running, length))
                 room -= length
-            drafts: dict[int, tuple[int, ...]] = {}
+            drafts: dict[int, Draft] = {}
             if decoding and not prefill and self.speculation is not None:
                 if auto_allowed is None:
                     states = [running.state for running in self._running]
@@ -525,7 +537,10 @@ class BatchScheduler:
                 drafts = self._drafts(decoding, auto_allowed)
             tokens = self.footprint.tokens
             while True:
-                added = {id(running): 1 + len(drafts.get(id(running), ())) for running in decoding}
+                added = {
+                    id(running): 1 + len(drafts.get(id(running), NO_DRAFT).tokens)
+                    for running in decoding
+                }
                 for running, length in prefill:
                     added[id(running)] = length
                 needed = sum(
@@ -539,7 +554,7 @@ class BatchScheduler:
                 drafts = {}  # the drafts' KV does not fit: plain decoding first
             self._preempt_latest()
 
-    def _drafts(self, decoding: list[_Running], auto_allowed: bool) -> dict[int, tuple[int, ...]]:
+    def _drafts(self, decoding: list[_Running], auto_allowed: bool) -> dict[int, Draft]:
         """`Speculation.drafts` of the decoding requests, by `id` of the request (none in
         a step where a request with multimodal rotary positions decodes: those rows are
         laid out one per decoding request)."""
@@ -549,7 +564,9 @@ class BatchScheduler:
         pairs = [(running.state, running.tokens) for running in decoding]
         drafts = self.speculation.drafts(pairs, auto_allowed)
         return {
-            id(running): draft for running, draft in zip(decoding, drafts, strict=True) if draft
+            id(running): draft
+            for running, draft in zip(decoding, drafts, strict=True)
+            if draft.tokens
         }
 
     def _make_room(self, needed_tokens: int) -> bool:

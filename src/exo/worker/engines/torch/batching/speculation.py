@@ -12,10 +12,18 @@ requests that draft.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
+from loguru import logger
+
 from exo.worker.engines.torch.batching.request_state import RequestState
-from exo.worker.engines.torch.decoding.speculative_drafts import DraftRequest, DraftSource
+from exo.worker.engines.torch.decoding.speculative_drafts import (
+    NO_DRAFT,
+    Draft,
+    DraftRequest,
+    DraftSource,
+)
 from exo.worker.engines.torch.decoding.speculative_policy import (
     AutoSwitch,
     DraftLength,
@@ -24,8 +32,6 @@ from exo.worker.engines.torch.decoding.speculative_policy import (
     best_draft_length,
 )
 from exo.worker.engines.torch.quant.quantized_linear import NATIVE_BLOCK_MAX_ROWS
-
-Draft = tuple[int, ...]
 
 
 class Speculation:
@@ -51,6 +57,9 @@ class Speculation:
         self.counters = SpeculationCounters()
         self.step_cost: Callable[[int], float | None] = self.auto_switch.step_seconds
         self._lengths: dict[str, DraftLength] = {}
+        # Seconds spent proposing since the last `take_draft_seconds` (a draft model's
+        # forward passes: part of a speculating step's cost, for the switch and lengths).
+        self._draft_seconds = 0.0
 
     def auto_allowed(self, states: Sequence[RequestState]) -> bool:
         """Whether requests in "auto" mode draft this step (`AutoSwitch.allows`, asked only
@@ -61,14 +70,15 @@ class Speculation:
     def drafts(
         self, decoding: Sequence[tuple[RequestState, Sequence[int]]], auto_allowed: bool
     ) -> list[Draft]:
-        """One draft per decoding request of a step without prompt rows, in order (empty
+        """One draft per decoding request of a step without prompt rows, in order (`NO_DRAFT`
         where it does not draft): each at most its adaptive length and its remaining token
         budget less one, within `max_decode_rows`; drafts shorter than `draft_min` are
         dropped. An "auto" request's is also at most the length whose expected tokens per
         second of measured step time are the most (`best_draft_length`, from its
         acceptance so far), except in the switch's probes (which measure every length's
         steps again); a request that asked for speculation (True) drafts at its adaptive
-        length whatever the costs.
+        length whatever the costs. A source that raises gives no drafts this step and
+        forgets these requests (a draft model starts them afresh): decoding goes on.
 
         Args:
             decoding: each decoding request's state and its prompt and generated tokens.
@@ -100,18 +110,40 @@ class Speculation:
                 continue
             room -= share
             state, tokens = decoding[index]
-            requests.append((index, DraftRequest(state.request_id, tokens, share)))
-        drafts: list[Draft] = [()] * len(decoding)
+            sampler = state.chooser.sampler
+            requests.append(
+                (index, DraftRequest(state.request_id, tokens, share, sampler.params, sampler.seed))
+            )
+        drafts: list[Draft] = [NO_DRAFT] * len(decoding)
         if not requests:
             return drafts
-        proposed = self.source.propose([request for _, request in requests])
+        started = time.perf_counter()
+        try:
+            proposed = self.source.propose([request for _, request in requests])
+        except Exception as error:  # a draft model's failure: this step decodes plainly
+            logger.opt(exception=error).warning(
+                "draft source {} failed; the step decodes without drafts", self.source.name
+            )
+            for _, request in requests:  # its state for them may be half-updated
+                self.source.forget(request.request_id)
+            return drafts
+        finally:
+            self._draft_seconds += time.perf_counter() - started
         for (index, request), draft in zip(requests, proposed, strict=True):
-            if draft.probabilities is not None:
-                raise NotImplementedError("drafts with their own distribution (a draft model)")
-            tokens = draft.tokens[: request.max_tokens]
-            if len(tokens) >= settings.draft_min:
-                drafts[index] = tokens
+            drafted_length = min(len(draft.tokens), request.max_tokens)
+            if drafted_length >= settings.draft_min:
+                probabilities = draft.probabilities
+                drafts[index] = Draft(
+                    draft.tokens[:drafted_length],
+                    None if probabilities is None else probabilities[:drafted_length],
+                )
         return drafts
+
+    def take_draft_seconds(self) -> float:
+        """The seconds spent proposing since the last call (the step's drafting time,
+        added to its forward pass's in `step_measured`)."""
+        seconds, self._draft_seconds = self._draft_seconds, 0.0
+        return seconds
 
     def verified(self, request_id: str, drafted: int, accepted: int) -> None:
         """A request verified a draft of `drafted` tokens, `accepted` of them taken."""

@@ -255,6 +255,54 @@ class Sampler:
             return self._constrained_greedy(logits, constraint)
         return self._constrained_sample(logits, constraint)
 
+    def draw(self, probs: torch.Tensor) -> int:
+        """An index drawn with probabilities `probs` `[n]` (need not sum to 1) at the next
+        uniform number of the request's generator (the general speculative acceptance
+        rule's residual and bonus draws, `RequestState.accept_drafts`)."""
+        return self._draw(probs)
+
+    def next_uniform(self) -> float:
+        """The next uniform number in [0, 1) of the request's generator, used up (the
+        general acceptance rule's test of a draft token)."""
+        uniform = float(self.uniform())
+        self._pending = None
+        return uniform
+
+    def distribution(self, logits: torch.Tensor, constraint: TokenFilter | None) -> torch.Tensor:
+        """The distribution `sample` draws from (temperature > 0): the filters' candidates
+        (`sampling_candidates`) softmaxed, restricted to the tokens `constraint` allows and
+        renormalised; where the filters left no allowed token, all the mass on the token
+        `sample` falls back to (the likeliest allowed one of the unfiltered scores).
+
+        Args:
+            logits: `[vocab]` scores (penalties and bias applied).
+
+        Returns:
+            `[vocab]` float64 probabilities summing to 1.
+
+        Raises:
+            NoAllowedTokenError: the constraint allows no token.
+        """
+        ids, kept = sampling_candidates(logits, self.params)
+        probs = torch.softmax(kept, dim=-1).double()
+        if ids is not None:
+            full = torch.zeros(logits.shape[-1], dtype=torch.float64, device=probs.device)
+            probs = full.index_copy_(0, ids, probs)
+        if constraint is None:
+            return probs
+        allowed = constraint.allowed_tokens()
+        if allowed:
+            allowed_ids = torch.tensor(allowed, dtype=torch.long, device=probs.device)
+            restricted = torch.zeros_like(probs).index_copy_(
+                0, allowed_ids, probs.index_select(0, allowed_ids)
+            )
+            total = float(restricted.sum())
+            if total > 0.0:
+                return restricted / total
+        fallback = torch.zeros_like(probs)
+        fallback[_best_allowed(logits, allowed)] = 1.0
+        return fallback
+
     def _draw(self, probs: torch.Tensor) -> int:
         """An index drawn with probabilities `probs` `[n]` at the next uniform number of
         the request's generator (`draw_index`)."""
@@ -422,6 +470,19 @@ class TokenChooser:
         if self.bias is not None:
             scores = self.bias.apply(scores)
         return self.sampler.sample(scores, self.constraint)
+
+    def distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        """`[vocab]` float64: the distribution `choose` draws the next token from (a
+        sampling request: penalties, bias, filters and constraint as `choose` applies
+        them; `Sampler.distribution`).
+
+        Raises:
+            NoAllowedTokenError: the constraint allows no token.
+        """
+        scores = logits if self.penalties is None else self.penalties.apply(logits)
+        if self.bias is not None:
+            scores = self.bias.apply(scores)
+        return self.sampler.distribution(scores, self.constraint)
 
     def observe(self, token_id: int) -> None:
         """Record the chosen token (penalty counts, constraint state)."""

@@ -16,11 +16,11 @@ Sources:
   n-gram lookup decoding and vLLM's "[ngram]" prompt-lookup proposer (Saxena 2023,
   "Prompt Lookup Decoding"); it wins where the reply copies its context (code edits, quoting,
   answers from retrieved text) and proposes nothing otherwise.
-- A draft model (a small model with the target's tokenizer, on this node or another) plugs
-  in through the same protocol: `propose` takes every speculating request of a step at once
-  (one batched forward of the draft model), `forget` frees a request's state (its draft
-  KV), and a `Draft` may carry the draft's own distribution (`probabilities`) for the
-  general rejection rule. Not built yet.
+- A draft model (a small model with the target's tokenizer; `draft_model.DraftModelSource`,
+  on the target's node): `propose` takes every speculating request of a step at once (one
+  batched forward of the draft model per draft position), `forget` frees a request's state
+  (its draft KV), and a sampling request's `Draft` carries the draft's own distribution
+  (`probabilities`) for the general rejection rule (`RequestState.accept_drafts`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
 
 # Longest and shortest n-gram (suffix of the text, in tokens) looked up. Longer suffixes
 # are tried first: a match of 3 tokens predicts the continuation better than a match of 1.
@@ -48,11 +50,17 @@ class DraftRequest:
         tokens: the request's prompt and generated tokens, the last one being the token this
             step feeds (its KV not yet computed). Read-only: the scheduler's own list.
         max_tokens: the most draft tokens the step has room for (>= 1).
+        sampling: the request's sampling settings (None or greedy: a draft model proposes
+            its likeliest tokens, without `probabilities`; else it draws them from its own
+            distribution under these settings).
+        seed: the request's seed (a draft model seeds its own draws from it).
     """
 
     request_id: str
     tokens: Sequence[int]
     max_tokens: int
+    sampling: SamplingParams | None = None
+    seed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +72,8 @@ class Draft:
         probabilities: None for a deterministic guess (n-gram: the draft distribution is one
             token with probability 1), else `[len(tokens), vocab]` float32, the draft
             model's distribution at each guess, for the general acceptance rule (accept
-            with probability `min(1, p / q)`, else draw from `max(0, p - q)` renormalised).
-            That rule comes with the draft model; until then the scheduler refuses such a
-            draft (`NotImplementedError`).
+            with probability `min(1, p / q)`, else draw from `max(0, p - q)` renormalised;
+            `RequestState.accept_drafts`).
     """
 
     tokens: tuple[int, ...] = ()

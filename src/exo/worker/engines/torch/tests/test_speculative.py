@@ -617,6 +617,10 @@ class Recording:
     def is_complete(self) -> bool:
         return self.inner.is_complete
 
+    @property
+    def sampler(self) -> Sampler:
+        return self.inner.sampler
+
     def choose(self, logits: torch.Tensor) -> int:
         self.logits.append(logits.detach().clone())
         return self.inner.choose(logits)

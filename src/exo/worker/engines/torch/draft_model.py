@@ -1,0 +1,350 @@
+"""A draft model for speculative decoding on the target's node: a small model sharing the
+target's tokenizer, loaded in the same runner process, proposing each speculating request's
+next tokens (`DraftModelSource`, a `speculative_drafts.DraftSource`).
+
+The draft model keeps its own KV (`SlotKVCache`, one slot per request it drafts for) in step
+with each request's text: at every `propose` it compares the text it holds KV for with the
+request's tokens, rolls its slot back to their common prefix (a rejected draft, or tokens
+the target chose otherwise) and computes what it has not seen (the whole prompt at first,
+then the accepted tokens and the target's own token). The speculating requests of a step
+are drafted together: one batched forward pass of the draft model per draft position
+(`batch_attention.forward_batch`, the lean step where the family has one), the first also
+prefilling what each request's slot lacks (a text longer than `DRAFT_PREFILL_CHUNK` is
+prefilled in chunks of it first, one request at a time).
+
+A greedy request's draft is the draft model's likeliest tokens (deterministic: the target
+accepts a draft token iff it is its own argmax, so the output is plain decoding's token for
+token). A sampling request's draft tokens are drawn from the draft's distribution q under
+the request's temperature / top-k / top-p / min-p (penalties, bias and grammar are the
+target's alone: any q keeps the output exact), with a generator seeded from the request's
+seed, and the draft carries q for the general rejection rule (`RequestState.accept_drafts`).
+
+Not here: counting the draft's memory in placement, and a draft model on another node
+(issue 43's cluster case).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from loguru import logger
+from transformers import PreTrainedModel
+
+from exo.download.pypi_gguf import prepare_model
+from exo.shared.models.cards import card_from_local_directory, load_builtin_cards, resolve_card
+from exo.shared.models.memory import kv_geometry_of_config
+from exo.shared.types.shards import ShardMetadata
+from exo.worker.engines.torch.batching.batch_attention import (
+    BatchPlan,
+    PrefillSegment,
+    attention_layers,
+    forward_batch,
+    use_batched_attention,
+)
+from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
+from exo.worker.engines.torch.decoding.sampling import argmax_token, draw_index, filter_logits
+from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
+from exo.worker.engines.torch.decoding.speculative_drafts import Draft, DraftRequest
+from exo.worker.engines.torch.model.families import family_for_architecture
+from exo.worker.engines.torch.model.loading import load_parts
+from exo.worker.engines.torch.quant.quantize import WeightDtype
+
+# Most tokens of one request the draft model prefills in one forward pass (its activations
+# are [tokens, intermediate]: as the target's idle prefill chunk, `PREFILL_TOKENS_PER_IDLE_STEP`).
+DRAFT_PREFILL_CHUNK = 512
+# Mixed into a request's seed for its draft draws, so they are not the target's own
+# sequence of uniform numbers (any fixed value would do).
+DRAFT_SEED_SALT = 0x5EED_D4AF
+
+
+class VocabularyMismatchError(ValueError):
+    """The draft model's tokenizer is not the target's."""
+
+
+@dataclass(slots=True)
+class _DraftSequence:
+    """One request's text as the draft model holds it: `tokens` have KV in `slot`."""
+
+    slot: int
+    tokens: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+class DraftModelSource:
+    """Drafts from a small model on this node (see the module docstring).
+
+    Args:
+        model: the draft model, whole (switched to `BATCHED_ATTENTION` here).
+        cache: its KV slots (`cache.slots`: most requests drafted for at once).
+        windows: per layer of the draft model, its sliding window in tokens or None.
+        vocab_size: the length of the target's logits vectors: the draft's distributions
+            are cut or padded (zero probability) to it.
+        name: the draft model's id (logs, metrics).
+        device: where inputs go.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        cache: SlotKVCache,
+        windows: Sequence[int | None],
+        vocab_size: int,
+        name: str,
+        device: torch.device,
+    ) -> None:
+        use_batched_attention(model)
+        self.model = model
+        self.cache = cache
+        self._windows = windows
+        self._layer_of = attention_layers(model)
+        self.vocab_size = vocab_size
+        self._name = name
+        self._device = device
+        self._sequences: dict[str, _DraftSequence] = {}
+        # Forward passes run and positions computed (tests and logs).
+        self.forward_passes = 0
+        self.positions_computed = 0
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def forget(self, request_id: str) -> None:
+        sequence = self._sequences.pop(request_id, None)
+        if sequence is None:
+            return
+        moved = self.cache.free(sequence.slot)
+        if moved is not None:
+            for other in self._sequences.values():
+                if other.slot == moved:
+                    other.slot = sequence.slot
+                    break
+
+    def held_tokens(self, request_id: str) -> list[int]:
+        """The tokens whose KV the draft model holds for the request (tests)."""
+        sequence = self._sequences.get(request_id)
+        return [] if sequence is None else list(sequence.tokens)
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        """Each request's draft, `max_tokens` long (see the module docstring).
+
+        Returns:
+            One `Draft` per request, in order; `probabilities` `[len(tokens), vocab_size]`
+            float32 for a sampling request, None for a greedy one.
+        """
+        if not requests:
+            return []
+        sequences = [self._synced(request) for request in requests]
+        # Per request: tokens still to feed (what its slot lacks, then each new draft token).
+        feeds = [list(request.tokens[len(sequence.tokens) :]) for request, sequence in
+                 zip(requests, sequences, strict=True)]  # fmt: skip
+        for index, sequence in enumerate(sequences):  # long texts first, a chunk at a time
+            feed = feeds[index]
+            while len(feed) > DRAFT_PREFILL_CHUNK:
+                self._forward([sequence], [feed[:DRAFT_PREFILL_CHUNK]])
+                sequence.tokens.extend(feed[:DRAFT_PREFILL_CHUNK])
+                del feed[:DRAFT_PREFILL_CHUNK]
+        tokens: list[list[int]] = [[] for _ in requests]
+        distributions: list[list[torch.Tensor]] = [[] for _ in requests]
+        active = list(range(len(requests)))
+        while active:
+            logits = self._forward([sequences[index] for index in active],
+                                   [feeds[index] for index in active])  # fmt: skip
+            still: list[int] = []
+            for row, index in enumerate(active):
+                request, sequence = requests[index], sequences[index]
+                sequence.tokens.extend(feeds[index])
+                token, distribution = self._choose(request, sequence, logits[row])
+                tokens[index].append(token)
+                if distribution is not None:
+                    distributions[index].append(distribution)
+                if len(tokens[index]) < request.max_tokens:
+                    feeds[index] = [token]
+                    still.append(index)
+            active = still
+        drafts = []
+        for index in range(len(requests)):
+            probabilities = torch.stack(distributions[index]) if distributions[index] else None
+            drafts.append(Draft(tuple(tokens[index]), probabilities))
+        return drafts
+
+    def _synced(self, request: DraftRequest) -> _DraftSequence:
+        """The request's sequence, its KV rolled back to the longest prefix it shares with
+        the request's tokens (less the last token, which is fed this step)."""
+        sequence = self._sequences.get(request.request_id)
+        if sequence is None:
+            sequence = _DraftSequence(self.cache.allocate())
+            self._sequences[request.request_id] = sequence
+        held = sequence.tokens
+        limit = min(len(held), len(request.tokens) - 1)
+        common = 0
+        while common < limit and held[common] == request.tokens[common]:
+            common += 1
+        if common < len(held):
+            del held[common:]
+            self.cache.commit(sequence.slot, common)
+        if sequence.generator is None and _is_sampling(request.sampling):
+            sequence.generator = torch.Generator(device="cpu")
+            sequence.generator.manual_seed((request.seed ^ DRAFT_SEED_SALT) & (2**63 - 1))
+        return sequence
+
+    def _forward(self, sequences: list[_DraftSequence], feeds: list[list[int]]) -> torch.Tensor:
+        """One batched forward pass: each sequence's `feeds` at its next positions (one
+        token: a decode row; more: a prefill segment). Returns `[len(sequences), vocab]`
+        float32 logits at each sequence's last fed position."""
+        decoding = sorted(
+            (index for index, feed in enumerate(feeds) if len(feed) == 1),
+            key=lambda index: sequences[index].slot,
+        )
+        prefilling = [index for index, feed in enumerate(feeds) if len(feed) > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logit_row_of: dict[int, int] = {}
+        for index in decoding:
+            logit_row_of[index] = len(input_ids)
+            input_ids.append(feeds[index][0])
+            positions.append(len(sequences[index].tokens))
+        segments: list[PrefillSegment] = []
+        for index in prefilling:
+            sequence, feed = sequences[index], feeds[index]
+            start = len(sequence.tokens)
+            segments.append(PrefillSegment(sequence.slot, start, len(input_ids), len(feed)))
+            input_ids.extend(feed)
+            positions.extend(range(start, start + len(feed)))
+            logit_row_of[index] = len(input_ids) - 1
+        self.cache.reserve(
+            max(len(s.tokens) + len(f) for s, f in zip(sequences, feeds, strict=True))
+        )
+        plan = BatchPlan(
+            cache=self.cache,
+            windows=self._windows,
+            decode_slots=[sequences[index].slot for index in decoding],
+            decode_positions=positions[: len(decoding)],
+            prefill=segments,
+            layer_of=self._layer_of,
+        )
+        device = self._device
+        rows = [logit_row_of[index] for index in range(len(sequences))]
+        logits = forward_batch(
+            self.model,
+            plan,
+            torch.tensor([input_ids], dtype=torch.long, device=device),
+            torch.tensor([positions], dtype=torch.long, device=device),
+            torch.tensor(rows, dtype=torch.long, device=device),
+        )
+        self.forward_passes += 1
+        self.positions_computed += len(input_ids)
+        return logits
+
+    def _choose(
+        self, request: DraftRequest, sequence: _DraftSequence, logits: torch.Tensor
+    ) -> tuple[int, torch.Tensor | None]:
+        """The next draft token from the draft's `[vocab]` logits, and the `[vocab_size]`
+        float32 distribution it was drawn from (None: greedy)."""
+        scores = _fit(logits.float(), self.vocab_size)
+        sampling = request.sampling
+        if sampling is None or not _is_sampling(sampling):
+            return argmax_token(scores), None
+        assert sequence.generator is not None
+        probabilities = torch.softmax(filter_logits(scores, sampling), dim=-1)
+        uniform = torch.rand((), dtype=torch.float64, generator=sequence.generator)
+        return draw_index(probabilities, uniform), probabilities
+
+
+def _is_sampling(sampling: SamplingParams | None) -> bool:
+    return sampling is not None and not sampling.is_greedy
+
+
+def _fit(scores: torch.Tensor, size: int) -> torch.Tensor:
+    """`[vocab]` draft scores cut or padded (with -inf: never drawn) to `size` entries (an
+    output layer padded past the tokenizer differs between models of one tokenizer)."""
+    if scores.shape[-1] >= size:
+        return scores[:size]
+    padding = torch.full((size - scores.shape[-1],), float("-inf"), device=scores.device)
+    return torch.cat([scores, padding])
+
+
+def check_same_vocabulary(
+    draft_tokenizer: Any, target_tokenizer: Any, draft_name: str, target_name: str
+) -> None:
+    """Refuse a draft model whose tokenizer maps tokens to other ids than the target's
+    (its drafts would be other text).
+
+    Raises:
+        VocabularyMismatchError: the vocabularies differ (naming both models).
+    """
+    draft_vocabulary = draft_tokenizer.get_vocab()
+    target_vocabulary = target_tokenizer.get_vocab()
+    if draft_vocabulary == target_vocabulary:
+        return
+    differing = sum(
+        1
+        for token in draft_vocabulary.keys() | target_vocabulary.keys()
+        if draft_vocabulary.get(token) != target_vocabulary.get(token)
+    )
+    raise VocabularyMismatchError(
+        f"draft model {draft_name} cannot draft for {target_name}: their vocabularies differ "
+        f"({len(draft_vocabulary)} and {len(target_vocabulary)} tokens, {differing} tokens "
+        "with other ids); a draft model needs the target's tokenizer"
+    )
+
+
+def load_draft_model(
+    model_dir: Path,
+    target_tokenizer: Any,
+    target_name: str,
+    vocab_size: int,
+    slots: int,
+    kv_dtype: torch.dtype,
+    device: str = "cpu",
+    weight_dtype: WeightDtype | None = None,
+) -> DraftModelSource:
+    """Load a draft model from an HF-format directory (the engine's loading path, its
+    weights held as `weight_dtype`: the target's) and check its vocabulary.
+
+    Args:
+        model_dir: the draft model's directory.
+        target_tokenizer / target_name: the target's tokenizer and id.
+        vocab_size: the length of the target's logits vectors.
+        slots: most requests drafted for at once (the target's batch).
+        kv_dtype: how the draft's keys and values are stored (the target's).
+
+    Raises:
+        VocabularyMismatchError: the draft's tokenizer is not the target's.
+        ValueError: the directory is not a loadable model (`card_from_local_directory`,
+            `load_parts`).
+    """
+    card = card_from_local_directory(model_dir)
+    shard = ShardMetadata(
+        sharding="pipeline", model_card=card, device_rank=0, world_size=1, start_layer=0,
+        end_layer=card.n_layers,
+    )  # fmt: skip
+    parts = load_parts(model_dir, shard, device, weight_dtype)
+    check_same_vocabulary(parts.tokenizer, target_tokenizer, str(model_dir), target_name)
+    text_config = parts.model.config.get_text_config()
+    windows = family_for_architecture(type(parts.model).__name__).attention_windows(text_config)
+    geometry = kv_geometry_of_config(text_config, len(windows))
+    cache = SlotKVCache(
+        geometry.layers, geometry.kv_heads, geometry.head_dim, kv_dtype, parts.device, slots,
+        geometry.latent_values, windows,
+    )  # fmt: skip
+    logger.info("draft model {} loaded ({} weights) for {}", model_dir, parts.weight_dtype,
+                target_name)  # fmt: skip
+    return DraftModelSource(parts.model, cache, windows, vocab_size, card.model_id, parts.device)
+
+
+def draft_model_directory(name: str, models_directory: Path) -> Path:
+    """The directory of the draft model `name` (`--draft-model`): a catalog model by any of
+    its names, or a local model directory, resolved as a requested model is
+    (`resolve_card`) and found among this node's models without downloading
+    (`prepare_model` offline: a catalog model must already be on the node).
+
+    Raises:
+        UnknownModelError (a ValueError): neither a catalog model nor a directory.
+        ModelPreparationError: the model's files are not on this node.
+    """
+    return prepare_model(resolve_card(name, load_builtin_cards()), models_directory, offline=True)
