@@ -7,7 +7,13 @@ float32 `F.linear`: milliseconds per expert per call for 1, 4, 32, 64, 128 and 5
 (decode, and an expert's rows of a prompt chunk), on one thread, interleaved per run; and
 the bytes each holds.
 
-Usage: python bench/bench_mxfp4.py [--threads 1] [--runs 5]
+`--tiles` instead compares the fused kernel's two AVX2 register tiles at decode row counts:
+the pair tile (rows of whole pairs of blocks: 2880 inputs) against the block tile (which
+the kernel takes for rows with an odd last block: 2912 inputs, one block more), each on 12
+gate/up weights of 5760 x inputs (more bytes than the caches hold), thread CPU seconds per
+weight and the bytes per CPU second, interleaved.
+
+Usage: python bench/bench_mxfp4.py [--threads 1] [--runs 5] [--tiles]
 """
 
 from __future__ import annotations
@@ -50,12 +56,47 @@ def _milliseconds(function: object, runs: int, native: bool) -> float:
     return statistics.median(times) * 1e3
 
 
+def _tiles(runs: int) -> None:
+    """The pair tile against the block tile (module docstring), thread CPU time."""
+    weights = 12
+    shapes = {"pair tile (2880 inputs)": HIDDEN, "block tile (2912 inputs)": HIDDEN + 32}
+    held = {
+        name: [quantize_mxfp4(torch.randn(2 * INTERMEDIATE, inputs) * 0.02) for _ in range(weights)]
+        for name, inputs in shapes.items()
+    }
+    os.environ[NATIVE_INT4_ENV] = "1"
+    for rows in (1, 2, 4, 8):
+        for round_ in range(2):
+            for name, inputs in shapes.items():
+                x = torch.randn(rows, inputs)
+                for blocks, scales in held[name]:
+                    torch.ops.exo_native.mxfp4_gemv(x, blocks, scales)
+                times = []
+                for _ in range(runs):
+                    start = time.thread_time()
+                    for blocks, scales in held[name]:
+                        torch.ops.exo_native.mxfp4_gemv(x, blocks, scales)
+                    times.append(time.thread_time() - start)
+                seconds = statistics.median(times) / weights
+                size = sum(b.numel() + s.numel() for b, s in held[name]) / weights
+                print(
+                    f"{rows} rows, round {round_ + 1}, {name}: {seconds * 1e3:.3f} ms CPU per "
+                    f"weight, {size / seconds / 1e9:.1f} GB per CPU second"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--tiles", action="store_true")
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
+    if options.tiles:
+        if native_int4_kernel() is None:
+            raise SystemExit("exo's native kernels are not built here")
+        _tiles(options.runs)
+        return
     gate_up, gate_up_float = _mxfp4_linear(HIDDEN, 2 * INTERMEDIATE)
     down, down_float = _mxfp4_linear(INTERMEDIATE, HIDDEN)
     fused = native_int4_kernel() is not None

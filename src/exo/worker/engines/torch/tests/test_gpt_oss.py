@@ -445,6 +445,55 @@ def test_fused_mxfp4_kernel_equals_the_product_of_its_rounded_activations(
     assert float((got.double() - exact).abs().max()) <= 1e-4 * scale
 
 
+@pytest.mark.parametrize(
+    ("scale_bytes", "magnitude"),
+    [((0, 1, 2), 1e30), ((126, 127, 128, 129), 1.0), ((253, 254), 1e-30)],
+)
+def test_fused_mxfp4_kernel_reads_every_scale_byte(
+    scale_bytes: tuple[int, ...], magnitude: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel's pair tile (`native/mxfp4.cpp`, rows of whole pairs of blocks) turns 8
+    scale bytes at a time into floats by their bits, not by the table: e8m0's ends (the
+    kernel's doubled-value scales 2 ** (s - 128) are float32 subnormals for bytes 0 and 1,
+    2 ** 126 for 254; 255 is e8m0's NaN, which no checkpoint holds) must be exact. Activations
+    scaled so the products stay finite and far from float32's underflow; more pairs (9) than
+    one step of 4 so both the vector and the scalar unpacking run."""
+    monkeypatch.setenv(NATIVE_INT4_ENV, "1")
+    if native_int4_kernel() is None:
+        pytest.skip("exo's native kernels could not be built here")
+    generator = torch.Generator().manual_seed(len(scale_bytes))
+    outputs, inputs = 6, 18 * 32
+    blocks, scales = quantize_mxfp4(torch.randn(outputs, inputs, generator=generator))
+    choice = torch.randint(0, len(scale_bytes), scales.shape, generator=generator)
+    scales = torch.tensor(scale_bytes, dtype=torch.uint8)[choice]
+    x = torch.randn(2, inputs, generator=generator) * magnitude
+    got = mxfp4_linear(x, blocks, scales)
+    read = rounded_activations(x) if ROUNDS_ACTIVATIONS else x
+    # The weight in float64 (its float32 dequantization overflows at byte 254's 2 ** 127).
+    values = dequantize_mxfp4(blocks, torch.full_like(scales, 127)).double()  # E2M1 values
+    weight = values * torch.exp2(scales.double() - 127).repeat_interleave(32, dim=1)
+    expected = read.double() @ weight.T
+    assert torch.isfinite(got).all()
+    assert float((got.double() - expected).abs().max()) <= 1e-6 * float(expected.abs().max())
+
+
+def test_fused_mxfp4_kernel_rows_equal_each_row_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each activation row of a fused MXFP4 product is bit for bit what the kernel gives that
+    row alone, whatever rows share the call (1-`NATIVE_MAX_ROWS`: the register tiles of 4, 3,
+    2 and 1 rows, the folded one-row scales): batched decoding equals decoding alone, and a
+    speculative verify step's rows equal decode steps'."""
+    monkeypatch.setenv(NATIVE_INT4_ENV, "1")
+    if native_int4_kernel() is None:
+        pytest.skip("exo's native kernels could not be built here")
+    generator = torch.Generator().manual_seed(11)
+    for inputs in (2880, 96):  # whole pairs of blocks (the pair tile), and an odd block
+        blocks, scales = quantize_mxfp4(torch.randn(70, inputs, generator=generator) * 0.02)
+        x = torch.randn(NATIVE_MAX_ROWS, inputs, generator=generator)
+        alone = torch.cat([mxfp4_linear(x[row : row + 1], blocks, scales) for row in range(len(x))])
+        for rows in (2, 3, 5, NATIVE_MAX_ROWS):
+            assert torch.equal(mxfp4_linear(x[:rows], blocks, scales), alone[:rows]), (inputs, rows)
+
+
 def test_mxfp4_as_int8_blocks_is_the_same_weight() -> None:
     """`mxfp4_int8_blocks`: doubled E2M1 integers times `2 ** (s - 128)` are the MXFP4
     weight bit for bit, scales at both ends of e8m0's range included."""

@@ -2,7 +2,8 @@
 // float scale per block (or per half block of 16) and, for some formats, a zero term:
 // int8_blocks.cpp's (scale, zero) blocks (GGUF Q8_0, Q5_0, Q5_1 held as int8) and symmetric
 // int8 blocks (GGUF Q8_0, Q6_K), and mxfp4.cpp's MXFP4 blocks (E2M1 codes turned into
-// doubled int8 values by a table lookup).
+// doubled int8 values by a table lookup) where a row ends in an odd block (whole pairs of
+// blocks take mxfp4.cpp's own pair tile).
 //
 // Scheme (block_rows.h): activations rounded to int16 per block of 32 and reordered to each
 // block's even inputs, then its odd ones (`reorder_even_odd`), the order in which two shifts

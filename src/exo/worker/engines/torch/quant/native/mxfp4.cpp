@@ -13,6 +13,21 @@
 // order; that and the e8m0 scales are all that differ from int8_blocks.cpp's symmetric int8.
 //
 // 4.25 bits per weight are read per token, against 32 for the widened float32 weight.
+//
+// Where a row is whole pairs of blocks (k % 64 == 0: gpt-oss's 2880 inputs are 45 pairs),
+// the AVX2 product takes a pair per step instead (`pair_tile_avx2`): one 32-byte load holds
+// blocks b and b + 1 (16 bytes each, as held), one mask and one shift-and-mask give all 64
+// codes as bytes, two 256-bit table lookups their doubled values (block b's in the low
+// 128-bit lane, b + 1's in the high one), and shifts sign-extend them to four int16 vectors;
+// the activations are reordered to match once per call (`reorder_pairs_by_four`). The four
+// multiply-adds leave block b's sums in int32 lanes 0-3 and b + 1's in lanes 4-7, so one
+// conversion and one multiply-add by [scale b x 4, scale b + 1 x 4] finish the pair. About
+// 21 instructions per 64 weights and output row at one activation row, against about 40 for
+// the block tile, whose one-row product was bound by instructions, not by memory: 1.6-2.1x
+// less CPU time per weight at 1-8 activation rows (figures:
+// docs/benchmarks/2026-12-06-mxfp4-pairs.md). The integer sums are the block tile's; the
+// float32 sums are added in another order. Each activation row's result is the same
+// whatever rows share the call (per-row accumulators, the same operations per row).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -60,6 +75,123 @@ inline __m256i block_values(const uint8_t* bytes, __m128i table, __m128i nibble)
   return _mm256_set_m128i(_mm_unpackhi_epi8(low, high), _mm_unpacklo_epi8(low, high));
 }
 
+// 8 scale bytes s as `doubled_scale` gives them, 2 ** (s - 128), by their float32 bits:
+// (s - 1) << 23 where that is a normal number (s >= 2; s = 255, e8m0's NaN, gives 2 ** 127
+// as the table does), else the subnormals 2 ** -128 (s = 0, bit 21) and 2 ** -127 (s = 1,
+// bit 22), in place of a table lookup per byte.
+inline __m256 doubled_scales(const uint8_t* bytes) {
+  const __m256i s = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(s, one), 23);
+  const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(1 << 21), s);
+  return _mm256_castsi256_ps(
+      _mm256_blendv_epi8(subnormal, normal, _mm256_cmpgt_epi32(s, one)));
+}
+
+// Each pair of blocks of rounded activations (64 int16 values, blocks A and B) reordered to
+// the order in which `pair_tile_avx2` multiplies the pair's weights: four vectors of 16,
+// the i-th holding A's inputs 4m + o_i (m = 0..7) then B's, for o = 0, 2, 1, 3 (the even
+// bytes of the low-nibble values, their odd bytes, then the same of the high nibbles).
+inline void reorder_pairs_by_four(int16_t* values, int64_t count) {
+  constexpr int kOffsets[4] = {0, 2, 1, 3};
+  int16_t pair[2 * kBlock];
+  for (int64_t start = 0; start + 2 * kBlock <= count; start += 2 * kBlock) {
+    for (int v = 0; v < 4; ++v)
+      for (int half = 0; half < 2; ++half)
+        for (int m = 0; m < 8; ++m)
+          pair[v * 16 + half * 8 + m] = values[start + half * kBlock + 4 * m + kOffsets[v]];
+    std::memcpy(values + start, pair, sizeof(pair));
+  }
+}
+
+// NR output rows from n for ROWS activation rows over whole pairs of blocks (k % 64 == 0),
+// activations reordered by `reorder_pairs_by_four`, `pair_x_scales` [ROWS, k / 64, 8] each
+// pair's activation scales as [A x 4, B x 4]; `weight_scales` holds NR x (k / 64) x 8
+// floats: the weight's scales in the same lanes (for one activation row already times the
+// activation scales: the product the loop would form, the same float32 value).
+// Never inlined, as int8_tile.h's tiles (GCC 12 spilled the accumulators when inlined).
+template <int ROWS, int NR>
+[[gnu::noinline]] void pair_tile_avx2(const int16_t* xq, const float* pair_x_scales, int64_t k,
+                                      const uint8_t* blocks, const uint8_t* scale_bytes,
+                                      float* y, int64_t n_total, int64_t n,
+                                      float* weight_scales) {
+  const int64_t groups = k / kBlock, pairs = groups / 2;
+  // Each pair's [A x 4, B x 4] from 8 scale bytes (4 pairs) at a time by `doubled_scales`.
+  const __m256i spread[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
+                             _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                             _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5),
+                             _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+  const auto store = [&](float* out, int64_t p, __m256 lanes) {
+    _mm256_storeu_ps(out, ROWS == 1 ? _mm256_mul_ps(_mm256_loadu_ps(pair_x_scales + p * 8), lanes)
+                                    : lanes);
+  };
+  for (int i = 0; i < NR; ++i) {
+    const uint8_t* bytes = scale_bytes + (n + i) * groups;
+    float* out = weight_scales + i * pairs * 8;
+    int64_t p = 0;
+    for (; p + 4 <= pairs; p += 4) {
+      const __m256 eight = doubled_scales(bytes + 2 * p);
+      for (int j = 0; j < 4; ++j)
+        store(out + (p + j) * 8, p + j, _mm256_permutevar8x32_ps(eight, spread[j]));
+    }
+    for (; p < pairs; ++p)
+      store(out + p * 8, p,
+            _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(doubled_scale(bytes[2 * p]))),
+                                 _mm_set1_ps(doubled_scale(bytes[2 * p + 1])), 1));
+  }
+  const __m256i table =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kDoubled)));
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  __m256 acc[NR][ROWS];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* pair = blocks + ((n + i) * groups + 2 * p) * kBlockBytes;
+      prefetch_ahead(pair);
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+      const __m256i low = _mm256_shuffle_epi8(table, _mm256_and_si256(bytes, nibble));
+      const __m256i high =
+          _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
+      const __m256i v0 = _mm256_srai_epi16(_mm256_slli_epi16(low, 8), 8);  // inputs 4m
+      const __m256i v1 = _mm256_srai_epi16(low, 8);                        // 4m + 2
+      const __m256i v2 = _mm256_srai_epi16(_mm256_slli_epi16(high, 8), 8); // 4m + 1
+      const __m256i v3 = _mm256_srai_epi16(high, 8);                       // 4m + 3
+      const __m256 weight_scale = _mm256_loadu_ps(weight_scales + (i * pairs + p) * 8);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + p * 2 * kBlock);
+        const __m256i sums = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(v0, _mm256_loadu_si256(xv)),
+                             _mm256_madd_epi16(v1, _mm256_loadu_si256(xv + 1))),
+            _mm256_add_epi32(_mm256_madd_epi16(v2, _mm256_loadu_si256(xv + 2)),
+                             _mm256_madd_epi16(v3, _mm256_loadu_si256(xv + 3))));
+        const __m256 scale =
+            ROWS == 1 ? weight_scale
+                      : _mm256_mul_ps(_mm256_loadu_ps(pair_x_scales + (r * pairs + p) * 8),
+                                      weight_scale);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r)
+      y[r * n_total + n + i] = horizontal_sum(acc[i][r]);
+}
+
+// Output rows [n0, n1) for ROWS activation rows by `pair_tile_avx2`: tiles of
+// `int8_tile_rows<ROWS>()` output rows, then one at a time.
+template <int ROWS>
+void pair_rows_avx2(const int16_t* xq, const float* pair_x_scales, int64_t k,
+                    const uint8_t* blocks, const uint8_t* scale_bytes, float* y, int64_t n_total,
+                    int64_t n0, int64_t n1) {
+  constexpr int kTile = int8_tile_rows<ROWS>();
+  std::vector<float> weight_scales(static_cast<size_t>(kTile * (k / kBlock / 2) * 8));
+  for_output_tiles<kTile>(n0, n1, [&](auto nr, int64_t n) {
+    pair_tile_avx2<ROWS, decltype(nr)::value>(xq, pair_x_scales, k, blocks, scale_bytes, y,
+                                              n_total, n, weight_scales.data());
+  });
+}
+
 // MXFP4 blocks [n, k / 32, 16] and scale bytes [n, k / 32] as int8_tile.h's policy: the
 // doubled values by `block_values`, the scales by `doubled_scale`, no zero term.
 struct Mxfp4Blocks {
@@ -103,6 +235,26 @@ void mxfp4_product(const float* xp, int64_t rows, int64_t k, const uint8_t* bloc
   int16_t* xq = quantized.data();
   float* xs = x_scales.data();
   quantize_rows(xp, rows, k, kBlock, xq, xs, block_sums.data());
+  if (k % (2 * kBlock) == 0) {  // whole pairs of blocks: the pair tile
+    const int64_t pairs = groups / 2;
+    thread_local std::vector<float> pair_scales;
+    pair_scales.resize(static_cast<size_t>(rows * pairs * 8));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t p = 0; p < pairs; ++p)
+        for (int lane = 0; lane < 8; ++lane)
+          pair_scales[(r * pairs + p) * 8 + lane] = xs[r * groups + 2 * p + lane / 4];
+    reorder_pairs_by_four(xq, rows * k);
+    const float* ps = pair_scales.data();
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      for_weight_spans(rows, 4, n0, n1, k * 17 / 32, [&](int64_t s0, int64_t s1) {
+        for_row_groups(rows, [&](auto count, int64_t r) {
+          pair_rows_avx2<decltype(count)::value>(xq + r * k, ps + r * pairs * 8, k, blocks,
+                                                 scale_bytes, yp + r * n, n, s0, s1);
+        });
+      });
+    });
+    return;
+  }
   reorder_even_odd(xq, rows * k);
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     for_weight_spans(rows, 4, n0, n1, k * 17 / 32, [&](int64_t s0, int64_t s1) {
