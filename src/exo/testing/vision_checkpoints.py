@@ -203,10 +203,10 @@ def assert_greedy_equals_reference(
     generated = [token for piece in pieces for token in piece.token_ids]
     # Each step's choice, an ending end-of-sequence token included (it is not streamed).
     chosen = torch.stack(chooser.rows).argmax(-1).tolist() if chooser.rows else []
-    if until_eos and len(chosen) == len(generated) + 1 and chosen[-1] in engine.eos_token_ids:
-        assert chosen[:-1] == generated
-    else:
+    stopped = len(chosen) == len(generated) + 1 and chosen[-1] in engine.eos_token_ids
+    if not (until_eos and stopped):
         assert len(generated) == params.max_tokens == len(chooser.rows)
+    assert chosen[: len(generated)] == generated
     expected = reference_logits(prompt_ids + chosen[:-1])[len(prompt_ids) - 1 :]
     assert (torch.stack(chooser.rows) - expected).abs().max().item() < TOLERANCE
     assert chosen == expected.argmax(-1).tolist()
