@@ -111,13 +111,15 @@ class TypedImageText:
     def escape(self, text: str) -> str:
         """`text` with each image token text a sentinel."""
         typed = self._typed
-        if typed is None:
-            return text
+        if typed is None or not any(typed_text in text for typed_text in self.texts):
+            return text  # the common case, found by plain substring searches
         index = {text: position for position, text in enumerate(self.texts)}
         return typed.sub(lambda match: f"exotyped{self.nonce}n{index[match[0]]}e", text)
 
     def restore(self, text: str) -> str:
         """`text` with each sentinel the image token text it stands for."""
+        if self.nonce not in text:
+            return text
         return self._sentinel.sub(lambda match: self.texts[int(match[1])], text)
 
     def escape_params(self, params: TextGenerationTaskParams) -> TextGenerationTaskParams:
@@ -152,7 +154,7 @@ class TypedImageText:
         Returns:
             The ids, without the special tokens the tokenizer adds by itself.
         """
-        pieces = self._sentinel.split(text)
+        pieces = self._sentinel.split(text) if self.nonce in text else [text]
         if len(pieces) == 1:
             return list(tokenizer(text, add_special_tokens=False)["input_ids"])
         ids: list[int] = []
