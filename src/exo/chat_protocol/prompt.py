@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from exo.chat_protocol.image_tokens import ImageTokens
 from exo.chat_protocol.output_parsing import THINK_OPEN
 from exo.chat_protocol.tool_call_markup import HERMES_CLOSE, HERMES_OPEN
 from exo.chat_protocol.tool_call_parsing import ToolCallFormat
+from exo.chat_protocol.typed_image_text import TypedImageText
 from exo.shared.types.text_generation import (
     IMAGE_MARKER,
     ChatMessage,
@@ -97,10 +98,12 @@ def render_prompt(
             reach the template (the latter two only when set). A system message after the
             first turn is rendered at its place, or folded into the leading system message
             when the template rejects or drops it there (`fold_system_messages`).
-        image_tokens: a vision model's image tokens: each message's `IMAGE_MARKER` becomes
-            the template's image part, then the image's whole token sequence for its
-            width and height (the text keeps the template's part). None: markers are
-            text (a model without them).
+        image_tokens: a vision model's image tokens (pass them with or without images):
+            each message's `IMAGE_MARKER` becomes the template's image part, then the
+            image's whole token sequence for its width and height (the text keeps the
+            template's part); the family's image token texts a client typed stay
+            ordinary text (`typed_image_text`). None: markers are text (a model without
+            them).
 
     Returns:
         The prompt's text and token ids, and how to parse the model's output.
@@ -111,30 +114,51 @@ def render_prompt(
             model without a BOS token. The message says why.
     """
     if params.prompt is not None:
-        return raw_prompt(tokenizer, params.prompt)
+        return raw_prompt(tokenizer, params.prompt, image_tokens)
+    if image_tokens is None:
+        return _render_messages(tokenizer, params, _template_tokenizing(tokenizer))
+    typed = TypedImageText.of(image_tokens, tokenizer)
+    escaped = typed.escape_params(params)
     sizes = [(image.width, image.height) for message in params.messages for image in message.images]
-    if sizes and image_tokens is not None:
+    messages = escaped.messages
+    if sizes:
         # A template of content parts writes its own image part for each image part.
-        source = template_source(tokenizer, with_tools=bool(params.offered_tools))
-        parts = reads_content_parts(tokenizer, source)
-        messages = params.messages if parts else image_tokens.template_messages(params.messages)
-        rendered = render_prompt(tokenizer, params.model_copy(update={"messages": messages}))
-        token_ids, _ = image_tokens.expand(rendered.token_ids, sizes)
-        return dataclasses.replace(rendered, token_ids=token_ids)
+        source = template_source(tokenizer, with_tools=bool(escaped.offered_tools))
+        if not reads_content_parts(tokenizer, source):
+            messages = image_tokens.template_messages(messages)
+    rendered = _render_messages(
+        tokenizer,
+        escaped.model_copy(update={"messages": messages}),
+        lambda text: typed.token_ids(tokenizer, text),
+    )
+    token_ids, _ = image_tokens.expand(rendered.token_ids, sizes)
+    return dataclasses.replace(rendered, token_ids=token_ids, text=typed.restore(rendered.text))
+
+
+def _template_tokenizing(tokenizer: Any) -> Callable[[str], list[int]]:
+    """Tokenizing a rendered template's text: its special tokens parsed, none added."""
+    return lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _render_messages(
+    tokenizer: Any, params: TextGenerationTaskParams, tokenize: Callable[[str], list[int]]
+) -> RenderedPrompt:
+    """`render_prompt` of a conversation, its text tokenized by `tokenize`."""
     later_system = [message for message in params.messages[1:] if message.role == "system"]
     if not later_system:
-        return _render_conversation(tokenizer, params, params.messages)
+        return _render_conversation(tokenizer, params, params.messages, tokenize)
     # System turns after the first message (Claude Code's mid-conversation system
     # messages) are rendered where they are when the template takes a system turn there,
     # else folded into the leading system message: templates that raise on them, or
     # that silently drop them, get them folded.
+    folded = fold_system_messages(params.messages)
     try:
-        rendered = _render_conversation(tokenizer, params, params.messages)
+        rendered = _render_conversation(tokenizer, params, params.messages, tokenize)
     except ValueError:
-        return _render_conversation(tokenizer, params, fold_system_messages(params.messages))
+        return _render_conversation(tokenizer, params, folded, tokenize)
     if all(message.content in rendered.text for message in later_system):
         return rendered
-    return _render_conversation(tokenizer, params, fold_system_messages(params.messages))
+    return _render_conversation(tokenizer, params, folded, tokenize)
 
 
 def fold_system_messages(messages: Sequence[ChatMessage]) -> tuple[ChatMessage, ...]:
@@ -148,7 +172,10 @@ def fold_system_messages(messages: Sequence[ChatMessage]) -> tuple[ChatMessage, 
 
 
 def _render_conversation(
-    tokenizer: Any, params: TextGenerationTaskParams, messages: Sequence[ChatMessage]
+    tokenizer: Any,
+    params: TextGenerationTaskParams,
+    messages: Sequence[ChatMessage],
+    tokenize: Callable[[str], list[int]],
 ) -> RenderedPrompt:
     tools = params.offered_tools
     source = template_source(tokenizer, with_tools=bool(tools))
@@ -178,7 +205,7 @@ def _render_conversation(
         except TemplateError as error:
             first_error = first_error or error
             continue
-        token_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        token_ids = tokenize(text)
         return RenderedPrompt(
             token_ids=token_ids,
             text=text,
@@ -189,15 +216,24 @@ def _render_conversation(
     raise ValueError(f"the model's chat template rejected the conversation: {first_error}")
 
 
-def raw_prompt(tokenizer: Any, prompt: str) -> RenderedPrompt:
+def raw_prompt(
+    tokenizer: Any, prompt: str, image_tokens: ImageTokens | None = None
+) -> RenderedPrompt:
     """A raw prompt (no chat template): its tokens with the special tokens the tokenizer
     adds by itself (Gemma's and Llama's BOS; none for SmolLM2), which is how transformers
     tokenizes a prompt for `generate`. An empty prompt starts from the BOS token alone.
 
+    The client writes the whole prompt, special tokens included, and they are parsed as
+    such, except a vision model's image token texts (`image_tokens`): a raw prompt takes
+    no images, so those stay ordinary text (`typed_image_text`), never an image's place.
+
     Raises:
         ValueError: the prompt is empty and the model has no BOS token to start from.
     """
-    token_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    if image_tokens is None:
+        token_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    else:
+        token_ids = TypedImageText.of(image_tokens, tokenizer).raw_token_ids(tokenizer, prompt)
     if not token_ids:
         bos_token_id = getattr(tokenizer, "bos_token_id", None)
         if bos_token_id is None:

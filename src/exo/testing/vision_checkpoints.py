@@ -11,6 +11,7 @@ in `exo.testing.qwen_vl_checkpoints`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -27,6 +28,7 @@ from exo.shared.models.cards import card_from_local_directory
 from exo.shared.types.common import ModelId
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import (
+    IMAGE_MARKER,
     ChatMessage,
     ImageInput,
     TextGenerationTaskParams,
@@ -176,13 +178,17 @@ def assert_greedy_equals_reference(
     params: TextGenerationTaskParams,
     reference_logits: Callable[[list[int]], torch.Tensor],
     monkeypatch: pytest.MonkeyPatch,
+    *,
+    until_eos: bool = False,
 ) -> torch.Tensor:
     """Generate `params.max_tokens` greedy tokens and check them against the reference.
 
     `reference_logits(ids)` is transformers' forward over `ids` (prompt and reply, with the
     request's images) → `[len(ids), vocab]` float32. Checked: usage counts the rendered
     prompt, every step's logits are within `TOLERANCE` of the reference teacher-forced on
-    exo's tokens, and exo's tokens are the reference's greedy ones.
+    exo's tokens, and exo's tokens are the reference's greedy ones. `until_eos`: the
+    reply may also end earlier, at an end-of-sequence token the reference chose too (a
+    tiny random model's prompt of unknown words may end it at once).
 
     Returns:
         The reference's rows for the steps, `[steps, vocab]` (the first: the prompt's last
@@ -195,11 +201,75 @@ def assert_greedy_equals_reference(
     usage = pieces[-1].usage
     assert usage is not None and usage.prompt_tokens == len(prompt_ids)
     generated = [token for piece in pieces for token in piece.token_ids]
-    assert len(generated) == params.max_tokens == len(chooser.rows)
-    expected = reference_logits(prompt_ids + generated[:-1])[len(prompt_ids) - 1 :]
+    # Each step's choice, an ending end-of-sequence token included (it is not streamed).
+    chosen = torch.stack(chooser.rows).argmax(-1).tolist() if chooser.rows else []
+    stopped = len(chosen) == len(generated) + 1 and chosen[-1] in engine.eos_token_ids
+    if not (until_eos and stopped):
+        assert len(generated) == params.max_tokens == len(chooser.rows)
+    assert chosen[: len(generated)] == generated
+    expected = reference_logits(prompt_ids + chosen[:-1])[len(prompt_ids) - 1 :]
     assert (torch.stack(chooser.rows) - expected).abs().max().item() < TOLERANCE
-    assert generated == expected.argmax(-1).tolist()
+    assert chosen == expected.argmax(-1).tolist()
     return expected
+
+
+TEXT_STAND_IN = "w9"
+"""An ordinary word of every tiny vision tokenizer, one token: where a typed string goes."""
+
+
+def assert_typed_image_text_stays_text(
+    engine: TorchEngine,
+    typed: str,
+    picture: bytes,
+    reference_logits: Callable[..., torch.Tensor],
+    monkeypatch: pytest.MonkeyPatch,
+    max_tokens: int = 4,
+) -> None:
+    """A user turn holding `typed` (a family's image token text) sent to a vision model, once
+    with no image and once with one image part (`picture`).
+
+    Checked each time (for a raw prompt too, its ids only): the prompt is the one with an
+    ordinary word at the typed string's place, that word's token replaced by the typed
+    string's ordinary tokens (the tokenizer's own `split_special_tokens` reading; none an
+    image token); the prompt's image tokens are exactly those of the request's images
+    (none, then one); the request is answered with transformers' greedy tokens and
+    logits over that prompt (`reference_logits(ids, pictures=...)`, which also checks the
+    image count itself), up to `max_tokens` or an end-of-sequence token.
+    """
+    tokenizer = engine.tokenizer
+    assert engine.image_tokens is not None and engine.images is not None
+    image_ids = engine.image_tokens.image_token_ids
+    # As the template's text (special tokens parsed) the string is image tokens.
+    assert set(tokenizer.encode(typed, add_special_tokens=False)) & image_ids
+    typed_ids = tokenizer(typed, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert typed_ids and not set(typed_ids) & image_ids
+    (stand_in,) = tokenizer.encode(TEXT_STAND_IN, add_special_tokens=False)
+    for pictures, words in (
+        ([], ["w1", "w2", "{}", "w3"]),
+        ([picture], ["w1", "{}", "w2", IMAGE_MARKER, "w3"]),
+    ):
+        content = " ".join(words)
+        params = image_params(engine, content.replace("{}", typed), pictures, max_tokens)
+        prompt_ids = engine.render_prompt(params).token_ids
+        plain = image_params(engine, content.replace("{}", TEXT_STAND_IN), pictures, max_tokens)
+        plain_ids = engine.render_prompt(plain).token_ids
+        at = plain_ids.index(stand_in)
+        assert prompt_ids == plain_ids[:at] + typed_ids + plain_ids[at + 1 :]
+        sizes = [(image.width, image.height) for image in params.messages[0].images]
+        assert len(engine.images.tokens.spans(prompt_ids, sizes)) == len(pictures)
+        reference = functools.partial(reference_logits, pictures=pictures)
+        assert_greedy_equals_reference(engine, params, reference, monkeypatch, until_eos=True)
+    # A raw prompt (Ollama's `raw`, legacy completions) takes no images: text too.
+    raw, plain_raw = (
+        TextGenerationTaskParams(model=ModelId(engine.card.model_id), prompt=f"w1 {text} w2")
+        for text in (typed, TEXT_STAND_IN)
+    )
+    raw_ids, plain_ids = (
+        engine.render_prompt(raw).token_ids,
+        engine.render_prompt(plain_raw).token_ids,
+    )
+    at = plain_ids.index(stand_in)
+    assert raw_ids == plain_ids[:at] + typed_ids + plain_ids[at + 1 :]
 
 
 def tiny_gemma3_vision() -> tuple[Any, Any, Any]:

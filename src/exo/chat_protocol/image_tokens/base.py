@@ -58,6 +58,13 @@ class ImageTokens(ABC):
     def soft(self) -> int:
         """The id whose positions take the vision tower's rows."""
 
+    @property
+    @abstractmethod
+    def image_token_ids(self) -> frozenset[int]:
+        """Every id of the family's image markup (the template's image part and any image's
+        sequence) that is no ordinary text; a client's text holding one of these tokens'
+        text keeps it as text (`exo.chat_protocol.typed_image_text`)."""
+
     @abstractmethod
     def sequence(self, size: ImageSize) -> list[int]:
         """The token ids that replace the placeholder for an image of `size`."""
@@ -202,3 +209,7 @@ class OneTokenImages(ImageTokens):
     @property
     def soft(self) -> int:
         return self.image
+
+    @property
+    def image_token_ids(self) -> frozenset[int]:
+        return frozenset((self.image,))

@@ -63,6 +63,10 @@ class Gemma3ImageTokens(ImageTokens):
     def soft(self) -> int:
         return self.soft_id
 
+    @property
+    def image_token_ids(self) -> frozenset[int]:
+        return frozenset((self.begin, self.soft_id, self.end))
+
     def sequence(self, size: ImageSize) -> list[int]:
         soft = [self.soft_id] * self.per_image
         return [*self.newlines, self.begin, *soft, self.end, *self.newlines]

@@ -153,6 +153,11 @@ class Idefics3ImageTokens(OneTokenImages):
             tiling=Idefics3Tiling.of_preprocessor(preprocessor, image_size),
         )
 
+    @property
+    def image_token_ids(self) -> frozenset[int]:
+        markers = [token for row in self.row_col for marker in row for token in marker]
+        return frozenset((self.image, *self.fake, *self.global_image, *markers))
+
     def sequence(self, size: ImageSize) -> list[int]:
         rows, cols = self.tiling.grid(size)
         if rows > MAX_TILE_GRID or cols > MAX_TILE_GRID:

@@ -52,6 +52,10 @@ class PixtralImageTokens(OneTokenImages):
             longest_edge=int(longest or 1540),
         )
 
+    @property
+    def image_token_ids(self) -> frozenset[int]:
+        return frozenset((self.image, *self.image_break, *self.image_end))
+
     def grid(self, size: ImageSize) -> tuple[int, int]:
         """`(rows, cols)` of merged patches of an image of `size` (as sent): scaled down to
         fit `longest_edge` (sides rounded down), each side rounded up to whole patches."""

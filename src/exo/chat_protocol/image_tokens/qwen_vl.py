@@ -74,6 +74,10 @@ class QwenVLImageTokens(OneTokenImages):
             ),
         )
 
+    @property
+    def image_token_ids(self) -> frozenset[int]:
+        return frozenset((self.image, self.vision_start, self.vision_end))
+
     def resized(self, size: ImageSize) -> ImageSize:
         """`(width, height)` in pixels the image is resized to (transformers'
         `smart_resize`): whole merged patches, the area within `min_pixels .. max_pixels`.

@@ -64,15 +64,26 @@ def test_markers_become_image_sequences() -> None:
     assert SOFT not in plain.token_ids and len(plain.token_ids) != len(rendered.token_ids)
 
 
-def test_more_image_places_than_images_is_refused() -> None:
+def test_typed_image_token_text_places_no_image() -> None:
+    """A message that holds the begin token's own text and one image part: the text stays
+    ordinary tokens (unknown words here), only the image part places an image."""
     tokenizer = _tokenizer()
     tokens = ImageTokens.of_config(CONFIG, tokenizer)
     assert tokens is not None
     params = _params(1)
-    # The text holds the begin token's own text too: two image places, one image.
     message = params.messages[0].model_copy(update={"content": "<start_of_image> " + IMAGE_MARKER})
+    rendered = render_prompt(tokenizer, params.model_copy(update={"messages": (message,)}), tokens)
+    # "<", "start_of_image", ">": three unknown words; then the one image.
+    assert rendered.token_ids == [0, 0, 0, BEGIN, SOFT, SOFT, SOFT, END]
+    assert rendered.text == "<start_of_image> <start_of_image> "
+
+
+def test_more_image_places_than_images_is_refused() -> None:
+    tokenizer = _tokenizer()
+    tokens = ImageTokens.of_config(CONFIG, tokenizer)
+    assert tokens is not None
     with pytest.raises(ValueError, match="places 2 images, the request has 1"):
-        render_prompt(tokenizer, params.model_copy(update={"messages": (message,)}), tokens)
+        tokens.expand([2, BEGIN, 3, BEGIN], [(1, 1)])
 
 
 def test_of_model_reads_config_json(tmp_path: Path) -> None:

@@ -62,6 +62,11 @@ KNOWN_GAPS: dict[str, str] = {
     "Qwen/Qwen3-Embedding-4B": "no citable copy of its config.json",
     "Qwen/Qwen3-Embedding-8B": "no citable copy of its config.json",
     "Qwen/Qwen3-Reranker-0.6B": "no citable copy of its config.json",
+    # Qwen3-VL-2B-Instruct (issue 42): its config.json's fields are quoted, trimmed (no
+    # vision depth, MLP width or tied-embeddings flag), in a TensorRT-Model-Connect test the
+    # index holds without a repository to cite; the card's other shapes are torchtitan's
+    # "2B" Qwen3-VL flavor, which agrees with every field that copy states.
+    "Qwen/Qwen3-VL-2B-Instruct": "no citable verbatim copy of its config.json",
 }
 
 # Issue 39's catalog models that have no card yet, because no public copy of their own

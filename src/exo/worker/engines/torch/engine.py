@@ -22,6 +22,7 @@ import torch
 from loguru import logger
 from transformers import PreTrainedModel
 
+from exo.chat_protocol.image_tokens import ImageTokens
 from exo.chat_protocol.prompt import RenderedPrompt, decode_keeping_markers, render_prompt
 from exo.shared.models.memory import (
     DEFAULT_DECODE_ACTIVATIONS,
@@ -197,6 +198,9 @@ class TorchEngine:
         self.images_refusal = (
             "it has no vision tower: a model without vision, or a split that carries no images"
         )
+        # A vision checkpoint's image tokens, tower or not: the image token texts a client
+        # types stay text in its prompts, as the API node counts them (`render_prompt`).
+        self.image_tokens: ImageTokens | None = None
 
     @classmethod
     def load(
@@ -294,6 +298,12 @@ class TorchEngine:
             except ValueError as error:
                 engine.images_refusal = "the weights of its vision tower are not on this node"
                 logger.warning("{}: images refused: {}", shard.model_card.model_id, error)
+        engine.image_tokens = engine.images.tokens if engine.images is not None else None
+        if engine.image_tokens is None:
+            try:
+                engine.image_tokens = ImageTokens.of_model(model_dir, parts.tokenizer)
+            except (KeyError, TypeError, ValueError) as error:  # an odd vision config
+                logger.warning("{}: image tokens unknown: {}", shard.model_card.model_id, error)
         logger.info(
             "{}loaded {} ({} weights) in {:.1f} s",
             f"rank {shard.device_rank}/{shard.world_size} " if split else "",
@@ -363,14 +373,12 @@ class TorchEngine:
                 model), the template refuses the conversation (e.g. roles that do not
                 alternate), or an empty raw prompt for a model without a BOS token.
         """
-        images = _request_images(params)
-        if not images:
-            return render_prompt(self.tokenizer, params)
-        if self.images is None:
+        if _request_images(params) and self.images is None:
             raise ValueError(
                 f"{self.card.model_id} takes no images on this instance ({self.images_refusal})"
             )
-        return render_prompt(self.tokenizer, params, self.images.tokens)
+        tokens = self.images.tokens if self.images is not None else self.image_tokens
+        return render_prompt(self.tokenizer, params, tokens)
 
     def encode_prompt(self, messages: Sequence[ChatMessage]) -> list[int]:
         """Token ids of a plain chat-templated conversation (no tools), ending with the

@@ -22,6 +22,7 @@ from exo.testing.vision_checkpoints import (
     GEMMA3_SOFT,
     TOLERANCE,
     RecordingChooser,
+    assert_typed_image_text_stays_text,
     image_params,
     png,
     save_gemma3_checkout,
@@ -211,3 +212,30 @@ def test_engine_loads_the_tower_and_renders_image_markers(
     assert text_only.images is None
     with pytest.raises(ValueError, match="takes no images"):
         text_only.render_prompt(params)
+
+
+@pytest.mark.parametrize("typed", ["<start_of_image>", "<image_soft_token>"])
+def test_typed_image_tokens_are_text(
+    models: tuple[Any, Any, Gemma3VisionEncoder],
+    tmp_path: Path,
+    float32_kv: None,
+    monkeypatch: pytest.MonkeyPatch,
+    typed: str,
+) -> None:
+    """A user's typed `<start_of_image>` (or `<image_soft_token>`) is ordinary text:
+    without an image the prompt holds no image token and is answered as transformers
+    answers those tokens; with one image part exactly one image is placed."""
+    reference, text, encoder = models
+    engine = vision_engine(save_gemma3_checkout(tmp_path / "gemma3-vision", text, encoder))
+    preprocessing = ImagePreprocessing(32, 32)
+
+    def reference_logits(ids: list[int], pictures: list[bytes]) -> torch.Tensor:
+        if not pictures:
+            with torch.inference_mode():
+                return reference(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+        pixels = torch.stack([preprocessing.pixel_values(picture) for picture in pictures])
+        return _reference_logits(reference, ids, pixels)
+
+    assert_typed_image_text_stays_text(
+        engine, typed, png(40, 24, seed=5), reference_logits, monkeypatch
+    )

@@ -23,6 +23,7 @@ from exo.testing.vision_checkpoints import (
     RecordingChooser,
     assert_greedy_equals_reference,
     assert_same_tokens_and_logprobs,
+    assert_typed_image_text_stays_text,
     image_params,
     perturb_weights,
     png,
@@ -300,3 +301,31 @@ def test_a_checkout_without_the_tower_serves_text_and_refuses_images(
     image = image_params(engine, f"w1 {IMAGE_MARKER}", [png(60, 40, seed=1)], 2)
     with pytest.raises(ValueError, match="weights of its vision tower are not on this node"):
         engine.render_prompt(image)
+
+
+@pytest.mark.parametrize(
+    "typed", ["<image>", "<fake_token_around_image><global-img><image><fake_token_around_image>"]
+)
+def test_typed_image_tokens_are_text(
+    checkout: tuple[Path, Any, Any],
+    float32_kv: None,
+    monkeypatch: pytest.MonkeyPatch,
+    typed: str,
+) -> None:
+    """A user's typed `<image>` (or a global view's whole markup) is ordinary text, in a
+    template of content parts that writes `<image>` itself for an image part: without an
+    image the prompt holds no image token and is answered as transformers answers those
+    tokens; with one image part exactly one image is placed."""
+    directory, reference, processor = checkout
+    engine = vision_engine(directory)
+
+    def reference_logits(ids: list[int], pictures: list[bytes]) -> torch.Tensor:
+        if not pictures:
+            with torch.inference_mode():
+                return reference(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+        inputs = processor(text="<image>", images=rgb_images(pictures), return_tensors="pt")
+        return _reference_logits(reference, ids, inputs)
+
+    assert_typed_image_text_stays_text(
+        engine, typed, png(60, 40, seed=5), reference_logits, monkeypatch
+    )

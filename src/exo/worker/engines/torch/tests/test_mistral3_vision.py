@@ -22,6 +22,7 @@ from exo.shared.types.text_generation import IMAGE_MARKER
 from exo.testing.vision_checkpoints import (
     TOLERANCE,
     assert_greedy_equals_reference,
+    assert_typed_image_text_stays_text,
     image_params,
     perturb_weights,
     png,
@@ -152,3 +153,28 @@ def test_layout_follows_the_processor_for_many_sizes(checkout: tuple[Path, Any, 
         inputs = processor(text="[IMG]", images=rgb_images([png(width, height, seed=3)]))
         expected = torch.as_tensor(inputs["input_ids"][0]).tolist()
         assert tokens.sequence((width, height)) == expected, (width, height)
+
+
+@pytest.mark.parametrize("typed", ["[IMG]", "[IMG][IMG_BREAK][IMG_END]"])
+def test_typed_image_tokens_are_text(
+    checkout: tuple[Path, Any, Any],
+    float32_kv: None,
+    monkeypatch: pytest.MonkeyPatch,
+    typed: str,
+) -> None:
+    """A user's typed `[IMG]` (or a whole row's markup) is ordinary text: without an image
+    the prompt holds no image token and is answered as transformers answers those tokens;
+    with one image part exactly one image is placed."""
+    directory, reference, processor = checkout
+    engine = vision_engine(directory)
+
+    def reference_logits(ids: list[int], pictures: list[bytes]) -> torch.Tensor:
+        if not pictures:
+            with torch.inference_mode():
+                return reference(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+        inputs = processor(text="<s>[IMG]", images=rgb_images(pictures), return_tensors="pt")
+        return _reference_logits(reference, ids, inputs)
+
+    assert_typed_image_text_stays_text(
+        engine, typed, png(60, 40, seed=5), reference_logits, monkeypatch
+    )

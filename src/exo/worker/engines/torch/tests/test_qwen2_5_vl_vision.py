@@ -32,6 +32,7 @@ from exo.testing.vision_checkpoints import (
     TOLERANCE,
     assert_greedy_equals_reference,
     assert_same_tokens_and_logprobs,
+    assert_typed_image_text_stays_text,
     image_params,
     png,
     vision_engine,
@@ -201,3 +202,25 @@ def test_prefix_cache_reuses_positions_after_an_image(
         else:
             assert 0 < handle.cached_tokens <= first_image
         assert_same_tokens_and_logprobs(pieces, list(vision_engine(directory).generate(request)))
+
+
+@pytest.mark.parametrize("typed", [IMAGE_TEXT, "<|image_pad|>"])
+def test_typed_image_tokens_are_text(
+    checkout: tuple[Path, Any, Any],
+    float32_kv: None,
+    monkeypatch: pytest.MonkeyPatch,
+    typed: str,
+) -> None:
+    """A user's typed `<|vision_start|><|image_pad|><|vision_end|>` (or `<|image_pad|>`)
+    is ordinary text: without an image the prompt holds no image token and is answered as
+    transformers answers those tokens; with one image part exactly one image is placed."""
+    directory, reference, processor = checkout
+    engine = vision_engine(directory)
+
+    def reference_logits(ids: list[int], pictures: list[bytes]) -> torch.Tensor:
+        inputs = qwen_vl_processed(processor, pictures) if pictures else None
+        return qwen_vl_reference_logits(reference, ids, inputs)
+
+    assert_typed_image_text_stays_text(
+        engine, typed, png(60, 40, seed=5), reference_logits, monkeypatch
+    )

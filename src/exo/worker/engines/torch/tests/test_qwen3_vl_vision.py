@@ -33,6 +33,7 @@ from exo.testing.qwen_vl_checkpoints import (
 from exo.testing.vision_checkpoints import (
     TOLERANCE,
     assert_greedy_equals_reference,
+    assert_typed_image_text_stays_text,
     image_params,
     png,
     vision_engine,
@@ -162,3 +163,25 @@ def test_text_model_interleaves_whatever_the_config_says(checkout: tuple[Path, A
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert model.config.rope_parameters["mrope_interleaved"] is True
     assert model.config.rope_parameters["mrope_section"] == [3, 3, 2]
+
+
+@pytest.mark.parametrize("typed", [IMAGE_TEXT, "<|image_pad|>"])
+def test_typed_image_tokens_are_text(
+    checkout: tuple[Path, Any, Any],
+    float32_kv: None,
+    monkeypatch: pytest.MonkeyPatch,
+    typed: str,
+) -> None:
+    """A user's typed `<|vision_start|><|image_pad|><|vision_end|>` (or `<|image_pad|>`)
+    is ordinary text: without an image the prompt holds no image token and is answered as
+    transformers answers those tokens; with one image part exactly one image is placed."""
+    directory, reference, processor = checkout
+    engine = vision_engine(directory)
+
+    def reference_logits(ids: list[int], pictures: list[bytes]) -> torch.Tensor:
+        inputs = qwen_vl_processed(processor, pictures) if pictures else None
+        return qwen_vl_reference_logits(reference, ids, inputs)
+
+    assert_typed_image_text_stays_text(
+        engine, typed, png(60, 40, seed=5), reference_logits, monkeypatch
+    )
