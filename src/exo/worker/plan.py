@@ -240,9 +240,9 @@ def _load_and_warm_up(
             continue
         draft = _draft_to_fetch(instance, node_id)
         if draft is not None and not isinstance(
-            downloads.get(draft.model_card.model_id), DownloadCompleted
+            downloads.get(draft.model_card.model_id), DownloadCompleted | DownloadFailed
         ):
-            continue  # the runner loads its draft model with the target
+            continue  # the runner loads its draft model with the target (failed: without)
         others = _other_ranks(state, instance, runner_id)
         rendezvous = instance.rendezvous
         match runner.status:

@@ -31,6 +31,7 @@ from exo.shared.types.instances import InstanceDraft
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import (
     DownloadCompleted,
+    DownloadFailed,
     DownloadOngoing,
     DownloadStatus,
     NodeInfo,
@@ -233,8 +234,10 @@ def test_the_worker_fetches_the_draft_after_the_target_and_loads_once_both_are_t
     runner_id = instance.shard_assignments.rank_zero_runner()
     runners = {runner_id: LocalRunner(INSTANCE_ID, RunnerIdle(), frozenset())}
 
-    def next_task(downloads: Mapping[ModelId, DownloadStatus]) -> Task | None:
-        return plan(NODE_A, state, runners, downloads, {}, 0.0)
+    def next_task(
+        downloads: Mapping[ModelId, DownloadStatus], retry_after: Mapping[str, float] = {}
+    ) -> Task | None:
+        return plan(NODE_A, state, runners, downloads, retry_after, 0.0)
 
     target = next_task({})
     assert isinstance(target, DownloadModel)
@@ -246,10 +249,19 @@ def test_the_worker_fetches_the_draft_after_the_target_and_loads_once_both_are_t
     assert (draft.shard.start_layer, draft.shard.end_layer) == (0, QWEN3_0_6B.n_layers)
     ongoing = DownloadOngoing(message="1/3")
     assert next_task({QWEN3_8B.model_id: done, QWEN3_0_6B.model_id: ongoing}) is None
-    both = {QWEN3_8B.model_id: done, QWEN3_0_6B.model_id: DownloadCompleted(path="/d")}
-    assert next_task(both) == LoadModel(
+    load = LoadModel(
         instance_id=INSTANCE_ID, runner_id=RunnerId(runner_id), model_dir="/models/qwen3-8b"
     )
+    both = {QWEN3_8B.model_id: done, QWEN3_0_6B.model_id: DownloadCompleted(path="/d")}
+    assert next_task(both) == load
+    # A draft whose download failed: retried when due, meanwhile the model loads without it
+    # (the runner leaves it out).
+    failed: dict[ModelId, DownloadStatus] = {
+        QWEN3_8B.model_id: done,
+        QWEN3_0_6B.model_id: DownloadFailed(error_message="gone"),
+    }
+    assert next_task(failed) == draft
+    assert next_task(failed, {QWEN3_0_6B.model_id: 60.0}) == load
 
 
 def test_the_runner_loads_the_instances_draft_whatever_the_nodes_option() -> None:

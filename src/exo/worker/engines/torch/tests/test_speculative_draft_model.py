@@ -487,11 +487,12 @@ def test_a_draft_model_with_another_vocabulary_is_refused_at_load(
 
 
 def test_draft_model_option_reaches_the_engine_through_the_runners_loading_path(
-    model_dirs: dict[str, Path],
+    model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`--draft-model` parses to the node's options and the runner's; the runner's loading
     entry resolves it as a requested model (a local directory here) and the engine drafts
-    from it; a split instance's ranks load none."""
+    from it; a split instance's ranks load none; a catalog draft whose files are not on the
+    node (its download failed) is left out and the model served without it."""
     from exo.node_options import parse_args
     from exo.shared.models.cards import card_from_local_directory
     from exo.shared.types.shards import ShardMetadata
@@ -516,3 +517,10 @@ def test_draft_model_option_reaches_the_engine_through_the_runners_loading_path(
     assert isinstance(plain, TorchEngine) and plain.draft_source is None
     with pytest.raises(ValueError, match="unknown model"):
         load_serving_engine(model_dirs["target"], shard, draft_model="no/such-model")
+    from exo.worker.engines.torch import engine_factory
+
+    monkeypatch.setattr(engine_factory, "models_dir", lambda: tmp_path)  # holds nothing
+    missing = load_serving_engine(
+        model_dirs["target"], shard, draft_model="HuggingFaceTB/SmolLM2-1.7B-Instruct"
+    )
+    assert isinstance(missing, TorchEngine) and missing.draft_source is None
