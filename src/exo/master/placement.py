@@ -27,8 +27,8 @@ Rules (exo's, with its gaps filled):
 - a draft model for speculative decoding (`exo.shared.models.drafts`: the card's, or rank
   0's node's `--draft-model`) runs in rank 0's runner: its weights and KV for the
   instance's budget count on that node (`draft_bytes`); a group where it does not fit is
-  placed without it, saying why (`Instance.draft_left_out`), and a split instance, which
-  drafts n-grams only for now, never takes one;
+  placed without it, saying why (`Instance.draft_left_out`); of split instances only a
+  tensor-parallel one takes one (`drafts.draft_runs_on`);
 - prefer the fewest nodes that fit, then layouts that keep their draft model, then nodes
   that already hold the model's files, then the most available memory (ties by node id,
   so every master decides the same).
@@ -65,7 +65,7 @@ from exo.shared.models.architectures import (
     is_encoder_architecture,
 )
 from exo.shared.models.cards import load_builtin_cards
-from exo.shared.models.drafts import draft_for
+from exo.shared.models.drafts import draft_for, draft_runs_on
 from exo.shared.models.memory import RUNNER_PROCESS_OVERHEAD_BYTES, vision_tower_loading_bytes
 from exo.shared.parallelism import PARALLELISMS, parallelism
 from exo.shared.types.common import FrozenModel, InstanceId, ModelId, NodeId, RunnerId
@@ -229,9 +229,9 @@ def layout(
     draft = _named_draft(card, state, order[0], cards)
     if draft is None:
         return _layout_in_order(card, state, sharding, order, room)
-    if len(order) > 1:
+    if not draft_runs_on(sharding, len(order)):
         plain = _layout_in_order(card, state, sharding, order, room)
-        reason = f"draft model {draft.model_id} not used: a split instance drafts n-grams only"
+        reason = f"draft model {draft.model_id} not used: a {sharding} split does not speculate"
         return dataclasses.replace(plain, draft_left_out=reason)
     if draft.model_card is None:  # a directory only its node knows: not counted
         return dataclasses.replace(

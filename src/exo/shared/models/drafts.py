@@ -2,8 +2,9 @@
 placement so that its memory is counted, its files fetched and its choice visible in the
 state (`Instance.draft`) and the placement previews.
 
-The rule, for a text model placed whole on one node (a split instance drafts n-grams only
-for now: its rank 0 does not load a draft model):
+The rule, for a text model placed whole on one node or split by tensor parallelism (its
+rank 0 drafts, the split model verifies k + 1 positions in one step: `draft_runs_on`; a
+pipeline's steps are in flight at once, which speculation does not take yet):
 1. the `--draft-model` of the node that would run rank 0 (`NodeInfo.draft_model`), when
    set, overrides the card: a catalog or custom model by any of its names (its card then
    counts in placement), else a directory only that node knows (counted by nobody);
@@ -23,8 +24,15 @@ from collections.abc import Mapping
 
 from exo.shared.models.names import resolve_model_name
 from exo.shared.types.common import ModelId, NodeId
-from exo.shared.types.instances import InstanceDraft
+from exo.shared.types.instances import InstanceDraft, Sharding
 from exo.shared.types.models import ModelCard
+
+
+def draft_runs_on(sharding: Sharding, world_size: int) -> bool:
+    """Whether an instance of this kind drafts with a draft model in its rank 0's runner:
+    one node, or tensor parallel (one step in flight, verified by every rank together).
+    A pipeline keeps several steps in flight and an expert split is not checked yet."""
+    return world_size == 1 or sharding == "tensor"
 
 
 def draft_for(

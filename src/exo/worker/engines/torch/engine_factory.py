@@ -12,6 +12,7 @@ from loguru import logger
 from exo.download.pypi_wheels import ModelPreparationError
 from exo.shared.constants import models_dir
 from exo.shared.models.architectures import is_encoder_architecture
+from exo.shared.models.drafts import draft_runs_on
 from exo.shared.models.memory import (
     DEFAULT_DECODE_ACTIVATIONS,
     DEFAULT_KV_CACHE_TOKENS,
@@ -94,7 +95,11 @@ def load_serving_engine(
             on_layer_loaded(layers, layers)
         return engine
     draft_dir = None
-    if draft_model is not None and shard.world_size == 1:  # a split instance drafts nothing
+    if (
+        draft_model is not None
+        and shard.device_rank == 0
+        and draft_runs_on(shard.sharding, shard.world_size)
+    ):
         try:
             draft_dir = draft_model_directory(draft_model, models_dir())
         except ModelPreparationError as error:
