@@ -201,7 +201,7 @@ def _named_draft(
     if option is None and card.draft_model is None:
         return None
     catalog = load_builtin_cards() if cards is None else cards
-    return draft_for(card, rank_zero, option, catalog, state.custom_cards)
+    return draft_for(card, rank_zero, option, catalog)
 
 
 def layout(

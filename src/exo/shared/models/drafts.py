@@ -6,8 +6,9 @@ The rule, for a text model placed whole on one node or split by tensor paralleli
 rank 0 drafts, the split model verifies k + 1 positions in one step: `draft_runs_on`; a
 pipeline's steps are in flight at once, which speculation does not take yet):
 1. the `--draft-model` of the node that would run rank 0 (`NodeInfo.draft_model`), when
-   set, overrides the card: a catalog or custom model by any of its names (its card then
-   counts in placement), else a directory only that node knows (counted by nobody);
+   set, overrides the card: a catalog model by any of its names (its card then counts in
+   placement, and the node fetches it), else a directory only that node knows (counted by
+   nobody; the runner resolves it there, as a custom model is not yet);
 2. else the card's `draft_model` (`ModelCard.draft_model`), a catalog model id;
 3. else none: n-gram drafts.
 A draft naming the target itself is no draft (it would read the target's weights twice
@@ -40,15 +41,14 @@ def draft_for(
     node_id: NodeId,
     node_option: str | None,
     cards: Mapping[ModelId, ModelCard],
-    custom_cards: Mapping[ModelId, ModelCard] | None = None,
 ) -> InstanceDraft | None:
     """The draft model an instance of `card` whose rank 0 runs on `node_id` would use
     (the module docstring's rule), or None.
 
     Args:
         node_option: that node's `--draft-model` (`NodeInfo.draft_model`), None if unset.
-        cards: the catalog by id (the card's `draft_model` and a node option resolve here).
-        custom_cards: the cluster's custom models (`State.custom_cards`).
+        cards: the catalog by id (the card's `draft_model` and a node option resolve here;
+            the runner resolves a draft in the catalog too, `draft_model_directory`).
 
     Returns:
         The draft with its card where one resolves (a card's draft that is in no catalog:
@@ -57,7 +57,7 @@ def draft_for(
     if "text" not in card.capabilities:
         return None
     if node_option:
-        resolved = resolve_model_name(node_option, cards, custom_cards=custom_cards)
+        resolved = resolve_model_name(node_option, cards)
         if resolved is None:  # a directory on that node, which only it can read
             if node_option == card.model_id:
                 return None
@@ -66,9 +66,8 @@ def draft_for(
             )
         if resolved == card.model_id:
             return None
-        named = cards[resolved] if resolved in cards else (custom_cards or {})[resolved]
         return InstanceDraft(
-            model_id=resolved, node_id=node_id, chosen_by="node_option", model_card=named
+            model_id=resolved, node_id=node_id, chosen_by="node_option", model_card=cards[resolved]
         )
     if card.draft_model is None or card.draft_model == card.model_id:
         return None
