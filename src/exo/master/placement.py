@@ -239,17 +239,19 @@ def layout(
         )
     try:
         return _layout_in_order(card, state, sharding, order, room, draft)
-    except PlacementError:
+    except PlacementError as error:
         plain = _layout_in_order(card, state, sharding, order, room)
-        first = room[order[0]]
-        tokens = first.planned_kv_cache_tokens(card)
-        both = required_memory_bytes(card, kv_cache_tokens=tokens) + draft_bytes(
-            draft.model_card, tokens
-        )
-        reason = (
-            f"draft model {draft.model_id} left out: node {order[0]} has {first.describe()}, "
-            f"the model and its draft need {both / 2**20:.0f} MiB"
-        )
+        reason = f"draft model {draft.model_id} left out: {error}"
+        if len(order) == 1:  # the room figures of the node itself, not those less the draft
+            first = room[order[0]]
+            tokens = first.planned_kv_cache_tokens(card)
+            both = required_memory_bytes(card, kv_cache_tokens=tokens) + draft_bytes(
+                draft.model_card, tokens
+            )
+            reason = (
+                f"draft model {draft.model_id} left out: node {order[0]} has "
+                f"{first.describe()}, the model and its draft need {both / 2**20:.0f} MiB"
+            )
         return dataclasses.replace(plain, draft_left_out=reason)
 
 
