@@ -208,6 +208,7 @@ class Node:
             remeasure_speed=options.remeasure_speed,
             prefill_activations=options.prefill_activations,
             kv_cache_tokens=options.kv_cache_tokens,
+            draft_model=options.draft_model,
         )
         credential = peer_credential(options.namespace, secret)
         # Other nodes' APIs answer this node's probes and file requests by this credential.

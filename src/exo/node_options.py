@@ -97,7 +97,7 @@ class Options:
     speculative: SpeculativeMode = "auto"
     draft_min: int = DEFAULT_DRAFT_MIN
     draft_max: int = DEFAULT_DRAFT_MAX
-    # The draft model of speculative decoding (`--draft-model`; None: n-gram drafts).
+    # The draft model of speculative decoding (`--draft-model`; None: the card's, else n-gram).
     draft_model: str | None = None
     # Limits on image input and image URL fetching (`--image-*`).
     image_policy: ImagePolicy = field(default_factory=ImagePolicy)
@@ -281,8 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-model",
         default=None,
         metavar="MODEL",
-        help="draft model of speculative decoding, on this node with the served model's "
-        "tokenizer (default: none, n-gram drafts)",
+        help="draft model of speculative decoding for the models whose rank 0 runs here, "
+        "with their tokenizer: a catalog model (fetched like any) or a model directory on this "
+        "node; overrides a card's draft_model (default: the card's, else n-gram drafts)",
     )
     parser.add_argument(
         "--max-queued-requests",

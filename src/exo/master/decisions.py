@@ -148,6 +148,7 @@ def events_for_command(
                     sharding=command.sharding,
                     min_nodes=command.min_nodes,
                     node_ids=command.node_ids,
+                    cards=cards,
                 )
             except PlacementError as error:
                 if command.on_request:

@@ -24,12 +24,19 @@ Rules (exo's, with its gaps filled):
   at least one layer per node either way;
 - tensor sharding needs the card's tensor support and attention heads, KV heads and MLP
   size divisible by the node count;
-- prefer the fewest nodes that fit, then nodes that already hold the model's files, then
-  the most available memory (ties by node id, so every master decides the same).
+- a draft model for speculative decoding (`exo.shared.models.drafts`: the card's, or rank
+  0's node's `--draft-model`) runs in rank 0's runner: its weights and KV for the
+  instance's budget count on that node (`draft_bytes`); a group where it does not fit is
+  placed without it, saying why (`Instance.draft_left_out`); of split instances only a
+  tensor-parallel one takes one (`drafts.draft_runs_on`);
+- prefer the fewest nodes that fit, then layouts that keep their draft model, then nodes
+  that already hold the model's files, then the most available memory (ties by node id,
+  so every master decides the same).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 from collections.abc import Mapping, Sequence
@@ -41,6 +48,7 @@ from exo.master.layer_split import speed_balanced_split as speed_balanced_split
 from exo.master.placement_memory import MEMORY_OVERHEAD_FRACTION as MEMORY_OVERHEAD_FRACTION
 from exo.master.placement_memory import (
     NodeRoom,
+    draft_bytes,
     memory_sized_kv_cache_tokens,
     placement_room,
     required_memory_bytes,
@@ -56,10 +64,18 @@ from exo.shared.models.architectures import (
     ENGINE_ARCHITECTURES,
     is_encoder_architecture,
 )
+from exo.shared.models.cards import load_builtin_cards
+from exo.shared.models.drafts import draft_for, draft_runs_on
 from exo.shared.models.memory import RUNNER_PROCESS_OVERHEAD_BYTES, vision_tower_loading_bytes
 from exo.shared.parallelism import PARALLELISMS, parallelism
-from exo.shared.types.common import FrozenModel, InstanceId, NodeId, RunnerId
-from exo.shared.types.instances import Instance, Rendezvous, ShardAssignments, Sharding
+from exo.shared.types.common import FrozenModel, InstanceId, ModelId, NodeId, RunnerId
+from exo.shared.types.instances import (
+    Instance,
+    InstanceDraft,
+    Rendezvous,
+    ShardAssignments,
+    Sharding,
+)
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import DownloadCompleted
 from exo.shared.types.shards import ShardMetadata
@@ -92,6 +108,11 @@ class PlacementPreview(FrozenModel):
     kv_cache_tokens: int | None = None
     """The KV-cache budget (tokens) its runners would hold (`Instance.kv_cache_tokens`);
     None when the placement is invalid."""
+    draft: InstanceDraft | None = None
+    """The draft model its rank 0 would load and on which node (`Instance.draft`), its
+    memory in that node's `bytes_per_node`."""
+    draft_left_out: str | None = None
+    """Why a draft model named for it would not be used (`Instance.draft_left_out`)."""
     predicted_decode_tokens_per_second: float | None = None
     predicted_ttft_seconds: float | None = None
     prediction_prompt_tokens: int = DEFAULT_PROMPT_TOKENS
@@ -107,6 +128,10 @@ class Layout:
     rendezvous_addresses: dict[NodeId, str]
     kv_cache_tokens: int
     """The instance's KV-cache budget (`Instance.kv_cache_tokens`)."""
+    draft: InstanceDraft | None = None
+    """Its draft model (`Instance.draft`), counted in rank 0's `bytes_per_node`."""
+    draft_left_out: str | None = None
+    """Why a draft model named for it is not used (`Instance.draft_left_out`)."""
 
 
 def runner_id_for(instance_id: InstanceId, rank: int, runner_tag: str = "") -> RunnerId:
@@ -164,17 +189,35 @@ def _own_address(state: State, node_id: NodeId, peer_view: dict[NodeId, str]) ->
     return addresses[0] if addresses else "127.0.0.1"
 
 
+def _named_draft(
+    card: ModelCard,
+    state: State,
+    rank_zero: NodeId,
+    cards: Mapping[ModelId, ModelCard] | None,
+) -> InstanceDraft | None:
+    """The draft model named for an instance of `card` with rank 0 on `rank_zero`
+    (`drafts.draft_for`; `cards` None: the built-in catalog, read only when needed)."""
+    option = state.node_info[rank_zero].draft_model
+    if option is None and card.draft_model is None:
+        return None
+    catalog = load_builtin_cards() if cards is None else cards
+    return draft_for(card, rank_zero, option, catalog)
+
+
 def layout(
     card: ModelCard,
     state: State,
     sharding: Sharding,
     group: Sequence[NodeId],
     room: Mapping[NodeId, NodeRoom] | None = None,
+    cards: Mapping[ModelId, ModelCard] | None = None,
 ) -> Layout:
-    """Shares of `group` for `card`, or why that group cannot run it.
+    """Shares of `group` for `card`, or why that group cannot run it, with the draft model
+    named for it where rank 0's node has room for both (else without it, saying why).
 
     Args:
         room: the nodes' memory (`placement_room(state)` when None).
+        cards: the catalog a draft model resolves in (None: the built-in cards).
 
     Raises:
         PlacementError: not connected, not divisible, or some node lacks memory.
@@ -183,6 +226,58 @@ def layout(
     order = _rank_order(state, room, group)
     if isinstance(order, str):
         raise PlacementError(order)
+    draft = _named_draft(card, state, order[0], cards)
+    if draft is None:
+        return _layout_in_order(card, state, sharding, order, room)
+    if not draft_runs_on(sharding, len(order)):
+        plain = _layout_in_order(card, state, sharding, order, room)
+        reason = f"draft model {draft.model_id} not used: a {sharding} split does not speculate"
+        return dataclasses.replace(plain, draft_left_out=reason)
+    if draft.model_card is None:  # a directory only its node knows: not counted
+        return dataclasses.replace(
+            _layout_in_order(card, state, sharding, order, room), draft=draft
+        )
+    try:
+        return _layout_in_order(card, state, sharding, order, room, draft)
+    except PlacementError as error:
+        plain = _layout_in_order(card, state, sharding, order, room)
+        reason = f"draft model {draft.model_id} left out: {error}"
+        if len(order) == 1:  # the room figures of the node itself, not those less the draft
+            first = room[order[0]]
+            tokens = first.planned_kv_cache_tokens(card)
+            both = required_memory_bytes(card, kv_cache_tokens=tokens) + draft_bytes(
+                draft.model_card, tokens
+            )
+            reason = (
+                f"draft model {draft.model_id} left out: node {order[0]} has "
+                f"{first.describe()}, the model and its draft need {both / 2**20:.0f} MiB"
+            )
+        return dataclasses.replace(plain, draft_left_out=reason)
+
+
+def _layout_in_order(
+    card: ModelCard,
+    state: State,
+    sharding: Sharding,
+    order: tuple[NodeId, ...],
+    room: Mapping[NodeId, NodeRoom],
+    draft: InstanceDraft | None = None,
+) -> Layout:
+    """`layout` of the nodes in rank order, with `draft` (which has a card) counted on
+    rank 0: its `draft_bytes` at the node's planned budget come off the node's room before
+    the target's shares are sized, and at the instance's budget once that is chosen."""
+    if draft is not None and draft.model_card is not None:
+        first = room[order[0]]
+        planned = draft_bytes(draft.model_card, first.planned_kv_cache_tokens(card))
+        if planned > first.available_bytes:
+            raise PlacementError(
+                f"node {order[0]} has {first.describe()}, the draft model alone needs "
+                f"{planned / 2**20:.0f} MiB"
+            )
+        room = {
+            **room,
+            order[0]: dataclasses.replace(first, reported_bytes=first.reported_bytes - planned),
+        }
     world_size = len(order)
     total_available = sum(room[n].available_bytes for n in order)
     # Each further node runs one more runner process.
@@ -255,10 +350,22 @@ def layout(
         share_runner_bytes(card, weight_share, room[node_id].kv_cache_tokens or kv_cache_tokens)
         for node_id, weight_share in zip(order, weight_shares, strict=True)
     )
+    if draft is not None and draft.model_card is not None:
+        # Now at the instance's budget: the draft holds KV for the texts the target runs.
+        with_draft = shares[0] + draft_bytes(draft.model_card, kv_cache_tokens)
+        left_for_both = room[order[0]].available_bytes + draft_bytes(
+            draft.model_card, room[order[0]].planned_kv_cache_tokens(card)
+        )
+        if with_draft > left_for_both:
+            raise PlacementError(
+                f"node {order[0]} would need {with_draft / 2**20:.0f} MiB for the model and "
+                f"its draft but has {left_for_both / 2**20:.0f} MiB available"
+            )
+        shares = (with_draft, *shares[1:])
     rank_zero = order[0]
     peer_view = {n: a for n in order[1:] if (a := _edge_address(state, n, rank_zero)) is not None}
     addresses = {rank_zero: _own_address(state, rank_zero, peer_view), **peer_view}
-    return Layout(order, ranges, shares, addresses, kv_cache_tokens)
+    return Layout(order, ranges, shares, addresses, kv_cache_tokens, draft)
 
 
 def _holds_files(state: State, card: ModelCard, node_id: NodeId) -> bool:
@@ -273,14 +380,16 @@ def _cannot_fetch(state: State, card: ModelCard, node_id: NodeId) -> bool:
 
 def _preference(
     state: State, room: Mapping[NodeId, NodeRoom], card: ModelCard, candidate: Layout
-) -> tuple[int, int, int, tuple[str, ...]]:
+) -> tuple[int, bool, int, int, tuple[str, ...]]:
     """Smaller is better: fewest offline nodes lacking the files (they can only use what
-    they hold; a lone offline node is still chosen), then most nodes holding the files,
-    then most memory, then the node ids (deterministic)."""
+    they hold; a lone offline node is still chosen), then a layout that keeps the draft
+    model named for it, then most nodes holding the files, then most memory, then the node
+    ids (deterministic)."""
     cannot_fetch = sum(_cannot_fetch(state, card, n) for n in candidate.nodes)
     holding = sum(_holds_files(state, card, n) for n in candidate.nodes)
     memory = sum(room[n].available_bytes for n in candidate.nodes)
-    return (cannot_fetch, -holding, -memory, tuple(sorted(candidate.nodes)))
+    drops_draft = candidate.draft_left_out is not None
+    return (cannot_fetch, drops_draft, -holding, -memory, tuple(sorted(candidate.nodes)))
 
 
 def best_layout(
@@ -290,9 +399,10 @@ def best_layout(
     node_count: int,
     nodes: Sequence[NodeId],
     room: Mapping[NodeId, NodeRoom] | None = None,
+    cards: Mapping[ModelId, ModelCard] | None = None,
 ) -> Layout:
-    """The preferred valid layout on exactly `node_count` of `nodes` (`room` as in
-    `layout`).
+    """The preferred valid layout on exactly `node_count` of `nodes` (`room` and `cards`
+    as in `layout`).
 
     Raises:
         PlacementError: none is valid (the reason of the most promising group), or the
@@ -324,7 +434,7 @@ def best_layout(
     errors: list[tuple[int, str]] = []
     for group in itertools.combinations(sorted(nodes), node_count):
         try:
-            valid.append(layout(card, state, sharding, group, room))
+            valid.append(layout(card, state, sharding, group, room, cards))
         except PlacementError as error:
             errors.append((sum(room[n].available_bytes for n in group), str(error)))
     if valid:
@@ -372,6 +482,7 @@ def place_instance(
     min_nodes: int = 1,
     node_ids: Sequence[NodeId] | None = None,
     runner_tag: str = "",
+    cards: Mapping[ModelId, ModelCard] | None = None,
 ) -> Instance:
     """Choose where to run `card` and return the instance to create. The memory of
     instances already placed counts (`placement_room`), except `instance_id`'s own (a
@@ -382,6 +493,7 @@ def place_instance(
         min_nodes: use at least this many nodes.
         runner_tag: part of the runner ids and rendezvous port of a re-placement
             (`runner_id_for`); empty for a first placement.
+        cards: the catalog a draft model resolves in (None: the built-in cards).
 
     Raises:
         PlacementError: no nodes are known, too few, or no group can hold the model.
@@ -401,7 +513,7 @@ def place_instance(
     last = max(min_nodes, min(len(candidates), largest, MAX_GROUP_SIZE))
     for node_count in range(min_nodes, last + 1):
         try:
-            chosen = best_layout(card, state, sharding, node_count, candidates, room)
+            chosen = best_layout(card, state, sharding, node_count, candidates, room, cards)
             break
         except PlacementError as error:
             last_error = str(error)  # the largest groups explain best what is missing
@@ -430,14 +542,20 @@ def place_instance(
         shard_assignments=assignments,
         rendezvous=rendezvous,
         kv_cache_tokens=chosen.kv_cache_tokens,
+        draft=chosen.draft,
+        draft_left_out=chosen.draft_left_out,
     )
 
 
 def placement_previews(
-    card: ModelCard, state: State, prompt_tokens: int = DEFAULT_PROMPT_TOKENS
+    card: ModelCard,
+    state: State,
+    prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+    cards: Mapping[ModelId, ModelCard] | None = None,
 ) -> list[PlacementPreview]:
-    """Every (sharding, node count) combination with its layout, or why it is invalid,
-    and the valid ones' predicted speed for a prompt of `prompt_tokens` tokens."""
+    """Every (sharding, node count) combination with its layout (and the draft model it
+    would load, and where), or why it is invalid, and the valid ones' predicted speed for
+    a prompt of `prompt_tokens` tokens (`cards` as in `layout`)."""
     speeds = {node_id: info.speed for node_id, info in state.node_info.items()}
     rounding = {node_id: info.prefill_activations for node_id, info in state.node_info.items()}
     room = placement_room(state)
@@ -446,7 +564,7 @@ def placement_previews(
     for sharding in PARALLELISMS:
         for count in range(1, max(len(nodes), 1) + 1):
             try:
-                chosen = best_layout(card, state, sharding, count, nodes, room)
+                chosen = best_layout(card, state, sharding, count, nodes, room, cards)
             except PlacementError as error:
                 previews.append(
                     PlacementPreview(
@@ -474,6 +592,8 @@ def placement_previews(
                     layer_ranges=chosen.layer_ranges,
                     bytes_per_node=chosen.bytes_per_node,
                     kv_cache_tokens=chosen.kv_cache_tokens,
+                    draft=chosen.draft,
+                    draft_left_out=chosen.draft_left_out,
                     predicted_decode_tokens_per_second=(
                         None if prediction is None else prediction.decode_tokens_per_second
                     ),

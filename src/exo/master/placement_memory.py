@@ -24,6 +24,7 @@ from exo.shared.models.memory import (
 )
 from exo.shared.parallelism import parallelism
 from exo.shared.types.common import InstanceId, NodeId
+from exo.shared.types.instances import Instance
 from exo.shared.types.models import ModelCard
 from exo.shared.types.runners import RunnerReady, RunnerRunning
 from exo.shared.types.shards import ShardMetadata
@@ -150,6 +151,35 @@ def runner_unallocated_bytes(shard: ShardMetadata, kv_cache_tokens: int | None =
     return max(0, runner_bytes(shard, kv_cache_tokens) - loaded - RUNNER_PROCESS_OVERHEAD_BYTES)
 
 
+def draft_bytes(draft_card: ModelCard, kv_cache_tokens: int | None = None) -> int:
+    """Bytes a draft model takes in its rank-0 runner's process (`Instance.draft`): its
+    serving peak in the engine's CPU format (weights, loaded after the target's, or weights
+    and KV for `kv_cache_tokens`, the instance's budget: it holds KV for the texts the
+    target runs, at most that many tokens) plus the overhead fraction; no process of its
+    own."""
+    peak = serving_peak_bytes(draft_card, ENGINE_CPU_WEIGHT_FORMAT, None, kv_cache_tokens)
+    return int(peak * (1 + MEMORY_OVERHEAD_FRACTION))
+
+
+def draft_unallocated_bytes(draft_card: ModelCard, kv_cache_tokens: int | None = None) -> int:
+    """What a loaded draft model may still allocate: `draft_bytes` less its resident
+    weights (its KV and the overhead fraction)."""
+    loaded = resident_weight_bytes(draft_card, ENGINE_CPU_WEIGHT_FORMAT)
+    return max(0, draft_bytes(draft_card, kv_cache_tokens) - loaded)
+
+
+def _draft_promise(instance: Instance, node_id: NodeId, tokens: int, ready: bool) -> int:
+    """What the instance's draft model (counted when it has a card) promises on `node_id`
+    beyond its rank-0 runner (`placement_room`'s rule: all of it until the runner is
+    ready, then its unallocated part)."""
+    draft = instance.draft
+    if draft is None or draft.model_card is None or draft.node_id != node_id:
+        return 0
+    if ready:
+        return draft_unallocated_bytes(draft.model_card, tokens)
+    return draft_bytes(draft.model_card, tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class NodeRoom:
     """A node's memory as placement sees it (bytes).
@@ -205,7 +235,9 @@ def placement_room(state: State, exclude: InstanceId | None = None) -> dict[Node
     - once ready: `runner_unallocated_bytes`, the KV cache it fills later (its weights and
       process are in the node's report from the next one on: a report lagging a runner
       that just became ready, or under 256 MiB, is the error left).
-    Each runner is sized with its instance's KV-cache budget (`Instance.kv_cache_tokens`).
+    Each runner is sized with its instance's KV-cache budget (`Instance.kv_cache_tokens`);
+    a rank-0 runner that loads a draft model (`Instance.draft`) promises its `draft_bytes`
+    too, by the same rule.
     Instance `exclude` (the one being re-placed) promises nothing, nor does an instance
     waiting for room (it runs nowhere until placed again). Deterministic: a pure function
     of the state, the same on every master.
@@ -225,10 +257,10 @@ def placement_room(state: State, exclude: InstanceId | None = None) -> dict[Node
                 tokens = planned_kv_cache_tokens(
                     state.node_info[node_id].kv_cache_tokens, shard.model_card
                 )
-            if isinstance(state.runners.get(runner_id), RunnerReady | RunnerRunning):
-                promised[node_id].append(runner_unallocated_bytes(shard, tokens))
-            else:
-                promised[node_id].append(runner_bytes(shard, tokens))
+            ready = isinstance(state.runners.get(runner_id), RunnerReady | RunnerRunning)
+            own = runner_unallocated_bytes(shard, tokens) if ready else runner_bytes(shard, tokens)
+            draft = _draft_promise(instance, node_id, tokens, ready)
+            promised[node_id].append(own + draft)
     return {
         node_id: NodeRoom(
             reported_bytes=info.memory.available_bytes,

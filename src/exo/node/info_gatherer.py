@@ -128,6 +128,7 @@ def gather_node_info(
     speed: NodeSpeed | None = None,
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
     kv_cache_tokens: int | None = None,
+    draft_model: str | None = None,
 ) -> NodeInfo:
     interfaces = network_interfaces()
     disk_free, disk_total = disk_usage_bytes(models) if models is not None else (0, 0)
@@ -147,6 +148,7 @@ def gather_node_info(
         speed=speed,
         prefill_activations=prefill_activations,
         kv_cache_tokens=kv_cache_tokens,
+        draft_model=draft_model,
     )
 
 
@@ -203,10 +205,12 @@ class InfoGatherer:
         remeasure_speed: bool = False,
         prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
         kv_cache_tokens: int | None = None,
+        draft_model: str | None = None,
     ) -> None:
         self._local_events = local_events
         self._prefill_activations: PrefillActivations = prefill_activations
         self._kv_cache_tokens = kv_cache_tokens
+        self._draft_model = draft_model
         self._measure_speed = measure_speed
         self._remeasure_speed = remeasure_speed
         self._speed: NodeSpeed | None = None
@@ -281,6 +285,7 @@ class InfoGatherer:
                 self._speed,
                 self._prefill_activations,
                 self._kv_cache_tokens,
+                self._draft_model,
             )
             now = anyio.current_time()
             if report_due(last, info, now - last_sent, self._missing_from_state()):

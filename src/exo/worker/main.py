@@ -33,7 +33,7 @@ from exo.shared.types.events import (
     RunnerStatusUpdated,
     TaskStatusUpdated,
 )
-from exo.shared.types.instances import Instance
+from exo.shared.types.instances import Instance, InstanceDraft
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import (
     DownloadCompleted,
@@ -239,7 +239,7 @@ class Worker:
 
     def _runner_options_for(self, instance: Instance) -> RunnerOptions:
         """This node's runner options for a runner of `instance` (`runner_options_for`)."""
-        return runner_options_for(self._runner_options, instance.kv_cache_tokens)
+        return runner_options_for(self._runner_options, instance.kv_cache_tokens, instance.draft)
 
     async def _execute(self, task: Task) -> None:
         assert self._task_group is not None
@@ -456,14 +456,24 @@ class Worker:
         self._notify()
 
 
-def runner_options_for(options: RunnerOptions, instance_tokens: int | None) -> RunnerOptions:
+def runner_options_for(
+    options: RunnerOptions, instance_tokens: int | None, draft: InstanceDraft | None = None
+) -> RunnerOptions:
     """A node's runner `options` with its instance's KV-cache budget (`instance_tokens`,
     `Instance.kv_cache_tokens`), which every rank holds, bounded by the node's
     `--kv-cache-tokens` (a node restarted with a smaller one holds no more than it, whatever
     the instance was placed with). Instances placed before budgets were carried (None): the
     node's options. Placement counts the budget in the default KV dtype's bytes: a node
     storing float32 KV (`--kv-cache-dtype`) holds the tokens that fit the same bytes
-    (`kv_cache_tokens_for_dtype`)."""
+    (`kv_cache_tokens_for_dtype`).
+
+    The draft model is the instance's (`Instance.draft`, which placement chose from the
+    card or the `--draft-model` of rank 0's node, and counted), None without one: a node's
+    option reaches its runners through placement, so a draft left out for lack of room is
+    not loaded anyway."""
+    draft_model = None if draft is None else str(draft.model_id)
+    if options.draft_model != draft_model:
+        options = options.model_copy(update={"draft_model": draft_model})
     if instance_tokens is None:
         return options
     placed = kv_cache_tokens_for_dtype(instance_tokens, options.kv_cache_dtype)

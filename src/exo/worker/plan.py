@@ -23,6 +23,7 @@ from exo.shared.types.runners import (
     RunnerStatus,
     RunnerWarmingUp,
 )
+from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.state import State
 from exo.shared.types.tasks import (
     CancelTask,
@@ -170,18 +171,37 @@ def _download(
     retry_after: Mapping[str, float],
     now: float,
 ) -> Task | None:
+    """A runner's model files first, then those of the draft model it loads beside it
+    (`Instance.draft` on this node, when placement counted it: it has a card), whole."""
     for runner_id, runner in sorted(runners.items()):
         instance = state.instances.get(runner.instance_id)
         if instance is None:
             continue
-        model_id = instance.model_id
-        status = downloads.get(model_id)
-        if status is None or (
-            isinstance(status, DownloadFailed) and retry_after.get(model_id, 0.0) <= now
-        ):
-            shard = instance.shard_assignments.runner_to_shard[runner_id]
-            return DownloadModel(instance_id=instance.instance_id, shard=shard)
+        wanted = [instance.shard_assignments.runner_to_shard[runner_id]]
+        draft = _draft_to_fetch(instance, node_id)
+        if draft is not None:
+            wanted.append(draft)
+        for shard in wanted:
+            model_id = shard.model_card.model_id
+            status = downloads.get(model_id)
+            if status is None or (
+                isinstance(status, DownloadFailed) and retry_after.get(model_id, 0.0) <= now
+            ):
+                return DownloadModel(instance_id=instance.instance_id, shard=shard)
     return None
+
+
+def _draft_to_fetch(instance: Instance, node_id: NodeId) -> ShardMetadata | None:
+    """The whole-model shard of the instance's draft model where this node loads it and
+    its files come from a card (a `--draft-model` directory is on the node already)."""
+    draft = instance.draft
+    if draft is None or draft.model_card is None or draft.node_id != node_id:
+        return None
+    card = draft.model_card
+    return ShardMetadata(
+        model_card=card, sharding="pipeline", device_rank=0, world_size=1, start_layer=0,
+        end_layer=card.n_layers,
+    )  # fmt: skip
 
 
 _CONNECTED_OR_LATER = (
@@ -218,6 +238,11 @@ def _load_and_warm_up(
         download = downloads.get(instance.model_id)
         if not isinstance(download, DownloadCompleted):
             continue
+        draft = _draft_to_fetch(instance, node_id)
+        if draft is not None and not isinstance(
+            downloads.get(draft.model_card.model_id), DownloadCompleted | DownloadFailed
+        ):
+            continue  # the runner loads its draft model with the target (failed: without)
         others = _other_ranks(state, instance, runner_id)
         rendezvous = instance.rendezvous
         match runner.status:

@@ -118,7 +118,8 @@ def show_response(
 ) -> OllamaShowResponse:
     """The `/api/show` body for a model: a generated Modelfile, the card's sampling
     defaults as `parameters`, `template` (the chat template, "" when unknown on this node)
-    and GGUF-style `model_info` keys built from the card."""
+    and GGUF-style `model_info` keys built from the card (and exo's `exo.draft_model`, the
+    card's draft model for speculative decoding, where it names one)."""
     family = model_family(card)
     defaults = card.sampling_defaults
     parameter_values = {
@@ -148,6 +149,8 @@ def show_response(
         f"{family}.attention.key_length": card.attention_head_dim,
         f"{family}.vocab_size": card.vocab_size,
     }
+    if card.draft_model is not None:
+        model_info["exo.draft_model"] = card.draft_model
     return OllamaShowResponse(
         modelfile="\n".join(modelfile_lines) + "\n",
         parameters=parameters,

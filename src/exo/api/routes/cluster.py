@@ -172,9 +172,11 @@ async def instance_previews(
 ) -> list[PlacementPreview]:
     """Every placement of `model_id` (valid or with the reason it is not), each valid one
     with its predicted single-stream decode tok/s and TTFT for a prompt of
-    `prompt_tokens` tokens (null while a node has not measured its speed). A
-    `prompt_tokens` beyond the model's context length is a 400 naming it: no placement
-    can take such a prompt."""
+    `prompt_tokens` tokens (null while a node has not measured its speed), and the draft
+    model its rank 0 would load for speculative decoding and on which node (`draft`; or
+    why a draft named for it would not be used: `draft_left_out`). A `prompt_tokens`
+    beyond the model's context length is a 400 naming it: no placement can take such a
+    prompt."""
     card = _card(cluster, model_id)
     if prompt_tokens > card.context_length:
         raise InvalidRequestError(
@@ -182,7 +184,7 @@ async def instance_previews(
             f"{card.context_length} tokens",
             param="prompt_tokens",
         )
-    return placement_previews(card, cluster.state, prompt_tokens)
+    return placement_previews(card, cluster.state, prompt_tokens, catalog_of(cluster))
 
 
 @router.post("/place_instance")

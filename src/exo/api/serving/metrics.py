@@ -340,23 +340,26 @@ def _kv_cache_gauges(uses: list[KVCacheUse]) -> Iterator[Metric]:
 
 def _speculation_gauges(state: State) -> Iterator[Metric]:
     """Each runner's speculative decoding, from its status in the state
-    (`SpeculationStats`; runners that have not measured a value are left out)."""
+    (`SpeculationStats`; runners that have not measured a value are left out), labelled
+    with its draft source: its draft model (`RunnerReady.draft_model`) or "ngram"."""
     models = {
         runner_id: str(instance.shard_assignments.model_id)
         for instance in state.instances.values()
         for runner_id in instance.shard_assignments.runner_to_shard
     }
-    rows: list[tuple[tuple[str, str], SpeculationStats]] = []
+    rows: list[tuple[tuple[str, str, str], SpeculationStats]] = []
     for runner_id, status in sorted(state.runners.items()):
         if isinstance(status, RunnerReady | RunnerRunning) and status.speculation is not None:
-            rows.append(((str(runner_id), models.get(runner_id, "")), status.speculation))
+            source = status.draft_model or "ngram"
+            labels = (str(runner_id), models.get(runner_id, ""), source)
+            rows.append((labels, status.speculation))
     rates = [
         (labels, stats.acceptance_rate, stats.tokens_per_step)
         for labels, stats in rows
         if stats.acceptance_rate is not None and stats.tokens_per_step is not None
     ]
     yield from _gauges(
-        ("runner", "model"),
+        ("runner", "model", "draft"),
         (
             (
                 "exo_speculative_acceptance_rate",
@@ -370,7 +373,7 @@ def _speculation_gauges(state: State) -> Iterator[Metric]:
         ((labels, (acceptance, per_step)) for labels, acceptance, per_step in rates),
     )
     yield from _gauges(
-        ("runner", "model"),
+        ("runner", "model", "draft"),
         (
             ("exo_speculative_drafted_tokens", "Draft tokens a runner verified"),
             ("exo_speculative_accepted_tokens", "Draft tokens a runner accepted"),

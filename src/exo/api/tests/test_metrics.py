@@ -155,11 +155,19 @@ def test_speculation_gauges_show_each_runners_counts_from_the_state() -> None:
         update={"runners": {runner_id: RunnerRunning(speculation=stats)}}
     )
     samples = scrape(TestClient(scripted_app(cluster)))
-    labels = {"runner": str(runner_id), "model": SMOLLM2}
+    labels = {"runner": str(runner_id), "model": SMOLLM2, "draft": "ngram"}
     assert value(samples, "exo_speculative_acceptance_rate", **labels) == 0.75
     assert value(samples, "exo_speculative_tokens_per_step", **labels) == 2.5
     assert value(samples, "exo_speculative_drafted_tokens", **labels) == 80
     assert value(samples, "exo_speculative_accepted_tokens", **labels) == 60
+    # A runner drafting with a draft model names it as the source.
+    drafting = RunnerRunning(speculation=stats, draft_model="Qwen/Qwen3-0.6B")
+    cluster.state = cluster.state.model_copy(update={"runners": {runner_id: drafting}})
+    samples = scrape(TestClient(scripted_app(cluster)))
+    labels["draft"] = "Qwen/Qwen3-0.6B"
+    assert value(samples, "exo_speculative_acceptance_rate", **labels) == 0.75
+    assert value(samples, "exo_speculative_accepted_tokens", draft="ngram", runner=str(runner_id),
+                 model=SMOLLM2) == 0  # fmt: skip
     cluster.state = cluster.state.model_copy(update={"runners": {runner_id: RunnerReady()}})
     samples = scrape(TestClient(scripted_app(cluster)))
     assert not any(name.startswith("exo_speculative") for name, _ in samples)

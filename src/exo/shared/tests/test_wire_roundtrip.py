@@ -95,7 +95,7 @@ from exo.shared.types.events import (
     TopologyEdgeMeasured,
     TopologyEdgeRemoved,
 )
-from exo.shared.types.instances import Instance, Rendezvous, ShardAssignments
+from exo.shared.types.instances import Instance, InstanceDraft, Rendezvous, ShardAssignments
 from exo.shared.types.models import (
     GgufFileSource,
     GgufWeightTypes,
@@ -276,6 +276,19 @@ EDGE = TopologyEdge(
 PIPELINE = make_instance(NODE, CARD, "pipeline", "instance-1")
 TENSOR = make_instance(
     [NODE, NodeId("node-b")], make_card(supports_tensor=True), "tensor", "instance-2"
+)
+DRAFT = InstanceDraft(
+    model_id=ModelId("draft/model"),
+    node_id=NODE,
+    chosen_by="card",
+    model_card=make_card(model_id="draft/model"),
+)
+DIRECTORY_DRAFT = InstanceDraft(
+    model_id=ModelId("/models/draft"), node_id=NODE, chosen_by="node_option"
+)
+DRAFTING = PIPELINE.model_copy(update={"draft": DRAFT})
+DRAFT_LEFT_OUT = TENSOR.model_copy(
+    update={"draft_left_out": "draft model x not used: a split instance drafts n-grams only"}
 )
 GENERATION = make_text_generation_task(status=TaskRunning(), params=PARAMS)
 EMBED_PARAMS = EmbeddingTaskParams(
@@ -468,7 +481,11 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     ],
     SamplingDefaults: [SamplingDefaults(temperature=0.2, top_p=0.9, top_k=5, min_p=0.1)],
     # A catalog card sets every optional field (head_dim, vision, sources, short name...).
-    ModelCard: [CARD, load_builtin_cards()[ModelId("google/gemma-3-4b-it")]],
+    ModelCard: [
+        CARD,
+        load_builtin_cards()[ModelId("google/gemma-3-4b-it")],
+        load_builtin_cards()[ModelId("Qwen/Qwen3-8B")],  # names its draft model
+    ],
     # nodes
     MemoryInfo: [MemoryInfo(total_bytes=2, available_bytes=1)],
     NodeInfo: [
@@ -489,6 +506,7 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
             speed=NODE_SPEED,
             # The rounding that is not the default: the field travels, not only its default.
             prefill_activations=OTHER_PREFILL_ACTIVATIONS,
+            draft_model="Qwen/Qwen3-0.6B",
         ),
     ],
     NodeSpeed: [NODE_SPEED, NATIVE_NODE_SPEED],
@@ -514,15 +532,22 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     ],
     RunnerLoaded: [RunnerLoaded()],
     RunnerWarmingUp: [RunnerWarmingUp()],
-    RunnerReady: [RunnerReady(), RunnerReady(speculation=SPECULATION)],
-    RunnerRunning: [RunnerRunning(), RunnerRunning(speculation=SPECULATION)],
+    RunnerReady: [
+        RunnerReady(),
+        RunnerReady(speculation=SPECULATION, draft_model="Qwen/Qwen3-0.6B"),
+    ],
+    RunnerRunning: [
+        RunnerRunning(),
+        RunnerRunning(speculation=SPECULATION, draft_model="/models/draft"),
+    ],
     SpeculationStats: [SPECULATION],
     RunnerFailed: [RunnerFailed(error_message="segfault")],
     RunnerShutdown: [RunnerShutdown()],
     # shards and instances
     ShardMetadata: [make_shard(CARD, "pipeline", 1, 2), make_shard(CARD, "tensor", 1, 2)],
     ShardAssignments: [PIPELINE.shard_assignments, TENSOR.shard_assignments],
-    Instance: [PIPELINE, TENSOR],
+    Instance: [PIPELINE, TENSOR, DRAFTING, DRAFT_LEFT_OUT],
+    InstanceDraft: [DRAFT, DIRECTORY_DRAFT],
     # tasks
     TaskPending: [TaskPending()],
     TaskRunning: [TaskRunning()],

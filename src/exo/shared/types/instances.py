@@ -7,9 +7,14 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from exo.shared.types.common import FrozenModel, InstanceId, ModelId, NodeId, RunnerId
+from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import Sharding, ShardMetadata
 
-__all__ = ["Instance", "Rendezvous", "ShardAssignments", "Sharding"]
+__all__ = ["Instance", "InstanceDraft", "Rendezvous", "ShardAssignments", "Sharding"]
+
+DraftChosenBy = Literal["card", "node_option"]
+"""Who named an instance's draft model: the target's card (`ModelCard.draft_model`) or
+the `--draft-model` of the node running its rank 0, which overrides the card."""
 
 
 class ShardAssignments(FrozenModel):
@@ -47,6 +52,20 @@ class ShardAssignments(FrozenModel):
         return len(self.runner_to_shard)
 
 
+class InstanceDraft(FrozenModel):
+    """The draft model of an instance's speculative decoding: loaded in its rank-0 runner
+    on `node_id`, which fetches its files with the target's (`exo.shared.models.drafts`).
+
+    `model_card` is the draft's card, whose weights and KV placement counted on that node;
+    None for a `--draft-model` directory only that node knows (its memory is the node
+    operator's to leave free: placement cannot size it)."""
+
+    model_id: ModelId
+    node_id: NodeId
+    chosen_by: DraftChosenBy
+    model_card: ModelCard | None = None
+
+
 class Rendezvous(FrozenModel):
     """Where the ranks of one instance meet to form their torch.distributed group.
 
@@ -72,6 +91,12 @@ class Instance(FrozenModel):
     prefix cache together, chosen at placement (`exo.master.placement`; ranks agree on one
     budget: the smallest any of their nodes allows). None in instances placed before it
     was carried: each runner then takes its node's `--kv-cache-tokens` or the default."""
+    draft: InstanceDraft | None = None
+    """The draft model its rank 0 drafts with (None: n-gram drafts only)."""
+    draft_left_out: str | None = None
+    """Why a draft model named for it (by the card or rank 0's node) is not used: no room
+    for it beside the target on rank 0's node, or a split instance (which drafts n-grams
+    only). None when it is used or none is named."""
 
     @model_validator(mode="after")
     def _shards_of_its_kind(self) -> Instance:

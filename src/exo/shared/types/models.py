@@ -299,6 +299,12 @@ class ModelCard(FrozenModel):
     sliding_window: SlidingWindow | None = None
     """Layers attending within a sliding window (None: every layer attends to the whole
     context, or the card does not say; placement then sizes every layer's KV whole)."""
+    draft_model: ModelId | None = None
+    """The catalog model that drafts for this one in speculative decoding (a smaller model
+    with this model's tokenizer, e.g. Qwen3-0.6B for Qwen3-8B): placement counts it on the
+    rank that runs it and the node downloads and loads it with the model
+    (`exo.shared.models.drafts`); a node's `--draft-model` overrides it. None: n-gram
+    drafts only."""
 
     @property
     def attention_head_dim(self) -> int:

@@ -105,7 +105,9 @@ class NodeInfo(FrozenModel):
     (nodes too old to say: `DEFAULT_PREFILL_ACTIVATIONS`); `kv_cache_tokens`: the KV-cache
     budget of each of its runners in tokens (`--kv-cache-tokens`), which placement reserves
     memory for on this node; None: placement sizes each runner's budget from the node's
-    memory (`exo.master.placement_memory.memory_sized_kv_cache_tokens`)."""
+    memory (`exo.master.placement_memory.memory_sized_kv_cache_tokens`); `draft_model`: its
+    `--draft-model` (a model name or a directory on the node), which overrides a card's
+    draft model for the instances whose rank 0 it runs (`exo.shared.models.drafts`)."""
 
     friendly_name: str
     memory: MemoryInfo
@@ -122,6 +124,7 @@ class NodeInfo(FrozenModel):
     speed: NodeSpeed | None = None
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS
     kv_cache_tokens: int | None = Field(default=None, ge=1)
+    draft_model: str | None = None
 
 
 class TopologyEdge(FrozenModel):

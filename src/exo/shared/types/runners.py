@@ -70,7 +70,9 @@ class RunnerReady(FrozenModel):
     `card_mismatches` every fact of the model's card that its loaded files state otherwise
     (`exo.shared.models.profile.card_mismatches`), empty when they agree; `speculation`
     what speculative decoding did on it (None before a request ran, or where it does not
-    speculate: a split instance)."""
+    speculate: a split instance); `draft_model` the draft model it loaded and drafts with
+    (`Instance.draft`: its id, or the node's `--draft-model` directory), None: n-gram
+    drafts."""
 
     kind: Literal["RunnerReady"] = "RunnerReady"
     weight_bytes: int = Field(default=0, ge=0)
@@ -78,18 +80,20 @@ class RunnerReady(FrozenModel):
     kv_cache_tokens: int = Field(default=DEFAULT_KV_CACHE_TOKENS, ge=0)
     card_mismatches: tuple[str, ...] = ()
     speculation: SpeculationStats | None = None
+    draft_model: str | None = None
 
 
 class RunnerRunning(FrozenModel):
     """Generating for at least one task. `max_concurrent_requests`, `kv_cache_tokens`,
-    `card_mismatches` and `speculation` as in `RunnerReady` (`speculation` updated at most
-    every `SPECULATION_REPORT_INTERVAL_S` while it runs)."""
+    `card_mismatches`, `speculation` and `draft_model` as in `RunnerReady` (`speculation`
+    updated at most every `SPECULATION_REPORT_INTERVAL_S` while it runs)."""
 
     kind: Literal["RunnerRunning"] = "RunnerRunning"
     max_concurrent_requests: int = Field(default=1, ge=1)
     kv_cache_tokens: int = Field(default=DEFAULT_KV_CACHE_TOKENS, ge=0)
     card_mismatches: tuple[str, ...] = ()
     speculation: SpeculationStats | None = None
+    draft_model: str | None = None
 
 
 class RunnerFailed(FrozenModel):

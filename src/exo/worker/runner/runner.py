@@ -331,11 +331,13 @@ class Runner:
             return
         logger.info(f"runner {self.runner_id}: warmed up in {time.perf_counter() - started:.1f}s")
         freeze_long_lived_objects()  # the model: no full collection walks it mid-decode
+        draft_source = getattr(self._engine, "draft_source", None)  # an encoder has none
         self._ready = RunnerReady(
             weight_bytes=self._engine.weight_bytes(),
             max_concurrent_requests=self._engine.max_concurrent_requests,
             kv_cache_tokens=self._engine.kv_cache_tokens,
             card_mismatches=self._card_mismatches,
+            draft_model=None if draft_source is None else draft_source.name,
         )
         self._set_status(self._ready)
 
@@ -579,6 +581,7 @@ class Runner:
                 kv_cache_tokens=self._ready.kv_cache_tokens,
                 card_mismatches=self._ready.card_mismatches,
                 speculation=speculation,
+                draft_model=self._ready.draft_model,
             )
             if self._generations
             else self._ready

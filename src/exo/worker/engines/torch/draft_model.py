@@ -9,8 +9,15 @@ the target chose otherwise) and computes what it has not seen (the whole prompt 
 then the accepted tokens and the target's own token). The speculating requests of a step
 are drafted together: one batched forward pass of the draft model per draft position
 (`batch_attention.forward_batch`, the lean step where the family has one), the first also
-prefilling what each request's slot lacks (a text longer than `DRAFT_PREFILL_CHUNK` is
-prefilled in chunks of it first, one request at a time).
+prefilling what each request's slot lacks.
+
+What the first pass prefills is bounded per step: at most `DRAFT_PREFILL_CHUNK` positions
+in all (so a long prompt's draft prefill never stalls the step of every stream in the
+batch: the step's cost grows by one chunk at most). The requests' feeds are served
+shortest first (the usual one: the target's last token and the draft tokens it accepted);
+a feed that no longer fits gets what is left of the budget as a catch-up segment and no
+draft this step: a request with a long prompt speculates once its draft KV has caught up,
+one chunk per step.
 
 A greedy request's draft is the draft model's likeliest tokens (deterministic: the target
 accepts a draft token iff it is its own argmax, so the output is plain decoding's token for
@@ -19,8 +26,8 @@ the request's temperature / top-k / top-p / min-p (penalties, bias and grammar a
 target's alone: any q keeps the output exact), with a generator seeded from the request's
 seed, and the draft carries q for the general rejection rule (`RequestState.accept_drafts`).
 
-Not here: counting the draft's memory in placement, and a draft model on another node
-(issue 43's cluster case).
+Placement counts the draft's memory and chooses it (`exo.shared.models.drafts`). Not here:
+a draft model on another node (issue 43's cluster case).
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ from exo.worker.engines.torch.model.families import family_for_architecture
 from exo.worker.engines.torch.model.loading import load_parts
 from exo.worker.engines.torch.quant.quantize import WeightDtype
 
-# Most tokens of one request the draft model prefills in one forward pass (its activations
+# Most positions the draft model prefills per step, all requests together (its activations
 # are [tokens, intermediate]: as the target's idle prefill chunk, `PREFILL_TOKENS_PER_IDLE_STEP`).
 DRAFT_PREFILL_CHUNK = 512
 # Mixed into a request's seed for its draft draws, so they are not the target's own
@@ -130,7 +137,8 @@ class DraftModelSource:
         return [] if sequence is None else list(sequence.tokens)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
-        """Each request's draft, `max_tokens` long (see the module docstring).
+        """Each request's draft, `max_tokens` long, or an empty one for a request whose draft
+        KV is still catching up (see the module docstring).
 
         Returns:
             One `Draft` per request, in order; `probabilities` `[len(tokens), vocab_size]`
@@ -142,18 +150,17 @@ class DraftModelSource:
         # Per request: tokens still to feed (what its slot lacks, then each new draft token).
         feeds = [list(request.tokens[len(sequence.tokens) :]) for request, sequence in
                  zip(requests, sequences, strict=True)]  # fmt: skip
-        for index, sequence in enumerate(sequences):  # long texts first, a chunk at a time
-            feed = feeds[index]
-            while len(feed) > DRAFT_PREFILL_CHUNK:
-                self._forward([sequence], [feed[:DRAFT_PREFILL_CHUNK]])
-                sequence.tokens.extend(feed[:DRAFT_PREFILL_CHUNK])
-                del feed[:DRAFT_PREFILL_CHUNK]
+        active, catching_up = _share_prefill(feeds, DRAFT_PREFILL_CHUNK)
         tokens: list[list[int]] = [[] for _ in requests]
         distributions: list[list[torch.Tensor]] = [[] for _ in requests]
-        active = list(range(len(requests)))
-        while active:
-            logits = self._forward([sequences[index] for index in active],
-                                   [feeds[index] for index in active])  # fmt: skip
+        while active or catching_up:
+            batch = [sequences[index] for index in active]
+            batch += [sequences[index] for index, _ in catching_up]
+            logits = self._forward(batch, [feeds[index] for index in active]
+                                   + [segment for _, segment in catching_up])  # fmt: skip
+            for index, segment in catching_up:  # no draft for it this step
+                sequences[index].tokens.extend(segment)
+            catching_up = []
             still: list[int] = []
             for row, index in enumerate(active):
                 request, sequence = requests[index], sequences[index]
@@ -253,6 +260,30 @@ class DraftModelSource:
         probabilities = torch.softmax(filter_logits(scores, sampling), dim=-1)
         uniform = torch.rand((), dtype=torch.float64, generator=sequence.generator)
         return draw_index(probabilities, uniform), probabilities
+
+
+def _share_prefill(
+    feeds: Sequence[Sequence[int]], budget: int
+) -> tuple[list[int], list[tuple[int, list[int]]]]:
+    """Share a step's `budget` of draft prefill positions among the requests' `feeds`,
+    shortest first (ties in request order).
+
+    Returns:
+        (the requests that draft this step, by index in order; for each request whose feed
+        no longer fits: its index and the catch-up segment it prefills, its feed's first
+        tokens up to what is left of the budget, none where nothing is left).
+    """
+    drafting: list[int] = []
+    catching_up: list[tuple[int, list[int]]] = []
+    for index in sorted(range(len(feeds)), key=lambda index: (len(feeds[index]), index)):
+        feed = feeds[index]
+        if len(feed) <= budget:
+            drafting.append(index)
+            budget -= len(feed)
+        elif budget > 0:
+            catching_up.append((index, list(feed[:budget])))
+            budget = 0
+    return sorted(drafting), catching_up
 
 
 def _is_sampling(sampling: SamplingParams | None) -> bool:

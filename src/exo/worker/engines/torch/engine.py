@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 
 from exo.chat_protocol.image_tokens import ImageTokens
 from exo.chat_protocol.prompt import RenderedPrompt, decode_keeping_markers, render_prompt
+from exo.shared.models.drafts import draft_runs_on
 from exo.shared.models.memory import (
     DEFAULT_DECODE_ACTIVATIONS,
     DEFAULT_KV_CACHE_TOKENS,
@@ -246,8 +247,9 @@ class TorchEngine:
             speculation: speculative decoding's settings (see the class).
             draft_model: the directory of a draft model for speculative decoding (the
                 target's tokenizer; loaded here with the target's weight format,
-                `draft_model.load_draft_model`); None: n-gram drafts. A split instance
-                does not speculate and loads none.
+                `draft_model.load_draft_model`); None: n-gram drafts. Of a split
+                instance, only rank 0 of a tensor-parallel one loads it and speculates
+                (`drafts.draft_runs_on`); the others do not speculate.
 
         Raises:
             UnsupportedArchitectureError (a ValueError): no family file for the model.
@@ -274,10 +276,12 @@ class TorchEngine:
                 parts.model, parts.device, engine.vocab_size, shard, engine.kv_dtype
             )
         engine.testing_seam = load_testing_seam(model_dir)
-        if draft_model is not None and split:
+        drafting = shard.device_rank == 0 and draft_runs_on(shard.sharding, shard.world_size)
+        if draft_model is not None and not drafting:
             logger.warning(
-                "draft model {} unused: a split instance does not speculate", draft_model
-            )
+                "draft model {} unused: this rank of a {} split does not draft", draft_model,
+                shard.sharding,
+            )  # fmt: skip
         elif draft_model is not None:
             engine.draft_source = load_draft_model(
                 draft_model, parts.tokenizer, shard.model_card.model_id, engine.vocab_size,
@@ -540,7 +544,15 @@ class TorchEngine:
 
     def _new_scheduler(self) -> BatchScheduler:
         if self.group is not None:
-            return self.group.build_scheduler(self.kv_cache_tokens, self.max_concurrent_requests)
+            # A split instance speculates only with a draft model (tensor: `draft_runs_on`).
+            speculation = (
+                Speculation(self.speculation, self.draft_source)
+                if self.draft_source is not None
+                else None
+            )
+            return self.group.build_scheduler(
+                self.kv_cache_tokens, self.max_concurrent_requests, speculation
+            )
         text_config = self.model.config.get_text_config()
         family = family_for_architecture(type(self.model).__name__)
         windows = family.attention_windows(text_config)

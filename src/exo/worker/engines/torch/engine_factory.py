@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from loguru import logger
+
+from exo.download.pypi_wheels import ModelPreparationError
 from exo.shared.constants import models_dir
 from exo.shared.models.architectures import is_encoder_architecture
+from exo.shared.models.drafts import draft_runs_on
 from exo.shared.models.memory import (
     DEFAULT_DECODE_ACTIVATIONS,
     DEFAULT_KV_CACHE_TOKENS,
@@ -76,12 +80,13 @@ def load_serving_engine(
     """The engine a runner serves `shard` with: `EncoderEngine` for an encoder card (its
     weights are read whole in float32; the KV, weight-format and prefill options do not
     apply), else `load_engine` on the default device, with the draft model `draft_model`
-    names (`--draft-model`; `draft_model.draft_model_directory`) where one is set.
+    names (its instance's, `Instance.draft`; `draft_model.draft_model_directory`) where one
+    is set. A draft model whose files are not on this node (its download failed) is left
+    out with a warning: the model serves without it (its status then names no draft).
 
     Raises:
         ValueError: as `EncoderEngine.load` or `load_engine`; an unknown draft model.
         RuntimeError: as `load_engine`.
-        ModelPreparationError: the draft model's files are not on this node.
     """
     if is_encoder_architecture(shard.model_card.architecture):
         engine = EncoderEngine.load(model_dir, shard, max_concurrent_requests)
@@ -90,8 +95,16 @@ def load_serving_engine(
             on_layer_loaded(layers, layers)
         return engine
     draft_dir = None
-    if draft_model is not None and shard.world_size == 1:  # a split instance drafts nothing
-        draft_dir = draft_model_directory(draft_model, models_dir())
+    if (
+        draft_model is not None
+        and shard.device_rank == 0
+        and draft_runs_on(shard.sharding, shard.world_size)
+    ):
+        try:
+            draft_dir = draft_model_directory(draft_model, models_dir())
+        except ModelPreparationError as error:
+            logger.warning("draft model {} left out, its files are not here: {}", draft_model,
+                           error)  # fmt: skip
     return load_engine(
         model_dir, shard, on_layer_loaded=on_layer_loaded,
         max_concurrent_requests=max_concurrent_requests,

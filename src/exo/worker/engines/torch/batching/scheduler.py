@@ -469,7 +469,7 @@ class BatchScheduler:
                 # The fed token's KV was counted at launch; the accepted drafts' is kept,
                 # the rejected positions' is dropped (overwritten by later steps).
                 running.computed += emitted - 1
-                self._cache.commit(running.slot, running.computed)
+                self._cache.commit_verified(running.slot, running.computed)
                 assert speculation is not None
                 speculation.verified(state.request_id, len(draft), accepted)
             if index < launched.decoding:

@@ -144,6 +144,12 @@ class SlotKVCache:
                     for layer in layers:
                         release_positions(tensors[layer], slot, start, end)
 
+    def commit_verified(self, slot: int, length: int) -> None:
+        """`commit` after a speculative step's verification: `slot` holds the fed token's
+        and the accepted draft tokens' positions, `0 .. length - 1` (a split instance's
+        rank 0 records it for the other ranks, whose steps commit only the fed one)."""
+        self.commit(slot, length)
+
     def free(self, slot: int) -> int | None:
         """Release `slot`; the last occupied slot moves into it.
 

@@ -44,6 +44,7 @@ from exo.worker.engines.torch.batching.batch_attention import (
 from exo.worker.engines.torch.batching.kv_footprint import KVFootprint, card_footprint
 from exo.worker.engines.torch.batching.kv_memory import kv_cache_torch_dtype
 from exo.worker.engines.torch.batching.scheduler import BatchScheduler
+from exo.worker.engines.torch.batching.speculation import Speculation
 from exo.worker.engines.torch.comm.process_group import IDLE_WAIT
 from exo.worker.engines.torch.model.families import family_for_architecture
 from exo.worker.engines.torch.parallel import engine_transform
@@ -162,9 +163,17 @@ class RankGroup:
             return SlotKVCache(*arguments)
         return RecordingSlotKVCache(*arguments, log=log)
 
-    def build_scheduler(self, kv_cache_tokens: int, max_concurrent_requests: int) -> BatchScheduler:
+    def build_scheduler(
+        self,
+        kv_cache_tokens: int,
+        max_concurrent_requests: int,
+        speculation: Speculation | None = None,
+    ) -> BatchScheduler:
         """Rank 0's scheduler, its steps run across the group, with the group's prefix
-        cache (`RecordingPrefixCache`)."""
+        cache (`RecordingPrefixCache`), and `speculation` where its steps are run one at a
+        time (tensor parallel: the draft rows travel in the step's plan like any decode
+        rows; the other ranks commit only the fed position, as rank 0 before verifying, and
+        the next step's positions overwrite a rejected draft's KV)."""
         self.check_rank_zero()
         log = CacheOpLog()
         cache = self._new_slot_cache(max_concurrent_requests, log)
@@ -177,7 +186,7 @@ class RankGroup:
             self.model, cache, self._windows, self._layer_of, kv_cache_tokens, cache.prefix,
             self.device, forward=hooks.forward, launch=hooks.launch,
             max_in_flight=hooks.max_in_flight, footprint=footprint,
-            prefix_windows=prefix_windows,
+            prefix_windows=prefix_windows, speculation=speculation,
         )  # fmt: skip
 
     def _budget_windows(self) -> tuple[KVFootprint | None, tuple[int | None, ...]]:

@@ -3,10 +3,10 @@
 Rank 0 runs the single-rank `BatchScheduler` (admission, chunked prefill, pre-emption,
 prefix cache, sampling) over its part of the model. Each step it sends the other ranks a
 `StepHeader`: the KV operations it made since the last step (`allocate` / `free` /
-`reserve` / `read` / `write` of `SlotKVCache` and the prefix cache's stores and drops,
-recorded by `RecordingSlotKVCache` and `RecordingPrefixCache` into one `CacheOpLog`,
-replayed in the same order by `replay_cache_ops`, so every rank's slot `s` holds the same
-request's KV and every rank's prefix entry `k` the same sequence's) and the step's
+`reserve` / `read` / `write` / `commit_verified` of `SlotKVCache` and the prefix cache's
+stores and drops, recorded by `RecordingSlotKVCache` and `RecordingPrefixCache` into one
+`CacheOpLog`, replayed in the same order by `replay_cache_ops`, so every rank's slot `s`
+holds the same request's KV and every rank's prefix entry `k` the same sequence's) and the step's
 `BatchPlan` (decoding slots and positions, prefill segments), its token ids, positions and
 logit rows. The header is one int64 tensor, sent as its length then its values (one
 message over the links of `comm/tcp_mesh.py`, or two gloo sends without them).
@@ -73,6 +73,7 @@ CACHE_READ = 4  # a: slot, b: length: copy the slot's first b positions (for CAC
 CACHE_STORE = 5  # a: prefix entry key (-1: none): the last CACHE_READ's copy becomes it
 CACHE_LOAD = 6  # a: slot, b: entry key, c: length: the entry's first c positions into a
 CACHE_DROP = 7  # a: entry key: the entry left rank 0's prefix cache
+CACHE_COMMIT = 8  # a: slot, b: length: a verified draft's positions are held (speculation)
 
 CacheOp = tuple[int, int, int, int]
 
@@ -155,6 +156,13 @@ class RecordingSlotKVCache(SlotKVCache):
         self.log.record(CACHE_READ, slot, length)
         return super().read(slot, length)
 
+    def commit_verified(self, slot: int, length: int) -> None:
+        """A verified draft's positions are held: the other ranks' steps committed only
+        the fed position (`commit_lengths`), and a slot moved by `free` or copied by
+        `reserve` keeps only its held positions."""
+        self.log.record(CACHE_COMMIT, slot, length)
+        super().commit_verified(slot, length)
+
     def write(self, slot: int, kv: torch.Tensor, length: int, reached: int | None = None) -> None:
         """Copy a prefix hit into `slot`: only the prefix cache's last match may be written
         (the other ranks copy the same entry of theirs, with the trim their own slot had:
@@ -212,6 +220,8 @@ def replay_cache_ops(
             cache.reserve(a)
         elif kind == CACHE_READ:
             mirror.pending = (cache.read(a, b), cache.reached[a])
+        elif kind == CACHE_COMMIT:
+            cache.commit(a, b)
         elif kind == CACHE_STORE:
             if mirror.pending is None:
                 raise RuntimeError("prefix entry stored with no KV read before it")

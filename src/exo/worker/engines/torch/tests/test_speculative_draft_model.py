@@ -19,6 +19,7 @@ import shutil
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -222,9 +223,12 @@ def test_kv_after_a_rejection_equals_plain_decodings_for_target_and_draft(
     engine.store_finished()
 
 
-def test_a_long_text_is_prefilled_in_chunks_with_the_kv_of_one_prefill(
+def test_a_long_texts_draft_catches_up_one_chunk_per_step_with_the_kv_of_one_prefill(
     engine: TorchEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A step prefills at most `DRAFT_PREFILL_CHUNK` draft positions in all: a short
+    request drafts at once, a long one catches up with what is left of each step's budget
+    and drafts once its KV caught up: the draft and the KV of one whole prefill."""
     source = draft_source(engine)
     whole = DraftModelSource(
         source.model, _empty_like(source), source._windows, source.vocab_size, "whole",
@@ -232,14 +236,24 @@ def test_a_long_text_is_prefilled_in_chunks_with_the_kv_of_one_prefill(
     )  # fmt: skip
     text = engine.tokenizer.encode(PASSAGE)
     assert len(text) > 33
-    # Two requests, one long and one short: the long one in chunks of 16 first.
     wanted = [DraftRequest("long", text, 3), DraftRequest("short", text[:9], 2)]
-    expected = whole.propose(wanted)
-    passes = source.forward_passes
+    expected = whole.propose(wanted)  # the whole text in one pass (a chunk of 512)
     monkeypatch.setattr(draft_model, "DRAFT_PREFILL_CHUNK", 16)
-    got = source.propose(wanted)
-    assert [draft.tokens for draft in got] == [draft.tokens for draft in expected]
-    assert source.forward_passes - passes == len(text) // 16 + 3  # chunks, then 3 positions
+    steps = 0
+    while True:
+        positions = source.positions_computed
+        got = source.propose(wanted)
+        steps += 1
+        # The first pass's positions: the step's total less one per later draft token.
+        later = sum(max(0, len(draft.tokens) - 1) for draft in got)
+        assert source.positions_computed - positions - later <= 16
+        assert got[1].tokens == expected[1].tokens  # the short request drafts every step
+        if got[0].tokens:
+            break
+        assert steps < len(text)
+    assert got[0].tokens == expected[0].tokens
+    # 16 - 9 positions at the first step, then 15 a step (beside the short one's token).
+    assert steps == 1 + -(-(len(text) - 7) // 15)
     for request_id in ("long", "short"):
         held = source.held_tokens(request_id)
         assert held == whole.held_tokens(request_id)
@@ -250,7 +264,40 @@ def test_a_long_text_is_prefilled_in_chunks_with_the_kv_of_one_prefill(
             rtol=1e-5,
         )
         source.forget(request_id)
+        whole.forget(request_id)
     assert source.cache.occupied == 0
+
+
+def test_a_long_prompts_draft_prefill_is_bounded_per_step_and_greedy_stays_exact(
+    engine: TorchEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long prompt joining a speculating batch: no draft forward pass of any step
+    computes more than the chunk, the long request speculates once its draft caught up,
+    and every request's greedy output is plain decoding's."""
+    chunk = 8
+    monkeypatch.setattr(draft_model, "DRAFT_PREFILL_CHUNK", chunk)
+    params = [
+        request(PROMPTS[0], temperature=0.0, max_tokens=24, speculative=True),
+        request(PASSAGE, temperature=0.0, max_tokens=24, speculative=True),
+    ]
+    reference = plain_references(engine, params)
+    source = draft_source(engine)
+    passes: list[int] = []
+    forward = source._forward
+
+    def counted(sequences: list[Any], feeds: list[list[int]]) -> torch.Tensor:
+        passes.append(sum(len(feed) for feed in feeds))
+        return forward(sequences, feeds)
+
+    monkeypatch.setattr(source, "_forward", counted)
+    before = speculation(engine).counters.verify_rounds
+    states = [engine.build_request(one, None, f"r{index}") for index, one in enumerate(params)]
+    assert len(states[1].prompt_ids) > 4 * chunk
+    run(engine, states, join_at=[0, 0])
+    for index, state in enumerate(states):
+        assert state.prompt_ids + state.generated_ids == reference[f"r{index}"], index
+    assert passes and max(passes) <= chunk
+    assert speculation(engine).counters.verify_rounds - before >= 4
 
 
 def test_a_failing_draft_source_leaves_decoding_plain(engine: TorchEngine) -> None:
@@ -440,11 +487,12 @@ def test_a_draft_model_with_another_vocabulary_is_refused_at_load(
 
 
 def test_draft_model_option_reaches_the_engine_through_the_runners_loading_path(
-    model_dirs: dict[str, Path],
+    model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`--draft-model` parses to the node's options and the runner's; the runner's loading
     entry resolves it as a requested model (a local directory here) and the engine drafts
-    from it; a split instance's ranks load none."""
+    from it; a split instance's ranks load none; a catalog draft whose files are not on the
+    node (its download failed) is left out and the model served without it."""
     from exo.node_options import parse_args
     from exo.shared.models.cards import card_from_local_directory
     from exo.shared.types.shards import ShardMetadata
@@ -469,3 +517,10 @@ def test_draft_model_option_reaches_the_engine_through_the_runners_loading_path(
     assert isinstance(plain, TorchEngine) and plain.draft_source is None
     with pytest.raises(ValueError, match="unknown model"):
         load_serving_engine(model_dirs["target"], shard, draft_model="no/such-model")
+    from exo.worker.engines.torch import engine_factory
+
+    monkeypatch.setattr(engine_factory, "models_dir", lambda: tmp_path)  # holds nothing
+    missing = load_serving_engine(
+        model_dirs["target"], shard, draft_model="HuggingFaceTB/SmolLM2-1.7B-Instruct"
+    )
+    assert isinstance(missing, TorchEngine) and missing.draft_source is None
