@@ -281,9 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-model",
         default=None,
         metavar="MODEL",
-        help="draft model of speculative decoding for the models whose rank 0 runs here, "
-        "with their tokenizer: a catalog model (fetched like any) or a model directory on this "
-        "node; overrides a card's draft_model (default: the card's, else n-gram drafts)",
+        help="speculative decoding's draft model here, overriding cards' draft_model "
+        "(default: the card's, else n-gram)",
     )
     parser.add_argument(
         "--max-queued-requests",
