@@ -1,10 +1,17 @@
 """Expert parallelism's engine side: every rank keeps every layer whole except each MoE
 block's routed experts, of which it keeps its own (`moe.experts_of_rank`); the checkpoint
 tensors of the others are never planned, so never read. Every rank runs the whole batched
-step in lockstep, as tensor ranks do (one broadcast of the step header per step): attention,
-dense layers and the LM head are computed alike on every rank, and each MoE block's partial
-sum (this rank's experts' weighted outputs) is all-reduced once (`RoutedExperts.reduce`,
-`LeanMoe`), so every rank computes the same logits; ranks > 0 drop theirs.
+step in lockstep, as tensor ranks do (one broadcast of the step header per step): attention and
+dense layers are computed alike on every rank, and each MoE block's partial sum (this rank's
+experts' weighted outputs) is all-reduced once (`RoutedExperts.reduce`, `LeanMoe`).
+
+The LM head is split by vocabulary as on tensor ranks (`split_head_by_vocab`, Megatron-LM's
+vocabulary-parallel output layer): each rank reads only its rows of the head per token and
+the logits are gathered, so every rank holds the same logits; ranks > 0 drop theirs. Kept
+whole, every rank read the whole head: 311 MB of the 967 MB a token of 18 of
+Qwen3-30B-A3B's layers reads in its int8 form, the same on each rank: one of the two costs
+named for expert x2 on two 1-core nodes reaching only 1.11x one node
+(docs/benchmarks/2026-12-06-moe-quiet-morning.md).
 """
 
 from __future__ import annotations
@@ -17,7 +24,12 @@ from exo.shared.models.moe import experts_of_rank
 from exo.shared.types.shards import Sharding, ShardMetadata
 from exo.worker.engines.torch.model.families import ModelFamily, UnsupportedArchitectureError
 from exo.worker.engines.torch.model.moe import routed_experts_of
-from exo.worker.engines.torch.model.sharding import TensorReader, decoder_layers, read_whole
+from exo.worker.engines.torch.model.sharding import (
+    TensorReader,
+    decoder_layers,
+    read_whole,
+    split_head_by_vocab,
+)
 from exo.worker.engines.torch.parallel.tensor import TensorTransform
 
 
@@ -52,4 +64,4 @@ class ExpertTransform(TensorTransform):
         return read_whole
 
     def split_output_layer(self, model: PreTrainedModel, shard: ShardMetadata) -> bool:
-        return False  # every rank computes the whole logits
+        return split_head_by_vocab(model, shard.device_rank, shard.world_size)

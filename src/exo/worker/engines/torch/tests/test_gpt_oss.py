@@ -25,6 +25,7 @@ from exo.worker.engines.torch.batching.batch_attention import (
     lean_step_of,
     sink_attention,
 )
+from exo.worker.engines.torch.comm.parallel_linears import VocabParallelHead
 from exo.worker.engines.torch.model.direct_forward import LeanModel
 from exo.worker.engines.torch.model.direct_forward_moe import NativeMxfp4Experts
 from exo.worker.engines.torch.model.families import family_by_name
@@ -416,6 +417,24 @@ def test_mxfp4_expert_rank_holds_only_its_experts(mxfp4_dir: Path) -> None:
         up: Any = experts.held()[3].up_proj
         assert torch.equal(up.blocks, stored[f"{name}_blocks"][3, 1::2])
         assert torch.equal(up.scales, stored[f"{name}_scales"][3, 1::2])
+
+
+def test_expert_ranks_split_the_lm_head_by_vocabulary(mxfp4_dir: Path) -> None:
+    """Expert-parallel ranks hold their rows of the LM head (`VocabParallelHead`, as tensor
+    ranks do), together the whole head: a rank reads half the head per token instead of
+    all of it (the logits are gathered; test_distributed checks the tokens equal)."""
+    from safetensors.torch import load_file
+
+    stored = load_file(str(mxfp4_dir / "model.safetensors"))["lm_head.weight"]
+    rows = []
+    for rank in range(2):
+        model = load_model(mxfp4_dir, make_shard(mxfp4_dir, "expert", rank, 2), CPU, "float32")
+        head = model.lm_head
+        assert isinstance(head, VocabParallelHead) and head.vocab == stored.shape[0]
+        assert head.start == sum(len(part) for part in rows)
+        rows.append(head.local.weight.detach())
+    assert 0 < len(rows[1]) <= len(rows[0]) < stored.shape[0]
+    assert torch.equal(torch.cat(rows), stored)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, NATIVE_MAX_ROWS])
