@@ -187,7 +187,7 @@ def _layer_overhead(speed: NodeSpeed, layers: int) -> float:
 def _lm_head_seconds(card: ModelCard, speed: NodeSpeed, share: WeightShare) -> float:
     norm = card.hidden_size * FLOAT32_BYTES
     head = output_layer_bytes(card, "int4", False, speed.native_kernels) - norm
-    rows = vocab_share(card.vocab_size, share.tensor_parallel_ranks)
+    rows = vocab_share(card.vocab_size, share.head_ranks)
     rate: float | None = speed.int8_decode_bytes_per_second
     stored = card.gguf_weight_types
     if speed.native_kernels and stored is not None and stored.output_type in GGUF_SPLIT_TYPES:

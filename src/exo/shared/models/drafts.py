@@ -24,16 +24,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from exo.shared.models.names import resolve_model_name
+from exo.shared.parallelism import parallelism
 from exo.shared.types.common import ModelId, NodeId
 from exo.shared.types.instances import InstanceDraft, Sharding
 from exo.shared.types.models import ModelCard
 
 
 def draft_runs_on(sharding: Sharding, world_size: int) -> bool:
-    """Whether an instance of this kind drafts with a draft model in its rank 0's runner:
-    one node, or tensor parallel (one step in flight, verified by every rank together).
-    A pipeline keeps several steps in flight and an expert split is not checked yet."""
-    return world_size == 1 or sharding == "tensor"
+    """Whether an instance of this kind drafts with a draft model in its rank 0's runner
+    (the kind's description says: `Parallelism.drafts_in_rank_zero`)."""
+    return parallelism(sharding).drafts_in_rank_zero(world_size)
 
 
 def draft_for(

@@ -108,6 +108,9 @@ class WeightShare:
         holds_vision_tower: the vision tower and projector are here (a vision card's
             single node, or rank 0 of a split instance: `Parallelism.runs_vision_tower`);
             sized by `vision_tower_bytes`, 0 for a card without the "vision" capability.
+        output_layer_ranks: ranks the LM head's rows (its vocabulary) are split over, each
+            holding `vocab_share` of them; None: the tensor-parallel ranks. An
+            expert-parallel rank keeps its layers whole but its share of the head.
     """
 
     layers: int
@@ -117,6 +120,12 @@ class WeightShare:
     first_layer: int | None = None
     experts: int | None = None
     holds_vision_tower: bool = True
+    output_layer_ranks: int | None = None
+
+    @property
+    def head_ranks(self) -> int:
+        """Ranks the LM head's vocabulary is split over (`output_layer_ranks`)."""
+        return self.output_layer_ranks or self.tensor_parallel_ranks
 
     def sparse_layers(self, card: ModelCard) -> int:
         """How many of the share's layers are MoE layers of `card` (0 for a dense card)."""
@@ -546,10 +555,10 @@ def resident_weight_bytes(
     if share.holds_output_layer:
         tied_here = card.tie_word_embeddings and share.holds_embedding
         head = output_layer_bytes(card, weight_format, tied_here)
-        if share.tensor_parallel_ranks > 1 and not (weight_format == "float32" and tied_here):
-            # A tensor rank keeps its share of the head's rows (the final norm whole).
+        if share.head_ranks > 1 and not (weight_format == "float32" and tied_here):
+            # A tensor or expert rank keeps its share of the head's rows (the final norm whole).
             norm = card.hidden_size * FLOAT32_BYTES
-            rows = vocab_share(card.vocab_size, share.tensor_parallel_ranks)
+            rows = vocab_share(card.vocab_size, share.head_ranks)
             head = norm + (head - norm) // card.vocab_size * rows
         total += head
     return total

@@ -96,6 +96,13 @@ class Parallelism(ABC):
         `EngineTransform.runs_vision_tower`)."""
         return rank == 0
 
+    def drafts_in_rank_zero(self, world_size: int) -> bool:
+        """Whether an instance of this kind over `world_size` nodes drafts with a draft
+        model in its rank 0's runner (`exo.shared.models.drafts`): one node always; a split
+        only where its ranks verify k + 1 positions together in one step in flight (tensor).
+        A pipeline keeps several steps in flight; an expert split is not checked yet."""
+        return world_size == 1
+
     @abstractmethod
     def split_error(self, card: ModelCard, world_size: int) -> str | None:
         """Why `card` cannot be split this way over `world_size` nodes, or None."""

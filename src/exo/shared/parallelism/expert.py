@@ -1,5 +1,6 @@
 """Expert parallelism: every rank holds every layer's attention and dense parts whole (and
-the embedding and LM head), and of each MoE layer's routed experts only its own run
+the embedding), its share of the LM head's vocabulary (`vocab_share`, as tensor ranks: the
+logits are gathered), and of each MoE layer's routed experts only its own run
 (`moe.experts_of_rank`: `experts / world_size` each, uneven counts allowed); every rank
 runs the whole step on every token, its experts' weighted outputs are its partial sum of
 each MoE block, all-reduced once per MoE layer. A rank reads only its experts' tensors.
@@ -16,7 +17,7 @@ import re
 from collections.abc import Sequence
 from typing import ClassVar
 
-from exo.shared.models.memory import WeightShare
+from exo.shared.models.memory import FLOAT32_BYTES, WeightShare, vocab_share
 from exo.shared.models.moe import experts_of_rank
 from exo.shared.parallelism.base import (
     EveryLayerParallelism,
@@ -71,21 +72,25 @@ class ExpertParallelism(EveryLayerParallelism):
         network: StepNetwork,
         activation_bytes: float,
     ) -> float:
-        """The slowest rank plus one all-reduce per MoE layer and the step header rank 0
-        sends every rank before the step."""
+        """The slowest rank plus one all-reduce per MoE layer, the logits' gather (each rank
+        sends its share of the vocabulary, float32, to every other) and the step header
+        rank 0 sends every rank before the step."""
         sparse = card.moe.sparse_layers(card.n_layers) if card.moe is not None else 0
         all_reduce = network.all_reduce_seconds(activation_bytes)
-        return max(stage_seconds) + sparse * all_reduce + network.latency_seconds()
+        share = vocab_share(card.vocab_size, len(stage_seconds)) * FLOAT32_BYTES
+        gather = network.all_gather_seconds(share)
+        return max(stage_seconds) + sparse * all_reduce + gather + network.latency_seconds()
 
     def weight_share(
         self, card: ModelCard, rank: int, world_size: int, layer_range: LayerRange
     ) -> WeightShare:
-        """Every layer, embedding and LM head; of each MoE layer the rank's experts."""
+        """Every layer and the embedding; its share of the LM head's vocabulary; of each
+        MoE layer the rank's experts."""
         share = super().weight_share(card, rank, world_size, layer_range)
         if card.moe is None or world_size == 1:
             return share
         experts = len(experts_of_rank(card.moe.experts, rank, world_size))
-        return dataclasses.replace(share, experts=experts)
+        return dataclasses.replace(share, experts=experts, output_layer_ranks=world_size)
 
     def reads_tensor(self, name: str, shard: ShardMetadata) -> bool:
         """Every tensor but the routed experts of other ranks."""

@@ -20,6 +20,7 @@ from exo.shared.models.memory import (
     linear_weight_bytes,
     loading_peak_bytes,
     resident_weight_bytes,
+    vocab_share,
 )
 from exo.shared.models.moe import experts_of_rank, moe_geometry_of_config
 from exo.shared.models.parameter_count import active_parameter_count, decoder_parameter_count
@@ -270,12 +271,28 @@ def test_an_expert_rank_holds_and_reads_its_experts_only() -> None:
     shares = [expert.weight_share(card, rank, 3, (0, 48)) for rank in range(3)]
     assert [share.experts for share in shares] == [42, 43, 43]
     assert all(share.holds_embedding and share.holds_output_layer for share in shares)
-    whole = resident_weight_bytes(card, "int4")
-    held = [resident_weight_bytes(card, "int4", share) for share in shares]
-    # The experts are divided; attention, router, embedding and LM head are on every rank.
-    replicated = resident_weight_bytes(card, "int4", dataclasses.replace(shares[0], experts=0))
-    assert sum(size - replicated for size in held) == whole - replicated
-    assert held[0] < held[1] == held[2] < whole / 2
+    assert all(share.head_ranks == 3 for share in shares)
+
+    def size(share: WeightShare, **changes: Any) -> int:
+        return resident_weight_bytes(card, "int4", dataclasses.replace(share, **changes))
+
+    whole = WeightShare(layers=48)
+    held = [size(share) for share in shares]
+    # The experts are divided: each counted once over the ranks.
+    experts = [size(share) - size(share, experts=0) for share in shares]
+    assert sum(experts) == size(whole) - size(whole, experts=0)
+    # The LM head's rows are divided (the final norm on every rank), as on tensor ranks:
+    # each rank counted at `vocab_share`'s rows (the last holds fewer: an upper bound).
+    heads = [size(s, experts=0) - size(s, experts=0, holds_output_layer=False) for s in shares]
+    norm = card.hidden_size * FLOAT32_BYTES
+    whole_head = size(whole, experts=0) - size(whole, experts=0, holds_output_layer=False)
+    rows = vocab_share(card.vocab_size, 3)
+    assert 2 * rows < card.vocab_size <= 3 * rows
+    assert all(head == norm + (whole_head - norm) // card.vocab_size * rows for head in heads)
+    # Attention, router and embedding are on every rank whole.
+    replicated = size(shares[0], experts=0, holds_output_layer=False)
+    assert all(size(s, experts=0, holds_output_layer=False) == replicated for s in shares)
+    assert held[0] < held[1] == held[2] < size(whole) / 2
     shard = ShardMetadata(
         model_card=card, sharding="expert", device_rank=1, world_size=2, start_layer=0,
         end_layer=48,

@@ -426,13 +426,14 @@ def test_expert_ranks_split_the_lm_head_by_vocabulary(mxfp4_dir: Path) -> None:
     from safetensors.torch import load_file
 
     stored = load_file(str(mxfp4_dir / "model.safetensors"))["lm_head.weight"]
-    rows = []
+    rows: list[torch.Tensor] = []
     for rank in range(2):
         model = load_model(mxfp4_dir, make_shard(mxfp4_dir, "expert", rank, 2), CPU, "float32")
-        head = model.lm_head
+        head: Any = model.lm_head
         assert isinstance(head, VocabParallelHead) and head.vocab == stored.shape[0]
         assert head.start == sum(len(part) for part in rows)
-        rows.append(head.local.weight.detach())
+        local: Any = head.local
+        rows.append(local.weight.detach())
     assert 0 < len(rows[1]) <= len(rows[0]) < stored.shape[0]
     assert torch.equal(torch.cat(rows), stored)
 
