@@ -14,11 +14,11 @@ cluster usable or restoring it:
    is killed.
 3. With no healthy instance left (C killed with the only one) a stream ends with the
    dialect's in-band error, within the failover's deadline.
-4. B and C are started again (same homes, so the same node ids) and rejoin; SIGKILL a
-   pipeline rank's node (`tests/chaos/scenarios.py`): a pipeline instance of the default
-   model on A and B, chats through A, B killed.
-5. SIGKILL the master mid-stream (`tests/chaos/scenarios.py`): A and C left, the default
-   model on C, chats through C, A killed; C elects itself and serves.
+4. SIGKILL a pipeline rank's node (`tests/chaos/scenarios.py`): B started again (same
+   home, so the same node id) and rejoined, a pipeline instance of the default model on A
+   and B, chats through A, B killed; the instance is placed again on A.
+5. SIGKILL the master mid-stream (`tests/chaos/scenarios.py`): C started again, the
+   default model on C, chats through C, A killed; C elects itself and serves.
 
 Each test starts from the nodes it needs (starting again any that an earlier test killed,
 so one run alone, or after a failure, still finds them) and an empty cluster (every
@@ -444,17 +444,19 @@ def test_with_no_healthy_instance_the_stream_ends_with_the_dialects_error(
 
 @CHAOS_TIMEOUT
 def test_pipeline_rank_node_killed(cluster: Cluster) -> None:
-    """Chaos: `scenarios.kill_pipeline_rank_node` with A and B (B and C, killed by the
-    failover tests, started again first; C may take B's rank when the instance is placed
-    again)."""
-    cluster.require(*cluster.nodes)
+    """Chaos: `scenarios.kill_pipeline_rank_node` with A and B alone, the two-node case (B,
+    killed by the failover test, started again first; C stays down as the failover tests
+    left it, or is stopped when this test runs alone), so the instance is placed again on
+    A."""
+    cluster.require(cluster.a, cluster.b, down=(cluster.c,))
     report(scenarios.kill_pipeline_rank_node(cluster.a, cluster.b))
 
 
 @CHAOS_TIMEOUT
 def test_master_killed_mid_stream(cluster: Cluster) -> None:
-    """Chaos: `scenarios.kill_master_mid_stream` with A (the master) and C, B down as the
-    pipeline test left it (stopped, when this test runs alone): the two-node case, so C is
-    the one to be elected. Last: it leaves the cluster without its master."""
+    """Chaos: `scenarios.kill_master_mid_stream` with A (the master) and C (started again
+    first), B down as the pipeline test left it (stopped, when this test runs alone): the
+    two-node case, so C is the one to be elected. Last: it leaves the cluster without its
+    master."""
     cluster.require(cluster.a, cluster.c, down=(cluster.b,))
     report(scenarios.kill_master_mid_stream(cluster.a, cluster.c))

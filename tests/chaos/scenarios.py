@@ -122,9 +122,8 @@ def pipeline_rank_node_killed(root: Path, models: Path) -> Row:
 
 
 def kill_pipeline_rank_node(a: ExoNode, b: ExoNode) -> Row:
-    """The pipeline scenario on two running nodes of one cluster (`a` serves the chats and
-    survives, `b` is killed), the cluster holding no other instance of the default model;
-    a third node, if any, may take the killed rank when the instance is placed again."""
+    """The pipeline scenario on two running nodes of one cluster, no other node alive (`a`
+    serves the chats and survives, `b` is killed), the cluster holding no instance yet."""
     row = Row("SIGKILL a pipeline rank's node")
     body = {
         "model_id": DEFAULT_MODEL_ID,
