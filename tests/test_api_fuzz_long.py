@@ -71,6 +71,19 @@ GENERATION_BODIES: dict[str, tuple[dict[str, Any], str | None]] = {
         {"model": DEFAULT_MODEL_ID, "prompt": "Say hi.", "max_tokens": 1},
         "max_tokens",
     ),
+    "/ollama/v1/responses": (
+        {"model": DEFAULT_MODEL_ID, "input": "Say hi.", "max_output_tokens": 1},
+        "max_output_tokens",
+    ),
+    "/v1/responses/input_tokens": ({"model": DEFAULT_MODEL_ID, "input": "Say hi."}, None),
+    # Embeddings and rerank from the default (decoder) model's shard: no generation.
+    "/v1/embeddings": ({"model": DEFAULT_MODEL_ID, "input": "Say hi."}, None),
+    "/ollama/api/embed": ({"model": DEFAULT_MODEL_ID, "input": "Say hi."}, None),
+    "/ollama/api/embeddings": ({"model": DEFAULT_MODEL_ID, "prompt": "Say hi."}, None),
+    "/v1/rerank": (
+        {"model": DEFAULT_MODEL_ID, "query": "Say hi.", "documents": ["Hi.", "Bye."]},
+        None,
+    ),
 }
 STATE_CHANGING_BODIES: dict[str, tuple[dict[str, Any], str | None]] = {
     "/place_instance": ({"model_id": TINY_REPO, "sharding": "pipeline", "min_nodes": 1}, None),

@@ -1,18 +1,34 @@
-"""Mid-stream failover on three real `exo` processes on loopback: the node of a streaming
-instance is killed after every client got at least `KILL_AFTER_CHUNKS` chunks, a second
-instance of the model is healthy on another node, and each client — raw SSE and the
-openai SDK on Chat Completions, the openai SDK on Responses, the anthropic SDK on Claude
-Messages, raw NDJSON on Ollama — gets one unbroken answer: the scripted text, each word
-once, with the usage of the original request. With no healthy instance left a stream ends
-with the dialect's in-band error, within the failover's deadline.
+"""Mid-stream failover and the short chaos set, on one cluster of three real `exo` processes
+on loopback (A: master and API node; B and C), in this order, each scenario leaving the
+cluster usable or restoring it:
 
-One cluster (A: master and API node; B and C, one instance each) serves both cases. The
-five streams of the first run at once on B's instance: C's is made the busier first by
-five streams pinned to it (`X-Exo-Instance`), so the master routes the five to B; then B
-is killed. The model is a tiny random one whose answer the engine's test seam scripts
-(`exo.testing.seam`) and streams one token per `DECODE_STEP_SECONDS`, so the kill lands
-mid-stream whatever this machine's speed, and the text is known. Waits have deadlines;
-every process is stopped however the module ends.
+1. SIGKILL a runner mid-stream (`tests/chaos/scenarios.py`): the default model's only
+   instance on C, chats streaming through C; its runner is killed.
+2. Failover: the node of a streaming instance is killed after every client got at least
+   `KILL_AFTER_CHUNKS` chunks, a second instance of the model is healthy on another node,
+   and each client — raw SSE and the openai SDK on Chat Completions, the openai SDK on
+   Responses, the anthropic SDK on Claude Messages, raw NDJSON on Ollama — gets one
+   unbroken answer: the scripted text, each word once, with the usage of the original
+   request. The five streams run at once on B's instance: C's is made the busier first by
+   five streams pinned to it (`X-Exo-Instance`), so the master routes the five to B; then B
+   is killed.
+3. With no healthy instance left (C killed with the only one) a stream ends with the
+   dialect's in-band error, within the failover's deadline.
+4. SIGKILL a pipeline rank's node (`tests/chaos/scenarios.py`): B started again (same
+   home, so the same node id) and rejoined, a pipeline instance of the default model on A
+   and B, chats through A, B killed; the instance is placed again on A.
+5. SIGKILL the master mid-stream (`tests/chaos/scenarios.py`): C started again, the
+   default model on C, chats through C, A killed; C elects itself and serves.
+
+Each test starts from the nodes it needs (starting again any that an earlier test killed,
+so one run alone, or after a failure, still finds them) and an empty cluster (every
+instance deleted), so a test leaves nothing that changes the next one. The failover model
+is a tiny random one whose answer the engine's test seam scripts (`exo.testing.seam`) and
+streams one token per `DECODE_STEP_SECONDS`, so the kill lands mid-stream whatever this
+machine's speed, and the text is known; the chaos scenarios serve the default model (the
+session's converted copy). Waits poll conditions with deadlines; every process is stopped
+however the module ends. The link-cut chaos scenario needs nodes inside network namespaces
+and plays on two of its own (tests/chaos/test_chaos.py).
 """
 
 from __future__ import annotations
@@ -22,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -33,7 +50,9 @@ from exo.api.serving.failover import FAILOVER_DEADLINE_SECONDS
 from exo.testing.processes import ExoNode, wait_until
 from exo.testing.seam import mark_model_dir
 from exo.testing.tiny_models import save_tiny_checkout
-from tests.test_cluster import FORM_TIMEOUT_SECONDS, make_cluster, running, same_master
+from tests.chaos import scenarios
+from tests.chaos.harness import Row
+from tests.test_cluster import FORM_TIMEOUT_SECONDS, make_cluster, place_on, running, same_master
 
 KILL_AFTER_CHUNKS = 5
 # 100 steps of 0.1 s: every stream reaches its fifth chunk within a second or two of the
@@ -47,6 +66,11 @@ PROMPT = "w0 w7 w9"
 PLAIN_TEMPLATE = "{% for message in messages %}{{ message.content }} {% endfor %}"
 READY_SECONDS = 120.0
 CLIENT_TIMEOUT_SECONDS = 90.0
+# A node started again: its API, then the cluster agreeing on it (master and membership).
+REJOIN_SECONDS = 120.0
+# The chaos scenarios' own deadlines (a model loading, a recovery) reach past the default
+# per-test timeout on a loaded machine.
+CHAOS_TIMEOUT = pytest.mark.timeout(1800)
 
 
 @dataclass
@@ -56,8 +80,12 @@ class Cluster:
     c: ExoNode
     model_id: str
 
+    @property
+    def nodes(self) -> list[ExoNode]:
+        return [self.a, self.b, self.c]
+
     def instances(self) -> dict[str, set[str]]:
-        """The model's instances and the nodes each runs on."""
+        """The failover model's instances and the nodes each runs on."""
         return {
             instance_id: set(instance["shard_assignments"]["node_to_runner"])
             for instance_id, instance in self.a.state()["instances"].items()
@@ -65,7 +93,7 @@ class Cluster:
         }
 
     def place(self, node: ExoNode) -> str:
-        """Place an instance on `node` alone; its id."""
+        """Place an instance of the failover model on `node` alone; its id."""
         response = httpx.post(
             f"{self.a.url}/place_instance",
             json={"model_id": self.model_id, "node_ids": [node.node_id()]},
@@ -76,15 +104,18 @@ class Cluster:
         return instance_id
 
     def on(self, node: ExoNode) -> str:
-        """The id of the model's instance on `node`."""
+        """The id of the failover model's instance on `node`."""
         node_id = node.node_id()
         return next(iter(i for i, nodes in self.instances().items() if nodes == {node_id}))
 
-    def delete(self, instance_ids: list[str]) -> None:
+    def delete(self, instance_ids: list[str], via: ExoNode | None = None) -> None:
+        api = via or self.a
         for instance_id in instance_ids:
-            response = httpx.delete(f"{self.a.url}/instance/{instance_id}", timeout=60)
+            response = httpx.delete(f"{api.url}/instance/{instance_id}", timeout=60)
             assert response.status_code in (200, 404), response.text
-        wait_until(lambda: not set(instance_ids) & set(self.instances()), 60, what="deleted")
+        wait_until(
+            lambda: not set(instance_ids) & set(api.state()["instances"]), 60, what="deleted"
+        )
 
     def unfinished_tasks(self, instance_id: str) -> int:
         return sum(
@@ -94,15 +125,48 @@ class Cluster:
             and task["instance_id"] == instance_id
         )
 
+    def require(self, *needed: ExoNode, down: tuple[ExoNode, ...] = ()) -> None:
+        """Exactly `needed` (and any other node already running, unless in `down`) up and
+        agreeing on one master that counts them all, with no instance of any model: starts
+        again every needed node an earlier scenario killed (same home, ports and node id;
+        it rejoins through A unless A is the one started again), stops those in `down`, then
+        deletes every instance and waits until the runners are gone."""
+        for node in down:
+            if alive(node):
+                node.stop()
+        dead = [node for node in needed if not alive(node)]
+        for node in dead:
+            node.launch()
+        for node in dead:
+            node.wait_api()
+        up = [node for node in self.nodes if alive(node)]
+        ids = {node.node_id() for node in up}
+
+        def formed() -> bool:
+            master = same_master(up)
+            return master in ids and all(ids <= set(n.state()["node_info"]) for n in up)
+
+        wait_until(formed, REJOIN_SECONDS, 0.2, what=f"{len(up)} nodes under one master")
+        self.delete(list(up[0].state()["instances"]), via=up[0])
+        wait_until(
+            lambda: not any(node.runner_processes() for node in up), 60, what="no runners left"
+        )
+
+
+def alive(node: ExoNode) -> bool:
+    return node.process is not None and node.process.poll() is None
+
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, shared_models_dir: Path) -> Iterator[Cluster]:
+    """Three nodes on the session's models directory (the default model converted), the
+    failover's scripted model added by its path; no instance placed."""
     root = tmp_path_factory.mktemp("failover")
-    model_dir = save_tiny_checkout(root / "models" / "scripted", chat_template=PLAIN_TEMPLATE)
+    model_dir = save_tiny_checkout(root / "scripted", chat_template=PLAIN_TEMPLATE)
     mark_model_dir(model_dir, decode_step_seconds=DECODE_STEP_SECONDS, replies=[("w0", REPLY)])
     # Ten streams from this one client at once through A.
     api_args = ("--force-master", "--max-generations-per-client", str(2 * STREAMS))
-    nodes = make_cluster(root, root / "models", 3, first_args=api_args)
+    nodes = make_cluster(root, shared_models_dir, 3, first_args=api_args)
     for node in nodes[1:]:
         node.extra_args += ("--max-concurrent-requests", str(MAX_CONCURRENT_REQUESTS))
     with running(nodes):
@@ -110,11 +174,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         wait_until(lambda: same_master(nodes), FORM_TIMEOUT_SECONDS, what="one master")
         added = httpx.post(f"{a.url}/models/add", json={"model_id": str(model_dir)}, timeout=60)
         assert added.status_code == 200, added.text
-        cluster = Cluster(a, b, c, added.json()["model_id"])
-        placed = [cluster.place(b), cluster.place(c)]  # loading side by side
-        for instance_id in placed:
-            wait_until(lambda i=instance_id: a.serving(i), READY_SECONDS, 0.2, what="serving")  # type: ignore[misc]
-        yield cluster
+        yield Cluster(a, b, c, added.json()["model_id"])
+
+
+def report(row: Row) -> None:
+    print(row.as_dict())
+    assert row.recovery_s is not None
+
+
+@CHAOS_TIMEOUT
+def test_runner_killed_mid_stream(cluster: Cluster) -> None:
+    """Chaos: `scenarios.kill_runner_mid_stream` on C, the default model's only instance."""
+    cluster.require(*cluster.nodes)
+    instance = place_on(cluster.a, cluster.c.node_id())
+    wait_until(lambda: cluster.c.serving(instance), scenarios.READY_SECONDS, 0.5, what="ready on C")
+    report(scenarios.kill_runner_mid_stream(cluster.c))
 
 
 @dataclass
@@ -290,6 +364,10 @@ def raw_ollama(cluster: Cluster) -> Callable[[Stream], str]:
 def test_every_dialect_gets_one_unbroken_answer_after_its_node_is_killed(
     cluster: Cluster,
 ) -> None:
+    cluster.require(*cluster.nodes)
+    placed = [cluster.place(cluster.b), cluster.place(cluster.c)]  # loading side by side
+    for instance_id in placed:
+        wait_until(lambda i=instance_id: cluster.a.serving(i), READY_SECONDS, 0.2, what="serving")  # type: ignore[misc]
     on_b, on_c = cluster.on(cluster.b), cluster.on(cluster.c)
     busy = [Stream(f"pinned to C {index}", pinned(cluster, on_c)) for index in range(STREAMS)]
     streams = [
@@ -362,3 +440,23 @@ def test_with_no_healthy_instance_the_stream_ends_with_the_dialects_error(
     assert "error" in events[-1], events[-1]
     text = chat_text(events)
     assert REPLY.startswith(text.strip()) and len(text.split()) >= KILL_AFTER_CHUNKS - 2
+
+
+@CHAOS_TIMEOUT
+def test_pipeline_rank_node_killed(cluster: Cluster) -> None:
+    """Chaos: `scenarios.kill_pipeline_rank_node` with A and B alone, the two-node case (B,
+    killed by the failover test, started again first; C stays down as the failover tests
+    left it, or is stopped when this test runs alone), so the instance is placed again on
+    A."""
+    cluster.require(cluster.a, cluster.b, down=(cluster.c,))
+    report(scenarios.kill_pipeline_rank_node(cluster.a, cluster.b))
+
+
+@CHAOS_TIMEOUT
+def test_master_killed_mid_stream(cluster: Cluster) -> None:
+    """Chaos: `scenarios.kill_master_mid_stream` with A (the master) and C (started again
+    first), B down as the pipeline test left it (stopped, when this test runs alone): the
+    two-node case, so C is the one to be elected. Last: it leaves the cluster without its
+    master."""
+    cluster.require(cluster.a, cluster.c, down=(cluster.b,))
+    report(scenarios.kill_master_mid_stream(cluster.a, cluster.c))

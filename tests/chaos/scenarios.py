@@ -4,6 +4,12 @@ returns its row of the table (fault, seconds until the cluster serves again, req
 while it recovered, how many failed cleanly). `pytest -m chaos` (tests/chaos/test_chaos.py)
 and `bench/chaos.py` run the same functions.
 
+The SIGKILL scenarios come in two forms: `runner_killed_mid_stream(root, models)` and the
+like start their own fresh nodes (`bench/chaos.py`); `kill_runner_mid_stream(node)` and the
+like inject the same fault, with the same checks, into nodes already running, which is how
+the default run plays them on the cluster it shares with the failover tests
+(tests/test_failover.py).
+
 A scenario raises AssertionError (or TimeoutError, past a generous deadline) when the
 cluster misbehaves. Times are measured from the fault and printed, never asserted on
 beyond the deadlines.
@@ -45,50 +51,62 @@ def _master_pair(root: Path, models: Path) -> list[ExoNode]:
 def runner_killed_mid_stream(root: Path, models: Path) -> Row:
     """SIGKILL the runner of a lone node while chats stream: they fail cleanly, the worker
     starts a new runner, and the node serves again."""
-    row = Row("SIGKILL a runner mid-stream")
     node = ExoNode(root / "node", models)
     with running([node]):
         node.wait_ready(timeout=READY_SECONDS)
-        [runner] = node.runner_processes()
-        load = Load(node).start()
-        try:
-            load.wait_mid_stream()
-            runner.send_signal(signal.SIGKILL)
-            fault_at = time.monotonic()
-            _recovered(row, node, fault_at)
-            new = node.runner_processes()
-            assert [r.pid for r in new] != [runner.pid], "the killed runner was not replaced"
-            time.sleep(2.0)
-        finally:
-            load.stop()
-        _check_load(row, load, fault_at)
-        assert load.count("failed", fault_at) >= 1, "the stream in flight did not fail"
+        return kill_runner_mid_stream(node)
+
+
+def kill_runner_mid_stream(node: ExoNode) -> Row:
+    """The runner scenario on a running `node` whose one runner serves the cluster's only
+    instance of the default model (so no other instance can take its stream over)."""
+    row = Row("SIGKILL a runner mid-stream")
+    [runner] = node.runner_processes()
+    load = Load(node).start()
+    try:
+        load.wait_mid_stream()
+        runner.send_signal(signal.SIGKILL)
+        fault_at = time.monotonic()
+        _recovered(row, node, fault_at)
+        new = node.runner_processes()
+        assert [r.pid for r in new] != [runner.pid], "the killed runner was not replaced"
+        time.sleep(2.0)
+    finally:
+        load.stop()
+    _check_load(row, load, fault_at)
+    assert load.count("failed", fault_at) >= 1, "the stream in flight did not fail"
     return row
 
 
 def master_killed_mid_stream(root: Path, models: Path) -> Row:
     """SIGKILL the master while chats stream through the other node to an instance on it:
     the other node becomes master and keeps serving."""
-    row = Row("SIGKILL the master mid-stream")
     nodes = _master_pair(root, models)
-    a, b = nodes
     with running(nodes):
         wait_until(lambda: same_master(nodes), FORM_TIMEOUT_SECONDS, what="one master")
-        b_id = b.node_id()
-        instance = place_on(a, b_id)
-        wait_until(lambda: b.serving(instance), READY_SECONDS, interval=0.5, what="ready on B")
-        load = Load(b).start()
-        try:
-            load.wait_mid_stream()
-            a.kill()
-            fault_at = time.monotonic()
-            wait_until(lambda: b.cluster()["master"] == b_id, 60, what="B elected")
-            row.note(f"B master {time.monotonic() - fault_at:.1f} s after the kill")
-            _recovered(row, b, fault_at)
-            time.sleep(2.0)
-        finally:
-            load.stop()
-        _check_load(row, load, fault_at)
+        return kill_master_mid_stream(*nodes)
+
+
+def kill_master_mid_stream(a: ExoNode, b: ExoNode) -> Row:
+    """The master scenario on two running nodes of one cluster, `a` its master (and no
+    other node alive): an instance of the default model is placed on `b`, chats stream
+    through `b`, `a` is killed; `b` must elect itself and serve."""
+    row = Row("SIGKILL the master mid-stream")
+    b_id = b.node_id()
+    instance = place_on(a, b_id)
+    wait_until(lambda: b.serving(instance), READY_SECONDS, interval=0.5, what="ready on B")
+    load = Load(b).start()
+    try:
+        load.wait_mid_stream()
+        a.kill()
+        fault_at = time.monotonic()
+        wait_until(lambda: b.cluster()["master"] == b_id, 60, what="B elected")
+        row.note(f"B master {time.monotonic() - fault_at:.1f} s after the kill")
+        _recovered(row, b, fault_at)
+        time.sleep(2.0)
+    finally:
+        load.stop()
+    _check_load(row, load, fault_at)
     return row
 
 
@@ -97,43 +115,48 @@ def pipeline_rank_node_killed(root: Path, models: Path) -> Row:
     instance is placed again on the survivor and serves; the stream in flight either goes
     on there (mid-stream failover, `api/serving/failover.py`, once the new instance is
     ready within its deadline) or fails cleanly, never uncleanly."""
-    row = Row("SIGKILL a pipeline rank's node")
     nodes = _master_pair(root, models)
-    a, b = nodes
     with running(nodes):
         wait_until(lambda: same_master(nodes), FORM_TIMEOUT_SECONDS, what="one master")
-        body = {
-            "model_id": DEFAULT_MODEL_ID,
-            "sharding": "pipeline",
-            "node_ids": [a.node_id(), b.node_id()],
-            "min_nodes": 2,
-        }
+        return kill_pipeline_rank_node(*nodes)
 
-        def place() -> httpx.Response | None:
-            # 400 until the nodes have measured their link to each other.
-            answer = httpx.post(f"{a.url}/place_instance", json=body, timeout=60)
-            return answer if answer.status_code == 200 else None
 
-        placed = wait_until(place, 120, interval=1.0, what="a pipeline placement")
-        instance = placed.json()["instance_id"]
-        wait_until(lambda: a.serving(instance), READY_SECONDS, interval=0.5, what="both ranks")
-        load = Load(a).start()
-        try:
-            load.wait_mid_stream()
-            b.kill()
-            fault_at = time.monotonic()
-            _recovered(row, a, fault_at)
-            time.sleep(2.0)
-        finally:
-            load.stop()
-        _check_load(row, load, fault_at)
-        in_flight = [e for e in load.ended if e.sent < fault_at <= e.sent + e.seconds]
-        assert in_flight, "no stream was in flight at the kill"
-        continued = sum(e.kind == "ok" for e in in_flight)
-        row.note(
-            f"in flight at the kill: {continued} continued on the re-placed instance, "
-            f"{len(in_flight) - continued} failed cleanly"
-        )
+def kill_pipeline_rank_node(a: ExoNode, b: ExoNode) -> Row:
+    """The pipeline scenario on two running nodes of one cluster, no other node alive (`a`
+    serves the chats and survives, `b` is killed), the cluster holding no instance yet."""
+    row = Row("SIGKILL a pipeline rank's node")
+    body = {
+        "model_id": DEFAULT_MODEL_ID,
+        "sharding": "pipeline",
+        "node_ids": [a.node_id(), b.node_id()],
+        "min_nodes": 2,
+    }
+
+    def place() -> httpx.Response | None:
+        # 400 until the nodes have measured their link to each other.
+        answer = httpx.post(f"{a.url}/place_instance", json=body, timeout=60)
+        return answer if answer.status_code == 200 else None
+
+    placed = wait_until(place, 120, interval=1.0, what="a pipeline placement")
+    instance = placed.json()["instance_id"]
+    wait_until(lambda: a.serving(instance), READY_SECONDS, interval=0.5, what="both ranks")
+    load = Load(a).start()
+    try:
+        load.wait_mid_stream()
+        b.kill()
+        fault_at = time.monotonic()
+        _recovered(row, a, fault_at)
+        time.sleep(2.0)
+    finally:
+        load.stop()
+    _check_load(row, load, fault_at)
+    in_flight = [e for e in load.ended if e.sent < fault_at <= e.sent + e.seconds]
+    assert in_flight, "no stream was in flight at the kill"
+    continued = sum(e.kind == "ok" for e in in_flight)
+    row.note(
+        f"in flight at the kill: {continued} continued on the re-placed instance, "
+        f"{len(in_flight) - continued} failed cleanly"
+    )
     return row
 
 
