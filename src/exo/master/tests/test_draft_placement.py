@@ -25,7 +25,7 @@ from exo.master.placement_memory import (
 )
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.models.drafts import draft_for
-from exo.shared.models.memory import DEFAULT_KV_CACHE_TOKENS
+from exo.shared.models.kv_cache_memory import DEFAULT_KV_CACHE_TOKENS
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId
 from exo.shared.types.instances import InstanceDraft
 from exo.shared.types.models import ModelCard

@@ -15,7 +15,7 @@ from exo.master.placement_memory import (
     runner_bytes,
 )
 from exo.node_options import parse_args
-from exo.shared.models.memory import (
+from exo.shared.models.kv_cache_memory import (
     DEFAULT_KV_CACHE_TOKENS,
     MIN_KV_CACHE_TOKENS,
     SLIDING_WINDOW_EXTRA_POSITIONS,
@@ -23,8 +23,8 @@ from exo.shared.models.memory import (
     kv_cache_budget_bytes,
     kv_geometry,
     longest_length_in_kv_budget,
-    whole_model,
 )
+from exo.shared.models.weight_share import whole_model
 from exo.shared.types.common import InstanceId, ModelId, NodeId
 from exo.shared.types.instances import Instance
 from exo.shared.types.models import ModelCard, SlidingWindow

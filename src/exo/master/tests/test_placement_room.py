@@ -14,12 +14,9 @@ from exo.master.placement_memory import (
 )
 from exo.shared.apply import apply_event
 from exo.shared.models.cards import load_builtin_cards
-from exo.shared.models.memory import (
-    ENGINE_CPU_WEIGHT_FORMAT,
-    RUNNER_PROCESS_OVERHEAD_BYTES,
-    kv_cache_budget_bytes,
-    resident_weight_bytes,
-)
+from exo.shared.models.kv_cache_memory import kv_cache_budget_bytes
+from exo.shared.models.memory import RUNNER_PROCESS_OVERHEAD_BYTES, resident_weight_bytes
+from exo.shared.models.weight_formats import ENGINE_CPU_WEIGHT_FORMAT
 from exo.shared.types.commands import PlaceInstance
 from exo.shared.types.common import CommandId, InstanceId, NodeId, RunnerId
 from exo.shared.types.events import CommandRejected, InstanceCreated, RunnerStatusUpdated

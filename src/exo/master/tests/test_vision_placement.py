@@ -11,14 +11,13 @@ from exo.master.placement import (
 )
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.models.memory import (
-    FLOAT32_BYTES,
     VISION_TOWER_LOADING_EXTRA_COPIES,
-    WeightShare,
     loading_peak_bytes,
     resident_weight_bytes,
     vision_tower_bytes,
-    whole_model,
 )
+from exo.shared.models.weight_formats import FLOAT32_BYTES
+from exo.shared.models.weight_share import WeightShare, whole_model
 from exo.shared.parallelism import parallelism
 from exo.shared.types.common import ModelId, NodeId
 from exo.shared.types.nodes import TopologyEdge

@@ -16,8 +16,8 @@ import re
 from collections.abc import Sequence
 from typing import ClassVar
 
-from exo.shared.models.memory import WeightShare
 from exo.shared.models.moe import experts_of_rank
+from exo.shared.models.weight_share import WeightShare
 from exo.shared.parallelism.base import (
     EveryLayerParallelism,
     LayerRange,
