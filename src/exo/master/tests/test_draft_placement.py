@@ -10,16 +10,12 @@ from collections.abc import Mapping
 
 import pytest
 
-from exo.master.placement import (
-    PlacementError,
-    place_instance,
-    placement_previews,
-    required_memory_bytes,
-)
+from exo.master.placement import PlacementError, place_instance, placement_previews
 from exo.master.placement_memory import (
     draft_bytes,
     draft_unallocated_bytes,
     placement_room,
+    required_memory_bytes,
     runner_bytes,
     runner_unallocated_bytes,
 )

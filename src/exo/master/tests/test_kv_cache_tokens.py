@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from exo.master.placement import PlacementError, layout, place_instance, placement_previews
+from exo.master.group_layout import layout
+from exo.master.placement import PlacementError, place_instance, placement_previews
 from exo.master.placement_memory import (
     KV_CACHE_MAX_CONTEXTS,
     pipeline_share_bytes,

@@ -12,9 +12,9 @@ from exo.master.placement import (
     place_instance,
     placement_previews,
     rendezvous_port,
-    required_memory_bytes,
     tensor_split_error,
 )
+from exo.master.placement_memory import required_memory_bytes
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.models.kv_cache_memory import DEFAULT_KV_CACHE_TOKENS, kv_cache_budget_bytes
 from exo.shared.models.memory import (

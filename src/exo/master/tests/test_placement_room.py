@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from exo.master.decisions import events_for_command
-from exo.master.placement import PlacementError, place_instance, required_memory_bytes
+from exo.master.placement import PlacementError, place_instance
 from exo.master.placement_memory import (
     placement_room,
+    required_memory_bytes,
     runner_bytes,
     runner_unallocated_bytes,
 )

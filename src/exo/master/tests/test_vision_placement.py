@@ -3,12 +3,8 @@ one rank that runs it (a single node, or rank 0 of a split), never on the other 
 
 from __future__ import annotations
 
-from exo.master.placement import (
-    MEMORY_OVERHEAD_FRACTION,
-    pipeline_share_bytes,
-    placement_previews,
-    required_memory_bytes,
-)
+from exo.master.placement import MEMORY_OVERHEAD_FRACTION, pipeline_share_bytes, placement_previews
+from exo.master.placement_memory import required_memory_bytes
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.models.memory import (
     VISION_TOWER_LOADING_EXTRA_COPIES,
