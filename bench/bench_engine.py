@@ -32,7 +32,7 @@ from exo.benchmark.stats import BenchReport, CaseResult, write_json
 from exo.download.pypi_gguf import prepare_model
 from exo.shared.constants import models_dir as default_models_dir
 from exo.shared.models.cards import load_builtin_cards
-from exo.shared.models.memory import PREFILL_ACTIVATIONS, default_prefill_activations
+from exo.shared.models.weight_formats import PREFILL_ACTIVATIONS, default_prefill_activations
 from exo.shared.types.common import ModelId
 from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.engine import TorchEngine

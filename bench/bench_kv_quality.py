@@ -32,7 +32,7 @@ import torch
 from exo.download.pypi_gguf import prepare_model
 from exo.shared.constants import models_dir
 from exo.shared.models.cards import load_builtin_cards
-from exo.shared.models.memory import KV_CACHE_DTYPE_BYTES, kv_geometry_of_config
+from exo.shared.models.kv_cache_memory import KV_CACHE_DTYPE_BYTES, kv_geometry_of_config
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata

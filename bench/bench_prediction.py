@@ -48,7 +48,7 @@ from exo.download.pypi_gguf import prepare_model
 from exo.master import speed_prediction
 from exo.shared.constants import models_dir as default_models_dir
 from exo.shared.models.cards import card_from_local_directory, load_builtin_cards
-from exo.shared.models.memory import WeightShare
+from exo.shared.models.weight_share import WeightShare
 from exo.shared.types.common import ModelId, NodeId
 from exo.shared.types.instances import Sharding
 from exo.shared.types.nodes import NodeSpeed, TopologyEdge

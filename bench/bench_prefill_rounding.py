@@ -25,7 +25,7 @@ import torch
 from exo.download.pypi_gguf import prepare_model
 from exo.shared.constants import models_dir
 from exo.shared.models.cards import load_builtin_cards
-from exo.shared.models.memory import PREFILL_ACTIVATIONS
+from exo.shared.models.weight_formats import PREFILL_ACTIVATIONS
 from exo.shared.types.common import ModelId
 from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.batching.batch_attention import (

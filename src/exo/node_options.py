@@ -26,16 +26,18 @@ from exo.shared.constants import (
     DEFAULT_API_PORT,
     PROTOCOL_VERSION,
 )
-from exo.shared.models.memory import (
-    DECODE_ACTIVATIONS,
-    DEFAULT_DECODE_ACTIVATIONS,
+from exo.shared.models.kv_cache_memory import (
     DEFAULT_KV_CACHE_DTYPE,
-    DEFAULT_PREFILL_ACTIVATIONS,
     KV_CACHE_DTYPES,
     MIN_KV_CACHE_TOKENS,
+    KVCacheDtype,
+)
+from exo.shared.models.weight_formats import (
+    DECODE_ACTIVATIONS,
+    DEFAULT_DECODE_ACTIVATIONS,
+    DEFAULT_PREFILL_ACTIVATIONS,
     PREFILL_ACTIVATIONS,
     DecodeActivations,
-    KVCacheDtype,
     PrefillActivations,
     default_prefill_activations,
 )

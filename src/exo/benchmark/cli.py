@@ -28,7 +28,7 @@ from exo.benchmark.llama_cpp_runner import LlamaCppMissingError
 from exo.benchmark.plots import PlotsUnavailableError, plot_report, require_matplotlib
 from exo.benchmark.ratios import print_ratios
 from exo.benchmark.runner import DEFAULT_SETTLE_SECONDS, BenchConfig, run_bench
-from exo.shared.models.memory import PREFILL_ACTIVATIONS, default_prefill_activations
+from exo.shared.models.weight_formats import PREFILL_ACTIVATIONS, default_prefill_activations
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # A pause past this is a typo (NaN fails the check too).

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from exo.benchmark.prompts import EOS_BIAS, ModelText
 from exo.benchmark.stats import RequestTiming, RunResult
-from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
+from exo.shared.models.weight_formats import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import TextGenerationTaskParams
 

@@ -24,7 +24,7 @@ from exo.benchmark.llama_cpp_runner import LlamaCppRunner
 from exo.benchmark.prompts import ModelText
 from exo.benchmark.ratios import add_ratios
 from exo.benchmark.stats import BenchReport, CaseResult, Print, RunResult, write_json
-from exo.shared.models.memory import PrefillActivations, default_prefill_activations
+from exo.shared.models.weight_formats import PrefillActivations, default_prefill_activations
 from exo.utils.cpu_features import cpu_model
 from exo.utils.heap import freeze_long_lived_objects
 

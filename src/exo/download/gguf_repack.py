@@ -75,8 +75,8 @@ from exo.download.gguf_tensors import (
     read_gguf_model,
 )
 from exo.download.gguf_tokenizers import load_gguf_tokenizer
-from exo.shared.models.memory import INT4_GROUP_SIZE
 from exo.shared.models.tensor_names import INT4_PACKED, INT4_SCALES, INT4_ZEROS
+from exo.shared.models.weight_formats import INT4_GROUP_SIZE
 
 GGUF_BLOCKS = ".gguf_"
 REPACK_FORMAT = "exo-gguf-repack-1"  # safetensors metadata value of "format_exo"

@@ -6,8 +6,8 @@ import hashlib
 from collections.abc import Callable, Mapping
 
 from exo.master.keep_alive import set_keep_alive
-from exo.master.placement import PlacementError, place_instance, required_memory_bytes
-from exo.master.placement_memory import placement_room
+from exo.master.placement import PlacementError, place_instance
+from exo.master.placement_memory import placement_room, required_memory_bytes
 from exo.master.recovery import unavailable_message
 from exo.shared.models.cards import UnknownModelError, resolve_card
 from exo.shared.models.names import resolve_model_name

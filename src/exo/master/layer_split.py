@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from exo.master.placement_memory import pipeline_share_bytes
 from exo.master.speed_prediction import DEFAULT_PROMPT_TOKENS, decode_stage_seconds
-from exo.shared.models.memory import WeightShare
+from exo.shared.models.weight_share import WeightShare
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import NodeSpeed
 

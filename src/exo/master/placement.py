@@ -1,4 +1,6 @@
 """Placement: which node(s) run which shard of a model. Pure functions of the state.
+The rules below, applied to one group of nodes, are `exo.master.group_layout.layout`;
+this module tries the groups, prefers one layout and makes it an instance.
 
 Rules (exo's, with its gaps filled):
 - candidates are single nodes and groups of nodes that measured links to each other
@@ -36,23 +38,18 @@ Rules (exo's, with its gaps filled):
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
+from exo.master.group_layout import Layout, layout
 from exo.master.layer_split import PlacementError as PlacementError
 from exo.master.layer_split import layer_split as layer_split
 from exo.master.layer_split import speed_balanced_split as speed_balanced_split
 from exo.master.placement_memory import MEMORY_OVERHEAD_FRACTION as MEMORY_OVERHEAD_FRACTION
 from exo.master.placement_memory import (
     NodeRoom,
-    draft_bytes,
-    memory_sized_kv_cache_tokens,
     placement_room,
-    required_memory_bytes,
-    share_runner_bytes,
 )
 from exo.master.placement_memory import pipeline_share_bytes as pipeline_share_bytes
 from exo.master.speed_prediction import (
@@ -64,9 +61,6 @@ from exo.shared.models.architectures import (
     ENGINE_ARCHITECTURES,
     is_encoder_architecture,
 )
-from exo.shared.models.cards import load_builtin_cards
-from exo.shared.models.drafts import draft_for, draft_runs_on
-from exo.shared.models.memory import RUNNER_PROCESS_OVERHEAD_BYTES, vision_tower_loading_bytes
 from exo.shared.parallelism import PARALLELISMS, parallelism
 from exo.shared.types.common import FrozenModel, InstanceId, ModelId, NodeId, RunnerId
 from exo.shared.types.instances import (
@@ -118,22 +112,6 @@ class PlacementPreview(FrozenModel):
     prediction_prompt_tokens: int = DEFAULT_PROMPT_TOKENS
 
 
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """A valid placement before ids are given: nodes in rank order and their shares."""
-
-    nodes: tuple[NodeId, ...]
-    layer_ranges: tuple[tuple[int, int], ...]
-    bytes_per_node: tuple[int, ...]
-    rendezvous_addresses: dict[NodeId, str]
-    kv_cache_tokens: int
-    """The instance's KV-cache budget (`Instance.kv_cache_tokens`)."""
-    draft: InstanceDraft | None = None
-    """Its draft model (`Instance.draft`), counted in rank 0's `bytes_per_node`."""
-    draft_left_out: str | None = None
-    """Why a draft model named for it is not used (`Instance.draft_left_out`)."""
-
-
 def runner_id_for(instance_id: InstanceId, rank: int, runner_tag: str = "") -> RunnerId:
     """`{instance_id}-rank{rank}`; a re-placed instance tags its new runners
     (`{instance_id}-{tag}-rank{rank}`) so no status of the old ones is taken for theirs."""
@@ -154,218 +132,6 @@ def tensor_split_error(card: ModelCard, world_size: int) -> str | None:
     """Why `card` cannot be split inside its layers over `world_size` nodes, or None
     (`TensorParallelism.split_error`)."""
     return parallelism("tensor").split_error(card, world_size)
-
-
-def _edge_address(state: State, source: NodeId, sink: NodeId) -> str | None:
-    edge = state.topology.get(source, {}).get(sink)
-    return edge.address if edge is not None else None
-
-
-def _connected(state: State, a: NodeId, b: NodeId) -> bool:
-    return _edge_address(state, a, b) is not None or _edge_address(state, b, a) is not None
-
-
-def _rank_order(
-    state: State, room: Mapping[NodeId, NodeRoom], group: Sequence[NodeId]
-) -> tuple[NodeId, ...] | str:
-    """The group in rank order: most memory first, rank 0 a node every other can reach."""
-    ordered = sorted(group, key=lambda n: (-room[n].available_bytes, n))
-    if len(ordered) == 1:
-        return tuple(ordered)
-    for a, b in itertools.combinations(ordered, 2):
-        if not _connected(state, a, b):
-            return f"nodes {a} and {b} have no measured link"
-    for rank_zero in ordered:
-        if all(_edge_address(state, n, rank_zero) is not None for n in ordered if n != rank_zero):
-            return (rank_zero, *[n for n in ordered if n != rank_zero])
-    return "no node of the group is reachable by all the others"
-
-
-def _own_address(state: State, node_id: NodeId, peer_view: dict[NodeId, str]) -> str:
-    # Rank 0 binds on every interface; for itself any address others use to reach it.
-    if peer_view:
-        return next(iter(peer_view.values()))
-    addresses = state.node_info[node_id].api_addresses
-    return addresses[0] if addresses else "127.0.0.1"
-
-
-def _named_draft(
-    card: ModelCard,
-    state: State,
-    rank_zero: NodeId,
-    cards: Mapping[ModelId, ModelCard] | None,
-) -> InstanceDraft | None:
-    """The draft model named for an instance of `card` with rank 0 on `rank_zero`
-    (`drafts.draft_for`; `cards` None: the built-in catalog, read only when needed)."""
-    option = state.node_info[rank_zero].draft_model
-    if option is None and card.draft_model is None:
-        return None
-    catalog = load_builtin_cards() if cards is None else cards
-    return draft_for(card, rank_zero, option, catalog)
-
-
-def layout(
-    card: ModelCard,
-    state: State,
-    sharding: Sharding,
-    group: Sequence[NodeId],
-    room: Mapping[NodeId, NodeRoom] | None = None,
-    cards: Mapping[ModelId, ModelCard] | None = None,
-) -> Layout:
-    """Shares of `group` for `card`, or why that group cannot run it, with the draft model
-    named for it where rank 0's node has room for both (else without it, saying why).
-
-    Args:
-        room: the nodes' memory (`placement_room(state)` when None).
-        cards: the catalog a draft model resolves in (None: the built-in cards).
-
-    Raises:
-        PlacementError: not connected, not divisible, or some node lacks memory.
-    """
-    room = placement_room(state) if room is None else room
-    order = _rank_order(state, room, group)
-    if isinstance(order, str):
-        raise PlacementError(order)
-    draft = _named_draft(card, state, order[0], cards)
-    if draft is None:
-        return _layout_in_order(card, state, sharding, order, room)
-    if not draft_runs_on(sharding, len(order)):
-        plain = _layout_in_order(card, state, sharding, order, room)
-        reason = f"draft model {draft.model_id} not used: a {sharding} split does not speculate"
-        return dataclasses.replace(plain, draft_left_out=reason)
-    if draft.model_card is None:  # a directory only its node knows: not counted
-        return dataclasses.replace(
-            _layout_in_order(card, state, sharding, order, room), draft=draft
-        )
-    try:
-        return _layout_in_order(card, state, sharding, order, room, draft)
-    except PlacementError as error:
-        plain = _layout_in_order(card, state, sharding, order, room)
-        reason = f"draft model {draft.model_id} left out: {error}"
-        if len(order) == 1:  # the room figures of the node itself, not those less the draft
-            first = room[order[0]]
-            tokens = first.planned_kv_cache_tokens(card)
-            both = required_memory_bytes(card, kv_cache_tokens=tokens) + draft_bytes(
-                draft.model_card, tokens
-            )
-            reason = (
-                f"draft model {draft.model_id} left out: node {order[0]} has "
-                f"{first.describe()}, the model and its draft need {both / 2**20:.0f} MiB"
-            )
-        return dataclasses.replace(plain, draft_left_out=reason)
-
-
-def _layout_in_order(
-    card: ModelCard,
-    state: State,
-    sharding: Sharding,
-    order: tuple[NodeId, ...],
-    room: Mapping[NodeId, NodeRoom],
-    draft: InstanceDraft | None = None,
-) -> Layout:
-    """`layout` of the nodes in rank order, with `draft` (which has a card) counted on
-    rank 0: its `draft_bytes` at the node's planned budget come off the node's room before
-    the target's shares are sized, and at the instance's budget once that is chosen."""
-    if draft is not None and draft.model_card is not None:
-        first = room[order[0]]
-        planned = draft_bytes(draft.model_card, first.planned_kv_cache_tokens(card))
-        if planned > first.available_bytes:
-            raise PlacementError(
-                f"node {order[0]} has {first.describe()}, the draft model alone needs "
-                f"{planned / 2**20:.0f} MiB"
-            )
-        room = {
-            **room,
-            order[0]: dataclasses.replace(first, reported_bytes=first.reported_bytes - planned),
-        }
-    world_size = len(order)
-    total_available = sum(room[n].available_bytes for n in order)
-    # Each further node runs one more runner process.
-    smallest_kv_cache = min(room[n].planned_kv_cache_tokens(card) for n in order)
-    needed_total = (
-        required_memory_bytes(card, kv_cache_tokens=smallest_kv_cache)
-        + (world_size - 1) * RUNNER_PROCESS_OVERHEAD_BYTES
-    )
-    if total_available < needed_total:
-        holder = f"the node has {room[order[0]].describe()}"
-        if world_size > 1:
-            promised = sum(room[n].promised_bytes for n in order)
-            holder = f"these {world_size} nodes have {total_available / 2**20:.0f} MiB available"
-            if promised:
-                holder += f" ({promised / 2**20:.0f} MiB promised to runners already placed)"
-        raise PlacementError(
-            f"model {card.model_id} needs {needed_total / 2**20:.0f} MiB but {holder}"
-        )
-    kind = parallelism(sharding)
-    error = kind.split_error(card, world_size)
-    if error is not None:
-        raise PlacementError(error)
-
-    def layer_counts() -> list[int]:
-        measured = [state.node_info[n].speed for n in order]
-        speeds = [speed for speed in measured if speed is not None]
-        if len(speeds) == world_size:
-            available = [room[n].available_bytes for n in order]
-            kv_cache_tokens = [room[n].planned_kv_cache_tokens(card) for n in order]
-            balanced = speed_balanced_split(card, speeds, available, kv_cache_tokens)
-            if balanced is not None:
-                return balanced
-        # In proportion to the memory left for layers beside each runner process (and
-        # the vision tower of the rank that runs it, at its loading peak).
-        tower = vision_tower_loading_bytes(card)
-        for_layers = [
-            max(
-                0,
-                room[n].available_bytes
-                - RUNNER_PROCESS_OVERHEAD_BYTES
-                - (tower if kind.runs_vision_tower(rank, world_size) else 0),
-            )
-            for rank, n in enumerate(order)
-        ]
-        return layer_split(card.n_layers, for_layers)
-
-    ranges = kind.layer_ranges(card.n_layers, world_size, layer_counts)
-    weight_shares = [
-        kind.weight_share(card, rank, world_size, layer_range)
-        for rank, layer_range in enumerate(ranges)
-    ]
-    for node_id, weight_share in zip(order, weight_shares, strict=True):
-        planned = share_runner_bytes(
-            card, weight_share, room[node_id].planned_kv_cache_tokens(card)
-        )
-        if planned > room[node_id].available_bytes:
-            raise PlacementError(
-                f"node {node_id} would need {planned / 2**20:.0f} MiB for its share but has "
-                f"{room[node_id].describe()}"
-            )
-    # The ranks hold KV for the same tokens: the budget is the smallest any node allows.
-    kv_cache_tokens = min(
-        memory_sized_kv_cache_tokens(
-            card, weight_share, room[node_id].kv_cache_tokens, room[node_id].available_bytes
-        )
-        for node_id, weight_share in zip(order, weight_shares, strict=True)
-    )
-    # A node's own --kv-cache-tokens is what it reserves; a memory-sized node the budget.
-    shares = tuple(
-        share_runner_bytes(card, weight_share, room[node_id].kv_cache_tokens or kv_cache_tokens)
-        for node_id, weight_share in zip(order, weight_shares, strict=True)
-    )
-    if draft is not None and draft.model_card is not None:
-        # Now at the instance's budget: the draft holds KV for the texts the target runs.
-        with_draft = shares[0] + draft_bytes(draft.model_card, kv_cache_tokens)
-        left_for_both = room[order[0]].available_bytes + draft_bytes(
-            draft.model_card, room[order[0]].planned_kv_cache_tokens(card)
-        )
-        if with_draft > left_for_both:
-            raise PlacementError(
-                f"node {order[0]} would need {with_draft / 2**20:.0f} MiB for the model and "
-                f"its draft but has {left_for_both / 2**20:.0f} MiB available"
-            )
-        shares = (with_draft, *shares[1:])
-    rank_zero = order[0]
-    peer_view = {n: a for n in order[1:] if (a := _edge_address(state, n, rank_zero)) is not None}
-    addresses = {rank_zero: _own_address(state, rank_zero, peer_view), **peer_view}
-    return Layout(order, ranges, shares, addresses, kv_cache_tokens, draft)
 
 
 def _holds_files(state: State, card: ModelCard, node_id: NodeId) -> bool:

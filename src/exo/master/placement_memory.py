@@ -11,17 +11,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from exo.shared.models.memory import (
+from exo.shared.models.kv_cache_memory import (
     DEFAULT_KV_CACHE_TOKENS,
-    ENGINE_CPU_WEIGHT_FORMAT,
     MIN_KV_CACHE_TOKENS,
-    RUNNER_PROCESS_OVERHEAD_BYTES,
-    WeightShare,
     kv_budget_tokens_of_length,
     kv_cache_bytes_per_token,
+)
+from exo.shared.models.memory import (
+    RUNNER_PROCESS_OVERHEAD_BYTES,
     resident_weight_bytes,
     serving_peak_bytes,
 )
+from exo.shared.models.weight_formats import ENGINE_CPU_WEIGHT_FORMAT
+from exo.shared.models.weight_share import WeightShare
 from exo.shared.parallelism import parallelism
 from exo.shared.types.common import InstanceId, NodeId
 from exo.shared.types.instances import Instance

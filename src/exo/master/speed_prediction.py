@@ -5,16 +5,16 @@ what the nodes measured: each node's `NodeSpeed` (`exo.node.speed_probe`) and th
 `TopologyEdge` latency and bandwidth. A node without a measured speed (an old node, or one
 still measuring) gives no prediction (None), never a guessed one.
 
-The model (bytes from `exo.shared.models.memory`, in the engine's CPU format: int4 decoder
-layers, int8 LM head, float32 KV cache; a GGUF-sourced card's layers and head as the
-engine holds the types they are stored in, on a node where exo's kernels run in their
-smaller block forms, `NodeSpeed.native_kernels`):
+The model (bytes from `exo.shared.models.memory` and `decode_reads`, in the engine's CPU
+format: int4 decoder layers, int8 LM head, float32 KV cache; a GGUF-sourced card's layers
+and head as the engine holds the types they are stored in, on a node where exo's kernels
+run in their smaller block forms, `NodeSpeed.native_kernels`):
 
 decode, seconds per token (one stream, `context` tokens in the KV cache):
     stage(s) = layer bytes(s) / int4 bytes/s + LM head bytes(s) / int8 bytes/s
                (a MoE layer's bytes: what one token reads, its attention, router, shared
                expert and the routed experts it is expected to choose on this rank,
-               `memory.moe_layer_read_bytes`; MXFP4 experts (gpt-oss) at their stored
+               `decode_reads.moe_layer_read_bytes`; MXFP4 experts (gpt-oss) at their stored
                17 bytes per 32 weights, read at the int4 rate, the probe measuring no
                MXFP4 kernel; prefill's FLOPs likewise count a token's top-k and shared
                experts only)
@@ -68,23 +68,24 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from exo.shared.models.decode_reads import active_linear_params_per_layer, moe_layer_read_bytes
+from exo.shared.models.kv_cache_memory import kv_cache_bytes_per_token
 from exo.shared.models.memory import (
-    DEFAULT_PREFILL_ACTIVATIONS,
-    FLOAT32_BYTES,
     GGUF_FLOAT_TYPES,
     GGUF_INT4_TYPES,
     GGUF_SPLIT_TYPES,
-    PrefillActivations,
-    WeightShare,
-    active_linear_params_per_layer,
     decoder_layer_bytes,
     decoder_layer_bytes_by_kernel,
     gguf_kernel,
-    kv_cache_bytes_per_token,
-    moe_layer_read_bytes,
     output_layer_bytes,
     vocab_share,
 )
+from exo.shared.models.weight_formats import (
+    DEFAULT_PREFILL_ACTIVATIONS,
+    FLOAT32_BYTES,
+    PrefillActivations,
+)
+from exo.shared.models.weight_share import WeightShare
 from exo.shared.parallelism import parallelism
 from exo.shared.types.common import NodeId
 from exo.shared.types.instances import Sharding

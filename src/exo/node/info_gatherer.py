@@ -15,10 +15,7 @@ import psutil
 from loguru import logger
 
 from exo.shared.local_events import LocalEventSender
-from exo.shared.models.memory import (
-    DEFAULT_PREFILL_ACTIVATIONS,
-    PrefillActivations,
-)
+from exo.shared.models.weight_formats import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
 from exo.shared.types.events import NodeGatheredInfo
 from exo.shared.types.nodes import GpuInfo, MemoryInfo, NetworkInterface, NodeInfo, NodeSpeed
 from exo.shared.types.state import State

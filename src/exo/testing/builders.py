@@ -12,7 +12,7 @@ from typing import Any
 
 from exo.master.placement import runner_id_for
 from exo.shared.models.cards import load_builtin_cards
-from exo.shared.models.memory import DEFAULT_KV_CACHE_TOKENS
+from exo.shared.models.kv_cache_memory import DEFAULT_KV_CACHE_TOKENS
 from exo.shared.parallelism import parallelism
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, RunnerId, TaskId
 from exo.shared.types.events import Event, IndexedEvent

@@ -19,7 +19,7 @@ from exo.download.model_lock import ModelBusyError
 from exo.download.peers import HUB_ASSUMED_MBPS, peers_holding
 from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.shared.local_events import LocalEventSender
-from exo.shared.models.memory import kv_cache_tokens_for_dtype
+from exo.shared.models.kv_cache_memory import kv_cache_tokens_for_dtype
 from exo.shared.types.chunks import Chunk
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId
 from exo.shared.types.downloads import DownloadProgress

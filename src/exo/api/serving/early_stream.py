@@ -55,7 +55,7 @@ JSON lines)."""
 
 
 class StartedGeneration(Protocol):
-    """A generation accepted by the cluster (`exo.api.serving.generation.Generation`)."""
+    """A generation accepted by the cluster (`exo.api.serving.accepted_generation.Generation`)."""
 
     chunks: AsyncIterator[Chunk]
 

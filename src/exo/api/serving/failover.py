@@ -77,7 +77,7 @@ CONTINUATION_FIRST_CHUNK_SECONDS = 120.0
 """How long a re-submission may take to send its first chunk (its prompt + forced tokens
 prefilled on a CPU, or the instance's runner loading again after it died) before the
 stream is given up and the re-submission cancelled: as long as a request lost before its
-first chunk waits for its model to serve again (`generation.RETRY_WAIT_SECONDS`)."""
+first chunk waits for its model to serve again (`accepted_generation.RETRY_WAIT_SECONDS`)."""
 RESUBMIT_PAUSE_SECONDS = 0.5
 """Before a second or later re-submission for the same loss: at most this long waiting for
 the cluster state to change (the master to mark the lost instance), so a re-submission that

@@ -1,6 +1,8 @@
 """What every dialect's generation route does around its adapter: check the model, submit
 the command, wait for the first chunk (streaming), render or collect the chunk stream, and
-cancel the generation when the client goes away.
+cancel the generation when the client goes away. The accepted generation and its resending
+are `exo.api.serving.accepted_generation`; the streamed or collected answer
+`exo.api.serving.generation_response`.
 
 A dialect route then converts its body with `convert_request` (the model's short name
 resolved, the internal params, the response id naming the command) and answers
@@ -10,29 +12,30 @@ A generation whose instance becomes unavailable (it lost a node or a rank) befor
 client received anything — a stream before its first chunk, any non-streamed answer — is
 sent again under a new command: the master routes it to another healthy instance, or,
 when the model has none, it waits until the lost instance serves again (placed anew on
-the remaining nodes) for at most `RETRY_WAIT_SECONDS`. A stream that loses its instance
-after it began continues on another one in the same response (`exo.api.serving.failover`).
+the remaining nodes) for at most `accepted_generation.RETRY_WAIT_SECONDS`. A stream that
+loses its instance after it began continues on another one in the same response
+(`exo.api.serving.failover`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import anyio
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
-from loguru import logger
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import Response
 
+from exo.api.serving.accepted_generation import Generation, submit_generation
 from exo.api.serving.admission import admission_of
 from exo.api.serving.catch_up import catch_up_for
-from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
+from exo.api.serving.cluster_client import ClusterClient
 from exo.api.serving.early_stream import ChunkRenderer, EarlyStreamingResponse, WaitingFrames
 from exo.api.serving.embedding import refuse_non_chat_model
-from exo.api.serving.failover import healthy_instance_exists, instance_may_come, with_failover
+from exo.api.serving.failover import with_failover
+from exo.api.serving.generation_response import cancel_on_disconnect, collect, streaming_response
 from exo.api.serving.image_input import convert_with_images
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
 from exo.api.serving.metrics import observed_chunks
@@ -42,183 +45,18 @@ from exo.api.serving.request_checks import check_chat_template, check_logit_bias
 from exo.api.serving.response_ids import response_id
 from exo.api.serving.token_limit import note_capped_max_tokens
 from exo.api.wire.errors import (
-    ApiError,
     GenerationError,
     InvalidRequestError,
     ModelNotFoundError,
-    NoCapacityError,
 )
 from exo.api.wire.images import ImageReader
 from exo.shared.constants import INSTANCE_HEADER
-from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
-from exo.shared.types.commands import CancelGeneration, GenerateText, KeepAlive
+from exo.shared.types.chunks import Chunk, ErrorChunk
+from exo.shared.types.commands import GenerateText, KeepAlive
 from exo.shared.types.common import CommandId, InstanceId
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
-DISCONNECT_POLL_SECONDS = 0.25
-# A generation is sent again at most this many times after its instance became unavailable.
-MAX_RETRIES = 5
-# How long a retried generation waits for a lost model instance to serve again (placed
-# anew and loaded) when no other instance of its model can take it.
-RETRY_WAIT_SECONDS = 120.0
-RETRY_STATE_CHECK_SECONDS = 0.5
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class Generation:
-    """An accepted generation: its command, and its chunks (the first one already read for
-    streaming requests). Release with `close()` unless handed to `streaming_response` or
-    `collect`, which release it themselves."""
-
-    cluster: ClusterClient
-    command_id: CommandId
-    params: TextGenerationTaskParams
-    chunks: AsyncIterator[Chunk]
-    _resources: ExitStack = field(default_factory=ExitStack)
-    keep_alive: KeepAlive | None = None
-    retries: int = 0
-    """How often it was sent again after its instance became unavailable."""
-    _known_command_id: CommandId | None = None
-    """The first command, which the client's response id names, once sent again."""
-    release_place: Callable[[], None] | None = None
-    """Gives back its place among this node's requests in flight (`exo.api.serving.admission`)."""
-    instance_id: InstanceId | None = None
-    """The instance it was pinned to (`INSTANCE_HEADER`): never sent to another."""
-
-    def cancel(self) -> None:
-        """Ask the cluster to stop this generation on every rank (idempotent)."""
-        self.cluster.send_and_forget(
-            CancelGeneration(command_id=CommandId.new(), target_command_id=self.command_id)
-        )
-
-    def close(self) -> None:
-        self._resources.close()
-        if self.release_place is not None:
-            self.release_place()
-        if self._known_command_id is not None:
-            self.cluster.generation_aliases.pop(self._known_command_id, None)
-
-    def can_retry(self, error: ApiError | Chunk | None) -> bool:
-        """Whether `error` (an error chunk, or the ApiError a collector made of one) says
-        the instance became unavailable, and retries are left."""
-        code = error.error_code if isinstance(error, ErrorChunk) else None
-        if isinstance(error, ApiError):
-            code = error.code
-        pinned = self.instance_id is not None
-        return code == INSTANCE_UNAVAILABLE and self.retries < MAX_RETRIES and not pinned
-
-    async def retry(self, request: Request) -> None:
-        """Send the generation again under a new command (its chunks replace the old
-        ones). When the master has no instance that can serve it (503: its model's
-        instances are unavailable), wait for one, at most `RETRY_WAIT_SECONDS`.
-
-        Raises:
-            NoCapacityError: no instance served again in time, or the master refused.
-            ModelNotFoundError: the model's instances were deleted meanwhile.
-            GenerationError: the client disconnected while waiting.
-        """
-        self.retries += 1
-        deadline = anyio.current_time() + RETRY_WAIT_SECONDS
-        self.chunks = await self._resubmit(request, self.params, deadline, "before answering")
-
-    async def fail_over(
-        self, request: Request, forced_token_ids: tuple[int, ...], deadline: float
-    ) -> AsyncIterator[Chunk]:
-        """Send the streamed generation again, mid-stream, to continue after the
-        `forced_token_ids` its client already got (`exo.api.serving.failover`); waits for
-        an instance of the model at most until `deadline` (anyio clock seconds): a healthy
-        one other than the lost one as it was (`failover.healthy_instance_exists`; the same
-        instance placed again on other nodes is another).
-
-        Returns:
-            The new command's chunks.
-
-        Raises:
-            NoCapacityError: no healthy instance by `deadline`, or as `retry`.
-            ModelNotFoundError, GenerationError: as `retry`.
-        """
-        lost = self.cluster.routed_instance(self.command_id)
-        lost_instance = self.cluster.state.instances.get(lost) if lost is not None else None
-        state, model = self.cluster.state, self.params.model
-        while not healthy_instance_exists(state, model, lost_instance):
-            if anyio.current_time() >= deadline or not instance_may_come(
-                state, model, lost_instance
-            ):
-                raise NoCapacityError(
-                    f"no healthy instance of {self.params.model} to continue the stream on"
-                )
-            wait = min(RETRY_STATE_CHECK_SECONDS, max(0.0, deadline - anyio.current_time()))
-            if not await _wait_for_state_change(self.cluster, request, wait):
-                raise GenerationError("the client disconnected; generation cancelled")
-            state = self.cluster.state
-        params = self.params.model_copy(update={"forced_token_ids": forced_token_ids})
-        return await self._resubmit(
-            request, params, deadline, f"after {len(forced_token_ids)} streamed tokens"
-        )
-
-    async def _resubmit(
-        self,
-        request: Request,
-        params: TextGenerationTaskParams,
-        deadline: float,
-        when: str,
-    ) -> AsyncIterator[Chunk]:
-        """Send `params` under a new command (its chunk stream replaces the old one, which
-        is closed); when the master has no instance that can serve it (503: its model's
-        instances are unavailable), wait for one until `deadline`. The new command is this
-        generation's from before it is sent, so a cancel reaches it."""
-        self._resources.close()  # the old command's chunk stream
-        known = self._known_command_id = self._known_command_id or self.command_id
-        self._resources = ExitStack()
-        while True:
-            command = GenerateText(
-                command_id=CommandId.new(), params=params, keep_alive=self.keep_alive
-            )
-            chunks = observed_chunks(
-                self._resources.enter_context(self.cluster.chunk_stream(command.command_id))
-            )
-            logger.info(
-                f"api: {known} lost its instance {when}; sent again as "
-                f"{command.command_id} (retry {self.retries})"
-            )
-            self.command_id = command.command_id
-            self.cluster.generation_aliases[known] = command.command_id
-            try:
-                await _submit(self.cluster, command)
-                return chunks
-            except NoCapacityError:
-                if not self._model_recovering():
-                    raise
-            self._resources.close()
-            self._resources = ExitStack()
-            # Every instance of the model is recovering: wait until one serves again.
-            while self._model_recovering() and not self._model_serving():
-                if anyio.current_time() >= deadline:
-                    raise NoCapacityError(
-                        f"no instance of {self.params.model} served again in time "
-                        "after its instance was lost"
-                    )
-                if not await _wait_for_state_change(
-                    self.cluster, request, RETRY_STATE_CHECK_SECONDS
-                ):
-                    raise GenerationError("the client disconnected; generation cancelled")
-
-    def _model_serving(self) -> bool:
-        """Whether an instance of the model is not unavailable (it may take requests)."""
-        state = self.cluster.state
-        return any(
-            instance.instance_id not in state.unavailable_instances
-            for instance in state.instances_of_model(self.params.model)
-        )
-
-    def _model_recovering(self) -> bool:
-        """Whether an instance of the model is unavailable now and may serve again."""
-        state = self.cluster.state
-        return any(
-            instance.instance_id in state.unavailable_instances
-            for instance in state.instances_of_model(self.params.model)
-        )
 
 
 async def start_generation(
@@ -314,7 +152,7 @@ async def _start_checked_generation(
     generation.release_place = release_place
     generation.instance_id = command.instance_id
     try:
-        await _submit(cluster, command)
+        await submit_generation(cluster, command)
         if wait_for_first_chunk if wait_for_first_chunk is not None else True:
             first = await _first_chunk(request, generation.chunks)
             while generation.can_retry(first):
@@ -376,88 +214,6 @@ def _pinned_instance(cluster: ClusterClient, request: Request, model: str) -> In
             f"instance '{value}' serves {instance.model_id}, not {model}", param=INSTANCE_HEADER
         )
     return instance_id
-
-
-class _GenerationStreamingResponse(StreamingResponse):
-    """Streams `render(chunks)` and always ends the generation with the response: cancelled
-    unless it streamed to the end, closed (its admission place given back) either way.
-    Starlette never starts the body when the client is gone before the headers are sent,
-    and leaves a body it stopped early to the garbage collector, so the ending is also done
-    when the response is over."""
-
-    def __init__(self, generation: Generation, render: ChunkRenderer, media_type: str) -> None:
-        self._generation = generation
-        self._started = False
-        self._body = self._stream(render)
-        super().__init__(self._body, media_type=media_type)
-
-    async def _stream(self, render: ChunkRenderer) -> AsyncGenerator[str, None]:
-        self._started = True
-        finished = False
-        try:
-            async for piece in render(self._generation.chunks):
-                yield piece
-            finished = True
-        finally:
-            if not finished:
-                self._generation.cancel()
-            self._generation.close()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if not self._started:
-                self._generation.cancel()
-                self._generation.close()
-            with anyio.CancelScope(shield=True):
-                await self._body.aclose()  # runs `_stream`'s `finally` if it stopped early
-
-
-def streaming_response(
-    generation: Generation, render: ChunkRenderer, media_type: str = "text/event-stream"
-) -> StreamingResponse:
-    """Stream `render(chunks)`; a client that leaves mid-stream (or before the stream
-    starts) cancels the generation and gives back its admission place."""
-    return _GenerationStreamingResponse(generation, render, media_type)
-
-
-async def collect(
-    generation: Generation,
-    request: Request,
-    collector: Callable[[AsyncIterator[Chunk]], Awaitable[T]],
-) -> T:
-    """`await collector(chunks)` unless the client disconnects first (then the generation
-    is cancelled and GenerationError raised). ApiErrors from the collector propagate,
-    except that a generation whose instance became unavailable is sent again (the client
-    has received nothing yet) and collected anew."""
-    result: list[T] = []
-    error: list[ApiError] = []
-    try:
-        while True:
-            async with anyio.create_task_group() as task_group:
-
-                async def run_collector() -> None:
-                    try:
-                        result.append(await collector(generation.chunks))
-                    except ApiError as api_error:
-                        error.append(api_error)
-                    task_group.cancel_scope.cancel()
-
-                task_group.start_soon(run_collector)
-                task_group.start_soon(_cancel_on_disconnect, request, task_group.cancel_scope)
-            if not (error and generation.can_retry(error[0])):
-                break
-            error.clear()
-            await generation.retry(request)
-    finally:
-        generation.close()
-    if error:
-        raise error[0]
-    if not result:
-        generation.cancel()
-        raise GenerationError("the client disconnected; generation cancelled")
-    return result[0]
 
 
 async def serve_generation(
@@ -563,12 +319,6 @@ async def convert_request(
     return ConvertedRequest(cluster, body, params, command_id, response_id(id_prefix, command_id))
 
 
-async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
-    while not await request.is_disconnected():
-        await anyio.sleep(DISCONNECT_POLL_SECONDS)
-    scope.cancel()
-
-
 async def _first_chunk(request: Request, chunks: AsyncIterator[Chunk]) -> Chunk | None:
     """The first chunk, or None if the stream ended; GenerationError when the client leaves
     before it comes."""
@@ -580,7 +330,7 @@ async def _first_chunk(request: Request, chunks: AsyncIterator[Chunk]) -> Chunk 
             task_group.cancel_scope.cancel()
 
         task_group.start_soon(first)
-        task_group.start_soon(_cancel_on_disconnect, request, task_group.cancel_scope)
+        task_group.start_soon(cancel_on_disconnect, request, task_group.cancel_scope)
     if not result:
         raise GenerationError("the client disconnected; generation cancelled")
     return result[0]
@@ -608,28 +358,3 @@ def _continued_on_loss(generation: Generation, request: Request) -> AsyncIterato
     return with_failover(
         generation.chunks, resubmit, state_changed=state_changed, cancel=generation.cancel
     )
-
-
-async def _wait_for_state_change(cluster: ClusterClient, request: Request, timeout: float) -> bool:
-    """Wait until the cluster state changes or `timeout` seconds pass; False when the
-    client disconnected meanwhile."""
-    if await request.is_disconnected():
-        return False
-    with anyio.move_on_after(timeout):
-        await cluster.state_changed.wait()
-    return True
-
-
-async def _submit(cluster: ClusterClient, command: GenerateText) -> None:
-    try:
-        await cluster.submit(command)
-    except CommandRejectedError as error:
-        if error.status_code == 404:
-            raise ModelNotFoundError(error.reason, code="no_instance") from None
-        if error.status_code == 413:
-            raise InvalidRequestError(error.reason, code="context_length_exceeded") from None
-        if error.status_code == 400:  # pinned to an instance of another model
-            raise InvalidRequestError(error.reason, param=INSTANCE_HEADER) from None
-        if error.status_code == 500:  # its model failed to prepare for good
-            raise GenerationError(error.reason) from None
-        raise NoCapacityError(error.reason) from None

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from exo.api.serving.cluster_client import ClusterClient
 from exo.api.serving.model_lookup import card_of
-from exo.shared.models.memory import longest_length_in_kv_budget
+from exo.shared.models.kv_cache_memory import longest_length_in_kv_budget
 from exo.shared.types.chunks import Chunk, PrefillProgressChunk, TokenChunk, ToolCallChunk
 from exo.shared.types.instances import Instance
 from exo.shared.types.models import ModelCard

@@ -12,8 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from exo.api.app import create_app
+from exo.api.serving.accepted_generation import MAX_RETRIES
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
-from exo.api.serving.generation import MAX_RETRIES
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
 from exo.shared.types.commands import ComputeEmbeddings, GenerateText
 from exo.shared.types.common import CommandId

@@ -16,7 +16,7 @@ from exo.benchmark.stats import (
     summarize,
     write_json,
 )
-from exo.shared.models.memory import default_prefill_activations
+from exo.shared.models.weight_formats import default_prefill_activations
 
 
 def timing(submitted: float, first: float, last: float, tokens: int = 11) -> RequestTiming:

@@ -21,7 +21,7 @@ from exo.download.gguf_repack import (
     repack_int4,
 )
 from exo.download.pypi_gguf import dequantize_gguf_to_safetensors
-from exo.shared.models.memory import INT4_GROUP_SIZE
+from exo.shared.models.weight_formats import INT4_GROUP_SIZE
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata
 from exo.testing.random_gguf import RandomGgufShape, write_random_gguf

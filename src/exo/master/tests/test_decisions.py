@@ -1,7 +1,7 @@
 import pytest
 
 from exo.master.decisions import choose_instance, events_after_restart, events_for_command
-from exo.master.placement import required_memory_bytes
+from exo.master.placement_memory import required_memory_bytes
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.commands import (
     MAX_GENERATION_BYTES,

@@ -10,22 +10,18 @@ from collections.abc import Mapping
 
 import pytest
 
-from exo.master.placement import (
-    PlacementError,
-    place_instance,
-    placement_previews,
-    required_memory_bytes,
-)
+from exo.master.placement import PlacementError, place_instance, placement_previews
 from exo.master.placement_memory import (
     draft_bytes,
     draft_unallocated_bytes,
     placement_room,
+    required_memory_bytes,
     runner_bytes,
     runner_unallocated_bytes,
 )
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.models.drafts import draft_for
-from exo.shared.models.memory import DEFAULT_KV_CACHE_TOKENS
+from exo.shared.models.kv_cache_memory import DEFAULT_KV_CACHE_TOKENS
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId
 from exo.shared.types.instances import InstanceDraft
 from exo.shared.types.models import ModelCard

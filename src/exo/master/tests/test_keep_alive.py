@@ -10,7 +10,7 @@ from exo.master.keep_alive import (
     usage_after_command,
     usage_after_local_event,
 )
-from exo.master.placement import required_memory_bytes
+from exo.master.placement_memory import required_memory_bytes
 from exo.shared.apply import apply_event
 from exo.shared.types.commands import (
     Command,

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from exo.master.placement import PlacementError, layout, place_instance, placement_previews
+from exo.master.group_layout import layout
+from exo.master.placement import PlacementError, place_instance, placement_previews
 from exo.master.placement_memory import (
     KV_CACHE_MAX_CONTEXTS,
     pipeline_share_bytes,
@@ -15,7 +16,7 @@ from exo.master.placement_memory import (
     runner_bytes,
 )
 from exo.node_options import parse_args
-from exo.shared.models.memory import (
+from exo.shared.models.kv_cache_memory import (
     DEFAULT_KV_CACHE_TOKENS,
     MIN_KV_CACHE_TOKENS,
     SLIDING_WINDOW_EXTRA_POSITIONS,
@@ -23,8 +24,8 @@ from exo.shared.models.memory import (
     kv_cache_budget_bytes,
     kv_geometry,
     longest_length_in_kv_budget,
-    whole_model,
 )
+from exo.shared.models.weight_share import whole_model
 from exo.shared.types.common import InstanceId, ModelId, NodeId
 from exo.shared.types.instances import Instance
 from exo.shared.types.models import ModelCard, SlidingWindow

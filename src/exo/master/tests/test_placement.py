@@ -12,18 +12,17 @@ from exo.master.placement import (
     place_instance,
     placement_previews,
     rendezvous_port,
-    required_memory_bytes,
     tensor_split_error,
 )
+from exo.master.placement_memory import required_memory_bytes
 from exo.shared.models.cards import load_builtin_cards
+from exo.shared.models.kv_cache_memory import DEFAULT_KV_CACHE_TOKENS, kv_cache_budget_bytes
 from exo.shared.models.memory import (
-    DEFAULT_KV_CACHE_TOKENS,
     RUNNER_PROCESS_OVERHEAD_BYTES,
-    WeightShare,
-    kv_cache_budget_bytes,
     loading_peak_bytes,
     resident_weight_bytes,
 )
+from exo.shared.models.weight_share import WeightShare
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId
 from exo.shared.types.nodes import DownloadCompleted, GpuInfo, TopologyEdge
 from exo.shared.types.state import State

@@ -6,20 +6,18 @@ from __future__ import annotations
 import pytest
 
 from exo.master.decisions import events_for_command
-from exo.master.placement import PlacementError, place_instance, required_memory_bytes
+from exo.master.placement import PlacementError, place_instance
 from exo.master.placement_memory import (
     placement_room,
+    required_memory_bytes,
     runner_bytes,
     runner_unallocated_bytes,
 )
 from exo.shared.apply import apply_event
 from exo.shared.models.cards import load_builtin_cards
-from exo.shared.models.memory import (
-    ENGINE_CPU_WEIGHT_FORMAT,
-    RUNNER_PROCESS_OVERHEAD_BYTES,
-    kv_cache_budget_bytes,
-    resident_weight_bytes,
-)
+from exo.shared.models.kv_cache_memory import kv_cache_budget_bytes
+from exo.shared.models.memory import RUNNER_PROCESS_OVERHEAD_BYTES, resident_weight_bytes
+from exo.shared.models.weight_formats import ENGINE_CPU_WEIGHT_FORMAT
 from exo.shared.types.commands import PlaceInstance
 from exo.shared.types.common import CommandId, InstanceId, NodeId, RunnerId
 from exo.shared.types.events import CommandRejected, InstanceCreated, RunnerStatusUpdated

@@ -14,22 +14,26 @@ from exo.master.speed_prediction import (
     decode_stage_seconds,
     predict_speed,
 )
+from exo.shared.models.decode_reads import (
+    active_linear_params_per_layer,
+    decode_read_bytes,
+    expected_experts_read,
+    moe_layer_read_bytes,
+)
+from exo.shared.models.kv_cache_memory import kv_cache_bytes_per_token
 from exo.shared.models.memory import (
+    decoder_layer_bytes,
+    decoder_layer_bytes_by_kernel,
+    decoder_layers_bytes,
+    output_layer_bytes,
+)
+from exo.shared.models.weight_formats import (
     DEFAULT_PREFILL_ACTIVATIONS,
     PREFILL_ACTIVATIONS,
     PrefillActivations,
     WeightFormat,
-    WeightShare,
-    active_linear_params_per_layer,
-    decode_read_bytes,
-    decoder_layer_bytes,
-    decoder_layer_bytes_by_kernel,
-    decoder_layers_bytes,
-    expected_experts_read,
-    kv_cache_bytes_per_token,
-    moe_layer_read_bytes,
-    output_layer_bytes,
 )
+from exo.shared.models.weight_share import WeightShare
 from exo.shared.types.common import NodeId
 from exo.shared.types.models import GgufWeightTypes, ModelCard, MoeGeometry
 from exo.shared.types.nodes import NodeSpeed, TopologyEdge

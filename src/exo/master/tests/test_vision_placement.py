@@ -3,22 +3,17 @@ one rank that runs it (a single node, or rank 0 of a split), never on the other 
 
 from __future__ import annotations
 
-from exo.master.placement import (
-    MEMORY_OVERHEAD_FRACTION,
-    pipeline_share_bytes,
-    placement_previews,
-    required_memory_bytes,
-)
+from exo.master.placement import MEMORY_OVERHEAD_FRACTION, pipeline_share_bytes, placement_previews
+from exo.master.placement_memory import required_memory_bytes
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.models.memory import (
-    FLOAT32_BYTES,
     VISION_TOWER_LOADING_EXTRA_COPIES,
-    WeightShare,
     loading_peak_bytes,
     resident_weight_bytes,
     vision_tower_bytes,
-    whole_model,
 )
+from exo.shared.models.weight_formats import FLOAT32_BYTES
+from exo.shared.models.weight_share import WeightShare, whole_model
 from exo.shared.parallelism import parallelism
 from exo.shared.types.common import ModelId, NodeId
 from exo.shared.types.nodes import TopologyEdge

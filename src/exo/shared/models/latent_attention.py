@@ -1,7 +1,7 @@
 """Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi-K2) from a `config.json`, without
 transformers: the ranks cards state (`cards.card_from_config`), the load-time check of a
-card (`profile.card_mismatches`) and the KV geometry (`memory.kv_geometry`) read. The engine
-runs it in `worker/engines/torch/model/direct_forward_mla.py`.
+card (`profile.card_mismatches`) and the KV geometry (`kv_cache_memory.kv_geometry`) read.
+The engine runs it in `worker/engines/torch/model/direct_forward_mla.py`.
 """
 
 from __future__ import annotations

@@ -25,127 +25,33 @@ A card with the "vision" capability adds its vision tower and projector
 loads after the text model and, while it loads, holds about twice its float32 bytes
 (`VISION_TOWER_LOADING_EXTRA_COPIES`, `loading_peak_bytes`).
 
-Pure functions of a `ModelCard`; the engine's `quantize.py` uses the same constants.
+Pure functions of a `ModelCard`; the formats and their constants are in `weight_formats`
+(the engine's `quantize.py` uses the same), the share in `weight_share`, the KV cache's bytes
+in `kv_cache_memory` and what a decode step reads in `decode_reads`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Literal
 
 from exo.shared.models.architectures import is_encoder_architecture
+from exo.shared.models.kv_cache_memory import kv_cache_budget_bytes
 from exo.shared.models.parameter_count import decoder_parameter_count, has_qk_norms
+from exo.shared.models.weight_formats import (
+    BFLOAT16_BYTES,
+    FLOAT32_BYTES,
+    INT4_BLOCK_OUTPUTS,
+    INT4_GROUP_SIZE,
+    WeightFormat,
+)
+from exo.shared.models.weight_share import WeightShare, whole_model
 from exo.shared.types.models import (
     GgufFileSource,
     LatentAttention,
     ModelCard,
-    MoeGeometry,
     PypiGgufPartsSource,
     PypiGgufSource,
 )
-from exo.utils.cpu_features import AMX_BF16_FLAGS, cpu_flags
-
-WeightFormat = Literal["float32", "int8", "int4"]
-WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("float32", "int8", "int4")
-# How prefill rounds activations for exo's block weights (int4, 5-bit, GGUF's int8 blocks)
-# on AVX2 CPUs (`--prefill-activations`): "int16" per block of 32 (the decode kernels'
-# rounding, exact integer sums), "int8" per block of 32 (llama.cpp's; faster, less exact), or
-# "bf16" (the weight dequantized to bfloat16 too, multiplied by AMX tiles: CPUs with
-# AMX-BF16 only, elsewhere int16; native/prefill_bf16.cpp).
-PrefillActivations = Literal["int16", "int8", "bf16"]
-PREFILL_ACTIVATIONS: tuple[PrefillActivations, ...] = ("int16", "int8", "bf16")
-# The engine's default (a node's is bf16 on AMX-BF16 CPUs, else this:
-# `default_prefill_activations` below). Not int8: on SmolLM2-135M (int4)
-# int8 prefill turns the greedy answer to "What is the capital of France?" from "The
-# capital of France is Paris." into "L'Étoile, la Marseillaise, la femme, ..." (llama.cpp
-# on the same Q4_1 GGUF answers that same text word for word); rounding the prompt's last
-# row to int16 does not bring Paris back.
-DEFAULT_PREFILL_ACTIVATIONS: PrefillActivations = "int16"
-# How int4 weights' decode products round activations (`--decode-activations`): "int16" per
-# block of 32 (the default: below float16's precision), or "int8" per block of 32
-# (llama.cpp's precision, native/int4_decode_int8.cpp: 1.2-1.6x the int4 decode products on
-# AVX2 CPUs without VNNI, for the KL docs/engine.md's "Decode activations" gives). With
-# int8, every row of an int4 product takes int8, prompt rows too, so a stream's tokens do
-# not depend on which kernel its step's row count picks.
-DecodeActivations = Literal["int16", "int8"]
-DECODE_ACTIVATIONS: tuple[DecodeActivations, ...] = ("int16", "int8")
-DEFAULT_DECODE_ACTIVATIONS: DecodeActivations = "int16"
-ENGINE_CPU_WEIGHT_FORMAT: WeightFormat = "int4"
-
-
-def default_prefill_activations(flags: frozenset[str] | None = None) -> PrefillActivations:
-    """`--prefill-activations`' default on a CPU with `flags` (default: this one's): "bf16"
-    where AMX-BF16 runs prefill (`AMX_BF16_FLAGS`), else "int16". bf16 multiplied Gemma 3
-    270M's and SmolLM2-135M's 128-512-row int4 products ~2x as fast as int16 on a 2-core
-    Xeon with AMX, for a KL of ~2e-4 from int16's next-token distributions (docs/engine.md,
-    "Prefill activations")."""
-    return "bf16" if (cpu_flags() if flags is None else flags) >= AMX_BF16_FLAGS else "int16"
-
-
-INT4_GROUP_SIZE = 32  # inputs sharing one (scale, zero) pair
-INT4_BLOCK_OUTPUTS = 64  # output channels per block of the CPU int4 packed layout
-FLOAT32_BYTES = 4
-BFLOAT16_BYTES = 2
-
-
-@dataclass(frozen=True, slots=True)
-class WeightShare:
-    """The part of a model one node holds.
-
-    Attributes:
-        layers: decoder layers held.
-        tensor_parallel_ranks: ranks each decoder-layer linear is split over (1: whole).
-        holds_embedding: the input embedding is here (first pipeline rank, or every
-            tensor-parallel rank).
-        holds_output_layer: the final norm and LM head are here (last pipeline rank, or
-            every tensor-parallel rank).
-        first_layer: the index of the first layer held, where known: a MoE card's layers
-            differ (sparse or dense), so a share of known layers is sized exactly; None
-            sizes the share's layers as the card's sparse ones first (an upper bound).
-        experts: the routed experts held per MoE layer (an expert-parallel rank's share;
-            None: every one).
-        holds_vision_tower: the vision tower and projector are here (a vision card's
-            single node, or rank 0 of a split instance: `Parallelism.runs_vision_tower`);
-            sized by `vision_tower_bytes`, 0 for a card without the "vision" capability.
-        output_layer_ranks: ranks the LM head's rows (its vocabulary) are split over, each
-            holding `vocab_share` of them; None: the tensor-parallel ranks. An
-            expert-parallel rank keeps its layers whole but its share of the head.
-    """
-
-    layers: int
-    tensor_parallel_ranks: int = 1
-    holds_embedding: bool = True
-    holds_output_layer: bool = True
-    first_layer: int | None = None
-    experts: int | None = None
-    holds_vision_tower: bool = True
-    output_layer_ranks: int | None = None
-
-    @property
-    def head_ranks(self) -> int:
-        """Ranks the LM head's vocabulary is split over (`output_layer_ranks`)."""
-        return self.output_layer_ranks or self.tensor_parallel_ranks
-
-    def sparse_layers(self, card: ModelCard) -> int:
-        """How many of the share's layers are MoE layers of `card` (0 for a dense card)."""
-        if card.moe is None:
-            return 0
-        if self.first_layer is None:
-            return min(self.layers, card.moe.sparse_layers(card.n_layers))
-        dense = set(card.moe.dense_layers)
-        held = range(self.first_layer, self.first_layer + self.layers)
-        return sum(1 for layer in held if layer not in dense)
-
-    def kv_heads(self, card: ModelCard) -> int:
-        """KV heads per layer this share caches: tensor ranks hold their part of the
-        card's KV heads (rounded up; placement only splits where they divide)."""
-        return kv_heads_per_rank(card.num_key_value_heads, self.tensor_parallel_ranks)
-
-
-def whole_model(card: ModelCard) -> WeightShare:
-    """Every layer, the embedding and the LM head on one node."""
-    return WeightShare(layers=card.n_layers)
 
 
 def int4_fits(in_features: int, out_features: int) -> bool:
@@ -389,71 +295,6 @@ def decoder_layers_bytes(card: ModelCard, weight_format: WeightFormat, share: We
     return total
 
 
-def expected_experts_read(moe: MoeGeometry, held: int, streams: int = 1) -> float:
-    """Expected routed experts of one MoE layer that one decode step reads on a rank holding
-    `held` of the layer's experts, for `streams` rows each routed to `experts_per_token`
-    experts: `held × (1 − (1 − k / E)^streams)` — every expert is chosen by one row with
-    probability k / E and read once however many rows chose it (`model/moe.py` groups a
-    step's rows by expert). Routing is taken as uniform and independent between rows, what
-    the load-balancing losses MoE routers are trained with aim for (Switch Transformer,
-    arXiv 2101.03961; DeepSeek-V3's bias-based balancing, arXiv 2412.19437): one stream
-    reads `k × held / E` experts here on average."""
-    if streams < 1:
-        raise ValueError(f"streams must be >= 1, not {streams}")
-    chosen = moe.experts_per_token / moe.experts
-    return held * (1 - (1 - chosen) ** streams)
-
-
-def moe_layer_read_bytes(
-    card: ModelCard,
-    weight_format: WeightFormat,
-    tensor_parallel_ranks: int = 1,
-    experts: int | None = None,
-    streams: int = 1,
-) -> float:
-    """Bytes of one MoE layer of `card` (a card with `moe`) a decode step of `streams` rows
-    reads on a rank holding `experts` of its routed experts (None: all): everything but the
-    routed experts (attention, router, shared expert) and the experts the rows are expected
-    to be routed to (`expected_experts_read`)."""
-    assert card.moe is not None
-    held = card.moe.experts if experts is None else experts
-    ranks = tensor_parallel_ranks
-    whole = decoder_layer_bytes(card, weight_format, ranks, sparse=True, experts=held)
-    without = decoder_layer_bytes(card, weight_format, ranks, sparse=True, experts=0)
-    per_expert = (whole - without) / held if held else 0.0
-    return without + per_expert * expected_experts_read(card.moe, held, streams)
-
-
-def decode_read_bytes(
-    card: ModelCard, weight_format: WeightFormat, share: WeightShare, streams: int = 1
-) -> float:
-    """Bytes of the share's decoder layers one decode step reads for `streams` rows: every
-    dense layer whole, each MoE layer as `moe_layer_read_bytes`. Equals
-    `decoder_layers_bytes` for a dense card."""
-    ranks = share.tensor_parallel_ranks
-    sparse = share.sparse_layers(card)
-    total = float((share.layers - sparse) * decoder_layer_bytes(card, weight_format, ranks))
-    if sparse:
-        read = moe_layer_read_bytes(card, weight_format, ranks, share.experts, streams)
-        total += sparse * read
-    return total
-
-
-def active_linear_params_per_layer(card: ModelCard, sparse: bool) -> int:
-    """Weights of one decoder layer's linears one token is multiplied by (whole layer, one
-    tensor rank's share is this over the ranks): attention and the dense MLP, or in a MoE
-    layer its `experts_per_token` routed experts and shared expert."""
-    hidden = card.hidden_size
-    query = card.num_attention_heads * card.attention_head_dim
-    key_value = card.num_key_value_heads * card.attention_head_dim
-    attention = hidden * (2 * query + 2 * key_value)
-    if sparse and card.moe is not None:
-        moe = card.moe
-        width = moe.experts_per_token * moe.expert_intermediate_size
-        return attention + 3 * hidden * (width + moe.shared_expert_intermediate_size)
-    return attention + 3 * hidden * card.intermediate_size
-
-
 def output_layer_bytes(
     card: ModelCard,
     weight_format: WeightFormat,
@@ -612,172 +453,6 @@ def loading_peak_bytes(
     if share.holds_output_layer and head_read_in_float32:
         transient = max(transient, card.vocab_size * card.hidden_size * FLOAT32_BYTES)
     return resident + max(transient - tower, tower_loading)
-
-
-# How a runner stores keys and values (`--kv-cache-dtype`): bfloat16 by default on CPU (half
-# the bytes per token of float32; products and sums stay float32, only the stored values are
-# rounded: the cost, teacher-forced against float32 KV, is in
-# docs/benchmarks/2026-12-05-kv-bf16.md), float32 where a test or the user asks; on other
-# devices the model's dtype (`kv_cache_torch_dtype`).
-KVCacheDtype = Literal["bfloat16", "float32"]
-KV_CACHE_DTYPES: tuple[KVCacheDtype, ...] = ("bfloat16", "float32")
-DEFAULT_KV_CACHE_DTYPE: KVCacheDtype = "bfloat16"
-KV_CACHE_DTYPE_BYTES: dict[KVCacheDtype, int] = {"bfloat16": 2, "float32": FLOAT32_BYTES}
-# Bytes of one stored key or value placement sizes the KV cache with (the default dtype's;
-# a node storing float32 keeps to the same bytes with half the tokens:
-# `kv_cache_tokens_for_dtype`).
-KV_CACHE_VALUE_BYTES = KV_CACHE_DTYPE_BYTES[DEFAULT_KV_CACHE_DTYPE]
-
-
-def kv_cache_tokens_for_dtype(tokens: int, dtype: KVCacheDtype | None) -> int:
-    """The tokens a KV budget of `tokens` at `KV_CACHE_VALUE_BYTES` per value (what placement
-    reserved) holds in `dtype`'s bytes (None: the default dtype): the same memory, fewer
-    tokens for a wider dtype (at least 1)."""
-    if dtype is None:
-        return tokens
-    return max(1, tokens * KV_CACHE_VALUE_BYTES // KV_CACHE_DTYPE_BYTES[dtype])
-
-
-# Tokens of KV cache placement checks a node can hold for a runner (running requests and
-# the prefix cache together): eight concurrent requests of 1,024 tokens, or one of 8,192.
-# A node's `--kv-cache-tokens` replaces it (`NodeInfo.kv_cache_tokens`); without one,
-# placement gives each runner this plus a fraction of the node's memory left
-# (`exo.master.placement_memory.memory_sized_kv_cache_tokens`), in `Instance.kv_cache_tokens`.
-DEFAULT_KV_CACHE_TOKENS = 8_192
-# The smallest budget a node accepts: one request of a few hundred tokens.
-MIN_KV_CACHE_TOKENS = 256
-
-
-@dataclass(frozen=True, slots=True)
-class KVGeometry:
-    """The KV cache of one rank: `layers` decoder layers, each holding `kv_heads` key and
-    value heads of `head_dim` values per token. The one place KV sizes are computed:
-    placement and speed prediction build it from the card (`kv_geometry`), the engine from
-    the loaded model's config (`kv_geometry_of_config`)."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    latent_values: int = 0
-    value_bytes: int = KV_CACHE_VALUE_BYTES
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token takes: layers × KV heads × head dim × 2 (a key and a value) ×
-        `value_bytes` (default `KV_CACHE_VALUE_BYTES`); with multi-head latent attention
-        (`latent_values` > 0: the values are the first `latent_values` of each key) the key
-        alone."""
-        kinds = 1 if self.latent_values else 2
-        return self.layers * self.kv_heads * self.head_dim * kinds * self.value_bytes
-
-
-def latent_kv_geometry(text_config: Any, layers: int) -> KVGeometry | None:
-    """The KV geometry of multi-head latent attention (a config with `kv_lora_rank`:
-    DeepSeek-V2/V3, Kimi-K2), duck-typed over a transformers config: per layer and token one
-    compressed "head" of `kv_lora_rank + qk_rope_head_dim` values (the normed latent, the
-    rotated rope key), whose first `kv_lora_rank` values serve as the values; the same on
-    every tensor rank (all heads share the latent). None for other attention. Source:
-    DeepSeek-V2 paper (arXiv:2405.04434), section 2.1."""
-    rank = getattr(text_config, "kv_lora_rank", None)
-    if not rank:
-        return None
-    rope = int(getattr(text_config, "qk_rope_head_dim", 0) or 0)
-    return KVGeometry(layers, 1, int(rank) + rope, latent_values=int(rank))
-
-
-def kv_heads_per_rank(kv_heads: int, tensor_parallel_ranks: int) -> int:
-    """KV heads one tensor rank holds (rounded up; tensor placement checks divisibility)."""
-    return -(-kv_heads // tensor_parallel_ranks)
-
-
-def kv_geometry(card: ModelCard, share: WeightShare | None = None) -> KVGeometry:
-    """The KV geometry of a node holding `share` of `card`'s model (the whole model when
-    None): its layers, its part of the KV heads (multi-head latent attention: one latent
-    head, whole on every tensor rank; `latent_kv_geometry`)."""
-    share = share or whole_model(card)
-    latent = card.latent_attention
-    if latent is not None:  # MLA: one latent + rope key per layer, on every tensor rank
-        width = latent.kv_lora_rank + latent.qk_rope_head_dim
-        return KVGeometry(share.layers, 1, width, latent_values=latent.kv_lora_rank)
-    return KVGeometry(
-        layers=share.layers,
-        kv_heads=share.kv_heads(card),
-        head_dim=card.attention_head_dim,
-    )
-
-
-def kv_geometry_of_config(
-    text_config: Any, layers: int, tensor_parallel_ranks: int = 1
-) -> KVGeometry:
-    """The KV geometry of a loaded model from its (text) transformers config, duck-typed so
-    this module stays free of transformers: `num_key_value_heads` (else the attention
-    heads), `head_dim` (else hidden size / heads).
-
-    Args:
-        text_config: the model's text config.
-        layers: decoder layers this rank holds.
-        tensor_parallel_ranks: ranks the KV heads are split over.
-    """
-    latent = latent_kv_geometry(text_config, layers)
-    if latent is not None:
-        return latent
-    heads = int(text_config.num_attention_heads)
-    kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
-    return KVGeometry(layers, kv_heads_per_rank(kv_heads, tensor_parallel_ranks), head_dim)
-
-
-def kv_cache_bytes_per_token(card: ModelCard, share: WeightShare | None = None) -> int:
-    """Bytes of KV cache one token takes on a node holding `share` (`KVGeometry`); 0 for
-    an encoder card (no KV cache: every input is one bidirectional forward)."""
-    if is_encoder_architecture(card.architecture):
-        return 0
-    return kv_geometry(card, share).bytes_per_token
-
-
-# A sliding-window layer keeps, beyond its window, up to this many positions of a sequence
-# (the engine releases the ones its window no longer sees `SLIDING_WINDOW_TRIM_CHUNK` at a
-# time, `SLIDING_WINDOW_TRIM_SLACK` behind the window: worker/engines/torch/batching/
-# kv_footprint.py, which says why).
-SLIDING_WINDOW_TRIM_SLACK = 128
-SLIDING_WINDOW_TRIM_CHUNK = 64
-SLIDING_WINDOW_EXTRA_POSITIONS = SLIDING_WINDOW_TRIM_SLACK + SLIDING_WINDOW_TRIM_CHUNK - 1
-
-
-def kv_budget_tokens_of_length(card: ModelCard, length: int) -> int:
-    """KV budget tokens (tokens of every layer: `kv_cache_bytes_per_token` bytes each) one
-    sequence of `length` tokens holds: `ceil((F x length + S x min(length, window +
-    SLIDING_WINDOW_EXTRA_POSITIONS)) / layers)` with `S` the card's sliding-window layers
-    and `F` the others; `length` for a card without them."""
-    sliding = card.sliding_window
-    if sliding is None:
-        return length
-    layers = card.n_layers
-    kept = min(length, sliding.window + SLIDING_WINDOW_EXTRA_POSITIONS)
-    return -(-((layers - sliding.layers) * length + sliding.layers * kept) // layers)
-
-
-def longest_length_in_kv_budget(card: ModelCard, budget_tokens: int) -> int:
-    """The longest sequence whose `kv_budget_tokens_of_length` fits `budget_tokens`
-    (`budget_tokens` itself for a card without sliding-window layers; a card whose every
-    layer slides fits any length past its window: `budget_tokens x layers` then)."""
-    sliding = card.sliding_window
-    kept = 0 if sliding is None else sliding.window + SLIDING_WINDOW_EXTRA_POSITIONS
-    if sliding is None or budget_tokens <= kept:
-        return max(0, budget_tokens)
-    full = card.n_layers - sliding.layers
-    if full <= 0:
-        return budget_tokens * card.n_layers
-    return (card.n_layers * budget_tokens - sliding.layers * kept) // full
-
-
-def kv_cache_budget_bytes(
-    card: ModelCard, share: WeightShare | None = None, tokens: int | None = None
-) -> int:
-    """The KV cache memory a runner holding `share` may use: `tokens` (default
-    `DEFAULT_KV_CACHE_TOKENS`) times `kv_cache_bytes_per_token`."""
-    budget_tokens = DEFAULT_KV_CACHE_TOKENS if tokens is None else tokens
-    return budget_tokens * kv_cache_bytes_per_token(card, share)
 
 
 # Memory a runner process holds besides its model: the interpreter with torch, transformers

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import ClassVar, Literal, Protocol
 
-from exo.shared.models.memory import WeightShare, kv_heads_per_rank
+from exo.shared.models.weight_share import WeightShare, kv_heads_per_rank
 from exo.shared.types.models import ModelCard
 
 # `...model.layers.<n>.` (also under `language_model.` / `model.language_model.`).

@@ -17,8 +17,10 @@ import re
 from collections.abc import Sequence
 from typing import ClassVar
 
-from exo.shared.models.memory import FLOAT32_BYTES, WeightShare, vocab_share
+from exo.shared.models.memory import vocab_share
 from exo.shared.models.moe import experts_of_rank
+from exo.shared.models.weight_formats import FLOAT32_BYTES
+from exo.shared.models.weight_share import WeightShare
 from exo.shared.parallelism.base import (
     EveryLayerParallelism,
     LayerRange,

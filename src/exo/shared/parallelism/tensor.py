@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from exo.shared.models.memory import FLOAT32_BYTES, vocab_share
+from exo.shared.models.memory import vocab_share
+from exo.shared.models.weight_formats import FLOAT32_BYTES
 from exo.shared.parallelism.base import (
     EveryLayerParallelism,
     Sharding,

@@ -7,7 +7,8 @@ from typing import get_args
 import pytest
 from pydantic import ValidationError
 
-from exo.shared.models.memory import WeightShare, kv_cache_bytes_per_token
+from exo.shared.models.kv_cache_memory import kv_cache_bytes_per_token
+from exo.shared.models.weight_share import WeightShare
 from exo.shared.parallelism import PARALLELISMS, parallelism
 from exo.shared.types.common import NodeId
 from exo.shared.types.instances import Instance

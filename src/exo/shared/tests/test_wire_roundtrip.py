@@ -11,7 +11,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from exo.node import election
 from exo.node.election import ElectionMessage
 from exo.shared.models.cards import load_builtin_cards
-from exo.shared.models.memory import DEFAULT_PREFILL_ACTIVATIONS, PREFILL_ACTIVATIONS
+from exo.shared.models.weight_formats import DEFAULT_PREFILL_ACTIVATIONS, PREFILL_ACTIVATIONS
 from exo.shared.types import (
     chunks,
     commands,

@@ -180,7 +180,7 @@ class SlidingWindow(FrozenModel):
     """Decoder layers that attend within a sliding window (Gemma 3's local layers,
     gpt-oss's alternate layers), as `config.json`'s `layer_types` and `sliding_window`
     state them: the KV cache holds about `window` positions of each sequence in those
-    layers, whatever its length (`exo.shared.models.memory.kv_budget_tokens_of_length`).
+    layers, whatever its length (`exo.shared.models.kv_cache_memory.kv_budget_tokens_of_length`).
 
     Attributes:
         window: keys a query sees, itself included.
@@ -211,7 +211,7 @@ class MoeGeometry(FrozenModel):
         mxfp4_experts: the routed experts are stored as MXFP4 (gpt-oss's checkpoints,
             `quantization_config.quant_method: mxfp4`) and held so by the engine whatever
             the other weights' format: 17 bytes per 32 weights in memory and in what a
-            decode step reads (`exo.shared.models.memory`).
+            decode step reads (`exo.shared.models.memory`, `exo.shared.models.decode_reads`).
     """
 
     experts: int = Field(gt=0)

@@ -6,10 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from exo.shared.models.memory import (
-    DEFAULT_PREFILL_ACTIVATIONS,
-    PrefillActivations,
-)
+from exo.shared.models.weight_formats import DEFAULT_PREFILL_ACTIVATIONS, PrefillActivations
 from exo.shared.types.common import FrozenModel, NodeId
 from exo.shared.types.downloads import DownloadProgress
 

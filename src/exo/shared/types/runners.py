@@ -6,7 +6,7 @@ from typing import Annotated, Literal, NamedTuple
 
 from pydantic import Field
 
-from exo.shared.models.memory import DEFAULT_KV_CACHE_TOKENS
+from exo.shared.models.kv_cache_memory import DEFAULT_KV_CACHE_TOKENS
 from exo.shared.types.common import FrozenModel
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from exo.shared.models.memory import (
+from exo.shared.models.kv_cache_memory import KVCacheDtype
+from exo.shared.models.weight_formats import (
     DEFAULT_DECODE_ACTIVATIONS,
     DEFAULT_PREFILL_ACTIVATIONS,
     DecodeActivations,
-    KVCacheDtype,
     PrefillActivations,
 )
 from exo.shared.types.common import FrozenModel

@@ -284,7 +284,7 @@ class Runner:
         raise _ShutdownRequested()
 
     def _load(self, model_dir: Path) -> None:
-        from exo.shared.models.memory import DEFAULT_KV_CACHE_TOKENS
+        from exo.shared.models.kv_cache_memory import DEFAULT_KV_CACHE_TOKENS
         from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
         from exo.worker.engines.torch.engine import DEFAULT_MAX_CONCURRENT_REQUESTS
         from exo.worker.engines.torch.engine_factory import load_serving_engine

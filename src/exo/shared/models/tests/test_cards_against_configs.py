@@ -21,7 +21,7 @@ import pytest
 
 from exo.shared.models.architectures import is_encoder_architecture
 from exo.shared.models.cards import load_builtin_cards
-from exo.shared.models.memory import KV_CACHE_VALUE_BYTES, kv_cache_bytes_per_token
+from exo.shared.models.kv_cache_memory import KV_CACHE_VALUE_BYTES, kv_cache_bytes_per_token
 from exo.shared.models.parameter_count import decoder_parameter_count
 from exo.shared.models.profile import card_mismatches, text_config_of
 from exo.shared.types.common import ModelId
@@ -83,8 +83,9 @@ KNOWN_GAPS: dict[str, str] = {
 # difference must still occur (a listed one that disappears fails: remove it from here).
 _SLIDING_KV = (
     "KV bytes per token",
-    "memory.kv_geometry counts every layer; the sliding_attention layers of layer_types keep at "
-    "most sliding_window tokens, so past the window only the full_attention layers grow",
+    "kv_cache_memory.kv_geometry counts every layer; the sliding_attention layers of "
+    "layer_types keep at most sliding_window tokens, so past the window only the "
+    "full_attention layers grow",
 )
 _GPT_OSS_COUNT = (
     "decoder parameters vs config",

@@ -15,8 +15,6 @@ from typing import Any
 import pytest
 
 from exo.shared.models.memory import (
-    FLOAT32_BYTES,
-    WeightShare,
     linear_weight_bytes,
     loading_peak_bytes,
     resident_weight_bytes,
@@ -25,6 +23,8 @@ from exo.shared.models.memory import (
 from exo.shared.models.moe import experts_of_rank, moe_geometry_of_config
 from exo.shared.models.parameter_count import active_parameter_count, decoder_parameter_count
 from exo.shared.models.profile import card_mismatches
+from exo.shared.models.weight_formats import FLOAT32_BYTES
+from exo.shared.models.weight_share import WeightShare
 from exo.shared.parallelism import parallelism
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import HuggingFaceSource, ModelCard, MoeGeometry

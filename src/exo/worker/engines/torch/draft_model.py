@@ -43,7 +43,7 @@ from transformers import PreTrainedModel
 
 from exo.download.pypi_gguf import prepare_model
 from exo.shared.models.cards import card_from_local_directory, load_builtin_cards, resolve_card
-from exo.shared.models.memory import kv_geometry_of_config
+from exo.shared.models.kv_cache_memory import kv_geometry_of_config
 from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.batching.batch_attention import (
     BatchPlan,

@@ -25,14 +25,16 @@ from transformers import PreTrainedModel
 from exo.chat_protocol.image_tokens import ImageTokens
 from exo.chat_protocol.prompt import RenderedPrompt, decode_keeping_markers, render_prompt
 from exo.shared.models.drafts import draft_runs_on
-from exo.shared.models.memory import (
-    DEFAULT_DECODE_ACTIVATIONS,
+from exo.shared.models.kv_cache_memory import (
     DEFAULT_KV_CACHE_TOKENS,
+    KVCacheDtype,
+    kv_geometry_of_config,
+)
+from exo.shared.models.weight_formats import (
+    DEFAULT_DECODE_ACTIVATIONS,
     DEFAULT_PREFILL_ACTIVATIONS,
     DecodeActivations,
-    KVCacheDtype,
     PrefillActivations,
-    kv_geometry_of_config,
 )
 from exo.shared.types.chunks import TokenLogprob
 from exo.shared.types.common import ModelId
@@ -143,7 +145,7 @@ class TorchEngine:
     Args:
         max_concurrent_requests: most requests in the running batch (others wait).
         kv_cache_tokens: the KV-cache budget in tokens, shared by running requests and the
-            prefix cache (`exo.shared.models.memory.kv_cache_budget_bytes` sizes it in
+            prefix cache (`exo.shared.models.kv_cache_memory.kv_cache_budget_bytes` sizes it in
             bytes); also caps one request's prompt plus output.
         kv_cache_dtype: how keys and values are stored (`kv_memory.kv_cache_torch_dtype`;
             None: bfloat16 on CPU unless `EXO_KV_CACHE_DTYPE` says otherwise).

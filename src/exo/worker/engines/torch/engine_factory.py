@@ -13,12 +13,11 @@ from exo.download.pypi_wheels import ModelPreparationError
 from exo.shared.constants import models_dir
 from exo.shared.models.architectures import is_encoder_architecture
 from exo.shared.models.drafts import draft_runs_on
-from exo.shared.models.memory import (
+from exo.shared.models.kv_cache_memory import DEFAULT_KV_CACHE_TOKENS, KVCacheDtype
+from exo.shared.models.weight_formats import (
     DEFAULT_DECODE_ACTIVATIONS,
-    DEFAULT_KV_CACHE_TOKENS,
     DEFAULT_PREFILL_ACTIVATIONS,
     DecodeActivations,
-    KVCacheDtype,
     PrefillActivations,
 )
 from exo.shared.types.shards import ShardMetadata

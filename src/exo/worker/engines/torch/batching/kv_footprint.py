@@ -30,12 +30,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from exo.shared.models.memory import SLIDING_WINDOW_TRIM_CHUNK, SLIDING_WINDOW_TRIM_SLACK
+from exo.shared.models.kv_cache_memory import SLIDING_WINDOW_TRIM_CHUNK, SLIDING_WINDOW_TRIM_SLACK
 from exo.shared.types.models import ModelCard
 
 # Positions a windowed layer's KV is released by at once (a multiple of a page for every
 # head width from 64 bfloat16 values up); placement counts the same (`exo.shared.models.
-# memory.kv_budget_tokens_of_length`).
+# kv_cache_memory.kv_budget_tokens_of_length`).
 TRIM_CHUNK = SLIDING_WINDOW_TRIM_CHUNK
 # Positions a windowed layer keeps beyond its window (see the module docstring).
 TRIM_SLACK = SLIDING_WINDOW_TRIM_SLACK

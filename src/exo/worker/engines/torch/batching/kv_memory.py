@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from exo.shared.models.memory import KV_CACHE_DTYPES, KVCacheDtype
+from exo.shared.models.kv_cache_memory import KV_CACHE_DTYPES, KVCacheDtype
 
 # "float32" / "bfloat16": the KV dtype of engines built without one (`kv_cache_torch_dtype`):
 # how tests that compare with transformers' float32 forward opt into float32 KV, in this

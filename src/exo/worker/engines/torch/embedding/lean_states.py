@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from exo.shared.models.memory import kv_geometry_of_config
+from exo.shared.models.kv_cache_memory import kv_geometry_of_config
 from exo.worker.engines.torch.batching.batch_attention import (
     BatchPlan,
     LeanStep,

@@ -40,13 +40,13 @@ from transformers import (
 from exo.chat_protocol.tokenizer_loading import load_tokenizer
 from exo.shared.models.architectures import MODEL_TYPE_ALIASES
 from exo.shared.models.latent_attention import latent_attention_of_config
-from exo.shared.models.memory import (
+from exo.shared.models.skeleton import empty_model
+from exo.shared.models.tensor_names import LAYER_TENSOR
+from exo.shared.models.weight_formats import (
     DEFAULT_PREFILL_ACTIVATIONS,
     ENGINE_CPU_WEIGHT_FORMAT,
     PrefillActivations,
 )
-from exo.shared.models.skeleton import empty_model
-from exo.shared.models.tensor_names import LAYER_TENSOR
 from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.model.direct_forward import enable_lean_forward
 from exo.worker.engines.torch.model.families import (

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from exo.shared.models.memory import kv_geometry_of_config
+from exo.shared.models.kv_cache_memory import kv_geometry_of_config
 from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.batching.batch_attention import (
     BATCHED_ATTENTION,

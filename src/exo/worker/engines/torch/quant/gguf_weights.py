@@ -53,8 +53,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from exo.shared.models.memory import INT4_GROUP_SIZE
 from exo.shared.models.tensor_names import INT4_PACKED, INT4_SCALES, INT4_ZEROS, LAYER_TENSOR
+from exo.shared.models.weight_formats import INT4_GROUP_SIZE
 from exo.worker.engines.torch.comm.parallel_linears import AllReducedLinear, RowParallelLinear
 from exo.worker.engines.torch.quant.int4_groups import int4_linear_from_groups
 from exo.worker.engines.torch.quant.int4_planes import (

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from exo.shared.models.memory import INT4_BLOCK_OUTPUTS, INT4_GROUP_SIZE
+from exo.shared.models.weight_formats import INT4_BLOCK_OUTPUTS, INT4_GROUP_SIZE
 from exo.worker.engines.torch.quant.native_kernels import (
     built_int4_kernel,
     native_int4_kernel,

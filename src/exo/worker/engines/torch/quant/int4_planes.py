@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from exo.shared.models.memory import INT4_BLOCK_OUTPUTS as _BLOCK_OUTPUTS
+from exo.shared.models.weight_formats import INT4_BLOCK_OUTPUTS as _BLOCK_OUTPUTS
 from exo.worker.engines.torch.quant.int4_groups import Int4Linear, int4_linear_from_groups
 from exo.worker.engines.torch.quant.native_kernels import (
     built_int8_block_kernel,

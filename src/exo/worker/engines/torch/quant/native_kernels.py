@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from loguru import logger
 
-from exo.shared.models.memory import DecodeActivations
+from exo.shared.models.weight_formats import DecodeActivations
 from exo.utils.cpu_features import AMX_BF16_FLAGS, cpu_flags
 
 NATIVE_INT4_ENV = "EXO_NATIVE_INT4"
@@ -109,7 +109,7 @@ def rounded_activations(rows: torch.Tensor) -> torch.Tensor:
 def set_decode_activations(activations: DecodeActivations) -> None:
     """Round int4 products' activations as `activations` says from now on, in this process
     (exo's kernels' `set_decode_activation_bits`: one setting per process, which a runner's
-    one engine sets at load; `memory.DecodeActivations`). "int16" is a no-op where exo's
+    one engine sets at load; `weight_formats.DecodeActivations`). "int16" is a no-op where exo's
     kernels are not built; "int8" there raises RuntimeError (it would silently not apply)."""
     kernel = built_int4_kernel() if native_int4_wanted() else None
     if kernel is None:

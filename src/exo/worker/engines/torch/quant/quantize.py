@@ -24,11 +24,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from exo.shared.models.memory import (
-    PREFILL_ACTIVATIONS,
-    PrefillActivations,
-    WeightFormat,
-)
+from exo.shared.models.weight_formats import PREFILL_ACTIVATIONS, PrefillActivations, WeightFormat
 from exo.worker.engines.torch.comm.parallel_linears import AllReducedLinear, RowParallelLinear
 from exo.worker.engines.torch.quant.int4_groups import Int4Linear, int4_supported
 from exo.worker.engines.torch.quant.int8_channels import Int8Linear

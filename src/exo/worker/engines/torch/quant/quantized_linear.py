@@ -12,9 +12,7 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
-from exo.shared.models.memory import (
-    PrefillActivations,
-)
+from exo.shared.models.weight_formats import PrefillActivations
 
 # Rows up to which exo's bfloat16 kernel (`bf16_gemv`) runs; more rows widen the weight to
 # float32 for one matmul. A chosen bound, not a measured crossover.

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from exo.shared.models.cards import card_from_local_directory
-from exo.shared.models.memory import KV_CACHE_VALUE_BYTES, kv_cache_bytes_per_token
+from exo.shared.models.kv_cache_memory import KV_CACHE_VALUE_BYTES, kv_cache_bytes_per_token
 from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.batching.batch_attention import (
     BatchPlan,

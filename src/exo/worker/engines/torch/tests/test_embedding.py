@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from exo.shared.models.cards import card_from_local_directory
-from exo.shared.models.memory import kv_geometry_of_config
+from exo.shared.models.kv_cache_memory import kv_geometry_of_config
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata

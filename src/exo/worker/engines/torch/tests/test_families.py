@@ -17,7 +17,8 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from exo.shared.models.architectures import ENGINE_ARCHITECTURES
 from exo.shared.models.cards import card_from_local_directory
-from exo.shared.models.memory import WeightShare, resident_weight_bytes
+from exo.shared.models.memory import resident_weight_bytes
+from exo.shared.models.weight_share import WeightShare
 from exo.shared.parallelism import parallelism
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata

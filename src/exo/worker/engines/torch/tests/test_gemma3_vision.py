@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from exo.chat_protocol.image_tokens import Gemma3ImageTokens
-from exo.shared.models.memory import kv_geometry_of_config
+from exo.shared.models.kv_cache_memory import kv_geometry_of_config
 from exo.shared.types.text_generation import IMAGE_MARKER
 from exo.testing.vision_checkpoints import (
     GEMMA3_BEGIN,

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from exo.shared.models.memory import (
+from exo.shared.models.kv_cache_memory import (
     KV_CACHE_DTYPE_BYTES,
     KV_CACHE_VALUE_BYTES,
     kv_cache_tokens_for_dtype,

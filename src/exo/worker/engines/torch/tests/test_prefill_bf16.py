@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exo.shared.models.memory import default_prefill_activations
+from exo.shared.models.weight_formats import default_prefill_activations
 from exo.utils.cpu_features import AMX_BF16_FLAGS
 from exo.worker.engines.torch.quant.int4_groups import pack_native_int4
 from exo.worker.engines.torch.quant.int5_blocks import int5_lanes

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from exo.node_options import parse_args
-from exo.shared.models.memory import default_prefill_activations
+from exo.shared.models.weight_formats import default_prefill_activations
 from exo.shared.types.models import ModelCard
 from exo.testing.builders import make_shard
 from exo.worker.engines.torch.batching.batch_attention import lean_step_of

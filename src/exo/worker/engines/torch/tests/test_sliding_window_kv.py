@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from exo.shared.models.cards import card_from_local_directory
-from exo.shared.models.memory import longest_length_in_kv_budget
+from exo.shared.models.kv_cache_memory import longest_length_in_kv_budget
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import SlidingWindow
 from exo.shared.types.shards import ShardMetadata

@@ -1,0 +1,226 @@
+"""`Generation`: a generation the cluster accepted (its command, its chunk stream, its
+admission place), and sending it again under a new command when its instance becomes
+unavailable: before the client received anything (`Generation.retry`) or mid-stream
+(`Generation.fail_over`, `exo.api.serving.failover`).
+
+Apart from `generation` (starting and serving a request) because it is the object the
+response side (`generation_response`, `early_stream`) holds and ends, and its resending
+waits on the cluster state on its own, whichever route started it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import anyio
+from fastapi import Request
+from loguru import logger
+
+from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
+from exo.api.serving.failover import healthy_instance_exists, instance_may_come
+from exo.api.serving.metrics import observed_chunks
+from exo.api.wire.errors import (
+    ApiError,
+    GenerationError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    NoCapacityError,
+)
+from exo.shared.constants import INSTANCE_HEADER
+from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
+from exo.shared.types.commands import CancelGeneration, GenerateText, KeepAlive
+from exo.shared.types.common import CommandId, InstanceId
+from exo.shared.types.text_generation import TextGenerationTaskParams
+
+# A generation is sent again at most this many times after its instance became unavailable.
+MAX_RETRIES = 5
+# How long a retried generation waits for a lost model instance to serve again (placed
+# anew and loaded) when no other instance of its model can take it.
+RETRY_WAIT_SECONDS = 120.0
+RETRY_STATE_CHECK_SECONDS = 0.5
+
+
+@dataclass(slots=True)
+class Generation:
+    """An accepted generation: its command, and its chunks (the first one already read for
+    streaming requests). Release with `close()` unless handed to `streaming_response` or
+    `collect`, which release it themselves."""
+
+    cluster: ClusterClient
+    command_id: CommandId
+    params: TextGenerationTaskParams
+    chunks: AsyncIterator[Chunk]
+    _resources: ExitStack = field(default_factory=ExitStack)
+    keep_alive: KeepAlive | None = None
+    retries: int = 0
+    """How often it was sent again after its instance became unavailable."""
+    _known_command_id: CommandId | None = None
+    """The first command, which the client's response id names, once sent again."""
+    release_place: Callable[[], None] | None = None
+    """Gives back its place among this node's requests in flight (`exo.api.serving.admission`)."""
+    instance_id: InstanceId | None = None
+    """The instance it was pinned to (`INSTANCE_HEADER`): never sent to another."""
+
+    def cancel(self) -> None:
+        """Ask the cluster to stop this generation on every rank (idempotent)."""
+        self.cluster.send_and_forget(
+            CancelGeneration(command_id=CommandId.new(), target_command_id=self.command_id)
+        )
+
+    def close(self) -> None:
+        self._resources.close()
+        if self.release_place is not None:
+            self.release_place()
+        if self._known_command_id is not None:
+            self.cluster.generation_aliases.pop(self._known_command_id, None)
+
+    def can_retry(self, error: ApiError | Chunk | None) -> bool:
+        """Whether `error` (an error chunk, or the ApiError a collector made of one) says
+        the instance became unavailable, and retries are left."""
+        code = error.error_code if isinstance(error, ErrorChunk) else None
+        if isinstance(error, ApiError):
+            code = error.code
+        pinned = self.instance_id is not None
+        return code == INSTANCE_UNAVAILABLE and self.retries < MAX_RETRIES and not pinned
+
+    async def retry(self, request: Request) -> None:
+        """Send the generation again under a new command (its chunks replace the old
+        ones). When the master has no instance that can serve it (503: its model's
+        instances are unavailable), wait for one, at most `RETRY_WAIT_SECONDS`.
+
+        Raises:
+            NoCapacityError: no instance served again in time, or the master refused.
+            ModelNotFoundError: the model's instances were deleted meanwhile.
+            GenerationError: the client disconnected while waiting.
+        """
+        self.retries += 1
+        deadline = anyio.current_time() + RETRY_WAIT_SECONDS
+        self.chunks = await self._resubmit(request, self.params, deadline, "before answering")
+
+    async def fail_over(
+        self, request: Request, forced_token_ids: tuple[int, ...], deadline: float
+    ) -> AsyncIterator[Chunk]:
+        """Send the streamed generation again, mid-stream, to continue after the
+        `forced_token_ids` its client already got (`exo.api.serving.failover`); waits for
+        an instance of the model at most until `deadline` (anyio clock seconds): a healthy
+        one other than the lost one as it was (`failover.healthy_instance_exists`; the same
+        instance placed again on other nodes is another).
+
+        Returns:
+            The new command's chunks.
+
+        Raises:
+            NoCapacityError: no healthy instance by `deadline`, or as `retry`.
+            ModelNotFoundError, GenerationError: as `retry`.
+        """
+        lost = self.cluster.routed_instance(self.command_id)
+        lost_instance = self.cluster.state.instances.get(lost) if lost is not None else None
+        state, model = self.cluster.state, self.params.model
+        while not healthy_instance_exists(state, model, lost_instance):
+            if anyio.current_time() >= deadline or not instance_may_come(
+                state, model, lost_instance
+            ):
+                raise NoCapacityError(
+                    f"no healthy instance of {self.params.model} to continue the stream on"
+                )
+            wait = min(RETRY_STATE_CHECK_SECONDS, max(0.0, deadline - anyio.current_time()))
+            if not await _wait_for_state_change(self.cluster, request, wait):
+                raise GenerationError("the client disconnected; generation cancelled")
+            state = self.cluster.state
+        params = self.params.model_copy(update={"forced_token_ids": forced_token_ids})
+        return await self._resubmit(
+            request, params, deadline, f"after {len(forced_token_ids)} streamed tokens"
+        )
+
+    async def _resubmit(
+        self,
+        request: Request,
+        params: TextGenerationTaskParams,
+        deadline: float,
+        when: str,
+    ) -> AsyncIterator[Chunk]:
+        """Send `params` under a new command (its chunk stream replaces the old one, which
+        is closed); when the master has no instance that can serve it (503: its model's
+        instances are unavailable), wait for one until `deadline`. The new command is this
+        generation's from before it is sent, so a cancel reaches it."""
+        self._resources.close()  # the old command's chunk stream
+        known = self._known_command_id = self._known_command_id or self.command_id
+        self._resources = ExitStack()
+        while True:
+            command = GenerateText(
+                command_id=CommandId.new(), params=params, keep_alive=self.keep_alive
+            )
+            chunks = observed_chunks(
+                self._resources.enter_context(self.cluster.chunk_stream(command.command_id))
+            )
+            logger.info(
+                f"api: {known} lost its instance {when}; sent again as "
+                f"{command.command_id} (retry {self.retries})"
+            )
+            self.command_id = command.command_id
+            self.cluster.generation_aliases[known] = command.command_id
+            try:
+                await submit_generation(self.cluster, command)
+                return chunks
+            except NoCapacityError:
+                if not self._model_recovering():
+                    raise
+            self._resources.close()
+            self._resources = ExitStack()
+            # Every instance of the model is recovering: wait until one serves again.
+            while self._model_recovering() and not self._model_serving():
+                if anyio.current_time() >= deadline:
+                    raise NoCapacityError(
+                        f"no instance of {self.params.model} served again in time "
+                        "after its instance was lost"
+                    )
+                if not await _wait_for_state_change(
+                    self.cluster, request, RETRY_STATE_CHECK_SECONDS
+                ):
+                    raise GenerationError("the client disconnected; generation cancelled")
+
+    def _model_serving(self) -> bool:
+        """Whether an instance of the model is not unavailable (it may take requests)."""
+        state = self.cluster.state
+        return any(
+            instance.instance_id not in state.unavailable_instances
+            for instance in state.instances_of_model(self.params.model)
+        )
+
+    def _model_recovering(self) -> bool:
+        """Whether an instance of the model is unavailable now and may serve again."""
+        state = self.cluster.state
+        return any(
+            instance.instance_id in state.unavailable_instances
+            for instance in state.instances_of_model(self.params.model)
+        )
+
+
+async def _wait_for_state_change(cluster: ClusterClient, request: Request, timeout: float) -> bool:
+    """Wait until the cluster state changes or `timeout` seconds pass; False when the
+    client disconnected meanwhile."""
+    if await request.is_disconnected():
+        return False
+    with anyio.move_on_after(timeout):
+        await cluster.state_changed.wait()
+    return True
+
+
+async def submit_generation(cluster: ClusterClient, command: GenerateText) -> None:
+    """Submit `command`; the master's refusal becomes the ApiError its status names (404
+    no instance, 413 over the context, 400 pinned to another model's instance, 500 the
+    model failed to prepare, else 503)."""
+    try:
+        await cluster.submit(command)
+    except CommandRejectedError as error:
+        if error.status_code == 404:
+            raise ModelNotFoundError(error.reason, code="no_instance") from None
+        if error.status_code == 413:
+            raise InvalidRequestError(error.reason, code="context_length_exceeded") from None
+        if error.status_code == 400:  # pinned to an instance of another model
+            raise InvalidRequestError(error.reason, param=INSTANCE_HEADER) from None
+        if error.status_code == 500:  # its model failed to prepare for good
+            raise GenerationError(error.reason) from None
+        raise NoCapacityError(error.reason) from None
