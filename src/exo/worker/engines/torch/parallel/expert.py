@@ -10,8 +10,8 @@ vocabulary-parallel output layer): each rank reads only its rows of the head per
 the logits are gathered, so every rank holds the same logits; ranks > 0 drop theirs. Kept
 whole, every rank read the whole head: 311 MB of the 967 MB a token of 18 of
 Qwen3-30B-A3B's layers reads in its int8 form, the same on each rank: one of the two costs
-named for expert x2 on two 1-core nodes reaching only 1.11x one node
-(docs/benchmarks/2026-12-06-moe-quiet-morning.md).
+named for expert x2 on two 1-core nodes reaching only 1.11x one node; with the head split,
+1.50x (docs/benchmarks/2026-12-06-moe-pairs-and-head-split.md).
 """
 
 from __future__ import annotations
