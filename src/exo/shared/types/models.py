@@ -156,7 +156,7 @@ class GgufWeightTypes(FrozenModel):
 
 class LatentAttention(FrozenModel):
     """Multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi-K2), as its `config.json`
-    states it (read by `exo.shared.models.memory.latent_attention_of_config`): queries
+    states it (read by `exo.shared.models.latent_attention.latent_attention_of_config`): queries
     through a `q_lora_rank` bottleneck (None: one `q_proj`), keys and values from one
     `kv_lora_rank` latent per token plus one shared rope key of `qk_rope_head_dim`. The KV
     cache holds the latent and the rope key only (`kv_lora_rank + qk_rope_head_dim` values
