@@ -78,7 +78,7 @@ from exo.shared.models.memory import (
     decoder_layer_bytes_by_kernel,
     gguf_kernel,
     output_layer_bytes,
-    vocab_share,
+    output_layer_rows,
 )
 from exo.shared.models.weight_formats import (
     DEFAULT_PREFILL_ACTIVATIONS,
@@ -188,7 +188,7 @@ def _layer_overhead(speed: NodeSpeed, layers: int) -> float:
 def _lm_head_seconds(card: ModelCard, speed: NodeSpeed, share: WeightShare) -> float:
     norm = card.hidden_size * FLOAT32_BYTES
     head = output_layer_bytes(card, "int4", False, speed.native_kernels) - norm
-    rows = vocab_share(card.vocab_size, share.head_ranks)
+    rows = output_layer_rows(card, share)
     rate: float | None = speed.int8_decode_bytes_per_second
     stored = card.gguf_weight_types
     if speed.native_kernels and stored is not None and stored.output_type in GGUF_SPLIT_TYPES:

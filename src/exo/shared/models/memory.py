@@ -378,6 +378,24 @@ def vocab_share(vocab: int, ranks: int) -> int:
     return vocab if (ranks - 1) * share >= vocab else share
 
 
+def vocab_rows(vocab: int, rank: int, ranks: int) -> int:
+    """Rows of the LM head rank `rank` of `ranks` holds (`sharding.split_head_by_vocab`):
+    `vocab_share` each, the last rank what is left; the whole vocabulary where it is not
+    split (`vocab_share` gives all of it)."""
+    share = vocab_share(vocab, ranks)
+    if share >= vocab:
+        return vocab
+    return max(0, min(vocab, (rank + 1) * share) - rank * share)
+
+
+def output_layer_rows(card: ModelCard, share: WeightShare) -> int:
+    """Rows of `card`'s LM head `share` holds: its `output_layer_rows`, else a tensor
+    rank's `vocab_share` (the most any tensor rank holds: an upper bound for the last)."""
+    if share.output_layer_rows is not None:
+        return share.output_layer_rows
+    return vocab_share(card.vocab_size, share.tensor_parallel_ranks)
+
+
 def resident_weight_bytes(
     card: ModelCard, weight_format: WeightFormat, share: WeightShare | None = None
 ) -> int:
@@ -396,10 +414,10 @@ def resident_weight_bytes(
     if share.holds_output_layer:
         tied_here = card.tie_word_embeddings and share.holds_embedding
         head = output_layer_bytes(card, weight_format, tied_here)
-        if share.head_ranks > 1 and not (weight_format == "float32" and tied_here):
+        rows = output_layer_rows(card, share)
+        if rows < card.vocab_size and not (weight_format == "float32" and tied_here):
             # A tensor or expert rank keeps its share of the head's rows (the final norm whole).
             norm = card.hidden_size * FLOAT32_BYTES
-            rows = vocab_share(card.vocab_size, share.head_ranks)
             head = norm + (head - norm) // card.vocab_size * rows
         total += head
     return total

@@ -32,9 +32,9 @@ class WeightShare:
         holds_vision_tower: the vision tower and projector are here (a vision card's
             single node, or rank 0 of a split instance: `Parallelism.runs_vision_tower`);
             sized by `vision_tower_bytes`, 0 for a card without the "vision" capability.
-        output_layer_ranks: ranks the LM head's rows (its vocabulary) are split over, each
-            holding `vocab_share` of them; None: the tensor-parallel ranks. An
-            expert-parallel rank keeps its layers whole but its share of the head.
+        output_layer_rows: rows of the LM head (vocabulary ids) held, where a split keeps
+            only its own (an expert-parallel rank: `memory.vocab_rows`); None: the whole
+            head, or a tensor rank's `vocab_share` (the most any of them holds).
     """
 
     layers: int
@@ -44,12 +44,7 @@ class WeightShare:
     first_layer: int | None = None
     experts: int | None = None
     holds_vision_tower: bool = True
-    output_layer_ranks: int | None = None
-
-    @property
-    def head_ranks(self) -> int:
-        """Ranks the LM head's vocabulary is split over (`output_layer_ranks`)."""
-        return self.output_layer_ranks or self.tensor_parallel_ranks
+    output_layer_rows: int | None = None
 
     def sparse_layers(self, card: ModelCard) -> int:
         """How many of the share's layers are MoE layers of `card` (0 for a dense card)."""

@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from typing import ClassVar
 
-from exo.shared.models.memory import vocab_share
+from exo.shared.models.memory import vocab_rows, vocab_share
 from exo.shared.models.moe import experts_of_rank
 from exo.shared.models.weight_formats import FLOAT32_BYTES
 from exo.shared.models.weight_share import WeightShare
@@ -92,7 +92,8 @@ class ExpertParallelism(EveryLayerParallelism):
         if card.moe is None or world_size == 1:
             return share
         experts = len(experts_of_rank(card.moe.experts, rank, world_size))
-        return dataclasses.replace(share, experts=experts, output_layer_ranks=world_size)
+        rows = vocab_rows(card.vocab_size, rank, world_size)
+        return dataclasses.replace(share, experts=experts, output_layer_rows=rows)
 
     def reads_tensor(self, name: str, shard: ShardMetadata) -> bool:
         """Every tensor but the routed experts of other ranks."""

@@ -18,7 +18,7 @@ from exo.shared.models.memory import (
     linear_weight_bytes,
     loading_peak_bytes,
     resident_weight_bytes,
-    vocab_share,
+    vocab_rows,
 )
 from exo.shared.models.moe import experts_of_rank, moe_geometry_of_config
 from exo.shared.models.parameter_count import active_parameter_count, decoder_parameter_count
@@ -271,7 +271,9 @@ def test_an_expert_rank_holds_and_reads_its_experts_only() -> None:
     shares = [expert.weight_share(card, rank, 3, (0, 48)) for rank in range(3)]
     assert [share.experts for share in shares] == [42, 43, 43]
     assert all(share.holds_embedding and share.holds_output_layer for share in shares)
-    assert all(share.head_ranks == 3 for share in shares)
+    rows = [share.output_layer_rows for share in shares]
+    assert rows == [vocab_rows(card.vocab_size, rank, 3) for rank in range(3)]
+    assert sum(row or 0 for row in rows) == card.vocab_size
 
     def size(share: WeightShare, **changes: Any) -> int:
         return resident_weight_bytes(card, "int4", dataclasses.replace(share, **changes))
@@ -281,18 +283,17 @@ def test_an_expert_rank_holds_and_reads_its_experts_only() -> None:
     # The experts are divided: each counted once over the ranks.
     experts = [size(share) - size(share, experts=0) for share in shares]
     assert sum(experts) == size(whole) - size(whole, experts=0)
-    # The LM head's rows are divided (the final norm on every rank), as on tensor ranks:
-    # each rank counted at `vocab_share`'s rows (the last holds fewer: an upper bound).
+    # The LM head's rows are divided (the final norm on every rank), as on tensor ranks;
+    # the last rank holds what is left of the vocabulary.
     heads = [size(s, experts=0) - size(s, experts=0, holds_output_layer=False) for s in shares]
     norm = card.hidden_size * FLOAT32_BYTES
     whole_head = size(whole, experts=0) - size(whole, experts=0, holds_output_layer=False)
-    rows = vocab_share(card.vocab_size, 3)
-    assert 2 * rows < card.vocab_size <= 3 * rows
-    assert all(head == norm + (whole_head - norm) // card.vocab_size * rows for head in heads)
+    assert sum(head - norm for head in heads) == whole_head - norm
+    assert heads[0] == heads[1] > heads[2]
     # Attention, router and embedding are on every rank whole.
     replicated = size(shares[0], experts=0, holds_output_layer=False)
     assert all(size(s, experts=0, holds_output_layer=False) == replicated for s in shares)
-    assert held[0] < held[1] == held[2] < size(whole) / 2
+    assert held[0] < held[1] and held[2] < held[1] < size(whole) / 2
     shard = ShardMetadata(
         model_card=card, sharding="expert", device_rank=1, world_size=2, start_layer=0,
         end_layer=48,
