@@ -4,7 +4,7 @@ doing, which single task comes next. The worker loop carries the task out and ca
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId, TaskId
@@ -72,14 +72,18 @@ def plan(
             split) that the master has not indexed yet: their runners are kept.
     """
     state = _placed_instances_only(state)
-    for task in (
-        _shut_down_orphans(node_id, state, runners, reported),
-        _cancel_abandoned(state, runners),
-        _create_runners(node_id, state, runners, retry_after, now),
-        _download(node_id, state, runners, downloads, retry_after, now),
-        _load_and_warm_up(node_id, state, runners, downloads),
-        _forward_generation(state, runners),
-    ):
+    # In priority order, each step run only when those before it found nothing: a later
+    # step may assume the earlier ones passed (e.g. every runner here is still assigned).
+    steps: tuple[Callable[[], Task | None], ...] = (
+        lambda: _shut_down_orphans(node_id, state, runners, reported),
+        lambda: _cancel_abandoned(state, runners),
+        lambda: _create_runners(node_id, state, runners, retry_after, now),
+        lambda: _download(node_id, state, runners, downloads, retry_after, now),
+        lambda: _load_and_warm_up(node_id, state, runners, downloads),
+        lambda: _forward_generation(state, runners),
+    )
+    for step in steps:
+        task = step()
         if task is not None:
             return task
     return None
@@ -175,9 +179,12 @@ def _download(
     (`Instance.draft` on this node, when placement counted it: it has a card), whole."""
     for runner_id, runner in sorted(runners.items()):
         instance = state.instances.get(runner.instance_id)
-        if instance is None:
-            continue
-        wanted = [instance.shard_assignments.runner_to_shard[runner_id]]
+        own_shard = (
+            None if instance is None else instance.shard_assignments.runner_to_shard.get(runner_id)
+        )
+        if instance is None or own_shard is None:
+            continue  # a runner of a deleted or re-placed instance: being shut down
+        wanted = [own_shard]
         draft = _draft_to_fetch(instance, node_id)
         if draft is not None:
             wanted.append(draft)

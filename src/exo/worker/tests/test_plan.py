@@ -166,6 +166,18 @@ def test_runner_not_assigned_to_this_node_is_shut_down() -> None:
     assert run_plan(state, {RUNNER: local(RunnerReady())}) == Shutdown(runner_id=RUNNER)
 
 
+def test_runner_of_an_instance_re_placed_elsewhere_is_shut_down_not_a_crash() -> None:
+    # After a healed split: the instance was re-placed on the other node under new runner
+    # ids while this node's old runner still runs, its model on disk. Later plan steps
+    # (downloads, loading) must not run on the stale runner before its Shutdown.
+    moved = make_instance(OTHER_NODE, instance_id="instance-1", runner_tag="r100")
+    state = make_state(instances=[moved])
+    for status in (RunnerIdle(), RunnerReady()):
+        runners = {RUNNER: local(status)}
+        assert run_plan(state, runners, COMPLETED) == Shutdown(runner_id=RUNNER)
+        assert run_plan(state, runners) == Shutdown(runner_id=RUNNER)
+
+
 def test_create_runner_waits_for_retry_after() -> None:
     state = make_state(instances=[INSTANCE])
     assert run_plan(state, retry_after={RUNNER: NOW + 5}) is None
