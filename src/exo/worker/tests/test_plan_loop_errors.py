@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
@@ -21,6 +21,9 @@ from exo.testing.builders import make_state
 from exo.utils.channels import Topic
 from exo.worker import main as worker_main
 from exo.worker.main import PLAN_FAILURE_LOG_SECONDS, Worker
+
+if TYPE_CHECKING:
+    from loguru import Record
 
 pytestmark = pytest.mark.anyio
 
@@ -43,9 +46,9 @@ class FailingPlan:
 
 
 @pytest.fixture
-def records() -> Iterator[list[dict[str, Any]]]:
-    """The worker's log records from ERROR and its INFO lines, as loguru's dicts."""
-    caught: list[dict[str, Any]] = []
+def records() -> Iterator[list[Record]]:
+    """The log records at INFO and above, as loguru's dicts."""
+    caught: list[Record] = []
     handler = logger.add(lambda message: caught.append(message.record), level="INFO")
     try:
         yield caught
@@ -54,7 +57,7 @@ def records() -> Iterator[list[dict[str, Any]]]:
 
 
 async def test_an_exception_in_plan_is_logged_and_the_worker_plans_on(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, records: list[dict[str, Any]]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, records: list[Record]
 ) -> None:
     failing = FailingPlan(failures=4)
     monkeypatch.setattr(worker_main, "plan", failing)
@@ -76,7 +79,7 @@ async def test_an_exception_in_plan_is_logged_and_the_worker_plans_on(
                 worker._notify()
                 await anyio.sleep(0.01)
 
-    def errors() -> list[dict[str, Any]]:
+    def errors() -> list[Record]:
         return [record for record in records if record["level"].name == "ERROR"]
 
     with anyio.fail_after(DEADLINE_SECONDS):
