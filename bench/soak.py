@@ -14,6 +14,10 @@ Messages, Responses, Ollama chat), prompt and fate drawn from one seeded generat
 Prompts are drawn from seeded random words (and some share a long prefix), so the prefix
 cache and the KV cache fill to their budgets during the warm-up.
 
+Each stream is a client of its own: it connects from its own loopback address
+(`client_address`), which the node's per-client limits count as one client, so no stream
+is refused for another's generations (a 429 fails the run).
+
 Every request must end "cleanly": completed (the dialect's end of stream), cancelled or
 disconnected as planned, or refused/failed with the dialect's error shape (an HTTP error with
 a JSON body, or an error event in the stream). Anything else (a hang past the client timeout,
@@ -192,11 +196,21 @@ def one_request(
         )
 
 
+def client_address(index: int) -> str:
+    """Stream `index`'s own loopback source address (127.0.0.2, 127.0.0.3, ...). The node
+    tells clients apart by address (no API key on loopback), so each stream is a client of
+    its own, as `--streams` users would be, and the per-client limits
+    (`--max-generations-per-client`, `--rate-limit`) count it alone; one address for all
+    would be one client running every stream, which trips that limit by design."""
+    return f"127.0.0.{2 + index}"
+
+
 def client_loop(
     index: int, seed: int, deadline: float, outcomes: Outcomes, url: str
 ) -> None:  # fmt: skip
     rng = random.Random(seed * 1000 + index)
-    with httpx.Client(timeout=CLIENT_TIMEOUT_SECONDS) as client:
+    transport = httpx.HTTPTransport(local_address=client_address(index))
+    with httpx.Client(timeout=CLIENT_TIMEOUT_SECONDS, transport=transport) as client:
         while time.monotonic() < deadline:
             one_request(client, rng, outcomes, url)
 
@@ -287,6 +301,9 @@ def soak(node: ExoNode, arguments: argparse.Namespace) -> dict[str, Any]:
             p["fds_end"] <= p["fds_start"] for p in processes.values()
         ),
         "no runner replaced": len(runner_pids) == 1,
+        "no 429 (per-client limits)": not any(
+            detail.startswith("429 ") for detail in outcomes.refusals
+        ),
         "runner sampled after warm-up": len(processes) >= 2,
     }
     return {
@@ -327,6 +344,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--models-dir", type=Path, default=None)
     arguments = parser.parse_args()
+    if not 1 <= arguments.streams <= 253:
+        parser.error("--streams must be 1 to 253 (one loopback address each)")
     # SIGTERM (timeout, kill) unwinds like Ctrl-C, so the node below is stopped, not orphaned.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     with tempfile.TemporaryDirectory(prefix="exo-soak-") as home:

@@ -167,9 +167,9 @@ class Load:
                 self._stop.wait(0.5)  # a failing cluster is not hammered
 
 
-def serves(node: ExoNode) -> bool:
-    """A short greedy chat through `node` answers 200 with content."""
-    response = httpx.post(
+def short_chat(node: ExoNode) -> httpx.Response:
+    """A short greedy (non-streamed) chat through `node`."""
+    return httpx.post(
         f"{node.url}/v1/chat/completions",
         json={
             "model": DEFAULT_MODEL_ID,
@@ -179,6 +179,11 @@ def serves(node: ExoNode) -> bool:
         },
         timeout=CLIENT_TIMEOUT_SECONDS,
     )
+
+
+def serves(node: ExoNode) -> bool:
+    """A short greedy chat through `node` answers 200 with content."""
+    response = short_chat(node)
     return response.status_code == 200 and bool(response.json()["choices"][0]["message"])
 
 

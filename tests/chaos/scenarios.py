@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode, wait_until
-from tests.chaos.harness import Load, Row, serves
+from tests.chaos.harness import Load, Row, serves, short_chat
 from tests.test_cluster import FORM_TIMEOUT_SECONDS, make_cluster, place_on, running, same_master
 
 READY_SECONDS = 600.0
@@ -123,7 +123,9 @@ def pipeline_rank_node_killed(root: Path, models: Path) -> Row:
 
 def kill_pipeline_rank_node(a: ExoNode, b: ExoNode) -> Row:
     """The pipeline scenario on two running nodes of one cluster, no other node alive (`a`
-    serves the chats and survives, `b` is killed), the cluster holding no instance yet."""
+    serves the chats and survives, `b` is killed), the cluster holding no instance yet. A
+    chat sent once the instance is marked unavailable (being placed again on `a`) waits
+    for it and is answered (`accepted_generation.Generation.submit`)."""
     row = Row("SIGKILL a pipeline rank's node")
     body = {
         "model_id": DEFAULT_MODEL_ID,
@@ -145,6 +147,18 @@ def kill_pipeline_rank_node(a: ExoNode, b: ExoNode) -> Row:
         load.wait_mid_stream()
         b.kill()
         fault_at = time.monotonic()
+        # A new request while the instance is being placed again waits for it, no 503.
+        wait_until(
+            lambda: instance in a.state()["unavailable_instances"], 60, interval=0.1,
+            what="the instance marked unavailable",
+        )  # fmt: skip
+        sent = time.monotonic()
+        answer = short_chat(a)
+        assert answer.status_code == 200, f"refused while re-placed: {answer.text[:300]}"
+        row.note(
+            f"a chat sent {sent - fault_at:.1f} s after the kill, the instance being placed "
+            f"again, answered {time.monotonic() - sent:.1f} s later"
+        )
         _recovered(row, a, fault_at)
         time.sleep(2.0)
     finally:

@@ -39,6 +39,7 @@ from exo.api.wire.errors import (
     OPENAI_ERRORS,
     ApiError,
     ErrorDialect,
+    NoCapacityError,
     QueueFullError,
     error_type_for_status,
 )
@@ -191,7 +192,7 @@ def create_app(
             error.param,
             error.code,
         )
-        if isinstance(error, QueueFullError):
+        if isinstance(error, NoCapacityError) and error.retry_after_seconds is not None:
             response.headers["Retry-After"] = str(error.retry_after_seconds)
         return response
 

@@ -6,6 +6,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -64,6 +65,9 @@ from exo.worker.runner.options import RunnerOptions
 from exo.worker.runner.supervisor import RunnerSupervisor
 
 PLAN_IDLE_WAKE_SECONDS = 0.5
+# A planner failing again with the same error is logged again (without its traceback) at
+# most this often, so a failure that lasts does not flood the log every idle wake.
+PLAN_FAILURE_LOG_SECONDS = 60.0
 # How long a delete waits for the model's cancelled download to stop writing.
 CANCEL_WAIT_SECONDS = 10.0
 # Retry delays after consecutive failures: 1 s, 2 s, 4 s, ... capped at 30 s.
@@ -76,8 +80,25 @@ def backoff_seconds(consecutive_failures: int) -> float:
     return float(min(BACKOFF_MAX_SECONDS, BACKOFF_BASE_SECONDS * 2**exponent))
 
 
+@dataclass(slots=True)
+class _PlanFailure:
+    """The error `plan` keeps raising (its type and message), since when it was last
+    logged, and how often it was raised since it first was."""
+
+    error: str
+    logged_at: float
+    count: int = 1
+
+
 class Worker:
-    """Plans from the node's replica of the state and executes one task at a time."""
+    """Plans from the node's replica of the state and executes one task at a time.
+
+    `plan` is pure and should be total; when it raises all the same (a bug, such as a state
+    it did not foresee), the error is logged at ERROR with its traceback and planning goes
+    on at the next change of the state (or after `PLAN_IDLE_WAKE_SECONDS`), so that one
+    bad decision does not end the node: its API, its master role and the runners already
+    serving stay up, and a state the next events repair is planned from as usual.
+    """
 
     def __init__(
         self,
@@ -123,6 +144,7 @@ class Worker:
         self._given_up: dict[ModelId, frozenset[InstanceId]] = {}
         self._changed = anyio.Event()
         self._task_group: TaskGroup | None = None
+        self._plan_failure: _PlanFailure | None = None
         # A node that restarts from its own log must not act on it (start a runner for
         # an instance the cluster removed since) before it holds the master's history.
         self._caught_up = caught_up
@@ -216,26 +238,56 @@ class Worker:
                 with anyio.move_on_after(PLAN_IDLE_WAKE_SECONDS):
                     await self._changed.wait()
                 continue
-            self._retry_given_up_for_new_instances()
-            task = plan(
-                self.node_id,
-                self.state,
-                self._local_view(),
-                self.downloads,
-                self._retry_after,
-                self._clock(),
-                reported=frozenset(
-                    event.instance.instance_id
-                    for event in self._local_events.pending()
-                    if isinstance(event, InstanceReported)
-                ),
-            )
+            try:
+                task = self._next_task()
+            except Exception as error:  # a bug in `plan`: see the class docstring
+                self._plan_failed(error)
+                task = None
             if task is None:
                 with anyio.move_on_after(PLAN_IDLE_WAKE_SECONDS):
                     await self._changed.wait()
                 continue
             logger.debug(f"worker: {task!r}")
             await self._execute(task)
+
+    def _next_task(self) -> Task | None:
+        """`plan` over this node's view now."""
+        self._retry_given_up_for_new_instances()
+        task = plan(
+            self.node_id,
+            self.state,
+            self._local_view(),
+            self.downloads,
+            self._retry_after,
+            self._clock(),
+            reported=frozenset(
+                event.instance.instance_id
+                for event in self._local_events.pending()
+                if isinstance(event, InstanceReported)
+            ),
+        )
+        if self._plan_failure is not None:
+            logger.info(f"worker: planning works again after {self._plan_failure.count} failures")
+            self._plan_failure = None
+        return task
+
+    def _plan_failed(self, error: Exception) -> None:
+        """Log `plan`'s `error` at ERROR: with its traceback the first time and whenever
+        the error changes, else at most once per `PLAN_FAILURE_LOG_SECONDS` with a count."""
+        description = f"{type(error).__name__}: {error}"
+        now = self._clock()
+        failure = self._plan_failure
+        if failure is None or failure.error != description:
+            logger.opt(exception=error).error(
+                f"worker: planning failed ({description}); this node plans again when the "
+                "state changes"
+            )
+            self._plan_failure = _PlanFailure(description, now)
+            return
+        failure.count += 1
+        if now - failure.logged_at >= PLAN_FAILURE_LOG_SECONDS:
+            logger.error(f"worker: planning still fails ({description}): {failure.count} times")
+            failure.logged_at = now
 
     def _runner_options_for(self, instance: Instance) -> RunnerOptions:
         """This node's runner options for a runner of `instance` (`runner_options_for`)."""

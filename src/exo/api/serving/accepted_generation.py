@@ -3,6 +3,13 @@ admission place), and sending it again under a new command when its instance bec
 unavailable: before the client received anything (`Generation.retry`) or mid-stream
 (`Generation.fail_over`, `exo.api.serving.failover`).
 
+A new request for a model whose every instance is being placed again after losing a node
+(`replacement_under_way`: re-placed and loading, or its node just lost) waits for it as a
+request waits for a model loading on request, instead of a 503 at once
+(`Generation.submit`): bounded by `REPLACEMENT_WAIT_SECONDS`, ended by the client leaving.
+It is answered 503 with `Retry-After` when the instance cannot serve again soon: it waits
+for room no node set has (`InstanceUnplaced`), it was deleted, or the wait ran out.
+
 Apart from `generation` (starting and serving a request) because it is the object the
 response side (`generation_response`, `early_stream`) holds and ends, and its resending
 waits on the cluster state on its own, whichever route started it.
@@ -28,10 +35,12 @@ from exo.api.wire.errors import (
     ModelNotFoundError,
     NoCapacityError,
 )
+from exo.master.recovery import unavailable_message
 from exo.shared.constants import INSTANCE_HEADER
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
 from exo.shared.types.commands import CancelGeneration, GenerateText, KeepAlive
-from exo.shared.types.common import CommandId, InstanceId
+from exo.shared.types.common import CommandId, InstanceId, ModelId
+from exo.shared.types.state import State
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 # A generation is sent again at most this many times after its instance became unavailable.
@@ -40,6 +49,15 @@ MAX_RETRIES = 5
 # anew and loaded) when no other instance of its model can take it.
 RETRY_WAIT_SECONDS = 120.0
 RETRY_STATE_CHECK_SECONDS = 0.5
+# How long a new request waits for its model's instance being placed again after a node
+# loss: as long as a request that lost its instance before its first chunk, since both
+# have sent the client nothing yet and wait for the same re-placed instance to load.
+# Streams send heartbeats meanwhile (`exo.api.serving.early_stream`).
+REPLACEMENT_WAIT_SECONDS = RETRY_WAIT_SECONDS
+# The `Retry-After` of a 503 for a model whose instances are all unavailable: a re-placed
+# instance of a small model loads in about this long, and a node that left and restarts
+# rejoins within it; a client asking sooner would only be refused again.
+UNAVAILABLE_RETRY_AFTER_SECONDS = 10
 
 
 @dataclass(slots=True)
@@ -134,6 +152,100 @@ class Generation:
             request, params, deadline, f"after {len(forced_token_ids)} streamed tokens"
         )
 
+    async def submit(self, request: Request, command: GenerateText) -> None:
+        """Submit this new generation's first `command` (its chunk stream is `chunks`).
+
+        While every instance of the model is being placed again after a node loss
+        (`replacement_under_way`), first wait until one serves, at most
+        `REPLACEMENT_WAIT_SECONDS` (a request pinned to an instance does not wait). The
+        master refusing it because the re-placement is still under way (it saw the loss
+        before this node) waits the same way, then sends it again under a new command
+        (`chunks` replaced); the command the client knows stays its alias for a cancel.
+
+        Raises:
+            NoCapacityError: the instance did not serve again in time, waits for room no
+                node set has, or was deleted meanwhile (503 with `Retry-After`); or the
+                master refused for another reason (as `submit_generation`).
+            GenerationError: the client disconnected while waiting.
+            ApiError: as `submit_generation`.
+        """
+        deadline = anyio.current_time() + REPLACEMENT_WAIT_SECONDS
+        pinned = self.instance_id is not None
+        while True:
+            if not pinned:
+                await self._wait_for_replacement(request, deadline)
+            try:
+                await submit_generation(self.cluster, command)
+                return
+            except NoCapacityError as error:
+                state = self.cluster.state
+                if pinned or not replacement_under_way(state, self.params.model):
+                    if error.retry_after_seconds is None and _unavailable(state, self, pinned):
+                        error.retry_after_seconds = UNAVAILABLE_RETRY_AFTER_SECONDS
+                    raise
+            command, self.chunks = self._new_command(self.params)
+            logger.info(
+                f"api: {self._known_command_id} was refused while {self.params.model} is "
+                f"placed again; waits, then goes as {command.command_id}"
+            )
+
+    async def _wait_for_replacement(self, request: Request, deadline: float) -> None:
+        """Return at once unless every instance of the model is being placed again
+        (`replacement_under_way`); else once one serves again.
+
+        Raises:
+            NoCapacityError: `deadline` (anyio clock seconds) passed, or the instance can
+                no longer come back soon (it waits for room, or was deleted) (503 with
+                `Retry-After`).
+            GenerationError: the client disconnected.
+        """
+        model = self.params.model
+        if not replacement_under_way(self.cluster.state, model):
+            return
+        logger.info(f"api: {self.command_id} waits for {model}, being placed again")
+        while True:
+            state = self.cluster.state
+            if self._model_serving():
+                return
+            if not replacement_under_way(state, model):
+                instances = state.instances_of_model(model)
+                reason = (
+                    unavailable_message(state, instances[0])
+                    if instances
+                    else f"the instance of {model} was deleted while the request waited for it"
+                )
+                raise NoCapacityError(reason, retry_after_seconds=UNAVAILABLE_RETRY_AFTER_SECONDS)
+            remaining = deadline - anyio.current_time()
+            if remaining <= 0:
+                instance = state.instances_of_model(model)[0]
+                raise NoCapacityError(
+                    f"{unavailable_message(state, instance)}; it did not serve again within "
+                    f"{REPLACEMENT_WAIT_SECONDS:g} s",
+                    retry_after_seconds=UNAVAILABLE_RETRY_AFTER_SECONDS,
+                )
+            wait = min(RETRY_STATE_CHECK_SECONDS, remaining)
+            if not await _wait_for_state_change(self.cluster, request, wait):
+                raise GenerationError("the client disconnected while its model was placed again")
+
+    def _new_command(
+        self, params: TextGenerationTaskParams
+    ) -> tuple[GenerateText, AsyncIterator[Chunk]]:
+        """A new command carrying `params`, and its chunk stream, which replaces the old
+        command's (closed). The new command is this generation's from before it is sent,
+        so a cancel reaches it; the command the client knows names it (an alias)."""
+        self._resources.close()  # the old command's chunk stream
+        known = self._known_command_id = self._known_command_id or self.command_id
+        self._resources = ExitStack()
+        command = GenerateText(
+            command_id=CommandId.new(), params=params, keep_alive=self.keep_alive
+        )
+        chunks = observed_chunks(
+            self._resources.enter_context(self.cluster.chunk_stream(command.command_id))
+        )
+        self.command_id = command.command_id
+        self.cluster.generation_aliases[known] = command.command_id
+        return command, chunks
+
     async def _resubmit(
         self,
         request: Request,
@@ -141,34 +253,21 @@ class Generation:
         deadline: float,
         when: str,
     ) -> AsyncIterator[Chunk]:
-        """Send `params` under a new command (its chunk stream replaces the old one, which
-        is closed); when the master has no instance that can serve it (503: its model's
-        instances are unavailable), wait for one until `deadline`. The new command is this
-        generation's from before it is sent, so a cancel reaches it."""
-        self._resources.close()  # the old command's chunk stream
-        known = self._known_command_id = self._known_command_id or self.command_id
-        self._resources = ExitStack()
+        """Send `params` under a new command (`_new_command`); when the master has no
+        instance that can serve it (503: its model's instances are unavailable), wait for
+        one until `deadline`."""
         while True:
-            command = GenerateText(
-                command_id=CommandId.new(), params=params, keep_alive=self.keep_alive
-            )
-            chunks = observed_chunks(
-                self._resources.enter_context(self.cluster.chunk_stream(command.command_id))
-            )
+            command, chunks = self._new_command(params)
             logger.info(
-                f"api: {known} lost its instance {when}; sent again as "
+                f"api: {self._known_command_id} lost its instance {when}; sent again as "
                 f"{command.command_id} (retry {self.retries})"
             )
-            self.command_id = command.command_id
-            self.cluster.generation_aliases[known] = command.command_id
             try:
                 await submit_generation(self.cluster, command)
                 return chunks
             except NoCapacityError:
                 if not self._model_recovering():
                     raise
-            self._resources.close()
-            self._resources = ExitStack()
             # Every instance of the model is recovering: wait until one serves again.
             while self._model_recovering() and not self._model_serving():
                 if anyio.current_time() >= deadline:
@@ -196,6 +295,30 @@ class Generation:
             instance.instance_id in state.unavailable_instances
             for instance in state.instances_of_model(self.params.model)
         )
+
+
+def replacement_under_way(state: State, model: ModelId) -> bool:
+    """Whether no instance of `model` can take a request now but one is being placed again
+    after losing a node (re-placed with its runners loading, or its node just lost and the
+    master's decision not yet applied): a new request waits for it. False when an instance
+    can take requests, when the model has no instance, and when every instance waits for
+    room no node set has (`InstanceUnplaced`: that may last for hours)."""
+    instances = state.instances_of_model(model)
+    unavailable = [state.unavailable_instances.get(i.instance_id) for i in instances]
+    return (
+        bool(instances)
+        and all(entry is not None for entry in unavailable)
+        and any(entry is not None and not entry.waiting_for_room for entry in unavailable)
+    )
+
+
+def _unavailable(state: State, generation: Generation, pinned: bool) -> bool:
+    """Whether `generation`'s pinned instance (else every instance of its model) is
+    unavailable in `state`, so that a 503 for it may name a time to retry."""
+    if pinned:
+        return generation.instance_id in state.unavailable_instances
+    instances = state.instances_of_model(generation.params.model)
+    return bool(instances) and all(i.instance_id in state.unavailable_instances for i in instances)
 
 
 async def _wait_for_state_change(cluster: ClusterClient, request: Request, timeout: float) -> bool:

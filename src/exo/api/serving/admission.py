@@ -117,9 +117,9 @@ class Admission:
 
         When every instance of the model is unavailable (a lost node's instance waiting to
         be re-placed under the same id), they all count as they were: their requests go on
-        to the cluster, which holds a request without tokens until the re-placed instance
-        serves it (`accepted_generation.RETRY_WAIT_SECONDS`), instead of waiting here for a
-        place that cannot free and failing with "busy"."""
+        and wait, holding their place, until the re-placed instance serves them
+        (`accepted_generation.Generation.submit`, `REPLACEMENT_WAIT_SECONDS`), instead of
+        waiting here for a place that cannot free and failing with "busy"."""
         instances = state.instances_of_model(model)
         serving = [i for i in instances if i.instance_id not in state.unavailable_instances]
         running, queued = 0, 0

@@ -14,7 +14,8 @@ sent again under a new command: the master routes it to another healthy instance
 when the model has none, it waits until the lost instance serves again (placed anew on
 the remaining nodes) for at most `accepted_generation.RETRY_WAIT_SECONDS`. A stream that
 loses its instance after it began continues on another one in the same response
-(`exo.api.serving.failover`).
+(`exo.api.serving.failover`). A new request for a model whose every instance is being
+placed again waits for it the same way before it is sent (`Generation.submit`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response
 
-from exo.api.serving.accepted_generation import Generation, submit_generation
+from exo.api.serving.accepted_generation import Generation
 from exo.api.serving.admission import admission_of
 from exo.api.serving.catch_up import catch_up_for
 from exo.api.serving.cluster_client import ClusterClient
@@ -71,8 +72,10 @@ async def start_generation(
     """Submit `params` as a `GenerateText` command.
 
     A model with no instance is first placed and loaded (`exo.api.serving.load_on_request`), and
-    nothing is answered until it is ready. While every instance of the model is running and
-    queueing all it may for this node, the request waits for a place (`exo.api.serving.admission`).
+    nothing is answered until it is ready; one whose every instance is being placed again
+    after a node loss is waited for (`accepted_generation.Generation.submit`). While every
+    instance of the model is running and queueing all it may for this node, the request
+    waits for a place (`exo.api.serving.admission`).
     `keep_alive` (Ollama's; default this node's `--idle-unload`) becomes the instance's
     keep-alive. A request with the `INSTANCE_HEADER` header runs on that instance only: it
     places nothing and is not sent again elsewhere when the instance is lost.
@@ -87,8 +90,9 @@ async def start_generation(
         ModelNotFoundError: the model is unknown, or it has no instance and cannot be
             placed on request (auto-placement off, files not downloaded) (404).
         InvalidRequestError: a conversation for a base model (no chat template) (400).
-        NoCapacityError: the master rejected the command, or the model could not be
-            loaded on request (no room, preparation failed, too slow) (503).
+        NoCapacityError: the master rejected the command, the model could not be
+            loaded on request (no room, preparation failed, too slow), or its instance
+            being placed again did not serve within the wait (503).
         ModelNotFoundError: the `INSTANCE_HEADER` names no instance (404).
         InvalidRequestError: the `INSTANCE_HEADER` names an instance of another model (400).
         QueueFullError: every instance stayed full for the admission wait (503 with
@@ -98,7 +102,7 @@ async def start_generation(
             is too large for the model's context (`exo.api.serving.prompt_size`, checked before
             anything is placed or sent), or the engine refused it (400).
         GenerationError: the client disconnected before the first chunk (or while the
-            model was loading).
+            model was loading or being placed again).
     """
     check_generation_request(cluster, params)
     return await _start_checked_generation(
@@ -152,7 +156,7 @@ async def _start_checked_generation(
     generation.release_place = release_place
     generation.instance_id = command.instance_id
     try:
-        await submit_generation(cluster, command)
+        await generation.submit(request, command)
         if wait_for_first_chunk if wait_for_first_chunk is not None else True:
             first = await _first_chunk(request, generation.chunks)
             while generation.can_retry(first):

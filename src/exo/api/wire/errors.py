@@ -51,10 +51,21 @@ class ModelNotFoundError(ApiError):
 
 
 class NoCapacityError(ApiError):
-    """No instance can serve the request right now; the client may retry later."""
+    """No instance can serve the request right now; the client may retry later (after
+    `retry_after_seconds`, sent as a `Retry-After` header, when it is known)."""
 
     status_code = 503
     error_type = "service_unavailable_error"
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_seconds: int | None = None,
+    ) -> None:
+        super().__init__(message, param, code)
+        self.retry_after_seconds = retry_after_seconds
 
 
 class QueueFullError(NoCapacityError):
@@ -62,9 +73,10 @@ class QueueFullError(NoCapacityError):
     as it may (`exo.api.serving.admission`), and none finished within the wait; answered with a
     `Retry-After: retry_after_seconds` header."""
 
+    retry_after_seconds: int
+
     def __init__(self, message: str, retry_after_seconds: int) -> None:
-        super().__init__(message, code="queue_full")
-        self.retry_after_seconds = retry_after_seconds
+        super().__init__(message, code="queue_full", retry_after_seconds=retry_after_seconds)
 
 
 class GenerationError(ApiError):
