@@ -34,6 +34,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, MutableMapping
+from pathlib import Path
 
 _malloc_trim: Callable[[int], int] | None = None
 if sys.platform.startswith("linux"):
@@ -125,3 +126,57 @@ async def trim_heap_periodically(interval_s: float = 60.0) -> None:
     while True:
         await anyio.sleep(interval_s)
         trim_heap()
+
+
+HUGE_PAGES_ENV = "EXO_HUGE_PAGES"
+"""`0` keeps a node's runners on the kernel's default pages (`advise_huge_pages`)."""
+
+HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb"
+"""glibc's (>= 2.35) tunable: 1 makes malloc advise the memory it maps `MADV_HUGEPAGE`, so
+that where transparent huge pages are "madvise" the kernel backs it with 2 MiB pages when
+first touched. Older glibc ignores the tunable."""
+
+THP_MODE_PATH = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def transparent_huge_pages_mode(path: Path = THP_MODE_PATH) -> str | None:
+    """The kernel's transparent huge page mode: the bracketed word of `path` ("always",
+    "madvise" or "never"), None where it cannot be read (not Linux, no THP)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None
+
+
+def advise_huge_pages(
+    environ: MutableMapping[str, str] | None = None, mode: str | None = None
+) -> bool:
+    """Ask glibc to advise huge pages for the processes started from `environ` (default:
+    `os.environ`) afterwards: a node's runners, which hold the model's weights in memory
+    torch allocates through malloc and read them all once per decode step.
+
+    Why: a decode step reads each weight it needs once, and a MoE step reads 8 experts of
+    ~1 MB each chosen anew per layer; on 4 KiB pages every 4 KiB of such a read is a TLB
+    entry and a point where the hardware prefetcher stops. Measured on the 2-core reference
+    machine (docs/benchmarks/2026-12-06-huge-pages.md): reading expert-sized int4 weights
+    from huge pages was faster (figures there). Where the kernel's mode
+    (`transparent_huge_pages_mode`) is "madvise" (Debian's and Ubuntu's default), nothing
+    gets huge pages unless advised; under "always" large allocations get them already and
+    under "never" they cannot: only "madvise" is changed.
+
+    Adds `glibc.malloc.hugetlb=1` to `GLIBC_TUNABLES` (keeping what is there), unless
+    `EXO_HUGE_PAGES=0` or the tunables name `glibc.malloc.hugetlb` already (the user's
+    choice). Returns whether it added it.
+    """
+    target = os.environ if environ is None else environ
+    if target.get(HUGE_PAGES_ENV) == "0":
+        return False
+    if (mode if mode is not None else transparent_huge_pages_mode()) != "madvise":
+        return False
+    tunables = target.get("GLIBC_TUNABLES", "")
+    if any(item.split("=", 1)[0] == HUGE_PAGE_TUNABLE for item in tunables.split(":") if item):
+        return False
+    target["GLIBC_TUNABLES"] = ":".join(filter(None, (tunables, f"{HUGE_PAGE_TUNABLE}=1")))
+    return True

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
 
 from exo.utils import heap
-from exo.utils.heap import HeapTrimmer, freeze_long_lived_objects, trim_heap
+from exo.utils.heap import (
+    HUGE_PAGES_ENV,
+    HeapTrimmer,
+    advise_huge_pages,
+    freeze_long_lived_objects,
+    transparent_huge_pages_mode,
+    trim_heap,
+)
 
 MIB = 2**20
 
@@ -147,3 +155,26 @@ def test_frozen_objects_leave_the_collectors_generations() -> None:
         assert gc.collect() >= 1
     finally:
         gc.unfreeze()
+
+
+def test_huge_pages_are_advised_only_where_the_kernel_waits_to_be_asked(tmp_path: Path) -> None:
+    environ: dict[str, str] = {}
+    assert advise_huge_pages(environ, mode="madvise")
+    assert environ == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    for mode in ("always", "never"):
+        untouched: dict[str, str] = {}
+        assert not advise_huge_pages(untouched, mode=mode) and untouched == {}
+    # Other tunables are kept; the user's own hugetlb choice and EXO_HUGE_PAGES=0 win.
+    others = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    assert advise_huge_pages(others, mode="madvise")
+    assert others["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    chosen = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+    assert not advise_huge_pages(chosen, mode="madvise")
+    assert chosen == {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+    off = {HUGE_PAGES_ENV: "0"}
+    assert not advise_huge_pages(off, mode="madvise") and "GLIBC_TUNABLES" not in off
+    # The mode as the kernel writes it; unreadable: None (nothing advised).
+    enabled = tmp_path / "enabled"
+    enabled.write_text("always [madvise] never\n")
+    assert transparent_huge_pages_mode(enabled) == "madvise"
+    assert transparent_huge_pages_mode(tmp_path / "missing") is None

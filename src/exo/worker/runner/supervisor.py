@@ -40,7 +40,7 @@ from exo.shared.types.tasks import (
     TaskFailed,
     TextGeneration,
 )
-from exo.utils.heap import bound_kernel_caches
+from exo.utils.heap import advise_huge_pages, bound_kernel_caches
 from exo.utils.omp import limit_thread_spinning
 from exo.worker.runner.messages import (
     ChunkReport,
@@ -107,9 +107,11 @@ class RunnerSupervisor:
 
     def start(self) -> None:
         # The spawned runner inherits this environment: bounded per-shape kernel caches,
-        # intra-op threads that stop spinning soon after a step where that measured better.
+        # intra-op threads that stop spinning soon after a step where that measured better,
+        # weights on huge pages where the kernel gives them only when asked.
         bound_kernel_caches()
         limit_thread_spinning()
+        advise_huge_pages()
         context = multiprocessing.get_context("spawn")
         runner_inbound_read, runner_inbound_write = context.Pipe(duplex=False)
         runner_outbound_read, runner_outbound_write = context.Pipe(duplex=False)
