@@ -3,7 +3,11 @@ also the embedding, the last the final norm and LM head) and a step travels rank
 
 Up to `world_size` steps are in flight at once, each over its own requests (the scheduler's
 `max_in_flight`: rank 0 runs step t+1's layers while the next ranks run step t's, and
-samples step t when its logits come back). A step of at least `MICRO_BATCH_MIN_ROWS` rows
+samples step t when its logits come back). Speculative decoding: a drafting request's k + 1
+rows go in one step and come back as whole logits rows, which rank 0 verifies; the
+verified length reaches the other ranks as a `CACHE_COMMIT` in a later step's header (every
+rank applies it between the same two steps), and until then each rank's slot carries the
+draft's positions (`SlotKVCache.hold_unverified`). A step of at least `MICRO_BATCH_MIN_ROWS` rows
 (prefill) is also split into up to `world_size` micro-batches of requests
 (`micro_batch_count`; a decode step stays whole). For each, rank 0 runs its layers and
 sends the header and `[1, T, hidden]` float32 hidden states to rank 1 (which runs its
@@ -51,6 +55,7 @@ from exo.worker.engines.torch.model.sharding import (
 )
 from exo.worker.engines.torch.parallel.base import EngineTransform, RankEngine, SchedulerHooks
 from exo.worker.engines.torch.parallel.last_rank_sampling import (
+    FULL_ROW,
     RowSampling,
     answer_rows,
     read_answer,
@@ -140,9 +145,12 @@ class PipelineTransform(EngineTransform):
             input_ids: torch.Tensor,
             position_ids: torch.Tensor,
             logit_rows: torch.Tensor,
-            requests: list[RequestState],
+            requests: list[RequestState | None],
         ) -> Callable[[], StepLogits]:
-            samplings = tuple(RowSampling.of(state) for state in requests)
+            # A draft's rows (None) come back whole: rank 0 verifies them.
+            samplings = tuple(
+                FULL_ROW if state is None else RowSampling.of(state) for state in requests
+            )
             return _launch(engine, model, plan, input_ids, position_ids, logit_rows, samplings)
 
         # One step in flight per rank (see scheduler.py).
