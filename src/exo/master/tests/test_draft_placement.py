@@ -198,9 +198,7 @@ def test_a_split_drafts_on_rank_zero_and_counts_the_draft_there(sharding: Shardi
         QWEN3_8B, state, INSTANCE_ID, sharding=sharding, min_nodes=2, cards=CARDS
     )
     assert split.shard_assignments.world_size == 2
-    rank_zero = split.shard_assignments.node_for_runner(
-        split.shard_assignments.rank_zero_runner()
-    )
+    rank_zero = split.shard_assignments.node_for_runner(split.shard_assignments.rank_zero_runner())
     assert split.draft is not None and split.draft.node_id == rank_zero
     assert split.draft_left_out is None
     room = placement_room(state.model_copy(update={"instances": {INSTANCE_ID: split}}))

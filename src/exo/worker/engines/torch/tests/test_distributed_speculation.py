@@ -71,11 +71,11 @@ LOGPROB_TOLERANCE = 5e-4
 
 
 def _params(speculative: bool) -> list[Any]:
+    greedy: dict[str, Any] = {
+        "temperature": 0.0, "max_tokens": MAX_TOKENS, "logprobs": True, "top_logprobs": 1,
+    }  # fmt: skip
     return [
-        request(
-            prompt, temperature=0.0, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=1,
-            speculative=speculative and index != PLAIN_INDEX,
-        )  # fmt: skip
+        request(prompt, speculative=speculative and index != PLAIN_INDEX, **greedy)
         for index, prompt in enumerate(PROMPTS)
     ]
 
@@ -242,13 +242,11 @@ def group_run(models: dict[str, str]) -> GroupRun:
 
 @pytest.fixture(scope="module")
 def slow_group_run(models: dict[str, str]) -> GroupRun:
+    draft = models["llama-draft"]
     return _group_run(
         [
             Job("tensor-scripted", models["llama"], "tensor", ("scripted",)),
-            Job(
-                "pipeline-draft", models["llama"], "pipeline", ("draft_model",),
-                models["llama-draft"],
-            ),  # fmt: skip
+            Job("pipeline-draft", models["llama"], "pipeline", ("draft_model",), draft),
             Job("expert-scripted", models["moe-varied"], "expert", ("scripted",)),
         ]
     )
@@ -400,10 +398,10 @@ def test_a_slot_moved_before_its_draft_is_verified_keeps_the_draft_positions() -
         recording.allocate()
     replay_cache_ops(replica, recording.log.take())
     # A step fed slot 1's position 3 and two draft positions (4, 5), on every rank.
-    plan_rows = {"decode_slots": [1, 1, 1], "decode_positions": [5, 4, 3]}
+    slots, positions = [1, 1, 1], [5, 4, 3]
     for cache in (recording, replica):
         cache.keys[0][1, :, :6] = 7.0
-        commit_lengths(BatchPlan(cache, [None], prefill=[], layer_of={}, **plan_rows))
+        commit_lengths(BatchPlan(cache, [None], slots, positions, [], {}))
         assert cache.reached[1] == 4  # the draft moves no trim before it is verified
     recording.free(0)  # another request leaves while the draft is in flight: 1 moves to 0
     recording.commit_verified(0, 6)  # both drafts accepted
@@ -416,7 +414,7 @@ def test_a_slot_moved_before_its_draft_is_verified_keeps_the_draft_positions() -
     # Rejected: the slot holds the fed position only, as if the draft never was.
     for cache in (recording, replica):
         cache.keys[0][1, :, :3] = 1.0
-        commit_lengths(BatchPlan(cache, [None], prefill=[], layer_of={}, **plan_rows))
+        commit_lengths(BatchPlan(cache, [None], slots, positions, [], {}))
     recording.commit_verified(1, 4)
     replay_cache_ops(replica, recording.log.take())
     assert recording.lengths == replica.lengths and recording.lengths[1] == 4
