@@ -50,8 +50,9 @@ accept_drafts`); the KV of rejected positions is rolled back by committing only 
 length (`SlotKVCache.commit`; later steps overwrite those positions), so the prefix cache
 stores only verified tokens. With steps in flight (a pipeline) a drafting request has one
 step in flight, as every request: its next draft needs the verified tokens, while the
-other requests' steps keep the ranks busy. Its rows come back as whole logits (the
-pipeline's last rank samples none of them: `BatchLaunch`), and until they are verified
+other requests' steps keep the ranks busy. A greedy request's rows come back as the
+tokens the pipeline's last rank chose (and their logprobs where asked), as a plain row's;
+any other's as whole logits (`_rows_chosen_remotely`); and until they are verified
 its slot holds the draft positions for moves and growths (`SlotKVCache.hold_unverified`:
 other requests may leave or grow the cache meanwhile). A launched step is timed from its
 launch to its logits' arrival, for the automatic switch (the ranks' overlap with other
@@ -418,13 +419,11 @@ class BatchScheduler:
         try:
             logits: Callable[[], StepLogits]
             if self.launch is not None:
-                # A draft's rows come back whole: rank 0 verifies them.
                 row_requests: list[RequestState | None] = []
                 for running, drafted in zip(sampled, launched_drafts, strict=True):
-                    if drafted.tokens:
-                        row_requests += [None] * (len(drafted.tokens) + 1)
-                    else:
-                        row_requests.append(running.state)
+                    rows = len(drafted.tokens) + 1
+                    remote = rows == 1 or _rows_chosen_remotely(running.state)
+                    row_requests += [running.state if remote else None] * rows
                 logits = self.launch(*arguments, row_requests)
             else:
                 started = time.perf_counter()
@@ -671,15 +670,28 @@ class BatchScheduler:
                     break
 
 
-def _draft_rows(logits: StepLogits, first: int, end: int) -> torch.Tensor:
-    """`[k + 1, vocab]`: a draft's logits rows `first .. end - 1` of a step (a launched
-    step's come back one per row, whole: `BatchLaunch`)."""
+def _rows_chosen_remotely(state: RequestState) -> bool:
+    """Whether a launched step's other rank may choose each row of the request's draft
+    (`BatchLaunch`): a greedy request whose chooser needs no logits (no penalties, bias or
+    constraint) takes each row's most likely token, which that rank finds as rank 0 would,
+    and no row draws a number of the request's generator. Any other drafting request's
+    rows come back whole for rank 0 to verify (a sampling request's rows each take their
+    own uniform number, which only the rows it keeps may use up)."""
+    chooser = state.chooser
+    return chooser.sampler.params.is_greedy and not chooser.needs_logits
+
+
+def _draft_rows(
+    logits: StepLogits, first: int, end: int
+) -> torch.Tensor | Sequence[torch.Tensor | SampledToken]:
+    """A draft's rows `first .. end - 1` of a step: `[k + 1, vocab]` logits, or a launched
+    step's entries, one per row (tokens chosen elsewhere, `_rows_chosen_remotely`)."""
     if isinstance(logits, torch.Tensor):
         return logits[first:end]
     rows = logits[first:end]
-    if not all(isinstance(row, torch.Tensor) for row in rows):
-        raise RuntimeError("a draft's rows came back as chosen tokens, not logits")
-    return torch.stack([row for row in rows if isinstance(row, torch.Tensor)])
+    if all(isinstance(row, torch.Tensor) for row in rows):
+        return torch.stack([row for row in rows if isinstance(row, torch.Tensor)])
+    return rows
 
 
 def _multimodal_rows(decoding: list[_Running], prefill: list[tuple[_Running, int]]) -> torch.Tensor:

@@ -174,8 +174,8 @@ class RankGroup:
         travel in the step's plan like any decode rows, every rank commits only the fed
         position (`commit_lengths`, as rank 0 before verifying), rank 0's verified length
         reaches the others as a `CACHE_COMMIT` before their next step, and later steps'
-        positions overwrite a rejected draft's KV. A pipeline's last rank sends a draft's
-        rows back whole for rank 0 to verify (`pipeline.py`)."""
+        positions overwrite a rejected draft's KV. A pipeline's last rank sends back a
+        draft's rows for rank 0 to verify (`pipeline.py`)."""
         self.check_rank_zero()
         log = CacheOpLog()
         cache = self._new_slot_cache(max_concurrent_requests, log)
