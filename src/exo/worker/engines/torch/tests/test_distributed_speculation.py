@@ -279,14 +279,23 @@ def _check(run: GroupRun, name: str) -> None:
         assert plain["tokens"][index] == single["tokens"][index], f"{name}: plain {index}"
     for source in job.sources:
         speculated = outcome[source]
-        assert speculated["tokens"] == plain["tokens"], f"{name} with {source} drafts"
-        for got, wanted in zip(speculated["logprobs"], plain["logprobs"], strict=True):
+        # A draft model's drafts of a sampling request are drawn: its output follows the
+        # target's distribution (test_speculative's chi-square), not plain decoding's draws.
+        same = [
+            index
+            for index in range(len(PROMPTS))
+            if index != SAMPLED_INDEX or source != "draft_model"
+        ]
+        for index in same:
+            assert speculated["tokens"][index] == plain["tokens"][index], (name, source, index)
+            got, wanted = speculated["logprobs"][index], plain["logprobs"][index]
             assert len(got) == len(wanted) == MAX_TOKENS
             torch.testing.assert_close(
                 torch.tensor(got), torch.tensor(wanted), atol=LOGPROB_TOLERANCE, rtol=0
             )
-        for got_kv, wanted_kv in zip(speculated["kv"], plain["kv"], strict=True):
-            torch.testing.assert_close(got_kv, wanted_kv, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                speculated["kv"][index], plain["kv"][index], atol=1e-5, rtol=1e-5
+            )
         counters = speculated["counters"]
         assert counters["accepted_tokens"] > 0, (name, source, counters)
         # More than one token per decoding request and step, on average.
