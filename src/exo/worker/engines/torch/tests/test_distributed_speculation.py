@@ -1,18 +1,20 @@
 """Speculative decoding on split instances (issue 43): tensor, pipeline and expert x2 verify
 a draft's k + 1 positions in one step, with n-gram drafts (no model), scripted drafts (the
 plain reply with mistakes at set places: every rejection path, deterministically) and, on a
-pipeline, a draft model in rank 0's runner. Every case: the group's greedy tokens with
-drafts equal one process's plain decoding token for token (float32 weights and KV, gloo
-over 127.0.0.1, spawned processes), with one request that does not draft batched beside the
-drafting ones, and its logprobs equal the group's plain ones. A logprob comes from the last
-rank's logits, which a wrong key or value on any rank (a rejected draft's position kept, an
-accepted one lost when a slot moved) would move: so every rank's KV after rejections is the
-KV of plain decoding. Rank 0's own KV is compared directly with plain decoding's (the prefix
-cache's entries of the finished requests).
+pipeline, a draft model in rank 0's runner. Every case (float32 weights and KV, gloo over
+127.0.0.1, spawned processes): the group's greedy tokens with drafts equal one process's
+plain decoding token for token, a seeded sampling request's equal the group's plain ones
+(deterministic drafts: the same draws), with one request that does not draft batched beside
+the drafting ones; and the logprobs equal the group's plain ones. A logprob comes from the
+last rank's logits, which a wrong key or value on any rank (a rejected draft's position
+kept, an accepted one lost when a slot moved) would move: so every rank's KV after
+rejections is the KV of plain decoding. Rank 0's own KV is compared directly with plain
+decoding's (the prefix cache's entries of the finished requests).
 
-One group runs every job (models loaded one after another by both ranks), so the processes
-start once. The pipeline's steps in flight beside a verified draft are covered in one
-process too (`test_drafts_in_flight_beside_other_steps_keep_their_kv_across_slot_moves`).
+One group runs the default run's jobs (models loaded one after another by both ranks, so
+the processes start once), another the slow ones. The pipeline's steps in flight beside a
+verified draft, across slot moves, are covered in one process too
+(`test_drafts_in_flight_beside_other_steps_keep_their_kv_across_slot_moves`).
 """
 
 from __future__ import annotations
@@ -44,8 +46,12 @@ from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSett
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.engine_factory import load_engine
 from exo.worker.engines.torch.parallel.rank_steps import (
+    MICRO_BATCH_MIN_ROWS,
+    STEP,
     CacheOpLog,
     RecordingSlotKVCache,
+    StepHeader,
+    micro_batch_count,
     replay_cache_ops,
 )
 from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S, make_shard
@@ -452,6 +458,16 @@ def test_a_slot_moved_before_its_draft_is_verified_keeps_the_draft_positions() -
     recording.commit_verified(1, 4)
     replay_cache_ops(replica, recording.log.take())
     assert recording.lengths == replica.lengths and recording.lengths[1] == 4
+
+
+def test_a_step_with_a_drafts_rows_is_never_split_into_micro_batches() -> None:
+    rows = MICRO_BATCH_MIN_ROWS
+    slots = (0,) * 3 + tuple(range(1, rows - 2))  # slot 0: a fed token and two drafts
+    positions = (12, 11, 10) + (5,) * (rows - 3)
+    step = StepHeader(STEP, (), slots, positions, (), (1,) * rows, positions, (0, 1, 2))
+    assert micro_batch_count(step, 2) == 1
+    plain = StepHeader(STEP, (), tuple(range(rows)), (5,) * rows, (), (1,) * rows, (5,) * rows)
+    assert micro_batch_count(plain, 2) == 2
 
 
 @pytest.fixture(autouse=True)
