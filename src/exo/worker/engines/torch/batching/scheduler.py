@@ -421,9 +421,9 @@ class BatchScheduler:
             if self.launch is not None:
                 row_requests: list[RequestState | None] = []
                 for running, drafted in zip(sampled, launched_drafts, strict=True):
-                    rows = len(drafted.tokens) + 1
-                    remote = rows == 1 or _rows_chosen_remotely(running.state)
-                    row_requests += [running.state if remote else None] * rows
+                    count = len(drafted.tokens) + 1
+                    remote = count == 1 or _rows_chosen_remotely(running.state)
+                    row_requests += [running.state if remote else None] * count
                 logits = self.launch(*arguments, row_requests)
             else:
                 started = time.perf_counter()

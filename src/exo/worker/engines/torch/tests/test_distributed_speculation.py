@@ -419,8 +419,12 @@ def test_drafts_in_flight_beside_other_steps_keep_their_kv_across_slot_moves(
             torch.tensor(plain_logprobs[f"r{index}"]),
             atol=LOGPROB_TOLERANCE, rtol=0,
         )  # fmt: skip
-    counters = engine._scheduler.speculation.counters  # type: ignore[union-attr]
+    speculation = engine._scheduler.speculation
+    assert speculation is not None
+    counters = speculation.counters
     assert 0 < counters.accepted_tokens < counters.drafted_tokens
+    # Launched steps are timed for the automatic switch (from launch to logits).
+    assert speculation.auto_switch.step_seconds(1) is not None
     launched = engine._scheduler.launched_rows  # type: ignore[attr-defined]
     # The sampling request's draft rows were launched to come back whole (None), a greedy
     # one's to be chosen by the other rank (its state on each row).
