@@ -29,8 +29,8 @@ Rules (exo's, with its gaps filled):
 - a draft model for speculative decoding (`exo.shared.models.drafts`: the card's, or rank
   0's node's `--draft-model`) runs in rank 0's runner: its weights and KV for the
   instance's budget count on that node (`draft_bytes`); a group where it does not fit is
-  placed without it, saying why (`Instance.draft_left_out`); of split instances only a
-  tensor-parallel one takes one (`drafts.draft_runs_on`);
+  placed without it, saying why (`Instance.draft_left_out`); a split instance takes one
+  where its kind verifies drafts (`drafts.draft_runs_on`: every kind today);
 - prefer the fewest nodes that fit, then layouts that keep their draft model, then nodes
   that already hold the model's files, then the most available memory (ties by node id,
   so every master decides the same).

@@ -23,7 +23,7 @@ from exo.shared.models.cards import load_builtin_cards
 from exo.shared.models.drafts import draft_for
 from exo.shared.models.kv_cache_memory import DEFAULT_KV_CACHE_TOKENS
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId
-from exo.shared.types.instances import InstanceDraft
+from exo.shared.types.instances import InstanceDraft, Sharding
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import (
     DownloadCompleted,
@@ -191,27 +191,22 @@ def test_the_nodes_option_is_placed_and_counted_and_a_directory_is_named_uncount
     assert room[NODE_A].promised_bytes == runner_bytes(shard, TOKENS)
 
 
-def test_a_tensor_split_drafts_on_rank_zero_and_a_pipeline_split_says_it_does_not() -> None:
+@pytest.mark.parametrize("sharding", ["tensor", "pipeline"])
+def test_a_split_drafts_on_rank_zero_and_counts_the_draft_there(sharding: Sharding) -> None:
     state = linked_state(**{NODE_A: node(both_bytes()), NODE_B: node(both_bytes())})
-    tensor = place_instance(
-        QWEN3_8B, state, INSTANCE_ID, sharding="tensor", min_nodes=2, cards=CARDS
+    split = place_instance(
+        QWEN3_8B, state, INSTANCE_ID, sharding=sharding, min_nodes=2, cards=CARDS
     )
-    assert tensor.shard_assignments.world_size == 2
-    rank_zero = tensor.shard_assignments.node_for_runner(
-        tensor.shard_assignments.rank_zero_runner()
-    )
-    assert tensor.draft is not None and tensor.draft.node_id == rank_zero
-    room = placement_room(state.model_copy(update={"instances": {INSTANCE_ID: tensor}}))
-    shards = tensor.shard_assignments.runner_to_shard
-    for node_id, runner_id in tensor.shard_assignments.node_to_runner.items():
-        own = runner_bytes(shards[runner_id], tensor.kv_cache_tokens)
-        drafting = draft_bytes(QWEN3_0_6B, tensor.kv_cache_tokens) if node_id == rank_zero else 0
+    assert split.shard_assignments.world_size == 2
+    rank_zero = split.shard_assignments.node_for_runner(split.shard_assignments.rank_zero_runner())
+    assert split.draft is not None and split.draft.node_id == rank_zero
+    assert split.draft_left_out is None
+    room = placement_room(state.model_copy(update={"instances": {INSTANCE_ID: split}}))
+    shards = split.shard_assignments.runner_to_shard
+    for node_id, runner_id in split.shard_assignments.node_to_runner.items():
+        own = runner_bytes(shards[runner_id], split.kv_cache_tokens)
+        drafting = draft_bytes(QWEN3_0_6B, split.kv_cache_tokens) if node_id == rank_zero else 0
         assert room[node_id].promised_bytes == own + drafting
-    pipeline = place_instance(QWEN3_8B, state, INSTANCE_ID, min_nodes=2, cards=CARDS)
-    assert pipeline.shard_assignments.world_size == 2
-    assert pipeline.draft is None
-    assert pipeline.draft_left_out is not None
-    assert "pipeline split does not speculate" in pipeline.draft_left_out
 
 
 def test_previews_name_the_draft_its_node_and_count_it_in_that_nodes_bytes() -> None:

@@ -2,9 +2,9 @@
 placement so that its memory is counted, its files fetched and its choice visible in the
 state (`Instance.draft`) and the placement previews.
 
-The rule, for a text model placed whole on one node or split by tensor parallelism (its
-rank 0 drafts, the split model verifies k + 1 positions in one step: `draft_runs_on`; a
-pipeline's steps are in flight at once, which speculation does not take yet):
+The rule, for a text model placed whole on one node or split (by pipeline, tensor or
+expert parallelism: its rank 0 drafts, the split model verifies k + 1 positions in one
+step, `draft_runs_on`):
 1. the `--draft-model` of the node that would run rank 0 (`NodeInfo.draft_model`), when
    set, overrides the card: a catalog model by any of its names (its card then counts in
    placement, and the node fetches it), else a directory only that node knows (counted by

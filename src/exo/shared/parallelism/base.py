@@ -97,11 +97,15 @@ class Parallelism(ABC):
         return rank == 0
 
     def drafts_in_rank_zero(self, world_size: int) -> bool:
-        """Whether an instance of this kind over `world_size` nodes drafts with a draft
-        model in its rank 0's runner (`exo.shared.models.drafts`): one node always; a split
-        only where its ranks verify k + 1 positions together in one step in flight (tensor).
-        A pipeline keeps several steps in flight; an expert split is not checked yet."""
-        return world_size == 1
+        """Whether an instance of this kind over `world_size` nodes speculates with drafts
+        made in its rank 0's runner (a draft model there, `exo.shared.models.drafts`, or
+        n-gram prompt lookup), its ranks verifying a draft's k + 1 positions in one step.
+        Every kind does: tensor and expert ranks run each step in lockstep; a pipeline
+        keeps one step in flight per request (the draft's, its rows returned whole by the
+        last rank) while other requests' steps fill the ranks. A kind whose ranks could not
+        verify a draft in one step would answer False (placement then leaves the draft
+        model out, saying why)."""
+        return True
 
     @abstractmethod
     def split_error(self, card: ModelCard, world_size: int) -> str | None:

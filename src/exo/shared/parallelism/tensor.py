@@ -31,9 +31,6 @@ class TensorParallelism(EveryLayerParallelism):
     def holds_output_layer(self, rank: int, world_size: int) -> bool:
         return True
 
-    def drafts_in_rank_zero(self, world_size: int) -> bool:
-        return True  # one step in flight, verified by every rank together
-
     def split_error(self, card: ModelCard, world_size: int) -> str | None:
         """The card allows tensor parallelism, and its attention heads, KV heads and MLP
         (intermediate) size each divide by the node count (every rank gets whole heads and

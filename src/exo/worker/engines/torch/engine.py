@@ -150,8 +150,8 @@ class TorchEngine:
         kv_cache_dtype: how keys and values are stored (`kv_memory.kv_cache_torch_dtype`;
             None: bfloat16 on CPU unless `EXO_KV_CACHE_DTYPE` says otherwise).
         speculation: speculative decoding's settings (`speculative_policy`; None: off
-            unless a request asks, with the default draft bounds). Single-rank engines
-            only: a split instance's requests decode plainly.
+            unless a request asks, with the default draft bounds). A split instance's rank
+            0 drafts for the group (`drafts.draft_runs_on`).
     """
 
     def __init__(
@@ -250,8 +250,8 @@ class TorchEngine:
             draft_model: the directory of a draft model for speculative decoding (the
                 target's tokenizer; loaded here with the target's weight format,
                 `draft_model.load_draft_model`); None: n-gram drafts. Of a split
-                instance, only rank 0 of a tensor-parallel one loads it and speculates
-                (`drafts.draft_runs_on`); the others do not speculate.
+                instance, only rank 0 loads it and drafts (`drafts.draft_runs_on`); the
+                other ranks verify its drafts with it.
 
         Raises:
             UnsupportedArchitectureError (a ValueError): no family file for the model.
@@ -546,10 +546,12 @@ class TorchEngine:
 
     def _new_scheduler(self) -> BatchScheduler:
         if self.group is not None:
-            # A split instance speculates only with a draft model (tensor: `draft_runs_on`).
+            # Rank 0 drafts (a draft model, else n-gram) where its split verifies a draft's
+            # k + 1 positions in one step (`draft_runs_on`).
+            shard = self.group.shard
             speculation = (
-                Speculation(self.speculation, self.draft_source)
-                if self.draft_source is not None
+                Speculation(self.speculation, self.draft_source or NgramDraftSource())
+                if draft_runs_on(shard.sharding, shard.world_size)
                 else None
             )
             return self.group.build_scheduler(
@@ -652,7 +654,8 @@ class TorchEngine:
     def speculation_counters(self) -> tuple[SpeculationCounters, bool] | None:
         """What speculative decoding did here (`SpeculationCounters`, cumulative) and
         whether its automatic switch is on now; None before the first request built the
-        scheduler or where it does not speculate (a split instance)."""
+        scheduler or where it does not speculate (a split kind that cannot verify drafts,
+        `drafts.draft_runs_on`; a rank other than 0 holds no scheduler)."""
         speculation = self._scheduler.speculation if self._scheduler is not None else None
         if speculation is None:
             return None

@@ -732,14 +732,19 @@ def commit_lengths(plan: BatchPlan) -> None:
     its windowed layers drop what their windows no longer see). A slot with several decode
     rows (a speculative draft's) holds only its first row's position: the draft's are
     committed once verified (the scheduler's `SlotKVCache.commit` of the accepted ones),
-    so a rejected position never counts as held nor moves a window's trim."""
+    so a rejected position never counts as held nor moves a window's trim; until then the
+    slot carries them along where it moves (`SlotKVCache.hold_unverified`)."""
     for segment in plan.prefill:
         plan.cache.commit(segment.slot, segment.start + segment.length)
     first: dict[int, int] = {}
+    last: dict[int, int] = {}
     for slot, position in zip(plan.decode_slots, plan.decode_positions, strict=True):
         first[slot] = min(position, first.get(slot, position))
+        last[slot] = max(position, last.get(slot, position))
     for slot, position in first.items():
         plan.cache.commit(slot, position + 1)
+        if last[slot] > position:
+            plan.cache.hold_unverified(slot, last[slot] + 1)
 
 
 class LeanStep(Protocol):

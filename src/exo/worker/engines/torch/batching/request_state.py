@@ -199,7 +199,7 @@ class RequestState:
 
     def accept_drafts(
         self,
-        logits: torch.Tensor,
+        logits: torch.Tensor | Sequence[torch.Tensor | SampledToken],
         draft: Sequence[int],
         probabilities: torch.Tensor | None = None,
     ) -> tuple[list[GeneratedPiece], int]:
@@ -229,7 +229,8 @@ class RequestState:
 
         Args:
             logits: `[len(draft) + 1, vocab]` raw scores, row i at the position after the
-                i-th draft token (row 0: after the fed token).
+                i-th draft token (row 0: after the fed token); or, of a greedy request
+                whose rows a pipeline's last rank chose (`accept`), one entry per row.
             draft: the draft tokens.
             probabilities: None, or `[len(draft), vocab]` the draft's distribution each
                 token was drawn from (a draft model's; `speculative_drafts.Draft`).
@@ -242,8 +243,9 @@ class RequestState:
         Raises:
             NoAllowedTokenError: the constraint allows no token.
         """
-        assert logits.shape[0] == len(draft) + 1, "one logits row per draft token and one more"
+        assert len(logits) == len(draft) + 1, "one logits row per draft token and one more"
         if probabilities is not None and not self.chooser.sampler.params.is_greedy:
+            assert isinstance(logits, torch.Tensor), "a drawn draft is verified on logits"
             return self._accept_drawn_draft(logits, draft, probabilities)
         pieces: list[GeneratedPiece] = []
         accepted = 0

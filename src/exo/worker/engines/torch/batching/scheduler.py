@@ -36,8 +36,9 @@ written first). Cache operations (admissions, releases) are recorded in that sam
 every rank applies them between the same two steps.
 
 Speculative decoding (`speculation.py`, `decoding/speculative_drafts.py`, a draft model's
-`draft_model.py`): on a single rank (`launch` None, one step in flight) a decoding request
-may carry a draft of k guessed tokens. Its step then holds k + 1 decode rows, the fed token
+`draft_model.py`): a decoding request may carry a draft of k guessed tokens, on a single
+rank and on a split instance alike (rank 0's scheduler drafts; the draft rows travel in
+the step like any decode rows). Its step then holds k + 1 decode rows, the fed token
 and the draft tokens at the next positions, laid out from the last position down: every one
 is a decode row to the attention (`BatchPlan.repeated_slots`; the native decode layer takes
 a run of one slot's ascending positions for a prompt chunk, attended by another kernel), so
@@ -47,7 +48,15 @@ drafts go only into steps without prompt rows, and drafts are dropped before any
 pre-empted for their KV. The request verifies its rows in order (`RequestState.
 accept_drafts`); the KV of rejected positions is rolled back by committing only the accepted
 length (`SlotKVCache.commit`; later steps overwrite those positions), so the prefix cache
-stores only verified tokens.
+stores only verified tokens. With steps in flight (a pipeline) a drafting request has one
+step in flight, as every request: its next draft needs the verified tokens, while the
+other requests' steps keep the ranks busy. A greedy request's rows come back as the
+tokens the pipeline's last rank chose (and their logprobs where asked), as a plain row's;
+any other's as whole logits (`_rows_chosen_remotely`); and until they are verified
+its slot holds the draft positions for moves and growths (`SlotKVCache.hold_unverified`:
+other requests may leave or grow the cache meanwhile). A launched step is timed from its
+launch to its logits' arrival, for the automatic switch (the ranks' overlap with other
+steps included, alike for steps with and without drafts).
 """
 
 from __future__ import annotations
@@ -106,11 +115,19 @@ BatchForward = Callable[
 ]
 # Per logit row, its [vocab] logits, or the token another rank chose (`SampledToken`).
 StepLogits = torch.Tensor | Sequence[torch.Tensor | SampledToken]
-# The same arguments and the request of each logit row; starts the forward pass and returns
-# the function that waits for its logits (a pipeline's rank 0: its layers run before it
+# The same arguments and, per logit row, its request, or None for a row whose whole logits
+# are wanted (a draft's rows: rank 0 verifies them); starts the forward pass and returns the
+# function that waits for its logits (a pipeline's rank 0: its layers run before it
 # returns, the other ranks' after; its last rank may choose a row's token itself).
 BatchLaunch = Callable[
-    [PreTrainedModel, BatchPlan, torch.Tensor, torch.Tensor, torch.Tensor, list[RequestState]],
+    [
+        PreTrainedModel,
+        BatchPlan,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        list[RequestState | None],
+    ],
     Callable[[], StepLogits],
 ]
 
@@ -140,8 +157,9 @@ class _Launched:
     """A step whose forward pass has started: `sampled[i]` takes the next
     `len(drafts[i]) + 1` logits rows (one without a draft). The first `decoding` of
     `sampled` were decoding; `seconds` is the time of the forward pass and of its drafts'
-    proposal where it was run here (None: launched) and `decode_only` whether the step had
-    no prompt rows."""
+    proposal where it was run here (None: launched, then timed from `started`, a
+    `time.perf_counter` value, to its logits' arrival) and `decode_only` whether the step
+    had no prompt rows."""
 
     sampled: list[_Running]
     logits: Callable[[], StepLogits]
@@ -149,6 +167,7 @@ class _Launched:
     decoding: int = 0
     seconds: float | None = None
     decode_only: bool = False
+    started: float = 0.0
 
 
 class BatchScheduler:
@@ -171,8 +190,8 @@ class BatchScheduler:
             A pipeline's rank 0 holds some layers only and counts every layer as full.
         prefix_windows: the windows a prefix hit must respect, over the whole model's
             layers (None: `windows`; a pipeline's rank 0 adds the other stages' window).
-        speculation: drafts and their bookkeeping (None: no speculation). Used only with
-            one step in flight and no `launch` (a single rank).
+        speculation: drafts and their bookkeeping (None: no speculation), with `forward`
+            or `launch` alike (see the module docstring).
     """
 
     def __init__(
@@ -226,7 +245,7 @@ class BatchScheduler:
         self.chunk_sizer: PrefillChunkSizer | FixedChunkSizer = PrefillChunkSizer(
             maximum=PREFILL_TOKENS_PER_IDLE_STEP, initial=PREFILL_TOKENS_PER_STEP
         )
-        self.speculation = speculation if launch is None and max_in_flight == 1 else None
+        self.speculation = speculation
 
     @property
     def max_running(self) -> int:
@@ -396,10 +415,16 @@ class BatchScheduler:
             torch.tensor(logit_rows, dtype=torch.long, device=device),
         )
         seconds: float | None = None
+        started = time.perf_counter()
         try:
             logits: Callable[[], StepLogits]
             if self.launch is not None:
-                logits = self.launch(*arguments, [running.state for running in sampled])
+                row_requests: list[RequestState | None] = []
+                for running, drafted in zip(sampled, launched_drafts, strict=True):
+                    count = len(drafted.tokens) + 1
+                    remote = count == 1 or _rows_chosen_remotely(running.state)
+                    row_requests += [running.state if remote else None] * count
+                logits = self.launch(*arguments, row_requests)
             else:
                 started = time.perf_counter()
                 computed = (self._forward or forward_batch)(*arguments)
@@ -421,13 +446,19 @@ class BatchScheduler:
                 running.state.prefilled_tokens = min(
                     running.computed, len(running.state.prompt_ids)
                 )
-        if seconds is not None and self.speculation is not None:
+        if self.speculation is not None:
             # A draft model's forward passes are part of the step's cost (n-gram: ~0).
-            seconds += self.speculation.take_draft_seconds()
+            draft_seconds = self.speculation.take_draft_seconds()
+            if seconds is not None:
+                seconds += draft_seconds
+            else:  # a launched step's time runs from before its drafts
+                started -= draft_seconds
         for running in sampled:
             running.awaiting = True
         self._in_flight.append(
-            _Launched(sampled, logits, launched_drafts, len(decoding), seconds, not prefill)
+            _Launched(
+                sampled, logits, launched_drafts, len(decoding), seconds, not prefill, started
+            )
         )
         return True
 
@@ -438,6 +469,9 @@ class BatchScheduler:
         except Exception:
             self._drop_everything()
             raise
+        seconds = launched.seconds
+        if seconds is None:  # launched: from its launch to its logits (see `step_measured`)
+            seconds = time.perf_counter() - launched.started
         outputs: list[StepOutput] = []
         speculation = self.speculation
         emitted_by_decoding = 0
@@ -453,9 +487,8 @@ class BatchScheduler:
             before = len(state.generated_ids)
             try:
                 if draft:
-                    assert isinstance(logits, torch.Tensor), "drafts need this rank's logits"
                     pieces, accepted = state.accept_drafts(
-                        logits[first:row], draft, drafted.probabilities
+                        _draft_rows(logits, first, row), draft, drafted.probabilities
                     )
                 else:
                     pieces, accepted = state.accept(logits[first]), 0
@@ -479,8 +512,8 @@ class BatchScheduler:
             outputs.extend((state.request_id, piece) for piece in pieces)
             if state.finished:
                 self._release(running, keep_prefix=True)
-        if speculation is not None and launched.decode_only and launched.seconds is not None:
-            speculation.step_measured(launched.decoding, row, emitted_by_decoding, launched.seconds)
+        if speculation is not None and launched.decode_only:
+            speculation.step_measured(launched.decoding, row, emitted_by_decoding, seconds)
         return outputs
 
     def _drop_everything(self) -> None:
@@ -635,6 +668,30 @@ class BatchScheduler:
                 if other.slot == moved:
                     other.slot = running.slot
                     break
+
+
+def _rows_chosen_remotely(state: RequestState) -> bool:
+    """Whether a launched step's other rank may choose each row of the request's draft
+    (`BatchLaunch`): a greedy request whose chooser needs no logits (no penalties, bias or
+    constraint) takes each row's most likely token, which that rank finds as rank 0 would,
+    and no row draws a number of the request's generator. Any other drafting request's
+    rows come back whole for rank 0 to verify (a sampling request's rows each take their
+    own uniform number, which only the rows it keeps may use up)."""
+    chooser = state.chooser
+    return chooser.sampler.params.is_greedy and not chooser.needs_logits
+
+
+def _draft_rows(
+    logits: StepLogits, first: int, end: int
+) -> torch.Tensor | Sequence[torch.Tensor | SampledToken]:
+    """A draft's rows `first .. end - 1` of a step: `[k + 1, vocab]` logits, or a launched
+    step's entries, one per row (tokens chosen elsewhere, `_rows_chosen_remotely`)."""
+    if isinstance(logits, torch.Tensor):
+        return logits[first:end]
+    rows = logits[first:end]
+    if all(isinstance(row, torch.Tensor) for row in rows):
+        return torch.stack([row for row in rows if isinstance(row, torch.Tensor)])
+    return rows
 
 
 def _multimodal_rows(decoding: list[_Running], prefill: list[tuple[_Running, int]]) -> torch.Tensor:

@@ -144,6 +144,14 @@ class SlotKVCache:
                     for layer in layers:
                         release_positions(tensors[layer], slot, start, end)
 
+    def hold_unverified(self, slot: int, length: int) -> None:
+        """A speculative step wrote `slot`'s positions up to `length - 1`, past its
+        committed ones (a draft's rows, `commit_lengths`): until `commit_verified` says how
+        many are kept, a move (`free`) or a growth (`reserve`) copies them too. A pipeline
+        verifies a draft after later steps of other requests were launched, which may free
+        or grow slots meanwhile. They move no windowed layer's trim (`reached`)."""
+        self.lengths[slot] = max(self.lengths[slot], length)
+
     def commit_verified(self, slot: int, length: int) -> None:
         """`commit` after a speculative step's verification: `slot` holds the fed token's
         and the accepted draft tokens' positions, `0 .. length - 1` (a split instance's

@@ -1,6 +1,7 @@
-"""A single-rank scheduler's speculative decoding: which decoding requests draft in a step and
-how many tokens, and what their verification did (`scheduler.py` lays the rows out and
-verifies them; `decoding/speculative_drafts.py` proposes, `speculative_policy.py` decides).
+"""A scheduler's speculative decoding (a single rank's, or a split instance's rank 0's):
+which decoding requests draft in a step and how many tokens, and what their verification
+did (`scheduler.py` lays the rows out and verifies them; `decoding/speculative_drafts.py`
+proposes, `speculative_policy.py` decides).
 
 A step's drafts stay within `max_decode_rows` decode rows in all: up to that many rows a
 block weight's product runs its decode kernel (`quantized_linear.NATIVE_BLOCK_MAX_ROWS`,
@@ -35,7 +36,8 @@ from exo.worker.engines.torch.quant.quantized_linear import NATIVE_BLOCK_MAX_ROW
 
 
 class Speculation:
-    """Drafts and their bookkeeping for one single-rank scheduler.
+    """Drafts and their bookkeeping for one scheduler (a single rank's or a split
+    instance's rank 0's).
 
     Args:
         settings: the node's settings (each request's mode, the draft length's bounds).

@@ -3,18 +3,24 @@ also the embedding, the last the final norm and LM head) and a step travels rank
 
 Up to `world_size` steps are in flight at once, each over its own requests (the scheduler's
 `max_in_flight`: rank 0 runs step t+1's layers while the next ranks run step t's, and
-samples step t when its logits come back). A step of at least `MICRO_BATCH_MIN_ROWS` rows
-(prefill) is also split into up to `world_size` micro-batches of requests
-(`micro_batch_count`; a decode step stays whole). For each, rank 0 runs its layers and
-sends the header and `[1, T, hidden]` float32 hidden states to rank 1 (which runs its
-layers while rank 0 computes the next micro-batch), and so on; the last rank sends rank 0
-its answer for the micro-batch's logit rows (rank 0 posts that receive before sending the
-micro-batch, so no send waits on a rank that is itself sending): per row the token it chose
-(and its logprobs, only when asked), or the row's `[vocab]` float32 logits for a request
-whose penalties, logit bias or constraint rank 0 applies (`last_rank_sampling.py`: what
-each row's request needs travels in the header). Per micro-batch and hop: two messages (the
-header with its length, the hidden states), over the group's `comm/tcp_mesh.py` TCP links
-when it has them (else gloo).
+samples step t when its logits come back). Speculative decoding: a drafting request's k + 1
+rows go in one step; a greedy request's come back as the last rank's chosen tokens (as a
+plain row's), any other's as whole logits rows (`scheduler._rows_chosen_remotely`), and
+rank 0 verifies them; the verified length reaches the other ranks as a `CACHE_COMMIT` in
+a later step's header (every rank applies it between the same two steps), and until then
+each rank's slot carries the draft's positions (`SlotKVCache.hold_unverified`).
+
+A step of at least `MICRO_BATCH_MIN_ROWS` rows (prefill) is also split into up to
+`world_size` micro-batches of requests (`micro_batch_count`; a decode step stays whole).
+For each, rank 0 runs its layers and sends the header and `[1, T, hidden]` float32 hidden
+states to rank 1 (which runs its layers while rank 0 computes the next micro-batch), and so
+on; the last rank sends rank 0 its answer for the micro-batch's logit rows (rank 0 posts
+that receive before sending the micro-batch, so no send waits on a rank that is itself
+sending): per row the token it chose (and its logprobs, only when asked), or the row's
+`[vocab]` float32 logits for a request whose penalties, logit bias or constraint rank 0
+applies (`last_rank_sampling.py`: what each row's request needs travels in the header). Per
+micro-batch and hop: two messages (the header with its length, the hidden states), over the
+group's `comm/tcp_mesh.py` TCP links when it has them (else gloo).
 
 A vision model's images: the first rank alone holds the embedding, so it alone runs the
 vision tower and puts the image rows into the hidden states it sends on; the header's
@@ -51,6 +57,7 @@ from exo.worker.engines.torch.model.sharding import (
 )
 from exo.worker.engines.torch.parallel.base import EngineTransform, RankEngine, SchedulerHooks
 from exo.worker.engines.torch.parallel.last_rank_sampling import (
+    FULL_ROW,
     RowSampling,
     answer_rows,
     read_answer,
@@ -140,9 +147,12 @@ class PipelineTransform(EngineTransform):
             input_ids: torch.Tensor,
             position_ids: torch.Tensor,
             logit_rows: torch.Tensor,
-            requests: list[RequestState],
+            requests: list[RequestState | None],
         ) -> Callable[[], StepLogits]:
-            samplings = tuple(RowSampling.of(state) for state in requests)
+            # Rows wanted whole (None: a sampling request's draft rows) travel whole.
+            samplings = tuple(
+                FULL_ROW if state is None else RowSampling.of(state) for state in requests
+            )
             return _launch(engine, model, plan, input_ids, position_ids, logit_rows, samplings)
 
         # One step in flight per rank (see scheduler.py).

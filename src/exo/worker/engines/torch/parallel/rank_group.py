@@ -170,10 +170,12 @@ class RankGroup:
         speculation: Speculation | None = None,
     ) -> BatchScheduler:
         """Rank 0's scheduler, its steps run across the group, with the group's prefix
-        cache (`RecordingPrefixCache`), and `speculation` where its steps are run one at a
-        time (tensor parallel: the draft rows travel in the step's plan like any decode
-        rows; the other ranks commit only the fed position, as rank 0 before verifying, and
-        the next step's positions overwrite a rejected draft's KV)."""
+        cache (`RecordingPrefixCache`), and `speculation` (None: none): the draft rows
+        travel in the step's plan like any decode rows, every rank commits only the fed
+        position (`commit_lengths`, as rank 0 before verifying), rank 0's verified length
+        reaches the others as a `CACHE_COMMIT` before their next step, and later steps'
+        positions overwrite a rejected draft's KV. A pipeline's last rank sends back a
+        draft's rows for rank 0 to verify (`pipeline.py`)."""
         self.check_rank_zero()
         log = CacheOpLog()
         cache = self._new_slot_cache(max_concurrent_requests, log)

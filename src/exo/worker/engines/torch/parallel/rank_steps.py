@@ -471,7 +471,11 @@ MICRO_BATCH_MIN_ROWS = 64
 
 def micro_batch_count(step: StepHeader, world_size: int) -> int:
     """How many micro-batches a pipeline step is split into: `world_size` when it has at
-    least `MICRO_BATCH_MIN_ROWS` rows, else 1."""
+    least `MICRO_BATCH_MIN_ROWS` rows, else 1; 1 for a step with a speculative draft's
+    rows (several decode rows of one slot, which `split_micro_batches` would part; such a
+    step has no prompt rows and stays within `Speculation.max_decode_rows` anyway)."""
+    if len(set(step.decode_slots)) < len(step.decode_slots):
+        return 1
     return world_size if step.rows >= MICRO_BATCH_MIN_ROWS else 1
 
 
