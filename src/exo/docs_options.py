@@ -187,6 +187,11 @@ ENVIRONMENT = (
         "engine.md#exos-kernels",
     ),
     EnvironmentVariable(
+        "EXO_HUGE_PAGES",
+        "`0` keeps runners off transparent huge pages where the kernel gives them when asked",
+        "engine.md#huge-pages",
+    ),
+    EnvironmentVariable(
         "EXO_KV_CACHE_DTYPE",
         "`float32` / `bfloat16`: the KV dtype of engines started without `--kv-cache-dtype` "
         "(tests comparing with transformers use `float32`)",
