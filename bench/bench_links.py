@@ -62,7 +62,7 @@ def _rank_main(
     from exo.worker.engines.torch.comm.process_group import destroy_group, init_group
     from exo.worker.engines.torch.comm.tcp_mesh import current_links
 
-    init_group("gloo", rank, 2, "127.0.0.1", port, timeout_s=60)
+    init_group("gloo", rank, 2, "127.0.0.1", port, timeout_s=60, with_gloo=True)
     links = current_links()
     assert links is not None
     tensor = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rank))

@@ -2,10 +2,12 @@
 address and port the instance's ranks listen on, but not the secret. Two ranks (a 2-way
 pipeline split of a tiny random-weight Llama) run in two network namespaces joined by a
 veth pair, as two machines; the stranger, in the second namespace, connects to every port
-either rank listens on (the rendezvous store and each rank's gloo listener): with a wrong
-key, with garbage, and silently. It is refused everywhere, receives nothing beyond a
-handshake challenge, and the instance keeps serving: its greedy tokens after the intrusion
-equal those before and the single-process engine's.
+either rank listens on once the group has formed (rank 0's rendezvous store: the group runs
+on the rank links alone, whose listeners close once the mesh is built, and forms no gloo
+group, whose pair listener would accept anyone): with a wrong key, with garbage, and
+silently. It is refused everywhere, receives nothing beyond a handshake challenge, and the
+instance keeps serving: its greedy tokens after the intrusion equal those before and the
+single-process engine's.
 """
 
 from __future__ import annotations
@@ -232,8 +234,7 @@ def test_a_stranger_without_the_secret_is_refused_on_every_port_and_serving_goes
                 GROUP_DEADLINE_S,
                 on_report,
             ).result(timeout=GROUP_DEADLINE_S + 60)
-            # The store drops a silent stranger at its handshake's deadline; gloo keeps
-            # its socket but sends nothing.
+            # The store drops a silent stranger at its handshake's deadline.
             deadline = time.monotonic() + group_auth.HANDSHAKE_SECONDS + 5
             for (address, port), connection in visit.silent:
                 connection.settimeout(max(0.1, deadline - time.monotonic()))
@@ -251,12 +252,12 @@ def test_a_stranger_without_the_secret_is_refused_on_every_port_and_serving_goes
 
     assert set(ports) == {0, 1}
     store = (RANK_ADDRESSES[0], store_port[0])
-    # Rank 0 listens on the store and gloo, rank 1 on gloo, each on its veth address only
-    # (no wildcard), and the links' listeners are closed once the mesh is built.
+    # Rank 0 listens on the store only, on its veth address (no wildcard); rank 1 on
+    # nothing: the links' listeners are closed once the mesh is built, and no gloo.
     assert all(address == RANK_ADDRESSES[rank] for rank in ports for address, _ in ports[rank])
-    assert store in ports[0] and len(ports[0]) == 2 and len(ports[1]) == 1, ports
-    # 3 ports x (2 handshakes, garbage), and a TCPStore client at the rendezvous port
-    assert len(visit.refused) == 3 * 3 + 1, visit.refused
+    assert ports[0] == [store] and ports[1] == [], ports
+    # 2 handshakes and garbage at the store, and a TCPStore client there
+    assert len(visit.refused) == 3 + 1, visit.refused
     assert visit.received == {}, visit.received
     assert tokens["before"] == expected
     assert tokens["after"] == expected

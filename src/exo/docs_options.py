@@ -145,7 +145,8 @@ ENVIRONMENT = (
     ),
     EnvironmentVariable(
         "EXO_RANK_LINKS",
-        "`0` keeps every message of split instances on gloo instead of exo's rank links",
+        "`0` forms a gloo group for split instances on CPU and keeps every message on it, "
+        "instead of exo's rank links alone",
         "cluster.md#rank-links",
     ),
     EnvironmentVariable(

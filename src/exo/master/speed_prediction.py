@@ -27,10 +27,9 @@ decode, seconds per token (one stream, `context` tokens in the KV cache):
     tensor ×N:    max over ranks of stage(rank) (each rank reads 1/N of every layer's
                   linears and KV heads, and its rows of the LM head) + the step header's one-way
                   latency + 2 all-reduces per layer (attention and MLP outputs), each over
-                  the rank links (`worker/engines/torch/comm/tcp_mesh.py`, up to
-                  `LINKS_ALL_REDUCE_BYTES`): one one-way latency plus (N − 1) × hidden bytes
-                  / bandwidth (all-to-all); larger ones (prefill) over gloo's ring: 2 × (N − 1)
-                  one-way latencies plus 2 × (N − 1) / N × bytes / bandwidth; then the
+                  the rank links (`worker/engines/torch/comm/tcp_mesh.py`, prefill's too):
+                  one one-way latency plus (N − 1) × hidden bytes / bandwidth (all-to-all);
+                  then the
                   logits' gather over the links: one one-way latency plus (N − 1) × the
                   rank's share of the vocabulary in float32 / bandwidth
 time to first token for `prompt` tokens (processed in chunks of `PREFILL_CHUNK_TOKENS`):
@@ -131,8 +130,6 @@ ENGINE_PREFILL_FACTOR_ACTIVATIONS: PrefillActivations = "int16"
 # of 32 span -127..127, too wide for vpmaddubsw (native/prefill.cpp's `block_matmul`).
 INT16_ONLY_GGUF_TYPES = frozenset({"Q8_0"})
 LOOPBACK_ADDRESSES = ("127.", "::1", "localhost")
-# All-reduces up to this many bytes per rank go over the rank links (`links.SMALL_BYTES`).
-LINKS_ALL_REDUCE_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,14 +376,9 @@ class _LinkNetwork:
         return min(link.bytes_per_second for link in self.links)
 
     def all_reduce_seconds(self, payload_bytes: float) -> float:
+        # The links' all-to-all, at any size: every rank sends its part to every other.
         world_size = len(self.links)
-        if payload_bytes <= LINKS_ALL_REDUCE_BYTES:
-            # The links' all-to-all: every rank sends its part to every other at once.
-            return self.latency_seconds() + (world_size - 1) * payload_bytes / self._narrowest()
-        steps = 2 * (world_size - 1)  # gloo's ring
-        return (
-            steps * self.latency_seconds() + steps / world_size * payload_bytes / self._narrowest()
-        )
+        return self.latency_seconds() + (world_size - 1) * payload_bytes / self._narrowest()
 
     def all_gather_seconds(self, bytes_per_rank: float) -> float:
         world_size = len(self.links)

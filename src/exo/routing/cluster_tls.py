@@ -24,8 +24,9 @@ learns only that an exo cluster member listens there.
 
 The API's peer credential (`X-Exo-Peer-Credential`, `exo.download.peers`) is also derived
 from the root: HMAC-SHA256(HKDF(root, info="exo peer credential v1"), namespace). So is the
-key split instances' ranks authenticate each other with (rendezvous store, gloo pairs, rank
-links: `exo.worker.engines.torch.comm.group_auth`): HKDF(root, info="exo rank group key v1").
+key split instances' ranks authenticate each other with (rendezvous store, rank links, and
+gloo's pairs where `EXO_RANK_LINKS=0` forms a gloo group:
+`exo.worker.engines.torch.comm.group_auth`): HKDF(root, info="exo rank group key v1").
 """
 
 from __future__ import annotations

@@ -478,8 +478,8 @@ def open_group_store(
     connect there (see `GroupStore.serve` / `connect`).
 
     Rank 0 listens on `master_addr` alone, the address placement measured a peer reaching
-    it at: every rank already has to reach that address, since rank 0's gloo listens on
-    the interface holding it (`process_group.configure_gloo_interface`). Only when it is
+    it at: every rank already has to reach that address, since rank 0's links listen on
+    the interface holding it (`process_group.local_address_for`). Only when it is
     not an address of this machine does the store listen on every interface.
     """
     if rank == 0:

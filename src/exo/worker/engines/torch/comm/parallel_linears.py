@@ -100,8 +100,8 @@ class VocabParallelHead(nn.Module):
     def gather(self, local_logits: torch.Tensor) -> torch.Tensor:
         """`[..., local outputs]` → `[..., vocab]` float32 logits (collective). Over the
         rank links (`links.RankLinks.all_gather`) each rank sends only its columns; else
-        (no links: gloo) the zero-filled whole is all-reduced, which takes milliseconds for
-        a large vocabulary (figures:
+        (no links: `EXO_RANK_LINKS=0`'s gloo, or nccl) the zero-filled whole is
+        all-reduced, which takes milliseconds for a large vocabulary (figures:
         docs/benchmarks/engine-design-figures.md#parallel_linearspy)."""
         links = current_links()
         if links is not None and links.world_size > 1:

@@ -1,5 +1,13 @@
 """The process group of one model instance's ranks, and the messages rank 0 sends to the
-others (torch.distributed: gloo on CPU; the decode hot path's messages over `comm/tcp_mesh.py`).
+others.
+
+On CPU every message and collective goes over the rank links (`comm/tcp_mesh.py`): the group
+is the rendezvous store and the links, and no gloo group is formed, so a rank listens on no
+port but the links' listener while the group forms (and rank 0 on the store's): gloo's own
+pair listener, which has no authentication and keeps whatever connects to it for the group's
+lifetime, is not opened (docs/security.md). `EXO_RANK_LINKS=0` (A/B benches) forms a gloo
+group and sends everything over it, as `init_group(with_gloo=True)` forms one beside the
+links. With every rank on CUDA, nccl carries the collectives.
 
 Every wait that depends on another rank's compute or on the network is bounded by the group's
 timeout (`init_group(timeout_s=...)`), so a dead or stuck rank makes the others raise. Waits
@@ -45,6 +53,11 @@ IDLE_WAIT = timedelta(days=30)
 _group_timeout = timedelta(seconds=60)
 # The authenticated rendezvous store of the current group (None: none, or torch's TCPStore).
 _group_store: GroupStore | None = None
+# The current group's (rank, world size) while one is formed, with or without torch's.
+_group_ranks: tuple[int, int] | None = None
+# The links-only group's own TCPStore (no cluster secret), kept while the group lives: a
+# rank may still read other ranks' addresses from it after this one finished connecting.
+_plain_store: Any = None
 _GLOO_PROOF_LABEL = b"exo gloo pair v1"
 
 
@@ -102,8 +115,9 @@ def init_group(
     master_port: int,
     timeout_s: float = 60,
     credentials: GroupCredentials | None = None,
+    with_gloo: bool = False,
 ) -> None:
-    """Join the default process group of one model instance (blocks until every rank joined).
+    """Join the group of one model instance (blocks until every rank joined).
 
     Args:
         backend: "gloo" (CPU) or "nccl" (every rank on CUDA).
@@ -114,47 +128,63 @@ def init_group(
         timeout_s: bound on every collective and send/receive, seconds.
         credentials: the group key and instance id when the cluster has a secret. Then the
             rendezvous is `comm/group_store.py`'s authenticated store, which rank 0 serves
-            on `master_addr` only; gloo's pairs must prove the key before any other
-            message crosses them (`prove_gloo_pairs`); the links authenticate too.
+            on `master_addr` only, and the links authenticate; a gloo group's pairs must
+            prove the key before any other message crosses them (`prove_gloo_pairs`).
             None: torch's `TCPStore` (every interface, no authentication), as before.
+        with_gloo: also form a gloo group beside the links (benches comparing the two).
 
-    With gloo and more than one rank, the ranks also connect their `links.RankLinks`
-    (unless `EXO_RANK_LINKS=0`): the decode hot path's messages and small all-reduces.
+    On CPU with more than one rank the ranks connect their `tcp_mesh.RankLinks` and form no
+    torch.distributed group: every message and collective goes over the links (see the
+    module's docstring). `EXO_RANK_LINKS=0`, or a `master_addr` no local address reaches,
+    forms a gloo group instead and sends everything over it; nccl forms its own group.
 
     Raises:
         torch.distributed.DistError: a rank did not join (or link) within `timeout_s`, or
             (with `credentials`) a peer did not prove the group key.
     """
-    global _group_timeout, _group_store
+    global _group_timeout, _group_store, _group_ranks, _plain_store
     _group_timeout = timedelta(seconds=timeout_s)
-    if backend == "gloo":
-        configure_gloo_interface(master_addr)
     timeout = timedelta(seconds=timeout_s)
-    store: GroupStore | None = None
-    if credentials is None:
-        host = f"[{master_addr}]" if ":" in master_addr else master_addr
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{host}:{master_port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-        )
-    else:
+    local_address = local_address_for(master_addr)
+    links_only = (
+        backend == "gloo"
+        and world_size > 1
+        and links_enabled()
+        and local_address is not None
+        and not with_gloo
+    )
+    if backend == "gloo" and not links_only:
+        configure_gloo_interface(master_addr)
+    store: Any
+    if credentials is not None:
         store = open_group_store(rank, world_size, master_addr, master_port, credentials, timeout_s)
-        try:
-            dist.init_process_group(
-                backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
-            )
-        except BaseException:
-            store.close()
-            raise
-    _group_store = store
+        _group_store = store
+    elif links_only:
+        store = dist.TCPStore(
+            master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout
+        )
+        _plain_store = store
+    else:
+        store = None
     set_links(None)
     try:
-        if store is not None and backend == "gloo" and world_size > 1:
-            prove_gloo_pairs(store, credentials, rank, world_size, timeout_s)  # type: ignore[arg-type]
-        local_address = local_address_for(master_addr)
+        if not links_only:
+            if store is None:
+                host = f"[{master_addr}]" if ":" in master_addr else master_addr
+                dist.init_process_group(
+                    backend=backend,
+                    init_method=f"tcp://{host}:{master_port}",
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=timeout,
+                )
+            else:
+                dist.init_process_group(
+                    backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+                )
+        _group_ranks = (rank, world_size)
+        if credentials is not None and backend == "gloo" and world_size > 1 and not links_only:
+            prove_gloo_pairs(store, credentials, rank, world_size, timeout_s)
         if backend == "gloo" and world_size > 1 and links_enabled() and local_address is not None:
             links_store = store if store is not None else dist.distributed_c10d._get_default_store()
             set_links(
@@ -165,6 +195,11 @@ def init_group(
     except BaseException:
         destroy_group()
         raise
+
+
+def group_ranks() -> tuple[int, int] | None:
+    """This process's (rank, world size) in its instance's group, None when it has none."""
+    return _group_ranks
 
 
 def prove_gloo_pairs(
@@ -217,13 +252,15 @@ def _gloo_tag(credentials: GroupCredentials, sender: int, receiver: int, nonce: 
 def destroy_group() -> None:
     """Leave the default process group, close its links and its rendezvous store (no-op
     if none)."""
-    global _group_store
+    global _group_store, _group_ranks, _plain_store
     set_links(None)
     if dist.is_initialized():
         dist.destroy_process_group()
     if _group_store is not None:
         _group_store.close()
         _group_store = None
+    _plain_store = None  # rank 0's store server stops with its last reference
+    _group_ranks = None
 
 
 def _default_group() -> Any:
@@ -252,32 +289,6 @@ def receive_waiting(tensor: torch.Tensor, src: int, timeout: timedelta | None) -
     work.wait(timeout)
 
 
-def broadcast_bytes(payload: bytes | None, src: int = 0) -> bytes:
-    """Send (on `src`, `payload` set) or receive (elsewhere, `payload` None) one message's
-    bytes over the group.
-
-    The length goes first as one int64, then the bytes. Receivers wait without a bound:
-    rank 0 may be idle between requests for any time.
-    """
-    is_source = dist.get_rank() == src
-    if is_source:
-        assert payload is not None
-        length = torch.tensor([len(payload)], dtype=torch.int64)
-    else:
-        length = torch.zeros(1, dtype=torch.int64)
-    broadcast_waiting(length, src, None if is_source else IDLE_WAIT)
-    if is_source:
-        assert payload is not None
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    else:
-        data = torch.empty(int(length.item()), dtype=torch.uint8)
-    broadcast_waiting(data, src, None)
-    if is_source:
-        assert payload is not None
-        return payload
-    return bytes(data.numpy())
-
-
 # -- the decode hot path: over the links when the group has them, else gloo ---------------
 
 
@@ -286,6 +297,24 @@ def _seconds(timeout: timedelta | None) -> float | None:
     if timeout is None:
         return _group_timeout.total_seconds()
     return None if timeout >= IDLE_WAIT else timeout.total_seconds()
+
+
+def broadcast_tensor(tensor: torch.Tensor, src: int = 0) -> None:
+    """Rank `src`'s contiguous CPU `tensor` into every other rank's (same shape and dtype),
+    within the group's timeout: a one-off agreement (`EngineTransform.agree`).
+
+    Raises:
+        torch.distributed.DistError: a peer is gone or did not send within the timeout.
+    """
+    links = current_links()
+    if links is None:
+        dist.broadcast(tensor, src=src)
+    elif links.rank == src:
+        for other in range(links.world_size):
+            if other != src:
+                links.send(tensor, other)
+    else:
+        links.recv(tensor, src)
 
 
 def send_tensor(tensor: torch.Tensor, dst: int) -> None:

@@ -8,8 +8,9 @@ wake the caller), which for a 28-layer model with two all-reduces per layer is m
 decode token. A blocking `recv_into` on a `TCP_NODELAY` socket from the computing thread
 costs one wake-up (`bench/bench_links.py` measures both; figures:
 docs/benchmarks/engine-design-figures.md#tcp_meshpy and
-docs/benchmarks/2026-12-03-rank-links.md). Gloo stays for the rest:
-rendezvous, the one-off agreements, and collectives too large for `SMALL_BYTES`.
+docs/benchmarks/2026-12-03-rank-links.md). On CPU they carry everything else too (one-off
+agreements, prefill's large all-reduces): no gloo group is formed beside them
+(`process_group.init_group`), so no rank opens gloo's unauthenticated pair listener.
 
 Set-up (`RankLinks.connect`): every rank listens on the local address it uses to reach the
 rendezvous host, publishes `host:port` in the group's rendezvous store, then connects to
@@ -51,10 +52,11 @@ from exo.worker.engines.torch.comm.group_auth import (
     authenticate_server,
 )
 
-# Collectives of at most this many bytes per rank go over the links; larger ones (long
-# prefills) over gloo, whose ring moves bulk data well. Two ranks both `sendall` this much
-# before either reads, so it must fit the kernel's socket buffers (we ask for `_BUFFER_BYTES`
-# each way and check what we got).
+# All-reduces of at most this many bytes per rank send before they receive (one message
+# latency); larger ones (long prefills) receive on helper threads while they send
+# (`RankLinks.all_reduce_sum`). Two ranks both `sendall` this much before either reads, so it
+# must fit the kernel's socket buffers (we ask for `_BUFFER_BYTES` each way and check what we
+# got).
 SMALL_BYTES = 256 * 1024
 _BUFFER_BYTES = 1 << 20
 _HELLO = struct.Struct("!II16s")  # magic, rank, group token
@@ -266,38 +268,48 @@ class RankLinks:
     # -- collectives ----------------------------------------------------------------------
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        """Sum `tensor` over every rank, in place (contiguous CPU, at most `small_bytes`).
+        """Sum `tensor` over every rank, in place (contiguous CPU).
 
         Every rank sends its tensor to every other, then adds the received ones in rank
-        order (rank 0's first), so every rank computes the same bits. Cost: one one-way
-        message latency plus `world_size - 1` additions; bytes sent per rank grow as
-        `world_size - 1` times the tensor, which is why large tensors go through gloo.
+        order (rank 0's first), so every rank computes the same bits. Up to `small_bytes`
+        it sends first and then receives (one one-way message latency); above, it receives
+        on helper threads while it sends (`all_gather`: both ranks' sends need not fit the
+        socket buffers) into buffers of its own. Bytes sent per rank: `world_size - 1`
+        times the tensor, as much as a ring all-reduce sends for two ranks, a third more
+        for three (a ring sends `2 (world_size - 1) / world_size` times); the ranks of a
+        CPU split are few.
 
         Raises:
             LinkError: a peer is gone or did not send within the timeout.
-            ValueError: the tensor is larger than `small_bytes`.
         """
         size = tensor.numel() * tensor.element_size()
-        if size > self.small_bytes:
-            raise ValueError(f"{size} bytes is too large for the links' all-reduce")
-        view = _byte_view(tensor)
-        for other in range(self.world_size):
-            if other != self.rank:
-                self._send_bytes(view, other)
-        key = (tensor.dtype, tensor.numel())
-        scratch = self._scratch.get(key)
-        if scratch is None:
-            scratch = [torch.empty(tensor.numel(), dtype=tensor.dtype) for _ in self._peers]
-            self._scratch[key] = scratch
+        others = [other for other in range(self.world_size) if other != self.rank]
         parts: list[torch.Tensor] = []
-        buffers = iter(scratch)
-        for other in range(self.world_size):
-            if other == self.rank:
-                parts.append(tensor.reshape(-1))
-                continue
-            buffer = next(buffers)
-            self.recv(buffer, other)
-            parts.append(buffer)
+        if size > self.small_bytes:
+            flat_local = tensor.reshape(-1)
+            received = {other: torch.empty_like(flat_local) for other in others}
+            self.all_gather(flat_local, received)
+            parts = [
+                flat_local if other == self.rank else received[other]
+                for other in range(self.world_size)
+            ]
+        else:
+            view = _byte_view(tensor)
+            for other in others:
+                self._send_bytes(view, other)
+            key = (tensor.dtype, tensor.numel())
+            scratch = self._scratch.get(key)
+            if scratch is None:
+                scratch = [torch.empty(tensor.numel(), dtype=tensor.dtype) for _ in self._peers]
+                self._scratch[key] = scratch
+            buffers = iter(scratch)
+            for other in range(self.world_size):
+                if other == self.rank:
+                    parts.append(tensor.reshape(-1))
+                    continue
+                buffer = next(buffers)
+                self.recv(buffer, other)
+                parts.append(buffer)
         flat = tensor.reshape(-1)
         if self.world_size == 2:
             torch.add(parts[0], parts[1], out=flat)  # a + b: the same bits on both ranks
@@ -583,14 +595,15 @@ def current_links() -> RankLinks | None:
 
 def all_reduce_sum(tensor: torch.Tensor) -> None:
     """Sum `tensor` over the group's ranks in place: over the links when they exist and the
-    tensor is a small contiguous CPU tensor, else `torch.distributed.all_reduce`."""
+    tensor is on the CPU (a non-contiguous one through a contiguous copy), else
+    `torch.distributed.all_reduce` (nccl on CUDA; gloo with `EXO_RANK_LINKS=0`)."""
     links = _links
-    if (
-        links is not None
-        and tensor.device.type == "cpu"
-        and tensor.is_contiguous()
-        and tensor.numel() * tensor.element_size() <= links.small_bytes
-    ):
-        links.all_reduce_sum(tensor)
+    if links is not None and tensor.device.type == "cpu":
+        if tensor.is_contiguous():
+            links.all_reduce_sum(tensor)
+        else:
+            summed = tensor.contiguous()
+            links.all_reduce_sum(summed)
+            tensor.copy_(summed)
     else:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)

@@ -37,7 +37,6 @@ from datetime import timedelta
 from typing import Any, ClassVar, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -160,9 +159,9 @@ class PipelineTransform(EngineTransform):
 
     def agree(self, engine: RankEngine, value: torch.Tensor) -> None:
         if engine.rank > 0:
-            dist.recv(value, src=engine.rank - 1)
+            receive_tensor(value, engine.rank - 1)
         if not engine.is_last_rank:
-            dist.send(value, dst=engine.rank + 1)
+            send_tensor(value, engine.rank + 1)
 
     def send_control(self, engine: RankEngine, header: StepHeader) -> None:
         send_step(header, 1)

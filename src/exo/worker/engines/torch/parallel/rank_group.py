@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from exo.shared.models.kv_cache_memory import kv_geometry_of_config
@@ -45,7 +44,7 @@ from exo.worker.engines.torch.batching.kv_footprint import KVFootprint, card_foo
 from exo.worker.engines.torch.batching.kv_memory import kv_cache_torch_dtype
 from exo.worker.engines.torch.batching.scheduler import BatchScheduler
 from exo.worker.engines.torch.batching.speculation import Speculation
-from exo.worker.engines.torch.comm.process_group import IDLE_WAIT
+from exo.worker.engines.torch.comm.process_group import IDLE_WAIT, group_ranks
 from exo.worker.engines.torch.model.families import family_for_architecture
 from exo.worker.engines.torch.parallel import engine_transform
 from exo.worker.engines.torch.parallel.last_rank_sampling import PipelineTraffic
@@ -66,11 +65,12 @@ from exo.worker.engines.torch.parallel.rank_steps import (
 def check_process_group(shard: ShardMetadata) -> None:
     """Raises RuntimeError when there is no process group, or its rank / world size differ
     from the shard's."""
-    if not dist.is_initialized():
+    ranks = group_ranks()
+    if ranks is None:
         raise RuntimeError("init_group() must run before loading a multi-rank shard")
-    if (dist.get_rank(), dist.get_world_size()) != (shard.device_rank, shard.world_size):
+    if ranks != (shard.device_rank, shard.world_size):
         raise RuntimeError(
-            f"process group rank {dist.get_rank()} of {dist.get_world_size()} does not "
+            f"process group rank {ranks[0]} of {ranks[1]} does not "
             f"match the shard's rank {shard.device_rank} of {shard.world_size}"
         )
 

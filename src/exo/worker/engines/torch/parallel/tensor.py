@@ -17,7 +17,6 @@ from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -25,7 +24,7 @@ from exo.shared.models.tensor_names import LAYER_TENSOR
 from exo.shared.types.shards import Sharding, ShardMetadata
 from exo.worker.engines.torch.batching.batch_attention import BatchPlan, forward_batch
 from exo.worker.engines.torch.comm.parallel_linears import RowParallelLinear, SplitWidthRMSNorm
-from exo.worker.engines.torch.comm.process_group import IDLE_WAIT
+from exo.worker.engines.torch.comm.process_group import IDLE_WAIT, broadcast_tensor
 from exo.worker.engines.torch.model.families import ModelFamily, UnsupportedArchitectureError
 from exo.worker.engines.torch.model.moe import routed_experts_of
 from exo.worker.engines.torch.model.sharding import (
@@ -251,7 +250,7 @@ class TensorTransform(EngineTransform):
         return SchedulerHooks(forward=forward)
 
     def agree(self, engine: RankEngine, value: torch.Tensor) -> None:
-        dist.broadcast(value, src=0)
+        broadcast_tensor(value, src=0)
 
     def send_control(self, engine: RankEngine, header: StepHeader) -> None:
         broadcast_step(header, IDLE_WAIT)

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from exo.shared.models.kv_cache_memory import kv_geometry_of_config
@@ -27,6 +26,7 @@ from exo.worker.engines.torch.batching.batch_attention import (
     use_batched_attention,
 )
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
+from exo.worker.engines.torch.comm.process_group import receive_tensor, send_tensor
 from exo.worker.engines.torch.model.families import family_for_architecture
 from exo.worker.engines.torch.parallel.rank_steps import StepHeader, stage_forward_batch
 
@@ -180,7 +180,7 @@ def run_pipeline_rank(
             hidden = None
             if rank > 0:
                 hidden = torch.empty((1, len(ids), hidden_size))
-                dist.recv(hidden, src=rank - 1)
+                receive_tensor(hidden, rank - 1)
             output = stage_forward_batch(
                 model, plan, header, hidden=hidden, is_last=is_last,  # type: ignore[arg-type]
                 device=torch.device("cpu"),
@@ -188,7 +188,7 @@ def run_pipeline_rank(
             if is_last:
                 logits.append(output)
             else:
-                dist.send(output.float().contiguous(), dst=rank + 1)
+                send_tensor(output.float().contiguous(), rank + 1)
         return torch.cat(logits) if is_last else None
     finally:
         if attached is not None:

@@ -71,12 +71,28 @@ def test_all_reduce_equals_reference_sum_on_every_rank(
         assert torch.equal(result, reference)  # rank order: the same bits everywhere
 
 
-def test_all_reduce_refuses_a_tensor_past_small_bytes(
-    make_mesh: Callable[..., list[RankLinks]],
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_reduce_past_the_socket_buffers_equals_the_reference_sum(
+    make_mesh: Callable[..., list[RankLinks]], world_size: int
 ) -> None:
-    first, _second = make_mesh(2)
-    with pytest.raises(ValueError, match="too large"):
-        first.all_reduce_sum(torch.zeros(first.small_bytes // 4 + 1))
+    """A prefill's all-reduce (4 MiB per rank, past `small_bytes` and the kernel's socket
+    buffers, which the small path's send-then-receive would deadlock on) receives while it
+    sends, and still sums in rank order: the same bits on every rank as the small path."""
+    mesh = make_mesh(world_size)
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(512, 2048, generator=generator) for _ in range(world_size)]
+    assert inputs[0].numel() * 4 > 4 * max(links.small_bytes for links in mesh)
+    reference = inputs[0].clone()
+    for part in inputs[1:]:
+        reference += part
+
+    def reduce(links: RankLinks) -> torch.Tensor:
+        tensor = inputs[links.rank].clone()
+        links.all_reduce_sum(tensor)
+        return tensor
+
+    for result in _on_every_rank(mesh, reduce):
+        assert torch.equal(result, reference)
 
 
 def test_posted_receive_lets_both_ranks_send_large_messages(
