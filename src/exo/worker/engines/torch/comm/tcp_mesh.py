@@ -595,15 +595,16 @@ def current_links() -> RankLinks | None:
 
 def all_reduce_sum(tensor: torch.Tensor) -> None:
     """Sum `tensor` over the group's ranks in place: over the links when they exist and the
-    tensor is on the CPU (a non-contiguous one through a contiguous copy), else
-    `torch.distributed.all_reduce` (nccl on CUDA; gloo with `EXO_RANK_LINKS=0`)."""
+    tensor is on the CPU, else `torch.distributed.all_reduce` (nccl on CUDA; gloo with
+    `EXO_RANK_LINKS=0`). A non-contiguous tensor is summed through a contiguous copy (gloo
+    reduced one's storage as if it were contiguous)."""
+    if not tensor.is_contiguous():
+        summed = tensor.contiguous()
+        all_reduce_sum(summed)
+        tensor.copy_(summed)
+        return
     links = _links
     if links is not None and tensor.device.type == "cpu":
-        if tensor.is_contiguous():
-            links.all_reduce_sum(tensor)
-        else:
-            summed = tensor.contiguous()
-            links.all_reduce_sum(summed)
-            tensor.copy_(summed)
+        links.all_reduce_sum(tensor)
     else:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)

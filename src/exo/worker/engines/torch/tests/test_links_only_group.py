@@ -4,7 +4,9 @@ cluster secret. No torch.distributed group exists; the one-off agreement
 (`broadcast_tensor`), a prefill-sized all-reduce past the socket buffers and point-to-point
 tensors go over the links; while the group lives rank 1 listens on no port and rank 0 only
 on the rendezvous port (gloo's unauthenticated pair listener is never opened), and after
-`destroy_group` neither listens on anything.
+`destroy_group` neither listens on anything. With `EXO_RANK_LINKS=0` the same calls go
+over a gloo group instead (the fallback the A/B benches use), whose pair listener rank 1
+then holds.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def _listening_ports() -> set[int]:
 
 def _rank_main(rank: int, world_size: int, port: int, results: Any, secret: bool) -> None:
     try:
+        import os
+
         import torch
         import torch.distributed as dist
 
@@ -49,7 +53,7 @@ def _rank_main(rank: int, world_size: int, port: int, results: Any, secret: bool
         credentials = GroupCredentials(KEY, "instance-links-only") if secret else None
         init_group("gloo", rank, world_size, "127.0.0.1", port, 30, credentials)
         results.put(("formed", rank, dist.is_initialized(), group_ranks(), _listening_ports()))
-        assert current_links() is not None
+        assert (current_links() is None) == (os.environ.get("EXO_RANK_LINKS") == "0")
 
         agreed = torch.tensor([7 if rank == 0 else -1], dtype=torch.int64)
         broadcast_tensor(agreed, src=0)
@@ -77,10 +81,18 @@ def _rank_main(rank: int, world_size: int, port: int, results: Any, secret: bool
         results.put(("error", "", rank, traceback.format_exc()))
 
 
-@pytest.mark.parametrize("secret", [False, True], ids=["open", "secret"])
-def test_cpu_group_forms_and_runs_on_the_links_alone(secret: bool) -> None:
+@pytest.mark.parametrize(
+    ("secret", "gloo"),
+    [(False, False), (True, False), (False, True)],
+    ids=["open", "secret", "gloo-fallback"],
+)
+def test_cpu_group_forms_and_runs_on_the_links_alone(
+    secret: bool, gloo: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import torch
 
+    if gloo:
+        monkeypatch.setenv("EXO_RANK_LINKS", "0")  # the spawned ranks inherit it
     reports = run_rank_processes(_rank_main, (secret,), 2, GROUP_DEADLINE_S)
     by_kind: dict[str, dict[int, tuple[Any, ...]]] = {}
     for report in reports:
@@ -90,10 +102,13 @@ def test_cpu_group_forms_and_runs_on_the_links_alone(secret: bool) -> None:
     ports = {rank: formed[rank][2] for rank in (0, 1)}
     for rank in (0, 1):
         torch_group, ranks, _ = formed[rank]
-        assert torch_group is False  # no gloo group
+        assert torch_group is gloo  # no gloo group unless asked for
         assert ranks == (rank, 2)
-    assert ports[1] == set()  # rank 1: the links' listener closed once the mesh was built
-    assert len(ports[0]) == 1  # rank 0: its rendezvous store only
+    if gloo:
+        assert ports[1]  # gloo's pair listener, which the links-only group never opens
+    else:
+        assert ports[1] == set()  # rank 1: the links' listener closed once the mesh was built
+        assert len(ports[0]) == 1  # rank 0: its rendezvous store only
 
     ran = by_kind["ran"]
     assert ran[0][0] == ran[1][0] == 7
