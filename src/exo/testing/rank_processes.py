@@ -6,6 +6,11 @@ port for the group's rendezvous, `results` a queue on which it puts tuples whose
 item is a kind. A rank ends with `("done", ...)` (counted, not returned) or, on any
 exception, `("error", ..., rank, traceback)`; every other tuple is returned in arrival
 order for the test to read.
+
+A rank's process stays alive after its target returns until the parent has read every
+rank's reports (`_run_rank`, bounded by `RELEASE_SECONDS`): a tensor in a report travels as
+a file descriptor its process shares on request, which a process that already exited can no
+longer hand over ("No such file or directory" when the parent unpickles it).
 """
 
 from __future__ import annotations
@@ -21,6 +26,15 @@ from exo.testing.ports import free_port
 
 # How long a finished rank's process gets to exit before it is killed (seconds).
 JOIN_SECONDS = 10.0
+# How long a rank whose target returned waits for the parent to have read the reports.
+RELEASE_SECONDS = 60.0
+
+
+def _run_rank(target: Callable[..., None], release: Any, *args: Any) -> None:
+    """The spawned process: `target(*args)`, then wait (bounded) until the parent read
+    every rank's reports, so that the tensors this rank reported can still be fetched."""
+    target(*args)
+    release.wait(RELEASE_SECONDS)
 
 
 def run_rank_processes(
@@ -49,9 +63,12 @@ def run_rank_processes(
 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
+    release = context.Event()
     port = free_port()
     processes = [
-        context.Process(target=target, args=(rank, world_size, port, results, *args))
+        context.Process(
+            target=_run_rank, args=(target, release, rank, world_size, port, results, *args)
+        )
         for rank in range(world_size)
     ]
     reports: list[tuple[Any, ...]] = []
@@ -75,6 +92,7 @@ def run_rank_processes(
                     if on_report is not None:
                         on_report(report)
     finally:
+        release.set()
         for process in processes:
             process.join(timeout=JOIN_SECONDS)
             if process.is_alive():
