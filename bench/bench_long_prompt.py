@@ -33,7 +33,7 @@ the f16 formula over every layer for reference.
 
 `--attention` times only the prompt attention of one layer for the last 512-token chunk of
 each length (queries at positions length - 512 .. length - 1, float32, Gemma 3 270M's and
-SmolLM2-135M's head shapes): exo's attention now (`batch_attention.prefill_attention`: a
+SmolLM2-135M's head shapes): exo's attention now (`prefill_attention.prefill_attention`: a
 mask-free flash-attention call over the earlier keys and one causal call over the chunk,
 merged by log-sum-exp) against the earlier blocks of 128 queries, each under a `[128, keys]`
 mask (`_block_attention` per block), interleaved, best of `--attention-repeats`; with the
@@ -303,13 +303,13 @@ ATTENTION_CHUNK = 512
 def _masked_blocks(queries: Any, keys: Any, values: Any, start: int) -> Any:
     """The earlier prompt attention: blocks of `PREFILL_QUERY_BLOCK` queries, each to the
     keys up to its own last position under a mask (full attention)."""
-    from exo.worker.engines.torch.batching import batch_attention
+    from exo.worker.engines.torch.batching import prefill_attention as attention
 
-    count, block = queries.shape[2], batch_attention.PREFILL_QUERY_BLOCK
+    count, block = queries.shape[2], attention.PREFILL_QUERY_BLOCK
     output = queries.new_empty(queries.shape)
     for offset in range(0, count, block):
         rows = slice(offset, min(count, offset + block))
-        output[:, :, rows] = batch_attention._block_attention(
+        output[:, :, rows] = attention._block_attention(
             queries[:, :, rows], keys, values, start + offset, None, None
         )
     return output
@@ -330,7 +330,7 @@ def bench_attention(lengths: list[int], repeats: int) -> None:
     """Print the prompt attention of one layer's last chunk at each length, both ways."""
     import torch
 
-    from exo.worker.engines.torch.batching.batch_attention import prefill_attention
+    from exo.worker.engines.torch.batching.prefill_attention import prefill_attention
 
     print(
         f"{'shape':>13} {'tokens':>7} {'masked blocks ms':>17} {'split ms':>9} {'ratio':>6} "

@@ -197,7 +197,7 @@ class ChunkedInput:
 
     The chunks' states equal those of the input run whole up to summation order (the same
     kernels; a later chunk's attention splits its keys at the chunk's start,
-    `batch_attention.prefill_attention`), not bit for bit.
+    `prefill_attention.prefill_attention`), not bit for bit.
     """
 
     def __init__(

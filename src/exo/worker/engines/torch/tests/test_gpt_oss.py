@@ -20,11 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from exo.testing.tiny_models import save_mxfp4_twin, save_tiny_model
-from exo.worker.engines.torch.batching.batch_attention import (
-    attach_lean_step,
-    lean_step_of,
-    sink_attention,
-)
+from exo.worker.engines.torch.batching.batch_attention import attach_lean_step, lean_step_of
+from exo.worker.engines.torch.batching.prefill_attention import sink_attention
 from exo.worker.engines.torch.comm.parallel_linears import VocabParallelHead
 from exo.worker.engines.torch.model.direct_forward import LeanModel
 from exo.worker.engines.torch.model.direct_forward_moe import NativeMxfp4Experts
@@ -240,18 +237,18 @@ def test_prefill_with_sinks_in_small_query_blocks_equals_one_block(
 ) -> None:
     """A prompt chunk whose scores would pass `SINK_SCORE_ELEMENTS` attends in smaller
     query blocks, with the same result (sliding window and full)."""
-    from exo.worker.engines.torch.batching import batch_attention
+    from exo.worker.engines.torch.batching import prefill_attention
 
     generator = torch.Generator().manual_seed(0)
     queries = torch.randn(1, 4, 40, 8, generator=generator)
     keys, values = (torch.randn(1, 2, 50, 8, generator=generator) for _ in range(2))
     sinks = torch.tensor([-1.0, 0.0, 1.0, 2.0])
     for window in (None, 6):
-        whole = batch_attention.prefill_attention(
+        whole = prefill_attention.prefill_attention(
             queries, keys, values, 10, window, 0.3, None, sinks
         )
-        monkeypatch.setattr(batch_attention, "SINK_SCORE_ELEMENTS", 4 * 50 * 3)  # 3 queries
-        blocks = batch_attention.prefill_attention(
+        monkeypatch.setattr(prefill_attention, "SINK_SCORE_ELEMENTS", 4 * 50 * 3)  # 3 queries
+        blocks = prefill_attention.prefill_attention(
             queries, keys, values, 10, window, 0.3, None, sinks
         )
         monkeypatch.undo()

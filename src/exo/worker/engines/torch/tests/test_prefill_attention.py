@@ -1,4 +1,4 @@
-"""`batch_attention.prefill_attention` (the mask-free split of a chunk's keys into the
+"""`prefill_attention.prefill_attention` (the mask-free split of a chunk's keys into the
 earlier ones and the chunk's own, merged by log-sum-exp; or queries in blocks, each to the
 keys up to its own last position, where a window cuts) against attention written out in
 float64 from its definition; in bfloat16 (`--prefill-activations bf16`) against the same
@@ -9,7 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exo.worker.engines.torch.batching.batch_attention import PREFILL_QUERY_BLOCK, prefill_attention
+from exo.worker.engines.torch.batching.prefill_attention import (
+    PREFILL_QUERY_BLOCK,
+    prefill_attention,
+)
 
 HEADS, KV_HEADS, DIM, CAPACITY = 4, 2, 16, 1024
 

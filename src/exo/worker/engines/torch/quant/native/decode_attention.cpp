@@ -153,7 +153,7 @@ std::vector<Chunk> prompt_chunks(at::IntArrayRef slots, at::IntArrayRef position
 // Attention of a chunk's queries (rows `chunk`, the first at `start`) to its slot's keys
 // from the layer's window start up to each query's own position, by torch's
 // scaled_dot_product_attention with a boolean mask (the same call as
-// batch_attention.prefill_attention's); written to `attended` [rows, heads * head_dim].
+// prefill_attention.prefill_attention's); written to `attended` [rows, heads * head_dim].
 // A bfloat16 cache's visible keys and values are widened to float32 first (as
 // batch_attention.attend does). The per-row loop (one dot product per key, row and head)
 // took longer, for a step and for a long prompt's first token
