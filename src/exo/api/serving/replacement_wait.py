@@ -113,6 +113,7 @@ async def wait_for_replacement(
     """
     if not replacement_under_way(cluster.state, model):
         return
+    logger.info(f"api: a request for {model} waits for its instance, being placed again")
     while True:
         state = cluster.state
         if model_serving(state, model):
