@@ -4,11 +4,14 @@ unavailable: before the client received anything (`Generation.retry`) or mid-str
 (`Generation.fail_over`, `exo.api.serving.failover`).
 
 A new request for a model whose every instance is being placed again after losing a node
-(`replacement_under_way`: re-placed and loading, or its node just lost) waits for it as a
+(`replacement_wait.replacement_under_way`: re-placed and loading, or its node just lost)
+waits for it as a
 request waits for a model loading on request, instead of a 503 at once
 (`Generation.submit`): bounded by `REPLACEMENT_WAIT_SECONDS`, ended by the client leaving.
-It is answered 503 with `Retry-After` when the instance cannot serve again soon: it waits
-for room no node set has (`InstanceUnplaced`), it was deleted, or the wait ran out.
+A request sent again after losing its instance takes the same decision
+(`exo.api.serving.replacement_wait`, shared with embeddings): it is answered 503 with
+`Retry-After` when the instance cannot serve again soon: it waits for room no node set has
+(`InstanceUnplaced`, answered at once), it was deleted, or the wait ran out.
 
 Apart from `generation` (starting and serving a request) because it is the object the
 response side (`generation_response`, `early_stream`) holds and ends, and its resending
@@ -28,6 +31,12 @@ from loguru import logger
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.serving.failover import healthy_instance_exists, instance_may_come
 from exo.api.serving.metrics import observed_chunks
+from exo.api.serving.replacement_wait import (
+    REPLACEMENT_WAIT_SECONDS,
+    STATE_CHECK_SECONDS,
+    submit_when_served,
+    wait_for_state_change,
+)
 from exo.api.wire.errors import (
     ApiError,
     GenerationError,
@@ -35,29 +44,18 @@ from exo.api.wire.errors import (
     ModelNotFoundError,
     NoCapacityError,
 )
-from exo.master.recovery import unavailable_message
 from exo.shared.constants import INSTANCE_HEADER
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
 from exo.shared.types.commands import CancelGeneration, GenerateText, KeepAlive
-from exo.shared.types.common import CommandId, InstanceId, ModelId
-from exo.shared.types.state import State
+from exo.shared.types.common import CommandId, InstanceId
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
 # A generation is sent again at most this many times after its instance became unavailable.
 MAX_RETRIES = 5
 # How long a retried generation waits for a lost model instance to serve again (placed
-# anew and loaded) when no other instance of its model can take it.
-RETRY_WAIT_SECONDS = 120.0
-RETRY_STATE_CHECK_SECONDS = 0.5
-# How long a new request waits for its model's instance being placed again after a node
-# loss: as long as a request that lost its instance before its first chunk, since both
-# have sent the client nothing yet and wait for the same re-placed instance to load.
-# Streams send heartbeats meanwhile (`exo.api.serving.early_stream`).
-REPLACEMENT_WAIT_SECONDS = RETRY_WAIT_SECONDS
-# The `Retry-After` of a 503 for a model whose instances are all unavailable: a re-placed
-# instance of a small model loads in about this long, and a node that left and restarts
-# rejoins within it; a client asking sooner would only be refused again.
-UNAVAILABLE_RETRY_AFTER_SECONDS = 10
+# anew and loaded) when no other instance of its model can take it: as long as a new
+# request waits for it (`replacement_wait.REPLACEMENT_WAIT_SECONDS`).
+RETRY_WAIT_SECONDS = REPLACEMENT_WAIT_SECONDS
 
 
 @dataclass(slots=True)
@@ -106,16 +104,21 @@ class Generation:
     async def retry(self, request: Request) -> None:
         """Send the generation again under a new command (its chunks replace the old
         ones). When the master has no instance that can serve it (503: its model's
-        instances are unavailable), wait for one, at most `RETRY_WAIT_SECONDS`.
+        instances are unavailable), wait for one as a new request does
+        (`replacement_wait.submit_when_served`), at most `RETRY_WAIT_SECONDS`.
 
         Raises:
-            NoCapacityError: no instance served again in time, or the master refused.
+            NoCapacityError: no instance served again in time, the instance waits for room
+                no node set has or was deleted (503 with `Retry-After`, at once in those
+                two cases), or the master refused.
             ModelNotFoundError: the model's instances were deleted meanwhile.
             GenerationError: the client disconnected while waiting.
         """
         self.retries += 1
         deadline = anyio.current_time() + RETRY_WAIT_SECONDS
-        self.chunks = await self._resubmit(request, self.params, deadline, "before answering")
+        self.chunks = await self._resubmit(
+            request, self.params, deadline, "before answering", RETRY_WAIT_SECONDS
+        )
 
     async def fail_over(
         self, request: Request, forced_token_ids: tuple[int, ...], deadline: float
@@ -143,8 +146,8 @@ class Generation:
                 raise NoCapacityError(
                     f"no healthy instance of {self.params.model} to continue the stream on"
                 )
-            wait = min(RETRY_STATE_CHECK_SECONDS, max(0.0, deadline - anyio.current_time()))
-            if not await _wait_for_state_change(self.cluster, request, wait):
+            wait = min(STATE_CHECK_SECONDS, max(0.0, deadline - anyio.current_time()))
+            if not await wait_for_state_change(self.cluster, request, wait):
                 raise GenerationError("the client disconnected; generation cancelled")
             state = self.cluster.state
         params = self.params.model_copy(update={"forced_token_ids": forced_token_ids})
@@ -156,11 +159,12 @@ class Generation:
         """Submit this new generation's first `command` (its chunk stream is `chunks`).
 
         While every instance of the model is being placed again after a node loss
-        (`replacement_under_way`), first wait until one serves, at most
+        (`replacement_wait.replacement_under_way`), first wait until one serves, at most
         `REPLACEMENT_WAIT_SECONDS` (a request pinned to an instance does not wait). The
         master refusing it because the re-placement is still under way (it saw the loss
         before this node) waits the same way, then sends it again under a new command
-        (`chunks` replaced); the command the client knows stays its alias for a cancel.
+        (`chunks` replaced); the command the client knows stays its alias for a cancel
+        (`replacement_wait.submit_when_served`).
 
         Raises:
             NoCapacityError: the instance did not serve again in time, waits for room no
@@ -169,63 +173,27 @@ class Generation:
             GenerationError: the client disconnected while waiting.
             ApiError: as `submit_generation`.
         """
-        deadline = anyio.current_time() + REPLACEMENT_WAIT_SECONDS
-        pinned = self.instance_id is not None
-        while True:
-            if not pinned:
-                await self._wait_for_replacement(request, deadline)
-            try:
-                await submit_generation(self.cluster, command)
-                return
-            except NoCapacityError as error:
-                state = self.cluster.state
-                if pinned or not replacement_under_way(state, self.params.model):
-                    if error.retry_after_seconds is None and _unavailable(state, self, pinned):
-                        error.retry_after_seconds = UNAVAILABLE_RETRY_AFTER_SECONDS
-                    raise
-            command, self.chunks = self._new_command(self.params)
-            logger.info(
-                f"api: {self._known_command_id} was refused while {self.params.model} is "
-                f"placed again; waits, then goes as {command.command_id}"
-            )
 
-    async def _wait_for_replacement(self, request: Request, deadline: float) -> None:
-        """Return at once unless every instance of the model is being placed again
-        (`replacement_under_way`); else once one serves again.
+        async def send(attempt: int) -> None:
+            nonlocal command
+            if attempt > 0:
+                refused = self.command_id
+                command, self.chunks = self._new_command(self.params)
+                logger.info(
+                    f"api: {refused} was refused while {self.params.model} is placed again; "
+                    f"goes as {command.command_id}"
+                )
+            await submit_generation(self.cluster, command)
 
-        Raises:
-            NoCapacityError: `deadline` (anyio clock seconds) passed, or the instance can
-                no longer come back soon (it waits for room, or was deleted) (503 with
-                `Retry-After`).
-            GenerationError: the client disconnected.
-        """
-        model = self.params.model
-        if not replacement_under_way(self.cluster.state, model):
-            return
-        logger.info(f"api: {self.command_id} waits for {model}, being placed again")
-        while True:
-            state = self.cluster.state
-            if self._model_serving():
-                return
-            if not replacement_under_way(state, model):
-                instances = state.instances_of_model(model)
-                reason = (
-                    unavailable_message(state, instances[0])
-                    if instances
-                    else f"the instance of {model} was deleted while the request waited for it"
-                )
-                raise NoCapacityError(reason, retry_after_seconds=UNAVAILABLE_RETRY_AFTER_SECONDS)
-            remaining = deadline - anyio.current_time()
-            if remaining <= 0:
-                instance = state.instances_of_model(model)[0]
-                raise NoCapacityError(
-                    f"{unavailable_message(state, instance)}; it did not serve again within "
-                    f"{REPLACEMENT_WAIT_SECONDS:g} s",
-                    retry_after_seconds=UNAVAILABLE_RETRY_AFTER_SECONDS,
-                )
-            wait = min(RETRY_STATE_CHECK_SECONDS, remaining)
-            if not await _wait_for_state_change(self.cluster, request, wait):
-                raise GenerationError("the client disconnected while its model was placed again")
+        await submit_when_served(
+            self.cluster,
+            request,
+            self.params.model,
+            send,
+            deadline=anyio.current_time() + REPLACEMENT_WAIT_SECONDS,
+            wait_seconds=REPLACEMENT_WAIT_SECONDS,
+            pinned=self.instance_id,
+        )
 
     def _new_command(
         self, params: TextGenerationTaskParams
@@ -252,83 +220,32 @@ class Generation:
         params: TextGenerationTaskParams,
         deadline: float,
         when: str,
+        wait_seconds: float | None = None,
     ) -> AsyncIterator[Chunk]:
-        """Send `params` under a new command (`_new_command`); when the master has no
-        instance that can serve it (503: its model's instances are unavailable), wait for
-        one until `deadline`."""
-        while True:
-            command, chunks = self._new_command(params)
+        """Send `params` under a new command (`_new_command`), taking a new request's
+        decision while every instance of the model is being placed again
+        (`replacement_wait.submit_when_served`: wait until `deadline`, or a 503 with
+        `Retry-After` at once when the instance waits for room or was deleted)."""
+        chunks: list[AsyncIterator[Chunk]] = []
+
+        async def send(attempt: int) -> None:
+            command, new_chunks = self._new_command(params)
+            chunks[:] = [new_chunks]
             logger.info(
                 f"api: {self._known_command_id} lost its instance {when}; sent again as "
-                f"{command.command_id} (retry {self.retries})"
+                f"{command.command_id} (retry {self.retries}, attempt {attempt + 1})"
             )
-            try:
-                await submit_generation(self.cluster, command)
-                return chunks
-            except NoCapacityError:
-                if not self._model_recovering():
-                    raise
-            # Every instance of the model is recovering: wait until one serves again.
-            while self._model_recovering() and not self._model_serving():
-                if anyio.current_time() >= deadline:
-                    raise NoCapacityError(
-                        f"no instance of {self.params.model} served again in time "
-                        "after its instance was lost"
-                    )
-                if not await _wait_for_state_change(
-                    self.cluster, request, RETRY_STATE_CHECK_SECONDS
-                ):
-                    raise GenerationError("the client disconnected; generation cancelled")
+            await submit_generation(self.cluster, command)
 
-    def _model_serving(self) -> bool:
-        """Whether an instance of the model is not unavailable (it may take requests)."""
-        state = self.cluster.state
-        return any(
-            instance.instance_id not in state.unavailable_instances
-            for instance in state.instances_of_model(self.params.model)
+        await submit_when_served(
+            self.cluster,
+            request,
+            params.model,
+            send,
+            deadline=deadline,
+            wait_seconds=wait_seconds,
         )
-
-    def _model_recovering(self) -> bool:
-        """Whether an instance of the model is unavailable now and may serve again."""
-        state = self.cluster.state
-        return any(
-            instance.instance_id in state.unavailable_instances
-            for instance in state.instances_of_model(self.params.model)
-        )
-
-
-def replacement_under_way(state: State, model: ModelId) -> bool:
-    """Whether no instance of `model` can take a request now but one is being placed again
-    after losing a node (re-placed with its runners loading, or its node just lost and the
-    master's decision not yet applied): a new request waits for it. False when an instance
-    can take requests, when the model has no instance, and when every instance waits for
-    room no node set has (`InstanceUnplaced`: that may last for hours)."""
-    instances = state.instances_of_model(model)
-    unavailable = [state.unavailable_instances.get(i.instance_id) for i in instances]
-    return (
-        bool(instances)
-        and all(entry is not None for entry in unavailable)
-        and any(entry is not None and not entry.waiting_for_room for entry in unavailable)
-    )
-
-
-def _unavailable(state: State, generation: Generation, pinned: bool) -> bool:
-    """Whether `generation`'s pinned instance (else every instance of its model) is
-    unavailable in `state`, so that a 503 for it may name a time to retry."""
-    if pinned:
-        return generation.instance_id in state.unavailable_instances
-    instances = state.instances_of_model(generation.params.model)
-    return bool(instances) and all(i.instance_id in state.unavailable_instances for i in instances)
-
-
-async def _wait_for_state_change(cluster: ClusterClient, request: Request, timeout: float) -> bool:
-    """Wait until the cluster state changes or `timeout` seconds pass; False when the
-    client disconnected meanwhile."""
-    if await request.is_disconnected():
-        return False
-    with anyio.move_on_after(timeout):
-        await cluster.state_changed.wait()
-    return True
+        return chunks[0]
 
 
 async def submit_generation(cluster: ClusterClient, command: GenerateText) -> None:

@@ -6,6 +6,14 @@ Which model may answer which request (`check_embedding_request`): embeddings fro
 with the "embedding" capability (its own pooling) or "text" (a chat model, mean-pooled);
 rerank only from a card with "rerank". Chat and completions refuse a card without "text"
 (`refuse_non_chat_model`). Each is a 400 naming the capability.
+
+A request whose model's every instance is being placed again after a node loss waits for
+it as a generation does (`exo.api.serving.replacement_wait`: bounded by
+`REPLACEMENT_WAIT_SECONDS`, ended by the client leaving; 503 with `Retry-After` when the
+instance waits for room, was deleted or did not serve in time). One whose instance is lost
+before it answers (an `INSTANCE_UNAVAILABLE` error chunk: its node left, its runner died)
+is sent again under a new command, at most `MAX_RETRIES` times, as a generation lost
+before its first chunk is: an embedding changes nothing, so computing it twice is safe.
 """
 
 from __future__ import annotations
@@ -15,11 +23,15 @@ from contextlib import ExitStack
 
 import anyio
 from fastapi import Request
+from loguru import logger
 
+from exo.api.serving.accepted_generation import MAX_RETRIES, RETRY_WAIT_SECONDS
 from exo.api.serving.admission import admission_of
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
+from exo.api.serving.failover import is_instance_loss
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
 from exo.api.serving.model_lookup import card_of, known_model_ids
+from exo.api.serving.replacement_wait import REPLACEMENT_WAIT_SECONDS, submit_when_served
 from exo.api.serving.request_checks import check_serializable
 from exo.api.wire.errors import (
     GenerationError,
@@ -106,7 +118,9 @@ async def compute_embeddings(
     keep_alive: KeepAlive | None = None,
 ) -> EmbeddingChunk:
     """Run `params` on an instance of its model (placed and loaded on request first) and
-    return its answer.
+    return its answer; while every instance of the model is being placed again, wait for
+    one (`REPLACEMENT_WAIT_SECONDS`), and send it again when its instance is lost before
+    it answers (at most `MAX_RETRIES` times, each waiting at most `RETRY_WAIT_SECONDS`).
 
     Raises:
         ModelNotFoundError, InvalidRequestError: as `check_embedding_request`; a 400 from
@@ -114,38 +128,27 @@ async def compute_embeddings(
             `dimensions`, `model`; an input over the context, code
             `context_length_exceeded`, or a request over the runner's cap on its tokens
             summed, code `max_tokens_per_request`).
-        NoCapacityError: the model cannot be placed, or the runner failed (503 / 500).
+        NoCapacityError: the model cannot be placed, or the runner failed (503 / 500); its
+            instance waits for room, was deleted or did not serve again in time (503 with
+            `Retry-After`).
         GenerationError: the client disconnected first, or the runner failed.
     """
     check_embedding_request(cluster, params)
     keep_alive = default_keep_alive(cluster, keep_alive)
     await ensure_instance(cluster, request, params.model, keep_alive)
     release = await admission_of(request).admit(lambda: cluster.state, request, params.model)
-    command = ComputeEmbeddings(command_id=CommandId.new(), params=params, keep_alive=keep_alive)
-    with ExitStack() as resources:
-        chunks = resources.enter_context(cluster.chunk_stream(command.command_id))
-        answered = False
-        try:
-            try:
-                await cluster.submit(command)
-            except CommandRejectedError as error:
-                if error.status_code == 404:
-                    raise ModelNotFoundError(error.reason, code="no_instance") from None
-                if error.status_code == 413:
-                    raise InvalidRequestError(error.reason, param="input") from None
-                if error.status_code == 500:  # its model failed to prepare for good
-                    raise GenerationError(error.reason) from None
-                raise NoCapacityError(error.reason) from None
-            chunk = await _first_chunk(request, chunks)
-            answered = True
-        finally:
-            release()
-            if not answered:
-                cluster.send_and_forget(
-                    CancelGeneration(
-                        command_id=CommandId.new(), target_command_id=command.command_id
-                    )
-                )
+    try:
+        chunk = await _answer(cluster, request, params, keep_alive, REPLACEMENT_WAIT_SECONDS)
+        retries = 0
+        while chunk is not None and is_instance_loss(chunk) and retries < MAX_RETRIES:
+            retries += 1
+            logger.info(
+                f"api: an embedding request for {params.model} lost its instance before its "
+                f"answer; sent again (retry {retries})"
+            )
+            chunk = await _answer(cluster, request, params, keep_alive, RETRY_WAIT_SECONDS)
+    finally:
+        release()
     match chunk:
         case EmbeddingChunk():
             return chunk
@@ -157,11 +160,80 @@ async def compute_embeddings(
             inputs = "documents" if params.kind == "rerank" else "input"
             raise InvalidRequestError(chunk.error_message, param=inputs, code=code or None)
         case ErrorChunk(status_code=503):
-            raise NoCapacityError(chunk.error_message)
+            raise NoCapacityError(chunk.error_message)  # also a loss after every retry
         case ErrorChunk():
             raise GenerationError(chunk.error_message)
         case _:
             raise GenerationError(f"the embedding of {params.model} ended without an answer")
+
+
+async def _answer(
+    cluster: ClusterClient,
+    request: Request,
+    params: EmbeddingTaskParams,
+    keep_alive: KeepAlive | None,
+    wait_seconds: float,
+) -> Chunk | None:
+    """Send `params` as a `ComputeEmbeddings` command and return its one chunk (None: its
+    stream ended without one). While every instance of the model is being placed again, it
+    waits for one first, at most `wait_seconds`, and a refusal the master gave for that
+    reason is waited out and sent again under a new command
+    (`replacement_wait.submit_when_served`). A command that was sent but not answered (the
+    client left, the wait failed) is cancelled.
+
+    Raises:
+        ModelNotFoundError, InvalidRequestError, NoCapacityError, GenerationError: the
+            master's refusal (404 no instance, 413 an input too large, 500 its model failed
+            to prepare, else 503: with `Retry-After` when every instance of the model is
+            unavailable), the wait's end (`submit_when_served`), or the client leaving.
+    """
+    sent: list[ComputeEmbeddings] = []
+    chunks: list[AsyncIterator[Chunk]] = []
+    with ExitStack() as streams:
+
+        async def send(attempt: int) -> None:
+            streams.close()  # a refused command's stream
+            command = ComputeEmbeddings(
+                command_id=CommandId.new(), params=params, keep_alive=keep_alive
+            )
+            chunks[:] = [streams.enter_context(cluster.chunk_stream(command.command_id))]
+            sent[:] = [command]
+            await _submit(cluster, command)
+
+        answered = False
+        try:
+            await submit_when_served(
+                cluster,
+                request,
+                params.model,
+                send,
+                deadline=anyio.current_time() + wait_seconds,
+                wait_seconds=wait_seconds,
+            )
+            chunk = await _first_chunk(request, chunks[0])
+            answered = True
+        finally:
+            if not answered and sent:
+                cluster.send_and_forget(
+                    CancelGeneration(
+                        command_id=CommandId.new(), target_command_id=sent[0].command_id
+                    )
+                )
+    return chunk
+
+
+async def _submit(cluster: ClusterClient, command: ComputeEmbeddings) -> None:
+    """Submit `command`; the master's refusal becomes the ApiError its status names."""
+    try:
+        await cluster.submit(command)
+    except CommandRejectedError as error:
+        if error.status_code == 404:
+            raise ModelNotFoundError(error.reason, code="no_instance") from None
+        if error.status_code == 413:
+            raise InvalidRequestError(error.reason, param="input") from None
+        if error.status_code == 500:  # its model failed to prepare for good
+            raise GenerationError(error.reason) from None
+        raise NoCapacityError(error.reason) from None
 
 
 async def _first_chunk(request: Request, chunks: AsyncIterator[Chunk]) -> Chunk | None:

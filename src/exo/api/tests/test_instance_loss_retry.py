@@ -106,9 +106,10 @@ def test_a_generation_that_keeps_losing_its_instance_gets_a_503_in_the_dialects_
 
 
 class RecoveringCluster(LosingCluster):
-    """Its only instance is lost under the first generation; the master then refuses
-    (503) while the instance is being placed again, which the state shows for a few
-    looks; then the instance serves again and the generation is answered."""
+    """Its only instance is lost under the first generation; the master, ahead of this
+    node, then refuses (503) while the instance is being placed again, which this node's
+    state shows from that refusal on for a few looks; then the instance serves again and
+    the generation is answered."""
 
     def __init__(self) -> None:
         super().__init__(losses=1)
@@ -127,7 +128,7 @@ class RecoveringCluster(LosingCluster):
 
     @property
     def state(self) -> State:
-        if len(self.submitted) == 0 or self.looks_while_recovering > 3:
+        if self.rejected == 0 or self.looks_while_recovering > 3:
             return self._serving_state
         self.looks_while_recovering += 1
         return self._recovering_state

@@ -11,42 +11,42 @@ of its model is unavailable gets the master's own refusal (503).
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anyio
-import httpx
 import pytest
 
-from exo.api.app import create_app
-from exo.api.serving import accepted_generation, early_stream
-from exo.api.serving.accepted_generation import (
-    UNAVAILABLE_RETRY_AFTER_SECONDS,
-    Generation,
-    replacement_under_way,
+from exo.api.serving import early_stream
+from exo.api.serving.accepted_generation import Generation
+from exo.api.serving.replacement_wait import UNAVAILABLE_RETRY_AFTER_SECONDS, replacement_under_way
+from exo.api.tests.replacement import (
+    DEADLINE_SECONDS,
+    INSTANCE,
+    STILL_WAITING_SECONDS,
+    ReplacingCluster,
+    answer_of,
+    error_message,
+    pending,
+    quick_polls,
+    replacing,
+    serving,
+    shorten_waits,
+    wait_for,
+    waiting_for_room,
 )
-from exo.api.serving.admission import Admission
-from exo.api.serving.cluster_client import CommandRejectedError
 from exo.api.wire.errors import GenerationError
-from exo.master.decisions import events_for_command
 from exo.shared.types.chunks import Chunk
-from exo.shared.types.commands import ComputeEmbeddings, GenerateText
+from exo.shared.types.commands import GenerateText
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
-from exo.shared.types.events import CommandRejected
 from exo.shared.types.state import InstanceUnavailable, State
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.testing.builders import SMOLLM2, make_instance, make_state
-from exo.testing.scripted_cluster import SCRIPTED_ANSWER, ScriptedCluster
+from exo.testing.scripted_cluster import SCRIPTED_ANSWER
 
 pytestmark = pytest.mark.anyio
 
-DEADLINE_SECONDS = 20.0
-# Long enough for a request that was going to be refused at once to have been refused.
-STILL_WAITING_SECONDS = 0.3
-NODE = NodeId("node-a")
-INSTANCE = InstanceId("instance-1")
 USER_HI = {"role": "user", "content": "hi"}
 REQUESTS: dict[str, tuple[str, dict[str, Any]]] = {
     "chat": ("/v1/chat/completions", {"model": SMOLLM2, "messages": [USER_HI]}),
@@ -60,93 +60,9 @@ REQUESTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def serving() -> State:
-    return make_state(instances=[make_instance(NODE)])
-
-
-def replacing(reason: str = "node n-1 left; re-placed on node-a, loading") -> State:
-    """The only instance re-placed after its node left, its new runners loading."""
-    return serving().model_copy(
-        update={"unavailable_instances": {INSTANCE: InstanceUnavailable(reason=reason)}}
-    )
-
-
-def waiting_for_room() -> State:
-    waiting = InstanceUnavailable(
-        reason="node n-1 left; waiting for room: no node has 300 MiB free", waiting_for_room=True
-    )
-    return serving().model_copy(update={"unavailable_instances": {INSTANCE: waiting}})
-
-
-class ReplacingCluster(ScriptedCluster):
-    """A scripted cluster whose master decides with `events_for_command` over
-    `master_state` (by default this node's state): refusals raise as `ClusterClient.submit`
-    does, and a refused generation is recorded in `refused`. A master ahead of this node
-    (`master_state` set) refuses, then this node applies the master's state, as the
-    refusal reaches a node only after the events before it."""
-
-    def __init__(self, state: State) -> None:
-        super().__init__()
-        self.state = state
-        self.state_changed = anyio.Event()
-        self.master_state: State | None = None
-        self.refused: list[GenerateText] = []
-
-    def change(self, state: State) -> None:
-        """This node applies events that leave it holding `state`."""
-        self.state = state
-        self.state_changed.set()
-        self.state_changed = anyio.Event()
-
-    async def submit(self, command: GenerateText | ComputeEmbeddings, timeout: float = 0.0) -> None:
-        master = self.master_state or self.state
-        cards = {ModelId(model): card for model, card in self.cards.items()}
-        (event, *_) = events_for_command(master, self.node_id, command, cards)
-        if isinstance(event, CommandRejected):
-            assert isinstance(command, GenerateText)
-            self.refused.append(command)
-            if self.master_state is not None:
-                self.change(self.master_state)
-            raise CommandRejectedError(event.reason, event.status_code)
-        await super().submit(command, timeout)
-
-
 @pytest.fixture(autouse=True)
-def quick_polls(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Waiters look at the state often, and a stream sends its headers early, so that
-    these tests take tenths of seconds."""
-    monkeypatch.setattr(accepted_generation, "RETRY_STATE_CHECK_SECONDS", 0.02)
-    monkeypatch.setattr(early_stream, "HEADERS_AFTER_SECONDS", 0.05)
-
-
-@contextlib.asynccontextmanager
-async def app_client(cluster: ReplacingCluster, admission: Admission) -> AsyncIterator[Any]:
-    app = create_app(cluster, admission=admission)  # type: ignore[arg-type]
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:52415") as http:
-        yield http
-
-
-async def wait_for(condition: Any, what: str) -> None:
-    with anyio.fail_after(DEADLINE_SECONDS):
-        while not condition():
-            await anyio.sleep(0.01)
-    assert condition(), what
-
-
-def error_message(path: str, response: httpx.Response) -> str:
-    """The message of a 503 in the dialect's error shape (asserting the shape)."""
-    body = response.json()
-    match path:
-        case "/v1/messages":
-            assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
-            return str(body["error"]["message"])
-        case "/ollama/api/chat":
-            assert set(body) == {"error"}
-            return str(body["error"])
-        case _:
-            assert body["error"]["type"] == "service_unavailable_error"
-            return str(body["error"]["message"])
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    quick_polls(monkeypatch)
 
 
 @pytest.mark.parametrize("name", list(REQUESTS))
@@ -154,26 +70,17 @@ async def test_a_new_request_waits_while_its_instance_is_placed_again_and_is_ans
     name: str,
 ) -> None:
     cluster = ReplacingCluster(replacing())
-    admission = Admission()
     path, body = REQUESTS[name]
-    answers: list[httpx.Response] = []
-    with anyio.fail_after(DEADLINE_SECONDS):
-        async with app_client(cluster, admission) as http, anyio.create_task_group() as group:
-
-            async def send() -> None:
-                answers.append(await http.post(path, json=body))
-
-            group.start_soon(send)
-            await wait_for(lambda: admission.in_flight(SMOLLM2) == 1, "the request admitted")
-            await anyio.sleep(STILL_WAITING_SECONDS)
-            assert not answers, answers[0].text
-            assert cluster.refused == [] and cluster.submitted == [], "sent while unavailable"
-            cluster.change(serving())  # every runner of the new placement ready
-    (answer,) = answers
-    assert answer.status_code == 200, answer.text
-    assert SCRIPTED_ANSWER.split()[0] in answer.text
+    async with pending(cluster, path, body) as request:
+        await request.admitted(SMOLLM2)
+        await anyio.sleep(STILL_WAITING_SECONDS)
+        assert not request.answers, request.answers[0].text
+        assert cluster.refused == [] and cluster.submitted == [], "sent while unavailable"
+        cluster.change(serving())  # every runner of the new placement ready
+    assert request.answer.status_code == 200, request.answer.text
+    assert SCRIPTED_ANSWER.split()[0] in request.answer.text
     assert len(cluster.submitted) == 1 and cluster.refused == []
-    assert admission.in_flight(SMOLLM2) == 0
+    assert request.admission.in_flight(ModelId(SMOLLM2)) == 0
 
 
 async def test_a_request_the_master_refuses_while_it_re_places_waits_and_is_sent_again() -> None:
@@ -181,21 +88,14 @@ async def test_a_request_the_master_refuses_while_it_re_places_waits_and_is_sent
     cluster = ReplacingCluster(serving())
     cluster.master_state = replacing()
     path, body = REQUESTS["chat"]
-    answers: list[httpx.Response] = []
-    with anyio.fail_after(DEADLINE_SECONDS):
-        async with app_client(cluster, Admission()) as http, anyio.create_task_group() as group:
-
-            async def send() -> None:
-                answers.append(await http.post(path, json=body))
-
-            group.start_soon(send)
-            await wait_for(lambda: len(cluster.refused) == 1, "the master refused")
-            await anyio.sleep(STILL_WAITING_SECONDS)
-            assert not answers, answers[0].text
-            assert cluster.submitted == []
-            cluster.master_state = None
-            cluster.change(serving())
-    (answer,) = answers
+    async with pending(cluster, path, body) as request:
+        await wait_for(lambda: len(cluster.refused) == 1, "the master refused")
+        await anyio.sleep(STILL_WAITING_SECONDS)
+        assert not request.answers, request.answers[0].text
+        assert cluster.submitted == []
+        cluster.master_state = None
+        cluster.change(serving())
+    answer = request.answer
     assert answer.status_code == 200, answer.text
     (first,) = cluster.refused
     (sent,) = cluster.submitted
@@ -210,14 +110,12 @@ async def test_a_request_the_master_refuses_while_it_re_places_waits_and_is_sent
 async def test_an_instance_that_does_not_serve_again_in_time_is_a_503_with_retry_after(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(accepted_generation, "REPLACEMENT_WAIT_SECONDS", 0.3)
+    shorten_waits(monkeypatch, 0.3)
     cluster = ReplacingCluster(replacing())
     path, body = REQUESTS[name]
-    with anyio.fail_after(DEADLINE_SECONDS):
-        async with app_client(cluster, Admission()) as http:
-            started = anyio.current_time()
-            answer = await http.post(path, json=body)
-            waited = anyio.current_time() - started
+    started = anyio.current_time()
+    answer = await answer_of(cluster, path, body)
+    waited = anyio.current_time() - started
     assert answer.status_code == 503, answer.text
     assert answer.headers["Retry-After"] == str(UNAVAILABLE_RETRY_AFTER_SECONDS)
     message = error_message(path, answer)
@@ -230,12 +128,9 @@ async def test_a_stream_whose_instance_does_not_serve_again_in_time_ends_with_an
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Its headers went out while it waited: the error comes in-band."""
-    monkeypatch.setattr(accepted_generation, "REPLACEMENT_WAIT_SECONDS", 0.3)
+    shorten_waits(monkeypatch, 0.3)
     cluster = ReplacingCluster(replacing())
-    path, body = REQUESTS["chat stream"]
-    with anyio.fail_after(DEADLINE_SECONDS):
-        async with app_client(cluster, Admission()) as http:
-            answer = await http.post(path, json=body)
+    answer = await answer_of(cluster, *REQUESTS["chat stream"])
     assert answer.status_code == 200
     events = [
         json.loads(line.removeprefix("data: "))
@@ -249,9 +144,7 @@ async def test_a_stream_whose_instance_does_not_serve_again_in_time_ends_with_an
 async def test_an_instance_waiting_for_room_is_a_503_with_retry_after_at_once() -> None:
     cluster = ReplacingCluster(waiting_for_room())
     path, body = REQUESTS["chat"]
-    with anyio.fail_after(DEADLINE_SECONDS):
-        async with app_client(cluster, Admission()) as http:
-            answer = await http.post(path, json=body)
+    answer = await answer_of(cluster, path, body)
     assert answer.status_code == 503, answer.text
     assert answer.headers["Retry-After"] == str(UNAVAILABLE_RETRY_AFTER_SECONDS)
     assert "waiting for room" in error_message(path, answer)
@@ -260,23 +153,83 @@ async def test_an_instance_waiting_for_room_is_a_503_with_retry_after_at_once() 
 
 async def test_an_instance_deleted_while_a_request_waits_is_a_503() -> None:
     cluster = ReplacingCluster(replacing())
-    admission = Admission()
     path, body = REQUESTS["ollama"]
-    answers: list[httpx.Response] = []
-    with anyio.fail_after(DEADLINE_SECONDS):
-        async with app_client(cluster, admission) as http, anyio.create_task_group() as group:
-
-            async def send() -> None:
-                answers.append(await http.post(path, json=body))
-
-            group.start_soon(send)
-            await wait_for(lambda: admission.in_flight(SMOLLM2) == 1, "the request admitted")
-            cluster.change(make_state())  # DELETE /instance
-    (answer,) = answers
+    async with pending(cluster, path, body) as request:
+        await request.admitted(SMOLLM2)
+        cluster.change(make_state())  # DELETE /instance
+    answer = request.answer
     assert answer.status_code == 503, answer.text
     assert answer.headers["Retry-After"] == str(UNAVAILABLE_RETRY_AFTER_SECONDS)
     assert "deleted" in error_message(path, answer)
     assert cluster.refused == [] and cluster.submitted == []
+
+
+# A request that lost its instance before its first chunk (`Generation.retry`) takes the
+# same decision as a new one.
+
+LOST_WAIT_SECONDS = 5.0
+"""The lost request's wait in these tests: one answered before it did not wait it out."""
+
+
+@pytest.mark.parametrize("name", list(REQUESTS))
+async def test_a_lost_request_whose_instance_waits_for_room_is_a_503_at_once(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shorten_waits(monkeypatch, LOST_WAIT_SECONDS)
+    # No stream headers before the answer: the 503 is the whole answer.
+    monkeypatch.setattr(early_stream, "HEADERS_AFTER_SECONDS", DEADLINE_SECONDS)
+    cluster = ReplacingCluster(serving())
+    cluster.losses = [waiting_for_room()]  # its node left; no node set has room
+    path, body = REQUESTS[name]
+    started = anyio.current_time()
+    answer = await answer_of(cluster, path, body)
+    assert anyio.current_time() - started < LOST_WAIT_SECONDS
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["Retry-After"] == str(UNAVAILABLE_RETRY_AFTER_SECONDS)
+    assert "waiting for room" in error_message(path, answer)
+    assert len(cluster.lost) == 1 and len(cluster.submitted) == 1
+    assert len(cluster.refused) == 1  # the master's answer to the re-submission
+
+
+@pytest.mark.parametrize("name", ["chat", "chat stream", "claude"])
+async def test_a_lost_request_waiting_for_its_re_placed_instance_is_a_503_once_it_waits_for_room(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shorten_waits(monkeypatch, LOST_WAIT_SECONDS)
+    monkeypatch.setattr(early_stream, "HEADERS_AFTER_SECONDS", DEADLINE_SECONDS)
+    cluster = ReplacingCluster(serving())
+    cluster.losses = [replacing()]
+    path, body = REQUESTS[name]
+    async with pending(cluster, path, body) as request:
+        await wait_for(lambda: cluster.lost, "the instance lost")
+        await anyio.sleep(STILL_WAITING_SECONDS)
+        assert not request.answers, request.answers[0].text
+        started = anyio.current_time()
+        cluster.change(waiting_for_room())  # the new placement found no room after all
+    assert anyio.current_time() - started < LOST_WAIT_SECONDS
+    answer = request.answer
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["Retry-After"] == str(UNAVAILABLE_RETRY_AFTER_SECONDS)
+    assert "waiting for room" in error_message(path, answer)
+
+
+@pytest.mark.parametrize("name", ["chat", "chat stream", "ollama"])
+async def test_a_request_lost_before_its_first_chunk_waits_for_the_re_placed_instance_unrefused(
+    name: str,
+) -> None:
+    """It is sent again once the instance serves, not into a master that would refuse it."""
+    cluster = ReplacingCluster(serving())
+    cluster.losses = [replacing()]
+    path, body = REQUESTS[name]
+    async with pending(cluster, path, body) as request:
+        await wait_for(lambda: cluster.lost, "the instance lost")
+        await anyio.sleep(STILL_WAITING_SECONDS)
+        assert not request.answers, request.answers[0].text
+        assert cluster.refused == [] and len(cluster.submitted) == 1
+        cluster.change(serving())
+    assert request.answer.status_code == 200, request.answer.text
+    assert SCRIPTED_ANSWER.split()[0] in request.answer.text
+    assert len(cluster.submitted) == 2 and cluster.refused == []
 
 
 class LeavingClient:
