@@ -50,9 +50,12 @@ accept_drafts`); the KV of rejected positions is rolled back by committing only 
 length (`SlotKVCache.commit`; later steps overwrite those positions), so the prefix cache
 stores only verified tokens. With steps in flight (a pipeline) a drafting request has one
 step in flight, as every request: its next draft needs the verified tokens, while the
-other requests' steps keep the ranks busy. A greedy request's rows come back as the
-tokens the pipeline's last rank chose (and their logprobs where asked), as a plain row's;
-any other's as whole logits (`_rows_chosen_remotely`); and until they are verified
+other requests' steps keep the ranks busy. A greedy request's rows, and a sampling
+request's rows of an n-gram draft, come back as the tokens the pipeline's last rank chose
+(with the request's uniform numbers, up to the first rejection; and their logprobs where
+asked), as a plain row's; a sampling request's draft-model rows, or those of a request
+with penalties, bias or a constraint, as whole logits (`_rows_chosen_remotely`); and
+until they are verified
 its slot holds the draft positions for moves and growths (`SlotKVCache.hold_unverified`:
 other requests may leave or grow the cache meanwhile). A launched step is timed from its
 launch to its logits' arrival, for the automatic switch (the ranks' overlap with other
@@ -115,10 +118,31 @@ BatchForward = Callable[
 ]
 # Per logit row, its [vocab] logits, or the token another rank chose (`SampledToken`).
 StepLogits = torch.Tensor | Sequence[torch.Tensor | SampledToken]
-# The same arguments and, per logit row, its request, or None for a row whose whole logits
-# are wanted (a draft's rows: rank 0 verifies them); starts the forward pass and returns the
-# function that waits for its logits (a pipeline's rank 0: its layers run before it
-# returns, the other ranks' after; its last rank may choose a row's token itself).
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRow:
+    """A logit row of a launched step whose token another rank may choose (a pipeline's
+    last rank, `parallel/last_rank_sampling.py`).
+
+    Attributes:
+        state: the row's request.
+        ahead: how many of the request's draws come before this row's (a draft's row i:
+            i, `Sampler.uniform`; 0 for a plain row).
+        draft_token: the draft token the row's choice is checked against; -1: none (a
+            plain row, or a draft's last row, whose token is the bonus or the correction).
+    """
+
+    state: RequestState
+    ahead: int = 0
+    draft_token: int = -1
+
+
+# The same arguments and, per logit row, its `RemoteRow`, or None for a row whose whole
+# logits are wanted (a draft-model draft's rows of a sampling request: rank 0 verifies
+# them); starts the forward pass and returns the function that waits for its logits (a
+# pipeline's rank 0: its layers run before it returns, the other ranks' after; its last
+# rank may choose a row's token itself).
 BatchLaunch = Callable[
     [
         PreTrainedModel,
@@ -126,7 +150,7 @@ BatchLaunch = Callable[
         torch.Tensor,
         torch.Tensor,
         torch.Tensor,
-        list[RequestState | None],
+        list[RemoteRow | None],
     ],
     Callable[[], StepLogits],
 ]
@@ -419,11 +443,16 @@ class BatchScheduler:
         try:
             logits: Callable[[], StepLogits]
             if self.launch is not None:
-                row_requests: list[RequestState | None] = []
+                row_requests: list[RemoteRow | None] = []
                 for running, drafted in zip(sampled, launched_drafts, strict=True):
-                    count = len(drafted.tokens) + 1
-                    remote = count == 1 or _rows_chosen_remotely(running.state)
-                    row_requests += [running.state if remote else None] * count
+                    draft = drafted.tokens
+                    if draft and not _rows_chosen_remotely(running.state, drafted):
+                        row_requests += [None] * (len(draft) + 1)
+                        continue
+                    row_requests += [
+                        RemoteRow(running.state, row, draft[row] if row < len(draft) else -1)
+                        for row in range(len(draft) + 1)
+                    ]
                 logits = self.launch(*arguments, row_requests)
             else:
                 started = time.perf_counter()
@@ -670,15 +699,20 @@ class BatchScheduler:
                     break
 
 
-def _rows_chosen_remotely(state: RequestState) -> bool:
+def _rows_chosen_remotely(state: RequestState, drafted: Draft) -> bool:
     """Whether a launched step's other rank may choose each row of the request's draft
-    (`BatchLaunch`): a greedy request whose chooser needs no logits (no penalties, bias or
-    constraint) takes each row's most likely token, which that rank finds as rank 0 would,
-    and no row draws a number of the request's generator. Any other drafting request's
-    rows come back whole for rank 0 to verify (a sampling request's rows each take their
-    own uniform number, which only the rows it keeps may use up)."""
+    (`BatchLaunch`): where the request's chooser needs no logits (no penalties, bias or
+    constraint) and the draft is deterministic for the verification (any draft of a
+    greedy request; a draft without a draft distribution, n-gram, for a sampling one).
+    That rank then picks each row's token as rank 0 would: the argmax, or the draw at the
+    row's uniform number of the request's generator (`RemoteRow.ahead`); verification
+    keeps the rows up to the first mismatch and uses up their numbers only
+    (`last_rank_sampling.py`). A sampling request's draft-model draft comes back whole:
+    its general acceptance rule needs the whole target distribution at each row."""
     chooser = state.chooser
-    return chooser.sampler.params.is_greedy and not chooser.needs_logits
+    if chooser.needs_logits:
+        return False
+    return chooser.sampler.params.is_greedy or drafted.probabilities is None
 
 
 def _draft_rows(
