@@ -54,12 +54,11 @@ other requests' steps keep the ranks busy. A greedy request's rows, and a sampli
 request's rows of an n-gram draft, come back as the tokens the pipeline's last rank chose
 (with the request's uniform numbers, up to the first rejection; and their logprobs where
 asked), as a plain row's; a sampling request's draft-model rows, or those of a request
-with penalties, bias or a constraint, as whole logits (`_rows_chosen_remotely`); and
-until they are verified
-its slot holds the draft positions for moves and growths (`SlotKVCache.hold_unverified`:
-other requests may leave or grow the cache meanwhile). A launched step is timed from its
-launch to its logits' arrival, for the automatic switch (the ranks' overlap with other
-steps included, alike for steps with and without drafts).
+with penalties, bias or a constraint, as whole logits (`speculation.remote_rows`); and
+until they are verified its slot holds the draft positions for moves and growths
+(`SlotKVCache.hold_unverified`: other requests may leave or grow the cache meanwhile). A
+launched step is timed from its launch to its logits' arrival, for the automatic switch
+(the ranks' overlap with other steps included, alike for steps with and without drafts).
 """
 
 from __future__ import annotations
@@ -94,7 +93,7 @@ from exo.worker.engines.torch.batching.prompt_images import (
 )
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
-from exo.worker.engines.torch.batching.speculation import Speculation
+from exo.worker.engines.torch.batching.speculation import RemoteRow, Speculation, remote_rows
 from exo.worker.engines.torch.decoding.sampling import SampledToken
 from exo.worker.engines.torch.decoding.speculative_drafts import NO_DRAFT, Draft
 
@@ -118,25 +117,6 @@ BatchForward = Callable[
 ]
 # Per logit row, its [vocab] logits, or the token another rank chose (`SampledToken`).
 StepLogits = torch.Tensor | Sequence[torch.Tensor | SampledToken]
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteRow:
-    """A logit row of a launched step whose token another rank may choose (a pipeline's
-    last rank, `parallel/last_rank_sampling.py`).
-
-    Attributes:
-        state: the row's request.
-        ahead: how many of the request's draws come before this row's (a draft's row i:
-            i, `Sampler.uniform`; 0 for a plain row).
-        draft_token: the draft token the row's choice is checked against; -1: none (a
-            plain row, or a draft's last row, whose token is the bonus or the correction).
-    """
-
-    state: RequestState
-    ahead: int = 0
-    draft_token: int = -1
-
 
 # The same arguments and, per logit row, its `RemoteRow`, or None for a row whose whole
 # logits are wanted (a draft-model draft's rows of a sampling request: rank 0 verifies
@@ -443,16 +423,11 @@ class BatchScheduler:
         try:
             logits: Callable[[], StepLogits]
             if self.launch is not None:
-                row_requests: list[RemoteRow | None] = []
-                for running, drafted in zip(sampled, launched_drafts, strict=True):
-                    draft = drafted.tokens
-                    if draft and not _rows_chosen_remotely(running.state, drafted):
-                        row_requests += [None] * (len(draft) + 1)
-                        continue
-                    row_requests += [
-                        RemoteRow(running.state, row, draft[row] if row < len(draft) else -1)
-                        for row in range(len(draft) + 1)
-                    ]
+                row_requests = [
+                    row
+                    for running, drafted in zip(sampled, launched_drafts, strict=True)
+                    for row in remote_rows(running.state, drafted)
+                ]
                 logits = self.launch(*arguments, row_requests)
             else:
                 started = time.perf_counter()
@@ -699,27 +674,11 @@ class BatchScheduler:
                     break
 
 
-def _rows_chosen_remotely(state: RequestState, drafted: Draft) -> bool:
-    """Whether a launched step's other rank may choose each row of the request's draft
-    (`BatchLaunch`): where the request's chooser needs no logits (no penalties, bias or
-    constraint) and the draft is deterministic for the verification (any draft of a
-    greedy request; a draft without a draft distribution, n-gram, for a sampling one).
-    That rank then picks each row's token as rank 0 would: the argmax, or the draw at the
-    row's uniform number of the request's generator (`RemoteRow.ahead`); verification
-    keeps the rows up to the first mismatch and uses up their numbers only
-    (`last_rank_sampling.py`). A sampling request's draft-model draft comes back whole:
-    its general acceptance rule needs the whole target distribution at each row."""
-    chooser = state.chooser
-    if chooser.needs_logits:
-        return False
-    return chooser.sampler.params.is_greedy or drafted.probabilities is None
-
-
 def _draft_rows(
     logits: StepLogits, first: int, end: int
 ) -> torch.Tensor | Sequence[torch.Tensor | SampledToken]:
     """A draft's rows `first .. end - 1` of a step: `[k + 1, vocab]` logits, or a launched
-    step's entries, one per row (tokens chosen elsewhere, `_rows_chosen_remotely`)."""
+    step's entries, one per row (tokens chosen elsewhere, `speculation.remote_rows`)."""
     if isinstance(logits, torch.Tensor):
         return logits[first:end]
     rows = logits[first:end]

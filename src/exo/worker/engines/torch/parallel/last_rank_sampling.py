@@ -19,7 +19,7 @@ it from the row's request): what the last rank sends back to rank 0 for that row
   every token); not done.
 
 Speculative decoding: the k + 1 rows of a lean request's deterministic draft (n-gram, or
-any draft of a greedy request; `scheduler._rows_chosen_remotely`) are lean rows too. Row i
+any draft of a greedy request; `speculation.remote_rows`) are lean rows too. Row i
 carries the draft token it is checked against (`draft_token`; -1 on the last row, whose
 token is the bonus) and the uniform number of the request's i-th next draw
 (`Sampler.uniform(i)`). A draft token t is a point mass (q(t) = 1), so the rejection rule of
@@ -27,7 +27,9 @@ Leviathan et al. 2023 / Chen et al. 2023 reduces to: accept t with probability p
 draw from p with t removed and renormalised, and after k acceptances draw the bonus from p.
 Drawing x ~ p with the row's uniform number and accepting iff x == t does exactly that
 (`RequestState.accept_drafts`), and it is what the last rank does: it picks each row's
-token in order and, at the first row whose token differs from its draft token (the
+token in position order (a micro-batch keeps the step's logit order:
+`rank_steps.split_micro_batches`) and, at the first row whose token differs from its draft
+token (the
 rejection: that token is the correction), skips the rest of the draft's rows (their
 answers are `REJECTED_ROW` and zeros, neither sampled nor given logprobs). Rank 0 feeds the
 tokens to `accept_drafts`, which stops at that same row and uses up one uniform number per

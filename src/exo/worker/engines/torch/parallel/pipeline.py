@@ -8,7 +8,7 @@ rows go in one step; a greedy request's, and a sampling request's n-gram draft's
 as the last rank's chosen tokens up to the first rejected draft token (the last rank runs
 the point-mass rejection rule with the request's own uniform numbers:
 `last_rank_sampling.py`), a sampling request's draft-model draft as whole logits rows
-(`scheduler._rows_chosen_remotely`, or penalties, bias or a constraint), and rank 0
+(`speculation.remote_rows`, or penalties, bias or a constraint), and rank 0
 verifies them; the verified length reaches the other ranks as a `CACHE_COMMIT` in
 a later step's header (every rank applies it between the same two steps), and until then
 each rank's slot carries the draft's positions (`SlotKVCache.hold_unverified`).
@@ -46,7 +46,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from exo.shared.types.shards import Sharding, ShardMetadata
 from exo.worker.engines.torch.batching.batch_attention import BatchPlan
-from exo.worker.engines.torch.batching.scheduler import RemoteRow, StepLogits
+from exo.worker.engines.torch.batching.scheduler import StepLogits
+from exo.worker.engines.torch.batching.speculation import RemoteRow
 from exo.worker.engines.torch.comm.process_group import post_receive, receive_tensor, send_tensor
 from exo.worker.engines.torch.decoding.sampling import SampledToken
 from exo.worker.engines.torch.model.direct_forward import FIRST_LAYER_ATTRIBUTE

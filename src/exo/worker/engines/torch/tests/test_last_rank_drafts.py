@@ -17,7 +17,7 @@ import torch
 
 from exo.shared.types.chunks import TokenLogprob
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
-from exo.worker.engines.torch.batching.scheduler import _rows_chosen_remotely
+from exo.worker.engines.torch.batching.speculation import RemoteRow, remote_rows
 from exo.worker.engines.torch.decoding.logit_adjustments import LogitBias
 from exo.worker.engines.torch.decoding.sampling import SampledToken, StepLogprobs, step_logprobs
 from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
@@ -211,7 +211,7 @@ def test_tokens_verified_by_the_last_rank_follow_the_target_distribution_chi_squ
 
 
 def test_the_last_rank_chooses_deterministic_drafts_of_lean_requests_only() -> None:
-    """Which draft rows a pipeline's last rank chooses (`_rows_chosen_remotely`): any
+    """Which draft rows a pipeline's last rank chooses (`remote_rows`): any
     draft of a greedy request and a deterministic (n-gram) draft of a sampling one; not a
     draft model's drawn draft of a sampling request (the general rule needs q and p), nor
     a request whose penalties, bias or constraint rank 0 applies."""
@@ -221,10 +221,15 @@ def test_the_last_rank_chooses_deterministic_drafts_of_lean_requests_only() -> N
     penalised.chooser.bias = LogitBias({3: 1.0}, 8, torch.device("cpu"))
     ngram = Draft((1, 2))
     drawn = Draft((1, 2), torch.full((2, 8), 1 / 8))
-    assert _rows_chosen_remotely(greedy, ngram) and _rows_chosen_remotely(greedy, drawn)
-    assert _rows_chosen_remotely(sampling, ngram)
-    assert not _rows_chosen_remotely(sampling, drawn)
-    assert not _rows_chosen_remotely(penalised, ngram)
+    chosen = [RemoteRow(greedy, 0, 1), RemoteRow(greedy, 1, 2), RemoteRow(greedy, 2, -1)]
+    assert remote_rows(greedy, ngram) == chosen
+    assert remote_rows(greedy, drawn) == chosen
+    assert remote_rows(sampling, ngram) == [
+        RemoteRow(sampling, 0, 1), RemoteRow(sampling, 1, 2), RemoteRow(sampling, 2, -1),
+    ]  # fmt: skip
+    assert remote_rows(sampling, drawn) == [None] * 3
+    assert remote_rows(penalised, ngram) == [None] * 3
+    assert remote_rows(penalised, Draft(())) == [RemoteRow(penalised)]  # `RowSampling.of` decides
 
 
 def test_a_drafts_rows_reach_the_last_rank_in_position_order() -> None:
