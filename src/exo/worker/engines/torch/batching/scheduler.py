@@ -50,13 +50,15 @@ accept_drafts`); the KV of rejected positions is rolled back by committing only 
 length (`SlotKVCache.commit`; later steps overwrite those positions), so the prefix cache
 stores only verified tokens. With steps in flight (a pipeline) a drafting request has one
 step in flight, as every request: its next draft needs the verified tokens, while the
-other requests' steps keep the ranks busy. A greedy request's rows come back as the
-tokens the pipeline's last rank chose (and their logprobs where asked), as a plain row's;
-any other's as whole logits (`_rows_chosen_remotely`); and until they are verified
-its slot holds the draft positions for moves and growths (`SlotKVCache.hold_unverified`:
-other requests may leave or grow the cache meanwhile). A launched step is timed from its
-launch to its logits' arrival, for the automatic switch (the ranks' overlap with other
-steps included, alike for steps with and without drafts).
+other requests' steps keep the ranks busy. A greedy request's rows, and a sampling
+request's rows of an n-gram draft, come back as the tokens the pipeline's last rank chose
+(with the request's uniform numbers, up to the first rejection; and their logprobs where
+asked), as a plain row's; a sampling request's draft-model rows, or those of a request
+with penalties, bias or a constraint, as whole logits (`speculation.remote_rows`); and
+until they are verified its slot holds the draft positions for moves and growths
+(`SlotKVCache.hold_unverified`: other requests may leave or grow the cache meanwhile). A
+launched step is timed from its launch to its logits' arrival, for the automatic switch
+(the ranks' overlap with other steps included, alike for steps with and without drafts).
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ from exo.worker.engines.torch.batching.prompt_images import (
 )
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
-from exo.worker.engines.torch.batching.speculation import Speculation
+from exo.worker.engines.torch.batching.speculation import RemoteRow, Speculation, remote_rows
 from exo.worker.engines.torch.decoding.sampling import SampledToken
 from exo.worker.engines.torch.decoding.speculative_drafts import NO_DRAFT, Draft
 
@@ -115,10 +117,12 @@ BatchForward = Callable[
 ]
 # Per logit row, its [vocab] logits, or the token another rank chose (`SampledToken`).
 StepLogits = torch.Tensor | Sequence[torch.Tensor | SampledToken]
-# The same arguments and, per logit row, its request, or None for a row whose whole logits
-# are wanted (a draft's rows: rank 0 verifies them); starts the forward pass and returns the
-# function that waits for its logits (a pipeline's rank 0: its layers run before it
-# returns, the other ranks' after; its last rank may choose a row's token itself).
+
+# The same arguments and, per logit row, its `RemoteRow`, or None for a row whose whole
+# logits are wanted (a draft-model draft's rows of a sampling request: rank 0 verifies
+# them); starts the forward pass and returns the function that waits for its logits (a
+# pipeline's rank 0: its layers run before it returns, the other ranks' after; its last
+# rank may choose a row's token itself).
 BatchLaunch = Callable[
     [
         PreTrainedModel,
@@ -126,7 +130,7 @@ BatchLaunch = Callable[
         torch.Tensor,
         torch.Tensor,
         torch.Tensor,
-        list[RequestState | None],
+        list[RemoteRow | None],
     ],
     Callable[[], StepLogits],
 ]
@@ -419,11 +423,11 @@ class BatchScheduler:
         try:
             logits: Callable[[], StepLogits]
             if self.launch is not None:
-                row_requests: list[RequestState | None] = []
-                for running, drafted in zip(sampled, launched_drafts, strict=True):
-                    count = len(drafted.tokens) + 1
-                    remote = count == 1 or _rows_chosen_remotely(running.state)
-                    row_requests += [running.state if remote else None] * count
+                row_requests = [
+                    row
+                    for running, drafted in zip(sampled, launched_drafts, strict=True)
+                    for row in remote_rows(running.state, drafted)
+                ]
                 logits = self.launch(*arguments, row_requests)
             else:
                 started = time.perf_counter()
@@ -670,22 +674,11 @@ class BatchScheduler:
                     break
 
 
-def _rows_chosen_remotely(state: RequestState) -> bool:
-    """Whether a launched step's other rank may choose each row of the request's draft
-    (`BatchLaunch`): a greedy request whose chooser needs no logits (no penalties, bias or
-    constraint) takes each row's most likely token, which that rank finds as rank 0 would,
-    and no row draws a number of the request's generator. Any other drafting request's
-    rows come back whole for rank 0 to verify (a sampling request's rows each take their
-    own uniform number, which only the rows it keeps may use up)."""
-    chooser = state.chooser
-    return chooser.sampler.params.is_greedy and not chooser.needs_logits
-
-
 def _draft_rows(
     logits: StepLogits, first: int, end: int
 ) -> torch.Tensor | Sequence[torch.Tensor | SampledToken]:
     """A draft's rows `first .. end - 1` of a step: `[k + 1, vocab]` logits, or a launched
-    step's entries, one per row (tokens chosen elsewhere, `_rows_chosen_remotely`)."""
+    step's entries, one per row (tokens chosen elsewhere, `speculation.remote_rows`)."""
     if isinstance(logits, torch.Tensor):
         return logits[first:end]
     rows = logits[first:end]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from loguru import logger
 
@@ -169,3 +170,47 @@ class Speculation:
         """The request left the batch."""
         self._lengths.pop(request_id, None)
         self.source.forget(request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRow:
+    """A logit row of a launched step whose token another rank may choose (a pipeline's
+    last rank, `parallel/last_rank_sampling.py`; `scheduler.BatchLaunch`).
+
+    Attributes:
+        state: the row's request.
+        ahead: how many of the request's draws come before this row's (a draft's row i:
+            i, `Sampler.uniform`; 0 for a plain row).
+        draft_token: the draft token the row's choice is checked against; -1: none (a
+            plain row, or a draft's last row, whose token is the bonus or the correction).
+    """
+
+    state: RequestState
+    ahead: int = 0
+    draft_token: int = -1
+
+
+def remote_rows(state: RequestState, drafted: Draft) -> list[RemoteRow | None]:
+    """A launched step's rows of one request (its fed token's and its draft's, in position
+    order): each a `RemoteRow`, or None for a row whose whole logits rank 0 wants.
+
+    Another rank may choose a draft's rows where the request's chooser needs no logits
+    (no penalties, bias or constraint) and the draft is deterministic for the
+    verification (any draft of a greedy request; a draft without a draft distribution,
+    n-gram, for a sampling one). That rank picks each row's token as rank 0 would, the
+    argmax or the draw at the row's uniform number of the request's generator
+    (`RemoteRow.ahead`), and the verification keeps the rows up to the first mismatch and
+    uses up their numbers only (`last_rank_sampling.py`). A sampling request's
+    draft-model draft comes back whole: its general acceptance rule needs the whole target
+    distribution at each row. A row without a draft is always a `RemoteRow` (the other
+    rank decides whether its chooser lets it choose: `RowSampling.of`).
+    """
+    draft = drafted.tokens
+    chooser = state.chooser
+    deterministic = chooser.sampler.params.is_greedy or drafted.probabilities is None
+    if draft and (chooser.needs_logits or not deterministic):
+        return [None] * (len(draft) + 1)
+    return [
+        RemoteRow(state, row, draft[row] if row < len(draft) else -1)
+        for row in range(len(draft) + 1)
+    ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -193,22 +194,34 @@ class Sampler:
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(self.seed)
-        # A uniform number drawn ahead (`uniform`) and not yet used by a draw.
-        self._pending: torch.Tensor | None = None
+        # Uniform numbers drawn ahead (`uniform`) and not yet used by a draw, in draw order.
+        self._pending: deque[torch.Tensor] = deque()
 
-    def uniform(self) -> torch.Tensor:
-        """The 0-d float64 number in [0, 1) the next draw uses: drawn from the request's
-        generator once and kept until a draw uses it (`_draw`, `forwarded`), so handing it
-        to another process for a step that is then skipped (the request pre-empted) leaves
-        the sequence of draws as it would have been."""
-        if self._pending is None:
-            self._pending = torch.rand((), dtype=torch.float64, generator=self._generator)
-        return self._pending
+    def uniform(self, ahead: int = 0) -> torch.Tensor:
+        """The 0-d float64 number in [0, 1) that the draw `ahead` draws after the next one
+        uses (0: the next draw's): drawn from the request's generator once, in order, and
+        kept until a draw uses it (`_draw`, `forwarded`). Handing numbers to another
+        process for a step whose rows are then skipped (the request pre-empted) or only
+        partly used (a speculative draft cut at a rejection: `last_rank_sampling.py`)
+        leaves the sequence of draws as it would have been.
+
+        Args:
+            ahead: how many draws come before the one this number is for (>= 0).
+        """
+        while len(self._pending) <= ahead:
+            self._pending.append(torch.rand((), dtype=torch.float64, generator=self._generator))
+        return self._pending[ahead]
 
     def forwarded(self) -> None:
-        """Another process drew this step's token with `uniform` (when not greedy)."""
+        """Another process drew this step's token with `uniform()` (when not greedy): that
+        number is used up, the numbers drawn ahead of it stay for the next draws."""
         if not self.params.is_greedy:
-            self._pending = None
+            self._use()
+
+    def _use(self) -> None:
+        """The next draw's number is used up (drawn first where it was not yet)."""
+        self.uniform()
+        self._pending.popleft()
 
     def skip_draw(self) -> None:
         """Use up the uniform number one step's draw takes, for a token that was not drawn
@@ -218,8 +231,7 @@ class Sampler:
         know; its later draws then differ from the unbroken run's (still drawn from the same
         distribution)."""
         if not self.params.is_greedy:
-            self.uniform()
-            self._pending = None
+            self._use()
 
     def sample(self, logits: torch.Tensor, constraint: TokenFilter | None = None) -> int:
         """Pick the next token.
@@ -249,7 +261,7 @@ class Sampler:
             if self.params.is_greedy:
                 return argmax_token(logits)
             token = sample_unconstrained(logits, self.params, self.uniform())
-            self._pending = None
+            self._use()
             return token
         if self.params.is_greedy:
             return self._constrained_greedy(logits, constraint)
@@ -265,7 +277,7 @@ class Sampler:
         """The next uniform number in [0, 1) of the request's generator, used up (the
         general acceptance rule's test of a draft token)."""
         uniform = float(self.uniform())
-        self._pending = None
+        self._use()
         return uniform
 
     def distribution(self, logits: torch.Tensor, constraint: TokenFilter | None) -> torch.Tensor:
@@ -307,7 +319,7 @@ class Sampler:
         """An index drawn with probabilities `probs` `[n]` at the next uniform number of
         the request's generator (`draw_index`)."""
         index = draw_index(probs, self.uniform())
-        self._pending = None
+        self._use()
         return index
 
     def _constrained_greedy(self, logits: torch.Tensor, constraint: TokenFilter) -> int:
@@ -464,6 +476,7 @@ class TokenChooser:
         """
         if isinstance(logits, SampledToken):
             assert not self.needs_logits, "a token chosen elsewhere skipped this chooser's rules"
+            assert logits.token_id >= 0, "a row another rank skipped was taken as chosen"
             self.sampler.forwarded()
             return logits.token_id
         scores = logits if self.penalties is None else self.penalties.apply(logits)

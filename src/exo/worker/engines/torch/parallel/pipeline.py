@@ -4,9 +4,12 @@ also the embedding, the last the final norm and LM head) and a step travels rank
 Up to `world_size` steps are in flight at once, each over its own requests (the scheduler's
 `max_in_flight`: rank 0 runs step t+1's layers while the next ranks run step t's, and
 samples step t when its logits come back). Speculative decoding: a drafting request's k + 1
-rows go in one step; a greedy request's come back as the last rank's chosen tokens (as a
-plain row's), any other's as whole logits rows (`scheduler._rows_chosen_remotely`), and
-rank 0 verifies them; the verified length reaches the other ranks as a `CACHE_COMMIT` in
+rows go in one step; a greedy request's, and a sampling request's n-gram draft's, come back
+as the last rank's chosen tokens up to the first rejected draft token (the last rank runs
+the point-mass rejection rule with the request's own uniform numbers:
+`last_rank_sampling.py`), a sampling request's draft-model draft as whole logits rows
+(`speculation.remote_rows`, or penalties, bias or a constraint), and rank 0
+verifies them; the verified length reaches the other ranks as a `CACHE_COMMIT` in
 a later step's header (every rank applies it between the same two steps), and until then
 each rank's slot carries the draft's positions (`SlotKVCache.hold_unverified`).
 
@@ -42,8 +45,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from exo.shared.types.shards import Sharding, ShardMetadata
 from exo.worker.engines.torch.batching.batch_attention import BatchPlan
-from exo.worker.engines.torch.batching.request_state import RequestState
 from exo.worker.engines.torch.batching.scheduler import StepLogits
+from exo.worker.engines.torch.batching.speculation import RemoteRow
 from exo.worker.engines.torch.comm.process_group import post_receive, receive_tensor, send_tensor
 from exo.worker.engines.torch.decoding.sampling import SampledToken
 from exo.worker.engines.torch.model.direct_forward import FIRST_LAYER_ATTRIBUTE
@@ -146,11 +149,12 @@ class PipelineTransform(EngineTransform):
             input_ids: torch.Tensor,
             position_ids: torch.Tensor,
             logit_rows: torch.Tensor,
-            requests: list[RequestState | None],
+            requests: list[RemoteRow | None],
         ) -> Callable[[], StepLogits]:
-            # Rows wanted whole (None: a sampling request's draft rows) travel whole.
+            # Rows wanted whole (None: a sampling request's draft-model draft) travel whole.
             samplings = tuple(
-                FULL_ROW if state is None else RowSampling.of(state) for state in requests
+                FULL_ROW if row is None else RowSampling.of(row.state, row.ahead, row.draft_token)
+                for row in requests
             )
             return _launch(engine, model, plan, input_ids, position_ids, logit_rows, samplings)
 

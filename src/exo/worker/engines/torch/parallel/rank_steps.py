@@ -505,7 +505,7 @@ def split_micro_batches(step: StepHeader, parts: int) -> list[MicroBatch]:
     LPT rule of Graham 1969). The step's cache operations go with the first micro-batch; the
     order of rows inside a micro-batch follows the step's (decode rows first); a prefill
     segment keeps its image blocks, and its image rows and multimodal rotary positions go
-    with it.
+    with it. A micro-batch's logit rows keep the order they have in the step.
 
     Raises:
         ValueError: `parts` < 1.
@@ -551,7 +551,12 @@ def split_micro_batches(step: StepHeader, parts: int) -> list[MicroBatch]:
                     )
                 )  # fmt: skip
             rows.extend(step_rows)
-        local_logits = [local for local, row in enumerate(rows) if row in logit_index]
+        # In the step's logit order (a draft's rows, laid out last position first, keep
+        # their position order: the last rank verifies them in it, `last_rank_sampling`).
+        local_logits = sorted(
+            (local for local, row in enumerate(rows) if row in logit_index),
+            key=lambda local: logit_index[rows[local]],
+        )
         samplings = (
             tuple(step.samplings[logit_index[rows[local]]] for local in local_logits)
             if step.samplings

@@ -1,19 +1,23 @@
-"""Speculative decoding on split instances (issue 43): tensor, pipeline and expert x2 verify
-a draft's k + 1 positions in one step, with n-gram drafts (no model), scripted drafts (the
-plain reply with mistakes at set places: every rejection path, deterministically) and, on a
-pipeline, a draft model in rank 0's runner. Every case (float32 weights and KV, gloo over
-127.0.0.1, spawned processes): the group's greedy tokens with drafts equal one process's
-plain decoding token for token, a seeded sampling request's equal the group's plain ones
-(deterministic drafts: the same draws), with one request that does not draft batched beside
-the drafting ones; and the logprobs equal the group's plain ones. A logprob comes from the
+"""Speculative decoding on split instances (issue 43): tensor, pipeline and expert x2 and x3
+verify a draft's k + 1 positions in one step, with n-gram drafts (no model), scripted
+drafts (the plain reply with mistakes at set places: every rejection path,
+deterministically) and, on a pipeline x2, a draft model in rank 0's runner. Every case
+(float32 weights and KV, gloo over 127.0.0.1, spawned processes): the group's greedy tokens
+with drafts equal one process's plain decoding token for token, a seeded sampling
+request's equal the group's plain ones (deterministic drafts: the same draws; on a
+pipeline also one process's, and its n-gram and scripted draft rows come back from the
+last rank as chosen tokens, 20 bytes a row with one logprob alternative, where they were
+whole logits rows), with one request that does not draft batched beside the drafting
+ones; and the logprobs equal the group's plain ones. A logprob comes from the
 last rank's logits, which a wrong key or value on any rank (a rejected draft's position
 kept, an accepted one lost when a slot moved) would move: so every rank's KV after
 rejections is the KV of plain decoding. Rank 0's own KV is compared directly with plain
 decoding's (the prefix cache's entries of the finished requests).
 
-One group runs the default run's jobs (models loaded one after another by both ranks, so
-the processes start once), another the slow ones. The pipeline's steps in flight beside a
-verified draft, across slot moves, are covered in one process too
+One group runs the default run's x2 jobs (models loaded one after another by both ranks, so
+the processes start once), another the slow ones, a third the x3 pipeline and tensor jobs
+(expert x3 in a slow fourth). The pipeline's steps in flight beside a verified draft,
+across slot moves, are covered in one process too
 (`test_drafts_in_flight_beside_other_steps_keep_their_kv_across_slot_moves`).
 """
 
@@ -37,10 +41,10 @@ from exo.worker.engines.torch.batching.batch_attention import (
     forward_batch,
 )
 from exo.worker.engines.torch.batching.prefix_cache import PrefixCache
-from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
+from exo.worker.engines.torch.batching.request_state import GeneratedPiece
 from exo.worker.engines.torch.batching.scheduler import BatchScheduler, StepLogits
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
-from exo.worker.engines.torch.batching.speculation import Speculation
+from exo.worker.engines.torch.batching.speculation import RemoteRow, Speculation
 from exo.worker.engines.torch.decoding.speculative_drafts import NgramDraftSource
 from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
 from exo.worker.engines.torch.engine import TorchEngine
@@ -71,8 +75,9 @@ MAX_TOKENS = 24
 JOIN_AT = [0, 1, 2, 2]
 # The second request never drafts: plain rows batched beside draft rows.
 PLAIN_INDEX = 1
-# The last one samples (seeded): its draft rows come back whole from a pipeline's last
-# rank, where a greedy request's come back as chosen tokens.
+# The last one samples (seeded): a pipeline's last rank verifies its n-gram and scripted
+# drafts with its uniform numbers (`last_rank_sampling.py`), as a greedy request's; its
+# draft model's drafts come back whole.
 SAMPLED_INDEX = 3
 SAMPLED: dict[str, Any] = {"temperature": 0.9, "top_p": 0.95, "seed": 7}
 # |group with drafts - group plain| logprobs: the same rows' logits, computed by the same
@@ -97,10 +102,12 @@ def _params(speculative: bool) -> list[Any]:
 def _run_requests(engine: TorchEngine, speculative: bool, label: str) -> dict[str, Any]:
     """The prompts, joined at `JOIN_AT`: tokens, logprobs and rank 0's KV of each finished
     request (the prefix cache's entry of its text but the last token), and the logit rows
-    a pipeline's last rank answered whole and with a chosen token."""
+    a pipeline's last rank answered whole and with a chosen token (of these, the rows
+    checked against a draft token, and their float32 values)."""
     engine.clear_prefix_cache()
     traffic = engine.group.traffic if engine.group is not None else None
-    full, lean = (traffic.full_rows, traffic.lean_rows) if traffic is not None else (0, 0)
+    counted = ("full_rows", "lean_rows", "lean_draft_rows", "lean_draft_values")
+    before = {name: getattr(traffic, name) if traffic is not None else 0 for name in counted}
     states = [
         engine.build_request(one, None, f"{label}-{index}")
         for index, one in enumerate(_params(speculative))
@@ -118,8 +125,10 @@ def _run_requests(engine: TorchEngine, speculative: bool, label: str) -> dict[st
         "tokens": texts,
         "logprobs": [_logprobs(pieces[state.request_id]) for state in states],
         "kv": kv,
-        "full_rows": traffic.full_rows - full if traffic is not None else 0,
-        "lean_rows": traffic.lean_rows - lean if traffic is not None else 0,
+        **{
+            name: getattr(traffic, name) - before[name] if traffic is not None else 0
+            for name in counted
+        },
     }
 
 
@@ -225,22 +234,29 @@ def models(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> di
         root / "moe1", "qwen3_moe", real_model_dir, n_layers=2, seed=1,
         tie_word_embeddings=False,
     )  # fmt: skip
+    # 3 layers, and heads, KV heads and MLP width divisible by 3: pipeline and tensor x3.
+    llama_three = save_tiny_model(
+        root / "llama3", "llama", real_model_dir, n_layers=3, tie_word_embeddings=False,
+        hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=192,
+    )  # fmt: skip
     return {
         "llama": str(llama),
+        "llama-three": str(llama_three),
         "llama-draft": str(noisy_copy(llama, root / "llama-draft", DRAFT_NOISE)),
         "moe-repeating": str(moe_repeating),
         "moe-varied": str(moe_varied),
     }
 
 
-def _group_run(jobs: list[Job]) -> GroupRun:
-    """One process's plain decoding of each job's model, then the jobs on a 2-rank group."""
+def _group_run(jobs: list[Job], world_size: int = 2) -> GroupRun:
+    """One process's plain decoding of each job's model, then the jobs on a group of
+    `world_size` ranks."""
     result = GroupRun(jobs={job.name: job for job in jobs})
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("EXO_KV_CACHE_DTYPE", "float32")
         for model in {job.model_dir for job in jobs}:
             result.single[model] = _single_plain(Path(model))
-    for kind, name, value in run_rank_processes(_rank_main, (jobs,), 2, GROUP_DEADLINE_S):
+    for kind, name, value in run_rank_processes(_rank_main, (jobs,), world_size, GROUP_DEADLINE_S):
         if kind == "outcome":
             result.outcomes[name] = value
     return result
@@ -268,6 +284,26 @@ def slow_group_run(models: dict[str, str]) -> GroupRun:
             Job("pipeline-draft", models["llama"], "pipeline", ("draft_model",), draft),
             Job("expert-scripted", models["moe-varied"], "expert", ("scripted",)),
         ]
+    )
+
+
+@pytest.fixture(scope="module")
+def three_rank_run(models: dict[str, str]) -> GroupRun:
+    """Pipeline and tensor x3 with n-gram drafts (one 3-rank group)."""
+    return _group_run(
+        [
+            Job("pipeline-x3", models["llama-three"], "pipeline", ("ngram",)),
+            Job("tensor-x3", models["llama-three"], "tensor", ("ngram",)),
+        ],
+        world_size=3,
+    )
+
+
+@pytest.fixture(scope="module")
+def slow_three_rank_run(models: dict[str, str]) -> GroupRun:
+    """Expert x3 with n-gram drafts (the MoE's 4 experts over 3 ranks: 1, 1, 2)."""
+    return _group_run(
+        [Job("expert-x3", models["moe-repeating"], "expert", ("ngram",))], world_size=3
     )
 
 
@@ -309,9 +345,14 @@ def _check(run: GroupRun, name: str) -> None:
         if source == "scripted":  # rejections at the first and a later draft token
             assert counters["accepted_tokens"] < counters["drafted_tokens"]
             assert counters["verify_rounds"] >= 6
-            if job.mode == "pipeline":  # the sampling request's drafts came back whole
-                assert plain["full_rows"] == 0 < speculated["full_rows"]
-                assert speculated["lean_rows"] > 0
+        if job.mode == "pipeline":
+            assert plain["full_rows"] == 0
+            if source == "draft_model":  # the sampling request's drafts came back whole
+                assert speculated["full_rows"] > 0
+            else:  # every request's draft rows came back as chosen tokens (and logprobs)
+                assert speculated["full_rows"] == 0 < speculated["lean_draft_rows"]
+                sent_back = 4 * speculated["lean_draft_values"] / speculated["lean_draft_rows"]
+                assert sent_back == 4 * (3 + 2 * 1) < 1024  # bytes per draft row: top_logprobs 1
 
 
 def test_tensor_split_speculates_with_ngram_drafts_as_plain_decoding(group_run: GroupRun) -> None:
@@ -336,6 +377,22 @@ def test_splits_verify_scripted_and_draft_model_drafts_as_plain_decoding(
     _check(slow_group_run, name)
 
 
+# One 3-rank group for the two (with expert x3 as a third job: 23 s on the quiet 2-core
+# machine, 74 s while other work ran; 2026-12-06).
+@pytest.mark.parametrize("name", ["pipeline-x3", "tensor-x3"])
+def test_three_rank_splits_speculate_with_ngram_drafts_as_plain_decoding(
+    three_rank_run: GroupRun, name: str
+) -> None:
+    _check(three_rank_run, name)
+
+
+@pytest.mark.slow  # a second 3-rank group
+def test_three_rank_expert_split_speculates_with_ngram_drafts_as_plain_decoding(
+    slow_three_rank_run: GroupRun,
+) -> None:
+    _check(slow_three_rank_run, "expert-x3")
+
+
 # --- steps in flight beside a draft, one process ------------------------------------------
 
 
@@ -351,7 +408,7 @@ def _deferred_scheduler(engine: TorchEngine, source: Any) -> BatchScheduler:
         cache.keys[0].dtype, cache.keys[0].device, cache.slots, cache.latent_values,
         cache.windows,
     )  # fmt: skip
-    launched_rows: list[list[RequestState | None]] = []
+    launched_rows: list[list[RemoteRow | None]] = []
 
     def launch(
         model: Any,
@@ -359,7 +416,7 @@ def _deferred_scheduler(engine: TorchEngine, source: Any) -> BatchScheduler:
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         logit_rows: torch.Tensor,
-        requests: list[RequestState | None],
+        requests: list[RemoteRow | None],
     ) -> Any:
         launched_rows.append(requests)
         logits = forward_batch(model, plan, input_ids, position_ids, logit_rows)
@@ -426,10 +483,21 @@ def test_drafts_in_flight_beside_other_steps_keep_their_kv_across_slot_moves(
     # Launched steps are timed for the automatic switch (from launch to logits).
     assert speculation.auto_switch.step_seconds(1) is not None
     launched = engine._scheduler.launched_rows  # type: ignore[attr-defined]
-    # The sampling request's draft rows were launched to come back whole (None), a greedy
-    # one's to be chosen by the other rank (its state on each row).
-    assert any(None in rows for rows in launched)
-    assert any(len(rows) > len(set(map(id, rows))) and None not in rows for rows in launched)
+    # Every draft row was launched to be chosen by the other rank, the sampling request's
+    # (scripted drafts: deterministic) with its next uniform numbers in row order.
+    drafted: set[str] = set()
+    for step in launched:
+        assert all(row is not None for row in step)
+        groups: dict[str, list[RemoteRow]] = {}
+        for row in step:
+            groups.setdefault(row.state.request_id, []).append(row)
+        for request_id, group in groups.items():
+            assert [row.ahead for row in group] == list(range(len(group)))
+            assert [row.draft_token >= 0 for row in group[:-1]] == [True] * (len(group) - 1)
+            assert group[-1].draft_token == -1
+            if len(group) > 1:
+                drafted.add(request_id)
+    assert {"r0", "r1"} <= drafted  # greedy and sampling
 
 
 def test_a_slot_moved_before_its_draft_is_verified_keeps_the_draft_positions() -> None:
