@@ -1,8 +1,8 @@
 """The rendezvous store of a split instance whose cluster has a secret: a key-value store
 served by rank 0, which every other rank reaches over one connection that opens with the
 group handshake (`comm/group_auth.py`). It replaces torch's `TCPStore`, which listens on
-every interface and lets anyone who reaches it read and write every key (gloo's and the
-rank links' addresses among them).
+every interface and lets anyone who reaches it read and write every key (the rank links'
+addresses and token among them).
 
 Rank 0 listens on the address the other ranks reach it at (the group's `master_addr`),
 not on every interface (`open_group_store`). Each accepted connection runs on its own
@@ -10,9 +10,10 @@ thread: its handshake within `HANDSHAKE_SECONDS`, then requests until it closes;
 `MAX_PENDING_HANDSHAKES` connections may be in their handshake at once (more are closed
 unread), so strangers cost a bounded number of threads and stall no rank.
 
-The store implements what torch.distributed's gloo and nccl rendezvous and the rank links
-call (`set`, `get`, `add`, `wait`, `check`, `compare_set`, `delete_key`, `num_keys`), with
-c10d's semantics: `get` and `wait` block until the keys exist, up to the store's timeout.
+The store implements what the rank links and torch.distributed's nccl rendezvous (and
+gloo's, where `EXO_RANK_LINKS=0` forms a gloo group) call (`set`, `get`, `add`, `wait`,
+`check`, `compare_set`, `delete_key`, `num_keys`), with c10d's semantics: `get` and `wait`
+block until the keys exist, up to the store's timeout.
 
 Wire format after the handshake (all integers big-endian): a request is an operation
 byte, a field count (u32) and the fields, each a u32 length and its bytes; an answer is a
