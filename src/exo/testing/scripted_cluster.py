@@ -48,6 +48,7 @@ class ScriptedCluster:
         self.placing: dict[str, anyio.Event] = {}
         self.downloads_recorded: list[tuple[str, DownloadStatus]] = []
         self.generation_aliases: dict[CommandId, CommandId] = {}
+        self.waiting_generations: dict[CommandId, anyio.Event] = {}
         self.kv_cache: list[KVCacheUse] = []  # what `local_kv_cache` reports
         self.image_policy = ImagePolicy()  # tests replace it (`allow_private_urls`)
         self.embedding_commands: list[ComputeEmbeddings] = []

@@ -99,9 +99,15 @@ async def cancel_generation(generation_id: str, cluster: Cluster) -> dict[str, o
     """Stop a running or queued generation on every rank and free its slot.
 
     `generation_id` is the id of any dialect's response (`chatcmpl-…`, `msg_…`, `resp_…`)
-    or the internal command id. 404 when no such generation is pending or running.
+    or the internal command id. A generation still waiting for its model's instance to be
+    placed again ends as cancelled without being sent. 404 when no such generation is
+    pending, waiting or running.
     """
     command_id = command_id_in_response_id(generation_id)
+    waiting = None if command_id is None else cluster.waiting_generations.get(command_id)
+    if waiting is not None:  # waiting for a re-placed instance: not sent, so not a task
+        waiting.set()
+        return {"id": generation_id, "object": "generation.cancelled", "cancelled": True}
     if command_id is not None:  # sent again after its instance was lost: the new command
         command_id = cluster.generation_aliases.get(command_id, command_id)
     if command_id is None or not any(

@@ -20,8 +20,8 @@ waits on the cluster state on its own, whichever route started it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import ExitStack
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import anyio
@@ -45,7 +45,7 @@ from exo.api.wire.errors import (
     NoCapacityError,
 )
 from exo.shared.constants import INSTANCE_HEADER
-from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
+from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk, TokenChunk
 from exo.shared.types.commands import CancelGeneration, GenerateText, KeepAlive
 from exo.shared.types.common import CommandId, InstanceId
 from exo.shared.types.text_generation import TextGenerationTaskParams
@@ -185,14 +185,42 @@ class Generation:
                 )
             await submit_generation(self.cluster, command)
 
-        await submit_when_served(
-            self.cluster,
-            request,
-            self.params.model,
-            send,
-            deadline=anyio.current_time() + REPLACEMENT_WAIT_SECONDS,
-            wait_seconds=REPLACEMENT_WAIT_SECONDS,
-            pinned=self.instance_id,
+        with self._cancellable() as cancelled:
+            sent = await submit_when_served(
+                self.cluster,
+                request,
+                self.params.model,
+                send,
+                deadline=anyio.current_time() + REPLACEMENT_WAIT_SECONDS,
+                wait_seconds=REPLACEMENT_WAIT_SECONDS,
+                pinned=self.instance_id,
+                cancelled=cancelled,
+            )
+        if not sent:
+            self.chunks = self._cancelled_end()
+        elif cancelled.is_set():  # cancelled while the master took it: cancel the task
+            self.cancel()
+
+    @contextmanager
+    def _cancellable(self) -> Iterator[anyio.Event]:
+        """While this generation waits to be sent: the event `/v1/cancel` of the command its
+        client knows sets (`ClusterClient.waiting_generations`)."""
+        known = self._known_command_id or self.command_id
+        cancelled = anyio.Event()
+        self.cluster.waiting_generations[known] = cancelled
+        try:
+            yield cancelled
+        finally:
+            if self.cluster.waiting_generations.get(known) is cancelled:
+                del self.cluster.waiting_generations[known]
+
+    async def _cancelled_end(self) -> AsyncIterator[Chunk]:
+        """The chunks of a generation cancelled before it was sent: the final "cancelled"
+        chunk a runner sends for a queued task it drops (`Runner._end_task`), so every
+        dialect ends it as it ends any cancelled generation."""
+        logger.info(f"api: {self.command_id} was cancelled while it waited to be sent")
+        yield TokenChunk(
+            command_id=self.command_id, model=self.params.model, text="", finish_reason="cancelled"
         )
 
     def _new_command(
@@ -237,15 +265,19 @@ class Generation:
             )
             await submit_generation(self.cluster, command)
 
-        await submit_when_served(
-            self.cluster,
-            request,
-            params.model,
-            send,
-            deadline=deadline,
-            wait_seconds=wait_seconds,
-        )
-        return chunks[0]
+        with self._cancellable() as cancelled:
+            sent = await submit_when_served(
+                self.cluster,
+                request,
+                params.model,
+                send,
+                deadline=deadline,
+                wait_seconds=wait_seconds,
+                cancelled=cancelled,
+            )
+        if sent and cancelled.is_set():  # cancelled while the master took it
+            self.cancel()
+        return chunks[0] if sent else self._cancelled_end()
 
 
 async def submit_generation(cluster: ClusterClient, command: GenerateText) -> None:

@@ -216,6 +216,10 @@ class ClusterClient:
         self.generation_aliases: dict[CommandId, CommandId] = {}
         """Generations sent again after their instance was lost: the command their client
         knows (its response id names it) -> the command running now (`/v1/cancel`)."""
+        self.waiting_generations: dict[CommandId, anyio.Event] = {}
+        """Generations waiting for a re-placed instance before being sent (not yet tasks):
+        the command their client knows -> the event `/v1/cancel` sets to end the wait
+        (`replacement_wait.submit_when_served`)."""
         self.state_changed = anyio.Event()
 
     @property

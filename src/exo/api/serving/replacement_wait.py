@@ -98,13 +98,16 @@ async def wait_for_replacement(
     model: ModelId,
     deadline: float,
     wait_seconds: float | None = None,
+    cancelled: anyio.Event | None = None,
 ) -> None:
     """Return at once unless every instance of `model` is being placed again
-    (`replacement_under_way`); else once one serves again.
+    (`replacement_under_way`); else once one serves again, or once `cancelled` is set
+    (seen within `STATE_CHECK_SECONDS`).
 
     Args:
         deadline: anyio clock seconds after which the request stops waiting.
         wait_seconds: the bound `deadline` stands for, which a 503 names (None: "in time").
+        cancelled: set by `/v1/cancel` for this request (`ClusterClient.waiting_generations`).
 
     Raises:
         NoCapacityError: `deadline` passed, or the instance can no longer come back soon (it
@@ -116,7 +119,7 @@ async def wait_for_replacement(
     logger.info(f"api: a request for {model} waits for its instance, being placed again")
     while True:
         state = cluster.state
-        if model_serving(state, model):
+        if model_serving(state, model) or (cancelled is not None and cancelled.is_set()):
             return
         if not replacement_under_way(state, model):
             instances = state.instances_of_model(model)
@@ -147,7 +150,8 @@ async def submit_when_served(
     deadline: float,
     wait_seconds: float | None = None,
     pinned: InstanceId | None = None,
-) -> None:
+    cancelled: anyio.Event | None = None,
+) -> bool:
     """Send a request for `model` (`send`), first waiting while its every instance is being
     placed again (`wait_for_replacement`), and waiting again after a refusal the master
     gave because the re-placement is under way (it saw the loss before this node): then
@@ -157,6 +161,11 @@ async def submit_when_served(
     Args:
         deadline: anyio clock seconds after which the request stops waiting.
         wait_seconds: the bound `deadline` stands for, which a 503 names.
+        cancelled: set when the client cancels the request while it waits (`/v1/cancel`):
+            it is then not sent.
+
+    Returns:
+        True once sent; False when `cancelled` was set before it was.
 
     Raises:
         NoCapacityError: the instance did not serve again by `deadline`, waits for room no
@@ -169,10 +178,12 @@ async def submit_when_served(
     attempt = 0
     while True:
         if pinned is None:
-            await wait_for_replacement(cluster, request, model, deadline, wait_seconds)
+            await wait_for_replacement(cluster, request, model, deadline, wait_seconds, cancelled)
+        if cancelled is not None and cancelled.is_set():
+            return False
         try:
             await send(attempt)
-            return
+            return True
         except NoCapacityError as error:
             state = cluster.state
             if pinned is not None or not replacement_under_way(state, model):

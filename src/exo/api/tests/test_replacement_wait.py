@@ -20,6 +20,7 @@ import pytest
 
 from exo.api.serving import early_stream
 from exo.api.serving.accepted_generation import Generation
+from exo.api.serving.admission import Admission
 from exo.api.serving.replacement_wait import UNAVAILABLE_RETRY_AFTER_SECONDS, replacement_under_way
 from exo.api.tests.replacement import (
     DEADLINE_SECONDS,
@@ -27,6 +28,7 @@ from exo.api.tests.replacement import (
     STILL_WAITING_SECONDS,
     ReplacingCluster,
     answer_of,
+    app_client,
     error_message,
     pending,
     quick_polls,
@@ -285,3 +287,49 @@ def states() -> Iterator[tuple[str, State, bool]]:
 @pytest.mark.parametrize(("name", "state", "expected"), list(states()))
 def test_which_states_a_new_request_waits_in(name: str, state: State, expected: bool) -> None:
     assert replacement_under_way(state, ModelId(SMOLLM2)) is expected, name
+
+
+@pytest.mark.parametrize("name", ["chat", "chat stream", "responses", "claude", "ollama"])
+async def test_a_request_cancelled_while_it_waits_is_never_sent_and_ends_cancelled(
+    name: str,
+) -> None:
+    """`POST /v1/cancel/{id}` of a request still waiting for its re-placed instance (not
+    yet a task, so a 404 before) ends its wait: it is never sent, and its client gets the
+    end a cancelled generation gets (the runner's final "cancelled" chunk)."""
+    cluster = ReplacingCluster(replacing())
+    path, body = REQUESTS[name]
+    async with (
+        pending(cluster, path, body) as request,
+        app_client(cluster, request.admission) as http,
+    ):
+        await wait_for(lambda: len(cluster.waiting_generations) == 1, "waiting")
+        (command_id,) = cluster.waiting_generations
+        cancel = await http.post(f"/v1/cancel/{command_id}")
+        assert cancel.status_code == 200, cancel.text
+        assert cancel.json()["cancelled"] is True
+    assert cluster.submitted == [] and cluster.refused == []
+    assert cluster.waiting_generations == {}
+    # As each dialect ends any generation cancelled before its first token (a queued
+    # task's final "cancelled" chunk, docs/api.md#cancellation): the chat stream with the
+    # `generation_cancelled` error event and `[DONE]`, Responses as `cancelled`, the other
+    # whole answers as the error "cancelled before it finished".
+    answer = request.answer
+    assert SCRIPTED_ANSWER.split()[0] not in answer.text
+    if name == "chat stream":
+        assert answer.status_code == 200, answer.text
+        assert '"code": "generation_cancelled"' in answer.text
+        assert answer.text.rstrip().endswith("data: [DONE]")
+    elif name == "responses":
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["status"] == "cancelled" and answer.json()["output"] == []
+    else:
+        assert answer.status_code == 500, answer.text
+        assert "cancelled before it finished" in answer.text
+    assert request.admission.in_flight(ModelId(SMOLLM2)) == 0
+
+
+async def test_a_cancel_of_nothing_waiting_or_running_is_still_a_404() -> None:
+    cluster = ReplacingCluster(serving())
+    async with app_client(cluster, Admission()) as http:
+        answer = await http.post(f"/v1/cancel/{CommandId.new()}")
+    assert answer.status_code == 404, answer.text
