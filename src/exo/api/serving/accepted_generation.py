@@ -20,8 +20,8 @@ waits on the cluster state on its own, whichever route started it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import anyio
@@ -34,6 +34,7 @@ from exo.api.serving.metrics import observed_chunks
 from exo.api.serving.replacement_wait import (
     REPLACEMENT_WAIT_SECONDS,
     STATE_CHECK_SECONDS,
+    WaitCancellation,
     submit_when_served,
     wait_for_state_change,
 )
@@ -185,34 +186,26 @@ class Generation:
                 )
             await submit_generation(self.cluster, command)
 
-        with self._cancellable() as cancelled:
-            sent = await submit_when_served(
-                self.cluster,
-                request,
-                self.params.model,
-                send,
-                deadline=anyio.current_time() + REPLACEMENT_WAIT_SECONDS,
-                wait_seconds=REPLACEMENT_WAIT_SECONDS,
-                pinned=self.instance_id,
-                cancelled=cancelled,
-            )
+        cancellation = self._cancellation()
+        sent = await submit_when_served(
+            self.cluster,
+            request,
+            self.params.model,
+            send,
+            deadline=anyio.current_time() + REPLACEMENT_WAIT_SECONDS,
+            wait_seconds=REPLACEMENT_WAIT_SECONDS,
+            pinned=self.instance_id,
+            cancellation=cancellation,
+        )
         if not sent:
             self.chunks = self._cancelled_end()
-        elif cancelled.is_set():  # cancelled while the master took it: cancel the task
+        elif cancellation.requested:  # cancelled while the master took it: cancel the task
             self.cancel()
 
-    @contextmanager
-    def _cancellable(self) -> Iterator[anyio.Event]:
-        """While this generation waits to be sent: the event `/v1/cancel` of the command its
-        client knows sets (`ClusterClient.waiting_generations`)."""
-        known = self._known_command_id or self.command_id
-        cancelled = anyio.Event()
-        self.cluster.waiting_generations[known] = cancelled
-        try:
-            yield cancelled
-        finally:
-            if self.cluster.waiting_generations.get(known) is cancelled:
-                del self.cluster.waiting_generations[known]
+    def _cancellation(self) -> WaitCancellation:
+        """What `/v1/cancel` of the command this generation's client knows sets while the
+        generation waits to be sent (`replacement_wait.WaitCancellation`)."""
+        return WaitCancellation(self.cluster, self._known_command_id or self.command_id)
 
     async def _cancelled_end(self) -> AsyncIterator[Chunk]:
         """The chunks of a generation cancelled before it was sent: the final "cancelled"
@@ -265,17 +258,17 @@ class Generation:
             )
             await submit_generation(self.cluster, command)
 
-        with self._cancellable() as cancelled:
-            sent = await submit_when_served(
-                self.cluster,
-                request,
-                params.model,
-                send,
-                deadline=deadline,
-                wait_seconds=wait_seconds,
-                cancelled=cancelled,
-            )
-        if sent and cancelled.is_set():  # cancelled while the master took it
+        cancellation = self._cancellation()
+        sent = await submit_when_served(
+            self.cluster,
+            request,
+            params.model,
+            send,
+            deadline=deadline,
+            wait_seconds=wait_seconds,
+            cancellation=cancellation,
+        )
+        if sent and cancellation.requested:  # cancelled while the master took it
             self.cancel()
         return chunks[0] if sent else self._cancelled_end()
 

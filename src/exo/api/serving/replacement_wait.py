@@ -27,7 +27,7 @@ from loguru import logger
 from exo.api.serving.cluster_client import ClusterClient
 from exo.api.wire.errors import GenerationError, NoCapacityError
 from exo.master.recovery import unavailable_message
-from exo.shared.types.common import InstanceId, ModelId
+from exo.shared.types.common import CommandId, InstanceId, ModelId
 from exo.shared.types.state import State
 
 # How long a request that has sent its client nothing yet waits for its model's instance
@@ -43,6 +43,38 @@ UNAVAILABLE_RETRY_AFTER_SECONDS = 10
 # A waiting request looks at the cluster state and its client's connection at least this
 # often (besides waking at every state change).
 STATE_CHECK_SECONDS = 0.5
+
+
+class WaitCancellation:
+    """How `/v1/cancel` reaches a request while it waits to be sent (not yet a task, so
+    the master knows nothing of it): once the request starts waiting, its event is listed
+    under the command its client knows (`ClusterClient.waiting_generations`), until the
+    wait ends (`submit_when_served`)."""
+
+    __slots__ = ("_cluster", "_command_id", "_listening", "event")
+
+    def __init__(self, cluster: ClusterClient, command_id: CommandId) -> None:
+        self._cluster = cluster
+        self._command_id = command_id
+        self._listening = False
+        self.event = anyio.Event()
+
+    def listen(self) -> None:
+        self._cluster.waiting_generations[self._command_id] = self.event
+        self._listening = True
+
+    def forget(self) -> None:
+        if (
+            self._listening
+            and self._cluster.waiting_generations.get(self._command_id) is self.event
+        ):
+            del self._cluster.waiting_generations[self._command_id]
+        self._listening = False
+
+    @property
+    def requested(self) -> bool:
+        return self.event.is_set()
+
 
 Send = Callable[[int], Awaitable[None]]
 """Submits the request's command: attempt 0 its first; a later attempt (after the master
@@ -98,16 +130,16 @@ async def wait_for_replacement(
     model: ModelId,
     deadline: float,
     wait_seconds: float | None = None,
-    cancelled: anyio.Event | None = None,
+    cancellation: WaitCancellation | None = None,
 ) -> None:
     """Return at once unless every instance of `model` is being placed again
-    (`replacement_under_way`); else once one serves again, or once `cancelled` is set
-    (seen within `STATE_CHECK_SECONDS`).
+    (`replacement_under_way`); else once one serves again, or once `cancellation` is
+    requested (`/v1/cancel`, seen within `STATE_CHECK_SECONDS`).
 
     Args:
         deadline: anyio clock seconds after which the request stops waiting.
         wait_seconds: the bound `deadline` stands for, which a 503 names (None: "in time").
-        cancelled: set by `/v1/cancel` for this request (`ClusterClient.waiting_generations`).
+        cancellation: listened to while this request waits.
 
     Raises:
         NoCapacityError: `deadline` passed, or the instance can no longer come back soon (it
@@ -117,9 +149,11 @@ async def wait_for_replacement(
     if not replacement_under_way(cluster.state, model):
         return
     logger.info(f"api: a request for {model} waits for its instance, being placed again")
+    if cancellation is not None:
+        cancellation.listen()
     while True:
         state = cluster.state
-        if model_serving(state, model) or (cancelled is not None and cancelled.is_set()):
+        if model_serving(state, model) or (cancellation is not None and cancellation.requested):
             return
         if not replacement_under_way(state, model):
             instances = state.instances_of_model(model)
@@ -150,7 +184,7 @@ async def submit_when_served(
     deadline: float,
     wait_seconds: float | None = None,
     pinned: InstanceId | None = None,
-    cancelled: anyio.Event | None = None,
+    cancellation: WaitCancellation | None = None,
 ) -> bool:
     """Send a request for `model` (`send`), first waiting while its every instance is being
     placed again (`wait_for_replacement`), and waiting again after a refusal the master
@@ -161,11 +195,11 @@ async def submit_when_served(
     Args:
         deadline: anyio clock seconds after which the request stops waiting.
         wait_seconds: the bound `deadline` stands for, which a 503 names.
-        cancelled: set when the client cancels the request while it waits (`/v1/cancel`):
-            it is then not sent.
+        cancellation: the client's `/v1/cancel` while the request waits: it is then not
+            sent.
 
     Returns:
-        True once sent; False when `cancelled` was set before it was.
+        True once sent; False when cancelled while it waited.
 
     Raises:
         NoCapacityError: the instance did not serve again by `deadline`, waits for room no
@@ -176,19 +210,25 @@ async def submit_when_served(
         ApiError: as `send`.
     """
     attempt = 0
-    while True:
-        if pinned is None:
-            await wait_for_replacement(cluster, request, model, deadline, wait_seconds, cancelled)
-        if cancelled is not None and cancelled.is_set():
-            return False
-        try:
-            await send(attempt)
-            return True
-        except NoCapacityError as error:
-            state = cluster.state
-            if pinned is not None or not replacement_under_way(state, model):
-                if error.retry_after_seconds is None and all_unavailable(state, model, pinned):
-                    error.retry_after_seconds = UNAVAILABLE_RETRY_AFTER_SECONDS
-                raise
-        attempt += 1
-        logger.info(f"api: a request for {model} was refused while it is placed again; waits")
+    try:
+        while True:
+            if pinned is None:
+                await wait_for_replacement(
+                    cluster, request, model, deadline, wait_seconds, cancellation
+                )
+            if cancellation is not None and cancellation.requested:
+                return False
+            try:
+                await send(attempt)
+                return True
+            except NoCapacityError as error:
+                state = cluster.state
+                if pinned is not None or not replacement_under_way(state, model):
+                    if error.retry_after_seconds is None and all_unavailable(state, model, pinned):
+                        error.retry_after_seconds = UNAVAILABLE_RETRY_AFTER_SECONDS
+                    raise
+            attempt += 1
+            logger.info(f"api: a request for {model} was refused while it is placed again; waits")
+    finally:
+        if cancellation is not None:
+            cancellation.forget()
