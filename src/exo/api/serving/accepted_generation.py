@@ -137,12 +137,18 @@ class Generation:
             NoCapacityError: no healthy instance by `deadline`, or as `retry`.
             ModelNotFoundError, GenerationError: as `retry`.
         """
-        lost = self.cluster.routed_instance(self.command_id)
-        lost_instance = self.cluster.state.instances.get(lost) if lost is not None else None
+        # The placement the stream ran on, as it was routed: by now the master may have
+        # placed the instance again under its id (another placement, a good target).
+        lost_instance = self.cluster.routed_placement(self.command_id)
         state, model = self.cluster.state, self.params.model
         while not healthy_instance_exists(state, model, lost_instance):
+            # A node of it gone that the master has not marked yet (the stream saw the
+            # loss first): the instance will be placed again, worth waiting for.
+            node_lost = lost_instance is not None and self.cluster.placement_lost_a_node(
+                lost_instance
+            )
             if anyio.current_time() >= deadline or not instance_may_come(
-                state, model, lost_instance
+                state, model, lost_instance, node_lost
             ):
                 raise NoCapacityError(
                     f"no healthy instance of {self.params.model} to continue the stream on"

@@ -66,6 +66,7 @@ from exo.shared.types.events import (
     TaskCreated,
     TaskStatusUpdated,
 )
+from exo.shared.types.instances import Instance
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import DownloadStatus
 from exo.shared.types.runners import KVCacheUse
@@ -210,6 +211,9 @@ class ClusterClient:
         self._command_instance: dict[CommandId, InstanceId] = {}
         # The instance each request with a chunk stream was sent to (kept after a loss).
         self._routed: dict[CommandId, InstanceId] = {}
+        # Its placement then (nodes and runners): the instance may be placed again under
+        # the same id, which is another placement for a failover (`routed_placement`).
+        self._routed_placements: dict[CommandId, Instance] = {}
         # Set when a request's instance becomes known, to wake `_watch_lost_nodes`.
         self._request_routed = anyio.Event()
         self._task_commands: dict[TaskId, CommandId] = {}
@@ -362,6 +366,9 @@ class ClusterClient:
                 if task.command_id in self._chunk_streams:
                     self._command_instance[task.command_id] = task.instance_id
                     self._routed[task.command_id] = task.instance_id
+                    placement = self.state.instances.get(task.instance_id)
+                    if placement is not None:
+                        self._routed_placements[task.command_id] = placement
                     self._request_routed.set()
                     self._task_commands[task.task_id] = task.command_id
                     # Sent to an instance that lost a node since: no chunk will come.
@@ -540,10 +547,22 @@ class ClusterClient:
         if self._record_download is not None:
             self._record_download(model_id, status)
 
-    def routed_instance(self, command_id: CommandId) -> InstanceId | None:
-        """The instance a request this node is streaming was sent to (None before the
-        master routed it), also after that instance was lost."""
-        return self._routed.get(command_id)
+    def routed_placement(self, command_id: CommandId) -> Instance | None:
+        """The instance a request this node is streaming was sent to, as it was placed
+        then (None before the master routed it), also after that instance was lost:
+        placed again, the same id names other nodes and runners."""
+        return self._routed_placements.get(command_id)
+
+    def placement_lost_a_node(self, instance: Instance) -> bool:
+        """Whether a node of `instance`'s placement is gone, as the cluster state or, before
+        the master has marked it, this node's own links say."""
+        peers = self.current_peers() if self._election is not None else None
+        state = self.state
+        return any(
+            node in state.lost_nodes
+            or (peers is not None and node != self.node_id and node not in peers)
+            for node in instance.shard_assignments.node_to_runner
+        )
 
     @property
     def unanswered_command_ids(self) -> list[CommandId]:
@@ -594,6 +613,7 @@ class ClusterClient:
             self._chunk_streams.pop(command_id, None)
             self._command_instance.pop(command_id, None)
             self._routed.pop(command_id, None)
+            self._routed_placements.pop(command_id, None)
             send.close()
             receive.close()
 

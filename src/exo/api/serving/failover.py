@@ -174,14 +174,19 @@ def healthy_instance_exists(state: State, model: ModelId, lost: Instance | None)
     return False
 
 
-def instance_may_come(state: State, model: ModelId, lost: Instance | None) -> bool:
+def instance_may_come(
+    state: State, model: ModelId, lost: Instance | None, node_lost: bool = False
+) -> bool:
     """Whether a healthy instance other than `lost` as it was may still appear: another
-    instance of `model` exists, or `lost` is unavailable (it will be placed again on the
-    nodes that remain). False after a lone instance's runner died."""
+    instance of `model` exists (`lost` placed again under its id is another), or `lost` is
+    unavailable or, `node_lost`, lost a node the master has not marked yet: it will be
+    placed again on the nodes that remain. False after a lone instance's runner died (its
+    nodes all there, its placement unchanged)."""
     return any(
         lost is None
         or instance.shard_assignments != lost.shard_assignments
         or instance.instance_id in state.unavailable_instances
+        or (node_lost and instance.instance_id == lost.instance_id)
         for instance in state.instances_of_model(model)
     )
 

@@ -324,8 +324,8 @@ async def test_a_stream_ends_when_this_nodes_links_lose_a_node_of_its_instance()
                 peers.clear()  # the links lose node-2; no event says so yet
                 [chunk] = [chunk async for chunk in chunks]
                 # Still known after the loss: a mid-stream failover avoids that instance.
-                assert client.routed_instance(command_id) == instance.instance_id
-            assert client.routed_instance(command_id) is None
+                assert client.routed_placement(command_id) == instance
+            assert client.routed_placement(command_id) is None
             task_group.cancel_scope.cancel()
     assert isinstance(chunk, ErrorChunk)
     assert (chunk.status_code, chunk.error_code) == (503, INSTANCE_UNAVAILABLE)

@@ -44,6 +44,7 @@ from exo.shared.types.chunks import (
 )
 from exo.shared.types.commands import CancelGeneration, GenerateText
 from exo.shared.types.common import CommandId, ModelId, NodeId
+from exo.shared.types.instances import Instance
 from exo.shared.types.runners import RunnerLoading, RunnerReady
 from exo.shared.types.state import InstanceUnavailable
 from exo.testing.builders import SMOLLM2, make_instance, make_state
@@ -87,6 +88,7 @@ class FailingOverCluster(ScriptedCluster):
         hold_resubmissions: bool = False,
         silent_continuations: bool = False,
         known_route: bool = False,
+        routed: Instance | None = None,
     ) -> None:
         super().__init__()
         self.losses = losses
@@ -95,6 +97,8 @@ class FailingOverCluster(ScriptedCluster):
         self.hold_resubmissions = hold_resubmissions
         self.silent_continuations = silent_continuations
         self.known_route = known_route
+        self.routed = routed
+        self.node_gone = False
         self.held = threading.Event()
         self.state_changed = anyio.Event()
         self.resubmitted_at: list[float] = []
@@ -105,10 +109,19 @@ class FailingOverCluster(ScriptedCluster):
         }
         self.state = make_state(instances=[instance], runners=runners)
 
-    def routed_instance(self, command_id: CommandId) -> str | None:
-        """The one instance when `known_route` (its runner died: no other may continue),
-        else unknown (any healthy instance may)."""
-        return next(iter(self.state.instances)) if self.known_route else None
+    def routed_placement(self, command_id: CommandId) -> Instance | None:
+        """The placement the stream ran on: `routed` when given (the instance placed again
+        since), the one instance when `known_route` (its runner died: no other may
+        continue), else unknown (any healthy instance may)."""
+        if self.routed is not None:
+            return self.routed
+        return next(iter(self.state.instances.values())) if self.known_route else None
+
+    def placement_lost_a_node(self, instance: Instance) -> bool:
+        """Whether the links say a node of `instance` is gone (`node_gone`, before the
+        master marks it) or the state does."""
+        nodes = instance.shard_assignments.node_to_runner
+        return self.node_gone or any(node in self.state.lost_nodes for node in nodes)
 
     async def submit(self, command: Any, timeout: float = 0.0) -> None:
         await super().submit(command, timeout)
@@ -427,6 +440,73 @@ def test_the_failover_waits_for_another_instance_to_be_healthy() -> None:
     assert text == ANSWER
 
 
+def _continue_on_the_re_placed_instance(
+    cluster: FailingOverCluster, changes: list[tuple[float, Any]]
+) -> list[dict[str, Any]]:
+    """Stream a chat while `changes` (seconds from the start, the state then) happen on
+    another thread; the continuation's events."""
+
+    def apply() -> None:
+        started = time.monotonic()
+        for at, state in changes:
+            time.sleep(max(0.0, started + at - time.monotonic()))
+            cluster.state = state
+
+    for base_url in node(cluster):
+        helper = threading.Thread(target=apply, daemon=True)
+        helper.start()
+        events = sse_events(
+            base_url,
+            "/v1/chat/completions",
+            {"model": SMOLLM2, "messages": MESSAGES, "stream": True},
+        )
+        helper.join(timeout=DEADLINE_SECONDS)
+    return events
+
+
+def _re_placed(status: Any) -> Any:
+    """The instance placed again under its id on node-c, its new runner in `status`."""
+    moved = make_instance(NodeId("node-c"), instance_id="instance-1", runner_tag="again")
+    (runner,) = moved.shard_assignments.runner_to_shard
+    return make_state(instances=[moved], runners={runner: (NodeId("node-c"), status)})
+
+
+def test_a_stream_continues_on_its_instance_placed_again_before_the_failover_looked() -> None:
+    """The master re-placed the lost instance under its id (new nodes and runners) before
+    the stream's failover read the state: the new placement is another, not the lost
+    one, and takes the continuation once its runner is ready (was: the failover took the
+    new placement for the lost one and gave up once it left the unavailable list)."""
+    placed = FailingOverCluster().state
+    (routed,) = placed.instances.values()
+    cluster = FailingOverCluster(routed=routed)
+    cluster.state = _re_placed(RunnerLoading(layers_loaded=1, total_layers=30))
+    events = _continue_on_the_re_placed_instance(cluster, [(0.6, _re_placed(RunnerReady()))])
+    check_continued(cluster)
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert text == ANSWER
+
+
+def test_a_stream_that_sees_its_node_lost_before_the_master_waits_for_the_re_placement() -> None:
+    """This node's links say a node of the stream's instance is gone while the state does
+    not yet (the master marks it within seconds): the failover waits for the instance
+    placed again instead of ending the stream at once (was: "no healthy instance")."""
+    cluster = FailingOverCluster(known_route=True)
+    (routed,) = cluster.state.instances.values()
+    cluster.routed = routed
+    cluster.node_gone = True
+    marked = cluster.state.model_copy(
+        update={"unavailable_instances": {routed.instance_id: InstanceUnavailable(reason="x")}}
+    )
+    events = _continue_on_the_re_placed_instance(
+        cluster,
+        [(0.3, marked), (0.5, _re_placed(RunnerLoading(layers_loaded=1, total_layers=30))),
+         (0.7, _re_placed(RunnerReady()))],
+    )  # fmt: skip
+    check_continued(cluster)
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert text == ANSWER
+
+
 # -- pure decisions, without a server ------------------------------------------------------
 
 
@@ -445,6 +525,8 @@ def test_a_healthy_instance_is_ready_on_live_nodes_and_not_the_lost_placement() 
     # Its runner died and it keeps its placement: nothing else can come.
     assert not healthy_instance_exists(alone, SMOLLM2, lost=first)
     assert not instance_may_come(alone, SMOLLM2, lost=first)
+    # Its node gone by this node's links, not yet marked by the master: it will come.
+    assert instance_may_come(alone, SMOLLM2, lost=first, node_lost=True)
     # Unavailable (its node left), it will be placed again: worth waiting for.
     recovering = alone.model_copy(
         update={"unavailable_instances": {first.instance_id: InstanceUnavailable(reason="x")}}
