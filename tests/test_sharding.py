@@ -318,9 +318,13 @@ def test_cancel_and_disconnect_stop_every_rank_and_free_the_slot(nodes: list[Exo
         wait_until(lambda: not any(n.runner_processes() for n in nodes), 60, what="no runner")
 
 
-def test_killing_a_rank_fails_the_request_fast_and_the_instance_is_placed_again(
+def test_killing_rank_zeros_node_mid_stream_continues_on_the_instance_placed_again(
     nodes: list[ExoNode],
 ) -> None:
+    """The node of rank 0 (which streams the tokens) is killed mid-stream: the instance is
+    placed again under its id on the nodes still there, and the stream goes on there
+    (mid-stream failover, docs/cluster.md "Streams that survive a node loss"; it ended with
+    an error before the failover knew the re-placed instance from the lost one)."""
     a, b, c = nodes
     response = place(a, DEFAULT_MODEL_ID, "pipeline", [b.node_id(), c.node_id()])
     assert response.status_code == 200, response.text
@@ -344,13 +348,18 @@ def test_killing_a_rank_fails_the_request_fast_and_the_instance_is_placed_again(
     )
     victim = b if b.node_id() == rank_zero_node else c
     killed_at = 0.0
-    with pytest.raises(openai.APIError):
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content and not killed_at:
+    after_kill = 0
+    finish_reason = None
+    for chunk in stream:  # an APIError here: the stream did not survive
+        if chunk.choices and chunk.choices[0].delta.content:
+            if killed_at:
+                after_kill += 1
+            else:
                 victim.kill()
                 killed_at = time.monotonic()
-    # Well before the client's 60 s timeout (which would also raise an APIError).
-    assert killed_at and time.monotonic() - killed_at < 30
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish_reason = chunk.choices[0].finish_reason
+    assert killed_at and after_kill > 0 and finish_reason in ("stop", "length")
     survivors = [node for node in nodes if node is not victim]
     victim_id = rank_zero_node
 
