@@ -202,6 +202,11 @@ def sse_events(base_url: str, path: str, body: dict[str, Any]) -> list[dict[str,
         ]
 
 
+def chat_text(events: list[dict[str, Any]]) -> str:
+    """The content of a streamed chat's events, joined."""
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+
+
 def check_continued(cluster: FailingOverCluster, failovers: int = 1) -> None:
     """The first command, then `failovers` re-submissions forcing what the client got."""
     assert len(cluster.submitted) == 1 + failovers
@@ -310,8 +315,7 @@ def test_a_resubmission_lost_at_once_is_sent_again() -> None:
             {"model": SMOLLM2, "messages": MESSAGES, "stream": True},
         )
     check_continued(cluster, failovers=3)
-    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
-    assert text == ANSWER
+    assert chat_text(events) == ANSWER
 
 
 @pytest.mark.parametrize(
@@ -436,8 +440,7 @@ def test_the_failover_waits_for_another_instance_to_be_healthy() -> None:
         helper.join(timeout=DEADLINE_SECONDS)
     check_continued(cluster)
     assert cluster.resubmitted_at and ready_at and cluster.resubmitted_at[0] >= ready_at[0]
-    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
-    assert text == ANSWER
+    assert chat_text(events) == ANSWER
 
 
 def _continue_on_the_re_placed_instance(
@@ -482,8 +485,7 @@ def test_a_stream_continues_on_its_instance_placed_again_before_the_failover_loo
     cluster.state = _re_placed(RunnerLoading(layers_loaded=1, total_layers=30))
     events = _continue_on_the_re_placed_instance(cluster, [(0.6, _re_placed(RunnerReady()))])
     check_continued(cluster)
-    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
-    assert text == ANSWER
+    assert chat_text(events) == ANSWER
 
 
 def test_a_stream_that_sees_its_node_lost_before_the_master_waits_for_the_re_placement() -> None:
@@ -503,8 +505,7 @@ def test_a_stream_that_sees_its_node_lost_before_the_master_waits_for_the_re_pla
          (0.7, _re_placed(RunnerReady()))],
     )  # fmt: skip
     check_continued(cluster)
-    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
-    assert text == ANSWER
+    assert chat_text(events) == ANSWER
 
 
 # -- pure decisions, without a server ------------------------------------------------------
