@@ -4,8 +4,8 @@ group handshake (`comm/group_auth.py`). It replaces torch's `TCPStore`, which li
 every interface and lets anyone who reaches it read and write every key (the rank links'
 addresses and token among them).
 
-Rank 0 listens on the address the other ranks reach it at (the group's `master_addr`),
-not on every interface (`open_group_store`). Each accepted connection runs on its own
+Rank 0 listens on every interface, since the other ranks may reach it on different
+networks (`open_group_store`). Each accepted connection runs on its own
 thread: its handshake within `HANDSHAKE_SECONDS`, then requests until it closes; at most
 `MAX_PENDING_HANDSHAKES` connections may be in their handshake at once (more are closed
 unread), so strangers cost a bounded number of threads and stall no rank.
@@ -23,7 +23,6 @@ status byte (`_OK`, `_TIMEOUT`) and fields the same way.
 from __future__ import annotations
 
 import contextlib
-import errno
 import socket
 import struct
 import threading
@@ -169,12 +168,34 @@ def _receive_frame(connection: socket.socket) -> tuple[int, list[bytes]]:
 # -- rank 0's server ------------------------------------------------------------------------
 
 
+EVERY_INTERFACE = ""
+"""`listen_on`'s host for every interface of this machine (IPv4 and IPv6 where it can)."""
+
+
+def listen_on(host: str, port: int, backlog: int) -> socket.socket:
+    """A listening TCP socket on `host:port` (port 0: any free one). `EVERY_INTERFACE`
+    listens on every address, IPv6 and IPv4 on one dual-stack socket where the system
+    allows it, else IPv4's wildcard.
+
+    Raises:
+        OSError: the address cannot be bound (in use, or not this machine's)."""
+    if host == EVERY_INTERFACE:
+        if socket.has_dualstack_ipv6():
+            return socket.create_server(
+                ("::", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=backlog
+            )
+        return socket.create_server(("0.0.0.0", port), backlog=backlog)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=backlog)
+
+
 class GroupStoreServer:
     """Rank 0's listening side: accepts the other ranks' authenticated connections and
     answers their requests from `table`.
 
     Args:
-        host: the address to listen on (the group's `master_addr`).
+        host: the address to listen on; `EVERY_INTERFACE` for all of this machine's
+            (`listen_on`).
         port: the TCP port (the group's `master_port`).
         credentials: the group key and instance id every client must prove.
         world_size: ranks in the group; clients may claim ranks 1 .. world_size - 1.
@@ -189,8 +210,7 @@ class GroupStoreServer:
         self.table = _Table()
         self._credentials = credentials
         self._world_size = world_size
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, port), family=family, backlog=64)
+        self._listener = listen_on(host, port, backlog=64)
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         self._connections: set[socket.socket] = set()
@@ -475,26 +495,15 @@ def open_group_store(
     credentials: GroupCredentials,
     timeout_s: float,
 ) -> GroupStore:
-    """This rank's store: rank 0 serves it on `master_addr:master_port`, the others
-    connect there (see `GroupStore.serve` / `connect`).
+    """This rank's store: rank 0 serves it on port `master_port` of every interface, the
+    others connect to `master_addr:master_port` (see `GroupStore.serve` / `connect`).
 
-    Rank 0 listens on `master_addr` alone, the address placement measured a peer reaching
-    it at: every rank already has to reach that address, since rank 0's links listen on
-    the interface holding it (`process_group.local_address_for`). Only when it is
-    not an address of this machine does the store listen on every interface.
+    Every interface, not `master_addr` alone: each rank reaches rank 0 at the address its
+    own node measured (`Rendezvous.addresses`), and two nodes may reach rank 0's on
+    different networks (two NICs; on one machine, loopback and the LAN address): a store
+    on one of them refused the others (a 3-node group with a secret never formed). The
+    handshake guards every connection whatever interface it came in on.
     """
     if rank == 0:
-        try:
-            return GroupStore.serve(master_addr, master_port, credentials, world_size, timeout_s)
-        except OSError as error:
-            if error.errno != errno.EADDRNOTAVAIL:
-                raise
-        # Not an address of this machine (behind NAT, say): every interface, as torch's
-        # store listens; the handshake still guards every connection.
-        logger.warning(
-            f"rendezvous address {master_addr} is not this machine's: the authenticated "
-            f"store listens on every interface, port {master_port}"
-        )
-        wildcard = "::" if ":" in master_addr else "0.0.0.0"
-        return GroupStore.serve(wildcard, master_port, credentials, world_size, timeout_s)
+        return GroupStore.serve(EVERY_INTERFACE, master_port, credentials, world_size, timeout_s)
     return GroupStore.connect(master_addr, master_port, credentials, rank, timeout_s)

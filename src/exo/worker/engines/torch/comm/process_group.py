@@ -128,7 +128,7 @@ def init_group(
         timeout_s: bound on every collective and send/receive, seconds.
         credentials: the group key and instance id when the cluster has a secret. Then the
             rendezvous is `comm/group_store.py`'s authenticated store, which rank 0 serves
-            on `master_addr` only, and the links authenticate; a gloo group's pairs must
+            on every interface, and the links authenticate; a gloo group's pairs must
             prove the key before any other message crosses them (`prove_gloo_pairs`).
             None: torch's `TCPStore` (every interface, no authentication), as before.
         with_gloo: also form a gloo group beside the links (benches comparing the two).
@@ -189,7 +189,13 @@ def init_group(
             links_store = store if store is not None else dist.distributed_c10d._get_default_store()
             set_links(
                 RankLinks.connect(
-                    links_store, rank, world_size, local_address, timeout_s, credentials
+                    links_store,
+                    rank,
+                    world_size,
+                    local_address,
+                    timeout_s,
+                    credentials,
+                    rank_zero_host=master_addr,
                 )
             )
     except BaseException:

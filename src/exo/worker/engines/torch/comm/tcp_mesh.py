@@ -13,7 +13,8 @@ agreements, prefill's large all-reduces): no gloo group is formed beside them
 (`process_group.init_group`), so no rank opens gloo's unauthenticated pair listener.
 
 Set-up (`RankLinks.connect`): every rank listens on the local address it uses to reach the
-rendezvous host, publishes `host:port` in the group's rendezvous store, then connects to
+rendezvous host (rank 0 on every interface: the others reach it on the network each reached
+its store on), publishes `host:port` in the group's rendezvous store, then connects to
 every lower rank and accepts every higher one; the listener closes once the mesh is built.
 With a cluster secret each connection opens with the group handshake (`comm/group_auth.py`:
 both ends prove the key derived from the secret, bound to the instance, the two ranks and
@@ -51,6 +52,7 @@ from exo.worker.engines.torch.comm.group_auth import (
     authenticate_client,
     authenticate_server,
 )
+from exo.worker.engines.torch.comm.group_store import EVERY_INTERFACE, listen_on
 
 # All-reduces of at most this many bytes per rank send before they receive (one message
 # latency); larger ones (long prefills) receive on helper threads while they send
@@ -116,9 +118,15 @@ class RankLinks:
         host: str,
         timeout_s: float,
         credentials: GroupCredentials | None = None,
+        rank_zero_host: str | None = None,
     ) -> RankLinks:
         """Build the mesh through the group's rendezvous `store` (a `torch.distributed.Store`
         every rank shares); `host` is the local address the other ranks can reach.
+
+        `rank_zero_host`: the address this rank reaches rank 0 at (its rendezvous address).
+        When given, rank 0 listens on every interface and the others link to it there, as
+        they reached its store: ranks may reach rank 0 on different networks. Links
+        between the other ranks go to the address each published (its `host`).
 
         With `credentials` (the cluster has a secret) each connection opens with the group
         handshake (`comm/group_auth.py`) bound to this group's token, both ends proving the
@@ -131,9 +139,12 @@ class RankLinks:
                 prove the group key.
         """
         deadline = time.monotonic() + timeout_s
-        listener = socket.create_server((host, 0), family=_family(host), backlog=world_size)
+        every = rank == 0 and rank_zero_host is not None
+        listener = listen_on(EVERY_INTERFACE if every else host, 0, backlog=world_size)
         try:
             address, port = listener.getsockname()[:2]
+            if every:
+                address = host  # published for tools; the ranks link to rank_zero_host
             if rank == 0:
                 store.set("exo_links/token", secrets.token_bytes(16).hex())
             store.set(f"exo_links/{rank}", f"{port} {address}")
@@ -142,7 +153,10 @@ class RankLinks:
             peers: dict[int, socket.socket] = {}
             try:
                 for other in range(rank):
-                    peers[other] = _connect_to(store, rank, other, token, credentials, deadline)
+                    peers[other] = _connect_to(
+                        store, rank, other, token, credentials, deadline,
+                        rank_zero_host if other == 0 else None,
+                    )  # fmt: skip
                 peers.update(acceptor.collect(deadline))
             except BaseException:
                 for connection in peers.values():
@@ -362,10 +376,14 @@ def _connect_to(
     token: bytes,
     credentials: GroupCredentials | None,
     deadline: float,
+    address: str | None = None,
 ) -> socket.socket:
-    """Open this rank's link to the lower rank `other` (its address from the store) and
-    identify: the group handshake with `credentials`, else the token hello."""
+    """Open this rank's link to the lower rank `other` (at `address`, else the address it
+    published in the store; its port from the store) and identify: the group handshake
+    with `credentials`, else the token hello."""
     other_port, other_address = store.get(f"exo_links/{other}").decode().split(" ")
+    if address is not None:
+        other_address = address
     connection = socket.create_connection(
         (other_address, int(other_port)), timeout=max(0.1, deadline - time.monotonic())
     )
@@ -500,10 +518,6 @@ class _Acceptor:
             except queue.Empty:
                 return
             connection.close()
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def spin_seconds() -> float:

@@ -126,3 +126,40 @@ def test_cpu_group_forms_and_runs_on_the_links_alone(
         ranks_after, ports_after = by_kind["destroyed"][rank]
         assert ranks_after is None
         assert ports_after == set()
+
+
+def _rank_reaching_rank_zero_elsewhere(rank: int, world_size: int, port: int, results: Any) -> None:
+    """A rank of a 3-rank group with a secret whose last rank reaches rank 0 at 127.0.0.2
+    while the others reach it at 127.0.0.1 (two networks to one node, as placement's
+    measured `Rendezvous.addresses` may say)."""
+    try:
+        import torch
+
+        from exo.worker.engines.torch.comm.group_auth import GroupCredentials
+        from exo.worker.engines.torch.comm.process_group import (
+            broadcast_tensor,
+            destroy_group,
+            init_group,
+        )
+        from exo.worker.engines.torch.comm.tcp_mesh import all_reduce_sum
+
+        credentials = GroupCredentials(KEY, "instance-two-networks")
+        master_addr = "127.0.0.2" if rank == world_size - 1 else "127.0.0.1"
+        init_group("gloo", rank, world_size, master_addr, port, 30, credentials)
+        agreed = torch.tensor([5 if rank == 0 else -1], dtype=torch.int64)
+        broadcast_tensor(agreed, src=0)
+        summed = torch.full((4,), float(rank + 1))
+        all_reduce_sum(summed)
+        results.put(("ran", rank, int(agreed.item()), summed.tolist()))
+        destroy_group()
+        results.put(("done", "", rank, None))
+    except BaseException:
+        results.put(("error", "", rank, traceback.format_exc()))
+
+
+def test_a_rank_reaching_rank_zero_on_another_network_joins_a_secret_group() -> None:
+    # Rank 0's store and links listened on the address of one network only: a 3-node group
+    # with a secret, one node measuring rank 0 on another address, never formed.
+    reports = run_rank_processes(_rank_reaching_rank_zero_elsewhere, (), 3, GROUP_DEADLINE_S)
+    ran = {report[1]: report[2:] for report in reports if report[0] == "ran"}
+    assert ran == {rank: (5, [6.0] * 4) for rank in range(3)}
