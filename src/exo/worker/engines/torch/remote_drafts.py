@@ -9,7 +9,7 @@ One round trip per target step that drafts, for all its speculating requests at 
 accepted draft tokens are already the server's) and the most draft tokens the step has room
 for; the server runs one batched `propose` (its own KV per request, rolled back to the
 common prefix as on the target's node) and answers the draft tokens. So a step of R
-requests drafting k tokens moves about 8 + 16 R bytes up and 6 + 2 R + 4 k R down (24 and
+requests drafting k tokens moves about 8 + 18 R bytes up and 6 + 2 R + 4 k R down (26 and
 24 bytes for one request at k = 4): token ids only. The drafts are the draft model's
 greedy tokens for every request, sampling ones too: a point mass q, which the target's
 rejection rule handles without q rows (`RequestState.accept_drafts`: the output is still
@@ -160,6 +160,7 @@ class RemoteDraftSource:
         self._closed = threading.Event()
         self._reasons_logged: set[str] = set()
         self._connected_before = False
+        self._loss_logged = False
         self._wanted.set()
         self._connector = threading.Thread(
             target=self._connect_loop, name=f"draft-link-{remote.host}:{remote.port}", daemon=True
@@ -213,6 +214,7 @@ class RemoteDraftSource:
             self._lost(error)
             return [NO_DRAFT] * len(requests)
         self._forgotten.clear()
+        self._loss_logged = False
         counters = self.counters
         counters.round_trips += 1
         counters.bytes_sent += len(message)
@@ -266,7 +268,11 @@ class RemoteDraftSource:
         self._sent.clear()
         self._forgotten.clear()
         self.counters.losses += 1
-        logger.warning(
+        # Once per outage: a link lost again before any round trip went through is the
+        # same outage (a server up but too slow, say).
+        log = logger.debug if self._loss_logged else logger.warning
+        self._loss_logged = True
+        log(
             "draft server {} at {}:{} lost ({}): decoding goes on without drafts; "
             "reconnecting every {:.0f} s", self.name, self.remote.host, self.remote.port,
             error, self.reconnect_seconds,

@@ -19,7 +19,7 @@ then the body; all integers big-endian):
 
     PROPOSE  u16 forgotten count F, u16 request count R,
              F x u32 handle (requests that left the batch since the last message),
-             R x (u32 handle, u32 kept, u16 new count N, u16 max draft tokens, N x u32 token)
+             R x (u32 handle, u32 kept, u32 new count N, u16 max draft tokens, N x u32 token)
     DRAFTS   u16 count R, R x (u16 draft length D, D x u32 token), in the PROPOSE's order
 
 A handle is the client's small number for a request (its string id never travels). Each
@@ -30,9 +30,9 @@ it travel: at a steady decode step, the one token the target chose (its correcti
 token) per request. The first message of a request (or the first after a reconnection)
 carries its whole text.
 
-So a decode step of R requests drafting k tokens each moves 8 + 12 R + 4 n + 4 F bytes up
+So a decode step of R requests drafting k tokens each moves 8 + 14 R + 4 n + 4 F bytes up
 (n: new tokens, R at a steady step; F: requests forgotten) and 6 + 2 R + 4 k R bytes
-down: 24 bytes each way for one request with k = 4, whatever the vocabulary's size. Only
+down: 26 bytes up and 24 down for one request with k = 4, whatever the vocabulary's size. Only
 token ids travel, never draft distributions (a `[k, vocab]` float32 block, ~600 KB per 4
 tokens at 151k tokens): the drafts of a remote draft model are its greedy tokens, a point
 mass q, for which the target's acceptance rule needs no q (`RequestState.accept_drafts`).
@@ -71,7 +71,7 @@ _HELLO = struct.Struct(f"!4sBI{FINGERPRINT_BYTES}sH")  # magic, version, vocab, 
 _ANSWER = struct.Struct("!BH")  # accepted, reason length
 _FRAME = struct.Struct("!I")  # body length
 _COUNTS = struct.Struct("!HH")  # forgotten, requests
-_ASK = struct.Struct("!IIHH")  # handle, kept, new count, max tokens
+_ASK = struct.Struct("!IIIH")  # handle, kept, new count, max tokens
 _COUNT = struct.Struct("!H")
 _HANDLE = struct.Struct("!I")
 MAX_U16 = 0xFFFF
@@ -143,14 +143,12 @@ def encode_propose(forgotten: Sequence[int], asks: Sequence[DraftAsk]) -> bytes:
     """A whole PROPOSE frame (length prefix included).
 
     Raises:
-        ValueError: more than 65,535 handles, new tokens or draft tokens in one field.
+        ValueError: more than 65,535 requests or forgotten handles in one message.
     """
     if len(forgotten) > MAX_U16 or len(asks) > MAX_U16:
         raise ValueError("at most 65,535 requests per message")
     parts = [_COUNTS.pack(len(forgotten), len(asks)), _tokens(forgotten)]
     for ask in asks:
-        if len(ask.new_tokens) > MAX_U16:
-            raise ValueError(f"{len(ask.new_tokens)} new tokens in one message: at most 65,535")
         max_tokens = min(ask.max_tokens, MAX_U16)
         parts.append(_ASK.pack(ask.handle, ask.kept, len(ask.new_tokens), max_tokens))
         parts.append(_tokens(ask.new_tokens))

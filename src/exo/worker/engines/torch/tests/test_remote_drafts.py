@@ -122,7 +122,7 @@ def connected(source: RemoteDraftSource) -> RemoteDraftSource:
 def test_messages_round_trip_and_garbage_is_refused() -> None:
     asks = [DraftAsk(7, 3, (11, 12), 4), DraftAsk(0xFFFFFFFF, 0, (), 1)]
     frame = encode_propose([5, 6], asks)
-    assert len(frame) == 4 + 4 + 2 * 4 + 2 * 12 + 2 * 4
+    assert len(frame) == 4 + 4 + 2 * 4 + 2 * 14 + 2 * 4
     assert decode_propose(frame[4:]) == ((5, 6), asks)
     drafts = encode_drafts([(1, 2, 3), ()])
     assert decode_drafts(drafts[4:], 2) == [(1, 2, 3), ()]
@@ -193,11 +193,11 @@ def test_remote_greedy_drafts_are_the_local_sources_token_for_token(
         local.forget(name)
 
 
-def test_one_steady_round_trip_moves_24_bytes_each_way(
+def test_one_steady_round_trip_moves_26_bytes_up_and_24_down(
     server: DraftServer, sources: tuple[DraftModelSource, DraftModelSource, str]
 ) -> None:
     """One request drafting 4 tokens, all accepted plus the target's bonus token: one new
-    token up and four down, 24 bytes each way (`comm/draft_link.py`'s arithmetic)."""
+    token up and four down: 26 bytes up, 24 down (`comm/draft_link.py`'s arithmetic)."""
     _served, local, fingerprint = sources
     remote = connected(client(server.port, fingerprint, local.vocab_size))
     try:
@@ -209,7 +209,7 @@ def test_one_steady_round_trip_moves_24_bytes_each_way(
         (draft,) = remote.propose([DraftRequest("r", text, 4)])
         assert len(draft.tokens) == 4
         counters = remote.counters
-        assert counters.bytes_sent - before.bytes_sent == 24
+        assert counters.bytes_sent - before.bytes_sent == 26
         assert counters.bytes_received - before.bytes_received == 24
         assert counters.tokens_sent - before.tokens_sent == 1
         remote.forget("r")
@@ -283,7 +283,7 @@ def test_greedy_through_a_remote_draft_is_plain_decoding(
     reference = plain_references(engine, params)
     before = dataclasses.replace(speculation(engine).counters)
     states = [engine.build_request(one, None, f"r{index}") for index, one in enumerate(params)]
-    run(engine, states, join_at=[0, 1, 3])
+    run(engine, states, join_at=[0, 0, 0])  # prefilled together: drafts from step 1
     for index, state in enumerate(states):
         assert state.prompt_ids + state.generated_ids == reference[f"r{index}"], index
     counters = speculation(engine).counters
