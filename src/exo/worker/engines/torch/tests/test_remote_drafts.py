@@ -12,6 +12,8 @@ the bench (`bench/bench_speculative.py --draft-pair`) runs it in another process
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -21,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from exo.testing.ports import free_port
 from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.comm.draft_link import (
     DraftAsk,
@@ -43,6 +46,7 @@ from exo.worker.engines.torch.remote_drafts import (
     DraftServer,
     RemoteDraft,
     RemoteDraftSource,
+    load_draft_server,
 )
 from exo.worker.engines.torch.tests.test_speculative import (
     PROMPTS,
@@ -264,6 +268,16 @@ def remote_engine(
     server.close()
 
 
+def finish(engine: TorchEngine) -> None:
+    """Step until the requests in flight finish (at most 200 steps)."""
+    for _ in range(200):
+        if not engine.has_work:
+            engine.store_finished()
+            return
+        engine.step()
+    raise AssertionError("the requests did not finish within 200 steps")
+
+
 def link_of(engine: TorchEngine) -> RemoteDraftSource:
     source = speculation(engine).source
     assert isinstance(source, RemoteDraftSource) and source is engine.draft_source
@@ -338,9 +352,7 @@ def test_a_killed_server_leaves_decoding_plain_and_a_restarted_one_drafts_again(
     port, losses = server.port, link.counters.losses
     server.close()  # the draft node goes away mid-request
     started = time.monotonic()
-    while engine.has_work:
-        engine.step()
-    engine.store_finished()
+    finish(engine)
     assert time.monotonic() - started < 30  # no step waits on the dead server for long
     assert state.prompt_ids + state.generated_ids == reference
     assert link.counters.losses == losses + 1
@@ -462,3 +474,66 @@ def test_another_vocabulary_or_instance_is_refused_and_a_new_connection_replaces
         for source in (other_vocabulary, stray, first):
             source.close()
     assert server.refusals >= 2
+
+
+# --- a server in another process, killed -------------------------------------------------
+
+
+def serve_in_process(directory: Path, port: int, ready: Any) -> None:
+    """A spawned draft runner: a draft server on `port` until killed."""
+    server = load_draft_server(directory, port, None, INSTANCE, 4, torch.float32, "float32")
+    server.start()
+    ready.set()
+    while True:
+        time.sleep(1)
+
+
+def spawn_server(directory: Path, port: int) -> Any:
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    process = context.Process(target=serve_in_process, args=(directory, port, ready), daemon=True)
+    process.start()
+    if not ready.wait(60):
+        process.kill()
+        pytest.fail("the draft server process did not start within 60 s")
+    return process
+
+
+@pytest.mark.slow  # two spawned server processes: about 25 s on a busy 2-core machine
+def test_a_draft_process_killed_mid_request_then_restarted(
+    model_dirs: dict[str, Path], module_float32_kv: None
+) -> None:
+    """The draft runner's process is SIGKILLed mid-request: the target finishes with plain
+    decoding's text; a new process on the port is reconnected to and drafts again."""
+    port = free_port()
+    process = spawn_server(model_dirs["draft"], port)
+    remote = RemoteDraft("127.0.0.1", port, "draft", None, instance_id=INSTANCE)
+    engine = load(model_dirs["target"], remote_draft=remote)
+    link = connected(link_of(engine))
+    link.reconnect_seconds = 0.1
+    try:
+        params = request(PROMPTS[0], temperature=0.0, max_tokens=20, speculative=True)
+        (reference,) = plain_references(engine, [params]).values()
+        state = engine.build_request(params, None, "k0")
+        engine.scheduler.add(state)
+        for _ in range(3):
+            engine.step()
+        assert link.counters.round_trips > 0
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(10)
+        finish(engine)
+        assert state.prompt_ids + state.generated_ids == reference
+        assert link.counters.losses == 1
+        process = spawn_server(model_dirs["draft"], port)
+        assert link.wait_connected(CONNECT_WAIT)
+        before = dataclasses.replace(speculation(engine).counters)
+        state = engine.build_request(params, None, "k1")
+        run(engine, [state], [0])
+        assert state.prompt_ids + state.generated_ids == reference
+        assert speculation(engine).counters.accepted_tokens > before.accepted_tokens
+    finally:
+        engine.shutdown()
+        process.kill()
+        process.join(10)
