@@ -537,3 +537,31 @@ def test_a_draft_process_killed_mid_request_then_restarted(
         engine.shutdown()
         process.kill()
         process.join(10)
+
+
+def test_the_runners_loading_path_drafts_through_the_link_instead_of_loading_a_draft(
+    model_dirs: dict[str, Path], module_float32_kv: None
+) -> None:
+    """`load_serving_engine(remote_draft=...)`: rank 0 drafts through a `RemoteDraftSource`
+    (named by the draft's id) and loads no draft model, even where one is also named;
+    `shutdown` closes the link. Its link opens in the background: no server is needed to
+    load."""
+    from exo.shared.models.cards import card_from_local_directory
+    from exo.shared.types.shards import ShardMetadata
+    from exo.worker.engines.torch.engine_factory import load_serving_engine
+
+    card = card_from_local_directory(model_dirs["target"])
+    shard = ShardMetadata(
+        sharding="pipeline", model_card=card, device_rank=0, world_size=1, start_layer=0,
+        end_layer=card.n_layers,
+    )  # fmt: skip
+    remote = RemoteDraft("127.0.0.1", free_port(), "the-draft", None, instance_id=INSTANCE)
+    engine = load_serving_engine(
+        model_dirs["target"], shard, draft_model=str(model_dirs["draft"]), remote_draft=remote
+    )
+    assert isinstance(engine, TorchEngine)
+    link = engine.draft_source
+    assert isinstance(link, RemoteDraftSource) and link.name == "the-draft"
+    assert link.propose([DraftRequest("r", [1, 2, 3], 2)]) == [NO_DRAFT]  # nobody there
+    engine.shutdown()
+    assert not link._connector.is_alive()
