@@ -72,6 +72,7 @@ from exo.shared.types.text_generation import (
 )
 from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.batching.speculation import Speculation
+from exo.worker.engines.torch.comm.draft_link import LinkCounters
 from exo.worker.engines.torch.decoding.speculative_drafts import Draft, DraftRequest
 from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
 from exo.worker.engines.torch.engine import TorchEngine
@@ -185,6 +186,9 @@ class ForcedAcceptance:
         self.acceptance = acceptance
         self.vocab = vocab
         self.random = random.Random(0)
+        # Seconds in the inner source's `propose` and its calls (the drafting's own cost).
+        self.seconds = 0.0
+        self.calls = 0
 
     @property
     def name(self) -> str:
@@ -192,7 +196,11 @@ class ForcedAcceptance:
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         drafts = []
-        for request, draft in zip(requests, self.inner.propose(requests), strict=True):
+        started = time.perf_counter()
+        proposed = self.inner.propose(requests)
+        self.seconds += time.perf_counter() - started
+        self.calls += 1
+        for request, draft in zip(requests, proposed, strict=True):
             start = len(request.tokens)
             tokens = []
             for offset in range(len(draft.tokens)):
@@ -219,13 +227,15 @@ def pin(core: int) -> None:
 
 
 def serve_draft(directory: Path, core: int, ports: Any, stop: Any) -> None:
-    """The second node: a draft server on `core`, its port put on `ports`, until `stop`."""
+    """The second node: a draft server on `core`, its port put on `ports`, until `stop`;
+    then its counters (`LinkCounters`, as a dict) on `ports`."""
     pin(core)
     server = load_draft_server(directory, 0, None, PAIR_INSTANCE, 1, None)
     server.start()
     ports.put(server.port)
     stop.wait()
     server.close()
+    ports.put(dataclasses.asdict(server.counters))
 
 
 def pair_directories(args: argparse.Namespace, scratch: Path) -> dict[str, Path]:
@@ -281,7 +291,24 @@ def draft_pair(args: argparse.Namespace) -> None:
         finally:
             remote.close()
             stop.set()
+            served = ports.get(timeout=30)
             server.join(30)
+        link_report(remote.counters, served)
+
+
+def link_report(client: LinkCounters, server: dict[str, Any]) -> None:
+    """What the link carried per round trip, and its time: the client's round trip less the
+    server's drafting is the link's cost (TCP, both processes' wake-ups, framing)."""
+    trips = client.round_trips
+    if not trips:
+        return
+    print(
+        f"link: {trips} round trips, {client.bytes_sent / trips:.1f} B up and "
+        f"{client.bytes_received / trips:.1f} B down per round trip, "
+        f"{client.tokens_sent / trips:.2f} tokens up and {client.tokens_received / trips:.2f} "
+        f"down; {1e3 * client.seconds / trips:.2f} ms a round trip, of which the server "
+        f"drafted {1e3 * server['seconds'] / max(server['round_trips'], 1):.2f} ms"
+    )
 
 
 def measure_pair(args: argparse.Namespace, engine: TorchEngine, sources: dict[str, Any]) -> None:
@@ -302,6 +329,7 @@ def measure_pair(args: argparse.Namespace, engine: TorchEngine, sources: dict[st
     original = speculation(engine).source
     speeds: dict[str, list[float]] = {"off": []}
     speeds |= {f"{where}@{rate}": [] for rate in args.acceptance for where in sources}
+    drafting: dict[str, list[float]] = {mode: [] for mode in speeds if mode != "off"}
     for round_index in range(args.rounds):
         for mode in speeds:
             if mode == "off":
@@ -314,6 +342,7 @@ def measure_pair(args: argparse.Namespace, engine: TorchEngine, sources: dict[st
                     result = run_once(engine, prompt, max_tokens, "on")
                 finally:
                     speculation(engine).source = original
+                drafting[mode].append(1e3 * forced.seconds / max(forced.calls, 1))
                 assert result["text"] == plain["text"], "greedy output changed"
             speeds[mode].append(result["decode_tok_s"])
             print(
@@ -328,21 +357,14 @@ def measure_pair(args: argparse.Namespace, engine: TorchEngine, sources: dict[st
             f"{mode:12s} {statistics.median(values):12.1f} "
             f"{min(values):7.1f}-{max(values):<7.1f} {statistics.median(ratios):8.2f}"
         )
+    for mode, values in drafting.items():
+        print(f"{mode}: {statistics.median(values):.2f} ms a step proposing (median of rounds)")
     for rate in args.acceptance:
         pairs = zip(speeds[f"remote@{rate}"], speeds[f"same@{rate}"], strict=True)
         ratios = [remote / same for remote, same in pairs]
         print(
             f"remote / same at acceptance {rate}: median {statistics.median(ratios):.2f} "
             f"(spread {min(ratios):.2f}-{max(ratios):.2f}; target >= 1.0)"
-        )
-    counters = sources["remote"].counters
-    if counters.round_trips:
-        print(
-            f"link: {counters.round_trips} round trips, "
-            f"{counters.bytes_sent / counters.round_trips:.1f} B up and "
-            f"{counters.bytes_received / counters.round_trips:.1f} B down per round trip, "
-            f"{counters.tokens_sent / counters.round_trips:.2f} tokens up and "
-            f"{counters.tokens_received / counters.round_trips:.2f} down"
         )
 
 

@@ -98,6 +98,9 @@ class DraftServer:
         self._current: socket.socket | None = None
         self._texts: dict[int, list[int]] = {}  # handle -> the tokens both ends hold
         self._stopping = threading.Event()
+        # The process's torch threads when built: each serving thread's OpenMP regions take
+        # the same count (`_serve`).
+        self._threads = torch.get_num_threads()
 
     def start(self) -> None:
         """Bind and serve on a daemon thread.
@@ -178,6 +181,11 @@ class DraftServer:
 
     def _serve(self, connection: socket.socket) -> None:
         """One connection: its opening, then its round trips while it is the current one."""
+        # OpenMP's thread count is per thread: a thread of its own would run the native
+        # kernels' parallel regions with OpenMP's default (every CPU the library saw when
+        # loaded), oversubscribing a runner confined to fewer (spin-waiting threads decode
+        # several times slower: docs/engine.md, "Threads").
+        torch.set_num_threads(self._threads)
         try:
             try:
                 hello = accept_client(connection, self.credentials, self._refusal)
@@ -253,6 +261,7 @@ class DraftServer:
                 )
                 drafting.append(index)
             drafts: list[tuple[int, ...]] = [() for _ in asks]
+            started = time.perf_counter()
             try:
                 proposed = self.source.propose(requests)
             except Exception as error:  # the draft model failed: no drafts this time
@@ -264,6 +273,7 @@ class DraftServer:
                 drafts[index] = draft.tokens
                 self._texts[asks[index].handle].extend(draft.tokens)
             counters = self.counters
+            counters.seconds += time.perf_counter() - started
             counters.round_trips += 1
             counters.bytes_received += len(body) + 4
             counters.tokens_received += sum(len(ask.new_tokens) for ask in asks)

@@ -216,6 +216,7 @@ class RemoteDraftSource:
         self._forgotten.clear()
         self._loss_logged = False
         counters = self.counters
+        counters.seconds += time.monotonic() - started
         counters.round_trips += 1
         counters.bytes_sent += len(message)
         counters.bytes_received += len(body) + 4

@@ -81,7 +81,9 @@ JOIN_SECONDS = 3.0
 
 @dataclass(slots=True)
 class LinkCounters:
-    """What a link carried (cumulative; frames' bytes with their length prefixes)."""
+    """What a link carried (cumulative; frames' bytes with their length prefixes), and
+    `seconds`: a client's in round trips (send to answer), a server's in drafting (its
+    draft model's forward passes): their difference per round trip is the link's cost."""
 
     round_trips: int = 0
     tokens_sent: int = 0
@@ -90,6 +92,7 @@ class LinkCounters:
     bytes_received: int = 0
     connections: int = 0
     losses: int = 0
+    seconds: float = 0.0
 
 
 def vocabulary_fingerprint(tokenizer: Any) -> str:
