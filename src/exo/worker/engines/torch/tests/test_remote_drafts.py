@@ -565,3 +565,13 @@ def test_the_runners_loading_path_drafts_through_the_link_instead_of_loading_a_d
     assert link.propose([DraftRequest("r", [1, 2, 3], 2)]) == [NO_DRAFT]  # nobody there
     engine.shutdown()
     assert not link._connector.is_alive()
+
+
+def test_a_taken_port_is_an_error_at_start(
+    server: DraftServer, sources: tuple[DraftModelSource, DraftModelSource, str]
+) -> None:
+    served, _local, fingerprint = sources
+    second = DraftServer(served, fingerprint, server.port, None, INSTANCE, host="127.0.0.1")
+    with pytest.raises(OSError):
+        second.start()
+    second.close()  # nothing started: closing is still safe
