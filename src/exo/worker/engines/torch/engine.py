@@ -328,8 +328,8 @@ class TorchEngine:
         self.group.serve_forever(self.max_concurrent_requests)
 
     def shutdown(self) -> None:
-        """Rank 0 of a multi-rank shard releases the other ranks (idempotent); nothing to do
-        for a single rank."""
+        """Rank 0 of a multi-rank shard releases the other ranks (idempotent); a remote
+        draft's link closes."""
         if self.group is not None:
             self.group.shutdown()
         if isinstance(self.draft_source, RemoteDraftSource):
