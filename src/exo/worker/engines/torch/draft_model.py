@@ -116,6 +116,9 @@ class DraftModelSource:
         # Forward passes run and positions computed (tests and logs).
         self.forward_passes = 0
         self.positions_computed = 0
+        # The most positions a step's first pass prefills; None: `DRAFT_PREFILL_CHUNK` (a
+        # draft server sizes it to its round trips' bound, `draft_server.prefill_chunk`).
+        self.prefill_chunk: int | None = None
 
     @property
     def name(self) -> str:
@@ -160,7 +163,8 @@ class DraftModelSource:
         # Per request: tokens still to feed (what its slot lacks, then each new draft token).
         feeds = [list(request.tokens[len(sequence.tokens) :]) for request, sequence in
                  zip(requests, sequences, strict=True)]  # fmt: skip
-        active, catching_up = _share_prefill(feeds, DRAFT_PREFILL_CHUNK)
+        chunk = DRAFT_PREFILL_CHUNK if self.prefill_chunk is None else self.prefill_chunk
+        active, catching_up = _share_prefill(feeds, chunk)
         tokens: list[list[int]] = [[] for _ in requests]
         distributions: list[list[torch.Tensor]] = [[] for _ in requests]
         while active or catching_up:

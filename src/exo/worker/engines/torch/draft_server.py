@@ -7,8 +7,12 @@ The server keeps, per request the client names (by a small number, its handle), 
 both ends hold: what the client sent and the drafts it answered. Each round trip brings
 each speculating request's kept prefix and new tokens; the server rebuilds its text, runs
 one batched `propose` for all of them (the draft's KV rolls back to the common prefix by
-itself) and answers the tokens. A request the draft's KV slots have no room for gets no
-draft; a failing draft model answers no drafts and starts the requests afresh. The newest
+itself) and answers the tokens. A request catching up on a long prompt prefills a chunk
+per round (as on the target's node), sized so that a round's drafting takes at most a
+quarter of the client's round-trip bound at the measured cost (`prefill_chunk`: a large
+draft on a slow CPU would otherwise time the link out). A request the draft's KV slots
+have no room for gets no draft; a failing draft model answers no drafts and starts the
+requests afresh. The newest
 opened connection is the one served: a new one (a restarted rank 0) replaces the old one,
 and the server forgets every request.
 """
@@ -42,11 +46,19 @@ from exo.worker.engines.torch.comm.draft_link import (
 )
 from exo.worker.engines.torch.comm.group_auth import AuthenticationError, GroupCredentials
 from exo.worker.engines.torch.decoding.speculative_drafts import NO_DRAFT, DraftRequest
-from exo.worker.engines.torch.draft_model import DraftModelSource, load_draft_source
+from exo.worker.engines.torch.draft_model import (
+    DRAFT_PREFILL_CHUNK,
+    DraftModelSource,
+    load_draft_source,
+)
 from exo.worker.engines.torch.quant.quantize import WeightDtype
 
 # Most draft tokens a server computes for one request in one round trip.
 MAX_DRAFT_TOKENS = 64
+# The share of the client's round-trip bound a round's drafting may take (the prefill chunk
+# of a request catching up is sized to it), and the fewest positions a chunk keeps.
+DRAFTING_SHARE = 0.25
+MIN_PREFILL_CHUNK = 16
 # Connections in their opening at once on a server; more are closed at once.
 MAX_PENDING_OPENINGS = 8
 _POLL_SECONDS = 0.2  # how often the accept loop looks at its stop flag
@@ -98,6 +110,7 @@ class DraftServer:
         self._current: socket.socket | None = None
         self._texts: dict[int, list[int]] = {}  # handle -> the tokens both ends hold
         self._stopping = threading.Event()
+        self._seconds_per_position: float | None = None  # the last round's drafting
         # The process's torch threads when built: each serving thread's OpenMP regions take
         # the same count (`_serve`).
         self._threads = torch.get_num_threads()
@@ -243,6 +256,8 @@ class DraftServer:
             requests: list[DraftRequest] = []
             drafting: list[int] = []  # index in `asks` of each request
             free = self.source.free_slots
+            if len({ask.handle for ask in asks}) < len(asks):
+                raise DraftLinkError("a request named twice in one message")
             for index, ask in enumerate(asks):
                 held = self._texts.get(ask.handle, [])
                 if ask.kept > len(held):
@@ -262,6 +277,8 @@ class DraftServer:
                 drafting.append(index)
             drafts: list[tuple[int, ...]] = [() for _ in asks]
             started = time.perf_counter()
+            positions = self.source.positions_computed
+            self.source.prefill_chunk = prefill_chunk(self._seconds_per_position)
             try:
                 proposed = self.source.propose(requests)
             except Exception as error:  # the draft model failed: no drafts this time
@@ -272,8 +289,12 @@ class DraftServer:
             for index, draft in zip(drafting, proposed, strict=True):
                 drafts[index] = draft.tokens
                 self._texts[asks[index].handle].extend(draft.tokens)
+            seconds = time.perf_counter() - started
+            computed = self.source.positions_computed - positions
+            if computed > 0:  # an over-estimate where decode passes dominate: on the safe side
+                self._seconds_per_position = seconds / computed
             counters = self.counters
-            counters.seconds += time.perf_counter() - started
+            counters.seconds += seconds
             counters.round_trips += 1
             counters.bytes_received += len(body) + 4
             counters.tokens_received += sum(len(ask.new_tokens) for ask in asks)
@@ -286,6 +307,19 @@ class DraftServer:
         for handle in self._texts:
             self.source.forget(str(handle))
         self._texts.clear()
+
+
+def prefill_chunk(seconds_per_position: float | None) -> int:
+    """The positions a round's draft prefill may take so that the round drafts within
+    `DRAFTING_SHARE` of `ROUND_TRIP_SECONDS` at the measured cost per computed position
+    (None: unmeasured yet, `DRAFT_PREFILL_CHUNK`): a large draft model on a slow CPU
+    catching up on a long prompt must not make the client's round trip time out, which
+    would drop the link and its catch-up with it. Between `MIN_PREFILL_CHUNK` and
+    `DRAFT_PREFILL_CHUNK`."""
+    if seconds_per_position is None or seconds_per_position <= 0:
+        return DRAFT_PREFILL_CHUNK
+    fitting = int(DRAFTING_SHARE * ROUND_TRIP_SECONDS / seconds_per_position)
+    return max(MIN_PREFILL_CHUNK, min(DRAFT_PREFILL_CHUNK, fitting))
 
 
 def _shut(connection: socket.socket) -> None:

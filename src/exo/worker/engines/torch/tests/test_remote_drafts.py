@@ -40,7 +40,12 @@ from exo.worker.engines.torch.decoding.speculative_drafts import (
     Draft,
     DraftRequest,
 )
-from exo.worker.engines.torch.draft_model import DraftModelSource, load_draft_source
+from exo.worker.engines.torch.draft_model import (
+    DRAFT_PREFILL_CHUNK,
+    DraftModelSource,
+    load_draft_source,
+)
+from exo.worker.engines.torch.draft_server import prefill_chunk
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.remote_drafts import (
     DraftServer,
@@ -238,6 +243,8 @@ def test_after_rejections_the_servers_kv_is_the_local_sources(
         (handle,) = [name for name in map(str, range(64)) if served.holds(name)]
         held = served.held_tokens(handle)
         assert held == local.held_tokens("k") and len(held) > 6
+        # The server sized its prefill chunk from its measured rounds.
+        assert served.prefill_chunk is not None and 16 <= served.prefill_chunk <= 512
         torch.testing.assert_close(
             served.cache.read(served._sequences[handle].slot, len(held)),
             local.cache.read(local._sequences["k"].slot, len(held)),
@@ -381,6 +388,8 @@ class Stalling:
     name = "stalling"
     vocab_size = 10
     free_slots = 4
+    positions_computed = 0
+    prefill_chunk: int | None = None
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
@@ -575,3 +584,12 @@ def test_a_taken_port_is_an_error_at_start(
     with pytest.raises(OSError):
         second.start()
     second.close()  # nothing started: closing is still safe
+
+
+def test_a_slow_draft_prefills_in_chunks_that_fit_the_round_trips_bound() -> None:
+    """A round's draft prefill is sized to a quarter of the client's 2 s bound at the
+    measured cost per position, within [16, 512] positions."""
+    assert prefill_chunk(None) == DRAFT_PREFILL_CHUNK == 512
+    assert prefill_chunk(1e-4) == 512  # a fast draft: the whole chunk
+    assert prefill_chunk(0.005) == 100  # 0.5 s at 5 ms a position
+    assert prefill_chunk(1.0) == 16  # never below: a catch-up still advances
