@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from loguru import logger
 
 from exo.testing.ports import free_port
 from exo.testing.tiny_models import save_tiny_model
@@ -433,8 +434,12 @@ def test_the_right_secret_drafts_a_wrong_one_gets_nothing_and_strangers_stop_nob
     secured.start()
     strangers = [socket.create_connection(("127.0.0.1", secured.port)) for _ in range(2)]
     strangers[0].sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 4)  # the other sends nothing
+    errors: list[str] = []
+    sink = logger.add(lambda message: errors.append(str(message)), level="ERROR")
     wrong_key = GroupCredentials(b"w" * 32, INSTANCE)
-    wrong = client(secured.port, fingerprint, local.vocab_size, wrong_key)
+    # Retried every 0.1 s here: its refusal is still logged once.
+    wrong = client(secured.port, fingerprint, local.vocab_size, wrong_key,
+                   refused_retry_seconds=0.1, reconnect_seconds=0.1)  # fmt: skip
     right = client(secured.port, fingerprint, local.vocab_size, key)
     try:
         assert connected(right).propose([DraftRequest("r", [5, 17, 29], 2)]) == [
@@ -442,9 +447,11 @@ def test_the_right_secret_drafts_a_wrong_one_gets_nothing_and_strangers_stop_nob
         ]
         assert not wrong.wait_connected(1.0)
         assert wrong.propose([DraftRequest("r", [5, 17, 29], 2)]) == [NO_DRAFT]
-        assert secured.refusals >= 2  # the wrong key and the HTTP stranger
+        assert secured.refusals >= 4  # the wrong key's tries and the HTTP stranger
         assert right.propose([DraftRequest("r", [5, 17, 29, 4], 2)])[0].tokens
+        assert len([error for error in errors if "refused this target" in error]) == 1
     finally:
+        logger.remove(sink)
         for stranger in strangers:
             stranger.close()
         wrong.close()
