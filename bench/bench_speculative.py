@@ -3,7 +3,7 @@
 Usage: PYTHONPATH=src python bench/bench_speculative.py [--rounds 5] [--tasks copy chat]
        [--modes off on auto] [--models-dir DIR] [--threads N] [--json PATH]
        PYTHONPATH=src python bench/bench_speculative.py --draft-pair [--acceptance 0.5 0.8]
-       [--pair-layers N] [--pair-tokens 64] [--rounds 5]
+       [--pair-layers N] [--pair-tokens 64] [--rounds 5] [--cores 0 1] [--pair-tiny]
 
 The default model (SmolLM2-135M-Instruct, the engine's default int4 weights) in this
 process, greedy, one request at a time:
@@ -28,7 +28,19 @@ draft forward pass runs) and then forced to a chosen acceptance rate (`--accepta
 draft token is the target's own greedy token with that probability, else a wrong one, so
 the cost of the mechanism is measured apart from a draft's quality (random models agree on
 nothing). `--pair-layers N` cuts both to N layers (a smoke run; the full pair writes ~7.5 GB
-of float32 weights to a temporary directory first).
+of float32 weights to a temporary directory first); `--pair-tiny` uses tiny shapes instead
+(a smoke run of the mechanism only).
+
+The draft runs in two places, interleaved with plain decoding in every round:
+- `same@RATE`, draft on the same node: target and draft in this process, pinned to the
+  first of `--cores` (one thread), the draft's forward passes in the target's step;
+- `remote@RATE`, draft on a second node: the draft in a `DraftServer` in another process
+  pinned to the second core (one thread), the target here drafting through the link
+  (`remote_drafts.RemoteDraftSource`, over loopback TCP). The two cores stand for two
+  nodes' CPUs; the link's own cost (a round trip of a few dozen bytes per step) is in it,
+  a LAN's latency is not (add it: about 0.1-0.3 ms a step on gigabit Ethernet).
+Printed per mode: tok/s median and spread (min-max) over the rounds, the median of the
+ratio to the same round's plain run, and remote / same per rate (the target: >= 1.0).
 """
 
 from __future__ import annotations
@@ -36,6 +48,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
+import os
 import random
 import statistics
 import tempfile
@@ -58,9 +72,16 @@ from exo.shared.types.text_generation import (
 )
 from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.batching.speculation import Speculation
+from exo.worker.engines.torch.comm.draft_link import LinkCounters
 from exo.worker.engines.torch.decoding.speculative_drafts import Draft, DraftRequest
 from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
 from exo.worker.engines.torch.engine import TorchEngine
+from exo.worker.engines.torch.remote_drafts import (
+    RemoteDraft,
+    RemoteDraftSource,
+    load_draft_server,
+    vocabulary_fingerprint,
+)
 
 MODEL = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
 MODES: dict[str, SpeculativeMode] = {"off": False, "on": True, "auto": "auto"}
@@ -165,6 +186,9 @@ class ForcedAcceptance:
         self.acceptance = acceptance
         self.vocab = vocab
         self.random = random.Random(0)
+        # Seconds in the inner source's `propose` and its calls (the drafting's own cost).
+        self.seconds = 0.0
+        self.calls = 0
 
     @property
     def name(self) -> str:
@@ -172,7 +196,11 @@ class ForcedAcceptance:
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         drafts = []
-        for request, draft in zip(requests, self.inner.propose(requests), strict=True):
+        started = time.perf_counter()
+        proposed = self.inner.propose(requests)
+        self.seconds += time.perf_counter() - started
+        self.calls += 1
+        for request, draft in zip(requests, proposed, strict=True):
             start = len(request.tokens)
             tokens = []
             for offset in range(len(draft.tokens)):
@@ -188,19 +216,57 @@ class ForcedAcceptance:
         self.inner.forget(request_id)
 
 
-def draft_pair(args: argparse.Namespace) -> None:
-    """`--draft-pair` (see the module docstring)."""
+# The instance id the bench's draft server and target agree on (no secret: loopback).
+PAIR_INSTANCE = "bench-draft-pair"
+
+
+def pin(core: int) -> None:
+    """Run this process (and the threads it starts) on `core` alone, torch on one thread."""
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+
+
+def serve_draft(directory: Path, core: int, ports: Any, stop: Any) -> None:
+    """The second node: a draft server on `core`, its port put on `ports`, until `stop`;
+    then its counters (`LinkCounters`, as a dict) on `ports`."""
+    pin(core)
+    server = load_draft_server(directory, 0, None, PAIR_INSTANCE, 1, None)
+    server.start()
+    ports.put(server.port)
+    stop.wait()
+    server.close()
+    ports.put(dataclasses.asdict(server.counters))
+
+
+def pair_directories(args: argparse.Namespace, scratch: Path) -> dict[str, Path]:
+    """The draft and target checkpoints (random weights, SmolLM2's tokenizer)."""
     card = load_builtin_cards()[MODEL]
     tokenizer_dir = prepare_model(card, args.models_dir, offline=False)
+    directories = {}
+    for role, shape in PAIR_SHAPES.items():
+        overrides: dict[str, Any] = dict(shape)
+        layers = int(overrides.pop("n_layers"))
+        if args.pair_tiny:
+            overrides, layers = {}, 2 if role == "draft" else 4
+        directories[role] = save_tiny_model(
+            scratch / role, "llama", tokenizer_dir, n_layers=args.pair_layers or layers,
+            max_position_embeddings=2048, **overrides,
+        )  # fmt: skip
+    return directories
+
+
+def draft_pair(args: argparse.Namespace) -> None:
+    """`--draft-pair` (see the module docstring)."""
+    target_core, draft_core = args.cores
     with tempfile.TemporaryDirectory(prefix="exo-draft-pair-") as scratch:
-        directories = {}
-        for role, shape in PAIR_SHAPES.items():
-            overrides = dict(shape)
-            layers = int(overrides.pop("n_layers"))
-            directories[role] = save_tiny_model(
-                Path(scratch) / role, "llama", tokenizer_dir, n_layers=args.pair_layers or layers,
-                max_position_embeddings=2048, **overrides,
-            )  # fmt: skip
+        directories = pair_directories(args, Path(scratch))
+        context = multiprocessing.get_context("spawn")
+        ports, stop = context.Queue(), context.Event()
+        server = context.Process(
+            target=serve_draft, args=(directories["draft"], draft_core, ports, stop), daemon=True
+        )
+        server.start()
+        pin(target_core)
         target_card = card_from_local_directory(directories["target"])
         shard = ShardMetadata(
             sharding="pipeline", model_card=target_card, device_rank=0, world_size=1,
@@ -212,50 +278,94 @@ def draft_pair(args: argparse.Namespace) -> None:
         )  # fmt: skip
         engine.eos_token_ids = frozenset({-1})  # random weights: the length ends the reply
         engine.warmup()
-        source = engine.draft_source
-        assert source is not None
-        prompt, max_tokens = TASKS["chat"][0], args.pair_tokens
-        plain = run_once(engine, prompt, max_tokens, "off")
-        state = engine.build_request(
-            TextGenerationTaskParams(
-                model=MODEL,
-                messages=(ChatMessage(role="user", content=prompt),),
-                max_tokens=max_tokens,
-                temperature=0.0,
-                speculative=False,
-            )
+        local = engine.draft_source
+        assert local is not None
+        remote = RemoteDraftSource(
+            RemoteDraft("127.0.0.1", ports.get(timeout=600), "draft", None, PAIR_INSTANCE),
+            vocabulary_fingerprint(engine.tokenizer), engine.vocab_size,
+        )  # fmt: skip
+        try:
+            if not remote.wait_connected(30):
+                raise RuntimeError("the draft server did not accept the bench's connection")
+            measure_pair(args, engine, {"same": local, "remote": remote})
+        finally:
+            remote.close()
+            stop.set()
+            served = ports.get(timeout=30)
+            server.join(30)
+        link_report(remote.counters, served)
+
+
+def link_report(client: LinkCounters, server: dict[str, Any]) -> None:
+    """What the link carried per round trip, and its time: the client's round trip less the
+    server's drafting is the link's cost (TCP, both processes' wake-ups, framing)."""
+    trips = client.round_trips
+    if not trips:
+        return
+    print(
+        f"link: {trips} round trips, {client.bytes_sent / trips:.1f} B up and "
+        f"{client.bytes_received / trips:.1f} B down per round trip, "
+        f"{client.tokens_sent / trips:.2f} tokens up and {client.tokens_received / trips:.2f} "
+        f"down; {1e3 * client.seconds / trips:.2f} ms a round trip, of which the server "
+        f"drafted {1e3 * server['seconds'] / max(server['round_trips'], 1):.2f} ms"
+    )
+
+
+def measure_pair(args: argparse.Namespace, engine: TorchEngine, sources: dict[str, Any]) -> None:
+    """Interleaved rounds of plain decoding and each source at each forced acceptance."""
+    prompt, max_tokens = TASKS["chat"][0], args.pair_tokens
+    plain = run_once(engine, prompt, max_tokens, "off")
+    state = engine.build_request(
+        TextGenerationTaskParams(
+            model=MODEL, messages=(ChatMessage(role="user", content=prompt),),
+            max_tokens=max_tokens, temperature=0.0, speculative=False,
         )
-        engine.scheduler.add(state)
-        while engine.has_work:
-            engine.step()
-        engine.store_finished()
-        tokens = state.prompt_ids + state.generated_ids
-        speeds: dict[str, list[float]] = {"off": []}
-        speeds |= {f"draft@{rate}": [] for rate in args.acceptance}
-        for round_index in range(args.rounds):
-            for mode in speeds:
-                if mode == "off":
-                    result = run_once(engine, prompt, max_tokens, "off")
-                else:
-                    rate = float(mode.split("@")[1])
-                    forced = ForcedAcceptance(source, tokens, rate, engine.vocab_size)
-                    speculation(engine).source = forced
+    )  # fmt: skip
+    engine.scheduler.add(state)
+    while engine.has_work:
+        engine.step()
+    engine.store_finished()
+    tokens = state.prompt_ids + state.generated_ids
+    original = speculation(engine).source
+    speeds: dict[str, list[float]] = {"off": []}
+    speeds |= {f"{where}@{rate}": [] for rate in args.acceptance for where in sources}
+    drafting: dict[str, list[float]] = {mode: [] for mode in speeds if mode != "off"}
+    for round_index in range(args.rounds):
+        for mode in speeds:
+            if mode == "off":
+                result = run_once(engine, prompt, max_tokens, "off")
+            else:
+                where, rate = mode.split("@")
+                forced = ForcedAcceptance(sources[where], tokens, float(rate), engine.vocab_size)
+                speculation(engine).source = forced
+                try:
                     result = run_once(engine, prompt, max_tokens, "on")
-                    speculation(engine).source = source
-                    assert result["text"] == plain["text"], "greedy output changed"
-                speeds[mode].append(result["decode_tok_s"])
-                print(
-                    f"round {round_index + 1} {mode:10s} {result['decode_tok_s']:7.1f} tok/s "
-                    f"{result['tokens_per_step']:.2f} tok/step",
-                    flush=True,
-                )
-        print(f"\n{'mode':10s} {'tok/s median':>12s} {'spread':>15s} {'x plain':>8s}")
-        for mode, values in speeds.items():
-            ratios = [value / base for value, base in zip(values, speeds["off"], strict=True)]
+                finally:
+                    speculation(engine).source = original
+                drafting[mode].append(1e3 * forced.seconds / max(forced.calls, 1))
+                assert result["text"] == plain["text"], "greedy output changed"
+            speeds[mode].append(result["decode_tok_s"])
             print(
-                f"{mode:10s} {statistics.median(values):12.1f} "
-                f"{min(values):7.1f}-{max(values):<7.1f} {statistics.median(ratios):8.2f}"
+                f"round {round_index + 1} {mode:12s} {result['decode_tok_s']:7.1f} tok/s "
+                f"{result['tokens_per_step']:.2f} tok/step",
+                flush=True,
             )
+    print(f"\n{'mode':12s} {'tok/s median':>12s} {'spread':>15s} {'x plain':>8s}")
+    for mode, values in speeds.items():
+        ratios = [value / base for value, base in zip(values, speeds["off"], strict=True)]
+        print(
+            f"{mode:12s} {statistics.median(values):12.1f} "
+            f"{min(values):7.1f}-{max(values):<7.1f} {statistics.median(ratios):8.2f}"
+        )
+    for mode, values in drafting.items():
+        print(f"{mode}: {statistics.median(values):.2f} ms a step proposing (median of rounds)")
+    for rate in args.acceptance:
+        pairs = zip(speeds[f"remote@{rate}"], speeds[f"same@{rate}"], strict=True)
+        ratios = [remote / same for remote, same in pairs]
+        print(
+            f"remote / same at acceptance {rate}: median {statistics.median(ratios):.2f} "
+            f"(spread {min(ratios):.2f}-{max(ratios):.2f}; target >= 1.0)"
+        )
 
 
 def main() -> None:
@@ -270,6 +380,8 @@ def main() -> None:
     parser.add_argument("--acceptance", type=float, nargs="+", default=[0.5, 0.8])
     parser.add_argument("--pair-layers", type=int, default=None)
     parser.add_argument("--pair-tokens", type=int, default=64)
+    parser.add_argument("--pair-tiny", action="store_true")
+    parser.add_argument("--cores", type=int, nargs=2, default=[0, 1])
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)

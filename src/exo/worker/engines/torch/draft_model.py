@@ -26,8 +26,9 @@ the request's temperature / top-k / top-p / min-p (penalties, bias and grammar a
 target's alone: any q keeps the output exact), with a generator seeded from the request's
 seed, and the draft carries q for the general rejection rule (`RequestState.accept_drafts`).
 
-Placement counts the draft's memory and chooses it (`exo.shared.models.drafts`). Not here:
-a draft model on another node (issue 43's cluster case).
+Placement counts the draft's memory and chooses it (`exo.shared.models.drafts`). A draft
+model on another node serves the same source over a link (`remote_drafts.DraftServer`,
+greedy drafts only).
 """
 
 from __future__ import annotations
@@ -115,6 +116,9 @@ class DraftModelSource:
         # Forward passes run and positions computed (tests and logs).
         self.forward_passes = 0
         self.positions_computed = 0
+        # The most positions a step's first pass prefills; None: `DRAFT_PREFILL_CHUNK` (a
+        # draft server sizes it to its round trips' bound, `draft_server.prefill_chunk`).
+        self.prefill_chunk: int | None = None
 
     @property
     def name(self) -> str:
@@ -130,6 +134,15 @@ class DraftModelSource:
                 if other.slot == moved:
                     other.slot = sequence.slot
                     break
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the request has a KV slot here."""
+        return request_id in self._sequences
+
+    @property
+    def free_slots(self) -> int:
+        """KV slots free for requests not held yet."""
+        return self.cache.slots - self.cache.occupied
 
     def held_tokens(self, request_id: str) -> list[int]:
         """The tokens whose KV the draft model holds for the request (tests)."""
@@ -150,7 +163,8 @@ class DraftModelSource:
         # Per request: tokens still to feed (what its slot lacks, then each new draft token).
         feeds = [list(request.tokens[len(sequence.tokens) :]) for request, sequence in
                  zip(requests, sequences, strict=True)]  # fmt: skip
-        active, catching_up = _share_prefill(feeds, DRAFT_PREFILL_CHUNK)
+        chunk = DRAFT_PREFILL_CHUNK if self.prefill_chunk is None else self.prefill_chunk
+        active, catching_up = _share_prefill(feeds, chunk)
         tokens: list[list[int]] = [[] for _ in requests]
         distributions: list[list[torch.Tensor]] = [[] for _ in requests]
         while active or catching_up:
@@ -349,13 +363,40 @@ def load_draft_model(
         ValueError: the directory is not a loadable model (`card_from_local_directory`,
             `load_parts`).
     """
+    source, tokenizer = load_draft_source(
+        model_dir, vocab_size, slots, kv_dtype, device, weight_dtype
+    )
+    check_same_vocabulary(tokenizer, target_tokenizer, str(model_dir), target_name)
+    logger.info("draft model {} drafts for {}", model_dir, target_name)
+    return source
+
+
+def load_draft_source(
+    model_dir: Path,
+    vocab_size: int | None,
+    slots: int,
+    kv_dtype: torch.dtype,
+    device: str = "cpu",
+    weight_dtype: WeightDtype | None = None,
+) -> tuple[DraftModelSource, Any]:
+    """Load a draft model and its KV slots (as `load_draft_model`, without a target to
+    check against: a draft server's, which checks each client's vocabulary).
+
+    Args:
+        vocab_size: the length of the target's logits vectors; None: the draft's own.
+
+    Returns:
+        The source and the draft model's tokenizer.
+
+    Raises:
+        ValueError: the directory is not a loadable model.
+    """
     card = card_from_local_directory(model_dir)
     shard = ShardMetadata(
         sharding="pipeline", model_card=card, device_rank=0, world_size=1, start_layer=0,
         end_layer=card.n_layers,
     )  # fmt: skip
     parts = load_parts(model_dir, shard, device, weight_dtype)
-    check_same_vocabulary(parts.tokenizer, target_tokenizer, str(model_dir), target_name)
     text_config = parts.model.config.get_text_config()
     windows = family_for_architecture(type(parts.model).__name__).attention_windows(text_config)
     geometry = kv_geometry_of_config(text_config, len(windows))
@@ -363,9 +404,11 @@ def load_draft_model(
         geometry.layers, geometry.kv_heads, geometry.head_dim, kv_dtype, parts.device, slots,
         geometry.latent_values, windows,
     )  # fmt: skip
-    logger.info("draft model {} loaded ({} weights) for {}", model_dir, parts.weight_dtype,
-                target_name)  # fmt: skip
-    return DraftModelSource(parts.model, cache, windows, vocab_size, card.model_id, parts.device)
+    if vocab_size is None:
+        vocab_size = int(getattr(text_config, "vocab_size", None) or len(parts.tokenizer))
+    logger.info("draft model {} loaded ({} weights)", model_dir, parts.weight_dtype)
+    source = DraftModelSource(parts.model, cache, windows, vocab_size, card.model_id, parts.device)
+    return source, parts.tokenizer
 
 
 def draft_model_directory(name: str, models_directory: Path) -> Path:

@@ -67,7 +67,7 @@ from exo.worker.engines.torch.decoding.sampling_params import (
     resolve_sampling_params,
 )
 from exo.worker.engines.torch.decoding.scripted import ScriptedReply
-from exo.worker.engines.torch.decoding.speculative_drafts import NgramDraftSource
+from exo.worker.engines.torch.decoding.speculative_drafts import DraftSource, NgramDraftSource
 from exo.worker.engines.torch.decoding.speculative_policy import (
     SpeculationCounters,
     SpeculationSettings,
@@ -75,7 +75,6 @@ from exo.worker.engines.torch.decoding.speculative_policy import (
 from exo.worker.engines.torch.decoding.stop_sequences import StopSequenceMatcher
 from exo.worker.engines.torch.decoding.token_choice import token_chooser_for, token_logprob
 from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary
-from exo.worker.engines.torch.draft_model import DraftModelSource, load_draft_model
 from exo.worker.engines.torch.embedding.decoder import DecoderEmbeddingBackend
 from exo.worker.engines.torch.model.families import family_for_architecture
 from exo.worker.engines.torch.model.loading import (
@@ -89,6 +88,11 @@ from exo.worker.engines.torch.parallel import engine_transform
 from exo.worker.engines.torch.parallel.rank_group import RankGroup, check_process_group
 from exo.worker.engines.torch.quant.native_kernels import set_decode_activations
 from exo.worker.engines.torch.quant.quantize import WeightDtype
+from exo.worker.engines.torch.remote_drafts import (
+    RemoteDraft,
+    RemoteDraftSource,
+    draft_source_for,
+)
 from exo.worker.engines.torch.testing_seam import TestingSeam, load_testing_seam
 
 WARMUP_PROMPT = "Say hello."
@@ -191,8 +195,8 @@ class TorchEngine:
         self._scheduler: BatchScheduler | None = None
         self.group = group
         self._embedding_backend: DecoderEmbeddingBackend | None = None
-        # Where drafts come from (`load`'s draft model; None: n-gram prompt lookup).
-        self.draft_source: DraftModelSource | None = None
+        # Where drafts come from (`load`'s draft model, here or remote; None: n-gram).
+        self.draft_source: DraftSource | None = None
         # Set by `load` for a model directory the tests marked (`testing_seam`), else None.
         self.testing_seam: TestingSeam | None = None
         # Set by `load` for a vision model (`VisionInput.of_model`) on a single rank or rank 0
@@ -220,6 +224,7 @@ class TorchEngine:
         decode_activations: DecodeActivations = DEFAULT_DECODE_ACTIVATIONS,
         speculation: SpeculationSettings | None = None,
         draft_model: Path | None = None,
+        remote_draft: RemoteDraft | None = None,
     ) -> TorchEngine:
         """Load a shard's weights (a multi-rank shard: this rank's part, after
         `init_group`) and the tokenizer from an HF-format directory.
@@ -247,11 +252,10 @@ class TorchEngine:
                 exact answer), "int16" as today; process-wide
                 (`native_kernels.set_decode_activations`).
             speculation: speculative decoding's settings (see the class).
-            draft_model: the directory of a draft model for speculative decoding (the
-                target's tokenizer; loaded here with the target's weight format,
-                `draft_model.load_draft_model`); None: n-gram drafts. Of a split
-                instance, only rank 0 loads it and drafts (`drafts.draft_runs_on`); the
-                other ranks verify its drafts with it.
+            draft_model / remote_draft: a draft model's directory (loaded here, the
+                target's weight format) / a draft model on another node (it wins), for
+                speculative decoding; neither: n-gram drafts. Only rank 0 drafts
+                (`remote_drafts.draft_source_for`).
 
         Raises:
             UnsupportedArchitectureError (a ValueError): no family file for the model.
@@ -278,17 +282,10 @@ class TorchEngine:
                 parts.model, parts.device, engine.vocab_size, shard, engine.kv_dtype
             )
         engine.testing_seam = load_testing_seam(model_dir)
-        drafting = shard.device_rank == 0 and draft_runs_on(shard.sharding, shard.world_size)
-        if draft_model is not None and not drafting:
-            logger.warning(
-                "draft model {} unused: this rank of a {} split does not draft", draft_model,
-                shard.sharding,
-            )  # fmt: skip
-        elif draft_model is not None:
-            engine.draft_source = load_draft_model(
-                draft_model, parts.tokenizer, shard.model_card.model_id, engine.vocab_size,
-                max_concurrent_requests, engine.kv_dtype, device, parts.weight_dtype,
-            )  # fmt: skip
+        engine.draft_source = draft_source_for(
+            shard, draft_model, remote_draft, parts.tokenizer, engine.vocab_size,
+            max_concurrent_requests, engine.kv_dtype, device, parts.weight_dtype,
+        )  # fmt: skip
         vision = "vision" in shard.model_card.capabilities
         # A split instance's tower: on rank 0 only, where its parallelism carries the
         # images' blocks and rows to the other ranks (`runs_vision_tower`).
@@ -331,10 +328,12 @@ class TorchEngine:
         self.group.serve_forever(self.max_concurrent_requests)
 
     def shutdown(self) -> None:
-        """Rank 0 of a multi-rank shard releases the other ranks (idempotent); nothing to do
-        for a single rank."""
+        """Rank 0 of a multi-rank shard releases the other ranks (idempotent); a remote
+        draft's link closes."""
         if self.group is not None:
             self.group.shutdown()
+        if isinstance(self.draft_source, RemoteDraftSource):
+            self.draft_source.close()
 
     @property
     def has_chat_template(self) -> bool:

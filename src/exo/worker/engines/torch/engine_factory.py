@@ -27,6 +27,7 @@ from exo.worker.engines.torch.encoder_engine import EncoderEngine
 from exo.worker.engines.torch.engine import DEFAULT_MAX_CONCURRENT_REQUESTS, TorchEngine
 from exo.worker.engines.torch.model.loading import LayerProgressCallback
 from exo.worker.engines.torch.quant.quantize import WeightDtype
+from exo.worker.engines.torch.remote_drafts import RemoteDraft
 
 Engine = TorchEngine | EncoderEngine
 """What a runner drives: generation and pooled embeddings (`TorchEngine`), or an encoder's
@@ -46,6 +47,7 @@ def load_engine(
     decode_activations: DecodeActivations = DEFAULT_DECODE_ACTIVATIONS,
     speculation: SpeculationSettings | None = None,
     draft_model: Path | None = None,
+    remote_draft: RemoteDraft | None = None,
 ) -> TorchEngine:
     """Load the engine for `shard` (arguments as `TorchEngine.load`).
 
@@ -60,7 +62,7 @@ def load_engine(
         model_dir, shard, device, on_layer_loaded, weight_dtype, max_concurrent_requests,
         kv_cache_tokens=kv_cache_tokens, prefill_activations=prefill_activations,
         kv_cache_dtype=kv_cache_dtype, decode_activations=decode_activations,
-        speculation=speculation, draft_model=draft_model,
+        speculation=speculation, draft_model=draft_model, remote_draft=remote_draft,
     )  # fmt: skip
 
 
@@ -75,6 +77,7 @@ def load_serving_engine(
     decode_activations: DecodeActivations = DEFAULT_DECODE_ACTIVATIONS,
     speculation: SpeculationSettings | None = None,
     draft_model: str | None = None,
+    remote_draft: RemoteDraft | None = None,
 ) -> Engine:
     """The engine a runner serves `shard` with: `EncoderEngine` for an encoder card (its
     weights are read whole in float32; the KV, weight-format and prefill options do not
@@ -82,6 +85,8 @@ def load_serving_engine(
     names (its instance's, `Instance.draft`; `draft_model.draft_model_directory`) where one
     is set. A draft model whose files are not on this node (its download failed) is left
     out with a warning: the model serves without it (its status then names no draft).
+    With `remote_draft` (the instance's draft runs on another node) rank 0 drafts through
+    its link instead (`remote_drafts.RemoteDraftSource`) and loads no draft model here.
 
     Raises:
         ValueError: as `EncoderEngine.load` or `load_engine`; an unknown draft model.
@@ -96,6 +101,7 @@ def load_serving_engine(
     draft_dir = None
     if (
         draft_model is not None
+        and remote_draft is None
         and shard.device_rank == 0
         and draft_runs_on(shard.sharding, shard.world_size)
     ):
@@ -110,5 +116,5 @@ def load_serving_engine(
         prefill_activations=prefill_activations, kv_cache_tokens=kv_cache_tokens,
         kv_cache_dtype=kv_cache_dtype, decode_activations=decode_activations,
         speculation=speculation,
-        draft_model=draft_dir,
+        draft_model=draft_dir, remote_draft=remote_draft,
     )  # fmt: skip

@@ -1,6 +1,6 @@
 """Who may connect to a rank: the handshake every connection to a split instance's ranks
 opens with when the cluster has a secret (the rendezvous store, `comm/group_store.py`, and
-the rank links, `comm/tcp_mesh.py`).
+the rank links, `comm/tcp_mesh.py`, and a remote draft model's link, `comm/draft_link.py`).
 
 The key: `ClusterSecret.rank_group_key()` (HKDF-SHA256 of the cluster secret's root, RFC
 5869), handed by the node to its runners. A mutual challenge-response over HMAC-SHA256
@@ -62,6 +62,7 @@ class Purpose(IntEnum):
 
     STORE = 1  # a rank's connection to rank 0's rendezvous store
     LINK = 2  # one rank link (`tcp_mesh.RankLinks`)
+    DRAFT = 3  # a target's rank 0 to its draft model on another node (`comm/draft_link.py`)
 
 
 class AuthenticationError(dist.DistNetworkError):
