@@ -19,6 +19,7 @@ from exo.master.layer_split import PlacementError, layer_split, speed_balanced_s
 from exo.master.placement_memory import (
     NodeRoom,
     draft_bytes,
+    draft_runner_bytes,
     memory_sized_kv_cache_tokens,
     placement_room,
     required_memory_bytes,
@@ -48,6 +49,9 @@ class Layout:
     """Its draft model (`Instance.draft`), counted in rank 0's `bytes_per_node`."""
     draft_left_out: str | None = None
     """Why a draft model named for it is not used (`Instance.draft_left_out`)."""
+    draft_address: str | None = None
+    """Where rank 0's node reaches the draft's node when the draft runs on a spare node
+    (`DraftRunner.address`; placement then gives the draft its runner), else None."""
 
 
 def _edge_address(state: State, source: NodeId, sink: NodeId) -> str | None:
@@ -105,13 +109,17 @@ def layout(
     group: Sequence[NodeId],
     room: Mapping[NodeId, NodeRoom] | None = None,
     cards: Mapping[ModelId, ModelCard] | None = None,
+    spares: Sequence[NodeId] = (),
 ) -> Layout:
     """Shares of `group` for `card`, or why that group cannot run it, with the draft model
-    named for it where rank 0's node has room for both (else without it, saying why).
+    named for it: on a spare node when one of `spares` has room for it and rank 0 reaches
+    it (`_draft_on_spare`), else where rank 0's node has room for both (else without it,
+    saying why).
 
     Args:
         room: the nodes' memory (`placement_room(state)` when None).
         cards: the catalog a draft model resolves in (None: the built-in cards).
+        spares: nodes outside the group the draft may run on.
 
     Raises:
         PlacementError: not connected, not divisible, or some node lacks memory.
@@ -131,6 +139,15 @@ def layout(
         return dataclasses.replace(
             _layout_in_order(card, state, sharding, order, room), draft=draft
         )
+    if spares:
+        plain = _layout_in_order(card, state, sharding, order, room)
+        moved = _draft_on_spare(state, room, order[0], draft.model_card,
+                                plain.kv_cache_tokens, spares)  # fmt: skip
+        if moved is not None:
+            node_id, address = moved
+            return dataclasses.replace(
+                plain, draft=draft.model_copy(update={"node_id": node_id}), draft_address=address
+            )
     try:
         return _layout_in_order(card, state, sharding, order, room, draft)
     except PlacementError as error:
@@ -147,6 +164,31 @@ def layout(
                 f"{first.describe()}, the model and its draft need {both / 2**20:.0f} MiB"
             )
         return dataclasses.replace(plain, draft_left_out=reason)
+
+
+def _draft_on_spare(
+    state: State,
+    room: Mapping[NodeId, NodeRoom],
+    rank_zero: NodeId,
+    draft_card: ModelCard,
+    kv_cache_tokens: int,
+    spares: Sequence[NodeId],
+) -> tuple[NodeId, str] | None:
+    """The spare node a draft model runs on, apart from the target, and the address rank 0's
+    node reaches it at; None when no spare has room for it (`draft_runner_bytes` at the
+    instance's budget) or a measured link from rank 0.
+
+    Why a spare node first: on a CPU node the draft's forward passes take the cores and
+    memory bandwidth the target's verify step reads its weights with, so beside the target
+    they slow every step; on a node the instance does not use they cost one round trip per
+    step (docs/benchmarks/ has the figures). Among spares: the most available memory, then
+    the node id (deterministic on every master)."""
+    needed = draft_runner_bytes(draft_card, kv_cache_tokens)
+    for node_id in sorted(spares, key=lambda n: (-room[n].available_bytes, n)):
+        address = _edge_address(state, rank_zero, node_id)
+        if address is not None and room[node_id].available_bytes >= needed:
+            return node_id, address
+    return None
 
 
 def _layout_in_order(

@@ -27,10 +27,13 @@ Rules (exo's, with its gaps filled):
 - tensor sharding needs the card's tensor support and attention heads, KV heads and MLP
   size divisible by the node count;
 - a draft model for speculative decoding (`exo.shared.models.drafts`: the card's, or rank
-  0's node's `--draft-model`) runs in rank 0's runner: its weights and KV for the
-  instance's budget count on that node (`draft_bytes`); a group where it does not fit is
-  placed without it, saying why (`Instance.draft_left_out`); a split instance takes one
-  where its kind verifies drafts (`drafts.draft_runs_on`: every kind today);
+  0's node's `--draft-model`) runs on a spare node (one of the candidates outside the
+  group, reached from rank 0, with room for it: `group_layout._draft_on_spare`) in a
+  draft runner of its own (`DraftRunner`, `draft_runner_bytes` counted there), else in
+  rank 0's runner: its weights and KV for the instance's budget count on that node
+  (`draft_bytes`); a group where it fits nowhere is placed without it, saying why
+  (`Instance.draft_left_out`); a split instance takes one where its kind verifies drafts
+  (`drafts.draft_runs_on`: every kind today);
 - prefer the fewest nodes that fit, then layouts that keep their draft model, then nodes
   that already hold the model's files, then the most available memory (ties by node id,
   so every master decides the same).
@@ -64,6 +67,7 @@ from exo.shared.models.architectures import (
 from exo.shared.parallelism import PARALLELISMS, parallelism
 from exo.shared.types.common import FrozenModel, InstanceId, ModelId, NodeId, RunnerId
 from exo.shared.types.instances import (
+    DraftRunner,
     Instance,
     InstanceDraft,
     Rendezvous,
@@ -118,6 +122,14 @@ def runner_id_for(instance_id: InstanceId, rank: int, runner_tag: str = "") -> R
     if runner_tag:
         return RunnerId(f"{instance_id}-{runner_tag}-rank{rank}")
     return RunnerId(f"{instance_id}-rank{rank}")
+
+
+def draft_runner_id_for(instance_id: InstanceId, runner_tag: str = "") -> RunnerId:
+    """`{instance_id}-draft` (`{instance_id}-{tag}-draft` for a re-placement): the runner
+    of an instance's draft model on a spare node (`DraftRunner`)."""
+    if runner_tag:
+        return RunnerId(f"{instance_id}-{runner_tag}-draft")
+    return RunnerId(f"{instance_id}-draft")
 
 
 def rendezvous_port(instance_id: InstanceId, runner_tag: str = "") -> int:
@@ -200,7 +212,8 @@ def best_layout(
     errors: list[tuple[int, str]] = []
     for group in itertools.combinations(sorted(nodes), node_count):
         try:
-            valid.append(layout(card, state, sharding, group, room, cards))
+            spares = [node_id for node_id in nodes if node_id not in group]
+            valid.append(layout(card, state, sharding, group, room, cards, spares))
         except PlacementError as error:
             errors.append((sum(room[n].available_bytes for n in group), str(error)))
     if valid:
@@ -302,13 +315,24 @@ def place_instance(
             port=rendezvous_port(instance_id, runner_tag),
             addresses=chosen.rendezvous_addresses,
         )
+    draft = chosen.draft
+    if draft is not None and chosen.draft_address is not None:
+        draft = draft.model_copy(
+            update={
+                "runner": DraftRunner(
+                    runner_id=draft_runner_id_for(instance_id, runner_tag),
+                    port=rendezvous_port(instance_id, f"{runner_tag}-draft"),
+                    address=chosen.draft_address,
+                )
+            }
+        )
     return Instance(
         instance_id=instance_id,
         sharding=sharding,
         shard_assignments=assignments,
         rendezvous=rendezvous,
         kv_cache_tokens=chosen.kv_cache_tokens,
-        draft=chosen.draft,
+        draft=draft,
         draft_left_out=chosen.draft_left_out,
     )
 

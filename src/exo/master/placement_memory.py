@@ -170,16 +170,35 @@ def draft_unallocated_bytes(draft_card: ModelCard, kv_cache_tokens: int | None =
     return max(0, draft_bytes(draft_card, kv_cache_tokens) - loaded)
 
 
+def draft_runner_bytes(draft_card: ModelCard, kv_cache_tokens: int | None = None) -> int:
+    """Bytes a draft model takes in a draft runner of its own on a spare node
+    (`InstanceDraft.runner`): `draft_bytes` plus that runner's process."""
+    return draft_bytes(draft_card, kv_cache_tokens) + RUNNER_PROCESS_OVERHEAD_BYTES
+
+
 def _draft_promise(instance: Instance, node_id: NodeId, tokens: int, ready: bool) -> int:
     """What the instance's draft model (counted when it has a card) promises on `node_id`
     beyond its rank-0 runner (`placement_room`'s rule: all of it until the runner is
-    ready, then its unallocated part)."""
+    ready, then its unallocated part). A draft in a runner of its own promises nothing
+    here (`_draft_runner_promise`)."""
     draft = instance.draft
     if draft is None or draft.model_card is None or draft.node_id != node_id:
+        return 0
+    if draft.runner is not None:
         return 0
     if ready:
         return draft_unallocated_bytes(draft.model_card, tokens)
     return draft_bytes(draft.model_card, tokens)
+
+
+def _draft_runner_promise(instance: Instance, state: State, tokens: int) -> int:
+    """What the instance's draft runner on a spare node promises there, by the same rule
+    (all of `draft_runner_bytes` until it reports ready, then its KV and overhead)."""
+    draft = instance.draft
+    assert draft is not None and draft.runner is not None and draft.model_card is not None
+    if isinstance(state.runners.get(draft.runner.runner_id), RunnerReady | RunnerRunning):
+        return draft_unallocated_bytes(draft.model_card, tokens)
+    return draft_runner_bytes(draft.model_card, tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +258,8 @@ def placement_room(state: State, exclude: InstanceId | None = None) -> dict[Node
       that just became ready, or under 256 MiB, is the error left).
     Each runner is sized with its instance's KV-cache budget (`Instance.kv_cache_tokens`);
     a rank-0 runner that loads a draft model (`Instance.draft`) promises its `draft_bytes`
-    too, by the same rule.
+    too, by the same rule, and a draft runner on a spare node its `draft_runner_bytes`
+    there.
     Instance `exclude` (the one being re-placed) promises nothing, nor does an instance
     waiting for room (it runs nowhere until placed again). Deterministic: a pure function
     of the state, the same on every master.
@@ -263,6 +283,17 @@ def placement_room(state: State, exclude: InstanceId | None = None) -> dict[Node
             own = runner_unallocated_bytes(shard, tokens) if ready else runner_bytes(shard, tokens)
             draft = _draft_promise(instance, node_id, tokens, ready)
             promised[node_id].append(own + draft)
+        spare_draft = instance.draft
+        if (
+            spare_draft is not None
+            and spare_draft.runner is not None
+            and spare_draft.model_card is not None
+            and spare_draft.node_id in promised
+        ):
+            tokens = instance.kv_cache_tokens or planned_kv_cache_tokens(
+                state.node_info[spare_draft.node_id].kv_cache_tokens, spare_draft.model_card
+            )
+            promised[spare_draft.node_id].append(_draft_runner_promise(instance, state, tokens))
     return {
         node_id: NodeRoom(
             reported_bytes=info.memory.available_bytes,

@@ -146,15 +146,13 @@ def apply_event(state: State, event: Event) -> State:
                         "unavailable_instances": unavailable,
                     }
                 ),
-                set(state.instances[instance_id].shard_assignments.runner_to_shard),
+                _runners_of(state.instances[instance_id]),
             )
         case InstanceReplaced(instance=instance, reason=reason):
             old = state.instances.get(instance.instance_id)
             if old is None:
                 return state  # deleted meanwhile: the wish ended
-            gone = set(old.shard_assignments.runner_to_shard) - set(
-                instance.shard_assignments.runner_to_shard
-            )
+            gone = _runners_of(old) - _runners_of(instance)
             return _without_runners(
                 state.model_copy(
                     update={
@@ -226,6 +224,17 @@ def apply_event(state: State, event: Event) -> State:
                 tasks = {**state.tasks, task_id: updated}
             return state.model_copy(update={"tasks": tasks})
         case RunnerStatusUpdated(runner_id=runner_id, node_id=node_id, status=status):
+            if any(i.draft_runner is not None and i.draft_runner.runner_id == runner_id
+                   for i in state.instances.values()):  # fmt: skip
+                # A draft runner on a spare node: its status is shown and counted in its
+                # node's memory, never in its instance's readiness or failures (the ranks
+                # draft without it while it loads or after it fails).
+                return state.model_copy(
+                    update={
+                        "runners": {**state.runners, runner_id: status},
+                        "runner_nodes": {**state.runner_nodes, runner_id: node_id},
+                    }
+                )
             owner = _instance_of_runner(state, runner_id)
             if owner is None:
                 # A runner of a deleted (or re-placed) instance reporting its end: the
@@ -310,6 +319,14 @@ def _reported_instance(state: State, report: InstanceReported) -> State:
     if report.usage is not None:
         update["instance_usage"] = {**state.instance_usage, instance.instance_id: report.usage}
     return state.model_copy(update=update)
+
+
+def _runners_of(instance: Instance) -> set[RunnerId]:
+    """Its ranks' runners and its draft runner on a spare node, if any."""
+    runners = set(instance.shard_assignments.runner_to_shard)
+    if instance.draft_runner is not None:
+        runners.add(instance.draft_runner.runner_id)
+    return runners
 
 
 def _instance_of_runner(state: State, runner_id: RunnerId) -> Instance | None:

@@ -60,7 +60,7 @@ from exo.shared.types.tasks import (
     TextGeneration,
 )
 from exo.utils.channels import Subscription
-from exo.worker.plan import LocalRunner, plan
+from exo.worker.plan import LocalRunner, plan, runner_shards
 from exo.worker.runner.options import RunnerOptions
 from exo.worker.runner.supervisor import RunnerSupervisor
 
@@ -289,9 +289,11 @@ class Worker:
             logger.error(f"worker: planning still fails ({description}): {failure.count} times")
             failure.logged_at = now
 
-    def _runner_options_for(self, instance: Instance) -> RunnerOptions:
-        """This node's runner options for a runner of `instance` (`runner_options_for`)."""
-        return runner_options_for(self._runner_options, instance.kv_cache_tokens, instance.draft)
+    def _runner_options_for(self, instance: Instance, runner_id: RunnerId) -> RunnerOptions:
+        """This node's runner options for runner `runner_id` of `instance`
+        (`runner_options_for`, `draft_link_options`)."""
+        options = runner_options_for(self._runner_options, instance.kv_cache_tokens, instance.draft)
+        return draft_link_options(options, instance, runner_id)
 
     async def _execute(self, task: Task) -> None:
         assert self._task_group is not None
@@ -302,12 +304,12 @@ class Worker:
                     node_id=self.node_id,
                     runner_id=runner_id,
                     instance_id=instance_id,
-                    shard=instance.shard_assignments.runner_to_shard[runner_id],
+                    shard=runner_shards(instance, runner_id, self.node_id)[0],
                     emit_event=self._on_runner_event,
                     publish_chunk=self._publish_chunk,
                     on_change=self._notify,
                     log_level=self._log_level,
-                    options=self._runner_options_for(instance),
+                    options=self._runner_options_for(instance, runner_id),
                 )
                 supervisor.start()
                 self.runners[runner_id] = supervisor
@@ -340,7 +342,10 @@ class Worker:
                 if (
                     failed
                     and owner is not None
-                    and runner_id in owner.shard_assignments.runner_to_shard
+                    and (
+                        runner_id in owner.shard_assignments.runner_to_shard
+                        or runner_id == owner.draft_runner_on(self.node_id)
+                    )
                 ):
                     # Retried later with backoff; a runner of a deleted or re-placed
                     # instance is not retried, so it is no failure to count.
@@ -532,3 +537,23 @@ def runner_options_for(
     own = options.kv_cache_tokens
     tokens = placed if own is None else min(own, placed)
     return options.model_copy(update={"kv_cache_tokens": tokens})
+
+
+def draft_link_options(
+    options: RunnerOptions, instance: Instance, runner_id: RunnerId
+) -> RunnerOptions:
+    """`options` for runner `runner_id` of `instance` when its draft model runs on a spare
+    node (`InstanceDraft.runner`): that draft runner serves drafts on its port
+    (`draft_server_port`), and rank 0 asks for them at the address its node reaches the
+    spare node on (`remote_draft_host`, `remote_draft_port`); every other runner, and every
+    runner of an instance drafting in rank 0, gets none of them."""
+    draft = instance.draft
+    link = None if draft is None else draft.runner
+    serve = link.port if link is not None and runner_id == link.runner_id else None
+    host = port = None
+    if link is not None and runner_id == instance.shard_assignments.rank_zero_runner():
+        host, port = link.address, link.port
+    update = {"draft_server_port": serve, "remote_draft_host": host, "remote_draft_port": port}
+    if all(getattr(options, name) == value for name, value in update.items()):
+        return options
+    return options.model_copy(update=update)

@@ -111,14 +111,24 @@ def _shut_down_orphans(
             continue
         if (
             instance is None
-            or instance.shard_assignments.runner_for_node(node_id) != runner_id
+            or runner_id not in _assigned_here(instance, node_id)
             or isinstance(runner.status, RunnerFailed | RunnerShutdown)
         ):
             return Shutdown(runner_id=runner_id)
+        if runner_id == instance.draft_runner_on(node_id):
+            continue  # a draft runner is no member of the group: nothing of it breaks
         if not isinstance(runner.status, RunnerIdle) and _group_broken(state, instance, runner_id):
             # Our process group lost a member: every rank starts over together.
             return Shutdown(runner_id=runner_id)
     return None
+
+
+def _assigned_here(instance: Instance, node_id: NodeId) -> tuple[RunnerId, ...]:
+    """The runners `instance` assigns to `node_id`: its rank's, or its draft runner
+    (`InstanceDraft.runner`: a spare node's, which holds no rank)."""
+    rank = instance.shard_assignments.runner_for_node(node_id)
+    draft = instance.draft_runner_on(node_id)
+    return tuple(runner_id for runner_id in (rank, draft) if runner_id is not None)
 
 
 def _group_broken(state: State, instance: Instance, own_runner: RunnerId) -> bool:
@@ -158,12 +168,10 @@ def _create_runners(
     now: float,
 ) -> Task | None:
     for instance_id, instance in sorted(state.instances.items()):
-        runner_id = instance.shard_assignments.runner_for_node(node_id)
-        if runner_id is None or runner_id in runners:
-            continue
-        if retry_after.get(runner_id, 0.0) > now:
-            continue
-        return CreateRunner(instance_id=instance_id, runner_id=runner_id)
+        for runner_id in _assigned_here(instance, node_id):
+            if runner_id in runners or retry_after.get(runner_id, 0.0) > now:
+                continue
+            return CreateRunner(instance_id=instance_id, runner_id=runner_id)
     return None
 
 
@@ -176,18 +184,15 @@ def _download(
     now: float,
 ) -> Task | None:
     """A runner's model files first, then those of the draft model it loads beside it
-    (`Instance.draft` on this node, when placement counted it: it has a card), whole."""
+    (`Instance.draft` on this node, when placement counted it: it has a card), whole; a
+    draft runner's, the draft model's."""
     for runner_id, runner in sorted(runners.items()):
         instance = state.instances.get(runner.instance_id)
-        own_shard = (
-            None if instance is None else instance.shard_assignments.runner_to_shard.get(runner_id)
-        )
-        if instance is None or own_shard is None:
-            continue  # a runner of a deleted or re-placed instance: being shut down
-        wanted = [own_shard]
-        draft = _draft_to_fetch(instance, node_id)
-        if draft is not None:
-            wanted.append(draft)
+        if instance is None:
+            continue  # a runner of a deleted instance: being shut down
+        wanted = runner_shards(instance, runner_id, node_id)
+        if not wanted:
+            continue  # a runner of a re-placed instance: being shut down
         for shard in wanted:
             model_id = shard.model_card.model_id
             status = downloads.get(model_id)
@@ -196,6 +201,19 @@ def _download(
             ):
                 return DownloadModel(instance_id=instance.instance_id, shard=shard)
     return None
+
+
+def runner_shards(instance: Instance, runner_id: RunnerId, node_id: NodeId) -> list[ShardMetadata]:
+    """What runner `runner_id` of `instance` on `node_id` loads, in loading order: its rank's
+    shard, then the draft model it loads beside it (rank 0 on the draft's node); a draft
+    runner, the draft model whole; a runner the instance no longer assigns here, nothing."""
+    own = instance.shard_assignments.runner_to_shard.get(runner_id)
+    draft = _draft_to_fetch(instance, node_id)
+    if own is not None and instance.shard_assignments.runner_for_node(node_id) == runner_id:
+        return [own] if draft is None else [own, draft]
+    if draft is not None and runner_id == instance.draft_runner_on(node_id):
+        return [draft]
+    return []
 
 
 def _draft_to_fetch(instance: Instance, node_id: NodeId) -> ShardMetadata | None:
@@ -242,6 +260,11 @@ def _load_and_warm_up(
         instance = state.instances.get(runner.instance_id)
         if instance is None or runner.loading:
             continue
+        if runner_id == instance.draft_runner_on(node_id):
+            task = _load_draft_runner(instance, runner_id, runner, downloads)
+            if task is not None:
+                return task
+            continue
         download = downloads.get(instance.model_id)
         if not isinstance(download, DownloadCompleted):
             continue
@@ -283,6 +306,30 @@ def _load_and_warm_up(
             case _:
                 continue
     return None
+
+
+def _load_draft_runner(
+    instance: Instance,
+    runner_id: RunnerId,
+    runner: LocalRunner,
+    downloads: Mapping[ModelId, DownloadStatus],
+) -> Task | None:
+    """A draft runner on its own: it loads the draft model once its files are here and
+    warms up, whatever the instance's ranks are doing (they draft without it meanwhile)."""
+    draft = instance.draft
+    assert draft is not None
+    download = downloads.get(draft.model_id)
+    if not isinstance(download, DownloadCompleted):
+        return None
+    match runner.status:
+        case RunnerIdle():
+            return LoadModel(
+                instance_id=instance.instance_id, runner_id=runner_id, model_dir=download.path
+            )
+        case RunnerLoaded():
+            return StartWarmup(instance_id=instance.instance_id, runner_id=runner_id)
+        case _:
+            return None
 
 
 def _forward_generation(state: State, runners: Mapping[RunnerId, LocalRunner]) -> Task | None:

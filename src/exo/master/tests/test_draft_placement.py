@@ -160,14 +160,22 @@ def test_a_node_without_room_for_both_places_the_model_alone_and_says_why() -> N
 
 
 def test_a_node_without_room_for_the_draft_is_not_chosen_over_one_with_room() -> None:
-    # Node B holds the files (preferred otherwise) but has room for the model alone.
-    state = linked_state(**{NODE_A: node(both_bytes()), NODE_B: node(target_bytes())})
-    state = state.model_copy(
+    # Node B holds the files (preferred otherwise) but has room for the model alone, and
+    # the nodes measured no link between them: no spare node for the draft to go to.
+    nodes = {NODE_A: node(both_bytes()), NODE_B: node(target_bytes())}
+    state = make_state(nodes=nodes).model_copy(
         update={"downloads": {NODE_B: {QWEN3_8B.model_id: DownloadCompleted(path="/m")}}}
     )
     instance = place_instance(QWEN3_8B, state, INSTANCE_ID, cards=CARDS)
     assert instance.shard_assignments.node_to_runner.keys() == {NODE_A}
     assert instance.draft is not None and instance.draft.node_id == NODE_A
+    assert instance.draft.runner is None
+    # Linked, A is B's spare node: B runs the target and A the draft in a runner of its own.
+    linked = linked_state(**nodes).model_copy(update={"downloads": state.downloads})
+    instance = place_instance(QWEN3_8B, linked, INSTANCE_ID, cards=CARDS)
+    assert instance.shard_assignments.node_to_runner.keys() == {NODE_B}
+    assert instance.draft is not None and instance.draft.node_id == NODE_A
+    assert instance.draft.runner is not None
 
 
 def test_the_nodes_option_is_placed_and_counted_and_a_directory_is_named_uncounted() -> None:

@@ -14,9 +14,11 @@ step, `draft_runs_on`):
 A draft naming the target itself is no draft (it would read the target's weights twice
 per token to save none).
 
-The draft runs in the rank-0 runner's process beside the target, so it needs that node's
-memory (`exo.master.placement_memory.draft_bytes`); where it does not fit, the instance is
-placed without it and says why (`Instance.draft_left_out`) rather than not placed.
+Where it runs is placement's (`exo.master.group_layout`): in a draft runner of its own on a
+spare node with room (`InstanceDraft.runner`, `placement_memory.draft_runner_bytes`), else
+in the rank-0 runner's process beside the target, which then needs that node's memory
+(`exo.master.placement_memory.draft_bytes`); where it fits nowhere, the instance is placed
+without it and says why (`Instance.draft_left_out`) rather than not placed.
 """
 
 from __future__ import annotations

@@ -95,7 +95,13 @@ from exo.shared.types.events import (
     TopologyEdgeMeasured,
     TopologyEdgeRemoved,
 )
-from exo.shared.types.instances import Instance, InstanceDraft, Rendezvous, ShardAssignments
+from exo.shared.types.instances import (
+    DraftRunner,
+    Instance,
+    InstanceDraft,
+    Rendezvous,
+    ShardAssignments,
+)
 from exo.shared.types.models import (
     GgufFileSource,
     GgufWeightTypes,
@@ -287,6 +293,11 @@ DIRECTORY_DRAFT = InstanceDraft(
     model_id=ModelId("/models/draft"), node_id=NODE, chosen_by="node_option"
 )
 DRAFTING = PIPELINE.model_copy(update={"draft": DRAFT})
+SPARE_DRAFT_RUNNER = DraftRunner(
+    runner_id=RunnerId("instance-1-draft"), port=23456, address="10.0.0.2"
+)
+SPARE_DRAFT = DRAFT.model_copy(update={"node_id": NodeId("node-b"), "runner": SPARE_DRAFT_RUNNER})
+DRAFTING_ON_SPARE = PIPELINE.model_copy(update={"draft": SPARE_DRAFT})
 DRAFT_LEFT_OUT = TENSOR.model_copy(
     update={"draft_left_out": "draft model x not used: a split instance drafts n-grams only"}
 )
@@ -546,8 +557,9 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     # shards and instances
     ShardMetadata: [make_shard(CARD, "pipeline", 1, 2), make_shard(CARD, "tensor", 1, 2)],
     ShardAssignments: [PIPELINE.shard_assignments, TENSOR.shard_assignments],
-    Instance: [PIPELINE, TENSOR, DRAFTING, DRAFT_LEFT_OUT],
-    InstanceDraft: [DRAFT, DIRECTORY_DRAFT],
+    Instance: [PIPELINE, TENSOR, DRAFTING, DRAFTING_ON_SPARE, DRAFT_LEFT_OUT],
+    InstanceDraft: [DRAFT, DIRECTORY_DRAFT, SPARE_DRAFT],
+    DraftRunner: [SPARE_DRAFT_RUNNER],
     # tasks
     TaskPending: [TaskPending()],
     TaskRunning: [TaskRunning()],

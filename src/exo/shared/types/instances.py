@@ -10,7 +10,14 @@ from exo.shared.types.common import FrozenModel, InstanceId, ModelId, NodeId, Ru
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import Sharding, ShardMetadata
 
-__all__ = ["Instance", "InstanceDraft", "Rendezvous", "ShardAssignments", "Sharding"]
+__all__ = [
+    "DraftRunner",
+    "Instance",
+    "InstanceDraft",
+    "Rendezvous",
+    "ShardAssignments",
+    "Sharding",
+]
 
 DraftChosenBy = Literal["card", "node_option"]
 """Who named an instance's draft model: the target's card (`ModelCard.draft_model`) or
@@ -52,18 +59,31 @@ class ShardAssignments(FrozenModel):
         return len(self.runner_to_shard)
 
 
+class DraftRunner(FrozenModel):
+    """A draft model run apart from the target, on a node that holds none of its ranks
+    (`InstanceDraft.runner`): the runner `runner_id` there loads the draft and serves its
+    drafts on `port`; rank 0's node reaches that node at `address` (measured topology)."""
+
+    runner_id: RunnerId
+    port: int = Field(gt=0, lt=65536)
+    address: str
+
+
 class InstanceDraft(FrozenModel):
-    """The draft model of an instance's speculative decoding: loaded in its rank-0 runner
-    on `node_id`, which fetches its files with the target's (`exo.shared.models.drafts`).
+    """The draft model of an instance's speculative decoding, on `node_id`, which fetches
+    its files (`exo.shared.models.drafts`): loaded in the instance's rank-0 runner when
+    `runner` is None, else in a draft runner of its own on a spare node, whose drafts rank
+    0 asks for over the cluster's links.
 
     `model_card` is the draft's card, whose weights and KV placement counted on that node;
-    None for a `--draft-model` directory only that node knows (its memory is the node
-    operator's to leave free: placement cannot size it)."""
+    None for a `--draft-model` directory only rank 0's node knows (its memory is the node
+    operator's to leave free: placement cannot size it; it never moves to a spare node)."""
 
     model_id: ModelId
     node_id: NodeId
     chosen_by: DraftChosenBy
     model_card: ModelCard | None = None
+    runner: DraftRunner | None = None
 
 
 class Rendezvous(FrozenModel):
@@ -92,7 +112,8 @@ class Instance(FrozenModel):
     budget: the smallest any of their nodes allows). None in instances placed before it
     was carried: each runner then takes its node's `--kv-cache-tokens` or the default."""
     draft: InstanceDraft | None = None
-    """The draft model its rank 0 drafts with (None: n-gram drafts only)."""
+    """The draft model its rank 0 drafts with, in its own runner or on a spare node
+    (None: n-gram drafts only)."""
     draft_left_out: str | None = None
     """Why a draft model named for it (by the card or rank 0's node) is not used: no room
     for it beside the target on rank 0's node, or a split instance (which drafts n-grams
@@ -106,8 +127,30 @@ class Instance(FrozenModel):
                     f"runner {runner_id} holds a {shard.sharding} shard of a "
                     f"{self.sharding} instance"
                 )
+        draft = self.draft
+        if draft is not None and draft.runner is not None:
+            if draft.node_id in self.shard_assignments.node_to_runner:
+                raise ValueError(
+                    f"a draft runner runs on a node that holds no rank; {draft.node_id} holds one"
+                )
+            if draft.runner.runner_id in self.shard_assignments.runner_to_shard:
+                raise ValueError(f"draft runner {draft.runner.runner_id} is also a rank's runner")
+            if draft.model_card is None:
+                raise ValueError("a draft runner loads a catalog model: its draft needs a card")
         return self
 
     @property
     def model_id(self) -> ModelId:
         return self.shard_assignments.model_id
+
+    @property
+    def draft_runner(self) -> DraftRunner | None:
+        """The runner of its draft model on a spare node, None when there is none."""
+        return None if self.draft is None else self.draft.runner
+
+    def draft_runner_on(self, node_id: NodeId) -> RunnerId | None:
+        """The id of its draft runner when that runs on `node_id`, else None."""
+        draft = self.draft
+        if draft is None or draft.runner is None or draft.node_id != node_id:
+            return None
+        return draft.runner.runner_id

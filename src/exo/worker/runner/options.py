@@ -45,6 +45,11 @@ class RunnerOptions(FrozenModel):
         local directory already on this node; None: n-gram drafts).
     rank_group_key: hex of the key split instances' ranks authenticate each other with
         (`ClusterSecret.rank_group_key`); None without a cluster secret. Kept out of reprs.
+    draft_server_port: set for the draft runner of an instance whose draft model runs on a
+        spare node (`InstanceDraft.runner`): it loads the draft model and serves drafts on
+        this port instead of serving generations.
+    remote_draft_host / remote_draft_port: set for rank 0 of such an instance: where it asks
+        the draft runner for drafts (the address its node reaches the spare node on).
     """
 
     max_concurrent_requests: int | None = Field(default=None, ge=1)
@@ -58,6 +63,9 @@ class RunnerOptions(FrozenModel):
     draft_max: int = Field(default=DEFAULT_DRAFT_MAX, ge=1)
     draft_model: str | None = None
     rank_group_key: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$", repr=False)
+    draft_server_port: int | None = Field(default=None, gt=0, lt=65536)
+    remote_draft_host: str | None = None
+    remote_draft_port: int | None = Field(default=None, gt=0, lt=65536)
 
     @model_validator(mode="after")
     def _check_draft_bounds(self) -> RunnerOptions:

@@ -1,6 +1,7 @@
 """The runner process's entry point: what a spawned runner does before its `Runner` loop (its
 signals, dying with its node, its logs and process title), with its arguments as the
-supervisor passes them."""
+supervisor passes them; a draft runner (`RunnerOptions.draft_server_port`) runs the
+`DraftServingRunner` loop instead."""
 
 from __future__ import annotations
 
@@ -52,4 +53,9 @@ def runner_main(
     shard: ShardMetadata = TypeAdapter(ShardMetadata).validate_json(shard_json)
     set_process_title(runner_title(shard.model_card.model_id, shard.device_rank))
     options = None if options_json is None else RunnerOptions.model_validate_json(options_json)
+    if options is not None and options.draft_server_port is not None:
+        from exo.worker.runner.draft_serving import DraftServingRunner
+
+        DraftServingRunner(RunnerId(runner_id), shard, inbound, outbound, options).run()
+        return
     Runner(RunnerId(runner_id), shard, inbound, outbound, options).run()

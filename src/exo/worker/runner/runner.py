@@ -33,7 +33,7 @@ from exo.shared.types.chunks import (
     PrefillProgressChunk,
     TokenChunk,
 )
-from exo.shared.types.common import RunnerId, TaskId
+from exo.shared.types.common import InstanceId, RunnerId, TaskId
 from exo.shared.types.runners import (
     RunnerConnected,
     RunnerConnecting,
@@ -66,6 +66,7 @@ from exo.shared.types.tasks import (
 from exo.utils.heap import HeapTrimmer, freeze_long_lived_objects
 from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
 from exo.worker.runner.card_check import check_card
+from exo.worker.runner.draft_serving import remote_draft_of
 from exo.worker.runner.embedding_batch import EmbeddingJob, EmbeddingPacer
 from exo.worker.runner.failures import error_code_of, peer_failure
 from exo.worker.runner.generation_feed import Generation, PieceFeed, replay_forced_pieces
@@ -222,8 +223,8 @@ class Runner:
         match message:
             case ConnectToGroup():
                 self._connect(message)
-            case LoadModel(model_dir=model_dir):
-                self._load(Path(model_dir))
+            case LoadModel(model_dir=model_dir, instance_id=instance_id):
+                self._load(Path(model_dir), instance_id)
             case StartWarmup():
                 self._warm_up()
             case TextGeneration():
@@ -283,7 +284,7 @@ class Runner:
             return
         raise _ShutdownRequested()
 
-    def _load(self, model_dir: Path) -> None:
+    def _load(self, model_dir: Path, instance_id: InstanceId) -> None:
         from exo.shared.models.kv_cache_memory import DEFAULT_KV_CACHE_TOKENS
         from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
         from exo.worker.engines.torch.engine import DEFAULT_MAX_CONCURRENT_REQUESTS
@@ -295,6 +296,7 @@ class Runner:
         def on_layer_loaded(loaded: int, total: int) -> None:
             self._set_status(RunnerLoading(layers_loaded=loaded, total_layers=total))
 
+        remote_draft = remote_draft_of(self._options, instance_id)
         try:
             self._engine = load_serving_engine(
                 model_dir, self.shard, on_layer_loaded=on_layer_loaded,
@@ -308,7 +310,9 @@ class Runner:
                 speculation=SpeculationSettings(
                     self._options.speculative, self._options.draft_min, self._options.draft_max
                 ),
-                draft_model=self._options.draft_model,
+                # A draft on a spare node answers over the links; else rank 0 loads it.
+                draft_model=None if remote_draft is not None else self._options.draft_model,
+                remote_draft=remote_draft,
             )  # fmt: skip
         except Exception as error:
             logger.opt(exception=error).error(f"runner {self.runner_id}: loading failed")
