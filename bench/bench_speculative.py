@@ -24,23 +24,31 @@ barrier waits, which inflate every step's cost and so favour fewer, wider steps)
 `--draft-pair` measures a draft model's mechanism instead: random-weight models of
 SmolLM2-135M's (draft) and SmolLM2-1.7B's (target) shapes, int4 like the engine's default,
 the draft loaded beside the target (`--draft-model`'s path). Its drafts are computed (every
-draft forward pass runs) and then forced to a chosen acceptance rate (`--acceptance`): each
-draft token is the target's own greedy token with that probability, else a wrong one, so
-the cost of the mechanism is measured apart from a draft's quality (random models agree on
-nothing). `--pair-layers N` cuts both to N layers (a smoke run; the full pair writes ~7.5 GB
-of float32 weights to a temporary directory first); `--pair-tiny` uses tiny shapes instead
-(a smoke run of the mechanism only).
+draft forward pass runs) and then forced to a chosen acceptance rate (`--acceptance`): the
+draft model's greedy token at each position of the text is the target's own greedy token
+there with that probability (a fixed seeded draw per position and rate, alike in every
+mode), else a wrong one, so the cost of the mechanism is measured apart from a draft's
+quality (random models agree on nothing). The forcing is the draft model's own choice
+(its KV holds the tokens it drafted), so a draft server's guess of the target's bonus token
+is right with that probability too, as a real draft's would be. `--pair-layers N` cuts
+both to N layers (a smoke run; the full pair writes ~7.5 GB of float32 weights to a
+temporary directory first); `--pair-tiny` uses tiny shapes instead (a smoke run of the
+mechanism only).
 
-The draft runs in two places, interleaved with plain decoding in every round:
+The draft runs in two places (three modes), interleaved with plain decoding in every round:
 - `same@RATE`, draft on the same node: target and draft in this process, pinned to the
   first of `--cores` (one thread), the draft's forward passes in the target's step;
 - `remote@RATE`, draft on a second node: the draft in a `DraftServer` in another process
   pinned to the second core (one thread), the target here drafting through the link
   (`remote_drafts.RemoteDraftSource`, over loopback TCP). The two cores stand for two
   nodes' CPUs; the link's own cost (a round trip of a few dozen bytes per step) is in it,
-  a LAN's latency is not (add it: about 0.1-0.3 ms a step on gigabit Ethernet).
+  a LAN's latency is not (add it: about 0.1-0.3 ms a step on gigabit Ethernet). The
+  server drafts ahead while the target verifies (`draft_server.py`);
+- `serial@RATE`, the same without drafting ahead (`EXO_DRAFT_AHEAD=0`'s server).
 Printed per mode: tok/s median and spread (min-max) over the rounds, the median of the
-ratio to the same round's plain run, and remote / same per rate (the target: >= 1.0).
+ratio to the same round's plain run, and remote / same per rate (the target: >= 1.0); per
+server: what the link carried and, drafting ahead, its hit rate (messages answered from
+the guess / messages drafted ahead for) and the positions drafted ahead and abandoned.
 """
 
 from __future__ import annotations
@@ -75,6 +83,7 @@ from exo.worker.engines.torch.batching.speculation import Speculation
 from exo.worker.engines.torch.comm.draft_link import LinkCounters
 from exo.worker.engines.torch.decoding.speculative_drafts import Draft, DraftRequest
 from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
+from exo.worker.engines.torch.draft_model import DraftModelSource
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.remote_drafts import (
     RemoteDraft,
@@ -175,41 +184,55 @@ PAIR_SHAPES = {
 }  # fmt: skip
 
 
-class ForcedAcceptance:
-    """Wraps a draft source: its drafts are computed, then each token is replaced by the
-    request's next token of plain greedy decoding (`reference`) with probability
-    `acceptance` (a seeded draw), else by another token."""
+class Forcing:
+    """Forces a draft model's greedy token at each position of the text to the target's
+    plain greedy token there (`reference`) with probability `rate`, else to another token:
+    a fixed seeded draw per position and rate (`keeps`), the same in every process and
+    mode. Installed on a `DraftModelSource` by `install` (its forward passes still run)."""
 
-    def __init__(self, inner: Any, reference: list[int], acceptance: float, vocab: int) -> None:
-        self.inner = inner
+    def __init__(self, reference: list[int], vocab: int, rate: float) -> None:
         self.reference = reference
-        self.acceptance = acceptance
         self.vocab = vocab
-        self.random = random.Random(0)
-        # Seconds in the inner source's `propose` and its calls (the drafting's own cost).
+        self.rate = rate
+        self._keeps: dict[float, list[bool]] = {}
+
+    def keeps(self, rate: float) -> list[bool]:
+        if rate not in self._keeps:
+            draws = random.Random(round(rate * 1e6))
+            self._keeps[rate] = [draws.random() < rate for _ in self.reference]
+        return self._keeps[rate]
+
+    def install(self, source: DraftModelSource) -> None:
+        original = source._choose
+
+        def choose(request: DraftRequest, sequence: Any, logits: torch.Tensor) -> Any:
+            token, distribution = original(request, sequence, logits)
+            position = len(sequence.tokens)  # the chosen token's: its feed is in `tokens`
+            if position >= len(self.reference):
+                return token, distribution
+            right = self.reference[position]
+            return (right if self.keeps(self.rate)[position] else (right + 1) % self.vocab), None
+
+        setattr(source, "_choose", choose)  # noqa: B010 (an instance's method, replaced)
+
+
+class Timed:
+    """Wraps a draft source, timing its `propose` (the drafting's cost on rank 0's step)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
         self.seconds = 0.0
         self.calls = 0
 
     @property
     def name(self) -> str:
-        return f"forced-{self.acceptance}"
+        return str(self.inner.name)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
-        drafts = []
         started = time.perf_counter()
-        proposed = self.inner.propose(requests)
+        drafts: list[Draft] = self.inner.propose(requests)
         self.seconds += time.perf_counter() - started
         self.calls += 1
-        for request, draft in zip(requests, proposed, strict=True):
-            start = len(request.tokens)
-            tokens = []
-            for offset in range(len(draft.tokens)):
-                right = (
-                    self.reference[start + offset] if start + offset < len(self.reference) else 0
-                )
-                keep = self.random.random() < self.acceptance
-                tokens.append(right if keep else (right + 1) % self.vocab)
-            drafts.append(Draft(tuple(tokens)))
         return drafts
 
     def forget(self, request_id: str) -> None:
@@ -226,16 +249,31 @@ def pin(core: int) -> None:
     torch.set_num_threads(1)
 
 
-def serve_draft(directory: Path, core: int, ports: Any, stop: Any) -> None:
-    """The second node: a draft server on `core`, its port put on `ports`, until `stop`;
-    then its counters (`LinkCounters`, as a dict) on `ports`."""
+def serve_draft(directory: Path, core: int, setup: Any, results: Any, stop: Any) -> None:
+    """The second node: one draft server per (rate, drafting ahead or not) on `core`, its
+    draft forced (`Forcing`) to the rate; takes (reference, vocab, rates) from `setup`, puts
+    {mode: port} on `results`, serves until `stop`, then puts {mode: counters} there."""
     pin(core)
-    server = load_draft_server(directory, 0, None, PAIR_INSTANCE, 1, None)
-    server.start()
-    ports.put(server.port)
+    reference, vocab, rates = setup.get()
+    servers = {}
+    for rate in rates:
+        for mode, ahead in (("remote", True), ("serial", False)):
+            server = load_draft_server(directory, 0, None, PAIR_INSTANCE, 1, None)
+            server.draft_ahead = ahead
+            assert isinstance(server.source, DraftModelSource)
+            Forcing(reference, vocab, rate).install(server.source)
+            server.start()
+            servers[f"{mode}@{rate}"] = server
+    results.put({mode: server.port for mode, server in servers.items()})
     stop.wait()
-    server.close()
-    ports.put(dataclasses.asdict(server.counters))
+    counters = {}
+    for mode, server in servers.items():
+        server.close()
+        counters[mode] = {
+            "link": dataclasses.asdict(server.counters),
+            "ahead": dataclasses.asdict(server.ahead),
+        }
+    results.put(counters)
 
 
 def pair_directories(args: argparse.Namespace, scratch: Path) -> dict[str, Path]:
@@ -261,10 +299,11 @@ def draft_pair(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="exo-draft-pair-") as scratch:
         directories = pair_directories(args, Path(scratch))
         context = multiprocessing.get_context("spawn")
-        ports, stop = context.Queue(), context.Event()
+        setup, results, stop = context.Queue(), context.Queue(), context.Event()
         server = context.Process(
-            target=serve_draft, args=(directories["draft"], draft_core, ports, stop), daemon=True
-        )
+            target=serve_draft, args=(directories["draft"], draft_core, setup, results, stop),
+            daemon=True,
+        )  # fmt: skip
         server.start()
         pin(target_core)
         target_card = card_from_local_directory(directories["target"])
@@ -279,45 +318,39 @@ def draft_pair(args: argparse.Namespace) -> None:
         engine.eos_token_ids = frozenset({-1})  # random weights: the length ends the reply
         engine.warmup()
         local = engine.draft_source
-        assert local is not None
-        remote = RemoteDraftSource(
-            RemoteDraft("127.0.0.1", ports.get(timeout=600), "draft", None, PAIR_INSTANCE),
-            vocabulary_fingerprint(engine.tokenizer), engine.vocab_size,
-        )  # fmt: skip
+        assert isinstance(local, DraftModelSource)
+        reference = plain_reference(engine, args.pair_tokens)
+        forcing = Forcing(reference, engine.vocab_size, args.acceptance[0])
+        forcing.install(local)
+        setup.put((reference, engine.vocab_size, list(args.acceptance)))
+        ports = results.get(timeout=900)
+        remotes = {
+            mode: RemoteDraftSource(
+                RemoteDraft("127.0.0.1", port, "draft", None, PAIR_INSTANCE),
+                vocabulary_fingerprint(engine.tokenizer), engine.vocab_size,
+            )
+            for mode, port in ports.items()
+        }  # fmt: skip
         try:
-            if not remote.wait_connected(30):
-                raise RuntimeError("the draft server did not accept the bench's connection")
-            measure_pair(args, engine, {"same": local, "remote": remote})
+            for remote in remotes.values():
+                if not remote.wait_connected(30):
+                    raise RuntimeError("a draft server did not accept the bench's connection")
+            measure_pair(args, engine, local, forcing, remotes)
         finally:
-            remote.close()
+            for remote in remotes.values():
+                remote.close()
             stop.set()
-            served = ports.get(timeout=30)
+            served = results.get(timeout=60)
             server.join(30)
-        link_report(remote.counters, served)
+        for mode, remote in remotes.items():
+            link_report(mode, remote.counters, served[mode])
 
 
-def link_report(client: LinkCounters, server: dict[str, Any]) -> None:
-    """What the link carried per round trip, and its time: the client's round trip less the
-    server's drafting is the link's cost (TCP, both processes' wake-ups, framing)."""
-    trips = client.round_trips
-    if not trips:
-        return
-    print(
-        f"link: {trips} round trips, {client.bytes_sent / trips:.1f} B up and "
-        f"{client.bytes_received / trips:.1f} B down per round trip, "
-        f"{client.tokens_sent / trips:.2f} tokens up and {client.tokens_received / trips:.2f} "
-        f"down; {1e3 * client.seconds / trips:.2f} ms a round trip, of which the server "
-        f"drafted {1e3 * server['seconds'] / max(server['round_trips'], 1):.2f} ms"
-    )
-
-
-def measure_pair(args: argparse.Namespace, engine: TorchEngine, sources: dict[str, Any]) -> None:
-    """Interleaved rounds of plain decoding and each source at each forced acceptance."""
-    prompt, max_tokens = TASKS["chat"][0], args.pair_tokens
-    plain = run_once(engine, prompt, max_tokens, "off")
+def plain_reference(engine: TorchEngine, max_tokens: int) -> list[int]:
+    """The chat task's prompt and plain greedy reply, token ids."""
     state = engine.build_request(
         TextGenerationTaskParams(
-            model=MODEL, messages=(ChatMessage(role="user", content=prompt),),
+            model=MODEL, messages=(ChatMessage(role="user", content=TASKS["chat"][0]),),
             max_tokens=max_tokens, temperature=0.0, speculative=False,
         )
     )  # fmt: skip
@@ -325,10 +358,48 @@ def measure_pair(args: argparse.Namespace, engine: TorchEngine, sources: dict[st
     while engine.has_work:
         engine.step()
     engine.store_finished()
-    tokens = state.prompt_ids + state.generated_ids
+    return state.prompt_ids + state.generated_ids
+
+
+def link_report(mode: str, client: LinkCounters, server: dict[str, Any]) -> None:
+    """What the link carried per round trip, and its time: the client's round trip less the
+    server's drafting is the link's cost (TCP, both processes' wake-ups, framing); drafting
+    ahead, its hit rate."""
+    trips = client.round_trips
+    if not trips:
+        return
+    link, ahead = server["link"], server["ahead"]
+    print(
+        f"{mode}: {trips} round trips, {client.bytes_sent / trips:.1f} B up and "
+        f"{client.bytes_received / trips:.1f} B down per round trip, "
+        f"{client.tokens_sent / trips:.2f} tokens up and {client.tokens_received / trips:.2f} "
+        f"down; {1e3 * client.seconds / trips:.2f} ms a round trip, of which the server "
+        f"drafted {1e3 * link['seconds'] / max(link['round_trips'], 1):.2f} ms"
+    )
+    guessed = ahead["hits"] + ahead["misses"]
+    if guessed:
+        print(
+            f"{mode}: drafting ahead hit {ahead['hits']} of {guessed} guesses "
+            f"({ahead['hits'] / guessed:.0%}; {ahead['hits'] / link['round_trips']:.0%} of "
+            f"round trips), {ahead['positions']} positions drafted ahead, "
+            f"{ahead['abandoned']} abandoned, {ahead['interrupted']} stopped by a message"
+        )
+
+
+def measure_pair(
+    args: argparse.Namespace,
+    engine: TorchEngine,
+    local: DraftModelSource,
+    forcing: Forcing,
+    remotes: dict[str, RemoteDraftSource],
+) -> None:
+    """Interleaved rounds of plain decoding and each source at each forced acceptance."""
+    prompt, max_tokens = TASKS["chat"][0], args.pair_tokens
+    plain = run_once(engine, prompt, max_tokens, "off")
     original = speculation(engine).source
     speeds: dict[str, list[float]] = {"off": []}
-    speeds |= {f"{where}@{rate}": [] for rate in args.acceptance for where in sources}
+    speeds |= {f"{where}@{rate}": [] for rate in args.acceptance
+               for where in ("same", "remote", "serial")}  # fmt: skip
     drafting: dict[str, list[float]] = {mode: [] for mode in speeds if mode != "off"}
     for round_index in range(args.rounds):
         for mode in speeds:
@@ -336,13 +407,14 @@ def measure_pair(args: argparse.Namespace, engine: TorchEngine, sources: dict[st
                 result = run_once(engine, prompt, max_tokens, "off")
             else:
                 where, rate = mode.split("@")
-                forced = ForcedAcceptance(sources[where], tokens, float(rate), engine.vocab_size)
-                speculation(engine).source = forced
+                forcing.rate = float(rate)
+                timed = Timed(local if where == "same" else remotes[mode])
+                speculation(engine).source = timed
                 try:
                     result = run_once(engine, prompt, max_tokens, "on")
                 finally:
                     speculation(engine).source = original
-                drafting[mode].append(1e3 * forced.seconds / max(forced.calls, 1))
+                drafting[mode].append(1e3 * timed.seconds / max(timed.calls, 1))
                 assert result["text"] == plain["text"], "greedy output changed"
             speeds[mode].append(result["decode_tok_s"])
             print(
@@ -360,12 +432,13 @@ def measure_pair(args: argparse.Namespace, engine: TorchEngine, sources: dict[st
     for mode, values in drafting.items():
         print(f"{mode}: {statistics.median(values):.2f} ms a step proposing (median of rounds)")
     for rate in args.acceptance:
-        pairs = zip(speeds[f"remote@{rate}"], speeds[f"same@{rate}"], strict=True)
-        ratios = [remote / same for remote, same in pairs]
-        print(
-            f"remote / same at acceptance {rate}: median {statistics.median(ratios):.2f} "
-            f"(spread {min(ratios):.2f}-{max(ratios):.2f}; target >= 1.0)"
-        )
+        for where in ("remote", "serial"):
+            pairs = zip(speeds[f"{where}@{rate}"], speeds[f"same@{rate}"], strict=True)
+            ratios = [remote / same for remote, same in pairs]
+            print(
+                f"{where} / same at acceptance {rate}: median {statistics.median(ratios):.2f} "
+                f"(spread {min(ratios):.2f}-{max(ratios):.2f}; target >= 1.0)"
+            )
 
 
 def main() -> None:

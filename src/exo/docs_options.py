@@ -193,6 +193,11 @@ ENVIRONMENT = (
         "engine.md#huge-pages",
     ),
     EnvironmentVariable(
+        "EXO_DRAFT_AHEAD",
+        "`0`: a draft server no longer drafts ahead while the target verifies",
+        "engine.md#drafting-ahead",
+    ),
+    EnvironmentVariable(
         "EXO_KV_CACHE_DTYPE",
         "`float32` / `bfloat16`: the KV dtype of engines started without `--kv-cache-dtype` "
         "(tests comparing with transformers use `float32`)",

@@ -15,15 +15,34 @@ have no room for gets no draft; a failing draft model answers no drafts and star
 requests afresh. The newest
 opened connection is the one served: a new one (a restarted rank 0) replaces the old one,
 and the server forgets every request.
+
+Drafting ahead (on unless `EXO_DRAFT_AHEAD=0`): the server is idle while the target
+verifies, so after answering a message it goes on drafting, for each request whose drafts
+the message showed all accepted, as if the target accepts every draft token again: it
+guesses the target's bonus token (its own greedy token after the last draft) and drafts
+after it, one position at a time (one batched `propose` for all those requests per
+position), at most the asked draft length + 1 positions, and stops at once when the next
+message arrives (the socket is polled between positions, no wait). When that message's new
+tokens for a request are the guessed ones (all drafts accepted, the bonus as guessed: a
+hit), the precomputed drafts are answered at once (only what is missing up to the asked
+length is computed); otherwise (a miss) the guess is dropped and the KV rolls back to the
+common prefix as for any text. Greedy drafts depend on the text alone, so the answer is the
+one the server would have computed without drafting ahead, up to the last bits of float
+arithmetic in forward passes of another batch composition (an argmax could only differ
+where two logits tie to within them). It pays on the steps whose k drafts and bonus all
+agree with the target: about acceptance^(k+1) of them; low acceptance costs only the check.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import select
 import socket
 import struct
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -62,6 +81,54 @@ MIN_PREFILL_CHUNK = 16
 # Connections in their opening at once on a server; more are closed at once.
 MAX_PENDING_OPENINGS = 8
 _POLL_SECONDS = 0.2  # how often the accept loop looks at its stop flag
+# `0` turns drafting ahead off (the module docstring).
+DRAFT_AHEAD_ENV = "EXO_DRAFT_AHEAD"
+
+
+def draft_ahead_default() -> bool:
+    """Whether servers draft ahead unless told: yes, unless `EXO_DRAFT_AHEAD=0`."""
+    return os.environ.get(DRAFT_AHEAD_ENV, "1").strip() != "0"
+
+
+@dataclass(slots=True)
+class AheadCounters:
+    """What drafting ahead did (cumulative).
+
+    Attributes:
+        rounds: idle times drafted in (after an answer, for at least one request).
+        positions: positions drafted ahead (one per request per forward pass).
+        interrupted: rounds stopped by the next message before their last position.
+        hits: messages whose tokens for a request were the guessed ones.
+        misses: messages whose tokens for a request were other than guessed.
+        abandoned: positions drafted ahead and never answered (a miss's all, a hit's
+            beyond the asked length, a forgotten request's).
+        seconds: spent drafting ahead (off the target's critical path).
+    """
+
+    rounds: int = 0
+    positions: int = 0
+    interrupted: int = 0
+    hits: int = 0
+    misses: int = 0
+    abandoned: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _Held:
+    """What both ends hold for one request, and what the server drafted ahead for it.
+
+    Attributes:
+        tokens: the text the client sent, then the draft answered (the last `drafted`).
+        drafted: the last draft's length.
+        guessed: drafted ahead: the guessed bonus token, then the draft tokens after it.
+        ahead: positions still to draft ahead after this round's answer (0: none).
+    """
+
+    tokens: list[int]
+    drafted: int = 0
+    guessed: list[int] = field(default_factory=list)
+    ahead: int = 0
 
 
 class DraftServer:
@@ -77,10 +144,15 @@ class DraftServer:
         credentials: the group key and the target's instance id; None without a secret.
         instance_id: the target's instance id a client's hello must name.
         host: the address to listen on.
+        draft_ahead: draft ahead while the target verifies (the module docstring); None:
+            `draft_ahead_default()`.
 
     Attributes:
         counters: what the served links carried (`LinkCounters`; `losses`: connections
             ended by an error).
+        ahead: what drafting ahead did (`AheadCounters`).
+        answer_forward_passes: the draft's forward passes run while a message waited for
+            its answer (the target's critical path; drafting ahead's are not counted).
         refusals: openings refused or failed (wrong secret, instance or vocabulary, garbage).
     """
 
@@ -92,6 +164,7 @@ class DraftServer:
         credentials: GroupCredentials | None,
         instance_id: str,
         host: str = "0.0.0.0",
+        draft_ahead: bool | None = None,
     ) -> None:
         self.source = source
         self.fingerprint = fingerprint
@@ -106,9 +179,14 @@ class DraftServer:
         self._accept_thread: threading.Thread | None = None
         # Each connection's thread (in its opening or served) and socket.
         self._links: dict[threading.Thread, socket.socket] = {}
-        self._lock = threading.Lock()  # the source, the current connection, `_texts`
+        self._lock = threading.Lock()  # the source, the current connection, `_held`
         self._current: socket.socket | None = None
-        self._texts: dict[int, list[int]] = {}  # handle -> the tokens both ends hold
+        self._held: dict[int, _Held] = {}  # by handle
+        self.draft_ahead = draft_ahead_default() if draft_ahead is None else draft_ahead
+        self.ahead = AheadCounters()
+        self.answer_forward_passes = 0
+        self._ahead_done = threading.Event()  # no drafting ahead pending or running
+        self._ahead_done.set()
         self._stopping = threading.Event()
         self._seconds_per_position: float | None = None  # the last round's drafting
         # The process's torch threads when built: each serving thread's OpenMP regions take
@@ -224,6 +302,7 @@ class DraftServer:
                     if answer is None:
                         return  # replaced by a newer connection
                     send(connection, answer, ROUND_TRIP_SECONDS)
+                    self._draft_ahead(connection)
                 except DraftLinkError as error:
                     with self._lock:
                         replaced = self._current is not connection
@@ -238,10 +317,12 @@ class DraftServer:
                 if self._current is connection:
                     self._current = None
                 self._links.pop(threading.current_thread(), None)
+            self._ahead_done.set()
 
     def _answer(self, connection: socket.socket, body: bytes) -> bytes | None:
         """The DRAFTS frame answering a PROPOSE body; None where `connection` is no longer
-        the current one.
+        the current one. Requests drafted ahead for are answered from their guess where the
+        message's tokens are the guessed ones (the module docstring).
 
         Raises:
             DraftLinkError: the body does not parse, or names a prefix longer than held.
@@ -251,33 +332,44 @@ class DraftServer:
             if self._current is not connection:
                 return None
             for handle in forgotten:
-                self._texts.pop(handle, None)
-                self.source.forget(str(handle))
+                self._forget(handle)
             requests: list[DraftRequest] = []
             drafting: list[int] = []  # index in `asks` of each request
+            drafts: list[tuple[int, ...]] = [() for _ in asks]
+            precomputed: list[list[int]] = [[] for _ in asks]
             free = self.source.free_slots
             if len({ask.handle for ask in asks}) < len(asks):
                 raise DraftLinkError("a request named twice in one message")
             for index, ask in enumerate(asks):
-                held = self._texts.get(ask.handle, [])
-                if ask.kept > len(held):
-                    raise DraftLinkError(f"kept {ask.kept} of {len(held)} tokens held")
-                text = held[: ask.kept] + list(ask.new_tokens)
+                held = self._held.get(ask.handle) or _Held([])
+                if ask.kept > len(held.tokens):
+                    raise DraftLinkError(f"kept {ask.kept} of {len(held.tokens)} tokens held")
+                text = held.tokens[: ask.kept] + list(ask.new_tokens)
                 if not text:
                     raise DraftLinkError("a request without tokens")
-                self._texts[ask.handle] = text
+                all_accepted = held.drafted > 0 and ask.kept == len(held.tokens)
+                guessed = self._take_guess(held, ask.new_tokens, all_accepted)
+                self._held[ask.handle] = held
+                held.tokens, held.drafted, held.ahead = text, 0, 0
                 request_id = str(ask.handle)
-                if ask.max_tokens < 1 or (not self.source.holds(request_id) and free <= 0):
+                asked = min(ask.max_tokens, MAX_DRAFT_TOKENS)
+                if asked < 1 or (not self.source.holds(request_id) and free <= 0):
+                    self.ahead.abandoned += len(guessed)
                     continue  # no room for it: no draft this step
+                if self.draft_ahead and all_accepted:
+                    held.ahead = asked + 1  # the bonus token's guess, then `asked` drafts
+                if len(guessed) >= asked:  # a hit drafted far enough: no forward pass
+                    drafts[index] = tuple(guessed[:asked])
+                    self.ahead.abandoned += len(guessed) - asked
+                    continue
                 if not self.source.holds(request_id):
                     free -= 1
-                requests.append(
-                    DraftRequest(request_id, text, min(ask.max_tokens, MAX_DRAFT_TOKENS))
-                )
+                precomputed[index] = guessed
+                requests.append(DraftRequest(request_id, text + guessed, asked - len(guessed)))
                 drafting.append(index)
-            drafts: list[tuple[int, ...]] = [() for _ in asks]
             started = time.perf_counter()
             positions = self.source.positions_computed
+            passes = self.source.forward_passes
             self.source.prefill_chunk = prefill_chunk(self._seconds_per_position)
             try:
                 proposed = self.source.propose(requests)
@@ -286,13 +378,21 @@ class DraftServer:
                 for request in requests:  # its state for them may be half-updated
                     self.source.forget(request.request_id)
                 proposed = [NO_DRAFT] * len(requests)
-            for index, draft in zip(drafting, proposed, strict=True):
-                drafts[index] = draft.tokens
-                self._texts[asks[index].handle].extend(draft.tokens)
+            for index, proposal in zip(drafting, proposed, strict=True):
+                drafts[index] = tuple(precomputed[index]) + proposal.tokens
+            for ask, draft in zip(asks, drafts, strict=True):
+                held = self._held[ask.handle]
+                held.tokens.extend(draft)
+                held.drafted = len(draft)
+                if not draft:
+                    held.ahead = 0
             seconds = time.perf_counter() - started
+            self.answer_forward_passes += self.source.forward_passes - passes
             computed = self.source.positions_computed - positions
             if computed > 0:  # an over-estimate where decode passes dominate: on the safe side
                 self._seconds_per_position = seconds / computed
+            if any(held.ahead for held in self._held.values()):
+                self._ahead_done.clear()  # before the answer goes: `wait_ahead` sees it
             counters = self.counters
             counters.seconds += seconds
             counters.round_trips += 1
@@ -303,10 +403,96 @@ class DraftServer:
             counters.bytes_sent += len(answer)
             return answer
 
+    def _take_guess(
+        self, held: _Held, new_tokens: tuple[int, ...], all_accepted: bool
+    ) -> list[int]:
+        """A request's drafts computed ahead that follow the message's text: the guess
+        past the new tokens where they begin it (a hit), else none (a miss: the guess is
+        dropped; the KV rolls back in the next `propose`). The guess is used up either way."""
+        guessed, held.guessed = held.guessed, []
+        if not guessed:
+            return []
+        count = len(new_tokens)
+        if all_accepted and 0 < count <= len(guessed) and tuple(guessed[:count]) == new_tokens:
+            self.ahead.hits += 1
+            return guessed[count:]
+        self.ahead.misses += 1
+        self.ahead.abandoned += len(guessed)
+        return []
+
+    def _draft_ahead(self, connection: socket.socket) -> None:
+        """While the target verifies: draft ahead for the requests the last message marked
+        (`_Held.ahead`), one batched forward pass per position, until each has its
+        positions or the next message arrives (polled between positions, no wait)."""
+        if not self.draft_ahead:
+            return
+        started = time.perf_counter()
+        positions = 0
+        try:
+            while not self._stopping.is_set():
+                if select.select([connection], [], [], 0)[0]:  # the next message (or EOF)
+                    with self._lock:
+                        if any(held.ahead for held in self._held.values()):
+                            self.ahead.interrupted += 1
+                    return
+                with self._lock:
+                    if self._current is not connection:
+                        return
+                    handles = [handle for handle, held in self._held.items()
+                               if held.ahead > 0 and self.source.holds(str(handle))]  # fmt: skip
+                    if not handles:
+                        return
+                    if positions == 0:
+                        self.ahead.rounds += 1
+                    requests = [
+                        DraftRequest(str(handle), self._held[handle].tokens
+                                     + self._held[handle].guessed, 1)
+                        for handle in handles
+                    ]  # fmt: skip
+                    try:
+                        proposed = self.source.propose(requests)
+                    except Exception as error:  # as in `_answer`: start these afresh
+                        logger.opt(exception=error).warning("draft model {} failed drafting "
+                                                            "ahead", self.source.name)  # fmt: skip
+                        for handle in handles:
+                            self.source.forget(str(handle))
+                            held = self._held[handle]
+                            self.ahead.abandoned += len(held.guessed)
+                            held.guessed, held.ahead = [], 0
+                        return
+                    for handle, draft in zip(handles, proposed, strict=True):
+                        held = self._held[handle]
+                        held.guessed.extend(draft.tokens)
+                        held.ahead = held.ahead - 1 if draft.tokens else 0
+                        positions += len(draft.tokens)
+                    self.ahead.positions += sum(len(draft.tokens) for draft in proposed)
+        finally:
+            seconds = time.perf_counter() - started
+            self.ahead.seconds += seconds
+            if positions:
+                ahead = self.ahead
+                logger.debug(
+                    "draft server {}: drafted {} positions ahead in {:.1f} ms; so far {} hits, "
+                    "{} misses, {} of {} positions abandoned, {} stopped by a message",
+                    self.source.name, positions, 1e3 * seconds, ahead.hits, ahead.misses,
+                    ahead.abandoned, ahead.positions, ahead.interrupted,
+                )  # fmt: skip
+            self._ahead_done.set()
+
+    def wait_ahead(self, seconds: float) -> bool:
+        """Wait up to `seconds` until no drafting ahead is pending or running (tests, bench:
+        a message sent then finds the whole guess); whether it is so."""
+        return self._ahead_done.wait(seconds)
+
+    def _forget(self, handle: int) -> None:
+        held = self._held.pop(handle, None)
+        if held is not None:
+            self.ahead.abandoned += len(held.guessed)
+        self.source.forget(str(handle))
+
     def _forget_all(self) -> None:
-        for handle in self._texts:
-            self.source.forget(str(handle))
-        self._texts.clear()
+        for handle in list(self._held):
+            self._forget(handle)
 
 
 def prefill_chunk(seconds_per_position: float | None) -> int:

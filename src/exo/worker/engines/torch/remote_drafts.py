@@ -20,6 +20,9 @@ Why one round trip a step and no fewer: a step's drafts continue the text the st
 it verified (its accepted tokens and the target's own token), which exists only once that
 step ends; all the step's requests share the one message, so the link costs one round trip
 a step whatever the batch.
+The draft's own time leaves the round trip where the server guessed the step's text: it
+drafts ahead while the target verifies (`draft_server.py`'s module docstring; the client
+needs to know nothing of it).
 
 Loss: any error or a round trip past `ROUND_TRIP_SECONDS` (the server died, its node left,
 the link stalled) gives no drafts for the step (`NO_DRAFT`: the requests decode plainly,

@@ -15,6 +15,7 @@ import dataclasses
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -33,6 +34,9 @@ from exo.worker.engines.torch.comm.draft_link import (
     decode_propose,
     encode_drafts,
     encode_propose,
+    open_client,
+    read_frame,
+    send,
     vocabulary_fingerprint,
 )
 from exo.worker.engines.torch.comm.group_auth import GroupCredentials
@@ -257,6 +261,215 @@ def test_after_rejections_the_servers_kv_is_the_local_sources(
         remote.close()
 
 
+# --- drafting ahead while the target verifies ----------------------------------------------
+
+
+@pytest.fixture
+def ahead_servers(
+    model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[DraftServer, DraftServer, str]]:
+    """Two servers over the same checkpoint, one drafting ahead (told so) and one not
+    (`EXO_DRAFT_AHEAD=0`), and the vocabulary fingerprint."""
+    started = []
+    for ahead in (True, None):
+        if ahead is None:
+            monkeypatch.setenv("EXO_DRAFT_AHEAD", "0")
+        source, fingerprint = draft_source(model_dirs)
+        started.append(DraftServer(source, fingerprint, 0, None, INSTANCE, "127.0.0.1", ahead))
+        started[-1].start()
+    assert started[0].draft_ahead and not started[1].draft_ahead
+    yield started[0], started[1], fingerprint
+    for server in started:
+        server.close()
+
+
+def record_margins(source: DraftModelSource) -> list[float]:
+    """Record the gap between the two largest logits of each greedy choice of `source`
+    (how far a forward pass's float error is from flipping it)."""
+    margins: list[float] = []
+    choose = source._choose
+
+    def recording(request: DraftRequest, sequence: Any, logits: torch.Tensor) -> Any:
+        top = torch.topk(logits.float(), 2).values
+        margins.append(float(top[0] - top[1]))
+        return choose(request, sequence, logits)
+
+    source._choose = recording  # type: ignore[method-assign]
+    return margins
+
+
+def greedy_next(oracle: DraftModelSource, name: str, text: list[int]) -> int:
+    """The draft model's own greedy token after `text` (its guess of the bonus token)."""
+    (draft,) = oracle.propose([DraftRequest(name, list(text), 1)])
+    return draft.tokens[0]
+
+
+def test_drafting_ahead_answers_what_drafting_without_it_does(
+    ahead_servers: tuple[DraftServer, DraftServer, str],
+    sources: tuple[DraftModelSource, DraftModelSource, str],
+) -> None:
+    """The same messages to a server drafting ahead and one not: the same drafts, through
+    hits (all accepted, the bonus as guessed), misses of both kinds (another bonus, a
+    rejected draft) and a request joining; after each round the drafting-ahead server's KV
+    up to the other's text is the other's (a miss rolled back right). Float32 tiny models:
+    forward passes of other batch compositions differ in the last bits at most, below any
+    argmax margin of these texts (both asserted: margins over 1e-4, equal tokens)."""
+    ahead, plain, fingerprint = ahead_servers
+    _served, oracle, _ = sources
+    vocab = oracle.vocab_size
+    margins = [record_margins(server.source) for server in (ahead, plain)]
+    clients = [connected(client(server.port, fingerprint, vocab)) for server in (ahead, plain)]
+    # What the "target" does with each round's drafts, per request: keep all and append
+    # the draft's own next token (a hit next round, where drafted ahead), keep all with
+    # another bonus token, or reject the second draft token.
+    outcomes = {
+        "a": ["accept", "accept", "accept", "bonus", "accept", "accept", "reject", "accept"],
+        "b": ["accept", "reject", "accept", "accept", "accept", "bonus", "accept", "accept"],
+    }
+    texts = {"a": [5, 17, 29, 41, 3, 8], "b": [9, 2, 77, 15]}
+    try:
+        for round_index in range(len(outcomes["a"])):
+            if round_index == 3:
+                texts["c"] = [4, 4, 18, 90, 33]
+                outcomes["c"] = ["accept"] * 5
+            requests = [DraftRequest(name, list(text), 3) for name, text in texts.items()]
+            answers = []
+            for link, server in zip(clients, (ahead, plain), strict=True):
+                answers.append(link.propose(requests))
+                assert server.wait_ahead(CONNECT_WAIT)
+            assert answers[0] == answers[1], round_index
+            for name, draft in zip(texts, answers[0], strict=True):
+                assert len(draft.tokens) == 3
+                text = texts[name]
+                match outcomes[name][round_index - (3 if name == "c" else 0)]:
+                    case "accept":
+                        text += [*draft.tokens, greedy_next(oracle, name, [*text, *draft.tokens])]
+                    case "bonus":
+                        guess = greedy_next(oracle, name, [*text, *draft.tokens])
+                        text += [*draft.tokens, (guess + 1) % vocab]
+                    case _:
+                        text += [draft.tokens[0], (draft.tokens[1] + 1) % vocab]
+            for handle in [name for name in ("0", "1", "2") if plain.source.holds(name)]:
+                plain_held = plain.source.held_tokens(handle)
+                length = len(plain_held)
+                assert ahead.source.held_tokens(handle)[:length] == plain_held
+                torch.testing.assert_close(
+                    ahead.source.cache.read(ahead.source._sequences[handle].slot, length),
+                    plain.source.cache.read(plain.source._sequences[handle].slot, length),
+                    atol=1e-5, rtol=1e-5,  # positions computed ahead: decode rows, not a segment
+                )  # fmt: skip
+    finally:
+        for link in clients:
+            link.close()
+        for name in texts:
+            oracle.forget(name)
+    # Every greedy choice won by far more than the KV's differences (~1e-7 seen).
+    assert min(min(recorded) for recorded in margins) > 1e-4
+    counters = ahead.ahead
+    assert counters.hits >= 6 and counters.misses >= 3 and counters.abandoned > 0
+    assert counters.rounds > 0 and counters.positions >= counters.rounds
+    assert plain.ahead == type(plain.ahead)() and plain.answer_forward_passes > 0
+    # Hits save the forward passes the drafts ahead took over.
+    assert ahead.answer_forward_passes < plain.answer_forward_passes
+
+
+def ask(connection: socket.socket, kept: int, new_tokens: Sequence[int], k: int) -> tuple[int, ...]:
+    """One PROPOSE of handle 0 over a raw link, and its draft."""
+    send(connection, encode_propose([], [DraftAsk(0, kept, tuple(new_tokens), k)]), 2.0)
+    (draft,) = decode_drafts(read_frame(connection, time.monotonic() + CONNECT_WAIT), 1)
+    return draft
+
+
+def open_raw(server: DraftServer, fingerprint: str, vocab: int) -> socket.socket:
+    return open_client("127.0.0.1", server.port, None, INSTANCE, bytes.fromhex(fingerprint),
+                       vocab)  # fmt: skip
+
+
+def test_a_hit_is_answered_without_a_forward_pass(
+    ahead_servers: tuple[DraftServer, DraftServer, str],
+    sources: tuple[DraftModelSource, DraftModelSource, str],
+) -> None:
+    """All 4 drafts accepted and the bonus as guessed: the answer is the drafts computed
+    ahead, no forward pass between the message's arrival and the answer."""
+    ahead, _plain, fingerprint = ahead_servers
+    _served, oracle, _ = sources
+    connection = open_raw(ahead, fingerprint, oracle.vocab_size)
+    try:
+        text = [5, 17, 29, 41, 3, 8, 60, 61]
+        draft = ask(connection, 0, text, 4)
+        bonus = greedy_next(oracle, "h", text + list(draft))
+        held = len(text) + len(draft)
+        text += [*draft, bonus]
+        draft = ask(connection, held, [bonus], 4)  # all accepted: drafts ahead after it
+        assert ahead.wait_ahead(CONNECT_WAIT)
+        assert ahead.ahead.positions == 5  # the bonus's guess and 4 drafts: k + 1
+        bonus = greedy_next(oracle, "h", text + list(draft))
+        held += 1 + len(draft)
+        text += [*draft, bonus]
+        passes = ahead.answer_forward_passes
+        got = ask(connection, held, [bonus], 4)
+        assert ahead.answer_forward_passes == passes
+        assert ahead.ahead.hits == 1 and ahead.ahead.misses == 0
+        (expected,) = oracle.propose([DraftRequest("h", text, 4)])
+        assert got == expected.tokens
+    finally:
+        connection.close()
+        oracle.forget("h")
+
+
+def test_a_message_arriving_mid_ahead_stops_it(
+    ahead_servers: tuple[DraftServer, DraftServer, str],
+    sources: tuple[DraftModelSource, DraftModelSource, str],
+) -> None:
+    """Drafting ahead 9 positions, held at its second by a gate until the next message
+    is in the server's socket: it stops there (2 positions, one interruption), and the
+    answer uses the guess it has and computes the rest (a bounded wait: the gate's, then
+    one position's)."""
+    ahead, _plain, fingerprint = ahead_servers
+    _served, oracle, _ = sources
+    source = ahead.source
+    gate, entered = threading.Event(), threading.Event()
+    propose = source.propose
+    calls = []
+
+    def gated(requests: Sequence[DraftRequest]) -> list[Draft]:
+        if all(request.max_tokens == 1 for request in requests):  # drafting ahead
+            calls.append(len(requests))
+            if len(calls) == 2:
+                entered.set()
+                assert gate.wait(CONNECT_WAIT)
+        return propose(requests)
+
+    source.propose = gated  # type: ignore[method-assign]
+    connection = open_raw(ahead, fingerprint, oracle.vocab_size)
+    try:
+        text = [5, 17, 29, 41, 3, 8]
+        draft = ask(connection, 0, text, 8)
+        bonus = greedy_next(oracle, "m", text + list(draft))
+        held = len(text) + len(draft)
+        text += [*draft, bonus]
+        draft = ask(connection, held, [bonus], 8)
+        assert entered.wait(CONNECT_WAIT)
+        bonus = greedy_next(oracle, "m", text + list(draft))
+        held += 1 + len(draft)
+        text += [*draft, bonus]
+        passes = ahead.answer_forward_passes
+        send(connection, encode_propose([], [DraftAsk(0, held, (bonus,), 8)]), 2.0)
+        gate.set()
+        (got,) = decode_drafts(read_frame(connection, time.monotonic() + CONNECT_WAIT), 1)
+        # (It drafts ahead again after this answer: only what that leaves alone is read.)
+        counters = ahead.ahead
+        assert counters.interrupted == 1 and counters.hits == 1
+        # The guess held the bonus and 1 draft: the other 7 drafts took 7 forward passes.
+        assert ahead.answer_forward_passes - passes == 7
+        (expected,) = oracle.propose([DraftRequest("m", text, 8)])
+        assert got == expected.tokens
+    finally:
+        gate.set()
+        connection.close()
+        oracle.forget("m")
+
+
 # --- a target drafting through the link ---------------------------------------------------
 
 
@@ -390,6 +603,7 @@ class Stalling:
     vocab_size = 10
     free_slots = 4
     positions_computed = 0
+    forward_passes = 0
     prefill_chunk: int | None = None
 
     def __init__(self, seconds: float) -> None:
