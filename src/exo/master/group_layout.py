@@ -178,11 +178,14 @@ def _draft_on_spare(
     node reaches it at; None when no spare has room for it (`draft_runner_bytes` at the
     instance's budget) or a measured link from rank 0.
 
-    Why a spare node first: on a CPU node the draft's forward passes take the cores and
-    memory bandwidth the target's verify step reads its weights with, so beside the target
-    they slow every step; on a node the instance does not use they cost one round trip per
-    step (docs/benchmarks/ has the figures). Among spares: the most available memory, then
-    the node id (deterministic on every master)."""
+    Why a spare node first: the draft's weights and KV then take no room from the target's
+    node, its forward passes no time from the target's cores, and its server drafts ahead
+    while the target verifies (`draft_server`), for one round trip per step (tens of bytes).
+    Measured on two cores of one machine (docs/benchmarks/2026-12-06-draft-on-a-spare-node.md)
+    it came out 0.92-0.95x the draft in rank 0's process: there the two "nodes" share the
+    memory bandwidth the drafting ahead competes for; on two machines they do not (not
+    measured). Among spares: the most available memory, then the node id (deterministic on
+    every master)."""
     needed = draft_runner_bytes(draft_card, kv_cache_tokens)
     for node_id in sorted(spares, key=lambda n: (-room[n].available_bytes, n)):
         address = _edge_address(state, rank_zero, node_id)
