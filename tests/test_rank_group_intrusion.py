@@ -37,6 +37,7 @@ STRANGER_KEY = bytes.fromhex("a7" * 32)
 INSTANCE_ID = "instance-under-test"
 RANK_ADDRESSES = (f"{SUBNET}.1", f"{SUBNET}.2")
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 8}
+WILDCARDS = ("::", "0.0.0.0")  # every interface (dual-stack or IPv4 only)
 # Bounds against a hung group, not speed checks.
 GROUP_DEADLINE_S = 300.0
 GO_WAIT_S = 120.0
@@ -197,7 +198,8 @@ def test_a_stranger_without_the_secret_is_refused_on_every_port_and_serving_goes
     monkeypatch.setenv(KV_CACHE_DTYPE_ENV, "float32")  # split == single, token for token
     expected = _single_process_tokens(tiny_model_dir)
     go = multiprocessing.get_context("spawn").Event()
-    ports: dict[int, list[tuple[str, int]]] = {}
+    ports: dict[int, list[tuple[str, int]]] = {}  # where the stranger connects
+    raw: dict[int, list[tuple[str, int]]] = {}  # as the ranks listen
     visit = Visit()
     tokens: dict[str, list[int]] = {}
     store_port: list[int] = []  # the group's master port, as the ranks report it
@@ -205,7 +207,12 @@ def test_a_stranger_without_the_secret_is_refused_on_every_port_and_serving_goes
     def on_report(report: tuple[Any, ...]) -> None:
         match report:
             case ("ports", rank, listening, group_port):
-                ports[rank] = [(address, port) for address, port in listening]
+                raw[rank] = [(address, port) for address, port in listening]
+                # A wildcard listener is reached at the rank's own address.
+                ports[rank] = [
+                    (RANK_ADDRESSES[rank] if address in WILDCARDS else address, port)
+                    for address, port in listening
+                ]
                 store_port.append(group_port)
                 if len(ports) == 2:
                     # The rendezvous port is public (the instance's `rendezvous` in /state).
@@ -252,9 +259,11 @@ def test_a_stranger_without_the_secret_is_refused_on_every_port_and_serving_goes
 
     assert set(ports) == {0, 1}
     store = (RANK_ADDRESSES[0], store_port[0])
-    # Rank 0 listens on the store only, on its veth address (no wildcard); rank 1 on
-    # nothing: the links' listeners are closed once the mesh is built, and no gloo.
-    assert all(address == RANK_ADDRESSES[rank] for rank in ports for address, _ in ports[rank])
+    # Rank 0 listens on the store's port only, on every interface (the ranks may reach it
+    # on different networks); rank 1 on nothing: the links' listeners are closed once the
+    # mesh is built, and no gloo.
+    assert [port for _address, port in raw[0]] == [store_port[0]], raw
+    assert all(address in WILDCARDS for address, _port in raw[0]), raw
     assert ports[0] == [store] and ports[1] == [], ports
     # 2 handshakes and garbage at the store, and a TCPStore client there
     assert len(visit.refused) == 3 + 1, visit.refused
