@@ -34,6 +34,11 @@ from exo.shared.types.instances import InstanceDraft, Sharding
 from exo.shared.types.models import ModelCard
 from exo.shared.types.state import State
 
+# A spare node drafts when its measured int4 decode is at least this share of rank 0's
+# node's: speed probes of equal nodes differ by up to ~20 % (docs/benchmarks: the VMs swing
+# that much), so equal nodes must not flip the choice between placements.
+DRAFT_SPARE_MIN_SPEED = 0.8
+
 
 @dataclass(frozen=True, slots=True)
 class Layout:
@@ -184,14 +189,33 @@ def _draft_on_spare(
     Measured on two cores of one machine (docs/benchmarks/2026-12-06-draft-on-a-spare-node.md)
     it came out 0.92-0.95x the draft in rank 0's process: there the two "nodes" share the
     memory bandwidth the drafting ahead competes for; on two machines they do not (not
-    measured). Among spares: the most available memory, then the node id (deterministic on
-    every master)."""
+    measured). A spare whose measured int4 decode is slower than rank 0's node's is passed
+    over (`_drafts_slower`). Among spares: the most available memory, then the node id
+    (deterministic on every master)."""
     needed = draft_runner_bytes(draft_card, kv_cache_tokens)
     for node_id in sorted(spares, key=lambda n: (-room[n].available_bytes, n)):
         address = _edge_address(state, rank_zero, node_id)
-        if address is not None and room[node_id].available_bytes >= needed:
+        if (
+            address is not None
+            and room[node_id].available_bytes >= needed
+            and not _drafts_slower(state, node_id, rank_zero)
+        ):
             return node_id, address
     return None
+
+
+def _drafts_slower(state: State, spare: NodeId, rank_zero: NodeId) -> bool:
+    """Whether both nodes measured their int4 decode product (`NodeSpeed`) and the spare's
+    is slower (below `DRAFT_SPARE_MIN_SPEED` of rank 0's): drafting is decode (a row per
+    request and position, int4 weights), and rank 0 waits for its drafts, so a slower spare
+    would slow every step it drafts for. Where either node has no figure (its speed probe
+    off or not done yet), it is not slower."""
+    spare_speed = state.node_info[spare].speed
+    rank_zero_speed = state.node_info[rank_zero].speed
+    if spare_speed is None or rank_zero_speed is None:
+        return False
+    ratio = spare_speed.int4_decode_bytes_per_second / rank_zero_speed.int4_decode_bytes_per_second
+    return ratio < DRAFT_SPARE_MIN_SPEED
 
 
 def _layout_in_order(

@@ -29,7 +29,7 @@ from exo.shared.models.kv_cache_memory import DEFAULT_KV_CACHE_TOKENS
 from exo.shared.types.common import InstanceId, ModelId, NodeId, RunnerId
 from exo.shared.types.events import InstanceDeleted, RunnerStatusUpdated
 from exo.shared.types.instances import Instance
-from exo.shared.types.nodes import DownloadCompleted, NodeInfo, TopologyEdge
+from exo.shared.types.nodes import DownloadCompleted, NodeInfo, NodeSpeed, TopologyEdge
 from exo.shared.types.runners import (
     RunnerFailed,
     RunnerIdle,
@@ -45,7 +45,7 @@ from exo.shared.types.tasks import (
     Shutdown,
     StartWarmup,
 )
-from exo.testing.builders import MIB, make_node_info, make_state
+from exo.testing.builders import MIB, make_node_info, make_node_speed, make_state
 from exo.worker.main import draft_link_options, runner_options_for
 from exo.worker.plan import LocalRunner, plan
 from exo.worker.runner.draft_serving import remote_draft_of
@@ -304,3 +304,27 @@ def test_the_state_keeps_the_draft_runners_status_apart_from_the_instances() -> 
         ),
     )
     assert stray.runners == {}
+
+
+def test_a_spare_measured_slower_than_rank_zeros_node_is_passed_over() -> None:
+    both = TARGET_BYTES + draft_bytes(QWEN3_0_6B, TOKENS)
+    fast = make_node_speed()
+    slow = fast.model_copy(
+        update={"int4_decode_bytes_per_second": fast.int4_decode_bytes_per_second / 2}
+    )
+
+    def placed(spare_speed: NodeSpeed | None) -> Instance:
+        nodes = {
+            NODE_A: node(both).model_copy(update={"speed": fast}),
+            NODE_B: node(DRAFT_RUNNER_BYTES).model_copy(update={"speed": spare_speed}),
+        }
+        state = cluster(nodes, [(NODE_A, NODE_B)])
+        return place_instance(QWEN3_8B, state, INSTANCE_ID, cards=CARDS)
+
+    # Rank 0 waits for its drafts: a slower spare would slow every step; rank 0 drafts.
+    behind = placed(slow).draft
+    assert behind is not None and (behind.node_id, behind.runner) == (NODE_A, None)
+    # As fast (or not measured): the spare.
+    for speed in (fast, None):
+        spared = placed(speed).draft
+        assert spared is not None and spared.node_id == NODE_B and spared.runner is not None
