@@ -52,6 +52,7 @@ from exo.worker.engines.torch.comm.group_auth import (
     HANDSHAKE_SECONDS,
     AuthenticationError,
     GroupCredentials,
+    HandshakeInterrupted,
     Purpose,
     authenticate_client,
     authenticate_server,
@@ -310,7 +311,8 @@ def open_client(
 
     Raises:
         DraftRefusedError: the server refused the hello, or the handshake failed (a wrong
-            secret: the reason says so).
+            secret: the reason says so). A handshake the server closed or let stall
+            proves nothing: a `DraftLinkError`, retried like a lost link.
         DraftLinkError / OSError: no server there, or the link broke or stalled.
     """
     connection = socket.create_connection((host, port), timeout=connect_seconds)
@@ -320,6 +322,10 @@ def open_client(
         if credentials is not None:
             try:
                 authenticate_client(connection, credentials, Purpose.DRAFT, 0, 0)
+            except HandshakeInterrupted as error:
+                # Nothing proven either way (a busy server closing connections over its
+                # cap, a restart): the link's ordinary retry, not a refusal's back-off.
+                raise DraftLinkError(f"the draft server's handshake broke off: {error}") from error
             except AuthenticationError as error:
                 raise DraftRefusedError(f"the draft server's handshake failed: {error}") from error
         identity = instance_id.encode()[:MAX_INSTANCE_ID_BYTES]

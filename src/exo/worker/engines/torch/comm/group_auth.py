@@ -70,6 +70,12 @@ class AuthenticationError(dist.DistNetworkError):
     garbled transcript, a rank it may not be), or did not finish within the deadline."""
 
 
+class HandshakeInterrupted(AuthenticationError):
+    """The handshake ended before either side proved anything: the other end closed the
+    connection, reset it, or passed the deadline (a busy or restarting server, a network
+    fault), as opposed to a wrong tag or an explicit refusal."""
+
+
 @dataclass(frozen=True, slots=True)
 class GroupCredentials:
     """What a rank proves membership of its instance's group with.
@@ -127,7 +133,7 @@ class _Deadline:
     def _arm(self) -> None:
         remaining = self.ends_at - time.monotonic()
         if remaining <= 0:
-            raise AuthenticationError("the handshake did not finish in time")
+            raise HandshakeInterrupted("the handshake did not finish in time")
         self.connection.settimeout(remaining)
 
     def read(self, size: int) -> bytes:
@@ -139,11 +145,11 @@ class _Deadline:
             try:
                 count = self.connection.recv_into(view[got:], size - got)
             except TimeoutError as error:
-                raise AuthenticationError("the handshake did not finish in time") from error
+                raise HandshakeInterrupted("the handshake did not finish in time") from error
             except OSError as error:
-                raise AuthenticationError(f"the handshake broke off: {error}") from error
+                raise HandshakeInterrupted(f"the handshake broke off: {error}") from error
             if count == 0:
-                raise AuthenticationError("the other end closed the connection in the handshake")
+                raise HandshakeInterrupted("the other end closed the connection in the handshake")
             got += count
         return bytes(buffer)
 
@@ -152,7 +158,7 @@ class _Deadline:
         try:
             self.connection.sendall(data)
         except OSError as error:
-            raise AuthenticationError(f"the handshake broke off: {error}") from error
+            raise HandshakeInterrupted(f"the handshake broke off: {error}") from error
 
 
 def authenticate_client(

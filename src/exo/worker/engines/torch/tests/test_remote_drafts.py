@@ -30,6 +30,7 @@ from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.comm.draft_link import (
     DraftAsk,
     DraftLinkError,
+    DraftRefusedError,
     decode_drafts,
     decode_propose,
     encode_drafts,
@@ -814,3 +815,42 @@ def test_a_slow_draft_prefills_in_chunks_that_fit_the_round_trips_bound() -> Non
     assert prefill_chunk(1e-4) == 512  # a fast draft: the whole chunk
     assert prefill_chunk(0.005) == 100  # 0.5 s at 5 ms a position
     assert prefill_chunk(1.0) == 16  # never below: a catch-up still advances
+
+
+def test_a_handshake_closed_unread_is_a_lost_link_retried_soon_not_a_refusal() -> None:
+    # A draft server over its cap of pending openings (strangers holding silent connections)
+    # closes the next ones unread: that proves nothing about the secret. It was taken for a
+    # refusal: an ERROR "refused this target" and a 30 s back-off, drafts gone past the flood.
+    key = GroupCredentials(b"k" * 32, INSTANCE)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    closed: list[int] = []
+
+    def close_unread() -> None:
+        while len(closed) < 3:
+            connection, _address = listener.accept()
+            connection.close()
+            closed.append(1)
+
+    closer = threading.Thread(target=close_unread, daemon=True)
+    closer.start()
+    try:
+        with pytest.raises(DraftLinkError) as raised:
+            open_client("127.0.0.1", port, key, INSTANCE, b"\0" * 32, 64)
+        assert not isinstance(raised.value, DraftRefusedError)
+        errors: list[str] = []
+        sink = logger.add(lambda message: errors.append(str(message)), level="ERROR")
+        busy = client(port, "00" * 32, 64, key, reconnect_seconds=0.1, refused_retry_seconds=60)
+        try:
+            deadline = time.monotonic() + 10
+            while len(closed) < 3 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            # Tried again at the reconnect pace (a refusal waits 60 s here), logged no error.
+            assert len(closed) == 3
+            assert errors == []
+        finally:
+            logger.remove(sink)
+            busy.close()
+    finally:
+        listener.close()
+        closer.join(5)
