@@ -73,6 +73,10 @@ def _check_key_chunk(what: str, value: str) -> str:
     return value
 
 
+# A node given bootstrap peers that none of them has reached after this long says so, once.
+ALONE_WARNING_SECONDS = 30.0
+
+
 class NetworkTopic(Topic[T]):
     """A broadcast topic of the cluster: `publish` reaches every node's subscribers, this
     node's included, each exactly once and in publication order."""
@@ -249,6 +253,7 @@ class NetworkRouter:
         self.listen_host = listen_host
         self.listen_port = zenoh_port or free_tcp_port(listen_host)
         self.bootstrap_peers = tuple(bootstrap_peers)
+        self._ever_connected = False  # a peer's token was seen at least once
         self.tls = tls
         if tls is not None:
             for peer in self.bootstrap_peers:
@@ -384,6 +389,28 @@ class NetworkRouter:
             f"router {self.node_id} in namespace {self.namespace!r} listening on "
             f"{self.listen_endpoint} (zenoh id {session.zid()})"
         )
+        if self.bootstrap_peers:
+            self._loop.call_later(ALONE_WARNING_SECONDS, self._warn_if_alone)
+
+    def _warn_if_alone(self) -> None:
+        """Say once why a node given peers to reach may be alone: zenoh retries its
+        bootstrap peers silently, and a TLS handshake with another secret fails
+        silently, so a node with a wrong address or secret looked like a 1-node cluster
+        with nothing in its log."""
+        if self._closed or self._ever_connected:
+            return
+        secret = (
+            " and that every node runs with the same cluster secret (nodes with another "
+            "secret are refused without a word)"
+            if self.tls is not None
+            else " and that they run without a cluster secret too"
+        )
+        logger.warning(
+            f"no peer has connected in {ALONE_WARNING_SECONDS:.0f} s although "
+            f"--bootstrap-peers names {', '.join(self.bootstrap_peers)}: this node runs "
+            f"alone until one does; check that they run, that the addresses and ports are "
+            f"theirs{secret}"
+        )
 
     def _declare_all(self, session: zenoh.Session) -> None:
         for topic in self._topics.values():
@@ -461,6 +488,7 @@ class NetworkRouter:
         was_connected = bool(sessions)
         if present:
             sessions.add(session_id)
+            self._ever_connected = True
         else:
             sessions.discard(session_id)
         if not sessions:

@@ -456,3 +456,29 @@ async def test_publishing_after_close_is_dropped() -> None:
         pass
     router.commands.publish(_command(0, 0))
     router.chunks.publish_to(router.node_id, _chunk("a", "a", 0, last=True))
+
+
+async def test_a_node_whose_bootstrap_peers_never_connect_says_so_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # zenoh retries a bootstrap peer silently (and a TLS peer with another secret is
+    # refused silently): a node with a wrong address or secret ran alone, its log mute.
+    from loguru import logger
+
+    from exo.routing import zenoh_router
+
+    monkeypatch.setattr(zenoh_router, "ALONE_WARNING_SECONDS", 0.3)
+    warnings: list[str] = []
+    sink = logger.add(lambda message: warnings.append(str(message)), level="WARNING")
+    nobody = f"tcp/127.0.0.1:{free_port()}"  # nothing listens there
+    alone = _router("node-a", bootstrap=[nobody])
+    first = _router("node-b")
+    joined = _router("node-c", bootstrap=[first.listen_endpoint])
+    try:
+        async with _running(alone, first, joined):
+            await _wait_for_mesh([first, joined])
+            await anyio.sleep(1.0)
+    finally:
+        logger.remove(sink)
+    said = [w for w in warnings if "no peer has connected" in w]
+    assert len(said) == 1 and nobody in said[0] and "cluster secret" in said[0]
