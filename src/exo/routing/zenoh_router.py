@@ -76,6 +76,17 @@ def _check_key_chunk(what: str, value: str) -> str:
 # A node given bootstrap peers that none of them has reached after this long says so, once.
 ALONE_WARNING_SECONDS = 30.0
 
+# How many ports a router asked for port 0 tries when the one it picked is bound by another
+# process before zenoh binds it.
+PORT_PICKS = 5
+
+
+def _address_in_use(error: zenoh.ZError) -> bool:
+    """Whether zenoh could not open because its listen port was taken (EADDRINUSE: its
+    message names the OS error)."""
+    text = str(error)
+    return "Address already in use" in text or "os error 98" in text
+
 
 class NetworkTopic(Topic[T]):
     """A broadcast topic of the cluster: `publish` reaches every node's subscribers, this
@@ -251,6 +262,7 @@ class NetworkRouter:
         self.namespace = _check_key_chunk("namespace", namespace)
         self.key_prefix = f"exo/{namespace}"
         self.listen_host = listen_host
+        self._port_picked = zenoh_port == 0  # re-picked if taken before zenoh binds it
         self.listen_port = zenoh_port or free_tcp_port(listen_host)
         self.bootstrap_peers = tuple(bootstrap_peers)
         self._ever_connected = False  # a peer's token was seen at least once
@@ -375,8 +387,7 @@ class NetworkRouter:
         if self._session is not None or self._closed:
             raise RuntimeError("a NetworkRouter starts once")
         self._loop = asyncio.get_running_loop()
-        config = self.zenoh_config()
-        session = await anyio.to_thread.run_sync(zenoh.open, config)
+        session = await self._open_session()
         self._session = session
         self._own_session_id = str(session.zid())
         self._outbox = Outbox(f"exo-router-{self.node_id}")
@@ -391,6 +402,20 @@ class NetworkRouter:
         )
         if self.bootstrap_peers:
             self._loop.call_later(ALONE_WARNING_SECONDS, self._warn_if_alone)
+
+    async def _open_session(self) -> zenoh.Session:
+        """zenoh's session on `listen_port`; a port this router picked (port 0) that
+        another process bound first is picked again, at most `PORT_PICKS` times."""
+        for attempt in range(1, PORT_PICKS + 1):
+            try:
+                return await anyio.to_thread.run_sync(zenoh.open, self.zenoh_config())
+            except zenoh.ZError as error:
+                if not self._port_picked or attempt == PORT_PICKS or not _address_in_use(error):
+                    raise
+                taken = self.listen_port
+                self.listen_port = free_tcp_port(self.listen_host)
+                logger.info(f"port {taken} was taken before zenoh bound it; now {self.listen_port}")
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _warn_if_alone(self) -> None:
         """Say once why a node given peers to reach may be alone: zenoh retries its

@@ -60,7 +60,8 @@ def is_loopback(host: str) -> bool:
 
 
 def free_tcp_port(host: str) -> int:
-    """A port nothing listens on right now (another process could take it before zenoh)."""
+    """A port nothing listens on right now (another process could take it before zenoh:
+    `NetworkRouter.start` picks again when it did)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))

@@ -36,7 +36,7 @@ def _router(
     return NetworkRouter(
         node_id,
         NAMESPACE,
-        zenoh_port=0,
+        zenoh_port=free_port(),  # reserved: zenoh binds it later, no race
         listen_host="127.0.0.1",
         bootstrap_peers=bootstrap,
         multicast=True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -48,7 +49,7 @@ def _router(
     return NetworkRouter(
         node_id,
         namespace,
-        zenoh_port=0,
+        zenoh_port=free_port(),  # reserved: zenoh binds it later, no race
         listen_host="127.0.0.1",
         bootstrap_peers=bootstrap,
         multicast=group is not None,
@@ -482,3 +483,34 @@ async def test_a_node_whose_bootstrap_peers_never_connect_says_so_once(
         logger.remove(sink)
     said = [w for w in warnings if "no peer has connected" in w]
     assert len(said) == 1 and nobody in said[0] and "cluster secret" in said[0]
+
+
+async def test_a_picked_port_taken_before_zenoh_binds_it_is_picked_again() -> None:
+    # Port 0 picks a free port when the router is made and zenoh binds it at start:
+    # another process can take it in between (a CI run's connections did).
+    router = NetworkRouter("node-a", "test", zenoh_port=0, listen_host="127.0.0.1", multicast=False)
+    picked = router.listen_port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", picked))
+        squatter.listen()
+        async with _running(router):
+            assert router.listen_port != picked
+            peer = _router("node-b", bootstrap=[router.listen_endpoint])
+            connections = router.connections.subscribe()
+            async with _running(peer):
+                with anyio.fail_after(10):
+                    assert await connections.receive() == PeerConnected(node_id=peer.node_id)
+
+
+async def test_a_port_given_and_taken_fails_the_start() -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", free_port()))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        router = NetworkRouter(
+            "node-a", "test", zenoh_port=taken, listen_host="127.0.0.1", multicast=False
+        )
+        with pytest.raises(zenoh.ZError, match="Address already in use"):
+            await router.start()
+        assert router.listen_port == taken
+        await router.close()
