@@ -110,10 +110,13 @@ async def ensure_instance(
     async with anyio.create_task_group() as task_group:
 
         async def load() -> None:
+            # Taken before placing: a node can report its failure to prepare the model
+            # before this task runs again after the placement (it was then ignored).
+            earlier_failures = _preparation_statuses(cluster.state, model_id)
             try:
                 with anyio.fail_after(timeout):
                     placed = await _placed_instance(cluster, card, keep_alive)
-                    await _wait_until_ready(cluster, model_id, placed)
+                    await _wait_until_ready(cluster, model_id, placed, earlier_failures)
                 outcome.append(None)
             except TimeoutError:
                 outcome.append(
@@ -188,9 +191,14 @@ async def _place(
 
 
 async def _wait_until_ready(
-    cluster: ClusterClient, model_id: ModelId, placed: InstanceId | None
+    cluster: ClusterClient,
+    model_id: ModelId,
+    placed: InstanceId | None,
+    earlier_failures: dict[NodeId, DownloadStatus],
 ) -> None:
-    """Wait until an instance of `model_id` is ready.
+    """Wait until an instance of `model_id` is ready. A node's failure to prepare the
+    model counts only if its status is not one of `earlier_failures` (the statuses from
+    before the placement: an earlier instance's failure does not fail this one).
 
     Raises:
         NoCapacityError: every instance of the model is gone (its runners failed), or a
@@ -201,9 +209,6 @@ async def _wait_until_ready(
             this request placed is deleted as above.
     """
     last_failure = ""
-    # A node's failure from before this wait (an earlier instance's) does not count: only
-    # a status reported since (a new status object in the state) does.
-    earlier_failures = _preparation_statuses(cluster.state, model_id)
     while True:
         state = cluster.state
         instances = state.instances_of_model(model_id)

@@ -17,6 +17,7 @@ import pytest
 from fastapi import Request
 
 from exo.api.app import create_app
+from exo.api.serving import load_on_request
 from exo.api.serving.cluster_client import LoadOnRequest
 from exo.api.serving.load_on_request import ensure_instance
 from exo.api.wire.errors import GenerationError
@@ -407,6 +408,29 @@ async def test_delete_removes_the_files_unless_the_model_is_in_use(
             in_use = await http.request("DELETE", "/ollama/api/delete", json={"model": SMOLLM2})
             assert in_use.status_code == 409 and "in use" in in_use.json()["error"]
             assert (directory / COMPLETION_MARKER).is_file()
+
+
+async def test_a_failure_reported_before_the_wait_starts_still_fails_the_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node's failure can be in the state by the time the request's task runs again
+    after placing (a busy machine): it is this placement's failure, not an earlier one's.
+    (The request waited until its deadline: a CI run's flake.)"""
+    place = load_on_request._place
+
+    async def place_then_fail(*args: Any, **kwargs: Any) -> Any:
+        placed = await place(*args, **kwargs)
+        failed = DownloadFailed(error_message="no blk.1.ffn_up_exps.weight", permanent=True)
+        cluster.emit_local(NodeDownloadProgress(node_id=NODE, model_id=SMOLLM2, status=failed))
+        await wait_for(lambda: SMOLLM2 in cluster.state.downloads.get(NODE, {}), "the failure")
+        return placed
+
+    monkeypatch.setattr(load_on_request, "_place", place_then_fail)
+    async with running(tmp_path, loaded_at_once=False) as (cluster, http, _loaded):
+        with anyio.fail_after(DEADLINE_SECONDS):
+            response = await http.post("/v1/messages", json=DIALECT_REQUESTS["/v1/messages"])
+        assert response.status_code == 500, response.text
+        assert "blk.1.ffn_up_exps.weight" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("permanent", [True, False])
