@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from exo.master.layer_split import PlacementError, layer_split, speed_balanced_split
 from exo.master.placement_memory import (
@@ -57,6 +57,8 @@ class Layout:
     draft_address: str | None = None
     """Where rank 0's node reaches the draft's node when the draft runs on a spare node
     (`DraftRunner.address`; placement then gives the draft its runner), else None."""
+    link_addresses: dict[NodeId, dict[NodeId, str]] = field(default_factory=dict)
+    """`Rendezvous.link_addresses`: where each rank other than 0 reaches the others."""
 
 
 def _edge_address(state: State, source: NodeId, sink: NodeId) -> str | None:
@@ -328,4 +330,17 @@ def _layout_in_order(
     rank_zero = order[0]
     peer_view = {n: a for n in order[1:] if (a := _edge_address(state, n, rank_zero)) is not None}
     addresses = {rank_zero: _own_address(state, rank_zero, peer_view), **peer_view}
-    return Layout(order, ranges, shares, addresses, kv_cache_tokens, draft)
+    links = _link_addresses(state, order[1:])
+    return Layout(order, ranges, shares, addresses, kv_cache_tokens, draft, link_addresses=links)
+
+
+def _link_addresses(state: State, ranks: Sequence[NodeId]) -> dict[NodeId, dict[NodeId, str]]:
+    """For each pair of these nodes (ranks other than 0) with a measured link a -> b, the
+    address a reaches b at: nodes may reach each other on networks rank 0 is not on (a
+    rank's own published address is the one it reaches rank 0 from)."""
+    links: dict[NodeId, dict[NodeId, str]] = {}
+    for a in ranks:
+        for b in ranks:
+            if a != b and (address := _edge_address(state, a, b)) is not None:
+                links.setdefault(a, {})[b] = address
+    return links

@@ -314,6 +314,7 @@ def place_instance(
             backend="nccl" if all_cuda else "gloo",
             port=rendezvous_port(instance_id, runner_tag),
             addresses=chosen.rendezvous_addresses,
+            link_addresses=chosen.link_addresses,
         )
     draft = chosen.draft
     if draft is not None and chosen.draft_address is not None:

@@ -294,6 +294,7 @@ def _load_and_warm_up(
                     backend=rendezvous.backend,
                     master_addr=rendezvous.addresses.get(node_id, "127.0.0.1"),
                     master_port=rendezvous.port,
+                    link_addresses=_link_addresses(instance, node_id),
                 )
             case RunnerConnected() if all(
                 isinstance(status, _CONNECTED_OR_LATER) for status in others
@@ -353,3 +354,21 @@ def _forward_generation(state: State, runners: Mapping[RunnerId, LocalRunner]) -
             ):
                 return task
     return None
+
+
+def _link_addresses(instance: Instance, node_id: NodeId) -> dict[int, str]:
+    """Where this node's rank reaches each lower rank other than 0, by rank
+    (`Rendezvous.link_addresses`; a rank links to the lower ranks, rank 0 at the
+    rendezvous address)."""
+    assert instance.rendezvous is not None
+    reaches = instance.rendezvous.link_addresses.get(node_id, {})
+    assignments = instance.shard_assignments
+    ranks = {
+        node: assignments.runner_to_shard[runner].device_rank
+        for node, runner in assignments.node_to_runner.items()
+        if runner in assignments.runner_to_shard
+    }
+    own = ranks.get(node_id, 0)
+    return {
+        ranks[other]: address for other, address in reaches.items() if 0 < ranks.get(other, 0) < own
+    }

@@ -214,6 +214,23 @@ def test_min_nodes_forces_a_split() -> None:
     assert instance.shard_assignments.world_size == 3
 
 
+def test_ranks_other_than_zero_link_where_they_measured_each_other() -> None:
+    # Ranks reach each other on networks rank 0 may not be on: each pair of ranks other
+    # than 0 carries the addresses its measured links name (node c's link to b removed).
+    state = state_with(node_a=5000, node_b=5000, node_c=5000)
+    topology = {
+        source: {sink: e for sink, e in edges.items() if (source, sink) != (NODE_C, NODE_B)}
+        for source, edges in state.topology.items()
+    }
+    state = state.model_copy(update={"topology": topology})
+    instance = place_instance(CARD, state, INSTANCE, min_nodes=3)
+    rendezvous = instance.rendezvous
+    assert rendezvous is not None
+    rank_zero, *others = instance.shard_assignments.node_to_runner
+    assert rank_zero == NODE_A and set(others) == {NODE_B, NODE_C}
+    assert rendezvous.link_addresses == {NODE_B: {NODE_C: "10.0.0.3"}}
+
+
 def test_min_nodes_above_the_cluster_size_is_an_error() -> None:
     with pytest.raises(PlacementError, match="min_nodes=2 but only 1"):
         place_instance(CARD, state_with(node_a=5000), INSTANCE, min_nodes=2)

@@ -539,7 +539,13 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     RunnerConnecting: [RunnerConnecting()],
     RunnerConnected: [RunnerConnected()],
     Rendezvous: [
-        Rendezvous(backend="gloo", port=41000, addresses={NODE: "10.0.0.1", NodeId("b"): "x"})
+        Rendezvous(backend="gloo", port=41000, addresses={NODE: "10.0.0.1", NodeId("b"): "x"}),
+        Rendezvous(
+            backend="gloo",
+            port=41000,
+            addresses={NODE: "10.0.0.1"},
+            link_addresses={NodeId("b"): {NodeId("c"): "192.168.7.3"}},
+        ),
     ],
     RunnerLoaded: [RunnerLoaded()],
     RunnerWarmingUp: [RunnerWarmingUp()],
@@ -576,7 +582,15 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
             backend="nccl",
             master_addr="10.0.0.1",
             master_port=41000,
-        )
+        ),
+        ConnectToGroup(
+            instance_id=INSTANCE_ID,
+            runner_id=RUNNER,
+            backend="gloo",
+            master_addr="10.0.0.1",
+            master_port=41000,
+            link_addresses={1: "192.168.7.2", 2: "192.168.7.3"},
+        ),
     ],
     StartWarmup: [StartWarmup(instance_id=INSTANCE_ID, runner_id=RUNNER)],
     TextGeneration: [GENERATION],

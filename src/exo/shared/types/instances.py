@@ -90,11 +90,15 @@ class Rendezvous(FrozenModel):
     """Where the ranks of one instance meet to form their torch.distributed group.
 
     Rank 0 listens on `port`; `addresses[node]` is the address that node uses to reach
-    rank 0 (measured topology: nodes may reach it on different networks)."""
+    rank 0 (measured topology: nodes may reach it on different networks).
+    `link_addresses[a][b]`: the address node `a` reaches node `b` at, for the measured
+    links between two ranks other than 0; a rank links to a lower rank there, else at the
+    address that rank published (empty in instances placed before it existed)."""
 
     backend: Literal["gloo", "nccl"]
     port: int = Field(gt=0, lt=65536)
     addresses: dict[NodeId, str]
+    link_addresses: dict[NodeId, dict[NodeId, str]] = Field(default_factory=dict)
 
 
 class Instance(FrozenModel):

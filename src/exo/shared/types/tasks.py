@@ -61,7 +61,9 @@ class DownloadModel(FrozenModel):
 
 class ConnectToGroup(FrozenModel):
     """Join the instance's torch.distributed group (every rank at once): rank 0 listens
-    on `master_port`, the others reach it at `master_addr`."""
+    on `master_port`, the others reach it at `master_addr`; `link_addresses[rank]`: where
+    this rank reaches that lower rank other than 0 (`Rendezvous.link_addresses`; a rank
+    missing: at the address it published)."""
 
     kind: Literal["ConnectToGroup"] = "ConnectToGroup"
     instance_id: InstanceId
@@ -69,6 +71,7 @@ class ConnectToGroup(FrozenModel):
     backend: Literal["gloo", "nccl"]
     master_addr: str
     master_port: int = Field(gt=0, lt=65536)
+    link_addresses: dict[int, str] = Field(default_factory=dict)
 
 
 class LoadModel(FrozenModel):

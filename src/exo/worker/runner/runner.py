@@ -255,6 +255,7 @@ class Runner:
                 task.master_addr,
                 task.master_port,
                 timeout_s=GROUP_TIMEOUT_SECONDS,
+                link_addresses=task.link_addresses,
                 credentials=(
                     None if key is None else GroupCredentials(bytes.fromhex(key), task.instance_id)
                 ),

@@ -244,6 +244,35 @@ def test_two_rank_instance_creates_only_this_nodes_runner_and_forwards_on_rank_z
     )
 
 
+def test_a_rank_links_to_lower_ranks_where_its_node_reaches_theirs() -> None:
+    # Rank 2 (this node) measured rank 1's node at 192.168.7.2: it links there, and to
+    # rank 0 at the rendezvous address; rank 1 is told nothing about rank 2 (a higher
+    # rank connects to it).
+    third = NodeId("node-c")
+    placed = make_instance([third, OTHER_NODE, NODE], instance_id="instance-1")
+    assert placed.rendezvous is not None
+    links = {NODE: {OTHER_NODE: "192.168.7.2", third: "192.168.7.1"}}
+    instance = placed.model_copy(
+        update={"rendezvous": placed.rendezvous.model_copy(update={"link_addresses": links})}
+    )
+    runners = [RunnerId(f"instance-1-rank{rank}") for rank in range(3)]
+    state = make_state(
+        instances=[instance],
+        runners={
+            runners[0]: (third, RunnerIdle()),
+            runners[1]: (OTHER_NODE, RunnerIdle()),
+            runners[2]: (NODE, RunnerIdle()),
+        },
+        downloads={node: dict(COMPLETED) for node in (third, OTHER_NODE, NODE)},
+    )
+    connect = run_plan(state, {runners[2]: local(RunnerIdle())}, COMPLETED)
+    assert isinstance(connect, ConnectToGroup)
+    assert connect.master_addr == "10.0.0.3"
+    assert connect.link_addresses == {1: "192.168.7.2"}
+    rank_one = run_plan(state, {runners[1]: local(RunnerIdle())}, COMPLETED, node_id=OTHER_NODE)
+    assert isinstance(rank_one, ConnectToGroup) and rank_one.link_addresses == {}
+
+
 def test_ranks_connect_load_and_warm_up_in_lockstep() -> None:
     instance = make_instance([OTHER_NODE, NODE], instance_id="instance-1")
     rank_zero, rank_one = RunnerId("instance-1-rank0"), RunnerId("instance-1-rank1")

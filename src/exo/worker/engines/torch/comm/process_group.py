@@ -23,7 +23,7 @@ import os
 import secrets
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import TimeoutError as FuturesTimeout
 from datetime import timedelta
 from typing import Any
@@ -116,6 +116,7 @@ def init_group(
     timeout_s: float = 60,
     credentials: GroupCredentials | None = None,
     with_gloo: bool = False,
+    link_addresses: Mapping[int, str] | None = None,
 ) -> None:
     """Join the group of one model instance (blocks until every rank joined).
 
@@ -132,6 +133,8 @@ def init_group(
             prove the key before any other message crosses them (`prove_gloo_pairs`).
             None: torch's `TCPStore` (every interface, no authentication), as before.
         with_gloo: also form a gloo group beside the links (benches comparing the two).
+        link_addresses: where this rank reaches lower ranks other than 0, by rank
+            (`ConnectToGroup.link_addresses`); others at the address each published.
 
     On CPU with more than one rank the ranks connect their `tcp_mesh.RankLinks` and form no
     torch.distributed group: every message and collective goes over the links (see the
@@ -196,6 +199,7 @@ def init_group(
                     timeout_s,
                     credentials,
                     rank_zero_host=master_addr,
+                    link_hosts=link_addresses,
                 )
             )
     except BaseException:

@@ -12,10 +12,13 @@ docs/benchmarks/2026-12-03-rank-links.md). On CPU they carry everything else too
 agreements, prefill's large all-reduces): no gloo group is formed beside them
 (`process_group.init_group`), so no rank opens gloo's unauthenticated pair listener.
 
-Set-up (`RankLinks.connect`): every rank listens on the local address it uses to reach the
-rendezvous host (rank 0 on every interface: the others reach it on the network each reached
-its store on), publishes `host:port` in the group's rendezvous store, then connects to
-every lower rank and accepts every higher one; the listener closes once the mesh is built.
+Set-up (`RankLinks.connect`): every rank listens on every interface (ranks may reach each
+other on different networks), publishes `host:port` in the group's rendezvous store (host:
+the local address it uses to reach the rendezvous host), then connects to every lower rank
+and accepts every higher one; the listener closes once the mesh is built. A rank links to
+rank 0 at the address it reached rank 0's store at, to another rank at the address the
+measured topology says it reaches that rank's node at (`ConnectToGroup.link_addresses`), or
+else at the address that rank published.
 With a cluster secret each connection opens with the group handshake (`comm/group_auth.py`:
 both ends prove the key derived from the secret, bound to the instance, the two ranks and
 a token rank 0 puts in the store); without one, with a hello naming the connecting rank and
@@ -38,6 +41,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -119,14 +123,17 @@ class RankLinks:
         timeout_s: float,
         credentials: GroupCredentials | None = None,
         rank_zero_host: str | None = None,
+        link_hosts: Mapping[int, str] | None = None,
     ) -> RankLinks:
         """Build the mesh through the group's rendezvous `store` (a `torch.distributed.Store`
         every rank shares); `host` is the local address the other ranks can reach.
 
         `rank_zero_host`: the address this rank reaches rank 0 at (its rendezvous address).
-        When given, rank 0 listens on every interface and the others link to it there, as
-        they reached its store: ranks may reach rank 0 on different networks. Links
-        between the other ranks go to the address each published (its `host`).
+        When given, every rank listens on every interface and links to rank 0 there, as it
+        reached its store: ranks may reach rank 0, and each other, on different networks.
+        `link_hosts[other]`: the address this rank reaches the lower rank `other` at (the
+        measured topology's, `ConnectToGroup.link_addresses`); a rank not in it is reached
+        at the address it published (its `host`, the one it reaches rank 0 from).
 
         With `credentials` (the cluster has a secret) each connection opens with the group
         handshake (`comm/group_auth.py`) bound to this group's token, both ends proving the
@@ -139,12 +146,15 @@ class RankLinks:
                 prove the group key.
         """
         deadline = time.monotonic() + timeout_s
-        every = rank == 0 and rank_zero_host is not None
+        every = rank_zero_host is not None
         listener = listen_on(EVERY_INTERFACE if every else host, 0, backlog=world_size)
+        hosts = dict(link_hosts or {})
+        if rank_zero_host is not None:
+            hosts[0] = rank_zero_host
         try:
             address, port = listener.getsockname()[:2]
             if every:
-                address = host  # published for tools; the ranks link to rank_zero_host
+                address = host  # published: where the ranks without a measured link go
             if rank == 0:
                 store.set("exo_links/token", secrets.token_bytes(16).hex())
             store.set(f"exo_links/{rank}", f"{port} {address}")
@@ -154,9 +164,8 @@ class RankLinks:
             try:
                 for other in range(rank):
                     peers[other] = _connect_to(
-                        store, rank, other, token, credentials, deadline,
-                        rank_zero_host if other == 0 else None,
-                    )  # fmt: skip
+                        store, rank, other, token, credentials, deadline, hosts.get(other)
+                    )
                 peers.update(acceptor.collect(deadline))
             except BaseException:
                 for connection in peers.values():

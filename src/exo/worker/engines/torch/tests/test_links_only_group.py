@@ -163,3 +163,45 @@ def test_a_rank_reaching_rank_zero_on_another_network_joins_a_secret_group() -> 
     reports = run_rank_processes(_rank_reaching_rank_zero_elsewhere, (), 3, GROUP_DEADLINE_S)
     ran = {report[1]: report[2:] for report in reports if report[0] == "ran"}
     assert ran == {rank: (5, [6.0] * 4) for rank in range(3)}
+
+
+def _rank_with_a_published_address_others_cannot_reach(
+    rank: int, world_size: int, port: int, results: Any
+) -> None:
+    """A rank of a 3-rank mesh in which rank 1 publishes 192.0.2.1 (TEST-NET-1: no route,
+    as an address of a network rank 2 is not on) and rank 2 is told where it reaches rank
+    1 (the measured topology's `ConnectToGroup.link_addresses`)."""
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        from exo.worker.engines.torch.comm.tcp_mesh import RankLinks
+
+        store = dist.TCPStore(
+            "127.0.0.1", port, world_size, is_master=rank == 0,
+            timeout=datetime.timedelta(seconds=30),
+        )  # fmt: skip
+        published = {0: "127.0.0.1", 1: "192.0.2.1", 2: "127.0.0.1"}[rank]
+        links = RankLinks.connect(
+            store, rank, world_size, published, 30, None,
+            rank_zero_host="127.0.0.1", link_hosts={1: "127.0.0.1"} if rank == 2 else None,
+        )  # fmt: skip
+        summed = torch.full((4,), float(rank + 1))
+        links.all_reduce_sum(summed)
+        results.put(("ran", rank, summed.tolist()))
+        links.close()
+        results.put(("done", rank))
+    except BaseException:
+        results.put(("error", "", rank, traceback.format_exc()))
+
+
+def test_ranks_link_where_the_topology_says_they_reach_each_other() -> None:
+    # Each rank listened on the address it reaches rank 0 from and the others linked to
+    # it there: two ranks that reach rank 0 on different networks could not link.
+    reports = run_rank_processes(
+        _rank_with_a_published_address_others_cannot_reach, (), 3, GROUP_DEADLINE_S
+    )
+    ran = {report[1]: report[2] for report in reports if report[0] == "ran"}
+    assert ran == {rank: [6.0] * 4 for rank in range(3)}, reports
