@@ -37,6 +37,7 @@ NODE_DETAILS = {
     "draft_min": "api.md#speculative-decoding",
     "draft_max": "api.md#speculative-decoding",
     "draft_model": "api.md#speculative-decoding",
+    "draft_on_spare": "engine.md#a-draft-model-on-another-node",
     "idle_unload": "api.md#keep-alive-and-idle-unload",
     "trust_remote_code": "models.md#custom-models",
     "max_concurrent_requests": "api.md#many-users-at-once",

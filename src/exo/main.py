@@ -209,6 +209,7 @@ class Node:
             prefill_activations=options.prefill_activations,
             kv_cache_tokens=options.kv_cache_tokens,
             draft_model=options.draft_model,
+            draft_on_spare=options.draft_on_spare,
         )
         credential = peer_credential(options.namespace, secret)
         # Other nodes' APIs answer this node's probes and file requests by this credential.

@@ -101,6 +101,9 @@ class Options:
     draft_max: int = DEFAULT_DRAFT_MAX
     # The draft model of speculative decoding (`--draft-model`; None: the card's, else n-gram).
     draft_model: str | None = None
+    # Whether placement may run this node's instances' draft models on a spare node
+    # (`--draft-on-spare` / `--no-draft-on-spare`).
+    draft_on_spare: bool = True
     # Limits on image input and image URL fetching (`--image-*`).
     image_policy: ImagePolicy = field(default_factory=ImagePolicy)
 
@@ -287,6 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the card's, else n-gram)",
     )
     parser.add_argument(
+        "--draft-on-spare",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the draft model of instances whose rank 0 is here on a spare node when "
+        "one has room (default: on)",
+    )
+    parser.add_argument(
         "--max-queued-requests",
         type=int,
         default=None,
@@ -390,6 +400,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
         draft_min=args.draft_min,
         draft_max=args.draft_max,
         draft_model=args.draft_model,
+        draft_on_spare=args.draft_on_spare,
         remeasure_speed=args.remeasure_speed,
         cluster_secret=cluster_secret_option(args, parser, peers),
     )

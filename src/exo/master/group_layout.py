@@ -120,8 +120,8 @@ def layout(
 ) -> Layout:
     """Shares of `group` for `card`, or why that group cannot run it, with the draft model
     named for it: on a spare node when one of `spares` has room for it and rank 0 reaches
-    it (`_draft_on_spare`), else where rank 0's node has room for both (else without it,
-    saying why).
+    it (`_draft_on_spare`) and rank 0's node allows it (`NodeInfo.draft_on_spare`), else
+    where rank 0's node has room for both (else without it, saying why).
 
     Args:
         room: the nodes' memory (`placement_room(state)` when None).
@@ -146,7 +146,7 @@ def layout(
         return dataclasses.replace(
             _layout_in_order(card, state, sharding, order, room), draft=draft
         )
-    if spares:
+    if spares and state.node_info[order[0]].draft_on_spare:
         plain = _layout_in_order(card, state, sharding, order, room)
         moved = _draft_on_spare(state, room, order[0], draft.model_card,
                                 plain.kv_cache_tokens, spares)  # fmt: skip

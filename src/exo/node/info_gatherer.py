@@ -126,6 +126,7 @@ def gather_node_info(
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
     kv_cache_tokens: int | None = None,
     draft_model: str | None = None,
+    draft_on_spare: bool = True,
 ) -> NodeInfo:
     interfaces = network_interfaces()
     disk_free, disk_total = disk_usage_bytes(models) if models is not None else (0, 0)
@@ -146,6 +147,7 @@ def gather_node_info(
         prefill_activations=prefill_activations,
         kv_cache_tokens=kv_cache_tokens,
         draft_model=draft_model,
+        draft_on_spare=draft_on_spare,
     )
 
 
@@ -203,11 +205,13 @@ class InfoGatherer:
         prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS,
         kv_cache_tokens: int | None = None,
         draft_model: str | None = None,
+        draft_on_spare: bool = True,
     ) -> None:
         self._local_events = local_events
         self._prefill_activations: PrefillActivations = prefill_activations
         self._kv_cache_tokens = kv_cache_tokens
         self._draft_model = draft_model
+        self._draft_on_spare = draft_on_spare
         self._measure_speed = measure_speed
         self._remeasure_speed = remeasure_speed
         self._speed: NodeSpeed | None = None
@@ -283,6 +287,7 @@ class InfoGatherer:
                 self._prefill_activations,
                 self._kv_cache_tokens,
                 self._draft_model,
+                self._draft_on_spare,
             )
             now = anyio.current_time()
             if report_due(last, info, now - last_sent, self._missing_from_state()):

@@ -147,6 +147,22 @@ def test_without_a_spare_with_room_or_a_link_the_draft_stays_in_rank_zero() -> N
     assert (instance.draft.node_id, instance.draft.runner) == (NODE_A, None)
 
 
+def test_rank_zeros_node_can_keep_the_draft_in_its_runner() -> None:
+    # --no-draft-on-spare on rank 0's node: a spare with room is not used (measured on one
+    # machine the draft in rank 0's process was faster; an operator may see the same).
+    both = TARGET_BYTES + draft_bytes(QWEN3_0_6B, TOKENS)
+    keeping = node(both).model_copy(update={"draft_on_spare": False})
+    state = cluster({NODE_A: keeping, NODE_B: node(DRAFT_RUNNER_BYTES)}, [(NODE_A, NODE_B)])
+    instance = place_instance(QWEN3_8B, state, INSTANCE_ID, cards=CARDS)
+    assert instance.draft is not None
+    assert (instance.draft.node_id, instance.draft.runner) == (NODE_A, None)
+    # The spare's own option does not matter: rank 0's node decides.
+    spare_says_no = node(DRAFT_RUNNER_BYTES).model_copy(update={"draft_on_spare": False})
+    state = cluster({NODE_A: node(both), NODE_B: spare_says_no}, [(NODE_A, NODE_B)])
+    instance = place_instance(QWEN3_8B, state, INSTANCE_ID, cards=CARDS)
+    assert instance.draft is not None and instance.draft.node_id == NODE_B
+
+
 def test_a_split_puts_its_draft_on_the_third_node_and_previews_say_where() -> None:
     per_rank = TARGET_BYTES * 3 // 4
     state = cluster(

@@ -104,7 +104,9 @@ class NodeInfo(FrozenModel):
     memory for on this node; None: placement sizes each runner's budget from the node's
     memory (`exo.master.placement_memory.memory_sized_kv_cache_tokens`); `draft_model`: its
     `--draft-model` (a model name or a directory on the node), which overrides a card's
-    draft model for the instances whose rank 0 it runs (`exo.shared.models.drafts`)."""
+    draft model for the instances whose rank 0 it runs (`exo.shared.models.drafts`);
+    `draft_on_spare`: whether placement may run those instances' draft models on a spare
+    node (`--no-draft-on-spare`: False, the draft stays in rank 0's runner)."""
 
     friendly_name: str
     memory: MemoryInfo
@@ -122,6 +124,7 @@ class NodeInfo(FrozenModel):
     prefill_activations: PrefillActivations = DEFAULT_PREFILL_ACTIVATIONS
     kv_cache_tokens: int | None = Field(default=None, ge=1)
     draft_model: str | None = None
+    draft_on_spare: bool = True
 
 
 class TopologyEdge(FrozenModel):
