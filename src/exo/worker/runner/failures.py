@@ -32,7 +32,7 @@ def peer_failure(error: BaseException) -> bool:
 
 
 def error_code_of(error: Exception) -> str | None:
-    from exo.worker.engines.torch.engine import PromptTooLongError
+    from exo.worker.engines.torch.engine_requests import PromptTooLongError
 
     if isinstance(error, PromptTooLongError):
         return "context_length_exceeded"  # OpenAI's code for the same condition

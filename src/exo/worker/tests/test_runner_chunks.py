@@ -24,7 +24,8 @@ from exo.shared.types.chunks import (
 from exo.shared.types.common import CommandId, ModelId, RunnerId
 from exo.shared.types.text_generation import ToolDefinition
 from exo.testing.builders import make_params, make_shard, make_text_generation_task
-from exo.worker.engines.torch.engine import GeneratedPiece, RequestHandle
+from exo.worker.engines.torch.engine import GeneratedPiece
+from exo.worker.engines.torch.engine_requests import RequestHandle
 from exo.worker.runner import generation_feed
 from exo.worker.runner.messages import ChunkReport, decode_outbound
 from exo.worker.runner.options import RunnerOptions
