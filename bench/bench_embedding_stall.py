@@ -95,7 +95,7 @@ def run_mode(engine: TorchEngine, mode: str, text: str) -> dict[str, Any]:
     runner = Runner(RunnerId("bench"), shard, inbound_reader, outbound_writer)
     runner._engine = engine
     if mode == "whole":
-        runner._embedding_pacer = EmbeddingPacer(FixedChunkSizer(10**9))
+        runner._embeddings.pacer = EmbeddingPacer(FixedChunkSizer(10**9))
 
     def send(message: Any) -> None:
         inbound.send_bytes(message.model_dump_json().encode())

@@ -69,7 +69,7 @@ def measure(model: Path, items: int, trimmed: bool) -> dict[str, Any]:
     from exo.shared.types.common import ModelId
     from exo.shared.types.shards import ShardMetadata
     from exo.shared.types.text_generation import TextGenerationTaskParams
-    from exo.worker.engines.torch import engine as engine_module
+    from exo.worker.engines.torch import engine_scheduler
     from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
     from exo.worker.engines.torch.engine import TorchEngine
 
@@ -80,7 +80,7 @@ def measure(model: Path, items: int, trimmed: bool) -> dict[str, Any]:
                 kwargs.pop("windows", None)
                 super().__init__(*args[:7], **kwargs)
 
-        engine_module.SlotKVCache = Untrimmed  # type: ignore[misc]
+        engine_scheduler.SlotKVCache = Untrimmed  # type: ignore[misc]
     card = card_from_local_directory(model)
     shard = ShardMetadata(
         sharding="pipeline", model_card=card, device_rank=0, world_size=1, start_layer=0,

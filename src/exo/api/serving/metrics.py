@@ -14,7 +14,7 @@ their own counts):
 - `exo_prefill_prompt_tokens{model}` / `exo_prefill_prefilled_tokens{model}`: the prompts of
   the generations this node serves that the engine admitted and that have no first token
   yet, and how much of them is prefilled (from the runners' `PrefillProgressChunk`s, at
-  most `runner.PREFILL_PROGRESS_SECONDS` old): a long prompt's progress.
+  most `generation_feed.PREFILL_PROGRESS_SECONDS` old): a long prompt's progress.
 
 Read from the cluster state at each scrape (the same on every node):
 - `exo_requests_queued{model}` / `exo_requests_running{model}`: generation tasks pending /

@@ -279,7 +279,7 @@ class ErrorDialect:
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 # The engine's sentence for a prompt that leaves no room for a reply
-# (`exo.worker.engines.torch.engine.PromptTooLongError`).
+# (`exo.worker.engines.torch.engine_requests.PromptTooLongError`).
 _ENGINE_OVERFLOW = re.compile(
     r"the prompt is (\d+) tokens; the (?:model's|request's) (?:context|KV cache budget) is "
     r"(\d+) tokens"

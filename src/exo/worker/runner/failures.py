@@ -1,7 +1,14 @@
-"""What a failed generation's client is told: whether another rank of the group went away
-(a 503 the API retries elsewhere) and the error code a dialect reports."""
+"""What a failed generation's client is told (`generation_failure`): a 400 where the request
+was at fault, a 503 the API retries elsewhere where another rank of the group went away, else
+a 500; the error code a dialect reports; whether the failure broke a split instance's group."""
 
 from __future__ import annotations
+
+from loguru import logger
+
+from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, ErrorChunk
+from exo.shared.types.common import RunnerId
+from exo.shared.types.tasks import TextGeneration
 
 # What gloo and torch.distributed say when another rank's process or link goes away.
 PEER_FAILURE_MARKERS = (
@@ -25,8 +32,45 @@ def peer_failure(error: BaseException) -> bool:
 
 
 def error_code_of(error: Exception) -> str | None:
-    from exo.worker.engines.torch.engine import PromptTooLongError
+    from exo.worker.engines.torch.engine_requests import PromptTooLongError
 
     if isinstance(error, PromptTooLongError):
         return "context_length_exceeded"  # OpenAI's code for the same condition
     return None
+
+
+def generation_failure(
+    task: TextGeneration, error: Exception, runner_id: RunnerId, split: bool
+) -> tuple[ErrorChunk, bool]:
+    """The error chunk a failed generation's client gets (the failure logged once), and
+    whether it broke the group (`split`: a multi-rank instance; any failure but the
+    request's own). A ValueError means the request was at fault (prompt longer than the
+    context, a conversation the template refuses): a 400."""
+    bad_request = isinstance(error, ValueError)
+    peer_left = split and not bad_request and peer_failure(error)
+    message, status_code, error_code = str(error), 500, error_code_of(error)
+    if bad_request:
+        logger.info(f"runner {runner_id}: request refused: {error}")
+        status_code = 400
+    elif peer_left:
+        # A rank's node died: expected, one line (traceback at -v); the client gets a
+        # 503 that the API retries elsewhere, never the library's message.
+        logger.warning(
+            f"runner {runner_id}: another rank left the group; generation {task.task_id} stopped"
+        )
+        logger.opt(exception=error).debug(f"runner {runner_id}: generation failed")
+        message = (
+            f"instance of {task.params.model} is unavailable: another rank of this split "
+            "instance left (its node stopped or lost its link); re-placing"
+        )
+        status_code, error_code = 503, INSTANCE_UNAVAILABLE
+    else:
+        logger.opt(exception=error).warning(f"runner {runner_id}: generation failed")
+    chunk = ErrorChunk(
+        command_id=task.command_id,
+        model=task.params.model,
+        error_message=message,
+        status_code=status_code,
+        error_code=error_code,
+    )
+    return chunk, split and not bad_request

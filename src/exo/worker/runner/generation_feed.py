@@ -1,16 +1,22 @@
 """A generation as the runner tracks it: the output parser fed one engine piece at a time
-(`PieceFeed`) and whether its first chunk left (`Generation`)."""
+(`PieceFeed`), whether its first chunk left, and its prompt's prefill progress until then
+(`Generation`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from exo.shared.types.chunks import PrefillProgressChunk
 from exo.shared.types.tasks import (
     TextGeneration,
 )
 from exo.worker.engines.parsed_generation import OutputPiece
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece
+
+# A request's prefill progress is reported when the engine admits it, then at most this
+# often until its first token (`PrefillProgressChunk`).
+PREFILL_PROGRESS_SECONDS = 1.0
 
 
 class PieceFeed:
@@ -64,3 +70,25 @@ class Generation:
     progress_sent: tuple[int, float] | None = field(default=None)
     """The prefilled tokens last reported in a `PrefillProgressChunk`, and when (monotonic
     seconds); None before the first report."""
+
+    def progress_chunk(self, now: float) -> PrefillProgressChunk | None:
+        """The prefill progress to report now (`now`: monotonic seconds), for a generation
+        still without its first token: once the engine admitted it, then when its prefill
+        advanced and `PREFILL_PROGRESS_SECONDS` passed since the last report; else None."""
+        if self.first_sent:
+            return None
+        progress = self.prefill_progress()
+        if progress is None:
+            return None
+        prefilled, prompt = progress
+        last = self.progress_sent
+        if last is not None and (prefilled == last[0] or now - last[1] < PREFILL_PROGRESS_SECONDS):
+            return None
+        self.progress_sent = (prefilled, now)
+        return PrefillProgressChunk(
+            command_id=self.task.command_id,
+            model=self.task.params.model,
+            prompt_tokens=prompt,
+            cached_tokens=min(self.cached_tokens() or 0, prompt),
+            prefilled_tokens=prefilled,
+        )

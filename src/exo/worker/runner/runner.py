@@ -6,13 +6,10 @@ batching: a single-rank engine runs up to `max_concurrent_requests` at once, que
 rest). What a step produces for all its requests (chunks, ended tasks, status) goes to the
 supervisor as one pipe message. Between steps it reads its inbound pipe without blocking,
 so a new request joins and a cancel or shutdown takes effect at the next step. Embedding
-and rerank tasks are answered a piece of work at a time (`embedding_batch.EmbeddingJob`),
-one piece between two steps of the running streams, each piece sized by the rule that
-sizes a prompt chunk beside decodes, fed the pieces' measured times
-(`embedding_batch.EmbeddingPacer`), so a long embedding input delays a stream's next token
-by a bounded piece, not by its whole forward; a cancel stops it between pieces. A request
-that fails alone (the request was at fault) fails only itself. A crash here never takes
-the node down: the supervisor sees the pipe close."""
+and rerank tasks are answered a piece at a time between two steps of the running streams
+(`embedding_turns.py`); a cancel stops them between pieces. A request that fails alone
+(the request was at fault) fails only itself (`failures.py` words what its client is
+told). A crash here never takes the node down: the supervisor sees the pipe close."""
 
 from __future__ import annotations
 
@@ -27,10 +24,6 @@ from loguru import logger
 
 from exo.chat_protocol.output_parsing import OutputParser
 from exo.shared.types.chunks import (
-    INSTANCE_UNAVAILABLE,
-    Chunk,
-    ErrorChunk,
-    PrefillProgressChunk,
     TokenChunk,
 )
 from exo.shared.types.common import InstanceId, RunnerId, TaskId
@@ -67,8 +60,8 @@ from exo.utils.heap import HeapTrimmer, freeze_long_lived_objects
 from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
 from exo.worker.runner.card_check import check_card
 from exo.worker.runner.draft_serving import remote_draft_of
-from exo.worker.runner.embedding_batch import EmbeddingJob, EmbeddingPacer
-from exo.worker.runner.failures import error_code_of, peer_failure
+from exo.worker.runner.embedding_turns import EmbeddingTurns
+from exo.worker.runner.failures import generation_failure, peer_failure
 from exo.worker.runner.generation_feed import Generation, PieceFeed, replay_forced_pieces
 from exo.worker.runner.messages import (
     ChunkReport,
@@ -97,9 +90,6 @@ KV_REPORT_INTERVAL_S = 1.0
 # While a runner generates, its speculative-decoding counts reach the cluster state (a
 # status event through the master's log) at most this often; at once when its batch empties.
 SPECULATION_REPORT_INTERVAL_S = 10.0
-# A request's prefill progress is reported when the engine admits it, then at most this
-# often until its first token (`PrefillProgressChunk`).
-PREFILL_PROGRESS_SECONDS = 1.0
 # Freed heap memory goes back to the OS at most this often while serving (and on going
 # idle): see `exo.utils.heap` (the soak's runner RSS crept up with heap holes).
 HEAP_TRIM_INTERVAL_SECONDS = 30.0
@@ -124,9 +114,7 @@ class Runner:
         self._outbound = outbound
         self._engine: Engine | None = None
         self._queue: deque[TextGeneration] = deque()  # arrived before the engine was ready
-        self._embeddings: list[Embedding] = []  # answered together at the next turn
-        self._embedding_job: EmbeddingJob | None = None  # the one being answered
-        self._embedding_pacer = EmbeddingPacer()  # each piece's tokens
+        self._embeddings = EmbeddingTurns(self._send)
         self._generations: dict[str, Generation] = {}  # by task id (the engine's request id)
         self._status: RunnerStatus = RunnerIdle()
         self._ready = RunnerReady()
@@ -164,10 +152,12 @@ class Runner:
                 if self._queue and isinstance(self._status, RunnerReady | RunnerRunning):
                     self._start_generation(self._queue.popleft())
                     continue
-                if self._embeddings and isinstance(self._status, RunnerReady | RunnerRunning):
+                if self._embeddings.waiting and isinstance(
+                    self._status, RunnerReady | RunnerRunning
+                ):
                     self._take_embeddings()
                     continue
-                if self._embedding_job is not None:
+                if self._embeddings.job is not None:
                     self._run_embedding_piece()
                     if self._generations:  # the running streams' step between two pieces
                         self._run_step()
@@ -185,12 +175,8 @@ class Runner:
             self._generations.clear()
             for task in self._queue:
                 self._end_task(task, TaskCancelled())
-            for waiting in self._embeddings:
+            for waiting in self._embeddings.cancel_all():
                 self._end_task(waiting, TaskCancelled())
-            if self._embedding_job is not None:
-                for waiting in self._embedding_job.cancel_all():
-                    self._end_task(waiting, TaskCancelled())
-                self._embedding_job = None
             if self._engine is not None and self.shard.world_size > 1 and not self._is_follower:
                 with contextlib.suppress(Exception):
                     self._engine.shutdown()  # releases the other ranks
@@ -233,7 +219,7 @@ class Runner:
                 else:
                     self._queue.append(message)
             case Embedding():
-                self._embeddings.append(message)
+                self._embeddings.waiting.append(message)
             case CancelTask(task_id=task_id):
                 self._cancel(task_id)
             case Shutdown():
@@ -391,70 +377,26 @@ class Runner:
 
     def _take_embeddings(self) -> None:
         """Take every embedding task waiting (those in the pipe included) into the job
-        (`embedding_batch.EmbeddingJob`: started here, or joined while it runs); the
-        refused ones are answered at once."""
+        (`EmbeddingTurns.take`)."""
         assert self._engine is not None, "embeddings are only answered when ready"
         self._holding = True
         try:
             self._handle_waiting_messages()
-            tasks, self._embeddings = self._embeddings, []
-            for task in tasks:
-                self._send(TaskStatusReport(task_id=task.task_id, status=TaskRunning()))
-            try:
-                backend = self._engine.embedding_backend()
-            except ValueError as error:  # a split instance: no pooled states on one rank
-                for task in tasks:
-                    chunk = ErrorChunk(
-                        command_id=task.command_id,
-                        model=task.params.model,
-                        error_message=str(error),
-                        status_code=400,
-                    )
-                    self._send_embedding_answer(task, chunk)
-                return
-            job = self._embedding_job or EmbeddingJob(backend)
-            job.add(tasks)
-            self._send_embedding_answers(job)
-            self._embedding_job = None if job.done else job
+            self._embeddings.take(self._engine)
         finally:
             self._holding = False
             self._flush()
 
     def _run_embedding_piece(self) -> None:
         """Take the messages that arrived (a cancel among them), then run one piece of the
-        embedding job, as many tokens as the pacer allows, and send the answers it
-        completed."""
+        embedding job (`EmbeddingTurns.run_piece`)."""
         self._holding = True
         try:
             self._handle_waiting_messages()
-            job = self._embedding_job
-            if job is None:
-                return  # cancelled whole
-            decoding = len(self._generations)
-            budget = self._embedding_pacer.piece_tokens(decoding)
-            if budget > 0:
-                started = time.monotonic()
-                computed = job.run_piece(budget)
-                self._embedding_pacer.observe_piece(decoding, computed, time.monotonic() - started)
-            self._send_embedding_answers(job)
-            if job.done:
-                self._embedding_job = None
+            self._embeddings.run_piece(len(self._generations))
         finally:
             self._holding = False
             self._flush()
-
-    def _send_embedding_answers(self, job: EmbeddingJob) -> None:
-        for task, chunk in job.take_answers():
-            self._send_embedding_answer(task, chunk)
-
-    def _send_embedding_answer(self, task: Embedding, chunk: Chunk) -> None:
-        self._send(ChunkReport(chunk=chunk))
-        status: TaskStatus = (
-            TaskFailed(error_message=chunk.error_message)
-            if isinstance(chunk, ErrorChunk)
-            else TaskComplete()
-        )
-        self._send(TaskStatusReport(task_id=task.task_id, status=status))
 
     def _run_step(self) -> None:
         """Take the messages that arrived, then run one step; everything both produce (for
@@ -488,7 +430,7 @@ class Runner:
             return
         self._last_step_seconds = time.monotonic() - started
         if decode_only:  # the base of an embedding piece's gap (`EmbeddingPacer`)
-            self._embedding_pacer.observe_step(rows, self._last_step_seconds)
+            self._embeddings.pacer.observe_step(rows, self._last_step_seconds)
         for request_id, output in outputs:
             generation = self._generations.get(request_id)
             if generation is None:
@@ -521,32 +463,13 @@ class Runner:
         self._report_kv_cache(force=not self._generations)
 
     def _report_prefill_progress(self) -> None:
-        """A `PrefillProgressChunk` for each request still without its first token: once the
-        engine admitted it, then when its prefill advanced and `PREFILL_PROGRESS_SECONDS`
-        passed since the last report."""
+        """A `PrefillProgressChunk` for each request still without its first token, when
+        due (`Generation.progress_chunk`)."""
         now = time.monotonic()
         for generation in self._generations.values():
-            if generation.first_sent:
-                continue
-            progress = generation.prefill_progress()
-            if progress is None:
-                continue
-            prefilled, prompt = progress
-            last = generation.progress_sent
-            if last is not None and (
-                prefilled == last[0] or now - last[1] < PREFILL_PROGRESS_SECONDS
-            ):
-                continue
-            generation.progress_sent = (prefilled, now)
-            task = generation.task
-            chunk = PrefillProgressChunk(
-                command_id=task.command_id,
-                model=task.params.model,
-                prompt_tokens=prompt,
-                cached_tokens=min(generation.cached_tokens() or 0, prompt),
-                prefilled_tokens=prefilled,
-            )
-            self._send(ChunkReport(chunk=chunk))
+            chunk = generation.progress_chunk(now)
+            if chunk is not None:
+                self._send(ChunkReport(chunk=chunk))
 
     def _report_kv_cache(self, force: bool = False) -> None:
         """Tell the supervisor the KV cache's use (for the node's `/metrics`) when it changed:
@@ -618,16 +541,8 @@ class Runner:
             if task.task_id == task_id:
                 self._queue.remove(task)
                 self._end_task(task, TaskCancelled())
-        for waiting in list(self._embeddings):
-            if waiting.task_id == task_id:
-                self._embeddings.remove(waiting)
-                self._end_task(waiting, TaskCancelled())
-        if self._embedding_job is not None:
-            running = self._embedding_job.cancel(TaskId(task_id))
-            if running is not None:  # dropped from its work: no answer follows
-                self._end_task(running, TaskCancelled())
-                if self._embedding_job.done:
-                    self._embedding_job = None  # its works (and scratch memory) go with it
+        for dropped in self._embeddings.cancel(TaskId(task_id)):
+            self._end_task(dropped, TaskCancelled())
         generation = self._generations.pop(str(task_id), None)
         if generation is not None:
             if self._engine is not None:
@@ -660,45 +575,17 @@ class Runner:
             self._send(ChunkReport(chunk=chunk))
 
     def _fail_generation(self, task: TextGeneration, error: Exception) -> None:
-        """Report a failed generation; a ValueError means the request was at fault (prompt
-        longer than the context, a conversation the template refuses): a 400."""
-        bad_request = isinstance(error, ValueError)
-        peer_left = self.shard.world_size > 1 and not bad_request and peer_failure(error)
-        message, status_code, error_code = str(error), 500, error_code_of(error)
-        if bad_request:
-            logger.info(f"runner {self.runner_id}: request refused: {error}")
-            status_code = 400
-        elif peer_left:
-            # A rank's node died: expected, one line (traceback at -v); the client gets a
-            # 503 that the API retries elsewhere, never the library's message.
-            logger.warning(
-                f"runner {self.runner_id}: another rank left the group; "
-                f"generation {task.task_id} stopped"
-            )
-            logger.opt(exception=error).debug(f"runner {self.runner_id}: generation failed")
-            message = (
-                f"instance of {task.params.model} is unavailable: another rank of this split "
-                "instance left (its node stopped or lost its link); re-placing"
-            )
-            status_code, error_code = 503, INSTANCE_UNAVAILABLE
-        else:
-            logger.opt(exception=error).warning(f"runner {self.runner_id}: generation failed")
-        self._grouper.forget(task.command_id)
-        self._send(
-            ChunkReport(
-                chunk=ErrorChunk(
-                    command_id=task.command_id,
-                    model=task.params.model,
-                    error_message=message,
-                    status_code=status_code,
-                    error_code=error_code,
-                )
-            )
+        """Report a failed generation (worded by `failures.generation_failure`: a 400 where
+        the request was at fault); a failure that broke the group fails this runner."""
+        chunk, group_broke = generation_failure(
+            task, error, self.runner_id, self.shard.world_size > 1
         )
+        self._grouper.forget(task.command_id)
+        self._send(ChunkReport(chunk=chunk))
         self._send(
             TaskStatusReport(task_id=task.task_id, status=TaskFailed(error_message=str(error)))
         )
-        if self.shard.world_size > 1 and not bad_request:
+        if group_broke:
             self._set_status(RunnerFailed(error_message=f"process group failed: {error}"))
 
     def _end_task(self, task: TextGeneration | Embedding, status: TaskStatus) -> None:

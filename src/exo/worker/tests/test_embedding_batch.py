@@ -198,7 +198,7 @@ def test_a_runner_answers_the_tasks_waiting_in_its_pipe_in_one_batch() -> None:
     runner._handle(first)
     inbound_writer.send_bytes(second.model_dump_json().encode())  # still in the pipe
     runner._take_embeddings()
-    while runner._embedding_job is not None:
+    while runner._embeddings.job is not None:
         runner._run_embedding_piece()
     assert backend.calls == [[[97, 98], [120, 121, 122], [1, 2]]]  # one forward for both
     sent = []

@@ -155,7 +155,7 @@ class RunningRunner:
         self.outbound, outbound_writer = Pipe(duplex=False)
         self.runner = Runner(RunnerId("r"), make_shard(), inbound_reader, outbound_writer)
         self.runner._engine = engine  # type: ignore[assignment]
-        self.runner._embedding_pacer = EmbeddingPacer(FixedChunkSizer(PIECE_TOKENS))
+        self.runner._embeddings.pacer = EmbeddingPacer(FixedChunkSizer(PIECE_TOKENS))
         self.sent: list[RunnerOutbound] = []
         self.send(StartWarmup(instance_id=InstanceId("i"), runner_id=RunnerId("r")))
         self.thread = threading.Thread(target=self.runner.run, daemon=True)
@@ -236,7 +236,7 @@ def test_a_cancel_stops_the_embedding_before_its_next_piece_and_the_runner_serve
     running.stop()
     first, second = backend.works
     assert first.pieces == 2 and first.dropped == [0]  # no third piece
-    assert running.runner._embedding_job is None  # the job and its work are gone
+    assert running.runner._embeddings.job is None  # the job and its work are gone
     answers = _chunks(sent, "command-embed-1")
     assert [type(chunk) for chunk in answers] == [TokenChunk]  # no vectors, only the end
     assert answers[0].finish_reason == "cancelled"

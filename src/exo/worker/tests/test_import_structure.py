@@ -13,7 +13,9 @@ the ones below, never one above:
    which `model/loading.py` calls;
    `embedding/` (the embedding backend protocol, encoder and EmbeddingGemma forwards) sits
    on this floor too and reads the gemma3 family's pieces from `model/`;
-4. the engine and its factory (`engine.py`, `engine_factory.py`).
+4. the engine, its requests, images and scheduler construction, and its factory
+   (`engine.py`, `engine_requests.py`, `engine_images.py`, `engine_scheduler.py`,
+   `engine_factory.py`).
 Nothing in `exo.worker.engines` imports the worker above it (`runner/`, `main.py`, `plan.py`).
 """
 

@@ -14,7 +14,8 @@ from exo.shared.types.common import RunnerId, TaskId
 from exo.shared.types.runners import RunnerReady, RunnerRunning
 from exo.shared.types.tasks import CancelTask, TaskCancelled, TaskComplete, TaskFailed
 from exo.testing.builders import make_shard, make_text_generation_task
-from exo.worker.engines.torch.engine import GeneratedPiece, RequestHandle
+from exo.worker.engines.torch.engine import GeneratedPiece
+from exo.worker.engines.torch.engine_requests import RequestHandle
 from exo.worker.runner.messages import (
     ChunkReport,
     KVCacheReport,

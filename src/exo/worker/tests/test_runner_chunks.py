@@ -24,8 +24,9 @@ from exo.shared.types.chunks import (
 from exo.shared.types.common import CommandId, ModelId, RunnerId
 from exo.shared.types.text_generation import ToolDefinition
 from exo.testing.builders import make_params, make_shard, make_text_generation_task
-from exo.worker.engines.torch.engine import GeneratedPiece, RequestHandle
-from exo.worker.runner import runner as runner_module
+from exo.worker.engines.torch.engine import GeneratedPiece
+from exo.worker.engines.torch.engine_requests import RequestHandle
+from exo.worker.runner import generation_feed
 from exo.worker.runner.messages import ChunkReport, decode_outbound
 from exo.worker.runner.options import RunnerOptions
 from exo.worker.runner.runner import Runner
@@ -168,7 +169,7 @@ PIECES = [GeneratedPiece("Hi", (1,), None, None), GeneratedPiece("", (), "stop",
 def test_a_prefill_over_several_steps_is_announced_then_reported_as_it_advances(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(runner_module, "PREFILL_PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(generation_feed, "PREFILL_PROGRESS_SECONDS", 0.0)
     chunks = chunks_of_one_generation(PIECES, engine=PrefillingEngine(PIECES, prefill_steps=3))
     progress = [chunk for chunk in chunks if isinstance(chunk, PrefillProgressChunk)]
     # One per step before the first token: 8, 13 and 17 of 17 prompt tokens (3 cached).

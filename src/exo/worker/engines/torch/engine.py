@@ -7,14 +7,16 @@ frees its KV. `generate()` is a convenience over the three for one request at a 
 (warm-up, tests). Requests join and leave the running batch at any step (`scheduler.py`).
 A shard that spans several ranks composes a `RankGroup` (`parallel/rank_group.py`): rank 0
 runs the contract over the group, the other ranks `serve_forever`; how a step travels is the
-shard's parallelism's, never tested here.
+shard's parallelism's, never tested here. A request's way in (the room its prompt leaves,
+the handle `submit` returns) is `engine_requests.py`'s; images (which rank runs a vision
+tower, a request's images through it) are `engine_images.py`'s; building the scheduler and
+its KV cache is `engine_scheduler.py`'s.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +26,7 @@ from transformers import PreTrainedModel
 
 from exo.chat_protocol.image_tokens import ImageTokens
 from exo.chat_protocol.prompt import RenderedPrompt, decode_keeping_markers, render_prompt
-from exo.shared.models.drafts import draft_runs_on
-from exo.shared.models.kv_cache_memory import (
-    DEFAULT_KV_CACHE_TOKENS,
-    KVCacheDtype,
-    kv_geometry_of_config,
-)
+from exo.shared.models.kv_cache_memory import DEFAULT_KV_CACHE_TOKENS, KVCacheDtype
 from exo.shared.models.weight_formats import (
     DEFAULT_DECODE_ACTIVATIONS,
     DEFAULT_PREFILL_ACTIVATIONS,
@@ -40,34 +37,21 @@ from exo.shared.types.chunks import TokenLogprob
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata
-from exo.shared.types.text_generation import (
-    ChatMessage,
-    ImageInput,
-    TextGenerationTaskParams,
-)
-from exo.worker.engines.torch.batching.batch_attention import (
-    attention_layers,
-    use_batched_attention,
-)
+from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.worker.engines.torch.batching.kv_memory import kv_cache_torch_dtype
-from exo.worker.engines.torch.batching.prefix_cache import PrefixCache
-from exo.worker.engines.torch.batching.prompt_images import MultimodalPositions, PromptImage
 from exo.worker.engines.torch.batching.request_state import (
     GeneratedPiece,
     RequestState,
     new_request_id,
 )
 from exo.worker.engines.torch.batching.scheduler import BatchScheduler, StepOutput
-from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
-from exo.worker.engines.torch.batching.speculation import Speculation
 from exo.worker.engines.torch.decoding.detokenizer import StreamingDetokenizer
-from exo.worker.engines.torch.decoding.sampling import Sampler, StepLogprobs, TokenChooser
+from exo.worker.engines.torch.decoding.sampling import StepLogprobs, TokenChooser
 from exo.worker.engines.torch.decoding.sampling_params import (
     SamplingParams,
     resolve_sampling_params,
 )
-from exo.worker.engines.torch.decoding.scripted import ScriptedReply
-from exo.worker.engines.torch.decoding.speculative_drafts import DraftSource, NgramDraftSource
+from exo.worker.engines.torch.decoding.speculative_drafts import DraftSource
 from exo.worker.engines.torch.decoding.speculative_policy import (
     SpeculationCounters,
     SpeculationSettings,
@@ -76,15 +60,17 @@ from exo.worker.engines.torch.decoding.stop_sequences import StopSequenceMatcher
 from exo.worker.engines.torch.decoding.token_choice import token_chooser_for, token_logprob
 from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary
 from exo.worker.engines.torch.embedding.decoder import DecoderEmbeddingBackend
-from exo.worker.engines.torch.model.families import family_for_architecture
-from exo.worker.engines.torch.model.loading import (
-    LayerProgressCallback,
-    load_parts,
-    model_config,
+from exo.worker.engines.torch.engine_images import (
+    NO_VISION_TOWER,
+    load_shard_images,
+    prompt_images,
+    request_images,
 )
+from exo.worker.engines.torch.engine_requests import RequestHandle, reply_budget, scripted_chooser
+from exo.worker.engines.torch.engine_scheduler import build_scheduler
+from exo.worker.engines.torch.model.loading import LayerProgressCallback, load_parts
 from exo.worker.engines.torch.model.sharding import loaded_parameter_bytes
 from exo.worker.engines.torch.model.vision_input import VisionInput
-from exo.worker.engines.torch.parallel import engine_transform
 from exo.worker.engines.torch.parallel.rank_group import RankGroup, check_process_group
 from exo.worker.engines.torch.quant.native_kernels import set_decode_activations
 from exo.worker.engines.torch.quant.quantize import WeightDtype
@@ -102,40 +88,7 @@ WARMUP_TOKENS = 8
 # request (bench/bench_concurrency.py); more mostly adds attention work per step.
 DEFAULT_MAX_CONCURRENT_REQUESTS = 8
 
-__all__ = ["GeneratedPiece", "PromptTooLongError", "RequestHandle", "TorchEngine"]
-
-
-class PromptTooLongError(ValueError):
-    """The prompt leaves no room in the model's context for even one generated token."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestHandle:
-    """A submitted request: its id (for `cancel` and in `step`'s output), its prompt's
-    size in tokens, and its state while it runs (`cached_tokens`)."""
-
-    request_id: str
-    prompt_tokens: int
-    state: RequestState | None = None
-    forced_pieces: tuple[GeneratedPiece, ...] = ()
-    """The pieces the request's forced tokens made (`RequestState.force`): already streamed
-    by the run it continues; the runner feeds them to its output parser only."""
-
-    @property
-    def cached_tokens(self) -> int | None:
-        """Prompt tokens whose KV came from the prefix cache: known once the request is
-        admitted (before its first token), None without a state."""
-        return None if self.state is None else self.state.cached_tokens
-
-    @property
-    def prefill_progress(self) -> tuple[int, int] | None:
-        """`(prefilled, prompt)` tokens of the prompt whose KV is computed or being
-        computed (prefix-cached ones included) and of the whole prompt, once the request is
-        admitted to the batch and until its first token; None before admission."""
-        state = self.state
-        if state is None or state.prefilled_tokens is None:
-            return None
-        return state.prefilled_tokens, len(state.prompt_ids)
+__all__ = ["GeneratedPiece", "TorchEngine"]
 
 
 class TorchEngine:
@@ -202,9 +155,7 @@ class TorchEngine:
         # Set by `load` for a vision model (`VisionInput.of_model`) on a single rank or rank 0
         # of a split instance whose parallelism carries images (`runs_vision_tower`), else None.
         self.images: VisionInput | None = None
-        self.images_refusal = (
-            "it has no vision tower: a model without vision, or a split that carries no images"
-        )
+        self.images_refusal = NO_VISION_TOWER
         # A vision checkpoint's image tokens, tower or not: the image token texts a client
         # types stay text in its prompts, as the API node counts them (`render_prompt`).
         self.image_tokens: ImageTokens | None = None
@@ -286,27 +237,9 @@ class TorchEngine:
             shard, draft_model, remote_draft, parts.tokenizer, engine.vocab_size,
             max_concurrent_requests, engine.kv_dtype, device, parts.weight_dtype,
         )  # fmt: skip
-        vision = "vision" in shard.model_card.capabilities
-        # A split instance's tower: on rank 0 only, where its parallelism carries the
-        # images' blocks and rows to the other ranks (`runs_vision_tower`).
-        towered = engine_transform(shard.sharding).runs_vision_tower(shard)
-        if vision and towered:
-            # The checkpoint's tower, by its config (None for text-only ones). Without its
-            # tensors (weight files holding only the tower are not downloaded for a text
-            # shard) the model still serves text, and refuses images saying why.
-            try:
-                engine.images = VisionInput.of_model(
-                    model_dir, model_config(model_dir), parts.tokenizer, parts.device
-                )
-            except ValueError as error:
-                engine.images_refusal = "the weights of its vision tower are not on this node"
-                logger.warning("{}: images refused: {}", shard.model_card.model_id, error)
-        engine.image_tokens = engine.images.tokens if engine.images is not None else None
-        if engine.image_tokens is None:
-            try:
-                engine.image_tokens = ImageTokens.of_model(model_dir, parts.tokenizer)
-            except (KeyError, TypeError, ValueError) as error:  # an odd vision config
-                logger.warning("{}: image tokens unknown: {}", shard.model_card.model_id, error)
+        images = load_shard_images(model_dir, shard, parts.tokenizer, parts.device)
+        engine.images, engine.images_refusal = images.vision, images.refusal
+        engine.image_tokens = images.tokens
         logger.info(
             "{}loaded {} ({} weights) in {:.1f} s",
             f"rank {shard.device_rank}/{shard.world_size} " if split else "",
@@ -378,7 +311,7 @@ class TorchEngine:
                 model), the template refuses the conversation (e.g. roles that do not
                 alternate), or an empty raw prompt for a model without a BOS token.
         """
-        if _request_images(params) and self.images is None:
+        if request_images(params) and self.images is None:
             raise ValueError(
                 f"{self.card.model_id} takes no images on this instance ({self.images_refusal})"
             )
@@ -437,13 +370,11 @@ class TorchEngine:
         """The request's penalties, logit bias, constraint and sampler (`token_chooser_for`);
         on a model the tests marked, a scripted reply where the seam has one for the prompt
         (`testing_seam`)."""
-        if self.testing_seam is not None:
-            reply = self.testing_seam.reply_for(self.tokenizer.decode(prompt_ids))
-            if reply is not None:
-                scripted = self.tokenizer.encode(reply, add_special_tokens=False)
-                return TokenChooser(
-                    Sampler(sampling, self.device), constraint=ScriptedReply(scripted)
-                )
+        scripted = scripted_chooser(
+            self.testing_seam, self.tokenizer, prompt_ids, sampling, self.device
+        )
+        if scripted is not None:
+            return scripted
         return token_chooser_for(
             params, sampling, prompt_ids, self.vocabulary, self.vocab_size, self.eos_token_ids,
             self.device,
@@ -462,29 +393,6 @@ class TorchEngine:
         where sliding-window layers hold only their windows)."""
         return min(self.context_length, self.scheduler.footprint.longest(self.kv_cache_tokens))
 
-    def _prompt_and_budget(
-        self, params: TextGenerationTaskParams, prompt: RenderedPrompt | None
-    ) -> tuple[list[int], int]:
-        """The prompt's token ids and how many tokens may be generated after them
-        (`max_tokens`, capped by the room left in the context and the KV budget).
-
-        Raises:
-            PromptTooLongError: the prompt leaves no room for a generated token.
-            ValueError: the chat template refuses the conversation.
-        """
-        prompt_ids = (prompt or self.render_prompt(params)).token_ids
-        limit = self.token_limit
-        what = "model's context" if limit == self.context_length else "model's KV cache budget"
-        if params.context_tokens is not None and params.context_tokens < limit:
-            limit, what = params.context_tokens, "request's context"  # Ollama's num_ctx
-        room = limit - len(prompt_ids)
-        if room < 1:
-            raise PromptTooLongError(
-                f"the prompt is {len(prompt_ids)} tokens; the {what} is "
-                f"{limit} tokens, leaving no room for a reply"
-            )
-        return prompt_ids, room if params.max_tokens is None else min(params.max_tokens, room)
-
     def build_request(
         self,
         params: TextGenerationTaskParams,
@@ -501,15 +409,11 @@ class TorchEngine:
             ValueError: the template refuses the conversation; a forced tool call without
                 tools; a logit bias outside the vocabulary.
         """
-        prompt_ids, max_new_tokens = self._prompt_and_budget(params, prompt)
-        images = _request_images(params)
-        prompt_images: tuple[PromptImage, ...] = ()
-        positions: MultimodalPositions | None = None
-        if images:  # the tower runs here, once per image, before the prompt's prefill
-            if self.images is None:
-                raise ValueError(f"{self.card.model_id} takes no images on this instance")
-            prompt_images = self.images.prompt_images(prompt_ids, images)
-            positions = self.images.multimodal_positions(prompt_ids, images)
+        prompt_ids = (prompt or self.render_prompt(params)).token_ids
+        max_new_tokens = reply_budget(prompt_ids, params, self.token_limit, self.context_length)
+        images, positions = prompt_images(
+            self.images, self.card.model_id, prompt_ids, request_images(params)
+        )
         if sampling is None:
             sampling = resolve_sampling_params(params, self.card.sampling_defaults)
         return RequestState(
@@ -522,7 +426,7 @@ class TorchEngine:
             stop_matcher=StopSequenceMatcher(params.stop),
             eos_token_ids=self.eos_token_ids,
             logprob_of=self.token_logprob,
-            images=prompt_images,
+            images=images,
             positions=positions,
             speculative=params.speculative,
         )
@@ -531,45 +435,14 @@ class TorchEngine:
 
     @property
     def scheduler(self) -> BatchScheduler:
-        """The single-rank batch scheduler (built on first use)."""
+        """The batch scheduler (built on first use: `engine_scheduler.build_scheduler`)."""
         if self._scheduler is None:
-            self._scheduler = self._build_scheduler()
+            self._scheduler = build_scheduler(
+                self.model, self.device, self.kv_dtype, self.max_concurrent_requests,
+                self.kv_cache_tokens, self.speculation, self.draft_source, self.group,
+                self.testing_seam,
+            )  # fmt: skip
         return self._scheduler
-
-    def _build_scheduler(self) -> BatchScheduler:
-        scheduler = self._new_scheduler()
-        if self.testing_seam is not None:
-            scheduler.prefill_chunk_seconds = self.testing_seam.prefill_chunk_seconds
-            scheduler.decode_step_seconds = self.testing_seam.decode_step_seconds
-        return scheduler
-
-    def _new_scheduler(self) -> BatchScheduler:
-        if self.group is not None:
-            # Rank 0 drafts (a draft model, else n-gram) where its split verifies a draft's
-            # k + 1 positions in one step (`draft_runs_on`).
-            shard = self.group.shard
-            speculation = (
-                Speculation(self.speculation, self.draft_source or NgramDraftSource())
-                if draft_runs_on(shard.sharding, shard.world_size)
-                else None
-            )
-            return self.group.build_scheduler(
-                self.kv_cache_tokens, self.max_concurrent_requests, speculation
-            )
-        text_config = self.model.config.get_text_config()
-        family = family_for_architecture(type(self.model).__name__)
-        windows = family.attention_windows(text_config)
-        geometry = kv_geometry_of_config(text_config, len(windows))
-        use_batched_attention(self.model)
-        cache = SlotKVCache(
-            geometry.layers, geometry.kv_heads, geometry.head_dim, self.kv_dtype, self.device,
-            self.max_concurrent_requests, geometry.latent_values, windows,
-        )  # fmt: skip
-        return BatchScheduler(
-            self.model, cache, windows, attention_layers(self.model), self.kv_cache_tokens,
-            PrefixCache(self.kv_cache_tokens), self.device,
-            speculation=Speculation(self.speculation, self.draft_source or NgramDraftSource()),
-        )  # fmt: skip
 
     def submit(
         self,
@@ -710,8 +583,3 @@ class TorchEngine:
             if not finished:
                 self.cancel(handle.request_id)
             self.store_finished()
-
-
-def _request_images(params: TextGenerationTaskParams) -> list[ImageInput]:
-    """The request's images in prompt order (each message's, message by message)."""
-    return [image for message in params.messages for image in message.images]

@@ -70,7 +70,7 @@ class BatchPlan:
     Rows `0 .. len(decode_slots) - 1` are decode rows, one token each at position
     `decode_positions[i]` of slot `decode_slots[i]`: one per decoding request (slots in
     ascending order), except that a request verifying a speculative draft has a row per
-    draft position and one more (`repeated_slots`; the scheduler lays them out from the
+    draft position and one more (`repeated_slots`; `step_layout.py` lays them out from the
     last position down). Every decode row attends, as a decode row, to its slot's keys up
     to its own position (the step's keys written first). Prefill segments follow.
     """

@@ -1,4 +1,5 @@
-"""Continuous batching on one rank: which requests run in each step, and the step itself.
+"""Continuous batching on one rank: which requests run in each step, and the step itself
+(its rows laid out by `step_layout.py`).
 
 Every `step()` runs ONE forward pass (`batch_attention.forward_batch`) over one new token of
 each decoding request plus a chunk of prompt tokens of the requests still prefilling, so a
@@ -39,10 +40,11 @@ Speculative decoding (`speculation.py`, `decoding/speculative_drafts.py`, a draf
 `draft_model.py`): a decoding request may carry a draft of k guessed tokens, on a single
 rank and on a split instance alike (rank 0's scheduler drafts; the draft rows travel in
 the step like any decode rows). Its step then holds k + 1 decode rows, the fed token
-and the draft tokens at the next positions, laid out from the last position down: every one
-is a decode row to the attention (`BatchPlan.repeated_slots`; the native decode layer takes
-a run of one slot's ascending positions for a prompt chunk, attended by another kernel), so
-each position's logits come from the same kernels as a plain decode step's. The step's rows
+and the draft tokens at the next positions, laid out from the last position down
+(`step_layout.py`): every one is a decode row to the attention (`BatchPlan.repeated_slots`;
+the native decode layer takes a run of one slot's ascending positions for a prompt chunk,
+attended by another kernel), so each position's logits come from the same kernels as a
+plain decode step's. The step's rows
 stay within `Speculation.max_decode_rows` (the quantized linears switch kernel above it),
 drafts go only into steps without prompt rows, and drafts are dropped before anything is
 pre-empted for their KV. The request verifies its rows in order (`RequestState.
@@ -74,11 +76,7 @@ import torch
 from loguru import logger
 from transformers import PreTrainedModel
 
-from exo.worker.engines.torch.batching.batch_attention import (
-    BatchPlan,
-    PrefillSegment,
-    forward_batch,
-)
+from exo.worker.engines.torch.batching.batch_attention import BatchPlan, forward_batch
 from exo.worker.engines.torch.batching.chunk_sizer import (
     DEFAULT_INITIAL_CHUNK,
     FixedChunkSizer,
@@ -86,14 +84,11 @@ from exo.worker.engines.torch.batching.chunk_sizer import (
 )
 from exo.worker.engines.torch.batching.kv_footprint import KVFootprint, first_hit_length
 from exo.worker.engines.torch.batching.prefix_cache import PrefixCache
-from exo.worker.engines.torch.batching.prompt_images import (
-    align_chunk,
-    cache_key_tokens,
-    segment_images,
-)
+from exo.worker.engines.torch.batching.prompt_images import align_chunk, cache_key_tokens
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.batching.speculation import RemoteRow, Speculation, remote_rows
+from exo.worker.engines.torch.batching.step_layout import RunningRequest, draft_rows, lay_out_step
 from exo.worker.engines.torch.decoding.sampling import SampledToken
 from exo.worker.engines.torch.decoding.speculative_drafts import NO_DRAFT, Draft
 
@@ -137,26 +132,6 @@ BatchLaunch = Callable[
 
 
 @dataclass(eq=False, slots=True)
-class _Running:
-    """A request holding a KV slot: `tokens[:computed]` have KV in `slot` (or are written
-    by a step in flight); while `computed < len(tokens)` it is prefilling, then `tokens[-1]`
-    is fed each step."""
-
-    state: RequestState
-    slot: int
-    tokens: list[int]
-    computed: int
-    admitted: int  # admission order (pre-emption takes the latest)
-    # A launched step will sample this request's next token (it waits out later steps).
-    awaiting: bool = False
-
-    @property
-    def prefilling(self) -> bool:
-        """More than one token left to compute (one left is a decode step)."""
-        return len(self.tokens) - self.computed > 1
-
-
-@dataclass(eq=False, slots=True)
 class _Launched:
     """A step whose forward pass has started: `sampled[i]` takes the next
     `len(drafts[i]) + 1` logits rows (one without a draft). The first `decoding` of
@@ -165,7 +140,7 @@ class _Launched:
     `time.perf_counter` value, to its logits' arrival) and `decode_only` whether the step
     had no prompt rows."""
 
-    sampled: list[_Running]
+    sampled: list[RunningRequest]
     logits: Callable[[], StepLogits]
     drafts: list[Draft]
     decoding: int = 0
@@ -234,10 +209,10 @@ class BatchScheduler:
         self.max_in_flight = max_in_flight
         self._in_flight: deque[_Launched] = deque()
         self._waiting: deque[RequestState] = deque()
-        self._running: list[_Running] = []
+        self._running: list[RunningRequest] = []
         # Requests that finished in a step whose KV still waits in their slots to enter the
         # prefix cache (`store_finished`, once the step's outputs are out).
-        self._finished: list[_Running] = []
+        self._finished: list[RunningRequest] = []
         self._admissions = itertools.count()
         self.preemptions = 0
         # The engine's test seam only (`testing_seam`): seconds each step with a prefill
@@ -356,67 +331,15 @@ class BatchScheduler:
             time.sleep(self.prefill_chunk_seconds)
         if decoding and self.decode_step_seconds:
             time.sleep(self.decode_step_seconds)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        logit_rows: list[int] = []
-        sampled: list[_Running] = []
-        decode_slots: list[int] = []
-        launched_drafts: list[Draft] = []
-        for running in decoding:
-            drafted = drafts.get(id(running), NO_DRAFT)
-            draft = drafted.tokens
-            # The fed token and the draft at the next positions, last position first (see
-            # the module docstring); logits rows in position order.
-            first = len(input_ids)
-            fed = [running.tokens[-1], *draft]
-            for offset in range(len(draft), -1, -1):
-                input_ids.append(fed[offset])
-                positions.append(running.computed + offset)
-                decode_slots.append(running.slot)
-            logit_rows.extend(first + len(draft) - offset for offset in range(len(draft) + 1))
-            sampled.append(running)
-            launched_drafts.append(drafted)
-        decode_positions = list(positions)
-        segments: list[PrefillSegment] = []
-        row_embeddings: list[tuple[int, torch.Tensor]] = []
-        for running, length in prefill:
-            start = running.computed
-            blocks, rows = segment_images(start, length, running.state.images)
-            row_embeddings += [(len(input_ids) + row, embeddings) for row, embeddings in rows]
-            segments.append(PrefillSegment(running.slot, start, len(input_ids), length, blocks))
-            input_ids.extend(running.tokens[start : start + length])
-            positions.extend(range(start, start + length))
-            if start + length == len(running.tokens):
-                logit_rows.append(len(input_ids) - 1)
-                sampled.append(running)
-                launched_drafts.append(NO_DRAFT)
-        rotary_positions = None
-        stepping = [*decoding, *(running for running, _ in prefill)]
-        if any(running.state.positions is not None for running in stepping):
-            rotary_positions = _multimodal_rows(decoding, prefill)
-        ends = [
-            running.computed + 1 + len(drafts.get(id(running), NO_DRAFT).tokens)
-            for running in decoding
-        ]
-        ends += [running.computed + length for running, length in prefill]
-        self._cache.reserve(max(ends))
-        plan = BatchPlan(
-            cache=self._cache,
-            windows=self._windows,
-            decode_slots=decode_slots,
-            decode_positions=decode_positions,
-            prefill=segments,
-            layer_of=self._layer_of,
-            row_embeddings=row_embeddings,
-            rotary_positions=rotary_positions,
+        layout = lay_out_step(
+            decoding, prefill, drafts, self._cache, self._windows, self._layer_of, self._device
         )
-        device = self._device
         arguments = (
             self._model,
-            plan,
-            torch.tensor([input_ids], dtype=torch.long, device=device),
-            torch.tensor([positions], dtype=torch.long, device=device),
-            torch.tensor(logit_rows, dtype=torch.long, device=device),
+            layout.plan,
+            layout.input_ids,
+            layout.position_ids,
+            layout.logit_rows,
         )
         seconds: float | None = None
         started = time.perf_counter()
@@ -425,7 +348,7 @@ class BatchScheduler:
             if self.launch is not None:
                 row_requests = [
                     row
-                    for running, drafted in zip(sampled, launched_drafts, strict=True)
+                    for running, drafted in zip(layout.sampled, layout.drafts, strict=True)
                     for row in remote_rows(running.state, drafted)
                 ]
                 logits = self.launch(*arguments, row_requests)
@@ -434,7 +357,7 @@ class BatchScheduler:
                 computed = (self._forward or forward_batch)(*arguments)
                 seconds = time.perf_counter() - started
                 self.chunk_sizer.observe(
-                    len(decode_slots), sum(length for _, length in prefill), seconds
+                    len(layout.plan.decode_slots), sum(length for _, length in prefill), seconds
                 )
                 logits = lambda: computed  # noqa: E731
         except Exception:
@@ -457,13 +380,12 @@ class BatchScheduler:
                 seconds += draft_seconds
             else:  # a launched step's time runs from before its drafts
                 started -= draft_seconds
-        for running in sampled:
+        for running in layout.sampled:
             running.awaiting = True
-        self._in_flight.append(
-            _Launched(
-                sampled, logits, launched_drafts, len(decoding), seconds, not prefill, started
-            )
+        launched = _Launched(
+            layout.sampled, logits, layout.drafts, len(decoding), seconds, not prefill, started
         )
+        self._in_flight.append(launched)
         return True
 
     def _complete_step(self, launched: _Launched) -> list[StepOutput]:
@@ -492,7 +414,7 @@ class BatchScheduler:
             try:
                 if draft:
                     pieces, accepted = state.accept_drafts(
-                        _draft_rows(logits, first, row), draft, drafted.probabilities
+                        draft_rows(logits, first, row), draft, drafted.probabilities
                     )
                 else:
                     pieces, accepted = state.accept(logits[first]), 0
@@ -529,7 +451,7 @@ class BatchScheduler:
 
     def _schedule(
         self,
-    ) -> tuple[list[_Running], list[tuple[_Running, int]], dict[int, Draft]]:
+    ) -> tuple[list[RunningRequest], list[tuple[RunningRequest, int]], dict[int, Draft]]:
         """This step's decoding requests (slot order), prefill chunks and drafts (by
         `id` of the decoding request), within the KV budget (evicting prefix-cache entries,
         then dropping the drafts, then pre-empting, to make room). Requests awaiting a
@@ -542,7 +464,7 @@ class BatchScheduler:
                 (running for running in streams if not running.awaiting),
                 key=lambda running: running.slot,
             )[: math.ceil(len(streams) / self.max_in_flight)]
-            prefill: list[tuple[_Running, int]] = []
+            prefill: list[tuple[RunningRequest, int]] = []
             # Small chunks protect the gaps of streams that already stream tokens; one
             # awaiting its first token (in flight) has no gap yet.
             streaming = any(running.state.generated_ids for running in streams)
@@ -591,7 +513,7 @@ class BatchScheduler:
                 drafts = {}  # the drafts' KV does not fit: plain decoding first
             self._preempt_latest()
 
-    def _drafts(self, decoding: list[_Running], auto_allowed: bool) -> dict[int, Draft]:
+    def _drafts(self, decoding: list[RunningRequest], auto_allowed: bool) -> dict[int, Draft]:
         """`Speculation.drafts` of the decoding requests, by `id` of the request (none in
         a step where a request with multimodal rotary positions decodes: those rows are
         laid out one per decoding request)."""
@@ -649,10 +571,10 @@ class BatchScheduler:
             if not state.generated_ids:
                 state.prefilled_tokens = computed
             self._running.append(
-                _Running(state, slot, list(tokens), computed, next(self._admissions))
+                RunningRequest(state, slot, list(tokens), computed, next(self._admissions))
             )
 
-    def _release(self, running: _Running, keep_prefix: bool) -> None:
+    def _release(self, running: RunningRequest, keep_prefix: bool) -> None:
         """Take the request out of the batch and free its slot; with `keep_prefix` (and a
         prefix cache) the slot is kept for `store_finished` to copy its KV first."""
         self._running.remove(running)
@@ -663,7 +585,7 @@ class BatchScheduler:
             return
         self._free(running)
 
-    def _free(self, running: _Running) -> None:
+    def _free(self, running: RunningRequest) -> None:
         """Free `running`'s slot; the request whose slot moves into it (the last one) is
         told its new slot number."""
         moved = self._cache.free(running.slot)
@@ -672,32 +594,3 @@ class BatchScheduler:
                 if other.slot == moved:
                     other.slot = running.slot
                     break
-
-
-def _draft_rows(
-    logits: StepLogits, first: int, end: int
-) -> torch.Tensor | Sequence[torch.Tensor | SampledToken]:
-    """A draft's rows `first .. end - 1` of a step: `[k + 1, vocab]` logits, or a launched
-    step's entries, one per row (tokens chosen elsewhere, `speculation.remote_rows`)."""
-    if isinstance(logits, torch.Tensor):
-        return logits[first:end]
-    rows = logits[first:end]
-    if all(isinstance(row, torch.Tensor) for row in rows):
-        return torch.stack([row for row in rows if isinstance(row, torch.Tensor)])
-    return rows
-
-
-def _multimodal_rows(decoding: list[_Running], prefill: list[tuple[_Running, int]]) -> torch.Tensor:
-    """`[3, T]` int64: the step's rows' multimodal rotary positions (`BatchPlan.
-    rotary_positions`), decode rows then prompt chunks as the step lays them out; a
-    request without multimodal positions repeats its token index in all three."""
-
-    def rows(running: _Running, start: int, length: int) -> torch.Tensor:
-        positions = running.state.positions
-        if positions is None:
-            return torch.arange(start, start + length).expand(3, -1)
-        return positions.rows(start, length)
-
-    pieces = [rows(running, running.computed, 1) for running in decoding]
-    pieces += [rows(running, running.computed, length) for running, length in prefill]
-    return torch.cat(pieces, dim=1)

@@ -28,7 +28,8 @@ from exo.worker.engines.torch.batching.scheduler import (
     PREFILL_TOKENS_PER_STEP,
 )
 from exo.worker.engines.torch.decoding.sampling import TokenChooser
-from exo.worker.engines.torch.engine import RequestHandle, TorchEngine
+from exo.worker.engines.torch.engine import TorchEngine
+from exo.worker.engines.torch.engine_requests import RequestHandle
 
 # Largest |batched - alone| logit difference allowed. Measured on float32 tiny models (logits
 # up to ~4): below 2e-6 on a 2-core AVX512 Xeon; up to 1.06e-4 on an AVX2 Zen 3 (gemma3 on

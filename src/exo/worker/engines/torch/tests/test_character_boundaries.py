@@ -14,7 +14,8 @@ import torch
 
 from exo.worker.engines.torch.batching import scheduler as scheduler_module
 from exo.worker.engines.torch.decoding.vocabulary import split_incomplete_utf8
-from exo.worker.engines.torch.engine import GeneratedPiece, RequestHandle, TorchEngine
+from exo.worker.engines.torch.engine import GeneratedPiece, TorchEngine
+from exo.worker.engines.torch.engine_requests import RequestHandle
 from exo.worker.engines.torch.tests.test_engine import check_stream_shape, request
 
 SCRIPTED_TEXT = "Hi 你好 😀 ✓ 🇫🇷 👨\u200d👩\u200d👧 日本語"

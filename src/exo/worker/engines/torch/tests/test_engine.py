@@ -9,8 +9,9 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.models import ModelCard
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
-from exo.worker.engines.torch.engine import GeneratedPiece, PromptTooLongError, TorchEngine
+from exo.worker.engines.torch.engine import GeneratedPiece, TorchEngine
 from exo.worker.engines.torch.engine_factory import load_engine
+from exo.worker.engines.torch.engine_requests import PromptTooLongError
 
 
 def request(content: str, model: str = "m", **fields: Any) -> TextGenerationTaskParams:

@@ -20,7 +20,7 @@ from exo.shared.types.models import SlidingWindow
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.testing.tiny_models import save_tiny_model
-from exo.worker.engines.torch import engine as engine_module
+from exo.worker.engines.torch import engine_scheduler
 from exo.worker.engines.torch.batching.kv_footprint import (
     TRIM_CHUNK,
     TRIM_SLACK,
@@ -32,7 +32,8 @@ from exo.worker.engines.torch.batching.kv_memory import KV_CACHE_DTYPE_ENV
 from exo.worker.engines.torch.batching.prefix_cache import PrefixCache
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.decoding.sampling import TokenChooser
-from exo.worker.engines.torch.engine import PromptTooLongError, TorchEngine
+from exo.worker.engines.torch.engine import TorchEngine
+from exo.worker.engines.torch.engine_requests import PromptTooLongError
 from exo.worker.engines.torch.parallel.rank_steps import (
     CacheOpLog,
     PrefixMirror,
@@ -248,7 +249,7 @@ def test_trimmed_windows_give_the_untrimmed_tokens_and_a_long_hit_answers_as_col
     first = _long_request(130, max_tokens=16)
     untrimmed_engine = _engine(model_dirs[family])
     with monkeypatch.context() as patch:
-        patch.setattr(engine_module, "SlotKVCache", _Untrimmed)
+        patch.setattr(engine_scheduler, "SlotKVCache", _Untrimmed)
         reference, _, _ = _greedy(untrimmed_engine, first, "reference")
     engine = _engine(model_dirs[family])
     trimmed, most, cached = _greedy(engine, first, "trimmed")
