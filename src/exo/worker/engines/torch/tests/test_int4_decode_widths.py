@@ -63,6 +63,9 @@ for outputs, inputs, block, kind in json.loads(sys.argv[3]):
         torch.set_num_threads(threads)
         for rows in counts:
             products[threads, rows] = op(x[:rows].contiguous(), values, scales)
+        products[threads, "single"] = torch.cat(
+            [op(x[row:row + 1].contiguous(), values, scales) for row in range(len(x))]
+        )
     int8_cases.append((kind, block, values, scales, x, products))
 torch.save((cases, int8_cases), sys.argv[1])
 print(torch.ops.exo_native.int4_decode_bits())
@@ -165,6 +168,8 @@ def test_int8_block_products_on_both_widths(widths: Widths) -> None:
                 weight = (shaped * pairs[..., :1] + pairs[..., 1:]).reshape(outputs, inputs)
             expected = rounded_activations(x).double() @ weight.t()
             for (threads, rows), product in products.items():
+                if rows == "single":
+                    continue
                 assert product.shape == (rows, outputs)
                 torch.testing.assert_close(
                     product.double(), expected[:rows], rtol=1e-5, atol=1e-4,
@@ -175,3 +180,24 @@ def test_int8_block_products_on_both_widths(widths: Widths) -> None:
     for wide_case, narrow_case in zip(wide, narrow, strict=True):
         for key, product in wide_case[5].items():
             torch.testing.assert_close(product, narrow_case[5][key], rtol=1e-5, atol=1e-4)
+
+
+def test_each_row_is_the_same_bits_whatever_the_row_count(widths: Widths) -> None:
+    """On each width, every row of a multi-row call is bit for bit its single-row call,
+    int4 and int8 blocks alike: a speculative step's verified rows are then its plain
+    decode steps' rows (issue 43's exactness), and a request's logits do not depend on the
+    batch beside it. (On AVX512 machines one row took the 256-bit tiles and several the
+    512-bit ones, whose float32 sums run in another order: a verify step's logits differed
+    from decoding's in the last bits.)"""
+    wide_bits, (wide, wide_int8), (narrow, narrow_int8) = widths
+    sides = [(narrow, narrow_int8)] + ([(wide, wide_int8)] if wide_bits == 512 else [])
+    failures = []
+    for width, (int4_cases, int8_cases) in zip((256, 512), sides, strict=False):
+        named = [(f"int4 {case[0].shape}", case[4]) for case in int4_cases]
+        named += [(f"int8 {case[0]} {tuple(case[2].shape)}", case[5]) for case in int8_cases]
+        for name, products in named:
+            for (threads, rows), product in products.items():
+                single = products[threads, "single"][: product.shape[0]]
+                if rows != "single" and not torch.equal(product, single):
+                    failures.append(f"{width} bits, {name}: {rows} rows, {threads} threads")
+    assert not failures, "\n".join(failures)

@@ -469,8 +469,12 @@ void int4_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& qw
   float* xs = x_scales.data();
   quantize_rows(xp, rows, k, group_size, xq, xs, sums);
 #ifdef EXO_INT4_AVX512
-  // One activation row keeps the 256-bit kernel's folded scales: as fast or faster there.
-  if (rows > 1 && int4_decode_bits() == 512) {
+  // Every row count, one included, takes the 512-bit kernel where it runs: a row's sums
+  // are then the same bits whatever the step's row count, so a verified draft position's
+  // logits are the plain decode step's (speculative decoding's exactness) and a request's
+  // do not change with the batch it shares a step with. (One row had kept the 256-bit
+  // kernel's folded scales, as fast there, whose float32 sums run in another order.)
+  if (int4_decode_bits() == 512) {
     interleave_chunks(xq, rows, k);
     at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
       thread_local std::vector<float> scales, combined;

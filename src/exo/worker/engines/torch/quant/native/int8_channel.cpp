@@ -149,8 +149,10 @@ void int8_channel_product(const float* xp, int64_t rows, int64_t k, const at::Te
   block_sums.resize(static_cast<size_t>(rows * blocks));
   quantize_rows(xp, rows, k, kBlock, rounded.data(), x_scales.data(), block_sums.data());
 #ifdef EXO_INT8_CHANNEL_AVX512
-  // One row keeps the 256-bit tile (bound by reading the weight either way).
-  if (rows > 1 && k % (2 * kBlock) == 0 && int4_decode_bits() == 512) {
+  // Every row count, one included, takes the 512-bit tile where it runs: a row's sums are
+  // then the same bits whatever the step's row count (speculative decoding's verify rows
+  // equal decode rows; see int4_gemv.cpp).
+  if (k % (2 * kBlock) == 0 && int4_decode_bits() == 512) {
     reorder_pairs_even_odd(rounded.data(), rows * k);
     const int64_t pairs = blocks / 2;
     thread_local std::vector<float> pair_scales;

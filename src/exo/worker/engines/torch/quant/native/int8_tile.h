@@ -187,11 +187,13 @@ void rows_avx512(const int16_t* xq, const float* pair_scales, int64_t k, Blocks 
 }
 
 // Whether a product of `rows` activation rows over k inputs takes the 512-bit tile: built,
-// not switched off (`int4_decode_bits()`, EXO_NATIVE_AVX512=0), whole pairs of blocks, and
-// more than one row (one row is bound by reading the weight either way and keeps the
-// 256-bit tile).
+// not switched off (`int4_decode_bits()`, EXO_NATIVE_AVX512=0) and whole pairs of blocks,
+// whatever the row count: a row's sums are then the same bits in a step of one row as of
+// several (speculative decoding's verify rows equal decode rows; one row had kept the
+// 256-bit tile, whose float32 sums run in another order).
 inline bool use_avx512(int64_t rows, int64_t k) {
-  return rows > 1 && k % (2 * block_rows::kBlock) == 0 && int4_decode_bits() == 512;
+  (void)rows;
+  return k % (2 * block_rows::kBlock) == 0 && int4_decode_bits() == 512;
 }
 
 // The activations (quantized by `quantize_rows`, natural order, [rows, k]) reordered for
