@@ -207,7 +207,7 @@ INSTANCE_ID = InstanceId("instance-1")
 RUNNER = RunnerId("instance-1-rank0")
 SPECULATION = SpeculationStats(
     decode_rounds=40, decode_tokens=100, verify_rounds=20, drafted_tokens=80, accepted_tokens=60,
-    acceptance_rate=0.75, tokens_per_step=2.5, auto_enabled=False,
+    acceptance_rate=0.75, tokens_per_step=2.5, auto_enabled=False, draft_connected=False,
 )  # fmt: skip
 TASK = TaskId("task-1")
 CARD = make_card()

@@ -49,7 +49,10 @@ class SpeculationStats(FrozenModel):
     accepted. `acceptance_rate` is accepted over drafted (None before any draft),
     `tokens_per_step` decode tokens over decode rounds (1 without speculation; None before
     any); `auto_enabled` whether the instance's automatic switch drafts for "auto" requests
-    now."""
+    now; `draft_connected` whether the draft model on another node (`Instance.draft.runner`)
+    is linked now (False: its node or runner is lost and decoding goes on without drafts
+    while rank 0 reconnects; checked every `DRAFT_LINK_CHECK_S` while idle), None where
+    drafts come from rank 0's own process."""
 
     decode_rounds: int = Field(ge=0)
     decode_tokens: int = Field(ge=0)
@@ -59,6 +62,7 @@ class SpeculationStats(FrozenModel):
     acceptance_rate: float | None = None
     tokens_per_step: float | None = None
     auto_enabled: bool = True
+    draft_connected: bool | None = None
 
 
 class RunnerReady(FrozenModel):

@@ -90,6 +90,8 @@ KV_REPORT_INTERVAL_S = 1.0
 # While a runner generates, its speculative-decoding counts reach the cluster state (a
 # status event through the master's log) at most this often; at once when its batch empties.
 SPECULATION_REPORT_INTERVAL_S = 10.0
+# How often an idle runner whose drafts come over a link re-checks that link for the state.
+DRAFT_LINK_CHECK_S = 2.0
 # Freed heap memory goes back to the OS at most this often while serving (and on going
 # idle): see `exo.utils.heap` (the soak's runner RSS crept up with heap holes).
 HEAP_TRIM_INTERVAL_SECONDS = 30.0
@@ -168,6 +170,7 @@ class Runner:
                     self._heap_trimmer.maybe_trim()
                     continue
                 self._heap_trimmer.maybe_trim(force=True)  # going idle
+                self._wait_for_a_message()
                 self._handle(self._receive())
         except _ShutdownRequested:
             for generation in list(self._generations.values()):
@@ -181,6 +184,22 @@ class Runner:
                 with contextlib.suppress(Exception):
                     self._engine.shutdown()  # releases the other ranks
             self._set_status(RunnerShutdown())
+
+    def _wait_for_a_message(self) -> None:
+        """Idle: return once a message waits in the pipe. A runner drafting over a link
+        meanwhile re-checks it every `DRAFT_LINK_CHECK_S`, so a draft node lost (or back)
+        while no request runs shows in the state (`SpeculationStats.draft_connected`)."""
+        while self._watches_draft_link() and not self._inbound.poll(DRAFT_LINK_CHECK_S):
+            self._update_status()
+
+    def _watches_draft_link(self) -> bool:
+        """Whether, idle, this runner re-checks its draft link (its engine drafts over one
+        and has reported speculation counts, which carry the link's state)."""
+        return (
+            isinstance(self._status, RunnerReady)
+            and getattr(self._engine, "draft_connected", None) is not None
+            and self._ready.speculation is not None
+        )
 
     def _send(self, message: RunnerOutbound) -> None:
         """Send `message` now, or with the rest of the step's output while a step runs."""
@@ -533,6 +552,7 @@ class Runner:
             acceptance_rate=counts.acceptance_rate,
             tokens_per_step=counts.tokens_per_step,
             auto_enabled=auto_enabled,
+            draft_connected=getattr(self._engine, "draft_connected", None),
         )
 
     def _cancel(self, task_id: str) -> None:

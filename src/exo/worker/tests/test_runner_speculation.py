@@ -4,6 +4,9 @@ once in the ready status when its batch empties."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from exo.shared.types.runners import RunnerReady, RunnerRunning, SpeculationStats
@@ -85,3 +88,43 @@ def test_speculation_counts_are_reported_while_running_once_the_interval_passed(
     assert rounds == [0, 1, 2, 3, 4, 5]  # after each step but the last (then: ready)
     final = reported[-1]
     assert isinstance(final, RunnerReady) and final.speculation == FINAL
+
+
+class RemoteDraftingEngine(SpeculatingEngine):
+    """Drafts over a link to another node, whose state the test sets."""
+
+    draft_connected: bool | None = True
+
+
+def test_a_lost_draft_link_shows_in_the_ready_status_while_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before, an idle runner blocked on its pipe: a draft node lost between requests left
+    # the state saying nothing until the next request ran.
+    monkeypatch.setattr(runner_module, "DRAFT_LINK_CHECK_S", 0.01)
+    engine = RemoteDraftingEngine(length=2)
+    runner, inbound_writer, outbound_reader = ready_runner(engine)
+    runner._start_generation(make_text_generation_task(task_id="task-a"))
+    while runner._generations:
+        runner._run_step()
+    assert runner._ready.speculation is not None
+    assert runner._ready.speculation.draft_connected is True
+    engine.draft_connected = False
+    waiter = threading.Thread(target=runner._wait_for_a_message)
+    waiter.start()
+    sent: list[RunnerOutbound] = []
+    deadline = time.monotonic() + 10
+    lost = None
+    while lost is None and time.monotonic() < deadline:
+        if outbound_reader.poll(0.05):
+            sent.extend(decode_outbound(outbound_reader.recv_bytes()))
+        lost = next(
+            (s for s in statuses(sent) if isinstance(s, RunnerReady) and s.speculation
+             and s.speculation.draft_connected is False),
+            None,
+        )  # fmt: skip
+    inbound_writer.send_bytes(b"{}")  # a message: the wait ends
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
+    assert lost is not None, statuses(sent)
+    assert lost.speculation is not None and lost.speculation.decode_rounds == 2

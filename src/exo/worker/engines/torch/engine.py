@@ -269,6 +269,14 @@ class TorchEngine:
             self.draft_source.close()
 
     @property
+    def draft_connected(self) -> bool | None:
+        """Whether the draft model on another node is linked now (`RemoteDraftSource`);
+        None where drafts come from this process (n-gram, a draft model loaded here)."""
+        if isinstance(self.draft_source, RemoteDraftSource):
+            return self.draft_source.connected
+        return None
+
+    @property
     def has_chat_template(self) -> bool:
         """False for a base model, whose tokenizer has no chat template (raw prompts only)."""
         return getattr(self.tokenizer, "chat_template", None) is not None
