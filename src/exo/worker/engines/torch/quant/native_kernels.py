@@ -72,6 +72,7 @@ _SOURCES = tuple(
         "prefill_ops.cpp",
         "moe_experts.cpp",
         "moe_mxfp4_experts.cpp",
+        "q4k_scales.cpp",
     )
 )
 _HEADERS = (

@@ -10,6 +10,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include <c10/util/Half.h>
+
 #include "kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -88,6 +90,88 @@ void unpack_scales(const uint16_t* scale_zero, int64_t groups, const float* offs
     }
   }
 }
+
+// float32 values rounded to bfloat16 (nearest, ties to even, as torch's `.to(bfloat16)` and
+// c10::BFloat16 round a finite value) and back to float32: the low 16 bits cleared after
+// adding 0x7FFF plus the lowest kept bit.
+inline __m256 round_to_bf16(__m256 values) {
+  const __m256i bits = _mm256_castps_si256(values);
+  const __m256i lowest_kept = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_add_epi32(bits, _mm256_add_epi32(lowest_kept, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// `unpack_scales` for compact Q4_K scales (kernels.h `kQ4kBytes`: rows of [groups / 8, 20]
+// bytes): per super-block the 8 sub-block scales and mins are one 8-lane vector each
+// (a load and a widen), scale = d sc and zero = 8 d sc - dmin m in float32, each rounded to
+// bfloat16 as the pairs are at load, then exactly the pairs' steps: the same float32 values,
+// so the same sums. 20 bytes per 256 inputs instead of the pairs' 32.
+template <int ROWS, int NR>
+void unpack_q4k_scales(const uint8_t* compact, int64_t groups, const float* offset_sums,
+                       float* scales, float (&offset_acc)[NR][ROWS],
+                       const float* x_scales = nullptr) {
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  const int64_t super_blocks = groups / kQ4kGroups;
+  for (int i = 0; i < NR; ++i) {
+    __m256 offset_vec[ROWS];
+    for (int r = 0; r < ROWS; ++r) offset_vec[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < super_blocks; ++s) {
+      const uint8_t* block = compact + (i * super_blocks + s) * kQ4kBytes;
+      uint16_t d_bits, dmin_bits;
+      std::memcpy(&d_bits, block, 2);
+      std::memcpy(&dmin_bits, block + 2, 2);
+      const __m256 d = _mm256_set1_ps(static_cast<float>(c10::Half(d_bits, c10::Half::from_bits())));
+      const __m256 dmin =
+          _mm256_set1_ps(static_cast<float>(c10::Half(dmin_bits, c10::Half::from_bits())));
+      const __m256 sc = _mm256_cvtepi32_ps(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4))));
+      const __m256 m = _mm256_cvtepi32_ps(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 12))));
+      const __m256 exact_scale = _mm256_mul_ps(d, sc);  // exact: 11 + 6 significant bits
+      // One rounding of 8 d sc - dmin m (both products exact), as repack_q4_k's float32.
+      const __m256 zero = round_to_bf16(_mm256_fmsub_ps(eight, exact_scale, _mm256_mul_ps(dmin, m)));
+      const __m256 scale = round_to_bf16(exact_scale);
+      const int64_t g = s * kQ4kGroups;
+      _mm256_storeu_ps(scales + i * groups + g,
+                       x_scales ? _mm256_mul_ps(_mm256_loadu_ps(x_scales + g), scale) : scale);
+      const __m256 offset = _mm256_fnmadd_ps(eight, scale, zero);
+      for (int r = 0; r < ROWS; ++r)
+        offset_vec[r] =
+            _mm256_fmadd_ps(offset, _mm256_loadu_ps(offset_sums + r * groups + g), offset_vec[r]);
+    }
+    for (int r = 0; r < ROWS; ++r) offset_acc[i][r] = horizontal_sum(offset_vec[r]);
+  }
+}
+
+// An int4 weight's scales as the decode tiles take them: bfloat16 (scale, zero) pairs
+// [out, groups, 2] (`pairs`), or compact Q4_K scales [out, groups / 8, 20] (`q4k`, when not
+// null); `unpack` reads NR output rows from row n with whichever `unpack_*` fits.
+struct Int4Scales {
+  const uint16_t* pairs = nullptr;
+  const uint8_t* q4k = nullptr;
+
+  static Int4Scales of(const at::Tensor& scale_zero) {
+    Int4Scales held;
+    if (is_q4k_scales(scale_zero))
+      held.q4k = scale_zero.data_ptr<uint8_t>();
+    else
+      held.pairs = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>());
+    return held;
+  }
+
+  template <int ROWS, int NR>
+  void unpack(int64_t n, int64_t groups, const float* offset_sums, float* scales,
+              float (&offset_acc)[NR][ROWS], const float* x_scales = nullptr) const {
+    if (q4k != nullptr)
+      unpack_q4k_scales<ROWS, NR>(q4k + n * (groups / kQ4kGroups) * kQ4kBytes, groups,
+                                  offset_sums, scales, offset_acc, x_scales);
+    else
+      unpack_scales<ROWS, NR>(pairs + n * groups * 2, groups, offset_sums, scales, offset_acc,
+                              x_scales);
+  }
+};
 
 // Per output row i < NR and activation row r < ROWS, each block's weight scale (`scales`
 // [NR, groups], as `unpack_scales` leaves them) times its activation scale (`x_scales`
