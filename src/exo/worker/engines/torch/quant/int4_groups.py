@@ -12,7 +12,11 @@ from exo.worker.engines.torch.quant.native_kernels import (
     built_int4_kernel,
     native_int4_kernel,
 )
-from exo.worker.engines.torch.quant.q4k_scales import is_q4k_scales, q4k_scale_pairs
+from exo.worker.engines.torch.quant.q4k_scales import (
+    compact_scales_held,
+    is_q4k_scales,
+    q4k_scale_pairs,
+)
 from exo.worker.engines.torch.quant.quantized_linear import (
     NATIVE_BLOCK_MAX_ROWS,
     QuantizedLinear,
@@ -61,12 +65,15 @@ class Int4Linear(QuantizedLinear):
           `packed` uint8 `[out, in / 2]` by pairs of blocks of 32 inputs
           (`pack_native_int4`) and `scales_and_zeros` bfloat16 `[out, groups, 2]`, or
           compact Q4_K scales uint8 `[out, in / 256, 20]` as given (`q4k_scales`: the same
-          pairs, 0.625 bits per weight instead of 1), for exo's AVX2 kernel.
+          pairs, 0.625 bits per weight instead of 1; expanded with `EXO_Q4K_COMPACT=0`),
+          for exo's AVX2 kernel.
 
         Both are row-major by output channel: a slice of rows is a slice of outputs."""
         self.packed: torch.Tensor
         self.scales_and_zeros: torch.Tensor
         self.native = native_int4_kernel() is not None
+        if is_q4k_scales(scales_and_zeros) and not (self.native and compact_scales_held()):
+            scales_and_zeros = q4k_scale_pairs(scales_and_zeros)
         if self.native:
             self.register_buffer("packed", pack_native_int4(quantized.to(torch.uint8)))
             held = scales_and_zeros.contiguous()
@@ -75,8 +82,6 @@ class Int4Linear(QuantizedLinear):
             )
             self._unpack_ok = False
             return
-        if is_q4k_scales(scales_and_zeros):
-            scales_and_zeros = q4k_scale_pairs(scales_and_zeros)
         self.register_buffer(
             "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(quantized, 1)
         )

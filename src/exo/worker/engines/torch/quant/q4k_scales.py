@@ -16,15 +16,19 @@ float32 pairs of the old form: so every kernel computes bit for bit what it comp
 old conversion of the same GGUF. exo's decode kernels read the compact form
 (`native/block_rows.h` `unpack_q4k_scales`); prefill's `block_matmul` and the portable loop
 expand it per call (`native/q4k_scales.cpp`); torch's int4 layout (no native kernels) takes
-the expanded pairs at load.
+the expanded pairs at load, as exo's does with `EXO_Q4K_COMPACT=0` (for A/B runs; figures:
+docs/benchmarks/2026-12-06-compact-q4k-scales.md).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
+# "0": expand compact scales to bfloat16 pairs at load (the same products; for A/B runs).
+COMPACT_Q4K_ENV = "EXO_Q4K_COMPACT"
 Q4K_SUPER_BLOCK = 256  # inputs per super-block
 Q4K_GROUPS = 8  # groups of 32 inputs per super-block
 Q4K_SCALE_BYTES = 20  # per output row and super-block: d, dmin (fp16), 8 sc, 8 m (uint8)
@@ -33,6 +37,12 @@ Q4K_SCALE_BYTES = 20  # per output row and super-block: d, dmin (fp16), 8 sc, 8 
 def is_q4k_scales(scales: torch.Tensor) -> bool:
     """Whether an int4 weight's held scales are the compact Q4_K form (else bf16 pairs)."""
     return scales.dtype == torch.uint8 and scales.dim() == 3 and scales.shape[2] == Q4K_SCALE_BYTES
+
+
+def compact_scales_held() -> bool:
+    """Whether exo's layout holds compact Q4_K scales as they are (`EXO_Q4K_COMPACT` not
+    "0"); otherwise as the pairs they stand for, as torch's layout always does."""
+    return os.environ.get(COMPACT_Q4K_ENV, "1") != "0"
 
 
 def q4k_scales_and_zeros(compact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

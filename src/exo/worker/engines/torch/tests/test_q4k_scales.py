@@ -23,6 +23,7 @@ from exo.worker.engines.torch.quant.int4_groups import (
 )
 from exo.worker.engines.torch.quant.native_kernels import built_int4_kernel
 from exo.worker.engines.torch.quant.q4k_scales import (
+    COMPACT_Q4K_ENV,
     compact_from_stored,
     q4k_scale_pairs,
     q4k_scales_and_zeros,
@@ -75,6 +76,13 @@ def test_the_compact_module_holds_the_same_weight() -> None:
     if new.native:  # held as they are: 20 bytes per 256 inputs, not 32
         assert new.scales_and_zeros.dtype == torch.uint8
         assert new.scales_and_zeros.numel() * 32 == old.scales_and_zeros.numel() * 2 * 20
+
+
+def test_compact_scales_can_be_expanded_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(COMPACT_Q4K_ENV, "0")
+    old, new = both_forms(64, 512, seed=5)
+    assert new.scales_and_zeros.dtype == old.scales_and_zeros.dtype
+    assert torch.equal(new.scales_and_zeros, old.scales_and_zeros)
 
 
 def test_fusing_compact_with_pairs_falls_back_to_pairs() -> None:
