@@ -178,6 +178,11 @@ ENVIRONMENT = (
         "engine.md#exos-kernels",
     ),
     EnvironmentVariable(
+        "EXO_Q4K_COMPACT",
+        "`0` holds GGUF Q4_K weights' scales as bfloat16 pairs, not compact (same products)",
+        "engine.md#exos-kernels",
+    ),
+    EnvironmentVariable(
         "EXO_DECODE_GEMM_MIN_ROWS",
         "rows of a decode step from which block weights take the integer GEMM",
         "engine.md#exos-kernels",
