@@ -2,8 +2,10 @@
 `worker/engines/torch/quant/q4k_scales.py`) against the same conversion in the earlier form
 (float32 `.int4_scales` / `.int4_zeros`, which still loads): the engine holds the compact
 scales as they are and its int4 logits are bit for bit the earlier form's, on one rank
-(prefill and decode through the MoE experts kernel) and on two tensor-parallel ranks, where a
-rank whose columns cut a super-block of 256 holds the groups instead."""
+and on two tensor-parallel ranks, where a rank whose columns cut a super-block of 256 holds
+the groups instead. With exo's kernels the one-rank step runs the compact scales through
+prefill's block_matmul, the native decode layer (the attention projections) and the MoE
+experts kernel (checked by wrapping `torch.ops.exo_native`, 2026-12-06)."""
 
 from __future__ import annotations
 

@@ -330,8 +330,8 @@ def load_repacked(
         packed_slice = handle.get_slice(parts.base + INT4_PACKED)
         if direct is not None and getattr(direct[0], direct[1]).out_features % 64 == 0:
             packed = reader(packed_slice)
-            if packed.shape[1] * 2 % Q4K_SUPER_BLOCK == 0:
-                held = reader(Q4kScalesPart(compact))
+            held = _whole_super_blocks(reader, compact, packed.shape[1] * 2)
+            if held is not None:
                 _install(*direct, lambda bias: int4_linear_from_q4k(packed, held, bias))
                 return None
         # A split that cuts a super-block, or no int4 module: the groups they stand for.
@@ -350,6 +350,18 @@ def load_repacked(
             )
             return None
     return _dequantize_groups(packed, scales, zeros)
+
+
+def _whole_super_blocks(reader: TensorReader, compact: Any, columns: int) -> torch.Tensor | None:
+    """This rank's compact scales `[out, columns / 256, 20]` of stored slice `compact`, or
+    None where its `columns` inputs are not whole super-blocks of 256."""
+    if columns % Q4K_SUPER_BLOCK:
+        return None
+    try:
+        held = reader(Q4kScalesPart(compact))
+    except ValueError:  # the reader's columns cut a super-block
+        return None
+    return held if held.shape[1] * Q4K_SUPER_BLOCK == columns else None
 
 
 def _q4k_slice(handle: Any, base: str) -> Any:
