@@ -148,7 +148,8 @@ void unpack_q4k_scales(const uint8_t* compact, int64_t groups, const float* offs
           _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 12))));
       const __m256 exact_scale = _mm256_mul_ps(d, sc);  // exact: 11 + 6 significant bits
       // One rounding of 8 d sc - dmin m (both products exact), as repack_q4_k's float32.
-      const __m256 zero = round_to_bf16(_mm256_fmsub_ps(eight, exact_scale, _mm256_mul_ps(dmin, m)));
+      const __m256 zero =
+          round_to_bf16(_mm256_fmsub_ps(eight, exact_scale, _mm256_mul_ps(dmin, m)));
       const __m256 scale = round_to_bf16(exact_scale);
       const int64_t g = s * kQ4kGroups;
       _mm256_storeu_ps(scales + i * groups + g,

@@ -116,7 +116,8 @@ Linear read_linear(const c10::List<std::optional<at::Tensor>>& linears, int64_t 
                     (scale_zero->size(1) * 16 == linear.in || scale_zero->size(1) * 32 == linear.in),
                 "decode_layer: linear ", index, " needs bfloat16 [out, in / 16 or in / 32] scales");
     linear.scale_zero = *scale_zero;
-  } else if (kind == at::kByte && scale_zero.has_value() && exo_native::is_q4k_scales(*scale_zero)) {
+  } else if (kind == at::kByte && scale_zero.has_value() &&
+             exo_native::is_q4k_scales(*scale_zero)) {
     // int4 blocks with compact Q4_K scales (kernels.h kQ4kBytes): one group per 32 inputs.
     linear.in = 2 * linear.weight.size(1);
     TORCH_CHECK(scale_zero->is_contiguous() && scale_zero->size(0) == linear.out &&
