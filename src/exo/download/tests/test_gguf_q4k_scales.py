@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from exo.download.tests.test_gguf_moe import PROMPT, SHAPE
+from exo.shared.models.cards import card_from_local_directory
 from exo.shared.models.tensor_names import INT4_Q4K_SCALES, INT4_SCALES, INT4_ZEROS
 from exo.testing.random_moe_gguf import write_random_moe_gguf
 from exo.worker.engines.torch.model.loading import load_model
@@ -56,12 +57,16 @@ def test_compact_scales_load_to_the_earlier_forms_logits(tmp_path: Path) -> None
     gguf_path = write_random_moe_gguf(tmp_path / "moe.gguf", SHAPE, "Q4_K")[0]
     from exo.download.gguf_repack import convert_gguf
 
+    names = ("compact", "earlier")
     compact_dir = tmp_path / "compact"
     compact_dir.mkdir()
     convert_gguf(gguf_path, compact_dir)
     assert earlier_form(compact_dir, tmp_path / "earlier") > 0
+    # The compact scales hold no weights of their own, as scales and zeros hold none.
+    counts = {card_from_local_directory(tmp_path / name).parameter_count for name in names}
+    assert len(counts) == 1
     models = {}
-    for name in ("compact", "earlier"):
+    for name in names:
         model_dir = tmp_path / name
         models[name] = load_model(model_dir, make_shard(model_dir, "pipeline", 0, 1), CPU, "int4")
     held = int4_modules(models["compact"])
