@@ -11,13 +11,15 @@ packed nibbles). 4.625 bits per weight with the nibbles, against 5.0 with pairs.
 
 Group g of a super-block has scale `d sc[g]` and zero `8 d sc[g] - dmin m[g]` in float32
 (`gguf_repack.repack_q4_k`'s operations: both products are exact, the difference rounded
-once), which the engine rounds to bfloat16 (nearest, ties to even) as it rounds the stored
-float32 pairs of the old form: so every kernel computes bit for bit what it computes from an
-old conversion of the same GGUF. exo's decode kernels read the compact form
-(`native/block_rows.h` `unpack_q4k_scales`); prefill's `block_matmul` and the portable loop
-expand it per call (`native/q4k_scales.cpp`); torch's int4 layout (no native kernels) takes
-the expanded pairs at load, as exo's does with `EXO_Q4K_COMPACT=0` (for A/B runs; figures:
-docs/benchmarks/2026-12-06-compact-q4k-scales.md).
+once); its weights are GGUF's `d sc q - dmin m` (q: 0..15). exo's decode kernels (up to
+`NATIVE_BLOCK_MAX_ROWS` rows: decode and speculative verification) read the compact form and
+use these values unrounded (`native/block_rows.h` `unpack_q4k_scales`: scale `d sc`, zero
+term `-dmin m`, both exact), closer to the checkpoint than the old form's bfloat16 pairs.
+The paths that read pairs round both to bfloat16 (nearest, ties to even) as the old form's
+load does, so they compute bit for bit what they compute from an old conversion: prefill's
+`block_matmul` and the portable loop expand per call (`native/q4k_scales.cpp`); torch's int4
+layout (no native kernels) takes the pairs at load, as exo's does with `EXO_Q4K_COMPACT=0`
+(for A/B runs; figures: docs/benchmarks/2026-12-06-compact-q4k-scales.md).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 
-# "0": expand compact scales to bfloat16 pairs at load (the same products; for A/B runs).
+# "0": expand compact scales to bfloat16 pairs at load (the old form's products; A/B runs).
 COMPACT_Q4K_ENV = "EXO_Q4K_COMPACT"
 Q4K_SUPER_BLOCK = 256  # inputs per super-block
 Q4K_GROUPS = 8  # groups of 32 inputs per super-block

@@ -91,20 +91,6 @@ void unpack_scales(const uint16_t* scale_zero, int64_t groups, const float* offs
   }
 }
 
-// float32 values rounded to bfloat16 (8 significant bits, nearest, ties to even, as torch's
-// `.to(torch.bfloat16)` rounds a finite value) and back to float32, by Veltkamp's splitting
-// (t = x (2^16 + 1), x - (t - x)'s high part t - (t - x): 3 operations where the integer
-// form takes 5). Exact for |x| < 2^111 (no overflow of t); the compact Q4_K values are below
-// 2^25. Checked against torch's rounding on 4 million such values, 124 thousand of them ties,
-// and by the kernel tests (test_q4k_scales.py), which fail with any other tie-breaking.
-inline __m256 round_to_bf16(__m256 values) {
-  __m256 t = _mm256_mul_ps(values, _mm256_set1_ps(65537.0f));
-  // t must be the rounded product: GCC's vector intrinsics are plain operators, which it
-  // would otherwise contract with the subtraction into an FMA (an unrounded t - x).
-  __asm__("" : "+x"(t));
-  return _mm256_sub_ps(t, _mm256_sub_ps(t, values));
-}
-
 // Super-block `block`'s fp16 d and dmin (its first 4 bytes) as float32.
 inline void q4k_d_dmin(const uint8_t* block, float& d, float& dmin) {
 #ifdef __F16C__
@@ -123,15 +109,17 @@ inline void q4k_d_dmin(const uint8_t* block, float& d, float& dmin) {
 }
 
 // `unpack_scales` for compact Q4_K scales (kernels.h `kQ4kBytes`: rows of [groups / 8, 20]
-// bytes): per super-block the 8 sub-block scales and mins are one 8-lane vector each
-// (a load and a widen), scale = d sc and zero = 8 d sc - dmin m in float32, each rounded to
-// bfloat16 as the pairs are at load, then exactly the pairs' steps: the same float32 values,
-// so the same sums. 20 bytes per 256 inputs instead of the pairs' 32.
+// bytes): per super-block the 8 sub-block scales and mins are one 8-lane vector each (a load
+// and a widen), and group g's weights are GGUF's own, w = d sc q - dmin m (q: 0..15): scale
+// d sc and zero term (zero - 8 scale) = -dmin m, both products exact in float32 (11 + 6
+// significant bits), so the sums use the checkpoint's values, not the bfloat16 pairs' (the
+// pairs round both, 8 significant bits; prefill's expansion still does: q4k_scales.cpp).
+// Per super-block and output row: 2 widenings, 2 conversions, 2 products (the pairs: a
+// load, a shift, a mask). 20 bytes per 256 inputs instead of the pairs' 32.
 template <int ROWS, int NR>
 void unpack_q4k_scales(const uint8_t* compact, int64_t groups, const float* offset_sums,
                        float* scales, float (&offset_acc)[NR][ROWS],
                        const float* x_scales = nullptr) {
-  const __m256 eight = _mm256_set1_ps(8.0f);
   const int64_t super_blocks = groups / kQ4kGroups;
   for (int i = 0; i < NR; ++i) {
     __m256 offset_vec[ROWS];
@@ -140,24 +128,18 @@ void unpack_q4k_scales(const uint8_t* compact, int64_t groups, const float* offs
       const uint8_t* block = compact + (i * super_blocks + s) * kQ4kBytes;
       float d_value, dmin_value;
       q4k_d_dmin(block, d_value, dmin_value);
-      const __m256 d = _mm256_set1_ps(d_value);
-      const __m256 dmin = _mm256_set1_ps(dmin_value);
       const __m256 sc = _mm256_cvtepi32_ps(
           _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4))));
       const __m256 m = _mm256_cvtepi32_ps(
           _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 12))));
-      const __m256 exact_scale = _mm256_mul_ps(d, sc);  // exact: 11 + 6 significant bits
-      // One rounding of 8 d sc - dmin m (both products exact), as repack_q4_k's float32.
-      const __m256 zero =
-          round_to_bf16(_mm256_fmsub_ps(eight, exact_scale, _mm256_mul_ps(dmin, m)));
-      const __m256 scale = round_to_bf16(exact_scale);
+      const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(d_value), sc);
+      const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(dmin_value), m);  // -(zero - 8 scale)
       const int64_t g = s * kQ4kGroups;
       _mm256_storeu_ps(scales + i * groups + g,
                        x_scales ? _mm256_mul_ps(_mm256_loadu_ps(x_scales + g), scale) : scale);
-      const __m256 offset = _mm256_fnmadd_ps(eight, scale, zero);
       for (int r = 0; r < ROWS; ++r)
         offset_vec[r] =
-            _mm256_fmadd_ps(offset, _mm256_loadu_ps(offset_sums + r * groups + g), offset_vec[r]);
+            _mm256_fnmadd_ps(mins, _mm256_loadu_ps(offset_sums + r * groups + g), offset_vec[r]);
     }
     for (int r = 0; r < ROWS; ++r) offset_acc[i][r] = horizontal_sum(offset_vec[r]);
   }

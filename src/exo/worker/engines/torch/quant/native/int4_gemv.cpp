@@ -4,7 +4,8 @@
 // y[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (decode), where
 //   w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g],  g = k / group_size,
 // the engine's int4 format (Int4Linear), with (scale, zero) as bfloat16 pairs (or compact
-// Q4_K scales that give the same pairs: kernels.h `kQ4kBytes`) and q held
+// Q4_K scales, read as their float32 values d sc and 8 d sc - dmin m: kernels.h `kQ4kBytes`)
+// and q held
 // per pair of blocks of 32 inputs (64 inputs, 32 bytes) as 16 little-endian 16-bit lanes:
 // lane i holds q[i], q[16 + i], q[32 + i], q[48 + i] in its four nibbles, lowest first.
 // One AND (and a shift) per nibble turns a 32-byte load into four vectors of 16 int16
@@ -61,7 +62,7 @@ inline float lane_sum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 // What both kernels' tiles do with the weight's (scale, zero) pairs: unpacked once per tile
 // of NR output rows (block_rows.h's `unpack_scales`, or `unpack_q4k_scales` for compact Q4_K
-// scales, which give the same float32 values: the scales as float32 into
+// scales, their float32 values unrounded: the scales as float32 into
 // scales[NR, groups], each times its activation block's scale where `x_scales` is given,
 // and per output and activation row the zero term), the zero term added when the tile
 // stores its sums into y[ROWS, n_total].

@@ -78,10 +78,11 @@ inline float round_block(const float* block, int16_t* values) {
 // of bfloat16 (scale, zero) pairs per group of 32: per output row and super-block of 256
 // inputs (8 groups), 20 bytes: fp16 d, fp16 dmin (little-endian), the 8 sub-blocks' scales
 // sc, then their mins m, each a uint8 (Q4_K's 6-bit fields, widened at conversion): uint8
-// [out, in / 256, 20], 0.625 bits per weight against the pairs' 1. Group g's pair is
-// d sc and 8 d sc - dmin m in float32 (as gguf_repack.repack_q4_k computes them), each
-// rounded to bfloat16 (nearest, ties to even: torch's `.to(torch.bfloat16)`), so a kernel
-// reading them computes bit for bit what it computes from the pairs the old form loads to.
+// [out, in / 256, 20], 0.625 bits per weight against the pairs' 1. Group g's scale is d sc
+// and its zero 8 d sc - dmin m (GGUF's weights d sc q - dmin m, q: 0..15). The decode tiles
+// take them in float32 unrounded (block_rows.h `unpack_q4k_scales`); the paths that read
+// pairs (block_matmul, the portable loop) take the pairs the old form loads to: each value
+// rounded to bfloat16 (nearest, ties to even: torch's `.to(torch.bfloat16)`).
 constexpr int64_t kQ4kGroups = 8;
 constexpr int64_t kQ4kBytes = 20;
 

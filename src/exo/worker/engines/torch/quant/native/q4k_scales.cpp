@@ -1,7 +1,7 @@
 // Compact Q4_K scales (kernels.h `kQ4kBytes`): the expansion to bfloat16 (scale, zero) pairs
 // for the paths that do not read the compact form themselves (prefill's block_matmul and the
 // portable decode loop expand per call, a temporary of 1 bit per weight; tests compare both
-// forms). The decode tiles read it natively (block_rows.h `unpack_q4k_scales`).
+// forms). The decode tiles read it natively and unrounded (block_rows.h `unpack_q4k_scales`).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
