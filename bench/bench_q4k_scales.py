@@ -12,8 +12,9 @@ nibbles, far past any cache, so each pass reads the weights from memory as a dec
 does); the two forms alternate measurement by measurement, the first alternating too, for
 `--repeats` pairs. Prints per form the median time per product (thread CPU, `thread_time`,
 and wall) with the spread (min-max of the repeats), and the median of the per-pair ratios
-compact / pairs. The outputs of both forms are checked equal (bit for bit). Numbers only;
-nothing else is asserted.
+compact / pairs, and how far apart the two forms' outputs are (the decode kernel reads the
+compact scales unrounded, the pairs are bfloat16: largest difference relative to the
+largest |output|). Numbers only; nothing is asserted.
 """
 
 from __future__ import annotations
@@ -79,8 +80,11 @@ def main() -> None:
               f"{sum(c.numel() for _, _, c in stack) / 2**20:.1f} MiB")  # fmt: skip
         for rows in args.rows:
             x = torch.randn(rows, inputs)
-            for packed, pairs, compact in stack[:4]:
-                assert torch.equal(kernel(x, packed, compact), kernel(x, packed, pairs))
+            apart = max(
+                float((kernel(x, p, c) - kernel(x, p, s)).abs().max() / kernel(x, p, s).abs().max())
+                for p, s, c in stack[:4]
+            )
+            print(f"  rows {rows}: outputs apart by {apart:.1e} of the largest |output|")
             times: dict[int, list[tuple[float, float]]] = {1: [], 2: []}
             measure(kernel, x, stack, 1, args.rounds)
             measure(kernel, x, stack, 2, args.rounds)
