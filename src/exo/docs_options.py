@@ -179,7 +179,8 @@ ENVIRONMENT = (
     ),
     EnvironmentVariable(
         "EXO_Q4K_COMPACT",
-        "`0` holds GGUF Q4_K weights' scales as bfloat16 pairs, not compact (same products)",
+        "`1` holds GGUF Q4_K weights' scales compact (4.625 bits, decode unrounded), not as "
+        "bfloat16 pairs",
         "engine.md#exos-kernels",
     ),
     EnvironmentVariable(

@@ -21,10 +21,10 @@ one weight per expert, each repacked as below (`gguf_experts`); a split GGUF
   rank reads its rows or columns like any weight's. Q4_K keeps its super-blocks' scale
   fields instead, `<name>.int4_q4k_scales` (uint8 `[out, in / 256 * 20]`: per super-block
   fp16 d and dmin, then the eight 6-bit scales and eight mins each widened to a byte;
-  `q4k_compact_scales`), which the engine holds as they are (4.625 bits per weight with
-  the nibbles, against 5 with bfloat16 pairs) and from which it derives the same pairs
-  bit for bit (`exo.worker.engines.torch.quant.q4k_scales`). Directories converted before
-  (Q4_K with `.int4_scales` / `.int4_zeros`) still load.
+  `q4k_compact_scales`), from which the engine derives the earlier form's bfloat16 pairs
+  bit for bit, or which it holds as they are with `EXO_Q4K_COMPACT=1` (4.625 bits per
+  weight with the nibbles, against 5; `exo.worker.engines.torch.quant.q4k_scales`).
+  Directories converted before (Q4_K with `.int4_scales` / `.int4_zeros`) still load.
 - **Every other quantized type** (Q5_0, Q5_1, Q6_K, Q8_0, ...) is stored as its raw GGUF
   blocks, `<name>.gguf_<TYPE>` (uint8 `[out, bytes per row]`), the smallest lossless form, and
   dequantized by `gguf`'s own dequantizer when loaded

@@ -174,14 +174,9 @@ def test_a_gguf_card_is_predicted_from_the_types_its_weights_are_stored_in() -> 
     assert decoder_layer_bytes(int4, "int4") == per_layer * 0.625 + norms
     expected = per_layer * (0.5 * 0.625 + 0.25 * 2 + 0.25 * 1.25) + norms
     assert decoder_layer_bytes(mixed, "int4") == pytest.approx(expected, rel=1e-6)
-    # Where exo's AVX2 kernels run, Q6_K is held at 1.125 bytes per weight, Q5_0 at 0.75
-    # (5-bit lanes) and Q4_K at 0.578 (compact scales, 20 bytes per 256); a node that says
-    # so is predicted from those.
-    q4k_native = 0.5 + 20 / 256
-    assert decoder_layer_bytes(int4, "int4", native_kernels=True) == pytest.approx(
-        per_layer * q4k_native + norms, rel=1e-6
-    )
-    native = per_layer * (0.5 * q4k_native + 0.25 * 1.125 + 0.25 * 0.75) + norms
+    # Where exo's AVX2 kernels run, Q6_K is held at 1.125 bytes per weight and Q5_0 at
+    # 0.75 (5-bit lanes); a node that says so is predicted from those.
+    native = per_layer * (0.5 * 0.625 + 0.25 * 1.125 + 0.25 * 0.75) + norms
     assert decoder_layer_bytes(mixed, "int4", native_kernels=True) == pytest.approx(
         native, rel=1e-6
     )

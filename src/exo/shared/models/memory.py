@@ -78,14 +78,8 @@ def linear_weight_bytes(in_features: int, out_features: int, weight_format: Weig
             return weights // 2 + groups * out_features * 2 * BFLOAT16_BYTES
 
 
-# GGUF block types the engine repacks into its int4 groups (`gguf_weights.py`); Q4_K, where
-# exo's kernels run, with compact scales, 20 bytes per super-block of 256 weights
-# (`quant/q4k_scales.py`; 4.625 bits per weight with the nibbles, against 5 with a bfloat16
-# pair per 32, which torch's int4 layout and a tensor-parallel split that cuts a
-# super-block hold).
+# GGUF block types the engine repacks into its int4 groups (`gguf_weights.py`).
 GGUF_INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
-Q4K_SUPER_BLOCK = 256
-Q4K_SCALE_BYTES = 20
 # GGUF 8- and 5-bit block types the engine holds exactly: two int4 planes (1.25 bytes per
 # weight) or, with exo's AVX2 kernels, int8 blocks (1.125 bytes per weight; Q5_0 as 5-bit
 # lanes, ~0.75).
@@ -167,16 +161,13 @@ def gguf_weight_bytes(gguf_type: str, weights: int, native_kernels: bool = False
     """Bytes the engine holds (int4 format) for `weights` decoder-layer weights stored as
     GGUF `gguf_type` (`worker/engines/torch/quant/gguf_weights.py` routes each type): Q4_0 / Q4_1 /
     Q4_K and float types as int4 groups (half a byte plus a bfloat16 pair per 32); with
-    `native_kernels` (a node where exo's AVX2 kernels run) Q4_K with its compact scales (half
-    a byte plus 20 bytes per 256), Q5_0 / Q8_0 / Q5_1 / Q6_K in their
+    `native_kernels` (a node where exo's AVX2 kernels run) Q5_0 / Q8_0 / Q5_1 / Q6_K in their
     smaller block forms (`_NATIVE_BYTES_PER_WEIGHT`); else Q8_0 / Q5_0 / Q5_1 as two int4
     planes (1.25 bytes) and any other quantized type as bfloat16 (2 bytes). The second is
     never smaller: placement's memory uses it (a node's kernels are not known there).
     MXFP4 (gpt-oss's experts) as stored, 17 bytes per 32 weights."""
     if gguf_type in GGUF_MXFP4_TYPES:
         return math.ceil(weights * GGUF_MXFP4_BYTES_PER_WEIGHT)
-    if native_kernels and gguf_type == "Q4_K":  # compact scales: 20 bytes per 256 weights
-        return weights // 2 + weights // Q4K_SUPER_BLOCK * Q4K_SCALE_BYTES
     if gguf_type in GGUF_INT4_TYPES or gguf_type in GGUF_FLOAT_TYPES:
         return weights // 2 + weights // INT4_GROUP_SIZE * 2 * BFLOAT16_BYTES
     if native_kernels and gguf_type in _NATIVE_BYTES_PER_WEIGHT:

@@ -64,9 +64,9 @@ class Int4Linear(QuantizedLinear):
         - exo's (`native` True, where `native_kernels.native_int4_kernel()` is available):
           `packed` uint8 `[out, in / 2]` by pairs of blocks of 32 inputs
           (`pack_native_int4`) and `scales_and_zeros` bfloat16 `[out, groups, 2]`, or
-          compact Q4_K scales uint8 `[out, in / 256, 20]` as given (`q4k_scales`: the same
-          pairs, 0.625 bits per weight instead of 1; expanded with `EXO_Q4K_COMPACT=0`),
-          for exo's AVX2 kernel.
+          with `EXO_Q4K_COMPACT=1` compact Q4_K scales uint8 `[out, in / 256, 20]` as
+          given (`q4k_scales`: 0.625 bits per weight instead of 1, read unrounded by the
+          decode kernel; by default expanded to the pairs), for exo's AVX2 kernel.
 
         Both are row-major by output channel: a slice of rows is a slice of outputs."""
         self.packed: torch.Tensor

@@ -18,8 +18,13 @@ term `-dmin m`, both exact), closer to the checkpoint than the old form's bfloat
 The paths that read pairs round both to bfloat16 (nearest, ties to even) as the old form's
 load does, so they compute bit for bit what they compute from an old conversion: prefill's
 `block_matmul` and the portable loop expand per call (`native/q4k_scales.cpp`); torch's int4
-layout (no native kernels) takes the pairs at load, as exo's does with `EXO_Q4K_COMPACT=0`
-(for A/B runs; figures: docs/benchmarks/2026-12-06-compact-q4k-scales.md).
+layout (no native kernels) takes the pairs at load.
+
+exo's layout holds the compact form only with `EXO_Q4K_COMPACT=1`; by default it too
+expands to the pairs at load (the old form's products everywhere, 5.0 bits per weight): on
+a contended 2-core Zen 4 the compact decode product was no faster from memory at one row
+(an expert's gate/up and down together 0.996-1.019 times the pairs' time, 2026-12-06;
+figures: docs/benchmarks/2026-12-06-compact-q4k-scales.md).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from typing import Any
 
 import torch
 
-# "0": expand compact scales to bfloat16 pairs at load (the old form's products; A/B runs).
+# "1": hold compact scales as they are (exo's kernels); else (default) expand them to the
+# bfloat16 pairs at load, the old form's products.
 COMPACT_Q4K_ENV = "EXO_Q4K_COMPACT"
 Q4K_SUPER_BLOCK = 256  # inputs per super-block
 Q4K_GROUPS = 8  # groups of 32 inputs per super-block
@@ -42,9 +48,9 @@ def is_q4k_scales(scales: torch.Tensor) -> bool:
 
 
 def compact_scales_held() -> bool:
-    """Whether exo's layout holds compact Q4_K scales as they are (`EXO_Q4K_COMPACT` not
-    "0"); otherwise as the pairs they stand for, as torch's layout always does."""
-    return os.environ.get(COMPACT_Q4K_ENV, "1") != "0"
+    """Whether exo's layout holds compact Q4_K scales as they are (`EXO_Q4K_COMPACT=1`);
+    otherwise (the default) as the pairs they stand for, as torch's layout always does."""
+    return os.environ.get(COMPACT_Q4K_ENV, "0") == "1"
 
 
 def q4k_scales_and_zeros(compact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,13 @@ from exo.worker.engines.torch.quant.q4k_scales import (
 
 needs_kernels = pytest.mark.skipif(built_int4_kernel() is None, reason="exo's kernels not built")
 
+
+@pytest.fixture(autouse=True)
+def compact_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """exo's layout holds the compact form (`EXO_Q4K_COMPACT=1`; the children inherit it)."""
+    monkeypatch.setenv(COMPACT_Q4K_ENV, "1")
+
+
 _Q4_K_BYTES = 144
 
 
@@ -112,11 +119,19 @@ def test_the_compact_module_holds_the_same_weight() -> None:
         assert new.scales_and_zeros.numel() * 32 == old.scales_and_zeros.numel() * 2 * 20
 
 
-def test_compact_scales_can_be_expanded_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(COMPACT_Q4K_ENV, "0")
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_compact_scales_are_expanded_at_load_by_default(
+    monkeypatch: pytest.MonkeyPatch, setting: str | None
+) -> None:
+    if setting is None:
+        monkeypatch.delenv(COMPACT_Q4K_ENV)
+    else:
+        monkeypatch.setenv(COMPACT_Q4K_ENV, setting)
     old, new = both_forms(64, 512, seed=5)
     assert new.scales_and_zeros.dtype == old.scales_and_zeros.dtype
     assert torch.equal(new.scales_and_zeros, old.scales_and_zeros)
+    x = torch.randn(3, 512)
+    assert torch.equal(new(x), old(x))
 
 
 def test_fusing_compact_with_pairs_falls_back_to_pairs() -> None:
