@@ -179,6 +179,12 @@ ENVIRONMENT = (
         "engine.md#exos-kernels",
     ),
     EnvironmentVariable(
+        "EXO_Q4K_COMPACT",
+        "`1` holds GGUF Q4_K weights' scales compact (4.625 bits, decode unrounded), not as "
+        "bfloat16 pairs",
+        "engine.md#exos-kernels",
+    ),
+    EnvironmentVariable(
         "EXO_DECODE_GEMM_MIN_ROWS",
         "rows of a decode step from which block weights take the integer GEMM",
         "engine.md#exos-kernels",

@@ -16,9 +16,15 @@ one weight per expert, each repacked as below (`gguf_experts`); a split GGUF
   sub-block scales and mins, `x = d sc q - dmin m`): one group per sub-block of 32, scale
   d·sc, zero 8 d·sc - dmin·m.
   Stored as `<name>.int4_packed` (uint8 `[out, in / 2]`, column 2j in the low nibble of byte j,
-  2j + 1 in the high one), `<name>.int4_scales` and `<name>.int4_zeros` (float32
-  `[out, in / 32]`, 1/4 byte per weight): plain row-major, so a tensor-parallel rank reads
-  its rows or columns like any weight's.
+  2j + 1 in the high one), and for Q4_0 / Q4_1 `<name>.int4_scales` and `<name>.int4_zeros`
+  (float32 `[out, in / 32]`, 1/4 byte per weight): plain row-major, so a tensor-parallel
+  rank reads its rows or columns like any weight's. Q4_K keeps its super-blocks' scale
+  fields instead, `<name>.int4_q4k_scales` (uint8 `[out, in / 256 * 20]`: per super-block
+  fp16 d and dmin, then the eight 6-bit scales and eight mins each widened to a byte;
+  `q4k_compact_scales`), from which the engine derives the earlier form's bfloat16 pairs
+  bit for bit, or which it holds as they are with `EXO_Q4K_COMPACT=1` (4.625 bits per
+  weight with the nibbles, against 5; `exo.worker.engines.torch.quant.q4k_scales`).
+  Directories converted before (Q4_K with `.int4_scales` / `.int4_zeros`) still load.
 - **Every other quantized type** (Q5_0, Q5_1, Q6_K, Q8_0, ...) is stored as its raw GGUF
   blocks, `<name>.gguf_<TYPE>` (uint8 `[out, bytes per row]`), the smallest lossless form, and
   dequantized by `gguf`'s own dequantizer when loaded
@@ -75,7 +81,7 @@ from exo.download.gguf_tensors import (
     read_gguf_model,
 )
 from exo.download.gguf_tokenizers import load_gguf_tokenizer
-from exo.shared.models.tensor_names import INT4_PACKED, INT4_SCALES, INT4_ZEROS
+from exo.shared.models.tensor_names import INT4_PACKED, INT4_Q4K_SCALES, INT4_SCALES, INT4_ZEROS
 from exo.shared.models.weight_formats import INT4_GROUP_SIZE
 
 GGUF_BLOCKS = ".gguf_"
@@ -175,6 +181,17 @@ def repack_q4_k(data: np.ndarray, rows: int) -> Int4Groups:
     scales = (d * sub_scales.astype(np.float32)).reshape(rows, -1)
     mins = (dmin * sub_mins.astype(np.float32)).reshape(rows, -1)
     return Int4Groups(_pack_pairs(values, rows), scales, 8.0 * scales - mins)
+
+
+def q4k_compact_scales(data: np.ndarray, rows: int) -> np.ndarray:
+    """The compact scales of a `[rows, in]` Q4_K weight's super-blocks: per super-block its
+    fp16 d and dmin bytes as they are, then the 8 sub-block scales and the 8 mins as uint8
+    (`_q4_k_scales_and_mins`), 20 bytes; uint8 `[rows, in / 256 * 20]` (the layout of
+    `exo.worker.engines.torch.quant.q4k_scales`)."""
+    blocks = _blocks(data, rows, _Q4_K_BYTES, "Q4_K")
+    sub_scales, sub_mins = _q4_k_scales_and_mins(blocks[..., 4:16])
+    compact: np.ndarray = np.concatenate([blocks[..., 0:4], sub_scales, sub_mins], axis=-1)
+    return compact.reshape(rows, -1)
 
 
 _REPACKERS = {"Q4_0": repack_q4_0, "Q4_1": repack_q4_1, "Q4_K": repack_q4_k}
@@ -298,8 +315,13 @@ def _store(
     if type_name in INT4_TYPES and shape[1] % INT4_GROUP_SIZE == 0:
         groups = repack_int4(type_name, data, rows)
         stored[name + INT4_PACKED] = torch.from_numpy(corrected(groups.packed))
-        for suffix, part in ((INT4_SCALES, groups.scales), (INT4_ZEROS, groups.zeros)):
-            stored[name + suffix] = torch.from_numpy(corrected(part))
+        if type_name == "Q4_K":
+            stored[name + INT4_Q4K_SCALES] = torch.from_numpy(
+                corrected(q4k_compact_scales(data, rows))
+            )
+        else:
+            for suffix, part in ((INT4_SCALES, groups.scales), (INT4_ZEROS, groups.zeros)):
+                stored[name + suffix] = torch.from_numpy(corrected(part))
         counts["int4"] += 1
     else:
         stored[f"{name}{GGUF_BLOCKS}{type_name}"] = torch.from_numpy(

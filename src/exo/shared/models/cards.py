@@ -99,7 +99,7 @@ def _weight_elements(name: str, count: int) -> int:
     `*_scale_inv` (one float per block of its weight) holds none."""
     if name.endswith(".int4_packed"):
         return 2 * count
-    if name.endswith((".int4_scales", ".int4_zeros", "_scale_inv")):
+    if name.endswith((".int4_scales", ".int4_zeros", ".int4_q4k_scales", "_scale_inv")):
         return 0
     _, marker, type_name = name.rpartition(".gguf_")
     if marker:

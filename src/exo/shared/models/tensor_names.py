@@ -13,3 +13,6 @@ LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 INT4_PACKED = ".int4_packed"
 INT4_SCALES = ".int4_scales"
 INT4_ZEROS = ".int4_zeros"
+# A Q4_K weight's compact scales, in place of `INT4_SCALES` / `INT4_ZEROS`
+# (`worker/engines/torch/quant/q4k_scales.py`).
+INT4_Q4K_SCALES = ".int4_q4k_scales"

@@ -1,8 +1,10 @@
 """Loading weights repacked from GGUF (`exo.download.gguf_repack`) into the engine's modules.
 
 A repacked weight is stored under its checkpoint name plus a suffix: `.int4_packed`,
-`.int4_scales`, `.int4_zeros` (GGUF Q4_0 / Q4_1 / Q4_K as the engine's int4 groups) or
-`.gguf_<TYPE>` (raw GGUF blocks of any other quantized type). Each is read through the
+`.int4_scales`, `.int4_zeros` (GGUF Q4_0 / Q4_1 / Q4_K as the engine's int4 groups),
+`.int4_packed` and `.int4_q4k_scales` (Q4_K with compact scales, `q4k_scales`: held as
+they are, or expanded to the groups they stand for where a rank's columns cut a super-block
+of 256) or `.gguf_<TYPE>` (raw GGUF blocks of any other quantized type). Each is read through the
 same tensor-parallel reader as a float weight: the packed bytes, scales and zeros are
 row-major `[out, in / 2]`, `[out, in / 32]`, `[out, in / 32]`, so a rank's rows (or its
 columns, when `in / world size` is a multiple of 32) are a plain slice of each; raw blocks
@@ -53,10 +55,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from exo.shared.models.tensor_names import INT4_PACKED, INT4_SCALES, INT4_ZEROS, LAYER_TENSOR
+from exo.shared.models.tensor_names import (
+    INT4_PACKED,
+    INT4_Q4K_SCALES,
+    INT4_SCALES,
+    INT4_ZEROS,
+    LAYER_TENSOR,
+)
 from exo.shared.models.weight_formats import INT4_GROUP_SIZE
 from exo.worker.engines.torch.comm.parallel_linears import AllReducedLinear, RowParallelLinear
-from exo.worker.engines.torch.quant.int4_groups import int4_linear_from_groups
+from exo.worker.engines.torch.quant.int4_groups import (
+    int4_linear_from_groups,
+    int4_linear_from_q4k,
+)
 from exo.worker.engines.torch.quant.int4_planes import (
     BLOCK,
     SPLIT_TYPES,
@@ -70,10 +81,16 @@ from exo.worker.engines.torch.quant.int8_blocks import (
     ScaledInt8Linear,
 )
 from exo.worker.engines.torch.quant.native_kernels import native_int4_kernel
+from exo.worker.engines.torch.quant.q4k_scales import (
+    Q4K_SUPER_BLOCK,
+    Q4kGroupPart,
+    Q4kScalesPart,
+)
 from exo.worker.engines.torch.quant.quantized_linear import NATIVE_MAX_ROWS, QuantizedLinear
 
 _REPACKED = re.compile(
-    r"^(?P<base>.+?)(?P<suffix>\.int4_packed|\.int4_scales|\.int4_zeros|\.gguf_(?P<type>[A-Z0-9_]+))$"
+    r"^(?P<base>.+?)(?P<suffix>\.int4_packed|\.int4_scales|\.int4_zeros|\.int4_q4k_scales"
+    r"|\.gguf_(?P<type>[A-Z0-9_]+))$"
 )
 TensorReader = Callable[[Any], torch.Tensor]
 _DEQUANTIZE_ROWS = 2048
@@ -90,7 +107,7 @@ class RepackedName:
 
     @property
     def companion(self) -> bool:
-        return self.suffix in (INT4_SCALES, INT4_ZEROS)
+        return self.suffix in (INT4_SCALES, INT4_ZEROS, INT4_Q4K_SCALES)
 
 
 def split_repacked_name(name: str) -> RepackedName | None:
@@ -303,9 +320,22 @@ def load_repacked(
             return weight.contiguous()
         _install(*direct, lambda bias: Bf16Linear(weight, bias))
         return None
-    slices = [
-        handle.get_slice(parts.base + suffix) for suffix in (INT4_PACKED, INT4_SCALES, INT4_ZEROS)
-    ]
+    compact = _q4k_slice(handle, parts.base)
+    if compact is None:
+        slices = [
+            handle.get_slice(parts.base + suffix)
+            for suffix in (INT4_PACKED, INT4_SCALES, INT4_ZEROS)
+        ]
+    else:  # Q4_K's compact scales (q4k_scales): held as they are where whole super-blocks
+        packed_slice = handle.get_slice(parts.base + INT4_PACKED)
+        if direct is not None and getattr(direct[0], direct[1]).out_features % 64 == 0:
+            packed = reader(packed_slice)
+            held = _whole_super_blocks(reader, compact, packed.shape[1] * 2)
+            if held is not None:
+                _install(*direct, lambda bias: int4_linear_from_q4k(packed, held, bias))
+                return None
+        # A split that cuts a super-block, or no int4 module: the groups they stand for.
+        slices = [packed_slice, Q4kGroupPart(compact, "scales"), Q4kGroupPart(compact, "zeros")]
     packed, scales, zeros = (reader(tensor_slice) for tensor_slice in slices)
     if packed.shape[1] * 2 != scales.shape[1] * INT4_GROUP_SIZE:
         # This rank's columns cut an int4 group (in / world size is no multiple of 32):
@@ -320,6 +350,27 @@ def load_repacked(
             )
             return None
     return _dequantize_groups(packed, scales, zeros)
+
+
+def _whole_super_blocks(reader: TensorReader, compact: Any, columns: int) -> torch.Tensor | None:
+    """This rank's compact scales `[out, columns / 256, 20]` of stored slice `compact`, or
+    None where its `columns` inputs are not whole super-blocks of 256."""
+    if columns % Q4K_SUPER_BLOCK:
+        return None
+    try:
+        held = reader(Q4kScalesPart(compact))
+    except ValueError:  # the reader's columns cut a super-block
+        return None
+    return held if held.shape[1] * Q4K_SUPER_BLOCK == columns else None
+
+
+def _q4k_slice(handle: Any, base: str) -> Any:
+    """The safetensors slice of weight `base`'s compact Q4_K scales, or None where it was
+    stored with scales and zeros (Q4_0 / Q4_1, or a directory converted before)."""
+    try:
+        return handle.get_slice(base + INT4_Q4K_SCALES)
+    except Exception:  # safetensors' SafetensorError for a name the file does not hold
+        return None
 
 
 # Rows of an LM head converted to split planes at a time: bounds the int32 temporaries

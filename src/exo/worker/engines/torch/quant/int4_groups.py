@@ -12,6 +12,11 @@ from exo.worker.engines.torch.quant.native_kernels import (
     built_int4_kernel,
     native_int4_kernel,
 )
+from exo.worker.engines.torch.quant.q4k_scales import (
+    compact_scales_held,
+    is_q4k_scales,
+    q4k_scale_pairs,
+)
 from exo.worker.engines.torch.quant.quantized_linear import (
     NATIVE_BLOCK_MAX_ROWS,
     QuantizedLinear,
@@ -58,17 +63,22 @@ class Int4Linear(QuantizedLinear):
           `scales_and_zeros` bfloat16 `[groups, out, 2]`, for `aten._weight_int4pack_mm_for_cpu`;
         - exo's (`native` True, where `native_kernels.native_int4_kernel()` is available):
           `packed` uint8 `[out, in / 2]` by pairs of blocks of 32 inputs
-          (`pack_native_int4`) and `scales_and_zeros` bfloat16 `[out, groups, 2]`, for
-          exo's AVX2 kernel.
+          (`pack_native_int4`) and `scales_and_zeros` bfloat16 `[out, groups, 2]`, or
+          with `EXO_Q4K_COMPACT=1` compact Q4_K scales uint8 `[out, in / 256, 20]` as
+          given (`q4k_scales`: 0.625 bits per weight instead of 1, read unrounded by the
+          decode kernel; by default expanded to the pairs), for exo's AVX2 kernel.
 
         Both are row-major by output channel: a slice of rows is a slice of outputs."""
         self.packed: torch.Tensor
         self.scales_and_zeros: torch.Tensor
         self.native = native_int4_kernel() is not None
+        if is_q4k_scales(scales_and_zeros) and not (self.native and compact_scales_held()):
+            scales_and_zeros = q4k_scale_pairs(scales_and_zeros)
         if self.native:
             self.register_buffer("packed", pack_native_int4(quantized.to(torch.uint8)))
+            held = scales_and_zeros.contiguous()
             self.register_buffer(
-                "scales_and_zeros", scales_and_zeros.contiguous().to(torch.bfloat16)
+                "scales_and_zeros", held if is_q4k_scales(held) else held.to(torch.bfloat16)
             )
             self._unpack_ok = False
             return
@@ -107,8 +117,13 @@ class Int4Linear(QuantizedLinear):
         return values.to(torch.int32)
 
     def scale_zero_by_output(self) -> torch.Tensor:
-        """The held (scale, zero) pairs as bfloat16 `[out, groups, 2]`, whichever layout."""
-        return self.scales_and_zeros if self.native else self.scales_and_zeros.transpose(0, 1)
+        """The held (scale, zero) pairs as bfloat16 `[out, groups, 2]`, whichever layout
+        (compact Q4_K scales expanded: a new tensor)."""
+        if not self.native:
+            return self.scales_and_zeros.transpose(0, 1)
+        if is_q4k_scales(self.scales_and_zeros):
+            return q4k_scale_pairs(self.scales_and_zeros)
+        return self.scales_and_zeros
 
     def _native_values(self) -> torch.Tensor:
         """exo's layout: the int4 values as uint8 `[out, in / 32, 32]`."""
@@ -120,7 +135,7 @@ class Int4Linear(QuantizedLinear):
             return self.dequantize().float()
         groups = self.in_features // self.group_size
         values = self._native_values().reshape(self.out_features, groups, self.group_size)
-        scale_zero = self.scales_and_zeros.float()  # [out, groups, 2]
+        scale_zero = self.scale_zero_by_output().float()  # [out, groups, 2]
         offsets = scale_zero[..., 1:] - 8.0 * scale_zero[..., :1]
         weight = torch.addcmul(offsets, values.float(), scale_zero[..., :1])
         return weight.reshape(self.out_features, self.in_features)
@@ -187,10 +202,11 @@ class Int4Linear(QuantizedLinear):
         fused.group_size = parts[0].group_size
         fused.native = parts[0].native
         fused.register_buffer("packed", torch.cat([part.packed for part in parts]))
-        fused.register_buffer(
-            "scales_and_zeros",
-            torch.cat([part.scales_and_zeros for part in parts], dim=0 if fused.native else 1),
-        )
+        held = [part.scales_and_zeros for part in parts]
+        if len({is_q4k_scales(scales) for scales in held}) != 1:
+            # Compact Q4_K scales beside pairs (a Q4_K gate beside a Q4_0 up): all as pairs.
+            held = [part.scale_zero_by_output() for part in parts]
+        fused.register_buffer("scales_and_zeros", torch.cat(held, dim=0 if fused.native else 1))
         fused._unpack_ok = all(part._unpack_ok for part in parts)
         return fused
 
@@ -294,6 +310,40 @@ def int4_linear_from_groups(
     QuantizedLinear.__init__(module, in_features, out_features, bias)
     module.group_size = group_size
     module._hold(quantized, torch.stack([scales, zeros], dim=-1))
+    return module
+
+
+def int4_linear_from_q4k(
+    packed: torch.Tensor, compact: torch.Tensor, bias: torch.Tensor | None
+) -> Int4Linear:
+    """An `Int4Linear` holding a GGUF Q4_K weight's int4 values and its compact scales
+    (`q4k_scales`; held as they are by exo's kernels, expanded to pairs for torch's).
+
+    Args:
+        packed: uint8 `[out, in / 2]`, column 2j in the low nibble, 2j + 1 in the high one.
+        compact: uint8 `[out, in / 256, 20]`.
+        bias: `[out]` or None.
+
+    Raises:
+        ValueError: shapes that disagree or that the int4 kernel cannot pack (`out % 64`).
+    """
+    out_features, half = packed.shape
+    if (
+        not is_q4k_scales(compact)
+        or compact.shape[0] != out_features
+        or (compact.shape[1] * 128 != half)
+    ):
+        raise ValueError(
+            f"Q4_K scales disagree: packed {tuple(packed.shape)}, compact {tuple(compact.shape)}"
+        )
+    shape_probe = nn.Linear(2 * half, out_features, bias=False, device="meta")
+    if not int4_supported(shape_probe, INT4_GROUP_SIZE):
+        raise ValueError(f"int4 cannot pack a {out_features}x{2 * half} weight")
+    values = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(out_features, 2 * half)
+    module = Int4Linear.__new__(Int4Linear)
+    QuantizedLinear.__init__(module, 2 * half, out_features, bias)
+    module.group_size = INT4_GROUP_SIZE
+    module._hold(values.to(torch.int32), compact)
     return module
 
 

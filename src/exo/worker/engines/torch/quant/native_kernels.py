@@ -72,6 +72,7 @@ _SOURCES = tuple(
         "prefill_ops.cpp",
         "moe_experts.cpp",
         "moe_mxfp4_experts.cpp",
+        "q4k_scales.cpp",
     )
 )
 _HEADERS = (
@@ -207,6 +208,8 @@ def _base_flags() -> list[str]:
     flags = ["-O3", "-fopenmp"]
     if _x86_avx2():
         flags += ["-mavx2", "-mfma"]
+        if "f16c" in cpu_flags():  # every AVX2 CPU: fp16 to float32 in one instruction
+            flags += ["-mf16c"]
     return flags
 
 

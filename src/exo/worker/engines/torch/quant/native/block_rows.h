@@ -10,6 +10,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include <c10/util/Half.h>
+
 #include "kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -88,6 +90,88 @@ void unpack_scales(const uint16_t* scale_zero, int64_t groups, const float* offs
     }
   }
 }
+
+// Super-block `block`'s fp16 d and dmin (its first 4 bytes) as float32.
+inline void q4k_d_dmin(const uint8_t* block, float& d, float& dmin) {
+#ifdef __F16C__
+  int32_t halves;
+  std::memcpy(&halves, block, sizeof(halves));
+  const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
+  d = _mm_cvtss_f32(both);
+  dmin = _mm_cvtss_f32(_mm_movehdup_ps(both));
+#else
+  uint16_t d_bits, dmin_bits;
+  std::memcpy(&d_bits, block, 2);
+  std::memcpy(&dmin_bits, block + 2, 2);
+  d = static_cast<float>(c10::Half(d_bits, c10::Half::from_bits()));
+  dmin = static_cast<float>(c10::Half(dmin_bits, c10::Half::from_bits()));
+#endif
+}
+
+// `unpack_scales` for compact Q4_K scales (kernels.h `kQ4kBytes`: rows of [groups / 8, 20]
+// bytes): per super-block the 8 sub-block scales and mins are one 8-lane vector each (a load
+// and a widen), and group g's weights are GGUF's own, w = d sc q - dmin m (q: 0..15): scale
+// d sc and zero term (zero - 8 scale) = -dmin m, both products exact in float32 (11 + 6
+// significant bits), so the sums use the checkpoint's values, not the bfloat16 pairs' (the
+// pairs round both, 8 significant bits; prefill's expansion still does: q4k_scales.cpp).
+// Per super-block and output row: 2 widenings, 2 conversions, 2 products (the pairs: a
+// load, a shift, a mask). 20 bytes per 256 inputs instead of the pairs' 32.
+template <int ROWS, int NR>
+void unpack_q4k_scales(const uint8_t* compact, int64_t groups, const float* offset_sums,
+                       float* scales, float (&offset_acc)[NR][ROWS],
+                       const float* x_scales = nullptr) {
+  const int64_t super_blocks = groups / kQ4kGroups;
+  for (int i = 0; i < NR; ++i) {
+    __m256 offset_vec[ROWS];
+    for (int r = 0; r < ROWS; ++r) offset_vec[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < super_blocks; ++s) {
+      const uint8_t* block = compact + (i * super_blocks + s) * kQ4kBytes;
+      float d_value, dmin_value;
+      q4k_d_dmin(block, d_value, dmin_value);
+      const __m256 sc = _mm256_cvtepi32_ps(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4))));
+      const __m256 m = _mm256_cvtepi32_ps(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 12))));
+      const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(d_value), sc);
+      const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(dmin_value), m);  // -(zero - 8 scale)
+      const int64_t g = s * kQ4kGroups;
+      _mm256_storeu_ps(scales + i * groups + g,
+                       x_scales ? _mm256_mul_ps(_mm256_loadu_ps(x_scales + g), scale) : scale);
+      for (int r = 0; r < ROWS; ++r)
+        offset_vec[r] =
+            _mm256_fnmadd_ps(mins, _mm256_loadu_ps(offset_sums + r * groups + g), offset_vec[r]);
+    }
+    for (int r = 0; r < ROWS; ++r) offset_acc[i][r] = horizontal_sum(offset_vec[r]);
+  }
+}
+
+// An int4 weight's scales as the decode tiles take them: bfloat16 (scale, zero) pairs
+// [out, groups, 2] (`pairs`), or compact Q4_K scales [out, groups / 8, 20] (`q4k`, when not
+// null); `unpack` reads NR output rows from row n with whichever `unpack_*` fits.
+struct Int4Scales {
+  const uint16_t* pairs = nullptr;
+  const uint8_t* q4k = nullptr;
+
+  static Int4Scales of(const at::Tensor& scale_zero) {
+    Int4Scales held;
+    if (is_q4k_scales(scale_zero))
+      held.q4k = scale_zero.data_ptr<uint8_t>();
+    else
+      held.pairs = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>());
+    return held;
+  }
+
+  template <int ROWS, int NR>
+  void unpack(int64_t n, int64_t groups, const float* offset_sums, float* scales,
+              float (&offset_acc)[NR][ROWS], const float* x_scales = nullptr) const {
+    if (q4k != nullptr)
+      unpack_q4k_scales<ROWS, NR>(q4k + n * (groups / kQ4kGroups) * kQ4kBytes, groups,
+                                  offset_sums, scales, offset_acc, x_scales);
+    else
+      unpack_scales<ROWS, NR>(pairs + n * groups * 2, groups, offset_sums, scales, offset_acc,
+                              x_scales);
+  }
+};
 
 // Per output row i < NR and activation row r < ROWS, each block's weight scale (`scales`
 // [NR, groups], as `unpack_scales` leaves them) times its activation scale (`x_scales`

@@ -73,7 +73,8 @@ constexpr int kNorms = 5;
 struct Linear {
   at::Tensor weight;      // uint8 [out, in / 2] int4 blocks, uint8 [out, ceil(in / 96) * 64]
                           // 5-bit lanes, int8 [out, in], or dense
-  at::Tensor scale_zero;  // bfloat16 pairs (blocks), bfloat16 [out] (int8 per output row),
+  at::Tensor scale_zero;  // bfloat16 pairs (blocks) or compact Q4_K scales (int4 blocks),
+                          // bfloat16 [out] (int8 per output row),
                           // bfloat16 [out, in / 16 or 32] (symmetric int8 or 5-bit
                           // blocks),
                           // undefined (dense)
@@ -114,6 +115,14 @@ Linear read_linear(const c10::List<std::optional<at::Tensor>>& linears, int64_t 
                     scale_zero->size(0) == linear.out && linear.in % 32 == 0 &&
                     (scale_zero->size(1) * 16 == linear.in || scale_zero->size(1) * 32 == linear.in),
                 "decode_layer: linear ", index, " needs bfloat16 [out, in / 16 or in / 32] scales");
+    linear.scale_zero = *scale_zero;
+  } else if (kind == at::kByte && scale_zero.has_value() &&
+             exo_native::is_q4k_scales(*scale_zero)) {
+    // int4 blocks with compact Q4_K scales (kernels.h kQ4kBytes): one group per 32 inputs.
+    linear.in = 2 * linear.weight.size(1);
+    TORCH_CHECK(scale_zero->is_contiguous() && scale_zero->size(0) == linear.out &&
+                    scale_zero->size(1) * exo_native::kQ4kGroups * 32 == linear.in,
+                "decode_layer: linear ", index, " needs compact Q4_K scales [out, in / 256, 20]");
     linear.scale_zero = *scale_zero;
   } else if (kind == at::kByte || kind == at::kChar) {
     TORCH_CHECK(scale_zero.has_value() && scale_zero->dim() == 3 &&

@@ -127,7 +127,7 @@ void tile_avx2_int8(const int8_t* xq, int64_t k, const uint8_t* q, const float* 
 // scales unpacked and combined with the activations' into `scratch` first.
 template <int ROWS>
 void rows_avx2_int8(const int8_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
-                    const uint16_t* scale_zero, int64_t groups, int64_t group_size,
+                    const Int4Scales& scale_zero, int64_t groups, int64_t group_size,
                     const float* offset_sums, float* y, int64_t n_total, int64_t n0, int64_t n1,
                     float* scales, float* combined) {
   constexpr int kTile = ROWS <= 2 ? 4 : 2;
@@ -136,8 +136,7 @@ void rows_avx2_int8(const int8_t* xq, const float* x_scales, int64_t k, const ui
   for_output_tiles<kTile>(n0, n1, [&](auto nr, int64_t n) {
     constexpr int NR = decltype(nr)::value;
     float offset_acc[NR][ROWS];
-    unpack_scales<ROWS, NR>(scale_zero + n * groups * 2, groups, offset_sums, scales,
-                            offset_acc);
+    scale_zero.unpack<ROWS, NR>(n, groups, offset_sums, scales, offset_acc);
     combine_scales<ROWS, NR>(x_scales, scales, groups, blocks, blocks_per_group, combined);
     tile_avx2_int8<ROWS, NR>(xq, k, q, combined, offset_acc, y, n_total, n);
   });
@@ -150,11 +149,11 @@ namespace exo_native {
 void int4_product_int8(const float* xp, int64_t rows, int64_t k, const at::Tensor& qweight,
                        const at::Tensor& scale_zero, float* yp) {
   const int64_t n = qweight.size(0);
-  const int64_t groups = scale_zero.size(1);
+  const int64_t groups = int4_group_count(scale_zero);
   const int64_t group_size = k / groups;
   if (rows == 0 || n == 0) return;
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
-  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>());
+  const Int4Scales sz = Int4Scales::of(scale_zero);
   const int64_t blocks = k / kBlock;
   const int64_t blocks_per_group = group_size / kBlock;
   // The activations rounded once per call (thread-local scratch, no allocation per step),

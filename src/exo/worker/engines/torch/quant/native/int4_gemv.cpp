@@ -3,7 +3,9 @@
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (decode), where
 //   w[n, k] = (q[n, k] - 8) * scale[n, g] + zero[n, g],  g = k / group_size,
-// the engine's int4 format (Int4Linear), with (scale, zero) as bfloat16 pairs and q held
+// the engine's int4 format (Int4Linear), with (scale, zero) as bfloat16 pairs (or compact
+// Q4_K scales, read as their float32 values d sc and 8 d sc - dmin m: kernels.h `kQ4kBytes`)
+// and q held
 // per pair of blocks of 32 inputs (64 inputs, 32 bytes) as 16 little-endian 16-bit lanes:
 // lane i holds q[i], q[16 + i], q[32 + i], q[48 + i] in its four nibbles, lowest first.
 // One AND (and a shift) per nibble turns a 32-byte load into four vectors of 16 int16
@@ -59,7 +61,8 @@ inline float lane_sum(__m512 v) { return _mm512_reduce_add_ps(v); }
 #endif
 
 // What both kernels' tiles do with the weight's (scale, zero) pairs: unpacked once per tile
-// of NR output rows (block_rows.h's `unpack_scales`: the scales as float32 into
+// of NR output rows (block_rows.h's `unpack_scales`, or `unpack_q4k_scales` for compact Q4_K
+// scales, their float32 values unrounded: the scales as float32 into
 // scales[NR, groups], each times its activation block's scale where `x_scales` is given,
 // and per output and activation row the zero term), the zero term added when the tile
 // stores its sums into y[ROWS, n_total].
@@ -67,10 +70,9 @@ template <int ROWS, int NR>
 struct TileScales {
   float offset_acc[NR][ROWS];
 
-  TileScales(const uint16_t* scale_zero, int64_t n, int64_t groups, const float* offset_sums,
+  TileScales(const Int4Scales& scale_zero, int64_t n, int64_t groups, const float* offset_sums,
              float* scales, const float* x_scales = nullptr) {
-    unpack_scales<ROWS, NR>(scale_zero + n * groups * 2, groups, offset_sums, scales, offset_acc,
-                            x_scales);
+    scale_zero.unpack<ROWS, NR>(n, groups, offset_sums, scales, offset_acc, x_scales);
   }
 
   template <typename Vector>
@@ -100,7 +102,7 @@ inline void gguf_block_values(const uint8_t* block, __m256i& w0, __m256i& w1) {
 template <int ROWS, int NR, bool FOLDED = false>
 [[gnu::noinline]]
 void tile_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
-                  const uint16_t* scale_zero, int64_t groups, int64_t group_size,
+                  const Int4Scales& scale_zero, int64_t groups, int64_t group_size,
                   const float* offset_sums, float* y, int64_t n_total, int64_t n,
                   float* scales) {
   static_assert(!FOLDED || ROWS == 1, "folded scales are for one activation row");
@@ -178,7 +180,7 @@ void tile_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
 // activation rows, keeping the accumulators in registers), then one at a time.
 template <int ROWS>
 void rows_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
-                  const uint16_t* scale_zero, int64_t groups, int64_t group_size,
+                  const Int4Scales& scale_zero, int64_t groups, int64_t group_size,
                   const float* offset_sums, float* y, int64_t n_total, int64_t n0, int64_t n1,
                   float* scratch) {
   constexpr int kTile = ROWS <= 2 ? 4 : 2;
@@ -235,7 +237,7 @@ inline void interleave_chunks(int16_t* values, int64_t rows, int64_t k) {
 // groups floats, `combined` NR x ROWS x blocks.
 template <int ROWS, int NR>
 void tile_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
-                 const uint16_t* scale_zero, int64_t groups, int64_t group_size,
+                 const Int4Scales& scale_zero, int64_t groups, int64_t group_size,
                  const float* offset_sums, float* y, int64_t n_total, int64_t n, float* scales,
                  float* combined) {
   const int64_t blocks = k / kBlock;
@@ -330,7 +332,7 @@ void tile_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint
 // than 4 activation rows: 16 accumulators of the 32 registers), then one at a time.
 template <int ROWS>
 void rows_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
-                 const uint16_t* scale_zero, int64_t groups, int64_t group_size,
+                 const Int4Scales& scale_zero, int64_t groups, int64_t group_size,
                  const float* offset_sums, float* y, int64_t n_total, int64_t n0, int64_t n1,
                  float* scales, float* combined) {
   constexpr int kTile = ROWS <= 4 ? 4 : 2;
@@ -384,11 +386,14 @@ void check_arguments(const at::Tensor& x, const at::Tensor& qweight,
               "int4_gemv: x must be a contiguous float32 [rows, in] tensor");
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
               "int4_gemv: qweight must be a contiguous uint8 [out, in / 2] tensor");
-  TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(2) == 2 &&
-                  scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous(),
-              "int4_gemv: scale_zero must be a contiguous bfloat16 [out, groups, 2] tensor");
+  TORCH_CHECK(scale_zero.is_contiguous() &&
+                  (exo_native::is_q4k_scales(scale_zero) ||
+                   (scale_zero.dim() == 3 && scale_zero.size(2) == 2 &&
+                    scale_zero.scalar_type() == at::kBFloat16)),
+              "int4_gemv: scale_zero must be a contiguous bfloat16 [out, groups, 2] tensor or "
+              "compact Q4_K scales, uint8 [out, in / 256, 20]");
   const int64_t k = x.size(1), n = qweight.size(0);
-  const int64_t groups = scale_zero.size(1);
+  const int64_t groups = exo_native::int4_group_count(scale_zero);
   TORCH_CHECK(qweight.size(1) * 2 == k, "int4_gemv: x has ", k, " inputs, qweight ",
               qweight.size(1) * 2);
   TORCH_CHECK(scale_zero.size(0) == n && groups > 0 && k % groups == 0 &&
@@ -398,7 +403,7 @@ void check_arguments(const at::Tensor& x, const at::Tensor& qweight,
 
 #ifdef EXO_AVX2
 template <int ROWS>
-void rows_at(const int16_t* xq, const float* xs, int64_t k, const uint8_t* q, const uint16_t* sz,
+void rows_at(const int16_t* xq, const float* xs, int64_t k, const uint8_t* q, const Int4Scales& sz,
              int64_t groups, int64_t group_size, const float* sums, float* y, int64_t n,
              int64_t n0, int64_t n1, float* scratch) {
   rows_avx2_q8<ROWS>(xq, xs, k, q, sz, groups, group_size, sums, y, n, n0, n1, scratch);
@@ -446,11 +451,10 @@ void int4_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& qw
   }
 #endif
   const int64_t n = qweight.size(0);
-  const int64_t groups = scale_zero.size(1);
+  const int64_t groups = int4_group_count(scale_zero);
   const int64_t group_size = k / groups;
   if (rows == 0 || n == 0) return;
   const uint8_t* qp = qweight.data_ptr<uint8_t>();
-  const uint16_t* sz = reinterpret_cast<const uint16_t*>(scale_zero.data_ptr<at::BFloat16>());
 
   // About 128 KiB of activations-times-weights work per task: small enough to balance two
   // threads on a 576-wide projection, large enough that the thread pool's cost stays small.
@@ -468,6 +472,7 @@ void int4_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& qw
   int16_t* xq = quantized.data();
   float* xs = x_scales.data();
   quantize_rows(xp, rows, k, group_size, xq, xs, sums);
+  const Int4Scales sz = Int4Scales::of(scale_zero);
 #ifdef EXO_INT4_AVX512
   // Every row count, one included, takes the 512-bit kernel where it runs: a row's sums
   // are then the same bits whatever the step's row count, so a verified draft position's
@@ -508,6 +513,9 @@ void int4_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& qw
     });
   });
 #else
+  // The portable loop reads pairs: compact Q4_K scales expanded for this call.
+  const at::Tensor pairs = is_q4k_scales(scale_zero) ? q4k_scale_pairs(scale_zero) : scale_zero;
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(pairs.data_ptr<at::BFloat16>());
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g) {
       float sum = 0.0f;

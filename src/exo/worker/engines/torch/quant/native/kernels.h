@@ -74,6 +74,34 @@ inline float round_block(const float* block, int16_t* values) {
 }
 #endif
 
+// Compact Q4_K scales (q4k_scales.cpp) of an int4 weight converted from GGUF Q4_K, in place
+// of bfloat16 (scale, zero) pairs per group of 32: per output row and super-block of 256
+// inputs (8 groups), 20 bytes: fp16 d, fp16 dmin (little-endian), the 8 sub-blocks' scales
+// sc, then their mins m, each a uint8 (Q4_K's 6-bit fields, widened at conversion): uint8
+// [out, in / 256, 20], 0.625 bits per weight against the pairs' 1. Group g's scale is d sc
+// and its zero 8 d sc - dmin m (GGUF's weights d sc q - dmin m, q: 0..15). The decode tiles
+// take them in float32 unrounded (block_rows.h `unpack_q4k_scales`); the paths that read
+// pairs (block_matmul, the portable loop) take the pairs the old form loads to: each value
+// rounded to bfloat16 (nearest, ties to even: torch's `.to(torch.bfloat16)`).
+constexpr int64_t kQ4kGroups = 8;
+constexpr int64_t kQ4kBytes = 20;
+
+// Whether an int4 weight's `scale_zero` is the compact Q4_K form (else bfloat16 pairs).
+inline bool is_q4k_scales(const at::Tensor& scale_zero) {
+  return scale_zero.scalar_type() == at::kByte && scale_zero.dim() == 3 &&
+         scale_zero.size(2) == kQ4kBytes;
+}
+
+// The groups of 32 (or more) inputs of an int4 weight's `scale_zero`, either form.
+inline int64_t int4_group_count(const at::Tensor& scale_zero) {
+  return is_q4k_scales(scale_zero) ? scale_zero.size(1) * kQ4kGroups : scale_zero.size(1);
+}
+
+// The bfloat16 (scale, zero) pairs [out, in / 32, 2] of compact Q4_K scales (a new tensor),
+// bit for bit the ones the old stored form loads to; for the paths that do not read the
+// compact form (prefill's block_matmul, the portable decode loop).
+at::Tensor q4k_scale_pairs(const at::Tensor& compact);
+
 // The width in bits of the int4 decode kernel that runs (int4_gemv.cpp): 512 where built
 // with AVX512BW and not `EXO_NATIVE_AVX512=0`, 256 with AVX2, 0 for the portable loop.
 int64_t int4_decode_bits();

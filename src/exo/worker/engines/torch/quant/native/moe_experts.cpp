@@ -67,12 +67,16 @@ void check_int4(const at::Tensor& packed, const at::Tensor& scale_zero, int64_t 
                   packed.size(1) * 2 == in,
               "moe_int4_experts: ", name, "[", expert, "] must be contiguous uint8 [out, ", in / 2,
               "]");
-  TORCH_CHECK(scale_zero.dim() == 3 && scale_zero.size(2) == 2 &&
-                  scale_zero.scalar_type() == at::kBFloat16 && scale_zero.is_contiguous() &&
-                  scale_zero.size(0) == packed.size(0) && scale_zero.size(1) > 0 &&
-                  in % scale_zero.size(1) == 0 && (in / scale_zero.size(1)) % 32 == 0,
+  const int64_t groups = exo_native::int4_group_count(scale_zero);
+  TORCH_CHECK(scale_zero.is_contiguous() && scale_zero.size(0) == packed.size(0) &&
+                  (exo_native::is_q4k_scales(scale_zero)
+                       ? groups * 32 == in
+                       : scale_zero.dim() == 3 && scale_zero.size(2) == 2 &&
+                             scale_zero.scalar_type() == at::kBFloat16 && groups > 0 &&
+                             in % groups == 0 && (in / groups) % 32 == 0),
               "moe_int4_experts: ", name, " scales [", expert,
-              "] must be contiguous bfloat16 [out, groups, 2] with groups of a multiple of 32");
+              "] must be contiguous bfloat16 [out, groups, 2] with groups of a multiple of 32, "
+              "or compact Q4_K scales uint8 [out, in / 256, 20]");
 }
 
 // rows float32 [T, hidden]; row_of int64 [C] and weight_of float32 [C]: the step's choices

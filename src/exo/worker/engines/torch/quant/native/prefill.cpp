@@ -531,6 +531,9 @@ void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
   if (rows == 0 || n == 0) return;
   // No autograd below this call (its torch ops write into views of the output).
   c10::InferenceMode inference;
+  if (is_q4k_scales(scale_zero))  // compact Q4_K scales: the same pairs, for this call
+    return block_matmul(x, rows, k, weight, q4k_scale_pairs(scale_zero), y, activation_bits,
+                        int16_rows, bf16);
   // uint8 with 2-d scales: 5-bit blocks; uint8 with (scale, zero) pairs: int4.
   const bool bytes = weight.scalar_type() == at::kByte;
   const Held held = !bytes ? Held::kInt8 : scale_zero.dim() == 2 ? Held::kInt5 : Held::kInt4;
@@ -583,8 +586,11 @@ void block_matmul(const float* x, int64_t rows, int64_t k, const at::Tensor& wei
 namespace {
 
 at::Tensor block_matmul_op(const at::Tensor& x, const at::Tensor& weight,
-                           const at::Tensor& scale_zero, int64_t activation_bits,
+                           const at::Tensor& given_scales, int64_t activation_bits,
                            int64_t int16_rows, bool bf16) {
+  const bool q4k = exo_native::is_q4k_scales(given_scales) && weight.scalar_type() == at::kByte;
+  const at::Tensor scale_zero =
+      q4k ? exo_native::q4k_scale_pairs(given_scales.contiguous()) : given_scales;
   TORCH_CHECK(activation_bits == 16 || activation_bits == 8,
               "block_matmul: activation_bits must be 16 or 8, not ", activation_bits);
   TORCH_CHECK(!bf16 || activation_bits == 16,
