@@ -185,15 +185,12 @@ for out, k in ((64, 2048), (37, 768), (5, 256), (64, 2304)):
         for threads in (1, 2):
             torch.set_num_threads(threads)
             full = kernel(x, q, compact)
-            # Each row's sums are its own, whatever the row count. One row at 512 bits and
-            # int16 runs the 256-bit folded tile, which the pairs' product does not match
-            # to the 512-bit tiles' bits either (a difference of main's kernel, not the
-            # scales'): there compact must agree wherever the pairs do.
+            # Each row's sums are its own, whatever the row count (one row included: it
+            # takes the same tiles as several).
             pairs_full = kernel(x, q, pairs)
             for rows in range(1, 7):
-                if torch.equal(kernel(x[:rows], q, pairs), pairs_full[:rows]) or rows > 1:
-                    if not torch.equal(kernel(x[:rows], q, compact), full[:rows]):
-                        failures.append(("rows", out, k, bits, threads, rows))
+                if not torch.equal(kernel(x[:rows], q, compact), full[:rows]):
+                    failures.append(("rows", out, k, bits, threads, rows))
             compact_error = (full.double() - reference).abs()
             pairs_error = (pairs_full.double() - reference).abs()
             if not bool((compact_error <= bound).all()):
