@@ -20,7 +20,7 @@ from exo.master.recovery import (
 from exo.node.event_log import EventLog, EventLogCorruptError
 from exo.routing.connections import ConnectionMessage
 from exo.shared.apply import apply, origin_key
-from exo.shared.types.commands import ForwarderCommand, RequestEventReplay
+from exo.shared.types.commands import REPLAY_BATCH, ForwarderCommand, RequestEventReplay
 from exo.shared.types.common import CommandId, ModelId, NodeId
 from exo.shared.types.events import (
     ClusterHistoryStarted,
@@ -47,7 +47,6 @@ from exo.shared.types.state import State
 from exo.utils.channels import Publisher, Subscription
 
 NODE_TIMEOUT_SECONDS = 30.0
-REPLAY_BATCH = 500
 MAX_INSTANCE_FAILURES = 3
 
 

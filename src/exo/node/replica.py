@@ -33,7 +33,7 @@ from exo.node.election import Election, ElectionMessage
 from exo.node.event_log import EventLog, EventLogCorruptError, event_digest
 from exo.shared.apply import apply, command_outcome, origin_key
 from exo.shared.local_events import LocalEventSender
-from exo.shared.types.commands import Command, RequestEventReplay
+from exo.shared.types.commands import REPLAY_BATCH, Command, RequestEventReplay
 from exo.shared.types.common import CommandId, NodeId
 from exo.shared.types.events import Event, IndexedEvent, InstanceReported, StateSnapshot
 from exo.shared.types.state import CommandOutcome, State
@@ -111,6 +111,7 @@ class Replica:
         self._ahead: dict[int, IndexedEvent] = {}
         self._replay_requested_at = -1.0e9
         self._replay_requested_from = -1
+        self._applied_at = -1.0e9  # when an event was last applied (a replay's progress)
         self._following: NodeId | None = None
         """The master whose copies this node applies (the one its election follows)."""
         self._continues_master = False
@@ -178,6 +179,7 @@ class Replica:
             self.applied.publish(event)
             applied_any = True
         if applied_any:
+            self._applied_at = self._now()
             self._event_log.maybe_compact(self.state)
             self._notify()
         if self._ahead:
@@ -348,6 +350,7 @@ class Replica:
         # instances this node runs are reported after them so the cluster keeps them.
         self._local_events.restart_session(then=reports)
         self._replay_requested_at = -1.0e9
+        self._replay_requested_from = -1
         self._notify()
 
     def instance_reports(self, state: State) -> list[InstanceReported]:
@@ -372,13 +375,19 @@ class Replica:
         return reports
 
     def _request_replay(self) -> None:
+        """Ask the master to replay from the last event this node holds, unless the last
+        request is still being answered: its batch (`REPLAY_BATCH` events from where it
+        asked) not yet applied and an event applied, or the request sent, within
+        `REPLAY_RETRY_SECONDS`. (Asking again after each applied event made a joining node
+        ask once per event, the master resend up to a batch each time: minutes to catch up
+        with a long history.)"""
         # From the last event we hold (not the next), so the reply proves we agree on it.
         from_idx = max(0, self.state.last_event_applied_idx)
         now = self._now()
-        if (
-            from_idx == self._replay_requested_from
-            and now - self._replay_requested_at < REPLAY_RETRY_SECONDS
-        ):
+        asked = self._replay_requested_from  # -1: nothing asked since the last reset
+        answered = not 0 <= asked <= from_idx < asked + REPLAY_BATCH - 1
+        stalled = now - max(self._replay_requested_at, self._applied_at) >= REPLAY_RETRY_SECONDS
+        if not answered and not stalled:
             return
         if self._election.master is None:
             return

@@ -123,9 +123,13 @@ class CancelGeneration(FrozenModel):
     target_command_id: CommandId
 
 
+# The most events a master publishes again for one `RequestEventReplay`.
+REPLAY_BATCH = 500
+
+
 class RequestEventReplay(FrozenModel):
-    """A node missed indexed events: the master publishes `[from_idx, from_idx + limit)`
-    again."""
+    """A node missed indexed events: the master publishes `[from_idx, from_idx +
+    REPLAY_BATCH)` again."""
 
     kind: Literal["RequestEventReplay"] = "RequestEventReplay"
     command_id: CommandId
