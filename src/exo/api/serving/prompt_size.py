@@ -10,9 +10,11 @@ So a request whose serialized size (UTF-8 JSON of `TextGenerationTaskParams`) ex
 `MAX_PROMPT_BYTES_PER_TOKEN` bytes per token of the model's context length is refused with
 a 400 (`context_length_exceeded`), and no request exceeds `MAX_GENERATION_BYTES` whatever the
 context. The bound is far above any prompt that fits: English text averages about 4 bytes
-per token, CJK text about 3 (one character, 3 UTF-8 bytes, per token), and JSON escaping at
-most doubles code; 32 bytes per token leaves room for tokenizers whose tokens are long runs
-of whitespace or punctuation. Prompts between the real limit and this bound still reach the
+per token, CJK text about 3 (one character, 3 UTF-8 bytes, per token), but vocabularies hold
+tokens that are long runs of whitespace or punctuation (SmolLM2's: runs of up to 81 `#`,
+`=`, `-` or spaces; a prompt of separator lines averaged 48 bytes a token) and JSON escaping
+doubles whitespace (`\t`, `\n`): 256 bytes per token leaves room for both. (32 refused a
+6,500-token prompt of separator lines that fits an 8,192-token context, 2026-12-06.) Prompts between the real limit and this bound still reach the
 engine, which counts their tokens exactly and refuses them (400) as before.
 
 Images (`ChatMessage.images`, base64 in the JSON) are left out of the per-token bound: the
@@ -29,7 +31,7 @@ from exo.shared.types.commands import MAX_GENERATION_BYTES
 from exo.shared.types.models import ModelCard
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
-MAX_PROMPT_BYTES_PER_TOKEN = 32
+MAX_PROMPT_BYTES_PER_TOKEN = 256
 """Bytes of request per token of context beyond which no prompt can fit (see above)."""
 
 

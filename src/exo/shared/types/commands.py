@@ -49,7 +49,8 @@ MAX_GENERATION_BYTES = 24 * 2**20
 """The largest `GenerateText` (its JSON, in bytes) the master carries out: its request is
 copied into a `TaskCreated` event that every node keeps in its event log, so a bigger one
 is rejected (413) and never logged. The API refuses such requests first, by the model's
-context length (`exo.api.serving.prompt_size`). 24 MiB: 32 bytes per token of a 786K context."""
+context length (`exo.api.serving.prompt_size`). 24 MiB: 256 bytes per token of a 98K context,
+32 of a 786K one."""
 
 
 class GenerateText(FrozenModel):
