@@ -14,12 +14,12 @@ from exo.master.keep_alive import idle_instances, usage_after_command, usage_aft
 from exo.master.recovery import (
     ACTIVATION_GRACE_SECONDS,
     connectivity_events,
-    events_after_node_lost,
+    events_after_node_removed,
     replacements_for_waiting,
 )
 from exo.node.event_log import EventLog, EventLogCorruptError
 from exo.routing.connections import ConnectionMessage
-from exo.shared.apply import apply, origin_key
+from exo.shared.apply import apply, apply_event, origin_key
 from exo.shared.types.commands import REPLAY_BATCH, ForwarderCommand, RequestEventReplay
 from exo.shared.types.common import CommandId, ModelId, NodeId
 from exo.shared.types.events import (
@@ -212,19 +212,24 @@ class Master:
         )
 
     def timed_out_nodes(self) -> list[Event]:
-        """Nodes silent for the timeout are removed; one not yet lost is first lost, so
-        its instances are placed again rather than dropped."""
+        """Nodes silent for the timeout are removed (`events_after_node_removed`): one not
+        yet lost is first lost, so its instances are placed again rather than dropped, and
+        the requests it sent end. Each removal is decided on the state after the ones
+        before it: an instance placed again on a node removed later in the same pass is
+        placed again once more rather than dropped with that node."""
         now = self._now()
+        state = self.state
         events: list[Event] = []
-        for node_id in list(self.state.node_info):
+        for node_id in list(state.node_info):
             if node_id == self.node_id:
                 continue
             silent = now - max(self._last_heard.get(node_id, 0.0), self._activated_at)
             if silent <= NODE_TIMEOUT_SECONDS:
                 continue
-            if node_id not in self.state.lost_nodes:
-                events += events_after_node_lost(self.state, node_id)
-            events.append(NodeTimedOut(node_id=node_id))
+            removal = events_after_node_removed(state, node_id)
+            events += removal
+            for event in removal:
+                state = apply_event(state, event)
         return events
 
     def handle_command(self, forwarded: ForwarderCommand) -> None:

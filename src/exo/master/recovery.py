@@ -7,7 +7,10 @@ instance is a wish the user made: one that lost a node is placed again on the no
 remain, keeping its id, model and sharding (`InstanceReplaced`, new runners), or, when
 they have no room, waits with the reason in the state (`InstanceUnplaced`) and is placed
 as soon as room appears. `DELETE /instance` ends the wish. A lost node that returns is
-placed on again (`NodeRejoined`); one silent for the timeout is removed (`NodeTimedOut`).
+placed on again (`NodeRejoined`); one silent for the timeout is removed (`NodeTimedOut`),
+and the requests it sent end with it: it was their API node, the only one that can deliver
+their tokens to a client (a loss alone does not end them: the node may come back within
+the timeout).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from exo.shared.types.events import (
     InstanceUnplaced,
     NodeLost,
     NodeRejoined,
+    NodeTimedOut,
     TaskStatusUpdated,
 )
 from exo.shared.types.instances import Instance
@@ -84,6 +88,31 @@ def events_after_node_lost(state: State, node_id: NodeId) -> list[Event]:
             if task.instance_id == instance.instance_id
         )
         events.append(replacement(after, instance, f"node {node_id} left"))
+    return events
+
+
+def events_after_node_removed(state: State, node_id: NodeId) -> list[Event]:
+    """`NodeTimedOut` for a node silent for the timeout, after what its loss implies (when
+    it was not lost before) and the failure of every request it sent.
+
+    A request's tokens go to its API node (`origin_node_id`) only: once that node is
+    gone, the instance serving the request would generate up to `max_tokens` for nobody,
+    holding a batch slot. Failing the task removes it from the state; the runner holding
+    it then cancels the generation (the worker's `CancelTask`), as after a restart of the
+    API node (`events_after_restart`). A request sent again by a mid-stream failover has
+    the surviving API node as its origin and is kept.
+    """
+    events: list[Event] = []
+    if node_id not in state.lost_nodes:
+        events += events_after_node_lost(state, node_id)
+    after = _apply_all(state, events)
+    message = f"node {node_id}, which sent this request, left the cluster"
+    events.extend(
+        TaskStatusUpdated(task_id=task.task_id, status=TaskFailed(error_message=message))
+        for task in after.tasks.values()
+        if task.origin_node_id == node_id
+    )
+    events.append(NodeTimedOut(node_id=node_id))
     return events
 
 
