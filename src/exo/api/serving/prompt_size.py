@@ -13,9 +13,10 @@ context. The bound is far above any prompt that fits: English text averages abou
 per token, CJK text about 3 (one character, 3 UTF-8 bytes, per token), but vocabularies hold
 tokens that are long runs of whitespace or punctuation (SmolLM2's: runs of up to 81 `#`,
 `=`, `-` or spaces; a prompt of separator lines averaged 48 bytes a token) and JSON escaping
-doubles whitespace (`\t`, `\n`): 256 bytes per token leaves room for both. (32 refused a
-6,500-token prompt of separator lines that fits an 8,192-token context, 2026-12-06.) Prompts between the real limit and this bound still reach the
-engine, which counts their tokens exactly and refuses them (400) as before.
+doubles whitespace (`\t`, `\n`): 256 bytes per token leaves room for both (32 refused a
+6,500-token prompt of separator lines that fits an 8,192-token context). Prompts between the
+real limit and this bound still reach the engine, which counts their tokens exactly and
+refuses them (400) as before.
 
 Images (`ChatMessage.images`, base64 in the JSON) are left out of the per-token bound: the
 cards give no tokens-per-image figure, so an image counts as no tokens here, and the engine,
