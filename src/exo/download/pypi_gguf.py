@@ -221,6 +221,21 @@ def _converted_from(candidate: Path, gguf_path: Path, identity: dict[str, int] |
     return identity is None or content.get("gguf_identity") == identity
 
 
+def holds_current_source(card: ModelCard, directory: Path) -> bool:
+    """Whether `directory`, which `prepare_model` returned for `card`, still holds the
+    weights of the card's source as it is now. Only a `.gguf` path (`GgufFileSource`) can
+    change under the same card: its conversion must have been made from the file as it is
+    (`_converted_from`: path, size and modification time; one `stat` and the small
+    completion marker read, no hash), so a node that prepared the model before the file was
+    replaced in place prepares it again. Every other source is fixed once prepared (a wheel
+    checked against its SHA-256, a Hub commit, a directory used in place): True."""
+    source = card.source
+    if not isinstance(source, GgufFileSource):
+        return True
+    gguf_path = Path(source.path)
+    return _converted_from(directory, gguf_path, gguf_file_identity(gguf_path))
+
+
 def _publish(staging: Path, target: Path, replace_current: bool = False) -> None:
     """Atomically move a finished staging directory into place. If another process won the
     race and `target` is already complete in the current format, keep theirs and drop ours

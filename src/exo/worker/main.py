@@ -18,7 +18,7 @@ from exo.download.fetch import DownloadCancelledError
 from exo.download.locations import delete_downloaded_model
 from exo.download.model_lock import ModelBusyError
 from exo.download.peers import HUB_ASSUMED_MBPS, peers_holding
-from exo.download.pypi_gguf import ModelPreparationError, prepare_model
+from exo.download.pypi_gguf import ModelPreparationError, holds_current_source, prepare_model
 from exo.shared.local_events import LocalEventSender
 from exo.shared.models.kv_cache_memory import kv_cache_tokens_for_dtype
 from exo.shared.types.chunks import Chunk
@@ -318,11 +318,11 @@ class Worker:
                 model_id = shard.model_card.model_id
                 self.downloads[model_id] = DownloadOngoing(message="preparing")
                 self._task_group.start_soon(self._download, shard.model_card, shard)
-            case (
-                ConnectToGroup(runner_id=runner_id)
-                | LoadModel(runner_id=runner_id)
-                | StartWarmup(runner_id=runner_id)
-            ):
+            case LoadModel(instance_id=instance_id, runner_id=runner_id):
+                if self._forget_replaced_sources(instance_id, runner_id):
+                    return  # planned again: prepared anew, then loaded
+                self.runners[runner_id].send(task)
+            case ConnectToGroup(runner_id=runner_id) | StartWarmup(runner_id=runner_id):
                 self.runners[runner_id].send(task)
             case TextGeneration(instance_id=instance_id) | Embedding(instance_id=instance_id):
                 instance = self.state.instances[instance_id]
@@ -350,6 +350,42 @@ class Worker:
                     # Retried later with backoff; a runner of a deleted or re-placed
                     # instance is not retried, so it is no failure to count.
                     self._record_failure(runner_id)
+
+    def _forget_replaced_sources(self, instance_id: InstanceId, runner_id: RunnerId) -> bool:
+        """Before runner `runner_id` of `instance_id` loads: forget the completed
+        preparation of each model it loads whose source changed since (`holds_current_source`:
+        a `.gguf` path replaced in place, checked by size and modification time), so `plan`
+        prepares it again (converted anew) before the load. `plan` stays pure and cheap: this
+        check runs once per load, not per plan.
+
+        Returns:
+            Whether a preparation was forgotten (the load must wait for it).
+        """
+        instance = self.state.instances.get(instance_id)
+        if instance is None:
+            return False
+        forgotten = False
+        for shard in runner_shards(instance, runner_id, self.node_id):
+            card = shard.model_card
+            status = self.downloads.get(card.model_id)
+            if not isinstance(status, DownloadCompleted):
+                continue
+            if holds_current_source(card, Path(status.path)):
+                continue
+            logger.info(
+                f"{card.model_id}: its file changed since {status.path} was made from it; "
+                "preparing it again before loading"
+            )
+            del self.downloads[card.model_id]
+            self._local_events.emit(
+                NodeDownloadProgress(
+                    node_id=self.node_id, model_id=card.model_id, status=DownloadPending()
+                )
+            )
+            forgotten = True
+        if forgotten:
+            self._notify()
+        return forgotten
 
     def kv_cache_use(self) -> list[KVCacheUse]:
         """This node's runners' KV caches as each last reported (runners that have served

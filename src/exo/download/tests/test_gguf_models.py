@@ -191,3 +191,22 @@ def test_a_gguf_replaced_in_place_is_converted_again(
 
     monkeypatch.setattr(pypi_gguf, "convert_gguf_to_safetensors", no_third_conversion)
     assert np.array_equal(_converted_embedding(prepare_model(card, models, offline=True)), after)
+
+
+def test_a_conversion_holds_its_gguf_until_the_file_changes(tmp_path: Path) -> None:
+    """`holds_current_source`, which the worker asks before each load: true of a
+    conversion of the file as it is, false once the file is replaced (same size: its
+    modification time tells), true again when the file is gone (its last conversion is
+    all there is) and of every source that cannot change under its card."""
+    shape = RandomGgufShape()
+    path = write_random_gguf(tmp_path / "tiny.gguf", shape, seed=1)
+    card = card_for_gguf(path, str(path))
+    directory = prepare_model(card, tmp_path / "models", offline=True)
+    assert pypi_gguf.holds_current_source(card, directory)
+    size = path.stat().st_size
+    write_random_gguf(path, shape, seed=2)
+    assert path.stat().st_size == size
+    assert not pypi_gguf.holds_current_source(card, directory)
+    path.unlink()
+    assert pypi_gguf.holds_current_source(card, directory)
+    assert pypi_gguf.holds_current_source(CATALOG[next(iter(CATALOG))], tmp_path / "absent")
