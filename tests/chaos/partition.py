@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from exo.testing.processes import ExoNode, exo_command, wait_until
+from exo.testing.processes import ExoNode, die_with_this_thread, exo_command, wait_until
 from tests.chaos.harness import Load, Row, current_netns, enter_netns, serves
 from tests.test_cluster import place_on
 
@@ -91,6 +91,7 @@ class NamespacedNode(ExoNode):
             stdout=self.log_path.open("ab"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=die_with_this_thread(),
         )  # fmt: skip
         return self
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +35,33 @@ MACHINE_MODEL_STORES = frozenset(
 )
 # The machine's cluster secret: a test node joins only the cluster its test sets up.
 MACHINE_CLUSTER_SECRET = "EXO_CLUSTER_SECRET"
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_this_thread() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes a test's node die (SIGKILL) when the test process dies, or
+    None where that cannot be asked.
+
+    A node runs in its own session (so a test can kill it and its runners as one group), so
+    a test process killed from outside (CI's `timeout` sends SIGTERM; an OOM kill; SIGKILL)
+    runs no fixture finalizer and would leave its nodes serving for good. Linux's parent-death
+    signal ends them instead (their runners die with them: `runner/process.py`). It is sent
+    when the *thread* that started the child ends, so it is asked only from the main thread:
+    a node started from a worker thread (a thread pool's) would be killed when that thread
+    exits. The libc function is looked up here, before the fork: the child only calls it.
+    """
+    if not sys.platform.startswith("linux") or threading.current_thread() is not (
+        threading.main_thread()
+    ):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def ask() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    return ask
 
 
 def exo_command() -> str:
@@ -162,6 +191,7 @@ class ExoNode:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=die_with_this_thread(),
         )
         return self
 
