@@ -49,9 +49,9 @@ def test_a_node_dies_when_its_test_process_is_killed(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         text=True,
     )
+    node_pid = 0
     try:
         node_pid = int(test_process.stdout.readline())  # type: ignore[union-attr]
-        node = psutil.Process(node_pid)
         # Its own session (a test kills a node and its runners as one group).
         assert os.getsid(node_pid) == node_pid != os.getsid(test_process.pid)
         assert not _gone(node_pid)
@@ -61,10 +61,8 @@ def test_a_node_dies_when_its_test_process_is_killed(tmp_path: Path) -> None:
     finally:
         test_process.kill()
         test_process.wait(timeout=10)
-        try:
-            node.kill()
-        except (psutil.NoSuchProcess, UnboundLocalError):
-            pass
+        if node_pid and not _gone(node_pid):
+            os.kill(node_pid, signal.SIGKILL)
 
 
 def test_a_node_started_off_the_main_thread_is_not_tied_to_that_thread() -> None:

@@ -1,23 +1,46 @@
 // Attention of a decoder layer's step (see decode_layer.cpp), its rows' keys and values
 // already in the cache. Each row attends to its own slot's keys, from the layer's window
-// start up to its own position. A prompt chunk beside the decode rows (two or more rows of
-// one slot at consecutive positions) attends by torch's scaled_dot_product_attention; every
-// other row by a dot product per visible key in float32 (a decode row reads each key once
-// per query head).
+// start up to its own position. A long prompt chunk beside the decode rows (more than
+// kRowChunkMax rows of one slot at consecutive positions) attends by torch's
+// scaled_dot_product_attention; every other row (decode rows, a speculative draft's verify
+// rows, short prompt chunks) by exo's row kernel below, in float32.
+//
+// The row kernel. A row's work is cut into tasks of one KV head and at most kSplitKeys of
+// its visible keys (flash-decoding's split of the keys: Dao et al. 2023, "Flash-Decoding
+// for long-context inference"), so that one long row keeps every thread busy. A task reads
+// each of its keys and values once for all the query heads that share that KV head
+// (grouped-query attention), in blocks of one vector's width L (16 keys with AVX512, 8 with
+// AVX2):
+//   1. the block's keys are widened to float32 once; each query head's L dot products are
+//      L vectors of partial sums, reduced to one vector of L scores by a transpose-and-add
+//      tree (no horizontal sum per key);
+//   2. each head's scores minus their largest, exponentiated a vector at a time (Cephes'
+//      expf polynomial, range-reduced by powers of two: about 1 ulp; a score more than 87
+//      below the largest counts 0, as it would in float32 anyway), summed;
+//   3. the block's values are widened once; each head's weighted sum runs in registers.
+// A task leaves (largest score, sum of exponentials, unnormalized weighted sum) per head;
+// a row's tasks are merged in key order: exp(m_s - M) rescales each, one division at the
+// end. A row's split depends only on its own key count, never on the step's other rows or
+// the thread count, so a row's output is the same bits whatever step it is in (a verified
+// draft position equals the plain decode step's: speculative decoding's exactness). Before,
+// each (row, query head) read its keys once per head, summed each dot product horizontally
+// and called std::exp per key: ~7 G multiply-adds a second per thread against this one's
+// figures in docs/benchmarks/2026-12-07-decode-attention.md.
 //
 // The cache holds float32 or bfloat16 keys and values (`--kv-cache-dtype`, the KV cache's
-// dtype: batching/slot_kv_cache.py). bfloat16 is converted on load (its 16 bits are the
-// high half of a float32: a zero-extend and a shift) into float32 products and sums, so
-// only the stored keys and values are rounded, never the query, the scores or the sums.
-// 512-bit vectors where the library is built with AVX512F (native_kernels._flags), else
-// 256-bit AVX2; `exo_native::decode_attention_vector_bits` forces 256 bits (both paths
-// tested on one CPU).
+// dtype: batching/slot_kv_cache.py). bfloat16 is widened on load (its 16 bits are the high
+// half of a float32: a zero-extend and a shift), so only the stored keys and values are
+// rounded, never the query, the scores or the sums. 512-bit vectors where the library is
+// built with AVX512F (native_kernels._flags) and the head dimension is a multiple of 16,
+// else 256-bit AVX2 where it is a multiple of 8, else one value at a time;
+// `decode_attention_vector_bits` forces 256 bits (both paths tested on one CPU).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -41,7 +64,17 @@
 
 namespace {
 
-// The vector width decode rows use: 512 where built with AVX512F, unless forced to 256.
+// Keys per task: a row with more is split (above). Large enough that a task's fixed costs
+// (its query heads' set-up, the merge) stay small against 512 keys of dot products.
+constexpr int64_t kSplitKeys = 512;
+// Prompt chunks of up to this many rows take the row kernel, longer ones torch's SDPA
+// (figures: docs/benchmarks/2026-12-07-decode-attention.md).
+constexpr int64_t kRowChunkMax = 4;
+// A score this far below its row's largest has exp() < 2e-38: nothing beside the largest
+// (whose exp is 1) in float32.
+constexpr float kNegligible = -87.0f;
+
+// The vector width rows use: 512 where built with AVX512F, unless forced to 256.
 #ifdef EXO_AVX512
 std::atomic<int64_t> vector_bits{512};
 #else
@@ -57,76 +90,397 @@ inline float widen(uint16_t bits) {
 }
 inline float widen(float value) { return value; }
 
+// Cephes' expf: exp(x) = 2^n exp(r), n = round(x log2 e), r = x - n ln 2 (ln 2 in two
+// parts), exp(r) by a degree-6 polynomial (the Cephes Mathematical Library, S. Moshier).
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f;
+constexpr float kLn2Low = -2.12194440e-4f;
+constexpr float kExpMax = 88.3762626647949f;
+constexpr float kP0 = 1.9875691500E-4f, kP1 = 1.3981999507E-3f, kP2 = 8.3334519073E-3f,
+                kP3 = 4.1665795894E-2f, kP4 = 1.6666665459E-1f, kP5 = 5.0000001201E-1f;
+
+// One value at a time (CPUs without AVX2 + FMA, head dimensions not a multiple of 8).
+struct Scalar {
+  using V = float;
+  static constexpr int kLanes = 1;
+  static V zero() { return 0.0f; }
+  static V set1(float v) { return v; }
+  static V load(const float* p) { return *p; }
+  static V load(const uint16_t* p) { return widen(*p); }
+  static void store(float* p, V v) { *p = v; }
+  static V fma(V a, V b, V c) { return a * b + c; }
+  static V mul(V a, V b) { return a * b; }
+  static V add(V a, V b) { return a + b; }
+  static V sub(V a, V b) { return a - b; }
+  static V max(V a, V b) { return std::max(a, b); }
+  static float reduce_add(V v) { return v; }
+  static float reduce_max(V v) { return v; }
+  static V exp(V x) { return x < kNegligible ? 0.0f : std::exp(x); }
+  static V pack_sums(const V* t) { return t[0]; }
+};
+
 #ifdef EXO_AVX2
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-inline float sum8(__m256 v) {
-  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  half = _mm_add_ss(half, _mm_movehdup_ps(half));
-  return _mm_cvtss_f32(half);
-}
-#endif
-#ifdef EXO_AVX512
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
+struct Avx2 {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float v) { return _mm256_set1_ps(v); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const uint16_t* p) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static float reduce_add(V v) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_add_ss(half, _mm_movehdup_ps(half));
+    return _mm_cvtss_f32(half);
+  }
+  static float reduce_max(V v) {
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_max_ss(half, _mm_movehdup_ps(half));
+    return _mm_cvtss_f32(half);
+  }
+  static V exp(V x) {
+    const V kept = _mm256_cmp_ps(x, set1(kNegligible), _CMP_GE_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, set1(-kExpMax)), set1(kExpMax));
+    const V n = _mm256_round_ps(_mm256_mul_ps(x, set1(kLog2e)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, set1(kLn2High), x);
+    x = _mm256_fnmadd_ps(n, set1(kLn2Low), x);
+    V y = set1(kP0);
+    y = fma(y, x, set1(kP1));
+    y = fma(y, x, set1(kP2));
+    y = fma(y, x, set1(kP3));
+    y = fma(y, x, set1(kP4));
+    y = fma(y, x, set1(kP5));
+    y = fma(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, set1(1.0f)));
+    const __m256i power = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(power)), kept);
+  }
+  // Lane j of the result = the sum of t[j]'s lanes (8 vectors).
+  __attribute__((always_inline)) static V pack_sums(const V* t) {
+    V pairs[4];
+    for (int i = 0; i < 4; ++i)  // [a0+a2, b0+b2, a1+a3, b1+b3 | same for lanes 4-7]
+      pairs[i] = _mm256_add_ps(_mm256_unpacklo_ps(t[2 * i], t[2 * i + 1]),
+                               _mm256_unpackhi_ps(t[2 * i], t[2 * i + 1]));
+    V quads[2];
+    for (int i = 0; i < 2; ++i)  // per 128-bit half: the sums of 4 vectors over it
+      quads[i] = _mm256_add_ps(_mm256_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                               _mm256_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
+    return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),
+                         _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+  }
+};
 #endif
 
-// a . b over n values, `b` a cache row (float32 or bfloat16 bits), summed in float32.
-template <typename T>
-inline float dot(const float* a, const T* b, int64_t n, bool wide) {
 #ifdef EXO_AVX512
-  if (wide && n % 32 == 0) {
-    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 32) {
-      sum0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), sum0);
-      sum1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), load16(b + i + 16), sum1);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+struct Avx512 {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float v) { return _mm512_set1_ps(v); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const uint16_t* p) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
   }
-#else
-  (void)wide;
-#endif
-#ifdef EXO_AVX2
-  if (n % 16 == 0) {
-    __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-      sum0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), sum0);
-      sum1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), sum1);
-    }
-    return sum8(_mm256_add_ps(sum0, sum1));
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
+  static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+  static V exp(V x) {
+    const __mmask16 kept = _mm512_cmp_ps_mask(x, set1(kNegligible), _CMP_GE_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, set1(-kExpMax)), set1(kExpMax));
+    const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(kLog2e)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, set1(kLn2High), x);
+    x = _mm512_fnmadd_ps(n, set1(kLn2Low), x);
+    V y = set1(kP0);
+    y = fma(y, x, set1(kP1));
+    y = fma(y, x, set1(kP2));
+    y = fma(y, x, set1(kP3));
+    y = fma(y, x, set1(kP4));
+    y = fma(y, x, set1(kP5));
+    y = fma(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, set1(1.0f)));
+    return _mm512_maskz_mov_ps(kept, _mm512_scalef_ps(y, n));
   }
+  // Lane j of the result = the sum of t[j]'s lanes (16 vectors): pairs within 128-bit
+  // lanes, then quads, then the four 128-bit lanes.
+  __attribute__((always_inline)) static V pack_sums(const V* t) {
+    V pairs[8];
+    for (int i = 0; i < 8; ++i)
+      pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]),
+                               _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
+    V quads[4];  // quads[i]: 128-bit lane l holds t[4i..4i+3]'s sums over lane l
+    for (int i = 0; i < 4; ++i)
+      quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0x44),
+                               _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], 0xEE));
+    V halves[2];  // 128-bit lanes [q0 l0+l2, q0 l1+l3, q1 l0+l2, q1 l1+l3]
+    for (int i = 0; i < 2; ++i)
+      halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x44),
+                                _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                         _mm512_shuffle_f32x4(halves[0], halves[1], 0xDD));
+  }
+};
 #endif
-  float total = 0.0f;
-  for (int64_t i = 0; i < n; ++i) total += a[i] * widen(b[i]);
-  return total;
+
+// One task: query heads [head0, head0 + group) of one row against keys [k0, k1) of their KV
+// head (`keys` / `values`: that head's rows of the row's slot, head_dim values each).
+// Writes per head: largest[g], total[g] (the sum of exp(score - largest)) and
+// weighted[g * head_dim ...] (the values' sum weighted by those exponentials).
+struct Task {
+  int64_t row = 0;
+  int64_t kv_head = 0;
+  int64_t k0 = 0;
+  int64_t k1 = 0;
+};
+
+// A block of `valid` cache rows of head_dim values as float32: the cache itself where it
+// holds float32, else widened into `scratch` ([L, head_dim]).
+template <typename Vec>
+inline const float* widened(const float* rows, int64_t, int64_t, float*) {
+  return rows;
+}
+template <typename Vec>
+inline const float* widened(const uint16_t* rows, int64_t valid, int64_t head_dim,
+                            float* scratch) {
+  for (int64_t i = 0; i < valid * head_dim; i += Vec::kLanes)
+    Vec::store(scratch + i, Vec::load(rows + i));
+  return scratch;
 }
 
-// out[n] += weight * v[n], `v` a cache row (float32 or bfloat16 bits).
-template <typename T>
-inline void axpy(float weight, const T* v, float* out, int64_t n, bool wide) {
-  int64_t i = 0;
-#ifdef EXO_AVX512
-  if (wide) {
-    const __m512 w = _mm512_set1_ps(weight);
-    for (; i + 16 <= n; i += 16)
-      _mm512_storeu_ps(out + i, _mm512_fmadd_ps(w, load16(v + i), _mm512_loadu_ps(out + i)));
+template <typename Vec, int kChunks, typename T>
+void attend_task(const float* queries, int64_t group, int64_t head_dim_runtime, const T* keys,
+                 const T* values, int64_t k0, int64_t k1, float scale, float* largest,
+                 float* total, float* weighted) {
+  using V = typename Vec::V;
+  constexpr int L = Vec::kLanes;
+  // kChunks > 0: head_dim = kChunks * L known here (registers for a head's vectors).
+  const int64_t chunks = kChunks > 0 ? kChunks : head_dim_runtime / L;
+  const int64_t head_dim = chunks * L;
+  const int64_t count = k1 - k0;
+  const int64_t padded = (count + L - 1) / L * L;
+  thread_local std::vector<float> score_buffer, block_buffer;
+  score_buffer.resize(static_cast<size_t>(group * padded));
+  block_buffer.resize(static_cast<size_t>(L * head_dim));
+  float* scores = score_buffer.data();
+  const V scaling = Vec::set1(scale);
+  // 1. Scores, a block of L keys at a time.
+  for (int64_t b = 0; b < count; b += L) {
+    const int64_t valid = std::min<int64_t>(L, count - b);
+    const float* block = widened<Vec>(keys + (k0 + b) * head_dim, valid, head_dim, block_buffer.data());
+    for (int64_t g = 0; g < group; ++g) {
+      const float* query = queries + g * head_dim;
+      V partial[L];
+      if constexpr (kChunks > 0) {
+        if (valid == L) {  // a whole block: every vector in registers
+          V q[kChunks];
+          for (int c = 0; c < kChunks; ++c) q[c] = Vec::load(query + c * L);
+#pragma GCC unroll 16
+          for (int j = 0; j < L; ++j) {
+            V sum = Vec::mul(q[0], Vec::load(block + j * head_dim));
+            for (int c = 1; c < kChunks; ++c)
+              sum = Vec::fma(q[c], Vec::load(block + j * head_dim + c * L), sum);
+            partial[j] = sum;
+          }
+          Vec::store(scores + g * padded + b, Vec::mul(Vec::pack_sums(partial), scaling));
+          continue;
+        }
+      }
+      for (int j = 0; j < L; ++j) {
+        V sum = Vec::zero();
+        if (j < valid) {
+          sum = Vec::mul(Vec::load(query), Vec::load(block + j * head_dim));
+          for (int64_t c = 1; c < chunks; ++c)
+            sum = Vec::fma(Vec::load(query + c * L), Vec::load(block + j * head_dim + c * L), sum);
+        }
+        partial[j] = sum;
+      }
+      Vec::store(scores + g * padded + b, Vec::mul(Vec::pack_sums(partial), scaling));
+    }
   }
-#else
-  (void)wide;
+  // 2. Exponentials of each head's scores less their largest; padding lanes count 0.
+  for (int64_t g = 0; g < group; ++g) {
+    float* row_scores = scores + g * padded;
+    for (int64_t j = count; j < padded; ++j) row_scores[j] = -INFINITY;
+    V high = Vec::set1(-INFINITY);
+    for (int64_t j = 0; j < padded; j += L) high = Vec::max(high, Vec::load(row_scores + j));
+    const float top = Vec::reduce_max(high);
+    const V shift = Vec::set1(top);
+    V sum = Vec::zero();
+    for (int64_t j = 0; j < padded; j += L) {
+      const V e = Vec::exp(Vec::sub(Vec::load(row_scores + j), shift));
+      Vec::store(row_scores + j, e);
+      sum = Vec::add(sum, e);
+    }
+    largest[g] = top;
+    total[g] = Vec::reduce_add(sum);
+    std::fill(weighted + g * head_dim, weighted + (g + 1) * head_dim, 0.0f);
+  }
+  // 3. Weighted sums of the values, a block of L values at a time.
+  for (int64_t b = 0; b < count; b += L) {
+    const int64_t valid = std::min<int64_t>(L, count - b);
+    const float* block =
+        widened<Vec>(values + (k0 + b) * head_dim, valid, head_dim, block_buffer.data());
+    for (int64_t g = 0; g < group; ++g) {
+      const float* weights = scores + g * padded + b;
+      float* out = weighted + g * head_dim;
+      if constexpr (kChunks > 0) {
+        // Even and odd keys in two sets of sums (two chains of fused multiply-adds).
+        V even[kChunks], odd[kChunks];
+        for (int c = 0; c < kChunks; ++c) even[c] = Vec::load(out + c * L), odd[c] = Vec::zero();
+        int64_t j = 0;
+        for (; j + 2 <= valid; j += 2) {
+          const V w0 = Vec::set1(weights[j]), w1 = Vec::set1(weights[j + 1]);
+          for (int c = 0; c < kChunks; ++c) {
+            even[c] = Vec::fma(w0, Vec::load(block + j * head_dim + c * L), even[c]);
+            odd[c] = Vec::fma(w1, Vec::load(block + (j + 1) * head_dim + c * L), odd[c]);
+          }
+        }
+        if (j < valid) {
+          const V w = Vec::set1(weights[j]);
+          for (int c = 0; c < kChunks; ++c)
+            even[c] = Vec::fma(w, Vec::load(block + j * head_dim + c * L), even[c]);
+        }
+        for (int c = 0; c < kChunks; ++c) Vec::store(out + c * L, Vec::add(even[c], odd[c]));
+      } else {
+        for (int64_t c = 0; c < chunks; ++c) {
+          V acc = Vec::load(out + c * L);
+          for (int64_t j = 0; j < valid; ++j)
+            acc = Vec::fma(Vec::set1(weights[j]), Vec::load(block + j * head_dim + c * L), acc);
+          Vec::store(out + c * L, acc);
+        }
+      }
+    }
+  }
+}
+
+// The task function for a vector type and head dimension: registers for the common
+// dimensions, a runtime loop for the rest.
+template <typename Vec, typename T>
+using TaskFn = void (*)(const float*, int64_t, int64_t, const T*, const T*, int64_t, int64_t,
+                        float, float*, float*, float*);
+
+template <typename Vec, typename T>
+TaskFn<Vec, T> task_for(int64_t head_dim) {
+  switch (head_dim / Vec::kLanes) {
+    case 4: return &attend_task<Vec, 4, T>;
+    case 8: return &attend_task<Vec, 8, T>;
+    case 16: return &attend_task<Vec, 16, T>;
+    default: return &attend_task<Vec, 0, T>;
+  }
+}
+
+// The rows outside `in_chunk` (see the top of this file), written to attended[r, heads *
+// head_dim].
+template <typename Vec, typename T>
+void attend_rows(const float* qkv, int64_t rows, int64_t qkv_width, const T* key_cache,
+                 const T* value_cache, int64_t capacity, at::IntArrayRef slots,
+                 at::IntArrayRef positions, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                 int64_t window, double scaling, const std::vector<char>& in_chunk,
+                 float* attended) {
+  const int64_t group = heads / kv_heads;
+  const int64_t q_width = heads * head_dim;
+  // Tasks in row order, each row's KV heads, then its splits in key order.
+  std::vector<Task> tasks;
+  std::vector<int64_t> first_task(static_cast<size_t>(rows) + 1, 0);
+  int64_t work = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    first_task[r] = static_cast<int64_t>(tasks.size());
+    if (in_chunk[r]) continue;
+    const int64_t position = positions[r];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+    const int64_t end = position + 1;
+    work += (end - first) * heads;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t k0 = first; k0 < end; k0 += kSplitKeys)
+        tasks.push_back({r, h, k0, std::min(end, k0 + kSplitKeys)});
+  }
+  first_task[rows] = static_cast<int64_t>(tasks.size());
+  const int64_t count = static_cast<int64_t>(tasks.size());
+  if (count == 0) return;
+  // Per task and query head: largest, total, weighted[head_dim].
+  const int64_t stride = head_dim + 2;
+  thread_local std::vector<float> partials;
+  partials.resize(static_cast<size_t>(count * group * stride));
+  float* partial = partials.data();
+  const TaskFn<Vec, T> run = task_for<Vec, T>(head_dim);
+  const float scale = static_cast<float>(scaling);
+  // About 2^16 multiply-adds (keys x heads x head_dim x 2) or more per thread's share.
+  const int64_t grain = std::max<int64_t>(
+      1, count * (int64_t{1} << 15) / std::max<int64_t>(1, work * head_dim));
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Task& task = tasks[i];
+      const int64_t base = (slots[task.row] * kv_heads + task.kv_head) * capacity * head_dim;
+      float* out = partial + i * group * stride;
+      run(qkv + task.row * qkv_width + task.kv_head * group * head_dim, group, head_dim,
+          key_cache + base, value_cache + base, task.k0, task.k1, scale, out, out + group,
+          out + 2 * group);
+    }
+  });
+  // Merge each row's splits in key order: the same arithmetic for one split or many.
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t0 = first_task[r], t1 = first_task[r + 1];
+    if (t0 == t1) continue;
+    const int64_t splits = (t1 - t0) / kv_heads;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t kv_head = h / group, g = h % group;
+      const auto at = [&](int64_t s) { return partial + (t0 + kv_head * splits + s) * group * stride; };
+      float top = -INFINITY;
+      for (int64_t s = 0; s < splits; ++s) top = std::max(top, at(s)[g]);
+      float denominator = 0.0f;
+      float* result = attended + r * q_width + h * head_dim;
+      std::fill(result, result + head_dim, 0.0f);
+      for (int64_t s = 0; s < splits; ++s) {
+        const float weight = std::exp(at(s)[g] - top);
+        denominator += weight * at(s)[group + g];
+        const float* sums = at(s) + 2 * group + g * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) result[d] += weight * sums[d];
+      }
+      const float inverse = 1.0f / denominator;
+      for (int64_t d = 0; d < head_dim; ++d) result[d] *= inverse;
+    }
+  }
+}
+
+template <typename T>
+void attend_rows_widest(const float* qkv, int64_t rows, int64_t qkv_width, const T* key_cache,
+                        const T* value_cache, int64_t capacity, at::IntArrayRef slots,
+                        at::IntArrayRef positions, int64_t heads, int64_t kv_heads,
+                        int64_t head_dim, int64_t window, double scaling,
+                        const std::vector<char>& in_chunk, float* attended) {
+#ifdef EXO_AVX512
+  if (vector_bits.load(std::memory_order_relaxed) == 512 && head_dim % 16 == 0) {
+    attend_rows<Avx512>(qkv, rows, qkv_width, key_cache, value_cache, capacity, slots,
+                        positions, heads, kv_heads, head_dim, window, scaling, in_chunk,
+                        attended);
+    return;
+  }
 #endif
 #ifdef EXO_AVX2
-  const __m256 w8 = _mm256_set1_ps(weight);
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(w8, load8(v + i), _mm256_loadu_ps(out + i)));
+  if (head_dim % 8 == 0) {
+    attend_rows<Avx2>(qkv, rows, qkv_width, key_cache, value_cache, capacity, slots, positions,
+                      heads, kv_heads, head_dim, window, scaling, in_chunk, attended);
+    return;
+  }
 #endif
-  for (; i < n; ++i) out[i] += weight * widen(v[i]);
+  attend_rows<Scalar>(qkv, rows, qkv_width, key_cache, value_cache, capacity, slots, positions,
+                      heads, kv_heads, head_dim, window, scaling, in_chunk, attended);
 }
 
 // Rows [row, row + length) of a step: one slot's consecutive positions (a prompt chunk).
@@ -135,16 +489,17 @@ struct Chunk {
   int64_t length = 0;
 };
 
-// The step's runs of at least two rows of one slot at consecutive positions (decode rows are
-// one per slot, so never part of one).
-std::vector<Chunk> prompt_chunks(at::IntArrayRef slots, at::IntArrayRef positions) {
+// The step's runs of more than kRowChunkMax rows of one slot at consecutive positions
+// (decode rows are one per slot, a draft's verify rows run from the last position down,
+// so never part of one).
+std::vector<Chunk> long_prompt_chunks(at::IntArrayRef slots, at::IntArrayRef positions) {
   std::vector<Chunk> chunks;
   const int64_t rows = static_cast<int64_t>(slots.size());
   for (int64_t r = 0; r < rows;) {
     int64_t end = r + 1;
     while (end < rows && slots[end] == slots[r] && positions[end] == positions[end - 1] + 1)
       ++end;
-    if (end - r >= 2) chunks.push_back({r, end - r});
+    if (end - r > kRowChunkMax) chunks.push_back({r, end - r});
     r = end;
   }
   return chunks;
@@ -155,9 +510,7 @@ std::vector<Chunk> prompt_chunks(at::IntArrayRef slots, at::IntArrayRef position
 // scaled_dot_product_attention with a boolean mask (the same call as
 // prefill_attention.prefill_attention's); written to `attended` [rows, heads * head_dim].
 // A bfloat16 cache's visible keys and values are widened to float32 first (as
-// batch_attention.attend does). The per-row loop (one dot product per key, row and head)
-// took longer, for a step and for a long prompt's first token
-// (figures: docs/benchmarks/engine-design-figures.md#decode_attentioncpp).
+// batch_attention.attend does).
 void attend_chunk(const Chunk& chunk, int64_t start, int64_t window, float* qkv, int64_t qkv_width,
                   const void* key_cache, const void* value_cache, at::ScalarType cache_type,
                   int64_t slot_offset, int64_t capacity, int64_t heads, int64_t kv_heads,
@@ -196,57 +549,8 @@ void attend_chunk(const Chunk& chunk, int64_t start, int64_t window, float* qkv,
               sizeof(float) * count * heads * head_dim);
 }
 
-// The decode rows (those outside `in_chunk`): one task per (row, query head), a dot product
-// per visible key, a softmax and a weighted sum of the values, in float32. Tasks run head
-// by head (every row's head 0, then head 1, ...), so the threads' contiguous task ranges each
-// hold a share of every row: in row order one long row (a prompt token beside short decode
-// rows) put all its heads on one thread (figures: docs/benchmarks/2026-12-05-mixed-steps.md).
-template <typename T>
-void attend_rows(const float* qkv, int64_t rows, int64_t qkv_width, const T* key_cache,
-                 const T* value_cache, int64_t capacity, at::IntArrayRef slots,
-                 at::IntArrayRef positions, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                 int64_t window, double scaling, const std::vector<char>& in_chunk,
-                 float* attended) {
-  const int64_t q_width = heads * head_dim;
-  int64_t longest = 1;
-  for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, positions[r] + 1);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / (longest * head_dim));
-  const int64_t group = heads / kv_heads;
-  const float scale = static_cast<float>(scaling);
-  const bool wide = vector_bits.load(std::memory_order_relaxed) == 512;
-  at::parallel_for(0, rows * heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / rows, r = task % rows;
-      if (in_chunk[r]) continue;
-      const int64_t position = positions[r];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
-      const int64_t count = position + 1 - first;
-      const int64_t base = (slots[r] * kv_heads + h / group) * capacity * head_dim;
-      const float* query = qkv + r * qkv_width + h * head_dim;
-      scores.resize(static_cast<size_t>(count));
-      float largest = -INFINITY;
-      for (int64_t j = 0; j < count; ++j) {
-        scores[j] = dot(query, key_cache + base + (first + j) * head_dim, head_dim, wide) * scale;
-        largest = std::max(largest, scores[j]);
-      }
-      float total = 0.0f;
-      for (int64_t j = 0; j < count; ++j) {
-        scores[j] = std::exp(scores[j] - largest);
-        total += scores[j];
-      }
-      float* result = attended + r * q_width + h * head_dim;
-      std::fill(result, result + head_dim, 0.0f);
-      for (int64_t j = 0; j < count; ++j)
-        axpy(scores[j], value_cache + base + (first + j) * head_dim, result, head_dim, wide);
-      const float inverse = 1.0f / total;
-      for (int64_t d = 0; d < head_dim; ++d) result[d] *= inverse;
-    }
-  });
-}
-
-// Sets the decode rows' vector width (256 or 512; 512 only where built with AVX512F) when
-// `bits` > 0; returns the width in use. For tests (both paths on one CPU) and A/B runs.
+// Sets the rows' vector width (256 or 512; 512 only where built with AVX512F) when `bits`
+// > 0; returns the width in use. For tests (both paths on one CPU) and A/B runs.
 int64_t decode_attention_vector_bits(int64_t bits) {
   if (bits > 0) {
     TORCH_CHECK(bits == 256 || bits == 512, "decode_attention_vector_bits: 256 or 512");
@@ -257,6 +561,37 @@ int64_t decode_attention_vector_bits(int64_t bits) {
 #endif
   }
   return vector_bits.load();
+}
+
+// `decode_attention` on tensors, for tests and benchmarks: qkv [rows, qkv_width] float32
+// (queries first: heads * head_dim, then keys and values, not read), caches [slots,
+// kv_heads, capacity, head_dim] float32 or bfloat16, slots / positions [rows] int64.
+// Returns attended [rows, heads * head_dim].
+at::Tensor decode_attention_of(const at::Tensor& qkv, const at::Tensor& keys,
+                               const at::Tensor& values, const at::Tensor& slots,
+                               const at::Tensor& positions, int64_t heads, int64_t window,
+                               double scaling) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(),
+              "decode_attention_of: qkv must be a contiguous float32 [rows, width]");
+  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() &&
+                  keys.scalar_type() == values.scalar_type() && keys.is_contiguous() &&
+                  values.is_contiguous(),
+              "decode_attention_of: keys and values must be contiguous [slots, kv_heads, "
+              "capacity, head_dim] of one dtype");
+  const at::Tensor slot_ids = slots.to(at::kLong).contiguous();
+  const at::Tensor position_ids = positions.to(at::kLong).contiguous();
+  const int64_t rows = qkv.size(0), kv_heads = keys.size(1), head_dim = keys.size(3);
+  TORCH_CHECK(slot_ids.numel() == rows && position_ids.numel() == rows && heads % kv_heads == 0 &&
+                  qkv.size(1) >= heads * head_dim,
+              "decode_attention_of: shapes do not match");
+  at::Tensor attended = at::zeros({rows, heads * head_dim}, at::kFloat);
+  const at::IntArrayRef slot_list(slot_ids.data_ptr<int64_t>(), rows);
+  const at::IntArrayRef position_list(position_ids.data_ptr<int64_t>(), rows);
+  exo_native::decode_attention(qkv.data_ptr<float>(), rows, qkv.size(1), keys.data_ptr(),
+                               values.data_ptr(), keys.scalar_type(), keys.size(2), slot_list,
+                               position_list, heads, kv_heads, head_dim, window, scaling,
+                               attended.data_ptr<float>());
+  return attended;
 }
 
 }  // namespace
@@ -270,9 +605,8 @@ void decode_attention(float* qkv, int64_t rows, int64_t qkv_width, const void* k
                       float* attended) {
   TORCH_CHECK(cache_type == at::kFloat || cache_type == at::kBFloat16,
               "decode_attention: the KV cache must be float32 or bfloat16");
-  // Prompt chunks first (SDPA threads its own work); then one task per (row, query head)
-  // of the other rows, short contexts on this thread.
-  const std::vector<Chunk> chunks = prompt_chunks(slots, positions);
+  // Long prompt chunks first (SDPA threads its own work); then the row kernel's tasks.
+  const std::vector<Chunk> chunks = long_prompt_chunks(slots, positions);
   std::vector<char> in_chunk(static_cast<size_t>(rows), 0);
   for (const Chunk& chunk : chunks) {
     std::fill(in_chunk.begin() + chunk.row, in_chunk.begin() + chunk.row + chunk.length, 1);
@@ -281,17 +615,21 @@ void decode_attention(float* qkv, int64_t rows, int64_t qkv_width, const void* k
                  heads, kv_heads, head_dim, scaling, attended);
   }
   if (cache_type == at::kBFloat16)
-    attend_rows(qkv, rows, qkv_width, static_cast<const uint16_t*>(key_cache),
-                static_cast<const uint16_t*>(value_cache), capacity, slots, positions, heads,
-                kv_heads, head_dim, window, scaling, in_chunk, attended);
+    attend_rows_widest(qkv, rows, qkv_width, static_cast<const uint16_t*>(key_cache),
+                       static_cast<const uint16_t*>(value_cache), capacity, slots, positions,
+                       heads, kv_heads, head_dim, window, scaling, in_chunk, attended);
   else
-    attend_rows(qkv, rows, qkv_width, static_cast<const float*>(key_cache),
-                static_cast<const float*>(value_cache), capacity, slots, positions, heads,
-                kv_heads, head_dim, window, scaling, in_chunk, attended);
+    attend_rows_widest(qkv, rows, qkv_width, static_cast<const float*>(key_cache),
+                       static_cast<const float*>(value_cache), capacity, slots, positions,
+                       heads, kv_heads, head_dim, window, scaling, in_chunk, attended);
 }
 
 }  // namespace exo_native
 
 TORCH_LIBRARY_FRAGMENT(exo_native, m) {
   m.def("decode_attention_vector_bits(int bits) -> int", &decode_attention_vector_bits);
+  m.def(
+      "decode_attention_of(Tensor qkv, Tensor keys, Tensor values, Tensor slots, Tensor "
+      "positions, int heads, int window, float scaling) -> Tensor",
+      &decode_attention_of);
 }
