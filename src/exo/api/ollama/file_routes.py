@@ -80,8 +80,7 @@ async def pull(
     body: OllamaPullRequest, request: Request, cluster: Cluster
 ) -> StreamingResponse | OllamaProgressResponse:
     """Make the model's files ready on this node, unless it needs more memory than the
-    cluster's nodes have together (409, `cluster_too_small_message`). Streams Ollama's
-    progress lines:
+    cluster's nodes have together (409 naming both sizes). Streams Ollama's progress lines:
     `{"status": "pulling manifest"}`, the preparation's own steps, then the files'
     `{"status": "pulling <digest>", "digest", "total", "completed"}` and
     `{"status": "success"}`, or a last `{"error": ...}` line. `stream: false` answers
