@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import anyio
 import uvicorn
@@ -23,14 +23,28 @@ SERVER_TICK_SECONDS = 1.0
 # uvicorn's tick counter counts tenths of a second and wraps at a day of them.
 _UVICORN_TICKS_PER_SECOND = 10
 _UVICORN_TICK_WRAP = 864000
+# What a client whose generation this node was streaming reads as the node stops.
+SHUTTING_DOWN_MESSAGE = "the node is shutting down"
 
 
 class _EmbeddedServer(uvicorn.Server):
     """A uvicorn server that leaves signal handling to the node and, when idle, wakes
-    once a second instead of ten times (an idle node's event loop had no busier timer)."""
+    once a second instead of ten times (an idle node's event loop had no busier timer).
+
+    Args:
+        before_shutdown: called once as the server stops, before it waits for the open
+            responses to end (`shutdown`).
+    """
 
     _exit_requested: anyio.Event | None = None
     _should_exit = False
+
+    def __init__(
+        self, config: uvicorn.Config, before_shutdown: Callable[[], None] = lambda: None
+    ) -> None:
+        super().__init__(config)
+        self._before_shutdown = before_shutdown
+        self._shutting_down = False
 
     @property
     def should_exit(self) -> bool:
@@ -45,6 +59,16 @@ class _EmbeddedServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's graceful shutdown (stop accepting, close idle connections, wait at most
+        `timeout_graceful_shutdown` for the open responses, then cancel them), once, after
+        `before_shutdown` has told the open streams to end."""
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        self._before_shutdown()
+        await super().shutdown(sockets)
 
     async def main_loop(self) -> None:
         """uvicorn's loop, with `on_tick` once a second (the `date` header still changes
@@ -96,13 +120,16 @@ class Api:
         self.app = create_app(cluster, browser_access, admission, security)
         config = server_config(self.app, log_level, (security or ApiSecurity()).limits)
         self._socket = listen_socket
-        self._server = _EmbeddedServer(config)
+        self._server = _EmbeddedServer(config, self._end_open_streams)
 
     @property
     def started(self) -> bool:
         return self._server.started
 
     async def run(self) -> None:
+        """Serve until cancelled (the node stops), then shut the server down gracefully:
+        an open generation stream ends with its dialect's in-band error rather than being
+        cut, within uvicorn's `timeout_graceful_shutdown`."""
         try:
             async with anyio.create_task_group() as task_group:
                 task_group.start_soon(self.cluster.run)
@@ -110,4 +137,12 @@ class Api:
                 task_group.cancel_scope.cancel()
         finally:
             self._server.should_exit = True
-            close_event_streams(self.app)
+            if self._server.started:
+                # The node's cancellation interrupted `serve` before its own shutdown.
+                with anyio.CancelScope(shield=True):
+                    await self._server.shutdown(sockets=[self._socket])
+            self._end_open_streams()
+
+    def _end_open_streams(self) -> None:
+        self.cluster.end_streams(SHUTTING_DOWN_MESSAGE)
+        close_event_streams(self.app)

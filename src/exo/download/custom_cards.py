@@ -47,6 +47,8 @@ from exo.shared.types.models import (
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 CONFIG_FILE = "config.json"
+# How many of a directory's GGUF files a refusal to add the directory names.
+GGUF_NAMES_SHOWN = 3
 INDEX_FILE = "model.safetensors.index.json"
 SMALL_FILES = ("tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 # Repository ids as the Hub spells them: `org/name`, letters, digits, `-`, `_`, `.`.
@@ -213,6 +215,20 @@ def with_traits(
         raise CustomModelError(f"cannot build a card for {card.model_id}: {error}", 400) from None
 
 
+def _gguf_hint(directory: Path) -> str:
+    """What to add instead when `directory` holds GGUF files (the first few named): each is
+    added by its own path (a model in several parts by its first part's); "" when none."""
+    names = sorted(child.name for child in directory.glob("*.gguf") if child.is_file())
+    if not names:
+        return ""
+    shown = ", ".join(names[:GGUF_NAMES_SHOWN])
+    more = f" and {len(names) - GGUF_NAMES_SHOWN} more" if len(names) > GGUF_NAMES_SHOWN else ""
+    return (
+        f"; it holds GGUF files ({shown}{more}): add one GGUF file by its path, e.g. "
+        f"{directory / names[0]} (for a model in several parts, its first part)"
+    )
+
+
 def card_for_local_directory(
     path: str, supported: Collection[str], trust_remote_code: bool
 ) -> ModelCard:
@@ -228,7 +244,7 @@ def card_for_local_directory(
     try:
         config = _read_json(directory / CONFIG_FILE)
         if config is None:
-            raise CustomModelError(f"{directory} has no config.json", 400)
+            raise CustomModelError(f"{directory} has no config.json{_gguf_hint(directory)}", 400)
         files = RepositoryFiles(
             config=config,
             safetensors_headers=(),

@@ -7,7 +7,11 @@ from collections.abc import Callable, Mapping
 
 from exo.master.keep_alive import set_keep_alive
 from exo.master.placement import PlacementError, place_instance
-from exo.master.placement_memory import placement_room, required_memory_bytes
+from exo.master.placement_memory import (
+    cluster_too_small_message,
+    placement_room,
+    required_memory_bytes,
+)
 from exo.master.recovery import unavailable_message
 from exo.shared.models.cards import UnknownModelError, resolve_card
 from exo.shared.models.names import resolve_model_name
@@ -233,6 +237,9 @@ def events_for_command(
                     "the instance first (DELETE /instance/{id})"
                 )
                 return [_reject(command.command_id, origin, reason, 409)]
+            too_small = cluster_too_small_message(card, state) if action == "start" else None
+            if too_small is not None:
+                return [_reject(command.command_id, origin, too_small, 409)]
             return [
                 DownloadControlled(
                     node_id=node_id, card=card, action=action, command_id=command.command_id

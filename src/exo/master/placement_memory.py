@@ -103,6 +103,29 @@ def required_memory_bytes(
     return share_runner_bytes(card, share, kv_cache_tokens)
 
 
+def cluster_too_small_message(card: ModelCard, state: State) -> str | None:
+    """Why `card` can never run on this cluster as it is, or None when it might: the
+    memory it needs whole (`required_memory_bytes`) exceeds the total memory of the
+    cluster's nodes together (a split's best case), whatever runs on them now. A download
+    of such a model is refused (`exo.master.decisions`): Ollama and LM Studio users expect
+    a model too large for their machines to be flagged before its files fill the disk.
+    None when no node has reported its memory yet (nothing to judge by)."""
+    nodes = [info for node, info in state.node_info.items() if node not in state.lost_nodes]
+    if not nodes:
+        return None
+    needed = required_memory_bytes(card)
+    total = sum(info.memory.total_bytes for info in nodes)
+    if needed <= total:
+        return None
+    largest = max(info.memory.total_bytes for info in nodes)
+    return (
+        f"{card.model_id} does not fit this cluster: it needs {needed / 2**30:.1f} GiB of "
+        f"memory to run ({card.storage_size_bytes / 1e9:.0f} GB of files), and the cluster's "
+        f"{len(nodes)} node(s) have {total / 2**30:.1f} GiB in all (the largest "
+        f"{largest / 2**30:.1f} GiB); add nodes before downloading it"
+    )
+
+
 def pipeline_share_bytes(
     card: ModelCard,
     n_layers: int,

@@ -39,6 +39,7 @@ from exo.api.wire.errors import ApiError, ModelNotFoundError, NoCapacityError
 from exo.download.locations import DELETE_WAIT_SECONDS, delete_downloaded_model
 from exo.download.model_lock import ModelBusyError
 from exo.download.pypi_gguf import ModelPreparationError, prepare_model
+from exo.master.placement_memory import cluster_too_small_message
 from exo.shared.constants import models_dir
 from exo.shared.types.common import ModelId
 from exo.shared.types.downloads import DownloadProgress
@@ -49,6 +50,13 @@ router = APIRouter()
 
 
 class ModelInUseError(ApiError):
+    status_code = 409
+    error_type = "invalid_request_error"
+
+
+class ModelTooLargeError(ApiError):
+    """The model needs more memory than the cluster's nodes have together."""
+
     status_code = 409
     error_type = "invalid_request_error"
 
@@ -71,12 +79,16 @@ def model_files_lock(app_state: State, model_id: ModelId) -> anyio.Lock:
 async def pull(
     body: OllamaPullRequest, request: Request, cluster: Cluster
 ) -> StreamingResponse | OllamaProgressResponse:
-    """Make the model's files ready on this node. Streams Ollama's progress lines:
+    """Make the model's files ready on this node, unless it needs more memory than the
+    cluster's nodes have together (409 naming both sizes). Streams Ollama's progress lines:
     `{"status": "pulling manifest"}`, the preparation's own steps, then the files'
     `{"status": "pulling <digest>", "digest", "total", "completed"}` and
     `{"status": "success"}`, or a last `{"error": ...}` line. `stream: false` answers
     only the outcome."""
     card = _card(cluster, body.model)
+    too_small = cluster_too_small_message(card, cluster.state)
+    if too_small is not None:  # as `POST /download/start` (`exo.master.decisions`)
+        raise ModelTooLargeError(too_small, param="model")
     files_lock = model_files_lock(request.app.state, card.model_id)
     if not body.stream:
         await _pull_files(cluster, card, files_lock, None)

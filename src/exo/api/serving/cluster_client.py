@@ -40,7 +40,7 @@ from exo.api.serving.model_aliases import ModelAlias
 from exo.api.wire.images import ImagePolicy
 from exo.node.election import Election
 from exo.shared.models.cards import with_custom_cards
-from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, Chunk, ErrorChunk
+from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, NODE_SHUTTING_DOWN, Chunk, ErrorChunk
 from exo.shared.types.commands import (
     AddCustomModel,
     CancelGeneration,
@@ -208,6 +208,7 @@ class ClusterClient:
         self._commands = command_publisher
         self._result_waiters: dict[CommandId, MemoryObjectSendStream[Event]] = {}
         self._chunk_streams: dict[CommandId, MemoryObjectSendStream[Chunk]] = {}
+        self._closing_message: str | None = None  # set by `end_streams`
         self._command_instance: dict[CommandId, InstanceId] = {}
         # The instance each request with a chunk stream was sent to (kept after a loss).
         self._routed: dict[CommandId, InstanceId] = {}
@@ -380,7 +381,7 @@ class ClusterClient:
                 failed_command = self._task_commands.pop(task_id, None)
                 instance_id = self._command_instance.get(failed_command) if failed_command else None
                 if instance_id is not None and instance_id in self.state.unavailable_instances:
-                    self._end_stream(failed_command, message, unavailable=True)
+                    self._end_stream(failed_command, message, INSTANCE_UNAVAILABLE)
                 else:
                     self._end_stream(failed_command, message)
                 return
@@ -486,15 +487,16 @@ class ClusterClient:
                     command_id,
                     f"instance {instance_id} of {instance.model_id} is unavailable: node "
                     f"{lost[0]} left; re-placing",
-                    unavailable=True,
+                    INSTANCE_UNAVAILABLE,
                 )
                 self._command_instance.pop(command_id, None)
 
     def _end_stream(
-        self, command_id: CommandId | None, message: str, unavailable: bool = False
+        self, command_id: CommandId | None, message: str, error_code: str | None = None
     ) -> None:
-        """End the stream of `command_id` with an error chunk; `unavailable`: its instance
-        lost a node (a 503 the generation may retry elsewhere)."""
+        """End the stream of `command_id` with an error chunk: a 500, or a 503 with
+        `error_code` (`INSTANCE_UNAVAILABLE`: its instance lost a node, and the generation
+        may be sent again elsewhere; `NODE_SHUTTING_DOWN`)."""
         stream = self._chunk_streams.get(command_id) if command_id is not None else None
         if stream is None or command_id is None:
             return
@@ -503,10 +505,22 @@ class ClusterClient:
                 command_id=command_id,
                 model=ModelId("unknown"),
                 error_message=message,
-                status_code=503 if unavailable else 500,
-                error_code=INSTANCE_UNAVAILABLE if unavailable else None,
+                status_code=503 if error_code is not None else 500,
+                error_code=error_code,
             )
         )
+
+    def end_streams(self, message: str) -> None:
+        """The node is stopping: end every open chunk stream, and every one opened from now
+        on, with a 503 `NODE_SHUTTING_DOWN` error chunk saying `message` (each dialect shows
+        it in band, as any error mid-stream), and cancel those generations on the cluster:
+        their clients leave with this node."""
+        self._closing_message = message
+        for command_id in list(self._chunk_streams):
+            self._end_stream(command_id, message, NODE_SHUTTING_DOWN)
+            self.send_and_forget(
+                CancelGeneration(command_id=CommandId.new(), target_command_id=command_id)
+            )
 
     async def _chunk_loop(self) -> None:
         async for chunk in self._chunks:
@@ -607,6 +621,8 @@ class ClusterClient:
         error)."""
         send, receive = anyio.create_memory_object_stream[Chunk](max_buffer_size=math.inf)
         self._chunk_streams[command_id] = send
+        if self._closing_message is not None:
+            self._end_stream(command_id, self._closing_message, NODE_SHUTTING_DOWN)
         try:
             yield _until_finished(receive)
         finally:

@@ -360,13 +360,18 @@ def test_the_trust_remote_code_flag() -> None:
 async def test_local_path_refusals_say_what_was_found(
     cluster: InProcessCluster, checkouts: dict[str, Path], tmp_path: Path
 ) -> None:
-    """A revision with a path, a GGUF without its extension, a directory named `*.gguf` and a
-    MoE GGUF missing an expert tensor: each a 400 that says what it found."""
+    """A revision with a path, a GGUF without its extension, a directory named `*.gguf`, a
+    directory of GGUF files and a MoE GGUF missing an expert tensor: each a 400 that says
+    what it found."""
     gguf = save_tiny_gguf(tmp_path / "tiny.gguf")
     unnamed = tmp_path / "tiny-model"
     unnamed.write_bytes(gguf.read_bytes())
     folder = tmp_path / "folder.gguf"
     folder.mkdir()
+    gguf_only = tmp_path / "gguf-only"  # a directory of GGUF files, no config.json
+    gguf_only.mkdir()
+    for name in ("d.gguf", "c.gguf", "b.gguf", "a.gguf"):
+        (gguf_only / name).write_bytes(gguf.read_bytes())
     moe = write_random_moe_gguf(tmp_path / "moe.gguf", MoeGgufShape(), "F32")[0]
     moe.write_bytes(moe.read_bytes().replace(b"blk.1.ffn_up_exps", b"blk.1.ffn_up_expx"))
     async with http_client(cluster) as client:
@@ -384,6 +389,11 @@ async def test_local_path_refusals_say_what_was_found(
             await client.post(add, json={"model_id": str(folder)}), 400, "invalid_request_error"
         )
         assert "is a directory, not a GGUF file" in message
+        message = openai_error(
+            await client.post(add, json={"model_id": str(gguf_only)}), 400, "invalid_request_error"
+        )
+        assert "holds GGUF files (a.gguf, b.gguf, c.gguf and 1 more)" in message, message
+        assert f"add one GGUF file by its path, e.g. {gguf_only / 'a.gguf'}" in message
         message = openai_error(
             await client.post(add, json={"model_id": str(moe)}), 400, "invalid_request_error"
         )

@@ -123,9 +123,19 @@ def active_parameter_count(card: ModelCard) -> int:
 
 
 def human_parameter_count(count: int) -> str:
-    """`134515008` -> "135M", `8030261248` -> "8.0B" (Ollama's `parameter_size` style)."""
+    """`134515008` -> "135M", `8030261248` -> "8.0B", `106852251264` -> "106.9B" (Ollama's
+    `parameter_size`: billions always to one decimal, as Ollama shows gpt-oss-120b's
+    116,829,156,672 as "116.8B"). The dashboard writes counts the same way.
+
+    Billions keep their decimal at 100 B and over: a whole number there ("107B" for
+    GLM-4.5-Air's 106.85 B) read as a size contradicting the model's name ("106b"), where
+    the decimal shows it is the counted figure the name rounds. Millions and thousands stay
+    whole at 100 and over (Ollama writes two decimals: "134.52M"), as the short names
+    that use them do (`smollm2:135m`).
+    """
     for divisor, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if count >= divisor:
             value = count / divisor
-            return f"{value:.0f}{suffix}" if value >= 100 else f"{value:.1f}{suffix}"
+            whole = value >= 100 and suffix != "B"
+            return f"{value:.0f}{suffix}" if whole else f"{value:.1f}{suffix}"
     return str(count)

@@ -230,6 +230,10 @@ INSTANCE_UNAVAILABLE = "instance_unavailable"
 """`ErrorChunk.error_code` of a generation whose instance lost a node or rank: the API
 sends it again elsewhere when the client has received nothing yet."""
 
+NODE_SHUTTING_DOWN = "node_shutting_down"
+"""`ErrorChunk.error_code` (status 503) of a generation whose API node is stopping: its
+stream ends in band instead of being cut, and it is not sent again."""
+
 
 Chunk = Annotated[
     TokenChunk | ToolCallChunk | ErrorChunk | PrefillProgressChunk | EmbeddingChunk,

@@ -80,8 +80,12 @@ export function formatDuration(seconds) {
 /** 1_230_000_000 parameters -> "1.2B". */
 export function formatParameters(count) {
   if (!count) return "?";
-  if (count >= 1e9) return `${(count / 1e9).toFixed(count >= 1e10 ? 0 : 1)}B`;
-  return `${Math.round(count / 1e6)}M`;
+  // Billions to one decimal, as the Ollama API's `parameter_size`
+  // (`exo.shared.models.parameter_count.human_parameter_count`): "106.9B", not "107B".
+  if (count >= 1e12) return `${(count / 1e12).toFixed(1)}T`;
+  if (count >= 1e9) return `${(count / 1e9).toFixed(1)}B`;
+  const millions = count / 1e6;
+  return `${millions >= 100 ? Math.round(millions) : millions.toFixed(1)}M`;
 }
 
 /** The first 8 characters of an id, for labels. */

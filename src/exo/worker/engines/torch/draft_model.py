@@ -347,6 +347,7 @@ def load_draft_model(
     kv_dtype: torch.dtype,
     device: str = "cpu",
     weight_dtype: WeightDtype | None = None,
+    model_id: str | None = None,
 ) -> DraftModelSource:
     """Load a draft model from an HF-format directory (the engine's loading path, its
     weights held as `weight_dtype`: the target's) and check its vocabulary.
@@ -357,6 +358,8 @@ def load_draft_model(
         vocab_size: the length of the target's logits vectors.
         slots: most requests drafted for at once (the target's batch).
         kv_dtype: how the draft's keys and values are stored (the target's).
+        model_id: the draft model's id, which its source is named by (status, metrics,
+            logs); None: its directory's card id (the directory's path).
 
     Raises:
         VocabularyMismatchError: the draft's tokenizer is not the target's.
@@ -364,10 +367,10 @@ def load_draft_model(
             `load_parts`).
     """
     source, tokenizer = load_draft_source(
-        model_dir, vocab_size, slots, kv_dtype, device, weight_dtype
+        model_dir, vocab_size, slots, kv_dtype, device, weight_dtype, model_id
     )
-    check_same_vocabulary(tokenizer, target_tokenizer, str(model_dir), target_name)
-    logger.info("draft model {} drafts for {}", model_dir, target_name)
+    check_same_vocabulary(tokenizer, target_tokenizer, source.name, target_name)
+    logger.info("draft model {} drafts for {}", source.name, target_name)
     return source
 
 
@@ -378,12 +381,14 @@ def load_draft_source(
     kv_dtype: torch.dtype,
     device: str = "cpu",
     weight_dtype: WeightDtype | None = None,
+    model_id: str | None = None,
 ) -> tuple[DraftModelSource, Any]:
     """Load a draft model and its KV slots (as `load_draft_model`, without a target to
     check against: a draft server's, which checks each client's vocabulary).
 
     Args:
         vocab_size: the length of the target's logits vectors; None: the draft's own.
+        model_id: as `load_draft_model`'s.
 
     Returns:
         The source and the draft model's tokenizer.
@@ -407,7 +412,8 @@ def load_draft_source(
     if vocab_size is None:
         vocab_size = int(getattr(text_config, "vocab_size", None) or len(parts.tokenizer))
     logger.info("draft model {} loaded ({} weights)", model_dir, parts.weight_dtype)
-    source = DraftModelSource(parts.model, cache, windows, vocab_size, card.model_id, parts.device)
+    name = model_id or card.model_id
+    source = DraftModelSource(parts.model, cache, windows, vocab_size, name, parts.device)
     return source, parts.tokenizer
 
 

@@ -176,6 +176,7 @@ class TorchEngine:
         speculation: SpeculationSettings | None = None,
         draft_model: Path | None = None,
         remote_draft: RemoteDraft | None = None,
+        draft_model_id: str | None = None,
     ) -> TorchEngine:
         """Load a shard's weights (a multi-rank shard: this rank's part, after
         `init_group`) and the tokenizer from an HF-format directory.
@@ -207,6 +208,8 @@ class TorchEngine:
                 target's weight format) / a draft model on another node (it wins), for
                 speculative decoding; neither: n-gram drafts. Only rank 0 drafts
                 (`remote_drafts.draft_source_for`).
+            draft_model_id: the id the local draft model is reported by (its instance's
+                `Instance.draft` id); None: its directory's card id (the path).
 
         Raises:
             UnsupportedArchitectureError (a ValueError): no family file for the model.
@@ -236,6 +239,7 @@ class TorchEngine:
         engine.draft_source = draft_source_for(
             shard, draft_model, remote_draft, parts.tokenizer, engine.vocab_size,
             max_concurrent_requests, engine.kv_dtype, device, parts.weight_dtype,
+            draft_model_id,
         )  # fmt: skip
         images = load_shard_images(model_dir, shard, parts.tokenizer, parts.device)
         engine.images, engine.images_refusal = images.vision, images.refusal

@@ -48,6 +48,7 @@ def load_engine(
     speculation: SpeculationSettings | None = None,
     draft_model: Path | None = None,
     remote_draft: RemoteDraft | None = None,
+    draft_model_id: str | None = None,
 ) -> TorchEngine:
     """Load the engine for `shard` (arguments as `TorchEngine.load`).
 
@@ -63,6 +64,7 @@ def load_engine(
         kv_cache_tokens=kv_cache_tokens, prefill_activations=prefill_activations,
         kv_cache_dtype=kv_cache_dtype, decode_activations=decode_activations,
         speculation=speculation, draft_model=draft_model, remote_draft=remote_draft,
+        draft_model_id=draft_model_id,
     )  # fmt: skip
 
 
@@ -117,4 +119,6 @@ def load_serving_engine(
         kv_cache_dtype=kv_cache_dtype, decode_activations=decode_activations,
         speculation=speculation,
         draft_model=draft_dir, remote_draft=remote_draft,
+        # Named by its model id, as a draft on a spare node is, not by its directory.
+        draft_model_id=draft_model if draft_dir is not None else None,
     )  # fmt: skip

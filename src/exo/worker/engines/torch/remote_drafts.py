@@ -350,6 +350,7 @@ def draft_source_for(
     kv_dtype: torch.dtype,
     device: str,
     weight_dtype: WeightDtype | None,
+    draft_model_id: str | None = None,
 ) -> DraftSource | None:
     """Where the engine of `shard` drafts from (`TorchEngine.load`): a draft model on
     another node (`remote_draft`: a `RemoteDraftSource`, which opens its link in the
@@ -360,6 +361,7 @@ def draft_source_for(
     Args:
         tokenizer / vocab_size: the target's tokenizer and logits length.
         slots / kv_dtype / device / weight_dtype: a local draft model's (the target's).
+        draft_model_id: the local draft model's id (`load_draft_model`'s `model_id`).
 
     Raises:
         VocabularyMismatchError / ValueError: as `load_draft_model`.
@@ -379,5 +381,5 @@ def draft_source_for(
     assert draft_model is not None
     return load_draft_model(
         draft_model, tokenizer, shard.model_card.model_id, vocab_size, slots, kv_dtype, device,
-        weight_dtype,
+        weight_dtype, draft_model_id,
     )  # fmt: skip

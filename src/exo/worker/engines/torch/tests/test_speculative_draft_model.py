@@ -492,7 +492,8 @@ def test_draft_model_option_reaches_the_engine_through_the_runners_loading_path(
     """`--draft-model` parses to the node's options and the runner's; the runner's loading
     entry resolves it as a requested model (a local directory here) and the engine drafts
     from it; a split instance's ranks load none; a catalog draft whose files are not on the
-    node (its download failed) is left out and the model served without it."""
+    node (its download failed) is left out and the model served without it; one that is
+    there is named by its model id."""
     from exo.node_options import parse_args
     from exo.shared.models.cards import card_from_local_directory
     from exo.shared.types.shards import ShardMetadata
@@ -524,3 +525,12 @@ def test_draft_model_option_reaches_the_engine_through_the_runners_loading_path(
         model_dirs["target"], shard, draft_model="HuggingFaceTB/SmolLM2-1.7B-Instruct"
     )
     assert isinstance(missing, TorchEngine) and missing.draft_source is None
+    # A catalog draft found on the node is named by its model id (`RunnerReady.draft_model`,
+    # metrics, logs), as a draft running on a spare node is, not by its directory.
+    catalog_draft = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    monkeypatch.setattr(
+        engine_factory, "draft_model_directory", lambda name, _: model_dirs["smaller"]
+    )
+    named = load_serving_engine(model_dirs["target"], shard, draft_model=catalog_draft)
+    assert isinstance(named, TorchEngine) and isinstance(named.draft_source, DraftModelSource)
+    assert named.draft_source.name == catalog_draft

@@ -1,0 +1,31 @@
+"""Ollama's `parameter_size` (`/api/tags`, `/api/show`, `/api/ps`) writes billions to one
+decimal at any size, as Ollama does, so it never reads as a size contradicting the
+model's short name."""
+
+from __future__ import annotations
+
+from exo.api.ollama.model_listings import show_response
+from exo.shared.models.cards import load_builtin_cards
+from exo.shared.types.common import ModelId
+from exo.testing.builders import SMOLLM2
+
+
+def test_parameter_size_writes_billions_to_one_decimal() -> None:
+    """gpt-oss:120b's 116,829,156,672 is "116.8B" in Ollama too; a whole "107B" beside the
+    name glm-4.5-air:106b (106,852,251,264 counted) read as a second size."""
+    cards = load_builtin_cards()
+    sizes = {
+        "zai-org/GLM-4.5-Air": "106.9B",
+        "MiniMaxAI/MiniMax-M2": "228.7B",
+        "openai/gpt-oss-120b": "116.8B",
+        "meta-llama/Llama-3.1-70B-Instruct": "70.6B",
+        "google/gemma-3-4b-it": "4.3B",
+        "moonshotai/Kimi-K2-Instruct": "1.0T",
+        SMOLLM2: "135M",
+        "sentence-transformers/all-MiniLM-L6-v2": "22.7M",
+    }
+    shown = {
+        model_id: show_response(cards[ModelId(model_id)], "", "x", "INT4").details.parameter_size
+        for model_id in sizes
+    }
+    assert shown == sizes
