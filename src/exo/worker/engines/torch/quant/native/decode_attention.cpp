@@ -290,12 +290,17 @@ void attend_task(const float* queries, int64_t group, int64_t head_dim_runtime, 
         if (valid == L) {  // a whole block: every vector in registers
           V q[kChunks];
           for (int c = 0; c < kChunks; ++c) q[c] = Vec::load(query + c * L);
+          // 16 vectors of a head (256 values) and 16 sums would fill every register:
+          // such heads take 8 keys at a time.
+          constexpr int kKeysAtOnce = kChunks > 8 ? 8 : L;
+          for (int j0 = 0; j0 < L; j0 += kKeysAtOnce) {
 #pragma GCC unroll 16
-          for (int j = 0; j < L; ++j) {
-            V sum = Vec::mul(q[0], Vec::load(block + j * head_dim));
-            for (int c = 1; c < kChunks; ++c)
-              sum = Vec::fma(q[c], Vec::load(block + j * head_dim + c * L), sum);
-            partial[j] = sum;
+            for (int j = j0; j < j0 + kKeysAtOnce; ++j) {
+              V sum = Vec::mul(q[0], Vec::load(block + j * head_dim));
+              for (int c = 1; c < kChunks; ++c)
+                sum = Vec::fma(q[c], Vec::load(block + j * head_dim + c * L), sum);
+              partial[j] = sum;
+            }
           }
           Vec::store(scores + g * padded + b, Vec::mul(Vec::pack_sums(partial), scaling));
           continue;
@@ -339,8 +344,9 @@ void attend_task(const float* queries, int64_t group, int64_t head_dim_runtime, 
     for (int64_t g = 0; g < group; ++g) {
       const float* weights = scores + g * padded + b;
       float* out = weighted + g * head_dim;
-      if constexpr (kChunks > 0) {
-        // Even and odd keys in two sets of sums (two chains of fused multiply-adds).
+      if constexpr (kChunks > 0 && kChunks < 8) {
+        // Even and odd keys in two sets of sums: at least 8 independent chains of fused
+        // multiply-adds (a head of 8 vectors or more has as many in one set).
         V even[kChunks], odd[kChunks];
         for (int c = 0; c < kChunks; ++c) even[c] = Vec::load(out + c * L), odd[c] = Vec::zero();
         int64_t j = 0;
@@ -357,6 +363,15 @@ void attend_task(const float* queries, int64_t group, int64_t head_dim_runtime, 
             even[c] = Vec::fma(w, Vec::load(block + j * head_dim + c * L), even[c]);
         }
         for (int c = 0; c < kChunks; ++c) Vec::store(out + c * L, Vec::add(even[c], odd[c]));
+      } else if constexpr (kChunks > 0) {
+        V acc[kChunks];
+        for (int c = 0; c < kChunks; ++c) acc[c] = Vec::load(out + c * L);
+        for (int64_t j = 0; j < valid; ++j) {
+          const V w = Vec::set1(weights[j]);
+          for (int c = 0; c < kChunks; ++c)
+            acc[c] = Vec::fma(w, Vec::load(block + j * head_dim + c * L), acc[c]);
+        }
+        for (int c = 0; c < kChunks; ++c) Vec::store(out + c * L, acc[c]);
       } else {
         for (int64_t c = 0; c < chunks; ++c) {
           V acc = Vec::load(out + c * L);
