@@ -108,13 +108,18 @@ def _attend(
 
 # (slot, position) rows of one step: decode rows of three slots (one past 512 keys: split
 # over tasks; one past 1,024), a draft's verify rows of slot 3 from its last position down,
-# a short prompt chunk (the row kernel) and a long one (SDPA) of slot 4.
+# short prompt chunks (the row kernel; the rows of one chunk share tasks): slot 4's, slot
+# 6's across the 512-key split, slot 7's from the start (inside every window), and a long
+# chunk of slot 5 (SDPA).
 STEP = (
     [(0, 3), (1, 700), (2, 1300)]
     + [(3, 530), (3, 529), (3, 528)]
     + [(4, 40 + i) for i in range(3)]
+    + [(6, 508 + i) for i in range(8)]
+    + [(7, 2 + i) for i in range(4)]
     + [(5, 1000 + i) for i in range(20)]
 )
+ROW_KERNEL_ROWS = len(STEP) - 20
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -122,8 +127,8 @@ STEP = (
 def test_rows_equal_the_float64_reference(case: Case, dtype: torch.dtype, width: int) -> None:
     slots = [slot for slot, _ in STEP]
     positions = [position for _, position in STEP]
-    keys = _cache(case, 6, 1400, dtype, seed=1)
-    values = _cache(case, 6, 1400, dtype, seed=2)
+    keys = _cache(case, 8, 1400, dtype, seed=1)
+    values = _cache(case, 8, 1400, dtype, seed=2)
     queries = torch.randn(
         len(STEP), case.heads * case.head_dim, generator=torch.Generator().manual_seed(3)
     )
@@ -135,8 +140,8 @@ def test_rows_equal_the_float64_reference(case: Case, dtype: torch.dtype, width:
 
 @pytest.mark.parametrize("case", CASES[:3], ids=lambda c: f"{c.heads}x{c.kv_heads}x{c.head_dim}")
 def test_a_row_is_the_same_bits_whatever_shares_its_call(case: Case, width: int) -> None:
-    keys = _cache(case, 6, 1400, torch.bfloat16, seed=4)
-    values = _cache(case, 6, 1400, torch.bfloat16, seed=5)
+    keys = _cache(case, 8, 1400, torch.bfloat16, seed=4)
+    values = _cache(case, 8, 1400, torch.bfloat16, seed=5)
     queries = torch.randn(
         len(STEP), case.heads * case.head_dim, generator=torch.Generator().manual_seed(6)
     )
@@ -144,9 +149,9 @@ def test_a_row_is_the_same_bits_whatever_shares_its_call(case: Case, width: int)
     slots = [slot for slot, _ in STEP]
     positions = [position for _, position in STEP]
     together = _attend(case, queries, keys, values, slots, positions, scaling)
-    # Decode and verify rows (not the long chunk's, which SDPA computes as one): alone,
-    # and in another company.
-    for row in range(9):
+    # The row kernel's rows (not the long chunk's, which SDPA computes as one): alone, and
+    # in another company (a chunk's rows share tasks, a row alone has its own).
+    for row in range(ROW_KERNEL_ROWS):
         alone = _attend(
             case,
             queries[row : row + 1],
@@ -157,7 +162,7 @@ def test_a_row_is_the_same_bits_whatever_shares_its_call(case: Case, width: int)
             scaling,
         )
         assert torch.equal(alone[0], together[row]), row
-    others = [0, 2, 4, 6]
+    others = [0, 2, 4, 6, 10, 12, 17]
     mixed = _attend(
         case,
         queries[others],

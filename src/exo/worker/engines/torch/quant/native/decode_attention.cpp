@@ -69,7 +69,7 @@ namespace {
 constexpr int64_t kSplitKeys = 512;
 // Prompt chunks of up to this many rows take the row kernel, longer ones torch's SDPA
 // (figures: docs/benchmarks/2026-12-07-decode-attention.md).
-constexpr int64_t kRowChunkMax = 4;
+constexpr int64_t kRowChunkMax = 12;
 // A score this far below its row's largest has exp() < 2e-38: nothing beside the largest
 // (whose exp is 1) in float32.
 constexpr float kNegligible = -87.0f;
@@ -238,15 +238,18 @@ struct Avx512 {
 };
 #endif
 
-// One task: query heads [head0, head0 + group) of one row against keys [k0, k1) of their KV
-// head (`keys` / `values`: that head's rows of the row's slot, head_dim values each).
-// Writes per head: largest[g], total[g] (the sum of exp(score - largest)) and
-// weighted[g * head_dim ...] (the values' sum weighted by those exponentials).
-struct Task {
-  int64_t row = 0;
-  int64_t kv_head = 0;
-  int64_t k0 = 0;
-  int64_t k1 = 0;
+// One task: the query heads of one KV head, for one row or for several rows of one slot
+// (a short prompt chunk, whose rows read the same keys), against the keys from k0 on of
+// that KV head (`keys` / `values`: that head's rows of the slot, head_dim values each). A
+// member is one row: its `group` query heads (`queries`, head_dim values each), its key
+// count from k0 (`count`; a chunk's rows see one more key each), and where its results go
+// (`out`: largest[group], total[group] (the sum of exp(score - largest)), then
+// weighted[group][head_dim] (the values' sum weighted by those exponentials)). A member's
+// arithmetic is the same whatever other members share its task.
+struct Member {
+  const float* queries = nullptr;
+  int64_t count = 0;
+  float* out = nullptr;
 };
 
 // A block of `valid` cache rows of head_dim values as float32: the cache itself where it
@@ -264,27 +267,33 @@ inline const float* widened(const uint16_t* rows, int64_t valid, int64_t head_di
 }
 
 template <typename Vec, int kChunks, typename T>
-void attend_task(const float* queries, int64_t group, int64_t head_dim_runtime, const T* keys,
-                 const T* values, int64_t k0, int64_t k1, float scale, float* largest,
-                 float* total, float* weighted) {
+void attend_task(const Member* members, int64_t member_count, int64_t group,
+                 int64_t head_dim_runtime, const T* keys, const T* values, int64_t k0,
+                 float scale) {
   using V = typename Vec::V;
   constexpr int L = Vec::kLanes;
   // kChunks > 0: head_dim = kChunks * L known here (registers for a head's vectors).
   const int64_t chunks = kChunks > 0 ? kChunks : head_dim_runtime / L;
   const int64_t head_dim = chunks * L;
-  const int64_t count = k1 - k0;
-  const int64_t padded = (count + L - 1) / L * L;
+  int64_t longest = 0;
+  for (int64_t m = 0; m < member_count; ++m) longest = std::max(longest, members[m].count);
+  const int64_t padded = (longest + L - 1) / L * L;  // a member's scores of one head
   thread_local std::vector<float> score_buffer, block_buffer;
-  score_buffer.resize(static_cast<size_t>(group * padded));
+  score_buffer.resize(static_cast<size_t>(member_count * group * padded));
   block_buffer.resize(static_cast<size_t>(L * head_dim));
-  float* scores = score_buffer.data();
   const V scaling = Vec::set1(scale);
-  // 1. Scores, a block of L keys at a time.
-  for (int64_t b = 0; b < count; b += L) {
+  // 1. Scores, a block of L keys at a time, widened once for every member.
+  for (int64_t b = 0; b < longest; b += L) {
+    const float* block = widened<Vec>(keys + (k0 + b) * head_dim,
+                                      std::min<int64_t>(L, longest - b), head_dim,
+                                      block_buffer.data());
+    for (int64_t m = 0; m < member_count; ++m) {
+    const int64_t count = members[m].count;
+    if (b >= count) continue;
     const int64_t valid = std::min<int64_t>(L, count - b);
-    const float* block = widened<Vec>(keys + (k0 + b) * head_dim, valid, head_dim, block_buffer.data());
+    float* scores = score_buffer.data() + m * group * padded;
     for (int64_t g = 0; g < group; ++g) {
-      const float* query = queries + g * head_dim;
+      const float* query = members[m].queries + g * head_dim;
       V partial[L];
       if constexpr (kChunks > 0) {
         if (valid == L) {  // a whole block: every vector in registers
@@ -317,17 +326,24 @@ void attend_task(const float* queries, int64_t group, int64_t head_dim_runtime, 
       }
       Vec::store(scores + g * padded + b, Vec::mul(Vec::pack_sums(partial), scaling));
     }
+    }
   }
   // 2. Exponentials of each head's scores less their largest; padding lanes count 0.
+  for (int64_t m = 0; m < member_count; ++m) {
+  const int64_t count = members[m].count;
+  const int64_t used = (count + L - 1) / L * L;
+  float* largest = members[m].out;
+  float* total = largest + group;
+  float* weighted = total + group;
   for (int64_t g = 0; g < group; ++g) {
-    float* row_scores = scores + g * padded;
-    for (int64_t j = count; j < padded; ++j) row_scores[j] = -INFINITY;
+    float* row_scores = score_buffer.data() + (m * group + g) * padded;
+    for (int64_t j = count; j < used; ++j) row_scores[j] = -INFINITY;
     V high = Vec::set1(-INFINITY);
-    for (int64_t j = 0; j < padded; j += L) high = Vec::max(high, Vec::load(row_scores + j));
+    for (int64_t j = 0; j < used; j += L) high = Vec::max(high, Vec::load(row_scores + j));
     const float top = Vec::reduce_max(high);
     const V shift = Vec::set1(top);
     V sum = Vec::zero();
-    for (int64_t j = 0; j < padded; j += L) {
+    for (int64_t j = 0; j < used; j += L) {
       const V e = Vec::exp(Vec::sub(Vec::load(row_scores + j), shift));
       Vec::store(row_scores + j, e);
       sum = Vec::add(sum, e);
@@ -336,13 +352,19 @@ void attend_task(const float* queries, int64_t group, int64_t head_dim_runtime, 
     total[g] = Vec::reduce_add(sum);
     std::fill(weighted + g * head_dim, weighted + (g + 1) * head_dim, 0.0f);
   }
-  // 3. Weighted sums of the values, a block of L values at a time.
-  for (int64_t b = 0; b < count; b += L) {
+  }
+  // 3. Weighted sums of the values, a block of L values at a time, widened once.
+  for (int64_t b = 0; b < longest; b += L) {
+    const float* block = widened<Vec>(values + (k0 + b) * head_dim,
+                                      std::min<int64_t>(L, longest - b), head_dim,
+                                      block_buffer.data());
+    for (int64_t m = 0; m < member_count; ++m) {
+    const int64_t count = members[m].count;
+    if (b >= count) continue;
     const int64_t valid = std::min<int64_t>(L, count - b);
-    const float* block =
-        widened<Vec>(values + (k0 + b) * head_dim, valid, head_dim, block_buffer.data());
+    float* weighted = members[m].out + 2 * group;
     for (int64_t g = 0; g < group; ++g) {
-      const float* weights = scores + g * padded + b;
+      const float* weights = score_buffer.data() + (m * group + g) * padded + b;
       float* out = weighted + g * head_dim;
       if constexpr (kChunks > 0 && kChunks < 8) {
         // Even and odd keys in two sets of sums: at least 8 independent chains of fused
@@ -381,14 +403,15 @@ void attend_task(const float* queries, int64_t group, int64_t head_dim_runtime, 
         }
       }
     }
+    }
   }
 }
 
 // The task function for a vector type and head dimension: registers for the common
 // dimensions, a runtime loop for the rest.
 template <typename Vec, typename T>
-using TaskFn = void (*)(const float*, int64_t, int64_t, const T*, const T*, int64_t, int64_t,
-                        float, float*, float*, float*);
+using TaskFn = void (*)(const Member*, int64_t, int64_t, int64_t, const T*, const T*, int64_t,
+                        float);
 
 template <typename Vec, typename T>
 TaskFn<Vec, T> task_for(int64_t head_dim) {
@@ -401,7 +424,9 @@ TaskFn<Vec, T> task_for(int64_t head_dim) {
 }
 
 // The rows outside `in_chunk` (see the top of this file), written to attended[r, heads *
-// head_dim].
+// head_dim]. Rows of one slot at consecutive positions (a short prompt chunk) share their
+// tasks where every one of them sees keys from position 0 (no sliding window cuts them):
+// their splits then start at the same keys.
 template <typename Vec, typename T>
 void attend_rows(const float* qkv, int64_t rows, int64_t qkv_width, const T* key_cache,
                  const T* value_cache, int64_t capacity, at::IntArrayRef slots,
@@ -410,62 +435,91 @@ void attend_rows(const float* qkv, int64_t rows, int64_t qkv_width, const T* key
                  float* attended) {
   const int64_t group = heads / kv_heads;
   const int64_t q_width = heads * head_dim;
-  // Tasks in row order, each row's KV heads, then its splits in key order.
-  std::vector<Task> tasks;
-  std::vector<int64_t> first_task(static_cast<size_t>(rows) + 1, 0);
+  const auto first_key = [&](int64_t r) {
+    return window > 0 ? std::max<int64_t>(0, positions[r] - window + 1) : int64_t{0};
+  };
+  // Each row's results: kv_heads x splits entries of (largest, total, weighted) per query
+  // head, `stride` floats each, from entry `row_entry[r]` on.
+  const int64_t stride = head_dim + 2;
+  std::vector<int64_t> row_entry(static_cast<size_t>(rows) + 1, 0);
   int64_t work = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    first_task[r] = static_cast<int64_t>(tasks.size());
-    if (in_chunk[r]) continue;
-    const int64_t position = positions[r];
-    const int64_t first = window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
-    const int64_t end = position + 1;
-    work += (end - first) * heads;
-    for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t k0 = first; k0 < end; k0 += kSplitKeys)
-        tasks.push_back({r, h, k0, std::min(end, k0 + kSplitKeys)});
+    const int64_t keys = in_chunk[r] ? 0 : positions[r] + 1 - first_key(r);
+    row_entry[r + 1] = row_entry[r] + kv_heads * ((keys + kSplitKeys - 1) / kSplitKeys);
+    work += keys * heads;
   }
-  first_task[rows] = static_cast<int64_t>(tasks.size());
-  const int64_t count = static_cast<int64_t>(tasks.size());
-  if (count == 0) return;
-  // Per task and query head: largest, total, weighted[head_dim].
-  const int64_t stride = head_dim + 2;
+  if (row_entry[rows] == 0) return;
   thread_local std::vector<float> partials;
-  partials.resize(static_cast<size_t>(count * group * stride));
+  partials.resize(static_cast<size_t>(row_entry[rows] * group * stride));
   float* partial = partials.data();
+  const auto entry = [&](int64_t r, int64_t kv_head, int64_t split) {
+    const int64_t splits = (row_entry[r + 1] - row_entry[r]) / kv_heads;
+    return partial + (row_entry[r] + kv_head * splits + split) * group * stride;
+  };
+  // Tasks: rows [row, row + count) (one, or the rows of a short chunk that see the split's
+  // keys), one KV head, keys from k0.
+  struct Task {
+    int64_t row, count, kv_head, k0;
+  };
+  std::vector<Task> tasks;
+  for (int64_t r = 0; r < rows;) {
+    if (in_chunk[r]) {
+      ++r;
+      continue;
+    }
+    int64_t end = r + 1;
+    while (end < rows && !in_chunk[end] && slots[end] == slots[r] &&
+           positions[end] == positions[end - 1] + 1 && end - r < kRowChunkMax)
+      ++end;
+    if (first_key(end - 1) > 0) end = r + 1;  // a window cuts the chunk: rows one by one
+    const int64_t last = positions[end - 1] + 1;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t k0 = first_key(r); k0 < last; k0 += kSplitKeys) {
+        int64_t from = r;  // the chunk's rows that see keys from k0 on
+        while (positions[from] < k0) ++from;
+        tasks.push_back({from, end - from, h, k0});
+      }
+    r = end;
+  }
+  const int64_t count = static_cast<int64_t>(tasks.size());
   const TaskFn<Vec, T> run = task_for<Vec, T>(head_dim);
   const float scale = static_cast<float>(scaling);
   // About 2^16 multiply-adds (keys x heads x head_dim x 2) or more per thread's share.
   const int64_t grain = std::max<int64_t>(
       1, count * (int64_t{1} << 15) / std::max<int64_t>(1, work * head_dim));
   at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+    Member members[kRowChunkMax];
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = tasks[i];
+      const int64_t split = (task.k0 - first_key(task.row)) / kSplitKeys;
+      for (int64_t m = 0; m < task.count; ++m) {
+        const int64_t r = task.row + m;
+        members[m] = {qkv + r * qkv_width + task.kv_head * group * head_dim,
+                      std::min(positions[r] + 1, task.k0 + kSplitKeys) - task.k0,
+                      entry(r, task.kv_head, split)};
+      }
       const int64_t base = (slots[task.row] * kv_heads + task.kv_head) * capacity * head_dim;
-      float* out = partial + i * group * stride;
-      run(qkv + task.row * qkv_width + task.kv_head * group * head_dim, group, head_dim,
-          key_cache + base, value_cache + base, task.k0, task.k1, scale, out, out + group,
-          out + 2 * group);
+      run(members, task.count, group, head_dim, key_cache + base, value_cache + base, task.k0,
+          scale);
     }
   });
   // Merge each row's splits in key order: the same arithmetic for one split or many.
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t0 = first_task[r], t1 = first_task[r + 1];
-    if (t0 == t1) continue;
-    const int64_t splits = (t1 - t0) / kv_heads;
+    const int64_t splits = (row_entry[r + 1] - row_entry[r]) / kv_heads;
+    if (splits == 0) continue;
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t kv_head = h / group, g = h % group;
-      const auto at = [&](int64_t s) { return partial + (t0 + kv_head * splits + s) * group * stride; };
       float top = -INFINITY;
-      for (int64_t s = 0; s < splits; ++s) top = std::max(top, at(s)[g]);
+      for (int64_t s = 0; s < splits; ++s) top = std::max(top, entry(r, kv_head, s)[g]);
       float denominator = 0.0f;
       float* result = attended + r * q_width + h * head_dim;
       std::fill(result, result + head_dim, 0.0f);
       for (int64_t s = 0; s < splits; ++s) {
-        const float weight = std::exp(at(s)[g] - top);
-        denominator += weight * at(s)[group + g];
-        const float* sums = at(s) + 2 * group + g * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) result[d] += weight * sums[d];
+        const float* sums = entry(r, kv_head, s);
+        const float weight = std::exp(sums[g] - top);
+        denominator += weight * sums[group + g];
+        const float* weighted = sums + 2 * group + g * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) result[d] += weight * weighted[d];
       }
       const float inverse = 1.0f / denominator;
       for (int64_t d = 0; d < head_dim; ++d) result[d] *= inverse;
