@@ -14,9 +14,9 @@
 //   1. the block's keys are widened to float32 once; each query head's L dot products are
 //      L vectors of partial sums, reduced to one vector of L scores by a transpose-and-add
 //      tree (no horizontal sum per key);
-//   2. each head's scores minus their largest, exponentiated a vector at a time (Cephes'
-//      expf polynomial, range-reduced by powers of two: about 1 ulp; a score more than 87
-//      below the largest counts 0, as it would in float32 anyway), summed;
+//   2. each head's scores minus their largest, exponentiated a vector at a time (SLEEF's
+//      expf, 1.0 ulp, as torch's own kernels; a score more than 87 below the largest
+//      counts 0, as it would in float32 anyway), summed;
 //   3. the block's values are widened once; each head's weighted sum runs in registers.
 // A task leaves (largest score, sum of exponentials, unnormalized weighted sum) per head;
 // a row's tasks are merged in key order: exp(m_s - M) rescales each, one division at the
@@ -56,6 +56,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include <sleef.h>  // the vectorized exp torch's own kernels use (exported by libtorch_cpu)
 #define EXO_AVX2 1
 #endif
 #if defined(EXO_AVX2) && defined(__AVX512F__)
@@ -89,15 +90,6 @@ inline float widen(uint16_t bits) {
   return value;
 }
 inline float widen(float value) { return value; }
-
-// Cephes' expf: exp(x) = 2^n exp(r), n = round(x log2 e), r = x - n ln 2 (ln 2 in two
-// parts), exp(r) by a degree-6 polynomial (the Cephes Mathematical Library, S. Moshier).
-constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLn2High = 0.693359375f;
-constexpr float kLn2Low = -2.12194440e-4f;
-constexpr float kExpMax = 88.3762626647949f;
-constexpr float kP0 = 1.9875691500E-4f, kP1 = 1.3981999507E-3f, kP2 = 8.3334519073E-3f,
-                kP3 = 4.1665795894E-2f, kP4 = 1.6666665459E-1f, kP5 = 5.0000001201E-1f;
 
 // One value at a time (CPUs without AVX2 + FMA, head dimensions not a multiple of 8).
 struct Scalar {
@@ -150,21 +142,7 @@ struct Avx2 {
   }
   static V exp(V x) {
     const V kept = _mm256_cmp_ps(x, set1(kNegligible), _CMP_GE_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, set1(-kExpMax)), set1(kExpMax));
-    const V n = _mm256_round_ps(_mm256_mul_ps(x, set1(kLog2e)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, set1(kLn2High), x);
-    x = _mm256_fnmadd_ps(n, set1(kLn2Low), x);
-    V y = set1(kP0);
-    y = fma(y, x, set1(kP1));
-    y = fma(y, x, set1(kP2));
-    y = fma(y, x, set1(kP3));
-    y = fma(y, x, set1(kP4));
-    y = fma(y, x, set1(kP5));
-    y = fma(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, set1(1.0f)));
-    const __m256i power = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(power)), kept);
+    return _mm256_and_ps(Sleef_expf8_u10avx2(x), kept);
   }
   // Lane j of the result = the sum of t[j]'s lanes (8 vectors).
   __attribute__((always_inline)) static V pack_sums(const V* t) {
@@ -203,19 +181,7 @@ struct Avx512 {
   static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
   static V exp(V x) {
     const __mmask16 kept = _mm512_cmp_ps_mask(x, set1(kNegligible), _CMP_GE_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, set1(-kExpMax)), set1(kExpMax));
-    const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(kLog2e)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, set1(kLn2High), x);
-    x = _mm512_fnmadd_ps(n, set1(kLn2Low), x);
-    V y = set1(kP0);
-    y = fma(y, x, set1(kP1));
-    y = fma(y, x, set1(kP2));
-    y = fma(y, x, set1(kP3));
-    y = fma(y, x, set1(kP4));
-    y = fma(y, x, set1(kP5));
-    y = fma(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, set1(1.0f)));
-    return _mm512_maskz_mov_ps(kept, _mm512_scalef_ps(y, n));
+    return _mm512_maskz_mov_ps(kept, Sleef_expf16_u10avx512f(x));
   }
   // Lane j of the result = the sum of t[j]'s lanes (16 vectors): pairs within 128-bit
   // lanes, then quads, then the four 128-bit lanes.
