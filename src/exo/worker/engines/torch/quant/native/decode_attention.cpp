@@ -390,9 +390,9 @@ TaskFn<Vec, T> task_for(int64_t head_dim) {
 }
 
 // The rows outside `in_chunk` (see the top of this file), written to attended[r, heads *
-// head_dim]. Rows of one slot at consecutive positions (a short prompt chunk) share their
-// tasks where every one of them sees keys from position 0 (no sliding window cuts them):
-// their splits then start at the same keys.
+// head_dim]. Consecutive rows of one slot (a short prompt chunk, a draft's verify rows)
+// share their tasks where every one of them sees keys from position 0 (no sliding window
+// cuts them): their splits then start at the same keys.
 template <typename Vec, typename T>
 void attend_rows(const float* qkv, int64_t rows, int64_t qkv_width, const T* key_cache,
                  const T* value_cache, int64_t capacity, at::IntArrayRef slots,
@@ -433,18 +433,19 @@ void attend_rows(const float* qkv, int64_t rows, int64_t qkv_width, const T* key
       ++r;
       continue;
     }
-    int64_t end = r + 1;
-    while (end < rows && !in_chunk[end] && slots[end] == slots[r] &&
-           positions[end] == positions[end - 1] + 1 && end - r < kRowChunkMax)
+    // A run of rows of one slot (a short chunk's, a draft's verify rows), up to
+    // kRowChunkMax, shares tasks where no window cuts any of them.
+    int64_t end = r + 1, last = positions[r] + 1;
+    bool whole = first_key(r) == 0;
+    while (end < rows && !in_chunk[end] && slots[end] == slots[r] && end - r < kRowChunkMax) {
+      whole = whole && first_key(end) == 0;
+      last = std::max(last, positions[end] + 1);
       ++end;
-    if (first_key(end - 1) > 0) end = r + 1;  // a window cuts the chunk: rows one by one
-    const int64_t last = positions[end - 1] + 1;
+    }
+    if (!whole) end = r + 1, last = positions[r] + 1;  // rows one by one
     for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t k0 = first_key(r); k0 < last; k0 += kSplitKeys) {
-        int64_t from = r;  // the chunk's rows that see keys from k0 on
-        while (positions[from] < k0) ++from;
-        tasks.push_back({from, end - from, h, k0});
-      }
+      for (int64_t k0 = first_key(r); k0 < last; k0 += kSplitKeys)
+        tasks.push_back({r, end - r, h, k0});
     r = end;
   }
   const int64_t count = static_cast<int64_t>(tasks.size());
@@ -458,14 +459,14 @@ void attend_rows(const float* qkv, int64_t rows, int64_t qkv_width, const T* key
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = tasks[i];
       const int64_t split = (task.k0 - first_key(task.row)) / kSplitKeys;
-      for (int64_t m = 0; m < task.count; ++m) {
-        const int64_t r = task.row + m;
-        members[m] = {qkv + r * qkv_width + task.kv_head * group * head_dim,
-                      std::min(positions[r] + 1, task.k0 + kSplitKeys) - task.k0,
-                      entry(r, task.kv_head, split)};
-      }
+      int64_t seeing = 0;  // the run's rows that see keys from k0 on
+      for (int64_t r = task.row; r < task.row + task.count; ++r)
+        if (positions[r] >= task.k0)
+          members[seeing++] = {qkv + r * qkv_width + task.kv_head * group * head_dim,
+                              std::min(positions[r] + 1, task.k0 + kSplitKeys) - task.k0,
+                              entry(r, task.kv_head, split)};
       const int64_t base = (slots[task.row] * kv_heads + task.kv_head) * capacity * head_dim;
-      run(members, task.count, group, head_dim, key_cache + base, value_cache + base, task.k0,
+      run(members, seeing, group, head_dim, key_cache + base, value_cache + base, task.k0,
           scale);
     }
   });
