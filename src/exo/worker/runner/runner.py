@@ -596,7 +596,12 @@ class Runner:
 
     def _fail_generation(self, task: TextGeneration, error: Exception) -> None:
         """Report a failed generation (worded by `failures.generation_failure`: a 400 where
-        the request was at fault); a failure that broke the group fails this runner."""
+        the request was at fault); a failure that broke the group fails this runner, once: a
+        step whose batch held several generations fails each of them with the same broken
+        group, and the state counts every `RunnerFailed` report as one failure of the
+        instance (`apply._instance_failures`), so one break reported per generation could
+        reach `MAX_INSTANCE_FAILURES` and delete the instance before the master, seeing the
+        node lost, places it again on the nodes that remain."""
         chunk, group_broke = generation_failure(
             task, error, self.runner_id, self.shard.world_size > 1
         )
@@ -605,7 +610,7 @@ class Runner:
         self._send(
             TaskStatusReport(task_id=task.task_id, status=TaskFailed(error_message=str(error)))
         )
-        if group_broke:
+        if group_broke and not isinstance(self._status, RunnerFailed):
             self._set_status(RunnerFailed(error_message=f"process group failed: {error}"))
 
     def _end_task(self, task: TextGeneration | Embedding, status: TaskStatus) -> None:

@@ -11,7 +11,7 @@ from typing import Any, cast
 from exo.chat_protocol.prompt import RenderedPrompt
 from exo.shared.types.chunks import ErrorChunk, TokenChunk, Usage
 from exo.shared.types.common import RunnerId, TaskId
-from exo.shared.types.runners import RunnerReady, RunnerRunning
+from exo.shared.types.runners import RunnerFailed, RunnerReady, RunnerRunning
 from exo.shared.types.tasks import CancelTask, TaskCancelled, TaskComplete, TaskFailed
 from exo.testing.builders import make_shard, make_text_generation_task
 from exo.worker.engines.torch.engine import GeneratedPiece
@@ -175,3 +175,40 @@ def test_cancelling_the_last_request_reports_the_freed_kv_at_once() -> None:
     reports = [message for message in sent if isinstance(message, KVCacheReport)]
     assert reports == [KVCacheReport(running_tokens=0, prefix_cache_tokens=0, budget_tokens=100)]
     assert engine.cancelled == ["task-a"]
+
+
+class PeerGoneEngine(BatchEngine):
+    """Rank 0 of a split instance whose next step finds rank 1 gone (the error of a live
+    run where rank 1's node was killed while three requests decoded)."""
+
+    def step(self) -> list[Any]:
+        raise ConnectionResetError(
+            "rank 0: receiving from rank 1 failed: [Errno 104] Connection reset by peer"
+        )
+
+
+def test_a_broken_group_fails_the_runner_once_however_many_generations_it_held() -> None:
+    """Each running generation fails, and the runner reports `RunnerFailed` once: the state
+    counts every report as a failure of the instance, and three (a batch of three) reached
+    the limit that deletes it before the master placed it again on the remaining node."""
+    engine = PeerGoneEngine(length=100)
+    runner, _inbound, outbound = ready_runner(engine)
+    runner.shard = make_shard(world_size=2)
+    for name in ("a", "b", "c"):
+        runner._start_generation(make_text_generation_task(task_id=f"task-{name}"))
+    runner._run_step()
+    sent: list[RunnerOutbound] = []
+    while outbound.poll(0):
+        sent.extend(decode_outbound(outbound.recv_bytes()))
+    failed_tasks = [
+        message.task_id
+        for message in sent
+        if isinstance(message, TaskStatusReport) and isinstance(message.status, TaskFailed)
+    ]
+    failures = [
+        message
+        for message in sent
+        if isinstance(message, RunnerStatusReport) and isinstance(message.status, RunnerFailed)
+    ]
+    assert sorted(failed_tasks) == ["task-a", "task-b", "task-c"]
+    assert len(failures) == 1, [message.status for message in failures]
