@@ -244,3 +244,27 @@ def test_the_right_type_is_never_a_type_error(
             model.model_validate({**body, name: value} if dialect != "option" else {name: value})
         except ValidationError as error:
             assert not [e for e in error.errors() if e["type"] in SCALAR_TYPE_ERRORS], error
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": "Hi"}], '
+         '"temperature": NaN}', "temperature"),
+        ("/v1/messages", '{"model": "m", "max_tokens": 5, "messages": [{"role": "user", '
+         '"content": "Hi"}], "top_p": Infinity}', "top_p"),
+        ("/v1/responses", '{"model": "m", "input": "Hi", "temperature": -Infinity}',
+         "temperature"),
+        ("/api/chat", '{"model": "m", "messages": [{"role": "user", "content": "Hi"}], '
+         '"options": {"temperature": NaN}}', "options.temperature"),
+    ],
+)  # fmt: skip
+def test_a_number_that_is_not_finite_is_refused_by_name(
+    http: TestClient, path: str, body: str, field: str
+) -> None:
+    """NaN and the infinities are not JSON, but Python's parser reads them: a request
+    carrying one is a 400 saying the field must be a finite number (it was refused as
+    "less than or equal to 2", or a NaN passed the range checks)."""
+    response = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert f"{field}: Input should be a finite number" in response.text

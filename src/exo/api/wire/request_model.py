@@ -47,7 +47,7 @@ class WireRequestModel(BaseModel):
     """Frozen and strict; unknown fields are ignored and logged at debug level (see the
     module docstring). Models that keep unknown fields (`extra="allow"`) log nothing."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore", strict=True)
+    model_config = ConfigDict(frozen=True, extra="ignore", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

@@ -80,12 +80,16 @@ export function formatDuration(seconds) {
 /** 1_230_000_000 parameters -> "1.2B". */
 export function formatParameters(count) {
   if (!count) return "?";
-  // Billions to one decimal, as the Ollama API's `parameter_size`
-  // (`exo.shared.models.parameter_count.human_parameter_count`): "106.9B", not "107B".
-  if (count >= 1e12) return `${(count / 1e12).toFixed(1)}T`;
-  if (count >= 1e9) return `${(count / 1e9).toFixed(1)}B`;
-  const millions = count / 1e6;
-  return `${millions >= 100 ? Math.round(millions) : millions.toFixed(1)}M`;
+  // As the Ollama API's `parameter_size` (`exo.shared.models.parameter_count.
+  // human_parameter_count`): billions to one decimal ("106.9B"); millions and thousands
+  // whole at 100 and over ("135M", "337K"), else to one decimal.
+  for (const [divisor, suffix] of [[1e12, "T"], [1e9, "B"], [1e6, "M"], [1e3, "K"]]) {
+    if (count >= divisor) {
+      const value = count / divisor;
+      return value >= 100 && suffix !== "B" ? `${Math.round(value)}${suffix}` : `${value.toFixed(1)}${suffix}`;
+    }
+  }
+  return String(count);
 }
 
 /** The first 8 characters of an id, for labels. */
