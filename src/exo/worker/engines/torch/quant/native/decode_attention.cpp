@@ -9,8 +9,9 @@
 // its visible keys (flash-decoding's split of the keys: Dao et al. 2023, "Flash-Decoding
 // for long-context inference"), so that one long row keeps every thread busy. A task reads
 // each of its keys and values once for all the query heads that share that KV head
-// (grouped-query attention), in blocks of one vector's width L (16 keys with AVX512, 8 with
-// AVX2):
+// (grouped-query attention), and for all the consecutive rows of one slot in the step (a
+// short prompt chunk's, a draft's verify rows: up to kRowChunkMax) where no sliding window
+// cuts them, in blocks of one vector's width L (16 keys with AVX512, 8 with AVX2):
 //   1. the block's keys are widened to float32 once; each query head's L dot products are
 //      L vectors of partial sums, reduced to one vector of L scores by a transpose-and-add
 //      tree (no horizontal sum per key);
@@ -20,12 +21,13 @@
 //   3. the block's values are widened once; each head's weighted sum runs in registers.
 // A task leaves (largest score, sum of exponentials, unnormalized weighted sum) per head;
 // a row's tasks are merged in key order: exp(m_s - M) rescales each, one division at the
-// end. A row's split depends only on its own key count, never on the step's other rows or
-// the thread count, so a row's output is the same bits whatever step it is in (a verified
-// draft position equals the plain decode step's: speculative decoding's exactness). Before,
-// each (row, query head) read its keys once per head, summed each dot product horizontally
-// and called std::exp per key: ~7 G multiply-adds a second per thread against this one's
-// figures in docs/benchmarks/2026-12-07-decode-attention.md.
+// end. A row's splits and its arithmetic depend only on its own keys, never on the step's
+// other rows, the rows sharing its tasks or the thread count, so a row's output is the same
+// bits whatever step it is in (a verified draft position equals the plain decode step's:
+// speculative decoding's exactness). Before, each (row, query head) read its keys once per
+// head, summed each dot product horizontally and called std::exp per key: 7-10 G
+// multiply-adds a second per thread against this one's 15-23 at 2k-16k keys
+// (docs/benchmarks/2026-12-07-decode-attention.md).
 //
 // The cache holds float32 or bfloat16 keys and values (`--kv-cache-dtype`, the KV cache's
 // dtype: batching/slot_kv_cache.py). bfloat16 is widened on load (its 16 bits are the high
@@ -225,8 +227,7 @@ inline const float* widened(const float* rows, int64_t, int64_t, float*) {
   return rows;
 }
 template <typename Vec>
-inline const float* widened(const uint16_t* rows, int64_t valid, int64_t head_dim,
-                            float* scratch) {
+inline const float* widened(const uint16_t* rows, int64_t valid, int64_t head_dim, float* scratch) {
   for (int64_t i = 0; i < valid * head_dim; i += Vec::kLanes)
     Vec::store(scratch + i, Vec::load(rows + i));
   return scratch;
@@ -250,125 +251,125 @@ void attend_task(const Member* members, int64_t member_count, int64_t group,
   const V scaling = Vec::set1(scale);
   // 1. Scores, a block of L keys at a time, widened once for every member.
   for (int64_t b = 0; b < longest; b += L) {
-    const float* block = widened<Vec>(keys + (k0 + b) * head_dim,
-                                      std::min<int64_t>(L, longest - b), head_dim,
-                                      block_buffer.data());
+    const float* block = widened<Vec>(keys + (k0 + b) * head_dim, std::min<int64_t>(L, longest - b),
+                                      head_dim, block_buffer.data());
     for (int64_t m = 0; m < member_count; ++m) {
-    const int64_t count = members[m].count;
-    if (b >= count) continue;
-    const int64_t valid = std::min<int64_t>(L, count - b);
-    float* scores = score_buffer.data() + m * group * padded;
-    for (int64_t g = 0; g < group; ++g) {
-      const float* query = members[m].queries + g * head_dim;
-      V partial[L];
-      if constexpr (kChunks > 0) {
-        if (valid == L) {  // a whole block: every vector in registers
-          V q[kChunks];
-          for (int c = 0; c < kChunks; ++c) q[c] = Vec::load(query + c * L);
-          // 16 vectors of a head (256 values) and 16 sums would fill every register:
-          // such heads take 8 keys at a time.
-          constexpr int kKeysAtOnce = kChunks > 8 ? 8 : L;
-          for (int j0 = 0; j0 < L; j0 += kKeysAtOnce) {
+      const int64_t count = members[m].count;
+      if (b >= count) continue;
+      const int64_t valid = std::min<int64_t>(L, count - b);
+      float* scores = score_buffer.data() + m * group * padded;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* query = members[m].queries + g * head_dim;
+        V partial[L];
+        if constexpr (kChunks > 0) {
+          if (valid == L) {  // a whole block: every vector in registers
+            V q[kChunks];
+            for (int c = 0; c < kChunks; ++c) q[c] = Vec::load(query + c * L);
+            // 16 vectors of a head (256 values) and 16 sums would fill every register:
+            // such heads take 8 keys at a time.
+            constexpr int kKeysAtOnce = kChunks > 8 ? 8 : L;
+            for (int j0 = 0; j0 < L; j0 += kKeysAtOnce) {
 #pragma GCC unroll 16
-            for (int j = j0; j < j0 + kKeysAtOnce; ++j) {
-              V sum = Vec::mul(q[0], Vec::load(block + j * head_dim));
-              for (int c = 1; c < kChunks; ++c)
-                sum = Vec::fma(q[c], Vec::load(block + j * head_dim + c * L), sum);
-              partial[j] = sum;
+              for (int j = j0; j < j0 + kKeysAtOnce; ++j) {
+                V sum = Vec::mul(q[0], Vec::load(block + j * head_dim));
+                for (int c = 1; c < kChunks; ++c)
+                  sum = Vec::fma(q[c], Vec::load(block + j * head_dim + c * L), sum);
+                partial[j] = sum;
+              }
             }
+            Vec::store(scores + g * padded + b, Vec::mul(Vec::pack_sums(partial), scaling));
+            continue;
           }
-          Vec::store(scores + g * padded + b, Vec::mul(Vec::pack_sums(partial), scaling));
-          continue;
         }
-      }
-      for (int j = 0; j < L; ++j) {
-        V sum = Vec::zero();
-        if (j < valid) {
-          sum = Vec::mul(Vec::load(query), Vec::load(block + j * head_dim));
-          for (int64_t c = 1; c < chunks; ++c)
-            sum = Vec::fma(Vec::load(query + c * L), Vec::load(block + j * head_dim + c * L), sum);
+        for (int j = 0; j < L; ++j) {
+          V sum = Vec::zero();
+          if (j < valid) {
+            sum = Vec::mul(Vec::load(query), Vec::load(block + j * head_dim));
+            for (int64_t c = 1; c < chunks; ++c)
+              sum =
+                  Vec::fma(Vec::load(query + c * L), Vec::load(block + j * head_dim + c * L), sum);
+          }
+          partial[j] = sum;
         }
-        partial[j] = sum;
+        Vec::store(scores + g * padded + b, Vec::mul(Vec::pack_sums(partial), scaling));
       }
-      Vec::store(scores + g * padded + b, Vec::mul(Vec::pack_sums(partial), scaling));
-    }
     }
   }
   // 2. Exponentials of each head's scores less their largest; padding lanes count 0.
   for (int64_t m = 0; m < member_count; ++m) {
-  const int64_t count = members[m].count;
-  const int64_t used = (count + L - 1) / L * L;
-  float* largest = members[m].out;
-  float* total = largest + group;
-  float* weighted = total + group;
-  for (int64_t g = 0; g < group; ++g) {
-    float* row_scores = score_buffer.data() + (m * group + g) * padded;
-    for (int64_t j = count; j < used; ++j) row_scores[j] = -INFINITY;
-    V high = Vec::set1(-INFINITY);
-    for (int64_t j = 0; j < used; j += L) high = Vec::max(high, Vec::load(row_scores + j));
-    const float top = Vec::reduce_max(high);
-    const V shift = Vec::set1(top);
-    V sum = Vec::zero();
-    for (int64_t j = 0; j < used; j += L) {
-      const V e = Vec::exp(Vec::sub(Vec::load(row_scores + j), shift));
-      Vec::store(row_scores + j, e);
-      sum = Vec::add(sum, e);
+    const int64_t count = members[m].count;
+    const int64_t used = (count + L - 1) / L * L;
+    float* largest = members[m].out;
+    float* total = largest + group;
+    float* weighted = total + group;
+    for (int64_t g = 0; g < group; ++g) {
+      float* row_scores = score_buffer.data() + (m * group + g) * padded;
+      for (int64_t j = count; j < used; ++j) row_scores[j] = -INFINITY;
+      V high = Vec::set1(-INFINITY);
+      for (int64_t j = 0; j < used; j += L) high = Vec::max(high, Vec::load(row_scores + j));
+      const float top = Vec::reduce_max(high);
+      const V shift = Vec::set1(top);
+      V sum = Vec::zero();
+      for (int64_t j = 0; j < used; j += L) {
+        const V e = Vec::exp(Vec::sub(Vec::load(row_scores + j), shift));
+        Vec::store(row_scores + j, e);
+        sum = Vec::add(sum, e);
+      }
+      largest[g] = top;
+      total[g] = Vec::reduce_add(sum);
+      std::fill(weighted + g * head_dim, weighted + (g + 1) * head_dim, 0.0f);
     }
-    largest[g] = top;
-    total[g] = Vec::reduce_add(sum);
-    std::fill(weighted + g * head_dim, weighted + (g + 1) * head_dim, 0.0f);
-  }
   }
   // 3. Weighted sums of the values, a block of L values at a time, widened once.
   for (int64_t b = 0; b < longest; b += L) {
-    const float* block = widened<Vec>(values + (k0 + b) * head_dim,
-                                      std::min<int64_t>(L, longest - b), head_dim,
-                                      block_buffer.data());
+    const float* block =
+        widened<Vec>(values + (k0 + b) * head_dim, std::min<int64_t>(L, longest - b), head_dim,
+                     block_buffer.data());
     for (int64_t m = 0; m < member_count; ++m) {
-    const int64_t count = members[m].count;
-    if (b >= count) continue;
-    const int64_t valid = std::min<int64_t>(L, count - b);
-    float* weighted = members[m].out + 2 * group;
-    for (int64_t g = 0; g < group; ++g) {
-      const float* weights = score_buffer.data() + (m * group + g) * padded + b;
-      float* out = weighted + g * head_dim;
-      if constexpr (kChunks > 0 && kChunks < 8) {
-        // Even and odd keys in two sets of sums: at least 8 independent chains of fused
-        // multiply-adds (a head of 8 vectors or more has as many in one set).
-        V even[kChunks], odd[kChunks];
-        for (int c = 0; c < kChunks; ++c) even[c] = Vec::load(out + c * L), odd[c] = Vec::zero();
-        int64_t j = 0;
-        for (; j + 2 <= valid; j += 2) {
-          const V w0 = Vec::set1(weights[j]), w1 = Vec::set1(weights[j + 1]);
-          for (int c = 0; c < kChunks; ++c) {
-            even[c] = Vec::fma(w0, Vec::load(block + j * head_dim + c * L), even[c]);
-            odd[c] = Vec::fma(w1, Vec::load(block + (j + 1) * head_dim + c * L), odd[c]);
+      const int64_t count = members[m].count;
+      if (b >= count) continue;
+      const int64_t valid = std::min<int64_t>(L, count - b);
+      float* weighted = members[m].out + 2 * group;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* weights = score_buffer.data() + (m * group + g) * padded + b;
+        float* out = weighted + g * head_dim;
+        if constexpr (kChunks > 0 && kChunks < 8) {
+          // Even and odd keys in two sets of sums: at least 8 independent chains of fused
+          // multiply-adds (a head of 8 vectors or more has as many in one set).
+          V even[kChunks], odd[kChunks];
+          for (int c = 0; c < kChunks; ++c) even[c] = Vec::load(out + c * L), odd[c] = Vec::zero();
+          int64_t j = 0;
+          for (; j + 2 <= valid; j += 2) {
+            const V w0 = Vec::set1(weights[j]), w1 = Vec::set1(weights[j + 1]);
+            for (int c = 0; c < kChunks; ++c) {
+              even[c] = Vec::fma(w0, Vec::load(block + j * head_dim + c * L), even[c]);
+              odd[c] = Vec::fma(w1, Vec::load(block + (j + 1) * head_dim + c * L), odd[c]);
+            }
+          }
+          if (j < valid) {
+            const V w = Vec::set1(weights[j]);
+            for (int c = 0; c < kChunks; ++c)
+              even[c] = Vec::fma(w, Vec::load(block + j * head_dim + c * L), even[c]);
+          }
+          for (int c = 0; c < kChunks; ++c) Vec::store(out + c * L, Vec::add(even[c], odd[c]));
+        } else if constexpr (kChunks > 0) {
+          V acc[kChunks];
+          for (int c = 0; c < kChunks; ++c) acc[c] = Vec::load(out + c * L);
+          for (int64_t j = 0; j < valid; ++j) {
+            const V w = Vec::set1(weights[j]);
+            for (int c = 0; c < kChunks; ++c)
+              acc[c] = Vec::fma(w, Vec::load(block + j * head_dim + c * L), acc[c]);
+          }
+          for (int c = 0; c < kChunks; ++c) Vec::store(out + c * L, acc[c]);
+        } else {
+          for (int64_t c = 0; c < chunks; ++c) {
+            V acc = Vec::load(out + c * L);
+            for (int64_t j = 0; j < valid; ++j)
+              acc = Vec::fma(Vec::set1(weights[j]), Vec::load(block + j * head_dim + c * L), acc);
+            Vec::store(out + c * L, acc);
           }
         }
-        if (j < valid) {
-          const V w = Vec::set1(weights[j]);
-          for (int c = 0; c < kChunks; ++c)
-            even[c] = Vec::fma(w, Vec::load(block + j * head_dim + c * L), even[c]);
-        }
-        for (int c = 0; c < kChunks; ++c) Vec::store(out + c * L, Vec::add(even[c], odd[c]));
-      } else if constexpr (kChunks > 0) {
-        V acc[kChunks];
-        for (int c = 0; c < kChunks; ++c) acc[c] = Vec::load(out + c * L);
-        for (int64_t j = 0; j < valid; ++j) {
-          const V w = Vec::set1(weights[j]);
-          for (int c = 0; c < kChunks; ++c)
-            acc[c] = Vec::fma(w, Vec::load(block + j * head_dim + c * L), acc[c]);
-        }
-        for (int c = 0; c < kChunks; ++c) Vec::store(out + c * L, acc[c]);
-      } else {
-        for (int64_t c = 0; c < chunks; ++c) {
-          V acc = Vec::load(out + c * L);
-          for (int64_t j = 0; j < valid; ++j)
-            acc = Vec::fma(Vec::set1(weights[j]), Vec::load(block + j * head_dim + c * L), acc);
-          Vec::store(out + c * L, acc);
-        }
       }
-    }
     }
   }
 }
@@ -382,10 +383,14 @@ using TaskFn = void (*)(const Member*, int64_t, int64_t, int64_t, const T*, cons
 template <typename Vec, typename T>
 TaskFn<Vec, T> task_for(int64_t head_dim) {
   switch (head_dim / Vec::kLanes) {
-    case 4: return &attend_task<Vec, 4, T>;
-    case 8: return &attend_task<Vec, 8, T>;
-    case 16: return &attend_task<Vec, 16, T>;
-    default: return &attend_task<Vec, 0, T>;
+    case 4:
+      return &attend_task<Vec, 4, T>;
+    case 8:
+      return &attend_task<Vec, 8, T>;
+    case 16:
+      return &attend_task<Vec, 16, T>;
+    default:
+      return &attend_task<Vec, 0, T>;
   }
 }
 
@@ -452,8 +457,8 @@ void attend_rows(const float* qkv, int64_t rows, int64_t qkv_width, const T* key
   const TaskFn<Vec, T> run = task_for<Vec, T>(head_dim);
   const float scale = static_cast<float>(scaling);
   // About 2^16 multiply-adds (keys x heads x head_dim x 2) or more per thread's share.
-  const int64_t grain = std::max<int64_t>(
-      1, count * (int64_t{1} << 15) / std::max<int64_t>(1, work * head_dim));
+  const int64_t grain =
+      std::max<int64_t>(1, count * (int64_t{1} << 15) / std::max<int64_t>(1, work * head_dim));
   at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
     Member members[kRowChunkMax];
     for (int64_t i = begin; i < end; ++i) {
@@ -463,11 +468,10 @@ void attend_rows(const float* qkv, int64_t rows, int64_t qkv_width, const T* key
       for (int64_t r = task.row; r < task.row + task.count; ++r)
         if (positions[r] >= task.k0)
           members[seeing++] = {qkv + r * qkv_width + task.kv_head * group * head_dim,
-                              std::min(positions[r] + 1, task.k0 + kSplitKeys) - task.k0,
-                              entry(r, task.kv_head, split)};
+                               std::min(positions[r] + 1, task.k0 + kSplitKeys) - task.k0,
+                               entry(r, task.kv_head, split)};
       const int64_t base = (slots[task.row] * kv_heads + task.kv_head) * capacity * head_dim;
-      run(members, seeing, group, head_dim, key_cache + base, value_cache + base, task.k0,
-          scale);
+      run(members, seeing, group, head_dim, key_cache + base, value_cache + base, task.k0, scale);
     }
   });
   // Merge each row's splits in key order: the same arithmetic for one split or many.
@@ -502,9 +506,8 @@ void attend_rows_widest(const float* qkv, int64_t rows, int64_t qkv_width, const
                         const std::vector<char>& in_chunk, float* attended) {
 #ifdef EXO_AVX512
   if (vector_bits.load(std::memory_order_relaxed) == 512 && head_dim % 16 == 0) {
-    attend_rows<Avx512>(qkv, rows, qkv_width, key_cache, value_cache, capacity, slots,
-                        positions, heads, kv_heads, head_dim, window, scaling, in_chunk,
-                        attended);
+    attend_rows<Avx512>(qkv, rows, qkv_width, key_cache, value_cache, capacity, slots, positions,
+                        heads, kv_heads, head_dim, window, scaling, in_chunk, attended);
     return;
   }
 #endif
@@ -533,8 +536,7 @@ std::vector<Chunk> long_prompt_chunks(at::IntArrayRef slots, at::IntArrayRef pos
   const int64_t rows = static_cast<int64_t>(slots.size());
   for (int64_t r = 0; r < rows;) {
     int64_t end = r + 1;
-    while (end < rows && slots[end] == slots[r] && positions[end] == positions[end - 1] + 1)
-      ++end;
+    while (end < rows && slots[end] == slots[r] && positions[end] == positions[end - 1] + 1) ++end;
     if (end - r > kRowChunkMax) chunks.push_back({r, end - r});
     r = end;
   }
@@ -555,11 +557,10 @@ void attend_chunk(const Chunk& chunk, int64_t start, int64_t window, float* qkv,
   const int64_t count = chunk.length, end = start + count;
   const int64_t first = window > 0 ? std::max<int64_t>(0, start - window + 1) : 0;
   const int64_t keys = end - first;
-  const at::Tensor query =
-      at::from_blob(qkv + chunk.row * qkv_width, {count, heads, head_dim},
-                    {qkv_width, head_dim, 1}, at::kFloat)
-          .permute({1, 0, 2})
-          .unsqueeze(0);  // [1, heads, count, head_dim]
+  const at::Tensor query = at::from_blob(qkv + chunk.row * qkv_width, {count, heads, head_dim},
+                                         {qkv_width, head_dim, 1}, at::kFloat)
+                               .permute({1, 0, 2})
+                               .unsqueeze(0);  // [1, heads, count, head_dim]
   const int64_t element = cache_type == at::kBFloat16 ? 2 : 4;
   const auto cached = [&](const void* cache) {  // read only: from_blob takes a mutable pointer
     char* base = static_cast<char*>(const_cast<void*>(cache)) + slot_offset * element;
@@ -576,8 +577,8 @@ void attend_chunk(const Chunk& chunk, int64_t start, int64_t window, float* qkv,
       mask[q * keys + j] = distance >= 0 && (window <= 0 || distance < window);
     }
   const at::Tensor output =
-      at::scaled_dot_product_attention(query, cached(key_cache), cached(value_cache), visible,
-                                       0.0, false, scaling, true)
+      at::scaled_dot_product_attention(query, cached(key_cache), cached(value_cache), visible, 0.0,
+                                       false, scaling, true)
           .squeeze(0)
           .permute({1, 0, 2})
           .contiguous();  // [count, heads, head_dim]
@@ -647,17 +648,17 @@ void decode_attention(float* qkv, int64_t rows, int64_t qkv_width, const void* k
   for (const Chunk& chunk : chunks) {
     std::fill(in_chunk.begin() + chunk.row, in_chunk.begin() + chunk.row + chunk.length, 1);
     attend_chunk(chunk, positions[chunk.row], window, qkv, qkv_width, key_cache, value_cache,
-                 cache_type, slots[chunk.row] * kv_heads * capacity * head_dim, capacity,
-                 heads, kv_heads, head_dim, scaling, attended);
+                 cache_type, slots[chunk.row] * kv_heads * capacity * head_dim, capacity, heads,
+                 kv_heads, head_dim, scaling, attended);
   }
   if (cache_type == at::kBFloat16)
     attend_rows_widest(qkv, rows, qkv_width, static_cast<const uint16_t*>(key_cache),
-                       static_cast<const uint16_t*>(value_cache), capacity, slots, positions,
-                       heads, kv_heads, head_dim, window, scaling, in_chunk, attended);
+                       static_cast<const uint16_t*>(value_cache), capacity, slots, positions, heads,
+                       kv_heads, head_dim, window, scaling, in_chunk, attended);
   else
     attend_rows_widest(qkv, rows, qkv_width, static_cast<const float*>(key_cache),
-                       static_cast<const float*>(value_cache), capacity, slots, positions,
-                       heads, kv_heads, head_dim, window, scaling, in_chunk, attended);
+                       static_cast<const float*>(value_cache), capacity, slots, positions, heads,
+                       kv_heads, head_dim, window, scaling, in_chunk, attended);
 }
 
 }  // namespace exo_native
