@@ -217,15 +217,19 @@ def with_traits(
 
 def _gguf_hint(directory: Path) -> str:
     """What to add instead when `directory` holds GGUF files (the first few named): each is
-    added by its own path (a model in several parts by its first part's); "" when none."""
-    names = sorted(child.name for child in directory.glob("*.gguf") if child.is_file())
+    added by its own path (a model in several parts by its first part's); "" when none. The
+    example is the largest file (the first by name among equals): an empty or partial file
+    that sorts first would make a bad one."""
+    files = sorted(child for child in directory.glob("*.gguf") if child.is_file())
+    names = [file.name for file in files]
     if not names:
         return ""
+    example = max(files, key=lambda file: file.stat().st_size)  # the first of the largest
     shown = ", ".join(names[:GGUF_NAMES_SHOWN])
     more = f" and {len(names) - GGUF_NAMES_SHOWN} more" if len(names) > GGUF_NAMES_SHOWN else ""
     return (
         f"; it holds GGUF files ({shown}{more}): add one GGUF file by its path, e.g. "
-        f"{directory / names[0]} (for a model in several parts, its first part)"
+        f"{example} (for a model in several parts, its first part)"
     )
 
 

@@ -370,8 +370,9 @@ async def test_local_path_refusals_say_what_was_found(
     folder.mkdir()
     gguf_only = tmp_path / "gguf-only"  # a directory of GGUF files, no config.json
     gguf_only.mkdir()
-    for name in ("d.gguf", "c.gguf", "b.gguf", "a.gguf"):
+    for name in ("d.gguf", "c.gguf", "b.gguf"):
         (gguf_only / name).write_bytes(gguf.read_bytes())
+    (gguf_only / "a.gguf").write_bytes(b"")  # sorts first, but is no example to give
     moe = write_random_moe_gguf(tmp_path / "moe.gguf", MoeGgufShape(), "F32")[0]
     moe.write_bytes(moe.read_bytes().replace(b"blk.1.ffn_up_exps", b"blk.1.ffn_up_expx"))
     async with http_client(cluster) as client:
@@ -393,7 +394,7 @@ async def test_local_path_refusals_say_what_was_found(
             await client.post(add, json={"model_id": str(gguf_only)}), 400, "invalid_request_error"
         )
         assert "holds GGUF files (a.gguf, b.gguf, c.gguf and 1 more)" in message, message
-        assert f"add one GGUF file by its path, e.g. {gguf_only / 'a.gguf'}" in message
+        assert f"add one GGUF file by its path, e.g. {gguf_only / 'b.gguf'}" in message
         message = openai_error(
             await client.post(add, json={"model_id": str(moe)}), 400, "invalid_request_error"
         )
