@@ -27,8 +27,11 @@ def names_known(cluster: ClusterClient, model: str, instance: str | None) -> boo
 
 async def catch_up_for(cluster: ClusterClient, model: str, instance: str | None = None) -> None:
     """Return once the names are known or this node caught up with the master (at most
-    `CATCH_UP_WAIT_SECONDS`); the caller's checks then answer an unknown name."""
+    `CATCH_UP_WAIT_SECONDS`); the caller's checks then answer an unknown name.
+
+    Raises:
+        NoCapacityError: the node began shutting down (`NodeStop.unless_stopping`)."""
     if names_known(cluster, model, instance):
         return
-    if not await cluster.wait_until_caught_up():
+    if not await cluster.stop.unless_stopping(cluster.wait_until_caught_up):
         logger.info(f"api: '{model}' is unknown and this node has not caught up with the master")

@@ -37,6 +37,7 @@ from loguru import logger
 
 from exo.api.serving.command_outcomes import answer_from_state
 from exo.api.serving.model_aliases import ModelAlias
+from exo.api.serving.node_stop import NodeStop
 from exo.api.wire.images import ImagePolicy
 from exo.node.election import Election
 from exo.shared.models.cards import with_custom_cards
@@ -208,7 +209,9 @@ class ClusterClient:
         self._commands = command_publisher
         self._result_waiters: dict[CommandId, MemoryObjectSendStream[Event]] = {}
         self._chunk_streams: dict[CommandId, MemoryObjectSendStream[Chunk]] = {}
-        self._closing_message: str | None = None  # set by `end_streams`
+        self.stop = NodeStop()
+        """Begun by `end_streams`: every wait of a request before its chunk stream races
+        it (`NodeStop.unless_stopping`)."""
         self._command_instance: dict[CommandId, InstanceId] = {}
         # The instance each request with a chunk stream was sent to (kept after a loss).
         self._routed: dict[CommandId, InstanceId] = {}
@@ -514,8 +517,10 @@ class ClusterClient:
         """The node is stopping: end every open chunk stream, and every one opened from now
         on, with a 503 `NODE_SHUTTING_DOWN` error chunk saying `message` (each dialect shows
         it in band, as any error mid-stream), and cancel those generations on the cluster:
-        their clients leave with this node."""
-        self._closing_message = message
+        their clients leave with this node. Requests that have no chunk stream yet (a model
+        loading on request, a place in the admission queue, a command awaiting its
+        outcome) end too: this begins the node's `stop`, which their waits race."""
+        self.stop.begin(message)
         for command_id in list(self._chunk_streams):
             self._end_stream(command_id, message, NODE_SHUTTING_DOWN)
             self.send_and_forget(
@@ -536,13 +541,21 @@ class ClusterClient:
         Raises:
             CommandRejectedError: the master refused it (with the reason and status code).
             CommandTimeoutError: no answer within `timeout` seconds.
+            NoCapacityError: the node began shutting down first (`NodeStop.unless_stopping`);
+                the command may still be carried out.
         """
+        if self.stop.begun:
+            raise self.stop.error()  # not sent: no one would wait for its outcome
         send, receive = anyio.create_memory_object_stream[Event](1)
         self._result_waiters[command.command_id] = send
         self._track(command)
-        try:
+
+        async def outcome() -> Event:
             with anyio.fail_after(timeout):
-                result = await receive.receive()
+                return await receive.receive()
+
+        try:
+            result = await self.stop.unless_stopping(outcome)
         except TimeoutError:
             raise CommandTimeoutError(
                 f"the cluster did not answer command {command.kind} within {timeout:.0f}s"
@@ -621,8 +634,8 @@ class ClusterClient:
         error)."""
         send, receive = anyio.create_memory_object_stream[Chunk](max_buffer_size=math.inf)
         self._chunk_streams[command_id] = send
-        if self._closing_message is not None:
-            self._end_stream(command_id, self._closing_message, NODE_SHUTTING_DOWN)
+        if self.stop.message is not None:
+            self._end_stream(command_id, self.stop.message, NODE_SHUTTING_DOWN)
         try:
             yield _until_finished(receive)
         finally:

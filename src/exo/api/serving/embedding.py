@@ -132,8 +132,21 @@ async def compute_embeddings(
             instance waits for room, was deleted or did not serve again in time (503 with
             `Retry-After`).
         GenerationError: the client disconnected first, or the runner failed.
+        NoCapacityError: the node began shutting down (`NodeStop.unless_stopping`, 503
+            `node_shutting_down`).
     """
     check_embedding_request(cluster, params)
+    return await cluster.stop.unless_stopping(
+        lambda: _computed(cluster, request, params, keep_alive)
+    )
+
+
+async def _computed(
+    cluster: ClusterClient,
+    request: Request,
+    params: EmbeddingTaskParams,
+    keep_alive: KeepAlive | None,
+) -> EmbeddingChunk:
     keep_alive = default_keep_alive(cluster, keep_alive)
     await ensure_instance(cluster, request, params.model, keep_alive)
     release = await admission_of(request).admit(lambda: cluster.state, request, params.model)

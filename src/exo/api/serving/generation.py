@@ -103,6 +103,8 @@ async def start_generation(
             anything is placed or sent), or the engine refused it (400).
         GenerationError: the client disconnected before the first chunk (or while the
             model was loading or being placed again).
+        NoCapacityError: the node began shutting down before the first chunk (503
+            `node_shutting_down`, `exo.api.serving.node_stop`).
     """
     check_generation_request(cluster, params)
     return await _start_checked_generation(
@@ -137,7 +139,25 @@ async def _start_checked_generation(
     keep_alive: KeepAlive | None,
 ) -> Generation:
     """`start_generation` after `check_generation_request`: place and load the model when
-    needed, wait for a place, submit, and (by default) read the first chunk."""
+    needed, wait for a place, submit, and (by default) read the first chunk; all of it
+    ended by the node stopping (`NodeStop.unless_stopping`: 503 `node_shutting_down`)."""
+
+    async def start() -> Generation:
+        return await _start_now(
+            cluster, request, params, command_id, wait_for_first_chunk, keep_alive
+        )
+
+    return await cluster.stop.unless_stopping(start)
+
+
+async def _start_now(
+    cluster: ClusterClient,
+    request: Request,
+    params: TextGenerationTaskParams,
+    command_id: CommandId | None,
+    wait_for_first_chunk: bool | None,
+    keep_alive: KeepAlive | None,
+) -> Generation:
     keep_alive = default_keep_alive(cluster, keep_alive)
     pinned = _pinned_instance(cluster, request, params.model)
     if pinned is None:

@@ -171,7 +171,9 @@ async def _place(
     cluster: ClusterClient, card: ModelCard, keep_alive: KeepAlive | None
 ) -> InstanceId | None:
     """Send the on-request placement; None when the model already had an instance."""
-    await cluster.wait_for_node_reports()
+    # Raced against the node's stop here as well (the command's outcome is, in `submit`):
+    # the caller's shield keeps the stop's cancellation out.
+    await cluster.stop.unless_stopping(cluster.wait_for_node_reports)
     command = PlaceInstance(
         command_id=CommandId.new(), model_id=card.model_id, on_request=True, keep_alive=keep_alive
     )

@@ -36,6 +36,7 @@ from exo.api.claude_messages.wire_types import (
     ToolUseBlock,
 )
 from exo.api.serving.cluster_client import ClusterClient, LoadOnRequest
+from exo.api.serving.node_stop import NodeStop
 from exo.api.serving.response_ids import response_id
 from exo.api.serving.token_counting import (
     TokenizerCache,
@@ -840,6 +841,7 @@ class FakeCluster:
         self.cards = cards
         self.state = State()
         self.load_on_request = LoadOnRequest()
+        self.stop = NodeStop()
         self.image_policy = ImagePolicy()
 
     async def wait_until_caught_up(self, timeout: float = 0.0) -> bool:

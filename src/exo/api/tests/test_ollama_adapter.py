@@ -34,6 +34,7 @@ from exo.api.ollama.wire_types import (
     OllamaShowResponse,
 )
 from exo.api.serving.cluster_client import ClusterClient, LoadOnRequest
+from exo.api.serving.node_stop import NodeStop
 from exo.api.wire.errors import GenerationError, InvalidRequestError
 from exo.api.wire.images import ImagePolicy
 from exo.shared.models.cards import load_builtin_cards
@@ -753,6 +754,7 @@ class ScriptedCluster:
         self.script: list[Chunk] = []
         self.submitted: list[GenerateText] = []
         self.load_on_request = LoadOnRequest()
+        self.stop = NodeStop()
         self.image_policy = ImagePolicy()
 
     async def wait_until_caught_up(self, timeout: float = 0.0) -> bool:

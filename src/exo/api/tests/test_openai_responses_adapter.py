@@ -27,6 +27,7 @@ from exo.api.openai_responses.response import (
 )
 from exo.api.openai_responses.response_types import ResponseObject
 from exo.api.serving.cluster_client import ClusterClient, LoadOnRequest
+from exo.api.serving.node_stop import NodeStop
 from exo.api.serving.response_ids import command_id_in_response_id, response_id
 from exo.api.wire.errors import ApiError, GenerationError, InvalidRequestError
 from exo.api.wire.images import ImagePolicy
@@ -917,6 +918,7 @@ class FakeCluster:
         self.commands: list[GenerateText] = []
         self.cancelled: list[CommandId] = []
         self.load_on_request = LoadOnRequest()
+        self.stop = NodeStop()
         self.image_policy = ImagePolicy()
 
     async def wait_until_caught_up(self, timeout: float = 0.0) -> bool:
