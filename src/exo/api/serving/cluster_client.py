@@ -36,8 +36,10 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from loguru import logger
 
 from exo.api.serving.command_outcomes import answer_from_state
-from exo.api.serving.model_aliases import ModelAlias
 from exo.api.serving.node_stop import NodeStop
+from exo.api.serving.request_loading import CommandRejectedError as CommandRejectedError
+from exo.api.serving.request_loading import CommandTimeoutError as CommandTimeoutError
+from exo.api.serving.request_loading import LoadOnRequest as LoadOnRequest
 from exo.api.wire.images import ImagePolicy
 from exo.node.election import Election
 from exo.shared.models.cards import with_custom_cards
@@ -103,40 +105,6 @@ RESENT_AFTER_HISTORY_DROPPED = (
     DeleteCustomModel,
     ControlDownload,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class LoadOnRequest:
-    """How this node's API loads models that requests name (`exo.api.serving.load_on_request`).
-
-    Args:
-        auto_place: place a model a request names when it has no instance
-            (`--no-auto-place` turns this off).
-        idle_unload_seconds: the keep-alive given to instances this node places and to
-            those its requests use, unless a request says otherwise (`--idle-unload`);
-            None: they stay until deleted.
-        ready_timeout_seconds: how long a request waits for the instance it placed to load.
-        offline: never download (`--offline`): Ollama's pull only finds files already here.
-        model_aliases: client model names mapped to served models (`--model-alias`,
-            `exo.api.serving.model_aliases`).
-    """
-
-    auto_place: bool = True
-    idle_unload_seconds: float | None = None
-    ready_timeout_seconds: float = 600.0
-    offline: bool = False
-    model_aliases: tuple[ModelAlias, ...] = ()
-
-
-class CommandRejectedError(Exception):
-    def __init__(self, reason: str, status_code: int) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.status_code = status_code
-
-
-class CommandTimeoutError(Exception):
-    pass
 
 
 @dataclass(slots=True)
