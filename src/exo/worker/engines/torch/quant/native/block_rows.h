@@ -31,6 +31,13 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(sum);
 }
 
+inline float horizontal_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
 
 // Output rows per register tile of the int8 decode kernels (int8_blocks.cpp, and
 // int4_gemv.cpp's per-channel int8) for ROWS activation rows: one for one or two rows, so

@@ -54,6 +54,7 @@
 #include <cstring>
 #include <vector>
 
+#include "block_rows.h"
 #include "kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -130,18 +131,8 @@ struct Avx2 {
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
-  static float reduce_add(V v) {
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    half = _mm_add_ss(half, _mm_movehdup_ps(half));
-    return _mm_cvtss_f32(half);
-  }
-  static float reduce_max(V v) {
-    __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-    half = _mm_max_ss(half, _mm_movehdup_ps(half));
-    return _mm_cvtss_f32(half);
-  }
+  static float reduce_add(V v) { return exo_native::block_rows::horizontal_sum(v); }
+  static float reduce_max(V v) { return exo_native::block_rows::horizontal_max(v); }
   static V exp(V x) {
     const V kept = _mm256_cmp_ps(x, set1(kNegligible), _CMP_GE_OQ);
     return _mm256_and_ps(Sleef_expf8_u10avx2(x), kept);

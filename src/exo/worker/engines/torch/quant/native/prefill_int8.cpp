@@ -39,16 +39,10 @@ namespace exo_native::prefill {
 namespace {
 
 using block_rows::for_row_groups;
+using block_rows::horizontal_max;
 using block_rows::kBlock;
 
 constexpr float kInt8Levels = 127.0f;
-
-inline float horizontal_max(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
 
 inline int32_t horizontal_sum_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
