@@ -70,6 +70,29 @@ def test_openai_missing_top_level_field_is_worded_as_openai_words_it(http: TestC
     assert error["message"] == "Missing required parameter: 'messages'."
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/responses", {"model": MODEL, "input": [{"role": "user"}]}, "input[0].content"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages[0].content[0].text",
+        ),
+    ],
+)
+def test_a_missing_field_inside_an_array_is_named_not_the_string_branch(
+    http: TestClient, path: str, body: dict[str, Any], param: str
+) -> None:
+    """`input` and `content` take a string or an array: for an array the answer names what
+    the array lacks, not "expected a string, but got an array"."""
+    response = http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (param, "missing_required_parameter")
+    assert error["message"] == f"Missing required parameter: '{param}'."
+
+
 def test_openai_assistant_turn_may_carry_only_tool_calls() -> None:
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     request = ChatCompletionRequest.model_validate(

@@ -258,6 +258,30 @@ def _openai_kind(value: Any) -> str:
             return "an object"
 
 
+def _without_other_branches(errors: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The errors less those of a union's scalar branch that an array or object was sent to
+    (the `str` branch of `str | list[...]` answering "should be a valid string" for a list)
+    while the branch the value is of has errors of its own: those say what is wrong."""
+
+    def field_of(error: Mapping[str, Any]) -> tuple[Any, ...]:
+        location = tuple(error.get("loc", ()))
+        return location[:-1] if location and location[-1] in _UNION_BRANCH_NAMES else location
+
+    def other_branch(error: Mapping[str, Any]) -> bool:
+        if error.get("type") not in SCALAR_TYPE_ERRORS:
+            return False
+        if not isinstance(error.get("input"), list | dict):
+            return False
+        field = field_of(error)
+        return any(
+            other is not error and tuple(other.get("loc", ()))[: len(field)] == field
+            for other in errors
+        )
+
+    kept = [error for error in errors if not other_branch(error)]
+    return kept or list(errors)
+
+
 def _first_missing_field(errors: Sequence[Mapping[str, Any]]) -> str | None:
     """The parameter of the first error when it is a required field left out (pydantic's
     `missing`), else None."""
@@ -278,6 +302,7 @@ def describe_openai_validation_errors(
     Returns:
         (message, param, code).
     """
+    errors = _without_other_branches(errors)
     missing = _first_missing_field(errors)
     if missing is not None:
         return f"Missing required parameter: '{missing}'.", missing, "missing_required_parameter"
