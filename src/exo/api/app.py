@@ -42,6 +42,7 @@ from exo.api.wire.errors import (
     NoCapacityError,
     QueueFullError,
     error_type_for_status,
+    without_union_tags,
 )
 from exo.api.wire.openapi import with_bad_request_responses
 
@@ -217,6 +218,7 @@ def create_app(
                 f"the request body is not valid JSON: {detail}",
             )
         path = request.url.path
+        errors = without_union_tags(errors, error.body)
         message, param, code = error_dialect_for(path).describe(path, errors)
         return error_response_for_path(path, 400, "invalid_request_error", message, param, code)
 

@@ -52,6 +52,17 @@ GGUF_ARCHITECTURES = {
 }
 
 
+# `general.file_type` (llama.cpp's `llama_ftype`) -> the name Ollama reports it as
+# (`quantization_level`; Ollama's fs/ggml FileType names). 4 is Ollama's own gpt-oss blobs'
+# MXFP4; 38 is llama.cpp's MOSTLY_MXFP4_MOE (gpt-oss converted by llama.cpp), which Ollama
+# has no name for: its experts are MXFP4, so it is named so here.
+GGUF_FILE_TYPE_NAMES: dict[int, str] = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 4: "MXFP4", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
+    10: "Q2_K", 11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M",
+    16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K", 21: "Q2_K_S", 32: "BF16", 38: "MXFP4",
+}  # fmt: skip
+
+
 class GgufModelError(ValueError):
     """A GGUF file that is no model this engine can use (named)."""
 
@@ -162,7 +173,8 @@ def _ollama_name(registry: str, namespace: str, name: str, tag: str) -> str:
 def gguf_weight_types(directory: GgufDirectory) -> GgufWeightTypes | None:
     """The types a GGUF stores its decoder-layer linears (2-d weights and 3-d stacked experts
     under `blk.`; not the stacked experts' 2-d biases) and LM head (`output.weight`, else the
-    tied `token_embd.weight`) in; None without either."""
+    tied `token_embd.weight`) in, and its file type's name (`GGUF_FILE_TYPE_NAMES`); None
+    without linears or head."""
     layer_weights: dict[str, int] = {}
     by_name = {tensor.name: tensor for tensor in directory.tensors}
     for tensor in directory.tensors:
@@ -176,8 +188,11 @@ def gguf_weight_types(directory: GgufDirectory) -> GgufWeightTypes | None:
     head = by_name.get("output.weight") or by_name.get("token_embd.weight")
     if not layer_weights or head is None:
         return None
+    file_type = directory.metadata.get("general.file_type")
     return GgufWeightTypes(
-        layer_weights=tuple(sorted(layer_weights.items())), output_type=head.type_name
+        layer_weights=tuple(sorted(layer_weights.items())),
+        output_type=head.type_name,
+        file_type=GGUF_FILE_TYPE_NAMES.get(file_type) if isinstance(file_type, int) else None,
     )
 
 

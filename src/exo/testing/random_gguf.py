@@ -155,6 +155,7 @@ def write_random_gguf(
     seed: int = 0,
     types: Mapping[str, str] | None = None,
     one_merge: bool = False,
+    file_type: int | None = None,
 ) -> Path:
     """Write a random-weight GGUF of `shape` at `path`.
 
@@ -169,6 +170,8 @@ def write_random_gguf(
             (inputs a multiple of 256).
         one_merge: give the vocabulary one BPE merge ("a b" into the first filler token,
             as `random_moe_gguf` does): llama.cpp refuses a BPE vocabulary without merges.
+        file_type: the `general.file_type` (llama.cpp's `llama_ftype` id, 15 for Q4_K_M) to
+            state; None states none (the tensors' types are `tensor_type` and `types`).
 
     Returns:
         `path`.
@@ -190,6 +193,8 @@ def write_random_gguf(
     writer = gguf.GGUFWriter(str(path), shape.architecture)
     arch = shape.architecture
     writer.add_name(f"random {arch}")
+    if file_type is not None:
+        writer.add_file_type(file_type)
     writer.add_context_length(shape.context_length)
     writer.add_embedding_length(shape.hidden_size)
     writer.add_block_count(shape.n_layers)

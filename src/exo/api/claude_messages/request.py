@@ -149,7 +149,8 @@ def to_task_params(
         blocks its `reasoning_content`. Sampling fields the client left out stay None.
 
     Raises:
-        InvalidRequestError: document input, image input for a model without vision or
+        InvalidRequestError: a turn with empty content (`""` or `[]`) other than a final
+            assistant turn, document input, image input for a model without vision or
             an image that cannot be read, server tools, block types exo does
             not model, blocks in the wrong role, or fields that contradict each other (a
             `tool_choice` naming a tool not in `tools`, `output_config.format` with a
@@ -261,6 +262,7 @@ def _conversation(request: CountTokensRequest, images: ImageReader) -> tuple[Cha
     system = _system_text(request.system)
     if system:
         messages.append(ChatMessage(role="system", content=system))
+    last = len(request.messages) - 1
     for index, message in enumerate(request.messages):
         where = f"messages.{index}"
         if message.role not in ("user", "assistant", "system"):
@@ -268,6 +270,14 @@ def _conversation(request: CountTokensRequest, images: ImageReader) -> tuple[Cha
                 f'{where}: Unexpected role "{message.role}". Allowed roles are "user", '
                 '"assistant" and "system".',
                 f"{where}.role",
+            )
+        if not message.content and not (index == last and message.role == "assistant"):
+            # Anthropic's rule and wording: an empty final assistant turn is a prefill of
+            # nothing (the answer starts fresh); any other empty turn says nothing.
+            raise InvalidRequestError(
+                f"{where}: all messages must have non-empty content except for the optional "
+                "final assistant message",
+                f"{where}.content",
             )
         if message.role == "system":
             # Rendered where it is, or folded into the system prompt when the model's chat

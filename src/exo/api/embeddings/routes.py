@@ -110,20 +110,16 @@ async def create_embeddings(
 async def ollama_embed(
     body: OllamaEmbedRequest, request: Request, cluster: Cluster
 ) -> OllamaEmbedResponse:
-    """Ollama's embed: `truncate` defaults to true (inputs cut to the context); an empty
-    input (`""`, `[]`, only empty strings, or none) only loads the model (Ollama's behaviour) and
-    answers no embeddings. An empty string among others is a 400 naming `input`: dropping
-    it would shift every later vector against its input."""
+    """Ollama's embed: `truncate` defaults to true (inputs cut to the context). No input
+    (`""`, `[]` or none) only loads the model and answers no embeddings, as Ollama does; a
+    list answers one embedding per entry, in order, empty strings included (Ollama embeds
+    them too: clients index the answer by input), each embedded as its special tokens
+    alone (a model whose tokenizer adds none answers 400 naming the input)."""
     started = time.monotonic_ns()
     model_id = _model_id(cluster, body.model)
     keep_alive = parse_keep_alive(body.keep_alive)
-    inputs = [body.input] if isinstance(body.input, str) else list(body.input)
-    if any(inputs) and not all(inputs):
-        empty = next(index for index, text in enumerate(inputs) if not text)
-        raise InvalidRequestError(
-            f"input[{empty}] is empty: every input needs at least one character", param="input"
-        )
-    if not any(inputs):
+    inputs = ([body.input] if body.input else []) if isinstance(body.input, str) else body.input
+    if not inputs:
         check_embedding_request(cluster, EmbeddingTaskParams(model=model_id, inputs=("x",)))
         await ensure_instance(cluster, request, model_id, default_keep_alive(cluster, keep_alive))
         return OllamaEmbedResponse(

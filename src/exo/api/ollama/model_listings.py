@@ -2,14 +2,12 @@
 
 `digest` is the SHA-256 of the model id (a stable stand-in: exo has no Ollama blobs).
 Details come from the card: family from the architecture, `parameter_size` from its stated
-parameter count, and `quantization_level` from the weights the engine holds: int4 on CPU
-(the engine's default there), float32 on GPUs.
+parameter count, and `quantization_level` from what the weights are (`quantization_level`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
 
 from exo.api.ollama.request import NEVER_EXPIRES
 from exo.api.ollama.wire_types import (
@@ -18,17 +16,32 @@ from exo.api.ollama.wire_types import (
     OllamaShowResponse,
     OllamaTagModel,
 )
+from exo.shared.models.memory import GGUF_FLOAT_TYPES, mxfp4_experts
 from exo.shared.models.parameter_count import decoder_parameter_count, human_parameter_count
 from exo.shared.types.models import ModelCard
 
-QuantizationLevel = Literal["INT4", "F32"]
-CPU_QUANTIZATION: QuantizationLevel = "INT4"
+CPU_QUANTIZATION = "INT4"
 """The engine's default weights on CPU (`worker/engines/torch/engine.py`)."""
-GPU_QUANTIZATION: QuantizationLevel = "F32"
+GPU_QUANTIZATION = "F32"
+MXFP4_QUANTIZATION = "MXFP4"
+"""Ollama's name for gpt-oss's MXFP4 experts (its gpt-oss models report it)."""
 
 
-def quantization_level(on_gpus: bool) -> QuantizationLevel:
-    """How the engine holds the weights: float32 on GPUs, int4 on CPU."""
+def quantization_level(card: ModelCard, on_gpus: bool) -> str:
+    """Ollama's `quantization_level`: what the model's weights are, as Ollama names them.
+
+    A GGUF quantized by a recipe answers its file type ("Q4_K_M", "Q4_1":
+    `GgufWeightTypes.file_type`): the engine computes with its blocks' own values, never
+    requantized (`worker/engines/torch/quant/gguf_weights.py`: only scales are rounded to
+    bfloat16). A model whose routed experts are MXFP4 (gpt-oss: `memory.mxfp4_experts`, held
+    so on every device) answers "MXFP4". Any other model (a float checkpoint or float GGUF)
+    is held as the engine converts it: int4 on CPU, float32 on GPUs.
+    """
+    file_type = card.gguf_weight_types.file_type if card.gguf_weight_types else None
+    if file_type is not None and file_type not in GGUF_FLOAT_TYPES:
+        return file_type
+    if mxfp4_experts(card):
+        return MXFP4_QUANTIZATION
     return GPU_QUANTIZATION if on_gpus else CPU_QUANTIZATION
 
 
@@ -50,18 +63,19 @@ def model_family(card: ModelCard) -> str:
     return name.lower() or card.architecture.lower()
 
 
-def model_details(card: ModelCard, quantization: QuantizationLevel) -> OllamaModelDetails:
+def model_details(card: ModelCard, on_gpus: bool) -> OllamaModelDetails:
+    """The `details` of a listing entry; `on_gpus`: the model runs (or would run) on GPUs."""
     family = model_family(card)
     return OllamaModelDetails(
         format="safetensors",
         family=family,
         families=[family],
         parameter_size=human_parameter_count(_parameter_count(card)),
-        quantization_level=quantization,
+        quantization_level=quantization_level(card, on_gpus),
     )
 
 
-def tag_model(card: ModelCard, modified_at: str, quantization: QuantizationLevel) -> OllamaTagModel:
+def tag_model(card: ModelCard, modified_at: str, on_gpus: bool) -> OllamaTagModel:
     """One `/api/tags` entry; `size` is the card's storage size in bytes."""
     return OllamaTagModel(
         name=card.model_id,
@@ -69,7 +83,7 @@ def tag_model(card: ModelCard, modified_at: str, quantization: QuantizationLevel
         modified_at=modified_at,
         size=card.storage_size_bytes,
         digest=model_digest(card.model_id),
-        details=model_details(card, quantization),
+        details=model_details(card, on_gpus),
         capabilities=model_capabilities(card, ""),
     )
 
@@ -77,7 +91,7 @@ def tag_model(card: ModelCard, modified_at: str, quantization: QuantizationLevel
 def process_model(
     card: ModelCard,
     size_vram: int,
-    quantization: QuantizationLevel,
+    on_gpus: bool,
     expires_at: str = NEVER_EXPIRES,
 ) -> OllamaProcessModel:
     """One `/api/ps` entry for a placed model; `expires_at` (RFC 3339) is when it is
@@ -87,7 +101,7 @@ def process_model(
         model=card.model_id,
         size=card.storage_size_bytes,
         digest=model_digest(card.model_id),
-        details=model_details(card, quantization),
+        details=model_details(card, on_gpus),
         expires_at=expires_at,
         size_vram=size_vram,
         context_length=card.context_length,
@@ -114,7 +128,7 @@ def model_capabilities(card: ModelCard, template: str) -> list[str]:
 
 
 def show_response(
-    card: ModelCard, template: str, modified_at: str, quantization: QuantizationLevel
+    card: ModelCard, template: str, modified_at: str, on_gpus: bool
 ) -> OllamaShowResponse:
     """The `/api/show` body for a model: a generated Modelfile, the card's sampling
     defaults as `parameters`, `template` (the chat template, "" when unknown on this node)
@@ -155,7 +169,7 @@ def show_response(
         modelfile="\n".join(modelfile_lines) + "\n",
         parameters=parameters,
         template=template,
-        details=model_details(card, quantization),
+        details=model_details(card, on_gpus),
         model_info=model_info,
         capabilities=model_capabilities(card, template),
         modified_at=modified_at,

@@ -20,7 +20,6 @@ from fastapi.responses import PlainTextResponse, Response
 
 from exo.api.ollama.model_listings import (
     process_model,
-    quantization_level,
     show_response,
     tag_model,
 )
@@ -140,11 +139,11 @@ async def ollama_generate(
 async def tags(cluster: Cluster) -> OllamaTagsResponse:
     """The models this cluster can serve now (placed or downloaded), as Ollama lists the
     models it has pulled."""
-    quantization = quantization_level(_has_gpus(cluster, [cluster.node_id]))
+    on_gpus = _has_gpus(cluster, [cluster.node_id])
     cards = [card_of(cluster, model_id) for model_id in servable_model_ids(cluster)]
     return OllamaTagsResponse(
         models=[
-            tag_model(card, _modified_at(cluster, card), quantization)
+            tag_model(card, _modified_at(cluster, card), on_gpus)
             for card in cards
             if card is not None
         ]
@@ -163,7 +162,7 @@ async def show(body: OllamaShowRequest, cluster: Cluster) -> OllamaShowResponse:
         card,
         _chat_template(cluster, card),
         _modified_at(cluster, card),
-        quantization_level(_has_gpus(cluster, nodes)),
+        _has_gpus(cluster, nodes),
     )
 
 
@@ -181,7 +180,7 @@ async def ps(cluster: Cluster) -> OllamaProcessResponse:
             process_model(
                 card,
                 card.storage_size_bytes if on_gpus else 0,
-                quantization_level(on_gpus),
+                on_gpus,
                 _expires_at(cluster, instance.instance_id),
             )
         )

@@ -290,20 +290,18 @@ def _arguments_text(arguments: str, param: str) -> str:
     return arguments if arguments.strip() else "{}"
 
 
-def _text_content(content: str | list[TextContentPart] | None) -> str:
-    if content is None:
-        return ""
+def _text_content(content: str | list[TextContentPart]) -> str:
     if isinstance(content, str):
         return content
     return _TEXT_PART_SEPARATOR.join(part.text for part in content)
 
 
 def _user_content(
-    content: str | list[UserContentPart] | None, param: str, images: ImageReader
+    content: str | list[UserContentPart], param: str, images: ImageReader
 ) -> tuple[str, tuple[ImageInput, ...]]:
     """A user turn's text, with `IMAGE_MARKER` at each image's place, and its images."""
-    if content is None or isinstance(content, str):
-        return content or "", ()
+    if isinstance(content, str):
+        return content, ()
     texts: list[str] = []
     read: list[ImageInput] = []
     for part_index, part in enumerate(content):

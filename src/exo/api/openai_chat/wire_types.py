@@ -86,11 +86,14 @@ AssistantContentPart = Annotated[TextContentPart | RefusalContentPart, Field(dis
 
 
 # ---------------------------------------------------------------- request: messages
+# `content` is required (and not null) in every message but the assistant's, which may
+# carry only `tool_calls` (or the deprecated `function_call`), as OpenAI defines them:
+# OpenAI answers a message without it with 400 "Missing required parameter".
 
 
 class SystemMessage(_WireRequestModel):
     role: Literal["system"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart]
     name: str | None = None
 
 
@@ -98,13 +101,13 @@ class DeveloperMessage(_WireRequestModel):
     """OpenAI's newer name for a system message (o1 and later models)."""
 
     role: Literal["developer"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart]
     name: str | None = None
 
 
 class UserMessage(_WireRequestModel):
     role: Literal["user"]
-    content: str | list[UserContentPart] | None = None
+    content: str | list[UserContentPart]
     name: str | None = None
 
 
@@ -136,7 +139,7 @@ class AssistantMessage(_WireRequestModel):
 
 class ToolMessage(_WireRequestModel):
     role: Literal["tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart]
     tool_call_id: str
 
 

@@ -260,9 +260,10 @@ def test_a_tool_result_without_its_call_is_refused() -> None:
         to_task_params(request)
 
 
-def test_null_content_becomes_empty_text() -> None:
-    request = make_request(messages=[{"role": "user", "content": None}])
-    assert to_task_params(request).messages[0].content == ""
+def test_null_user_content_is_a_schema_error() -> None:
+    # OpenAI requires a user turn's content (a string or parts), and never null.
+    with pytest.raises(ValidationError):
+        make_request(messages=[{"role": "user", "content": None}])
 
 
 def test_image_part_is_refused_naming_the_part() -> None:

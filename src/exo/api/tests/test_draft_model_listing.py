@@ -22,9 +22,9 @@ def test_the_cards_draft_model_shows_in_the_card_json_and_in_show() -> None:
     cards = load_builtin_cards()
     target = cards[ModelId("Qwen/Qwen3-8B")]
     assert target.model_dump(mode="json")["draft_model"] == "Qwen/Qwen3-0.6B"
-    shown = show_response(target, "", "2026-12-06T00:00:00Z", "INT4")
+    shown = show_response(target, "", "2026-12-06T00:00:00Z", False)
     assert shown.model_info["exo.draft_model"] == "Qwen/Qwen3-0.6B"
-    draft = show_response(cards[ModelId("Qwen/Qwen3-0.6B")], "", "x", "INT4")
+    draft = show_response(cards[ModelId("Qwen/Qwen3-0.6B")], "", "x", False)
     assert "exo.draft_model" not in draft.model_info
 
 

@@ -125,17 +125,40 @@ def test_ollama_embed_and_legacy_embeddings() -> None:
         assert cluster.embedding_commands[-1].params.truncate is False
         legacy = http.post("/api/embeddings", json={"model": EMBEDDER, "prompt": "a"})
         assert legacy.json() == {"embedding": [1.0, 0.0, 0.0, 0.0]}
-        gap = http.post("/api/embed", json={"model": EMBEDDER, "input": ["a", "", "b"]})
-        assert gap.status_code == 400 and "input[1]" in gap.json()["error"], gap.text
-        only_empty = http.post("/api/embed", json={"model": EMBEDDER, "input": ["", ""]})
-        assert only_empty.status_code == 200 and only_empty.json()["embeddings"] == []
         commands = len(cluster.embedding_commands)
-        absent = http.post("/api/embed", json={"model": EMBEDDER})  # Ollama: a load request
-        assert absent.status_code == 200 and absent.json()["embeddings"] == [], absent.text
+        no_inputs: list[dict[str, Any]] = [{}, {"input": ""}, {"input": []}]
+        for no_input in no_inputs:  # Ollama: a load request
+            absent = http.post("/api/embed", json={"model": EMBEDDER, **no_input})
+            assert absent.status_code == 200, absent.text
+            assert absent.json()["embeddings"] == [], no_input
         assert len(cluster.embedding_commands) == commands
         refused = http.post("/api/embed", json={"model": RERANKER, "input": "a"})
         assert refused.status_code == 400
         assert "embedding" in refused.json()["error"] and set(refused.json()) == {"error"}
+
+
+@pytest.mark.parametrize("inputs", [[""], ["", ""], ["a", "", "b"]])
+def test_ollama_embed_answers_one_embedding_per_listed_input_empty_ones_too(
+    inputs: list[str],
+) -> None:
+    """Ollama embeds every entry of a list, an empty string too (only a bare `""` is a load
+    request): clients pair `embeddings[i]` with `input[i]`."""
+    cluster = EmbeddingCluster()
+    with _client(cluster) as http:
+        answer = http.post("/api/embed", json={"model": EMBEDDER, "input": inputs})
+        assert answer.status_code == 200, answer.text
+        assert len(answer.json()["embeddings"]) == len(inputs)
+    assert cluster.embedding_commands[-1].params.inputs == tuple(inputs)
+
+
+def test_openai_embeddings_refuse_an_empty_string_in_a_list() -> None:
+    """OpenAI answers `[""]` (and any list holding `""`) with 400 "'$.input' is invalid"."""
+    cluster = EmbeddingCluster()
+    with _client(cluster) as http:
+        answer = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": [""]})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["message"].startswith("'$.input' is invalid")
+    assert cluster.embedding_commands == []
 
 
 def test_rerank_sorts_keeps_indices_and_cuts_to_top_n() -> None:

@@ -207,13 +207,13 @@ def test_servable_models_and_the_catalog(
 def test_ollama_show_lists_what_the_model_can_do(http: TestClient) -> None:
     smollm2 = http.post("/ollama/api/show", json={"model": "smollm2:135m"}).json()
     assert smollm2["capabilities"] == ["completion", "tools"]
-    assert smollm2["details"]["quantization_level"] == "INT4"
+    assert smollm2["details"]["quantization_level"] == "Q4_1"  # its GGUF's file type
     qwen3 = http.post("/ollama/api/show", json={"model": "qwen3:0.6b"}).json()
     assert qwen3["capabilities"] == ["completion", "tools", "thinking"]
     assert qwen3["model_info"]["qwen3.attention.key_length"] == 128
     ps = http.get("/ollama/api/ps").json()["models"]
     assert [(model["model"], model["details"]["quantization_level"]) for model in ps] == [
-        (SMOLLM2, "INT4")
+        (SMOLLM2, "Q4_1")
     ]
 
 

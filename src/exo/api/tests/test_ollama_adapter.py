@@ -668,7 +668,7 @@ def test_load_responses() -> None:
 
 def test_tag_entry_from_card() -> None:
     card = smollm2_card()
-    entry = tag_model(card, "2024-01-01T00:00:00Z", "INT4").model_dump(mode="json")
+    entry = tag_model(card, "2024-01-01T00:00:00Z", on_gpus=False).model_dump(mode="json")
     assert entry == {
         "name": SMOLLM2,
         "model": SMOLLM2,
@@ -681,7 +681,7 @@ def test_tag_entry_from_card() -> None:
             "family": "llama",
             "families": ["llama"],
             "parameter_size": "135M",
-            "quantization_level": "INT4",
+            "quantization_level": "Q4_1",  # the GGUF's file type
         },
         "capabilities": ["completion", "tools"],
     }
@@ -692,40 +692,40 @@ def test_tag_entry_from_card() -> None:
 def test_show_from_card_and_template() -> None:
     card = smollm2_card()
     template = "{% for message in messages %}{{ message.content }}{% endfor %}{# tools #}"
-    show = show_response(card, template, "2024-01-01T00:00:00Z", "F32")
+    show = show_response(card, template, "2024-01-01T00:00:00Z", on_gpus=True)
     OllamaShowResponse.model_validate_json(show.model_dump_json())  # round trip
     assert show.template == template
     assert f"FROM {SMOLLM2}" in show.modelfile and template in show.modelfile
     assert "temperature" in show.parameters and "0.2" in show.parameters
     assert show.capabilities == ["completion", "tools"]
-    assert show.details.quantization_level == "F32"
+    assert show.details.quantization_level == "Q4_1"  # the GGUF's, on GPUs too
     assert show.model_info["general.architecture"] == "llama"
     assert show.model_info["general.parameter_count"] == 134_515_008
     assert show.model_info["llama.context_length"] == card.context_length
     assert show.model_info["llama.block_count"] == card.n_layers
     # Tool calls work without a template that names tools (exo's fallback prompt).
-    assert show_response(card, "", "x", "INT4").capabilities == ["completion", "tools"]
+    assert show_response(card, "", "x", False).capabilities == ["completion", "tools"]
 
 
 def test_show_capabilities_follow_the_card() -> None:
     cards = load_builtin_cards()
-    qwen3 = show_response(cards[ModelId("Qwen/Qwen3-0.6B")], "", "x", "INT4")
+    qwen3 = show_response(cards[ModelId("Qwen/Qwen3-0.6B")], "", "x", False)
     assert qwen3.capabilities == ["completion", "tools", "thinking"]
     distill = cards[ModelId("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B")]
-    assert show_response(distill, "", "x", "INT4").capabilities == [
+    assert show_response(distill, "", "x", False).capabilities == [
         "completion",
         "tools",
         "thinking",
     ]
     # Gemma 3 4B's card says it reads images.
-    gemma = show_response(cards[ModelId("google/gemma-3-4b-it")], "", "x", "INT4")
+    gemma = show_response(cards[ModelId("google/gemma-3-4b-it")], "", "x", False)
     assert gemma.capabilities == ["completion", "tools", "vision"]
     assert gemma.details.parameter_size == "4.3B" and gemma.details.family == "gemma3"
     assert gemma.model_info["gemma3.attention.key_length"] == 256
 
 
 def test_process_entry() -> None:
-    entry = process_model(smollm2_card(), size_vram=0, quantization="INT4").model_dump(mode="json")
+    entry = process_model(smollm2_card(), size_vram=0, on_gpus=False).model_dump(mode="json")
     assert entry["size_vram"] == 0 and entry["name"] == SMOLLM2
     assert entry["context_length"] == smollm2_card().context_length
     assert entry["expires_at"].startswith("9999-")

@@ -25,7 +25,7 @@ def test_parameter_size_writes_billions_to_one_decimal() -> None:
         "sentence-transformers/all-MiniLM-L6-v2": "22.7M",
     }
     shown = {
-        model_id: show_response(cards[ModelId(model_id)], "", "x", "INT4").details.parameter_size
+        model_id: show_response(cards[ModelId(model_id)], "", "x", False).details.parameter_size
         for model_id in sizes
     }
     assert shown == sizes

@@ -5,46 +5,29 @@ answers an open stream, at once (`exo.api.serving.node_stop`): a non-streamed re
 dialect's in-band error; none is cut by uvicorn's graceful-shutdown timeout (a plain-text
 500, a stream ended without its error, a `CancelledError` traceback). The node's API
 (`exo.api.main.Api`) over a real `ClusterClient`, a stand-in master and runner, and real
-HTTP on 127.0.0.1, as in `test_shutdown_streams`."""
+HTTP on 127.0.0.1 (`exo.api.tests.stopping_node`), as in `test_shutdown_streams`."""
 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import anyio
 import httpx
 import pytest
 
-from exo.api.guards.browser_access import BrowserAccess
-from exo.api.main import SHUTTING_DOWN_MESSAGE, Api, bind_api_socket
+from exo.api.main import SHUTTING_DOWN_MESSAGE
 from exo.api.serving.admission import Admission
-from exo.api.serving.cluster_client import ClusterClient
-from exo.api.tests.test_shutdown_streams import (
-    DEADLINE_SECONDS,
+from exo.api.tests.stopping_node import (
     FIRST_TEXT,
     MESSAGES,
     NODE,
     STREAMS,
+    StandIn,
     error_of,
-    uvicorn_warnings,
+    node,
 )
-from exo.shared.types.chunks import Chunk, TokenChunk
-from exo.shared.types.commands import (
-    CancelGeneration,
-    ForwarderCommand,
-    GenerateText,
-    PlaceInstance,
-)
-from exo.shared.types.common import TaskId
-from exo.shared.types.events import IndexedEvent, InstanceCreated, TaskCreated
-from exo.shared.types.state import State
-from exo.shared.types.tasks import TextGeneration
-from exo.testing.builders import SMOLLM2, make_instance, make_node_info, make_state, smollm2_card
-from exo.utils.channels import Subscription, Topic
+from exo.testing.builders import SMOLLM2, make_instance, make_node_info, make_state
 
 pytestmark = pytest.mark.anyio
 
@@ -62,121 +45,10 @@ EARLY_STREAMS = ("chat", "responses", "claude")
 
 
 @dataclass
-class StandIn:
-    """The master and runner: a placement makes an instance that never becomes ready (once
-    `placing` is set); a generation becomes a task that streams one token and nothing
-    more."""
-
-    state: State
-    placing: anyio.Event = field(default_factory=anyio.Event)
-    placements: list[PlaceInstance] = field(default_factory=list)
-    generations: list[GenerateText] = field(default_factory=list)
-    cancelled: list[CancelGeneration] = field(default_factory=list)
-
-    async def serve(
-        self,
-        commands: Subscription[ForwarderCommand],
-        applied: Topic[IndexedEvent],
-        chunks: Topic[Chunk],
-    ) -> None:
-        index = 0
-        instance = make_instance(NODE)
-        async for forwarded in commands:
-            match forwarded.command:
-                case CancelGeneration() as cancel:
-                    self.cancelled.append(cancel)
-                case PlaceInstance() as place if place not in self.placements:  # not resent
-                    self.placements.append(place)
-                    await self.placing.wait()
-                    self.state = self.state.model_copy(
-                        update={"instances": {instance.instance_id: instance}}
-                    )
-                    event = InstanceCreated(instance=instance, command_id=place.command_id)
-                    applied.publish(IndexedEvent(idx=index, event=event))
-                    index += 1
-                case GenerateText() as command:
-                    self.generations.append(command)
-                    task = TextGeneration(
-                        task_id=TaskId(f"task-{index}"),
-                        command_id=command.command_id,
-                        instance_id=instance.instance_id,
-                        origin_node_id=NODE,
-                        params=command.params,
-                    )
-                    applied.publish(IndexedEvent(idx=index, event=TaskCreated(task=task)))
-                    index += 1
-                    chunks.publish(
-                        TokenChunk(
-                            command_id=command.command_id,
-                            model=SMOLLM2,
-                            text=FIRST_TEXT,
-                            token_ids=(1,),
-                        )
-                    )
-                case _:
-                    pass
-
-
-@dataclass
 class Answer:
     status: int | None = None
     body: str = ""
     headers_sent: anyio.Event = field(default_factory=anyio.Event)
-
-
-@dataclass
-class RunningNode:
-    """A node's API serving: its HTTP client, its cluster client, `stop` (SIGTERM, then
-    wait until the API returned; the seconds that took) and uvicorn's warnings."""
-
-    client: httpx.AsyncClient
-    cluster: ClusterClient
-    stop: Callable[[], Awaitable[float]]
-    warnings: list[str]
-
-
-@asynccontextmanager
-async def node(stand_in: StandIn, admission: Admission | None = None) -> AsyncIterator[RunningNode]:
-    """A node's API over `stand_in`, serving on 127.0.0.1."""
-    commands: Topic[ForwarderCommand] = Topic("commands")
-    applied: Topic[IndexedEvent] = Topic("applied")
-    chunks: Topic[Chunk] = Topic("chunks")
-    cluster = ClusterClient(
-        node_id=NODE,
-        current_state=lambda: stand_in.state,
-        applied_events=applied.subscribe(),
-        chunk_subscription=chunks.subscribe(),
-        command_publisher=commands.sender(),
-        cards={SMOLLM2: smollm2_card()},
-    )
-    listener = bind_api_socket("127.0.0.1", 0)
-    api = Api(cluster, listener, "WARNING", BrowserAccess(), admission=admission)
-    scope = anyio.CancelScope()  # the node's task group, which a signal cancels
-    stopped = anyio.Event()
-
-    async def run_node() -> None:
-        with scope:
-            await api.run()
-        stopped.set()
-
-    async def stop() -> float:
-        stopping = time.monotonic()
-        scope.cancel()  # SIGTERM / Ctrl-C: `Node._stop_on_signal`
-        await stopped.wait()
-        return time.monotonic() - stopping
-
-    base = f"http://127.0.0.1:{listener.getsockname()[1]}"
-    with uvicorn_warnings() as warnings, anyio.fail_after(DEADLINE_SECONDS):
-        async with (
-            anyio.create_task_group() as task_group,
-            httpx.AsyncClient(base_url=base, timeout=DEADLINE_SECONDS) as client,
-        ):
-            task_group.start_soon(stand_in.serve, commands.subscribe(), applied, chunks)
-            task_group.start_soon(run_node)
-            while not api.started:
-                await anyio.sleep(0.01)
-            yield RunningNode(client, cluster, stop, warnings)
-            task_group.cancel_scope.cancel()
 
 
 async def ask(client: httpx.AsyncClient, path: str, body: object, answer: Answer) -> None:

@@ -150,6 +150,42 @@ def param_from_location(location: Sequence[str | int]) -> str | None:
     return param or None
 
 
+def without_union_tags(errors: Sequence[Mapping[str, Any]], body: Any) -> list[dict[str, Any]]:
+    """The errors with the union tags pydantic puts in a location removed, found by walking
+    the request body along it.
+
+    A tagged union's branch is part of pydantic's location (`("body", "messages", 0, "user",
+    "content")` for a user message), which is no request field: a segment that is not a key
+    of the JSON object reached so far (and is not the last, which may name a missing field)
+    is such a tag. `param_from_location` then reads `messages[0].content`, as the client
+    wrote it.
+
+    Args:
+        errors: `RequestValidationError.errors()` entries (FastAPI's `body` segment first).
+        body: The parsed JSON body the errors are about.
+    """
+    cleaned: list[dict[str, Any]] = []
+    for error in errors:
+        location = tuple(error.get("loc", ()))
+        if not location or location[0] != "body":
+            cleaned.append(dict(error))
+            continue
+        kept: list[str | int] = [location[0]]
+        node: Any = body
+        last = len(location) - 1
+        for index, part in enumerate(location[1:], start=1):
+            in_list = isinstance(part, int) and isinstance(node, list) and 0 <= part < len(node)
+            if in_list or (isinstance(part, str) and isinstance(node, dict) and part in node):
+                node = node[part]
+            elif isinstance(part, str) and isinstance(node, dict | list) and index < last:
+                continue  # a union tag: the JSON has no such key here
+            else:
+                node = None
+            kept.append(part)
+        cleaned.append({**error, "loc": tuple(kept)})
+    return cleaned
+
+
 def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
     """Summarise pydantic/FastAPI validation errors as one client-facing message.
 
@@ -222,16 +258,54 @@ def _openai_kind(value: Any) -> str:
             return "an object"
 
 
+def _without_other_branches(errors: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The errors less those of a union's scalar branch that an array or object was sent to
+    (the `str` branch of `str | list[...]` answering "should be a valid string" for a list)
+    while the branch the value is of has errors of its own: those say what is wrong."""
+
+    def field_of(error: Mapping[str, Any]) -> tuple[Any, ...]:
+        location = tuple(error.get("loc", ()))
+        return location[:-1] if location and location[-1] in _UNION_BRANCH_NAMES else location
+
+    def other_branch(error: Mapping[str, Any]) -> bool:
+        if error.get("type") not in SCALAR_TYPE_ERRORS:
+            return False
+        if not isinstance(error.get("input"), list | dict):
+            return False
+        field = field_of(error)
+        return any(
+            other is not error and tuple(other.get("loc", ()))[: len(field)] == field
+            for other in errors
+        )
+
+    kept = [error for error in errors if not other_branch(error)]
+    return kept or list(errors)
+
+
+def _first_missing_field(errors: Sequence[Mapping[str, Any]]) -> str | None:
+    """The parameter of the first error when it is a required field left out (pydantic's
+    `missing`), else None."""
+    if not errors or errors[0].get("type") != "missing":
+        return None
+    return param_from_location(tuple(errors[0].get("loc", ())))  # None for the whole body
+
+
 def describe_openai_validation_errors(
     path: str, errors: Sequence[Mapping[str, Any]]
 ) -> tuple[str, str | None, str | None]:
-    """OpenAI's wording for a value of the wrong type (code `invalid_type`): "Invalid type
-    for 'max_tokens': expected an integer, but got a string instead." (OpenAI names the
-    first such field only); `describe_validation_errors` for everything else.
+    """OpenAI's wording for a required field left out (code `missing_required_parameter`):
+    "Missing required parameter: 'messages[0].content'.", and for a value of the wrong type
+    (code `invalid_type`): "Invalid type for 'max_tokens': expected an integer, but got a
+    string instead." (OpenAI names the first such field only);
+    `describe_validation_errors` for everything else.
 
     Returns:
         (message, param, code).
     """
+    errors = _without_other_branches(errors)
+    missing = _first_missing_field(errors)
+    if missing is not None:
+        return f"Missing required parameter: '{missing}'.", missing, "missing_required_parameter"
     mismatch = first_scalar_type_error(errors)
     if mismatch is None:
         return (*describe_validation_errors(errors), None)

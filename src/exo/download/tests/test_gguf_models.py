@@ -93,6 +93,19 @@ def test_a_card_records_the_types_the_gguf_stores_its_weights_in(tmp_path: Path)
     )
 
 
+@pytest.mark.parametrize(
+    ("file_type", "name"), [(15, "Q4_K_M"), (3, "Q4_1"), (38, "MXFP4"), (19, None), (None, None)]
+)
+def test_a_card_names_the_gguf_file_type_as_ollama_does(
+    tmp_path: Path, file_type: int | None, name: str | None
+) -> None:
+    """`general.file_type` by Ollama's name for it (None for an id Ollama names no type,
+    like 19, IQ2_XXS, or for none at all)."""
+    path = write_random_gguf(tmp_path / "typed.gguf", RandomGgufShape(), file_type=file_type)
+    stored = card_for_gguf(path, "typed").gguf_weight_types
+    assert stored is not None and stored.file_type == name
+
+
 def test_a_file_that_is_no_gguf_is_refused(tmp_path: Path) -> None:
     bogus = tmp_path / "bogus.gguf"
     bogus.write_bytes(b"not a gguf at all" * 10)

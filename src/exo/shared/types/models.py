@@ -148,10 +148,15 @@ class GgufWeightTypes(FrozenModel):
         layer_weights: (GGUF type name, weights of that type) over every decoder layer's
             attention and MLP linears (2-d tensors under `blk.`), e.g. `("Q5_0", 63406080)`.
         output_type: the LM head's stored type (the token embedding's, for a tied head).
+        file_type: the file's `general.file_type` (the quantization recipe that chose the
+            types above), by the name Ollama reports it as `quantization_level` ("Q4_K_M",
+            "Q4_1", "MXFP4"); None where the metadata names none
+            (`exo.download.gguf_models.GGUF_FILE_TYPE_NAMES`).
     """
 
     layer_weights: tuple[tuple[str, int], ...] = Field(min_length=1)
     output_type: str = Field(min_length=1)
+    file_type: str | None = None
 
 
 class LatentAttention(FrozenModel):

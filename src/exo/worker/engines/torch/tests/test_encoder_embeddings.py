@@ -76,6 +76,9 @@ def test_the_backend_states_its_shapes_and_special_tokens(tmp_path: Path) -> Non
     assert gemma.dimensions == 32 and gemma.matryoshka_dimensions == (32, 16)
     assert gemma.max_input_tokens == 256  # the tiny config's max_position_embeddings
     assert gemma.tokenize(["w0 w1"]) == [[2, 4, 5, 1]]  # <bos> w0 w1 <eos>
+    # An empty text is its special tokens alone, and embeds (Ollama's `/api/embed` sends it).
+    assert gemma.tokenize([""]) == [[2, 1]]
+    assert len(gemma.embed([[2, 1]])[0]) == 32
     assert gemma.score_pairs([("w1", "w2")]) is None
     with pytest.raises(ValueError, match="input 1 has 257 tokens"):
         gemma.embed([[2, 1], [4] * 257])
