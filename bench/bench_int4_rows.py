@@ -4,7 +4,10 @@ of row counts: how the cost of a row falls as rows share one read of the weight.
 
 Usage: PYTHONPATH=src python bench/bench_int4_rows.py [--shapes 1536x2048 2048x768]
        [--rows 1 2 4 8 16 32 128 512] [--calls-rows 2048] [--repeats 7]
-       [--decode-activations int16 int8]
+       [--decode-activations int16 int8] [--decode-kernel]
+
+`--decode-kernel` calls the decode kernel (`native_kernels.built_int4_kernel`) at every row
+count instead, as the native decode layer does up to its GEMM crossover (`decode_layer.cpp`).
 
 Each shape is OUTxIN (outputs x inputs) of one random int4 linear (groups as `Int4Linear`
 quantizes them). Each figure is the median over `--repeats` of the thread CPU time
@@ -27,7 +30,10 @@ def main() -> None:
     from torch import nn
 
     from exo.worker.engines.torch.quant.int4_groups import Int4Linear
-    from exo.worker.engines.torch.quant.native_kernels import set_decode_activations
+    from exo.worker.engines.torch.quant.native_kernels import (
+        built_int4_kernel,
+        set_decode_activations,
+    )
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["1536x2048", "2048x768"])
@@ -42,7 +48,15 @@ def main() -> None:
         help="the int4 products' activation rounding (the node's --decode-activations); "
         "several: interleaved repeat by repeat, each printed",
     )
+    parser.add_argument(
+        "--decode-kernel",
+        action="store_true",
+        help="call the decode kernel at every row count (not Int4Linear.matmul's choice)",
+    )
     args = parser.parse_args()
+    decode_kernel = built_int4_kernel() if args.decode_kernel else None
+    if args.decode_kernel and decode_kernel is None:
+        parser.error("exo's native kernels are not built on this machine")
     torch.manual_seed(0)
     torch.set_num_threads(1)
     for shape in args.shapes:
@@ -50,6 +64,12 @@ def main() -> None:
         linear = nn.Linear(inputs, outputs, bias=False)
         nn.init.normal_(linear.weight, std=0.02)
         quantized = Int4Linear(linear)
+
+        def product(x: torch.Tensor, quantized: Int4Linear = quantized) -> torch.Tensor:
+            if decode_kernel is not None:
+                return decode_kernel(x, quantized.packed, quantized.scales_and_zeros)
+            return quantized.matmul(x)
+
         print(f"{shape}: native {quantized.native}, prefill activations "
               f"{quantized.prefill_activations}")  # fmt: skip
         first: dict[str, float] = {}
@@ -59,14 +79,14 @@ def main() -> None:
             for activations in args.decode_activations:
                 set_decode_activations(activations)
                 for _ in range(3):
-                    quantized.matmul(x)
+                    product(x)
             times: dict[str, list[float]] = {value: [] for value in args.decode_activations}
             for _ in range(args.repeats):  # the settings interleaved repeat by repeat
                 for activations in args.decode_activations:
                     set_decode_activations(activations)
                     started = time.thread_time()
                     for _ in range(calls):
-                        quantized.matmul(x)
+                        product(x)
                     times[activations].append((time.thread_time() - started) / calls)
             for activations in args.decode_activations:
                 call = statistics.median(times[activations])

@@ -158,7 +158,7 @@ void int4_product_int8(const float* xp, int64_t rows, int64_t k, const at::Tenso
   const int64_t blocks_per_group = group_size / kBlock;
   // The activations rounded once per call (thread-local scratch, no allocation per step),
   // each pair of blocks arranged for the tile, and per group the sum of x_scale * xq.
-  thread_local std::vector<int8_t> rounded;
+  thread_local AlignedBuffer<int8_t> rounded;
   thread_local std::vector<float> x_scales, block_sums, half_sums, group_sums;
   rounded.resize(static_cast<size_t>(rows * k));
   x_scales.resize(static_cast<size_t>(rows * blocks));

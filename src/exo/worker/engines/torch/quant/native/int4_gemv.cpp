@@ -252,6 +252,10 @@ void tile_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint
   const __m512i second = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
   const int64_t chunks = k / kChunk;
   for (int64_t c = 0; c < chunks; ++c) {
+    // Both loops unrolled, so that each accumulator is a register: GCC 12 otherwise kept
+    // the loop over output rows and with it acc[i][...] in memory (a load and a store per
+    // FMA; 5-12 % of an 8-row tile).
+#pragma GCC unroll 4
     for (int i = 0; i < NR; ++i) {
       const uint8_t* bytes = q + (n + i) * (k / 2) + c * 64;
       const __m512i lanes = _mm512_loadu_si512(bytes);
@@ -260,6 +264,7 @@ void tile_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint
       const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(lanes, 4), nibble);
       const __m512i w2 = _mm512_and_si512(_mm512_srli_epi16(lanes, 8), nibble);
       const __m512i w3 = _mm512_srli_epi16(lanes, 12);
+#pragma GCC unroll 8
       for (int r = 0; r < ROWS; ++r) {
         const int16_t* xv = xq + r * k + c * kChunk;
         const __m512i zero = _mm512_setzero_si512();
@@ -465,7 +470,7 @@ void int4_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& qw
   float* sums = group_sums.data();
 #ifdef EXO_AVX2
   const int64_t blocks = k / kBlock;
-  thread_local std::vector<int16_t> quantized;
+  thread_local AlignedBuffer<int16_t> quantized;
   thread_local std::vector<float> x_scales;
   quantized.resize(static_cast<size_t>(rows * k));
   x_scales.resize(static_cast<size_t>(rows * blocks));

@@ -139,7 +139,7 @@ void int5_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& pa
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
   const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 17) / std::max<int64_t>(k, 1));
 #ifdef EXO_AVX2
-  thread_local std::vector<int16_t> quantized;
+  thread_local AlignedBuffer<int16_t> quantized;
   thread_local std::vector<float> x_scales, block_sums;
   thread_local std::vector<__m256i> offsets;
   quantized.resize(static_cast<size_t>(rows * k));

@@ -99,7 +99,7 @@ void int8_block_product(const float* xp, int64_t rows, int64_t k, const at::Tens
   block_sums.resize(static_cast<size_t>(rows * blocks));
   float* sums = block_sums.data();
 #ifdef EXO_AVX2
-  thread_local std::vector<int16_t> quantized;
+  thread_local AlignedBuffer<int16_t> quantized;
   thread_local std::vector<float> x_scales;
   quantized.resize(static_cast<size_t>(rows * k));
   x_scales.resize(static_cast<size_t>(rows * blocks));
@@ -166,7 +166,7 @@ void int8_scaled_product(const float* xp, int64_t rows, int64_t k, const at::Ten
   const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / std::max<int64_t>(k, 1));
 #ifdef EXO_AVX2
   const int64_t blocks = k / kBlock;
-  thread_local std::vector<int16_t> quantized;
+  thread_local AlignedBuffer<int16_t> quantized;
   thread_local std::vector<float> x_scales, block_sums;
   quantized.resize(static_cast<size_t>(rows * k));
   x_scales.resize(static_cast<size_t>(rows * blocks));

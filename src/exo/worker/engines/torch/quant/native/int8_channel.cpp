@@ -142,7 +142,7 @@ void int8_channel_product(const float* xp, int64_t rows, int64_t k, const at::Te
   const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 17) / std::max<int64_t>(k, 1));
 #ifdef EXO_AVX2
   const int64_t blocks = k / kBlock;
-  thread_local std::vector<int16_t> rounded;
+  thread_local AlignedBuffer<int16_t> rounded;
   thread_local std::vector<float> x_scales, block_sums;
   rounded.resize(static_cast<size_t>(rows * k));
   x_scales.resize(static_cast<size_t>(rows * blocks));

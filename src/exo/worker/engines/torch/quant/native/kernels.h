@@ -6,15 +6,49 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <utility>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace exo_native {
+
+// std::allocator's work at 64-byte (cache-line) alignment: `AlignedBuffer` holds the rounded
+// activations the decode kernels read 32 or 64 bytes at a time. malloc aligns to 16 bytes
+// only, and a 512-bit load at 16 bytes past a 32-byte boundary costs a second access on
+// Zen 4 (a 576-input tile of 8 activation rows took 22 % longer in a standalone replica
+// of int4_gemv.cpp's loop; figures: docs/benchmarks/2026-12-07-int4-decode-tiles.md).
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kAlignment{64};
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) noexcept {}
+  T* allocate(std::size_t count) {
+    return static_cast<T*>(::operator new(count * sizeof(T), kAlignment));
+  }
+  void deallocate(T* pointer, std::size_t) noexcept { ::operator delete(pointer, kAlignment); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const noexcept {
+    return true;
+  }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const noexcept {
+    return false;
+  }
+};
+
+// A std::vector whose data starts on a cache line (so does every row of it whose stride is a
+// multiple of 64 bytes: 32 int16 activations, 64 int8 ones).
+template <typename T>
+using AlignedBuffer = std::vector<T, CacheLineAllocator<T>>;
 
 // A bfloat16 (its 16 bits) as the float32 it is: the upper half of the float32's bits.
 inline float bf16_to_float(uint16_t value) {

@@ -227,7 +227,7 @@ void mxfp4_product(const float* xp, int64_t rows, int64_t k, const uint8_t* bloc
   const int64_t groups = k / kBlock;
   const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 16) / std::max<int64_t>(k, 1));
 #ifdef EXO_AVX2
-  thread_local std::vector<int16_t> quantized;
+  thread_local AlignedBuffer<int16_t> quantized;
   thread_local std::vector<float> x_scales, block_sums;
   quantized.resize(static_cast<size_t>(rows * k));
   x_scales.resize(static_cast<size_t>(rows * groups));
