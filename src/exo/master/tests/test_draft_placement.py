@@ -109,9 +109,10 @@ def test_the_nodes_option_overrides_the_cards_draft() -> None:
     assert local == InstanceDraft(
         model_id=ModelId("/models/my-draft"), node_id=NODE_A, chosen_by="node_option"
     )
-    # No draft for a card without one, nor a draft that is the target itself.
+    # No draft for a card without one; the target itself is left out, saying so.
     assert draft_for(QWEN3_0_6B, NODE_A, None, CARDS) is None
-    assert draft_for(QWEN3_8B, NODE_A, "qwen3:8b", CARDS) is None
+    itself = draft_for(QWEN3_8B, NODE_A, "qwen3:8b", CARDS)
+    assert isinstance(itself, str) and "served model itself" in itself
     embedding = CARDS[ModelId("Qwen/Qwen3-Embedding-0.6B")]
     assert draft_for(embedding, NODE_A, "qwen3:0.6b", CARDS) is None
 
