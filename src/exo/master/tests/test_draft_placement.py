@@ -102,7 +102,7 @@ def test_the_nodes_option_overrides_the_cards_draft() -> None:
     )
     # A catalog model by its short name: its card, counted.
     by_option = draft_for(QWEN3_8B, NODE_A, "qwen3:1.7b", CARDS)
-    assert by_option is not None and by_option.chosen_by == "node_option"
+    assert isinstance(by_option, InstanceDraft) and by_option.chosen_by == "node_option"
     assert by_option.model_id == QWEN3_1_7B.model_id and by_option.model_card == QWEN3_1_7B
     # A directory only the node knows: named, without a card.
     local = draft_for(QWEN3_8B, NODE_A, "/models/my-draft", CARDS)

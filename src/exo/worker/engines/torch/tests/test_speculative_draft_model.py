@@ -1,7 +1,8 @@
 """Speculative decoding with a draft model on the target's node (issue 43): greedy output is
 plain decoding's token for token, the draft's and the target's KV follow the verified text,
 sampled tokens follow the target's distribution (the general rejection rule), a seed repeats
-its output, and a draft of another vocabulary is refused at load.
+its output, and a draft of another vocabulary is refused at load (the model then serves
+without it, as it does when any draft fails to load).
 
 The target is a tiny random Llama with untied embeddings (a tied one repeats its input
 token, which any draft guesses). A draft agreeing with it part of the time is the target's
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from loguru import logger
 from safetensors.torch import load_file, save_file
 
 from exo.testing.tiny_models import save_tiny_model
@@ -486,6 +488,45 @@ def test_a_draft_model_with_another_vocabulary_is_refused_at_load(
     assert "2 tokens with other ids" in str(refused.value)
 
 
+def test_a_draft_that_fails_to_load_leaves_the_model_serving_without_it(
+    tmp_path: Path, model_dirs: dict[str, Path]
+) -> None:
+    """Another vocabulary (trial 38: a card can be wrong, a custom draft unchecked) or a
+    directory that is no model: the target loads and serves (prompt-lookup drafts, its
+    greedy output plain decoding's), says why in `draft_left_out` and logs it as one
+    warning, without a traceback."""
+    other = tmp_path / "other-vocabulary"
+    shutil.copytree(model_dirs["smaller"], other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocabulary = tokenizer["model"]["vocab"]
+    first, second = sorted(vocabulary, key=vocabulary.get)[100:102]
+    vocabulary[first], vocabulary[second] = vocabulary[second], vocabulary[first]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text("{}")
+    params = request(PROMPTS[0], max_tokens=12, temperature=0.0, speculative=True)
+    plain = load(model_dirs["target"])
+    reference = plain.build_request(params, None, "plain")
+    run(plain, [reference], [0])
+    for draft, expected in ((other, "vocabularies differ"), (no_weights, "could not be loaded")):
+        records: list[Any] = []
+        sink = logger.add(records.append, level="WARNING")
+        try:
+            engine = load(model_dirs["target"], draft_model=draft)
+        finally:
+            logger.remove(sink)
+        assert engine.draft_source is None
+        assert engine.draft_left_out is not None and expected in engine.draft_left_out
+        assert "serves without it" in engine.draft_left_out
+        (record,) = [message.record for message in records]
+        assert record["level"].name == "WARNING" and record["exception"] is None
+        assert record["message"] == engine.draft_left_out
+        state = engine.build_request(params, None, "served")
+        run(engine, [state], [0])
+        assert state.generated_ids == reference.generated_ids
+
+
 def test_draft_model_option_reaches_the_engine_through_the_runners_loading_path(
     model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -516,8 +557,9 @@ def test_draft_model_option_reaches_the_engine_through_the_runners_loading_path(
     assert draft_source(engine) is engine.draft_source
     plain = load_serving_engine(model_dirs["target"], shard)
     assert isinstance(plain, TorchEngine) and plain.draft_source is None
-    with pytest.raises(ValueError, match="unknown model"):
-        load_serving_engine(model_dirs["target"], shard, draft_model="no/such-model")
+    unknown = load_serving_engine(model_dirs["target"], shard, draft_model="no/such-model")
+    assert isinstance(unknown, TorchEngine) and unknown.draft_source is None
+    assert unknown.draft_left_out is not None and "unknown model" in unknown.draft_left_out
     from exo.worker.engines.torch import engine_factory
 
     monkeypatch.setattr(engine_factory, "models_dir", lambda: tmp_path)  # holds nothing
@@ -525,6 +567,7 @@ def test_draft_model_option_reaches_the_engine_through_the_runners_loading_path(
         model_dirs["target"], shard, draft_model="HuggingFaceTB/SmolLM2-1.7B-Instruct"
     )
     assert isinstance(missing, TorchEngine) and missing.draft_source is None
+    assert missing.draft_left_out is not None
     # A catalog draft found on the node is named by its model id (`RunnerReady.draft_model`,
     # metrics, logs), as a draft running on a spare node is, not by its directory.
     catalog_draft = "HuggingFaceTB/SmolLM2-135M-Instruct"
