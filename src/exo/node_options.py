@@ -286,8 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--draft-model",
         default=None,
         metavar="MODEL",
-        help="speculative decoding's draft model here, overriding cards' draft_model "
-        "(default: the card's, else n-gram)",
+        help="speculative draft model here, overriding cards' (not for itself or another "
+        "vocabulary; default: the card's, else n-gram)",
     )
     parser.add_argument(
         "--draft-on-spare",

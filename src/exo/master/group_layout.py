@@ -54,6 +54,10 @@ class Layout:
     """Its draft model (`Instance.draft`), counted in rank 0's `bytes_per_node`."""
     draft_left_out: str | None = None
     """Why a draft model named for it is not used (`Instance.draft_left_out`)."""
+    draft_unusable: bool = False
+    """The draft named cannot draft for this model in any layout (`drafts.draft_for`'s
+    reason, in `draft_left_out`): no layout would keep it, so placement's preference for
+    layouts that keep their draft does not count it against this one."""
     draft_address: str | None = None
     """Where rank 0's node reaches the draft's node when the draft runs on a spare node
     (`DraftRunner.address`; placement then gives the draft its runner), else None."""
@@ -99,9 +103,10 @@ def _named_draft(
     state: State,
     rank_zero: NodeId,
     cards: Mapping[ModelId, ModelCard] | None,
-) -> InstanceDraft | None:
-    """The draft model named for an instance of `card` with rank 0 on `rank_zero`
-    (`drafts.draft_for`; `cards` None: the built-in catalog, read only when needed)."""
+) -> InstanceDraft | str | None:
+    """The draft model named for an instance of `card` with rank 0 on `rank_zero`, or why
+    the one named cannot draft for it (`drafts.draft_for`; `cards` None: the built-in
+    catalog, read only when needed)."""
     option = state.node_info[rank_zero].draft_model
     if option is None and card.draft_model is None:
         return None
@@ -121,7 +126,8 @@ def layout(
     """Shares of `group` for `card`, or why that group cannot run it, with the draft model
     named for it: on a spare node when one of `spares` has room for it and rank 0 reaches
     it (`_draft_on_spare`) and rank 0's node allows it (`NodeInfo.draft_on_spare`), else
-    where rank 0's node has room for both (else without it, saying why).
+    where rank 0's node has room for both (else without it, saying why); without it, saying
+    why, where it cannot draft for `card` (the model itself, another vocabulary).
 
     Args:
         room: the nodes' memory (`placement_room(state)` when None).
@@ -138,6 +144,9 @@ def layout(
     draft = _named_draft(card, state, order[0], cards)
     if draft is None:
         return _layout_in_order(card, state, sharding, order, room)
+    if isinstance(draft, str):
+        plain = _layout_in_order(card, state, sharding, order, room)
+        return dataclasses.replace(plain, draft_left_out=draft, draft_unusable=True)
     if not draft_runs_on(sharding, len(order)):
         plain = _layout_in_order(card, state, sharding, order, room)
         reason = f"draft model {draft.model_id} not used: a {sharding} split does not speculate"

@@ -33,7 +33,8 @@ Rules (exo's, with its gaps filled):
   rank 0's runner: its weights and KV for the instance's budget count on that node
   (`draft_bytes`); a group where it fits nowhere is placed without it, saying why
   (`Instance.draft_left_out`); a split instance takes one where its kind verifies drafts
-  (`drafts.draft_runs_on`: every kind today);
+  (`drafts.draft_runs_on`: every kind today); a draft that cannot draft for the model (the
+  model itself, a card of another vocabulary: `drafts.draft_for`) is left out, saying why;
 - prefer the fewest nodes that fit, then layouts that keep their draft model, then nodes
   that already hold the model's files, then the most available memory (ties by node id,
   so every master decides the same).
@@ -161,12 +162,13 @@ def _preference(
 ) -> tuple[int, bool, int, int, tuple[str, ...]]:
     """Smaller is better: fewest offline nodes lacking the files (they can only use what
     they hold; a lone offline node is still chosen), then a layout that keeps the draft
-    model named for it, then most nodes holding the files, then most memory, then the node
-    ids (deterministic)."""
+    model named for it (where another layout could: not one that cannot draft for it),
+    then most nodes holding the files, then most memory, then the node ids
+    (deterministic)."""
     cannot_fetch = sum(_cannot_fetch(state, card, n) for n in candidate.nodes)
     holding = sum(_holds_files(state, card, n) for n in candidate.nodes)
     memory = sum(room[n].available_bytes for n in candidate.nodes)
-    drops_draft = candidate.draft_left_out is not None
+    drops_draft = candidate.draft_left_out is not None and not candidate.draft_unusable
     return (cannot_fetch, drops_draft, -holding, -memory, tuple(sorted(candidate.nodes)))
 
 

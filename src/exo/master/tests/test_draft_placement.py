@@ -102,16 +102,17 @@ def test_the_nodes_option_overrides_the_cards_draft() -> None:
     )
     # A catalog model by its short name: its card, counted.
     by_option = draft_for(QWEN3_8B, NODE_A, "qwen3:1.7b", CARDS)
-    assert by_option is not None and by_option.chosen_by == "node_option"
+    assert isinstance(by_option, InstanceDraft) and by_option.chosen_by == "node_option"
     assert by_option.model_id == QWEN3_1_7B.model_id and by_option.model_card == QWEN3_1_7B
     # A directory only the node knows: named, without a card.
     local = draft_for(QWEN3_8B, NODE_A, "/models/my-draft", CARDS)
     assert local == InstanceDraft(
         model_id=ModelId("/models/my-draft"), node_id=NODE_A, chosen_by="node_option"
     )
-    # No draft for a card without one, nor a draft that is the target itself.
+    # No draft for a card without one; the target itself is left out, saying so.
     assert draft_for(QWEN3_0_6B, NODE_A, None, CARDS) is None
-    assert draft_for(QWEN3_8B, NODE_A, "qwen3:8b", CARDS) is None
+    itself = draft_for(QWEN3_8B, NODE_A, "qwen3:8b", CARDS)
+    assert isinstance(itself, str) and "served model itself" in itself
     embedding = CARDS[ModelId("Qwen/Qwen3-Embedding-0.6B")]
     assert draft_for(embedding, NODE_A, "qwen3:0.6b", CARDS) is None
 

@@ -11,8 +11,13 @@ step, `draft_runs_on`):
    nobody; the runner resolves it there, as a custom model is not yet);
 2. else the card's `draft_model` (`ModelCard.draft_model`), a catalog model id;
 3. else none: n-gram drafts.
-A draft naming the target itself is no draft (it would read the target's weights twice
-per token to save none).
+A named draft that cannot draft for the target is left out, saying why (the reason becomes
+`Instance.draft_left_out`, the instance served without it): the target itself (it would
+read the target's weights twice per token to save none), or a catalog model whose card's
+vocabulary is not the target's (`vocabulary_mismatch`: its tokens would be other text, and
+the runner would refuse it at load). A directory has no card here: its runner checks the
+tokenizers themselves and, refused, serves the target without it
+(`draft_model.check_same_vocabulary`).
 
 Where it runs is placement's (`exo.master.group_layout`): in a draft runner of its own on a
 spare node with room (`InstanceDraft.runner`, `placement_memory.draft_runner_bytes`), else
@@ -31,6 +36,11 @@ from exo.shared.types.common import ModelId, NodeId
 from exo.shared.types.instances import InstanceDraft, Sharding
 from exo.shared.types.models import ModelCard
 
+# How far apart (a share of the larger) two cards' `vocab_size` may be and still be one
+# tokenizer: output layers are padded to a multiple of 64-256 rows (`vocabulary_mismatch`),
+# well under 1 %; tokenizers of different families differ by far more.
+VOCABULARY_PADDING_FRACTION = 0.01
+
 
 def draft_runs_on(sharding: Sharding, world_size: int) -> bool:
     """Whether an instance of this kind drafts with a draft model in its rank 0's runner
@@ -38,14 +48,33 @@ def draft_runs_on(sharding: Sharding, world_size: int) -> bool:
     return parallelism(sharding).drafts_in_rank_zero(world_size)
 
 
+def vocabulary_mismatch(card: ModelCard, draft_card: ModelCard) -> str | None:
+    """Why `draft_card` cannot draft for `card` by their cards' vocabularies, or None.
+
+    Cards give `vocab_size`, the length of the output layer, which checkpoints of one
+    tokenizer pad differently for their kernels (Qwen2.5-Coder 1.5B 151,936 and 7B 152,064
+    tokens; Gemma 3 1B 262,144 and 4B 262,208): sizes within `VOCABULARY_PADDING_FRACTION`
+    of each other may be one tokenizer (the runner compares the tokenizers themselves at
+    load), sizes further apart never are (SmolLM2 49,152 against Gemma 3 262,144).
+    """
+    smaller, larger = sorted((card.vocab_size, draft_card.vocab_size))
+    if larger - smaller <= VOCABULARY_PADDING_FRACTION * larger:
+        return None
+    return (
+        f"draft model {draft_card.model_id} left out: its vocabulary ({draft_card.vocab_size} "
+        f"tokens) is not {card.model_id}'s ({card.vocab_size} tokens); a draft model needs "
+        "the served model's tokenizer"
+    )
+
+
 def draft_for(
     card: ModelCard,
     node_id: NodeId,
     node_option: str | None,
     cards: Mapping[ModelId, ModelCard],
-) -> InstanceDraft | None:
+) -> InstanceDraft | str | None:
     """The draft model an instance of `card` whose rank 0 runs on `node_id` would use
-    (the module docstring's rule), or None.
+    (the module docstring's rule), why the one named cannot draft for it, or None.
 
     Args:
         node_option: that node's `--draft-model` (`NodeInfo.draft_model`), None if unset.
@@ -53,8 +82,10 @@ def draft_for(
             the runner resolves a draft in the catalog too, `draft_model_directory`).
 
     Returns:
-        The draft with its card where one resolves (a card's draft that is in no catalog:
-        None, as the catalog's test forbids).
+        The draft with its card where one resolves; a string (`Instance.draft_left_out`)
+        where the draft named is the target itself or has another vocabulary; None where
+        none is named (or a card's draft is in no catalog, as the catalog's test forbids),
+        and for a model that does not generate text.
     """
     if "text" not in card.capabilities:
         return None
@@ -62,20 +93,37 @@ def draft_for(
         resolved = resolve_model_name(node_option, cards)
         if resolved is None:  # a directory on that node, which only it can read
             if node_option == card.model_id:
-                return None
+                return _itself(card)
             return InstanceDraft(
                 model_id=ModelId(node_option), node_id=node_id, chosen_by="node_option"
             )
-        if resolved == card.model_id:
-            return None
-        return InstanceDraft(
+        named = InstanceDraft(
             model_id=resolved, node_id=node_id, chosen_by="node_option", model_card=cards[resolved]
         )
-    if card.draft_model is None or card.draft_model == card.model_id:
+        return _usable(card, named)
+    if card.draft_model is None:
         return None
+    if card.draft_model == card.model_id:
+        return _itself(card)
     from_card = cards.get(card.draft_model)
     if from_card is None:
         return None
-    return InstanceDraft(
+    named = InstanceDraft(
         model_id=from_card.model_id, node_id=node_id, chosen_by="card", model_card=from_card
     )
+    return _usable(card, named)
+
+
+def _itself(card: ModelCard) -> str:
+    return (
+        f"draft model {card.model_id} left out: it is the served model itself (a model "
+        "cannot draft for itself)"
+    )
+
+
+def _usable(card: ModelCard, draft: InstanceDraft) -> InstanceDraft | str:
+    """`draft` (which has a card), or why it cannot draft for `card`."""
+    assert draft.model_card is not None
+    if draft.model_id == card.model_id:
+        return _itself(card)
+    return vocabulary_mismatch(card, draft.model_card) or draft

@@ -120,8 +120,9 @@ class Instance(FrozenModel):
     (None: n-gram drafts only)."""
     draft_left_out: str | None = None
     """Why a draft model named for it (by the card or rank 0's node) is not used: no room
-    for it beside the target on rank 0's node, or a split instance (which drafts n-grams
-    only). None when it is used or none is named."""
+    for it beside the target on rank 0's node, a split kind that does not speculate, the
+    served model itself, or a card of another vocabulary (`drafts.draft_for`). None when it
+    is used or none is named."""
 
     @model_validator(mode="after")
     def _shards_of_its_kind(self) -> Instance:

@@ -76,7 +76,9 @@ class RunnerReady(FrozenModel):
     what speculative decoding did on it (None before a request ran, or where it does not
     speculate: a split instance); `draft_model` the draft model it loaded and drafts with
     (`Instance.draft`: its id, or the node's `--draft-model` directory), None: n-gram
-    drafts."""
+    drafts; `draft_left_out` why the instance's draft model is not loaded though placement
+    chose it (another vocabulary than the model's, its files missing, a bad config: the
+    model serves without it, drafting by prompt lookup), None when it is or none was named."""
 
     kind: Literal["RunnerReady"] = "RunnerReady"
     weight_bytes: int = Field(default=0, ge=0)
@@ -85,12 +87,14 @@ class RunnerReady(FrozenModel):
     card_mismatches: tuple[str, ...] = ()
     speculation: SpeculationStats | None = None
     draft_model: str | None = None
+    draft_left_out: str | None = None
 
 
 class RunnerRunning(FrozenModel):
     """Generating for at least one task. `max_concurrent_requests`, `kv_cache_tokens`,
-    `card_mismatches`, `speculation` and `draft_model` as in `RunnerReady` (`speculation`
-    updated at most every `SPECULATION_REPORT_INTERVAL_S` while it runs)."""
+    `card_mismatches`, `speculation`, `draft_model` and `draft_left_out` as in
+    `RunnerReady` (`speculation` updated at most every `SPECULATION_REPORT_INTERVAL_S`
+    while it runs)."""
 
     kind: Literal["RunnerRunning"] = "RunnerRunning"
     max_concurrent_requests: int = Field(default=1, ge=1)
@@ -98,6 +102,7 @@ class RunnerRunning(FrozenModel):
     card_mismatches: tuple[str, ...] = ()
     speculation: SpeculationStats | None = None
     draft_model: str | None = None
+    draft_left_out: str | None = None
 
 
 class RunnerFailed(FrozenModel):

@@ -348,6 +348,7 @@ class Runner:
             kv_cache_tokens=self._engine.kv_cache_tokens,
             card_mismatches=self._card_mismatches,
             draft_model=None if draft_source is None else draft_source.name,
+            draft_left_out=getattr(self._engine, "draft_left_out", None),
         )
         self._set_status(self._ready)
 
@@ -529,6 +530,7 @@ class Runner:
                 card_mismatches=self._ready.card_mismatches,
                 speculation=speculation,
                 draft_model=self._ready.draft_model,
+                draft_left_out=self._ready.draft_left_out,
             )
             if self._generations
             else self._ready

@@ -26,7 +26,10 @@ the request's temperature / top-k / top-p / min-p (penalties, bias and grammar a
 target's alone: any q keeps the output exact), with a generator seeded from the request's
 seed, and the draft carries q for the general rejection rule (`RequestState.accept_drafts`).
 
-Placement counts the draft's memory and chooses it (`exo.shared.models.drafts`). A draft
+Placement counts the draft's memory and chooses it (`exo.shared.models.drafts`), leaving
+out one whose card's vocabulary is not the target's; loading checks the tokenizers
+themselves (`check_same_vocabulary`), and a draft refused or failing to load leaves the
+target serving without it (`draft_left_out`: a draft is an optimisation). A draft
 model on another node serves the same source over a link (`remote_drafts.DraftServer`,
 greedy drafts only).
 """
@@ -336,6 +339,20 @@ def check_same_vocabulary(
         f"({len(draft_vocabulary)} and {len(target_vocabulary)} tokens, {differing} tokens "
         "with other ids); a draft model needs the target's tokenizer"
     )
+
+
+def draft_left_out(name: str, target_name: str, error: Exception) -> str:
+    """Why the draft model `name` is not used for `target_name` after `error` while finding
+    or loading it (its vocabulary, its files, its config), logged once as a warning without
+    a traceback: a draft is an optimisation, and a wrong card or a custom draft's fault must
+    never fail the model, which serves with prompt-lookup drafts instead
+    (`RunnerReady.draft_left_out` carries it to the state)."""
+    detail = str(error)
+    if not isinstance(error, VocabularyMismatchError):  # that one names both models
+        detail = f"draft model {name} could not be loaded: {detail}"
+    reason = f"{detail} ({target_name} serves without it)"
+    logger.warning("{}", reason)
+    return reason
 
 
 def load_draft_model(

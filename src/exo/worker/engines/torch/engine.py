@@ -59,6 +59,7 @@ from exo.worker.engines.torch.decoding.speculative_policy import (
 from exo.worker.engines.torch.decoding.stop_sequences import StopSequenceMatcher
 from exo.worker.engines.torch.decoding.token_choice import token_chooser_for, token_logprob
 from exo.worker.engines.torch.decoding.vocabulary import TokenVocabulary
+from exo.worker.engines.torch.draft_model import draft_left_out
 from exo.worker.engines.torch.embedding.decoder import DecoderEmbeddingBackend
 from exo.worker.engines.torch.engine_images import (
     NO_VISION_TOWER,
@@ -150,6 +151,8 @@ class TorchEngine:
         self._embedding_backend: DecoderEmbeddingBackend | None = None
         # Where drafts come from (`load`'s draft model, here or remote; None: n-gram).
         self.draft_source: DraftSource | None = None
+        # Why the draft model named for it is not loaded (`draft_model.draft_left_out`).
+        self.draft_left_out: str | None = None
         # Set by `load` for a model directory the tests marked (`testing_seam`), else None.
         self.testing_seam: TestingSeam | None = None
         # Set by `load` for a vision model (`VisionInput.of_model`) on a single rank or rank 0
@@ -214,8 +217,10 @@ class TorchEngine:
         Raises:
             UnsupportedArchitectureError (a ValueError): no family file for the model.
             ValueError: the directory lacks tensors, a tokenizer or an EOS token; an unknown
-                `weight_dtype`, or a quantized one on a non-CPU device; a draft model
-                whose vocabulary is not the target's (`VocabularyMismatchError`).
+                `weight_dtype`, or a quantized one on a non-CPU device. A draft model that
+                fails to load (another vocabulary, `VocabularyMismatchError`; missing
+                files; a bad config) raises nothing: the engine drafts by prompt lookup,
+                as with none named, and says why in `draft_left_out`.
             RuntimeError: a multi-rank shard without a matching process group.
         """
         split = shard.world_size > 1
@@ -236,11 +241,15 @@ class TorchEngine:
                 parts.model, parts.device, engine.vocab_size, shard, engine.kv_dtype
             )
         engine.testing_seam = load_testing_seam(model_dir)
-        engine.draft_source = draft_source_for(
-            shard, draft_model, remote_draft, parts.tokenizer, engine.vocab_size,
-            max_concurrent_requests, engine.kv_dtype, device, parts.weight_dtype,
-            draft_model_id,
-        )  # fmt: skip
+        try:
+            engine.draft_source = draft_source_for(
+                shard, draft_model, remote_draft, parts.tokenizer, engine.vocab_size,
+                max_concurrent_requests, engine.kv_dtype, device, parts.weight_dtype,
+                draft_model_id,
+            )  # fmt: skip
+        except Exception as error:  # a draft is an optimisation: the model serves without it
+            named = draft_model_id or str(draft_model)
+            engine.draft_left_out = draft_left_out(named, shard.model_card.model_id, error)
         images = load_shard_images(model_dir, shard, parts.tokenizer, parts.device)
         engine.images, engine.images_refusal = images.vision, images.refusal
         engine.image_tokens = images.tokens

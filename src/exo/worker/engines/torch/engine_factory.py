@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loguru import logger
-
 from exo.download.pypi_wheels import ModelPreparationError
 from exo.shared.constants import models_dir
 from exo.shared.models.architectures import is_encoder_architecture
@@ -22,7 +20,7 @@ from exo.shared.models.weight_formats import (
 )
 from exo.shared.types.shards import ShardMetadata
 from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
-from exo.worker.engines.torch.draft_model import draft_model_directory
+from exo.worker.engines.torch.draft_model import draft_left_out, draft_model_directory
 from exo.worker.engines.torch.encoder_engine import EncoderEngine
 from exo.worker.engines.torch.engine import DEFAULT_MAX_CONCURRENT_REQUESTS, TorchEngine
 from exo.worker.engines.torch.model.loading import LayerProgressCallback
@@ -85,13 +83,15 @@ def load_serving_engine(
     weights are read whole in float32; the KV, weight-format and prefill options do not
     apply), else `load_engine` on the default device, with the draft model `draft_model`
     names (its instance's, `Instance.draft`; `draft_model.draft_model_directory`) where one
-    is set. A draft model whose files are not on this node (its download failed) is left
-    out with a warning: the model serves without it (its status then names no draft).
+    is set. A draft model that is not found (its download failed, an unknown name) or fails
+    to load (another vocabulary, a bad config: `TorchEngine.load`) is left out with one
+    warning: the model serves without it (`TorchEngine.draft_left_out` says why, its status
+    names no draft).
     With `remote_draft` (the instance's draft runs on another node) rank 0 drafts through
     its link instead (`remote_drafts.RemoteDraftSource`) and loads no draft model here.
 
     Raises:
-        ValueError: as `EncoderEngine.load` or `load_engine`; an unknown draft model.
+        ValueError: as `EncoderEngine.load` or `load_engine`.
         RuntimeError: as `load_engine`.
     """
     if is_encoder_architecture(shard.model_card.architecture):
@@ -101,6 +101,7 @@ def load_serving_engine(
             on_layer_loaded(layers, layers)
         return engine
     draft_dir = None
+    not_found = None
     if (
         draft_model is not None
         and remote_draft is None
@@ -109,10 +110,9 @@ def load_serving_engine(
     ):
         try:
             draft_dir = draft_model_directory(draft_model, models_dir())
-        except ModelPreparationError as error:
-            logger.warning("draft model {} left out, its files are not here: {}", draft_model,
-                           error)  # fmt: skip
-    return load_engine(
+        except (ModelPreparationError, ValueError) as error:  # no files here; unknown name
+            not_found = draft_left_out(draft_model, shard.model_card.model_id, error)
+    loaded = load_engine(
         model_dir, shard, on_layer_loaded=on_layer_loaded,
         max_concurrent_requests=max_concurrent_requests,
         prefill_activations=prefill_activations, kv_cache_tokens=kv_cache_tokens,
@@ -122,3 +122,6 @@ def load_serving_engine(
         # Named by its model id, as a draft on a spare node is, not by its directory.
         draft_model_id=draft_model if draft_dir is not None else None,
     )  # fmt: skip
+    if not_found is not None:
+        loaded.draft_left_out = not_found
+    return loaded
