@@ -38,7 +38,7 @@ from exo.api.serving.cluster_client import ClusterClient
 from exo.api.serving.embedding import check_embedding_request, compute_embeddings
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
 from exo.api.serving.model_lookup import Cluster, resolve_model_id
-from exo.api.wire.errors import InvalidRequestError, ModelNotFoundError
+from exo.api.wire.errors import InvalidRequestError, ModelNotFoundError, context_overflow
 from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.embeddings import EmbeddingInput, EmbeddingTaskParams
 
@@ -78,6 +78,23 @@ def _openai_inputs(value: str | list[str] | list[int] | list[list[int]]) -> list
     return inputs
 
 
+def _in_openai_embedding_terms(error: InvalidRequestError) -> InvalidRequestError:
+    """An input over the model's context in OpenAI's embeddings sentence ("Invalid 'input':
+    maximum context length is 8192 tokens."), followed by which input and its tokens; not
+    the chat sentence ("your messages resulted in ...") the OpenAI envelope gives a
+    generation's overflow. Other errors pass unchanged."""
+    overflow = context_overflow(error.message, error.code)
+    if overflow is None:
+        return error
+    tokens, limit = overflow
+    where = error.message.split(":", 1)[0] if error.message.startswith("input[") else "input"
+    return InvalidRequestError(
+        f"Invalid 'input': maximum context length is {limit} tokens. {where} is {tokens} tokens.",
+        error.param,
+        error.code,
+    )
+
+
 def _base64_floats(vector: tuple[float, ...]) -> str:
     """OpenAI's base64 encoding: the vector's little-endian float32 bytes."""
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
@@ -94,7 +111,10 @@ async def create_embeddings(
     params = EmbeddingTaskParams(
         model=model_id, inputs=tuple(_openai_inputs(body.input)), dimensions=body.dimensions
     )
-    chunk = await compute_embeddings(cluster, request, params)
+    try:
+        chunk = await compute_embeddings(cluster, request, params)
+    except InvalidRequestError as error:
+        raise _in_openai_embedding_terms(error) from None
     encode = _base64_floats if body.encoding_format == "base64" else list
     return EmbeddingResponse(
         data=[
