@@ -338,3 +338,43 @@ def test_an_input_over_the_context_is_worded_as_openai_words_it_for_embeddings()
         assert ollama.json() == {
             "error": "the input length exceeds the context length (12 tokens > 10)"
         }
+
+
+def test_embeddings_on_a_split_instance_blame_the_model_not_the_input() -> None:
+    """A split instance's runner refuses embeddings (pooling needs the whole model on one
+    rank): the 400 names `model`, whose placement is at fault (was: `input`), and says
+    what to do, in the OpenAI and Ollama shapes."""
+    from exo.worker.runner.embedding_turns import EmbeddingTurns
+    from exo.worker.runner.messages import ChunkReport, RunnerOutbound
+
+    refusal = (
+        f"embeddings and rerank need {EMBEDDER} placed whole on one node; this instance is "
+        "split across nodes: place one on a single node (POST /place_instance ...)"
+    )
+
+    class SplitEngine:
+        def embedding_backend(self) -> Any:
+            raise ValueError(refusal)  # as `TorchEngine.embedding_backend` on a split rank
+
+    class SplitCluster(EmbeddingCluster):
+        def _embedding_answer(self, command: ComputeEmbeddings) -> Any:
+            sent: list[RunnerOutbound] = []
+            turns = EmbeddingTurns(sent.append)
+            turns.waiting.append(
+                Embedding(
+                    task_id=TaskId("t"), command_id=command.command_id,
+                    instance_id=InstanceId("i"), origin_node_id=NodeId("n"),
+                    params=command.params,
+                )
+            )  # fmt: skip
+            turns.take(cast(Any, SplitEngine()))
+            (answer,) = [message.chunk for message in sent if isinstance(message, ChunkReport)]
+            return answer
+
+    with _client(SplitCluster()) as http:
+        openai = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": "a"})
+        assert openai.status_code == 400, openai.text
+        error = openai.json()["error"]
+        assert (error["param"], error["message"]) == ("model", refusal)
+        ollama = http.post("/api/embed", json={"model": EMBEDDER, "input": "a"})
+        assert (ollama.status_code, ollama.json()) == (400, {"error": refusal})

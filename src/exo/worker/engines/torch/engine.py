@@ -349,7 +349,9 @@ class TorchEngine:
         if self.group is not None:
             raise ValueError(
                 f"embeddings and rerank need {self.card.model_id} placed whole on one node; "
-                "this instance is split across nodes"
+                "this instance is split across nodes: place one on a single node "
+                '(POST /place_instance with "node_ids": [<one node>]) and delete the split '
+                "one (DELETE /instance/<id>), or use a model that fits one node"
             )
         if self._embedding_backend is None:
             self._embedding_backend = DecoderEmbeddingBackend(
