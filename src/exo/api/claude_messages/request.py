@@ -197,6 +197,11 @@ def count_tokens_params(
 
 
 def _prompt_fields(request: CountTokensRequest, images: ImageReader) -> dict[str, Any]:
+    if isinstance(request.tool_choice, ToolChoiceAny) and not request.tools:
+        # Said in this dialect's terms: 'any' is what the internal "required" means here.
+        raise InvalidRequestError(
+            "tool_choice: 'any' needs at least one tool in tools", "tool_choice"
+        )
     tool_choice, parallel_tool_calls = _tool_choice(request.tool_choice)
     effort = request.output_config.effort if request.output_config is not None else None
     return {
