@@ -44,6 +44,10 @@ from exo.shared.types.embeddings import EmbeddingInput, EmbeddingTaskParams
 
 router = APIRouter()
 
+MAX_OPENAI_INPUTS = 2048
+"""The most inputs one OpenAI embeddings request may list (OpenAI's limit: "any array must
+be 2048 dimensions or less"; it refuses more with a 400 on `input`)."""
+
 
 def _model_id(cluster: ClusterClient, name: str) -> ModelId:
     model_id = resolve_model_id(cluster, name)
@@ -56,7 +60,8 @@ def _openai_inputs(value: str | list[str] | list[int] | list[list[int]]) -> list
     """OpenAI's `input` as a list of inputs.
 
     Raises:
-        InvalidRequestError: empty (no input, an empty string or token array) (400, `input`).
+        InvalidRequestError: empty (no input, an empty string or token array), or more than
+            `MAX_OPENAI_INPUTS` inputs (400, `input`).
     """
     inputs: list[EmbeddingInput]
     if isinstance(value, str):
@@ -73,6 +78,12 @@ def _openai_inputs(value: str | list[str] | list[int] | list[list[int]]) -> list
         raise InvalidRequestError(
             "'$.input' is invalid: it must be a non-empty string, array of strings or array "
             "of token ids, with no empty entry",
+            param="input",
+        )
+    if len(inputs) > MAX_OPENAI_INPUTS:
+        raise InvalidRequestError(
+            f"'$.input' is invalid: array length must be {MAX_OPENAI_INPUTS} or less, got "
+            f"{len(inputs)}; send the rest in further requests",
             param="input",
         )
     return inputs

@@ -378,3 +378,21 @@ def test_embeddings_on_a_split_instance_blame_the_model_not_the_input() -> None:
         assert (error["param"], error["message"]) == ("model", refusal)
         ollama = http.post("/api/embed", json={"model": EMBEDDER, "input": "a"})
         assert (ollama.status_code, ollama.json()) == (400, {"error": refusal})
+
+
+def test_openai_embeddings_refuse_more_than_2048_inputs_as_openai_does() -> None:
+    """OpenAI caps one request at 2048 inputs (a 400 on `input`, before any work; 5,000
+    inputs used to be accepted and took 98 s). A single token array longer than 2048 is
+    one input."""
+    cluster = EmbeddingCluster()
+    with _client(cluster) as http:
+        many = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": ["a"] * 2049})
+        assert many.status_code == 400, many.text
+        error = many.json()["error"]
+        assert error["param"] == "input"
+        assert error["message"].startswith(
+            "'$.input' is invalid: array length must be 2048 or less, got 2049"
+        )
+        assert not cluster.embedding_commands
+        tokens = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": [1] * 3000})
+        assert tokens.status_code == 200, tokens.text
