@@ -569,7 +569,8 @@ class TorchEngine:
         "json_object" or "json_schema", a forced tool call), "length" at `max_tokens`, the
         context limit or the KV budget) and `usage` (completion tokens count every sampled
         token, EOS included). With `params.logprobs` every piece carries one `TokenLogprob`
-        per token id. The text never ends inside a character: bytes of one left unfinished
+        per token id (but for the tokens a stop string cut from the text: `GeneratedPiece`).
+        The text never ends inside a character: bytes of one left unfinished
         when generation ends are dropped from the text (their tokens still count, their
         logprobs keep the exact bytes). Closing the generator cancels the request.
 
