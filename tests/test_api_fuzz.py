@@ -44,6 +44,8 @@ IN_PROCESS_BODIES = 2000
 REQUEST_TIMEOUT_SECONDS = 60.0
 # Small enough that a still-valid mutated request finishes in well under a second.
 MAX_TOKENS = 4
+# The least `max_output_tokens` the Responses API accepts (OpenAI's minimum).
+RESPONSES_MAX_TOKENS = 16
 USER_TURN = {"role": "user", "content": "Say hi."}
 
 # endpoint -> (a valid body, the field that bounds its generation length or None)
@@ -62,7 +64,7 @@ VALID_BODIES: dict[str, tuple[dict[str, Any], str | None]] = {
     ),
     "/v1/messages/count_tokens": ({"model": DEFAULT_MODEL_ID, "messages": [USER_TURN]}, None),
     "/v1/responses": (
-        {"model": DEFAULT_MODEL_ID, "input": "Say hi.", "max_output_tokens": MAX_TOKENS},
+        {"model": DEFAULT_MODEL_ID, "input": "Say hi.", "max_output_tokens": RESPONSES_MAX_TOKENS},
         "max_output_tokens",
     ),
     "/ollama/api/chat": (
@@ -165,7 +167,7 @@ HOSTILE_BODIES: list[tuple[str, bytes, dict[str, str]]] = [
     ),
     (
         "/v1/responses",
-        b'{"model": "%s", "input": "bad \\ud800", "max_output_tokens": 4}'
+        b'{"model": "%s", "input": "bad \\ud800", "max_output_tokens": 16}'
         % DEFAULT_MODEL_ID.encode(),
         {},
     ),
@@ -234,7 +236,7 @@ FOUND_BY_FUZZING: list[tuple[str, bytes]] = [
             {
                 "model": DEFAULT_MODEL_ID,
                 "input": [{"role": None, "content": None, "type": []}],
-                "max_output_tokens": MAX_TOKENS,
+                "max_output_tokens": RESPONSES_MAX_TOKENS,
             }
         ).encode(),
     ),
@@ -247,7 +249,7 @@ FOUND_BY_FUZZING: list[tuple[str, bytes]] = [
                 "input": [{"role": "user", "content": [{"type": {"a": 1}}]}],
                 "tools": [{"type": []}],
                 "tool_choice": {"type": [None]},
-                "max_output_tokens": MAX_TOKENS,
+                "max_output_tokens": RESPONSES_MAX_TOKENS,
             }
         ).encode(),
     ),

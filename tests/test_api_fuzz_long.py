@@ -13,8 +13,9 @@ that takes a body, and schemathesis against the node's own OpenAPI document; 0 a
   one (and the Hub search) against the throwaway node.
 
 Every length bound in a body (`max_tokens`, `max_completion_tokens`, `max_output_tokens`,
-Ollama's `num_predict`) that is null or a number above 1 is capped at 1 before it is sent,
-so an accepted request generates one token. Hypothesis runs derandomized (pinned in
+Ollama's `num_predict`) that is null or a number above 1 is capped at 1 before it is sent
+(`max_output_tokens` at 16, the least the Responses API accepts), so an accepted request
+generates one token (16 on `/v1/responses`). Hypothesis runs derandomized (pinned in
 pyproject.toml): the same bodies on every run. Bodies are generated first, then sent by
 `SENDERS` client threads (concurrent requests are part of the load). Counts per route and
 status, and the time taken, are printed.
@@ -72,7 +73,7 @@ GENERATION_BODIES: dict[str, tuple[dict[str, Any], str | None]] = {
         "max_tokens",
     ),
     "/ollama/v1/responses": (
-        {"model": DEFAULT_MODEL_ID, "input": "Say hi.", "max_output_tokens": 1},
+        {"model": DEFAULT_MODEL_ID, "input": "Say hi.", "max_output_tokens": 16},
         "max_output_tokens",
     ),
     "/v1/responses/input_tokens": ({"model": DEFAULT_MODEL_ID, "input": "Say hi."}, None),
@@ -131,7 +132,8 @@ def _above_one(bound: Any) -> bool:
 
 def cap_lengths(value: Any) -> Any:
     """`value` with every length bound that is null or a number above 1 (at the top or in
-    Ollama's `options`; numeric strings too) set to 1."""
+    Ollama's `options`; numeric strings too) set to 1 (`max_output_tokens` to 16, the least
+    it may be)."""
     if not isinstance(value, dict):
         return value
     capped = dict(value)
@@ -140,7 +142,8 @@ def cap_lengths(value: Any) -> Any:
         # null means "no limit" (the model's context): a generation of minutes here.
         unbounded = name in capped and bound is None
         if unbounded or _above_one(bound):
-            capped[name] = 1
+            # The Responses API's least bound is 16 (OpenAI's minimum): lower is a 400.
+            capped[name] = 16 if name == "max_output_tokens" else 1
     if "options" in capped and capped["options"] is None:  # Ollama's: no limit either
         capped["options"] = {"num_predict": 1}
     if isinstance(capped.get("options"), dict):

@@ -108,7 +108,7 @@ def test_instructions_and_history_reach_the_model(default_node: ExoNode) -> None
     assert with_history.output_text
     assert alone.usage is not None and with_history.usage is not None
     without_instructions = client.responses.create(
-        model=DEFAULT_MODEL_ID, input=history, temperature=0, max_output_tokens=1
+        model=DEFAULT_MODEL_ID, input=history, temperature=0, max_output_tokens=16
     )
     assert without_instructions.usage is not None
     # The earlier turns are part of the prompt (two more turns: well over 15 tokens), and
@@ -122,17 +122,17 @@ def test_max_output_tokens_makes_an_incomplete_response(default_node: ExoNode) -
     client = client_for(default_node)
     story = "Write a very long story about a dragon and a knight."
     response = client.responses.create(
-        model=DEFAULT_MODEL_ID, input=story, temperature=0, max_output_tokens=5
+        model=DEFAULT_MODEL_ID, input=story, temperature=0, max_output_tokens=16
     )
     assert response.status == "incomplete"
     assert response.incomplete_details is not None
     assert response.incomplete_details.reason == "max_output_tokens"
-    assert response.usage is not None and response.usage.output_tokens == 5
+    assert response.usage is not None and response.usage.output_tokens == 16
     assert response.output[0].type == "message" and response.output[0].status == "incomplete"
 
     events = list(
         client.responses.create(
-            model=DEFAULT_MODEL_ID, input=story, temperature=0, max_output_tokens=5, stream=True
+            model=DEFAULT_MODEL_ID, input=story, temperature=0, max_output_tokens=16, stream=True
         )
     )
     assert events[-1].type == "response.incomplete"
@@ -208,8 +208,8 @@ def test_errors_in_openai_shape(default_node: ExoNode) -> None:
     accepted = client.responses.create(
         model=DEFAULT_MODEL_ID,
         input=QUESTION,
-        temperature=0,  # greedy: a sampled answer could end within 3 tokens ("Paris.")
-        max_output_tokens=3,
+        temperature=0,
+        max_output_tokens=16,  # OpenAI's least
         store=False,
         metadata={"k": "v"},
         include=["reasoning.encrypted_content"],
@@ -219,7 +219,7 @@ def test_errors_in_openai_shape(default_node: ExoNode) -> None:
         service_tier="auto",
         text={"format": {"type": "text"}, "verbosity": "low"},
     )
-    assert accepted.status == "incomplete"
+    assert accepted.status in ("completed", "incomplete") and accepted.output_text
 
 
 def test_function_call_round_trip(default_node: ExoNode) -> None:

@@ -107,7 +107,9 @@ def test_slow_prefills_stream_heartbeats_the_official_sdks_parse(tmp_path: Path)
                 http_client=client("responses"),
             )
             events = list(
-                sdk.responses.create(model=model_id, input=prompt, max_output_tokens=8, stream=True)
+                sdk.responses.create(
+                    model=model_id, input=prompt, max_output_tokens=16, stream=True
+                )
             )
             assert events[0].type == "response.created", events[0]
             final = events[-1]

@@ -58,6 +58,7 @@ from exo.api.serving.request_checks import build_task_params
 from exo.api.wire.conversation import check_tool_results_answer_calls
 from exo.api.wire.errors import InvalidRequestError
 from exo.api.wire.images import NO_VISION, ImageReader
+from exo.api.wire.response_schema import check_response_schema
 from exo.api.wire.sampling import sampling_fields
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
@@ -165,6 +166,13 @@ def to_task_params(
             "(tool_choice 'any' or 'tool')",
             "output_config.format",
         )
+    if output_format is not None:
+        # Anthropic's heading for a schema it refuses; its body has no param.
+        check_response_schema(
+            output_format.schema_,
+            "output_config.format.schema: Invalid schema",
+            "output_config.format.schema",
+        )
     return build_task_params(
         **_prompt_fields(request, images),
         stream=request.stream,
@@ -189,6 +197,11 @@ def count_tokens_params(
 
 
 def _prompt_fields(request: CountTokensRequest, images: ImageReader) -> dict[str, Any]:
+    if isinstance(request.tool_choice, ToolChoiceAny) and not request.tools:
+        # Said in this dialect's terms: 'any' is what the internal "required" means here.
+        raise InvalidRequestError(
+            "tool_choice: 'any' needs at least one tool in tools", "tool_choice"
+        )
     tool_choice, parallel_tool_calls = _tool_choice(request.tool_choice)
     effort = request.output_config.effort if request.output_config is not None else None
     return {

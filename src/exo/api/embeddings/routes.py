@@ -38,11 +38,15 @@ from exo.api.serving.cluster_client import ClusterClient
 from exo.api.serving.embedding import check_embedding_request, compute_embeddings
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
 from exo.api.serving.model_lookup import Cluster, resolve_model_id
-from exo.api.wire.errors import InvalidRequestError, ModelNotFoundError
+from exo.api.wire.errors import InvalidRequestError, ModelNotFoundError, context_overflow
 from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.embeddings import EmbeddingInput, EmbeddingTaskParams
 
 router = APIRouter()
+
+MAX_OPENAI_INPUTS = 2048
+"""The most inputs one OpenAI embeddings request may list (OpenAI's limit: "any array must
+be 2048 dimensions or less"; it refuses more with a 400 on `input`)."""
 
 
 def _model_id(cluster: ClusterClient, name: str) -> ModelId:
@@ -56,7 +60,8 @@ def _openai_inputs(value: str | list[str] | list[int] | list[list[int]]) -> list
     """OpenAI's `input` as a list of inputs.
 
     Raises:
-        InvalidRequestError: empty (no input, an empty string or token array) (400, `input`).
+        InvalidRequestError: empty (no input, an empty string or token array), or more than
+            `MAX_OPENAI_INPUTS` inputs (400, `input`).
     """
     inputs: list[EmbeddingInput]
     if isinstance(value, str):
@@ -75,7 +80,30 @@ def _openai_inputs(value: str | list[str] | list[int] | list[list[int]]) -> list
             "of token ids, with no empty entry",
             param="input",
         )
+    if len(inputs) > MAX_OPENAI_INPUTS:
+        raise InvalidRequestError(
+            f"'$.input' is invalid: array length must be {MAX_OPENAI_INPUTS} or less, got "
+            f"{len(inputs)}; send the rest in further requests",
+            param="input",
+        )
     return inputs
+
+
+def _in_openai_embedding_terms(error: InvalidRequestError) -> InvalidRequestError:
+    """An input over the model's context in OpenAI's embeddings sentence ("Invalid 'input':
+    maximum context length is 8192 tokens."), followed by which input and its tokens; not
+    the chat sentence ("your messages resulted in ...") the OpenAI envelope gives a
+    generation's overflow. Other errors pass unchanged."""
+    overflow = context_overflow(error.message, error.code)
+    if overflow is None:
+        return error
+    tokens, limit = overflow
+    where = error.message.split(":", 1)[0] if error.message.startswith("input[") else "input"
+    return InvalidRequestError(
+        f"Invalid 'input': maximum context length is {limit} tokens. {where} is {tokens} tokens.",
+        error.param,
+        error.code,
+    )
 
 
 def _base64_floats(vector: tuple[float, ...]) -> str:
@@ -94,7 +122,10 @@ async def create_embeddings(
     params = EmbeddingTaskParams(
         model=model_id, inputs=tuple(_openai_inputs(body.input)), dimensions=body.dimensions
     )
-    chunk = await compute_embeddings(cluster, request, params)
+    try:
+        chunk = await compute_embeddings(cluster, request, params)
+    except InvalidRequestError as error:
+        raise _in_openai_embedding_terms(error) from None
     encode = _base64_floats if body.encoding_format == "base64" else list
     return EmbeddingResponse(
         data=[

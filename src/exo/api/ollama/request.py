@@ -37,6 +37,7 @@ from exo.api.ollama.wire_types import (
 from exo.api.serving.request_checks import build_task_params
 from exo.api.wire.errors import InvalidRequestError
 from exo.api.wire.images import NO_VISION, ImageReader
+from exo.api.wire.response_schema import check_response_schema
 from exo.api.wire.sampling import sampling_fields
 from exo.api.wire.tools import openai_tool_choice, tool_definitions
 from exo.shared.types.commands import KeepAlive
@@ -248,6 +249,8 @@ def _task_params(
     enable_thinking, reasoning_effort = _thinking(request.think)
     if request.top_logprobs and not request.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs: true", "top_logprobs")
+    if isinstance(request.format, dict):
+        check_response_schema(request.format, "format: invalid JSON schema", "format")
     try:
         return build_task_params(
             model=model_id,

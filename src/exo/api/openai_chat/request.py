@@ -31,6 +31,7 @@ from exo.api.serving.request_checks import build_task_params
 from exo.api.wire.conversation import check_tool_results_answer_calls
 from exo.api.wire.errors import InvalidRequestError
 from exo.api.wire.images import NO_VISION, ImageReader
+from exo.api.wire.response_schema import check_response_schema, openai_schema_heading
 from exo.api.wire.sampling import logit_bias_from_wire, openai_sampling_fields
 from exo.api.wire.tools import openai_tool_choice, tool_definitions
 from exo.shared.types.common import ModelId
@@ -136,7 +137,8 @@ def _response_format(request: ChatCompletionRequest) -> ResponseFormat:
 
 
 def _json_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
-    """The schema of a `json_schema` response format (any object when it gives none)."""
+    """The schema of a `json_schema` response format (any object when it gives none); one
+    that is invalid or matches no value is a 400 (`check_response_schema`)."""
     response_format = request.response_format
     if response_format is None or response_format.type != "json_schema":
         return None
@@ -147,7 +149,12 @@ def _json_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
             "response_format.json_schema",
         )
     schema = response_format.json_schema.schema_
-    return {"type": "object"} if schema is None else schema
+    if schema is None:
+        return {"type": "object"}
+    check_response_schema(
+        schema, openai_schema_heading(response_format.json_schema.name), "response_format"
+    )
+    return schema
 
 
 def _tool_choice(request: ChatCompletionRequest) -> ToolChoice:

@@ -52,6 +52,7 @@ from exo.api.openai_responses.request_types import (
 from exo.api.serving.request_checks import build_task_params
 from exo.api.wire.errors import InvalidRequestError
 from exo.api.wire.images import NO_VISION, ImageReader
+from exo.api.wire.response_schema import check_response_schema, openai_schema_heading
 from exo.api.wire.sampling import sampling_fields, vllm_top_k
 from exo.api.wire.tools import tool_definitions
 from exo.shared.types.chunks import ToolCall
@@ -128,6 +129,7 @@ def to_task_params(
     enable_thinking, reasoning_effort = _thinking(request)
     include = request.include or []
     top_logprobs = request.top_logprobs or 0
+    json_schema = _json_schema(request)  # its 400 is worded already: not renamed below
     try:
         return build_task_params(
             model=ModelId(request.model),
@@ -146,7 +148,7 @@ def to_task_params(
                 True if request.parallel_tool_calls is None else request.parallel_tool_calls
             ),
             response_format=_response_format(request),
-            json_schema=_json_schema(request),
+            json_schema=json_schema,
             logprobs=LOGPROBS_INCLUDE in include or top_logprobs > 0,
             top_logprobs=top_logprobs,
             enable_thinking=enable_thinking,
@@ -297,11 +299,16 @@ def _response_format(request: ResponsesRequest) -> ResponseFormat:
 
 
 def _json_schema(request: ResponsesRequest) -> dict[str, Any] | None:
-    """The schema of a `json_schema` text format (any object when it gives none)."""
+    """The schema of a `json_schema` text format (any object when it gives none); one that
+    is invalid or matches no value is a 400 (`check_response_schema`)."""
     text_format = request.text.format if request.text else None
     if text_format is None or text_format.type != "json_schema":
         return None
-    return {"type": "object"} if text_format.schema_ is None else text_format.schema_
+    if text_format.schema_ is None:
+        return {"type": "object"}
+    heading = openai_schema_heading(text_format.name)
+    check_response_schema(text_format.schema_, heading, "text.format.schema")
+    return text_format.schema_
 
 
 def _thinking(request: ResponsesRequest) -> tuple[bool | None, ReasoningEffort | None]:

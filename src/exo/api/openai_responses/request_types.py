@@ -265,7 +265,8 @@ class ResponsesRequest(_WireRequestModel):
     input: str | list[InputItem]
     instructions: str | None = None
 
-    max_output_tokens: int | None = Field(default=None, ge=1, strict=True)
+    # OpenAI's minimum: below 16 is a 400 "integer below minimum value".
+    max_output_tokens: int | None = Field(default=None, ge=16, strict=True)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     # Not an OpenAI parameter: vLLM's extension, as on Chat Completions.

@@ -43,7 +43,7 @@ USER_HI = {"role": "user", "content": "hi"}
 BASE_BODIES: dict[str, dict[str, Any]] = {
     CHAT: {"model": SMOLLM2, "messages": [USER_HI], "max_tokens": 4},
     COMPLETIONS: {"model": SMOLLM2, "prompt": "hi", "max_tokens": 4},
-    RESPONSES: {"model": SMOLLM2, "input": "hi", "max_output_tokens": 4},
+    RESPONSES: {"model": SMOLLM2, "input": "hi", "max_output_tokens": 16},
     CLAUDE: {"model": SMOLLM2, "messages": [USER_HI], "max_tokens": 4},
     COUNT_TOKENS: {"model": SMOLLM2, "messages": [USER_HI]},
     OLLAMA_CHAT: {

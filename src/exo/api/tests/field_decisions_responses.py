@@ -208,8 +208,8 @@ def responses_effects() -> list[Decision]:
         Effect(
             fields("ResponsesRequest.max_output_tokens"),
             RESPONSES,
-            {"max_output_tokens": 7},
-            lambda p: p.max_tokens == 7,
+            {"max_output_tokens": 17},
+            lambda p: p.max_tokens == 17,
         ),
         *sampling_effects(
             RESPONSES,

@@ -105,7 +105,7 @@ def test_openai_usage_reports_cached_prompt_tokens(client: TestClient, path: str
 
 
 def test_responses_usage_reports_cached_input_tokens(client: TestClient) -> None:
-    body = {"model": SMOLLM2, "input": "hi", "max_output_tokens": 4}
+    body = {"model": SMOLLM2, "input": "hi", "max_output_tokens": 16}
 
     answer = client.post("/v1/responses", json=body)
     assert answer.status_code == 200, answer.text

@@ -459,7 +459,20 @@ def test_tool_choice_maps_onto_the_internal_choice(
 def test_tool_choice_naming_an_unknown_tool_is_refused() -> None:
     error = refusal_of(USER_HI, tools=[WEATHER_TOOL], tool_choice={"type": "tool", "name": "nope"})
     assert "'nope'" in error.message
-    assert refusal_of(USER_HI, tool_choice={"type": "any"}).status_code == 400
+
+
+def test_tool_choice_any_without_tools_is_refused_in_claude_terms() -> None:
+    """Anthropic's `any`, not OpenAI's `required` (exo's internal name), in the message;
+    the token count refuses it the same way."""
+    error = refusal_of(USER_HI, tool_choice={"type": "any"})
+    assert (error.status_code, error.param) == (400, "tool_choice")
+    assert error.message == "tool_choice: 'any' needs at least one tool in tools"
+    with pytest.raises(InvalidRequestError, match="'any' needs at least one tool"):
+        count_tokens_params(
+            CountTokensRequest.model_validate(
+                {"model": MODEL, "messages": [USER_HI], "tool_choice": {"type": "any"}}
+            )
+        )
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,12 @@ from fastapi.testclient import TestClient
 from exo.api.app import create_app
 from exo.api.serving.cluster_client import ClusterClient
 from exo.shared.models.cards import load_builtin_cards
-from exo.shared.types.common import ModelId
+from exo.shared.types.chunks import ErrorChunk
+from exo.shared.types.commands import ComputeEmbeddings
+from exo.shared.types.common import InstanceId, ModelId, NodeId, TaskId
+from exo.shared.types.tasks import Embedding
 from exo.testing.scripted_cluster import ScriptedCluster
+from exo.worker.runner import embedding_batch
 
 EMBEDDER = ModelId("Qwen/Qwen3-Embedding-0.6B")
 RERANKER = ModelId("Qwen/Qwen3-Reranker-0.6B")
@@ -225,7 +229,7 @@ def test_a_model_that_failed_to_prepare_for_good_is_a_500_else_a_503() -> None:
     """As for generations: a permanent preparation failure (a GGUF that cannot be
     converted) is not worth retrying (500), a passing one is (503)."""
     from exo.api.serving.cluster_client import CommandRejectedError
-    from exo.shared.types.commands import ComputeEmbeddings, GenerateText
+    from exo.shared.types.commands import GenerateText
 
     class Refusing(EmbeddingCluster):
         status = 500
@@ -244,6 +248,48 @@ def test_a_model_that_failed_to_prepare_for_good_is_a_500_else_a_503() -> None:
         assert "could not prepare" in answer.json()["error"]["message"]
 
 
+class CharacterBackend:
+    """An embedding backend with one token per character, for the runner's own checks."""
+
+    dimensions = 4
+    matryoshka_dimensions = None
+
+    def __init__(self, max_input_tokens: int) -> None:
+        self.max_input_tokens = max_input_tokens
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        return [[ord(character) for character in text] for text in texts]
+
+    def scratch_bytes(self, tokens: int) -> int:
+        return 0
+
+    def start_embedding(self, token_ids: list[list[int]]) -> None:
+        raise AssertionError("a refused request starts no work")
+
+    def start_scoring(self, pairs: list[tuple[str, str]]) -> Any:
+        return SimpleNamespace(rows=len(pairs), tokens=sum(len(q + d) for q, d in pairs))
+
+
+class RefusingCluster(EmbeddingCluster):
+    """Answers each embedding command with the runner's refusal (`EmbeddingJob` over a
+    `CharacterBackend`)."""
+
+    def __init__(self, max_input_tokens: int = 100) -> None:
+        super().__init__()
+        self.max_input_tokens = max_input_tokens
+
+    def _embedding_answer(self, command: ComputeEmbeddings) -> Any:
+        task = Embedding(
+            task_id=TaskId("t"), command_id=command.command_id, instance_id=InstanceId("i"),
+            origin_node_id=NodeId("n"), params=command.params,
+        )  # fmt: skip
+        backend = CharacterBackend(self.max_input_tokens)
+        job = embedding_batch.EmbeddingJob(cast(Any, backend), [task])
+        ((_, answer),) = job.take_answers()
+        assert isinstance(answer, ErrorChunk)
+        return answer
+
+
 def test_a_request_over_the_runners_token_cap_is_a_400_in_each_dialect(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -251,43 +297,9 @@ def test_a_request_over_the_runners_token_cap_is_a_400_in_each_dialect(
     character) reaches each dialect as its 400 naming the field: OpenAI's envelope with
     `param` `input` and code `max_tokens_per_request`, Ollama's `{"error": ...}`, rerank's
     `param` `documents`."""
-    from exo.shared.types.chunks import ErrorChunk
-    from exo.shared.types.commands import ComputeEmbeddings
-    from exo.shared.types.common import InstanceId, NodeId, TaskId
-    from exo.shared.types.tasks import Embedding
-    from exo.worker.runner import embedding_batch
-
     monkeypatch.setattr(embedding_batch, "MAX_REQUEST_TOKENS", 20)
 
-    class CharacterBackend:
-        max_input_tokens = 100
-        dimensions = 4
-        matryoshka_dimensions = None
-
-        def tokenize(self, texts: list[str]) -> list[list[int]]:
-            return [[ord(character) for character in text] for text in texts]
-
-        def scratch_bytes(self, tokens: int) -> int:
-            return 0
-
-        def start_embedding(self, token_ids: list[list[int]]) -> None:
-            raise AssertionError("a refused request starts no work")
-
-        def start_scoring(self, pairs: list[tuple[str, str]]) -> Any:
-            return SimpleNamespace(rows=len(pairs), tokens=sum(len(q + d) for q, d in pairs))
-
-    class CappedCluster(EmbeddingCluster):
-        def _embedding_answer(self, command: ComputeEmbeddings) -> Any:
-            task = Embedding(
-                task_id=TaskId("t"), command_id=command.command_id, instance_id=InstanceId("i"),
-                origin_node_id=NodeId("n"), params=command.params,
-            )  # fmt: skip
-            job = embedding_batch.EmbeddingJob(cast(Any, CharacterBackend()), [task])
-            ((_, answer),) = job.take_answers()
-            assert isinstance(answer, ErrorChunk)
-            return answer
-
-    with _client(CappedCluster()) as http:
+    with _client(RefusingCluster()) as http:
         openai = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": ["a" * 15, "b" * 6]})
         assert openai.status_code == 400, openai.text
         error = openai.json()["error"]
@@ -306,3 +318,81 @@ def test_a_request_over_the_runners_token_cap_is_a_400_in_each_dialect(
         assert rerank.json()["error"]["param"] == "documents"
         assert rerank.json()["error"]["code"] == "max_tokens_per_request"
         assert "requested 22 tokens" in rerank.json()["error"]["message"]
+
+
+def test_an_input_over_the_context_is_worded_as_openai_words_it_for_embeddings() -> None:
+    """OpenAI's embeddings sentence, naming the input and its tokens (was the chat sentence,
+    "your messages resulted in 12 tokens"); Ollama's `/api/embed` keeps Ollama's."""
+    with _client(RefusingCluster(max_input_tokens=10)) as http:
+        openai = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": ["ab", "c" * 12]})
+        assert openai.status_code == 400, openai.text
+        error = openai.json()["error"]
+        assert (error["param"], error["code"]) == ("input", "context_length_exceeded")
+        assert error["message"] == (
+            "Invalid 'input': maximum context length is 10 tokens. input[1] is 12 tokens."
+        )
+        ollama = http.post(
+            "/api/embed", json={"model": EMBEDDER, "input": ["c" * 12], "truncate": False}
+        )
+        assert ollama.status_code == 400, ollama.text
+        assert ollama.json() == {
+            "error": "the input length exceeds the context length (12 tokens > 10)"
+        }
+
+
+def test_embeddings_on_a_split_instance_blame_the_model_not_the_input() -> None:
+    """A split instance's runner refuses embeddings (pooling needs the whole model on one
+    rank): the 400 names `model`, whose placement is at fault (was: `input`), and says
+    what to do, in the OpenAI and Ollama shapes."""
+    from exo.worker.runner.embedding_turns import EmbeddingTurns
+    from exo.worker.runner.messages import ChunkReport, RunnerOutbound
+
+    refusal = (
+        f"embeddings and rerank need {EMBEDDER} placed whole on one node; this instance is "
+        "split across nodes: place one on a single node (POST /place_instance ...)"
+    )
+
+    class SplitEngine:
+        def embedding_backend(self) -> Any:
+            raise ValueError(refusal)  # as `TorchEngine.embedding_backend` on a split rank
+
+    class SplitCluster(EmbeddingCluster):
+        def _embedding_answer(self, command: ComputeEmbeddings) -> Any:
+            sent: list[RunnerOutbound] = []
+            turns = EmbeddingTurns(sent.append)
+            turns.waiting.append(
+                Embedding(
+                    task_id=TaskId("t"), command_id=command.command_id,
+                    instance_id=InstanceId("i"), origin_node_id=NodeId("n"),
+                    params=command.params,
+                )
+            )  # fmt: skip
+            turns.take(cast(Any, SplitEngine()))
+            (answer,) = [message.chunk for message in sent if isinstance(message, ChunkReport)]
+            return answer
+
+    with _client(SplitCluster()) as http:
+        openai = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": "a"})
+        assert openai.status_code == 400, openai.text
+        error = openai.json()["error"]
+        assert (error["param"], error["message"]) == ("model", refusal)
+        ollama = http.post("/api/embed", json={"model": EMBEDDER, "input": "a"})
+        assert (ollama.status_code, ollama.json()) == (400, {"error": refusal})
+
+
+def test_openai_embeddings_refuse_more_than_2048_inputs_as_openai_does() -> None:
+    """OpenAI caps one request at 2048 inputs (a 400 on `input`, before any work; 5,000
+    inputs used to be accepted and took 98 s). A single token array longer than 2048 is
+    one input."""
+    cluster = EmbeddingCluster()
+    with _client(cluster) as http:
+        many = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": ["a"] * 2049})
+        assert many.status_code == 400, many.text
+        error = many.json()["error"]
+        assert error["param"] == "input"
+        assert error["message"].startswith(
+            "'$.input' is invalid: array length must be 2048 or less, got 2049"
+        )
+        assert not cluster.embedding_commands
+        tokens = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": [1] * 3000})
+        assert tokens.status_code == 200, tokens.text

@@ -52,7 +52,7 @@ USER_HI = {"role": "user", "content": "hi"}
 DIALECT_REQUESTS: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"model": "smollm2:135m", "messages": [USER_HI], "max_tokens": 4},
     "/v1/completions": {"model": SMOLLM2, "prompt": "hi", "max_tokens": 4},
-    "/v1/responses": {"model": SMOLLM2, "input": "hi", "max_output_tokens": 4},
+    "/v1/responses": {"model": SMOLLM2, "input": "hi", "max_output_tokens": 16},
     "/v1/messages": {"model": SMOLLM2, "messages": [USER_HI], "max_tokens": 4},
     "/ollama/api/chat": {"model": "smollm2:135m", "messages": [USER_HI], "stream": False},
     "/ollama/api/generate": {"model": SMOLLM2, "prompt": "hi", "stream": True},

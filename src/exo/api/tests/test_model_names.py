@@ -82,7 +82,7 @@ def test_short_names_in_chat_and_responses(
     assert chat.choices[0].message.content == SCRIPTED_ANSWER
     # OpenAI names the model an alias resolved to; so do we.
     assert chat.model == SMOLLM2 and cluster.last_params.model == SMOLLM2
-    response = openai_client.responses.create(model=name, input="hi", max_output_tokens=4)
+    response = openai_client.responses.create(model=name, input="hi", max_output_tokens=16)
     assert response.output_text == SCRIPTED_ANSWER
     assert response.model == SMOLLM2 and cluster.last_params.model == SMOLLM2
 

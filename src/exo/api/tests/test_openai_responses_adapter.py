@@ -483,6 +483,7 @@ def test_what_the_sdk_and_codex_send_is_accepted() -> None:
         {"model": MODEL, "input": 3},
         {"model": MODEL, "input": [{"role": "robot", "content": "x"}]},
         {"model": MODEL, "input": "hi", "max_output_tokens": 0},
+        {"model": MODEL, "input": "hi", "max_output_tokens": 15},
         {"model": MODEL, "input": "hi", "temperature": 3},
         {"model": MODEL, "input": "hi", "tool_choice": "sometimes"},
         {"model": MODEL, "input": "hi", "text": {"format": {"type": "yaml"}}},
@@ -1028,7 +1029,7 @@ def test_route_passes_the_converted_request_to_the_cluster(
         model=MODEL,
         instructions="Be brief.",
         input="hello",
-        max_output_tokens=7,
+        max_output_tokens=17,
         temperature=0,
         reasoning={"effort": "low"},
     )
@@ -1037,7 +1038,26 @@ def test_route_passes_the_converted_request_to_the_cluster(
         ChatMessage(role="system", content="Be brief."),
         ChatMessage(role="user", content="hello"),
     )
-    assert (params.max_tokens, params.temperature, params.enable_thinking) == (7, 0, True)
+    assert (params.max_tokens, params.temperature, params.enable_thinking) == (17, 0, True)
+
+
+def test_max_output_tokens_below_openais_minimum_is_refused_as_openai_words_it(
+    client: openai.OpenAI, cluster: FakeCluster
+) -> None:
+    """OpenAI's least `max_output_tokens` is 16; below it, its 400 (param, code, sentence)."""
+    sent = len(cluster.commands)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.responses.create(model=MODEL, input="hello", max_output_tokens=10)
+    assert raised.value.body == {
+        "message": "Invalid 'max_output_tokens': integer below minimum value. Expected a value "
+        ">= 16, but got 10 instead.",
+        "type": "invalid_request_error",
+        "param": "max_output_tokens",
+        "code": "integer_below_min_value",
+    }
+    assert len(cluster.commands) == sent
+    client.responses.create(model=MODEL, input="hello", max_output_tokens=16)
+    assert cluster.commands[-1].params.max_tokens == 16
 
 
 def test_openai_client_sees_a_failed_stream(client: openai.OpenAI) -> None:

@@ -294,9 +294,11 @@ def describe_openai_validation_errors(
     path: str, errors: Sequence[Mapping[str, Any]]
 ) -> tuple[str, str | None, str | None]:
     """OpenAI's wording for a required field left out (code `missing_required_parameter`):
-    "Missing required parameter: 'messages[0].content'.", and for a value of the wrong type
+    "Missing required parameter: 'messages[0].content'.", for a value of the wrong type
     (code `invalid_type`): "Invalid type for 'max_tokens': expected an integer, but got a
-    string instead." (OpenAI names the first such field only);
+    string instead.", and for an integer under its minimum (code
+    `integer_below_min_value`): "Invalid 'max_output_tokens': integer below minimum value.
+    Expected a value >= 16, but got 10 instead." (OpenAI names the first such field only);
     `describe_validation_errors` for everything else.
 
     Returns:
@@ -306,6 +308,9 @@ def describe_openai_validation_errors(
     missing = _first_missing_field(errors)
     if missing is not None:
         return f"Missing required parameter: '{missing}'.", missing, "missing_required_parameter"
+    below = _first_integer_below_minimum(errors)
+    if below is not None:
+        return below
     mismatch = first_scalar_type_error(errors)
     if mismatch is None:
         return (*describe_validation_errors(errors), None)
@@ -316,6 +321,30 @@ def describe_openai_validation_errors(
         f"{_openai_kind(value)} instead."
     )
     return message, param, "invalid_type"
+
+
+def _first_integer_below_minimum(
+    errors: Sequence[Mapping[str, Any]],
+) -> tuple[str, str | None, str] | None:
+    """OpenAI's (message, param, code) when the first failing field is an integer under its
+    `ge` bound and fails for nothing else, else None."""
+    if not errors:
+        return None
+    first = errors[0]
+    location = tuple(first.get("loc", ()))
+    if any(tuple(error.get("loc", ())) == location for error in errors[1:]):
+        return None
+    value, bound = first.get("input"), (first.get("ctx") or {}).get("ge")
+    if first.get("type") != "greater_than_equal" or not all(
+        isinstance(number, int) and not isinstance(number, bool) for number in (value, bound)
+    ):
+        return None
+    param = param_from_location(location)
+    message = (
+        f"Invalid '{param}': integer below minimum value. Expected a value >= {bound}, but got "
+        f"{value} instead."
+    )
+    return message, param, "integer_below_min_value"
 
 
 def describe_plain_validation_errors(

@@ -97,7 +97,10 @@ class TokenChunk(FrozenModel):
     possible stop string spanned them). The last chunk of a stream has `finish_reason`
     and `usage` set; its texts may be empty.
 
-    `logprobs` has one entry per token in `token_ids` when the request asked for logprobs.
+    `logprobs` has one entry per token in `token_ids` when the request asked for logprobs,
+    except on a last chunk ended by a stop string: tokens whose text lies wholly in the stop
+    string or after it have none (their text is not in the answer, as llama-server leaves
+    them out).
     """
 
     kind: Literal["TokenChunk"] = "TokenChunk"

@@ -43,7 +43,8 @@ class EmbeddingTurns:
     def take(self, engine: Engine) -> None:
         """Take every waiting task into the job (started here, or joined while it runs); the
         refused ones are answered at once (a split instance's engine has no pooled states
-        on one rank: a 400 for each)."""
+        on one rank: a 400 for each, its code `invalid_model`: the model's placement is
+        at fault, not the input)."""
         tasks, self.waiting = self.waiting, []
         for task in tasks:
             self._send(TaskStatusReport(task_id=task.task_id, status=TaskRunning()))
@@ -56,6 +57,7 @@ class EmbeddingTurns:
                     model=task.params.model,
                     error_message=str(error),
                     status_code=400,
+                    error_code="invalid_model",
                 )
                 self._send_answer(task, chunk)
             return

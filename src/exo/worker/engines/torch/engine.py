@@ -358,7 +358,9 @@ class TorchEngine:
         if self.group is not None:
             raise ValueError(
                 f"embeddings and rerank need {self.card.model_id} placed whole on one node; "
-                "this instance is split across nodes"
+                "this instance is split across nodes: place one on a single node "
+                '(POST /place_instance with "node_ids": [<one node>]) and delete the split '
+                "one (DELETE /instance/<id>), or use a model that fits one node"
             )
         if self._embedding_backend is None:
             self._embedding_backend = DecoderEmbeddingBackend(
@@ -576,7 +578,8 @@ class TorchEngine:
         "json_object" or "json_schema", a forced tool call), "length" at `max_tokens`, the
         context limit or the KV budget) and `usage` (completion tokens count every sampled
         token, EOS included). With `params.logprobs` every piece carries one `TokenLogprob`
-        per token id. The text never ends inside a character: bytes of one left unfinished
+        per token id (but for the tokens a stop string cut from the text: `GeneratedPiece`).
+        The text never ends inside a character: bytes of one left unfinished
         when generation ends are dropped from the text (their tokens still count, their
         logprobs keep the exact bytes). Closing the generator cancels the request.
 

@@ -41,7 +41,10 @@ class GeneratedPiece:
     `token_ids` are the tokens whose text this piece completes (several when a character or
     a possible stop string spanned tokens; none for a final piece that only carries the
     finish reason). `finish_reason` and `usage` are set on the last piece only. `logprobs`
-    has one entry per token of `token_ids` when the request asked for logprobs, else none.
+    has one entry per token of `token_ids` when the request asked for logprobs, else none;
+    except that a final piece ended by a stop string has none for its tokens whose text
+    lies wholly in the stop string or after it (their text is not in the answer:
+    llama-server leaves them out too), so its `logprobs` may be shorter than `token_ids`.
     """
 
     text: str
@@ -99,6 +102,9 @@ class RequestState:
     speculative: SpeculativeMode | None = None
     _pending_ids: list[int] = field(default_factory=list)
     _pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Characters of text each pending token gave the stop matcher (0 for a token that
+    # only began a character), to find the tokens a stop string cuts.
+    _pending_text_lengths: list[int] = field(default_factory=list)
 
     @property
     def completion_tokens(self) -> int:
@@ -164,7 +170,7 @@ class RequestState:
             pieces += self._advance(token, None)
             if self.finished:
                 raise ValueError("the forced tokens end the request; nothing is left to generate")
-        self._pending_ids, self._pending_logprobs = [], []
+        self._pending_ids, self._pending_logprobs, self._pending_text_lengths = [], [], []
         return pieces
 
     def _advance(
@@ -174,7 +180,7 @@ class RequestState:
         its logprobs; None for a forced token, which has none)."""
         self.generated_ids.append(token)
         if token in self.eos_token_ids:
-            return [self._final(*_finish_text(self.detokenizer, self.stop_matcher), eos=True)]
+            return [self._final(*self._finish_text(), eos=True)]
         self.chooser.observe(token)
         self._pending_ids.append(token)
         if self.top_logprobs is not None and logits is not None:
@@ -183,19 +189,57 @@ class RequestState:
             self._pending_logprobs.append(self.logprob_of(scores, token, self.top_logprobs))
         pieces: list[GeneratedPiece] = []
         text = self.detokenizer.add_token(token)
+        self._pending_text_lengths.append(len(text))
         if text:
+            buffered = len(self.stop_matcher.held_text) + len(text)
             check = self.stop_matcher.feed(text)
             if check.stopped:
+                self._drop_cut_logprobs(buffered, len(check.text))
                 return [self._final(without_incomplete_end(check.text), check.stop)]
             if check.text:
                 ids, logprobs = tuple(self._pending_ids), tuple(self._pending_logprobs)
                 pieces.append(GeneratedPiece(check.text, ids, None, None, logprobs))
                 self._pending_ids, self._pending_logprobs = [], []
+                self._pending_text_lengths = []
         # A whole constrained document, or the token budget spent: nothing may follow.
         if self.chooser.is_complete or self.completion_tokens >= self.max_new_tokens:
-            final_text, stop = _finish_text(self.detokenizer, self.stop_matcher)
+            final_text, stop = self._finish_text()
             pieces.append(self._final(final_text, stop, eos=self.chooser.is_complete))
         return pieces
+
+    def _finish_text(self) -> tuple[str, str | None]:
+        """The text still held back when generation ends, and the stop string it completes
+        (None when it completes none). The text never ends with the bytes of an unfinished
+        character (`without_incomplete_end`)."""
+        flushed = self.detokenizer.flush()
+        buffered = len(self.stop_matcher.held_text) + len(flushed)
+        check = self.stop_matcher.feed(flushed)
+        if check.stopped:
+            if self._pending_text_lengths:  # the flushed bytes are the last tokens'
+                self._pending_text_lengths[-1] += len(flushed)
+            self._drop_cut_logprobs(buffered, len(check.text))
+            return without_incomplete_end(check.text), check.stop
+        return check.text + self.stop_matcher.flush(), None
+
+    def _drop_cut_logprobs(self, buffered: int, cut: int) -> None:
+        """Drop the logprobs of the pending tokens whose text starts at or after `cut`: the
+        stop string and what followed it, left out of the answer.
+
+        Args:
+            buffered: characters in the stop matcher's buffer when the stop was found (the
+                pending tokens' text is its end).
+            cut: where the answer's text ends in that buffer (the stop string's start).
+        """
+        if len(self._pending_logprobs) != len(self._pending_text_lengths):
+            return  # forced tokens (no logprobs) among them: nothing to align with
+        start = buffered - sum(self._pending_text_lengths)
+        kept = 0
+        for length in self._pending_text_lengths:
+            if start >= cut:
+                break
+            kept += 1
+            start += length
+        del self._pending_logprobs[kept:]
 
     def accept_drafts(
         self,
@@ -323,17 +367,5 @@ class RequestState:
         piece = GeneratedPiece(
             text, tuple(self._pending_ids), reason, usage, tuple(self._pending_logprobs), stop
         )
-        self._pending_ids, self._pending_logprobs = [], []
+        self._pending_ids, self._pending_logprobs, self._pending_text_lengths = [], [], []
         return piece
-
-
-def _finish_text(
-    detokenizer: StreamingDetokenizer, stop_matcher: StopSequenceMatcher
-) -> tuple[str, str | None]:
-    """The text still held back when generation ends, and the stop string it completes (None
-    when it completes none). The text never ends with the bytes of an unfinished character
-    (`without_incomplete_end`)."""
-    check = stop_matcher.feed(detokenizer.flush())
-    if check.stopped:
-        return without_incomplete_end(check.text), check.stop
-    return check.text + stop_matcher.flush(), None

@@ -2,7 +2,10 @@
 call's `arguments` and for a JSON-schema response format's whole answer.
 
 Supported (anything else is read as "any JSON value", so an unsupported schema never makes
-a valid call impossible):
+a valid call impossible). A response format's schema that is invalid or matches no value
+never gets here: the API refuses it first (`exo.shared.json_schema.find_unfollowable`), so
+the "any value" fallbacks below for an unknown `type` or an unsatisfiable `enum` only
+serve tool parameter schemas, which are not checked:
 
 - `type`: "string", "integer" (integer syntax only: no fraction or exponent), "number",
   "boolean", "null", "array", "object", or a list of these (any one of them).
@@ -35,6 +38,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from exo.shared.json_schema import (
+    ANY_KIND,
+    ARRAY,
+    BOOLEAN,
+    INTEGER,
+    NULL,
+    NUMBER,
+    OBJECT,
+    STRING,
+    kinds_of,
+    value_fits,
+)
 from exo.worker.engines.torch.decoding.json_lexing import (
     ARRAY_FIRST,
     COLON,
@@ -53,24 +68,6 @@ from exo.worker.engines.torch.decoding.json_lexing import (
     STRING as STRING_MODE,  # STRING: a kind here
 )
 
-# Kinds of value a schema allows (a bit mask).
-STRING = 1
-INTEGER = 2
-NUMBER = 4  # includes integers
-BOOLEAN = 8
-NULL = 16
-ARRAY = 32
-OBJECT = 64
-ANY_KIND = STRING | INTEGER | NUMBER | BOOLEAN | NULL | ARRAY | OBJECT
-_KIND_NAMES = {
-    "string": STRING,
-    "integer": INTEGER,
-    "number": NUMBER,
-    "boolean": BOOLEAN,
-    "null": NULL,
-    "array": ARRAY,
-    "object": OBJECT,
-}
 # Keywords whose meaning this subset does not follow: the schema becomes "any value".
 _UNSUPPORTED = ("anyOf", "oneOf", "allOf", "$ref", "not", "if")
 # Keywords after which a top-level object without `properties` still takes keys.
@@ -149,32 +146,6 @@ _BOOLEAN_LITERALS = ValueSchema(literals=Literals.of(("true", "false")))
 _NULL_LITERAL = ValueSchema(literals=Literals.of(("null",)))
 
 
-def _kinds_of(type_field: Any) -> int:
-    names = type_field if isinstance(type_field, list) else [type_field]
-    kinds = 0
-    for name in names:
-        if isinstance(name, str):
-            kinds |= _KIND_NAMES.get(name, 0)
-    return kinds
-
-
-def _fits(value: Any, kinds: int) -> bool:
-    """Whether an enum value has one of the kinds (bool is not a number here)."""
-    if isinstance(value, bool):
-        return bool(kinds & BOOLEAN)
-    if isinstance(value, int):
-        return bool(kinds & (INTEGER | NUMBER))
-    if isinstance(value, float):
-        return bool(kinds & NUMBER) or (bool(kinds & INTEGER) and value.is_integer())
-    if isinstance(value, str):
-        return bool(kinds & STRING)
-    if value is None:
-        return bool(kinds & NULL)
-    if isinstance(value, list):
-        return bool(kinds & ARRAY)
-    return isinstance(value, dict) and bool(kinds & OBJECT)
-
-
 def _literal_text(value: Any) -> str | None:
     try:
         return json.dumps(value, allow_nan=False)
@@ -189,12 +160,12 @@ def compile_schema(schema: Any, depth: int = 0) -> ValueSchema:
         return ANY_VALUE
     if any(keyword in schema for keyword in _UNSUPPORTED):
         return ANY_VALUE
-    kinds = _kinds_of(schema["type"]) if "type" in schema else ANY_KIND
+    kinds = kinds_of(schema["type"]) if "type" in schema else ANY_KIND
     if kinds == 0:  # an unknown type name only
         kinds = ANY_KIND
     if isinstance(schema.get("enum"), list) or "const" in schema:
         values = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]]
-        texts = [_literal_text(value) for value in values if _fits(value, kinds)]
+        texts = [_literal_text(value) for value in values if value_fits(value, kinds)]
         present = [text for text in texts if text is not None]
         # An unsatisfiable enum falls back to any value rather than to a dead end.
         return ValueSchema(literals=Literals.of(present)) if present else ANY_VALUE
@@ -247,7 +218,7 @@ def compile_arguments_schema(parameters: Mapping[str, Any]) -> ValueSchema:
         return ValueSchema(kinds=OBJECT, keys=_compile_keys(schema, 0))
     if any(keyword in schema for keyword in _OPEN_OBJECT):
         return ANY_OBJECT
-    return NO_PARAMETERS if _kinds_of(schema.get("type", "object")) & OBJECT else ANY_OBJECT
+    return NO_PARAMETERS if kinds_of(schema.get("type", "object")) & OBJECT else ANY_OBJECT
 
 
 def compile_document_schema(schema: Mapping[str, Any]) -> ValueSchema:

@@ -159,7 +159,7 @@ def test_a_rank_of_a_split_instance_refuses_embeddings(tiny_engine: TorchEngine)
     """Pooling needs the final norm's states of the whole model on one rank: a split
     instance's rank 0 refuses (the runner answers the request with a 400)."""
     tiny_engine.group = cast(Any, object())
-    with pytest.raises(ValueError, match="split across nodes"):
+    with pytest.raises(ValueError, match="split across nodes: place one on a single node"):
         tiny_engine.embedding_backend()
 
 
