@@ -59,7 +59,9 @@ def test_openai_embeddings_refusals(default_node: ExoNode) -> None:
         assert isinstance(body, dict) and body["param"] == param, (kwargs, body)
         if "dimensions" not in kwargs and kwargs["input"]:
             assert body["code"] == "context_length_exceeded"
-            assert body["message"].startswith("This model's maximum context length is 8192")
+            assert body["message"].startswith(
+                "Invalid 'input': maximum context length is 8192 tokens."
+            )
     rerank = httpx.post(
         f"{default_node.url}/v1/rerank",
         json={"model": DEFAULT_MODEL_ID, "query": "q", "documents": ["a"]},

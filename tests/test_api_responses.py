@@ -82,7 +82,7 @@ def test_plain_streaming_and_stream_helper_agree(default_node: ExoNode) -> None:
 def test_instructions_and_history_reach_the_model(default_node: ExoNode) -> None:
     client = client_for(default_node)
     alone = client.responses.create(
-        model=DEFAULT_MODEL_ID, input=QUESTION, temperature=0, max_output_tokens=5
+        model=DEFAULT_MODEL_ID, input=QUESTION, temperature=0, max_output_tokens=16
     )
     history: list[Any] = [
         {"role": "user", "content": QUESTION},

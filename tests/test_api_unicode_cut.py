@@ -16,8 +16,10 @@ from exo.worker.engines.torch.decoding.vocabulary import split_incomplete_utf8
 
 PROMPT = "Repeat exactly: 你好 😀 ✓ 🇫🇷 👨\u200d👩\u200d👧 日本語"
 MESSAGES: list[Any] = [{"role": "user", "content": PROMPT}]
-# The greedy answer repeats the emoji at once: a dozen tokens hold several cuts inside one.
-CALIBRATION_TOKENS = 8
+# The greedy answer repeats the emoji: its first tokens hold several cuts inside one.
+CALIBRATION_TOKENS = 40
+# The cut is looked for at or past OpenAI Responses' smallest `max_output_tokens`.
+SMALLEST_CUT = 16
 REPLACEMENT = "\ufffd"
 
 
@@ -39,7 +41,7 @@ def cut_inside_a_character(node: ExoNode) -> tuple[int, str]:
     assert response.status_code == 200, response.text
     entries = response.json()["choices"][0]["logprobs"]["content"]
     token_bytes = [bytes(entry["bytes"]) for entry in entries]
-    for max_tokens in range(len(token_bytes) - 1, 0, -1):
+    for max_tokens in range(len(token_bytes) - 1, SMALLEST_CUT - 1, -1):
         whole, unfinished = split_incomplete_utf8(b"".join(token_bytes[:max_tokens]))
         if unfinished:
             return max_tokens, whole.decode("utf-8")
