@@ -110,7 +110,7 @@ class Node:
         self.event_log = EventLog(event_log_path())
         state = self.event_log.load()
         if state.last_event_applied_idx >= 0:
-            events = len(self.event_log.events)
+            events = self.event_log.held
             last = state.last_event_applied_idx
             logger.info(history_summary(events, self.event_log.base_idx, last))
         # What this node ran before it stopped, decided now: later events are this run's.

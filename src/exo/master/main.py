@@ -171,16 +171,12 @@ class Master:
         # Events this master emitted before a short election round may not have come back
         # to the node's replica yet; the log holds them, and the next index follows them.
         for indexed_event in self._event_log.events_from(
-            self.state.last_event_applied_idx + 1, len(self._event_log.events)
+            self.state.last_event_applied_idx + 1, self._event_log.held
         ):
             self.state = apply(self.state, indexed_event)
         self._activated_at = self._now()
         # Commands answered in the log, and those a snapshot compacted (their outcomes).
-        self._done_commands = set(self.state.command_outcomes) | {
-            command_id
-            for indexed_event in self._event_log.events
-            if (command_id := command_id_of(indexed_event.event)) is not None
-        }
+        self._done_commands = set(self.state.command_outcomes) | self._event_log.command_ids()
         logger.info(f"master: active from event {self.state.last_event_applied_idx + 1}")
         if self.state.last_event_applied_idx < 0:
             self.emit([ClusterHistoryStarted(history_id=uuid.uuid4().hex, master=self.node_id)])

@@ -43,7 +43,8 @@ from loguru import logger
 from pydantic import ValidationError
 
 from exo.node.event_log_upgrade import needs_upgrade, upgrade_json
-from exo.shared.apply import apply_all
+from exo.shared.apply import apply_all, command_outcome
+from exo.shared.types.common import CommandId
 from exo.shared.types.events import IndexedEvent
 from exo.shared.types.state import State
 
@@ -63,8 +64,12 @@ NOT_HISTORY = frozenset({"published_by"})
 def event_digest(indexed_event: IndexedEvent) -> str:
     """A short fingerprint of one indexed event; two nodes whose events at the same index
     differ hold different histories (whoever published their copies)."""
-    body = indexed_event.model_dump_json(exclude=set(NOT_HISTORY))
-    return hashlib.sha256(body.encode()).hexdigest()[:16]
+    return _body_digest(indexed_event.model_dump_json(exclude=set(NOT_HISTORY)).encode())
+
+
+def _body_digest(body: bytes) -> str:
+    """`event_digest` of the event whose history JSON (`encode_record`'s body) is `body`."""
+    return hashlib.sha256(body).hexdigest()[:16]
 
 
 def history_summary(events_after_snapshot: int, snapshot_idx: int, last_idx: int) -> str:
@@ -158,7 +163,15 @@ def write_atomically(path: Path, data: bytes) -> None:
 
 
 class EventLog:
-    """A node's history on disk: the latest snapshot and the events after it (`events`)."""
+    """A node's history on disk: the latest snapshot and the events after it (`events`).
+
+    The events after the snapshot are also held in memory, to replay them (`events_from`):
+    as their log records (`encode_record`'s bytes, ~0.5 KB each), not as event objects.
+    Decoded, an event with its nested models took ~6 KB of the node's memory, and the log
+    holds up to `SNAPSHOT_EVERY_EVENTS` of them (a request makes about six), so a node's
+    memory grew by ~50 MB between compactions (soak, 2026-12-07: docs/testing.md).
+    Replaying decodes the records asked for.
+    """
 
     def __init__(
         self,
@@ -173,9 +186,11 @@ class EventLog:
         self._file: IO[bytes] | None = None
         self._log_bytes = 0
         self.snapshot: Snapshot | None = None
-        self.events: list[IndexedEvent] = []
-        self._last_digest: tuple[IndexedEvent, str] | None = None
-        """The events after the snapshot, in index order."""
+        self._records: list[bytes] = []
+        """The events after the snapshot, in index order, as their log records."""
+        self._command_ids: list[CommandId | None] = []
+        """Per record, the command its event answers (`command_outcome`), if any."""
+        self._last_digest: tuple[int, str] | None = None
         self._loaded = False
         self._snapshot_upgraded = False
 
@@ -189,8 +204,9 @@ class EventLog:
         self._loaded = True
         self._snapshot_upgraded = False
         self.snapshot = self._read_snapshot()
-        self.events = self._read_log()
-        state = apply_all(self.snapshot.state if self.snapshot else State(), self.events)
+        events = self._read_log()
+        self._hold(events, [encode_record(event) for event in events], replace=True)
+        state = apply_all(self.snapshot.state if self.snapshot else State(), events)
         if self._snapshot_upgraded and state.last_event_applied_idx >= 0:
             logger.info(f"{self.snapshot_path}: protocol 0.1 snapshot converted to today's shapes")
             self.write_snapshot(state)
@@ -201,7 +217,23 @@ class EventLog:
     def read_all(self) -> list[IndexedEvent]:
         """`load`, then the events after the snapshot."""
         self.load()
-        return list(self.events)
+        return self.events
+
+    def _hold(
+        self, events: list[IndexedEvent], records: list[bytes], replace: bool = False
+    ) -> None:
+        """Keep `records` (those of `events`) in memory after the ones held, or instead of
+        them."""
+        command_ids = [
+            answered[0] if (answered := command_outcome(event)) is not None else None
+            for event in events
+        ]
+        if replace:
+            self._records, self._command_ids = records, command_ids
+            self._last_digest = None
+        else:
+            self._records.extend(records)
+            self._command_ids.extend(command_ids)
 
     def _read_snapshot(self) -> Snapshot | None:
         if not self.snapshot_path.exists():
@@ -287,7 +319,24 @@ class EventLog:
     @property
     def last_idx(self) -> int:
         self._ensure_loaded()
-        return self.base_idx + len(self.events)
+        return self.base_idx + len(self._records)
+
+    @property
+    def held(self) -> int:
+        """How many events follow the snapshot."""
+        self._ensure_loaded()
+        return len(self._records)
+
+    @property
+    def events(self) -> list[IndexedEvent]:
+        """The events after the snapshot, in index order (decoded: for tests and start-up;
+        `events_from` replays a part)."""
+        return self.events_from(self.base_idx + 1, self.held)
+
+    def command_ids(self) -> set[CommandId]:
+        """The commands the held events answer."""
+        self._ensure_loaded()
+        return {command_id for command_id in self._command_ids if command_id is not None}
 
     def digest_at(self, idx: int) -> str | None:
         """`event_digest` of the event at `idx`, None when this node does not hold it
@@ -296,20 +345,19 @@ class EventLog:
         if self.snapshot is not None and idx == self.snapshot.idx:
             return self.snapshot.last_event_digest
         offset = idx - self.base_idx - 1
-        if not 0 <= offset < len(self.events):
+        if not 0 <= offset < len(self._records):
             return None
-        event = self.events[offset]
-        # Every election heartbeat asks for the last event's digest (twice a second): the
-        # same event object has the same digest, so it is computed once.
-        if self._last_digest is None or self._last_digest[0] is not event:
-            self._last_digest = (event, event_digest(event))
+        # Every election heartbeat asks for the last event's digest (twice a second): it
+        # is computed once per index. A record's body is the JSON `event_digest` hashes.
+        if self._last_digest is None or self._last_digest[0] != idx:
+            self._last_digest = (idx, _body_digest(self._records[offset][9:-1]))
         return self._last_digest[1]
 
     def events_from(self, first_idx: int, limit: int) -> list[IndexedEvent]:
         """Up to `limit` held events from index `first_idx` on (compacted ones are not)."""
         self._ensure_loaded()
         offset = max(0, first_idx - self.base_idx - 1)
-        return self.events[offset : offset + limit]
+        return [decode_record(record[:-1]) for record in self._records[offset : offset + limit]]
 
     # -- writing -----------------------------------------------------------------------
 
@@ -335,7 +383,7 @@ class EventLog:
             record = encode_record(event)
             self._file.write(record)
             self._log_bytes += len(record)
-            self.events.append(event)
+            self._hold([event], [record])
         self._file.flush()
         os.fsync(self._file.fileno())
 
@@ -371,13 +419,14 @@ class EventLog:
             "bytes": len(body),
         }
         write_atomically(self.snapshot_path, json.dumps(header).encode() + b"\n" + body)
-        tail = [event for event in self.events if event.idx > idx]
-        if tail and tail[0].idx != idx + 1:
-            tail = []
+        # The held records run from index base_idx + 1 without a gap: the tail after idx
+        # starts idx - base_idx records in (none when the snapshot is older than them).
+        start = idx - self.base_idx
+        self._records = self._records[start:] if start >= 0 else []
+        self._command_ids = self._command_ids[start:] if start >= 0 else []
         self.snapshot = Snapshot(idx=idx, last_event_digest=digest, state=state)
-        self.events = tail
         self.close()
-        data = b"".join(encode_record(event) for event in tail)
+        data = b"".join(self._records)
         write_atomically(self.path, data)
         self._log_bytes = len(data)
 
@@ -385,7 +434,8 @@ class EventLog:
         """Start an empty history, keeping the old log (and snapshot) beside it, for a
         node that joins a cluster with another history. Returns where the old log went."""
         self.close()
-        self.events = []
+        self._records, self._command_ids = [], []
+        self._last_digest = None
         self.snapshot = None
         self._log_bytes = 0
         self._loaded = True

@@ -10,7 +10,8 @@ from exo.node.event_log import (
     encode_record,
     event_digest,
 )
-from exo.shared.types.common import NodeId, RunnerId
+from exo.shared.apply import apply_all
+from exo.shared.types.common import CommandId, NodeId, RunnerId
 from exo.shared.types.events import (
     ClusterHistoryStarted,
     IndexedEvent,
@@ -18,6 +19,7 @@ from exo.shared.types.events import (
     RunnerDeleted,
     TaskCreated,
 )
+from exo.shared.types.state import State
 from exo.testing.builders import indexed, make_node_info, make_params, make_text_generation_task
 
 EVENTS = indexed(
@@ -232,24 +234,55 @@ def test_reset_without_a_file_archives_nothing(tmp_path: Path) -> None:
 def test_the_digest_of_an_event_is_computed_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Election heartbeats ask for the last event's digest twice a second."""
+    """Election heartbeats ask for the last event's digest twice a second: hashed once per
+    index, from the held record, equal to `event_digest` of the event."""
     log = EventLog(tmp_path / "events.jsonl")
     log.append(EVENTS)
-    computed: list[int] = []
+    later = indexed([RunnerDeleted(runner_id=RunnerId("runner-3"))], start=3)
+    expected = {event.idx: event_digest(event) for event in [*EVENTS, *later]}
+    hashed: list[bytes] = []
+    hash_body = event_log._body_digest
 
-    def counting_digest(event: IndexedEvent) -> str:
-        computed.append(event.idx)
-        return event_digest(event)
+    def counting_digest(body: bytes) -> str:
+        hashed.append(body)
+        return hash_body(body)
 
-    monkeypatch.setattr(event_log, "event_digest", counting_digest)
-    digests = [log.digest_at(2) for _ in range(5)]
-    assert digests == [event_digest(EVENTS[2])] * 5
-    assert computed == [2]
-    assert log.digest_at(1) == event_digest(EVENTS[1])
-    log.append(indexed([RunnerDeleted(runner_id=RunnerId("runner-3"))], start=3))
-    assert log.digest_at(3) == event_digest(log.read_all()[3])
-    assert computed == [2, 1, 3]
+    monkeypatch.setattr(event_log, "_body_digest", counting_digest)
+    assert [log.digest_at(2) for _ in range(5)] == [expected[2]] * 5
+    assert len(hashed) == 1
+    assert log.digest_at(1) == expected[1]
+    log.append(later)
+    assert log.digest_at(3) == expected[3]
+    assert len(hashed) == 3
     log.close()
+
+
+def test_held_events_replay_and_name_their_commands(tmp_path: Path) -> None:
+    """The log holds its events as records: replaying them (`events_from`, `events`) gives
+    the events appended, before and after a reload and a compaction, and `command_ids` the
+    commands they answer."""
+    events = indexed(
+        [
+            *(event.event for event in EVENTS),
+            TaskCreated(task=make_text_generation_task(task_id="task-7")),
+            TaskCreated(task=make_text_generation_task(task_id="task-8")),
+        ]
+    )
+    log = EventLog(tmp_path / "events.jsonl")
+    log.append(events)
+    assert log.events == events
+    assert log.events_from(1, 2) == events[1:3]
+    assert log.command_ids() == {CommandId("command-task-7"), CommandId("command-task-8")}
+    log.close()
+    reloaded = EventLog(tmp_path / "events.jsonl")
+    state = reloaded.load()
+    assert reloaded.events == events and reloaded.held == len(events)
+    assert reloaded.command_ids() == {CommandId("command-task-7"), CommandId("command-task-8")}
+    reloaded.write_snapshot(apply_all(State(), events[:4]))  # task-7's event compacted
+    assert reloaded.events == events[4:] and reloaded.base_idx == 3
+    assert reloaded.last_idx == state.last_event_applied_idx
+    assert reloaded.command_ids() == {CommandId("command-task-8")}
+    reloaded.close()
 
 
 def test_the_publishing_master_is_not_part_of_the_history(tmp_path: Path) -> None:
