@@ -1,7 +1,9 @@
 """JSON Schema facts the API and the engine's schema constraint share: the kinds of value a
 `type` names, whether a value is of a kind, and `find_unfollowable`, which tells the API to
 refuse a response schema no answer can follow (rather than answer with output that ignores
-it, as the constraint's "any value" fallback would).
+it, as the constraint's "any value" fallback would). A tool's parameter schema is checked
+for validity only (`find_invalid`): OpenAI and Anthropic refuse an invalid one, and a tool
+whose arguments cannot exist is the client's concern, not a reason to refuse its request.
 
 A schema is refused (the first problem found, depth first, in the order its keywords are
 written) when it is not valid JSON Schema — as draft 2020-12's meta-schema has it for the
@@ -9,7 +11,8 @@ keywords below, earlier drafts' tuple `items`, boolean `exclusiveMinimum` and
 `definitions` included — or when a subschema in it matches no value at all:
 
 - invalid: `type` not one of the seven type names or a non-empty list of them without
-  repeats; `enum` not a list; `required` not a list of strings; a subschema (the values of
+  repeats; `enum` not a list; `pattern`, `format`, `$ref`, `title`, `description` not a
+  string; `uniqueItems` not a boolean; `required` not a list of strings; a subschema (the values of
   `properties`, `patternProperties`, `$defs`, `items`, `not`, the members of `anyOf`,
   `oneOf`, `allOf`, ...) neither an object nor a boolean; `anyOf`/`oneOf`/`allOf` not a
   non-empty list; a length or count keyword (`minLength`, `maxItems`, ...) not a
@@ -68,6 +71,7 @@ _COUNTS = (
     "minContains", "maxContains",
 )  # fmt: skip
 _NUMBERS = ("minimum", "maximum")
+_STRINGS = ("pattern", "format", "$ref", "title", "description")
 _NUMBERS_OR_FLAGS = ("exclusiveMinimum", "exclusiveMaximum")  # a flag in draft 4
 _BOUNDS = (
     ("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
@@ -131,18 +135,35 @@ def find_unfollowable(schema: Any) -> SchemaProblem | None:
     """
     if schema is False:
         return SchemaProblem((), "the schema false matches no value")
-    return next(_problems(schema, ()), None)
+    return next(_problems(schema, (), satisfiable=True), None)
 
 
-def _problems(schema: Any, context: tuple[str, ...]) -> Iterator[SchemaProblem]:
+def find_invalid(schema: Any) -> SchemaProblem | None:
+    """The first way `schema` is not valid JSON Schema (the "invalid" list of the module
+    docstring), or None; a valid schema that matches no value passes.
+
+    Args:
+        schema: a tool's parameter schema, as the client sent it (parsed JSON).
+
+    Returns:
+        the problem and where it is, or None when the schema is valid.
+    """
+    return next(_problems(schema, (), satisfiable=False), None)
+
+
+def _problems(
+    schema: Any, context: tuple[str, ...], *, satisfiable: bool
+) -> Iterator[SchemaProblem]:
+    """Problems of `schema` and its subschemas; those of matching no value too when
+    `satisfiable` (the schema must be one some value can follow)."""
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
         yield SchemaProblem(context, f"a schema is an object or a boolean, not {_kind(schema)}")
         return
     yield from _invalid_values(schema, context)
-    yield from _subschema_problems(schema, context)
-    reason = _matches_nothing(schema)
+    yield from _subschema_problems(schema, context, satisfiable=satisfiable)
+    reason = _matches_nothing(schema) if satisfiable else None
     if reason is not None:
         yield SchemaProblem(context, reason)
 
@@ -171,29 +192,34 @@ def _invalid_values(schema: dict[str, Any], context: tuple[str, ...]) -> Iterato
             yield SchemaProblem(context, f"'{keyword}' must be a number")
     if _is_number(schema.get("multipleOf", 1)) and schema.get("multipleOf", 1) <= 0:
         yield SchemaProblem(context, "'multipleOf' must be greater than 0")
+    for keyword in _STRINGS:
+        if keyword in schema and not isinstance(schema[keyword], str):
+            yield SchemaProblem(context, f"'{keyword}' must be a string")
+    if "uniqueItems" in schema and not isinstance(schema["uniqueItems"], bool):
+        yield SchemaProblem(context, "'uniqueItems' must be a boolean")
 
 
 def _subschema_problems(
-    schema: dict[str, Any], context: tuple[str, ...]
+    schema: dict[str, Any], context: tuple[str, ...], *, satisfiable: bool
 ) -> Iterator[SchemaProblem]:
     for keyword, value in schema.items():
         here = (*context, keyword)
         if keyword in _SUBSCHEMA or (keyword == "items" and not isinstance(value, list)):
-            yield from _problems(value, here)
+            yield from _problems(value, here, satisfiable=satisfiable)
         elif keyword in _SUBSCHEMA_MAPS:
             if not isinstance(value, dict):
                 yield SchemaProblem(here, f"'{keyword}' must be an object of schemas")
                 continue
             for name, subschema in value.items():
-                yield from _problems(subschema, (*here, str(name)))
+                yield from _problems(subschema, (*here, str(name)), satisfiable=satisfiable)
         elif keyword in _SUBSCHEMA_LISTS or keyword == "items":
             if not isinstance(value, list) or (keyword != "prefixItems" and not value):
                 yield SchemaProblem(here, f"'{keyword}' must be a non-empty array of schemas")
                 continue
             for index, subschema in enumerate(value):
-                yield from _problems(subschema, (*here, str(index)))
+                yield from _problems(subschema, (*here, str(index)), satisfiable=satisfiable)
     properties = schema.get("properties")
-    if isinstance(properties, dict) and isinstance(schema.get("required"), list):
+    if satisfiable and isinstance(properties, dict) and isinstance(schema.get("required"), list):
         for name in schema["required"]:
             if properties.get(name) is False:
                 yield SchemaProblem(

@@ -60,6 +60,7 @@ from exo.api.wire.errors import InvalidRequestError
 from exo.api.wire.images import NO_VISION, ImageReader
 from exo.api.wire.response_schema import check_response_schema
 from exo.api.wire.sampling import sampling_fields
+from exo.shared.json_schema import find_invalid
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     IMAGE_MARKER,
@@ -152,7 +153,8 @@ def to_task_params(
     Raises:
         InvalidRequestError: a turn with empty content (`""` or `[]`) other than a final
             assistant turn, document input, image input for a model without vision or
-            an image that cannot be read, server tools, block types exo does
+            an image that cannot be read, server tools, a tool's `input_schema` that is
+            not valid JSON Schema, block types exo does
             not model, blocks in the wrong role, or fields that contradict each other (a
             `tool_choice` naming a tool not in `tools`, `output_config.format` with a
             forced tool call).
@@ -233,6 +235,15 @@ def _tool_definition(tool: ToolParam, index: int) -> ToolDefinition:
         raise InvalidRequestError(
             f"tools.{index}.input_schema.type: Input should be 'object'",
             f"tools.{index}.input_schema.type",
+        )
+    problem = find_invalid(tool.input_schema)
+    if problem is not None:
+        # Anthropic's wording (it names the tool's union member, `custom`), then where.
+        raise InvalidRequestError(
+            f"tools.{index}.custom.input_schema: JSON schema is invalid. It must match JSON "
+            f"Schema draft 2020-12 (https://json-schema.org/draft/2020-12). In "
+            f"context={problem.context!r}, {problem.reason}.",
+            f"tools.{index}.input_schema",
         )
     return ToolDefinition(
         name=tool.name, description=tool.description, parameters=tool.input_schema

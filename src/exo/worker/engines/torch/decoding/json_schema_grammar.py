@@ -3,9 +3,10 @@ call's `arguments` and for a JSON-schema response format's whole answer.
 
 Supported (anything else is read as "any JSON value", so an unsupported schema never makes
 a valid call impossible). A response format's schema that is invalid or matches no value
-never gets here: the API refuses it first (`exo.shared.json_schema.find_unfollowable`), so
-the "any value" fallbacks below for an unknown `type` or an unsatisfiable `enum` only
-serve tool parameter schemas, which are not checked:
+never gets here: the API refuses it first (`exo.shared.json_schema.find_unfollowable`).
+Tool parameter schemas are checked for validity only (`find_invalid`), so the "any value"
+fallback below for an unsatisfiable `enum` serves them; the one for an unknown `type`
+only guards callers that skip the API's checks:
 
 - `type`: "string", "integer" (integer syntax only: no fraction or exponent), "number",
   "boolean", "null", "array", "object", or a list of these (any one of them).
