@@ -12,31 +12,33 @@ keywords below, earlier drafts' tuple `items`, boolean `exclusiveMinimum` and
 
 - invalid: `type` not one of the seven type names or a non-empty list of them without
   repeats; `enum` not a list; `pattern`, `format`, `$ref`, `title`, `description` not a
-  string; `uniqueItems` not a boolean; `required` not a list of strings; a subschema (the values of
-  `properties`, `patternProperties`, `$defs`, `items`, `not`, the members of `anyOf`,
-  `oneOf`, `allOf`, ...) neither an object nor a boolean; `anyOf`/`oneOf`/`allOf` not a
+  string; `uniqueItems` not a boolean; `required` not a list of strings; a subschema (the
+  values of `properties`, `patternProperties`, `$defs`, `items`, `not`, the members of
+  `anyOf`, `oneOf`, `allOf`, ...) neither an object nor a boolean; `anyOf`/`oneOf`/`allOf` not a
   non-empty list; a length or count keyword (`minLength`, `maxItems`, ...) not a
   non-negative integer, a numeric bound not a number, `multipleOf` not above 0.
 - matches nothing: `false` as the whole schema or as a required property's schema; an
   object schema with an empty `enum`, with no `enum`/`const` value of the `type` it names
   (`{"type": "integer", "const": "a"}`), with a `const` outside its `enum`, with `not` of
   a schema that matches everything (`{}`, `true`), with `allOf` holding a schema that
-  matches nothing or `anyOf`/`oneOf` holding only such schemas, or with a lower bound above
+  matches nothing or `anyOf`/`oneOf` holding only such schemas, with a lower bound above
   its upper bound (`minimum`/`maximum`, `minLength`/`maxLength`, `minItems`/`maxItems`,
-  `minProperties`/`maxProperties`).
+  `minProperties`/`maxProperties`), or whose `type`, `enum`/`const` and `allOf`/`anyOf`/
+  `oneOf` members allow no type of value in common (`{"allOf": [{"type": "string"},
+  {"type": "integer"}]}`; an integer is a number).
 
 What the constraint does not enforce (`$ref`, `anyOf`, patterns, formats, bounds: docs/api.md,
 "Structured output") is otherwise accepted as it is: only contradictions are refused, not
 what is merely unsupported. `false` elsewhere (`additionalProperties: false`, an optional
-property `false`) is the usual way to forbid something and stays valid. Contradictions
-that need reasoning across keywords (`allOf` of a string and an integer schema, a `$ref`
-to a schema that matches nothing) are not looked for.
+property `false`) is the usual way to forbid something and stays valid (the constraint
+never writes such a property). Contradictions other than of types (`allOf` of two
+different `const`s, a `$ref` to a schema that matches nothing) are not looked for.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -255,7 +257,55 @@ def _matches_nothing(schema: dict[str, Any]) -> str | None:
         lower, upper = schema.get(low), schema.get(high)
         if _is_number(lower) and _is_number(upper) and lower > upper:
             return f"'{low}' ({lower}) is above '{high}' ({upper})"
+    combined = [keyword for keyword in _COMBINATORS if isinstance(schema.get(keyword), list)]
+    if combined and _allowed_kinds(schema) == 0:
+        restricting = [keyword for keyword in ("type", "enum", "const") if keyword in schema]
+        return (
+            f"the types of value allowed by {', '.join(map(repr, restricting + combined))} have "
+            "none in common, so no value matches"
+        )
     return None
+
+
+_COMBINATORS = ("allOf", "anyOf", "oneOf")
+
+
+def _allowed_kinds(schema: Any) -> int:
+    """The kinds of value `schema` may match as far as its `type`, `enum`/`const` and
+    combinators' members say (a bit mask; NUMBER includes INTEGER here)."""
+    if schema is False:
+        return 0
+    if not isinstance(schema, dict):
+        return ANY_KIND
+    kinds = _with_integers(kinds_of(schema["type"])) if "type" in schema else ANY_KIND
+    values = schema["enum"] if isinstance(schema.get("enum"), list) else None
+    if "const" in schema:
+        values = [schema["const"]]
+    if values is not None:
+        kinds &= _or(_value_kinds(value) for value in values)
+    all_of = schema.get("allOf")
+    for member in all_of if isinstance(all_of, list) else ():
+        kinds &= _allowed_kinds(member)
+    for keyword in ("anyOf", "oneOf"):
+        members = schema.get(keyword)
+        if isinstance(members, list) and members:
+            kinds &= _or(_allowed_kinds(member) for member in members)
+    return kinds
+
+
+def _with_integers(kinds: int) -> int:
+    return kinds | INTEGER if kinds & NUMBER else kinds
+
+
+def _value_kinds(value: Any) -> int:
+    return _or(kind for kind in KIND_NAMES.values() if value_fits(value, kind))
+
+
+def _or(masks: Iterable[int]) -> int:
+    combined = 0
+    for mask in masks:
+        combined |= mask
+    return combined
 
 
 def _matches_nothing_at_all(schema: Any) -> bool:

@@ -46,6 +46,19 @@ REFUSED: list[tuple[Any, tuple[str, ...], str]] = [
     ),
     ({"anyOf": [{"type": "string"}, {"type": "bar"}]}, ("anyOf", "1"), "'bar' is not a valid"),
     ({"$defs": {"x": {"not": True}}}, ("$defs", "x"), "'not' holds a schema"),
+    (
+        {"allOf": [{"type": "string"}, {"type": "integer"}]},
+        (),
+        "the types of value allowed by 'allOf' have none in common",
+    ),
+    (
+        {"type": "object", "properties": {"a": {"allOf": [{"type": "null"}, {"const": 1}]}}},
+        ("properties", "a"),
+        "allowed by 'allOf' have none",
+    ),
+    ({"type": "integer", "anyOf": [{"type": "string"}, {"type": "null"}]}, (), "'type', 'any"),
+    ({"enum": [1.5], "allOf": [{"type": "integer"}]}, (), "by 'enum', 'allOf' have none"),
+    ({"allOf": [{"allOf": [{"type": "array"}]}, {"oneOf": [{"type": "object"}]}]}, (), "none"),
 ]
 
 
@@ -74,6 +87,10 @@ ACCEPTED: list[Any] = [
     {"type": "object", "properties": {"a": False}, "additionalProperties": False},
     {"not": {"type": "string"}},
     {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]},
+    {"allOf": [{"type": "number"}, {"type": "integer"}]},  # an integer is a number
+    {"type": "number", "allOf": [{"enum": [2.0, "a"]}]},
+    {"allOf": [{"type": ["string", "null"]}, {"anyOf": [{"type": "null"}, {"minimum": 1}]}]},
+    {"allOf": [{"minimum": 1}, {"type": "integer"}, True]},
 ]
 
 
