@@ -152,10 +152,10 @@ def to_task_params(
 
     Raises:
         InvalidRequestError: a turn with empty content (`""` or `[]`) other than a final
-            assistant turn, document input, image input for a model without vision or
-            an image that cannot be read, server tools, a tool's `input_schema` that is
-            not valid JSON Schema, block types exo does
-            not model, blocks in the wrong role, or fields that contradict each other (a
+            assistant turn, an empty text block in any turn, document input, image input
+            for a model without vision or an image that cannot be read, server tools, a
+            tool's `input_schema` that is not valid JSON Schema, block types exo does not
+            model, blocks in the wrong role, or fields that contradict each other (a
             `tool_choice` naming a tool not in `tools`, `output_config.format` with a
             forced tool call).
     """
@@ -303,6 +303,8 @@ def _conversation(request: CountTokensRequest, images: ImageReader) -> tuple[Cha
                 "final assistant message",
                 f"{where}.content",
             )
+        if not isinstance(message.content, str):
+            _refuse_empty_text_blocks(message.content, where)
         if message.role == "system":
             # Rendered where it is, or folded into the system prompt when the model's chat
             # template takes no system turn there (`exo.chat_protocol.prompt`).
@@ -320,6 +322,18 @@ def _conversation(request: CountTokensRequest, images: ImageReader) -> tuple[Cha
             messages.append(_assistant_turn(message.content, where))
     check_tool_results_answer_calls(messages, "messages")
     return tuple(messages)
+
+
+def _refuse_empty_text_blocks(blocks: Sequence[ContentBlockParam], where: str) -> None:
+    """Anthropic's rule and wording: a text block of a turn's content list holds some text,
+    in every turn (a final assistant turn's prefill included: the exception for an empty
+    final turn is for its whole content, `""` or `[]`, not for an empty block)."""
+    for block_index, block in enumerate(blocks):
+        if isinstance(block, TextBlockParam) and not block.text:
+            raise InvalidRequestError(
+                "messages: text content blocks must be non-empty",
+                f"{where}.content.{block_index}.text",
+            )
 
 
 def _system_text(system: str | list[TextBlockParam] | None) -> str:
