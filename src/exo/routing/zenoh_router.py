@@ -19,6 +19,9 @@ With a cluster secret (`tls`, see `exo.routing.cluster_tls`) every link is TLS w
 authentication against the cluster's CA, and zenoh may use no other protocol: a session
 without the secret cannot open a link to a member, nor a member to it. The zenoh id is
 zenoh's random one, never derived from the exo node id: multicast scouting announces it.
+zenoh refuses a peer with another secret without telling Python; `SecretMismatchWatch`
+(`exo.routing.secret_mismatch`) finds such peers among the bootstrap peers and scouting's
+answers and warns once per peer.
 
 Peers are tracked with zenoh liveliness: each router declares the token
 `exo/{namespace}/nodes/{node_id}/{zenoh session id}`; its appearance and disappearance
@@ -43,6 +46,11 @@ from pydantic import TypeAdapter, ValidationError
 
 from exo.routing.cluster_tls import TlsFiles
 from exo.routing.connections import ConnectionMessage, PeerConnected, PeerDisconnected
+from exo.routing.secret_mismatch import (
+    DEFAULT_INTERVAL_SECONDS,
+    PROBE_TIMEOUT_SECONDS,
+    SecretMismatchWatch,
+)
 from exo.routing.zenoh_support import Outbox, close_session, free_tcp_port, is_loopback
 from exo.shared.types.chunks import Chunk
 from exo.shared.types.commands import ForwarderCommand
@@ -234,6 +242,8 @@ class NetworkRouter:
         lease_seconds: a peer silent this long is reported disconnected.
         tls: the cluster secret's TLS files: links are then `tls/` only, mutually
             authenticated, and bootstrap peers must be `tls/` endpoints.
+        secret_check_seconds: with `tls`, how often peers this node does not link with
+            are checked for another secret (`SecretMismatchWatch`).
 
     Raises:
         ValueError: a bad port, lease, node id or namespace, or (with `tls`) a bootstrap
@@ -253,6 +263,7 @@ class NetworkRouter:
         multicast_address: str | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         tls: TlsFiles | None = None,
+        secret_check_seconds: float = DEFAULT_INTERVAL_SECONDS,
     ) -> None:
         if not 0 <= zenoh_port < 65536:
             raise ValueError(f"zenoh port must be between 0 and 65535, not {zenoh_port}")
@@ -280,6 +291,8 @@ class NetworkRouter:
         self.multicast_interface = multicast_interface
         self.multicast_address = multicast_address
         self.lease_seconds = lease_seconds
+        self._secret_check_seconds = secret_check_seconds
+        self._secret_watch: SecretMismatchWatch | None = None
 
         self._peer_sessions: dict[NodeId, set[str]] = {}
         self._own_session_id = ""
@@ -402,6 +415,17 @@ class NetworkRouter:
         )
         if self.bootstrap_peers:
             self._loop.call_later(ALONE_WARNING_SECONDS, self._warn_if_alone)
+        if self.tls is not None:
+            self._secret_watch = SecretMismatchWatch(
+                self.node_id,
+                self.tls,
+                self.bootstrap_peers,
+                self.zenoh_config_json()["scouting"] if self.multicast else None,
+                lambda: [str(zenoh_id) for zenoh_id in session.info.peers_zid()],
+                self._own_session_id,
+                self._secret_check_seconds,
+            )
+            self._secret_watch.start()
 
     async def _open_session(self) -> zenoh.Session:
         """zenoh's session on `listen_port`; a port this router picked (port 0) that
@@ -425,8 +449,8 @@ class NetworkRouter:
         if self._closed or self._ever_connected:
             return
         secret = (
-            " and that every node runs with the same cluster secret (nodes with another "
-            "secret are refused without a word)"
+            " and that every node runs with the same cluster secret (a peer found with "
+            "another one is named in a warning of its own)"
             if self.tls is not None
             else " and that they run without a cluster secret too"
         )
@@ -462,11 +486,14 @@ class NetworkRouter:
             topic._zenoh_publisher = None
         token, self._token = self._token, None
         outbox, self._outbox = self._outbox, None
+        secret_watch, self._secret_watch = self._secret_watch, None
         self._declared.clear()
         self._peer_sessions.clear()
         if session is None:
             return
         with anyio.CancelScope(shield=True):
+            if secret_watch is not None:
+                await anyio.to_thread.run_sync(secret_watch.stop, PROBE_TIMEOUT_SECONDS + 1)
             if outbox is not None:
                 # A put blocked on a silent peer ends when its lease expires.
                 await anyio.to_thread.run_sync(outbox.stop, self.lease_seconds + 2)

@@ -1,7 +1,9 @@
 """JSON Schema facts the API and the engine's schema constraint share: the kinds of value a
 `type` names, whether a value is of a kind, and `find_unfollowable`, which tells the API to
 refuse a response schema no answer can follow (rather than answer with output that ignores
-it, as the constraint's "any value" fallback would).
+it, as the constraint's "any value" fallback would). A tool's parameter schema is checked
+for validity only (`find_invalid`): OpenAI and Anthropic refuse an invalid one, and a tool
+whose arguments cannot exist is the client's concern, not a reason to refuse its request.
 
 A schema is refused (the first problem found, depth first, in the order its keywords are
 written) when it is not valid JSON Schema — as draft 2020-12's meta-schema has it for the
@@ -9,31 +11,34 @@ keywords below, earlier drafts' tuple `items`, boolean `exclusiveMinimum` and
 `definitions` included — or when a subschema in it matches no value at all:
 
 - invalid: `type` not one of the seven type names or a non-empty list of them without
-  repeats; `enum` not a list; `required` not a list of strings; a subschema (the values of
-  `properties`, `patternProperties`, `$defs`, `items`, `not`, the members of `anyOf`,
-  `oneOf`, `allOf`, ...) neither an object nor a boolean; `anyOf`/`oneOf`/`allOf` not a
+  repeats; `enum` not a list; `pattern`, `format`, `$ref`, `title`, `description` not a
+  string; `uniqueItems` not a boolean; `required` not a list of strings; a subschema (the
+  values of `properties`, `patternProperties`, `$defs`, `items`, `not`, the members of
+  `anyOf`, `oneOf`, `allOf`, ...) neither an object nor a boolean; `anyOf`/`oneOf`/`allOf` not a
   non-empty list; a length or count keyword (`minLength`, `maxItems`, ...) not a
   non-negative integer, a numeric bound not a number, `multipleOf` not above 0.
 - matches nothing: `false` as the whole schema or as a required property's schema; an
   object schema with an empty `enum`, with no `enum`/`const` value of the `type` it names
   (`{"type": "integer", "const": "a"}`), with a `const` outside its `enum`, with `not` of
   a schema that matches everything (`{}`, `true`), with `allOf` holding a schema that
-  matches nothing or `anyOf`/`oneOf` holding only such schemas, or with a lower bound above
+  matches nothing or `anyOf`/`oneOf` holding only such schemas, with a lower bound above
   its upper bound (`minimum`/`maximum`, `minLength`/`maxLength`, `minItems`/`maxItems`,
-  `minProperties`/`maxProperties`).
+  `minProperties`/`maxProperties`), or whose `type`, `enum`/`const` and `allOf`/`anyOf`/
+  `oneOf` members allow no type of value in common (`{"allOf": [{"type": "string"},
+  {"type": "integer"}]}`; an integer is a number).
 
 What the constraint does not enforce (`$ref`, `anyOf`, patterns, formats, bounds: docs/api.md,
 "Structured output") is otherwise accepted as it is: only contradictions are refused, not
 what is merely unsupported. `false` elsewhere (`additionalProperties: false`, an optional
-property `false`) is the usual way to forbid something and stays valid. Contradictions
-that need reasoning across keywords (`allOf` of a string and an integer schema, a `$ref`
-to a schema that matches nothing) are not looked for.
+property `false`) is the usual way to forbid something and stays valid (the constraint
+never writes such a property). Contradictions other than of types (`allOf` of two
+different `const`s, a `$ref` to a schema that matches nothing) are not looked for.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -68,6 +73,7 @@ _COUNTS = (
     "minContains", "maxContains",
 )  # fmt: skip
 _NUMBERS = ("minimum", "maximum")
+_STRINGS = ("pattern", "format", "$ref", "title", "description")
 _NUMBERS_OR_FLAGS = ("exclusiveMinimum", "exclusiveMaximum")  # a flag in draft 4
 _BOUNDS = (
     ("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
@@ -131,18 +137,35 @@ def find_unfollowable(schema: Any) -> SchemaProblem | None:
     """
     if schema is False:
         return SchemaProblem((), "the schema false matches no value")
-    return next(_problems(schema, ()), None)
+    return next(_problems(schema, (), satisfiable=True), None)
 
 
-def _problems(schema: Any, context: tuple[str, ...]) -> Iterator[SchemaProblem]:
+def find_invalid(schema: Any) -> SchemaProblem | None:
+    """The first way `schema` is not valid JSON Schema (the "invalid" list of the module
+    docstring), or None; a valid schema that matches no value passes.
+
+    Args:
+        schema: a tool's parameter schema, as the client sent it (parsed JSON).
+
+    Returns:
+        the problem and where it is, or None when the schema is valid.
+    """
+    return next(_problems(schema, (), satisfiable=False), None)
+
+
+def _problems(
+    schema: Any, context: tuple[str, ...], *, satisfiable: bool
+) -> Iterator[SchemaProblem]:
+    """Problems of `schema` and its subschemas; those of matching no value too when
+    `satisfiable` (the schema must be one some value can follow)."""
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
         yield SchemaProblem(context, f"a schema is an object or a boolean, not {_kind(schema)}")
         return
     yield from _invalid_values(schema, context)
-    yield from _subschema_problems(schema, context)
-    reason = _matches_nothing(schema)
+    yield from _subschema_problems(schema, context, satisfiable=satisfiable)
+    reason = _matches_nothing(schema) if satisfiable else None
     if reason is not None:
         yield SchemaProblem(context, reason)
 
@@ -171,29 +194,34 @@ def _invalid_values(schema: dict[str, Any], context: tuple[str, ...]) -> Iterato
             yield SchemaProblem(context, f"'{keyword}' must be a number")
     if _is_number(schema.get("multipleOf", 1)) and schema.get("multipleOf", 1) <= 0:
         yield SchemaProblem(context, "'multipleOf' must be greater than 0")
+    for keyword in _STRINGS:
+        if keyword in schema and not isinstance(schema[keyword], str):
+            yield SchemaProblem(context, f"'{keyword}' must be a string")
+    if "uniqueItems" in schema and not isinstance(schema["uniqueItems"], bool):
+        yield SchemaProblem(context, "'uniqueItems' must be a boolean")
 
 
 def _subschema_problems(
-    schema: dict[str, Any], context: tuple[str, ...]
+    schema: dict[str, Any], context: tuple[str, ...], *, satisfiable: bool
 ) -> Iterator[SchemaProblem]:
     for keyword, value in schema.items():
         here = (*context, keyword)
         if keyword in _SUBSCHEMA or (keyword == "items" and not isinstance(value, list)):
-            yield from _problems(value, here)
+            yield from _problems(value, here, satisfiable=satisfiable)
         elif keyword in _SUBSCHEMA_MAPS:
             if not isinstance(value, dict):
                 yield SchemaProblem(here, f"'{keyword}' must be an object of schemas")
                 continue
             for name, subschema in value.items():
-                yield from _problems(subschema, (*here, str(name)))
+                yield from _problems(subschema, (*here, str(name)), satisfiable=satisfiable)
         elif keyword in _SUBSCHEMA_LISTS or keyword == "items":
             if not isinstance(value, list) or (keyword != "prefixItems" and not value):
                 yield SchemaProblem(here, f"'{keyword}' must be a non-empty array of schemas")
                 continue
             for index, subschema in enumerate(value):
-                yield from _problems(subschema, (*here, str(index)))
+                yield from _problems(subschema, (*here, str(index)), satisfiable=satisfiable)
     properties = schema.get("properties")
-    if isinstance(properties, dict) and isinstance(schema.get("required"), list):
+    if satisfiable and isinstance(properties, dict) and isinstance(schema.get("required"), list):
         for name in schema["required"]:
             if properties.get(name) is False:
                 yield SchemaProblem(
@@ -229,7 +257,55 @@ def _matches_nothing(schema: dict[str, Any]) -> str | None:
         lower, upper = schema.get(low), schema.get(high)
         if _is_number(lower) and _is_number(upper) and lower > upper:
             return f"'{low}' ({lower}) is above '{high}' ({upper})"
+    combined = [keyword for keyword in _COMBINATORS if isinstance(schema.get(keyword), list)]
+    if combined and _allowed_kinds(schema) == 0:
+        restricting = [keyword for keyword in ("type", "enum", "const") if keyword in schema]
+        return (
+            f"the types of value allowed by {', '.join(map(repr, restricting + combined))} have "
+            "none in common, so no value matches"
+        )
     return None
+
+
+_COMBINATORS = ("allOf", "anyOf", "oneOf")
+
+
+def _allowed_kinds(schema: Any) -> int:
+    """The kinds of value `schema` may match as far as its `type`, `enum`/`const` and
+    combinators' members say (a bit mask; NUMBER includes INTEGER here)."""
+    if schema is False:
+        return 0
+    if not isinstance(schema, dict):
+        return ANY_KIND
+    kinds = _with_integers(kinds_of(schema["type"])) if "type" in schema else ANY_KIND
+    values = schema["enum"] if isinstance(schema.get("enum"), list) else None
+    if "const" in schema:
+        values = [schema["const"]]
+    if values is not None:
+        kinds &= _or(_value_kinds(value) for value in values)
+    all_of = schema.get("allOf")
+    for member in all_of if isinstance(all_of, list) else ():
+        kinds &= _allowed_kinds(member)
+    for keyword in ("anyOf", "oneOf"):
+        members = schema.get(keyword)
+        if isinstance(members, list) and members:
+            kinds &= _or(_allowed_kinds(member) for member in members)
+    return kinds
+
+
+def _with_integers(kinds: int) -> int:
+    return kinds | INTEGER if kinds & NUMBER else kinds
+
+
+def _value_kinds(value: Any) -> int:
+    return _or(kind for kind in KIND_NAMES.values() if value_fits(value, kind))
+
+
+def _or(masks: Iterable[int]) -> int:
+    combined = 0
+    for mask in masks:
+        combined |= mask
+    return combined
 
 
 def _matches_nothing_at_all(schema: Any) -> bool:

@@ -60,6 +60,7 @@ from exo.api.wire.errors import InvalidRequestError
 from exo.api.wire.images import NO_VISION, ImageReader
 from exo.api.wire.response_schema import check_response_schema
 from exo.api.wire.sampling import sampling_fields
+from exo.shared.json_schema import find_invalid
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     IMAGE_MARKER,
@@ -151,9 +152,10 @@ def to_task_params(
 
     Raises:
         InvalidRequestError: a turn with empty content (`""` or `[]`) other than a final
-            assistant turn, document input, image input for a model without vision or
-            an image that cannot be read, server tools, block types exo does
-            not model, blocks in the wrong role, or fields that contradict each other (a
+            assistant turn, an empty text block in any turn, document input, image input
+            for a model without vision or an image that cannot be read, server tools, a
+            tool's `input_schema` that is not valid JSON Schema, block types exo does not
+            model, blocks in the wrong role, or fields that contradict each other (a
             `tool_choice` naming a tool not in `tools`, `output_config.format` with a
             forced tool call).
     """
@@ -234,6 +236,15 @@ def _tool_definition(tool: ToolParam, index: int) -> ToolDefinition:
             f"tools.{index}.input_schema.type: Input should be 'object'",
             f"tools.{index}.input_schema.type",
         )
+    problem = find_invalid(tool.input_schema)
+    if problem is not None:
+        # Anthropic's wording (it names the tool's union member, `custom`), then where.
+        raise InvalidRequestError(
+            f"tools.{index}.custom.input_schema: JSON schema is invalid. It must match JSON "
+            f"Schema draft 2020-12 (https://json-schema.org/draft/2020-12). In "
+            f"context={problem.context!r}, {problem.reason}.",
+            f"tools.{index}.input_schema",
+        )
     return ToolDefinition(
         name=tool.name, description=tool.description, parameters=tool.input_schema
     )
@@ -292,6 +303,8 @@ def _conversation(request: CountTokensRequest, images: ImageReader) -> tuple[Cha
                 "final assistant message",
                 f"{where}.content",
             )
+        if not isinstance(message.content, str):
+            _refuse_empty_text_blocks(message.content, where)
         if message.role == "system":
             # Rendered where it is, or folded into the system prompt when the model's chat
             # template takes no system turn there (`exo.chat_protocol.prompt`).
@@ -309,6 +322,18 @@ def _conversation(request: CountTokensRequest, images: ImageReader) -> tuple[Cha
             messages.append(_assistant_turn(message.content, where))
     check_tool_results_answer_calls(messages, "messages")
     return tuple(messages)
+
+
+def _refuse_empty_text_blocks(blocks: Sequence[ContentBlockParam], where: str) -> None:
+    """Anthropic's rule and wording: a text block of a turn's content list holds some text,
+    in every turn (a final assistant turn's prefill included: the exception for an empty
+    final turn is for its whole content, `""` or `[]`, not for an empty block)."""
+    for block_index, block in enumerate(blocks):
+        if isinstance(block, TextBlockParam) and not block.text:
+            raise InvalidRequestError(
+                "messages: text content blocks must be non-empty",
+                f"{where}.content.{block_index}.text",
+            )
 
 
 def _system_text(system: str | list[TextBlockParam] | None) -> str:

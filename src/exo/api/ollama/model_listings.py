@@ -1,8 +1,10 @@
 """Ollama's model listings: model cards as `/api/tags`, `/api/show` and `/api/ps` entries.
 
 `digest` is the SHA-256 of the model id (a stable stand-in: exo has no Ollama blobs).
-Details come from the card: family from the architecture, `parameter_size` from its stated
-parameter count, and `quantization_level` from what the weights are (`quantization_level`).
+Details come from the card: `format` from the files the weights come from ("gguf" for a
+GGUF source, as Ollama says of its GGUF models, though exo reads them converted; else
+"safetensors"), family from the architecture, `parameter_size` from its stated parameter
+count, and `quantization_level` from what the weights are (`quantization_level`).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def model_details(card: ModelCard, on_gpus: bool) -> OllamaModelDetails:
     """The `details` of a listing entry; `on_gpus`: the model runs (or would run) on GPUs."""
     family = model_family(card)
     return OllamaModelDetails(
-        format="safetensors",
+        format="gguf" if card.from_gguf else "safetensors",
         family=family,
         families=[family],
         parameter_size=human_parameter_count(_parameter_count(card)),

@@ -181,11 +181,15 @@ def chat_to_task_params(
 
     Raises:
         InvalidRequestError: images for a model without vision (or that cannot be read),
-            malformed replayed tool-call arguments, a
-            `tool_choice` naming no offered tool, or option values out of range.
+            malformed replayed tool-call arguments, a tool parameter schema that is not
+            valid JSON Schema, a `tool_choice` naming no offered tool, or option values
+            out of range.
     """
     messages = _chat_messages(request.messages, request.model, capabilities, images)
-    tools = tool_definitions(tool.function for tool in request.tools or ())
+    tools = tool_definitions(
+        [tool.function for tool in request.tools or ()],
+        [f"tools[{index}].function.parameters" for index in range(len(request.tools or ()))],
+    )
     return _task_params(request, model_id, messages, tools, openai_tool_choice(request.tool_choice))
 
 

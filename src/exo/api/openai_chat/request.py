@@ -85,9 +85,10 @@ def to_task_params(
             image input for a model without vision, audio/file input, template keyword
             arguments other than `enable_thinking`), an image that cannot be read, holds a
             malformed value (a `logit_bias` key that is not a token id, a bias outside
-            [-100, 100]) or its fields contradict each other
-            (`max_tokens` != `max_completion_tokens`, both `tools` and `functions`,
-            `top_logprobs` without `logprobs`, a tool choice naming no given tool).
+            [-100, 100], a tool parameter schema that is not valid JSON Schema) or its
+            fields contradict each other (`max_tokens` != `max_completion_tokens`, both
+            `tools` and `functions`, `top_logprobs` without `logprobs`, a tool choice
+            naming no given tool).
     """
     _refuse_unsupported_features(request)
     enable_thinking, reasoning_effort = _thinking(request)
@@ -98,7 +99,9 @@ def to_task_params(
         stream=request.stream,
         # The deprecated `functions` are tools too (a request may not send both).
         tools=tool_definitions(
-            [tool.function for tool in request.tools or ()] + list(request.functions or ())
+            [tool.function for tool in request.tools or ()] + list(request.functions or ()),
+            [f"tools[{index}].function.parameters" for index in range(len(request.tools or ()))]
+            + [f"functions[{index}].parameters" for index in range(len(request.functions or ()))],
         ),
         tool_choice=_tool_choice(request),
         parallel_tool_calls=(

@@ -112,7 +112,8 @@ def to_task_params(
             responses or conversations, background mode, a `tool_choice` forcing a hosted
             tool, file input, image input for a model without vision)
             or is inconsistent (a function call output without its
-            call, a tool choice naming an unknown tool, an empty input).
+            call, a tool choice naming an unknown tool, an empty input) or invalid (a
+            tool parameter schema that is not valid JSON Schema).
     """
     _refuse_unsupported_features(request)
     messages: list[ChatMessage] = []
@@ -142,7 +143,7 @@ def to_task_params(
                 speculative=request.speculative,
             ),
             stream=request.stream,
-            tools=tool_definitions(function_tools(request)),
+            tools=tool_definitions(function_tools(request), _parameter_params(request)),
             tool_choice=_tool_choice(request),
             parallel_tool_calls=(
                 True if request.parallel_tool_calls is None else request.parallel_tool_calls
@@ -251,6 +252,19 @@ def function_tools(request: ResponsesRequest) -> list[FunctionToolSpec]:
         function.model_copy(update={"name": model_name})
         for function, model_name in zip(functions, tool_names(request), strict=True)
     ]
+
+
+def _parameter_params(request: ResponsesRequest) -> list[str]:
+    """The request field of each function's parameter schema, in `function_tools`' order."""
+    params: list[str] = []
+    for index, tool in enumerate(request.tools or []):
+        if isinstance(tool, FunctionToolSpec):
+            params.append(f"tools[{index}].parameters")
+        elif isinstance(tool, NamespaceToolSpec):
+            params.extend(
+                f"tools[{index}].tools[{inner}].parameters" for inner in range(len(tool.tools))
+            )
+    return params
 
 
 def _tool_choice(request: ResponsesRequest) -> ToolChoice:

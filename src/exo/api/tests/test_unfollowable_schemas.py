@@ -75,6 +75,11 @@ UNFOLLOWABLE = [
         "('properties', 'color')",
         "'enum' is empty",
     ),
+    (
+        {"allOf": [{"type": "string"}, {"type": "integer"}]},
+        "()",
+        "the types of value allowed by 'allOf' have none in common",
+    ),
 ]
 
 

@@ -4,9 +4,11 @@ once into the internal request's `ToolDefinition` and `ToolChoice`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
+from exo.api.wire.errors import InvalidRequestError
+from exo.shared.json_schema import find_invalid
 from exo.shared.types.text_generation import NamedToolChoice, ToolChoice, ToolDefinition
 
 
@@ -37,9 +39,32 @@ class NamedFunctionChoice(Protocol):
     def function(self) -> _NamedFunction: ...
 
 
-def tool_definitions(functions: Iterable[FunctionSpec]) -> tuple[ToolDefinition, ...]:
+def tool_definitions(
+    functions: Sequence[FunctionSpec], params: Sequence[str]
+) -> tuple[ToolDefinition, ...]:
     """The internal definitions of function tools, in order; a function without a
-    parameter schema takes any JSON object (`{}`)."""
+    parameter schema takes any JSON object (`{}`).
+
+    Args:
+        functions: the tools' functions.
+        params: for each function, the request field holding its parameter schema
+            (`tools[0].function.parameters`), named by the error for an invalid one.
+
+    Raises:
+        InvalidRequestError: a parameter schema is not valid JSON Schema
+            (`exo.shared.json_schema.find_invalid`), worded as OpenAI words it: "Invalid
+            schema for function 'name': In context=('properties',), ...", code
+            `invalid_function_parameters`.
+    """
+    for function, param in zip(functions, params, strict=True):
+        problem = None if function.parameters is None else find_invalid(function.parameters)
+        if problem is not None:
+            raise InvalidRequestError(
+                f"Invalid schema for function '{function.name}': "
+                f"In context={problem.context!r}, {problem.reason}.",
+                param,
+                code="invalid_function_parameters",
+            )
     return tuple(
         ToolDefinition(
             name=function.name,

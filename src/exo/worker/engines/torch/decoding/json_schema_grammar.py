@@ -3,9 +3,10 @@ call's `arguments` and for a JSON-schema response format's whole answer.
 
 Supported (anything else is read as "any JSON value", so an unsupported schema never makes
 a valid call impossible). A response format's schema that is invalid or matches no value
-never gets here: the API refuses it first (`exo.shared.json_schema.find_unfollowable`), so
-the "any value" fallbacks below for an unknown `type` or an unsatisfiable `enum` only
-serve tool parameter schemas, which are not checked:
+never gets here: the API refuses it first (`exo.shared.json_schema.find_unfollowable`).
+Tool parameter schemas are checked for validity only (`find_invalid`), so the "any value"
+fallback below for an unsatisfiable `enum` serves them; the one for an unknown `type`
+only guards callers that skip the API's checks:
 
 - `type`: "string", "integer" (integer syntax only: no fraction or exponent), "number",
   "boolean", "null", "array", "object", or a list of these (any one of them).
@@ -13,10 +14,11 @@ serve tool parameter schemas, which are not checked:
   (ASCII, `", "` and `": "` inside containers); filtered by `type` when both are given.
 - "array": elements follow `items` (any value without it). Length limits are not enforced.
 - "object" with `properties`: keys are only the declared names (plus undeclared `required`
-  names, whose values are then any value), each at most once, written as `json.dumps`
-  writes them (non-ASCII characters as `\\uXXXX`); `}` only once every `required` key is
-  present. Other keys are refused even when `additionalProperties` is not false: a small
-  model left free tends to copy the tool definition instead of filling the parameters.
+  names, whose values are then any value; never a name whose schema is `false`), each at
+  most once, written as `json.dumps` writes them (non-ASCII characters as `\\uXXXX`); `}`
+  only once every `required` key is present. Other keys are refused even when
+  `additionalProperties` is not false: a small model left free tends to copy the tool
+  definition instead of filling the parameters.
   An object without `properties` is any object.
 - No `type`, or `anyOf`/`oneOf`/`allOf`/`$ref`/`not`/`if`: any JSON value. String formats,
   patterns, lengths and numeric bounds are not enforced.
@@ -184,14 +186,19 @@ def _compile_keys(schema: dict[str, Any], depth: int) -> ObjectKeys:
     properties = schema.get("properties")
     if not isinstance(properties, dict):
         properties = {}
+    # A property whose schema is `false` may not be present: its key is never written.
+    forbidden = {name for name, value in properties.items() if value is False}
     values = {
         name: compile_schema(value, depth + 1)
         for name, value in properties.items()
-        if isinstance(name, str)
+        if isinstance(name, str) and name not in forbidden
     }
     required_field = schema.get("required")
+    # A forbidden required name (only a tool schema gets here: the API refuses such a
+    # response schema) is dropped rather than leaving the object no way to close.
     required = [
-        name for name in dict.fromkeys(required_field or ()) if isinstance(name, str)
+        name for name in dict.fromkeys(required_field or ())
+        if isinstance(name, str) and name not in forbidden
     ] if isinstance(required_field, list) else []  # fmt: skip
     for name in required:  # a required name without a declaration: any value
         values.setdefault(name, ANY_VALUE)

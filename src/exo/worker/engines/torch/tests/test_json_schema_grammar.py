@@ -24,6 +24,7 @@ from exo.worker.engines.torch.decoding.constraints import (
 from exo.worker.engines.torch.decoding.json_schema_grammar import (
     SchemaJsonRecognizer,
     compile_arguments_schema,
+    compile_document_schema,
 )
 from exo.worker.engines.torch.decoding.sampling import Sampler
 from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
@@ -210,6 +211,13 @@ def test_whitespace_runs_stay_bounded() -> None:
         # Properties without a type: any value; $ref: any value.
         ({"properties": {"o": {"properties": {"a": {}}}}}, ['{"o": 3}'], ['{"p": 3}']),
         ({"properties": {"r": {"$ref": "#/$defs/x"}}}, ['{"r": {"z": 1}}'], []),
+        # A property whose schema is false is never written (required or not).
+        (
+            {"type": "object", "properties": {"a": False, "b": {"type": "integer"}}},
+            ['{"b": 1}', "{}"],
+            ['{"a', '{"b": 1, "a'],
+        ),
+        ({"properties": {"a": False}, "required": ["a"]}, ["{}"], ['{"a']),
     ],
 )
 def test_schema_shapes(schema: dict[str, Any], accepted: list[str], rejected: list[str]) -> None:
@@ -218,6 +226,17 @@ def test_schema_shapes(schema: dict[str, Any], accepted: list[str], rejected: li
         assert recognizer is not None and recognizer.is_complete, text
     for text in rejected:
         assert recognizer_after(schema, text) is None, text
+
+
+def test_a_response_schema_property_false_is_never_written() -> None:
+    schema = {
+        "type": "array",
+        "items": {"type": "object", "properties": {"a": False, "ab": {"type": "null"}}},
+    }
+    compiled = compile_document_schema(schema)
+    assert SchemaJsonRecognizer(compiled, 2).feed_text('[{"ab": null}]')
+    for text in ('[{"a"', '[{"a":', '[{"ab": null, "a'):
+        assert not SchemaJsonRecognizer(compiled, 2).feed_text(text), text
 
 
 def test_copy_is_independent() -> None:
