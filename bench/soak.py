@@ -58,6 +58,7 @@ from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
 # default read timeout. A queued request sends nothing until its first token, and on a
 # 2-core machine loaded by other work 8 streams have taken minutes each.
 CLIENT_TIMEOUT_SECONDS = 600.0
+RESPONSES_MIN_OUTPUT_TOKENS = 16
 RSS_GROWTH_LIMIT = 0.10
 BASELINE_SAMPLES = 5
 WORDS = (
@@ -99,8 +100,10 @@ def request_body(dialect: str, prompt: str, max_tokens: int) -> tuple[str, dict[
             "stream": True,
         }  # fmt: skip
     if dialect == "responses":
+        # OpenAI's Responses API takes max_output_tokens >= 16 (a smaller one is a 400).
         return "/v1/responses", {
-            "model": DEFAULT_MODEL_ID, "input": prompt, "max_output_tokens": max_tokens,
+            "model": DEFAULT_MODEL_ID, "input": prompt,
+            "max_output_tokens": max(max_tokens, RESPONSES_MIN_OUTPUT_TOKENS),
             "stream": True,
         }  # fmt: skip
     return "/ollama/api/chat", {
