@@ -19,6 +19,7 @@ from exo.worker.engines.torch.quant.native_kernels import (
     built_int4_kernel,
     rounded_activations,
 )
+from exo.worker.engines.torch.tests.test_int4_decode_int8 import rounded_int8
 
 # (outputs, inputs, group size): the 512-bit kernel's 128-input chunks and a last pair of
 # blocks; a last pair and an odd block; whole chunks with groups of two blocks.
@@ -67,7 +68,27 @@ for outputs, inputs, block, kind in json.loads(sys.argv[3]):
             [op(x[row:row + 1].contiguous(), values, scales) for row in range(len(x))]
         )
     int8_cases.append((kind, block, values, scales, x, products))
-torch.save((cases, int8_cases), sys.argv[1])
+# int4 weights with the activations rounded to int8 (--decode-activations int8), also with an
+# odd last block after no whole chunk.
+from exo.worker.engines.torch.quant.native_kernels import set_decode_activations
+set_decode_activations("int8")
+act8_cases = []
+for outputs, inputs, group in shapes + [[9, 96, 32]]:
+    values = torch.randint(0, 16, (outputs, inputs), generator=g, dtype=torch.uint8)
+    scale_zero = (torch.randn(outputs, inputs // group, 2, generator=g) * 0.1).to(torch.bfloat16)
+    x = torch.randn(max(counts), inputs, generator=g)
+    qweight = pack_native_int4(values)
+    products = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for rows in counts:
+            products[threads, rows] = kernel(x[:rows].contiguous(), qweight, scale_zero)
+        products[threads, "single"] = torch.cat(
+            [kernel(x[row:row + 1].contiguous(), qweight, scale_zero) for row in range(len(x))]
+        )
+    act8_cases.append((values, scale_zero, group, x, products))
+set_decode_activations("int16")
+torch.save((cases, int8_cases, act8_cases), sys.argv[1])
 print(torch.ops.exo_native.int4_decode_bits())
 """
 
@@ -86,7 +107,7 @@ INT8_SHAPES = (
 INT8_ROWS = tuple(range(1, 18))
 
 
-def _products(directory: Path, avx512: str) -> tuple[int, tuple[list, list]]:
+def _products(directory: Path, avx512: str) -> tuple[int, tuple[list, list, list]]:
     path = directory / f"{avx512}.pt"
     done = subprocess.run(
         [sys.executable, "-c", _PRODUCTS_SCRIPT, str(path), json.dumps([SHAPES, ROWS]),
@@ -98,12 +119,13 @@ def _products(directory: Path, avx512: str) -> tuple[int, tuple[list, list]]:
     return int(done.stdout.strip().splitlines()[-1]), torch.load(path)
 
 
-Widths = tuple[int, tuple[list, list], tuple[list, list]]
+Widths = tuple[int, tuple[list, list, list], tuple[list, list, list]]
 
 
 @pytest.fixture(scope="module")
 def widths(tmp_path_factory: pytest.TempPathFactory) -> Widths:
-    """(the default width's bits, its int4 and int8 cases, the 256-bit width's cases)."""
+    """(the default width's bits, its int4, int8-block and int8-activation cases, the 256-bit
+    width's cases)."""
     if built_int4_kernel() is None or not ROUNDS_ACTIVATIONS:
         pytest.skip("no AVX2 kernels on this machine")
     directory = tmp_path_factory.mktemp("widths")
@@ -119,7 +141,7 @@ def test_multi_row_products_equal_single_rows_on_both_widths(widths: Widths) -> 
     documented one (the rounded activations times the dequantized weight, to float32
     summation) and each row of a multi-row call equals that row's single-row call within
     float32 rounding; the 512-bit kernel equals the 256-bit one to the same tolerance."""
-    wide_bits, (wide, _), (narrow, _) = widths
+    wide_bits, (wide, _, _), (narrow, _, _) = widths
     sides = [narrow] + ([wide] if wide_bits == 512 else [])
     for cases in sides:
         for values, scale_zero, group, x, products in cases:
@@ -155,7 +177,7 @@ def test_int8_block_products_on_both_widths(widths: Widths) -> None:
     and the 512-bit tiles (groups of 8 activation rows, whole pairs of blocks) equal the
     256-bit ones to the same tolerance. A broken lane-to-scale mapping (a block's sums
     scaled by its neighbour's scale) or a dropped remainder row fails both."""
-    wide_bits, (_, wide), (_, narrow) = widths
+    wide_bits, (_, wide, _), (_, narrow, _) = widths
     sides = [narrow] + ([wide] if wide_bits == 512 else [])
     for cases in sides:
         for kind, block, values, scales, x, products in cases:
@@ -189,15 +211,47 @@ def test_each_row_is_the_same_bits_whatever_the_row_count(widths: Widths) -> Non
     batch beside it. (On AVX512 machines one row took the 256-bit tiles and several the
     512-bit ones, whose float32 sums run in another order: a verify step's logits differed
     from decoding's in the last bits.)"""
-    wide_bits, (wide, wide_int8), (narrow, narrow_int8) = widths
-    sides = [(narrow, narrow_int8)] + ([(wide, wide_int8)] if wide_bits == 512 else [])
+    wide_bits, (wide, wide_int8, wide_act8), (narrow, narrow_int8, narrow_act8) = widths
+    sides = [(narrow, narrow_int8, narrow_act8)]
+    sides += [(wide, wide_int8, wide_act8)] if wide_bits == 512 else []
     failures = []
-    for width, (int4_cases, int8_cases) in zip((256, 512), sides, strict=False):
+    for width, (int4_cases, int8_cases, act8_cases) in zip((256, 512), sides, strict=False):
         named = [(f"int4 {case[0].shape}", case[4]) for case in int4_cases]
         named += [(f"int8 {case[0]} {tuple(case[2].shape)}", case[5]) for case in int8_cases]
+        named += [(f"int4, int8 activations {case[0].shape}", case[4]) for case in act8_cases]
         for name, products in named:
             for (threads, rows), product in products.items():
                 single = products[threads, "single"][: product.shape[0]]
                 if rows != "single" and not torch.equal(product, single):
                     failures.append(f"{width} bits, {name}: {rows} rows, {threads} threads")
     assert not failures, "\n".join(failures)
+
+
+def test_int8_activation_products_on_both_widths(widths: Widths) -> None:
+    """int4 weights times activations rounded to int8 per block of 32
+    (`--decode-activations int8`, int4_decode_int8.cpp) for 1-17 rows on one and two threads:
+    each width's product (the 256-bit `vpmaddubsw` tiles; the 512-bit `vpdpbusd` ones where
+    built) is the documented one, the int8-rounded activations times the dequantized weight
+    to float32 summation, through whole 128-input chunks, a last pair of blocks and an odd
+    last block; and the two widths agree to the same tolerance. A block's sums scaled by a
+    neighbour's scale, or a chunk's activations in another order than its weight's, fail."""
+    wide_bits, (_, _, wide), (_, _, narrow) = widths
+    sides = [narrow] + ([wide] if wide_bits == 512 else [])
+    for cases in sides:
+        for values, scale_zero, group, x, products in cases:
+            outputs, inputs = values.shape
+            weight = (values.double().reshape(outputs, -1, group) - 8) * scale_zero[..., :1]
+            weight = (weight + scale_zero[..., 1:].double()).reshape(outputs, inputs)
+            expected = rounded_int8(x) @ weight.t()
+            for (threads, rows), product in products.items():
+                if rows == "single":
+                    continue
+                torch.testing.assert_close(
+                    product.double(), expected[:rows], rtol=1e-5, atol=1e-4,
+                    msg=f"{outputs}x{inputs} per {group}, {rows} rows, {threads} threads",
+                )  # fmt: skip
+    if wide_bits != 512:
+        pytest.skip(f"no 512-bit decode tiles here ({wide_bits} bits)")
+    for wide_case, narrow_case in zip(wide, narrow, strict=True):
+        for key, product in wide_case[4].items():
+            torch.testing.assert_close(product, narrow_case[4][key], rtol=1e-5, atol=1e-4)

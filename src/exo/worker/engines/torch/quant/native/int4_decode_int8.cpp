@@ -1,7 +1,8 @@
 // exo's int4 decode product with the activations rounded to int8 per block of 32 (llama.cpp's
-// activation precision), for AVX2 CPUs without VNNI: the opt-in behind
-// `--decode-activations int8` (int4_gemv.cpp's header and
-// docs/benchmarks/engine-design-figures.md#int4_decode_int8cpp give what it costs).
+// activation precision): the opt-in behind `--decode-activations int8` (int4_gemv.cpp's
+// header and docs/benchmarks/engine-design-figures.md#int4_decode_int8cpp give what it
+// costs). 256-bit tiles for AVX2 CPUs (below), and 512-bit `vpdpbusd` tiles where the
+// library is built with AVX512-VNNI and BW (`tile_avx512_int8`, further down).
 //
 // Same weights and sum as int4_gemv.cpp's int16 kernel:
 //   y[m, n] = sum_b x_scale[m, b] * (scale[n, g] * sum_j xq[m, j] q[n, j])
@@ -142,6 +143,143 @@ void rows_avx2_int8(const int8_t* xq, const float* x_scales, int64_t k, const ui
   });
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define EXO_INT8_DECODE_AVX512 1
+// The 512-bit tile (CPUs with AVX512-VNNI and BW, where `int4_decode_bits()` is 512): each
+// 64-byte load is two interleaved pairs of blocks (128 inputs, blocks 4c..4c+3; pair A in
+// bytes 0-31, pair B in 32-63), regrouped by the same in-lane shuffle in each of the four
+// 128-bit lanes, so the low nibbles are q[0..15] of the four blocks and the high ones
+// q[16..31]. `vpdpbusd` multiplies 64 unsigned weight bytes by 64 signed activation bytes
+// and adds each four neighbouring products into one int32 lane of the running sums: each
+// lane's four bytes are one block's (lanes 0-7 blocks 4c and 4c+1 alternating, lanes 8-15
+// 4c+2 and 4c+3), and two such instructions (low then high nibbles) give each lane eight
+// products of one block, exactly (|sum| <= 8 * 15 * 127). Per activation row and 128
+// weights: 2 vpdpbusd, 1 conversion, 1 permute (four blocks' combined scales to their
+// lanes) and 1 FMA, where the int16 tile (int4_gemv.cpp's `tile_avx512`) takes 4 vpdpwssd,
+// 2 conversions, 2 permutes and 2 FMAs: the instructions a decode step over many requests
+// is bound by (docs/benchmarks/2026-12-07-int4-decode-tiles.md). A chunk's activations are
+// laid out to match (`wide_chunk`): pair A's arranged low half, B's low half, A's high
+// half, B's high half. A last pair (k % 128 >= 64) and an odd last block take the same
+// instructions on 256 bits (the upper lanes zero) in `arrange_pair`'s and natural order.
+
+constexpr int64_t kChunk = 128;  // inputs per 64-byte load: two pairs of blocks
+
+// A chunk's two arranged pairs (pair A: bytes 0-63, pair B: 64-127, each its low-nibble
+// half then its high-nibble half) into the order of the 512-bit tile: A low, B low, A high,
+// B high (A low and B high stay where they are).
+inline void wide_chunk(int8_t* chunk) {
+  int8_t held[64];
+  std::memcpy(held, chunk + 32, 64);  // A high, B low
+  std::memcpy(chunk + 32, held + 32, 32);
+  std::memcpy(chunk + 64, held, 32);
+}
+
+// NR output rows from n for ROWS activation rows (xq [ROWS, k], each full chunk in
+// `wide_chunk`'s order, a last pair arranged, an odd block natural; `combined` [NR, ROWS,
+// blocks]: weight scale x activation scale per block), the zero terms from `offset_acc`.
+template <int ROWS, int NR>
+[[gnu::noinline]]
+void tile_avx512_int8(const int8_t* xq, int64_t k, const uint8_t* q, const float* combined,
+                      const float (&offset_acc)[NR][ROWS], float* y, int64_t n_total,
+                      int64_t n) {
+  const int64_t blocks = k / kBlock;
+  const int64_t pairs = blocks / 2;
+  const int64_t chunks = k / kChunk;
+  __m512 acc[NR][ROWS];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm512_setzero_ps();
+  const __m512i shuffle = _mm512_broadcast_i32x4(_mm256_castsi256_si128(pair_shuffle()));
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  // The block (0-3 within the chunk) of each int32 lane of the sums.
+  const __m512i lane_block = _mm512_setr_epi32(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3);
+  for (int64_t c = 0; c < chunks; ++c) {
+    // Both loops unrolled so that each accumulator stays a register (as `tile_avx512`).
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i) {
+      const uint8_t* bytes = q + (n + i) * (k / 2) + c * 64;
+      const __m512i shuffled = _mm512_shuffle_epi8(_mm512_loadu_si512(bytes), shuffle);
+      prefetch_ahead(bytes);
+      const __m512i low = _mm512_and_si512(shuffled, nibble);  // q[0..15] of four blocks
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(shuffled, 4), nibble);
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) {
+        const int8_t* xv = xq + r * k + c * kChunk;
+        const __m512i sums = _mm512_dpbusd_epi32(
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(xv)), high,
+            _mm512_loadu_si512(xv + 64));
+        const __m512 four = _mm512_castps128_ps512(
+            _mm_loadu_ps(combined + (i * ROWS + r) * blocks + 4 * c));
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
+                                    _mm512_permutexvar_ps(lane_block, four), acc[i][r]);
+      }
+    }
+  }
+  const __m256i shuffle256 = pair_shuffle();
+  const __m256i nibble256 = _mm256_set1_epi8(0x0F);
+  for (int64_t p = 2 * chunks; p < pairs; ++p) {  // at most one: k % 128 >= 64
+    for (int i = 0; i < NR; ++i) {
+      const __m256i bytes = _mm256_shuffle_epi8(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (n + i) * (k / 2) + p * 32)),
+          shuffle256);
+      const __m256i low = _mm256_and_si256(bytes, nibble256);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble256);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i* xv = reinterpret_cast<const __m256i*>(xq + r * k + p * 64);
+        const __m256i sums = _mm256_dpbusd_epi32(
+            _mm256_dpbusd_epi32(_mm256_setzero_si256(), low, _mm256_loadu_si256(xv)), high,
+            _mm256_loadu_si256(xv + 1));
+        // Lanes alternate the pair's two blocks; the upper 256 bits of the sum are zero.
+        const __m512 scales = _mm512_castpd_ps(_mm512_set1_pd(
+            *reinterpret_cast<const double*>(combined + (i * ROWS + r) * blocks + 2 * p)));
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(sums)), scales,
+                                    acc[i][r]);
+      }
+    }
+  }
+  if (blocks % 2) {  // an odd last block in GGUF's byte order, activations natural
+    const int64_t b = blocks - 1;
+    const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+    for (int i = 0; i < NR; ++i) {
+      const __m128i held =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (n + i) * (k / 2) + pairs * 32));
+      const __m256i values =
+          _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(held, 4), low_nibbles),
+                           _mm_and_si128(held, low_nibbles));  // q[0..15], q[16..31]
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i x =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock));
+        const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), values, x);
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(sums)),
+                                    _mm512_set1_ps(combined[(i * ROWS + r) * blocks + b]),
+                                    acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < ROWS; ++r)
+      y[r * n_total + n + i] = _mm512_reduce_add_ps(acc[i][r]) + offset_acc[i][r];
+}
+
+// Output rows [n0, n1) for ROWS activation rows (1-8): tiles of 4 output rows (2 for more
+// than 4 activation rows: 16 accumulators of the 32 registers), then one at a time.
+template <int ROWS>
+void rows_avx512_int8(const int8_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
+                      const Int4Scales& scale_zero, int64_t groups, int64_t group_size,
+                      const float* offset_sums, float* y, int64_t n_total, int64_t n0,
+                      int64_t n1, float* scales, float* combined) {
+  constexpr int kTile = ROWS <= 4 ? 4 : 2;
+  const int64_t blocks = k / kBlock;
+  const int64_t blocks_per_group = group_size / kBlock;
+  for_output_tiles<kTile>(n0, n1, [&](auto nr, int64_t n) {
+    constexpr int NR = decltype(nr)::value;
+    float offset_acc[NR][ROWS];
+    scale_zero.unpack<ROWS, NR>(n, groups, offset_sums, scales, offset_acc);
+    combine_scales<ROWS, NR>(x_scales, scales, groups, blocks, blocks_per_group, combined);
+    tile_avx512_int8<ROWS, NR>(xq, k, q, combined, offset_acc, y, n_total, n);
+  });
+}
+#endif  // __AVX512VNNI__ && __AVX512BW__ && __AVX512VL__
+
 }  // namespace
 
 namespace exo_native {
@@ -186,6 +324,27 @@ void int4_product_int8(const float* xp, int64_t rows, int64_t k, const at::Tenso
   const float* xs = x_scales.data();
   const float* sums = group_sums.data();
   const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 17) / std::max<int64_t>(k, 1));
+#ifdef EXO_INT8_DECODE_AVX512
+  // Every row count takes the 512-bit tile where it runs (as the int16 kernel: a row's sums
+  // are then the same bits whatever the step's row count).
+  if (int4_decode_bits() == 512) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < k / kChunk; ++c) wide_chunk(rounded.data() + r * k + c * kChunk);
+    at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+      thread_local std::vector<float> scales, combined;
+      scales.resize(static_cast<size_t>(4 * groups));
+      combined.resize(static_cast<size_t>(4 * 8 * blocks));
+      for_weight_spans(rows, 8, n0, n1, k / 2, [&](int64_t s0, int64_t s1) {
+        for_row_groups_of_8(rows, [&](auto count, int64_t r) {
+          rows_avx512_int8<decltype(count)::value>(
+              xq + r * k, xs + r * blocks, k, qp, sz, groups, group_size, sums + r * groups,
+              yp + r * n, n, s0, s1, scales.data(), combined.data());
+        });
+      });
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     thread_local std::vector<float> scales, combined;
     scales.resize(static_cast<size_t>(4 * groups));
