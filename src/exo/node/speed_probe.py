@@ -5,8 +5,9 @@ starts at once and reports the figures a moment later) and cached in
 `<EXO_HOME>/speed_probe.json` under a key of CPU model, logical CPUs, CPU affinity, torch
 version, thread count, whether exo's kernels run and `PROBE_VERSION`: a changed key, or
 `exo --remeasure-speed`, measures again. Figures measured while other work kept the machine busy
-(`machine_busy`), or with several threads slower than one thread (`threads_contended`),
-are unsettled and not reported (the node has no speed, previews predict nothing): the node
+(`machine_busy`, `others_cpu_share`), or with several threads slower than one thread
+(`threads_contended`), are unsettled and not reported (the node has no speed, previews
+predict nothing): the node
 measures again once the machine is quiet (`InfoGatherer` checks every 5 minutes for an
 hour) and at its next start, keeping each figure's best (`fastest_of`), until a quiet
 measurement settles them. The measurement takes about
@@ -95,6 +96,15 @@ COPY_BYTES = 64 * 2**20
 # leave a node that starts while it loads its own model with no speed (and no predictions)
 # for the 5 minutes until the next check.
 BUSY_LOAD_PER_CPU = 3.0
+# Other processes' share of this machine's CPU time while the probe measured, above which the
+# figures are unsettled. The load average lags by a minute, so a burst of other work (a
+# runner loading its model, a compiler) during the probe passed it: the 2026-12-07 trial
+# settled int8 decode at 0.9 GB/s and int8 blocks at 0.7 GB/s beside int4 at 12.2 GB/s,
+# its load average (1.8-2.5 per CPU) under `BUSY_LOAD_PER_CPU`.
+BUSY_OTHERS_SHARE = 0.25
+# The shortest measurement whose CPU accounting is read: the kernel counts CPU time in clock
+# ticks (10 ms), so a shorter window says nothing (a real probe takes several seconds).
+MIN_ACCOUNTED_SECONDS = 1.0
 
 
 def runner_threads() -> int:
@@ -253,6 +263,38 @@ def machine_busy() -> bool:
     return load > BUSY_LOAD_PER_CPU * (psutil.cpu_count(logical=True) or 1)
 
 
+@dataclass(frozen=True, slots=True)
+class CpuUse:
+    """A reading of CPU time (seconds): wall clock, the machine's busy time summed over its
+    CPUs (user, nice, system, interrupts and time stolen by the hypervisor), and this
+    process's own (user + system)."""
+
+    wall: float
+    machine_busy: float
+    own: float
+
+    @staticmethod
+    def now() -> CpuUse:
+        machine = psutil.cpu_times()
+        busy = sum(
+            getattr(machine, field, 0.0)
+            for field in ("user", "nice", "system", "irq", "softirq", "steal")
+        )
+        own = psutil.Process().cpu_times()
+        return CpuUse(time.monotonic(), busy, own.user + own.system)
+
+
+def others_cpu_share(before: CpuUse, after: CpuUse, cpus: int) -> float | None:
+    """The share (0-1) of the machine's CPU time (`cpus` CPUs) that other processes used
+    between two readings: their busy time over the wall time times the CPUs. None when the
+    window is shorter than `MIN_ACCOUNTED_SECONDS` (too short for the kernel's accounting)."""
+    wall = after.wall - before.wall
+    if wall < MIN_ACCOUNTED_SECONDS or cpus < 1:
+        return None
+    others = (after.machine_busy - before.machine_busy) - (after.own - before.own)
+    return min(1.0, max(0.0, others / (wall * cpus)))
+
+
 def fastest_of(first: NodeSpeed, second: NodeSpeed) -> NodeSpeed:
     """Each figure at its best over two measurements of the same key: the higher rate, the
     lower time (other work only ever slows a measurement down)."""
@@ -321,8 +363,9 @@ def cached_node_speed(
 ) -> ProbeResult:
     """This node's speed: the cached figures when their key matches and they are settled;
     otherwise measured now (merged with unsettled cached figures by `fastest_of`, unless
-    `remeasure`) and cached, settled when the machine was not busy before and after and
-    the threads were not held up (`threads_contended`).
+    `remeasure`) and cached, settled when the machine was not busy before and after, other
+    processes took at most `BUSY_OTHERS_SHARE` of the CPU time while it measured
+    (`others_cpu_share`), and the threads were not held up (`threads_contended`).
 
     Raises:
         ProbeStopped: `stop` was set before the measurement ended (nothing is logged or
@@ -336,10 +379,19 @@ def cached_node_speed(
         return cached
     busy_before = machine_busy()
     started = time.perf_counter()
+    cpu_before = CpuUse.now()
     speed = measure_node_speed(threads, stop)
+    share = others_cpu_share(cpu_before, CpuUse.now(), psutil.cpu_count(logical=True) or 1)
+    others_busy = share is not None and share > BUSY_OTHERS_SHARE
     contended = threads_contended(speed)
-    settled = not (busy_before or contended or machine_busy())
-    reason = "threads held up by other work" if contended else "machine busy"
+    settled = not (busy_before or contended or others_busy or machine_busy())
+    reason = (
+        "threads held up by other work"
+        if contended
+        else f"other work took {share:.0%} of the CPUs"
+        if others_busy and share is not None
+        else "machine busy"
+    )
     logger.info(
         f"speed probe ({threads} thread(s), {time.perf_counter() - started:.1f} s"
         f"{'' if settled else f', {reason}: measured again later'}): int4 decode "
