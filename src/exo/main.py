@@ -35,6 +35,7 @@ from exo.download.on_disk import RESCAN_SECONDS, catalog_copies, download_report
 from exo.download.peers import PEER_CREDENTIAL_HEADER, peer_credential
 from exo.master.decisions import events_after_restart
 from exo.master.main import Master
+from exo.node.data_directory import not_writable_message
 from exo.node.election import Election, ElectionMessage
 from exo.node.event_log import EventLog, history_summary
 from exo.node.home_lock import HomeInUseError, HomeLock
@@ -196,6 +197,7 @@ class Node:
             trust_remote_code=options.trust_remote_code,
             image_policy=options.image_policy,
             caught_up=lambda: self.replica.caught_up(),
+            storage_problem=self.event_log.space.problem,
         )
         self.info_gatherer = InfoGatherer(
             self.local_events,
@@ -496,6 +498,9 @@ def run_node(options: Options) -> None:
         logger.error(str(error))
         raise SystemExit(1) from None
     except OSError as error:
+        if (problem := not_writable_message(error, exo_home())) is not None:
+            logger.error(problem)
+            raise SystemExit(1) from None
         hint = (
             " (another exo or program holds the port: start this node with --api-port and "
             "--zenoh-port of its own)"

@@ -21,7 +21,7 @@ from exo.routing.secret_options import (
     bootstrap_peer_problem,
     cluster_secret_option,
 )
-from exo.routing.zenoh_router import DEFAULT_ZENOH_PORT
+from exo.routing.zenoh_router import DEFAULT_ZENOH_PORT, check_key_chunk
 from exo.shared.constants import (
     DEFAULT_API_PORT,
     PROTOCOL_VERSION,
@@ -358,6 +358,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
         )
     if args.idle_unload is not None and not 0 <= args.idle_unload < float("inf"):
         parser.error(f"--idle-unload must be a number of seconds >= 0, not {args.idle_unload}")
+    try:
+        check_key_chunk("namespace", args.namespace)
+    except ValueError as error:
+        parser.error(f"--namespace (or EXO_NAMESPACE): {error}")
     peers = tuple(p.strip() for p in args.bootstrap_peers.split(",") if p.strip())
     for peer in peers:
         if (problem := bootstrap_peer_problem(peer)) is not None:

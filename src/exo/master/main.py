@@ -17,6 +17,7 @@ from exo.master.recovery import (
     events_after_node_removed,
     replacements_for_waiting,
 )
+from exo.node.data_directory import DataDirectoryFullError
 from exo.node.event_log import EventLog, EventLogCorruptError
 from exo.routing.connections import ConnectionMessage
 from exo.shared.apply import apply, apply_event, origin_key
@@ -136,13 +137,21 @@ class Master:
             for i, event in enumerate(events)
         ]
         try:
-            self._event_log.append(indexed)
-        except EventLogCorruptError as error:
-            # The log lost its place (set aside on start): the state before these events
-            # becomes the snapshot the log continues from.
-            logger.warning(f"master: {error}; writing a snapshot of the state before event {first}")
-            self._event_log.write_snapshot(self.state)
-            self._event_log.append(indexed)
+            try:
+                self._event_log.append(indexed)
+            except EventLogCorruptError as error:
+                # The log lost its place (set aside on start): the state before these
+                # events becomes the snapshot the log continues from.
+                logger.warning(
+                    f"master: {error}; writing a snapshot of the state before event {first}"
+                )
+                self._event_log.write_snapshot(self.state)
+                self._event_log.append(indexed)
+        except DataDirectoryFullError:
+            # Persisted before published, or not at all (`exo.node.data_directory`; the
+            # log said so once): their command stays unanswered until there is room.
+            logger.debug(f"master: {len(indexed)} events from {first} dropped: disk full")
+            return
         for indexed_event in indexed:
             self.state = apply(self.state, indexed_event)
             command_id = command_id_of(indexed_event.event)

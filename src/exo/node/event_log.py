@@ -29,6 +29,7 @@ that prefix; a follower fetches the rest from the master (`exo.node.replica`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -42,6 +43,7 @@ from typing import IO
 from loguru import logger
 from pydantic import ValidationError
 
+from exo.node.data_directory import DataDirectoryFullError, DiskSpace, is_disk_full
 from exo.node.event_log_upgrade import needs_upgrade, upgrade_json
 from exo.shared.apply import apply_all, command_outcome
 from exo.shared.types.common import CommandId
@@ -193,6 +195,8 @@ class EventLog:
         self._last_digest: tuple[int, str] | None = None
         self._loaded = False
         self._snapshot_upgraded = False
+        self.space = DiskSpace(path.parent)
+        """Whether the data directory has room (`exo.node.data_directory`)."""
 
     # -- loading -----------------------------------------------------------------------
 
@@ -367,25 +371,59 @@ class EventLog:
 
         Raises:
             EventLogCorruptError: an event would leave a gap in the indexes.
+            DataDirectoryFullError: the disk is full; none of `events` is held or kept
+                on disk (`exo.node.data_directory`).
         """
         self._ensure_loaded()
         new = [event for event in events if event.idx > self.last_idx]
         if not new:
             return
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("ab")
-        for event in new:
-            if event.idx != self.last_idx + 1:
-                raise EventLogCorruptError(
-                    f"appending event {event.idx} after {self.last_idx} would leave a gap"
+        last = self.last_idx
+        gap: EventLogCorruptError | None = None
+        for count, event in enumerate(new):
+            if event.idx != last + 1:
+                # What comes before the gap is written; nothing from it on.
+                gap = EventLogCorruptError(
+                    f"appending event {event.idx} after {last} would leave a gap"
                 )
-            record = encode_record(event)
-            self._file.write(record)
-            self._log_bytes += len(record)
-            self._hold([event], [record])
-        self._file.flush()
-        os.fsync(self._file.fileno())
+                new = new[:count]
+                break
+            last = event.idx
+        if new:
+            self._write(new)
+        if gap is not None:
+            raise gap
+
+    def _write(self, new: list[IndexedEvent]) -> None:
+        """Append the records of `new` (contiguous after `last_idx`), flushed and fsynced,
+        then hold them; on a full disk, neither."""
+        records = [encode_record(event) for event in new]
+        data = b"".join(records)
+        try:
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = self.path.open("ab")
+            self._file.write(data)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as error:
+            if not is_disk_full(error):
+                raise
+            self._cut_back()
+            self.space.mark_full()
+            raise DataDirectoryFullError(self.path.parent, error) from None
+        self._log_bytes += len(data)
+        self._hold(new, records)
+
+    def _cut_back(self) -> None:
+        """After a failed append: drop what the file buffered and cut the log back to its
+        last whole record (`_log_bytes`), so no torn record is left."""
+        if self._file is not None:
+            with contextlib.suppress(OSError):  # flushing the buffer fails again
+                self._file.close()
+            self._file = None
+        with contextlib.suppress(FileNotFoundError):
+            os.truncate(self.path, self._log_bytes)
 
     def maybe_compact(self, state: State) -> bool:
         """Snapshot `state` and drop the events it holds from the log when past the
@@ -418,7 +456,14 @@ class EventLog:
             "sha256": hashlib.sha256(body).hexdigest(),
             "bytes": len(body),
         }
-        write_atomically(self.snapshot_path, json.dumps(header).encode() + b"\n" + body)
+        try:
+            write_atomically(self.snapshot_path, json.dumps(header).encode() + b"\n" + body)
+        except OSError as error:  # nothing changed: the old snapshot and log stand
+            if not is_disk_full(error):
+                raise
+            self.snapshot_path.with_name(f"{self.snapshot_path.name}.tmp").unlink(missing_ok=True)
+            self.space.mark_full()
+            raise DataDirectoryFullError(self.path.parent, error) from None
         # The held records run from index base_idx + 1 without a gap: the tail after idx
         # starts idx - base_idx records in (none when the snapshot is older than them).
         start = idx - self.base_idx
@@ -427,7 +472,17 @@ class EventLog:
         self.snapshot = Snapshot(idx=idx, last_event_digest=digest, state=state)
         self.close()
         data = b"".join(self._records)
-        write_atomically(self.path, data)
+        try:
+            write_atomically(self.path, data)
+        except OSError as error:
+            if not is_disk_full(error):
+                raise
+            # The snapshot is durable; the old log, whose first records it covers, stays
+            # (loading skips them) and later appends continue it.
+            self.path.with_name(f"{self.path.name}.tmp").unlink(missing_ok=True)
+            self._log_bytes = self.path.stat().st_size if self.path.exists() else 0
+            self.space.mark_full()
+            raise DataDirectoryFullError(self.path.parent, error) from None
         self._log_bytes = len(data)
 
     def reset(self) -> Path | None:

@@ -22,6 +22,7 @@ its history is known to continue this node's, compared at this node's last event
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import anyio
 from loguru import logger
 
+from exo.node.data_directory import DataDirectoryFullError
 from exo.node.election import Election, ElectionMessage
 from exo.node.event_log import EventLog, EventLogCorruptError, event_digest
 from exo.shared.apply import apply, command_outcome, origin_key
@@ -180,19 +182,26 @@ class Replica:
             applied_any = True
         if applied_any:
             self._applied_at = self._now()
-            self._event_log.maybe_compact(self.state)
+            with contextlib.suppress(DataDirectoryFullError):  # compacted once there is room
+                self._event_log.maybe_compact(self.state)
             self._notify()
         if self._ahead:
             self._request_replay()
 
     def _persist(self, event: IndexedEvent) -> None:
+        """Write `event` to the node's log. On a full disk the state goes on in memory
+        (`exo.node.data_directory`): the master holds the event, and the next append
+        after a gap writes a snapshot of the state first (below)."""
         try:
-            self._event_log.append([event])
-        except EventLogCorruptError as error:
-            # The log lost its place (set aside on start, or reset): the state is right,
-            # so it becomes the snapshot the log continues from.
-            logger.warning(f"replica: {error}; writing a snapshot at event {event.idx}")
-            self._event_log.write_snapshot(self.state, event_digest(event))
+            try:
+                self._event_log.append([event])
+            except EventLogCorruptError as error:
+                # The log lost its place (set aside on start, reset, or a disk that was
+                # full): the state is right, so it becomes the snapshot it continues from.
+                logger.warning(f"replica: {error}; writing a snapshot at event {event.idx}")
+                self._event_log.write_snapshot(self.state, event_digest(event))
+        except DataDirectoryFullError:
+            pass  # the event log said so, once
 
     def _install(self, idx: int, snapshot: StateSnapshot) -> None:
         """Take the master's snapshot of the state after event `idx`, unless this node
@@ -213,7 +222,8 @@ class Replica:
         dropping = self._record_dropped(before)
         key = origin_key(self.node_id, self._local_events.session)
         self.state = snapshot.state
-        self._event_log.write_snapshot(self.state, snapshot.last_event_digest)
+        with contextlib.suppress(DataDirectoryFullError):  # the state goes on in memory
+            self._event_log.write_snapshot(self.state, snapshot.last_event_digest)
         missing = [
             report
             for report in self.instance_reports(before)

@@ -73,7 +73,14 @@ _RESERVED_TOPICS = frozenset({"chunks", "nodes"})
 _chunk_adapter: TypeAdapter[Chunk] = TypeAdapter(Chunk)
 
 
-def _check_key_chunk(what: str, value: str) -> str:
+def check_key_chunk(what: str, value: str) -> str:
+    """`value` (a namespace, node id, command id or topic name: `what`), checked to be one
+    chunk of a zenoh key: no '/', no wildcard or reserved character.
+
+    Raises:
+        ValueError: it is empty or holds another character; the message says which are
+            allowed.
+    """
     if not _KEY_CHUNK.fullmatch(value):
         raise ValueError(
             f"{what} {value!r} cannot be part of a zenoh key: use letters, digits and ._~+=,:@-"
@@ -171,8 +178,8 @@ class ChunkTopic:
         return self._local.subscribe()
 
     def key_for(self, owner: NodeId, command_id: CommandId) -> str:
-        _check_key_chunk("node id", owner)
-        _check_key_chunk("command id", command_id)
+        check_key_chunk("node id", owner)
+        check_key_chunk("command id", command_id)
         return f"{self._router.key_prefix}/chunks/{owner}/{command_id}"
 
     def publish_to(self, owner: NodeId, chunk: Chunk) -> None:
@@ -269,8 +276,8 @@ class NetworkRouter:
             raise ValueError(f"zenoh port must be between 0 and 65535, not {zenoh_port}")
         if lease_seconds <= 0:
             raise ValueError(f"lease must be positive, not {lease_seconds} s")
-        self.node_id = NodeId(_check_key_chunk("node id", node_id))
-        self.namespace = _check_key_chunk("namespace", namespace)
+        self.node_id = NodeId(check_key_chunk("node id", node_id))
+        self.namespace = check_key_chunk("namespace", namespace)
         self.key_prefix = f"exo/{namespace}"
         self.listen_host = listen_host
         self._port_picked = zenoh_port == 0  # re-picked if taken before zenoh binds it
@@ -354,7 +361,7 @@ class NetworkRouter:
         Raises:
             ValueError: reserved or invalid name, or the name is taken by another adapter.
         """
-        _check_key_chunk("topic name", name)
+        check_key_chunk("topic name", name)
         if name in _RESERVED_TOPICS:
             raise ValueError(f"topic name {name!r} is reserved")
         existing = self._topics.get(name)

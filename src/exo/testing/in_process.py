@@ -110,6 +110,7 @@ async def in_process_cluster(
         cards=known_cards,
         resend_first_seconds=resend_first_seconds,
         load_on_request=load_on_request,
+        storage_problem=event_log.space.problem,
     )
     cluster = InProcessCluster(
         client, master, event_log, commands, local_events, chunks, active=active, applied=applied

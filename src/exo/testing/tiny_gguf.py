@@ -1,6 +1,6 @@
 """Tiny GGUF files and Ollama stores for tests: a tiny random Llama written in llama.cpp's
-GGUF layout (tensor names, the Q/K row permutation, a byte-level BPE vocabulary), and a
-store holding it under an Ollama name."""
+GGUF layout (tensor names, the Q/K row permutation, a byte-level BPE vocabulary of single
+characters with a BOS added to every text), and a store holding it under an Ollama name."""
 
 from __future__ import annotations
 
@@ -24,6 +24,28 @@ _LAYER_TENSORS = {
     "post_attention_layernorm.weight": "ffn_norm.weight",
 }
 TINY_CHAT_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+"""Ids 0, 1 (BOS) and 2 (EOS), as in `save_tiny_checkout`'s vocabulary."""
+TINY_GGUF_CHARACTERS = " abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.,!?'-:;"
+"""The characters the tiny GGUF's byte-level BPE vocabulary holds, one token each (no
+merges): 61, so that with the special tokens it fills the tiny model's 64 ids. Other
+characters (digits among them) are left out of a tokenized text."""
+
+
+def byte_level_tokens(vocab_size: int) -> list[str]:
+    """The tiny GGUF's token list: the special tokens, then `TINY_GGUF_CHARACTERS` as
+    GPT-2's byte-level symbols (a space is "Ġ", U+0120; printable ASCII is itself).
+
+    A word-level list (`save_tiny_checkout`'s words `w0`..`w60`) under `tokenizer.ggml.model`
+    "gpt2" with no merges tokenized every text to no ids: byte-level BPE starts from single
+    characters, and none was in the vocabulary.
+    """
+    symbols = ["\u0120" if character == " " else character for character in TINY_GGUF_CHARACTERS]
+    tokens = [*SPECIAL_TOKENS, *symbols]
+    assert len(tokens) == vocab_size, f"{len(tokens)} tokens for a vocabulary of {vocab_size}"
+    return tokens
 
 
 def _permute(array: Any, heads: int) -> Any:
@@ -51,7 +73,7 @@ def save_tiny_gguf(path: Path, n_layers: int = 2) -> Path:
     config = json.loads((checkout / "config.json").read_text())
     tensors = load_file(str(checkout / "model.safetensors"))
     vocabulary = json.loads((checkout / "tokenizer.json").read_text())["model"]["vocab"]
-    tokens = [token for token, _ in sorted(vocabulary.items(), key=lambda item: item[1])]
+    tokens = byte_level_tokens(len(vocabulary))
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -68,6 +90,7 @@ def save_tiny_gguf(path: Path, n_layers: int = 2) -> Path:
     writer.add_token_merges([])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)  # as Llama's: a prompt is never empty
     writer.add_chat_template(TINY_CHAT_TEMPLATE)
     for name, array in sorted(tensors.items()):
         if name == "model.embed_tokens.weight":

@@ -50,9 +50,18 @@ be 2048 dimensions or less"; it refuses more with a 400 on `input`)."""
 
 
 def _model_id(cluster: ClusterClient, name: str) -> ModelId:
+    """The model `name` means; a 404 in OpenAI's words when unknown."""
     model_id = resolve_model_id(cluster, name)
     if model_id is None:
         raise ModelNotFoundError(f"The model '{name}' does not exist", param="model")
+    return model_id
+
+
+def _ollama_model_id(cluster: ClusterClient, name: str) -> ModelId:
+    """The model `name` means; a 404 in Ollama's words when unknown (as `/api/chat`)."""
+    model_id = resolve_model_id(cluster, name)
+    if model_id is None:
+        raise ModelNotFoundError(f"model '{name}' not found")
     return model_id
 
 
@@ -147,7 +156,7 @@ async def ollama_embed(
     them too: clients index the answer by input), each embedded as its special tokens
     alone (a model whose tokenizer adds none answers 400 naming the input)."""
     started = time.monotonic_ns()
-    model_id = _model_id(cluster, body.model)
+    model_id = _ollama_model_id(cluster, body.model)
     keep_alive = parse_keep_alive(body.keep_alive)
     inputs = ([body.input] if body.input else []) if isinstance(body.input, str) else body.input
     if not inputs:
@@ -176,7 +185,7 @@ async def ollama_embeddings(
 ) -> OllamaEmbeddingsResponse:
     """Ollama's legacy embeddings: one `prompt`, one vector (an empty prompt: an empty
     vector, as Ollama answers); inputs over the context are cut, as Ollama does."""
-    model_id = _model_id(cluster, body.model)
+    model_id = _ollama_model_id(cluster, body.model)
     if not body.prompt:
         return OllamaEmbeddingsResponse(embedding=[])
     params = EmbeddingTaskParams(model=model_id, inputs=(body.prompt,), truncate=True)

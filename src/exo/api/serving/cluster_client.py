@@ -40,6 +40,7 @@ from exo.api.serving.node_stop import NodeStop
 from exo.api.serving.request_loading import CommandRejectedError as CommandRejectedError
 from exo.api.serving.request_loading import CommandTimeoutError as CommandTimeoutError
 from exo.api.serving.request_loading import LoadOnRequest as LoadOnRequest
+from exo.api.wire.errors import NoCapacityError
 from exo.api.wire.images import ImagePolicy
 from exo.node.election import Election
 from exo.shared.models.cards import with_custom_cards
@@ -117,6 +118,11 @@ class _Unanswered:
     interval: float
 
 
+DATA_DIRECTORY_FULL = "data_directory_full"
+"""The error code (503) of a request refused because this node's data directory is full
+(`ClusterClient.submit`)."""
+
+
 class ClusterClient:
     """Everything the HTTP routes need from the rest of the node.
 
@@ -130,6 +136,9 @@ class ClusterClient:
             (`--image-*`, `exo.api.wire.images`).
         caught_up: whether this node holds the elected master's history up to the
             event the master last announced (`Replica.caught_up`).
+        storage_problem: why this node cannot write the cluster history now (its data
+            directory's disk is full: `DiskSpace.problem`), else None; `submit` then
+            refuses every command with a 503.
     """
 
     def __init__(
@@ -150,8 +159,10 @@ class ClusterClient:
         local_kv_cache: Callable[[], list[KVCacheUse]] = list,
         image_policy: ImagePolicy | None = None,
         caught_up: Callable[[], bool] = lambda: True,
+        storage_problem: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.node_id = node_id
+        self._storage_problem = storage_problem
         self._caught_up = caught_up
         # State-changing commands carried out and answered, oldest first (module docstring).
         self._acknowledged: dict[CommandId, Command] = {}
@@ -510,10 +521,13 @@ class ClusterClient:
             CommandRejectedError: the master refused it (with the reason and status code).
             CommandTimeoutError: no answer within `timeout` seconds.
             NoCapacityError: the node began shutting down first (`NodeStop.unless_stopping`);
-                the command may still be carried out.
+                the command may still be carried out. Or this node's data directory is
+                full (`storage_problem`): not sent, its events could not be written.
         """
         if self.stop.begun:
             raise self.stop.error()  # not sent: no one would wait for its outcome
+        if (problem := self._storage_problem()) is not None:
+            raise NoCapacityError(problem, code=DATA_DIRECTORY_FULL)
         send, receive = anyio.create_memory_object_stream[Event](1)
         self._result_waiters[command.command_id] = send
         self._track(command)

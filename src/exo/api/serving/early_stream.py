@@ -155,16 +155,25 @@ class EarlyStreamingResponse(Response, Generic[G]):
     async def _body(self, task_group: TaskGroup) -> AsyncGenerator[str, None]:
         """The response body: the early frames while the start is awaited (none when it
         ended in time), then the rendered chunks, with a heartbeat wherever
-        `KEEPALIVE_SECONDS` pass without a frame (a prefill after the admission chunk, a
-        slow step)."""
+        `KEEPALIVE_SECONDS` pass without a byte sent (a prefill after the admission chunk,
+        a slow step). The interval runs from the last byte actually sent: a piece that
+        renders as nothing (Responses' admission) and the hand-over from the start to the
+        renderer do not restart it."""
+        last_sent = anyio.current_time()  # the headers have just gone out
+
+        def until_heartbeat() -> float:
+            return max(0.0, last_sent + KEEPALIVE_SECONDS - anyio.current_time())
+
         if not self._started.is_set():
             for frame in self._frames.opening():
                 yield frame
+                last_sent = anyio.current_time()
         while not self._started.is_set():
-            with anyio.move_on_after(KEEPALIVE_SECONDS):
+            with anyio.move_on_after(until_heartbeat()):
                 await self._started.wait()
             if not self._started.is_set():
                 yield self._frames.heartbeat
+                last_sent = anyio.current_time()
         outcome = self._outcome
         if isinstance(outcome, BaseException):
             if not isinstance(outcome, ApiError):
@@ -182,12 +191,15 @@ class EarlyStreamingResponse(Response, Generic[G]):
             with receiver:
                 while True:
                     piece: str | None = None
-                    with anyio.move_on_after(KEEPALIVE_SECONDS):
+                    with anyio.move_on_after(until_heartbeat()):
                         try:
                             piece = await receiver.receive()
                         except anyio.EndOfStream:
                             break
+                    if piece == "":
+                        continue  # nothing to send: the heartbeat stays due
                     yield self._frames.heartbeat if piece is None else piece
+                    last_sent = anyio.current_time()
             (error,) = self._rendered
             if error is not None:
                 raise error

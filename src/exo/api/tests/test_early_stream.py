@@ -15,6 +15,7 @@ machine is; each wait has a deadline.
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -340,3 +341,73 @@ def test_claude_opens_at_admission_with_exact_usage_then_pings_through_the_prefi
             rest = "\n".join(lines)
             assert SCRIPTED_ANSWER in rest and "event: message_stop" in rest
         assert prefill_gauges(base_url) == (0.0, 0.0)
+
+
+class SlowAdmissionCluster(ScriptedCluster):
+    """Every generation: the engine's admission `admitted_after` seconds after the
+    submission, then the answer once `proceed` is set."""
+
+    def __init__(self, admitted_after: float) -> None:
+        super().__init__()
+        self.admitted_after = admitted_after
+        self.proceed = threading.Event()
+
+    async def _answer(self, command_id: CommandId) -> AsyncIterator[Chunk]:
+        await anyio.sleep(self.admitted_after)
+        yield PrefillProgressChunk(
+            command_id=command_id,
+            model=self.submitted[-1].params.model,
+            prompt_tokens=40,
+            cached_tokens=0,
+            prefilled_tokens=0,
+        )
+        deadline = time.monotonic() + DEADLINE_SECONDS
+        while not self.proceed.is_set():
+            assert time.monotonic() < deadline, "the server sent no heartbeats in time"
+            await anyio.sleep(0.01)
+        async for chunk in super()._answer(command_id):
+            yield chunk
+
+
+class SendTimes:
+    """An ASGI wrapper noting when the app sent bytes (the headers, then each non-empty
+    body message); sets `proceed` once it sent `HEARTBEATS_BEFORE_RELEASE` heartbeats."""
+
+    def __init__(self, app: ASGIApp, proceed: threading.Event) -> None:
+        self.app = app
+        self.proceed = proceed
+        self.times: list[float] = []
+        self.heartbeats = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def timing_send(message: Message) -> None:
+            body = bytes(message.get("body", b""))
+            if message["type"] == "http.response.start" or body:
+                self.times.append(time.monotonic())
+            self.heartbeats += sum(body.count(frame) for frame in HEARTBEATS)
+            if self.heartbeats >= HEARTBEATS_BEFORE_RELEASE:
+                self.proceed.set()
+            await send(message)
+
+        await self.app(scope, receive, timing_send)
+
+
+@pytest.mark.parametrize("dialect", sorted(REQUESTS))
+def test_no_gap_between_sent_bytes_exceeds_the_heartbeat_interval(
+    dialect: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The admission comes shortly before a heartbeat is due: the next heartbeat still
+    comes `KEEPALIVE_SECONDS` after the last bytes sent. (A trial's Responses stream, whose
+    admission renders as nothing, went 7-9 s silent with a 5 s interval: the hand-over to
+    the renderer and the empty piece each restarted the interval.)"""
+    interval = 1.0
+    monkeypatch.setattr(early_stream, "KEEPALIVE_SECONDS", interval)
+    path, body = REQUESTS[dialect]
+    cluster = SlowAdmissionCluster(admitted_after=early_stream.HEADERS_AFTER_SECONDS + 0.8)
+    recorder = SendTimes(scripted_app(cluster), cluster.proceed)
+    with serving(recorder) as (base_url, _port):
+        status, text = raw_stream(base_url, path, body)
+    assert status == 200 and SCRIPTED_ANSWER in text
+    gaps = [later - earlier for earlier, later in itertools.pairwise(recorder.times)]
+    # Scheduling slack on a busy machine: well under the 0.8 s the old code added.
+    assert max(gaps) < interval + 0.4, gaps

@@ -396,3 +396,19 @@ def test_openai_embeddings_refuse_more_than_2048_inputs_as_openai_does() -> None
         assert not cluster.embedding_commands
         tokens = http.post("/v1/embeddings", json={"model": EMBEDDER, "input": [1] * 3000})
         assert tokens.status_code == 200, tokens.text
+
+
+def test_ollama_embed_of_an_unknown_model_says_what_ollama_says() -> None:
+    """Ollama's words, as `/api/chat` answers them ("model 'x' not found"); the OpenAI
+    route under the Ollama prefix keeps OpenAI's."""
+    cluster = EmbeddingCluster()
+    with _client(cluster) as http:
+        for path, body in [
+            ("/ollama/api/embed", {"model": "nope", "input": "a"}),
+            ("/ollama/api/embeddings", {"model": "nope", "prompt": "a"}),
+        ]:
+            answer = http.post(path, json=body)
+            assert answer.status_code == 404, answer.text
+            assert answer.json() == {"error": "model 'nope' not found"}, path
+        openai_shaped = http.post("/ollama/v1/embeddings", json={"model": "nope", "input": "a"})
+        assert openai_shaped.json()["error"]["message"] == "The model 'nope' does not exist"

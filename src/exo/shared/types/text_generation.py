@@ -117,7 +117,8 @@ class TextGenerationTaskParams(FrozenModel):
     `raw` generate. Tools and thinking switches need a conversation.
 
     `max_tokens=None` means "until the context is full or a stop condition"; sampling
-    fields left as None take the model card's defaults. `temperature == 0` is greedy.
+    fields left as None take the model card's defaults. A `temperature` below 1e-5, 0
+    included, is greedy (`SamplingParams.is_greedy`).
     `top_k == 0` and `top_p == 1` and `min_p == 0` disable those filters.
 
     Penalties (applied to the logits before sampling, over the tokens generated so far):

@@ -441,8 +441,12 @@ class Runner:
         started = time.monotonic()
         try:
             outputs = self._engine.step()
-        except Exception as error:  # the forward pass failed: every running request fails
-            for failed in list(self._generations.values()):
+        except Exception as error:  # the step failed: every request in it fails
+            # Each leaves the engine too (the engine drops its running ones; a queued one
+            # would otherwise run later for nobody), so the next request meets a clean batch.
+            for request_id, failed in list(self._generations.items()):
+                with contextlib.suppress(Exception):  # a broken engine: report them anyway
+                    self._engine.cancel(request_id)
                 self._fail_generation(failed.task, error)
             self._generations.clear()
             if not isinstance(self._status, RunnerFailed):

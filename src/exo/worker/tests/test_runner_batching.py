@@ -212,3 +212,46 @@ def test_a_broken_group_fails_the_runner_once_however_many_generations_it_held()
     ]
     assert sorted(failed_tasks) == ["task-a", "task-b", "task-c"]
     assert len(failures) == 1, [message.status for message in failures]
+
+
+class StepFailsOnceEngine(BatchEngine):
+    """An engine whose first step raises and, as one that broke its own contract, keeps
+    its requests; later steps run."""
+
+    failed = False
+
+    def step(self) -> list[Any]:
+        if not self.failed:
+            self.failed = True
+            raise IndexError("list index out of range")
+        return super().step()
+
+
+def test_a_failed_step_takes_its_requests_out_of_the_engine() -> None:
+    """When a step raises, the runner fails every generation and cancels each in the
+    engine, so the next request streams alone (a trial's instance answered every later
+    request with the first one's 500)."""
+    engine = StepFailsOnceEngine(length=2)
+    runner, _inbound, outbound = ready_runner(engine)
+    runner._start_generation(make_text_generation_task(task_id="task-x"))
+    runner._run_step()
+    assert engine.cancelled == ["task-x"] and not engine.running
+    runner._start_generation(make_text_generation_task(task_id="task-y"))
+    while runner._generations:
+        runner._run_step()
+    sent: list[RunnerOutbound] = []
+    while outbound.poll(0):
+        sent.extend(decode_outbound(outbound.recv_bytes()))
+    finals = {
+        str(message.task_id): message.status
+        for message in sent
+        if isinstance(message, TaskStatusReport) and message.status.kind != "TaskRunning"
+    }
+    assert isinstance(finals["task-x"], TaskFailed)
+    assert isinstance(finals["task-y"], TaskComplete)
+    texts = [
+        message.chunk.text
+        for message in sent
+        if isinstance(message, ChunkReport) and isinstance(message.chunk, TokenChunk)
+    ]
+    assert "".join(texts) == "y0 y1 "

@@ -67,7 +67,12 @@ from exo.worker.engines.torch.engine_images import (
     prompt_images,
     request_images,
 )
-from exo.worker.engines.torch.engine_requests import RequestHandle, reply_budget, scripted_chooser
+from exo.worker.engines.torch.engine_requests import (
+    RequestHandle,
+    check_prompt_not_empty,
+    reply_budget,
+    scripted_chooser,
+)
 from exo.worker.engines.torch.engine_scheduler import build_scheduler
 from exo.worker.engines.torch.model.loading import LayerProgressCallback, load_parts
 from exo.worker.engines.torch.model.sharding import loaded_parameter_bytes
@@ -429,10 +434,12 @@ class TorchEngine:
 
         Raises:
             PromptTooLongError: the prompt leaves no room for a generated token.
-            ValueError: the template refuses the conversation; a forced tool call without
-                tools; a logit bias outside the vocabulary.
+            ValueError: the template refuses the conversation, or renders it to no tokens
+                (`check_prompt_not_empty`); a forced tool call without tools; a logit bias
+                outside the vocabulary.
         """
         prompt_ids = (prompt or self.render_prompt(params)).token_ids
+        check_prompt_not_empty(prompt_ids)
         max_new_tokens = reply_budget(prompt_ids, params, self.token_limit, self.context_length)
         images, positions = prompt_images(
             self.images, self.card.model_id, prompt_ids, request_images(params)

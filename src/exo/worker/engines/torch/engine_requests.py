@@ -51,6 +51,23 @@ class RequestHandle:
         return state.prefilled_tokens, len(state.prompt_ids)
 
 
+def check_prompt_not_empty(prompt_ids: list[int]) -> None:
+    """Refuse a prompt of no tokens: the first step feeds a request's last known token, so
+    there must be one. A chat template may write only the messages' text, and a tokenizer
+    may add no BOS (SmolLM2's), so an empty message can render to nothing; an empty raw
+    prompt gets its BOS, or the same refusal, earlier (`prompt.raw_prompt`).
+
+    Raises:
+        ValueError: `prompt_ids` is empty (the client's fault: a 400).
+    """
+    if not prompt_ids:
+        raise ValueError(
+            "the prompt cannot be empty: the model's chat template turned this conversation "
+            "into no tokens (and the model adds no beginning-of-sequence token); send a "
+            "message with some text"
+        )
+
+
 def reply_budget(
     prompt_ids: list[int],
     params: TextGenerationTaskParams,

@@ -310,14 +310,19 @@ class BatchScheduler:
             allows no token); the other requests go on. Empty while steps fill the pipeline.
 
         Raises:
-            Exception: a forward pass failed (every running request is dropped, and every
-                step in flight with them).
+            Exception: the step failed: a forward pass, or laying out or sampling the
+                batch (every running request is dropped, and every step in flight with
+                them, so a request that breaks a step never breaks the next one).
         """
         self.store_finished()
-        self._admit()
-        launched = self._launch_step()
-        if self._in_flight and (not launched or len(self._in_flight) >= self.max_in_flight):
-            return self._complete_step(self._in_flight.popleft())
+        try:
+            self._admit()
+            launched = self._launch_step()
+            if self._in_flight and (not launched or len(self._in_flight) >= self.max_in_flight):
+                return self._complete_step(self._in_flight.popleft())
+        except Exception:
+            self._drop_everything()
+            raise
         return []
 
     def _launch_step(self) -> bool:
@@ -343,26 +348,22 @@ class BatchScheduler:
         )
         seconds: float | None = None
         started = time.perf_counter()
-        try:
-            logits: Callable[[], StepLogits]
-            if self.launch is not None:
-                row_requests = [
-                    row
-                    for running, drafted in zip(layout.sampled, layout.drafts, strict=True)
-                    for row in remote_rows(running.state, drafted)
-                ]
-                logits = self.launch(*arguments, row_requests)
-            else:
-                started = time.perf_counter()
-                computed = (self._forward or forward_batch)(*arguments)
-                seconds = time.perf_counter() - started
-                self.chunk_sizer.observe(
-                    len(layout.plan.decode_slots), sum(length for _, length in prefill), seconds
-                )
-                logits = lambda: computed  # noqa: E731
-        except Exception:
-            self._drop_everything()
-            raise
+        logits: Callable[[], StepLogits]
+        if self.launch is not None:
+            row_requests = [
+                row
+                for running, drafted in zip(layout.sampled, layout.drafts, strict=True)
+                for row in remote_rows(running.state, drafted)
+            ]
+            logits = self.launch(*arguments, row_requests)
+        else:
+            started = time.perf_counter()
+            computed = (self._forward or forward_batch)(*arguments)
+            seconds = time.perf_counter() - started
+            self.chunk_sizer.observe(
+                len(layout.plan.decode_slots), sum(length for _, length in prefill), seconds
+            )
+            logits = lambda: computed  # noqa: E731
         # The KV of these rows is written (on every rank, before any later step's).
         for running in decoding:
             running.computed += 1
@@ -390,11 +391,7 @@ class BatchScheduler:
 
     def _complete_step(self, launched: _Launched) -> list[StepOutput]:
         """Sample a launched step's rows (skipping requests cancelled or pre-empted since)."""
-        try:
-            logits = launched.logits()
-        except Exception:
-            self._drop_everything()
-            raise
+        logits = launched.logits()
         seconds = launched.seconds
         if seconds is None:  # launched: from its launch to its logits (see `step_measured`)
             seconds = time.perf_counter() - launched.started

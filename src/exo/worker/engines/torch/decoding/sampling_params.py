@@ -7,14 +7,21 @@ from dataclasses import dataclass
 from exo.shared.types.models import SamplingDefaults
 from exo.shared.types.text_generation import TextGenerationTaskParams
 
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this sample greedily: `logits / temperature` leaves float32's range
+below ~1e-37 (a NaN softmax), and long before that the draw is the argmax anyway. The
+threshold is vLLM's sampling epsilon (`_SAMPLING_EPS` in vllm/sampling_params.py, 1e-5),
+under which vLLM also treats a request as greedy."""
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Fully resolved sampling settings for one request.
 
-    `temperature == 0` is greedy; `top_k == 0`, `top_p == 1`, `min_p == 0` disable a filter;
-    `seed=None` draws a random seed. `presence_penalty == frequency_penalty == 0` and
-    `repetition_penalty == 1` disable the penalties (see `TokenPenalties`).
+    `temperature < GREEDY_TEMPERATURE` (0 included) or `top_k == 1` is greedy; `top_k == 0`,
+    `top_p == 1`, `min_p == 0` disable a filter; `seed=None` draws a random seed.
+    `presence_penalty == frequency_penalty == 0` and `repetition_penalty == 1` disable the
+    penalties (see `TokenPenalties`).
     """
 
     temperature: float = 0.0
@@ -29,7 +36,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """The argmax is drawn: no random number, no division by the temperature."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
