@@ -65,6 +65,7 @@ WORDS = (
     "maple", "signal", "desert", "lantern", "meadow", "prism", "falcon", "ember", "glacier",
     "quartz", "thunder", "willow", "canyon", "beacon", "compass", "velvet",
 )  # fmt: skip
+RESPONSES_MIN_OUTPUT_TOKENS = 16
 DIALECTS = ("chat", "claude", "responses", "ollama")
 FATES = ("complete", "complete", "cancel", "disconnect")
 SHARED_PREFIX = " ".join(random.Random(0).choice(WORDS) for _ in range(300))
@@ -98,9 +99,10 @@ def request_body(dialect: str, prompt: str, max_tokens: int) -> tuple[str, dict[
             "model": DEFAULT_MODEL_ID, "messages": messages, "max_tokens": max_tokens,
             "stream": True,
         }  # fmt: skip
-    if dialect == "responses":
+    if dialect == "responses":  # OpenAI's floor: max_output_tokens >= 16 (else a 400)
         return "/v1/responses", {
-            "model": DEFAULT_MODEL_ID, "input": prompt, "max_output_tokens": max_tokens,
+            "model": DEFAULT_MODEL_ID, "input": prompt,
+            "max_output_tokens": max(RESPONSES_MIN_OUTPUT_TOKENS, max_tokens),
             "stream": True,
         }  # fmt: skip
     return "/ollama/api/chat", {
@@ -146,15 +148,17 @@ def parse(dialect: str, line: str) -> dict[str, Any] | None:
 
 
 def one_request(
-    client: httpx.Client, rng: random.Random, outcomes: Outcomes, url: str
-) -> None:  # fmt: skip
+    client: httpx.Client, rng: random.Random, outcomes: Outcomes, url: str, max_tokens: int = 48
+) -> None:
+    """One request of the soak's mix (dialect, prompt and fate drawn from `rng`), its end
+    counted in `outcomes`; it asks for 4 to `max_tokens` tokens."""
     dialect = rng.choice(DIALECTS)
     fate = rng.choice(FATES)
     if fate == "cancel" and dialect == "ollama":  # Ollama's stream carries no id
         fate = "disconnect"
     words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 120)))
     prompt = f"{SHARED_PREFIX} {words}" if rng.random() < 0.3 else f"Tell a story about {words}"
-    path, body = request_body(dialect, prompt, rng.randint(4, 48))
+    path, body = request_body(dialect, prompt, rng.randint(4, max(4, max_tokens)))
     act_after = rng.randint(1, 6)
     chunks = 0
     sent = time.monotonic()
