@@ -149,15 +149,17 @@ def parse(dialect: str, line: str) -> dict[str, Any] | None:
 
 
 def one_request(
-    client: httpx.Client, rng: random.Random, outcomes: Outcomes, url: str
-) -> None:  # fmt: skip
+    client: httpx.Client, rng: random.Random, outcomes: Outcomes, url: str, max_tokens: int = 48
+) -> None:
+    """One request of the soak's mix (dialect, prompt and fate drawn from `rng`), its end
+    counted in `outcomes`; it asks for 4 to `max_tokens` tokens."""
     dialect = rng.choice(DIALECTS)
     fate = rng.choice(FATES)
     if fate == "cancel" and dialect == "ollama":  # Ollama's stream carries no id
         fate = "disconnect"
     words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 120)))
     prompt = f"{SHARED_PREFIX} {words}" if rng.random() < 0.3 else f"Tell a story about {words}"
-    path, body = request_body(dialect, prompt, rng.randint(4, 48))
+    path, body = request_body(dialect, prompt, rng.randint(4, max(4, max_tokens)))
     act_after = rng.randint(1, 6)
     chunks = 0
     sent = time.monotonic()

@@ -27,5 +27,8 @@ def main(argv: list[str] | None = None) -> None:
 
     options = parse_args(arguments)
     from exo.main import run_node
+    from exo.utils.memory_trace import start_tracing_from_environment
+
+    start_tracing_from_environment()  # only with EXO_TRACEMALLOC (a test node's)
 
     run_node(options)

@@ -211,6 +211,23 @@ ENVIRONMENT = (
         "engine.md#kv-cache-dtype",
     ),
     EnvironmentVariable(
+        "EXO_TRACEMALLOC",
+        "a directory: the node traces its Python allocations and writes a snapshot there on "
+        "`SIGUSR2` (a test node's; off by default)",
+        "testing.md#node-memory",
+    ),
+    EnvironmentVariable(
+        "EXO_TRACEMALLOC_FRAMES",
+        "frames kept per traced allocation (default 16)",
+        "testing.md#node-memory",
+    ),
+    EnvironmentVariable(
+        "EXO_TRACEMALLOC_HOLDERS",
+        "comma-separated `module.Class` names: each snapshot also writes what holds their "
+        "newest instances",
+        "testing.md#node-memory",
+    ),
+    EnvironmentVariable(
         "OVERRIDE_MEMORY_MB",
         "memory this node reports as available, less what its runners hold",
         "troubleshooting.md#memory",

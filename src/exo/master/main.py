@@ -10,6 +10,7 @@ import anyio
 from loguru import logger
 
 from exo.master.decisions import events_for_command
+from exo.master.done_commands import DoneCommands
 from exo.master.keep_alive import idle_instances, usage_after_command, usage_after_local_event
 from exo.master.recovery import (
     ACTIVATION_GRACE_SECONDS,
@@ -115,7 +116,7 @@ class Master:
         self._wall_clock = wall_clock
         self._active = False
         self._activated_at = 0.0
-        self._done_commands: set[CommandId] = set()
+        self._done_commands = DoneCommands()
         # The nodes this node is linked to, and their joins and leaves: losses are
         # decided from them (`exo.master.recovery`). None: links are not watched.
         self._current_peers = current_peers
@@ -185,7 +186,9 @@ class Master:
             self.state = apply(self.state, indexed_event)
         self._activated_at = self._now()
         # Commands answered in the log, and those a snapshot compacted (their outcomes).
-        self._done_commands = set(self.state.command_outcomes) | self._event_log.command_ids()
+        self._done_commands = DoneCommands(
+            [*self.state.command_outcomes, *self._event_log.command_ids()]
+        )
         logger.info(f"master: active from event {self.state.last_event_applied_idx + 1}")
         if self.state.last_event_applied_idx < 0:
             self.emit([ClusterHistoryStarted(history_id=uuid.uuid4().hex, master=self.node_id)])

@@ -8,14 +8,20 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import anyio
+from pydantic import TypeAdapter
 
 from exo.shared.types.common import NodeId
 from exo.shared.types.events import Event, ForwarderEvent, IndexedEvent
 from exo.utils.channels import Publisher
 
 RESEND_AFTER_SECONDS = 1.0
-# Events this process sent, kept to send again if the history that indexed them is dropped.
 EMITTED_KEPT = 10_000
+"""Events this process sent, the newest, kept to send again if the history that indexed them
+is dropped (`LocalEventSender.restart_session`). Held as their JSON, decoded only then: a
+task's status update (a serving node emits ~1.7 a request) takes ~150 bytes so, ~1.2 KB as an
+event object, so a full deque of them holds ~1.5 MB, not ~12 MB
+(docs/benchmarks/2026-12-07-node-memory.md)."""
+_EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 
 class LocalEventSender:
@@ -37,12 +43,12 @@ class LocalEventSender:
         self._now = clock
         self._next_idx = 0
         self._unacknowledged: dict[int, tuple[ForwarderEvent, float]] = {}
-        self._emitted: deque[Event] = deque(maxlen=EMITTED_KEPT)
+        self._emitted: deque[bytes] = deque(maxlen=EMITTED_KEPT)  # each an event's JSON
         self._emitted_wake: anyio.Event | None = None
         """Set by `emit`, to wake `run` from its wait while nothing is unacknowledged."""
 
     def emit(self, event: Event) -> None:
-        self._emitted.append(event)
+        self._emitted.append(_EVENT_ADAPTER.dump_json(event))
         forwarded = ForwarderEvent(
             origin=self.node_id, origin_session=self.session, origin_idx=self._next_idx, event=event
         )
@@ -57,7 +63,7 @@ class LocalEventSender:
         more, in order, followed by `then`: the history that had indexed them was
         discarded. (Events set state — statuses, node info — so sending them again ends in
         the same state.)"""
-        emitted = [*self._emitted, *then]
+        emitted = [*map(_EVENT_ADAPTER.validate_json, self._emitted), *then]
         self.session = uuid.uuid4().hex
         self._next_idx = 0
         self._unacknowledged.clear()

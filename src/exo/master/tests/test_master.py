@@ -6,6 +6,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from exo.master import done_commands
 from exo.master import main as master_main
 from exo.master.main import NODE_TIMEOUT_SECONDS, Master
 from exo.node.event_log import EventLog
@@ -442,3 +443,26 @@ def test_emit_of_nothing_publishes_nothing(tmp_path: Path) -> None:
         subscription.receive_nowait()
     assert not log.path.exists()
     assert master.state == State()
+
+
+def test_the_commands_a_master_remembers_are_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every command ever carried out stayed in the master's memory (~140 bytes each,
+    unbounded); now the newest `DONE_COMMANDS_KEPT`, still enough to ignore a resend."""
+    monkeypatch.setattr(done_commands, "DONE_COMMANDS_KEPT", 8)
+    log = EventLog(tmp_path / "events.jsonl")
+    master = Master(
+        MASTER_NODE, State(), log, Topic[ForwarderCommand]("c").subscribe(),
+        Topic[ForwarderEvent]("e").subscribe(), Topic[IndexedEvent]("g").sender(), {},
+    )  # fmt: skip
+    ids = [CommandId(f"command-{i}") for i in range(50)]
+    master.emit([CommandRejected(command_id=i, origin=NODE_A, reason="no") for i in ids])
+    log.close()
+    assert len(master._done_commands) == 8
+    assert all(i in master._done_commands for i in ids[-8:])
+    assert not any(i in master._done_commands for i in ids[:-8])
+    # The newest is still not carried out twice.
+    master.handle_command(ForwarderCommand(origin=NODE_A, command=GenerateText(
+        command_id=ids[-1], params=make_params())))  # fmt: skip
+    assert master.state.last_event_applied_idx == 49
