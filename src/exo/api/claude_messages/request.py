@@ -152,7 +152,8 @@ def to_task_params(
 
     Raises:
         InvalidRequestError: a turn with empty content (`""` or `[]`) other than a final
-            assistant turn, an empty text block in any turn, document input, image input
+            assistant turn, an empty text block in any turn, a turn of whitespace-only text
+            blocks, document input, image input
             for a model without vision or an image that cannot be read, server tools, a
             tool's `input_schema` that is not valid JSON Schema, block types exo does not
             model, blocks in the wrong role, or fields that contradict each other (a
@@ -325,15 +326,25 @@ def _conversation(request: CountTokensRequest, images: ImageReader) -> tuple[Cha
 
 
 def _refuse_empty_text_blocks(blocks: Sequence[ContentBlockParam], where: str) -> None:
-    """Anthropic's rule and wording: a text block of a turn's content list holds some text,
+    """Anthropic's rules and wording: a text block of a turn's content list holds some text,
     in every turn (a final assistant turn's prefill included: the exception for an empty
-    final turn is for its whole content, `""` or `[]`, not for an empty block)."""
+    final turn is for its whole content, `""` or `[]`, not for an empty block); and a turn
+    made only of text blocks has some non-whitespace text (`[" "]` and `["\n"]` are refused,
+    `[" ", "real"]` accepted, as the Messages API answers them; a whitespace block beside
+    other kinds of blocks is left alone, the API's answer there not being known)."""
     for block_index, block in enumerate(blocks):
         if isinstance(block, TextBlockParam) and not block.text:
             raise InvalidRequestError(
                 "messages: text content blocks must be non-empty",
                 f"{where}.content.{block_index}.text",
             )
+    if blocks and all(
+        isinstance(block, TextBlockParam) and not block.text.strip() for block in blocks
+    ):
+        raise InvalidRequestError(
+            "messages: text content blocks must contain non-whitespace text",
+            f"{where}.content.0.text",
+        )
 
 
 def _system_text(system: str | list[TextBlockParam] | None) -> str:

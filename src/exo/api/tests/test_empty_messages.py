@@ -233,3 +233,25 @@ def test_claude_route_answers_an_empty_text_block_with_400() -> None:
         "type": "invalid_request_error",
         "message": _ANTHROPIC_EMPTY_BLOCK,
     }
+
+
+_ANTHROPIC_WHITESPACE = "messages: text content blocks must contain non-whitespace text"
+
+
+@pytest.mark.parametrize("texts", [[" "], ["\n"], [" ", "\t\n"]])
+def test_claude_turn_of_whitespace_only_text_is_refused_in_anthropic_words(
+    texts: list[str],
+) -> None:
+    blocks = [{"type": "text", "text": text} for text in texts]
+    with pytest.raises(InvalidRequestError) as raised:
+        to_task_params(_claude({"role": "user", "content": blocks}))
+    assert (raised.value.message, raised.value.param) == (
+        _ANTHROPIC_WHITESPACE,
+        "messages.0.content.0.text",
+    )
+
+
+def test_claude_whitespace_block_beside_real_text_stays_valid() -> None:
+    blocks = [{"type": "text", "text": " "}, {"type": "text", "text": "real"}]
+    params = to_task_params(_claude({"role": "user", "content": blocks}))
+    assert "real" in str(params.messages[0].content)
