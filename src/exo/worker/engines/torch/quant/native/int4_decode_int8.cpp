@@ -123,26 +123,6 @@ void tile_avx2_int8(const int8_t* xq, int64_t k, const uint8_t* q, const float* 
       y[r * n_total + n + i] = horizontal_sum(acc[i][r]) + offset_acc[i][r];
 }
 
-// Output rows [n0, n1) for ROWS activation rows: tiles of 4 output rows (2 for 3-4
-// activation rows, keeping the accumulators in registers), then one at a time; each tile's
-// scales unpacked and combined with the activations' into `scratch` first.
-template <int ROWS>
-void rows_avx2_int8(const int8_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
-                    const Int4Scales& scale_zero, int64_t groups, int64_t group_size,
-                    const float* offset_sums, float* y, int64_t n_total, int64_t n0, int64_t n1,
-                    float* scales, float* combined) {
-  constexpr int kTile = ROWS <= 2 ? 4 : 2;
-  const int64_t blocks = k / kBlock;
-  const int64_t blocks_per_group = group_size / kBlock;
-  for_output_tiles<kTile>(n0, n1, [&](auto nr, int64_t n) {
-    constexpr int NR = decltype(nr)::value;
-    float offset_acc[NR][ROWS];
-    scale_zero.unpack<ROWS, NR>(n, groups, offset_sums, scales, offset_acc);
-    combine_scales<ROWS, NR>(x_scales, scales, groups, blocks, blocks_per_group, combined);
-    tile_avx2_int8<ROWS, NR>(xq, k, q, combined, offset_acc, y, n_total, n);
-  });
-}
-
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define EXO_INT8_DECODE_AVX512 1
 // The 512-bit tile (CPUs with AVX512-VNNI and BW, where `int4_decode_bits()` is 512): each
@@ -260,14 +240,19 @@ void tile_avx512_int8(const int8_t* xq, int64_t k, const uint8_t* q, const float
       y[r * n_total + n + i] = _mm512_reduce_add_ps(acc[i][r]) + offset_acc[i][r];
 }
 
-// Output rows [n0, n1) for ROWS activation rows (1-8): tiles of 4 output rows (2 for more
-// than 4 activation rows: 16 accumulators of the 32 registers), then one at a time.
-template <int ROWS>
-void rows_avx512_int8(const int8_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
-                      const Int4Scales& scale_zero, int64_t groups, int64_t group_size,
-                      const float* offset_sums, float* y, int64_t n_total, int64_t n0,
-                      int64_t n1, float* scales, float* combined) {
-  constexpr int kTile = ROWS <= 4 ? 4 : 2;
+#endif  // __AVX512VNNI__ && __AVX512BW__ && __AVX512VL__
+
+// Output rows [n0, n1) for ROWS activation rows on the 256-bit tiles (WIDE false: tiles of 4
+// output rows, 2 for 3-4 activation rows) or the 512-bit ones (WIDE: 4, 2 for more than 4
+// activation rows: 16 accumulators of the 32 registers), then one at a time, keeping the
+// accumulators in registers; each tile's scales unpacked and combined with the
+// activations' into `combined` first.
+template <int ROWS, bool WIDE>
+void rows_int8(const int8_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
+               const Int4Scales& scale_zero, int64_t groups, int64_t group_size,
+               const float* offset_sums, float* y, int64_t n_total, int64_t n0, int64_t n1,
+               float* scales, float* combined) {
+  constexpr int kTile = ROWS <= (WIDE ? 4 : 2) ? 4 : 2;
   const int64_t blocks = k / kBlock;
   const int64_t blocks_per_group = group_size / kBlock;
   for_output_tiles<kTile>(n0, n1, [&](auto nr, int64_t n) {
@@ -275,10 +260,15 @@ void rows_avx512_int8(const int8_t* xq, const float* x_scales, int64_t k, const 
     float offset_acc[NR][ROWS];
     scale_zero.unpack<ROWS, NR>(n, groups, offset_sums, scales, offset_acc);
     combine_scales<ROWS, NR>(x_scales, scales, groups, blocks, blocks_per_group, combined);
-    tile_avx512_int8<ROWS, NR>(xq, k, q, combined, offset_acc, y, n_total, n);
+#ifdef EXO_INT8_DECODE_AVX512
+    if constexpr (WIDE) {
+      tile_avx512_int8<ROWS, NR>(xq, k, q, combined, offset_acc, y, n_total, n);
+      return;
+    }
+#endif
+    tile_avx2_int8<ROWS, NR>(xq, k, q, combined, offset_acc, y, n_total, n);
   });
 }
-#endif  // __AVX512VNNI__ && __AVX512BW__ && __AVX512VL__
 
 }  // namespace
 
@@ -336,7 +326,7 @@ void int4_product_int8(const float* xp, int64_t rows, int64_t k, const at::Tenso
       combined.resize(static_cast<size_t>(4 * 8 * blocks));
       for_weight_spans(rows, 8, n0, n1, k / 2, [&](int64_t s0, int64_t s1) {
         for_row_groups_of_8(rows, [&](auto count, int64_t r) {
-          rows_avx512_int8<decltype(count)::value>(
+          rows_int8<decltype(count)::value, true>(
               xq + r * k, xs + r * blocks, k, qp, sz, groups, group_size, sums + r * groups,
               yp + r * n, n, s0, s1, scales.data(), combined.data());
         });
@@ -351,9 +341,9 @@ void int4_product_int8(const float* xp, int64_t rows, int64_t k, const at::Tenso
     combined.resize(static_cast<size_t>(4 * 4 * blocks));
     for_weight_spans(rows, 4, n0, n1, k / 2, [&](int64_t s0, int64_t s1) {
       for_row_groups(rows, [&](auto count, int64_t r) {
-        rows_avx2_int8<decltype(count)::value>(xq + r * k, xs + r * blocks, k, qp, sz, groups,
-                                               group_size, sums + r * groups, yp + r * n, n,
-                                               s0, s1, scales.data(), combined.data());
+        rows_int8<decltype(count)::value, false>(
+            xq + r * k, xs + r * blocks, k, qp, sz, groups, group_size, sums + r * groups,
+            yp + r * n, n, s0, s1, scales.data(), combined.data());
       });
     });
   });
