@@ -34,21 +34,27 @@ from exo.worker.engines.torch.quant.int4_groups import pack_native_int4
 kernel = built_int4_kernel()
 g = torch.Generator().manual_seed(5)
 shapes, counts = json.loads(sys.argv[2])
-cases = []
-for outputs, inputs, group in shapes:
-    values = torch.randint(0, 16, (outputs, inputs), generator=g, dtype=torch.uint8)
-    scale_zero = (torch.randn(outputs, inputs // group, 2, generator=g) * 0.1).to(torch.bfloat16)
-    x = torch.randn(max(counts), inputs, generator=g)
-    qweight = pack_native_int4(values)
-    products = {}
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        for rows in counts:
-            products[threads, rows] = kernel(x[:rows].contiguous(), qweight, scale_zero)
-        products[threads, "single"] = torch.cat(
-            [kernel(x[row:row + 1].contiguous(), qweight, scale_zero) for row in range(len(x))]
-        )
-    cases.append((values, scale_zero, group, x, products))
+def int4_cases(shapes):
+    # Random int4 weights per shape; the kernel's products for every row count and each
+    # row alone, on one and two threads.
+    cases = []
+    for outputs, inputs, group in shapes:
+        values = torch.randint(0, 16, (outputs, inputs), generator=g, dtype=torch.uint8)
+        scales = torch.randn(outputs, inputs // group, 2, generator=g) * 0.1
+        scale_zero = scales.to(torch.bfloat16)
+        x = torch.randn(max(counts), inputs, generator=g)
+        qweight = pack_native_int4(values)
+        products = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in counts:
+                products[threads, rows] = kernel(x[:rows].contiguous(), qweight, scale_zero)
+            products[threads, "single"] = torch.cat(
+                [kernel(x[row:row + 1].contiguous(), qweight, scale_zero) for row in range(len(x))]
+            )
+        cases.append((values, scale_zero, group, x, products))
+    return cases
+cases = int4_cases(shapes)
 int8_cases = []
 for outputs, inputs, block, kind in json.loads(sys.argv[3]):
     values = torch.randint(-128, 128, (outputs, inputs), generator=g, dtype=torch.int8)
@@ -72,21 +78,7 @@ for outputs, inputs, block, kind in json.loads(sys.argv[3]):
 # odd last block after no whole chunk.
 from exo.worker.engines.torch.quant.native_kernels import set_decode_activations
 set_decode_activations("int8")
-act8_cases = []
-for outputs, inputs, group in shapes + [[9, 96, 32]]:
-    values = torch.randint(0, 16, (outputs, inputs), generator=g, dtype=torch.uint8)
-    scale_zero = (torch.randn(outputs, inputs // group, 2, generator=g) * 0.1).to(torch.bfloat16)
-    x = torch.randn(max(counts), inputs, generator=g)
-    qweight = pack_native_int4(values)
-    products = {}
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        for rows in counts:
-            products[threads, rows] = kernel(x[:rows].contiguous(), qweight, scale_zero)
-        products[threads, "single"] = torch.cat(
-            [kernel(x[row:row + 1].contiguous(), qweight, scale_zero) for row in range(len(x))]
-        )
-    act8_cases.append((values, scale_zero, group, x, products))
+act8_cases = int4_cases(shapes + [[9, 96, 32]])
 set_decode_activations("int16")
 torch.save((cases, int8_cases, act8_cases), sys.argv[1])
 print(torch.ops.exo_native.int4_decode_bits())
