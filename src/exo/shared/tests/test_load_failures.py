@@ -5,6 +5,7 @@ logs written before these fields replay to the same state and the same digests."
 
 from __future__ import annotations
 
+import json
 import zlib
 from pathlib import Path
 
@@ -152,3 +153,9 @@ def test_an_old_log_replays_with_the_same_bytes_and_digests(tmp_path: Path) -> N
         assert log.digest_at(event.idx) == event_digest(event)
     deleted = log.events_from(2, 1)[0].event
     assert isinstance(deleted, InstanceDeleted) and deleted.load_failure is None
+
+
+def test_a_state_snapshot_without_load_failures_reads_as_none_remembered() -> None:
+    older = json.loads(failed().model_dump_json())
+    del older["load_failures"]
+    assert State.model_validate_json(json.dumps(older)).load_failures == {}
