@@ -116,7 +116,7 @@ async def test_the_openai_error_names_the_code_and_a_request_mid_load_hears_the_
             joined.append(await post(http, CHAT, DIALECT_REQUESTS[CHAT]))
 
         task_group.start_soon(join)
-        await anyio.sleep(0.3)  # the request is routed to the loading instance
+        await wait_for(lambda: cluster.state.tasks, "the request routed to the loading instance")
         task_group.start_soon(fail_loads, cluster, True)
         await wait_for(lambda: joined, "the joined request's answer")
         assert joined[0].status_code == 500, joined[0].text
