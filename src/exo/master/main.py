@@ -45,7 +45,8 @@ from exo.shared.types.events import (
     TaskCreated,
 )
 from exo.shared.types.models import ModelCard
-from exo.shared.types.state import State
+from exo.shared.types.runners import RunnerFailed
+from exo.shared.types.state import LoadFailure, State
 from exo.utils.channels import Publisher, Subscription
 
 NODE_TIMEOUT_SECONDS = 30.0
@@ -65,14 +66,29 @@ def command_id_of(event: Event) -> CommandId | None:
             return None
 
 
-def failed_instances(state: State) -> list[Event]:
+def failed_instances(state: State, now: float) -> list[Event]:
     """Instances whose runners failed `MAX_INSTANCE_FAILURES` times without becoming
-    ready in between are deleted: retrying further would only keep failing."""
-    return [
-        InstanceDeleted(instance_id=instance_id)
-        for instance_id, failures in state.instance_failures.items()
-        if failures >= MAX_INSTANCE_FAILURES and instance_id in state.instances
-    ]
+    ready in between are deleted: retrying further would only keep failing. When a rank's
+    last failure is the model's own (`RunnerFailed.permanent`), the deletion says so
+    (`InstanceDeleted.load_failure`, stamped `now`: Unix seconds), and requests for the
+    model get a final error instead of a 503 (`exo.api.serving.load_on_request`)."""
+    deleted: list[Event] = []
+    for instance_id, failures in state.instance_failures.items():
+        if failures < MAX_INSTANCE_FAILURES or instance_id not in state.instances:
+            continue
+        runner_ids = state.instances[instance_id].shard_assignments.runner_to_shard
+        reason = next(
+            (
+                status.error_message
+                for runner_id in runner_ids
+                if isinstance(status := state.runners.get(runner_id), RunnerFailed)
+                and status.permanent
+            ),
+            None,
+        )
+        failure = None if reason is None else LoadFailure(reason=reason, failed_at=now)
+        deleted.append(InstanceDeleted(instance_id=instance_id, load_failure=failure))
+    return deleted
 
 
 class Master:
@@ -289,7 +305,7 @@ class Master:
         self.emit([forwarded.event], origin=forwarded)
         now = self._wall_clock()
         self.emit(usage_after_local_event(before, self.state, forwarded.event, now))
-        self.emit(failed_instances(self.state))
+        self.emit(failed_instances(self.state, now))
         # An instance with a keep-alive of 0 goes as soon as its last generation ends.
         self.emit(idle_instances(self.state, now))
 

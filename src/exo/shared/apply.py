@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from exo.shared.types.common import CommandId, InstanceId, NodeId, RunnerId
+from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, RunnerId
 from exo.shared.types.events import (
     ClusterHistoryStarted,
     CommandRejected,
@@ -38,12 +38,15 @@ from exo.shared.types.events import (
     TopologyEdgeRemoved,
 )
 from exo.shared.types.instances import Instance
+from exo.shared.types.nodes import DownloadCompleted
 from exo.shared.types.runners import RunnerFailed, RunnerReady, RunnerRunning, RunnerStatus
 from exo.shared.types.state import (
     MAX_COMMAND_OUTCOMES,
+    MAX_LOAD_FAILURES,
     CommandOutcome,
     InstanceUnavailable,
     InstanceUsage,
+    LoadFailure,
     State,
 )
 from exo.shared.types.tasks import TERMINAL_TASK_STATUSES
@@ -136,6 +139,10 @@ def apply_event(state: State, event: Event) -> State:
             failures = {k: v for k, v in state.instance_failures.items() if k != instance_id}
             usage = {k: v for k, v in state.instance_usage.items() if k != instance_id}
             unavailable = {k: v for k, v in state.unavailable_instances.items() if k != instance_id}
+            load_failures = state.load_failures
+            if event.load_failure is not None:
+                model_id = state.instances[instance_id].model_id
+                load_failures = _with_load_failure(state, model_id, event.load_failure)
             return _without_runners(
                 state.model_copy(
                     update={
@@ -144,6 +151,7 @@ def apply_event(state: State, event: Event) -> State:
                         "instance_failures": failures,
                         "instance_usage": usage,
                         "unavailable_instances": unavailable,
+                        "load_failures": load_failures,
                     }
                 ),
                 _runners_of(state.instances[instance_id]),
@@ -244,12 +252,16 @@ def apply_event(state: State, event: Event) -> State:
             unavailable = state.unavailable_instances
             if owner.instance_id in unavailable and _all_ready(owner, runners):
                 unavailable = {k: v for k, v in unavailable.items() if k != owner.instance_id}
+            load_failures = state.load_failures
+            if isinstance(status, RunnerReady) and _all_ready(owner, runners):
+                load_failures = _without_load_failure(state, owner.model_id)  # it loads now
             return state.model_copy(
                 update={
                     "runners": runners,
                     "runner_nodes": {**state.runner_nodes, runner_id: node_id},
                     "instance_failures": _instance_failures(state, runners, runner_id, status),
                     "unavailable_instances": unavailable,
+                    "load_failures": load_failures,
                 }
             )
         case RunnerDeleted(runner_id=runner_id):
@@ -263,16 +275,31 @@ def apply_event(state: State, event: Event) -> State:
             return state.model_copy(update={"node_info": {**state.node_info, node_id: info}})
         case NodeDownloadProgress(node_id=node_id, model_id=model_id, status=status):
             node_downloads = {**state.downloads.get(node_id, {}), model_id: status}
+            # A download completed (new files, or files found anew): worth loading again.
+            completed = isinstance(status, DownloadCompleted)
             return state.model_copy(
-                update={"downloads": {**state.downloads, node_id: node_downloads}}
+                update={
+                    "downloads": {**state.downloads, node_id: node_downloads},
+                    "load_failures": (
+                        _without_load_failure(state, model_id) if completed else state.load_failures
+                    ),
+                }
             )
         case CustomModelAdded(card=card):
             return state.model_copy(
-                update={"custom_cards": {**state.custom_cards, card.model_id: card}}
+                update={
+                    "custom_cards": {**state.custom_cards, card.model_id: card},
+                    "load_failures": _without_load_failure(state, card.model_id),
+                }
             )
         case CustomModelDeleted(model_id=model_id):
             cards = {k: v for k, v in state.custom_cards.items() if k != model_id}
-            return state.model_copy(update={"custom_cards": cards})
+            return state.model_copy(
+                update={
+                    "custom_cards": cards,
+                    "load_failures": _without_load_failure(state, model_id),
+                }
+            )
         case CommandRejected() | DownloadControlled():
             return state
         case ClusterHistoryStarted(history_id=history_id):
@@ -371,6 +398,21 @@ def _instance_failures(
     if isinstance(status, RunnerReady) and _all_ready(instance, runners):
         return {k: v for k, v in state.instance_failures.items() if k != instance_id}
     return state.instance_failures
+
+
+def _with_load_failure(
+    state: State, model_id: ModelId, failure: LoadFailure
+) -> dict[ModelId, LoadFailure]:
+    """`state.load_failures` with `failure` as `model_id`'s newest, the oldest dropped
+    past `MAX_LOAD_FAILURES`."""
+    failures = {**_without_load_failure(state, model_id), model_id: failure}
+    return dict(list(failures.items())[-MAX_LOAD_FAILURES:])
+
+
+def _without_load_failure(state: State, model_id: ModelId) -> dict[ModelId, LoadFailure]:
+    if model_id not in state.load_failures:
+        return state.load_failures
+    return {k: v for k, v in state.load_failures.items() if k != model_id}
 
 
 def _remove_node(state: State, node_id: NodeId) -> State:

@@ -373,7 +373,7 @@ class ClusterClient:
             case _:
                 pass
         if isinstance(event, InstanceDeleted):
-            self._fail_streams_of_instance(event.instance_id)
+            self._fail_streams_of_instance(event)
         if command_id is not None:
             self._deliver(command_id, event)
 
@@ -433,10 +433,13 @@ class ClusterClient:
             else:
                 self._on_event(event)
 
-    def _fail_streams_of_instance(self, instance_id: InstanceId) -> None:
+    def _fail_streams_of_instance(self, deleted: InstanceDeleted) -> None:
+        message = "the instance serving this request was deleted"
+        if deleted.load_failure is not None:  # its model cannot load: a final 500
+            message += f": its runners failed to load the model: {deleted.load_failure.reason}"
         for command_id, stream_instance in list(self._command_instance.items()):
-            if stream_instance == instance_id:
-                self._end_stream(command_id, "the instance serving this request was deleted")
+            if stream_instance == deleted.instance_id:
+                self._end_stream(command_id, message)
 
     async def _watch_lost_nodes(self) -> None:
         """A request whose instance runs on a node that left the cluster will never get

@@ -10,9 +10,23 @@ places one and waits until it is ready, before anything is sent to the client.
 - The wait is bounded (`LoadOnRequest.ready_timeout_seconds`, default 600 s: a big model
   loads for minutes on a CPU). A client that leaves while waiting stops only its own wait:
   the placement goes on, so the next request finds the model loaded.
+- A model that cannot load is a final error, not a 503 that clients retry into the same
+  failure: when the master deleted its instance after its runners failed to load or warm
+  it up for a reason of the model's own (`InstanceDeleted.load_failure`: a tensor of the
+  wrong shape, a config the engine refuses), the request gets a 500 `model_load_failed`
+  naming the reason. For `LoadOnRequest.load_failure_seconds` after (default 300 s) its
+  requests get that answer at once rather than placing it again (each placement tries to
+  load it three times). The failure is forgotten sooner (`State.load_failures`) when the
+  model is added again (`POST /models/add`), a node completes a download of it, or an
+  instance of it placed by hand (`POST /place_instance`) becomes ready; after the window
+  a request places it once more (the node's software or files may have changed). A
+  failure that may pass (out of memory, a node lost while loading) stays a 503.
 """
 
 from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
 
 import anyio
 from fastapi import Request
@@ -30,9 +44,10 @@ from exo.shared.types.events import InstanceCreated
 from exo.shared.types.models import ModelCard, PypiGgufPartsSource, PypiGgufSource
 from exo.shared.types.nodes import DownloadFailed, DownloadStatus
 from exo.shared.types.runners import RunnerFailed
-from exo.shared.types.state import State
+from exo.shared.types.state import LoadFailure, State
 
 STATE_CHECK_SECONDS = 0.5
+LOAD_FAILED = "model_load_failed"
 DISCONNECT_POLL_SECONDS = 0.25
 
 
@@ -65,6 +80,46 @@ def not_downloaded_message(model_id: str, offline: bool = False) -> str:
     )
 
 
+def load_failed_error(
+    model_id: ModelId, failure: LoadFailure, remembered_seconds: float | None = None
+) -> GenerationError:
+    """The final error (500 `model_load_failed`) of a request for a model that failed to
+    load for good: just now, or (`remembered_seconds`: `load_failure_seconds`) earlier,
+    and the request placed nothing."""
+    fix = "fix or replace its files, then add it again (POST /models/add) or download it again"
+    if remembered_seconds is None:
+        message = (
+            f"{model_id} cannot be loaded: its runners failed to load it repeatedly and it "
+            f"was unloaded: {failure.reason}. Loading it again would fail the same way: "
+            f"{fix}, and ask again"
+        )
+    else:
+        message = (
+            f"{model_id} cannot be loaded: its runners failed to load it at "
+            f"{_utc(failure.failed_at)}: {failure.reason}. It is not loaded on request again "
+            f"within {remembered_seconds:.0f} s of that failure unless it is added or "
+            f"downloaded again: {fix}"
+        )
+    return GenerationError(message, code=LOAD_FAILED)
+
+
+def recent_load_failure(
+    cluster: ClusterClient, model_id: ModelId, now: float
+) -> GenerationError | None:
+    """The final error for a request for `model_id` when the model failed to load for good
+    less than `load_failure_seconds` before `now` (Unix seconds, compared with the
+    master's clock: nodes' clocks are assumed close), else None (place it)."""
+    failure = cluster.state.load_failures.get(model_id)
+    window = cluster.load_on_request.load_failure_seconds
+    if failure is None or now - failure.failed_at >= window:
+        return None
+    return load_failed_error(model_id, failure, window)
+
+
+def _utc(unix_seconds: float) -> str:
+    return datetime.fromtimestamp(unix_seconds, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
 def is_available(cluster: ClusterClient, card: ModelCard) -> bool:
     """Whether a node can prepare `card` without a download someone must ask for: its
     files are ready on some node, or it is built in from PyPI."""
@@ -93,12 +148,16 @@ async def ensure_instance(
             files are nowhere (404, with a hint).
         NoCapacityError: no room for the model (the message says how much memory is
             missing), it could not be prepared or loaded, or it did not load in time (503).
-        GenerationError: the client disconnected while waiting.
+        GenerationError: the client disconnected while waiting, or the model cannot load:
+            it failed for good now or within `load_failure_seconds` (500).
     """
     if cluster.state.instances_of_model(model_id):
         return
     if not cluster.load_on_request.auto_place:
         raise ModelNotFoundError(no_instance_message(model_id), code="no_instance")
+    remembered = recent_load_failure(cluster, model_id, time.time())
+    if remembered is not None:
+        raise remembered
     card = card_of(cluster, model_id)
     if card is None or not is_available(cluster, card):
         message = not_downloaded_message(model_id, cluster.load_on_request.offline)
@@ -113,10 +172,13 @@ async def ensure_instance(
             # Taken before placing: a node can report its failure to prepare the model
             # before this task runs again after the placement (it was then ignored).
             earlier_failures = _preparation_statuses(cluster.state, model_id)
+            earlier_load_failure = cluster.state.load_failures.get(model_id)
             try:
                 with anyio.fail_after(timeout):
                     placed = await _placed_instance(cluster, card, keep_alive)
-                    await _wait_until_ready(cluster, model_id, placed, earlier_failures)
+                    await _wait_until_ready(
+                        cluster, model_id, placed, earlier_failures, earlier_load_failure
+                    )
                 outcome.append(None)
             except TimeoutError:
                 outcome.append(
@@ -197,23 +259,29 @@ async def _wait_until_ready(
     model_id: ModelId,
     placed: InstanceId | None,
     earlier_failures: dict[NodeId, DownloadStatus],
+    earlier_load_failure: LoadFailure | None,
 ) -> None:
     """Wait until an instance of `model_id` is ready. A node's failure to prepare the
     model counts only if its status is not one of `earlier_failures` (the statuses from
-    before the placement: an earlier instance's failure does not fail this one).
+    before the placement: an earlier instance's failure does not fail this one), and a
+    load failure only if it is not `earlier_load_failure`.
 
     Raises:
-        NoCapacityError: every instance of the model is gone (its runners failed), or a
-            node cannot prepare its files (then the instance this request placed is
-            deleted, so the next request starts afresh).
+        NoCapacityError: every instance of the model is gone (unloaded, or its runners
+            failed for a reason that may pass), or a node cannot prepare its files (then
+            the instance this request placed is deleted, so the next request starts afresh).
         GenerationError: a node cannot prepare its files for good (`DownloadFailed.permanent`,
-            a GGUF that does not convert): a 500, which clients do not retry; the instance
-            this request placed is deleted as above.
+            a GGUF that does not convert), or the instance was deleted because its runners
+            failed to load the model for good (`InstanceDeleted.load_failure`): a 500, which
+            clients do not retry; the instance this request placed is deleted as above.
     """
     last_failure = ""
     while True:
         state = cluster.state
         instances = state.instances_of_model(model_id)
+        load_failure = state.load_failures.get(model_id)
+        if not instances and load_failure is not None and load_failure != earlier_load_failure:
+            raise load_failed_error(model_id, load_failure)
         if not instances:
             raise NoCapacityError(
                 f"{model_id} was unloaded before it finished loading"

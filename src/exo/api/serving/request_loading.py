@@ -22,6 +22,9 @@ class LoadOnRequest:
         offline: never download (`--offline`): Ollama's pull only finds files already here.
         model_aliases: client model names mapped to served models (`--model-alias`,
             `exo.api.serving.model_aliases`).
+        load_failure_seconds: how long after a model failed to load for good
+            (`State.load_failures`) requests for it are answered with that failure instead
+            of placing it again (`exo.api.serving.load_on_request`).
     """
 
     auto_place: bool = True
@@ -29,6 +32,7 @@ class LoadOnRequest:
     ready_timeout_seconds: float = 600.0
     offline: bool = False
     model_aliases: tuple[ModelAlias, ...] = ()
+    load_failure_seconds: float = 300.0
 
 
 class CommandRejectedError(Exception):

@@ -434,14 +434,14 @@ def test_runner_failures_count_against_their_instance_until_it_is_ready() -> Non
     state = report(state, rank0, RunnerFailed(error_message="x"))
     state = report(state, rank1, RunnerFailed(error_message="x"))
     assert state.instance_failures == {two_ranks.instance_id: 2}
-    assert failed_instances(state) == []
+    assert failed_instances(state, 0.0) == []
     state = report(state, rank0, RunnerReady())  # one rank ready is not the instance ready
     assert state.instance_failures == {two_ranks.instance_id: 2}
     state = report(state, rank1, RunnerReady())
     assert state.instance_failures == {}
     for _ in range(MAX_INSTANCE_FAILURES):
         state = report(state, rank1, RunnerFailed(error_message="x"))
-    [deleted] = failed_instances(state)
+    [deleted] = failed_instances(state, 0.0)
     assert isinstance(deleted, InstanceDeleted) and deleted.instance_id == two_ranks.instance_id
     state = apply(state, IndexedEvent(idx=state.last_event_applied_idx + 1, event=deleted))
     assert state.instance_failures == {}

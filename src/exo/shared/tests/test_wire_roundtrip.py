@@ -146,7 +146,13 @@ from exo.shared.types.runners import (
     SpeculationStats,
 )
 from exo.shared.types.shards import ShardMetadata
-from exo.shared.types.state import CommandOutcome, InstanceUnavailable, InstanceUsage, State
+from exo.shared.types.state import (
+    CommandOutcome,
+    InstanceUnavailable,
+    InstanceUsage,
+    LoadFailure,
+    State,
+)
 from exo.shared.types.tasks import (
     CancelTask,
     ConnectToGroup,
@@ -321,6 +327,7 @@ TOKEN_CHUNK = TokenChunk(
     finish_reason="stop",
     usage=USAGE,
 )
+LOAD_FAILURE = LoadFailure(reason="loading failed: bad shape", failed_at=1_700_000_000.0)
 FULL_STATE = make_state(
     nodes={NODE: make_node_info(1024, 2048, "laptop")},
     instances=[PIPELINE, TENSOR],
@@ -336,6 +343,7 @@ FULL_STATE = make_state(
             TENSOR.instance_id: InstanceUsage(last_used_at=3.0, keep_alive_seconds=None)
         },
         "local_event_progress": {"node-a/session-1": 4},
+        "load_failures": {SMOLLM2: LOAD_FAILURE},
         "command_outcomes": {
             COMMAND: CommandOutcome(
                 event_idx=3, kind="TaskCreated", instance_id=TENSOR.instance_id, task_id=TASK
@@ -558,7 +566,10 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
         RunnerRunning(speculation=SPECULATION, draft_model="/models/draft"),
     ],
     SpeculationStats: [SPECULATION],
-    RunnerFailed: [RunnerFailed(error_message="segfault")],
+    RunnerFailed: [
+        RunnerFailed(error_message="segfault"),
+        RunnerFailed(error_message="warm-up failed: bad shape", permanent=True),
+    ],
     RunnerShutdown: [RunnerShutdown()],
     # shards and instances
     ShardMetadata: [make_shard(CARD, "pipeline", 1, 2), make_shard(CARD, "tensor", 1, 2)],
@@ -649,7 +660,10 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
     ],
     # events
     InstanceCreated: [InstanceCreated(instance=TENSOR, command_id=COMMAND)],
-    InstanceDeleted: [InstanceDeleted(instance_id=INSTANCE_ID)],
+    InstanceDeleted: [
+        InstanceDeleted(instance_id=INSTANCE_ID),
+        InstanceDeleted(instance_id=INSTANCE_ID, load_failure=LOAD_FAILURE),
+    ],
     InstanceUsed: [
         InstanceUsed(instance_id=INSTANCE_ID, used_at=1.5, keep_alive_seconds=None),
         InstanceUsed(
@@ -657,6 +671,7 @@ SAMPLES: dict[type[BaseModel], list[BaseModel]] = {
         ),
     ],
     InstanceUsage: [InstanceUsage(last_used_at=2.0, keep_alive_seconds=60.0)],
+    LoadFailure: [LOAD_FAILURE],
     CommandOutcome: [
         CommandOutcome(
             event_idx=7, kind="CommandRejected", origin=NODE, reason="no room", status_code=503

@@ -21,7 +21,7 @@ from exo.shared.types.instances import Instance
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import DownloadStatus, NodeInfo, TopologyEdge
 from exo.shared.types.runners import RunnerStatus
-from exo.shared.types.state import InstanceUsage, State
+from exo.shared.types.state import InstanceUsage, LoadFailure, State
 from exo.shared.types.tasks import ModelTask, TaskStatus
 
 
@@ -32,9 +32,18 @@ class InstanceCreated(FrozenModel):
 
 
 class InstanceDeleted(FrozenModel):
+    """An instance was deleted: by a command (`command_id`), for idling, or by the master
+    after its runners failed `MAX_INSTANCE_FAILURES` times, with `load_failure` set when
+    a failure was the model's own (loading it again would fail the same way)."""
+
     kind: Literal["InstanceDeleted"] = "InstanceDeleted"
     instance_id: InstanceId
     command_id: CommandId | None = None
+    load_failure: LoadFailure | None = Field(
+        default=None, exclude_if=lambda failure: failure is None
+    )
+    """Left out of the JSON when None, so the records of older versions, which lack it,
+    keep their bytes (and `event_digest`)."""
 
 
 class InstanceUsed(FrozenModel):

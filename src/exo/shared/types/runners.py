@@ -106,8 +106,17 @@ class RunnerRunning(FrozenModel):
 
 
 class RunnerFailed(FrozenModel):
+    """The runner stopped serving: its process died, its group broke, or loading or
+    warming up its model raised."""
+
     kind: Literal["RunnerFailed"] = "RunnerFailed"
     error_message: str
+    permanent: bool = Field(default=False, exclude_if=lambda permanent: not permanent)
+    """Loading or warming up the model raised an error of the model itself (a tensor of
+    the wrong shape, a config the engine refuses: `failures.load_failure_is_permanent`),
+    so loading it again the same way fails again; an instance deleted after such failures
+    is a final error for its requests (`LoadFailure`). Left out of the JSON when False,
+    so the records of older versions keep their bytes (and `event_digest`)."""
 
 
 class RunnerShutdown(FrozenModel):

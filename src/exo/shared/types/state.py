@@ -38,6 +38,20 @@ class InstanceUnavailable(FrozenModel):
     """No remaining node set has room: the master places it again when room appears."""
 
 
+class LoadFailure(FrozenModel):
+    """Why the master deleted an instance whose runners kept failing to load or warm up
+    its model for a reason of the model's own (`RunnerFailed.permanent`): requests get a
+    final error (500) naming it, not a 503 that clients retry into the same failure."""
+
+    reason: str
+    """The runner's message ("loading failed: tensor ... has shape ...")."""
+    failed_at: float
+    """Unix seconds (the master's wall clock) of the deletion."""
+
+
+MAX_LOAD_FAILURES = 64
+"""Models whose last load failure the state keeps (`State.load_failures`), the newest."""
+
 MAX_COMMAND_OUTCOMES = 1000
 """Command answers the state keeps (`State.command_outcomes`), the newest. An API waits at
 most 30 s for an answer; a busy cluster carries out far fewer than 1000 commands in that
@@ -88,6 +102,11 @@ class State(FrozenModel):
     """Instances that lost a node, until every runner of their new placement is ready."""
     custom_cards: dict[ModelId, ModelCard] = {}
     """Models added outside the catalog (`CustomModelAdded`), by id."""
+    load_failures: dict[ModelId, LoadFailure] = {}
+    """The last load failure of each model whose instance was deleted for it (at most
+    `MAX_LOAD_FAILURES`, oldest first), until the model is added again, a node completes
+    a download of it or an instance of it becomes ready (`exo.api.serving.load_on_request`
+    decides how long it stops placements on request)."""
     history_id: str | None = None
     command_outcomes: dict[CommandId, CommandOutcome] = {}
     """The answers to the latest `MAX_COMMAND_OUTCOMES` commands, oldest first."""

@@ -1,6 +1,7 @@
 """What a failed generation's client is told (`generation_failure`): a 400 where the request
 was at fault, a 503 the API retries elsewhere where another rank of the group went away, else
-a 500; the error code a dialect reports; whether the failure broke a split instance's group."""
+a 500; the error code a dialect reports; whether the failure broke a split instance's group;
+whether a failed load or warm-up is the model's own (`load_failure`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from loguru import logger
 
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, ErrorChunk
 from exo.shared.types.common import RunnerId
+from exo.shared.types.runners import RunnerFailed
 from exo.shared.types.tasks import TextGeneration
 
 # What gloo and torch.distributed say when another rank's process or link goes away.
@@ -29,6 +31,33 @@ def peer_failure(error: BaseException) -> bool:
     if isinstance(error, torch.distributed.DistError):
         return True
     return any(marker in str(error) for marker in PEER_FAILURE_MARKERS)
+
+
+# What torch says when an allocation fails (CPU: "DefaultCPUAllocator: can't allocate
+# memory"; CUDA: "CUDA out of memory"): memory that other work may free.
+OUT_OF_MEMORY_MARKERS = ("can't allocate memory", "out of memory")
+
+
+def load_failure_is_permanent(error: BaseException) -> bool:
+    """Whether `error`, raised while loading or warming up a model, is the model's own (a
+    tensor of the wrong shape, a config or checkpoint the engine refuses), so loading it
+    again the same way fails again (`RunnerFailed.permanent`). Not so: running out of
+    memory (others may free it), another rank going away (`peer_failure`), and an
+    operating-system error (a file unreadable now, a full disk), which may all pass."""
+    import torch
+
+    if isinstance(error, MemoryError | torch.OutOfMemoryError | OSError):
+        return False
+    if any(marker in str(error) for marker in OUT_OF_MEMORY_MARKERS):
+        return False
+    return not peer_failure(error)
+
+
+def load_failure(stage: str, error: Exception) -> RunnerFailed:
+    """The status of a runner whose `stage` ("loading", "warm-up") raised `error`."""
+    return RunnerFailed(
+        error_message=f"{stage} failed: {error}", permanent=load_failure_is_permanent(error)
+    )
 
 
 def error_code_of(error: Exception) -> str | None:

@@ -61,7 +61,7 @@ from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
 from exo.worker.runner.card_check import check_card
 from exo.worker.runner.draft_serving import remote_draft_of
 from exo.worker.runner.embedding_turns import EmbeddingTurns
-from exo.worker.runner.failures import generation_failure, peer_failure
+from exo.worker.runner.failures import generation_failure, load_failure, peer_failure
 from exo.worker.runner.generation_feed import Generation, PieceFeed, replay_forced_pieces
 from exo.worker.runner.messages import (
     ChunkReport,
@@ -322,7 +322,7 @@ class Runner:
             )  # fmt: skip
         except Exception as error:
             logger.opt(exception=error).error(f"runner {self.runner_id}: loading failed")
-            self._set_status(RunnerFailed(error_message=f"loading failed: {error}"))
+            self._set_status(load_failure("loading", error))
             return
         self._card_mismatches = check_card(self.shard.model_card, model_dir, self._engine.tokenizer)
         self._set_status(RunnerLoaded())
@@ -337,7 +337,7 @@ class Runner:
             self._engine.warmup()
         except Exception as error:
             logger.opt(exception=error).error(f"runner {self.runner_id}: warm-up failed")
-            self._set_status(RunnerFailed(error_message=f"warm-up failed: {error}"))
+            self._set_status(load_failure("warm-up", error))
             return
         logger.info(f"runner {self.runner_id}: warmed up in {time.perf_counter() - started:.1f}s")
         freeze_long_lived_objects()  # the model: no full collection walks it mid-decode
