@@ -91,7 +91,7 @@ async def pull(
     only the outcome.
 
     A Hugging Face repository (`org/name`) that no card names is added first, as
-    `POST /models/add` adds it (`add_custom_model`): from the Hub, or on an `--offline` node
+    `POST /models/add` adds it: from the Hub, or on an `--offline` node
     from a whole copy in a models directory or the Hugging Face cache, used in place; an
     `--offline` node without one answers why (400, listing the places searched)."""
     card = await _card_to_pull(cluster, body.model)
