@@ -49,7 +49,7 @@ from exo.routing.secret_options import (
     cluster_banner_line,
     tls_peer_warnings,
 )
-from exo.routing.zenoh_router import NetworkRouter
+from exo.routing.zenoh_router import NetworkRouter, open_failure_message
 from exo.shared.constants import (
     event_log_path,
     exo_home,
@@ -257,9 +257,7 @@ class Node:
         except Exception as error:
             self._listen_socket.close()
             self._home_lock.release()
-            raise NodeStartError(
-                f"cannot open cluster links on {self.router.listen_endpoint}: {error}"
-            ) from error
+            raise NodeStartError(open_failure_message(error, self.router)) from error
         try:
             async with anyio.create_task_group() as task_group:
                 task_group.start_soon(self._stop_on_signal, task_group.cancel_scope)

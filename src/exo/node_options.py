@@ -26,6 +26,7 @@ from exo.shared.constants import (
     DEFAULT_API_PORT,
     PROTOCOL_VERSION,
 )
+from exo.shared.models.drafts import draft_option_problem
 from exo.shared.models.kv_cache_memory import (
     DEFAULT_KV_CACHE_DTYPE,
     KV_CACHE_DTYPES,
@@ -356,6 +357,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
             f"--draft-min and --draft-max need 1 <= min <= max, not {args.draft_min} and "
             f"{args.draft_max}"
         )
+    if args.draft_model is not None and (problem := draft_option_problem(args.draft_model)):
+        parser.error(problem)
     if args.idle_unload is not None and not 0 <= args.idle_unload < float("inf"):
         parser.error(f"--idle-unload must be a number of seconds >= 0, not {args.idle_unload}")
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable, Mapping
 
 from exo.master.keep_alive import set_keep_alive
@@ -104,7 +105,10 @@ def _pinned_instance_refusal(
 ) -> tuple[str, int] | None:
     """Why a generation pinned to `instance_id` cannot run there (reason, HTTP status):
     no such instance (404), an instance of another model (400), or one that cannot serve
-    now (503); None when it can."""
+    now (503): unavailable after a node loss, or not ready yet (its rank-0 runner not
+    `RunnerReady` / `RunnerRunning`: still loading). A pinned request never waits for its
+    instance (docs/cluster.md, "Routing"), so a loading one is refused at once rather than
+    queued on a runner that answers only once loaded. None when it can run there."""
     instance = state.instances.get(instance_id)
     if instance is None:
         return f"no instance '{instance_id}'", 404
@@ -112,6 +116,21 @@ def _pinned_instance_refusal(
         return f"instance '{instance_id}' serves {instance.model_id}, not {model_id}", 400
     if instance_id in state.unavailable_instances:
         return unavailable_message(state, instance), 503
+    status = state.runners.get(instance.shard_assignments.rank_zero_runner())
+    if not isinstance(status, RunnerReady | RunnerRunning):
+        failed = _failed_preparation(state, instance)
+        if failed is not None:
+            return failed[0], 500 if failed[1] else 503
+        stage = (
+            "starting"
+            if status is None
+            else re.sub(r"(?<!^)(?=[A-Z])", " ", status.kind.removeprefix("Runner")).lower()
+        )
+        return (
+            f"instance {instance_id} of {model_id} is not ready ({stage}); a pinned request "
+            "does not wait for it: retry once GET /state shows its runners ready",
+            503,
+        )
     return None
 
 

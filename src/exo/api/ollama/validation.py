@@ -14,9 +14,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from exo.api.ollama.wire_types import MAX_TOP_LOGPROBS
 from exo.api.wire.errors import (
     describe_validation_errors,
     first_scalar_type_error,
+    param_from_location,
 )
 
 # The Go struct each route decodes into (the name Go's error gives).
@@ -57,11 +59,45 @@ def _go_kind(value: Any) -> str:
             return "object"
 
 
+_INT64_RANGE = range(-(2**63), 2**63)
+_RANGE_ERRORS = {"greater_than_equal": ("ge", "at least"), "less_than_equal": ("le", "at most")}
+
+
+def _out_of_range(path: str, errors: Sequence[Mapping[str, Any]]) -> str | None:
+    """Ollama's sentence when the first error is an integer outside its bounds, else None:
+    `top_logprobs` outside 0..20 is Ollama's own 400 ("top_logprobs must be between 0 and
+    20"), past 64 bits Go's ("json: cannot unmarshal number ... of type int"); an option
+    outside exo's bounds (`seed`, which Ollama would wrap into 64 bits) is worded as
+    `Options.FromMap` words an option it refuses."""
+    first = errors[0] if errors else {}
+    kind = _RANGE_ERRORS.get(str(first.get("type")))
+    value, location = first.get("input"), tuple(first.get("loc", ()))[1:]
+    if kind is None or not isinstance(value, int) or isinstance(value, bool):
+        return None
+    if location == ("top_logprobs",):
+        if value not in _INT64_RANGE:
+            return (
+                f"json: cannot unmarshal number {value} into Go struct field "
+                f"{_struct(path)}.top_logprobs of type int"
+            )
+        return f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"
+    if len(location) == 2 and location[0] == "options":
+        bound_name, relation = kind
+        bound = (first.get("ctx") or {}).get(bound_name)
+        return f'option "{location[1]}" must be {relation} {bound}'
+    return None
+
+
+def _struct(path: str) -> str:
+    return next((name for suffix, name in _STRUCTS.items() if path.endswith(suffix)), "Request")
+
+
 def describe_ollama_validation_errors(
     path: str, errors: Sequence[Mapping[str, Any]]
 ) -> tuple[str, str | None, str | None]:
     """Go's sentence for a field of the wrong type, `Options.FromMap`'s for an option of
-    the wrong type, else pydantic's sentences (`describe_validation_errors`).
+    the wrong type, Ollama's for an integer out of range (`_out_of_range`), else pydantic's
+    sentences (`describe_validation_errors`).
 
     Args:
         path: the request's path (`/ollama/api/chat`), which names the Go struct.
@@ -69,6 +105,9 @@ def describe_ollama_validation_errors(
     Returns:
         (message, the field at fault in dotted form, None).
     """
+    out_of_range = _out_of_range(path, errors)
+    if out_of_range is not None:
+        return out_of_range, param_from_location(tuple(errors[0].get("loc", ()))), None
     mismatch = first_scalar_type_error(errors)
     if mismatch is None:
         return (*describe_validation_errors(errors), None)
@@ -81,9 +120,8 @@ def describe_ollama_validation_errors(
             # not Ollama's): no Ollama sentence says so.
             return (*describe_validation_errors(errors), None)
         return f'option "{names[1]}" must be of type {_OPTION_TYPES[error_type]}', param, None
-    struct = next((name for suffix, name in _STRUCTS.items() if path.endswith(suffix)), "Request")
     message = (
-        f"json: cannot unmarshal {_go_kind(value)} into Go struct field {struct}.{param} of "
+        f"json: cannot unmarshal {_go_kind(value)} into Go struct field {_struct(path)}.{param} of "
         f"type {_GO_TYPES[error_type]}"
     )
     return message, param, None

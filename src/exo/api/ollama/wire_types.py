@@ -33,6 +33,8 @@ class _WireRequestModel(WireRequestModel):
 
 
 _INT64_LIMIT = 2.0**63
+# Ollama's most alternatives per token (`top_logprobs`).
+MAX_TOP_LOGPROBS = 20
 
 
 def _truncated_number(value: object) -> object:
@@ -49,6 +51,9 @@ def _truncated_number(value: object) -> object:
 
 OptionInteger = Annotated[int, BeforeValidator(_truncated_number)]
 """An integer option of Ollama's `options`: any JSON number, its fraction dropped."""
+OptionSeed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1), BeforeValidator(_truncated_number)]
+"""`options.seed`: an `OptionInteger` in [-2**63, 2**64), the seeds torch generators take
+(Ollama wraps any number into 64 bits instead)."""
 
 
 class _WireResponseModel(BaseModel):
@@ -132,7 +137,7 @@ class OllamaOptions(_WireRequestModel):
     top_p: float | None = None
     top_k: OptionInteger | None = None
     min_p: float | None = None
-    seed: OptionInteger | None = None
+    seed: OptionSeed | None = None
     num_predict: int | None = Field(default=None, strict=True)
     stop: list[str] | str | None = None
     repeat_penalty: float | None = None
@@ -173,7 +178,7 @@ class _GenerationRequest(_WireRequestModel):
     keep_alive: str | float | None = None
     think: ThinkSetting | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class OllamaChatRequest(_GenerationRequest):

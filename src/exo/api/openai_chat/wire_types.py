@@ -30,6 +30,8 @@ from exo.api.wire.request_model import Speculative, VllmTopK, WireRequestModel
 # The OpenAI API allows at most 4 stop sequences; llama.cpp and vLLM accept more, and so
 # do we, up to a bound that keeps stop-string matching cheap.
 MAX_STOP_SEQUENCES = 16
+# OpenAI's most choices per request (`n`); a larger `n` gets OpenAI's own schema 400.
+MAX_CHOICES = 128
 
 
 class _WireRequestModel(WireRequestModel):
@@ -219,12 +221,13 @@ class OpenAIGenerationRequest(_WireRequestModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: VllmTopK | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    # torch generators take seeds in [-2**63, 2**64).
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    # torch generators take seeds in [-2**63, 2**64): wider than OpenAI's signed 64 bits.
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(default=None, ge=1)
+    # OpenAI's range; only 1 is served, and 2..128 is refused saying so (`to_task_params`).
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     # vLLM's CTRL repetition penalty.

@@ -213,13 +213,28 @@ async def add_model(body: AddModelRequest, cluster: Cluster) -> AddModelResponse
             "(a path or an Ollama model is added as it is on disk): leave revision out",
             param="revision",
         )
-    card = await _build_card(cluster, model_id, body.revision)
+    card = await add_custom_model(cluster, model_id, body.revision)
+    return AddModelResponse(model_id=card.model_id, card=card)
+
+
+async def add_custom_model(cluster: ClusterClient, model_id: str, revision: str) -> ModelCard:
+    """Build `model_id`'s card on this node (`_build_card`: from the Hub, or on an
+    `--offline` node from a whole copy on disk) and have the master add it to the cluster
+    state; `POST /models/add` and Ollama's `/api/pull` of a repository no card names.
+
+    Returns:
+        The card as the master added it.
+
+    Raises:
+        ApiError: as `POST /models/add` answers (400, 401, 403, 404, 409, 503).
+    """
+    card = await _build_card(cluster, model_id, revision)
     try:
         event = await cluster.submit(AddCustomModel(command_id=CommandId.new(), card=card))
     except CommandRejectedError as error:
         raise api_error(error.reason, error.status_code) from None
     assert isinstance(event, CustomModelAdded)
-    return AddModelResponse(model_id=event.card.model_id, card=event.card)
+    return event.card
 
 
 def _card_for_gguf_file(path: str) -> ModelCard:

@@ -17,6 +17,7 @@ from exo.shared.constants import INSTANCE_HEADER
 from exo.shared.types.commands import ComputeEmbeddings, GenerateText
 from exo.shared.types.common import InstanceId
 from exo.shared.types.events import CommandRejected
+from exo.shared.types.runners import RunnerLoading, RunnerReady
 from exo.testing.builders import SMOLLM2, make_card, make_instance, make_state
 from exo.testing.scripted_cluster import SCRIPTED_ANSWER, ScriptedCluster
 
@@ -31,12 +32,27 @@ class DecidingCluster(ScriptedCluster):
         super().__init__()
         other = make_card(model_id=OTHER_MODEL)
         self.cards[OTHER_MODEL] = other
+        instances = [
+            make_instance(self.node_id, instance_id="instance-1"),
+            make_instance(self.node_id, instance_id="instance-2"),
+            make_instance(self.node_id, other, instance_id="instance-3"),
+        ]
         self.state = make_state(
-            instances=[
-                make_instance(self.node_id, instance_id="instance-1"),
-                make_instance(self.node_id, instance_id="instance-2"),
-                make_instance(self.node_id, other, instance_id="instance-3"),
-            ]
+            instances=instances,
+            runners={
+                instance.shard_assignments.rank_zero_runner(): (self.node_id, RunnerReady())
+                for instance in instances
+            },
+        )
+
+    def start_loading(self, instance_id: str) -> None:
+        """Make `instance_id`'s runner a loading one (as after a fresh placement)."""
+        runner_id = self.state.instances[
+            InstanceId(instance_id)
+        ].shard_assignments.rank_zero_runner()
+        loading = RunnerLoading(layers_loaded=3, total_layers=30)
+        self.state = self.state.model_copy(
+            update={"runners": {**self.state.runners, runner_id: loading}}
         )
 
     async def submit(self, command: GenerateText | ComputeEmbeddings, timeout: float = 0.0) -> None:
@@ -146,3 +162,21 @@ def test_a_pinned_generation_that_lost_its_instance_is_not_sent_elsewhere(stream
             assert response.status_code == 503, response.text
             assert response.json()["error"]["message"] == LOST
     assert len(cluster.submitted) == 1
+
+
+@pytest.mark.parametrize(("path", "body"), REQUESTS)
+def test_a_header_naming_a_loading_instance_is_refused_at_once_in_every_dialect(
+    path: str, body: dict[str, Any]
+) -> None:
+    cluster = DecidingCluster()
+    cluster.start_loading("instance-2")
+    for http in client_for(cluster):
+        response = http.post(
+            path, json={"model": SMOLLM2, **body}, headers={INSTANCE_HEADER: "instance-2"}
+        )
+        assert response.status_code == 503, response.text
+        assert f"instance instance-2 of {SMOLLM2} is not ready (loading)" in response.text
+        # Unpinned, the same request goes to the ready instance.
+        unpinned = http.post(path, json={"model": SMOLLM2, **body})
+        assert unpinned.status_code == 200, unpinned.text
+    assert [command.instance_id for command in cluster.submitted] == [None]

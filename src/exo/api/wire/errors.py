@@ -296,9 +296,13 @@ def describe_openai_validation_errors(
     """OpenAI's wording for a required field left out (code `missing_required_parameter`):
     "Missing required parameter: 'messages[0].content'.", for a value of the wrong type
     (code `invalid_type`): "Invalid type for 'max_tokens': expected an integer, but got a
-    string instead.", and for an integer under its minimum (code
-    `integer_below_min_value`): "Invalid 'max_output_tokens': integer below minimum value.
-    Expected a value >= 16, but got 10 instead." (OpenAI names the first such field only);
+    string instead.", for an integer out of its range (codes `integer_below_min_value` /
+    `integer_above_max_value`): "Invalid 'max_output_tokens': integer below minimum value.
+    Expected a value >= 16, but got 10 instead.", "Invalid 'n': integer above maximum value.
+    Expected a value <= 128, but got 200 instead." and for an array over its length (code
+    `array_above_max_length`): "Invalid 'stop': array too long. Expected an array with
+    maximum length 4, but got an array with length 9 instead." (OpenAI names the first such
+    field only; sentences as OpenAI's API answers them, seen in its clients' bug reports);
     `describe_validation_errors` for everything else.
 
     Returns:
@@ -308,9 +312,9 @@ def describe_openai_validation_errors(
     missing = _first_missing_field(errors)
     if missing is not None:
         return f"Missing required parameter: '{missing}'.", missing, "missing_required_parameter"
-    below = _first_integer_below_minimum(errors)
-    if below is not None:
-        return below
+    out_of_bounds = _first_out_of_bounds(errors)
+    if out_of_bounds is not None:
+        return out_of_bounds
     mismatch = first_scalar_type_error(errors)
     if mismatch is None:
         return (*describe_validation_errors(errors), None)
@@ -323,28 +327,48 @@ def describe_openai_validation_errors(
     return message, param, "invalid_type"
 
 
-def _first_integer_below_minimum(
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _first_out_of_bounds(
     errors: Sequence[Mapping[str, Any]],
 ) -> tuple[str, str | None, str] | None:
-    """OpenAI's (message, param, code) when the first failing field is an integer under its
-    `ge` bound and fails for nothing else, else None."""
+    """OpenAI's (message, param, code) when the first failing field fails only for being an
+    integer outside its `ge` / `le` bounds or an array longer than its `max_length`, else
+    None."""
     if not errors:
         return None
     first = errors[0]
     location = tuple(first.get("loc", ()))
     if any(tuple(error.get("loc", ())) == location for error in errors[1:]):
         return None
-    value, bound = first.get("input"), (first.get("ctx") or {}).get("ge")
-    if first.get("type") != "greater_than_equal" or not all(
-        isinstance(number, int) and not isinstance(number, bool) for number in (value, bound)
-    ):
-        return None
+    value, context = first.get("input"), first.get("ctx") or {}
     param = param_from_location(location)
-    message = (
-        f"Invalid '{param}': integer below minimum value. Expected a value >= {bound}, but got "
-        f"{value} instead."
-    )
-    return message, param, "integer_below_min_value"
+    match first.get("type"):
+        case "greater_than_equal" if _is_integer(value) and _is_integer(context.get("ge")):
+            return (
+                f"Invalid '{param}': integer below minimum value. Expected a value >= "
+                f"{context['ge']}, but got {value} instead.",
+                param,
+                "integer_below_min_value",
+            )
+        case "less_than_equal" if _is_integer(value) and _is_integer(context.get("le")):
+            return (
+                f"Invalid '{param}': integer above maximum value. Expected a value <= "
+                f"{context['le']}, but got {value} instead.",
+                param,
+                "integer_above_max_value",
+            )
+        case "too_long" if isinstance(value, list) and _is_integer(context.get("max_length")):
+            return (
+                f"Invalid '{param}': array too long. Expected an array with maximum length "
+                f"{context['max_length']}, but got an array with length {len(value)} instead.",
+                param,
+                "array_above_max_length",
+            )
+        case _:
+            return None
 
 
 def describe_plain_validation_errors(

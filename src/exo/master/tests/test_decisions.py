@@ -21,7 +21,14 @@ from exo.shared.types.events import (
     TaskCreated,
     TaskStatusUpdated,
 )
-from exo.shared.types.runners import RunnerLoaded, RunnerReady, RunnerRunning, RunnerStatus
+from exo.shared.types.runners import (
+    RunnerLoaded,
+    RunnerLoading,
+    RunnerReady,
+    RunnerRunning,
+    RunnerStatus,
+    RunnerWarmingUp,
+)
 from exo.shared.types.state import InstanceUnavailable, State
 from exo.shared.types.tasks import TaskCancelled, TaskFailed, TaskPending, TextGeneration
 from exo.testing.builders import (
@@ -303,6 +310,33 @@ def test_a_generation_pinned_to_an_instance_that_cannot_run_it_is_refused(
     assert isinstance(event, CommandRejected)
     assert event.status_code == status
     assert reason in event.reason
+
+
+@pytest.mark.parametrize(
+    ("status", "stage"),
+    [
+        (None, "starting"),
+        (RunnerLoading(layers_loaded=3, total_layers=30), "loading"),
+        (RunnerWarmingUp(), "warming up"),
+    ],
+)
+def test_a_generation_pinned_to_an_instance_not_ready_yet_is_refused_at_once(
+    status: RunnerStatus | None, stage: str
+) -> None:
+    state = two_instances_state(RunnerReady(), RunnerReady(), 0, 0)
+    runners = dict(state.runners)
+    if status is None:
+        del runners[runner_of("instance-2")]
+    else:
+        runners[runner_of("instance-2")] = status
+    state = state.model_copy(update={"runners": runners})
+    command = GenerateText(
+        command_id=COMMAND, params=make_params(), instance_id=InstanceId("instance-2")
+    )
+    [event] = decide(state, command)
+    assert isinstance(event, CommandRejected)
+    assert event.status_code == 503
+    assert event.reason.startswith(f"instance instance-2 of {SMOLLM2} is not ready ({stage})")
 
 
 def test_choose_instance_without_runner_status_counts_as_not_ready() -> None:

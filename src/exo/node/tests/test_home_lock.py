@@ -124,3 +124,30 @@ def test_a_taken_api_port_is_refused_with_the_options_to_choose_another(
     assert any(
         f"cannot listen on 127.0.0.1:{port}" in line and "--api-port" in line for line in logged
     ), logged
+
+
+def test_a_taken_zenoh_port_is_one_line_naming_the_port_and_the_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("EXO_HOME", str(tmp_path))
+    monkeypatch.setattr("exo.main.configure_logging", lambda level: None)
+    logged: list[str] = []
+    sink = logger.add(logged.append, level="INFO", format="{message}")
+    with socket.socket() as taken, socket.socket() as free:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        free.bind(("127.0.0.1", 0))
+        api_port = free.getsockname()[1]
+        free.close()
+        try:
+            with pytest.raises(SystemExit) as stopped:
+                main(["--no-default-model", "--offline", "--no-multicast", "--host", "127.0.0.1",
+                      "--api-port", str(api_port), "--zenoh-port", str(port)])  # fmt: skip
+        finally:
+            logger.remove(sink)
+    assert stopped.value.code == 1
+    (line,) = [line for line in logged if f"127.0.0.1:{port}" in line]
+    assert line.startswith(f"cannot listen on 127.0.0.1:{port}"), line
+    assert "--zenoh-port" in line and "address already in use" in line, line
+    assert ".rs:" not in line and "\n" not in line.strip(), line

@@ -20,7 +20,7 @@ from pydantic import TypeAdapter
 
 from exo.node.election import ElectionMessage
 from exo.routing.connections import PeerConnected, PeerDisconnected
-from exo.routing.zenoh_router import NetworkRouter, NetworkTopic
+from exo.routing.zenoh_router import NetworkRouter, NetworkTopic, open_failure_message
 from exo.shared.types.chunks import TokenChunk
 from exo.shared.types.commands import ForwarderCommand, PlaceInstance
 from exo.shared.types.common import CommandId, ModelId, NodeId, RunnerId
@@ -514,3 +514,24 @@ async def test_a_port_given_and_taken_fails_the_start() -> None:
             await router.start()
         assert router.listen_port == taken
         await router.close()
+
+
+def test_an_open_failure_is_one_line_without_rust_source_paths() -> None:
+    router = NetworkRouter(
+        "node-a", "test", zenoh_port=53999, listen_host="127.0.0.1", multicast=False
+    )
+    taken = zenoh.ZError(
+        "Can not create a new TCP listener bound to tcp/127.0.0.1:53999: [127.0.0.1:53999: "
+        "Address already in use (os error 98) at /root/.cargo/git/checkouts/zenoh-9c599d5ef3e"
+        "0480e/cc83980/io/zenoh-link-commons/src/tcp.rs:61.] at /root/.cargo/git/checkouts/"
+        "zenoh-9c599d5ef3e0480e/cc83980/io/zenoh-links/zenoh-link-tcp/src/unicast.rs:338."
+    )
+    assert open_failure_message(taken, router) == (
+        "cannot listen on 127.0.0.1:53999 (the links between nodes, --zenoh-port): address "
+        "already in use (another exo or program holds the port: start this node with a "
+        "--zenoh-port of its own)"
+    )
+    other = zenoh.ZError("Invalid endpoint [x] at /home/u/zenoh/io/zenoh-links/src/lib.rs:12.")
+    assert open_failure_message(other, router) == (
+        "cannot open cluster links on tcp/127.0.0.1:53999: Invalid endpoint [x]"
+    )

@@ -42,6 +42,30 @@ from exo.shared.types.models import ModelCard
 VOCABULARY_PADDING_FRACTION = 0.01
 
 
+def draft_option_problem(name: str) -> str | None:
+    """Why a node's `--draft-model name` can never name a draft, or None: it is neither a
+    built-in catalog model by any of its names nor a loadable model directory on this
+    node. Both are known at start-up (the catalog ships with exo; the directory is this
+    node's), and nothing else resolves a draft: placement (`draft_for`) takes an unknown
+    name for a directory on rank 0's node, and its runner resolves it against the built-in
+    catalog or the disk only (`draft_model.draft_model_directory`), never the Hub. So a
+    name that fails here is a flag error, not something to find out at the first load.
+    """
+    from exo.shared.models.cards import UnknownModelError, load_builtin_cards, resolve_card
+
+    try:
+        resolve_card(name, load_builtin_cards())
+    except UnknownModelError:
+        return (
+            f"--draft-model {name!r} names no catalog model and no model directory on this "
+            "node (a draft model is a catalog model by any of its names, see GET /models, or "
+            "a directory with config.json, *.safetensors and a tokenizer)"
+        )
+    except ValueError as error:  # a directory that holds no loadable model
+        return f"--draft-model {name!r}: {error}"
+    return None
+
+
 def draft_runs_on(sharding: Sharding, world_size: int) -> bool:
     """Whether an instance of this kind drafts with a draft model in its rank 0's runner
     (the kind's description says: `Parallelism.drafts_in_rank_zero`)."""
