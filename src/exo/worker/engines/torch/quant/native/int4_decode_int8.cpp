@@ -134,15 +134,35 @@ void tile_avx2_int8(const int8_t* xq, int64_t k, const uint8_t* q, const float* 
 // lane's four bytes are one block's (lanes 0-7 blocks 4c and 4c+1 alternating, lanes 8-15
 // 4c+2 and 4c+3), and two such instructions (low then high nibbles) give each lane eight
 // products of one block, exactly (|sum| <= 8 * 15 * 127). Per activation row and 128
-// weights: 2 vpdpbusd, 1 conversion, 1 permute (four blocks' combined scales to their
-// lanes) and 1 FMA, where the int16 tile (int4_gemv.cpp's `tile_avx512`) takes 4 vpdpwssd,
-// 2 conversions, 2 permutes and 2 FMAs: the instructions a decode step over many requests
-// is bound by (docs/benchmarks/2026-12-07-int4-decode-tiles.md). A chunk's activations are
-// laid out to match (`wide_chunk`): pair A's arranged low half, B's low half, A's high
+// weights: 2 vpdpbusd, 1 conversion, 1 multiply (the row's activation scales, laid out per
+// call in the sums' lane order, `activation_lanes`, times the weight's scales, permuted to
+// those lanes once per output row and chunk) and 1 FMA, where the int16 tile (int4_gemv.cpp's
+// `tile_avx512`) takes 4 vpdpwssd, 2 conversions, 2 permutes and 2 FMAs: the instructions a
+// decode step over many requests is bound by
+// (docs/benchmarks/2026-12-07-int4-decode-tiles.md). The scales' products are the same
+// float32 products a per-tile table of weight x activation scales held before, without
+// building that table per tile: at 8 activation rows and 576 inputs it took a sixth of the
+// product's time (docs/benchmarks/2026-12-07-int8-decode-lanes.md). A chunk's activations
+// are laid out to match (`wide_chunk`): pair A's arranged low half, B's low half, A's high
 // half, B's high half. A last pair (k % 128 >= 64) and an odd last block take the same
 // instructions on 256 bits (the upper lanes zero) in `arrange_pair`'s and natural order.
 
 constexpr int64_t kChunk = 128;  // inputs per 64-byte load: two pairs of blocks
+
+// The block (0-3 within a chunk) of each int32 lane of the tile's sums.
+constexpr int kLaneBlock[16] = {0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3};
+
+// One activation row's block scales (`row_scales` [blocks]) as the 512-bit tile multiplies
+// them: per full chunk c, 16 floats, lane j holding block 4c + kLaneBlock[j]'s scale; then
+// one vector for the blocks after the last full chunk (a last pair, an odd block) in
+// natural order, zero-padded. `lanes`: [k / kChunk + 1, 16].
+inline void activation_lanes(const float* row_scales, int64_t blocks, float* lanes) {
+  const int64_t chunks = blocks / 4;
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int j = 0; j < 16; ++j) lanes[c * 16 + j] = row_scales[4 * c + kLaneBlock[j]];
+  for (int j = 0; j < 16; ++j)
+    lanes[chunks * 16 + j] = 4 * chunks + j < blocks ? row_scales[4 * chunks + j] : 0.0f;
+}
 
 // A chunk's two arranged pairs (pair A: bytes 0-63, pair B: 64-127, each its low-nibble
 // half then its high-nibble half) into the order of the 512-bit tile: A low, B low, A high,
@@ -155,23 +175,25 @@ inline void wide_chunk(int8_t* chunk) {
 }
 
 // NR output rows from n for ROWS activation rows (xq [ROWS, k], each full chunk in
-// `wide_chunk`'s order, a last pair arranged, an odd block natural; `combined` [NR, ROWS,
-// blocks]: weight scale x activation scale per block), the zero terms from `offset_acc`.
+// `wide_chunk`'s order, a last pair arranged, an odd block natural; `x_lanes` [ROWS,
+// chunks + 1, 16]: `activation_lanes` per row; `block_scales` [NR, blocks]: the weight's
+// scale per block), the zero terms from `offset_acc`. A weight scale times an activation
+// scale is the same float32 product a table of combined scales held.
 template <int ROWS, int NR>
 [[gnu::noinline]]
-void tile_avx512_int8(const int8_t* xq, int64_t k, const uint8_t* q, const float* combined,
-                      const float (&offset_acc)[NR][ROWS], float* y, int64_t n_total,
-                      int64_t n) {
+void tile_avx512_int8(const int8_t* xq, int64_t k, const uint8_t* q, const float* x_lanes,
+                      const float* block_scales, const float (&offset_acc)[NR][ROWS], float* y,
+                      int64_t n_total, int64_t n) {
   const int64_t blocks = k / kBlock;
   const int64_t pairs = blocks / 2;
   const int64_t chunks = k / kChunk;
+  const int64_t lanes_per_row = (chunks + 1) * 16;
   __m512 acc[NR][ROWS];
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm512_setzero_ps();
   const __m512i shuffle = _mm512_broadcast_i32x4(_mm256_castsi256_si128(pair_shuffle()));
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  // The block (0-3 within the chunk) of each int32 lane of the sums.
-  const __m512i lane_block = _mm512_setr_epi32(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3);
+  const __m512i lane_block = _mm512_loadu_si512(kLaneBlock);
   for (int64_t c = 0; c < chunks; ++c) {
     // Both loops unrolled so that each accumulator stays a register (as `tile_avx512`).
 #pragma GCC unroll 4
@@ -181,19 +203,22 @@ void tile_avx512_int8(const int8_t* xq, int64_t k, const uint8_t* q, const float
       prefetch_ahead(bytes);
       const __m512i low = _mm512_and_si512(shuffled, nibble);  // q[0..15] of four blocks
       const __m512i high = _mm512_and_si512(_mm512_srli_epi16(shuffled, 4), nibble);
+      const __m512 weight_lanes = _mm512_permutexvar_ps(
+          lane_block, _mm512_castps128_ps512(_mm_loadu_ps(block_scales + i * blocks + 4 * c)));
 #pragma GCC unroll 8
       for (int r = 0; r < ROWS; ++r) {
         const int8_t* xv = xq + r * k + c * kChunk;
         const __m512i sums = _mm512_dpbusd_epi32(
             _mm512_dpbusd_epi32(_mm512_setzero_si512(), low, _mm512_loadu_si512(xv)), high,
             _mm512_loadu_si512(xv + 64));
-        const __m512 four = _mm512_castps128_ps512(
-            _mm_loadu_ps(combined + (i * ROWS + r) * blocks + 4 * c));
-        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
-                                    _mm512_permutexvar_ps(lane_block, four), acc[i][r]);
+        const __m512 lane_scales =
+            _mm512_mul_ps(_mm512_loadu_ps(x_lanes + r * lanes_per_row + c * 16), weight_lanes);
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), lane_scales, acc[i][r]);
       }
     }
   }
+  // The scales of the blocks after the last full chunk: natural order from here.
+  const float* tail_lanes = x_lanes + chunks * 16;
   const __m256i shuffle256 = pair_shuffle();
   const __m256i nibble256 = _mm256_set1_epi8(0x0F);
   for (int64_t p = 2 * chunks; p < pairs; ++p) {  // at most one: k % 128 >= 64
@@ -209,10 +234,13 @@ void tile_avx512_int8(const int8_t* xq, int64_t k, const uint8_t* q, const float
             _mm256_dpbusd_epi32(_mm256_setzero_si256(), low, _mm256_loadu_si256(xv)), high,
             _mm256_loadu_si256(xv + 1));
         // Lanes alternate the pair's two blocks; the upper 256 bits of the sum are zero.
-        const __m512 scales = _mm512_castpd_ps(_mm512_set1_pd(
-            *reinterpret_cast<const double*>(combined + (i * ROWS + r) * blocks + 2 * p)));
-        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(sums)), scales,
-                                    acc[i][r]);
+        const float* row_tail = tail_lanes + r * lanes_per_row;
+        const float two[2] = {row_tail[0] * block_scales[i * blocks + 2 * p],
+                              row_tail[1] * block_scales[i * blocks + 2 * p + 1]};
+        double both;
+        std::memcpy(&both, two, sizeof(both));
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(sums)),
+                                    _mm512_castpd_ps(_mm512_set1_pd(both)), acc[i][r]);
       }
     }
   }
@@ -229,9 +257,10 @@ void tile_avx512_int8(const int8_t* xq, int64_t k, const uint8_t* q, const float
         const __m256i x =
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock));
         const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), values, x);
+        const float scale =
+            tail_lanes[r * lanes_per_row + (b - 4 * chunks)] * block_scales[i * blocks + b];
         acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(sums)),
-                                    _mm512_set1_ps(combined[(i * ROWS + r) * blocks + b]),
-                                    acc[i][r]);
+                                    _mm512_set1_ps(scale), acc[i][r]);
       }
     }
   }
@@ -243,29 +272,40 @@ void tile_avx512_int8(const int8_t* xq, int64_t k, const uint8_t* q, const float
 #endif  // __AVX512VNNI__ && __AVX512BW__ && __AVX512VL__
 
 // Output rows [n0, n1) for ROWS activation rows on the 256-bit tiles (WIDE false: tiles of 4
-// output rows, 2 for 3-4 activation rows) or the 512-bit ones (WIDE: 4, 2 for more than 4
-// activation rows: 16 accumulators of the 32 registers), then one at a time, keeping the
-// accumulators in registers; each tile's scales unpacked and combined with the
-// activations' into `combined` first.
+// output rows, 2 for 3-4 activation rows) or the 512-bit ones (WIDE: 4 for up to 4
+// activation rows, else 1: with 2 the compiler spilled accumulators at 8 rows, 5-15 % slower,
+// and two output rows shared nothing but the loop), then one at a time, keeping the
+// accumulators in registers. Each tile's scales are unpacked first; the 256-bit tiles
+// combine them with the activations' into `combined`, the 512-bit ones multiply them in the
+// loop (`x_lanes`: `activation_lanes` per row), expanded to one scale per block where a
+// group holds several blocks.
 template <int ROWS, bool WIDE>
 void rows_int8(const int8_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
                const Int4Scales& scale_zero, int64_t groups, int64_t group_size,
                const float* offset_sums, float* y, int64_t n_total, int64_t n0, int64_t n1,
-               float* scales, float* combined) {
-  constexpr int kTile = ROWS <= (WIDE ? 4 : 2) ? 4 : 2;
+               float* scales, float* combined, const float* x_lanes) {
+  constexpr int kTile = ROWS <= (WIDE ? 4 : 2) ? 4 : (WIDE ? 1 : 2);
   const int64_t blocks = k / kBlock;
   const int64_t blocks_per_group = group_size / kBlock;
   for_output_tiles<kTile>(n0, n1, [&](auto nr, int64_t n) {
     constexpr int NR = decltype(nr)::value;
     float offset_acc[NR][ROWS];
     scale_zero.unpack<ROWS, NR>(n, groups, offset_sums, scales, offset_acc);
-    combine_scales<ROWS, NR>(x_scales, scales, groups, blocks, blocks_per_group, combined);
 #ifdef EXO_INT8_DECODE_AVX512
     if constexpr (WIDE) {
-      tile_avx512_int8<ROWS, NR>(xq, k, q, combined, offset_acc, y, n_total, n);
+      const float* block_scales = scales;
+      if (blocks_per_group != 1) {
+        for (int i = 0; i < NR; ++i)
+          for (int64_t g = 0; g < groups; ++g)
+            std::fill_n(combined + i * blocks + g * blocks_per_group, blocks_per_group,
+                        scales[i * groups + g]);
+        block_scales = combined;
+      }
+      tile_avx512_int8<ROWS, NR>(xq, k, q, x_lanes, block_scales, offset_acc, y, n_total, n);
       return;
     }
 #endif
+    combine_scales<ROWS, NR>(x_scales, scales, groups, blocks, blocks_per_group, combined);
     tile_avx2_int8<ROWS, NR>(xq, k, q, combined, offset_acc, y, n_total, n);
   });
 }
@@ -318,17 +358,26 @@ void int4_product_int8(const float* xp, int64_t rows, int64_t k, const at::Tenso
   // Every row count takes the 512-bit tile where it runs (as the int16 kernel: a row's sums
   // are then the same bits whatever the step's row count).
   if (int4_decode_bits() == 512) {
-    for (int64_t r = 0; r < rows; ++r)
+    const int64_t lanes_per_row = (k / kChunk + 1) * 16;
+    thread_local std::vector<float> lanes;
+    lanes.resize(static_cast<size_t>(rows * lanes_per_row));
+    for (int64_t r = 0; r < rows; ++r) {
       for (int64_t c = 0; c < k / kChunk; ++c) wide_chunk(rounded.data() + r * k + c * kChunk);
+      activation_lanes(xs + r * blocks, blocks, lanes.data() + r * lanes_per_row);
+    }
+    // The calling thread's buffer, named before the pool's threads run (a thread_local
+    // named inside the task would be each worker's own, empty one).
+    const float* xl = lanes.data();
     at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-      thread_local std::vector<float> scales, combined;
+      thread_local std::vector<float> scales, block_scales;
       scales.resize(static_cast<size_t>(4 * groups));
-      combined.resize(static_cast<size_t>(4 * 8 * blocks));
+      block_scales.resize(static_cast<size_t>(4 * blocks));
       for_weight_spans(rows, 8, n0, n1, k / 2, [&](int64_t s0, int64_t s1) {
         for_row_groups_of_8(rows, [&](auto count, int64_t r) {
           rows_int8<decltype(count)::value, true>(
               xq + r * k, xs + r * blocks, k, qp, sz, groups, group_size, sums + r * groups,
-              yp + r * n, n, s0, s1, scales.data(), combined.data());
+              yp + r * n, n, s0, s1, scales.data(), block_scales.data(),
+              xl + r * lanes_per_row);
         });
       });
     });
@@ -343,7 +392,7 @@ void int4_product_int8(const float* xp, int64_t rows, int64_t k, const at::Tenso
       for_row_groups(rows, [&](auto count, int64_t r) {
         rows_int8<decltype(count)::value, false>(
             xq + r * k, xs + r * blocks, k, qp, sz, groups, group_size, sums + r * groups,
-            yp + r * n, n, s0, s1, scales.data(), combined.data());
+            yp + r * n, n, s0, s1, scales.data(), combined.data(), nullptr);
       });
     });
   });

@@ -208,14 +208,16 @@ void rows_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
 // load is two pairs of blocks (128 inputs, blocks 4c..4c+3); its int16 lanes 0-15 are the
 // first pair's, 16-31 the second's, so the activations of each full 128 inputs are
 // reordered to match (`interleave_chunks`): for j = 0..3, inputs 16 j..16 j + 15 then
-// 64 + 16 j..64 + 16 j + 15. Each block's two scales are multiplied together once per tile
-// (`combined`, vectorized) instead of once per block and activation row inside the loop,
-// and with AVX512-VNNI each multiply-add and its int32 add are one vpdpwssd: the per-row
-// work per 128 weights is 4 vpdpwssd, 2 conversions, 2 permutes (a block's scale to its
-// 8 lanes) and 2 FMAs, against about twice that for the 256-bit kernel, which is what a
-// decode step over many requests (one weight read for all rows) is bound by
-// (figures: docs/benchmarks/2026-12-05-batching.md). A last odd pair and an odd last block
-// take 256-bit code in the activations' natural order.
+// 64 + 16 j..64 + 16 j + 15. A chunk's four weight scales are multiplied by the activation
+// row's four block scales in the loop (one 128-bit multiply): the same float32 products as
+// a per-tile table of combined scales, whose construction per tile took a sixth of an
+// 8-row product at 576 inputs (docs/benchmarks/2026-12-07-int8-decode-lanes.md). With
+// AVX512-VNNI each multiply-add and its int32 add are one vpdpwssd: the per-row work per
+// 128 weights is 4 vpdpwssd, 2 conversions, 2 permutes, 2 FMAs and the small multiply,
+// against about twice
+// that for the 256-bit kernel, which is what a decode step over many requests (one weight
+// read for all rows) is bound by (figures: docs/benchmarks/2026-12-05-batching.md). A last
+// odd pair and an odd last block take 256-bit code in the activations' natural order.
 
 constexpr int64_t kChunk = 128;  // inputs per 64-byte load: two pairs of blocks
 
@@ -234,23 +236,31 @@ inline void interleave_chunks(int16_t* values, int64_t rows, int64_t k) {
 
 // NR output rows from n for ROWS activation rows (xq: each row's k values, full chunks
 // interleaved; x_scales [ROWS, blocks]; offset_sums [ROWS, groups]). `scales` holds NR x
-// groups floats, `combined` NR x ROWS x blocks.
+// groups floats, `block_scales` NR x blocks (the weight's scale per block, where a group
+// holds several blocks).
 template <int ROWS, int NR>
 void tile_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
                  const Int4Scales& scale_zero, int64_t groups, int64_t group_size,
                  const float* offset_sums, float* y, int64_t n_total, int64_t n, float* scales,
-                 float* combined) {
+                 float* block_scales) {
   const int64_t blocks = k / kBlock;
   const int64_t blocks_per_group = group_size / kBlock;
   const TileScales<ROWS, NR> tile_scales(scale_zero, n, groups, offset_sums, scales);
-  combine_scales<ROWS, NR>(x_scales, scales, groups, blocks, blocks_per_group, combined);
+  const float* weight_scales = scales;
+  if (blocks_per_group != 1) {
+    for (int i = 0; i < NR; ++i)
+      for (int64_t g = 0; g < groups; ++g)
+        std::fill_n(block_scales + i * blocks + g * blocks_per_group, blocks_per_group,
+                    scales[i * groups + g]);
+    weight_scales = block_scales;
+  }
+  const int64_t chunks = k / kChunk;
   __m512 acc[NR][ROWS];
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < ROWS; ++r) acc[i][r] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi16(0x000F);
   const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
   const __m512i second = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
-  const int64_t chunks = k / kChunk;
   for (int64_t c = 0; c < chunks; ++c) {
     // Both loops unrolled, so that each accumulator is a register: GCC 12 otherwise kept
     // the loop over output rows and with it acc[i][...] in memory (a load and a store per
@@ -264,6 +274,7 @@ void tile_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint
       const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(lanes, 4), nibble);
       const __m512i w2 = _mm512_and_si512(_mm512_srli_epi16(lanes, 8), nibble);
       const __m512i w3 = _mm512_srli_epi16(lanes, 12);
+      const __m128 weight_four = _mm_loadu_ps(weight_scales + i * blocks + 4 * c);
 #pragma GCC unroll 8
       for (int r = 0; r < ROWS; ++r) {
         const int16_t* xv = xq + r * k + c * kChunk;
@@ -274,7 +285,7 @@ void tile_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint
         const __m512i sums1 = multiply_add(multiply_add(zero, w2, _mm512_loadu_si512(xv + 64)),
                                            w3, _mm512_loadu_si512(xv + 96));
         const __m512 four = _mm512_castps128_ps512(
-            _mm_loadu_ps(combined + (i * ROWS + r) * blocks + 4 * c));
+            _mm_mul_ps(_mm_loadu_ps(x_scales + r * blocks + 4 * c), weight_four));
         acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums0),
                                     _mm512_permutexvar_ps(first, four), acc[i][r]);
         acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums1),
@@ -303,11 +314,12 @@ void tile_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint
         const __m512i sums1 = multiply_add(
             multiply_add(zero, w2, _mm512_zextsi256_si512(_mm256_loadu_si256(xv + 2))), w3,
             _mm512_zextsi256_si512(_mm256_loadu_si256(xv + 3)));
-        const float* scale = combined + (i * ROWS + r) * blocks + b;
-        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums0), _mm512_set1_ps(scale[0]),
-                                    acc[i][r]);
-        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums1), _mm512_set1_ps(scale[1]),
-                                    acc[i][r]);
+        const float* x_scale = x_scales + r * blocks + b;
+        const float* weight = weight_scales + i * blocks + b;
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums0),
+                                    _mm512_set1_ps(x_scale[0] * weight[0]), acc[i][r]);
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums1),
+                                    _mm512_set1_ps(x_scale[1] * weight[1]), acc[i][r]);
       }
     }
   }
@@ -324,9 +336,9 @@ void tile_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint
             multiply_add(_mm512_setzero_si512(), w0,
                          _mm512_zextsi256_si512(_mm256_loadu_si256(xv))),
             w1, _mm512_zextsi256_si512(_mm256_loadu_si256(xv + 1)));
-        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
-                                    _mm512_set1_ps(combined[(i * ROWS + r) * blocks + b]),
-                                    acc[i][r]);
+        const float scale = x_scales[r * blocks + b] * weight_scales[i * blocks + b];
+        acc[i][r] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(scale), acc[i][r]);
       }
     }
   }
@@ -339,11 +351,11 @@ template <int ROWS>
 void rows_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
                  const Int4Scales& scale_zero, int64_t groups, int64_t group_size,
                  const float* offset_sums, float* y, int64_t n_total, int64_t n0, int64_t n1,
-                 float* scales, float* combined) {
+                 float* scales, float* block_scales) {
   constexpr int kTile = ROWS <= 4 ? 4 : 2;
   for_output_tiles<kTile>(n0, n1, [&](auto nr, int64_t n) {
     tile_avx512<ROWS, decltype(nr)::value>(xq, x_scales, k, q, scale_zero, groups, group_size,
-                                           offset_sums, y, n_total, n, scales, combined);
+                                           offset_sums, y, n_total, n, scales, block_scales);
   });
 }
 #endif  // EXO_AVX2 && __AVX512F__ && __AVX512BW__
@@ -487,14 +499,14 @@ void int4_product(const float* xp, int64_t rows, int64_t k, const at::Tensor& qw
   if (int4_decode_bits() == 512) {
     interleave_chunks(xq, rows, k);
     at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-      thread_local std::vector<float> scales, combined;
+      thread_local std::vector<float> scales, block_scales;
       scales.resize(static_cast<size_t>(4 * groups));
-      combined.resize(static_cast<size_t>(4 * 8 * blocks));
+      block_scales.resize(static_cast<size_t>(4 * blocks));
       for_weight_spans(rows, 8, n0, n1, k / 2, [&](int64_t s0, int64_t s1) {
         for_row_groups_of_8(rows, [&](auto count, int64_t r) {
-          rows_avx512<decltype(count)::value>(xq + r * k, xs + r * blocks, k, qp, sz, groups,
-                                              group_size, sums + r * groups, yp + r * n, n, s0,
-                                              s1, scales.data(), combined.data());
+          rows_avx512<decltype(count)::value>(
+              xq + r * k, xs + r * blocks, k, qp, sz, groups, group_size,
+              sums + r * groups, yp + r * n, n, s0, s1, scales.data(), block_scales.data());
         });
       });
     });
