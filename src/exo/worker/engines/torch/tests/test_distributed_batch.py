@@ -178,7 +178,7 @@ def test_only_a_step_with_many_rows_is_split_into_micro_batches() -> None:
 def test_the_last_rank_picks_the_token_rank_zero_would(settings: dict[str, Any]) -> None:
     """A lean row's answer (through the header's encoding and the answer vector) gives the
     token and logprobs rank 0's sampler picks from the same logits with the same seed; a
-    step whose row was skipped (pre-empted) hands out the same uniform number again."""
+    step whose row was skipped (pre-empted) hands out the same key again."""
     vocab_size = 300
     logits = 3 * torch.randn(12, vocab_size, generator=torch.Generator().manual_seed(4))
     params = SamplingParams(seed=11, **settings)

@@ -538,7 +538,7 @@ def test_seeded_sampling_through_a_remote_draft_is_plain_decodings_draw(
     remote_engine: tuple[TorchEngine, DraftServer],
 ) -> None:
     """A remote draft is a point mass (greedy tokens): the rejection rule draws each row's
-    token with plain decoding's uniform number and keeps the draft token iff they agree,
+    token with plain decoding's key and keeps the draft token iff they agree,
     so one seed gives plain decoding's very output, twice alike."""
     engine, _server = remote_engine
     connected(link_of(engine))
