@@ -53,8 +53,8 @@ STEP_HEADER = StepHeader(
     samplings=(
         RowSampling(True, -1, 0.0),
         FULL_ROW,
-        RowSampling(True, 3, 0.7, 40, 0.95, 0.05, 0.123456789012345),
-        RowSampling(True, 0, 1.5, 0, 1.0, 0.0, 0.999),
+        RowSampling(True, 3, 0.7, 40, 0.95, 0.05, 2**62 + 12345),
+        RowSampling(True, 0, 1.5, 0, 1.0, 0.0, 2**63 - 1),
     ),
 )
 

@@ -539,20 +539,22 @@ def test_seeded_sampling_through_a_remote_draft_is_plain_decodings_draw(
 ) -> None:
     """A remote draft is a point mass (greedy tokens): the rejection rule draws each row's
     token with plain decoding's key and keeps the draft token iff they agree,
-    so one seed gives plain decoding's very output, twice alike."""
+    so one seed gives plain decoding's very output, twice alike. Three seeds, so that some
+    draft tokens are accepted (which ones are depends on the draws)."""
     engine, _server = remote_engine
     connected(link_of(engine))
-    params = request(PROMPTS[2], temperature=0.9, top_k=40, seed=5, max_tokens=20,
-                     speculative=True, frequency_penalty=0.4)  # fmt: skip
-    (reference,) = plain_references(engine, [params]).values()
     before = dataclasses.replace(speculation(engine).counters)
-    outputs = []
-    for attempt in range(2):
-        engine.clear_prefix_cache()
-        state = engine.build_request(params, None, f"s{attempt}")
-        run(engine, [state], [0])
-        outputs.append(state.prompt_ids + state.generated_ids)
-    assert outputs == [reference, reference]
+    for seed in (5, 6, 7):
+        params = request(PROMPTS[2], temperature=0.9, top_k=40, seed=seed, max_tokens=20,
+                         speculative=True, frequency_penalty=0.4)  # fmt: skip
+        (reference,) = plain_references(engine, [params]).values()
+        outputs = []
+        for attempt in range(2):
+            engine.clear_prefix_cache()
+            state = engine.build_request(params, None, f"s{seed}-{attempt}")
+            run(engine, [state], [0])
+            outputs.append(state.prompt_ids + state.generated_ids)
+        assert outputs == [reference, reference], seed
     counters = speculation(engine).counters
     assert counters.verify_rounds > before.verify_rounds
     assert counters.accepted_tokens > before.accepted_tokens
