@@ -15,12 +15,14 @@ path (a prefix-cache hit, a batch of other rows, a pipeline or tensor split). Th
 only changes its answer when two candidates' perturbed scores lie within the logits'
 change of each other.
 
-`U_i` comes from a counter-based hash, not a generator's stream: splitmix64's output for
-the seed `key` at counter `token_id + 1` (Steele, Lea and Flood 2014, "Fast Splittable
-Pseudorandom Number Generators", with the constants of Vigna's splitmix64), so a token's
-noise is the same whatever the filters (top-k, top-p, min-p) left and wherever it sits in
-the candidate list. Counter 0 is the draw's own uniform number (`key_uniform`: the
-speculative acceptance test). The top 31 bits `m` of the hash make the exponential
+`U_i` comes from a counter-based hash, not a generator's stream: the 32-bit half
+`token_id % 2` (0: the low one) of splitmix64's output for the seed `key` at counter
+`token_id // 2 + 1` (Steele, Lea and Flood 2014, "Fast Splittable Pseudorandom Number
+Generators", with the constants of Vigna's splitmix64; one 64-bit hash serves two
+neighbouring tokens, which halves the hashing), so a token's noise is the same whatever the
+filters (top-k, top-p, min-p) left and wherever it sits in the candidate list. Counter 0 is
+the draw's own uniform number (`key_uniform`: the speculative acceptance test). The top 31
+bits `m` of the token's 32 make the exponential
 `E = -log(U)`: for `m < 2**29` as `-log1p(-W)`, `W = (m + 0.5) / 2**31`, else as
 `-log(V)`, `V = (2**31 - 1 - m + 0.5) / 2**31` (the same `U = 1 - W`), so the small `E` of
 the likely winners keep float32's relative precision; then `G = -log(E)`.
@@ -93,12 +95,14 @@ def _shift_right(values: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _hash31(key: int, ids: torch.Tensor) -> torch.Tensor:
-    """The top 31 bits of splitmix64(key, id + 1) per id `[n]` int64, as int64 `[n]`."""
-    z = (ids + 1) * _signed(GOLDEN_GAMMA) + _signed(key)
+    """Per id `[n]` int64: the top 31 bits of the 32-bit half `id % 2` (0: low) of
+    splitmix64(key, id // 2 + 1), as int64 `[n]`."""
+    z = (_shift_right(ids, 1) + 1) * _signed(GOLDEN_GAMMA) + _signed(key)
     z = (z ^ _shift_right(z, 30)) * _signed(MIX_1)
     z = (z ^ _shift_right(z, 27)) * _signed(MIX_2)
     z = z ^ _shift_right(z, 31)
-    return _shift_right(z, 33)
+    high = (ids & 1).bool()
+    return torch.where(high, _shift_right(z, 33), (z & 0xFFFFFFFF) >> 1)
 
 
 def _log1p_reduced(f: torch.Tensor) -> torch.Tensor:

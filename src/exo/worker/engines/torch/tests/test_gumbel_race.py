@@ -29,13 +29,16 @@ KEYS = [splitmix64(2026, draw) >> 1 for draw in range(20_000)]
 
 
 def test_the_hash_is_splitmix64() -> None:
-    """The torch hash's 31 bits are the top of splitmix64's output `id + 1` for the key,
-    checked against Python integers (Vigna's splitmix64.c gives 0xE220A8397B1DCDAF first for
-    seed 0, which the Python function reproduces)."""
+    """The torch hash's 31 bits are the top of the 32-bit half `id % 2` of splitmix64's
+    output `id // 2 + 1` for the key, checked against Python integers (Vigna's splitmix64.c
+    gives 0xE220A8397B1DCDAF first for seed 0, which the Python function reproduces)."""
     assert splitmix64(0, 1) == 0xE220A8397B1DCDAF
-    ids = torch.tensor([0, 1, 2, 49151, 262143, 2**40], dtype=torch.int64)
+    ids = torch.tensor([0, 1, 2, 3, 49151, 262143, 2**40 + 1], dtype=torch.int64)
     for key in (0, 1, 2**63 - 1, KEYS[7]):
-        expected = [splitmix64(key, int(token) + 1) >> 33 for token in ids]
+        expected = [
+            (splitmix64(key, int(token) // 2 + 1) >> (32 * (int(token) % 2)) & 0xFFFFFFFF) >> 1
+            for token in ids
+        ]
         assert _hash31(key, ids).tolist() == expected
     uniforms = [key_uniform(key) for key in KEYS[:2000]]
     assert min(uniforms) >= 0.0 and max(uniforms) < 1.0

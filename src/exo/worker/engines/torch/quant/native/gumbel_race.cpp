@@ -1,5 +1,6 @@
 // The sampler's Gumbel-max race (decoding/gumbel_race.py, whose docstring gives the method):
-// out[i] = scores[i] + G(key, id_i), G = -log(-log U), U from splitmix64(key, id_i + 1).
+// out[i] = scores[i] + G(key, id_i), G = -log(-log U), U from the 32-bit half id_i % 2 of
+// splitmix64(key, id_i / 2 + 1): one 64-bit hash serves two neighbouring tokens.
 //
 // Bit for bit the torch reference (`reference_gumbel_scores`) on every path (512-bit,
 // 256-bit, scalar): the same IEEE float32 adds, multiplies and divides in the same order,
@@ -57,11 +58,12 @@ inline T opaque(T value) {
 // ---- scalar: the definition the vector paths follow ----
 
 inline int32_t hash31(uint64_t key, uint64_t id) {
-  uint64_t z = key + (id + 1) * kGamma;
+  uint64_t z = key + ((id >> 1) + 1) * kGamma;
   z = (z ^ (z >> 30)) * kMix1;
   z = (z ^ (z >> 27)) * kMix2;
   z ^= z >> 31;
-  return static_cast<int32_t>(z >> 33);
+  const uint32_t half = static_cast<uint32_t>((id & 1) != 0 ? z >> 32 : z);
+  return static_cast<int32_t>(half >> 1);
 }
 
 inline float log1p_reduced(float f) {
@@ -136,7 +138,7 @@ inline __m256i mul64_avx2(__m256i a, uint64_t constant) {
 inline __m256i mix_avx2(__m256i z) {
   z = mul64_avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), kMix1);
   z = mul64_avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), kMix2);
-  return _mm256_srli_epi64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 31)), 33);
+  return _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
 }
 
 inline __m256 log1p_reduced_avx2(__m256 f) {
@@ -194,32 +196,34 @@ inline __m256i pack_low_avx2(__m256i first, __m256i second) {
                             _mm256_permutevar8x32_epi32(second, order), 0xF0);
 }
 
+// The 31-bit hashes of 4 token ids: each id's half of its pair's hash, shifted down by 1.
+inline __m256i hash_ids_avx2(__m256i ids, __m256i key_lanes) {
+  const __m256i one = _mm256_set1_epi64x(1);
+  const __m256i counters = _mm256_add_epi64(_mm256_srli_epi64(ids, 1), one);
+  const __m256i z = mix_avx2(_mm256_add_epi64(mul64_avx2(counters, kGamma), key_lanes));
+  const __m256i shift = _mm256_add_epi64(_mm256_slli_epi64(_mm256_and_si256(ids, one), 5), one);
+  return _mm256_and_si256(_mm256_srlv_epi64(z, shift), _mm256_set1_epi64x(0x7FFFFFFF));
+}
+
 int64_t avx2_range(const float* scores, const int64_t* ids, uint64_t key, int64_t n,
                    float* out) {
   const __m256i key_lanes = _mm256_set1_epi64x(static_cast<int64_t>(key));
-  const __m256i one = _mm256_set1_epi64x(1);
-  // Without ids, splitmix64's states key + (i + 1) gamma advance by 8 gamma per step.
-  const __m256i step = _mm256_set1_epi64x(static_cast<int64_t>(8 * kGamma));
-  __m256i next_first =
+  // Without ids, tokens i .. i + 7 are the halves (low, high) of the hashes at counters
+  // i / 2 + 1 .. i / 2 + 4, whose states key + counter gamma advance by 4 gamma per step.
+  const __m256i step = _mm256_set1_epi64x(static_cast<int64_t>(4 * kGamma));
+  __m256i state =
       _mm256_add_epi64(mul64_avx2(_mm256_setr_epi64x(1, 2, 3, 4), kGamma), key_lanes);
-  __m256i next_second =
-      _mm256_add_epi64(mul64_avx2(_mm256_setr_epi64x(5, 6, 7, 8), kGamma), key_lanes);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    __m256i first, second;
+    __m256i hashed;
     if (ids != nullptr) {
       const auto* lanes = reinterpret_cast<const __m256i*>(ids + i);
-      first = _mm256_add_epi64(
-          mul64_avx2(_mm256_add_epi64(_mm256_loadu_si256(lanes), one), kGamma), key_lanes);
-      second = _mm256_add_epi64(
-          mul64_avx2(_mm256_add_epi64(_mm256_loadu_si256(lanes + 1), one), kGamma), key_lanes);
+      hashed = pack_low_avx2(hash_ids_avx2(_mm256_loadu_si256(lanes), key_lanes),
+                             hash_ids_avx2(_mm256_loadu_si256(lanes + 1), key_lanes));
     } else {
-      first = next_first;
-      second = next_second;
-      next_first = _mm256_add_epi64(next_first, step);
-      next_second = _mm256_add_epi64(next_second, step);
+      hashed = _mm256_srli_epi32(mix_avx2(state), 1);  // 32-bit lanes: low, high, low, ..
+      state = _mm256_add_epi64(state, step);
     }
-    const __m256i hashed = pack_low_avx2(mix_avx2(first), mix_avx2(second));
     _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(scores + i), gumbel_avx2(hashed)));
   }
   return i;
@@ -249,7 +253,7 @@ inline __m512i mul64_avx512(__m512i a, uint64_t constant) {
 inline __m512i mix_avx512(__m512i z) {
   z = mul64_avx512(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), kMix1);
   z = mul64_avx512(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), kMix2);
-  return _mm512_srli_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 31)), 33);
+  return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
 }
 
 inline __m512 log1p_reduced_avx512(__m512 f) {
@@ -298,34 +302,35 @@ inline __m512 gumbel_avx512(__m512i hashed) {
   return negate_avx512(log_avx512(negate_avx512(log_u)));
 }
 
+// The 31-bit hashes of 8 token ids (as `hash_ids_avx2`), in 8 32-bit lanes.
+inline __m256i hash_ids_avx512(__m512i ids, __m512i key_lanes) {
+  const __m512i one = _mm512_set1_epi64(1);
+  const __m512i counters = _mm512_add_epi64(_mm512_srli_epi64(ids, 1), one);
+  const __m512i z = mix_avx512(_mm512_add_epi64(mul64_avx512(counters, kGamma), key_lanes));
+  const __m512i shift = _mm512_add_epi64(_mm512_slli_epi64(_mm512_and_si512(ids, one), 5), one);
+  return _mm512_cvtepi64_epi32(
+      _mm512_and_si512(_mm512_srlv_epi64(z, shift), _mm512_set1_epi64(0x7FFFFFFF)));
+}
+
 int64_t avx512_range(const float* scores, const int64_t* ids, uint64_t key, int64_t n,
                      float* out) {
   const __m512i key_lanes = _mm512_set1_epi64(static_cast<int64_t>(key));
-  const __m512i one = _mm512_set1_epi64(1);
-  // Without ids, splitmix64's states key + (i + 1) gamma advance by 16 gamma per step.
-  const __m512i step = _mm512_set1_epi64(static_cast<int64_t>(16 * kGamma));
-  __m512i next_first = _mm512_add_epi64(
+  // Without ids, tokens i .. i + 15 are the halves of the hashes at counters
+  // i / 2 + 1 .. i / 2 + 8, whose states advance by 8 gamma per step.
+  const __m512i step = _mm512_set1_epi64(static_cast<int64_t>(8 * kGamma));
+  __m512i state = _mm512_add_epi64(
       mul64_avx512(_mm512_setr_epi64(1, 2, 3, 4, 5, 6, 7, 8), kGamma), key_lanes);
-  __m512i next_second = _mm512_add_epi64(
-      mul64_avx512(_mm512_setr_epi64(9, 10, 11, 12, 13, 14, 15, 16), kGamma), key_lanes);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    __m512i first, second;
+    __m512i hashed;
     if (ids != nullptr) {
-      first = _mm512_add_epi64(
-          mul64_avx512(_mm512_add_epi64(_mm512_loadu_si512(ids + i), one), kGamma), key_lanes);
-      second = _mm512_add_epi64(
-          mul64_avx512(_mm512_add_epi64(_mm512_loadu_si512(ids + i + 8), one), kGamma),
-          key_lanes);
+      hashed = _mm512_inserti64x4(
+          _mm512_castsi256_si512(hash_ids_avx512(_mm512_loadu_si512(ids + i), key_lanes)),
+          hash_ids_avx512(_mm512_loadu_si512(ids + i + 8), key_lanes), 1);
     } else {
-      first = next_first;
-      second = next_second;
-      next_first = _mm512_add_epi64(next_first, step);
-      next_second = _mm512_add_epi64(next_second, step);
+      hashed = _mm512_srli_epi32(mix_avx512(state), 1);  // 32-bit lanes: low, high, low, ..
+      state = _mm512_add_epi64(state, step);
     }
-    const __m512i hashed = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm512_cvtepi64_epi32(mix_avx512(first))),
-        _mm512_cvtepi64_epi32(mix_avx512(second)), 1);
     _mm512_storeu_ps(out + i, _mm512_add_ps(_mm512_loadu_ps(scores + i), gumbel_avx512(hashed)));
   }
   return i;
