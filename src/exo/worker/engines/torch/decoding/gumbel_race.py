@@ -22,17 +22,18 @@ Generators", with the constants of Vigna's splitmix64; one 64-bit hash serves tw
 neighbouring tokens, which halves the hashing), so a token's noise is the same whatever the
 filters (top-k, top-p, min-p) left and wherever it sits in the candidate list. Counter 0 is
 the draw's own uniform number (`key_uniform`: the speculative acceptance test). The top 31
-bits `m` of the token's 32 make the exponential
-`E = -log(U)`: for `m < 2**29` as `-log1p(-W)`, `W = (m + 0.5) / 2**31`, else as
-`-log(V)`, `V = (2**31 - 1 - m + 0.5) / 2**31` (the same `U = 1 - W`), so the small `E` of
-the likely winners keep float32's relative precision; then `G = -log(E)`.
+bits `m` of the token's 32 make the exponential `E = -log(U)`: for `m < 2**29` as
+`-log1p(-W)`, `W = (m + 0.5) / 2**31`, else as `-log(V)`, `V = (2**31 - 1 - m + 0.5) / 2**31`
+(the same `U = 1 - W`), so the small `E` of the likely winners keep float32's relative
+precision; then `G = -log(E)`.
 
 Every float operation is one IEEE float32 add, multiply or divide (no fused multiply-add,
 no library log: the log is a float32 atanh series of our own, `_log`), so the torch code
-here (CPU or CUDA) and the native kernel (`quant/native/gumbel_race.cpp`: 512-bit, 256-bit
-and scalar paths) give the same perturbed scores bit for bit on every machine. Speed
-(figures: docs/benchmarks/2026-12-07-gumbel-race.md): the native kernel on CPUs where exo's
-kernels are built, else these torch operators (~10x slower over a whole vocabulary).
+here and the native kernel (`quant/native/gumbel_race.cpp`: 512-bit, 256-bit and scalar
+paths) give the same perturbed scores bit for bit on every CPU (CUDA runs the same torch
+operators; not checked on a GPU). Speed (figures: docs/benchmarks/2026-12-07-gumbel-race.md):
+the native kernel on CPUs where exo's kernels are built, else these torch operators (~20x
+slower over a whole vocabulary).
 """
 
 from __future__ import annotations

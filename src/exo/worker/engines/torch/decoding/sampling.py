@@ -3,7 +3,10 @@ per-request seed, optional constraints on which tokens may be drawn, and log pro
 
 Penalties come first (on the model's logits), then the logit bias, then the filters in the
 order Hugging Face transformers' logits processors use: temperature, then top-k, then
-top-p, then min-p (min-p: Nguyen et al. 2024, "Turning Up the Heat").
+top-p, then min-p (min-p: Nguyen et al. 2024, "Turning Up the Heat"). A sampled token is the
+winner of a Gumbel-max race over the filters' candidates, keyed by one key per draw from the
+request's generator (`gumbel_race.py`), so a seed's tokens survive the tiny logit changes of
+another computation path (a prefix-cache hit, a batch, a split).
 """
 
 from __future__ import annotations
