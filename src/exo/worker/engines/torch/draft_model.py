@@ -57,7 +57,8 @@ from exo.worker.engines.torch.batching.batch_attention import (
     use_batched_attention,
 )
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
-from exo.worker.engines.torch.decoding.sampling import argmax_token, draw_index, filter_logits
+from exo.worker.engines.torch.decoding.gumbel_race import draw_key, race_index
+from exo.worker.engines.torch.decoding.sampling import argmax_token, filter_logits
 from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
 from exo.worker.engines.torch.decoding.speculative_drafts import Draft, DraftRequest
 from exo.worker.engines.torch.model.families import family_for_architecture
@@ -68,7 +69,7 @@ from exo.worker.engines.torch.quant.quantize import WeightDtype
 # are [tokens, intermediate]: as the target's idle prefill chunk, `PREFILL_TOKENS_PER_IDLE_STEP`).
 DRAFT_PREFILL_CHUNK = 512
 # Mixed into a request's seed for its draft draws, so they are not the target's own
-# sequence of uniform numbers (any fixed value would do).
+# sequence of keys (any fixed value would do).
 DRAFT_SEED_SALT = 0x5EED_D4AF
 
 
@@ -274,9 +275,9 @@ class DraftModelSource:
         if sampling is None or not _is_sampling(sampling):
             return argmax_token(scores), None
         assert sequence.generator is not None
-        probabilities = torch.softmax(filter_logits(scores, sampling), dim=-1)
-        uniform = torch.rand((), dtype=torch.float64, generator=sequence.generator)
-        return draw_index(probabilities, uniform), probabilities
+        filtered = filter_logits(scores, sampling)  # [vocab_size], -inf where filtered out
+        token = race_index(filtered, None, draw_key(sequence.generator))
+        return token, torch.softmax(filtered, dim=-1)
 
 
 def _share_prefill(

@@ -263,8 +263,8 @@ class RequestState:
         This is the rejection sampling of Leviathan et al. 2023 / Chen et al. 2023 for a
         draft distribution q that puts all its mass on the draft token t: accept t with
         probability min(1, p(t) / q(t)) = p(t), else draw from max(0, p - q) renormalised,
-        which is p with t removed and renormalised. Drawing x ~ p with the uniform number
-        plain decoding would use (inverse CDF: `sampling.draw_index`) and accepting iff
+        which is p with t removed and renormalised. Drawing x ~ p with the key
+        plain decoding would use (the race of `gumbel_race.py`) and accepting iff
         x == t does both at once: P(x = t) = p(t), and x given x != t follows p without t.
         So the output is distributed as the target's and, for one seed, is the very
         sequence plain decoding gives from the same logits (greedy: argmax == draft). A
@@ -312,14 +312,14 @@ class RequestState:
         Row by row, p is the distribution plain decoding would draw the token from at that
         row (`TokenChooser.distribution`: penalties, bias, temperature, top-k / top-p /
         min-p and the constraint applied to the text as it stands there). Draft token t is
-        accepted with probability min(1, p(t) / q(t)) (a uniform u of the request's seeded
-        generator, accepted iff u q(t) < p(t)); else the row's token is drawn from
-        max(0, p - q) renormalised and the loop stops; after every draft token is accepted
-        the last row's bonus token is drawn from p. The tokens kept are then distributed as
-        the target's (the papers' theorem), and a seed and the same drafts give the same
-        output. A token the grammar forbids has p(t) = 0 and is always rejected. Each kept
-        token goes through `_advance` as in `accept` (stop strings, budget, logprobs from
-        the row's raw logits).
+        accepted with probability min(1, p(t) / q(t)) (a uniform u from the next key of the
+        request's seeded generator, accepted iff u q(t) < p(t)); else the row's token is
+        drawn from max(0, p - q) renormalised (the race over it, `Sampler.draw`) and the
+        loop stops; after every draft token is accepted the last row's bonus token is drawn
+        from p. The tokens kept are then distributed as the target's (the papers' theorem),
+        and a seed and the same drafts give the same output. A token the grammar forbids has
+        p(t) = 0 and is always rejected. Each kept token goes through `_advance` as in
+        `accept` (stop strings, budget, logprobs from the row's raw logits).
 
         Args:
             logits: `[len(draft) + 1, vocab]` raw scores (see `accept_drafts`).

@@ -54,7 +54,7 @@ stores only verified tokens. With steps in flight (a pipeline) a drafting reques
 step in flight, as every request: its next draft needs the verified tokens, while the
 other requests' steps keep the ranks busy. A greedy request's rows, and a sampling
 request's rows of an n-gram draft, come back as the tokens the pipeline's last rank chose
-(with the request's uniform numbers, up to the first rejection; and their logprobs where
+(with the request's keys, up to the first rejection; and their logprobs where
 asked), as a plain row's; a sampling request's draft-model rows, or those of a request
 with penalties, bias or a constraint, as whole logits (`speculation.remote_rows`); and
 until they are verified its slot holds the draft positions for moves and growths

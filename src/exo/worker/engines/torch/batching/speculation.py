@@ -180,7 +180,7 @@ class RemoteRow:
     Attributes:
         state: the row's request.
         ahead: how many of the request's draws come before this row's (a draft's row i:
-            i, `Sampler.uniform`; 0 for a plain row).
+            i, `Sampler.key`; 0 for a plain row).
         draft_token: the draft token the row's choice is checked against; -1: none (a
             plain row, or a draft's last row, whose token is the bonus or the correction).
     """
@@ -198,7 +198,7 @@ def remote_rows(state: RequestState, drafted: Draft) -> list[RemoteRow | None]:
     (no penalties, bias or constraint) and the draft is deterministic for the
     verification (any draft of a greedy request; a draft without a draft distribution,
     n-gram, for a sampling one). That rank picks each row's token as rank 0 would, the
-    argmax or the draw at the row's uniform number of the request's generator
+    argmax or the draw with the row's key from the request's generator
     (`RemoteRow.ahead`), and the verification keeps the rows up to the first mismatch and
     uses up their numbers only (`last_rank_sampling.py`). A sampling request's
     draft-model draft comes back whole: its general acceptance rule needs the whole target

@@ -3,7 +3,10 @@ per-request seed, optional constraints on which tokens may be drawn, and log pro
 
 Penalties come first (on the model's logits), then the logit bias, then the filters in the
 order Hugging Face transformers' logits processors use: temperature, then top-k, then
-top-p, then min-p (min-p: Nguyen et al. 2024, "Turning Up the Heat").
+top-p, then min-p (min-p: Nguyen et al. 2024, "Turning Up the Heat"). A sampled token is the
+winner of a Gumbel-max race over the filters' candidates, keyed by one key per draw from the
+request's generator (`gumbel_race.py`), so a seed's tokens survive the tiny logit changes of
+another computation path (a prefix-cache hit, a batch, a split).
 """
 
 from __future__ import annotations
@@ -17,6 +20,14 @@ from typing import Protocol
 import torch
 
 from exo.shared.types.chunks import MIN_LOGPROB
+from exo.worker.engines.torch.decoding.gumbel_race import (
+    draw_key,
+    gumbel_scores,
+    key_uniform,
+    race_index,
+    race_probabilities,
+    race_winner,
+)
 from exo.worker.engines.torch.decoding.logit_adjustments import LogitBias, TokenPenalties
 from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
 
@@ -147,40 +158,32 @@ class NoAllowedTokenError(RuntimeError):
     """A constraint rejected every token of the vocabulary."""
 
 
-def draw_index(probs: torch.Tensor, uniform: torch.Tensor | float) -> int:
-    """The index whose share of `probs` `[n]` (summing to ~1) holds `uniform` (in [0, 1)):
-    the cumulative sum (float64) inverted at `uniform` times its total. O(n), where
-    `torch.multinomial` drew one exponential number per entry (figures:
-    docs/benchmarks/engine-design-figures.md#samplingpy)."""
-    cumulative = torch.cumsum(probs.double(), dim=-1)
-    point = torch.as_tensor(uniform, dtype=torch.float64, device=cumulative.device)
-    point = point * cumulative[-1]
-    # The first index whose cumulative mass exceeds the point: never a zero-mass entry.
-    index = int(torch.searchsorted(cumulative, point, right=True))
-    return min(index, probs.shape[-1] - 1)
-
-
-def sample_unconstrained(
-    logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor | float
-) -> int:
+def sample_unconstrained(logits: torch.Tensor, params: SamplingParams, key: int) -> int:
     """The token an unconstrained `Sampler.sample` picks: the argmax when greedy, else the
-    draw at `uniform` from the tokens `sampling_candidates` leaves (a pipeline's last rank
-    calls it with the uniform number rank 0's `Sampler.uniform` drew, so both pick alike).
+    Gumbel-max race with `key` over the tokens `sampling_candidates` leaves
+    (`gumbel_race.py`; a pipeline's last rank calls it with the key rank 0's `Sampler.key`
+    drew, so both pick alike).
 
     Args:
         logits: `[vocab]` scores of the last position.
-        uniform: in [0, 1); unused when greedy.
+        key: the draw's key; unused when greedy.
     """
     if params.is_greedy:
         return argmax_token(logits)
     ids, kept = sampling_candidates(logits, params)
-    drawn = draw_index(torch.softmax(kept, dim=-1), uniform)
+    drawn = race_index(kept, ids, key)
     return drawn if ids is None else int(ids[drawn])
 
 
 class Sampler:
     """Draws tokens for one request with its own random generator, so a seed reproduces the
     same tokens regardless of other requests.
+
+    Each draw takes one key from the generator, in order (`key`), and picks its token by
+    the Gumbel-max race keyed by (key, token id) (`gumbel_race.py`): the same seed gives the
+    same tokens whether the logits came from a cold prompt or a prefix-cache hit, alone or
+    batched, on one rank or split, unless two candidates' perturbed scores lie within the
+    logits' difference.
 
     Args:
         params: resolved sampling settings.
@@ -194,56 +197,55 @@ class Sampler:
         self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(self.seed)
-        # Uniform numbers drawn ahead (`uniform`) and not yet used by a draw, in draw order.
-        self._pending: deque[torch.Tensor] = deque()
+        # Keys drawn ahead (`key`) and not yet used by a draw, in draw order.
+        self._pending: deque[int] = deque()
 
-    def uniform(self, ahead: int = 0) -> torch.Tensor:
-        """The 0-d float64 number in [0, 1) that the draw `ahead` draws after the next one
-        uses (0: the next draw's): drawn from the request's generator once, in order, and
-        kept until a draw uses it (`_draw`, `forwarded`). Handing numbers to another
-        process for a step whose rows are then skipped (the request pre-empted) or only
-        partly used (a speculative draft cut at a rejection: `last_rank_sampling.py`)
-        leaves the sequence of draws as it would have been.
+    def key(self, ahead: int = 0) -> int:
+        """The key (63 bits) that the draw `ahead` draws after the next one uses (0: the
+        next draw's): drawn from the request's generator once, in order, and kept until a
+        draw uses it (`_take`, `forwarded`). Handing keys to another process for a step
+        whose rows are then skipped (the request pre-empted) or only partly used (a
+        speculative draft cut at a rejection: `last_rank_sampling.py`) leaves the sequence
+        of draws as it would have been.
 
         Args:
-            ahead: how many draws come before the one this number is for (>= 0).
+            ahead: how many draws come before the one this key is for (>= 0).
         """
         while len(self._pending) <= ahead:
-            self._pending.append(torch.rand((), dtype=torch.float64, generator=self._generator))
+            self._pending.append(draw_key(self._generator))
         return self._pending[ahead]
 
     def forwarded(self) -> None:
-        """Another process drew this step's token with `uniform()` (when not greedy): that
-        number is used up, the numbers drawn ahead of it stay for the next draws."""
+        """Another process drew this step's token with `key()` (when not greedy): that key
+        is used up, the keys drawn ahead of it stay for the next draws."""
         if not self.params.is_greedy:
-            self._use()
+            self._take()
 
-    def _use(self) -> None:
-        """The next draw's number is used up (drawn first where it was not yet)."""
-        self.uniform()
+    def _take(self) -> int:
+        """The next draw's key, used up (drawn first where it was not yet)."""
+        key = self.key()
         self._pending.popleft()
+        return key
 
     def skip_draw(self) -> None:
-        """Use up the uniform number one step's draw takes, for a token that was not drawn
-        here (a forced token, `RequestState.force`): an unconstrained seeded request then
-        draws its next tokens with the numbers the unbroken run would have used. A
-        constrained draw may take more than one number (rejections), which a skip cannot
-        know; its later draws then differ from the unbroken run's (still drawn from the same
-        distribution)."""
+        """Use up the key one step's draw takes, for a token that was not drawn here (a
+        forced token, `RequestState.force`): a seeded request then draws its next tokens
+        with the keys the unbroken run would have used (a constrained draw takes one key
+        too, however many tokens it rejects)."""
         if not self.params.is_greedy:
-            self._use()
+            self._take()
 
     def sample(self, logits: torch.Tensor, constraint: TokenFilter | None = None) -> int:
         """Pick the next token.
 
-        Under a constraint the token is drawn (or argmax-ed) first and checked; a rejected
-        token is masked out and the draw repeated, which is the same as drawing from the
-        distribution restricted to the allowed tokens while checking only a few tokens per
-        step (a constrained draw inverts the same cumulative sum as an unconstrained one, so
-        a seed gives the same tokens as unconstrained sampling until a token is rejected).
-        After `MAX_REJECTIONS` rejections (greedy: after also checking the `SCAN_BLOCK` most
-        likely tokens in order) the whole allowed set is computed and the choice made from
-        the masked distribution. If the filters
+        Under a constraint the token is chosen first and checked: greedy takes the argmax,
+        sampling the winner of the race (`gumbel_race.py`); a rejected token is dropped and
+        the next best taken (for sampling: the next best perturbed score of the same race,
+        so the result is the race's winner among the allowed tokens, a draw from the
+        distribution restricted to them, and a seed gives the same tokens as unconstrained
+        sampling wherever the winner is allowed). After `MAX_REJECTIONS` rejections
+        (greedy: after also checking the `SCAN_BLOCK` most likely tokens in order) the
+        whole allowed set is computed and the choice made among it. If the filters
         (top-k/top-p/min-p) left no allowed token, the most likely allowed token of the
         unfiltered scores is taken.
 
@@ -260,25 +262,21 @@ class Sampler:
         if constraint is None:
             if self.params.is_greedy:
                 return argmax_token(logits)
-            token = sample_unconstrained(logits, self.params, self.uniform())
-            self._use()
-            return token
+            return sample_unconstrained(logits, self.params, self._take())
         if self.params.is_greedy:
             return self._constrained_greedy(logits, constraint)
         return self._constrained_sample(logits, constraint)
 
     def draw(self, probs: torch.Tensor) -> int:
-        """An index drawn with probabilities `probs` `[n]` (need not sum to 1) at the next
-        uniform number of the request's generator (the general speculative acceptance
-        rule's residual and bonus draws, `RequestState.accept_drafts`)."""
-        return self._draw(probs)
+        """An index drawn with probabilities `probs` `[n]` (need not sum to 1) by the race
+        with the next key (the general speculative acceptance rule's residual and bonus
+        draws, `RequestState.accept_drafts`)."""
+        return race_probabilities(probs, self._take())
 
     def next_uniform(self) -> float:
-        """The next uniform number in [0, 1) of the request's generator, used up (the
-        general acceptance rule's test of a draft token)."""
-        uniform = float(self.uniform())
-        self._use()
-        return uniform
+        """A uniform number in [0, 1) from the next key, used up (the general acceptance
+        rule's test of a draft token; `gumbel_race.key_uniform`)."""
+        return key_uniform(self._take())
 
     def distribution(self, logits: torch.Tensor, constraint: TokenFilter | None) -> torch.Tensor:
         """The distribution `sample` draws from (temperature > 0): the filters' candidates
@@ -315,13 +313,6 @@ class Sampler:
         fallback[_best_allowed(logits, allowed)] = 1.0
         return fallback
 
-    def _draw(self, probs: torch.Tensor) -> int:
-        """An index drawn with probabilities `probs` `[n]` at the next uniform number of
-        the request's generator (`draw_index`)."""
-        index = draw_index(probs, self.uniform())
-        self._use()
-        return index
-
     def _constrained_greedy(self, logits: torch.Tensor, constraint: TokenFilter) -> int:
         scores = logits.float().clone()  # [vocab]
         for _attempt in range(MAX_REJECTIONS):
@@ -336,35 +327,32 @@ class Sampler:
         return _best_allowed(logits, constraint.allowed_tokens())
 
     def _constrained_sample(self, logits: torch.Tensor, constraint: TokenFilter) -> int:
-        # Drawing from the filtered distribution, masking a rejected token and drawing again
-        # returns the first allowed token of a draw without replacement: a draw from the
-        # distribution restricted to the allowed tokens (the first allowed member of such a
-        # sequence is drawn in proportion to its probability). Each draw inverts the
-        # cumulative sum over the filters' candidates (`sampling_candidates`: a few hundred
-        # tokens with top-k / top-p / min-p), where an exponential race drew one random
-        # number per vocabulary entry (figures:
-        # docs/benchmarks/engine-design-figures.md#samplingpy).
+        # The race's perturbed scores over the filters' candidates, best first: the argmax
+        # of Gumbel-perturbed scores over any subset of the tokens is a draw from the
+        # distribution restricted to that subset, so dropping rejected tokens and taking
+        # the next best draws from the allowed tokens, with one key however many are
+        # rejected.
         ids, kept = sampling_candidates(logits, self.params)
-        probs = torch.softmax(kept, dim=-1).double()  # [candidates]
+        perturbed = gumbel_scores(kept, ids, self._take())  # [candidates]
         for _attempt in range(MAX_REJECTIONS):
-            index = self._draw(probs)
-            if probs[index] <= 0.0:  # every candidate the filters kept was rejected
+            index = race_winner(perturbed)
+            if perturbed[index] == float("-inf"):  # every candidate left was rejected
                 break
             token = index if ids is None else int(ids[index])
             if constraint.allowed(token):
                 return token
-            probs[index] = 0.0
+            perturbed[index] = float("-inf")
         allowed = constraint.allowed_tokens()
         if allowed:
-            allowed_ids = torch.tensor(allowed, dtype=torch.long, device=probs.device)
+            allowed_ids = torch.tensor(allowed, dtype=torch.long, device=perturbed.device)
             keep = (
-                torch.zeros_like(probs, dtype=torch.bool).index_fill_(0, allowed_ids, True)
+                torch.zeros_like(perturbed, dtype=torch.bool).index_fill_(0, allowed_ids, True)
                 if ids is None
                 else torch.isin(ids, allowed_ids)
             )
-            restricted = torch.where(keep, probs, 0.0)  # the allowed candidates' masses
-            if float(restricted.sum()) > 0.0:
-                index = self._draw(restricted)
+            restricted = torch.where(keep, perturbed, float("-inf"))  # the allowed candidates
+            index = race_winner(restricted)
+            if restricted[index] > float("-inf"):
                 return index if ids is None else int(ids[index])
         return _best_allowed(logits, allowed)
 
@@ -397,7 +385,7 @@ class StepLogprobs:
 @dataclass(frozen=True, slots=True)
 class SampledToken:
     """A token chosen from a step's logits by another process (a pipeline's last rank, from
-    the request's sampling settings and `Sampler.uniform`), in place of the logits: the
+    the request's sampling settings and `Sampler.key`), in place of the logits: the
     token and, when the request asked for them, its logprobs (`step_logprobs`)."""
 
     token_id: int

@@ -5,8 +5,8 @@ it from the row's request): what the last rank sends back to rank 0 for that row
 
 - A lean row (a request whose `TokenChooser` has no penalties, logit bias or constraint:
   `needs_logits` False) travels with its sampling settings (temperature, top-k, top-p,
-  min-p) and, when it samples, the uniform number rank 0 drew from the request's seeded
-  generator (`Sampler.uniform`). The last rank picks the token with the same function rank
+  min-p) and, when it samples, the key rank 0 drew from the request's seeded generator
+  (`Sampler.key`). The last rank picks the token with the same function rank
   0 would (`sampling.sample_unconstrained`), so sharded == single holds for greedy and
   seeded requests, and sends back the token id, plus its logprob and `top_logprobs`
   alternatives (`step_logprobs`) only when the request asked for logprobs: 1, or
@@ -21,20 +21,20 @@ it from the row's request): what the last rank sends back to rank 0 for that row
 Speculative decoding: the k + 1 rows of a lean request's deterministic draft (n-gram, or
 any draft of a greedy request; `speculation.remote_rows`) are lean rows too. Row i
 carries the draft token it is checked against (`draft_token`; -1 on the last row, whose
-token is the bonus) and the uniform number of the request's i-th next draw
-(`Sampler.uniform(i)`). A draft token t is a point mass (q(t) = 1), so the rejection rule of
+token is the bonus) and the key of the request's i-th next draw
+(`Sampler.key(i)`). A draft token t is a point mass (q(t) = 1), so the rejection rule of
 Leviathan et al. 2023 / Chen et al. 2023 reduces to: accept t with probability p(t), else
 draw from p with t removed and renormalised, and after k acceptances draw the bonus from p.
-Drawing x ~ p with the row's uniform number and accepting iff x == t does exactly that
+Drawing x ~ p with the row's key and accepting iff x == t does exactly that
 (`RequestState.accept_drafts`), and it is what the last rank does: it picks each row's
 token in position order (a micro-batch keeps the step's logit order:
 `rank_steps.split_micro_batches`) and, at the first row whose token differs from its draft
 token (the
 rejection: that token is the correction), skips the rest of the draft's rows (their
 answers are `REJECTED_ROW` and zeros, neither sampled nor given logprobs). Rank 0 feeds the
-tokens to `accept_drafts`, which stops at that same row and uses up one uniform number per
-row it took (`Sampler.forwarded`); the numbers of the skipped rows stay for the next draws.
-So a seeded request draws the very numbers, in the same order, that one process decoding
+tokens to `accept_drafts`, which stops at that same row and uses up one key per row it
+took (`Sampler.forwarded`); the keys of the skipped rows stay for the next draws. So a
+seeded request draws the very keys, in the same order, that one process decoding
 plainly or speculatively would, and picks the same tokens from the same logits. What comes
 back per draft row: 4 bytes (the token) without logprobs, 4 x (3 + 2 x top_logprobs) with
 them, where whole logits were 4 x vocab bytes (~600 KB at a 151,936-token vocabulary). A
@@ -42,7 +42,7 @@ draft model's drafts of a sampling request still come back whole: their tokens w
 from a whole distribution q, and the general rule needs q and p at each row.
 
 The generator stays on rank 0 (one place for a request's state, which pre-emption and
-cancellation already handle); a uniform drawn for a step whose row is then skipped (the
+cancellation already handle); a key drawn for a step whose row is then skipped (the
 request pre-empted meanwhile) is kept for the next draw, so the sequence of draws is the
 single node's.
 """
@@ -91,7 +91,7 @@ class RowSampling:
         top_logprobs: -1: no logprobs; else the token's logprob and this many alternatives
             (sent as: token, logprob, count, count ids, count logprobs).
         temperature / top_k / top_p / min_p: the request's `SamplingParams` filters.
-        uniform: the draw's number in [0, 1) (`Sampler.uniform`; 0 when greedy).
+        key: the draw's key (`Sampler.key`; 0 when greedy).
         draft_token: a speculative draft's row: the draft token its chosen token is checked
             against (the rows after a mismatch are skipped); -1: none (a plain row, or a
             draft's last row, which ends the draft's rows).
@@ -103,44 +103,43 @@ class RowSampling:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
-    uniform: float = 0.0
+    key: int = 0
     draft_token: int = -1
 
     WIDTH: ClassVar[int] = 8  # int64 values per row in the header
 
     @classmethod
     def of(cls, state: RequestState, ahead: int = 0, draft_token: int = -1) -> RowSampling:
-        """Rank 0: a row of `state`'s (draws its uniform number when lean and not greedy).
+        """Rank 0: a row of `state`'s (draws its key when lean and not greedy).
 
         Args:
             ahead: how many of the request's draws come before this row's (a draft's row
-                i: i; `Sampler.uniform`).
+                i: i; `Sampler.key`).
             draft_token: the draft token the row's choice is checked against, -1 for none.
         """
         chooser = state.chooser
         if chooser.needs_logits:
             return FULL_ROW
         params = chooser.sampler.params
-        uniform = 0.0 if params.is_greedy else float(chooser.sampler.uniform(ahead))
+        key = 0 if params.is_greedy else chooser.sampler.key(ahead)
         top = -1 if state.top_logprobs is None else state.top_logprobs
         return cls(
-            True, top, params.temperature, params.top_k, params.top_p, params.min_p, uniform,
+            True, top, params.temperature, params.top_k, params.top_p, params.min_p, key,
             draft_token,
         )  # fmt: skip
 
     def encode(self) -> list[int]:
         return [
             int(self.lean), self.top_logprobs, self.top_k, _float_bits(self.temperature),
-            _float_bits(self.top_p), _float_bits(self.min_p), _float_bits(self.uniform),
-            self.draft_token,
+            _float_bits(self.top_p), _float_bits(self.min_p), self.key, self.draft_token,
         ]  # fmt: skip
 
     @classmethod
     def decode(cls, values: Sequence[int]) -> RowSampling:
-        lean, top, top_k, temperature, top_p, min_p, uniform, draft_token = values
+        lean, top, top_k, temperature, top_p, min_p, key, draft_token = values
         return cls(
             bool(lean), top, _bits_float(temperature), top_k, _bits_float(top_p),
-            _bits_float(min_p), _bits_float(uniform), draft_token,
+            _bits_float(min_p), int(key), draft_token,
         )  # fmt: skip
 
     def answer_size(self, vocab_size: int) -> int:
@@ -187,7 +186,7 @@ def answer_rows(logits: torch.Tensor, samplings: Sequence[RowSampling]) -> torch
             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
             min_p=sampling.min_p,
         )  # fmt: skip
-        token = sample_unconstrained(scores, params, sampling.uniform)
+        token = sample_unconstrained(scores, params, sampling.key)
         rejected = sampling.draft_token >= 0 and token != sampling.draft_token
         values = [float(token)]
         if sampling.top_logprobs >= 0:

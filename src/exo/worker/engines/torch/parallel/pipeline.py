@@ -6,7 +6,7 @@ Up to `world_size` steps are in flight at once, each over its own requests (the 
 samples step t when its logits come back). Speculative decoding: a drafting request's k + 1
 rows go in one step; a greedy request's, and a sampling request's n-gram draft's, come back
 as the last rank's chosen tokens up to the first rejected draft token (the last rank runs
-the point-mass rejection rule with the request's own uniform numbers:
+the point-mass rejection rule with the request's own keys:
 `last_rank_sampling.py`), a sampling request's draft-model draft as whole logits rows
 (`speculation.remote_rows`, or penalties, bias or a constraint), and rank 0
 verifies them; the verified length reaches the other ranks as a `CACHE_COMMIT` in

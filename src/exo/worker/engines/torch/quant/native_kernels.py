@@ -2,7 +2,8 @@
 for int4 blocks (`int4_gemv.cpp`), int8 per channel (`int8_channel.cpp`) and bfloat16
 weights (`bf16_product.cpp`), int8 blocks with (scale, zero) pairs or symmetric scales per
 16 or 32 inputs (`int8_blocks.cpp`), GGUF Q5_0's 5-bit blocks (`int5_blocks.cpp`), MXFP4
-blocks read inside the product (`mxfp4.cpp`), prefill products (`prefill.cpp`), prefill's
+blocks read inside the product (`mxfp4.cpp`), the sampler's Gumbel-max race
+(`gumbel_race.cpp`), prefill products (`prefill.cpp`), prefill's
 gated activation and q/k norm + rotary (`prefill_ops.cpp`), a one-pass RMSNorm, and a
 whole decoder layer's decode step (`decode_layer.cpp`, called by `direct_forward.LeanModel`
 for decode steps, a short prompt chunk beside the decode rows included) and a MoE block's
@@ -73,6 +74,7 @@ _SOURCES = tuple(
         "moe_experts.cpp",
         "moe_mxfp4_experts.cpp",
         "q4k_scales.cpp",
+        "gumbel_race.cpp",
     )
 )
 _HEADERS = (
@@ -223,6 +225,8 @@ def _flags() -> list[str]:
         cpu = cpu_flags()
         if "avx512f" in cpu:
             flags += ["-mavx512f", "-mprefer-vector-width=256"]
+            if "avx512dq" in cpu:  # gumbel_race.cpp: one 64-bit multiply, not three 32-bit
+                flags += ["-mavx512dq"]
             if {"avx512_vnni", "avx512vl"} <= cpu:
                 flags += ["-mavx512vnni", "-mavx512vl"]
                 if "avx512bw" in cpu:

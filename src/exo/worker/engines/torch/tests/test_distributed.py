@@ -236,9 +236,11 @@ def _greedy(tokens: list[list[int]]) -> list[int]:
     Tensor and expert splits sum each row-parallel product (and the routed experts) in
     another order than one process, so logits move in the last bits: greedy tokens must not
     move (the issue's bar: single = each split's greedy tokens in float32), while the seeded
-    request's sample can, where a draw falls within that distance of a boundary of the
-    cumulative distribution (seen for gpt_oss on an AVX2 Zen 3). Pipeline splits compute
-    exactly what one process does and are compared on both requests.
+    request's sample can, where two candidates' perturbed scores in the sampler's race lie
+    within that distance (`gumbel_race.py`; with the cumulative-sum draw before 2026-12-07,
+    wherever a draw fell that close to a boundary: seen for gpt_oss on an AVX2 Zen 3).
+    Pipeline splits compute exactly what one process does and are compared on both
+    requests.
     """
     return tokens[0]
 

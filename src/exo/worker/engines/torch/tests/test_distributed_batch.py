@@ -53,8 +53,8 @@ STEP_HEADER = StepHeader(
     samplings=(
         RowSampling(True, -1, 0.0),
         FULL_ROW,
-        RowSampling(True, 3, 0.7, 40, 0.95, 0.05, 0.123456789012345),
-        RowSampling(True, 0, 1.5, 0, 1.0, 0.0, 0.999),
+        RowSampling(True, 3, 0.7, 40, 0.95, 0.05, 2**62 + 12345),
+        RowSampling(True, 0, 1.5, 0, 1.0, 0.0, 2**63 - 1),
     ),
 )
 
@@ -178,7 +178,7 @@ def test_only_a_step_with_many_rows_is_split_into_micro_batches() -> None:
 def test_the_last_rank_picks_the_token_rank_zero_would(settings: dict[str, Any]) -> None:
     """A lean row's answer (through the header's encoding and the answer vector) gives the
     token and logprobs rank 0's sampler picks from the same logits with the same seed; a
-    step whose row was skipped (pre-empted) hands out the same uniform number again."""
+    step whose row was skipped (pre-empted) hands out the same key again."""
     vocab_size = 300
     logits = 3 * torch.randn(12, vocab_size, generator=torch.Generator().manual_seed(4))
     params = SamplingParams(seed=11, **settings)

@@ -76,7 +76,7 @@ JOIN_AT = [0, 1, 2, 2]
 # The second request never drafts: plain rows batched beside draft rows.
 PLAIN_INDEX = 1
 # The last one samples (seeded): a pipeline's last rank verifies its n-gram and scripted
-# drafts with its uniform numbers (`last_rank_sampling.py`), as a greedy request's; its
+# drafts with its keys (`last_rank_sampling.py`), as a greedy request's; its
 # draft model's drafts come back whole.
 SAMPLED_INDEX = 3
 SAMPLED: dict[str, Any] = {"temperature": 0.9, "top_p": 0.95, "seed": 7}
@@ -484,7 +484,7 @@ def test_drafts_in_flight_beside_other_steps_keep_their_kv_across_slot_moves(
     assert speculation.auto_switch.step_seconds(1) is not None
     launched = engine._scheduler.launched_rows  # type: ignore[attr-defined]
     # Every draft row was launched to be chosen by the other rank, the sampling request's
-    # (scripted drafts: deterministic) with its next uniform numbers in row order.
+    # (scripted drafts: deterministic) with its next keys in row order.
     drafted: set[str] = set()
     for step in launched:
         assert all(row is not None for row in step)

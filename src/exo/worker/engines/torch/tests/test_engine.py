@@ -161,9 +161,7 @@ def test_real_greedy_answer_is_paris(real_engine: TorchEngine) -> None:
 
 
 def test_real_same_seed_same_text(real_engine: TorchEngine) -> None:
-    # The same computation each time: a prefix-cache hit computes the last prompt token
-    # alone, and the int4 kernels' rounding depends on the rows in a call (the logits move
-    # by ~1e-2, enough to change a draw at temperature 1; test_batching.py bounds it).
+    # Both runs cold (a seeded request sent cold and prefix-cached: test_seeded_paths.py).
     params = request("Write a short poem about the sea.", temperature=1.0, seed=42, max_tokens=24)
     real_engine.clear_prefix_cache()
     first = "".join(piece.text for piece in real_engine.generate(params))

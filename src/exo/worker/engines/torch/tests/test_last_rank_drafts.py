@@ -1,6 +1,6 @@
 """A pipeline's last rank verifies a sampling request's n-gram drafts (issue 43): the rows
 of a deterministic draft travel lean (`last_rank_sampling.py`), each with the request's
-next uniform numbers in order; the last rank picks each row's token, skips the draft's rows
+next keys in order; the last rank picks each row's token, skips the draft's rows
 after its first rejection, and rank 0's verification takes the same tokens and uses up the
 same numbers as one process verifying the whole logits. No process group: the last rank's
 side runs here on the rows' logits, through the step header's encoding.
@@ -61,7 +61,7 @@ def _logprobs(pieces: Sequence[GeneratedPiece]) -> list[float]:
 
 def _draft_samplings(state: RequestState, draft: Sequence[int]) -> tuple[RowSampling, ...]:
     """Rank 0: the rows of `draft` as the pipeline's launch fills them (row i: the i-th
-    next uniform number, checked against draft token i; the last row ends the draft)."""
+    next key, checked against draft token i; the last row ends the draft)."""
     return tuple(
         RowSampling.of(state, row, draft[row] if row < len(draft) else -1)
         for row in range(len(draft) + 1)
@@ -94,6 +94,10 @@ def _through_the_last_rank(
     return pieces, accepted
 
 
+# Seeds per setting: enough that each setting's drafts see every accepted count asserted
+# below; a whole 4-token draft is accepted for 2.5 % (temperature 1.3, top-p 0.8) to 17.5 %
+# (top-k 3) of the seeds (counted over 200), which 80 seeds cover 2-14 times.
+SEEDS = 80
 SETTINGS = [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.8, top_k=3),
@@ -120,7 +124,7 @@ def test_the_last_ranks_verification_gives_one_processs_tokens_seed_by_seed(
 
     accepted_counts: set[int] = set()
     kinds: tuple[str | list[int], ...] = ("likeliest", [5, 5, 5, 5], [0], [7, 1])
-    for seed, kind in itertools.product(range(30), kinds):
+    for seed, kind in itertools.product(range(SEEDS), kinds):
         params = dataclasses.replace(settings, seed=seed)
         single = _state(params, max_tokens=7)
         split = _state(params, max_tokens=7)
@@ -145,7 +149,7 @@ def test_the_last_ranks_verification_gives_one_processs_tokens_seed_by_seed(
             last = plain.generated_ids[-1]
         assert split.generated_ids == plain.generated_ids
         assert split.finished
-        assert float(split.chooser.sampler.uniform()) == float(single.chooser.sampler.uniform())
+        assert split.chooser.sampler.key() == single.chooser.sampler.key()
         assert traffic.full_rows == 0
     assert {0, 1, 2, 4} <= accepted_counts  # rejections at the first and later rows, none
 
