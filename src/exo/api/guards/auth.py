@@ -223,6 +223,12 @@ class Credentials:
                         session = cookie_value
         return cls(tuple(keys), session, peer)
 
+    def presented(self) -> str:
+        """Every credential presented, as one string (the throttle digests it to tell a
+        repeat from a new guess; never logged or kept): one key alone is itself, as
+        `POST /auth/session`'s key is."""
+        return "\0".join(part for part in (*self.keys, self.session, self.peer) if part)
+
 
 class ApiAuth:
     """The keys this node accepts, and the decision for each request.
@@ -460,7 +466,7 @@ class AuthMiddleware:
         if throttle is not None and (
             presented or (credentials.peer is not None and is_node_path(method, path))
         ):
-            throttle.record_failure(host)
+            throttle.record_failure(host, credentials.presented())
         # The key itself is never logged, nor echoed back.
         logger.debug(
             f"api: refused {method} {path} from {host}: "

@@ -48,7 +48,7 @@ async def sign_in(body: SessionRequest, request: Request) -> Response:
         throttle: AuthThrottle | None = getattr(request.app.state, "auth_throttle", None)
         host = request.client.host if request.client else None
         if throttle is not None and auth.guesses_matter(host):
-            throttle.record_failure(host)
+            throttle.record_failure(host, body.api_key.get_secret_value())
         raise InvalidApiKeyError("the API key is not valid")
     response.set_cookie(
         SESSION_COOKIE,
