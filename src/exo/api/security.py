@@ -33,7 +33,6 @@ from exo.api.guards.auth import (
     KeyFileError,
     check_key,
     load_or_create_key,
-    load_or_create_session_secret,
     read_key_file,
 )
 from exo.api.guards.limits import (
@@ -271,16 +270,15 @@ def build_auth(
     """
     if options.no_auth:
         return ApiAuth.open(), None
-    secret = load_or_create_session_secret(home)
     if options.api_keys or options.api_key_file is not None:
         auth = ApiAuth(
-            "keys", options.api_keys, options.api_key_file, secret, node_credential=node_credential
+            "keys", options.api_keys, options.api_key_file, node_credential=node_credential
         )
         return auth, None
     key, created = load_or_create_key(home)
     if created:
         logger.info(f"created this node's API key in {home / API_KEY_FILE_NAME} (mode 0600)")
-    return ApiAuth("generated", (key,), None, secret, node_credential=node_credential), key
+    return ApiAuth("generated", (key,), node_credential=node_credential), key
 
 
 def banner_lines(auth: ApiAuth, generated_key: str | None, home: Path) -> list[str]:

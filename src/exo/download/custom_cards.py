@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from exo.chat_protocol.format_detection import template_tool_call_format
+from exo.chat_protocol.image_tokens import ImageTokens
 from exo.chat_protocol.tokenizer_loading import names_kimi_tokenizer
 from exo.download.locations import ModelLocations, candidates
 from exo.shared.models.architectures import MODEL_TYPE_ALIASES
@@ -191,7 +192,7 @@ def card_from_repository_files(
         )
     except (ValueError, KeyError, TypeError) as error:
         raise CustomModelError(f"cannot build a card for {model_id}: {error}", 400) from None
-    return with_traits(card, template, files.generation_config, gated)
+    return with_traits(card, template, files.generation_config, gated, files.config)
 
 
 def with_traits(
@@ -199,9 +200,16 @@ def with_traits(
     template: str | None,
     generation_config: Mapping[str, Any] | None,
     gated: bool,
+    config: Mapping[str, Any] | None = None,
 ) -> ModelCard:
-    """`card` with what the template, generation config and the Hub's gate say."""
+    """`card` with what the template, generation config, the Hub's gate and `config`
+    (`config.json`) say. `vision` is added for a checkpoint whose config an image-token
+    family serves (`ImageTokens.serves`, as the engine decides to load a tower) and whose
+    files hold its tower's weights (`card.vision_parameter_count`); a text-only copy of a
+    vision model has none and stays text-only."""
     capabilities, tool_call_format = template_traits(template or "")
+    if config is not None and ImageTokens.serves(config) and card.vision_parameter_count:
+        capabilities = (*capabilities, "vision")
     update = {
         "capabilities": capabilities,
         "tool_call_format": tool_call_format,
@@ -266,7 +274,7 @@ def card_for_local_directory(
     if template is None and files.tokenizer_config is not None:
         stored = files.tokenizer_config.get("chat_template")
         template = json.dumps(stored) if stored else None
-    return with_traits(card, template, files.generation_config, gated=False)
+    return with_traits(card, template, files.generation_config, gated=False, config=config)
 
 
 def card_for_cached_repository(

@@ -322,7 +322,39 @@ def _conversation(request: CountTokensRequest, images: ImageReader) -> tuple[Cha
         else:
             messages.append(_assistant_turn(message.content, where))
     check_tool_results_answer_calls(messages, "messages")
+    _check_tool_uses_answered(request.messages)
     return tuple(messages)
+
+
+def _check_tool_uses_answered(turns: Sequence[InputMessage]) -> None:
+    """Each assistant turn's `tool_use` blocks must be answered by `tool_result` blocks in
+    the next turn, as Anthropic requires (its 400 wording, naming the next turn); a final
+    assistant turn is a prefill and is exempt.
+
+    Raises:
+        InvalidRequestError: naming the turn that lacks the results and the unanswered ids.
+    """
+    for index, turn in enumerate(turns[:-1]):
+        if turn.role != "assistant" or isinstance(turn.content, str):
+            continue
+        asked = [block.id for block in turn.content if isinstance(block, ToolUseBlockParam)]
+        if not asked:
+            continue
+        following = turns[index + 1].content
+        answered: set[str] = set()
+        if not isinstance(following, str):
+            answered.update(
+                block.tool_use_id for block in following if isinstance(block, ToolResultBlockParam)
+            )
+        missing = [tool_id for tool_id in asked if tool_id not in answered]
+        if missing:
+            where = f"messages.{index + 1}"
+            raise InvalidRequestError(
+                f"{where}: `tool_use` ids were found without `tool_result` blocks immediately "
+                f"after: {', '.join(missing)}. Each `tool_use` block must have a corresponding "
+                "`tool_result` block in the next message.",
+                where,
+            )
 
 
 def _refuse_empty_text_blocks(blocks: Sequence[ContentBlockParam], where: str) -> None:

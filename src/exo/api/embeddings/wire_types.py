@@ -138,9 +138,12 @@ class RerankResultDocument(_WireResponseModel):
 
 
 class RerankResult(_WireResponseModel):
+    """One scored document; `document` is left out (not null) under `return_documents:
+    false`, as Jina and Cohere answer."""
+
     index: int
     relevance_score: float
-    document: RerankResultDocument | None = None
+    document: RerankResultDocument | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class RerankUsage(_WireResponseModel):

@@ -10,11 +10,18 @@ Three modes (`ApiAuth.mode`):
 
 A client presents a key as `Authorization: Bearer KEY` (OpenAI's and Ollama's clients),
 `x-api-key: KEY` (Anthropic's), or the session cookie the dashboard gets from
-`POST /auth/session` (EventSource cannot send headers). The cookie is an HMAC of the key
-with this node's session secret, never the key itself; it stops working when its key is
-revoked. Keys are compared in constant time against every key (`hmac.compare_digest`), and
-never logged: refusals name the client's address and the path only. An address that keeps
-presenting keys that are not valid is locked out for a while (429): `exo.api.guards.throttle`.
+`POST /auth/session` (EventSource cannot send headers). The cookie is a random session id
+the node keeps server-side (`exo.api.guards.sessions`), never the key; it stops working on
+sign-out and when its key is revoked. Keys are compared in constant time against every key
+(`hmac.compare_digest`), and never logged: refusals name the client's address and the path
+only. An address that keeps presenting keys that are not valid is locked out for a while
+(429): `exo.api.guards.throttle`.
+
+Revocation reaches open responses too: a response served to a key (or to a session of
+one) is watched while it lasts, and when a SIGHUP removes the key or the session signs out
+it ends at once: a stream is closed (its body ended cleanly), a response not yet begun is
+a 401. Without that an `/events` stream opened before the revocation would go on sending
+the cluster state (every client's prompts) for as long as the connection lasts.
 
 Requests between nodes (topology probes, model file transfers) carry the cluster's peer
 credential (`exo.download.peers`) instead of a key; it opens only `NODE_PATHS`.
@@ -32,15 +39,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import anyio
 from loguru import logger
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from exo.api.guards.sessions import SESSION_IDENTITY_PREFIX, DashboardSessions
 from exo.api.guards.throttle import AuthThrottle
 from exo.download.peers import PEER_CREDENTIAL_HEADER, PEER_FILES_PREFIX
 
 AuthMode = Literal["keys", "generated", "open"]
 API_KEY_FILE_NAME = "api_key"
-SESSION_SECRET_FILE_NAME = "session_secret"
+KEY_IDENTITY_PREFIX = "key:"
 SESSION_COOKIE = "exo_session"
 SESSION_PATH = "/auth/session"
 # The dashboard's page and its files load without a key, so that its key screen can show.
@@ -148,18 +157,6 @@ def load_or_create_key(home: Path) -> tuple[str, bool]:
     return key, True
 
 
-def load_or_create_session_secret(home: Path) -> bytes:
-    """The secret session cookies are derived with (32 random bytes, kept 0600 in `home`,
-    so a node's restart does not sign the dashboard out)."""
-    path = home / SESSION_SECRET_FILE_NAME
-    stored = _read_private_file(path)
-    if stored is not None and len(stored) >= 32:
-        return stored
-    secret = secrets.token_bytes(32)
-    write_private_file(path, secret)
-    return secret
-
-
 def is_loopback(host: str | None) -> bool:
     """Whether a client address is on this machine's loopback (IPv4-mapped IPv6 included)."""
     if host is None:
@@ -226,6 +223,12 @@ class Credentials:
                         session = cookie_value
         return cls(tuple(keys), session, peer)
 
+    def presented(self) -> str:
+        """Every credential presented, as one string (the throttle digests it to tell a
+        repeat from a new guess; never logged or kept): one key alone is itself, as
+        `POST /auth/session`'s key is."""
+        return "\0".join(part for part in (*self.keys, self.session, self.peer) if part)
+
 
 class ApiAuth:
     """The keys this node accepts, and the decision for each request.
@@ -235,7 +238,6 @@ class ApiAuth:
         keys: keys given on the command line or in `EXO_API_KEY` (mode `keys`), or the
             generated key (mode `generated`).
         key_file: `--api-key-file`, read now and again on `reload()` (SIGHUP).
-        session_secret: the secret session cookies are derived with (random when None).
         node_credential: the peer credential of this node's cluster (None: no node paths
             open without a key).
 
@@ -248,16 +250,16 @@ class ApiAuth:
         mode: AuthMode,
         keys: Sequence[str] = (),
         key_file: Path | None = None,
-        session_secret: bytes | None = None,
         node_credential: str | None = None,
     ) -> None:
         self.mode: AuthMode = mode
         self._fixed_keys = tuple(dict.fromkeys(check_key(key, "API key") for key in keys))
         self.key_file = key_file
-        self._session_secret = session_secret or secrets.token_bytes(32)
         self.node_credential = node_credential
         self._keys: tuple[bytes, ...] = ()
-        self._sessions: tuple[bytes, ...] = ()
+        self._fingerprints: frozenset[str] = frozenset()
+        self.sessions = DashboardSessions()
+        self._watchers: set[Callable[[], None]] = set()
         self._load(self._read_file_keys())
         if mode != "open" and not self._keys:
             raise KeyFileError("no API key configured (the key file holds none)")
@@ -276,12 +278,17 @@ class ApiAuth:
     def _load(self, file_keys: tuple[str, ...]) -> None:
         keys = tuple(dict.fromkeys((*self._fixed_keys, *file_keys)))
         self._keys = tuple(key.encode() for key in keys)
-        self._sessions = tuple(self._session_value(key).encode() for key in keys)
+        self._fingerprints = frozenset(_key_fingerprint(key) for key in keys)
+        self.sessions.close_all_but(self._fingerprints)
 
     def reload(self) -> None:
         """Read the key file again (SIGHUP): keys added there work from now on, keys
         removed stop working, and so do the dashboard sessions made with them. A file that
-        cannot be read leaves the keys as they were (an error is logged)."""
+        cannot be read leaves the keys as they were (an error is logged). Responses open
+        for a removed key or its sessions end (`watch`).
+
+        Call it on the event loop's thread (the SIGHUP receiver does): it cancels the
+        responses of removed keys there."""
         if self.key_file is None:
             logger.info("SIGHUP: no --api-key-file to read again; keys unchanged")
             return
@@ -291,13 +298,11 @@ class ApiAuth:
             logger.error(f"SIGHUP: {error}; API keys unchanged")
             return
         self._load(file_keys)
+        self._notify_watchers()
         if not self._keys:
             logger.warning(f"SIGHUP: {self.key_file} holds no key: every request is refused")
         else:
             logger.info(f"SIGHUP: {len(self._keys)} API key(s) loaded from {self.key_file}")
-
-    def _session_value(self, key: str) -> str:
-        return hmac.new(self._session_secret, key.encode(), hashlib.sha256).hexdigest()
 
     def valid_key(self, presented: str) -> str | None:
         """The fingerprint of `presented` when it is one of the keys, else None. Compares
@@ -309,18 +314,44 @@ class ApiAuth:
         return _key_fingerprint(presented) if matched else None
 
     def session_cookie(self, presented_key: str) -> str | None:
-        """The session cookie value for a valid key, or None."""
-        if self.valid_key(presented_key) is None:
+        """A new session's cookie value for a valid key, or None."""
+        fingerprint = self.valid_key(presented_key)
+        if fingerprint is None:
             return None
-        return self._session_value(presented_key)
+        return self.sessions.open(fingerprint)
+
+    def end_session(self, cookie: str) -> None:
+        """Sign a session out: its cookie stops working, and responses open for it end."""
+        if self.sessions.close(cookie):
+            self._notify_watchers()
 
     def valid_session(self, cookie: str) -> str | None:
-        """An identity for a valid session cookie (its own fingerprint), else None."""
-        candidate = cookie.encode()
-        matched = False
-        for session in self._sessions:
-            matched |= hmac.compare_digest(session, candidate)
-        return f"session:{_key_fingerprint(cookie)}" if matched else None
+        """The identity (`session:<digest of the cookie>`) of an open session whose key is
+        still valid, else None."""
+        found = self.sessions.identity(cookie)
+        if found is None or found[1] not in self._fingerprints:
+            return None
+        return found[0]
+
+    def identity_valid(self, identity: str) -> bool:
+        """Whether a request accepted as `identity` would still be: False once its key is
+        removed or its session ended; True for identities no key made (addresses, nodes)."""
+        if identity.startswith(KEY_IDENTITY_PREFIX):
+            return identity.removeprefix(KEY_IDENTITY_PREFIX) in self._fingerprints
+        if identity.startswith(SESSION_IDENTITY_PREFIX):
+            return self.sessions.key_of_identity(identity) in self._fingerprints
+        return True
+
+    def watch(self, on_revocation: Callable[[], None]) -> Callable[[], None]:
+        """Call `on_revocation` (on the event loop's thread) after every change that may
+        have revoked an identity (a reload, a sign-out); it checks `identity_valid` itself.
+        Returns the function that stops watching."""
+        self._watchers.add(on_revocation)
+        return lambda: self._watchers.discard(on_revocation)
+
+    def _notify_watchers(self) -> None:
+        for on_revocation in list(self._watchers):
+            on_revocation()
 
     def client_identity(
         self, method: str, path: str, client_host: str | None, credentials: Credentials
@@ -335,7 +366,7 @@ class ApiAuth:
         for key in credentials.keys:
             fingerprint = self.valid_key(key)
             if fingerprint is not None:
-                return f"key:{fingerprint}"
+                return f"{KEY_IDENTITY_PREFIX}{fingerprint}"
         if credentials.session is not None:
             session = self.valid_session(credentials.session)
             if session is not None:
@@ -423,13 +454,19 @@ class AuthMiddleware:
         credentials = Credentials.from_headers(scope["headers"])
         identity = self.auth.client_identity(method, path, host, credentials)
         if identity is not None:
-            await self.app({**scope, CLIENT_SCOPE_KEY: identity}, receive, send)
+            scope = {**scope, CLIENT_SCOPE_KEY: identity}
+            if scope["type"] == "http" and identity.startswith(
+                (KEY_IDENTITY_PREFIX, SESSION_IDENTITY_PREFIX)
+            ):
+                await self._serve_revocable(scope, receive, send, identity)
+            else:
+                await self.app(scope, receive, send)
             return
         presented = bool(credentials.keys or credentials.session)
         if throttle is not None and (
             presented or (credentials.peer is not None and is_node_path(method, path))
         ):
-            throttle.record_failure(host)
+            throttle.record_failure(host, credentials.presented())
         # The key itself is never logged, nor echoed back.
         logger.debug(
             f"api: refused {method} {path} from {host}: "
@@ -452,6 +489,45 @@ class AuthMiddleware:
         response = self.respond(
             path, 401, "authentication_error", message, {"WWW-Authenticate": WWW_AUTHENTICATE}
         )
+        await response(scope, receive, send)
+
+    async def _serve_revocable(
+        self, scope: Scope, receive: Receive, send: Send, identity: str
+    ) -> None:
+        """Serve the request, ending its response when `identity` is revoked meanwhile: a
+        response under way gets its last (empty) body chunk, one not begun a 401."""
+        started = finished = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started, finished
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                finished = True
+            await send(message)
+
+        with anyio.CancelScope() as revocable:
+
+            def on_revocation() -> None:
+                if not self.auth.identity_valid(identity):
+                    revocable.cancel()
+
+            stop_watching = self.auth.watch(on_revocation)
+            try:
+                await self.app(scope, receive, tracked_send)
+            finally:
+                stop_watching()
+        if not revocable.cancel_called or finished:
+            return
+        logger.info(f"api: ended {scope['path']}: its API key or session was revoked")
+        if started:
+            with anyio.move_on_after(1):  # a client that stopped reading: drop it
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        response = self.respond(
+            scope["path"], 401, "authentication_error", "the API key was revoked",
+            {"WWW-Authenticate": WWW_AUTHENTICATE},
+        )  # fmt: skip
         await response(scope, receive, send)
 
     async def _locked_out(self, scope: Scope, receive: Receive, send: Send, wait: int) -> None:

@@ -6,6 +6,12 @@ Policy (documented in docs/security.md, "Failed keys"):
   (`Authorization: Bearer`, `x-api-key`), a session cookie, the peer credential on a node
   path, or the key of `POST /auth/session`. A request that presents no credential at all is
   no failure (a client that forgot its key is not guessing).
+- A **repeat** of the same wrong credential from the same address counts once per window:
+  a client with a mistyped key retries it (Claude Code sends about 5 requests per run, and
+  the SDKs retry a 429 for minutes), which is no guessing, while each different key is
+  another guess and counts. The throttle keeps a keyed digest of each credential it counted
+  in the window (BLAKE2b with a random per-process key, 16 bytes), never the credential;
+  at most `max_failures` digests per address, since that many distinct ones lock it out.
 - `max_failures` failures from one address within `window_seconds` of the first lock it
   out: the failure that reaches the count is still a 401, every following request (a
   correct key included, else each answer would still tell a right guess from a wrong one)
@@ -23,14 +29,16 @@ Policy (documented in docs/security.md, "Failed keys"):
   An attacker with that many addresses gains `max_failures` guesses per address, and has
   them anyway.
 
-Keys are still compared in constant time (`ApiAuth.valid_key`); this module never sees a
-key, only whether a request's credential was accepted.
+Keys are still compared in constant time (`ApiAuth.valid_key`); this module sees a refused
+credential only to digest it, and keeps no key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import math
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -71,6 +79,8 @@ class _Record:
     last_failure: float
     lockouts: int = 0
     locked_until: float = 0.0
+    counted: set[bytes] = field(default_factory=set)
+    """Digests of the credentials counted in this window (`_credential_digest`)."""
 
 
 @dataclass(slots=True)
@@ -109,6 +119,7 @@ class AuthThrottle:
     `forget_after_seconds`)."""
     _records: OrderedDict[str, _Record] = field(default_factory=OrderedDict)
     """Ordered by last failure, oldest first."""
+    _digest_key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
 
     def __post_init__(self) -> None:
         if self.max_failures < 0 or self.max_addresses < 1:
@@ -148,8 +159,18 @@ class AuthThrottle:
             self.refusals_total += 1
         return wait
 
-    def record_failure(self, host: str | None) -> int | None:
+    def _credential_digest(self, credential: str) -> bytes:
+        return hashlib.blake2b(
+            credential.encode("utf-8", "surrogateescape"), key=self._digest_key, digest_size=16
+        ).digest()
+
+    def record_failure(self, host: str | None, credential: str | None = None) -> int | None:
         """Count a failed credential from `host`.
+
+        Args:
+            credential: what the request presented (None: unknown, always counted); a
+                credential already counted for `host` in the current window is not counted
+                again.
 
         Returns:
             The lockout's length in whole seconds when this failure began one, else None.
@@ -170,8 +191,14 @@ class AuthThrottle:
             self._records.move_to_end(key)
         if now - record.window_start >= self.window_seconds:
             record.failures, record.window_start = 0, now
-        record.failures += 1
+            record.counted.clear()
         record.last_failure = now
+        if credential is not None:
+            digest = self._credential_digest(credential)
+            if digest in record.counted:
+                return None
+            record.counted.add(digest)
+        record.failures += 1
         if record.failures < self.max_failures:
             return None
         record.lockouts += 1
@@ -179,6 +206,7 @@ class AuthThrottle:
         lockout = min(self.first_lockout_seconds * 2.0**doublings, self.max_lockout_seconds)
         record.locked_until = now + lockout
         record.failures, record.window_start = 0, now
+        record.counted.clear()
         self.lockouts_total += 1
         return math.ceil(lockout)
 

@@ -28,7 +28,7 @@ from exo.api.openai_chat.wire_types import (
     UserMessage,
 )
 from exo.api.serving.request_checks import build_task_params
-from exo.api.wire.conversation import check_tool_results_answer_calls
+from exo.api.wire.conversation import check_tool_results_answer_calls, unanswered_tool_calls
 from exo.api.wire.errors import InvalidRequestError
 from exo.api.wire.images import NO_VISION, ImageReader
 from exo.api.wire.response_schema import check_response_schema, openai_schema_heading
@@ -284,6 +284,16 @@ def _to_chat_messages(
             case _:
                 assert_never(message)
     check_tool_results_answer_calls(converted, "messages")
+    unanswered = unanswered_tool_calls(converted, directly_after=True)
+    if unanswered:
+        # OpenAI's wording (400 invalid_request_error).
+        _, missing = unanswered[0]
+        raise InvalidRequestError(
+            "An assistant message with 'tool_calls' must be followed by tool messages "
+            "responding to each 'tool_call_id'. The following tool_call_ids did not have "
+            f"response messages: {', '.join(missing)}",
+            "messages",
+        )
     return tuple(converted)
 
 

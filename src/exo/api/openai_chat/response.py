@@ -157,7 +157,11 @@ async def stream_chat_completion(
             case _:
                 assert_never(piece)
 
-    opening = [delta_event(ChunkDelta(role="assistant", content=""))]
+    # OpenAI opens a text answer with `content: ""` and a tool-call answer without text;
+    # a forced call ("required" or a named tool) is known to be the latter, so its
+    # accumulated message keeps `content` null, as in the non-streaming answer.
+    forced_call = params is not None and params.forces_tool_call
+    opening = [delta_event(ChunkDelta(role="assistant", content=None if forced_call else ""))]
     async for line in events.events(
         chunks,
         "messages",

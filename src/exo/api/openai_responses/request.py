@@ -50,6 +50,7 @@ from exo.api.openai_responses.request_types import (
     UnsupportedToolChoice,
 )
 from exo.api.serving.request_checks import build_task_params
+from exo.api.wire.conversation import unanswered_tool_calls
 from exo.api.wire.errors import InvalidRequestError
 from exo.api.wire.images import NO_VISION, ImageReader
 from exo.api.wire.response_schema import check_response_schema, openai_schema_heading
@@ -429,6 +430,11 @@ def _to_chat_messages(
                 raise InvalidRequestError(_unsupported_item_message(item.type), f"{param}.type")
             case _:
                 assert_never(item)
+    unanswered = unanswered_tool_calls(messages, directly_after=False)
+    if unanswered:
+        # OpenAI's wording (400 invalid_request_error on `input`).
+        _, missing = unanswered[0]
+        raise InvalidRequestError(f"No tool output found for function call {missing[0]}.", "input")
     return messages
 
 

@@ -1,11 +1,13 @@
 """Dashboard sessions: `POST /auth/session {"api_key"}` checks the key and sets the session
 cookie (HttpOnly, SameSite=Strict: an `EventSource` sends it, page scripts cannot read it,
-other sites cannot make the browser send it); `DELETE /auth/session` clears it.
+other sites cannot make the browser send it); `DELETE /auth/session` ends the session on the
+node (replaying its cookie is then a 401) and clears the cookie.
 A key that is not valid counts against the client's address like one in a header
 (`exo.api.guards.throttle`); a locked-out address gets 429 before this route runs.
 
-The cookie holds an HMAC of the key with the node's session secret (`exo.api.guards.auth`), never
-the key; it stops working when the key is revoked. Both routes need no key themselves.
+The cookie holds a random session id the node keeps (`exo.api.guards.sessions`), never the
+key; it stops working on sign-out, when the key is revoked, after 30 days, and when the
+node restarts. Both routes need no key themselves.
 """
 
 from __future__ import annotations
@@ -13,13 +15,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, SecretStr
 
-from exo.api.guards.auth import SESSION_COOKIE, SESSION_PATH, ApiAuth
+from exo.api.guards.auth import SESSION_COOKIE, SESSION_PATH, ApiAuth, Credentials
+from exo.api.guards.sessions import SESSION_MAX_AGE_SECONDS
 from exo.api.guards.throttle import AuthThrottle
 from exo.api.wire.errors import ApiError
 
 router = APIRouter()
-SESSION_MAX_AGE_SECONDS = 30 * 24 * 3600
-"""A browser keeps the session 30 days (revoking its key ends it at once)."""
 
 
 class InvalidApiKeyError(ApiError):
@@ -47,7 +48,7 @@ async def sign_in(body: SessionRequest, request: Request) -> Response:
         throttle: AuthThrottle | None = getattr(request.app.state, "auth_throttle", None)
         host = request.client.host if request.client else None
         if throttle is not None and auth.guesses_matter(host):
-            throttle.record_failure(host)
+            throttle.record_failure(host, body.api_key.get_secret_value())
         raise InvalidApiKeyError("the API key is not valid")
     response.set_cookie(
         SESSION_COOKIE,
@@ -63,7 +64,12 @@ async def sign_in(body: SessionRequest, request: Request) -> Response:
 
 @router.delete(SESSION_PATH, status_code=204, response_class=Response)
 async def sign_out(request: Request) -> Response:
-    """Clear the session cookie (204)."""
+    """End the session of the request's cookie, if any, on the node and clear the cookie
+    (204, whether or not the session was open)."""
+    auth: ApiAuth | None = getattr(request.app.state, "auth", None)
+    session = Credentials.from_headers(request.scope["headers"]).session
+    if auth is not None and session is not None:
+        auth.end_session(session)
     response = Response(status_code=204)
     response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
     return response

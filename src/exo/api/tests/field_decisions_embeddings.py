@@ -103,6 +103,6 @@ def embeddings_effects() -> list[Decision]:
             fields("RerankRequest.return_documents"),
             RERANK,
             {"return_documents": False},
-            lambda answer: answer["json"]["results"][0]["document"] is None,
+            lambda answer: "document" not in answer["json"]["results"][0],
         ),
     ]

@@ -160,7 +160,7 @@ def test_node_credential_opens_only_what_nodes_ask_each_other() -> None:
     assert client.get("/node_id", headers=wrong).status_code == 401
 
 
-def test_session_cookie_is_an_hmac_that_dies_with_its_key(tmp_path: Path) -> None:
+def test_session_cookie_is_a_random_id_that_dies_with_its_key(tmp_path: Path) -> None:
     key_file = tmp_path / "keys"
     key_file.write_text(f"# dashboard keys\n{KEY}\n\n{OTHER_KEY}\n")
     auth = ApiAuth("keys", key_file=key_file)
@@ -174,7 +174,7 @@ def test_session_cookie_is_an_hmac_that_dies_with_its_key(tmp_path: Path) -> Non
     for attribute in ("HttpOnly", "Path=/", "SameSite=strict"):
         assert attribute.lower() in cookie_header.lower()
     cookie = client.cookies[SESSION_COOKIE]
-    assert KEY not in cookie and len(cookie) == 64
+    assert KEY not in cookie and len(cookie) == 43  # 32 random bytes, URL-safe base64
     assert client.get("/state").status_code == 200  # the cookie alone
     key_file.write_text(f"{OTHER_KEY}\n")  # KEY revoked
     auth.reload()

@@ -43,6 +43,11 @@ def _client(throttle: AuthThrottle, host: str, mode: str = "keys") -> TestClient
     return TestClient(app, client=(host, 40000))
 
 
+def _guess(index: int) -> str:
+    """A different wrong key per guess (a repeat of one wrong key counts once)."""
+    return f"test-key-guess-{index:08d}"
+
+
 def _bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
@@ -51,8 +56,8 @@ def test_attempt_after_the_last_allowed_failure_is_a_429_with_retry_after() -> N
     clock = FakeClock()
     throttle = _throttle(clock)
     attacker = _client(throttle, ATTACKER)
-    for _ in range(MAX_FAILURES):
-        assert attacker.get("/v1/models", headers=_bearer(WRONG_KEY)).status_code == 401
+    for guess in range(MAX_FAILURES):
+        assert attacker.get("/v1/models", headers=_bearer(_guess(guess))).status_code == 401
     refused = attacker.get("/v1/models", headers=_bearer(WRONG_KEY))
     assert refused.status_code == 429, refused.text
     assert refused.headers["retry-after"] == "60"
@@ -70,8 +75,8 @@ def test_every_dialect_answers_the_lockout_in_its_own_shape() -> None:
     clock = FakeClock()
     throttle = _throttle(clock)
     attacker = _client(throttle, ATTACKER)
-    for _ in range(MAX_FAILURES):
-        attacker.get("/state", headers={"x-api-key": WRONG_KEY})
+    for guess in range(MAX_FAILURES):
+        attacker.get("/state", headers={"x-api-key": _guess(guess)})
     chat = {"model": SMOLLM2, "messages": [{"role": "user", "content": "Hi"}]}
     openai_answer = attacker.post("/v1/chat/completions", json=chat, headers=_bearer(KEY))
     assert openai_answer.status_code == 429
@@ -98,8 +103,8 @@ def test_a_correct_key_from_another_address_still_works_and_metrics_count() -> N
     clock = FakeClock()
     throttle = _throttle(clock)
     attacker = _client(throttle, ATTACKER)
-    for _ in range(MAX_FAILURES + 2):
-        attacker.get("/v1/models", headers=_bearer(WRONG_KEY))
+    for guess in range(MAX_FAILURES + 2):
+        attacker.get("/v1/models", headers=_bearer(_guess(guess)))
     neighbour = TestClient(attacker.app, client=(NEIGHBOUR, 40000))
     assert neighbour.get("/v1/models", headers=_bearer(KEY)).status_code == 200
     metrics = neighbour.get("/metrics", headers=_bearer(KEY)).text
@@ -115,18 +120,18 @@ def test_after_the_lockout_the_client_may_try_again_and_the_next_lockout_doubles
     clock = FakeClock()
     throttle = _throttle(clock)
     attacker = _client(throttle, ATTACKER)
-    for _ in range(MAX_FAILURES):
-        attacker.get("/v1/models", headers=_bearer(WRONG_KEY))
+    for guess in range(MAX_FAILURES):
+        attacker.get("/v1/models", headers=_bearer(_guess(guess)))
     assert attacker.get("/v1/models", headers=_bearer(KEY)).status_code == 429
     clock.now += 60
     assert attacker.get("/v1/models", headers=_bearer(KEY)).status_code == 200
-    for _ in range(MAX_FAILURES):
-        assert attacker.get("/v1/models", headers=_bearer(WRONG_KEY)).status_code == 401
+    for guess in range(MAX_FAILURES):
+        assert attacker.get("/v1/models", headers=_bearer(_guess(guess))).status_code == 401
     assert attacker.get("/v1/models", headers=_bearer(KEY)).headers["retry-after"] == "120"
     # A day without failures: the next lockout is a first one again.
     clock.now += 86_400
-    for _ in range(MAX_FAILURES):
-        assert attacker.get("/v1/models", headers=_bearer(WRONG_KEY)).status_code == 401
+    for guess in range(MAX_FAILURES):
+        assert attacker.get("/v1/models", headers=_bearer(_guess(guess))).status_code == 401
     assert attacker.get("/v1/models", headers=_bearer(KEY)).headers["retry-after"] == "60"
 
 
@@ -143,8 +148,8 @@ def test_failures_spread_wider_than_the_window_never_lock_out() -> None:
 def test_session_sign_in_with_wrong_keys_counts_and_locks_out() -> None:
     clock = FakeClock()
     attacker = _client(_throttle(clock), ATTACKER)
-    for _ in range(MAX_FAILURES):
-        assert attacker.post("/auth/session", json={"api_key": WRONG_KEY}).status_code == 401
+    for guess in range(MAX_FAILURES):
+        assert attacker.post("/auth/session", json={"api_key": _guess(guess)}).status_code == 401
     refused = attacker.post("/auth/session", json={"api_key": KEY})
     assert refused.status_code == 429
     assert refused.headers["retry-after"] == "60"
@@ -226,10 +231,41 @@ def test_forwarded_for_counts_only_from_a_trusted_proxy() -> None:
         app = scripted_app(ScriptedCluster(), ApiSecurity(auth=auth, auth_throttle=throttle))
         limits = ApiLimits(trusted_proxies=trusted)
         with serving(app, limits) as (url, _), httpx.Client(base_url=url, timeout=10) as http:
-            for _ in range(MAX_FAILURES):
-                forwarded = {"X-Forwarded-For": ATTACKER, **_bearer(WRONG_KEY)}
+            for guess in range(MAX_FAILURES):
+                forwarded = {"X-Forwarded-For": ATTACKER, **_bearer(_guess(guess))}
                 assert http.get("/v1/models", headers=forwarded).status_code == 401
             neighbour = {"X-Forwarded-For": NEIGHBOUR, **_bearer(KEY)}
             assert http.get("/v1/models", headers=neighbour).status_code == neighbour_status
             attacker = {"X-Forwarded-For": ATTACKER, **_bearer(KEY)}
             assert http.get("/v1/models", headers=attacker).status_code == 429
+
+
+def test_a_mistyped_key_retried_never_locks_its_client_out() -> None:
+    """Trial 40: Claude Code with a mistyped key sends about 5 requests per run and its SDK
+    retries the lockout's 429 for minutes; two runs reached the 10-failure lockout. A repeat
+    of the same wrong key from the same address counts once per window."""
+    clock = FakeClock()
+    throttle = AuthThrottle(clock=clock)  # the default policy: 10 failures
+    client = _client(throttle, ATTACKER)
+    for _ in range(30):
+        assert client.get("/v1/models", headers=_bearer(WRONG_KEY)).status_code == 401
+        assert client.post("/auth/session", json={"api_key": WRONG_KEY}).status_code == 401
+    assert throttle.failures_total == 60 and throttle.lockouts_total == 0
+    assert client.get("/v1/models", headers=_bearer(KEY)).status_code == 200
+    # The throttle keeps a keyed digest, never the key.
+    assert WRONG_KEY not in repr(throttle._records)
+    # Guessing still locks out: the repeated key counted once, 9 new guesses make 10.
+    for guess in range(9):
+        assert client.get("/v1/models", headers=_bearer(_guess(guess))).status_code == 401
+    assert client.get("/v1/models", headers=_bearer(KEY)).status_code == 429
+
+
+def test_a_repeated_wrong_key_counts_again_in_the_next_window() -> None:
+    clock = FakeClock()
+    throttle = _throttle(clock)
+    for _ in range(MAX_FAILURES - 1):
+        assert throttle.record_failure(ATTACKER, WRONG_KEY) is None
+        clock.now += 601  # past the 10-minute window: a new window, the key counts again
+    assert throttle.record_failure(ATTACKER, WRONG_KEY) is None  # 1 in this window
+    assert throttle.record_failure(ATTACKER, "another") is None
+    assert throttle.record_failure(ATTACKER, "a third") == 60

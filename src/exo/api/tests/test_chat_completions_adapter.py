@@ -1143,3 +1143,18 @@ def test_openai_client_tool_calls(client: openai.OpenAI) -> None:
         (0, "call_get_weather", "get_weather")
     ]
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_streamed_forced_tool_call_accumulates_null_content(client: openai.OpenAI) -> None:
+    """Trial 40: a "required" call streamed began with `content: ""`, so the SDK's
+    accumulated message had content '' where OpenAI's (and exo's non-streaming) is null."""
+    tools: Any = [WEATHER_TOOL]
+    with client.chat.completions.stream(
+        model=MODEL, messages=user_says("tools"), tools=tools, tool_choice="required"
+    ) as events:
+        for _ in events:
+            pass
+        final = events.get_final_completion()
+    message = final.choices[0].message
+    assert message.tool_calls and message.tool_calls[0].function.name == "get_weather"
+    assert message.content is None

@@ -189,7 +189,8 @@ def test_rerank_sorts_keeps_indices_and_cuts_to_top_n() -> None:
             json={"model": RERANKER, "query": "q", "documents": ["a", "b", "c"],
                   "return_documents": False},
         )  # fmt: skip
-        assert all(result["document"] is None for result in bare.json()["results"])
+        # Left out, as Jina and Cohere answer (it was null until trial 40 saw it).
+        assert all(set(result) == {"index", "relevance_score"} for result in bare.json()["results"])
         not_reranker = http.post(
             "/v1/rerank", json={"model": EMBEDDER, "query": "q", "documents": ["a"]}
         )

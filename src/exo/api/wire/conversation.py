@@ -29,3 +29,35 @@ def check_tool_results_answer_calls(messages: Sequence[ChatMessage], param: str)
                 "assistant turn made a call with that id",
                 param,
             )
+
+
+def unanswered_tool_calls(
+    messages: Sequence[ChatMessage], *, directly_after: bool
+) -> list[tuple[int, tuple[str, ...]]]:
+    """The assistant turns whose tool calls are left without a result.
+
+    A final assistant turn is exempt: it is a continuation (the model goes on from it), so
+    its calls have no results yet by design.
+
+    Args:
+        directly_after: True (Chat Completions): a call's result must be among the `tool`
+            messages right after its turn; False (Responses): anywhere after it.
+
+    Returns:
+        `(index of the assistant message in messages, ids of its unanswered calls)` for
+        each such turn, in order.
+    """
+    found: list[tuple[int, tuple[str, ...]]] = []
+    for index, message in enumerate(messages[:-1]):
+        if message.role != "assistant" or not message.tool_calls:
+            continue
+        answered: set[str] = set()
+        for later in messages[index + 1 :]:
+            if later.role == "tool" and later.tool_call_id is not None:
+                answered.add(later.tool_call_id)
+            elif directly_after:
+                break
+        missing = tuple(call.id for call in message.tool_calls if call.id not in answered)
+        if missing:
+            found.append((index, missing))
+    return found

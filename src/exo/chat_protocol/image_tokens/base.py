@@ -93,6 +93,15 @@ class ImageTokens(ABC):
             preprocessor = {}
         return cls.of_config(config, tokenizer, preprocessor)
 
+    @staticmethod
+    def serves(config: Mapping[str, Any]) -> bool:
+        """Whether a parsed `config.json` is a vision checkpoint some family renders
+        images for: a `vision_config` and a model type a subclass names (what `of_config`
+        needs before it builds one)."""
+        return bool(config.get("vision_config")) and (
+            str(config.get("model_type")) in ImageTokens._by_model_type
+        )
+
     @classmethod
     def of_config(
         cls, config: Any, tokenizer: Any, preprocessor: Mapping[str, Any] | None = None
@@ -102,10 +111,10 @@ class ImageTokens(ABC):
         None for a config without `vision_config` or of a model type no family serves."""
         if not isinstance(config, dict):
             config = config.to_dict()
-        if not config.get("vision_config"):
+        if not ImageTokens.serves(config):
             return None
-        family = ImageTokens._by_model_type.get(str(config.get("model_type")))
-        return None if family is None else family.from_config(config, tokenizer, preprocessor or {})
+        family = ImageTokens._by_model_type[str(config.get("model_type"))]
+        return family.from_config(config, tokenizer, preprocessor or {})
 
     def template_messages(self, messages: Sequence[ChatMessage]) -> tuple[ChatMessage, ...]:
         """`messages` with each `IMAGE_MARKER` as the template's image part."""

@@ -29,6 +29,13 @@ SAFETENSORS_DTYPE_BYTES = {
     "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
     "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
 }  # fmt: skip
+VISION_TENSOR_PREFIXES = (
+    "vision_tower.", "multi_modal_projector.", "vision_model.", "connector.", "visual.",
+)  # fmt: skip
+"""Where a multimodal checkpoint keeps its vision tower and projector (names with a leading
+`model.` removed): Gemma 3 and Mistral 3 under `vision_tower.` and `multi_modal_projector.`,
+Idefics3 / SmolVLM under `vision_model.` and `connector.`, Qwen2.5-VL and Qwen3-VL under
+`visual.`; the engine's towers read the same names (each family's `checkpoint_prefixes`)."""
 # A safetensors header longer than this is corrupt, not a model (the format caps it at 100 MB).
 _MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
 
@@ -131,6 +138,23 @@ def _weight_totals(headers: Sequence[tuple[str, SafetensorsHeader]]) -> tuple[in
     return elements, stored_bytes
 
 
+def _vision_weights(headers: Sequence[tuple[str, SafetensorsHeader]]) -> int:
+    """The number of weights under `VISION_TENSOR_PREFIXES` over all files (a tensor name
+    seen twice counts once)."""
+    seen: set[str] = set()
+    elements = 0
+    for _, header in headers:
+        for name, entry in header.items():
+            if name in seen or not name.removeprefix("model.").startswith(VISION_TENSOR_PREFIXES):
+                continue
+            seen.add(name)
+            count = 1
+            for dimension in entry["shape"]:
+                count *= int(dimension)
+            elements += _weight_elements(name, count)
+    return elements
+
+
 def _stores_attention_bias(headers: Sequence[tuple[str, SafetensorsHeader]]) -> bool:
     """Whether the checkpoint has biases on its query projections."""
     return any(
@@ -179,7 +203,9 @@ def card_from_config(
 
     `parameter_count` is the number of weights in the safetensors files (a tied LM head is
     stored once, so counted once); `storage_size_bytes` the bytes they take in the files'
-    dtypes.
+    dtypes; `vision_parameter_count`, for a config with a `vision_config`, the weights of
+    its vision tower and projector (`VISION_TENSOR_PREFIXES`). The capabilities are left
+    at text only: what the chat template and config show is `custom_cards.with_traits`'s.
 
     Args:
         safetensors_headers: `(file name, header)` of every weights file.
@@ -234,6 +260,9 @@ def card_from_config(
         attention_bias=bool(text_config.get("attention_bias", False))
         or _stores_attention_bias(safetensors_headers),
         parameter_count=parameter_count,
+        vision_parameter_count=(
+            _vision_weights(safetensors_headers) if config.get("vision_config") else 0
+        ),
         has_chat_template=chat_template,
         # Tensor parallel splits heads, KV heads and the MLP (every expert's) evenly over
         # 2 ranks at least.

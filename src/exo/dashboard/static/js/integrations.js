@@ -78,7 +78,7 @@ export ANTHROPIC_AUTH_TOKEN="${keysOn ? `$${KEY_VAR}` : "unused"}"
 export ANTHROPIC_MODEL="${model}"
 export ANTHROPIC_DEFAULT_HAIKU_MODEL="${model}"
 claude`,
-      note: "Claude Code speaks the Claude Messages API, which this node serves (its system-role messages and beta headers included). Its default prompt is ~20k tokens (its tools alone ~15k): use a model with a context of 32k tokens or more, and the largest the cluster runs; small models follow its tool-heavy prompts poorly. Instead of the two model variables, the node can serve every claude-* name: exo --model-alias 'claude-*=<model>'.",
+      note: "Claude Code speaks the Claude Messages API, which this node serves (its system-role messages and beta headers included). Its default prompt is ~12.4k tokens (Claude Code 2.1.332), so a model with an 8K context such as SmolLM2 cannot serve it: use a model with a context of 32k tokens or more, and the largest the cluster runs; small models follow its tool-heavy prompts poorly. Instead of the two model variables, the node can serve every claude-* name: exo --model-alias 'claude-*=<model>'.",
     },
     {
       id: "codex",
