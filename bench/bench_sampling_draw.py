@@ -28,6 +28,9 @@ from exo.worker.engines.torch.decoding.gumbel_race import (
 )
 from exo.worker.engines.torch.decoding.sampling import sampling_candidates
 from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
+from exo.worker.engines.torch.quant.native_kernels import native_int4_kernel
+
+native_int4_kernel()  # loads exo's native library and hands the sampler its race kernel
 
 VOCABULARIES = {"SmolLM2": 49_152, "Gemma 3": 262_144}
 

@@ -38,7 +38,6 @@ slower over a whole vocabulary).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -163,17 +162,21 @@ def reference_gumbel_scores(
     return scores + -_log(exponential)
 
 
-@functools.cache
+_native_kernel: list[GumbelKernel | None] = [None]
+
+
+def use_native_gumbel_kernel(kernel: GumbelKernel | None) -> None:
+    """Set by `quant.native_kernels` when exo's native library is wanted and loaded
+    (`native_int4_kernel`; decoding/ sits below quant/ and does not import it): the
+    kernel `gumbel_scores` calls from then on; None: torch's operators."""
+    _native_kernel[0] = kernel
+
+
 def native_gumbel_kernel() -> GumbelKernel | None:
     """`gumbel_scores(scores [n] float32, ids [n] int64 or None, key, width) -> [n] float32`
     of exo's native kernels (`width` 0: the widest built; 512, 256 or 1 force a path),
-    where they are wanted and built (`native_kernels.native_int4_kernel`); else None."""
-    from exo.worker.engines.torch.quant.native_kernels import native_int4_kernel
-
-    if native_int4_kernel() is None:
-        return None
-    kernel: GumbelKernel = torch.ops.exo_native.gumbel_scores
-    return kernel
+    once `use_native_gumbel_kernel` has handed it over; else None."""
+    return _native_kernel[0]
 
 
 def gumbel_scores(scores: torch.Tensor, ids: torch.Tensor | None, key: int) -> torch.Tensor:

@@ -50,6 +50,7 @@ from loguru import logger
 
 from exo.shared.models.weight_formats import DecodeActivations
 from exo.utils.cpu_features import AMX_BF16_FLAGS, cpu_flags
+from exo.worker.engines.torch.decoding.gumbel_race import use_native_gumbel_kernel
 
 NATIVE_INT4_ENV = "EXO_NATIVE_INT4"
 
@@ -115,7 +116,7 @@ def set_decode_activations(activations: DecodeActivations) -> None:
     (exo's kernels' `set_decode_activation_bits`: one setting per process, which a runner's
     one engine sets at load; `weight_formats.DecodeActivations`). "int16" is a no-op where exo's
     kernels are not built; "int8" there raises RuntimeError (it would silently not apply)."""
-    kernel = built_int4_kernel() if native_int4_wanted() else None
+    kernel = native_int4_kernel()  # also hands the sampler its native race kernel
     if kernel is None:
         if activations == "int8":
             raise RuntimeError(
@@ -141,7 +142,10 @@ def native_int4_kernel() -> Int4Gemv | None:
     scale_zero [out, groups, 2] bfloat16) -> [rows, out] float32` where it is wanted
     (`native_int4_wanted`) and could be built; else None (a failed build logs one warning
     naming the cause)."""
-    return built_int4_kernel() if native_int4_wanted() else None
+    kernel = built_int4_kernel() if native_int4_wanted() else None
+    # The sampler's race kernel (decoding/ is below quant/: it is handed over from here).
+    use_native_gumbel_kernel(None if kernel is None else torch.ops.exo_native.gumbel_scores)
+    return kernel
 
 
 @functools.cache

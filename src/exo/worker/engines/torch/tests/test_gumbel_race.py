@@ -22,7 +22,10 @@ from exo.worker.engines.torch.decoding.gumbel_race import (
 )
 from exo.worker.engines.torch.decoding.sampling import Sampler
 from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
+from exo.worker.engines.torch.quant.native_kernels import native_int4_kernel
 from exo.worker.engines.torch.tests.test_speculative import chi_square_p_value
+
+native_int4_kernel()  # loads exo's native library and hands the sampler its race kernel
 
 # Keys spread over the 63 bits (a fixed sequence: the tests are deterministic).
 KEYS = [splitmix64(2026, draw) >> 1 for draw in range(20_000)]
