@@ -214,10 +214,10 @@ void rows_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
 // 8-row product at 576 inputs (docs/benchmarks/2026-12-07-int8-decode-lanes.md). With
 // AVX512-VNNI each multiply-add and its int32 add are one vpdpwssd: the per-row work per
 // 128 weights is 4 vpdpwssd, 2 conversions, 2 permutes, 2 FMAs and the small multiply,
-// against about twice
-// that for the 256-bit kernel, which is what a decode step over many requests (one weight
-// read for all rows) is bound by (figures: docs/benchmarks/2026-12-05-batching.md). A last
-// odd pair and an odd last block take 256-bit code in the activations' natural order.
+// against about twice that for the 256-bit kernel, which is what a decode step over many
+// requests (one weight read for all rows) is bound by (figures:
+// docs/benchmarks/2026-12-05-batching.md). A last odd pair and an odd last block take
+// 256-bit code in the activations' natural order.
 
 constexpr int64_t kChunk = 128;  // inputs per 64-byte load: two pairs of blocks
 
