@@ -180,7 +180,7 @@ def test_a_stream_reports_its_prefill_before_the_first_token(default_node: ExoNo
     """A prompt that takes more than one prefill step is reported after each step until
     its first token: the stream carries those reports as `: prefill {...}` comment lines
     (what the dashboard's chat shows) before the first token. (The official client skips
-    them: `src/exo/api/tests/test_chat_completions_adapter.py`.)"""
+    them: `src/exo/api/tests/test_chat_completions_client.py`.)"""
     long_question = "Summarise this: " + "the cat sat on the mat. " * 90
     body = {
         "model": DEFAULT_MODEL_ID,

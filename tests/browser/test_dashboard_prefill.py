@@ -6,7 +6,7 @@ The page runs against the real node, but its chat request is answered in the bro
 stream the test holds open (a `fetch` stand-in installed before the page's scripts run), so
 the state between the progress and the first token lasts as long as the test looks at it:
 a real prefill would race the assertions. The server side (progress chunks become those
-lines, SDKs skip them) is `src/exo/api/tests/test_chat_completions_adapter.py`.
+lines, SDKs skip them) is `src/exo/api/tests/test_chat_completions_client.py`.
 """
 
 from __future__ import annotations

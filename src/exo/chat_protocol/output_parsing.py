@@ -49,7 +49,8 @@ class OutputParser:
     matcher). Answers that may be a whole-output JSON tool call (they start with `{`, `[`,
     a ```json fence or `<|python_tag|>`) are held until `finish` when tools were given.
     Anything that fails to parse as a tool call (unknown tool, malformed JSON, an unclosed
-    `<tool_call>`) is released as text, raw, markers included; the parser never raises.
+    `<tool_call>`) is released as text, raw, markers included, except a forced call cut
+    short by `max_tokens`, which stays a call (`finish`); the parser never raises.
 
     Args:
         tools: The tools offered to the model; calls naming others stay text. No tools: no
@@ -112,8 +113,13 @@ class OutputParser:
         self._advance(output)
         return output
 
-    def finish(self) -> ParsedOutput:
+    def finish(self, out_of_tokens: bool = False) -> ParsedOutput:
         """End of generation: release everything held, parsing held tool calls.
+
+        Args:
+            out_of_tokens: the generation stopped at `max_tokens` (finish "length"): a
+                forced call it was writing is returned cut short, as OpenAI returns one
+                (`exo.chat_protocol.cut_tool_call`), not as text.
 
         Returns:
             The remaining text, reasoning text and tool calls.
@@ -140,7 +146,7 @@ class OutputParser:
             case _State.CALL_BLOCK:
                 self._finish_block(buffer, output)
             case _State.ANSWER_START | _State.HOLD:
-                self._finish_held(buffer, output)
+                self._finish_held(buffer, output, out_of_tokens)
         return output
 
     # -- state machine -------------------------------------------------------------------
@@ -313,8 +319,11 @@ class OutputParser:
 
     # -- held output ---------------------------------------------------------------------
 
-    def _finish_held(self, buffer: str, output: ParsedOutput) -> None:
+    def _finish_held(self, buffer: str, output: ParsedOutput, out_of_tokens: bool) -> None:
         calls = self._tool_calls.parse_whole(buffer)
+        if calls is None and self._forced and out_of_tokens:
+            cut = self._tool_calls.parse_cut_forced_call(buffer)
+            calls = None if cut is None else [cut]
         if calls is None:
             output.text += buffer
         else:

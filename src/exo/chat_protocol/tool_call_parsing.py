@@ -44,6 +44,7 @@ import string
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from exo.chat_protocol.cut_tool_call import cut_forced_call, is_cut
 from exo.chat_protocol.tool_arguments import coerce_to_schema
 from exo.chat_protocol.tool_call_markup import (
     ALL_BLOCKS,
@@ -133,6 +134,15 @@ class ToolCallParser:
             if calls is not None:
                 return calls
         return self._parse_generic(stripped)
+
+    def parse_cut_forced_call(self, text: str) -> ToolCall | None:
+        """The forced call a generation cut short by `max_tokens` was writing: its
+        arguments as far as written (`cut_tool_call.cut_forced_call`), or coerced as any
+        call's when they were whole (only the frame's closing brace was cut)."""
+        call = cut_forced_call(text, self._tools, new_tool_call_id())
+        if call is None or is_cut(call):
+            return call
+        return self._make_call(call.name, call.arguments)
 
     def _parse_blocks(self, text: str, block: CallBlock) -> list[ToolCall] | None:
         """Calls from an output made only of `block`s (the last one may lack its close

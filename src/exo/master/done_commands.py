@@ -14,7 +14,7 @@ DONE_COMMANDS_KEPT = MAX_COMMAND_OUTCOMES + SNAPSHOT_EVERY_EVENTS
 newly activated master can learn at most, from the state's `command_outcomes` plus the
 events its log holds after the snapshot, so an active master never knows fewer answered
 commands than one elected in its place would. A command is resent while unanswered (seconds)
-or after its node dropped its history (`exo.api.serving.cluster_client`), far fewer than
+or after its node dropped its history (`exo.api.serving.command_delivery`), far fewer than
 this many commands later."""
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import anyio
 
-from exo.api.serving.cluster_client import RESEND_FIRST_SECONDS, ClusterClient, LoadOnRequest
+from exo.api.serving.cluster_client import ClusterClient, LoadOnRequest
+from exo.api.serving.command_delivery import RESEND_FIRST_SECONDS
 from exo.master.main import Master
 from exo.node.event_log import EventLog
 from exo.shared.apply import apply

@@ -40,6 +40,7 @@ from exo.api.serving.early_stream import WaitingFrames
 from exo.api.wire import stream
 from exo.api.wire.errors import ApiError, GenerationError
 from exo.api.wire.stream import CompletedReason
+from exo.chat_protocol.cut_tool_call import complete_members, is_cut
 from exo.chat_protocol.tool_call_parsing import TOOL_CALL_ID_PREFIX
 from exo.shared.types.chunks import Chunk, PrefillProgressChunk, TokenChunk, Usage
 from exo.shared.types.text_generation import ToolCall
@@ -75,6 +76,10 @@ def tool_use_id(call_id: str) -> str:
 
 
 def _tool_input(call: ToolCall) -> dict[str, Any]:
+    """The `tool_use` block's input; for a call cut short by `max_tokens` the members
+    written whole, as Anthropic returns one with `stop_reason: "max_tokens"`."""
+    if is_cut(call):
+        return complete_members(call.arguments)
     try:
         arguments = json.loads(call.arguments or "{}")
     except json.JSONDecodeError:

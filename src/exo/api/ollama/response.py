@@ -24,6 +24,7 @@ from exo.api.wire import stream
 from exo.api.wire.errors import ApiError, GenerationError
 from exo.api.wire.logprobs import logprob_entries
 from exo.api.wire.stream import CompletedReason
+from exo.chat_protocol.cut_tool_call import complete_members, is_cut
 from exo.shared.types.chunks import Chunk, TokenLogprob, Usage
 from exo.shared.types.text_generation import ToolCall
 
@@ -74,7 +75,9 @@ def _tool_calls(
         raise GenerationError("a tool call in a generate request")
     calls: list[OllamaResponseToolCall] = []
     for offset, call in enumerate(tool_calls):
-        arguments = json.loads(call.arguments)
+        # A call cut short by `max_tokens` (done_reason "length") shows the members written
+        # whole, as its arguments are an object here (`cut_tool_call`).
+        arguments = complete_members(call.arguments) if is_cut(call) else json.loads(call.arguments)
         if not isinstance(arguments, dict):
             raise GenerationError(
                 f"tool call {call.name!r} has arguments that are not a JSON object",

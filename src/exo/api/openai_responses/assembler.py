@@ -42,6 +42,7 @@ from exo.api.openai_responses.response_types import (
 )
 from exo.api.wire.errors import ApiError
 from exo.api.wire.stream import unfinished_generation_error
+from exo.chat_protocol.cut_tool_call import is_cut
 from exo.shared.types.chunks import FinishReason, ToolCall, Usage
 
 _STATUS_BY_FINISH_REASON: dict[FinishReason, ResponseStatus] = {
@@ -209,7 +210,8 @@ class ResponseAssembler:
             name=name,
             namespace=namespace,
             arguments=call.arguments,
-            status="completed",
+            # Cut short by `max_output_tokens`: its arguments stop where the tokens ran out.
+            status="incomplete" if is_cut(call) else "completed",
         )
         self._output.append(item)
         yield self._item_event("response.output_item.done", item, place.output_index)

@@ -1,26 +1,11 @@
 """The API's view of the cluster: its copy of the state, the commands it sends, and the
 chunk streams and command results it waits on.
 
-A command must be carried out exactly once whatever the timing of start-up and elections:
-it can be published while no master is elected, before the master's node is linked to
-this one, to a node that won the election but has not started acting as master yet, or
-to a master that dies before answering. So the client keeps every unanswered command
-and sends it again — at once to a newly elected master, and with backoff while
-unanswered — until the event that carries it out (or rejects it) comes back; the
-master ignores a command id its history already holds (`master.main.Master`).
-
-Acknowledged: a command is answered to its client (2xx) only once the event that carries
-it out is applied on this node, that is, written (fsynced) to the log of the master this
-node follows and to this node's own. Such a command survives any election and split:
-either the history the cluster keeps holds that event, or this node drops its history
-for the cluster's (a healed split's losing side, a forced master that lacks it), and then
-sends again its acknowledged state-changing commands that the cluster's history lacks
-(`history_dropped`); the master carries out each command id at most once, so each takes
-effect exactly once. Placements come back through the instances the node reports
-(`exo.node.replica`), so they are not sent again (they would place a second instance);
-generations and embeddings are not state and are not repeated. Bounds: the latest
-`ACKNOWLEDGED_KEPT` commands, kept in memory (a node restarted between the answer and the
-heal has forgotten them).
+Every route reaches the rest of the node through one `ClusterClient`: the state and model
+cards, the commands (sent exactly once through its `CommandDelivery`,
+`command_delivery.py`, which says how), and the chunk stream of each generation it sent,
+routed to the instance that runs it and ended with an error chunk when that instance is
+deleted, loses a node, or this node stops.
 """
 
 from __future__ import annotations
@@ -29,31 +14,29 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from loguru import logger
 
+from exo.api.serving.command_delivery import (
+    COMMAND_RESULT_TIMEOUT_SECONDS,
+    RESEND_FIRST_SECONDS,
+    CommandDelivery,
+)
 from exo.api.serving.command_outcomes import answer_from_state
 from exo.api.serving.node_stop import NodeStop
 from exo.api.serving.request_loading import CommandRejectedError as CommandRejectedError
 from exo.api.serving.request_loading import CommandTimeoutError as CommandTimeoutError
 from exo.api.serving.request_loading import LoadOnRequest as LoadOnRequest
-from exo.api.wire.errors import NoCapacityError
 from exo.api.wire.images import ImagePolicy
 from exo.node.election import Election
 from exo.shared.models.cards import with_custom_cards
 from exo.shared.types.chunks import INSTANCE_UNAVAILABLE, NODE_SHUTTING_DOWN, Chunk, ErrorChunk
 from exo.shared.types.commands import (
-    AddCustomModel,
     CancelGeneration,
     Command,
-    ControlDownload,
-    DeleteCustomModel,
     DeleteInstance,
     ForwarderCommand,
-    SetKeepAlive,
 )
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, TaskId
 from exo.shared.types.events import (
@@ -74,20 +57,11 @@ from exo.shared.types.instances import Instance
 from exo.shared.types.models import ModelCard
 from exo.shared.types.nodes import DownloadStatus
 from exo.shared.types.runners import KVCacheUse
-from exo.shared.types.state import MAX_COMMAND_OUTCOMES, State
+from exo.shared.types.state import State
 from exo.shared.types.tasks import TaskCancelled, TaskComplete, TaskFailed
 from exo.utils.channels import Publisher, Subscription
 
-COMMAND_RESULT_TIMEOUT_SECONDS = 30.0
 LOST_NODE_CHECK_SECONDS = 0.5
-# First resend of an unanswered command after this long, then twice as long each time up
-# to the maximum. On loopback a master answers within milliseconds; an election takes
-# a few seconds.
-RESEND_FIRST_SECONDS = 1.0
-RESEND_MAX_SECONDS = 4.0
-# A cancel has no event of its own; it is resent until its generation is gone, at most
-# this long.
-CANCEL_RESEND_SECONDS = 30.0
 NODE_REPORTS_TIMEOUT_SECONDS = 30.0
 NODE_REPORTS_CHECK_SECONDS = 0.5
 CATCH_UP_WAIT_SECONDS = 15.0
@@ -96,31 +70,6 @@ node to catch up with the master's history (a node that just joined, restarted o
 from a split) before it is answered as unknown (404). Bounded so an unknown name on a
 node that cannot catch up (no master) still gets its answer."""
 CATCH_UP_CHECK_SECONDS = 0.1
-# The acknowledged commands kept to send again if this node drops its history: as many
-# as the state keeps the outcomes of (the master's record of what it carried out).
-ACKNOWLEDGED_KEPT = MAX_COMMAND_OUTCOMES
-RESENT_AFTER_HISTORY_DROPPED = (
-    DeleteInstance,
-    SetKeepAlive,
-    AddCustomModel,
-    DeleteCustomModel,
-    ControlDownload,
-)
-
-
-@dataclass(slots=True)
-class _Unanswered:
-    """A command not carried out yet, and when to send it again (monotonic seconds)."""
-
-    command: Command
-    first_sent: float
-    next_send: float
-    interval: float
-
-
-DATA_DIRECTORY_FULL = "data_directory_full"
-"""The error code (503) of a request refused because this node's data directory is full
-(`ClusterClient.submit`)."""
 
 
 class ClusterClient:
@@ -162,10 +111,7 @@ class ClusterClient:
         storage_problem: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.node_id = node_id
-        self._storage_problem = storage_problem
         self._caught_up = caught_up
-        # State-changing commands carried out and answered, oldest first (module docstring).
-        self._acknowledged: dict[CommandId, Command] = {}
         self.load_on_request = load_on_request or LoadOnRequest()
         self._record_download = record_download
         self.local_kv_cache = local_kv_cache  # this node's runners' KV use (`/metrics`)
@@ -178,19 +124,22 @@ class ClusterClient:
         self._applied_events = applied_events
         self._election = election
         self.current_peers = current_peers
-        # Commands not yet carried out: held while there is no master, resent until answered.
-        self._unanswered: dict[CommandId, _Unanswered] = {}
-        self._resend_first_seconds = resend_first_seconds
-        self._now = clock
-        self._sent_to_master: NodeId | None = None
-        self._resend_wake = anyio.Event()
         self._chunks = chunk_subscription
-        self._commands = command_publisher
-        self._result_waiters: dict[CommandId, MemoryObjectSendStream[Event]] = {}
         self._chunk_streams: dict[CommandId, MemoryObjectSendStream[Chunk]] = {}
         self.stop = NodeStop()
         """Begun by `end_streams`: every wait of a request before its chunk stream races
         it (`NodeStop.unless_stopping`)."""
+        self.commands = CommandDelivery(
+            node_id,
+            current_state,
+            command_publisher,
+            election,
+            resend_first_seconds,
+            clock,
+            storage_problem,
+            self.stop,
+        )
+        """Sends this node's commands to the master exactly once (`command_delivery.py`)."""
         self._command_instance: dict[CommandId, InstanceId] = {}
         # The instance each request with a chunk stream was sent to (kept after a loss).
         self._routed: dict[CommandId, InstanceId] = {}
@@ -220,7 +169,7 @@ class ClusterClient:
 
     @property
     def master(self) -> NodeId | None:
-        return self.node_id if self._election is None else self._election.master
+        return self.commands.master
 
     async def run(self) -> None:
         async with anyio.create_task_group() as task_group:
@@ -228,109 +177,14 @@ class ClusterClient:
             task_group.start_soon(self._chunk_loop)
             if self._election is not None:  # networked: peers are known
                 task_group.start_soon(self._watch_lost_nodes)
-            task_group.start_soon(self._resend_loop)
+            task_group.start_soon(self.commands.run)
 
     async def _event_loop(self) -> None:
         async for indexed_event in self._applied_events:
             self._on_event(indexed_event.event)
-            self._forget_answered_cancels()
+            self.commands.forget_answered_cancels()
             self.state_changed.set()
             self.state_changed = anyio.Event()
-
-    async def _resend_loop(self) -> None:
-        """Send unanswered commands again: all of them at once to a newly elected master,
-        each with backoff while it stays unanswered."""
-        async with anyio.create_task_group() as task_group:
-            if self._election is not None:
-                task_group.start_soon(self._wake_on_master_change, self._election)
-            while True:
-                with anyio.move_on_after(self._seconds_until_next_send()):
-                    await self._resend_wake.wait()
-                self._resend_wake = anyio.Event()
-                self.resend_due()
-
-    async def _wake_on_master_change(self, election: Election) -> None:
-        while True:
-            await election.master_changed.wait()
-            self._resend_wake.set()
-
-    def _seconds_until_next_send(self) -> float:
-        if self.master is None or not self._unanswered:
-            return math.inf
-        earliest = min(unanswered.next_send for unanswered in self._unanswered.values())
-        return max(0.0, earliest - self._now())
-
-    def resend_due(self) -> None:
-        """Send every unanswered command whose time has come (all of them when the master
-        changed since the last send); forget cancels whose generation is gone."""
-        master = self.master
-        if master is None:
-            # Held; whoever wins next (the same node too) gets them all at once: a master
-            # that was not active during the round dropped what it was sent then.
-            self._sent_to_master = None
-            return
-        now = self._now()
-        new_master = master != self._sent_to_master
-        self._sent_to_master = master
-        self._forget_answered_cancels()
-        for unanswered in list(self._unanswered.values()):
-            if not new_master and now < unanswered.next_send:
-                continue
-            if new_master:
-                logger.info(f"api: sending {unanswered.command.kind} to the new master {master}")
-            else:
-                logger.debug(f"api: no answer to {unanswered.command.kind} yet; sending again")
-            self._send(unanswered, now, restart_backoff=new_master)
-
-    def _forget_answered_cancels(self) -> None:
-        now = self._now()
-        for command_id, unanswered in list(self._unanswered.items()):
-            if self._answered_without_event(unanswered, now):
-                del self._unanswered[command_id]
-
-    def _answered_without_event(self, unanswered: _Unanswered, now: float) -> bool:
-        """A cancel is done when its generation has no task (and none can come: the
-        generation's own command is answered), or after `CANCEL_RESEND_SECONDS`."""
-        match unanswered.command:
-            case CancelGeneration(target_command_id=target):
-                if now - unanswered.first_sent > CANCEL_RESEND_SECONDS:
-                    return True
-                return target not in self._unanswered and not any(
-                    task.command_id == target for task in self.state.tasks.values()
-                )
-            case command:
-                # Sent without a waiter (again after this node dropped its history, or
-                # `send_and_forget`) and carried out in the history this node holds: the
-                # state has its outcome, maybe before its event reached this loop.
-                if command.command_id in self._result_waiters:
-                    return False
-                outcome = self.state.command_outcomes.get(command.command_id)
-                if outcome is None:
-                    return False
-                if outcome.kind != "CommandRejected":
-                    self._acknowledge(command)
-                return True
-
-    def _track(self, command: Command) -> None:
-        now = self._now()
-        unanswered = _Unanswered(
-            command=command, first_sent=now, next_send=now, interval=self._resend_first_seconds
-        )
-        self._unanswered[command.command_id] = unanswered
-        self._resend_wake.set()  # its resend may be due before the one the loop waits for
-        if self.master is None:
-            return  # held: sent when a master is elected
-        if self.master != self._sent_to_master:
-            self.resend_due()  # a new master the loop has not seen yet: it gets them all
-        else:
-            self._send(unanswered, now, restart_backoff=True)
-
-    def _send(self, unanswered: _Unanswered, now: float, restart_backoff: bool) -> None:
-        if restart_backoff:
-            unanswered.interval = self._resend_first_seconds
-        unanswered.next_send = now + unanswered.interval
-        unanswered.interval = min(unanswered.interval * 2, RESEND_MAX_SECONDS)
-        self._commands.publish(ForwarderCommand(origin=self.node_id, command=unanswered.command))
 
     def _on_event(self, event: Event) -> None:
         command_id: CommandId | None = None
@@ -375,39 +229,7 @@ class ClusterClient:
         if isinstance(event, InstanceDeleted):
             self._fail_streams_of_instance(event)
         if command_id is not None:
-            self._deliver(command_id, event)
-
-    def _deliver(self, command_id: CommandId, event: Event) -> None:
-        unanswered = self._unanswered.pop(command_id, None)
-        if unanswered is not None and not isinstance(event, CommandRejected):
-            self._acknowledge(unanswered.command)
-        if command_id in self._result_waiters:
-            self._result_waiters.pop(command_id).send_nowait(event)
-
-    def _acknowledge(self, command: Command) -> None:
-        if not isinstance(command, RESENT_AFTER_HISTORY_DROPPED):
-            return
-        self._acknowledged[command.command_id] = command
-        while len(self._acknowledged) > ACKNOWLEDGED_KEPT:
-            del self._acknowledged[next(iter(self._acknowledged))]
-
-    def history_dropped(self, lost: Collection[CommandId]) -> None:
-        """This node dropped its history for the cluster's, which lacks the outcomes of
-        the commands `lost`: send those this API was answered for again, until the
-        cluster's history holds their outcome (the master carries out each once)."""
-        again = [
-            command
-            for command_id, command in self._acknowledged.items()
-            if command_id in lost and command_id not in self._unanswered
-        ]
-        if not again:
-            return
-        logger.warning(
-            f"api: this node's history was dropped; sending its {len(again)} acknowledged "
-            "commands the cluster's history lacks again"
-        )
-        for command in again:
-            self._track(command)
+            self.commands.deliver(command_id, event)
 
     async def wait_until_caught_up(self, timeout: float = CATCH_UP_WAIT_SECONDS) -> bool:
         """Wait until this node holds the elected master's history (at once when it
@@ -423,13 +245,13 @@ class ClusterClient:
     def _answer_from_snapshot(self, state: State) -> None:
         """Answer the commands whose answering events a snapshot stands in for (this node
         fell behind further than the master's log reaches): their outcomes are in it."""
-        for command_id, unanswered in list(self._unanswered.items()):
+        for command_id, command in self.commands.unanswered_commands().items():
             outcome = state.command_outcomes.get(command_id)
             if outcome is None:
                 continue
-            event = answer_from_state(unanswered.command, outcome, state, self.node_id)
+            event = answer_from_state(command, outcome, state, self.node_id)
             if isinstance(event, TaskCreated) and event.task.task_id not in state.tasks:
-                self._deliver(command_id, event)  # finished: no chunk stream to route
+                self.commands.deliver(command_id, event)  # finished: no chunk stream to route
             else:
                 self._on_event(event)
 
@@ -518,40 +340,17 @@ class ClusterClient:
     async def submit(
         self, command: Command, timeout: float = COMMAND_RESULT_TIMEOUT_SECONDS
     ) -> Event:
-        """Send `command` to the master and wait for the event that carries it out.
+        """Send `command` to the master and wait for the event that carries it out
+        (`CommandDelivery.submit`, which lists what it raises)."""
+        return await self.commands.submit(command, timeout)
 
-        Raises:
-            CommandRejectedError: the master refused it (with the reason and status code).
-            CommandTimeoutError: no answer within `timeout` seconds.
-            NoCapacityError: the node began shutting down first (`NodeStop.unless_stopping`);
-                the command may still be carried out. Or this node's data directory is
-                full (`storage_problem`): not sent, its events could not be written.
-        """
-        if self.stop.begun:
-            raise self.stop.error()  # not sent: no one would wait for its outcome
-        if (problem := self._storage_problem()) is not None:
-            raise NoCapacityError(problem, code=DATA_DIRECTORY_FULL)
-        send, receive = anyio.create_memory_object_stream[Event](1)
-        self._result_waiters[command.command_id] = send
-        self._track(command)
+    def send_and_forget(self, command: CancelGeneration | DeleteInstance) -> None:
+        """Send `command` without waiting for its outcome (`CommandDelivery.send_and_forget`)."""
+        self.commands.send_and_forget(command)
 
-        async def outcome() -> Event:
-            with anyio.fail_after(timeout):
-                return await receive.receive()
-
-        try:
-            result = await self.stop.unless_stopping(outcome)
-        except TimeoutError:
-            raise CommandTimeoutError(
-                f"the cluster did not answer command {command.kind} within {timeout:.0f}s"
-            ) from None
-        finally:
-            self._result_waiters.pop(command.command_id, None)
-            self._unanswered.pop(command.command_id, None)
-            receive.close()
-        if isinstance(result, CommandRejected):
-            raise CommandRejectedError(result.reason, result.status_code)
-        return result
+    def history_dropped(self, lost: Collection[CommandId]) -> None:
+        """This node dropped its history (`CommandDelivery.history_dropped`)."""
+        self.commands.history_dropped(lost)
 
     def record_download(self, model_id: ModelId, status: DownloadStatus) -> None:
         """Tell this node's worker and the cluster state that the API changed the model's
@@ -575,16 +374,6 @@ class ClusterClient:
             or (peers is not None and node != self.node_id and node not in peers)
             for node in instance.shard_assignments.node_to_runner
         )
-
-    @property
-    def unanswered_command_ids(self) -> list[CommandId]:
-        """Commands sent and not carried out yet (sent again until they are)."""
-        return list(self._unanswered)
-
-    def send_and_forget(self, command: CancelGeneration | DeleteInstance) -> None:
-        """Send `command` without waiting for its outcome; it is still sent again until
-        carried out (see `_answered_without_event`)."""
-        self._track(command)
 
     async def wait_for_node_reports(
         self,

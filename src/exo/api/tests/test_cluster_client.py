@@ -168,7 +168,7 @@ async def test_unanswered_command_is_sent_again_with_backoff_until_answered() ->
             sends_at = {0.5: 0, 1.0: 1, 2.9: 0, 3.0: 1, 6.9: 0, 7.0: 1, 11.0: 1, 14.9: 0}
             for now, expected in sends_at.items():
                 clock.now = now
-                client.resend_due()
+                client.commands.resend_due()
                 assert sent_count() == expected, f"at {now} s"
 
             # A new master gets it at once, and the backoff starts over.
@@ -176,7 +176,7 @@ async def test_unanswered_command_is_sent_again_with_backoff_until_answered() ->
             await anyio.wait_all_tasks_blocked()
             assert sent_count() == 1
             clock.now = 15.9
-            client.resend_due()
+            client.commands.resend_due()
             assert sent_count() == 1
 
             rejection = CommandRejected(
@@ -184,10 +184,10 @@ async def test_unanswered_command_is_sent_again_with_backoff_until_answered() ->
             )
             applied.publish(IndexedEvent(idx=0, event=rejection))
             await anyio.wait_all_tasks_blocked()
-            assert client.unanswered_command_ids == []
+            assert client.commands.unanswered_command_ids == []
             assert [r.status_code for r in rejections] == [404]
             clock.now = 100.0
-            client.resend_due()
+            client.commands.resend_due()
             assert sent_count() == 0
             task_group.cancel_scope.cancel()
 
@@ -224,7 +224,7 @@ async def test_command_sent_before_the_master_acts_is_carried_out_exactly_once(
         assert created == [answer]
         assert answer.command_id == place.command_id
         assert list(cluster.state.instances) == [answer.instance.instance_id]
-        assert cluster.client.unanswered_command_ids == []
+        assert cluster.client.commands.unanswered_command_ids == []
 
 
 async def test_cancel_is_sent_again_until_its_generation_is_gone(tmp_path: Path) -> None:
@@ -249,7 +249,7 @@ async def test_cancel_is_sent_again_until_its_generation_is_gone(tmp_path: Path)
                 assert (await sent.receive()).command == cancel
             assert created.task.task_id in cluster.state.tasks
             cluster.active = True
-            while cluster.client.unanswered_command_ids:
+            while cluster.client.commands.unanswered_command_ids:
                 await cluster.client.state_changed.wait()
 
         assert cluster.state.tasks == {}

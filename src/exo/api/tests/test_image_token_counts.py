@@ -14,7 +14,7 @@ import pytest
 
 from exo.api.serving.cluster_client import ClusterClient
 from exo.api.serving.token_counting import TokenizerCache, count_prompt_tokens
-from exo.api.tests.test_claude_messages_adapter import PYPI_SOURCE, FakeCluster, card
+from exo.api.tests.claude_messages_builders import PYPI_SOURCE, FakeCluster, card
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import (
     IMAGE_MARKER,

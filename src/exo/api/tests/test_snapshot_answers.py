@@ -99,7 +99,7 @@ async def test_answers_inside_a_snapshot_reach_their_waiters() -> None:
     rejected = answers["delete"]
     assert isinstance(rejected, CommandRejectedError)
     assert (rejected.status_code, rejected.reason) == (404, "no instance 'none'")
-    assert client.unanswered_command_ids == []
+    assert client.commands.unanswered_command_ids == []
 
 
 async def test_a_finished_generation_inside_a_snapshot_is_answered() -> None:

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from exo.api.tests import test_chat_completions_adapter as chat
-from exo.api.tests import test_claude_messages_adapter as claude
+from exo.api.tests import chat_completions_builders as chat
+from exo.api.tests import claude_messages_builders as claude
+from exo.api.tests import openai_responses_builders as responses
 from exo.api.tests import test_ollama_adapter as ollama
-from exo.api.tests import test_openai_responses_adapter as responses
 from exo.chat_protocol.harmony import HARMONY_TOKENS
 from exo.chat_protocol.output_parsing import OutputParser
 from exo.chat_protocol.prompt import decode_keeping_markers, detect_tool_call_format

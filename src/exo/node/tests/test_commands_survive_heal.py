@@ -62,7 +62,7 @@ class ApiOfB:
         )
 
     def pump(self) -> None:
-        self.client.resend_due()
+        self.client.commands.resend_due()
         while True:
             try:
                 forwarded = self.sent.receive_nowait()
@@ -76,7 +76,7 @@ class ApiOfB:
             except anyio.WouldBlock:
                 return
             self.client._on_event(indexed_event.event)
-            self.client._forget_answered_cancels()
+            self.client.commands.forget_answered_cancels()
 
 
 def deletions(node: Node, command_id: CommandId) -> int:
@@ -116,7 +116,7 @@ def test_an_acknowledged_command_is_applied_exactly_once_after_the_heal(
     for _ in range(3):
         second()
     assert INSTANCE in b.replica.state.instances and EARLIER not in b.replica.state.instances
-    assert api[0].client.unanswered_command_ids == []
+    assert api[0].client.commands.unanswered_command_ids == []
 
     link.up = False
     if fault == "split":
@@ -137,7 +137,7 @@ def test_an_acknowledged_command_is_applied_exactly_once_after_the_heal(
         second()
     # Acknowledged: B's history carried it out, B's API holds no unanswered command.
     assert INSTANCE not in b.replica.state.instances
-    assert api[0].client.unanswered_command_ids == []
+    assert api[0].client.commands.unanswered_command_ids == []
     assert deletions(b, delete.command_id) == 1
     assert deletions(a, delete.command_id) == 0
 
@@ -152,13 +152,13 @@ def test_an_acknowledged_command_is_applied_exactly_once_after_the_heal(
         b.follow(a, round_number=3)
         if (
             b.replica.state == a.master.state
-            and not api[0].client.unanswered_command_ids
+            and not api[0].client.commands.unanswered_command_ids
             and not b.replica.resyncing
         ):
             break
     assert INSTANCE not in a.master.state.instances
     assert b.replica.state == a.replica.state == a.master.state
-    assert api[0].client.unanswered_command_ids == []
+    assert api[0].client.commands.unanswered_command_ids == []
     # Sent again after the drop (and resent until B saw the outcome), carried out once.
     assert deletions(a, delete.command_id) == 1
     assert deletions(b, delete.command_id) == 1

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 import anyio
 import pytest
 
-from exo.api.serving.cluster_client import DATA_DIRECTORY_FULL
+from exo.api.serving.command_delivery import DATA_DIRECTORY_FULL
 from exo.api.wire.errors import NoCapacityError
 from exo.node.data_directory import DataDirectoryFullError, DiskSpace, not_writable_message
 from exo.node.event_log import EventLog

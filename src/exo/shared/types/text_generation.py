@@ -20,7 +20,9 @@ MAX_LOGIT_BIAS_TOKENS = 300
 
 class ToolCall(FrozenModel):
     """A function call the model made: `arguments` is a JSON object as text (OpenAI's wire
-    form), already coerced to the tool's parameter types where the schema says them."""
+    form), already coerced to the tool's parameter types where the schema says them. A
+    forced call cut short by `max_tokens` (its generation finishes "length") carries the
+    object's text only as far as it was generated (`exo.chat_protocol.cut_tool_call`)."""
 
     id: str = Field(min_length=1)
     name: str = Field(min_length=1)

@@ -47,8 +47,10 @@ def parse_generation(
     boundary error is at most a token or two).
 
     A generation that produced tool calls and stopped by itself (EOS, end of a forced call)
-    finishes with "tool_calls", as OpenAI reports it. With `parallel_tool_calls=False` only
-    the first call is kept (OpenAI promises at most one call then).
+    finishes with "tool_calls", as OpenAI reports it; one that ran out of tokens keeps
+    "length", a forced call it was writing returned cut short (`OutputParser.finish`).
+    With `parallel_tool_calls=False` only the first call is kept (OpenAI promises at most
+    one call then).
 
     Args:
         pieces: the engine's generator for the request (closing this iterator does not
@@ -62,7 +64,7 @@ def parse_generation(
         parsed = parser.feed(piece.text)
         final = piece.finish_reason is not None
         if final:
-            parsed = _merge(parsed, parser.finish())
+            parsed = _merge(parsed, parser.finish(out_of_tokens=piece.finish_reason == "length"))
         if parsed.reasoning_text and not parsed.text:
             reasoning_tokens += len(piece.token_ids)
         calls = list(parsed.tool_calls)

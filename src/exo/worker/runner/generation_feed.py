@@ -1,17 +1,20 @@
 """A generation as the runner tracks it: the output parser fed one engine piece at a time
-(`PieceFeed`), whether its first chunk left, and its prompt's prefill progress until then
-(`Generation`)."""
+(`PieceFeed`, built for a request by `parsed_output`), whether its first chunk left, and its
+prompt's prefill progress until then (`Generation`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from exo.chat_protocol.output_parsing import OutputParser
+from exo.chat_protocol.prompt import RenderedPrompt
 from exo.shared.types.chunks import PrefillProgressChunk
 from exo.shared.types.tasks import (
     TextGeneration,
 )
-from exo.worker.engines.parsed_generation import OutputPiece
+from exo.shared.types.text_generation import TextGenerationTaskParams
+from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece
 
 # A request's prefill progress is reported when the engine admits it, then at most this
@@ -34,6 +37,27 @@ class PieceFeed:
         if piece is None:
             raise StopIteration
         return piece
+
+
+def parsed_output(
+    params: TextGenerationTaskParams, prompt: RenderedPrompt
+) -> tuple[PieceFeed, Iterator[OutputPiece]]:
+    """The feed a request's engine pieces go into, and the parsed pieces that come out
+    (thinking, tool calls, the finish) for the prompt as rendered.
+
+    A constrained request's output (a forced tool call, a response format) is the JSON
+    document alone: no thinking section. A raw prompt's output is returned as generated.
+    """
+    constrained = params.forces_tool_call or params.response_format != "text"
+    parser = OutputParser(
+        tools=params.offered_tools,
+        tool_call_format=prompt.tool_call_format,
+        thinking_open=prompt.thinking_open and not constrained,
+        forced_tool_call=params.forces_tool_call,
+        parse_reasoning=not constrained and not params.is_raw,
+    )
+    feed = PieceFeed()
+    return feed, parse_generation(feed, parser, params)
 
 
 def replay_forced_pieces(

@@ -9,7 +9,8 @@ so a new request joins and a cancel or shutdown takes effect at the next step. E
 and rerank tasks are answered a piece at a time between two steps of the running streams
 (`embedding_turns.py`); a cancel stops them between pieces. A request that fails alone
 (the request was at fault) fails only itself (`failures.py` words what its client is
-told). A crash here never takes the node down: the supervisor sees the pipe close."""
+told). A crash here never takes the node down: the supervisor sees the pipe close. The
+steps before serving (joining the group, loading, warming up) are `engine_lifecycle.py`'s."""
 
 from __future__ import annotations
 
@@ -22,24 +23,20 @@ from typing import TYPE_CHECKING
 
 from loguru import logger
 
-from exo.chat_protocol.output_parsing import OutputParser
 from exo.shared.types.chunks import (
     TokenChunk,
 )
 from exo.shared.types.common import InstanceId, RunnerId, TaskId
 from exo.shared.types.runners import (
-    RunnerConnected,
     RunnerConnecting,
     RunnerFailed,
     RunnerIdle,
     RunnerLoaded,
-    RunnerLoading,
     RunnerReady,
     RunnerRunning,
     RunnerShutdown,
     RunnerStatus,
     RunnerWarmingUp,
-    SpeculationStats,
 )
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.tasks import (
@@ -56,13 +53,12 @@ from exo.shared.types.tasks import (
     TaskStatus,
     TextGeneration,
 )
-from exo.utils.heap import HeapTrimmer, freeze_long_lived_objects
-from exo.worker.engines.parsed_generation import OutputPiece, parse_generation
-from exo.worker.runner.card_check import check_card
-from exo.worker.runner.draft_serving import remote_draft_of
+from exo.utils.heap import HeapTrimmer
+from exo.worker.engines.parsed_generation import OutputPiece
 from exo.worker.runner.embedding_turns import EmbeddingTurns
-from exo.worker.runner.failures import generation_failure, load_failure, peer_failure
-from exo.worker.runner.generation_feed import Generation, PieceFeed, replay_forced_pieces
+from exo.worker.runner.engine_lifecycle import join_group, load_engine, speculation_stats, warm_up
+from exo.worker.runner.failures import generation_failure, peer_failure
+from exo.worker.runner.generation_feed import Generation, parsed_output, replay_forced_pieces
 from exo.worker.runner.messages import (
     ChunkReport,
     KVCacheReport,
@@ -81,9 +77,6 @@ if TYPE_CHECKING:
     from exo.worker.engines.torch.engine_factory import Engine
 
 
-# Bounds every collective: a rank that vanished without closing its sockets (a machine
-# that lost power) fails the others after this long instead of hanging them.
-GROUP_TIMEOUT_SECONDS = 60.0
 # The runner's KV-cache use reaches the node's /metrics at most this often while it changes
 # (a scrape every 15 s or so needs no more; each report is one small pipe message).
 KV_REPORT_INTERVAL_S = 1.0
@@ -247,31 +240,8 @@ class Runner:
     # -- lifecycle -------------------------------------------------------------------
 
     def _connect(self, task: ConnectToGroup) -> None:
-        from exo.worker.engines.torch.comm.group_auth import GroupCredentials
-        from exo.worker.engines.torch.comm.process_group import init_group
-
         self._set_status(RunnerConnecting())
-        key = self._options.rank_group_key
-        try:
-            init_group(
-                task.backend,
-                self.shard.device_rank,
-                self.shard.world_size,
-                task.master_addr,
-                task.master_port,
-                timeout_s=GROUP_TIMEOUT_SECONDS,
-                link_addresses=task.link_addresses,
-                credentials=(
-                    None if key is None else GroupCredentials(bytes.fromhex(key), task.instance_id)
-                ),
-            )
-        except Exception as error:
-            logger.opt(exception=error).error(f"runner {self.runner_id}: joining the group failed")
-            self._set_status(
-                RunnerFailed(error_message=f"joining the process group failed: {error}")
-            )
-            return
-        self._set_status(RunnerConnected())
+        self._set_status(join_group(task, self.shard, self._options, self.runner_id))
 
     def _follow(self) -> None:
         """Serve rank 0's forward passes until it shuts the group down (or the group
@@ -291,40 +261,13 @@ class Runner:
         raise _ShutdownRequested()
 
     def _load(self, model_dir: Path, instance_id: InstanceId) -> None:
-        from exo.shared.models.kv_cache_memory import DEFAULT_KV_CACHE_TOKENS
-        from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
-        from exo.worker.engines.torch.engine import DEFAULT_MAX_CONCURRENT_REQUESTS
-        from exo.worker.engines.torch.engine_factory import load_serving_engine
-
-        total_layers = self.shard.model_card.n_layers
-        self._set_status(RunnerLoading(layers_loaded=0, total_layers=total_layers))
-
-        def on_layer_loaded(loaded: int, total: int) -> None:
-            self._set_status(RunnerLoading(layers_loaded=loaded, total_layers=total))
-
-        remote_draft = remote_draft_of(self._options, instance_id)
-        try:
-            self._engine = load_serving_engine(
-                model_dir, self.shard, on_layer_loaded=on_layer_loaded,
-                max_concurrent_requests=(
-                    self._options.max_concurrent_requests or DEFAULT_MAX_CONCURRENT_REQUESTS
-                ),
-                prefill_activations=self._options.prefill_activations,
-                decode_activations=self._options.decode_activations,
-                kv_cache_tokens=self._options.kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS,
-                kv_cache_dtype=self._options.kv_cache_dtype,
-                speculation=SpeculationSettings(
-                    self._options.speculative, self._options.draft_min, self._options.draft_max
-                ),
-                # A draft on a spare node answers over the links; else rank 0 loads it.
-                draft_model=None if remote_draft is not None else self._options.draft_model,
-                remote_draft=remote_draft,
-            )  # fmt: skip
-        except Exception as error:
-            logger.opt(exception=error).error(f"runner {self.runner_id}: loading failed")
-            self._set_status(load_failure("loading", error))
+        loaded = load_engine(
+            model_dir, self.shard, self._options, instance_id, self.runner_id, self._set_status
+        )
+        if isinstance(loaded, RunnerFailed):
+            self._set_status(loaded)
             return
-        self._card_mismatches = check_card(self.shard.model_card, model_dir, self._engine.tokenizer)
+        self._engine, self._card_mismatches = loaded
         self._set_status(RunnerLoaded())
 
     def _warm_up(self) -> None:
@@ -332,25 +275,10 @@ class Runner:
             self._set_status(RunnerFailed(error_message="warm-up requested before loading"))
             return
         self._set_status(RunnerWarmingUp())
-        started = time.perf_counter()
-        try:
-            self._engine.warmup()
-        except Exception as error:
-            logger.opt(exception=error).error(f"runner {self.runner_id}: warm-up failed")
-            self._set_status(load_failure("warm-up", error))
-            return
-        logger.info(f"runner {self.runner_id}: warmed up in {time.perf_counter() - started:.1f}s")
-        freeze_long_lived_objects()  # the model: no full collection walks it mid-decode
-        draft_source = getattr(self._engine, "draft_source", None)  # an encoder has none
-        self._ready = RunnerReady(
-            weight_bytes=self._engine.weight_bytes(),
-            max_concurrent_requests=self._engine.max_concurrent_requests,
-            kv_cache_tokens=self._engine.kv_cache_tokens,
-            card_mismatches=self._card_mismatches,
-            draft_model=None if draft_source is None else draft_source.name,
-            draft_left_out=getattr(self._engine, "draft_left_out", None),
-        )
-        self._set_status(self._ready)
+        warmed = warm_up(self._engine, self.runner_id, self._card_mismatches)
+        if isinstance(warmed, RunnerReady):
+            self._ready = warmed
+        self._set_status(warmed)
 
     # -- generation ------------------------------------------------------------------
 
@@ -366,18 +294,7 @@ class Runner:
             self._fail_generation(task, error)
             self._update_status()
             return
-        # A constrained request's output is the JSON document alone: no thinking section.
-        # A raw prompt's output is returned as generated.
-        constrained = task.params.forces_tool_call or task.params.response_format != "text"
-        parser = OutputParser(
-            tools=task.params.offered_tools,
-            tool_call_format=prompt.tool_call_format,
-            thinking_open=prompt.thinking_open and not constrained,
-            forced_tool_call=task.params.forces_tool_call,
-            parse_reasoning=not constrained and not task.params.is_raw,
-        )
-        feed = PieceFeed()
-        parsed = parse_generation(feed, parser, task.params)
+        feed, parsed = parsed_output(task.params, prompt)
         try:
             replay_forced_pieces(feed, parsed, handle.forced_pieces)
         except Exception as error:
@@ -512,7 +429,7 @@ class Runner:
 
     def _update_status(self) -> None:
         """RunnerRunning while any generation runs, else ready (reported on change), with
-        the speculative-decoding counts (`_speculation`; while running at most every
+        the speculative-decoding counts (`speculation_stats`; while running at most every
         `SPECULATION_REPORT_INTERVAL_S`)."""
         if isinstance(self._status, RunnerFailed):
             return
@@ -524,7 +441,7 @@ class Runner:
         ):
             return  # unchanged (a step's common case: no status built and compared)
         self._speculation_reported_at = now
-        speculation = self._speculation()
+        speculation = speculation_stats(self._engine)
         if speculation != self._ready.speculation:
             self._ready = self._ready.model_copy(update={"speculation": speculation})
         status: RunnerStatus = (
@@ -541,25 +458,6 @@ class Runner:
         )
         if status != self._status:
             self._set_status(status)
-
-    def _speculation(self) -> SpeculationStats | None:
-        """The engine's speculative-decoding counts (None where it does not speculate)."""
-        counters = getattr(self._engine, "speculation_counters", None)
-        measured = counters() if counters is not None else None
-        if measured is None:
-            return None
-        counts, auto_enabled = measured
-        return SpeculationStats(
-            decode_rounds=counts.decode_rounds,
-            decode_tokens=counts.decode_tokens,
-            verify_rounds=counts.verify_rounds,
-            drafted_tokens=counts.drafted_tokens,
-            accepted_tokens=counts.accepted_tokens,
-            acceptance_rate=counts.acceptance_rate,
-            tokens_per_step=counts.tokens_per_step,
-            auto_enabled=auto_enabled,
-            draft_connected=getattr(self._engine, "draft_connected", None),
-        )
 
     def _cancel(self, task_id: str) -> None:
         """End a queued or running task with a final "cancelled" chunk."""

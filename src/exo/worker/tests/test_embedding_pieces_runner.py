@@ -31,8 +31,7 @@ from exo.shared.types.tasks import (
 )
 from exo.testing.builders import make_shard, make_text_generation_task
 from exo.worker.engines.torch.batching.chunk_sizer import FixedChunkSizer
-from exo.worker.runner import embedding_batch
-from exo.worker.runner import runner as runner_module
+from exo.worker.runner import embedding_batch, engine_lifecycle
 from exo.worker.runner.embedding_batch import (
     MAX_TOKENS_PER_REQUEST,
     EmbeddingJob,
@@ -150,7 +149,7 @@ class RunningRunner:
     gathered by `until`."""
 
     def __init__(self, engine: ServingEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(runner_module, "freeze_long_lived_objects", lambda: None)
+        monkeypatch.setattr(engine_lifecycle, "freeze_long_lived_objects", lambda: None)
         inbound_reader, self.inbound = Pipe(duplex=False)
         self.outbound, outbound_writer = Pipe(duplex=False)
         self.runner = Runner(RunnerId("r"), make_shard(), inbound_reader, outbound_writer)

@@ -14,7 +14,7 @@ from exo.shared.types.common import InstanceId, RunnerId
 from exo.shared.types.runners import RunnerReady, RunnerRunning
 from exo.testing.builders import make_shard
 from exo.worker.engines.torch import engine_factory
-from exo.worker.runner import runner as runner_module
+from exo.worker.runner import engine_lifecycle
 from exo.worker.runner.runner import Runner
 
 REASON = "draft model d cannot draft for m: their vocabularies differ (m serves without it)"
@@ -46,7 +46,7 @@ def test_the_ready_and_running_statuses_say_why_the_draft_was_left_out(
         return LoadedWithoutDraft()
 
     monkeypatch.setattr(engine_factory, "load_serving_engine", load_serving_engine)
-    monkeypatch.setattr(runner_module, "check_card", lambda *_args: ())
+    monkeypatch.setattr(engine_lifecycle, "check_card", lambda *_args: ())
     inbound_reader, _inbound_writer = Pipe(duplex=False)
     _outbound_reader, outbound_writer = Pipe(duplex=False)
     runner = Runner(RunnerId("runner-1"), make_shard(), inbound_reader, outbound_writer)

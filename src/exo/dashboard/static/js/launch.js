@@ -1,6 +1,7 @@
 // Launch view: pick a model, sharding and node count; the node's placement previews show
 // the layers and memory each node would take (or why the placement is impossible); launch;
-// and the running instances with each runner's state, deletable.
+// the running instances with each runner's state, deletable; and the models that could not
+// load, with the reason, until the cluster forgets the failure.
 
 import { apiJson } from "./api.js";
 import { describeRunner, instanceStatus } from "./runners.js";
@@ -22,6 +23,27 @@ function predictedSpeed(preview) {
   }
   const prompt = preview.prediction_prompt_tokens;
   return el("p", { class: "muted prediction", text: `Predicted ${rate.toFixed(1)} tok/s decode · TTFT ${ttft.toFixed(2)} s for a ${prompt}-token prompt` });
+}
+
+// How long after a model failed to load for good a request that loads it on demand is
+// refused at once with that failure (`LoadOnRequest.load_failure_seconds`, 300 s), before
+// one places it again.
+const LOAD_FAILURE_REFUSED_SECONDS = 300;
+
+/** A model whose instance the master deleted because its runners could not load or warm it
+ * up for a reason of the model's own (`State.load_failures`): what failed, when, and what
+ * makes the cluster forget it (`LoadFailure` and `State.load_failures` say the same). */
+function loadFailureCard(modelId, failure) {
+  const failedAt = new Date(failure.failed_at * 1000);
+  const refusedUntil = new Date((failure.failed_at + LOAD_FAILURE_REFUSED_SECONDS) * 1000);
+  return el(
+    "article",
+    { class: "card load-failure", "data-model-id": modelId },
+    el("h3", {}, modelId, el("span", { class: "badge badge-bad", text: "cannot load" })),
+    el("p", { class: "error-text load-failure-reason", text: failure.reason }),
+    el("p", { class: "muted load-failure-time", text: `Failed ${failedAt.toLocaleString()}. Requests that load it on demand get this error until ${refusedUntil.toLocaleTimeString()}; then one places it again.` }),
+    el("p", { class: "muted load-failure-forgotten", text: "Forgotten when the model is added again, a node completes a download of it, or an instance of it becomes ready." }),
+  );
 }
 
 /** Which nodes have measured their speed: the previews change when one reports it. */
@@ -48,6 +70,8 @@ export function mountLaunch(section) {
   const verdict = el("p", { id: "launch-verdict", role: "status" });
   const previewBox = el("div", { id: "previews", class: "cards" });
   const instancesBox = el("div", { id: "instances", class: "cards" });
+  const loadFailuresBox = el("div", { id: "load-failures", class: "cards" });
+  const loadFailures = el("section", { hidden: true }, el("h2", { text: "Models that could not load" }), loadFailuresBox);
 
   root.append(
     el(
@@ -63,6 +87,7 @@ export function mountLaunch(section) {
     previewBox,
     el("h2", { text: "Instances" }),
     instancesBox,
+    loadFailures,
   );
 
   function chosen() {
@@ -247,6 +272,9 @@ export function mountLaunch(section) {
     loadPreviews(); // only when the node set or the nodes that measured their speed changed
     const instances = Object.values(state.instances);
     replace(instancesBox, instances.length ? instances.map((i) => instanceCard(state, i)) : el("p", { class: "muted", text: "No instance: launch a model above." }));
+    const failures = Object.entries(state.load_failures ?? {}).reverse(); // newest first
+    loadFailures.hidden = failures.length === 0;
+    replace(loadFailuresBox, failures.map(([modelId, failure]) => loadFailureCard(modelId, failure)));
   });
 
   renderNodeCounts();
