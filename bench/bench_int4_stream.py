@@ -63,7 +63,7 @@ def main() -> None:
         for rows in args.rows:
             x = torch.randn(rows, inputs, generator=generator)
             for activations in args.decode_activations:
-                set_decode_activations(activations)  # type: ignore[arg-type]
+                set_decode_activations(activations)
                 times = []
                 for _ in range(args.repeats):
                     started = time.thread_time()
