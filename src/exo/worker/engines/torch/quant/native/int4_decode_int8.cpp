@@ -273,7 +273,7 @@ void tile_avx512_int8(const int8_t* xq, int64_t k, const uint8_t* q, const float
 
 // Output rows [n0, n1) for ROWS activation rows on the 256-bit tiles (WIDE false: tiles of 4
 // output rows, 2 for 3-4 activation rows) or the 512-bit ones (WIDE: 4 for up to 4
-// activation rows, else 1: with 2 the compiler spilled accumulators at 8 rows, 5-15 % slower,
+// activation rows, 1 where the weight rows are long: `for_decode_tiles`; else 1: with 2 the compiler spilled accumulators at 8 rows, 5-15 % slower,
 // and two output rows shared nothing but the loop), then one at a time, keeping the
 // accumulators in registers. Each tile's scales are unpacked first; the 256-bit tiles
 // combine them with the activations' into `combined`, the 512-bit ones multiply them in the
@@ -287,7 +287,7 @@ void rows_int8(const int8_t* xq, const float* x_scales, int64_t k, const uint8_t
   constexpr int kTile = ROWS <= (WIDE ? 4 : 2) ? 4 : (WIDE ? 1 : 2);
   const int64_t blocks = k / kBlock;
   const int64_t blocks_per_group = group_size / kBlock;
-  for_output_tiles<kTile>(n0, n1, [&](auto nr, int64_t n) {
+  auto tile = [&](auto nr, int64_t n) {
     constexpr int NR = decltype(nr)::value;
     float offset_acc[NR][ROWS];
     scale_zero.unpack<ROWS, NR>(n, groups, offset_sums, scales, offset_acc);
@@ -307,7 +307,11 @@ void rows_int8(const int8_t* xq, const float* x_scales, int64_t k, const uint8_t
 #endif
     combine_scales<ROWS, NR>(x_scales, scales, groups, blocks, blocks_per_group, combined);
     tile_avx2_int8<ROWS, NR>(xq, k, q, combined, offset_acc, y, n_total, n);
-  });
+  };
+  if constexpr (WIDE)
+    for_decode_tiles<ROWS, kTile>(k, n0, n1, tile);
+  else
+    for_output_tiles<kTile>(n0, n1, tile);
 }
 
 }  // namespace

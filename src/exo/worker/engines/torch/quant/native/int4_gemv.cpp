@@ -346,14 +346,15 @@ void tile_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint
 }
 
 // Output rows [n0, n1) for ROWS activation rows (1-8): tiles of 4 output rows (2 for more
-// than 4 activation rows: 16 accumulators of the 32 registers), then one at a time.
+// than 4 activation rows: 16 accumulators of the 32 registers), then one at a time; one at a
+// time throughout for up to 4 activation rows of long weight rows (`for_decode_tiles`).
 template <int ROWS>
 void rows_avx512(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
                  const Int4Scales& scale_zero, int64_t groups, int64_t group_size,
                  const float* offset_sums, float* y, int64_t n_total, int64_t n0, int64_t n1,
                  float* scales, float* block_scales) {
   constexpr int kTile = ROWS <= 4 ? 4 : 2;
-  for_output_tiles<kTile>(n0, n1, [&](auto nr, int64_t n) {
+  for_decode_tiles<ROWS, kTile>(k, n0, n1, [&](auto nr, int64_t n) {
     tile_avx512<ROWS, decltype(nr)::value>(xq, x_scales, k, q, scale_zero, groups, group_size,
                                            offset_sums, y, n_total, n, scales, block_scales);
   });
