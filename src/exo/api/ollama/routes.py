@@ -19,7 +19,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from exo.api.ollama.model_listings import (
+    bytes_on_disk,
     process_model,
+    resident_bytes,
     show_response,
     tag_model,
 )
@@ -143,7 +145,7 @@ async def tags(cluster: Cluster) -> OllamaTagsResponse:
     cards = [card_of(cluster, model_id) for model_id in servable_model_ids(cluster)]
     return OllamaTagsResponse(
         models=[
-            tag_model(card, _modified_at(cluster, card), on_gpus)
+            tag_model(card, _modified_at(cluster, card), on_gpus, _size_on_disk(cluster, card))
             for card in cards
             if card is not None
         ]
@@ -176,10 +178,12 @@ async def ps(cluster: Cluster) -> OllamaProcessResponse:
             continue
         seen.add(card.model_id)
         on_gpus = _has_gpus(cluster, list(instance.shard_assignments.node_to_runner))
+        runners = instance.shard_assignments.runner_to_shard
+        statuses = [cluster.state.runners.get(runner_id) for runner_id in runners]
         models.append(
             process_model(
                 card,
-                card.storage_size_bytes if on_gpus else 0,
+                resident_bytes(card, statuses, on_gpus),
                 on_gpus,
                 _expires_at(cluster, instance.instance_id),
             )
@@ -309,6 +313,14 @@ def _modified_at(cluster: ClusterClient, card: ModelCard) -> str:
     for directory in _model_directories(cluster, card):
         return rfc3339_nano(directory.stat().st_mtime_ns)
     return UNIX_EPOCH
+
+
+def _size_on_disk(cluster: ClusterClient, card: ModelCard) -> int | None:
+    """Bytes of the model's files on this node (its most specific directory), or None when
+    this node holds no copy."""
+    for directory in _model_directories(cluster, card):
+        return bytes_on_disk(directory)
+    return None
 
 
 def _chat_template(cluster: ClusterClient, card: ModelCard) -> str:

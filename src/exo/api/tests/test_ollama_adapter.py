@@ -725,8 +725,8 @@ def test_show_capabilities_follow_the_card() -> None:
 
 
 def test_process_entry() -> None:
-    entry = process_model(smollm2_card(), size_vram=0, on_gpus=False).model_dump(mode="json")
-    assert entry["size_vram"] == 0 and entry["name"] == SMOLLM2
+    entry = process_model(smollm2_card(), size=1000, on_gpus=False).model_dump(mode="json")
+    assert (entry["size"], entry["size_vram"], entry["name"]) == (1000, 0, SMOLLM2)
     assert entry["context_length"] == smollm2_card().context_length
     assert entry["expires_at"].startswith("9999-")
 
