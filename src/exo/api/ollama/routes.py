@@ -20,6 +20,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from exo.api.ollama.model_listings import (
     bytes_on_disk,
+    model_capabilities,
     process_model,
     resident_bytes,
     show_response,
@@ -202,6 +203,7 @@ async def _answer(
     started_ns = time.monotonic_ns()
     await catch_up_for(cluster, body.model)  # a model this node has not heard of yet
     card = _card_for_request(cluster, body.model)
+    _check_thinking(cluster, card, body)
     keep_alive = parse_keep_alive(body.keep_alive)
     match body:
         case OllamaChatRequest():
@@ -265,6 +267,24 @@ async def _load_or_unload(
     if body.stream:
         return Response(text + "\n", media_type=NDJSON_MEDIA_TYPE)
     return Response(text, media_type="application/json")
+
+
+def _check_thinking(
+    cluster: ClusterClient, card: ModelCard, body: OllamaChatRequest | OllamaGenerateRequest
+) -> None:
+    """Ollama refuses `think` (true or a level) for a model without the "thinking"
+    capability, the one `/api/show` lists, with a 400 naming the model as sent; `false` is
+    accepted. A raw generate request is left to its own check (`think` needs the template).
+
+    Raises:
+        InvalidRequestError: thinking asked of a model that cannot think.
+    """
+    if body.think is None or body.think is False:
+        return
+    if isinstance(body, OllamaGenerateRequest) and body.raw:
+        return
+    if "thinking" not in model_capabilities(card, _chat_template(cluster, card)):
+        raise InvalidRequestError(f'"{body.model}" does not support thinking', "think")
 
 
 def _expires_at(cluster: ClusterClient, instance_id: InstanceId) -> str:

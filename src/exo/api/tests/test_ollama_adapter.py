@@ -842,13 +842,21 @@ def test_client_chat_tool_call_and_thinking(
         """
         return "sunny"
 
-    answer = client.chat(
-        model=SMOLLM2,
-        messages=[{"role": "user", "content": "weather in Paris?"}],
-        tools=[get_weather],
-        think=True,
-        stream=False,
+    # `think` asks for a thinking model (else Ollama's 400: test_ollama_thinking_support.py).
+    plain = cluster.cards[SMOLLM2]
+    cluster.cards[SMOLLM2] = plain.model_copy(
+        update={"capabilities": (*plain.capabilities, "thinking")}
     )
+    try:
+        answer = client.chat(
+            model=SMOLLM2,
+            messages=[{"role": "user", "content": "weather in Paris?"}],
+            tools=[get_weather],
+            think=True,
+            stream=False,
+        )
+    finally:
+        cluster.cards[SMOLLM2] = plain
     assert answer.message.thinking == "need weather"
     assert answer.message.tool_calls is not None
     call = answer.message.tool_calls[0].function
