@@ -47,7 +47,7 @@ from exo.api.wire.errors import (
 from exo.api.wire.openapi import with_bad_request_responses
 
 # One line per route module: each has a `router`; a dialect whose errors are not shaped like
-# OpenAI's also has an `ERROR_DIALECT`.
+# OpenAI's (or that words some of them its own way) also has an `ERROR_DIALECT`.
 ROUTE_MODULES: tuple[ModuleType, ...] = (
     chat,
     completions,
