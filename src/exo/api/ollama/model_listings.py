@@ -180,8 +180,9 @@ def show_response(
 ) -> OllamaShowResponse:
     """The `/api/show` body for a model: a generated Modelfile, the card's sampling
     defaults as `parameters`, `template` (the chat template, "" when unknown on this node)
-    and GGUF-style `model_info` keys built from the card (and exo's `exo.draft_model`, the
-    card's draft model for speculative decoding, where it names one)."""
+    and GGUF-style `model_info` keys built from the card (a MoE model's `expert_count`,
+    `expert_used_count` and `expert_feed_forward_length` too, and exo's `exo.draft_model`,
+    the card's draft model for speculative decoding, where it names one)."""
     family = model_family(card)
     defaults = card.sampling_defaults
     parameter_values = {
@@ -211,6 +212,10 @@ def show_response(
         f"{family}.attention.key_length": card.attention_head_dim,
         f"{family}.vocab_size": card.vocab_size,
     }
+    if card.moe is not None:  # as Ollama's GGUF keys name a MoE model's routing
+        model_info[f"{family}.expert_count"] = card.moe.experts
+        model_info[f"{family}.expert_used_count"] = card.moe.experts_per_token
+        model_info[f"{family}.expert_feed_forward_length"] = card.moe.expert_intermediate_size
     if card.draft_model is not None:
         model_info["exo.draft_model"] = card.draft_model
     return OllamaShowResponse(

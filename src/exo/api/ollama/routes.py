@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any, assert_never
 
 from fastapi import APIRouter, Request
@@ -57,6 +56,7 @@ from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.serving.generation import serve_generation
 from exo.api.serving.image_input import convert_with_images
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
+from exo.api.serving.model_files import files_modified_ns, model_directories
 from exo.api.serving.model_lookup import Cluster, card_of, resolve_model_id, servable_model_ids
 from exo.api.wire.errors import (
     ErrorDialect,
@@ -65,12 +65,9 @@ from exo.api.wire.errors import (
     NoCapacityError,
     context_overflow,
 )
-from exo.download.pypi_gguf import model_directory_name
-from exo.shared.constants import models_dir
 from exo.shared.types.commands import KeepAlive, SetKeepAlive
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
-from exo.shared.types.models import LocalDirectorySource, ModelCard
-from exo.shared.types.nodes import DownloadCompleted
+from exo.shared.types.models import ModelCard
 
 PREFIX = "/ollama"
 UNIX_EPOCH = "1970-01-01T00:00:00Z"
@@ -315,30 +312,17 @@ def _card_for_request(cluster: ClusterClient, name: str) -> ModelCard:
     return card
 
 
-def _model_directories(cluster: ClusterClient, card: ModelCard) -> list[Path]:
-    """Where this node may hold the model's files, most specific first."""
-    directories: list[Path] = []
-    download = cluster.state.downloads.get(cluster.node_id, {}).get(card.model_id)
-    if isinstance(download, DownloadCompleted):
-        directories.append(Path(download.path))
-    if isinstance(card.source, LocalDirectorySource):
-        directories.append(Path(card.source.path))
-    directories.append(models_dir() / model_directory_name(card.model_id))
-    return [directory for directory in directories if directory.is_dir()]
-
-
 def _modified_at(cluster: ClusterClient, card: ModelCard) -> str:
     """When the model's files on this node last changed; the Unix epoch when this node has
     no copy."""
-    for directory in _model_directories(cluster, card):
-        return rfc3339_nano(directory.stat().st_mtime_ns)
-    return UNIX_EPOCH
+    modified_ns = files_modified_ns(cluster, card)
+    return UNIX_EPOCH if modified_ns is None else rfc3339_nano(modified_ns)
 
 
 def _size_on_disk(cluster: ClusterClient, card: ModelCard) -> int | None:
     """Bytes of the model's files on this node (its most specific directory), or None when
     this node holds no copy."""
-    for directory in _model_directories(cluster, card):
+    for directory in model_directories(cluster, card):
         return bytes_on_disk(directory)
     return None
 
@@ -347,7 +331,7 @@ def _chat_template(cluster: ClusterClient, card: ModelCard) -> str:
     """The model's chat template (Jinja) from its files on this node, or "" when this node
     has no readable copy. transformers stores it in `chat_template.jinja` or in
     `tokenizer_config.json` (a string, or a list of named templates)."""
-    for directory in _model_directories(cluster, card):
+    for directory in model_directories(cluster, card):
         jinja = directory / "chat_template.jinja"
         if jinja.is_file():
             return jinja.read_text(encoding="utf-8", errors="replace")
