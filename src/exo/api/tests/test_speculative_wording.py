@@ -18,7 +18,7 @@ from exo.testing.scripted_cluster import ScriptedCluster
 
 USER = [{"role": "user", "content": "hi"}]
 ACCEPTED = 'true, false or "auto"'
-OPENAI_ROUTES = {
+OPENAI_ROUTES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"messages": USER},
     "/v1/completions": {"prompt": "hi"},
     "/v1/responses": {"input": "hi"},
