@@ -4,7 +4,7 @@
 download's failure is reported), requests affected, how many failed cleanly and how many
 ended uncleanly (must be 0), and writes JSON.
 
-Usage: PYTHONPATH=src:. python bench/chaos.py [--only NAME ...] [--json PATH]
+Usage: python bench/chaos.py [--only NAME ...] [--json PATH]
        [--models-dir DIR]
 The link-cut and full-disk scenarios need root (network namespaces, a tmpfs). Times depend
 on the machine's load: on a loaded machine they are upper bounds.
@@ -19,6 +19,10 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+
+# The scenarios live in the repository's tests package: put the repository root on sys.path so
+# the script runs as docs/testing.md writes it, from the root with only the package installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.chaos.harness import Row, format_table
 from tests.chaos.test_chaos import LONG, ROOT_LONG, ROOT_SHORT, SHORT

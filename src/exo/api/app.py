@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from exo.api.claude_messages import routes as claude_messages_routes
@@ -47,7 +48,7 @@ from exo.api.wire.errors import (
 from exo.api.wire.openapi import with_bad_request_responses
 
 # One line per route module: each has a `router`; a dialect whose errors are not shaped like
-# OpenAI's also has an `ERROR_DIALECT`.
+# OpenAI's (or that words some of them its own way) also has an `ERROR_DIALECT`.
 ROUTE_MODULES: tuple[ModuleType, ...] = (
     chat,
     completions,
@@ -114,6 +115,27 @@ class JsonBodyMiddleware:
             headers = [(name, value) for name, value in scope["headers"] if name != b"content-type"]
             scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
         await self.app(scope, receive, send)
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
+    """The methods some route of `app` takes at the request's path (a 405's `Allow`).
+    Starlette's own header names the first route matching the path only, though several
+    may share it (`/auth/session` takes POST and DELETE); HEAD wherever GET is, as
+    `HeadAsGetMiddleware` serves it."""
+    allowed = [
+        method
+        for method in _METHODS
+        if any(
+            route.matches({**scope, "method": method})[0] == Match.FULL
+            for route in app.router.routes
+        )
+    ]
+    if "GET" in allowed and "HEAD" not in allowed:
+        allowed.insert(allowed.index("GET") + 1, "HEAD")
+    return allowed
 
 
 def create_app(
@@ -224,11 +246,15 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return error_response_for_path(
+        response = error_response_for_path(
             request.url.path,
             error.status_code,
             error_type_for_status(error.status_code),
             str(error.detail),
         )
+        response.headers.update(error.headers or {})
+        if error.status_code == 405:  # RFC 9110: a 405 lists the methods the path takes
+            response.headers["Allow"] = ", ".join(allowed_methods(app, request.scope))
+        return response
 
     return app

@@ -7,7 +7,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from exo.chat_protocol.harmony import CHANNEL, HARMONY_TOKENS
+from exo.chat_protocol.harmony import CALL, CHANNEL, HARMONY_TOKENS, RETURN
 from exo.chat_protocol.output_parsing import THINK_CLOSE, THINK_OPEN
 from exo.chat_protocol.tool_call_markup import (
     DEEPSEEK_CALLS_BEGIN,
@@ -164,6 +164,25 @@ def decode_keeping_markers(tokenizer: Any) -> Callable[[Sequence[int]], str]:
         return text
 
     return decode
+
+
+def format_stop_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The tokens that end an assistant turn in the model's own format, whatever its
+    generation config names as EOS: harmony's `<|return|>` (answer done) and `<|call|>` (a
+    tool call; the turn ends), both stop tokens of the format (OpenAI, "OpenAI Harmony
+    Response Format"). A gpt-oss checkout whose generation config names only `<|return|>`
+    would otherwise write on past a call. Other formats: none (their EOS is the config's).
+
+    Args:
+        tokenizer: A Hugging Face tokenizer.
+
+    Returns:
+        The token ids (empty when the format has none or the vocabulary lacks them).
+    """
+    if detect_tool_call_format(tokenizer) != "harmony":
+        return frozenset()
+    ids = (_token_id(tokenizer, marker) for marker in (RETURN, CALL))
+    return frozenset(token_id for token_id in ids if token_id is not None)
 
 
 def template_source(tokenizer: Any, with_tools: bool) -> str:

@@ -9,8 +9,15 @@ written after either is dropped, such as a tool result the model goes on to imag
 generation does not stop there). Channels:
 `analysis` is reasoning, `final` the answer, `commentary` without a recipient a preamble
 shown as answer text. A message to `functions.NAME` is a call of tool NAME whose body is
-its JSON arguments. `<|return|>` and `<|call|>` are end-of-sequence tokens, so they usually
-end generation before the parser sees them: a call still open at the end is complete.
+its JSON arguments. `<|return|>` and `<|call|>` are end-of-sequence tokens (the engine
+stops on them whatever the generation config names: `format_stop_token_ids`), so they
+usually end generation before the parser sees them: a call still open at the end is
+complete; seen anywhere else (a message never opened), they end the turn too.
+
+No harmony marker ever reaches the answer or reasoning text: a marker out of place (a
+`<|message|>` with no header, a `<|channel|>` inside a body, a header never completed)
+is dropped, and a call that fails to parse comes back as its header and body text with the
+markers taken out.
 
 Engine-agnostic: the markers are special tokens, kept by
 `exo.chat_protocol.prompt.decode_keeping_markers` for this format. Output without any
@@ -36,7 +43,9 @@ CALL = "<|call|>"
 HARMONY_TOKENS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
 
 _BODY_ENDS = (END, RETURN, CALL, START)
-_MESSAGE_STARTS = (START, CHANNEL)
+_TURN_ENDS = (RETURN, CALL)
+# What ends the stretch between messages: a new message, or the end of the turn.
+_BETWEEN_ENDS = (START, CHANNEL, *_TURN_ENDS)
 _HEADER_OPENINGS = (CHANNEL, CONSTRAIN, " to=", "to=")
 # A header is a role, a channel, a recipient and a content type: a few dozen characters.
 # Text this long without `<|message|>` is not a header.
@@ -97,10 +106,12 @@ class HarmonyParser:
             case _State.DONE:
                 pass
             case _State.OPENING | _State.BETWEEN:
+                buffer = without_markers(buffer)
                 if buffer.strip():
                     output.text += buffer
             case _State.HEADER:
-                output.text += self._header + buffer  # no `<|message|>`: not a message
+                # No `<|message|>`: not a message.
+                output.text += without_markers(self._header + buffer)
             case _State.BODY:
                 self._end_body(buffer, output)
         return output
@@ -138,11 +149,17 @@ class HarmonyParser:
         return True
 
     def _step_header(self, output: ParsedOutput) -> bool:
-        index = self._buffer.find(MESSAGE)
+        index, marker = find_first(self._buffer, (MESSAGE, *_TURN_ENDS))
+        if marker in _TURN_ENDS:  # the turn ended inside a header: not a message
+            output.text += without_markers(self._header + self._buffer[:index])
+            self._buffer = ""
+            self._state = _State.DONE
+            return True
         if index == -1:
             if len(self._buffer) > _HEADER_LIMIT:
-                output.text += self._header + self._buffer
-                self._buffer = ""
+                release = len(self._buffer) - partial_marker_length(self._buffer, HARMONY_TOKENS)
+                output.text += without_markers(self._header + self._buffer[:release])
+                self._buffer = self._buffer[release:]
                 self._state = _State.BETWEEN
             return False
         header = self._buffer[:index]
@@ -175,18 +192,22 @@ class HarmonyParser:
             return True
         if self._body is _Body.CALL or finished:
             return False  # a call is held whole; at the end `finish` takes the rest
-        keep = partial_marker_length(self._buffer, _BODY_ENDS)
+        keep = partial_marker_length(self._buffer, HARMONY_TOKENS)
         release = len(self._buffer) - keep
         self._release(self._buffer[:release], output)
         self._buffer = self._buffer[release:]
         return False
 
     def _step_between(self, output: ParsedOutput, finished: bool) -> bool:
-        index, marker = find_first(self._buffer, _MESSAGE_STARTS)
+        index, marker = find_first(self._buffer, _BETWEEN_ENDS)
         if index != -1:
-            stray = self._buffer[:index]
+            stray = without_markers(self._buffer[:index])
             if stray.strip():
                 output.text += stray
+            if marker in _TURN_ENDS:
+                self._buffer = ""
+                self._state = _State.DONE
+                return True
             if marker == START:
                 self._header = START
                 self._buffer = self._buffer[index + len(START) :]
@@ -198,7 +219,8 @@ class HarmonyParser:
         if finished:
             return False
         # Whitespace alone is held: it is no answer if another message follows.
-        keep = partial_marker_length(self._buffer, _MESSAGE_STARTS)
+        self._buffer = without_markers(self._buffer)
+        keep = partial_marker_length(self._buffer, HARMONY_TOKENS)
         release = len(self._buffer) - keep
         if self._buffer[:release].strip():
             output.text += self._buffer[:release]
@@ -208,6 +230,7 @@ class HarmonyParser:
     # -- helpers ---------------------------------------------------------------------------
 
     def _release(self, text: str, output: ParsedOutput) -> None:
+        text = without_markers(text)
         if self._body is _Body.REASONING:
             output.reasoning_text += text
         else:
@@ -219,9 +242,16 @@ class HarmonyParser:
             return
         call = self._tool_calls.parse_named_call(self._call_name, text)
         if call is None:
-            output.text += self._header + text
+            output.text += without_markers(self._header + text)
         else:
             output.tool_calls.append(call)
+
+
+def without_markers(text: str) -> str:
+    """`text` without any harmony marker: they are the format's structure, never its text."""
+    for marker in HARMONY_TOKENS:
+        text = text.replace(marker, "")
+    return text
 
 
 def harmony_conversation(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:

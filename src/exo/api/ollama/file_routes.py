@@ -7,8 +7,11 @@ SHA-256 checked and converted; Hugging Face repositories downloaded, each file's
 streamed as it arrives) into this node's
 models directory, reports the files to the cluster state and streams Ollama's progress
 objects. `delete` removes the files from this node's models directory, unless an instance
-of the model is placed (409). Errors are Ollama's `{"error": "..."}` (the `/ollama/api`
-error dialect of `exo.api.ollama.routes`).
+of the model is placed (409); a model added from a local directory (`POST /models/add` of
+a path) is forgotten instead, as `DELETE /models/custom/{path}` does, its directory left
+as it is: `ollama rm` removes a model from the list, never the files it was created from.
+Errors are Ollama's `{"error": "..."}` (the `/ollama/api` error dialect of
+`exo.api.ollama.routes`).
 
 A pull and a delete of one model through this API never interleave (`model_files_lock`):
 the model's file lock (`exo.download.model_lock`) orders their work on the files, but a
@@ -35,8 +38,8 @@ from exo.api.ollama.model_listings import model_digest
 from exo.api.ollama.request import NDJSON_MEDIA_TYPE
 from exo.api.ollama.routes import PREFIX
 from exo.api.ollama.wire_types import OllamaDeleteRequest, OllamaProgressResponse, OllamaPullRequest
-from exo.api.routes.custom_models import add_custom_model
-from exo.api.serving.cluster_client import ClusterClient
+from exo.api.routes.custom_models import add_custom_model, api_error
+from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.serving.model_lookup import Cluster, card_of, resolve_model_id
 from exo.api.wire.errors import ApiError, ModelNotFoundError, NoCapacityError
 from exo.download.custom_cards import REPO_ID
@@ -45,7 +48,8 @@ from exo.download.model_lock import ModelBusyError
 from exo.download.pypi_gguf import ModelPreparationError, prepare_model
 from exo.master.placement_memory import cluster_too_small_message
 from exo.shared.constants import models_dir
-from exo.shared.types.common import ModelId
+from exo.shared.types.commands import DeleteCustomModel
+from exo.shared.types.common import CommandId, ModelId
 from exo.shared.types.downloads import DownloadProgress
 from exo.shared.types.models import LocalDirectorySource, ModelCard
 from exo.shared.types.nodes import DownloadCompleted, DownloadPending
@@ -118,7 +122,9 @@ async def pull(
 async def delete(body: OllamaDeleteRequest, request: Request, cluster: Cluster) -> Response:
     """Remove the model's files from this node's models directory (200, empty body);
     404 when this node has none there, 409 while an instance of the model is placed or
-    its files are still being pulled (after waiting `DELETE_WAIT_SECONDS` for that)."""
+    its files are still being pulled (after waiting `DELETE_WAIT_SECONDS` for that). A
+    model added from a local directory is forgotten by the cluster (the directory is the
+    user's and stays): it leaves `/api/tags`, as after Ollama's delete."""
     card = _card(cluster, body.model)
     in_use = cluster.state.instances_of_model(card.model_id)
     if in_use:
@@ -128,7 +134,13 @@ async def delete(body: OllamaDeleteRequest, request: Request, cluster: Cluster) 
             param="model",
         )
     if isinstance(card.source, LocalDirectorySource):
-        raise ModelNotFoundError(f"model '{body.model}' not found")
+        command = DeleteCustomModel(command_id=CommandId.new(), model_id=card.model_id)
+        try:
+            await cluster.submit(command)
+        except CommandRejectedError as error:
+            raise api_error(error.reason, error.status_code) from None
+        logger.info(f"forgot {card.model_id} (added from a local directory; its files stay)")
+        return Response(status_code=200)
     being_pulled = ModelInUseError(
         f"model '{body.model}' is being pulled or downloaded on this node; delete it "
         "when that has finished (or cancel it: POST /download/cancel)",

@@ -5,11 +5,19 @@ Details come from the card: `format` from the files the weights come from ("gguf
 GGUF source, as Ollama says of its GGUF models, though exo reads them converted; else
 "safetensors"), family from the architecture, `parameter_size` from its stated parameter
 count, and `quantization_level` from what the weights are (`quantization_level`).
+
+Sizes are what Ollama means by them: `/api/tags` `size` the bytes of the model's files on
+this node's disk (`bytes_on_disk`; the card's storage size where this node has no copy),
+`/api/ps` `size` the bytes its loaded weights take (`resident_bytes`), `size_vram` the
+part of those on GPUs (0 on CPU).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+from collections.abc import Iterable
+from pathlib import Path
 
 from exo.api.ollama.request import NEVER_EXPIRES
 from exo.api.ollama.wire_types import (
@@ -18,9 +26,11 @@ from exo.api.ollama.wire_types import (
     OllamaShowResponse,
     OllamaTagModel,
 )
-from exo.shared.models.memory import GGUF_FLOAT_TYPES, mxfp4_experts
+from exo.shared.models.memory import GGUF_FLOAT_TYPES, mxfp4_experts, resident_weight_bytes
 from exo.shared.models.parameter_count import decoder_parameter_count, human_parameter_count
+from exo.shared.models.weight_formats import ENGINE_CPU_WEIGHT_FORMAT
 from exo.shared.types.models import ModelCard
+from exo.shared.types.runners import RunnerReady, RunnerRunning, RunnerStatus
 
 CPU_QUANTIZATION = "INT4"
 """The engine's default weights on CPU (`worker/engines/torch/engine.py`)."""
@@ -77,13 +87,47 @@ def model_details(card: ModelCard, on_gpus: bool) -> OllamaModelDetails:
     )
 
 
-def tag_model(card: ModelCard, modified_at: str, on_gpus: bool) -> OllamaTagModel:
-    """One `/api/tags` entry; `size` is the card's storage size in bytes."""
+def bytes_on_disk(directory: Path) -> int:
+    """Bytes of the files under `directory` (symbolic links followed, as a checkout may
+    link into a cache), hidden entries (`.git`, `.cache`, exo's markers) left out."""
+    total = 0
+    for root, directories, files in os.walk(directory, followlinks=True):
+        directories[:] = [name for name in directories if not name.startswith(".")]
+        for name in files:
+            if name.startswith("."):
+                continue
+            try:
+                total += (Path(root) / name).stat().st_size
+            except OSError:  # a dangling link, a file removed meanwhile
+                continue
+    return total
+
+
+def resident_bytes(card: ModelCard, statuses: Iterable[RunnerStatus | None], on_gpus: bool) -> int:
+    """Bytes the loaded weights of an instance of `card` take: the sum its runners
+    reported once loaded (`RunnerReady.weight_bytes`, kept while running; None: a runner
+    with no status yet), or, while one has not reported, what the engine holds of the
+    whole model (`resident_weight_bytes` in its format: int4 on CPU, float32 on GPUs).
+    Activations and the KV cache are not counted."""
+    reported = [
+        status.weight_bytes if isinstance(status, RunnerReady | RunnerRunning) else 0
+        for status in statuses
+    ]
+    if reported and all(reported):
+        return sum(reported)
+    return resident_weight_bytes(card, "float32" if on_gpus else ENGINE_CPU_WEIGHT_FORMAT)
+
+
+def tag_model(
+    card: ModelCard, modified_at: str, on_gpus: bool, size: int | None = None
+) -> OllamaTagModel:
+    """One `/api/tags` entry; `size`: the bytes of its files on disk (None: the card's
+    storage size, for a model this node holds no copy of)."""
     return OllamaTagModel(
         name=card.model_id,
         model=card.model_id,
         modified_at=modified_at,
-        size=card.storage_size_bytes,
+        size=card.storage_size_bytes if size is None else size,
         digest=model_digest(card.model_id),
         details=model_details(card, on_gpus),
         capabilities=model_capabilities(card, ""),
@@ -92,20 +136,22 @@ def tag_model(card: ModelCard, modified_at: str, on_gpus: bool) -> OllamaTagMode
 
 def process_model(
     card: ModelCard,
-    size_vram: int,
+    size: int,
     on_gpus: bool,
     expires_at: str = NEVER_EXPIRES,
 ) -> OllamaProcessModel:
-    """One `/api/ps` entry for a placed model; `expires_at` (RFC 3339) is when it is
-    unloaded if unused until then (far in the future: kept until deleted)."""
+    """One `/api/ps` entry for a placed model: `size` the bytes its loaded weights take
+    (`resident_bytes`), all of them in `size_vram` on GPUs, none on CPU; `expires_at`
+    (RFC 3339) is when it is unloaded if unused until then (far in the future: kept until
+    deleted)."""
     return OllamaProcessModel(
         name=card.model_id,
         model=card.model_id,
-        size=card.storage_size_bytes,
+        size=size,
         digest=model_digest(card.model_id),
         details=model_details(card, on_gpus),
         expires_at=expires_at,
-        size_vram=size_vram,
+        size_vram=size if on_gpus else 0,
         context_length=card.context_length,
     )
 
@@ -134,8 +180,9 @@ def show_response(
 ) -> OllamaShowResponse:
     """The `/api/show` body for a model: a generated Modelfile, the card's sampling
     defaults as `parameters`, `template` (the chat template, "" when unknown on this node)
-    and GGUF-style `model_info` keys built from the card (and exo's `exo.draft_model`, the
-    card's draft model for speculative decoding, where it names one)."""
+    and GGUF-style `model_info` keys built from the card (a MoE model's `expert_count`,
+    `expert_used_count` and `expert_feed_forward_length` too, and exo's `exo.draft_model`,
+    the card's draft model for speculative decoding, where it names one)."""
     family = model_family(card)
     defaults = card.sampling_defaults
     parameter_values = {
@@ -165,6 +212,10 @@ def show_response(
         f"{family}.attention.key_length": card.attention_head_dim,
         f"{family}.vocab_size": card.vocab_size,
     }
+    if card.moe is not None:  # as Ollama's GGUF keys name a MoE model's routing
+        model_info[f"{family}.expert_count"] = card.moe.experts
+        model_info[f"{family}.expert_used_count"] = card.moe.experts_per_token
+        model_info[f"{family}.expert_feed_forward_length"] = card.moe.expert_intermediate_size
     if card.draft_model is not None:
         model_info["exo.draft_model"] = card.draft_model
     return OllamaShowResponse(

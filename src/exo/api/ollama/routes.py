@@ -12,14 +12,16 @@ from __future__ import annotations
 import json
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any, assert_never
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from exo.api.ollama.model_listings import (
+    bytes_on_disk,
+    model_capabilities,
     process_model,
+    resident_bytes,
     show_response,
     tag_model,
 )
@@ -54,6 +56,7 @@ from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.serving.generation import serve_generation
 from exo.api.serving.image_input import convert_with_images
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
+from exo.api.serving.model_files import files_modified_ns, model_directories
 from exo.api.serving.model_lookup import Cluster, card_of, resolve_model_id, servable_model_ids
 from exo.api.wire.errors import (
     ErrorDialect,
@@ -62,12 +65,9 @@ from exo.api.wire.errors import (
     NoCapacityError,
     context_overflow,
 )
-from exo.download.pypi_gguf import model_directory_name
-from exo.shared.constants import models_dir
 from exo.shared.types.commands import KeepAlive, SetKeepAlive
 from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId
-from exo.shared.types.models import LocalDirectorySource, ModelCard
-from exo.shared.types.nodes import DownloadCompleted
+from exo.shared.types.models import ModelCard
 
 PREFIX = "/ollama"
 UNIX_EPOCH = "1970-01-01T00:00:00Z"
@@ -143,7 +143,7 @@ async def tags(cluster: Cluster) -> OllamaTagsResponse:
     cards = [card_of(cluster, model_id) for model_id in servable_model_ids(cluster)]
     return OllamaTagsResponse(
         models=[
-            tag_model(card, _modified_at(cluster, card), on_gpus)
+            tag_model(card, _modified_at(cluster, card), on_gpus, _size_on_disk(cluster, card))
             for card in cards
             if card is not None
         ]
@@ -176,10 +176,12 @@ async def ps(cluster: Cluster) -> OllamaProcessResponse:
             continue
         seen.add(card.model_id)
         on_gpus = _has_gpus(cluster, list(instance.shard_assignments.node_to_runner))
+        runners = instance.shard_assignments.runner_to_shard
+        statuses = [cluster.state.runners.get(runner_id) for runner_id in runners]
         models.append(
             process_model(
                 card,
-                card.storage_size_bytes if on_gpus else 0,
+                resident_bytes(card, statuses, on_gpus),
                 on_gpus,
                 _expires_at(cluster, instance.instance_id),
             )
@@ -198,6 +200,7 @@ async def _answer(
     started_ns = time.monotonic_ns()
     await catch_up_for(cluster, body.model)  # a model this node has not heard of yet
     card = _card_for_request(cluster, body.model)
+    _check_thinking(cluster, card, body)
     keep_alive = parse_keep_alive(body.keep_alive)
     match body:
         case OllamaChatRequest():
@@ -263,6 +266,24 @@ async def _load_or_unload(
     return Response(text, media_type="application/json")
 
 
+def _check_thinking(
+    cluster: ClusterClient, card: ModelCard, body: OllamaChatRequest | OllamaGenerateRequest
+) -> None:
+    """Ollama refuses `think` (true or a level) for a model without the "thinking"
+    capability, the one `/api/show` lists, with a 400 naming the model as sent; `false` is
+    accepted. A raw generate request is left to its own check (`think` needs the template).
+
+    Raises:
+        InvalidRequestError: thinking asked of a model that cannot think.
+    """
+    if body.think is None or body.think is False:
+        return
+    if isinstance(body, OllamaGenerateRequest) and body.raw:
+        return
+    if "thinking" not in model_capabilities(card, _chat_template(cluster, card)):
+        raise InvalidRequestError(f'"{body.model}" does not support thinking', "think")
+
+
 def _expires_at(cluster: ClusterClient, instance_id: InstanceId) -> str:
     """When the instance is unloaded if nobody uses it (its last use plus its
     keep-alive), in Ollama's RFC 3339 form; far in the future when it has no keep-alive."""
@@ -291,31 +312,26 @@ def _card_for_request(cluster: ClusterClient, name: str) -> ModelCard:
     return card
 
 
-def _model_directories(cluster: ClusterClient, card: ModelCard) -> list[Path]:
-    """Where this node may hold the model's files, most specific first."""
-    directories: list[Path] = []
-    download = cluster.state.downloads.get(cluster.node_id, {}).get(card.model_id)
-    if isinstance(download, DownloadCompleted):
-        directories.append(Path(download.path))
-    if isinstance(card.source, LocalDirectorySource):
-        directories.append(Path(card.source.path))
-    directories.append(models_dir() / model_directory_name(card.model_id))
-    return [directory for directory in directories if directory.is_dir()]
-
-
 def _modified_at(cluster: ClusterClient, card: ModelCard) -> str:
     """When the model's files on this node last changed; the Unix epoch when this node has
     no copy."""
-    for directory in _model_directories(cluster, card):
-        return rfc3339_nano(directory.stat().st_mtime_ns)
-    return UNIX_EPOCH
+    modified_ns = files_modified_ns(cluster, card)
+    return UNIX_EPOCH if modified_ns is None else rfc3339_nano(modified_ns)
+
+
+def _size_on_disk(cluster: ClusterClient, card: ModelCard) -> int | None:
+    """Bytes of the model's files on this node (its most specific directory), or None when
+    this node holds no copy."""
+    for directory in model_directories(cluster, card):
+        return bytes_on_disk(directory)
+    return None
 
 
 def _chat_template(cluster: ClusterClient, card: ModelCard) -> str:
     """The model's chat template (Jinja) from its files on this node, or "" when this node
     has no readable copy. transformers stores it in `chat_template.jinja` or in
     `tokenizer_config.json` (a string, or a list of named templates)."""
-    for directory in _model_directories(cluster, card):
+    for directory in model_directories(cluster, card):
         jinja = directory / "chat_template.jinja"
         if jinja.is_file():
             return jinja.read_text(encoding="utf-8", errors="replace")

@@ -16,9 +16,11 @@ from typing import Any
 
 from exo.api.ollama.wire_types import MAX_TOP_LOGPROBS
 from exo.api.wire.errors import (
+    SPECULATIVE_VALUES,
     describe_validation_errors,
     first_scalar_type_error,
     param_from_location,
+    speculative_error,
 )
 
 # The Go struct each route decodes into (the name Go's error gives).
@@ -105,6 +107,10 @@ def describe_ollama_validation_errors(
     Returns:
         (message, the field at fault in dotted form, None).
     """
+    speculative = speculative_error(errors)
+    if speculative is not None:
+        # exo's option, worded as `Options.FromMap` words an option of the wrong type.
+        return f'option "speculative" must be {SPECULATIVE_VALUES}', speculative[0], None
     out_of_range = _out_of_range(path, errors)
     if out_of_range is not None:
         return out_of_range, param_from_location(tuple(errors[0].get("loc", ()))), None

@@ -24,6 +24,7 @@ from exo.api.openai_chat.wire_types import (
 from exo.api.serving.cluster_client import ClusterClient
 from exo.api.serving.early_stream import WaitingFrames
 from exo.api.serving.generation import convert_request
+from exo.api.serving.model_files import files_modified_ns
 from exo.api.serving.model_lookup import (
     Cluster,
     card_of,
@@ -45,10 +46,15 @@ class GenerationNotFoundError(ApiError):
 
 
 def _model_object(cluster: ClusterClient, model_id: str) -> ModelObject:
-    # exo does not know when a model was published; 0 is the Unix epoch.
+    """The model as `/v1/models` and `/v1/models/{id}` both describe it. `created` (Unix
+    seconds) is when its files on this node were written (downloaded, converted or added:
+    the time Ollama's `modified_at` gives too); 0, the Unix epoch, where this node holds no
+    copy (exo does not know when a model was published)."""
     card = card_of(cluster, ModelId(model_id))
     capabilities = list(card.capabilities) if card is not None else None
-    return ModelObject(id=model_id, created=0, owned_by="exo", capabilities=capabilities)
+    modified_ns = files_modified_ns(cluster, card) if card is not None else None
+    created = 0 if modified_ns is None else modified_ns // 1_000_000_000
+    return ModelObject(id=model_id, created=created, owned_by="exo", capabilities=capabilities)
 
 
 @router.get("/v1/models")

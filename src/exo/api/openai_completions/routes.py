@@ -15,9 +15,24 @@ from exo.api.openai_completions.wire_types import Completion, CompletionRequest
 from exo.api.serving.early_stream import WaitingFrames
 from exo.api.serving.generation import convert_request
 from exo.api.serving.model_lookup import Cluster
+from exo.api.wire.errors import (
+    ErrorDialect,
+    completions_context_overflow_message,
+    describe_openai_validation_errors,
+    openai_renderer,
+)
 from exo.api.wire.openai_sse import openai_error_events
 
 router = APIRouter()
+
+# OpenAI's error shape, a prompt over the context worded as legacy Completions words it
+# (also under Ollama's OpenAI-compatible prefix, where `ollama.routes` mounts this route).
+ERROR_DIALECT = ErrorDialect(
+    "openai-completions",
+    ("/v1/completions", "/ollama/v1/completions"),
+    openai_renderer(completions_context_overflow_message),
+    describe_openai_validation_errors,
+)
 
 
 @router.post("/v1/completions", response_model=None)

@@ -1,5 +1,6 @@
 """OpenAI Responses: `POST /v1/responses` and `POST /v1/responses/input_tokens`. Errors use
-OpenAI's error shape (the default), so this module defines no `ERROR_DIALECT`.
+OpenAI's error shape, an input over the context worded as the Responses API words it
+(`ERROR_DIALECT`).
 
 Hosted tools (`web_search`, `file_search`, `code_interpreter`, `image_generation`, `mcp`,
 ...) are not offered to the model, since the node runs none: the answer lists their types in
@@ -31,10 +32,23 @@ from exo.api.serving.image_input import convert_with_images
 from exo.api.serving.model_lookup import Cluster, with_resolved_model
 from exo.api.serving.token_counting import count_prompt_tokens
 from exo.api.serving.token_limit import response_headers
+from exo.api.wire.errors import (
+    ErrorDialect,
+    describe_openai_validation_errors,
+    openai_renderer,
+    responses_context_overflow_message,
+)
 
 TOOLS_NOT_OFFERED_HEADER = "X-Exo-Tools-Not-Offered"
 
 router = APIRouter()
+
+ERROR_DIALECT = ErrorDialect(
+    "openai-responses",
+    ("/v1/responses", "/ollama/v1/responses"),
+    openai_renderer(responses_context_overflow_message),
+    describe_openai_validation_errors,
+)
 
 
 class InputTokensResponse(BaseModel):

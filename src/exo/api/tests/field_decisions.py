@@ -37,6 +37,7 @@ OLLAMA_EMBEDDINGS = "/ollama/api/embeddings"
 RERANK = "/v1/rerank"
 EMBEDDING_ENDPOINTS = (EMBEDDINGS, OLLAMA_EMBED, OLLAMA_EMBEDDINGS, RERANK)
 RERANKER = "Qwen/Qwen3-Reranker-0.6B"
+THINKING_MODEL = "Qwen/Qwen3-0.6B"  # a card with the "thinking" capability
 """The reranker the test app has placed beside SmolLM2."""
 
 USER_HI = {"role": "user", "content": "hi"}

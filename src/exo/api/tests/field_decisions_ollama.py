@@ -13,6 +13,7 @@ from exo.api.tests.field_decisions import (
     OLLAMA_SHOW,
     OLLAMA_TOOL,
     SCHEMA,
+    THINKING_MODEL,
     USER_HI,
     WEATHER,
     Decision,
@@ -366,8 +367,18 @@ def ollama_effects() -> list[Decision]:
             Effect(
                 fields(f"{model}.think"),
                 endpoint,
-                {"think": "low"},
+                {"think": "low", "model": THINKING_MODEL},
                 lambda p: (p.enable_thinking, p.reasoning_effort) == (True, "low"),
+            ),
+            Effect(
+                fields(f"{model}.think"),
+                endpoint,
+                {"think": False},
+                lambda p: p.enable_thinking is False,
+            ),
+            # As Ollama answers it: a model without the "thinking" capability cannot think.
+            Refused(
+                fields(f"{model}.think"), endpoint, {"think": True}, "does not support thinking"
             ),
             Effect(fields(f"{model}.logprobs"), endpoint, {"logprobs": True}, lambda p: p.logprobs),
             Effect(

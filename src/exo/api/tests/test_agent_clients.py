@@ -213,30 +213,54 @@ def test_context_overflow_is_worded_as_each_reference_api_words_it(
     client = openai.OpenAI(
         base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0
     )
-    for create, param in (
+    chat = (
+        "This model's maximum context length is 8192 tokens. However, your messages "
+        "resulted in 9000 tokens."
+    )
+    for create, param, sentence in (
         (
             lambda: client.chat.completions.create(
                 model=SMOLLM2, messages=[{"role": "user", "content": "hi"}]
             ),
             "messages",
+            chat,
         ),
         (
             lambda: client.chat.completions.create(
                 model=SMOLLM2, messages=[{"role": "user", "content": "hi"}], stream=True
             ),
             "messages",
+            chat,
         ),
-        (lambda: client.responses.create(model=SMOLLM2, input="hi"), "input"),
-        (lambda: client.completions.create(model=SMOLLM2, prompt="hi"), "prompt"),
+        (
+            lambda: client.responses.create(model=SMOLLM2, input="hi"),
+            "input",
+            "Your input exceeds the context window of this model. Please adjust your input "
+            "and try again. (The input is 9000 tokens; the model's context is 8192.)",
+        ),
+        (
+            lambda: client.completions.create(model=SMOLLM2, prompt="hi"),
+            "prompt",
+            "This model's maximum context length is 8192 tokens, however you requested 9000 "
+            "tokens (9000 in your prompt; 0 for the completion). Please reduce your prompt; "
+            "or completion length.",
+        ),
     ):
         with pytest.raises(openai.BadRequestError) as openai_error:
             create()
         assert openai_error.value.code == "context_length_exceeded"
         assert openai_error.value.param == param
-        assert openai_error.value.body["message"].startswith(  # type: ignore[index]
-            "This model's maximum context length is 8192 tokens. However, your messages "
-            "resulted in 9000 tokens."
-        )
+        assert openai_error.value.body["message"].startswith(sentence)  # type: ignore[index]
+    # The same routes under Ollama's OpenAI-compatible prefix word it the same way.
+    for route, body, sentence in (
+        ("/ollama/v1/completions", {"prompt": "hi"}, "This model's maximum context length is "
+         "8192 tokens, however you requested 9000 tokens"),
+        ("/ollama/v1/responses", {"input": "hi"}, "Your input exceeds the context window"),
+    ):  # fmt: skip
+        answer = http.post(route, json={"model": SMOLLM2, **body})
+        assert answer.status_code == 400
+        assert answer.json()["error"]["message"].startswith(sentence), route
+        assert answer.json()["error"]["code"] == "context_length_exceeded"
 
     ollama = http.post(
         "/ollama/api/chat",

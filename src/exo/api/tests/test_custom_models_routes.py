@@ -158,6 +158,32 @@ async def test_a_local_directory_is_added_under_its_path(
     assert cluster.state.custom_cards == {}
 
 
+async def test_ollamas_delete_forgets_a_local_directory_and_leaves_its_files(
+    cluster: InProcessCluster, checkouts: dict[str, Path]
+) -> None:
+    """`ollama rm` of a model added from a directory: gone from the list (as Ollama's delete
+    leaves it), its directory untouched (the session-41 trial got a 404 "not found")."""
+    directory = checkouts[REPO]
+    files = sorted(path.name for path in directory.iterdir())
+    async with http_client(cluster) as client:
+        added = await client.post("/models/add", json={"model_id": str(directory)})
+        assert added.status_code == 200, added.text
+        tags = (await client.get("/ollama/api/tags")).json()["models"]
+        assert str(directory) in [tag["model"] for tag in tags]
+        deleted = await client.request(
+            "DELETE", "/ollama/api/delete", json={"model": str(directory)}
+        )
+        assert deleted.status_code == 200, deleted.text
+        await _until_applied(cluster)
+        assert cluster.state.custom_cards == {}
+        tags = (await client.get("/ollama/api/tags")).json()["models"]
+        assert str(directory) not in [tag["model"] for tag in tags]
+        again = await client.request("DELETE", "/ollama/api/delete", json={"model": str(directory)})
+        assert again.status_code == 404
+        assert again.json() == {"error": f"model '{directory}' not found"}
+    assert sorted(path.name for path in directory.iterdir()) == files
+
+
 async def test_refusals_in_openai_error_shape(cluster: InProcessCluster) -> None:
     async with http_client(cluster) as client:
         add = "/models/add"

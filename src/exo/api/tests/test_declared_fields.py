@@ -50,6 +50,7 @@ from exo.api.tests.field_decisions import (
     OLLAMA_SHOW,
     README,
     RERANKER,
+    THINKING_MODEL,
     Answer,
     Decision,
     Effect,
@@ -156,6 +157,7 @@ def empty_models_directory(prepared_models: Path, monkeypatch: pytest.MonkeyPatc
 def app(prepared_models: Path) -> Iterator[tuple[TestClient, ScriptedCluster]]:
     cluster = ScriptedCluster()
     cluster.add_model(load_builtin_cards()[ModelId(RERANKER)])
+    cluster.add_model(load_builtin_cards()[ModelId(THINKING_MODEL)])
     # Offline: a pull that does not find the prepared model fails at once, never downloads.
     cluster.load_on_request = LoadOnRequest(offline=True)
     with pytest.MonkeyPatch.context() as patch:

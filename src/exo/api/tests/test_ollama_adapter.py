@@ -725,8 +725,8 @@ def test_show_capabilities_follow_the_card() -> None:
 
 
 def test_process_entry() -> None:
-    entry = process_model(smollm2_card(), size_vram=0, on_gpus=False).model_dump(mode="json")
-    assert entry["size_vram"] == 0 and entry["name"] == SMOLLM2
+    entry = process_model(smollm2_card(), size=1000, on_gpus=False).model_dump(mode="json")
+    assert (entry["size"], entry["size_vram"], entry["name"]) == (1000, 0, SMOLLM2)
     assert entry["context_length"] == smollm2_card().context_length
     assert entry["expires_at"].startswith("9999-")
 
@@ -842,13 +842,21 @@ def test_client_chat_tool_call_and_thinking(
         """
         return "sunny"
 
-    answer = client.chat(
-        model=SMOLLM2,
-        messages=[{"role": "user", "content": "weather in Paris?"}],
-        tools=[get_weather],
-        think=True,
-        stream=False,
+    # `think` asks for a thinking model (else Ollama's 400: test_ollama_thinking_support.py).
+    plain = cluster.cards[SMOLLM2]
+    cluster.cards[SMOLLM2] = plain.model_copy(
+        update={"capabilities": (*plain.capabilities, "thinking")}
     )
+    try:
+        answer = client.chat(
+            model=SMOLLM2,
+            messages=[{"role": "user", "content": "weather in Paris?"}],
+            tools=[get_weather],
+            think=True,
+            stream=False,
+        )
+    finally:
+        cluster.cards[SMOLLM2] = plain
     assert answer.message.thinking == "need weather"
     assert answer.message.tool_calls is not None
     call = answer.message.tool_calls[0].function

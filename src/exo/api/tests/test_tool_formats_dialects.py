@@ -280,3 +280,17 @@ async def test_every_dialect_shows_gpt_oss_channels_without_calls() -> None:
     chunks = chunks_for("harmony", HARMONY_ANSWER)
     for dialect, seen in DIALECTS.items():
         assert await seen(chunks) == ("Simple.", "Four.", [], False), dialect
+
+
+@pytest.mark.anyio
+async def test_no_dialect_shows_gpt_oss_markers_out_of_place() -> None:
+    """Markers a model writes out of place (a `logit_bias` forcing them, or a wandering
+    model) are the format's structure, never content or reasoning, streamed or not."""
+    output = (
+        "<|message|><|end|>Hi<|constrain|><|message|>"
+        "<|channel|>analysis<|message|>Hm<|channel|>m<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Fo<|constrain|>ur.<|start|><|start|>"
+    )
+    chunks = chunks_for("harmony", output)
+    for dialect, seen in DIALECTS.items():
+        assert await seen(chunks) == ("Hmm", "HiFour.", [], False), dialect

@@ -290,6 +290,30 @@ def _first_missing_field(errors: Sequence[Mapping[str, Any]]) -> str | None:
     return param_from_location(tuple(errors[0].get("loc", ())))  # None for the whole body
 
 
+SPECULATIVE_VALUES = 'true, false or "auto"'
+"""What exo's `speculative` extension takes (`exo.api.wire.request_model.Speculative`)."""
+
+
+def speculative_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str | None, Any] | None:
+    """(param, the value sent) when the first error is a bad `speculative`, else None.
+
+    `speculative` is a union of a strict boolean and "auto": pydantic answers with one
+    error per branch ("should be a valid boolean", "should be 'auto'"), neither of which
+    names what the field takes, so every dialect words it whole (`SPECULATIVE_VALUES`)."""
+    if not errors:
+        return None
+    location = tuple(errors[0].get("loc", ()))
+    fields = [part for part in location if isinstance(part, int) or not _is_branch(part)]
+    if not fields or fields[-1] != "speculative":
+        return None
+    return param_from_location(location), errors[0].get("input")
+
+
+def _is_branch(part: str) -> bool:
+    """A union member's name in a pydantic location (`bool`, `literal['auto']`)."""
+    return part in _UNION_BRANCH_NAMES or part.endswith("]")
+
+
 def describe_openai_validation_errors(
     path: str, errors: Sequence[Mapping[str, Any]]
 ) -> tuple[str, str | None, str | None]:
@@ -308,6 +332,15 @@ def describe_openai_validation_errors(
     Returns:
         (message, param, code).
     """
+    speculative = speculative_error(errors)
+    if speculative is not None:
+        param, value = speculative
+        return (
+            f"Invalid type for '{param}': expected {SPECULATIVE_VALUES}, but got "
+            f"{_openai_kind(value)} instead.",
+            param,
+            "invalid_type",
+        )
     errors = _without_other_branches(errors)
     missing = _first_missing_field(errors)
     if missing is not None:
@@ -375,7 +408,12 @@ def describe_plain_validation_errors(
     path: str, errors: Sequence[Mapping[str, Any]]
 ) -> tuple[str, str | None, str | None]:
     """`describe_validation_errors` with no code: pydantic's own sentences, which are
-    Anthropic's too ("max_tokens: Input should be a valid integer")."""
+    Anthropic's too ("max_tokens: Input should be a valid integer"); a bad `speculative`
+    in the same form, naming what it takes."""
+    speculative = speculative_error(errors)
+    if speculative is not None:
+        param = speculative[0]
+        return f"{param}: Input should be {SPECULATIVE_VALUES}", param, None
     return (*describe_validation_errors(errors), None)
 
 
@@ -424,22 +462,57 @@ def context_overflow(message: str, code: str | None) -> tuple[int, int] | None:
     return None if match is None else (int(match.group(1)), int(match.group(2)))
 
 
+OverflowMessage = Callable[[int, int], str]
+"""(prompt tokens, the most tokens the model may hold) -> the reference API's sentence."""
+
+
 def openai_context_overflow_message(prompt_tokens: int, limit: int) -> str:
-    """OpenAI's sentence for a prompt over the context (chat and legacy completions)."""
+    """OpenAI's Chat Completions sentence for messages over the context."""
     return (
         f"This model's maximum context length is {limit} tokens. However, your messages "
         f"resulted in {prompt_tokens} tokens. Please reduce the length of the messages."
     )
 
 
-def _render_openai(
-    status_code: int, error_type: str, message: str, param: str | None, code: str | None
-) -> dict[str, Any]:
-    overflow = context_overflow(message, code)
-    if overflow is not None:
-        message = openai_context_overflow_message(*overflow)
-    return openai_error_body(message, error_type, param, code)
+def completions_context_overflow_message(prompt_tokens: int, limit: int) -> str:
+    """OpenAI's legacy Completions sentence for a prompt over the context: the prompt alone
+    overflows (exo caps `max_tokens` to the room a prompt leaves), so the completion asks
+    for 0 tokens."""
+    return (
+        f"This model's maximum context length is {limit} tokens, however you requested "
+        f"{prompt_tokens} tokens ({prompt_tokens} in your prompt; 0 for the completion). "
+        "Please reduce your prompt; or completion length."
+    )
 
 
-OPENAI_ERRORS = ErrorDialect("openai", (), _render_openai, describe_openai_validation_errors)
-"""The default for every route no other dialect claims."""
+def responses_context_overflow_message(prompt_tokens: int, limit: int) -> str:
+    """OpenAI's Responses sentence for an input over the context window, then the numbers
+    (OpenAI's gives none; clients match the sentence and the code)."""
+    return (
+        "Your input exceeds the context window of this model. Please adjust your input and "
+        f"try again. (The input is {prompt_tokens} tokens; the model's context is {limit}.)"
+    )
+
+
+def openai_renderer(overflow_message: OverflowMessage) -> ErrorBodyRenderer:
+    """OpenAI's error body, a context overflow worded by `overflow_message` (each OpenAI
+    API words it its own way: clients such as LiteLLM match those sentences)."""
+
+    def render(
+        status_code: int, error_type: str, message: str, param: str | None, code: str | None
+    ) -> dict[str, Any]:
+        overflow = context_overflow(message, code)
+        if overflow is not None:
+            message = overflow_message(*overflow)
+        return openai_error_body(message, error_type, param, code)
+
+    return render
+
+
+OPENAI_ERRORS = ErrorDialect(
+    "openai",
+    (),
+    openai_renderer(openai_context_overflow_message),
+    describe_openai_validation_errors,
+)
+"""The default for every route no other dialect claims (Chat Completions' wording)."""

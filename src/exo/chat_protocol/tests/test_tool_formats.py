@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from exo.chat_protocol.harmony import HARMONY_TOKENS
+from exo.chat_protocol.harmony import HARMONY_TOKENS, without_markers
 from exo.chat_protocol.output_parsing import OutputParser
 from exo.chat_protocol.tests.test_output_parsing import WEATHER, run, run_every_split
 from exo.chat_protocol.tool_call_markup import FORMAT_TOKENS
@@ -243,7 +243,9 @@ def test_a_bad_or_unfinished_call_comes_back_as_raw_text(
     tool_call_format: ToolCallFormat, output: str
 ) -> None:
     result = run_every_split(output, tools=TOOLS, tool_call_format=tool_call_format)
-    assert (result.reasoning, result.text, result.calls) == ("", output, [])
+    # Harmony's markers are structure, never text: its failed call is the text between them.
+    text = without_markers(output) if tool_call_format == "harmony" else output
+    assert (result.reasoning, result.text, result.calls) == ("", text, [])
 
 
 def test_harmony_streams_reasoning_and_text_as_they_come() -> None:
@@ -262,6 +264,38 @@ def test_harmony_call_is_released_when_its_message_ends() -> None:
     assert parser.feed(head + '{"city": "Paris"}').is_empty()
     released = parser.feed("<|call|>")
     assert [call.name for call in released.tool_calls] == ["get_weather"]
+
+
+# Marker tokens out of place (a model forced to write them by logit_bias, or one that
+# wanders): (output, reasoning, text). None reaches the reasoning or the answer.
+STRAY_HARMONY: list[tuple[str, str, str]] = [
+    ("<|channel|>" * 80, "", ""),  # a header that never gets its `<|message|>`
+    ("<|message|><|message|>Hi<|message|>", "", "Hi"),
+    ("<|start|><|start|><|start|>", "", ""),
+    ("<|constrain|><|constrain|>", "", ""),
+    ("<|end|>Hi<|end|>", "", "Hi"),
+    ("<|channel|>final<|message|>A<|channel|>B<|message|>C<|constrain|>D", "", "ABCD"),
+    ("<|channel|>analysis<|message|>x<|message|>y<|end|>Done", "xy", "Done"),
+]
+
+
+@pytest.mark.parametrize(("output", "reasoning", "text"), STRAY_HARMONY)
+def test_harmony_markers_never_reach_the_text(output: str, reasoning: str, text: str) -> None:
+    for tools in ((), TOOLS):
+        result = run_every_split(output, tools=tools, tool_call_format="harmony")
+        assert (result.reasoning, result.text, result.calls) == (reasoning, text, [])
+
+
+@pytest.mark.parametrize("end", ["<|call|>", "<|return|>"])
+@pytest.mark.parametrize(
+    "before", ["", "Hi", "<|message|>", "<|channel|>final", "<|start|>assistant"]
+)
+def test_harmony_turn_ends_at_call_or_return_outside_a_message(end: str, before: str) -> None:
+    """`<|call|>` and `<|return|>` end the turn wherever they stand: what follows is dropped."""
+    output = before + end + end + "<|channel|>final<|message|>after"
+    result = run_every_split(output, tools=TOOLS, tool_call_format="harmony")
+    assert (result.reasoning, result.calls) == ("", [])
+    assert result.text == without_markers(before)
 
 
 def test_harmony_without_tools_reads_channels_and_keeps_calls_as_text() -> None:

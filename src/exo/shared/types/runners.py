@@ -91,12 +91,14 @@ class RunnerReady(FrozenModel):
 
 
 class RunnerRunning(FrozenModel):
-    """Generating for at least one task. `max_concurrent_requests`, `kv_cache_tokens`,
-    `card_mismatches`, `speculation`, `draft_model` and `draft_left_out` as in
-    `RunnerReady` (`speculation` updated at most every `SPECULATION_REPORT_INTERVAL_S`
+    """Generating for at least one task. `weight_bytes`, `max_concurrent_requests`,
+    `kv_cache_tokens`, `card_mismatches`, `speculation`, `draft_model` and `draft_left_out`
+    as in `RunnerReady` (`speculation` updated at most every `SPECULATION_REPORT_INTERVAL_S`
     while it runs)."""
 
     kind: Literal["RunnerRunning"] = "RunnerRunning"
+    weight_bytes: int = Field(default=0, ge=0, exclude_if=lambda weight_bytes: weight_bytes == 0)
+    """Left out of the JSON when 0, so the records of older versions keep their bytes."""
     max_concurrent_requests: int = Field(default=1, ge=1)
     kv_cache_tokens: int = Field(default=DEFAULT_KV_CACHE_TOKENS, ge=0)
     card_mismatches: tuple[str, ...] = ()

@@ -446,6 +446,7 @@ class Runner:
             self._ready = self._ready.model_copy(update={"speculation": speculation})
         status: RunnerStatus = (
             RunnerRunning(
+                weight_bytes=self._ready.weight_bytes,
                 max_concurrent_requests=self._ready.max_concurrent_requests,
                 kv_cache_tokens=self._ready.kv_cache_tokens,
                 card_mismatches=self._ready.card_mismatches,

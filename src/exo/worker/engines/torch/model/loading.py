@@ -37,6 +37,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from exo.chat_protocol.format_detection import format_stop_token_ids
 from exo.chat_protocol.tokenizer_loading import load_tokenizer
 from exo.shared.models.architectures import MODEL_TYPE_ALIASES
 from exo.shared.models.latent_attention import latent_attention_of_config
@@ -534,7 +535,10 @@ def _configure_cpu_threads() -> None:
 
 
 def _eos_token_ids(model_dir: Path, tokenizer: Any, model: PreTrainedModel) -> frozenset[int]:
-    ids: set[int] = set()
+    """Every token that ends generation: the tokenizer's, the model config's and the
+    generation config's EOS, and the stop tokens of the model's own chat format
+    (`format_stop_token_ids`: harmony's `<|call|>` and `<|return|>`)."""
+    ids: set[int] = set(format_stop_token_ids(tokenizer))
     candidates: list[Any] = [tokenizer.eos_token_id, model.config.get_text_config().eos_token_id]
     with contextlib.suppress(OSError):  # no generation_config.json
         candidates.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
