@@ -43,8 +43,8 @@ inline float horizontal_max(__m256 v) {
 // int4_gemv.cpp's per-channel int8) for ROWS activation rows: one for one or two rows, so
 // the weight is read as one sequential stream, which the prefetchers follow best. The int4
 // and 5-bit kernels, with more arithmetic per byte, keep tiles of 4, which read faster there
-// (figures: docs/benchmarks/engine-design-figures.md#block_rowsh), except the 512-bit int4
-// tiles over long weight rows (`for_decode_tiles` below).
+// (figures: docs/benchmarks/engine-design-figures.md#block_rowsh), except the int4 tiles
+// over long weight rows (`for_decode_tiles` below).
 template <int ROWS>
 constexpr int int8_tile_rows() {
   return ROWS <= 2 ? 1 : 2;
@@ -340,21 +340,23 @@ void for_output_tiles(int64_t n0, int64_t n1, Tile&& tile) {
   for (; n + TILE <= n1; n += TILE) tile(std::integral_constant<int, TILE>{}, n);
   for (; n < n1; ++n) tile(std::integral_constant<int, 1>{}, n);
 }
-// The 512-bit int4 decode tiles (int4_gemv.cpp, int4_decode_int8.cpp) for up to 4 activation
-// rows: TILE output rows at a time where a weight row is short, one at a time from
-// kStreamMinInputs inputs (a weight row of 512 bytes and more). A tile of several output
-// rows reads their rows side by side, several streams a weight row apart; one output row at
-// a time reads the weight as one sequential stream, which the prefetchers follow best. With
-// the weight in memory (a decode step's case) that read 1.3-1.6x faster at 1-2 activation rows
-// and 1536-2048 inputs, ~1.07x at 4, and no faster at 576-768 inputs, where a tile of 4 rows
-// is itself 1.1-1.5 KiB in a row; in cache the tile of 4 is faster (its four independent
-// accumulators). Each output row's sums are the same either way: tiles only group rows.
-// Figures: docs/benchmarks/2026-12-07-int4-decode-one-stream.md.
+// The int4 decode tiles (int4_gemv.cpp, int4_decode_int8.cpp) for up to STREAM_ROWS
+// activation rows (4 on the 512-bit tiles, 2 on the 256-bit int16 ones: as far as measured):
+// TILE output rows at a time where a weight row is short, one at a time from
+// kStreamMinInputs inputs (weight rows of 512 bytes and more). A tile of several output rows
+// reads their weight rows side by side, several streams a row apart; one output row at a time
+// reads the weight as one sequential stream, which the prefetchers follow best. With the
+// weight in memory (a decode step's case) that reads markedly faster at one or two activation
+// rows of 1,536-2,048 inputs, and no faster at 576-768 inputs, where a tile of 4 rows is
+// itself one short stretch; in cache the tile of 4 is faster (four independent accumulators),
+// but a decode step's weights are not in cache. Each output row's sums are the same bits
+// either way: tiles only group rows. Figures (Zen 4; Zen 3 not measured):
+// docs/benchmarks/2026-12-07-int4-decode-one-stream.md.
 constexpr int64_t kStreamMinInputs = 1024;
 
-template <int ROWS, int TILE, typename Tile>
+template <int ROWS, int TILE, int STREAM_ROWS = 4, typename Tile>
 void for_decode_tiles(int64_t k, int64_t n0, int64_t n1, Tile&& tile) {
-  if (ROWS <= 4 && k >= kStreamMinInputs)
+  if (ROWS <= STREAM_ROWS && k >= kStreamMinInputs)
     for_output_tiles<1>(n0, n1, tile);
   else
     for_output_tiles<TILE>(n0, n1, tile);

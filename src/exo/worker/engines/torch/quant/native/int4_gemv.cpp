@@ -177,7 +177,8 @@ void tile_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
 }
 
 // Output rows [n0, n1) for ROWS activation rows: tiles of 4 output rows (2 for 3-4
-// activation rows, keeping the accumulators in registers), then one at a time.
+// activation rows, keeping the accumulators in registers), then one at a time; one at a time
+// throughout for one or two activation rows of long weight rows (`for_decode_tiles`).
 template <int ROWS>
 void rows_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uint8_t* q,
                   const Int4Scales& scale_zero, int64_t groups, int64_t group_size,
@@ -186,7 +187,7 @@ void rows_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
   constexpr int kTile = ROWS <= 2 ? 4 : 2;
   if constexpr (ROWS == 1) {
     if (group_size == kBlock) {
-      for_output_tiles<kTile>(n0, n1, [&](auto nr, int64_t n) {
+      for_decode_tiles<ROWS, kTile, 2>(k, n0, n1, [&](auto nr, int64_t n) {
         tile_avx2_q8<1, decltype(nr)::value, true>(xq, x_scales, k, q, scale_zero, groups,
                                                    group_size, offset_sums, y, n_total, n,
                                                    scratch);
@@ -194,7 +195,7 @@ void rows_avx2_q8(const int16_t* xq, const float* x_scales, int64_t k, const uin
       return;
     }
   }
-  for_output_tiles<kTile>(n0, n1, [&](auto nr, int64_t n) {
+  for_decode_tiles<ROWS, kTile, 2>(k, n0, n1, [&](auto nr, int64_t n) {
     tile_avx2_q8<ROWS, decltype(nr)::value>(xq, x_scales, k, q, scale_zero, groups, group_size,
                                             offset_sums, y, n_total, n, scratch);
   });
