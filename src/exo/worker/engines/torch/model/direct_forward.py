@@ -77,7 +77,7 @@ from exo.worker.engines.torch.model.direct_forward_parts import (
 from exo.worker.engines.torch.model.families import ModelFamily, UnsupportedArchitectureError
 from exo.worker.engines.torch.model.sharding import AbsentModule
 from exo.worker.engines.torch.quant.native_kernels import bf16_prefill_available, native_int4_kernel
-from exo.worker.engines.torch.quant.quantized_linear import QuantizedLinear
+from exo.worker.engines.torch.quant.quantized_linear import PROMPT_PRODUCT, QuantizedLinear
 
 # "0": keep transformers' forward on the serving path (for A/B measurements and debugging).
 LEAN_ENV = "EXO_LEAN_FORWARD"
@@ -228,12 +228,19 @@ class LeanModel:
         ):
             self._decode_layers(plan, x, tables)
         else:
-            for index, layer in enumerate(self.layers):
-                self._layer(plan, index, layer, x, tables[layer.rope], attention_dtype)
-                after = self._first_layer + index  # the layer's global index
-                for row, features in deepstack:  # Qwen3-VL: after layer k, feature k
-                    if after < features.shape[1]:
-                        x[row : row + features.shape[0]] += features[:, after]
+            # A step of prompt rows only: block weights take the integer GEMM at any row
+            # count, so each row comes out the same bits however the prompt was chunked
+            # (`quantized_linear.PROMPT_PRODUCT`).
+            prompt = PROMPT_PRODUCT.set(bool(plan.prefill) and not plan.decode_slots)
+            try:
+                for index, layer in enumerate(self.layers):
+                    self._layer(plan, index, layer, x, tables[layer.rope], attention_dtype)
+                    after = self._first_layer + index  # the layer's global index
+                    for row, features in deepstack:  # Qwen3-VL: after layer k, feature k
+                        if after < features.shape[1]:
+                            x[row : row + features.shape[0]] += features[:, after]
+            finally:
+                PROMPT_PRODUCT.reset(prompt)
         if logit_rows is None:
             return x
         assert self._head is not None and self._final_norm is not None
@@ -527,7 +534,10 @@ class LeanModel:
             and layer.qkv.prefill_activations == "bf16"
             else None
         )
-        attended = attend(plan, index, query, key, value, layer.scaling, prefill_dtype, layer.sinks)
+        attended = attend(
+            plan, index, query, key, value, layer.scaling, prefill_dtype, layer.sinks,
+            row_kernel=self._qk_norm_rotary is not None and query.dtype == torch.float32,
+        )  # fmt: skip
         return layer.output(attended.view(rows, heads * head_dim).to(layer.output.in_dtype))
 
     def _finish_attention(self, layer: LeanLayer, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -545,7 +555,12 @@ class LeanModel:
         """The layer's MLP (dense or sparse) over `x` `[T, hidden]` float32, added in place."""
         weight, eps = layer.pre_mlp_norm
         if layer.moe is not None:  # routed experts, grouped by expert (`LeanMoe`)
-            out = layer.moe(self._norm(x, weight, eps))
+            # An expert's few rows keep their decode kernels (not `PROMPT_PRODUCT`).
+            dense = PROMPT_PRODUCT.set(False)
+            try:
+                out = layer.moe(self._norm(x, weight, eps))
+            finally:
+                PROMPT_PRODUCT.reset(dense)
         else:
             assert layer.gate_up is not None and layer.down is not None
             assert layer.activation is not None
