@@ -36,6 +36,12 @@ bfloat16 or float32 dense; on a tensor rank in three calls around the two all-re
 The operators' Python and dispatch were half a decode step on a small model (figures:
 docs/benchmarks/engine-design-figures.md#direct_forwardpy).
 
+A step of prompt rows only sets `quantized_linear.PROMPT_PRODUCT` (block weights take the
+integer GEMM at any row count), and where exo's kernels run each prompt chunk's last row
+attends by its row kernel (`batch_attention.last_row_attention`): a prompt's last row then
+comes out the same bits at the end of a cold prefill's chunk and alone after a prefix-cache
+hit, so a seeded request gives the same text both ways (`tests/test_seeded_paths.py`).
+
 Dtypes: the residual stream stays float32. With quantized linears on a CPU with native
 bfloat16 (`direct_forward_parts.bf16_activations_wanted`), a norm's output is cast to bfloat16 once
 and the int4/int8 kernels take and give bfloat16 directly (the MLP stays bfloat16 from the
@@ -173,6 +179,9 @@ class LeanModel:
         self._bf16_min_rows = (
             int(torch.ops.exo_native.bf16_prefill_min_rows()) if self._bf16_prefill else 0
         )
+        # Each prompt chunk's last row attends by exo's row kernel where its kernels run, so
+        # that row's logits do not depend on the chunk (`batch_attention.last_row_attention`).
+        self._row_kernel = native_int4_kernel() is not None
         # exo's decode layer (one C++ call per layer for decode steps, `_native_step`) where its
         # kernels run and every layer's projections are held in a form it reads.
         self._decode_layer: Any = None
@@ -536,7 +545,7 @@ class LeanModel:
         )
         attended = attend(
             plan, index, query, key, value, layer.scaling, prefill_dtype, layer.sinks,
-            row_kernel=self._qk_norm_rotary is not None and query.dtype == torch.float32,
+            row_kernel=self._row_kernel and query.dtype == torch.float32,
         )  # fmt: skip
         return layer.output(attended.view(rows, heads * head_dim).to(layer.output.in_dtype))
 
