@@ -293,6 +293,15 @@ def attend(
             )  # fmt: skip
             output[0, rows] = attended[0].transpose(0, 1)
             continue
+        # The chunk's last row by exo's row kernel (`last_row_attention`); a chunk of one
+        # row (a prompt's last token after a prefix-cache hit) needs nothing else.
+        exact = row_kernel and sinks is None and write_values
+        last = segment.offset + segment.length - 1
+        if exact and segment.length == 1:
+            output[0, last] = last_row_attention(
+                query[0, :, last], keys, values, segment.slot, end - 1, window, scaling
+            )
+            continue
         if slot_keys.dtype != query.dtype and (prefill_dtype is None or sinks is not None):
             # A bfloat16 cache: the positions this chunk sees, widened to the queries' dtype.
             first = 0 if window is None else max(0, start - window + 1)
@@ -310,8 +319,7 @@ def attend(
             sinks,
         )
         output[0, rows] = attended[0].transpose(0, 1)
-        if row_kernel and sinks is None and write_values:
-            last = segment.offset + segment.length - 1
+        if exact:
             output[0, last] = last_row_attention(
                 query[0, :, last], keys, values, segment.slot, end - 1, window, scaling
             )
