@@ -198,6 +198,7 @@ def attend(
     scaling: float | None,
     prefill_dtype: torch.dtype | None = None,
     sinks: torch.Tensor | None = None,
+    row_kernel: bool = False,
 ) -> torch.Tensor:
     """Write the step's new keys/values of decoder layer `layer` into the plan's slots and
     attend each request's queries to its own keys (a plan of `whole_inputs`, where the
@@ -215,6 +216,8 @@ def attend(
             queries'). Decode rows always attend in the queries'.
         sinks: `[heads]` learned logits joining each query's softmax denominator
             (gpt-oss; `sink_attention`), None for plain attention.
+        row_kernel: each prompt chunk's last row attends by exo's row kernel
+            (`last_row_attention`; float32 queries, exo's kernels loaded), not with its chunk.
 
     Returns:
         `[1, T, heads, value head_dim]` attention output.
@@ -290,6 +293,15 @@ def attend(
             )  # fmt: skip
             output[0, rows] = attended[0].transpose(0, 1)
             continue
+        # The chunk's last row by exo's row kernel (`last_row_attention`); a chunk of one
+        # row (a prompt's last token after a prefix-cache hit) needs nothing else.
+        exact = row_kernel and sinks is None and write_values
+        last = segment.offset + segment.length - 1
+        if exact and segment.length == 1:
+            output[0, last] = last_row_attention(
+                query[0, :, last], keys, values, segment.slot, end - 1, window, scaling
+            )
+            continue
         if slot_keys.dtype != query.dtype and (prefill_dtype is None or sinks is not None):
             # A bfloat16 cache: the positions this chunk sees, widened to the queries' dtype.
             first = 0 if window is None else max(0, start - window + 1)
@@ -307,7 +319,47 @@ def attend(
             sinks,
         )
         output[0, rows] = attended[0].transpose(0, 1)
+        if exact:
+            output[0, last] = last_row_attention(
+                query[0, :, last], keys, values, segment.slot, end - 1, window, scaling
+            )
     return output
+
+
+def last_row_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slot: int,
+    position: int,
+    window: int | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """One prompt row's attention to its slot's keys up to `position` by exo's row kernel
+    (`native/decode_attention.cpp`), whose arithmetic depends on that row and its keys
+    only. torch's flash attention gives a row other bits (~1e-7) with each number of rows
+    in its query block, so the prompt's last row (the one whose logits are sampled) would
+    differ between a cold prefill's chunk and the row left alone after a prefix-cache hit;
+    attending every prompt row this way would make any chunking exact but cost far more
+    than the ~2 % allowed (figures: docs/benchmarks/2026-12-07-seeded-prefix-cache.md).
+
+    Args:
+        query: `[heads, head_dim]` float32, rotary applied.
+        keys / values: the layer's cache `[slots, kv_heads, capacity, head_dim]` (float32
+            or bfloat16), written up to `position`.
+
+    Returns:
+        `[heads, head_dim]` float32.
+    """
+    heads, head_dim = query.shape
+    scale = head_dim**-0.5 if scaling is None else scaling
+    slots = torch.tensor([slot], dtype=torch.long)
+    positions = torch.tensor([position], dtype=torch.long)
+    attended: torch.Tensor = torch.ops.exo_native.decode_attention_of(
+        query.reshape(1, heads * head_dim).contiguous(), keys, values, slots, positions,
+        heads, window or 0, scale,
+    )  # fmt: skip
+    return attended.view(heads, head_dim)
 
 
 def _batched_mask(*args: Any, **kwargs: Any) -> Any:

@@ -44,8 +44,12 @@ class RunningRequest:
 
     @property
     def prefilling(self) -> bool:
-        """More than one token left to compute (one left is a decode step)."""
-        return len(self.tokens) - self.computed > 1
+        """Prompt tokens left to compute, or more than one token (one generated token left
+        is a decode step). A prompt's last token left alone (after a prefix-cache hit) is a
+        prompt chunk of one row, computed as a cold prefill computes that row, so a seeded
+        request gives the same tokens cold and cached (`test_seeded_paths.py`)."""
+        left = len(self.tokens) - self.computed
+        return left > 1 or (left == 1 and self.computed < len(self.state.prompt_ids))
 
 
 @dataclass(frozen=True, slots=True)

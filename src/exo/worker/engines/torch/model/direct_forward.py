@@ -36,6 +36,12 @@ bfloat16 or float32 dense; on a tensor rank in three calls around the two all-re
 The operators' Python and dispatch were half a decode step on a small model (figures:
 docs/benchmarks/engine-design-figures.md#direct_forwardpy).
 
+A step of prompt rows only sets `quantized_linear.PROMPT_PRODUCT` (block weights take the
+integer GEMM at any row count), and where exo's kernels run each prompt chunk's last row
+attends by its row kernel (`batch_attention.last_row_attention`): a prompt's last row then
+comes out the same bits at the end of a cold prefill's chunk and alone after a prefix-cache
+hit, so a seeded request gives the same text both ways (`tests/test_seeded_paths.py`).
+
 Dtypes: the residual stream stays float32. With quantized linears on a CPU with native
 bfloat16 (`direct_forward_parts.bf16_activations_wanted`), a norm's output is cast to bfloat16 once
 and the int4/int8 kernels take and give bfloat16 directly (the MLP stays bfloat16 from the
@@ -77,7 +83,7 @@ from exo.worker.engines.torch.model.direct_forward_parts import (
 from exo.worker.engines.torch.model.families import ModelFamily, UnsupportedArchitectureError
 from exo.worker.engines.torch.model.sharding import AbsentModule
 from exo.worker.engines.torch.quant.native_kernels import bf16_prefill_available, native_int4_kernel
-from exo.worker.engines.torch.quant.quantized_linear import QuantizedLinear
+from exo.worker.engines.torch.quant.quantized_linear import PROMPT_PRODUCT, QuantizedLinear
 
 # "0": keep transformers' forward on the serving path (for A/B measurements and debugging).
 LEAN_ENV = "EXO_LEAN_FORWARD"
@@ -173,6 +179,9 @@ class LeanModel:
         self._bf16_min_rows = (
             int(torch.ops.exo_native.bf16_prefill_min_rows()) if self._bf16_prefill else 0
         )
+        # Each prompt chunk's last row attends by exo's row kernel where its kernels run, so
+        # that row's logits do not depend on the chunk (`batch_attention.last_row_attention`).
+        self._row_kernel = native_int4_kernel() is not None
         # exo's decode layer (one C++ call per layer for decode steps, `_native_step`) where its
         # kernels run and every layer's projections are held in a form it reads.
         self._decode_layer: Any = None
@@ -228,12 +237,19 @@ class LeanModel:
         ):
             self._decode_layers(plan, x, tables)
         else:
-            for index, layer in enumerate(self.layers):
-                self._layer(plan, index, layer, x, tables[layer.rope], attention_dtype)
-                after = self._first_layer + index  # the layer's global index
-                for row, features in deepstack:  # Qwen3-VL: after layer k, feature k
-                    if after < features.shape[1]:
-                        x[row : row + features.shape[0]] += features[:, after]
+            # A step of prompt rows only: block weights take the integer GEMM at any row
+            # count, so each row comes out the same bits however the prompt was chunked
+            # (`quantized_linear.PROMPT_PRODUCT`).
+            prompt = PROMPT_PRODUCT.set(bool(plan.prefill) and not plan.decode_slots)
+            try:
+                for index, layer in enumerate(self.layers):
+                    self._layer(plan, index, layer, x, tables[layer.rope], attention_dtype)
+                    after = self._first_layer + index  # the layer's global index
+                    for row, features in deepstack:  # Qwen3-VL: after layer k, feature k
+                        if after < features.shape[1]:
+                            x[row : row + features.shape[0]] += features[:, after]
+            finally:
+                PROMPT_PRODUCT.reset(prompt)
         if logit_rows is None:
             return x
         assert self._head is not None and self._final_norm is not None
@@ -527,7 +543,10 @@ class LeanModel:
             and layer.qkv.prefill_activations == "bf16"
             else None
         )
-        attended = attend(plan, index, query, key, value, layer.scaling, prefill_dtype, layer.sinks)
+        attended = attend(
+            plan, index, query, key, value, layer.scaling, prefill_dtype, layer.sinks,
+            row_kernel=self._row_kernel and query.dtype == torch.float32,
+        )  # fmt: skip
         return layer.output(attended.view(rows, heads * head_dim).to(layer.output.in_dtype))
 
     def _finish_attention(self, layer: LeanLayer, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -545,7 +564,12 @@ class LeanModel:
         """The layer's MLP (dense or sparse) over `x` `[T, hidden]` float32, added in place."""
         weight, eps = layer.pre_mlp_norm
         if layer.moe is not None:  # routed experts, grouped by expert (`LeanMoe`)
-            out = layer.moe(self._norm(x, weight, eps))
+            # An expert's few rows keep their decode kernels (not `PROMPT_PRODUCT`).
+            dense = PROMPT_PRODUCT.set(False)
+            try:
+                out = layer.moe(self._norm(x, weight, eps))
+            finally:
+                PROMPT_PRODUCT.reset(dense)
         else:
             assert layer.gate_up is not None and layer.down is not None
             assert layer.activation is not None

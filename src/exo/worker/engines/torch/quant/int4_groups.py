@@ -21,6 +21,7 @@ from exo.worker.engines.torch.quant.quantized_linear import (
     NATIVE_BLOCK_MAX_ROWS,
     QuantizedLinear,
     concatenated_bias,
+    decode_kernel_takes,
     prefill_product,
 )
 
@@ -172,7 +173,7 @@ class Int4Linear(QuantizedLinear):
         """`[rows, in]` → `[rows, out]` in the rows' dtype (bfloat16 for torch's layout;
         exo's also takes float32, with no cast around its kernel)."""
         if self.native:
-            if rows.shape[0] <= NATIVE_BLOCK_MAX_ROWS:
+            if decode_kernel_takes(rows.shape[0], NATIVE_BLOCK_MAX_ROWS):
                 return self._native_matmul(rows)
             return self._native_product_by_matmul(rows.float()).to(rows.dtype)
         if not self._unpack_ok:

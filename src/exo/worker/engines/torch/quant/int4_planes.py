@@ -37,6 +37,7 @@ from exo.worker.engines.torch.quant.native_kernels import (
 )
 from exo.worker.engines.torch.quant.quantized_linear import (
     QuantizedLinear,
+    decode_kernel_takes,
     native_int8_block_max_rows,
     prefill_product,
 )
@@ -252,7 +253,7 @@ class SplitInt4Linear(QuantizedLinear):
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self._native:  # the kernel for decode; prefill: the same sums by block_matmul
-            if rows.shape[0] <= native_int8_block_max_rows():
+            if decode_kernel_takes(rows.shape[0], native_int8_block_max_rows()):
                 return self._native_matmul(rows)
             out = prefill_product(
                 rows.float().contiguous(), self.values, self.scale_zero,

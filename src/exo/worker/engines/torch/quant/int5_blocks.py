@@ -35,6 +35,7 @@ from exo.worker.engines.torch.quant.native_kernels import built_int4_kernel
 from exo.worker.engines.torch.quant.quantized_linear import (
     NATIVE_BLOCK_MAX_ROWS,
     QuantizedLinear,
+    decode_kernel_takes,
     prefill_product,
 )
 
@@ -198,7 +199,7 @@ class Int5Linear(SplitInt4Linear):
         if self.widened:
             return super().matmul(rows)
         x = rows.float().contiguous()
-        if rows.shape[0] <= NATIVE_BLOCK_MAX_ROWS:
+        if decode_kernel_takes(rows.shape[0], NATIVE_BLOCK_MAX_ROWS):
             out: torch.Tensor = torch.ops.exo_native.int5_gemv(
                 x, self.int5_lanes, self.block_scales
             )

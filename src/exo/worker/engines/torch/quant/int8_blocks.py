@@ -30,6 +30,7 @@ import torch
 from exo.worker.engines.torch.quant.native_kernels import built_int8_scaled_kernel
 from exo.worker.engines.torch.quant.quantized_linear import (
     QuantizedLinear,
+    decode_kernel_takes,
     native_int8_block_max_rows,
     prefill_product,
 )
@@ -174,7 +175,7 @@ class ScaledInt8Linear(QuantizedLinear):
         """`[rows, in]` → `[rows, out]` in the rows' dtype: the decode kernel up to
         `native_int8_block_max_rows()` rows, else the integer GEMM (the same block sums)."""
         x = rows.float().contiguous()
-        if rows.shape[0] <= native_int8_block_max_rows():
+        if decode_kernel_takes(rows.shape[0], native_int8_block_max_rows()):
             out: torch.Tensor = torch.ops.exo_native.int8_scaled_gemv(
                 x, self.values, self.block_scales
             )

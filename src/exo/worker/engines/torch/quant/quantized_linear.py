@@ -48,6 +48,20 @@ def native_int8_block_max_rows() -> int:
 # prefilled beside it.
 DECODE_ROWS: ContextVar[int] = ContextVar("exo_decode_rows", default=0)
 
+# True while a step of prompt rows only runs its decoder layers' projections
+# (`direct_forward.LeanModel`): exo's block weights then take the integer GEMM whatever the
+# row count. Its rows come out the same bits at any row count (8 rows or 38, tested), the
+# decode kernels' ~1e-6 apart (the same block sums scaled in another order), so a prompt's
+# last token computed alone after a prefix-cache hit takes the product its cold prefill's
+# row took, and a chunk boundary leaving a few rows changes nothing.
+PROMPT_PRODUCT: ContextVar[bool] = ContextVar("exo_prompt_product", default=False)
+
+
+def decode_kernel_takes(rows: int, bound: int) -> bool:
+    """Whether a block weight's call of `rows` rows runs its decode kernel: up to `bound`
+    rows (the measured crossover), and not for prompt rows (`PROMPT_PRODUCT`)."""
+    return rows <= bound and not PROMPT_PRODUCT.get()
+
 
 def prefill_product(
     rows: torch.Tensor, held: torch.Tensor, scales: torch.Tensor, activations: PrefillActivations

@@ -1,16 +1,19 @@
 """A seeded request gives the same tokens whichever path computed its logits: sent cold and
-sent again (its prompt a prefix-cache hit, whose last positions are computed with fewer rows
-in the step), and alone or batched with others.
+sent again (its prompt a prefix-cache hit, whose last token is computed alone), and alone or
+batched with others.
 
 The draw is the Gumbel-max race (`decoding/gumbel_race.py`), which changes its token only
 where two candidates' perturbed scores lie within the logits' change between the paths.
-- Cold against cached is asserted on a float32 model, whose two paths differ in float32
-  rounding only. On the default model the cold prefill runs its activations in bfloat16 and
-  the cached step its last token in float32: first-token logprobs differ by ~1e-3, and
-  seeded cold / cached pairs do differ now and then (2026-12-07, 24 tokens, 20 seeds at each
-  of the four settings below: 11 of 80 pairs with the race, 41 of 80 with the cumulative-sum
-  draw it replaced; docs/api.md says so). `test_gumbel_race.py` checks the race keeps its
-  token under such changes where the cumulative-sum draw did not.
+- Cold against cached is asserted bit for bit on the default model: the prompt's last token
+  left alone after a hit is prefilled as a one-row prompt chunk (not a decode step), prompt
+  rows take the integer GEMM at any row count (`quantized_linear.PROMPT_PRODUCT`), and each
+  prompt chunk's last row attends by exo's row kernel (`batch_attention.
+  last_row_attention`), so the first token's logits, and with them every logprob and token,
+  are the same bits. Before (2026-12-07, 24 tokens, 20 seeds at each of the four settings
+  below), 11 of 80 seeded pairs differed, first-token logprobs by up to ~2e-2; after, none.
+  A hit that leaves several prompt tokens still computes them in other chunks than the
+  cold prefill did, whose rows torch's flash attention gives other bits (docs/api.md).
+- On a float32 model (torch's kernels, float32 rounding apart) the tokens are asserted.
 - Batched against alone is asserted on the default model: its decode rows are the same bits
   whatever the step's row count.
 """
@@ -22,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from exo.shared.types.chunks import TokenLogprob
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.worker.engines.torch.engine import GeneratedPiece, TorchEngine
@@ -39,6 +43,31 @@ def request(content: str, **fields: Any) -> TextGenerationTaskParams:
 
 def tokens(pieces: list[GeneratedPiece]) -> list[int]:
     return [token for piece in pieces for token in piece.token_ids]
+
+
+def logprobs(pieces: list[GeneratedPiece]) -> list[TokenLogprob]:
+    return [entry for piece in pieces for entry in piece.logprobs]
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), SETTINGS)
+def test_a_seeded_request_gives_the_same_text_and_logprobs_cold_and_prefix_cached(
+    real_engine: TorchEngine, temperature: float, top_p: float
+) -> None:
+    for seed in range(3):
+        params = request(
+            PROMPT, temperature=temperature, top_p=top_p, seed=seed, max_tokens=16,
+            logprobs=True, top_logprobs=5,
+        )  # fmt: skip
+        real_engine.clear_prefix_cache()
+        cold = list(real_engine.generate(params))
+        cached = list(real_engine.generate(params))
+        usage, cold_usage = cached[-1].usage, cold[-1].usage
+        assert cold_usage is not None and cold_usage.cached_tokens == 0
+        # The whole prompt but its last token came from the cache.
+        assert usage is not None and usage.cached_tokens == usage.prompt_tokens - 1
+        assert tokens(cached) == tokens(cold), seed
+        assert logprobs(cached) == logprobs(cold), seed  # exactly: the same logits
+    real_engine.clear_prefix_cache()
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), SETTINGS)
