@@ -271,6 +271,10 @@ def group_run(models: dict[str, str]) -> GroupRun:
             Job("tensor", models["llama"], "tensor", ("ngram",)),
             Job("pipeline", models["llama"], "pipeline", ("ngram", "scripted")),
             Job("expert", models["moe-repeating"], "expert", ("ngram",)),
+            # A second family's pipeline and tensor x2 (issue 43: the splits for two
+            # families): Qwen3-MoE's per-head q/k norms and routed experts.
+            Job("pipeline-moe", models["moe-repeating"], "pipeline", ("ngram",)),
+            Job("tensor-moe", models["moe-repeating"], "tensor", ("ngram",)),
         ]
     )
 
@@ -367,6 +371,13 @@ def test_pipeline_split_verifies_drafts_in_one_step_as_plain_decoding(
 
 def test_expert_split_speculates_with_ngram_drafts_as_plain_decoding(group_run: GroupRun) -> None:
     _check(group_run, "expert")
+
+
+@pytest.mark.parametrize("name", ["pipeline-moe", "tensor-moe"])
+def test_a_second_familys_splits_speculate_with_ngram_drafts_as_plain_decoding(
+    group_run: GroupRun, name: str
+) -> None:
+    _check(group_run, name)
 
 
 @pytest.mark.slow  # a second 2-rank group: about 30 s on a busy 2-core machine
