@@ -1,0 +1,129 @@
+"""Per-request features with speculative decoding on (issue 43, "every per-request feature
+still holds"): tool calls (forced by a grammar and offered with `auto`) give the same
+tokens, tool calls, finish reason and usage with `speculative` true and false. Tiny float32
+Llama, one process.
+
+A random model writes no tool call of its own: `ScriptedForward` adds a large bias to the
+logits of each row for the token a scripted reply has at the row's next position, so the
+model "writes" the script wherever no grammar forbids it. The bias depends on the position
+only, so a verify step's draft rows get the biases their decode steps would have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from exo.chat_protocol.output_parsing import OutputParser
+from exo.shared.types.text_generation import ToolDefinition
+from exo.worker.engines.torch.batching.batch_attention import BatchPlan, forward_batch
+from exo.worker.engines.torch.batching.request_state import GeneratedPiece
+from exo.worker.engines.torch.tests.test_speculative import (
+    ScriptedDrafts,
+    load,
+    plain_references,
+    request,
+    run,
+    speculation,
+)
+
+TOOLS = (
+    ToolDefinition(
+        name="get_weather",
+        parameters={"type": "object", "properties": {"city": {"type": "string"}}},
+    ),
+    ToolDefinition(
+        name="search", parameters={"type": "object", "properties": {"query": {"type": "string"}}}
+    ),
+)
+# The replies the bias writes: a forced call's bare object, and an auto call in Hermes
+# markup (SmolLM2's tokenizer: the tiny model's) after a few words.
+FORCED_REPLY = '{"name": "search", "arguments": {"query": "tide tables for Brest"}}'
+AUTO_REPLY = (
+    'Let me look that up. <tool_call>\n{"name": "get_weather", "arguments": '
+    '{"city": "Brest"}}\n</tool_call>'
+)
+PROMPT = "What is the weather in Brest? Look it up."
+# Far above a tiny random model's logits (about +-5): the script wins where it is allowed.
+SCRIPT_BIAS = 60.0
+
+
+class ScriptedForward:
+    """`forward_batch` with `SCRIPT_BIAS` added to each logit row at the token `script`
+    holds for the row's next position (`prompt_length` + index in `script`); rows past the
+    script are left alone."""
+
+    def __init__(self, prompt_length: int, script: Sequence[int]) -> None:
+        self.prompt_length = prompt_length
+        self.script = list(script)
+
+    def __call__(
+        self,
+        model: Any,
+        plan: BatchPlan,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        logit_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        logits = forward_batch(model, plan, input_ids, position_ids, logit_rows)
+        bias = torch.zeros_like(logits)  # (the logits are an inference tensor: not in place)
+        for row, position in enumerate(position_ids[0, logit_rows].tolist()):
+            index = position + 1 - self.prompt_length
+            if 0 <= index < len(self.script):
+                bias[row, self.script[index]] = SCRIPT_BIAS
+        return logits + bias
+
+
+def _parsed_calls(pieces: list[GeneratedPiece], forced: bool) -> list[tuple[str, str]]:
+    """The tool calls (name, arguments) the API's output parser finds in the pieces."""
+    parser = OutputParser(TOOLS, "hermes", thinking_open=False, forced_tool_call=forced)
+    outputs = [parser.feed(piece.text) for piece in pieces]
+    outputs.append(parser.finish(out_of_tokens=pieces[-1].finish_reason == "length"))
+    return [(call.name, call.arguments) for out in outputs for call in out.tool_calls]
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "reply", "wanted"),
+    [("required", FORCED_REPLY, "search"), ("auto", AUTO_REPLY, "get_weather")],
+    ids=["forced", "auto"],
+)
+def test_tool_calls_finish_reason_and_usage_are_the_same_with_speculation(
+    tiny_model_dir: Path, float32_kv: None, tool_choice: str, reply: str, wanted: str
+) -> None:
+    engine = load(tiny_model_dir)
+    eos = engine.tokenizer.eos_token_id
+    assert eos is not None
+    engine.eos_token_ids = frozenset({eos})
+    params = request(PROMPT, tools=TOOLS, tool_choice=tool_choice, temperature=0.0,
+                     max_tokens=80)  # fmt: skip
+    prompt_length = len(engine.build_request(params, None, "probe").prompt_ids)
+    script = [*engine.tokenizer.encode(reply, add_special_tokens=False), eos]
+    engine.scheduler._forward = ScriptedForward(prompt_length, script)
+    reference = plain_references(engine, [params])
+    outcomes = []
+    for speculative in (False, True):
+        engine.clear_prefix_cache()
+        if speculative:
+            speculation(engine).source = ScriptedDrafts(reference, engine.vocab_size)
+        state = engine.build_request(params.model_copy(update={"speculative": speculative}),
+                                     None, "r0")  # fmt: skip
+        pieces = run(engine, [state], [0])["r0"]
+        outcomes.append(
+            (
+                state.generated_ids,
+                _parsed_calls(pieces, forced=tool_choice == "required"),
+                pieces[-1].finish_reason,
+                pieces[-1].usage,
+            )
+        )
+    plain, speculated = outcomes
+    assert speculated == plain
+    tokens, calls, finish_reason, usage = plain
+    assert [name for name, _ in calls] == [wanted] and finish_reason == "stop"
+    assert usage is not None and usage.completion_tokens == len(tokens)
+    counters = speculation(engine).counters
+    assert counters.verify_rounds > 0 and 0 < counters.accepted_tokens < counters.drafted_tokens
