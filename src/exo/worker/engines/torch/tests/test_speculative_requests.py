@@ -1,7 +1,8 @@
 """Per-request features with speculative decoding on (issue 43, "every per-request feature
 still holds"): tool calls (forced by a grammar and offered with `auto`) give the same
-tokens, tool calls, finish reason and usage with `speculative` true and false. Tiny float32
-Llama, one process.
+tokens, tool calls, finish reason and usage with `speculative` true and false, and a
+drafting request cancelled mid-draft (n-gram and draft model) frees its slot and its draft
+state, the next request's output staying exact. Tiny float32 Llama, one process.
 
 A random model writes no tool call of its own: `ScriptedForward` adds a large bias to the
 logits of each row for the token a scripted reply has at the row's next position, so the
@@ -22,6 +23,7 @@ from exo.chat_protocol.output_parsing import OutputParser
 from exo.shared.types.text_generation import ToolDefinition
 from exo.worker.engines.torch.batching.batch_attention import BatchPlan, forward_batch
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece
+from exo.worker.engines.torch.draft_model import DraftModelSource
 from exo.worker.engines.torch.tests.test_speculative import (
     ScriptedDrafts,
     load,
@@ -30,6 +32,7 @@ from exo.worker.engines.torch.tests.test_speculative import (
     run,
     speculation,
 )
+from exo.worker.engines.torch.tests.test_speculative_draft_model import DRAFT_NOISE, noisy_copy
 
 TOOLS = (
     ToolDefinition(
@@ -127,3 +130,48 @@ def test_tool_calls_finish_reason_and_usage_are_the_same_with_speculation(
     assert usage is not None and usage.completion_tokens == len(tokens)
     counters = speculation(engine).counters
     assert counters.verify_rounds > 0 and 0 < counters.accepted_tokens < counters.drafted_tokens
+
+
+# --- cancellation mid-draft -----------------------------------------------------------------
+
+# A phrase repeated: n-gram drafts from the first decode step on (the prompt holds matches).
+REPEATING = "one two three four five six. one two three four five six. one two three four five"
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return noisy_copy(tiny_model_dir, tmp_path_factory.mktemp("cancel") / "draft", DRAFT_NOISE)
+
+
+@pytest.mark.parametrize("source", ["ngram", "draft_model"])
+def test_a_request_cancelled_mid_draft_frees_its_slot_and_draft_state(
+    tiny_model_dir: Path, draft_dir: Path, float32_kv: None, source: str
+) -> None:
+    options = {"draft_model": draft_dir} if source == "draft_model" else {}
+    engine = load(tiny_model_dir, **options)
+    drafts = speculation(engine).source
+    assert (source == "draft_model") == isinstance(drafts, DraftModelSource)
+    params = request(REPEATING, temperature=0.0, max_tokens=40, speculative=True)
+    reference = plain_references(engine, [params])
+    scheduler = engine.scheduler
+    state = engine.build_request(params, None, "cancelled")
+    scheduler.add(state)
+    # Step until a draft has been verified and the request is still running.
+    for _ in range(60):
+        engine.step()
+        if speculation(engine).counters.verify_rounds >= 2:
+            break
+    assert speculation(engine).counters.verify_rounds >= 2 and not state.finished
+    assert 0 < len(state.generated_ids) < 40
+    assert engine.cancel("cancelled")
+    assert scheduler._running == [] and not engine.has_work
+    assert scheduler._cache.occupied == 0  # its slot is free
+    if isinstance(drafts, DraftModelSource):
+        assert drafts.held_tokens("cancelled") == [] and drafts.cache.occupied == 0
+    else:
+        assert "cancelled" not in drafts._indexes
+    # The next request (same prompt: a prefix-cache hit on the cancelled one's KV) writes
+    # plain decoding's tokens.
+    following = engine.build_request(params, None, "r0")
+    run(engine, [following], [0])
+    assert following.prompt_ids + following.generated_ids == reference["r0"]
