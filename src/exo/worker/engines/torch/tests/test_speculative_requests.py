@@ -1,8 +1,9 @@
 """Per-request features with speculative decoding on (issue 43, "every per-request feature
 still holds"): tool calls (forced by a grammar and offered with `auto`) give the same
-tokens, tool calls, finish reason and usage with `speculative` true and false, and a
-drafting request cancelled mid-draft (n-gram and draft model) frees its slot and its draft
-state, the next request's output staying exact. Tiny float32 Llama, one process.
+tokens, tool calls, finish reason and usage with `speculative` true and false; a drafting
+request cancelled mid-draft (n-gram and draft model) frees its slot and its draft state, the
+next request's output staying exact; a request without `speculative` follows the node's
+`--speculative` within `--draft-min` / `--draft-max`. Tiny float32 Llama, one process.
 
 A random model writes no tool call of its own: `ScriptedForward` adds a large bias to the
 logits of each row for the token a scripted reply has at the row's next position, so the
@@ -20,11 +21,15 @@ import pytest
 import torch
 
 from exo.chat_protocol.output_parsing import OutputParser
+from exo.node_options import parse_args
 from exo.shared.types.text_generation import ToolDefinition
 from exo.worker.engines.torch.batching.batch_attention import BatchPlan, forward_batch
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece
+from exo.worker.engines.torch.decoding.speculative_drafts import Draft, DraftRequest
+from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
 from exo.worker.engines.torch.draft_model import DraftModelSource
 from exo.worker.engines.torch.tests.test_speculative import (
+    PROMPTS,
     ScriptedDrafts,
     load,
     plain_references,
@@ -175,3 +180,37 @@ def test_a_request_cancelled_mid_draft_frees_its_slot_and_draft_state(
     following = engine.build_request(params, None, "r0")
     run(engine, [following], [0])
     assert following.prompt_ids + following.generated_ids == reference["r0"]
+
+
+# --- the node's default ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["on", "off"])
+def test_a_request_without_the_field_follows_the_nodes_speculative_option(
+    tiny_model_dir: Path, float32_kv: None, flag: str
+) -> None:
+    """`--speculative on|off` with `--draft-min 2 --draft-max 3`, built into the engine's
+    settings as the runner does (`engine_lifecycle`): a request that does not name
+    `speculative` drafts exactly when the flag is on, drafts of 2 to 3 tokens, and its
+    output is plain decoding's."""
+    options = parse_args(["--speculative", flag, "--draft-min", "2", "--draft-max", "3"])
+    settings = SpeculationSettings(options.speculative, options.draft_min, options.draft_max)
+    engine = load(tiny_model_dir, speculation=settings)
+    params = request(PROMPTS[0], temperature=0.0, max_tokens=20)
+    assert params.speculative is None
+    reference = plain_references(engine, [params])
+    asked: list[int] = []
+
+    class Bounded(ScriptedDrafts):
+        def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+            asked.extend(wanted.max_tokens for wanted in requests)
+            return super().propose(requests)
+
+    speculation(engine).source = Bounded(reference, engine.vocab_size)
+    state = engine.build_request(params, None, "r0")
+    run(engine, [state], [0])
+    assert state.prompt_ids + state.generated_ids == reference["r0"]
+    if flag == "on":
+        assert asked and max(asked) <= 3 and speculation(engine).counters.verify_rounds > 0
+    else:
+        assert asked == [] and speculation(engine).counters.verify_rounds == 0
