@@ -25,7 +25,11 @@ from exo.node_options import parse_args
 from exo.shared.types.text_generation import ToolDefinition
 from exo.worker.engines.torch.batching.batch_attention import BatchPlan, forward_batch
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece
-from exo.worker.engines.torch.decoding.speculative_drafts import Draft, DraftRequest
+from exo.worker.engines.torch.decoding.speculative_drafts import (
+    Draft,
+    DraftRequest,
+    NgramDraftSource,
+)
 from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
 from exo.worker.engines.torch.draft_model import DraftModelSource
 from exo.worker.engines.torch.tests.test_speculative import (
@@ -174,7 +178,7 @@ def test_a_request_cancelled_mid_draft_frees_its_slot_and_draft_state(
     if isinstance(drafts, DraftModelSource):
         assert drafts.held_tokens("cancelled") == [] and drafts.cache.occupied == 0
     else:
-        assert "cancelled" not in drafts._indexes
+        assert isinstance(drafts, NgramDraftSource) and "cancelled" not in drafts._indexes
     # The next request (same prompt: a prefix-cache hit on the cancelled one's KV) writes
     # plain decoding's tokens.
     following = engine.build_request(params, None, "r0")
