@@ -79,3 +79,36 @@ def test_a_draft_model_naming_nothing_is_a_flag_error(
         (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
         assert line.startswith(f"exo: error: --draft-model {name!r}"), line
         assert reason in line, line
+
+
+def test_speculation_flags_reach_the_runners_options_and_bad_bounds_are_a_flag_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--speculative` (on / off / auto), `--draft-min` and `--draft-max` parse to the node's
+    options and main.py's `RunnerOptions`; a minimum above the maximum (or under 1) stops
+    the node at start with one error line. What a request without `speculative` does with
+    the node's default: `test_speculative_requests.py`."""
+    from exo.node_options import parse_args
+    from exo.shared.types.text_generation import DEFAULT_DRAFT_MAX, DEFAULT_DRAFT_MIN
+    from exo.worker.runner.options import RunnerOptions
+
+    defaults = parse_args([])
+    assert (defaults.speculative, defaults.draft_min, defaults.draft_max) == (
+        "auto", DEFAULT_DRAFT_MIN, DEFAULT_DRAFT_MAX,
+    )  # fmt: skip
+    for flag, mode in (("on", True), ("off", False), ("auto", "auto")):
+        assert parse_args(["--speculative", flag]).speculative == mode
+    options = parse_args(["--speculative", "off", "--draft-min", "2", "--draft-max", "5"])
+    runner = RunnerOptions(
+        speculative=options.speculative, draft_min=options.draft_min, draft_max=options.draft_max
+    )
+    assert (runner.speculative, runner.draft_min, runner.draft_max) == (False, 2, 5)
+    assert parse_args(["--draft-min", "3", "--draft-max", "3"]).draft_max == 3
+    for arguments in (["--draft-min", "6", "--draft-max", "5"], ["--draft-min", "0"]):
+        with pytest.raises(SystemExit) as stopped:
+            parse_args(arguments)
+        assert stopped.value.code == 2
+        (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert "--draft-min and --draft-max need 1 <= min <= max" in line, line
+    with pytest.raises(SystemExit):
+        parse_args(["--speculative", "sometimes"])

@@ -66,6 +66,9 @@ def claude_effects() -> list[Decision]:
             "MessagesRequest",
             {"temperature": 0.3, "top_p": 0.5, "top_k": 7, "speculative": True},
         ),
+        Refused(
+            fields("MessagesRequest.speculative"), CLAUDE, {"speculative": "always"}, "speculative"
+        ),
         Effect(
             fields("MessagesRequest.stop_sequences"),
             CLAUDE,

@@ -48,6 +48,12 @@ def completions_effects() -> list[Decision]:
                 "speculative": True,
             },
         ),
+        Refused(
+            fields("CompletionRequest.speculative"),
+            COMPLETIONS,
+            {"speculative": "sometimes"},
+            "speculative",
+        ),
         Effect(
             fields("CompletionRequest.stop"),
             COMPLETIONS,

@@ -208,6 +208,15 @@ def ollama_effects() -> list[Decision]:
             {"options": {**options, "repeat_penalty": 1.3, "repeat_last_n": -1}},
             lambda p: p.repetition_window is None and p.repetition_penalty == 1.3,
         ),
+        *(
+            Refused(
+                fields("OllamaOptions.speculative"),
+                endpoint,
+                {"options": {**options, "speculative": "sometimes"}},
+                "speculative",
+            )
+            for endpoint in (OLLAMA_CHAT, OLLAMA_GENERATE)
+        ),
         Refused(
             fields("OllamaOptions.repeat_last_n"),
             OLLAMA_GENERATE,

@@ -216,6 +216,9 @@ def responses_effects() -> list[Decision]:
             "ResponsesRequest",
             {"temperature": 0.3, "top_p": 0.5, "top_k": 7, "speculative": False},
         ),
+        Refused(
+            fields("ResponsesRequest.speculative"), RESPONSES, {"speculative": 2}, "speculative"
+        ),
         Effect(
             fields(
                 "ResponsesRequest.tools",

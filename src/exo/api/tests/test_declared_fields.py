@@ -42,14 +42,19 @@ from exo.api.serving.request_loading import LoadOnRequest
 from exo.api.tests.field_decisions import (
     BASE_BODIES,
     CHAT,
+    CLAUDE,
+    COMPLETIONS,
     COUNT_TOKENS,
     DIALECT_OF_ENDPOINT,
     EMBEDDING_ENDPOINTS,
     NO_OP_SECTION,
+    OLLAMA_CHAT,
     OLLAMA_DELETE,
+    OLLAMA_GENERATE,
     OLLAMA_SHOW,
     README,
     RERANKER,
+    RESPONSES,
     THINKING_MODEL,
     Answer,
     Decision,
@@ -294,6 +299,40 @@ def test_decision_holds(decision: Decision, app: tuple[TestClient, ScriptedClust
                 )
             else:
                 assert params_for(app, endpoint, with_field) == params_for(app, endpoint, without)
+
+
+# A bad `speculative` in each dialect: the body, and where the dialect's error puts its text.
+BAD_SPECULATIVE = [
+    (CHAT, {"speculative": "sometimes"}, "openai"),
+    (COMPLETIONS, {"speculative": "sometimes"}, "openai"),
+    (RESPONSES, {"speculative": 2}, "openai"),
+    (CLAUDE, {"speculative": "always"}, "claude"),
+    (OLLAMA_CHAT, {"options": {"num_predict": 4, "speculative": "sometimes"}}, "ollama"),
+    (OLLAMA_GENERATE, {"options": {"num_predict": 4, "speculative": []}}, "ollama"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "shape"), BAD_SPECULATIVE)
+def test_a_bad_speculative_value_is_a_400_in_the_dialects_error_shape(
+    app: tuple[TestClient, ScriptedCluster], endpoint: str, body: dict[str, Any], shape: str
+) -> None:
+    """The `Refused` decisions' answers, checked for each dialect's error body: OpenAI's
+    `{"error": {"message", "type", "param"}}`, Anthropic's `{"type": "error", "error":
+    {"type", "message"}}`, Ollama's `{"error": "<text>"}`; each names the field (the
+    sentence itself is the adapters', not checked here)."""
+    client, _cluster = app
+    result = answer(client, endpoint, body_of(endpoint, body))
+    assert result["status"] == 400, result["text"]
+    error = result["json"]["error"]
+    match shape:
+        case "openai":
+            assert error["type"] == "invalid_request_error" and error["param"] == "speculative"
+            assert "speculative" in error["message"]
+        case "claude":
+            assert result["json"]["type"] == "error"
+            assert error["type"] == "invalid_request_error" and "speculative" in error["message"]
+        case _:
+            assert isinstance(error, str) and "speculative" in error, error
 
 
 def test_unknown_fields_are_ignored_and_logged_at_debug_level(

@@ -73,12 +73,14 @@ class RunnerReady(FrozenModel):
     engine's KV-cache budget in tokens (its instance's, `Instance.kv_cache_tokens`);
     `card_mismatches` every fact of the model's card that its loaded files state otherwise
     (`exo.shared.models.profile.card_mismatches`), empty when they agree; `speculation`
-    what speculative decoding did on it (None before a request ran, or where it does not
-    speculate: a split instance); `draft_model` the draft model it loaded and drafts with
-    (`Instance.draft`: its id, or the node's `--draft-model` directory), None: n-gram
-    drafts; `draft_left_out` why the instance's draft model is not loaded though placement
-    chose it (another vocabulary than the model's, its files missing, a bad config: the
-    model serves without it, drafting by prompt lookup), None when it is or none was named."""
+    what speculative decoding did on it (None before a request ran, and on ranks other
+    than 0 of a split instance: rank 0 drafts and counts for the whole instance, which
+    verifies its drafts on every rank in one step); `draft_model` the draft model it
+    loaded and drafts with (`Instance.draft`: its id, or the node's `--draft-model`
+    directory), None: n-gram drafts; `draft_left_out` why the instance's draft model is
+    not loaded though placement chose it (another vocabulary than the model's, its files
+    missing, a bad config: the model serves without it, drafting by prompt lookup), None
+    when it is or none was named."""
 
     kind: Literal["RunnerReady"] = "RunnerReady"
     weight_bytes: int = Field(default=0, ge=0)

@@ -15,8 +15,10 @@ rejections is the KV of plain decoding. Rank 0's own KV is compared directly wit
 decoding's (the prefix cache's entries of the finished requests).
 
 One group runs the default run's x2 jobs (models loaded one after another by both ranks, so
-the processes start once), another the slow ones, a third the x3 pipeline and tensor jobs
-(expert x3 in a slow fourth). The pipeline's steps in flight beside a verified draft,
+the processes start once: Llama and Qwen3-MoE, the issue's "splits for two families"),
+another the slow ones, a third the x3 pipeline and tensor jobs (slow: the issue asks x2 of
+the default run, and the group cost 82-92 s of it on the busy 2-core machine), expert x3
+in a slow fourth. The pipeline's steps in flight beside a verified draft,
 across slot moves, are covered in one process too
 (`test_drafts_in_flight_beside_other_steps_keep_their_kv_across_slot_moves`).
 """
@@ -271,6 +273,10 @@ def group_run(models: dict[str, str]) -> GroupRun:
             Job("tensor", models["llama"], "tensor", ("ngram",)),
             Job("pipeline", models["llama"], "pipeline", ("ngram", "scripted")),
             Job("expert", models["moe-repeating"], "expert", ("ngram",)),
+            # A second family's pipeline and tensor x2 (issue 43: the splits for two
+            # families): Qwen3-MoE's per-head q/k norms and routed experts.
+            Job("pipeline-moe", models["moe-repeating"], "pipeline", ("ngram",)),
+            Job("tensor-moe", models["moe-repeating"], "tensor", ("ngram",)),
         ]
     )
 
@@ -369,6 +375,13 @@ def test_expert_split_speculates_with_ngram_drafts_as_plain_decoding(group_run: 
     _check(group_run, "expert")
 
 
+@pytest.mark.parametrize("name", ["pipeline-moe", "tensor-moe"])
+def test_a_second_familys_splits_speculate_with_ngram_drafts_as_plain_decoding(
+    group_run: GroupRun, name: str
+) -> None:
+    _check(group_run, name)
+
+
 @pytest.mark.slow  # a second 2-rank group: about 30 s on a busy 2-core machine
 @pytest.mark.parametrize("name", ["tensor-scripted", "pipeline-draft", "expert-scripted"])
 def test_splits_verify_scripted_and_draft_model_drafts_as_plain_decoding(
@@ -378,7 +391,9 @@ def test_splits_verify_scripted_and_draft_model_drafts_as_plain_decoding(
 
 
 # One 3-rank group for the two (with expert x3 as a third job: 23 s on the quiet 2-core
-# machine, 74 s while other work ran; 2026-12-06).
+# machine, 74 s while other work ran; 2026-12-06). Slow: 82-92 s of the default run on the
+# busy machine (2026-12-07), where the issue asks for x2 splits only.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["pipeline-x3", "tensor-x3"])
 def test_three_rank_splits_speculate_with_ngram_drafts_as_plain_decoding(
     three_rank_run: GroupRun, name: str

@@ -3,8 +3,9 @@
 Drafts on tiny random-weight models come from `ScriptedDrafts`, which proposes the tokens
 plain decoding produced with deliberate mistakes at scripted places, so every path (a draft
 all accepted with its bonus token, a rejection at the first or a later token, a request
-finishing inside a draft) is taken on every family, deterministically. The n-gram source
-itself is tested alone and on the default model (`test_speculative_live.py`).
+finishing inside a draft) is taken, deterministically. Every family's greedy equality with
+scripted, n-gram and draft-model drafts is `test_speculative_families.py`; the n-gram
+source is tested alone here and on the default model (the last test).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from exo.shared.types.chunks import TokenLogprob
 from exo.shared.types.common import ModelId
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
-from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.batching.batch_attention import (
     BatchPlan,
     attend,
@@ -58,10 +58,6 @@ from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.tests.conftest import save_tiny_llama
 
 PROMPTS = ("Tell me a story about a dragon", "Hi", "Count: one two three four five")
-# Families checked in the default run (one per attention/norm layout: Llama, Qwen3's q/k
-# norms, Gemma 3's sliding windows and extra norms); `test_batching.py` covers the rest of
-# the batched step.
-FAMILIES = ("llama", "qwen3", "gemma3")
 # |speculative - plain| logits of float32 weights (as test_batching.py's batched - alone).
 FLOAT32_TOLERANCE = 5e-4
 
@@ -362,43 +358,6 @@ def load(directory: Path, **options: Any) -> TorchEngine:
     engine.eos_token_ids = frozenset({-1})  # random weights: stop by length or stop string
     speculation(engine).step_cost = lambda rows: None  # draft lengths never follow the clock
     return engine
-
-
-@pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> dict[str, Path]:
-    return {
-        name: save_tiny_model(
-            tmp_path_factory.mktemp(f"spec-{name}"),
-            name,
-            real_model_dir,
-            n_layers=3,
-            sliding_window=6,
-        )
-        for name in FAMILIES
-    }
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_output_is_identical_with_drafts_batched_with_plain_requests(
-    family_dirs: dict[str, Path], family: str, float32_kv: None
-) -> None:
-    engine = load(family_dirs[family])
-    params = [
-        request(PROMPTS[0], temperature=0.0, max_tokens=23, speculative=True),
-        request(PROMPTS[1], temperature=0.0, max_tokens=9, speculative=False),
-        request(PROMPTS[2], temperature=0.0, max_tokens=17, speculative=True),
-    ]
-    reference = plain_references(engine, params)
-    drafts = ScriptedDrafts(reference, engine.vocab_size)
-    speculation(engine).source = drafts
-    states = [engine.build_request(one, None, f"r{index}") for index, one in enumerate(params)]
-    run(engine, states, join_at=[0, 2, 5])
-    for index, state in enumerate(states):
-        assert state.prompt_ids + state.generated_ids == reference[f"r{index}"], index
-    counters = speculation(engine).counters
-    assert counters.verify_rounds >= 6 and 0 < counters.accepted_tokens < counters.drafted_tokens
-    assert counters.tokens_per_step is not None and counters.tokens_per_step > 1.2
-    assert {"r0", "r2"} <= set(drafts.forgotten)
 
 
 def test_seeded_sampling_with_penalties_and_bias_is_identical_with_drafts(
