@@ -131,19 +131,49 @@ def test_draft_length_grows_after_full_acceptance_and_shrinks_after_a_rejection(
 
 def test_auto_switch_turns_off_where_drafts_cost_more_than_they_gain_and_probes() -> None:
     switch = AutoSwitch()
-    assert switch.allows() and switch.probing  # the first steps probe
+    assert not switch.allows(1)  # no plain step measured yet: a reference step
     switch.observe(requests=1, rows=1, emitted=1, seconds=0.010)  # a plain step: 100 tok/s
+    assert switch.allows(1) and not switch.probing
     # Drafts of 6: the step costs 1.5x and yields 1.2 tokens: 80 tok/s.
     for _ in range(20):
         switch.observe(requests=1, rows=7, emitted=1, seconds=0.015)
     assert not switch.enabled and switch.gain is not None and switch.gain < 1
-    # Off: PROBE_STEPS steps of every PROBE_INTERVAL draft.
-    allowed = [switch.allows() for _ in range(2 * PROBE_INTERVAL)]
-    assert allowed.count(True) == 2 * PROBE_STEPS
+
+    def steps(count: int) -> list[bool]:  # `count` steps, the plain ones measured
+        allowed = []
+        for _ in range(count):
+            allowed.append(switch.allows(1))
+            if not allowed[-1]:
+                switch.observe(requests=1, rows=1, emitted=1, seconds=0.010)
+        return allowed
+
+    # Off: the last PROBE_STEPS steps of PROBE_INTERVAL draft, then probes back off.
+    allowed = steps(PROBE_INTERVAL)
+    assert allowed.count(True) == PROBE_STEPS and all(allowed[-PROBE_STEPS:])
+    allowed = steps(2 * PROBE_INTERVAL)
+    assert allowed.count(True) == PROBE_STEPS and all(allowed[-PROBE_STEPS:])
     # The probes find the text copyable now: 5 tokens per 1.5x step.
     for _ in range(20):
         switch.observe(requests=1, rows=7, emitted=5, seconds=0.015)
-    assert switch.enabled and switch.allows()
+    assert switch.enabled and switch.allows(1)
+
+
+def test_a_draft_models_catch_up_counts_as_drafting_never_as_a_plain_steps_time() -> None:
+    # A step whose draft model prefilled the prompt (no draft rows yet) cost 0.5 s of
+    # drafting beside a 10 ms forward pass: a plain step stays 10 ms, and drafting lost.
+    switch = AutoSwitch()
+    assert not switch.allows(1)
+    switch.observe(requests=1, rows=1, emitted=1, seconds=0.010)
+    assert switch.allows(1)
+    switch.observe(requests=1, rows=1, emitted=1, seconds=0.010, draft_seconds=0.5)
+    assert switch.step_seconds(1) == pytest.approx(0.010)
+    assert not switch.enabled and switch.gain == pytest.approx(0.010 / 0.510)
+    # A draft source that found nothing in no time costs nothing.
+    fresh = AutoSwitch()
+    fresh.allows(1)
+    fresh.observe(requests=1, rows=1, emitted=1, seconds=0.010)
+    fresh.observe(requests=1, rows=1, emitted=1, seconds=0.012, draft_seconds=1e-6)
+    assert fresh.enabled
 
 
 def test_the_draft_length_is_the_one_with_the_most_tokens_per_second_of_step_time() -> None:
