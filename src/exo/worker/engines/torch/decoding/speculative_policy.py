@@ -160,7 +160,8 @@ class AutoSwitch:
     (t(n): the averaged time of a decode-only step of n rows, the nearest measured n where
     none of n was; a step with draft rows is averaged with its drafting time in). It is on
     while the gain's moving average is above the band, off below it; while off it probes
-    now and then (`PROBE_INTERVAL`, backing off to `PROBE_INTERVAL_MAX`). On at start: a
+    now and then (`PROBE_INTERVAL`, backing off to `PROBE_INTERVAL_MAX`; a probe step that
+    loses ends its probe). On at start: a
     request with no draft found costs nothing, so the first drafts measure their own worth;
     but never without a plain step to compare with: where the requests' plain step time
     was not measured in the last `PROBE_INTERVAL` steps, one step is kept plain (a
@@ -248,6 +249,10 @@ class AutoSwitch:
         self._record_gain((emitted / step) / (requests / plain))
 
     def _record_gain(self, gain: float) -> None:
+        if not self.enabled and self.probing and gain < SWITCH_OFF_BELOW:
+            # A probe step that lost ends the probe: a draft model catching up on a new
+            # prompt costs one step's chunk per probe, not PROBE_STEPS of them.
+            self._steps = self._interval
         self.gain = gain if self.gain is None else self.gain + SWITCH_SMOOTHING * (gain - self.gain)
         if self.enabled and self.gain < SWITCH_OFF_BELOW:
             self.enabled = False

@@ -158,24 +158,6 @@ def test_auto_switch_turns_off_where_drafts_cost_more_than_they_gain_and_probes(
     assert switch.enabled and switch.allows(1)
 
 
-def test_a_draft_models_catch_up_counts_as_drafting_never_as_a_plain_steps_time() -> None:
-    # A step whose draft model prefilled the prompt (no draft rows yet) cost 0.5 s of
-    # drafting beside a 10 ms forward pass: a plain step stays 10 ms, and drafting lost.
-    switch = AutoSwitch()
-    assert not switch.allows(1)
-    switch.observe(requests=1, rows=1, emitted=1, seconds=0.010)
-    assert switch.allows(1)
-    switch.observe(requests=1, rows=1, emitted=1, seconds=0.010, draft_seconds=0.5)
-    assert switch.step_seconds(1) == pytest.approx(0.010)
-    assert not switch.enabled and switch.gain == pytest.approx(0.010 / 0.510)
-    # A draft source that found nothing in no time costs nothing.
-    fresh = AutoSwitch()
-    fresh.allows(1)
-    fresh.observe(requests=1, rows=1, emitted=1, seconds=0.010)
-    fresh.observe(requests=1, rows=1, emitted=1, seconds=0.012, draft_seconds=1e-6)
-    assert fresh.enabled
-
-
 def test_the_draft_length_is_the_one_with_the_most_tokens_per_second_of_step_time() -> None:
     assert expected_tokens(0.5, 0) == 1.0 and expected_tokens(0.5, 2) == pytest.approx(1.75)
     assert expected_tokens(1.0, 4) == 5.0

@@ -19,7 +19,11 @@ import pytest
 
 from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.decoding.speculative_drafts import Draft, DraftRequest
-from exo.worker.engines.torch.decoding.speculative_policy import PROBE_INTERVAL, PROBE_STEPS
+from exo.worker.engines.torch.decoding.speculative_policy import (
+    PROBE_INTERVAL,
+    PROBE_STEPS,
+    AutoSwitch,
+)
 from exo.worker.engines.torch.draft_model import DRAFT_PREFILL_CHUNK, DraftModelSource
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.tests.test_speculative import (
@@ -41,6 +45,43 @@ POSITION_SECONDS = 0.0002
 # Drafting steps the switch may take to turn off: its first one after the reference step
 # (a plain step it measures first) suffices here; one more for a clock's hiccup.
 MOST_DRAFTING_STEPS = 2
+
+
+def test_a_draft_models_catch_up_counts_as_drafting_never_as_a_plain_steps_time() -> None:
+    # A step whose draft model prefilled the prompt (no draft rows yet) cost 0.5 s of
+    # drafting beside a 10 ms forward pass: a plain step stays 10 ms, and drafting lost.
+    switch = AutoSwitch()
+    assert not switch.allows(1)
+    switch.observe(requests=1, rows=1, emitted=1, seconds=0.010)
+    assert switch.allows(1)
+    switch.observe(requests=1, rows=1, emitted=1, seconds=0.010, draft_seconds=0.5)
+    assert switch.step_seconds(1) == pytest.approx(0.010)
+    assert not switch.enabled and switch.gain == pytest.approx(0.010 / 0.510)
+    # A draft source that found nothing in no time costs nothing.
+    fresh = AutoSwitch()
+    fresh.allows(1)
+    fresh.observe(requests=1, rows=1, emitted=1, seconds=0.010)
+    fresh.observe(requests=1, rows=1, emitted=1, seconds=0.012, draft_seconds=1e-6)
+    assert fresh.enabled
+
+
+def test_a_probe_step_that_loses_ends_the_probe() -> None:
+    # Off, then a probe whose first step only caught a draft model up on a new prompt (no
+    # draft rows, 0.5 s of drafting): the probe's other steps do not draft.
+    switch = AutoSwitch()
+    switch.allows(1)
+    switch.observe(requests=1, rows=1, emitted=1, seconds=0.010)
+    switch.allows(1)
+    switch.observe(requests=1, rows=7, emitted=1, seconds=0.015)
+    assert not switch.enabled
+    allowed = []
+    for _ in range(PROBE_INTERVAL):
+        allowed.append(switch.allows(1))
+        if allowed[-1]:
+            switch.observe(requests=1, rows=1, emitted=1, seconds=0.010, draft_seconds=0.5)
+        else:
+            switch.observe(requests=1, rows=1, emitted=1, seconds=0.010)
+    assert allowed.count(True) == 1 and not switch.enabled
 
 
 class DisagreeingDraft:
