@@ -38,7 +38,10 @@ def _render_error(
     overflow = context_overflow(message, code)
     if overflow is not None:
         # Anthropic's words, which Claude Code matches to compact the conversation.
-        message = f"prompt is too long: {overflow[0]} tokens > {overflow[1]} maximum"
+        message = (
+            f"prompt is too long: {overflow.prompt_tokens} tokens > {overflow.limit} maximum"
+            f"{overflow.note()}"
+        )
     return error_body(status_code, message)
 
 

@@ -106,7 +106,7 @@ def _in_openai_embedding_terms(error: InvalidRequestError) -> InvalidRequestErro
     overflow = context_overflow(error.message, error.code)
     if overflow is None:
         return error
-    tokens, limit = overflow
+    tokens, limit = overflow.prompt_tokens, overflow.limit
     where = error.message.split(":", 1)[0] if error.message.startswith("input[") else "input"
     return InvalidRequestError(
         f"Invalid 'input': maximum context length is {limit} tokens. {where} is {tokens} tokens.",

@@ -82,7 +82,8 @@ def _render_ollama_error(
     if overflow is not None:
         # Ollama's sentence (with `truncate: false`); exo refuses rather than truncates.
         message = (
-            f"the input length exceeds the context length ({overflow[0]} tokens > {overflow[1]})"
+            "the input length exceeds the context length "
+            f"({overflow.prompt_tokens} tokens > {overflow.limit}){overflow.note()}"
         )
     return {"error": message}
 

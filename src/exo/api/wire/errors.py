@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 
 class ApiError(Exception):
@@ -444,53 +444,99 @@ class ErrorDialect:
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 # The engine's sentence for a prompt that leaves no room for a reply
-# (`exo.worker.engines.torch.engine_requests.PromptTooLongError`).
+# (`exo.worker.engines.torch.engine_requests.PromptTooLongError`), which gives the model's
+# context beside a smaller bound (the instance's KV cache budget, or Ollama's `num_ctx`).
 _ENGINE_OVERFLOW = re.compile(
-    r"the prompt is (\d+) tokens; the (?:model's|request's) (?:context|KV cache budget) is "
-    r"(\d+) tokens"
+    r"the prompt is (\d+) tokens; the (model's|request's) (context|KV cache budget) is "
+    r"(\d+) tokens(?: \(the model's context is (\d+) tokens\))?"
 )
 
 
-def context_overflow(message: str, code: str | None) -> tuple[int, int] | None:
-    """(prompt tokens, most tokens the model may hold) of a context-overflow error whose
-    message gives both numbers, else None. Each dialect rewords it as its reference API
-    does, since clients (Claude Code's compaction, LiteLLM's `ContextWindowExceededError`)
-    match those sentences."""
+class ContextOverflow(NamedTuple):
+    """A context-overflow error's numbers.
+
+    Attributes:
+        prompt_tokens: the prompt's tokens.
+        limit: the most tokens the request may hold (the bound it is over).
+        bound: what sets `limit`: "context" (the model's), "kv_cache" (the instance's KV
+            cache budget: `--kv-cache-tokens` or the node's free memory) or "request"
+            (the request's own context, Ollama's `num_ctx`).
+        context_length: the model's context where another bound is lower, else None.
+    """
+
+    prompt_tokens: int
+    limit: int
+    bound: str = "context"
+    context_length: int | None = None
+
+    def note(self) -> str:
+        """Why the limit is not the model's context, as a clause to append ("" where it
+        is): clients read the dialect's numbers (`limit`, the bound that applies), people
+        read this."""
+        if self.bound == "kv_cache":
+            context = f"; the model's context is {self.context_length} tokens" if (
+                self.context_length is not None
+            ) else ""  # fmt: skip
+            return (
+                " (the most this instance's KV cache holds for a request, set by "
+                f"--kv-cache-tokens or the node's free memory{context})"
+            )
+        if self.bound == "request":
+            return f" (the request's context, num_ctx, is {self.limit} tokens)"
+        return ""
+
+
+def context_overflow(message: str, code: str | None) -> ContextOverflow | None:
+    """The numbers of a context-overflow error whose message gives them, else None. Each
+    dialect rewords it as its reference API does, since clients (Claude Code's compaction,
+    LiteLLM's `ContextWindowExceededError`) match those sentences, with the bound that
+    applies in the number's place and `ContextOverflow.note` after it where that bound is
+    not the model's context."""
     if code != CONTEXT_LENGTH_EXCEEDED:
         return None
     match = _ENGINE_OVERFLOW.search(message)
-    return None if match is None else (int(match.group(1)), int(match.group(2)))
-
-
-OverflowMessage = Callable[[int, int], str]
-"""(prompt tokens, the most tokens the model may hold) -> the reference API's sentence."""
-
-
-def openai_context_overflow_message(prompt_tokens: int, limit: int) -> str:
-    """OpenAI's Chat Completions sentence for messages over the context."""
-    return (
-        f"This model's maximum context length is {limit} tokens. However, your messages "
-        f"resulted in {prompt_tokens} tokens. Please reduce the length of the messages."
+    if match is None:
+        return None
+    prompt_tokens, whose, what, limit, context = match.groups()
+    bound = "request" if whose == "request's" else "kv_cache" if what != "context" else "context"
+    return ContextOverflow(
+        int(prompt_tokens), int(limit), bound, None if context is None else int(context)
     )
 
 
-def completions_context_overflow_message(prompt_tokens: int, limit: int) -> str:
+OverflowMessage = Callable[[ContextOverflow], str]
+"""A context overflow's numbers -> the reference API's sentence."""
+
+
+def openai_context_overflow_message(overflow: ContextOverflow) -> str:
+    """OpenAI's Chat Completions sentence for messages over the context."""
+    return (
+        f"This model's maximum context length is {overflow.limit} tokens{overflow.note()}. "
+        f"However, your messages resulted in {overflow.prompt_tokens} tokens. Please reduce "
+        "the length of the messages."
+    )
+
+
+def completions_context_overflow_message(overflow: ContextOverflow) -> str:
     """OpenAI's legacy Completions sentence for a prompt over the context: the prompt alone
     overflows (exo caps `max_tokens` to the room a prompt leaves), so the completion asks
     for 0 tokens."""
+    prompt_tokens = overflow.prompt_tokens
     return (
-        f"This model's maximum context length is {limit} tokens, however you requested "
-        f"{prompt_tokens} tokens ({prompt_tokens} in your prompt; 0 for the completion). "
-        "Please reduce your prompt; or completion length."
+        f"This model's maximum context length is {overflow.limit} tokens{overflow.note()}, "
+        f"however you requested {prompt_tokens} tokens ({prompt_tokens} in your prompt; 0 "
+        "for the completion). Please reduce your prompt; or completion length."
     )
 
 
-def responses_context_overflow_message(prompt_tokens: int, limit: int) -> str:
+def responses_context_overflow_message(overflow: ContextOverflow) -> str:
     """OpenAI's Responses sentence for an input over the context window, then the numbers
     (OpenAI's gives none; clients match the sentence and the code)."""
+    what = "the model's context" if overflow.bound == "context" else "the limit"
     return (
         "Your input exceeds the context window of this model. Please adjust your input and "
-        f"try again. (The input is {prompt_tokens} tokens; the model's context is {limit}.)"
+        f"try again. (The input is {overflow.prompt_tokens} tokens; {what} is "
+        f"{overflow.limit}{overflow.note()}.)"
     )
 
 
@@ -503,7 +549,7 @@ def openai_renderer(overflow_message: OverflowMessage) -> ErrorBodyRenderer:
     ) -> dict[str, Any]:
         overflow = context_overflow(message, code)
         if overflow is not None:
-            message = overflow_message(*overflow)
+            message = overflow_message(overflow)
         return openai_error_body(message, error_type, param, code)
 
     return render

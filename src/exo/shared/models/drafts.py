@@ -15,9 +15,11 @@ A named draft that cannot draft for the target is left out, saying why (the reas
 `Instance.draft_left_out`, the instance served without it): the target itself (it would
 read the target's weights twice per token to save none), or a catalog model whose card's
 vocabulary is not the target's (`vocabulary_mismatch`: its tokens would be other text, and
-the runner would refuse it at load). A directory has no card here: its runner checks the
-tokenizers themselves and, refused, serves the target without it
-(`draft_model.check_same_vocabulary`).
+the runner would refuse it at load), or a catalog model too large to speed the target up
+(`draft_too_large`: more than `DRAFT_MAX_ACTIVE_FRACTION` of the target's active
+parameters). A directory has no card here: its runner checks the tokenizers themselves
+and, refused, serves the target without it (`draft_model.check_same_vocabulary`); its size
+is not checked.
 
 Where it runs is placement's (`exo.master.group_layout`): in a draft runner of its own on a
 spare node with room (`InstanceDraft.runner`, `placement_memory.draft_runner_bytes`), else
@@ -31,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from exo.shared.models.names import resolve_model_name
+from exo.shared.models.parameter_count import active_parameter_count, human_parameter_count
 from exo.shared.parallelism import parallelism
 from exo.shared.types.common import ModelId, NodeId
 from exo.shared.types.instances import InstanceDraft, Sharding
@@ -40,6 +43,18 @@ from exo.shared.types.models import ModelCard
 # tokenizer: output layers are padded to a multiple of 64-256 rows (`vocabulary_mismatch`),
 # well under 1 %; tokenizers of different families differ by far more.
 VOCABULARY_PADDING_FRACTION = 0.01
+
+# The most a draft's active parameters may be of its target's (a MoE target's active ones:
+# a step reads only its routed experts). A round of k draft tokens costs k draft steps, each
+# about this share of a target step on a memory-bound CPU, and yields
+# (1 - a^(k+1)) / (1 - a) tokens (`speculative_policy.expected_tokens`): at 1/4 and k = 4 the
+# drafts cost one target step, so at acceptance 0.8 (3.4 tokens) a round is at best ~1.7x
+# plain and at 0.5 (1.9 tokens) ~0.97x, before verification's extra rows. Measured: a
+# 135M draft (1/13 of its 1.7B target) gave 1.04x at 0.5 and 1.97x at 0.8
+# (docs/benchmarks/2026-12-07-speculative-zen4.md); a 0.8B draft (1/5) made a 4B target
+# 1.48x slower on a 4-core CPU (issue 43); a 135M draft for a 3M-parameter target ran it
+# 10-400x slower (trial of session 41: the case this bound leaves out).
+DRAFT_MAX_ACTIVE_FRACTION = 0.25
 
 
 def draft_option_problem(name: str) -> str | None:
@@ -91,6 +106,23 @@ def vocabulary_mismatch(card: ModelCard, draft_card: ModelCard) -> str | None:
     )
 
 
+def draft_too_large(card: ModelCard, draft_card: ModelCard) -> str | None:
+    """Why `draft_card` is too large to speed `card` up, or None: its active parameters
+    (`active_parameter_count`, from the cards' shapes) are more than
+    `DRAFT_MAX_ACTIVE_FRACTION` of the target's."""
+    target = active_parameter_count(card)
+    draft = active_parameter_count(draft_card)
+    if draft <= DRAFT_MAX_ACTIVE_FRACTION * target:
+        return None
+    active = " active" if card.moe is not None else ""
+    return (
+        f"draft model {draft_card.model_id} left out: it has {human_parameter_count(draft)} "
+        f"parameters, more than {DRAFT_MAX_ACTIVE_FRACTION:g} of {card.model_id}'s "
+        f"{human_parameter_count(target)}{active}; a draft that large costs more time than "
+        "its accepted tokens save"
+    )
+
+
 def draft_for(
     card: ModelCard,
     node_id: NodeId,
@@ -107,7 +139,8 @@ def draft_for(
 
     Returns:
         The draft with its card where one resolves; a string (`Instance.draft_left_out`)
-        where the draft named is the target itself or has another vocabulary; None where
+        where the draft named is the target itself, has another vocabulary or is too large
+        to speed it up (`draft_too_large`); None where
         none is named (or a card's draft is in no catalog, as the catalog's test forbids),
         and for a model that does not generate text.
     """
@@ -150,4 +183,8 @@ def _usable(card: ModelCard, draft: InstanceDraft) -> InstanceDraft | str:
     assert draft.model_card is not None
     if draft.model_id == card.model_id:
         return _itself(card)
-    return vocabulary_mismatch(card, draft.model_card) or draft
+    return (
+        vocabulary_mismatch(card, draft.model_card)
+        or draft_too_large(card, draft.model_card)
+        or draft
+    )

@@ -92,9 +92,14 @@ def reply_budget(
         limit, what = params.context_tokens, "request's context"  # Ollama's num_ctx
     room = limit - len(prompt_ids)
     if room < 1:
+        # The model's context beside a KV budget below it, so that the API can say which
+        # bound this is (`exo.api.wire.errors.context_overflow`).
+        context = f" (the model's context is {context_length} tokens)" if what != (
+            "model's context"
+        ) else ""  # fmt: skip
         raise PromptTooLongError(
             f"the prompt is {len(prompt_ids)} tokens; the {what} is "
-            f"{limit} tokens, leaving no room for a reply"
+            f"{limit} tokens{context}, leaving no room for a reply"
         )
     return room if params.max_tokens is None else min(params.max_tokens, room)
 

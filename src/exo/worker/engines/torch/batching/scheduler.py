@@ -135,10 +135,11 @@ BatchLaunch = Callable[
 class _Launched:
     """A step whose forward pass has started: `sampled[i]` takes the next
     `len(drafts[i]) + 1` logits rows (one without a draft). The first `decoding` of
-    `sampled` were decoding; `seconds` is the time of the forward pass and of its drafts'
-    proposal where it was run here (None: launched, then timed from `started`, a
-    `time.perf_counter` value, to its logits' arrival) and `decode_only` whether the step
-    had no prompt rows."""
+    `sampled` were decoding; `seconds` is the time of the forward pass where it was run
+    here (None: launched, then timed from `started`, a `time.perf_counter` value, to its
+    logits' arrival), `draft_seconds` that of its drafts' proposal (before `started`; a
+    draft model's prompt catch-up included), and `decode_only` whether the step had no
+    prompt rows."""
 
     sampled: list[RunningRequest]
     logits: Callable[[], StepLogits]
@@ -147,6 +148,7 @@ class _Launched:
     seconds: float | None = None
     decode_only: bool = False
     started: float = 0.0
+    draft_seconds: float = 0.0
 
 
 class BatchScheduler:
@@ -374,18 +376,15 @@ class BatchScheduler:
                 running.state.prefilled_tokens = min(
                     running.computed, len(running.state.prompt_ids)
                 )
-        if self.speculation is not None:
-            # A draft model's forward passes are part of the step's cost (n-gram: ~0).
-            draft_seconds = self.speculation.take_draft_seconds()
-            if seconds is not None:
-                seconds += draft_seconds
-            else:  # a launched step's time runs from before its drafts
-                started -= draft_seconds
+        # A draft model's forward passes and catch-up are part of the step's cost (n-gram:
+        # ~0), measured apart from the forward pass so a plain step's time stays plain.
+        draft_seconds = 0.0 if self.speculation is None else self.speculation.take_draft_seconds()
         for running in layout.sampled:
             running.awaiting = True
         launched = _Launched(
-            layout.sampled, logits, layout.drafts, len(decoding), seconds, not prefill, started
-        )
+            layout.sampled, logits, layout.drafts, len(decoding), seconds, not prefill, started,
+            draft_seconds,
+        )  # fmt: skip
         self._in_flight.append(launched)
         return True
 
@@ -436,7 +435,9 @@ class BatchScheduler:
             if state.finished:
                 self._release(running, keep_prefix=True)
         if speculation is not None and launched.decode_only:
-            speculation.step_measured(launched.decoding, row, emitted_by_decoding, seconds)
+            speculation.step_measured(
+                launched.decoding, row, emitted_by_decoding, seconds, launched.draft_seconds
+            )
         return outputs
 
     def _drop_everything(self) -> None:
@@ -489,7 +490,7 @@ class BatchScheduler:
             if decoding and not prefill and self.speculation is not None:
                 if auto_allowed is None:
                     states = [running.state for running in self._running]
-                    auto_allowed = self.speculation.auto_allowed(states)
+                    auto_allowed = self.speculation.auto_allowed(states, len(decoding))
                 drafts = self._drafts(decoding, auto_allowed)
             tokens = self.footprint.tokens
             while True:

@@ -64,11 +64,12 @@ class Speculation:
         # forward passes: part of a speculating step's cost, for the switch and lengths).
         self._draft_seconds = 0.0
 
-    def auto_allowed(self, states: Sequence[RequestState]) -> bool:
-        """Whether requests in "auto" mode draft this step (`AutoSwitch.allows`, asked only
-        where one of `states` is in "auto" mode, so probes count its steps)."""
+    def auto_allowed(self, states: Sequence[RequestState], requests: int) -> bool:
+        """Whether requests in "auto" mode draft this step of `requests` decoding requests
+        (`AutoSwitch.allows`, asked only where one of `states` is in "auto" mode, so probes
+        count its steps)."""
         modes = (self.settings.mode_of(state.speculative) for state in states)
-        return any(mode == "auto" for mode in modes) and self.auto_switch.allows()
+        return any(mode == "auto" for mode in modes) and self.auto_switch.allows(requests)
 
     def drafts(
         self, decoding: Sequence[tuple[RequestState, Sequence[int]]], auto_allowed: bool
@@ -143,8 +144,9 @@ class Speculation:
         return drafts
 
     def take_draft_seconds(self) -> float:
-        """The seconds spent proposing since the last call (the step's drafting time,
-        added to its forward pass's in `step_measured`)."""
+        """The seconds spent proposing since the last call (the step's drafting time, a
+        draft model's catch-up included, passed beside its forward pass's to
+        `step_measured`)."""
         seconds, self._draft_seconds = self._draft_seconds, 0.0
         return seconds
 
@@ -162,9 +164,12 @@ class Speculation:
         self.counters.decode_rounds += 1
         self.counters.decode_tokens += emitted
 
-    def step_measured(self, requests: int, rows: int, emitted: int, seconds: float) -> None:
-        """A decode-only step's forward pass (`AutoSwitch.observe`)."""
-        self.auto_switch.observe(requests, rows, emitted, seconds)
+    def step_measured(
+        self, requests: int, rows: int, emitted: int, seconds: float, draft_seconds: float
+    ) -> None:
+        """A decode-only step: its forward pass's `seconds` and its proposal's
+        `draft_seconds` (`AutoSwitch.observe`)."""
+        self.auto_switch.observe(requests, rows, emitted, seconds, draft_seconds)
 
     def forget(self, request_id: str) -> None:
         """The request left the batch."""

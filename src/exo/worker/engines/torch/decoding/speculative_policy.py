@@ -135,9 +135,12 @@ SWITCH_SMOOTHING = 0.2
 # (a band, so measurement noise does not flip it every few steps).
 SWITCH_OFF_BELOW = 0.98
 SWITCH_ON_ABOVE = 1.02
-# While off, every this many decode steps, drafts are tried for `PROBE_STEPS` steps (the
-# text may have turned into a copy; the machine's load may have changed).
+# Every this many decode steps, drafts are tried for the last `PROBE_STEPS` of them, uncapped
+# (the text may have turned into a copy; the machine's load may have changed). While off, a
+# probe that leaves it off doubles the interval, up to `PROBE_INTERVAL_MAX`: a draft that
+# never helps costs at most PROBE_STEPS of every PROBE_INTERVAL_MAX steps.
 PROBE_INTERVAL = 64
+PROBE_INTERVAL_MAX = 1024
 PROBE_STEPS = 6
 
 
@@ -147,17 +150,27 @@ class AutoSwitch:
 
     A decode-only step's time is, on a CPU, a function of its row count (weights read once,
     plus a cost per row). The switch keeps the moving average of that time per row count,
-    and for each step with drafts the gain
+    the plain one (`n` rows for `n` requests) from forward passes alone, and for each step
+    that drafted (draft rows, or a draft source asked: a draft model's passes and its
+    prompt catch-up, which yield no draft rows while it catches up) the gain
 
-        gain = (tokens emitted / t(rows with drafts)) / (requests / t(requests))
+        gain = (tokens emitted / (t(rows) + drafting seconds)) / (requests / t(requests))
 
     the tokens per second of that step over those of a plain step of the same requests
     (t(n): the averaged time of a decode-only step of n rows, the nearest measured n where
-    none of n was). It is on while the gain's moving average is above the band, off below
-    it; while off it probes now and then. On at start: a request with no draft found costs
-    nothing, so the first drafts measure their own worth. Its probes also lift the cost cap
-    on draft lengths (`best_draft_length`), which would otherwise never measure again a row
-    count it had judged too dear.
+    none of n was; a step with draft rows is averaged with its drafting time in). It is on
+    while the gain's moving average is above the band, off below it; while off it probes
+    now and then (`PROBE_INTERVAL`, backing off to `PROBE_INTERVAL_MAX`; a probe step that
+    loses ends its probe). On at start: a
+    request with no draft found costs nothing, so the first drafts measure their own worth;
+    but never without a plain step to compare with: where the requests' plain step time
+    was not measured in the last `PROBE_INTERVAL` steps, one step is kept plain (a
+    reference step, at most one per interval). So a draft whose tokens are never accepted,
+    or which costs more than it saves, turns the switch off at its first drafting step
+    after a reference (later, the more a good past has lifted the gain: each such step
+    takes a fifth of the way from the average down to its gain). Its probes also lift the
+    cost cap on draft lengths (`best_draft_length`), which would otherwise never measure
+    again a row count it had judged too dear.
     """
 
     enabled: bool = True
@@ -166,14 +179,39 @@ class AutoSwitch:
     # measured costs, so every row count's time is measured again (on or off).
     probing: bool = False
     _step_seconds: dict[int, float] = field(default_factory=dict)
+    # `allows` calls since the start or since the switch turned off (probes' phase).
     _steps: int = 0
+    _interval: int = PROBE_INTERVAL
+    # `allows` calls in all, and at which one each request count's plain step time was last
+    # measured and the last reference step was asked for.
+    _asked: int = 0
+    _plain_at: dict[int, int] = field(default_factory=dict)
+    _reference_at: int | None = None
 
-    def allows(self) -> bool:
-        """Whether "auto" requests draft this step: while on, and in probes (the first
-        `PROBE_STEPS` of every `PROBE_INTERVAL` steps asked about) while off."""
-        self.probing = self._steps % PROBE_INTERVAL < PROBE_STEPS
-        self._steps += 1
+    def allows(self, requests: int) -> bool:
+        """Whether "auto" requests draft this step of `requests` decoding requests: not in
+        a reference step (see the class), else while on, and in probes (the last
+        `PROBE_STEPS` of every probe interval) while off."""
+        asked, self._asked = self._asked, self._asked + 1
+        phase, self._steps = self._steps, self._steps + 1
+        probe_from = self._interval - PROBE_STEPS
+        self.probing = phase % self._interval >= probe_from
+        if not self.enabled and phase >= self._interval and phase % self._interval == 0:
+            # A probe ended with the switch still off: probe less often.
+            self._interval = min(PROBE_INTERVAL_MAX, 2 * self._interval)
+            self._steps = 1
+            self.probing = False
+        if self._needs_reference(requests, asked):
+            self._reference_at = asked
+            self.probing = False
+            return False
         return self.enabled or self.probing
+
+    def _needs_reference(self, requests: int, asked: int) -> bool:
+        measured = self._plain_at.get(requests)
+        if measured is not None and asked - measured < PROBE_INTERVAL:
+            return False
+        return self._reference_at is None or asked - self._reference_at >= PROBE_INTERVAL
 
     def step_seconds(self, rows: int) -> float | None:
         """The averaged time of a decode-only step of `rows` rows (or the nearest measured
@@ -183,27 +221,45 @@ class AutoSwitch:
         nearest = min(self._step_seconds, key=lambda measured: (abs(measured - rows), measured))
         return self._step_seconds[nearest]
 
-    def observe(self, requests: int, rows: int, emitted: int, seconds: float) -> None:
+    def observe(
+        self, requests: int, rows: int, emitted: int, seconds: float, draft_seconds: float = 0.0
+    ) -> None:
         """Record a decode-only step (no prompt rows) of `requests` requests laid out in
-        `rows` rows (more than `requests` where some drafted) that emitted `emitted` tokens
-        in `seconds` (its forward pass)."""
+        `rows` rows (more than `requests` where some drafted) that emitted `emitted` tokens,
+        its forward pass taking `seconds` and its drafts' proposal `draft_seconds` (0.0:
+        no draft source was asked)."""
         if requests <= 0 or seconds <= 0.0:
             return
+        drafted_rows = rows > requests
+        measured = seconds + draft_seconds if drafted_rows else seconds
         previous = self._step_seconds.get(rows)
         self._step_seconds[rows] = (
-            seconds if previous is None else previous + SWITCH_SMOOTHING * (seconds - previous)
+            measured if previous is None else previous + SWITCH_SMOOTHING * (measured - previous)
         )
-        if rows == requests:
-            return
-        plain = self.step_seconds(requests)
-        if plain is None or requests not in self._step_seconds:
+        if not drafted_rows:
+            self._plain_at[requests] = self._asked
+            if draft_seconds <= 0.0:
+                return  # a plain step
+        plain = self._step_seconds.get(requests)
+        if plain is None:
             return  # no plain step of these requests measured yet
-        gain = (emitted / self._step_seconds[rows]) / (requests / plain)
+        # A step without draft rows is a plain step's forward (its averaged time, so its
+        # noise does not count) plus what drafting cost.
+        step = self._step_seconds[rows] if drafted_rows else plain + draft_seconds
+        self._record_gain((emitted / step) / (requests / plain))
+
+    def _record_gain(self, gain: float) -> None:
+        if not self.enabled and self.probing and gain < SWITCH_OFF_BELOW:
+            # A probe step that lost ends the probe: a draft model catching up on a new
+            # prompt costs one step's chunk per probe, not PROBE_STEPS of them.
+            self._steps = self._interval
         self.gain = gain if self.gain is None else self.gain + SWITCH_SMOOTHING * (gain - self.gain)
         if self.enabled and self.gain < SWITCH_OFF_BELOW:
             self.enabled = False
+            self._steps = 0
         elif not self.enabled and self.gain > SWITCH_ON_ABOVE:
             self.enabled = True
+            self._interval = PROBE_INTERVAL
 
 
 @dataclass(slots=True)

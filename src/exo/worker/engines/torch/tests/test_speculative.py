@@ -131,19 +131,31 @@ def test_draft_length_grows_after_full_acceptance_and_shrinks_after_a_rejection(
 
 def test_auto_switch_turns_off_where_drafts_cost_more_than_they_gain_and_probes() -> None:
     switch = AutoSwitch()
-    assert switch.allows() and switch.probing  # the first steps probe
+    assert not switch.allows(1)  # no plain step measured yet: a reference step
     switch.observe(requests=1, rows=1, emitted=1, seconds=0.010)  # a plain step: 100 tok/s
+    assert switch.allows(1) and not switch.probing
     # Drafts of 6: the step costs 1.5x and yields 1.2 tokens: 80 tok/s.
     for _ in range(20):
         switch.observe(requests=1, rows=7, emitted=1, seconds=0.015)
     assert not switch.enabled and switch.gain is not None and switch.gain < 1
-    # Off: PROBE_STEPS steps of every PROBE_INTERVAL draft.
-    allowed = [switch.allows() for _ in range(2 * PROBE_INTERVAL)]
-    assert allowed.count(True) == 2 * PROBE_STEPS
+
+    def steps(count: int) -> list[bool]:  # `count` steps, the plain ones measured
+        allowed = []
+        for _ in range(count):
+            allowed.append(switch.allows(1))
+            if not allowed[-1]:
+                switch.observe(requests=1, rows=1, emitted=1, seconds=0.010)
+        return allowed
+
+    # Off: the last PROBE_STEPS steps of PROBE_INTERVAL draft, then probes back off.
+    allowed = steps(PROBE_INTERVAL)
+    assert allowed.count(True) == PROBE_STEPS and all(allowed[-PROBE_STEPS:])
+    allowed = steps(2 * PROBE_INTERVAL)
+    assert allowed.count(True) == PROBE_STEPS and all(allowed[-PROBE_STEPS:])
     # The probes find the text copyable now: 5 tokens per 1.5x step.
     for _ in range(20):
         switch.observe(requests=1, rows=7, emitted=5, seconds=0.015)
-    assert switch.enabled and switch.allows()
+    assert switch.enabled and switch.allows(1)
 
 
 def test_the_draft_length_is_the_one_with_the_most_tokens_per_second_of_step_time() -> None:

@@ -346,8 +346,10 @@ def test_the_drafting_time_counts_in_the_step_time_the_switch_measures(
         def forget(self, request_id: str) -> None:
             source.forget(request_id)
 
-    def step_measured(requests: int, rows: int, emitted: int, seconds: float) -> None:
-        observed.append((rows, seconds))
+    def step_measured(
+        requests: int, rows: int, emitted: int, seconds: float, draft_seconds: float
+    ) -> None:
+        observed.append((rows, seconds + draft_seconds))
 
     spec.source = Slow()
     spec.step_measured = step_measured  # type: ignore[method-assign]
