@@ -30,7 +30,7 @@ from exo.worker.engines.torch.model.direct_forward_parts import (
 )
 from exo.worker.engines.torch.model.families import ModelFamily
 from exo.worker.engines.torch.model.families.gpt_oss import ClampedSwiglu
-from exo.worker.engines.torch.model.families.spec import ExpertActivation
+from exo.worker.engines.torch.model.families.spec import ExpertActivation, Routing
 from exo.worker.engines.torch.model.moe import (
     GATED_MLP_NAMES,
     ExpertFunction,
@@ -139,6 +139,10 @@ def grouped_choices(
     return row_of, weight_of, counts
 
 
+# `Routing.scoring` as `Int4ExpertTable.route` numbers it.
+_SCORING = {"softmax": 0, "sigmoid": 1}
+
+
 class NativeInt4Experts:
     """A MoE block's routed experts, each a gated MLP of exo's native int4 linears (fused
     gate/up `[2 I, hidden]`, down `[hidden, I]`, no biases), run by one native call per
@@ -149,7 +153,9 @@ class NativeInt4Experts:
     each of its 48 layers).
     """
 
-    __slots__ = ("activation", "down", "down_scales", "gate_up", "gate_up_scales", "linears")
+    __slots__ = (
+        "activation", "down", "down_scales", "gate_up", "gate_up_scales", "linears", "table",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -164,6 +170,16 @@ class NativeInt4Experts:
         ]
         self.down = [None if pair is None else pair[1].packed for pair in linears]
         self.down_scales = [None if pair is None else pair[1].scales_and_zeros for pair in linears]
+        # The same weights by expert id, held natively for `route` (routing and experts in
+        # one call, `native/moe_experts.cpp` `Int4ExpertTable`).
+        held = [expert for expert, pair in enumerate(linears) if pair is not None]
+        self.table: Any = torch.classes.exo_native.Int4ExpertTable(
+            [self.gate_up[expert] for expert in held],
+            [self.gate_up_scales[expert] for expert in held],
+            [self.down[expert] for expert in held],
+            [self.down_scales[expert] for expert in held],
+            held, len(linears), activation,
+        )  # fmt: skip
 
     @classmethod
     def of(cls, experts: list[ExpertFunction | None]) -> NativeInt4Experts | None:
@@ -192,7 +208,38 @@ class NativeInt4Experts:
             return None
         if not hasattr(torch.ops.exo_native, "moe_int4_experts"):
             return None
+        if not any(pair is not None for pair in linears):
+            return None
         return cls(activations.pop(), linears)
+
+    def route(
+        self,
+        rows: torch.Tensor,
+        router: torch.Tensor,
+        router_bias: torch.Tensor | None,
+        routing: Routing,
+        correction_bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`self(rows, *route(F.linear(rows, router, router_bias), routing,
+        correction_bias))` in one native call, bit for bit: the router's product, the
+        routing (torch's operators in `moe.route`'s order), the grouping by expert and these
+        experts. Not for group-limited routing (`routing.groups` > 1: the caller keeps
+        `moe.route`).
+
+        Args:
+            rows: `[T, hidden]` float32, the block's normed input.
+            router / router_bias: `[experts, hidden]` / `[experts]` float32.
+
+        Returns:
+            `[T, hidden]` float32: the sum over each row's held experts of weight × output.
+        """
+        first = next(pair for pair in self.linears if pair is not None)
+        out: torch.Tensor = self.table.route(
+            rows.float().contiguous(), router, router_bias, correction_bias,
+            _SCORING[routing.scoring], routing.experts_per_token, routing.normalize,
+            routing.scaling, _product_mode(first[0]), _product_mode(first[1]),
+        )  # fmt: skip
+        return out
 
     def __call__(
         self, rows: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
@@ -423,12 +470,17 @@ class LeanMoe:
             raise LeanUnsupportedError("a tensor-split shared expert beside whole experts")
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(rows, self.router, self.router_bias)  # gpt-oss: a biased router
-        weights, experts = route(logits, self.routing, self.correction_bias)
-        if self.native is not None:
-            out = self.native(rows, experts, weights)
+        if isinstance(self.native, NativeInt4Experts) and self.routing.groups == 1:
+            out = self.native.route(
+                rows, self.router, self.router_bias, self.routing, self.correction_bias
+            )
         else:
-            out = dispatch(rows, experts, weights, self.experts)
+            logits = F.linear(rows, self.router, self.router_bias)  # gpt-oss: a biased router
+            weights, experts = route(logits, self.routing, self.correction_bias)
+            if self.native is not None:
+                out = self.native(rows, experts, weights)
+            else:
+                out = dispatch(rows, experts, weights, self.experts)
         shared = None if self.shared is None else self.shared(rows)
         if shared is not None and self.shared is not None and self.shared.partial:
             out.add_(shared)  # a tensor rank: both parts partial, one all-reduce

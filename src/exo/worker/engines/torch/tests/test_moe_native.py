@@ -2,8 +2,10 @@
 `native/moe_experts.cpp`) against the per-expert path it replaces (`moe.dispatch` over
 `LeanExpert`s of the same int4 linears): bit for bit equal for decode-sized groups (the
 int4 decode kernel), prefill-sized ones (`block_matmul`, int16 and int8 activations), both
-activations it takes, and an expert-parallel rank's share (experts it does not hold add
-nothing); and it refuses experts it has no code for (a gated activation) by not forming.
+activations it takes, an expert-parallel rank's share (experts it does not hold add
+nothing), experts shared out among threads; the routed call (router, routing and experts in
+one native call) against `moe.route` then the experts; and it refuses experts it has no code
+for (a gated activation) by not forming.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from torch import nn
 
 from exo.worker.engines.torch.model.direct_forward_moe import LeanExpert, NativeInt4Experts
 from exo.worker.engines.torch.model.direct_forward_parts import Activation, Projection
-from exo.worker.engines.torch.model.moe import ExpertFunction, dispatch
+from exo.worker.engines.torch.model.families.spec import Routing
+from exo.worker.engines.torch.model.moe import ExpertFunction, dispatch, route
 from exo.worker.engines.torch.quant.int4_groups import Int4Linear
 from exo.worker.engines.torch.quant.native_kernels import native_int4_kernel
 
@@ -117,3 +120,67 @@ def test_native_experts_do_not_form_for_a_gated_activation() -> None:
     assert isinstance(first, LeanExpert)
     gated = LeanExpert(first.gate_up, first.down, None, lambda gate, up: F.silu(gate) * up)
     assert NativeInt4Experts.of([gated, *functions[1:]]) is None
+
+
+@pytest.mark.parametrize("rows", [3, 7], ids=["3-rows", "7-rows"])
+def test_experts_shared_out_among_threads_equal_one_thread(rows: int) -> None:
+    """With at least two chosen experts per thread and few rows each (decode), the experts
+    are shared out among the threads (`run_experts`), each running whole experts: the same
+    bits as one thread running them one after another."""
+    functions = _experts(F.silu)
+    native = NativeInt4Experts.of(functions)
+    assert native is not None
+    x, experts, weights = _routing(rows, seed=11)
+    assert len(experts.unique()) >= 4  # two per thread at two threads
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = native(x, experts, weights)
+        torch.set_num_threads(2)
+        shared = native(x, experts, weights)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(shared, alone)
+    assert torch.equal(alone, dispatch(x, experts, weights, functions))
+
+
+_ROUTINGS = {
+    "softmax-normalized": (Routing(EXPERTS, PER_TOKEN, "softmax", normalize=True), False, False),
+    "softmax-biased-router": (Routing(EXPERTS, PER_TOKEN, "softmax"), True, False),
+    "sigmoid-corrected-scaled": (
+        Routing(EXPERTS, PER_TOKEN, "sigmoid", normalize=True, scaling=2.5),
+        False,
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_ROUTINGS))
+@pytest.mark.parametrize("rows", [1, 5, 40], ids=["decode", "few", "prefill"])
+def test_routed_call_equals_route_then_experts(name: str, rows: int) -> None:
+    """`NativeInt4Experts.route` (router, routing, grouping and experts in one native call)
+    gives `moe.route` then the experts bit for bit, for each routing rule it takes; an
+    expert rank's share likewise."""
+    routing, router_bias, correction = _ROUTINGS[name]
+    generator = torch.Generator().manual_seed(rows)
+    router = torch.randn(EXPERTS, HIDDEN, generator=generator) * 0.1
+    bias = torch.randn(EXPERTS, generator=generator) if router_bias else None
+    correction_bias = torch.rand(EXPERTS, generator=generator) if correction else None
+    x = torch.randn(rows, HIDDEN, generator=generator)
+    functions = _experts(F.silu)
+    for share in (functions, [f if index % 2 else None for index, f in enumerate(functions)]):
+        native = NativeInt4Experts.of(share)
+        assert native is not None
+        weights, experts = route(F.linear(x, router, bias), routing, correction_bias)
+        expected = native(x, experts, weights)
+        assert torch.equal(native.route(x, router, bias, routing, correction_bias), expected)
+        assert torch.equal(expected, dispatch(x, experts, weights, share))
+    assert expected.abs().sum() > 0
+
+
+def test_routed_call_refuses_a_router_of_another_size() -> None:
+    native = NativeInt4Experts.of(_experts(F.silu))
+    assert native is not None
+    routing = Routing(EXPERTS, PER_TOKEN, "softmax")
+    with pytest.raises(RuntimeError, match="router must be"):
+        native.route(torch.randn(1, HIDDEN), torch.randn(EXPERTS + 1, HIDDEN), None, routing, None)

@@ -13,7 +13,8 @@
 // alpha))`, g = min(gate, limit); transformers' GptOssExperts), and the weighted outputs
 // are added into each row in ascending expert order, as moe.dispatch's index_add_ adds
 // them. So the result is bit for bit the per-expert path's (tested:
-// ../../tests/test_moe_mxfp4_native.py).
+// ../../tests/test_moe_mxfp4_native.py). In a decode step the chosen experts are shared out
+// among the threads, each running whole experts (moe_parallel.h).
 //
 // What it saves is the ~25 torch operators a Python expert call dispatches per expert per
 // layer (two mxfp4_linear calls, a concatenation, the bias, the activation's six, the down
@@ -29,11 +30,13 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "kernels.h"
+#include "moe_parallel.h"
 
 namespace {
 
@@ -96,6 +99,34 @@ void linear(const float* x, int64_t rows, int64_t in, const Mxfp4Linear& weight,
     for (int64_t o = 0; o < out; ++o) y[r * out + o] += bias[o];
 }
 
+// One expert over its n rows (x's rows row_index[0..n)): gate and up products with their
+// biases, ClampedSwiglu and the down product with its bias into down_out [n, hidden],
+// unweighted.
+void run_expert(const float* x, int64_t hidden, const int64_t* row_index, int64_t n,
+                const std::array<Mxfp4Linear, kProjections>& expert, double alpha, double limit,
+                int64_t decode_max_rows, float* down_out) {
+  const int64_t width = expert[kGate].out();
+  std::vector<float> gathered(static_cast<size_t>(n * hidden));
+  for (int64_t j = 0; j < n; ++j)
+    std::memcpy(gathered.data() + j * hidden, x + row_index[j] * hidden, hidden * sizeof(float));
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor gate_out = at::empty({n, width}, options);
+  at::Tensor up_out = at::empty({n, width}, options);
+  linear(gathered.data(), n, hidden, expert[kGate], decode_max_rows, gate_out.data_ptr<float>());
+  linear(gathered.data(), n, hidden, expert[kUp], decode_max_rows, up_out.data_ptr<float>());
+  // ClampedSwiglu's operators, each on a contiguous [n, I] tensor as there (sigmoid's
+  // vectorized and scalar lanes fall on the same elements); in place where its
+  // intermediate is a fresh tensor, which changes no value.
+  gate_out.clamp_(std::nullopt, limit);
+  up_out.clamp_(-limit, limit);
+  at::Tensor activated = gate_out.mul(alpha);
+  activated.sigmoid_();
+  activated.mul_(gate_out);  // gate * sigmoid(gate * alpha) (IEEE products commute)
+  up_out.add_(1);            // up + 1
+  up_out.mul_(activated);    // (up + 1) * (...)
+  linear(up_out.data_ptr<float>(), n, width, expert[kDown], decode_max_rows, down_out);
+}
+
 // rows float32 [T, hidden]; row_of int64 [C] and weight_of float32 [C]: the step's choices
 // grouped by expert (moe.dispatch's order); spans [2 E']: each listed expert's (start, end)
 // in them, experts ascending; blocks / scales / biases: 3 per listed expert (gate [I,
@@ -120,18 +151,22 @@ at::Tensor moe_mxfp4_experts(const at::Tensor& rows, const at::Tensor& row_of,
               "expert needs gate, up and down blocks, scales and biases (3 of each)");
   const int64_t total = rows.size(0), hidden = rows.size(1), choices = row_of.size(0);
   TORCH_CHECK(hidden % kBlock == 0, kOp, ": hidden ", hidden, " is not a multiple of 32");
-  at::Tensor out = at::zeros({total, hidden}, rows.options());
   const float* x = rows.data_ptr<float>();
   const int64_t* row_index = row_of.data_ptr<int64_t>();
-  const float* weight = weight_of.data_ptr<float>();
-  float* y = out.data_ptr<float>();
-  std::vector<float> gathered;
+  for (int64_t c = 0; c < choices; ++c)
+    TORCH_CHECK(0 <= row_index[c] && row_index[c] < total, kOp, ": row ", row_index[c],
+                " outside ", total);
+  // The experts with rows, checked: their spans and (gate, up, down) linears.
+  std::vector<int64_t> kept;
+  std::vector<std::array<Mxfp4Linear, kProjections>> linears;
+  int64_t previous = 0;
   for (size_t e = 0; e < experts; ++e) {
     const int64_t start = spans[2 * e], end = spans[2 * e + 1];
-    TORCH_CHECK(0 <= start && start <= end && end <= choices, kOp, ": span ", e, " (", start,
-                ", ", end, ") is outside the ", choices, " choices");
-    const int64_t n = end - start;
-    if (n == 0) continue;
+    TORCH_CHECK(previous <= start && start <= end && end <= choices, kOp, ": span ", e, " (",
+                start, ", ", end, ") is outside the ", choices,
+                " choices or before the span ahead of it");
+    previous = end;
+    if (start == end) continue;
     const Mxfp4Linear gate = checked(blocks, scales, biases, e, kGate, hidden);
     const int64_t width = gate.out();  // the expert's intermediate width
     const Mxfp4Linear up = checked(blocks, scales, biases, e, kUp, hidden);
@@ -139,42 +174,23 @@ at::Tensor moe_mxfp4_experts(const at::Tensor& rows, const at::Tensor& row_of,
     TORCH_CHECK(up.out() == width && down.out() == hidden, kOp, ": expert ", e, "'s up has ",
                 up.out(), " outputs and down ", down.out(), "; gate has ", width,
                 " and rows ", hidden);
-    gathered.resize(static_cast<size_t>(n * hidden));
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t row = row_index[start + j];
-      TORCH_CHECK(0 <= row && row < total, kOp, ": row ", row, " outside ", total);
-      std::memcpy(gathered.data() + j * hidden, x + row * hidden, hidden * sizeof(float));
-    }
-    at::Tensor gate_out = at::empty({n, width}, rows.options());
-    at::Tensor up_out = at::empty({n, width}, rows.options());
-    linear(gathered.data(), n, hidden, gate, decode_max_rows, gate_out.data_ptr<float>());
-    linear(gathered.data(), n, hidden, up, decode_max_rows, up_out.data_ptr<float>());
-    // ClampedSwiglu's operators, each on a contiguous [n, I] tensor as there (sigmoid's
-    // vectorized and scalar lanes fall on the same elements); in place where its
-    // intermediate is a fresh tensor, which changes no value.
-    gate_out.clamp_(std::nullopt, limit);
-    up_out.clamp_(-limit, limit);
-    at::Tensor activated = gate_out.mul(alpha);
-    activated.sigmoid_();
-    activated.mul_(gate_out);  // gate * sigmoid(gate * alpha) (IEEE products commute)
-    up_out.add_(1);            // up + 1
-    up_out.mul_(activated);    // (up + 1) * (...)
-    at::Tensor expert_out = at::empty({n, hidden}, rows.options());
-    float* down_out = expert_out.data_ptr<float>();
-    linear(up_out.data_ptr<float>(), n, width, down, decode_max_rows, down_out);
-    // Scaled in one pass and added in another: the product and the sum each rounded, as
-    // dispatch's multiply and index_add_ round them (one loop would let -mfma contract them).
-    for (int64_t j = 0; j < n; ++j) {
-      float* source = down_out + j * hidden;
-      const float scale = weight[start + j];
-      for (int64_t h = 0; h < hidden; ++h) source[h] *= scale;
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      float* target = y + row_index[start + j] * hidden;
-      const float* source = down_out + j * hidden;
-      for (int64_t h = 0; h < hidden; ++h) target[h] += source[h];
-    }
+    kept.insert(kept.end(), {start, end});
+    linears.push_back({gate, up, down});
   }
+  at::Tensor out = at::zeros({total, hidden}, rows.options());
+  if (linears.empty()) return out;
+  const int64_t first = kept.front();
+  // Each choice's down output, unweighted, in the choices' order.
+  std::vector<float> outputs(static_cast<size_t>((kept.back() - first) * hidden));
+  exo_native::moe::for_chosen_experts(
+      static_cast<int64_t>(linears.size()),
+      exo_native::moe::few_rows_each(kept, decode_max_rows), [&](int64_t e) {
+        const int64_t start = kept[2 * e], end = kept[2 * e + 1];
+        run_expert(x, hidden, row_index + start, end - start, linears[e], alpha, limit,
+                   decode_max_rows, outputs.data() + (start - first) * hidden);
+      });
+  exo_native::moe::add_weighted(kept, outputs.data(), row_index, weight_of.data_ptr<float>(),
+                                hidden, out.data_ptr<float>());
   return out;
 }
 
