@@ -211,7 +211,7 @@ def cpu_per_token(url: str, pid: int, runs: int, max_tokens: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--url", help="use a running node instead of starting one")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--sizes", default="32,128,512")

@@ -56,7 +56,7 @@ def seconds_to_first_token(node: ExoNode) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--models-dir", type=Path, default=None)
     parser.add_argument("--runs", type=int, default=2)
     args = parser.parse_args()

@@ -110,7 +110,7 @@ async def measure(tokens: int, requests: int, period_s: float) -> dict[str, Any]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--requests", type=int, default=1, help="requests per runner step")
     parser.add_argument("--period-ms", type=float, default=8.0, help="time between steps")

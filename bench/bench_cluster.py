@@ -296,7 +296,7 @@ def print_join_sync(results: list[dict[str, float]]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--requests", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(

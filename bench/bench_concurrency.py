@@ -377,7 +377,7 @@ def load_default_engine(models_dir: Path | None, decode_activations: str = "int1
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])

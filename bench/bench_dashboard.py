@@ -167,7 +167,7 @@ def measure_by_parsing(url: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--url", help="use a running node instead of starting one")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--view", default="cluster", help="the page's view to load")

@@ -29,7 +29,7 @@ def main() -> None:
 
     from exo.worker.engines.torch.quant.native_kernels import built_int4_kernel
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--shape", default="9x3x64")
     parser.add_argument("--positions", type=int, nargs="+", default=[100, 2000, 8000, 16000])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])

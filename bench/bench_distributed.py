@@ -201,7 +201,7 @@ def random_llama(directory: Path, tokenizer_source: Path) -> Path:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prompt-words", type=int, default=200)

@@ -1,4 +1,7 @@
-"""Model file transfer on loopback, printed:
+"""Model file transfer on loopback: a verified Hub download, a peer transfer from another
+node's file route and the time to a first token from a model fetched from a peer.
+
+Printed:
 
 1. a verified Hub download (repository of random weight files served by the loopback Hub
    server, `exo.testing.hf_server`), MB/s;
@@ -150,7 +153,7 @@ def first_token_from_peer(scratch: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--files", type=int, default=4)
     parser.add_argument("--file-mb", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)

@@ -164,7 +164,7 @@ def run_mode(engine: TorchEngine, mode: str, text: str) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--words", type=int, default=6000)
     parser.add_argument(
         "--modes", nargs="+", choices=["whole", "pieces"], default=["whole", "pieces"]

@@ -580,7 +580,7 @@ def _timed(call: Any) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=(__doc__ or "").split("\n\n")[0],
+        description=" ".join(__doc__.split("\n\n")[0].split()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(

@@ -42,7 +42,7 @@ DEFAULT_MODEL = ModelId("HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[32, 128, 512])

@@ -130,7 +130,7 @@ def _directory_bytes(directory: Path) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--gguf", type=Path)
     parser.add_argument("--weight-dtype", default="int4", choices=("float32", "int8", "int4"))
     parser.add_argument("--json", type=Path)

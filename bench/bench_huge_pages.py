@@ -79,7 +79,7 @@ def _answer(process: subprocess.Popen[str]) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prompt", type=int, default=128)

@@ -35,7 +35,7 @@ def main() -> None:
         set_decode_activations,
     )
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--shapes", nargs="+", default=["1536x2048", "2048x768"])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128, 512])
     parser.add_argument("--calls-rows", type=int, default=2048)

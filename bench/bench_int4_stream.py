@@ -31,7 +31,7 @@ def main() -> None:
         set_decode_activations,
     )
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--shapes", nargs="+", default=["1536x2048", "2048x768"])
     parser.add_argument("--stack-mib", type=float, default=150.0)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])

@@ -130,7 +130,7 @@ def prepared_whole_model(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument(
         "--models",
         nargs="+",

@@ -131,7 +131,7 @@ def profile_split(engine: TorchEngine, steps: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--weight-dtype", default="int4")
     parser.add_argument("--prompts", type=int, nargs="+", default=[32, 128, 512])

@@ -168,7 +168,7 @@ def measure(pinned: bool, rows: int, hidden: int, iterations: int) -> dict[str, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--iterations", type=int, default=2000)

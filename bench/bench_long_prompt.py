@@ -365,7 +365,7 @@ def bench_attention(lengths: list[int], repeats: int) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--lengths", type=int, nargs="+", default=DEFAULT_LENGTHS)
     parser.add_argument(
         "--models",

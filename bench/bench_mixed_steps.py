@@ -70,7 +70,7 @@ def step_cpu_ms(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--positions", type=int, nargs="+", default=[100, 1000, 1900])
     parser.add_argument("--repeats", type=int, default=12)

@@ -101,7 +101,7 @@ def measure(warmup_dir: Path, model_dir: Path, weight_dtype: str) -> tuple[float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--weight-dtype", default="int4", choices=("float32", "int8", "int4"))
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)

@@ -444,7 +444,7 @@ def bench_model(model: BenchModel, args: argparse.Namespace) -> tuple[dict[str, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument(
         "--models",
         nargs="+",

@@ -168,7 +168,7 @@ def run_pinned_expert_case(model_dir: Path, settings: dict[str, int]) -> dict[st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("model_dir", type=Path)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=128)

@@ -52,7 +52,7 @@ def main() -> None:
     from exo.worker.engines.torch.quant.int4_groups import Int4Linear
     from exo.worker.engines.torch.quant.mxfp4 import Mxfp4Linear, Mxfp4Projection, mxfp4_linear
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)

@@ -86,7 +86,7 @@ def _tiles(runs: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--tiles", action="store_true")

@@ -126,7 +126,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: Any, out: Any) -> No
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.7)

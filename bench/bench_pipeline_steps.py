@@ -108,7 +108,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: Any, out: Any) -> No
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--worlds", default="1,2", help="world sizes, comma-separated")
     parser.add_argument("--streams", default="1,4", help="requests at once, comma-separated")
     parser.add_argument("--tokens", type=int, default=80, help="tokens each request decodes")

@@ -200,7 +200,7 @@ def loopback_edges(nodes: list[NodeId]) -> dict[NodeId, dict[NodeId, TopologyEdg
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--prompts", type=int, nargs="+", default=[32, 128, 512])
     parser.add_argument("--decode-tokens", type=int, default=48)
     parser.add_argument("--runs", type=int, default=2)

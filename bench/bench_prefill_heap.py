@@ -112,7 +112,7 @@ def _serve(requests: int, every: int, max_tokens: int, seed: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--every", type=int, default=50, help="report every N requests")
     parser.add_argument("--max-tokens", type=int, default=1)

@@ -29,7 +29,7 @@ SHAPES = {
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--rows", type=int, nargs="+", default=[32, 128, 512])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--calls", type=int, default=30)

@@ -69,7 +69,7 @@ def all_logits(model: Any, ids: list[int]) -> torch.Tensor:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", default="google/gemma-3-270m")
     parser.add_argument("--tokens", type=int, default=400)
     parser.add_argument(

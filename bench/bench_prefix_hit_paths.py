@@ -79,7 +79,7 @@ def timed(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[32, 128, 512])
     parser.add_argument("--decode-tokens", type=int, default=32)

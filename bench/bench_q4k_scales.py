@@ -45,7 +45,7 @@ def main() -> None:
     from exo.worker.engines.torch.quant.native_kernels import built_int4_kernel
     from exo.worker.engines.torch.quant.q4k_scales import compact_from_stored
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--shapes", nargs="+", default=["1536x2048", "2048x768"])
     parser.add_argument("--weights", type=int, default=96)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])

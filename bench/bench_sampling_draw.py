@@ -78,7 +78,7 @@ def built_widths() -> list[int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--draws", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.7)

@@ -112,7 +112,7 @@ def measure(model: Path, items: int, trimmed: bool) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--items", type=int, default=700)
     parser.add_argument("--one", choices=("trimmed", "untrimmed"), help=argparse.SUPPRESS)

@@ -442,7 +442,7 @@ def measure_pair(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=["copy", "chat"])
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))

@@ -70,7 +70,7 @@ def step_seconds(directory: Path, tokens: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)

@@ -98,7 +98,7 @@ def _load_initialized(cls: Any, model_dir: Path, config: Any) -> Any:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--work-dir", type=Path, default=None)

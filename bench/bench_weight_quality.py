@@ -85,7 +85,8 @@ def requantized_layers(model: nn.Module, fmt: str) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+        description=" ".join(__doc__.split("\n\n")[0].split()),
+        formatter_class=argparse.RawTextHelpFormatter,
     )
     parser.add_argument(
         "--models",

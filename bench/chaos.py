@@ -31,7 +31,7 @@ from exo.shared.constants import models_dir as default_models_dir
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--only", nargs="*", default=None, help="scenario function names")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--models-dir", type=Path, default=None)

@@ -191,7 +191,7 @@ def report(phase: int, growth: dict[str, Any]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--warmup", type=int, default=80)
     parser.add_argument("--requests", type=int, default=150)
     parser.add_argument("--phases", type=int, default=2)

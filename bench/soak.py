@@ -340,7 +340,7 @@ def soak(node: ExoNode, arguments: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--warmup-minutes", type=float, default=None)
     parser.add_argument("--streams", type=int, default=8)

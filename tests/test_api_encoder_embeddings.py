@@ -3,7 +3,8 @@ loaded as a user's would be (catalog cards, the real download path with the
 sentence-transformers module folders): a tiny BERT (all-MiniLM-L6-v2's card) through the
 `openai` and `ollama` clients equal to sentence-transformers, a tiny bge cross-encoder
 through `/v1/rerank` equal to the sigmoid of transformers' logit, and Matryoshka `dimensions`
-on a tiny NomicBERT (nomic-embed-text-v1.5's card, 768 wide as its widths need).
+on a tiny NomicBERT (nomic-embed-text-v1.5's card, 768 wide as its widths need); a user's
+own BERT folder added by `POST /models/add` (its card built from its files) serves the same.
 
 The node starts with the BERT placed (the default run's encoder check, ~40 s contended); the
 slow tests place their model on the same node when they run."""
@@ -163,3 +164,22 @@ def test_nomic_matryoshka_dimensions(node: ExoNode, folders: dict[str, Path]) ->
         client.embeddings.create(model=NOMIC, input=TEXTS[0], dimensions=32)
     body = raised.value.body
     assert isinstance(body, dict) and body["param"] == "dimensions", body
+
+
+@pytest.mark.slow  # a second runner (~20 s); the card itself: test_custom_models_routes.py
+def test_a_local_bert_folder_added_through_the_api_serves_embeddings(
+    node: ExoNode, folders: dict[str, Path]
+) -> None:
+    """Trial 42: `POST /models/add` refused a local sentence-transformers folder of a BERT
+    (400, "no model family file"); added, it is placed and embeds as the catalog's does."""
+    directory = str(folders[BERT])
+    added = httpx.post(f"{node.url}/models/add", json={"model_id": directory}, timeout=60)
+    assert added.status_code == 200, added.text
+    assert added.json()["card"]["capabilities"] == ["embedding"]
+    _serve(node, directory)
+    reference = _reference_embeddings(folders[BERT], TEXTS)
+    client = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", timeout=60)
+    answer = client.embeddings.create(model=directory, input=TEXTS, encoding_format="float")
+    assert answer.usage.prompt_tokens == 3 + 5 + 4
+    for item, expected in zip(answer.data, reference, strict=True):
+        assert _cosine(item.embedding, expected) > 1 - 1e-5

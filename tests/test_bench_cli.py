@@ -1,8 +1,11 @@
 """Smoke test of `exo bench` against a fresh local node: a tiny random model (word
-tokenizer, so prompt lengths are exact), tiny sizes, through the real command line."""
+tokenizer, so prompt lengths are exact), tiny sizes, through the real command line; and the
+`bench/` scripts' `--help`, each described by its docstring's whole first paragraph."""
 
+import ast
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 from exo.benchmark.random_models import random_model
@@ -52,3 +55,44 @@ def test_exo_bench_measures_a_fresh_local_node(tmp_path: Path) -> None:
         (peak,) = case["peak_memory_bytes"].values()
         assert peak > 50 * 2**20  # a node and its runner hold more than 50 MiB
     assert "decode" in finished.stdout and "JSON:" in finished.stdout
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+# The first paragraph of the module docstring, its lines joined into one.
+DESCRIPTION = ast.dump(ast.parse('" ".join(__doc__.split("\\n\\n")[0].split())', mode="eval").body)
+
+
+def test_every_bench_script_describes_itself_in_whole_sentences() -> None:
+    """Trial 42: `--help` cut descriptions mid-sentence (the docstring's first line:
+    bench_engine.py's ended "in-process through"). Read from the source (importing the
+    scripts would load torch 44 times); one cheap script's `--help` is run."""
+    scripts = sorted(BENCH.glob("*.py"))
+    assert len(scripts) >= 40
+    for script in scripts:
+        tree = ast.parse(script.read_text(encoding="utf-8"))
+        parsers = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "ArgumentParser"
+        ]
+        assert parsers, f"{script.name} builds no argparse parser"
+        for parser in parsers:
+            description = {keyword.arg: keyword.value for keyword in parser.keywords}
+            assert "description" in description, script.name
+            assert ast.dump(description["description"]) == DESCRIPTION, script.name
+        docstring = ast.get_docstring(tree, clean=False) or ""
+        paragraph = " ".join(docstring.split("\n\n")[0].split())
+        assert paragraph.endswith("."), (script.name, paragraph)
+    shown = subprocess.run(
+        [sys.executable, str(BENCH / "bench_tower_loading.py"), "--help"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    help_text = " ".join(shown.stdout.split())
+    # The paragraph's last line, which a first-line description left out.
+    assert "Peak memory of loading a vision tower:" in help_text, help_text
+    tree = ast.parse((BENCH / "bench_tower_loading.py").read_text(encoding="utf-8"))
+    last_line = (ast.get_docstring(tree, clean=False) or "").split("\n\n")[0].splitlines()[-1]
+    assert " ".join(last_line.split()) in help_text, help_text

@@ -29,7 +29,7 @@ from exo.chat_protocol.format_detection import template_tool_call_format
 from exo.chat_protocol.image_tokens import ImageTokens
 from exo.chat_protocol.tokenizer_loading import names_kimi_tokenizer
 from exo.download.locations import ModelLocations, candidates
-from exo.shared.models.architectures import MODEL_TYPE_ALIASES
+from exo.shared.models.architectures import MODEL_TYPE_ALIASES, is_encoder_architecture
 from exo.shared.models.cards import (
     TOKENIZER_FILES,
     SafetensorsHeader,
@@ -100,10 +100,16 @@ def refuse_unsupported(
             other than Kimi-K2's, which exo reads without it, and the flag is off; or its
             architecture has no family file (named, with the supported ones).
     """
+    architectures = files.config.get("architectures")
+    architecture = (
+        str(architectures[0]) if isinstance(architectures, list) and architectures else None
+    )
     # Kimi-K2's model type and TikToken tokenizer name custom code that exo reads
-    # without it (`MODEL_TYPE_ALIASES`, `tokenizer_loading`).
+    # without it (`MODEL_TYPE_ALIASES`, `tokenizer_loading`); an encoder's config too
+    # (nomic-embed-text's NomicBERT): the engine's own encoder forward computes it.
     read_without_code = {
-        "config.json": files.config.get("model_type") in MODEL_TYPE_ALIASES,
+        "config.json": files.config.get("model_type") in MODEL_TYPE_ALIASES
+        or (architecture is not None and is_encoder_architecture(architecture)),
         "tokenizer_config.json": names_kimi_tokenizer(files.tokenizer_config),
     }
     custom_code = [
@@ -122,10 +128,6 @@ def refuse_unsupported(
             "of its own model family files, never the repository's code)",
             400,
         )
-    architectures = files.config.get("architectures")
-    architecture = (
-        str(architectures[0]) if isinstance(architectures, list) and architectures else None
-    )
     if architecture is None:
         raise CustomModelError(f"{origin}'s config.json has no architectures field", 400)
     if architecture not in supported:
@@ -210,17 +212,45 @@ def with_traits(
     capabilities, tool_call_format = template_traits(template or "")
     if config is not None and ImageTokens.serves(config) and card.vision_parameter_count:
         capabilities = (*capabilities, "vision")
-    update = {
+    update: dict[str, Any] = {
         "capabilities": capabilities,
         "tool_call_format": tool_call_format,
         "sampling_defaults": _sampling_defaults(generation_config),
         "gated": gated,
     }
+    if is_encoder_architecture(card.architecture):
+        update |= _encoder_traits(card.architecture, config or {})
     try:
         # model_copy does not validate; a JSON round trip does.
         return ModelCard.model_validate_json(card.model_copy(update=update).model_dump_json())
     except ValidationError as error:
         raise CustomModelError(f"cannot build a card for {card.model_id}: {error}", 400) from None
+
+
+def _encoder_traits(architecture: str, config: Mapping[str, Any]) -> dict[str, Any]:
+    """What an encoder card (`ENCODER_ARCHITECTURES`) says, as the catalog's encoder cards
+    say it: "rerank" for a cross-encoder (`*ForSequenceClassification`, one score per
+    pair), "embedding" otherwise, never "text" (no chat, no template, one node); its
+    context the tokens one input may have, as the encoder engine reads them from `config`
+    (NomicBERT's `max_trained_positions`; (XLM-)RoBERTa's positions start after the
+    padding index, so `max_position_embeddings - pad_token_id - 1`: 8194 -> 8192 for
+    bge-m3)."""
+    rerank = architecture.endswith("ForSequenceClassification")
+    update: dict[str, Any] = {
+        "capabilities": ("rerank",) if rerank else ("embedding",),
+        "tool_call_format": "none",
+        "has_chat_template": False,
+        "supports_tensor": False,
+    }
+    model_type = str(config.get("model_type", ""))
+    positions = config.get("max_trained_positions") or config.get("max_position_embeddings")
+    if isinstance(positions, int) and not isinstance(positions, bool):
+        if "roberta" in model_type:
+            pad = config.get("pad_token_id")
+            positions -= (pad if isinstance(pad, int) else 1) + 1
+        if positions > 0:
+            update["context_length"] = positions
+    return update
 
 
 def _gguf_hint(directory: Path) -> str:

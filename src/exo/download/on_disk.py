@@ -197,7 +197,7 @@ def scan_on_disk(
     place first, each repository once.
 
     Args:
-        supported: the architectures the engine runs (`ENGINE_ARCHITECTURES`); a copy of
+        supported: the architectures the engine runs (`SERVED_ARCHITECTURES`); a copy of
             another is listed with `supported=False`, never as something to add.
     """
     budget = budget or ScanBudget.start()

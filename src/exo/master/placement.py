@@ -60,11 +60,7 @@ from exo.master.speed_prediction import (
     DEFAULT_PROMPT_TOKENS,
     predict_speed,
 )
-from exo.shared.models.architectures import (
-    ENCODER_ARCHITECTURES,
-    ENGINE_ARCHITECTURES,
-    is_encoder_architecture,
-)
+from exo.shared.models.architectures import SERVED_ARCHITECTURES, is_encoder_architecture
 from exo.shared.parallelism import PARALLELISMS, parallelism
 from exo.shared.types.common import FrozenModel, InstanceId, ModelId, NodeId, RunnerId
 from exo.shared.types.instances import (
@@ -191,10 +187,10 @@ def best_layout(
     """
     if card.cannot_serve is not None:
         raise PlacementError(f"{card.model_id}: {card.cannot_serve}")
-    if card.architecture not in ENGINE_ARCHITECTURES + ENCODER_ARCHITECTURES:
+    if card.architecture not in SERVED_ARCHITECTURES:
         raise PlacementError(
             f"{card.model_id}: the engine has no model family for {card.architecture} yet "
-            f"(it runs {', '.join(ENGINE_ARCHITECTURES + ENCODER_ARCHITECTURES)})"
+            f"(it runs {', '.join(SERVED_ARCHITECTURES)})"
         )
     if is_encoder_architecture(card.architecture) and node_count > 1:
         raise PlacementError(

@@ -67,10 +67,32 @@ def _parameter_count(card: ModelCard) -> int:
     return card.parameter_count or decoder_parameter_count(card) + card.vision_parameter_count
 
 
+ENCODER_FAMILIES: dict[str, str] = {
+    "BertModel": "bert",
+    "XLMRobertaModel": "bert",
+    "XLMRobertaForSequenceClassification": "bert",
+    "NomicBertModel": "nomic-bert",
+    "Gemma3TextModel": "gemma3",
+}
+"""The family Ollama reports for each encoder architecture: its GGUF's
+`general.architecture`, as llama.cpp's converter writes it (XLM-RoBERTa, bge-m3 and the bge
+reranker included, is converted as "bert"; NomicBERT as "nomic-bert"); Ollama's library
+lists EmbeddingGemma as "gemma3"."""
+
+
 def model_family(card: ModelCard) -> str:
-    """`LlamaForCausalLM` -> "llama" (Ollama's family names are the architectures')."""
+    """`LlamaForCausalLM` -> "llama" (Ollama's family names are the architectures'); an
+    encoder's as Ollama names it (`ENCODER_FAMILIES`)."""
+    if card.architecture in ENCODER_FAMILIES:
+        return ENCODER_FAMILIES[card.architecture]
     name = card.architecture
-    for suffix in ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel", "Model"):
+    for suffix in (
+        "ForCausalLM",
+        "ForConditionalGeneration",
+        "ForSequenceClassification",
+        "LMHeadModel",
+        "Model",
+    ):
         name = name.removesuffix(suffix)
     return name.lower() or card.architecture.lower()
 

@@ -40,7 +40,7 @@ from exo.download.gguf_models import (
 from exo.download.locations import ModelLocations
 from exo.download.on_disk import ScanBudget, known_repositories, scan_on_disk
 from exo.shared.constants import models_dir
-from exo.shared.models.architectures import ENGINE_ARCHITECTURES
+from exo.shared.models.architectures import ENGINE_ARCHITECTURES, SERVED_ARCHITECTURES
 from exo.shared.models.names import resolve_model_name
 from exo.shared.types.commands import AddCustomModel, DeleteCustomModel
 from exo.shared.types.common import CommandId, ModelId
@@ -115,7 +115,8 @@ class SearchResult(BaseModel):
     architecture: str | None
     """The architecture the Hub says its config names (None when it did not say)."""
     supported: bool | None
-    """Whether the engine has a family file for it (None: architecture unknown)."""
+    """Whether the engine serves it: a decoder family file or its encoder forward (None:
+    architecture unknown)."""
     catalog_id: str | None
     """The catalog model it is (then it needs no adding)."""
     custom: bool
@@ -152,6 +153,7 @@ def _models_on_disk(
     cards: Mapping[ModelId, ModelCard], catalog: Mapping[ModelId, ModelCard]
 ) -> list[OnDiskModelEntry]:
     budget = ScanBudget.start()
+    # A GGUF is converted for the decoder families only; an HF copy may be an encoder too.
     supported = set(ENGINE_ARCHITECTURES)
     locations = ModelLocations.from_environment(models_dir())
     entries = [
@@ -165,7 +167,9 @@ def _models_on_disk(
             if found.supported
             else f"{found.architecture} has no model family file in this engine",
         )
-        for found in scan_on_disk(locations, known_repositories(cards), supported, budget)
+        for found in scan_on_disk(
+            locations, known_repositories(cards), SERVED_ARCHITECTURES, budget
+        )
     ]
     for model in ollama_store_models(ollama_store()):
         if model.name in cards or resolve_model_name(model.name, catalog) is not None:
@@ -317,7 +321,7 @@ def _hub_errors(timeout_message: str) -> Iterator[None]:
 
 
 async def _build_card(cluster: ClusterClient, model_id: str, revision: str) -> ModelCard:
-    supported = ENGINE_ARCHITECTURES
+    supported = SERVED_ARCHITECTURES
     trust_remote_code = cluster.trust_remote_code
     timeout = f"the Hub did not answer within {ADD_TIMEOUT_SECONDS:.0f}s while reading {model_id}"
     with _hub_errors(timeout):
@@ -414,7 +418,7 @@ async def search_models(
         anyio.fail_after(ADD_TIMEOUT_SECONDS),
     ):
         found = await anyio.to_thread.run_sync(search_hub, query, limit, abandon_on_cancel=True)
-    supported = set(ENGINE_ARCHITECTURES)
+    supported = set(SERVED_ARCHITECTURES)
     custom = cluster.state.custom_cards
     catalog = catalog_of(cluster)
     return [

@@ -1,5 +1,6 @@
 """`POST /models/add`, `DELETE /models/custom/{id}` and `GET /models/search` through the
-app, a real cluster client and a real master, with the loopback Hub test server."""
+app, a real cluster client and a real master, with the loopback Hub test server; encoder
+models (embedding, rerank) are added and searched as supported, as placement serves them."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from exo.testing.hf_server import HubServer
 from exo.testing.in_process import NODE, InProcessCluster, in_process_cluster
 from exo.testing.processes import free_port
 from exo.testing.random_moe_gguf import MoeGgufShape, write_random_moe_gguf
+from exo.testing.tiny_encoders import save_tiny_embedding_model, save_tiny_reranker
 from exo.testing.tiny_gguf import save_tiny_gguf
 from exo.testing.tiny_models import save_tiny_checkout
 
@@ -32,6 +34,9 @@ CUSTOM_CODE_REPO = "someone/tiny-custom-code"
 FOREIGN_REPO = "someone/tiny-foreign"
 # Another organisation's copy of a catalog model: same bare repository name.
 NAMESAKE = "someone/SmolLM2-135M-Instruct"
+# Catalog encoders (BertModel, XLMRobertaForSequenceClassification) on the loopback Hub.
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+BGE_RERANKER = "BAAI/bge-reranker-v2-m3"
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +49,8 @@ def checkouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         FOREIGN_REPO: save_tiny_checkout(
             root / "foreign", config_update={"architectures": ["FalconForCausalLM"]}
         ),
+        MINILM: save_tiny_embedding_model(root / "bert", "bert"),
+        BGE_RERANKER: save_tiny_reranker(root / "reranker"),
     }
 
 
@@ -367,6 +374,42 @@ async def test_search_marks_catalog_custom_and_supported(cluster: InProcessClust
         assert len(limited.json()) == 1
         too_many = await client.get("/models/search", params={"limit": 1000})
         assert too_many.status_code == 400
+
+
+async def test_search_marks_catalog_encoders_supported(cluster: InProcessCluster) -> None:
+    """Trial 42: all-MiniLM (BertModel) and the bge reranker were `supported: false` on a
+    node that served them (the route knew only the decoder family files)."""
+    async with http_client(cluster) as client:
+        for query, repo_id in (("MiniLM", MINILM), ("bge-reranker", BGE_RERANKER)):
+            response = await client.get("/models/search", params={"query": query})
+            assert response.status_code == 200, response.text
+            (result,) = [r for r in response.json() if r["model_id"] == repo_id]
+            assert result["architecture"] != "LlamaForCausalLM", result
+            assert result["supported"] is True, result
+
+
+async def test_a_local_encoder_and_reranker_are_added_with_their_capability(
+    cluster: InProcessCluster, checkouts: dict[str, Path]
+) -> None:
+    """Trial 42: a local sentence-transformers folder of a BERT was a 400 ("no model family
+    file"). Its card says what the catalog's encoder cards say: the one capability, no chat
+    template, one node, the tokens one input may have (RoBERTa: the positions after the
+    padding index, 40 - 2)."""
+    async with http_client(cluster) as client:
+        for repo_id, capability, context in (
+            (MINILM, "embedding", 512),
+            (BGE_RERANKER, "rerank", 38),
+        ):
+            directory = str(checkouts[repo_id])
+            response = await client.post("/models/add", json={"model_id": directory})
+            assert response.status_code == 200, response.text
+            card = response.json()["card"]
+            assert card["capabilities"] == [capability], card
+            assert card["has_chat_template"] is False and card["supports_tensor"] is False
+            assert card["context_length"] == context, card
+        await _until_applied(cluster)
+        listed = {model["id"] for model in (await client.get("/v1/models")).json()["data"]}
+        assert {str(checkouts[MINILM]), str(checkouts[BGE_RERANKER])} <= listed
 
 
 async def test_search_without_a_hub_is_503(

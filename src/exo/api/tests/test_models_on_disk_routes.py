@@ -54,6 +54,7 @@ async def test_models_on_disk_join_without_a_download(
     snapshot = hub_cache_copy(cache, "someorg/catalog-model")
     hub_cache_copy(cache, "someone/cached-llama")
     hub_cache_copy(cache, "someone/cached-falcon", architecture="FalconForCausalLM")
+    hub_cache_copy(cache, "someone/cached-bert", architecture="BertModel")  # an encoder
     store = tmp_path / "ollama"
     add_to_ollama_store(store, "mytiny", "latest", save_tiny_gguf(tmp_path / "tiny.gguf"))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
@@ -86,11 +87,13 @@ async def test_models_on_disk_join_without_a_download(
         assert set(on_disk) == {
             "someone/cached-llama",
             "someone/cached-falcon",
+            "someone/cached-bert",
             "ollama:mytiny:latest",
         }
         assert on_disk["someone/cached-llama"]["place"] == "hf_cache"
         assert on_disk["someone/cached-llama"]["path"].endswith(COMMIT)
         assert on_disk["someone/cached-llama"]["supported"] is True
+        assert on_disk["someone/cached-bert"]["supported"] is True  # served as placement does
         falcon = on_disk["someone/cached-falcon"]
         assert falcon["supported"] is False and "FalconForCausalLM" in falcon["reason"]
         ollama = on_disk["ollama:mytiny:latest"]

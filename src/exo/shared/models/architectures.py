@@ -1,11 +1,11 @@
 """The config `architectures` names the torch engine has a model family file for.
 
-The API checks a custom model's architecture against this table before it asks the
-cluster to add it (`POST /models/add`, `GET /models/search`); the API must not import the
-engine (torch, the family files) to know it. The engine's family registry
-(`exo.worker.engines.torch.model.families.supported_architectures`) is the source of truth:
-`test_families.py::test_shared_architecture_table_matches_the_family_files` fails when a
-family file is added without its names here.
+The API checks a custom model's architecture against `SERVED_ARCHITECTURES` (these and the
+encoders) before it asks the cluster to add it (`POST /models/add`, `GET /models/search`);
+the API must not import the engine (torch, the family files) to know it. The engine's
+family registry (`exo.worker.engines.torch.model.families.supported_architectures`) is the
+source of truth: `test_families.py::test_shared_architecture_table_matches_the_family_files`
+fails when a family file is added without its names here.
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ ENCODER_ARCHITECTURES: tuple[str, ...] = (
 (all-MiniLM, bge-m3, nomic-embed-text, the bge cross-encoder reranker) and EmbeddingGemma
 (Gemma 3 text with bidirectional attention). Embedding or reranking only: no decoding, no
 KV cache, the whole model on one node."""
+
+
+SERVED_ARCHITECTURES: tuple[str, ...] = ENGINE_ARCHITECTURES + ENCODER_ARCHITECTURES
+"""Every architecture a card may name and be placed (`place_instance`): the decoders' family
+files and the encoders. `POST /models/add`, `GET /models/search` and `GET /models/on_disk`
+judge a model by this table, as placement does."""
 
 
 def is_encoder_architecture(architecture: str) -> bool:

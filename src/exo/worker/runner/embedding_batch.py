@@ -320,8 +320,9 @@ def _embedding_rows(backend: EmbeddingBackend, params: EmbeddingTaskParams) -> l
 
 
 def _rerank_work(backend: EmbeddingBackend, task: Embedding) -> _Pending:
-    """A rerank task's work, its usage counted as the documents plus the query once per
-    document.
+    """A rerank task's work, its usage the tokens the model reads (`work.tokens`): each
+    (query, document) pair as the backend builds it, its special tokens or prompt included,
+    after its cut to the context; tokenized once, by the backend.
 
     Raises:
         EmbeddingRequestError: the model is no reranker (`model`); the request is over
@@ -334,14 +335,12 @@ def _rerank_work(backend: EmbeddingBackend, task: Embedding) -> _Pending:
     if work is None:
         raise EmbeddingRequestError(f"{params.model} is not a reranker", "model")
     check_request_tokens(work.tokens, "documents")
-    counted = backend.tokenize([query, *documents])
-    tokens = sum(len(row) for row in counted[1:]) + len(counted[0]) * len(documents)
     return _Pending(
         work,
         {task.task_id: (0, work.rows)},
         {task.task_id: task},
         rerank=True,
-        prompt_tokens={task.task_id: tokens},
+        prompt_tokens={task.task_id: work.tokens},
     )
 
 

@@ -1,6 +1,7 @@
 """`answer_embeddings`: the tasks that reach a runner together share one `embed` call;
 each request's inputs are checked against the context (truncated only when asked), cut to
-its `dimensions` and normalized; a request at fault fails alone with a 400 naming the field."""
+its `dimensions` and normalized; a request at fault fails alone with a 400 naming the field;
+a rerank's usage counts the tokens its pairs were cut to."""
 
 from __future__ import annotations
 
@@ -213,3 +214,40 @@ def test_a_runner_answers_the_tasks_waiting_in_its_pipe_in_one_batch() -> None:
         if isinstance(message, TaskStatusReport) and message.status.kind != "TaskRunning"
     ]
     assert finals == [TaskComplete(), TaskComplete()]
+
+
+class ScoreWork(FakeWork):
+    """One score per pair (the fake vector's first value)."""
+
+    def result(self) -> torch.Tensor:
+        return super().result()[:, 0]
+
+
+class CuttingReranker(FakeBackend):
+    """A reranker that cuts each (query, document) pair to `max_input_tokens` tokens, as
+    the encoder and decoder backends do (longest first)."""
+
+    def start_scoring(self, pairs: Sequence[tuple[str, str]]) -> ScoreWork:  # type: ignore[override]
+        rows = [
+            self.tokenize([query + document])[0][: self.max_input_tokens]
+            for query, document in pairs
+        ]
+        return ScoreWork(self, rows)
+
+
+def test_rerank_usage_counts_the_tokens_read_after_the_cut() -> None:
+    """Trial 42: a 9,000-token query and document on an 8,192-token reranker answered
+    `usage.total_tokens` 18004; the pair was cut, the usage was not."""
+    backend = CuttingReranker()
+    task = Embedding(
+        task_id=TaskId("r"), command_id=CommandId.new(), instance_id=InstanceId("i"),
+        origin_node_id=NodeId("n"),
+        params=EmbeddingTaskParams(
+            kind="rerank", model=MODEL, inputs=("d" * 40, "e" * 40), query="q" * 40
+        ),
+    )  # fmt: skip
+    (answer,) = answer_embeddings(backend, [task])
+    assert isinstance(answer, EmbeddingChunk), answer
+    read = sum(len(row) for call in backend.calls for row in call)
+    assert read == 2 * backend.max_input_tokens
+    assert answer.prompt_tokens == read, (answer.prompt_tokens, read)
