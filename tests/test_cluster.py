@@ -12,7 +12,13 @@ from typing import Any
 import httpx
 import openai
 
-from exo.testing.processes import API_TIMEOUT_SECONDS, DEFAULT_MODEL_ID, ExoNode, wait_until
+from exo.testing.processes import (
+    API_TIMEOUT_SECONDS,
+    DEFAULT_MODEL_ID,
+    ExoNode,
+    stop_all,
+    wait_until,
+)
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 # A bound on forming a cluster or failing over, not a measure of its speed (printed):
@@ -61,8 +67,7 @@ def running(nodes: list[ExoNode]) -> Iterator[list[ExoNode]]:
             node.wait_api()
         yield nodes
     finally:
-        for node in nodes:
-            node.stop()
+        stop_all(nodes)
 
 
 def make_cluster(

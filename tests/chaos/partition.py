@@ -20,7 +20,13 @@ from typing import Any, TypeVar
 
 import httpx
 
-from exo.testing.processes import ExoNode, die_with_this_thread, exo_command, wait_until
+from exo.testing.processes import (
+    ExoNode,
+    die_with_this_thread,
+    exo_command,
+    stop_all,
+    wait_until,
+)
 from tests.chaos.harness import Load, Row, current_netns, enter_netns, serves
 from tests.test_cluster import place_on
 
@@ -209,6 +215,5 @@ def link_cut_and_restored(root: Path, models: Path) -> Row:
                 row.notes.extend(load_row.notes)
             assert row.unclean == 0, row.notes
         finally:
-            for node in (a, b):
-                node.stop()
+            stop_all([a, b])
     return row

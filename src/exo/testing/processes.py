@@ -328,3 +328,26 @@ class ExoNode:
         for leftover in alive:
             leftover.kill()
         return code
+
+
+def stop_all(nodes: list[ExoNode]) -> None:
+    """Stop every node in `nodes` at once (`ExoNode.stop` on a thread each), not one after
+    another: a node's graceful stop (its runners ended, its links closed, its process
+    reaped) takes seconds on a loaded machine, and the stops of a cluster's nodes need not
+    wait for each other. Every node is stopped even when one's stop fails; then the first
+    failure is raised."""
+    errors: list[BaseException] = []
+
+    def stop(node: ExoNode) -> None:
+        try:
+            node.stop()
+        except BaseException as error:  # raised below, after every other stop
+            errors.append(error)
+
+    threads = [threading.Thread(target=stop, args=(node,), daemon=True) for node in nodes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]

@@ -19,7 +19,10 @@ request rate.
   generations running at once for one client (its API key when it sends one, else its
   address); past it, 429 with `Retry-After`.
 - **Rate** (`--rate-limit N`, off by default): requests per minute per client, a token
-  bucket holding up to N requests; past it, 429 with `Retry-After`.
+  bucket holding up to N requests; past it, 429 with `Retry-After`. Operators' reads are
+  not counted (`MONITORING_PATHS`: a Prometheus scrape, the dashboard's state stream and
+  its polls): they still need a key, but a client's traffic must not blind the operator
+  watching it, nor a scrape every 15 s eat a small limit.
 - **Failed keys** (`--max-auth-failures N`): an address that presents N credentials that
   are not valid is locked out for a while (`exo.api.guards.throttle`, run by the auth
   middleware).
@@ -121,8 +124,21 @@ class ApiLimits:
                 ) from None
 
 
+# Read-only routes an operator's tools poll (GET/HEAD): Prometheus (`/metrics`), the
+# dashboard's state stream and polls (`/events`, `/cluster` every 5 s, `/node_id` when it
+# connects) and `/state`. The rate limit bounds what one client takes from the inference
+# API; these answer from the node's memory, and throttling them would leave the operator
+# blind exactly when a client is busiest.
+MONITORING_PATHS = frozenset({"/metrics", "/events", "/state", "/cluster", "/node_id"})
+
+
 def is_generation(method: str, path: str) -> bool:
     return method == "POST" and path in GENERATION_PATHS
+
+
+def is_monitoring(method: str, path: str) -> bool:
+    """Whether the rate limit leaves this request alone: an operator's read."""
+    return method in ("GET", "HEAD") and path in MONITORING_PATHS
 
 
 def client_of(scope: Scope) -> str:
@@ -200,7 +216,8 @@ class LimitsMiddleware:
         method: str = scope["method"]
         path: str = scope["path"]
         client = client_of(scope)
-        if self.rate is not None and client != "node" and not is_public(method, path):
+        counted = not (is_public(method, path) or is_monitoring(method, path))
+        if self.rate is not None and client != "node" and counted:
             wait = self.rate.take(client)
             if wait is not None:
                 retry_after = max(1, math.ceil(wait))

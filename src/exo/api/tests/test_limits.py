@@ -235,3 +235,21 @@ def test_rate_limit_answers_429_with_retry_after() -> None:
     assert int(refused.headers["retry-after"]) >= 1
     assert refused.json()["error"]["type"] == "rate_limit_error"  # Anthropic's shape
     assert client.get("/").status_code == 200  # the page is not counted
+
+
+def test_rate_limit_leaves_operators_reads_alone() -> None:
+    """With the bucket empty, a Prometheus scrape and the dashboard's polls still answer
+    (they need the key all the same); the inference API stays refused."""
+    limits = ApiLimits(rate_limit_per_minute=1)
+    app = scripted_app(
+        ScriptedCluster(), ApiSecurity(auth=ApiAuth("keys", ("k-1",)), limits=limits)
+    )
+    client = TestClient(app)
+    headers = {"x-api-key": "k-1"}
+    assert client.get("/v1/models", headers=headers).status_code == 200
+    assert client.get("/v1/models", headers=headers).status_code == 429
+    for _ in range(3):
+        for path in ("/metrics", "/state", "/node_id"):  # the scripted app has no /cluster
+            assert client.get(path, headers=headers).status_code == 200, path
+    assert client.get("/metrics").status_code == 401  # not counted, still behind the key
+    assert client.post("/v1/chat/completions", headers=headers, json={}).status_code == 429
