@@ -46,8 +46,8 @@ def _sentence_transformers_embeddings(directory: Path, texts: list[str]) -> torc
 @pytest.mark.parametrize(
     "family",
     [
-        "bert",
-        "embeddinggemma",
+        "bert",  # the default run's encoder family; the others are marked slow
+        pytest.param("embeddinggemma", marks=pytest.mark.slow),
         pytest.param("nomic_bert", marks=pytest.mark.slow),
         pytest.param("xlm-roberta", marks=pytest.mark.slow),
     ],
@@ -105,6 +105,7 @@ def test_inputs_are_grouped_by_length_within_the_bounds() -> None:
     assert [2] in groups and [3] in groups  # each long input alone
 
 
+@pytest.mark.slow  # the default run checks one encoder family, BERT (docs/testing.md)
 def test_the_reranker_scores_as_transformers_does(tmp_path: Path) -> None:
     """Scores are the sigmoid of transformers' one logit (CrossEncoder's and TEI's scale)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
