@@ -160,6 +160,11 @@ def test_nomic_matryoshka_dimensions(node: ExoNode, folders: dict[str, Path]) ->
     assert vector.shape == (64,) and abs(np.linalg.norm(vector) - 1) < 1e-5
     # Matryoshka: the first 64 of the pooled vector, normalized again.
     assert _cosine(vector, reference[:64]) > 1 - 1e-5
+    # Ollama's `dimensions` makes the same cut.
+    ollama_cut = ollama.Client(host=f"{node.url}/ollama", timeout=60).embed(
+        model=NOMIC, input=TEXTS[0], dimensions=64
+    )
+    assert np.allclose(ollama_cut.embeddings[0], vector, atol=1e-6)
     with pytest.raises(openai.BadRequestError) as raised:
         client.embeddings.create(model=NOMIC, input=TEXTS[0], dimensions=32)
     body = raised.value.body

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 from playwright.sync_api import Browser, Route, expect
 
@@ -338,6 +339,28 @@ def test_models_catalog_filters_and_downloads(dashboard: DashboardPage, screensh
     assert row.locator(".download[data-kind='DownloadCompleted']").count() >= 1
     assert row.locator(".delete-download").count() == 1
     page.screenshot(path=screenshots / "models-downloaded-desktop.png")
+    assert dashboard.errors == []
+
+
+def test_models_vision_filter_keeps_the_vision_cards(dashboard: DashboardPage) -> None:
+    """The "vision" capability box shows exactly the cards that have it (Gemma 3 4B+,
+    Qwen-VL, SmolVLM, Mistral Small 3.1), not the text-only default model nor an
+    embedding model, and unchecking it shows the whole catalog again."""
+    page = dashboard.open("models").page
+    rows = page.locator("#model-table tbody tr")
+    rows.first.wait_for()
+    total = rows.count()
+    cards = httpx.get(f"{dashboard.node.url}/models", timeout=30).json()
+    expected = {card["model_id"] for card in cards if "vision" in card["capabilities"]}
+    assert "google/gemma-3-4b-it" in expected
+    page.check("#cap-vision")
+    expect(rows).to_have_count(len(expected))
+    shown = {rows.nth(i).get_attribute("data-model-id") for i in range(rows.count())}
+    assert shown == expected
+    assert all("vision" in rows.nth(i).inner_text() for i in range(rows.count()))
+    assert DEFAULT_MODEL_ID not in shown and "nomic-ai/nomic-embed-text-v1.5" not in shown
+    page.uncheck("#cap-vision")
+    expect(rows).to_have_count(total)
     assert dashboard.errors == []
 
 

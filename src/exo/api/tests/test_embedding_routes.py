@@ -141,6 +141,20 @@ def test_ollama_embed_and_legacy_embeddings() -> None:
         assert "embedding" in refused.json()["error"] and set(refused.json()) == {"error"}
 
 
+def test_ollama_embed_dimensions_reach_the_runner_where_the_model_cuts() -> None:
+    """Ollama's `dimensions` on a Matryoshka model (Qwen3-Embedding: 32..1024) is the cut
+    the runner makes (the cut itself: worker/tests/test_embedding_batch.py; through a node:
+    test_api_encoder_embeddings.py, slow); a width the model has not is a 400 naming it."""
+    cluster = EmbeddingCluster()
+    with _client(cluster) as http:
+        for route in ("/api/embed", "/ollama/api/embed"):
+            answer = http.post(route, json={"model": EMBEDDER, "input": "a", "dimensions": 64})
+            assert answer.status_code == 200, answer.text
+            assert cluster.embedding_commands[-1].params.dimensions == 64
+        refused = http.post("/api/embed", json={"model": EMBEDDER, "input": "a", "dimensions": 16})
+        assert refused.status_code == 400 and "dimensions" in refused.json()["error"]
+
+
 @pytest.mark.parametrize("inputs", [[""], ["", ""], ["a", "", "b"]])
 def test_ollama_embed_answers_one_embedding_per_listed_input_empty_ones_too(
     inputs: list[str],

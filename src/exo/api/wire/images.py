@@ -16,8 +16,12 @@ dialect's refusal) and this node's `ImagePolicy`:
   and never a failure in the runner. The format Pillow found decides `media_type`; a type
   the client declared is not trusted.
 - **Fetching** an http(s) URL: at most `fetch_timeout_seconds` in all
-  (`--image-fetch-timeout`), the body cut off past `max_bytes`, at most
-  `MAX_REDIRECTS` redirects, each one's target checked again. Unless
+  (`--image-fetch-timeout`) — host name lookups, connections, redirects and the body
+  together: the fetch runs in a thread of its own, which the request waits for that long at
+  most (`getaddrinfo` cannot be cancelled; a lookup or read still pending then ends on its
+  own: a read within the time left when its request was sent, a lookup at the system
+  resolver's timeout) —, the body cut off past `max_bytes`, at most `MAX_REDIRECTS`
+  redirects, each one's target checked again. Unless
   `allow_private_urls` (`--image-allow-private-urls`), a host whose addresses include a
   loopback, private (RFC 1918, IPv6 unique-local), link-local, carrier-grade NAT, multicast,
   reserved or unspecified address is refused, so a request cannot make the node read its own
@@ -42,6 +46,7 @@ import hashlib
 import io
 import ipaddress
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -65,7 +70,6 @@ DEFAULT_IMAGE_FETCH_TIMEOUT_SECONDS = 10.0
 MAX_REDIRECTS = 5
 # The formats vision chat templates and their processors read (Pillow's names).
 ACCEPTED_FORMATS = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP"})
-_FETCH_CHUNK_BYTES = 64 * 1024
 _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 
 # Carrier-grade NAT (RFC 6598): not `is_private` in Python, and no public host's address.
@@ -269,13 +273,56 @@ class ImageReader:
     # ------------------------------------------------------------ fetching
 
     def _fetch(self, url: str, param: str) -> bytes:
-        """The body of `url` after at most `MAX_REDIRECTS` checked redirects."""
-        deadline = time.monotonic() + self.policy.fetch_timeout_seconds
-        with httpx.Client(timeout=self.policy.fetch_timeout_seconds, trust_env=False) as client:
+        """The body of `url` after at most `MAX_REDIRECTS` checked redirects, within
+        `fetch_timeout_seconds` from now, host name lookups included."""
+        timeout = self.policy.fetch_timeout_seconds
+        deadline = time.monotonic() + timeout
+        outcome: list[bytes | InvalidRequestError] = []
+
+        def fetch() -> None:
+            try:
+                outcome.append(self._fetch_by(url, deadline, param))
+            except InvalidRequestError as error:
+                outcome.append(error)
+            except Exception as error:  # a failure in the thread must reach the request
+                outcome.append(
+                    _refusal(f"the image URL could not be fetched: {type(error).__name__}", param)
+                )
+
+        worker = threading.Thread(target=fetch, name="image-fetch", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if not outcome:
+            raise self._timed_out(param)
+        result = outcome[0]
+        if isinstance(result, InvalidRequestError):
+            raise result
+        return result
+
+    def _timed_out(self, param: str) -> InvalidRequestError:
+        return _refusal(
+            "fetching the image URL took longer than "
+            f"{self.policy.fetch_timeout_seconds:g} s (--image-fetch-timeout)",
+            param,
+        )
+
+    def _time_left(self, deadline: float, param: str) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise self._timed_out(param)
+        return left
+
+    def _fetch_by(self, url: str, deadline: float, param: str) -> bytes:
+        """`_fetch`'s work (in its thread): each request's connect and read timeouts are
+        the time left before `deadline` when it is sent, and the body is checked against
+        the deadline after every chunk the network delivers."""
+        with httpx.Client(trust_env=False) as client:
             for _ in range(MAX_REDIRECTS + 1):
-                request = self._pinned_request(client, url, param)
+                request = self._pinned_request(client, url, deadline, param)
                 try:
                     response = client.send(request, stream=True)
+                except httpx.TimeoutException:
+                    raise self._timed_out(param) from None
                 except httpx.HTTPError as error:
                     raise _refusal(
                         f"the image URL could not be fetched: {type(error).__name__}", param
@@ -296,8 +343,11 @@ class ImageReader:
                     response.close()
         raise _refusal(f"the image URL redirects more than {MAX_REDIRECTS} times", param)
 
-    def _pinned_request(self, client: httpx.Client, url: str, param: str) -> httpx.Request:
-        """A GET of `url` sent to an address of its host that passed the check."""
+    def _pinned_request(
+        self, client: httpx.Client, url: str, deadline: float, param: str
+    ) -> httpx.Request:
+        """A GET of `url` sent to an address of its host that passed the check, with the
+        time left before `deadline` as its timeouts."""
         parts = urlsplit(url)
         if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
             raise _refusal(
@@ -324,6 +374,7 @@ class ImageReader:
         request = client.build_request(
             "GET",
             pinned,
+            timeout=self._time_left(deadline, param),
             headers={
                 "Host": parts.netloc.rpartition("@")[2],
                 "Accept": "image/*",
@@ -340,16 +391,15 @@ class ImageReader:
             raise self._too_large(param)
         body = bytearray()
         try:
-            for chunk in response.iter_bytes(_FETCH_CHUNK_BYTES):
+            # Each chunk as the network delivers it (no re-chunking to a size: a server
+            # trickling bytes would otherwise be checked against the deadline rarely).
+            for chunk in response.iter_bytes():
                 body += chunk
                 if len(body) > self.policy.max_bytes:
                     raise self._too_large(param)
-                if time.monotonic() > deadline:
-                    raise _refusal(
-                        "fetching the image URL took longer than "
-                        f"{self.policy.fetch_timeout_seconds:g} s (--image-fetch-timeout)",
-                        param,
-                    )
+                self._time_left(deadline, param)
+        except httpx.TimeoutException:
+            raise self._timed_out(param) from None
         except httpx.HTTPError as error:
             raise _refusal(
                 f"the image URL could not be fetched: {type(error).__name__}", param
@@ -381,7 +431,8 @@ def add_image_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_IMAGE_FETCH_TIMEOUT_SECONDS,
         metavar="SECONDS",
-        help="seconds to fetch one http(s) image URL, redirects included (default %(default)s)",
+        help="seconds to fetch one http(s) image URL, host lookups and redirects included "
+        "(default %(default)s)",
     )
     group.add_argument(
         "--image-allow-private-urls",

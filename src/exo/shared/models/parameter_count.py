@@ -75,7 +75,8 @@ def decoder_parameter_count(card: ModelCard) -> int:
 
     Args:
         card: A card with the decoder's shapes (a multimodal card's vision tower is not
-            counted: it is `card.vision_parameter_count`).
+            counted: it is `card.vision_parameter_count`; an embedding-only card's LM head
+            is not either).
 
     Returns:
         The number of parameters (elements, not bytes).
@@ -99,7 +100,10 @@ def decoder_parameter_count(card: ModelCard) -> int:
     norms = _LAYER_NORMS.get(card.architecture, 2) * hidden
     per_layer = attention + mlp + norms
     embedding = card.vocab_size * hidden
-    lm_head = 0 if card.tie_word_embeddings else card.vocab_size * hidden
+    # An embedding-only decoder (Qwen3-Embedding) pools hidden states and is published as the
+    # bare decoder sentence-transformers saves: no LM head, whatever its base model ties.
+    headless = "embedding" in card.capabilities and "rerank" not in card.capabilities
+    lm_head = 0 if card.tie_word_embeddings or headless else card.vocab_size * hidden
     layers = card.n_layers * per_layer
     if card.moe is not None:  # sparse layers: every expert, the shared one and the router
         experts = card.moe.experts * 3 * hidden * card.moe.expert_intermediate_size

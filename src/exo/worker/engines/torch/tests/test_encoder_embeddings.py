@@ -46,8 +46,8 @@ def _sentence_transformers_embeddings(directory: Path, texts: list[str]) -> torc
 @pytest.mark.parametrize(
     "family",
     [
-        "bert",
-        "embeddinggemma",
+        "bert",  # the default run's encoder family; the others are marked slow
+        pytest.param("embeddinggemma", marks=pytest.mark.slow),
         pytest.param("nomic_bert", marks=pytest.mark.slow),
         pytest.param("xlm-roberta", marks=pytest.mark.slow),
     ],
@@ -105,6 +105,7 @@ def test_inputs_are_grouped_by_length_within_the_bounds() -> None:
     assert [2] in groups and [3] in groups  # each long input alone
 
 
+@pytest.mark.slow  # the default run checks one encoder family, BERT (docs/testing.md)
 def test_the_reranker_scores_as_transformers_does(tmp_path: Path) -> None:
     """Scores are the sigmoid of transformers' one logit (CrossEncoder's and TEI's scale)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -256,7 +257,10 @@ def test_what_is_not_computed_is_refused_by_name(tmp_path: Path) -> None:
 def test_the_embedding_cards_count_what_transformers_builds() -> None:
     """Each embedding card's `parameter_count` equals the weights of transformers' model built
     (on the meta device) with the card's shapes and the positions, token types and pooler its
-    config states, and the shared `encoder_parameter_count` leaves out exactly those."""
+    config states, and the shared `encoder_parameter_count` leaves out exactly those. The
+    Qwen3 embedding cards count `Qwen3Model` (the bare decoder sentence-transformers saves,
+    no LM head, although the 8B's base model unties it), the reranker `Qwen3ForCausalLM`
+    (its yes/no logits need the head, tied)."""
     from transformers import (
         BertConfig,
         BertModel,
@@ -264,6 +268,9 @@ def test_the_embedding_cards_count_what_transformers_builds() -> None:
         Gemma3TextModel,
         NomicBertConfig,
         NomicBertModel,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3Model,
         XLMRobertaConfig,
         XLMRobertaForSequenceClassification,
         XLMRobertaModel,
@@ -290,7 +297,28 @@ def test_the_embedding_cards_count_what_transformers_builds() -> None:
         "pad_token_id": 1,
     }
     gemma = cards[ModelId("google/embeddinggemma-300m")]
+
+    def qwen3(model_id: str) -> Qwen3Config:
+        card = cards[ModelId(model_id)]
+        return Qwen3Config(
+            **shapes(model_id), num_key_value_heads=card.num_key_value_heads,
+            head_dim=card.attention_head_dim, tie_word_embeddings=card.tie_word_embeddings,
+        )  # fmt: skip
+
+    qwen3_embeddings = [f"Qwen/Qwen3-Embedding-{size}" for size in ("0.6B", "4B", "8B")]
     with torch.device("meta"):
+        for model_id in qwen3_embeddings:
+            card = cards[ModelId(model_id)]
+            bare = sum(parameter.numel() for parameter in Qwen3Model(qwen3(model_id)).parameters())
+            assert card.parameter_count == decoder_parameter_count(card) == bare, model_id
+            assert card.storage_size_bytes == 2 * bare, model_id  # bf16 as published
+            assert card.embedding_pooling == "last" and card.capabilities == ("embedding",)
+        reranker = cards[ModelId("Qwen/Qwen3-Reranker-0.6B")]
+        causal = Qwen3ForCausalLM(qwen3("Qwen/Qwen3-Reranker-0.6B"))
+        weights = sum(parameter.numel() for parameter in causal.parameters())
+        assert reranker.parameter_count == decoder_parameter_count(reranker) == weights
+        assert reranker.storage_size_bytes == 2 * weights
+        assert reranker.capabilities == ("rerank",)
         built = {
             # (model, weights the card's shapes do not give: positions, token types, pooler)
             "sentence-transformers/all-MiniLM-L6-v2": (

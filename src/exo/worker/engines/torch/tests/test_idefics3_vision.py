@@ -116,6 +116,7 @@ def _reference_logits(reference: Any, ids: list[int], inputs: Any) -> torch.Tens
     return output.logits[0].float()
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_two_images_equal_transformers(
     checkout: tuple[Path, Any, Any], float32_kv: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -125,6 +126,7 @@ def test_two_images_equal_transformers(
     _check_two_images(checkout, monkeypatch)
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_smolvlm2_two_images_equal_transformers(
     tmp_path: Path, float32_kv: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -163,6 +165,7 @@ def _check_two_images(checkout: tuple[Path, Any, Any], monkeypatch: pytest.Monke
     assert (plain - expected[0]).abs().max().item() > 100 * TOLERANCE
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_views_equal_transformers_image_processor(checkout: tuple[Path, Any, Any]) -> None:
     """exo's tiles and global view are the PIL image processor's pixel values (within
     1e-5) for wide, tall and small images (small ones are scaled up to the longest edge)."""
@@ -178,6 +181,7 @@ def test_views_equal_transformers_image_processor(checkout: tuple[Path, Any, Any
         assert (got - expected["pixel_values"][0]).abs().max().item() < 1e-5
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_transparent_image_views_equal_transformers(checkout: tuple[Path, Any, Any]) -> None:
     """A half-transparent RGBA PNG: laid over white as transformers' processor does."""
     directory, _, processor = checkout
@@ -193,6 +197,7 @@ def test_transparent_image_views_equal_transformers(checkout: tuple[Path, Any, A
     assert (got - expected).abs().max().item() < 1e-5
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_layout_follows_the_processor_for_many_sizes(checkout: tuple[Path, Any, Any]) -> None:
     """The image token sequence from the width and height alone (what the API node counts)
     is the processor's, for wide, tall, tiny and square images, split into tiles or (with
@@ -214,6 +219,7 @@ def test_layout_follows_the_processor_for_many_sizes(checkout: tuple[Path, Any, 
         assert single.sequence((width, height)) == inputs["input_ids"][0], (width, height)
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_grid_matches_smolvlm_settings() -> None:
     """SmolVLM-256M's tiling (longest edge 2048, tiles of 512): the image processor's rows
     and columns, from the width and height alone."""
@@ -257,6 +263,7 @@ def test_text_only_card_refuses_images_and_prefix_cache_keys_on_bytes(
     assert_same_tokens_and_logprobs(pieces, list(vision_engine(directory).generate(other)))
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_chunks_cut_inside_tiles_equal_one_prefill(
     checkout: tuple[Path, Any, Any], float32_kv: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

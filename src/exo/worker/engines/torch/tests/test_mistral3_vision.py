@@ -113,6 +113,7 @@ def _reference_logits(reference: Any, ids: list[int], inputs: Any) -> torch.Tens
     return output.logits[0].float()
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_two_images_equal_transformers(
     checkout: tuple[Path, Any, Any], float32_kv: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -143,6 +144,7 @@ def test_two_images_equal_transformers(
     assert (plain - expected[0]).abs().max().item() > 100 * TOLERANCE
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_layout_follows_the_processor_for_many_sizes(checkout: tuple[Path, Any, Any]) -> None:
     """The `[IMG]` rows from the width and height alone (what the API node counts) are the
     processor's, for small, large (scaled down), wide and tall images."""

@@ -81,6 +81,7 @@ def _check_against_transformers(
     )
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_two_images_equal_transformers(
     checkout: tuple[Path, Any, Any], float32_kv: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -112,6 +113,7 @@ def test_two_images_equal_transformers(
     assert (flat - real).abs().max() > 100 * TOLERANCE
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_chunked_prefill_equals_transformers(
     checkout: tuple[Path, Any, Any], float32_kv: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -123,6 +125,7 @@ def test_chunked_prefill_equals_transformers(
     _check_against_transformers(vision_engine(checkout[0]), checkout, monkeypatch)
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_text_and_image_requests_share_steps(
     checkout: tuple[Path, Any, Any], float32_kv: None
 ) -> None:
@@ -148,6 +151,7 @@ def test_text_and_image_requests_share_steps(
         assert_same_tokens_and_logprobs(outputs[handle.request_id], solo)
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_positions_equal_transformers_rope_index(checkout: tuple[Path, Any, Any]) -> None:
     """The request's multimodal positions and decode offset are transformers'
     `get_rope_index` (images of several shapes, text between and after)."""
@@ -157,6 +161,7 @@ def test_positions_equal_transformers_rope_index(checkout: tuple[Path, Any, Any]
     assert torch.equal(positions.rows(len(ids) - 1, 3)[:, 1:], positions.rows(len(ids), 2))
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_layout_and_patches_follow_the_processor(checkout: tuple[Path, Any, Any]) -> None:
     """The `<|image_pad|>` count from the width and height alone (what the API node counts)
     is the processor's, and exo's patch rows are its `pixel_values`, for small (scaled
@@ -171,6 +176,7 @@ def test_layout_and_patches_follow_the_processor(checkout: tuple[Path, Any, Any]
         tokens.sequence((2, 500))
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_prefix_cache_reuses_positions_after_an_image(
     checkout: tuple[Path, Any, Any], float32_kv: None
 ) -> None:

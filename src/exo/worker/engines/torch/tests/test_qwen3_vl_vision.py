@@ -57,6 +57,7 @@ def _expected_ids(text_ids: list[int], grids: torch.Tensor) -> list[int]:
     return qwen_vl_expected_ids(text_ids, grids, MERGE)
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_text_only_equals_transformers(
     checkout: tuple[Path, Any, Any], float32_kv: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -70,6 +71,7 @@ def test_text_only_equals_transformers(
     )
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_two_images_equal_transformers(
     checkout: tuple[Path, Any, Any], float32_kv: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -112,6 +114,7 @@ def test_two_images_equal_transformers(
     assert (flat - expected[0]).abs().max().item() > 100 * TOLERANCE
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_chunked_prefill_equals_transformers(
     checkout: tuple[Path, Any, Any], float32_kv: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -130,6 +133,7 @@ def test_chunked_prefill_equals_transformers(
     )
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_positions_equal_transformers_rope_index(checkout: tuple[Path, Any, Any]) -> None:
     """The request's multimodal positions and decode offset are transformers'
     `get_rope_index` for Qwen3-VL (images of several shapes, text between and after)."""
@@ -138,6 +142,7 @@ def test_positions_equal_transformers_rope_index(checkout: tuple[Path, Any, Any]
     assert_positions_equal_rope_index(engine, reference, processor, STEPS)
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_layout_and_patches_follow_the_processor(checkout: tuple[Path, Any, Any]) -> None:
     """The `<|image_pad|>` count from the width and height alone (what the API node counts)
     is the processor's, and exo's patch rows are its `pixel_values` (mean and std 0.5, as
@@ -152,6 +157,7 @@ def test_layout_and_patches_follow_the_processor(checkout: tuple[Path, Any, Any]
     assert_layout_and_patches_follow(tokens, preprocessing, processor, MERGE)
 
 
+@pytest.mark.slow  # the default run checks one vision family, Gemma 3 (docs/testing.md)
 def test_text_model_interleaves_whatever_the_config_says(checkout: tuple[Path, Any, Any]) -> None:
     """transformers' Qwen3-VL always interleaves its rotary sections: the engine's text
     model (Qwen3's decoder, aliased) says so even for a config without `mrope_interleaved`."""
