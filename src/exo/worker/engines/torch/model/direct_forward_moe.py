@@ -6,8 +6,11 @@ A step's rows are routed and grouped by expert (`moe.dispatch`): each chosen exp
 weights are read once for all of its rows. Where every held expert is a plain gated MLP of
 exo's native int4 linears (Qwen3-MoE, Mixtral, ... quantized to int4), all of a step's
 chosen experts run in one native call (`NativeInt4Experts`, `native/moe_experts.cpp`), the
-same products bit for bit without a Python call per expert; gpt-oss's MXFP4 experts
-(biased, clamped SwiGLU) likewise (`NativeMxfp4Experts`, `native/moe_mxfp4_experts.cpp`).
+same products bit for bit without a Python call per expert, and where the routing is not
+group-limited the router, the routing and the grouping in that same call too
+(`NativeInt4Experts.route`); gpt-oss's MXFP4 experts (biased, clamped SwiGLU) likewise
+(`NativeMxfp4Experts`, `native/moe_mxfp4_experts.cpp`), routed in Python. In a decode step
+the native calls share the chosen experts out among the threads (`native/moe_parallel.h`).
 A rank holding part of the block (a tensor rank's slices of every expert, an expert rank's
 experts) all-reduces the summed output once.
 """
