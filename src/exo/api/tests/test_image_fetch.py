@@ -12,7 +12,6 @@ import io
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import anthropic
@@ -25,6 +24,7 @@ from exo.api.wire.errors import InvalidRequestError
 from exo.api.wire.images import ImagePolicy, ImageReader
 from exo.shared.types.text_generation import IMAGE_MARKER
 from exo.testing.builders import SMOLLM2, smollm2_card
+from exo.testing.image_server import Body, Redirect, Route, Stall, Trickle, serving_routes
 from exo.testing.scripted_cluster import ScriptedCluster
 
 TIMEOUT_SECONDS = 0.5
@@ -41,59 +41,18 @@ def _png() -> bytes:
 
 
 PNG = _png()
-RELEASE = threading.Event()  # set at the end: stalled handlers return
-
-
-class SlowHandler(BaseHTTPRequestHandler):
-    """/image.png: a PNG; /stall: no answer for `STALL_SECONDS`; /trickle: headers, then a
-    body of `TRICKLE_BYTES` one byte per `TRICKLE_GAP_SECONDS`; /redirect-to-stall."""
-
-    def do_GET(self) -> None:
-        if self.path == "/stall":
-            RELEASE.wait(STALL_SECONDS)
-            return
-        if self.path == "/redirect-to-stall":
-            self.send_response(302)
-            self.send_header("Location", "/stall")
-            self.end_headers()
-            return
-        if self.path == "/trickle":
-            self.send_response(200)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(TRICKLE_BYTES))
-            self.end_headers()
-            for _ in range(TRICKLE_BYTES):
-                if RELEASE.wait(TRICKLE_GAP_SECONDS):
-                    return
-                self.wfile.write(b"x")
-                self.wfile.flush()
-            return
-        if self.path != "/image.png":
-            self.send_error(404)
-            return
-        self.send_response(200)
-        self.send_header("Content-Type", "image/png")
-        self.send_header("Content-Length", str(len(PNG)))
-        self.end_headers()
-        self.wfile.write(PNG)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+ROUTES: dict[str, Route] = {
+    "/image.png": Body(PNG),
+    "/stall": Stall(STALL_SECONDS),
+    "/redirect-to-stall": Redirect("/stall"),
+    "/trickle": Trickle(TRICKLE_BYTES, TRICKLE_GAP_SECONDS),
+}
 
 
 @pytest.fixture(scope="module")
 def image_server() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    RELEASE.clear()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        RELEASE.set()
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+    with serving_routes(ROUTES) as url:
+        yield url
 
 
 def _reader(**overrides: Any) -> ImageReader:
@@ -128,11 +87,16 @@ def test_a_hanging_host_name_lookup_counts_in_the_timeout(image_server: str) -> 
     server; the lookup runs inside the fetch's time."""
     port = int(image_server.rsplit(":", 1)[1])
 
+    release = threading.Event()  # set below: the pending lookup returns
+
     def hanging(host: str, port: int) -> list[str]:
-        RELEASE.wait(STALL_SECONDS)
+        release.wait(STALL_SECONDS)
         return ["127.0.0.1"]
 
-    refusal = _refused_in_time(_reader(resolve=hanging), f"http://images.test:{port}/image.png")
+    try:
+        refusal = _refused_in_time(_reader(resolve=hanging), f"http://images.test:{port}/image.png")
+    finally:
+        release.set()
     assert "--image-fetch-timeout" in str(refusal)
     # A quick lookup of the same name fetches the image.
     quick = _reader(resolve=lambda host, port: ["127.0.0.1"])

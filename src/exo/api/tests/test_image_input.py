@@ -9,9 +9,7 @@ import base64
 import hashlib
 import io
 import re
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import anthropic
@@ -38,6 +36,7 @@ from exo.shared.types.text_generation import (
     TextGenerationTaskParams,
 )
 from exo.testing.builders import SMOLLM2, smollm2_card
+from exo.testing.image_server import Body, Redirect, Route, serving_routes
 from exo.testing.scripted_cluster import ScriptedCluster
 
 
@@ -128,43 +127,19 @@ def test_private_loopback_and_link_local_addresses_are_forbidden(
     assert is_forbidden_address(address) is forbidden
 
 
-class ImageHandler(BaseHTTPRequestHandler):
-    """/image.png: a PNG; /redirect: to it; /to-file: to a file: URL; /loop: to itself;
-    /big: a body past 4 KiB; else 404."""
-
-    def do_GET(self) -> None:
-        targets = {"/redirect": "/image.png", "/to-file": "file:///etc/passwd", "/loop": "/loop"}
-        if self.path in targets:
-            self.send_response(302)
-            self.send_header("Location", targets[self.path])
-            self.end_headers()
-            return
-        body = {"/image.png": PNG, "/big": b"x" * 10_000}.get(self.path)
-        if body is None:
-            self.send_error(404)
-            return
-        self.send_response(200)
-        self.send_header("Content-Type", "image/png")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def image_server() -> Iterator[str]:
-    """A loopback HTTP server of images; yields its base URL, stopped at the end."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), ImageHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+    """/image.png: a PNG; /redirect: to it; /to-file: to a file: URL; /loop: to itself;
+    /big: a body past 4 KiB; else 404."""
+    routes: dict[str, Route] = {
+        "/image.png": Body(PNG),
+        "/big": Body(b"x" * 10_000),
+        "/redirect": Redirect("/image.png"),
+        "/to-file": Redirect("file:///etc/passwd"),
+        "/loop": Redirect("/loop"),
+    }
+    with serving_routes(routes) as url:
+        yield url
 
 
 def test_an_http_image_is_fetched_when_private_urls_are_allowed(image_server: str) -> None:
