@@ -24,12 +24,15 @@ a JSON body, or an error event in the stream). Anything else (a hang past the cl
 a stream that stops without its end, a transport error) counts as unclean.
 
 Every `--sample-seconds` the node's and each runner's RSS (bytes) and open file-descriptor
-count are sampled (psutil). After the warm-up (default: a fifth of the run, at least one
-minute), the baseline is the median of the first five samples and the end the median of the
-last five; the run passes when each process's RSS grows < 10% over that window, its fd count
-does not grow, no runner was replaced, and no request ended uncleanly. The figures are
-printed and written as JSON. On a machine loaded by other work the request counts vary from
-run to run; RSS and fd figures do not depend on the load.
+count are sampled (psutil), with the KV cache tokens the runners hold (running requests and
+prefix cache) against their budget, from `/metrics`: a runner's RSS grows while its KV cache
+fills, so growth while the cache still fills is the cache, not a leak. After the warm-up
+(default: a fifth of the run, at least one minute), the baseline is the median of the first
+five samples and the end the median of the last five; the run passes when each process's RSS
+grows < 10% over that window, its fd count does not grow, no runner was replaced, and no
+request ended uncleanly. The figures are printed and written as JSON. On a machine loaded by
+other work the request counts vary from run to run, and the KV cache fills more slowly (a
+longer `--warmup-minutes` then); RSS and fd figures do not depend on the load.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from typing import Any
 
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from exo.shared.constants import models_dir as default_models_dir
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
@@ -224,6 +228,27 @@ def process_figures(process: psutil.Process) -> dict[str, int]:
     return {"rss": process.memory_info().rss, "fds": process.num_fds()}
 
 
+def kv_cache_tokens(url: str) -> dict[str, float]:
+    """The node's runners' KV cache from `/metrics`: tokens held by running requests
+    (`running`) and by the prefix cache (`prefix_cache`), and the `budget`, each summed over
+    runners; empty if the node does not answer within 10 s."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    figures: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for metric in family.samples:
+            if metric.name == "exo_kv_cache_tokens":
+                key = metric.labels.get("holder", "running")
+            elif metric.name == "exo_kv_cache_budget_tokens":
+                key = "budget"
+            else:
+                continue
+            figures[key] = figures.get(key, 0.0) + metric.value
+    return figures
+
+
 def sample(node: ExoNode) -> dict[str, Any]:
     assert node.process is not None
     row: dict[str, Any] = {"t": time.monotonic(), "node": process_figures(
@@ -234,6 +259,7 @@ def sample(node: ExoNode) -> dict[str, Any]:
             row["runners"][str(runner.pid)] = process_figures(runner)
         except psutil.Error:
             continue
+    row["kv"] = kv_cache_tokens(node.url)
     return row
 
 
@@ -280,9 +306,12 @@ def soak(node: ExoNode, arguments: argparse.Namespace) -> dict[str, Any]:
             f"runner {pid} {r['rss'] / 2**20:.0f} MiB {r['fds']} fds"
             for pid, r in last["runners"].items()
         )
+        kv = last["kv"]
         print(
             f"{elapsed / 60:5.1f} min: node {last['node']['rss'] / 2**20:.0f} MiB "
-            f"{last['node']['fds']} fds; {runners}; requests {dict(outcomes.counts)}",
+            f"{last['node']['fds']} fds; {runners}; KV tokens running "
+            f"{kv.get('running', 0):.0f} + prefix cache {kv.get('prefix_cache', 0):.0f} of "
+            f"{kv.get('budget', 0):.0f}; requests {dict(outcomes.counts)}",
             flush=True,
         )
         time.sleep(min(arguments.sample_seconds, max(0.0, deadline - time.monotonic())))
@@ -329,6 +358,7 @@ def soak(node: ExoNode, arguments: argparse.Namespace) -> dict[str, Any]:
                 "minute": (s["t"] - started) / 60,
                 "node_rss_mib": s["node"]["rss"] / 2**20,
                 "node_fds": s["node"]["fds"],
+                "kv_cache_tokens": s["kv"],
                 "runners": {
                     pid: {"rss_mib": r["rss"] / 2**20, "fds": r["fds"]}
                     for pid, r in s["runners"].items()
