@@ -30,7 +30,9 @@ from exo.api.serving.cluster_client import CommandRejectedError
 from exo.api.serving.failover import (
     MAX_FAILOVERS,
     StreamProgress,
+    failover_deadline,
     healthy_instance_exists,
+    instance_coming_up,
     instance_may_come,
 )
 from exo.api.tests.serving import scripted_app, serving
@@ -45,7 +47,7 @@ from exo.shared.types.chunks import (
 from exo.shared.types.commands import CancelGeneration, GenerateText
 from exo.shared.types.common import CommandId, ModelId, NodeId
 from exo.shared.types.instances import Instance
-from exo.shared.types.runners import RunnerLoading, RunnerReady
+from exo.shared.types.runners import RunnerFailed, RunnerLoading, RunnerReady
 from exo.shared.types.state import InstanceUnavailable
 from exo.testing.builders import SMOLLM2, make_instance, make_state
 from exo.testing.scripted_cluster import ScriptedCluster
@@ -102,6 +104,7 @@ class FailingOverCluster(ScriptedCluster):
         self.held = threading.Event()
         self.state_changed = anyio.Event()
         self.resubmitted_at: list[float] = []
+        self.lost = threading.Event()
         (instance,) = self.state.instances.values()
         runners = {
             runner_id: (self.node_id, RunnerReady())
@@ -150,6 +153,7 @@ class FailingOverCluster(ScriptedCluster):
         lost_after = 0 if continued and self.lose_at_once else LOST_AFTER
         for sent, index in enumerate(range(start, len(WORDS))):
             if position < self.losses and sent == lost_after:
+                self.lost.set()
                 yield ErrorChunk(
                     command_id=command_id, model=model, error_message=LOST, status_code=503,
                     error_code=INSTANCE_UNAVAILABLE,
@@ -508,6 +512,67 @@ def test_a_stream_that_sees_its_node_lost_before_the_master_waits_for_the_re_pla
     assert chat_text(events) == ANSWER
 
 
+def test_a_loss_whose_instance_is_coming_up_waits_past_the_short_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lost instance placed again is still loading when the short deadline passes
+    (its node fetching the files, or restarted): the failover waits on, up to the loading
+    deadline, and the stream continues once it serves (was: the error at the short
+    deadline although the cluster was about to serve again)."""
+    monkeypatch.setattr(failover, "FAILOVER_DEADLINE_SECONDS", 0.3)
+    placed = FailingOverCluster().state
+    (routed,) = placed.instances.values()
+    cluster = FailingOverCluster(routed=routed)
+    loading = _re_placed(RunnerLoading(layers_loaded=1, total_layers=30))
+    recovering = loading.model_copy(
+        update={"unavailable_instances": {routed.instance_id: InstanceUnavailable(reason="x")}}
+    )
+    ready = _re_placed(RunnerReady())
+
+    def serve_again() -> None:  # placed again at the loss, serving well after the deadline
+        assert cluster.lost.wait(DEADLINE_SECONDS)
+        cluster.state = recovering
+        time.sleep(1.2)
+        cluster.state = ready
+
+    for base_url in node(cluster):
+        helper = threading.Thread(target=serve_again, daemon=True)
+        helper.start()
+        events = sse_events(
+            base_url,
+            "/v1/chat/completions",
+            {"model": SMOLLM2, "messages": MESSAGES, "stream": True},
+        )
+        helper.join(timeout=DEADLINE_SECONDS)
+    check_continued(cluster)
+    assert chat_text(events) == ANSWER
+
+
+def test_a_loss_with_nothing_coming_up_keeps_the_short_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lost instance waits for room no node set has: nothing is coming up, so the short
+    deadline ends the stream with the error even though the loading deadline is far."""
+    monkeypatch.setattr(failover, "FAILOVER_DEADLINE_SECONDS", 0.3)
+    cluster = FailingOverCluster(known_route=True)
+    (routed,) = cluster.state.instances.values()
+    cluster.routed = routed
+    waiting = InstanceUnavailable(reason="x; waiting for room", waiting_for_room=True)
+    cluster.state = cluster.state.model_copy(
+        update={"unavailable_instances": {routed.instance_id: waiting}}
+    )
+    for base_url in node(cluster):
+        started = time.monotonic()
+        events = sse_events(
+            base_url,
+            "/v1/chat/completions",
+            {"model": SMOLLM2, "messages": MESSAGES, "stream": True},
+        )
+        assert time.monotonic() - started < failover.FAILOVER_LOADING_DEADLINE_SECONDS / 2
+    assert events[-1]["error"]["message"] == LOST
+    assert len(cluster.submitted) == 1
+
+
 # -- pure decisions, without a server ------------------------------------------------------
 
 
@@ -545,6 +610,37 @@ def test_a_healthy_instance_is_ready_on_live_nodes_and_not_the_lost_placement() 
     # A node of the other instance is lost: not healthy.
     lost_node = both.model_copy(update={"lost_nodes": (NodeId("node-b"),)})
     assert not healthy_instance_exists(lost_node, SMOLLM2, lost=first)
+
+
+def test_the_loading_deadline_holds_while_an_instance_is_coming_up() -> None:
+    first = make_instance(NodeId("node-a"), instance_id="instance-1")
+    moved = make_instance(NodeId("node-c"), instance_id="instance-1", runner_tag="again")
+    (moved_runner,) = moved.shard_assignments.runner_to_shard
+    on_c = NodeId("node-c")
+    recovering = {first.instance_id: InstanceUnavailable(reason="node node-a left; re-placed")}
+
+    def deadline_of(state: Any) -> float:
+        return failover_deadline(state, SMOLLM2, first, deadline=30.0, loading_deadline=120.0)
+
+    # Placed again, its node fetching the files (no runner status yet) or loading.
+    fetching = make_state(instances=[moved]).model_copy(
+        update={"unavailable_instances": recovering}
+    )
+    assert instance_coming_up(fetching, SMOLLM2, lost=first) and deadline_of(fetching) == 120.0
+    loading_status = RunnerLoading(layers_loaded=1, total_layers=30)
+    loading = make_state(instances=[moved], runners={moved_runner: (on_c, loading_status)})
+    assert deadline_of(loading) == 120.0
+    # Its runner failed, its node is lost, or it waits for room: nothing is coming.
+    failed_status = RunnerFailed(error_message="boom")
+    failed = make_state(instances=[moved], runners={moved_runner: (on_c, failed_status)})
+    assert deadline_of(failed) == 30.0
+    assert deadline_of(loading.model_copy(update={"lost_nodes": (on_c,)})) == 30.0
+    waiting = InstanceUnavailable(reason="x", waiting_for_room=True)
+    unplaced = loading.model_copy(update={"unavailable_instances": {moved.instance_id: waiting}})
+    assert deadline_of(unplaced) == 30.0
+    # The lost placement itself (its runner died, placement unchanged) never counts.
+    alone = make_state(instances=[first], runners={})
+    assert not instance_coming_up(alone, SMOLLM2, lost=first) and deadline_of(alone) == 30.0
 
 
 # -- StreamProgress, without a server -------------------------------------------------------
