@@ -72,17 +72,18 @@ re-submission the master routed just before it saw the loss fails at once and ta
 another; more than a few losses within one answer mean the cluster is falling apart, and
 the client is better served by the error than by a longer wait."""
 FAILOVER_DEADLINE_SECONDS = 30.0
-"""How long one loss may hold the stream before the error goes out: the master marks a lost
-node within a few seconds (zenoh liveliness, `master.recovery`), and a small model placed
-again loads within this; agents and proxies commonly give up on 60 s of silence, so the
-wait stays well inside it."""
+"""How long one loss may hold the stream before the error goes out while no instance of
+the model is coming up (else `FAILOVER_LOADING_DEADLINE_SECONDS`): the master marks a lost
+node within a few seconds (zenoh liveliness, `master.recovery`) and places its instance
+again at once, so a wait with nothing under way past this has nothing to wait for."""
 FAILOVER_LOADING_DEADLINE_SECONDS = 120.0
 """How long one loss may hold the stream while an instance of the model is coming up
 (`failover_deadline`): as long as a request lost before its first chunk waits for its
 model's instance placed again (`accepted_generation.RETRY_WAIT_SECONDS`). A small model
-placed again on a node that must fetch it, or on its own node restarted, loads within this;
-SSE streams send a heartbeat every few seconds meanwhile (`early_stream.KEEPALIVE_SECONDS`),
-so proxies and agents see no silence."""
+placed again on a node that must fetch it, or back on its own node restarted within
+seconds (`master.recovery.replacements_nearer_files`), loads within this; SSE streams
+send a heartbeat every few seconds meanwhile (`early_stream.KEEPALIVE_SECONDS`), so
+proxies and agents see no silence."""
 CONTINUATION_FIRST_CHUNK_SECONDS = 120.0
 """How long a re-submission may take to send its first chunk (its prompt + forced tokens
 prefilled on a CPU, or the instance's runner loading again after it died) before the
