@@ -17,6 +17,7 @@ from exo.master.recovery import (
     connectivity_events,
     events_after_node_removed,
     replacements_for_waiting,
+    replacements_nearer_files,
 )
 from exo.node.data_directory import DataDirectoryFullError
 from exo.node.event_log import EventLog, EventLogCorruptError
@@ -218,6 +219,7 @@ class Master:
             while True:
                 if self._check_active():
                     self.emit(self.connectivity())
+                    self.emit(replacements_nearer_files(self.state))
                     self.emit(replacements_for_waiting(self.state))
                     self.emit(self.timed_out_nodes())
                     self.emit(idle_instances(self.state, self._wall_clock()))
@@ -318,6 +320,8 @@ class Master:
         async for _ in connections:
             if self._check_active():
                 self.emit(self.connectivity())
+                # A node that came back may hold the files of an instance still loading.
+                self.emit(replacements_nearer_files(self.state))
 
     async def _local_event_loop(self) -> None:
         async for forwarded in self._local_events:

@@ -143,14 +143,16 @@ def tensor_split_error(card: ModelCard, world_size: int) -> str | None:
     return parallelism("tensor").split_error(card, world_size)
 
 
-def _holds_files(state: State, card: ModelCard, node_id: NodeId) -> bool:
+def holds_files(state: State, card: ModelCard, node_id: NodeId) -> bool:
+    """Whether `node_id` reported `card`'s files complete on its disk (`DownloadCompleted`):
+    a runner there loads without fetching anything."""
     status = state.downloads.get(node_id, {}).get(card.model_id)
     return isinstance(status, DownloadCompleted)
 
 
 def _cannot_fetch(state: State, card: ModelCard, node_id: NodeId) -> bool:
     """An `--offline` node not known to hold the files may fail to prepare them."""
-    return state.node_info[node_id].offline and not _holds_files(state, card, node_id)
+    return state.node_info[node_id].offline and not holds_files(state, card, node_id)
 
 
 def _preference(
@@ -162,7 +164,7 @@ def _preference(
     then most nodes holding the files, then most memory, then the node ids
     (deterministic)."""
     cannot_fetch = sum(_cannot_fetch(state, card, n) for n in candidate.nodes)
-    holding = sum(_holds_files(state, card, n) for n in candidate.nodes)
+    holding = sum(holds_files(state, card, n) for n in candidate.nodes)
     memory = sum(room[n].available_bytes for n in candidate.nodes)
     drops_draft = candidate.draft_left_out is not None and not candidate.draft_unusable
     return (cannot_fetch, drops_draft, -holding, -memory, tuple(sorted(candidate.nodes)))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from exo.master.placement import PlacementError, place_instance
+from exo.master.placement import PlacementError, holds_files, place_instance
 from exo.shared.apply import apply_event
 from exo.shared.types.common import NodeId
 from exo.shared.types.events import (
@@ -30,6 +30,7 @@ from exo.shared.types.events import (
     TaskStatusUpdated,
 )
 from exo.shared.types.instances import Instance
+from exo.shared.types.models import ModelCard
 from exo.shared.types.state import State
 from exo.shared.types.tasks import TaskFailed
 
@@ -122,10 +123,9 @@ def replacement(state: State, instance: Instance, cause: str) -> Event:
     Args:
         cause: what happened to it, e.g. "node X left"; starts the reason either way.
     """
-    shard = next(iter(instance.shard_assignments.runner_to_shard.values()))
     try:
         placed = place_instance(
-            shard.model_card,
+            _card_of(instance),
             state,
             instance.instance_id,
             sharding=instance.sharding,
@@ -137,6 +137,57 @@ def replacement(state: State, instance: Instance, cause: str) -> Event:
         )
     nodes = ", ".join(placed.shard_assignments.node_to_runner)
     return InstanceReplaced(instance=placed, reason=f"{cause}; re-placed on {nodes}, loading")
+
+
+def replacements_nearer_files(state: State) -> list[Event]:
+    """Instances being placed again after a node loss whose placement still has to fetch
+    the model's files, placed once more where fewer nodes must fetch them.
+
+    The placement chosen while a node was gone may have landed on nodes that must first
+    download the model (minutes for a large one, while requests wait for it); a node that
+    comes back — restarted within seconds, its files still on disk — then serves far
+    sooner. So while an instance is unavailable and not waiting for room (re-placed, its
+    runners not all ready), and `place_instance` on the state now would choose nodes of
+    which fewer lack the files (`placement.holds_files`: a completed download reported),
+    it is placed there (`InstanceReplaced`, new runners; the old ones stop, their download
+    is no longer needed). A placement whose every node holds the files never moves, and
+    each move lowers the number of nodes that must fetch, so an instance moves at most once
+    per node it was placed on; an instance that lost a node the master has not placed
+    again yet is left to `events_after_node_lost`.
+    """
+    events: list[Event] = []
+    for instance_id, unavailable in sorted(state.unavailable_instances.items()):
+        instance = state.instances.get(instance_id)
+        if instance is None or unavailable.waiting_for_room:
+            continue
+        nodes = list(instance.shard_assignments.node_to_runner)
+        if any(node in state.lost_nodes for node in nodes):
+            continue
+        card = _card_of(instance)
+        fetching = _nodes_fetching(state, card, nodes)
+        if fetching == 0:
+            continue
+        try:
+            placed = place_instance(
+                card,
+                state,
+                instance_id,
+                sharding=instance.sharding,
+                runner_tag=f"r{state.last_event_applied_idx + 1}",
+            )
+        except PlacementError:
+            continue
+        placed_nodes = list(placed.shard_assignments.node_to_runner)
+        if _nodes_fetching(state, card, placed_nodes) >= fetching:
+            continue
+        cause = unavailable.reason.split("; re-placed", 1)[0]
+        event = InstanceReplaced(
+            instance=placed,
+            reason=f"{cause}; re-placed on {', '.join(placed_nodes)} (holding its files), loading",
+        )
+        events.append(event)
+        state = apply_event(state, event)
+    return events
 
 
 def replacements_for_waiting(state: State) -> list[Event]:
@@ -152,6 +203,15 @@ def replacements_for_waiting(state: State) -> list[Event]:
             events.append(event)
             state = apply_event(state, event)
     return events
+
+
+def _card_of(instance: Instance) -> ModelCard:
+    return next(iter(instance.shard_assignments.runner_to_shard.values())).model_card
+
+
+def _nodes_fetching(state: State, card: ModelCard, nodes: list[NodeId]) -> int:
+    """How many of `nodes` must fetch `card`'s files before their runner loads."""
+    return sum(not holds_files(state, card, node) for node in nodes)
 
 
 def _apply_all(state: State, events: list[Event]) -> State:

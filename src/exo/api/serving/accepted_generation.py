@@ -29,7 +29,11 @@ from fastapi import Request
 from loguru import logger
 
 from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
-from exo.api.serving.failover import healthy_instance_exists, instance_may_come
+from exo.api.serving.failover import (
+    failover_deadline,
+    healthy_instance_exists,
+    instance_may_come,
+)
 from exo.api.serving.metrics import observed_chunks
 from exo.api.serving.replacement_wait import (
     REPLACEMENT_WAIT_SECONDS,
@@ -122,19 +126,24 @@ class Generation:
         )
 
     async def fail_over(
-        self, request: Request, forced_token_ids: tuple[int, ...], deadline: float
+        self,
+        request: Request,
+        forced_token_ids: tuple[int, ...],
+        deadline: float,
+        loading_deadline: float,
     ) -> AsyncIterator[Chunk]:
         """Send the streamed generation again, mid-stream, to continue after the
         `forced_token_ids` its client already got (`exo.api.serving.failover`); waits for
-        an instance of the model at most until `deadline` (anyio clock seconds): a healthy
-        one other than the lost one as it was (`failover.healthy_instance_exists`; the same
+        an instance of the model at most until `deadline`, or `loading_deadline` while one
+        is coming up (`failover.failover_deadline`; anyio clock seconds): a healthy one
+        other than the lost one as it was (`failover.healthy_instance_exists`; the same
         instance placed again on other nodes is another).
 
         Returns:
             The new command's chunks.
 
         Raises:
-            NoCapacityError: no healthy instance by `deadline`, or as `retry`.
+            NoCapacityError: no healthy instance by the deadline in force, or as `retry`.
             ModelNotFoundError, GenerationError: as `retry`.
         """
         # The placement the stream ran on, as it was routed: by now the master may have
@@ -147,19 +156,21 @@ class Generation:
             node_lost = lost_instance is not None and self.cluster.placement_lost_a_node(
                 lost_instance
             )
-            if anyio.current_time() >= deadline or not instance_may_come(
+            in_force = failover_deadline(state, model, lost_instance, deadline, loading_deadline)
+            if anyio.current_time() >= in_force or not instance_may_come(
                 state, model, lost_instance, node_lost
             ):
                 raise NoCapacityError(
                     f"no healthy instance of {self.params.model} to continue the stream on"
                 )
-            wait = min(STATE_CHECK_SECONDS, max(0.0, deadline - anyio.current_time()))
+            wait = min(STATE_CHECK_SECONDS, max(0.0, in_force - anyio.current_time()))
             if not await wait_for_state_change(self.cluster, request, wait):
                 raise GenerationError("the client disconnected; generation cancelled")
             state = self.cluster.state
         params = self.params.model_copy(update={"forced_token_ids": forced_token_ids})
+        in_force = failover_deadline(state, model, lost_instance, deadline, loading_deadline)
         return await self._resubmit(
-            request, params, deadline, f"after {len(forced_token_ids)} streamed tokens"
+            request, params, in_force, f"after {len(forced_token_ids)} streamed tokens"
         )
 
     async def submit(self, request: Request, command: GenerateText) -> None:

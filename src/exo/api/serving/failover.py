@@ -33,7 +33,10 @@ the same placement whose runner died does not (`healthy_instance_exists`); when 
 appear (a lone instance's runner died) the error goes out at once.
 
 Bounded: at most `MAX_FAILOVERS` re-submissions per stream; each loss is given up after
-`FAILOVER_DEADLINE_SECONDS` without an instance taking the request, and a re-submission
+`FAILOVER_DEADLINE_SECONDS` without an instance taking the request — after
+`FAILOVER_LOADING_DEADLINE_SECONDS` while an instance of the model is coming up on nodes
+that are all there (`failover_deadline`: the lost one placed again and loading or fetching
+its files, as after its node restarted), and a re-submission
 silent for `CONTINUATION_FIRST_CHUNK_SECONDS` is cancelled; then the client gets the error
 of today (the lost stream's 503 in the dialect's in-band error shape). A client that leaves during
 the failover cancels the new command (the response's cancel names the command running
@@ -60,7 +63,7 @@ from exo.shared.types.chunks import (
 )
 from exo.shared.types.common import ModelId
 from exo.shared.types.instances import Instance
-from exo.shared.types.runners import RunnerReady, RunnerRunning
+from exo.shared.types.runners import RunnerFailed, RunnerReady, RunnerRunning, RunnerShutdown
 from exo.shared.types.state import State
 
 MAX_FAILOVERS = 4
@@ -69,10 +72,18 @@ re-submission the master routed just before it saw the loss fails at once and ta
 another; more than a few losses within one answer mean the cluster is falling apart, and
 the client is better served by the error than by a longer wait."""
 FAILOVER_DEADLINE_SECONDS = 30.0
-"""How long one loss may hold the stream before the error goes out: the master marks a lost
-node within a few seconds (zenoh liveliness, `master.recovery`), and a small model placed
-again loads within this; agents and proxies commonly give up on 60 s of silence, so the
-wait stays well inside it."""
+"""How long one loss may hold the stream before the error goes out while no instance of
+the model is coming up (else `FAILOVER_LOADING_DEADLINE_SECONDS`): the master marks a lost
+node within a few seconds (zenoh liveliness, `master.recovery`) and places its instance
+again at once, so a wait with nothing under way past this has nothing to wait for."""
+FAILOVER_LOADING_DEADLINE_SECONDS = 120.0
+"""How long one loss may hold the stream while an instance of the model is coming up
+(`failover_deadline`): as long as a request lost before its first chunk waits for its
+model's instance placed again (`accepted_generation.RETRY_WAIT_SECONDS`). A small model
+placed again on a node that must fetch it, or back on its own node restarted within
+seconds (`master.recovery.replacements_nearer_files`), loads within this; SSE streams
+send a heartbeat every few seconds meanwhile (`early_stream.KEEPALIVE_SECONDS`), so
+proxies and agents see no silence."""
 CONTINUATION_FIRST_CHUNK_SECONDS = 120.0
 """How long a re-submission may take to send its first chunk (its prompt + forced tokens
 prefilled on a CPU, or the instance's runner loading again after it died) before the
@@ -174,6 +185,37 @@ def healthy_instance_exists(state: State, model: ModelId, lost: Instance | None)
     return False
 
 
+def instance_coming_up(state: State, model: ModelId, lost: Instance | None) -> bool:
+    """Whether an instance of `model` other than `lost` as it was is on its way to serve:
+    every node of it there, not waiting for room, none of its runners failed or shut down
+    (runners loading, warming up, or not started yet while their node fetches the files)."""
+    for instance in state.instances_of_model(model):
+        assignments = instance.shard_assignments
+        unavailable = state.unavailable_instances.get(instance.instance_id)
+        if (
+            (lost is not None and assignments == lost.shard_assignments)
+            or (unavailable is not None and unavailable.waiting_for_room)
+            or any(node in state.lost_nodes for node in assignments.node_to_runner)
+        ):
+            continue
+        if not any(
+            isinstance(state.runners.get(runner_id), RunnerFailed | RunnerShutdown)
+            for runner_id in assignments.runner_to_shard
+        ):
+            return True
+    return False
+
+
+def failover_deadline(
+    state: State, model: ModelId, lost: Instance | None, deadline: float, loading_deadline: float
+) -> float:
+    """The deadline in force for a failover waiting for an instance of `model`:
+    `loading_deadline` (the later) while one is coming up (`instance_coming_up`), else
+    `deadline`. A loss that the cluster is visibly repairing waits for the repair; one with
+    nothing under way is given up on sooner."""
+    return loading_deadline if instance_coming_up(state, model, lost) else deadline
+
+
 def instance_may_come(
     state: State, model: ModelId, lost: Instance | None, node_lost: bool = False
 ) -> bool:
@@ -191,9 +233,10 @@ def instance_may_come(
     )
 
 
-Resubmit = Callable[[tuple[int, ...], float], Awaitable[AsyncIterator[Chunk]]]
+Resubmit = Callable[[tuple[int, ...], float, float], Awaitable[AsyncIterator[Chunk]]]
 """Sends the generation again with these forced token ids, waiting for an instance to take
-it at most until the deadline (`clock` seconds); returns the new command's chunks. Raises
+it at most until the deadline, or the loading deadline while one is coming up
+(`failover_deadline`; both `clock` seconds); returns the new command's chunks. Raises
 ApiError when no instance took it in time (`Generation.fail_over`)."""
 
 
@@ -216,7 +259,7 @@ async def with_failover(
     Args:
         chunks: the generation's chunk stream as the client would get it.
         resubmit: sends the generation again with the given forced token ids, by the
-            given deadline.
+            given deadline and loading deadline.
         state_changed: returns when the cluster state next changes (awaited at most
             `RESUBMIT_PAUSE_SECONDS` before a repeated re-submission).
         cancel: cancels the command running now (a re-submission whose first chunk did
@@ -229,7 +272,7 @@ async def with_failover(
     """
     progress = StreamProgress()
     failovers = 0
-    deadline = 0.0
+    deadline = loading_deadline = 0.0
     given_at_resume = 0
     lost: ErrorChunk | None = None
     while True:
@@ -263,10 +306,12 @@ async def with_failover(
         # same loss (routed before the master saw it): its deadline, after a pause.
         if not (progress.continued and progress.chunks_given == given_at_resume):
             deadline = clock() + FAILOVER_DEADLINE_SECONDS
-        elif clock() < deadline:
-            with anyio.move_on_after(min(RESUBMIT_PAUSE_SECONDS, deadline - clock())):
+            loading_deadline = clock() + FAILOVER_LOADING_DEADLINE_SECONDS
+        elif clock() < loading_deadline:
+            with anyio.move_on_after(min(RESUBMIT_PAUSE_SECONDS, loading_deadline - clock())):
                 await state_changed()
-        if failovers >= MAX_FAILOVERS or clock() >= deadline:
+        # The outer bound; `resubmit` applies the one in force (`failover_deadline`).
+        if failovers >= MAX_FAILOVERS or clock() >= loading_deadline:
             yield lost
             return
         failovers += 1
@@ -275,7 +320,7 @@ async def with_failover(
             f"continuing elsewhere (failover {failovers} of at most {MAX_FAILOVERS})"
         )
         try:
-            chunks = await resubmit(tuple(progress.token_ids), deadline)
+            chunks = await resubmit(tuple(progress.token_ids), deadline, loading_deadline)
         except ApiError as error:
             logger.info(f"api: the failover found no instance: {error}")
             yield lost

@@ -373,8 +373,10 @@ def _continued_on_loss(generation: Generation, request: Request) -> AsyncIterato
     """`generation`'s chunks, continued on another instance when its instance is lost
     mid-stream (`exo.api.serving.failover`)."""
 
-    async def resubmit(forced_token_ids: tuple[int, ...], deadline: float) -> AsyncIterator[Chunk]:
-        return await generation.fail_over(request, forced_token_ids, deadline)
+    async def resubmit(
+        forced_token_ids: tuple[int, ...], deadline: float, loading_deadline: float
+    ) -> AsyncIterator[Chunk]:
+        return await generation.fail_over(request, forced_token_ids, deadline, loading_deadline)
 
     async def state_changed() -> None:
         await generation.cluster.state_changed.wait()

@@ -9,6 +9,8 @@ that leaves during the failover cancels the new command.
 The stand-in cluster streams one token per chunk and loses the first commands' instance
 after `LOST_AFTER` chunks; a continued command starts where its forced tokens end (what a
 runner does, `test_forced_prefix.py` checks the engine side). Every wait has a deadline.
+The failover's pure decisions and `StreamProgress` are checked without a server in
+`test_failover_decisions.py`.
 """
 
 from __future__ import annotations
@@ -29,9 +31,6 @@ from exo.api.serving import failover
 from exo.api.serving.cluster_client import CommandRejectedError
 from exo.api.serving.failover import (
     MAX_FAILOVERS,
-    StreamProgress,
-    healthy_instance_exists,
-    instance_may_come,
 )
 from exo.api.tests.serving import scripted_app, serving
 from exo.shared.types.chunks import (
@@ -43,7 +42,7 @@ from exo.shared.types.chunks import (
     Usage,
 )
 from exo.shared.types.commands import CancelGeneration, GenerateText
-from exo.shared.types.common import CommandId, ModelId, NodeId
+from exo.shared.types.common import CommandId, NodeId
 from exo.shared.types.instances import Instance
 from exo.shared.types.runners import RunnerLoading, RunnerReady
 from exo.shared.types.state import InstanceUnavailable
@@ -102,6 +101,9 @@ class FailingOverCluster(ScriptedCluster):
         self.held = threading.Event()
         self.state_changed = anyio.Event()
         self.resubmitted_at: list[float] = []
+        self.lost = threading.Event()
+        self.state_at_loss: Any = None
+        """The state the master would have made of the loss (set with the loss chunk)."""
         (instance,) = self.state.instances.values()
         runners = {
             runner_id: (self.node_id, RunnerReady())
@@ -150,6 +152,9 @@ class FailingOverCluster(ScriptedCluster):
         lost_after = 0 if continued and self.lose_at_once else LOST_AFTER
         for sent, index in enumerate(range(start, len(WORDS))):
             if position < self.losses and sent == lost_after:
+                if self.state_at_loss is not None:
+                    self.state = self.state_at_loss
+                self.lost.set()
                 yield ErrorChunk(
                     command_id=command_id, model=model, error_message=LOST, status_code=503,
                     error_code=INSTANCE_UNAVAILABLE,
@@ -508,89 +513,61 @@ def test_a_stream_that_sees_its_node_lost_before_the_master_waits_for_the_re_pla
     assert chat_text(events) == ANSWER
 
 
-# -- pure decisions, without a server ------------------------------------------------------
-
-
-def test_a_healthy_instance_is_ready_on_live_nodes_and_not_the_lost_placement() -> None:
-    first = make_instance(NodeId("node-a"), instance_id="instance-1")
-    second = make_instance(NodeId("node-b"), instance_id="instance-2")
-    ready = {
-        runner_id: (node_id, RunnerReady())
-        for instance in (first, second)
-        for node_id, runner_id in instance.shard_assignments.node_to_runner.items()
-    }
-    both = make_state(instances=[first, second], runners=ready)
-    assert healthy_instance_exists(both, SMOLLM2, lost=first)
-    assert healthy_instance_exists(both, SMOLLM2, lost=None)
-    alone = make_state(instances=[first], runners=ready)
-    # Its runner died and it keeps its placement: nothing else can come.
-    assert not healthy_instance_exists(alone, SMOLLM2, lost=first)
-    assert not instance_may_come(alone, SMOLLM2, lost=first)
-    # Its node gone by this node's links, not yet marked by the master: it will come.
-    assert instance_may_come(alone, SMOLLM2, lost=first, node_lost=True)
-    # Unavailable (its node left), it will be placed again: worth waiting for.
-    recovering = alone.model_copy(
-        update={"unavailable_instances": {first.instance_id: InstanceUnavailable(reason="x")}}
+def test_a_loss_whose_instance_is_coming_up_waits_past_the_short_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lost instance placed again is still loading when the short deadline passes
+    (its node fetching the files, or restarted): the failover waits on, up to the loading
+    deadline, and the stream continues once it serves (was: the error at the short
+    deadline although the cluster was about to serve again)."""
+    monkeypatch.setattr(failover, "FAILOVER_DEADLINE_SECONDS", 0.3)
+    placed = FailingOverCluster().state
+    (routed,) = placed.instances.values()
+    cluster = FailingOverCluster(routed=routed)
+    loading = _re_placed(RunnerLoading(layers_loaded=1, total_layers=30))
+    cluster.state_at_loss = loading.model_copy(
+        update={"unavailable_instances": {routed.instance_id: InstanceUnavailable(reason="x")}}
     )
-    assert instance_may_come(recovering, SMOLLM2, lost=first)
-    # Placed again on another node (new runners): healthy once they are ready.
-    moved = make_instance(NodeId("node-c"), instance_id="instance-1", runner_tag="again")
-    (moved_runner,) = moved.shard_assignments.runner_to_shard
-    on_c = NodeId("node-c")
-    loading_status = RunnerLoading(layers_loaded=1, total_layers=30)
-    loading = make_state(instances=[moved], runners={moved_runner: (on_c, loading_status)})
-    assert not healthy_instance_exists(loading, SMOLLM2, lost=first)
-    served = make_state(instances=[moved], runners={moved_runner: (on_c, RunnerReady())})
-    assert healthy_instance_exists(served, SMOLLM2, lost=first)
-    # A node of the other instance is lost: not healthy.
-    lost_node = both.model_copy(update={"lost_nodes": (NodeId("node-b"),)})
-    assert not healthy_instance_exists(lost_node, SMOLLM2, lost=first)
+    ready = _re_placed(RunnerReady())
 
+    def serve_again() -> None:  # placed again at the loss, serving well after the deadline
+        assert cluster.lost.wait(DEADLINE_SECONDS)
+        time.sleep(1.2)
+        cluster.state = ready
 
-# -- StreamProgress, without a server -------------------------------------------------------
-
-
-def token(text: str, ids: tuple[int, ...], **fields: Any) -> TokenChunk:
-    return TokenChunk(
-        command_id=CommandId("c"), model=ModelId("m"), text=text, token_ids=ids, **fields
-    )
-
-
-def test_a_continued_stream_keeps_what_the_client_was_told_when_it_opened() -> None:
-    progress = StreamProgress()
-    first = token("a", (1,), prompt_tokens=9, cached_tokens=4)
-    assert progress.adapt(first) is first  # nothing changes before a failover
-    progress.given(first)
-    progress.given(token("b", (2, 3)))
-    assert progress.token_ids == [1, 2, 3]
-    progress.continued = True
-    admitted = PrefillProgressChunk(
-        command_id=CommandId("d"), model=ModelId("m"), prompt_tokens=9, cached_tokens=0,
-        prefilled_tokens=0,
-    )  # fmt: skip
-    assert progress.adapt(admitted) is None
-    again = progress.adapt(token("c", (4,), prompt_tokens=9, cached_tokens=0))
-    assert isinstance(again, TokenChunk)
-    assert again.prompt_tokens is None and again.cached_tokens is None and again.text == "c"
-    final = progress.adapt(
-        token("", (), finish_reason="stop", usage=Usage(prompt_tokens=9, completion_tokens=4))
-    )
-    assert isinstance(final, TokenChunk) and final.usage is not None
-    assert final.usage == Usage(prompt_tokens=9, completion_tokens=4, cached_tokens=4)
-
-
-def test_a_stream_lost_before_it_opened_keeps_its_first_report() -> None:
-    progress = StreamProgress()
-    progress.given(
-        PrefillProgressChunk(
-            command_id=CommandId("c"),
-            model=ModelId("m"),
-            prompt_tokens=9,
-            cached_tokens=0,
-            prefilled_tokens=3,
+    for base_url in node(cluster):
+        helper = threading.Thread(target=serve_again, daemon=True)
+        helper.start()
+        events = sse_events(
+            base_url,
+            "/v1/chat/completions",
+            {"model": SMOLLM2, "messages": MESSAGES, "stream": True},
         )
+        helper.join(timeout=DEADLINE_SECONDS)
+    check_continued(cluster)
+    assert chat_text(events) == ANSWER
+
+
+def test_a_loss_with_nothing_coming_up_keeps_the_short_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lost instance waits for room no node set has: nothing is coming up, so the short
+    deadline ends the stream with the error even though the loading deadline is far."""
+    monkeypatch.setattr(failover, "FAILOVER_DEADLINE_SECONDS", 0.3)
+    cluster = FailingOverCluster(known_route=True)
+    (routed,) = cluster.state.instances.values()
+    cluster.routed = routed
+    waiting = InstanceUnavailable(reason="x; waiting for room", waiting_for_room=True)
+    cluster.state = cluster.state.model_copy(
+        update={"unavailable_instances": {routed.instance_id: waiting}}
     )
-    progress.continued = True
-    assert progress.token_ids == [] and not progress.opened
-    first = token("a", (1,), prompt_tokens=9, cached_tokens=2)
-    assert progress.adapt(first) == first  # the client still needs the prompt's size
+    for base_url in node(cluster):
+        started = time.monotonic()
+        events = sse_events(
+            base_url,
+            "/v1/chat/completions",
+            {"model": SMOLLM2, "messages": MESSAGES, "stream": True},
+        )
+        assert time.monotonic() - started < failover.FAILOVER_LOADING_DEADLINE_SECONDS / 2
+    assert events[-1]["error"]["message"] == LOST
+    assert len(cluster.submitted) == 1

@@ -5,11 +5,12 @@ from exo.master.recovery import (
     connectivity_events,
     events_after_node_lost,
     replacements_for_waiting,
+    replacements_nearer_files,
 )
 from exo.shared.apply import apply_event
 from exo.shared.models.cards import load_builtin_cards
 from exo.shared.types.commands import GenerateText, PlaceInstance
-from exo.shared.types.common import CommandId, InstanceId, NodeId, RunnerId
+from exo.shared.types.common import CommandId, InstanceId, ModelId, NodeId, RunnerId
 from exo.shared.types.events import (
     CommandRejected,
     Event,
@@ -22,6 +23,7 @@ from exo.shared.types.events import (
     TaskCreated,
     TaskStatusUpdated,
 )
+from exo.shared.types.nodes import DownloadCompleted, DownloadStatus
 from exo.shared.types.runners import RunnerReady
 from exo.shared.types.state import State
 from exo.shared.types.tasks import TaskFailed
@@ -186,3 +188,91 @@ def test_equally_idle_instances_share_sequential_requests_and_busy_ones_get_fewe
         command = GenerateText(command_id=CommandId(f"c-{i}"), params=make_params())
         [created] = events_for_command(busy, NODE_A, command, load_builtin_cards())
         assert isinstance(created, TaskCreated) and created.task.instance_id == "two"
+
+
+def _holding(*nodes: NodeId) -> dict[NodeId, dict[ModelId, DownloadStatus]]:
+    """Downloads: each of `nodes` reported the default model's files complete."""
+    model = make_params().model
+    return {node: {model: DownloadCompleted(path=f"/models/{node}")} for node in nodes}
+
+
+def _lost_and_re_placed(downloads: dict[NodeId, dict[ModelId, DownloadStatus]]) -> State:
+    """B ran the instance and left; the master placed it again on A (the only node left),
+    whose runner now waits for the files."""
+    lost = make_instance(NODE_B, instance_id="lost")
+    state = make_state(
+        nodes={NODE_A: ROOMY, NODE_B: ROOMY},
+        instances=[lost],
+        downloads=downloads,
+        last_event_applied_idx=6,
+    )
+    state = apply_events(state, events_after_node_lost(state, NODE_B))
+    assert list(state.instances[InstanceId("lost")].shard_assignments.node_to_runner) == [NODE_A]
+    return state
+
+
+def _rejoined(state: State) -> State:
+    """`state` after B's return, as the master holds it: the events of the loss and the
+    return applied (indexed: each took the next index, which re-placements tag runners
+    with)."""
+    back = apply_events(state, [NodeRejoined(node_id=NODE_B)])
+    return back.model_copy(update={"last_event_applied_idx": state.last_event_applied_idx + 5})
+
+
+def test_a_returning_node_holding_the_files_takes_back_an_instance_still_fetching_them() -> None:
+    state = _lost_and_re_placed(_holding(NODE_B))
+    # While B is gone nothing better exists: A stays.
+    assert replacements_nearer_files(state) == []
+    back = _rejoined(state)
+    [replaced] = replacements_nearer_files(back)
+    assert isinstance(replaced, InstanceReplaced)
+    moved = replaced.instance
+    assert list(moved.shard_assignments.node_to_runner) == [NODE_B]
+    before = back.instances[InstanceId("lost")].shard_assignments.runner_to_shard
+    assert set(moved.shard_assignments.runner_to_shard).isdisjoint(before)
+    assert replaced.reason == "node node-b left; re-placed on node-b (holding its files), loading"
+    after = apply_events(back, [replaced])
+    assert after.unavailable_instances[InstanceId("lost")].reason == replaced.reason
+    # Settled: every node of it holds the files, so it never moves again.
+    assert replacements_nearer_files(after) == []
+
+
+def test_an_instance_whose_nodes_hold_the_files_or_none_that_do_stays() -> None:
+    # A holds the files too: its load is under way, B's return changes nothing.
+    both = apply_events(
+        _lost_and_re_placed(_holding(NODE_A, NODE_B)), [NodeRejoined(node_id=NODE_B)]
+    )
+    assert replacements_nearer_files(both) == []
+    # Nobody holds them: B back would have to fetch them as A does.
+    neither = apply_events(_lost_and_re_placed({}), [NodeRejoined(node_id=NODE_B)])
+    assert replacements_nearer_files(neither) == []
+    # Serving already (no longer unavailable): a running instance is never moved.
+    state = _lost_and_re_placed(_holding(NODE_B))
+    moved = state.instances[InstanceId("lost")]
+    ready = apply_events(
+        state,
+        [
+            NodeRejoined(node_id=NODE_B),
+            RunnerStatusUpdated(
+                runner_id=moved.shard_assignments.rank_zero_runner(),
+                node_id=NODE_A,
+                status=RunnerReady(),
+            ),
+        ],
+    )
+    assert ready.unavailable_instances == {}
+    assert replacements_nearer_files(ready) == []
+
+
+def test_an_instance_waiting_for_room_is_left_to_the_room_decision() -> None:
+    lost = make_instance(NODE_B, instance_id="lost")
+    state = make_state(
+        nodes={NODE_A: CRAMPED, NODE_B: ROOMY}, instances=[lost], downloads=_holding(NODE_B)
+    )
+    state = apply_events(state, events_after_node_lost(state, NODE_B))
+    assert state.unavailable_instances[InstanceId("lost")].waiting_for_room
+    back = _rejoined(state)
+    assert replacements_nearer_files(back) == []
+    [replaced] = replacements_for_waiting(back)
+    assert isinstance(replaced, InstanceReplaced)
+    assert list(replaced.instance.shard_assignments.node_to_runner) == [NODE_B]
