@@ -7,6 +7,9 @@ Usage: PYTHONPATH=src python bench/bench_concurrency.py [--json PATH] [--decode-
 Engine section (the default model in this process, the engine's default weights):
 - aggregate decode tok/s with 1, 2, 4, 8 requests decoding together (greedy, EOS ignored,
   32-token prompts): tokens generated after every request's first / time spent on them;
+  and the same steps' thread CPU time: ms per step, split into the decoder layers, the LM
+  head and the rest, and tokens per CPU second (with `OMP_NUM_THREADS=1` the step's whole
+  work, which other processes on a shared machine move far less than the wall clock);
 - the inter-token gap of a running stream while a 2,000-token prompt is admitted (chunked
   prefill) against its idle gap (medians and the worst gap, ms);
 - time to first token of a conversation's second turn (1,500 shared tokens + 32 new) with
@@ -59,6 +62,7 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.testing.processes import DEFAULT_MODEL_ID, ExoNode
+from exo.worker.engines.torch.batching.batch_attention import lean_step_of
 from exo.worker.engines.torch.batching.chunk_sizer import FixedChunkSizer
 from exo.worker.engines.torch.batching.request_state import RequestState
 from exo.worker.engines.torch.engine import TorchEngine
@@ -100,10 +104,62 @@ def run_until_done(engine: TorchEngine, limit_s: float = 600.0) -> None:
         engine.step()
 
 
+class StepParts:
+    """Thread CPU time of a lean engine's decode steps split into its decoder layers (the
+    native decode layers, or the per-layer path), its LM head and the rest (Python, the
+    embedding, sampling, scheduling), by wrapping the lean step's `_decode_layers` and
+    `_head` while it is entered. CPU time, not wall time: on a machine shared with other work
+    (other processes take the cores, not this thread's CPU time) it moves far less than the
+    wall clock; with one torch thread (`OMP_NUM_THREADS=1`) it is the step's whole work.
+    With several threads only the calling thread's share is counted, so use it with one."""
+
+    def __init__(self, engine: TorchEngine) -> None:
+        self.lean: Any = lean_step_of(engine.model)
+        self.seconds = {"decode_layers": 0.0, "lm_head": 0.0}
+
+    def __enter__(self) -> StepParts:
+        if self.lean is None or self.lean._head is None:
+            return self
+        lean, seconds = self.lean, self.seconds
+        layers, head = lean._decode_layers, lean._head
+
+        def timed_layers(*arguments: Any) -> None:
+            started = time.thread_time()
+            try:
+                layers(*arguments)
+            finally:
+                seconds["decode_layers"] += time.thread_time() - started
+
+        class TimedHead:
+            in_dtype = head.in_dtype
+
+            def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+                started = time.thread_time()
+                try:
+                    return head(rows)
+                finally:
+                    seconds["lm_head"] += time.thread_time() - started
+
+        lean._decode_layers, lean._head = timed_layers, TimedHead()
+        self._restore = (head,)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.lean is not None and hasattr(self, "_restore"):
+            del self.lean._decode_layers  # the instance attribute: the method again
+            self.lean._head = self._restore[0]
+
+    @property
+    def available(self) -> bool:
+        return hasattr(self, "_restore")
+
+
 def engine_aggregate_decode(
     engine: TorchEngine, concurrency: int, decode_tokens: int
 ) -> dict[str, float]:
-    """Aggregate decode tok/s of `concurrency` requests decoding together."""
+    """Aggregate decode tok/s of `concurrency` requests decoding together, and the decode
+    steps' thread CPU time: ms per step (whole, decoder layers, LM head, rest) and tokens
+    per CPU second (`StepParts`)."""
     engine.clear_prefix_cache()
     states = [
         submit_tokens(engine, random_prompt(engine, 32, seed), decode_tokens, f"agg-{seed}")
@@ -112,11 +168,34 @@ def engine_aggregate_decode(
     while not all(state.generated_ids for state in states):  # prefill, first tokens
         engine.step()
     counted = sum(len(state.generated_ids) for state in states)
-    started = time.perf_counter()
-    run_until_done(engine)
-    seconds = time.perf_counter() - started
+    steps = 0
+    with StepParts(engine) as parts:
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        deadline = time.monotonic() + 600.0
+        while engine.has_work:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the engine did not finish in time")
+            engine.step()
+            steps += 1
+        seconds = time.perf_counter() - started
+        cpu_seconds = time.thread_time() - cpu_started
     generated = sum(len(state.generated_ids) for state in states) - counted
-    return {"concurrency": concurrency, "aggregate_tok_s": generated / seconds}
+    row: dict[str, float] = {
+        "concurrency": concurrency,
+        "aggregate_tok_s": generated / seconds,
+        "steps": steps,
+        "cpu_ms_per_step": cpu_seconds * 1000 / max(steps, 1),
+        "tok_per_cpu_s": generated / cpu_seconds if cpu_seconds > 0 else 0.0,
+    }
+    if parts.available:
+        layers_ms = parts.seconds["decode_layers"] * 1000 / max(steps, 1)
+        head_ms = parts.seconds["lm_head"] * 1000 / max(steps, 1)
+        row |= {
+            "cpu_ms_decode_layers": layers_ms,
+            "cpu_ms_lm_head": head_ms,
+            "cpu_ms_rest": row["cpu_ms_per_step"] - layers_ms - head_ms,
+        }
+    return row
 
 
 def engine_gap_during_long_prefill(
@@ -203,16 +282,31 @@ def engine_section(
     for count in concurrency if "aggregate" in parts else []:
         row = engine_aggregate_decode(engine, count, decode_tokens)
         results["aggregate"].append(row)
-        print(f"engine: {count} concurrent: {row['aggregate_tok_s']:.1f} tok/s aggregate")
-    for row in results["aggregate"]:
-        row["speedup_over_one"] = (
-            row["aggregate_tok_s"] / results["aggregate"][0]["aggregate_tok_s"]
+        split = (
+            f" (decoder layers {row['cpu_ms_decode_layers']:.2f}, LM head "
+            f"{row['cpu_ms_lm_head']:.2f}, rest {row['cpu_ms_rest']:.2f})"
+            if "cpu_ms_lm_head" in row
+            else ""
         )
+        print(
+            f"engine: {count} concurrent: {row['aggregate_tok_s']:.1f} tok/s aggregate; "
+            f"thread CPU {row['cpu_ms_per_step']:.2f} ms per step{split}, "
+            f"{row['tok_per_cpu_s']:.1f} tok per CPU second"
+        )
+    for row in results["aggregate"]:
+        first = results["aggregate"][0]
+        row["speedup_over_one"] = row["aggregate_tok_s"] / first["aggregate_tok_s"]
+        row["cpu_speedup_over_one"] = row["tok_per_cpu_s"] / first["tok_per_cpu_s"]
     if results["aggregate"]:
         print(
             "engine: aggregate over one: "
             + ", ".join(
                 f"{row['concurrency']}: {row['speedup_over_one']:.2f}x"
+                for row in results["aggregate"]
+            )
+            + "; per CPU second (one thread: the work's own ratio): "
+            + ", ".join(
+                f"{row['concurrency']}: {row['cpu_speedup_over_one']:.2f}x"
                 for row in results["aggregate"]
             )
         )
