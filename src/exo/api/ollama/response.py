@@ -33,8 +33,8 @@ from exo.shared.types.text_generation import ToolCall
 
 class _Timer:
     """The statistics of the final line: prompt evaluation is timed from the request's
-    start to the first chunk (queueing and the first token included), evaluation from
-    the first chunk to the last."""
+    start to the first chunk (queueing, the first token and a load on request included:
+    `load_duration` stays 0), evaluation from the first chunk to the last."""
 
     def __init__(self, started_ns: int, clock: NanosecondClock) -> None:
         self._started_ns = started_ns

@@ -97,8 +97,8 @@ def test_place_unknown_model_is_rejected_with_404() -> None:
             command_id=COMMAND,
             origin=API_NODE,
             reason=(
-                "unknown model 'nobody/no-such-model': not a built-in model (known: "
-                f"{SMOLLM2}) and not an existing local model directory"
+                "unknown model 'nobody/no-such-model': not in the catalog, not a custom model "
+                "and not an existing local model directory; GET /models lists every model"
             ),
             status_code=404,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import struct
 import tomllib
@@ -14,7 +15,7 @@ from pydantic import ValidationError
 
 from exo.shared.models.latent_attention import latent_attention_of_config
 from exo.shared.models.moe import moe_geometry_of_config
-from exo.shared.models.names import resolve_model_name
+from exo.shared.models.names import card_names, resolve_model_name
 from exo.shared.types.common import ModelId
 from exo.shared.types.models import LocalDirectorySource, ModelCard, ModelSource, SlidingWindow
 
@@ -38,6 +39,8 @@ Idefics3 / SmolVLM under `vision_model.` and `connector.`, Qwen2.5-VL and Qwen3-
 `visual.`; the engine's towers read the same names (each family's `checkpoint_prefixes`)."""
 # A safetensors header longer than this is corrupt, not a model (the format caps it at 100 MB).
 _MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
+CLOSEST_NAMES = 3
+"""How many known names an unknown model's error suggests."""
 
 
 class UnknownModelError(ValueError):
@@ -363,8 +366,27 @@ def resolve_card(
     candidate = Path(model_id).expanduser() if model_id else None
     if candidate is not None and candidate.is_dir():
         return card_from_local_directory(candidate)
-    known = ", ".join(sorted(with_custom_cards(builtin, custom or {}))) or "none"
     raise UnknownModelError(
-        f"unknown model {str(model_id)!r}: not a built-in model (known: {known}) "
-        "and not an existing local model directory"
+        f"unknown model {str(model_id)!r}: not in the catalog, not a custom model and not an "
+        f"existing local model directory{_closest_names(model_id, builtin, custom or {})}; "
+        "GET /models lists every model"
     )
+
+
+def _closest_names(
+    model_id: str, builtin: Mapping[ModelId, ModelCard], custom: Mapping[ModelId, ModelCard]
+) -> str:
+    """` (closest: qwen3:0.6b, ...)`: for up to `CLOSEST_NAMES` known cards that one of
+    their names (`names.card_names`) looks like the mistyped `model_id` (difflib's ratio, at
+    least 0.6), the closest such name, best first; "" when none does. Listing the whole
+    catalog instead buried the one a typo missed among some sixty ids."""
+    owners: dict[str, ModelId] = {}
+    for card in with_custom_cards(builtin, custom).values():
+        for name in card_names(card):
+            owners.setdefault(name, card.model_id)
+    closest: dict[ModelId, str] = {}
+    for name in difflib.get_close_matches(model_id.lower(), owners, n=len(owners)):
+        closest.setdefault(owners[name], name)
+        if len(closest) == CLOSEST_NAMES:
+            break
+    return f" (closest: {', '.join(closest.values())})" if closest else ""

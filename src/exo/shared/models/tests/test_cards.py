@@ -121,6 +121,22 @@ def test_resolve_card(tmp_path: Path) -> None:
     assert issubclass(UnknownModelError, ValueError)
 
 
+def test_unknown_model_error_names_the_closest_names_not_the_whole_catalog() -> None:
+    """A mistyped name gets the names it was probably meant to be (one per card), not the
+    catalog's sixty-odd ids, among which a short name such as `qwen3:0.6b` never appeared."""
+    builtin = load_builtin_cards()
+    with pytest.raises(UnknownModelError) as typo:
+        resolve_card("qwen3:0.6", builtin)
+    message = str(typo.value)
+    assert "(closest: qwen3:0.6b, " in message
+    assert "qwen3-0.6b" not in message  # the same card's other spelling is not repeated
+    assert SMOLLM2 not in message and len(message) < 300
+    with pytest.raises(UnknownModelError) as unlike:
+        resolve_card("zzzz", builtin)
+    assert "closest" not in str(unlike.value)
+    assert str(unlike.value).endswith("GET /models lists every model")
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_local_card_counts_weights_and_reads_tying(tmp_path: Path, tied: bool) -> None:
     from exo.shared.models.parameter_count import decoder_parameter_count
