@@ -136,6 +136,9 @@ class ExoNode:
         self.extra_env = env or {}
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = home / "exo.log"
+        # The node's processes (runners, its runner server) still running 10 s after its
+        # last `stop`, which killed them.
+        self.leftovers: list[int] = []
 
     @property
     def url(self) -> str:
@@ -339,7 +342,8 @@ class ExoNode:
         return servers
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 30.0) -> int:
-        """Stop the node with `sig` and return its exit code; kill it if it hangs."""
+        """Stop the node with `sig` and return its exit code; kill it if it hangs, and any
+        of its processes still running 10 s after it ended (their pids: `leftovers`)."""
         if self.process is None or self.process.poll() is not None:
             return self.process.returncode if self.process else 0
         descendants = psutil.Process(self.process.pid).children(recursive=True)
@@ -352,6 +356,7 @@ class ExoNode:
         _, alive = psutil.wait_procs(descendants, timeout=10)
         for leftover in alive:
             leftover.kill()
+        self.leftovers = [leftover.pid for leftover in alive]
         return code
 
 

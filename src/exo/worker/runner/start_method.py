@@ -61,6 +61,7 @@ RUNNER_PRELOAD = ["__main__", "exo.worker.runner.process"]
 
 _lock = threading.Lock()
 _server_environment: dict[str, str] | None = None
+_server_failed = False
 
 
 def prepare_runner_environment(environ: MutableMapping[str, str] | None = None) -> None:
@@ -81,15 +82,16 @@ def forking_enabled(environ: MutableMapping[str, str] | None = None) -> bool:
 def runner_context() -> ForkServerContext | SpawnContext:
     """The `multiprocessing` context to start a runner with: "forkserver", its server
     running (started now with the runners' environment if it is not), or "spawn" where
-    forking is off or the node's environment is no longer the one its server started with.
+    forking is off, the server failed (`runner_server_failed`) or the node's environment is
+    no longer the one its server started with.
 
     Blocks only to start the server (a process spawn, not its imports); the first fork
     request waits for the server's imports.
     """
     global _server_environment
     prepare_runner_environment()
-    if not forking_enabled():
-        return multiprocessing.get_context("spawn")
+    if not forking_enabled() or _server_failed:
+        return spawn_context()
     with _lock:
         environment = dict(os.environ)
         if _server_environment is None:
@@ -104,12 +106,26 @@ def runner_context() -> ForkServerContext | SpawnContext:
                 "runner spawned: the environment changed since the runner server started "
                 f"({', '.join(changed)})"
             )
-            return multiprocessing.get_context("spawn")
+            return spawn_context()
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(RUNNER_PRELOAD)
         # Started (again, if it died) with the environment just compared.
         forkserver.ensure_running()
         return context
+
+
+def runner_server_failed() -> None:
+    """The runner server could not fork a runner (it died, or failed in its imports):
+    this node's runners are spawned from now on."""
+    global _server_failed
+    _server_failed = True
+
+
+def spawn_context() -> SpawnContext:
+    """The context that starts a runner as a fresh interpreter (the runners' environment
+    set first)."""
+    prepare_runner_environment()
+    return multiprocessing.get_context("spawn")
 
 
 def start_runner_server() -> None:

@@ -9,6 +9,7 @@ import os
 import struct
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 
 import anyio
@@ -50,7 +51,7 @@ from exo.worker.runner.messages import (
 )
 from exo.worker.runner.options import RunnerOptions
 from exo.worker.runner.process import runner_main
-from exo.worker.runner.start_method import runner_context
+from exo.worker.runner.start_method import runner_context, runner_server_failed, spawn_context
 
 SHUTDOWN_GRACE_SECONDS = 5.0
 # Bytes read from a runner's pipe per call, and at most per wake-up of the loop (more
@@ -107,8 +108,26 @@ class RunnerSupervisor:
         """Start the runner process (`start_method.runner_context`: forked from the node's
         runner server, or spawned), on a worker thread: a fork request waits for the
         server, whose imports may still run when the node's first runner is wanted, and the
-        event loop must not wait with it."""
+        event loop must not wait with it. Where the server cannot fork it (the server died,
+        or failed in its imports), the runner is spawned instead.
+
+        Raises:
+            OSError: the runner process could not be started at all.
+        """
         context = runner_context()
+        try:
+            await self._start_with(context)
+        except (OSError, EOFError) as error:
+            if context.get_start_method() != "forkserver":
+                raise
+            logger.warning(
+                f"the runner server failed ({error!r}): runner {self.runner_id} and the "
+                "node's later runners are spawned"
+            )
+            runner_server_failed()
+            await self._start_with(spawn_context())
+
+    async def _start_with(self, context: ForkServerContext | SpawnContext) -> None:
         runner_inbound_read, runner_inbound_write = context.Pipe(duplex=False)
         runner_outbound_read, runner_outbound_write = context.Pipe(duplex=False)
         process = context.Process(
@@ -130,6 +149,11 @@ class RunnerSupervisor:
         self._from_runner = runner_outbound_read
         try:
             await anyio.to_thread.run_sync(process.start)
+        except Exception:  # not started (a cancellation waits until it is: kept, stopped later)
+            runner_inbound_write.close()
+            runner_outbound_read.close()
+            self._process = self._to_runner = self._from_runner = None
+            raise
         finally:
             # Close our copies of the child's ends so its death reads as EOF here.
             runner_inbound_read.close()
@@ -286,8 +310,8 @@ class RunnerSupervisor:
         period. Safe to call on a runner that already died."""
         self._stopping = True
         process = self._process
-        if process is None:
-            return
+        if process is None or process.pid is None:
+            return  # never started
         if process.is_alive():
             self.send(Shutdown(runner_id=self.runner_id))
             with anyio.move_on_after(SHUTDOWN_GRACE_SECONDS, shield=True):

@@ -105,17 +105,51 @@ def node_main(mode: str) -> None:
     print(json.dumps(result), flush=True)
 
 
+def broken_server_node_main() -> None:
+    """The "node" process whose runner server fails in its imports: a real supervisor
+    starts a runner anyway (spawned), which answers a shutdown; prints its pid."""
+    import anyio
+
+    from exo.shared.types.common import InstanceId, NodeId, RunnerId
+    from exo.testing.builders import make_shard
+    from exo.worker.runner import start_method
+    from exo.worker.runner.supervisor import RunnerSupervisor
+
+    start_method.RUNNER_PRELOAD = [*start_method.RUNNER_PRELOAD, f"{__package__}.raising_import"]
+
+    async def main() -> None:
+        supervisor = RunnerSupervisor(
+            node_id=NodeId("node"),
+            runner_id=RunnerId("runner-broken-server"),
+            instance_id=InstanceId("instance"),
+            shard=make_shard(),
+            emit_event=lambda _event: None,
+            publish_chunk=lambda _owner, _chunk: None,
+            on_change=lambda: None,
+        )
+        await supervisor.start()
+        print(json.dumps({"pid": supervisor.pid}), flush=True)
+        with anyio.fail_after(NODE_SECONDS):
+            async with anyio.create_task_group() as group:
+                group.start_soon(supervisor.run)
+                await supervisor.shutdown()
+
+    anyio.run(main)
+
+
 def _node(mode: str, extra_env: dict[str, str]) -> subprocess.Popen[str]:
     environment = {
         key: value for key, value in os.environ.items() if key not in ("EXO_RUNNER_START",)
     }
     environment.update(extra_env)
     environment.pop("ONEDNN_PRIMITIVE_CACHE_CAPACITY", None)
-    command = f"from {__name__} import node_main; node_main({mode!r})"
+    call = "broken_server_node_main()" if mode == "broken" else f"node_main({mode!r})"
+    command = f"from {__name__} import *; {call}"
     return subprocess.Popen(
         [sys.executable, "-c", command],
         env=environment,
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
@@ -146,6 +180,21 @@ def test_a_forked_runner_gets_the_node_s_environment_and_its_death_reads_as_eof(
     assert result["second"]["mark"] == "changed"
     assert result["second"]["threads"] == 1
     assert result["second_exit"] == 0
+
+
+def test_a_runner_is_spawned_when_the_runner_server_fails() -> None:
+    node = _node("broken", {})
+    try:
+        output, errors = node.communicate(timeout=NODE_SECONDS)
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait(10)
+    assert node.returncode == 0, errors[-3000:]
+    assert "fails to import, on purpose" in errors  # the server's own traceback
+    assert "the runner server failed" in errors
+    pid = json.loads(output.strip().splitlines()[-1])["pid"]
+    assert f"runner runner-broken-server started (pid {pid}, spawn)" in errors
 
 
 def test_the_runner_server_and_its_runners_end_when_the_node_is_killed() -> None:
