@@ -255,10 +255,15 @@ def test_placement_routes_and_restart_replay(tmp_path: Path, shared_models_dir: 
         node.wait_ready(timeout=120)
         runners = node.runner_processes()
         assert len(runners) == 1
+        # The runner is forked from the node's runner server (exo.worker.runner.start_method).
+        [server] = node.runner_server_processes()
+        assert runners[0].ppid() == server.pid
 
-        # Ctrl-C stops the node and every runner.
+        # Ctrl-C stops the node, every runner and the runner server, none of them killed.
         assert node.stop(signal.SIGINT) == 0
         assert not any(runner.is_running() for runner in runners)
+        assert not server.is_running()
+        assert node.leftovers == []
     finally:
         node.stop()
 

@@ -270,6 +270,12 @@ ENVIRONMENT = (
         "engine.md#threads",
     ),
     EnvironmentVariable(
+        "EXO_RUNNER_START",
+        "`spawn` starts each runner as a fresh interpreter, not forked from the node's "
+        "runner server",
+        "engine.md#runner-start-up",
+    ),
+    EnvironmentVariable(
         "GOMP_SPINCOUNT",
         "libgomp's spin before an idle thread sleeps (default: exo's choice per CPU vendor)",
         "engine.md#threads",

@@ -71,6 +71,7 @@ from exo.shared.types.runners import RunnerReady, RunnerRunning
 from exo.utils.heap import trim_heap_periodically
 from exo.worker.main import Worker
 from exo.worker.runner.options import RunnerOptions
+from exo.worker.runner.start_method import start_runner_server
 
 
 def load_node_id() -> NodeId:
@@ -258,6 +259,8 @@ class Node:
             self._listen_socket.close()
             self._home_lock.release()
             raise NodeStartError(open_failure_message(error, self.router)) from error
+        # Its imports run while the node joins its cluster, not when a runner is wanted.
+        start_runner_server()
         try:
             async with anyio.create_task_group() as task_group:
                 task_group.start_soon(self._stop_on_signal, task_group.cancel_scope)

@@ -98,8 +98,8 @@ def kill_master_mid_stream(a: ExoNode, b: ExoNode) -> Row:
     load = Load(b).start()
     try:
         load.wait_mid_stream()
+        fault_at = time.monotonic()  # before: `kill` returns once the node is reaped
         a.kill()
-        fault_at = time.monotonic()
         wait_until(lambda: b.cluster()["master"] == b_id, 60, what="B elected")
         row.note(f"B master {time.monotonic() - fault_at:.1f} s after the kill")
         _recovered(row, b, fault_at)
@@ -145,8 +145,10 @@ def kill_pipeline_rank_node(a: ExoNode, b: ExoNode) -> Row:
     load = Load(a).start()
     try:
         load.wait_mid_stream()
-        b.kill()
+        # Before the kill: `kill` returns only once the node is reaped (up to seconds on a
+        # loaded machine), and a stream that ended meanwhile was in flight at the fault.
         fault_at = time.monotonic()
+        b.kill()
         # A new request while the instance is being placed again waits for it, no 503.
         wait_until(
             lambda: instance in a.state()["unavailable_instances"], 60, interval=0.1,

@@ -24,6 +24,10 @@ from exo.shared.types.nodes import NodeSpeed
 from exo.testing.ports import free_port as free_port  # re-exported for the tests
 from exo.utils.process_title import RUNNER_TITLE_PREFIX
 
+# In the command line of multiprocessing's fork server (a node's runner server), and of
+# each runner it forks until the runner names itself.
+RUNNER_SERVER_MARK = "from multiprocessing.forkserver import main"
+
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 READY_TIMEOUT_SECONDS = 600.0
 # A bound on a node's start until its API answers (imports, zenoh), not a measure of it: on
@@ -132,6 +136,9 @@ class ExoNode:
         self.extra_env = env or {}
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = home / "exo.log"
+        # The node's processes (runners, its runner server) still running 10 s after its
+        # last `stop`, which killed them.
+        self.leftovers: list[int] = []
 
     @property
     def url(self) -> str:
@@ -294,7 +301,8 @@ class ExoNode:
         ]
 
     def runner_processes(self) -> list[psutil.Process]:
-        """The spawned runner subprocesses of this node."""
+        """The runner subprocesses of this node: forked by its runner server (a child of
+        the node) or spawned (`exo.worker.runner.start_method`)."""
         assert self.process is not None
         try:
             children = psutil.Process(self.process.pid).children(recursive=True)
@@ -304,17 +312,38 @@ class ExoNode:
         for child in children:
             try:
                 cmdline = " ".join(child.cmdline())
+                parent = child.ppid()
             except psutil.Error:
                 continue
             # A runner names itself (`exo runner <model> rank N`) once it starts; before
-            # that it is still multiprocessing's spawned interpreter.
+            # that it is still a fork of the runner server (whose command line it shares,
+            # the server being the node's child) or multiprocessing's spawned interpreter.
             titled = cmdline.startswith(RUNNER_TITLE_PREFIX)
-            if titled or ("spawn_main" in cmdline and "resource_tracker" not in cmdline):
+            forked = RUNNER_SERVER_MARK in cmdline and parent != self.process.pid
+            if titled or forked or ("spawn_main" in cmdline and "resource_tracker" not in cmdline):
                 runners.append(child)
         return runners
 
+    def runner_server_processes(self) -> list[psutil.Process]:
+        """This node's runner server (`exo.worker.runner.start_method`): none before it
+        starts or where runners are spawned, else one."""
+        assert self.process is not None
+        try:
+            children = psutil.Process(self.process.pid).children()
+        except psutil.NoSuchProcess:
+            return []
+        servers = []
+        for child in children:
+            try:
+                if RUNNER_SERVER_MARK in " ".join(child.cmdline()):
+                    servers.append(child)
+            except psutil.Error:
+                continue
+        return servers
+
     def stop(self, sig: int = signal.SIGINT, timeout: float = 30.0) -> int:
-        """Stop the node with `sig` and return its exit code; kill it if it hangs."""
+        """Stop the node with `sig` and return its exit code; kill it if it hangs, and any
+        of its processes still running 10 s after it ended (their pids: `leftovers`)."""
         if self.process is None or self.process.poll() is not None:
             return self.process.returncode if self.process else 0
         descendants = psutil.Process(self.process.pid).children(recursive=True)
@@ -327,6 +356,7 @@ class ExoNode:
         _, alive = psutil.wait_procs(descendants, timeout=10)
         for leftover in alive:
             leftover.kill()
+        self.leftovers = [leftover.pid for leftover in alive]
         return code
 
 

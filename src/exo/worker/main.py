@@ -311,8 +311,8 @@ class Worker:
                     log_level=self._log_level,
                     options=self._runner_options_for(instance, runner_id),
                 )
-                supervisor.start()
-                self.runners[runner_id] = supervisor
+                self.runners[runner_id] = supervisor  # a shutdown meanwhile finds it
+                await supervisor.start()
                 self._task_group.start_soon(supervisor.run)
             case DownloadModel(shard=shard):
                 model_id = shard.model_card.model_id

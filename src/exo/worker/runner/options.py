@@ -1,5 +1,5 @@
 """How this node's runners run: the node options that reach each runner and its engine,
-handed from the node (`main.py`) to the worker, each runner's supervisor and the spawned
+handed from the node (`main.py`) to the worker, each runner's supervisor and the
 runner process as one value."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The runner process's entry point: what a spawned runner does before its `Runner` loop (its
+"""The runner process's entry point: what a runner does before its `Runner` loop (its
 signals, dying with its node, its logs and process title), with its arguments as the
 supervisor passes them; a draft runner (`RunnerOptions.draft_server_port`) runs the
 `DraftServingRunner` loop instead."""
@@ -17,6 +17,7 @@ from exo.shared.types.common import RunnerId
 from exo.shared.types.shards import ShardMetadata
 from exo.worker.runner.options import RunnerOptions
 from exo.worker.runner.runner import Runner
+from exo.worker.runner.start_method import leave_runner_server
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -40,13 +41,15 @@ def runner_main(
     log_level: str,
     options_json: str | None = None,
 ) -> None:
-    """Entry point of the spawned runner process."""
+    """Entry point of the runner process (forked from the node's runner server, or
+    spawned: `start_method.py`)."""
     from pydantic import TypeAdapter
 
     from exo.utils.process_title import runner_title, set_process_title
 
     # Ctrl-C reaches the whole process group; the node shuts runners down in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    leave_runner_server()
     _die_with_parent()
     logger.remove()
     logger.add(sys.stderr, level=log_level, format="{time:HH:mm:ss} runner | {level} | {message}")

@@ -5,11 +5,11 @@ request it was serving gets an error chunk instead of hanging."""
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import struct
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 
 import anyio
@@ -40,8 +40,6 @@ from exo.shared.types.tasks import (
     TaskFailed,
     TextGeneration,
 )
-from exo.utils.heap import advise_huge_pages, bound_kernel_caches
-from exo.utils.omp import limit_thread_spinning
 from exo.worker.runner.messages import (
     ChunkReport,
     KVCacheReport,
@@ -53,6 +51,7 @@ from exo.worker.runner.messages import (
 )
 from exo.worker.runner.options import RunnerOptions
 from exo.worker.runner.process import runner_main
+from exo.worker.runner.start_method import runner_context, runner_server_failed, spawn_context
 
 SHUTDOWN_GRACE_SECONDS = 5.0
 # Bytes read from a runner's pipe per call, and at most per wake-up of the loop (more
@@ -64,7 +63,7 @@ _LONG_LENGTH = struct.Struct("!Q")
 
 
 class RunnerSupervisor:
-    """Spawns the runner process, relays its messages, and reports its death."""
+    """Starts the runner process, relays its messages, and reports its death."""
 
     def __init__(
         self,
@@ -105,14 +104,30 @@ class RunnerSupervisor:
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
-    def start(self) -> None:
-        # The spawned runner inherits this environment: bounded per-shape kernel caches,
-        # intra-op threads that stop spinning soon after a step where that measured better,
-        # weights on huge pages where the kernel gives them only when asked.
-        bound_kernel_caches()
-        limit_thread_spinning()
-        advise_huge_pages()
-        context = multiprocessing.get_context("spawn")
+    async def start(self) -> None:
+        """Start the runner process (`start_method.runner_context`: forked from the node's
+        runner server, or spawned), on a worker thread: a fork request waits for the
+        server, whose imports may still run when the node's first runner is wanted, and the
+        event loop must not wait with it. Where the server cannot fork it (the server died,
+        or failed in its imports), the runner is spawned instead.
+
+        Raises:
+            OSError: the runner process could not be started at all.
+        """
+        context = runner_context()
+        try:
+            await self._start_with(context)
+        except (OSError, EOFError) as error:
+            if context.get_start_method() != "forkserver":
+                raise
+            logger.warning(
+                f"the runner server failed ({error!r}): runner {self.runner_id} and the "
+                "node's later runners are spawned"
+            )
+            runner_server_failed()
+            await self._start_with(spawn_context())
+
+    async def _start_with(self, context: ForkServerContext | SpawnContext) -> None:
         runner_inbound_read, runner_inbound_write = context.Pipe(duplex=False)
         runner_outbound_read, runner_outbound_write = context.Pipe(duplex=False)
         process = context.Process(
@@ -128,14 +143,23 @@ class RunnerSupervisor:
             name=f"exo-runner-{self.runner_id}",
             daemon=True,
         )
-        process.start()
-        # Close our copies of the child's ends so its death reads as EOF here.
-        runner_inbound_read.close()
-        runner_outbound_write.close()
+        # Held before the start, so that a shutdown while it starts still finds it.
         self._process = process
         self._to_runner = runner_inbound_write
         self._from_runner = runner_outbound_read
-        logger.info(f"runner {self.runner_id} started (pid {process.pid})")
+        try:
+            await anyio.to_thread.run_sync(process.start)
+        except Exception:  # not started (a cancellation waits until it is: kept, stopped later)
+            runner_inbound_write.close()
+            runner_outbound_read.close()
+            self._process = self._to_runner = self._from_runner = None
+            raise
+        finally:
+            # Close our copies of the child's ends so its death reads as EOF here.
+            runner_inbound_read.close()
+            runner_outbound_write.close()
+        method = context.get_start_method()
+        logger.info(f"runner {self.runner_id} started (pid {process.pid}, {method})")
 
     def send(self, task: RunnerInbound) -> None:
         """Hand a task to the runner, never blocking the event loop (`PipeWriter`). A dead
@@ -286,8 +310,8 @@ class RunnerSupervisor:
         period. Safe to call on a runner that already died."""
         self._stopping = True
         process = self._process
-        if process is None:
-            return
+        if process is None or process.pid is None:
+            return  # never started
         if process.is_alive():
             self.send(Shutdown(runner_id=self.runner_id))
             with anyio.move_on_after(SHUTDOWN_GRACE_SECONDS, shield=True):

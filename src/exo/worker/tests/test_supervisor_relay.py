@@ -160,7 +160,7 @@ async def test_the_runner_process_starts_with_bounded_kernel_caches(
         publish_chunk=lambda owner, chunk: None,
         on_change=lambda: None,
     )
-    supervisor.start()
+    await supervisor.start()
     try:
         assert supervisor.pid is not None
         # Right after the fork, before the exec, /proc shows an empty environment.
