@@ -185,6 +185,11 @@ ENVIRONMENT = (
         "engine.md#exos-kernels",
     ),
     EnvironmentVariable(
+        "EXO_Q6K_HEAD",
+        "`0` requantizes a GGUF's Q6_K LM head to int8 per row instead of holding its blocks",
+        "engine.md#exos-kernels",
+    ),
+    EnvironmentVariable(
         "EXO_DECODE_GEMM_MIN_ROWS",
         "rows of a decode step from which block weights take the integer GEMM",
         "engine.md#exos-kernels",

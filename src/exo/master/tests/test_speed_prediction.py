@@ -154,6 +154,24 @@ def test_tensor_divides_the_bytes_and_pays_two_all_reduces_per_layer() -> None:
     assert 1 / slow_links - 1 / free_links == pytest.approx(extra, rel=1e-3)
 
 
+def test_a_q6_k_head_is_predicted_at_its_own_blocks_where_exo_kernels_run() -> None:
+    """Where exo's kernels run a Q6_K LM head is held as its blocks (210 bytes per 256
+    weights, `q6k_blocks.Q6KLinear`); elsewhere, and for placement memory, int8 per row."""
+    types = GgufWeightTypes(layer_weights=(("Q4_K", 1000),), output_type="Q6_K")
+    card = CARD.model_copy(update={"hidden_size": 512, "gguf_weight_types": types})
+    assert card.from_gguf
+    norm = 512 * 4
+    held = output_layer_bytes(card, "int4", False, native_kernels=True)
+    assert held == norm + card.vocab_size * 2 * 210
+    int8 = output_layer_bytes(card, "int4", False)
+    assert int8 == norm + card.vocab_size * (512 + 2)  # int8 and a bfloat16 scale per row
+    assert held < int8
+    odd = card.model_copy(update={"hidden_size": 576})  # not whole blocks: int8
+    assert output_layer_bytes(odd, "int4", False, native_kernels=True) == output_layer_bytes(
+        odd, "int4", False
+    )
+
+
 def test_a_gguf_card_is_predicted_from_the_types_its_weights_are_stored_in() -> None:
     """The engine holds Q5_0 / Q8_0 blocks at 1.25 bytes per weight (planes) and Q6_K at
     2 (bfloat16), where its own int4 takes 0.625: a GGUF stored in those types reads more

@@ -81,6 +81,8 @@ GGUF_INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K"})
 # weight) or, with exo's AVX2 kernels, int8 blocks (1.125 bytes per weight; Q5_0 as 5-bit
 # lanes, ~0.75).
 GGUF_SPLIT_TYPES = frozenset({"Q8_0", "Q5_0", "Q5_1"})
+# A Q6_K LM head where exo's kernels run is held as its blocks: 210 bytes per 256 weights.
+Q6K_BLOCK_WEIGHTS, Q6K_BLOCK_BYTES = 256, 210
 # Unquantized GGUF types: the engine quantizes them as it does any checkpoint's weights.
 GGUF_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 # Bytes per weight exo's AVX2 kernels hold a GGUF type in (`native_kernels`): Q5_0 as 5-bit
@@ -304,7 +306,9 @@ def output_layer_bytes(
     GGUF whose head is (or, when the card does not say, may be) Q8_0 / Q5_x blocks, the
     larger of that and two int4 planes (`int4_planes`: 1.25 bytes per weight); with
     `native_kernels` (and a known type) as exo's AVX2 kernels hold it: Q8_0 as int8 blocks
-    with a bfloat16 scale per 32 (1.0625), Q5_x as int8 blocks with a pair per 32 (1.125)."""
+    with a bfloat16 scale per 32 (1.0625), Q5_x as int8 blocks with a pair per 32 (1.125),
+    Q6_K as its own blocks (`q6k_blocks.Q6KLinear`: 210 bytes per 256 weights; a node
+    started with `EXO_Q6K_HEAD=0` holds int8 instead, which this does not know)."""
     norm = card.hidden_size * FLOAT32_BYTES
     if weight_format == "float32":
         if shares_embedding:
@@ -312,10 +316,18 @@ def output_layer_bytes(
         return norm + card.vocab_size * card.hidden_size * FLOAT32_BYTES
     int8 = linear_weight_bytes(card.hidden_size, card.vocab_size, "int8")
     stored = card.gguf_weight_types
+    weights = card.vocab_size * card.hidden_size
+    if (
+        native_kernels
+        and card.from_gguf
+        and stored is not None
+        and stored.output_type == "Q6_K"
+        and card.hidden_size % Q6K_BLOCK_WEIGHTS == 0
+    ):
+        return norm + weights // Q6K_BLOCK_WEIGHTS * Q6K_BLOCK_BYTES  # its own blocks
     split_head = stored is None or stored.output_type in GGUF_SPLIT_TYPES
     if not card.from_gguf or not split_head or not int4_fits(card.hidden_size, card.vocab_size):
         return norm + int8
-    weights = card.vocab_size * card.hidden_size
     if native_kernels and stored is not None:
         per_block = 34 if stored.output_type == "Q8_0" else 36
         return norm + weights // INT4_GROUP_SIZE * per_block

@@ -53,6 +53,7 @@ def split_head_by_vocab(model: nn.Module, rank: int, world_size: int) -> bool:
     from exo.worker.engines.torch.quant.int4_planes import SplitInt4Linear
     from exo.worker.engines.torch.quant.int8_blocks import ScaledInt8Linear
     from exo.worker.engines.torch.quant.int8_channels import Int8Linear
+    from exo.worker.engines.torch.quant.q6k_blocks import Q6KLinear
     from exo.worker.engines.torch.quant.quantized_linear import QuantizedLinear
 
     head: Any = getattr(model, "lm_head", None)
@@ -76,7 +77,7 @@ def split_head_by_vocab(model: nn.Module, rank: int, world_size: int) -> bool:
         local.weight = nn.Parameter(head.weight.detach()[rows].clone(), requires_grad=False)
         if bias is not None:
             local.bias = nn.Parameter(bias, requires_grad=False)
-    elif isinstance(head, ScaledInt8Linear):
+    elif isinstance(head, ScaledInt8Linear | Q6KLinear):
         local = head.rows(rows, bias)
     elif isinstance(head, Int8Linear | Int4Linear | SplitInt4Linear):
         # The same kind holding only these rows (every layout is row-major by output).

@@ -39,10 +39,11 @@ docs/benchmarks/engine-design-figures.md#gguf_weightspy):
 - F32 / F16 / BF16 weights → the engine's own quantization, as for any checkpoint.
 
 The LM head, when its stored weight (the embedding, for a tied head) is Q8_0 / Q5_0 / Q5_1
-and the engine quantizes, is held as those blocks too (`split_output_layer`), in place of
-the engine's int8 head. Everything else (the embedding, other heads, norms, any weight when
-the engine holds float32 or int8) is dequantized to float32 and loaded as a checkpoint
-tensor would be, so the engine's other policies (float32 embedding, int8 LM head) apply.
+(or Q6_K, where exo's kernels run: `q6k_blocks`) and the engine quantizes, is held as those
+blocks too (`split_output_layer`), in place of the engine's int8 head. Everything else
+(the embedding, other heads, norms, any weight when the engine holds float32 or int8) is
+dequantized to float32 and loaded as a checkpoint tensor would be, so the engine's other
+policies (float32 embedding, int8 LM head) apply.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ from exo.worker.engines.torch.quant.q4k_scales import (
     Q4kGroupPart,
     Q4kScalesPart,
 )
+from exo.worker.engines.torch.quant.q6k_blocks import q6k_head, q6k_head_wanted
 from exo.worker.engines.torch.quant.quantized_linear import NATIVE_MAX_ROWS, QuantizedLinear
 
 _REPACKED = re.compile(
@@ -387,7 +389,9 @@ def split_output_layer(model: nn.Module, handle: Any, stored_name: str) -> bool:
     near bfloat16 weights' (figures: docs/benchmarks/engine-design-figures.md#gguf_weightspy).
     Where exo's AVX2
     kernels run, a Q8_0 head is held as symmetric int8 blocks instead (`ScaledInt8Linear`,
-    1.0625 bytes per weight, the same integers and scales).
+    1.0625 bytes per weight, the same integers and scales), and a Q6_K head (a Q4_K_M
+    file's) as its own blocks (`q6k_blocks.Q6KLinear`, 0.82 bytes per weight, byte for byte
+    the file's) unless `EXO_Q6K_HEAD=0`.
 
     Args:
         model: the loaded model, its LM head an `nn.Linear` (any weight, even meta).
@@ -401,9 +405,17 @@ def split_output_layer(model: nn.Module, handle: Any, stored_name: str) -> bool:
     parts = split_repacked_name(stored_name)
     get_output_embeddings = getattr(model, "get_output_embeddings", None)
     head = get_output_embeddings() if callable(get_output_embeddings) else None
-    if parts is None or parts.gguf_type not in SPLIT_TYPES or type(head) is not nn.Linear:
+    if parts is None or type(head) is not nn.Linear:
         return False
-    assert isinstance(head, nn.Linear) and parts.gguf_type is not None
+    assert isinstance(head, nn.Linear)
+    if parts.gguf_type == "Q6_K":
+        if not q6k_head_wanted():
+            return False
+        raw_q6k = handle.get_slice(stored_name)
+        return _replace_head(model, head, q6k_head(raw_q6k, head.out_features, head.in_features))
+    if parts.gguf_type not in SPLIT_TYPES:
+        return False
+    assert parts.gguf_type is not None
     raw = handle.get_slice(stored_name)
     if parts.gguf_type == "Q8_0" and native_int4_kernel() is not None:
         return _replace_head(model, head, _scaled_head(raw, head))

@@ -2,7 +2,8 @@
 for int4 blocks (`int4_gemv.cpp`), int8 per channel (`int8_channel.cpp`) and bfloat16
 weights (`bf16_product.cpp`), int8 blocks with (scale, zero) pairs or symmetric scales per
 16 or 32 inputs (`int8_blocks.cpp`), GGUF Q5_0's 5-bit blocks (`int5_blocks.cpp`), MXFP4
-blocks read inside the product (`mxfp4.cpp`), the sampler's Gumbel-max race
+blocks read inside the product (`mxfp4.cpp`), GGUF Q6_K blocks as the file stores them (an
+LM head's: `q6k_blocks.cpp`), the sampler's Gumbel-max race
 (`gumbel_race.cpp`), prefill products (`prefill.cpp`), prefill's
 gated activation and q/k norm + rotary (`prefill_ops.cpp`), a one-pass RMSNorm, and a
 whole decoder layer's decode step (`decode_layer.cpp`, called by `direct_forward.LeanModel`
@@ -75,6 +76,7 @@ _SOURCES = tuple(
         "moe_experts.cpp",
         "moe_mxfp4_experts.cpp",
         "q4k_scales.cpp",
+        "q6k_blocks.cpp",
         "gumbel_race.cpp",
     )
 )
