@@ -9,7 +9,7 @@ the API answers: 404 unknown repository, 401 / 403 gated without access, 400 cus
 without `--trust-remote-code`, an architecture no family file covers, or files the engine
 cannot load; 503 when the Hub cannot be reached.
 
-`search_hub` lists the Hub's models matching a query.
+Searching the Hub is `exo.download.hub_search`.
 """
 
 from __future__ import annotations
@@ -457,7 +457,7 @@ def card_for_hub_repository(
     except ValueError as error:  # a small file that is not what it should be
         raise CustomModelError(f"cannot build a card for {repo_id}: {error}", 400) from None
     except Exception as error:
-        if _is_network_error(error):
+        if is_network_error(error):
             raise CustomModelError(
                 f"cannot reach the Hugging Face Hub at {endpoint}: {error}", 503
             ) from None
@@ -525,78 +525,9 @@ def _status_of(error: Exception, default: int) -> int:
     return status if isinstance(status, int) else default
 
 
-def _is_network_error(error: Exception) -> bool:
+def is_network_error(error: Exception) -> bool:
     """A transport failure of huggingface_hub's HTTP client (no answer from the Hub)."""
     return any(
         cls.__name__ in ("TransportError", "ConnectError", "TimeoutException", "NetworkError")
         for cls in type(error).__mro__
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class HubSearchResult:
-    """One model the Hub found: its id, the architecture its config names (None when the
-    Hub did not say), whether it is gated, and its popularity."""
-
-    model_id: str
-    architecture: str | None
-    gated: bool
-    downloads: int
-    likes: int
-
-
-def search_hub(query: str, limit: int) -> list[HubSearchResult]:
-    """The Hub's models whose id matches `query` (at most `limit`, one page). Blocking.
-
-    One request, not `HfApi.list_models`, whose pagination retries an unreachable Hub
-    with backoff for about 20 s; a search should fail fast.
-
-    Raises:
-        CustomModelError (503): the Hub cannot be reached or refused.
-    """
-    from huggingface_hub.errors import HfHubHTTPError
-    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
-
-    endpoint = hub_endpoint()
-    params: list[tuple[str, str | int | float | bool | None]] = [("limit", limit)]
-    if query:
-        params.append(("search", query))
-    params += [("expand", name) for name in ("config", "gated", "downloads", "likes")]
-    try:
-        response = get_session().get(
-            f"{endpoint}/api/models",
-            params=params,
-            headers=build_hf_headers(),
-            timeout=HUB_TIMEOUT_SECONDS,
-        )
-        hf_raise_for_status(response)
-        found = response.json()
-    except HfHubHTTPError as error:
-        raise CustomModelError(f"the Hub at {endpoint} refused the search: {error}", 503) from None
-    except ValueError as error:
-        raise CustomModelError(f"the Hub at {endpoint} answered no JSON: {error}", 503) from None
-    except Exception as error:
-        if isinstance(error, OSError) or _is_network_error(error):
-            raise CustomModelError(
-                f"cannot reach the Hugging Face Hub at {endpoint}: {error}", 503
-            ) from None
-        raise
-    if not isinstance(found, list):
-        raise CustomModelError(f"the Hub at {endpoint} answered an unexpected search result", 503)
-    return [_search_result(item) for item in found[:limit] if isinstance(item, dict)]
-
-
-def _search_result(item: Mapping[str, Any]) -> HubSearchResult:
-    config = item.get("config")
-    architectures = config.get("architectures") if isinstance(config, dict) else None
-    downloads = item.get("downloads")
-    likes = item.get("likes")
-    return HubSearchResult(
-        model_id=str(item.get("id") or item.get("modelId")),
-        architecture=(
-            str(architectures[0]) if isinstance(architectures, list) and architectures else None
-        ),
-        gated=bool(item.get("gated")),
-        downloads=downloads if isinstance(downloads, int) else 0,
-        likes=likes if isinstance(likes, int) else 0,
     )

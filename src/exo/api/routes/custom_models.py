@@ -27,7 +27,6 @@ from exo.download.custom_cards import (
     card_for_hub_repository,
     card_for_local_directory,
     is_local_path,
-    search_hub,
     whole_local_copy,
 )
 from exo.download.gguf_models import (
@@ -37,6 +36,7 @@ from exo.download.gguf_models import (
     ollama_store,
     ollama_store_models,
 )
+from exo.download.hub_search import search_hub
 from exo.download.locations import ModelLocations
 from exo.download.on_disk import ScanBudget, known_repositories, scan_on_disk
 from exo.shared.constants import models_dir

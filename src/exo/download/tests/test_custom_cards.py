@@ -14,9 +14,9 @@ from exo.download.custom_cards import (
     CustomModelError,
     card_for_hub_repository,
     card_for_local_directory,
-    search_hub,
     template_traits,
 )
+from exo.download.hub_search import search_hub
 from exo.shared.models.architectures import ENGINE_ARCHITECTURES
 from exo.shared.models.cards import card_from_local_directory
 from exo.shared.types.models import HuggingFaceSource

@@ -103,7 +103,7 @@ class PrefixCache:
         capacity_tokens: most tokens held over all entries (0 disables the cache).
         on_remove: called with an entry's key when it leaves the cache (evicted, or covered
             by a longer entry): a split instance's rank 0 tells the other ranks
-            (`parallel/rank_steps.py`).
+            (`parallel/cache_ops.py`).
         cost: an entry's budget tokens from its (length, reached) (None: its length;
             `KVFootprint.entry_tokens`).
     """

@@ -39,8 +39,8 @@ from exo.worker.engines.torch.comm.group_auth import (
     GroupCredentials,
 )
 from exo.worker.engines.torch.comm.group_store import GroupStore, open_group_store
+from exo.worker.engines.torch.comm.link_setup import LinkError
 from exo.worker.engines.torch.comm.tcp_mesh import (
-    LinkError,
     RankLinks,
     current_links,
     links_enabled,

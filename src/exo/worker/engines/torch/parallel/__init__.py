@@ -1,6 +1,7 @@
 """Each parallelism's engine side, one file per kind, looked up by the shard's `sharding`:
 how the meta skeleton is cut, how a rank reads its tensors, how a step travels between the
-ranks (`base.EngineTransform`), and what the ranks exchange for a step (`rank_steps`).
+ranks (`base.EngineTransform`), and what the ranks exchange for a step (`rank_steps`; the KV
+operations rank 0 decided, `cache_ops`).
 
 A new kind is one file here and its torch-free description in `exo.shared.parallelism`.
 """

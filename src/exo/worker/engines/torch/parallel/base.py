@@ -23,8 +23,9 @@ from exo.worker.engines.torch.batching.batch_attention import BatchPlan
 from exo.worker.engines.torch.batching.scheduler import BatchForward, BatchLaunch
 from exo.worker.engines.torch.model.families import ModelFamily
 from exo.worker.engines.torch.model.sharding import TensorReader
+from exo.worker.engines.torch.parallel.cache_ops import CacheOp
 from exo.worker.engines.torch.parallel.last_rank_sampling import PipelineTraffic
-from exo.worker.engines.torch.parallel.rank_steps import CacheOp, StepHeader
+from exo.worker.engines.torch.parallel.rank_steps import StepHeader
 
 
 class RankEngine(Protocol):

@@ -47,18 +47,20 @@ from exo.worker.engines.torch.batching.speculation import Speculation
 from exo.worker.engines.torch.comm.process_group import IDLE_WAIT, group_ranks
 from exo.worker.engines.torch.model.families import family_for_architecture
 from exo.worker.engines.torch.parallel import engine_transform
-from exo.worker.engines.torch.parallel.last_rank_sampling import PipelineTraffic
-from exo.worker.engines.torch.parallel.rank_steps import (
-    SHUTDOWN,
-    STEP,
-    WARMUP_DONE,
+from exo.worker.engines.torch.parallel.cache_ops import (
     CacheOp,
     CacheOpLog,
     PrefixMirror,
     RecordingPrefixCache,
     RecordingSlotKVCache,
-    StepHeader,
     replay_cache_ops,
+)
+from exo.worker.engines.torch.parallel.last_rank_sampling import PipelineTraffic
+from exo.worker.engines.torch.parallel.rank_steps import (
+    SHUTDOWN,
+    STEP,
+    WARMUP_DONE,
+    StepHeader,
 )
 
 

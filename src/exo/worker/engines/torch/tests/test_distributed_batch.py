@@ -19,6 +19,14 @@ from exo.worker.engines.torch.decoding.sampling import (
     step_logprobs,
 )
 from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
+from exo.worker.engines.torch.parallel.cache_ops import (
+    CACHE_ALLOCATE,
+    CACHE_FREE,
+    CACHE_RESERVE,
+    CacheOpLog,
+    RecordingSlotKVCache,
+    replay_cache_ops,
+)
 from exo.worker.engines.torch.parallel.last_rank_sampling import (
     FULL_ROW,
     RowSampling,
@@ -26,16 +34,10 @@ from exo.worker.engines.torch.parallel.last_rank_sampling import (
     read_answer,
 )
 from exo.worker.engines.torch.parallel.rank_steps import (
-    CACHE_ALLOCATE,
-    CACHE_FREE,
-    CACHE_RESERVE,
     MICRO_BATCH_MIN_ROWS,
     STEP,
-    CacheOpLog,
-    RecordingSlotKVCache,
     StepHeader,
     micro_batch_count,
-    replay_cache_ops,
     split_micro_batches,
 )
 

@@ -22,7 +22,7 @@ from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.engine_factory import load_engine
-from exo.worker.engines.torch.parallel.rank_steps import (
+from exo.worker.engines.torch.parallel.cache_ops import (
     CACHE_COMMIT,
     CACHE_FREE,
     CacheOpLog,

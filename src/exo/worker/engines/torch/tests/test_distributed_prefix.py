@@ -15,7 +15,7 @@ from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.engine import TorchEngine
-from exo.worker.engines.torch.parallel.rank_steps import (
+from exo.worker.engines.torch.parallel.cache_ops import (
     CacheOpLog,
     PrefixMirror,
     RecordingPrefixCache,

@@ -51,14 +51,16 @@ from exo.worker.engines.torch.decoding.speculative_drafts import NgramDraftSourc
 from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.engine_factory import load_engine
+from exo.worker.engines.torch.parallel.cache_ops import (
+    CacheOpLog,
+    RecordingSlotKVCache,
+    replay_cache_ops,
+)
 from exo.worker.engines.torch.parallel.rank_steps import (
     MICRO_BATCH_MIN_ROWS,
     STEP,
-    CacheOpLog,
-    RecordingSlotKVCache,
     StepHeader,
     micro_batch_count,
-    replay_cache_ops,
 )
 from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S, make_shard
 from exo.worker.engines.torch.tests.test_speculative import (

@@ -28,7 +28,8 @@ from exo.worker.engines.torch.comm.group_auth import (
     authenticate_server,
 )
 from exo.worker.engines.torch.comm.group_store import GroupStore, StoreTimeout
-from exo.worker.engines.torch.comm.tcp_mesh import LinkError, RankLinks
+from exo.worker.engines.torch.comm.link_setup import LinkError
+from exo.worker.engines.torch.comm.tcp_mesh import RankLinks
 
 T = TypeVar("T")
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from exo.worker.engines.torch.comm.tcp_mesh import LinkError, RankLinks
+from exo.worker.engines.torch.comm.link_setup import LinkError
+from exo.worker.engines.torch.comm.tcp_mesh import RankLinks
 from exo.worker.engines.torch.tests.conftest import LinkStores
 
 T = TypeVar("T")
@@ -218,14 +219,14 @@ def test_a_receive_polls_through_the_spin_then_sleeps_for_the_rest(
     second.spin_s = 0.005
     blocking_reads: list[int] = []
     entered_blocking_read = threading.Event()
-    real_receive = links_module._receive_exactly
+    real_receive = links_module.receive_exactly
 
     def counted(connection: socket.socket, view: memoryview) -> None:
         blocking_reads.append(len(view))
         entered_blocking_read.set()
         real_receive(connection, view)
 
-    monkeypatch.setattr(links_module, "_receive_exactly", counted)
+    monkeypatch.setattr(links_module, "receive_exactly", counted)
     sent = torch.arange(64, dtype=torch.float32)
     # Already there: read whole by the spin, the kernel's blocking wait never entered.
     first.send(sent, 1)

@@ -34,7 +34,7 @@ from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
 from exo.worker.engines.torch.decoding.sampling import TokenChooser
 from exo.worker.engines.torch.engine import TorchEngine
 from exo.worker.engines.torch.engine_requests import PromptTooLongError
-from exo.worker.engines.torch.parallel.rank_steps import (
+from exo.worker.engines.torch.parallel.cache_ops import (
     CacheOpLog,
     PrefixMirror,
     RecordingPrefixCache,
