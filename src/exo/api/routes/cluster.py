@@ -38,7 +38,8 @@ class PlaceInstanceRequest(BaseModel):
     model_id: str = Field(min_length=1)
     sharding: Sharding = "pipeline"
     """exo's API and dashboard spell it "Pipeline" / "Tensor"; any letter case is taken."""
-    min_nodes: int = Field(default=1, ge=1)
+    min_nodes: int = Field(default=1, ge=1, strict=True)
+    """A JSON integer: `"2"` is refused, as the dialect routes refuse numeric strings."""
     node_ids: list[str] | None = None
 
     @field_validator("sharding", mode="before")

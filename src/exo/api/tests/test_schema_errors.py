@@ -33,6 +33,7 @@ def http() -> Iterator[TestClient]:
         ("/v1/responses", {"model": MODEL, "input": 42}, "input"),
         ("/place_instance", {}, "model_id"),
         ("/place_instance", {"model_id": MODEL, "min_nodes": 0}, "min_nodes"),
+        ("/place_instance", {"model_id": MODEL, "min_nodes": "2"}, "min_nodes"),
     ],
 )
 def test_openai_shaped_routes_answer_400_invalid_request_error(
