@@ -13,11 +13,11 @@ that already runs an instance of that model (`replacement_nodes`): the engine ba
 concurrent requests in one instance, so a second copy there would take as much memory
 again and share the same cores and memory bandwidth, serving no faster; it waits instead
 (`InstanceUnplaced`, naming the instance it would have doubled; requests go to that one)
-until a node without the model appears or that instance is deleted. `DELETE /instance` ends the wish. A lost node that returns is
-placed on again (`NodeRejoined`); one silent for the timeout is removed (`NodeTimedOut`),
-and the requests it sent end with it: it was their API node, the only one that can deliver
-their tokens to a client (a loss alone does not end them: the node may come back within
-the timeout).
+until a node without the model appears or that instance is deleted. `DELETE /instance`
+ends the wish. A lost node that returns is placed on again (`NodeRejoined`); one silent
+for the timeout is removed (`NodeTimedOut`), and the requests it sent end with it: it was
+their API node, the only one that can deliver their tokens to a client (a loss alone does
+not end them: the node may come back within the timeout).
 """
 
 from __future__ import annotations
