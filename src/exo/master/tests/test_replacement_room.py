@@ -7,7 +7,9 @@ from exo.master.recovery import (
     events_after_node_lost,
     replacement_nodes,
     replacements_for_waiting,
+    replacements_nearer_files,
 )
+from exo.master.tests.test_recovery import _holding, _lost_and_re_placed, _rejoined
 from exo.shared.apply import apply_event
 from exo.shared.types.common import CommandId, InstanceId, NodeId
 from exo.shared.types.events import (
@@ -118,3 +120,15 @@ def test_replacement_nodes_ignore_instances_that_run_nowhere() -> None:
     other = make_instance(NODE_A, OTHER_CARD, instance_id="other")
     state = state.model_copy(update={"instances": {**state.instances, other.instance_id: other}})
     assert replacement_nodes(state, lost) == ([NODE_A, NODE_B], {})
+
+
+def test_a_returning_node_running_the_model_does_not_take_back_a_copy() -> None:
+    # The lost instance fetches its files on A; B came back holding them, but an instance
+    # of the same model was placed on B meanwhile: moving there would double the model.
+    state = _rejoined(_lost_and_re_placed(_holding(NODE_B)))
+    assert [e for e in replacements_nearer_files(state) if isinstance(e, InstanceReplaced)]
+    placed_on_b = make_instance(NODE_B, instance_id="placed-on-b")
+    state = state.model_copy(
+        update={"instances": {**state.instances, placed_on_b.instance_id: placed_on_b}}
+    )
+    assert replacements_nearer_files(state) == []
