@@ -50,11 +50,13 @@ def test_requests_place_the_model_once_and_keep_alive_zero_unloads_it(
             )
 
         def ask_ollama() -> None:
-            answers["ollama"] = ollama_client.chat(
+            reply = ollama_client.chat(
                 model="smollm2:135m",
                 messages=QUESTION,
                 options={"temperature": 0, "num_predict": 12},
-            ).message.content
+            )
+            answers["ollama"] = reply.message.content
+            answers["ollama_load_duration"] = reply.load_duration
 
         def ask_completions() -> None:
             answers["completions"] = (
@@ -76,9 +78,17 @@ def test_requests_place_the_model_once_and_keep_alive_zero_unloads_it(
             thread.start()
         for thread in threads:
             thread.join(timeout=REQUEST_TIMEOUT_SECONDS)
-        assert set(answers) == {"openai", "ollama", "completions"}, node.log()
+        assert set(answers) == {"openai", "ollama", "ollama_load_duration", "completions"}, (
+            node.log()
+        )
         assert "Paris" in answers["openai"] and "Paris" in answers["ollama"]
         assert answers["completions"].strip()
+        # Ollama's load_duration: the wait for the load, then 0 on the loaded model.
+        assert answers["ollama_load_duration"] > 0
+        warm = ollama_client.generate(
+            model="smollm2:135m", prompt="Hi", options={"temperature": 0, "num_predict": 2}
+        )
+        assert warm.done and warm.load_duration == 0
         placed = [event for event in node.events() if event["kind"] == "InstanceCreated"]
         assert len(placed) == 1  # three requests, one placement
         assert len(node.runner_processes()) == 1

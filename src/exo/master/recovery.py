@@ -6,11 +6,18 @@ at once and the requests they were serving fail with a 503 the API retries elsew
 instance is a wish the user made: one that lost a node is placed again on the nodes that
 remain, keeping its id, model and sharding (`InstanceReplaced`, new runners), or, when
 they have no room, waits with the reason in the state (`InstanceUnplaced`) and is placed
-as soon as room appears. `DELETE /instance` ends the wish. A lost node that returns is
-placed on again (`NodeRejoined`); one silent for the timeout is removed (`NodeTimedOut`),
-and the requests it sent end with it: it was their API node, the only one that can deliver
-their tokens to a client (a loss alone does not end them: the node may come back within
-the timeout).
+as soon as room appears. The instances that lost a node are placed one after the other,
+each counting the memory the ones before it were given (`placement_room`), so two never
+share the same free memory. A re-placement never puts a second copy of a model on a node
+that already runs an instance of that model (`replacement_nodes`): the engine batches
+concurrent requests in one instance, so a second copy there would take as much memory
+again and share the same cores and memory bandwidth, serving no faster; it waits instead
+(`InstanceUnplaced`, naming the instance it would have doubled; requests go to that one)
+until a node without the model appears or that instance is deleted. `DELETE /instance`
+ends the wish. A lost node that returns is placed on again (`NodeRejoined`); one silent
+for the timeout is removed (`NodeTimedOut`), and the requests it sent end with it: it was
+their API node, the only one that can deliver their tokens to a client (a loss alone does
+not end them: the node may come back within the timeout).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from collections.abc import Collection
 
 from exo.master.placement import PlacementError, holds_files, place_instance
 from exo.shared.apply import apply_event
-from exo.shared.types.common import NodeId
+from exo.shared.types.common import InstanceId, NodeId
 from exo.shared.types.events import (
     Event,
     InstanceReplaced,
@@ -83,12 +90,15 @@ def events_after_node_lost(state: State, node_id: NodeId) -> list[Event]:
     for instance in sorted(after.instances_on_node(node_id), key=lambda i: i.instance_id):
         message = f"instance {instance.instance_id} of {instance.model_id} is unavailable: "
         message += f"node {node_id} left; re-placing"
-        events.extend(
+        failed: list[Event] = [
             TaskStatusUpdated(task_id=task.task_id, status=TaskFailed(error_message=message))
             for task in after.tasks.values()
             if task.instance_id == instance.instance_id
-        )
-        events.append(replacement(after, instance, f"node {node_id} left"))
+        ]
+        # Applied before the next instance is placed: its runners' memory then counts.
+        decided = [*failed, replacement(after, instance, f"node {node_id} left")]
+        events.extend(decided)
+        after = _apply_all(after, decided)
     return events
 
 
@@ -118,25 +128,74 @@ def events_after_node_removed(state: State, node_id: NodeId) -> list[Event]:
 
 
 def replacement(state: State, instance: Instance, cause: str) -> Event:
-    """`instance` placed again on reachable nodes (new runner ids), or why it cannot be.
+    """`instance` placed again on reachable nodes (new runner ids) that run no other
+    instance of its model (`replacement_nodes`), or why it cannot be.
 
     Args:
         cause: what happened to it, e.g. "node X left"; starts the reason either way.
     """
+    nodes, doubled = replacement_nodes(state, instance)
+    if not nodes:
+        reason = f"{cause}; waiting for room: {_doubling_note(instance, doubled)}"
+        return InstanceUnplaced(instance_id=instance.instance_id, reason=reason)
     try:
         placed = place_instance(
             _card_of(instance),
             state,
             instance.instance_id,
             sharding=instance.sharding,
+            node_ids=nodes,
             runner_tag=f"r{state.last_event_applied_idx + 1}",
         )
     except PlacementError as error:
-        return InstanceUnplaced(
-            instance_id=instance.instance_id, reason=f"{cause}; waiting for room: {error}"
-        )
-    nodes = ", ".join(placed.shard_assignments.node_to_runner)
-    return InstanceReplaced(instance=placed, reason=f"{cause}; re-placed on {nodes}, loading")
+        reason = f"{cause}; waiting for room: {error}"
+        if doubled:
+            reason += f" (and {_doubling_note(instance, doubled)})"
+        return InstanceUnplaced(instance_id=instance.instance_id, reason=reason)
+    placed_nodes = ", ".join(placed.shard_assignments.node_to_runner)
+    return InstanceReplaced(
+        instance=placed, reason=f"{cause}; re-placed on {placed_nodes}, loading"
+    )
+
+
+def replacement_nodes(
+    state: State, instance: Instance
+) -> tuple[list[NodeId], dict[NodeId, InstanceId]]:
+    """The reachable nodes `instance` may be placed again on, and those it may not because
+    they run another instance of its model (node -> that instance).
+
+    Two copies of one model on a node take its memory twice and share its cores and
+    memory bandwidth: one instance batches concurrent requests, so a second copy there
+    serves them no faster (`engine.md`, batching). Another instance counts when it runs
+    (or loads) on the node: not when it waits for room (it runs nowhere) nor when it lost
+    a node itself (it is being placed again; its runners there stop).
+    """
+    holders: dict[NodeId, InstanceId] = {}
+    for other in sorted(state.instances.values(), key=lambda i: i.instance_id):
+        if other.instance_id == instance.instance_id or other.model_id != instance.model_id:
+            continue
+        unavailable = state.unavailable_instances.get(other.instance_id)
+        if unavailable is not None and unavailable.waiting_for_room:
+            continue
+        nodes = other.shard_assignments.node_to_runner
+        if any(node in state.lost_nodes for node in nodes):
+            continue
+        for node in nodes:
+            holders.setdefault(node, other.instance_id)
+    reachable = [node for node in sorted(state.node_info) if node not in state.lost_nodes]
+    allowed = [node for node in reachable if node not in holders]
+    return allowed, {node: holders[node] for node in reachable if node in holders}
+
+
+def _doubling_note(instance: Instance, doubled: dict[NodeId, InstanceId]) -> str:
+    """Why the nodes of `doubled` are not used for `instance`."""
+    if not doubled:
+        return "no node is reachable"
+    runs = ", ".join(f"{node} runs instance {other}" for node, other in doubled.items())
+    return (
+        f"{runs} of {instance.model_id}, and a second copy on a node shares its cores "
+        "and serves no faster (requests go to that instance meanwhile)"
+    )
 
 
 def replacements_nearer_files(state: State) -> list[Event]:
@@ -165,7 +224,8 @@ def replacements_nearer_files(state: State) -> list[Event]:
             continue
         card = _card_of(instance)
         fetching = _nodes_fetching(state, card, nodes)
-        if fetching == 0:
+        allowed, _ = replacement_nodes(state, instance)
+        if fetching == 0 or not allowed:
             continue
         try:
             placed = place_instance(
@@ -173,6 +233,7 @@ def replacements_nearer_files(state: State) -> list[Event]:
                 state,
                 instance_id,
                 sharding=instance.sharding,
+                node_ids=allowed,
                 runner_tag=f"r{state.last_event_applied_idx + 1}",
             )
         except PlacementError:

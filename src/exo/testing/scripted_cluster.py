@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import anyio
 
 from exo.api.serving.cluster_client import LoadOnRequest
+from exo.api.serving.load_wait import ReadyTimes
 from exo.api.serving.node_stop import NodeStop
 from exo.api.wire.images import ImagePolicy
 from exo.shared.types.chunks import Chunk, EmbeddingChunk, TokenChunk, Usage
@@ -46,6 +47,7 @@ class ScriptedCluster:
         self.submitted: list[GenerateText] = []
         self.sent: list[Command] = []
         self.load_on_request = LoadOnRequest()
+        self.ready_times = ReadyTimes()  # none seen ready: `load_duration` is measured
         self.stop = NodeStop()  # `ClusterClient.end_streams` begins it
         self.placing: dict[str, anyio.Event] = {}
         self.downloads_recorded: list[tuple[str, DownloadStatus]] = []

@@ -14,9 +14,9 @@ the model's own context and KV budget (a larger value changes nothing: Ollama wo
 the window past what the model was trained on); a prompt over it is refused as any over the
 context is. Deliberate differences, each also said in a docstring below: `context` is never
 returned (and a
-non-empty one is refused); `load_duration` is 0: a load on request is counted in
-`prompt_eval_duration` (`response._Timer`); `digest` is the SHA-256 of the model id, not
-of a blob.
+non-empty one is refused); `digest` is the SHA-256 of the model id, not of a blob.
+`load_duration` is the request's wait for its model to load, as Ollama's
+(`exo.api.serving.load_wait`, `response._Timer`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Literal, assert_never
 
 from exo.api.ollama.request import Dialect, NanosecondClock, rfc3339_nano
@@ -31,14 +31,23 @@ from exo.shared.types.text_generation import ToolCall
 # ---------------------------------------------------------------- responses
 
 
-class _Timer:
-    """The statistics of the final line: prompt evaluation is timed from the request's
-    start to the first chunk (queueing, the first token and a load on request included:
-    `load_duration` stays 0), evaluation from the first chunk to the last."""
+LoadDuration = Callable[[int], int]
+"""Nanoseconds the request waited for its model to load, given its first chunk's time
+(`exo.api.serving.load_wait.LoadWait.duration_ns`)."""
 
-    def __init__(self, started_ns: int, clock: NanosecondClock) -> None:
+
+class _Timer:
+    """The statistics of the final line: `load_duration` is the request's wait for its
+    model to load (`LoadDuration`; 0 without one), prompt evaluation runs from the end of that
+    wait (else the request's start) to the first chunk (queueing and the first token
+    included), evaluation from the first chunk to the last."""
+
+    def __init__(
+        self, started_ns: int, clock: NanosecondClock, load_duration: LoadDuration | None
+    ) -> None:
         self._started_ns = started_ns
         self._clock = clock
+        self._load_duration = load_duration
         self._first_chunk_ns: int | None = None
 
     async def watch(self, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
@@ -53,11 +62,12 @@ class _Timer:
         completion_tokens = usage.completion_tokens if usage else 0
         now = self._clock()
         first = self._first_chunk_ns if self._first_chunk_ns is not None else now
+        load = self._load_duration(first) if self._load_duration is not None else 0
         return OllamaTimings(
             total_duration=max(now - self._started_ns, 0),
-            load_duration=0,
+            load_duration=load,
             prompt_eval_count=prompt_tokens,
-            prompt_eval_duration=max(first - self._started_ns, 0),
+            prompt_eval_duration=max(first - self._started_ns - load, 0),
             eval_count=completion_tokens,
             eval_duration=max(now - first, 0),
         )
@@ -153,6 +163,7 @@ async def stream_ollama(
     started_ns: int,
     clock: NanosecondClock = time.monotonic_ns,
     now_ns: NanosecondClock = time.time_ns,
+    load_duration: LoadDuration | None = None,
 ) -> AsyncIterator[str]:
     """Render one generation as Ollama's newline-delimited JSON.
 
@@ -167,8 +178,10 @@ async def stream_ollama(
         started_ns: `clock()` when the request arrived.
         clock: Monotonic nanoseconds, for the durations.
         now_ns: Unix time in nanoseconds, for `created_at`.
+        load_duration: the request's wait for its model to load, from the time of its
+            first chunk (`clock()`); None: no wait (`load_duration` 0).
     """
-    timer = _Timer(started_ns, clock)
+    timer = _Timer(started_ns, clock, load_duration)
     tool_call_count = 0
     try:
         async for piece in stream.generation_events(timer.watch(chunks), conversation_param=None):
@@ -209,6 +222,7 @@ async def collect_ollama(
     started_ns: int,
     clock: NanosecondClock = time.monotonic_ns,
     now_ns: NanosecondClock = time.time_ns,
+    load_duration: LoadDuration | None = None,
 ) -> OllamaChatResponse | OllamaGenerateResponse:
     """Gather one generation into the single object of a `stream: false` request (the
     whole text, thinking, tool calls and logprobs, `done: true` with the statistics).
@@ -219,7 +233,7 @@ async def collect_ollama(
         InvalidRequestError: the engine refused the request (an ErrorChunk with status 400).
         GenerationError: the generation failed, was cancelled, or ended without a finish.
     """
-    timer = _Timer(started_ns, clock)
+    timer = _Timer(started_ns, clock, load_duration)
     generation = await stream.collect_generation(timer.watch(chunks), conversation_param=None)
     return _line(
         dialect, model, rfc3339_nano(now_ns()), text=generation.text,

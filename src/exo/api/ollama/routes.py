@@ -56,6 +56,7 @@ from exo.api.serving.cluster_client import ClusterClient, CommandRejectedError
 from exo.api.serving.generation import serve_generation
 from exo.api.serving.image_input import convert_with_images
 from exo.api.serving.load_on_request import default_keep_alive, ensure_instance
+from exo.api.serving.load_wait import LoadWait, model_ready
 from exo.api.serving.model_files import files_modified_ns, model_directories
 from exo.api.serving.model_lookup import Cluster, card_of, resolve_model_id, servable_model_ids
 from exo.api.wire.errors import (
@@ -199,8 +200,14 @@ async def _answer(
     """A chat or generate request: a load (or unload) request without input (no messages,
     an empty prompt), else the generation, streamed as JSON lines or collected."""
     started_ns = time.monotonic_ns()
+    # Before anything waits: a request that finds no instance of its model ready waits
+    # for a load (`load_duration`).
+    ready_on_arrival = model_ready(cluster.state, resolve_model_id(cluster, body.model))
     await catch_up_for(cluster, body.model)  # a model this node has not heard of yet
     card = _card_for_request(cluster, body.model)
+    load_wait = LoadWait(
+        card.model_id, started_ns, None if ready_on_arrival else cluster.ready_times
+    )
     _check_thinking(cluster, card, body)
     keep_alive = parse_keep_alive(body.keep_alive)
     match body:
@@ -226,10 +233,12 @@ async def _answer(
     return await serve_generation(
         cluster, request, params, keep_alive=keep_alive, media_type=NDJSON_MEDIA_TYPE,
         render=lambda chunks: stream_ollama(
-            chunks, dialect=dialect, model=model, started_ns=started_ns
+            chunks, dialect=dialect, model=model, started_ns=started_ns,
+            load_duration=load_wait.duration_ns,
         ),
         collector=lambda chunks: collect_ollama(
-            chunks, dialect=dialect, model=model, started_ns=started_ns
+            chunks, dialect=dialect, model=model, started_ns=started_ns,
+            load_duration=load_wait.duration_ns,
         ),
     )  # fmt: skip
 

@@ -24,6 +24,7 @@ from exo.api.serving.command_delivery import (
     CommandDelivery,
 )
 from exo.api.serving.command_outcomes import answer_from_state
+from exo.api.serving.load_wait import ReadyTimes
 from exo.api.serving.node_stop import NodeStop
 from exo.api.serving.request_loading import CommandRejectedError as CommandRejectedError
 from exo.api.serving.request_loading import CommandTimeoutError as CommandTimeoutError
@@ -157,6 +158,9 @@ class ClusterClient:
         the command their client knows -> the event `/v1/cancel` sets to end the wait
         (`replacement_wait.submit_when_served`)."""
         self.state_changed = anyio.Event()
+        self.ready_times = ReadyTimes()
+        """When this node saw each instance become ready: how long a request waited for
+        its model to load (`load_wait`, Ollama's `load_duration`)."""
 
     @property
     def state(self) -> State:
@@ -182,6 +186,7 @@ class ClusterClient:
     async def _event_loop(self) -> None:
         async for indexed_event in self._applied_events:
             self._on_event(indexed_event.event)
+            self.ready_times.observe(self.state, time.monotonic_ns())
             self.commands.forget_answered_cancels()
             self.state_changed.set()
             self.state_changed = anyio.Event()

@@ -34,6 +34,7 @@ from exo.api.ollama.wire_types import (
     OllamaShowResponse,
 )
 from exo.api.serving.cluster_client import ClusterClient, LoadOnRequest
+from exo.api.serving.load_wait import ReadyTimes
 from exo.api.serving.node_stop import NodeStop
 from exo.api.wire.errors import GenerationError, InvalidRequestError
 from exo.api.wire.images import ImagePolicy
@@ -754,6 +755,7 @@ class ScriptedCluster:
         self.script: list[Chunk] = []
         self.submitted: list[GenerateText] = []
         self.load_on_request = LoadOnRequest()
+        self.ready_times = ReadyTimes()  # none seen ready: `load_duration` is measured
         self.stop = NodeStop()
         self.image_policy = ImagePolicy()
 
