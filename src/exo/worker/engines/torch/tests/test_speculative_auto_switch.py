@@ -26,7 +26,7 @@ from exo.worker.engines.torch.decoding.speculative_policy import (
 )
 from exo.worker.engines.torch.draft_model import DRAFT_PREFILL_CHUNK, DraftModelSource
 from exo.worker.engines.torch.engine import TorchEngine
-from exo.worker.engines.torch.tests.test_speculative import (
+from exo.worker.engines.torch.tests.speculative_builders import (
     PROMPTS,
     load,
     plain_references,

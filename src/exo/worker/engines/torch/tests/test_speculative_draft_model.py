@@ -38,7 +38,7 @@ from exo.worker.engines.torch.draft_model import (
     load_draft_model,
 )
 from exo.worker.engines.torch.engine import TorchEngine
-from exo.worker.engines.torch.tests.test_speculative import (
+from exo.worker.engines.torch.tests.speculative_builders import (
     PROMPTS,
     BigramModel,
     bare_state,

@@ -25,7 +25,7 @@ from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
 from exo.worker.engines.torch.decoding.speculative_drafts import NgramDraftSource
 from exo.worker.engines.torch.draft_model import DraftModelSource
 from exo.worker.engines.torch.engine import TorchEngine
-from exo.worker.engines.torch.tests.test_speculative import (
+from exo.worker.engines.torch.tests.speculative_builders import (
     PROMPTS,
     ScriptedDrafts,
     load,

@@ -32,7 +32,7 @@ from exo.worker.engines.torch.decoding.speculative_drafts import (
 )
 from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
 from exo.worker.engines.torch.draft_model import DraftModelSource
-from exo.worker.engines.torch.tests.test_speculative import (
+from exo.worker.engines.torch.tests.speculative_builders import (
     PROMPTS,
     ScriptedDrafts,
     load,
