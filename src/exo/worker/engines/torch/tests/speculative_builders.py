@@ -1,22 +1,27 @@
 """What the speculative decoding tests build and run: requests, a tiny engine that drafts
 from any source, `ScriptedDrafts` (plain decoding's continuation with deliberate
-mistakes), each request's plain reference, and a bigram "model" with a bare request state
-and a chi-square test for the acceptance rule's distribution."""
+mistakes), each request's plain reference, a bigram "model" with a bare request state and
+a chi-square test for the acceptance rule's distribution, and a tiny target with noisy
+copies of it as draft models."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from exo.shared.models.cards import card_from_local_directory
 from exo.shared.types.chunks import TokenLogprob
 from exo.shared.types.common import ModelId
 from exo.shared.types.shards import ShardMetadata
 from exo.shared.types.text_generation import ChatMessage, TextGenerationTaskParams
+from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch.batching.request_state import GeneratedPiece, RequestState
 from exo.worker.engines.torch.batching.speculation import Speculation
 from exo.worker.engines.torch.decoding.detokenizer import StreamingDetokenizer
@@ -24,6 +29,7 @@ from exo.worker.engines.torch.decoding.sampling import Sampler, TokenChooser, st
 from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
 from exo.worker.engines.torch.decoding.speculative_drafts import Draft, DraftRequest
 from exo.worker.engines.torch.decoding.stop_sequences import StopSequenceMatcher
+from exo.worker.engines.torch.draft_model import DraftModelSource
 from exo.worker.engines.torch.engine import TorchEngine
 
 PROMPTS = ("Tell me a story about a dragon", "Hi", "Count: one two three four five")
@@ -158,3 +164,47 @@ def load(directory: Path, **options: Any) -> TorchEngine:
     engine.eos_token_ids = frozenset({-1})  # random weights: stop by length or stop string
     speculation(engine).step_cost = lambda rows: None  # draft lengths never follow the clock
     return engine
+
+
+# Noise (standard deviation) added to every weight of the target for the draft: with it the
+# tiny draft's greedy tokens agree with the target's about a third of the time.
+DRAFT_NOISE = 0.003
+
+
+def noisy_copy(target: Path, directory: Path, noise: float, layers: int | None = None) -> Path:
+    """The target's checkpoint with seeded noise on every tensor (and only its first
+    `layers` decoder layers, where given)."""
+    shutil.copytree(target, directory)
+    generator = torch.Generator().manual_seed(1)
+    tensors = {}
+    for name, tensor in load_file(target / "model.safetensors").items():
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+        if layers is not None and layer >= layers:
+            continue
+        tensors[name] = tensor + noise * torch.randn(tensor.shape, generator=generator)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    if layers is not None:
+        config = json.loads((directory / "config.json").read_text())
+        config["num_hidden_layers"] = layers
+        (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def draft_model_dirs(root: Path, real_model_dir: Path) -> dict[str, Path]:
+    """Under `root`: a tiny random Llama target (3 layers, untied embeddings: a tied one
+    repeats its input token, which any draft guesses), its `noisy_copy` as "draft", and
+    its first layer alone without noise as "smaller"."""
+    target = save_tiny_model(
+        root / "target", "llama", real_model_dir, n_layers=3, tie_word_embeddings=False
+    )
+    return {
+        "target": target,
+        "draft": noisy_copy(target, root / "draft", DRAFT_NOISE),
+        "smaller": noisy_copy(target, root / "smaller", 0.0, layers=1),
+    }
+
+
+def draft_source(engine: TorchEngine) -> DraftModelSource:
+    source = speculation(engine).source
+    assert isinstance(source, DraftModelSource)
+    return source

@@ -63,13 +63,14 @@ from exo.worker.engines.torch.parallel.rank_steps import (
     micro_batch_count,
 )
 from exo.worker.engines.torch.tests.speculative_builders import (
+    DRAFT_NOISE,
     ScriptedDrafts,
     load,
+    noisy_copy,
     request,
     run,
 )
 from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S, make_shard
-from exo.worker.engines.torch.tests.test_speculative_draft_model import DRAFT_NOISE, noisy_copy
 
 # Text that repeats: a tiny random Llama's greedy reply falls into a cycle the n-gram source
 # then copies (drafts accepted), and the prompt itself offers matches.
