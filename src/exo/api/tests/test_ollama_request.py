@@ -19,7 +19,6 @@ from exo.api.wire.errors import InvalidRequestError
 from exo.shared.types.common import ModelId
 from exo.shared.types.text_generation import ChatMessage, NamedToolChoice, ToolCall
 
-
 # ---------------------------------------------------------------- names and times
 
 

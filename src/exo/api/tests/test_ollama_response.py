@@ -31,7 +31,6 @@ from exo.shared.types.common import ModelId
 from exo.testing.builders import SMOLLM2, smollm2_card
 from exo.testing.chunks import ChunkSource
 
-
 # ---------------------------------------------------------------- streaming
 
 
