@@ -15,8 +15,8 @@ import pytest
 
 from exo.api.tests import chat_completions_builders as chat
 from exo.api.tests import claude_messages_builders as claude
+from exo.api.tests import ollama_builders as ollama
 from exo.api.tests import openai_responses_builders as responses
-from exo.api.tests import test_ollama_adapter as ollama
 from exo.chat_protocol.harmony import HARMONY_TOKENS
 from exo.chat_protocol.output_parsing import OutputParser
 from exo.chat_protocol.prompt import decode_keeping_markers, detect_tool_call_format

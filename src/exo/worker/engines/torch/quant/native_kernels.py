@@ -34,15 +34,11 @@ where the CPU has AVX2 + FMA (AVX512 CPUs included)."""
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import os
 import platform
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,6 +48,7 @@ from loguru import logger
 from exo.shared.models.weight_formats import DecodeActivations
 from exo.utils.cpu_features import AMX_BF16_FLAGS, cpu_flags
 from exo.worker.engines.torch.decoding.gumbel_race import use_native_gumbel_kernel
+from exo.worker.engines.torch.quant.native_build import BuildStalled, built_extension
 
 NATIVE_INT4_ENV = "EXO_NATIVE_INT4"
 
@@ -88,9 +85,6 @@ _HEADERS = (
     _NATIVE / "int8_tile.h",
     _NATIVE / "attention_vectors.h",
 )
-# A first build takes ~15-40 s on 2 cores (torch's headers dominate).
-BUILD_TIMEOUT_S = 600.0
-
 Int4Gemv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -258,7 +252,9 @@ def _built_library_for_this_cpu() -> Path:
         return _built_library(base)
     try:
         return _built_library(flags)
-    except Exception as error:  # the build's own failure, or a subprocess timeout
+    except BuildStalled:
+        raise  # a busy machine, not a flag the compiler refuses: the AVX2 build would stall too
+    except Exception as error:  # the build's own failure
         lines = str(error).strip().splitlines()
         logger.warning(
             "exo's native kernels did not build with {} ({}); building them for AVX2 only",
@@ -268,67 +264,16 @@ def _built_library_for_this_cpu() -> Path:
 
 
 def _built_library(flags: list[str]) -> Path:
-    """The shared library for this source and these flags, built once per cache.
-
-    The build runs in a child process (torch's builder also loads what it builds, and a
-    library loaded from two paths would register its operators twice) into a private
-    directory, and the result is renamed into place, all under an `fcntl` lock, which the
-    system releases when its holder dies. (torch's own build lock is a file whose holder,
-    killed mid-build, would leave every later load waiting.)
+    """The shared library for this source and these flags, built once per cache (in a child
+    process, watched for stalls, resumable, under a lock: `native_build`).
 
     Raises:
-        RuntimeError: the build failed (its last output lines are in the message).
+        RuntimeError: the build failed or stalled (`native_build.BuildStalled`).
     """
     source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
     digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:12]
     name = f"exo_native_{'avx2' if _x86_avx2() else 'generic'}_{digest}"
-    root = _cache_root()
-    library = root / f"{name}.so"
-    if library.exists():
-        return library
-    with open(root / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if library.exists():  # built by another process while this one waited
-            return library
-        logger.info("building exo's native kernels (once per machine, up to a minute) in {}", root)
-        started = time.monotonic()
-        with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=root) as build:
-            script = (
-                "import sys\n"
-                "from torch.utils.cpp_extension import load\n"
-                "load(name=sys.argv[1], sources=sys.argv[2].split('\\n'),"
-                " build_directory=sys.argv[3], extra_cflags=sys.argv[4].split(),"
-                " extra_ldflags=['-fopenmp'], is_python_module=False, verbose=False)\n"
-            )
-            done = subprocess.run(
-                [sys.executable, "-c", script, name, "\n".join(map(str, _SOURCES)), build,
-                 " ".join(flags)],
-                capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False,
-                env=_build_environment(),
-            )  # fmt: skip
-            built = Path(build) / f"{name}.so"
-            if done.returncode != 0 or not built.exists():
-                output = (done.stderr or done.stdout).strip().splitlines()[-3:]
-                raise RuntimeError(" / ".join(output) or f"exit code {done.returncode}")
-            os.replace(built, library)
-        logger.info("built exo's native kernels in {:.0f} s", time.monotonic() - started)
-    return library
-
-
-def _build_environment() -> dict[str, str]:
-    """This process's environment with `ninja` findable: torch's builder runs it from PATH,
-    so the `ninja` package's directory and this interpreter's (a virtual environment's bin,
-    where pip put it) go first, for a node started without activating its environment."""
-    directories = [str(Path(sys.executable).parent)]
-    try:
-        import ninja
-
-        directories.insert(0, str(ninja.BIN_DIR))
-    except (ImportError, AttributeError):
-        pass
-    path = os.environ.get("PATH", "").split(os.pathsep)
-    missing = [directory for directory in directories if directory not in path]
-    return {**os.environ, "PATH": os.pathsep.join([*missing, *path])}
+    return built_extension(name, _SOURCES, flags, _cache_root())
 
 
 def _cache_root() -> Path:

@@ -29,9 +29,14 @@ from exo.worker.engines.torch.parallel.cache_ops import (
     RecordingSlotKVCache,
     replay_cache_ops,
 )
+from exo.worker.engines.torch.tests.speculative_builders import (
+    DRAFT_NOISE,
+    PROMPTS,
+    noisy_copy,
+    request,
+    run,
+)
 from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S, make_shard
-from exo.worker.engines.torch.tests.test_speculative import PROMPTS, request, run
-from exo.worker.engines.torch.tests.test_speculative_draft_model import DRAFT_NOISE, noisy_copy
 
 
 def _greedy_runs(engine: TorchEngine) -> dict[str, Any]:

@@ -62,14 +62,15 @@ from exo.worker.engines.torch.parallel.rank_steps import (
     StepHeader,
     micro_batch_count,
 )
-from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S, make_shard
-from exo.worker.engines.torch.tests.test_speculative import (
+from exo.worker.engines.torch.tests.speculative_builders import (
+    DRAFT_NOISE,
     ScriptedDrafts,
     load,
+    noisy_copy,
     request,
     run,
 )
-from exo.worker.engines.torch.tests.test_speculative_draft_model import DRAFT_NOISE, noisy_copy
+from exo.worker.engines.torch.tests.test_distributed import GROUP_DEADLINE_S, make_shard
 
 # Text that repeats: a tiny random Llama's greedy reply falls into a cycle the n-gram source
 # then copies (drafts accepted), and the prompt itself offers matches.
@@ -85,7 +86,8 @@ PLAIN_INDEX = 1
 SAMPLED_INDEX = 3
 SAMPLED: dict[str, Any] = {"temperature": 0.9, "top_p": 0.95, "seed": 7}
 # |group with drafts - group plain| logprobs: the same rows' logits, computed by the same
-# kernels (a draft row is computed as the decode row it stands for), as test_speculative's.
+# kernels (a draft row is computed as the decode row it stands for), as
+# test_speculative_kernels.py's.
 LOGPROB_TOLERANCE = 5e-4
 
 
@@ -330,7 +332,8 @@ def _check(run: GroupRun, name: str) -> None:
     for source in job.sources:
         speculated = outcome[source]
         # A draft model's drafts of a sampling request are drawn: its output follows the
-        # target's distribution (test_speculative's chi-square), not plain decoding's draws.
+        # target's distribution (test_speculative_acceptance.py's chi-square), not plain
+        # decoding's draws.
         same = [
             index
             for index in range(len(PROMPTS))

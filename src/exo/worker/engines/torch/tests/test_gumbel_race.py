@@ -23,7 +23,7 @@ from exo.worker.engines.torch.decoding.gumbel_race import (
 from exo.worker.engines.torch.decoding.sampling import Sampler
 from exo.worker.engines.torch.decoding.sampling_params import SamplingParams
 from exo.worker.engines.torch.quant.native_kernels import native_int4_kernel
-from exo.worker.engines.torch.tests.test_speculative import chi_square_p_value
+from exo.worker.engines.torch.tests.speculative_builders import chi_square_p_value
 
 native_int4_kernel()  # loads exo's native library and hands the sampler its race kernel
 

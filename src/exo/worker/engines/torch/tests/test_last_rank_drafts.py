@@ -35,7 +35,7 @@ from exo.worker.engines.torch.parallel.rank_steps import (
     micro_batch_count,
     split_micro_batches,
 )
-from exo.worker.engines.torch.tests.test_speculative import (
+from exo.worker.engines.torch.tests.speculative_builders import (
     BigramModel,
     bare_state,
     chi_square_p_value,
@@ -43,7 +43,7 @@ from exo.worker.engines.torch.tests.test_speculative import (
 
 
 def _state(params: SamplingParams, max_tokens: int = 2) -> RequestState:
-    """`test_speculative.bare_state`, its logprobs taken from raw logits or from the
+    """`speculative_builders.bare_state`, its logprobs taken from raw logits or from the
     logprobs another rank computed."""
 
     def logprob_of(logits: torch.Tensor | StepLogprobs, token: int, top: int) -> TokenLogprob:
@@ -183,9 +183,9 @@ def test_a_draft_row_without_logprobs_sends_back_one_value_with_them_few() -> No
 
 
 def test_tokens_verified_by_the_last_rank_follow_the_target_distribution_chi_square() -> None:
-    """`test_speculative`'s chi-square, through the last rank: two tokens after token 0 with
-    the likeliest tokens as drafts, over 6,000 seeds, follow p(x1) p(x2 | x1), and the first
-    draft token is accepted with probability p(draft)."""
+    """`test_speculative_acceptance.py`'s chi-square, through the last rank: two tokens
+    after token 0 with the likeliest tokens as drafts, over 6,000 seeds, follow
+    p(x1) p(x2 | x1), and the first draft token is accepted with probability p(draft)."""
     vocab, samples = 6, 6_000
     model = BigramModel(vocab, seed=5)
     params = SamplingParams(temperature=0.8, top_p=1.0, top_k=0, min_p=0.0, seed=None)

@@ -46,20 +46,20 @@ from exo.worker.engines.torch.remote_drafts import (
     load_draft_server,
 )
 from exo.worker.engines.torch.tests import test_remote_drafts as remote_drafts
-from exo.worker.engines.torch.tests.test_remote_drafts import (
-    CONNECT_WAIT,
-    INSTANCE,
-    client,
-    connected,
-    draft_source,
-)
-from exo.worker.engines.torch.tests.test_speculative import (
+from exo.worker.engines.torch.tests.speculative_builders import (
     PROMPTS,
     load,
     plain_references,
     request,
     run,
     speculation,
+)
+from exo.worker.engines.torch.tests.test_remote_drafts import (
+    CONNECT_WAIT,
+    INSTANCE,
+    client,
+    connected,
+    draft_source,
 )
 
 # The fixtures shared with test_remote_drafts.py (each module-scoped one built again here).

@@ -49,7 +49,7 @@ from exo.worker.engines.torch.remote_drafts import (
     RemoteDraft,
     RemoteDraftSource,
 )
-from exo.worker.engines.torch.tests.test_speculative_draft_model import DRAFT_NOISE, noisy_copy
+from exo.worker.engines.torch.tests.speculative_builders import DRAFT_NOISE, noisy_copy
 
 INSTANCE = "target-instance"
 # Seconds to wait for a background (re)connection in a test: generous, it takes ms.

@@ -26,15 +26,15 @@ from exo.worker.engines.torch.decoding.speculative_policy import (
 )
 from exo.worker.engines.torch.draft_model import DRAFT_PREFILL_CHUNK, DraftModelSource
 from exo.worker.engines.torch.engine import TorchEngine
-from exo.worker.engines.torch.tests.test_speculative import (
+from exo.worker.engines.torch.tests.speculative_builders import (
     PROMPTS,
     load,
+    noisy_copy,
     plain_references,
     request,
     run,
     speculation,
 )
-from exo.worker.engines.torch.tests.test_speculative_draft_model import noisy_copy
 
 # What the draft model's work takes at least, in seconds: per forward pass and per position
 # computed (about a 135M draft's on two cores: a decode pass ~3 ms, a prompt position ~0.2

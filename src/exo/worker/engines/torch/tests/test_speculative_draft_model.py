@@ -1,22 +1,20 @@
 """Speculative decoding with a draft model on the target's node (issue 43): greedy output is
 plain decoding's token for token, the draft's and the target's KV follow the verified text,
-sampled tokens follow the target's distribution (the general rejection rule), a seed repeats
-its output, and a draft of another vocabulary is refused at load (the model then serves
-without it, as it does when any draft fails to load).
+a failing or slow draft is handled, and a seed repeats its output. The general rejection
+rule on a bare request state is `test_speculative_draft_model_sampling.py`; loading (a draft
+of another vocabulary refused, the model then serving without it) is
+`test_speculative_draft_model_loading.py`.
 
 The target is a tiny random Llama with untied embeddings (a tied one repeats its input
 token, which any draft guesses). A draft agreeing with it part of the time is the target's
-checkpoint with every weight moved by a little seeded noise (`noisy_copy`): random models of
-another size agree on almost nothing. A smaller draft (the target's first layer only) is
-checked for exactness too.
+checkpoint with every weight moved by a little seeded noise
+(`speculative_builders.noisy_copy`): random models of another size agree on almost nothing.
+A smaller draft (the target's first layer only) is checked for exactness too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import shutil
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -24,25 +22,16 @@ from typing import Any
 
 import pytest
 import torch
-from loguru import logger
-from safetensors.torch import load_file, save_file
 
-from exo.testing.tiny_models import save_tiny_model
 from exo.worker.engines.torch import draft_model
 from exo.worker.engines.torch.batching.slot_kv_cache import SlotKVCache
-from exo.worker.engines.torch.decoding.sampling import Sampler, SamplingParams, TokenChooser
 from exo.worker.engines.torch.decoding.speculative_drafts import Draft, DraftRequest
-from exo.worker.engines.torch.draft_model import (
-    DraftModelSource,
-    VocabularyMismatchError,
-    load_draft_model,
-)
+from exo.worker.engines.torch.draft_model import DraftModelSource
 from exo.worker.engines.torch.engine import TorchEngine
-from exo.worker.engines.torch.tests.test_speculative import (
+from exo.worker.engines.torch.tests.speculative_builders import (
     PROMPTS,
-    BigramModel,
-    bare_state,
-    chi_square_p_value,
+    draft_model_dirs,
+    draft_source,
     load,
     plain_references,
     request,
@@ -54,41 +43,11 @@ PASSAGE = (
     "The old lighthouse stood at the edge of the cliff, its white paint peeling after decades "
     "of salt and wind. Every night the keeper climbed the spiral stairs to light the lamp."
 )
-# Noise (standard deviation) added to every weight of the target for the draft: with it the
-# tiny draft's greedy tokens agree with the target's about a third of the time.
-DRAFT_NOISE = 0.003
-
-
-def noisy_copy(target: Path, directory: Path, noise: float, layers: int | None = None) -> Path:
-    """The target's checkpoint with seeded noise on every tensor (and only its first
-    `layers` decoder layers, where given)."""
-    shutil.copytree(target, directory)
-    generator = torch.Generator().manual_seed(1)
-    tensors = {}
-    for name, tensor in load_file(target / "model.safetensors").items():
-        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
-        if layers is not None and layer >= layers:
-            continue
-        tensors[name] = tensor + noise * torch.randn(tensor.shape, generator=generator)
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    if layers is not None:
-        config = json.loads((directory / "config.json").read_text())
-        config["num_hidden_layers"] = layers
-        (directory / "config.json").write_text(json.dumps(config))
-    return directory
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("draft-model")
-    target = save_tiny_model(
-        root / "target", "llama", real_model_dir, n_layers=3, tie_word_embeddings=False
-    )
-    return {
-        "target": target,
-        "draft": noisy_copy(target, root / "draft", DRAFT_NOISE),
-        "smaller": noisy_copy(target, root / "smaller", 0.0, layers=1),
-    }
+    return draft_model_dirs(tmp_path_factory.mktemp("draft-model"), real_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -101,12 +60,6 @@ def module_float32_kv() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def engine(model_dirs: dict[str, Path], module_float32_kv: None) -> TorchEngine:
     return load(model_dirs["target"], draft_model=model_dirs["draft"])
-
-
-def draft_source(engine: TorchEngine) -> DraftModelSource:
-    source = speculation(engine).source
-    assert isinstance(source, DraftModelSource)
-    return source
 
 
 # --- greedy: token for token --------------------------------------------------------------
@@ -376,119 +329,7 @@ def _empty_like(source: DraftModelSource) -> SlotKVCache:
     )  # fmt: skip
 
 
-# --- sampling: the general rejection rule -------------------------------------------------
-
-
-def test_sampled_tokens_with_draft_distributions_follow_the_target_chi_square() -> None:
-    """A draft distribution q unlike the target's p (another random bigram table): two
-    tokens after token 0, each step drafting two tokens drawn from q, over 6,000 seeds.
-    The pairs follow p(x1) p(x2 | x1) (36 cells) and the first draft token is accepted with
-    probability sum_t min(p(t), q(t)) (Leviathan et al. 2023, the acceptance rate)."""
-    vocab, samples = 6, 6_000
-    target_model, draft_model = BigramModel(vocab, seed=5), BigramModel(vocab, seed=11)
-    params = SamplingParams(temperature=0.8, top_p=1.0, top_k=0, min_p=0.0, seed=None)
-    target = torch.softmax(target_model.table / 0.8, dim=-1).double()  # [last, next]
-    proposal = torch.softmax(draft_model.table, dim=-1)  # [last, next] float32
-    counts = [0] * (vocab * vocab)
-    accepted_first = 0
-    drafts = torch.Generator().manual_seed(0)
-    for seed in range(samples):
-        state = bare_state(dataclasses.replace(params, seed=seed))
-        first_round = True
-        while not state.finished:
-            fed = state.generated_ids[-1] if state.generated_ids else 0
-            draft = [int(torch.multinomial(proposal[fed], 1, generator=drafts))]
-            draft.append(int(torch.multinomial(proposal[draft[0]], 1, generator=drafts)))
-            _pieces, accepted = state.accept_drafts(
-                target_model.rows(fed, draft), draft, proposal[[fed, draft[0]]]
-            )
-            if first_round:
-                accepted_first += int(accepted >= 1)
-                first_round = False
-        first, second = state.generated_ids
-        counts[first * vocab + second] += 1
-    expected = [
-        samples * float(target[0, a] * target[a, b]) for a in range(vocab) for b in range(vocab)
-    ]
-    assert chi_square_p_value(counts, expected) > 1e-3
-    rate = float(torch.minimum(target[0], proposal[0].double()).sum())
-    bound = 4 * math.sqrt(rate * (1 - rate) / samples)
-    assert abs(accepted_first / samples - rate) < bound
-
-
-def test_a_seed_gives_plain_text_with_certain_drafts_and_repeats_with_drawn_ones() -> None:
-    """What docs/api.md promises for one `seed` (trial 38 found the old sentence too broad):
-    drafts verified as certain tokens (prompt lookup; a draft model on a spare node, which
-    sends its likeliest tokens) give plain decoding's very tokens; drafts drawn from q (a
-    draft model in rank 0's process) repeat run to run with the same drafts, but are
-    another draw of the same distribution (the chi-square test above): their acceptance
-    test takes the request's random numbers in another order."""
-    target, draft_model = BigramModel(6, seed=5), BigramModel(6, seed=11)
-    proposal = torch.softmax(draft_model.table, dim=-1)  # [last, next] q
-    params = SamplingParams(temperature=0.8, top_p=1.0, top_k=0, min_p=0.0, seed=None)
-
-    def plain(seeded: SamplingParams) -> list[int]:
-        state = bare_state(seeded, max_tokens=6)
-        while not state.finished:
-            state.accept(target.table[state.generated_ids[-1] if state.generated_ids else 0])
-        return state.generated_ids
-
-    def speculative(seeded: SamplingParams, drawn: torch.Generator | None) -> list[int]:
-        state = bare_state(seeded, max_tokens=6)
-        while not state.finished:
-            fed = state.generated_ids[-1] if state.generated_ids else 0
-            if drawn is None:  # the draft model's likeliest tokens, verified as certain
-                first = int(draft_model.table[fed].argmax())
-                draft, q = [first, int(draft_model.table[first].argmax())], None
-            else:
-                first = int(torch.multinomial(proposal[fed], 1, generator=drawn))
-                draft = [first, int(torch.multinomial(proposal[first], 1, generator=drawn))]
-                q = proposal[[fed, first]]
-            state.accept_drafts(target.rows(fed, draft), draft, q)
-        return state.generated_ids
-
-    other_text = 0
-    for seed in range(30):
-        seeded = dataclasses.replace(params, seed=seed)
-        expected = plain(seeded)
-        assert speculative(seeded, None) == expected, seed
-        once = speculative(seeded, torch.Generator().manual_seed(seed))
-        assert speculative(seeded, torch.Generator().manual_seed(seed)) == once, seed
-        other_text += once != expected
-    assert other_text > 0, "drawn drafts gave plain decoding's text: say so in docs/api.md"
-
-
-class EvenTokens:
-    """A constraint allowing even token ids only."""
-
-    is_complete = False
-
-    def allowed(self, token_id: int) -> bool:
-        return token_id % 2 == 0
-
-    def allowed_tokens(self) -> list[int]:
-        return [token for token in range(6) if token % 2 == 0]
-
-    def advance(self, token_id: int) -> None:
-        pass
-
-
-def test_a_drawn_draft_token_the_grammar_forbids_is_always_rejected() -> None:
-    model = BigramModel(6, seed=2)
-    uniform = torch.full((6,), 1 / 6)
-    for seed in range(200):
-        params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=seed)
-        state = bare_state(params, max_tokens=4)
-        state.chooser = TokenChooser(Sampler(params), constraint=EvenTokens())
-        fed = 0
-        while not state.finished:
-            draft = [1, 3]  # odd: forbidden
-            _pieces, accepted = state.accept_drafts(
-                model.rows(fed, draft), draft, uniform.expand(2, 6)
-            )
-            assert accepted == 0
-            fed = state.generated_ids[-1]
-        assert all(token % 2 == 0 for token in state.generated_ids)
+# --- sampling: a seed repeats its output -------------------------------------------------
 
 
 def test_seeded_sampling_with_a_draft_model_repeats_its_output(engine: TorchEngine) -> None:
@@ -507,117 +348,3 @@ def test_seeded_sampling_with_a_draft_model_repeats_its_output(engine: TorchEngi
     counters = speculation(engine).counters
     assert counters.verify_rounds > before.verify_rounds
     assert counters.accepted_tokens > before.accepted_tokens
-
-
-# --- loading ------------------------------------------------------------------------------
-
-
-def test_a_draft_model_with_another_vocabulary_is_refused_at_load(
-    tmp_path: Path, model_dirs: dict[str, Path], real_model_dir: Path
-) -> None:
-    other = tmp_path / "other-vocabulary"
-    shutil.copytree(model_dirs["smaller"], other)
-    tokenizer = json.loads((other / "tokenizer.json").read_text())
-    vocabulary = tokenizer["model"]["vocab"]
-    first, second = sorted(vocabulary, key=vocabulary.get)[100:102]
-    vocabulary[first], vocabulary[second] = vocabulary[second], vocabulary[first]
-    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
-    target = load(model_dirs["target"])
-    with pytest.raises(VocabularyMismatchError) as refused:
-        load_draft_model(
-            other, target.tokenizer, "the-target", target.vocab_size, 2, torch.float32,
-            weight_dtype="float32",
-        )  # fmt: skip
-    assert str(other) in str(refused.value) and "the-target" in str(refused.value)
-    assert "2 tokens with other ids" in str(refused.value)
-
-
-def test_a_draft_that_fails_to_load_leaves_the_model_serving_without_it(
-    tmp_path: Path, model_dirs: dict[str, Path]
-) -> None:
-    """Another vocabulary (trial 38: a card can be wrong, a custom draft unchecked) or a
-    directory that is no model: the target loads and serves (prompt-lookup drafts, its
-    greedy output plain decoding's), says why in `draft_left_out` and logs it as one
-    warning, without a traceback."""
-    other = tmp_path / "other-vocabulary"
-    shutil.copytree(model_dirs["smaller"], other)
-    tokenizer = json.loads((other / "tokenizer.json").read_text())
-    vocabulary = tokenizer["model"]["vocab"]
-    first, second = sorted(vocabulary, key=vocabulary.get)[100:102]
-    vocabulary[first], vocabulary[second] = vocabulary[second], vocabulary[first]
-    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
-    no_weights = tmp_path / "no-weights"
-    no_weights.mkdir()
-    (no_weights / "config.json").write_text("{}")
-    params = request(PROMPTS[0], max_tokens=12, temperature=0.0, speculative=True)
-    plain = load(model_dirs["target"])
-    reference = plain.build_request(params, None, "plain")
-    run(plain, [reference], [0])
-    for draft, expected in ((other, "vocabularies differ"), (no_weights, "could not be loaded")):
-        records: list[Any] = []
-        sink = logger.add(records.append, level="WARNING")
-        try:
-            engine = load(model_dirs["target"], draft_model=draft)
-        finally:
-            logger.remove(sink)
-        assert engine.draft_source is None
-        assert engine.draft_left_out is not None and expected in engine.draft_left_out
-        assert "serves without it" in engine.draft_left_out
-        (record,) = [message.record for message in records]
-        assert record["level"].name == "WARNING" and record["exception"] is None
-        assert record["message"] == engine.draft_left_out
-        state = engine.build_request(params, None, "served")
-        run(engine, [state], [0])
-        assert state.generated_ids == reference.generated_ids
-
-
-def test_draft_model_option_reaches_the_engine_through_the_runners_loading_path(
-    model_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`--draft-model` parses to the node's options and the runner's; the runner's loading
-    entry resolves it as a requested model (a local directory here) and the engine drafts
-    from it; a split instance's ranks load none; a catalog draft whose files are not on the
-    node (its download failed) is left out and the model served without it; one that is
-    there is named by its model id."""
-    from exo.node_options import parse_args
-    from exo.shared.models.cards import card_from_local_directory
-    from exo.shared.types.shards import ShardMetadata
-    from exo.worker.engines.torch.engine_factory import load_serving_engine
-    from exo.worker.runner.options import RunnerOptions
-
-    draft = str(model_dirs["smaller"])
-    assert parse_args([]).draft_model is None
-    assert parse_args(["--draft-model", draft]).draft_model == draft
-    assert RunnerOptions(draft_model=draft).draft_model == draft
-    card = card_from_local_directory(model_dirs["target"])
-    shard = ShardMetadata(
-        sharding="pipeline", model_card=card, device_rank=0, world_size=1, start_layer=0,
-        end_layer=card.n_layers,
-    )  # fmt: skip
-    engine = load_serving_engine(model_dirs["target"], shard, draft_model=draft)
-    assert isinstance(engine, TorchEngine)
-    assert isinstance(engine.draft_source, DraftModelSource)
-    assert engine.draft_source.name == draft
-    assert draft_source(engine) is engine.draft_source
-    plain = load_serving_engine(model_dirs["target"], shard)
-    assert isinstance(plain, TorchEngine) and plain.draft_source is None
-    unknown = load_serving_engine(model_dirs["target"], shard, draft_model="no/such-model")
-    assert isinstance(unknown, TorchEngine) and unknown.draft_source is None
-    assert unknown.draft_left_out is not None and "unknown model" in unknown.draft_left_out
-    from exo.worker.engines.torch import engine_factory
-
-    monkeypatch.setattr(engine_factory, "models_dir", lambda: tmp_path)  # holds nothing
-    missing = load_serving_engine(
-        model_dirs["target"], shard, draft_model="HuggingFaceTB/SmolLM2-1.7B-Instruct"
-    )
-    assert isinstance(missing, TorchEngine) and missing.draft_source is None
-    assert missing.draft_left_out is not None
-    # A catalog draft found on the node is named by its model id (`RunnerReady.draft_model`,
-    # metrics, logs), as a draft running on a spare node is, not by its directory.
-    catalog_draft = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    monkeypatch.setattr(
-        engine_factory, "draft_model_directory", lambda name, _: model_dirs["smaller"]
-    )
-    named = load_serving_engine(model_dirs["target"], shard, draft_model=catalog_draft)
-    assert isinstance(named, TorchEngine) and isinstance(named.draft_source, DraftModelSource)
-    assert named.draft_source.name == catalog_draft

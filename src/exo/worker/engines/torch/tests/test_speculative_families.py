@@ -25,16 +25,17 @@ from exo.testing.tiny_models import ARCHITECTURES, save_tiny_model
 from exo.worker.engines.torch.decoding.speculative_drafts import NgramDraftSource
 from exo.worker.engines.torch.draft_model import DraftModelSource
 from exo.worker.engines.torch.engine import TorchEngine
-from exo.worker.engines.torch.tests.test_speculative import (
+from exo.worker.engines.torch.tests.speculative_builders import (
+    DRAFT_NOISE,
     PROMPTS,
     ScriptedDrafts,
     load,
+    noisy_copy,
     plain_references,
     request,
     run,
     speculation,
 )
-from exo.worker.engines.torch.tests.test_speculative_draft_model import DRAFT_NOISE, noisy_copy
 
 # A phrase repeated: the prompt itself holds n-gram matches, and a tied-embedding tiny
 # model's greedy reply falls into repeats of what it read.

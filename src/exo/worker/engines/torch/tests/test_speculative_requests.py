@@ -32,16 +32,17 @@ from exo.worker.engines.torch.decoding.speculative_drafts import (
 )
 from exo.worker.engines.torch.decoding.speculative_policy import SpeculationSettings
 from exo.worker.engines.torch.draft_model import DraftModelSource
-from exo.worker.engines.torch.tests.test_speculative import (
+from exo.worker.engines.torch.tests.speculative_builders import (
+    DRAFT_NOISE,
     PROMPTS,
     ScriptedDrafts,
     load,
+    noisy_copy,
     plain_references,
     request,
     run,
     speculation,
 )
-from exo.worker.engines.torch.tests.test_speculative_draft_model import DRAFT_NOISE, noisy_copy
 
 TOOLS = (
     ToolDefinition(
