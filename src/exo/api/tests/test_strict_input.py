@@ -141,6 +141,28 @@ def test_anthropic_and_ollama_word_it_as_theirs(http: TestClient) -> None:
         assert answer.json() == {"error": message}
 
 
+@pytest.mark.parametrize("path", ["/ollama/api/chat", "/api/generate"])
+@pytest.mark.parametrize(
+    ("think", "message"),
+    [
+        ("max", 'invalid think value: "max" (must be "high", "medium", "low", true, or false)'),
+        (1, 'think must be a boolean or string ("high", "medium", "low", true, or false)'),
+    ],
+)
+def test_ollama_words_a_bad_think_as_ollama_does(
+    http: TestClient, path: str, think: Any, message: str
+) -> None:
+    """Ollama reads `think` with a decoder of its own: a string that is not a level is
+    "invalid think value: ...", which clients (Ollama's CLI among them) match to fall back
+    to `true`; the trial of session 44 got Go's type sentence with a pydantic branch in it
+    ("... Go struct field ChatRequest.think.bool of type bool")."""
+    body = {"model": SMOLLM2, "think": think}
+    body.update({"messages": MESSAGES} if path.endswith("chat") else {"prompt": "Hi"})
+    answer = http.post(path, json=body)
+    assert answer.status_code == 400, answer.text
+    assert answer.json() == {"error": message}
+
+
 def test_ollama_integer_options_take_any_number_and_drop_the_fraction() -> None:
     """Ollama decodes `options` into a map of float64s and converts with Go's int64():
     40.7 is 40, and the answer is served, not refused."""
